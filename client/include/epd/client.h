@@ -1,0 +1,258 @@
+// libepdclient: the client side of epd (DESIGN.md §3.3).
+//
+// A process connects once (`Client::Connect`), which opens its Session with the daemon:
+// when the process exits or crashes, the daemon releases everything it held within 1 s.
+// It then joins a group as one rank (`Client::Join`) and gets an `Endpoint`, on which it
+// runs dispatch/combine ops. Ops go through a shared-memory ring, never through gRPC.
+//
+// Tensors are DLPack `DLTensor`s: kDLCPU on the host backend, kDLCUDA on the CUDA
+// backend. Inputs must be compact row-major (strides null or dense). Results are
+// `TensorView`s into daemon-owned buffers mapped into this process; each result type says
+// how long its views stay valid.
+//
+// Every op is two steps: the op call validates and submits, returning a `PendingOp`;
+// `PendingOp::Wait` returns the op's status and result. Errors are absl::Status:
+//   INVALID_ARGUMENT     bad shape/dtype/device/value (names the field and the value);
+//   FAILED_PRECONDITION  the endpoint has left its group, or a stale/foreign handle;
+//   DEADLINE_EXCEEDED    a rank of the op never arrived within the daemon's op_timeout
+//                        (the message names the ranks);
+//   UNAVAILABLE          the daemon is gone or shutting down.
+// Thread-safety: a Client may be used from several threads; an Endpoint from one thread
+// at a time.
+#pragma once
+
+#include <dlpack/dlpack.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "epd/v1/control.pb.h"
+
+namespace epd {
+
+class Endpoint;
+struct EndpointShared;
+
+/// A read-only description of a tensor living in an endpoint's buffers.
+/// `dl()` returns a DLTensor that points into this object (its shape array), so keep the
+/// TensorView alive while the DLTensor is used.
+class TensorView {
+ public:
+  TensorView() = default;
+  TensorView(void* data, DLDataType dtype, DLDevice device, std::vector<int64_t> shape);
+  TensorView(const TensorView& other);
+  TensorView& operator=(const TensorView& other);
+
+  /// The DLPack view (ndim = shape().size(), compact strides).
+  const DLTensor& dl() const { return tensor_; }
+  void* data() const { return tensor_.data; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  /// Number of elements.
+  int64_t numel() const;
+  /// Bytes of the element data.
+  int64_t nbytes() const;
+  template <typename T>
+  T* as() const { return static_cast<T*>(tensor_.data); }
+
+ private:
+  void Rebind();
+  std::vector<int64_t> shape_;
+  DLTensor tensor_{};
+};
+
+/// What combine and cached re-dispatch need from an earlier dispatch. Cheap to copy; a
+/// handle is bound to the endpoint and the dispatch that produced it. A normal-mode
+/// handle stays usable until the next non-cached normal Dispatch; a low-latency handle
+/// until the low-latency dispatch after next.
+struct Handle {
+  uint64_t endpoint_id = 0;   ///< Endpoint that produced it.
+  uint64_t seq = 0;           ///< Sequence number of the dispatch.
+  bool low_latency = false;
+  int32_t num_tokens = 0;     ///< T of that dispatch.
+  int32_t num_recv_tokens = 0;///< N received by this rank (normal mode).
+  int32_t buffer = 0;         ///< Low-latency buffer set (0 or 1).
+  bool use_fp8 = false;       ///< The dispatch moved FP8 data.
+};
+
+// ---- op arguments and results ---------------------------------------------------------
+
+/// GetDispatchLayout input: topk_idx [T, K] int64 (-1 = none).
+struct LayoutResult {
+  TensorView num_tokens_per_rank;     ///< [R] int32.
+  TensorView num_tokens_per_expert;   ///< [E] int32.
+  TensorView is_token_in_rank;        ///< [T, R] bool.
+  // Valid until the next GetDispatchLayout on this endpoint.
+};
+
+/// Normal (high-throughput) dispatch inputs.
+struct DispatchArgs {
+  const DLTensor* x = nullptr;            ///< [T, H] bf16, or [T, H] e4m3 (float8_e4m3fn).
+  const DLTensor* x_scales = nullptr;     ///< [T, H/128] f32, required with e4m3 x.
+  const DLTensor* topk_idx = nullptr;     ///< [T, K] int64; not used with `cached`.
+  const DLTensor* topk_weights = nullptr; ///< [T, K] f32, optional.
+  int32_t expert_alignment = 1;           ///< >= 1; per-expert counts rounded up to it.
+  std::optional<Handle> cached;           ///< Re-dispatch with this handle's routing.
+  int32_t num_sms = 0;                    ///< Kernel SM budget (0 = default).
+};
+/// Normal dispatch outputs. Valid until the next normal Dispatch on this endpoint.
+struct DispatchResult {
+  TensorView recv_x;                      ///< [N, H] bf16 or e4m3.
+  TensorView recv_scales;                 ///< [N, H/128] f32 (FP8 only).
+  TensorView recv_topk_idx;               ///< [N, K] int64 local expert ids, -1 elsewhere.
+  TensorView recv_topk_weights;           ///< [N, K] f32 (0 where id is -1).
+  TensorView num_recv_tokens_per_expert;  ///< [E/R] int32, aligned.
+  TensorView recv_src_info;               ///< [N] int32: src_rank * M + src_token.
+  Handle handle;
+  int32_t num_recv_tokens = 0;            ///< N.
+};
+
+/// Normal combine inputs.
+struct CombineArgs {
+  const DLTensor* x = nullptr;            ///< [N, H] bf16 expert outputs, rows as received.
+  const Handle* handle = nullptr;         ///< From the matching Dispatch.
+  const DLTensor* topk_weights = nullptr; ///< [N, K] f32, optional: reduced too.
+  int32_t num_sms = 0;
+};
+/// Normal combine outputs. Valid until the next normal Combine on this endpoint.
+struct CombineResult {
+  TensorView combined_x;                  ///< [T, H] bf16.
+  TensorView combined_topk_weights;       ///< [T, K] f32 (when topk_weights was given).
+};
+
+/// Low-latency dispatch inputs.
+struct LowLatencyDispatchArgs {
+  const DLTensor* x = nullptr;            ///< [T, H] bf16, T <= Mll.
+  const DLTensor* topk_idx = nullptr;     ///< [T, K] int64.
+  int32_t max_dispatch_tokens_per_rank = 0; ///< Mll; must equal the spec's (0 = spec's).
+  bool use_fp8 = false;                   ///< e4m3 out with f32 scales per 128 channels.
+  bool round_scale = false;               ///< Power-of-two FP8 scales.
+};
+/// Low-latency dispatch outputs. Double-buffered: valid until the low-latency dispatch
+/// after next on this endpoint.
+struct LowLatencyDispatchResult {
+  TensorView recv_x;                      ///< [E/R, R*Mll, H] bf16 or e4m3.
+  TensorView recv_scales;                 ///< [E/R, R*Mll, H/128] f32 (FP8 only).
+  TensorView recv_count;                  ///< [E/R] int32.
+  TensorView recv_src_info;               ///< [E/R, R*Mll] int32: src_rank*Mll + token.
+  Handle handle;
+};
+
+/// Low-latency combine inputs.
+struct LowLatencyCombineArgs {
+  const DLTensor* x = nullptr;            ///< [E/R, R*Mll, H] bf16 expert outputs.
+  const DLTensor* topk_idx = nullptr;     ///< [T, K] int64, as dispatched.
+  const DLTensor* topk_weights = nullptr; ///< [T, K] f32.
+  const Handle* handle = nullptr;
+};
+/// Low-latency combine output. Valid until the low-latency combine after next.
+struct LowLatencyCombineResult {
+  TensorView combined_x;                  ///< [T, H] bf16.
+};
+
+/// A submitted op. Wait() returns its result once every rank's part is done.
+template <typename Result>
+class [[nodiscard]] PendingOp {
+ public:
+  /// Blocks until the op completes or `timeout` passes (DEADLINE_EXCEEDED, the op stays
+  /// pending and Wait may be called again). Returns the op's own error otherwise.
+  absl::StatusOr<Result> Wait(absl::Duration timeout = absl::InfiniteDuration());
+  uint64_t seq() const { return seq_; }
+
+ private:
+  friend class Endpoint;
+  PendingOp(Endpoint* endpoint, uint64_t seq, Result partial)
+      : endpoint_(endpoint), seq_(seq), partial_(std::move(partial)) {}
+  Endpoint* endpoint_;
+  uint64_t seq_;
+  Result partial_;
+};
+
+/// Options of Client::Join.
+struct JoinOptions {
+  v1::GroupSpec spec;
+  int32_t rank = 0;
+  std::string gpu_uuid;                   ///< GPU UUID or PCI bus id; "" on host backend.
+  v1::LaunchMode launch_mode = v1::LAUNCH_MODE_UNSPECIFIED;
+};
+
+/// One rank of a group on this node. Created by Client::Join.
+class Endpoint {
+ public:
+  ~Endpoint();
+  Endpoint(const Endpoint&) = delete;
+  Endpoint& operator=(const Endpoint&) = delete;
+
+  const v1::EndpointInfo& info() const;
+  const v1::GroupSpec& spec() const;
+  int32_t rank() const;
+
+  /// Routing statistics of topk_idx [T, K] int64.
+  absl::StatusOr<PendingOp<LayoutResult>> GetDispatchLayout(const DLTensor& topk_idx);
+  /// Normal dispatch (DESIGN §3.3): rows ordered by source rank, then token index.
+  absl::StatusOr<PendingOp<DispatchResult>> Dispatch(const DispatchArgs& args);
+  /// Normal combine: combined_x[t] = Σ over ranks that received t of their row (f32 sum
+  /// in ascending rank order, rounded once to bf16).
+  absl::StatusOr<PendingOp<CombineResult>> Combine(const CombineArgs& args);
+  /// Low-latency dispatch into [E/R, R*Mll, H] (packed by source rank, then token).
+  absl::StatusOr<PendingOp<LowLatencyDispatchResult>> LowLatencyDispatch(
+      const LowLatencyDispatchArgs& args);
+  /// Low-latency combine: combined_x[t] = Σ_k w[t,k]·y_{e_k}(t) (f32, ascending k).
+  absl::StatusOr<PendingOp<LowLatencyCombineResult>> LowLatencyCombine(
+      const LowLatencyCombineArgs& args);
+
+  /// Leaves the group explicitly (the daemon frees the rank). Later ops return
+  /// FAILED_PRECONDITION. Idempotent.
+  absl::Status Leave();
+
+  /// Internal: used by Client::Join and PendingOp.
+  struct Impl;
+  explicit Endpoint(std::unique_ptr<Impl> impl);
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Options of Client::Connect.
+struct ClientOptions {
+  std::string socket_path = "/run/epd/epd.sock";  ///< Or "unix:///..." / "host:port".
+  std::string client_name;                        ///< Shown by `epctl groups`.
+  absl::Duration connect_timeout = absl::Seconds(5);
+};
+
+/// A connection to the local epd daemon, holding this process's Session.
+class Client {
+ public:
+  /// Connects and opens the Session. UNAVAILABLE when no daemon answers on the socket
+  /// within connect_timeout (the message names the socket).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  /// Joins `options.spec` as `options.rank` and maps the endpoint. Errors are the
+  /// daemon's: INVALID_ARGUMENT (a spec field or the rank), FAILED_PRECONDITION (spec
+  /// differs from the live group's), ALREADY_EXISTS (rank taken), NOT_FOUND (GPU),
+  /// RESOURCE_EXHAUSTED (memory), UNAVAILABLE (daemon draining or gone).
+  absl::StatusOr<std::unique_ptr<Endpoint>> Join(const JoinOptions& options);
+
+  absl::StatusOr<v1::GetStatsResponse> GetStats();
+  absl::StatusOr<v1::ListGroupsResponse> ListGroups();
+  /// The Session id the daemon assigned.
+  const std::string& session_id() const;
+
+  struct Impl;
+
+ private:
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace epd

@@ -1,0 +1,63 @@
+// DataPlane: what the group registry (control plane) asks of a backend. The registry
+// owns groups, ranks and sessions; the data plane owns the memory, the rings and the
+// engines that execute ops. Implementations: HostDataPlane (daemon/host_data_plane.h,
+// buffers in POSIX shm, ops by kernels/host) and, with CUDA, the CUDA data plane.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "epd/v1/control.pb.h"
+
+namespace epd {
+
+/// Per-group state a data plane keeps. Created on a group's first join, destroyed (and
+/// its memory freed) when the last rank leaves.
+class DataPlaneGroup {
+ public:
+  virtual ~DataPlaneGroup() = default;
+
+  /// Allocates rank `rank`'s endpoint (data area, shm ring) and fills `info` with what
+  /// the client needs to map it. Errors: RESOURCE_EXHAUSTED (memory), INTERNAL.
+  /// `gpu_uuid` is already resolved to a known GPU by the registry ("" on host).
+  virtual absl::Status AttachRank(int32_t rank, const std::string& gpu_uuid,
+                                  v1::LaunchMode launch_mode, v1::EndpointInfo* info) = 0;
+
+  /// Releases rank `rank`'s endpoint. Ops in flight that wait for this rank fail with
+  /// DEADLINE_EXCEEDED (or ABORTED) instead of hanging. Idempotent.
+  virtual void DetachRank(int32_t rank) = 0;
+
+  /// Ops completed / failed by this group (for ListGroups and GetStats).
+  virtual uint64_t ops_completed() const = 0;
+  virtual uint64_t ops_failed() const = 0;
+  virtual uint64_t rank_ops_completed(int32_t rank) const = 0;
+};
+
+/// A backend's data plane.
+class DataPlane {
+ public:
+  virtual ~DataPlane() = default;
+
+  /// "host" or "cuda".
+  virtual std::string backend_name() const = 0;
+
+  /// Bytes one rank's endpoint of `spec` needs (data area plus ring), for the
+  /// RESOURCE_EXHAUSTED check at join.
+  virtual uint64_t BytesPerRank(const v1::GroupSpec& spec) const = 0;
+
+  /// Bytes free where a rank on `gpu_uuid` would be allocated (GPU memory, or /dev/shm on
+  /// the host backend).
+  virtual absl::StatusOr<uint64_t> FreeBytes(const std::string& gpu_uuid) const = 0;
+
+  /// Creates the state of a new group with a validated spec.
+  virtual absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(
+      const v1::GroupSpec& spec) = 0;
+
+  /// Stops every engine; ops in flight complete with UNAVAILABLE. Idempotent.
+  virtual void Shutdown() = 0;
+};
+
+}  // namespace epd

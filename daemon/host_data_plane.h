@@ -1,0 +1,27 @@
+// HostDataPlane: the host backend (DESIGN.md §4, `--backend=host`). Every endpoint's
+// data area lives in its POSIX shm region next to its request ring; one engine thread
+// polls every ring and, once every rank of a group has submitted op `seq`, runs the op
+// for the whole group with kernels/host and completes it for every rank.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "daemon/data_plane.h"
+
+namespace epd {
+
+/// Options of the host data plane (from DaemonConfig).
+struct HostDataPlaneOptions {
+  uint32_t shm_mode = 0600;         ///< Mode of the endpoint shm regions.
+  std::string shm_group;            ///< Group of the shm regions ("" = own group).
+  uint32_t op_timeout_ms = 10000;   ///< Bound on waiting for the ranks of an op.
+  uint32_t engine_idle_us = 100;    ///< Engine sleeps after this long with no request.
+  int host_threads = 0;             ///< Threads per op (0 = hardware concurrency).
+};
+
+/// Creates the host data plane and starts its engine thread.
+std::unique_ptr<DataPlane> MakeHostDataPlane(const HostDataPlaneOptions& options);
+
+}  // namespace epd

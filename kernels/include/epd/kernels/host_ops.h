@@ -1,0 +1,177 @@
+// The reference semantics of every epd op (DESIGN.md §3.3), on CPU threads.
+//
+// Each function runs one op for a whole group at once: it is given every rank's input
+// views and every rank's output views (on the host backend these point into each rank's
+// shm data area; in tests into plain vectors). It is the oracle the CUDA kernels are
+// compared against, and the host backend's engine calls it once every rank has arrived.
+//
+// Conventions for every function here:
+// - bf16 is `bf16_bits` (uint16 raw bits), e4m3 is `e4m3_bits` (uint8 raw bits).
+// - Tensors are dense, row-major, with the shapes given in the comments.
+// - `topk_idx == -1` means "no expert": it sends nothing and contributes nothing.
+// - A token whose top-k row names the same expert twice is sent to that expert once;
+//   combine still sums every k (each with its own weight).
+// - Reductions accumulate in f32 and round once to bf16. The summation order is fixed
+//   and stated on each function, so the CUDA kernels can match it bit for bit.
+// - Errors: INVALID_ARGUMENT for an expert id outside [-1, E) (the op then writes no
+//   output and names the rank, token, k and value), or for a shape that does not fit the
+//   given capacities. Outputs are untouched on error.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "epd/kernels/layout.h"
+#include "epd/kernels/types.h"
+
+namespace epd::kernels::host {
+
+/// Worker threads the host ops may use (0 = std::thread::hardware_concurrency()).
+struct HostExecution {
+  int num_threads = 0;
+};
+
+// ---- GetDispatchLayout -----------------------------------------------------------------
+
+/// Inputs of GetDispatchLayout for one rank.
+struct LayoutRankArgs {
+  int32_t num_tokens = 0;              ///< T.
+  const int64_t* topk_idx = nullptr;   ///< [T, K] int64, -1 = none.
+  int32_t* num_tokens_per_rank = nullptr;    ///< out [R] int32: tokens with >= 1 expert on r.
+  int32_t* num_tokens_per_expert = nullptr;  ///< out [E] int32: tokens routed to e.
+  uint8_t* is_token_in_rank = nullptr;       ///< out [T, R] bool (0/1 bytes).
+};
+
+/// GetDispatchLayout for one rank (it needs no other rank's data). Expert e lives on
+/// rank e / (E / R) (DeepEP's contiguous expert placement).
+absl::Status GetDispatchLayout(const GroupShape& shape, const LayoutRankArgs& args);
+
+// ---- normal (high-throughput) dispatch ------------------------------------------------
+
+/// One rank's view of a normal dispatch.
+struct DispatchRankArgs {
+  int32_t num_tokens = 0;                  ///< T <= M.
+  const void* x = nullptr;                 ///< [T, H] bf16, or e4m3 when fp8.
+  const float* x_scales = nullptr;         ///< [T, S] f32 when fp8.
+  const int64_t* topk_idx = nullptr;       ///< [T, K]; unused with a cached handle.
+  const float* topk_weights = nullptr;     ///< [T, K] f32, or null (then no weights out).
+  /// Cached-handle re-dispatch: this rank's `send_pos` [T, R] from the earlier dispatch
+  /// (same T). When set, routing is taken from it; topk_idx/weights are not read and
+  /// recv_topk_* are not written.
+  const int32_t* cached_send_pos = nullptr;
+  /// Cached re-dispatch: each receiving rank's row count from the earlier dispatch.
+  int32_t cached_num_recv_tokens = 0;
+
+  // Outputs (capacity rows = recv_capacity).
+  int64_t recv_capacity = 0;               ///< Rows available in recv_* (R * M).
+  void* recv_x = nullptr;                  ///< out [N, H] bf16 / e4m3.
+  float* recv_scales = nullptr;            ///< out [N, S] f32 when fp8.
+  int64_t* recv_topk_idx = nullptr;        ///< out [N, K]: local expert id or -1.
+  float* recv_topk_weights = nullptr;      ///< out [N, K]: weight, 0 where id is -1.
+  int32_t* recv_tokens_per_expert = nullptr; ///< out [El]: count rounded up to alignment.
+  int32_t* recv_src_info = nullptr;        ///< out [N]: src_rank * M + src_token.
+  int32_t* send_pos = nullptr;             ///< out [T, R]: handle (source side).
+  int32_t* rank_prefix = nullptr;          ///< out [R]: first row of each source rank.
+  int32_t num_recv_tokens = 0;             ///< out: N, rows received by this rank.
+};
+
+/// Options of a normal dispatch shared by every rank.
+struct DispatchOptions {
+  bool fp8 = false;              ///< x is e4m3 + scales (moved as is, not requantized).
+  int32_t expert_alignment = 1;  ///< >= 1; recv_tokens_per_expert rounded up to it.
+};
+
+/// Normal dispatch over all ranks (args.size() == R).
+/// Rank r receives every token t of every source rank s that has at least one top-k
+/// expert on r, exactly once, at row `rank_prefix_r[s] + (number of earlier tokens of s
+/// sent to r)`: rows ordered by source rank, then by source token index.
+/// recv_topk_idx holds `e - r * El` for experts on r, -1 elsewhere; recv_topk_weights
+/// the weight where the id is local, 0 elsewhere (DeepEP's convention).
+/// send_pos[t, r] records that row (or -1), and is the handle for combine and for
+/// cached re-dispatch.
+absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
+                      std::span<DispatchRankArgs> args, const HostExecution& exec = {});
+
+// ---- normal combine -------------------------------------------------------------------
+
+/// One rank's view of a normal combine.
+struct CombineRankArgs {
+  int32_t num_tokens = 0;                ///< T of the dispatch whose handle this is.
+  const int32_t* send_pos = nullptr;     ///< [T, R] handle from that dispatch.
+  int32_t num_recv_tokens = 0;           ///< N of that dispatch at this rank.
+  const bf16_bits* x = nullptr;          ///< [N, H] bf16: this rank's expert outputs.
+  const float* topk_weights = nullptr;   ///< [N, K] f32 or null.
+  bf16_bits* combined_x = nullptr;       ///< out [T, H] bf16.
+  float* combined_topk_weights = nullptr;///< out [T, K] f32 (when topk_weights given).
+};
+
+/// Normal combine over all ranks. combined_x[t] of source rank s =
+/// bf16(Σ_{r ascending, send_pos_s[t,r] >= 0} f32(x_r[send_pos_s[t,r]])), the sum taken
+/// in f32 in ascending rank order; a token sent nowhere gets zeros.
+/// combined_topk_weights[t,k] = Σ_r topk_weights_r[row, k] in the same order.
+absl::Status Combine(const GroupShape& shape, std::span<CombineRankArgs> args,
+                     const HostExecution& exec = {});
+
+// ---- low-latency dispatch -------------------------------------------------------------
+
+/// One rank's view of a low-latency dispatch. Mll = shape.ll_max_tokens_per_rank.
+struct LowLatencyDispatchRankArgs {
+  int32_t num_tokens = 0;                ///< T <= Mll.
+  const bf16_bits* x = nullptr;          ///< [T, H] bf16.
+  const int64_t* topk_idx = nullptr;     ///< [T, K].
+  void* recv_x = nullptr;                ///< out [El, R*Mll, H] bf16 or e4m3.
+  float* recv_scales = nullptr;          ///< out [El, R*Mll, S] f32 when fp8.
+  int32_t* recv_count = nullptr;         ///< out [El] int32.
+  int32_t* recv_src_info = nullptr;      ///< out [El, R*Mll] int32: src_rank*Mll + t.
+  int32_t* handle_pos = nullptr;         ///< out [Mll, K] int32: handle (source side).
+};
+
+struct LowLatencyDispatchOptions {
+  bool use_fp8 = false;      ///< Quantize to e4m3 with one scale per 128 channels.
+  bool round_scale = false;  ///< Scales rounded up to powers of two (see Fp8Scale).
+};
+
+/// Low-latency dispatch over all ranks. For local expert j of rank r (global expert
+/// e = r*El + j), rows [0, recv_count[j]) of recv_x[j] are packed: grouped by source rank
+/// ascending, token index ascending within a source. Rows past recv_count are not
+/// written. handle_pos_s[t,k] = the row of token t in expert topk_idx[t,k]'s block at its
+/// rank, or -1 for a masked k (a duplicate expert in a row gets the same row).
+/// FP8: scale per 128 channels = Fp8Scale(amax of the bf16 values, round_scale), value =
+/// QuantizeE4m3(x, scale).
+absl::Status LowLatencyDispatch(const GroupShape& shape, const LowLatencyDispatchOptions& options,
+                                std::span<LowLatencyDispatchRankArgs> args,
+                                const HostExecution& exec = {});
+
+// ---- low-latency combine --------------------------------------------------------------
+
+/// One rank's view of a low-latency combine.
+struct LowLatencyCombineRankArgs {
+  int32_t num_tokens = 0;                ///< T of the matching dispatch.
+  const int64_t* topk_idx = nullptr;     ///< [T, K] (as given to that dispatch).
+  const float* topk_weights = nullptr;   ///< [T, K] f32.
+  const int32_t* handle_pos = nullptr;   ///< [Mll, K] handle of that dispatch.
+  const bf16_bits* x = nullptr;          ///< [El, R*Mll, H] bf16 expert outputs.
+  bf16_bits* combined_x = nullptr;       ///< out [T, H] bf16.
+};
+
+/// Low-latency combine over all ranks: combined_x[t] = bf16(Σ_{k ascending, idx >= 0}
+/// w[t,k] * f32(x_{owner(e)}[e % El][handle_pos[t,k]])), each product computed in f32
+/// and added in ascending k order (fmaf is not used: product rounded, then added).
+absl::Status LowLatencyCombine(const GroupShape& shape,
+                               std::span<LowLatencyCombineRankArgs> args,
+                               const HostExecution& exec = {});
+
+// ---- helpers --------------------------------------------------------------------------
+
+/// Quantizes one token row [H] bf16 to e4m3 [H] with scales [S] (same rule as
+/// LowLatencyDispatch). Exposed for tests and for the example's FP8 inputs.
+void QuantizeRowFp8(const bf16_bits* x, int32_t hidden, bool round_scale, e4m3_bits* out,
+                    float* scales);
+
+/// Checks every id of topk_idx [T, K] is in [-1, E); else INVALID_ARGUMENT naming the
+/// rank, token, k and value.
+absl::Status CheckTopkIdx(const GroupShape& shape, int32_t rank, int32_t num_tokens,
+                          const int64_t* topk_idx);
+
+}  // namespace epd::kernels::host

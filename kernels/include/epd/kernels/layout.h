@@ -1,0 +1,220 @@
+// EndpointLayout: where every buffer of one endpoint (one rank of a group) lives inside
+// that endpoint's data area. The daemon sizes the allocation from it, publishes the
+// regions to the client (EndpointInfo.regions), and the host and CUDA kernels compute
+// the same offsets from it, so host and device never disagree (DeepEP V2's shared
+// layout-struct habit). All offsets and sizes are 64-bit bytes: areas over 4 GiB work.
+#pragma once
+
+#include <cstdint>
+
+#include "epd/kernels/types.h"
+
+namespace epd::kernels {
+
+/// Alignment of every region, in bytes (covers 16-byte vector access and TMA's 128 B).
+inline constexpr uint64_t kRegionAlignment = 256;
+
+/// The group shape the layout is computed from (a GroupSpec without its name).
+struct GroupShape {
+  int32_t num_ranks = 1;              ///< R.
+  int32_t num_experts = 1;            ///< E; E % R == 0.
+  int32_t hidden = 128;               ///< H channels.
+  int32_t num_topk = 1;               ///< K.
+  int32_t max_tokens_per_rank = 1;    ///< M: largest T of a normal-mode op.
+  int32_t ll_max_tokens_per_rank = 0; ///< Low-latency M (0 = low-latency ops disabled).
+  bool use_fp8 = false;               ///< FP8 inputs/outputs allowed (needs H % 128 == 0).
+
+  EPD_HD int32_t num_local_experts() const { return num_experts / num_ranks; }
+  /// Scale columns per token: ceil(H / 128).
+  EPD_HD int32_t num_scales() const { return (hidden + kFp8BlockChannels - 1) / kFp8BlockChannels; }
+  /// Largest number of rows a rank can receive in normal mode: R * M.
+  EPD_HD int64_t max_recv_tokens() const {
+    return static_cast<int64_t>(num_ranks) * max_tokens_per_rank;
+  }
+  /// Rows per local expert in the low-latency layout: R * M_ll.
+  EPD_HD int64_t ll_rows_per_expert() const {
+    return static_cast<int64_t>(num_ranks) * ll_max_tokens_per_rank;
+  }
+  /// Largest T of any op (normal or low-latency).
+  EPD_HD int32_t max_input_tokens() const {
+    return max_tokens_per_rank > ll_max_tokens_per_rank ? max_tokens_per_rank
+                                                        : ll_max_tokens_per_rank;
+  }
+};
+
+/// [offset, offset + bytes) inside an endpoint's data area.
+struct Region {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+/// Number of low-latency buffer sets: consecutive low-latency ops alternate between them,
+/// so a low-latency output view stays valid until the op after next.
+inline constexpr int kLowLatencyBuffers = 2;
+
+/// Size of the `sync` region: inter-rank flags and counters owned by the CUDA kernels.
+inline constexpr uint64_t kSyncRegionBytes = 64 * 1024;
+
+/// Every region of one endpoint. Shapes are given with M = max_tokens_per_rank,
+/// Mll = ll_max_tokens_per_rank, N = R*M, El = E/R, S = ceil(H/128).
+/// Regions that a spec does not need (FP8 scales without use_fp8, low-latency regions
+/// with Mll = 0) have bytes == 0.
+struct EndpointLayout {
+  // ---- staging: inputs the client copies in (or writes directly) ----
+  Region in_x;               ///< [max(M,Mll), H] bf16, or e4m3 (first half used).
+  Region in_scales;          ///< [M, S] f32 (FP8 normal dispatch input).
+  Region in_topk_idx;        ///< [max(M,Mll), K] int64.
+  Region in_topk_weights;    ///< [max(M,Mll), K] f32.
+  Region in_combine_x;       ///< [N, H] bf16: normal combine input.
+  Region in_combine_weights; ///< [N, K] f32: normal combine optional weights.
+  Region in_ll_combine_x;    ///< [El, R*Mll, H] bf16: low-latency combine input.
+
+  // ---- GetDispatchLayout outputs ----
+  Region layout_tokens_per_rank;    ///< [R] int32.
+  Region layout_tokens_per_expert;  ///< [E] int32.
+  Region layout_is_token_in_rank;   ///< [M, R] bool (1 byte).
+
+  // ---- normal dispatch outputs (valid until the next normal dispatch) ----
+  Region recv_x;                    ///< [N, H] bf16 or e4m3.
+  Region recv_scales;               ///< [N, S] f32 (FP8).
+  Region recv_topk_idx;             ///< [N, K] int64: local expert ids, -1 elsewhere.
+  Region recv_topk_weights;         ///< [N, K] f32: 0 where recv_topk_idx is -1.
+  Region recv_tokens_per_expert;    ///< [El] int32, each rounded up to expert_alignment.
+  Region recv_src_info;             ///< [N] int32: src_rank * M + src_token.
+  Region send_pos;                  ///< [M, R] int32: handle, row of token t at rank r
+                                    ///< (-1 = not sent). Source side.
+  Region rank_prefix;               ///< [R] int32: first recv row of each source rank.
+  Region recv_count;                ///< [1] int32: N_recv of the last dispatch.
+
+  // ---- normal combine outputs (valid until the next normal combine) ----
+  Region combined_x;                ///< [M, H] bf16.
+  Region combined_topk_weights;     ///< [M, K] f32.
+
+  // ---- low-latency, per buffer b in {0, 1} ----
+  Region ll_recv_x[kLowLatencyBuffers];        ///< [El, R*Mll, H] bf16 or e4m3.
+  Region ll_recv_scales[kLowLatencyBuffers];   ///< [El, R*Mll, S] f32.
+  Region ll_recv_count[kLowLatencyBuffers];    ///< [El] int32.
+  Region ll_recv_src_info[kLowLatencyBuffers]; ///< [El, R*Mll] int32: src_rank*Mll + t.
+  Region ll_handle_pos[kLowLatencyBuffers];    ///< [Mll, K] int32: handle, row of
+                                               ///< (t,k) in its expert's block, -1 none.
+  Region ll_combined_x[kLowLatencyBuffers];    ///< [Mll, H] bf16.
+
+  // ---- kernel-owned flags and counters ----
+  Region sync;                      ///< kSyncRegionBytes, zeroed at creation.
+
+  uint64_t total_bytes = 0;
+
+  /// Computes the layout of `shape`. Regions are laid out in declaration order, each
+  /// aligned to kRegionAlignment. Pure function of the shape.
+  static EndpointLayout Compute(const GroupShape& shape);
+
+  /// Calls `fn(const char* name, const Region&)` for every region, in layout order.
+  /// Names are the member names above with "[b]" spelled as "_b" (e.g. "ll_recv_x_1").
+  template <typename Fn>
+  void ForEachRegion(Fn&& fn) const;
+};
+
+// ---------------------------------------------------------------------------------------
+inline EndpointLayout EndpointLayout::Compute(const GroupShape& s) {
+  EndpointLayout l;
+  uint64_t cursor = 0;
+  auto take = [&cursor](uint64_t bytes) {
+    Region r;
+    r.offset = cursor;
+    r.bytes = bytes;
+    cursor += (bytes + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
+    return r;
+  };
+  const uint64_t R = static_cast<uint64_t>(s.num_ranks);
+  const uint64_t E = static_cast<uint64_t>(s.num_experts);
+  const uint64_t H = static_cast<uint64_t>(s.hidden);
+  const uint64_t K = static_cast<uint64_t>(s.num_topk);
+  const uint64_t M = static_cast<uint64_t>(s.max_tokens_per_rank);
+  const uint64_t Mll = static_cast<uint64_t>(s.ll_max_tokens_per_rank);
+  const uint64_t Min = static_cast<uint64_t>(s.max_input_tokens());
+  const uint64_t N = R * M;
+  const uint64_t El = E / R;
+  const uint64_t S = static_cast<uint64_t>(s.num_scales());
+  const uint64_t fp8 = s.use_fp8 ? 1 : 0;
+  const uint64_t ll = Mll > 0 ? 1 : 0;
+
+  l.in_x = take(Min * H * 2);
+  l.in_scales = take(fp8 * M * S * 4);
+  l.in_topk_idx = take(Min * K * 8);
+  l.in_topk_weights = take(Min * K * 4);
+  l.in_combine_x = take(N * H * 2);
+  l.in_combine_weights = take(N * K * 4);
+  l.in_ll_combine_x = take(El * R * Mll * H * 2);
+
+  l.layout_tokens_per_rank = take(R * 4);
+  l.layout_tokens_per_expert = take(E * 4);
+  l.layout_is_token_in_rank = take(M * R);
+
+  l.recv_x = take(N * H * 2);
+  l.recv_scales = take(fp8 * N * S * 4);
+  l.recv_topk_idx = take(N * K * 8);
+  l.recv_topk_weights = take(N * K * 4);
+  l.recv_tokens_per_expert = take(El * 4);
+  l.recv_src_info = take(N * 4);
+  l.send_pos = take(M * R * 4);
+  l.rank_prefix = take(R * 4);
+  l.recv_count = take(4);
+
+  l.combined_x = take(M * H * 2);
+  l.combined_topk_weights = take(M * K * 4);
+
+  for (int b = 0; b < kLowLatencyBuffers; ++b) {
+    l.ll_recv_x[b] = take(El * R * Mll * H * 2);
+    l.ll_recv_scales[b] = take(fp8 * El * R * Mll * S * 4);
+    l.ll_recv_count[b] = take(ll * El * 4);
+    l.ll_recv_src_info[b] = take(El * R * Mll * 4);
+    l.ll_handle_pos[b] = take(Mll * K * 4);
+    l.ll_combined_x[b] = take(Mll * H * 2);
+  }
+  l.sync = take(kSyncRegionBytes);
+  l.total_bytes = cursor;
+  return l;
+}
+
+template <typename Fn>
+void EndpointLayout::ForEachRegion(Fn&& fn) const {
+  fn("in_x", in_x);
+  fn("in_scales", in_scales);
+  fn("in_topk_idx", in_topk_idx);
+  fn("in_topk_weights", in_topk_weights);
+  fn("in_combine_x", in_combine_x);
+  fn("in_combine_weights", in_combine_weights);
+  fn("in_ll_combine_x", in_ll_combine_x);
+  fn("layout_tokens_per_rank", layout_tokens_per_rank);
+  fn("layout_tokens_per_expert", layout_tokens_per_expert);
+  fn("layout_is_token_in_rank", layout_is_token_in_rank);
+  fn("recv_x", recv_x);
+  fn("recv_scales", recv_scales);
+  fn("recv_topk_idx", recv_topk_idx);
+  fn("recv_topk_weights", recv_topk_weights);
+  fn("recv_tokens_per_expert", recv_tokens_per_expert);
+  fn("recv_src_info", recv_src_info);
+  fn("send_pos", send_pos);
+  fn("rank_prefix", rank_prefix);
+  fn("recv_count", recv_count);
+  fn("combined_x", combined_x);
+  fn("combined_topk_weights", combined_topk_weights);
+  static constexpr const char* kLl[][kLowLatencyBuffers] = {
+      {"ll_recv_x_0", "ll_recv_x_1"},
+      {"ll_recv_scales_0", "ll_recv_scales_1"},
+      {"ll_recv_count_0", "ll_recv_count_1"},
+      {"ll_recv_src_info_0", "ll_recv_src_info_1"},
+      {"ll_handle_pos_0", "ll_handle_pos_1"},
+      {"ll_combined_x_0", "ll_combined_x_1"}};
+  for (int b = 0; b < kLowLatencyBuffers; ++b) {
+    fn(kLl[0][b], ll_recv_x[b]);
+    fn(kLl[1][b], ll_recv_scales[b]);
+    fn(kLl[2][b], ll_recv_count[b]);
+    fn(kLl[3][b], ll_recv_src_info[b]);
+    fn(kLl[4][b], ll_handle_pos[b]);
+    fn(kLl[5][b], ll_combined_x[b]);
+  }
+  fn("sync", sync);
+}
+
+}  // namespace epd::kernels

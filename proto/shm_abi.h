@@ -1,0 +1,152 @@
+// The shared-memory ABI between libepdclient and the epd daemon (DESIGN.md §3.2).
+//
+// One POSIX shm region per endpoint, laid out as:
+//   [EndpointShmHeader][RequestSlot x ring_capacity][Completion x completion_capacity]
+//   [data area (host backend only): EndpointLayout regions]
+// plus one DoorbellPage per engine, shared by every client of that engine.
+//
+// Every struct here is fixed-size POD with static_asserts on its size and the offsets of
+// its fields; shared counters are plain integers accessed through std::atomic_ref. The
+// reader checks `magic` and `version` and rejects a mismatch. Bump kShmAbiVersion on any
+// change to this file.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace epd::abi {
+
+inline constexpr uint32_t kShmAbiVersion = 1;
+inline constexpr uint32_t kEndpointMagic = 0x45504431;   // "EPD1"
+inline constexpr uint32_t kRequestMagic = 0x52455131;    // "REQ1"
+inline constexpr uint32_t kDoorbellMagic = 0x44424c31;   // "DBL1"
+inline constexpr uint32_t kRingCapacity = 64;            // Request slots (power of two).
+inline constexpr uint32_t kCompletionCapacity = 64;      // Completion records.
+inline constexpr uint32_t kMessageBytes = 232;           // Error text in a completion.
+
+/// Data-plane operations carried by a RequestSlot.
+enum class OpKind : uint32_t {
+  kInvalid = 0,
+  kGetDispatchLayout = 1,
+  kDispatch = 2,
+  kCombine = 3,
+  kLowLatencyDispatch = 4,
+  kLowLatencyCombine = 5,
+};
+inline constexpr uint32_t kMaxOpKind = 5;
+
+/// RequestSlot::flags bits.
+enum RequestFlags : uint32_t {
+  kFlagFp8 = 1u << 0,              ///< Dispatch: x is e4m3 + scales. LL dispatch: quantize.
+  kFlagRoundScale = 1u << 1,       ///< LL dispatch: power-of-two FP8 scales.
+  kFlagCachedHandle = 1u << 2,     ///< Dispatch: reuse the routing of `handle_seq`.
+  kFlagCombineWeights = 1u << 3,   ///< Combine: also reduce topk_weights.
+  kFlagDispatchWeights = 1u << 4,  ///< Dispatch: topk_weights were staged.
+};
+inline constexpr uint32_t kAllRequestFlags = 0x1f;
+
+/// One request, written by the client into ring slot `seq % kRingCapacity`, then
+/// published by advancing EndpointShmHeader::ring_head (release).
+struct RequestSlot {
+  uint32_t magic;             ///< kRequestMagic.
+  uint32_t op;                ///< OpKind.
+  uint64_t seq;               ///< Op sequence number of this endpoint: 1, 2, 3, ...
+  uint32_t flags;             ///< RequestFlags.
+  int32_t num_tokens;         ///< T (dispatch, layout, LL ops) or T of the handle (combine).
+  int32_t expert_alignment;   ///< Dispatch: >= 1.
+  int32_t num_sms;            ///< Kernel SM budget; 0 = the computed default.
+  uint64_t handle_seq;        ///< Combine / cached dispatch / LL combine: dispatch seq.
+  uint64_t reserved[3];
+};
+static_assert(std::is_trivially_copyable_v<RequestSlot>);
+static_assert(sizeof(RequestSlot) == 64);
+static_assert(offsetof(RequestSlot, seq) == 8);
+static_assert(offsetof(RequestSlot, handle_seq) == 32);
+
+/// The daemon's answer to request `seq`, in record `seq % kCompletionCapacity`. The
+/// daemon writes every field, then stores `seq` (release); the client waits for
+/// `seq` (acquire) and then reads the rest.
+struct Completion {
+  uint64_t seq;               ///< Written last.
+  int32_t status_code;        ///< absl::StatusCode.
+  int32_t num_recv_tokens;    ///< Dispatch: N rows received by this rank.
+  uint64_t op_id;             ///< Group-wide op counter (diagnostics).
+  char message[kMessageBytes];///< NUL-terminated error text ("" when OK).
+};
+static_assert(std::is_trivially_copyable_v<Completion>);
+static_assert(sizeof(Completion) == 256);
+static_assert(offsetof(Completion, message) == 24);
+
+/// Start of every endpoint region. Counters sit on their own cache lines.
+struct EndpointShmHeader {
+  uint32_t size;              ///< sizeof(EndpointShmHeader).
+  uint32_t magic;             ///< kEndpointMagic.
+  uint32_t version;           ///< kShmAbiVersion.
+  uint32_t ring_capacity;     ///< kRingCapacity.
+  uint32_t completion_capacity;
+  uint32_t reserved0;
+  uint64_t endpoint_id;
+  uint64_t ring_offset;       ///< Bytes from the region start to RequestSlot[0].
+  uint64_t completion_offset; ///< To Completion[0].
+  uint64_t data_offset;       ///< To the data area (0 when the data area is on a GPU).
+  uint64_t data_bytes;
+  uint64_t total_bytes;
+  alignas(64) uint64_t ring_head;        ///< Next seq the client will write - 1 (client).
+  alignas(64) uint64_t ring_tail;        ///< Requests consumed (daemon).
+  alignas(64) uint32_t client_mapped;    ///< Client sets 1 after mapping (then unlinked).
+  uint32_t client_pid;
+  alignas(64) uint32_t completion_futex; ///< Bumped by the daemon on every completion.
+  uint32_t client_waiting;               ///< Client sleeps on completion_futex when set.
+  alignas(64) uint64_t rejected_requests;///< Malformed slots seen (diagnostics).
+  uint8_t pad1[56];
+};
+static_assert(std::is_trivially_copyable_v<EndpointShmHeader>);
+static_assert(sizeof(EndpointShmHeader) == 448);
+static_assert(offsetof(EndpointShmHeader, ring_head) == 128);
+static_assert(offsetof(EndpointShmHeader, ring_tail) == 192);
+static_assert(offsetof(EndpointShmHeader, client_mapped) == 256);
+static_assert(offsetof(EndpointShmHeader, completion_futex) == 320);
+static_assert(offsetof(EndpointShmHeader, rejected_requests) == 384);
+
+/// An engine's wake-up page. The engine sets `engine_sleeping` before a futex wait on
+/// `futex_word`; a client that published a request and sees it set bumps `futex_word`
+/// and issues FUTEX_WAKE.
+struct DoorbellPage {
+  uint32_t size;
+  uint32_t magic;             ///< kDoorbellMagic.
+  uint32_t version;           ///< kShmAbiVersion.
+  uint32_t reserved0;
+  alignas(64) uint32_t futex_word;
+  uint32_t engine_sleeping;
+  uint8_t pad[56];
+};
+static_assert(std::is_trivially_copyable_v<DoorbellPage>);
+static_assert(sizeof(DoorbellPage) == 128);
+static_assert(offsetof(DoorbellPage, futex_word) == 64);
+
+/// Byte layout of an endpoint region with `data_bytes` of host data area.
+struct EndpointShmLayout {
+  uint64_t ring_offset;
+  uint64_t completion_offset;
+  uint64_t data_offset;
+  uint64_t total_bytes;
+};
+constexpr EndpointShmLayout ComputeEndpointShmLayout(uint64_t data_bytes) {
+  EndpointShmLayout l{};
+  l.ring_offset = sizeof(EndpointShmHeader);
+  l.completion_offset = l.ring_offset + sizeof(RequestSlot) * kRingCapacity;
+  uint64_t end = l.completion_offset + sizeof(Completion) * kCompletionCapacity;
+  l.data_offset = (end + 4095) / 4096 * 4096;
+  l.total_bytes = l.data_offset + (data_bytes + 4095) / 4096 * 4096;
+  return l;
+}
+
+/// Atomic view of a shared field.
+template <typename T>
+std::atomic_ref<T> Atomic(T& field) {
+  return std::atomic_ref<T>(field);
+}
+
+}  // namespace epd::abi

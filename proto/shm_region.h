@@ -1,0 +1,87 @@
+// RAII for the POSIX shm regions of proto/shm_abi.h, used by the daemon (creates) and by
+// libepdclient (opens). Move-only; the destructor unmaps, and unlinks when it still owns
+// the name.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace epd {
+
+/// A move-only file descriptor.
+class ScopedFd {
+ public:
+  ScopedFd() = default;
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ~ScopedFd() { Reset(); }
+  ScopedFd(ScopedFd&& o) noexcept : fd_(o.Release()) {}
+  ScopedFd& operator=(ScopedFd&& o) noexcept {
+    if (this != &o) Reset(o.Release());
+    return *this;
+  }
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int Release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  void Reset(int fd = -1);
+
+ private:
+  int fd_ = -1;
+};
+
+/// A mapped POSIX shared-memory object.
+class ShmRegion {
+ public:
+  ShmRegion() = default;
+  ~ShmRegion();
+  ShmRegion(ShmRegion&& o) noexcept;
+  ShmRegion& operator=(ShmRegion&& o) noexcept;
+  ShmRegion(const ShmRegion&) = delete;
+  ShmRegion& operator=(const ShmRegion&) = delete;
+
+  /// Creates a new object named `/<prefix>-<128 random bits in hex>` (O_EXCL), sizes it
+  /// to `bytes` (zero-filled), sets `mode` (e.g. 0600) and, when `group` is not empty,
+  /// its group, and maps it read-write. Errors: RESOURCE_EXHAUSTED when /dev/shm cannot
+  /// hold `bytes`, INVALID_ARGUMENT for an unknown group, INTERNAL otherwise.
+  static absl::StatusOr<ShmRegion> Create(const std::string& prefix, uint64_t bytes,
+                                          uint32_t mode, const std::string& group);
+
+  /// Opens and maps an existing object read-write. `expected_bytes` must match its size.
+  /// Errors: NOT_FOUND (no such name), PERMISSION_DENIED, FAILED_PRECONDITION (size).
+  static absl::StatusOr<ShmRegion> Open(const std::string& name, uint64_t expected_bytes);
+
+  /// Removes the name (the mapping stays valid). Idempotent.
+  void Unlink();
+
+  uint8_t* data() const { return static_cast<uint8_t*>(addr_); }
+  uint64_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+  bool linked() const { return linked_; }
+
+ private:
+  void Reset();
+  void* addr_ = nullptr;
+  uint64_t size_ = 0;
+  std::string name_;
+  bool linked_ = false;
+};
+
+/// Bytes free in the filesystem behind POSIX shm (/dev/shm).
+absl::StatusOr<uint64_t> ShmFreeBytes();
+
+/// FUTEX_WAIT on a shared (non-private) futex word while it equals `expected`, for at
+/// most `timeout_us` microseconds. Returns on wake, timeout, or value change.
+void FutexWait(uint32_t* word, uint32_t expected, int64_t timeout_us);
+/// FUTEX_WAKE every waiter of a shared futex word.
+void FutexWakeAll(uint32_t* word);
+
+}  // namespace epd
