@@ -1,0 +1,245 @@
+// CUDA backend of the data plane: the context every CUDA op of one rank shares, the
+// low-latency launchers (LowLatencyDispatch, LowLatencyCombine), the status word the
+// kernels report errors through, eager kernel loading, and the CUDA error-checking macro.
+//
+// Model (DESIGN.md §1, §3.2, §4): every rank (endpoint) has one data area laid out by
+// EndpointLayout::Compute(shape). A rank's kernels get a device array `peer_bases` [R] of
+// every rank's data-area base as seen by the launching CUDA context (its own included) and
+// read/write peers' regions at the same layout offsets, over NVLink / peer access or, for
+// virtual ranks, in the same GPU's memory. A sender writes each token straight into its
+// final row in the receiver's region.
+//
+// Launchers only enqueue work on the given stream: no allocation, no host synchronisation,
+// no process logic. They return a non-OK absl::Status only for arguments that are wrong on
+// the host side or for CUDA launch errors. Errors that only the GPU sees (expert ids outside
+// [-1, E), a run-time token count T > Mll, a peer that never arrives) are recorded by the
+// kernels in the rank's DeviceStatus (in its `sync` region); read them after the op with
+// ReadAndClearStatus (synchronous) or EnqueueStatusReadback + StatusFromDevice (async).
+//
+// Semantics are exactly kernels/host (host_ops.h); outputs are bit-identical to it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "epd/kernels/layout.h"
+#include "epd/kernels/types.h"
+
+namespace epd::kernels::cuda {
+
+// ---- CUDA error checking ---------------------------------------------------------------
+
+/// OK for cudaSuccess; otherwise INTERNAL "<call> failed at <file>:<line>: <name>: <string>".
+/// Also clears a non-sticky error (cudaGetLastError) so a later check does not report it
+/// again (NCCL's CUDACHECK habit).
+absl::Status CudaErrorToStatus(cudaError_t err, const char* call, const char* file, int line);
+
+}  // namespace epd::kernels::cuda
+
+/// `EPD_CUDA_STATUS(cudaMalloc(&p, n))` evaluates a CUDA runtime call and yields an
+/// absl::Status naming the call, file, line and cudaGetErrorString.
+#define EPD_CUDA_STATUS(call) \
+  ::epd::kernels::cuda::CudaErrorToStatus((call), #call, __FILE__, __LINE__)
+/// Returns the CUDA call's error as absl::Status from the enclosing function.
+#define EPD_CUDA_RETURN_IF_ERROR(call)                              \
+  do {                                                              \
+    ::absl::Status epd_cuda_status_ = EPD_CUDA_STATUS(call);        \
+    if (!epd_cuda_status_.ok()) return epd_cuda_status_;            \
+  } while (0)
+
+namespace epd::kernels::cuda {
+
+// ---- the sync region --------------------------------------------------------------------
+
+/// Map of the `sync` region (kSyncRegionBytes = 64 KiB, zeroed at creation) of every rank.
+/// Offsets in bytes from the start of the region.
+///   [0, 256)          DeviceStatus, shared by every CUDA op of the endpoint.
+///   [256, 4096)       low-latency counters and the run-time token count slot (LL).
+///   [4096, 40960)     low-latency inter-rank flags and count exchange (LL).
+///   [40960, 65536)    normal-mode kernels (cuda_normal.h).
+inline constexpr uint64_t kSyncStatusOffset = 0;
+inline constexpr uint64_t kSyncLowLatencyStateOffset = 256;
+inline constexpr uint64_t kSyncLowLatencyExchangeOffset = 4096;
+inline constexpr uint64_t kSyncLowLatencyExchangeBytes = 40960 - 4096;
+inline constexpr uint64_t kSyncNormalOffset = 40960;
+inline constexpr uint64_t kSyncNormalBytes = kSyncRegionBytes - kSyncNormalOffset;
+
+/// Largest group the status word can name missing ranks for.
+inline constexpr int kMaxStatusRanks = 256;
+
+/// The per-rank error word at `sync + kSyncStatusOffset`. Kernels only ever add to it
+/// (atomics); ReadAndClearStatus / EnqueueStatusReadback clear it. POD, 256 bytes.
+struct DeviceStatus {
+  uint32_t bad_expert_ids;    ///< Count of topk_idx values outside [-1, E) seen by the op.
+  int32_t bad_num_tokens;     ///< A run-time T outside [0, Mll] (valid when has_bad_num_tokens).
+  uint32_t has_bad_num_tokens;///< Nonzero when T was out of range (the op then used T = 0).
+  uint32_t timed_out;         ///< Nonzero when a wait of this rank passed timeout_ns.
+  uint32_t missing_ranks[kMaxStatusRanks / 32];  ///< Bit r: peer rank r never arrived.
+  uint32_t reserved[64 - 4 - kMaxStatusRanks / 32];
+};
+static_assert(sizeof(DeviceStatus) == 256, "DeviceStatus must fill [0, 256) of sync");
+
+// ---- shared per-rank context ------------------------------------------------------------
+
+/// Everything a CUDA op of one rank needs besides its own arguments. Shared by the
+/// low-latency launchers here and the normal-mode launchers (cuda_normal.h).
+struct CudaRankContext {
+  GroupShape shape;          ///< The group shape.
+  EndpointLayout layout;     ///< EndpointLayout::Compute(shape).
+  int32_t rank = 0;          ///< This rank, in [0, R).
+  /// Device array [R] of every rank's data-area base as seen by the launching context
+  /// (peer_bases[rank] is this rank's own base). Must stay valid while ops run.
+  uint8_t* const* peer_bases = nullptr;
+  /// Host copy of peer_bases[rank] (this rank's own base), for host-side address
+  /// computations (default input/output pointers, status read-back).
+  uint8_t* own_base = nullptr;
+  /// Blocks (one per SM) per op; 0 = default: floor(SM count / ranks_on_device), so the
+  /// kernels of every rank on the GPU are resident at once (ranks spin on each other).
+  int32_t num_sms = 0;
+  /// Ranks of this group (or of all groups that may run at once) whose kernels share this
+  /// GPU; 0 = all R ranks (the virtual-rank case, the safe default).
+  int32_t ranks_on_device = 0;
+  /// Bound of every spin wait, in nanoseconds of %globaltimer. On expiry the op records a
+  /// timeout (DEADLINE_EXCEEDED) in DeviceStatus and returns without deadlocking.
+  int64_t timeout_ns = 10'000'000'000;
+};
+
+/// Checks the context: 0 <= rank < R, peer_bases and own_base set, R <= kMaxStatusRanks,
+/// timeout_ns > 0, and that `layout.sync` can hold the low-latency exchange
+/// (2 * R * E * 4 bytes + flags). INVALID_ARGUMENT naming the field otherwise.
+absl::Status ValidateContext(const CudaRankContext& ctx);
+
+/// Blocks the op's grid uses for `ctx` on the current device: ctx.num_sms if set, else
+/// max(1, SM count / ranks_on_device). Errors: CUDA device queries.
+absl::Status ResolveNumBlocks(const CudaRankContext& ctx, int32_t* num_blocks);
+
+// ---- status read-back -------------------------------------------------------------------
+
+/// Turns a DeviceStatus copied from the GPU into absl::Status for `op` at `rank`:
+/// DEADLINE_EXCEEDED naming the peer ranks that never arrived (a timeout wins, the other
+/// findings are appended); else INVALID_ARGUMENT naming the count of bad expert ids and/or
+/// the bad run-time T; else OK.
+absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shape,
+                              int32_t rank, const char* op);
+
+/// Enqueues on `stream`: a copy of the rank's DeviceStatus into `host_dst` (pinned host
+/// memory, or any memory the copy engine can reach), then a clear of the device word.
+/// Nothing waits: read `*host_dst` after the stream has passed this point (e.g. an event)
+/// and convert it with StatusFromDevice. Errors: CUDA launch errors.
+absl::Status EnqueueStatusReadback(const CudaRankContext& ctx, cudaStream_t stream,
+                                   DeviceStatus* host_dst);
+
+/// Synchronizes `stream`, reads and clears the rank's DeviceStatus and converts it with
+/// StatusFromDevice(op). For tests and slow paths (it blocks the CPU). A CUDA error of the
+/// stream itself is returned as INTERNAL.
+absl::Status ReadAndClearStatus(const CudaRankContext& ctx, cudaStream_t stream, const char* op);
+
+/// Zeroes this rank's low-latency sync state (counters, flags, count exchange) on
+/// `stream`. After a DEADLINE_EXCEEDED where a rank never arrived at all, the ranks'
+/// op counters disagree; call this for every rank of the group, once every rank's stream
+/// is idle (no op in flight anywhere in the group), before the next low-latency op.
+/// A rank that was merely late needs no reset (its late op pairs with the others' timed-
+/// out op, so the counters stay in step). Errors: CUDA launch errors.
+absl::Status ResetLowLatencySync(const CudaRankContext& ctx, cudaStream_t stream);
+
+/// Calls cudaFuncGetAttributes on every kernel of this library (low-latency, normal,
+/// status helpers), so none is loaded lazily at its first launch (DESIGN.md §3.2: with
+/// lazy loading the first launch waits for running kernels, which deadlocks kernels that
+/// spin on each other). Call once per device at start-up, before any op.
+absl::Status PreloadKernels();
+
+/// Registers a preload hook for kernels defined in another file of this library (the
+/// normal-mode kernels register theirs); PreloadKernels calls every registered hook.
+/// Returns true so it can initialise a namespace-scope constant.
+bool RegisterPreloadHook(absl::Status (*hook)());
+
+// ---- run-time token count ---------------------------------------------------------------
+
+/// Device address of this rank's low-latency token-count slot (int32 in its sync region).
+/// LowLatencyDispatch reads T from it unless its args name another device int32. Write it
+/// with SetLowLatencyNumTokensAsync, a cudaMemcpyAsync, or a kernel of your own: a CUDA
+/// graph that captured the dispatch then replays with whatever T the slot holds.
+int32_t* LowLatencyNumTokensSlot(const CudaRankContext& ctx);
+
+/// Enqueues a write of `num_tokens` into the rank's token-count slot (a one-thread kernel:
+/// capturable, but then the value is fixed in the graph). Errors: CUDA launch errors.
+absl::Status SetLowLatencyNumTokensAsync(const CudaRankContext& ctx, int32_t num_tokens,
+                                         cudaStream_t stream);
+
+// ---- low-latency dispatch ---------------------------------------------------------------
+
+/// Arguments of one rank's LowLatencyDispatch (host_ops.h: LowLatencyDispatch).
+///
+/// Double buffering: outputs go to buffer `buffer` (0 or 1) of the rank's ll_* regions.
+/// The caller alternates the buffer per dispatch (a per-endpoint counter, or fixed per
+/// captured dispatch in a CUDA graph); a view into buffer b stays valid until the next
+/// dispatch that uses b, i.e. until the op after next when buffers alternate.
+///
+/// Outputs (all in this rank's area, buffer b; Mll = ll_max_tokens_per_rank, El = E/R):
+///   ll_recv_x[b]        [El, R*Mll, H] bf16, or e4m3 when use_fp8 (rows of H bytes);
+///                       rows [0, recv_count[j]) of expert j packed, grouped by source
+///                       rank ascending, token ascending within a source; later rows
+///                       untouched.
+///   ll_recv_scales[b]   [El, R*Mll, S] f32 when use_fp8: Fp8Scale(amax, round_scale).
+///   ll_recv_count[b]    [El] int32.
+///   ll_recv_src_info[b] [El, R*Mll] int32: src_rank * Mll + src_token.
+///   ll_handle_pos[b]    [Mll, K] int32 (source side, rows [0, T)): row of (t, k) in the
+///                       block of expert topk_idx[t, k] at its rank; -1 for k == -1; a
+///                       duplicate expert in a row has the same row.
+/// The token count T of this dispatch is also kept (per buffer) for the matching combine.
+///
+/// Device-side errors: ids outside [-1, E) are counted in DeviceStatus and treated as -1
+/// (outputs then do not match host semantics, which reject the op); T outside [0, Mll] is
+/// recorded and the rank sends nothing (T = 0). Every rank of the group must launch each
+/// dispatch; a peer that does not arrive within timeout_ns is recorded (DEADLINE_EXCEEDED).
+struct LowLatencyDispatchArgs {
+  int32_t buffer = 0;                    ///< Low-latency buffer set, 0 or 1.
+  bool use_fp8 = false;                  ///< Quantize to e4m3 (needs shape.use_fp8, H%128==0).
+  bool round_scale = false;              ///< Power-of-two FP8 scales (types.h Fp8Scale).
+  /// Device int32 holding T; null = LowLatencyNumTokensSlot(ctx).
+  const int32_t* num_tokens = nullptr;
+  /// [T, H] bf16 on this GPU; null = this rank's in_x region.
+  const bf16_bits* x = nullptr;
+  /// [T, K] int64 on this GPU; null = this rank's in_topk_idx region.
+  const int64_t* topk_idx = nullptr;
+};
+
+/// Enqueues one rank's low-latency dispatch on `stream`. Errors: INVALID_ARGUMENT for a
+/// bad context or arguments (buffer not 0/1, FP8 without shape.use_fp8 or H % 128 != 0,
+/// Mll == 0, shared memory need above the device limit); INTERNAL for CUDA launch errors.
+absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDispatchArgs& args,
+                                cudaStream_t stream);
+
+// ---- low-latency combine ----------------------------------------------------------------
+
+/// Arguments of one rank's LowLatencyCombine (host_ops.h: LowLatencyCombine).
+///
+/// combined_x[t] = bf16(Σ_{k ascending, topk_idx[t,k] >= 0} w[t,k] * f32(y)), y being row
+/// handle_pos[t,k] of expert topk_idx[t,k]'s block in its owner's expert-output region,
+/// each product rounded to f32 and then added (no fma): bit-identical to the host.
+/// T is the T of the dispatch that wrote buffer `buffer`. Each rank pulls the rows of its
+/// own tokens from the owner ranks once every owner has entered its combine (so the
+/// owner's expert outputs, written on its stream before, are complete).
+/// Output: ll_combined_x[buffer] [Mll, H] bf16 (rows [0, T)), or `combined_x`.
+struct LowLatencyCombineArgs {
+  int32_t buffer = 0;   ///< The buffer of the dispatch whose handle this is.
+  /// Byte offset, inside every rank's data area, of the expert outputs [El, R*Mll, H] bf16
+  /// (the same offset at every rank); 0 = layout.in_ll_combine_x.offset. Pass
+  /// layout.ll_recv_x[b].offset for experts that write their output in place.
+  uint64_t x_offset = 0;
+  /// [T, K] int64 / f32 on this GPU; null = this rank's in_topk_idx / in_topk_weights.
+  const int64_t* topk_idx = nullptr;
+  const float* topk_weights = nullptr;
+  /// [T, H] bf16 output on this GPU; null = this rank's ll_combined_x[buffer].
+  bf16_bits* combined_x = nullptr;
+};
+
+/// Enqueues one rank's low-latency combine on `stream`. Errors: INVALID_ARGUMENT for a bad
+/// context/arguments (buffer, x_offset not 16-byte aligned or past the area), INTERNAL for
+/// CUDA launch errors. Device-side: bad ids counted, timeouts recorded, as for dispatch.
+absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombineArgs& args,
+                               cudaStream_t stream);
+
+}  // namespace epd::kernels::cuda
