@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/statusor.h"
 #include "daemon/data_plane.h"
 
 namespace epd {
@@ -21,7 +22,9 @@ struct HostDataPlaneOptions {
   int host_threads = 0;             ///< Threads per op (0 = hardware concurrency).
 };
 
-/// Creates the host data plane and starts its engine thread.
-std::unique_ptr<DataPlane> MakeHostDataPlane(const HostDataPlaneOptions& options);
+/// Creates the host data plane (and its doorbell shm page) and starts its engine thread.
+/// Errors: those of creating the doorbell shm (RESOURCE_EXHAUSTED, INVALID_ARGUMENT for
+/// an unknown shm group, INTERNAL).
+absl::StatusOr<std::unique_ptr<DataPlane>> MakeHostDataPlane(const HostDataPlaneOptions& options);
 
 }  // namespace epd

@@ -44,15 +44,17 @@ enum RequestFlags : uint32_t {
   kFlagCachedHandle = 1u << 2,     ///< Dispatch: reuse the routing of `handle_seq`.
   kFlagCombineWeights = 1u << 3,   ///< Combine: also reduce topk_weights.
   kFlagDispatchWeights = 1u << 4,  ///< Dispatch: topk_weights were staged.
+  kFlagClientError = 1u << 5,      ///< The client rejected its own inputs: the op fails
+                                   ///< for every rank (keeps ranks in lockstep).
 };
-inline constexpr uint32_t kAllRequestFlags = 0x1f;
+inline constexpr uint32_t kAllRequestFlags = 0x3f;
 
 /// One request, written by the client into ring slot `seq % kRingCapacity`, then
 /// published by advancing EndpointShmHeader::ring_head (release).
 struct RequestSlot {
   uint32_t magic;             ///< kRequestMagic.
   uint32_t op;                ///< OpKind.
-  uint64_t seq;               ///< Op sequence number of this endpoint: 1, 2, 3, ...
+  uint64_t seq;               ///< Group op number: EndpointInfo.first_seq, then +1 per op.
   uint32_t flags;             ///< RequestFlags.
   int32_t num_tokens;         ///< T (dispatch, layout, LL ops) or T of the handle (combine).
   int32_t expert_alignment;   ///< Dispatch: >= 1.
@@ -72,7 +74,8 @@ struct Completion {
   uint64_t seq;               ///< Written last.
   int32_t status_code;        ///< absl::StatusCode.
   int32_t num_recv_tokens;    ///< Dispatch: N rows received by this rank.
-  uint64_t op_id;             ///< Group-wide op counter (diagnostics).
+  int32_t buffer;             ///< Low-latency ops: the buffer set (0/1) the op used.
+  uint32_t reserved;
   char message[kMessageBytes];///< NUL-terminated error text ("" when OK).
 };
 static_assert(std::is_trivially_copyable_v<Completion>);

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "shm_abi.h"
 
 namespace epd {
 
@@ -83,5 +84,9 @@ absl::StatusOr<uint64_t> ShmFreeBytes();
 void FutexWait(uint32_t* word, uint32_t expected, int64_t timeout_us);
 /// FUTEX_WAKE every waiter of a shared futex word.
 void FutexWakeAll(uint32_t* word);
+
+/// Client side of the engine doorbell (shm_abi.h DoorbellPage): call after publishing a
+/// request; wakes the engine when it sleeps (one futex syscall only in that case).
+void RingDoorbell(abi::DoorbellPage* doorbell);
 
 }  // namespace epd
