@@ -730,7 +730,10 @@ std::vector<RankOutcome> HostGroup::Execute(const std::vector<abi::RequestSlot>&
       absl::Status st = kernels::host::LowLatencyCombine(shape_, args, exec);
       if (!st.ok()) return fail_all(st);
       ++ll_combines_;
-      for (auto& o : out) o.buffer = ob;
+      for (int r = 0; r < R; ++r) {
+        out[r].buffer = ob;
+        out[r].num_recv_tokens = slots[r].num_tokens;  // T, for the client's view shape.
+      }
       return out;
     }
     default:

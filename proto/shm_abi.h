@@ -73,7 +73,7 @@ static_assert(offsetof(RequestSlot, handle_seq) == 32);
 struct Completion {
   uint64_t seq;               ///< Written last.
   int32_t status_code;        ///< absl::StatusCode.
-  int32_t num_recv_tokens;    ///< Dispatch: N rows received by this rank.
+  int32_t num_recv_tokens;    ///< Dispatch: N rows received; LL combine: this rank's T.
   int32_t buffer;             ///< Low-latency ops: the buffer set (0/1) the op used.
   uint32_t reserved;
   char message[kMessageBytes];///< NUL-terminated error text ("" when OK).
