@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# THE test command (README quick start, and what .ci/run calls):
+#
+#   ./tests/run.sh [extra ctest arguments, e.g. -L unit or -R Health]
+#
+# 1. installs the Debian packages (deploy/install-deps.sh; apt only when something is
+#    missing);
+# 2. configures build/ with CMake + Ninja (CUDA and RDMA on AUTO: the CUDA code is
+#    compiled whenever nvcc exists, at /usr/local/cuda on CI, even without a GPU);
+# 3. builds every target (tests included) with Ninja's [n/N] progress;
+# 4. runs every CTest test (labels unit, integration, fuzz) with --output-on-failure;
+# 5. on a machine with an NVIDIA GPU, also runs the GPU tests (tests/gpu, not in CTest
+#    because CI has no GPU); set EPD_SKIP_GPU_TESTS=1 to skip them there.
+# 6. checks that every example config in deploy/examples/ parses as a DaemonConfig.
+#
+# Environment: EPD_BUILD_DIR (default build/, the CI build directory), EPD_BUILD_TYPE
+# (default Release, the same as deploy/demo.sh so the two quick-start commands share one
+# build), EPD_JOBS (default nproc), EPD_WITH_CUDA (AUTO|ON|OFF), CTEST_PARALLEL_LEVEL
+# (default 1: the integration tests time daemon behaviour, keep them off a loaded CPU).
+# Exits non-zero on the first failing step.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD_DIR=${EPD_BUILD_DIR:-$ROOT/build}
+BUILD_TYPE=${EPD_BUILD_TYPE:-Release}
+JOBS=${EPD_JOBS:-$(nproc)}
+START=$(date +%s)
+
+step() { printf '\n==> [%s +%ds] %s\n' "$(date -u +%H:%M:%S)" "$(($(date +%s) - START))" "$*"; }
+fail() { printf '\n[tests/run.sh] FAILED: %s\n' "$*" >&2; exit 1; }
+
+step "1/6 dependencies (deploy/install-deps.sh)"
+"$ROOT/deploy/install-deps.sh" || fail "installing dependencies"
+
+step "2/6 configure $BUILD_DIR ($BUILD_TYPE, CUDA ${EPD_WITH_CUDA:-AUTO}, RDMA AUTO)"
+cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja \
+  -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
+  -DEPD_WITH_CUDA="${EPD_WITH_CUDA:-AUTO}" \
+  -DEPD_WITH_RDMA="${EPD_WITH_RDMA:-AUTO}" \
+  -DEPD_BUILD_TESTS=ON || fail "cmake configure"
+if grep -q '^CMAKE_CUDA_COMPILER:[A-Z]*=.*nvcc' "$BUILD_DIR/CMakeCache.txt"; then
+  echo "[tests/run.sh] CUDA code will be compiled ($(grep -m1 '^CMAKE_CUDA_COMPILER:' \
+    "$BUILD_DIR/CMakeCache.txt" | cut -d= -f2))"
+else
+  echo "[tests/run.sh] no CUDA compiler: building without the CUDA backend"
+fi
+
+step "3/6 build everything (ninja -j$JOBS)"
+# Ninja prints [done/total] per edge; NINJA_STATUS adds the elapsed time.
+NINJA_STATUS="[%f/%t %es] " cmake --build "$BUILD_DIR" -j "$JOBS" || fail "build"
+
+step "4/6 ctest (unit, integration, fuzz)"
+ctest --test-dir "$BUILD_DIR" --print-labels | sed 's/^/  /'
+# --timeout is the default for tests that set none (integration and fuzz set their own).
+ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 \
+  --parallel "${CTEST_PARALLEL_LEVEL:-1}" "$@" || fail "ctest (see the output above)"
+
+step "5/6 GPU tests"
+gpu_tests="$BUILD_DIR/tests/gpu/epd_gpu_tests"
+if [[ "${EPD_SKIP_GPU_TESTS:-0}" == 1 ]]; then
+  echo "[tests/run.sh] skipped: EPD_SKIP_GPU_TESTS=1"
+elif ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  echo "[tests/run.sh] no NVIDIA GPU on this machine: GPU tests not run" \
+       "(compiled: $([[ -x "$gpu_tests" ]] && echo yes || echo no))"
+elif [[ ! -x "$gpu_tests" ]]; then
+  fail "a GPU is present but $gpu_tests was not built (was the CUDA backend built?)"
+else
+  nvidia-smi -L | sed 's/^/  /'
+  "$gpu_tests" || fail "GPU tests"
+fi
+
+step "6/6 example configs parse as epd.v1.DaemonConfig"
+"$ROOT/deploy/examples/check-configs.sh" "$BUILD_DIR" || fail "example configs"
+
+step "all tests passed in $(($(date +%s) - START)) s"
