@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The main job, from a fresh clone (README quick start, first command):
+#
+#   ./deploy/demo.sh
+#
+# 1. installs the Debian packages (deploy/install-deps.sh);
+# 2. builds epd, epctl and the MoE demo in build/ (Release, CUDA when nvcc exists);
+# 3. starts epd on a temporary socket with --backend=auto: the CUDA backend when a GPU is
+#    usable, the host backend (CPU threads, buffers in shm) otherwise;
+# 4. shows `epctl status` (backend, GPUs, MPS, groups);
+# 5. runs the MoE layer demo: 8 client processes, one per rank, each running
+#    router -> dispatch -> expert FFN -> combine through epd, checked against a
+#    single-process computation of the same layer;
+# 6. stops epd (also on Ctrl-C or failure) and exits with the demo's status.
+#
+# Environment: EPD_BUILD_DIR (default build/), EPD_BUILD_TYPE (default Release),
+# EPD_JOBS (default nproc), EPD_DEMO_RANKS (default 8), EPD_BACKEND (default auto).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD_DIR=${EPD_BUILD_DIR:-$ROOT/build}
+BUILD_TYPE=${EPD_BUILD_TYPE:-Release}
+JOBS=${EPD_JOBS:-$(nproc)}
+RANKS=${EPD_DEMO_RANKS:-8}
+BACKEND=${EPD_BACKEND:-auto}
+EPD="$BUILD_DIR/daemon/epd"
+EPCTL="$BUILD_DIR/client/epctl"
+DEMO="$BUILD_DIR/client/moe_layer"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "dependencies (deploy/install-deps.sh)"
+"$ROOT/deploy/install-deps.sh"
+
+step "configure $BUILD_DIR ($BUILD_TYPE)"
+cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" >/dev/null
+grep -E '^(CMAKE_CUDA_COMPILER):' "$BUILD_DIR/CMakeCache.txt" | grep -q nvcc &&
+  echo "CUDA backend: built" || echo "CUDA backend: not built (no nvcc); host backend only"
+
+targets=(epd epctl)
+have_demo=0
+if [[ -f "$ROOT/client/examples/moe_layer.cc" ]]; then
+  targets+=(moe_layer)
+  have_demo=1
+fi
+step "build ${targets[*]} (ninja -j$JOBS)"
+NINJA_STATUS="[%f/%t %es] " cmake --build "$BUILD_DIR" -j "$JOBS" --target "${targets[@]}"
+
+# ---- start epd on a temporary socket; stop it whatever happens next ----
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/epd-demo.XXXXXX")
+sock="$tmp/epd.sock"
+epd_pid=""
+# shellcheck disable=SC2317  # invoked by the EXIT trap
+stop_epd() {
+  if [[ -n "$epd_pid" ]] && kill -0 "$epd_pid" 2>/dev/null; then
+    echo
+    echo "==> stopping epd (pid $epd_pid, SIGTERM)"
+    kill -TERM "$epd_pid" 2>/dev/null || true
+    for _ in $(seq 1 100); do  # epd exits within 5 s of SIGTERM; wait up to 10 s
+      kill -0 "$epd_pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    if kill -0 "$epd_pid" 2>/dev/null; then
+      echo "epd did not exit within 10 s of SIGTERM; killing it" >&2
+      kill -KILL "$epd_pid" 2>/dev/null || true
+    fi
+    wait "$epd_pid" 2>/dev/null && echo "epd exited 0" || echo "epd exited with status $?"
+  fi
+  rm -rf "$tmp"
+}
+trap stop_epd EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+step "start epd --socket=$sock --backend=$BACKEND (log: $tmp/epd.log)"
+"$EPD" --socket="$sock" --backend="$BACKEND" --log_level=info >"$tmp/epd.log" 2>&1 &
+epd_pid=$!
+
+# Wait (bounded: CUDA start-up on many GPUs takes a few seconds) for health SERVING.
+ready=0
+for _ in $(seq 1 300); do
+  if ! kill -0 "$epd_pid" 2>/dev/null; then
+    echo "epd exited during start-up; its log:" >&2
+    cat "$tmp/epd.log" >&2
+    epd_pid=""
+    exit 1
+  fi
+  if "$EPCTL" --socket="$sock" health >/dev/null 2>&1; then
+    ready=1
+    break
+  fi
+  sleep 0.1
+done
+if ((!ready)); then
+  echo "epd did not report SERVING within 30 s; its log:" >&2
+  cat "$tmp/epd.log" >&2
+  exit 1
+fi
+sed 's/^/  epd| /' "$tmp/epd.log"
+
+step "epctl status"
+"$EPCTL" --socket="$sock" status
+
+if ((!have_demo)); then
+  step "the MoE demo is not built yet"
+  echo "client/examples/moe_layer.cc does not exist in this tree, so only epd and" \
+       "epctl status were shown."
+  exit 0
+fi
+
+step "MoE layer demo: $RANKS ranks (router -> dispatch -> expert FFN -> combine)"
+status=0
+"$DEMO" --socket="$sock" --num_ranks="$RANKS" || status=$?
+
+step "epctl groups after the demo"
+"$EPCTL" --socket="$sock" groups || true
+
+if ((status == 0)); then
+  step "demo passed: the $RANKS-rank MoE layer through epd matches the single-process result"
+else
+  step "demo FAILED (exit status $status); epd's log:"
+  sed 's/^/  epd| /' "$tmp/epd.log"
+fi
+exit "$status"
