@@ -35,8 +35,9 @@ if ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
   exit 1
 fi
 
-# Running already? The control daemon answers queries on its pipe.
-if [[ -p "$CUDA_MPS_PIPE_DIRECTORY/control" ]] &&
+# Running already? The control daemon answers queries on its control socket (a unix
+# socket "control" in the pipe directory; a FIFO in old drivers).
+if [[ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]] &&
    echo get_server_list | timeout 5 nvidia-cuda-mps-control >/dev/null 2>&1; then
   log "MPS control daemon already running (pipes in $CUDA_MPS_PIPE_DIRECTORY); nothing to do"
   exit 0

@@ -25,7 +25,7 @@ if ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
   exit 0
 fi
 
-if [[ -p "$CUDA_MPS_PIPE_DIRECTORY/control" ]] &&
+if [[ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]] &&
    echo get_server_list | timeout 5 nvidia-cuda-mps-control >/dev/null 2>&1; then
   log "stopping the MPS control daemon (pipes in $CUDA_MPS_PIPE_DIRECTORY)"
   echo quit | timeout 10 nvidia-cuda-mps-control
