@@ -1,0 +1,101 @@
+// DaemonConfig loading (DESIGN.md §3.1, STYLE rule 9): the config file is the text format
+// of epd.v1.DaemonConfig (proto/epd/v1/config.proto); command-line flags override any
+// field it sets; a field left absent (or 0 / "") takes the default documented in the
+// proto. A present-but-invalid value is an error naming the field and the value, never a
+// silent fallback.
+//
+// Flags (defined in config.cc, read by ConfigFlagsFromCommandLine):
+//   --config=PATH            text-format DaemonConfig to load first (default: none)
+//   --socket=PATH            socket_path ("/path" or "unix:///path")
+//   --socket_mode=0660       socket_mode          --socket_group=NAME   socket_group
+//   --listen=HOST:PORT       listen ("" = off)    --backend=auto|cuda|host
+//   --log_level=info         log_level            --op_timeout=10s      op_timeout_ms
+//   --shm_mode=0600          shm_mode             --engine_idle_us=100  engine_idle_us
+//   --host_threads=0         host_threads         --max_request_bytes   max_request_bytes
+//   --max_groups=64          max_groups           --gpu_uuids=GPU-a,GPU-b gpu_uuids
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "epd/v1/config.pb.h"
+
+namespace epd {
+
+/// Defaults of the DaemonConfig fields (as documented in config.proto).
+inline constexpr char kDefaultSocketPath[] = "/run/epd/epd.sock";
+inline constexpr char kDefaultSocketMode[] = "0660";
+inline constexpr char kDefaultShmMode[] = "0600";
+inline constexpr char kDefaultLogLevel[] = "info";
+inline constexpr uint32_t kDefaultOpTimeoutMs = 10000;
+inline constexpr uint32_t kDefaultEngineIdleUs = 100;
+inline constexpr uint32_t kDefaultMaxRequestBytes = 4u << 20;
+inline constexpr uint32_t kDefaultMaxGroups = 64;
+/// Smallest accepted max_request_bytes: every control message fits in far less.
+inline constexpr uint32_t kMinMaxRequestBytes = 64u << 10;
+/// Longest unix socket path (sockaddr_un.sun_path holds 108 bytes with the NUL).
+inline constexpr size_t kMaxSocketPathBytes = 107;
+
+/// Values given on the command line; nullopt = flag not given (the config file's value,
+/// or the default, stands). Tests build one directly; epd builds it from its flags.
+struct ConfigFlags {
+  std::optional<std::string> config_path;
+  std::optional<std::string> socket;
+  std::optional<std::string> socket_mode;
+  std::optional<std::string> socket_group;
+  std::optional<std::string> listen;
+  std::optional<std::string> backend;       ///< "auto", "cuda" or "host".
+  std::optional<std::string> log_level;
+  std::optional<absl::Duration> op_timeout; ///< Whole milliseconds, >= 1 ms.
+  std::optional<std::string> shm_mode;
+  std::optional<uint32_t> engine_idle_us;
+  std::optional<uint32_t> host_threads;
+  std::optional<uint32_t> max_request_bytes;
+  std::optional<uint32_t> max_groups;
+  std::optional<std::vector<std::string>> gpu_uuids;
+};
+
+/// Reads the --config, --socket, ... flags of this process (after absl::ParseCommandLine).
+ConfigFlags ConfigFlagsFromCommandLine();
+
+/// Parses `text` as a text-format DaemonConfig. `source` names the text in errors (a file
+/// path). INVALID_ARGUMENT on an unknown field or a malformed value, with
+/// "source:line:column: parser message (in: `offending line`)".
+absl::StatusOr<v1::DaemonConfig> ParseDaemonConfig(absl::string_view text, absl::string_view source);
+
+/// Reads and parses the file at `path`. NOT_FOUND / PERMISSION_DENIED when it cannot be
+/// read (naming the path), else as ParseDaemonConfig.
+absl::StatusOr<v1::DaemonConfig> LoadDaemonConfigFile(const std::string& path);
+
+/// Writes every flag that was given into `config`. INVALID_ARGUMENT naming the flag and
+/// the value for a value that does not convert (e.g. --backend=gpu, --op_timeout=0s).
+absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config);
+
+/// Replaces every absent field (proto3 default: "" or 0 or BACKEND_UNSPECIFIED) by its
+/// documented default. host_threads 0 and empty socket_group/listen/gpu_uuids are
+/// meaningful and stay.
+void FillDaemonConfigDefaults(v1::DaemonConfig* config);
+
+/// Checks every field of a filled config. INVALID_ARGUMENT naming the field and the value.
+absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config);
+
+/// The effective config: --config file (if given), then flags, then defaults, validated.
+absl::StatusOr<v1::DaemonConfig> ResolveDaemonConfig(const ConfigFlags& flags);
+
+/// Parses an octal file mode ("0660", "660", "0o660" is rejected) into its bits (<= 07777).
+/// INVALID_ARGUMENT naming `field` and the value otherwise.
+absl::StatusOr<uint32_t> ParseFileMode(absl::string_view field, absl::string_view value);
+
+/// The filesystem path of a socket_path value: "unix:///p" and "unix:/p" → "/p"; "/p" → "/p".
+std::string SocketFilePath(absl::string_view socket_path);
+
+/// Name of a backend enum value as flags spell it: "auto", "cuda" or "host".
+std::string BackendFlagName(v1::Backend backend);
+
+}  // namespace epd

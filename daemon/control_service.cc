@@ -1,0 +1,187 @@
+#include "daemon/control_service.h"
+
+#include "absl/strings/str_cat.h"
+#include "daemon/logging.h"
+
+namespace epd {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+// One Session stream. Lives until OnDone. Reactions may run concurrently with OnCancel,
+// so every state change happens under mu_. gRPC never runs a reaction inline from a
+// Start*/Finish call of a user reactor (can_inline is false for them), so calling those
+// under mu_ cannot re-enter it.
+class ControlService::SessionReactor
+    : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
+ public:
+  SessionReactor(ControlService* service, grpc::CallbackServerContext* context)
+      : service_(service), peer_(context->peer()) {
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;
+    if (!ok) {
+      EndLocked("stream closed by the client", grpc::Status::OK);
+      return;
+    }
+    if (session_id_.empty()) {
+      absl::StatusOr<std::string> id =
+          service_->registry_->OpenSession(request_.client_pid(), request_.client_name());
+      if (!id.ok()) {
+        EndLocked("refused", ToGrpcStatus(id.status()));
+        return;
+      }
+      session_id_ = *id;
+      response_.set_session_id(session_id_);
+      response_.set_event("open");
+      writing_ = true;
+      StartWrite(&response_);
+    }
+    // Later messages carry nothing; keep reading to learn when the stream ends.
+    StartRead(&request_);
+  }
+
+  void OnWriteDone(bool /*ok*/) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (pending_finish_) {
+      pending_finish_ = false;
+      Finish(finish_status_);
+    }
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    EndLocked("stream cancelled (client gone)", grpc::Status::CANCELLED);
+  }
+
+  void OnDone() override {
+    {
+      absl::MutexLock lock(&mu_);
+      EndLocked("stream done", grpc::Status::OK);
+    }
+    service_->Forget(this);
+    delete this;
+  }
+
+  /// Shutdown: tells the client and ends the stream with UNAVAILABLE.
+  void Drain() {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;
+    if (!session_id_.empty() && !writing_) {
+      response_.set_session_id(session_id_);
+      response_.set_event("draining");
+      writing_ = true;
+      StartWrite(&response_);
+    }
+    EndLocked("daemon shutting down",
+              grpc::Status(grpc::StatusCode::UNAVAILABLE, "epd is shutting down"));
+  }
+
+ private:
+  /// Releases the session's endpoints (once) and finishes the stream (once).
+  void EndLocked(absl::string_view why, const grpc::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!session_id_.empty() && !closed_) {
+      closed_ = true;
+      service_->registry_->CloseSession(session_id_, absl::StrCat(why, ", peer ", peer_));
+    }
+    if (finished_) return;
+    finished_ = true;
+    if (writing_) {
+      pending_finish_ = true;  // Finish after the write in flight completes.
+      finish_status_ = status;
+    } else {
+      Finish(status);
+    }
+  }
+
+  ControlService* const service_;
+  const std::string peer_;
+  absl::Mutex mu_;
+  v1::SessionRequest request_;
+  v1::SessionResponse response_;
+  std::string session_id_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool pending_finish_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
+};
+
+ControlService::ControlService(GroupRegistry* registry,
+                               std::function<v1::GetStatsResponse()> stats)
+    : registry_(registry), stats_(std::move(stats)) {}
+
+ControlService::~ControlService() = default;
+
+grpc::ServerUnaryReactor* ControlService::JoinGroup(grpc::CallbackServerContext* context,
+                                                    const v1::JoinGroupRequest* request,
+                                                    v1::JoinGroupResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<v1::EndpointInfo> endpoint = registry_->Join(*request);
+  if (endpoint.ok()) {
+    *response->mutable_endpoint() = *std::move(endpoint);
+  } else {
+    GetLogger(kLogControl)
+        ->info("JoinGroup group \"{}\" rank {} from {} refused: {}", request->spec().name(),
+               request->rank(), context->peer(), endpoint.status().ToString());
+  }
+  reactor->Finish(ToGrpcStatus(endpoint.status()));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ControlService::LeaveGroup(grpc::CallbackServerContext* context,
+                                                     const v1::LeaveGroupRequest* request,
+                                                     v1::LeaveGroupResponse* /*response*/) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(registry_->Leave(*request)));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ControlService::ListGroups(grpc::CallbackServerContext* context,
+                                                     const v1::ListGroupsRequest* /*request*/,
+                                                     v1::ListGroupsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  *response = registry_->ListGroups();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ControlService::GetStats(grpc::CallbackServerContext* context,
+                                                   const v1::GetStatsRequest* /*request*/,
+                                                   v1::GetStatsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  *response = stats_();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* ControlService::Session(
+    grpc::CallbackServerContext* context) {
+  auto* reactor = new SessionReactor(this, context);  // Deletes itself in OnDone.
+  absl::MutexLock lock(&mu_);
+  // While draining, the registry refuses the session (UNAVAILABLE) at its first message.
+  sessions_.insert(reactor);
+  return reactor;
+}
+
+void ControlService::Forget(SessionReactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  sessions_.erase(reactor);
+}
+
+void ControlService::DrainSessions() {
+  absl::MutexLock lock(&mu_);
+  // A reactor removes itself (Forget) before it is deleted, and Forget needs mu_: every
+  // reactor in the set is alive while we hold mu_.
+  for (SessionReactor* reactor : sessions_) reactor->Drain();
+}
+
+}  // namespace epd

@@ -1,0 +1,398 @@
+#include "daemon/daemon.h"
+
+#include <grp.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/config.h"
+#include "daemon/control_service.h"
+#include "daemon/group_registry.h"
+#include "daemon/host_data_plane.h"
+#include "daemon/logging.h"
+#include "epd/common/status_macros.h"
+#include "epd/v1/control.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace epd {
+namespace {
+
+/// Whether the CUDA data plane exists in this build. Until it does, a GPU choice runs the
+/// host data plane (and GetStats says so).
+constexpr bool kCudaDataPlaneBuilt = false;
+
+std::string Errno(int err) { return std::strerror(err); }
+
+/// Result of connecting to an existing socket file.
+enum class SocketProbe { kLive, kStale, kError };
+
+SocketProbe ProbeUnixSocket(const std::string& path, int* err) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    *err = errno;
+    return SocketProbe::kError;
+  }
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), std::min(path.size() + 1, sizeof(addr.sun_path)));
+  int rc = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  *err = rc == 0 ? 0 : errno;
+  ::close(fd);
+  if (rc == 0) return SocketProbe::kLive;
+  if (*err == ECONNREFUSED || *err == ENOENT) return SocketProbe::kStale;
+  return SocketProbe::kError;
+}
+
+/// A description of whoever answers on `path` ("epd 0.1.0, pid 123" or why it is unknown).
+std::string DescribeLiveServer(const std::string& path) {
+  auto channel = grpc::CreateChannel("unix://" + path, grpc::InsecureChannelCredentials());
+  auto stub = v1::Control::NewStub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  v1::GetStatsRequest request;
+  v1::GetStatsResponse response;
+  grpc::Status status = stub->GetStats(&context, request, &response);
+  if (!status.ok()) {
+    return absl::StrCat("a process that does not answer epd's GetStats (",
+                        status.error_message(), ")");
+  }
+  return absl::StrCat("epd ", response.version(), " (pid ", response.pid(), ", ",
+                      response.serving_status(), ")");
+}
+
+}  // namespace
+
+absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInventory& inventory,
+                                            bool cuda_data_plane_built) {
+  const std::string not_built =
+      "but the CUDA data plane is not built yet; using host buffers (the GPU inventory is "
+      "still reported)";
+  switch (requested) {
+    case v1::BACKEND_HOST:
+      return BackendChoice{"host", "--backend=host requested"};
+    case v1::BACKEND_CUDA:
+      if (inventory.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "backend: cuda requested but no GPU is usable: ", inventory.reason(),
+            "; use --backend=auto or --backend=host"));
+      }
+      if (!cuda_data_plane_built) {
+        return BackendChoice{"host", absl::StrCat("--backend=cuda requested with ",
+                                                  inventory.reason(), ", ", not_built)};
+      }
+      return BackendChoice{"cuda", absl::StrCat("--backend=cuda requested; ", inventory.reason())};
+    default:
+      if (inventory.empty()) {
+        return BackendChoice{"host", absl::StrCat("auto: no usable GPU (", inventory.reason(),
+                                                  ")")};
+      }
+      if (!cuda_data_plane_built) {
+        return BackendChoice{"host", absl::StrCat("auto: ", inventory.reason(), " found, ",
+                                                  not_built)};
+      }
+      return BackendChoice{"cuda", absl::StrCat("auto: ", inventory.reason(), " found")};
+  }
+}
+
+absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::DaemonConfig& config,
+                                                                const BackendChoice& choice) {
+  if (choice.backend != "host") {
+    return absl::UnimplementedError(
+        absl::StrCat("backend \"", choice.backend, "\" has no data plane in this build"));
+  }
+  HostDataPlaneOptions options;
+  EPD_ASSIGN_OR_RETURN(options.shm_mode, ParseFileMode("shm_mode", config.shm_mode()));
+  options.shm_group = config.socket_group();
+  options.op_timeout_ms = config.op_timeout_ms();
+  options.engine_idle_us = config.engine_idle_us();
+  options.host_threads = static_cast<int>(config.host_threads());
+  return MakeHostDataPlane(options);
+}
+
+Daemon::Daemon(v1::DaemonConfig config, DaemonOptions options)
+    : config_(std::move(config)),
+      options_(std::move(options)),
+      socket_path_(SocketFilePath(config_.socket_path())),
+      started_(absl::Now()) {}
+
+Daemon::~Daemon() { Shutdown(); }
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(v1::DaemonConfig config,
+                                                      DaemonOptions options) {
+  std::unique_ptr<Daemon> daemon(new Daemon(std::move(config), std::move(options)));
+  absl::Status status = daemon->Init();
+  if (!status.ok()) {
+    GetLogger(kLogDaemon)->error("epd failed to start: {}", status.ToString());
+    return status;
+  }
+  return daemon;
+}
+
+absl::Status Daemon::Init() {
+  EPD_RETURN_IF_ERROR(SetLogLevel(config_.log_level()));
+  auto log = GetLogger(kLogDaemon);
+  // Create every subsystem's logger now, so components that look theirs up find it.
+  for (const char* name : {kLogControl, kLogRegistry, kLogEngine, kLogGpu, kLogConfig}) {
+    GetLogger(name);
+  }
+  log->info("epd {} starting (pid {}) on socket {}", kEpdVersion, ::getpid(), socket_path_);
+
+  // GPUs and backend.
+  GpuInventory inventory;
+  if (options_.inventory) {
+    inventory = *options_.inventory;
+  } else {
+    std::vector<std::string> allowed(config_.gpu_uuids().begin(), config_.gpu_uuids().end());
+    EPD_ASSIGN_OR_RETURN(inventory, GpuInventory::Discover(allowed));
+  }
+  auto gpu_log = GetLogger(kLogGpu);
+  gpu_log->info("GPU inventory: {}", inventory.reason());
+  for (const v1::GpuInfo& g : inventory.gpus()) {
+    gpu_log->info("GPU {}: {} {} {} SMs, {:.1f}/{:.1f} GiB free, sm_{}{}", g.ordinal(), g.uuid(),
+                  g.pci_bus_id(), g.sm_count(), g.free_memory_bytes() / double(1ull << 30),
+                  g.total_memory_bytes() / double(1ull << 30), g.compute_capability_major(),
+                  g.compute_capability_minor());
+  }
+  gpu_log->info("MPS {}: {}", inventory.mps().active ? "active" : "not active",
+                inventory.mps().detail);
+  if (!inventory.empty() && !inventory.mps().active) {
+    gpu_log->warn(
+        "MPS is not running: daemon-launched kernels will time-slice with client processes "
+        "(~ms per hop); start it with deploy/mps/ for daemon-launched mode");
+  }
+  EPD_ASSIGN_OR_RETURN(backend_, ChooseBackend(config_.backend(), inventory, kCudaDataPlaneBuilt));
+  log->info("backend {} ({})", backend_.backend, backend_.reason);
+  {
+    absl::MutexLock lock(&mu_);
+    inventory_ = inventory;
+  }
+
+  DataPlaneFactory factory =
+      options_.data_plane_factory ? options_.data_plane_factory : MakeDefaultDataPlane;
+  EPD_ASSIGN_OR_RETURN(data_plane_, factory(config_, backend_));
+  GroupRegistry::Options registry_options;
+  registry_options.max_groups = config_.max_groups();
+  registry_ = std::make_unique<GroupRegistry>(data_plane_.get(), inventory, registry_options);
+  control_ = std::make_unique<ControlService>(registry_.get(), [this] { return Stats(); });
+
+  // gRPC server: Control and Health on the unix socket and the optional TCP listener.
+  EPD_RETURN_IF_ERROR(PrepareSocketPath());
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(unix_target(), grpc::InsecureServerCredentials());
+  if (!config_.listen().empty()) {
+    builder.AddListeningPort(config_.listen(), grpc::InsecureServerCredentials(), &tcp_port_);
+  }
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config_.max_request_bytes()));
+  builder.RegisterService(control_.get());
+  // Nobody but us may connect until the configured mode and group are applied.
+  mode_t old_umask = ::umask(0177);
+  server_ = builder.BuildAndStart();
+  ::umask(old_umask);
+  if (server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", unix_target(),
+        config_.listen().empty() ? "" : absl::StrCat(" and ", config_.listen()),
+        " (address in use or not permitted; see the gRPC error above)"));
+  }
+  SetServing(false, "starting");
+  struct stat st{};
+  if (::stat(socket_path_.c_str(), &st) == 0) socket_inode_ = st.st_ino;
+  EPD_RETURN_IF_ERROR(ApplySocketPermissions());
+  if (!config_.listen().empty()) {
+    log->info("TCP listener {} (port {}): Control and Health", config_.listen(), tcp_port_);
+  }
+  if (!inventory.empty()) gpu_monitor_ = std::thread([this] { MonitorGpus(); });
+  SetServing(true, "");
+  log->info("epd serving on {} (socket mode {}{}{}), backend {}", unix_target(),
+            config_.socket_mode(), config_.socket_group().empty() ? "" : ", group ",
+            config_.socket_group(), backend_.backend);
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::PrepareSocketPath() {
+  auto log = GetLogger(kLogDaemon);
+  std::filesystem::path parent = std::filesystem::path(socket_path_).parent_path();
+  std::error_code ec;
+  if (!parent.empty() && !std::filesystem::exists(parent, ec)) {
+    std::filesystem::create_directories(parent, ec);
+    if (ec) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: cannot create directory ", parent.string(), ": ", ec.message(),
+          " (run epd with a RuntimeDirectory, or choose another --socket)"));
+    }
+  }
+  struct stat st{};
+  if (::lstat(socket_path_.c_str(), &st) != 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket_path: cannot stat ", socket_path_, ": ", Errno(errno)));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket_path: ", socket_path_,
+                     " exists and is not a socket; remove it or choose another --socket"));
+  }
+  int err = 0;
+  switch (ProbeUnixSocket(socket_path_, &err)) {
+    case SocketProbe::kLive:
+      return absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: ", socket_path_, " is in use by a live ",
+          DescribeLiveServer(socket_path_),
+          "; refusing to start a second epd on it (stop the other one or choose another "
+          "--socket)"));
+    case SocketProbe::kStale:
+      log->warn("replacing stale socket file {} (nothing listens on it)", socket_path_);
+      if (::unlink(socket_path_.c_str()) != 0 && errno != ENOENT) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "socket_path: cannot remove stale socket ", socket_path_, ": ", Errno(errno)));
+      }
+      return absl::OkStatus();
+    case SocketProbe::kError:
+      break;
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "socket_path: cannot probe existing socket ", socket_path_, ": ", Errno(err)));
+}
+
+absl::Status Daemon::ApplySocketPermissions() {
+  EPD_ASSIGN_OR_RETURN(uint32_t mode, ParseFileMode("socket_mode", config_.socket_mode()));
+  if (!config_.socket_group().empty()) {
+    std::vector<char> buffer(16384);
+    group entry{};
+    group* result = nullptr;
+    int rc = ::getgrnam_r(config_.socket_group().c_str(), &entry, buffer.data(), buffer.size(),
+                          &result);
+    if (rc != 0 || result == nullptr) {
+      return absl::NotFoundError(absl::StrCat("socket_group: \"", config_.socket_group(),
+                                              "\" is not a group on this machine"));
+    }
+    if (::chown(socket_path_.c_str(), static_cast<uid_t>(-1), result->gr_gid) != 0) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("socket_group: cannot give ", socket_path_, " to group \"",
+                       config_.socket_group(), "\": ", Errno(errno)));
+    }
+  }
+  if (::chmod(socket_path_.c_str(), static_cast<mode_t>(mode)) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat("socket_mode: cannot chmod ", socket_path_,
+                                                    " to ", config_.socket_mode(), ": ",
+                                                    Errno(errno)));
+  }
+  return absl::OkStatus();
+}
+
+void Daemon::SetServing(bool serving, const std::string& why) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (serving && shutting_down_) return;
+    serving_ = serving;
+    serving_reason_ = why;
+  }
+  if (server_ != nullptr && server_->GetHealthCheckService() != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus("", serving);
+    server_->GetHealthCheckService()->SetServingStatus(kControlServiceName, serving);
+  }
+}
+
+void Daemon::MonitorGpus() {
+  auto log = GetLogger(kLogGpu);
+  bool lost = false;
+  while (true) {
+    GpuInventory copy;
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&shutting_down_), options_.gpu_poll_interval)) {
+        return;
+      }
+      copy = inventory_;
+    }
+    absl::Status status = copy.Refresh();
+    if (status.ok()) {
+      absl::MutexLock lock(&mu_);
+      inventory_ = std::move(copy);
+      continue;
+    }
+    if (!lost) {
+      lost = true;
+      log->error("{}; health is NOT_SERVING. Check `nvidia-smi` and the kernel log for Xid "
+                 "errors, then restart epd",
+                 status.message());
+      SetServing(false, absl::StrCat("GPU lost: ", status.message()));
+    }
+  }
+}
+
+v1::GetStatsResponse Daemon::Stats() const {
+  v1::GetStatsResponse stats;
+  stats.set_version(kEpdVersion);
+  stats.set_backend(data_plane_ != nullptr ? data_plane_->backend_name() : backend_.backend);
+  stats.set_backend_reason(backend_.reason);
+  stats.set_uptime_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(absl::Now() - started_)));
+  if (registry_ != nullptr) {
+    GroupRegistry::Counters c = registry_->counters();
+    stats.set_num_groups(c.num_groups);
+    stats.set_num_sessions(c.num_sessions);
+    stats.set_ops_completed(c.ops_completed);
+    stats.set_ops_failed(c.ops_failed);
+  }
+  *stats.mutable_effective_config() = config_;
+  stats.set_pid(::getpid());
+  absl::MutexLock lock(&mu_);
+  stats.set_mps_active(inventory_.mps().active);
+  for (const v1::GpuInfo& g : inventory_.gpus()) *stats.add_gpus() = g;
+  stats.set_serving_status(serving_ ? "SERVING"
+                                    : absl::StrCat("NOT_SERVING (", serving_reason_, ")"));
+  return stats;
+}
+
+void Daemon::Shutdown() {
+  absl::MutexLock serialise(&shutdown_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (shut_down_) return;
+  }
+  auto log = GetLogger(kLogDaemon);
+  const absl::Time begin = absl::Now();
+  if (server_ != nullptr) log->info("draining: health NOT_SERVING, joins refused");
+  SetServing(false, "draining: shutting down");
+  {
+    absl::MutexLock lock(&mu_);
+    shutting_down_ = true;  // Also stops the GPU monitor.
+  }
+  if (registry_ != nullptr) registry_->SetDraining();
+  if (server_ != nullptr) {
+    absl::SleepFor(options_.drain_grace);
+    if (control_ != nullptr) control_->DrainSessions();
+    if (server_->GetHealthCheckService() != nullptr) server_->GetHealthCheckService()->Shutdown();
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(1000));
+    server_->Wait();
+  }
+  if (gpu_monitor_.joinable()) gpu_monitor_.join();
+  server_.reset();
+  control_.reset();
+  if (registry_ != nullptr) registry_->ReleaseAll();
+  registry_.reset();
+  if (data_plane_ != nullptr) data_plane_->Shutdown();
+  data_plane_.reset();
+  struct stat st{};
+  if (socket_inode_ != 0 && ::stat(socket_path_.c_str(), &st) == 0 &&
+      st.st_ino == socket_inode_) {
+    ::unlink(socket_path_.c_str());
+  }
+  if (socket_inode_ != 0) {
+    log->info("epd stopped: resources released in {}",
+              absl::FormatDuration(absl::Trunc(absl::Now() - begin, absl::Milliseconds(1))));
+  }
+  absl::MutexLock lock(&mu_);
+  shut_down_ = true;
+}
+
+}  // namespace epd

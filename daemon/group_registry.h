@@ -1,0 +1,119 @@
+// GroupRegistry: the control plane's state (DESIGN.md §1): sessions (one per client
+// process, tied to its Session stream), groups (created on their first join, destroyed
+// with their memory when their last rank leaves) and ranks (each held by one session).
+// The registry validates every JoinGroup (spec_validation.h) and asks the DataPlane for
+// the memory; it never touches buffers itself. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/data_plane.h"
+#include "daemon/gpu_inventory.h"
+#include "epd/v1/control.pb.h"
+
+namespace epd {
+
+class GroupRegistry {
+ public:
+  struct Options {
+    uint32_t max_groups = 64;  ///< DaemonConfig.max_groups.
+  };
+
+  /// `data_plane` must outlive the registry (ReleaseAll() before destroying it).
+  /// `inventory` resolves the gpu_uuid of joins (UUID or PCI bus id).
+  GroupRegistry(DataPlane* data_plane, GpuInventory inventory, Options options);
+  ~GroupRegistry();
+  GroupRegistry(const GroupRegistry&) = delete;
+  GroupRegistry& operator=(const GroupRegistry&) = delete;
+
+  /// Opens a session for a client (its Session stream's first message) and returns its
+  /// id (32 hex characters, unguessable). UNAVAILABLE while draining.
+  absl::StatusOr<std::string> OpenSession(int64_t client_pid, const std::string& client_name);
+
+  /// Ends a session (its stream ended: exit, crash, or daemon shutdown) and releases every
+  /// endpoint it held; groups left empty are destroyed. Logs what was released and `why`.
+  /// Unknown ids are ignored. Returns the number of endpoints released.
+  int CloseSession(const std::string& session_id, absl::string_view why);
+
+  /// JoinGroup. Errors, each naming the field and the value:
+  ///   UNAVAILABLE          draining (SIGTERM);
+  ///   INVALID_ARGUMENT     a spec field (ValidateGroupSpec), rank out of range, empty
+  ///                        session_id, bad launch_mode, gpu_uuid "" on the cuda backend;
+  ///   FAILED_PRECONDITION  spec differs from the live group's (every differing field),
+  ///                        or session_id is not an open session;
+  ///   ALREADY_EXISTS       the rank is held by a live session;
+  ///   NOT_FOUND            unknown GPU;
+  ///   RESOURCE_EXHAUSTED   buffers do not fit (bytes needed and free), or max_groups.
+  absl::StatusOr<v1::EndpointInfo> Join(const v1::JoinGroupRequest& request);
+
+  /// LeaveGroup: releases one rank. NOT_FOUND (no such group or rank not joined),
+  /// PERMISSION_DENIED (the rank belongs to another session).
+  absl::Status Leave(const v1::LeaveGroupRequest& request);
+
+  /// Every live group with its joined ranks.
+  v1::ListGroupsResponse ListGroups() const;
+
+  /// Counters for GetStats.
+  struct Counters {
+    int32_t num_groups = 0;
+    int32_t num_sessions = 0;
+    uint64_t ops_completed = 0;  ///< Live groups plus groups already destroyed.
+    uint64_t ops_failed = 0;
+  };
+  Counters counters() const;
+
+  /// From now on OpenSession and Join return UNAVAILABLE (shutdown). Idempotent.
+  void SetDraining();
+
+  /// Releases every endpoint and group and forgets every session (shutdown). Idempotent.
+  void ReleaseAll();
+
+ private:
+  struct RankSlot {
+    std::string gpu_uuid;
+    std::string session_id;
+    int64_t client_pid = 0;
+  };
+  struct Group {
+    v1::GroupSpec spec;
+    std::unique_ptr<DataPlaneGroup> data;
+    std::map<int32_t, RankSlot> ranks;
+    uint64_t bytes_per_rank = 0;
+  };
+  struct Session {
+    int64_t client_pid = 0;
+    std::string client_name;
+    absl::Time opened;
+    std::set<std::pair<std::string, int32_t>> endpoints;  ///< (group, rank).
+  };
+
+  absl::StatusOr<std::string> ResolveGpu(const std::string& gpu_uuid) const;
+  /// Detaches `rank` of `group_name` (which must be held) and destroys the group when
+  /// it becomes empty.
+  void ReleaseRankLocked(const std::string& group_name, int32_t rank, absl::string_view why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  DataPlane* const data_plane_;
+  const GpuInventory inventory_;
+  const Options options_;
+
+  mutable absl::Mutex mu_;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, Group> groups_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  uint64_t retired_ops_completed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t retired_ops_failed_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace epd

@@ -1,0 +1,55 @@
+// Validation of what a client asks at JoinGroup (issue 2, DESIGN.md §1, §3.4): the group
+// spec, the rank, the fit of the buffers in memory, and the comparison of a joiner's spec
+// with the live group's. Every error names the field and the value.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "epd/v1/control.pb.h"
+
+namespace epd {
+
+/// Upper bounds that keep every buffer size computed from a spec (EndpointLayout, 64-bit
+/// bytes) far from overflow: the largest region, El·R·Mll·H·2 bytes, stays below 2^54.
+/// They are not model limits: DeepSeek-V3 (E=256, H=7168, K=8) sits far inside them.
+inline constexpr int32_t kMaxGroupNameBytes = 64;
+inline constexpr int32_t kMaxRanks = 4096;
+inline constexpr int32_t kMaxExperts = 1 << 16;
+inline constexpr int32_t kMaxHidden = 1 << 16;
+inline constexpr int32_t kMaxTokensPerRank = 1 << 20;
+/// Channels per FP8 scale: hidden must be a multiple of it when use_fp8.
+inline constexpr int32_t kFp8HiddenMultiple = 128;
+
+/// Checks every field of `spec`:
+///   name               [A-Za-z0-9_.-]{1,64}
+///   num_ranks          1 <= R <= kMaxRanks
+///   num_experts        1 <= E <= kMaxExperts and E % R == 0
+///   hidden             1 <= H <= kMaxHidden, and H % 128 == 0 when use_fp8
+///   num_topk           1 <= K <= E (no other cap: K = 128 and more are allowed)
+///   max_tokens_per_rank 1 <= M <= kMaxTokensPerRank
+///   ll_max_tokens_per_rank 0 <= Mll <= kMaxTokensPerRank (0 = low-latency disabled)
+/// Returns INVALID_ARGUMENT "spec.<field>: <value> ..." for the first failing rule.
+absl::Status ValidateGroupSpec(const v1::GroupSpec& spec);
+
+/// Checks 0 <= rank < spec.num_ranks. INVALID_ARGUMENT naming the rank and the range.
+absl::Status ValidateRank(const v1::GroupSpec& spec, int32_t rank);
+
+/// RESOURCE_EXHAUSTED when `bytes_needed` (one rank's buffers) exceeds `bytes_free` on
+/// `where` (a GPU UUID, or "/dev/shm"); the message gives both byte counts.
+absl::Status CheckBuffersFit(const v1::GroupSpec& spec, uint64_t bytes_needed,
+                             uint64_t bytes_free, const std::string& where);
+
+/// The fields whose values differ between `live` and `requested`, each as
+/// "field: live=<v> requested=<v>", in field-number order. Empty when equal.
+std::vector<std::string> DiffGroupSpecs(const v1::GroupSpec& live, const v1::GroupSpec& requested);
+
+/// FAILED_PRECONDITION listing every differing field (DiffGroupSpecs), or OK when equal.
+absl::Status CheckSameSpec(const v1::GroupSpec& live, const v1::GroupSpec& requested);
+
+/// One-line summary of a spec for logs: "name R=.. E=.. H=.. K=.. M=.. fp8=.. Mll=..".
+std::string SpecSummary(const v1::GroupSpec& spec);
+
+}  // namespace epd
