@@ -1,0 +1,133 @@
+// Device helpers shared by the CUDA kernels (low-latency and normal mode): system-scope
+// acquire/release flag access, bounded waits timed with %globaltimer, status-word updates,
+// 16-byte vector loads/stores, and the layout of the low-latency part of the sync region.
+// Device-only code: no allocation, no logging, no __trap, no assert.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/layout.h"
+
+namespace epd::kernels::cuda::device {
+
+// ---- timers and system-scope memory operations ----------------------------------------
+
+/// Nanoseconds of the GPU's global timer (coarse: updates every ~1 µs on Hopper).
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint32_t LdAcquireSys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int32_t LdRelaxedSys(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StReleaseSys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void StRelaxedSys(int32_t* p, int32_t v) {
+  asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+/// True when sequence number `a` is at or past `b` (wrap-around safe).
+__device__ __forceinline__ bool SeqAtLeast(uint32_t a, uint32_t b) {
+  return static_cast<int32_t>(a - b) >= 0;
+}
+
+/// Spins until `*flag` (written by st.release.sys) reaches `target`, or the global timer
+/// passes `deadline_ns`. Returns true on arrival. Every wait in the kernels goes through
+/// this (or an equivalent bounded loop).
+__device__ __forceinline__ bool WaitFlagAtLeast(const uint32_t* flag, uint32_t target,
+                                                uint64_t deadline_ns) {
+  while (!SeqAtLeast(LdAcquireSys(flag), target)) {
+    if (GlobalTimerNs() > deadline_ns) return false;
+  }
+  return true;
+}
+
+// ---- status word ------------------------------------------------------------------------
+
+__device__ __forceinline__ DeviceStatus* StatusOf(uint8_t* base, uint64_t sync_offset) {
+  return reinterpret_cast<DeviceStatus*>(base + sync_offset + kSyncStatusOffset);
+}
+
+/// Records that `peer` never arrived (timed out) in `status`.
+__device__ __forceinline__ void RecordMissingPeer(DeviceStatus* status, int32_t peer) {
+  atomicOr(&status->timed_out, 1u);
+  if (peer >= 0 && peer < kMaxStatusRanks) {
+    atomicOr(&status->missing_ranks[peer / 32], 1u << (peer % 32));
+  }
+}
+
+/// Records a run-time T outside [0, capacity].
+__device__ __forceinline__ void RecordBadNumTokens(DeviceStatus* status, int32_t num_tokens) {
+  atomicExch(&status->bad_num_tokens, num_tokens);
+  atomicOr(&status->has_bad_num_tokens, 1u);
+}
+
+// ---- 16-byte vectors --------------------------------------------------------------------
+
+__device__ __forceinline__ uint4 LdVec16(const void* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+__device__ __forceinline__ void StVec16(void* p, const uint4& v) {
+  *reinterpret_cast<uint4*>(p) = v;
+}
+
+__device__ __forceinline__ int LaneId() { return static_cast<int>(threadIdx.x & 31u); }
+__device__ __forceinline__ int WarpId() { return static_cast<int>(threadIdx.x >> 5); }
+
+// ---- the low-latency part of the sync region -------------------------------------------
+
+/// Per-rank low-latency counters, at sync + kSyncLowLatencyStateOffset. Written only by the
+/// rank's own kernels (and host helpers).
+struct LowLatencyState {
+  uint32_t dispatch_seq;      ///< Dispatches completed (the next one uses seq + 1).
+  uint32_t combine_seq;       ///< Combines completed.
+  uint32_t dispatch_ticket;   ///< Blocks of the running dispatch that finished writing.
+  uint32_t combine_ticket;    ///< Blocks of the running combine that finished.
+  uint32_t dispatch_aborted;  ///< = seq when a block of dispatch seq timed out.
+  int32_t num_tokens;         ///< The run-time T slot (LowLatencyNumTokensSlot).
+  int32_t dispatch_num_tokens[kLowLatencyBuffers];  ///< T of the last dispatch per buffer.
+};
+static_assert(sizeof(LowLatencyState) <= 4096 - 256, "LowLatencyState overflows its slot");
+
+/// Inter-rank exchange area, at sync + kSyncLowLatencyExchangeOffset, written by peers:
+///   uint32 count_flag[R]    sender s sets [s] = seq after publishing its counts;
+///   uint32 data_flag[R]     sender s sets [s] = seq after all its rows to this rank landed;
+///   uint32 combine_flag[R]  rank s sets [s] = combine seq when it entered its combine;
+///   int32  counts[2][R][E]  counts of sender s per global expert, set (seq & 1).
+struct LowLatencyExchange {
+  static constexpr uint64_t kFlagsBytes = 3 * kMaxStatusRanks * 4;
+  __host__ __device__ static constexpr uint64_t CountFlag(int32_t s) { return 4ull * s; }
+  __host__ __device__ static constexpr uint64_t DataFlag(int32_t s) {
+    return 4ull * (kMaxStatusRanks + s);
+  }
+  __host__ __device__ static constexpr uint64_t CombineFlag(int32_t s) {
+    return 4ull * (2 * kMaxStatusRanks + s);
+  }
+  __host__ __device__ static uint64_t Counts(int32_t parity, int32_t sender, int32_t num_ranks,
+                                             int32_t num_experts) {
+    return kFlagsBytes +
+           4ull * ((static_cast<uint64_t>(parity) * num_ranks + sender) * num_experts);
+  }
+  /// Bytes the exchange needs for R ranks and E experts.
+  __host__ __device__ static uint64_t Bytes(int32_t num_ranks, int32_t num_experts) {
+    return kFlagsBytes + 4ull * 2 * num_ranks * num_experts;
+  }
+};
+
+}  // namespace epd::kernels::cuda::device

@@ -1,0 +1,270 @@
+// LowLatencyCombine on CUDA (cuda_ops.h; semantics: host_ops.h LowLatencyCombine).
+//
+// One kernel per rank, every rank's kernel resident at once. Per op (seq = the rank's
+// combine counter + 1, kept in its sync region):
+//  1. Block 0 st.release.sys combine_flag[rank] = seq at every rank: this rank's expert
+//     outputs (written by earlier work on its stream) are complete.
+//  2. Every block waits (bounded) until all R combine flags reach seq.
+//  3. Warps pull: one warp per (token, 512-channel chunk). For each k the warp reads the
+//     row handle_pos[t, k] of expert topk_idx[t, k] from the owner's expert-output region
+//     (16-byte loads, up to 4 k's in flight) and accumulates in f32 in ascending k, each
+//     product rounded to f32 and then added (__fmul_rn / __fadd_rn: no fma), then rounds
+//     once to bf16: bit-identical to the host reference.
+//  4. The last block (ticket) bumps the combine counter.
+// No completion signal is needed: an owner overwrites its expert outputs only after its
+// next dispatch, which cannot finish before every rank has entered that dispatch, i.e.
+// finished this combine.
+#include "absl/strings/str_cat.h"
+#include "common.cuh"
+#include "epd/common/status_macros.h"
+#include "epd/kernels/cuda_ops.h"
+#include "ll_internal.h"
+
+namespace epd::kernels::cuda {
+namespace {
+
+using device::GlobalTimerNs;
+using device::LaneId;
+using device::LowLatencyExchange;
+using device::LowLatencyState;
+using device::StReleaseSys;
+using device::WaitFlagAtLeast;
+using internal::kLowLatencyThreads;
+
+constexpr int kWarps = kLowLatencyThreads / 32;
+/// Channels per unit of work of the vector path (a warp covers 256 channels per step).
+constexpr int32_t kChunkChannels = 512;
+
+struct CombineParams {
+  uint8_t* const* peer_bases;
+  uint8_t* own_base;
+  const int64_t* topk_idx;
+  const float* topk_weights;
+  const int32_t* handle_pos;  // own ll_handle_pos[b]
+  bf16_bits* combined_x;
+  uint64_t sync_offset;
+  uint64_t x_offset;  // expert outputs [El, R*Mll, H] bf16, same at every rank
+  int64_t rows_per_expert;
+  int64_t timeout_ns;
+  int32_t rank;
+  int32_t num_ranks;
+  int32_t num_experts;
+  int32_t experts_per_rank;
+  int32_t hidden;
+  int32_t num_topk;
+  int32_t max_tokens;
+  int32_t buffer;
+};
+
+__device__ __forceinline__ uint32_t* CombineFlag(uint8_t* base, const CombineParams& p,
+                                                 int32_t rank) {
+  return reinterpret_cast<uint32_t*>(base + p.sync_offset + kSyncLowLatencyExchangeOffset +
+                                     LowLatencyExchange::CombineFlag(rank));
+}
+
+__device__ __forceinline__ void AccumulateBf16x8(float* acc, const uint4& y, float w) {
+  const uint32_t words[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    acc[2 * c] = __fadd_rn(acc[2 * c],
+                           __fmul_rn(w, Bf16ToFloat(static_cast<bf16_bits>(words[c] & 0xffffu))));
+    acc[2 * c + 1] =
+        __fadd_rn(acc[2 * c + 1], __fmul_rn(w, Bf16ToFloat(static_cast<bf16_bits>(words[c] >> 16))));
+  }
+}
+
+template <bool kVec>
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    LowLatencyCombineKernel(const CombineParams p) {
+  __shared__ uint8_t* s_peer[kMaxStatusRanks];
+  // Per warp and top-k slot: source row address (null = skip) and weight.
+  __shared__ const uint8_t* s_src[kWarps][internal::kLowLatencyMaxTopk];
+  __shared__ float s_w[kWarps][internal::kLowLatencyMaxTopk];
+  __shared__ uint32_t s_seq;
+  __shared__ int32_t s_num_tokens;
+  __shared__ int s_last;
+
+  const int lane = LaneId();
+  const int warp = device::WarpId();
+  const int32_t num_ranks = p.num_ranks;
+  const int32_t num_topk = p.num_topk;
+  const uint64_t deadline = GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
+  uint8_t* sync = p.own_base + p.sync_offset;
+  auto* state = reinterpret_cast<LowLatencyState*>(sync + kSyncLowLatencyStateOffset);
+  DeviceStatus* status = device::StatusOf(p.own_base, p.sync_offset);
+
+  if (threadIdx.x == 0) {
+    s_seq = *reinterpret_cast<volatile uint32_t*>(&state->combine_seq) + 1;
+    int32_t t = *reinterpret_cast<volatile int32_t*>(&state->dispatch_num_tokens[p.buffer]);
+    s_num_tokens = (t < 0 || t > p.max_tokens) ? 0 : t;  // written sanitised by the dispatch
+  }
+  for (int32_t q = threadIdx.x; q < num_ranks; q += blockDim.x) s_peer[q] = p.peer_bases[q];
+  __syncthreads();
+  const uint32_t seq = s_seq;
+  const int32_t num_tokens = s_num_tokens;
+
+  // ---- 1. announce: this rank's expert outputs are ready ----
+  if (blockIdx.x == 0 && threadIdx.x < num_ranks) {
+    __threadfence_system();
+    StReleaseSys(CombineFlag(s_peer[threadIdx.x], p, p.rank), seq);
+  }
+  // ---- 2. wait for every rank ----
+  bool arrived = true;
+  if (threadIdx.x < num_ranks) {
+    arrived = WaitFlagAtLeast(CombineFlag(p.own_base, p, threadIdx.x), seq, deadline);
+    if (!arrived) device::RecordMissingPeer(status, threadIdx.x);
+  }
+  const bool all_arrived = __syncthreads_and(arrived) != 0;
+
+  if (all_arrived) {
+    if (blockIdx.x == 0) {
+      for (int32_t i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
+        const int64_t e = p.topk_idx[i];
+        const bool bad_id = e < -1 || e >= p.num_experts;
+        const bool bad_pos =
+            e >= 0 && !bad_id && (p.handle_pos[i] < 0 || p.handle_pos[i] >= p.rows_per_expert);
+        if (bad_id || bad_pos) atomicAdd(&status->bad_expert_ids, 1u);
+      }
+    }
+    // ---- 3. pull and reduce ----
+    const int64_t hidden = p.hidden;
+    const int32_t chunk = kVec ? kChunkChannels : p.hidden;
+    const int32_t chunks_per_token = (p.hidden + chunk - 1) / chunk;
+    const int32_t units = num_tokens * chunks_per_token;
+    const int32_t total_warps = static_cast<int32_t>(gridDim.x) * kWarps;
+    for (int32_t u = static_cast<int32_t>(blockIdx.x) * kWarps + warp; u < units;
+         u += total_warps) {
+      const int32_t t = u / chunks_per_token;
+      const int32_t c0 = (u - t * chunks_per_token) * chunk;
+      const int32_t c1 = min(p.hidden, c0 + chunk);
+      if (lane < num_topk) {
+        const int64_t i = static_cast<int64_t>(t) * num_topk + lane;
+        const int64_t e = p.topk_idx[i];
+        const int32_t row = p.handle_pos[i];
+        const uint8_t* src = nullptr;
+        if (e >= 0 && e < p.num_experts && row >= 0 && row < p.rows_per_expert) {
+          const int32_t owner = static_cast<int32_t>(e) / p.experts_per_rank;
+          const int64_t local = e - static_cast<int64_t>(owner) * p.experts_per_rank;
+          src = s_peer[owner] + p.x_offset + (local * p.rows_per_expert + row) * hidden * 2;
+        }
+        s_src[warp][lane] = src;
+        s_w[warp][lane] = p.topk_weights[i];
+      }
+      __syncwarp();
+      bf16_bits* out = p.combined_x + static_cast<int64_t>(t) * hidden;
+      if constexpr (kVec) {
+        for (int32_t v = c0 / 8 + lane; v < c1 / 8; v += 32) {
+          float acc[8];
+#pragma unroll
+          for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
+          for (int32_t k0 = 0; k0 < num_topk; k0 += 4) {
+            uint4 y[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const uint8_t* src = k0 + q < num_topk ? s_src[warp][k0 + q] : nullptr;
+              if (src != nullptr) y[q] = device::LdVec16(src + static_cast<int64_t>(v) * 16);
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const uint8_t* src = k0 + q < num_topk ? s_src[warp][k0 + q] : nullptr;
+              if (src != nullptr) AccumulateBf16x8(acc, y[q], s_w[warp][k0 + q]);
+            }
+          }
+          uint4 o;
+          o.x = FloatToBf16(acc[0]) | (static_cast<uint32_t>(FloatToBf16(acc[1])) << 16);
+          o.y = FloatToBf16(acc[2]) | (static_cast<uint32_t>(FloatToBf16(acc[3])) << 16);
+          o.z = FloatToBf16(acc[4]) | (static_cast<uint32_t>(FloatToBf16(acc[5])) << 16);
+          o.w = FloatToBf16(acc[6]) | (static_cast<uint32_t>(FloatToBf16(acc[7])) << 16);
+          device::StVec16(out + static_cast<int64_t>(v) * 8, o);
+        }
+      } else {
+        for (int32_t h = c0 + lane; h < c1; h += 32) {
+          float acc = 0.0f;
+          for (int32_t k = 0; k < num_topk; ++k) {
+            const uint8_t* src = s_src[warp][k];
+            if (src == nullptr) continue;
+            const bf16_bits y = reinterpret_cast<const bf16_bits*>(src)[h];
+            acc = __fadd_rn(acc, __fmul_rn(s_w[warp][k], Bf16ToFloat(y)));
+          }
+          out[h] = FloatToBf16(acc);
+        }
+      }
+      __syncwarp();
+    }
+  }
+
+  // ---- 4. the last block bumps the counter ----
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t ticket = atomicAdd(&state->combine_ticket, 1u);
+    s_last = ticket == gridDim.x - 1;
+    if (s_last) {
+      state->combine_ticket = 0;
+      state->combine_seq = seq;
+    }
+  }
+}
+
+}  // namespace
+
+namespace internal {
+
+absl::Status PreloadLowLatencyCombineKernels() {
+  cudaFuncAttributes attr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, LowLatencyCombineKernel<true>));
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, LowLatencyCombineKernel<false>));
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+
+absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombineArgs& args,
+                               cudaStream_t stream) {
+  constexpr const char* kOp = "LowLatencyCombine";
+  EPD_RETURN_IF_ERROR(internal::ValidateLowLatency(ctx, args.buffer, kOp));
+  const GroupShape& s = ctx.shape;
+  const EndpointLayout& l = ctx.layout;
+  const int b = args.buffer;
+  const uint64_t x_offset = args.x_offset != 0 ? args.x_offset : l.in_ll_combine_x.offset;
+  const uint64_t x_bytes = static_cast<uint64_t>(s.num_local_experts()) *
+                           static_cast<uint64_t>(s.ll_rows_per_expert()) * s.hidden * 2;
+  if (x_offset % 16 != 0 || x_offset + x_bytes > l.total_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        kOp, ": x_offset = ", x_offset, " must be 16-byte aligned and leave room for ", x_bytes,
+        " bytes of expert outputs in a data area of ", l.total_bytes, " bytes"));
+  }
+  CombineParams p{};
+  p.peer_bases = ctx.peer_bases;
+  p.own_base = ctx.own_base;
+  p.topk_idx = args.topk_idx != nullptr
+                   ? args.topk_idx
+                   : reinterpret_cast<const int64_t*>(ctx.own_base + l.in_topk_idx.offset);
+  p.topk_weights = args.topk_weights != nullptr
+                       ? args.topk_weights
+                       : reinterpret_cast<const float*>(ctx.own_base + l.in_topk_weights.offset);
+  p.handle_pos = reinterpret_cast<const int32_t*>(ctx.own_base + l.ll_handle_pos[b].offset);
+  p.combined_x = args.combined_x != nullptr
+                     ? args.combined_x
+                     : reinterpret_cast<bf16_bits*>(ctx.own_base + l.ll_combined_x[b].offset);
+  p.sync_offset = l.sync.offset;
+  p.x_offset = x_offset;
+  p.rows_per_expert = s.ll_rows_per_expert();
+  p.timeout_ns = ctx.timeout_ns;
+  p.rank = ctx.rank;
+  p.num_ranks = s.num_ranks;
+  p.num_experts = s.num_experts;
+  p.experts_per_rank = s.num_local_experts();
+  p.hidden = s.hidden;
+  p.num_topk = s.num_topk;
+  p.max_tokens = s.ll_max_tokens_per_rank;
+  p.buffer = b;
+  int32_t num_blocks = 0;
+  EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &num_blocks));
+  const bool vec = s.hidden % 8 == 0 &&
+                   (args.combined_x == nullptr || reinterpret_cast<uintptr_t>(args.combined_x) % 16 == 0);
+  auto kernel = vec ? LowLatencyCombineKernel<true> : LowLatencyCombineKernel<false>;
+  kernel<<<num_blocks, kLowLatencyThreads, 0, stream>>>(p);
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
+
+}  // namespace epd::kernels::cuda

@@ -1,0 +1,459 @@
+// LowLatencyDispatch on CUDA (cuda_ops.h; semantics: host_ops.h LowLatencyDispatch).
+//
+// One kernel per rank, every rank's kernel resident at once. Per op (seq = the rank's
+// dispatch counter + 1, kept in its sync region so CUDA-graph replays stay valid):
+//  1. Every block reads T (device memory) and topk_idx into shared memory and computes, per
+//     global expert e, how many of this rank's tokens go to e and each (t, k)'s index
+//     among them (a warp per expert: ballot + popc over 32 tokens at a time; a duplicate
+//     expert in a row shares the index). Blocks repeat this small computation instead of
+//     synchronising with each other.
+//  2. Block 0 publishes the [E] counts into every rank's sync region (set seq & 1), then
+//     st.release.sys count_flag[rank] = seq at each.
+//  3. Every block waits (bounded) until all R count flags reach seq, then computes the
+//     first row of this rank in each expert's block, base[e] = Σ_{q < rank} count_q[e]:
+//     rows are packed by source rank ascending, token ascending (the host order).
+//  4. Warps copy rows: one warp per (token, first occurrence of an expert), 16-byte loads
+//     and stores, straight into the owner's ll_recv_x[b] (and scales, src_info); FP8
+//     quantises in registers (16 lanes per 128-channel scale block).
+//  5. Each block takes a ticket; the last one st.release.sys data_flag[rank] = seq at every
+//     rank (all of this rank's rows have landed) and bumps the counter. Block 0 then waits
+//     (bounded) for all R data flags: the op's outputs are complete when the kernel ends.
+// Counts are double-buffered by seq parity: a sender can be at most one op ahead of any
+// reader of its counts (it needs everybody's counts of the next op to pass step 3).
+#include <cstddef>
+
+#include "absl/strings/str_cat.h"
+#include "common.cuh"
+#include "epd/common/status_macros.h"
+#include "epd/kernels/cuda_ops.h"
+#include "ll_internal.h"
+
+namespace epd::kernels::cuda {
+namespace {
+
+using device::GlobalTimerNs;
+using device::LaneId;
+using device::LdAcquireSys;
+using device::LdRelaxedSys;
+using device::LowLatencyExchange;
+using device::LowLatencyState;
+using device::StReleaseSys;
+using device::WaitFlagAtLeast;
+using internal::kLowLatencyThreads;
+
+constexpr int kWarps = kLowLatencyThreads / 32;
+
+enum DispatchMode : int { kBf16Vec = 0, kBf16Scalar = 1, kFp8 = 2 };
+
+struct DispatchParams {
+  uint8_t* const* peer_bases;
+  uint8_t* own_base;
+  const int32_t* num_tokens;
+  const bf16_bits* x;
+  const int64_t* topk_idx;
+  int32_t* recv_count;  // own ll_recv_count[b]
+  int32_t* handle_pos;  // own ll_handle_pos[b]
+  uint64_t sync_offset;
+  uint64_t recv_x_offset;         // ll_recv_x[b], same at every rank
+  uint64_t recv_scales_offset;    // ll_recv_scales[b]
+  uint64_t recv_src_info_offset;  // ll_recv_src_info[b]
+  int64_t rows_per_expert;        // R * Mll
+  int64_t timeout_ns;
+  int32_t rank;
+  int32_t num_ranks;
+  int32_t num_experts;
+  int32_t experts_per_rank;
+  int32_t hidden;
+  int32_t num_topk;
+  int32_t max_tokens;  // Mll
+  int32_t num_scales;
+  int32_t buffer;
+  bool round_scale;
+};
+
+__device__ __forceinline__ int32_t* CountsAt(uint8_t* base, const DispatchParams& p,
+                                             int32_t parity, int32_t sender) {
+  return reinterpret_cast<int32_t*>(base + p.sync_offset + kSyncLowLatencyExchangeOffset +
+                                    LowLatencyExchange::Counts(parity, sender, p.num_ranks,
+                                                               p.num_experts));
+}
+
+__device__ __forceinline__ uint32_t* ExchangeFlag(uint8_t* base, const DispatchParams& p,
+                                                  uint64_t flag_offset) {
+  return reinterpret_cast<uint32_t*>(base + p.sync_offset + kSyncLowLatencyExchangeOffset +
+                                     flag_offset);
+}
+
+// Copies one bf16 row of H channels (H % 8 == 0, 16-byte aligned rows), 4 vectors per lane in
+// flight.
+__device__ __forceinline__ void CopyRowBf16Vec(const bf16_bits* src, uint8_t* dst,
+                                               int32_t hidden) {
+  const int32_t n = hidden / 8;
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  for (int32_t i = LaneId(); i < n; i += 32 * 4) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (i + u * 32 < n) v[u] = s[i + u * 32];
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (i + u * 32 < n) d[i + u * 32] = v[u];
+    }
+  }
+}
+
+__device__ __forceinline__ void CopyRowBf16Scalar(const bf16_bits* src, uint8_t* dst,
+                                                  int32_t hidden) {
+  bf16_bits* d = reinterpret_cast<bf16_bits*>(dst);
+  for (int32_t i = LaneId(); i < hidden; i += 32) d[i] = src[i];
+}
+
+// Quantizes one bf16 row (H % 128 == 0) to e4m3 + one scale per 128 channels, exactly as
+// host::QuantizeRowFp8: amax over the block (fmax, NaN ignored), Fp8Scale, x / scale
+// rounded to e4m3. A lane holds 8 channels; 16 lanes form one scale block.
+__device__ __forceinline__ void QuantizeRowFp8(const bf16_bits* src, uint8_t* dst,
+                                               float* dst_scales, int32_t hidden,
+                                               bool round_scale) {
+  const int32_t n = hidden / 8;  // multiple of 16
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  const int lane = LaneId();
+  for (int32_t base = 0; base < n; base += 64) {
+    uint4 v[2];
+    bool valid[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int32_t i = base + u * 32 + lane;
+      valid[u] = i < n;
+      v[u] = valid[u] ? s[i] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int32_t i = base + u * 32 + lane;
+      float f[8];
+      const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        f[2 * c] = Bf16ToFloat(static_cast<bf16_bits>(w[c] & 0xffffu));
+        f[2 * c + 1] = Bf16ToFloat(static_cast<bf16_bits>(w[c] >> 16));
+      }
+      float amax = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) amax = fmaxf(amax, fabsf(f[c]));
+#pragma unroll
+      for (int mask = 8; mask >= 1; mask >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, mask));
+      }
+      const float scale = Fp8Scale(amax, round_scale);
+      uint32_t packed[2] = {0, 0};
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        packed[c / 4] |= static_cast<uint32_t>(QuantizeE4m3(f[c], scale)) << (8 * (c % 4));
+      }
+      if (valid[u]) {
+        *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(i) * 8) =
+            make_uint2(packed[0], packed[1]);
+        if ((lane & 15) == 0) dst_scales[i / 16] = scale;
+      }
+    }
+  }
+}
+
+template <int kMode>
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    LowLatencyDispatchKernel(const DispatchParams p) {
+  extern __shared__ int32_t smem[];
+  __shared__ uint8_t* s_peer[kMaxStatusRanks];
+  __shared__ uint32_t s_seq;
+  __shared__ int32_t s_num_tokens;
+  __shared__ int s_last;
+  __shared__ int s_aborted;
+
+  const int32_t num_ranks = p.num_ranks;
+  const int32_t num_experts = p.num_experts;
+  const int32_t num_topk = p.num_topk;
+  const int32_t max_slots = p.max_tokens * num_topk;
+  int32_t* s_expert = smem;                   // [Mll*K] expert of (t,k), -1 = none
+  int32_t* s_pos = s_expert + max_slots;      // [Mll*K] index among this rank's tokens to e
+  int32_t* s_count = s_pos + max_slots;       // [E] this rank's tokens per expert
+  int32_t* s_base = s_count + num_experts;    // [E] first row of this rank in e's block
+
+  const int lane = LaneId();
+  const int warp = device::WarpId();
+  const uint64_t deadline = GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
+  uint8_t* sync = p.own_base + p.sync_offset;
+  auto* state = reinterpret_cast<LowLatencyState*>(sync + kSyncLowLatencyStateOffset);
+  DeviceStatus* status = device::StatusOf(p.own_base, p.sync_offset);
+
+  if (threadIdx.x == 0) {
+    s_seq = *reinterpret_cast<volatile uint32_t*>(&state->dispatch_seq) + 1;
+    int32_t t = *reinterpret_cast<const volatile int32_t*>(p.num_tokens);
+    if (t < 0 || t > p.max_tokens) {
+      if (blockIdx.x == 0) device::RecordBadNumTokens(status, t);
+      t = 0;
+    }
+    s_num_tokens = t;
+  }
+  for (int32_t q = threadIdx.x; q < num_ranks; q += blockDim.x) s_peer[q] = p.peer_bases[q];
+  __syncthreads();
+  const uint32_t seq = s_seq;
+  const int32_t num_tokens = s_num_tokens;
+  const int32_t parity = static_cast<int32_t>(seq & 1u);
+  const int32_t slots = num_tokens * num_topk;
+
+  // ---- 1. routing of this rank's tokens ----
+  for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
+    const int64_t e = p.topk_idx[i];
+    const bool in_range = e >= 0 && e < num_experts;
+    if (blockIdx.x == 0 && (e < -1 || e >= num_experts)) atomicAdd(&status->bad_expert_ids, 1u);
+    s_expert[i] = in_range ? static_cast<int32_t>(e) : -1;
+  }
+  __syncthreads();
+  for (int32_t e = warp; e < num_experts; e += kWarps) {
+    int32_t base = 0;
+    for (int32_t t0 = 0; t0 < num_tokens; t0 += 32) {
+      const int32_t t = t0 + lane;
+      bool has = false;
+      if (t < num_tokens) {
+        for (int32_t k = 0; k < num_topk; ++k) has |= s_expert[t * num_topk + k] == e;
+      }
+      const uint32_t ballot = __ballot_sync(0xffffffffu, has);
+      if (has) {
+        const int32_t pos = base + __popc(ballot & ((1u << lane) - 1u));
+        for (int32_t k = 0; k < num_topk; ++k) {
+          if (s_expert[t * num_topk + k] == e) s_pos[t * num_topk + k] = pos;
+        }
+      }
+      base += __popc(ballot);
+    }
+    if (lane == 0) s_count[e] = base;
+  }
+  __syncthreads();
+
+  // ---- 2. publish counts (block 0) ----
+  if (blockIdx.x == 0) {
+    for (int32_t i = threadIdx.x; i < num_ranks * num_experts; i += blockDim.x) {
+      const int32_t q = i / num_experts;
+      const int32_t e = i - q * num_experts;
+      CountsAt(s_peer[q], p, parity, p.rank)[e] = s_count[e];
+    }
+    __syncthreads();
+    if (threadIdx.x < num_ranks) {
+      __threadfence_system();
+      StReleaseSys(ExchangeFlag(s_peer[threadIdx.x], p, LowLatencyExchange::CountFlag(p.rank)),
+                   seq);
+    }
+  }
+
+  // ---- 3. wait for every rank's counts ----
+  bool arrived = true;
+  if (threadIdx.x < num_ranks) {
+    arrived = WaitFlagAtLeast(ExchangeFlag(p.own_base, p, LowLatencyExchange::CountFlag(threadIdx.x)),
+                              seq, deadline);
+    if (!arrived) device::RecordMissingPeer(status, threadIdx.x);
+  }
+  const bool counts_ok = __syncthreads_and(arrived) != 0;
+
+  if (counts_ok) {
+    for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
+      int32_t sum = 0;
+      for (int32_t q = 0; q < p.rank; ++q) sum += LdRelaxedSys(CountsAt(p.own_base, p, parity, q) + e);
+      s_base[e] = sum;
+    }
+    if (blockIdx.x == 0) {
+      const int32_t first = p.rank * p.experts_per_rank;
+      for (int32_t j = threadIdx.x; j < p.experts_per_rank; j += blockDim.x) {
+        int32_t total = 0;
+        for (int32_t q = 0; q < num_ranks; ++q) {
+          total += LdRelaxedSys(CountsAt(p.own_base, p, parity, q) + first + j);
+        }
+        p.recv_count[j] = total;
+      }
+      if (threadIdx.x == 0) state->dispatch_num_tokens[p.buffer] = num_tokens;
+    }
+    __syncthreads();
+    if (blockIdx.x == 0) {
+      for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
+        const int32_t e = s_expert[i];
+        p.handle_pos[i] = e >= 0 ? s_base[e] + s_pos[i] : -1;
+      }
+    }
+
+    // ---- 4. rows straight into the owners' buffers ----
+    const int32_t total_warps = static_cast<int32_t>(gridDim.x) * kWarps;
+    const int64_t hidden = p.hidden;
+    const int64_t out_row_bytes = kMode == kFp8 ? hidden : hidden * 2;
+    for (int32_t u = static_cast<int32_t>(blockIdx.x) * kWarps + warp; u < slots;
+         u += total_warps) {
+      const int32_t e = s_expert[u];
+      if (e < 0) continue;
+      const int32_t t = u / num_topk;
+      const int32_t k = u - t * num_topk;
+      bool duplicate = false;
+      for (int32_t j = 0; j < k; ++j) duplicate |= s_expert[t * num_topk + j] == e;
+      if (duplicate) continue;
+      const int32_t owner = e / p.experts_per_rank;
+      const int64_t row = static_cast<int64_t>(e - owner * p.experts_per_rank) * p.rows_per_expert +
+                          s_base[e] + s_pos[u];
+      uint8_t* dst_base = s_peer[owner];
+      uint8_t* dst = dst_base + p.recv_x_offset + row * out_row_bytes;
+      const bf16_bits* src = p.x + static_cast<int64_t>(t) * hidden;
+      if constexpr (kMode == kBf16Vec) {
+        CopyRowBf16Vec(src, dst, p.hidden);
+      } else if constexpr (kMode == kBf16Scalar) {
+        CopyRowBf16Scalar(src, dst, p.hidden);
+      } else {
+        float* scales = reinterpret_cast<float*>(dst_base + p.recv_scales_offset) +
+                        row * p.num_scales;
+        QuantizeRowFp8(src, dst, scales, p.hidden, p.round_scale);
+      }
+      if (lane == 0) {
+        reinterpret_cast<int32_t*>(dst_base + p.recv_src_info_offset)[row] =
+            p.rank * p.max_tokens + t;
+      }
+    }
+  } else if (threadIdx.x == 0) {
+    atomicExch(&state->dispatch_aborted, seq);
+    if (blockIdx.x == 0) state->dispatch_num_tokens[p.buffer] = 0;
+  }
+
+  // ---- 5. the last block tells every rank that this rank's rows have landed ----
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    const uint32_t ticket = atomicAdd(&state->dispatch_ticket, 1u);
+    s_last = ticket == gridDim.x - 1;
+    if (s_last) {
+      s_aborted = atomicAdd(&state->dispatch_aborted, 0u) == seq;
+      state->dispatch_ticket = 0;
+      state->dispatch_seq = seq;
+    }
+  }
+  __syncthreads();
+  if (s_last && !s_aborted && threadIdx.x < num_ranks) {
+    __threadfence_system();
+    StReleaseSys(ExchangeFlag(s_peer[threadIdx.x], p, LowLatencyExchange::DataFlag(p.rank)), seq);
+  }
+  if (blockIdx.x == 0 && counts_ok && threadIdx.x < num_ranks) {
+    if (!WaitFlagAtLeast(ExchangeFlag(p.own_base, p, LowLatencyExchange::DataFlag(threadIdx.x)),
+                         seq, deadline)) {
+      device::RecordMissingPeer(status, threadIdx.x);
+    }
+  }
+}
+
+}  // namespace
+
+namespace internal {
+
+absl::Status ValidateLowLatency(const CudaRankContext& ctx, int32_t buffer, const char* op) {
+  EPD_RETURN_IF_ERROR(ValidateContext(ctx));
+  const GroupShape& s = ctx.shape;
+  if (s.ll_max_tokens_per_rank <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": low-latency ops are disabled (ll_max_tokens_per_rank = ",
+                     s.ll_max_tokens_per_rank, ")"));
+  }
+  if (buffer < 0 || buffer >= kLowLatencyBuffers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": buffer = ", buffer, " is outside [0, ", kLowLatencyBuffers, ")"));
+  }
+  if (s.num_topk > kLowLatencyMaxTopk) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": num_topk = ", s.num_topk,
+                                                   " exceeds the CUDA kernels' limit of ",
+                                                   kLowLatencyMaxTopk));
+  }
+  if (device::LowLatencyExchange::Bytes(s.num_ranks, s.num_experts) >
+      kSyncLowLatencyExchangeBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": num_ranks * num_experts = ", static_cast<int64_t>(s.num_ranks) * s.num_experts,
+        " needs ", device::LowLatencyExchange::Bytes(s.num_ranks, s.num_experts),
+        " bytes of low-latency count exchange; the sync region has ",
+        kSyncLowLatencyExchangeBytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PreloadLowLatencyDispatchKernels() {
+  cudaFuncAttributes attr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, LowLatencyDispatchKernel<kBf16Vec>));
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, LowLatencyDispatchKernel<kBf16Scalar>));
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, LowLatencyDispatchKernel<kFp8>));
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+
+absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDispatchArgs& args,
+                                cudaStream_t stream) {
+  constexpr const char* kOp = "LowLatencyDispatch";
+  EPD_RETURN_IF_ERROR(internal::ValidateLowLatency(ctx, args.buffer, kOp));
+  const GroupShape& s = ctx.shape;
+  const EndpointLayout& l = ctx.layout;
+  if (args.use_fp8 && (!s.use_fp8 || s.hidden % kFp8BlockChannels != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        kOp, ": use_fp8 needs shape.use_fp8 (", s.use_fp8, ") and hidden % ", kFp8BlockChannels,
+        " == 0 (hidden = ", s.hidden, ")"));
+  }
+  const int b = args.buffer;
+  DispatchParams p{};
+  p.peer_bases = ctx.peer_bases;
+  p.own_base = ctx.own_base;
+  p.num_tokens = args.num_tokens != nullptr ? args.num_tokens : LowLatencyNumTokensSlot(ctx);
+  p.x = args.x != nullptr ? args.x : reinterpret_cast<const bf16_bits*>(ctx.own_base + l.in_x.offset);
+  p.topk_idx = args.topk_idx != nullptr
+                   ? args.topk_idx
+                   : reinterpret_cast<const int64_t*>(ctx.own_base + l.in_topk_idx.offset);
+  p.recv_count = reinterpret_cast<int32_t*>(ctx.own_base + l.ll_recv_count[b].offset);
+  p.handle_pos = reinterpret_cast<int32_t*>(ctx.own_base + l.ll_handle_pos[b].offset);
+  p.sync_offset = l.sync.offset;
+  p.recv_x_offset = l.ll_recv_x[b].offset;
+  p.recv_scales_offset = l.ll_recv_scales[b].offset;
+  p.recv_src_info_offset = l.ll_recv_src_info[b].offset;
+  p.rows_per_expert = s.ll_rows_per_expert();
+  p.timeout_ns = ctx.timeout_ns;
+  p.rank = ctx.rank;
+  p.num_ranks = s.num_ranks;
+  p.num_experts = s.num_experts;
+  p.experts_per_rank = s.num_local_experts();
+  p.hidden = s.hidden;
+  p.num_topk = s.num_topk;
+  p.max_tokens = s.ll_max_tokens_per_rank;
+  p.num_scales = s.num_scales();
+  p.buffer = b;
+  p.round_scale = args.round_scale;
+
+  int32_t num_blocks = 0;
+  EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &num_blocks));
+  const size_t smem = sizeof(int32_t) * (2ull * s.ll_max_tokens_per_rank * s.num_topk +
+                                         2ull * s.num_experts);
+  const bool x_aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  if (args.use_fp8 && !x_aligned) {
+    return absl::InvalidArgumentError(absl::StrCat(kOp, ": x must be 16-byte aligned for FP8"));
+  }
+  const bool vec = s.hidden % 8 == 0 && x_aligned;
+  auto kernel = args.use_fp8 ? LowLatencyDispatchKernel<kFp8>
+                             : (vec ? LowLatencyDispatchKernel<kBf16Vec>
+                                    : LowLatencyDispatchKernel<kBf16Scalar>);
+  if (smem > 48 * 1024) {
+    int device = 0;
+    int limit = 0;
+    EPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    EPD_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (smem + 4096 > static_cast<size_t>(limit)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kOp, ": ll_max_tokens_per_rank * num_topk = ",
+          static_cast<int64_t>(s.ll_max_tokens_per_rank) * s.num_topk,
+          " needs ", smem, " bytes of shared memory; the device allows ", limit));
+    }
+    EPD_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem)));
+  }
+  kernel<<<num_blocks, kLowLatencyThreads, smem, stream>>>(p);
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
+
+}  // namespace epd::kernels::cuda
