@@ -1,0 +1,100 @@
+// Argument checks shared by the host ops (see internal.h), and CheckTopkIdx.
+#include "absl/strings/str_cat.h"
+#include "internal.h"
+
+namespace epd::kernels::host {
+namespace internal {
+
+absl::Status CheckGroupShape(const GroupShape& shape) {
+  if (shape.num_ranks < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GroupShape.num_ranks = ", shape.num_ranks, " must be >= 1"));
+  }
+  if (shape.num_experts < shape.num_ranks || shape.num_experts % shape.num_ranks != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GroupShape.num_experts = ", shape.num_experts,
+                     " must be a positive multiple of num_ranks = ", shape.num_ranks));
+  }
+  if (shape.hidden < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GroupShape.hidden = ", shape.hidden, " must be >= 1"));
+  }
+  if (shape.num_topk < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GroupShape.num_topk = ", shape.num_topk, " must be >= 1"));
+  }
+  if (shape.max_tokens_per_rank < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GroupShape.max_tokens_per_rank = ", shape.max_tokens_per_rank, " must be >= 0"));
+  }
+  if (shape.ll_max_tokens_per_rank < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GroupShape.ll_max_tokens_per_rank = ", shape.ll_max_tokens_per_rank, " must be >= 0"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFp8Hidden(const GroupShape& shape, bool fp8, const char* op) {
+  if (fp8 && shape.hidden % kFp8BlockChannels != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": FP8 needs hidden % ", kFp8BlockChannels,
+                                                   " == 0, hidden = ", shape.hidden));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckNumRankArgs(const GroupShape& shape, size_t num_args, const char* op) {
+  if (num_args != static_cast<size_t>(shape.num_ranks)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": got args for ", num_args, " ranks, num_ranks = ", shape.num_ranks));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckNumTokens(int32_t rank, int32_t num_tokens, int32_t capacity,
+                            const char* capacity_name) {
+  if (num_tokens < 0 || num_tokens > capacity) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, ": num_tokens = ", num_tokens,
+                                                   " is outside [0, ", capacity_name, " = ",
+                                                   capacity, "]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPointer(const void* ptr, bool needed, const char* op, int32_t rank,
+                          const char* field) {
+  if (needed && ptr == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": rank ", rank, ": ", field, " is null"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTopkIdxImpl(const GroupShape& shape, int32_t rank, int32_t num_tokens,
+                              const int64_t* topk_idx) {
+  if (num_tokens <= 0) return absl::OkStatus();
+  if (topk_idx == nullptr) {
+    return absl::InvalidArgumentError(
+        rank >= 0 ? absl::StrCat("rank ", rank, ": topk_idx is null with num_tokens = ", num_tokens)
+                  : absl::StrCat("topk_idx is null with num_tokens = ", num_tokens));
+  }
+  const int64_t k_count = shape.num_topk;
+  const int64_t n = static_cast<int64_t>(num_tokens) * k_count;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t e = topk_idx[i];
+    if (e < -1 || e >= shape.num_experts) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("topk_idx", rank >= 0 ? absl::StrCat(" of rank ", rank) : std::string(),
+                       " at token ", i / k_count, ", k ", i % k_count, " = ", e,
+                       " is outside [-1, num_experts = ", shape.num_experts, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+
+absl::Status CheckTopkIdx(const GroupShape& shape, int32_t rank, int32_t num_tokens,
+                          const int64_t* topk_idx) {
+  return internal::CheckTopkIdxImpl(shape, rank, num_tokens, topk_idx);
+}
+
+}  // namespace epd::kernels::host

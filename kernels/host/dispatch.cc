@@ -1,0 +1,279 @@
+// Normal (high-throughput) dispatch on the CPU (host_ops.h: Dispatch).
+//
+// Phases: (1) check every argument and compute each token's destination rows into
+// temporaries, (2) check receive capacities, (3) only then write any output. Row copies
+// are split over chunks of source tokens; every (token, destination) pair owns its
+// destination row, so the result is identical for any thread count.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "epd/common/status_macros.h"
+#include "epd/kernels/host_ops.h"
+#include "internal.h"
+
+namespace epd::kernels::host {
+namespace {
+
+constexpr const char* kOp = "Dispatch";
+
+/// Routing of one source rank computed before anything is written.
+struct SourceRouting {
+  /// [T, R]: row at each destination, relative to this source's first row there
+  /// (non-cached), or absolute (cached: points at cached_send_pos).
+  std::vector<int32_t> local_pos;
+  /// [R]: tokens of this source sent to each rank.
+  std::vector<int32_t> count_to_rank;
+  /// [E]: tokens of this source routed to each expert (duplicates in a row once).
+  std::vector<int32_t> count_to_expert;
+};
+
+int64_t AlignUp(int64_t n, int64_t alignment) {
+  return (n + alignment - 1) / alignment * alignment;
+}
+
+}  // namespace
+
+absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
+                      std::span<DispatchRankArgs> args, const HostExecution& exec) {
+  using internal::CheckPointer;
+  EPD_RETURN_IF_ERROR(internal::CheckGroupShape(shape));
+  EPD_RETURN_IF_ERROR(internal::CheckNumRankArgs(shape, args.size(), kOp));
+  if (options.expert_alignment < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kOp, ": expert_alignment = ", options.expert_alignment, " must be >= 1"));
+  }
+  EPD_RETURN_IF_ERROR(internal::CheckFp8Hidden(shape, options.fp8, kOp));
+  const int32_t num_ranks = shape.num_ranks;
+  const int32_t num_experts = shape.num_experts;
+  const int32_t num_topk = shape.num_topk;
+  const int32_t experts_per_rank = shape.num_local_experts();
+  const int32_t num_scales = shape.num_scales();
+  const int64_t hidden = shape.hidden;
+
+  // Cached re-dispatch when any rank passes a cached handle; then every rank with tokens
+  // must. Weights are moved when any rank passes them; then every rank with tokens must.
+  bool cached = false, with_weights = false;
+  for (const DispatchRankArgs& a : args) {
+    cached |= a.cached_send_pos != nullptr;
+    with_weights |= a.topk_weights != nullptr && a.num_tokens > 0;
+  }
+  if (cached) with_weights = false;
+
+  // ---- Per-source checks.
+  for (int32_t s = 0; s < num_ranks; ++s) {
+    const DispatchRankArgs& a = args[s];
+    EPD_RETURN_IF_ERROR(internal::CheckNumTokens(s, a.num_tokens, shape.max_tokens_per_rank,
+                                                 "max_tokens_per_rank"));
+    const bool has_tokens = a.num_tokens > 0;
+    EPD_RETURN_IF_ERROR(CheckPointer(a.x, has_tokens, kOp, s, "x"));
+    EPD_RETURN_IF_ERROR(CheckPointer(a.x_scales, has_tokens && options.fp8, kOp, s, "x_scales"));
+    EPD_RETURN_IF_ERROR(CheckPointer(a.send_pos, has_tokens, kOp, s, "send_pos"));
+    EPD_RETURN_IF_ERROR(CheckPointer(a.rank_prefix, true, kOp, s, "rank_prefix"));
+    if (cached) {
+      EPD_RETURN_IF_ERROR(CheckPointer(a.cached_send_pos, has_tokens, kOp, s,
+                                       "cached_send_pos (other ranks re-dispatch from a "
+                                       "cached handle)"));
+      if (a.cached_num_recv_tokens < 0 || a.cached_num_recv_tokens > a.recv_capacity) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(kOp, ": rank ", s, ": cached_num_recv_tokens = ", a.cached_num_recv_tokens,
+                         " is outside [0, recv_capacity = ", a.recv_capacity, "]"));
+      }
+    } else {
+      EPD_RETURN_IF_ERROR(CheckTopkIdx(shape, s, a.num_tokens, a.topk_idx));
+      EPD_RETURN_IF_ERROR(CheckPointer(a.topk_weights, has_tokens && with_weights, kOp, s,
+                                       "topk_weights (other ranks pass weights)"));
+      EPD_RETURN_IF_ERROR(
+          CheckPointer(a.recv_tokens_per_expert, true, kOp, s, "recv_tokens_per_expert"));
+    }
+  }
+
+  // ---- Routing into temporaries.
+  std::vector<SourceRouting> routing(static_cast<size_t>(num_ranks));
+  const int threads = internal::ResolveThreads(exec);
+  if (!cached) {
+    internal::ParallelFor(num_ranks, threads, [&](int64_t s) {
+      const DispatchRankArgs& a = args[s];
+      SourceRouting& out = routing[s];
+      out.local_pos.assign(static_cast<size_t>(a.num_tokens) * num_ranks, -1);
+      out.count_to_rank.assign(num_ranks, 0);
+      out.count_to_expert.assign(num_experts, 0);
+      for (int32_t t = 0; t < a.num_tokens; ++t) {
+        const int64_t* row = a.topk_idx + static_cast<int64_t>(t) * num_topk;
+        int32_t* pos = out.local_pos.data() + static_cast<int64_t>(t) * num_ranks;
+        for (int k = 0; k < num_topk; ++k) {
+          const int64_t e = row[k];
+          if (e < 0 || internal::IsDuplicateInRow(row, k)) continue;
+          ++out.count_to_expert[e];
+          const int64_t r = e / experts_per_rank;
+          if (pos[r] < 0) pos[r] = out.count_to_rank[r]++;
+        }
+      }
+    });
+  } else {
+    // Count each source's rows per destination, checking every cached row is -1 or
+    // inside that destination's cached row count.
+    for (int32_t s = 0; s < num_ranks; ++s) {
+      const DispatchRankArgs& a = args[s];
+      SourceRouting& out = routing[s];
+      out.count_to_rank.assign(num_ranks, 0);
+      for (int32_t t = 0; t < a.num_tokens; ++t) {
+        for (int32_t r = 0; r < num_ranks; ++r) {
+          const int32_t row = a.cached_send_pos[static_cast<int64_t>(t) * num_ranks + r];
+          if (row == -1) continue;
+          if (row < 0 || row >= args[r].cached_num_recv_tokens) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(kOp, ": cached_send_pos of rank ", s, " at token ", t, ", rank ", r,
+                             " = ", row, " is outside [-1, cached_num_recv_tokens of rank ", r,
+                             " = ", args[r].cached_num_recv_tokens, ")"));
+          }
+          ++out.count_to_rank[r];
+        }
+      }
+    }
+    // Every destination row must be written by exactly one source token.
+    for (int32_t r = 0; r < num_ranks; ++r) {
+      std::vector<uint8_t> seen(static_cast<size_t>(args[r].cached_num_recv_tokens), 0);
+      int64_t filled = 0;
+      for (int32_t s = 0; s < num_ranks; ++s) {
+        for (int32_t t = 0; t < args[s].num_tokens; ++t) {
+          const int32_t row = args[s].cached_send_pos[static_cast<int64_t>(t) * num_ranks + r];
+          if (row < 0) continue;
+          if (seen[row]) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                kOp, ": cached handle sends two tokens to row ", row, " of rank ", r,
+                " (second: rank ", s, " token ", t, "): not a handle of one dispatch"));
+          }
+          seen[row] = 1;
+          ++filled;
+        }
+      }
+      if (filled != args[r].cached_num_recv_tokens) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(kOp, ": cached handle fills ", filled, " rows of rank ", r,
+                         ", cached_num_recv_tokens = ", args[r].cached_num_recv_tokens));
+      }
+    }
+  }
+
+  // ---- Per-destination row counts, prefixes and capacity / output checks.
+  // prefix[r * R + s] = first row of source s at destination r.
+  std::vector<int64_t> prefix(static_cast<size_t>(num_ranks) * num_ranks, 0);
+  std::vector<int64_t> num_recv(num_ranks, 0);
+  for (int32_t r = 0; r < num_ranks; ++r) {
+    int64_t total = 0;
+    for (int32_t s = 0; s < num_ranks; ++s) {
+      prefix[static_cast<size_t>(r) * num_ranks + s] = total;
+      total += routing[s].count_to_rank[r];
+    }
+    num_recv[r] = total;
+    const DispatchRankArgs& a = args[r];
+    if (total > a.recv_capacity) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kOp, ": rank ", r, " receives ", total,
+                       " tokens, more than its recv_capacity = ", a.recv_capacity));
+    }
+    const bool receives = total > 0;
+    EPD_RETURN_IF_ERROR(CheckPointer(a.recv_x, receives, kOp, r, "recv_x"));
+    EPD_RETURN_IF_ERROR(
+        CheckPointer(a.recv_scales, receives && options.fp8, kOp, r, "recv_scales"));
+    EPD_RETURN_IF_ERROR(CheckPointer(a.recv_src_info, receives, kOp, r, "recv_src_info"));
+    EPD_RETURN_IF_ERROR(
+        CheckPointer(a.recv_topk_idx, receives && !cached, kOp, r, "recv_topk_idx"));
+    EPD_RETURN_IF_ERROR(
+        CheckPointer(a.recv_topk_weights, receives && with_weights, kOp, r, "recv_topk_weights"));
+  }
+  if (!cached) {
+    for (int32_t r = 0; r < num_ranks; ++r) {
+      for (int32_t j = 0; j < experts_per_rank; ++j) {
+        int64_t count = 0;
+        for (int32_t s = 0; s < num_ranks; ++s) {
+          count += routing[s].count_to_expert[static_cast<size_t>(r) * experts_per_rank + j];
+        }
+        if (AlignUp(count, options.expert_alignment) > INT32_MAX) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              kOp, ": expert_alignment = ", options.expert_alignment,
+              " makes the aligned count of local expert ", j, " of rank ", r, " overflow int32"));
+        }
+      }
+    }
+  }
+
+  // ---- Everything is valid: write the outputs.
+  for (int32_t r = 0; r < num_ranks; ++r) {
+    DispatchRankArgs& a = args[r];
+    a.num_recv_tokens = static_cast<int32_t>(num_recv[r]);
+    for (int32_t s = 0; s < num_ranks; ++s) {
+      a.rank_prefix[s] = static_cast<int32_t>(prefix[static_cast<size_t>(r) * num_ranks + s]);
+    }
+    if (!cached) {
+      for (int32_t j = 0; j < experts_per_rank; ++j) {
+        int64_t count = 0;
+        for (int32_t s = 0; s < num_ranks; ++s) {
+          count += routing[s].count_to_expert[static_cast<size_t>(r) * experts_per_rank + j];
+        }
+        a.recv_tokens_per_expert[j] =
+            static_cast<int32_t>(AlignUp(count, options.expert_alignment));
+      }
+    }
+  }
+
+  const int64_t x_row_bytes = options.fp8 ? hidden : hidden * 2;
+  std::vector<int32_t> num_tokens(num_ranks);
+  for (int32_t s = 0; s < num_ranks; ++s) num_tokens[s] = args[s].num_tokens;
+  const std::vector<internal::TokenChunk> chunks =
+      internal::SplitTokens(num_tokens, internal::GrainForRowBytes(x_row_bytes));
+  const int64_t max_tokens = shape.max_tokens_per_rank;
+  internal::ParallelFor(static_cast<int64_t>(chunks.size()), threads, [&](int64_t c) {
+    const internal::TokenChunk& chunk = chunks[c];
+    const int32_t s = chunk.rank;
+    const DispatchRankArgs& src = args[s];
+    for (int32_t t = chunk.begin; t < chunk.end; ++t) {
+      int32_t* send_pos = src.send_pos + static_cast<int64_t>(t) * num_ranks;
+      if (cached) {
+        // memmove: send_pos may be the cached handle itself.
+        std::memmove(send_pos, src.cached_send_pos + static_cast<int64_t>(t) * num_ranks,
+                     sizeof(int32_t) * num_ranks);
+      } else {
+        const int32_t* local = routing[s].local_pos.data() + static_cast<int64_t>(t) * num_ranks;
+        for (int32_t r = 0; r < num_ranks; ++r) {
+          send_pos[r] =
+              local[r] < 0
+                  ? -1
+                  : static_cast<int32_t>(prefix[static_cast<size_t>(r) * num_ranks + s] + local[r]);
+        }
+      }
+      const auto* x_row = static_cast<const uint8_t*>(src.x) + t * x_row_bytes;
+      for (int32_t r = 0; r < num_ranks; ++r) {
+        const int64_t row = send_pos[r];
+        if (row < 0) continue;
+        const DispatchRankArgs& dst = args[r];
+        std::memcpy(static_cast<uint8_t*>(dst.recv_x) + row * x_row_bytes, x_row,
+                    static_cast<size_t>(x_row_bytes));
+        if (options.fp8) {
+          std::memcpy(dst.recv_scales + row * num_scales,
+                      src.x_scales + static_cast<int64_t>(t) * num_scales,
+                      sizeof(float) * num_scales);
+        }
+        dst.recv_src_info[row] = static_cast<int32_t>(s * max_tokens + t);
+        if (cached) continue;
+        const int64_t* idx = src.topk_idx + static_cast<int64_t>(t) * num_topk;
+        int64_t* recv_idx = dst.recv_topk_idx + row * num_topk;
+        const int64_t first_local = static_cast<int64_t>(r) * experts_per_rank;
+        for (int k = 0; k < num_topk; ++k) {
+          const bool local = idx[k] >= first_local && idx[k] < first_local + experts_per_rank;
+          recv_idx[k] = local ? idx[k] - first_local : -1;
+        }
+        if (with_weights) {
+          const float* w = src.topk_weights + static_cast<int64_t>(t) * num_topk;
+          float* recv_w = dst.recv_topk_weights + row * num_topk;
+          for (int k = 0; k < num_topk; ++k) recv_w[k] = recv_idx[k] >= 0 ? w[k] : 0.0f;
+        }
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace epd::kernels::host
