@@ -1,0 +1,156 @@
+// Normal (high-throughput) combine on CUDA: an arrival barrier, then every rank pulls its
+// tokens' rows from the ranks that hold them (send_pos) and reduces them in f32 in
+// ascending rank order (host_ops.h: Combine; bit-identical to the host).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "epd/common/status_macros.h"
+#include "epd/kernels/cuda_normal.h"
+#include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/types.h"
+#include "normal_common.cuh"
+
+namespace epd::kernels::cuda {
+namespace normal {
+namespace {
+
+constexpr int kCombineUnroll = 2;
+
+__device__ __forceinline__ int4 LoadNoAllocate(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+/// Adds the 8 bf16 of `v` (element 2j in the low half of word j) to acc[0..8).
+__device__ __forceinline__ void AddBf16x8(const int4& v, float* acc) {
+  const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
+                         static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    acc[2 * j] += __uint_as_float(w[j] << 16);
+    acc[2 * j + 1] += __uint_as_float(w[j] & 0xffff0000u);
+  }
+}
+
+/// Pull-and-reduce: grid of num_sms blocks of kNormalThreads; warp w of the grid handles
+/// this rank's tokens w, w + warps, ... For token t: send_pos[t, :] gives the row at each
+/// rank holding it; for each group of kCombineUnroll 16-byte vectors of the row (8 bf16
+/// channels each), acc = +0.0f, then += f32(row at r) for r ascending, then one
+/// round-to-nearest-even to bf16 (types.h FloatToBf16, the host's rounding). With
+/// `kVector` false (H % 8 != 0) channels go one bf16 at a time.
+template <bool kVector>
+__global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalParams p) {
+  const uint32_t seq = CurrentSeq(p);
+  if (CurrentOpFailed(p, seq)) return;
+  const int num_tokens = ReadNumTokens(p, false);
+  const int num_ranks = p.shape.num_ranks;
+  const int num_topk = p.shape.num_topk;
+  const int64_t hidden = p.shape.hidden;
+  const int lane = threadIdx.x & 31;
+  const int warps_per_block = blockDim.x >> 5;
+
+  uint8_t* own = p.peer_bases[p.rank];
+  const int32_t* send_pos = Region<const int32_t>(own, p.layout.send_pos);
+  bf16_bits* combined_x = Region<bf16_bits>(own, p.layout.combined_x);
+  float* combined_w = Region<float>(own, p.layout.combined_topk_weights);
+  TokenRanks ranks;
+  ranks.LoadBases(p.peer_bases, num_ranks, lane);
+
+  for (int t = blockIdx.x * warps_per_block + (threadIdx.x >> 5); t < num_tokens;
+       t += gridDim.x * warps_per_block) {
+    ranks.LoadRow(send_pos + static_cast<int64_t>(t) * num_ranks, num_ranks, lane);
+    const uint64_t mask = ranks.mask;
+    bf16_bits* out = combined_x + t * hidden;
+
+    if constexpr (kVector) {
+      const int64_t num_vec = hidden / 8;
+      for (int64_t i = lane; i < num_vec; i += 32 * kCombineUnroll) {
+        float acc[kCombineUnroll][8];
+#pragma unroll
+        for (int u = 0; u < kCombineUnroll; ++u) {
+#pragma unroll
+          for (int c = 0; c < 8; ++c) acc[u][c] = 0.0f;
+        }
+        for (uint64_t m = mask; m != 0; m &= m - 1) {
+          const int4* src = reinterpret_cast<const int4*>(
+              ranks.RowAt(LowestRank(m), p.layout.in_combine_x.offset, hidden * 2));
+          int4 v[kCombineUnroll];
+#pragma unroll
+          for (int u = 0; u < kCombineUnroll; ++u) {
+            if (i + 32 * u < num_vec) v[u] = LoadNoAllocate(src + i + 32 * u);
+          }
+#pragma unroll
+          for (int u = 0; u < kCombineUnroll; ++u) {
+            if (i + 32 * u < num_vec) AddBf16x8(v[u], acc[u]);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kCombineUnroll; ++u) {
+          if (i + 32 * u >= num_vec) continue;
+          int4 o;
+          uint32_t* w = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            w[j] = static_cast<uint32_t>(FloatToBf16(acc[u][2 * j])) |
+                   (static_cast<uint32_t>(FloatToBf16(acc[u][2 * j + 1])) << 16);
+          }
+          reinterpret_cast<int4*>(out)[i + 32 * u] = o;
+        }
+      }
+    } else {
+      for (int64_t h = lane; h < hidden; h += 32) {
+        float acc = 0.0f;
+        for (uint64_t m = mask; m != 0; m &= m - 1) {
+          const bf16_bits* src = reinterpret_cast<const bf16_bits*>(
+              ranks.RowAt(LowestRank(m), p.layout.in_combine_x.offset, hidden * 2));
+          acc += Bf16ToFloat(src[h]);
+        }
+        out[h] = FloatToBf16(acc);
+      }
+    }
+
+    if (p.with_weights) {
+      for (int k = lane; k < num_topk; k += 32) {
+        float w = 0.0f;
+        for (uint64_t m = mask; m != 0; m &= m - 1) {
+          w += reinterpret_cast<const float*>(ranks.RowAt(
+              LowestRank(m), p.layout.in_combine_weights.offset, 4 * int64_t{num_topk}))[k];
+        }
+        combined_w[static_cast<int64_t>(t) * num_topk + k] = w;
+      }
+    }
+  }
+  FinishOp(p, seq);
+}
+
+absl::Status PreloadCombineKernels() {
+  cudaFuncAttributes attr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NormalCombineKernel<true>));
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NormalCombineKernel<false>));
+  return absl::OkStatus();
+}
+const bool kCombinePreloadRegistered = RegisterPreloadHook(&PreloadCombineKernels);
+
+}  // namespace
+}  // namespace normal
+
+absl::Status NormalCombine(const CudaRankContext& ctx, const NormalCombineArgs& args,
+                           cudaStream_t stream) {
+  normal::NormalParams p;
+  int32_t num_blocks = 0;
+  EPD_RETURN_IF_ERROR(normal::MakeNormalParams(ctx, args.num_tokens, &p, &num_blocks));
+  p.with_weights = args.with_weights ? 1 : 0;
+  EPD_RETURN_IF_ERROR(normal::LaunchNotify(p, /*notify=*/false, stream));
+  if (ctx.shape.hidden % 8 == 0) {
+    normal::NormalCombineKernel<true><<<num_blocks, kNormalThreads, 0, stream>>>(p);
+  } else {
+    normal::NormalCombineKernel<false><<<num_blocks, kNormalThreads, 0, stream>>>(p);
+  }
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
+
+}  // namespace epd::kernels::cuda

@@ -1,0 +1,196 @@
+// Device-side pieces shared by the normal-mode kernels (cuda_normal.h): the kernel
+// parameter block, the sync-region map, inter-rank flags and bounded waits, and the
+// arrival barrier / done barrier both dispatch and combine use.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "epd/kernels/cuda_normal.h"
+#include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/layout.h"
+#include "common.cuh"
+
+namespace epd::kernels::cuda::normal {
+
+/// Everything a normal-mode kernel of one rank reads, passed by value.
+struct NormalParams {
+  GroupShape shape;
+  EndpointLayout layout;
+  int32_t rank = 0;
+  uint8_t* const* peer_bases = nullptr;  ///< Device array [R].
+  const int32_t* num_tokens = nullptr;   ///< Device int32: run-time T.
+  int64_t timeout_ns = 0;
+  NormalSyncLayout sync_map;
+  // Dispatch options.
+  int32_t fp8 = 0;
+  int32_t expert_alignment = 1;
+  int32_t with_weights = 0;
+  int32_t cached = 0;
+  /// Overrides of the default input regions (GetDispatchLayout only), may be null.
+  const int64_t* topk_idx = nullptr;
+};
+
+// ---- addressing ---------------------------------------------------------------------------
+
+/// Base of rank `r`'s normal sync area as seen from this context.
+__device__ __forceinline__ uint8_t* NormalSync(const NormalParams& p, int r) {
+  return p.peer_bases[r] + p.layout.sync.offset + kSyncNormalOffset;
+}
+__device__ __forceinline__ DeviceStatus* OwnStatus(const NormalParams& p) {
+  return reinterpret_cast<DeviceStatus*>(p.peer_bases[p.rank] + p.layout.sync.offset +
+                                         kSyncStatusOffset);
+}
+template <typename T>
+__device__ __forceinline__ T* Region(uint8_t* base, const epd::kernels::Region& r) {
+  return reinterpret_cast<T*>(base + r.offset);
+}
+
+// ---- flags (uint32 sequence numbers, compared wrap-around safe: common.cuh) -----------
+
+using device::LdAcquireSys;
+using device::StReleaseSys;
+
+// ---- per-token routing ------------------------------------------------------------------
+
+/// Scans one token's top-k row: returns the mask of ranks it has an expert on; adds 1 to
+/// expert_count[e] (shared memory) for each expert once (a duplicate in the row counted
+/// once) when expert_count is not null; counts ids outside [-1, E) into *bad (skipped).
+__device__ __forceinline__ uint64_t ScanTopkRow(const int64_t* row, int num_topk,
+                                                int num_experts, int experts_per_rank,
+                                                int32_t* expert_count, unsigned int* bad) {
+  uint64_t mask = 0;
+  for (int k = 0; k < num_topk; ++k) {
+    const int64_t e = row[k];
+    if (e < -1 || e >= num_experts) {
+      ++*bad;
+      continue;
+    }
+    if (e < 0) continue;
+    if (expert_count != nullptr) {
+      bool duplicate = false;
+      for (int j = 0; j < k; ++j) duplicate |= row[j] == e;
+      if (!duplicate) atomicAdd(&expert_count[e], 1);
+    }
+    mask |= 1ull << (e / experts_per_rank);
+  }
+  return mask;
+}
+
+/// The ranks one token goes to (or comes back from), held by one warp: lane l keeps the
+/// send_pos row entries and data-area bases of ranks l and l + 32 (R <= 64); `mask` has
+/// bit r set when send_pos[t, r] >= 0. Row(r) / Base(r) are warp-collective (r uniform).
+struct TokenRanks {
+  int32_t pos_lo, pos_hi;
+  unsigned long long base_lo, base_hi;
+  uint64_t mask;
+
+  /// Lane-local part of the rank bases; call once per kernel.
+  __device__ __forceinline__ void LoadBases(uint8_t* const* peer_bases, int num_ranks,
+                                            int lane) {
+    base_lo = reinterpret_cast<unsigned long long>(lane < num_ranks ? peer_bases[lane] : nullptr);
+    base_hi = reinterpret_cast<unsigned long long>(lane + 32 < num_ranks ? peer_bases[lane + 32]
+                                                                         : nullptr);
+  }
+  /// Loads send_pos[t, :] (row `pos_row`) and builds the mask. Warp-collective.
+  __device__ __forceinline__ void LoadRow(const int32_t* pos_row, int num_ranks, int lane) {
+    pos_lo = lane < num_ranks ? pos_row[lane] : -1;
+    pos_hi = lane + 32 < num_ranks ? pos_row[lane + 32] : -1;
+    mask = static_cast<uint64_t>(__ballot_sync(0xffffffffu, pos_lo >= 0)) |
+           (static_cast<uint64_t>(__ballot_sync(0xffffffffu, pos_hi >= 0)) << 32);
+  }
+  __device__ __forceinline__ int64_t Row(int r) const {
+    return __shfl_sync(0xffffffffu, r < 32 ? pos_lo : pos_hi, r & 31);
+  }
+  __device__ __forceinline__ uint8_t* Base(int r) const {
+    return reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, r < 32 ? base_lo : base_hi, r & 31));
+  }
+  /// Address of this token's row in rank r's region at `region_offset` (rows of
+  /// `row_bytes`): 64-bit offsets throughout.
+  __device__ __forceinline__ uint8_t* RowAt(int r, uint64_t region_offset,
+                                            int64_t row_bytes) const {
+    return Base(r) + region_offset + Row(r) * row_bytes;
+  }
+};
+
+/// Lowest set bit of a non-zero mask (ranks are visited in ascending order).
+__device__ __forceinline__ int LowestRank(uint64_t m) {
+  return __ffsll(static_cast<long long>(m)) - 1;
+}
+
+/// Reads the run-time T, recording a value outside [0, M] in the status word (the op then
+/// uses T = 0). Call from one thread only when `record` is set.
+__device__ __forceinline__ int32_t ReadNumTokens(const NormalParams& p, bool record) {
+  const int32_t t = *p.num_tokens;
+  if (t >= 0 && t <= p.shape.max_tokens_per_rank) return t;
+  if (record) device::RecordBadNumTokens(OwnStatus(p), t);
+  return 0;
+}
+
+/// Waits, in the calling thread, until `*flag` reaches `seq` (wrap-around safe) or
+/// p.timeout_ns pass; returns false on timeout, recording `peer` as missing.
+__device__ __forceinline__ bool WaitFlag(const NormalParams& p, const uint32_t* flag,
+                                         uint32_t seq, int peer) {
+  const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
+  if (device::WaitFlagAtLeast(flag, seq, deadline)) return true;
+  device::RecordMissingPeer(OwnStatus(p), peer);
+  return false;
+}
+
+/// Current op's sequence number (written by the op's first kernel).
+__device__ __forceinline__ uint32_t CurrentSeq(const NormalParams& p) {
+  return *reinterpret_cast<volatile uint32_t*>(NormalSync(p, p.rank) +
+                                               NormalSyncLayout::kOpCounter);
+}
+/// True when the current op's barrier timed out at this rank (the op then moves nothing).
+__device__ __forceinline__ bool CurrentOpFailed(const NormalParams& p, uint32_t seq) {
+  return *reinterpret_cast<volatile uint32_t*>(NormalSync(p, p.rank) +
+                                               NormalSyncLayout::kFailedSeq) == seq;
+}
+
+/// End of a multi-block op (copy or combine): each block, after its last global access,
+/// counts itself; the last one releases done[rank] = seq at every peer and waits until
+/// every peer released done[peer] >= seq here. Call from every thread of every block.
+__device__ __forceinline__ void FinishOp(const NormalParams& p, uint32_t seq) {
+  __shared__ int s_last;
+  __syncthreads();
+  uint8_t* own_sync = NormalSync(p, p.rank);
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    unsigned int* counter =
+        reinterpret_cast<unsigned int*>(own_sync + NormalSyncLayout::kBlockCounter);
+    const unsigned int done_blocks = atomicAdd(counter, 1u);
+    s_last = done_blocks == gridDim.x - 1;
+    if (s_last) {
+      *counter = 0;  // Only this block still runs: the next op starts from 0.
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  if (!s_last) return;
+  const int num_ranks = p.shape.num_ranks;
+  const uint64_t done_off = p.sync_map.done();
+  for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+    StReleaseSys(reinterpret_cast<uint32_t*>(NormalSync(p, r) + done_off) + p.rank, seq);
+  }
+  for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+    WaitFlag(p, reinterpret_cast<const uint32_t*>(own_sync + done_off) + r, seq, r);
+  }
+}
+
+}  // namespace epd::kernels::cuda::normal
+
+namespace epd::kernels::cuda::normal {
+
+/// Host side: validates `ctx` (ValidateNormalContext), fills the parameter block and
+/// resolves the grid size (ResolveNumBlocks). `num_tokens` null = NormalNumTokensSlot(ctx).
+absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tokens,
+                              NormalParams* params, int32_t* num_blocks);
+
+/// Host side: launches the one-block arrival barrier (cached dispatch, combine) or, with
+/// `notify`, the dispatch notify step. Defined in normal_dispatch.cu.
+absl::Status LaunchNotify(const NormalParams& params, bool notify, cudaStream_t stream);
+
+}  // namespace epd::kernels::cuda::normal

@@ -1,0 +1,342 @@
+// Normal (high-throughput) dispatch on CUDA: the notify step (count exchange, prefix sums,
+// send_pos) and the copy kernel that writes every token straight into its final row at
+// each receiving rank (cuda_normal.h explains the protocol; host_ops.h the semantics).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "epd/common/status_macros.h"
+#include "epd/kernels/cuda_normal.h"
+#include "epd/kernels/cuda_ops.h"
+#include "normal_common.cuh"
+
+namespace epd::kernels::cuda {
+namespace normal {
+namespace {
+
+constexpr int kNotifyWarps = kNormalNotifyThreads / 32;
+constexpr int kCopyUnroll = 4;
+
+/// The notify step of a dispatch (`notify` set) or the arrival barrier of a cached
+/// dispatch / combine (`notify` clear). One block of kNormalNotifyThreads threads; dynamic
+/// shared memory: E int32 when `notify`.
+///
+/// Bumps the rank's op counter (the op's sequence number seq), then, with `notify`:
+///  pass 1: tokens per destination rank (ballots) and per expert (a duplicate expert in a
+///          row once), ids outside [-1, E) counted into DeviceStatus and skipped;
+///  exchange: thread r writes counts [R] and peer r's per-local-expert counts [El] into
+///          peer r's sync region, then releases arrive[rank] = seq there; thread s waits
+///          for arrive[s] >= seq here (bounded);
+///  receiver: rank_prefix[s] = Σ_{s'<s} counts[s'][rank], recv_count, aligned
+///          recv_tokens_per_expert;
+///  pass 2: send_pos[t, r] = Σ_{s'<rank} counts[s'][r] + (tokens before t sent to r), by a
+///          block-wide scan per destination over tiles of 1024 tokens.
+/// On a timeout the op is marked failed (kFailedSeq = seq): the copy kernel then skips.
+__global__ void __launch_bounds__(kNormalNotifyThreads)
+    NormalNotifyKernel(NormalParams p, int notify) {
+  extern __shared__ int32_t s_expert_count[];
+  __shared__ int32_t s_rank_count[kNormalMaxRanks];
+  __shared__ int32_t s_send_offset[kNormalMaxRanks];
+  __shared__ int32_t s_running[kNormalMaxRanks];
+  __shared__ int32_t s_warp_offset[kNotifyWarps][kNormalMaxRanks];
+  __shared__ uint32_t s_seq;
+  __shared__ int32_t s_num_tokens;
+  __shared__ int s_failed;
+  __shared__ unsigned int s_bad;
+
+  const int num_ranks = p.shape.num_ranks;
+  const int num_experts = p.shape.num_experts;
+  const int num_topk = p.shape.num_topk;
+  const int experts_per_rank = num_experts / num_ranks;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  uint8_t* own = p.peer_bases[p.rank];
+  uint8_t* own_sync = NormalSync(p, p.rank);
+
+  if (tid == 0) {
+    auto* counter = reinterpret_cast<uint32_t*>(own_sync + NormalSyncLayout::kOpCounter);
+    const uint32_t seq = *counter + 1;
+    *counter = seq;
+    s_seq = seq;
+    s_num_tokens = ReadNumTokens(p, true);
+    s_failed = 0;
+    s_bad = 0;
+  }
+  for (int i = tid; i < kNormalMaxRanks; i += blockDim.x) {
+    s_rank_count[i] = 0;
+    s_running[i] = 0;
+  }
+  if (notify) {
+    for (int e = tid; e < num_experts; e += blockDim.x) s_expert_count[e] = 0;
+  }
+  __syncthreads();
+  const uint32_t seq = s_seq;
+  const int num_tokens = s_num_tokens;
+  const int64_t* topk_idx = Region<const int64_t>(own, p.layout.in_topk_idx);
+
+  // ---- pass 1: counts.
+  if (notify) {
+    unsigned int bad = 0;
+    for (int base = 0; base < num_tokens; base += blockDim.x) {
+      const int t = base + tid;
+      const uint64_t mask =
+          t < num_tokens ? ScanTopkRow(topk_idx + static_cast<int64_t>(t) * num_topk, num_topk,
+                                       num_experts, experts_per_rank, s_expert_count, &bad)
+                         : 0;
+      for (int r = 0; r < num_ranks; ++r) {
+        const unsigned int b = __ballot_sync(0xffffffffu, (mask >> r) & 1ull);
+        if (lane == 0 && b != 0) atomicAdd(&s_rank_count[r], __popc(b));
+      }
+    }
+    if (bad != 0) atomicAdd(&s_bad, bad);
+    __syncthreads();
+    if (tid == 0 && s_bad != 0) atomicAdd(&OwnStatus(p)->bad_expert_ids, s_bad);
+  }
+
+  // ---- exchange: counts and arrival flags into every peer's sync region.
+  if (tid < num_ranks) {
+    const int peer = tid;
+    uint8_t* peer_sync = NormalSync(p, peer);
+    if (notify) {
+      int32_t* counts =
+          reinterpret_cast<int32_t*>(peer_sync + p.sync_map.counts()) + p.rank * num_ranks;
+      for (int r = 0; r < num_ranks; ++r) counts[r] = s_rank_count[r];
+      int32_t* expert =
+          reinterpret_cast<int32_t*>(peer_sync + p.sync_map.expert()) + p.rank * experts_per_rank;
+      for (int j = 0; j < experts_per_rank; ++j) {
+        expert[j] = s_expert_count[peer * experts_per_rank + j];
+      }
+    }
+    StReleaseSys(reinterpret_cast<uint32_t*>(peer_sync + p.sync_map.arrive()) + p.rank, seq);
+  }
+  if (tid < num_ranks) {
+    const auto* arrive = reinterpret_cast<const uint32_t*>(own_sync + p.sync_map.arrive());
+    if (!WaitFlag(p, arrive + tid, seq, tid)) s_failed = 1;
+  }
+  __syncthreads();
+  if (s_failed) {
+    if (tid == 0) {
+      *reinterpret_cast<volatile uint32_t*>(own_sync + NormalSyncLayout::kFailedSeq) = seq;
+    }
+    return;
+  }
+  if (!notify) return;
+
+  // ---- receiver side: prefixes and counts; sender side: offsets at each destination.
+  const volatile int32_t* counts =
+      reinterpret_cast<const volatile int32_t*>(own_sync + p.sync_map.counts());
+  const volatile int32_t* expert =
+      reinterpret_cast<const volatile int32_t*>(own_sync + p.sync_map.expert());
+  if (tid < num_ranks) {
+    int32_t prefix = 0;
+    for (int s = 0; s < tid; ++s) prefix += counts[s * num_ranks + p.rank];
+    Region<int32_t>(own, p.layout.rank_prefix)[tid] = prefix;
+    int32_t offset = 0;
+    for (int s = 0; s < p.rank; ++s) offset += counts[s * num_ranks + tid];
+    s_send_offset[tid] = offset;
+  }
+  if (tid == 0) {
+    int32_t total = 0;
+    for (int s = 0; s < num_ranks; ++s) total += counts[s * num_ranks + p.rank];
+    *Region<int32_t>(own, p.layout.recv_count) = total;
+  }
+  for (int j = tid; j < experts_per_rank; j += blockDim.x) {
+    int64_t count = 0;
+    for (int s = 0; s < num_ranks; ++s) count += expert[s * experts_per_rank + j];
+    const int64_t a = p.expert_alignment;
+    Region<int32_t>(own, p.layout.recv_tokens_per_expert)[j] =
+        static_cast<int32_t>((count + a - 1) / a * a);
+  }
+  __syncthreads();
+
+  // ---- pass 2: send_pos.
+  int32_t* send_pos = Region<int32_t>(own, p.layout.send_pos);
+  const unsigned int lanes_below = (1u << lane) - 1u;
+  for (int base = 0; base < num_tokens; base += blockDim.x) {
+    const int t = base + tid;
+    unsigned int ignored_bad = 0;  // Counted in pass 1.
+    const uint64_t mask =
+        t < num_tokens ? ScanTopkRow(topk_idx + static_cast<int64_t>(t) * num_topk, num_topk,
+                                     num_experts, experts_per_rank, nullptr, &ignored_bad)
+                       : 0;
+    for (int r = 0; r < num_ranks; ++r) {
+      const unsigned int b = __ballot_sync(0xffffffffu, (mask >> r) & 1ull);
+      if (lane == 0) s_warp_offset[warp][r] = __popc(b);
+    }
+    __syncthreads();
+    if (tid < num_ranks) {
+      int32_t acc = s_running[tid];
+      for (int w = 0; w < kNotifyWarps; ++w) {
+        const int32_t c = s_warp_offset[w][tid];
+        s_warp_offset[w][tid] = acc;
+        acc += c;
+      }
+      s_running[tid] = acc;
+    }
+    __syncthreads();
+    int32_t* pos = send_pos + static_cast<int64_t>(t) * num_ranks;
+    for (int r = 0; r < num_ranks; ++r) {
+      const bool to_r = (mask >> r) & 1ull;
+      const unsigned int b = __ballot_sync(0xffffffffu, to_r);
+      if (t < num_tokens) {
+        pos[r] = to_r ? s_send_offset[r] + s_warp_offset[warp][r] + __popc(b & lanes_below) : -1;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+/// Streaming 16-byte / 2-byte load that does not allocate in L1 (rows are read once).
+template <typename Vec>
+__device__ __forceinline__ Vec LoadStreaming(const Vec* p) {
+  if constexpr (sizeof(Vec) == 16) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+  } else {
+    return *p;
+  }
+}
+
+/// The copy step of a dispatch: grid of num_sms blocks of kNormalThreads; warp w of the
+/// grid handles tokens w, w + warps, ... . For token t it reads send_pos[t, :] (lane r
+/// holds ranks r and r + 32), loads the row kCopyUnroll vectors per lane at a time and
+/// stores them to the row at every destination, then the scales, recv_src_info and
+/// (unless cached) recv_topk_idx / recv_topk_weights. `Vec` is int4 when a row is a
+/// multiple of 16 bytes, else bf16 units.
+template <typename Vec>
+__global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(NormalParams p) {
+  const uint32_t seq = CurrentSeq(p);
+  if (CurrentOpFailed(p, seq)) return;
+  const int num_tokens = ReadNumTokens(p, false);
+  const int num_ranks = p.shape.num_ranks;
+  const int num_topk = p.shape.num_topk;
+  const int experts_per_rank = p.shape.num_local_experts();
+  const int num_scales = p.shape.num_scales();
+  const int lane = threadIdx.x & 31;
+  const int warps_per_block = blockDim.x >> 5;
+  const int64_t row_bytes = p.fp8 ? static_cast<int64_t>(p.shape.hidden)
+                                  : 2 * static_cast<int64_t>(p.shape.hidden);
+  const int64_t num_vec = row_bytes / static_cast<int64_t>(sizeof(Vec));
+
+  uint8_t* own = p.peer_bases[p.rank];
+  const int32_t* send_pos = Region<const int32_t>(own, p.layout.send_pos);
+  const uint8_t* x = Region<const uint8_t>(own, p.layout.in_x);
+  const float* x_scales = Region<const float>(own, p.layout.in_scales);
+  const int64_t* topk_idx = Region<const int64_t>(own, p.layout.in_topk_idx);
+  const float* topk_weights = Region<const float>(own, p.layout.in_topk_weights);
+  TokenRanks ranks;
+  ranks.LoadBases(p.peer_bases, num_ranks, lane);
+  const int64_t src_info_base = static_cast<int64_t>(p.rank) * p.shape.max_tokens_per_rank;
+
+  for (int t = blockIdx.x * warps_per_block + (threadIdx.x >> 5); t < num_tokens;
+       t += gridDim.x * warps_per_block) {
+    ranks.LoadRow(send_pos + static_cast<int64_t>(t) * num_ranks, num_ranks, lane);
+    const uint64_t mask = ranks.mask;
+    if (mask == 0) continue;
+
+    // Row data: each lane loads kCopyUnroll vectors, then stores them at every destination.
+    const Vec* src = reinterpret_cast<const Vec*>(x + t * row_bytes);
+    for (int64_t i = lane; i < num_vec; i += 32 * kCopyUnroll) {
+      Vec v[kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        if (i + 32 * u < num_vec) v[u] = LoadStreaming(src + i + 32 * u);
+      }
+      for (uint64_t m = mask; m != 0; m &= m - 1) {
+        Vec* dst = reinterpret_cast<Vec*>(
+            ranks.RowAt(LowestRank(m), p.layout.recv_x.offset, row_bytes));
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          if (i + 32 * u < num_vec) dst[i + 32 * u] = v[u];
+        }
+      }
+    }
+
+    // Per-row metadata at every destination.
+    for (uint64_t m = mask; m != 0; m &= m - 1) {
+      const int r = LowestRank(m);
+      const int64_t pos = ranks.Row(r);
+      uint8_t* dst_base = ranks.Base(r);
+      if (p.fp8) {
+        const float* sc = x_scales + static_cast<int64_t>(t) * num_scales;
+        float* dst = Region<float>(dst_base, p.layout.recv_scales) + pos * num_scales;
+        for (int j = lane; j < num_scales; j += 32) dst[j] = sc[j];
+      }
+      if (lane == 0) Region<int32_t>(dst_base, p.layout.recv_src_info)[pos] =
+          static_cast<int32_t>(src_info_base + t);
+      if (!p.cached) {
+        const int64_t first_local = static_cast<int64_t>(r) * experts_per_rank;
+        int64_t* recv_idx = Region<int64_t>(dst_base, p.layout.recv_topk_idx) + pos * num_topk;
+        float* recv_w = Region<float>(dst_base, p.layout.recv_topk_weights) + pos * num_topk;
+        for (int k = lane; k < num_topk; k += 32) {
+          const int64_t e = topk_idx[static_cast<int64_t>(t) * num_topk + k];
+          const bool local = e >= first_local && e < first_local + experts_per_rank;
+          recv_idx[k] = local ? e - first_local : -1;
+          if (p.with_weights) {
+            recv_w[k] = local ? topk_weights[static_cast<int64_t>(t) * num_topk + k] : 0.0f;
+          }
+        }
+      }
+    }
+  }
+  FinishOp(p, seq);
+}
+
+absl::Status PreloadDispatchKernels() {
+  cudaFuncAttributes attr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NormalNotifyKernel));
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NormalDispatchCopyKernel<int4>));
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NormalDispatchCopyKernel<uint16_t>));
+  return absl::OkStatus();
+}
+const bool kDispatchPreloadRegistered = RegisterPreloadHook(&PreloadDispatchKernels);
+
+}  // namespace
+
+absl::Status LaunchNotify(const NormalParams& params, bool notify, cudaStream_t stream) {
+  const size_t shared = notify ? sizeof(int32_t) * params.shape.num_experts : 0;
+  NormalNotifyKernel<<<1, kNormalNotifyThreads, shared, stream>>>(params, notify ? 1 : 0);
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
+
+}  // namespace normal
+
+absl::Status NormalDispatch(const CudaRankContext& ctx, const NormalDispatchArgs& args,
+                            cudaStream_t stream) {
+  if (args.expert_alignment < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "NormalDispatch: expert_alignment = ", args.expert_alignment, " must be >= 1"));
+  }
+  if (args.fp8 && !ctx.shape.use_fp8) {
+    return absl::InvalidArgumentError(
+        "NormalDispatch: fp8 = true but the group spec has use_fp8 = false (no FP8 regions)");
+  }
+  if (args.fp8 && ctx.shape.hidden % kFp8BlockChannels != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("NormalDispatch: FP8 needs hidden % ",
+                                                   kFp8BlockChannels,
+                                                   " == 0, hidden = ", ctx.shape.hidden));
+  }
+  normal::NormalParams p;
+  int32_t num_blocks = 0;
+  EPD_RETURN_IF_ERROR(normal::MakeNormalParams(ctx, args.num_tokens, &p, &num_blocks));
+  p.fp8 = args.fp8 ? 1 : 0;
+  p.expert_alignment = args.expert_alignment;
+  p.with_weights = args.with_weights ? 1 : 0;
+  p.cached = args.cached ? 1 : 0;
+
+  EPD_RETURN_IF_ERROR(normal::LaunchNotify(p, !args.cached, stream));
+  const int64_t row_bytes = args.fp8 ? ctx.shape.hidden : 2 * int64_t{ctx.shape.hidden};
+  if (row_bytes % 16 == 0) {
+    normal::NormalDispatchCopyKernel<int4><<<num_blocks, kNormalThreads, 0, stream>>>(p);
+  } else {
+    normal::NormalDispatchCopyKernel<uint16_t><<<num_blocks, kNormalThreads, 0, stream>>>(p);
+  }
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
+
+}  // namespace epd::kernels::cuda

@@ -1,0 +1,126 @@
+// Host-side helpers of the normal-mode CUDA ops (cuda_normal.h): context checks, the
+// run-time token-count slot, sync reset, and the optional CPU read of dispatch counts.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "epd/common/status_macros.h"
+#include "epd/kernels/cuda_normal.h"
+#include "epd/kernels/cuda_ops.h"
+#include "normal_common.cuh"
+
+namespace epd::kernels::cuda {
+namespace {
+
+__global__ void SetNumTokensKernel(int32_t* slot, int32_t value) { *slot = value; }
+
+absl::Status PreloadHostKernels() {
+  cudaFuncAttributes attr;
+  return EPD_CUDA_STATUS(cudaFuncGetAttributes(&attr, SetNumTokensKernel));
+}
+const bool kHostPreloadRegistered = RegisterPreloadHook(&PreloadHostKernels);
+
+NormalSyncLayout SyncMap(const GroupShape& shape) {
+  NormalSyncLayout map;
+  map.num_ranks = shape.num_ranks;
+  map.num_experts = shape.num_experts;
+  return map;
+}
+
+}  // namespace
+
+absl::Status ValidateNormalContext(const CudaRankContext& ctx) {
+  EPD_RETURN_IF_ERROR(ValidateContext(ctx));
+  const GroupShape& s = ctx.shape;
+  if (s.num_ranks < 1 || s.num_ranks > kNormalMaxRanks) {
+    return absl::InvalidArgumentError(absl::StrCat("normal mode: num_ranks = ", s.num_ranks,
+                                                   " is outside [1, ", kNormalMaxRanks, "]"));
+  }
+  if (s.num_experts < s.num_ranks || s.num_experts % s.num_ranks != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("normal mode: num_experts = ", s.num_experts,
+                                                   " must be a positive multiple of num_ranks = ",
+                                                   s.num_ranks));
+  }
+  if (s.max_tokens_per_rank < 0 || s.hidden < 1 || s.num_topk < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "normal mode: max_tokens_per_rank = ", s.max_tokens_per_rank, ", hidden = ", s.hidden,
+        ", num_topk = ", s.num_topk, " (need M >= 0, H >= 1, K >= 1)"));
+  }
+  const uint64_t need = SyncMap(s).bytes();
+  if (need > kSyncNormalBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "normal mode: num_ranks = ", s.num_ranks, " and num_experts = ", s.num_experts,
+        " need ", need, " bytes of normal sync state, more than the ", kSyncNormalBytes,
+        " bytes reserved in the sync region"));
+  }
+  return absl::OkStatus();
+}
+
+int32_t* NormalNumTokensSlot(const CudaRankContext& ctx) {
+  return reinterpret_cast<int32_t*>(ctx.own_base + ctx.layout.sync.offset + kSyncNormalOffset +
+                                    NormalSyncLayout::kNumTokens);
+}
+
+absl::Status SetNormalNumTokensAsync(const CudaRankContext& ctx, int32_t num_tokens,
+                                     cudaStream_t stream) {
+  if (ctx.own_base == nullptr) {
+    return absl::InvalidArgumentError("SetNormalNumTokensAsync: ctx.own_base is null");
+  }
+  SetNumTokensKernel<<<1, 1, 0, stream>>>(NormalNumTokensSlot(ctx), num_tokens);
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
+
+absl::Status ResetNormalSync(const CudaRankContext& ctx, cudaStream_t stream) {
+  EPD_RETURN_IF_ERROR(ValidateNormalContext(ctx));
+  // Everything but the token-count slot: op counter, failed seq, block counter, flags,
+  // counts.
+  uint8_t* base = ctx.own_base + ctx.layout.sync.offset + kSyncNormalOffset;
+  EPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base, 0, NormalSyncLayout::kNumTokens, stream));
+  EPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base + NormalSyncLayout::kArrive, 0,
+                                           SyncMap(ctx.shape).bytes() - NormalSyncLayout::kArrive,
+                                           stream));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<NormalDispatchCounts> ReadNormalDispatchCounts(const CudaRankContext& ctx,
+                                                              cudaStream_t stream) {
+  EPD_RETURN_IF_ERROR(ValidateNormalContext(ctx));
+  NormalDispatchCounts counts;
+  counts.recv_tokens_per_expert.resize(ctx.shape.num_local_experts());
+  counts.rank_prefix.resize(ctx.shape.num_ranks);
+  EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  EPD_CUDA_RETURN_IF_ERROR(cudaMemcpy(&counts.num_recv_tokens,
+                                      ctx.own_base + ctx.layout.recv_count.offset,
+                                      sizeof(int32_t), cudaMemcpyDeviceToHost));
+  EPD_CUDA_RETURN_IF_ERROR(cudaMemcpy(counts.recv_tokens_per_expert.data(),
+                                      ctx.own_base + ctx.layout.recv_tokens_per_expert.offset,
+                                      sizeof(int32_t) * counts.recv_tokens_per_expert.size(),
+                                      cudaMemcpyDeviceToHost));
+  EPD_CUDA_RETURN_IF_ERROR(cudaMemcpy(counts.rank_prefix.data(),
+                                      ctx.own_base + ctx.layout.rank_prefix.offset,
+                                      sizeof(int32_t) * counts.rank_prefix.size(),
+                                      cudaMemcpyDeviceToHost));
+  return counts;
+}
+
+namespace normal {
+
+absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tokens,
+                              NormalParams* params, int32_t* num_blocks) {
+  EPD_RETURN_IF_ERROR(ValidateNormalContext(ctx));
+  EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, num_blocks));
+  NormalParams& p = *params;
+  p.shape = ctx.shape;
+  p.layout = ctx.layout;
+  p.rank = ctx.rank;
+  p.peer_bases = ctx.peer_bases;
+  p.num_tokens = num_tokens != nullptr ? num_tokens : NormalNumTokensSlot(ctx);
+  p.timeout_ns = ctx.timeout_ns;
+  p.sync_map = SyncMap(ctx.shape);
+  return absl::OkStatus();
+}
+
+}  // namespace normal
+}  // namespace epd::kernels::cuda

@@ -1,0 +1,206 @@
+// Normal (high-throughput) mode on CUDA: GetDispatchLayout, Dispatch and Combine
+// (DESIGN.md §3.3 normal rows, §4). Semantics are exactly kernels/host (host_ops.h:
+// GetDispatchLayout, Dispatch, Combine); outputs are bit-identical to it.
+//
+// Buffers: every rank's data area is laid out by EndpointLayout::Compute(shape)
+// (layout.h); inputs are read from the rank's own staging regions, outputs written to the
+// regions named below. All offsets are 64-bit: areas and regions over 4 GiB work.
+//
+// Dispatch, per rank, on its stream (two kernels):
+//   1. notify (one block): counts this rank's tokens per destination rank and per expert,
+//      writes its count vector [R] and the per-expert counts of each peer's local experts
+//      into every peer's sync region and releases an arrival flag there; waits for every
+//      peer's flag; then computes, as receiver, rank_prefix [R], recv_count and
+//      recv_tokens_per_expert [El] (rounded up to expert_alignment), and, as sender,
+//      send_pos [T, R] = rank_prefix_r[this rank] + (earlier tokens of this rank sent
+//      to r) (a block-wide scan over tokens per destination).
+//   2. copy (num_sms blocks, one warp per token): each token's row is written straight
+//      into its final row of every destination's recv_x (16-byte vectors), with its FP8
+//      scales, recv_topk_idx (local ids, -1 elsewhere), recv_topk_weights (0 where the id
+//      is -1) and recv_src_info. The last block to finish releases a done flag at every
+//      peer and waits until every peer has released its own: when the kernel ends, this
+//      rank's receive regions are complete.
+//   Cached re-dispatch (a Handle = this rank's send_pos of an earlier dispatch with the
+//   same T): step 1 is only an arrival barrier (no layout, no count exchange), and
+//   recv_topk_idx / recv_topk_weights / recv_tokens_per_expert / rank_prefix /
+//   recv_count are left as they were.
+// Combine, per rank: an arrival barrier (every peer's in_combine_x is complete), then
+//   each warp pulls one of this rank's tokens from the ranks that hold it (send_pos) and
+//   reduces in f32 in ascending rank order, rounding once to bf16 (the host's order, so
+//   the result is bit-identical); optionally also reduces the top-k weights. The last
+//   block releases a done flag at every peer and waits for all of them, so no peer's
+//   in_combine_x is overwritten while another rank still reads it.
+//
+// Run-time values: T is read from device memory (NormalNumTokensSlot, or a device int32
+// the args name), so a captured CUDA graph replays with a new T. Sequence numbers of the
+// inter-rank flags come from a device-side op counter of the rank (in its sync region),
+// compared with >=, so a timed-out op's late flags are never taken for a later op's.
+//
+// Errors only the GPU sees go to the rank's DeviceStatus (cuda_ops.h): expert ids outside
+// [-1, E) are counted and treated as -1 (INVALID_ARGUMENT; the op's outputs are then
+// undefined but no memory outside the regions is touched), a run-time T outside [0, M]
+// is recorded and treated as 0, a peer that does not arrive within ctx.timeout_ns is
+// named (DEADLINE_EXCEEDED). Read them with ReadAndClearStatus / EnqueueStatusReadback.
+// After a timeout where a rank never arrived at all, call ResetNormalSync on every rank
+// once all streams are idle (a rank that was merely late needs no reset).
+//
+// SM count (num_sms): a per-op parameter in CudaRankContext. Default (0): ResolveNumBlocks
+// = floor(SM count / ranks_on_device) blocks of kNormalThreads threads, so every rank's
+// kernels are resident at once (132 SMs / 8 virtual ranks = 16 on an H200). Only one
+// block per rank ever spins (the notify block, and the last copy block), so a larger
+// num_sms cannot deadlock, it only time-slices. docs/BENCHMARKS.md ("Normal-mode
+// kernels") gives the bandwidth measured per num_sms on the H200.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/layout.h"
+
+namespace epd::kernels::cuda {
+
+/// Threads per block of the normal-mode copy and combine kernels (16 warps).
+inline constexpr int kNormalThreads = 512;
+/// Threads of the notify / barrier block.
+inline constexpr int kNormalNotifyThreads = 1024;
+/// Largest R normal mode supports (destination sets are 64-bit masks).
+inline constexpr int kNormalMaxRanks = 64;
+
+/// Map of the normal-mode part of a rank's sync region, [kSyncNormalOffset, 64 KiB).
+/// Byte offsets from `layout.sync.offset + kSyncNormalOffset`; R = num_ranks, E = experts.
+/// Sequence numbers are uint32, compared wrap-around safe.
+///   [0, 4)      uint32 op counter: sequence number of the last normal op of this rank.
+///   [4, 8)      uint32 sequence number of the last op whose barrier timed out here.
+///   [8, 12)     uint32 count of copy/combine blocks finished (reset by the last one).
+///   [12, 16)    int32 run-time token count slot (NormalNumTokensSlot).
+///   arrive      uint32 [R]: arrive[s] = last op sequence number rank s arrived at.
+///   done        uint32 [R]: done[s] = last op whose writes/reads rank s has finished.
+///   counts      int32 [R, R]: counts[s][r] = tokens of rank s sent to rank r.
+///   expert      int32 [R, El]: expert[s][j] = tokens of rank s routed to local expert j.
+struct NormalSyncLayout {
+  static constexpr uint64_t kOpCounter = 0;
+  static constexpr uint64_t kFailedSeq = 4;
+  static constexpr uint64_t kBlockCounter = 8;
+  static constexpr uint64_t kNumTokens = 12;
+  static constexpr uint64_t kArrive = 64;
+
+  int32_t num_ranks = 1;
+  int32_t num_experts = 1;
+
+  EPD_HD uint64_t arrive() const { return kArrive; }
+  EPD_HD uint64_t done() const { return kArrive + 4ull * num_ranks; }
+  EPD_HD uint64_t counts() const { return kArrive + 8ull * num_ranks; }
+  EPD_HD uint64_t expert() const {
+    return counts() + 4ull * static_cast<uint64_t>(num_ranks) * num_ranks;
+  }
+  EPD_HD uint64_t bytes() const { return expert() + 4ull * static_cast<uint64_t>(num_experts); }
+};
+
+/// Checks that normal mode can run `ctx`: ValidateContext, 1 <= R <= kNormalMaxRanks, the
+/// normal sync map fits its part of the sync region, M >= 0. INVALID_ARGUMENT naming the
+/// field and value otherwise.
+absl::Status ValidateNormalContext(const CudaRankContext& ctx);
+
+/// Device address of this rank's normal-mode token-count slot (int32 in its sync region).
+/// The normal ops read T from it unless their args name another device int32.
+int32_t* NormalNumTokensSlot(const CudaRankContext& ctx);
+
+/// Enqueues a write of `num_tokens` into the rank's normal token-count slot (a 4-byte
+/// cudaMemcpyAsync from a pinned staging word would also do; this uses a one-thread
+/// kernel so it needs no host memory). Errors: CUDA launch errors.
+absl::Status SetNormalNumTokensAsync(const CudaRankContext& ctx, int32_t num_tokens,
+                                     cudaStream_t stream);
+
+/// Zeroes this rank's normal-mode sync state (op counter, flags, counts) on `stream`.
+/// Needed only after a DEADLINE_EXCEEDED where a rank never arrived at all: then call it
+/// for every rank of the group once no op is in flight anywhere in the group. Errors:
+/// CUDA launch errors.
+absl::Status ResetNormalSync(const CudaRankContext& ctx, cudaStream_t stream);
+
+// ---- GetDispatchLayout ------------------------------------------------------------------
+
+/// Arguments of one rank's GetDispatchLayout (host_ops.h: GetDispatchLayout).
+/// Input: topk_idx [T, K] int64 (-1 = none), default this rank's in_topk_idx region.
+/// Outputs in this rank's area: layout_tokens_per_rank [R] int32 (tokens with >= 1 expert
+/// on r), layout_tokens_per_expert [E] int32 (a duplicate expert in a row counted once),
+/// layout_is_token_in_rank [T, R] uint8 0/1. Needs no other rank (no flags, no waits).
+struct GetDispatchLayoutArgs {
+  /// Device int32 holding T; null = NormalNumTokensSlot(ctx).
+  const int32_t* num_tokens = nullptr;
+  /// [T, K] int64 on this GPU; null = this rank's in_topk_idx region.
+  const int64_t* topk_idx = nullptr;
+};
+
+/// Enqueues GetDispatchLayout for one rank. Errors: INVALID_ARGUMENT (context), INTERNAL
+/// (CUDA launch). Device-side: bad ids counted in DeviceStatus.
+absl::Status GetDispatchLayout(const CudaRankContext& ctx, const GetDispatchLayoutArgs& args,
+                               cudaStream_t stream);
+
+// ---- normal dispatch --------------------------------------------------------------------
+
+/// Arguments of one rank's normal Dispatch (host_ops.h: Dispatch). Inputs are this rank's
+/// staging regions: in_x [T, H] bf16 (or e4m3, H bytes a row, when fp8), in_scales
+/// [T, S] f32 (fp8), in_topk_idx [T, K] int64, in_topk_weights [T, K] f32. Outputs:
+/// recv_x [N, H], recv_scales [N, S], recv_topk_idx [N, K] int64, recv_topk_weights
+/// [N, K] f32, recv_src_info [N] int32 (src_rank * M + src_token) in the receivers'
+/// areas; recv_tokens_per_expert [El], rank_prefix [R], recv_count [1] (= N) in this
+/// rank's area (on the device always; ReadNormalDispatchCounts copies them to the host
+/// only when asked); send_pos [T, R] int32 (the handle) in this rank's area.
+/// Every rank of the group must launch each dispatch (ranks with T = 0 too), with the same
+/// fp8 / expert_alignment / with_weights / cached.
+struct NormalDispatchArgs {
+  bool fp8 = false;               ///< x is e4m3 + scales (needs shape.use_fp8, H % 128 == 0).
+  int32_t expert_alignment = 1;   ///< >= 1: recv_tokens_per_expert rounded up to it.
+  bool with_weights = true;       ///< Move in_topk_weights into recv_topk_weights.
+  /// Re-dispatch with the routing of this rank's send_pos from the previous dispatch
+  /// (same T): no layout, no count exchange; recv_topk_* and counts are not written.
+  bool cached = false;
+  /// Device int32 holding T; null = NormalNumTokensSlot(ctx).
+  const int32_t* num_tokens = nullptr;
+};
+
+/// Enqueues one rank's normal dispatch on `stream`. Errors: INVALID_ARGUMENT for a bad
+/// context or arguments (expert_alignment < 1, FP8 without shape.use_fp8 or with
+/// H % 128 != 0, shared memory over the device limit); INTERNAL for CUDA launch errors.
+absl::Status NormalDispatch(const CudaRankContext& ctx, const NormalDispatchArgs& args,
+                            cudaStream_t stream);
+
+/// Host copy of the counts a dispatch left on the device (the optional CPU sync).
+struct NormalDispatchCounts {
+  int32_t num_recv_tokens = 0;                  ///< N: rows received by this rank.
+  std::vector<int32_t> recv_tokens_per_expert;  ///< [El], aligned.
+  std::vector<int32_t> rank_prefix;             ///< [R]: first row of each source rank.
+};
+
+/// The optional CPU sync of a dispatch: synchronizes `stream` and copies recv_count,
+/// recv_tokens_per_expert and rank_prefix of this rank to the host. Blocks the CPU; the
+/// hot path never calls it. Errors: INTERNAL (CUDA).
+absl::StatusOr<NormalDispatchCounts> ReadNormalDispatchCounts(const CudaRankContext& ctx,
+                                                              cudaStream_t stream);
+
+// ---- normal combine ---------------------------------------------------------------------
+
+/// Arguments of one rank's normal Combine (host_ops.h: Combine). Inputs: every rank's
+/// in_combine_x [N, H] bf16 (and in_combine_weights [N, K] f32 with with_weights), read
+/// through peer_bases at the rows of this rank's send_pos [T, R]. Outputs in this rank's
+/// area: combined_x [T, H] bf16 = bf16(Σ_{r ascending, send_pos[t,r] >= 0} f32(x_r[row]))
+/// (acc starts at +0.0f; a token sent nowhere gets zeros) and, with with_weights,
+/// combined_topk_weights [T, K] f32 summed in the same order.
+struct NormalCombineArgs {
+  bool with_weights = false;      ///< Also reduce in_combine_weights.
+  /// Device int32 holding T (the T of the dispatch whose handle is used);
+  /// null = NormalNumTokensSlot(ctx).
+  const int32_t* num_tokens = nullptr;
+};
+
+/// Enqueues one rank's normal combine on `stream`. Errors: INVALID_ARGUMENT (context),
+/// INTERNAL (CUDA launch).
+absl::Status NormalCombine(const CudaRankContext& ctx, const NormalCombineArgs& args,
+                           cudaStream_t stream);
+
+}  // namespace epd::kernels::cuda
