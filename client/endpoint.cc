@@ -190,7 +190,7 @@ struct Endpoint::Impl {
     slot.num_sms = num_sms;
     slot.handle_seq = handle_seq;
     auto* ring = reinterpret_cast<abi::RequestSlot*>(region.data() + header->ring_offset);
-    std::memcpy(&ring[seq % abi::kRingCapacity], &slot, sizeof(slot));
+    std::memcpy(&ring[(head + 1) % abi::kRingCapacity], &slot, sizeof(slot));
     abi::Atomic(header->ring_head).store(head + 1, std::memory_order_seq_cst);
     RingDoorbell(doorbell);
     return seq;

@@ -361,15 +361,7 @@ void HostGroup::FailAll(const absl::Status& status) {
 }
 
 absl::Status HostGroup::ValidateSlot(const HostEndpoint& ep, const abi::RequestSlot& slot) const {
-  if (slot.magic != abi::kRequestMagic) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("malformed request slot: magic 0x", absl::Hex(slot.magic), " (expected 0x",
-                     absl::Hex(abi::kRequestMagic), ")"));
-  }
-  if (slot.seq != ep.next_seq) {
-    return absl::InvalidArgumentError(absl::StrCat("malformed request slot: seq ", slot.seq,
-                                                   " (expected ", ep.next_seq, ")"));
-  }
+  // magic and seq were checked when the slot was popped.
   if (slot.op == 0 || slot.op > abi::kMaxOpKind) {
     return absl::InvalidArgumentError(absl::StrCat("malformed request slot: op ", slot.op));
   }
@@ -473,11 +465,21 @@ bool HostGroup::PopRequests() {
       std::memcpy(&slot, &ep->ring()[(tail + 1) % abi::kRingCapacity], sizeof(slot));
       abi::Atomic(ep->header->ring_tail).store(tail + 1, std::memory_order_release);
       worked = true;
+      if (slot.magic != abi::kRequestMagic || slot.seq != ep->next_seq) {
+        // Not a request of this endpoint's client (garbage, or a replayed slot): it cannot
+        // be attributed to an op, so it is dropped, counted and reported, never executed.
+        abi::Atomic(ep->header->rejected_requests).fetch_add(1);
+        EngineLog()->warn(
+            "group {} rank {}: dropped a malformed ring slot (magic 0x{:x}, seq {}, expected "
+            "seq {}); {} dropped so far",
+            spec_.name(), r, slot.magic, slot.seq, ep->next_seq,
+            abi::Atomic(ep->header->rejected_requests).load());
+        continue;
+      }
       absl::Status valid = ValidateSlot(*ep, slot);
       uint64_t seq = ep->next_seq++;
       if (!valid.ok()) {
         abi::Atomic(ep->header->rejected_requests).fetch_add(1);
-        slot.seq = seq;  // Complete the seq the rank was due, whatever the slot said.
         if (slot.op == 0 || slot.op > abi::kMaxOpKind) slot.op = 0;
         if (!(slot.flags & abi::kFlagClientError)) {
           EngineLog()->warn("group {} rank {}: rejected request {}: {}", spec_.name(), r, seq,

@@ -1,0 +1,442 @@
+// The host data plane in-process: endpoints opened by the real client code
+// (internal::OpenEndpoint) on a HostDataPlane, ops run from one thread per rank, results
+// compared with kernels/host run directly on the same inputs. Also the failure paths:
+// garbage in a ring slot, a rank that never arrives, a rank leaving mid-op, stale
+// handles, client-side input errors — after each, the group keeps working.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <algorithm>
+#include <functional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "client/endpoint_internal.h"
+#include "daemon/host_data_plane.h"
+#include "epd/client.h"
+#include "epd/kernels/host_ops.h"
+#include "shm_abi.h"
+#include "shm_region.h"
+
+namespace epd {
+namespace {
+
+using kernels::bf16_bits;
+using kernels::FloatToBf16;
+
+v1::GroupSpec Spec(const std::string& name, int R, int E, int H, int K, int M, int Mll, bool fp8) {
+  v1::GroupSpec s;
+  s.set_name(name);
+  s.set_num_ranks(R);
+  s.set_num_experts(E);
+  s.set_hidden(H);
+  s.set_num_topk(K);
+  s.set_max_tokens_per_rank(M);
+  s.set_ll_max_tokens_per_rank(Mll);
+  s.set_use_fp8(fp8);
+  return s;
+}
+
+DLTensor Tensor(void* data, DLDataType dtype, std::vector<int64_t>& shape) {
+  DLTensor t{};
+  t.data = data;
+  t.device = {kDLCPU, 0};
+  t.ndim = static_cast<int>(shape.size());
+  t.dtype = dtype;
+  t.shape = shape.data();
+  return t;
+}
+
+/// One rank's random inputs.
+struct RankData {
+  int T = 0;
+  std::vector<bf16_bits> x;
+  std::vector<int64_t> idx;
+  std::vector<float> w;
+  std::vector<int64_t> xs, ks;
+  DLTensor x_t{}, idx_t{}, w_t{};
+  void Make(int T_, int H, int K, int E, uint32_t seed) {
+    T = T_;
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> g;
+    x.resize(static_cast<size_t>(T) * H);
+    for (auto& v : x) v = FloatToBf16(g(rng));
+    idx.resize(static_cast<size_t>(T) * K);
+    w.resize(idx.size());
+    for (int t = 0; t < T; ++t) {
+      std::vector<int> experts(E);
+      for (int e = 0; e < E; ++e) experts[e] = e;
+      std::shuffle(experts.begin(), experts.end(), rng);
+      for (int k = 0; k < K; ++k) {
+        idx[static_cast<size_t>(t) * K + k] = (rng() % 5 == 0) ? -1 : experts[k];
+        w[static_cast<size_t>(t) * K + k] = static_cast<float>(rng() % 1000) / 1000.f;
+      }
+    }
+    xs = {T, H};
+    ks = {T, K};
+    x_t = Tensor(x.data(), {kDLBfloat, 16, 1}, xs);
+    idx_t = Tensor(idx.data(), {kDLInt, 64, 1}, ks);
+    w_t = Tensor(w.data(), {kDLFloat, 32, 1}, ks);
+  }
+};
+
+class HostDataPlaneTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    HostDataPlaneOptions o;
+    o.op_timeout_ms = 500;
+    o.host_threads = 2;
+    auto plane = MakeHostDataPlane(o);
+    ASSERT_TRUE(plane.ok()) << plane.status();
+    plane_ = std::move(*plane);
+  }
+
+  /// Creates a group and opens every rank's endpoint.
+  void Open(const v1::GroupSpec& spec) {
+    spec_ = spec;
+    auto g = plane_->CreateGroup(spec);
+    ASSERT_TRUE(g.ok()) << g.status();
+    group_ = std::move(*g);
+    endpoints_.clear();
+    for (int r = 0; r < spec.num_ranks(); ++r) endpoints_.push_back(Attach(r));
+  }
+
+  std::unique_ptr<Endpoint> Attach(int r) {
+    v1::EndpointInfo info;
+    absl::Status st = group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info);
+    EXPECT_TRUE(st.ok()) << st;
+    DataPlaneGroup* g = group_.get();
+    auto ep = internal::OpenEndpoint(info, spec_, [g, r] {
+      g->DetachRank(r);
+      return absl::OkStatus();
+    });
+    EXPECT_TRUE(ep.ok()) << ep.status();
+    return ep.ok() ? std::move(*ep) : nullptr;
+  }
+
+  /// Runs fn(rank) on one thread per rank and joins.
+  void OnEveryRank(const std::function<void(int)>& fn, int skip = -1) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < spec_.num_ranks(); ++r) {
+      if (r != skip) threads.emplace_back(fn, r);
+    }
+    for (auto& t : threads) t.join();
+  }
+
+  std::unique_ptr<DataPlane> plane_;
+  v1::GroupSpec spec_;
+  std::unique_ptr<DataPlaneGroup> group_;
+  std::vector<std::unique_ptr<Endpoint>> endpoints_;
+};
+
+TEST_F(HostDataPlaneTest, DispatchCombineMatchKernelsHost) {
+  const int R = 3, E = 6, H = 256, K = 2, M = 16;
+  Open(Spec("g", R, E, H, K, M, 0, false));
+  std::vector<RankData> in(R);
+  for (int r = 0; r < R; ++r) in[r].Make(r == 1 ? 0 : 5 + 4 * r, H, K, E, 10 + r);
+
+  // Oracle: kernels/host on the same inputs.
+  kernels::GroupShape shape{R, E, H, K, M, 0, false};
+  std::vector<std::vector<bf16_bits>> ox(R, std::vector<bf16_bits>(R * M * H));
+  std::vector<std::vector<int64_t>> oidx(R, std::vector<int64_t>(R * M * K));
+  std::vector<std::vector<float>> ow(R, std::vector<float>(R * M * K));
+  std::vector<std::vector<int32_t>> ocnt(R, std::vector<int32_t>(E / R)), osrc(R, std::vector<int32_t>(R * M)),
+      opos(R, std::vector<int32_t>(M * R)), opre(R, std::vector<int32_t>(R));
+  std::vector<kernels::host::DispatchRankArgs> da(R);
+  for (int r = 0; r < R; ++r) {
+    da[r].num_tokens = in[r].T;
+    da[r].x = in[r].x.data();
+    da[r].topk_idx = in[r].idx.data();
+    da[r].topk_weights = in[r].w.data();
+    da[r].recv_capacity = R * M;
+    da[r].recv_x = ox[r].data();
+    da[r].recv_topk_idx = oidx[r].data();
+    da[r].recv_topk_weights = ow[r].data();
+    da[r].recv_tokens_per_expert = ocnt[r].data();
+    da[r].recv_src_info = osrc[r].data();
+    da[r].send_pos = opos[r].data();
+    da[r].rank_prefix = opre[r].data();
+  }
+  ASSERT_TRUE(kernels::host::Dispatch(shape, {false, 4}, da).ok());
+
+  std::vector<DispatchResult> got(R);
+  OnEveryRank([&](int r) {
+    DispatchArgs a;
+    a.x = &in[r].x_t;
+    a.topk_idx = &in[r].idx_t;
+    a.topk_weights = &in[r].w_t;
+    a.expert_alignment = 4;
+    auto op = endpoints_[r]->Dispatch(a);
+    ASSERT_TRUE(op.ok()) << op.status();
+    auto res = op->Wait(absl::Seconds(10));
+    ASSERT_TRUE(res.ok()) << res.status();
+    got[r] = *res;
+  });
+  for (int r = 0; r < R; ++r) {
+    const int N = da[r].num_recv_tokens;
+    ASSERT_EQ(got[r].num_recv_tokens, N) << "rank " << r;
+    ASSERT_EQ(got[r].recv_x.shape(), (std::vector<int64_t>{N, H}));
+    EXPECT_EQ(0, std::memcmp(got[r].recv_x.data(), ox[r].data(), size_t(N) * H * 2)) << r;
+    EXPECT_EQ(0, std::memcmp(got[r].recv_topk_idx.data(), oidx[r].data(), size_t(N) * K * 8)) << r;
+    EXPECT_EQ(0, std::memcmp(got[r].recv_topk_weights.data(), ow[r].data(), size_t(N) * K * 4)) << r;
+    EXPECT_EQ(0, std::memcmp(got[r].num_recv_tokens_per_expert.data(), ocnt[r].data(), (E / R) * 4));
+    EXPECT_EQ(0, std::memcmp(got[r].recv_src_info.data(), osrc[r].data(), size_t(N) * 4));
+  }
+
+  // Combine: each rank returns 2 * its received rows; oracle on the same rows.
+  std::vector<std::vector<bf16_bits>> expert_out(R);
+  std::vector<std::vector<int64_t>> eshape(R);
+  std::vector<DLTensor> et(R);
+  std::vector<std::vector<bf16_bits>> oc(R);
+  std::vector<kernels::host::CombineRankArgs> ca(R);
+  for (int r = 0; r < R; ++r) {
+    const int N = got[r].num_recv_tokens;
+    expert_out[r].resize(size_t(N) * H);
+    for (size_t i = 0; i < expert_out[r].size(); ++i) {
+      expert_out[r][i] = FloatToBf16(2.f * kernels::Bf16ToFloat(got[r].recv_x.as<bf16_bits>()[i]));
+    }
+    eshape[r] = {N, H};
+    et[r] = Tensor(expert_out[r].data(), {kDLBfloat, 16, 1}, eshape[r]);
+    oc[r].resize(size_t(in[r].T) * H);
+    ca[r] = {in[r].T, opos[r].data(), N, expert_out[r].data(), nullptr, oc[r].data(), nullptr};
+  }
+  ASSERT_TRUE(kernels::host::Combine(shape, ca).ok());
+  OnEveryRank([&](int r) {
+    CombineArgs a;
+    a.x = &et[r];
+    a.handle = &got[r].handle;
+    auto op = endpoints_[r]->Combine(a);
+    ASSERT_TRUE(op.ok()) << op.status();
+    auto res = op->Wait(absl::Seconds(10));
+    ASSERT_TRUE(res.ok()) << res.status();
+    ASSERT_EQ(res->combined_x.shape(), (std::vector<int64_t>{in[r].T, H}));
+    EXPECT_EQ(0, std::memcmp(res->combined_x.data(), oc[r].data(), oc[r].size() * 2)) << r;
+  });
+}
+
+TEST_F(HostDataPlaneTest, LowLatencyRoundTripAndStaleHandle) {
+  const int R = 2, E = 4, H = 128, K = 2, Mll = 8;
+  Open(Spec("ll", R, E, H, K, 4, Mll, true));
+  std::vector<RankData> in(R);
+  for (int r = 0; r < R; ++r) in[r].Make(Mll - r, H, K, E, 77 + r);
+  std::vector<LowLatencyDispatchResult> first(R);
+  for (int round = 0; round < 3; ++round) {
+    OnEveryRank([&](int r) {
+      LowLatencyDispatchArgs a;
+      a.x = &in[r].x_t;
+      a.topk_idx = &in[r].idx_t;
+      a.use_fp8 = round == 1;
+      auto op = endpoints_[r]->LowLatencyDispatch(a);
+      ASSERT_TRUE(op.ok()) << op.status();
+      auto d = op->Wait(absl::Seconds(10));
+      ASSERT_TRUE(d.ok()) << d.status();
+      EXPECT_EQ(d->handle.buffer, round % 2);
+      if (round == 0) first[r] = *d;
+      // Expert output = the received bf16 rows (identity expert) for the combine.
+      std::vector<bf16_bits> y(size_t(E / R) * R * Mll * H, 0);
+      if (!a.use_fp8) std::memcpy(y.data(), d->recv_x.data(), y.size() * 2);
+      std::vector<int64_t> ys{E / R, R * Mll, H};
+      DLTensor yt = Tensor(y.data(), {kDLBfloat, 16, 1}, ys);
+      LowLatencyCombineArgs c;
+      c.x = &yt;
+      c.topk_idx = &in[r].idx_t;
+      c.topk_weights = &in[r].w_t;
+      c.handle = &d->handle;
+      auto cop = endpoints_[r]->LowLatencyCombine(c);
+      ASSERT_TRUE(cop.ok()) << cop.status();
+      auto res = cop->Wait(absl::Seconds(10));
+      ASSERT_TRUE(res.ok()) << res.status();
+      ASSERT_EQ(res->combined_x.shape(), (std::vector<int64_t>{in[r].T, H}));
+      if (!a.use_fp8) {
+        // Identity experts: combined = bf16(Σ_k w_k * x) over unmasked k.
+        for (int t = 0; t < in[r].T; ++t) {
+          for (int h = 0; h < H; ++h) {
+            float acc = 0.f;
+            for (int k = 0; k < K; ++k) {
+              if (in[r].idx[t * K + k] < 0) continue;
+              acc += in[r].w[t * K + k] * kernels::Bf16ToFloat(in[r].x[t * H + h]);
+            }
+            ASSERT_EQ(res->combined_x.as<bf16_bits>()[t * H + h], FloatToBf16(acc))
+                << "rank " << r << " t " << t << " h " << h;
+          }
+        }
+      }
+    });
+  }
+  // The first dispatch's buffers were reused by the third: its handle is stale.
+  OnEveryRank([&](int r) {
+    std::vector<bf16_bits> y(size_t(E / R) * R * Mll * H, 0);
+    std::vector<int64_t> ys{E / R, R * Mll, H};
+    DLTensor yt = Tensor(y.data(), {kDLBfloat, 16, 1}, ys);
+    LowLatencyCombineArgs c;
+    c.x = &yt;
+    c.topk_idx = &in[r].idx_t;
+    c.topk_weights = &in[r].w_t;
+    c.handle = &first[r].handle;
+    auto cop = endpoints_[r]->LowLatencyCombine(c);
+    ASSERT_TRUE(cop.ok());
+    auto res = cop->Wait(absl::Seconds(10));
+    ASSERT_FALSE(res.ok());
+    EXPECT_EQ(res.status().code(), absl::StatusCode::kFailedPrecondition) << res.status();
+  });
+}
+
+TEST_F(HostDataPlaneTest, MissingRankTimesOutNamingItThenGroupRecovers) {
+  const int R = 3, E = 3, H = 128, K = 1, M = 4;
+  Open(Spec("t", R, E, H, K, M, 0, false));
+  std::vector<RankData> in(R);
+  for (int r = 0; r < R; ++r) in[r].Make(2, H, K, E, r);
+  auto start = std::chrono::steady_clock::now();
+  OnEveryRank(
+      [&](int r) {
+        auto op = endpoints_[r]->GetDispatchLayout(in[r].idx_t);
+        ASSERT_TRUE(op.ok());
+        auto res = op->Wait(absl::Seconds(10));
+        ASSERT_FALSE(res.ok());
+        EXPECT_EQ(res.status().code(), absl::StatusCode::kDeadlineExceeded);
+        EXPECT_NE(res.status().message().find("rank(s) 2"), std::string::npos) << res.status();
+      },
+      /*skip=*/2);
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(secs, 0.5 + 1.0);
+  // The late rank's request for that op fails at once; then all ranks work in step.
+  auto late = endpoints_[2]->GetDispatchLayout(in[2].idx_t);
+  ASSERT_TRUE(late.ok());
+  auto late_res = late->Wait(absl::Seconds(5));
+  EXPECT_EQ(late_res.status().code(), absl::StatusCode::kDeadlineExceeded);
+  OnEveryRank([&](int r) {
+    auto op = endpoints_[r]->GetDispatchLayout(in[r].idx_t);
+    ASSERT_TRUE(op.ok());
+    auto res = op->Wait(absl::Seconds(10));
+    ASSERT_TRUE(res.ok()) << res.status();
+  });
+}
+
+TEST_F(HostDataPlaneTest, GarbageSlotIsRejectedNotExecuted) {
+  const int R = 2, E = 2, H = 128, K = 1, M = 4;
+  spec_ = Spec("garbage", R, E, H, K, M, 0, false);
+  auto g = plane_->CreateGroup(spec_);
+  ASSERT_TRUE(g.ok());
+  group_ = std::move(*g);
+  endpoints_.clear();
+  endpoints_.push_back(Attach(0));
+  // Map rank 1's region a second time before its client does (the daemon unlinks the
+  // name once the client has mapped it), as a misbehaving process on the node could.
+  v1::EndpointInfo info;
+  ASSERT_TRUE(group_->AttachRank(1, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+  auto evil = ShmRegion::Open(info.shm_name(), info.shm_bytes());
+  ASSERT_TRUE(evil.ok()) << evil.status();
+  DataPlaneGroup* gp = group_.get();
+  auto ep1 = internal::OpenEndpoint(info, spec_, [gp] {
+    gp->DetachRank(1);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(ep1.ok());
+  endpoints_.push_back(std::move(*ep1));
+
+  std::vector<RankData> in(R);
+  for (int r = 0; r < R; ++r) in[r].Make(3, H, K, E, r);
+  auto* h = reinterpret_cast<abi::EndpointShmHeader*>(evil->data());
+  auto* ring = reinterpret_cast<abi::RequestSlot*>(evil->data() + h->ring_offset);
+  for (int i = 0; i < 3; ++i) {
+    uint64_t head = abi::Atomic(h->ring_head).load();
+    std::memset(&ring[(head + 1) % abi::kRingCapacity], 0xAB + i, sizeof(abi::RequestSlot));
+    abi::Atomic(h->ring_head).store(head + 1);
+  }
+  // Every garbage slot is dropped and counted; the group's ops run normally.
+  for (int round = 0; round < 2; ++round) {
+    OnEveryRank([&](int r) {
+      auto op = endpoints_[r]->GetDispatchLayout(in[r].idx_t);
+      ASSERT_TRUE(op.ok()) << op.status();
+      auto res = op->Wait(absl::Seconds(10));
+      ASSERT_TRUE(res.ok()) << res.status();
+      int32_t sum = 0;
+      for (int e = 0; e < E; ++e) sum += res->num_tokens_per_expert.as<int32_t>()[e];
+      EXPECT_EQ(sum, 3 - std::count(in[r].idx.begin(), in[r].idx.end(), -1));
+    });
+  }
+  EXPECT_EQ(abi::Atomic(h->rejected_requests).load(), 3u);
+}
+
+TEST_F(HostDataPlaneTest, ClientInputErrorsFailTheOpForAllAndKeepLockstep) {
+  const int R = 2, E = 4, H = 128, K = 2, M = 4;
+  Open(Spec("bad", R, E, H, K, M, 0, false));
+  std::vector<RankData> in(R);
+  for (int r = 0; r < R; ++r) in[r].Make(3, H, K, E, r);
+  RankData too_many;
+  too_many.Make(M + 1, H, K, E, 5);
+  OnEveryRank([&](int r) {
+    DispatchArgs a;
+    a.x = r == 0 ? &too_many.x_t : &in[r].x_t;
+    a.topk_idx = r == 0 ? &too_many.idx_t : &in[r].idx_t;
+    auto op = endpoints_[r]->Dispatch(a);
+    if (r == 0) {
+      ASSERT_FALSE(op.ok());
+      EXPECT_EQ(op.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(op.status().message().find("max_tokens_per_rank"), std::string::npos);
+      return;
+    }
+    ASSERT_TRUE(op.ok());
+    auto res = op->Wait(absl::Seconds(10));
+    ASSERT_FALSE(res.ok());
+    EXPECT_EQ(res.status().code(), absl::StatusCode::kInvalidArgument) << res.status();
+    EXPECT_NE(res.status().message().find("rank 0"), std::string::npos) << res.status();
+  });
+  // An out-of-range expert id is caught by the op itself, for every rank.
+  in[1].idx[1] = E;
+  OnEveryRank([&](int r) {
+    DispatchArgs a;
+    a.x = &in[r].x_t;
+    a.topk_idx = &in[r].idx_t;
+    auto op = endpoints_[r]->Dispatch(a);
+    ASSERT_TRUE(op.ok());
+    auto res = op->Wait(absl::Seconds(10));
+    ASSERT_FALSE(res.ok());
+    EXPECT_EQ(res.status().code(), absl::StatusCode::kInvalidArgument) << res.status();
+  });
+  in[1].idx[1] = 0;
+  OnEveryRank([&](int r) {
+    DispatchArgs a;
+    a.x = &in[r].x_t;
+    a.topk_idx = &in[r].idx_t;
+    auto op = endpoints_[r]->Dispatch(a);
+    ASSERT_TRUE(op.ok());
+    auto res = op->Wait(absl::Seconds(10));
+    ASSERT_TRUE(res.ok()) << res.status();
+  });
+}
+
+TEST_F(HostDataPlaneTest, RankLeavingMidOpFailsOthersThenRejoinWorks) {
+  const int R = 2, E = 2, H = 128, K = 1, M = 4;
+  Open(Spec("leave", R, E, H, K, M, 0, false));
+  std::vector<RankData> in(R);
+  for (int r = 0; r < R; ++r) in[r].Make(2, H, K, E, r);
+  std::thread waiter([&] {
+    auto op = endpoints_[0]->GetDispatchLayout(in[0].idx_t);
+    ASSERT_TRUE(op.ok());
+    auto res = op->Wait(absl::Seconds(10));
+    ASSERT_FALSE(res.ok());
+    EXPECT_EQ(res.status().code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_NE(res.status().message().find("rank 1 left"), std::string::npos) << res.status();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_TRUE(endpoints_[1]->Leave().ok());
+  waiter.join();
+  // Ops after leaving fail cleanly on the client.
+  auto after = endpoints_[1]->GetDispatchLayout(in[1].idx_t);
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kFailedPrecondition);
+  endpoints_[1] = Attach(1);
+  ASSERT_NE(endpoints_[1], nullptr);
+  OnEveryRank([&](int r) {
+    auto op = endpoints_[r]->GetDispatchLayout(in[r].idx_t);
+    ASSERT_TRUE(op.ok());
+    auto res = op->Wait(absl::Seconds(10));
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->is_token_in_rank.shape(), (std::vector<int64_t>{2, R}));
+  });
+}
+
+}  // namespace
+}  // namespace epd
