@@ -1,0 +1,200 @@
+// Client: the connection to the local epd (client/include/epd/client.h). Connect opens
+// the Session stream and a background thread keeps reading it for the client's lifetime;
+// the daemon treats the stream's end as this process's death and releases its endpoints.
+#include <unistd.h>
+
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "control_channel.h"
+#include "endpoint_internal.h"
+#include "epd/client.h"
+#include "epd/common/status_macros.h"
+#include "epd/v1/control.grpc.pb.h"
+
+namespace epd {
+namespace {
+
+/// Deadline of the unary control RPCs (JoinGroup allocates buffers: allow time).
+constexpr auto kRpcTimeout = std::chrono::seconds(30);
+
+std::string DefaultClientName() {
+  std::ifstream comm("/proc/self/comm");
+  std::string name;
+  std::getline(comm, name);
+  return name;
+}
+
+/// What an endpoint's leave function needs; shared so an Endpoint may outlive its Client.
+struct ControlHandle {
+  std::string target;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Control::Stub> stub;
+};
+
+}  // namespace
+
+struct Client::Impl {
+  ClientOptions options;
+  std::shared_ptr<ControlHandle> control;
+
+  grpc::ClientContext session_context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream;
+  std::thread reader;
+
+  absl::Mutex mu;
+  std::string session_id ABSL_GUARDED_BY(mu);
+  bool ended ABSL_GUARDED_BY(mu) = false;
+  absl::Status end_status ABSL_GUARDED_BY(mu);
+  std::string last_event ABSL_GUARDED_BY(mu);
+  std::string session_id_copy;  ///< Set once Connect succeeds; read without the lock.
+
+  /// Reader thread: records the session id and later events until the stream ends.
+  void ReadSession() {
+    v1::SessionResponse response;
+    while (stream->Read(&response)) {
+      absl::MutexLock lock(&mu);
+      if (session_id.empty()) session_id = response.session_id();
+      last_event = response.event();
+    }
+    grpc::Status status = stream->Finish();
+    absl::MutexLock lock(&mu);
+    ended = true;
+    end_status = status.ok() ? absl::UnavailableError("epd ended the session")
+                             : internal::FromGrpcStatus(status);
+  }
+
+  absl::Status SessionAlive() {
+    absl::MutexLock lock(&mu);
+    if (!ended) return absl::OkStatus();
+    return absl::UnavailableError(
+        absl::StrCat("the session with epd on ", control->target, " ended: ", end_status.message()));
+  }
+
+  ~Impl() {
+    session_context.TryCancel();
+    if (reader.joinable()) reader.join();
+  }
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  auto control = std::make_shared<ControlHandle>();
+  control->target = internal::ChannelTarget(options.socket_path);
+  control->channel = internal::MakeControlChannel(control->target);
+  control->stub = v1::Control::NewStub(control->channel);
+  impl->control = control;
+
+  const absl::Time deadline = absl::Now() + options.connect_timeout;
+  if (!control->channel->WaitForConnected(absl::ToChronoTime(deadline))) {
+    return absl::UnavailableError(absl::StrCat(
+        "no epd daemon answers on ", control->target, " within ",
+        absl::FormatDuration(options.connect_timeout), " (is epd running on that socket?)"));
+  }
+  impl->stream = control->stub->Session(&impl->session_context);
+  v1::SessionRequest hello;
+  hello.set_client_pid(::getpid());
+  hello.set_client_name(options.client_name.empty() ? DefaultClientName() : options.client_name);
+  if (!impl->stream->Write(hello)) {
+    grpc::Status status = impl->stream->Finish();
+    return internal::AnnotateUnavailable(
+        status.ok() ? absl::UnavailableError("Session stream closed") : internal::FromGrpcStatus(status),
+        control->target);
+  }
+  Impl* raw = impl.get();
+  impl->reader = std::thread([raw] { raw->ReadSession(); });
+  {
+    absl::MutexLock lock(&impl->mu);
+    auto answered = [raw]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(raw->mu) {
+      return !raw->session_id.empty() || raw->ended;
+    };
+    if (!impl->mu.AwaitWithDeadline(absl::Condition(&answered), deadline)) {
+      impl->session_context.TryCancel();  // The reader ends; ~Impl joins it.
+      return absl::UnavailableError(absl::StrCat("epd on ", control->target,
+                                                 " did not open a Session within ",
+                                                 absl::FormatDuration(options.connect_timeout)));
+    }
+    if (impl->session_id.empty()) {
+      return internal::AnnotateUnavailable(impl->end_status, control->target);
+    }
+    impl->session_id_copy = impl->session_id;
+  }
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+const std::string& Client::session_id() const { return impl_->session_id_copy; }
+
+absl::StatusOr<std::unique_ptr<Endpoint>> Client::Join(const JoinOptions& options) {
+  EPD_RETURN_IF_ERROR(impl_->SessionAlive());
+  std::shared_ptr<ControlHandle> control = impl_->control;
+  v1::JoinGroupRequest request;
+  *request.mutable_spec() = options.spec;
+  request.set_rank(options.rank);
+  request.set_gpu_uuid(options.gpu_uuid);
+  request.set_session_id(impl_->session_id_copy);
+  request.set_launch_mode(options.launch_mode);
+  v1::JoinGroupResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+  EPD_RETURN_IF_ERROR(internal::AnnotateUnavailable(
+      internal::FromGrpcStatus(control->stub->JoinGroup(&context, request, &response)),
+      control->target));
+
+  const std::string group = options.spec.name();
+  const int32_t rank = options.rank;
+  const std::string session_id = impl_->session_id_copy;
+  auto leave = [control, group, rank, session_id]() -> absl::Status {
+    v1::LeaveGroupRequest leave_request;
+    leave_request.set_group(group);
+    leave_request.set_rank(rank);
+    leave_request.set_session_id(session_id);
+    v1::LeaveGroupResponse leave_response;
+    grpc::ClientContext leave_context;
+    leave_context.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+    absl::Status status = internal::FromGrpcStatus(
+        control->stub->LeaveGroup(&leave_context, leave_request, &leave_response));
+    // Already released (the session ended, or the daemon restarted): leaving is done.
+    if (status.code() == absl::StatusCode::kNotFound ||
+        status.code() == absl::StatusCode::kUnavailable) {
+      return absl::OkStatus();
+    }
+    return status;
+  };
+  absl::StatusOr<std::unique_ptr<Endpoint>> endpoint =
+      internal::OpenEndpoint(response.endpoint(), options.spec, leave);
+  if (!endpoint.ok()) {
+    leave().IgnoreError();  // Give the rank back: this process cannot use it.
+    return endpoint.status();
+  }
+  return endpoint;
+}
+
+absl::StatusOr<v1::GetStatsResponse> Client::GetStats() {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+  v1::GetStatsResponse response;
+  EPD_RETURN_IF_ERROR(internal::AnnotateUnavailable(
+      internal::FromGrpcStatus(
+          impl_->control->stub->GetStats(&context, v1::GetStatsRequest(), &response)),
+      impl_->control->target));
+  return response;
+}
+
+absl::StatusOr<v1::ListGroupsResponse> Client::ListGroups() {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+  v1::ListGroupsResponse response;
+  EPD_RETURN_IF_ERROR(internal::AnnotateUnavailable(
+      internal::FromGrpcStatus(
+          impl_->control->stub->ListGroups(&context, v1::ListGroupsRequest(), &response)),
+      impl_->control->target));
+  return response;
+}
+
+}  // namespace epd

@@ -1,0 +1,45 @@
+#include "control_channel.h"
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace epd::internal {
+
+std::string ChannelTarget(absl::string_view socket) {
+  if (absl::StartsWith(socket, "/")) return absl::StrCat("unix://", socket);
+  if (absl::StartsWith(socket, "unix:") || absl::StartsWith(socket, "unix-abstract:")) {
+    return std::string(socket);
+  }
+  // "host:port", "[::1]:port", "dns:///host:port", "ipv4:..." all contain a ':' and no
+  // path separator before it.
+  size_t colon = socket.find(':');
+  size_t slash = socket.find('/');
+  if (colon != absl::string_view::npos && (slash == absl::string_view::npos || slash > colon)) {
+    return std::string(socket);
+  }
+  return absl::StrCat("unix:", socket);
+}
+
+std::shared_ptr<grpc::Channel> MakeControlChannel(const std::string& target) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // Each channel gets its own subchannel: a client's Session must not share a connection
+  // with another object's channel in this process (its end is the client's death).
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::Status AnnotateUnavailable(const absl::Status& status, const std::string& target) {
+  if (status.code() != absl::StatusCode::kUnavailable) return status;
+  return absl::UnavailableError(absl::StrCat("no epd daemon answers on ", target, ": ",
+                                             status.message(), " (is epd running?)"));
+}
+
+}  // namespace epd::internal

@@ -1,0 +1,145 @@
+#include "format.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "google/protobuf/text_format.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace epd::epctl {
+
+std::string Table::Render(const std::string& indent) const {
+  std::vector<size_t> widths;
+  for (const auto& row : rows_) {
+    if (widths.size() < row.size()) widths.resize(row.size(), 0);
+    for (size_t i = 0; i < row.size(); ++i) widths[i] = std::max(widths[i], row[i].size());
+  }
+  std::string out;
+  for (const auto& row : rows_) {
+    std::string line = indent;
+    for (size_t i = 0; i < row.size(); ++i) {
+      line += row[i];
+      if (i + 1 < row.size()) line.append(widths[i] - row[i].size() + 2, ' ');
+    }
+    out += line + "\n";
+  }
+  return out;
+}
+
+std::string JsonOutput(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string json;
+  auto status = google::protobuf::util::MessageToJsonString(message, &json, options);
+  if (!status.ok()) return absl::StrCat("{\"error\": \"", status.ToString(), "\"}\n");
+  if (json.empty() || json.back() != '\n') json += "\n";
+  return json;
+}
+
+std::string HumanBytes(uint64_t bytes) {
+  if (bytes >= (1ull << 30)) return absl::StrFormat("%.1f GiB", bytes / double(1ull << 30));
+  if (bytes >= (1ull << 20)) return absl::StrFormat("%.1f MiB", bytes / double(1ull << 20));
+  if (bytes >= (1ull << 10)) return absl::StrFormat("%.1f KiB", bytes / double(1ull << 10));
+  return absl::StrCat(bytes, " B");
+}
+
+std::string HumanDurationMs(uint64_t ms) {
+  return absl::FormatDuration(absl::Trunc(absl::Milliseconds(ms), absl::Seconds(1)));
+}
+
+std::string FormatStatus(const v1::GetStatsResponse& s, const std::string& target) {
+  std::string out = absl::StrFormat("epd %s  pid %d  %s  %s  up %s\n", s.version(), s.pid(),
+                                    target, s.serving_status(), HumanDurationMs(s.uptime_ms()));
+  absl::StrAppend(&out, "backend: ", s.backend(), " (", s.backend_reason(), ")\n");
+  absl::StrAppend(&out, "MPS: ", s.mps_active() ? "active" : "not active", "\n");
+  absl::StrAppendFormat(&out, "groups: %d  sessions: %d  ops: %d completed, %d failed\n",
+                        s.num_groups(), s.num_sessions(), s.ops_completed(), s.ops_failed());
+  if (s.gpus().empty()) {
+    absl::StrAppend(&out, "GPUs: none\n");
+    return out;
+  }
+  absl::StrAppend(&out, "GPUs: ", s.gpus_size(), "\n");
+  Table table({"ORD", "UUID", "PCI BUS ID", "NAME", "SMS", "MEM FREE/TOTAL", "CC", "PEER ACCESS"});
+  for (const v1::GpuInfo& g : s.gpus()) {
+    std::string peers;
+    for (int j = 0; j < g.peer_access_size(); ++j) {
+      peers += j == g.ordinal() ? '-' : (g.peer_access(j) ? 'Y' : 'n');
+    }
+    table.AddRow({absl::StrCat(g.ordinal()), g.uuid(), g.pci_bus_id(), g.name(),
+                  absl::StrCat(g.sm_count()),
+                  absl::StrCat(HumanBytes(g.free_memory_bytes()), " / ",
+                               HumanBytes(g.total_memory_bytes())),
+                  absl::StrCat(g.compute_capability_major(), ".", g.compute_capability_minor()),
+                  peers.empty() ? "-" : peers});
+  }
+  absl::StrAppend(&out, table.Render("  "));
+  return out;
+}
+
+std::string FormatGroups(const v1::ListGroupsResponse& groups) {
+  if (groups.groups().empty()) return "no groups\n";
+  Table table({"GROUP", "RANKS", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS", "LL_MAX_TOKENS",
+               "FP8", "BYTES/RANK", "OPS OK", "OPS FAILED"});
+  Table ranks({"GROUP", "RANK", "PID", "GPU", "SESSION", "OPS OK"});
+  for (const v1::GroupInfo& g : groups.groups()) {
+    const v1::GroupSpec& spec = g.spec();
+    table.AddRow({spec.name(), absl::StrCat(g.ranks_size(), "/", spec.num_ranks()),
+                  absl::StrCat(spec.num_experts()), absl::StrCat(spec.hidden()),
+                  absl::StrCat(spec.num_topk()), absl::StrCat(spec.max_tokens_per_rank()),
+                  absl::StrCat(spec.ll_max_tokens_per_rank()), spec.use_fp8() ? "yes" : "no",
+                  HumanBytes(g.buffer_bytes_per_rank()), absl::StrCat(g.ops_completed()),
+                  absl::StrCat(g.ops_failed())});
+    for (const v1::RankInfo& r : g.ranks()) {
+      ranks.AddRow({spec.name(), absl::StrCat(r.rank()), absl::StrCat(r.client_pid()),
+                    r.gpu_uuid().empty() ? "-" : r.gpu_uuid(), r.session_id(),
+                    absl::StrCat(r.ops_completed())});
+    }
+  }
+  return absl::StrCat(table.Render(), "\n", ranks.Render());
+}
+
+std::string FormatStats(const v1::GetStatsResponse& s) {
+  Table table({"FIELD", "VALUE"});
+  table.AddRow({"serving_status", s.serving_status()});
+  table.AddRow({"version", s.version()});
+  table.AddRow({"pid", absl::StrCat(s.pid())});
+  table.AddRow({"uptime", HumanDurationMs(s.uptime_ms())});
+  table.AddRow({"backend", s.backend()});
+  table.AddRow({"num_groups", absl::StrCat(s.num_groups())});
+  table.AddRow({"num_sessions", absl::StrCat(s.num_sessions())});
+  table.AddRow({"ops_completed", absl::StrCat(s.ops_completed())});
+  table.AddRow({"ops_failed", absl::StrCat(s.ops_failed())});
+  table.AddRow({"mps_active", s.mps_active() ? "true" : "false"});
+  table.AddRow({"gpus", absl::StrCat(s.gpus_size())});
+  return table.Render();
+}
+
+std::string FormatConfig(const v1::DaemonConfig& config) {
+  // Print every field, defaults included: "the effective value of everything".
+  std::string out;
+  const google::protobuf::Descriptor* d = config.GetDescriptor();
+  const google::protobuf::Reflection* r = config.GetReflection();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = d->field(i);
+    if (f->is_repeated()) {
+      if (r->FieldSize(config, f) == 0) absl::StrAppend(&out, "# ", f->name(), ": (none)\n");
+      for (int j = 0; j < r->FieldSize(config, f); ++j) {
+        std::string value;
+        google::protobuf::TextFormat::PrintFieldValueToString(config, f, j, &value);
+        absl::StrAppend(&out, f->name(), ": ", value, "\n");
+      }
+      continue;
+    }
+    std::string value;
+    google::protobuf::TextFormat::PrintFieldValueToString(config, f, -1, &value);
+    absl::StrAppend(&out, f->name(), ": ", value, "\n");
+  }
+  return out;
+}
+
+}  // namespace epd::epctl

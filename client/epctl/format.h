@@ -1,0 +1,41 @@
+// epctl output: human-readable tables of epd's GetStats / ListGroups / config, and the
+// helpers they share. JSON output uses protobuf's JSON printer (JsonOutput).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "epd/v1/control.pb.h"
+#include "google/protobuf/message.h"
+
+namespace epd::epctl {
+
+/// A left-aligned text table: column widths fit the widest cell, two spaces apart.
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header) { rows_.push_back(std::move(header)); }
+  void AddRow(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  std::string Render(const std::string& indent = "") const;
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+};
+
+/// `message` as indented JSON with every field (defaults included) and proto field
+/// names (protobuf JsonPrintOptions), ending in a newline.
+std::string JsonOutput(const google::protobuf::Message& message);
+
+/// `epctl status`: daemon line, backend and reason, MPS, counters, GPU inventory table.
+std::string FormatStatus(const v1::GetStatsResponse& stats, const std::string& target);
+/// `epctl groups`: one row per group, then one row per joined rank.
+std::string FormatGroups(const v1::ListGroupsResponse& groups);
+/// `epctl stats`: counters.
+std::string FormatStats(const v1::GetStatsResponse& stats);
+/// `epctl config`: the effective DaemonConfig in its text format (every field shown).
+std::string FormatConfig(const v1::DaemonConfig& config);
+
+/// "12.3 GiB" style byte counts; "1h2m3s" style durations from milliseconds.
+std::string HumanBytes(uint64_t bytes);
+std::string HumanDurationMs(uint64_t ms);
+
+}  // namespace epd::epctl

@@ -1,0 +1,137 @@
+// epctl: inspect a running epd. Thin: flags → one RPC → print.
+//   epctl [--socket=/run/epd/epd.sock] [--json] status|groups|health|stats|config
+// Exit status: 0 on success (for `health`: only when SERVING), 1 when the daemon is down,
+// not serving or answers with an error, 2 on a usage error.
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "../control_channel.h"
+#include "epd/v1/control.grpc.pb.h"
+#include "format.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+ABSL_FLAG(std::string, socket, "/run/epd/epd.sock",
+          "epd's socket: /path, unix:///path, or host:port (its --listen).");
+ABSL_FLAG(bool, json, false, "Print JSON (protobuf JSON mapping) instead of tables.");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "Deadline of the RPC, connect included.");
+ABSL_FLAG(std::string, service, "",
+          "health: the service to check (\"\" = the whole daemon, or epd.v1.Control).");
+
+namespace {
+
+constexpr char kUsage[] =
+    "epctl: inspect a running epd daemon.\n"
+    "Usage: epctl [--socket=/run/epd/epd.sock] [--json] [--timeout=5s] COMMAND\n"
+    "Commands:\n"
+    "  status   daemon, backend and why, MPS, GPU inventory\n"
+    "  groups   live groups and their joined ranks\n"
+    "  health   grpc.health.v1 status; exit 0 only when SERVING (for HEALTHCHECK)\n"
+    "  stats    counters\n"
+    "  config   the daemon's effective DaemonConfig";
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "epctl: %s\n", message.c_str());
+  return 1;
+}
+
+std::chrono::system_clock::time_point Deadline() {
+  return absl::ToChronoTime(absl::Now() + absl::GetFlag(FLAGS_timeout));
+}
+
+/// Connects to the daemon; prints why and returns null when nothing answers.
+std::shared_ptr<grpc::Channel> Connect(const std::string& target) {
+  if (absl::StartsWith(target, "unix://")) {
+    const std::string path = target.substr(7);
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      Fail(absl::StrCat("no epd daemon: socket ", path, " does not exist (is epd running? is ",
+                        "--socket right?)"));
+      return nullptr;
+    }
+  }
+  auto channel = epd::internal::MakeControlChannel(target);
+  if (!channel->WaitForConnected(Deadline())) {
+    Fail(absl::StrCat("no epd daemon answers on ", target, " within ",
+                      absl::FormatDuration(absl::GetFlag(FLAGS_timeout)),
+                      " (is epd running? is --socket right?)"));
+    return nullptr;
+  }
+  return channel;
+}
+
+int RpcFailed(const grpc::Status& status, const std::string& target) {
+  return Fail(epd::internal::AnnotateUnavailable(epd::internal::FromGrpcStatus(status), target)
+                  .ToString());
+}
+
+void Print(const std::string& text) { std::fwrite(text.data(), 1, text.size(), stdout); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(kUsage);
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 2) {
+    std::fprintf(stderr, "%s\n", kUsage);
+    return 2;
+  }
+  const std::string command = args[1];
+  const bool json = absl::GetFlag(FLAGS_json);
+  if (command != "status" && command != "groups" && command != "health" && command != "stats" &&
+      command != "config") {
+    std::fprintf(stderr, "epctl: unknown command \"%s\"\n%s\n", command.c_str(), kUsage);
+    return 2;
+  }
+  const std::string target = epd::internal::ChannelTarget(absl::GetFlag(FLAGS_socket));
+  std::shared_ptr<grpc::Channel> channel = Connect(target);
+  if (channel == nullptr) return 1;
+
+  if (command == "health") {
+    auto stub = grpc::health::v1::Health::NewStub(channel);
+    grpc::ClientContext context;
+    context.set_deadline(Deadline());
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(absl::GetFlag(FLAGS_service));
+    grpc::health::v1::HealthCheckResponse response;
+    grpc::Status status = stub->Check(&context, request, &response);
+    if (!status.ok()) return RpcFailed(status, target);
+    const std::string name =
+        grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
+    Print(json ? epd::epctl::JsonOutput(response) : name + "\n");
+    return response.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+  }
+
+  auto stub = epd::v1::Control::NewStub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(Deadline());
+  if (command == "groups") {
+    epd::v1::ListGroupsResponse groups;
+    grpc::Status status = stub->ListGroups(&context, epd::v1::ListGroupsRequest(), &groups);
+    if (!status.ok()) return RpcFailed(status, target);
+    Print(json ? epd::epctl::JsonOutput(groups) : epd::epctl::FormatGroups(groups));
+    return 0;
+  }
+  epd::v1::GetStatsResponse stats;
+  grpc::Status status = stub->GetStats(&context, epd::v1::GetStatsRequest(), &stats);
+  if (!status.ok()) return RpcFailed(status, target);
+  if (command == "status") {
+    Print(json ? epd::epctl::JsonOutput(stats) : epd::epctl::FormatStatus(stats, target));
+  } else if (command == "stats") {
+    stats.clear_effective_config();
+    stats.clear_gpus();
+    Print(json ? epd::epctl::JsonOutput(stats) : epd::epctl::FormatStats(stats));
+  } else {
+    Print(json ? epd::epctl::JsonOutput(stats.effective_config())
+               : epd::epctl::FormatConfig(stats.effective_config()));
+  }
+  return 0;
+}
