@@ -30,7 +30,7 @@ RUN ln -s "${CUDA_DIR}" /usr/local/cuda
 WORKDIR /src
 # Dependencies first, as their own layer: rebuilt only when the package list changes.
 COPY deploy/install-deps.sh deploy/install-deps.sh
-RUN deploy/install-deps.sh && rm -rf /var/lib/apt/lists/*
+RUN bash deploy/install-deps.sh && rm -rf /var/lib/apt/lists/*
 COPY . .
 # CUDA and RDMA ON (not AUTO): an image without the CUDA backend would be a broken image,
 # so a missing toolkit fails the build here. sm_90 SASS + compute_90 PTX (CMakeLists.txt).
@@ -46,7 +46,7 @@ RUN cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release \
 RUN mkdir -p /out/usr/local/lib/epd \
  && cp -a "${CUDA_DIR}"/targets/x86_64-linux/lib/libcudart.so.13* /out/usr/local/lib/epd/ \
  && LD_LIBRARY_PATH="${CUDA_DIR}/targets/x86_64-linux/lib" \
-    deploy/runtime-packages.sh --strict --ignore 'libcudart.so.*' \
+    bash deploy/runtime-packages.sh --strict --ignore 'libcudart.so.*' \
       /out/usr/local/bin/epd /out/usr/local/bin/epctl >/out/runtime-packages.txt \
  && echo "runtime packages:" && cat /out/runtime-packages.txt
 

@@ -34,8 +34,13 @@ step "dependencies (deploy/install-deps.sh)"
 
 step "configure $BUILD_DIR ($BUILD_TYPE)"
 cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" >/dev/null
-grep -E '^(CMAKE_CUDA_COMPILER):' "$BUILD_DIR/CMakeCache.txt" | grep -q nvcc &&
-  echo "CUDA backend: built" || echo "CUDA backend: not built (no nvcc); host backend only"
+if grep -q '^CMAKE_CUDA_COMPILER:[A-Z]*=.*nvcc' "$BUILD_DIR/CMakeCache.txt"; then
+  echo "CUDA backend: built"
+elif grep -q '^EPD_WITH_CUDA:[A-Z]*=OFF' "$BUILD_DIR/CMakeCache.txt"; then
+  echo "CUDA backend: not built (EPD_WITH_CUDA=OFF in $BUILD_DIR); host backend only"
+else
+  echo "CUDA backend: not built (no nvcc found); host backend only"
+fi
 
 targets=(epd epctl)
 have_demo=0
