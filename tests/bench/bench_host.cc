@@ -1,0 +1,258 @@
+// epd_bench --backend=host: per-op latency and bandwidth of the host backend through the
+// real data path (libepdclient endpoints → shm rings → the host engine → kernels/host),
+// with one thread per rank in this process (the control plane is not on the hot path, so
+// it is left out). Each figure is printed beside a memcpy of the same bytes measured in
+// the same run. Host figures are for reference, not a goal.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "tests/bench/bench.h"
+#include "client/endpoint_internal.h"
+#include "daemon/host_data_plane.h"
+#include "epd/client.h"
+#include "epd/kernels/types.h"
+
+ABSL_FLAG(int, host_ranks, 4, "host bench: ranks (threads)");
+ABSL_FLAG(int, host_tokens, 128, "host bench: tokens per rank");
+ABSL_FLAG(int, host_hidden, 2048, "host bench: hidden");
+ABSL_FLAG(int, host_experts, 32, "host bench: experts");
+ABSL_FLAG(int, host_topk, 4, "host bench: top-k");
+ABSL_FLAG(int, host_iters, 200, "host bench: timed iterations per op (after 10 warm-up)");
+
+namespace epd::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Stat {
+  std::string op;
+  double p50_us = 0, p99_us = 0;
+  double bytes = 0;        // Payload bytes per rank per op.
+  double memcpy_us = 0;    // memcpy of the same bytes.
+};
+
+double MemcpyMicros(size_t bytes) {
+  std::vector<char> a(bytes + 64, 1), b(bytes + 64);
+  std::vector<double> t;
+  for (int i = 0; i < 20; ++i) {
+    auto s = Clock::now();
+    std::memcpy(b.data(), a.data(), bytes);
+    t.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
+  }
+  return ComputePercentiles(t).p50;
+}
+
+DLTensor Tensor(void* data, DLDataType dtype, std::vector<int64_t>& shape) {
+  DLTensor t{};
+  t.data = data;
+  t.device = {kDLCPU, 0};
+  t.ndim = static_cast<int>(shape.size());
+  t.dtype = dtype;
+  t.shape = shape.data();
+  return t;
+}
+
+}  // namespace
+
+int RunHostBench() {
+  const int R = absl::GetFlag(FLAGS_host_ranks), T = absl::GetFlag(FLAGS_host_tokens),
+            H = absl::GetFlag(FLAGS_host_hidden), E = absl::GetFlag(FLAGS_host_experts),
+            K = absl::GetFlag(FLAGS_host_topk), iters = absl::GetFlag(FLAGS_host_iters);
+  const bool json = absl::GetFlag(FLAGS_json);
+  if (R < 1 || E % R != 0 || K > E || H % 128 != 0) {
+    std::fprintf(stderr, "host bench: need E %% R == 0, K <= E, H %% 128 == 0\n");
+    return 2;
+  }
+  epd::HostDataPlaneOptions o;
+  auto plane = epd::MakeHostDataPlane(o);
+  if (!plane.ok()) {
+    std::fprintf(stderr, "host bench: %s\n", plane.status().ToString().c_str());
+    return 1;
+  }
+  epd::v1::GroupSpec spec;
+  spec.set_name("bench");
+  spec.set_num_ranks(R);
+  spec.set_num_experts(E);
+  spec.set_hidden(H);
+  spec.set_num_topk(K);
+  spec.set_max_tokens_per_rank(T);
+  spec.set_ll_max_tokens_per_rank(T);
+  spec.set_use_fp8(true);
+  auto group = (*plane)->CreateGroup(spec);
+  if (!group.ok()) return 1;
+  std::vector<std::unique_ptr<epd::Endpoint>> eps;
+  for (int r = 0; r < R; ++r) {
+    epd::v1::EndpointInfo info;
+    if (!(*group)->AttachRank(r, "", epd::v1::LAUNCH_MODE_UNSPECIFIED, &info).ok()) return 1;
+    auto ep = epd::internal::OpenEndpoint(info, spec, [] { return absl::OkStatus(); });
+    if (!ep.ok()) return 1;
+    eps.push_back(std::move(*ep));
+  }
+  if (!json) {
+    std::printf("host bench: R=%d T=%d H=%d E=%d K=%d, %d iterations (+10 warm-up) per op\n",
+                R, T, H, E, K, iters);
+    std::fflush(stdout);
+  }
+  // Inputs: uniform random routing, distinct experts per token.
+  std::vector<std::vector<uint16_t>> x(R);
+  std::vector<std::vector<int64_t>> idx(R);
+  std::vector<std::vector<float>> w(R);
+  std::vector<int64_t> xs{T, H}, ks{T, K};
+  std::vector<DLTensor> xt(R), it(R), wt(R);
+  std::mt19937 rng(7);
+  for (int r = 0; r < R; ++r) {
+    x[r].resize(size_t(T) * H);
+    for (auto& v : x[r]) v = epd::kernels::FloatToBf16(float(rng() % 200) / 100.f - 1.f);
+    idx[r].resize(size_t(T) * K);
+    w[r].assign(size_t(T) * K, 0.25f);
+    std::vector<int> ex(E);
+    for (int t = 0; t < T; ++t) {
+      for (int e = 0; e < E; ++e) ex[e] = e;
+      std::shuffle(ex.begin(), ex.end(), rng);
+      for (int k = 0; k < K; ++k) idx[r][t * K + k] = ex[k];
+    }
+    xt[r] = Tensor(x[r].data(), {kDLBfloat, 16, 1}, xs);
+    it[r] = Tensor(idx[r].data(), {kDLInt, 64, 1}, ks);
+    wt[r] = Tensor(w[r].data(), {kDLFloat, 32, 1}, ks);
+  }
+  // Per-rank timing of one op kind: every rank runs `op` iters times in lockstep.
+  auto measure = [&](const std::function<absl::Status(int)>& op) {
+    std::vector<std::vector<double>> lat(R);
+    std::vector<std::thread> threads;
+    absl::Status first_error;
+    std::mutex mu;
+    for (int r = 0; r < R; ++r) {
+      threads.emplace_back([&, r] {
+        for (int i = 0; i < iters + 10; ++i) {
+          auto s = Clock::now();
+          absl::Status st = op(r);
+          double us = std::chrono::duration<double, std::micro>(Clock::now() - s).count();
+          if (!st.ok()) {
+            std::lock_guard<std::mutex> l(mu);
+            first_error = st;
+            return;
+          }
+          if (i >= 10) lat[r].push_back(us);
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    std::vector<double> all;
+    for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
+    return std::make_pair(first_error, all);
+  };
+  std::vector<epd::DispatchResult> last(R);
+  std::vector<epd::LowLatencyDispatchResult> last_ll(R);
+  std::vector<std::vector<uint16_t>> expert_out(R);
+  std::vector<std::vector<int64_t>> eshape(R);
+  std::vector<DLTensor> et(R);
+  std::vector<Stat> stats;
+  const double token_bytes = double(H) * 2;
+  auto run = [&](const std::string& name, double bytes_per_rank,
+                 const std::function<absl::Status(int)>& op) -> bool {
+    auto [st, lat] = measure(op);
+    if (!st.ok()) {
+      std::fprintf(stderr, "host bench: %s: %s\n", name.c_str(), st.ToString().c_str());
+      return false;
+    }
+    Stat s;
+    s.op = name;
+    Percentiles p = ComputePercentiles(lat);
+    s.p50_us = p.p50;
+    s.p99_us = p.p99;
+    s.bytes = bytes_per_rank;
+    s.memcpy_us = MemcpyMicros(static_cast<size_t>(bytes_per_rank) * R);
+    stats.push_back(s);
+    return true;
+  };
+  bool ok = run("Dispatch (bf16)", T * token_bytes * std::min(K, R), [&](int r) -> absl::Status {
+    epd::DispatchArgs a;
+    a.x = &xt[r];
+    a.topk_idx = &it[r];
+    a.topk_weights = &wt[r];
+    auto op = eps[r]->Dispatch(a);
+    if (!op.ok()) return op.status();
+    auto res = op->Wait();
+    if (!res.ok()) return res.status();
+    last[r] = *res;
+    return absl::OkStatus();
+  });
+  for (int r = 0; ok && r < R; ++r) {
+    expert_out[r].assign(size_t(last[r].num_recv_tokens) * H, 0x3f80);
+    eshape[r] = {last[r].num_recv_tokens, H};
+    et[r] = Tensor(expert_out[r].data(), {kDLBfloat, 16, 1}, eshape[r]);
+  }
+  ok = ok && run("Combine (bf16)", T * token_bytes * std::min(K, R), [&](int r) -> absl::Status {
+    epd::CombineArgs a;
+    a.x = &et[r];
+    a.handle = &last[r].handle;
+    auto op = eps[r]->Combine(a);
+    if (!op.ok()) return op.status();
+    return op->Wait().status();
+  });
+  ok = ok && run("LowLatencyDispatch (fp8)", T * (H + H / 128 * 4.0) * K, [&](int r) -> absl::Status {
+    epd::LowLatencyDispatchArgs a;
+    a.x = &xt[r];
+    a.topk_idx = &it[r];
+    a.use_fp8 = true;
+    auto op = eps[r]->LowLatencyDispatch(a);
+    if (!op.ok()) return op.status();
+    auto res = op->Wait();
+    if (!res.ok()) return res.status();
+    last_ll[r] = *res;
+    return absl::OkStatus();
+  });
+  std::vector<std::vector<uint16_t>> ll_out(R);
+  std::vector<std::vector<int64_t>> ll_shape(R);
+  std::vector<DLTensor> llt(R);
+  for (int r = 0; ok && r < R; ++r) {
+    ll_out[r].assign(size_t(E / R) * R * T * H, 0x3f80);
+    ll_shape[r] = {E / R, int64_t(R) * T, H};
+    llt[r] = Tensor(ll_out[r].data(), {kDLBfloat, 16, 1}, ll_shape[r]);
+  }
+  // LL combine reuses the last LL dispatch's handle each time (valid: no new dispatch).
+  ok = ok && run("LowLatencyCombine (bf16)", T * token_bytes * K, [&](int r) -> absl::Status {
+    epd::LowLatencyCombineArgs a;
+    a.x = &llt[r];
+    a.topk_idx = &it[r];
+    a.topk_weights = &wt[r];
+    a.handle = &last_ll[r].handle;
+    auto op = eps[r]->LowLatencyCombine(a);
+    if (!op.ok()) return op.status();
+    return op->Wait().status();
+  });
+  if (!ok) return 1;
+  if (json) {
+    std::printf("{\"backend\":\"host\",\"ranks\":%d,\"tokens\":%d,\"hidden\":%d,\"experts\":%d,"
+                "\"topk\":%d,\"ops\":[", R, T, H, E, K);
+    for (size_t i = 0; i < stats.size(); ++i) {
+      const Stat& s = stats[i];
+      std::printf("%s{\"op\":\"%s\",\"p50_us\":%.1f,\"p99_us\":%.1f,\"bytes_per_rank\":%.0f,"
+                  "\"gbps_per_rank\":%.3f,\"memcpy_all_ranks_us\":%.1f}",
+                  i ? "," : "", s.op.c_str(), s.p50_us, s.p99_us, s.bytes,
+                  s.bytes / s.p50_us / 1e3, s.memcpy_us);
+    }
+    std::printf("]}\n");
+  } else {
+    std::printf("%-26s %10s %10s %14s %12s %22s\n", "op", "p50 (us)", "p99 (us)",
+                "bytes/rank", "GB/s/rank", "memcpy all ranks (us)");
+    for (const Stat& s : stats) {
+      std::printf("%-26s %10.1f %10.1f %14.0f %12.3f %22.1f\n", s.op.c_str(), s.p50_us,
+                  s.p99_us, s.bytes, s.bytes / s.p50_us / 1e3, s.memcpy_us);
+    }
+    std::printf("(bytes/rank: token bytes a rank sends, one copy per destination; the memcpy "
+                "column copies R times that, single-threaded, in this process)\n");
+  }
+  return 0;
+}
+
+}  // namespace epd::bench
