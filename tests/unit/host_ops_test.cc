@@ -25,7 +25,6 @@
 #include <cstring>
 #include <memory>
 #include <random>
-#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -65,6 +64,7 @@ struct SweepCase {
   bool ragged = false;  ///< Ranks get different T, some of them 0.
   bool round_scale = false;
   int threads = 1;
+  int token_slack = 0;  ///< max_tokens_per_rank (and the low-latency M) = T + token_slack.
   uint64_t seed = 1;
 
   std::string Name() const {
@@ -72,10 +72,13 @@ struct SweepCase {
     o << "R" << num_ranks << "_E" << num_experts << "_K" << num_topk << "_H" << hidden << "_T"
       << num_tokens << "_" << RoutingName(routing) << "_mask" << masked_pct
       << (fp8 ? "_fp8" : "_bf16") << "_align" << alignment << (ragged ? "_ragged" : "")
-      << (round_scale ? "_rs" : "") << "_thr" << threads;
+      << (round_scale ? "_rs" : "") << (token_slack ? "_slack" : "") << "_thr" << threads;
     return o.str();
   }
 };
+
+/// gtest prints a case by its name (not as raw bytes).
+void PrintTo(const SweepCase& c, std::ostream* os) { *os << c.Name(); }
 
 /// splitmix64: fast deterministic bulk data.
 struct Rng {
@@ -335,7 +338,7 @@ constexpr uint8_t kGuardByte = 0xA5;
 void RunNormal(const SweepCase& c, const std::vector<RankInput>& in) {
   const int R = c.num_ranks, K = c.num_topk, E = c.num_experts, H = c.hidden;
   const int El = E / R, S = (H + 127) / 128;
-  const int32_t M = c.num_tokens;
+  const int32_t M = c.num_tokens + c.token_slack;
   const GroupShape shape = ShapeOf(c, M, 0);
   const HostExecution exec{c.threads};
   const NaiveNormalRouting naive = NaiveRoute(c, in);
@@ -565,9 +568,9 @@ void RunNormal(const SweepCase& c, const std::vector<RankInput>& in) {
 void RunLowLatency(const SweepCase& c, const std::vector<RankInput>& in) {
   const int R = c.num_ranks, K = c.num_topk, E = c.num_experts, H = c.hidden;
   const int El = E / R, S = (H + 127) / 128;
-  const int32_t Mll = std::max(1, c.num_tokens);
+  const int32_t Mll = std::max(1, c.num_tokens + c.token_slack);
   const int64_t rows_per_expert = static_cast<int64_t>(R) * Mll;
-  const GroupShape shape = ShapeOf(c, c.num_tokens, Mll);
+  const GroupShape shape = ShapeOf(c, c.num_tokens + c.token_slack, Mll);
   const HostExecution exec{c.threads};
   const NaiveLowLatencyRouting naive = NaiveRouteLowLatency(c, in);
   const bool fp8 = c.fp8;
@@ -702,142 +705,138 @@ const int kExpertKinds[] = {0, 1, 2};  // E = R, 4R, 256
 const int kTopk[] = {1, 2, 6, 8, 9};
 const int kHidden[] = {128, 2048, 7168};
 const int kTokens[] = {0, 1, 7, 128, 4096};
-const Routing kRoutings[] = {Routing::kUniform, Routing::kZipf, Routing::kOneExpert};
+const int kRoutings[] = {int(Routing::kUniform), int(Routing::kZipf), int(Routing::kOneExpert)};
 const int kMasked[] = {0, 30, 100};
+const int kFp8[] = {0, 1};
 const int kAlignments[] = {1, 128};
+
+/// The swept parameters, in the order of kParamValues.
+enum Param { kR, kEKind, kK, kH, kT, kRouting, kMask, kFp8Param, kAlign, kNumParams };
+const std::vector<std::vector<int>> kParamValues = {
+    {std::begin(kRanks), std::end(kRanks)},
+    {std::begin(kExpertKinds), std::end(kExpertKinds)},
+    {std::begin(kTopk), std::end(kTopk)},
+    {std::begin(kHidden), std::end(kHidden)},
+    {std::begin(kTokens), std::end(kTokens)},
+    {std::begin(kRoutings), std::end(kRoutings)},
+    {std::begin(kMasked), std::end(kMasked)},
+    {std::begin(kFp8), std::end(kFp8)},
+    {std::begin(kAlignments), std::end(kAlignments)}};
 
 int ExpertsOf(int R, int kind) { return kind == 0 ? R : kind == 1 ? 4 * R : 256; }
 
-/// Bytes a case touches, roughly (inputs, normal receive and combine, low-latency
-/// receive and combine), and the low-latency buffer size per rank (virtual).
+int ParamOf(const SweepCase& c, int p) {
+  switch (p) {
+    case kR:
+      return c.num_ranks;
+    case kEKind:
+      return c.num_experts == c.num_ranks ? 0 : c.num_experts == 4 * c.num_ranks ? 1 : 2;
+    case kK:
+      return c.num_topk;
+    case kH:
+      return c.hidden;
+    case kT:
+      return c.num_tokens;
+    case kRouting:
+      return int(c.routing);
+    case kMask:
+      return c.masked_pct;
+    case kFp8Param:
+      return int(c.fp8);
+    case kAlign:
+      return c.alignment;
+  }
+  return -1;
+}
+
+SweepCase CaseOf(const int (&v)[kNumParams]) {
+  SweepCase c;
+  c.num_ranks = v[kR];
+  c.num_experts = ExpertsOf(v[kR], v[kEKind]);
+  c.num_topk = v[kK];
+  c.hidden = v[kH];
+  c.num_tokens = v[kT];
+  c.routing = Routing(v[kRouting]);
+  c.masked_pct = v[kMask];
+  c.fp8 = v[kFp8Param] != 0;
+  c.alignment = v[kAlign];
+  return c;
+}
+
+/// Keeps the sweep inside CI's time and memory: bytes a case touches, roughly (inputs,
+/// normal receive and combine, low-latency receive and combine), and the low-latency
+/// receive buffer of a rank ([El, R*Mll, H], virtual: only touched rows cost memory).
 bool WithinBudget(const SweepCase& c) {
   const double tokens = static_cast<double>(c.num_ranks) * c.num_tokens;
   const double row = 2.0 * c.hidden;
   const double touched =
       tokens * row * (3 + 2 * std::min(c.num_topk, c.num_ranks) + 2 * c.num_topk);
   const double ll_virtual = static_cast<double>(c.num_experts) * std::max(1, c.num_tokens) * row;
-  return touched <= 96e6 && ll_virtual <= 1.1e9;
+  return touched <= 128e6 && ll_virtual <= 1.1e9;
 }
 
 bool Valid(const SweepCase& c) {
   return c.num_experts % c.num_ranks == 0 && c.num_topk <= c.num_experts && WithinBudget(c);
 }
 
-/// A seeded covering selection: every value of every parameter, every pair of
-/// (R, routing), (T, FP8) and (K, masked); then explicit edge cases.
+/// A covering requirement: parameter pa has value va (and pb has vb when pb >= 0).
+struct Need {
+  int pa, va, pb, vb;
+  bool required;  ///< Must be covered (the others are covered where the budget allows).
+  bool CoveredBy(const SweepCase& c) const {
+    return ParamOf(c, pa) == va && (pb < 0 || ParamOf(c, pb) == vb);
+  }
+};
+
+/// Every single value (required), the required pairs (R, routing), (T, FP8), (K, masked),
+/// and every other pair of parameters (covered where a valid case within budget exists).
+std::vector<Need> SweepNeeds() {
+  std::vector<Need> needs;
+  for (int p = 0; p < kNumParams; ++p) {
+    for (int v : kParamValues[p]) needs.push_back({p, v, -1, 0, true});
+  }
+  auto required = [](int a, int b) {
+    return (a == kR && b == kRouting) || (a == kT && b == kFp8Param) || (a == kK && b == kMask);
+  };
+  for (int a = 0; a < kNumParams; ++a) {
+    for (int b = a + 1; b < kNumParams; ++b) {
+      for (int va : kParamValues[a]) {
+        for (int vb : kParamValues[b]) needs.push_back({a, va, b, vb, required(a, b)});
+      }
+    }
+  }
+  return needs;
+}
+
+/// The seeded covering selection: greedily, for the first uncovered requirement, the one
+/// of 300 random valid cases satisfying it that covers most uncovered requirements; then
+/// explicit edge cases. Deterministic.
 std::vector<SweepCase> MakeSweep() {
   std::mt19937_64 rng(20261129);
-  auto pick = [&](const auto& values) { return values[rng() % std::size(values)]; };
-  // Requirements: (parameter a, value a, parameter b, value b); b = -1 for a single value.
-  enum Param { kR, kEKind, kK, kH, kT, kRouting, kMask, kFp8, kAlign };
-  struct Need {
-    int pa, va, pb, vb;
-  };
-  std::vector<Need> needs;
-  for (int v : kRanks) needs.push_back({kR, v, -1, 0});
-  for (int v : kExpertKinds) needs.push_back({kEKind, v, -1, 0});
-  for (int v : kTopk) needs.push_back({kK, v, -1, 0});
-  for (int v : kHidden) needs.push_back({kH, v, -1, 0});
-  for (int v : kTokens) needs.push_back({kT, v, -1, 0});
-  for (int v : kAlignments) needs.push_back({kAlign, v, -1, 0});
-  for (int r : kRanks)
-    for (Routing g : kRoutings) needs.push_back({kR, r, kRouting, int(g)});
-  for (int t : kTokens)
-    for (int f : {0, 1}) needs.push_back({kT, t, kFp8, f});
-  for (int k : kTopk)
-    for (int m : kMasked) needs.push_back({kK, k, kMask, m});
-
-  auto value = [](const SweepCase& c, int p) {
-    switch (p) {
-      case kR:
-        return c.num_ranks;
-      case kEKind:
-        return c.num_experts == c.num_ranks ? 0 : c.num_experts == 4 * c.num_ranks ? 1 : 2;
-      case kK:
-        return c.num_topk;
-      case kH:
-        return c.hidden;
-      case kT:
-        return c.num_tokens;
-      case kRouting:
-        return int(c.routing);
-      case kMask:
-        return c.masked_pct;
-      case kFp8:
-        return int(c.fp8);
-      case kAlign:
-        return c.alignment;
-    }
-    return -1;
-  };
-  auto covers = [&](const SweepCase& c, const Need& n) {
-    return value(c, n.pa) == n.va && (n.pb < 0 || value(c, n.pb) == n.vb);
-  };
+  const std::vector<Need> needs = SweepNeeds();
   std::vector<bool> covered(needs.size(), false);
   std::vector<SweepCase> cases;
   for (size_t first = 0; first < needs.size(); ++first) {
     if (covered[first]) continue;
     SweepCase best;
-    int best_score = -1;
-    for (int attempt = 0; attempt < 400; ++attempt) {
-      SweepCase c;
-      int R = pick(kRanks), kind = pick(kExpertKinds);
-      c.num_topk = pick(kTopk);
-      c.hidden = pick(kHidden);
-      c.num_tokens = pick(kTokens);
-      c.routing = pick(kRoutings);
-      c.masked_pct = pick(kMasked);
-      c.fp8 = (rng() & 1) != 0;
-      c.alignment = pick(kAlignments);
-      const Need& n = needs[first];
-      for (auto [p, v] : {std::pair{n.pa, n.va}, std::pair{n.pb, n.vb}}) {
-        switch (p) {
-          case kR:
-            R = v;
-            break;
-          case kEKind:
-            kind = v;
-            break;
-          case kK:
-            c.num_topk = v;
-            break;
-          case kH:
-            c.hidden = v;
-            break;
-          case kT:
-            c.num_tokens = v;
-            break;
-          case kRouting:
-            c.routing = Routing(v);
-            break;
-          case kMask:
-            c.masked_pct = v;
-            break;
-          case kFp8:
-            c.fp8 = v != 0;
-            break;
-          case kAlign:
-            c.alignment = v;
-            break;
-          default:
-            break;
-        }
-      }
-      c.num_ranks = R;
-      c.num_experts = ExpertsOf(R, kind);
+    int best_score = 0;
+    for (int attempt = 0; attempt < 300; ++attempt) {
+      int v[kNumParams];
+      for (int p = 0; p < kNumParams; ++p) v[p] = kParamValues[p][rng() % kParamValues[p].size()];
+      v[needs[first].pa] = needs[first].va;
+      if (needs[first].pb >= 0) v[needs[first].pb] = needs[first].vb;
+      const SweepCase c = CaseOf(v);
       if (!Valid(c)) continue;
       int score = 0;
-      for (size_t i = 0; i < needs.size(); ++i) score += !covered[i] && covers(c, needs[i]);
+      for (size_t i = 0; i < needs.size(); ++i) score += !covered[i] && needs[i].CoveredBy(c);
       if (score > best_score) {
         best = c;
         best_score = score;
       }
     }
-    if (best_score <= 0) {
-      ADD_FAILURE() << "no valid case covers requirement " << first;
-      continue;
-    }
-    for (size_t i = 0; i < needs.size(); ++i) covered[i] = covered[i] || covers(best, needs[i]);
+    if (best_score == 0)
+      continue;  // infeasible (e.g. R = 3 with E = 256): the coverage test checks
+    for (size_t i = 0; i < needs.size(); ++i) covered[i] = covered[i] || needs[i].CoveredBy(best);
     cases.push_back(best);
   }
   // Explicit edge cases.
@@ -855,13 +854,42 @@ std::vector<SweepCase> MakeSweep() {
   edge(8, 256, 8, 7168, 128, Routing::kUniform, 0, true, 1, false);      // DeepSeek-V3 decode
   edge(4, 4, 1, 128, 0, Routing::kUniform, 0, true, 128, false);         // T = 0 everywhere
   edge(1, 256, 9, 128, 4096, Routing::kZipf, 30, true, 128, false);
+  edge(8, 64, 9, 128, 128, Routing::kOneExpert, 0, true, 128, true);  // duplicates, ragged
+  const size_t num_edge = 8;
   for (size_t i = 0; i < cases.size(); ++i) {
     cases[i].seed = 1000 + i;
     cases[i].threads = 1 + static_cast<int>(i % 4);
     cases[i].round_scale = (i % 3) == 1;
-    if (i % 5 == 2 && cases[i].num_ranks > 1) cases[i].ragged = true;
+    cases[i].token_slack = (i % 2) ? 3 : 0;
+    if (i + num_edge < cases.size() && i % 5 == 2 && cases[i].num_ranks > 1) cases[i].ragged = true;
   }
   return cases;
+}
+
+TEST(HostOpsSweepCoverageTest, CoversEveryValueRequiredPairAndEdgeCase) {
+  const std::vector<SweepCase> cases = MakeSweep();
+  int optional_missed = 0;
+  for (const Need& n : SweepNeeds()) {
+    bool hit = false;
+    for (const SweepCase& c : cases) hit = hit || n.CoveredBy(c);
+    if (n.required) {
+      EXPECT_TRUE(hit) << "parameter " << n.pa << " = " << n.va << ", parameter " << n.pb << " = "
+                       << n.vb;
+    }
+    optional_missed += !hit;
+  }
+  bool ragged = false, all_masked = false, big_hot = false;
+  for (const SweepCase& c : cases) {
+    EXPECT_TRUE(c.num_experts % c.num_ranks == 0 && c.num_topk <= c.num_experts) << c.Name();
+    ragged = ragged || (c.ragged && c.num_ranks > 1 && c.num_tokens > 0);
+    all_masked = all_masked || (c.masked_pct == 100 && c.num_tokens > 0);
+    big_hot =
+        big_hot || (c.routing == Routing::kOneExpert && c.hidden == 7168 && c.num_tokens == 4096);
+  }
+  EXPECT_TRUE(ragged && all_masked && big_hot);
+  // Pairs left out are infeasible (E % R, K <= E) or over the CI budget (T = 4096 with
+  // large H and R); the sweep still has every value of every parameter.
+  EXPECT_LT(optional_missed, 60) << cases.size() << " cases";
 }
 
 class HostOpsSweepTest : public ::testing::TestWithParam<SweepCase> {};
