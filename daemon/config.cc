@@ -56,6 +56,13 @@ class CollectingErrorCollector : public google::protobuf::io::ErrorCollector {
 
   void AddError(int line, google::protobuf::io::ColumnNumber column,
                 const std::string& message) override {
+    // Some errors (e.g. an unknown enum value) are reported at the start of the token after
+    // the offending one; point at the last non-blank line at or before it.
+    while (line > 0 && (static_cast<size_t>(line) >= lines_.size() ||
+                        absl::StripAsciiWhitespace(lines_[line]).empty())) {
+      --line;
+      column = static_cast<int>(lines_[line].size());
+    }
     std::string where = absl::StrCat(source_, ":", line + 1, ":", column + 1, ": ", message);
     if (line >= 0 && static_cast<size_t>(line) < lines_.size()) {
       absl::StrAppend(&where, " (in: `", absl::StripAsciiWhitespace(lines_[line]), "`)");

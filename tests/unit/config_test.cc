@@ -1,0 +1,241 @@
+// DaemonConfig loading: text format, unknown fields, bad values (the error names them),
+// defaults, and flags overriding the file (daemon/config.h).
+#include "daemon/config.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "absl/flags/declare.h"
+#include "absl/flags/flag.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+ABSL_DECLARE_FLAG(std::optional<std::string>, socket);
+ABSL_DECLARE_FLAG(std::optional<std::string>, backend);
+ABSL_DECLARE_FLAG(std::optional<absl::Duration>, op_timeout);
+ABSL_DECLARE_FLAG(std::optional<std::string>, config);
+
+namespace epd {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr char kGoodConfig[] = R"pb(
+  # A comment.
+  socket_path: "/tmp/epd-test/epd.sock"
+  socket_mode: "0600"
+  listen: "127.0.0.1:50051"
+  backend: BACKEND_HOST
+  log_level: "debug"
+  op_timeout_ms: 2500
+  engine_idle_us: 50
+  max_groups: 4
+  gpu_uuids: "GPU-a"
+  gpu_uuids: "GPU-b"
+  host_threads: 3
+)pb";
+
+std::string WriteTempFile(const std::string& text) {
+  char path[] = "/tmp/epd_config_test_XXXXXX";
+  int fd = ::mkstemp(path);
+  EXPECT_GE(fd, 0);
+  ::close(fd);
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(ParseDaemonConfigTest, GoodInput) {
+  absl::StatusOr<v1::DaemonConfig> config = ParseDaemonConfig(kGoodConfig, "good.textproto");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->socket_path(), "/tmp/epd-test/epd.sock");
+  EXPECT_EQ(config->socket_mode(), "0600");
+  EXPECT_EQ(config->listen(), "127.0.0.1:50051");
+  EXPECT_EQ(config->backend(), v1::BACKEND_HOST);
+  EXPECT_EQ(config->log_level(), "debug");
+  EXPECT_EQ(config->op_timeout_ms(), 2500u);
+  EXPECT_EQ(config->engine_idle_us(), 50u);
+  EXPECT_EQ(config->max_groups(), 4u);
+  ASSERT_EQ(config->gpu_uuids_size(), 2);
+  EXPECT_EQ(config->gpu_uuids(1), "GPU-b");
+  EXPECT_EQ(config->host_threads(), 3u);
+  EXPECT_TRUE(ValidateDaemonConfig([&] {
+                v1::DaemonConfig c = *config;
+                FillDaemonConfigDefaults(&c);
+                return c;
+              }()).ok());
+}
+
+TEST(ParseDaemonConfigTest, UnknownFieldIsNamed) {
+  absl::StatusOr<v1::DaemonConfig> config =
+      ParseDaemonConfig("socket_path: \"/x\"\nsocket_colour: \"blue\"\n", "bad.textproto");
+  ASSERT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(config.status().message()),
+              AllOf(HasSubstr("bad.textproto:2:"), HasSubstr("socket_colour")));
+}
+
+TEST(ParseDaemonConfigTest, BadValuesAreNamed) {
+  struct Case {
+    std::string text;
+    std::string field;
+    std::string value;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"op_timeout_ms: \"ten\"", "op_timeout_ms", "ten"},
+           {"op_timeout_ms: -5", "op_timeout_ms", "-5"},
+           {"backend: BACKEND_GPU", "backend", "BACKEND_GPU"},
+           {"max_groups: 1.5", "max_groups", "1.5"},
+       }) {
+    absl::StatusOr<v1::DaemonConfig> config = ParseDaemonConfig(c.text, "bad.textproto");
+    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument) << c.text;
+    EXPECT_THAT(std::string(config.status().message()),
+                AllOf(HasSubstr(c.field), HasSubstr(c.value), HasSubstr("bad.textproto:1:")))
+        << c.text;
+  }
+}
+
+TEST(ValidateDaemonConfigTest, BadValuesAreNamed) {
+  struct Case {
+    std::function<void(v1::DaemonConfig*)> mutate;
+    std::string field;
+    std::string value;
+  };
+  for (const Case& c : std::vector<Case>{
+           {[](v1::DaemonConfig* x) { x->set_socket_mode("0999"); }, "socket_mode", "0999"},
+           {[](v1::DaemonConfig* x) { x->set_socket_mode("rw-rw----"); }, "socket_mode", "rw-rw----"},
+           {[](v1::DaemonConfig* x) { x->set_shm_mode("77777"); }, "shm_mode", "77777"},
+           {[](v1::DaemonConfig* x) { x->set_log_level("verbose"); }, "log_level", "verbose"},
+           {[](v1::DaemonConfig* x) { x->set_listen("localhost"); }, "listen", "localhost"},
+           {[](v1::DaemonConfig* x) { x->set_listen("host:99999"); }, "listen", "host:99999"},
+           {[](v1::DaemonConfig* x) { x->set_socket_path("relative/epd.sock"); }, "socket_path",
+            "relative/epd.sock"},
+           {[](v1::DaemonConfig* x) { x->set_socket_path("/" + std::string(200, 'a')); },
+            "socket_path", "aaaa"},
+           {[](v1::DaemonConfig* x) { x->set_max_request_bytes(100); }, "max_request_bytes", "100"},
+           {[](v1::DaemonConfig* x) { x->add_gpu_uuids(""); }, "gpu_uuids", "empty"},
+       }) {
+    v1::DaemonConfig config;
+    FillDaemonConfigDefaults(&config);
+    ASSERT_TRUE(ValidateDaemonConfig(config).ok());
+    c.mutate(&config);
+    absl::Status status = ValidateDaemonConfig(config);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(status.message()), AllOf(HasSubstr(c.field), HasSubstr(c.value)));
+  }
+}
+
+TEST(FillDaemonConfigDefaultsTest, DocumentedDefaults) {
+  v1::DaemonConfig config;
+  FillDaemonConfigDefaults(&config);
+  EXPECT_EQ(config.socket_path(), "/run/epd/epd.sock");
+  EXPECT_EQ(config.socket_mode(), "0660");
+  EXPECT_EQ(config.socket_group(), "");
+  EXPECT_EQ(config.listen(), "");
+  EXPECT_EQ(config.backend(), v1::BACKEND_AUTO);
+  EXPECT_EQ(config.log_level(), "info");
+  EXPECT_EQ(config.op_timeout_ms(), 10000u);
+  EXPECT_EQ(config.shm_mode(), "0600");
+  EXPECT_EQ(config.engine_idle_us(), 100u);
+  EXPECT_EQ(config.max_request_bytes(), 4194304u);
+  EXPECT_EQ(config.max_groups(), 64u);
+  EXPECT_EQ(config.gpu_uuids_size(), 0);
+  EXPECT_EQ(config.host_threads(), 0u);
+  EXPECT_TRUE(ValidateDaemonConfig(config).ok());
+}
+
+TEST(ResolveDaemonConfigTest, FlagsOverrideTheFile) {
+  std::string path = WriteTempFile(kGoodConfig);
+  ConfigFlags flags;
+  flags.config_path = path;
+  flags.socket = "unix:///tmp/epd-flag/epd.sock";
+  flags.backend = "auto";
+  flags.op_timeout = absl::Seconds(3);
+  flags.log_level = "warn";
+  flags.gpu_uuids = std::vector<std::string>{"GPU-c"};
+  absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(flags);
+  ::unlink(path.c_str());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->socket_path(), "unix:///tmp/epd-flag/epd.sock");
+  EXPECT_EQ(SocketFilePath(config->socket_path()), "/tmp/epd-flag/epd.sock");
+  EXPECT_EQ(config->backend(), v1::BACKEND_AUTO);
+  EXPECT_EQ(config->op_timeout_ms(), 3000u);
+  EXPECT_EQ(config->log_level(), "warn");
+  ASSERT_EQ(config->gpu_uuids_size(), 1);
+  EXPECT_EQ(config->gpu_uuids(0), "GPU-c");
+  // Fields no flag names keep the file's values.
+  EXPECT_EQ(config->socket_mode(), "0600");
+  EXPECT_EQ(config->listen(), "127.0.0.1:50051");
+  EXPECT_EQ(config->max_groups(), 4u);
+  EXPECT_EQ(config->engine_idle_us(), 50u);
+  // And absent ones take defaults.
+  EXPECT_EQ(config->shm_mode(), "0600");
+  EXPECT_EQ(config->max_request_bytes(), kDefaultMaxRequestBytes);
+}
+
+TEST(ResolveDaemonConfigTest, RealFlagsOverrideTheFile) {
+  std::string path = WriteTempFile(kGoodConfig);
+  absl::SetFlag(&FLAGS_config, path);
+  absl::SetFlag(&FLAGS_socket, std::string("/tmp/epd-real-flag.sock"));
+  absl::SetFlag(&FLAGS_op_timeout, absl::Milliseconds(1500));
+  ConfigFlags flags = ConfigFlagsFromCommandLine();
+  absl::SetFlag(&FLAGS_config, std::nullopt);
+  absl::SetFlag(&FLAGS_socket, std::nullopt);
+  absl::SetFlag(&FLAGS_op_timeout, std::nullopt);
+  EXPECT_FALSE(flags.backend.has_value());
+  absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(flags);
+  ::unlink(path.c_str());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->socket_path(), "/tmp/epd-real-flag.sock");
+  EXPECT_EQ(config->op_timeout_ms(), 1500u);
+  EXPECT_EQ(config->backend(), v1::BACKEND_HOST);  // From the file.
+}
+
+TEST(ResolveDaemonConfigTest, BadFlagValuesAreNamed) {
+  ConfigFlags flags;
+  flags.backend = "gpu";
+  absl::Status status = ResolveDaemonConfig(flags).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), AllOf(HasSubstr("--backend"), HasSubstr("gpu")));
+
+  flags = ConfigFlags();
+  flags.op_timeout = absl::ZeroDuration();
+  status = ResolveDaemonConfig(flags).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("--op_timeout"));
+
+  flags = ConfigFlags();
+  flags.socket_mode = "0888";
+  status = ResolveDaemonConfig(flags).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), AllOf(HasSubstr("socket_mode"), HasSubstr("0888")));
+}
+
+TEST(ResolveDaemonConfigTest, MissingFileIsNamed) {
+  ConfigFlags flags;
+  flags.config_path = "/nonexistent/epd.textproto";
+  absl::Status status = ResolveDaemonConfig(flags).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("/nonexistent/epd.textproto"));
+}
+
+TEST(ParseFileModeTest, OctalModes) {
+  EXPECT_EQ(*ParseFileMode("m", "0660"), 0660u);
+  EXPECT_EQ(*ParseFileMode("m", "600"), 0600u);
+  EXPECT_EQ(*ParseFileMode("m", "02770"), 02770u);
+  EXPECT_FALSE(ParseFileMode("m", "").ok());
+  EXPECT_FALSE(ParseFileMode("m", "0o660").ok());
+  EXPECT_FALSE(ParseFileMode("m", "0680").ok());
+  EXPECT_FALSE(ParseFileMode("m", "17777").ok());
+}
+
+TEST(SocketFilePathTest, AcceptedSpellings) {
+  EXPECT_EQ(SocketFilePath("/run/epd/epd.sock"), "/run/epd/epd.sock");
+  EXPECT_EQ(SocketFilePath("unix:///run/epd/epd.sock"), "/run/epd/epd.sock");
+  EXPECT_EQ(SocketFilePath("unix:/run/epd/epd.sock"), "/run/epd/epd.sock");
+}
+
+}  // namespace
+}  // namespace epd

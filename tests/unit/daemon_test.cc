@@ -1,0 +1,198 @@
+// The Daemon core run in-process with a fake data plane: backend choice, health per
+// service, GetStats, socket handling (live epd refused, stale file replaced, mode), and
+// shutdown (daemon/daemon.h).
+#include "daemon/daemon.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/config.h"
+#include "epd/v1/control.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tests/unit/fake_data_plane.h"
+
+namespace epd {
+namespace {
+
+using ::testing::HasSubstr;
+using grpc::health::v1::HealthCheckResponse;
+
+GpuInventory NoGpu() { return GpuInventory::FromList({}, "no CUDA device found (test)"); }
+GpuInventory TwoGpus() {
+  std::vector<v1::GpuInfo> gpus(2);
+  for (int i = 0; i < 2; ++i) {
+    gpus[i].set_ordinal(i);
+    gpus[i].set_uuid(absl::StrCat("GPU-", i));
+    gpus[i].set_name("Fake H200");
+  }
+  return GpuInventory::FromList(gpus, "2 GPU(s): Fake H200 x2", MpsStatus{true, "test"});
+}
+
+TEST(ChooseBackendTest, Table) {
+  auto host = ChooseBackend(v1::BACKEND_HOST, TwoGpus(), true);
+  ASSERT_TRUE(host.ok());
+  EXPECT_EQ(host->backend, "host");
+  EXPECT_THAT(host->reason, HasSubstr("--backend=host"));
+
+  auto auto_no_gpu = ChooseBackend(v1::BACKEND_AUTO, NoGpu(), true);
+  ASSERT_TRUE(auto_no_gpu.ok());
+  EXPECT_EQ(auto_no_gpu->backend, "host");
+  EXPECT_THAT(auto_no_gpu->reason, HasSubstr("no CUDA device found (test)"));
+
+  auto auto_gpu = ChooseBackend(v1::BACKEND_AUTO, TwoGpus(), true);
+  ASSERT_TRUE(auto_gpu.ok());
+  EXPECT_EQ(auto_gpu->backend, "cuda");
+
+  auto auto_gpu_unbuilt = ChooseBackend(v1::BACKEND_UNSPECIFIED, TwoGpus(), false);
+  ASSERT_TRUE(auto_gpu_unbuilt.ok());
+  EXPECT_EQ(auto_gpu_unbuilt->backend, "host");
+  EXPECT_THAT(auto_gpu_unbuilt->reason, HasSubstr("CUDA data plane is not built yet"));
+
+  auto cuda_unbuilt = ChooseBackend(v1::BACKEND_CUDA, TwoGpus(), false);
+  ASSERT_TRUE(cuda_unbuilt.ok());
+  EXPECT_EQ(cuda_unbuilt->backend, "host");
+  EXPECT_THAT(cuda_unbuilt->reason, HasSubstr("using host buffers"));
+
+  auto cuda_no_gpu = ChooseBackend(v1::BACKEND_CUDA, NoGpu(), true);
+  EXPECT_EQ(cuda_no_gpu.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(cuda_no_gpu.status().message()), HasSubstr("no CUDA device found"));
+}
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/epd_daemon_test_XXXXXX";
+    ASSERT_NE(::mkdtemp(dir), nullptr);
+    dir_ = dir;
+    socket_ = dir_ + "/epd.sock";
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  v1::DaemonConfig Config() {
+    v1::DaemonConfig config;
+    config.set_socket_path(socket_);
+    config.set_socket_mode("0600");
+    config.set_log_level("warn");
+    FillDaemonConfigDefaults(&config);
+    return config;
+  }
+  DaemonOptions Options(GpuInventory inventory = NoGpu()) {
+    DaemonOptions options;
+    options.inventory = std::move(inventory);
+    options.drain_grace = absl::Milliseconds(50);
+    options.data_plane_factory = [this](const v1::DaemonConfig&, const BackendChoice&)
+        -> absl::StatusOr<std::unique_ptr<DataPlane>> {
+      return std::unique_ptr<DataPlane>(new testing::FakeDataPlane(state_));
+    };
+    return options;
+  }
+  HealthCheckResponse::ServingStatus Health(const std::string& service) {
+    auto channel = grpc::CreateChannel("unix://" + socket_, grpc::InsecureChannelCredentials());
+    auto stub = grpc::health::v1::Health::NewStub(channel);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(service);
+    HealthCheckResponse response;
+    grpc::Status status = stub->Check(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response.status();
+  }
+
+  std::shared_ptr<testing::FakeDataPlaneState> state_ =
+      std::make_shared<testing::FakeDataPlaneState>();
+  std::string dir_;
+  std::string socket_;
+};
+
+TEST_F(DaemonTest, ServesHealthAndStatsThenShutsDown) {
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(Config(), Options(TwoGpus()));
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  EXPECT_EQ(Health(""), HealthCheckResponse::SERVING);
+  EXPECT_EQ(Health(kControlServiceName), HealthCheckResponse::SERVING);
+
+  struct stat st{};
+  ASSERT_EQ(::stat(socket_.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+
+  v1::GetStatsResponse stats = (*daemon)->Stats();
+  EXPECT_EQ(stats.version(), kEpdVersion);
+  EXPECT_EQ(stats.backend(), "host");
+  EXPECT_THAT(stats.backend_reason(), HasSubstr("CUDA data plane is not built yet"));
+  EXPECT_TRUE(stats.mps_active());
+  EXPECT_EQ(stats.gpus_size(), 2);
+  EXPECT_EQ(stats.serving_status(), "SERVING");
+  EXPECT_EQ(stats.effective_config().socket_path(), socket_);
+  EXPECT_EQ(stats.pid(), ::getpid());
+
+  (*daemon)->Shutdown();
+  EXPECT_THAT((*daemon)->Stats().serving_status(), HasSubstr("NOT_SERVING"));
+  EXPECT_TRUE(state_->shut_down);
+  EXPECT_FALSE(std::filesystem::exists(socket_));
+}
+
+TEST_F(DaemonTest, SecondDaemonOnTheSameSocketIsRefused) {
+  absl::StatusOr<std::unique_ptr<Daemon>> first = Daemon::Start(Config(), Options());
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::StatusOr<std::unique_ptr<Daemon>> second = Daemon::Start(Config(), Options());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(second.status().message()),
+              HasSubstr(absl::StrCat("pid ", ::getpid())));
+  // The first one is untouched.
+  EXPECT_EQ(Health(""), HealthCheckResponse::SERVING);
+}
+
+TEST_F(DaemonTest, StaleSocketFileIsReplaced) {
+  // A socket file nobody listens on, as a crashed epd leaves behind.
+  int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, socket_.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ::close(fd);
+  ASSERT_TRUE(std::filesystem::exists(socket_));
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(Config(), Options());
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  EXPECT_EQ(Health(""), HealthCheckResponse::SERVING);
+}
+
+TEST_F(DaemonTest, RegularFileAtSocketPathIsNotTouched) {
+  std::ofstream(socket_) << "precious";
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(Config(), Options());
+  EXPECT_EQ(daemon.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(daemon.status().message()), HasSubstr("is not a socket"));
+  std::ifstream in(socket_);
+  std::string content;
+  in >> content;
+  EXPECT_EQ(content, "precious");
+}
+
+TEST_F(DaemonTest, CudaBackendWithoutGpuRefusesToStart) {
+  v1::DaemonConfig config = Config();
+  config.set_backend(v1::BACKEND_CUDA);
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(config, Options(NoGpu()));
+  EXPECT_EQ(daemon.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(std::filesystem::exists(socket_));
+}
+
+TEST_F(DaemonTest, UnknownSocketGroupIsNamed) {
+  v1::DaemonConfig config = Config();
+  config.set_socket_group("no-such-group-epd");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(config, Options());
+  EXPECT_EQ(daemon.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(daemon.status().message()), HasSubstr("no-such-group-epd"));
+}
+
+}  // namespace
+}  // namespace epd

@@ -1,0 +1,103 @@
+// FakeDataPlane: a DataPlane for control-plane tests (registry, daemon). It allocates
+// nothing; it records attaches/detaches and group lifetimes, and its sizes and failures
+// are set by the test.
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/data_plane.h"
+
+namespace epd::testing {
+
+struct FakeDataPlaneState {
+  std::mutex mu;
+  std::string backend = "host";
+  uint64_t bytes_per_rank = 1 << 20;
+  uint64_t free_bytes = 1ull << 34;
+  absl::Status attach_error;          ///< Returned by every AttachRank when not OK.
+  int groups_created = 0;
+  int groups_destroyed = 0;
+  std::set<std::pair<std::string, int>> attached;  ///< (group, rank) currently attached.
+  std::map<std::string, std::string> last_gpu;     ///< "group/rank" → gpu_uuid given.
+  bool shut_down = false;
+};
+
+class FakeDataPlaneGroup : public DataPlaneGroup {
+ public:
+  FakeDataPlaneGroup(std::shared_ptr<FakeDataPlaneState> state, std::string name)
+      : state_(std::move(state)), name_(std::move(name)) {}
+  ~FakeDataPlaneGroup() override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    ++state_->groups_destroyed;
+  }
+  absl::Status AttachRank(int32_t rank, const std::string& gpu_uuid, v1::LaunchMode,
+                          v1::EndpointInfo* info) override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (!state_->attach_error.ok()) return state_->attach_error;
+    state_->attached.emplace(name_, rank);
+    state_->last_gpu[absl::StrCat(name_, "/", rank)] = gpu_uuid;
+    info->set_group(name_);
+    info->set_rank(rank);
+    info->set_backend(state_->backend);
+    info->set_gpu_uuid(gpu_uuid);
+    info->set_shm_name(absl::StrCat("/fake-", name_, "-", rank));
+    return absl::OkStatus();
+  }
+  void DetachRank(int32_t rank) override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->attached.erase({name_, rank});
+  }
+  uint64_t ops_completed() const override { return 7; }
+  uint64_t ops_failed() const override { return 1; }
+  uint64_t rank_ops_completed(int32_t rank) const override { return 100 + rank; }
+
+ private:
+  std::shared_ptr<FakeDataPlaneState> state_;
+  std::string name_;
+};
+
+class FakeDataPlane : public DataPlane {
+ public:
+  explicit FakeDataPlane(std::shared_ptr<FakeDataPlaneState> state) : state_(std::move(state)) {}
+  std::string backend_name() const override { return state_->backend; }
+  uint64_t BytesPerRank(const v1::GroupSpec&) const override { return state_->bytes_per_rank; }
+  absl::StatusOr<uint64_t> FreeBytes(const std::string&) const override {
+    return state_->free_bytes;
+  }
+  absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override {
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      ++state_->groups_created;
+    }
+    return std::unique_ptr<DataPlaneGroup>(new FakeDataPlaneGroup(state_, spec.name()));
+  }
+  void Shutdown() override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->shut_down = true;
+  }
+
+ private:
+  std::shared_ptr<FakeDataPlaneState> state_;
+};
+
+/// A valid spec: 2 ranks, 8 experts, hidden 256, top-2, 16 tokens per rank.
+inline v1::GroupSpec SmallSpec(const std::string& name = "g") {
+  v1::GroupSpec spec;
+  spec.set_name(name);
+  spec.set_num_ranks(2);
+  spec.set_num_experts(8);
+  spec.set_hidden(256);
+  spec.set_num_topk(2);
+  spec.set_max_tokens_per_rank(16);
+  return spec;
+}
+
+}  // namespace epd::testing
