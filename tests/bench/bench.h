@@ -1,0 +1,47 @@
+// epd_bench: one binary, one entry point per family of figures. epd_bench.cc parses the
+// flags and calls these; each prints its table (or JSON lines with --json) to stdout and
+// returns a process exit code (0 = every figure measured and every check passed).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+#include "absl/flags/declare.h"
+
+/// --json: print one JSON object per figure instead of a table.
+ABSL_DECLARE_FLAG(bool, json);
+
+namespace epd::bench {
+
+/// CUDA low-latency dispatch/combine kernels, 8 virtual ranks on one GPU, beside a
+/// cudaMemcpy of the same bytes (tests/bench/bench_ll.cu). Needs CUDA.
+int RunLowLatencyBench();
+/// CUDA normal-mode dispatch/combine (tests/bench/bench_normal.cu). Needs CUDA.
+int RunNormalBench();
+/// Host backend: the real daemon and clients over shm (tests/bench/bench_host.cc).
+int RunHostBench();
+
+/// Latency percentiles of a sample, in the sample's unit.
+struct Percentiles {
+  double p50 = 0;
+  double p99 = 0;
+  size_t count = 0;
+};
+
+/// Nearest-rank percentiles (p-th value of the sorted sample, index ceil(p * n) - 1).
+inline Percentiles ComputePercentiles(std::vector<double> sample) {
+  Percentiles p;
+  p.count = sample.size();
+  if (sample.empty()) return p;
+  std::sort(sample.begin(), sample.end());
+  auto at = [&](double q) {
+    size_t rank = static_cast<size_t>(q * sample.size() + 0.999999);
+    return sample[std::min(sample.size() - 1, rank == 0 ? 0 : rank - 1)];
+  };
+  p.p50 = at(0.50);
+  p.p99 = at(0.99);
+  return p;
+}
+
+}  // namespace epd::bench

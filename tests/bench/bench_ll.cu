@@ -1,0 +1,259 @@
+// Low-latency kernel benchmark (epd_bench --backend=cuda --mode=ll): the CUDA
+// LowLatencyDispatch (FP8) and LowLatencyCombine (BF16) on the DeepSeek-V3 decode shape,
+// T=128, H=7168, K=8, E=256, R=8 virtual ranks on one GPU, launched in-process (the bound
+// the daemon's launch modes are compared with). Each figure is printed beside a cudaMemcpy
+// (device to device) of the same bytes on the same GPU, measured in the same run.
+//
+// Timing of one op: every rank's stream first waits on a device gate word
+// (cuStreamWaitValue32), then records a start event, launches its kernel and records an end
+// event; the host opens the gate (cuStreamWriteValue32 on another stream) once all ranks are
+// enqueued, so host launch skew is not timed. Latency = last end - first start, over all
+// ranks. p50/p99 over 1000 iterations after 50 of warm-up.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../gpu/gpu_test_util.h"
+#include "absl/flags/flag.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "bench.h"
+#include "epd/common/status_macros.h"
+#include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/host_ops.h"
+
+namespace epd::bench {
+namespace {
+
+namespace kc = ::epd::kernels::cuda;
+using ::epd::testing::CudaStream;
+using ::epd::testing::DeviceBuffer;
+using ::epd::testing::VirtualRankGroup;
+
+constexpr int kWarmup = 50;
+constexpr int kIterations = 1000;
+
+absl::Status DriverStatus(CUresult r, const char* call) {
+  if (r == CUDA_SUCCESS) return absl::OkStatus();
+  const char* msg = nullptr;
+  cuGetErrorString(r, &msg);
+  return absl::InternalError(absl::StrCat(call, " failed: ", msg != nullptr ? msg : "?"));
+}
+
+struct Figure {
+  std::string name;
+  double bytes = 0;
+  Percentiles op_us;
+  Percentiles memcpy_us;
+};
+
+// Times `launch(r, stream)` enqueued on every rank behind a common gate.
+class GatedTimer {
+ public:
+  static absl::StatusOr<std::unique_ptr<GatedTimer>> Create(int32_t ranks) {
+    std::unique_ptr<GatedTimer> t(new GatedTimer());
+    EPD_ASSIGN_OR_RETURN(t->gate_, DeviceBuffer::Allocate(4));
+    EPD_ASSIGN_OR_RETURN(t->trigger_, CudaStream::Create());
+    t->start_.resize(ranks);
+    t->end_.resize(ranks);
+    for (int32_t r = 0; r < ranks; ++r) {
+      EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&t->start_[r]));
+      EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&t->end_[r]));
+    }
+    return t;
+  }
+  ~GatedTimer() {
+    for (auto e : start_) cudaEventDestroy(e);
+    for (auto e : end_) cudaEventDestroy(e);
+  }
+
+  absl::StatusOr<Percentiles> Run(VirtualRankGroup& g,
+                                  const std::function<absl::Status(int32_t, int, cudaStream_t)>& launch) {
+    std::vector<double> us;
+    for (int it = 0; it < kWarmup + kIterations; ++it) {
+      ++gate_value_;
+      const CUdeviceptr gate = reinterpret_cast<CUdeviceptr>(gate_.get());
+      for (int32_t r = 0; r < g.num_ranks(); ++r) {
+        EPD_RETURN_IF_ERROR(DriverStatus(
+            cuStreamWaitValue32(g.stream(r), gate, gate_value_, CU_STREAM_WAIT_VALUE_GEQ),
+            "cuStreamWaitValue32"));
+        EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(start_[r], g.stream(r)));
+        EPD_RETURN_IF_ERROR(launch(r, it, g.stream(r)));
+        EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(end_[r], g.stream(r)));
+      }
+      EPD_RETURN_IF_ERROR(DriverStatus(cuStreamWriteValue32(trigger_.get(), gate, gate_value_, 0),
+                                       "cuStreamWriteValue32"));
+      EPD_RETURN_IF_ERROR(g.SynchronizeAll());
+      float first_start = 0, last_end = 0;
+      for (int32_t r = 0; r < g.num_ranks(); ++r) {
+        float s = 0, e = 0;
+        EPD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&s, start_[0], start_[r]));
+        EPD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&e, start_[0], end_[r]));
+        first_start = std::min(first_start, s);
+        last_end = std::max(last_end, e);
+      }
+      if (it >= kWarmup) us.push_back(1000.0 * (last_end - first_start));
+    }
+    return ComputePercentiles(us);
+  }
+
+ private:
+  GatedTimer() = default;
+  DeviceBuffer gate_;
+  CudaStream trigger_;
+  uint32_t gate_value_ = 0;
+  std::vector<cudaEvent_t> start_, end_;
+};
+
+// cudaMemcpyAsync device-to-device of `bytes` on one stream, timed with events.
+absl::StatusOr<Percentiles> TimeMemcpy(size_t bytes) {
+  EPD_ASSIGN_OR_RETURN(DeviceBuffer src, DeviceBuffer::Allocate(bytes));
+  EPD_ASSIGN_OR_RETURN(DeviceBuffer dst, DeviceBuffer::Allocate(bytes));
+  EPD_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+  cudaEvent_t a, b;
+  EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&a));
+  EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b));
+  std::vector<double> us;
+  absl::Status st;
+  for (int it = 0; it < kWarmup + kIterations && st.ok(); ++it) {
+    st = EPD_CUDA_STATUS(cudaEventRecord(a, stream.get()));
+    if (st.ok()) {
+      st = EPD_CUDA_STATUS(
+          cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream.get()));
+    }
+    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventRecord(b, stream.get()));
+    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventSynchronize(b));
+    float ms = 0;
+    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventElapsedTime(&ms, a, b));
+    if (it >= kWarmup) us.push_back(1000.0 * ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  if (!st.ok()) return st;
+  return ComputePercentiles(us);
+}
+
+absl::Status Run(std::vector<Figure>* figures, std::string* device_name) {
+  kernels::GroupShape s;
+  s.num_ranks = 8;
+  s.num_experts = 256;
+  s.hidden = 7168;
+  s.num_topk = 8;
+  s.max_tokens_per_rank = 1;
+  s.ll_max_tokens_per_rank = 128;
+  s.use_fp8 = true;
+  const int32_t kTokens = 128;
+
+  cudaDeviceProp prop;
+  EPD_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, 0));
+  *device_name = absl::StrFormat("%s, %d SMs", prop.name, prop.multiProcessorCount);
+  EPD_RETURN_IF_ERROR(kc::PreloadKernels());
+  EPD_ASSIGN_OR_RETURN(auto group, VirtualRankGroup::Create(s, 10'000'000'000));
+  VirtualRankGroup& g = *group;
+  const auto& l = g.layout();
+
+  // Inputs: random bf16 tokens, uniform top-8 routing without masking, random weights.
+  std::mt19937_64 rng(1);
+  std::vector<std::vector<int64_t>> topk(s.num_ranks);
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    auto x = testing::RandomBf16(static_cast<size_t>(kTokens) * s.hidden, rng);
+    topk[r] = testing::RandomTopk(kTokens, s.num_topk, s.num_experts, {}, rng);
+    auto w = testing::RandomFloats(static_cast<size_t>(kTokens) * s.num_topk, rng);
+    EPD_RETURN_IF_ERROR(g.Upload(r, l.in_x, x.data(), x.size() * 2));
+    EPD_RETURN_IF_ERROR(g.Upload(r, l.in_topk_idx, topk[r].data(), topk[r].size() * 8));
+    EPD_RETURN_IF_ERROR(g.Upload(r, l.in_topk_weights, w.data(), w.size() * 4));
+    EPD_RETURN_IF_ERROR(kc::SetLowLatencyNumTokensAsync(g.Context(r), kTokens, g.stream(r)));
+    // Expert outputs: a constant bf16 pattern (0x3f3f, about 0.75); the kernels' speed does
+    // not depend on the values.
+    EPD_CUDA_RETURN_IF_ERROR(
+        cudaMemset(g.At<uint8_t>(r, l.in_ll_combine_x), 0x3f, l.in_ll_combine_x.bytes));
+  }
+  EPD_RETURN_IF_ERROR(g.SynchronizeAll());
+
+  // Bytes moved between ranks per op (all ranks together).
+  const double fp8_row = s.hidden + 4.0 * s.num_scales() + 4.0;  // e4m3 row + scales + src_info
+  double dispatch_rows = 0;
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    for (int32_t t = 0; t < kTokens; ++t) {
+      for (int32_t k = 0; k < s.num_topk; ++k) {
+        bool dup = false;
+        for (int32_t j = 0; j < k; ++j) dup |= topk[r][t * s.num_topk + j] == topk[r][t * s.num_topk + k];
+        dispatch_rows += dup ? 0 : 1;
+      }
+    }
+  }
+  const double dispatch_bytes = dispatch_rows * fp8_row;
+  const double combine_bytes = static_cast<double>(s.num_ranks) * kTokens * s.num_topk * s.hidden * 2;
+
+  EPD_ASSIGN_OR_RETURN(auto timer, GatedTimer::Create(s.num_ranks));
+  kc::LowLatencyDispatchArgs da;
+  da.use_fp8 = true;
+  EPD_ASSIGN_OR_RETURN(
+      Percentiles dispatch, timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
+        kc::LowLatencyDispatchArgs a = da;
+        a.buffer = it % 2;
+        return kc::LowLatencyDispatch(g.Context(r), a, stream);
+      }));
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
+  }
+  // Combine against the handle of the last dispatch (buffer 1 after an even count).
+  const int32_t last_buffer = (kWarmup + kIterations - 1) % 2;
+  EPD_ASSIGN_OR_RETURN(Percentiles combine, timer->Run(g, [&](int32_t r, int, cudaStream_t stream) {
+    kc::LowLatencyCombineArgs a;
+    a.buffer = last_buffer;
+    return kc::LowLatencyCombine(g.Context(r), a, stream);
+  }));
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyCombine"));
+  }
+  EPD_ASSIGN_OR_RETURN(Percentiles dispatch_copy, TimeMemcpy(static_cast<size_t>(dispatch_bytes)));
+  EPD_ASSIGN_OR_RETURN(Percentiles combine_copy, TimeMemcpy(static_cast<size_t>(combine_bytes)));
+  figures->push_back({"ll_dispatch_fp8", dispatch_bytes, dispatch, dispatch_copy});
+  figures->push_back({"ll_combine_bf16", combine_bytes, combine, combine_copy});
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunLowLatencyBench() {
+  std::vector<Figure> figures;
+  std::string device;
+  absl::Status st = Run(&figures, &device);
+  if (!st.ok()) {
+    std::cerr << "epd_bench ll: " << st << "\n";
+    return 1;
+  }
+  const bool json = absl::GetFlag(FLAGS_json);
+  if (!json) {
+    std::printf("Low-latency kernels, in-process, 8 virtual ranks on one GPU (%s)\n",
+                device.c_str());
+    std::printf("shape: T=128 H=7168 K=8 E=256 R=8; %d iterations after %d warm-up\n",
+                kIterations, kWarmup);
+    std::printf("%-18s %12s %9s %9s %12s %12s %10s %12s\n", "op", "bytes/op", "p50 us",
+                "p99 us", "memcpy p50", "memcpy p99", "p50/memcpy", "GB/s at p50");
+  }
+  for (const Figure& f : figures) {
+    const double ratio = f.op_us.p50 / f.memcpy_us.p50;
+    const double gbps = f.bytes / (f.op_us.p50 * 1e3);
+    if (json) {
+      std::printf(
+          "{\"bench\":\"ll\",\"op\":\"%s\",\"device\":\"%s\",\"bytes\":%.0f,\"p50_us\":%.2f,"
+          "\"p99_us\":%.2f,\"memcpy_p50_us\":%.2f,\"memcpy_p99_us\":%.2f,\"iterations\":%zu}\n",
+          f.name.c_str(), device.c_str(), f.bytes, f.op_us.p50, f.op_us.p99, f.memcpy_us.p50,
+          f.memcpy_us.p99, f.op_us.count);
+    } else {
+      std::printf("%-18s %12.0f %9.2f %9.2f %12.2f %12.2f %10.2f %12.1f\n", f.name.c_str(),
+                  f.bytes, f.op_us.p50, f.op_us.p99, f.memcpy_us.p50, f.memcpy_us.p99, ratio,
+                  gbps);
+    }
+  }
+  return 0;
+}
+
+}  // namespace epd::bench

@@ -1,0 +1,47 @@
+// epd_bench: flags → the chosen benchmark families → exit code. The figures themselves live
+// in bench_ll.cu (CUDA low-latency), bench_normal.cu (CUDA normal mode) and bench_host.cc
+// (host backend). Results are recorded in docs/BENCHMARKS.md.
+//
+//   epd_bench --backend=cuda --mode=ll        CUDA low-latency kernels
+//   epd_bench --backend=cuda --mode=normal    CUDA normal-mode kernels
+//   epd_bench --backend=cuda --mode=all       both
+//   epd_bench --backend=host                  host backend (daemon + clients over shm)
+//   add --json for one JSON object per figure.
+#include <iostream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "bench.h"
+
+ABSL_FLAG(std::string, backend, "cuda", "cuda or host");
+ABSL_FLAG(std::string, mode, "all", "ll, normal or all (CUDA backend)");
+ABSL_FLAG(bool, json, false, "print one JSON object per figure instead of tables");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "epd_bench --backend=cuda|host [--mode=ll|normal|all] [--json]: latency and bandwidth "
+      "of the epd data plane beside same-run bounds");
+  absl::ParseCommandLine(argc, argv);
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (backend == "host") return epd::bench::RunHostBench();
+  if (backend != "cuda") {
+    std::cerr << "epd_bench: --backend=" << backend << " is not one of cuda, host\n";
+    return 2;
+  }
+  if (mode != "ll" && mode != "normal" && mode != "all") {
+    std::cerr << "epd_bench: --mode=" << mode << " is not one of ll, normal, all\n";
+    return 2;
+  }
+#if defined(EPD_HAVE_CUDA)
+  int rc = 0;
+  if (mode == "ll" || mode == "all") rc |= epd::bench::RunLowLatencyBench();
+  if (mode == "normal" || mode == "all") rc |= epd::bench::RunNormalBench();
+  return rc;
+#else
+  std::cerr << "epd_bench: built without CUDA; only --backend=host is available\n";
+  return 2;
+#endif
+}

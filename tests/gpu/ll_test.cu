@@ -1,0 +1,665 @@
+// GPU tests of the CUDA low-latency kernels (kernels/cuda/ll_*.cu) against the host
+// reference (kernels/host): every output compared bit for bit, over a covering selection of
+// ranks / H / K / E / T / masking / routing / FP8, plus the failure cases (bad expert ids,
+// T > Mll, a rank that never arrives) and CUDA-graph replay with changing inputs and T.
+//
+// Combine is compared exactly: the kernels accumulate in f32 in ascending k with the product
+// rounded before the add (__fmul_rn / __fadd_rn), the host's order (host/low_latency.cc).
+//
+// Needs a CUDA GPU with room for R data areas (the DeepSeek-V3 case: about 11 GiB).
+// nvcc (EDG) warns about assigning an absl::Status ([[nodiscard]] on operator=) by mistake.
+#pragma nv_diag_suppress 2810
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/host_ops.h"
+#include "gpu_test_util.h"
+
+namespace epd::testing {
+namespace {
+
+namespace kc = ::epd::kernels::cuda;
+namespace kh = ::epd::kernels::host;
+using kernels::bf16_bits;
+using kernels::GroupShape;
+
+// ASSERT that an absl::Status is OK; more context can be streamed with <<.
+#define EPD_ASSERT_OK(expr)                                   \
+  for (const ::absl::Status epd_s_ = (expr); !epd_s_.ok();) \
+  GTEST_FAIL() << #expr << ": " << epd_s_ << " "
+
+#define REQUIRE_GPU()                             \
+  do {                                            \
+    std::string why;                              \
+    if (!HaveGpu(&why)) GTEST_SKIP() << why;      \
+  } while (0)
+
+// ---- the test "expert": y = bf16(dequant(x) * (1 + j/8)), rows [0, recv_count[j]) ----
+
+__device__ __host__ inline float ExpertFactor(int32_t j) { return 1.0f + 0.125f * (j % 8); }
+
+__global__ void ExpertKernel(const uint8_t* recv_x, const float* recv_scales,
+                             const int32_t* recv_count, bf16_bits* y, int32_t experts_per_rank,
+                             int64_t rows_per_expert, int32_t hidden, int32_t num_scales,
+                             bool fp8) {
+  for (int32_t j = blockIdx.y; j < experts_per_rank; j += gridDim.y) {
+    const int64_t n = static_cast<int64_t>(recv_count[j]) * hidden;
+    const float factor = ExpertFactor(j);
+    for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      const int64_t row = j * rows_per_expert + i / hidden;
+      const int32_t h = static_cast<int32_t>(i % hidden);
+      float v;
+      if (fp8) {
+        v = __fmul_rn(kernels::E4m3ToFloat(recv_x[row * hidden + h]),
+                      recv_scales[row * num_scales + h / kernels::kFp8BlockChannels]);
+      } else {
+        v = kernels::Bf16ToFloat(reinterpret_cast<const bf16_bits*>(recv_x)[row * hidden + h]);
+      }
+      y[row * hidden + h] = kernels::FloatToBf16(__fmul_rn(v, factor));
+    }
+  }
+}
+
+absl::Status LaunchExpert(const VirtualRankGroup& g, int32_t r, int32_t buffer, bool fp8,
+                          cudaStream_t stream) {
+  const auto& l = g.layout();
+  const GroupShape& s = g.shape();
+  dim3 grid(16, std::min(s.num_local_experts(), 8));
+  ExpertKernel<<<grid, 256, 0, stream>>>(
+      g.At<uint8_t>(r, l.ll_recv_x[buffer]), g.At<float>(r, l.ll_recv_scales[buffer]),
+      g.At<int32_t>(r, l.ll_recv_count[buffer]), g.At<bf16_bits>(r, l.in_ll_combine_x),
+      s.num_local_experts(), s.ll_rows_per_expert(), s.hidden, s.num_scales(), fp8);
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
+
+// Host version of ExpertKernel over one rank's rows.
+void HostExpert(const GroupShape& s, const uint8_t* recv_x, const float* recv_scales,
+                const int32_t* recv_count, bf16_bits* y, bool fp8) {
+  const int64_t rows = s.ll_rows_per_expert();
+  const int64_t hidden = s.hidden;
+  for (int32_t j = 0; j < s.num_local_experts(); ++j) {
+    for (int64_t rr = 0; rr < recv_count[j]; ++rr) {
+      const int64_t row = j * rows + rr;
+      for (int64_t h = 0; h < hidden; ++h) {
+        float v = fp8 ? kernels::E4m3ToFloat(recv_x[row * hidden + h]) *
+                            recv_scales[row * s.num_scales() + h / kernels::kFp8BlockChannels]
+                      : kernels::Bf16ToFloat(reinterpret_cast<const bf16_bits*>(recv_x)[row * hidden + h]);
+        y[row * hidden + h] = kernels::FloatToBf16(v * ExpertFactor(j));
+      }
+    }
+  }
+}
+
+// ---- one op's inputs and host reference ----------------------------------------------
+
+struct RankInputs {
+  int32_t num_tokens = 0;
+  std::vector<bf16_bits> x;       // [T, H]
+  std::vector<int64_t> topk_idx;  // [T, K]
+  std::vector<float> weights;     // [T, K]
+};
+
+struct HostReference {
+  // Per rank; recv arrays are [El, R*Mll, row] with only rows [0, count) meaningful.
+  std::vector<std::unique_ptr<uint8_t[]>> recv_x;
+  std::vector<std::vector<float>> recv_scales;
+  std::vector<std::vector<int32_t>> recv_count;
+  std::vector<std::vector<int32_t>> recv_src_info;
+  std::vector<std::vector<int32_t>> handle_pos;
+  std::vector<std::unique_ptr<bf16_bits[]>> y;  // expert outputs, bf16
+  std::vector<std::vector<bf16_bits>> combined;
+};
+
+// Runs the host dispatch, the host expert and the host combine.
+absl::Status ComputeHostReference(const GroupShape& s, bool fp8, bool round_scale,
+                                  std::vector<RankInputs>& in, HostReference* ref) {
+  const int32_t R = s.num_ranks;
+  const int64_t rows = static_cast<int64_t>(s.num_local_experts()) * s.ll_rows_per_expert();
+  const int64_t row_bytes = fp8 ? s.hidden : 2ll * s.hidden;
+  ref->recv_x.clear();
+  ref->y.clear();
+  ref->recv_scales.assign(R, {});
+  ref->recv_count.assign(R, std::vector<int32_t>(s.num_local_experts()));
+  ref->recv_src_info.assign(R, std::vector<int32_t>(rows));
+  ref->handle_pos.assign(R, std::vector<int32_t>(static_cast<size_t>(s.ll_max_tokens_per_rank) *
+                                                 s.num_topk, -1));
+  ref->combined.assign(R, {});
+  std::vector<kh::LowLatencyDispatchRankArgs> d(R);
+  for (int32_t r = 0; r < R; ++r) {
+    ref->recv_x.emplace_back(new uint8_t[rows * row_bytes]);
+    ref->y.emplace_back(new bf16_bits[rows * s.hidden]);
+    if (fp8) ref->recv_scales[r].resize(rows * s.num_scales());
+    d[r].num_tokens = in[r].num_tokens;
+    d[r].x = in[r].x.data();
+    d[r].topk_idx = in[r].topk_idx.data();
+    d[r].recv_x = ref->recv_x[r].get();
+    d[r].recv_scales = fp8 ? ref->recv_scales[r].data() : nullptr;
+    d[r].recv_count = ref->recv_count[r].data();
+    d[r].recv_src_info = ref->recv_src_info[r].data();
+    d[r].handle_pos = ref->handle_pos[r].data();
+  }
+  kh::LowLatencyDispatchOptions opt;
+  opt.use_fp8 = fp8;
+  opt.round_scale = round_scale;
+  absl::Status st = kh::LowLatencyDispatch(s, opt, d);
+  if (!st.ok()) return st;
+  std::vector<kh::LowLatencyCombineRankArgs> c(R);
+  for (int32_t r = 0; r < R; ++r) {
+    HostExpert(s, ref->recv_x[r].get(), fp8 ? ref->recv_scales[r].data() : nullptr,
+               ref->recv_count[r].data(), ref->y[r].get(), fp8);
+    ref->combined[r].resize(static_cast<size_t>(in[r].num_tokens) * s.hidden);
+    c[r].num_tokens = in[r].num_tokens;
+    c[r].topk_idx = in[r].topk_idx.data();
+    c[r].topk_weights = in[r].weights.data();
+    c[r].handle_pos = ref->handle_pos[r].data();
+    c[r].x = ref->y[r].get();
+    c[r].combined_x = ref->combined[r].data();
+  }
+  return kh::LowLatencyCombine(s, c);
+}
+
+absl::Status UploadInputs(VirtualRankGroup& g, const std::vector<RankInputs>& in) {
+  const auto& l = g.layout();
+  for (int32_t r = 0; r < g.num_ranks(); ++r) {
+    absl::Status st = g.Upload(r, l.in_x, in[r].x.data(), in[r].x.size() * sizeof(bf16_bits));
+    if (st.ok()) st = g.Upload(r, l.in_topk_idx, in[r].topk_idx.data(), in[r].topk_idx.size() * 8);
+    if (st.ok()) st = g.Upload(r, l.in_topk_weights, in[r].weights.data(), in[r].weights.size() * 4);
+    if (st.ok()) {
+      st = EPD_CUDA_STATUS(cudaMemcpy(kc::LowLatencyNumTokensSlot(g.Context(r)), &in[r].num_tokens,
+                                      4, cudaMemcpyHostToDevice));
+    }
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+// Compares every dispatch output of every rank (buffer b) with the reference.
+absl::Status CheckDispatch(const VirtualRankGroup& g, int32_t b, bool fp8,
+                           const std::vector<RankInputs>& in, const HostReference& ref) {
+  const GroupShape& s = g.shape();
+  const auto& l = g.layout();
+  const int64_t rows = s.ll_rows_per_expert();
+  const int64_t row_bytes = fp8 ? s.hidden : 2ll * s.hidden;
+  for (int32_t r = 0; r < g.num_ranks(); ++r) {
+    const std::string who = absl::StrCat("rank ", r, " buffer ", b);
+    auto count = g.DownloadVector<int32_t>(r, l.ll_recv_count[b], s.num_local_experts());
+    if (!count.ok()) return count.status();
+    absl::Status st = CompareBytes(ref.recv_count[r].data(), count->data(), count->size() * 4,
+                                   who + " recv_count");
+    if (!st.ok()) return st;
+    auto pos = g.DownloadVector<int32_t>(r, l.ll_handle_pos[b],
+                                         static_cast<size_t>(in[r].num_tokens) * s.num_topk);
+    if (!pos.ok()) return pos.status();
+    st = CompareBytes(ref.handle_pos[r].data(), pos->data(), pos->size() * 4, who + " handle_pos");
+    if (!st.ok()) return st;
+    for (int32_t j = 0; j < s.num_local_experts(); ++j) {
+      const int64_t n = ref.recv_count[r][j];
+      const int64_t first = j * rows;
+      std::vector<uint8_t> x(n * row_bytes);
+      st = g.Download(r, l.ll_recv_x[b], x.data(), x.size(), first * row_bytes);
+      if (st.ok()) {
+        st = CompareBytes(ref.recv_x[r].get() + first * row_bytes, x.data(), x.size(),
+                          absl::StrCat(who, " recv_x of local expert ", j));
+      }
+      if (!st.ok()) return st;
+      std::vector<int32_t> src(n);
+      st = g.Download(r, l.ll_recv_src_info[b], src.data(), n * 4, first * 4);
+      if (st.ok()) {
+        st = CompareBytes(ref.recv_src_info[r].data() + first, src.data(), n * 4,
+                          absl::StrCat(who, " recv_src_info of local expert ", j));
+      }
+      if (!st.ok()) return st;
+      if (fp8) {
+        const int64_t ns = s.num_scales();
+        std::vector<float> sc(n * ns);
+        st = g.Download(r, l.ll_recv_scales[b], sc.data(), sc.size() * 4, first * ns * 4);
+        if (st.ok()) {
+          st = CompareBytes(ref.recv_scales[r].data() + first * ns, sc.data(), sc.size() * 4,
+                            absl::StrCat(who, " recv_scales of local expert ", j));
+        }
+        if (!st.ok()) return st;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckCombine(const VirtualRankGroup& g, int32_t b, const std::vector<RankInputs>& in,
+                          const HostReference& ref) {
+  for (int32_t r = 0; r < g.num_ranks(); ++r) {
+    auto out = g.DownloadVector<bf16_bits>(
+        r, g.layout().ll_combined_x[b], static_cast<size_t>(in[r].num_tokens) * g.shape().hidden);
+    if (!out.ok()) return out.status();
+    absl::Status st = CompareBytes(ref.combined[r].data(), out->data(), out->size() * 2,
+                                   absl::StrCat("rank ", r, " buffer ", b, " combined_x"));
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+// Enqueues dispatch (buffer b) on every rank, then reads every rank's status.
+absl::Status RunDispatch(VirtualRankGroup& g, int32_t b, bool fp8, bool round_scale) {
+  kc::LowLatencyDispatchArgs a;
+  a.buffer = b;
+  a.use_fp8 = fp8;
+  a.round_scale = round_scale;
+  absl::Status st = g.LaunchAll([&](int32_t r, cudaStream_t stream) {
+    return kc::LowLatencyDispatch(g.Context(r), a, stream);
+  });
+  for (int32_t r = 0; r < g.num_ranks() && st.ok(); ++r) {
+    st = kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch");
+  }
+  return st;
+}
+
+// Enqueues the test expert + combine on every rank, then reads every rank's status.
+absl::Status RunExpertAndCombine(VirtualRankGroup& g, int32_t b, bool fp8) {
+  kc::LowLatencyCombineArgs a;
+  a.buffer = b;
+  absl::Status st = g.LaunchAll([&](int32_t r, cudaStream_t stream) {
+    absl::Status e = LaunchExpert(g, r, b, fp8, stream);
+    if (!e.ok()) return e;
+    return kc::LowLatencyCombine(g.Context(r), a, stream);
+  });
+  for (int32_t r = 0; r < g.num_ranks() && st.ok(); ++r) {
+    st = kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyCombine");
+  }
+  return st;
+}
+
+// ---- the covering sweep -----------------------------------------------------------------
+
+enum class Routing { kUniform, kOneExpert, kDuplicates };
+enum class Fp8 { kOff, kOn, kRoundScale };
+
+struct SweepCase {
+  int32_t ranks;
+  int32_t hidden;
+  int32_t topk;
+  int32_t experts;
+  int32_t base_tokens;   // rank r uses kTokenCycle[(index(base) + r) % 4] unless same_tokens
+  bool same_tokens;      // every rank uses base_tokens
+  double masked;
+  Routing routing;
+  Fp8 fp8;
+};
+
+constexpr int32_t kMll = 128;
+constexpr int32_t kTokenCycle[4] = {0, 1, 77, 128};
+
+std::string CaseName(const SweepCase& c) {
+  const char* routing = c.routing == Routing::kUniform     ? "uniform"
+                        : c.routing == Routing::kOneExpert ? "oneexpert"
+                                                           : "dups";
+  const char* fp8 = c.fp8 == Fp8::kOff ? "bf16" : c.fp8 == Fp8::kOn ? "fp8" : "fp8round";
+  return absl::StrCat("R", c.ranks, "_H", c.hidden, "_K", c.topk, "_E", c.experts, "_T",
+                      c.base_tokens, c.same_tokens ? "all" : "mix", "_mask",
+                      static_cast<int>(c.masked * 100), "_", routing, "_", fp8);
+}
+
+void PrintTo(const SweepCase& c, std::ostream* os) { *os << CaseName(c); }
+
+std::vector<RankInputs> MakeInputs(const SweepCase& c, std::mt19937_64& rng, int32_t salt) {
+  std::vector<RankInputs> in(c.ranks);
+  int32_t base_index = 0;
+  while (kTokenCycle[base_index] != c.base_tokens) ++base_index;
+  for (int32_t r = 0; r < c.ranks; ++r) {
+    RankInputs& ri = in[r];
+    ri.num_tokens = c.same_tokens ? c.base_tokens : kTokenCycle[(base_index + r + salt) % 4];
+    ri.x = RandomBf16(static_cast<size_t>(ri.num_tokens) * c.hidden, rng);
+    RoutingOptions ro;
+    ro.masked_fraction = c.masked;
+    if (c.routing == Routing::kOneExpert) ro.one_expert = (c.experts - 1) / 2;
+    if (c.routing == Routing::kDuplicates) ro.duplicate_fraction = 0.3;
+    ri.topk_idx = RandomTopk(ri.num_tokens, c.topk, c.experts, ro, rng);
+    ri.weights = RandomFloats(static_cast<size_t>(ri.num_tokens) * c.topk, rng, -1.0f, 1.0f);
+  }
+  return in;
+}
+
+class LowLatencySweep : public ::testing::TestWithParam<SweepCase> {};
+
+TEST_P(LowLatencySweep, MatchesHostBitForBit) {
+  REQUIRE_GPU();
+  const SweepCase& c = GetParam();
+  GroupShape s;
+  s.num_ranks = c.ranks;
+  s.num_experts = c.experts;
+  s.hidden = c.hidden;
+  s.num_topk = c.topk;
+  s.max_tokens_per_rank = 1;
+  s.ll_max_tokens_per_rank = kMll;
+  s.use_fp8 = c.fp8 != Fp8::kOff;
+  const bool fp8 = c.fp8 != Fp8::kOff;
+  const bool round_scale = c.fp8 == Fp8::kRoundScale;
+  auto group = VirtualRankGroup::Create(s);
+  ASSERT_TRUE(group.ok()) << group.status();
+  VirtualRankGroup& g = **group;
+  std::mt19937_64 rng(std::hash<std::string>()(CaseName(c)));
+
+  // Three ops: buffers 0, 1, 0 (the third reuses buffer 0 of the first); after op 2 the
+  // views of op 1 (buffer 0) must still hold op 1's results.
+  std::vector<int32_t> first_counts;
+  std::vector<std::vector<int32_t>> first_handles;
+  std::vector<RankInputs> first_inputs;
+  HostReference first_ref;
+  for (int32_t op = 0; op < 3; ++op) {
+    const int32_t b = op % 2;
+    std::vector<RankInputs> in = MakeInputs(c, rng, op);
+    HostReference ref;
+    EPD_ASSERT_OK(ComputeHostReference(s, fp8, round_scale, in, &ref));
+    EPD_ASSERT_OK(UploadInputs(g, in));
+    EPD_ASSERT_OK(RunDispatch(g, b, fp8, round_scale));
+    EPD_ASSERT_OK(CheckDispatch(g, b, fp8, in, ref)) << "op " << op;
+    EPD_ASSERT_OK(RunExpertAndCombine(g, b, fp8));
+    EPD_ASSERT_OK(CheckCombine(g, b, in, ref)) << "op " << op;
+    if (op == 0) {
+      first_inputs = std::move(in);
+      first_ref = std::move(ref);
+    }
+    if (op == 1) {
+      // Double buffering: op 0's outputs in buffer 0 are intact after op 1.
+      EPD_ASSERT_OK(CheckDispatch(g, 0, fp8, first_inputs, first_ref)) << "op 0 after op 1";
+      EPD_ASSERT_OK(CheckCombine(g, 0, first_inputs, first_ref)) << "op 0 after op 1";
+    }
+  }
+}
+
+// A covering selection (not the full product): every value of every parameter appears, and
+// most pairs of values do. Ranks other than the first get the other T values in turn
+// (T_r = cycle[(index(T) + r + op) % 4] over {0, 1, 77, 128}) unless "all".
+INSTANTIATE_TEST_SUITE_P(
+    Covering, LowLatencySweep,
+    ::testing::Values(
+        SweepCase{1, 2048, 1, 1, 0, false, 0.0, Routing::kUniform, Fp8::kOff},
+        SweepCase{1, 4096, 8, 64, 77, true, 0.5, Routing::kUniform, Fp8::kOn},
+        SweepCase{1, 7168, 6, 256, 128, true, 0.0, Routing::kOneExpert, Fp8::kRoundScale},
+        SweepCase{2, 2048, 6, 2, 1, false, 0.0, Routing::kDuplicates, Fp8::kOn},
+        SweepCase{2, 4096, 1, 64, 128, false, 0.5, Routing::kOneExpert, Fp8::kOff},
+        SweepCase{2, 7168, 8, 256, 77, false, 0.0, Routing::kUniform, Fp8::kOff},
+        SweepCase{4, 2048, 8, 64, 128, true, 0.0, Routing::kUniform, Fp8::kRoundScale},
+        SweepCase{4, 4096, 6, 4, 0, false, 0.5, Routing::kDuplicates, Fp8::kOff},
+        SweepCase{4, 7168, 1, 256, 1, false, 0.0, Routing::kOneExpert, Fp8::kOn},
+        SweepCase{8, 2048, 1, 8, 77, false, 0.5, Routing::kUniform, Fp8::kRoundScale},
+        SweepCase{8, 4096, 8, 256, 0, false, 0.0, Routing::kOneExpert, Fp8::kOff},
+        SweepCase{8, 7168, 6, 64, 1, false, 0.5, Routing::kDuplicates, Fp8::kRoundScale},
+        SweepCase{8, 2048, 8, 256, 128, true, 0.5, Routing::kOneExpert, Fp8::kOff},
+        SweepCase{8, 4096, 6, 8, 0, true, 0.0, Routing::kUniform, Fp8::kOn},
+        // DeepSeek-V3 decode: T=128, H=7168, K=8, E=256, 8 ranks; FP8 and BF16.
+        SweepCase{8, 7168, 8, 256, 128, true, 0.0, Routing::kUniform, Fp8::kOn},
+        SweepCase{8, 7168, 8, 256, 128, true, 0.0, Routing::kUniform, Fp8::kOff}),
+    [](const ::testing::TestParamInfo<SweepCase>& info) { return CaseName(info.param); });
+
+// ---- failure cases ----------------------------------------------------------------------
+
+GroupShape SmallShape(int32_t ranks) {
+  GroupShape s;
+  s.num_ranks = ranks;
+  s.num_experts = 64;
+  s.hidden = 2048;
+  s.num_topk = 8;
+  s.max_tokens_per_rank = 1;
+  s.ll_max_tokens_per_rank = kMll;
+  s.use_fp8 = true;
+  return s;
+}
+
+SweepCase SmallCase(int32_t ranks) {
+  return SweepCase{ranks, 2048, 8, 64, 77, false, 0.0, Routing::kUniform, Fp8::kOn};
+}
+
+// Runs one valid FP8 op on buffer b and checks everything against the host.
+void ExpectValidOp(VirtualRankGroup& g, int32_t b, std::mt19937_64& rng, int32_t salt) {
+  std::vector<RankInputs> in = MakeInputs(SmallCase(g.num_ranks()), rng, salt);
+  HostReference ref;
+  EPD_ASSERT_OK(ComputeHostReference(g.shape(), true, false, in, &ref));
+  EPD_ASSERT_OK(UploadInputs(g, in));
+  EPD_ASSERT_OK(RunDispatch(g, b, true, false));
+  EPD_ASSERT_OK(CheckDispatch(g, b, true, in, ref));
+  EPD_ASSERT_OK(RunExpertAndCombine(g, b, true));
+  EPD_ASSERT_OK(CheckCombine(g, b, in, ref));
+}
+
+TEST(LowLatencyFailure, OutOfRangeIdsGiveInvalidArgumentThenNextOpIsCorrect) {
+  REQUIRE_GPU();
+  auto group = VirtualRankGroup::Create(SmallShape(4));
+  ASSERT_TRUE(group.ok()) << group.status();
+  VirtualRankGroup& g = **group;
+  std::mt19937_64 rng(7);
+  for (int32_t b = 0; b < 2; ++b) {
+    std::vector<RankInputs> in = MakeInputs(SmallCase(4), rng, b);
+    in[1].num_tokens = 5;
+    in[1].x.resize(5 * 2048);
+    in[1].topk_idx.assign(5 * 8, 3);
+    in[1].weights.assign(5 * 8, 0.5f);
+    in[1].topk_idx[3] = 64;       // == E
+    in[1].topk_idx[17] = -2;      // < -1
+    in[1].topk_idx[30] = 1 << 20;
+    EPD_ASSERT_OK(UploadInputs(g, in));
+    kc::LowLatencyDispatchArgs a;
+    a.buffer = b;
+    a.use_fp8 = true;
+    EPD_ASSERT_OK(g.LaunchAll([&](int32_t r, cudaStream_t st) {
+      return kc::LowLatencyDispatch(g.Context(r), a, st);
+    }));
+    for (int32_t r = 0; r < 4; ++r) {
+      absl::Status st = kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch");
+      if (r == 1) {
+        EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+        EXPECT_NE(st.message().find("3 topk_idx value(s)"), std::string::npos) << st;
+      } else {
+        EXPECT_TRUE(st.ok()) << st;
+      }
+    }
+    kc::LowLatencyCombineArgs ca;
+    ca.buffer = b;
+    EPD_ASSERT_OK(g.LaunchAll([&](int32_t r, cudaStream_t st) {
+      return kc::LowLatencyCombine(g.Context(r), ca, st);
+    }));
+    absl::Status cs = kc::ReadAndClearStatus(g.Context(1), g.stream(1), "LowLatencyCombine");
+    EXPECT_EQ(cs.code(), absl::StatusCode::kInvalidArgument) << cs;
+    for (int32_t r : {0, 2, 3}) {
+      EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyCombine"));
+    }
+  }
+  // The next ops on the same buffers are correct.
+  ExpectValidOp(g, 0, rng, 10);
+  ExpectValidOp(g, 1, rng, 11);
+}
+
+TEST(LowLatencyFailure, TooManyTokensGivesInvalidArgumentThenNextOpIsCorrect) {
+  REQUIRE_GPU();
+  auto group = VirtualRankGroup::Create(SmallShape(4));
+  ASSERT_TRUE(group.ok()) << group.status();
+  VirtualRankGroup& g = **group;
+  std::mt19937_64 rng(8);
+  std::vector<RankInputs> in = MakeInputs(SmallCase(4), rng, 0);
+  EPD_ASSERT_OK(UploadInputs(g, in));
+  const int32_t too_many = kMll + 1;
+  ASSERT_EQ(cudaMemcpy(kc::LowLatencyNumTokensSlot(g.Context(2)), &too_many, 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  kc::LowLatencyDispatchArgs a;
+  a.use_fp8 = true;
+  EPD_ASSERT_OK(g.LaunchAll([&](int32_t r, cudaStream_t st) {
+    return kc::LowLatencyDispatch(g.Context(r), a, st);
+  }));
+  for (int32_t r = 0; r < 4; ++r) {
+    absl::Status st = kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch");
+    if (r == 2) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_NE(st.message().find("num_tokens = 129"), std::string::npos) << st;
+    } else {
+      EXPECT_TRUE(st.ok()) << st;
+    }
+  }
+  kc::LowLatencyCombineArgs ca;
+  EPD_ASSERT_OK(g.LaunchAll([&](int32_t r, cudaStream_t st) {
+    return kc::LowLatencyCombine(g.Context(r), ca, st);
+  }));
+  EPD_ASSERT_OK(g.SynchronizeAll());
+  ExpectValidOp(g, 0, rng, 1);
+  ExpectValidOp(g, 1, rng, 2);
+}
+
+TEST(LowLatencyFailure, MissingRankTimesOutOthersKeepWorking) {
+  REQUIRE_GPU();
+  constexpr int64_t kTimeoutNs = 1'500'000'000;
+  // Group A: 4 ranks, rank 3 never launches. Group B: 2 ranks on the same GPU, few SMs, runs
+  // while A's ranks spin.
+  auto group_a = VirtualRankGroup::Create(SmallShape(4), kTimeoutNs, /*num_sms=*/16);
+  ASSERT_TRUE(group_a.ok()) << group_a.status();
+  auto group_b = VirtualRankGroup::Create(SmallShape(2), 5'000'000'000, /*num_sms=*/8);
+  ASSERT_TRUE(group_b.ok()) << group_b.status();
+  VirtualRankGroup& a = **group_a;
+  VirtualRankGroup& b = **group_b;
+  std::mt19937_64 rng(9);
+  std::vector<RankInputs> in = MakeInputs(SmallCase(4), rng, 0);
+  EPD_ASSERT_OK(UploadInputs(a, in));
+
+  kc::LowLatencyDispatchArgs da;
+  da.use_fp8 = true;
+  const auto start = std::chrono::steady_clock::now();
+  for (int32_t r = 0; r < 3; ++r) {
+    EPD_ASSERT_OK(kc::LowLatencyDispatch(a.Context(r), da, a.stream(r)));
+  }
+  // Group B works while A spins.
+  ExpectValidOp(b, 0, rng, 1);
+  const double b_done_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(b_done_s, kTimeoutNs * 1e-9) << "group B waited for group A's timeout";
+
+  for (int32_t r = 0; r < 3; ++r) {
+    absl::Status st = kc::ReadAndClearStatus(a.Context(r), a.stream(r), "LowLatencyDispatch");
+    EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+    EXPECT_NE(st.message().find("[3]"), std::string::npos) << st;
+  }
+  const double elapsed_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LE(elapsed_s, kTimeoutNs * 1e-9 + 1.0);
+  // The context is healthy.
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  ExpectValidOp(b, 1, rng, 2);
+
+  // Group A after a reset of its low-latency sync state works again.
+  for (int32_t r = 0; r < 4; ++r) EPD_ASSERT_OK(kc::ResetLowLatencySync(a.Context(r), a.stream(r)));
+  EPD_ASSERT_OK(a.SynchronizeAll());
+  ExpectValidOp(a, 0, rng, 3);
+  ExpectValidOp(a, 1, rng, 4);
+}
+
+TEST(LowLatencyFailure, LateRankPairsWithTimedOutOpAndNextOpIsCorrect) {
+  REQUIRE_GPU();
+  constexpr int64_t kTimeoutNs = 300'000'000;
+  auto group = VirtualRankGroup::Create(SmallShape(2), kTimeoutNs, /*num_sms=*/16);
+  ASSERT_TRUE(group.ok()) << group.status();
+  VirtualRankGroup& g = **group;
+  std::mt19937_64 rng(10);
+  std::vector<RankInputs> in = MakeInputs(SmallCase(2), rng, 0);
+  EPD_ASSERT_OK(UploadInputs(g, in));
+  kc::LowLatencyDispatchArgs da;
+  da.use_fp8 = true;
+  EPD_ASSERT_OK(kc::LowLatencyDispatch(g.Context(0), da, g.stream(0)));
+  absl::Status st0 = kc::ReadAndClearStatus(g.Context(0), g.stream(0), "LowLatencyDispatch");
+  EXPECT_EQ(st0.code(), absl::StatusCode::kDeadlineExceeded) << st0;
+  // Rank 1 arrives late: its op pairs with rank 0's timed-out op and times out too (rank 0
+  // never sent its rows), without a reset.
+  EPD_ASSERT_OK(kc::LowLatencyDispatch(g.Context(1), da, g.stream(1)));
+  absl::Status st1 = kc::ReadAndClearStatus(g.Context(1), g.stream(1), "LowLatencyDispatch");
+  EXPECT_EQ(st1.code(), absl::StatusCode::kDeadlineExceeded) << st1;
+  ExpectValidOp(g, 1, rng, 1);
+  ExpectValidOp(g, 0, rng, 2);
+}
+
+TEST(LowLatencyFailure, LauncherRejectsBadArguments) {
+  REQUIRE_GPU();
+  GroupShape s = SmallShape(2);
+  s.use_fp8 = false;
+  auto group = VirtualRankGroup::Create(s);
+  ASSERT_TRUE(group.ok()) << group.status();
+  kc::LowLatencyDispatchArgs a;
+  a.buffer = 2;
+  EXPECT_EQ(kc::LowLatencyDispatch((*group)->Context(0), a, (*group)->stream(0)).code(),
+            absl::StatusCode::kInvalidArgument);
+  a.buffer = 0;
+  a.use_fp8 = true;  // the group was created without use_fp8
+  EXPECT_EQ(kc::LowLatencyDispatch((*group)->Context(0), a, (*group)->stream(0)).code(),
+            absl::StatusCode::kInvalidArgument);
+  kc::CudaRankContext bad = (*group)->Context(0);
+  bad.rank = 2;
+  EXPECT_EQ(kc::LowLatencyCombine(bad, {}, (*group)->stream(0)).code(),
+            absl::StatusCode::kInvalidArgument);
+  kc::LowLatencyCombineArgs ca;
+  ca.x_offset = 8;  // not 16-byte aligned
+  EXPECT_EQ(kc::LowLatencyCombine((*group)->Context(0), ca, (*group)->stream(0)).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// ---- CUDA graphs ------------------------------------------------------------------------
+
+// Per rank, one graph [dispatch (FP8, buffer 0) → expert → combine] captured once and replayed
+// 100 times with new x / topk_idx / weights and a new T written into the device slot before
+// each replay; every replay's outputs are checked against the host.
+TEST(LowLatencyGraph, CapturedDispatchExpertCombineReplaysWithChangingInputsAndT) {
+  REQUIRE_GPU();
+  GroupShape s = SmallShape(8);
+  auto group = VirtualRankGroup::Create(s);
+  ASSERT_TRUE(group.ok()) << group.status();
+  VirtualRankGroup& g = **group;
+  EPD_ASSERT_OK(kc::PreloadKernels());
+  std::vector<cudaGraphExec_t> execs(g.num_ranks(), nullptr);
+  for (int32_t r = 0; r < g.num_ranks(); ++r) {
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(g.stream(r), cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    kc::LowLatencyDispatchArgs da;
+    da.use_fp8 = true;
+    da.round_scale = true;
+    absl::Status st = kc::LowLatencyDispatch(g.Context(r), da, g.stream(r));
+    if (st.ok()) st = LaunchExpert(g, r, 0, true, g.stream(r));
+    if (st.ok()) st = kc::LowLatencyCombine(g.Context(r), {}, g.stream(r));
+    ASSERT_EQ(cudaStreamEndCapture(g.stream(r), &graph), cudaSuccess);
+    EPD_ASSERT_OK(st);
+    ASSERT_EQ(cudaGraphInstantiate(&execs[r], graph, 0), cudaSuccess);
+    cudaGraphDestroy(graph);
+  }
+  std::mt19937_64 rng(11);
+  std::uniform_int_distribution<int32_t> pick_t(0, kMll);
+  for (int replay = 0; replay < 100; ++replay) {
+    SweepCase c = SmallCase(8);
+    c.masked = replay % 3 == 0 ? 0.5 : 0.0;
+    std::vector<RankInputs> in = MakeInputs(c, rng, replay);
+    for (auto& ri : in) {  // a random T per rank and replay
+      ri.num_tokens = pick_t(rng);
+      ri.x.resize(static_cast<size_t>(ri.num_tokens) * s.hidden);
+      ri.topk_idx.resize(static_cast<size_t>(ri.num_tokens) * s.num_topk);
+      ri.weights.resize(static_cast<size_t>(ri.num_tokens) * s.num_topk);
+    }
+    HostReference ref;
+    EPD_ASSERT_OK(ComputeHostReference(s, true, true, in, &ref));
+    EPD_ASSERT_OK(UploadInputs(g, in));
+    for (int32_t r = 0; r < g.num_ranks(); ++r) {
+      ASSERT_EQ(cudaGraphLaunch(execs[r], g.stream(r)), cudaSuccess);
+    }
+    for (int32_t r = 0; r < g.num_ranks(); ++r) {
+      EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "graph replay"));
+    }
+    EPD_ASSERT_OK(CheckDispatch(g, 0, true, in, ref)) << "replay " << replay;
+    EPD_ASSERT_OK(CheckCombine(g, 0, in, ref)) << "replay " << replay;
+  }
+  for (auto e : execs) cudaGraphExecDestroy(e);
+}
+
+}  // namespace
+}  // namespace epd::testing
