@@ -1,0 +1,552 @@
+// Control-plane integration tests (issue 2): the real epd binary on a temporary socket and
+// a free TCP port, real client processes (epd_test_client), real epctl.
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "epd/client.h"
+#include "epd/v1/control.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/json_util.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
+
+namespace epd::testing {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using grpc::health::v1::HealthCheckResponse;
+
+/// A running epd_test_client process holding one rank.
+struct ClientProcess {
+  std::string dir;
+  std::unique_ptr<Subprocess> process;
+};
+
+class ControlTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start();
+    ASSERT_TRUE(epd.ok()) << epd.status();
+    epd_ = *std::move(epd);
+  }
+  void TearDown() override {
+    if (HasFailure() && epd_ != nullptr) std::cerr << "---- epd log ----\n" << epd_->Logs();
+  }
+
+  /// Starts epd_test_client joining `rank` with extra flags (e.g. "--hidden=512").
+  std::unique_ptr<Subprocess> StartClient(int rank, std::vector<std::string> flags = {}) {
+    std::vector<std::string> argv = {TestClientBinary(), "--socket=" + epd_->socket_path(),
+                                     absl::StrCat("--rank=", rank)};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    SubprocessOptions options;
+    std::string tag = absl::StrCat(next_client_++);
+    options.stdout_path = absl::StrCat(epd_->dir(), "/client", tag, ".out");
+    options.stderr_path = absl::StrCat(epd_->dir(), "/client", tag, ".err");
+    options.pipe_stdin = true;
+    absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Spawn(argv, options);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? *std::move(p) : nullptr;
+  }
+  /// Starts a client and waits until it has joined.
+  std::unique_ptr<Subprocess> JoinedClient(int rank, std::vector<std::string> flags = {}) {
+    std::unique_ptr<Subprocess> p = StartClient(rank, std::move(flags));
+    if (p == nullptr) return nullptr;
+    absl::Status joined = p->WaitForOutput("JOINED", absl::Seconds(10));
+    EXPECT_TRUE(joined.ok()) << joined;
+    return p;
+  }
+
+  std::unique_ptr<v1::Control::Stub> Stub(const std::string& target = "") {
+    return v1::Control::NewStub(grpc::CreateChannel(target.empty() ? epd_->unix_target() : target,
+                                                    grpc::InsecureChannelCredentials()));
+  }
+  v1::ListGroupsResponse ListGroups() {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    v1::ListGroupsResponse response;
+    grpc::Status status = Stub()->ListGroups(&context, v1::ListGroupsRequest(), &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response;
+  }
+  /// Ranks currently joined in `group` (empty when the group does not exist).
+  std::vector<int> JoinedRanks(const std::string& group = "g") {
+    std::vector<int> ranks;
+    for (const v1::GroupInfo& g : ListGroups().groups()) {
+      if (g.spec().name() != group) continue;
+      for (const v1::RankInfo& r : g.ranks()) ranks.push_back(r.rank());
+    }
+    return ranks;
+  }
+  void ExpectServing() {
+    auto health = epd_->CheckHealth("");
+    ASSERT_TRUE(health.ok()) << health.status();
+    EXPECT_EQ(*health, HealthCheckResponse::SERVING);
+  }
+  CommandResult Epctl(std::vector<std::string> args) {
+    std::vector<std::string> argv = {EpctlBinary(), "--socket=" + epd_->socket_path()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    absl::StatusOr<CommandResult> result = RunCommand(argv, absl::Seconds(20));
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.value_or(CommandResult{-1, "", ""});
+  }
+
+  std::unique_ptr<DaemonProcess> epd_;
+  int next_client_ = 0;
+};
+
+TEST_F(ControlTest, StandardHealthClientSeesServingOnEveryListener) {
+  for (const std::string& target : {epd_->unix_target(), epd_->tcp_target()}) {
+    for (const std::string& service : {"", "epd.v1.Control"}) {
+      auto health = epd_->CheckHealth(service, target);
+      ASSERT_TRUE(health.ok()) << target << " " << service << ": " << health.status();
+      EXPECT_EQ(*health, HealthCheckResponse::SERVING) << target << " " << service;
+    }
+  }
+  // The default health service answers NOT_FOUND for a service it does not know.
+  auto unknown = epd_->CheckHealth("no.such.Service");
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ControlTest, EpctlStatusGroupsHealthStatsConfig) {
+  CommandResult status = Epctl({"status"});
+  EXPECT_EQ(status.exit_code, 0) << status.stderr_text;
+  EXPECT_THAT(status.stdout_text,
+              AllOf(HasSubstr("SERVING"), HasSubstr("backend: host"), HasSubstr("MPS:"),
+                    HasSubstr(absl::StrCat("pid ", epd_->pid())), HasSubstr("GPUs:")));
+
+  CommandResult groups = Epctl({"groups"});
+  EXPECT_EQ(groups.exit_code, 0) << groups.stderr_text;
+  EXPECT_THAT(groups.stdout_text, HasSubstr("no groups"));
+
+  std::unique_ptr<Subprocess> c0 = JoinedClient(0, {"--name=epctl_group"});
+  groups = Epctl({"groups"});
+  EXPECT_EQ(groups.exit_code, 0);
+  EXPECT_THAT(groups.stdout_text,
+              AllOf(HasSubstr("epctl_group"), HasSubstr("1/2"), HasSubstr(absl::StrCat(c0->pid()))));
+
+  CommandResult health = Epctl({"health"});
+  EXPECT_EQ(health.exit_code, 0);
+  EXPECT_EQ(health.stdout_text, "SERVING\n");
+
+  CommandResult stats = Epctl({"stats"});
+  EXPECT_EQ(stats.exit_code, 0);
+  EXPECT_THAT(stats.stdout_text, AllOf(HasSubstr("num_groups"), HasSubstr("num_sessions")));
+
+  CommandResult config = Epctl({"config"});
+  EXPECT_EQ(config.exit_code, 0);
+  EXPECT_THAT(config.stdout_text,
+              AllOf(HasSubstr(absl::StrCat("socket_path: \"", epd_->socket_path(), "\"")),
+                    HasSubstr("backend: BACKEND_HOST"), HasSubstr("op_timeout_ms: 10000")));
+
+  // The TCP listener works as --socket too.
+  absl::StatusOr<CommandResult> over_tcp =
+      RunCommand({EpctlBinary(), "--socket=" + epd_->tcp_target(), "health"});
+  ASSERT_TRUE(over_tcp.ok());
+  EXPECT_EQ(over_tcp->exit_code, 0) << over_tcp->stderr_text;
+}
+
+TEST_F(ControlTest, EpctlJson) {
+  std::unique_ptr<Subprocess> c0 = JoinedClient(0, {"--name=json_group"});
+  CommandResult status = Epctl({"--json", "status"});
+  ASSERT_EQ(status.exit_code, 0) << status.stderr_text;
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(status.stdout_text, &stats).ok())
+      << status.stdout_text;
+  EXPECT_EQ(stats.backend(), "host");
+  EXPECT_EQ(stats.pid(), epd_->pid());
+  EXPECT_EQ(stats.num_groups(), 1);
+  EXPECT_EQ(stats.num_sessions(), 1);
+  EXPECT_EQ(stats.serving_status(), "SERVING");
+  EXPECT_FALSE(stats.backend_reason().empty());
+
+  CommandResult groups = Epctl({"--json", "groups"});
+  ASSERT_EQ(groups.exit_code, 0);
+  v1::ListGroupsResponse list;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(groups.stdout_text, &list).ok())
+      << groups.stdout_text;
+  ASSERT_EQ(list.groups_size(), 1);
+  EXPECT_EQ(list.groups(0).spec().name(), "json_group");
+  ASSERT_EQ(list.groups(0).ranks_size(), 1);
+  EXPECT_EQ(list.groups(0).ranks(0).client_pid(), c0->pid());
+
+  CommandResult config = Epctl({"--json", "config"});
+  ASSERT_EQ(config.exit_code, 0);
+  v1::DaemonConfig effective;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(config.stdout_text, &effective).ok());
+  EXPECT_EQ(effective.socket_path(), epd_->socket_path());
+
+  CommandResult health = Epctl({"--json", "health"});
+  EXPECT_EQ(health.exit_code, 0);
+  EXPECT_THAT(health.stdout_text, HasSubstr("\"SERVING\""));
+}
+
+TEST_F(ControlTest, EpctlExitsNonZeroWhenDaemonIsDown) {
+  std::string missing = epd_->dir() + "/nobody.sock";
+  for (const std::string& command : {"status", "groups", "health", "stats", "config"}) {
+    absl::StatusOr<CommandResult> result =
+        RunCommand({EpctlBinary(), "--socket=" + missing, "--timeout=1s", command});
+    ASSERT_TRUE(result.ok());
+    EXPECT_EQ(result->exit_code, 1) << command;
+    EXPECT_THAT(result->stderr_text, AllOf(HasSubstr("no epd daemon"), HasSubstr(missing)))
+        << command;
+  }
+  // Also on a TCP port nobody listens on.
+  absl::StatusOr<CommandResult> tcp = RunCommand(
+      {EpctlBinary(), absl::StrCat("--socket=127.0.0.1:", PickFreeTcpPort()), "--timeout=1s",
+       "health"});
+  ASSERT_TRUE(tcp.ok());
+  EXPECT_EQ(tcp->exit_code, 1);
+  EXPECT_THAT(tcp->stderr_text, HasSubstr("no epd daemon"));
+}
+
+TEST_F(ControlTest, TwoClientsJoinAndAThirdGetsAlreadyExists) {
+  std::unique_ptr<Subprocess> c0 = JoinedClient(0);
+  std::unique_ptr<Subprocess> c1 = JoinedClient(1);
+  EXPECT_EQ(JoinedRanks(), (std::vector<int>{0, 1}));
+  v1::ListGroupsResponse list = ListGroups();
+  ASSERT_EQ(list.groups_size(), 1);
+  EXPECT_EQ(list.groups(0).ranks(0).client_pid(), c0->pid());
+  EXPECT_EQ(list.groups(0).ranks(1).client_pid(), c1->pid());
+
+  std::unique_ptr<Subprocess> c2 = StartClient(1);
+  absl::StatusOr<int> code = c2->Wait(absl::Seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 4);
+  EXPECT_THAT(c2->Stdout(), AllOf(HasSubstr("JOIN_ERROR ALREADY_EXISTS"), HasSubstr("rank 1"),
+                                  HasSubstr(absl::StrCat("pid ", c1->pid()))));
+  // The holders are untouched.
+  EXPECT_EQ(JoinedRanks(), (std::vector<int>{0, 1}));
+  EXPECT_TRUE(c0->Running());
+  EXPECT_TRUE(c1->Running());
+}
+
+TEST_F(ControlTest, KilledClientsRankIsFreeWithinOneSecond) {
+  std::unique_ptr<Subprocess> c0 = JoinedClient(0);
+  std::unique_ptr<Subprocess> c1 = JoinedClient(1);
+  ASSERT_EQ(JoinedRanks(), (std::vector<int>{0, 1}));
+
+  const absl::Time killed = absl::Now();
+  c1->Signal(SIGKILL);
+  absl::Duration freed_after = absl::InfiniteDuration();
+  while (absl::Now() - killed < absl::Seconds(3)) {
+    if (JoinedRanks() == std::vector<int>{0}) {
+      freed_after = absl::Now() - killed;
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_LT(freed_after, absl::Seconds(1)) << "rank 1 still held after SIGKILL";
+  std::cerr << "rank 1 freed " << absl::FormatDuration(freed_after) << " after SIGKILL\n";
+  EXPECT_THAT(epd_->Logs(), AllOf(HasSubstr("ended"), HasSubstr("released 1 endpoint(s): g/1")));
+
+  // It can be joined again, and the group kept rank 0 all along.
+  std::unique_ptr<Subprocess> c2 = JoinedClient(1);
+  EXPECT_EQ(JoinedRanks(), (std::vector<int>{0, 1}));
+}
+
+TEST_F(ControlTest, CleanExitAndLeaveFreeRanksAndEmptyGroupIsDestroyed) {
+  std::unique_ptr<Subprocess> c0 = JoinedClient(0);
+  std::unique_ptr<Subprocess> c1 = JoinedClient(1);
+  ASSERT_TRUE(c1->WriteStdin("leave\n").ok());
+  ASSERT_TRUE(c1->WaitForOutput("LEFT", absl::Seconds(5)).ok()) << c1->Stdout();
+  EXPECT_EQ(JoinedRanks(), (std::vector<int>{0}));
+  c0->CloseStdin();  // The client exits normally; its Session ends.
+  absl::StatusOr<int> code = c0->Wait(absl::Seconds(5));
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 0);
+  absl::Time deadline = absl::Now() + absl::Seconds(1);
+  while (ListGroups().groups_size() != 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(ListGroups().groups_size(), 0);
+  EXPECT_THAT(epd_->Logs(), HasSubstr("group \"g\" destroyed"));
+}
+
+TEST_F(ControlTest, MismatchedSpecIsRejected) {
+  std::unique_ptr<Subprocess> c0 = JoinedClient(0);
+  std::unique_ptr<Subprocess> c1 = StartClient(1, {"--hidden=512", "--num_topk=4"});
+  absl::StatusOr<int> code = c1->Wait(absl::Seconds(10));
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 4);
+  EXPECT_THAT(c1->Stdout(), AllOf(HasSubstr("JOIN_ERROR FAILED_PRECONDITION"),
+                                  HasSubstr("hidden: live=256 requested=512"),
+                                  HasSubstr("num_topk: live=2 requested=4")));
+  // An invalid spec is INVALID_ARGUMENT naming the field; a bad rank too.
+  std::unique_ptr<Subprocess> c2 = StartClient(0, {"--name=fp8", "--use_fp8", "--hidden=100"});
+  ASSERT_TRUE(c2->Wait(absl::Seconds(10)).ok());
+  EXPECT_THAT(c2->Stdout(), AllOf(HasSubstr("JOIN_ERROR INVALID_ARGUMENT"),
+                                  HasSubstr("spec.hidden: 100")));
+  std::unique_ptr<Subprocess> c3 = StartClient(5);
+  ASSERT_TRUE(c3->Wait(absl::Seconds(10)).ok());
+  EXPECT_THAT(c3->Stdout(), AllOf(HasSubstr("JOIN_ERROR INVALID_ARGUMENT"), HasSubstr("rank: 5")));
+  std::unique_ptr<Subprocess> c4 = StartClient(1, {"--gpu_uuid=GPU-nope"});
+  ASSERT_TRUE(c4->Wait(absl::Seconds(10)).ok());
+  EXPECT_THAT(c4->Stdout(), AllOf(HasSubstr("JOIN_ERROR NOT_FOUND"), HasSubstr("GPU-nope")));
+  EXPECT_EQ(JoinedRanks(), (std::vector<int>{0}));
+}
+
+TEST_F(ControlTest, OversizedBuffersAreResourceExhausted) {
+  // H = 65536, M = 2^20 on 4096 ranks: petabytes, never free in /dev/shm.
+  std::unique_ptr<Subprocess> c = StartClient(
+      0, {"--name=huge", "--num_ranks=4096", "--num_experts=4096", "--hidden=65536",
+          "--max_tokens_per_rank=1048576"});
+  ASSERT_TRUE(c->Wait(absl::Seconds(10)).ok());
+  EXPECT_THAT(c->Stdout(), AllOf(HasSubstr("JOIN_ERROR RESOURCE_EXHAUSTED"),
+                                 HasSubstr("bytes per rank"), HasSubstr("bytes free")));
+  ExpectServing();
+}
+
+TEST_F(ControlTest, SigtermTurnsNotServingThenExitsZero) {
+  std::unique_ptr<Subprocess> c0 = JoinedClient(0);
+  // Watch health over TCP the way a load balancer does.
+  auto channel = grpc::CreateChannel(epd_->tcp_target(), grpc::InsecureChannelCredentials());
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  grpc::health::v1::HealthCheckRequest request;
+  auto watch = stub->Watch(&context, request);
+  HealthCheckResponse response;
+  ASSERT_TRUE(watch->Read(&response));
+  EXPECT_EQ(response.status(), HealthCheckResponse::SERVING);
+
+  const absl::Time signalled = absl::Now();
+  epd_->process().Signal(SIGTERM);
+  ASSERT_TRUE(watch->Read(&response)) << "health stream ended without NOT_SERVING";
+  EXPECT_EQ(response.status(), HealthCheckResponse::NOT_SERVING);
+  absl::StatusOr<int> code = epd_->WaitExit(absl::Seconds(5));
+  ASSERT_TRUE(code.ok()) << code.status() << "\n" << epd_->Logs();
+  EXPECT_EQ(*code, 0);
+  EXPECT_LT(absl::Now() - signalled, absl::Seconds(5));
+  context.TryCancel();
+  EXPECT_THAT(epd_->Logs(), AllOf(HasSubstr("received SIGTERM"), HasSubstr("joins refused"),
+                                  HasSubstr("epd stopped")));
+  EXPECT_FALSE(std::filesystem::exists(epd_->socket_path()));
+}
+
+TEST_F(ControlTest, JoinsAreRefusedWhileDraining) {
+  // A longer op-less drain is not configurable; instead check the client sees the daemon
+  // go away cleanly: after SIGTERM a new client cannot connect or join.
+  ASSERT_EQ(*epd_->Stop(), 0);
+  std::unique_ptr<Subprocess> late = StartClient(0, {"--connect_timeout=1s"});
+  absl::StatusOr<int> code = late->Wait(absl::Seconds(10));
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 3);
+  EXPECT_THAT(late->Stdout(), AllOf(HasSubstr("CONNECT_ERROR UNAVAILABLE"),
+                                    HasSubstr(epd_->socket_path())));
+}
+
+TEST_F(ControlTest, SecondEpdOnTheSameSocketRefusesToStart) {
+  DaemonProcessOptions options;
+  options.socket_path = epd_->socket_path();
+  options.wait_serving = false;
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> second = DaemonProcess::Start(options);
+  ASSERT_TRUE(second.ok()) << second.status();
+  absl::StatusOr<int> code = (*second)->WaitExit(absl::Seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_NE(*code, 0);
+  EXPECT_THAT((*second)->Logs(), AllOf(HasSubstr("refusing to start a second epd"),
+                                       HasSubstr(absl::StrCat("pid ", epd_->pid()))));
+  ExpectServing();  // The first is untouched, socket included.
+  CommandResult status = Epctl({"status"});
+  EXPECT_EQ(status.exit_code, 0);
+  EXPECT_THAT(status.stdout_text, HasSubstr(absl::StrCat("pid ", epd_->pid())));
+}
+
+TEST_F(ControlTest, StaleSocketFileIsReplaced) {
+  ASSERT_EQ(epd_->Stop().value_or(-1), 0);
+  // Leave a socket file nobody listens on, as a SIGKILLed epd does.
+  int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, epd_->socket_path().c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ::close(fd);
+  DaemonProcessOptions options;
+  options.socket_path = epd_->socket_path();
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> again = DaemonProcess::Start(options);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_THAT((*again)->Logs(), HasSubstr("replacing stale socket file"));
+}
+
+TEST_F(ControlTest, MalformedAndOversizedRequestsLeaveTheDaemonServing) {
+  auto channel = grpc::CreateChannel(epd_->unix_target(), grpc::InsecureChannelCredentials());
+  // 1. Bytes that are not a JoinGroupRequest.
+  {
+    grpc::GenericStub generic(channel);
+    const std::string garbage = "\xff\xff\xff\xff\x0f garbage \x01\x02";
+    grpc::Slice slice(garbage);
+    grpc::ByteBuffer request(&slice, 1), response;
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(&context, "/epd.v1.Control/JoinGroup", grpc::StubOptions(), &request,
+                      &response, [&](grpc::Status s) { done.set_value(s); });
+    grpc::Status status = done.get_future().get();
+    EXPECT_FALSE(status.ok());
+    ExpectServing();
+  }
+  // 2. A request larger than max_request_bytes (4 MiB by default).
+  {
+    auto stub = v1::Control::NewStub(channel);
+    v1::JoinGroupRequest request;
+    request.mutable_spec()->set_name(std::string(5 << 20, 'x'));
+    v1::JoinGroupResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    grpc::Status status = stub->JoinGroup(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+    ExpectServing();
+  }
+  // 3. Valid protobuf with nonsense values, and no session.
+  {
+    auto stub = v1::Control::NewStub(channel);
+    v1::JoinGroupRequest request;
+    request.mutable_spec()->set_name("bad");
+    request.mutable_spec()->set_num_ranks(-3);
+    request.set_rank(-7);
+    v1::JoinGroupResponse response;
+    grpc::ClientContext context;
+    grpc::Status status = stub->JoinGroup(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(), HasSubstr("spec.num_ranks: -3"));
+    v1::LeaveGroupRequest leave;
+    leave.set_group("nope");
+    v1::LeaveGroupResponse left;
+    grpc::ClientContext leave_context;
+    EXPECT_EQ(stub->LeaveGroup(&leave_context, leave, &left).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+    ExpectServing();
+  }
+  // 4. Raw bytes that are not HTTP/2 on the unix socket and on the TCP port.
+  {
+    int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, epd_->socket_path().c_str(), sizeof(addr.sun_path) - 1);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    const std::string junk = "GET / HTTP/1.1\r\nHost: epd\r\n\r\n" + std::string(100000, '\x7f');
+    ::send(fd, junk.data(), junk.size(), MSG_NOSIGNAL);
+    ::close(fd);
+    ExpectServing();
+  }
+  // 5. A session stream that sends garbage framing: a client that opens Session and
+  // immediately cancels, many times.
+  for (int i = 0; i < 20; ++i) {
+    auto stub = v1::Control::NewStub(channel);
+    grpc::ClientContext context;
+    auto stream = stub->Session(&context);
+    context.TryCancel();
+    stream->Finish().IgnoreError();
+  }
+  ExpectServing();
+  // Still fully functional: a real client joins.
+  std::unique_ptr<Subprocess> c0 = JoinedClient(0);
+  EXPECT_EQ(JoinedRanks(), (std::vector<int>{0}));
+}
+
+TEST(ControlConfigTest, SmallMaxRequestBytesFromConfigFileIsEnforced) {
+  DaemonProcessOptions options;
+  options.config_text = "max_request_bytes: 65536\nop_timeout_ms: 2000\n";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(options);
+  ASSERT_TRUE(epd.ok()) << epd.status();
+  auto stub = v1::Control::NewStub(
+      grpc::CreateChannel((*epd)->unix_target(), grpc::InsecureChannelCredentials()));
+  v1::JoinGroupRequest request;
+  request.mutable_spec()->set_name(std::string(100000, 'x'));
+  v1::JoinGroupResponse response;
+  grpc::ClientContext context;
+  grpc::Status status = stub->JoinGroup(&context, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  auto health = (*epd)->CheckHealth("");
+  ASSERT_TRUE(health.ok());
+  EXPECT_EQ(*health, HealthCheckResponse::SERVING);
+  absl::StatusOr<CommandResult> config =
+      RunCommand({EpctlBinary(), "--socket=" + (*epd)->socket_path(), "config"});
+  ASSERT_TRUE(config.ok());
+  EXPECT_THAT(config->stdout_text,
+              AllOf(HasSubstr("max_request_bytes: 65536"), HasSubstr("op_timeout_ms: 2000")));
+}
+
+TEST(ControlConfigTest, BadConfigIsRefusedNamingTheField) {
+  DaemonProcessOptions options;
+  options.config_text = "socket_colour: \"blue\"\n";
+  options.wait_serving = false;
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(options);
+  ASSERT_TRUE(epd.ok());
+  absl::StatusOr<int> code = (*epd)->WaitExit(absl::Seconds(10));
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 2);
+  EXPECT_THAT((*epd)->Logs(), HasSubstr("socket_colour"));
+}
+
+TEST(ControlClientTest, ConnectWithoutDaemonIsUnavailableNamingTheSocket) {
+  ClientOptions options;
+  options.socket_path = "/tmp/epd-no-daemon-here.sock";
+  options.connect_timeout = absl::Milliseconds(300);
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(client.status().message()), HasSubstr("/tmp/epd-no-daemon-here.sock"));
+}
+
+TEST_F(ControlTest, InProcessClientApi) {
+  ClientOptions options;
+  options.socket_path = "unix://" + epd_->socket_path();
+  options.client_name = "in-process";
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_EQ((*client)->session_id().size(), 32u);
+  absl::StatusOr<v1::GetStatsResponse> stats = (*client)->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->num_sessions(), 1);
+  JoinOptions join;
+  join.spec.set_name("api");
+  join.spec.set_num_ranks(1);
+  join.spec.set_num_experts(4);
+  join.spec.set_hidden(128);
+  join.spec.set_num_topk(2);
+  join.spec.set_max_tokens_per_rank(8);
+  absl::StatusOr<std::unique_ptr<Endpoint>> endpoint = (*client)->Join(join);
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  EXPECT_EQ((*endpoint)->info().group(), "api");
+  absl::StatusOr<v1::ListGroupsResponse> groups = (*client)->ListGroups();
+  ASSERT_TRUE(groups.ok());
+  ASSERT_EQ(groups->groups_size(), 1);
+  EXPECT_EQ(groups->groups(0).ranks(0).client_pid(), ::getpid());
+  EXPECT_TRUE((*endpoint)->Leave().ok());
+  EXPECT_EQ(JoinedRanks("api"), std::vector<int>{});
+  // Also by TCP target.
+  options.socket_path = epd_->tcp_target();
+  absl::StatusOr<std::unique_ptr<Client>> tcp_client = Client::Connect(options);
+  ASSERT_TRUE(tcp_client.ok()) << tcp_client.status();
+  // Destroying a client ends its session.
+  tcp_client->reset();
+  client->reset();
+  absl::Time deadline = absl::Now() + absl::Seconds(1);
+  int sessions = -1;
+  while (absl::Now() < deadline) {
+    grpc::ClientContext context;
+    v1::GetStatsResponse s;
+    ASSERT_TRUE(Stub()->GetStats(&context, v1::GetStatsRequest(), &s).ok());
+    sessions = s.num_sessions();
+    if (sessions == 0) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(sessions, 0);
+}
+
+}  // namespace
+}  // namespace epd::testing
