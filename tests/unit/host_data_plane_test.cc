@@ -4,6 +4,8 @@
 // garbage in a ring slot, a rank that never arrives, a rank leaving mid-op, stale
 // handles, client-side input errors — after each, the group keeps working.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <cstring>
@@ -436,6 +438,63 @@ TEST_F(HostDataPlaneTest, RankLeavingMidOpFailsOthersThenRejoinWorks) {
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_EQ(res->is_token_in_rank.shape(), (std::vector<int64_t>{2, R}));
   });
+}
+
+TEST_F(HostDataPlaneTest, ShmIsPrivateAndUnlinkedOnceMapped) {
+  spec_ = Spec("shm", 1, 1, 128, 1, 2, 0, false);
+  auto g = plane_->CreateGroup(spec_);
+  ASSERT_TRUE(g.ok());
+  group_ = std::move(*g);
+  v1::EndpointInfo info;
+  ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+  const std::string path = "/dev/shm" + info.shm_name();
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0) << path;
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  // 128 random bits in the name.
+  EXPECT_GE(info.shm_name().size(), std::string("/epd-ep-").size() + 32);
+  auto ep = internal::OpenEndpoint(info, spec_, [] { return absl::OkStatus(); });
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  // The engine unlinks the name once the client has mapped the region.
+  bool gone = false;
+  for (int i = 0; i < 200 && !gone; ++i) {
+    gone = ::stat(path.c_str(), &st) != 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(gone) << path << " still exists";
+  // Released endpoints unlink too (an endpoint whose client never mapped it).
+  v1::GroupSpec spec2 = Spec("shm2", 1, 1, 128, 1, 2, 0, false);
+  auto g2 = plane_->CreateGroup(spec2);
+  ASSERT_TRUE(g2.ok());
+  v1::EndpointInfo info2;
+  ASSERT_TRUE((*g2)->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, &info2).ok());
+  (*g2)->DetachRank(0);
+  EXPECT_NE(::stat(("/dev/shm" + info2.shm_name()).c_str(), &st), 0);
+}
+
+TEST_F(HostDataPlaneTest, EngineSleepsWhenIdleAndWakesForWork) {
+  Open(Spec("idle", 1, 1, 128, 1, 2, 0, false));
+  RankData in;
+  in.Make(2, 128, 1, 1, 3);
+  // Let the engine go to sleep, then measure this process's CPU time while idle.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  struct rusage before {}, after {};
+  ::getrusage(RUSAGE_SELF, &before);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ::getrusage(RUSAGE_SELF, &after);
+  auto cpu_us = [](const struct rusage& r) {
+    return r.ru_utime.tv_sec * 1e6 + r.ru_utime.tv_usec + r.ru_stime.tv_sec * 1e6 + r.ru_stime.tv_usec;
+  };
+  // A spinning engine would burn ~300 ms of CPU here; a sleeping one well under 10%.
+  EXPECT_LT(cpu_us(after) - cpu_us(before), 30000.0);
+  // The sleeping engine is woken by the doorbell: ops still complete promptly.
+  for (int i = 0; i < 20; ++i) {
+    auto op = endpoints_[0]->GetDispatchLayout(in.idx_t);
+    ASSERT_TRUE(op.ok());
+    auto res = op->Wait(absl::Seconds(2));
+    ASSERT_TRUE(res.ok()) << res.status();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // engine sleeps again
+  }
 }
 
 }  // namespace
