@@ -1,0 +1,277 @@
+// Normal-mode (high-throughput) CUDA kernels on R = 8 virtual ranks of one GPU:
+// FP8 dispatch, BF16 dispatch and BF16 combine at T=4096 H=7168 K=8 E=256, each printed
+// beside a device-to-device cudaMemcpy of the same total bytes measured in the same run,
+// over an SM sweep {8, 16, 24, 32} blocks per rank.
+//
+// Bytes, as DeepEP counts logical bandwidth: a rank's bytes are those of the tokens it
+// sends, one copy per destination rank (a token with experts on 5 ranks counts 5 rows);
+// a BF16 row is 2H bytes, an FP8 row H bytes plus H/128 f32 scales; combine moves the same
+// rows back (BF16). Per-rank bandwidth = mean bytes per rank / op time; aggregate = bytes
+// of all ranks / op time. The op time is the wall time of a batch of back-to-back ops on
+// every rank's stream (first start event to last end event) divided by the batch size.
+// The memcpy bound = aggregate bytes / time of one cudaMemcpyAsync of that many bytes
+// (it reads and writes every byte once, as the dispatch writes every row once).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../gpu/gpu_test_util.h"
+#include "absl/flags/flag.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "bench.h"
+#include "epd/common/status_macros.h"
+#include "epd/kernels/cuda_normal.h"
+#include "epd/kernels/cuda_ops.h"
+
+namespace epd::bench {
+namespace {
+
+namespace kc = epd::kernels::cuda;
+using epd::testing::CudaStream;
+using epd::testing::DeviceBuffer;
+using epd::testing::VirtualRankGroup;
+
+constexpr int32_t kRanks = 8;
+constexpr int32_t kTokens = 4096;
+constexpr int32_t kHidden = 7168;
+constexpr int32_t kTopk = 8;
+constexpr int32_t kExperts = 256;
+constexpr int kWarmup = 3;
+constexpr int kBatch = 20;
+constexpr int kSmSweep[] = {8, 16, 24, 32};
+
+/// Fills `n` bytes with a hash of their index (bandwidth does not depend on the values;
+/// a kernel is faster than uploading GBs).
+__global__ void FillBytes(uint32_t* p, size_t n_words, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n_words;
+       i += size_t{gridDim.x} * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    // Keep bf16 halves finite: clear the top exponent bit of each half.
+    p[i] = (h * 2246822519u) & 0xbfffbfffu;
+  }
+}
+
+/// Wall time of `batch` back-to-back rounds of `launch(r, stream)` on every rank (rounds
+/// enqueued round-major), in microseconds per round: first start to last end.
+absl::StatusOr<double> TimeRounds(VirtualRankGroup& g, int batch,
+                                  const std::function<absl::Status(int32_t, cudaStream_t)>& launch) {
+  const int32_t R = g.num_ranks();
+  std::vector<cudaEvent_t> start(R), end(R);
+  absl::Status st;
+  for (int32_t r = 0; r < R; ++r) {
+    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventCreate(&start[r]));
+    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventCreate(&end[r]));
+  }
+  for (int32_t r = 0; r < R && st.ok(); ++r) {
+    st = EPD_CUDA_STATUS(cudaEventRecord(start[r], g.stream(r)));
+  }
+  for (int it = 0; it < batch && st.ok(); ++it) {
+    for (int32_t r = 0; r < R && st.ok(); ++r) st = launch(r, g.stream(r));
+  }
+  for (int32_t r = 0; r < R && st.ok(); ++r) st = EPD_CUDA_STATUS(cudaEventRecord(end[r], g.stream(r)));
+  if (st.ok()) st = g.SynchronizeAll();
+  float first = 0, last = 0;
+  for (int32_t r = 0; r < R && st.ok(); ++r) {
+    float s = 0, e = 0;
+    st = EPD_CUDA_STATUS(cudaEventElapsedTime(&s, start[0], start[r]));
+    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventElapsedTime(&e, start[0], end[r]));
+    first = std::min(first, s);
+    last = std::max(last, e);
+  }
+  for (int32_t r = 0; r < R; ++r) {
+    if (start[r] != nullptr) cudaEventDestroy(start[r]);
+    if (end[r] != nullptr) cudaEventDestroy(end[r]);
+  }
+  if (!st.ok()) return st;
+  return 1000.0 * (last - first) / batch;
+}
+
+/// Microseconds of one device-to-device cudaMemcpyAsync of `bytes` (mean of a batch).
+absl::StatusOr<double> TimeMemcpy(size_t bytes, int batch) {
+  EPD_ASSIGN_OR_RETURN(DeviceBuffer src, DeviceBuffer::Allocate(bytes));
+  EPD_ASSIGN_OR_RETURN(DeviceBuffer dst, DeviceBuffer::Allocate(bytes));
+  EPD_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+  cudaEvent_t a = nullptr, b = nullptr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&a));
+  absl::Status st = EPD_CUDA_STATUS(cudaEventCreate(&b));
+  auto copies = [&](int n) {
+    for (int i = 0; i < n && st.ok(); ++i) {
+      st = EPD_CUDA_STATUS(
+          cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream.get()));
+    }
+  };
+  copies(kWarmup);
+  if (st.ok()) st = EPD_CUDA_STATUS(cudaEventRecord(a, stream.get()));
+  copies(batch);
+  if (st.ok()) st = EPD_CUDA_STATUS(cudaEventRecord(b, stream.get()));
+  if (st.ok()) st = EPD_CUDA_STATUS(cudaEventSynchronize(b));
+  float ms = 0;
+  if (st.ok()) st = EPD_CUDA_STATUS(cudaEventElapsedTime(&ms, a, b));
+  cudaEventDestroy(a);
+  if (b != nullptr) cudaEventDestroy(b);
+  if (!st.ok()) return st;
+  return 1000.0 * ms / batch;
+}
+
+struct Row {
+  std::string op;
+  int32_t sms = 0;
+  bool oversubscribed = false;
+  double bytes_per_rank = 0;  // mean over ranks
+  double op_us = 0;
+  double memcpy_us = 0;
+};
+
+absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_sms) {
+  cudaDeviceProp prop{};
+  int device = 0;
+  EPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  EPD_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+  *device_name = prop.name;
+  *device_sms = prop.multiProcessorCount;
+  EPD_RETURN_IF_ERROR(kc::PreloadKernels());
+
+  kernels::GroupShape shape;
+  shape.num_ranks = kRanks;
+  shape.num_experts = kExperts;
+  shape.hidden = kHidden;
+  shape.num_topk = kTopk;
+  shape.max_tokens_per_rank = kTokens;
+  shape.use_fp8 = true;
+  EPD_ASSIGN_OR_RETURN(std::unique_ptr<VirtualRankGroup> g, VirtualRankGroup::Create(shape));
+  const kernels::EndpointLayout& l = g->layout();
+
+  // Inputs: uniform top-8 of 256 experts per token (DeepEP's benchmark routing), values
+  // from a hash; T set in every rank's slot.
+  std::mt19937_64 rng(2024);
+  int64_t sent_rows_total = 0;
+  for (int32_t r = 0; r < kRanks; ++r) {
+    const std::vector<int64_t> topk =
+        epd::testing::RandomTopk(kTokens, kTopk, kExperts, {}, rng);
+    for (int32_t t = 0; t < kTokens; ++t) {
+      uint32_t mask = 0;
+      for (int32_t k = 0; k < kTopk; ++k) {
+        mask |= 1u << (topk[static_cast<size_t>(t) * kTopk + k] / (kExperts / kRanks));
+      }
+      sent_rows_total += __builtin_popcount(mask);
+    }
+    EPD_RETURN_IF_ERROR(g->Upload(r, l.in_topk_idx, topk.data(), topk.size() * 8));
+    const std::vector<float> w = epd::testing::RandomFloats(topk.size(), rng);
+    EPD_RETURN_IF_ERROR(g->Upload(r, l.in_topk_weights, w.data(), w.size() * 4));
+    for (const kernels::Region* region : {&l.in_x, &l.in_scales, &l.in_combine_x}) {
+      FillBytes<<<1024, 256, 0, g->stream(r)>>>(g->At<uint32_t>(r, *region), region->bytes / 4,
+                                                 static_cast<uint32_t>(r * 977 + region->offset));
+    }
+    EPD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(g->Context(r), kTokens, g->stream(r)));
+  }
+  EPD_RETURN_IF_ERROR(g->SynchronizeAll());
+
+  const double rows_per_rank = static_cast<double>(sent_rows_total) / kRanks;
+  const double bf16_row = 2.0 * kHidden;
+  const double fp8_row = kHidden + 4.0 * shape.num_scales();
+  const double bf16_total = static_cast<double>(sent_rows_total) * bf16_row;
+  const double fp8_total = static_cast<double>(sent_rows_total) * fp8_row;
+  EPD_ASSIGN_OR_RETURN(const double memcpy_bf16_us,
+                       TimeMemcpy(static_cast<size_t>(bf16_total), kBatch));
+  EPD_ASSIGN_OR_RETURN(const double memcpy_fp8_us,
+                       TimeMemcpy(static_cast<size_t>(fp8_total), kBatch));
+
+  for (int32_t sms : kSmSweep) {
+    // A context per rank with this SM budget (the group's own contexts use the default).
+    std::vector<kc::CudaRankContext> ctx(kRanks);
+    for (int32_t r = 0; r < kRanks; ++r) {
+      ctx[r] = g->Context(r);
+      ctx[r].num_sms = sms;
+    }
+    auto dispatch = [&](bool fp8) {
+      return [&, fp8](int32_t r, cudaStream_t s) {
+        kc::NormalDispatchArgs args;
+        args.fp8 = fp8;
+        return kc::NormalDispatch(ctx[r], args, s);
+      };
+    };
+    auto combine = [&](int32_t r, cudaStream_t s) {
+      kc::NormalCombineArgs args;
+      args.with_weights = true;
+      return kc::NormalCombine(ctx[r], args, s);
+    };
+    const bool over = sms * kRanks > *device_sms;
+    struct Op {
+      const char* name;
+      std::function<absl::Status(int32_t, cudaStream_t)> launch;
+      double row_bytes;
+      double memcpy_us;
+    };
+    const Op ops[] = {{"dispatch fp8", dispatch(true), fp8_row, memcpy_fp8_us},
+                      {"dispatch bf16", dispatch(false), bf16_row, memcpy_bf16_us},
+                      {"combine bf16", combine, bf16_row, memcpy_bf16_us}};
+    for (const Op& op : ops) {
+      EPD_RETURN_IF_ERROR(TimeRounds(*g, kWarmup, op.launch).status());
+      EPD_ASSIGN_OR_RETURN(const double us, TimeRounds(*g, kBatch, op.launch));
+      for (int32_t r = 0; r < kRanks; ++r) {
+        EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(ctx[r], g->stream(r), op.name));
+      }
+      rows->push_back({op.name, sms, over, rows_per_rank * op.row_bytes, us, op.memcpy_us});
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunNormalBench() {
+  std::vector<Row> rows;
+  std::string device;
+  int sms = 0;
+  const absl::Status st = Run(&rows, &device, &sms);
+  const bool json = absl::GetFlag(FLAGS_json);
+  if (!json) {
+    std::printf("Normal-mode kernels, %d virtual ranks on one GPU (%s, %d SMs)\n", kRanks,
+                device.c_str(), sms);
+    std::printf("shape: T=%d H=%d K=%d E=%d R=%d; uniform top-%d routing; %d rounds after %d "
+                "warm-up\n",
+                kTokens, kHidden, kTopk, kExperts, kRanks, kTopk, kBatch, kWarmup);
+    std::printf("%-14s %5s %13s %10s %14s %14s %13s %10s\n", "op", "sms", "MB/rank", "us/op",
+                "rank GB/s", "aggregate GB/s", "memcpy GB/s", "agg/memcpy");
+  }
+  for (const Row& r : rows) {
+    const double rank_gbs = r.bytes_per_rank / r.op_us / 1e3;
+    const double agg_gbs = rank_gbs * kRanks;
+    const double memcpy_gbs = r.bytes_per_rank * kRanks / r.memcpy_us / 1e3;
+    if (json) {
+      std::printf(
+          "{\"figure\":\"normal %s\",\"device\":\"%s\",\"sms_per_rank\":%d,"
+          "\"oversubscribed\":%s,\"bytes_per_rank\":%.0f,\"op_us\":%.2f,\"rank_gbps\":%.1f,"
+          "\"aggregate_gbps\":%.1f,\"memcpy_us\":%.2f,\"memcpy_gbps\":%.1f}\n",
+          r.op.c_str(), device.c_str(), r.sms, r.oversubscribed ? "true" : "false",
+          r.bytes_per_rank, r.op_us, rank_gbs, agg_gbs, r.memcpy_us, memcpy_gbs);
+    } else {
+      std::printf("%-14s %5d%s %12.1f %10.1f %14.1f %14.1f %13.1f %9.0f%%\n", r.op.c_str(),
+                  r.sms, r.oversubscribed ? "*" : " ", r.bytes_per_rank / 1e6, r.op_us, rank_gbs,
+                  agg_gbs, memcpy_gbs, 100.0 * agg_gbs / memcpy_gbs);
+    }
+  }
+  if (!json) {
+    std::printf("* %d ranks x sms > %d SMs: blocks of different ranks time-share SMs "
+                "(only one block per rank spins, so it runs, but the budget is not real)\n",
+                kRanks, sms);
+  }
+  if (!st.ok()) {
+    std::fprintf(stderr, "normal bench failed: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace epd::bench
