@@ -855,7 +855,8 @@ std::vector<SweepCase> MakeSweep() {
   edge(4, 4, 1, 128, 0, Routing::kUniform, 0, true, 128, false);         // T = 0 everywhere
   edge(1, 256, 9, 128, 4096, Routing::kZipf, 30, true, 128, false);
   edge(8, 64, 9, 128, 128, Routing::kOneExpert, 0, true, 128, true);  // duplicates, ragged
-  const size_t num_edge = 8;
+  edge(2, 8, 2, 200, 7, Routing::kUniform, 30, false, 1, false);      // H % 128 != 0 (bf16)
+  const size_t num_edge = 9;
   for (size_t i = 0; i < cases.size(); ++i) {
     cases[i].seed = 1000 + i;
     cases[i].threads = 1 + static_cast<int>(i % 4);
@@ -1072,6 +1073,57 @@ TEST(HostOpsErrorTest, BadAlignmentAndRankCount) {
   EXPECT_EQ(Dispatch(d.shape, {}, std::span<DispatchRankArgs>(d.args.data(), 1)).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(d.Untouched());
+}
+
+TEST(HostOpsErrorTest, MissingOutputOrMixedWeightsIsAnError) {
+  SmallDispatch d;
+  d.args[1].recv_x = nullptr;  // rank 1 receives rows
+  absl::Status st = Dispatch(d.shape, {}, d.args);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("recv_x"));
+  EXPECT_TRUE(d.Untouched());
+  SmallDispatch e;
+  e.args[0].topk_weights = nullptr;  // rank 1 passes weights, rank 0 does not
+  st = Dispatch(e.shape, {}, e.args);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("topk_weights"));
+  EXPECT_TRUE(e.Untouched());
+}
+
+TEST(HostOpsTest, WeightsAreOptional) {
+  SmallDispatch d;
+  std::vector<float*> recv_weights;
+  for (DispatchRankArgs& a : d.args) {
+    a.topk_weights = nullptr;
+    recv_weights.push_back(a.recv_topk_weights);
+  }
+  ASSERT_TRUE(Dispatch(d.shape, {}, d.args).ok());
+  for (float* w : recv_weights) {  // recv_topk_weights not written without weights
+    uint8_t bytes[4];
+    std::memcpy(bytes, w, 4);
+    EXPECT_EQ(bytes[0], 0x5A);
+  }
+  std::vector<std::vector<bf16_bits>> y(2, std::vector<bf16_bits>(8 * 128, 0x3f80));  // 1.0
+  std::vector<std::vector<bf16_bits>> out(2, std::vector<bf16_bits>(4 * 128));
+  std::vector<std::vector<float>> out_w(2, std::vector<float>(4 * 2, -1.0f));
+  std::vector<CombineRankArgs> c(2);
+  for (int r = 0; r < 2; ++r) {
+    c[r].num_tokens = 4;
+    c[r].send_pos = d.args[r].send_pos;
+    c[r].num_recv_tokens = d.args[r].num_recv_tokens;
+    c[r].x = y[r].data();
+    c[r].combined_x = out[r].data();
+    c[r].combined_topk_weights = out_w[r].data();
+  }
+  ASSERT_TRUE(Combine(d.shape, c).ok());
+  for (int r = 0; r < 2; ++r) {
+    // Token 0 is on both ranks (1 + 1), tokens 1 and 2 on one, token 3 nowhere (zeros).
+    EXPECT_EQ(out[r][0 * 128], 0x4000) << r;
+    EXPECT_EQ(out[r][1 * 128], 0x3f80) << r;
+    EXPECT_EQ(out[r][2 * 128 + 5], 0x3f80) << r;
+    EXPECT_EQ(out[r][3 * 128 + 127], 0x0000) << r;
+    EXPECT_EQ(out_w[r], std::vector<float>(8, -1.0f)) << "weights written without weights";
+  }
 }
 
 TEST(HostOpsErrorTest, CachedHandleMustBeOneDispatchsRows) {
