@@ -68,7 +68,10 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
 
     if constexpr (kVector) {
       const int64_t num_vec = hidden / 8;
-      for (int64_t i = lane; i < num_vec; i += 32 * kCombineUnroll) {
+      // Warp-uniform trip count: every lane runs every iteration (the shuffles in RowAt
+      // need the whole warp); the tail is guarded per vector.
+      for (int64_t base = 0; base < num_vec; base += 32 * kCombineUnroll) {
+        const int64_t i = base + lane;
         float acc[kCombineUnroll][8];
 #pragma unroll
         for (int u = 0; u < kCombineUnroll; ++u) {
@@ -102,25 +105,28 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
         }
       }
     } else {
-      for (int64_t h = lane; h < hidden; h += 32) {
+      for (int64_t base = 0; base < hidden; base += 32) {
+        const int64_t h = base + lane;
         float acc = 0.0f;
         for (uint64_t m = mask; m != 0; m &= m - 1) {
           const bf16_bits* src = reinterpret_cast<const bf16_bits*>(
               ranks.RowAt(LowestRank(m), p.layout.in_combine_x.offset, hidden * 2));
-          acc += Bf16ToFloat(src[h]);
+          if (h < hidden) acc += Bf16ToFloat(src[h]);
         }
-        out[h] = FloatToBf16(acc);
+        if (h < hidden) out[h] = FloatToBf16(acc);
       }
     }
 
     if (p.with_weights) {
-      for (int k = lane; k < num_topk; k += 32) {
+      for (int base = 0; base < num_topk; base += 32) {  // warp-uniform, as above
+        const int k = base + lane;
         float w = 0.0f;
         for (uint64_t m = mask; m != 0; m &= m - 1) {
-          w += reinterpret_cast<const float*>(ranks.RowAt(
-              LowestRank(m), p.layout.in_combine_weights.offset, 4 * int64_t{num_topk}))[k];
+          const float* row = reinterpret_cast<const float*>(ranks.RowAt(
+              LowestRank(m), p.layout.in_combine_weights.offset, 4 * int64_t{num_topk}));
+          if (k < num_topk) w += row[k];
         }
-        combined_w[static_cast<int64_t>(t) * num_topk + k] = w;
+        if (k < num_topk) combined_w[static_cast<int64_t>(t) * num_topk + k] = w;
       }
     }
   }

@@ -241,7 +241,10 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
 
     // Row data: each lane loads kCopyUnroll vectors, then stores them at every destination.
     const Vec* src = reinterpret_cast<const Vec*>(x + t * row_bytes);
-    for (int64_t i = lane; i < num_vec; i += 32 * kCopyUnroll) {
+    // Warp-uniform trip count: every lane runs every iteration (RowAt shuffles need the
+    // whole warp); the tail is guarded per vector.
+    for (int64_t base = 0; base < num_vec; base += 32 * kCopyUnroll) {
+      const int64_t i = base + lane;
       Vec v[kCopyUnroll];
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {

@@ -68,23 +68,26 @@ absl::StatusOr<double> TimeRounds(VirtualRankGroup& g, int batch,
   const int32_t R = g.num_ranks();
   std::vector<cudaEvent_t> start(R), end(R);
   absl::Status st;
+  // absl::Status::Update keeps the first error; later calls are skipped once it is set.
   for (int32_t r = 0; r < R; ++r) {
-    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventCreate(&start[r]));
-    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventCreate(&end[r]));
+    st.Update(EPD_CUDA_STATUS(cudaEventCreate(&start[r])));
+    st.Update(EPD_CUDA_STATUS(cudaEventCreate(&end[r])));
   }
   for (int32_t r = 0; r < R && st.ok(); ++r) {
-    st = EPD_CUDA_STATUS(cudaEventRecord(start[r], g.stream(r)));
+    st.Update(EPD_CUDA_STATUS(cudaEventRecord(start[r], g.stream(r))));
   }
   for (int it = 0; it < batch && st.ok(); ++it) {
-    for (int32_t r = 0; r < R && st.ok(); ++r) st = launch(r, g.stream(r));
+    for (int32_t r = 0; r < R && st.ok(); ++r) st.Update(launch(r, g.stream(r)));
   }
-  for (int32_t r = 0; r < R && st.ok(); ++r) st = EPD_CUDA_STATUS(cudaEventRecord(end[r], g.stream(r)));
-  if (st.ok()) st = g.SynchronizeAll();
+  for (int32_t r = 0; r < R && st.ok(); ++r) {
+    st.Update(EPD_CUDA_STATUS(cudaEventRecord(end[r], g.stream(r))));
+  }
+  if (st.ok()) st.Update(g.SynchronizeAll());
   float first = 0, last = 0;
   for (int32_t r = 0; r < R && st.ok(); ++r) {
     float s = 0, e = 0;
-    st = EPD_CUDA_STATUS(cudaEventElapsedTime(&s, start[0], start[r]));
-    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventElapsedTime(&e, start[0], end[r]));
+    st.Update(EPD_CUDA_STATUS(cudaEventElapsedTime(&s, start[0], start[r])));
+    if (st.ok()) st.Update(EPD_CUDA_STATUS(cudaEventElapsedTime(&e, start[0], end[r])));
     first = std::min(first, s);
     last = std::max(last, e);
   }
@@ -106,17 +109,17 @@ absl::StatusOr<double> TimeMemcpy(size_t bytes, int batch) {
   absl::Status st = EPD_CUDA_STATUS(cudaEventCreate(&b));
   auto copies = [&](int n) {
     for (int i = 0; i < n && st.ok(); ++i) {
-      st = EPD_CUDA_STATUS(
-          cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream.get()));
+      st.Update(EPD_CUDA_STATUS(
+          cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream.get())));
     }
   };
   copies(kWarmup);
-  if (st.ok()) st = EPD_CUDA_STATUS(cudaEventRecord(a, stream.get()));
+  if (st.ok()) st.Update(EPD_CUDA_STATUS(cudaEventRecord(a, stream.get())));
   copies(batch);
-  if (st.ok()) st = EPD_CUDA_STATUS(cudaEventRecord(b, stream.get()));
-  if (st.ok()) st = EPD_CUDA_STATUS(cudaEventSynchronize(b));
+  if (st.ok()) st.Update(EPD_CUDA_STATUS(cudaEventRecord(b, stream.get())));
+  if (st.ok()) st.Update(EPD_CUDA_STATUS(cudaEventSynchronize(b)));
   float ms = 0;
-  if (st.ok()) st = EPD_CUDA_STATUS(cudaEventElapsedTime(&ms, a, b));
+  if (st.ok()) st.Update(EPD_CUDA_STATUS(cudaEventElapsedTime(&ms, a, b)));
   cudaEventDestroy(a);
   if (b != nullptr) cudaEventDestroy(b);
   if (!st.ok()) return st;

@@ -514,6 +514,10 @@ std::vector<NormalCase> SweepCases() {
   add({"one-token-8-ranks", 8, 2048, 1, 256, {1}, true, 1});
   add({"mixed-T-8", 8, 4096, 6, 64, {1, 0, 333, 4096, 333, 0, 1, 4096}, false, 128, true,
        masked});
+  // Rows that are not a multiple of the warp's vector stride (tail lanes idle), and rows
+  // that are not a multiple of 16 bytes (bf16 units, scalar combine).
+  add({"ragged-hidden", 2, 2056, 6, 64, {333}, false, 1, true, masked});
+  add({"tiny-odd-hidden", 4, 100, 3, 8, {333}, false, 128});
   return cases;
 }
 
