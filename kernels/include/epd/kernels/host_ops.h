@@ -13,6 +13,14 @@
 //   combine still sums every k (each with its own weight).
 // - Reductions accumulate in f32 and round once to bf16. The summation order is fixed
 //   and stated on each function, so the CUDA kernels can match it bit for bit.
+// - Every f32 sum starts from +0.0f (so a lone -0 gives +0, and a token that went
+//   nowhere gives +0); CUDA kernels must do the same to match bit for bit.
+// - Whether optional weights are "given" is decided by the pointers: an op moves or
+//   reduces weights when any rank with rows passes them, and then every such rank must.
+// - Outputs that would be written must be non-null (INVALID_ARGUMENT names the field).
+//   Rows past the counts (recv rows past N or recv_count, handle_pos rows [T, Mll)) are
+//   not written.
+// - The ops do not check GroupShape::use_fp8 against an FP8 request: the daemon does.
 // - Errors: INVALID_ARGUMENT for an expert id outside [-1, E) (the op then writes no
 //   output and names the rank, token, k and value), or for a shape that does not fit the
 //   given capacities. Outputs are untouched on error.
@@ -44,7 +52,9 @@ struct LayoutRankArgs {
 };
 
 /// GetDispatchLayout for one rank (it needs no other rank's data). Expert e lives on
-/// rank e / (E / R) (DeepEP's contiguous expert placement).
+/// rank e / (E / R) (DeepEP's contiguous expert placement). Its errors name the token, k
+/// and value but not the rank (the args carry none): callers that need the rank in the
+/// message run CheckTopkIdx first, as the daemon's engine does.
 absl::Status GetDispatchLayout(const GroupShape& shape, const LayoutRankArgs& args);
 
 // ---- normal (high-throughput) dispatch ------------------------------------------------
@@ -89,7 +99,11 @@ struct DispatchOptions {
 /// recv_topk_idx holds `e - r * El` for experts on r, -1 elsewhere; recv_topk_weights
 /// the weight where the id is local, 0 elsewhere (DeepEP's convention).
 /// send_pos[t, r] records that row (or -1), and is the handle for combine and for
-/// cached re-dispatch.
+/// cached re-dispatch. recv_src_info uses M = shape.max_tokens_per_rank.
+/// Cached re-dispatch (any rank passes cached_send_pos; then every rank with T > 0 must):
+/// the cached rows must fill [0, cached_num_recv_tokens) of each receiver exactly once;
+/// recv_x (+ scales), recv_src_info, rank_prefix, num_recv_tokens and send_pos are
+/// written; recv_tokens_per_expert and recv_topk_* are not (no topk_idx, as in DeepEP).
 absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
                       std::span<DispatchRankArgs> args, const HostExecution& exec = {});
 
