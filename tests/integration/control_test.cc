@@ -85,7 +85,8 @@ class ControlTest : public ::testing::Test {
   /// Ranks currently joined in `group` (empty when the group does not exist).
   std::vector<int> JoinedRanks(const std::string& group = "g") {
     std::vector<int> ranks;
-    for (const v1::GroupInfo& g : ListGroups().groups()) {
+    const v1::ListGroupsResponse list = ListGroups();
+    for (const v1::GroupInfo& g : list.groups()) {
       if (g.spec().name() != group) continue;
       for (const v1::RankInfo& r : g.ranks()) ranks.push_back(r.rank());
     }
@@ -337,16 +338,34 @@ TEST_F(ControlTest, SigtermTurnsNotServingThenExitsZero) {
   EXPECT_FALSE(std::filesystem::exists(epd_->socket_path()));
 }
 
-TEST_F(ControlTest, JoinsAreRefusedWhileDraining) {
-  // A longer op-less drain is not configurable; instead check the client sees the daemon
-  // go away cleanly: after SIGTERM a new client cannot connect or join.
-  ASSERT_EQ(*epd_->Stop(), 0);
-  std::unique_ptr<Subprocess> late = StartClient(0, {"--connect_timeout=1s"});
-  absl::StatusOr<int> code = late->Wait(absl::Seconds(10));
+TEST_F(ControlTest, JoinsAreRefusedWhileDrainingAndClientsSeeTheDaemonGo) {
+  ClientOptions options;
+  options.socket_path = epd_->socket_path();
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  JoinOptions join;
+  join.spec.set_name("late");
+  join.spec.set_num_ranks(1);
+  join.spec.set_num_experts(2);
+  join.spec.set_hidden(128);
+  join.spec.set_num_topk(1);
+  join.spec.set_max_tokens_per_rank(4);
+  epd_->process().Signal(SIGTERM);
+  // epd keeps answering for its drain grace (500 ms) with health NOT_SERVING.
+  absl::SleepFor(absl::Milliseconds(100));
+  absl::StatusOr<std::unique_ptr<Endpoint>> endpoint = (*client)->Join(join);
+  EXPECT_EQ(endpoint.status().code(), absl::StatusCode::kUnavailable) << endpoint.status();
+  EXPECT_THAT(std::string(endpoint.status().message()), HasSubstr("shutting down"));
+  absl::StatusOr<int> code = epd_->WaitExit(absl::Seconds(5));
   ASSERT_TRUE(code.ok());
-  EXPECT_EQ(*code, 3);
-  EXPECT_THAT(late->Stdout(), AllOf(HasSubstr("CONNECT_ERROR UNAVAILABLE"),
+  EXPECT_EQ(*code, 0);
+  // Once it is gone, a new client cannot connect and says where it looked.
+  std::unique_ptr<Subprocess> gone = StartClient(0, {"--connect_timeout=1s"});
+  ASSERT_TRUE(gone->Wait(absl::Seconds(10)).ok());
+  EXPECT_THAT(gone->Stdout(), AllOf(HasSubstr("CONNECT_ERROR UNAVAILABLE"),
                                     HasSubstr(epd_->socket_path())));
+  // And the connected client's next call is UNAVAILABLE too.
+  EXPECT_EQ((*client)->Join(join).status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST_F(ControlTest, SecondEpdOnTheSameSocketRefusesToStart) {
