@@ -8,14 +8,13 @@ namespace epd {
 
 Engine::Engine(abi::DoorbellPage* doorbell, uint32_t idle_us, uint32_t max_sleep_us,
                std::function<bool()> poll)
-    : doorbell_(doorbell),
-      idle_us_(idle_us),
-      max_sleep_us_(max_sleep_us),
-      poll_(std::move(poll)) {}
+    : doorbell_(doorbell), idle_us_(idle_us), max_sleep_us_(max_sleep_us), poll_(std::move(poll)) {}
 
 Engine::~Engine() { Stop(); }
 
-void Engine::Start() { thread_ = std::thread([this] { Run(); }); }
+void Engine::Start() {
+  thread_ = std::thread([this] { Run(); });
+}
 
 void Engine::Stop() {
   stop_.store(true);

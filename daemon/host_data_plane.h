@@ -15,11 +15,11 @@ namespace epd {
 
 /// Options of the host data plane (from DaemonConfig).
 struct HostDataPlaneOptions {
-  uint32_t shm_mode = 0600;         ///< Mode of the endpoint shm regions.
-  std::string shm_group;            ///< Group of the shm regions ("" = own group).
-  uint32_t op_timeout_ms = 10000;   ///< Bound on waiting for the ranks of an op.
-  uint32_t engine_idle_us = 100;    ///< Engine sleeps after this long with no request.
-  int host_threads = 0;             ///< Threads per op (0 = hardware concurrency).
+  uint32_t shm_mode = 0600;        ///< Mode of the endpoint shm regions.
+  std::string shm_group;           ///< Group of the shm regions ("" = own group).
+  uint32_t op_timeout_ms = 10000;  ///< Bound on waiting for the ranks of an op.
+  uint32_t engine_idle_us = 100;   ///< Engine sleeps after this long with no request.
+  int host_threads = 0;            ///< Threads per op (0 = hardware concurrency).
 };
 
 /// Creates the host data plane (and its doorbell shm page) and starts its engine thread.

@@ -19,12 +19,12 @@
 namespace epd::abi {
 
 inline constexpr uint32_t kShmAbiVersion = 1;
-inline constexpr uint32_t kEndpointMagic = 0x45504431;   // "EPD1"
-inline constexpr uint32_t kRequestMagic = 0x52455131;    // "REQ1"
-inline constexpr uint32_t kDoorbellMagic = 0x44424c31;   // "DBL1"
-inline constexpr uint32_t kRingCapacity = 64;            // Request slots (power of two).
-inline constexpr uint32_t kCompletionCapacity = 64;      // Completion records.
-inline constexpr uint32_t kMessageBytes = 232;           // Error text in a completion.
+inline constexpr uint32_t kEndpointMagic = 0x45504431;  // "EPD1"
+inline constexpr uint32_t kRequestMagic = 0x52455131;   // "REQ1"
+inline constexpr uint32_t kDoorbellMagic = 0x44424c31;  // "DBL1"
+inline constexpr uint32_t kRingCapacity = 64;           // Request slots (power of two).
+inline constexpr uint32_t kCompletionCapacity = 64;     // Completion records.
+inline constexpr uint32_t kMessageBytes = 232;          // Error text in a completion.
 
 /// Data-plane operations carried by a RequestSlot.
 enum class OpKind : uint32_t {
@@ -52,14 +52,14 @@ inline constexpr uint32_t kAllRequestFlags = 0x3f;
 /// One request, written by the client into ring slot `seq % kRingCapacity`, then
 /// published by advancing EndpointShmHeader::ring_head (release).
 struct RequestSlot {
-  uint32_t magic;             ///< kRequestMagic.
-  uint32_t op;                ///< OpKind.
-  uint64_t seq;               ///< Group op number: EndpointInfo.first_seq, then +1 per op.
-  uint32_t flags;             ///< RequestFlags.
-  int32_t num_tokens;         ///< T (dispatch, layout, LL ops) or T of the handle (combine).
-  int32_t expert_alignment;   ///< Dispatch: >= 1.
-  int32_t num_sms;            ///< Kernel SM budget; 0 = the computed default.
-  uint64_t handle_seq;        ///< Combine / cached dispatch / LL combine: dispatch seq.
+  uint32_t magic;            ///< kRequestMagic.
+  uint32_t op;               ///< OpKind.
+  uint64_t seq;              ///< Group op number: EndpointInfo.first_seq, then +1 per op.
+  uint32_t flags;            ///< RequestFlags.
+  int32_t num_tokens;        ///< T (dispatch, layout, LL ops) or T of the handle (combine).
+  int32_t expert_alignment;  ///< Dispatch: >= 1.
+  int32_t num_sms;           ///< Kernel SM budget; 0 = the computed default.
+  uint64_t handle_seq;       ///< Combine / cached dispatch / LL combine: dispatch seq.
   uint64_t reserved[3];
 };
 static_assert(std::is_trivially_copyable_v<RequestSlot>);
@@ -71,12 +71,12 @@ static_assert(offsetof(RequestSlot, handle_seq) == 32);
 /// daemon writes every field, then stores `seq` (release); the client waits for
 /// `seq` (acquire) and then reads the rest.
 struct Completion {
-  uint64_t seq;               ///< Written last.
-  int32_t status_code;        ///< absl::StatusCode.
-  int32_t num_recv_tokens;    ///< Dispatch: N rows received; LL combine: this rank's T.
-  int32_t buffer;             ///< Low-latency ops: the buffer set (0/1) the op used.
+  uint64_t seq;             ///< Written last.
+  int32_t status_code;      ///< absl::StatusCode.
+  int32_t num_recv_tokens;  ///< Dispatch: N rows received; LL combine: this rank's T.
+  int32_t buffer;           ///< Low-latency ops: the buffer set (0/1) the op used.
   uint32_t reserved;
-  char message[kMessageBytes];///< NUL-terminated error text ("" when OK).
+  char message[kMessageBytes];  ///< NUL-terminated error text ("" when OK).
 };
 static_assert(std::is_trivially_copyable_v<Completion>);
 static_assert(sizeof(Completion) == 256);
@@ -84,25 +84,25 @@ static_assert(offsetof(Completion, message) == 24);
 
 /// Start of every endpoint region. Counters sit on their own cache lines.
 struct EndpointShmHeader {
-  uint32_t size;              ///< sizeof(EndpointShmHeader).
-  uint32_t magic;             ///< kEndpointMagic.
-  uint32_t version;           ///< kShmAbiVersion.
-  uint32_t ring_capacity;     ///< kRingCapacity.
+  uint32_t size;           ///< sizeof(EndpointShmHeader).
+  uint32_t magic;          ///< kEndpointMagic.
+  uint32_t version;        ///< kShmAbiVersion.
+  uint32_t ring_capacity;  ///< kRingCapacity.
   uint32_t completion_capacity;
   uint32_t reserved0;
   uint64_t endpoint_id;
-  uint64_t ring_offset;       ///< Bytes from the region start to RequestSlot[0].
-  uint64_t completion_offset; ///< To Completion[0].
-  uint64_t data_offset;       ///< To the data area (0 when the data area is on a GPU).
+  uint64_t ring_offset;        ///< Bytes from the region start to RequestSlot[0].
+  uint64_t completion_offset;  ///< To Completion[0].
+  uint64_t data_offset;        ///< To the data area (0 when the data area is on a GPU).
   uint64_t data_bytes;
   uint64_t total_bytes;
-  alignas(64) uint64_t ring_head;        ///< Next seq the client will write - 1 (client).
-  alignas(64) uint64_t ring_tail;        ///< Requests consumed (daemon).
-  alignas(64) uint32_t client_mapped;    ///< Client sets 1 after mapping (then unlinked).
+  alignas(64) uint64_t ring_head;      ///< Next seq the client will write - 1 (client).
+  alignas(64) uint64_t ring_tail;      ///< Requests consumed (daemon).
+  alignas(64) uint32_t client_mapped;  ///< Client sets 1 after mapping (then unlinked).
   uint32_t client_pid;
-  alignas(64) uint32_t completion_futex; ///< Bumped by the daemon on every completion.
-  uint32_t client_waiting;               ///< Client sleeps on completion_futex when set.
-  alignas(64) uint64_t rejected_requests;///< Malformed slots seen (diagnostics).
+  alignas(64) uint32_t completion_futex;   ///< Bumped by the daemon on every completion.
+  uint32_t client_waiting;                 ///< Client sleeps on completion_futex when set.
+  alignas(64) uint64_t rejected_requests;  ///< Malformed slots seen (diagnostics).
   uint8_t pad1[56];
 };
 static_assert(std::is_trivially_copyable_v<EndpointShmHeader>);
@@ -118,8 +118,8 @@ static_assert(offsetof(EndpointShmHeader, rejected_requests) == 384);
 /// and issues FUTEX_WAKE.
 struct DoorbellPage {
   uint32_t size;
-  uint32_t magic;             ///< kDoorbellMagic.
-  uint32_t version;           ///< kShmAbiVersion.
+  uint32_t magic;    ///< kDoorbellMagic.
+  uint32_t version;  ///< kShmAbiVersion.
   uint32_t reserved0;
   alignas(64) uint32_t futex_word;
   uint32_t engine_sleeping;

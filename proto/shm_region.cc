@@ -29,12 +29,16 @@ std::string RandomHex128() {
 absl::Status Errno(const std::string& what, int err) {
   std::string msg = absl::StrCat(what, ": ", std::strerror(err));
   switch (err) {
-    case ENOENT: return absl::NotFoundError(msg);
+    case ENOENT:
+      return absl::NotFoundError(msg);
     case EACCES:
-    case EPERM: return absl::PermissionDeniedError(msg);
+    case EPERM:
+      return absl::PermissionDeniedError(msg);
     case ENOSPC:
-    case ENOMEM: return absl::ResourceExhaustedError(msg);
-    default: return absl::InternalError(msg);
+    case ENOMEM:
+      return absl::ResourceExhaustedError(msg);
+    default:
+      return absl::InternalError(msg);
   }
 }
 
@@ -114,8 +118,8 @@ absl::StatusOr<ShmRegion> ShmRegion::Open(const std::string& name, uint64_t expe
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return Errno("fstat", errno);
   if (static_cast<uint64_t>(st.st_size) != expected_bytes) {
-    return absl::FailedPreconditionError(absl::StrCat("shm ", name, " has ", st.st_size,
-                                                      " bytes, expected ", expected_bytes));
+    return absl::FailedPreconditionError(
+        absl::StrCat("shm ", name, " has ", st.st_size, " bytes, expected ", expected_bytes));
   }
   void* addr = ::mmap(nullptr, expected_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (addr == MAP_FAILED) return Errno("mmap", errno);

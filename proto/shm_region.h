@@ -53,8 +53,8 @@ class ShmRegion {
   /// to `bytes` (zero-filled), sets `mode` (e.g. 0600) and, when `group` is not empty,
   /// its group, and maps it read-write. Errors: RESOURCE_EXHAUSTED when /dev/shm cannot
   /// hold `bytes`, INVALID_ARGUMENT for an unknown group, INTERNAL otherwise.
-  static absl::StatusOr<ShmRegion> Create(const std::string& prefix, uint64_t bytes,
-                                          uint32_t mode, const std::string& group);
+  static absl::StatusOr<ShmRegion> Create(const std::string& prefix, uint64_t bytes, uint32_t mode,
+                                          const std::string& group);
 
   /// Opens and maps an existing object read-write. `expected_bytes` must match its size.
   /// Errors: NOT_FOUND (no such name), PERMISSION_DENIED, FAILED_PRECONDITION (size).

@@ -43,8 +43,8 @@ ABSL_FLAG(double, tolerance, 0.0, "max relative error (0 = 2e-2 BF16, 8e-2 with 
 
 namespace {
 
-using epd::kernels::Bf16ToFloat;
 using epd::kernels::bf16_bits;
+using epd::kernels::Bf16ToFloat;
 using epd::kernels::E4m3ToFloat;
 using epd::kernels::FloatToBf16;
 
@@ -143,7 +143,8 @@ int RunRank(int rank) {
   copt.client_name = absl::StrCat("moe_layer rank ", rank);
   auto client = epd::Client::Connect(copt);
   if (!client.ok()) {
-    std::fprintf(stderr, "rank %d: connect: %s\n", rank, std::string(client.status().message()).c_str());
+    std::fprintf(stderr, "rank %d: connect: %s\n", rank,
+                 std::string(client.status().message()).c_str());
     return 2;
   }
   epd::JoinOptions jopt;
@@ -248,7 +249,8 @@ int RunRank(int rank) {
         const int64_t base = (static_cast<int64_t>(j) * rows + row) * m.H;
         for (int h = 0; h < m.H; ++h) {
           if (fp8) {
-            float scale = ld->recv_scales.as<float>()[(static_cast<int64_t>(j) * rows + row) * S + h / 128];
+            float scale =
+                ld->recv_scales.as<float>()[(static_cast<int64_t>(j) * rows + row) * S + h / 128];
             xf[h] = E4m3ToFloat(ld->recv_x.as<uint8_t>()[base + h]) * scale;
           } else {
             xf[h] = Bf16ToFloat(ld->recv_x.as<bf16_bits>()[base + h]);
@@ -271,7 +273,8 @@ int RunRank(int rank) {
     if (!lc.ok()) return fail("LowLatencyCombine", lc.status());
     worst_ll = std::max(worst_ll, RelError(ref, lc->combined_x.as<bf16_bits>(), ref.size()));
   }
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   const double tol_normal = tol > 0 ? tol : 2e-2;
   const double tol_ll = tol > 0 ? tol : (fp8 ? 8e-2 : 2e-2);
   const bool ok = worst_normal <= tol_normal && worst_ll <= tol_ll;
@@ -322,6 +325,7 @@ int main(int argc, char** argv) {
     ::waitpid(pid, &status, 0);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failures;
   }
-  std::printf("moe_layer: %s (%d of %d ranks failed)\n", failures ? "FAILED" : "all ranks match the single-process layer", failures, R);
+  std::printf("moe_layer: %s (%d of %d ranks failed)\n",
+              failures ? "FAILED" : "all ranks match the single-process layer", failures, R);
   return failures ? 1 : 0;
 }

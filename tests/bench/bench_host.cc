@@ -15,11 +15,11 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "tests/bench/bench.h"
 #include "client/endpoint_internal.h"
 #include "daemon/host_data_plane.h"
 #include "epd/client.h"
 #include "epd/kernels/types.h"
+#include "tests/bench/bench.h"
 
 ABSL_FLAG(int, host_ranks, 4, "host bench: ranks (threads)");
 ABSL_FLAG(int, host_tokens, 128, "host bench: tokens per rank");
@@ -36,8 +36,8 @@ using Clock = std::chrono::steady_clock;
 struct Stat {
   std::string op;
   double p50_us = 0, p99_us = 0;
-  double bytes = 0;        // Payload bytes per rank per op.
-  double memcpy_us = 0;    // memcpy of the same bytes.
+  double bytes = 0;      // Payload bytes per rank per op.
+  double memcpy_us = 0;  // memcpy of the same bytes.
 };
 
 double MemcpyMicros(size_t bytes) {
@@ -98,8 +98,8 @@ int RunHostBench() {
     eps.push_back(std::move(*ep));
   }
   if (!json) {
-    std::printf("host bench: R=%d T=%d H=%d E=%d K=%d, %d iterations (+10 warm-up) per op\n",
-                R, T, H, E, K, iters);
+    std::printf("host bench: R=%d T=%d H=%d E=%d K=%d, %d iterations (+10 warm-up) per op\n", R, T,
+                H, E, K, iters);
     std::fflush(stdout);
   }
   // Inputs: uniform random routing, distinct experts per token.
@@ -192,25 +192,26 @@ int RunHostBench() {
     et[r] = Tensor(expert_out[r].data(), {kDLBfloat, 16, 1}, eshape[r]);
   }
   ok = ok && run("Combine (bf16)", T * token_bytes * std::min(K, R), [&](int r) -> absl::Status {
-    epd::CombineArgs a;
-    a.x = &et[r];
-    a.handle = &last[r].handle;
-    auto op = eps[r]->Combine(a);
-    if (!op.ok()) return op.status();
-    return op->Wait().status();
-  });
-  ok = ok && run("LowLatencyDispatch (fp8)", T * (H + H / 128 * 4.0) * K, [&](int r) -> absl::Status {
-    epd::LowLatencyDispatchArgs a;
-    a.x = &xt[r];
-    a.topk_idx = &it[r];
-    a.use_fp8 = true;
-    auto op = eps[r]->LowLatencyDispatch(a);
-    if (!op.ok()) return op.status();
-    auto res = op->Wait();
-    if (!res.ok()) return res.status();
-    last_ll[r] = *res;
-    return absl::OkStatus();
-  });
+         epd::CombineArgs a;
+         a.x = &et[r];
+         a.handle = &last[r].handle;
+         auto op = eps[r]->Combine(a);
+         if (!op.ok()) return op.status();
+         return op->Wait().status();
+       });
+  ok = ok &&
+       run("LowLatencyDispatch (fp8)", T * (H + H / 128 * 4.0) * K, [&](int r) -> absl::Status {
+         epd::LowLatencyDispatchArgs a;
+         a.x = &xt[r];
+         a.topk_idx = &it[r];
+         a.use_fp8 = true;
+         auto op = eps[r]->LowLatencyDispatch(a);
+         if (!op.ok()) return op.status();
+         auto res = op->Wait();
+         if (!res.ok()) return res.status();
+         last_ll[r] = *res;
+         return absl::OkStatus();
+       });
   std::vector<std::vector<uint16_t>> ll_out(R);
   std::vector<std::vector<int64_t>> ll_shape(R);
   std::vector<DLTensor> llt(R);
@@ -221,36 +222,40 @@ int RunHostBench() {
   }
   // LL combine reuses the last LL dispatch's handle each time (valid: no new dispatch).
   ok = ok && run("LowLatencyCombine (bf16)", T * token_bytes * K, [&](int r) -> absl::Status {
-    epd::LowLatencyCombineArgs a;
-    a.x = &llt[r];
-    a.topk_idx = &it[r];
-    a.topk_weights = &wt[r];
-    a.handle = &last_ll[r].handle;
-    auto op = eps[r]->LowLatencyCombine(a);
-    if (!op.ok()) return op.status();
-    return op->Wait().status();
-  });
+         epd::LowLatencyCombineArgs a;
+         a.x = &llt[r];
+         a.topk_idx = &it[r];
+         a.topk_weights = &wt[r];
+         a.handle = &last_ll[r].handle;
+         auto op = eps[r]->LowLatencyCombine(a);
+         if (!op.ok()) return op.status();
+         return op->Wait().status();
+       });
   if (!ok) return 1;
   if (json) {
-    std::printf("{\"backend\":\"host\",\"ranks\":%d,\"tokens\":%d,\"hidden\":%d,\"experts\":%d,"
-                "\"topk\":%d,\"ops\":[", R, T, H, E, K);
+    std::printf(
+        "{\"backend\":\"host\",\"ranks\":%d,\"tokens\":%d,\"hidden\":%d,\"experts\":%d,"
+        "\"topk\":%d,\"ops\":[",
+        R, T, H, E, K);
     for (size_t i = 0; i < stats.size(); ++i) {
       const Stat& s = stats[i];
-      std::printf("%s{\"op\":\"%s\",\"p50_us\":%.1f,\"p99_us\":%.1f,\"bytes_per_rank\":%.0f,"
-                  "\"gbps_per_rank\":%.3f,\"memcpy_all_ranks_us\":%.1f}",
-                  i ? "," : "", s.op.c_str(), s.p50_us, s.p99_us, s.bytes,
-                  s.bytes / s.p50_us / 1e3, s.memcpy_us);
+      std::printf(
+          "%s{\"op\":\"%s\",\"p50_us\":%.1f,\"p99_us\":%.1f,\"bytes_per_rank\":%.0f,"
+          "\"gbps_per_rank\":%.3f,\"memcpy_all_ranks_us\":%.1f}",
+          i ? "," : "", s.op.c_str(), s.p50_us, s.p99_us, s.bytes, s.bytes / s.p50_us / 1e3,
+          s.memcpy_us);
     }
     std::printf("]}\n");
   } else {
-    std::printf("%-26s %10s %10s %14s %12s %22s\n", "op", "p50 (us)", "p99 (us)",
-                "bytes/rank", "GB/s/rank", "memcpy all ranks (us)");
+    std::printf("%-26s %10s %10s %14s %12s %22s\n", "op", "p50 (us)", "p99 (us)", "bytes/rank",
+                "GB/s/rank", "memcpy all ranks (us)");
     for (const Stat& s : stats) {
-      std::printf("%-26s %10.1f %10.1f %14.0f %12.3f %22.1f\n", s.op.c_str(), s.p50_us,
-                  s.p99_us, s.bytes, s.bytes / s.p50_us / 1e3, s.memcpy_us);
+      std::printf("%-26s %10.1f %10.1f %14.0f %12.3f %22.1f\n", s.op.c_str(), s.p50_us, s.p99_us,
+                  s.bytes, s.bytes / s.p50_us / 1e3, s.memcpy_us);
     }
-    std::printf("(bytes/rank: token bytes a rank sends, one copy per destination; the memcpy "
-                "column copies R times that, single-threaded, in this process)\n");
+    std::printf(
+        "(bytes/rank: token bytes a rank sends, one copy per destination; the memcpy "
+        "column copies R times that, single-threaded, in this process)\n");
   }
   return 0;
 }

@@ -20,8 +20,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Half the inputs are spliced into a config skeleton so field values get exercised.
   std::string text(reinterpret_cast<const char*>(data), size);
   if (size > 0 && (data[0] & 1)) {
-    static const char* kFields[] = {"socket_path", "socket_mode", "listen", "backend",
-                                    "log_level", "op_timeout_ms", "shm_mode", "max_groups"};
+    static const char* kFields[] = {"socket_path", "socket_mode",   "listen",   "backend",
+                                    "log_level",   "op_timeout_ms", "shm_mode", "max_groups"};
     text = std::string(kFields[data[0] % 8]) + ": " + text.substr(1);
   }
   auto config = epd::ParseDaemonConfig(text, "fuzz");

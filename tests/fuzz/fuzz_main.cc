@@ -50,11 +50,12 @@ int main(int argc, char** argv) {
     buf.resize(size);
     for (auto& b : buf) b = static_cast<uint8_t>(rng());
     // Bias some inputs towards small values, which reach deeper code.
-    if (runs % 3 == 0) for (auto& b : buf) b &= 0x0f;
+    if (runs % 3 == 0)
+      for (auto& b : buf) b &= 0x0f;
     LLVMFuzzerTestOneInput(buf.data(), buf.size());
     ++runs;
   }
-  std::printf("fuzz: done, %llu runs in %.0f s, no crash\n",
-              static_cast<unsigned long long>(runs), seconds);
+  std::printf("fuzz: done, %llu runs in %.0f s, no crash\n", static_cast<unsigned long long>(runs),
+              seconds);
   return 0;
 }

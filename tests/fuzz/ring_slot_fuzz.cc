@@ -22,7 +22,10 @@
 
 namespace {
 
-using epd::DataPlane; using epd::DataPlaneGroup; using epd::Endpoint; using epd::ShmRegion;
+using epd::DataPlane;
+using epd::DataPlaneGroup;
+using epd::Endpoint;
+using epd::ShmRegion;
 namespace v1 = epd::v1;
 namespace internal = epd::internal;
 
@@ -54,8 +57,8 @@ struct World {
       v1::EndpointInfo info;
       if (!group->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok()) std::abort();
       if (r == 1) evil = std::move(ShmRegion::Open(info.shm_name(), info.shm_bytes()).value());
-      eps.push_back(std::move(
-          internal::OpenEndpoint(info, spec, [] { return absl::OkStatus(); }).value()));
+      eps.push_back(
+          std::move(internal::OpenEndpoint(info, spec, [] { return absl::OkStatus(); }).value()));
     }
     idx_t.data = idx.data();
     idx_t.device = {kDLCPU, 0};

@@ -7,7 +7,6 @@
 // - a rank killed mid-op: the others get DEADLINE_EXCEEDED within op_timeout + 1 s, and
 //   the group works again once the rank rejoins.
 #include <gtest/gtest.h>
-
 #include <signal.h>
 
 #include <chrono>
@@ -52,8 +51,10 @@ void ExpectSuccess(Subprocess& p, const std::string& what, absl::Duration timeou
                    const DaemonProcess& epd) {
   auto rc = p.Wait(timeout);
   ASSERT_TRUE(rc.ok()) << what << ": " << rc.status() << "\n" << p.Stdout() << p.Stderr();
-  EXPECT_EQ(*rc, 0) << what << " stdout:\n" << p.Stdout() << "stderr:\n" << p.Stderr()
-                    << "epd log:\n" << epd.Logs();
+  EXPECT_EQ(*rc, 0) << what << " stdout:\n"
+                    << p.Stdout() << "stderr:\n"
+                    << p.Stderr() << "epd log:\n"
+                    << epd.Logs();
 }
 
 class MoeLayerTest : public ::testing::TestWithParam<int> {};
@@ -88,10 +89,10 @@ TEST(DataPlaneTest, TwoGroupsAtOnce) {
   auto a = Spawn({MoeLayerBinary(), "--socket=" + epd->socket_path(), "--group=alpha",
                   "--num_ranks=2", "--num_experts=8", "--hidden=128", "--tokens=16", "--iters=4"},
                  epd->dir(), "alpha");
-  auto b = Spawn({MoeLayerBinary(), "--socket=" + epd->socket_path(), "--group=beta",
-                  "--num_ranks=4", "--num_experts=16", "--hidden=384", "--tokens=20", "--iters=3",
-                  "--fp8=false"},
-                 epd->dir(), "beta");
+  auto b =
+      Spawn({MoeLayerBinary(), "--socket=" + epd->socket_path(), "--group=beta", "--num_ranks=4",
+             "--num_experts=16", "--hidden=384", "--tokens=20", "--iters=3", "--fp8=false"},
+            epd->dir(), "beta");
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
   ExpectSuccess(*a, "group alpha", absl::Seconds(120), *epd);
@@ -101,10 +102,10 @@ TEST(DataPlaneTest, TwoGroupsAtOnce) {
 TEST(DataPlaneTest, BadInputMatrixWhileAnotherGroupRuns) {
   auto epd = StartEpd();
   ASSERT_NE(epd, nullptr);
-  auto other = Spawn({MoeLayerBinary(), "--socket=" + epd->socket_path(), "--group=bystander",
-                      "--num_ranks=2", "--num_experts=8", "--hidden=128", "--tokens=16",
-                      "--iters=20"},
-                     epd->dir(), "bystander");
+  auto other =
+      Spawn({MoeLayerBinary(), "--socket=" + epd->socket_path(), "--group=bystander",
+             "--num_ranks=2", "--num_experts=8", "--hidden=128", "--tokens=16", "--iters=20"},
+            epd->dir(), "bystander");
   auto bad = Spawn({DpClientBinary(), "--socket=" + epd->socket_path(), "--scenario=bad_inputs",
                     "--group=victim"},
                    epd->dir(), "bad");
@@ -112,10 +113,10 @@ TEST(DataPlaneTest, BadInputMatrixWhileAnotherGroupRuns) {
   ASSERT_NE(bad, nullptr);
   ExpectSuccess(*bad, "bad_inputs", absl::Seconds(120), *epd);
   const std::string out = bad->Stdout();
-  for (const char* c : {"shape_mismatch", "dtype_mismatch", "tokens_over_max", "topk_idx_4",
-                        "topk_idx_-5", "fp8_hidden_192_join", "fp8_hidden_192_ll_dispatch",
-                        "combine_foreign_handle", "combine_stale_handle", "garbage_ring_slot",
-                        "op_after_leave"}) {
+  for (const char* c :
+       {"shape_mismatch", "dtype_mismatch", "tokens_over_max", "topk_idx_4", "topk_idx_-5",
+        "fp8_hidden_192_join", "fp8_hidden_192_ll_dispatch", "combine_foreign_handle",
+        "combine_stale_handle", "garbage_ring_slot", "op_after_leave"}) {
     EXPECT_NE(out.find(absl::StrCat("case ", c)), std::string::npos) << c << "\n" << out;
   }
   EXPECT_EQ(out.find("=> FAIL"), std::string::npos) << out;
@@ -132,9 +133,9 @@ TEST(DataPlaneTest, RankKilledMidOpThenRejoins) {
   auto epd = StartEpd("1s");
   ASSERT_NE(epd, nullptr);
   auto loop = [&](int rank, const std::string& name, bool exit_after_recovery) {
-    std::vector<std::string> argv = {DpClientBinary(), "--socket=" + epd->socket_path(),
-                                     "--scenario=loop", "--group=kill", "--num_ranks=2",
-                                     absl::StrCat("--rank=", rank)};
+    std::vector<std::string> argv = {DpClientBinary(),  "--socket=" + epd->socket_path(),
+                                     "--scenario=loop", "--group=kill",
+                                     "--num_ranks=2",   absl::StrCat("--rank=", rank)};
     if (exit_after_recovery) argv.push_back("--exit_after_recovery");
     return Spawn(argv, epd->dir(), name);
   };

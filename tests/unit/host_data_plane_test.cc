@@ -3,20 +3,21 @@
 // compared with kernels/host run directly on the same inputs. Also the failure paths:
 // garbage in a ring slot, a rank that never arrives, a rank leaving mid-op, stale
 // handles, client-side input errors — after each, the group keeps working.
+#include "daemon/host_data_plane.h"
+
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <algorithm>
 #include <functional>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include "client/endpoint_internal.h"
-#include "daemon/host_data_plane.h"
 #include "epd/client.h"
 #include "epd/kernels/host_ops.h"
 #include "shm_abi.h"
@@ -144,8 +145,9 @@ TEST_F(HostDataPlaneTest, DispatchCombineMatchKernelsHost) {
   std::vector<std::vector<bf16_bits>> ox(R, std::vector<bf16_bits>(R * M * H));
   std::vector<std::vector<int64_t>> oidx(R, std::vector<int64_t>(R * M * K));
   std::vector<std::vector<float>> ow(R, std::vector<float>(R * M * K));
-  std::vector<std::vector<int32_t>> ocnt(R, std::vector<int32_t>(E / R)), osrc(R, std::vector<int32_t>(R * M)),
-      opos(R, std::vector<int32_t>(M * R)), opre(R, std::vector<int32_t>(R));
+  std::vector<std::vector<int32_t>> ocnt(R, std::vector<int32_t>(E / R)),
+      osrc(R, std::vector<int32_t>(R * M)), opos(R, std::vector<int32_t>(M * R)),
+      opre(R, std::vector<int32_t>(R));
   std::vector<kernels::host::DispatchRankArgs> da(R);
   for (int r = 0; r < R; ++r) {
     da[r].num_tokens = in[r].T;
@@ -182,8 +184,10 @@ TEST_F(HostDataPlaneTest, DispatchCombineMatchKernelsHost) {
     ASSERT_EQ(got[r].recv_x.shape(), (std::vector<int64_t>{N, H}));
     EXPECT_EQ(0, std::memcmp(got[r].recv_x.data(), ox[r].data(), size_t(N) * H * 2)) << r;
     EXPECT_EQ(0, std::memcmp(got[r].recv_topk_idx.data(), oidx[r].data(), size_t(N) * K * 8)) << r;
-    EXPECT_EQ(0, std::memcmp(got[r].recv_topk_weights.data(), ow[r].data(), size_t(N) * K * 4)) << r;
-    EXPECT_EQ(0, std::memcmp(got[r].num_recv_tokens_per_expert.data(), ocnt[r].data(), (E / R) * 4));
+    EXPECT_EQ(0, std::memcmp(got[r].recv_topk_weights.data(), ow[r].data(), size_t(N) * K * 4))
+        << r;
+    EXPECT_EQ(0,
+              std::memcmp(got[r].num_recv_tokens_per_expert.data(), ocnt[r].data(), (E / R) * 4));
     EXPECT_EQ(0, std::memcmp(got[r].recv_src_info.data(), osrc[r].data(), size_t(N) * 4));
   }
 
@@ -478,12 +482,14 @@ TEST_F(HostDataPlaneTest, EngineSleepsWhenIdleAndWakesForWork) {
   in.Make(2, 128, 1, 1, 3);
   // Let the engine go to sleep, then measure this process's CPU time while idle.
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  struct rusage before {}, after {};
+  struct rusage before {
+  }, after{};
   ::getrusage(RUSAGE_SELF, &before);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ::getrusage(RUSAGE_SELF, &after);
   auto cpu_us = [](const struct rusage& r) {
-    return r.ru_utime.tv_sec * 1e6 + r.ru_utime.tv_usec + r.ru_stime.tv_sec * 1e6 + r.ru_stime.tv_usec;
+    return r.ru_utime.tv_sec * 1e6 + r.ru_utime.tv_usec + r.ru_stime.tv_sec * 1e6 +
+           r.ru_stime.tv_usec;
   };
   // A spinning engine would burn ~300 ms of CPU here; a sleeping one well under 10%.
   EXPECT_LT(cpu_us(after) - cpu_us(before), 30000.0);

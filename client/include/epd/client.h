@@ -59,7 +59,9 @@ class TensorView {
   /// Bytes of the element data.
   int64_t nbytes() const;
   template <typename T>
-  T* as() const { return static_cast<T*>(tensor_.data); }
+  T* as() const {
+    return static_cast<T*>(tensor_.data);
+  }
 
  private:
   void Rebind();
@@ -72,34 +74,34 @@ class TensorView {
 /// handle stays usable until the next non-cached normal Dispatch; a low-latency handle
 /// until the low-latency dispatch after next.
 struct Handle {
-  uint64_t endpoint_id = 0;   ///< Endpoint that produced it.
-  uint64_t seq = 0;           ///< Sequence number of the dispatch.
+  uint64_t endpoint_id = 0;  ///< Endpoint that produced it.
+  uint64_t seq = 0;          ///< Sequence number of the dispatch.
   bool low_latency = false;
-  int32_t num_tokens = 0;     ///< T of that dispatch.
-  int32_t num_recv_tokens = 0;///< N received by this rank (normal mode).
-  int32_t buffer = 0;         ///< Low-latency buffer set (0 or 1).
-  bool use_fp8 = false;       ///< The dispatch moved FP8 data.
+  int32_t num_tokens = 0;       ///< T of that dispatch.
+  int32_t num_recv_tokens = 0;  ///< N received by this rank (normal mode).
+  int32_t buffer = 0;           ///< Low-latency buffer set (0 or 1).
+  bool use_fp8 = false;         ///< The dispatch moved FP8 data.
 };
 
 // ---- op arguments and results ---------------------------------------------------------
 
 /// GetDispatchLayout input: topk_idx [T, K] int64 (-1 = none).
 struct LayoutResult {
-  TensorView num_tokens_per_rank;     ///< [R] int32.
-  TensorView num_tokens_per_expert;   ///< [E] int32.
-  TensorView is_token_in_rank;        ///< [T, R] bool.
+  TensorView num_tokens_per_rank;    ///< [R] int32.
+  TensorView num_tokens_per_expert;  ///< [E] int32.
+  TensorView is_token_in_rank;       ///< [T, R] bool.
   // Valid until the next GetDispatchLayout on this endpoint.
 };
 
 /// Normal (high-throughput) dispatch inputs.
 struct DispatchArgs {
-  const DLTensor* x = nullptr;            ///< [T, H] bf16, or [T, H] e4m3 (float8_e4m3fn).
-  const DLTensor* x_scales = nullptr;     ///< [T, H/128] f32, required with e4m3 x.
-  const DLTensor* topk_idx = nullptr;     ///< [T, K] int64; not used with `cached`.
-  const DLTensor* topk_weights = nullptr; ///< [T, K] f32, optional.
-  int32_t expert_alignment = 1;           ///< >= 1; per-expert counts rounded up to it.
-  std::optional<Handle> cached;           ///< Re-dispatch with this handle's routing.
-  int32_t num_sms = 0;                    ///< Kernel SM budget (0 = default).
+  const DLTensor* x = nullptr;             ///< [T, H] bf16, or [T, H] e4m3 (float8_e4m3fn).
+  const DLTensor* x_scales = nullptr;      ///< [T, H/128] f32, required with e4m3 x.
+  const DLTensor* topk_idx = nullptr;      ///< [T, K] int64; not used with `cached`.
+  const DLTensor* topk_weights = nullptr;  ///< [T, K] f32, optional.
+  int32_t expert_alignment = 1;            ///< >= 1; per-expert counts rounded up to it.
+  std::optional<Handle> cached;            ///< Re-dispatch with this handle's routing.
+  int32_t num_sms = 0;                     ///< Kernel SM budget (0 = default).
 };
 /// Normal dispatch outputs. Valid until the next normal Dispatch on this endpoint.
 struct DispatchResult {
@@ -110,50 +112,50 @@ struct DispatchResult {
   TensorView num_recv_tokens_per_expert;  ///< [E/R] int32, aligned.
   TensorView recv_src_info;               ///< [N] int32: src_rank * M + src_token.
   Handle handle;
-  int32_t num_recv_tokens = 0;            ///< N.
+  int32_t num_recv_tokens = 0;  ///< N.
 };
 
 /// Normal combine inputs.
 struct CombineArgs {
-  const DLTensor* x = nullptr;            ///< [N, H] bf16 expert outputs, rows as received.
-  const Handle* handle = nullptr;         ///< From the matching Dispatch.
-  const DLTensor* topk_weights = nullptr; ///< [N, K] f32, optional: reduced too.
+  const DLTensor* x = nullptr;             ///< [N, H] bf16 expert outputs, rows as received.
+  const Handle* handle = nullptr;          ///< From the matching Dispatch.
+  const DLTensor* topk_weights = nullptr;  ///< [N, K] f32, optional: reduced too.
   int32_t num_sms = 0;
 };
 /// Normal combine outputs. Valid until the next normal Combine on this endpoint.
 struct CombineResult {
-  TensorView combined_x;                  ///< [T, H] bf16.
-  TensorView combined_topk_weights;       ///< [T, K] f32 (when topk_weights was given).
+  TensorView combined_x;             ///< [T, H] bf16.
+  TensorView combined_topk_weights;  ///< [T, K] f32 (when topk_weights was given).
 };
 
 /// Low-latency dispatch inputs.
 struct LowLatencyDispatchArgs {
-  const DLTensor* x = nullptr;            ///< [T, H] bf16, T <= Mll.
-  const DLTensor* topk_idx = nullptr;     ///< [T, K] int64.
-  int32_t max_dispatch_tokens_per_rank = 0; ///< Mll; must equal the spec's (0 = spec's).
-  bool use_fp8 = false;                   ///< e4m3 out with f32 scales per 128 channels.
-  bool round_scale = false;               ///< Power-of-two FP8 scales.
+  const DLTensor* x = nullptr;               ///< [T, H] bf16, T <= Mll.
+  const DLTensor* topk_idx = nullptr;        ///< [T, K] int64.
+  int32_t max_dispatch_tokens_per_rank = 0;  ///< Mll; must equal the spec's (0 = spec's).
+  bool use_fp8 = false;                      ///< e4m3 out with f32 scales per 128 channels.
+  bool round_scale = false;                  ///< Power-of-two FP8 scales.
 };
 /// Low-latency dispatch outputs. Double-buffered: valid until the low-latency dispatch
 /// after next on this endpoint.
 struct LowLatencyDispatchResult {
-  TensorView recv_x;                      ///< [E/R, R*Mll, H] bf16 or e4m3.
-  TensorView recv_scales;                 ///< [E/R, R*Mll, H/128] f32 (FP8 only).
-  TensorView recv_count;                  ///< [E/R] int32.
-  TensorView recv_src_info;               ///< [E/R, R*Mll] int32: src_rank*Mll + token.
+  TensorView recv_x;         ///< [E/R, R*Mll, H] bf16 or e4m3.
+  TensorView recv_scales;    ///< [E/R, R*Mll, H/128] f32 (FP8 only).
+  TensorView recv_count;     ///< [E/R] int32.
+  TensorView recv_src_info;  ///< [E/R, R*Mll] int32: src_rank*Mll + token.
   Handle handle;
 };
 
 /// Low-latency combine inputs.
 struct LowLatencyCombineArgs {
-  const DLTensor* x = nullptr;            ///< [E/R, R*Mll, H] bf16 expert outputs.
-  const DLTensor* topk_idx = nullptr;     ///< [T, K] int64, as dispatched.
-  const DLTensor* topk_weights = nullptr; ///< [T, K] f32.
+  const DLTensor* x = nullptr;             ///< [E/R, R*Mll, H] bf16 expert outputs.
+  const DLTensor* topk_idx = nullptr;      ///< [T, K] int64, as dispatched.
+  const DLTensor* topk_weights = nullptr;  ///< [T, K] f32.
   const Handle* handle = nullptr;
 };
 /// Low-latency combine output. Valid until the low-latency combine after next.
 struct LowLatencyCombineResult {
-  TensorView combined_x;                  ///< [T, H] bf16.
+  TensorView combined_x;  ///< [T, H] bf16.
 };
 
 /// A submitted op. Wait() returns its result once every rank's part is done.
@@ -178,7 +180,7 @@ class [[nodiscard]] PendingOp {
 struct JoinOptions {
   v1::GroupSpec spec;
   int32_t rank = 0;
-  std::string gpu_uuid;                   ///< GPU UUID or PCI bus id; "" on host backend.
+  std::string gpu_uuid;  ///< GPU UUID or PCI bus id; "" on host backend.
   v1::LaunchMode launch_mode = v1::LAUNCH_MODE_UNSPECIFIED;
 };
 

@@ -140,7 +140,8 @@ std::vector<uint8_t*> MappedEndpointRegions() {
   std::string line;
   while (std::getline(maps, line)) {
     if (!absl::StrContains(line, "/epd-ep-")) continue;
-    out.push_back(reinterpret_cast<uint8_t*>(std::stoull(line.substr(0, line.find('-')), nullptr, 16)));
+    out.push_back(
+        reinterpret_cast<uint8_t*>(std::stoull(line.substr(0, line.find('-')), nullptr, 16)));
   }
   return out;
 }
@@ -202,11 +203,13 @@ int BadInputs() {
   Inputs wide;
   wide.Make(5, kH + 128, 3);
   {
-    auto [a, b] = Both([&](int r) { return Dispatch(*ep[r], in[r], r == 0 ? &wide.x_t : nullptr).status(); });
+    auto [a, b] =
+        Both([&](int r) { return Dispatch(*ep[r], in[r], r == 0 ? &wide.x_t : nullptr).status(); });
     check("shape_mismatch", a, b, absl::StatusCode::kInvalidArgument, "shape");
   }
   {
-    auto [a, b] = Both([&](int r) { return Dispatch(*ep[r], in[r], r == 0 ? &in[0].xf_t : nullptr).status(); });
+    auto [a, b] = Both(
+        [&](int r) { return Dispatch(*ep[r], in[r], r == 0 ? &in[0].xf_t : nullptr).status(); });
     check("dtype_mismatch", a, b, absl::StatusCode::kInvalidArgument, "dtype");
   }
   Inputs many;
@@ -276,7 +279,8 @@ int BadInputs() {
       if (r == 0) dr.handle = foreign;
       return Combine(*ep[r], dr);
     });
-    check("combine_foreign_handle", a, b, absl::StatusCode::kFailedPrecondition, "another endpoint");
+    check("combine_foreign_handle", a, b, absl::StatusCode::kFailedPrecondition,
+          "another endpoint");
     (void)od;
     (void)a0;
     (void)b0;
@@ -303,7 +307,8 @@ int BadInputs() {
     uint64_t rejected = 0;
     for (uint8_t* base : regions) {
       auto* h = reinterpret_cast<epd::abi::EndpointShmHeader*>(base);
-      if (h->magic != epd::abi::kEndpointMagic || h->endpoint_id != ep[0]->info().endpoint_id()) continue;
+      if (h->magic != epd::abi::kEndpointMagic || h->endpoint_id != ep[0]->info().endpoint_id())
+        continue;
       auto* ring = reinterpret_cast<epd::abi::RequestSlot*>(base + h->ring_offset);
       uint64_t head = epd::abi::Atomic(h->ring_head).load();
       std::memset(&ring[(head + 1) % epd::abi::kRingCapacity], 0x5a, sizeof(epd::abi::RequestSlot));
@@ -357,7 +362,8 @@ int Loop() {
     auto start = std::chrono::steady_clock::now();
     auto d = Dispatch(**ep, in);
     absl::Status st = d.ok() ? Combine(**ep, *d) : d.status();
-    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (st.ok()) {
       std::printf("op %d OK\n", i);
       if (seen_failure && ++oks_after >= 3 && absl::GetFlag(FLAGS_exit_after_recovery)) {

@@ -44,8 +44,8 @@ struct HostExecution {
 
 /// Inputs of GetDispatchLayout for one rank.
 struct LayoutRankArgs {
-  int32_t num_tokens = 0;              ///< T.
-  const int64_t* topk_idx = nullptr;   ///< [T, K] int64, -1 = none.
+  int32_t num_tokens = 0;                    ///< T.
+  const int64_t* topk_idx = nullptr;         ///< [T, K] int64, -1 = none.
   int32_t* num_tokens_per_rank = nullptr;    ///< out [R] int32: tokens with >= 1 expert on r.
   int32_t* num_tokens_per_expert = nullptr;  ///< out [E] int32: tokens routed to e.
   uint8_t* is_token_in_rank = nullptr;       ///< out [T, R] bool (0/1 bytes).
@@ -61,11 +61,11 @@ absl::Status GetDispatchLayout(const GroupShape& shape, const LayoutRankArgs& ar
 
 /// One rank's view of a normal dispatch.
 struct DispatchRankArgs {
-  int32_t num_tokens = 0;                  ///< T <= M.
-  const void* x = nullptr;                 ///< [T, H] bf16, or e4m3 when fp8.
-  const float* x_scales = nullptr;         ///< [T, S] f32 when fp8.
-  const int64_t* topk_idx = nullptr;       ///< [T, K]; unused with a cached handle.
-  const float* topk_weights = nullptr;     ///< [T, K] f32, or null (then no weights out).
+  int32_t num_tokens = 0;               ///< T <= M.
+  const void* x = nullptr;              ///< [T, H] bf16, or e4m3 when fp8.
+  const float* x_scales = nullptr;      ///< [T, S] f32 when fp8.
+  const int64_t* topk_idx = nullptr;    ///< [T, K]; unused with a cached handle.
+  const float* topk_weights = nullptr;  ///< [T, K] f32, or null (then no weights out).
   /// Cached-handle re-dispatch: this rank's `send_pos` [T, R] from the earlier dispatch
   /// (same T). When set, routing is taken from it; topk_idx/weights are not read and
   /// recv_topk_* are not written.
@@ -74,16 +74,16 @@ struct DispatchRankArgs {
   int32_t cached_num_recv_tokens = 0;
 
   // Outputs (capacity rows = recv_capacity).
-  int64_t recv_capacity = 0;               ///< Rows available in recv_* (R * M).
-  void* recv_x = nullptr;                  ///< out [N, H] bf16 / e4m3.
-  float* recv_scales = nullptr;            ///< out [N, S] f32 when fp8.
-  int64_t* recv_topk_idx = nullptr;        ///< out [N, K]: local expert id or -1.
-  float* recv_topk_weights = nullptr;      ///< out [N, K]: weight, 0 where id is -1.
-  int32_t* recv_tokens_per_expert = nullptr; ///< out [El]: count rounded up to alignment.
-  int32_t* recv_src_info = nullptr;        ///< out [N]: src_rank * M + src_token.
-  int32_t* send_pos = nullptr;             ///< out [T, R]: handle (source side).
-  int32_t* rank_prefix = nullptr;          ///< out [R]: first row of each source rank.
-  int32_t num_recv_tokens = 0;             ///< out: N, rows received by this rank.
+  int64_t recv_capacity = 0;                  ///< Rows available in recv_* (R * M).
+  void* recv_x = nullptr;                     ///< out [N, H] bf16 / e4m3.
+  float* recv_scales = nullptr;               ///< out [N, S] f32 when fp8.
+  int64_t* recv_topk_idx = nullptr;           ///< out [N, K]: local expert id or -1.
+  float* recv_topk_weights = nullptr;         ///< out [N, K]: weight, 0 where id is -1.
+  int32_t* recv_tokens_per_expert = nullptr;  ///< out [El]: count rounded up to alignment.
+  int32_t* recv_src_info = nullptr;           ///< out [N]: src_rank * M + src_token.
+  int32_t* send_pos = nullptr;                ///< out [T, R]: handle (source side).
+  int32_t* rank_prefix = nullptr;             ///< out [R]: first row of each source rank.
+  int32_t num_recv_tokens = 0;                ///< out: N, rows received by this rank.
 };
 
 /// Options of a normal dispatch shared by every rank.
@@ -111,13 +111,13 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
 
 /// One rank's view of a normal combine.
 struct CombineRankArgs {
-  int32_t num_tokens = 0;                ///< T of the dispatch whose handle this is.
-  const int32_t* send_pos = nullptr;     ///< [T, R] handle from that dispatch.
-  int32_t num_recv_tokens = 0;           ///< N of that dispatch at this rank.
-  const bf16_bits* x = nullptr;          ///< [N, H] bf16: this rank's expert outputs.
-  const float* topk_weights = nullptr;   ///< [N, K] f32 or null.
-  bf16_bits* combined_x = nullptr;       ///< out [T, H] bf16.
-  float* combined_topk_weights = nullptr;///< out [T, K] f32 (when topk_weights given).
+  int32_t num_tokens = 0;                  ///< T of the dispatch whose handle this is.
+  const int32_t* send_pos = nullptr;       ///< [T, R] handle from that dispatch.
+  int32_t num_recv_tokens = 0;             ///< N of that dispatch at this rank.
+  const bf16_bits* x = nullptr;            ///< [N, H] bf16: this rank's expert outputs.
+  const float* topk_weights = nullptr;     ///< [N, K] f32 or null.
+  bf16_bits* combined_x = nullptr;         ///< out [T, H] bf16.
+  float* combined_topk_weights = nullptr;  ///< out [T, K] f32 (when topk_weights given).
 };
 
 /// Normal combine over all ranks. combined_x[t] of source rank s =
@@ -131,14 +131,14 @@ absl::Status Combine(const GroupShape& shape, std::span<CombineRankArgs> args,
 
 /// One rank's view of a low-latency dispatch. Mll = shape.ll_max_tokens_per_rank.
 struct LowLatencyDispatchRankArgs {
-  int32_t num_tokens = 0;                ///< T <= Mll.
-  const bf16_bits* x = nullptr;          ///< [T, H] bf16.
-  const int64_t* topk_idx = nullptr;     ///< [T, K].
-  void* recv_x = nullptr;                ///< out [El, R*Mll, H] bf16 or e4m3.
-  float* recv_scales = nullptr;          ///< out [El, R*Mll, S] f32 when fp8.
-  int32_t* recv_count = nullptr;         ///< out [El] int32.
-  int32_t* recv_src_info = nullptr;      ///< out [El, R*Mll] int32: src_rank*Mll + t.
-  int32_t* handle_pos = nullptr;         ///< out [Mll, K] int32: handle (source side).
+  int32_t num_tokens = 0;             ///< T <= Mll.
+  const bf16_bits* x = nullptr;       ///< [T, H] bf16.
+  const int64_t* topk_idx = nullptr;  ///< [T, K].
+  void* recv_x = nullptr;             ///< out [El, R*Mll, H] bf16 or e4m3.
+  float* recv_scales = nullptr;       ///< out [El, R*Mll, S] f32 when fp8.
+  int32_t* recv_count = nullptr;      ///< out [El] int32.
+  int32_t* recv_src_info = nullptr;   ///< out [El, R*Mll] int32: src_rank*Mll + t.
+  int32_t* handle_pos = nullptr;      ///< out [Mll, K] int32: handle (source side).
 };
 
 struct LowLatencyDispatchOptions {
@@ -161,19 +161,18 @@ absl::Status LowLatencyDispatch(const GroupShape& shape, const LowLatencyDispatc
 
 /// One rank's view of a low-latency combine.
 struct LowLatencyCombineRankArgs {
-  int32_t num_tokens = 0;                ///< T of the matching dispatch.
-  const int64_t* topk_idx = nullptr;     ///< [T, K] (as given to that dispatch).
-  const float* topk_weights = nullptr;   ///< [T, K] f32.
-  const int32_t* handle_pos = nullptr;   ///< [Mll, K] handle of that dispatch.
-  const bf16_bits* x = nullptr;          ///< [El, R*Mll, H] bf16 expert outputs.
-  bf16_bits* combined_x = nullptr;       ///< out [T, H] bf16.
+  int32_t num_tokens = 0;               ///< T of the matching dispatch.
+  const int64_t* topk_idx = nullptr;    ///< [T, K] (as given to that dispatch).
+  const float* topk_weights = nullptr;  ///< [T, K] f32.
+  const int32_t* handle_pos = nullptr;  ///< [Mll, K] handle of that dispatch.
+  const bf16_bits* x = nullptr;         ///< [El, R*Mll, H] bf16 expert outputs.
+  bf16_bits* combined_x = nullptr;      ///< out [T, H] bf16.
 };
 
 /// Low-latency combine over all ranks: combined_x[t] = bf16(Σ_{k ascending, idx >= 0}
 /// w[t,k] * f32(x_{owner(e)}[e % El][handle_pos[t,k]])), each product computed in f32
 /// and added in ascending k order (fmaf is not used: product rounded, then added).
-absl::Status LowLatencyCombine(const GroupShape& shape,
-                               std::span<LowLatencyCombineRankArgs> args,
+absl::Status LowLatencyCombine(const GroupShape& shape, std::span<LowLatencyCombineRankArgs> args,
                                const HostExecution& exec = {});
 
 // ---- helpers --------------------------------------------------------------------------

@@ -16,13 +16,13 @@ inline constexpr uint64_t kRegionAlignment = 256;
 
 /// The group shape the layout is computed from (a GroupSpec without its name).
 struct GroupShape {
-  int32_t num_ranks = 1;              ///< R.
-  int32_t num_experts = 1;            ///< E; E % R == 0.
-  int32_t hidden = 128;               ///< H channels.
-  int32_t num_topk = 1;               ///< K.
-  int32_t max_tokens_per_rank = 1;    ///< M: largest T of a normal-mode op.
-  int32_t ll_max_tokens_per_rank = 0; ///< Low-latency M (0 = low-latency ops disabled).
-  bool use_fp8 = false;               ///< FP8 inputs/outputs allowed (needs H % 128 == 0).
+  int32_t num_ranks = 1;               ///< R.
+  int32_t num_experts = 1;             ///< E; E % R == 0.
+  int32_t hidden = 128;                ///< H channels.
+  int32_t num_topk = 1;                ///< K.
+  int32_t max_tokens_per_rank = 1;     ///< M: largest T of a normal-mode op.
+  int32_t ll_max_tokens_per_rank = 0;  ///< Low-latency M (0 = low-latency ops disabled).
+  bool use_fp8 = false;                ///< FP8 inputs/outputs allowed (needs H % 128 == 0).
 
   EPD_HD int32_t num_local_experts() const { return num_experts / num_ranks; }
   /// Scale columns per token: ceil(H / 128).
@@ -61,13 +61,13 @@ inline constexpr uint64_t kSyncRegionBytes = 64 * 1024;
 /// with Mll = 0) have bytes == 0.
 struct EndpointLayout {
   // ---- staging: inputs the client copies in (or writes directly) ----
-  Region in_x;               ///< [max(M,Mll), H] bf16, or e4m3 (first half used).
-  Region in_scales;          ///< [M, S] f32 (FP8 normal dispatch input).
-  Region in_topk_idx;        ///< [max(M,Mll), K] int64.
-  Region in_topk_weights;    ///< [max(M,Mll), K] f32.
-  Region in_combine_x;       ///< [N, H] bf16: normal combine input.
-  Region in_combine_weights; ///< [N, K] f32: normal combine optional weights.
-  Region in_ll_combine_x;    ///< [El, R*Mll, H] bf16: low-latency combine input.
+  Region in_x;                ///< [max(M,Mll), H] bf16, or e4m3 (first half used).
+  Region in_scales;           ///< [M, S] f32 (FP8 normal dispatch input).
+  Region in_topk_idx;         ///< [max(M,Mll), K] int64.
+  Region in_topk_weights;     ///< [max(M,Mll), K] f32.
+  Region in_combine_x;        ///< [N, H] bf16: normal combine input.
+  Region in_combine_weights;  ///< [N, K] f32: normal combine optional weights.
+  Region in_ll_combine_x;     ///< [El, R*Mll, H] bf16: low-latency combine input.
 
   // ---- GetDispatchLayout outputs ----
   Region layout_tokens_per_rank;    ///< [R] int32.
@@ -75,32 +75,32 @@ struct EndpointLayout {
   Region layout_is_token_in_rank;   ///< [M, R] bool (1 byte).
 
   // ---- normal dispatch outputs (valid until the next normal dispatch) ----
-  Region recv_x;                    ///< [N, H] bf16 or e4m3.
-  Region recv_scales;               ///< [N, S] f32 (FP8).
-  Region recv_topk_idx;             ///< [N, K] int64: local expert ids, -1 elsewhere.
-  Region recv_topk_weights;         ///< [N, K] f32: 0 where recv_topk_idx is -1.
-  Region recv_tokens_per_expert;    ///< [El] int32, each rounded up to expert_alignment.
-  Region recv_src_info;             ///< [N] int32: src_rank * M + src_token.
-  Region send_pos;                  ///< [M, R] int32: handle, row of token t at rank r
-                                    ///< (-1 = not sent). Source side.
-  Region rank_prefix;               ///< [R] int32: first recv row of each source rank.
-  Region recv_count;                ///< [1] int32: N_recv of the last dispatch.
+  Region recv_x;                  ///< [N, H] bf16 or e4m3.
+  Region recv_scales;             ///< [N, S] f32 (FP8).
+  Region recv_topk_idx;           ///< [N, K] int64: local expert ids, -1 elsewhere.
+  Region recv_topk_weights;       ///< [N, K] f32: 0 where recv_topk_idx is -1.
+  Region recv_tokens_per_expert;  ///< [El] int32, each rounded up to expert_alignment.
+  Region recv_src_info;           ///< [N] int32: src_rank * M + src_token.
+  Region send_pos;                ///< [M, R] int32: handle, row of token t at rank r
+                                  ///< (-1 = not sent). Source side.
+  Region rank_prefix;             ///< [R] int32: first recv row of each source rank.
+  Region recv_count;              ///< [1] int32: N_recv of the last dispatch.
 
   // ---- normal combine outputs (valid until the next normal combine) ----
-  Region combined_x;                ///< [M, H] bf16.
-  Region combined_topk_weights;     ///< [M, K] f32.
+  Region combined_x;             ///< [M, H] bf16.
+  Region combined_topk_weights;  ///< [M, K] f32.
 
   // ---- low-latency, per buffer b in {0, 1} ----
-  Region ll_recv_x[kLowLatencyBuffers];        ///< [El, R*Mll, H] bf16 or e4m3.
-  Region ll_recv_scales[kLowLatencyBuffers];   ///< [El, R*Mll, S] f32.
-  Region ll_recv_count[kLowLatencyBuffers];    ///< [El] int32.
-  Region ll_recv_src_info[kLowLatencyBuffers]; ///< [El, R*Mll] int32: src_rank*Mll + t.
-  Region ll_handle_pos[kLowLatencyBuffers];    ///< [Mll, K] int32: handle, row of
-                                               ///< (t,k) in its expert's block, -1 none.
-  Region ll_combined_x[kLowLatencyBuffers];    ///< [Mll, H] bf16.
+  Region ll_recv_x[kLowLatencyBuffers];         ///< [El, R*Mll, H] bf16 or e4m3.
+  Region ll_recv_scales[kLowLatencyBuffers];    ///< [El, R*Mll, S] f32.
+  Region ll_recv_count[kLowLatencyBuffers];     ///< [El] int32.
+  Region ll_recv_src_info[kLowLatencyBuffers];  ///< [El, R*Mll] int32: src_rank*Mll + t.
+  Region ll_handle_pos[kLowLatencyBuffers];     ///< [Mll, K] int32: handle, row of
+                                                ///< (t,k) in its expert's block, -1 none.
+  Region ll_combined_x[kLowLatencyBuffers];     ///< [Mll, H] bf16.
 
   // ---- kernel-owned flags and counters ----
-  Region sync;                      ///< kSyncRegionBytes, zeroed at creation.
+  Region sync;  ///< kSyncRegionBytes, zeroed at creation.
 
   uint64_t total_bytes = 0;
 
@@ -200,12 +200,9 @@ void EndpointLayout::ForEachRegion(Fn&& fn) const {
   fn("combined_x", combined_x);
   fn("combined_topk_weights", combined_topk_weights);
   static constexpr const char* kLl[][kLowLatencyBuffers] = {
-      {"ll_recv_x_0", "ll_recv_x_1"},
-      {"ll_recv_scales_0", "ll_recv_scales_1"},
-      {"ll_recv_count_0", "ll_recv_count_1"},
-      {"ll_recv_src_info_0", "ll_recv_src_info_1"},
-      {"ll_handle_pos_0", "ll_handle_pos_1"},
-      {"ll_combined_x_0", "ll_combined_x_1"}};
+      {"ll_recv_x_0", "ll_recv_x_1"},         {"ll_recv_scales_0", "ll_recv_scales_1"},
+      {"ll_recv_count_0", "ll_recv_count_1"}, {"ll_recv_src_info_0", "ll_recv_src_info_1"},
+      {"ll_handle_pos_0", "ll_handle_pos_1"}, {"ll_combined_x_0", "ll_combined_x_1"}};
   for (int b = 0; b < kLowLatencyBuffers; ++b) {
     fn(kLl[0][b], ll_recv_x[b]);
     fn(kLl[1][b], ll_recv_scales[b]);

@@ -80,12 +80,12 @@ EPD_HD e4m3_bits FloatToE4m3(float f) {
   uint32_t u = BitsFromFloat(f);
   uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return 0x7f;               // NaN
-  if (abs >= 0x43e00000u) return sign | 0x7e;       // >= 448 (and inf): saturate
+  if (abs > 0x7f800000u) return 0x7f;          // NaN
+  if (abs >= 0x43e00000u) return sign | 0x7e;  // >= 448 (and inf): saturate
   int exp = static_cast<int>(abs >> 23) - 127;
   if (exp < -6) {
     // Subnormal range of e4m3: quantum 2^-9. Round |f| / 2^-9 to nearest even.
-    float mag = FloatFromBits(abs) * 512.0f;        // exact scaling by a power of two
+    float mag = FloatFromBits(abs) * 512.0f;  // exact scaling by a power of two
     float fl = floorf(mag);
     float rem = mag - fl;
     uint32_t q = static_cast<uint32_t>(fl);
@@ -100,7 +100,10 @@ EPD_HD e4m3_bits FloatToE4m3(float f) {
   uint32_t e = static_cast<uint32_t>(exp + 7);
   if (rest > 0x80000u || (rest == 0x80000u && (keep & 1u))) {
     ++keep;
-    if (keep == 8) { keep = 0; ++e; }
+    if (keep == 8) {
+      keep = 0;
+      ++e;
+    }
   }
   if (e > 15 || (e == 15 && keep == 7)) return sign | 0x7e;  // rounds past 448: saturate
   return sign | static_cast<uint8_t>((e << 3) | keep);
