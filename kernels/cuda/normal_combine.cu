@@ -15,7 +15,7 @@ namespace epd::kernels::cuda {
 namespace normal {
 namespace {
 
-constexpr int kCombineUnroll = 2;
+constexpr int kCombineUnroll = 4;
 
 __device__ __forceinline__ int4 LoadNoAllocate(const int4* p) {
   int4 v;

@@ -8,7 +8,8 @@
 // H 2048, 4096, 7168; K 1, 6, 8; E = R, 64, 256; masked 0 and 0.5; uniform routing, all
 // tokens to one expert, duplicates in a row; FP8 on/off; T in {0, 1, 333, 4096} (also mixed
 // per rank); expert alignment 1 and 128; re-dispatch from the cached handle. Plus: a
-// T=4096 group beside a decode group on the same GPU, launched concurrently; bad expert
+// T=4096 group beside a decode group on the same GPU, launched concurrently; dispatch +
+// combine captured once in a CUDA graph per rank and replayed with new T and inputs; bad expert
 // ids and bad T (status, then the next op works); a rank that never arrives (timeout,
 // reset, next op works); a layout over 4 GiB per rank with rows written past 4 GiB.
 #include <gtest/gtest.h>
@@ -145,7 +146,7 @@ class NormalGroup {
   }
   int64_t RowBytes() const { return c_.fp8 ? c_.hidden : 2 * int64_t{c_.hidden}; }
 
-  /// Allocates the group, draws inputs and uploads them (x, scales, topk, weights, T slot).
+  /// Allocates the group (M = the largest T of the case), draws inputs and uploads them.
   absl::Status Prepare() {
     const int32_t R = c_.num_ranks;
     shape_.num_ranks = R;
@@ -158,22 +159,30 @@ class NormalGroup {
     shape_.use_fp8 = c_.fp8;
     EPD_ASSIGN_OR_RETURN(group_, VirtualRankGroup::Create(shape_, 5'000'000'000, c_.num_sms,
                                                           c_.ranks_on_device));
+    return DrawInputs(c_.seed);
+  }
+
+  /// Sets new T per rank (each <= the M the group was prepared with) and draws and uploads
+  /// new inputs for them (x, scales, topk, weights, the T slot).
+  absl::Status DrawInputs(uint64_t seed, std::vector<int32_t> num_tokens = {}) {
+    if (!num_tokens.empty()) c_.num_tokens = std::move(num_tokens);
+    const int32_t R = c_.num_ranks;
     const EndpointLayout& l = group_->layout();
-    std::mt19937_64 rng(c_.seed);
+    std::mt19937_64 rng(seed);
     x_.resize(R);
     scales_.resize(R);
     topk_.resize(R);
     weights_.resize(R);
     for (int32_t r = 0; r < R; ++r) {
       const int32_t T = Tokens(r);
-      x_[r] = FastBytes(T * RowBytes(), c_.seed * 1000 + r);
+      x_[r] = FastBytes(T * RowBytes(), seed * 1000 + r);
       if (!c_.fp8) {
-        std::vector<bf16_bits> bf = FastBf16(static_cast<size_t>(T) * c_.hidden, c_.seed * 1000 + r);
+        std::vector<bf16_bits> bf = FastBf16(static_cast<size_t>(T) * c_.hidden, seed * 1000 + r);
         std::memcpy(x_[r].data(), bf.data(), x_[r].size());
       }
       if (c_.fp8) scales_[r] = FastFloats(static_cast<size_t>(T) * shape_.num_scales(), r + 7);
       topk_[r] = RandomTopk(T, c_.num_topk, c_.num_experts, c_.routing, rng);
-      weights_[r] = FastFloats(static_cast<size_t>(T) * c_.num_topk, c_.seed * 31 + r);
+      weights_[r] = FastFloats(static_cast<size_t>(T) * c_.num_topk, seed * 31 + r);
       EPD_RETURN_IF_ERROR(UploadInputs(r));
       EPD_RETURN_IF_ERROR(group_->Upload(r, l.in_topk_idx, topk_[r].data(), topk_[r].size() * 8));
       EPD_RETURN_IF_ERROR(
@@ -574,6 +583,48 @@ TEST_F(NormalGpuTest, PrefillGroupBesideDecodeGroupRunConcurrently) {
   NM_ASSERT_OK(b.group().SynchronizeAll());
   NM_ASSERT_OK(a.CheckCombine());
   NM_ASSERT_OK(b.CheckCombine());
+}
+
+// ---- CUDA graphs: captured once, replayed with new inputs and a new T ---------------------
+
+TEST_F(NormalGpuTest, CapturedDispatchCombineReplaysWithNewInputsAndT) {
+  // Each rank captures [Dispatch, Combine] on its stream once. T comes from the device slot
+  // and sequence numbers from the device op counter, so replays with other T and inputs
+  // (slot and inputs written outside the graph) must match the host every time.
+  NormalGroup g({"graph", 4, 2048, 8, 64, {4096}, false, 128});
+  NM_ASSERT_OK(g.Prepare());
+  struct ExecDeleter {
+    void operator()(CUgraphExec_st* e) const { cudaGraphExecDestroy(e); }
+  };
+  std::vector<std::unique_ptr<CUgraphExec_st, ExecDeleter>> execs;
+  for (int32_t r = 0; r < 4; ++r) {
+    cudaStream_t s = g.group().stream(r);
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    const absl::Status d = g.LaunchDispatchRank(r, false, s);
+    const absl::Status c = g.LaunchCombineRank(r, s);
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+    NM_ASSERT_OK(d);
+    NM_ASSERT_OK(c);
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    cudaGraphDestroy(graph);
+    execs.emplace_back(exec);
+  }
+  const std::vector<std::vector<int32_t>> replays = {
+      {333, 0, 4096, 1}, {4096, 4096, 4096, 4096}, {1, 1, 0, 1}, {0, 0, 0, 0}, {77, 333, 5, 4096}};
+  for (size_t i = 0; i < replays.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat("replay ", i));
+    NM_ASSERT_OK(g.DrawInputs(500 + i, replays[i]));
+    NM_ASSERT_OK(g.HostDispatch(false));
+    NM_ASSERT_OK(g.PrepareCombine(900 + i));  // expert outputs, read by the captured combine
+    for (int32_t r = 0; r < 4; ++r) {
+      ASSERT_EQ(cudaGraphLaunch(execs[r].get(), g.group().stream(r)), cudaSuccess);
+    }
+    NM_ASSERT_OK(g.group().SynchronizeAll());
+    NM_ASSERT_OK(g.CheckDispatch(false));
+    NM_ASSERT_OK(g.CheckCombine());
+  }
 }
 
 // ---- device-side errors ------------------------------------------------------------------
