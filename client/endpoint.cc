@@ -1,7 +1,14 @@
-// Endpoint: the client side of the shm data plane (DESIGN.md §3.2–§3.3) on the host
-// backend. Each op: validate the DLPack inputs, copy them into the endpoint's staging
-// regions (skipped when a tensor already lives there), publish a RequestSlot, ring the
-// engine's doorbell; PendingOp::Wait reads the Completion and builds the output views.
+// Endpoint: the client side of the shm data plane (DESIGN.md §3.2–§3.3). Each op:
+// validate the DLPack inputs, copy them into the endpoint's staging regions (skipped when
+// a tensor already lives there), publish a RequestSlot, ring the engine's doorbell;
+// PendingOp::Wait reads the Completion and builds the output views.
+//
+// Host backend: the data area is in the shm region; tensors are kDLCPU. CUDA backend
+// (built with CUDA): the data area is GPU memory mapped by CUDA IPC (cuda_ipc.h); inputs
+// may be kDLCUDA (copied device to device) or kDLCPU (copied host to device), staged with
+// a synchronous cudaMemcpy before the request is published, and output views are kDLCUDA
+// on this process's ordinal of the endpoint's GPU. (The stream-ordered hand-off of
+// DESIGN §3.2 replaces the synchronous staging in a later step.)
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -16,12 +23,19 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cuda_ipc.h"
 #include "endpoint_internal.h"
 #include "epd/client.h"
 #include "epd/common/status_macros.h"
 #include "epd/kernels/layout.h"
 #include "shm_abi.h"
 #include "shm_region.h"
+
+#if EPD_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "epd/kernels/cuda_ops.h"
+#endif
 
 namespace epd {
 namespace {
@@ -62,13 +76,18 @@ std::string ShapeString(const int64_t* shape, int ndim) {
 
 /// Checks a DLTensor against an expected dtype and shape (-1 = any size; the size found
 /// is written back into `shape`). Names the argument and the offending value.
-absl::Status CheckTensor(const char* op, const char* name, const DLTensor* t,
+/// `cuda`: the endpoint is on the CUDA backend, which also takes kDLCUDA tensors.
+absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTensor* t,
                          std::initializer_list<DLDataType> dtypes, std::vector<int64_t>& shape) {
   if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is required"));
-  if (t->device.device_type != kDLCPU && t->device.device_type != kDLCUDAHost) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is on device type ",
-                                                   t->device.device_type,
-                                                   "; the host backend takes kDLCPU tensors"));
+  const bool device_ok = t->device.device_type == kDLCPU ||
+                         t->device.device_type == kDLCUDAHost ||
+                         (cuda && t->device.device_type == kDLCUDA);
+  if (!device_ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": ", name, " is on device type ", t->device.device_type,
+        cuda ? "; the CUDA backend takes kDLCUDA, kDLCPU or kDLCUDAHost tensors"
+             : "; the host backend takes kDLCPU tensors"));
   }
   bool dtype_ok = false;
   for (DLDataType d : dtypes) dtype_ok |= SameType(t->dtype, d);
@@ -122,6 +141,27 @@ int64_t TensorNbytes(const DLTensor* t) {
   return n;
 }
 
+#if EPD_HAVE_CUDA
+/// Makes `device` current for its scope and restores the caller's device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
+      if (cudaSetDevice(device) == cudaSuccess) restore_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+#endif
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
@@ -140,6 +180,11 @@ struct Endpoint::Impl {
   std::function<absl::Status()> leave;
   bool left = false;
   DLDevice device{kDLCPU, 0};
+  bool cuda = false;  ///< CUDA backend: `data` is device memory.
+#if EPD_HAVE_CUDA
+  internal::CudaAreaMapping mapping;  ///< The data area (CUDA backend).
+  bool staged = false;                ///< Copies were issued since the last Submit.
+#endif
 
   uint8_t* At(const Region& r) const { return data + r.offset; }
 
@@ -152,7 +197,30 @@ struct Endpoint::Impl {
                                                      r.bytes, " bytes)"));
     }
     const uint8_t* src = TensorBytes(t);
-    if (src != At(r) && n > 0) std::memcpy(At(r), src, static_cast<size_t>(n));
+    if (src == At(r) || n <= 0) return absl::OkStatus();
+#if EPD_HAVE_CUDA
+    if (cuda) {
+      DeviceGuard guard(mapping.device());
+      EPD_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(At(r), src, static_cast<size_t>(n), cudaMemcpyDefault));
+      staged = true;
+      return absl::OkStatus();
+    }
+#endif
+    std::memcpy(At(r), src, static_cast<size_t>(n));
+    return absl::OkStatus();
+  }
+
+  /// CUDA backend: waits until every staging copy has landed (cudaMemcpy returns early for
+  /// device-to-device and pageable copies), so the daemon's kernels read complete inputs.
+  absl::Status FinishStaging() {
+#if EPD_HAVE_CUDA
+    if (cuda && staged) {
+      DeviceGuard guard(mapping.device());
+      EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
+      staged = false;
+    }
+#endif
     return absl::OkStatus();
   }
 
@@ -168,6 +236,7 @@ struct Endpoint::Impl {
   /// Publishes one request; returns its seq.
   absl::StatusOr<uint64_t> Submit(abi::OpKind op, uint32_t flags, int32_t num_tokens,
                                   int32_t expert_alignment, uint64_t handle_seq, int32_t num_sms) {
+    EPD_RETURN_IF_ERROR(FinishStaging());
     uint64_t head = abi::Atomic(header->ring_head).load(std::memory_order_relaxed);
     // Bounded wait for ring space (only when many ops are in flight).
     auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(
@@ -272,7 +341,7 @@ absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTens
   constexpr const char* kOp = "GetDispatchLayout";
   const auto op = abi::OpKind::kGetDispatchLayout;
   std::vector<int64_t> shape{-1, m.shape.num_topk};
-  absl::Status st = CheckTensor(kOp, "topk_idx", &topk_idx, {kI64}, shape);
+  absl::Status st = CheckTensor(m.cuda, kOp, "topk_idx", &topk_idx, {kI64}, shape);
   if (st.ok() && shape[0] > m.shape.max_tokens_per_rank) {
     st = absl::InvalidArgumentError(absl::StrCat(kOp, ": num_tokens ", shape[0],
                                                  " > max_tokens_per_rank ",
@@ -297,7 +366,7 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
   const int H = m.shape.hidden, K = m.shape.num_topk;
   absl::Status st;
   std::vector<int64_t> xs{-1, H};
-  st = CheckTensor(kOp, "x", args.x, {kBf16, kE4m3}, xs);
+  st = CheckTensor(m.cuda, kOp, "x", args.x, {kBf16, kE4m3}, xs);
   const bool fp8 = st.ok() && SameType(args.x->dtype, kE4m3);
   const int64_t T = st.ok() ? xs[0] : 0;
   if (st.ok() && T > m.shape.max_tokens_per_rank) {
@@ -310,7 +379,7 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
   }
   if (st.ok() && fp8) {
     std::vector<int64_t> ss{T, m.shape.num_scales()};
-    st = CheckTensor(kOp, "x_scales", args.x_scales, {kF32}, ss);
+    st = CheckTensor(m.cuda, kOp, "x_scales", args.x_scales, {kF32}, ss);
   }
   if (st.ok() && args.expert_alignment < 1) {
     st = absl::InvalidArgumentError(
@@ -329,12 +398,12 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
   }
   if (st.ok() && !cached) {
     std::vector<int64_t> ts{T, K};
-    st = CheckTensor(kOp, "topk_idx", args.topk_idx, {kI64}, ts);
+    st = CheckTensor(m.cuda, kOp, "topk_idx", args.topk_idx, {kI64}, ts);
   }
   const bool weights = !cached && args.topk_weights != nullptr;
   if (st.ok() && weights) {
     std::vector<int64_t> ws{T, K};
-    st = CheckTensor(kOp, "topk_weights", args.topk_weights, {kF32}, ws);
+    st = CheckTensor(m.cuda, kOp, "topk_weights", args.topk_weights, {kF32}, ws);
   }
   if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x);
   if (st.ok() && fp8) st = m.Stage(kOp, "x_scales", args.x_scales, m.layout.in_scales);
@@ -374,12 +443,12 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
   const int64_t N = args.handle ? args.handle->num_recv_tokens : 0;
   if (st.ok()) {
     std::vector<int64_t> xs{N, m.shape.hidden};
-    st = CheckTensor(kOp, "x", args.x, {kBf16}, xs);
+    st = CheckTensor(m.cuda, kOp, "x", args.x, {kBf16}, xs);
   }
   const bool weights = args.topk_weights != nullptr;
   if (st.ok() && weights) {
     std::vector<int64_t> ws{N, m.shape.num_topk};
-    st = CheckTensor(kOp, "topk_weights", args.topk_weights, {kF32}, ws);
+    st = CheckTensor(m.cuda, kOp, "topk_weights", args.topk_weights, {kF32}, ws);
   }
   if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_combine_x);
   if (st.ok() && weights) {
@@ -415,7 +484,7 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
                                                  " != the group's ll_max_tokens_per_rank ", Mll));
   }
   std::vector<int64_t> xs{-1, m.shape.hidden};
-  if (st.ok()) st = CheckTensor(kOp, "x", args.x, {kBf16}, xs);
+  if (st.ok()) st = CheckTensor(m.cuda, kOp, "x", args.x, {kBf16}, xs);
   const int64_t T = st.ok() ? xs[0] : 0;
   if (st.ok() && T > Mll) {
     st = absl::InvalidArgumentError(
@@ -431,7 +500,7 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
   }
   if (st.ok()) {
     std::vector<int64_t> ts{T, m.shape.num_topk};
-    st = CheckTensor(kOp, "topk_idx", args.topk_idx, {kI64}, ts);
+    st = CheckTensor(m.cuda, kOp, "topk_idx", args.topk_idx, {kI64}, ts);
   }
   if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x);
   if (st.ok()) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx);
@@ -466,15 +535,15 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
   const int64_t T = args.handle ? args.handle->num_tokens : 0;
   if (st.ok()) {
     std::vector<int64_t> xs{El, rows, m.shape.hidden};
-    st = CheckTensor(kOp, "x", args.x, {kBf16}, xs);
+    st = CheckTensor(m.cuda, kOp, "x", args.x, {kBf16}, xs);
   }
   if (st.ok()) {
     std::vector<int64_t> ts{T, m.shape.num_topk};
-    st = CheckTensor(kOp, "topk_idx", args.topk_idx, {kI64}, ts);
+    st = CheckTensor(m.cuda, kOp, "topk_idx", args.topk_idx, {kI64}, ts);
   }
   if (st.ok()) {
     std::vector<int64_t> ws{T, m.shape.num_topk};
-    st = CheckTensor(kOp, "topk_weights", args.topk_weights, {kF32}, ws);
+    st = CheckTensor(m.cuda, kOp, "topk_weights", args.topk_weights, {kF32}, ws);
   }
   if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_ll_combine_x);
   if (st.ok()) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx);
@@ -553,10 +622,18 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
     return absl::FailedPreconditionError(absl::StrCat("epd speaks shm ABI ", info.abi_version(),
                                                       ", this client ", abi::kShmAbiVersion));
   }
-  if (info.backend() != "host") {
+  if (info.backend() == "cuda") {
+#if EPD_HAVE_CUDA
+    m->cuda = true;
+#else
+    return absl::UnimplementedError(
+        "the daemon offers a CUDA-backend endpoint but this libepdclient was built without "
+        "CUDA");
+#endif
+  } else if (info.backend() != "host") {
     return absl::UnimplementedError(absl::StrCat(
-        "this libepdclient maps host-backend endpoints only; the daemon offers '", info.backend(),
-        "'"));
+        "this libepdclient maps 'host' and 'cuda' endpoints; the daemon offers '",
+        info.backend(), "'"));
   }
   // The daemon's regions must be the ones this client computes (same layout version).
   std::map<std::string, kernels::Region> mine;
@@ -582,6 +659,14 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
                                                       " has a bad header (magic/version/size)"));
   }
   m->data = m->region.data() + h.data_offset;
+#if EPD_HAVE_CUDA
+  if (m->cuda) {
+    EPD_ASSIGN_OR_RETURN(m->mapping,
+                         internal::CudaAreaMapping::Open(info.cuda_ipc_handle(), info.gpu_uuid()));
+    m->data = m->mapping.data();
+    m->device = DLDevice{kDLCUDA, m->mapping.device()};
+  }
+#endif
   m->next_seq = info.first_seq();
   abi::Atomic(m->header->client_pid).store(static_cast<uint32_t>(::getpid()));
   abi::Atomic(m->header->client_mapped).store(1, std::memory_order_release);

@@ -16,6 +16,9 @@
 #include "daemon/control_service.h"
 #include "daemon/group_registry.h"
 #include "daemon/host_data_plane.h"
+#if EPD_HAVE_CUDA
+#include "daemon/cuda/cuda_data_plane.h"
+#endif
 #include "daemon/logging.h"
 #include "epd/common/status_macros.h"
 #include "epd/v1/control.grpc.pb.h"
@@ -25,9 +28,13 @@
 namespace epd {
 namespace {
 
-/// Whether the CUDA data plane exists in this build. Until it does, a GPU choice runs the
-/// host data plane (and GetStats says so).
+/// Whether the CUDA data plane exists in this build (daemon/cuda/, built with CUDA).
+/// Without it, a GPU choice runs the host data plane (and GetStats says so).
+#if EPD_HAVE_CUDA
+constexpr bool kCudaDataPlaneBuilt = true;
+#else
 constexpr bool kCudaDataPlaneBuilt = false;
+#endif
 
 std::string Errno(int err) { return std::strerror(err); }
 
@@ -104,6 +111,17 @@ absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInve
 
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::DaemonConfig& config,
                                                                 const BackendChoice& choice) {
+#if EPD_HAVE_CUDA
+  if (choice.backend == "cuda") {
+    CudaDataPlaneOptions options;
+    EPD_ASSIGN_OR_RETURN(options.shm_mode, ParseFileMode("shm_mode", config.shm_mode()));
+    options.shm_group = config.socket_group();
+    options.op_timeout_ms = config.op_timeout_ms();
+    options.engine_idle_us = config.engine_idle_us();
+    options.gpu_uuids.assign(config.gpu_uuids().begin(), config.gpu_uuids().end());
+    return MakeCudaDataPlane(options);
+  }
+#endif
   if (choice.backend != "host") {
     return absl::UnimplementedError(
         absl::StrCat("backend \"", choice.backend, "\" has no data plane in this build"));

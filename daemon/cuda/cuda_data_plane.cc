@@ -1,0 +1,721 @@
+// The CUDA backend's data plane (see cuda_data_plane.h): device endpoints exported by
+// CUDA IPC, one engine per GPU, daemon-launched group ops on one stream per rank.
+#include "daemon/cuda/cuda_data_plane.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/engine.h"
+#include "daemon/gpu_inventory.h"
+#include "daemon/group_ops.h"
+#include "epd/common/status_macros.h"
+#include "epd/kernels/cuda_normal.h"
+#include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/layout.h"
+#include "shm_abi.h"
+#include "shm_region.h"
+#include "spdlog/spdlog.h"
+
+namespace epd {
+namespace {
+
+namespace kc = kernels::cuda;
+using Clock = std::chrono::steady_clock;
+using kernels::EndpointLayout;
+
+// Before the CUDA runtime starts in this process: enough hardware queues that the streams
+// of up to 32 ranks run side by side (shared queues would put false dependencies between
+// kernels that spin on each other), and eager module loading (DESIGN.md §3.2). setenv does
+// not override a value the operator set.
+const bool kCudaEnvironmentSet = [] {
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+  return true;
+}();
+
+/// Extra time the engine gives the GPU past op_timeout before it gives up on an op whose
+/// kernels (themselves bounded by op_timeout) have not finished.
+constexpr auto kGpuGrace = std::chrono::seconds(5);
+
+std::shared_ptr<spdlog::logger> EngineLog() {
+  auto l = spdlog::get("epd.engine");
+  return l ? l : spdlog::default_logger();
+}
+
+// ---- RAII for CUDA resources ------------------------------------------------------------
+
+struct DeviceFree {
+  void operator()(void* p) const {
+    if (p != nullptr) cudaFree(p);
+  }
+};
+struct StreamDestroy {
+  void operator()(cudaStream_t s) const {
+    if (s != nullptr) cudaStreamDestroy(s);
+  }
+};
+struct EventDestroy {
+  void operator()(cudaEvent_t e) const {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+};
+struct HostFree {
+  void operator()(void* p) const {
+    if (p != nullptr) cudaFreeHost(p);
+  }
+};
+using DevicePtr = std::unique_ptr<uint8_t, DeviceFree>;
+using StreamPtr = std::unique_ptr<std::remove_pointer_t<cudaStream_t>, StreamDestroy>;
+using EventPtr = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, EventDestroy>;
+
+/// What the engine reads back after each op, per rank (pinned host memory).
+struct Readback {
+  kc::DeviceStatus status;
+  int32_t recv_count;
+};
+
+/// Allocates `bytes` on the current device. RESOURCE_EXHAUSTED when the GPU is full.
+absl::StatusOr<DevicePtr> DeviceAlloc(uint64_t bytes, int device) {
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cudaMalloc of ", bytes, " bytes on GPU ", device, " failed: out of memory"));
+  }
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(err));
+  return DevicePtr(static_cast<uint8_t*>(p));
+}
+
+// ---- in-process registry of exported areas ------------------------------------------------
+
+std::mutex& RegistryMutex() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<std::string, void*>& Registry() {
+  static auto* m = new std::map<std::string, void*>();
+  return *m;
+}
+
+// ---- one rank's device resources ----------------------------------------------------------
+
+/// One attached rank on the CUDA backend. Destroyed when the rank has detached and no op
+/// still running holds it: nothing writes its area any more.
+struct CudaRank : RankResources {
+  int device = 0;  ///< The daemon's CUDA ordinal.
+  int32_t rank = 0;
+  uint64_t bytes = 0;
+  std::string ipc_handle;
+  StreamPtr stream;  // Declared before area: destroyed after it is synchronised.
+  EventPtr done;
+  std::unique_ptr<Readback, HostFree> readback;
+  DevicePtr area;
+
+  ~CudaRank() override {
+    if (!ipc_handle.empty()) {
+      std::lock_guard<std::mutex> lock(RegistryMutex());
+      Registry().erase(ipc_handle);
+    }
+    if (stream != nullptr) {
+      cudaSetDevice(device);
+      cudaStreamSynchronize(stream.get());  // Bounded: every kernel wait is bounded.
+    }
+    area.reset();
+    cudaGetLastError();
+  }
+};
+
+class CudaGroup;
+
+/// One engine: a thread and a doorbell page per GPU, polling the groups it serves.
+struct GpuEngine {
+  int device = 0;
+  ShmRegion doorbell;
+  std::unique_ptr<Engine> engine;
+  std::mutex mu;  // Guards groups.
+  std::vector<CudaGroup*> groups;
+
+  bool PollAll();
+};
+
+class CudaDataPlaneImpl : public DataPlane {
+ public:
+  explicit CudaDataPlaneImpl(const CudaDataPlaneOptions& options) : options_(options) {}
+  ~CudaDataPlaneImpl() override { Shutdown(); }
+
+  absl::Status Init();
+  std::string backend_name() const override { return "cuda"; }
+  uint64_t BytesPerRank(const v1::GroupSpec& spec) const override {
+    // cudaMalloc granularity is 2 MiB.
+    const uint64_t bytes = EndpointLayout::Compute(ShapeOf(spec)).total_bytes;
+    return (bytes + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20);
+  }
+  absl::StatusOr<uint64_t> FreeBytes(const std::string& gpu_uuid) const override;
+  absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override;
+  void Shutdown() override;
+
+  const CudaDataPlaneOptions& options() const { return options_; }
+  /// The daemon's ordinal of `gpu_uuid` ("" = the first GPU). NOT_FOUND otherwise.
+  absl::StatusOr<int> DeviceOf(const std::string& gpu_uuid) const;
+  const std::string& UuidOf(int device) const { return uuids_.at(device); }
+  bool PeerAccess(int a, int b) const { return a == b || peer_.at(a).count(b) > 0; }
+  GpuEngine* EngineOf(int device) { return engines_.at(device).get(); }
+
+  /// Claims every GPU in `devices` for `group`'s next op when none of them runs another
+  /// group's op (one group op per GPU at a time: spinning kernels must all be resident).
+  bool TryClaimGpus(const std::set<int>& devices, const CudaGroup* group);
+  /// Releases the GPUs `group` holds.
+  void ReleaseGpus(const CudaGroup* group);
+
+ private:
+  CudaDataPlaneOptions options_;
+  std::map<int, std::string> uuids_;   // ordinal → UUID.
+  std::map<int, std::set<int>> peer_;  // ordinal → peers it can access.
+  std::map<int, std::unique_ptr<GpuEngine>> engines_;
+  std::mutex claim_mu_;
+  std::map<int, const CudaGroup*> gpu_holder_;  // GPU → group whose op runs on it.
+  std::atomic<bool> shut_down_{false};
+};
+
+LockstepOptions LockstepOptionsOf(const CudaDataPlaneOptions& o) {
+  LockstepOptions l;
+  l.shm_mode = o.shm_mode;
+  l.shm_group = o.shm_group;
+  l.op_timeout_ms = o.op_timeout_ms;
+  return l;
+}
+
+class CudaGroup : public LockstepGroup {
+ public:
+  CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec)
+      : LockstepGroup(spec, LockstepOptionsOf(plane->options())),
+        plane_(plane),
+        ranks_(spec.num_ranks()),
+        host_bases_(spec.num_ranks(), nullptr) {}
+  ~CudaGroup() override;
+
+  /// Shutdown: completes everything pending with `status`.
+  void Stop(const absl::Status& status) { FailAll(status); }
+
+ protected:
+  uint64_t ShmDataBytes() const override { return 0; }
+  absl::StatusOr<std::shared_ptr<RankResources>> PrepareRank(int32_t rank,
+                                                             const std::string& gpu_uuid,
+                                                             v1::LaunchMode launch_mode,
+                                                             v1::EndpointInfo* info) override;
+  absl::Status RankAttached(int32_t rank, const std::shared_ptr<RankResources>& res) override;
+  void RankDetached(int32_t rank) override;
+  bool ReadyToStart() override;
+  std::optional<std::vector<RankOutcome>> StartOp(
+      const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) override;
+  std::optional<std::vector<RankOutcome>> PollOp() override;
+  void WakeEngine() override {
+    GpuEngine* e = engine_.load();
+    if (e != nullptr && e->engine != nullptr) e->engine->Wake();
+  }
+
+ private:
+  /// The group's GPUs (those of its attached ranks).
+  std::set<int> Devices() const;
+  kc::CudaRankContext Context(int32_t r, int32_t num_sms) const;
+  absl::Status LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r);
+  absl::Status ResetSync();
+  /// Serves this group from the engine of `device` unless an engine already does.
+  void AdoptEngine(int device);
+
+  /// An op on the GPU: the ranks it runs on (kept alive until it finished), per-rank
+  /// launch errors, when it started.
+  struct GpuOp {
+    abi::OpKind op = abi::OpKind::kInvalid;
+    std::vector<std::shared_ptr<CudaRank>> ranks;
+    std::vector<absl::Status> launch;
+    Clock::time_point started;
+  };
+
+  CudaDataPlaneImpl* plane_;
+  std::atomic<GpuEngine*> engine_{nullptr};
+  std::mutex engine_mu_;  // Serialises AdoptEngine.
+  // Guarded by LockstepGroup::mu_:
+  std::vector<std::shared_ptr<CudaRank>> ranks_;  // Attached ranks.
+  std::vector<uint8_t*> host_bases_;              // [R] data-area bases.
+  std::map<int, DevicePtr> peer_bases_;           // GPU → device array [R].
+  bool needs_sync_reset_ = false;                 // Kernel sync state must be zeroed.
+  std::optional<GpuOp> gpu_op_;                   // The op running on the GPU.
+  std::optional<GpuOp> abandoned_;                // An op given up on, still on the GPU.
+};
+
+// ---------------------------------------------------------------------------------------
+
+bool GpuEngine::PollAll() {
+  std::lock_guard<std::mutex> lock(mu);
+  bool worked = false;
+  for (CudaGroup* g : groups) worked |= g->Poll();
+  return worked;
+}
+
+absl::Status CudaDataPlaneImpl::Init() {
+  (void)kCudaEnvironmentSet;
+  EPD_ASSIGN_OR_RETURN(GpuInventory inventory, GpuInventory::Discover(options_.gpu_uuids));
+  if (inventory.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the CUDA data plane needs a GPU: ", inventory.reason()));
+  }
+  auto log = EngineLog();
+  for (const v1::GpuInfo& g : inventory.gpus()) uuids_[g.ordinal()] = g.uuid();
+  // Peer access among every pair of GPUs that supports it.
+  for (const auto& [a, ua] : uuids_) {
+    for (const auto& [b, ub] : uuids_) {
+      if (a == b) continue;
+      int can = 0;
+      EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaDeviceCanAccessPeer(&can, a, b)));
+      if (!can) {
+        log->warn("GPU {} cannot access GPU {}: a group cannot span them", a, b);
+        continue;
+      }
+      EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(a)));
+      cudaError_t err = cudaDeviceEnablePeerAccess(b, 0);
+      if (err == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();
+      } else {
+        EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(err));
+      }
+      peer_[a].insert(b);
+    }
+  }
+  // Eager kernel loading, then one engine per GPU.
+  for (const auto& [device, uuid] : uuids_) {
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(device)));
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaFree(nullptr)));  // Creates the context.
+    EPD_RETURN_IF_ERROR(kc::PreloadKernels());
+    auto engine = std::make_unique<GpuEngine>();
+    engine->device = device;
+    EPD_ASSIGN_OR_RETURN(engine->doorbell,
+                         ShmRegion::Create("epd-doorbell", sizeof(abi::DoorbellPage),
+                                           options_.shm_mode, options_.shm_group));
+    auto* page = reinterpret_cast<abi::DoorbellPage*>(engine->doorbell.data());
+    page->size = sizeof(abi::DoorbellPage);
+    page->magic = abi::kDoorbellMagic;
+    page->version = abi::kShmAbiVersion;
+    GpuEngine* e = engine.get();
+    // Wake at least every 20 ms to enforce op timeouts while asleep.
+    e->engine = std::make_unique<Engine>(page, options_.engine_idle_us, 20000, [e] {
+      cudaSetDevice(e->device);
+      return e->PollAll();
+    });
+    e->engine->Start();
+    engines_[device] = std::move(engine);
+    log->info("CUDA data plane: GPU {} ({}) ready: kernels loaded, engine started", device, uuid);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> CudaDataPlaneImpl::DeviceOf(const std::string& gpu_uuid) const {
+  if (gpu_uuid.empty()) return uuids_.begin()->first;
+  for (const auto& [device, uuid] : uuids_) {
+    if (uuid == gpu_uuid) return device;
+  }
+  return absl::NotFoundError(
+      absl::StrCat("gpu_uuid: \"", gpu_uuid, "\" is not a GPU of this CUDA data plane"));
+}
+
+absl::StatusOr<uint64_t> CudaDataPlaneImpl::FreeBytes(const std::string& gpu_uuid) const {
+  EPD_ASSIGN_OR_RETURN(int device, DeviceOf(gpu_uuid));
+  size_t free_bytes = 0, total = 0;
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(device)));
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaMemGetInfo(&free_bytes, &total)));
+  return static_cast<uint64_t>(free_bytes);
+}
+
+absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CudaDataPlaneImpl::CreateGroup(
+    const v1::GroupSpec& spec) {
+  if (shut_down_.load()) return absl::UnavailableError("epd is shutting down");
+  return std::unique_ptr<DataPlaneGroup>(std::make_unique<CudaGroup>(this, spec));
+}
+
+bool CudaDataPlaneImpl::TryClaimGpus(const std::set<int>& devices, const CudaGroup* group) {
+  std::lock_guard<std::mutex> lock(claim_mu_);
+  for (int d : devices) {
+    auto it = gpu_holder_.find(d);
+    if (it != gpu_holder_.end() && it->second != group) return false;
+  }
+  for (int d : devices) gpu_holder_[d] = group;
+  return true;
+}
+
+void CudaDataPlaneImpl::ReleaseGpus(const CudaGroup* group) {
+  std::lock_guard<std::mutex> lock(claim_mu_);
+  for (auto it = gpu_holder_.begin(); it != gpu_holder_.end();) {
+    it = it->second == group ? gpu_holder_.erase(it) : std::next(it);
+  }
+}
+
+void CudaDataPlaneImpl::Shutdown() {
+  if (shut_down_.exchange(true)) return;
+  for (auto& [device, e] : engines_) {
+    if (e->engine) e->engine->Stop();
+  }
+  for (auto& [device, e] : engines_) {
+    std::lock_guard<std::mutex> lock(e->mu);
+    for (CudaGroup* g : e->groups) g->Stop(absl::UnavailableError("epd is shutting down"));
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+
+CudaGroup::~CudaGroup() {
+  if (GpuEngine* e = engine_.load()) {
+    std::lock_guard<std::mutex> lock(e->mu);
+    e->groups.erase(std::remove(e->groups.begin(), e->groups.end(), this), e->groups.end());
+  }
+  // Ops still on the GPU end (their waits are bounded) before any memory of the group is
+  // freed: the peer arrays below, the ranks' areas with the endpoints.
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const std::optional<GpuOp>* op : {&gpu_op_, &abandoned_}) {
+    if (!op->has_value()) continue;
+    for (const auto& r : (*op)->ranks) {
+      cudaSetDevice(r->device);
+      cudaStreamSynchronize(r->stream.get());
+    }
+  }
+  cudaGetLastError();
+  gpu_op_.reset();
+  abandoned_.reset();
+  plane_->ReleaseGpus(this);
+}
+
+void CudaGroup::AdoptEngine(int device) {
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  if (engine_.load() != nullptr) return;
+  GpuEngine* e = plane_->EngineOf(device);
+  {
+    std::lock_guard<std::mutex> elock(e->mu);
+    e->groups.push_back(this);
+  }
+  engine_.store(e);
+}
+
+absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t rank,
+                                                                      const std::string& gpu_uuid,
+                                                                      v1::LaunchMode launch_mode,
+                                                                      v1::EndpointInfo* info) {
+  if (launch_mode == v1::LAUNCH_MODE_CLIENT) {
+    return absl::UnimplementedError(
+        "launch_mode LAUNCH_MODE_CLIENT is not implemented by this epd's CUDA data plane yet; "
+        "use LAUNCH_MODE_DAEMON or leave it unspecified");
+  }
+  EPD_ASSIGN_OR_RETURN(int device, plane_->DeviceOf(gpu_uuid));
+  auto r = std::make_shared<CudaRank>();
+  r->device = device;
+  r->rank = rank;
+  r->bytes = layout().total_bytes;
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(device)));
+  cudaStream_t stream = nullptr;
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)));
+  r->stream.reset(stream);
+  cudaEvent_t event = nullptr;
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)));
+  r->done.reset(event);
+  void* pinned = nullptr;
+  EPD_RETURN_IF_ERROR(
+      EPD_CUDA_STATUS(cudaHostAlloc(&pinned, sizeof(Readback), cudaHostAllocPortable)));
+  r->readback.reset(static_cast<Readback*>(pinned));
+  std::memset(pinned, 0, sizeof(Readback));
+  EPD_ASSIGN_OR_RETURN(r->area, DeviceAlloc(r->bytes, device));
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaMemsetAsync(r->area.get(), 0, r->bytes, stream)));
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(stream)));
+  cudaIpcMemHandle_t handle;
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaIpcGetMemHandle(&handle, r->area.get())));
+  r->ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  {
+    std::lock_guard<std::mutex> lock(RegistryMutex());
+    Registry()[r->ipc_handle] = r->area.get();
+  }
+  AdoptEngine(device);
+  info->set_backend("cuda");
+  info->set_gpu_uuid(plane_->UuidOf(device));
+  info->set_cuda_ipc_handle(r->ipc_handle);
+  info->set_doorbell_shm_name(engine_.load()->doorbell.name());
+  info->set_launch_mode(v1::LAUNCH_MODE_DAEMON);
+  return std::shared_ptr<RankResources>(std::move(r));
+}
+
+std::set<int> CudaGroup::Devices() const {
+  std::set<int> d;
+  for (const auto& r : ranks_) {
+    if (r) d.insert(r->device);
+  }
+  return d;
+}
+
+absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankResources>& res) {
+  auto r = std::static_pointer_cast<CudaRank>(res);
+  for (int d : Devices()) {
+    if (!plane_->PeerAccess(r->device, d) || !plane_->PeerAccess(d, r->device)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank, " on GPU ", plane_->UuidOf(r->device), " cannot reach GPU ",
+                       plane_->UuidOf(d), " of another rank of group ", spec().name(),
+                       " (no peer access between them)"));
+    }
+  }
+  std::vector<uint8_t*> bases = host_bases_;
+  bases[rank] = r->area.get();
+  std::set<int> devices = Devices();
+  devices.insert(r->device);
+  // Every GPU of the group gets the new [R] array of bases; ordered on the new rank's
+  // stream and waited for, so no kernel can see a stale array.
+  for (int d : devices) {
+    auto it = peer_bases_.find(d);
+    if (it == peer_bases_.end()) {
+      EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(d)));
+      EPD_ASSIGN_OR_RETURN(DevicePtr p, DeviceAlloc(sizeof(uint8_t*) * bases.size(), d));
+      it = peer_bases_.emplace(d, std::move(p)).first;
+    }
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaMemcpyAsync(it->second.get(), bases.data(),
+                                                        sizeof(uint8_t*) * bases.size(),
+                                                        cudaMemcpyHostToDevice, r->stream.get())));
+  }
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(r->stream.get())));
+  host_bases_ = std::move(bases);
+  ranks_[rank] = std::move(r);
+  // The new area's sync state is zero, the others' counters are not: zero them all
+  // before the next op.
+  needs_sync_reset_ = true;
+  return absl::OkStatus();
+}
+
+void CudaGroup::RankDetached(int32_t rank) {
+  ranks_[rank].reset();
+  host_bases_[rank] = nullptr;
+}
+
+kc::CudaRankContext CudaGroup::Context(int32_t r, int32_t num_sms) const {
+  const CudaRank& cr = *ranks_[r];
+  kc::CudaRankContext ctx;
+  ctx.shape = shape();
+  ctx.layout = layout();
+  ctx.rank = r;
+  ctx.peer_bases = reinterpret_cast<uint8_t* const*>(peer_bases_.at(cr.device).get());
+  ctx.own_base = cr.area.get();
+  ctx.num_sms = num_sms;
+  int32_t on_device = 0;
+  for (const auto& other : ranks_) on_device += other && other->device == cr.device ? 1 : 0;
+  ctx.ranks_on_device = on_device;
+  ctx.timeout_ns = static_cast<int64_t>(options().op_timeout_ms) * 1'000'000;
+  return ctx;
+}
+
+bool CudaGroup::ReadyToStart() {
+  if (abandoned_) {
+    for (const auto& r : abandoned_->ranks) {
+      if (cudaEventQuery(r->done.get()) == cudaErrorNotReady) return false;
+    }
+    cudaGetLastError();
+    abandoned_.reset();
+    plane_->ReleaseGpus(this);
+    needs_sync_reset_ = true;
+  }
+  return plane_->TryClaimGpus(Devices(), this);
+}
+
+absl::Status CudaGroup::ResetSync() {
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    kc::CudaRankContext ctx = Context(static_cast<int32_t>(r), 0);
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(ranks_[r]->device)));
+    cudaStream_t s = ranks_[r]->stream.get();
+    if (shape().ll_max_tokens_per_rank > 0) EPD_RETURN_IF_ERROR(kc::ResetLowLatencySync(ctx, s));
+    EPD_RETURN_IF_ERROR(kc::ResetNormalSync(ctx, s));
+    EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(ctx, s, &ranks_[r]->readback->status));
+  }
+  // Every rank's reset must be complete before any rank's next kernel writes a peer's flags.
+  for (const auto& r : ranks_) {
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(r->stream.get())));
+  }
+  needs_sync_reset_ = false;
+  return absl::OkStatus();
+}
+
+absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r) {
+  const CudaRank& cr = *ranks_[r];
+  const EndpointLayout& L = layout();
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
+  cudaStream_t s = cr.stream.get();
+  const bool low_latency =
+      plan.op == abi::OpKind::kLowLatencyDispatch || plan.op == abi::OpKind::kLowLatencyCombine;
+  // A client's SM budget applies to normal ops only: low-latency kernels spin on each
+  // other, so their grids keep the default that makes every rank resident.
+  const int32_t num_sms = low_latency
+                              ? plane_->options().num_sms
+                              : (slot.num_sms > 0 ? slot.num_sms : plane_->options().num_sms);
+  const kc::CudaRankContext ctx = Context(r, num_sms);
+  switch (plan.op) {
+    case abi::OpKind::kGetDispatchLayout:
+      EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, slot.num_tokens, s));
+      EPD_RETURN_IF_ERROR(kc::GetDispatchLayout(ctx, kc::GetDispatchLayoutArgs{}, s));
+      break;
+    case abi::OpKind::kDispatch: {
+      kc::NormalDispatchArgs a;
+      a.fp8 = plan.flags & abi::kFlagFp8;
+      a.expert_alignment = slot.expert_alignment;
+      a.with_weights = plan.flags & abi::kFlagDispatchWeights;
+      a.cached = plan.flags & abi::kFlagCachedHandle;
+      EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, slot.num_tokens, s));
+      EPD_RETURN_IF_ERROR(kc::NormalDispatch(ctx, a, s));
+      EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(
+          cudaMemcpyAsync(&cr.readback->recv_count, cr.area.get() + L.recv_count.offset,
+                          sizeof(int32_t), cudaMemcpyDeviceToHost, s)));
+      break;
+    }
+    case abi::OpKind::kCombine: {
+      kc::NormalCombineArgs a;
+      a.with_weights = plan.flags & abi::kFlagCombineWeights;
+      // The handle's T (validated equal to the routing dispatch's T).
+      EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, slot.num_tokens, s));
+      EPD_RETURN_IF_ERROR(kc::NormalCombine(ctx, a, s));
+      break;
+    }
+    case abi::OpKind::kLowLatencyDispatch: {
+      kc::LowLatencyDispatchArgs a;
+      a.buffer = plan.ll_buffer;
+      a.use_fp8 = plan.flags & abi::kFlagFp8;
+      a.round_scale = plan.flags & abi::kFlagRoundScale;
+      EPD_RETURN_IF_ERROR(kc::SetLowLatencyNumTokensAsync(ctx, slot.num_tokens, s));
+      EPD_RETURN_IF_ERROR(kc::LowLatencyDispatch(ctx, a, s));
+      break;
+    }
+    case abi::OpKind::kLowLatencyCombine: {
+      kc::LowLatencyCombineArgs a;
+      a.buffer = plan.ll_handle_buffer;
+      a.combined_x = reinterpret_cast<kernels::bf16_bits*>(
+          cr.area.get() + L.ll_combined_x[plan.ll_out_buffer].offset);
+      EPD_RETURN_IF_ERROR(kc::LowLatencyCombine(ctx, a, s));
+      break;
+    }
+    default:
+      return absl::InternalError(absl::StrCat("unreachable op kind ", static_cast<int>(plan.op)));
+  }
+  return absl::OkStatus();
+}
+
+std::optional<std::vector<RankOutcome>> CudaGroup::StartOp(
+    const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) {
+  const int R = static_cast<int>(slots.size());
+  GpuOp op;
+  op.op = plan.op;
+  op.started = Clock::now();
+  op.ranks = ranks_;
+  op.launch.assign(R, absl::OkStatus());
+  if (needs_sync_reset_) {
+    absl::Status st = ResetSync();
+    if (!st.ok()) {
+      EngineLog()->error("group {}: resetting the kernels' sync state failed: {}", spec().name(),
+                         st.ToString());
+      plane_->ReleaseGpus(this);
+      std::vector<RankOutcome> out(R);
+      for (auto& o : out) o.status = st;
+      return out;
+    }
+  }
+  // Every rank's kernel is enqueued before any is waited for; a launch error on one rank
+  // still launches the others, whose waits then end at the kernel timeout.
+  for (int r = 0; r < R; ++r) op.launch[r] = LaunchRank(plan, slots[r], r);
+  for (int r = 0; r < R; ++r) {
+    const CudaRank& cr = *ranks_[r];
+    cudaSetDevice(cr.device);
+    absl::Status st =
+        kc::EnqueueStatusReadback(Context(r, 0), cr.stream.get(), &cr.readback->status);
+    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventRecord(cr.done.get(), cr.stream.get()));
+    if (!st.ok() && op.launch[r].ok()) op.launch[r] = st;
+  }
+  gpu_op_ = std::move(op);
+  return std::nullopt;
+}
+
+std::optional<std::vector<RankOutcome>> CudaGroup::PollOp() {
+  GpuOp& op = *gpu_op_;
+  const int R = static_cast<int>(op.ranks.size());
+  bool all_done = true;
+  std::vector<absl::Status> event_error(R);
+  for (int r = 0; r < R; ++r) {
+    cudaError_t err = cudaEventQuery(op.ranks[r]->done.get());
+    if (err == cudaErrorNotReady) {
+      all_done = false;
+    } else if (err != cudaSuccess) {
+      event_error[r] = EPD_CUDA_STATUS(err);
+    }
+  }
+  std::vector<RankOutcome> out(R);
+  if (!all_done) {
+    if (Clock::now() - op.started <
+        std::chrono::milliseconds(options().op_timeout_ms) + kGpuGrace) {
+      return std::nullopt;
+    }
+    // The kernels bound their own waits by op_timeout; past that and a grace period the
+    // op is given up on. Its resources stay held until the GPU is done with them, and the
+    // group's next op waits for that (ReadyToStart).
+    absl::Status st = absl::DeadlineExceededError(
+        absl::StrCat(OpName(static_cast<uint32_t>(op.op)), " of group ", spec().name(),
+                     ": the GPU did not finish the op within op_timeout ", options().op_timeout_ms,
+                     " ms + 5 s; check the GPU (nvidia-smi) and the daemon log"));
+    EngineLog()->error("{}", std::string(st.message()));
+    for (auto& o : out) o.status = st;
+    abandoned_ = std::move(gpu_op_);
+    gpu_op_.reset();
+    return out;
+  }
+  const char* name = OpName(static_cast<uint32_t>(op.op));
+  for (int r = 0; r < R; ++r) {
+    const Readback& rb = *op.ranks[r]->readback;
+    if (!op.launch[r].ok()) {
+      out[r].status = op.launch[r];
+    } else if (!event_error[r].ok()) {
+      out[r].status = event_error[r];
+    } else {
+      out[r].status = kc::StatusFromDevice(rb.status, shape(), r, name);
+      if (op.op == abi::OpKind::kDispatch) out[r].num_recv_tokens = rb.recv_count;
+    }
+    // A device-side timeout or a launch error leaves the ranks' sequence counters out of
+    // step: zero the sync state before the next op.
+    if (out[r].status.code() == absl::StatusCode::kDeadlineExceeded || !op.launch[r].ok() ||
+        !event_error[r].ok()) {
+      needs_sync_reset_ = true;
+    }
+  }
+  gpu_op_.reset();
+  plane_->ReleaseGpus(this);
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const CudaDataPlaneOptions& options) {
+  auto plane = std::make_unique<CudaDataPlaneImpl>(options);
+  EPD_RETURN_IF_ERROR(plane->Init());
+  return std::unique_ptr<DataPlane>(std::move(plane));
+}
+
+absl::StatusOr<void*> FindInProcessCudaArea(const std::string& cuda_ipc_handle) {
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  auto it = Registry().find(cuda_ipc_handle);
+  if (it == Registry().end()) {
+    return absl::NotFoundError("no endpoint of this process exported that CUDA IPC handle");
+  }
+  return it->second;
+}
+
+}  // namespace epd

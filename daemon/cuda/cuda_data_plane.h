@@ -1,0 +1,66 @@
+// CudaDataPlane: the CUDA backend (DESIGN.md §1, §3.2, §4; issue 4 "Backend"), compiled
+// only with CUDA (daemon/CMakeLists.txt adds daemon/cuda/ when EPD_HAVE_CUDA).
+//
+// At start-up: every allowed GPU is enumerated, peer access is enabled among them, every
+// kernel is loaded eagerly on each (kernels::cuda::PreloadKernels, DESIGN §3.2), and one
+// engine thread per GPU starts (daemon/engine.h, with its own doorbell page).
+//
+// Per endpoint (one rank): the data area (EndpointLayout) is one cudaMalloc on the rank's
+// GPU (chosen by UUID; "" = the first GPU), zeroed, exported with cudaIpcGetMemHandle
+// (EndpointInfo.cuda_ipc_handle, backend "cuda"); the endpoint's shm region holds only the
+// request ring and the completions (EndpointShmHeader.data_offset = 0). Each rank has one
+// CUDA stream; each group keeps, per GPU it uses, a device array [R] of its ranks' data-area
+// bases as seen by the daemon's context (CudaRankContext::peer_bases).
+//
+// Launch mode: daemon-launched. A group is served by the engine of the GPU of the first
+// rank that attached. Ops run in lockstep (daemon/group_ops.h): once every rank has
+// submitted op n, the engine launches each rank's kernel on that rank's stream (grids
+// sized so that every rank's kernel of the group is resident at once: virtual ranks on one
+// GPU), enqueues each rank's DeviceStatus read-back into pinned memory and an event, and
+// polls the events without blocking; then it writes the completions. Only one group op
+// runs on a GPU at a time (residency of spinning kernels). A rank that never arrives fails
+// the op on the CPU after op_timeout (no kernel of a partial op is ever launched, so
+// nothing spins on the GPU). After a device-side timeout or a launch error, the group's
+// kernel sync state is reset before its next op.
+//
+// Simplifications of this step (docs/CUDA_BACKEND.md): the client stages inputs with a
+// synchronous cudaMemcpy before it submits and waits for the CPU completion; the
+// stream-ordered hand-off (cuStreamWriteValue/WaitValue flags), graph mode and
+// client-launched mode (LAUNCH_MODE_CLIENT → UNIMPLEMENTED) come next.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/data_plane.h"
+
+namespace epd {
+
+/// Options of the CUDA data plane (from DaemonConfig).
+struct CudaDataPlaneOptions {
+  uint32_t shm_mode = 0600;            ///< Mode of the endpoint shm regions and doorbells.
+  std::string shm_group;               ///< Group of the shm regions ("" = own group).
+  uint32_t op_timeout_ms = 10000;      ///< Bound on waiting for the ranks of an op, and of
+                                       ///< every spin wait in the kernels.
+  uint32_t engine_idle_us = 100;       ///< An engine sleeps after this long with no request.
+  std::vector<std::string> gpu_uuids;  ///< GPUs to use; empty = every visible GPU.
+  int32_t num_sms = 0;                 ///< Blocks per rank's kernel; 0 = SM count / ranks of
+                                       ///< the group on that GPU (every rank resident).
+};
+
+/// Creates the CUDA data plane and starts its engines. Errors: FAILED_PRECONDITION when no
+/// GPU is usable, NOT_FOUND for an unknown entry of gpu_uuids, INTERNAL for CUDA errors
+/// (naming the call), and those of creating the doorbell shm pages.
+absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const CudaDataPlaneOptions& options);
+
+/// The device address of the data area exported as `cuda_ipc_handle` by a CUDA data plane
+/// of THIS process. CUDA cannot open an IPC handle in the process that exported it, so an
+/// in-process client (tests; a daemon embedded in its client) maps its endpoint through
+/// this instead of cudaIpcOpenMemHandle. NOT_FOUND when no live endpoint of this process
+/// has that handle.
+absl::StatusOr<void*> FindInProcessCudaArea(const std::string& cuda_ipc_handle);
+
+}  // namespace epd

@@ -1,0 +1,526 @@
+// The lockstep core of a data-plane group: ring popping and validation, op collection,
+// timeouts, completions and handle state (see group_ops.h).
+#include "daemon/group_ops.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "epd/common/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace epd {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::shared_ptr<spdlog::logger> EngineLog() {
+  auto l = spdlog::get("epd.engine");
+  return l ? l : spdlog::default_logger();
+}
+
+void WriteCompletion(LockstepEndpoint& ep, uint64_t seq, const RankOutcome& outcome) {
+  abi::Completion& c = ep.completions()[seq % abi::kCompletionCapacity];
+  c.status_code = static_cast<int32_t>(outcome.status.code());
+  c.num_recv_tokens = outcome.num_recv_tokens;
+  c.buffer = outcome.buffer;
+  c.reserved = 0;
+  std::string msg(outcome.status.message());
+  size_t n = std::min(msg.size(), static_cast<size_t>(abi::kMessageBytes - 1));
+  std::memcpy(c.message, msg.data(), n);
+  c.message[n] = '\0';
+  abi::Atomic(c.seq).store(seq, std::memory_order_release);
+  abi::Atomic(ep.header->completion_futex).fetch_add(1, std::memory_order_seq_cst);
+  if (abi::Atomic(ep.header->client_waiting).load(std::memory_order_seq_cst) != 0) {
+    FutexWakeAll(&ep.header->completion_futex);
+  }
+  if (outcome.status.ok()) ++ep.ops_completed;
+}
+
+std::atomic<uint64_t> g_next_endpoint_id{1};
+
+}  // namespace
+
+uint64_t NextEndpointId() { return g_next_endpoint_id.fetch_add(1); }
+
+kernels::GroupShape ShapeOf(const v1::GroupSpec& spec) {
+  kernels::GroupShape s;
+  s.num_ranks = spec.num_ranks();
+  s.num_experts = spec.num_experts();
+  s.hidden = spec.hidden();
+  s.num_topk = spec.num_topk();
+  s.max_tokens_per_rank = spec.max_tokens_per_rank();
+  s.ll_max_tokens_per_rank = spec.ll_max_tokens_per_rank();
+  s.use_fp8 = spec.use_fp8();
+  return s;
+}
+
+const char* OpName(uint32_t op) {
+  switch (static_cast<abi::OpKind>(op)) {
+    case abi::OpKind::kGetDispatchLayout:
+      return "GetDispatchLayout";
+    case abi::OpKind::kDispatch:
+      return "Dispatch";
+    case abi::OpKind::kCombine:
+      return "Combine";
+    case abi::OpKind::kLowLatencyDispatch:
+      return "LowLatencyDispatch";
+    case abi::OpKind::kLowLatencyCombine:
+      return "LowLatencyCombine";
+    default:
+      return "Invalid";
+  }
+}
+
+LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
+    : spec_(spec),
+      shape_(ShapeOf(spec)),
+      layout_(kernels::EndpointLayout::Compute(shape_)),
+      options_(std::move(options)),
+      endpoints_(spec.num_ranks()) {}
+
+uint64_t LockstepGroup::rank_ops_completed(int32_t rank) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size()) || !endpoints_[rank]) return 0;
+  return endpoints_[rank]->ops_completed;
+}
+
+absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid,
+                                       v1::LaunchMode launch_mode, v1::EndpointInfo* info) {
+  if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " outside [0, ", endpoints_.size(), ")"));
+  }
+  auto ep = std::make_unique<LockstepEndpoint>();
+  EPD_ASSIGN_OR_RETURN(ep->backend, PrepareRank(rank, gpu_uuid, launch_mode, info));
+  const uint64_t shm_data_bytes = ShmDataBytes();
+  abi::EndpointShmLayout shm = abi::ComputeEndpointShmLayout(shm_data_bytes);
+  EPD_ASSIGN_OR_RETURN(ep->region, ShmRegion::Create("epd-ep", shm.total_bytes, options_.shm_mode,
+                                                     options_.shm_group));
+  ep->header = reinterpret_cast<abi::EndpointShmHeader*>(ep->region.data());
+  abi::EndpointShmHeader& h = *ep->header;
+  h.size = sizeof(abi::EndpointShmHeader);
+  h.magic = abi::kEndpointMagic;
+  h.version = abi::kShmAbiVersion;
+  h.ring_capacity = abi::kRingCapacity;
+  h.completion_capacity = abi::kCompletionCapacity;
+  ep->endpoint_id = NextEndpointId();
+  h.endpoint_id = ep->endpoint_id;
+  h.ring_offset = shm.ring_offset;
+  h.completion_offset = shm.completion_offset;
+  h.data_offset = shm_data_bytes > 0 ? shm.data_offset : 0;
+  h.data_bytes = layout_.total_bytes;
+  h.total_bytes = shm.total_bytes;
+
+  std::lock_guard<std::mutex> lock(mu_);
+  if (endpoints_[rank]) {
+    return absl::AlreadyExistsError(absl::StrCat("rank ", rank, " is already attached"));
+  }
+  // A rank rejoining while an op of the group still runs in the backend continues after it.
+  const uint64_t first_seq = current_seq_ + (running_ ? 1 : 0);
+  ep->next_seq = first_seq;
+  // The ring's head/tail count slots; start them at the first seq - 1 so slot i holds
+  // seq i (the client writes slot (head + 1) % capacity, see client/endpoint.cc).
+  h.ring_head = first_seq - 1;
+  h.ring_tail = first_seq - 1;
+  for (uint32_t i = 0; i < abi::kCompletionCapacity; ++i) ep->completions()[i].seq = 0;
+
+  info->set_group(spec_.name());
+  info->set_rank(rank);
+  info->set_endpoint_id(ep->endpoint_id);
+  info->set_shm_name(ep->region.name());
+  info->set_shm_bytes(shm.total_bytes);
+  info->set_data_offset(h.data_offset);
+  info->set_data_bytes(layout_.total_bytes);
+  info->clear_regions();
+  layout_.ForEachRegion([&](const char* name, const kernels::Region& r) {
+    v1::BufferRegion* br = info->add_regions();
+    br->set_name(name);
+    br->set_offset(r.offset);
+    br->set_bytes(r.bytes);
+  });
+  info->set_abi_version(abi::kShmAbiVersion);
+  info->set_op_timeout_ms(options_.op_timeout_ms);
+  info->set_first_seq(first_seq);
+  EPD_RETURN_IF_ERROR(RankAttached(rank, ep->backend));
+  endpoints_[rank] = std::move(ep);
+  EngineLog()->info("group {}: rank {} attached (endpoint {}, backend {}, {} bytes of shm)",
+                    spec_.name(), rank, endpoints_[rank]->endpoint_id, info->backend(),
+                    shm.total_bytes);
+  return absl::OkStatus();
+}
+
+void LockstepGroup::DetachRank(int32_t rank) {
+  std::unique_ptr<LockstepEndpoint> ep;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size())) return;
+    ep = std::move(endpoints_[rank]);
+    if (!ep) return;
+    // A rank that already arrived at a running op stays part of it (its resources live
+    // on in the backend's running op); one that never arrived fails the op.
+    if (op_started_ && !running_ && !ep->request.has_value()) {
+      FailOp(absl::DeadlineExceededError(absl::StrCat("op ", current_seq_, " of group ",
+                                                      spec_.name(), ": rank ", rank,
+                                                      " left the group before arriving")));
+    }
+    RankDetached(rank);
+  }
+  EngineLog()->info("group {}: rank {} detached (endpoint {})", spec_.name(), rank,
+                    ep->endpoint_id);
+  WakeEngine();
+  // ep's shm is unmapped and unlinked here, outside the lock.
+}
+
+void LockstepGroup::FailAll(const absl::Status& status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& ep : endpoints_) {
+    if (!ep) continue;
+    uint64_t head = abi::Atomic(ep->header->ring_head).load(std::memory_order_acquire);
+    // Complete everything already submitted so no client waits on a dead daemon.
+    if (ep->request) {
+      WriteCompletion(*ep, ep->request->seq, {status});
+      ep->request.reset();
+    }
+    for (uint64_t s = ep->next_seq; s <= head && s < ep->next_seq + abi::kRingCapacity; ++s) {
+      WriteCompletion(*ep, s, {status});
+    }
+  }
+}
+
+absl::Status LockstepGroup::ValidateSlot(const LockstepEndpoint& ep,
+                                         const abi::RequestSlot& slot) const {
+  // magic and seq were checked when the slot was popped.
+  if (slot.op == 0 || slot.op > abi::kMaxOpKind) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed request slot: op ", slot.op));
+  }
+  if ((slot.flags & ~abi::kAllRequestFlags) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed request slot: flags 0x", absl::Hex(slot.flags)));
+  }
+  if (slot.flags & abi::kFlagClientError) {
+    return absl::InvalidArgumentError("the client rejected its own inputs for this op");
+  }
+  const auto op = static_cast<abi::OpKind>(slot.op);
+  const bool ll = op == abi::OpKind::kLowLatencyDispatch || op == abi::OpKind::kLowLatencyCombine;
+  const int32_t max_tokens = ll ? shape_.ll_max_tokens_per_rank : shape_.max_tokens_per_rank;
+  if (ll && shape_.ll_max_tokens_per_rank == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        OpName(slot.op), " needs spec.ll_max_tokens_per_rank > 0 (group ", spec_.name(), ")"));
+  }
+  if (slot.num_tokens < 0 || slot.num_tokens > max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(OpName(slot.op), ": num_tokens ",
+                                                   slot.num_tokens, " outside [0, ", max_tokens,
+                                                   "] (", ll ? "ll_" : "", "max_tokens_per_rank)"));
+  }
+  if (slot.num_sms < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(OpName(slot.op), ": num_sms ", slot.num_sms, " < 0"));
+  }
+  if (op == abi::OpKind::kDispatch) {
+    if (slot.expert_alignment < 1 || slot.expert_alignment > (1 << 20)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Dispatch: expert_alignment ", slot.expert_alignment, " outside [1, 2^20]"));
+    }
+    if ((slot.flags & abi::kFlagFp8) && !shape_.use_fp8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Dispatch: FP8 input but group ", spec_.name(), " has use_fp8 = false"));
+    }
+  }
+  if (op == abi::OpKind::kLowLatencyDispatch && (slot.flags & abi::kFlagFp8) &&
+      shape_.hidden % kernels::kFp8BlockChannels != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LowLatencyDispatch: use_fp8 needs hidden % 128 == 0, hidden = ", shape_.hidden));
+  }
+  if ((op == abi::OpKind::kLowLatencyDispatch && (slot.flags & abi::kFlagFp8) && !shape_.use_fp8)) {
+    return absl::InvalidArgumentError(absl::StrCat("LowLatencyDispatch: use_fp8 but group ",
+                                                   spec_.name(), " has use_fp8 = false"));
+  }
+  return ValidateHandle(ep, slot);
+}
+
+absl::Status LockstepGroup::ValidateHandle(const LockstepEndpoint& ep,
+                                           const abi::RequestSlot& slot) const {
+  const auto op = static_cast<abi::OpKind>(slot.op);
+  const bool uses_routing = op == abi::OpKind::kCombine ||
+                            (op == abi::OpKind::kDispatch && (slot.flags & abi::kFlagCachedHandle));
+  if (uses_routing) {
+    if (ep.routing_seq == 0 || slot.handle_seq < ep.routing_seq ||
+        slot.handle_seq > ep.last_dispatch_seq) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          OpName(slot.op), ": handle of op ", slot.handle_seq,
+          " is not the current dispatch routing of this endpoint (valid: ops ", ep.routing_seq,
+          "..", ep.last_dispatch_seq, "); a handle is invalidated by the next Dispatch"));
+    }
+    if (slot.num_tokens != ep.routing_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(OpName(slot.op), ": num_tokens ",
+                                                     slot.num_tokens, " != the handle's ",
+                                                     ep.routing_tokens));
+    }
+  }
+  if (op == abi::OpKind::kLowLatencyCombine) {
+    int found = -1;
+    for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) {
+      if (ep.ll_seq[b] != 0 && ep.ll_seq[b] == slot.handle_seq) found = b;
+    }
+    if (found < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "LowLatencyCombine: handle of op ", slot.handle_seq,
+          " is not one of this endpoint's last two low-latency dispatches (its buffers were "
+          "reused, or it comes from another endpoint)"));
+    }
+    if (slot.num_tokens != ep.ll_tokens[found]) {
+      return absl::InvalidArgumentError(absl::StrCat("LowLatencyCombine: num_tokens ",
+                                                     slot.num_tokens, " != the handle's ",
+                                                     ep.ll_tokens[found]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool LockstepGroup::PopRequests() {
+  bool worked = false;
+  for (size_t r = 0; r < endpoints_.size(); ++r) {
+    LockstepEndpoint* ep = endpoints_[r].get();
+    if (!ep) continue;
+    if (ep->region.linked() &&
+        abi::Atomic(ep->header->client_mapped).load(std::memory_order_acquire) != 0) {
+      ep->region.Unlink();  // Both sides have it mapped: the name is no longer needed.
+    }
+    while (!ep->request && ep->next_seq <= current_seq_) {
+      uint64_t head = abi::Atomic(ep->header->ring_head).load(std::memory_order_seq_cst);
+      uint64_t tail = ep->header->ring_tail;
+      if (head == tail) break;
+      if (head - tail > abi::kRingCapacity) {
+        // Garbage head: treat as one malformed slot so the ring stays usable.
+        head = tail + 1;
+      }
+      abi::RequestSlot slot;
+      std::memcpy(&slot, &ep->ring()[(tail + 1) % abi::kRingCapacity], sizeof(slot));
+      abi::Atomic(ep->header->ring_tail).store(tail + 1, std::memory_order_release);
+      worked = true;
+      if (slot.magic != abi::kRequestMagic || slot.seq != ep->next_seq) {
+        // Not a request of this endpoint's client (garbage, or a replayed slot): it cannot
+        // be attributed to an op, so it is dropped, counted and reported, never executed.
+        abi::Atomic(ep->header->rejected_requests).fetch_add(1);
+        EngineLog()->warn(
+            "group {} rank {}: dropped a malformed ring slot (magic 0x{:x}, seq {}, expected "
+            "seq {}); {} dropped so far",
+            spec_.name(), r, slot.magic, slot.seq, ep->next_seq,
+            abi::Atomic(ep->header->rejected_requests).load());
+        continue;
+      }
+      absl::Status valid = ValidateSlot(*ep, slot);
+      uint64_t seq = ep->next_seq++;
+      if (!valid.ok()) {
+        abi::Atomic(ep->header->rejected_requests).fetch_add(1);
+        if (slot.op == 0 || slot.op > abi::kMaxOpKind) slot.op = 0;
+        if (!(slot.flags & abi::kFlagClientError)) {
+          EngineLog()->warn("group {} rank {}: rejected request {}: {}", spec_.name(), r, seq,
+                            std::string(valid.message()));
+        }
+      }
+      if (seq < current_seq_) {
+        // This op already failed (timeout) before the rank arrived.
+        auto it = failed_ops_.find(seq);
+        absl::Status st =
+            it != failed_ops_.end()
+                ? it->second
+                : absl::DeadlineExceededError(absl::StrCat("op ", seq, " of group ", spec_.name(),
+                                                           " failed before this rank arrived"));
+        WriteCompletion(*ep, seq, {st});
+        continue;
+      }
+      ep->request = slot;
+      if (!valid.ok()) ep->slot_error = valid;
+      if (!op_started_) op_started_ = Clock::now();
+    }
+  }
+  return worked;
+}
+
+void LockstepGroup::FailOp(const absl::Status& status) {
+  ops_failed_.fetch_add(1);
+  for (auto& ep : endpoints_) {
+    if (ep && ep->request) {
+      WriteCompletion(*ep, ep->request->seq, {status});
+      ep->request.reset();
+      ep->slot_error.reset();
+    }
+  }
+  failed_ops_[current_seq_] = status;
+  while (failed_ops_.size() > 2 * abi::kRingCapacity) failed_ops_.erase(failed_ops_.begin());
+  ++current_seq_;
+  op_started_.reset();
+}
+
+bool LockstepGroup::Poll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  bool worked = PopRequests();
+  if (running_) {
+    std::optional<std::vector<RankOutcome>> outcomes = PollOp();
+    if (!outcomes) return true;  // Keep the engine polling (not sleeping) while it runs.
+    FinishOp(std::move(*outcomes));
+    worked = true;
+  }
+  if (!op_started_) return worked;
+  std::vector<int32_t> missing;
+  for (size_t r = 0; r < endpoints_.size(); ++r) {
+    if (!endpoints_[r] || !endpoints_[r]->request) missing.push_back(static_cast<int32_t>(r));
+  }
+  if (missing.empty()) {
+    if (RunOp()) return true;
+    worked = true;  // Waiting for the backend: keep polling.
+  }
+  auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - *op_started_);
+  if (waited.count() >= options_.op_timeout_ms) {
+    absl::Status st =
+        missing.empty()
+            ? absl::DeadlineExceededError(absl::StrCat(
+                  "op ", current_seq_, " of group ", spec_.name(),
+                  ": every rank arrived but the backend could not start it within op_timeout ",
+                  options_.op_timeout_ms, " ms (an earlier op is still running on the GPU)"))
+            : absl::DeadlineExceededError(
+                  absl::StrCat("op ", current_seq_, " of group ", spec_.name(), ": rank(s) ",
+                               absl::StrJoin(missing, ", "), " did not arrive within op_timeout ",
+                               options_.op_timeout_ms, " ms"));
+    EngineLog()->warn("{}", std::string(st.message()));
+    FailOp(st);
+    return true;
+  }
+  return worked;
+}
+
+bool LockstepGroup::RunOp() {
+  const int R = static_cast<int>(endpoints_.size());
+  std::vector<abi::RequestSlot> slots(R);
+  // A rejected slot, or ranks disagreeing on the op, fail the op for every rank.
+  for (int r = 0; r < R; ++r) {
+    if (endpoints_[r]->slot_error) {
+      const absl::Status& e = *endpoints_[r]->slot_error;
+      FailOp(absl::Status(e.code(), absl::StrCat("rank ", r, ": ", e.message())));
+      return true;
+    }
+    slots[r] = *endpoints_[r]->request;
+  }
+  for (int r = 1; r < R; ++r) {
+    bool same_flags = ((slots[r].flags ^ slots[0].flags) &
+                       (abi::kFlagFp8 | abi::kFlagCachedHandle | abi::kFlagCombineWeights |
+                        abi::kFlagDispatchWeights | abi::kFlagRoundScale)) == 0;
+    if (slots[r].op != slots[0].op || !same_flags ||
+        (slots[0].op == static_cast<uint32_t>(abi::OpKind::kDispatch) &&
+         slots[r].expert_alignment != slots[0].expert_alignment)) {
+      FailOp(absl::InvalidArgumentError(absl::StrCat(
+          "op ", current_seq_, " of group ", spec_.name(), ": ranks disagree: rank 0 submitted ",
+          OpName(slots[0].op), " (flags 0x", absl::Hex(slots[0].flags), "), rank ", r,
+          " submitted ", OpName(slots[r].op), " (flags 0x", absl::Hex(slots[r].flags), ")")));
+      return true;
+    }
+  }
+  OpPlan plan;
+  plan.seq = current_seq_;
+  plan.op = static_cast<abi::OpKind>(slots[0].op);
+  plan.flags = slots[0].flags;
+  if (plan.op == abi::OpKind::kLowLatencyCombine) {
+    for (int r = 1; r < R; ++r) {
+      if (slots[r].handle_seq != slots[0].handle_seq) {
+        FailOp(absl::InvalidArgumentError(
+            absl::StrCat("LowLatencyCombine: ranks disagree on the dispatch: rank 0 uses op ",
+                         slots[0].handle_seq, ", rank ", r, " uses op ", slots[r].handle_seq)));
+        return true;
+      }
+    }
+    for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) {
+      if (ll_dispatch_seq_[b] == slots[0].handle_seq) plan.ll_handle_buffer = b;
+    }
+  }
+  plan.ll_buffer = static_cast<int>(ll_dispatches_ % kernels::kLowLatencyBuffers);
+  plan.ll_out_buffer = static_cast<int>(ll_combines_ % kernels::kLowLatencyBuffers);
+  if (!ReadyToStart()) return false;
+  running_ = plan;
+  running_slots_ = slots;
+  std::optional<std::vector<RankOutcome>> outcomes = StartOp(plan, slots);
+  if (outcomes) FinishOp(std::move(*outcomes));
+  return true;
+}
+
+void LockstepGroup::FinishOp(std::vector<RankOutcome> outcomes) {
+  const OpPlan plan = *running_;
+  const std::vector<abi::RequestSlot> slots = std::move(running_slots_);
+  running_.reset();
+  const int R = static_cast<int>(slots.size());
+  // Every op but GetDispatchLayout exchanges data: one rank's error (e.g. its bad expert
+  // ids) makes every rank's output undefined, so every rank gets it.
+  if (plan.op != abi::OpKind::kGetDispatchLayout) {
+    int first_bad = -1;
+    for (int r = 0; r < R && first_bad < 0; ++r) {
+      if (!outcomes[r].status.ok()) first_bad = r;
+    }
+    if (first_bad >= 0) {
+      const absl::Status& e = outcomes[first_bad].status;
+      for (int r = 0; r < R; ++r) {
+        if (outcomes[r].status.ok()) {
+          outcomes[r].status =
+              absl::Status(e.code(), absl::StrCat("rank ", first_bad, ": ", e.message()));
+        }
+      }
+    }
+  }
+  bool all_ok = true;
+  for (const RankOutcome& o : outcomes) all_ok &= o.status.ok();
+  if (all_ok) {
+    switch (plan.op) {
+      case abi::OpKind::kDispatch:
+        for (int r = 0; r < R; ++r) {
+          LockstepEndpoint* ep = endpoints_[r].get();
+          if (!ep) continue;
+          if (!(plan.flags & abi::kFlagCachedHandle)) {
+            ep->routing_seq = slots[r].seq;
+            ep->routing_tokens = slots[r].num_tokens;
+            ep->num_recv_tokens = outcomes[r].num_recv_tokens;
+            ep->routing_fp8 = plan.flags & abi::kFlagFp8;
+          }
+          ep->last_dispatch_seq = slots[r].seq;
+        }
+        break;
+      case abi::OpKind::kLowLatencyDispatch:
+        ll_dispatch_seq_[plan.ll_buffer] = slots[0].seq;
+        for (int r = 0; r < R; ++r) {
+          outcomes[r].buffer = plan.ll_buffer;
+          if (LockstepEndpoint* ep = endpoints_[r].get()) {
+            ep->ll_seq[plan.ll_buffer] = slots[r].seq;
+            ep->ll_tokens[plan.ll_buffer] = slots[r].num_tokens;
+          }
+        }
+        ++ll_dispatches_;
+        break;
+      case abi::OpKind::kLowLatencyCombine:
+        for (int r = 0; r < R; ++r) {
+          outcomes[r].buffer = plan.ll_out_buffer;
+          outcomes[r].num_recv_tokens = slots[r].num_tokens;  // T, for the client's view.
+        }
+        ++ll_combines_;
+        break;
+      default:
+        break;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    LockstepEndpoint* ep = endpoints_[r].get();
+    if (!ep || !ep->request || ep->request->seq != slots[r].seq) continue;
+    WriteCompletion(*ep, slots[r].seq, outcomes[r]);
+    ep->request.reset();
+  }
+  (all_ok ? ops_completed_ : ops_failed_).fetch_add(1);
+  if (!all_ok) {
+    failed_ops_[plan.seq] = outcomes[0].status;
+    while (failed_ops_.size() > 2 * abi::kRingCapacity) failed_ops_.erase(failed_ops_.begin());
+  }
+  ++current_seq_;
+  op_started_.reset();
+}
+
+}  // namespace epd

@@ -1,0 +1,196 @@
+// LockstepGroup: the backend-independent half of a data-plane group (DESIGN.md §3.2),
+// shared by the host data plane (daemon/host_data_plane.cc) and the CUDA data plane
+// (daemon/cuda/cuda_data_plane.cc).
+//
+// Ops of a group run in lockstep: every rank's n-th op has sequence number n (a rejoining
+// rank continues at the group's next op, EndpointInfo.first_seq). The engine thread pops
+// each rank's request for the group's current op from its shm ring, validates it (shape,
+// flags, handles), and once all R are there checks that the ranks agree and hands the op
+// to the backend (LockstepGroup::StartOp). A backend finishes an op at once (host) or later
+// (CUDA: PollOp, polled without blocking the engine); then every rank gets its completion
+// and the handle state (normal routing, low-latency buffers) advances. When the op's first
+// request is older than op_timeout and some rank is missing, or a rank leaves, the op
+// fails with DEADLINE_EXCEEDED for every rank, naming the missing ranks; a late request for
+// a failed op completes at once with the same error. A backend never sees a partial op.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "daemon/data_plane.h"
+#include "epd/kernels/layout.h"
+#include "epd/v1/control.pb.h"
+#include "shm_abi.h"
+#include "shm_region.h"
+
+namespace epd {
+
+/// The kernels' GroupShape of a (validated) spec.
+kernels::GroupShape ShapeOf(const v1::GroupSpec& spec);
+
+/// "Dispatch", "LowLatencyCombine", ... for an abi::OpKind value ("Invalid" otherwise).
+const char* OpName(uint32_t op);
+
+/// Backend state of one attached rank (device memory, streams, ...). Owned by the rank's
+/// LockstepEndpoint through a shared_ptr, so an op still running on the GPU can keep it
+/// alive after the rank detached.
+struct RankResources {
+  virtual ~RankResources() = default;
+};
+
+/// One attached rank: its shm region and the daemon's view of its ring and handles.
+struct LockstepEndpoint {
+  ShmRegion region;
+  abi::EndpointShmHeader* header = nullptr;
+  uint64_t endpoint_id = 0;
+  uint64_t next_seq = 0;                    ///< Seq the next ring slot must carry.
+  std::optional<abi::RequestSlot> request;  ///< Popped, waiting for (or running) the op.
+  std::optional<absl::Status> slot_error;   ///< Why `request` was rejected, if it was.
+  uint64_t ops_completed = 0;
+  // Normal-mode handle state.
+  uint64_t routing_seq = 0;        ///< Seq of the dispatch that wrote send_pos.
+  uint64_t last_dispatch_seq = 0;  ///< Latest dispatch (cached or not).
+  int32_t routing_tokens = 0;      ///< T of the routing dispatch.
+  int32_t num_recv_tokens = 0;     ///< N of the routing dispatch.
+  bool routing_fp8 = false;
+  // Low-latency handle state, per buffer set.
+  uint64_t ll_seq[kernels::kLowLatencyBuffers] = {0, 0};
+  int32_t ll_tokens[kernels::kLowLatencyBuffers] = {0, 0};
+  std::shared_ptr<RankResources> backend;  ///< The backend's part of this rank.
+
+  /// The data area when it lives in the shm region (host backend).
+  uint8_t* shm_data() const { return region.data() + header->data_offset; }
+  abi::RequestSlot* ring() const {
+    return reinterpret_cast<abi::RequestSlot*>(region.data() + header->ring_offset);
+  }
+  abi::Completion* completions() const {
+    return reinterpret_cast<abi::Completion*>(region.data() + header->completion_offset);
+  }
+};
+
+/// Result of one rank's part of an op.
+struct RankOutcome {
+  absl::Status status;
+  int32_t num_recv_tokens = 0;  ///< Dispatch: N received by the rank.
+  int32_t buffer = 0;           ///< Low-latency ops: filled in by LockstepGroup.
+};
+
+/// What LockstepGroup decided about an op before handing it to the backend.
+struct OpPlan {
+  uint64_t seq = 0;
+  abi::OpKind op = abi::OpKind::kInvalid;
+  uint32_t flags = 0;        ///< Rank 0's flags (all ranks agree on the op's flags).
+  int ll_buffer = 0;         ///< LowLatencyDispatch: the buffer set it writes.
+  int ll_handle_buffer = 0;  ///< LowLatencyCombine: the buffer of its dispatch.
+  int ll_out_buffer = 0;     ///< LowLatencyCombine: the ll_combined_x buffer it writes.
+};
+
+/// Options every lockstep group shares.
+struct LockstepOptions {
+  uint32_t shm_mode = 0600;        ///< Mode of the endpoint shm regions.
+  std::string shm_group;           ///< Group of the shm regions ("" = own group).
+  uint32_t op_timeout_ms = 10000;  ///< Bound on waiting for the ranks of an op.
+};
+
+/// The lockstep core of a group. Thread-safety: every public method locks mu_; the hooks
+/// are called with mu_ held except PrepareRank.
+class LockstepGroup : public DataPlaneGroup {
+ public:
+  LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options);
+  ~LockstepGroup() override = default;
+
+  absl::Status AttachRank(int32_t rank, const std::string& gpu_uuid, v1::LaunchMode launch_mode,
+                          v1::EndpointInfo* info) final;
+  void DetachRank(int32_t rank) final;
+  uint64_t ops_completed() const final { return ops_completed_.load(); }
+  uint64_t ops_failed() const final { return ops_failed_.load(); }
+  uint64_t rank_ops_completed(int32_t rank) const final;
+
+  /// Engine thread: pops requests, starts, finishes or times out the current op. True if
+  /// it did work.
+  bool Poll();
+  /// Completes everything pending with `status` (shutdown). An op still running in the
+  /// backend is completed too; the backend's resources outlive it.
+  void FailAll(const absl::Status& status);
+
+  const v1::GroupSpec& spec() const { return spec_; }
+  const kernels::GroupShape& shape() const { return shape_; }
+  const kernels::EndpointLayout& layout() const { return layout_; }
+
+ protected:
+  // ---- backend hooks ----
+  /// Bytes of the data area placed in the endpoint's shm region (host: the whole layout;
+  /// CUDA: 0, the data area is on the GPU).
+  virtual uint64_t ShmDataBytes() const = 0;
+  /// Allocates rank `rank`'s backend resources (without mu_: may be slow) and fills the
+  /// backend's fields of `info` (backend, gpu_uuid, cuda_ipc_handle, doorbell_shm_name,
+  /// launch_mode). Errors: INVALID_ARGUMENT (launch mode), RESOURCE_EXHAUSTED, INTERNAL.
+  virtual absl::StatusOr<std::shared_ptr<RankResources>> PrepareRank(int32_t rank,
+                                                                     const std::string& gpu_uuid,
+                                                                     v1::LaunchMode launch_mode,
+                                                                     v1::EndpointInfo* info) = 0;
+  /// Called under mu_ when rank `rank` is being attached (after PrepareRank, with the
+  /// resources it returned); an error fails the join and releases them.
+  virtual absl::Status RankAttached(int32_t /*rank*/, const std::shared_ptr<RankResources>&) {
+    return absl::OkStatus();
+  }
+  /// Called under mu_ when rank `rank` is detached.
+  virtual void RankDetached(int32_t /*rank*/) {}
+  /// Whether the backend can start a (validated) op now, e.g. the previous op has left
+  /// the GPU; true commits the backend to the StartOp that follows. While false, the
+  /// collected op waits, bounded by op_timeout.
+  virtual bool ReadyToStart() { return true; }
+  /// Starts `plan` for every rank; `slots[r]` is rank r's validated request (every rank
+  /// attached). Returns the outcomes when the op finished synchronously, nullopt when it
+  /// runs on (then PollOp is called on every Poll until it returns the outcomes).
+  virtual std::optional<std::vector<RankOutcome>> StartOp(
+      const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) = 0;
+  /// Outcomes of the running op once it finished, nullopt while it runs.
+  virtual std::optional<std::vector<RankOutcome>> PollOp() { return std::nullopt; }
+  /// Wakes whoever polls this group (a daemon-side event: a rank left).
+  virtual void WakeEngine() {}
+
+  /// Rank r's endpoint (null when detached). Call with mu_ held.
+  LockstepEndpoint* endpoint(int32_t r) const { return endpoints_[r].get(); }
+  const LockstepOptions& options() const { return options_; }
+
+  mutable std::mutex mu_;  // Guards everything below and the backend's group state.
+
+ private:
+  bool PopRequests();
+  void FailOp(const absl::Status& status);
+  /// Validates the collected op and starts it; false when the backend is not ready.
+  bool RunOp();
+  void FinishOp(std::vector<RankOutcome> outcomes);
+  absl::Status ValidateSlot(const LockstepEndpoint& ep, const abi::RequestSlot& slot) const;
+  absl::Status ValidateHandle(const LockstepEndpoint& ep, const abi::RequestSlot& slot) const;
+
+  v1::GroupSpec spec_;
+  kernels::GroupShape shape_;
+  kernels::EndpointLayout layout_;
+  LockstepOptions options_;
+  std::vector<std::unique_ptr<LockstepEndpoint>> endpoints_;
+  uint64_t current_seq_ = 1;  ///< The group op being collected or running.
+  std::optional<std::chrono::steady_clock::time_point> op_started_;
+  std::optional<OpPlan> running_;  ///< The op the backend is running.
+  std::vector<abi::RequestSlot> running_slots_;
+  std::map<uint64_t, absl::Status> failed_ops_;  ///< Recent failed ops, for late ranks.
+  uint64_t ll_dispatches_ = 0;                   ///< Low-latency dispatches so far (buffer parity).
+  uint64_t ll_combines_ = 0;
+  uint64_t ll_dispatch_seq_[kernels::kLowLatencyBuffers] = {0, 0};
+  std::atomic<uint64_t> ops_completed_{0};
+  std::atomic<uint64_t> ops_failed_{0};
+};
+
+/// Allocates the next endpoint id (process-wide, never 0).
+uint64_t NextEndpointId();
+
+}  // namespace epd

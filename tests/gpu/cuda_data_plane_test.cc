@@ -1,0 +1,464 @@
+// The CUDA data plane in-process (daemon/cuda/cuda_data_plane.h), daemon-launched mode:
+// endpoints opened by the real client code (internal::OpenEndpoint, mapping the device
+// areas through the in-process resolver, since CUDA cannot open an IPC handle in the
+// exporting process), one thread per rank, 8 virtual ranks on one GPU.
+//
+// Oracle: the same op sequence on the same inputs through the host data plane
+// (daemon/host_data_plane.h), which runs kernels/host. Outputs are compared byte for byte
+// (the CUDA kernels promise bit-identical results, combine sums included: both reduce in
+// the host's order — ascending rank for normal combine, ascending k for low-latency
+// combine — in f32, rounding once). Low-latency rows past recv_count are undefined and not
+// compared.
+//
+// Failure cases: a rank that never arrives (DEADLINE_EXCEEDED within op_timeout + 1 s for
+// the others, naming it; another group on the same GPU keeps working meanwhile; the late
+// group then works), and an out-of-range expert id (INVALID_ARGUMENT for every rank, the
+// next op correct).
+#include "daemon/cuda/cuda_data_plane.h"
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/cuda_ipc.h"
+#include "client/endpoint_internal.h"
+#include "daemon/host_data_plane.h"
+#include "epd/client.h"
+#include "gpu_test_util.h"
+
+namespace epd {
+namespace {
+
+using kernels::bf16_bits;
+using testing::DeviceBuffer;
+
+v1::GroupSpec Spec(const std::string& name, int R, int E, int H, int K, int M, int Mll) {
+  v1::GroupSpec s;
+  s.set_name(name);
+  s.set_num_ranks(R);
+  s.set_num_experts(E);
+  s.set_hidden(H);
+  s.set_num_topk(K);
+  s.set_max_tokens_per_rank(M);
+  s.set_ll_max_tokens_per_rank(Mll);
+  s.set_use_fp8(H % 128 == 0);
+  return s;
+}
+
+/// A DLTensor over `data` (host or device) with `shape` (kept alive by the caller).
+DLTensor Tensor(const void* data, DLDataType dtype, std::vector<int64_t>& shape, bool cuda) {
+  DLTensor t{};
+  t.data = const_cast<void*>(data);
+  t.device = {cuda ? kDLCUDA : kDLCPU, 0};
+  t.ndim = static_cast<int>(shape.size());
+  t.dtype = dtype;
+  t.shape = shape.data();
+  return t;
+}
+
+/// `bytes` bytes at byte `offset` of a result view, copied to the host.
+std::vector<uint8_t> Fetch(const TensorView& v, size_t offset, size_t bytes) {
+  std::vector<uint8_t> out(bytes);
+  if (bytes == 0) return out;
+  const uint8_t* src = static_cast<const uint8_t*>(v.data()) + offset;
+  if (v.dl().device.device_type == kDLCUDA) {
+    EXPECT_EQ(cudaMemcpy(out.data(), src, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  } else {
+    std::memcpy(out.data(), src, bytes);
+  }
+  return out;
+}
+std::vector<uint8_t> FetchAll(const TensorView& v) { return Fetch(v, 0, v.nbytes()); }
+
+/// One rank's inputs, on the host and (for the CUDA plane) on the GPU.
+struct RankInputs {
+  int T = 0;
+  std::vector<bf16_bits> x;  // [T, H]
+  std::vector<int64_t> idx;  // [T, K]
+  std::vector<float> w;      // [T, K]
+  std::vector<bf16_bits> y;  // [El, R*Mll, H]: low-latency expert outputs
+  DeviceBuffer dx, dy;       // Device copies of x and y.
+};
+
+/// Every rank's inputs of one group.
+struct Inputs {
+  std::vector<RankInputs> ranks;
+  void Make(const v1::GroupSpec& s, const std::vector<int>& tokens,
+            const testing::RoutingOptions& routing, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    const int R = s.num_ranks(), H = s.hidden(), K = s.num_topk(), E = s.num_experts();
+    ranks.resize(R);
+    for (int r = 0; r < R; ++r) {
+      RankInputs& in = ranks[r];
+      in.T = tokens[r];
+      in.x = testing::RandomBf16(static_cast<size_t>(in.T) * H, rng);
+      in.idx = testing::RandomTopk(in.T, K, E, routing, rng);
+      in.w = testing::RandomFloats(in.idx.size(), rng, 0.f, 1.f);
+      const size_t ysize = s.ll_max_tokens_per_rank() > 0
+                               ? static_cast<size_t>(E / R) * R * s.ll_max_tokens_per_rank() * H
+                               : 0;
+      in.y = testing::RandomBf16(ysize, rng);
+      auto dx = DeviceBuffer::Allocate(std::max<size_t>(in.x.size() * 2, 16));
+      auto dy = DeviceBuffer::Allocate(std::max<size_t>(in.y.size() * 2, 16));
+      ASSERT_TRUE(dx.ok() && dy.ok());
+      in.dx = std::move(*dx);
+      in.dy = std::move(*dy);
+      ASSERT_EQ(cudaMemcpy(in.dx.get(), in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(in.dy.get(), in.y.data(), in.y.size() * 2, cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+  }
+};
+
+/// One group on one data plane, every rank's endpoint opened.
+struct PlaneGroup {
+  v1::GroupSpec spec;
+  bool cuda = false;
+  std::unique_ptr<DataPlaneGroup> group;
+  std::vector<std::unique_ptr<Endpoint>> eps;
+
+  void Open(DataPlane* plane, const v1::GroupSpec& s) {
+    spec = s;
+    cuda = plane->backend_name() == "cuda";
+    auto g = plane->CreateGroup(s);
+    ASSERT_TRUE(g.ok()) << g.status();
+    group = std::move(*g);
+    for (int r = 0; r < s.num_ranks(); ++r) {
+      v1::EndpointInfo info;
+      absl::Status st = group->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info);
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_EQ(info.backend(), cuda ? "cuda" : "host");
+      if (cuda) {
+        EXPECT_EQ(info.data_offset(), 0u);
+        EXPECT_EQ(info.cuda_ipc_handle().size(), sizeof(cudaIpcMemHandle_t));
+      }
+      DataPlaneGroup* gp = group.get();
+      auto ep = internal::OpenEndpoint(info, s, [gp, r] {
+        gp->DetachRank(r);
+        return absl::OkStatus();
+      });
+      ASSERT_TRUE(ep.ok()) << ep.status();
+      eps.push_back(std::move(*ep));
+    }
+  }
+
+  /// Runs fn(rank) on one thread per rank (except `skip`) and joins.
+  void OnEveryRank(const std::function<void(int)>& fn, int skip = -1) const {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < spec.num_ranks(); ++r) {
+      if (r != skip) threads.emplace_back(fn, r);
+    }
+    for (auto& t : threads) t.join();
+  }
+};
+
+/// Outputs of one op at one rank: named byte blobs, and the op's status.
+struct RankResult {
+  absl::Status status;
+  std::vector<std::pair<std::string, std::vector<uint8_t>>> blobs;
+};
+using GroupResult = std::vector<RankResult>;
+
+void ExpectSame(const GroupResult& want, const GroupResult& got, const std::string& what) {
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t r = 0; r < want.size(); ++r) {
+    ASSERT_EQ(want[r].status.code(), got[r].status.code())
+        << what << " rank " << r << ": host " << want[r].status << " vs cuda " << got[r].status;
+    ASSERT_EQ(want[r].blobs.size(), got[r].blobs.size()) << what << " rank " << r;
+    for (size_t i = 0; i < want[r].blobs.size(); ++i) {
+      const auto& [name, bytes] = want[r].blobs[i];
+      ASSERT_EQ(bytes.size(), got[r].blobs[i].second.size())
+          << what << " rank " << r << " " << name;
+      absl::Status cmp =
+          testing::CompareBytes(bytes.data(), got[r].blobs[i].second.data(), bytes.size(),
+                                absl::StrCat(what, " rank ", r, " ", name));
+      EXPECT_TRUE(cmp.ok()) << cmp;
+    }
+  }
+}
+
+/// Normal mode: GetDispatchLayout, Dispatch (weights, alignment 4), Combine of the received
+/// rows (identity experts, with weights), then a cached re-dispatch.
+GroupResult RunNormal(PlaneGroup& g, Inputs& in) {
+  const int R = g.spec.num_ranks(), H = g.spec.hidden(), K = g.spec.num_topk();
+  GroupResult out(R);
+  g.OnEveryRank([&](int r) {
+    RankInputs& ri = in.ranks[r];
+    RankResult& res = out[r];
+    std::vector<int64_t> xs{ri.T, H}, ks{ri.T, K};
+    // x from the GPU on the CUDA plane (device-to-device staging); idx/weights from the host.
+    DLTensor x = Tensor(g.cuda ? static_cast<const void*>(ri.dx.get()) : ri.x.data(),
+                        {kDLBfloat, 16, 1}, xs, g.cuda);
+    DLTensor idx = Tensor(ri.idx.data(), {kDLInt, 64, 1}, ks, false);
+    DLTensor w = Tensor(ri.w.data(), {kDLFloat, 32, 1}, ks, false);
+
+    auto lop = g.eps[r]->GetDispatchLayout(idx);
+    ASSERT_TRUE(lop.ok()) << lop.status();
+    auto layout = lop->Wait(absl::Seconds(20));
+    ASSERT_TRUE(layout.ok()) << "rank " << r << ": " << layout.status();
+    res.blobs.push_back({"num_tokens_per_rank", FetchAll(layout->num_tokens_per_rank)});
+    res.blobs.push_back({"num_tokens_per_expert", FetchAll(layout->num_tokens_per_expert)});
+    res.blobs.push_back({"is_token_in_rank", FetchAll(layout->is_token_in_rank)});
+
+    DispatchArgs da;
+    da.x = &x;
+    da.topk_idx = &idx;
+    da.topk_weights = &w;
+    da.expert_alignment = 4;
+    auto dop = g.eps[r]->Dispatch(da);
+    ASSERT_TRUE(dop.ok()) << dop.status();
+    auto d = dop->Wait(absl::Seconds(20));
+    ASSERT_TRUE(d.ok()) << "rank " << r << ": " << d.status();
+    res.blobs.push_back(
+        {"N", std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&d->num_recv_tokens),
+                                   reinterpret_cast<uint8_t*>(&d->num_recv_tokens) + 4)});
+    res.blobs.push_back({"recv_x", FetchAll(d->recv_x)});
+    res.blobs.push_back({"recv_topk_idx", FetchAll(d->recv_topk_idx)});
+    res.blobs.push_back({"recv_topk_weights", FetchAll(d->recv_topk_weights)});
+    res.blobs.push_back({"num_recv_tokens_per_expert", FetchAll(d->num_recv_tokens_per_expert)});
+    res.blobs.push_back({"recv_src_info", FetchAll(d->recv_src_info)});
+
+    CombineArgs ca;
+    ca.x = &d->recv_x.dl();  // Identity experts: the received rows.
+    ca.topk_weights = &d->recv_topk_weights.dl();
+    ca.handle = &d->handle;
+    auto cop = g.eps[r]->Combine(ca);
+    ASSERT_TRUE(cop.ok()) << cop.status();
+    auto c = cop->Wait(absl::Seconds(20));
+    ASSERT_TRUE(c.ok()) << "rank " << r << ": " << c.status();
+    res.blobs.push_back({"combined_x", FetchAll(c->combined_x)});
+    res.blobs.push_back({"combined_topk_weights", FetchAll(c->combined_topk_weights)});
+
+    DispatchArgs again;
+    again.x = &x;
+    again.cached = d->handle;
+    auto aop = g.eps[r]->Dispatch(again);
+    ASSERT_TRUE(aop.ok()) << aop.status();
+    auto a = aop->Wait(absl::Seconds(20));
+    ASSERT_TRUE(a.ok()) << "rank " << r << ": " << a.status();
+    res.blobs.push_back({"cached recv_x", FetchAll(a->recv_x)});
+  });
+  return out;
+}
+
+/// One low-latency round: dispatch (bf16 or FP8), then combine of the fixed expert
+/// outputs y. Only the packed rows [0, recv_count[j]) of each expert are compared.
+GroupResult RunLowLatency(PlaneGroup& g, Inputs& in, bool fp8, bool round_scale, int skip = -1) {
+  const int R = g.spec.num_ranks(), H = g.spec.hidden(), K = g.spec.num_topk();
+  const int El = g.spec.num_experts() / R;
+  const int64_t rows = static_cast<int64_t>(R) * g.spec.ll_max_tokens_per_rank();
+  const int S = (H + 127) / 128;
+  GroupResult out(R);
+  g.OnEveryRank(
+      [&](int r) {
+        RankInputs& ri = in.ranks[r];
+        RankResult& res = out[r];
+        std::vector<int64_t> xs{ri.T, H}, ks{ri.T, K}, ys{El, rows, H};
+        DLTensor x = Tensor(g.cuda ? static_cast<const void*>(ri.dx.get()) : ri.x.data(),
+                            {kDLBfloat, 16, 1}, xs, g.cuda);
+        DLTensor idx = Tensor(ri.idx.data(), {kDLInt, 64, 1}, ks, false);
+        DLTensor w = Tensor(ri.w.data(), {kDLFloat, 32, 1}, ks, false);
+        DLTensor y = Tensor(g.cuda ? static_cast<const void*>(ri.dy.get()) : ri.y.data(),
+                            {kDLBfloat, 16, 1}, ys, g.cuda);
+        LowLatencyDispatchArgs da;
+        da.x = &x;
+        da.topk_idx = &idx;
+        da.use_fp8 = fp8;
+        da.round_scale = round_scale;
+        auto dop = g.eps[r]->LowLatencyDispatch(da);
+        ASSERT_TRUE(dop.ok()) << dop.status();
+        auto d = dop->Wait(absl::Seconds(20));
+        res.status = d.status();
+        if (!d.ok()) return;
+        std::vector<uint8_t> count_bytes = FetchAll(d->recv_count);
+        res.blobs.push_back({"recv_count", count_bytes});
+        const auto* count = reinterpret_cast<const int32_t*>(count_bytes.data());
+        const size_t row_bytes = static_cast<size_t>(H) * (fp8 ? 1 : 2);
+        for (int j = 0; j < El; ++j) {
+          const size_t n = static_cast<size_t>(std::max(0, count[j]));
+          const size_t row0 = static_cast<size_t>(j) * rows;
+          res.blobs.push_back(
+              {absl::StrCat("recv_x[", j, "]"), Fetch(d->recv_x, row0 * row_bytes, n * row_bytes)});
+          res.blobs.push_back(
+              {absl::StrCat("recv_src_info[", j, "]"), Fetch(d->recv_src_info, row0 * 4, n * 4)});
+          if (fp8) {
+            res.blobs.push_back({absl::StrCat("recv_scales[", j, "]"),
+                                 Fetch(d->recv_scales, row0 * S * 4, n * S * 4)});
+          }
+        }
+        LowLatencyCombineArgs ca;
+        ca.x = &y;
+        ca.topk_idx = &idx;
+        ca.topk_weights = &w;
+        ca.handle = &d->handle;
+        auto cop = g.eps[r]->LowLatencyCombine(ca);
+        ASSERT_TRUE(cop.ok()) << cop.status();
+        auto c = cop->Wait(absl::Seconds(20));
+        ASSERT_TRUE(c.ok()) << "rank " << r << ": " << c.status();
+        res.blobs.push_back({"combined_x", FetchAll(c->combined_x)});
+      },
+      skip);
+  return out;
+}
+
+class CudaDataPlaneTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!testing::HaveGpu(&why)) GTEST_SKIP() << why;
+    CudaDataPlaneOptions o;
+    o.op_timeout_ms = 1000;
+    auto cuda = MakeCudaDataPlane(o);
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    cuda_ = std::move(*cuda);
+    HostDataPlaneOptions h;
+    h.op_timeout_ms = 1000;
+    h.host_threads = 4;
+    auto host = MakeHostDataPlane(h);
+    ASSERT_TRUE(host.ok()) << host.status();
+    host_ = std::move(*host);
+    internal::SetInProcessAreaResolver(FindInProcessCudaArea);
+  }
+  void TearDown() override { internal::SetInProcessAreaResolver({}); }
+
+  std::unique_ptr<DataPlane> cuda_;
+  std::unique_ptr<DataPlane> host_;
+};
+
+TEST_F(CudaDataPlaneTest, NormalOpsMatchHostWithEightVirtualRanks) {
+  const v1::GroupSpec spec = Spec("normal8", 8, 64, 2048, 8, 128, 0);
+  Inputs in;
+  in.Make(spec, {128, 0, 1, 77, 128, 5, 100, 64}, {.masked_fraction = 0.25}, 1);
+  PlaneGroup host, cuda;
+  host.Open(host_.get(), spec);
+  cuda.Open(cuda_.get(), spec);
+  GroupResult want = RunNormal(host, in);
+  GroupResult got = RunNormal(cuda, in);
+  ExpectSame(want, got, "normal");
+}
+
+TEST_F(CudaDataPlaneTest, LowLatencyMatchesHostWithEightVirtualRanks) {
+  const v1::GroupSpec spec = Spec("ll8", 8, 32, 2048, 8, 16, 128);
+  PlaneGroup host, cuda;
+  host.Open(host_.get(), spec);
+  cuda.Open(cuda_.get(), spec);
+  struct Round {
+    testing::RoutingOptions routing;
+    bool fp8, round_scale;
+  };
+  const Round rounds[] = {{{}, false, false},
+                          {{.masked_fraction = 0.5}, true, false},
+                          {{.one_expert = 3}, true, true},  // Every token to one expert.
+                          {{.duplicate_fraction = 0.3}, false, false}};
+  int i = 0;
+  for (const Round& round : rounds) {
+    Inputs in;
+    in.Make(spec, {128, 0, 1, 77, 128, 64, 3, 100}, round.routing, 100 + i);
+    GroupResult want = RunLowLatency(host, in, round.fp8, round.round_scale);
+    GroupResult got = RunLowLatency(cuda, in, round.fp8, round.round_scale);
+    ExpectSame(want, got, absl::StrCat("low-latency round ", i, round.fp8 ? " fp8" : " bf16"));
+    ++i;
+  }
+}
+
+TEST_F(CudaDataPlaneTest, MissingRankTimesOutWhileAnotherGroupOnTheGpuWorks) {
+  const v1::GroupSpec spec_a = Spec("late", 4, 16, 1024, 4, 16, 32);
+  const v1::GroupSpec spec_b = Spec("busy", 4, 16, 1024, 4, 16, 32);
+  PlaneGroup a, b, b_host, a_host;
+  a.Open(cuda_.get(), spec_a);
+  b.Open(cuda_.get(), spec_b);
+  b_host.Open(host_.get(), spec_b);
+  a_host.Open(host_.get(), spec_a);
+  Inputs in_a, in_b;
+  in_a.Make(spec_a, {32, 7, 0, 20}, {}, 7);
+  in_b.Make(spec_b, {3, 32, 16, 1}, {}, 8);
+
+  // Group a: rank 3 never arrives. Meanwhile group b runs rounds on the same GPU.
+  const auto start = std::chrono::steady_clock::now();
+  GroupResult a_result;
+  std::thread late([&] { a_result = RunLowLatency(a, in_a, false, false, /*skip=*/3); });
+  for (int round = 0; round < 3; ++round) {
+    GroupResult want = RunLowLatency(b_host, in_b, round == 1, false);
+    GroupResult got = RunLowLatency(b, in_b, round == 1, false);
+    ExpectSame(want, got, absl::StrCat("busy group round ", round));
+  }
+  late.join();
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(a_result[r].status.code(), absl::StatusCode::kDeadlineExceeded) << a_result[r].status;
+    EXPECT_NE(a_result[r].status.message().find("rank(s) 3"), std::string::npos)
+        << a_result[r].status;
+  }
+  EXPECT_LT(secs, 1.0 + 1.0 + 2.0) << "the busy group's rounds ran beside the timeout";
+
+  // The late rank's request for the failed op fails at once.
+  {
+    RankInputs& ri = in_a.ranks[3];
+    std::vector<int64_t> xs{ri.T, spec_a.hidden()}, ks{ri.T, spec_a.num_topk()};
+    DLTensor x = Tensor(ri.x.data(), {kDLBfloat, 16, 1}, xs, false);
+    DLTensor idx = Tensor(ri.idx.data(), {kDLInt, 64, 1}, ks, false);
+    LowLatencyDispatchArgs da;
+    da.x = &x;
+    da.topk_idx = &idx;
+    auto op = a.eps[3]->LowLatencyDispatch(da);
+    ASSERT_TRUE(op.ok());
+    auto res = op->Wait(absl::Seconds(5));
+    EXPECT_EQ(res.status().code(), absl::StatusCode::kDeadlineExceeded) << res.status();
+  }
+  // Then group a works, with correct results.
+  GroupResult want = RunLowLatency(a_host, in_a, true, false);
+  GroupResult got = RunLowLatency(a, in_a, true, false);
+  ExpectSame(want, got, "late group after the timeout");
+}
+
+TEST_F(CudaDataPlaneTest, OutOfRangeExpertIdFailsEveryRankThenNextOpIsCorrect) {
+  const v1::GroupSpec spec = Spec("badid", 8, 16, 1024, 4, 32, 32);
+  PlaneGroup host, cuda;
+  host.Open(host_.get(), spec);
+  cuda.Open(cuda_.get(), spec);
+  Inputs in;
+  in.Make(spec, {32, 8, 0, 1, 32, 16, 2, 30}, {}, 11);
+  const int64_t saved = in.ranks[4].idx[5];
+  in.ranks[4].idx[5] = spec.num_experts();  // Out of range.
+  GroupResult bad = RunLowLatency(cuda, in, false, false);
+  for (int r = 0; r < spec.num_ranks(); ++r) {
+    EXPECT_EQ(bad[r].status.code(), absl::StatusCode::kInvalidArgument) << bad[r].status;
+  }
+  in.ranks[4].idx[5] = saved;
+  GroupResult want = RunLowLatency(host, in, false, false);
+  GroupResult got = RunLowLatency(cuda, in, false, false);
+  ExpectSame(want, got, "low-latency after a bad id");
+  // Normal mode on the same endpoints, after the low-latency ops.
+  GroupResult nwant = RunNormal(host, in);
+  GroupResult ngot = RunNormal(cuda, in);
+  ExpectSame(nwant, ngot, "normal after low-latency");
+}
+
+TEST_F(CudaDataPlaneTest, ReportsGpuMemoryAndRejectsClientLaunchForNow) {
+  const v1::GroupSpec spec = Spec("mem", 2, 2, 128, 1, 4, 0);
+  auto free_bytes = cuda_->FreeBytes("");
+  ASSERT_TRUE(free_bytes.ok()) << free_bytes.status();
+  EXPECT_GT(*free_bytes, cuda_->BytesPerRank(spec));
+  EXPECT_EQ(cuda_->BytesPerRank(spec) % (2u << 20), 0u);
+  EXPECT_EQ(cuda_->FreeBytes("GPU-not-a-gpu").status().code(), absl::StatusCode::kNotFound);
+  auto g = cuda_->CreateGroup(spec);
+  ASSERT_TRUE(g.ok());
+  v1::EndpointInfo info;
+  EXPECT_EQ((*g)->AttachRank(0, "", v1::LAUNCH_MODE_CLIENT, &info).code(),
+            absl::StatusCode::kUnimplemented);
+}
+
+}  // namespace
+}  // namespace epd
