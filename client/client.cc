@@ -1,6 +1,8 @@
 // Client: the connection to the local epd (client/include/epd/client.h). Connect opens
 // the Session stream and a background thread keeps reading it for the client's lifetime;
 // the daemon treats the stream's end as this process's death and releases its endpoints.
+#include "epd/client.h"
+
 #include <unistd.h>
 
 #include <fstream>
@@ -10,7 +12,6 @@
 #include "absl/synchronization/mutex.h"
 #include "control_channel.h"
 #include "endpoint_internal.h"
-#include "epd/client.h"
 #include "epd/common/status_macros.h"
 #include "epd/v1/control.grpc.pb.h"
 
@@ -69,8 +70,8 @@ struct Client::Impl {
   absl::Status SessionAlive() {
     absl::MutexLock lock(&mu);
     if (!ended) return absl::OkStatus();
-    return absl::UnavailableError(
-        absl::StrCat("the session with epd on ", control->target, " ended: ", end_status.message()));
+    return absl::UnavailableError(absl::StrCat("the session with epd on ", control->target,
+                                               " ended: ", end_status.message()));
   }
 
   ~Impl() {
@@ -103,9 +104,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   hello.set_client_name(options.client_name.empty() ? DefaultClientName() : options.client_name);
   if (!impl->stream->Write(hello)) {
     grpc::Status status = impl->stream->Finish();
-    return internal::AnnotateUnavailable(
-        status.ok() ? absl::UnavailableError("Session stream closed") : internal::FromGrpcStatus(status),
-        control->target);
+    return internal::AnnotateUnavailable(status.ok()
+                                             ? absl::UnavailableError("Session stream closed")
+                                             : internal::FromGrpcStatus(status),
+                                         control->target);
   }
   Impl* raw = impl.get();
   impl->reader = std::thread([raw] { raw->ReadSession(); });
@@ -179,10 +181,10 @@ absl::StatusOr<v1::GetStatsResponse> Client::GetStats() {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
   v1::GetStatsResponse response;
-  EPD_RETURN_IF_ERROR(internal::AnnotateUnavailable(
-      internal::FromGrpcStatus(
-          impl_->control->stub->GetStats(&context, v1::GetStatsRequest(), &response)),
-      impl_->control->target));
+  EPD_RETURN_IF_ERROR(
+      internal::AnnotateUnavailable(internal::FromGrpcStatus(impl_->control->stub->GetStats(
+                                        &context, v1::GetStatsRequest(), &response)),
+                                    impl_->control->target));
   return response;
 }
 
@@ -190,10 +192,10 @@ absl::StatusOr<v1::ListGroupsResponse> Client::ListGroups() {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
   v1::ListGroupsResponse response;
-  EPD_RETURN_IF_ERROR(internal::AnnotateUnavailable(
-      internal::FromGrpcStatus(
-          impl_->control->stub->ListGroups(&context, v1::ListGroupsRequest(), &response)),
-      impl_->control->target));
+  EPD_RETURN_IF_ERROR(
+      internal::AnnotateUnavailable(internal::FromGrpcStatus(impl_->control->stub->ListGroups(
+                                        &context, v1::ListGroupsRequest(), &response)),
+                                    impl_->control->target));
   return response;
 }
 

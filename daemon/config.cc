@@ -160,8 +160,8 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
     } else if (b == "host") {
       config->set_backend(v1::BACKEND_HOST);
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--backend: \"", *flags.backend, "\" is not one of auto, cuda, host"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--backend: \"", *flags.backend, "\" is not one of auto, cuda, host"));
     }
   }
   if (flags.log_level) config->set_log_level(*flags.log_level);
@@ -203,8 +203,9 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
 absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
   std::string path = SocketFilePath(config.socket_path());
   if (path.empty() || path[0] != '/') {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "socket_path: \"", config.socket_path(), "\" must be an absolute path (\"/run/epd/epd.sock\")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("socket_path: \"", config.socket_path(),
+                     "\" must be an absolute path (\"/run/epd/epd.sock\")"));
   }
   if (path.size() > kMaxSocketPathBytes) {
     return absl::InvalidArgumentError(absl::StrCat("socket_path: \"", config.socket_path(),
@@ -223,9 +224,9 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
     return absl::InvalidArgumentError("op_timeout_ms: 0 is not a timeout (>= 1 ms)");
   }
   if (config.max_request_bytes() < kMinMaxRequestBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("max_request_bytes: ",
-                                                   config.max_request_bytes(),
-                                                   " is below the minimum ", kMinMaxRequestBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_request_bytes: ", config.max_request_bytes(), " is below the minimum ",
+                     kMinMaxRequestBytes));
   }
   if (config.max_groups() == 0) {
     return absl::InvalidArgumentError("max_groups: 0 (at least 1 group must be allowed)");
@@ -249,8 +250,8 @@ absl::StatusOr<v1::DaemonConfig> ResolveDaemonConfig(const ConfigFlags& flags) {
 
 absl::StatusOr<uint32_t> ParseFileMode(absl::string_view field, absl::string_view value) {
   auto bad = [&] {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": \"", value, "\" is not an octal file mode (e.g. \"0660\")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": \"", value, "\" is not an octal file mode (e.g. \"0660\")"));
   };
   if (value.empty() || value.size() > 5) return bad();
   uint32_t mode = 0;

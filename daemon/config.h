@@ -18,11 +18,11 @@
 #include <cstdint>
 #include <optional>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "epd/v1/config.pb.h"
 
@@ -50,9 +50,9 @@ struct ConfigFlags {
   std::optional<std::string> socket_mode;
   std::optional<std::string> socket_group;
   std::optional<std::string> listen;
-  std::optional<std::string> backend;       ///< "auto", "cuda" or "host".
+  std::optional<std::string> backend;  ///< "auto", "cuda" or "host".
   std::optional<std::string> log_level;
-  std::optional<absl::Duration> op_timeout; ///< Whole milliseconds, >= 1 ms.
+  std::optional<absl::Duration> op_timeout;  ///< Whole milliseconds, >= 1 ms.
   std::optional<std::string> shm_mode;
   std::optional<uint32_t> engine_idle_us;
   std::optional<uint32_t> host_threads;
@@ -67,7 +67,8 @@ ConfigFlags ConfigFlagsFromCommandLine();
 /// Parses `text` as a text-format DaemonConfig. `source` names the text in errors (a file
 /// path). INVALID_ARGUMENT on an unknown field or a malformed value, with
 /// "source:line:column: parser message (in: `offending line`)".
-absl::StatusOr<v1::DaemonConfig> ParseDaemonConfig(absl::string_view text, absl::string_view source);
+absl::StatusOr<v1::DaemonConfig> ParseDaemonConfig(absl::string_view text,
+                                                   absl::string_view source);
 
 /// Reads and parses the file at `path`. NOT_FOUND / PERMISSION_DENIED when it cannot be
 /// read (naming the path), else as ParseDaemonConfig.

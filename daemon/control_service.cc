@@ -7,8 +7,7 @@ namespace epd {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
 // One Session stream. Lives until OnDone. Reactions may run concurrently with OnCancel,
@@ -115,8 +114,7 @@ class ControlService::SessionReactor
   grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
 };
 
-ControlService::ControlService(GroupRegistry* registry,
-                               std::function<v1::GetStatsResponse()> stats)
+ControlService::ControlService(GroupRegistry* registry, std::function<v1::GetStatsResponse()> stats)
     : registry_(registry), stats_(std::move(stats)) {}
 
 ControlService::~ControlService() = default;

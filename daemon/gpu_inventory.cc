@@ -104,8 +104,8 @@ MpsStatus DetectMps() {
     status.detail = absl::StrCat("MPS process running (pid ", pid, ")");
     return status;
   }
-  status.detail = absl::StrCat("no MPS control socket at ", control,
-                               " and no nvidia-cuda-mps-* process");
+  status.detail =
+      absl::StrCat("no MPS control socket at ", control, " and no nvidia-cuda-mps-* process");
   return status;
 }
 
@@ -118,26 +118,24 @@ GpuInventory GpuInventory::FromList(std::vector<v1::GpuInfo> gpus, std::string r
   return inventory;
 }
 
-absl::StatusOr<GpuInventory> GpuInventory::Discover(
-    const std::vector<std::string>& allowed_uuids) {
+absl::StatusOr<GpuInventory> GpuInventory::Discover(const std::vector<std::string>& allowed_uuids) {
   GpuInventory inventory;
   inventory.mps_ = DetectMps();
 #if EPD_HAVE_CUDA
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
-    inventory.reason_ = err != cudaSuccess
-                            ? absl::StrCat("no usable CUDA device: ",
-                                           CudaError("cudaGetDeviceCount", err))
-                            : "no CUDA device found (cudaGetDeviceCount = 0)";
+    inventory.reason_ = err != cudaSuccess ? absl::StrCat("no usable CUDA device: ",
+                                                          CudaError("cudaGetDeviceCount", err))
+                                           : "no CUDA device found (cudaGetDeviceCount = 0)";
     cudaGetLastError();  // Clear the error so later CUDA calls start clean.
   } else {
     std::vector<v1::GpuInfo> all;
     for (int dev = 0; dev < count; ++dev) {
       cudaDeviceProp prop{};
       if ((err = cudaGetDeviceProperties(&prop, dev)) != cudaSuccess) {
-        return absl::UnavailableError(absl::StrCat(
-            "GPU ordinal ", dev, ": ", CudaError("cudaGetDeviceProperties", err)));
+        return absl::UnavailableError(
+            absl::StrCat("GPU ordinal ", dev, ": ", CudaError("cudaGetDeviceProperties", err)));
       }
       v1::GpuInfo info;
       info.set_ordinal(dev);
@@ -164,9 +162,9 @@ absl::StatusOr<GpuInventory> GpuInventory::Discover(
       if (!known) {
         std::vector<std::string> uuids;
         for (const v1::GpuInfo& g : all) uuids.push_back(g.uuid());
-        return absl::NotFoundError(absl::StrCat("gpu_uuids: \"", uuid,
-                                                "\" is not a visible GPU (visible: ",
-                                                absl::StrJoin(uuids, ", "), ")"));
+        return absl::NotFoundError(
+            absl::StrCat("gpu_uuids: \"", uuid,
+                         "\" is not a visible GPU (visible: ", absl::StrJoin(uuids, ", "), ")"));
       }
     }
     for (v1::GpuInfo& g : all) {
@@ -178,8 +176,8 @@ absl::StatusOr<GpuInventory> GpuInventory::Discover(
     for (const v1::GpuInfo& g : inventory.gpus_) ++names[g.name()];
     std::vector<std::string> parts;
     for (const auto& [name, n] : names) parts.push_back(absl::StrCat(name, " x", n));
-    inventory.reason_ = absl::StrCat(inventory.gpus_.size(), " GPU(s): ",
-                                     absl::StrJoin(parts, ", "));
+    inventory.reason_ =
+        absl::StrCat(inventory.gpus_.size(), " GPU(s): ", absl::StrJoin(parts, ", "));
     EPD_RETURN_IF_ERROR(inventory.Refresh());
   }
 #else
@@ -200,7 +198,8 @@ absl::StatusOr<v1::GpuInfo> GpuInventory::Find(const std::string& id) const {
     }
   }
   std::vector<std::string> known;
-  for (const v1::GpuInfo& g : gpus_) known.push_back(absl::StrCat(g.uuid(), " (", g.pci_bus_id(), ")"));
+  for (const v1::GpuInfo& g : gpus_)
+    known.push_back(absl::StrCat(g.uuid(), " (", g.pci_bus_id(), ")"));
   return absl::NotFoundError(absl::StrCat(
       "gpu_uuid: \"", id, "\" is not a GPU of this daemon (known: ",
       known.empty() ? std::string("none, ") + reason_ : absl::StrJoin(known, ", "), ")"));

@@ -16,9 +16,8 @@ namespace {
 std::string NewSessionId() {
   static std::mutex mu;
   static std::random_device device;
-  static std::mt19937_64 rng(
-      (static_cast<uint64_t>(device()) << 32) ^ device() ^
-      static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
+  static std::mt19937_64 rng((static_cast<uint64_t>(device()) << 32) ^ device() ^
+                             static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
   std::lock_guard<std::mutex> lock(mu);
   return absl::StrFormat("%016x%016x", rng() ^ device(), rng());
 }
@@ -55,11 +54,11 @@ int GroupRegistry::CloseSession(const std::string& session_id, absl::string_view
     released.push_back(absl::StrCat(group, "/", rank));
   }
   GetLogger(kLogRegistry)
-      ->info("session {} (pid {}, name \"{}\") ended ({}) after {}: released {} endpoint(s){}{}",
-             session_id, it->second.client_pid, it->second.client_name, why,
-             absl::FormatDuration(absl::Trunc(absl::Now() - it->second.opened,
-                                              absl::Milliseconds(1))),
-             released.size(), released.empty() ? "" : ": ", absl::StrJoin(released, ", "));
+      ->info(
+          "session {} (pid {}, name \"{}\") ended ({}) after {}: released {} endpoint(s){}{}",
+          session_id, it->second.client_pid, it->second.client_name, why,
+          absl::FormatDuration(absl::Trunc(absl::Now() - it->second.opened, absl::Milliseconds(1))),
+          released.size(), released.empty() ? "" : ": ", absl::StrJoin(released, ", "));
   sessions_.erase(session_id);
   return static_cast<int>(released.size());
 }
@@ -67,9 +66,9 @@ int GroupRegistry::CloseSession(const std::string& session_id, absl::string_view
 absl::StatusOr<std::string> GroupRegistry::ResolveGpu(const std::string& gpu_uuid) const {
   if (gpu_uuid.empty()) {
     if (data_plane_->backend_name() == "host") return std::string();
-    return absl::InvalidArgumentError(absl::StrCat(
-        "gpu_uuid: \"\" but the ", data_plane_->backend_name(),
-        " backend needs the GPU's UUID or PCI bus id (e.g. from nvidia-smi -L)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu_uuid: \"\" but the ", data_plane_->backend_name(),
+                     " backend needs the GPU's UUID or PCI bus id (e.g. from nvidia-smi -L)"));
   }
   EPD_ASSIGN_OR_RETURN(v1::GpuInfo gpu, inventory_.Find(gpu_uuid));
   return gpu.uuid();
@@ -93,8 +92,8 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   if (draining_) return absl::UnavailableError("epd is shutting down; joins are refused");
   auto session = sessions_.find(request.session_id());
   if (session == sessions_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session_id: \"", request.session_id(), "\" is not an open session of this daemon"));
+    return absl::FailedPreconditionError(absl::StrCat("session_id: \"", request.session_id(),
+                                                      "\" is not an open session of this daemon"));
   }
   auto group_it = groups_.find(spec.name());
   if (group_it != groups_.end()) {
@@ -104,21 +103,21 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   if (group_it != groups_.end()) {
     auto held = group_it->second.ranks.find(rank);
     if (held != group_it->second.ranks.end()) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "rank ", rank, " of group \"", spec.name(), "\" is held by session ",
-          held->second.session_id, " (pid ", held->second.client_pid, ")"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("rank ", rank, " of group \"", spec.name(), "\" is held by session ",
+                       held->second.session_id, " (pid ", held->second.client_pid, ")"));
     }
   } else if (groups_.size() >= options_.max_groups) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "max_groups: ", options_.max_groups, " groups are live; group \"", spec.name(),
-        "\" cannot be created"));
+    return absl::ResourceExhaustedError(absl::StrCat("max_groups: ", options_.max_groups,
+                                                     " groups are live; group \"", spec.name(),
+                                                     "\" cannot be created"));
   }
 
   const uint64_t bytes_needed = data_plane_->BytesPerRank(spec);
   EPD_ASSIGN_OR_RETURN(uint64_t bytes_free, data_plane_->FreeBytes(gpu_uuid));
-  EPD_RETURN_IF_ERROR(CheckBuffersFit(
-      spec, bytes_needed, bytes_free,
-      gpu_uuid.empty() ? std::string("/dev/shm (host backend)") : gpu_uuid));
+  EPD_RETURN_IF_ERROR(
+      CheckBuffersFit(spec, bytes_needed, bytes_free,
+                      gpu_uuid.empty() ? std::string("/dev/shm (host backend)") : gpu_uuid));
 
   bool created = false;
   if (group_it == groups_.end()) {
@@ -133,8 +132,8 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
         ->info("group created: {} ({} bytes per rank)", SpecSummary(spec), bytes_needed);
   }
   v1::EndpointInfo info;
-  absl::Status attached = group_it->second.data->AttachRank(rank, gpu_uuid,
-                                                            request.launch_mode(), &info);
+  absl::Status attached =
+      group_it->second.data->AttachRank(rank, gpu_uuid, request.launch_mode(), &info);
   if (!attached.ok()) {
     if (created) {
       groups_.erase(group_it);
@@ -170,7 +169,8 @@ absl::Status GroupRegistry::Leave(const v1::LeaveGroupRequest& request) {
         " of group \"", request.group(), "\" (session ", slot->second.session_id, " does)"));
   }
   auto session = sessions_.find(request.session_id());
-  if (session != sessions_.end()) session->second.endpoints.erase({request.group(), request.rank()});
+  if (session != sessions_.end())
+    session->second.endpoints.erase({request.group(), request.rank()});
   ReleaseRankLocked(request.group(), request.rank(), "LeaveGroup");
   return absl::OkStatus();
 }

@@ -41,9 +41,9 @@ std::shared_ptr<spdlog::logger> GetLogger(absl::string_view name) {
 
 absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view level) {
   static constexpr std::pair<absl::string_view, spdlog::level::level_enum> kLevels[] = {
-      {"trace", spdlog::level::trace}, {"debug", spdlog::level::debug},
-      {"info", spdlog::level::info},   {"warn", spdlog::level::warn},
-      {"warning", spdlog::level::warn}, {"error", spdlog::level::err},
+      {"trace", spdlog::level::trace},       {"debug", spdlog::level::debug},
+      {"info", spdlog::level::info},         {"warn", spdlog::level::warn},
+      {"warning", spdlog::level::warn},      {"error", spdlog::level::err},
       {"critical", spdlog::level::critical}, {"off", spdlog::level::off}};
   for (const auto& [name, value] : kLevels) {
     if (name == level) return value;

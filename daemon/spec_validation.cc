@@ -15,8 +15,8 @@ absl::Status Invalid(absl::string_view field, int64_t value, absl::string_view r
 }
 
 bool IsNameChar(char c) {
-  return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
-         c == '_' || c == '.' || c == '-';
+  return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' ||
+         c == '.' || c == '-';
 }
 
 std::string FieldValueText(const google::protobuf::Message& message,
@@ -79,15 +79,14 @@ absl::Status ValidateGroupSpec(const v1::GroupSpec& spec) {
 
 absl::Status ValidateRank(const v1::GroupSpec& spec, int32_t rank) {
   if (rank < 0 || rank >= spec.num_ranks()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank: ", rank, " is outside [0, ",
-                                                   spec.num_ranks(), ") of group \"",
-                                                   spec.name(), "\""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank: ", rank, " is outside [0, ", spec.num_ranks(), ") of group \"", spec.name(), "\""));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckBuffersFit(const v1::GroupSpec& spec, uint64_t bytes_needed,
-                             uint64_t bytes_free, const std::string& where) {
+absl::Status CheckBuffersFit(const v1::GroupSpec& spec, uint64_t bytes_needed, uint64_t bytes_free,
+                             const std::string& where) {
   if (bytes_needed <= bytes_free) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrFormat(
       "group \"%s\" needs %d bytes per rank (%.2f GiB) but %s has %d bytes free (%.2f GiB); "
@@ -96,8 +95,7 @@ absl::Status CheckBuffersFit(const v1::GroupSpec& spec, uint64_t bytes_needed,
       bytes_free / double(1ull << 30)));
 }
 
-std::vector<std::string> DiffGroupSpecs(const v1::GroupSpec& live,
-                                        const v1::GroupSpec& requested) {
+std::vector<std::string> DiffGroupSpecs(const v1::GroupSpec& live, const v1::GroupSpec& requested) {
   std::vector<std::string> diffs;
   const google::protobuf::Descriptor* descriptor = v1::GroupSpec::descriptor();
   for (int i = 0; i < descriptor->field_count(); ++i) {
@@ -112,9 +110,9 @@ std::vector<std::string> DiffGroupSpecs(const v1::GroupSpec& live,
 absl::Status CheckSameSpec(const v1::GroupSpec& live, const v1::GroupSpec& requested) {
   std::vector<std::string> diffs = DiffGroupSpecs(live, requested);
   if (diffs.empty()) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat("spec differs from live group \"", live.name(), "\" in ", diffs.size(),
-                   " field(s): ", absl::StrJoin(diffs, "; ")));
+  return absl::FailedPreconditionError(absl::StrCat("spec differs from live group \"", live.name(),
+                                                    "\" in ", diffs.size(),
+                                                    " field(s): ", absl::StrJoin(diffs, "; ")));
 }
 
 std::string SpecSummary(const v1::GroupSpec& spec) {

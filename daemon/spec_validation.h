@@ -39,8 +39,8 @@ absl::Status ValidateRank(const v1::GroupSpec& spec, int32_t rank);
 
 /// RESOURCE_EXHAUSTED when `bytes_needed` (one rank's buffers) exceeds `bytes_free` on
 /// `where` (a GPU UUID, or "/dev/shm"); the message gives both byte counts.
-absl::Status CheckBuffersFit(const v1::GroupSpec& spec, uint64_t bytes_needed,
-                             uint64_t bytes_free, const std::string& where);
+absl::Status CheckBuffersFit(const v1::GroupSpec& spec, uint64_t bytes_needed, uint64_t bytes_free,
+                             const std::string& where);
 
 /// The fields whose values differ between `live` and `requested`, each as
 /// "field: live=<v> requested=<v>", in field-number order. Empty when equal.

@@ -53,8 +53,8 @@ std::string HumanDurationMs(uint64_t ms) {
 }
 
 std::string FormatStatus(const v1::GetStatsResponse& s, const std::string& target) {
-  std::string out = absl::StrFormat("epd %s  pid %d  %s  %s  up %s\n", s.version(), s.pid(),
-                                    target, s.serving_status(), HumanDurationMs(s.uptime_ms()));
+  std::string out = absl::StrFormat("epd %s  pid %d  %s  %s  up %s\n", s.version(), s.pid(), target,
+                                    s.serving_status(), HumanDurationMs(s.uptime_ms()));
   absl::StrAppend(&out, "backend: ", s.backend(), " (", s.backend_reason(), ")\n");
   absl::StrAppend(&out, "MPS: ", s.mps_active() ? "active" : "not active", "\n");
   absl::StrAppendFormat(&out, "groups: %d  sessions: %d  ops: %d completed, %d failed\n",
@@ -70,12 +70,11 @@ std::string FormatStatus(const v1::GetStatsResponse& s, const std::string& targe
     for (int j = 0; j < g.peer_access_size(); ++j) {
       peers += j == g.ordinal() ? '-' : (g.peer_access(j) ? 'Y' : 'n');
     }
-    table.AddRow({absl::StrCat(g.ordinal()), g.uuid(), g.pci_bus_id(), g.name(),
-                  absl::StrCat(g.sm_count()),
-                  absl::StrCat(HumanBytes(g.free_memory_bytes()), " / ",
-                               HumanBytes(g.total_memory_bytes())),
-                  absl::StrCat(g.compute_capability_major(), ".", g.compute_capability_minor()),
-                  peers.empty() ? "-" : peers});
+    table.AddRow(
+        {absl::StrCat(g.ordinal()), g.uuid(), g.pci_bus_id(), g.name(), absl::StrCat(g.sm_count()),
+         absl::StrCat(HumanBytes(g.free_memory_bytes()), " / ", HumanBytes(g.total_memory_bytes())),
+         absl::StrCat(g.compute_capability_major(), ".", g.compute_capability_minor()),
+         peers.empty() ? "-" : peers});
   }
   absl::StrAppend(&out, table.Render("  "));
   return out;
@@ -83,8 +82,8 @@ std::string FormatStatus(const v1::GetStatsResponse& s, const std::string& targe
 
 std::string FormatGroups(const v1::ListGroupsResponse& groups) {
   if (groups.groups().empty()) return "no groups\n";
-  Table table({"GROUP", "RANKS", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS", "LL_MAX_TOKENS",
-               "FP8", "BYTES/RANK", "OPS OK", "OPS FAILED"});
+  Table table({"GROUP", "RANKS", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS", "LL_MAX_TOKENS", "FP8",
+               "BYTES/RANK", "OPS OK", "OPS FAILED"});
   Table ranks({"GROUP", "RANK", "PID", "GPU", "SESSION", "OPS OK"});
   for (const v1::GroupInfo& g : groups.groups()) {
     const v1::GroupSpec& spec = g.spec();

@@ -8,13 +8,13 @@
 #include <string>
 #include <vector>
 
+#include "../control_channel.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "../control_channel.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "format.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -69,8 +69,8 @@ std::shared_ptr<grpc::Channel> Connect(const std::string& target) {
 }
 
 int RpcFailed(const grpc::Status& status, const std::string& target) {
-  return Fail(epd::internal::AnnotateUnavailable(epd::internal::FromGrpcStatus(status), target)
-                  .ToString());
+  return Fail(
+      epd::internal::AnnotateUnavailable(epd::internal::FromGrpcStatus(status), target).ToString());
 }
 
 void Print(const std::string& text) { std::fwrite(text.data(), 1, text.size(), stdout); }

@@ -26,9 +26,9 @@
 namespace epd::testing {
 namespace {
 
+using grpc::health::v1::HealthCheckResponse;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-using grpc::health::v1::HealthCheckResponse;
 
 /// A running epd_test_client process holding one rank.
 struct ClientProcess {
@@ -136,8 +136,8 @@ TEST_F(ControlTest, EpctlStatusGroupsHealthStatsConfig) {
   std::unique_ptr<Subprocess> c0 = JoinedClient(0, {"--name=epctl_group"});
   groups = Epctl({"groups"});
   EXPECT_EQ(groups.exit_code, 0);
-  EXPECT_THAT(groups.stdout_text,
-              AllOf(HasSubstr("epctl_group"), HasSubstr("1/2"), HasSubstr(absl::StrCat(c0->pid()))));
+  EXPECT_THAT(groups.stdout_text, AllOf(HasSubstr("epctl_group"), HasSubstr("1/2"),
+                                        HasSubstr(absl::StrCat(c0->pid()))));
 
   CommandResult health = Epctl({"health"});
   EXPECT_EQ(health.exit_code, 0);
@@ -206,9 +206,9 @@ TEST_F(ControlTest, EpctlExitsNonZeroWhenDaemonIsDown) {
         << command;
   }
   // Also on a TCP port nobody listens on.
-  absl::StatusOr<CommandResult> tcp = RunCommand(
-      {EpctlBinary(), absl::StrCat("--socket=127.0.0.1:", PickFreeTcpPort()), "--timeout=1s",
-       "health"});
+  absl::StatusOr<CommandResult> tcp =
+      RunCommand({EpctlBinary(), absl::StrCat("--socket=127.0.0.1:", PickFreeTcpPort()),
+                  "--timeout=1s", "health"});
   ASSERT_TRUE(tcp.ok());
   EXPECT_EQ(tcp->exit_code, 1);
   EXPECT_THAT(tcp->stderr_text, HasSubstr("no epd daemon"));
@@ -289,8 +289,8 @@ TEST_F(ControlTest, MismatchedSpecIsRejected) {
   // An invalid spec is INVALID_ARGUMENT naming the field; a bad rank too.
   std::unique_ptr<Subprocess> c2 = StartClient(0, {"--name=fp8", "--use_fp8", "--hidden=100"});
   ASSERT_TRUE(c2->Wait(absl::Seconds(10)).ok());
-  EXPECT_THAT(c2->Stdout(), AllOf(HasSubstr("JOIN_ERROR INVALID_ARGUMENT"),
-                                  HasSubstr("spec.hidden: 100")));
+  EXPECT_THAT(c2->Stdout(),
+              AllOf(HasSubstr("JOIN_ERROR INVALID_ARGUMENT"), HasSubstr("spec.hidden: 100")));
   std::unique_ptr<Subprocess> c3 = StartClient(5);
   ASSERT_TRUE(c3->Wait(absl::Seconds(10)).ok());
   EXPECT_THAT(c3->Stdout(), AllOf(HasSubstr("JOIN_ERROR INVALID_ARGUMENT"), HasSubstr("rank: 5")));
@@ -302,9 +302,9 @@ TEST_F(ControlTest, MismatchedSpecIsRejected) {
 
 TEST_F(ControlTest, OversizedBuffersAreResourceExhausted) {
   // H = 65536, M = 2^20 on 4096 ranks: petabytes, never free in /dev/shm.
-  std::unique_ptr<Subprocess> c = StartClient(
-      0, {"--name=huge", "--num_ranks=4096", "--num_experts=4096", "--hidden=65536",
-          "--max_tokens_per_rank=1048576"});
+  std::unique_ptr<Subprocess> c =
+      StartClient(0, {"--name=huge", "--num_ranks=4096", "--num_experts=4096", "--hidden=65536",
+                      "--max_tokens_per_rank=1048576"});
   ASSERT_TRUE(c->Wait(absl::Seconds(10)).ok());
   EXPECT_THAT(c->Stdout(), AllOf(HasSubstr("JOIN_ERROR RESOURCE_EXHAUSTED"),
                                  HasSubstr("bytes per rank"), HasSubstr("bytes free")));
@@ -362,8 +362,8 @@ TEST_F(ControlTest, JoinsAreRefusedWhileDrainingAndClientsSeeTheDaemonGo) {
   // Once it is gone, a new client cannot connect and says where it looked.
   std::unique_ptr<Subprocess> gone = StartClient(0, {"--connect_timeout=1s"});
   ASSERT_TRUE(gone->Wait(absl::Seconds(10)).ok());
-  EXPECT_THAT(gone->Stdout(), AllOf(HasSubstr("CONNECT_ERROR UNAVAILABLE"),
-                                    HasSubstr(epd_->socket_path())));
+  EXPECT_THAT(gone->Stdout(),
+              AllOf(HasSubstr("CONNECT_ERROR UNAVAILABLE"), HasSubstr(epd_->socket_path())));
   // And the connected client's next call is UNAVAILABLE too.
   EXPECT_EQ((*client)->Join(join).status().code(), absl::StatusCode::kUnavailable);
 }

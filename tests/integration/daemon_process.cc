@@ -91,8 +91,7 @@ absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> DaemonProce
   grpc::health::v1::HealthCheckResponse response;
   grpc::Status status = stub->Check(&context, request, &response);
   if (!status.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                        status.error_message());
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
   }
   return response.status();
 }
@@ -108,9 +107,8 @@ absl::Status DaemonProcess::WaitServing(absl::Duration timeout) {
       return absl::OkStatus();
     }
     if (absl::Now() >= deadline) {
-      return absl::UnavailableError(absl::StrCat("epd not SERVING within ",
-                                                 absl::FormatDuration(timeout), "; log:\n",
-                                                 Logs()));
+      return absl::UnavailableError(absl::StrCat(
+          "epd not SERVING within ", absl::FormatDuration(timeout), "; log:\n", Logs()));
     }
     absl::SleepFor(absl::Milliseconds(20));
   }

@@ -34,13 +34,13 @@ std::string EpctlBinary();
 std::string TestClientBinary();
 
 struct DaemonProcessOptions {
-  std::string backend = "host";           ///< --backend; "" = not passed.
-  bool tcp = true;                        ///< --listen=127.0.0.1:<free port>.
+  std::string backend = "host";  ///< --backend; "" = not passed.
+  bool tcp = true;               ///< --listen=127.0.0.1:<free port>.
   /// Socket path; "" = <dir>/epd.sock. Set it to another daemon's to share a socket.
   std::string socket_path;
   /// Text-format DaemonConfig written to <dir>/epd.textproto and passed as --config.
   std::string config_text;
-  std::vector<std::string> extra_args;    ///< More flags, e.g. "--op_timeout=2s".
+  std::vector<std::string> extra_args;  ///< More flags, e.g. "--op_timeout=2s".
   std::string log_level = "debug";
   /// Wait until health is SERVING (else return right after spawning).
   bool wait_serving = true;

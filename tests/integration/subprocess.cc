@@ -41,8 +41,8 @@ int DecodeWaitStatus(int status) {
 
 std::string MakeTempDir(const std::string& prefix) {
   const char* tmp = std::getenv("TMPDIR");
-  std::string pattern = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/", prefix,
-                                     "XXXXXX");
+  std::string pattern =
+      absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/", prefix, "XXXXXX");
   std::vector<char> buffer(pattern.begin(), pattern.end());
   buffer.push_back('\0');
   if (::mkdtemp(buffer.data()) == nullptr) {
@@ -69,8 +69,8 @@ int PickFreeTcpPort() {
   return port;
 }
 
-absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Spawn(
-    const std::vector<std::string>& argv, SubprocessOptions options) {
+absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Spawn(const std::vector<std::string>& argv,
+                                                              SubprocessOptions options) {
   if (argv.empty()) return absl::InvalidArgumentError("argv is empty");
   // A write to the stdin of a child that died must fail with EPIPE, not kill the test.
   static const bool sigpipe_ignored = [] { return ::signal(SIGPIPE, SIG_IGN) != SIG_ERR; }();
@@ -162,8 +162,8 @@ absl::StatusOr<int> Subprocess::Wait(absl::Duration timeout) {
   while (true) {
     if (!Running()) return exit_code_;
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "pid ", pid_, " still running after ", absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(
+          absl::StrCat("pid ", pid_, " still running after ", absl::FormatDuration(timeout)));
     }
     absl::SleepFor(absl::Milliseconds(5));
   }
@@ -196,10 +196,9 @@ absl::Status Subprocess::WaitForOutput(absl::string_view text, absl::Duration ti
                        "\"; stdout: ", Stdout(), "; stderr: ", Stderr()));
     }
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("no \"", text, "\" from pid ", pid_,
-                                                      " within ", absl::FormatDuration(timeout),
-                                                      "; stdout: ", Stdout(),
-                                                      "; stderr: ", Stderr()));
+      return absl::DeadlineExceededError(absl::StrCat(
+          "no \"", text, "\" from pid ", pid_, " within ", absl::FormatDuration(timeout),
+          "; stdout: ", Stdout(), "; stderr: ", Stderr()));
     }
     absl::SleepFor(absl::Milliseconds(10));
   }
@@ -222,9 +221,8 @@ absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
   ::unlink(options.stderr_path.c_str());
   ::rmdir(dir.c_str());
   if (!code.ok()) {
-    return absl::DeadlineExceededError(absl::StrCat(absl::StrJoin(argv, " "), ": ",
-                                                    code.status().message(), "; stderr: ",
-                                                    result.stderr_text));
+    return absl::DeadlineExceededError(absl::StrCat(
+        absl::StrJoin(argv, " "), ": ", code.status().message(), "; stderr: ", result.stderr_text));
   }
   result.exit_code = *code;
   return result;

@@ -75,7 +75,7 @@ class Subprocess {
 
 /// What RunCommand returns.
 struct CommandResult {
-  int exit_code = 0;   ///< Or -N when killed by signal N.
+  int exit_code = 0;  ///< Or -N when killed by signal N.
   std::string stdout_text;
   std::string stderr_text;
 };

@@ -66,7 +66,8 @@ TEST(ParseDaemonConfigTest, GoodInput) {
                 v1::DaemonConfig c = *config;
                 FillDaemonConfigDefaults(&c);
                 return c;
-              }()).ok());
+              }())
+                  .ok());
 }
 
 TEST(ParseDaemonConfigTest, UnknownFieldIsNamed) {
@@ -105,7 +106,8 @@ TEST(ValidateDaemonConfigTest, BadValuesAreNamed) {
   };
   for (const Case& c : std::vector<Case>{
            {[](v1::DaemonConfig* x) { x->set_socket_mode("0999"); }, "socket_mode", "0999"},
-           {[](v1::DaemonConfig* x) { x->set_socket_mode("rw-rw----"); }, "socket_mode", "rw-rw----"},
+           {[](v1::DaemonConfig* x) { x->set_socket_mode("rw-rw----"); }, "socket_mode",
+            "rw-rw----"},
            {[](v1::DaemonConfig* x) { x->set_shm_mode("77777"); }, "shm_mode", "77777"},
            {[](v1::DaemonConfig* x) { x->set_log_level("verbose"); }, "log_level", "verbose"},
            {[](v1::DaemonConfig* x) { x->set_listen("localhost"); }, "listen", "localhost"},

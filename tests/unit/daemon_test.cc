@@ -24,8 +24,8 @@
 namespace epd {
 namespace {
 
-using ::testing::HasSubstr;
 using grpc::health::v1::HealthCheckResponse;
+using ::testing::HasSubstr;
 
 GpuInventory NoGpu() { return GpuInventory::FromList({}, "no CUDA device found (test)"); }
 GpuInventory TwoGpus() {
@@ -90,8 +90,9 @@ class DaemonTest : public ::testing::Test {
     DaemonOptions options;
     options.inventory = std::move(inventory);
     options.drain_grace = absl::Milliseconds(50);
-    options.data_plane_factory = [this](const v1::DaemonConfig&, const BackendChoice&)
-        -> absl::StatusOr<std::unique_ptr<DataPlane>> {
+    options.data_plane_factory =
+        [this](const v1::DaemonConfig&,
+               const BackendChoice&) -> absl::StatusOr<std::unique_ptr<DataPlane>> {
       return std::unique_ptr<DataPlane>(new testing::FakeDataPlane(state_));
     };
     return options;
@@ -121,7 +122,7 @@ TEST_F(DaemonTest, ServesHealthAndStatsThenShutsDown) {
   EXPECT_EQ(Health(""), HealthCheckResponse::SERVING);
   EXPECT_EQ(Health(kControlServiceName), HealthCheckResponse::SERVING);
 
-  struct stat st{};
+  struct stat st {};
   ASSERT_EQ(::stat(socket_.c_str(), &st), 0);
   EXPECT_TRUE(S_ISSOCK(st.st_mode));
   EXPECT_EQ(st.st_mode & 07777, 0600u);
@@ -152,8 +153,7 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameSocketIsRefused) {
   ASSERT_TRUE(first.ok()) << first.status();
   absl::StatusOr<std::unique_ptr<Daemon>> second = Daemon::Start(Config(), Options());
   EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(second.status().message()),
-              HasSubstr(absl::StrCat("pid ", ::getpid())));
+  EXPECT_THAT(std::string(second.status().message()), HasSubstr(absl::StrCat("pid ", ::getpid())));
   // The first one is untouched.
   EXPECT_EQ(Health(""), HealthCheckResponse::SERVING);
 }

@@ -22,7 +22,7 @@ struct FakeDataPlaneState {
   std::string backend = "host";
   uint64_t bytes_per_rank = 1 << 20;
   uint64_t free_bytes = 1ull << 34;
-  absl::Status attach_error;          ///< Returned by every AttachRank when not OK.
+  absl::Status attach_error;  ///< Returned by every AttachRank when not OK.
   int groups_created = 0;
   int groups_destroyed = 0;
   std::set<std::pair<std::string, int>> attached;  ///< (group, rank) currently attached.

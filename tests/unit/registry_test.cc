@@ -1,10 +1,9 @@
 // GroupRegistry with a fake DataPlane: sessions, joins, leaves, session end, the error
 // codes of JoinGroup and group lifetime (daemon/group_registry.h).
-#include "daemon/group_registry.h"
-
 #include <memory>
 #include <string>
 
+#include "daemon/group_registry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/fake_data_plane.h"
@@ -13,10 +12,10 @@ namespace epd {
 namespace {
 
 using ::testing::AllOf;
-using ::testing::HasSubstr;
-using ::testing::SizeIs;
 using testing::FakeDataPlane;
 using testing::FakeDataPlaneState;
+using ::testing::HasSubstr;
+using ::testing::SizeIs;
 using testing::SmallSpec;
 
 constexpr char kGpuA[] = "GPU-aaaaaaaa-0000-0000-0000-000000000000";

@@ -46,10 +46,18 @@ std::vector<SpecCase> Cases() {
   using S = v1::GroupSpec;
   return {
       {"small_spec", [](S*) {}, true, {}},
-      {"deepseek_v3", [](S* s) {
-         s->set_num_ranks(8); s->set_num_experts(256); s->set_hidden(7168); s->set_num_topk(8);
-         s->set_max_tokens_per_rank(4096); s->set_use_fp8(true); s->set_ll_max_tokens_per_rank(128);
-       }, true, {}},
+      {"deepseek_v3",
+       [](S* s) {
+         s->set_num_ranks(8);
+         s->set_num_experts(256);
+         s->set_hidden(7168);
+         s->set_num_topk(8);
+         s->set_max_tokens_per_rank(4096);
+         s->set_use_fp8(true);
+         s->set_ll_max_tokens_per_rank(128);
+       },
+       true,
+       {}},
       // name: [A-Za-z0-9_.-]{1,64}
       {"name_all_allowed_chars", [](S* s) { s->set_name("Model_v3.layer-0"); }, true, {}},
       {"name_64_chars", [](S* s) { s->set_name(std::string(64, 'a')); }, true, {}},
@@ -61,44 +69,97 @@ std::vector<SpecCase> Cases() {
       {"ranks_1", [](S* s) { s->set_num_ranks(1); }, true, {}},
       {"ranks_0", [](S* s) { s->set_num_ranks(0); }, false, {"spec.num_ranks", ": 0"}},
       {"ranks_negative", [](S* s) { s->set_num_ranks(-2); }, false, {"spec.num_ranks", "-2"}},
-      {"ranks_too_many", [](S* s) { s->set_num_ranks(kMaxRanks + 1); s->set_num_experts(kMaxRanks + 1); },
-       false, {"spec.num_ranks", std::to_string(kMaxRanks + 1)}},
+      {"ranks_too_many",
+       [](S* s) {
+         s->set_num_ranks(kMaxRanks + 1);
+         s->set_num_experts(kMaxRanks + 1);
+       },
+       false,
+       {"spec.num_ranks", std::to_string(kMaxRanks + 1)}},
       // num_experts % num_ranks == 0
-      {"experts_multiple", [](S* s) { s->set_num_ranks(4); s->set_num_experts(12); }, true, {}},
-      {"experts_not_multiple", [](S* s) { s->set_num_ranks(4); s->set_num_experts(10); }, false,
+      {"experts_multiple",
+       [](S* s) {
+         s->set_num_ranks(4);
+         s->set_num_experts(12);
+       },
+       true,
+       {}},
+      {"experts_not_multiple",
+       [](S* s) {
+         s->set_num_ranks(4);
+         s->set_num_experts(10);
+       },
+       false,
        {"spec.num_experts", "10", "num_ranks 4"}},
       {"experts_0", [](S* s) { s->set_num_experts(0); }, false, {"spec.num_experts", ": 0"}},
-      {"experts_too_many", [](S* s) { s->set_num_experts(kMaxExperts * 2); }, false,
+      {"experts_too_many",
+       [](S* s) { s->set_num_experts(kMaxExperts * 2); },
+       false,
        {"spec.num_experts", std::to_string(kMaxExperts * 2)}},
       // hidden >= 1; hidden % 128 == 0 when FP8 is on
       {"hidden_odd_without_fp8", [](S* s) { s->set_hidden(100); }, true, {}},
-      {"hidden_7168_fp8", [](S* s) { s->set_hidden(7168); s->set_use_fp8(true); }, true, {}},
-      {"hidden_not_128_fp8", [](S* s) { s->set_hidden(100); s->set_use_fp8(true); }, false,
+      {"hidden_7168_fp8",
+       [](S* s) {
+         s->set_hidden(7168);
+         s->set_use_fp8(true);
+       },
+       true,
+       {}},
+      {"hidden_not_128_fp8",
+       [](S* s) {
+         s->set_hidden(100);
+         s->set_use_fp8(true);
+       },
+       false,
        {"spec.hidden", "100", "128", "use_fp8"}},
       {"hidden_0", [](S* s) { s->set_hidden(0); }, false, {"spec.hidden", ": 0"}},
-      {"hidden_too_big", [](S* s) { s->set_hidden(kMaxHidden + 1); }, false,
+      {"hidden_too_big",
+       [](S* s) { s->set_hidden(kMaxHidden + 1); },
+       false,
        {"spec.hidden", std::to_string(kMaxHidden + 1)}},
       // 1 <= num_topk <= num_experts, no top-k cap below 128
       {"topk_1", [](S* s) { s->set_num_topk(1); }, true, {}},
       {"topk_equals_experts", [](S* s) { s->set_num_topk(8); }, true, {}},
-      {"topk_128", [](S* s) { s->set_num_experts(256); s->set_num_topk(128); }, true, {}},
-      {"topk_200", [](S* s) { s->set_num_experts(256); s->set_num_topk(200); }, true, {}},
+      {"topk_128",
+       [](S* s) {
+         s->set_num_experts(256);
+         s->set_num_topk(128);
+       },
+       true,
+       {}},
+      {"topk_200",
+       [](S* s) {
+         s->set_num_experts(256);
+         s->set_num_topk(200);
+       },
+       true,
+       {}},
       {"topk_0", [](S* s) { s->set_num_topk(0); }, false, {"spec.num_topk", ": 0"}},
       {"topk_negative", [](S* s) { s->set_num_topk(-1); }, false, {"spec.num_topk", "-1"}},
-      {"topk_above_experts", [](S* s) { s->set_num_topk(9); }, false,
+      {"topk_above_experts",
+       [](S* s) { s->set_num_topk(9); },
+       false,
        {"spec.num_topk", "9", "num_experts = 8"}},
       // max_tokens_per_rank >= 1
       {"max_tokens_1", [](S* s) { s->set_max_tokens_per_rank(1); }, true, {}},
-      {"max_tokens_0", [](S* s) { s->set_max_tokens_per_rank(0); }, false,
+      {"max_tokens_0",
+       [](S* s) { s->set_max_tokens_per_rank(0); },
+       false,
        {"spec.max_tokens_per_rank", ": 0"}},
-      {"max_tokens_negative", [](S* s) { s->set_max_tokens_per_rank(-5); }, false,
+      {"max_tokens_negative",
+       [](S* s) { s->set_max_tokens_per_rank(-5); },
+       false,
        {"spec.max_tokens_per_rank", "-5"}},
-      {"max_tokens_too_big", [](S* s) { s->set_max_tokens_per_rank(kMaxTokensPerRank + 1); },
-       false, {"spec.max_tokens_per_rank", std::to_string(kMaxTokensPerRank + 1)}},
+      {"max_tokens_too_big",
+       [](S* s) { s->set_max_tokens_per_rank(kMaxTokensPerRank + 1); },
+       false,
+       {"spec.max_tokens_per_rank", std::to_string(kMaxTokensPerRank + 1)}},
       // ll_max_tokens_per_rank >= 0
       {"ll_0_disabled", [](S* s) { s->set_ll_max_tokens_per_rank(0); }, true, {}},
       {"ll_128", [](S* s) { s->set_ll_max_tokens_per_rank(128); }, true, {}},
-      {"ll_negative", [](S* s) { s->set_ll_max_tokens_per_rank(-1); }, false,
+      {"ll_negative",
+       [](S* s) { s->set_ll_max_tokens_per_rank(-1); },
+       false,
        {"spec.ll_max_tokens_per_rank", "-1"}},
   };
 }
