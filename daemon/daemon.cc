@@ -68,8 +68,8 @@ std::string DescribeLiveServer(const std::string& path) {
   v1::GetStatsResponse response;
   grpc::Status status = stub->GetStats(&context, request, &response);
   if (!status.ok()) {
-    return absl::StrCat("a process that does not answer epd's GetStats (",
-                        status.error_message(), ")");
+    return absl::StrCat("a process that does not answer epd's GetStats (", status.error_message(),
+                        ")");
   }
   return absl::StrCat("epd ", response.version(), " (pid ", response.pid(), ", ",
                       response.serving_status(), ")");
@@ -87,9 +87,9 @@ absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInve
       return BackendChoice{"host", "--backend=host requested"};
     case v1::BACKEND_CUDA:
       if (inventory.empty()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "backend: cuda requested but no GPU is usable: ", inventory.reason(),
-            "; use --backend=auto or --backend=host"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("backend: cuda requested but no GPU is usable: ", inventory.reason(),
+                         "; use --backend=auto or --backend=host"));
       }
       if (!cuda_data_plane_built) {
         return BackendChoice{"host", absl::StrCat("--backend=cuda requested with ",
@@ -98,12 +98,12 @@ absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInve
       return BackendChoice{"cuda", absl::StrCat("--backend=cuda requested; ", inventory.reason())};
     default:
       if (inventory.empty()) {
-        return BackendChoice{"host", absl::StrCat("auto: no usable GPU (", inventory.reason(),
-                                                  ")")};
+        return BackendChoice{"host",
+                             absl::StrCat("auto: no usable GPU (", inventory.reason(), ")")};
       }
       if (!cuda_data_plane_built) {
-        return BackendChoice{"host", absl::StrCat("auto: ", inventory.reason(), " found, ",
-                                                  not_built)};
+        return BackendChoice{"host",
+                             absl::StrCat("auto: ", inventory.reason(), " found, ", not_built)};
       }
       return BackendChoice{"cuda", absl::StrCat("auto: ", inventory.reason(), " found")};
   }
@@ -216,13 +216,13 @@ absl::Status Daemon::Init() {
   server_ = builder.BuildAndStart();
   ::umask(old_umask);
   if (server_ == nullptr) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot listen on ", unix_target(),
-        config_.listen().empty() ? "" : absl::StrCat(" and ", config_.listen()),
-        " (address in use or not permitted; see the gRPC error above)"));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", unix_target(),
+                     config_.listen().empty() ? "" : absl::StrCat(" and ", config_.listen()),
+                     " (address in use or not permitted; see the gRPC error above)"));
   }
   SetServing(false, "starting");
-  struct stat st{};
+  struct stat st {};
   if (::stat(socket_path_.c_str(), &st) == 0) socket_inode_ = st.st_ino;
   EPD_RETURN_IF_ERROR(ApplySocketPermissions());
   if (!config_.listen().empty()) {
@@ -243,12 +243,12 @@ absl::Status Daemon::PrepareSocketPath() {
   if (!parent.empty() && !std::filesystem::exists(parent, ec)) {
     std::filesystem::create_directories(parent, ec);
     if (ec) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "socket_path: cannot create directory ", parent.string(), ": ", ec.message(),
-          " (run epd with a RuntimeDirectory, or choose another --socket)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("socket_path: cannot create directory ", parent.string(), ": ", ec.message(),
+                       " (run epd with a RuntimeDirectory, or choose another --socket)"));
     }
   }
-  struct stat st{};
+  struct stat st {};
   if (::lstat(socket_path_.c_str(), &st) != 0) {
     if (errno == ENOENT) return absl::OkStatus();
     return absl::FailedPreconditionError(
@@ -263,8 +263,7 @@ absl::Status Daemon::PrepareSocketPath() {
   switch (ProbeUnixSocket(socket_path_, &err)) {
     case SocketProbe::kLive:
       return absl::FailedPreconditionError(absl::StrCat(
-          "socket_path: ", socket_path_, " is in use by a live ",
-          DescribeLiveServer(socket_path_),
+          "socket_path: ", socket_path_, " is in use by a live ", DescribeLiveServer(socket_path_),
           "; refusing to start a second epd on it (stop the other one or choose another "
           "--socket)"));
     case SocketProbe::kStale:
@@ -277,8 +276,8 @@ absl::Status Daemon::PrepareSocketPath() {
     case SocketProbe::kError:
       break;
   }
-  return absl::FailedPreconditionError(absl::StrCat(
-      "socket_path: cannot probe existing socket ", socket_path_, ": ", Errno(err)));
+  return absl::FailedPreconditionError(
+      absl::StrCat("socket_path: cannot probe existing socket ", socket_path_, ": ", Errno(err)));
 }
 
 absl::Status Daemon::ApplySocketPermissions() {
@@ -287,16 +286,16 @@ absl::Status Daemon::ApplySocketPermissions() {
     std::vector<char> buffer(16384);
     group entry{};
     group* result = nullptr;
-    int rc = ::getgrnam_r(config_.socket_group().c_str(), &entry, buffer.data(), buffer.size(),
-                          &result);
+    int rc =
+        ::getgrnam_r(config_.socket_group().c_str(), &entry, buffer.data(), buffer.size(), &result);
     if (rc != 0 || result == nullptr) {
       return absl::NotFoundError(absl::StrCat("socket_group: \"", config_.socket_group(),
                                               "\" is not a group on this machine"));
     }
     if (::chown(socket_path_.c_str(), static_cast<uid_t>(-1), result->gr_gid) != 0) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("socket_group: cannot give ", socket_path_, " to group \"",
-                       config_.socket_group(), "\": ", Errno(errno)));
+      return absl::PermissionDeniedError(absl::StrCat("socket_group: cannot give ", socket_path_,
+                                                      " to group \"", config_.socket_group(),
+                                                      "\": ", Errno(errno)));
     }
   }
   if (::chmod(socket_path_.c_str(), static_cast<mode_t>(mode)) != 0) {
@@ -340,9 +339,10 @@ void Daemon::MonitorGpus() {
     }
     if (!lost) {
       lost = true;
-      log->error("{}; health is NOT_SERVING. Check `nvidia-smi` and the kernel log for Xid "
-                 "errors, then restart epd",
-                 status.message());
+      log->error(
+          "{}; health is NOT_SERVING. Check `nvidia-smi` and the kernel log for Xid "
+          "errors, then restart epd",
+          status.message());
       SetServing(false, absl::StrCat("GPU lost: ", status.message()));
     }
   }
@@ -400,9 +400,8 @@ void Daemon::Shutdown() {
   registry_.reset();
   if (data_plane_ != nullptr) data_plane_->Shutdown();
   data_plane_.reset();
-  struct stat st{};
-  if (socket_inode_ != 0 && ::stat(socket_path_.c_str(), &st) == 0 &&
-      st.st_ino == socket_inode_) {
+  struct stat st {};
+  if (socket_inode_ != 0 && ::stat(socket_path_.c_str(), &st) == 0 && st.st_ino == socket_inode_) {
     ::unlink(socket_path_.c_str());
   }
   if (socket_inode_ != 0) {
