@@ -8,10 +8,10 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "common.cuh"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/layout.h"
-#include "common.cuh"
 
 namespace epd::kernels::cuda::normal {
 
@@ -58,9 +58,9 @@ using device::StReleaseSys;
 /// Scans one token's top-k row: returns the mask of ranks it has an expert on; adds 1 to
 /// expert_count[e] (shared memory) for each expert once (a duplicate in the row counted
 /// once) when expert_count is not null; counts ids outside [-1, E) into *bad (skipped).
-__device__ __forceinline__ uint64_t ScanTopkRow(const int64_t* row, int num_topk,
-                                                int num_experts, int experts_per_rank,
-                                                int32_t* expert_count, unsigned int* bad) {
+__device__ __forceinline__ uint64_t ScanTopkRow(const int64_t* row, int num_topk, int num_experts,
+                                                int experts_per_rank, int32_t* expert_count,
+                                                unsigned int* bad) {
   uint64_t mask = 0;
   for (int k = 0; k < num_topk; ++k) {
     const int64_t e = row[k];
@@ -88,8 +88,7 @@ struct TokenRanks {
   uint64_t mask;
 
   /// Lane-local part of the rank bases; call once per kernel.
-  __device__ __forceinline__ void LoadBases(uint8_t* const* peer_bases, int num_ranks,
-                                            int lane) {
+  __device__ __forceinline__ void LoadBases(uint8_t* const* peer_bases, int num_ranks, int lane) {
     base_lo = reinterpret_cast<unsigned long long>(lane < num_ranks ? peer_bases[lane] : nullptr);
     base_hi = reinterpret_cast<unsigned long long>(lane + 32 < num_ranks ? peer_bases[lane + 32]
                                                                          : nullptr);
@@ -131,8 +130,8 @@ __device__ __forceinline__ int32_t ReadNumTokens(const NormalParams& p, bool rec
 
 /// Waits, in the calling thread, until `*flag` reaches `seq` (wrap-around safe) or
 /// p.timeout_ns pass; returns false on timeout, recording `peer` as missing.
-__device__ __forceinline__ bool WaitFlag(const NormalParams& p, const uint32_t* flag,
-                                         uint32_t seq, int peer) {
+__device__ __forceinline__ bool WaitFlag(const NormalParams& p, const uint32_t* flag, uint32_t seq,
+                                         int peer) {
   const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
   if (device::WaitFlagAtLeast(flag, seq, deadline)) return true;
   device::RecordMissingPeer(OwnStatus(p), peer);

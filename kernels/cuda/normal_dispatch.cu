@@ -157,10 +157,10 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
   for (int base = 0; base < num_tokens; base += blockDim.x) {
     const int t = base + tid;
     unsigned int ignored_bad = 0;  // Counted in pass 1.
-    const uint64_t mask =
-        t < num_tokens ? ScanTopkRow(topk_idx + static_cast<int64_t>(t) * num_topk, num_topk,
-                                     num_experts, experts_per_rank, nullptr, &ignored_bad)
-                       : 0;
+    const uint64_t mask = t < num_tokens
+                              ? ScanTopkRow(topk_idx + static_cast<int64_t>(t) * num_topk, num_topk,
+                                            num_experts, experts_per_rank, nullptr, &ignored_bad)
+                              : 0;
     for (int r = 0; r < num_ranks; ++r) {
       const unsigned int b = __ballot_sync(0xffffffffu, (mask >> r) & 1ull);
       if (lane == 0) s_warp_offset[warp][r] = __popc(b);
@@ -219,8 +219,8 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
   const int num_scales = p.shape.num_scales();
   const int lane = threadIdx.x & 31;
   const int warps_per_block = blockDim.x >> 5;
-  const int64_t row_bytes = p.fp8 ? static_cast<int64_t>(p.shape.hidden)
-                                  : 2 * static_cast<int64_t>(p.shape.hidden);
+  const int64_t row_bytes =
+      p.fp8 ? static_cast<int64_t>(p.shape.hidden) : 2 * static_cast<int64_t>(p.shape.hidden);
   const int64_t num_vec = row_bytes / static_cast<int64_t>(sizeof(Vec));
 
   uint8_t* own = p.peer_bases[p.rank];
@@ -251,8 +251,8 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
         if (i + 32 * u < num_vec) v[u] = LoadStreaming(src + i + 32 * u);
       }
       for (uint64_t m = mask; m != 0; m &= m - 1) {
-        Vec* dst = reinterpret_cast<Vec*>(
-            ranks.RowAt(LowestRank(m), p.layout.recv_x.offset, row_bytes));
+        Vec* dst =
+            reinterpret_cast<Vec*>(ranks.RowAt(LowestRank(m), p.layout.recv_x.offset, row_bytes));
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u) {
           if (i + 32 * u < num_vec) dst[i + 32 * u] = v[u];
@@ -270,8 +270,9 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
         float* dst = Region<float>(dst_base, p.layout.recv_scales) + pos * num_scales;
         for (int j = lane; j < num_scales; j += 32) dst[j] = sc[j];
       }
-      if (lane == 0) Region<int32_t>(dst_base, p.layout.recv_src_info)[pos] =
-          static_cast<int32_t>(src_info_base + t);
+      if (lane == 0)
+        Region<int32_t>(dst_base, p.layout.recv_src_info)[pos] =
+            static_cast<int32_t>(src_info_base + t);
       if (!p.cached) {
         const int64_t first_local = static_cast<int64_t>(r) * experts_per_rank;
         int64_t* recv_idx = Region<int64_t>(dst_base, p.layout.recv_topk_idx) + pos * num_topk;

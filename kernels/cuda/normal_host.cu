@@ -39,9 +39,9 @@ absl::Status ValidateNormalContext(const CudaRankContext& ctx) {
                                                    " is outside [1, ", kNormalMaxRanks, "]"));
   }
   if (s.num_experts < s.num_ranks || s.num_experts % s.num_ranks != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("normal mode: num_experts = ", s.num_experts,
-                                                   " must be a positive multiple of num_ranks = ",
-                                                   s.num_ranks));
+    return absl::InvalidArgumentError(
+        absl::StrCat("normal mode: num_experts = ", s.num_experts,
+                     " must be a positive multiple of num_ranks = ", s.num_ranks));
   }
   if (s.max_tokens_per_rank < 0 || s.hidden < 1 || s.num_topk < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -50,10 +50,10 @@ absl::Status ValidateNormalContext(const CudaRankContext& ctx) {
   }
   const uint64_t need = SyncMap(s).bytes();
   if (need > kSyncNormalBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "normal mode: num_ranks = ", s.num_ranks, " and num_experts = ", s.num_experts,
-        " need ", need, " bytes of normal sync state, more than the ", kSyncNormalBytes,
-        " bytes reserved in the sync region"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("normal mode: num_ranks = ", s.num_ranks, " and num_experts = ", s.num_experts,
+                     " need ", need, " bytes of normal sync state, more than the ",
+                     kSyncNormalBytes, " bytes reserved in the sync region"));
   }
   return absl::OkStatus();
 }
@@ -92,16 +92,14 @@ absl::StatusOr<NormalDispatchCounts> ReadNormalDispatchCounts(const CudaRankCont
   counts.rank_prefix.resize(ctx.shape.num_ranks);
   EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   EPD_CUDA_RETURN_IF_ERROR(cudaMemcpy(&counts.num_recv_tokens,
-                                      ctx.own_base + ctx.layout.recv_count.offset,
-                                      sizeof(int32_t), cudaMemcpyDeviceToHost));
-  EPD_CUDA_RETURN_IF_ERROR(cudaMemcpy(counts.recv_tokens_per_expert.data(),
-                                      ctx.own_base + ctx.layout.recv_tokens_per_expert.offset,
-                                      sizeof(int32_t) * counts.recv_tokens_per_expert.size(),
+                                      ctx.own_base + ctx.layout.recv_count.offset, sizeof(int32_t),
                                       cudaMemcpyDeviceToHost));
-  EPD_CUDA_RETURN_IF_ERROR(cudaMemcpy(counts.rank_prefix.data(),
-                                      ctx.own_base + ctx.layout.rank_prefix.offset,
-                                      sizeof(int32_t) * counts.rank_prefix.size(),
-                                      cudaMemcpyDeviceToHost));
+  EPD_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+      counts.recv_tokens_per_expert.data(), ctx.own_base + ctx.layout.recv_tokens_per_expert.offset,
+      sizeof(int32_t) * counts.recv_tokens_per_expert.size(), cudaMemcpyDeviceToHost));
+  EPD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(counts.rank_prefix.data(), ctx.own_base + ctx.layout.rank_prefix.offset,
+                 sizeof(int32_t) * counts.rank_prefix.size(), cudaMemcpyDeviceToHost));
   return counts;
 }
 

@@ -33,9 +33,8 @@ __global__ void __launch_bounds__(kNormalThreads) NormalLayoutKernel(NormalParam
 
   uint8_t* own = p.peer_bases[p.rank];
   const int num_tokens = ReadNumTokens(p, blockIdx.x == 0 && tid == 0);
-  const int64_t* topk_idx = p.topk_idx != nullptr
-                                ? p.topk_idx
-                                : Region<const int64_t>(own, p.layout.in_topk_idx);
+  const int64_t* topk_idx =
+      p.topk_idx != nullptr ? p.topk_idx : Region<const int64_t>(own, p.layout.in_topk_idx);
   uint8_t* in_rank = Region<uint8_t>(own, p.layout.layout_is_token_in_rank);
   unsigned int bad = 0;
   for (int t = blockIdx.x * blockDim.x + tid; t < num_tokens; t += gridDim.x * blockDim.x) {

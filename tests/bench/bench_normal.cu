@@ -63,8 +63,9 @@ __global__ void FillBytes(uint32_t* p, size_t n_words, uint32_t seed) {
 
 /// Wall time of `batch` back-to-back rounds of `launch(r, stream)` on every rank (rounds
 /// enqueued round-major), in microseconds per round: first start to last end.
-absl::StatusOr<double> TimeRounds(VirtualRankGroup& g, int batch,
-                                  const std::function<absl::Status(int32_t, cudaStream_t)>& launch) {
+absl::StatusOr<double> TimeRounds(
+    VirtualRankGroup& g, int batch,
+    const std::function<absl::Status(int32_t, cudaStream_t)>& launch) {
   const int32_t R = g.num_ranks();
   std::vector<cudaEvent_t> start(R), end(R);
   absl::Status st;
@@ -159,8 +160,7 @@ absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_s
   std::mt19937_64 rng(2024);
   int64_t sent_rows_total = 0;
   for (int32_t r = 0; r < kRanks; ++r) {
-    const std::vector<int64_t> topk =
-        epd::testing::RandomTopk(kTokens, kTopk, kExperts, {}, rng);
+    const std::vector<int64_t> topk = epd::testing::RandomTopk(kTokens, kTopk, kExperts, {}, rng);
     for (int32_t t = 0; t < kTokens; ++t) {
       uint32_t mask = 0;
       for (int32_t k = 0; k < kTopk; ++k) {
@@ -173,7 +173,7 @@ absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_s
     EPD_RETURN_IF_ERROR(g->Upload(r, l.in_topk_weights, w.data(), w.size() * 4));
     for (const kernels::Region* region : {&l.in_x, &l.in_scales, &l.in_combine_x}) {
       FillBytes<<<1024, 256, 0, g->stream(r)>>>(g->At<uint32_t>(r, *region), region->bytes / 4,
-                                                 static_cast<uint32_t>(r * 977 + region->offset));
+                                                static_cast<uint32_t>(r * 977 + region->offset));
     }
     EPD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(g->Context(r), kTokens, g->stream(r)));
@@ -242,9 +242,10 @@ int RunNormalBench() {
   if (!json) {
     std::printf("Normal-mode kernels, %d virtual ranks on one GPU (%s, %d SMs)\n", kRanks,
                 device.c_str(), sms);
-    std::printf("shape: T=%d H=%d K=%d E=%d R=%d; uniform top-%d routing; %d rounds after %d "
-                "warm-up\n",
-                kTokens, kHidden, kTopk, kExperts, kRanks, kTopk, kBatch, kWarmup);
+    std::printf(
+        "shape: T=%d H=%d K=%d E=%d R=%d; uniform top-%d routing; %d rounds after %d "
+        "warm-up\n",
+        kTokens, kHidden, kTopk, kExperts, kRanks, kTopk, kBatch, kWarmup);
     std::printf("%-14s %5s %13s %10s %14s %14s %13s %10s\n", "op", "sms", "MB/rank", "us/op",
                 "rank GB/s", "aggregate GB/s", "memcpy GB/s", "agg/memcpy");
   }
@@ -260,15 +261,16 @@ int RunNormalBench() {
           r.op.c_str(), device.c_str(), r.sms, r.oversubscribed ? "true" : "false",
           r.bytes_per_rank, r.op_us, rank_gbs, agg_gbs, r.memcpy_us, memcpy_gbs);
     } else {
-      std::printf("%-14s %5d%s %12.1f %10.1f %14.1f %14.1f %13.1f %9.0f%%\n", r.op.c_str(),
-                  r.sms, r.oversubscribed ? "*" : " ", r.bytes_per_rank / 1e6, r.op_us, rank_gbs,
-                  agg_gbs, memcpy_gbs, 100.0 * agg_gbs / memcpy_gbs);
+      std::printf("%-14s %5d%s %12.1f %10.1f %14.1f %14.1f %13.1f %9.0f%%\n", r.op.c_str(), r.sms,
+                  r.oversubscribed ? "*" : " ", r.bytes_per_rank / 1e6, r.op_us, rank_gbs, agg_gbs,
+                  memcpy_gbs, 100.0 * agg_gbs / memcpy_gbs);
     }
   }
   if (!json) {
-    std::printf("* %d ranks x sms > %d SMs: blocks of different ranks time-share SMs "
-                "(only one block per rank spins, so it runs, but the budget is not real)\n",
-                kRanks, sms);
+    std::printf(
+        "* %d ranks x sms > %d SMs: blocks of different ranks time-share SMs "
+        "(only one block per rank spins, so it runs, but the budget is not real)\n",
+        kRanks, sms);
   }
   if (!st.ok()) {
     std::fprintf(stderr, "normal bench failed: %s\n", st.ToString().c_str());

@@ -43,10 +43,10 @@ using kernels::EndpointLayout;
 using kernels::GroupShape;
 using kernels::Region;
 
-#define NM_ASSERT_OK(expr)                         \
-  do {                                             \
-    const ::absl::Status nm_status_ = (expr);      \
-    ASSERT_TRUE(nm_status_.ok()) << nm_status_;    \
+#define NM_ASSERT_OK(expr)                      \
+  do {                                          \
+    const ::absl::Status nm_status_ = (expr);   \
+    ASSERT_TRUE(nm_status_.ok()) << nm_status_; \
   } while (0)
 
 // ---- fast deterministic inputs (the big cases fill ~GBs; mt19937 + normal is too slow) ----
@@ -157,8 +157,8 @@ class NormalGroup {
     for (int32_t r = 0; r < R; ++r) max_tokens = std::max(max_tokens, Tokens(r));
     shape_.max_tokens_per_rank = max_tokens;
     shape_.use_fp8 = c_.fp8;
-    EPD_ASSIGN_OR_RETURN(group_, VirtualRankGroup::Create(shape_, 5'000'000'000, c_.num_sms,
-                                                          c_.ranks_on_device));
+    EPD_ASSIGN_OR_RETURN(
+        group_, VirtualRankGroup::Create(shape_, 5'000'000'000, c_.num_sms, c_.ranks_on_device));
     return DrawInputs(c_.seed);
   }
 
@@ -211,8 +211,8 @@ class NormalGroup {
   absl::Status CheckLayout() {
     const EndpointLayout& l = group_->layout();
     for (int32_t r = 0; r < c_.num_ranks; ++r) {
-      EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(group_->Context(r), group_->stream(r),
-                                                 "GetDispatchLayout"));
+      EPD_RETURN_IF_ERROR(
+          kc::ReadAndClearStatus(group_->Context(r), group_->stream(r), "GetDispatchLayout"));
       const int32_t T = Tokens(r);
       std::vector<int32_t> per_rank(c_.num_ranks), per_expert(c_.num_experts);
       std::vector<uint8_t> in_rank(static_cast<size_t>(T) * c_.num_ranks);
@@ -224,8 +224,8 @@ class NormalGroup {
       args.is_token_in_rank = in_rank.data();
       EPD_RETURN_IF_ERROR(kh::GetDispatchLayout(shape_, args));
       const std::string where = absl::StrCat(Describe(c_), " rank ", r, " layout ");
-      EPD_RETURN_IF_ERROR(Compare(r, l.layout_tokens_per_rank, per_rank.data(),
-                                  per_rank.size() * 4, where + "num_tokens_per_rank"));
+      EPD_RETURN_IF_ERROR(Compare(r, l.layout_tokens_per_rank, per_rank.data(), per_rank.size() * 4,
+                                  where + "num_tokens_per_rank"));
       EPD_RETURN_IF_ERROR(Compare(r, l.layout_tokens_per_expert, per_expert.data(),
                                   per_expert.size() * 4, where + "num_tokens_per_expert"));
       EPD_RETURN_IF_ERROR(Compare(r, l.layout_is_token_in_rank, in_rank.data(), in_rank.size(),
@@ -331,20 +331,22 @@ class NormalGroup {
           kc::ReadAndClearStatus(group_->Context(r), group_->stream(r), "NormalDispatch"));
     }
     for (int32_t r = 0; r < R; ++r) {
-      const std::string where = absl::StrCat(Describe(c_), cached ? " cached" : "", " rank ", r, " ");
+      const std::string where =
+          absl::StrCat(Describe(c_), cached ? " cached" : "", " rank ", r, " ");
       const int64_t N = num_recv_[r];
-      EPD_RETURN_IF_ERROR(Compare(r, l.recv_x, recv_x_[r].data(), recv_x_[r].size(), where + "recv_x"));
+      EPD_RETURN_IF_ERROR(
+          Compare(r, l.recv_x, recv_x_[r].data(), recv_x_[r].size(), where + "recv_x"));
       if (c_.fp8) {
-        EPD_RETURN_IF_ERROR(Compare(r, l.recv_scales, recv_scales_[r].data(), N * shape_.num_scales() * 4,
-                                    where + "recv_scales"));
+        EPD_RETURN_IF_ERROR(Compare(r, l.recv_scales, recv_scales_[r].data(),
+                                    N * shape_.num_scales() * 4, where + "recv_scales"));
       }
       EPD_RETURN_IF_ERROR(
           Compare(r, l.recv_src_info, recv_src_info_[r].data(), N * 4, where + "recv_src_info"));
-      EPD_RETURN_IF_ERROR(Compare(r, l.send_pos, send_pos_[r].data(), send_pos_[r].size() * 4,
-                                  where + "send_pos"));
+      EPD_RETURN_IF_ERROR(
+          Compare(r, l.send_pos, send_pos_[r].data(), send_pos_[r].size() * 4, where + "send_pos"));
       // Cached: these must still hold the first dispatch's values.
-      EPD_RETURN_IF_ERROR(Compare(r, l.recv_topk_idx, recv_topk_idx_[r].data(),
-                                  N * c_.num_topk * 8, where + "recv_topk_idx"));
+      EPD_RETURN_IF_ERROR(Compare(r, l.recv_topk_idx, recv_topk_idx_[r].data(), N * c_.num_topk * 8,
+                                  where + "recv_topk_idx"));
       if (c_.with_weights) {
         EPD_RETURN_IF_ERROR(Compare(r, l.recv_topk_weights, recv_topk_weights_[r].data(),
                                     N * c_.num_topk * 4, where + "recv_topk_weights"));
@@ -352,13 +354,15 @@ class NormalGroup {
       EPD_RETURN_IF_ERROR(Compare(r, l.recv_tokens_per_expert, recv_tokens_per_expert_[r].data(),
                                   recv_tokens_per_expert_[r].size() * 4,
                                   where + "recv_tokens_per_expert"));
-      EPD_RETURN_IF_ERROR(Compare(r, l.rank_prefix, rank_prefix_[r].data(), R * 4, where + "rank_prefix"));
+      EPD_RETURN_IF_ERROR(
+          Compare(r, l.rank_prefix, rank_prefix_[r].data(), R * 4, where + "rank_prefix"));
       const int32_t n32 = static_cast<int32_t>(N);
       EPD_RETURN_IF_ERROR(Compare(r, l.recv_count, &n32, 4, where + "recv_count"));
       // The optional CPU sync reads the same counts.
       EPD_ASSIGN_OR_RETURN(kc::NormalDispatchCounts counts,
                            kc::ReadNormalDispatchCounts(group_->Context(r), group_->stream(r)));
-      if (counts.num_recv_tokens != n32 || counts.recv_tokens_per_expert != recv_tokens_per_expert_[r] ||
+      if (counts.num_recv_tokens != n32 ||
+          counts.recv_tokens_per_expert != recv_tokens_per_expert_[r] ||
           counts.rank_prefix != rank_prefix_[r]) {
         return absl::InternalError(where + "ReadNormalDispatchCounts differs from the host");
       }
@@ -375,7 +379,8 @@ class NormalGroup {
       const int64_t N = num_recv_[r];
       combine_x_[r] = FastBf16(N * c_.hidden, seed + r);
       combine_w_[r] = FastFloats(N * c_.num_topk, seed * 7 + r);
-      EPD_RETURN_IF_ERROR(group_->Upload(r, l.in_combine_x, combine_x_[r].data(), combine_x_[r].size() * 2));
+      EPD_RETURN_IF_ERROR(
+          group_->Upload(r, l.in_combine_x, combine_x_[r].data(), combine_x_[r].size() * 2));
       EPD_RETURN_IF_ERROR(
           group_->Upload(r, l.in_combine_weights, combine_w_[r].data(), combine_w_[r].size() * 4));
     }
@@ -412,10 +417,11 @@ class NormalGroup {
       EPD_RETURN_IF_ERROR(
           kc::ReadAndClearStatus(group_->Context(r), group_->stream(r), "NormalCombine"));
       const std::string where = absl::StrCat(Describe(c_), " rank ", r, " combine ");
-      EPD_RETURN_IF_ERROR(Compare(r, l.combined_x, out[r].data(), out[r].size() * 2, where + "combined_x"));
+      EPD_RETURN_IF_ERROR(
+          Compare(r, l.combined_x, out[r].data(), out[r].size() * 2, where + "combined_x"));
       if (c_.with_weights) {
-        EPD_RETURN_IF_ERROR(Compare(r, l.combined_topk_weights, out_w[r].data(), out_w[r].size() * 4,
-                                    where + "combined_topk_weights"));
+        EPD_RETURN_IF_ERROR(Compare(r, l.combined_topk_weights, out_w[r].data(),
+                                    out_w[r].size() * 4, where + "combined_topk_weights"));
       }
     }
     return absl::OkStatus();
@@ -516,13 +522,11 @@ std::vector<NormalCase> SweepCases() {
   add({"mixed-T-fp8-masked", 4, 7168, 6, 256, {4096, 0, 333, 1}, true, 1, true, masked});
   add({"deepseek-fp8", 8, 7168, 8, 256, {4096}, true, 128});
   add({"deepseek-bf16", 8, 7168, 8, 256, {4096}, false, 1});
-  add({"hot-expert-masked", 8, 2048, 6, 64, {333}, false, 128, true,
-       RoutingOptions{0.5, 3, 0.0}});
+  add({"hot-expert-masked", 8, 2048, 6, 64, {333}, false, 128, true, RoutingOptions{0.5, 3, 0.0}});
   add({"hot-expert", 2, 7168, 8, 256, {4096}, true, 1, true, hot});
   add({"E=R-duplicates", 8, 4096, 8, 8, {333}, false, 1, true, dups});
   add({"one-token-8-ranks", 8, 2048, 1, 256, {1}, true, 1});
-  add({"mixed-T-8", 8, 4096, 6, 64, {1, 0, 333, 4096, 333, 0, 1, 4096}, false, 128, true,
-       masked});
+  add({"mixed-T-8", 8, 4096, 6, 64, {1, 0, 333, 4096, 333, 0, 1, 4096}, false, 128, true, masked});
   // Rows that are not a multiple of the warp's vector stride (tail lanes idle), and rows
   // that are not a multiple of 16 bytes (bf16 units, scalar combine).
   add({"ragged-hidden", 2, 2056, 6, 64, {333}, false, 1, true, masked});
@@ -567,7 +571,8 @@ TEST_F(NormalGpuTest, PrefillGroupBesideDecodeGroupRunConcurrently) {
     NM_ASSERT_OK(b.LaunchDispatchRank(r, false, b.group().stream(r)));
   }
   for (int step = 0; step < 3; ++step) {
-    for (int32_t r = 0; r < 4; ++r) NM_ASSERT_OK(b.LaunchDispatchRank(r, false, b.group().stream(r)));
+    for (int32_t r = 0; r < 4; ++r)
+      NM_ASSERT_OK(b.LaunchDispatchRank(r, false, b.group().stream(r)));
   }
   NM_ASSERT_OK(a.group().SynchronizeAll());
   NM_ASSERT_OK(b.group().SynchronizeAll());
@@ -632,8 +637,8 @@ TEST_F(NormalGpuTest, CapturedDispatchCombineReplaysWithNewInputsAndT) {
 TEST_F(NormalGpuTest, BadExpertIdsAreCountedThenNextOpWorks) {
   NormalGroup g({"bad-ids", 2, 256, 4, 8, {16}});
   NM_ASSERT_OK(g.Prepare());
-  g.topk()[1][5] = 8;    // == E
-  g.topk()[1][9] = -7;   // < -1
+  g.topk()[1][5] = 8;   // == E
+  g.topk()[1][9] = -7;  // < -1
   NM_ASSERT_OK(g.UploadTopk(1));
   NM_ASSERT_OK(g.LaunchLayout());
   NM_ASSERT_OK(g.group().SynchronizeAll());
@@ -827,12 +832,11 @@ TEST_F(NormalGpuTest, LayoutOver4GiBWritesRowsPast4GiB) {
   // Combine: every rank's in_combine_x rows hold pattern(r, row, c); token t of rank s sums
   // rows send_pos[t, 0] of rank 0 and send_pos[t, 1] of rank 1 (exact small integers).
   for (int32_t r = 0; r < 2; ++r) {
-    FillPattern<<<1024, 256, 0, g.stream(r)>>>(g.At<bf16_bits>(r, layout.in_combine_x), r,
-                                               2 * T, H);
+    FillPattern<<<1024, 256, 0, g.stream(r)>>>(g.At<bf16_bits>(r, layout.in_combine_x), r, 2 * T,
+                                               H);
   }
-  NM_ASSERT_OK(g.LaunchAll([&](int32_t r, cudaStream_t s) {
-    return kc::NormalCombine(g.Context(r), {}, s);
-  }));
+  NM_ASSERT_OK(g.LaunchAll(
+      [&](int32_t r, cudaStream_t s) { return kc::NormalCombine(g.Context(r), {}, s); }));
   NM_ASSERT_OK(g.SynchronizeAll());
   for (int32_t r = 0; r < 2; ++r) {
     NM_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "NormalCombine"));

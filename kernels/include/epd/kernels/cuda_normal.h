@@ -154,9 +154,9 @@ absl::Status GetDispatchLayout(const CudaRankContext& ctx, const GetDispatchLayo
 /// Every rank of the group must launch each dispatch (ranks with T = 0 too), with the same
 /// fp8 / expert_alignment / with_weights / cached.
 struct NormalDispatchArgs {
-  bool fp8 = false;               ///< x is e4m3 + scales (needs shape.use_fp8, H % 128 == 0).
-  int32_t expert_alignment = 1;   ///< >= 1: recv_tokens_per_expert rounded up to it.
-  bool with_weights = true;       ///< Move in_topk_weights into recv_topk_weights.
+  bool fp8 = false;              ///< x is e4m3 + scales (needs shape.use_fp8, H % 128 == 0).
+  int32_t expert_alignment = 1;  ///< >= 1: recv_tokens_per_expert rounded up to it.
+  bool with_weights = true;      ///< Move in_topk_weights into recv_topk_weights.
   /// Re-dispatch with the routing of this rank's send_pos from the previous dispatch
   /// (same T): no layout, no count exchange; recv_topk_* and counts are not written.
   bool cached = false;
@@ -192,7 +192,7 @@ absl::StatusOr<NormalDispatchCounts> ReadNormalDispatchCounts(const CudaRankCont
 /// (acc starts at +0.0f; a token sent nowhere gets zeros) and, with with_weights,
 /// combined_topk_weights [T, K] f32 summed in the same order.
 struct NormalCombineArgs {
-  bool with_weights = false;      ///< Also reduce in_combine_weights.
+  bool with_weights = false;  ///< Also reduce in_combine_weights.
   /// Device int32 holding T (the T of the dispatch whose handle is used);
   /// null = NormalNumTokensSlot(ctx).
   const int32_t* num_tokens = nullptr;
