@@ -48,8 +48,13 @@
 // = floor(SM count / ranks_on_device) blocks of kNormalThreads threads, so every rank's
 // kernels are resident at once (132 SMs / 8 virtual ranks = 16 on an H200). Only one
 // block per rank ever spins (the notify block, and the last copy block), so a larger
-// num_sms cannot deadlock, it only time-slices. docs/BENCHMARKS.md ("Normal-mode
-// kernels") gives the bandwidth measured per num_sms on the H200.
+// num_sms cannot deadlock, it only time-slices. Basis, measured on the H200 with 8 virtual
+// ranks (T=4096 H=7168 K=8 E=256; docs/BENCHMARKS.md, "Normal-mode kernels"): 16 blocks a
+// rank put dispatch at 115% (FP8) / 124% (BF16) and combine at 136% of a same-bytes
+// cudaMemcpy, and 32 add <= 1%, so floor(SMs / ranks) saturates HBM; 8 blocks give
+// 105% / 105% / 90%. With one rank per GPU the rule gives every SM; the SM count that
+// saturates NVLink was not measured (no multi-GPU machine yet): pass num_sms to leave SMs
+// to overlapped compute.
 #pragma once
 
 #include <cuda_runtime.h>
