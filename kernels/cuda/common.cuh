@@ -4,6 +4,7 @@
 // Device-only code: no allocation, no logging, no __trap, no assert.
 #pragma once
 
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -28,9 +29,11 @@ __device__ __forceinline__ uint32_t LdAcquireSys(const uint32_t* p) {
   return v;
 }
 
+/// Relaxed system-scope load, for data published before a flag that was read with
+/// LdAcquireSys (no "memory" clobber, so independent loads can be in flight together).
 __device__ __forceinline__ int32_t LdRelaxedSys(const int32_t* p) {
   int32_t v;
-  asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 
@@ -85,6 +88,14 @@ __device__ __forceinline__ uint4 LdVec16(const void* p) {
 }
 __device__ __forceinline__ void StVec16(void* p, const uint4& v) {
   *reinterpret_cast<uint4*>(p) = v;
+}
+
+/// Two f32 → two e4m3 (`lo` in the low byte): round to nearest even, saturating to ±448
+/// (hardware cvt.rn.satfinite.e4m3x2.f32). Meant to be bit-identical to types.h
+/// FloatToE4m3; tests/gpu/ll_test.cu (Fp8Conversion) compares the two on all 2^32 floats.
+__device__ __forceinline__ uint16_t FloatsToE4m3x2(float lo, float hi) {
+  return static_cast<uint16_t>(
+      __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
 }
 
 __device__ __forceinline__ int LaneId() { return static_cast<int>(threadIdx.x & 31u); }

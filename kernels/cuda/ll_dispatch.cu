@@ -2,19 +2,20 @@
 //
 // One kernel per rank, every rank's kernel resident at once. Per op (seq = the rank's
 // dispatch counter + 1, kept in its sync region so CUDA-graph replays stay valid):
-//  1. Every block reads T (device memory) and topk_idx into shared memory and computes, per
-//     global expert e, how many of this rank's tokens go to e and each (t, k)'s index
-//     among them (a warp per expert: ballot + popc over 32 tokens at a time; a duplicate
-//     expert in a row shares the index). Blocks repeat this small computation instead of
+//  1. Every block reads T (device memory) and topk_idx into shared memory (plus a bitmask
+//     of experts per token) and computes, per global expert e, how many of this rank's
+//     tokens go to e and each (t, k)'s index among them (a warp per expert: ballot + popc
+//     over 32 tokens at a time; a duplicate expert in a row shares the index). Blocks repeat this small computation instead of
 //     synchronising with each other.
 //  2. Block 0 publishes the [E] counts into every rank's sync region (set seq & 1), then
 //     st.release.sys count_flag[rank] = seq at each.
 //  3. Every block waits (bounded) until all R count flags reach seq, then computes the
 //     first row of this rank in each expert's block, base[e] = Σ_{q < rank} count_q[e]:
 //     rows are packed by source rank ascending, token ascending (the host order).
-//  4. Warps copy rows: one warp per (token, first occurrence of an expert), 16-byte loads
-//     and stores, straight into the owner's ll_recv_x[b] (and scales, src_info); FP8
-//     quantises in registers (16 lanes per 128-channel scale block).
+//  4. Warps copy rows: one warp per (token, 512-channel chunk), 16-byte loads, the chunk
+//     loaded and (FP8) quantised once in registers (16 lanes per 128-channel scale block)
+//     and stored to every destination of the token, straight into the owner's
+//     ll_recv_x[b] (and scales, src_info).
 //  5. Each block takes a ticket; the last one st.release.sys data_flag[rank] = seq at every
 //     rank (all of this rank's rows have landed) and bumps the counter. Block 0 then waits
 //     (bounded) for all R data flags: the op's outputs are complete when the kernel ends.
@@ -68,6 +69,7 @@ struct DispatchParams {
   int32_t max_tokens;  // Mll
   int32_t num_scales;
   int32_t buffer;
+  int32_t mask_stride;  // words per token of the expert bitmask: ceil(E/32) made odd
   bool round_scale;
 };
 
@@ -84,80 +86,38 @@ __device__ __forceinline__ uint32_t* ExchangeFlag(uint8_t* base, const DispatchP
                                      flag_offset);
 }
 
-// Copies one bf16 row of H channels (H % 8 == 0, 16-byte aligned rows), 4 vectors per lane in
-// flight.
-__device__ __forceinline__ void CopyRowBf16Vec(const bf16_bits* src, uint8_t* dst,
-                                               int32_t hidden) {
-  const int32_t n = hidden / 8;
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  uint4* d = reinterpret_cast<uint4*>(dst);
-  for (int32_t i = LaneId(); i < n; i += 32 * 4) {
-    uint4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (i + u * 32 < n) v[u] = s[i + u * 32];
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (i + u * 32 < n) d[i + u * 32] = v[u];
-    }
-  }
-}
+/// Channels per unit of work of the vector paths: a multiple of 128 (FP8 scale blocks).
+constexpr int32_t kChunkChannels = 512;
 
-__device__ __forceinline__ void CopyRowBf16Scalar(const bf16_bits* src, uint8_t* dst,
-                                                  int32_t hidden) {
-  bf16_bits* d = reinterpret_cast<bf16_bits*>(dst);
-  for (int32_t i = LaneId(); i < hidden; i += 32) d[i] = src[i];
-}
-
-// Quantizes one bf16 row (H % 128 == 0) to e4m3 + one scale per 128 channels, exactly as
-// host::QuantizeRowFp8: amax over the block (fmax, NaN ignored), Fp8Scale, x / scale
-// rounded to e4m3. A lane holds 8 channels; 16 lanes form one scale block.
-__device__ __forceinline__ void QuantizeRowFp8(const bf16_bits* src, uint8_t* dst,
-                                               float* dst_scales, int32_t hidden,
-                                               bool round_scale) {
-  const int32_t n = hidden / 8;  // multiple of 16
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  const int lane = LaneId();
-  for (int32_t base = 0; base < n; base += 64) {
-    uint4 v[2];
-    bool valid[2];
+// Quantizes 8 channels held by this lane (one 16-byte bf16 vector) to 8 e4m3 bytes with the
+// scale of its 128-channel block, exactly as host::QuantizeRowFp8: amax over the block
+// (fmaxf, NaN ignored) reduced over the 16 lanes that hold the block, Fp8Scale, then
+// x / scale (a true division) rounded to e4m3. All 32 lanes must call it together.
+__device__ __forceinline__ uint2 QuantizeVec8(const uint4& v, bool round_scale, float* scale) {
+  float f[8];
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int32_t i = base + u * 32 + lane;
-      valid[u] = i < n;
-      v[u] = valid[u] ? s[i] : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int32_t i = base + u * 32 + lane;
-      float f[8];
-      const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        f[2 * c] = Bf16ToFloat(static_cast<bf16_bits>(w[c] & 0xffffu));
-        f[2 * c + 1] = Bf16ToFloat(static_cast<bf16_bits>(w[c] >> 16));
-      }
-      float amax = 0.0f;
-#pragma unroll
-      for (int c = 0; c < 8; ++c) amax = fmaxf(amax, fabsf(f[c]));
-#pragma unroll
-      for (int mask = 8; mask >= 1; mask >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, mask));
-      }
-      const float scale = Fp8Scale(amax, round_scale);
-      uint32_t packed[2] = {0, 0};
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        packed[c / 4] |= static_cast<uint32_t>(QuantizeE4m3(f[c], scale)) << (8 * (c % 4));
-      }
-      if (valid[u]) {
-        *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(i) * 8) =
-            make_uint2(packed[0], packed[1]);
-        if ((lane & 15) == 0) dst_scales[i / 16] = scale;
-      }
-    }
+  for (int c = 0; c < 4; ++c) {
+    f[2 * c] = Bf16ToFloat(static_cast<bf16_bits>(w[c] & 0xffffu));
+    f[2 * c + 1] = Bf16ToFloat(static_cast<bf16_bits>(w[c] >> 16));
   }
+  float amax = 0.0f;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) amax = fmaxf(amax, fabsf(f[c]));
+#pragma unroll
+  for (int mask = 8; mask >= 1; mask >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, mask));
+  }
+  const float s = Fp8Scale(amax, round_scale);
+  *scale = s;
+  uint32_t packed[2];
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    packed[c] = static_cast<uint32_t>(device::FloatsToE4m3x2(f[4 * c] / s, f[4 * c + 1] / s)) |
+                (static_cast<uint32_t>(device::FloatsToE4m3x2(f[4 * c + 2] / s, f[4 * c + 3] / s))
+                 << 16);
+  }
+  return make_uint2(packed[0], packed[1]);
 }
 
 template <int kMode>
@@ -169,6 +129,9 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   __shared__ int32_t s_num_tokens;
   __shared__ int s_last;
   __shared__ int s_aborted;
+  // Per warp: the destinations of the token it copies (row start, scales row start).
+  __shared__ uint8_t* s_dst[kWarps][internal::kLowLatencyMaxTopk];
+  __shared__ float* s_dst_scales[kWarps][internal::kLowLatencyMaxTopk];
 
   const int32_t num_ranks = p.num_ranks;
   const int32_t num_experts = p.num_experts;
@@ -178,6 +141,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   int32_t* s_pos = s_expert + max_slots;      // [Mll*K] index among this rank's tokens to e
   int32_t* s_count = s_pos + max_slots;       // [E] this rank's tokens per expert
   int32_t* s_base = s_count + num_experts;    // [E] first row of this rank in e's block
+  uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_base + num_experts);  // [Mll, stride]
 
   const int lane = LaneId();
   const int warp = device::WarpId();
@@ -203,21 +167,29 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const int32_t slots = num_tokens * num_topk;
 
   // ---- 1. routing of this rank's tokens ----
+  // s_mask: per token a bitmask of its experts (stride p.mask_stride words, odd, so lanes
+  // reading consecutive tokens hit distinct banks).
+  for (int32_t i = threadIdx.x; i < num_tokens * p.mask_stride; i += blockDim.x) s_mask[i] = 0;
+  __syncthreads();
   for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
     const int64_t e = p.topk_idx[i];
     const bool in_range = e >= 0 && e < num_experts;
     if (blockIdx.x == 0 && (e < -1 || e >= num_experts)) atomicAdd(&status->bad_expert_ids, 1u);
     s_expert[i] = in_range ? static_cast<int32_t>(e) : -1;
+    if (in_range) {
+      atomicOr(&s_mask[(i / num_topk) * p.mask_stride + (e >> 5)], 1u << (e & 31));
+    }
   }
   __syncthreads();
+  // A warp per expert: ballot over 32 tokens at a time gives each token's index among this
+  // rank's tokens routed to e (token order), shared by duplicate k's of a row.
   for (int32_t e = warp; e < num_experts; e += kWarps) {
+    const int32_t word = e >> 5;
+    const uint32_t bit = 1u << (e & 31);
     int32_t base = 0;
     for (int32_t t0 = 0; t0 < num_tokens; t0 += 32) {
       const int32_t t = t0 + lane;
-      bool has = false;
-      if (t < num_tokens) {
-        for (int32_t k = 0; k < num_topk; ++k) has |= s_expert[t * num_topk + k] == e;
-      }
+      const bool has = t < num_tokens && (s_mask[t * p.mask_stride + word] & bit) != 0;
       const uint32_t ballot = __ballot_sync(0xffffffffu, has);
       if (has) {
         const int32_t pos = base + __popc(ballot & ((1u << lane) - 1u));
@@ -281,37 +253,91 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     }
 
     // ---- 4. rows straight into the owners' buffers ----
+    // One warp per (token, chunk of channels): the chunk is loaded (and quantised) once and
+    // stored to every destination of the token (first occurrence of each expert).
     const int32_t total_warps = static_cast<int32_t>(gridDim.x) * kWarps;
     const int64_t hidden = p.hidden;
     const int64_t out_row_bytes = kMode == kFp8 ? hidden : hidden * 2;
-    for (int32_t u = static_cast<int32_t>(blockIdx.x) * kWarps + warp; u < slots;
+    const int32_t chunk = kMode == kBf16Scalar ? p.hidden : kChunkChannels;
+    const int32_t chunks_per_token = (p.hidden + chunk - 1) / chunk;
+    const int32_t units = num_tokens * chunks_per_token;
+    for (int32_t u = static_cast<int32_t>(blockIdx.x) * kWarps + warp; u < units;
          u += total_warps) {
-      const int32_t e = s_expert[u];
-      if (e < 0) continue;
-      const int32_t t = u / num_topk;
-      const int32_t k = u - t * num_topk;
-      bool duplicate = false;
-      for (int32_t j = 0; j < k; ++j) duplicate |= s_expert[t * num_topk + j] == e;
-      if (duplicate) continue;
-      const int32_t owner = e / p.experts_per_rank;
-      const int64_t row = static_cast<int64_t>(e - owner * p.experts_per_rank) * p.rows_per_expert +
-                          s_base[e] + s_pos[u];
-      uint8_t* dst_base = s_peer[owner];
-      uint8_t* dst = dst_base + p.recv_x_offset + row * out_row_bytes;
+      const int32_t t = u / chunks_per_token;
+      const int32_t c0 = (u - t * chunks_per_token) * chunk;
+      const int32_t c1 = min(p.hidden, c0 + chunk);
+      bool has_dst = false;
+      uint8_t* dst = nullptr;
+      float* dst_scales = nullptr;
+      if (lane < num_topk) {
+        const int32_t slot = t * num_topk + lane;
+        const int32_t e = s_expert[slot];
+        bool duplicate = false;
+        for (int32_t j = 0; j < lane; ++j) duplicate |= s_expert[t * num_topk + j] == e;
+        if (e >= 0 && !duplicate) {
+          has_dst = true;
+          const int32_t owner = e / p.experts_per_rank;
+          const int64_t row =
+              static_cast<int64_t>(e - owner * p.experts_per_rank) * p.rows_per_expert +
+              s_base[e] + s_pos[slot];
+          uint8_t* owner_base = s_peer[owner];
+          dst = owner_base + p.recv_x_offset + row * out_row_bytes;
+          dst_scales = reinterpret_cast<float*>(owner_base + p.recv_scales_offset) +
+                       row * p.num_scales;
+          if (c0 == 0) {
+            reinterpret_cast<int32_t*>(owner_base + p.recv_src_info_offset)[row] =
+                p.rank * p.max_tokens + t;
+          }
+        }
+      }
+      const uint32_t dst_mask = __ballot_sync(0xffffffffu, has_dst);
+      if (has_dst) {
+        const int idx = __popc(dst_mask & ((1u << lane) - 1u));
+        s_dst[warp][idx] = dst;
+        s_dst_scales[warp][idx] = dst_scales;
+      }
+      const int num_dst = __popc(dst_mask);
+      __syncwarp();
       const bf16_bits* src = p.x + static_cast<int64_t>(t) * hidden;
-      if constexpr (kMode == kBf16Vec) {
-        CopyRowBf16Vec(src, dst, p.hidden);
-      } else if constexpr (kMode == kBf16Scalar) {
-        CopyRowBf16Scalar(src, dst, p.hidden);
+      if constexpr (kMode == kBf16Scalar) {
+        for (int32_t h = c0 + lane; h < c1; h += 32) {
+          const bf16_bits v = src[h];
+          for (int d = 0; d < num_dst; ++d) reinterpret_cast<bf16_bits*>(s_dst[warp][d])[h] = v;
+        }
       } else {
-        float* scales = reinterpret_cast<float*>(dst_base + p.recv_scales_offset) +
-                        row * p.num_scales;
-        QuantizeRowFp8(src, dst, scales, p.hidden, p.round_scale);
+        const uint4* s4 = reinterpret_cast<const uint4*>(src);
+        const int32_t v1 = c1 / 8;
+        for (int32_t base = c0 / 8; base < v1; base += 64) {
+          const int32_t i0 = base + lane;
+          const int32_t i1 = base + 32 + lane;
+          const uint4 a = i0 < v1 ? s4[i0] : make_uint4(0, 0, 0, 0);
+          const uint4 b = i1 < v1 ? s4[i1] : make_uint4(0, 0, 0, 0);
+          if constexpr (kMode == kBf16Vec) {
+            for (int d = 0; d < num_dst; ++d) {
+              uint4* o = reinterpret_cast<uint4*>(s_dst[warp][d]);
+              if (i0 < v1) o[i0] = a;
+              if (i1 < v1) o[i1] = b;
+            }
+          } else {
+            float scale_a, scale_b;
+            const uint2 qa = QuantizeVec8(a, p.round_scale, &scale_a);
+            const uint2 qb = QuantizeVec8(b, p.round_scale, &scale_b);
+            for (int d = 0; d < num_dst; ++d) {
+              uint2* o = reinterpret_cast<uint2*>(s_dst[warp][d]);
+              float* sc = s_dst_scales[warp][d];
+              if (i0 < v1) {
+                o[i0] = qa;
+                if ((lane & 15) == 0) sc[i0 / 16] = scale_a;
+              }
+              if (i1 < v1) {
+                o[i1] = qb;
+                if ((lane & 15) == 0) sc[i1 / 16] = scale_b;
+              }
+            }
+          }
+        }
       }
-      if (lane == 0) {
-        reinterpret_cast<int32_t*>(dst_base + p.recv_src_info_offset)[row] =
-            p.rank * p.max_tokens + t;
-      }
+      __syncwarp();
     }
   } else if (threadIdx.x == 0) {
     atomicExch(&state->dispatch_aborted, seq);
@@ -426,8 +452,12 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
 
   int32_t num_blocks = 0;
   EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &num_blocks));
+  p.mask_stride = (s.num_experts + 31) / 32;
+  if (p.mask_stride % 2 == 0) ++p.mask_stride;
   const size_t smem = sizeof(int32_t) * (2ull * s.ll_max_tokens_per_rank * s.num_topk +
-                                         2ull * s.num_experts);
+                                         2ull * s.num_experts +
+                                         static_cast<uint64_t>(s.ll_max_tokens_per_rank) *
+                                             p.mask_stride);
   const bool x_aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
   if (args.use_fp8 && !x_aligned) {
     return absl::InvalidArgumentError(absl::StrCat(kOp, ": x must be 16-byte aligned for FP8"));

@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"
+#include "../../kernels/cuda/common.cuh"
 #include "gpu_test_util.h"
 
 namespace epd::testing {
@@ -605,6 +606,42 @@ TEST(LowLatencyFailure, LauncherRejectsBadArguments) {
   ca.x_offset = 8;  // not 16-byte aligned
   EXPECT_EQ(kc::LowLatencyCombine((*group)->Context(0), ca, (*group)->stream(0)).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// ---- FP8 conversion -------------------------------------------------------------------
+
+// The dispatch kernel quantises with the hardware cvt (common.cuh FloatsToE4m3x2); the host
+// with types.h FloatToE4m3. Compare them on every f32 bit pattern (NaNs included).
+__global__ void CompareE4m3Kernel(unsigned long long* mismatches, uint32_t* first_mismatch) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
+       i < (1ull << 32); i += stride) {
+    const uint32_t bits = static_cast<uint32_t>(i);
+    const float f = __uint_as_float(bits);
+    const float g = __uint_as_float(bits ^ 0x80000000u);
+    const uint16_t hw = kc::device::FloatsToE4m3x2(f, g);
+    if ((hw & 0xffu) != kernels::FloatToE4m3(f) || (hw >> 8) != kernels::FloatToE4m3(g)) {
+      atomicAdd(mismatches, 1ull);
+      atomicMin(first_mismatch, bits);
+    }
+  }
+}
+
+TEST(Fp8Conversion, HardwareCvtMatchesHostOnEveryFloat) {
+  REQUIRE_GPU();
+  auto buf = DeviceBuffer::Allocate(16);
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  auto* mismatches = reinterpret_cast<unsigned long long*>(buf->get());
+  auto* first = reinterpret_cast<uint32_t*>(buf->get() + 8);
+  ASSERT_EQ(cudaMemset(first, 0xff, 4), cudaSuccess);
+  CompareE4m3Kernel<<<1024, 256>>>(mismatches, first);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  unsigned long long count = 0;
+  uint32_t first_bits = 0;
+  ASSERT_EQ(cudaMemcpy(&count, mismatches, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(&first_bits, first, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(count, 0u) << "first mismatching f32 bits 0x" << std::hex << first_bits
+                       << ": host e4m3 0x" << int{kernels::FloatToE4m3(kernels::FloatFromBits(first_bits))};
 }
 
 // ---- CUDA graphs ------------------------------------------------------------------------
