@@ -539,7 +539,9 @@ absl::Status CudaGroup::ResetSync() {
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(ranks_[r]->device)));
     cudaStream_t s = ranks_[r]->stream.get();
     if (shape().ll_max_tokens_per_rank > 0) EPD_RETURN_IF_ERROR(kc::ResetLowLatencySync(ctx, s));
-    EPD_RETURN_IF_ERROR(kc::ResetNormalSync(ctx, s));
+    if (shape().num_ranks <= kc::kNormalMaxRanks) {  // Else normal ops are refused anyway.
+      EPD_RETURN_IF_ERROR(kc::ResetNormalSync(ctx, s));
+    }
     EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(ctx, s, &ranks_[r]->readback->status));
   }
   // Every rank's reset must be complete before any rank's next kernel writes a peer's flags.

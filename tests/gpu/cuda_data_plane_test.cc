@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -149,6 +150,22 @@ struct PlaneGroup {
         return absl::OkStatus();
       });
       ASSERT_TRUE(ep.ok()) << ep.status();
+      eps.push_back(std::move(*ep));
+    }
+  }
+
+  /// Joins every rank of `s` through a real daemon (one client process holding all R
+  /// endpoints; the data areas are mapped with cudaIpcOpenMemHandle).
+  void Join(Client* client, const v1::GroupSpec& s, const std::string& gpu_uuid) {
+    spec = s;
+    for (int r = 0; r < s.num_ranks(); ++r) {
+      JoinOptions o;
+      o.spec = s;
+      o.rank = r;
+      o.gpu_uuid = gpu_uuid;
+      auto ep = client->Join(o);
+      ASSERT_TRUE(ep.ok()) << "rank " << r << ": " << ep.status();
+      cuda = (*ep)->info().backend() == "cuda";
       eps.push_back(std::move(*ep));
     }
   }
@@ -458,6 +475,46 @@ TEST_F(CudaDataPlaneTest, ReportsGpuMemoryAndRejectsClientLaunchForNow) {
   v1::EndpointInfo info;
   EXPECT_EQ((*g)->AttachRank(0, "", v1::LAUNCH_MODE_CLIENT, &info).code(),
             absl::StatusCode::kUnimplemented);
+}
+
+// The whole path through a real epd process (started by the caller with --backend=auto
+// or cuda on a GPU machine): Session, JoinGroup, cudaIpcOpenMemHandle in this (another)
+// process, the shm ring and doorbell, the daemon's engine and kernels; compared with the
+// host data plane in this process.
+TEST(CudaDaemonProcessTest, EightRanksThroughARealEpd) {
+  const char* socket = std::getenv("EPD_TEST_SOCKET");
+  if (socket == nullptr || *socket == '\0') {
+    GTEST_SKIP() << "set EPD_TEST_SOCKET to the socket of an epd running the CUDA backend";
+  }
+  std::string why;
+  if (!testing::HaveGpu(&why)) GTEST_SKIP() << why;
+  ClientOptions co;
+  co.socket_path = socket;
+  co.client_name = "cuda_data_plane_test";
+  auto client = Client::Connect(co);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto stats = (*client)->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_EQ(stats->backend(), "cuda") << stats->backend_reason();
+  ASSERT_GT(stats->gpus_size(), 0);
+  HostDataPlaneOptions h;
+  h.host_threads = 4;
+  auto host_plane = MakeHostDataPlane(h);
+  ASSERT_TRUE(host_plane.ok()) << host_plane.status();
+
+  const v1::GroupSpec spec = Spec("external", 8, 32, 1024, 4, 32, 32);
+  PlaneGroup remote, host;
+  remote.Join(client->get(), spec, stats->gpus(0).uuid());
+  ASSERT_TRUE(remote.cuda);
+  host.Open(host_plane->get(), spec);
+  Inputs in;
+  in.Make(spec, {32, 0, 1, 17, 32, 8, 3, 30}, {.masked_fraction = 0.2}, 21);
+  for (int round = 0; round < 2; ++round) {
+    GroupResult want = RunLowLatency(host, in, round == 1, false);
+    GroupResult got = RunLowLatency(remote, in, round == 1, false);
+    ExpectSame(want, got, absl::StrCat("external low-latency round ", round));
+  }
+  ExpectSame(RunNormal(host, in), RunNormal(remote, in), "external normal");
 }
 
 }  // namespace
