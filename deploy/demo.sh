@@ -33,13 +33,19 @@ step "dependencies (deploy/install-deps.sh)"
 "$ROOT/deploy/install-deps.sh"
 
 step "configure $BUILD_DIR ($BUILD_TYPE)"
-cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" >/dev/null
-if grep -q '^CMAKE_CUDA_COMPILER:[A-Z]*=.*nvcc' "$BUILD_DIR/CMakeCache.txt"; then
-  echo "CUDA backend: built"
-elif grep -q '^EPD_WITH_CUDA:[A-Z]*=OFF' "$BUILD_DIR/CMakeCache.txt"; then
-  echo "CUDA backend: not built (EPD_WITH_CUDA=OFF in $BUILD_DIR); host backend only"
-else
-  echo "CUDA backend: not built (no nvcc found); host backend only"
+# CMakeLists.txt prints "epd: CUDA backend ON|OFF" and "epd: RDMA support ON|OFF".
+configure_log=$(mktemp)
+if ! cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
+     >"$configure_log" 2>&1; then
+  cat "$configure_log" >&2
+  rm -f "$configure_log"
+  echo "demo.sh: cmake configure failed" >&2
+  exit 1
+fi
+grep -E '^-- epd: ' "$configure_log" || true
+rm -f "$configure_log"
+if grep -q '^EPD_WITH_CUDA:[A-Z]*=OFF' "$BUILD_DIR/CMakeCache.txt"; then
+  echo "(EPD_WITH_CUDA=OFF in $BUILD_DIR: host backend only)"
 fi
 
 targets=(epd epctl)

@@ -10,7 +10,8 @@
 # 3. builds every target (tests included) with Ninja's [n/N] progress;
 # 4. runs every CTest test (labels unit, integration, fuzz) with --output-on-failure;
 # 5. on a machine with an NVIDIA GPU, also runs the GPU tests (tests/gpu, not in CTest
-#    because CI has no GPU); set EPD_SKIP_GPU_TESTS=1 to skip them there.
+#    because CI has no GPU), with an epd --backend=cuda on a temporary socket for the
+#    end-to-end ones (EPD_TEST_SOCKET); set EPD_SKIP_GPU_TESTS=1 to skip them there.
 # 6. checks that every example config in deploy/examples/ parses as a DaemonConfig.
 #
 # Environment: EPD_BUILD_DIR (default build/, the CI build directory), EPD_BUILD_TYPE
@@ -33,17 +34,19 @@ step "1/6 dependencies (deploy/install-deps.sh)"
 "$ROOT/deploy/install-deps.sh" || fail "installing dependencies"
 
 step "2/6 configure $BUILD_DIR ($BUILD_TYPE, CUDA ${EPD_WITH_CUDA:-AUTO}, RDMA AUTO)"
+configure_log=$(mktemp)
 cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja \
   -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
   -DEPD_WITH_CUDA="${EPD_WITH_CUDA:-AUTO}" \
   -DEPD_WITH_RDMA="${EPD_WITH_RDMA:-AUTO}" \
-  -DEPD_BUILD_TESTS=ON || fail "cmake configure"
-if grep -q '^CMAKE_CUDA_COMPILER:[A-Z]*=.*nvcc' "$BUILD_DIR/CMakeCache.txt"; then
-  echo "[tests/run.sh] CUDA code will be compiled ($(grep -m1 '^CMAKE_CUDA_COMPILER:' \
-    "$BUILD_DIR/CMakeCache.txt" | cut -d= -f2))"
+  -DEPD_BUILD_TESTS=ON | tee "$configure_log" || fail "cmake configure"
+# CMakeLists.txt prints "epd: CUDA backend ON|OFF" and "epd: RDMA support ON|OFF".
+if grep -q 'epd: CUDA backend ON' "$configure_log"; then
+  echo "[tests/run.sh] CUDA code will be compiled (nvcc found)"
 else
-  echo "[tests/run.sh] no CUDA compiler: building without the CUDA backend"
+  echo "[tests/run.sh] CUDA backend not built (no nvcc, or EPD_WITH_CUDA=OFF)"
 fi
+rm -f "$configure_log"
 
 step "3/6 build everything (ninja -j$JOBS)"
 # Ninja prints [done/total] per edge; NINJA_STATUS adds the elapsed time.
@@ -66,7 +69,20 @@ elif [[ ! -x "$gpu_tests" ]]; then
   fail "a GPU is present but $gpu_tests was not built (was the CUDA backend built?)"
 else
   nvidia-smi -L | sed 's/^/  /'
-  "$gpu_tests" || fail "GPU tests"
+  # The end-to-end GPU tests talk to a real epd running the CUDA backend (EPD_TEST_SOCKET);
+  # start one on a temporary socket for them and stop it afterwards.
+  gpu_tmp=$(mktemp -d)
+  "$BUILD_DIR/daemon/epd" --socket="$gpu_tmp/epd.sock" --backend=cuda \
+    >"$gpu_tmp/epd.log" 2>&1 &
+  gpu_epd=$!
+  trap 'kill -TERM "$gpu_epd" 2>/dev/null; wait "$gpu_epd" 2>/dev/null; rm -rf "$gpu_tmp"' EXIT
+  for _ in $(seq 1 300); do
+    "$BUILD_DIR/client/epctl" --socket="$gpu_tmp/epd.sock" health >/dev/null 2>&1 && break
+    kill -0 "$gpu_epd" 2>/dev/null || { cat "$gpu_tmp/epd.log" >&2; fail "epd --backend=cuda did not start"; }
+    sleep 0.1
+  done
+  "$BUILD_DIR/client/epctl" --socket="$gpu_tmp/epd.sock" status || fail "epd --backend=cuda not serving"
+  EPD_TEST_SOCKET="$gpu_tmp/epd.sock" "$gpu_tests" || fail "GPU tests"
 fi
 
 step "6/6 example configs parse as epd.v1.DaemonConfig"
