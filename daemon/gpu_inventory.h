@@ -19,9 +19,11 @@ struct MpsStatus {
   std::string detail;  ///< e.g. "control socket /tmp/nvidia-mps/control accepts connections".
 };
 
-/// Detects the MPS control daemon: a `control` unix socket in $CUDA_MPS_PIPE_DIRECTORY
-/// (default /tmp/nvidia-mps) that accepts a connection, or a running
-/// nvidia-cuda-mps-control / nvidia-cuda-mps-server process (from /proc/*/comm).
+/// Detects the MPS control daemon for this process: active when the `control` unix socket
+/// in $CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps) accepts a connection (that is how
+/// CUDA joins MPS; with driver 580 it is a SOCK_SEQPACKET socket, seen on the H200 machine).
+/// A live nvidia-cuda-mps-* process (from /proc/*/comm, zombies ignored) without that
+/// socket is reported in `detail` but is not active for this daemon.
 MpsStatus DetectMps();
 
 class GpuInventory {

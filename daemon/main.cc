@@ -9,6 +9,7 @@
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/synchronization/notification.h"
 #include "daemon/config.h"
 #include "daemon/daemon.h"
 #include "daemon/logging.h"
@@ -26,19 +27,33 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  // Every thread inherits this mask: SIGTERM/SIGINT are only ever taken by sigwait below.
+  // Every thread inherits this mask: SIGTERM/SIGINT are only ever taken by the waiter below,
+  // which also ends a start-up that hangs (e.g. in CUDA initialisation) instead of leaving the
+  // signal pending.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  absl::Notification stop_requested;
+  absl::Notification started;
+  int signal_number = 0;
+  std::thread([&stop_signals, &stop_requested, &started, &signal_number] {
+    sigwait(&stop_signals, &signal_number);
+    stop_requested.Notify();
+    if (!started.WaitForNotificationWithTimeout(absl::Seconds(4))) {
+      epd::GetLogger(epd::kLogDaemon)
+          ->critical("stop signal during start-up, which did not finish within 4 s; exiting");
+      _exit(1);
+    }
+  }).detach();
 
   absl::StatusOr<std::unique_ptr<epd::Daemon>> daemon = epd::Daemon::Start(*config);
   if (!daemon.ok()) return 1;  // Start logged the reason.
+  started.Notify();
 
-  int signal_number = 0;
-  sigwait(&stop_signals, &signal_number);
+  stop_requested.WaitForNotification();
   epd::GetLogger(epd::kLogDaemon)
       ->info("received {}: shutting down", signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
   // The drain is bounded (~1.5 s); should anything still hang, do not outlive 5 s.
