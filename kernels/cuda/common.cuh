@@ -45,6 +45,14 @@ __device__ __forceinline__ void StRelaxedSys(int32_t* p, int32_t v) {
   asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+/// Acquire-release fence at system scope (fence.acq_rel.sys). Placed after __syncthreads()
+/// and before a flag store / ticket atomic, it releases every write the block made before the
+/// barrier; after a flag load / ticket atomic, it acquires. Much cheaper than
+/// __threadfence_system() (fence.sc.sys), which message passing does not need.
+__device__ __forceinline__ void FenceAcqRelSys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
 /// True when sequence number `a` is at or past `b` (wrap-around safe).
 __device__ __forceinline__ bool SeqAtLeast(uint32_t a, uint32_t b) {
   return static_cast<int32_t>(a - b) >= 0;

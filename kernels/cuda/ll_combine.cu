@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
 
   // ---- 1. announce: this rank's expert outputs are ready ----
   if (blockIdx.x == 0 && threadIdx.x < num_ranks) {
-    __threadfence_system();
+    device::FenceAcqRelSys();
     StReleaseSys(CombineFlag(s_peer[threadIdx.x], p, p.rank), seq);
   }
   // ---- 2. wait for every rank ----

@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     }
     __syncthreads();
     if (threadIdx.x < num_ranks) {
-      __threadfence_system();
+      device::FenceAcqRelSys();
       StReleaseSys(ExchangeFlag(s_peer[threadIdx.x], p, LowLatencyExchange::CountFlag(p.rank)),
                    seq);
     }
@@ -347,10 +347,11 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   // ---- 5. the last block tells every rank that this rank's rows have landed ----
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    device::FenceAcqRelSys();
     const uint32_t ticket = atomicAdd(&state->dispatch_ticket, 1u);
     s_last = ticket == gridDim.x - 1;
     if (s_last) {
+      device::FenceAcqRelSys();  // acquire the other blocks' writes (their fence + ticket)
       s_aborted = atomicAdd(&state->dispatch_aborted, 0u) == seq;
       state->dispatch_ticket = 0;
       state->dispatch_seq = seq;
@@ -358,7 +359,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   }
   __syncthreads();
   if (s_last && !s_aborted && threadIdx.x < num_ranks) {
-    __threadfence_system();
+    device::FenceAcqRelSys();
     StReleaseSys(ExchangeFlag(s_peer[threadIdx.x], p, LowLatencyExchange::DataFlag(p.rank)), seq);
   }
   if (blockIdx.x == 0 && counts_ok && threadIdx.x < num_ranks) {

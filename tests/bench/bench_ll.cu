@@ -48,11 +48,19 @@ absl::Status DriverStatus(CUresult r, const char* call) {
   return absl::InternalError(absl::StrCat(call, " failed: ", msg != nullptr ? msg : "?"));
 }
 
+/// One op's latency over all ranks: `span` = last end - first start (the figure), and
+/// `after_last` = the shortest per-rank kernel time, i.e. the time from the last rank's
+/// start to its end (what is left once every rank has arrived: no launch skew).
+struct OpTimes {
+  Percentiles span;
+  Percentiles after_last;
+};
+
 struct Figure {
   std::string name;
   double bytes = 0;
-  Percentiles op_us;
-  Percentiles memcpy_us;
+  OpTimes op_us;
+  Percentiles memcpy_us;  // count == 0: no memcpy bound (nothing moved)
 };
 
 // Times `launch(r, stream)` enqueued on every rank behind a common gate.
@@ -75,9 +83,9 @@ class GatedTimer {
     for (auto e : end_) cudaEventDestroy(e);
   }
 
-  absl::StatusOr<Percentiles> Run(VirtualRankGroup& g,
+  absl::StatusOr<OpTimes> Run(VirtualRankGroup& g,
                                   const std::function<absl::Status(int32_t, int, cudaStream_t)>& launch) {
-    std::vector<double> us;
+    std::vector<double> us, after_last_us;
     for (int it = 0; it < kWarmup + kIterations; ++it) {
       ++gate_value_;
       const CUdeviceptr gate = reinterpret_cast<CUdeviceptr>(gate_.get());
@@ -92,17 +100,21 @@ class GatedTimer {
       EPD_RETURN_IF_ERROR(DriverStatus(cuStreamWriteValue32(trigger_.get(), gate, gate_value_, 0),
                                        "cuStreamWriteValue32"));
       EPD_RETURN_IF_ERROR(g.SynchronizeAll());
-      float first_start = 0, last_end = 0;
+      float first_start = 0, last_end = 0, shortest = 1e30f;
       for (int32_t r = 0; r < g.num_ranks(); ++r) {
         float s = 0, e = 0;
         EPD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&s, start_[0], start_[r]));
         EPD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&e, start_[0], end_[r]));
         first_start = std::min(first_start, s);
         last_end = std::max(last_end, e);
+        shortest = std::min(shortest, e - s);
       }
-      if (it >= kWarmup) us.push_back(1000.0 * (last_end - first_start));
+      if (it >= kWarmup) {
+        us.push_back(1000.0 * (last_end - first_start));
+        after_last_us.push_back(1000.0 * shortest);
+      }
     }
-    return ComputePercentiles(us);
+    return OpTimes{ComputePercentiles(us), ComputePercentiles(after_last_us)};
   }
 
  private:
@@ -197,7 +209,7 @@ absl::Status Run(std::vector<Figure>* figures, std::string* device_name) {
   kc::LowLatencyDispatchArgs da;
   da.use_fp8 = true;
   EPD_ASSIGN_OR_RETURN(
-      Percentiles dispatch, timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
+      OpTimes dispatch, timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
         kc::LowLatencyDispatchArgs a = da;
         a.buffer = it % 2;
         return kc::LowLatencyDispatch(g.Context(r), a, stream);
@@ -207,7 +219,7 @@ absl::Status Run(std::vector<Figure>* figures, std::string* device_name) {
   }
   // For reference: the same dispatch without FP8 (bf16 rows, no quantisation).
   EPD_ASSIGN_OR_RETURN(
-      Percentiles dispatch_bf16, timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
+      OpTimes dispatch_bf16, timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
         kc::LowLatencyDispatchArgs a;
         a.buffer = it % 2;
         return kc::LowLatencyDispatch(g.Context(r), a, stream);
@@ -217,13 +229,32 @@ absl::Status Run(std::vector<Figure>* figures, std::string* device_name) {
   }
   // Combine against the handle of the last dispatch (buffer 1 after an even count).
   const int32_t last_buffer = (kWarmup + kIterations - 1) % 2;
-  EPD_ASSIGN_OR_RETURN(Percentiles combine, timer->Run(g, [&](int32_t r, int, cudaStream_t stream) {
+  EPD_ASSIGN_OR_RETURN(OpTimes combine, timer->Run(g, [&](int32_t r, int, cudaStream_t stream) {
     kc::LowLatencyCombineArgs a;
     a.buffer = last_buffer;
     return kc::LowLatencyCombine(g.Context(r), a, stream);
   }));
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyCombine"));
+  }
+  // The fixed part: the same ops with T = 0 on every rank (count exchange, flags, launch
+  // skew; no rows move).
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    EPD_RETURN_IF_ERROR(kc::SetLowLatencyNumTokensAsync(g.Context(r), 0, g.stream(r)));
+  }
+  EPD_ASSIGN_OR_RETURN(
+      OpTimes dispatch_empty, timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
+        kc::LowLatencyDispatchArgs a = da;
+        a.buffer = it % 2;
+        return kc::LowLatencyDispatch(g.Context(r), a, stream);
+      }));
+  EPD_ASSIGN_OR_RETURN(OpTimes combine_empty, timer->Run(g, [&](int32_t r, int, cudaStream_t stream) {
+    kc::LowLatencyCombineArgs a;
+    a.buffer = last_buffer;
+    return kc::LowLatencyCombine(g.Context(r), a, stream);
+  }));
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "T=0 ops"));
   }
   EPD_ASSIGN_OR_RETURN(Percentiles dispatch_copy, TimeMemcpy(static_cast<size_t>(dispatch_bytes)));
   EPD_ASSIGN_OR_RETURN(Percentiles combine_copy, TimeMemcpy(static_cast<size_t>(combine_bytes)));
@@ -233,6 +264,8 @@ absl::Status Run(std::vector<Figure>* figures, std::string* device_name) {
   figures->push_back({"ll_dispatch_fp8", dispatch_bytes, dispatch, dispatch_copy});
   figures->push_back({"ll_dispatch_bf16", dispatch_bf16_bytes, dispatch_bf16, dispatch_bf16_copy});
   figures->push_back({"ll_combine_bf16", combine_bytes, combine, combine_copy});
+  figures->push_back({"ll_dispatch_fp8_T0", 0, dispatch_empty, {}});
+  figures->push_back({"ll_combine_bf16_T0", 0, combine_empty, {}});
   return absl::OkStatus();
 }
 
@@ -252,23 +285,29 @@ int RunLowLatencyBench() {
                 device.c_str());
     std::printf("shape: T=128 H=7168 K=8 E=256 R=8; %d iterations after %d warm-up\n",
                 kIterations, kWarmup);
-    std::printf("%-18s %12s %9s %9s %12s %12s %10s %12s\n", "op", "bytes/op", "p50 us",
-                "p99 us", "memcpy p50", "memcpy p99", "p50/memcpy", "GB/s at p50");
+    std::printf("%-19s %10s %8s %8s %11s %11s %11s %11s\n", "op", "bytes/op", "p50 us",
+                "p99 us", "memcpy p50", "memcpy p99", "p50/memcpy", "last-in p50");
   }
   for (const Figure& f : figures) {
-    const double ratio = f.op_us.p50 / f.memcpy_us.p50;
-    const double gbps = f.bytes / (f.op_us.p50 * 1e3);
+    const bool bound = f.memcpy_us.count > 0;
     if (json) {
       std::printf(
           "{\"bench\":\"ll\",\"op\":\"%s\",\"device\":\"%s\",\"bytes\":%.0f,\"p50_us\":%.2f,"
-          "\"p99_us\":%.2f,\"memcpy_p50_us\":%.2f,\"memcpy_p99_us\":%.2f,\"iterations\":%zu}\n",
-          f.name.c_str(), device.c_str(), f.bytes, f.op_us.p50, f.op_us.p99, f.memcpy_us.p50,
-          f.memcpy_us.p99, f.op_us.count);
+          "\"p99_us\":%.2f,\"after_last_p50_us\":%.2f,\"memcpy_p50_us\":%.2f,"
+          "\"memcpy_p99_us\":%.2f,\"iterations\":%zu}\n",
+          f.name.c_str(), device.c_str(), f.bytes, f.op_us.span.p50, f.op_us.span.p99,
+          f.op_us.after_last.p50, f.memcpy_us.p50, f.memcpy_us.p99, f.op_us.span.count);
+    } else if (bound) {
+      std::printf("%-19s %10.0f %8.2f %8.2f %11.2f %11.2f %11.2f %11.2f\n", f.name.c_str(),
+                  f.bytes, f.op_us.span.p50, f.op_us.span.p99, f.memcpy_us.p50, f.memcpy_us.p99,
+                  f.op_us.span.p50 / f.memcpy_us.p50, f.op_us.after_last.p50);
     } else {
-      std::printf("%-18s %12.0f %9.2f %9.2f %12.2f %12.2f %10.2f %12.1f\n", f.name.c_str(),
-                  f.bytes, f.op_us.p50, f.op_us.p99, f.memcpy_us.p50, f.memcpy_us.p99, ratio,
-                  gbps);
+      std::printf("%-19s %10.0f %8.2f %8.2f %11s %11s %11s %11.2f\n", f.name.c_str(), f.bytes,
+                  f.op_us.span.p50, f.op_us.span.p99, "-", "-", "-", f.op_us.after_last.p50);
     }
+  }
+  if (!json) {
+    std::printf("last-in: from the last rank's kernel start to its end (no launch skew)\n");
   }
   return 0;
 }
