@@ -68,8 +68,8 @@ __device__ __forceinline__ void AccumulateBf16x8(float* acc, const uint4& y, flo
   for (int c = 0; c < 4; ++c) {
     acc[2 * c] = __fadd_rn(acc[2 * c],
                            __fmul_rn(w, Bf16ToFloat(static_cast<bf16_bits>(words[c] & 0xffffu))));
-    acc[2 * c + 1] =
-        __fadd_rn(acc[2 * c + 1], __fmul_rn(w, Bf16ToFloat(static_cast<bf16_bits>(words[c] >> 16))));
+    acc[2 * c + 1] = __fadd_rn(acc[2 * c + 1],
+                               __fmul_rn(w, Bf16ToFloat(static_cast<bf16_bits>(words[c] >> 16))));
   }
 }
 
@@ -260,8 +260,8 @@ absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombi
   p.buffer = b;
   int32_t num_blocks = 0;
   EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &num_blocks));
-  const bool vec = s.hidden % 8 == 0 &&
-                   (args.combined_x == nullptr || reinterpret_cast<uintptr_t>(args.combined_x) % 16 == 0);
+  const bool vec = s.hidden % 8 == 0 && (args.combined_x == nullptr ||
+                                         reinterpret_cast<uintptr_t>(args.combined_x) % 16 == 0);
   auto kernel = vec ? LowLatencyCombineKernel<true> : LowLatencyCombineKernel<false>;
   kernel<<<num_blocks, kLowLatencyThreads, 0, stream>>>(p);
   return EPD_CUDA_STATUS(cudaGetLastError());

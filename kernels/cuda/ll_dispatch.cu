@@ -5,8 +5,8 @@
 //  1. Every block reads T (device memory) and topk_idx into shared memory (plus a bitmask
 //     of experts per token) and computes, per global expert e, how many of this rank's
 //     tokens go to e and each (t, k)'s index among them (a warp per expert: ballot + popc
-//     over 32 tokens at a time; a duplicate expert in a row shares the index). Blocks repeat this small computation instead of
-//     synchronising with each other.
+//     over 32 tokens at a time; a duplicate expert in a row shares the index). Blocks repeat this
+//     small computation instead of synchronising with each other.
 //  2. Block 0 publishes the [E] counts into every rank's sync region (set seq & 1), then
 //     st.release.sys count_flag[rank] = seq at each.
 //  3. Every block waits (bounded) until all R count flags reach seq, then computes the
@@ -73,11 +73,11 @@ struct DispatchParams {
   bool round_scale;
 };
 
-__device__ __forceinline__ int32_t* CountsAt(uint8_t* base, const DispatchParams& p,
-                                             int32_t parity, int32_t sender) {
-  return reinterpret_cast<int32_t*>(base + p.sync_offset + kSyncLowLatencyExchangeOffset +
-                                    LowLatencyExchange::Counts(parity, sender, p.num_ranks,
-                                                               p.num_experts));
+__device__ __forceinline__ int32_t* CountsAt(uint8_t* base, const DispatchParams& p, int32_t parity,
+                                             int32_t sender) {
+  return reinterpret_cast<int32_t*>(
+      base + p.sync_offset + kSyncLowLatencyExchangeOffset +
+      LowLatencyExchange::Counts(parity, sender, p.num_ranks, p.num_experts));
 }
 
 __device__ __forceinline__ uint32_t* ExchangeFlag(uint8_t* base, const DispatchParams& p,
@@ -113,9 +113,9 @@ __device__ __forceinline__ uint2 QuantizeVec8(const uint4& v, bool round_scale, 
   uint32_t packed[2];
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
-    packed[c] = static_cast<uint32_t>(device::FloatsToE4m3x2(f[4 * c] / s, f[4 * c + 1] / s)) |
-                (static_cast<uint32_t>(device::FloatsToE4m3x2(f[4 * c + 2] / s, f[4 * c + 3] / s))
-                 << 16);
+    packed[c] =
+        static_cast<uint32_t>(device::FloatsToE4m3x2(f[4 * c] / s, f[4 * c + 1] / s)) |
+        (static_cast<uint32_t>(device::FloatsToE4m3x2(f[4 * c + 2] / s, f[4 * c + 3] / s)) << 16);
   }
   return make_uint2(packed[0], packed[1]);
 }
@@ -137,10 +137,10 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const int32_t num_experts = p.num_experts;
   const int32_t num_topk = p.num_topk;
   const int32_t max_slots = p.max_tokens * num_topk;
-  int32_t* s_expert = smem;                   // [Mll*K] expert of (t,k), -1 = none
-  int32_t* s_pos = s_expert + max_slots;      // [Mll*K] index among this rank's tokens to e
-  int32_t* s_count = s_pos + max_slots;       // [E] this rank's tokens per expert
-  int32_t* s_base = s_count + num_experts;    // [E] first row of this rank in e's block
+  int32_t* s_expert = smem;                 // [Mll*K] expert of (t,k), -1 = none
+  int32_t* s_pos = s_expert + max_slots;    // [Mll*K] index among this rank's tokens to e
+  int32_t* s_count = s_pos + max_slots;     // [E] this rank's tokens per expert
+  int32_t* s_base = s_count + num_experts;  // [E] first row of this rank in e's block
   uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_base + num_experts);  // [Mll, stride]
 
   const int lane = LaneId();
@@ -221,8 +221,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   // ---- 3. wait for every rank's counts ----
   bool arrived = true;
   if (threadIdx.x < num_ranks) {
-    arrived = WaitFlagAtLeast(ExchangeFlag(p.own_base, p, LowLatencyExchange::CountFlag(threadIdx.x)),
-                              seq, deadline);
+    arrived = WaitFlagAtLeast(
+        ExchangeFlag(p.own_base, p, LowLatencyExchange::CountFlag(threadIdx.x)), seq, deadline);
     if (!arrived) device::RecordMissingPeer(status, threadIdx.x);
   }
   const bool counts_ok = __syncthreads_and(arrived) != 0;
@@ -230,7 +230,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   if (counts_ok) {
     for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
       int32_t sum = 0;
-      for (int32_t q = 0; q < p.rank; ++q) sum += LdRelaxedSys(CountsAt(p.own_base, p, parity, q) + e);
+      for (int32_t q = 0; q < p.rank; ++q)
+        sum += LdRelaxedSys(CountsAt(p.own_base, p, parity, q) + e);
       s_base[e] = sum;
     }
     if (blockIdx.x == 0) {
@@ -278,12 +279,12 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
           has_dst = true;
           const int32_t owner = e / p.experts_per_rank;
           const int64_t row =
-              static_cast<int64_t>(e - owner * p.experts_per_rank) * p.rows_per_expert +
-              s_base[e] + s_pos[slot];
+              static_cast<int64_t>(e - owner * p.experts_per_rank) * p.rows_per_expert + s_base[e] +
+              s_pos[slot];
           uint8_t* owner_base = s_peer[owner];
           dst = owner_base + p.recv_x_offset + row * out_row_bytes;
-          dst_scales = reinterpret_cast<float*>(owner_base + p.recv_scales_offset) +
-                       row * p.num_scales;
+          dst_scales =
+              reinterpret_cast<float*>(owner_base + p.recv_scales_offset) + row * p.num_scales;
           if (c0 == 0) {
             reinterpret_cast<int32_t*>(owner_base + p.recv_src_info_offset)[row] =
                 p.rank * p.max_tokens + t;
@@ -378,9 +379,9 @@ absl::Status ValidateLowLatency(const CudaRankContext& ctx, int32_t buffer, cons
   EPD_RETURN_IF_ERROR(ValidateContext(ctx));
   const GroupShape& s = ctx.shape;
   if (s.ll_max_tokens_per_rank <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": low-latency ops are disabled (ll_max_tokens_per_rank = ",
-                     s.ll_max_tokens_per_rank, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": low-latency ops are disabled (ll_max_tokens_per_rank = ", s.ll_max_tokens_per_rank,
+        ")"));
   }
   if (buffer < 0 || buffer >= kLowLatencyBuffers) {
     return absl::InvalidArgumentError(
@@ -419,16 +420,17 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
   const GroupShape& s = ctx.shape;
   const EndpointLayout& l = ctx.layout;
   if (args.use_fp8 && (!s.use_fp8 || s.hidden % kFp8BlockChannels != 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kOp, ": use_fp8 needs shape.use_fp8 (", s.use_fp8, ") and hidden % ", kFp8BlockChannels,
-        " == 0 (hidden = ", s.hidden, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(kOp, ": use_fp8 needs shape.use_fp8 (",
+                                                   s.use_fp8, ") and hidden % ", kFp8BlockChannels,
+                                                   " == 0 (hidden = ", s.hidden, ")"));
   }
   const int b = args.buffer;
   DispatchParams p{};
   p.peer_bases = ctx.peer_bases;
   p.own_base = ctx.own_base;
   p.num_tokens = args.num_tokens != nullptr ? args.num_tokens : LowLatencyNumTokensSlot(ctx);
-  p.x = args.x != nullptr ? args.x : reinterpret_cast<const bf16_bits*>(ctx.own_base + l.in_x.offset);
+  p.x =
+      args.x != nullptr ? args.x : reinterpret_cast<const bf16_bits*>(ctx.own_base + l.in_x.offset);
   p.topk_idx = args.topk_idx != nullptr
                    ? args.topk_idx
                    : reinterpret_cast<const int64_t*>(ctx.own_base + l.in_topk_idx.offset);
@@ -455,18 +457,18 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
   EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &num_blocks));
   p.mask_stride = (s.num_experts + 31) / 32;
   if (p.mask_stride % 2 == 0) ++p.mask_stride;
-  const size_t smem = sizeof(int32_t) * (2ull * s.ll_max_tokens_per_rank * s.num_topk +
-                                         2ull * s.num_experts +
-                                         static_cast<uint64_t>(s.ll_max_tokens_per_rank) *
-                                             p.mask_stride);
+  const size_t smem =
+      sizeof(int32_t) * (2ull * s.ll_max_tokens_per_rank * s.num_topk + 2ull * s.num_experts +
+                         static_cast<uint64_t>(s.ll_max_tokens_per_rank) * p.mask_stride);
   const bool x_aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
   if (args.use_fp8 && !x_aligned) {
     return absl::InvalidArgumentError(absl::StrCat(kOp, ": x must be 16-byte aligned for FP8"));
   }
   const bool vec = s.hidden % 8 == 0 && x_aligned;
-  auto kernel = args.use_fp8 ? LowLatencyDispatchKernel<kFp8>
-                             : (vec ? LowLatencyDispatchKernel<kBf16Vec>
-                                    : LowLatencyDispatchKernel<kBf16Scalar>);
+  auto kernel =
+      args.use_fp8
+          ? LowLatencyDispatchKernel<kFp8>
+          : (vec ? LowLatencyDispatchKernel<kBf16Vec> : LowLatencyDispatchKernel<kBf16Scalar>);
   if (smem > 48 * 1024) {
     int device = 0;
     int limit = 0;
@@ -474,14 +476,13 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
     EPD_CUDA_RETURN_IF_ERROR(
         cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     if (smem + 4096 > static_cast<size_t>(limit)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          kOp, ": ll_max_tokens_per_rank * num_topk = ",
-          static_cast<int64_t>(s.ll_max_tokens_per_rank) * s.num_topk,
-          " needs ", smem, " bytes of shared memory; the device allows ", limit));
+      return absl::InvalidArgumentError(
+          absl::StrCat(kOp, ": ll_max_tokens_per_rank * num_topk = ",
+                       static_cast<int64_t>(s.ll_max_tokens_per_rank) * s.num_topk, " needs ", smem,
+                       " bytes of shared memory; the device allows ", limit));
     }
-    EPD_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem)));
+    EPD_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
   kernel<<<num_blocks, kLowLatencyThreads, smem, stream>>>(p);
   return EPD_CUDA_STATUS(cudaGetLastError());

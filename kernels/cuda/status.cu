@@ -38,23 +38,22 @@ absl::Status CudaErrorToStatus(cudaError_t err, const char* call, const char* fi
 absl::Status ValidateContext(const CudaRankContext& ctx) {
   const GroupShape& s = ctx.shape;
   if (s.num_ranks < 1 || s.num_ranks > kMaxStatusRanks) {
-    return absl::InvalidArgumentError(absl::StrCat("CudaRankContext: shape.num_ranks = ",
-                                                   s.num_ranks, " is outside [1, ",
-                                                   kMaxStatusRanks, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("CudaRankContext: shape.num_ranks = ", s.num_ranks, " is outside [1, ",
+                     kMaxStatusRanks, "]"));
   }
   if (s.num_experts < s.num_ranks || s.num_experts % s.num_ranks != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "CudaRankContext: shape.num_experts = ", s.num_experts,
-        " must be a positive multiple of num_ranks = ", s.num_ranks));
+    return absl::InvalidArgumentError(
+        absl::StrCat("CudaRankContext: shape.num_experts = ", s.num_experts,
+                     " must be a positive multiple of num_ranks = ", s.num_ranks));
   }
   if (s.hidden < 1 || s.num_topk < 1) {
     return absl::InvalidArgumentError(absl::StrCat("CudaRankContext: hidden = ", s.hidden,
-                                                   ", num_topk = ", s.num_topk,
-                                                   " must be >= 1"));
+                                                   ", num_topk = ", s.num_topk, " must be >= 1"));
   }
   if (ctx.rank < 0 || ctx.rank >= s.num_ranks) {
-    return absl::InvalidArgumentError(absl::StrCat("CudaRankContext: rank = ", ctx.rank,
-                                                   " is outside [0, ", s.num_ranks, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("CudaRankContext: rank = ", ctx.rank, " is outside [0, ", s.num_ranks, ")"));
   }
   if (ctx.peer_bases == nullptr || ctx.own_base == nullptr) {
     return absl::InvalidArgumentError("CudaRankContext: peer_bases and own_base must be set");
@@ -94,9 +93,9 @@ absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shap
                               const char* op) {
   std::vector<std::string> findings;
   if (status.bad_expert_ids != 0) {
-    findings.push_back(absl::StrCat(status.bad_expert_ids,
-                                    " topk_idx value(s) outside [-1, num_experts = ",
-                                    shape.num_experts, ") were ignored"));
+    findings.push_back(absl::StrCat(
+        status.bad_expert_ids, " topk_idx value(s) outside [-1, num_experts = ", shape.num_experts,
+        ") were ignored"));
   }
   if (status.has_bad_num_tokens != 0) {
     findings.push_back(absl::StrCat("num_tokens = ", status.bad_num_tokens,
@@ -108,9 +107,9 @@ absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shap
     for (int32_t r = 0; r < kMaxStatusRanks; ++r) {
       if (status.missing_ranks[r / 32] & (1u << (r % 32))) missing.push_back(r);
     }
-    std::string msg = absl::StrCat(op, ": rank ", rank, ": peer rank(s) [",
-                                   absl::StrJoin(missing, ", "),
-                                   "] did not arrive before the op timeout");
+    std::string msg =
+        absl::StrCat(op, ": rank ", rank, ": peer rank(s) [", absl::StrJoin(missing, ", "),
+                     "] did not arrive before the op timeout");
     if (!findings.empty()) absl::StrAppend(&msg, "; also: ", absl::StrJoin(findings, "; "));
     return absl::DeadlineExceededError(msg);
   }
@@ -145,8 +144,8 @@ absl::Status ResetLowLatencySync(const CudaRankContext& ctx, cudaStream_t stream
   EPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sync + begin, 0, slot, stream));
   const uint64_t after_slot = begin + slot + sizeof(int32_t);
   EPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
-      sync + after_slot, 0, kSyncLowLatencyExchangeOffset + kSyncLowLatencyExchangeBytes -
-                                after_slot, stream));
+      sync + after_slot, 0,
+      kSyncLowLatencyExchangeOffset + kSyncLowLatencyExchangeBytes - after_slot, stream));
   return absl::OkStatus();
 }
 

@@ -83,8 +83,8 @@ class GatedTimer {
     for (auto e : end_) cudaEventDestroy(e);
   }
 
-  absl::StatusOr<OpTimes> Run(VirtualRankGroup& g,
-                                  const std::function<absl::Status(int32_t, int, cudaStream_t)>& launch) {
+  absl::StatusOr<OpTimes> Run(
+      VirtualRankGroup& g, const std::function<absl::Status(int32_t, int, cudaStream_t)>& launch) {
     std::vector<double> us, after_last_us;
     for (int it = 0; it < kWarmup + kIterations; ++it) {
       ++gate_value_;
@@ -197,33 +197,34 @@ absl::Status Run(std::vector<Figure>* figures, std::string* device_name) {
     for (int32_t t = 0; t < kTokens; ++t) {
       for (int32_t k = 0; k < s.num_topk; ++k) {
         bool dup = false;
-        for (int32_t j = 0; j < k; ++j) dup |= topk[r][t * s.num_topk + j] == topk[r][t * s.num_topk + k];
+        for (int32_t j = 0; j < k; ++j)
+          dup |= topk[r][t * s.num_topk + j] == topk[r][t * s.num_topk + k];
         dispatch_rows += dup ? 0 : 1;
       }
     }
   }
   const double dispatch_bytes = dispatch_rows * fp8_row;
-  const double combine_bytes = static_cast<double>(s.num_ranks) * kTokens * s.num_topk * s.hidden * 2;
+  const double combine_bytes =
+      static_cast<double>(s.num_ranks) * kTokens * s.num_topk * s.hidden * 2;
 
   EPD_ASSIGN_OR_RETURN(auto timer, GatedTimer::Create(s.num_ranks));
   kc::LowLatencyDispatchArgs da;
   da.use_fp8 = true;
-  EPD_ASSIGN_OR_RETURN(
-      OpTimes dispatch, timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
-        kc::LowLatencyDispatchArgs a = da;
-        a.buffer = it % 2;
-        return kc::LowLatencyDispatch(g.Context(r), a, stream);
-      }));
+  EPD_ASSIGN_OR_RETURN(OpTimes dispatch, timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
+    kc::LowLatencyDispatchArgs a = da;
+    a.buffer = it % 2;
+    return kc::LowLatencyDispatch(g.Context(r), a, stream);
+  }));
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
   }
   // For reference: the same dispatch without FP8 (bf16 rows, no quantisation).
-  EPD_ASSIGN_OR_RETURN(
-      OpTimes dispatch_bf16, timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
-        kc::LowLatencyDispatchArgs a;
-        a.buffer = it % 2;
-        return kc::LowLatencyDispatch(g.Context(r), a, stream);
-      }));
+  EPD_ASSIGN_OR_RETURN(OpTimes dispatch_bf16,
+                       timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
+                         kc::LowLatencyDispatchArgs a;
+                         a.buffer = it % 2;
+                         return kc::LowLatencyDispatch(g.Context(r), a, stream);
+                       }));
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
   }
@@ -242,17 +243,18 @@ absl::Status Run(std::vector<Figure>* figures, std::string* device_name) {
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(kc::SetLowLatencyNumTokensAsync(g.Context(r), 0, g.stream(r)));
   }
-  EPD_ASSIGN_OR_RETURN(
-      OpTimes dispatch_empty, timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
-        kc::LowLatencyDispatchArgs a = da;
-        a.buffer = it % 2;
-        return kc::LowLatencyDispatch(g.Context(r), a, stream);
-      }));
-  EPD_ASSIGN_OR_RETURN(OpTimes combine_empty, timer->Run(g, [&](int32_t r, int, cudaStream_t stream) {
-    kc::LowLatencyCombineArgs a;
-    a.buffer = last_buffer;
-    return kc::LowLatencyCombine(g.Context(r), a, stream);
-  }));
+  EPD_ASSIGN_OR_RETURN(OpTimes dispatch_empty,
+                       timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
+                         kc::LowLatencyDispatchArgs a = da;
+                         a.buffer = it % 2;
+                         return kc::LowLatencyDispatch(g.Context(r), a, stream);
+                       }));
+  EPD_ASSIGN_OR_RETURN(OpTimes combine_empty,
+                       timer->Run(g, [&](int32_t r, int, cudaStream_t stream) {
+                         kc::LowLatencyCombineArgs a;
+                         a.buffer = last_buffer;
+                         return kc::LowLatencyCombine(g.Context(r), a, stream);
+                       }));
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "T=0 ops"));
   }
@@ -283,10 +285,10 @@ int RunLowLatencyBench() {
   if (!json) {
     std::printf("Low-latency kernels, in-process, 8 virtual ranks on one GPU (%s)\n",
                 device.c_str());
-    std::printf("shape: T=128 H=7168 K=8 E=256 R=8; %d iterations after %d warm-up\n",
-                kIterations, kWarmup);
-    std::printf("%-19s %10s %8s %8s %11s %11s %11s %11s\n", "op", "bytes/op", "p50 us",
-                "p99 us", "memcpy p50", "memcpy p99", "p50/memcpy", "last-in p50");
+    std::printf("shape: T=128 H=7168 K=8 E=256 R=8; %d iterations after %d warm-up\n", kIterations,
+                kWarmup);
+    std::printf("%-19s %10s %8s %8s %11s %11s %11s %11s\n", "op", "bytes/op", "p50 us", "p99 us",
+                "memcpy p50", "memcpy p99", "p50/memcpy", "last-in p50");
   }
   for (const Figure& f : figures) {
     const bool bound = f.memcpy_us.count > 0;
@@ -298,8 +300,8 @@ int RunLowLatencyBench() {
           f.name.c_str(), device.c_str(), f.bytes, f.op_us.span.p50, f.op_us.span.p99,
           f.op_us.after_last.p50, f.memcpy_us.p50, f.memcpy_us.p99, f.op_us.span.count);
     } else if (bound) {
-      std::printf("%-19s %10.0f %8.2f %8.2f %11.2f %11.2f %11.2f %11.2f\n", f.name.c_str(),
-                  f.bytes, f.op_us.span.p50, f.op_us.span.p99, f.memcpy_us.p50, f.memcpy_us.p99,
+      std::printf("%-19s %10.0f %8.2f %8.2f %11.2f %11.2f %11.2f %11.2f\n", f.name.c_str(), f.bytes,
+                  f.op_us.span.p50, f.op_us.span.p99, f.memcpy_us.p50, f.memcpy_us.p99,
                   f.op_us.span.p50 / f.memcpy_us.p50, f.op_us.after_last.p50);
     } else {
       std::printf("%-19s %10.0f %8.2f %8.2f %11s %11s %11s %11.2f\n", f.name.c_str(), f.bytes,

@@ -131,9 +131,9 @@ kernels::cuda::CudaRankContext VirtualRankGroup::Context(int32_t r) const {
 absl::Status VirtualRankGroup::Upload(int32_t r, const kernels::Region& region, const void* src,
                                       size_t bytes, size_t offset) {
   if (offset + bytes > region.bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("Upload of ", bytes, " bytes at offset ",
-                                                   offset, " exceeds the region's ",
-                                                   region.bytes, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("Upload of ", bytes, " bytes at offset ", offset,
+                                                   " exceeds the region's ", region.bytes,
+                                                   " bytes"));
   }
   if (bytes == 0) return absl::OkStatus();
   return EPD_CUDA_STATUS(
@@ -144,8 +144,8 @@ absl::Status VirtualRankGroup::Download(int32_t r, const kernels::Region& region
                                         size_t bytes, size_t offset) const {
   if (offset + bytes > region.bytes) {
     return absl::InvalidArgumentError(absl::StrCat("Download of ", bytes, " bytes at offset ",
-                                                   offset, " exceeds the region's ",
-                                                   region.bytes, " bytes"));
+                                                   offset, " exceeds the region's ", region.bytes,
+                                                   " bytes"));
   }
   if (bytes == 0) return absl::OkStatus();
   return EPD_CUDA_STATUS(

@@ -71,8 +71,8 @@ class VirtualRankGroup {
   /// device peer_bases array and R streams. `timeout_ns` and `num_sms` /
   /// `ranks_on_device` go into every rank's CudaRankContext (0 = defaults).
   static absl::StatusOr<std::unique_ptr<VirtualRankGroup>> Create(
-      const kernels::GroupShape& shape, int64_t timeout_ns = 5'000'000'000,
-      int32_t num_sms = 0, int32_t ranks_on_device = 0);
+      const kernels::GroupShape& shape, int64_t timeout_ns = 5'000'000'000, int32_t num_sms = 0,
+      int32_t ranks_on_device = 0);
 
   const kernels::GroupShape& shape() const { return shape_; }
   const kernels::EndpointLayout& layout() const { return layout_; }
@@ -132,8 +132,8 @@ std::vector<float> RandomFloats(size_t n, std::mt19937_64& rng, float lo = 0.0f,
 
 /// How RandomTopk routes tokens.
 struct RoutingOptions {
-  double masked_fraction = 0.0;  ///< Probability that an entry is -1.
-  int64_t one_expert = -1;       ///< >= 0: every unmasked entry is this expert (hot expert).
+  double masked_fraction = 0.0;     ///< Probability that an entry is -1.
+  int64_t one_expert = -1;          ///< >= 0: every unmasked entry is this expert (hot expert).
   double duplicate_fraction = 0.0;  ///< Probability an entry repeats an earlier one of its row.
 };
 

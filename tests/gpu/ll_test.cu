@@ -19,11 +19,11 @@
 #include <string>
 #include <vector>
 
+#include "../../kernels/cuda/common.cuh"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"
-#include "../../kernels/cuda/common.cuh"
 #include "gpu_test_util.h"
 
 namespace epd::testing {
@@ -35,14 +35,14 @@ using kernels::bf16_bits;
 using kernels::GroupShape;
 
 // ASSERT that an absl::Status is OK; more context can be streamed with <<.
-#define EPD_ASSERT_OK(expr)                                   \
+#define EPD_ASSERT_OK(expr)                                 \
   for (const ::absl::Status epd_s_ = (expr); !epd_s_.ok();) \
   GTEST_FAIL() << #expr << ": " << epd_s_ << " "
 
-#define REQUIRE_GPU()                             \
-  do {                                            \
-    std::string why;                              \
-    if (!HaveGpu(&why)) GTEST_SKIP() << why;      \
+#define REQUIRE_GPU()                        \
+  do {                                       \
+    std::string why;                         \
+    if (!HaveGpu(&why)) GTEST_SKIP() << why; \
   } while (0)
 
 // ---- the test "expert": y = bf16(dequant(x) * (1 + j/8)), rows [0, recv_count[j]) ----
@@ -95,7 +95,8 @@ void HostExpert(const GroupShape& s, const uint8_t* recv_x, const float* recv_sc
       for (int64_t h = 0; h < hidden; ++h) {
         float v = fp8 ? kernels::E4m3ToFloat(recv_x[row * hidden + h]) *
                             recv_scales[row * s.num_scales() + h / kernels::kFp8BlockChannels]
-                      : kernels::Bf16ToFloat(reinterpret_cast<const bf16_bits*>(recv_x)[row * hidden + h]);
+                      : kernels::Bf16ToFloat(
+                            reinterpret_cast<const bf16_bits*>(recv_x)[row * hidden + h]);
         y[row * hidden + h] = kernels::FloatToBf16(v * ExpertFactor(j));
       }
     }
@@ -133,8 +134,8 @@ absl::Status ComputeHostReference(const GroupShape& s, bool fp8, bool round_scal
   ref->recv_scales.assign(R, {});
   ref->recv_count.assign(R, std::vector<int32_t>(s.num_local_experts()));
   ref->recv_src_info.assign(R, std::vector<int32_t>(rows));
-  ref->handle_pos.assign(R, std::vector<int32_t>(static_cast<size_t>(s.ll_max_tokens_per_rank) *
-                                                 s.num_topk, -1));
+  ref->handle_pos.assign(
+      R, std::vector<int32_t>(static_cast<size_t>(s.ll_max_tokens_per_rank) * s.num_topk, -1));
   ref->combined.assign(R, {});
   std::vector<kh::LowLatencyDispatchRankArgs> d(R);
   for (int32_t r = 0; r < R; ++r) {
@@ -175,7 +176,8 @@ absl::Status UploadInputs(VirtualRankGroup& g, const std::vector<RankInputs>& in
   for (int32_t r = 0; r < g.num_ranks(); ++r) {
     absl::Status st = g.Upload(r, l.in_x, in[r].x.data(), in[r].x.size() * sizeof(bf16_bits));
     if (st.ok()) st = g.Upload(r, l.in_topk_idx, in[r].topk_idx.data(), in[r].topk_idx.size() * 8);
-    if (st.ok()) st = g.Upload(r, l.in_topk_weights, in[r].weights.data(), in[r].weights.size() * 4);
+    if (st.ok())
+      st = g.Upload(r, l.in_topk_weights, in[r].weights.data(), in[r].weights.size() * 4);
     if (st.ok()) {
       st = EPD_CUDA_STATUS(cudaMemcpy(kc::LowLatencyNumTokensSlot(g.Context(r)), &in[r].num_tokens,
                                       4, cudaMemcpyHostToDevice));
@@ -289,8 +291,8 @@ struct SweepCase {
   int32_t hidden;
   int32_t topk;
   int32_t experts;
-  int32_t base_tokens;   // rank r uses kTokenCycle[(index(base) + r) % 4] unless same_tokens
-  bool same_tokens;      // every rank uses base_tokens
+  int32_t base_tokens;  // rank r uses kTokenCycle[(index(base) + r) % 4] unless same_tokens
+  bool same_tokens;     // every rank uses base_tokens
   double masked;
   Routing routing;
   Fp8 fp8;
@@ -444,16 +446,15 @@ TEST(LowLatencyFailure, OutOfRangeIdsGiveInvalidArgumentThenNextOpIsCorrect) {
     in[1].x.resize(5 * 2048);
     in[1].topk_idx.assign(5 * 8, 3);
     in[1].weights.assign(5 * 8, 0.5f);
-    in[1].topk_idx[3] = 64;       // == E
-    in[1].topk_idx[17] = -2;      // < -1
+    in[1].topk_idx[3] = 64;   // == E
+    in[1].topk_idx[17] = -2;  // < -1
     in[1].topk_idx[30] = 1 << 20;
     EPD_ASSERT_OK(UploadInputs(g, in));
     kc::LowLatencyDispatchArgs a;
     a.buffer = b;
     a.use_fp8 = true;
-    EPD_ASSERT_OK(g.LaunchAll([&](int32_t r, cudaStream_t st) {
-      return kc::LowLatencyDispatch(g.Context(r), a, st);
-    }));
+    EPD_ASSERT_OK(g.LaunchAll(
+        [&](int32_t r, cudaStream_t st) { return kc::LowLatencyDispatch(g.Context(r), a, st); }));
     for (int32_t r = 0; r < 4; ++r) {
       absl::Status st = kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch");
       if (r == 1) {
@@ -465,9 +466,8 @@ TEST(LowLatencyFailure, OutOfRangeIdsGiveInvalidArgumentThenNextOpIsCorrect) {
     }
     kc::LowLatencyCombineArgs ca;
     ca.buffer = b;
-    EPD_ASSERT_OK(g.LaunchAll([&](int32_t r, cudaStream_t st) {
-      return kc::LowLatencyCombine(g.Context(r), ca, st);
-    }));
+    EPD_ASSERT_OK(g.LaunchAll(
+        [&](int32_t r, cudaStream_t st) { return kc::LowLatencyCombine(g.Context(r), ca, st); }));
     absl::Status cs = kc::ReadAndClearStatus(g.Context(1), g.stream(1), "LowLatencyCombine");
     EXPECT_EQ(cs.code(), absl::StatusCode::kInvalidArgument) << cs;
     for (int32_t r : {0, 2, 3}) {
@@ -488,14 +488,13 @@ TEST(LowLatencyFailure, TooManyTokensGivesInvalidArgumentThenNextOpIsCorrect) {
   std::vector<RankInputs> in = MakeInputs(SmallCase(4), rng, 0);
   EPD_ASSERT_OK(UploadInputs(g, in));
   const int32_t too_many = kMll + 1;
-  ASSERT_EQ(cudaMemcpy(kc::LowLatencyNumTokensSlot(g.Context(2)), &too_many, 4,
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
+  ASSERT_EQ(
+      cudaMemcpy(kc::LowLatencyNumTokensSlot(g.Context(2)), &too_many, 4, cudaMemcpyHostToDevice),
+      cudaSuccess);
   kc::LowLatencyDispatchArgs a;
   a.use_fp8 = true;
-  EPD_ASSERT_OK(g.LaunchAll([&](int32_t r, cudaStream_t st) {
-    return kc::LowLatencyDispatch(g.Context(r), a, st);
-  }));
+  EPD_ASSERT_OK(g.LaunchAll(
+      [&](int32_t r, cudaStream_t st) { return kc::LowLatencyDispatch(g.Context(r), a, st); }));
   for (int32_t r = 0; r < 4; ++r) {
     absl::Status st = kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch");
     if (r == 2) {
@@ -506,9 +505,8 @@ TEST(LowLatencyFailure, TooManyTokensGivesInvalidArgumentThenNextOpIsCorrect) {
     }
   }
   kc::LowLatencyCombineArgs ca;
-  EPD_ASSERT_OK(g.LaunchAll([&](int32_t r, cudaStream_t st) {
-    return kc::LowLatencyCombine(g.Context(r), ca, st);
-  }));
+  EPD_ASSERT_OK(g.LaunchAll(
+      [&](int32_t r, cudaStream_t st) { return kc::LowLatencyCombine(g.Context(r), ca, st); }));
   EPD_ASSERT_OK(g.SynchronizeAll());
   ExpectValidOp(g, 0, rng, 1);
   ExpectValidOp(g, 1, rng, 2);
@@ -614,8 +612,8 @@ TEST(LowLatencyFailure, LauncherRejectsBadArguments) {
 // with types.h FloatToE4m3. Compare them on every f32 bit pattern (NaNs included).
 __global__ void CompareE4m3Kernel(unsigned long long* mismatches, uint32_t* first_mismatch) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
-       i < (1ull << 32); i += stride) {
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < (1ull << 32);
+       i += stride) {
     const uint32_t bits = static_cast<uint32_t>(i);
     const float f = __uint_as_float(bits);
     const float g = __uint_as_float(bits ^ 0x80000000u);
@@ -641,7 +639,8 @@ TEST(Fp8Conversion, HardwareCvtMatchesHostOnEveryFloat) {
   ASSERT_EQ(cudaMemcpy(&count, mismatches, 8, cudaMemcpyDeviceToHost), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(&first_bits, first, 4, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(count, 0u) << "first mismatching f32 bits 0x" << std::hex << first_bits
-                       << ": host e4m3 0x" << int{kernels::FloatToE4m3(kernels::FloatFromBits(first_bits))};
+                       << ": host e4m3 0x"
+                       << int{kernels::FloatToE4m3(kernels::FloatFromBits(first_bits))};
 }
 
 // ---- CUDA graphs ------------------------------------------------------------------------

@@ -43,10 +43,10 @@ absl::Status CudaErrorToStatus(cudaError_t err, const char* call, const char* fi
 #define EPD_CUDA_STATUS(call) \
   ::epd::kernels::cuda::CudaErrorToStatus((call), #call, __FILE__, __LINE__)
 /// Returns the CUDA call's error as absl::Status from the enclosing function.
-#define EPD_CUDA_RETURN_IF_ERROR(call)                              \
-  do {                                                              \
-    ::absl::Status epd_cuda_status_ = EPD_CUDA_STATUS(call);        \
-    if (!epd_cuda_status_.ok()) return epd_cuda_status_;            \
+#define EPD_CUDA_RETURN_IF_ERROR(call)                       \
+  do {                                                       \
+    ::absl::Status epd_cuda_status_ = EPD_CUDA_STATUS(call); \
+    if (!epd_cuda_status_.ok()) return epd_cuda_status_;     \
   } while (0)
 
 namespace epd::kernels::cuda {
@@ -72,10 +72,10 @@ inline constexpr int kMaxStatusRanks = 256;
 /// The per-rank error word at `sync + kSyncStatusOffset`. Kernels only ever add to it
 /// (atomics); ReadAndClearStatus / EnqueueStatusReadback clear it. POD, 256 bytes.
 struct DeviceStatus {
-  uint32_t bad_expert_ids;    ///< Count of topk_idx values outside [-1, E) seen by the op.
-  int32_t bad_num_tokens;     ///< A run-time T outside [0, Mll] (valid when has_bad_num_tokens).
-  uint32_t has_bad_num_tokens;///< Nonzero when T was out of range (the op then used T = 0).
-  uint32_t timed_out;         ///< Nonzero when a wait of this rank passed timeout_ns.
+  uint32_t bad_expert_ids;      ///< Count of topk_idx values outside [-1, E) seen by the op.
+  int32_t bad_num_tokens;       ///< A run-time T outside [0, Mll] (valid when has_bad_num_tokens).
+  uint32_t has_bad_num_tokens;  ///< Nonzero when T was out of range (the op then used T = 0).
+  uint32_t timed_out;           ///< Nonzero when a wait of this rank passed timeout_ns.
   uint32_t missing_ranks[kMaxStatusRanks / 32];  ///< Bit r: peer rank r never arrived.
   uint32_t reserved[64 - 4 - kMaxStatusRanks / 32];
 };
@@ -86,9 +86,9 @@ static_assert(sizeof(DeviceStatus) == 256, "DeviceStatus must fill [0, 256) of s
 /// Everything a CUDA op of one rank needs besides its own arguments. Shared by the
 /// low-latency launchers here and the normal-mode launchers (cuda_normal.h).
 struct CudaRankContext {
-  GroupShape shape;          ///< The group shape.
-  EndpointLayout layout;     ///< EndpointLayout::Compute(shape).
-  int32_t rank = 0;          ///< This rank, in [0, R).
+  GroupShape shape;       ///< The group shape.
+  EndpointLayout layout;  ///< EndpointLayout::Compute(shape).
+  int32_t rank = 0;       ///< This rank, in [0, R).
   /// Device array [R] of every rank's data-area base as seen by the launching context
   /// (peer_bases[rank] is this rank's own base). Must stay valid while ops run.
   uint8_t* const* peer_bases = nullptr;
@@ -121,8 +121,8 @@ absl::Status ResolveNumBlocks(const CudaRankContext& ctx, int32_t* num_blocks);
 /// DEADLINE_EXCEEDED naming the peer ranks that never arrived (a timeout wins, the other
 /// findings are appended); else INVALID_ARGUMENT naming the count of bad expert ids and/or
 /// the bad run-time T; else OK.
-absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shape,
-                              int32_t rank, const char* op);
+absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shape, int32_t rank,
+                              const char* op);
 
 /// Enqueues on `stream`: a copy of the rank's DeviceStatus into `host_dst` (pinned host
 /// memory, or any memory the copy engine can reach), then a clear of the device word.
@@ -195,9 +195,9 @@ absl::Status SetLowLatencyNumTokensAsync(const CudaRankContext& ctx, int32_t num
 /// recorded and the rank sends nothing (T = 0). Every rank of the group must launch each
 /// dispatch; a peer that does not arrive within timeout_ns is recorded (DEADLINE_EXCEEDED).
 struct LowLatencyDispatchArgs {
-  int32_t buffer = 0;                    ///< Low-latency buffer set, 0 or 1.
-  bool use_fp8 = false;                  ///< Quantize to e4m3 (needs shape.use_fp8, H%128==0).
-  bool round_scale = false;              ///< Power-of-two FP8 scales (types.h Fp8Scale).
+  int32_t buffer = 0;        ///< Low-latency buffer set, 0 or 1.
+  bool use_fp8 = false;      ///< Quantize to e4m3 (needs shape.use_fp8, H%128==0).
+  bool round_scale = false;  ///< Power-of-two FP8 scales (types.h Fp8Scale).
   /// Device int32 holding T; null = LowLatencyNumTokensSlot(ctx).
   const int32_t* num_tokens = nullptr;
   /// [T, H] bf16 on this GPU; null = this rank's in_x region.
@@ -224,7 +224,7 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
 /// owner's expert outputs, written on its stream before, are complete).
 /// Output: ll_combined_x[buffer] [Mll, H] bf16 (rows [0, T)), or `combined_x`.
 struct LowLatencyCombineArgs {
-  int32_t buffer = 0;   ///< The buffer of the dispatch whose handle this is.
+  int32_t buffer = 0;  ///< The buffer of the dispatch whose handle this is.
   /// Byte offset, inside every rank's data area, of the expert outputs [El, R*Mll, H] bf16
   /// (the same offset at every rank); 0 = layout.in_ll_combine_x.offset. Pass
   /// layout.ll_recv_x[b].offset for experts that write their output in place.
