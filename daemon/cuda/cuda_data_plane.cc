@@ -477,20 +477,24 @@ absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankRes
   bases[rank] = r->area.get();
   std::set<int> devices = Devices();
   devices.insert(r->device);
-  // Every GPU of the group gets the new [R] array of bases; ordered on the new rank's
-  // stream and waited for, so no kernel can see a stale array.
+  // Every GPU of the group gets the new [R] array of bases, copied on a stream of that GPU
+  // (the new rank's, or an attached rank's) and waited for, so no kernel sees a stale array.
   for (int d : devices) {
+    cudaStream_t stream = r->device == d ? r->stream.get() : nullptr;
+    for (const auto& other : ranks_) {
+      if (stream == nullptr && other && other->device == d) stream = other->stream.get();
+    }
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(d)));
     auto it = peer_bases_.find(d);
     if (it == peer_bases_.end()) {
-      EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(d)));
       EPD_ASSIGN_OR_RETURN(DevicePtr p, DeviceAlloc(sizeof(uint8_t*) * bases.size(), d));
       it = peer_bases_.emplace(d, std::move(p)).first;
     }
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaMemcpyAsync(it->second.get(), bases.data(),
                                                         sizeof(uint8_t*) * bases.size(),
-                                                        cudaMemcpyHostToDevice, r->stream.get())));
+                                                        cudaMemcpyHostToDevice, stream)));
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(stream)));
   }
-  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(r->stream.get())));
   host_bases_ = std::move(bases);
   ranks_[rank] = std::move(r);
   // The new area's sync state is zero, the others' counters are not: zero them all

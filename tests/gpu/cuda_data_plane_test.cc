@@ -33,6 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/cuda_ipc.h"
 #include "client/endpoint_internal.h"
+#include "daemon/gpu_inventory.h"
 #include "daemon/host_data_plane.h"
 #include "epd/client.h"
 #include "gpu_test_util.h"
@@ -129,7 +130,9 @@ struct PlaneGroup {
   std::unique_ptr<DataPlaneGroup> group;
   std::vector<std::unique_ptr<Endpoint>> eps;
 
-  void Open(DataPlane* plane, const v1::GroupSpec& s) {
+  /// `gpu_uuids[r]`: rank r's GPU on the CUDA plane (empty: every rank on the first GPU).
+  void Open(DataPlane* plane, const v1::GroupSpec& s,
+            const std::vector<std::string>& gpu_uuids = {}) {
     spec = s;
     cuda = plane->backend_name() == "cuda";
     auto g = plane->CreateGroup(s);
@@ -137,7 +140,8 @@ struct PlaneGroup {
     group = std::move(*g);
     for (int r = 0; r < s.num_ranks(); ++r) {
       v1::EndpointInfo info;
-      absl::Status st = group->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info);
+      const std::string uuid = cuda && !gpu_uuids.empty() ? gpu_uuids[r] : "";
+      absl::Status st = group->AttachRank(r, uuid, v1::LAUNCH_MODE_UNSPECIFIED, &info);
       ASSERT_TRUE(st.ok()) << st;
       EXPECT_EQ(info.backend(), cuda ? "cuda" : "host");
       if (cuda) {
@@ -461,6 +465,26 @@ TEST_F(CudaDataPlaneTest, OutOfRangeExpertIdFailsEveryRankThenNextOpIsCorrect) {
   GroupResult nwant = RunNormal(host, in);
   GroupResult ngot = RunNormal(cuda, in);
   ExpectSame(nwant, ngot, "normal after low-latency");
+}
+
+// One group across GPUs (peer access enabled by the plane): ranks alternate between the
+// first two GPUs, two virtual ranks on each.
+TEST_F(CudaDataPlaneTest, GroupAcrossTwoGpusMatchesHost) {
+  auto inventory = GpuInventory::Discover({});
+  ASSERT_TRUE(inventory.ok()) << inventory.status();
+  if (inventory->gpus().size() < 2) {
+    GTEST_SKIP() << "needs 2 GPUs, this machine has " << inventory->gpus().size();
+  }
+  const std::string g0 = inventory->gpus()[0].uuid(), g1 = inventory->gpus()[1].uuid();
+  const v1::GroupSpec spec = Spec("two-gpus", 4, 16, 1024, 4, 32, 32);
+  PlaneGroup host, cuda;
+  host.Open(host_.get(), spec);
+  cuda.Open(cuda_.get(), spec, {g0, g1, g0, g1});
+  Inputs in;
+  in.Make(spec, {32, 5, 0, 31}, {.masked_fraction = 0.2}, 31);
+  ExpectSame(RunLowLatency(host, in, true, false), RunLowLatency(cuda, in, true, false),
+             "two GPUs low-latency");
+  ExpectSame(RunNormal(host, in), RunNormal(cuda, in), "two GPUs normal");
 }
 
 TEST_F(CudaDataPlaneTest, ReportsGpuMemoryAndRejectsClientLaunchForNow) {
