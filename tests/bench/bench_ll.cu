@@ -41,10 +41,41 @@ using ::epd::testing::VirtualRankGroup;
 constexpr int kWarmup = 50;
 constexpr int kIterations = 1000;
 
+/// The three driver-API entry points the gate needs, resolved through the runtime
+/// (cudaGetDriverEntryPointByVersion) instead of linking libcuda: epd_bench must start on
+/// machines without the NVIDIA driver, where it runs only --backend=host.
+struct DriverApi {
+  CUresult (*wait_value32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
+  CUresult (*write_value32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
+  CUresult (*get_error_string)(CUresult, const char**) = nullptr;
+
+  static absl::StatusOr<const DriverApi*> Get() {
+    static DriverApi api;
+    static absl::Status status = [] {
+      auto resolve = [](const char* name, void** fn) -> absl::Status {
+        cudaDriverEntryPointQueryResult q{};
+        EPD_CUDA_RETURN_IF_ERROR(
+            cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &q));
+        if (q != cudaDriverEntryPointSuccess || *fn == nullptr) {
+          return absl::InternalError(absl::StrCat("driver entry point ", name, " not found"));
+        }
+        return absl::OkStatus();
+      };
+      EPD_RETURN_IF_ERROR(
+          resolve("cuStreamWaitValue32", reinterpret_cast<void**>(&api.wait_value32)));
+      EPD_RETURN_IF_ERROR(
+          resolve("cuStreamWriteValue32", reinterpret_cast<void**>(&api.write_value32)));
+      return resolve("cuGetErrorString", reinterpret_cast<void**>(&api.get_error_string));
+    }();
+    if (!status.ok()) return status;
+    return &api;
+  }
+};
+
 absl::Status DriverStatus(CUresult r, const char* call) {
   if (r == CUDA_SUCCESS) return absl::OkStatus();
   const char* msg = nullptr;
-  cuGetErrorString(r, &msg);
+  if (auto api = DriverApi::Get(); api.ok()) (*api)->get_error_string(r, &msg);
   return absl::InternalError(absl::StrCat(call, " failed: ", msg != nullptr ? msg : "?"));
 }
 
@@ -86,18 +117,19 @@ class GatedTimer {
   absl::StatusOr<OpTimes> Run(
       VirtualRankGroup& g, const std::function<absl::Status(int32_t, int, cudaStream_t)>& launch) {
     std::vector<double> us, after_last_us;
+    EPD_ASSIGN_OR_RETURN(const DriverApi* driver, DriverApi::Get());
     for (int it = 0; it < kWarmup + kIterations; ++it) {
       ++gate_value_;
       const CUdeviceptr gate = reinterpret_cast<CUdeviceptr>(gate_.get());
       for (int32_t r = 0; r < g.num_ranks(); ++r) {
         EPD_RETURN_IF_ERROR(DriverStatus(
-            cuStreamWaitValue32(g.stream(r), gate, gate_value_, CU_STREAM_WAIT_VALUE_GEQ),
+            driver->wait_value32(g.stream(r), gate, gate_value_, CU_STREAM_WAIT_VALUE_GEQ),
             "cuStreamWaitValue32"));
         EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(start_[r], g.stream(r)));
         EPD_RETURN_IF_ERROR(launch(r, it, g.stream(r)));
         EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(end_[r], g.stream(r)));
       }
-      EPD_RETURN_IF_ERROR(DriverStatus(cuStreamWriteValue32(trigger_.get(), gate, gate_value_, 0),
+      EPD_RETURN_IF_ERROR(DriverStatus(driver->write_value32(trigger_.get(), gate, gate_value_, 0),
                                        "cuStreamWriteValue32"));
       EPD_RETURN_IF_ERROR(g.SynchronizeAll());
       float first_start = 0, last_end = 0, shortest = 1e30f;
