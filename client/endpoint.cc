@@ -80,14 +80,13 @@ std::string ShapeString(const int64_t* shape, int ndim) {
 absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTensor* t,
                          std::initializer_list<DLDataType> dtypes, std::vector<int64_t>& shape) {
   if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is required"));
-  const bool device_ok = t->device.device_type == kDLCPU ||
-                         t->device.device_type == kDLCUDAHost ||
+  const bool device_ok = t->device.device_type == kDLCPU || t->device.device_type == kDLCUDAHost ||
                          (cuda && t->device.device_type == kDLCUDA);
   if (!device_ok) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        op, ": ", name, " is on device type ", t->device.device_type,
-        cuda ? "; the CUDA backend takes kDLCUDA, kDLCPU or kDLCUDAHost tensors"
-             : "; the host backend takes kDLCPU tensors"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": ", name, " is on device type ", t->device.device_type,
+                     cuda ? "; the CUDA backend takes kDLCUDA, kDLCPU or kDLCUDAHost tensors"
+                          : "; the host backend takes kDLCPU tensors"));
   }
   bool dtype_ok = false;
   for (DLDataType d : dtypes) dtype_ok |= SameType(t->dtype, d);
@@ -99,9 +98,9 @@ absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTe
                                                    absl::StrJoin(want, " or ")));
   }
   if (t->ndim != static_cast<int>(shape.size())) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has ", t->ndim,
-                                                   " dimensions ", ShapeString(t->shape, t->ndim),
-                                                   ", expected ", shape.size()));
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has ", t->ndim, " dimensions ",
+                                                   ShapeString(t->shape, t->ndim), ", expected ",
+                                                   shape.size()));
   }
   for (int i = 0; i < t->ndim; ++i) {
     if (t->shape[i] < 0 || (shape[i] >= 0 && t->shape[i] != shape[i])) {
@@ -117,8 +116,8 @@ absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTe
     int64_t expect = 1;
     for (int i = t->ndim - 1; i >= 0; --i) {
       if (t->shape[i] != 1 && t->strides[i] != expect) {
-        return absl::InvalidArgumentError(absl::StrCat(op, ": ", name,
-                                                       " is not contiguous (row-major)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(op, ": ", name, " is not contiguous (row-major)"));
       }
       expect *= t->shape[i];
     }
@@ -166,6 +165,9 @@ class DeviceGuard {
 
 // ---------------------------------------------------------------------------------------
 
+/// How long Wait spins on a completion before it sleeps on the completion futex (µs).
+constexpr int64_t kSpinBeforeSleepUs = 200;
+
 struct Endpoint::Impl {
   v1::EndpointInfo info;
   v1::GroupSpec spec;
@@ -192,17 +194,15 @@ struct Endpoint::Impl {
   absl::Status Stage(const char* op, const char* name, const DLTensor* t, const Region& r) {
     int64_t n = TensorNbytes(t);
     if (static_cast<uint64_t>(n) > r.bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has ", n,
-                                                     " bytes, more than its staging area (",
-                                                     r.bytes, " bytes)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          op, ": ", name, " has ", n, " bytes, more than its staging area (", r.bytes, " bytes)"));
     }
     const uint8_t* src = TensorBytes(t);
     if (src == At(r) || n <= 0) return absl::OkStatus();
 #if EPD_HAVE_CUDA
     if (cuda) {
       DeviceGuard guard(mapping.device());
-      EPD_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy(At(r), src, static_cast<size_t>(n), cudaMemcpyDefault));
+      EPD_CUDA_RETURN_IF_ERROR(cudaMemcpy(At(r), src, static_cast<size_t>(n), cudaMemcpyDefault));
       staged = true;
       return absl::OkStatus();
     }
@@ -226,9 +226,8 @@ struct Endpoint::Impl {
 
   absl::Status CheckUsable() const {
     if (left) {
-      return absl::FailedPreconditionError(absl::StrCat("endpoint of group ", spec.name(),
-                                                        " rank ", info.rank(),
-                                                        " has left its group"));
+      return absl::FailedPreconditionError(absl::StrCat("endpoint of group ", spec.name(), " rank ",
+                                                        info.rank(), " has left its group"));
     }
     return absl::OkStatus();
   }
@@ -239,8 +238,8 @@ struct Endpoint::Impl {
     EPD_RETURN_IF_ERROR(FinishStaging());
     uint64_t head = abi::Atomic(header->ring_head).load(std::memory_order_relaxed);
     // Bounded wait for ring space (only when many ops are in flight).
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(
-                                                            info.op_timeout_ms() + 1000);
+    auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(info.op_timeout_ms() + 1000);
     while (head - abi::Atomic(header->ring_tail).load(std::memory_order_acquire) >=
            abi::kRingCapacity) {
       if (std::chrono::steady_clock::now() > deadline) {
@@ -288,19 +287,22 @@ struct Endpoint::Impl {
     // The daemon bounds every op by op_timeout; far past it, the daemon is gone.
     const auto daemon_gone =
         start + std::chrono::milliseconds(info.op_timeout_ms()) + std::chrono::seconds(5);
-    int spins = 0;
+    // Spin this long before sleeping on the futex: an op's own completion usually comes
+    // within it, and a futex wake-up costs a scheduler round trip (~100 µs in a VM).
+    const auto spin_until = start + std::chrono::microseconds(kSpinBeforeSleepUs);
     while (abi::Atomic(c.seq).load(std::memory_order_acquire) != seq) {
       auto now = std::chrono::steady_clock::now();
       if (now >= limit) {
-        return absl::DeadlineExceededError(absl::StrCat("op ", seq, " not complete after ",
-                                                        absl::FormatDuration(timeout)));
+        return absl::DeadlineExceededError(
+            absl::StrCat("op ", seq, " not complete after ", absl::FormatDuration(timeout)));
       }
       if (now >= daemon_gone) {
-        return absl::UnavailableError(absl::StrCat(
-            "op ", seq, ": no completion from epd within op_timeout + 5 s; the daemon is gone "
-            "or stuck"));
+        return absl::UnavailableError(
+            absl::StrCat("op ", seq,
+                         ": no completion from epd within op_timeout + 5 s; the daemon is gone "
+                         "or stuck"));
       }
-      if (++spins < 2000) continue;  // ~tens of µs of spinning, then sleep on the futex.
+      if (now < spin_until) continue;
       uint32_t word = abi::Atomic(header->completion_futex).load(std::memory_order_seq_cst);
       abi::Atomic(header->client_waiting).store(1, std::memory_order_seq_cst);
       if (abi::Atomic(c.seq).load(std::memory_order_seq_cst) != seq) {
@@ -343,9 +345,8 @@ absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTens
   std::vector<int64_t> shape{-1, m.shape.num_topk};
   absl::Status st = CheckTensor(m.cuda, kOp, "topk_idx", &topk_idx, {kI64}, shape);
   if (st.ok() && shape[0] > m.shape.max_tokens_per_rank) {
-    st = absl::InvalidArgumentError(absl::StrCat(kOp, ": num_tokens ", shape[0],
-                                                 " > max_tokens_per_rank ",
-                                                 m.shape.max_tokens_per_rank));
+    st = absl::InvalidArgumentError(absl::StrCat(
+        kOp, ": num_tokens ", shape[0], " > max_tokens_per_rank ", m.shape.max_tokens_per_rank));
   }
   if (st.ok()) st = m.Stage(kOp, "topk_idx", &topk_idx, m.layout.in_topk_idx);
   if (!st.ok()) return m.SubmitClientError(op, st);
@@ -370,8 +371,8 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
   const bool fp8 = st.ok() && SameType(args.x->dtype, kE4m3);
   const int64_t T = st.ok() ? xs[0] : 0;
   if (st.ok() && T > m.shape.max_tokens_per_rank) {
-    st = absl::InvalidArgumentError(absl::StrCat(kOp, ": x has ", T, " tokens > max_tokens_per_rank ",
-                                                 m.shape.max_tokens_per_rank));
+    st = absl::InvalidArgumentError(absl::StrCat(
+        kOp, ": x has ", T, " tokens > max_tokens_per_rank ", m.shape.max_tokens_per_rank));
   }
   if (st.ok() && fp8 && !m.shape.use_fp8) {
     st = absl::InvalidArgumentError(absl::StrCat(kOp, ": x is float8_e4m3fn but group ",
@@ -391,9 +392,8 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
       st = absl::FailedPreconditionError(absl::StrCat(
           kOp, ": cached handle comes from another endpoint or from a low-latency dispatch"));
     } else if (cached->num_tokens != T) {
-      st = absl::InvalidArgumentError(absl::StrCat(kOp, ": x has ", T,
-                                                   " tokens but the cached handle's dispatch had ",
-                                                   cached->num_tokens));
+      st = absl::InvalidArgumentError(absl::StrCat(
+          kOp, ": x has ", T, " tokens but the cached handle's dispatch had ", cached->num_tokens));
     }
   }
   if (st.ok() && !cached) {
@@ -414,9 +414,9 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
   if (!st.ok()) return m.SubmitClientError(op, st);
   uint32_t flags = (fp8 ? abi::kFlagFp8 : 0) | (cached ? abi::kFlagCachedHandle : 0) |
                    (weights ? abi::kFlagDispatchWeights : 0);
-  EPD_ASSIGN_OR_RETURN(uint64_t seq, m.Submit(op, flags, static_cast<int32_t>(T),
-                                              args.expert_alignment, cached ? cached->seq : 0,
-                                              args.num_sms));
+  EPD_ASSIGN_OR_RETURN(uint64_t seq,
+                       m.Submit(op, flags, static_cast<int32_t>(T), args.expert_alignment,
+                                cached ? cached->seq : 0, args.num_sms));
   DispatchResult r;
   r.handle.endpoint_id = m.info.endpoint_id();
   r.handle.seq = seq;
@@ -437,8 +437,9 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
     st = absl::InvalidArgumentError(absl::StrCat(kOp, ": handle is required"));
   } else if (args.handle->endpoint_id != m.info.endpoint_id() || args.handle->low_latency) {
     st = absl::FailedPreconditionError(absl::StrCat(
-        kOp, ": the handle comes from another endpoint (group or rank) or from a low-latency "
-             "dispatch"));
+        kOp,
+        ": the handle comes from another endpoint (group or rank) or from a low-latency "
+        "dispatch"));
   }
   const int64_t N = args.handle ? args.handle->num_recv_tokens : 0;
   if (st.ok()) {
@@ -456,9 +457,8 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
   }
   if (!st.ok()) return m.SubmitClientError(op, st);
   const int32_t T = args.handle->num_tokens;
-  EPD_ASSIGN_OR_RETURN(uint64_t seq,
-                       m.Submit(op, weights ? abi::kFlagCombineWeights : 0, T, 1,
-                                args.handle->seq, args.num_sms));
+  EPD_ASSIGN_OR_RETURN(uint64_t seq, m.Submit(op, weights ? abi::kFlagCombineWeights : 0, T, 1,
+                                              args.handle->seq, args.num_sms));
   CombineResult r;
   r.combined_x = m.View(m.layout.combined_x, kBf16, {T, m.shape.hidden});
   if (weights) {
@@ -505,7 +505,8 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
   if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x);
   if (st.ok()) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx);
   if (!st.ok()) return m.SubmitClientError(op, st);
-  uint32_t flags = (args.use_fp8 ? abi::kFlagFp8 : 0) | (args.round_scale ? abi::kFlagRoundScale : 0);
+  uint32_t flags =
+      (args.use_fp8 ? abi::kFlagFp8 : 0) | (args.round_scale ? abi::kFlagRoundScale : 0);
   EPD_ASSIGN_OR_RETURN(uint64_t seq, m.Submit(op, flags, static_cast<int32_t>(T), 1, 0, 0));
   LowLatencyDispatchResult r;
   r.handle.endpoint_id = m.info.endpoint_id();
@@ -528,9 +529,10 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
   if (args.handle == nullptr) {
     st = absl::InvalidArgumentError(absl::StrCat(kOp, ": handle is required"));
   } else if (args.handle->endpoint_id != m.info.endpoint_id() || !args.handle->low_latency) {
-    st = absl::FailedPreconditionError(absl::StrCat(
-        kOp, ": the handle comes from another endpoint (group or rank) or from a normal "
-             "dispatch"));
+    st = absl::FailedPreconditionError(
+        absl::StrCat(kOp,
+                     ": the handle comes from another endpoint (group or rank) or from a normal "
+                     "dispatch"));
   }
   const int64_t T = args.handle ? args.handle->num_tokens : 0;
   if (st.ok()) {
@@ -581,7 +583,8 @@ absl::StatusOr<Result> PendingOp<Result>::Wait(absl::Duration timeout) {
     const bool fp8 = r.handle.use_fp8;
     r.handle.buffer = b;
     r.recv_x = m.View(m.layout.ll_recv_x[b], fp8 ? kE4m3 : kBf16, {El, rows, m.shape.hidden});
-    if (fp8) r.recv_scales = m.View(m.layout.ll_recv_scales[b], kF32, {El, rows, m.shape.num_scales()});
+    if (fp8)
+      r.recv_scales = m.View(m.layout.ll_recv_scales[b], kF32, {El, rows, m.shape.num_scales()});
     r.recv_count = m.View(m.layout.ll_recv_count[b], kI32, {El});
     r.recv_src_info = m.View(m.layout.ll_recv_src_info[b], kI32, {El, rows});
   } else if constexpr (std::is_same_v<Result, LowLatencyCombineResult>) {
@@ -631,9 +634,9 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
         "CUDA");
 #endif
   } else if (info.backend() != "host") {
-    return absl::UnimplementedError(absl::StrCat(
-        "this libepdclient maps 'host' and 'cuda' endpoints; the daemon offers '",
-        info.backend(), "'"));
+    return absl::UnimplementedError(
+        absl::StrCat("this libepdclient maps 'host' and 'cuda' endpoints; the daemon offers '",
+                     info.backend(), "'"));
   }
   // The daemon's regions must be the ones this client computes (same layout version).
   std::map<std::string, kernels::Region> mine;
@@ -655,8 +658,8 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
       h.size != sizeof(abi::EndpointShmHeader) || h.total_bytes != info.shm_bytes() ||
       h.data_offset != info.data_offset() || h.data_bytes < m->layout.total_bytes ||
       m->doorbell->magic != abi::kDoorbellMagic) {
-    return absl::FailedPreconditionError(absl::StrCat("shm region ", info.shm_name(),
-                                                      " has a bad header (magic/version/size)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("shm region ", info.shm_name(), " has a bad header (magic/version/size)"));
   }
   m->data = m->region.data() + h.data_offset;
 #if EPD_HAVE_CUDA

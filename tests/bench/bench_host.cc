@@ -26,6 +26,8 @@ ABSL_FLAG(int, host_tokens, 128, "host bench: tokens per rank");
 ABSL_FLAG(int, host_hidden, 2048, "host bench: hidden");
 ABSL_FLAG(int, host_experts, 32, "host bench: experts");
 ABSL_FLAG(int, host_topk, 4, "host bench: top-k");
+ABSL_FLAG(int, host_engine_idle_us, 100,
+          "host bench: engine spins this long before sleeping (the daemon's --engine_idle_us)");
 ABSL_FLAG(int, host_iters, 200, "host bench: timed iterations per op (after 10 warm-up)");
 
 namespace epd::bench {
@@ -73,6 +75,7 @@ int RunHostBench() {
     return 2;
   }
   epd::HostDataPlaneOptions o;
+  o.engine_idle_us = static_cast<uint32_t>(absl::GetFlag(FLAGS_host_engine_idle_us));
   auto plane = epd::MakeHostDataPlane(o);
   if (!plane.ok()) {
     std::fprintf(stderr, "host bench: %s\n", plane.status().ToString().c_str());
@@ -232,6 +235,41 @@ int RunHostBench() {
          return op->Wait().status();
        });
   if (!ok) return 1;
+
+  // Hand-off latency: one rank-0 GetDispatchLayout round trip with T = 0 on a one-rank
+  // group, back to back (engine spinning) and after 2 ms of idleness (engine asleep on its
+  // futex: the wake-up path). The difference is the cost of waking the engine.
+  epd::v1::GroupSpec solo = spec;
+  solo.set_name("bench-solo");
+  solo.set_num_ranks(1);
+  auto solo_group = (*plane)->CreateGroup(solo);
+  if (!solo_group.ok()) return 1;
+  epd::v1::EndpointInfo solo_info;
+  if (!(*solo_group)->AttachRank(0, "", epd::v1::LAUNCH_MODE_UNSPECIFIED, &solo_info).ok()) {
+    return 1;
+  }
+  auto solo_ep = epd::internal::OpenEndpoint(solo_info, solo, [] { return absl::OkStatus(); });
+  if (!solo_ep.ok()) return 1;
+  std::vector<int64_t> empty_shape{0, K};
+  DLTensor empty = Tensor(idx[0].data(), {kDLInt, 64, 1}, empty_shape);
+  auto round_trip = [&](std::chrono::microseconds idle, std::vector<double>& out) -> bool {
+    for (int i = 0; i < iters + 10; ++i) {
+      if (idle.count() > 0) std::this_thread::sleep_for(idle);
+      auto s = Clock::now();
+      auto op = (*solo_ep)->GetDispatchLayout(empty);
+      if (!op.ok() || !op->Wait().ok()) return false;
+      if (i >= 10)
+        out.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
+    }
+    return true;
+  };
+  std::vector<double> awake, asleep;
+  if (!round_trip(std::chrono::microseconds(0), awake) ||
+      !round_trip(std::chrono::microseconds(2000), asleep)) {
+    std::fprintf(stderr, "host bench: hand-off round trip failed\n");
+    return 1;
+  }
+  Percentiles awake_p = ComputePercentiles(awake), asleep_p = ComputePercentiles(asleep);
   if (json) {
     std::printf(
         "{\"backend\":\"host\",\"ranks\":%d,\"tokens\":%d,\"hidden\":%d,\"experts\":%d,"
@@ -245,7 +283,10 @@ int RunHostBench() {
           i ? "," : "", s.op.c_str(), s.p50_us, s.p99_us, s.bytes, s.bytes / s.p50_us / 1e3,
           s.memcpy_us);
     }
-    std::printf("]}\n");
+    std::printf(
+        "],\"handoff\":{\"awake_p50_us\":%.1f,\"awake_p99_us\":%.1f,"
+        "\"asleep_p50_us\":%.1f,\"asleep_p99_us\":%.1f}}\n",
+        awake_p.p50, awake_p.p99, asleep_p.p50, asleep_p.p99);
   } else {
     std::printf("%-26s %10s %10s %14s %12s %22s\n", "op", "p50 (us)", "p99 (us)", "bytes/rank",
                 "GB/s/rank", "memcpy all ranks (us)");
@@ -256,6 +297,13 @@ int RunHostBench() {
     std::printf(
         "(bytes/rank: token bytes a rank sends, one copy per destination; the memcpy "
         "column copies R times that, single-threaded, in this process)\n");
+    std::printf("\nhand-off round trip (1 rank, T = 0, submit -> engine -> completion)\n");
+    std::printf("%-34s %10s %10s\n", "", "p50 (us)", "p99 (us)");
+    std::printf("%-34s %10.1f %10.1f\n", "engine awake (back to back)", awake_p.p50, awake_p.p99);
+    std::printf("%-34s %10.1f %10.1f\n", "engine asleep (2 ms idle first)", asleep_p.p50,
+                asleep_p.p99);
+    std::printf("(wake-up cost = asleep - awake; the engine sleeps after %u us idle)\n",
+                o.engine_idle_us);
   }
   return 0;
 }
