@@ -148,11 +148,11 @@ void FutexWakeAll(uint32_t* word) {
   ::syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
-void RingDoorbell(abi::DoorbellPage* doorbell) {
-  if (abi::Atomic(doorbell->engine_sleeping).load(std::memory_order_seq_cst) != 0) {
-    abi::Atomic(doorbell->futex_word).fetch_add(1, std::memory_order_seq_cst);
-    FutexWakeAll(&doorbell->futex_word);
-  }
+bool RingDoorbell(abi::DoorbellPage* doorbell) {
+  if (abi::Atomic(doorbell->engine_sleeping).load(std::memory_order_seq_cst) == 0) return false;
+  abi::Atomic(doorbell->futex_word).fetch_add(1, std::memory_order_seq_cst);
+  FutexWakeAll(&doorbell->futex_word);
+  return true;
 }
 
 }  // namespace epd

@@ -87,6 +87,7 @@ void FutexWakeAll(uint32_t* word);
 
 /// Client side of the engine doorbell (shm_abi.h DoorbellPage): call after publishing a
 /// request; wakes the engine when it sleeps (one futex syscall only in that case).
-void RingDoorbell(abi::DoorbellPage* doorbell);
+/// Returns true when it had to wake the engine.
+bool RingDoorbell(abi::DoorbellPage* doorbell);
 
 }  // namespace epd
