@@ -17,6 +17,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -28,6 +30,10 @@
 #include "absl/strings/str_format.h"
 #include "epd/client.h"
 #include "epd/kernels/types.h"
+
+#if EPD_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 
 ABSL_FLAG(std::string, socket, "/run/epd/epd.sock", "epd's unix socket");
 ABSL_FLAG(int, num_ranks, 8, "ranks (one process each)");
@@ -115,6 +121,29 @@ void Expert(const Model& m, int e, const float* x, float* y) {
   }
 }
 
+/// A host copy of a result view: views are kDLCUDA on the CUDA backend (device memory in
+/// this process through CUDA IPC), kDLCPU on the host backend.
+template <typename T>
+std::vector<T> HostCopy(const epd::TensorView& v) {
+  std::vector<T> out(static_cast<size_t>(v.numel()));
+  if (out.empty()) return out;
+  if (v.dl().device.device_type == kDLCUDA) {
+#if EPD_HAVE_CUDA
+    if (cudaMemcpy(out.data(), v.data(), out.size() * sizeof(T), cudaMemcpyDeviceToHost) !=
+        cudaSuccess) {
+      std::fprintf(stderr, "moe_layer: cudaMemcpy of a result view failed\n");
+      std::exit(3);
+    }
+#else
+    std::fprintf(stderr, "moe_layer: a kDLCUDA view in a build without CUDA\n");
+    std::exit(3);
+#endif
+  } else {
+    std::memcpy(out.data(), v.data(), out.size() * sizeof(T));
+  }
+  return out;
+}
+
 DLTensor Tensor(void* data, DLDataType dtype, std::vector<int64_t>& shape) {
   DLTensor t{};
   t.data = data;
@@ -157,6 +186,12 @@ int RunRank(int rank) {
   jopt.spec.set_ll_max_tokens_per_rank(m.T);
   jopt.spec.set_use_fp8(absl::GetFlag(FLAGS_fp8));
   jopt.rank = rank;
+  // On the CUDA backend each rank names its GPU by UUID: rank r takes GPU r % (number of
+  // GPUs epd reports), so 8 ranks on one GPU are virtual ranks.
+  auto stats = (*client)->GetStats();
+  if (stats.ok() && stats->backend() == "cuda" && stats->gpus_size() > 0) {
+    jopt.gpu_uuid = stats->gpus(rank % stats->gpus_size()).uuid();
+  }
   auto ep_or = (*client)->Join(jopt);
   if (!ep_or.ok()) {
     std::fprintf(stderr, "rank %d: join: %s\n", rank, ep_or.status().ToString().c_str());
@@ -205,9 +240,12 @@ int RunRank(int rank) {
     if (!d.ok()) return fail("Dispatch", d.status());
     const int64_t N = d->num_recv_tokens;
     std::vector<bf16_bits> expert_out(static_cast<size_t>(N) * m.H);
-    const bf16_bits* rx = d->recv_x.as<bf16_bits>();
-    const int64_t* ridx = d->recv_topk_idx.as<int64_t>();
-    const float* rw = d->recv_topk_weights.as<float>();
+    const std::vector<bf16_bits> rx_host = HostCopy<bf16_bits>(d->recv_x);
+    const std::vector<int64_t> ridx_host = HostCopy<int64_t>(d->recv_topk_idx);
+    const std::vector<float> rw_host = HostCopy<float>(d->recv_topk_weights);
+    const bf16_bits* rx = rx_host.data();
+    const int64_t* ridx = ridx_host.data();
+    const float* rw = rw_host.data();
     std::vector<float> acc(m.H);
     for (int64_t n = 0; n < N; ++n) {
       for (int h = 0; h < m.H; ++h) xf[h] = Bf16ToFloat(rx[n * m.H + h]);
@@ -229,7 +267,8 @@ int RunRank(int rank) {
     if (!c_op.ok()) return fail("Combine", c_op.status());
     auto c = c_op->Wait();
     if (!c.ok()) return fail("Combine", c.status());
-    worst_normal = std::max(worst_normal, RelError(ref, c->combined_x.as<bf16_bits>(), ref.size()));
+    worst_normal = std::max(worst_normal,
+                            RelError(ref, HostCopy<bf16_bits>(c->combined_x).data(), ref.size()));
 
     // ---- low-latency mode: per-expert blocks, weighted combine ----
     epd::LowLatencyDispatchArgs la;
@@ -242,18 +281,24 @@ int RunRank(int rank) {
     if (!ld.ok()) return fail("LowLatencyDispatch", ld.status());
     const int64_t rows = static_cast<int64_t>(m.R) * m.T;
     std::vector<bf16_bits> ll_out(static_cast<size_t>(El) * rows * m.H, 0);
-    const int32_t* count = ld->recv_count.as<int32_t>();
+    const std::vector<int32_t> count_host = HostCopy<int32_t>(ld->recv_count);
+    const int32_t* count = count_host.data();
+    const std::vector<uint8_t> lrx_fp8 =
+        fp8 ? HostCopy<uint8_t>(ld->recv_x) : std::vector<uint8_t>();
+    const std::vector<bf16_bits> lrx_bf16 =
+        fp8 ? std::vector<bf16_bits>() : HostCopy<bf16_bits>(ld->recv_x);
+    const std::vector<float> lscales =
+        fp8 ? HostCopy<float>(ld->recv_scales) : std::vector<float>();
     const int S = m.H / 128;
     for (int j = 0; j < El; ++j) {
       for (int32_t row = 0; row < count[j]; ++row) {
         const int64_t base = (static_cast<int64_t>(j) * rows + row) * m.H;
         for (int h = 0; h < m.H; ++h) {
           if (fp8) {
-            float scale =
-                ld->recv_scales.as<float>()[(static_cast<int64_t>(j) * rows + row) * S + h / 128];
-            xf[h] = E4m3ToFloat(ld->recv_x.as<uint8_t>()[base + h]) * scale;
+            float scale = lscales[(static_cast<int64_t>(j) * rows + row) * S + h / 128];
+            xf[h] = E4m3ToFloat(lrx_fp8[base + h]) * scale;
           } else {
-            xf[h] = Bf16ToFloat(ld->recv_x.as<bf16_bits>()[base + h]);
+            xf[h] = Bf16ToFloat(lrx_bf16[base + h]);
           }
         }
         Expert(m, rank * El + j, xf.data(), yf.data());
@@ -271,7 +316,8 @@ int RunRank(int rank) {
     if (!lc_op.ok()) return fail("LowLatencyCombine", lc_op.status());
     auto lc = lc_op->Wait();
     if (!lc.ok()) return fail("LowLatencyCombine", lc.status());
-    worst_ll = std::max(worst_ll, RelError(ref, lc->combined_x.as<bf16_bits>(), ref.size()));
+    worst_ll =
+        std::max(worst_ll, RelError(ref, HostCopy<bf16_bits>(lc->combined_x).data(), ref.size()));
   }
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
