@@ -127,7 +127,6 @@ int main(int argc, char** argv) {
     Print(json ? epd::epctl::JsonOutput(stats) : epd::epctl::FormatStatus(stats, target));
   } else if (command == "stats") {
     stats.clear_effective_config();
-    stats.clear_gpus();
     Print(json ? epd::epctl::JsonOutput(stats) : epd::epctl::FormatStats(stats));
   } else {
     Print(json ? epd::epctl::JsonOutput(stats.effective_config())
