@@ -144,16 +144,6 @@ std::vector<T> HostCopy(const epd::TensorView& v) {
   return out;
 }
 
-DLTensor Tensor(void* data, DLDataType dtype, std::vector<int64_t>& shape) {
-  DLTensor t{};
-  t.data = data;
-  t.device = {kDLCPU, 0};
-  t.ndim = static_cast<int>(shape.size());
-  t.dtype = dtype;
-  t.shape = shape.data();
-  return t;
-}
-
 /// Relative error ‖got − ref‖∞ / max(‖ref‖∞, 1e-3) over the rank's tokens.
 double RelError(const std::vector<double>& ref, const bf16_bits* got, size_t n) {
   double num = 0, den = 1e-3;
@@ -225,9 +215,9 @@ int RunRank(int rank) {
       }
     }
     std::vector<int64_t> xs{m.T, m.H}, ks{m.T, m.K};
-    DLTensor x_t = Tensor(x.data(), {kDLBfloat, 16, 1}, xs);
-    DLTensor idx_t = Tensor(idx.data(), {kDLInt, 64, 1}, ks);
-    DLTensor w_t = Tensor(w.data(), {kDLFloat, 32, 1}, ks);
+    DLTensor x_t = epd::MakeDLTensor(x.data(), {kDLBfloat, 16, 1}, xs);
+    DLTensor idx_t = epd::MakeDLTensor(idx.data(), {kDLInt, 64, 1}, ks);
+    DLTensor w_t = epd::MakeDLTensor(w.data(), {kDLFloat, 32, 1}, ks);
 
     // ---- normal mode: experts weight their outputs, combine sums them ----
     epd::DispatchArgs da;
@@ -259,7 +249,7 @@ int RunRank(int rank) {
       for (int h = 0; h < m.H; ++h) expert_out[n * m.H + h] = FloatToBf16(acc[h]);
     }
     std::vector<int64_t> os{N, m.H};
-    DLTensor out_t = Tensor(expert_out.data(), {kDLBfloat, 16, 1}, os);
+    DLTensor out_t = epd::MakeDLTensor(expert_out.data(), {kDLBfloat, 16, 1}, os);
     epd::CombineArgs ca;
     ca.x = &out_t;
     ca.handle = &d->handle;
@@ -306,7 +296,7 @@ int RunRank(int rank) {
       }
     }
     std::vector<int64_t> ls{El, rows, m.H};
-    DLTensor ll_t = Tensor(ll_out.data(), {kDLBfloat, 16, 1}, ls);
+    DLTensor ll_t = epd::MakeDLTensor(ll_out.data(), {kDLBfloat, 16, 1}, ls);
     epd::LowLatencyCombineArgs lca;
     lca.x = &ll_t;
     lca.topk_idx = &idx_t;

@@ -53,16 +53,6 @@ double MemcpyMicros(size_t bytes) {
   return ComputePercentiles(t).p50;
 }
 
-DLTensor Tensor(void* data, DLDataType dtype, std::vector<int64_t>& shape) {
-  DLTensor t{};
-  t.data = data;
-  t.device = {kDLCPU, 0};
-  t.ndim = static_cast<int>(shape.size());
-  t.dtype = dtype;
-  t.shape = shape.data();
-  return t;
-}
-
 }  // namespace
 
 int RunHostBench() {
@@ -123,9 +113,9 @@ int RunHostBench() {
       std::shuffle(ex.begin(), ex.end(), rng);
       for (int k = 0; k < K; ++k) idx[r][t * K + k] = ex[k];
     }
-    xt[r] = Tensor(x[r].data(), {kDLBfloat, 16, 1}, xs);
-    it[r] = Tensor(idx[r].data(), {kDLInt, 64, 1}, ks);
-    wt[r] = Tensor(w[r].data(), {kDLFloat, 32, 1}, ks);
+    xt[r] = epd::MakeDLTensor(x[r].data(), {kDLBfloat, 16, 1}, xs);
+    it[r] = epd::MakeDLTensor(idx[r].data(), {kDLInt, 64, 1}, ks);
+    wt[r] = epd::MakeDLTensor(w[r].data(), {kDLFloat, 32, 1}, ks);
   }
   // Per-rank timing of one op kind: every rank runs `op` iters times in lockstep.
   auto measure = [&](const std::function<absl::Status(int)>& op) {
@@ -192,7 +182,7 @@ int RunHostBench() {
   for (int r = 0; ok && r < R; ++r) {
     expert_out[r].assign(size_t(last[r].num_recv_tokens) * H, 0x3f80);
     eshape[r] = {last[r].num_recv_tokens, H};
-    et[r] = Tensor(expert_out[r].data(), {kDLBfloat, 16, 1}, eshape[r]);
+    et[r] = epd::MakeDLTensor(expert_out[r].data(), {kDLBfloat, 16, 1}, eshape[r]);
   }
   ok = ok && run("Combine (bf16)", T * token_bytes * std::min(K, R), [&](int r) -> absl::Status {
          epd::CombineArgs a;
@@ -221,7 +211,7 @@ int RunHostBench() {
   for (int r = 0; ok && r < R; ++r) {
     ll_out[r].assign(size_t(E / R) * R * T * H, 0x3f80);
     ll_shape[r] = {E / R, int64_t(R) * T, H};
-    llt[r] = Tensor(ll_out[r].data(), {kDLBfloat, 16, 1}, ll_shape[r]);
+    llt[r] = epd::MakeDLTensor(ll_out[r].data(), {kDLBfloat, 16, 1}, ll_shape[r]);
   }
   // LL combine reuses the last LL dispatch's handle each time (valid: no new dispatch).
   ok = ok && run("LowLatencyCombine (bf16)", T * token_bytes * K, [&](int r) -> absl::Status {
@@ -251,7 +241,7 @@ int RunHostBench() {
   auto solo_ep = epd::internal::OpenEndpoint(solo_info, solo, [] { return absl::OkStatus(); });
   if (!solo_ep.ok()) return 1;
   std::vector<int64_t> empty_shape{0, K};
-  DLTensor empty = Tensor(idx[0].data(), {kDLInt, 64, 1}, empty_shape);
+  DLTensor empty = epd::MakeDLTensor(idx[0].data(), {kDLInt, 64, 1}, empty_shape);
   auto round_trip = [&](std::chrono::microseconds idle, std::vector<double>& out) -> bool {
     for (int i = 0; i < iters + 10; ++i) {
       if (idle.count() > 0) std::this_thread::sleep_for(idle);

@@ -42,16 +42,6 @@ v1::GroupSpec Spec(const std::string& name, int R, int E, int H, int K, int M, i
   return s;
 }
 
-DLTensor Tensor(void* data, DLDataType dtype, std::vector<int64_t>& shape) {
-  DLTensor t{};
-  t.data = data;
-  t.device = {kDLCPU, 0};
-  t.ndim = static_cast<int>(shape.size());
-  t.dtype = dtype;
-  t.shape = shape.data();
-  return t;
-}
-
 /// One rank's random inputs.
 struct RankData {
   int T = 0;
@@ -79,9 +69,9 @@ struct RankData {
     }
     xs = {T, H};
     ks = {T, K};
-    x_t = Tensor(x.data(), {kDLBfloat, 16, 1}, xs);
-    idx_t = Tensor(idx.data(), {kDLInt, 64, 1}, ks);
-    w_t = Tensor(w.data(), {kDLFloat, 32, 1}, ks);
+    x_t = epd::MakeDLTensor(x.data(), {kDLBfloat, 16, 1}, xs);
+    idx_t = epd::MakeDLTensor(idx.data(), {kDLInt, 64, 1}, ks);
+    w_t = epd::MakeDLTensor(w.data(), {kDLFloat, 32, 1}, ks);
   }
 };
 
@@ -204,7 +194,7 @@ TEST_F(HostDataPlaneTest, DispatchCombineMatchKernelsHost) {
       expert_out[r][i] = FloatToBf16(2.f * kernels::Bf16ToFloat(got[r].recv_x.as<bf16_bits>()[i]));
     }
     eshape[r] = {N, H};
-    et[r] = Tensor(expert_out[r].data(), {kDLBfloat, 16, 1}, eshape[r]);
+    et[r] = epd::MakeDLTensor(expert_out[r].data(), {kDLBfloat, 16, 1}, eshape[r]);
     oc[r].resize(size_t(in[r].T) * H);
     ca[r] = {in[r].T, opos[r].data(), N, expert_out[r].data(), nullptr, oc[r].data(), nullptr};
   }
@@ -244,7 +234,7 @@ TEST_F(HostDataPlaneTest, LowLatencyRoundTripAndStaleHandle) {
       std::vector<bf16_bits> y(size_t(E / R) * R * Mll * H, 0);
       if (!a.use_fp8) std::memcpy(y.data(), d->recv_x.data(), y.size() * 2);
       std::vector<int64_t> ys{E / R, R * Mll, H};
-      DLTensor yt = Tensor(y.data(), {kDLBfloat, 16, 1}, ys);
+      DLTensor yt = epd::MakeDLTensor(y.data(), {kDLBfloat, 16, 1}, ys);
       LowLatencyCombineArgs c;
       c.x = &yt;
       c.topk_idx = &in[r].idx_t;
@@ -275,7 +265,7 @@ TEST_F(HostDataPlaneTest, LowLatencyRoundTripAndStaleHandle) {
   OnEveryRank([&](int r) {
     std::vector<bf16_bits> y(size_t(E / R) * R * Mll * H, 0);
     std::vector<int64_t> ys{E / R, R * Mll, H};
-    DLTensor yt = Tensor(y.data(), {kDLBfloat, 16, 1}, ys);
+    DLTensor yt = epd::MakeDLTensor(y.data(), {kDLBfloat, 16, 1}, ys);
     LowLatencyCombineArgs c;
     c.x = &yt;
     c.topk_idx = &in[r].idx_t;

@@ -40,6 +40,20 @@ namespace epd {
 class Endpoint;
 struct EndpointShared;
 
+/// A compact row-major DLTensor over caller-owned memory: `data` [shape...] of `dtype` on
+/// `device` (default kDLCPU). The DLTensor points at `shape`, which must outlive it.
+/// Convenience for callers that hold plain buffers rather than framework tensors.
+inline DLTensor MakeDLTensor(void* data, DLDataType dtype, std::vector<int64_t>& shape,
+                             DLDevice device = {kDLCPU, 0}) {
+  DLTensor t{};
+  t.data = data;
+  t.device = device;
+  t.ndim = static_cast<int32_t>(shape.size());
+  t.dtype = dtype;
+  t.shape = shape.data();
+  return t;
+}
+
 /// A read-only description of a tensor living in an endpoint's buffers.
 /// `dl()` returns a DLTensor that points into this object (its shape array), so keep the
 /// TensorView alive while the DLTensor is used.

@@ -82,19 +82,10 @@ struct Inputs {
     xs = {T, H};
     xfs = {T, H};
     ks = {T, kK};
-    x_t = Dl(x.data(), {kDLBfloat, 16, 1}, xs);
-    xf_t = Dl(xf.data(), {kDLFloat, 32, 1}, xfs);
-    idx_t = Dl(idx.data(), {kDLInt, 64, 1}, ks);
-    w_t = Dl(w.data(), {kDLFloat, 32, 1}, ks);
-  }
-  static DLTensor Dl(void* p, DLDataType dt, std::vector<int64_t>& shape) {
-    DLTensor t{};
-    t.data = p;
-    t.device = {kDLCPU, 0};
-    t.ndim = static_cast<int>(shape.size());
-    t.dtype = dt;
-    t.shape = shape.data();
-    return t;
+    x_t = epd::MakeDLTensor(x.data(), {kDLBfloat, 16, 1}, xs);
+    xf_t = epd::MakeDLTensor(xf.data(), {kDLFloat, 32, 1}, xfs);
+    idx_t = epd::MakeDLTensor(idx.data(), {kDLInt, 64, 1}, ks);
+    w_t = epd::MakeDLTensor(w.data(), {kDLFloat, 32, 1}, ks);
   }
 };
 
@@ -114,7 +105,7 @@ absl::Status Combine(epd::Endpoint& ep, const epd::DispatchResult& d) {
   std::vector<uint16_t> y(size_t(d.num_recv_tokens) * ep.spec().hidden());
   std::memcpy(y.data(), d.recv_x.data(), y.size() * 2);
   std::vector<int64_t> ys{d.num_recv_tokens, ep.spec().hidden()};
-  DLTensor yt = Inputs::Dl(y.data(), {kDLBfloat, 16, 1}, ys);
+  DLTensor yt = epd::MakeDLTensor(y.data(), {kDLBfloat, 16, 1}, ys);
   epd::CombineArgs c;
   c.x = &yt;
   c.handle = &d.handle;
