@@ -55,7 +55,7 @@ class HostDataPlaneImpl : public DataPlane {
   HostDataPlaneOptions options_;
   ShmRegion doorbell_;
   std::unique_ptr<Engine> engine_;
-  std::mutex mu_;                         // Guards groups_.
+  std::mutex mu_;  // Guards groups_.
   std::vector<HostGroup*> groups_;
   std::atomic<bool> shut_down_{false};
 };
@@ -107,7 +107,8 @@ absl::Status HostDataPlaneImpl::Init() {
   page->magic = abi::kDoorbellMagic;
   page->version = abi::kShmAbiVersion;
   // Wake at least every 20 ms to enforce op timeouts while asleep.
-  engine_ = std::make_unique<Engine>(page, options_.engine_idle_us, 20000, [this] { return PollAll(); });
+  engine_ =
+      std::make_unique<Engine>(page, options_.engine_idle_us, 20000, [this] { return PollAll(); });
   engine_->Start();
   return absl::OkStatus();
 }
@@ -159,7 +160,7 @@ absl::StatusOr<std::shared_ptr<RankResources>> HostGroup::PrepareRank(
 }
 
 std::vector<RankOutcome> HostGroup::Execute(const OpPlan& plan,
-                                           const std::vector<abi::RequestSlot>& slots) {
+                                            const std::vector<abi::RequestSlot>& slots) {
   const int R = static_cast<int>(slots.size());
   const abi::OpKind op = plan.op;
   const uint32_t flags = plan.flags;
@@ -294,8 +295,7 @@ std::vector<RankOutcome> HostGroup::Execute(const OpPlan& plan,
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DataPlane>> MakeHostDataPlane(
-    const HostDataPlaneOptions& options) {
+absl::StatusOr<std::unique_ptr<DataPlane>> MakeHostDataPlane(const HostDataPlaneOptions& options) {
   auto plane = std::make_unique<HostDataPlaneImpl>(options);
   EPD_RETURN_IF_ERROR(plane->Init());
   return std::unique_ptr<DataPlane>(std::move(plane));

@@ -12,10 +12,10 @@
 
 /// Evaluates `expr` (an absl::Status) and returns it from the enclosing function when it
 /// is not OK.
-#define EPD_RETURN_IF_ERROR(expr)                      \
-  do {                                                 \
-    ::absl::Status epd_status_ = (expr);               \
-    if (!epd_status_.ok()) return epd_status_;         \
+#define EPD_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::absl::Status epd_status_ = (expr);       \
+    if (!epd_status_.ok()) return epd_status_; \
   } while (0)
 
 /// `EPD_ASSIGN_OR_RETURN(auto x, MakeX());`: evaluates an absl::StatusOr<T>, returns its
