@@ -25,7 +25,8 @@ ABSL_FLAG(std::optional<std::string>, socket_mode, std::nullopt,
 ABSL_FLAG(std::optional<std::string>, socket_group, std::nullopt,
           "Group owning the socket and shm regions (default: the daemon's own).");
 ABSL_FLAG(std::optional<std::string>, listen, std::nullopt,
-          "Optional TCP listener host:port for health probes and remote control.");
+          "Optional TCP listener host:port for health probes and remote control; \"off\" "
+          "turns off a listener the config file sets.");
 ABSL_FLAG(std::optional<std::string>, backend, std::nullopt,
           "Data-plane backend: auto (CUDA when a GPU is usable, else host), cuda, host.");
 ABSL_FLAG(std::optional<std::string>, log_level, std::nullopt,
@@ -150,7 +151,9 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
   if (flags.socket) config->set_socket_path(*flags.socket);
   if (flags.socket_mode) config->set_socket_mode(*flags.socket_mode);
   if (flags.socket_group) config->set_socket_group(*flags.socket_group);
-  if (flags.listen) config->set_listen(*flags.listen);
+  // "--listen=" reads as an absent flag (absl optional<string>), so "off" is the way to
+  // turn off a listener the config file sets.
+  if (flags.listen) config->set_listen(*flags.listen == "off" ? "" : *flags.listen);
   if (flags.backend) {
     std::string b = absl::AsciiStrToLower(*flags.backend);
     if (b == "auto") {

@@ -177,6 +177,17 @@ TEST(ResolveDaemonConfigTest, FlagsOverrideTheFile) {
   EXPECT_EQ(config->max_request_bytes(), kDefaultMaxRequestBytes);
 }
 
+TEST(ResolveDaemonConfigTest, ListenOffClearsTheFilesListener) {
+  std::string path = WriteTempFile(kGoodConfig);
+  ConfigFlags flags;
+  flags.config_path = path;
+  flags.listen = "off";
+  absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(flags);
+  ::unlink(path.c_str());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->listen(), "");
+}
+
 TEST(ResolveDaemonConfigTest, RealFlagsOverrideTheFile) {
   std::string path = WriteTempFile(kGoodConfig);
   absl::SetFlag(&FLAGS_config, path);
