@@ -1,5 +1,7 @@
 #include "daemon/config.h"
 
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -134,6 +136,11 @@ absl::StatusOr<v1::DaemonConfig> ParseDaemonConfig(absl::string_view text,
 }
 
 absl::StatusOr<v1::DaemonConfig> LoadDaemonConfigFile(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--config: \"", path, "\" is not a regular file (a text-format DaemonConfig)"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     int err = errno;
@@ -175,13 +182,24 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
           absl::StrCat("--op_timeout: ", absl::FormatDuration(*flags.op_timeout),
                        " is out of range [1ms, ", UINT32_MAX, "ms]"));
     }
+    if (*flags.op_timeout != absl::Milliseconds(ms)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--op_timeout: ", absl::FormatDuration(*flags.op_timeout),
+                       " is not a whole number of milliseconds (the config's unit)"));
+    }
     config->set_op_timeout_ms(static_cast<uint32_t>(ms));
   }
   if (flags.shm_mode) config->set_shm_mode(*flags.shm_mode);
   if (flags.engine_idle_us) config->set_engine_idle_us(*flags.engine_idle_us);
   if (flags.host_threads) config->set_host_threads(*flags.host_threads);
   if (flags.max_request_bytes) config->set_max_request_bytes(*flags.max_request_bytes);
-  if (flags.max_groups) config->set_max_groups(*flags.max_groups);
+  if (flags.max_groups) {
+    // Checked here: a 0 in the config would read as "absent" and take the default.
+    if (*flags.max_groups == 0) {
+      return absl::InvalidArgumentError("--max_groups: 0 (at least 1 group must be allowed)");
+    }
+    config->set_max_groups(*flags.max_groups);
+  }
   if (flags.gpu_uuids) {
     config->clear_gpu_uuids();
     for (const std::string& uuid : *flags.gpu_uuids) {

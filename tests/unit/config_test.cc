@@ -177,6 +177,23 @@ TEST(ResolveDaemonConfigTest, FlagsOverrideTheFile) {
   EXPECT_EQ(config->max_request_bytes(), kDefaultMaxRequestBytes);
 }
 
+TEST(ResolveDaemonConfigTest, DirectoryAsConfigAndSilentFlagValuesAreErrors) {
+  absl::StatusOr<v1::DaemonConfig> dir = LoadDaemonConfigFile("/tmp");
+  ASSERT_FALSE(dir.ok());
+  EXPECT_NE(dir.status().message().find("not a regular file"), std::string::npos);
+  ConfigFlags zero_groups;
+  zero_groups.max_groups = 0u;
+  v1::DaemonConfig config;
+  absl::Status st = ApplyConfigFlags(zero_groups, &config);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("--max_groups"), std::string::npos);
+  ConfigFlags fractional;
+  fractional.op_timeout = absl::Microseconds(1500);
+  st = ApplyConfigFlags(fractional, &config);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("--op_timeout"), std::string::npos);
+}
+
 TEST(ResolveDaemonConfigTest, ListenOffClearsTheFilesListener) {
   std::string path = WriteTempFile(kGoodConfig);
   ConfigFlags flags;
