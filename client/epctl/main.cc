@@ -86,6 +86,11 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[1];
   const bool json = absl::GetFlag(FLAGS_json);
+  if (absl::GetFlag(FLAGS_timeout) <= absl::ZeroDuration()) {
+    std::fprintf(stderr, "epctl: --timeout=%s must be positive (e.g. 5s)\n",
+                 absl::FormatDuration(absl::GetFlag(FLAGS_timeout)).c_str());
+    return 2;
+  }
   if (command != "status" && command != "groups" && command != "health" && command != "stats" &&
       command != "config") {
     std::fprintf(stderr, "epctl: unknown command \"%s\"\n%s\n", command.c_str(), kUsage);

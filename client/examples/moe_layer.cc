@@ -327,8 +327,28 @@ int main(int argc, char** argv) {
   const int rank = absl::GetFlag(FLAGS_rank);
   if (rank >= 0) return RunRank(rank);
   const int R = absl::GetFlag(FLAGS_num_ranks);
-  if (R < 1 || absl::GetFlag(FLAGS_num_experts) % R != 0) {
-    std::fprintf(stderr, "moe_layer: --num_experts must be a multiple of --num_ranks >= 1\n");
+  const int E = absl::GetFlag(FLAGS_num_experts), H = absl::GetFlag(FLAGS_hidden),
+            K = absl::GetFlag(FLAGS_topk), T = absl::GetFlag(FLAGS_tokens),
+            iters = absl::GetFlag(FLAGS_iters);
+  // The example's own limits (it holds E dense H x H expert matrices and forks R
+  // processes); the daemon validates the group spec itself on join.
+  std::string bad;
+  if (R < 1 || R > 1024)
+    bad = absl::StrCat("--num_ranks=", R, " is outside [1, 1024]");
+  else if (E < 1 || E % R != 0)
+    bad = absl::StrCat("--num_experts=", E, " is not a positive multiple of --num_ranks=", R);
+  else if (H < 1 || H > 8192)
+    bad = absl::StrCat("--hidden=", H, " is outside [1, 8192]");
+  else if (static_cast<double>(E) * H * H * 4 > 8e9)
+    bad = absl::StrCat("--num_experts=", E, " x --hidden=", H, "^2 expert matrices exceed 8 GB");
+  else if (K < 1 || K > E)
+    bad = absl::StrCat("--topk=", K, " is outside [1, --num_experts=", E, "]");
+  else if (T < 1 || T > 65536)
+    bad = absl::StrCat("--tokens=", T, " is outside [1, 65536]");
+  else if (iters < 1)
+    bad = absl::StrCat("--iters=", iters, " must be >= 1");
+  if (!bad.empty()) {
+    std::fprintf(stderr, "moe_layer: %s\n", bad.c_str());
     return 2;
   }
   std::printf("moe_layer: %d ranks, E=%d H=%d K=%d T=%d, %d iterations, LL FP8 %s, via %s\n", R,
