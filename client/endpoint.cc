@@ -226,6 +226,9 @@ struct Endpoint::Impl {
   }
 
   absl::Status CheckUsable() const {
+    if (abi::Atomic(header->daemon_closed).load(std::memory_order_acquire) != 0) {
+      return absl::UnavailableError("epd is shutting down: it closed this endpoint");
+    }
     if (left) {
       return absl::FailedPreconditionError(absl::StrCat("endpoint of group ", spec.name(), " rank ",
                                                         info.rank(), " has left its group"));
@@ -299,6 +302,11 @@ struct Endpoint::Impl {
       if (now >= limit) {
         return absl::DeadlineExceededError(
             absl::StrCat("op ", seq, " not complete after ", absl::FormatDuration(timeout)));
+      }
+      if (abi::Atomic(header->daemon_closed).load(std::memory_order_acquire) != 0 &&
+          abi::Atomic(c.seq).load(std::memory_order_acquire) != seq) {
+        return absl::UnavailableError(
+            absl::StrCat("op ", seq, ": epd is shutting down: it closed this endpoint"));
       }
       if (now >= daemon_gone) {
         return absl::UnavailableError(

@@ -388,6 +388,9 @@ void Daemon::Shutdown() {
   if (registry_ != nullptr) registry_->SetDraining();
   if (server_ != nullptr) {
     absl::SleepFor(options_.drain_grace);
+    // Ops still in flight complete with UNAVAILABLE ("epd is shutting down") before the
+    // sessions end; otherwise they would fail as "rank N left the group".
+    if (data_plane_ != nullptr) data_plane_->Shutdown();
     if (control_ != nullptr) control_->DrainSessions();
     if (server_->GetHealthCheckService() != nullptr) server_->GetHealthCheckService()->Shutdown();
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(1000));

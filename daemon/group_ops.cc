@@ -188,6 +188,10 @@ void LockstepGroup::FailAll(const absl::Status& status) {
     for (uint64_t s = ep->next_seq; s <= head && s < ep->next_seq + abi::kRingCapacity; ++s) {
       WriteCompletion(*ep, s, {status});
     }
+    // Later submits and waits of this endpoint's client fail at once (shm_abi.h).
+    abi::Atomic(ep->header->daemon_closed).store(1, std::memory_order_seq_cst);
+    abi::Atomic(ep->header->completion_futex).fetch_add(1, std::memory_order_seq_cst);
+    FutexWakeAll(&ep->header->completion_futex);
   }
 }
 

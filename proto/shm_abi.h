@@ -18,7 +18,7 @@
 
 namespace epd::abi {
 
-inline constexpr uint32_t kShmAbiVersion = 1;
+inline constexpr uint32_t kShmAbiVersion = 2;
 inline constexpr uint32_t kEndpointMagic = 0x45504431;  // "EPD1"
 inline constexpr uint32_t kRequestMagic = 0x52455131;   // "REQ1"
 inline constexpr uint32_t kDoorbellMagic = 0x44424c31;  // "DBL1"
@@ -103,7 +103,9 @@ struct EndpointShmHeader {
   alignas(64) uint32_t completion_futex;   ///< Bumped by the daemon on every completion.
   uint32_t client_waiting;                 ///< Client sleeps on completion_futex when set.
   alignas(64) uint64_t rejected_requests;  ///< Malformed slots seen (diagnostics).
-  uint8_t pad1[56];
+  uint32_t daemon_closed;  ///< Set by the daemon when it stops serving this endpoint
+                           ///< (shutdown): waits and submits then fail with UNAVAILABLE.
+  uint8_t pad1[52];
 };
 static_assert(std::is_trivially_copyable_v<EndpointShmHeader>);
 static_assert(sizeof(EndpointShmHeader) == 448);
@@ -112,6 +114,7 @@ static_assert(offsetof(EndpointShmHeader, ring_tail) == 192);
 static_assert(offsetof(EndpointShmHeader, client_mapped) == 256);
 static_assert(offsetof(EndpointShmHeader, completion_futex) == 320);
 static_assert(offsetof(EndpointShmHeader, rejected_requests) == 384);
+static_assert(offsetof(EndpointShmHeader, daemon_closed) == 392);
 
 /// An engine's wake-up page. The engine sets `engine_sleeping` before a futex wait on
 /// `futex_word`; a client that published a request and sees it set bumps `futex_word`

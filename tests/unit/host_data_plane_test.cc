@@ -434,6 +434,27 @@ TEST_F(HostDataPlaneTest, RankLeavingMidOpFailsOthersThenRejoinWorks) {
   });
 }
 
+TEST_F(HostDataPlaneTest, ShutdownFailsInFlightAndLaterOpsWithUnavailable) {
+  const int R = 2, E = 2, H = 128, K = 1, M = 4;
+  Open(Spec("down", R, E, H, K, M, 0, false));
+  RankData in;
+  in.Make(2, H, K, E, 1);
+  auto start = std::chrono::steady_clock::now();
+  std::thread waiter([&] {
+    auto op = endpoints_[0]->GetDispatchLayout(in.idx_t);
+    ASSERT_TRUE(op.ok());
+    auto res = op->Wait(absl::Seconds(30));
+    EXPECT_EQ(res.status().code(), absl::StatusCode::kUnavailable) << res.status();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  plane_->Shutdown();
+  waiter.join();
+  // Well before op_timeout (500 ms) + 5 s: the shutdown itself completed the op.
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 0.45);
+  auto later = endpoints_[1]->GetDispatchLayout(in.idx_t);
+  EXPECT_EQ(later.status().code(), absl::StatusCode::kUnavailable) << later.status();
+}
+
 TEST_F(HostDataPlaneTest, ShmIsPrivateAndUnlinkedOnceMapped) {
   spec_ = Spec("shm", 1, 1, 128, 1, 2, 0, false);
   auto g = plane_->CreateGroup(spec_);
