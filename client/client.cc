@@ -51,6 +51,8 @@ struct Client::Impl {
   absl::Status end_status ABSL_GUARDED_BY(mu);
   std::string last_event ABSL_GUARDED_BY(mu);
   std::string session_id_copy;  ///< Set once Connect succeeds; read without the lock.
+  /// Set when the Session stream ends: endpoints stop waiting for completions then.
+  std::shared_ptr<std::atomic<bool>> session_lost = std::make_shared<std::atomic<bool>>(false);
 
   /// Reader thread: records the session id and later events until the stream ends.
   void ReadSession() {
@@ -61,6 +63,7 @@ struct Client::Impl {
       last_event = response.event();
     }
     grpc::Status status = stream->Finish();
+    session_lost->store(true);
     absl::MutexLock lock(&mu);
     ended = true;
     end_status = status.ok() ? absl::UnavailableError("epd ended the session")
@@ -169,7 +172,7 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Client::Join(const JoinOptions& option
     return status;
   };
   absl::StatusOr<std::unique_ptr<Endpoint>> endpoint =
-      internal::OpenEndpoint(response.endpoint(), options.spec, leave);
+      internal::OpenEndpoint(response.endpoint(), options.spec, leave, impl_->session_lost);
   if (!endpoint.ok()) {
     leave().IgnoreError();  // Give the rank back: this process cannot use it.
     return endpoint.status();

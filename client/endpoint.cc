@@ -180,6 +180,7 @@ struct Endpoint::Impl {
   uint8_t* data = nullptr;
   uint64_t next_seq = 1;
   bool woke_engine = false;  ///< The last Submit had to wake the engine.
+  std::shared_ptr<const std::atomic<bool>> session_lost;  ///< See OpenEndpoint.
   std::function<absl::Status()> leave;
   bool left = false;
   DLDevice device{kDLCPU, 0};
@@ -302,6 +303,11 @@ struct Endpoint::Impl {
       if (now >= limit) {
         return absl::DeadlineExceededError(
             absl::StrCat("op ", seq, " not complete after ", absl::FormatDuration(timeout)));
+      }
+      if (session_lost && session_lost->load() &&
+          abi::Atomic(c.seq).load(std::memory_order_acquire) != seq) {
+        return absl::UnavailableError(absl::StrCat(
+            "op ", seq, ": the Session with epd ended (the daemon died or restarted)"));
       }
       if (abi::Atomic(header->daemon_closed).load(std::memory_order_acquire) != 0 &&
           abi::Atomic(c.seq).load(std::memory_order_acquire) != seq) {
@@ -618,13 +624,14 @@ template class PendingOp<LowLatencyCombineResult>;
 
 namespace internal {
 
-absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& info,
-                                                       const v1::GroupSpec& spec,
-                                                       std::function<absl::Status()> leave) {
+absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(
+    const v1::EndpointInfo& info, const v1::GroupSpec& spec, std::function<absl::Status()> leave,
+    std::shared_ptr<const std::atomic<bool>> session_lost) {
   auto m = std::make_unique<Endpoint::Impl>();
   m->info = info;
   m->spec = spec;
   m->leave = std::move(leave);
+  m->session_lost = std::move(session_lost);
   m->shape.num_ranks = spec.num_ranks();
   m->shape.num_experts = spec.num_experts();
   m->shape.hidden = spec.hidden();

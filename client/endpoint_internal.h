@@ -1,6 +1,7 @@
 // Internal to libepdclient: how Client::Join opens the Endpoint the daemon described.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 
@@ -14,10 +15,13 @@ namespace epd::internal {
 /// ABI magic/version, and tells the daemon it is mapped (so the daemon unlinks the shm
 /// name). `leave` is called once by Endpoint::Leave (and by the destructor) to release
 /// the rank through the control plane.
+/// `session_lost`, when given, turns true once the client's Session with the daemon has
+/// ended (e.g. epd was killed): waits then return UNAVAILABLE at once instead of after
+/// op_timeout + 5 s.
 /// Errors: FAILED_PRECONDITION on an ABI mismatch, UNAVAILABLE when the shm is gone,
 /// INTERNAL on mmap failure.
-absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& info,
-                                                       const v1::GroupSpec& spec,
-                                                       std::function<absl::Status()> leave);
+absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(
+    const v1::EndpointInfo& info, const v1::GroupSpec& spec, std::function<absl::Status()> leave,
+    std::shared_ptr<const std::atomic<bool>> session_lost = nullptr);
 
 }  // namespace epd::internal

@@ -160,5 +160,27 @@ TEST(DataPlaneTest, RankKilledMidOpThenRejoins) {
   EXPECT_NE(survivor->Stdout().find("recovered"), std::string::npos);
 }
 
+TEST(DataPlaneTest, ClientsFailFastWhenEpdIsKilled) {
+  // op_timeout 10 s: a client that noticed nothing would wait op_timeout + 5 s.
+  auto epd = StartEpd("10s");
+  ASSERT_NE(epd, nullptr);
+  // Rank 0 of a 2-rank group whose rank 1 never comes: its first op waits in epd.
+  auto lonely = Spawn({DpClientBinary(), "--socket=" + epd->socket_path(), "--scenario=loop",
+                       "--group=orphan", "--num_ranks=2", "--rank=0", "--max_ops=1"},
+                      epd->dir(), "lonely");
+  ASSERT_NE(lonely, nullptr);
+  ASSERT_TRUE(lonely->WaitForOutput("joined rank 0", absl::Seconds(10)).ok()) << lonely->Stdout();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  epd->Kill();
+  const auto killed_at = std::chrono::steady_clock::now();
+  ASSERT_TRUE(lonely->WaitForOutput("UNAVAILABLE", absl::Seconds(8)).ok()) << lonely->Stdout();
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  EXPECT_LT(secs, 3.0) << lonely->Stdout();
+  EXPECT_NE(lonely->Stdout().find("Session with epd ended"), std::string::npos) << lonely->Stdout();
+  auto rc = lonely->Wait(absl::Seconds(10));
+  ASSERT_TRUE(rc.ok());
+}
+
 }  // namespace
 }  // namespace epd::testing
