@@ -9,6 +9,8 @@
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/config.h"
 #include "daemon/daemon.h"
@@ -19,6 +21,15 @@ int main(int argc, char** argv) {
       "epd: the expert-parallel daemon (MoE dispatch/combine for every process on the "
       "node).\nUsage: epd [--config=/etc/epd/epd.textproto] [--socket=/run/epd/epd.sock] "
       "[--listen=host:port] [--backend=auto|cuda|host] ...");
+  // --help lists the daemon's flags (they live in daemon/config.cc, not in this file);
+  // --version prints epd's version.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "daemon/");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  usage.version_string = [] { return std::string("epd ") + epd::kEpdVersion + "\n"; };
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   absl::StatusOr<epd::v1::DaemonConfig> config =
       epd::ResolveDaemonConfig(epd::ConfigFlagsFromCommandLine());
