@@ -1,6 +1,8 @@
 // CUDA IPC mapping of CUDA-backend endpoints (see cuda_ipc.h). Empty without CUDA.
 #include "cuda_ipc.h"
 
+#include "epd/common/gpu_uuid.h"
+
 #if EPD_HAVE_CUDA
 
 #include <cuda_runtime.h>
@@ -25,17 +27,6 @@ InProcessAreaResolver& Resolver() {
   return *r;
 }
 
-/// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi and epd print it.
-std::string FormatUuid(const cudaUUID_t& uuid) {
-  const auto* b = reinterpret_cast<const unsigned char*>(uuid.bytes);
-  char out[64];
-  std::snprintf(out, sizeof(out),
-                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
-                b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
-                b[14], b[15]);
-  return out;
-}
-
 }  // namespace
 
 void SetInProcessAreaResolver(InProcessAreaResolver resolver) {
@@ -50,7 +41,7 @@ absl::StatusOr<int> DeviceOfUuid(const std::string& gpu_uuid) {
   for (int d = 0; d < count; ++d) {
     cudaDeviceProp prop;
     EPD_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, d));
-    std::string uuid = FormatUuid(prop.uuid);
+    std::string uuid = FormatGpuUuid(prop.uuid.bytes);
     if (uuid == gpu_uuid) return d;
     absl::StrAppend(&seen, seen.empty() ? "" : ", ", uuid);
   }

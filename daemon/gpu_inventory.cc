@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "epd/common/gpu_uuid.h"
 #include "epd/common/status_macros.h"
 
 #if EPD_HAVE_CUDA
@@ -93,15 +94,6 @@ std::string CudaError(const char* call, cudaError_t err) {
   return absl::StrCat(call, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
 }
 
-std::string FormatUuid(const cudaUUID_t& uuid) {
-  const auto* b = reinterpret_cast<const unsigned char*>(uuid.bytes);
-  char out[64];
-  std::snprintf(out, sizeof(out),
-                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
-                b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
-                b[14], b[15]);
-  return out;
-}
 #endif
 
 }  // namespace
@@ -164,7 +156,7 @@ absl::StatusOr<GpuInventory> GpuInventory::Discover(const std::vector<std::strin
       }
       v1::GpuInfo info;
       info.set_ordinal(dev);
-      info.set_uuid(FormatUuid(prop.uuid));
+      info.set_uuid(FormatGpuUuid(prop.uuid.bytes));
       char bus_id[32] = {};
       if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), dev) == cudaSuccess) {
         info.set_pci_bus_id(bus_id);

@@ -100,6 +100,17 @@ struct LockstepOptions {
   uint32_t op_timeout_ms = 10000;  ///< Bound on waiting for the ranks of an op.
 };
 
+/// The LockstepOptions of a backend's options struct (any struct with shm_mode, shm_group
+/// and op_timeout_ms: HostDataPlaneOptions, CudaDataPlaneOptions).
+template <typename BackendOptions>
+LockstepOptions LockstepOptionsOf(const BackendOptions& o) {
+  LockstepOptions l;
+  l.shm_mode = o.shm_mode;
+  l.shm_group = o.shm_group;
+  l.op_timeout_ms = o.op_timeout_ms;
+  return l;
+}
+
 /// The lockstep core of a group. Thread-safety: every public method locks mu_; the hooks
 /// are called with mu_ held except PrepareRank.
 class LockstepGroup : public DataPlaneGroup {

@@ -60,14 +60,6 @@ class HostDataPlaneImpl : public DataPlane {
   std::atomic<bool> shut_down_{false};
 };
 
-LockstepOptions LockstepOptionsOf(const HostDataPlaneOptions& o) {
-  LockstepOptions l;
-  l.shm_mode = o.shm_mode;
-  l.shm_group = o.shm_group;
-  l.op_timeout_ms = o.op_timeout_ms;
-  return l;
-}
-
 class HostGroup : public LockstepGroup {
  public:
   HostGroup(HostDataPlaneImpl* plane, const v1::GroupSpec& spec)

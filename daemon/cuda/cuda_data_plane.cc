@@ -193,14 +193,6 @@ class CudaDataPlaneImpl : public DataPlane {
   std::atomic<bool> shut_down_{false};
 };
 
-LockstepOptions LockstepOptionsOf(const CudaDataPlaneOptions& o) {
-  LockstepOptions l;
-  l.shm_mode = o.shm_mode;
-  l.shm_group = o.shm_group;
-  l.op_timeout_ms = o.op_timeout_ms;
-  return l;
-}
-
 class CudaGroup : public LockstepGroup {
  public:
   CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec)
