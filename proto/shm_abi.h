@@ -18,7 +18,7 @@
 
 namespace epd::abi {
 
-inline constexpr uint32_t kShmAbiVersion = 2;
+inline constexpr uint32_t kShmAbiVersion = 3;
 inline constexpr uint32_t kEndpointMagic = 0x45504431;  // "EPD1"
 inline constexpr uint32_t kRequestMagic = 0x52455131;   // "REQ1"
 inline constexpr uint32_t kDoorbellMagic = 0x44424c31;  // "DBL1"
@@ -46,8 +46,14 @@ enum RequestFlags : uint32_t {
   kFlagDispatchWeights = 1u << 4,  ///< Dispatch: topk_weights were staged.
   kFlagClientError = 1u << 5,      ///< The client rejected its own inputs: the op fails
                                    ///< for every rank (keeps ranks in lockstep).
+  /// CUDA backend, daemon-launched (DESIGN.md §3.2): the client's stream writes
+  /// launch_flags.ready_seq = seq once the inputs are staged (it may not have happened
+  /// yet when the slot is read). The engine makes the rank's stream wait for
+  /// ready_seq >= seq before the op's kernels, and writes done_seq = seq after them, and
+  /// also for an op that fails before launch, so a client stream is never left waiting.
+  kFlagStreamOrdered = 1u << 6,
 };
-inline constexpr uint32_t kAllRequestFlags = 0x3f;
+inline constexpr uint32_t kAllRequestFlags = 0x7f;
 
 /// One request, written by the client into ring slot `seq % kRingCapacity`, then
 /// published by advancing EndpointShmHeader::ring_head (release).

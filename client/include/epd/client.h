@@ -116,6 +116,7 @@ struct DispatchArgs {
   int32_t expert_alignment = 1;            ///< >= 1; per-expert counts rounded up to it.
   std::optional<Handle> cached;            ///< Re-dispatch with this handle's routing.
   int32_t num_sms = 0;                     ///< Kernel SM budget (0 = default).
+  void* stream = nullptr;                  ///< CUDA backend: the op's cudaStream_t.
 };
 /// Normal dispatch outputs. Valid until the next normal Dispatch on this endpoint.
 struct DispatchResult {
@@ -135,6 +136,7 @@ struct CombineArgs {
   const Handle* handle = nullptr;          ///< From the matching Dispatch.
   const DLTensor* topk_weights = nullptr;  ///< [N, K] f32, optional: reduced too.
   int32_t num_sms = 0;
+  void* stream = nullptr;  ///< CUDA backend: the op's cudaStream_t.
 };
 /// Normal combine outputs. Valid until the next normal Combine on this endpoint.
 struct CombineResult {
@@ -149,6 +151,11 @@ struct LowLatencyDispatchArgs {
   int32_t max_dispatch_tokens_per_rank = 0;  ///< Mll; must equal the spec's (0 = spec's).
   bool use_fp8 = false;                      ///< e4m3 out with f32 scales per 128 channels.
   bool round_scale = false;                  ///< Power-of-two FP8 scales.
+  void* stream = nullptr;                    ///< CUDA backend: the op's cudaStream_t.
+  /// Client-launched mode only, optional: [1] int32 on the endpoint's GPU holding T,
+  /// read by the kernel at run time (x and topk_idx then give only the capacity, their
+  /// first dimension >= T). Lets one captured CUDA graph replay with any T <= Mll.
+  const DLTensor* num_tokens = nullptr;
 };
 /// Low-latency dispatch outputs. Double-buffered: valid until the low-latency dispatch
 /// after next on this endpoint.
@@ -166,6 +173,7 @@ struct LowLatencyCombineArgs {
   const DLTensor* topk_idx = nullptr;      ///< [T, K] int64, as dispatched.
   const DLTensor* topk_weights = nullptr;  ///< [T, K] f32.
   const Handle* handle = nullptr;
+  void* stream = nullptr;  ///< CUDA backend: the op's cudaStream_t.
 };
 /// Low-latency combine output. Valid until the low-latency combine after next.
 struct LowLatencyCombineResult {
@@ -179,6 +187,11 @@ class [[nodiscard]] PendingOp {
   /// Blocks until the op completes or `timeout` passes (DEADLINE_EXCEEDED, the op stays
   /// pending and Wait may be called again). Returns the op's own error otherwise.
   absl::StatusOr<Result> Wait(absl::Duration timeout = absl::InfiniteDuration());
+  /// The result without waiting on the CPU, for stream-ordered use (CUDA backend): work
+  /// enqueued on the op's stream after the op reads the views correctly; errors still
+  /// come from Wait. FAILED_PRECONDITION for a Dispatch without a cached handle (its row
+  /// count N is known only once the op is done: Wait).
+  absl::StatusOr<Result> Enqueued() const;
   uint64_t seq() const { return seq_; }
 
  private:
@@ -209,8 +222,9 @@ class Endpoint {
   const v1::GroupSpec& spec() const;
   int32_t rank() const;
 
-  /// Routing statistics of topk_idx [T, K] int64.
-  absl::StatusOr<PendingOp<LayoutResult>> GetDispatchLayout(const DLTensor& topk_idx);
+  /// Routing statistics of topk_idx [T, K] int64, ordered on `stream` (CUDA backend).
+  absl::StatusOr<PendingOp<LayoutResult>> GetDispatchLayout(const DLTensor& topk_idx,
+                                                            void* stream = nullptr);
   /// Normal dispatch (DESIGN §3.3): rows ordered by source rank, then token index.
   absl::StatusOr<PendingOp<DispatchResult>> Dispatch(const DispatchArgs& args);
   /// Normal combine: combined_x[t] = Σ over ranks that received t of their row (f32 sum

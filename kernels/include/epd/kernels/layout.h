@@ -55,6 +55,21 @@ inline constexpr int kLowLatencyBuffers = 2;
 /// Size of the `sync` region: inter-rank flags and counters owned by the CUDA kernels.
 inline constexpr uint64_t kSyncRegionBytes = 64 * 1024;
 
+/// Size of the `launch_flags` region: the stream-ordered hand-off between a client's
+/// stream and the daemon's stream in daemon-launched mode (DESIGN.md §3.2), zeroed at
+/// creation. Layout (byte offsets inside the region, every word a uint64 in GPU memory):
+///   kReadyFlagOffset   ready_seq: the client's stream writes the op's seq once the op's
+///                      inputs are staged (cuStreamWriteValue64); the daemon's stream
+///                      waits for ready_seq >= seq before the op's kernels.
+///   kDoneFlagOffset    done_seq: the daemon's stream writes seq after the op's kernels
+///                      (and the engine writes it for an op that fails before launch);
+///                      the client's stream waits for done_seq >= seq before it reads
+///                      the outputs.
+///   [64, 4096)         reserved for the graph-mode program counters.
+inline constexpr uint64_t kLaunchFlagsRegionBytes = 4096;
+inline constexpr uint64_t kReadyFlagOffset = 0;
+inline constexpr uint64_t kDoneFlagOffset = 8;
+
 /// Every region of one endpoint. Shapes are given with M = max_tokens_per_rank,
 /// Mll = ll_max_tokens_per_rank, N = R*M, El = E/R, S = ceil(H/128).
 /// Regions that a spec does not need (FP8 scales without use_fp8, low-latency regions
@@ -100,7 +115,8 @@ struct EndpointLayout {
   Region ll_combined_x[kLowLatencyBuffers];     ///< [Mll, H] bf16.
 
   // ---- kernel-owned flags and counters ----
-  Region sync;  ///< kSyncRegionBytes, zeroed at creation.
+  Region sync;          ///< kSyncRegionBytes, zeroed at creation.
+  Region launch_flags;  ///< kLaunchFlagsRegionBytes: ready/done seq flags, zeroed.
 
   uint64_t total_bytes = 0;
 
@@ -172,6 +188,7 @@ inline EndpointLayout EndpointLayout::Compute(const GroupShape& s) {
     l.ll_combined_x[b] = take(Mll * H * 2);
   }
   l.sync = take(kSyncRegionBytes);
+  l.launch_flags = take(kLaunchFlagsRegionBytes);
   l.total_bytes = cursor;
   return l;
 }
@@ -212,6 +229,7 @@ void EndpointLayout::ForEachRegion(Fn&& fn) const {
     fn(kLl[5][b], ll_combined_x[b]);
   }
   fn("sync", sync);
+  fn("launch_flags", launch_flags);
 }
 
 }  // namespace epd::kernels
