@@ -143,6 +143,26 @@ grpc::ServerUnaryReactor* ControlService::LeaveGroup(grpc::CallbackServerContext
   return reactor;
 }
 
+grpc::ServerUnaryReactor* ControlService::GetGroupEndpoints(
+    grpc::CallbackServerContext* context, const v1::GetGroupEndpointsRequest* request,
+    v1::GetGroupEndpointsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // The reactor and `response` live until Finish; the callback runs exactly once.
+  registry_->GetGroupEndpoints(
+      *request, [reactor, response, group = request->group(),
+                 rank = request->rank()](absl::StatusOr<v1::GetGroupEndpointsResponse> endpoints) {
+        if (endpoints.ok()) {
+          *response = *std::move(endpoints);
+        } else {
+          GetLogger(kLogControl)
+              ->info("GetGroupEndpoints group \"{}\" rank {}: {}", group, rank,
+                     endpoints.status().ToString());
+        }
+        reactor->Finish(ToGrpcStatus(endpoints.status()));
+      });
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* ControlService::ListGroups(grpc::CallbackServerContext* context,
                                                      const v1::ListGroupsRequest* /*request*/,
                                                      v1::ListGroupsResponse* response) {

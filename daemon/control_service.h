@@ -28,6 +28,11 @@ class ControlService final : public v1::Control::CallbackService {
   grpc::ServerUnaryReactor* LeaveGroup(grpc::CallbackServerContext* context,
                                        const v1::LeaveGroupRequest* request,
                                        v1::LeaveGroupResponse* response) override;
+  /// Answered asynchronously (GroupRegistry::GetGroupEndpoints): a call waiting for
+  /// ranks to join holds no gRPC thread.
+  grpc::ServerUnaryReactor* GetGroupEndpoints(grpc::CallbackServerContext* context,
+                                              const v1::GetGroupEndpointsRequest* request,
+                                              v1::GetGroupEndpointsResponse* response) override;
   grpc::ServerUnaryReactor* ListGroups(grpc::CallbackServerContext* context,
                                        const v1::ListGroupsRequest* request,
                                        v1::ListGroupsResponse* response) override;

@@ -198,6 +198,8 @@ absl::Status Daemon::Init() {
   EPD_ASSIGN_OR_RETURN(data_plane_, factory(config_, backend_));
   GroupRegistry::Options registry_options;
   registry_options.max_groups = config_.max_groups();
+  // GetGroupEndpoints waits at most an op timeout (plus slack) for the ranks to join.
+  registry_options.max_endpoints_wait_ms = config_.op_timeout_ms() + 5000;
   registry_ = std::make_unique<GroupRegistry>(data_plane_.get(), inventory, registry_options);
   control_ = std::make_unique<ControlService>(registry_.get(), [this] { return Stats(); });
 

@@ -167,6 +167,9 @@ void LockstepGroup::DetachRank(int32_t rank) {
                                                       spec_.name(), ": rank ", rank,
                                                       " left the group before arriving")));
     }
+    if (ep->request && !(running_ && ep->request->seq == running_->seq)) {
+      OpEndedWithoutLaunch(rank, *ep->request);  // Its client is gone: no completion.
+    }
     RankDetached(rank);
   }
   EngineLog()->info("group {}: rank {} detached (endpoint {})", spec_.name(), rank,
@@ -177,16 +180,27 @@ void LockstepGroup::DetachRank(int32_t rank) {
 
 void LockstepGroup::FailAll(const absl::Status& status) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& ep : endpoints_) {
+  for (int32_t r = 0; r < static_cast<int32_t>(endpoints_.size()); ++r) {
+    LockstepEndpoint* ep = endpoints_[r].get();
     if (!ep) continue;
     uint64_t head = abi::Atomic(ep->header->ring_head).load(std::memory_order_acquire);
     // Complete everything already submitted so no client waits on a dead daemon.
     if (ep->request) {
-      WriteCompletion(*ep, ep->request->seq, {status});
+      if (running_ && ep->request->seq == running_->seq) {
+        WriteCompletion(*ep, ep->request->seq, {status});  // Launched: the backend ends it.
+      } else {
+        CompleteUnrun(r, *ep, *ep->request, status);
+      }
       ep->request.reset();
     }
     for (uint64_t s = ep->next_seq; s <= head && s < ep->next_seq + abi::kRingCapacity; ++s) {
-      WriteCompletion(*ep, s, {status});
+      abi::RequestSlot slot;
+      std::memcpy(&slot, &ep->ring()[s % abi::kRingCapacity], sizeof(slot));
+      if (slot.magic == abi::kRequestMagic && slot.seq == s) {
+        CompleteUnrun(r, *ep, slot, status);
+      } else {
+        WriteCompletion(*ep, s, {status});
+      }
     }
     // Later submits and waits of this endpoint's client fail at once (shm_abi.h).
     abi::Atomic(ep->header->daemon_closed).store(1, std::memory_order_seq_cst);
@@ -195,7 +209,13 @@ void LockstepGroup::FailAll(const absl::Status& status) {
   }
 }
 
-absl::Status LockstepGroup::ValidateSlot(const LockstepEndpoint& ep,
+void LockstepGroup::CompleteUnrun(int32_t rank, LockstepEndpoint& ep, const abi::RequestSlot& slot,
+                                  const absl::Status& status) {
+  WriteCompletion(ep, slot.seq, {status});
+  OpEndedWithoutLaunch(rank, slot);
+}
+
+absl::Status LockstepGroup::ValidateSlot(int32_t rank, const LockstepEndpoint& ep,
                                          const abi::RequestSlot& slot) const {
   // magic and seq were checked when the slot was popped.
   if (slot.op == 0 || slot.op > abi::kMaxOpKind) {
@@ -205,6 +225,7 @@ absl::Status LockstepGroup::ValidateSlot(const LockstepEndpoint& ep,
     return absl::InvalidArgumentError(
         absl::StrCat("malformed request slot: flags 0x", absl::Hex(slot.flags)));
   }
+  EPD_RETURN_IF_ERROR(CheckRequest(rank, slot));
   if (slot.flags & abi::kFlagClientError) {
     return absl::InvalidArgumentError("the client rejected its own inputs for this op");
   }
@@ -285,6 +306,26 @@ absl::Status LockstepGroup::ValidateHandle(const LockstepEndpoint& ep,
   return absl::OkStatus();
 }
 
+bool LockstepGroup::RefuseRequests(int32_t rank, LockstepEndpoint& ep, const absl::Status& why) {
+  bool worked = false;
+  for (;;) {
+    uint64_t head = abi::Atomic(ep.header->ring_head).load(std::memory_order_seq_cst);
+    uint64_t tail = ep.header->ring_tail;
+    if (head == tail) break;
+    if (head - tail > abi::kRingCapacity) head = tail + 1;
+    abi::RequestSlot slot;
+    std::memcpy(&slot, &ep.ring()[(tail + 1) % abi::kRingCapacity], sizeof(slot));
+    abi::Atomic(ep.header->ring_tail).store(tail + 1, std::memory_order_release);
+    worked = true;
+    abi::Atomic(ep.header->rejected_requests).fetch_add(1);
+    if (slot.magic != abi::kRequestMagic) continue;  // Not attributable to a request.
+    EngineLog()->warn("group {} rank {}: refused request {}: {}", spec_.name(), rank, slot.seq,
+                      std::string(why.message()));
+    CompleteUnrun(rank, ep, slot, why);
+  }
+  return worked;
+}
+
 bool LockstepGroup::PopRequests() {
   bool worked = false;
   for (size_t r = 0; r < endpoints_.size(); ++r) {
@@ -293,6 +334,11 @@ bool LockstepGroup::PopRequests() {
     if (ep->region.linked() &&
         abi::Atomic(ep->header->client_mapped).load(std::memory_order_acquire) != 0) {
       ep->region.Unlink();  // Both sides have it mapped: the name is no longer needed.
+    }
+    const int32_t rank = static_cast<int32_t>(r);
+    if (absl::Status refused = AcceptsRequests(rank); !refused.ok()) {
+      worked |= RefuseRequests(rank, *ep, refused);
+      continue;
     }
     while (!ep->request && ep->next_seq <= current_seq_) {
       uint64_t head = abi::Atomic(ep->header->ring_head).load(std::memory_order_seq_cst);
@@ -317,7 +363,7 @@ bool LockstepGroup::PopRequests() {
             abi::Atomic(ep->header->rejected_requests).load());
         continue;
       }
-      absl::Status valid = ValidateSlot(*ep, slot);
+      absl::Status valid = ValidateSlot(rank, *ep, slot);
       uint64_t seq = ep->next_seq++;
       if (!valid.ok()) {
         abi::Atomic(ep->header->rejected_requests).fetch_add(1);
@@ -335,7 +381,7 @@ bool LockstepGroup::PopRequests() {
                 ? it->second
                 : absl::DeadlineExceededError(absl::StrCat("op ", seq, " of group ", spec_.name(),
                                                            " failed before this rank arrived"));
-        WriteCompletion(*ep, seq, {st});
+        CompleteUnrun(rank, *ep, slot, st);
         continue;
       }
       ep->request = slot;
@@ -348,9 +394,10 @@ bool LockstepGroup::PopRequests() {
 
 void LockstepGroup::FailOp(const absl::Status& status) {
   ops_failed_.fetch_add(1);
-  for (auto& ep : endpoints_) {
+  for (int32_t r = 0; r < static_cast<int32_t>(endpoints_.size()); ++r) {
+    LockstepEndpoint* ep = endpoints_[r].get();
     if (ep && ep->request) {
-      WriteCompletion(*ep, ep->request->seq, {status});
+      CompleteUnrun(r, *ep, *ep->request, status);
       ep->request.reset();
       ep->slot_error.reset();
     }

@@ -168,6 +168,25 @@ class LockstepGroup : public DataPlaneGroup {
   virtual std::optional<std::vector<RankOutcome>> PollOp() { return std::nullopt; }
   /// Wakes whoever polls this group (a daemon-side event: a rank left).
   virtual void WakeEngine() {}
+  /// Backend checks of one popped request of rank `rank` (with the shape and handle
+  /// checks of ValidateSlot), e.g. a flag the backend does not support. Called under mu_.
+  /// An error rejects the slot like any invalid one: the op fails for every rank.
+  virtual absl::Status CheckRequest(int32_t /*rank*/, const abi::RequestSlot& /*slot*/) const {
+    return absl::OkStatus();
+  }
+  /// Whether rank `rank` takes part in daemon-run ops at all. An error (e.g. the endpoint
+  /// is client-launched, DESIGN.md §3.2) completes every slot of its ring at once with
+  /// that error, outside the lockstep (no op of the group is started or failed by it).
+  /// Called under mu_.
+  virtual absl::Status AcceptsRequests(int32_t /*rank*/) const { return absl::OkStatus(); }
+  /// Called under mu_ for every popped request of rank `rank` that completes without the
+  /// backend running it: rejected, failed before launch (client error, validation, a rank
+  /// that never arrived or left, ranks disagreeing), answered late for an op that already
+  /// failed, refused (AcceptsRequests), or failed at shutdown (FailAll). `slot` is the
+  /// request as the client wrote it (flags included). The CUDA backend uses it to write
+  /// launch_flags.done_seq = slot.seq for a kFlagStreamOrdered request, so that the
+  /// client's stream, which waits for it, is released (shm_abi.h).
+  virtual void OpEndedWithoutLaunch(int32_t /*rank*/, const abi::RequestSlot& /*slot*/) {}
 
   /// Rank r's endpoint (null when detached). Call with mu_ held.
   LockstepEndpoint* endpoint(int32_t r) const { return endpoints_[r].get(); }
@@ -177,11 +196,18 @@ class LockstepGroup : public DataPlaneGroup {
 
  private:
   bool PopRequests();
+  /// Pops every slot of rank `rank`'s ring and completes each with `why` (AcceptsRequests
+  /// refused the rank). True if it popped any.
+  bool RefuseRequests(int32_t rank, LockstepEndpoint& ep, const absl::Status& why);
   void FailOp(const absl::Status& status);
   /// Validates the collected op and starts it; false when the backend is not ready.
   bool RunOp();
   void FinishOp(std::vector<RankOutcome> outcomes);
-  absl::Status ValidateSlot(const LockstepEndpoint& ep, const abi::RequestSlot& slot) const;
+  absl::Status ValidateSlot(int32_t rank, const LockstepEndpoint& ep,
+                            const abi::RequestSlot& slot) const;
+  /// Completes request `slot` of rank `rank` with `status` without running it.
+  void CompleteUnrun(int32_t rank, LockstepEndpoint& ep, const abi::RequestSlot& slot,
+                     const absl::Status& status);
   absl::Status ValidateHandle(const LockstepEndpoint& ep, const abi::RequestSlot& slot) const;
 
   v1::GroupSpec spec_;

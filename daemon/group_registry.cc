@@ -1,11 +1,13 @@
 #include "daemon/group_registry.h"
 
+#include <algorithm>
 #include <mutex>
 #include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
 #include "daemon/logging.h"
 #include "daemon/spec_validation.h"
 #include "epd/common/status_macros.h"
@@ -27,7 +29,21 @@ std::string NewSessionId() {
 GroupRegistry::GroupRegistry(DataPlane* data_plane, GpuInventory inventory, Options options)
     : data_plane_(data_plane), inventory_(std::move(inventory)), options_(options) {}
 
-GroupRegistry::~GroupRegistry() { ReleaseAll(); }
+GroupRegistry::~GroupRegistry() {
+  ReleaseAll();
+  std::list<EndpointsWaiter> left;
+  {
+    absl::MutexLock lock(&mu_);
+    stop_waiters_ = true;
+    waiters_changed_.SignalAll();
+  }
+  if (waiter_thread_.joinable()) waiter_thread_.join();
+  {
+    absl::MutexLock lock(&mu_);
+    left.swap(waiters_);
+  }
+  for (EndpointsWaiter& w : left) w.done(absl::UnavailableError("epd is shutting down"));
+}
 
 absl::StatusOr<std::string> GroupRegistry::OpenSession(int64_t client_pid,
                                                        const std::string& client_name) {
@@ -60,6 +76,7 @@ int GroupRegistry::CloseSession(const std::string& session_id, absl::string_view
           absl::FormatDuration(absl::Trunc(absl::Now() - it->second.opened, absl::Milliseconds(1))),
           released.size(), released.empty() ? "" : ": ", absl::StrJoin(released, ", "));
   sessions_.erase(session_id);
+  NotifyWaitersLocked();
   return static_cast<int>(released.size());
 }
 
@@ -100,6 +117,25 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
     EPD_RETURN_IF_ERROR(CheckSameSpec(group_it->second.spec, spec));
   }
   EPD_RETURN_IF_ERROR(ValidateRank(spec, rank));
+  // The group's launch mode: fixed by its first joiner (UNSPECIFIED = daemon-launched).
+  const v1::LaunchMode requested = request.launch_mode();
+  v1::LaunchMode mode =
+      requested == v1::LAUNCH_MODE_UNSPECIFIED ? v1::LAUNCH_MODE_DAEMON : requested;
+  if (group_it != groups_.end()) {
+    const v1::LaunchMode live = group_it->second.launch_mode;
+    if (requested != v1::LAUNCH_MODE_UNSPECIFIED && requested != live) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "launch_mode: rank ", rank, " asks for ", v1::LaunchMode_Name(requested), " but group \"",
+          spec.name(), "\" runs ", v1::LaunchMode_Name(live),
+          " (fixed by its first joiner; every rank of a group uses the same launch mode)"));
+    }
+    mode = live;
+  }
+  if (mode == v1::LAUNCH_MODE_CLIENT && data_plane_->backend_name() == "host") {
+    return absl::FailedPreconditionError(
+        "launch_mode: LAUNCH_MODE_CLIENT: client-launched mode needs the CUDA backend; this "
+        "epd runs the host backend (use LAUNCH_MODE_DAEMON or leave it unspecified)");
+  }
   if (group_it != groups_.end()) {
     auto held = group_it->second.ranks.find(rank);
     if (held != group_it->second.ranks.end()) {
@@ -126,14 +162,14 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
     group.spec = spec;
     group.data = std::move(data);
     group.bytes_per_rank = bytes_needed;
+    group.launch_mode = mode;
     group_it = groups_.emplace(spec.name(), std::move(group)).first;
     created = true;
     GetLogger(kLogRegistry)
         ->info("group created: {} ({} bytes per rank)", SpecSummary(spec), bytes_needed);
   }
   v1::EndpointInfo info;
-  absl::Status attached =
-      group_it->second.data->AttachRank(rank, gpu_uuid, request.launch_mode(), &info);
+  absl::Status attached = group_it->second.data->AttachRank(rank, gpu_uuid, mode, &info);
   if (!attached.ok()) {
     if (created) {
       groups_.erase(group_it);
@@ -145,7 +181,11 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   slot.gpu_uuid = gpu_uuid;
   slot.session_id = request.session_id();
   slot.client_pid = session->second.client_pid;
+  slot.endpoint_id = info.endpoint_id();
+  slot.cuda_ipc_handle = info.cuda_ipc_handle();
+  info.set_launch_mode(mode);
   session->second.endpoints.emplace(spec.name(), rank);
+  NotifyWaitersLocked();
   GetLogger(kLogRegistry)
       ->info("rank {} of group \"{}\" joined by session {} (pid {}){}{}", rank, spec.name(),
              request.session_id(), slot.client_pid, gpu_uuid.empty() ? "" : " on ", gpu_uuid);
@@ -172,6 +212,7 @@ absl::Status GroupRegistry::Leave(const v1::LeaveGroupRequest& request) {
   if (session != sessions_.end())
     session->second.endpoints.erase({request.group(), request.rank()});
   ReleaseRankLocked(request.group(), request.rank(), "LeaveGroup");
+  NotifyWaitersLocked();
   return absl::OkStatus();
 }
 
@@ -236,6 +277,7 @@ GroupRegistry::Counters GroupRegistry::counters() const {
 void GroupRegistry::SetDraining() {
   absl::MutexLock lock(&mu_);
   draining_ = true;
+  NotifyWaitersLocked();
 }
 
 void GroupRegistry::ReleaseAll() {
@@ -248,6 +290,120 @@ void GroupRegistry::ReleaseAll() {
   for (const auto& [name, rank] : all) ReleaseRankLocked(name, rank, "daemon shutdown");
   groups_.clear();
   sessions_.clear();
+  NotifyWaitersLocked();
+}
+
+void GroupRegistry::NotifyWaitersLocked() {
+  if (!waiters_.empty()) waiters_changed_.SignalAll();
+}
+
+std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> GroupRegistry::EvaluateEndpointsLocked(
+    const EndpointsWaiter& waiter, absl::Time now) const {
+  const v1::GetGroupEndpointsRequest& request = waiter.request;
+  if (draining_) return absl::UnavailableError("epd is shutting down");
+  if (sessions_.find(request.session_id()) == sessions_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("session_id: \"", request.session_id(),
+                                                      "\" is not an open session of this daemon"));
+  }
+  auto group_it = groups_.find(request.group());
+  if (group_it == groups_.end()) {
+    return absl::NotFoundError(absl::StrCat("group: \"", request.group(), "\" does not exist"));
+  }
+  const Group& group = group_it->second;
+  auto held = group.ranks.find(request.rank());
+  if (held == group.ranks.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank: ", request.rank(), " of group \"", request.group(),
+                     "\" is not joined; JoinGroup it before GetGroupEndpoints"));
+  }
+  if (held->second.session_id != request.session_id()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "session_id: \"", request.session_id(), "\" does not hold rank ", request.rank(),
+        " of group \"", request.group(), "\" (session ", held->second.session_id, " does)"));
+  }
+  std::vector<int32_t> missing;
+  for (int32_t r = 0; r < group.spec.num_ranks(); ++r) {
+    if (group.ranks.find(r) == group.ranks.end()) missing.push_back(r);
+  }
+  if (!missing.empty()) {
+    if (now < waiter.deadline) return std::nullopt;
+    return absl::DeadlineExceededError(
+        absl::StrCat("GetGroupEndpoints: group \"", request.group(), "\": rank(s) ",
+                     absl::StrJoin(missing, ", "), " of ", group.spec.num_ranks(),
+                     " have not joined within wait_ms = ", waiter.wait_ms, " ms"));
+  }
+  v1::GetGroupEndpointsResponse response;
+  for (const auto& [rank, slot] : group.ranks) {  // std::map: ordered by rank.
+    v1::GroupEndpoint* e = response.add_endpoints();
+    e->set_rank(rank);
+    e->set_endpoint_id(slot.endpoint_id);
+    e->set_gpu_uuid(slot.gpu_uuid);
+    e->set_cuda_ipc_handle(slot.cuda_ipc_handle);
+    e->set_launch_mode(group.launch_mode);
+  }
+  return response;
+}
+
+void GroupRegistry::GetGroupEndpoints(const v1::GetGroupEndpointsRequest& request,
+                                      EndpointsCallback done) {
+  EndpointsWaiter waiter;
+  waiter.request = request;
+  waiter.wait_ms = std::min(request.wait_ms(), options_.max_endpoints_wait_ms);
+  waiter.deadline = absl::Now() + absl::Milliseconds(waiter.wait_ms);
+  std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> answer;
+  {
+    absl::MutexLock lock(&mu_);
+    answer = EvaluateEndpointsLocked(waiter, absl::Now());
+    if (!answer) {
+      waiter.done = std::move(done);
+      waiters_.push_back(std::move(waiter));
+      if (!waiter_thread_.joinable() && !stop_waiters_) {
+        waiter_thread_ = std::thread([this] { ServeEndpointsWaiters(); });
+      }
+      waiters_changed_.SignalAll();
+      return;
+    }
+  }
+  done(*std::move(answer));
+}
+
+absl::StatusOr<v1::GetGroupEndpointsResponse> GroupRegistry::GetGroupEndpoints(
+    const v1::GetGroupEndpointsRequest& request) {
+  absl::Notification answered;
+  absl::StatusOr<v1::GetGroupEndpointsResponse> result;
+  GetGroupEndpoints(request, [&](absl::StatusOr<v1::GetGroupEndpointsResponse> r) {
+    result = std::move(r);
+    answered.Notify();
+  });
+  answered.WaitForNotification();
+  return result;
+}
+
+void GroupRegistry::ServeEndpointsWaiters() {
+  absl::MutexLock lock(&mu_);
+  while (!stop_waiters_) {
+    std::vector<std::pair<EndpointsCallback, absl::StatusOr<v1::GetGroupEndpointsResponse>>>
+        answers;
+    absl::Time next = absl::InfiniteFuture();
+    const absl::Time now = absl::Now();
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      auto answer = EvaluateEndpointsLocked(*it, now);
+      if (!answer) {
+        next = std::min(next, it->deadline);
+        ++it;
+        continue;
+      }
+      answers.emplace_back(std::move(it->done), *std::move(answer));
+      it = waiters_.erase(it);
+    }
+    if (answers.empty()) {
+      waiters_changed_.WaitWithDeadline(&mu_, next);
+      continue;
+    }
+    mu_.Unlock();  // Answer without the lock: a callback may call back into gRPC.
+    for (auto& [done, answer] : answers) done(std::move(answer));
+    mu_.Lock();
+  }
 }
 
 }  // namespace epd

@@ -6,10 +6,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <list>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -28,6 +32,8 @@ class GroupRegistry {
  public:
   struct Options {
     uint32_t max_groups = 64;  ///< DaemonConfig.max_groups.
+    /// Cap on GetGroupEndpointsRequest.wait_ms (the daemon uses op_timeout_ms + 5 s).
+    uint32_t max_endpoints_wait_ms = 15000;
   };
 
   /// `data_plane` must outlive the registry (ReleaseAll() before destroying it).
@@ -51,11 +57,40 @@ class GroupRegistry {
   ///   INVALID_ARGUMENT     a spec field (ValidateGroupSpec), rank out of range, empty
   ///                        session_id, bad launch_mode, gpu_uuid "" on the cuda backend;
   ///   FAILED_PRECONDITION  spec differs from the live group's (every differing field),
-  ///                        or session_id is not an open session;
+  ///                        session_id is not an open session, launch_mode explicitly
+  ///                        differs from the group's (naming both), or LAUNCH_MODE_CLIENT on
+  ///                        the host backend;
   ///   ALREADY_EXISTS       the rank is held by a live session;
   ///   NOT_FOUND            unknown GPU;
   ///   RESOURCE_EXHAUSTED   buffers do not fit (bytes needed and free), or max_groups.
+  ///
+  /// Launch mode (DESIGN.md §3.2): a group's mode is fixed by its first joiner
+  /// (LAUNCH_MODE_UNSPECIFIED = LAUNCH_MODE_DAEMON, the default); a later joiner asking
+  /// for UNSPECIFIED gets the group's mode. EndpointInfo.launch_mode is the mode granted.
   absl::StatusOr<v1::EndpointInfo> Join(const v1::JoinGroupRequest& request);
+
+  /// The answer to a GetGroupEndpoints call: every rank's endpoint, or the error.
+  using EndpointsCallback =
+      std::function<void(absl::StatusOr<v1::GetGroupEndpointsResponse> endpoints)>;
+
+  /// GetGroupEndpoints (client-launched mode: a client maps every rank's data area).
+  /// Answers through `done`, called exactly once, without the registry's lock held: at
+  /// once when every rank of the group is attached (or on an error), else from the
+  /// registry's waiter thread as soon as the last rank joins, or when the wait ends, so
+  /// that a waiting call blocks no other RPC. The wait is min(request.wait_ms,
+  /// Options.max_endpoints_wait_ms). The response lists every rank ordered by rank:
+  /// endpoint_id, gpu_uuid, cuda_ipc_handle ("" on the host backend) and launch_mode.
+  /// Errors (checked again whenever the group changes during the wait):
+  ///   NOT_FOUND            no group request.group;
+  ///   FAILED_PRECONDITION  session_id is not an open session, or rank request.rank of
+  ///                        the group is not joined (or left during the wait);
+  ///   PERMISSION_DENIED    the rank is held by another session;
+  ///   DEADLINE_EXCEEDED    the wait ended with ranks missing (named);
+  ///   UNAVAILABLE          the daemon is shutting down.
+  void GetGroupEndpoints(const v1::GetGroupEndpointsRequest& request, EndpointsCallback done);
+  /// The same, blocking the caller until the answer (tests, tools).
+  absl::StatusOr<v1::GetGroupEndpointsResponse> GetGroupEndpoints(
+      const v1::GetGroupEndpointsRequest& request);
 
   /// LeaveGroup: releases one rank. NOT_FOUND (no such group or rank not joined),
   /// PERMISSION_DENIED (the rank belongs to another session).
@@ -84,9 +119,12 @@ class GroupRegistry {
     std::string gpu_uuid;
     std::string session_id;
     int64_t client_pid = 0;
+    uint64_t endpoint_id = 0;
+    std::string cuda_ipc_handle;
   };
   struct Group {
     v1::GroupSpec spec;
+    v1::LaunchMode launch_mode = v1::LAUNCH_MODE_DAEMON;  ///< Fixed by the first joiner.
     std::unique_ptr<DataPlaneGroup> data;
     std::map<int32_t, RankSlot> ranks;
     uint64_t bytes_per_rank = 0;
@@ -98,7 +136,23 @@ class GroupRegistry {
     std::set<std::pair<std::string, int32_t>> endpoints;  ///< (group, rank).
   };
 
+  /// A GetGroupEndpoints call still waiting for ranks.
+  struct EndpointsWaiter {
+    v1::GetGroupEndpointsRequest request;
+    absl::Time deadline;
+    uint32_t wait_ms = 0;  ///< The effective wait (for the error message).
+    EndpointsCallback done;
+  };
+
   absl::StatusOr<std::string> ResolveGpu(const std::string& gpu_uuid) const;
+  /// The answer to `waiter` now; nullopt while ranks are missing and its deadline is
+  /// ahead of `now`.
+  std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> EvaluateEndpointsLocked(
+      const EndpointsWaiter& waiter, absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// The waiter thread: answers waiters as the groups change or their deadlines pass.
+  void ServeEndpointsWaiters();
+  /// Wakes the waiter thread after a change of the groups, sessions or draining.
+  void NotifyWaitersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Detaches `rank` of `group_name` (which must be held) and destroys the group when
   /// it becomes empty.
   void ReleaseRankLocked(const std::string& group_name, int32_t rank, absl::string_view why)
@@ -114,6 +168,10 @@ class GroupRegistry {
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t retired_ops_completed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t retired_ops_failed_ ABSL_GUARDED_BY(mu_) = 0;
+  std::list<EndpointsWaiter> waiters_ ABSL_GUARDED_BY(mu_);
+  absl::CondVar waiters_changed_;
+  bool stop_waiters_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread waiter_thread_;  ///< Started with the first waiting call; joined at destruction.
 };
 
 }  // namespace epd

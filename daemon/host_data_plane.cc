@@ -76,6 +76,16 @@ class HostGroup : public LockstepGroup {
       const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) override {
     return Execute(plan, slots);
   }
+  /// The host backend has no streams: a stream-ordered request (kFlagStreamOrdered,
+  /// CUDA daemon-launched mode) is INVALID_ARGUMENT.
+  absl::Status CheckRequest(int32_t /*rank*/, const abi::RequestSlot& slot) const override {
+    if (slot.flags & abi::kFlagStreamOrdered) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          OpName(slot.op), ": request flag kFlagStreamOrdered (0x", absl::Hex(slot.flags),
+          ") needs the CUDA backend; the host backend has no CUDA streams to order on"));
+    }
+    return absl::OkStatus();
+  }
 
  private:
   std::vector<RankOutcome> Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
@@ -141,9 +151,9 @@ absl::StatusOr<std::shared_ptr<RankResources>> HostGroup::PrepareRank(
     int32_t /*rank*/, const std::string& /*gpu_uuid*/, v1::LaunchMode launch_mode,
     v1::EndpointInfo* info) {
   if (launch_mode == v1::LAUNCH_MODE_CLIENT) {
-    return absl::InvalidArgumentError(
-        "launch_mode LAUNCH_MODE_CLIENT needs the CUDA backend; the host backend runs every "
-        "op in the daemon (use LAUNCH_MODE_DAEMON or leave it unspecified)");
+    return absl::FailedPreconditionError(
+        "launch_mode LAUNCH_MODE_CLIENT: client-launched mode needs the CUDA backend; the host "
+        "backend runs every op in the daemon (use LAUNCH_MODE_DAEMON or leave it unspecified)");
   }
   info->set_backend("host");
   info->set_doorbell_shm_name(plane_->doorbell_name());

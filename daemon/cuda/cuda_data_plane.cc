@@ -2,6 +2,7 @@
 // CUDA IPC, one engine per GPU, daemon-launched group ops on one stream per rank.
 #include "daemon/cuda/cuda_data_plane.h"
 
+#include <cuda.h>  // Driver API types only: the entry points are resolved at run time.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -83,6 +84,53 @@ using DevicePtr = std::unique_ptr<uint8_t, DeviceFree>;
 using StreamPtr = std::unique_ptr<std::remove_pointer_t<cudaStream_t>, StreamDestroy>;
 using EventPtr = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, EventDestroy>;
 
+// ---- stream memory operations (driver API, resolved at run time) --------------------------
+
+/// cuStreamWaitValue64 / cuStreamWriteValue64, the stream-ordered hand-off of DESIGN.md
+/// §3.2, resolved once through cudaGetDriverEntryPointByVersion so that the daemon does not
+/// link libcuda (it must start where no NVIDIA driver is installed, e.g. CI, and run the
+/// host backend there).
+struct StreamMemOps {
+  CUresult (*wait_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
+  CUresult (*write_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
+  CUresult (*get_error_string)(CUresult, const char**) = nullptr;
+
+  /// The resolved entry points, or why they are unavailable (then stream-ordered requests
+  /// are refused with FAILED_PRECONDITION).
+  static absl::StatusOr<const StreamMemOps*> Get() {
+    static StreamMemOps ops;
+    static const absl::Status status = [] {
+      auto resolve = [](const char* name, void** fn) -> absl::Status {
+        cudaDriverEntryPointQueryResult q{};
+        EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(
+            cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &q)));
+        if (q != cudaDriverEntryPointSuccess || *fn == nullptr) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("the CUDA driver has no entry point ", name,
+                           " (stream-ordered daemon-launched ops need it)"));
+        }
+        return absl::OkStatus();
+      };
+      EPD_RETURN_IF_ERROR(
+          resolve("cuStreamWaitValue64", reinterpret_cast<void**>(&ops.wait_value64)));
+      EPD_RETURN_IF_ERROR(
+          resolve("cuStreamWriteValue64", reinterpret_cast<void**>(&ops.write_value64)));
+      return resolve("cuGetErrorString", reinterpret_cast<void**>(&ops.get_error_string));
+    }();
+    if (!status.ok()) return status;
+    return &ops;
+  }
+
+  /// absl::Status of a driver call `call` (INTERNAL naming it and the driver's message).
+  absl::Status Check(CUresult r, const char* call) const {
+    if (r == CUDA_SUCCESS) return absl::OkStatus();
+    const char* msg = nullptr;
+    if (get_error_string != nullptr) get_error_string(r, &msg);
+    return absl::InternalError(absl::StrCat(call, " failed: CUresult ", static_cast<int>(r), ": ",
+                                            msg != nullptr ? msg : "unknown error"));
+  }
+};
+
 /// What the engine reads back after each op, per rank (pinned host memory).
 struct Readback {
   kc::DeviceStatus status;
@@ -121,9 +169,12 @@ struct CudaRank : RankResources {
   int device = 0;  ///< The daemon's CUDA ordinal.
   int32_t rank = 0;
   uint64_t bytes = 0;
+  uint64_t launch_flags_offset = 0;  ///< EndpointLayout::launch_flags.offset.
+  bool client_launched = false;      ///< LAUNCH_MODE_CLIENT: the engine runs nothing.
   std::string ipc_handle;
   StreamPtr stream;  // Declared before area: destroyed after it is synchronised.
   EventPtr done;
+  EventPtr waited;  ///< Recorded once a stream-ordered op's ready wait has passed.
   std::unique_ptr<Readback, HostFree> readback;
   DevicePtr area;
 
@@ -138,6 +189,16 @@ struct CudaRank : RankResources {
     }
     area.reset();
     cudaGetLastError();
+  }
+
+  /// launch_flags.ready_seq / done_seq in the rank's area (layout.h).
+  CUdeviceptr ready_flag() const {
+    return reinterpret_cast<CUdeviceptr>(area.get() + launch_flags_offset +
+                                         kernels::kReadyFlagOffset);
+  }
+  CUdeviceptr done_flag() const {
+    return reinterpret_cast<CUdeviceptr>(area.get() + launch_flags_offset +
+                                         kernels::kDoneFlagOffset);
   }
 };
 
@@ -221,24 +282,41 @@ class CudaGroup : public LockstepGroup {
     GpuEngine* e = engine_.load();
     if (e != nullptr && e->engine != nullptr) e->engine->Wake();
   }
+  absl::Status CheckRequest(int32_t rank, const abi::RequestSlot& slot) const override;
+  absl::Status AcceptsRequests(int32_t rank) const override;
+  void OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) override;
 
  private:
   /// The group's GPUs (those of its attached ranks).
   std::set<int> Devices() const;
   kc::CudaRankContext Context(int32_t r, int32_t num_sms) const;
-  absl::Status LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r);
+  /// Enqueues rank r's part of `plan` on its stream: for a stream-ordered slot first the
+  /// wait for ready_seq >= seq (then *ready_wait = true), then the op's kernels.
+  absl::Status LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
+                          bool* ready_wait);
   absl::Status ResetSync();
   /// Serves this group from the engine of `device` unless an engine already does.
   void AdoptEngine(int device);
 
   /// An op on the GPU: the ranks it runs on (kept alive until it finished), per-rank
-  /// launch errors, when it started.
+  /// launch errors, which ranks' streams wait for their client (kFlagStreamOrdered), when
+  /// it started.
   struct GpuOp {
     abi::OpKind op = abi::OpKind::kInvalid;
+    uint64_t seq = 0;
     std::vector<std::shared_ptr<CudaRank>> ranks;
     std::vector<absl::Status> launch;
+    std::vector<bool> stream_ordered;
+    std::vector<bool> ready_wait;  ///< The rank's stream got the ready_seq wait.
     Clock::time_point started;
   };
+  /// Enqueues done_seq = seq on rank `cr`'s stream (after everything already on it).
+  absl::Status WriteDone(const CudaRank& cr, uint64_t seq) const;
+  /// For every stream-ordered rank of `op` whose stream still waits for ready_seq (its
+  /// client never wrote it), writes ready_seq = op.seq from the host so that the stream
+  /// and the op's kernels (bounded by op_timeout) can end. Used when the op is given up
+  /// on and before the group's memory is freed.
+  void ReleaseReadyWaits(const GpuOp& op) const;
 
   CudaDataPlaneImpl* plane_;
   std::atomic<GpuEngine*> engine_{nullptr};
@@ -380,6 +458,7 @@ CudaGroup::~CudaGroup() {
   std::lock_guard<std::mutex> lock(mu_);
   for (const std::optional<GpuOp>* op : {&gpu_op_, &abandoned_}) {
     if (!op->has_value()) continue;
+    ReleaseReadyWaits(**op);  // A client that never wrote ready_seq must not hang us.
     for (const auto& r : (*op)->ranks) {
       cudaSetDevice(r->device);
       cudaStreamSynchronize(r->stream.get());
@@ -406,16 +485,15 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
                                                                       const std::string& gpu_uuid,
                                                                       v1::LaunchMode launch_mode,
                                                                       v1::EndpointInfo* info) {
-  if (launch_mode == v1::LAUNCH_MODE_CLIENT) {
-    return absl::UnimplementedError(
-        "launch_mode LAUNCH_MODE_CLIENT is not implemented by this epd's CUDA data plane yet; "
-        "use LAUNCH_MODE_DAEMON or leave it unspecified");
-  }
   EPD_ASSIGN_OR_RETURN(int device, plane_->DeviceOf(gpu_uuid));
   auto r = std::make_shared<CudaRank>();
   r->device = device;
   r->rank = rank;
   r->bytes = layout().total_bytes;
+  r->launch_flags_offset = layout().launch_flags.offset;
+  // Client-launched endpoints get the same (zeroed) area and IPC handle; the engine
+  // refuses their ring slots (AcceptsRequests).
+  r->client_launched = launch_mode == v1::LAUNCH_MODE_CLIENT;
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(device)));
   cudaStream_t stream = nullptr;
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)));
@@ -423,6 +501,8 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
   cudaEvent_t event = nullptr;
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)));
   r->done.reset(event);
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)));
+  r->waited.reset(event);
   void* pinned = nullptr;
   EPD_RETURN_IF_ERROR(
       EPD_CUDA_STATUS(cudaHostAlloc(&pinned, sizeof(Readback), cudaHostAllocPortable)));
@@ -443,7 +523,7 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
   info->set_gpu_uuid(plane_->UuidOf(device));
   info->set_cuda_ipc_handle(r->ipc_handle);
   info->set_doorbell_shm_name(engine_.load()->doorbell.name());
-  info->set_launch_mode(v1::LAUNCH_MODE_DAEMON);
+  info->set_launch_mode(r->client_launched ? v1::LAUNCH_MODE_CLIENT : v1::LAUNCH_MODE_DAEMON);
   return std::shared_ptr<RankResources>(std::move(r));
 }
 
@@ -548,7 +628,8 @@ absl::Status CudaGroup::ResetSync() {
   return absl::OkStatus();
 }
 
-absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r) {
+absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
+                                   bool* ready_wait) {
   const CudaRank& cr = *ranks_[r];
   const EndpointLayout& L = layout();
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
@@ -561,6 +642,16 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
                               ? plane_->options().num_sms
                               : (slot.num_sms > 0 ? slot.num_sms : plane_->options().num_sms);
   const kc::CudaRankContext ctx = Context(r, num_sms);
+  if (slot.flags & abi::kFlagStreamOrdered) {
+    // The client's stream writes ready_seq = seq once it has staged the inputs; this
+    // stream waits for it on the GPU (the CPU never does).
+    EPD_ASSIGN_OR_RETURN(const StreamMemOps* mem, StreamMemOps::Get());
+    EPD_RETURN_IF_ERROR(mem->Check(mem->wait_value64(reinterpret_cast<CUstream>(s), cr.ready_flag(),
+                                                     slot.seq, CU_STREAM_WAIT_VALUE_GEQ),
+                                   "cuStreamWaitValue64(ready_seq)"));
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventRecord(cr.waited.get(), s)));
+    *ready_wait = true;
+  }
   switch (plan.op) {
     case abi::OpKind::kGetDispatchLayout:
       EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, slot.num_tokens, s));
@@ -615,9 +706,13 @@ std::optional<std::vector<RankOutcome>> CudaGroup::StartOp(
   const int R = static_cast<int>(slots.size());
   GpuOp op;
   op.op = plan.op;
+  op.seq = plan.seq;
   op.started = Clock::now();
   op.ranks = ranks_;
   op.launch.assign(R, absl::OkStatus());
+  op.stream_ordered.assign(R, false);
+  op.ready_wait.assign(R, false);
+  for (int r = 0; r < R; ++r) op.stream_ordered[r] = slots[r].flags & abi::kFlagStreamOrdered;
   if (needs_sync_reset_) {
     absl::Status st = ResetSync();
     if (!st.ok()) {
@@ -625,23 +720,98 @@ std::optional<std::vector<RankOutcome>> CudaGroup::StartOp(
                          st.ToString());
       plane_->ReleaseGpus(this);
       std::vector<RankOutcome> out(R);
-      for (auto& o : out) o.status = st;
+      for (int r = 0; r < R; ++r) {
+        out[r].status = st;
+        OpEndedWithoutLaunch(r, slots[r]);  // No kernel runs: release the client's stream.
+      }
       return out;
     }
   }
   // Every rank's kernel is enqueued before any is waited for; a launch error on one rank
   // still launches the others, whose waits then end at the kernel timeout.
-  for (int r = 0; r < R; ++r) op.launch[r] = LaunchRank(plan, slots[r], r);
+  for (int r = 0; r < R; ++r) {
+    bool ready_wait = false;
+    op.launch[r] = LaunchRank(plan, slots[r], r, &ready_wait);
+    op.ready_wait[r] = ready_wait;
+  }
   for (int r = 0; r < R; ++r) {
     const CudaRank& cr = *ranks_[r];
     cudaSetDevice(cr.device);
     absl::Status st =
         kc::EnqueueStatusReadback(Context(r, 0), cr.stream.get(), &cr.readback->status);
-    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventRecord(cr.done.get(), cr.stream.get()));
+    // done_seq = seq after the kernels and the read-back, also when a launch failed, so
+    // the client's stream is released on every path.
+    if (op.stream_ordered[r]) {
+      absl::Status done = WriteDone(cr, plan.seq);
+      if (st.ok()) st = done;
+    }
+    absl::Status recorded = EPD_CUDA_STATUS(cudaEventRecord(cr.done.get(), cr.stream.get()));
+    if (st.ok()) st = recorded;
     if (!st.ok() && op.launch[r].ok()) op.launch[r] = st;
   }
   gpu_op_ = std::move(op);
   return std::nullopt;
+}
+
+absl::Status CudaGroup::CheckRequest(int32_t /*rank*/, const abi::RequestSlot& slot) const {
+  if (slot.flags & abi::kFlagStreamOrdered) {
+    absl::StatusOr<const StreamMemOps*> mem = StreamMemOps::Get();
+    if (!mem.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          OpName(slot.op),
+          ": kFlagStreamOrdered cannot be served by this epd: ", mem.status().message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaGroup::AcceptsRequests(int32_t rank) const {
+  const std::shared_ptr<CudaRank>& cr = ranks_[rank];
+  if (cr && cr->client_launched) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " of group ", spec().name(),
+        " is client-launched (LAUNCH_MODE_CLIENT): the daemon runs no op for it and refuses "
+        "its ring slots; its client launches the kernels itself"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaGroup::WriteDone(const CudaRank& cr, uint64_t seq) const {
+  EPD_ASSIGN_OR_RETURN(const StreamMemOps* mem, StreamMemOps::Get());
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
+  return mem->Check(
+      mem->write_value64(reinterpret_cast<CUstream>(cr.stream.get()), cr.done_flag(), seq, 0),
+      "cuStreamWriteValue64(done_seq)");
+}
+
+void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) {
+  if (!(slot.flags & abi::kFlagStreamOrdered)) return;
+  const std::shared_ptr<CudaRank>& cr = ranks_[rank];
+  if (!cr) return;
+  absl::Status st = WriteDone(*cr, slot.seq);
+  if (!st.ok()) {
+    EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
+                       spec().name(), rank, slot.seq, st.ToString());
+  }
+}
+
+void CudaGroup::ReleaseReadyWaits(const GpuOp& op) const {
+  for (size_t r = 0; r < op.ranks.size(); ++r) {
+    if (!op.ready_wait[r]) continue;
+    const CudaRank& cr = *op.ranks[r];
+    cudaSetDevice(cr.device);
+    if (cudaEventQuery(cr.waited.get()) != cudaErrorNotReady) continue;
+    // The stream is still at the ready wait, so its client has not written ready_seq =
+    // seq (nor anything later): writing seq cannot hide a newer value.
+    const uint64_t seq = op.seq;
+    cudaError_t err = cudaMemcpy(reinterpret_cast<void*>(cr.ready_flag()), &seq, sizeof(seq),
+                                 cudaMemcpyHostToDevice);
+    EngineLog()->warn(
+        "group {} rank {}: its client never wrote ready_seq = {}; released the stream from the "
+        "host ({})",
+        spec().name(), r, seq, cudaGetErrorString(err));
+  }
+  cudaGetLastError();
 }
 
 std::optional<std::vector<RankOutcome>> CudaGroup::PollOp() {
@@ -672,6 +842,7 @@ std::optional<std::vector<RankOutcome>> CudaGroup::PollOp() {
                      " ms + 5 s; check the GPU (nvidia-smi) and the daemon log"));
     EngineLog()->error("{}", std::string(st.message()));
     for (auto& o : out) o.status = st;
+    ReleaseReadyWaits(op);
     abandoned_ = std::move(gpu_op_);
     gpu_op_.reset();
     return out;
@@ -684,7 +855,9 @@ std::optional<std::vector<RankOutcome>> CudaGroup::PollOp() {
     } else if (!event_error[r].ok()) {
       out[r].status = event_error[r];
     } else {
-      out[r].status = kc::StatusFromDevice(rb.status, shape(), r, name);
+      const bool low_latency =
+          op.op == abi::OpKind::kLowLatencyDispatch || op.op == abi::OpKind::kLowLatencyCombine;
+      out[r].status = kc::StatusFromDevice(rb.status, shape(), r, name, low_latency);
       if (op.op == abi::OpKind::kDispatch) out[r].num_recv_tokens = rb.recv_count;
     }
     // A device-side timeout or a launch error leaves the ranks' sequence counters out of

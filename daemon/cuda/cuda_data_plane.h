@@ -12,21 +12,35 @@
 // CUDA stream; each group keeps, per GPU it uses, a device array [R] of its ranks' data-area
 // bases as seen by the daemon's context (CudaRankContext::peer_bases).
 //
-// Launch mode: daemon-launched. A group is served by the engine of the GPU of the first
-// rank that attached. Ops run in lockstep (daemon/group_ops.h): once every rank has
-// submitted op n, the engine launches each rank's kernel on that rank's stream (grids
-// sized so that every rank's kernel of the group is resident at once: virtual ranks on one
-// GPU), enqueues each rank's DeviceStatus read-back into pinned memory and an event, and
-// polls the events without blocking; then it writes the completions. Only one group op
-// runs on a GPU at a time (residency of spinning kernels). A rank that never arrives fails
-// the op on the CPU after op_timeout (no kernel of a partial op is ever launched, so
-// nothing spins on the GPU). After a device-side timeout or a launch error, the group's
-// kernel sync state is reset before its next op.
+// Launch modes (DESIGN.md §3.2; a group's mode is fixed by its first joiner, see
+// GroupRegistry::Join):
+//  * Daemon-launched. A group is served by the engine of the GPU of the first rank that
+//    attached. Ops run in lockstep (daemon/group_ops.h): once every rank has submitted op
+//    n, the engine launches each rank's kernel on that rank's stream (grids sized so that
+//    every rank's kernel of the group is resident at once: virtual ranks on one GPU),
+//    enqueues each rank's DeviceStatus read-back into pinned memory and an event, and polls
+//    the events without blocking; then it writes the completions. Only one group op runs on
+//    a GPU at a time (residency of spinning kernels). A rank that never arrives fails the op
+//    on the CPU after op_timeout (no kernel of a partial op is ever launched, so nothing
+//    spins on the GPU). After a device-side timeout or a launch error, the group's kernel
+//    sync state is reset before its next op.
+//    Stream-ordered requests (abi::kFlagStreamOrdered): the rank's stream first waits on
+//    the GPU for launch_flags.ready_seq >= seq (cuStreamWaitValue64; the client's stream
+//    writes it once the inputs are staged), then runs the kernels and the read-back, then
+//    writes launch_flags.done_seq = seq (cuStreamWriteValue64), which the client's stream
+//    waits for. An op that ends without its kernels (rejected slot, client error, a rank
+//    that never arrived or left, shutdown) still gets done_seq = seq on the stream of
+//    every rank whose request had the flag (LockstepGroup::OpEndedWithoutLaunch). If a
+//    client never writes ready_seq, the engine gives the op up after op_timeout + 5 s and
+//    writes ready_seq = seq from the host so the stream (and the group) moves on. Both
+//    driver calls are resolved at run time (cudaGetDriverEntryPointByVersion): the daemon
+//    does not link libcuda.
+//  * Client-launched (LAUNCH_MODE_CLIENT): the endpoint gets the same zeroed area and IPC
+//    handle (GetGroupEndpoints hands every rank's to the client, which launches the
+//    kernels itself); the engine never launches anything for it and completes every slot
+//    of its ring at once with FAILED_PRECONDITION.
 //
-// Simplifications of this step (docs/CUDA_BACKEND.md): the client stages inputs with a
-// synchronous cudaMemcpy before it submits and waits for the CPU completion; the
-// stream-ordered hand-off (cuStreamWriteValue/WaitValue flags), graph mode and
-// client-launched mode (LAUNCH_MODE_CLIENT → UNIMPLEMENTED) come next.
+// Simplification of this step (docs/CUDA_BACKEND.md): graph mode comes next.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,7 @@
 // Host side of cuda_ops.h shared by every CUDA op: CUDA error conversion, context checks,
 // grid sizing, the DeviceStatus read-back, low-latency sync reset, the run-time token-count
 // slot and eager kernel loading.
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -90,7 +91,7 @@ absl::Status ResolveNumBlocks(const CudaRankContext& ctx, int32_t* num_blocks) {
 }
 
 absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shape, int32_t rank,
-                              const char* op) {
+                              const char* op, bool low_latency) {
   std::vector<std::string> findings;
   if (status.bad_expert_ids != 0) {
     findings.push_back(absl::StrCat(
@@ -98,9 +99,11 @@ absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shap
         ") were ignored"));
   }
   if (status.has_bad_num_tokens != 0) {
-    findings.push_back(absl::StrCat("num_tokens = ", status.bad_num_tokens,
-                                    " is outside [0, ll_max_tokens_per_rank = ",
-                                    shape.ll_max_tokens_per_rank, "] (nothing was sent)"));
+    findings.push_back(
+        absl::StrCat("num_tokens = ", status.bad_num_tokens, " is outside [0, ",
+                     low_latency ? "ll_max_tokens_per_rank = " : "max_tokens_per_rank = ",
+                     low_latency ? shape.ll_max_tokens_per_rank : shape.max_tokens_per_rank,
+                     "] (nothing was sent)"));
   }
   if (status.timed_out != 0) {
     std::vector<int32_t> missing;
@@ -133,7 +136,11 @@ absl::Status ReadAndClearStatus(const CudaRankContext& ctx, cudaStream_t stream,
   DeviceStatus status{};
   EPD_RETURN_IF_ERROR(EnqueueStatusReadback(ctx, stream, &status));
   EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  return StatusFromDevice(status, ctx.shape, ctx.rank, op);
+  // This entry point gets only the op's name: a low-latency op is one named
+  // "LowLatency..." (what every caller passes for those ops); the name picks the bound
+  // named in a bad-T message.
+  const bool low_latency = op != nullptr && std::strncmp(op, "LowLatency", 10) == 0;
+  return StatusFromDevice(status, ctx.shape, ctx.rank, op, low_latency);
 }
 
 absl::Status ResetLowLatencySync(const CudaRankContext& ctx, cudaStream_t stream) {

@@ -14,6 +14,12 @@
 // the others, naming it; another group on the same GPU keeps working meanwhile; the late
 // group then works), and an out-of-range expert id (INVALID_ARGUMENT for every rank, the
 // next op correct).
+//
+// Launch modes (issue 4, DESIGN.md §3.2), with raw ring slots (tests/unit/raw_ring.h) so
+// that the daemon side is tested on its own: a stream-ordered request (kFlagStreamOrdered)
+// runs its kernels only once launch_flags.ready_seq >= seq and then gets done_seq == seq,
+// also when the op fails (bad expert id, a client error, a rank that never arrives); a
+// client-launched endpoint gets a zeroed area and its ring slots are refused.
 #include "daemon/cuda/cuda_data_plane.h"
 
 #include <cuda_runtime.h>
@@ -34,9 +40,12 @@
 #include "client/cuda_ipc.h"
 #include "client/endpoint_internal.h"
 #include "daemon/gpu_inventory.h"
+#include "daemon/group_ops.h"
 #include "daemon/host_data_plane.h"
 #include "epd/client.h"
 #include "gpu_test_util.h"
+#include "shm_abi.h"
+#include "tests/unit/raw_ring.h"
 
 namespace epd {
 namespace {
@@ -487,18 +496,277 @@ TEST_F(CudaDataPlaneTest, GroupAcrossTwoGpusMatchesHost) {
   ExpectSame(RunNormal(host, in), RunNormal(cuda, in), "two GPUs normal");
 }
 
-TEST_F(CudaDataPlaneTest, ReportsGpuMemoryAndRejectsClientLaunchForNow) {
+TEST_F(CudaDataPlaneTest, ReportsGpuMemory) {
   const v1::GroupSpec spec = Spec("mem", 2, 2, 128, 1, 4, 0);
   auto free_bytes = cuda_->FreeBytes("");
   ASSERT_TRUE(free_bytes.ok()) << free_bytes.status();
   EXPECT_GT(*free_bytes, cuda_->BytesPerRank(spec));
   EXPECT_EQ(cuda_->BytesPerRank(spec) % (2u << 20), 0u);
   EXPECT_EQ(cuda_->FreeBytes("GPU-not-a-gpu").status().code(), absl::StatusCode::kNotFound);
-  auto g = cuda_->CreateGroup(spec);
-  ASSERT_TRUE(g.ok());
+}
+
+/// One rank attached to a data-plane group through raw ring slots: its EndpointInfo, its
+/// ring, and its device area (mapped in-process).
+struct RawRank {
   v1::EndpointInfo info;
-  EXPECT_EQ((*g)->AttachRank(0, "", v1::LAUNCH_MODE_CLIENT, &info).code(),
-            absl::StatusCode::kUnimplemented);
+  std::unique_ptr<testing::RawRing> ring;
+  uint8_t* area = nullptr;
+};
+
+/// Attaches every rank of `group` with `mode` and maps its ring and area.
+std::vector<RawRank> AttachRaw(DataPlaneGroup& group, int ranks, v1::LaunchMode mode) {
+  std::vector<RawRank> out(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    absl::Status st = group.AttachRank(r, "", mode, &out[r].info);
+    EXPECT_TRUE(st.ok()) << st;
+    if (!st.ok()) return {};
+    out[r].ring = testing::RawRing::Open(out[r].info);
+    auto area = FindInProcessCudaArea(out[r].info.cuda_ipc_handle());
+    EXPECT_TRUE(area.ok()) << area.status();
+    if (!area.ok() || out[r].ring == nullptr) return {};
+    out[r].area = static_cast<uint8_t*>(*area);
+  }
+  return out;
+}
+
+uint64_t ReadU64(const uint8_t* device) {
+  uint64_t v = ~0ull;
+  EXPECT_EQ(cudaMemcpy(&v, device, sizeof(v), cudaMemcpyDeviceToHost), cudaSuccess);
+  return v;
+}
+void WriteU64(uint8_t* device, uint64_t v) {
+  EXPECT_EQ(cudaMemcpy(device, &v, sizeof(v), cudaMemcpyHostToDevice), cudaSuccess);
+}
+template <typename T>
+void Upload(uint8_t* device, const std::vector<T>& v) {
+  EXPECT_EQ(cudaMemcpy(device, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice),
+            cudaSuccess);
+}
+template <typename T>
+std::vector<T> Download(const uint8_t* device, size_t n) {
+  std::vector<T> v(n);
+  EXPECT_EQ(cudaMemcpy(v.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  return v;
+}
+
+/// The launch_flags words of a rank (layout.h).
+struct Flags {
+  uint8_t* ready;
+  uint8_t* done;
+};
+Flags FlagsOf(const RawRank& rank, const kernels::EndpointLayout& layout) {
+  uint8_t* base = rank.area + layout.launch_flags.offset;
+  return {base + kernels::kReadyFlagOffset, base + kernels::kDoneFlagOffset};
+}
+
+/// Polls done_seq until it reaches `seq` (the engine's write lands on the GPU shortly after
+/// the CPU completion) or `timeout` passes; returns the last value read.
+uint64_t AwaitDone(const Flags& f, uint64_t seq, std::chrono::milliseconds timeout) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  uint64_t v = ReadU64(f.done);
+  while (v < seq && std::chrono::steady_clock::now() < end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    v = ReadU64(f.done);
+  }
+  return v;
+}
+
+constexpr int32_t kCode(absl::StatusCode c) { return static_cast<int32_t>(c); }
+
+TEST_F(CudaDataPlaneTest, StreamOrderedOpRunsOnlyOnceReadyIsWrittenThenWritesDone) {
+  const int R = 2, E = 8, K = 2, T = 6;
+  const v1::GroupSpec spec = Spec("ordered", R, E, 256, K, 16, 16);
+  const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(ShapeOf(spec));
+  auto group = cuda_->CreateGroup(spec);
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::vector<RawRank> ranks = AttachRaw(**group, R, v1::LAUNCH_MODE_UNSPECIFIED);
+  ASSERT_EQ(ranks.size(), static_cast<size_t>(R));
+  for (const RawRank& rk : ranks) {
+    EXPECT_EQ(rk.info.launch_mode(), v1::LAUNCH_MODE_DAEMON);
+    EXPECT_EQ(ReadU64(FlagsOf(rk, L).ready), 0u);
+    EXPECT_EQ(ReadU64(FlagsOf(rk, L).done), 0u);
+  }
+  // Stale inputs (every token to expert 0) are staged first; the right ones only after
+  // the requests are published, right before ready_seq is written, as a client's stream
+  // that is still busy would.
+  std::vector<int64_t> stale(T * K, 0);
+  std::vector<std::vector<int64_t>> idx(R, std::vector<int64_t>(T * K));
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < T; ++t) {
+      idx[r][t * K] = (t + r) % E;
+      idx[r][t * K + 1] = t % 3 == 0 ? -1 : (t + r + 3) % E;
+    }
+    Upload(ranks[r].area + L.in_topk_idx.offset, stale);
+  }
+  uint64_t seq = 0;
+  for (int r = 0; r < R; ++r) {
+    seq = ranks[r].ring->Submit(abi::OpKind::kGetDispatchLayout, abi::kFlagStreamOrdered, T);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  for (int r = 0; r < R; ++r) {
+    EXPECT_FALSE(ranks[r].ring->Completion(seq).has_value()) << "rank " << r << " done early";
+    EXPECT_LT(ReadU64(FlagsOf(ranks[r], L).done), seq) << "rank " << r;
+    const auto per_expert = Download<int32_t>(ranks[r].area + L.layout_tokens_per_expert.offset, E);
+    EXPECT_EQ(std::count(per_expert.begin(), per_expert.end(), 0), E)
+        << "rank " << r << ": the kernels ran before ready_seq was written";
+  }
+  for (int r = 0; r < R; ++r) {
+    Upload(ranks[r].area + L.in_topk_idx.offset, idx[r]);
+    WriteU64(FlagsOf(ranks[r], L).ready, seq);
+  }
+  for (int r = 0; r < R; ++r) {
+    auto c = ranks[r].ring->Await(seq, std::chrono::milliseconds(5000));
+    ASSERT_TRUE(c.has_value()) << "rank " << r << " got no completion";
+    EXPECT_EQ(c->status_code, 0) << c->message;
+    EXPECT_EQ(AwaitDone(FlagsOf(ranks[r], L), seq, std::chrono::milliseconds(2000)), seq);
+    std::vector<int32_t> want_expert(E, 0), want_rank(R, 0);
+    for (int t = 0; t < T; ++t) {
+      std::vector<bool> to_rank(R, false);
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = idx[r][t * K + k];
+        if (e < 0) continue;
+        ++want_expert[e];
+        to_rank[e / (E / R)] = true;
+      }
+      for (int q = 0; q < R; ++q) want_rank[q] += to_rank[q] ? 1 : 0;
+    }
+    EXPECT_EQ(Download<int32_t>(ranks[r].area + L.layout_tokens_per_expert.offset, E), want_expert)
+        << "rank " << r;
+    EXPECT_EQ(Download<int32_t>(ranks[r].area + L.layout_tokens_per_rank.offset, R), want_rank)
+        << "rank " << r;
+  }
+  // A request without the flag leaves the flags alone.
+  uint64_t plain = 0;
+  for (int r = 0; r < R; ++r) plain = ranks[r].ring->Submit(abi::OpKind::kGetDispatchLayout, 0, T);
+  for (int r = 0; r < R; ++r) {
+    auto c = ranks[r].ring->Await(plain, std::chrono::milliseconds(5000));
+    ASSERT_TRUE(c.has_value());
+    EXPECT_EQ(c->status_code, 0) << c->message;
+    EXPECT_EQ(ReadU64(FlagsOf(ranks[r], L).done), seq);
+  }
+}
+
+TEST_F(CudaDataPlaneTest, StreamOrderedFailuresStillWriteDone) {
+  const int R = 2, E = 8, K = 2, H = 256, T = 4;
+  const v1::GroupSpec spec = Spec("ordered-fail", R, E, H, K, 16, 16);
+  const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(ShapeOf(spec));
+  auto group = cuda_->CreateGroup(spec);
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::vector<RawRank> ranks = AttachRaw(**group, R, v1::LAUNCH_MODE_DAEMON);
+  ASSERT_EQ(ranks.size(), static_cast<size_t>(R));
+  std::vector<bf16_bits> x(T * H, kernels::FloatToBf16(1.f));
+  std::vector<int64_t> good(T * K), bad(T * K);
+  for (int t = 0; t < T; ++t) {
+    good[t * K] = t % E;
+    good[t * K + 1] = (t + 5) % E;
+  }
+  bad = good;
+  bad[3] = E;  // Out of range.
+  for (int r = 0; r < R; ++r) Upload(ranks[r].area + L.in_x.offset, x);
+  const auto ll = abi::OpKind::kLowLatencyDispatch;
+  const uint32_t ordered = abi::kFlagStreamOrdered;
+
+  // 1. An out-of-range expert id: the kernels run (after ready) and report it.
+  Upload(ranks[0].area + L.in_topk_idx.offset, good);
+  Upload(ranks[1].area + L.in_topk_idx.offset, bad);
+  uint64_t seq = 0;
+  for (int r = 0; r < R; ++r) {
+    seq = ranks[r].ring->Submit(ll, ordered, T);
+    WriteU64(FlagsOf(ranks[r], L).ready, seq);
+  }
+  for (int r = 0; r < R; ++r) {
+    auto c = ranks[r].ring->Await(seq, std::chrono::milliseconds(5000));
+    ASSERT_TRUE(c.has_value()) << "bad id: rank " << r;
+    EXPECT_EQ(c->status_code, kCode(absl::StatusCode::kInvalidArgument)) << c->message;
+    EXPECT_EQ(AwaitDone(FlagsOf(ranks[r], L), seq, std::chrono::milliseconds(2000)), seq)
+        << "bad id: rank " << r;
+  }
+
+  // 2. A client error on rank 0: no kernel runs, no ready_seq is ever written, and both
+  //    ranks' streams still get done_seq.
+  Upload(ranks[1].area + L.in_topk_idx.offset, good);
+  seq = ranks[0].ring->Submit(ll, ordered | abi::kFlagClientError, T);
+  ranks[1].ring->Submit(ll, ordered, T);
+  for (int r = 0; r < R; ++r) {
+    auto c = ranks[r].ring->Await(seq, std::chrono::milliseconds(5000));
+    ASSERT_TRUE(c.has_value()) << "client error: rank " << r;
+    EXPECT_EQ(c->status_code, kCode(absl::StatusCode::kInvalidArgument)) << c->message;
+    EXPECT_EQ(AwaitDone(FlagsOf(ranks[r], L), seq, std::chrono::milliseconds(2000)), seq)
+        << "client error: rank " << r;
+  }
+
+  // 3. Rank 1 never arrives: rank 0 gets DEADLINE_EXCEEDED after op_timeout (1 s), and
+  //    done_seq; rank 1's late request then fails at once, with done_seq too.
+  const auto start = std::chrono::steady_clock::now();
+  seq = ranks[0].ring->Submit(ll, ordered, T);
+  auto c0 = ranks[0].ring->Await(seq, std::chrono::milliseconds(5000));
+  ASSERT_TRUE(c0.has_value());
+  EXPECT_EQ(c0->status_code, kCode(absl::StatusCode::kDeadlineExceeded)) << c0->message;
+  EXPECT_NE(std::string(c0->message).find("rank(s) 1"), std::string::npos) << c0->message;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(2000));
+  EXPECT_EQ(AwaitDone(FlagsOf(ranks[0], L), seq, std::chrono::milliseconds(2000)), seq);
+  EXPECT_LT(ReadU64(FlagsOf(ranks[1], L).done), seq);
+  ranks[1].ring->Submit(ll, ordered, T);
+  auto c1 = ranks[1].ring->Await(seq, std::chrono::milliseconds(1000));
+  ASSERT_TRUE(c1.has_value());
+  EXPECT_EQ(c1->status_code, kCode(absl::StatusCode::kDeadlineExceeded)) << c1->message;
+  EXPECT_EQ(AwaitDone(FlagsOf(ranks[1], L), seq, std::chrono::milliseconds(2000)), seq);
+
+  // 4. The group then works, stream-ordered: every token reaches its experts.
+  for (int r = 0; r < R; ++r) {
+    seq = ranks[r].ring->Submit(ll, ordered, T);
+    WriteU64(FlagsOf(ranks[r], L).ready, seq);
+  }
+  const int El = E / R;
+  for (int r = 0; r < R; ++r) {
+    auto c = ranks[r].ring->Await(seq, std::chrono::milliseconds(5000));
+    ASSERT_TRUE(c.has_value()) << "after failures: rank " << r;
+    EXPECT_EQ(c->status_code, 0) << c->message;
+    EXPECT_EQ(AwaitDone(FlagsOf(ranks[r], L), seq, std::chrono::milliseconds(2000)), seq);
+    const auto count = Download<int32_t>(ranks[r].area + L.ll_recv_count[c->buffer].offset, El);
+    for (int j = 0; j < El; ++j) {
+      const int e = r * El + j;
+      int want = 0;  // Both ranks send `good`: tokens with e among their ids.
+      for (int t = 0; t < T; ++t) want += (good[t * K] == e || good[t * K + 1] == e) ? 1 : 0;
+      EXPECT_EQ(count[j], R * want) << "rank " << r << " expert " << e;
+    }
+  }
+}
+
+TEST_F(CudaDataPlaneTest, ClientLaunchedEndpointGetsAZeroedAreaAndItsRingIsRefused) {
+  const int R = 2;
+  const v1::GroupSpec spec = Spec("client-mode", R, 8, 256, 2, 16, 16);
+  const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(ShapeOf(spec));
+  auto group = cuda_->CreateGroup(spec);
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::vector<RawRank> ranks = AttachRaw(**group, R, v1::LAUNCH_MODE_CLIENT);
+  ASSERT_EQ(ranks.size(), static_cast<size_t>(R));
+  for (const RawRank& rk : ranks) {
+    EXPECT_EQ(rk.info.launch_mode(), v1::LAUNCH_MODE_CLIENT);
+    EXPECT_EQ(rk.info.backend(), "cuda");
+    EXPECT_EQ(rk.info.cuda_ipc_handle().size(), sizeof(cudaIpcMemHandle_t));
+    EXPECT_EQ(rk.info.data_bytes(), L.total_bytes);
+    const auto bytes = Download<uint8_t>(rk.area, L.total_bytes);
+    EXPECT_EQ(static_cast<uint64_t>(std::count(bytes.begin(), bytes.end(), 0)), L.total_bytes)
+        << "the area (launch_flags included) must be zeroed";
+  }
+  // Every slot is refused at once (no op collection, no op_timeout wait), done_seq
+  // included for a stream-ordered one.
+  const auto start = std::chrono::steady_clock::now();
+  const uint64_t a =
+      ranks[0].ring->Submit(abi::OpKind::kLowLatencyDispatch, abi::kFlagStreamOrdered, 1);
+  const uint64_t b = ranks[0].ring->Submit(abi::OpKind::kGetDispatchLayout, 0, 1);
+  for (uint64_t seq : {a, b}) {
+    auto c = ranks[0].ring->Await(seq, std::chrono::milliseconds(2000));
+    ASSERT_TRUE(c.has_value()) << "seq " << seq;
+    EXPECT_EQ(c->status_code, kCode(absl::StatusCode::kFailedPrecondition)) << c->message;
+    EXPECT_NE(std::string(c->message).find("client-launched"), std::string::npos) << c->message;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500));
+  EXPECT_EQ(AwaitDone(FlagsOf(ranks[0], L), a, std::chrono::milliseconds(2000)), a);
+  EXPECT_EQ(abi::Atomic(ranks[0].ring->header()->rejected_requests).load(), 2u);
+  // Nothing ran on rank 1's area either.
+  EXPECT_EQ(ReadU64(FlagsOf(ranks[1], L).done), 0u);
 }
 
 // The whole path through a real epd process (started by the caller with --backend=auto

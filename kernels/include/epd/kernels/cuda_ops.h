@@ -121,8 +121,11 @@ absl::Status ResolveNumBlocks(const CudaRankContext& ctx, int32_t* num_blocks);
 /// DEADLINE_EXCEEDED naming the peer ranks that never arrived (a timeout wins, the other
 /// findings are appended); else INVALID_ARGUMENT naming the count of bad expert ids and/or
 /// the bad run-time T; else OK.
+/// `low_latency`: the op is LowLatencyDispatch/Combine, whose run-time T is bounded by
+/// shape.ll_max_tokens_per_rank (named in the bad-T message); otherwise (normal ops) by
+/// shape.max_tokens_per_rank.
 absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shape, int32_t rank,
-                              const char* op);
+                              const char* op, bool low_latency);
 
 /// Enqueues on `stream`: a copy of the rank's DeviceStatus into `host_dst` (pinned host
 /// memory, or any memory the copy engine can reach), then a clear of the device word.

@@ -1,0 +1,84 @@
+// RawRing: a test's raw client of one endpoint's shm ring (proto/shm_abi.h), without the
+// client library: publishes request slots and reads completions. Used where a test must
+// write exactly the slot a client would (flags the client library sets on its own, e.g.
+// kFlagStreamOrdered) or drive a LockstepGroup by hand.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <thread>
+
+#include "epd/v1/control.pb.h"
+#include "shm_abi.h"
+#include "shm_region.h"
+
+namespace epd::testing {
+
+/// Writes request slots into an endpoint's ring and reads its completions, as a client
+/// would (proto/shm_abi.h), without the client library.
+class RawRing {
+ public:
+  static std::unique_ptr<RawRing> Open(const v1::EndpointInfo& info) {
+    auto region = ShmRegion::Open(info.shm_name(), info.shm_bytes());
+    EXPECT_TRUE(region.ok()) << region.status();
+    if (!region.ok()) return nullptr;
+    auto ring = std::make_unique<RawRing>();
+    ring->region_ = std::move(*region);
+    ring->next_seq_ = info.first_seq();
+    return ring;
+  }
+
+  abi::EndpointShmHeader* header() const {
+    return reinterpret_cast<abi::EndpointShmHeader*>(region_.data());
+  }
+
+  /// Publishes the next request (op, flags, T) and returns its seq.
+  uint64_t Submit(abi::OpKind op, uint32_t flags, int32_t num_tokens) {
+    abi::RequestSlot slot{};
+    slot.magic = abi::kRequestMagic;
+    slot.op = static_cast<uint32_t>(op);
+    slot.seq = next_seq_++;
+    slot.flags = flags;
+    slot.num_tokens = num_tokens;
+    slot.expert_alignment = 1;
+    abi::EndpointShmHeader* h = header();
+    auto* ring = reinterpret_cast<abi::RequestSlot*>(region_.data() + h->ring_offset);
+    const uint64_t head = abi::Atomic(h->ring_head).load();
+    std::memcpy(&ring[(head + 1) % abi::kRingCapacity], &slot, sizeof(slot));
+    abi::Atomic(h->ring_head).store(head + 1, std::memory_order_release);
+    return slot.seq;
+  }
+
+  /// The completion of `seq` once written, else nullopt.
+  std::optional<abi::Completion> Completion(uint64_t seq) const {
+    abi::EndpointShmHeader* h = header();
+    auto* c = reinterpret_cast<abi::Completion*>(region_.data() + h->completion_offset) +
+              seq % abi::kCompletionCapacity;
+    if (abi::Atomic(c->seq).load(std::memory_order_acquire) != seq) return std::nullopt;
+    return *c;
+  }
+
+  /// Waits (bounded by `timeout`) for the completion of `seq`, calling `poll` meanwhile.
+  std::optional<abi::Completion> Await(uint64_t seq, std::chrono::milliseconds timeout,
+                                       const std::function<void()>& poll = {}) const {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < end) {
+      if (poll) poll();
+      if (auto c = Completion(seq)) return c;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return std::nullopt;
+  }
+
+ private:
+  ShmRegion region_;
+  uint64_t next_seq_ = 0;
+};
+
+}  // namespace epd::testing
