@@ -19,6 +19,14 @@ namespace epd::bench {
 int RunLowLatencyBench();
 /// CUDA normal-mode dispatch/combine (tests/bench/bench_normal.cu). Needs CUDA.
 int RunNormalBench();
+/// CUDA normal-mode dispatch/combine with one rank per GPU (--gpus), beside NCCL
+/// all-to-all of the same bytes (tests/bench/bench_multigpu.cu). Needs CUDA; prints a skip
+/// and returns 0 with fewer than 2 GPUs.
+int RunMultiGpuBench();
+/// Launch modes through a real epd daemon (client-launched, daemon-launched, MPS), beside
+/// a same-bytes cudaMemcpy and the same kernels in-process (tests/bench/bench_launch.cc).
+/// Needs CUDA and the epd binary.
+int RunLaunchBench();
 /// Host backend: the real daemon and clients over shm (tests/bench/bench_host.cc).
 int RunHostBench();
 

@@ -26,6 +26,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "bench.h"
+#include "bench_cuda.h"
 #include "epd/common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"
@@ -41,151 +42,21 @@ using ::epd::testing::VirtualRankGroup;
 constexpr int kWarmup = 50;
 constexpr int kIterations = 1000;
 
-/// The three driver-API entry points the gate needs, resolved through the runtime
-/// (cudaGetDriverEntryPointByVersion) instead of linking libcuda: epd_bench must start on
-/// machines without the NVIDIA driver, where it runs only --backend=host.
-struct DriverApi {
-  CUresult (*wait_value32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
-  CUresult (*write_value32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
-  CUresult (*get_error_string)(CUresult, const char**) = nullptr;
-
-  static absl::StatusOr<const DriverApi*> Get() {
-    static DriverApi api;
-    static absl::Status status = [] {
-      auto resolve = [](const char* name, void** fn) -> absl::Status {
-        cudaDriverEntryPointQueryResult q{};
-        EPD_CUDA_RETURN_IF_ERROR(
-            cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &q));
-        if (q != cudaDriverEntryPointSuccess || *fn == nullptr) {
-          return absl::InternalError(absl::StrCat("driver entry point ", name, " not found"));
-        }
-        return absl::OkStatus();
-      };
-      EPD_RETURN_IF_ERROR(
-          resolve("cuStreamWaitValue32", reinterpret_cast<void**>(&api.wait_value32)));
-      EPD_RETURN_IF_ERROR(
-          resolve("cuStreamWriteValue32", reinterpret_cast<void**>(&api.write_value32)));
-      return resolve("cuGetErrorString", reinterpret_cast<void**>(&api.get_error_string));
-    }();
-    if (!status.ok()) return status;
-    return &api;
-  }
-};
-
-absl::Status DriverStatus(CUresult r, const char* call) {
-  if (r == CUDA_SUCCESS) return absl::OkStatus();
-  const char* msg = nullptr;
-  if (auto api = DriverApi::Get(); api.ok()) (*api)->get_error_string(r, &msg);
-  return absl::InternalError(absl::StrCat(call, " failed: ", msg != nullptr ? msg : "?"));
-}
-
-/// One op's latency over all ranks: `span` = last end - first start (the figure), and
-/// `after_last` = the shortest per-rank kernel time, i.e. the time from the last rank's
-/// start to its end (what is left once every rank has arrived: no launch skew).
-struct OpTimes {
-  Percentiles span;
-  Percentiles after_last;
-};
-
-struct Figure {
-  std::string name;
-  double bytes = 0;
-  OpTimes op_us;
-  Percentiles memcpy_us;  // count == 0: no memcpy bound (nothing moved)
-};
-
-// Times `launch(r, stream)` enqueued on every rank behind a common gate.
-class GatedTimer {
- public:
-  static absl::StatusOr<std::unique_ptr<GatedTimer>> Create(int32_t ranks) {
-    std::unique_ptr<GatedTimer> t(new GatedTimer());
-    EPD_ASSIGN_OR_RETURN(t->gate_, DeviceBuffer::Allocate(4));
-    EPD_ASSIGN_OR_RETURN(t->trigger_, CudaStream::Create());
-    t->start_.resize(ranks);
-    t->end_.resize(ranks);
-    for (int32_t r = 0; r < ranks; ++r) {
-      EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&t->start_[r]));
-      EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&t->end_[r]));
-    }
-    return t;
-  }
-  ~GatedTimer() {
-    for (auto e : start_) cudaEventDestroy(e);
-    for (auto e : end_) cudaEventDestroy(e);
-  }
-
-  absl::StatusOr<OpTimes> Run(
-      VirtualRankGroup& g, const std::function<absl::Status(int32_t, int, cudaStream_t)>& launch) {
-    std::vector<double> us, after_last_us;
-    EPD_ASSIGN_OR_RETURN(const DriverApi* driver, DriverApi::Get());
-    for (int it = 0; it < kWarmup + kIterations; ++it) {
-      ++gate_value_;
-      const CUdeviceptr gate = reinterpret_cast<CUdeviceptr>(gate_.get());
-      for (int32_t r = 0; r < g.num_ranks(); ++r) {
-        EPD_RETURN_IF_ERROR(DriverStatus(
-            driver->wait_value32(g.stream(r), gate, gate_value_, CU_STREAM_WAIT_VALUE_GEQ),
-            "cuStreamWaitValue32"));
-        EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(start_[r], g.stream(r)));
-        EPD_RETURN_IF_ERROR(launch(r, it, g.stream(r)));
-        EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(end_[r], g.stream(r)));
-      }
-      EPD_RETURN_IF_ERROR(DriverStatus(driver->write_value32(trigger_.get(), gate, gate_value_, 0),
-                                       "cuStreamWriteValue32"));
-      EPD_RETURN_IF_ERROR(g.SynchronizeAll());
-      float first_start = 0, last_end = 0, shortest = 1e30f;
-      for (int32_t r = 0; r < g.num_ranks(); ++r) {
-        float s = 0, e = 0;
-        EPD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&s, start_[0], start_[r]));
-        EPD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&e, start_[0], end_[r]));
-        first_start = std::min(first_start, s);
-        last_end = std::max(last_end, e);
-        shortest = std::min(shortest, e - s);
-      }
-      if (it >= kWarmup) {
-        us.push_back(1000.0 * (last_end - first_start));
-        after_last_us.push_back(1000.0 * shortest);
-      }
-    }
-    return OpTimes{ComputePercentiles(us), ComputePercentiles(after_last_us)};
-  }
-
- private:
-  GatedTimer() = default;
-  DeviceBuffer gate_;
-  CudaStream trigger_;
-  uint32_t gate_value_ = 0;
-  std::vector<cudaEvent_t> start_, end_;
-};
-
 // cudaMemcpyAsync device-to-device of `bytes` on one stream, timed with events.
 absl::StatusOr<Percentiles> TimeMemcpy(size_t bytes) {
-  EPD_ASSIGN_OR_RETURN(DeviceBuffer src, DeviceBuffer::Allocate(bytes));
-  EPD_ASSIGN_OR_RETURN(DeviceBuffer dst, DeviceBuffer::Allocate(bytes));
-  EPD_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
-  cudaEvent_t a, b;
-  EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&a));
-  EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b));
-  std::vector<double> us;
-  absl::Status st;
-  for (int it = 0; it < kWarmup + kIterations && st.ok(); ++it) {
-    st = EPD_CUDA_STATUS(cudaEventRecord(a, stream.get()));
-    if (st.ok()) {
-      st = EPD_CUDA_STATUS(
-          cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream.get()));
-    }
-    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventRecord(b, stream.get()));
-    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventSynchronize(b));
-    float ms = 0;
-    if (st.ok()) st = EPD_CUDA_STATUS(cudaEventElapsedTime(&ms, a, b));
-    if (it >= kWarmup) us.push_back(1000.0 * ms);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  if (!st.ok()) return st;
-  return ComputePercentiles(us);
+  return TimeDeviceCopy(bytes, kWarmup, kIterations);
 }
 
-absl::Status Run(std::vector<Figure>* figures, std::string* device_name) {
+std::vector<cudaStream_t> Streams(const VirtualRankGroup& g) {
+  std::vector<cudaStream_t> streams(g.num_ranks());
+  for (int32_t r = 0; r < g.num_ranks(); ++r) streams[r] = g.stream(r);
+  return streams;
+}
+
+}  // namespace
+
+absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
+                                        std::string* device_name) {
   kernels::GroupShape s;
   s.num_ranks = 8;
   s.num_experts = 256;
@@ -242,31 +113,36 @@ absl::Status Run(std::vector<Figure>* figures, std::string* device_name) {
   EPD_ASSIGN_OR_RETURN(auto timer, GatedTimer::Create(s.num_ranks));
   kc::LowLatencyDispatchArgs da;
   da.use_fp8 = true;
-  EPD_ASSIGN_OR_RETURN(OpTimes dispatch, timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
-    kc::LowLatencyDispatchArgs a = da;
-    a.buffer = it % 2;
-    return kc::LowLatencyDispatch(g.Context(r), a, stream);
-  }));
+  EPD_ASSIGN_OR_RETURN(
+      OpTimes dispatch,
+      timer->Run(Streams(g), kWarmup, kIterations, [&](int32_t r, int it, cudaStream_t stream) {
+        kc::LowLatencyDispatchArgs a = da;
+        a.buffer = it % 2;
+        return kc::LowLatencyDispatch(g.Context(r), a, stream);
+      }));
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
   }
   // For reference: the same dispatch without FP8 (bf16 rows, no quantisation).
-  EPD_ASSIGN_OR_RETURN(OpTimes dispatch_bf16,
-                       timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
-                         kc::LowLatencyDispatchArgs a;
-                         a.buffer = it % 2;
-                         return kc::LowLatencyDispatch(g.Context(r), a, stream);
-                       }));
+  EPD_ASSIGN_OR_RETURN(
+      OpTimes dispatch_bf16,
+      timer->Run(Streams(g), kWarmup, kIterations, [&](int32_t r, int it, cudaStream_t stream) {
+        kc::LowLatencyDispatchArgs a;
+        a.buffer = it % 2;
+        return kc::LowLatencyDispatch(g.Context(r), a, stream);
+      }));
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
   }
   // Combine against the handle of the last dispatch (buffer 1 after an even count).
   const int32_t last_buffer = (kWarmup + kIterations - 1) % 2;
-  EPD_ASSIGN_OR_RETURN(OpTimes combine, timer->Run(g, [&](int32_t r, int, cudaStream_t stream) {
-    kc::LowLatencyCombineArgs a;
-    a.buffer = last_buffer;
-    return kc::LowLatencyCombine(g.Context(r), a, stream);
-  }));
+  EPD_ASSIGN_OR_RETURN(
+      OpTimes combine,
+      timer->Run(Streams(g), kWarmup, kIterations, [&](int32_t r, int, cudaStream_t stream) {
+        kc::LowLatencyCombineArgs a;
+        a.buffer = last_buffer;
+        return kc::LowLatencyCombine(g.Context(r), a, stream);
+      }));
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyCombine"));
   }
@@ -275,18 +151,20 @@ absl::Status Run(std::vector<Figure>* figures, std::string* device_name) {
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(kc::SetLowLatencyNumTokensAsync(g.Context(r), 0, g.stream(r)));
   }
-  EPD_ASSIGN_OR_RETURN(OpTimes dispatch_empty,
-                       timer->Run(g, [&](int32_t r, int it, cudaStream_t stream) {
-                         kc::LowLatencyDispatchArgs a = da;
-                         a.buffer = it % 2;
-                         return kc::LowLatencyDispatch(g.Context(r), a, stream);
-                       }));
-  EPD_ASSIGN_OR_RETURN(OpTimes combine_empty,
-                       timer->Run(g, [&](int32_t r, int, cudaStream_t stream) {
-                         kc::LowLatencyCombineArgs a;
-                         a.buffer = last_buffer;
-                         return kc::LowLatencyCombine(g.Context(r), a, stream);
-                       }));
+  EPD_ASSIGN_OR_RETURN(
+      OpTimes dispatch_empty,
+      timer->Run(Streams(g), kWarmup, kIterations, [&](int32_t r, int it, cudaStream_t stream) {
+        kc::LowLatencyDispatchArgs a = da;
+        a.buffer = it % 2;
+        return kc::LowLatencyDispatch(g.Context(r), a, stream);
+      }));
+  EPD_ASSIGN_OR_RETURN(
+      OpTimes combine_empty,
+      timer->Run(Streams(g), kWarmup, kIterations, [&](int32_t r, int, cudaStream_t stream) {
+        kc::LowLatencyCombineArgs a;
+        a.buffer = last_buffer;
+        return kc::LowLatencyCombine(g.Context(r), a, stream);
+      }));
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "T=0 ops"));
   }
@@ -303,12 +181,10 @@ absl::Status Run(std::vector<Figure>* figures, std::string* device_name) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
 int RunLowLatencyBench() {
-  std::vector<Figure> figures;
+  std::vector<LowLatencyFigure> figures;
   std::string device;
-  absl::Status st = Run(&figures, &device);
+  absl::Status st = MeasureLowLatencyInProcess(&figures, &device);
   if (!st.ok()) {
     std::cerr << "epd_bench ll: " << st << "\n";
     return 1;
@@ -322,7 +198,7 @@ int RunLowLatencyBench() {
     std::printf("%-19s %10s %8s %8s %11s %11s %11s %11s\n", "op", "bytes/op", "p50 us", "p99 us",
                 "memcpy p50", "memcpy p99", "p50/memcpy", "last-in p50");
   }
-  for (const Figure& f : figures) {
+  for (const LowLatencyFigure& f : figures) {
     const bool bound = f.memcpy_us.count > 0;
     if (json) {
       std::printf(

@@ -9,8 +9,8 @@
 // rows back (BF16). Per-rank bandwidth = mean bytes per rank / op time; aggregate = bytes
 // of all ranks / op time. The op time is the wall time of a batch of back-to-back ops on
 // every rank's stream (first start event to last end event) divided by the batch size.
-// The memcpy bound = aggregate bytes / time of one cudaMemcpyAsync of that many bytes
-// (it reads and writes every byte once, as the dispatch writes every row once).
+// The memcpy bound = aggregate bytes / time of one cudaMemcpyAsync of that many bytes (median
+// of 20, each timed alone; it reads and writes every byte once, as dispatch writes every row).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "bench.h"
+#include "bench_cuda.h"
 #include "epd/common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
@@ -41,25 +42,13 @@ using epd::testing::DeviceBuffer;
 using epd::testing::VirtualRankGroup;
 
 constexpr int32_t kRanks = 8;
-constexpr int32_t kTokens = 4096;
-constexpr int32_t kHidden = 7168;
-constexpr int32_t kTopk = 8;
-constexpr int32_t kExperts = 256;
+constexpr int32_t kTokens = kNormalBenchTokens;
+constexpr int32_t kHidden = kNormalBenchHidden;
+constexpr int32_t kTopk = kNormalBenchTopk;
+constexpr int32_t kExperts = kNormalBenchExperts;
 constexpr int kWarmup = 3;
 constexpr int kBatch = 20;
 constexpr int kSmSweep[] = {8, 16, 24, 32};
-
-/// Fills `n` bytes with a hash of their index (bandwidth does not depend on the values;
-/// a kernel is faster than uploading GBs).
-__global__ void FillBytes(uint32_t* p, size_t n_words, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n_words;
-       i += size_t{gridDim.x} * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    // Keep bf16 halves finite: clear the top exponent bit of each half.
-    p[i] = (h * 2246822519u) & 0xbfffbfffu;
-  }
-}
 
 /// Wall time of `batch` back-to-back rounds of `launch(r, stream)` on every rank (rounds
 /// enqueued round-major), in microseconds per round: first start to last end.
@@ -100,31 +89,10 @@ absl::StatusOr<double> TimeRounds(
   return 1000.0 * (last - first) / batch;
 }
 
-/// Microseconds of one device-to-device cudaMemcpyAsync of `bytes` (mean of a batch).
+/// Microseconds of one device-to-device cudaMemcpyAsync of `bytes` (median of `batch`).
 absl::StatusOr<double> TimeMemcpy(size_t bytes, int batch) {
-  EPD_ASSIGN_OR_RETURN(DeviceBuffer src, DeviceBuffer::Allocate(bytes));
-  EPD_ASSIGN_OR_RETURN(DeviceBuffer dst, DeviceBuffer::Allocate(bytes));
-  EPD_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
-  cudaEvent_t a = nullptr, b = nullptr;
-  EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&a));
-  absl::Status st = EPD_CUDA_STATUS(cudaEventCreate(&b));
-  auto copies = [&](int n) {
-    for (int i = 0; i < n && st.ok(); ++i) {
-      st.Update(EPD_CUDA_STATUS(
-          cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream.get())));
-    }
-  };
-  copies(kWarmup);
-  if (st.ok()) st.Update(EPD_CUDA_STATUS(cudaEventRecord(a, stream.get())));
-  copies(batch);
-  if (st.ok()) st.Update(EPD_CUDA_STATUS(cudaEventRecord(b, stream.get())));
-  if (st.ok()) st.Update(EPD_CUDA_STATUS(cudaEventSynchronize(b)));
-  float ms = 0;
-  if (st.ok()) st.Update(EPD_CUDA_STATUS(cudaEventElapsedTime(&ms, a, b)));
-  cudaEventDestroy(a);
-  if (b != nullptr) cudaEventDestroy(b);
-  if (!st.ok()) return st;
-  return 1000.0 * ms / batch;
+  EPD_ASSIGN_OR_RETURN(const Percentiles p, TimeDeviceCopy(bytes, kWarmup, batch));
+  return p.p50;
 }
 
 struct Row {
@@ -145,13 +113,7 @@ absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_s
   *device_sms = prop.multiProcessorCount;
   EPD_RETURN_IF_ERROR(kc::PreloadKernels());
 
-  kernels::GroupShape shape;
-  shape.num_ranks = kRanks;
-  shape.num_experts = kExperts;
-  shape.hidden = kHidden;
-  shape.num_topk = kTopk;
-  shape.max_tokens_per_rank = kTokens;
-  shape.use_fp8 = true;
+  const kernels::GroupShape shape = NormalBenchShape(kRanks);
   EPD_ASSIGN_OR_RETURN(std::unique_ptr<VirtualRankGroup> g, VirtualRankGroup::Create(shape));
   const kernels::EndpointLayout& l = g->layout();
 
@@ -172,10 +134,10 @@ absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_s
     const std::vector<float> w = epd::testing::RandomFloats(topk.size(), rng);
     EPD_RETURN_IF_ERROR(g->Upload(r, l.in_topk_weights, w.data(), w.size() * 4));
     for (const kernels::Region* region : {&l.in_x, &l.in_scales, &l.in_combine_x}) {
-      FillBytes<<<1024, 256, 0, g->stream(r)>>>(g->At<uint32_t>(r, *region), region->bytes / 4,
-                                                static_cast<uint32_t>(r * 977 + region->offset));
+      EPD_RETURN_IF_ERROR(FillPatternAsync(g->At<uint32_t>(r, *region), region->bytes / 4 * 4,
+                                           static_cast<uint32_t>(r * 977 + region->offset),
+                                           g->stream(r)));
     }
-    EPD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(g->Context(r), kTokens, g->stream(r)));
   }
   EPD_RETURN_IF_ERROR(g->SynchronizeAll());

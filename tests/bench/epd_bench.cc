@@ -5,6 +5,10 @@
 //   epd_bench --backend=cuda --mode=ll        CUDA low-latency kernels
 //   epd_bench --backend=cuda --mode=normal    CUDA normal-mode kernels
 //   epd_bench --backend=cuda --mode=all       both
+//   epd_bench --backend=cuda --mode=multigpu [--gpus=N]   normal mode, one rank per GPU,
+//                                             beside NCCL all-to-all (skips on one GPU)
+//   epd_bench --backend=cuda --mode=launch [--epd=PATH | --socket=PATH]   launch modes
+//                                             through a real epd (client-, daemon-launched)
 //   epd_bench --backend=host                  host backend (daemon + clients over shm)
 //   add --json for one JSON object per figure.
 #include <iostream>
@@ -16,12 +20,14 @@
 #include "bench.h"
 
 ABSL_FLAG(std::string, backend, "cuda", "cuda or host");
-ABSL_FLAG(std::string, mode, "all", "ll, normal or all (CUDA backend)");
+ABSL_FLAG(std::string, mode, "all",
+          "ll, normal, all (= ll and normal), multigpu or launch (CUDA backend)");
 ABSL_FLAG(bool, json, false, "print one JSON object per figure instead of tables");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "epd_bench --backend=cuda|host [--mode=ll|normal|all] [--json]: latency and bandwidth "
+      "epd_bench --backend=cuda|host [--mode=ll|normal|all|multigpu|launch] [--json]: latency "
+      "and bandwidth "
       "of the epd data plane beside same-run bounds");
   absl::ParseCommandLine(argc, argv);
   const std::string backend = absl::GetFlag(FLAGS_backend);
@@ -31,14 +37,17 @@ int main(int argc, char** argv) {
     std::cerr << "epd_bench: --backend=" << backend << " is not one of cuda, host\n";
     return 2;
   }
-  if (mode != "ll" && mode != "normal" && mode != "all") {
-    std::cerr << "epd_bench: --mode=" << mode << " is not one of ll, normal, all\n";
+  if (mode != "ll" && mode != "normal" && mode != "all" && mode != "multigpu" && mode != "launch") {
+    std::cerr << "epd_bench: --mode=" << mode
+              << " is not one of ll, normal, all, multigpu, launch\n";
     return 2;
   }
 #if defined(EPD_HAVE_CUDA)
   int rc = 0;
   if (mode == "ll" || mode == "all") rc |= epd::bench::RunLowLatencyBench();
   if (mode == "normal" || mode == "all") rc |= epd::bench::RunNormalBench();
+  if (mode == "multigpu") rc |= epd::bench::RunMultiGpuBench();
+  if (mode == "launch") rc |= epd::bench::RunLaunchBench();
   return rc;
 #else
   std::cerr << "epd_bench: built without CUDA; only --backend=host is available\n";

@@ -1,0 +1,141 @@
+// Helpers shared by the CUDA benchmark sources of epd_bench (bench_ll.cu, bench_normal.cu,
+// bench_multigpu.cu, bench_launch.cc): filling device memory with a finite pattern, the
+// device-to-device copy bound, the gated per-op timer of the low-latency figures, and the
+// in-process low-latency measurement the launch modes are compared with. Needs CUDA
+// (declared only when EPD_HAVE_CUDA).
+#pragma once
+
+#if defined(EPD_HAVE_CUDA)
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "bench.h"
+#include "epd/kernels/layout.h"
+
+namespace epd::bench {
+
+/// The normal-mode benchmark shape (issue 5; DeepSeek-V3 prefill): T=4096 tokens per rank,
+/// H=7168, K=8, E=256, FP8 enabled, with `ranks` ranks (8 virtual ranks in bench_normal.cu,
+/// one per GPU in bench_multigpu.cu).
+inline constexpr int32_t kNormalBenchTokens = 4096;
+inline constexpr int32_t kNormalBenchHidden = 7168;
+inline constexpr int32_t kNormalBenchTopk = 8;
+inline constexpr int32_t kNormalBenchExperts = 256;
+inline kernels::GroupShape NormalBenchShape(int32_t ranks) {
+  kernels::GroupShape shape;
+  shape.num_ranks = ranks;
+  shape.num_experts = kNormalBenchExperts;
+  shape.hidden = kNormalBenchHidden;
+  shape.num_topk = kNormalBenchTopk;
+  shape.max_tokens_per_rank = kNormalBenchTokens;
+  shape.use_fp8 = true;
+  return shape;
+}
+
+/// Enqueues on `stream` a fill of `bytes` (a multiple of 4) at device address `dst` with a
+/// hash of each 32-bit word's index and `seed`, every bf16 half (and f32 word) finite
+/// (bandwidth does not depend on the values; a kernel is faster than uploading GBs).
+/// Errors: INTERNAL for a CUDA launch error, INVALID_ARGUMENT for bytes % 4 != 0.
+absl::Status FillPatternAsync(void* dst, size_t bytes, uint32_t seed, cudaStream_t stream);
+
+/// Latency of one device-to-device cudaMemcpyAsync of `bytes` on the current GPU, in µs:
+/// `iterations` copies after `warmup`, each timed alone with events (p50/p99).
+/// Errors: INTERNAL (CUDA).
+absl::StatusOr<Percentiles> TimeDeviceCopy(size_t bytes, int warmup, int iterations);
+
+/// One op's latency over all ranks, in µs: `span` = last end event - first start event
+/// over the ranks' streams (the figure), `after_last` = the shortest per-rank end - start,
+/// i.e. from the last rank's start to its end (no launch skew), and `host` = host wall
+/// time from the first launch call to the end of the iteration's `after` callback.
+struct OpTimes {
+  Percentiles span;
+  Percentiles after_last;
+  Percentiles host;
+};
+
+/// Accumulates per-iteration samples into OpTimes.
+class OpTimesBuilder {
+ public:
+  void Add(double span_us, double after_last_us, double host_us) {
+    span_.push_back(span_us);
+    after_last_.push_back(after_last_us);
+    host_.push_back(host_us);
+  }
+  OpTimes Build() const {
+    return OpTimes{ComputePercentiles(span_), ComputePercentiles(after_last_),
+                   ComputePercentiles(host_)};
+  }
+
+ private:
+  std::vector<double> span_, after_last_, host_;
+};
+
+/// Times one op on R streams of the current GPU per iteration, behind a common gate:
+/// every stream first waits on a device word (cuStreamWaitValue32), records a start event,
+/// gets the op (`launch`), records an end event; the host then opens the gate
+/// (cuStreamWriteValue32 on a stream of its own), so host launch skew is not timed; then
+/// waits for every stream and calls `after`. The driver entry points are resolved through
+/// the runtime (epd_bench must start on machines without the NVIDIA driver).
+class GatedTimer {
+ public:
+  /// `launch(r, iteration, stream)` enqueues rank r's op of this iteration on `stream`.
+  using Launch = std::function<absl::Status(int32_t, int, cudaStream_t)>;
+  /// `after(iteration)`: once every stream has passed its end event (e.g. PendingOp::Wait).
+  using After = std::function<absl::Status(int)>;
+
+  /// Timer for `ranks` streams. Errors: INTERNAL (CUDA, driver entry points).
+  static absl::StatusOr<std::unique_ptr<GatedTimer>> Create(int32_t ranks);
+  ~GatedTimer();
+  GatedTimer(const GatedTimer&) = delete;
+  GatedTimer& operator=(const GatedTimer&) = delete;
+
+  /// `warmup` + `iterations` iterations on `streams` (size == ranks); percentiles over the
+  /// timed ones. Errors: the first of launch / after / CUDA.
+  absl::StatusOr<OpTimes> Run(const std::vector<cudaStream_t>& streams, int warmup, int iterations,
+                              const Launch& launch, const After& after = nullptr);
+
+  /// One iteration's times in µs (the fields of OpTimes, before percentiles).
+  struct Sample {
+    double span = 0;
+    double after_last = 0;
+    double host = 0;
+  };
+  /// One gated iteration (number `iteration`, passed to launch and after).
+  absl::StatusOr<Sample> RunOnce(const std::vector<cudaStream_t>& streams, int iteration,
+                                 const Launch& launch, const After& after = nullptr);
+
+ private:
+  GatedTimer() = default;
+  uint32_t* gate_ = nullptr;  // device word
+  cudaStream_t trigger_ = nullptr;
+  uint32_t gate_value_ = 0;
+  std::vector<cudaEvent_t> start_, end_;
+};
+
+/// One in-process low-latency figure (bench_ll.cu): bytes moved between ranks per op (all
+/// ranks), the op's times and the same-bytes cudaMemcpy (count == 0: no bound).
+struct LowLatencyFigure {
+  std::string name;
+  double bytes = 0;
+  OpTimes op_us;
+  Percentiles memcpy_us;
+};
+
+/// The low-latency kernels launched in-process on R = 8 virtual ranks of the current GPU,
+/// DeepSeek-V3 decode shape (T=128, H=7168, K=8, E=256, Mll=128), 1000 iterations after 50
+/// of warm-up each: figures ll_dispatch_fp8, ll_dispatch_bf16, ll_combine_bf16,
+/// ll_dispatch_fp8_T0, ll_combine_bf16_T0, each with its memcpy bound (bench_ll.cu).
+/// `device_name` gets the GPU's name and SM count. Errors: INTERNAL (CUDA), kernel status.
+absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
+                                        std::string* device_name);
+
+}  // namespace epd::bench
+#endif  // EPD_HAVE_CUDA
