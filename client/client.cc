@@ -51,8 +51,10 @@ struct Client::Impl {
   absl::Status end_status ABSL_GUARDED_BY(mu);
   std::string last_event ABSL_GUARDED_BY(mu);
   std::string session_id_copy;  ///< Set once Connect succeeds; read without the lock.
-  /// Set when the Session stream ends: endpoints stop waiting for completions then.
-  std::shared_ptr<std::atomic<bool>> session_lost = std::make_shared<std::atomic<bool>>(false);
+  /// Marked lost when the Session stream ends: endpoints stop waiting for completions
+  /// then, and release CUDA streams left waiting for the daemon.
+  std::shared_ptr<internal::SessionWatch> session_watch =
+      std::make_shared<internal::SessionWatch>();
 
   /// Reader thread: records the session id and later events until the stream ends.
   void ReadSession() {
@@ -63,7 +65,7 @@ struct Client::Impl {
       last_event = response.event();
     }
     grpc::Status status = stream->Finish();
-    session_lost->store(true);
+    session_watch->MarkLost();
     absl::MutexLock lock(&mu);
     ended = true;
     end_status = status.ok() ? absl::UnavailableError("epd ended the session")
@@ -171,8 +173,25 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Client::Join(const JoinOptions& option
     }
     return status;
   };
-  absl::StatusOr<std::unique_ptr<Endpoint>> endpoint =
-      internal::OpenEndpoint(response.endpoint(), options.spec, leave, impl_->session_lost);
+  // Client-launched mode: every rank's data area, asked once before the endpoint's first op.
+  auto group_endpoints = [control, group, rank, session_id](
+                             uint32_t wait_ms) -> absl::StatusOr<v1::GetGroupEndpointsResponse> {
+    v1::GetGroupEndpointsRequest request;
+    request.set_group(group);
+    request.set_rank(rank);
+    request.set_session_id(session_id);
+    request.set_wait_ms(wait_ms);
+    v1::GetGroupEndpointsResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + kRpcTimeout +
+                         std::chrono::milliseconds(wait_ms));
+    EPD_RETURN_IF_ERROR(internal::AnnotateUnavailable(
+        internal::FromGrpcStatus(control->stub->GetGroupEndpoints(&context, request, &response)),
+        control->target));
+    return response;
+  };
+  absl::StatusOr<std::unique_ptr<Endpoint>> endpoint = internal::OpenEndpoint(
+      response.endpoint(), options.spec, leave, impl_->session_watch, group_endpoints);
   if (!endpoint.ok()) {
     leave().IgnoreError();  // Give the rank back: this process cannot use it.
     return endpoint.status();

@@ -1,29 +1,47 @@
-// Endpoint: the client side of the shm data plane (DESIGN.md §3.2–§3.3). Each op:
-// validate the DLPack inputs, copy them into the endpoint's staging regions (skipped when
-// a tensor already lives there), publish a RequestSlot, ring the engine's doorbell;
+// Endpoint: the client side of the data plane (DESIGN.md §3.2–§3.3).
+//
+// Host backend: the data area is in the shm region; tensors are kDLCPU. Each op validates
+// the DLPack inputs, copies them into the endpoint's staging regions (skipped when a tensor
+// already lives there), publishes a RequestSlot and rings the engine's doorbell;
 // PendingOp::Wait reads the Completion and builds the output views.
 //
-// Host backend: the data area is in the shm region; tensors are kDLCPU. CUDA backend
-// (built with CUDA): the data area is GPU memory mapped by CUDA IPC (cuda_ipc.h); inputs
-// may be kDLCUDA (copied device to device) or kDLCPU (copied host to device), staged with
-// a synchronous cudaMemcpy before the request is published, and output views are kDLCUDA
-// on this process's ordinal of the endpoint's GPU. (The stream-ordered hand-off of
-// DESIGN §3.2 replaces the synchronous staging in a later step.)
+// CUDA backend (built with CUDA): the data area is GPU memory mapped by CUDA IPC
+// (cuda_ipc.h); inputs may be kDLCUDA, kDLCUDAHost or kDLCPU; output views are kDLCUDA on
+// this process's ordinal of the endpoint's GPU. Every op is ordered on the caller's stream
+// (the args' `stream`; null = the legacy default stream), in one of two launch modes:
+//  - daemon-launched (DESIGN §3.2, stream-ordered hand-off): on the stream, the inputs are
+//    staged with cudaMemcpyAsync, then cuStreamWriteValue64 sets launch_flags.ready_seq to
+//    the op's seq; the slot is published with kFlagStreamOrdered; then
+//    cuStreamWaitValue64(done_seq >= seq) holds the stream's later work until the daemon's
+//    kernels are done. Nothing synchronises the CPU per op; Wait reads the CPU completion.
+//    When the daemon dies or closes the endpoint, the stream is released by writing
+//    done_seq = kReleasedSeq from the host.
+//  - client-launched: the client launches the kernels of kernels/include/epd/kernels/
+//    {cuda_ops.h,cuda_normal.h} itself on the caller's stream, on every rank's data area
+//    (mapped once, from GetGroupEndpoints, before the first op); the daemon's ring is not
+//    used. Wait waits for an event recorded after the op and reads the op's DeviceStatus.
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <mutex>
+#include <set>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cuda_ipc.h"
+#include "cuda_launch.h"
 #include "endpoint_internal.h"
 #include "epd/client.h"
 #include "epd/common/status_macros.h"
@@ -34,6 +52,7 @@
 #if EPD_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
 #endif
 
@@ -140,33 +159,137 @@ int64_t TensorNbytes(const DLTensor* t) {
   return n;
 }
 
-#if EPD_HAVE_CUDA
-/// Makes `device` current for its scope and restores the caller's device after.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
-      if (cudaSetDevice(device) == cudaSuccess) restore_ = true;
-    }
+const char* OpKindName(abi::OpKind op) {
+  switch (op) {
+    case abi::OpKind::kGetDispatchLayout:
+      return "GetDispatchLayout";
+    case abi::OpKind::kDispatch:
+      return "Dispatch";
+    case abi::OpKind::kCombine:
+      return "Combine";
+    case abi::OpKind::kLowLatencyDispatch:
+      return "LowLatencyDispatch";
+    case abi::OpKind::kLowLatencyCombine:
+      return "LowLatencyCombine";
+    default:
+      return "Invalid";
   }
-  ~DeviceGuard() {
-    if (restore_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
+}
 
- private:
-  int previous_ = 0;
-  bool restore_ = false;
-};
+/// The op kind whose result type is `Result`.
+template <typename Result>
+constexpr abi::OpKind OpKindOf() {
+  if constexpr (std::is_same_v<Result, LayoutResult>) return abi::OpKind::kGetDispatchLayout;
+  if constexpr (std::is_same_v<Result, DispatchResult>) return abi::OpKind::kDispatch;
+  if constexpr (std::is_same_v<Result, CombineResult>) return abi::OpKind::kCombine;
+  if constexpr (std::is_same_v<Result, LowLatencyDispatchResult>) {
+    return abi::OpKind::kLowLatencyDispatch;
+  }
+  return abi::OpKind::kLowLatencyCombine;
+}
+
+#if EPD_HAVE_CUDA
+namespace kc = kernels::cuda;
+
+cudaStream_t AsStream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+/// Whether a kernel on `device` can read `t` in place: device memory of that GPU, with
+/// its first element `alignment`-aligned (the kernels load 16-byte vectors of x).
+bool ReadableInPlace(const DLTensor* t, int device, uintptr_t alignment) {
+  return t != nullptr && t->device.device_type == kDLCUDA && t->device.device_id == device &&
+         reinterpret_cast<uintptr_t>(TensorBytes(t)) % alignment == 0;
+}
+
+/// The op's error from the DeviceStatus its kernels left (kernels/cuda StatusFromDevice).
+absl::Status DeviceStatusOf(const kc::DeviceStatus& status, const GroupShape& shape, int32_t rank,
+                            abi::OpKind op) {
+  const bool low_latency =
+      op == abi::OpKind::kLowLatencyDispatch || op == abi::OpKind::kLowLatencyCombine;
+  return kc::StatusFromDevice(status, shape, rank, OpKindName(op), low_latency);
+}
+
+/// Loads every kernel on the current device once per process (DESIGN.md §3.2: a lazily
+/// loaded kernel's first launch waits for running kernels, which deadlocks kernels that
+/// spin on each other).
+absl::Status PreloadKernelsOnce(int device) {
+  static std::mutex mu;
+  static std::set<int>* loaded = new std::set<int>();
+  std::lock_guard<std::mutex> lock(mu);
+  if (loaded->count(device) > 0) return absl::OkStatus();
+  EPD_RETURN_IF_ERROR(kc::PreloadKernels());
+  loaded->insert(device);
+  return absl::OkStatus();
+}
 #endif
 
 }  // namespace
+
+// ---- SessionWatch ----------------------------------------------------------------------
+
+namespace internal {
+
+void SessionWatch::MarkLost() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (lost_.exchange(true, std::memory_order_acq_rel)) return;
+  for (auto& [id, hook] : hooks_) hook();
+  hooks_.clear();
+}
+
+uint64_t SessionWatch::AddHook(std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t id = next_id_++;
+  if (lost_.load(std::memory_order_acquire)) {
+    hook();
+  } else {
+    hooks_.emplace(id, std::move(hook));
+  }
+  return id;
+}
+
+void SessionWatch::RemoveHook(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  hooks_.erase(id);
+}
+
+}  // namespace internal
 
 // ---------------------------------------------------------------------------------------
 
 /// How long Wait spins on a completion before it sleeps on the completion futex (µs).
 constexpr int64_t kSpinBeforeSleepUs = 200;
+/// Extra time past op_timeout that a client-launched Wait gives the op's stream (its
+/// kernels bound their own waits by op_timeout) before it reports the stream stuck.
+constexpr auto kGpuGrace = std::chrono::seconds(5);
+
+#if EPD_HAVE_CUDA
+/// Client-launched mode: what an endpoint keeps to launch its own kernels, set up once
+/// before its first op (Endpoint::Impl::EnsureClientLaunch). No op allocates.
+struct ClientLaunch {
+  /// Ops whose completion records are kept: Wait works for the latest kSlots ops.
+  static constexpr uint32_t kSlots = abi::kCompletionCapacity;
+  /// What an op's stream copies back after its kernels (pinned host memory).
+  struct Readback {
+    kc::DeviceStatus status;
+    int32_t recv_count;  ///< Dispatch: N.
+    int32_t reserved[15];
+  };
+  /// The op last recorded in a completion slot.
+  struct Slot {
+    uint64_t seq = 0;
+    bool captured = false;  ///< Enqueued while the stream was capturing a CUDA graph.
+  };
+
+  std::vector<std::shared_ptr<const internal::CudaAreaMapping>> areas;  ///< [R], own included.
+  internal::DeviceMemory peer_bases;  ///< Device array [R] of the areas' bases.
+  kc::CudaRankContext ctx;
+  internal::PinnedMemory readback_memory;     ///< Readback [kSlots + 1]; the last for Wait
+                                              ///< of a captured op (synchronous read).
+  std::vector<internal::EventHandle> events;  ///< [kSlots]: recorded after each op.
+  std::array<Slot, kSlots> slots;
+
+  Readback& readback(uint32_t i) { return reinterpret_cast<Readback*>(readback_memory.get())[i]; }
+};
+#endif
 
 struct Endpoint::Impl {
   v1::EndpointInfo info;
@@ -179,21 +302,49 @@ struct Endpoint::Impl {
   abi::DoorbellPage* doorbell = nullptr;
   uint8_t* data = nullptr;
   uint64_t next_seq = 1;
-  bool woke_engine = false;  ///< The last Submit had to wake the engine.
-  std::shared_ptr<const std::atomic<bool>> session_lost;  ///< See OpenEndpoint.
+  bool woke_engine = false;                         ///< The last Submit had to wake the engine.
+  std::shared_ptr<internal::SessionWatch> session;  ///< See OpenEndpoint.
+  uint64_t session_hook = 0;                        ///< Our hook in `session` (0 = none).
   std::function<absl::Status()> leave;
   bool left = false;
   DLDevice device{kDLCPU, 0};
   bool cuda = false;  ///< CUDA backend: `data` is device memory.
+
+  // Handle state kept by the client. Client-launched: authoritative (it validates handles
+  // and picks the low-latency buffers, by the daemon's rule: buffers alternate per
+  // low-latency dispatch, and per low-latency combine for the output). Daemon-launched:
+  // only predicts the daemon's buffer choice for Enqueued() (Wait uses the completion's).
+  uint64_t ll_dispatches = 0;  ///< Low-latency dispatches counted for the buffer parity.
+  uint64_t ll_combines = 0;
+  uint64_t ll_seq[kernels::kLowLatencyBuffers] = {0, 0};  ///< Dispatch that wrote buffer b.
+  int32_t ll_tokens[kernels::kLowLatencyBuffers] = {0, 0};
+  bool ll_runtime_tokens[kernels::kLowLatencyBuffers] = {false, false};  ///< T on device.
+  uint64_t routing_seq = 0;  ///< Normal dispatch whose routing (send_pos) is current.
+  uint64_t last_dispatch_seq = 0;
+  int32_t routing_tokens = 0;
+  /// Seqs whose failure was already accounted (Wait may be called again).
+  std::array<uint64_t, abi::kCompletionCapacity> failure_noted{};
+
 #if EPD_HAVE_CUDA
-  internal::CudaAreaMapping mapping;  ///< The data area (CUDA backend).
-  bool staged = false;                ///< Copies were issued since the last Submit.
+  std::shared_ptr<const internal::CudaAreaMapping> mapping;  ///< The data area.
+  bool client_launched = false;
+  internal::GroupEndpointsFn group_endpoints;
+  internal::StreamHandle aux_stream;    ///< The library's own stream (releases, reads).
+  internal::PinnedMemory release_word;  ///< uint64 kReleasedSeq (daemon-launched).
+  std::atomic<bool> stream_released{false};
+  std::unique_ptr<ClientLaunch> cl;  ///< Client-launched state, after the first op.
 #endif
+
+  ~Impl() {
+    if (session != nullptr && session_hook != 0) session->RemoveHook(session_hook);
+  }
 
   uint8_t* At(const Region& r) const { return data + r.offset; }
 
-  /// Copies `t` into region `r` (no copy when it already lives there).
-  absl::Status Stage(const char* op, const char* name, const DLTensor* t, const Region& r) {
+  /// Copies `t` into region `r` (no copy when it already lives there). CUDA backend: a
+  /// cudaMemcpyAsync on `stream` (ordered before the op's ready flag or kernels).
+  absl::Status Stage(const char* op, const char* name, const DLTensor* t, const Region& r,
+                     void* stream) {
     int64_t n = TensorNbytes(t);
     if (static_cast<uint64_t>(n) > r.bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -203,32 +354,25 @@ struct Endpoint::Impl {
     if (src == At(r) || n <= 0) return absl::OkStatus();
 #if EPD_HAVE_CUDA
     if (cuda) {
-      DeviceGuard guard(mapping.device());
-      EPD_CUDA_RETURN_IF_ERROR(cudaMemcpy(At(r), src, static_cast<size_t>(n), cudaMemcpyDefault));
-      staged = true;
+      internal::DeviceGuard guard(mapping->device());
+      EPD_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(At(r), src, static_cast<size_t>(n), cudaMemcpyDefault, AsStream(stream)));
       return absl::OkStatus();
     }
+#else
+    (void)stream;
 #endif
     std::memcpy(At(r), src, static_cast<size_t>(n));
-    return absl::OkStatus();
-  }
-
-  /// CUDA backend: waits until every staging copy has landed (cudaMemcpy returns early for
-  /// device-to-device and pageable copies), so the daemon's kernels read complete inputs.
-  absl::Status FinishStaging() {
-#if EPD_HAVE_CUDA
-    if (cuda && staged) {
-      DeviceGuard guard(mapping.device());
-      EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
-      staged = false;
-    }
-#endif
     return absl::OkStatus();
   }
 
   absl::Status CheckUsable() const {
     if (abi::Atomic(header->daemon_closed).load(std::memory_order_acquire) != 0) {
       return absl::UnavailableError("epd is shutting down: it closed this endpoint");
+    }
+    if (session != nullptr && session->lost()) {
+      return absl::UnavailableError(
+          "the Session with epd ended (the daemon died or restarted): this endpoint is gone");
     }
     if (left) {
       return absl::FailedPreconditionError(absl::StrCat("endpoint of group ", spec.name(), " rank ",
@@ -237,10 +381,11 @@ struct Endpoint::Impl {
     return absl::OkStatus();
   }
 
-  /// Publishes one request; returns its seq.
+  /// Publishes one request; returns its seq. Daemon-launched on the CUDA backend (and not
+  /// a client error): stream-ordered on `stream` (the file comment).
   absl::StatusOr<uint64_t> Submit(abi::OpKind op, uint32_t flags, int32_t num_tokens,
-                                  int32_t expert_alignment, uint64_t handle_seq, int32_t num_sms) {
-    EPD_RETURN_IF_ERROR(FinishStaging());
+                                  int32_t expert_alignment, uint64_t handle_seq, int32_t num_sms,
+                                  void* stream) {
     uint64_t head = abi::Atomic(header->ring_head).load(std::memory_order_relaxed);
     // Bounded wait for ring space (only when many ops are in flight).
     auto deadline =
@@ -253,6 +398,20 @@ struct Endpoint::Impl {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     uint64_t seq = next_seq++;
+    absl::Status ordered_error;
+#if EPD_HAVE_CUDA
+    const bool ordered = cuda && !client_launched && (flags & abi::kFlagClientError) == 0;
+    if (ordered) {
+      internal::DeviceGuard guard(mapping->device());
+      ordered_error = internal::StreamWriteValue64(
+          AsStream(stream), At(layout.launch_flags) + kernels::kReadyFlagOffset, seq);
+      // Without the ready flag the daemon could not order its kernels: fail the op for
+      // every rank instead (as a client error), and return the driver's error.
+      flags |= ordered_error.ok() ? abi::kFlagStreamOrdered : abi::kFlagClientError;
+    }
+#else
+    (void)stream;
+#endif
     abi::RequestSlot slot{};
     slot.magic = abi::kRequestMagic;
     slot.op = static_cast<uint32_t>(op);
@@ -268,19 +427,59 @@ struct Endpoint::Impl {
     // When the engine was asleep, do not spin on this CPU afterwards: the scheduler may
     // place the woken engine here, behind our spin (measured: +70–100 µs in a VM).
     woke_engine = RingDoorbell(doorbell);
+#if EPD_HAVE_CUDA
+    if (ordered && ordered_error.ok()) {
+      internal::DeviceGuard guard(mapping->device());
+      ordered_error = internal::StreamWaitValue64Geq(
+          AsStream(stream), At(layout.launch_flags) + kernels::kDoneFlagOffset, seq);
+    }
+#endif
+    if (!ordered_error.ok()) return ordered_error;
     return seq;
   }
 
   /// Reports a client-side validation error to the group (so the other ranks' op fails
   /// promptly instead of timing out, and sequence numbers stay aligned), waits for the
-  /// daemon's completion, and returns `error`.
+  /// daemon's completion, and returns `error`. Daemon-launched only.
   absl::Status SubmitClientError(abi::OpKind op, absl::Status error) {
-    absl::StatusOr<uint64_t> seq = Submit(op, abi::kFlagClientError, 0, 1, 0, 0);
+    absl::StatusOr<uint64_t> seq = Submit(op, abi::kFlagClientError, 0, 1, 0, 0, nullptr);
     if (seq.ok()) {
       abi::Completion c;
       (void)WaitCompletion(*seq, absl::Milliseconds(info.op_timeout_ms() + 5000), &c);
     }
     return error;
+  }
+
+  /// Daemon-launched CUDA endpoint whose daemon is gone: releases every stream waiting for
+  /// its done flag by writing done_seq = kReleasedSeq from the host (on the library's own
+  /// stream). Best effort (the area may already be gone with the daemon). Once.
+  void ReleaseStreams() {
+#if EPD_HAVE_CUDA
+    if (!cuda || client_launched || aux_stream == nullptr || stream_released.exchange(true)) return;
+    internal::DeviceGuard guard(mapping->device());
+    cudaMemcpyAsync(At(layout.launch_flags) + kernels::kDoneFlagOffset, release_word.get(),
+                    sizeof(uint64_t), cudaMemcpyHostToDevice, aux_stream.get());
+    cudaStreamSynchronize(aux_stream.get());
+    cudaGetLastError();
+#endif
+  }
+
+  /// Daemon-launched: the op `seq` of kind `op` failed, so the daemon did not advance its
+  /// low-latency buffer parity; neither does the prediction. Once per op.
+  void NoteDaemonFailure(uint64_t seq, abi::OpKind op) {
+    uint64_t& noted = failure_noted[seq % failure_noted.size()];
+    if (noted == seq) return;
+    noted = seq;
+    if (op == abi::OpKind::kLowLatencyDispatch && ll_dispatches > 0) --ll_dispatches;
+    if (op == abi::OpKind::kLowLatencyCombine && ll_combines > 0) --ll_combines;
+  }
+
+  /// Client-launched: the op `seq` failed; a handle it produced is not usable.
+  void NoteClientFailure(uint64_t seq) {
+    for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) {
+      if (ll_seq[b] == seq) ll_seq[b] = 0;
+    }
+    if (routing_seq == seq) routing_seq = 0;
   }
 
   /// Waits for the completion of `seq`.
@@ -304,7 +503,7 @@ struct Endpoint::Impl {
         return absl::DeadlineExceededError(
             absl::StrCat("op ", seq, " not complete after ", absl::FormatDuration(timeout)));
       }
-      if (session_lost && session_lost->load() &&
+      if (session != nullptr && session->lost() &&
           abi::Atomic(c.seq).load(std::memory_order_acquire) != seq) {
         return absl::UnavailableError(absl::StrCat(
             "op ", seq, ": the Session with epd ended (the daemon died or restarted)"));
@@ -339,6 +538,241 @@ struct Endpoint::Impl {
   TensorView View(const Region& r, DLDataType dtype, std::vector<int64_t> shape) const {
     return TensorView(At(r), dtype, device, std::move(shape));
   }
+
+  // ---- result views ----
+
+  void LayoutViews(LayoutResult& r, int64_t T) const {
+    r.num_tokens_per_rank = View(layout.layout_tokens_per_rank, kI32, {shape.num_ranks});
+    r.num_tokens_per_expert = View(layout.layout_tokens_per_expert, kI32, {shape.num_experts});
+    r.is_token_in_rank = View(layout.layout_is_token_in_rank, kBool, {T, shape.num_ranks});
+  }
+
+  void DispatchViews(DispatchResult& r, int32_t N) const {
+    const int64_t H = shape.hidden, K = shape.num_topk;
+    const bool fp8 = r.handle.use_fp8;
+    r.num_recv_tokens = N;
+    r.handle.num_recv_tokens = N;
+    r.recv_x = View(layout.recv_x, fp8 ? kE4m3 : kBf16, {N, H});
+    if (fp8) r.recv_scales = View(layout.recv_scales, kF32, {N, shape.num_scales()});
+    r.recv_topk_idx = View(layout.recv_topk_idx, kI64, {N, K});
+    r.recv_topk_weights = View(layout.recv_topk_weights, kF32, {N, K});
+    r.num_recv_tokens_per_expert =
+        View(layout.recv_tokens_per_expert, kI32, {shape.num_local_experts()});
+    r.recv_src_info = View(layout.recv_src_info, kI32, {N});
+  }
+
+  void LowLatencyDispatchViews(LowLatencyDispatchResult& r, int b) const {
+    const int64_t El = shape.num_local_experts(), rows = shape.ll_rows_per_expert();
+    const bool fp8 = r.handle.use_fp8;
+    r.handle.buffer = b;
+    r.recv_x = View(layout.ll_recv_x[b], fp8 ? kE4m3 : kBf16, {El, rows, shape.hidden});
+    r.recv_scales =
+        fp8 ? View(layout.ll_recv_scales[b], kF32, {El, rows, shape.num_scales()}) : TensorView();
+    r.recv_count = View(layout.ll_recv_count[b], kI32, {El});
+    r.recv_src_info = View(layout.ll_recv_src_info[b], kI32, {El, rows});
+  }
+
+#if EPD_HAVE_CUDA
+  // ---- client-launched mode ----
+
+  /// Sets up client-launched mode once: every rank's area (GetGroupEndpoints, waiting up
+  /// to op_timeout for every rank to join), the device array of bases, the kernels, the
+  /// completion records. Errors: FAILED_PRECONDITION (no control channel, a rank not
+  /// client-launched, a stale endpoint), the RPC's errors, CUDA errors (INTERNAL).
+  absl::Status EnsureClientLaunch() {
+    if (cl != nullptr) return absl::OkStatus();
+    if (!group_endpoints) {
+      return absl::FailedPreconditionError(
+          "client-launched endpoint opened without a control channel (GetGroupEndpoints)");
+    }
+    const int32_t R = shape.num_ranks, rank = info.rank();
+    EPD_ASSIGN_OR_RETURN(v1::GetGroupEndpointsResponse group,
+                         group_endpoints(info.op_timeout_ms()));
+    if (group.endpoints_size() != R) {
+      return absl::FailedPreconditionError(absl::StrCat("GetGroupEndpoints of group ", spec.name(),
+                                                        " returned ", group.endpoints_size(),
+                                                        " endpoints, expected ", R));
+    }
+    auto launch = std::make_unique<ClientLaunch>();
+    const int own_device = mapping->device();
+    internal::DeviceGuard guard(own_device);
+    std::vector<uint8_t*> bases(R, nullptr);
+    int32_t on_device = 0;
+    for (int32_t r = 0; r < R; ++r) {
+      const v1::GroupEndpoint& e = group.endpoints(r);
+      if (e.rank() != r) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "GetGroupEndpoints: entry ", r, " is rank ", e.rank(), " (expected ordered by rank)"));
+      }
+      if (e.launch_mode() != v1::LAUNCH_MODE_CLIENT) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "group ", spec.name(), " rank ", r, " is ", v1::LaunchMode_Name(e.launch_mode()),
+            ", this endpoint is client-launched"));
+      }
+      if (r == rank) {
+        if (e.endpoint_id() != info.endpoint_id()) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("GetGroupEndpoints: rank ", r, " is endpoint ", e.endpoint_id(),
+                           ", not this endpoint ", info.endpoint_id(), " (it left and rejoined?)"));
+        }
+        launch->areas.push_back(mapping);
+      } else {
+        EPD_ASSIGN_OR_RETURN(std::shared_ptr<const internal::CudaAreaMapping> area,
+                             internal::MapSharedArea(e.cuda_ipc_handle(), e.gpu_uuid()));
+        if (area->device() != own_device) {
+          int can = 0;
+          EPD_CUDA_RETURN_IF_ERROR(cudaDeviceCanAccessPeer(&can, own_device, area->device()));
+          if (!can) {
+            return absl::FailedPreconditionError(
+                absl::StrCat("rank ", r, "'s GPU ", e.gpu_uuid(), " cannot be reached from GPU ",
+                             info.gpu_uuid(), " of rank ", rank, " (no peer access)"));
+          }
+          cudaError_t err = cudaDeviceEnablePeerAccess(area->device(), 0);
+          if (err == cudaErrorPeerAccessAlreadyEnabled) {
+            cudaGetLastError();
+          } else {
+            EPD_CUDA_RETURN_IF_ERROR(err);
+          }
+        }
+        launch->areas.push_back(std::move(area));
+      }
+      bases[r] = launch->areas.back()->data();
+      if (e.gpu_uuid() == info.gpu_uuid()) ++on_device;
+    }
+    EPD_RETURN_IF_ERROR(PreloadKernelsOnce(own_device));
+    EPD_ASSIGN_OR_RETURN(launch->peer_bases, internal::AllocateDevice(sizeof(uint8_t*) * R));
+    EPD_CUDA_RETURN_IF_ERROR(cudaMemcpy(launch->peer_bases.get(), bases.data(),
+                                        sizeof(uint8_t*) * R, cudaMemcpyHostToDevice));
+    kc::CudaRankContext& ctx = launch->ctx;
+    ctx.shape = shape;
+    ctx.layout = layout;
+    ctx.rank = rank;
+    ctx.peer_bases = reinterpret_cast<uint8_t* const*>(launch->peer_bases.get());
+    ctx.own_base = data;
+    ctx.ranks_on_device = on_device;
+    ctx.timeout_ns = static_cast<int64_t>(info.op_timeout_ms()) * 1'000'000;
+    EPD_RETURN_IF_ERROR(kc::ValidateContext(ctx));
+    EPD_ASSIGN_OR_RETURN(
+        launch->readback_memory,
+        internal::AllocatePinned(sizeof(ClientLaunch::Readback) * (ClientLaunch::kSlots + 1)));
+    for (uint32_t i = 0; i < ClientLaunch::kSlots; ++i) {
+      EPD_ASSIGN_OR_RETURN(internal::EventHandle e, internal::CreateEvent());
+      launch->events.push_back(std::move(e));
+    }
+    cl = std::move(launch);
+    return absl::OkStatus();
+  }
+
+  /// The rank's context with an SM budget (0 = default) for one op.
+  kc::CudaRankContext Context(int32_t num_sms) const {
+    kc::CudaRankContext ctx = cl->ctx;
+    ctx.num_sms = num_sms;
+    return ctx;
+  }
+
+  /// Client-launched: points `*in_place` at `t` when the kernel may read it in place
+  /// (`in_place_ok`, device memory of this GPU, `alignment`-aligned); otherwise copies `t`
+  /// into region `r` on `stream` and leaves `*in_place` null (the kernel then reads `r`).
+  template <typename T>
+  absl::Status ReadInPlaceOrStage(const char* op, const char* name, const DLTensor* t,
+                                  const Region& r, bool in_place_ok, uintptr_t alignment,
+                                  void* stream, const T** in_place) {
+    if (in_place_ok && ReadableInPlace(t, mapping->device(), alignment)) {
+      *in_place = reinterpret_cast<const T*>(TensorBytes(t));
+      return absl::OkStatus();
+    }
+    return Stage(op, name, t, r, stream);
+  }
+
+  /// Starts a client-launched op on `stream`: says whether the stream is capturing a CUDA
+  /// graph and assigns the op's seq. Call with the endpoint's device current.
+  absl::StatusOr<uint64_t> BeginClientOp(cudaStream_t stream, bool* capturing) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EPD_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
+    if (capture == cudaStreamCaptureStatusInvalidated) {
+      return absl::FailedPreconditionError(
+          "the stream's CUDA graph capture was invalidated by an earlier error");
+    }
+    *capturing = capture == cudaStreamCaptureStatusActive;
+    return next_seq++;
+  }
+
+  /// Ends a client-launched op on `stream`: unless capturing, enqueues the read-back of the
+  /// op's DeviceStatus (and, for Dispatch, N) into its completion slot and records the
+  /// slot's event, which Wait polls. A captured op gets no read-back: Wait reads the
+  /// device status itself once the graph's replay is done.
+  absl::Status EndClientOp(uint64_t seq, abi::OpKind op, cudaStream_t stream, bool capturing) {
+    const uint32_t i = static_cast<uint32_t>(seq % ClientLaunch::kSlots);
+    ClientLaunch::Slot& slot = cl->slots[i];
+    slot.seq = 0;
+    if (!capturing) {
+      ClientLaunch::Readback& rb = cl->readback(i);
+      EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(cl->ctx, stream, &rb.status));
+      if (op == abi::OpKind::kDispatch) {
+        EPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&rb.recv_count, At(layout.recv_count),
+                                                 sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+      }
+      EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(cl->events[i].get(), stream));
+    }
+    slot.seq = seq;
+    slot.captured = capturing;
+    return absl::OkStatus();
+  }
+
+  /// Client-launched Wait: the op's status (and N for Dispatch) once its stream has passed
+  /// it. Bounded by `timeout` and by op_timeout + 5 s (DEADLINE_EXCEEDED; the op stays
+  /// pending). A captured op is not waited for (see Endpoint docs).
+  absl::Status WaitClientOp(uint64_t seq, abi::OpKind op, absl::Duration timeout,
+                            int32_t* recv_count) {
+    const uint32_t i = static_cast<uint32_t>(seq % ClientLaunch::kSlots);
+    const ClientLaunch::Slot& slot = cl->slots[i];
+    if (slot.seq != seq) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          OpKindName(op), " op ", seq, ": its completion record was reused: more than ",
+          ClientLaunch::kSlots, " ops of this endpoint were enqueued after it without Wait"));
+    }
+    internal::DeviceGuard guard(mapping->device());
+    ClientLaunch::Readback* rb = &cl->readback(i);
+    if (slot.captured) {
+      rb = &cl->readback(ClientLaunch::kSlots);
+      cudaStream_t s = aux_stream.get();
+      EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(cl->ctx, s, &rb->status));
+      if (op == abi::OpKind::kDispatch) {
+        EPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&rb->recv_count, At(layout.recv_count),
+                                                 sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+      }
+      EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+    } else {
+      const auto start = std::chrono::steady_clock::now();
+      const auto limit = timeout == absl::InfiniteDuration()
+                             ? std::chrono::steady_clock::time_point::max()
+                             : start + absl::ToChronoNanoseconds(timeout);
+      const auto stuck = start + std::chrono::milliseconds(info.op_timeout_ms()) + kGpuGrace;
+      const auto spin_until = start + std::chrono::microseconds(kSpinBeforeSleepUs);
+      for (;;) {
+        cudaError_t err = cudaEventQuery(cl->events[i].get());
+        if (err == cudaSuccess) break;
+        if (err != cudaErrorNotReady) EPD_CUDA_RETURN_IF_ERROR(err);
+        const auto now = std::chrono::steady_clock::now();
+        if (now >= limit) {
+          return absl::DeadlineExceededError(absl::StrCat(
+              OpKindName(op), " op ", seq, " not complete after ", absl::FormatDuration(timeout)));
+        }
+        if (now >= stuck) {
+          return absl::DeadlineExceededError(absl::StrCat(
+              OpKindName(op), " op ", seq,
+              ": its stream did not pass the op within op_timeout + 5 s (is earlier work on "
+              "the stream stuck?); the op is still pending"));
+        }
+        if (now >= spin_until) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    }
+    if (recv_count != nullptr) *recv_count = rb->recv_count;
+    absl::Status st = DeviceStatusOf(rb->status, shape, info.rank(), op);
+    if (!st.ok()) NoteClientFailure(seq);
+    return st;
+  }
+#endif
 };
 
 Endpoint::Endpoint(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -353,9 +787,17 @@ absl::Status Endpoint::Leave() {
   return impl_->leave ? impl_->leave() : absl::OkStatus();
 }
 
+TensorView Endpoint::LowLatencyCombineInput() const {
+  const Impl& m = *impl_;
+  if (m.shape.ll_max_tokens_per_rank == 0) return TensorView();
+  return m.View(m.layout.in_ll_combine_x, kBf16,
+                {m.shape.num_local_experts(), m.shape.ll_rows_per_expert(), m.shape.hidden});
+}
+
 // ---- op submission ---------------------------------------------------------------------
 
-absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTensor& topk_idx) {
+absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTensor& topk_idx,
+                                                                    void* stream) {
   Impl& m = *impl_;
   EPD_RETURN_IF_ERROR(m.CheckUsable());
   constexpr const char* kOp = "GetDispatchLayout";
@@ -366,14 +808,33 @@ absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTens
     st = absl::InvalidArgumentError(absl::StrCat(
         kOp, ": num_tokens ", shape[0], " > max_tokens_per_rank ", m.shape.max_tokens_per_rank));
   }
-  if (st.ok()) st = m.Stage(kOp, "topk_idx", &topk_idx, m.layout.in_topk_idx);
-  if (!st.ok()) return m.SubmitClientError(op, st);
-  const int32_t T = static_cast<int32_t>(shape[0]);
-  EPD_ASSIGN_OR_RETURN(uint64_t seq, m.Submit(op, 0, T, 1, 0, 0));
+  const int32_t T = st.ok() ? static_cast<int32_t>(shape[0]) : 0;
+  uint64_t seq = 0;
+#if EPD_HAVE_CUDA
+  if (m.client_launched) {
+    // No exchange between ranks: a rejected input takes part in nothing.
+    EPD_RETURN_IF_ERROR(st);
+    EPD_RETURN_IF_ERROR(m.EnsureClientLaunch());
+    internal::DeviceGuard guard(m.mapping->device());
+    const cudaStream_t s = AsStream(stream);
+    bool capturing = false;
+    EPD_ASSIGN_OR_RETURN(seq, m.BeginClientOp(s, &capturing));
+    kc::GetDispatchLayoutArgs a;
+    EPD_RETURN_IF_ERROR(m.ReadInPlaceOrStage(kOp, "topk_idx", &topk_idx, m.layout.in_topk_idx, true,
+                                             alignof(int64_t), stream, &a.topk_idx));
+    const kc::CudaRankContext ctx = m.Context(0);
+    EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, T, s));
+    EPD_RETURN_IF_ERROR(kc::GetDispatchLayout(ctx, a, s));
+    EPD_RETURN_IF_ERROR(m.EndClientOp(seq, op, s, capturing));
+  }
+#endif
+  if (seq == 0) {
+    if (st.ok()) st = m.Stage(kOp, "topk_idx", &topk_idx, m.layout.in_topk_idx, stream);
+    if (!st.ok()) return m.SubmitClientError(op, st);
+    EPD_ASSIGN_OR_RETURN(seq, m.Submit(op, 0, T, 1, 0, 0, stream));
+  }
   LayoutResult r;
-  r.num_tokens_per_rank = m.View(m.layout.layout_tokens_per_rank, kI32, {m.shape.num_ranks});
-  r.num_tokens_per_expert = m.View(m.layout.layout_tokens_per_expert, kI32, {m.shape.num_experts});
-  r.is_token_in_rank = m.View(m.layout.layout_is_token_in_rank, kBool, {T, m.shape.num_ranks});
+  m.LayoutViews(r, T);
   return PendingOp<LayoutResult>(this, seq, std::move(r));
 }
 
@@ -423,25 +884,77 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
     std::vector<int64_t> ws{T, K};
     st = CheckTensor(m.cuda, kOp, "topk_weights", args.topk_weights, {kF32}, ws);
   }
-  if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x);
-  if (st.ok() && fp8) st = m.Stage(kOp, "x_scales", args.x_scales, m.layout.in_scales);
-  if (st.ok() && !cached) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx);
-  if (st.ok() && weights) {
-    st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights);
+  uint64_t seq = 0;
+#if EPD_HAVE_CUDA
+  if (m.client_launched) {
+    // The daemon's handle check (group_ops.cc ValidateHandle), done here.
+    if (st.ok() && cached &&
+        (m.routing_seq == 0 || cached->seq < m.routing_seq || cached->seq > m.last_dispatch_seq)) {
+      st = absl::FailedPreconditionError(absl::StrCat(
+          kOp, ": cached handle of op ", cached->seq,
+          " is not the current dispatch routing of this endpoint (valid: ops ", m.routing_seq, "..",
+          m.last_dispatch_seq, "); a handle is invalidated by the next Dispatch"));
+    }
+    EPD_RETURN_IF_ERROR(m.EnsureClientLaunch());
+    internal::DeviceGuard guard(m.mapping->device());
+    const cudaStream_t s = AsStream(args.stream);
+    bool capturing = false;
+    EPD_ASSIGN_OR_RETURN(seq, m.BeginClientOp(s, &capturing));
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x, args.stream);
+    if (st.ok() && fp8)
+      st = m.Stage(kOp, "x_scales", args.x_scales, m.layout.in_scales, args.stream);
+    if (st.ok() && !cached) {
+      st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, args.stream);
+    }
+    if (st.ok() && weights) {
+      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, args.stream);
+    }
+    kc::NormalDispatchArgs a;
+    a.fp8 = fp8;
+    a.expert_alignment = std::max(1, args.expert_alignment);
+    a.with_weights = weights;
+    a.cached = cached != nullptr;
+    const kc::CudaRankContext ctx = m.Context(args.num_sms);
+    // A rejected rank still takes part with T = 0, so its peers' dispatch completes (as if
+    // this rank had no tokens); the routing it leaves is not usable.
+    EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, st.ok() ? static_cast<int32_t>(T) : 0, s));
+    EPD_RETURN_IF_ERROR(kc::NormalDispatch(ctx, a, s));
+    if (!st.ok()) {
+      m.routing_seq = 0;
+      return st;
+    }
+    EPD_RETURN_IF_ERROR(m.EndClientOp(seq, op, s, capturing));
+    if (!cached) {
+      m.routing_seq = seq;
+      m.routing_tokens = static_cast<int32_t>(T);
+    }
+    m.last_dispatch_seq = seq;
   }
-  if (!st.ok()) return m.SubmitClientError(op, st);
-  uint32_t flags = (fp8 ? abi::kFlagFp8 : 0) | (cached ? abi::kFlagCachedHandle : 0) |
-                   (weights ? abi::kFlagDispatchWeights : 0);
-  EPD_ASSIGN_OR_RETURN(uint64_t seq,
-                       m.Submit(op, flags, static_cast<int32_t>(T), args.expert_alignment,
-                                cached ? cached->seq : 0, args.num_sms));
+#endif
+  if (seq == 0) {
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x, args.stream);
+    if (st.ok() && fp8)
+      st = m.Stage(kOp, "x_scales", args.x_scales, m.layout.in_scales, args.stream);
+    if (st.ok() && !cached) {
+      st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, args.stream);
+    }
+    if (st.ok() && weights) {
+      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, args.stream);
+    }
+    if (!st.ok()) return m.SubmitClientError(op, st);
+    uint32_t flags = (fp8 ? abi::kFlagFp8 : 0) | (cached ? abi::kFlagCachedHandle : 0) |
+                     (weights ? abi::kFlagDispatchWeights : 0);
+    EPD_ASSIGN_OR_RETURN(seq, m.Submit(op, flags, static_cast<int32_t>(T), args.expert_alignment,
+                                       cached ? cached->seq : 0, args.num_sms, args.stream));
+  }
   DispatchResult r;
   r.handle.endpoint_id = m.info.endpoint_id();
   r.handle.seq = seq;
   r.handle.num_tokens = static_cast<int32_t>(T);
   r.handle.use_fp8 = fp8;
   r.handle.low_latency = false;
-  // Shapes need N: filled in by Wait.
+  // N is known now only for a cached re-dispatch; otherwise Wait fills the views in.
+  if (cached) m.DispatchViews(r, cached->num_recv_tokens);
   return PendingOp<DispatchResult>(this, seq, std::move(r));
 }
 
@@ -469,14 +982,58 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
     std::vector<int64_t> ws{N, m.shape.num_topk};
     st = CheckTensor(m.cuda, kOp, "topk_weights", args.topk_weights, {kF32}, ws);
   }
-  if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_combine_x);
-  if (st.ok() && weights) {
-    st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_combine_weights);
+  const int32_t T = args.handle ? args.handle->num_tokens : 0;
+  uint64_t seq = 0;
+#if EPD_HAVE_CUDA
+  if (m.client_launched) {
+    if (st.ok() && (m.routing_seq == 0 || args.handle->seq < m.routing_seq ||
+                    args.handle->seq > m.last_dispatch_seq)) {
+      st = absl::FailedPreconditionError(absl::StrCat(
+          kOp, ": handle of op ", args.handle->seq,
+          " is not the current dispatch routing of this endpoint (valid: ops ", m.routing_seq, "..",
+          m.last_dispatch_seq, "); a handle is invalidated by the next Dispatch"));
+    }
+    if (st.ok() && T != m.routing_tokens) {
+      st = absl::InvalidArgumentError(
+          absl::StrCat(kOp, ": num_tokens ", T, " != the handle's ", m.routing_tokens));
+    }
+    EPD_RETURN_IF_ERROR(m.EnsureClientLaunch());
+    internal::DeviceGuard guard(m.mapping->device());
+    const cudaStream_t s = AsStream(args.stream);
+    bool capturing = false;
+    EPD_ASSIGN_OR_RETURN(seq, m.BeginClientOp(s, &capturing));
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_combine_x, args.stream);
+    if (st.ok() && weights) {
+      st =
+          m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_combine_weights, args.stream);
+    }
+    if (!st.ok()) {
+      // Take part with T = 0 and zero expert outputs, so the peers' combine completes (this
+      // rank's experts then contribute zeros to their tokens).
+      EPD_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(m.At(m.layout.in_combine_x), 0, m.layout.in_combine_x.bytes, s));
+      EPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(m.At(m.layout.in_combine_weights), 0,
+                                               m.layout.in_combine_weights.bytes, s));
+    }
+    kc::NormalCombineArgs a;
+    a.with_weights = weights;
+    const kc::CudaRankContext ctx = m.Context(args.num_sms);
+    EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, st.ok() ? T : 0, s));
+    EPD_RETURN_IF_ERROR(kc::NormalCombine(ctx, a, s));
+    EPD_RETURN_IF_ERROR(st);
+    EPD_RETURN_IF_ERROR(m.EndClientOp(seq, op, s, capturing));
   }
-  if (!st.ok()) return m.SubmitClientError(op, st);
-  const int32_t T = args.handle->num_tokens;
-  EPD_ASSIGN_OR_RETURN(uint64_t seq, m.Submit(op, weights ? abi::kFlagCombineWeights : 0, T, 1,
-                                              args.handle->seq, args.num_sms));
+#endif
+  if (seq == 0) {
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_combine_x, args.stream);
+    if (st.ok() && weights) {
+      st =
+          m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_combine_weights, args.stream);
+    }
+    if (!st.ok()) return m.SubmitClientError(op, st);
+    EPD_ASSIGN_OR_RETURN(seq, m.Submit(op, weights ? abi::kFlagCombineWeights : 0, T, 1,
+                                       args.handle->seq, args.num_sms, args.stream));
+  }
   CombineResult r;
   r.combined_x = m.View(m.layout.combined_x, kBf16, {T, m.shape.hidden});
   if (weights) {
@@ -492,27 +1049,31 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
   constexpr const char* kOp = "LowLatencyDispatch";
   const auto op = abi::OpKind::kLowLatencyDispatch;
   const int32_t Mll = m.shape.ll_max_tokens_per_rank;
-  absl::Status st;
   if (Mll == 0) {
-    st = absl::FailedPreconditionError(absl::StrCat(
+    // No low-latency buffers: nothing any rank could take part in.
+    return absl::FailedPreconditionError(absl::StrCat(
         kOp, ": group ", m.spec.name(), " has ll_max_tokens_per_rank = 0 (low-latency disabled)"));
-  } else if (args.max_dispatch_tokens_per_rank != 0 && args.max_dispatch_tokens_per_rank != Mll) {
+  }
+  absl::Status st;
+  if (args.max_dispatch_tokens_per_rank != 0 && args.max_dispatch_tokens_per_rank != Mll) {
     st = absl::InvalidArgumentError(absl::StrCat(kOp, ": max_dispatch_tokens_per_rank ",
                                                  args.max_dispatch_tokens_per_rank,
                                                  " != the group's ll_max_tokens_per_rank ", Mll));
   }
   std::vector<int64_t> xs{-1, m.shape.hidden};
   if (st.ok()) st = CheckTensor(m.cuda, kOp, "x", args.x, {kBf16}, xs);
+  // T, or with a device num_tokens the capacity of x and topk_idx (the kernel reads T).
   const int64_t T = st.ok() ? xs[0] : 0;
   if (st.ok() && T > Mll) {
     st = absl::InvalidArgumentError(
         absl::StrCat(kOp, ": x has ", T, " tokens > max_dispatch_tokens_per_rank ", Mll));
   }
-  if (st.ok() && args.use_fp8 && m.shape.hidden % kernels::kFp8BlockChannels != 0) {
+  const bool use_fp8 = args.use_fp8;
+  if (st.ok() && use_fp8 && m.shape.hidden % kernels::kFp8BlockChannels != 0) {
     st = absl::InvalidArgumentError(
         absl::StrCat(kOp, ": use_fp8 needs hidden % 128 == 0, hidden = ", m.shape.hidden));
   }
-  if (st.ok() && args.use_fp8 && !m.shape.use_fp8) {
+  if (st.ok() && use_fp8 && !m.shape.use_fp8) {
     st = absl::InvalidArgumentError(
         absl::StrCat(kOp, ": use_fp8 but group ", m.spec.name(), " has use_fp8 = false"));
   }
@@ -520,18 +1081,94 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
     std::vector<int64_t> ts{T, m.shape.num_topk};
     st = CheckTensor(m.cuda, kOp, "topk_idx", args.topk_idx, {kI64}, ts);
   }
-  if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x);
-  if (st.ok()) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx);
-  if (!st.ok()) return m.SubmitClientError(op, st);
-  uint32_t flags =
-      (args.use_fp8 ? abi::kFlagFp8 : 0) | (args.round_scale ? abi::kFlagRoundScale : 0);
-  EPD_ASSIGN_OR_RETURN(uint64_t seq, m.Submit(op, flags, static_cast<int32_t>(T), 1, 0, 0));
+  const bool runtime_tokens = args.num_tokens != nullptr;
+  if (st.ok() && runtime_tokens) {
+    bool client_launched = false;
+#if EPD_HAVE_CUDA
+    client_launched = m.client_launched;
+#endif
+    std::vector<int64_t> ns{1};
+    if (!client_launched) {
+      st = absl::InvalidArgumentError(absl::StrCat(
+          kOp,
+          ": num_tokens (T on the device) needs a client-launched endpoint; pass x with T "
+          "rows instead"));
+    } else {
+      st = CheckTensor(m.cuda, kOp, "num_tokens", args.num_tokens, {kI32}, ns);
+    }
+#if EPD_HAVE_CUDA
+    if (st.ok() && !ReadableInPlace(args.num_tokens, m.mapping->device(), alignof(int32_t))) {
+      st = absl::InvalidArgumentError(absl::StrCat(
+          kOp,
+          ": num_tokens must be a 4-byte aligned int32 in the memory of the endpoint's GPU "
+          "(kDLCUDA device ",
+          m.mapping->device(), ")"));
+    }
+#endif
+  }
+  uint64_t seq = 0;
+  int buffer = static_cast<int>(m.ll_dispatches % kernels::kLowLatencyBuffers);
+#if EPD_HAVE_CUDA
+  if (m.client_launched) {
+    EPD_RETURN_IF_ERROR(m.EnsureClientLaunch());
+    const int device = m.mapping->device();
+    internal::DeviceGuard guard(device);
+    const cudaStream_t s = AsStream(args.stream);
+    bool capturing = false;
+    EPD_ASSIGN_OR_RETURN(seq, m.BeginClientOp(s, &capturing));
+    kc::LowLatencyDispatchArgs a;
+    a.buffer = buffer;
+    a.use_fp8 = use_fp8 && m.shape.use_fp8 && m.shape.hidden % kernels::kFp8BlockChannels == 0;
+    a.round_scale = args.round_scale;
+    // Caller memory is read in place unless the kernel could read past it: with T on the
+    // device, only when it has Mll rows (else it is staged into the Mll-row regions).
+    const bool in_place_ok = !runtime_tokens || T == Mll;
+    if (st.ok()) {
+      st =
+          m.ReadInPlaceOrStage(kOp, "x", args.x, m.layout.in_x, in_place_ok, 16, args.stream, &a.x);
+    }
+    if (st.ok()) {
+      st = m.ReadInPlaceOrStage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, in_place_ok,
+                                alignof(int64_t), args.stream, &a.topk_idx);
+    }
+    const kc::CudaRankContext ctx = m.Context(0);
+    if (!st.ok()) {
+      // A rejected rank takes part with T = 0 (its peers' dispatch completes, as if this
+      // rank had no tokens); its buffer is then not usable by a combine.
+      a.x = nullptr;
+      a.topk_idx = nullptr;
+      EPD_RETURN_IF_ERROR(kc::SetLowLatencyNumTokensAsync(ctx, 0, s));
+    } else if (runtime_tokens) {
+      a.num_tokens = reinterpret_cast<const int32_t*>(TensorBytes(args.num_tokens));
+    } else {
+      EPD_RETURN_IF_ERROR(kc::SetLowLatencyNumTokensAsync(ctx, static_cast<int32_t>(T), s));
+    }
+    EPD_RETURN_IF_ERROR(kc::LowLatencyDispatch(ctx, a, s));
+    ++m.ll_dispatches;
+    m.ll_seq[buffer] = 0;
+    EPD_RETURN_IF_ERROR(st);
+    EPD_RETURN_IF_ERROR(m.EndClientOp(seq, op, s, capturing));
+    m.ll_seq[buffer] = seq;
+    m.ll_tokens[buffer] = static_cast<int32_t>(T);
+    m.ll_runtime_tokens[buffer] = runtime_tokens;
+  }
+#endif
+  if (seq == 0) {
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x, args.stream);
+    if (st.ok()) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, args.stream);
+    if (!st.ok()) return m.SubmitClientError(op, st);
+    uint32_t flags = (use_fp8 ? abi::kFlagFp8 : 0) | (args.round_scale ? abi::kFlagRoundScale : 0);
+    EPD_ASSIGN_OR_RETURN(seq, m.Submit(op, flags, static_cast<int32_t>(T), 1, 0, 0, args.stream));
+    // The daemon's buffer, predicted for Enqueued(); Wait takes the completion's.
+    ++m.ll_dispatches;
+  }
   LowLatencyDispatchResult r;
   r.handle.endpoint_id = m.info.endpoint_id();
   r.handle.seq = seq;
   r.handle.low_latency = true;
   r.handle.num_tokens = static_cast<int32_t>(T);
-  r.handle.use_fp8 = args.use_fp8;
+  r.handle.use_fp8 = use_fp8;
+  m.LowLatencyDispatchViews(r, buffer);
   return PendingOp<LowLatencyDispatchResult>(this, seq, std::move(r));
 }
 
@@ -541,6 +1178,7 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
   EPD_RETURN_IF_ERROR(m.CheckUsable());
   constexpr const char* kOp = "LowLatencyCombine";
   const auto op = abi::OpKind::kLowLatencyCombine;
+  const int32_t Mll = m.shape.ll_max_tokens_per_rank;
   const int64_t El = m.shape.num_local_experts();
   const int64_t rows = m.shape.ll_rows_per_expert();
   absl::Status st;
@@ -565,13 +1203,82 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
     std::vector<int64_t> ws{T, m.shape.num_topk};
     st = CheckTensor(m.cuda, kOp, "topk_weights", args.topk_weights, {kF32}, ws);
   }
-  if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_ll_combine_x);
-  if (st.ok()) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx);
-  if (st.ok()) st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights);
-  if (!st.ok()) return m.SubmitClientError(op, st);
-  EPD_ASSIGN_OR_RETURN(uint64_t seq,
-                       m.Submit(op, 0, static_cast<int32_t>(T), 1, args.handle->seq, 0));
-  return PendingOp<LowLatencyCombineResult>(this, seq, LowLatencyCombineResult{});
+  uint64_t seq = 0;
+  const int out_buffer = static_cast<int>(m.ll_combines % kernels::kLowLatencyBuffers);
+#if EPD_HAVE_CUDA
+  if (m.client_launched) {
+    if (Mll == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(kOp, ": group ", m.spec.name(),
+                       " has ll_max_tokens_per_rank = 0 (low-latency disabled)"));
+    }
+    // The daemon's handle check, done here: the handle's dispatch must still own its buffer.
+    int buffer = -1;
+    for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) {
+      if (args.handle != nullptr && m.ll_seq[b] != 0 && m.ll_seq[b] == args.handle->seq) buffer = b;
+    }
+    if (st.ok() && buffer < 0) {
+      st = absl::FailedPreconditionError(absl::StrCat(
+          kOp, ": handle of op ", args.handle->seq,
+          " is not one of this endpoint's last two low-latency dispatches (its buffers were "
+          "reused, or the dispatch failed)"));
+    }
+    if (buffer < 0) {
+      // A rejected rank takes part with the latest dispatch's buffer (what its peers use).
+      if (m.ll_dispatches == 0) return st;
+      buffer = static_cast<int>((m.ll_dispatches + 1) % kernels::kLowLatencyBuffers);
+    }
+    EPD_RETURN_IF_ERROR(m.EnsureClientLaunch());
+    const int device = m.mapping->device();
+    internal::DeviceGuard guard(device);
+    const cudaStream_t s = AsStream(args.stream);
+    bool capturing = false;
+    EPD_ASSIGN_OR_RETURN(seq, m.BeginClientOp(s, &capturing));
+    kc::LowLatencyCombineArgs a;
+    a.buffer = buffer;
+    a.combined_x = reinterpret_cast<kernels::bf16_bits*>(m.At(m.layout.ll_combined_x[out_buffer]));
+    // x is read by every rank at the same offset of each area: in_ll_combine_x (staged
+    // unless the caller wrote it there: LowLatencyCombineInput()).
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_ll_combine_x, args.stream);
+    const bool in_place_ok = !m.ll_runtime_tokens[buffer] || T == Mll;
+    if (st.ok()) {
+      st = m.ReadInPlaceOrStage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, in_place_ok,
+                                alignof(int64_t), args.stream, &a.topk_idx);
+    }
+    if (st.ok()) {
+      st = m.ReadInPlaceOrStage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights,
+                                in_place_ok, alignof(float), args.stream, &a.topk_weights);
+    }
+    if (!st.ok()) {
+      // Take part so the peers' combine completes: this rank's experts give zeros, and its
+      // own tokens pull nothing (every topk_idx entry -1: bytes 0xff).
+      a.topk_idx = nullptr;
+      a.topk_weights = nullptr;
+      EPD_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(m.At(m.layout.in_ll_combine_x), 0, m.layout.in_ll_combine_x.bytes, s));
+      EPD_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(m.At(m.layout.in_topk_idx), 0xff, m.layout.in_topk_idx.bytes, s));
+    }
+    EPD_RETURN_IF_ERROR(kc::LowLatencyCombine(m.Context(0), a, s));
+    ++m.ll_combines;
+    EPD_RETURN_IF_ERROR(st);
+    EPD_RETURN_IF_ERROR(m.EndClientOp(seq, op, s, capturing));
+  }
+#endif
+  if (seq == 0) {
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_ll_combine_x, args.stream);
+    if (st.ok()) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, args.stream);
+    if (st.ok()) {
+      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, args.stream);
+    }
+    if (!st.ok()) return m.SubmitClientError(op, st);
+    EPD_ASSIGN_OR_RETURN(
+        seq, m.Submit(op, 0, static_cast<int32_t>(T), 1, args.handle->seq, 0, args.stream));
+    ++m.ll_combines;  // The daemon's output buffer, predicted for Enqueued().
+  }
+  LowLatencyCombineResult r;
+  r.combined_x = m.View(m.layout.ll_combined_x[out_buffer], kBf16, {T, m.shape.hidden});
+  return PendingOp<LowLatencyCombineResult>(this, seq, std::move(r));
 }
 
 // ---- completion ------------------------------------------------------------------------
@@ -579,39 +1286,52 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
 template <typename Result>
 absl::StatusOr<Result> PendingOp<Result>::Wait(absl::Duration timeout) {
   Endpoint::Impl& m = endpoint_->impl();
-  abi::Completion c;
-  EPD_RETURN_IF_ERROR(m.WaitCompletion(seq_, timeout, &c));
+  constexpr abi::OpKind kOp = OpKindOf<Result>();
   Result r = partial_;
+#if EPD_HAVE_CUDA
+  if (m.client_launched) {
+    int32_t recv_count = 0;
+    EPD_RETURN_IF_ERROR(m.WaitClientOp(seq_, kOp, timeout, &recv_count));
+    if constexpr (std::is_same_v<Result, DispatchResult>) {
+      if (!r.handle.low_latency && r.recv_x.data() == nullptr) m.DispatchViews(r, recv_count);
+    }
+    return r;
+  }
+#endif
+  abi::Completion c{};
+  absl::Status st = m.WaitCompletion(seq_, timeout, &c);
+  if (st.code() == absl::StatusCode::kUnavailable) m.ReleaseStreams();
+  if (!st.ok()) {
+    if (c.seq == seq_) m.NoteDaemonFailure(seq_, kOp);  // The op's own failure.
+    return st;
+  }
   if constexpr (std::is_same_v<Result, DispatchResult>) {
-    const int64_t N = c.num_recv_tokens;
-    const int64_t H = m.shape.hidden, K = m.shape.num_topk;
-    const bool fp8 = r.handle.use_fp8;
-    r.num_recv_tokens = c.num_recv_tokens;
-    r.handle.num_recv_tokens = c.num_recv_tokens;
-    r.recv_x = m.View(m.layout.recv_x, fp8 ? kE4m3 : kBf16, {N, H});
-    if (fp8) r.recv_scales = m.View(m.layout.recv_scales, kF32, {N, m.shape.num_scales()});
-    r.recv_topk_idx = m.View(m.layout.recv_topk_idx, kI64, {N, K});
-    r.recv_topk_weights = m.View(m.layout.recv_topk_weights, kF32, {N, K});
-    r.num_recv_tokens_per_expert =
-        m.View(m.layout.recv_tokens_per_expert, kI32, {m.shape.num_local_experts()});
-    r.recv_src_info = m.View(m.layout.recv_src_info, kI32, {N});
+    m.DispatchViews(r, c.num_recv_tokens);
   } else if constexpr (std::is_same_v<Result, LowLatencyDispatchResult>) {
-    const int b = c.buffer & 1;
-    const int64_t El = m.shape.num_local_experts(), rows = m.shape.ll_rows_per_expert();
-    const bool fp8 = r.handle.use_fp8;
-    r.handle.buffer = b;
-    r.recv_x = m.View(m.layout.ll_recv_x[b], fp8 ? kE4m3 : kBf16, {El, rows, m.shape.hidden});
-    if (fp8)
-      r.recv_scales = m.View(m.layout.ll_recv_scales[b], kF32, {El, rows, m.shape.num_scales()});
-    r.recv_count = m.View(m.layout.ll_recv_count[b], kI32, {El});
-    r.recv_src_info = m.View(m.layout.ll_recv_src_info[b], kI32, {El, rows});
+    m.LowLatencyDispatchViews(r, c.buffer & 1);
   } else if constexpr (std::is_same_v<Result, LowLatencyCombineResult>) {
-    const int b = c.buffer & 1;
     // The daemon reports this rank's T in num_recv_tokens for low-latency combine.
-    r.combined_x = m.View(m.layout.ll_combined_x[b], kBf16,
+    r.combined_x = m.View(m.layout.ll_combined_x[c.buffer & 1], kBf16,
                           {static_cast<int64_t>(c.num_recv_tokens), m.shape.hidden});
   }
   return r;
+}
+
+template <typename Result>
+absl::StatusOr<Result> PendingOp<Result>::Enqueued() const {
+  const Endpoint::Impl& m = endpoint_->impl();
+  if (!m.cuda) {
+    return absl::FailedPreconditionError(
+        "Enqueued: ops of the host backend are not stream-ordered; use Wait");
+  }
+  if constexpr (std::is_same_v<Result, DispatchResult>) {
+    if (partial_.recv_x.data() == nullptr) {
+      return absl::FailedPreconditionError(
+          "Enqueued: a Dispatch without a cached handle has N rows known only once it is done; "
+          "use Wait");
+    }
+  }
+  return partial_;
 }
 
 template class PendingOp<LayoutResult>;
@@ -624,14 +1344,15 @@ template class PendingOp<LowLatencyCombineResult>;
 
 namespace internal {
 
-absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(
-    const v1::EndpointInfo& info, const v1::GroupSpec& spec, std::function<absl::Status()> leave,
-    std::shared_ptr<const std::atomic<bool>> session_lost) {
+absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& info,
+                                                       const v1::GroupSpec& spec,
+                                                       std::function<absl::Status()> leave,
+                                                       std::shared_ptr<SessionWatch> session,
+                                                       GroupEndpointsFn group_endpoints) {
   auto m = std::make_unique<Endpoint::Impl>();
   m->info = info;
   m->spec = spec;
   m->leave = std::move(leave);
-  m->session_lost = std::move(session_lost);
   m->shape.num_ranks = spec.num_ranks();
   m->shape.num_experts = spec.num_experts();
   m->shape.hidden = spec.hidden();
@@ -656,6 +1377,11 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(
     return absl::UnimplementedError(
         absl::StrCat("this libepdclient maps 'host' and 'cuda' endpoints; the daemon offers '",
                      info.backend(), "'"));
+  }
+  if (info.launch_mode() == v1::LAUNCH_MODE_CLIENT && !m->cuda) {
+    return absl::FailedPreconditionError(
+        "the daemon granted a client-launched endpoint on the host backend; client-launched "
+        "mode needs the CUDA backend");
   }
   // The daemon's regions must be the ones this client computes (same layout version).
   std::map<std::string, kernels::Region> mine;
@@ -684,14 +1410,31 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(
 #if EPD_HAVE_CUDA
   if (m->cuda) {
     EPD_ASSIGN_OR_RETURN(m->mapping,
-                         internal::CudaAreaMapping::Open(info.cuda_ipc_handle(), info.gpu_uuid()));
-    m->data = m->mapping.data();
-    m->device = DLDevice{kDLCUDA, m->mapping.device()};
+                         internal::MapSharedArea(info.cuda_ipc_handle(), info.gpu_uuid()));
+    m->data = m->mapping->data();
+    m->device = DLDevice{kDLCUDA, m->mapping->device()};
+    m->client_launched = info.launch_mode() == v1::LAUNCH_MODE_CLIENT;
+    m->group_endpoints = std::move(group_endpoints);
+    internal::DeviceGuard guard(m->mapping->device());
+    EPD_ASSIGN_OR_RETURN(m->aux_stream, internal::CreateStream());
+    if (!m->client_launched) {
+      EPD_ASSIGN_OR_RETURN(m->release_word, internal::AllocatePinned(sizeof(uint64_t)));
+      const uint64_t released = internal::kReleasedSeq;
+      std::memcpy(m->release_word.get(), &released, sizeof(released));
+    }
   }
+#else
+  (void)group_endpoints;
 #endif
   m->next_seq = info.first_seq();
   abi::Atomic(m->header->client_pid).store(static_cast<uint32_t>(::getpid()));
   abi::Atomic(m->header->client_mapped).store(1, std::memory_order_release);
+  m->session = std::move(session);
+  if (m->session != nullptr && m->cuda) {
+    // A daemon that dies leaves the streams of daemon-launched ops waiting: release them.
+    Endpoint::Impl* raw = m.get();
+    m->session_hook = m->session->AddHook([raw] { raw->ReleaseStreams(); });
+  }
   return std::make_unique<Endpoint>(std::move(m));
 }
 

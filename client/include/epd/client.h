@@ -11,7 +11,34 @@
 // how long its views stay valid.
 //
 // Every op is two steps: the op call validates and submits, returning a `PendingOp`;
-// `PendingOp::Wait` returns the op's status and result. Errors are absl::Status:
+// `PendingOp::Wait` returns the op's status and result.
+//
+// CUDA backend: every op is ordered on the CUDA stream its args name (`stream`, a
+// cudaStream_t of the endpoint's GPU; null = the legacy default stream): it reads its
+// inputs after the stream's earlier work, and the stream's later work sees its outputs
+// (PendingOp::Enqueued gives the views without waiting on the CPU). Nothing synchronises
+// the CPU per op. Two launch modes, fixed per group at the first Join
+// (JoinOptions::launch_mode; EndpointInfo::launch_mode says the one granted), with
+// identical results:
+//   daemon-launched  the daemon's engine runs the kernels on its own stream; the caller's
+//                    stream waits for them on the GPU (DESIGN.md §3.2 stream-ordered
+//                    hand-off). If the daemon dies or closes the endpoint, the library
+//                    releases the waiting stream and Wait returns UNAVAILABLE.
+//   client-launched  this library launches the kernels itself on the caller's stream, on
+//                    the buffers of every rank of the group (mapped once, before the
+//                    endpoint's first op, which may wait up to op_timeout for every rank
+//                    to join). Ops may be captured into a CUDA graph and replayed (see
+//                    PendingOp::Wait and LowLatencyDispatchArgs::num_tokens). Errors
+//                    found on the GPU (bad expert ids, a timeout) are reported by Wait of
+//                    the rank that saw them only (a peer's bad id is not reported to the
+//                    other ranks, whose results then lack that entry's routes). A rank
+//                    whose inputs the library rejects still takes part in the op where its
+//                    peers need it (it sends nothing: T = 0; in a combine its experts give
+//                    zeros), so the peers complete instead of timing out; the op call then
+//                    returns the error. After a DEADLINE_EXCEEDED (a rank never arrived),
+//                    the group must be left and rejoined (the kernels' sync state of the
+//                    ranks is out of step).
+// Errors are absl::Status:
 //   INVALID_ARGUMENT     bad shape/dtype/device/value (names the field and the value);
 //   FAILED_PRECONDITION  the endpoint has left its group, or a stale/foreign handle;
 //   DEADLINE_EXCEEDED    a rank of the op never arrived within the daemon's op_timeout
@@ -155,6 +182,12 @@ struct LowLatencyDispatchArgs {
   /// Client-launched mode only, optional: [1] int32 on the endpoint's GPU holding T,
   /// read by the kernel at run time (x and topk_idx then give only the capacity, their
   /// first dimension >= T). Lets one captured CUDA graph replay with any T <= Mll.
+  /// The handle's num_tokens is then that capacity C: the matching combine takes
+  /// topk_idx / topk_weights of [C, K] and its combined_x view has C rows, of which the
+  /// first T are written. x and topk_idx are read in place when they are device memory
+  /// of the endpoint's GPU with C = Mll; otherwise they are copied into the endpoint's
+  /// Mll-row staging regions (so a T above C can never read past the caller's memory).
+  /// A T outside [0, Mll] makes the rank send nothing and Wait return INVALID_ARGUMENT.
   const DLTensor* num_tokens = nullptr;
 };
 /// Low-latency dispatch outputs. Double-buffered: valid until the low-latency dispatch
@@ -186,11 +219,23 @@ class [[nodiscard]] PendingOp {
  public:
   /// Blocks until the op completes or `timeout` passes (DEADLINE_EXCEEDED, the op stays
   /// pending and Wait may be called again). Returns the op's own error otherwise.
+  /// Client-launched: waits (polling, bounded by `timeout` and by op_timeout + 5 s) for an
+  /// event recorded on the op's stream after the op, then returns the status its kernels
+  /// left; only the latest 64 ops of an endpoint can be waited for (FAILED_PRECONDITION
+  /// for older ones). An op enqueued while its stream was capturing a CUDA graph is not
+  /// waited for: call Wait once a replay of the graph has completed (e.g. after
+  /// cudaStreamSynchronize); it then reads and clears the rank's device status, so it
+  /// reports the errors of every replay since the last Wait, and for a Dispatch the N of
+  /// the latest replay.
   absl::StatusOr<Result> Wait(absl::Duration timeout = absl::InfiniteDuration());
   /// The result without waiting on the CPU, for stream-ordered use (CUDA backend): work
   /// enqueued on the op's stream after the op reads the views correctly; errors still
-  /// come from Wait. FAILED_PRECONDITION for a Dispatch without a cached handle (its row
-  /// count N is known only once the op is done: Wait).
+  /// come from Wait. FAILED_PRECONDITION on the host backend, and for a Dispatch without
+  /// a cached handle (its row count N is known only once the op is done: Wait).
+  /// Daemon-launched: the low-latency buffer of the views is the daemon's choice as
+  /// predicted by the client, which holds as long as no earlier op of the endpoint failed
+  /// (a failed low-latency op does not advance the daemon's buffer parity; Wait of that
+  /// op brings the prediction back in step).
   absl::StatusOr<Result> Enqueued() const;
   uint64_t seq() const { return seq_; }
 
@@ -236,6 +281,12 @@ class Endpoint {
   /// Low-latency combine: combined_x[t] = Σ_k w[t,k]·y_{e_k}(t) (f32, ascending k).
   absl::StatusOr<PendingOp<LowLatencyCombineResult>> LowLatencyCombine(
       const LowLatencyCombineArgs& args);
+  /// The endpoint's low-latency combine input region, [E/R, R*Mll, H] bf16 (kDLCUDA on the
+  /// CUDA backend); empty when the group has no low-latency mode. Experts that write their
+  /// outputs here and pass this view as LowLatencyCombineArgs::x skip the copy of x
+  /// (otherwise x is copied into it). Valid while the endpoint lives; its contents are
+  /// read by every rank's LowLatencyCombine, so write it only between combines.
+  TensorView LowLatencyCombineInput() const;
 
   /// Leaves the group explicitly (the daemon frees the rank). Later ops return
   /// FAILED_PRECONDITION. Idempotent.

@@ -1,0 +1,152 @@
+// CUDA pieces of the client's launch modes (see cuda_launch.h). Empty without CUDA.
+#include "cuda_launch.h"
+
+#if EPD_HAVE_CUDA
+
+#include <cuda.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "epd/common/status_macros.h"
+#include "epd/kernels/cuda_ops.h"
+
+namespace epd::internal {
+namespace {
+
+/// The driver entry points of the stream memory operations, resolved once.
+struct StreamMemOps {
+  CUresult (*write_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
+  CUresult (*wait_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
+  CUresult (*get_error_string)(CUresult, const char**) = nullptr;
+
+  static absl::StatusOr<const StreamMemOps*> Get() {
+    static StreamMemOps ops;
+    static const absl::Status status = [] {
+      auto resolve = [](const char* name, void** fn) -> absl::Status {
+        cudaDriverEntryPointQueryResult q{};
+        EPD_CUDA_RETURN_IF_ERROR(
+            cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &q));
+        if (q != cudaDriverEntryPointSuccess || *fn == nullptr) {
+          return absl::InternalError(
+              absl::StrCat("the CUDA driver has no entry point ", name, " (query result ", q,
+                           "); the stream-ordered hand-off needs a driver of CUDA 12.0 or later"));
+        }
+        return absl::OkStatus();
+      };
+      EPD_RETURN_IF_ERROR(
+          resolve("cuStreamWriteValue64", reinterpret_cast<void**>(&ops.write_value64)));
+      EPD_RETURN_IF_ERROR(
+          resolve("cuStreamWaitValue64", reinterpret_cast<void**>(&ops.wait_value64)));
+      return resolve("cuGetErrorString", reinterpret_cast<void**>(&ops.get_error_string));
+    }();
+    if (!status.ok()) return status;
+    return &ops;
+  }
+};
+
+absl::Status DriverStatus(const StreamMemOps& ops, CUresult r, const char* call) {
+  if (r == CUDA_SUCCESS) return absl::OkStatus();
+  const char* msg = nullptr;
+  ops.get_error_string(r, &msg);
+  return absl::InternalError(
+      absl::StrCat(call, " failed: CUresult ", static_cast<int>(r), ": ", msg ? msg : "?"));
+}
+
+std::mutex& CacheMutex() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<std::string, std::weak_ptr<const CudaAreaMapping>>& Cache() {
+  static auto* cache = new std::map<std::string, std::weak_ptr<const CudaAreaMapping>>();
+  return *cache;
+}
+
+}  // namespace
+
+absl::Status StreamWriteValue64(cudaStream_t stream, void* address, uint64_t value) {
+  EPD_ASSIGN_OR_RETURN(const StreamMemOps* ops, StreamMemOps::Get());
+  return DriverStatus(
+      *ops,
+      ops->write_value64(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address),
+                         value, CU_STREAM_WRITE_VALUE_DEFAULT),
+      "cuStreamWriteValue64");
+}
+
+absl::Status StreamWaitValue64Geq(cudaStream_t stream, const void* address, uint64_t value) {
+  EPD_ASSIGN_OR_RETURN(const StreamMemOps* ops, StreamMemOps::Get());
+  return DriverStatus(
+      *ops,
+      ops->wait_value64(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address),
+                        value, CU_STREAM_WAIT_VALUE_GEQ),
+      "cuStreamWaitValue64");
+}
+
+absl::StatusOr<std::shared_ptr<const CudaAreaMapping>> MapSharedArea(const std::string& ipc_handle,
+                                                                     const std::string& gpu_uuid) {
+  std::lock_guard<std::mutex> lock(CacheMutex());
+  auto& cache = Cache();
+  auto it = cache.find(ipc_handle);
+  if (it != cache.end()) {
+    if (std::shared_ptr<const CudaAreaMapping> live = it->second.lock()) return live;
+    cache.erase(it);
+  }
+  EPD_ASSIGN_OR_RETURN(CudaAreaMapping mapping, CudaAreaMapping::Open(ipc_handle, gpu_uuid));
+  auto shared = std::make_shared<const CudaAreaMapping>(std::move(mapping));
+  cache[ipc_handle] = shared;
+  // Expired entries of areas whose last holder is gone (the handle may be reused by a
+  // later allocation of the daemon: a new Open is then made).
+  for (auto e = cache.begin(); e != cache.end();) {
+    e = e->second.expired() ? cache.erase(e) : std::next(e);
+  }
+  return shared;
+}
+
+absl::StatusOr<DeviceMemory> AllocateDevice(size_t bytes) {
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cudaMalloc of ", bytes, " bytes failed: out of GPU memory"));
+  }
+  EPD_CUDA_RETURN_IF_ERROR(err);
+  DeviceMemory m(static_cast<uint8_t*>(p));
+  EPD_CUDA_RETURN_IF_ERROR(cudaMemset(p, 0, bytes));
+  return m;
+}
+
+absl::StatusOr<PinnedMemory> AllocatePinned(size_t bytes) {
+  void* p = nullptr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, bytes, cudaHostAllocPortable));
+  std::memset(p, 0, bytes);
+  return PinnedMemory(static_cast<uint8_t*>(p));
+}
+
+absl::StatusOr<StreamHandle> CreateStream() {
+  cudaStream_t s = nullptr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  return StreamHandle(s);
+}
+
+absl::StatusOr<EventHandle> CreateEvent() {
+  cudaEvent_t e = nullptr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return EventHandle(e);
+}
+
+DeviceGuard::DeviceGuard(int device) {
+  if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
+    if (cudaSetDevice(device) == cudaSuccess) restore_ = true;
+  }
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (restore_) cudaSetDevice(previous_);
+}
+
+}  // namespace epd::internal
+
+#endif  // EPD_HAVE_CUDA

@@ -1,0 +1,112 @@
+// Internal to libepdclient: the CUDA pieces of both launch modes (DESIGN.md §3.2).
+//
+// - Stream memory operations (cuStreamWriteValue64 / cuStreamWaitValue64) for the
+//   stream-ordered hand-off of daemon-launched mode. They are resolved once through
+//   cudaGetDriverEntryPointByVersion: libepdclient does not link libcuda, so it loads on
+//   machines without the NVIDIA driver (CI), where only the host backend is used.
+// - A process-wide, reference-counted cache of mapped data areas: client-launched mode
+//   maps every peer's area, and one process may hold several endpoints of a group (each
+//   also mapping its own area); CUDA refuses to open one IPC handle twice in a process.
+// - Move-only RAII owners of the CUDA resources an endpoint keeps (device memory, pinned
+//   host memory, streams, events).
+// Built only with CUDA.
+#pragma once
+
+#if EPD_HAVE_CUDA
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cuda_ipc.h"
+
+namespace epd::internal {
+
+// ---- stream memory operations -------------------------------------------------------------
+
+/// Enqueues on `stream` a 64-bit write of `value` to device address `address`, ordered
+/// after the stream's earlier work (with a memory barrier before it: everything the stream
+/// wrote earlier is visible to whoever sees the value). Errors: INTERNAL naming the driver
+/// call (or the entry point that could not be resolved).
+absl::Status StreamWriteValue64(cudaStream_t stream, void* address, uint64_t value);
+
+/// Enqueues on `stream` a wait until the 64-bit word at device address `address` is >=
+/// `value` (unsigned compare). The stream's later work runs only after it. The GPU does
+/// not bound this wait: whoever enqueues it must make sure the word is eventually written
+/// (the client library writes kReleasedSeq itself when the daemon is gone).
+/// Errors: INTERNAL naming the driver call.
+absl::Status StreamWaitValue64Geq(cudaStream_t stream, const void* address, uint64_t value);
+
+/// The done_seq value written from the host to release a stream whose daemon is gone
+/// (above every real sequence number, so every pending and later wait passes).
+inline constexpr uint64_t kReleasedSeq = UINT64_MAX / 2;
+
+// ---- shared mapping of data areas -----------------------------------------------------------
+
+/// The mapping of the data area exported as `ipc_handle` (cudaIpcMemHandle_t bytes) on GPU
+/// `gpu_uuid`, shared by every endpoint of this process that maps it: opened once
+/// (CudaAreaMapping::Open) and closed when the last holder releases it. Errors: those of
+/// CudaAreaMapping::Open.
+absl::StatusOr<std::shared_ptr<const CudaAreaMapping>> MapSharedArea(const std::string& ipc_handle,
+                                                                     const std::string& gpu_uuid);
+
+// ---- RAII owners ------------------------------------------------------------------------------
+
+struct CudaFreeDeleter {
+  void operator()(void* p) const {
+    if (p != nullptr) cudaFree(p);
+  }
+};
+struct CudaFreeHostDeleter {
+  void operator()(void* p) const {
+    if (p != nullptr) cudaFreeHost(p);
+  }
+};
+struct CudaStreamDeleter {
+  void operator()(cudaStream_t s) const {
+    if (s != nullptr) cudaStreamDestroy(s);
+  }
+};
+struct CudaEventDeleter {
+  void operator()(cudaEvent_t e) const {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+};
+/// cudaMalloc'd device memory (current device at allocation).
+using DeviceMemory = std::unique_ptr<uint8_t, CudaFreeDeleter>;
+/// cudaHostAlloc'd (pinned, portable) host memory.
+using PinnedMemory = std::unique_ptr<uint8_t, CudaFreeHostDeleter>;
+using StreamHandle = std::unique_ptr<std::remove_pointer_t<cudaStream_t>, CudaStreamDeleter>;
+using EventHandle = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, CudaEventDeleter>;
+
+/// `bytes` of device memory on the current device, zeroed. RESOURCE_EXHAUSTED when full,
+/// INTERNAL for other CUDA errors.
+absl::StatusOr<DeviceMemory> AllocateDevice(size_t bytes);
+/// `bytes` of pinned host memory (cudaHostAllocPortable), zeroed. INTERNAL on failure.
+absl::StatusOr<PinnedMemory> AllocatePinned(size_t bytes);
+/// A non-blocking stream on the current device (no implicit sync with the legacy stream).
+absl::StatusOr<StreamHandle> CreateStream();
+/// An event without timing on the current device.
+absl::StatusOr<EventHandle> CreateEvent();
+
+/// Makes `device` current for its scope and restores the caller's device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+}  // namespace epd::internal
+
+#endif  // EPD_HAVE_CUDA
