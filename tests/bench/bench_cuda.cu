@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -153,6 +154,7 @@ absl::StatusOr<GatedTimer::Sample> GatedTimer::RunOnce(const std::vector<cudaStr
     EPD_RETURN_IF_ERROR(launch(r, iteration, streams[r]));
     EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(end_[r], streams[r]));
   }
+  if (gate_delay_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(gate_delay_us_));
   EPD_RETURN_IF_ERROR(
       DriverStatus(driver->write_value32(trigger_, gate, gate_value_, 0), "cuStreamWriteValue32"));
   for (cudaStream_t s : streams) EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));

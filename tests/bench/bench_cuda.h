@@ -112,8 +112,15 @@ class GatedTimer {
   absl::StatusOr<Sample> RunOnce(const std::vector<cudaStream_t>& streams, int iteration,
                                  const Launch& launch, const After& after = nullptr);
 
+  /// Host time between the last launch call and opening the gate (default 0: at once).
+  /// A delay lets work that other threads or processes enqueue in response to the launches
+  /// (e.g. a daemon's engine) be queued on the GPU before the timed part starts, so the
+  /// figure is the GPU-side path alone; `host` still counts the delay.
+  void set_gate_delay_us(int64_t us) { gate_delay_us_ = us; }
+
  private:
   GatedTimer() = default;
+  int64_t gate_delay_us_ = 0;
   uint32_t* gate_ = nullptr;  // device word
   cudaStream_t trigger_ = nullptr;
   uint32_t gate_value_ = 0;

@@ -20,6 +20,11 @@
 //                   stream-ordered caller sees on the GPU);
 //   host p50/p99    host wall time from the first op call to the 8th Wait returned
 //                   (submit + GPU + CPU completion).
+// Each mode is timed twice: with the gate opened as soon as the 8th op is submitted (the
+// daemon's engine may still be enqueueing its kernels then: its CPU path is in the figure),
+// and with the gate opened --launch_gate_delay_us (1000) later (everything is queued on the
+// GPU by then: the GPU-side path alone, what a caller whose stream is still busy with
+// earlier work when it submits would see).
 // ≥ 1000 timed iterations after warm-up. Bounds measured in the same run on the same GPU
 // (before the daemon starts, bench_ll.cu's in-process path): a device-to-device
 // cudaMemcpy of the same bytes, and the same kernels launched in-process, timed the same
@@ -60,6 +65,9 @@ ABSL_FLAG(std::string, socket, "",
           "launch bench: use the epd already serving on this socket instead of starting one");
 ABSL_FLAG(int, launch_iters, 1000, "launch bench: timed iterations per mode (after warm-up)");
 ABSL_FLAG(int, launch_warmup, 50, "launch bench: warm-up iterations per mode");
+ABSL_FLAG(int, launch_gate_delay_us, 1000,
+          "launch bench: also time each mode with the gate opened this long after the last "
+          "submit (the GPU-side path alone, the engine's launches already queued); 0 = skip");
 ABSL_FLAG(std::string, launch_modes, "client,daemon",
           "launch bench: comma-separated launch modes to measure (client, daemon)");
 
@@ -121,8 +129,11 @@ struct ModeResult {
   bool measured = false;
   std::string error;
   std::string combine_input;  // "in place" or "copied"
-  OpTimes dispatch;
+  OpTimes dispatch;           // gate opened at once
   OpTimes combine;
+  bool late_measured = false;  // gate opened --launch_gate_delay_us after the last submit
+  OpTimes dispatch_late;
+  OpTimes combine_late;
 };
 
 struct Report {
@@ -246,20 +257,30 @@ absl::Status MeasureMode(Client& client, const std::string& gpu_uuid, v1::Launch
     return absl::OkStatus();
   };
 
-  OpTimesBuilder d, c;
-  for (int it = 0; it < warmup + iters; ++it) {
-    EPD_ASSIGN_OR_RETURN(const GatedTimer::Sample ds,
-                         timer->RunOnce(streams, it, dispatch, dispatch_done));
-    EPD_ASSIGN_OR_RETURN(const GatedTimer::Sample cs,
-                         timer->RunOnce(streams, it, combine, combine_done));
-    if (it >= warmup) {
-      d.Add(ds.span, ds.after_last, ds.host);
-      c.Add(cs.span, cs.after_last, cs.host);
+  // Each iteration: dispatch on all 8 ranks, Wait, then combine with its handles, Wait.
+  auto loop = [&](OpTimes* dispatch_times, OpTimes* combine_times) -> absl::Status {
+    OpTimesBuilder d, c;
+    for (int it = 0; it < warmup + iters; ++it) {
+      EPD_ASSIGN_OR_RETURN(const GatedTimer::Sample ds,
+                           timer->RunOnce(streams, it, dispatch, dispatch_done));
+      EPD_ASSIGN_OR_RETURN(const GatedTimer::Sample cs,
+                           timer->RunOnce(streams, it, combine, combine_done));
+      if (it >= warmup) {
+        d.Add(ds.span, ds.after_last, ds.host);
+        c.Add(cs.span, cs.after_last, cs.host);
+      }
     }
-  }
-  out->dispatch = d.Build();
-  out->combine = c.Build();
+    *dispatch_times = d.Build();
+    *combine_times = c.Build();
+    return absl::OkStatus();
+  };
+  EPD_RETURN_IF_ERROR(loop(&out->dispatch, &out->combine));
   out->measured = true;
+  if (const int delay = absl::GetFlag(FLAGS_launch_gate_delay_us); delay > 0) {
+    timer->set_gate_delay_us(delay);
+    EPD_RETURN_IF_ERROR(loop(&out->dispatch_late, &out->combine_late));
+    out->late_measured = true;
+  }
   for (auto& ep : eps) {
     if (ep != nullptr) EPD_RETURN_IF_ERROR(ep->Leave());
   }
@@ -373,7 +394,7 @@ absl::Status Run(Report* report) {
 }
 
 void PrintRow(const char* label, const OpTimes& t, const LowLatencyFigure& bound, bool json,
-              const Report& rep, const std::string& mode, const char* op) {
+              const Report& rep, const std::string& mode, const char* op, int gate_delay_us = 0) {
   const double memcpy_p50 = bound.memcpy_us.p50;
   const double inproc_p50 = bound.op_us.span.p50;
   if (json) {
@@ -382,13 +403,13 @@ void PrintRow(const char* label, const OpTimes& t, const LowLatencyFigure& bound
         "\"device\":\"%s\",\"bytes\":%.0f,\"p50_us\":%.2f,\"p99_us\":%.2f,"
         "\"host_p50_us\":%.2f,\"host_p99_us\":%.2f,\"inprocess_p50_us\":%.2f,"
         "\"inprocess_p99_us\":%.2f,\"memcpy_p50_us\":%.2f,\"memcpy_p99_us\":%.2f,"
-        "\"iterations\":%zu}\n",
+        "\"gate_delay_us\":%d,\"iterations\":%zu}\n",
         mode.c_str(), op, rep.mps_active ? "true" : "false", rep.device.c_str(), bound.bytes,
         t.span.p50, t.span.p99, t.host.p50, t.host.p99, inproc_p50, bound.op_us.span.p99,
-        memcpy_p50, bound.memcpy_us.p99, t.span.count);
+        memcpy_p50, bound.memcpy_us.p99, gate_delay_us, t.span.count);
     return;
   }
-  std::printf("%-28s %8.2f %8.2f %8.2f %8.2f %9.2f %9.2f %8.2f %9.2f %+9.2f\n", label, t.span.p50,
+  std::printf("%-34s %8.2f %8.2f %8.2f %8.2f %9.2f %9.2f %8.2f %9.2f %+9.2f\n", label, t.span.p50,
               t.span.p99, t.host.p50, t.host.p99, inproc_p50, memcpy_p50, t.span.p50 / memcpy_p50,
               t.span.p50 / inproc_p50, t.span.p50 - inproc_p50);
 }
@@ -409,7 +430,7 @@ int RunLaunchBench() {
         "after %d warm-up; times in us\n",
         kTokens, kHidden, kTopk, kExperts, kRanks, kLlMaxTokens, absl::GetFlag(FLAGS_launch_iters),
         absl::GetFlag(FLAGS_launch_warmup));
-    std::printf("%-28s %8s %8s %8s %8s %9s %9s %8s %9s %9s\n", "mode / op", "p50", "p99",
+    std::printf("%-34s %8s %8s %8s %8s %9s %9s %8s %9s %9s\n", "mode / op", "p50", "p99",
                 "host p50", "host p99", "inproc50", "memcpy50", "/memcpy", "/inproc", "-inproc");
     if (rep.inproc_dispatch.op_us.span.count > 0) {
       PrintRow("in-process / dispatch fp8", rep.inproc_dispatch.op_us, rep.inproc_dispatch, false,
@@ -425,20 +446,31 @@ int RunLaunchBench() {
         std::printf("{\"bench\":\"launch\",\"mode\":\"%s\",\"measured\":false,\"error\":\"%s\"}\n",
                     mode.c_str(), absl::CEscape(m.error).c_str());
       } else {
-        std::printf("%-28s NOT MEASURED: %s\n", (mode + "-launched").c_str(), m.error.c_str());
+        std::printf("%-34s NOT MEASURED: %s\n", (mode + "-launched").c_str(), m.error.c_str());
       }
       continue;
     }
     const std::string d = mode + " / dispatch fp8", c = mode + " / combine bf16";
     PrintRow(d.c_str(), m.dispatch, rep.inproc_dispatch, json, rep, mode, "ll_dispatch_fp8");
     PrintRow(c.c_str(), m.combine, rep.inproc_combine, json, rep, mode, "ll_combine_bf16");
+    if (m.late_measured) {
+      const int delay = absl::GetFlag(FLAGS_launch_gate_delay_us);
+      const std::string late = absl::StrCat(mode, ", gate +", delay, "us");
+      const std::string dl = late + " / dispatch", cl = late + " / combine";
+      PrintRow(dl.c_str(), m.dispatch_late, rep.inproc_dispatch, json, rep, mode, "ll_dispatch_fp8",
+               delay);
+      PrintRow(cl.c_str(), m.combine_late, rep.inproc_combine, json, rep, mode, "ll_combine_bf16",
+               delay);
+    }
     if (!json) std::printf("  (%s: combine input %s)\n", mode.c_str(), m.combine_input.c_str());
   }
   if (!json) {
     std::printf(
         "p50/p99: last end - first start event over the 8 ranks' streams (gated, no host "
         "submit skew); host: first op call -> 8th Wait returned. /memcpy, /inproc, -inproc: "
-        "p50 against the same-run bounds.\n");
+        "p50 against the same-run bounds. \"gate +Nus\": the gate opened N us after the last "
+        "submit (work the daemon enqueues in response is queued by then: GPU-side path only; "
+        "host times include the N us).\n");
     for (const ModeResult& m : rep.modes) {
       if (!m.measured) continue;
       if (m.mode == "client") {
@@ -454,6 +486,14 @@ int RunLaunchBench() {
             "goal daemon-launched under MPS <= in-process + 10 us: dispatch %+.2f us (%s), "
             "combine %+.2f us (%s)\n",
             dd, dd <= 10 ? "met" : "NOT met", dc, dc <= 10 ? "met" : "NOT met");
+        if (m.late_measured) {
+          const double ld = m.dispatch_late.span.p50 - rep.inproc_dispatch.op_us.span.p50;
+          const double lc = m.combine_late.span.p50 - rep.inproc_combine.op_us.span.p50;
+          std::printf(
+              "  same, gate opened late (GPU-side path only): dispatch %+.2f us (%s), combine "
+              "%+.2f us (%s)\n",
+              ld, ld <= 10 ? "met" : "NOT met", lc, lc <= 10 ? "met" : "NOT met");
+        }
       } else {
         std::printf(
             "daemon-launched without MPS: the MPS goal is judged on the run with MPS active\n");
