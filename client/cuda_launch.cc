@@ -138,9 +138,11 @@ absl::StatusOr<EventHandle> CreateEvent() {
 }
 
 DeviceGuard::DeviceGuard(int device) {
-  if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
-    if (cudaSetDevice(device) == cudaSuccess) restore_ = true;
-  }
+  if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = device;
+  // Always set, even when it is already the current device: that also makes the device's
+  // primary context current on this thread (CUDA >= 12), which the driver entry points
+  // (cuStreamWriteValue64, ...) need on a thread that made no runtime call yet.
+  if (cudaSetDevice(device) == cudaSuccess) restore_ = previous_ != device;
 }
 
 DeviceGuard::~DeviceGuard() {

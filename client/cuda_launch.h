@@ -94,7 +94,8 @@ absl::StatusOr<StreamHandle> CreateStream();
 /// An event without timing on the current device.
 absl::StatusOr<EventHandle> CreateEvent();
 
-/// Makes `device` current for its scope and restores the caller's device after.
+/// Makes `device` current for its scope (and its primary context current on this thread)
+/// and restores the caller's device after.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device);

@@ -332,14 +332,42 @@ struct Endpoint::Impl {
   internal::StreamHandle aux_stream;    ///< The library's own stream (releases, reads).
   internal::PinnedMemory release_word;  ///< uint64 kReleasedSeq (daemon-launched).
   std::atomic<bool> stream_released{false};
-  std::unique_ptr<ClientLaunch> cl;  ///< Client-launched state, after the first op.
+  std::unique_ptr<ClientLaunch> cl;    ///< Client-launched state, after the first op.
+  internal::StreamHandle own_stream;   ///< Runs the ops given no stream (OpStream).
+  internal::EventHandle legacy_event;  ///< Orders own_stream after the legacy stream.
 #endif
+  /// Ops given no stream, by seq % size: Enqueued() refuses them.
+  std::array<uint64_t, abi::kCompletionCapacity> unordered_ops{};
 
   ~Impl() {
     if (session != nullptr && session_hook != 0) session->RemoveHook(session_hook);
   }
 
   uint8_t* At(const Region& r) const { return data + r.offset; }
+
+  /// The stream an op runs on (CUDA backend): the caller's `stream`; or, for a null
+  /// stream, the endpoint's own stream, made to wait (on the GPU) for the caller's earlier
+  /// work on the legacy default stream. An op given no stream is not ordered before any
+  /// caller work: its results are valid once Wait returns. (Ordering it on the legacy
+  /// stream itself would put every endpoint of a process that passes no stream on one
+  /// stream, where one rank's op waits for another's, which waits for the first.)
+  /// Host backend: null.
+  absl::StatusOr<void*> OpStream(void* stream) {
+#if EPD_HAVE_CUDA
+    if (!cuda || stream != nullptr) return stream;
+    internal::DeviceGuard guard(mapping->device());
+    EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(legacy_event.get(), cudaStreamLegacy));
+    EPD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(own_stream.get(), legacy_event.get(), 0));
+    return static_cast<void*>(own_stream.get());
+#else
+    return stream;
+#endif
+  }
+
+  /// Records whether op `seq` was given no stream (see OpStream).
+  void NoteStream(uint64_t seq, const void* caller_stream) {
+    unordered_ops[seq % unordered_ops.size()] = caller_stream == nullptr ? seq : 0;
+  }
 
   /// Copies `t` into region `r` (no copy when it already lives there). CUDA backend: a
   /// cudaMemcpyAsync on `stream` (ordered before the op's ready flag or kernels).
@@ -693,6 +721,15 @@ struct Endpoint::Impl {
       return absl::FailedPreconditionError(
           "the stream's CUDA graph capture was invalidated by an earlier error");
     }
+    if (capture == cudaStreamCaptureStatusNone) {  // (Not a call allowed while capturing.)
+      int stream_device = -1;
+      EPD_CUDA_RETURN_IF_ERROR(cudaStreamGetDevice(stream, &stream_device));
+      if (stream_device != mapping->device()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the op's stream belongs to CUDA device ", stream_device, ", the endpoint's GPU ",
+            info.gpu_uuid(), " is device ", mapping->device(), " in this process"));
+      }
+    }
     *capturing = capture == cudaStreamCaptureStatusActive;
     return next_seq++;
   }
@@ -797,9 +834,10 @@ TensorView Endpoint::LowLatencyCombineInput() const {
 // ---- op submission ---------------------------------------------------------------------
 
 absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTensor& topk_idx,
-                                                                    void* stream) {
+                                                                    void* caller_stream) {
   Impl& m = *impl_;
   EPD_RETURN_IF_ERROR(m.CheckUsable());
+  EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(caller_stream));
   constexpr const char* kOp = "GetDispatchLayout";
   const auto op = abi::OpKind::kGetDispatchLayout;
   std::vector<int64_t> shape{-1, m.shape.num_topk};
@@ -833,6 +871,7 @@ absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTens
     if (!st.ok()) return m.SubmitClientError(op, st);
     EPD_ASSIGN_OR_RETURN(seq, m.Submit(op, 0, T, 1, 0, 0, stream));
   }
+  m.NoteStream(seq, caller_stream);
   LayoutResult r;
   m.LayoutViews(r, T);
   return PendingOp<LayoutResult>(this, seq, std::move(r));
@@ -841,6 +880,7 @@ absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTens
 absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs& args) {
   Impl& m = *impl_;
   EPD_RETURN_IF_ERROR(m.CheckUsable());
+  EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   constexpr const char* kOp = "Dispatch";
   const auto op = abi::OpKind::kDispatch;
   const int H = m.shape.hidden, K = m.shape.num_topk;
@@ -897,17 +937,16 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
     }
     EPD_RETURN_IF_ERROR(m.EnsureClientLaunch());
     internal::DeviceGuard guard(m.mapping->device());
-    const cudaStream_t s = AsStream(args.stream);
+    const cudaStream_t s = AsStream(stream);
     bool capturing = false;
     EPD_ASSIGN_OR_RETURN(seq, m.BeginClientOp(s, &capturing));
-    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x, args.stream);
-    if (st.ok() && fp8)
-      st = m.Stage(kOp, "x_scales", args.x_scales, m.layout.in_scales, args.stream);
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x, stream);
+    if (st.ok() && fp8) st = m.Stage(kOp, "x_scales", args.x_scales, m.layout.in_scales, stream);
     if (st.ok() && !cached) {
-      st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, args.stream);
+      st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream);
     }
     if (st.ok() && weights) {
-      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, args.stream);
+      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, stream);
     }
     kc::NormalDispatchArgs a;
     a.fp8 = fp8;
@@ -932,21 +971,21 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
   }
 #endif
   if (seq == 0) {
-    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x, args.stream);
-    if (st.ok() && fp8)
-      st = m.Stage(kOp, "x_scales", args.x_scales, m.layout.in_scales, args.stream);
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x, stream);
+    if (st.ok() && fp8) st = m.Stage(kOp, "x_scales", args.x_scales, m.layout.in_scales, stream);
     if (st.ok() && !cached) {
-      st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, args.stream);
+      st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream);
     }
     if (st.ok() && weights) {
-      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, args.stream);
+      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, stream);
     }
     if (!st.ok()) return m.SubmitClientError(op, st);
     uint32_t flags = (fp8 ? abi::kFlagFp8 : 0) | (cached ? abi::kFlagCachedHandle : 0) |
                      (weights ? abi::kFlagDispatchWeights : 0);
     EPD_ASSIGN_OR_RETURN(seq, m.Submit(op, flags, static_cast<int32_t>(T), args.expert_alignment,
-                                       cached ? cached->seq : 0, args.num_sms, args.stream));
+                                       cached ? cached->seq : 0, args.num_sms, stream));
   }
+  m.NoteStream(seq, args.stream);
   DispatchResult r;
   r.handle.endpoint_id = m.info.endpoint_id();
   r.handle.seq = seq;
@@ -961,6 +1000,7 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
 absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& args) {
   Impl& m = *impl_;
   EPD_RETURN_IF_ERROR(m.CheckUsable());
+  EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   constexpr const char* kOp = "Combine";
   const auto op = abi::OpKind::kCombine;
   absl::Status st;
@@ -999,13 +1039,12 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
     }
     EPD_RETURN_IF_ERROR(m.EnsureClientLaunch());
     internal::DeviceGuard guard(m.mapping->device());
-    const cudaStream_t s = AsStream(args.stream);
+    const cudaStream_t s = AsStream(stream);
     bool capturing = false;
     EPD_ASSIGN_OR_RETURN(seq, m.BeginClientOp(s, &capturing));
-    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_combine_x, args.stream);
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_combine_x, stream);
     if (st.ok() && weights) {
-      st =
-          m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_combine_weights, args.stream);
+      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_combine_weights, stream);
     }
     if (!st.ok()) {
       // Take part with T = 0 and zero expert outputs, so the peers' combine completes (this
@@ -1025,15 +1064,15 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
   }
 #endif
   if (seq == 0) {
-    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_combine_x, args.stream);
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_combine_x, stream);
     if (st.ok() && weights) {
-      st =
-          m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_combine_weights, args.stream);
+      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_combine_weights, stream);
     }
     if (!st.ok()) return m.SubmitClientError(op, st);
     EPD_ASSIGN_OR_RETURN(seq, m.Submit(op, weights ? abi::kFlagCombineWeights : 0, T, 1,
-                                       args.handle->seq, args.num_sms, args.stream));
+                                       args.handle->seq, args.num_sms, stream));
   }
+  m.NoteStream(seq, args.stream);
   CombineResult r;
   r.combined_x = m.View(m.layout.combined_x, kBf16, {T, m.shape.hidden});
   if (weights) {
@@ -1046,16 +1085,15 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
     const LowLatencyDispatchArgs& args) {
   Impl& m = *impl_;
   EPD_RETURN_IF_ERROR(m.CheckUsable());
+  EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   constexpr const char* kOp = "LowLatencyDispatch";
   const auto op = abi::OpKind::kLowLatencyDispatch;
   const int32_t Mll = m.shape.ll_max_tokens_per_rank;
-  if (Mll == 0) {
-    // No low-latency buffers: nothing any rank could take part in.
-    return absl::FailedPreconditionError(absl::StrCat(
-        kOp, ": group ", m.spec.name(), " has ll_max_tokens_per_rank = 0 (low-latency disabled)"));
-  }
   absl::Status st;
-  if (args.max_dispatch_tokens_per_rank != 0 && args.max_dispatch_tokens_per_rank != Mll) {
+  if (Mll == 0) {
+    st = absl::FailedPreconditionError(absl::StrCat(
+        kOp, ": group ", m.spec.name(), " has ll_max_tokens_per_rank = 0 (low-latency disabled)"));
+  } else if (args.max_dispatch_tokens_per_rank != 0 && args.max_dispatch_tokens_per_rank != Mll) {
     st = absl::InvalidArgumentError(absl::StrCat(kOp, ": max_dispatch_tokens_per_rank ",
                                                  args.max_dispatch_tokens_per_rank,
                                                  " != the group's ll_max_tokens_per_rank ", Mll));
@@ -1110,10 +1148,11 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
   int buffer = static_cast<int>(m.ll_dispatches % kernels::kLowLatencyBuffers);
 #if EPD_HAVE_CUDA
   if (m.client_launched) {
+    if (Mll == 0) return st;  // No low-latency buffers: nothing to take part in.
     EPD_RETURN_IF_ERROR(m.EnsureClientLaunch());
     const int device = m.mapping->device();
     internal::DeviceGuard guard(device);
-    const cudaStream_t s = AsStream(args.stream);
+    const cudaStream_t s = AsStream(stream);
     bool capturing = false;
     EPD_ASSIGN_OR_RETURN(seq, m.BeginClientOp(s, &capturing));
     kc::LowLatencyDispatchArgs a;
@@ -1124,12 +1163,11 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
     // device, only when it has Mll rows (else it is staged into the Mll-row regions).
     const bool in_place_ok = !runtime_tokens || T == Mll;
     if (st.ok()) {
-      st =
-          m.ReadInPlaceOrStage(kOp, "x", args.x, m.layout.in_x, in_place_ok, 16, args.stream, &a.x);
+      st = m.ReadInPlaceOrStage(kOp, "x", args.x, m.layout.in_x, in_place_ok, 16, stream, &a.x);
     }
     if (st.ok()) {
       st = m.ReadInPlaceOrStage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, in_place_ok,
-                                alignof(int64_t), args.stream, &a.topk_idx);
+                                alignof(int64_t), stream, &a.topk_idx);
     }
     const kc::CudaRankContext ctx = m.Context(0);
     if (!st.ok()) {
@@ -1154,14 +1192,15 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
   }
 #endif
   if (seq == 0) {
-    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x, args.stream);
-    if (st.ok()) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, args.stream);
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x, stream);
+    if (st.ok()) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream);
     if (!st.ok()) return m.SubmitClientError(op, st);
     uint32_t flags = (use_fp8 ? abi::kFlagFp8 : 0) | (args.round_scale ? abi::kFlagRoundScale : 0);
-    EPD_ASSIGN_OR_RETURN(seq, m.Submit(op, flags, static_cast<int32_t>(T), 1, 0, 0, args.stream));
+    EPD_ASSIGN_OR_RETURN(seq, m.Submit(op, flags, static_cast<int32_t>(T), 1, 0, 0, stream));
     // The daemon's buffer, predicted for Enqueued(); Wait takes the completion's.
     ++m.ll_dispatches;
   }
+  m.NoteStream(seq, args.stream);
   LowLatencyDispatchResult r;
   r.handle.endpoint_id = m.info.endpoint_id();
   r.handle.seq = seq;
@@ -1176,9 +1215,10 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
     const LowLatencyCombineArgs& args) {
   Impl& m = *impl_;
   EPD_RETURN_IF_ERROR(m.CheckUsable());
+  EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   constexpr const char* kOp = "LowLatencyCombine";
   const auto op = abi::OpKind::kLowLatencyCombine;
-  const int32_t Mll = m.shape.ll_max_tokens_per_rank;
+  [[maybe_unused]] const int32_t Mll = m.shape.ll_max_tokens_per_rank;
   const int64_t El = m.shape.num_local_experts();
   const int64_t rows = m.shape.ll_rows_per_expert();
   absl::Status st;
@@ -1231,7 +1271,7 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
     EPD_RETURN_IF_ERROR(m.EnsureClientLaunch());
     const int device = m.mapping->device();
     internal::DeviceGuard guard(device);
-    const cudaStream_t s = AsStream(args.stream);
+    const cudaStream_t s = AsStream(stream);
     bool capturing = false;
     EPD_ASSIGN_OR_RETURN(seq, m.BeginClientOp(s, &capturing));
     kc::LowLatencyCombineArgs a;
@@ -1239,15 +1279,15 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
     a.combined_x = reinterpret_cast<kernels::bf16_bits*>(m.At(m.layout.ll_combined_x[out_buffer]));
     // x is read by every rank at the same offset of each area: in_ll_combine_x (staged
     // unless the caller wrote it there: LowLatencyCombineInput()).
-    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_ll_combine_x, args.stream);
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_ll_combine_x, stream);
     const bool in_place_ok = !m.ll_runtime_tokens[buffer] || T == Mll;
     if (st.ok()) {
       st = m.ReadInPlaceOrStage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, in_place_ok,
-                                alignof(int64_t), args.stream, &a.topk_idx);
+                                alignof(int64_t), stream, &a.topk_idx);
     }
     if (st.ok()) {
       st = m.ReadInPlaceOrStage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights,
-                                in_place_ok, alignof(float), args.stream, &a.topk_weights);
+                                in_place_ok, alignof(float), stream, &a.topk_weights);
     }
     if (!st.ok()) {
       // Take part so the peers' combine completes: this rank's experts give zeros, and its
@@ -1266,16 +1306,17 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
   }
 #endif
   if (seq == 0) {
-    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_ll_combine_x, args.stream);
-    if (st.ok()) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, args.stream);
+    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_ll_combine_x, stream);
+    if (st.ok()) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream);
     if (st.ok()) {
-      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, args.stream);
+      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, stream);
     }
     if (!st.ok()) return m.SubmitClientError(op, st);
-    EPD_ASSIGN_OR_RETURN(
-        seq, m.Submit(op, 0, static_cast<int32_t>(T), 1, args.handle->seq, 0, args.stream));
+    EPD_ASSIGN_OR_RETURN(seq,
+                         m.Submit(op, 0, static_cast<int32_t>(T), 1, args.handle->seq, 0, stream));
     ++m.ll_combines;  // The daemon's output buffer, predicted for Enqueued().
   }
+  m.NoteStream(seq, args.stream);
   LowLatencyCombineResult r;
   r.combined_x = m.View(m.layout.ll_combined_x[out_buffer], kBf16, {T, m.shape.hidden});
   return PendingOp<LowLatencyCombineResult>(this, seq, std::move(r));
@@ -1323,6 +1364,11 @@ absl::StatusOr<Result> PendingOp<Result>::Enqueued() const {
   if (!m.cuda) {
     return absl::FailedPreconditionError(
         "Enqueued: ops of the host backend are not stream-ordered; use Wait");
+  }
+  if (m.unordered_ops[seq_ % m.unordered_ops.size()] == seq_) {
+    return absl::FailedPreconditionError(
+        "Enqueued: the op was given no stream (its args' stream is null), so it is ordered "
+        "before no work of the caller; its results are valid once Wait returns");
   }
   if constexpr (std::is_same_v<Result, DispatchResult>) {
     if (partial_.recv_x.data() == nullptr) {
@@ -1417,6 +1463,8 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
     m->group_endpoints = std::move(group_endpoints);
     internal::DeviceGuard guard(m->mapping->device());
     EPD_ASSIGN_OR_RETURN(m->aux_stream, internal::CreateStream());
+    EPD_ASSIGN_OR_RETURN(m->own_stream, internal::CreateStream());
+    EPD_ASSIGN_OR_RETURN(m->legacy_event, internal::CreateEvent());
     if (!m->client_launched) {
       EPD_ASSIGN_OR_RETURN(m->release_word, internal::AllocatePinned(sizeof(uint64_t)));
       const uint64_t released = internal::kReleasedSeq;

@@ -81,11 +81,14 @@ v1::GroupSpec Spec(const std::string& name, int R, int H, int Mll) {
   return s;
 }
 
-/// A DLTensor over `data` (device 0 when `cuda`, else host) with `shape` (kept alive by
+/// This process's CUDA ordinal of the GPU the groups live on (current for every test).
+int g_device = 0;
+
+/// A DLTensor over `data` (on g_device when `cuda`, else host) with `shape` (kept alive by
 /// the caller).
 DLTensor Tensor(const void* data, DLDataType dtype, std::vector<int64_t>& shape, bool cuda) {
   return MakeDLTensor(const_cast<void*>(data), dtype, shape,
-                      cuda ? DLDevice{kDLCUDA, 0} : DLDevice{kDLCPU, 0});
+                      cuda ? DLDevice{kDLCUDA, g_device} : DLDevice{kDLCPU, 0});
 }
 
 /// `bytes` bytes at byte `offset` of device or host memory `p`, copied to the host.
@@ -381,6 +384,9 @@ class ClientLaunchTest : public ::testing::Test {
     ASSERT_EQ(stats->backend(), "cuda") << stats->backend_reason();
     ASSERT_GT(stats->gpus_size(), 0);
     gpu_uuid_ = new std::string(stats->gpus(0).uuid());
+    auto device = internal::DeviceOfUuid(*gpu_uuid_);
+    ASSERT_TRUE(device.ok()) << device.status();
+    g_device = *device;
   }
   static void TearDownTestSuite() {
     delete client_;
@@ -393,6 +399,8 @@ class ClientLaunchTest : public ::testing::Test {
   void SetUp() override {
     if (skip_reason_ != nullptr) GTEST_SKIP() << *skip_reason_;
     ASSERT_NE(client_, nullptr) << "the in-process epd did not start (see the first test)";
+    // Streams, inputs and kernels of the test on the groups' GPU.
+    ASSERT_EQ(cudaSetDevice(g_device), cudaSuccess);
   }
 
   /// Joins every rank of `spec` in `mode`, then runs one op per rank that needs no peer
@@ -448,11 +456,12 @@ Client* ClientLaunchTest::client_ = nullptr;
 // ---- op rounds through the client --------------------------------------------------------------
 
 /// A low-latency dispatch on every rank (x and topk_idx from the GPU, or topk_idx from the
-/// host with `host_idx`), then a combine of the expert outputs y. Ranks in `reject` pass a
-/// topk_idx of the wrong dtype (their op call must fail at once). Returns the blobs of the
-/// ranks that succeeded, the statuses of the others.
+/// host with `host_idx`), then a combine of the expert outputs y; on each rank's stream,
+/// or with `no_stream` on none (the endpoints' own streams, results valid after Wait). Ranks in
+/// `reject` pass a topk_idx of the wrong dtype (their op call must fail at once). Returns the blobs
+/// of the ranks that succeeded, the statuses of the others.
 GroupResult RunLowLatency(Group& g, std::vector<RankInputs>& in, bool fp8, bool round_scale,
-                          bool host_idx = false, int reject = -1) {
+                          bool host_idx = false, int reject = -1, bool no_stream = false) {
   const int R = g.R(), H = g.spec.hidden(), K = g.spec.num_topk();
   const int64_t El = g.shape.num_local_experts(), rows = g.shape.ll_rows_per_expert();
   GroupResult out(R);
@@ -476,7 +485,7 @@ GroupResult RunLowLatency(Group& g, std::vector<RankInputs>& in, bool fp8, bool 
     a.topk_idx = &idx[r];
     a.use_fp8 = fp8;
     a.round_scale = round_scale;
-    a.stream = g.stream(r);
+    a.stream = no_stream ? nullptr : g.stream(r);
     auto op = g.eps[r]->LowLatencyDispatch(a);
     if (r == reject) {
       EXPECT_EQ(op.status().code(), absl::StatusCode::kInvalidArgument) << op.status();
@@ -512,7 +521,7 @@ GroupResult RunLowLatency(Group& g, std::vector<RankInputs>& in, bool fp8, bool 
     a.topk_idx = &idx[r];
     a.topk_weights = &w[r];
     a.handle = d[r] ? &d[r]->handle : nullptr;
-    a.stream = g.stream(r);
+    a.stream = no_stream ? nullptr : g.stream(r);
     auto op = g.eps[r]->LowLatencyCombine(a);
     if (r == reject) {
       EXPECT_FALSE(op.ok());
@@ -632,16 +641,17 @@ TEST_F(ClientLaunchTest, LowLatencyBothModesMatchHost) {
       ASSERT_EQ(static_cast<int>(g.eps.size()), R);
       struct Round {
         testing::RoutingOptions routing;
-        bool fp8, round_scale, host_idx;
+        bool fp8, round_scale, host_idx, no_stream;
       };
-      const Round rounds[] = {{{}, false, false, false},
-                              {{.masked_fraction = 0.5}, true, false, true},
-                              {{.one_expert = 1}, true, true, false}};
+      const Round rounds[] = {{{}, false, false, false, false},
+                              {{.masked_fraction = 0.5}, true, false, true, true},
+                              {{.one_expert = 1}, true, true, false, false}};
       for (int i = 0; i < 3; ++i) {
         const Round& round = rounds[i];
         std::vector<RankInputs> in = MakeInputs(spec, Tokens(R, Mll, i), round.routing, 100 + i);
         GroupResult want = HostLowLatency(g.shape, in, round.fp8, round.round_scale);
-        by_mode[m][i] = RunLowLatency(g, in, round.fp8, round.round_scale, round.host_idx);
+        by_mode[m][i] =
+            RunLowLatency(g, in, round.fp8, round.round_scale, round.host_idx, -1, round.no_stream);
         ExpectSame(want, by_mode[m][i],
                    absl::StrCat(ModeName(kModes[m]), " R=", R, " round ", i,
                                 round.fp8 ? " fp8" : " bf16"));
@@ -711,6 +721,19 @@ TEST_F(ClientLaunchTest, ClientLaunchedGraphReplaysWithChangingTokens) {
       q.T = Tensor(q.dT.get(), kI32, q.ns, true);
       cudaStream_t s = static_cast<cudaStream_t>(g.stream(r));
       ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      // A failed assertion below leaves the capture: end it, so later tests see no error.
+      struct EndCaptureOnExit {
+        cudaStream_t s;
+        ~EndCaptureOnExit() {
+          cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+          if (cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone) {
+            cudaGraph_t g = nullptr;
+            cudaStreamEndCapture(s, &g);
+            if (g != nullptr) cudaGraphDestroy(g);
+          }
+          cudaGetLastError();
+        }
+      } end_capture{s};
       LowLatencyDispatchArgs da;
       da.x = &q.x;
       da.topk_idx = &q.idx;

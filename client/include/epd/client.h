@@ -14,10 +14,16 @@
 // `PendingOp::Wait` returns the op's status and result.
 //
 // CUDA backend: every op is ordered on the CUDA stream its args name (`stream`, a
-// cudaStream_t of the endpoint's GPU; null = the legacy default stream): it reads its
-// inputs after the stream's earlier work, and the stream's later work sees its outputs
-// (PendingOp::Enqueued gives the views without waiting on the CPU). Nothing synchronises
-// the CPU per op. Two launch modes, fixed per group at the first Join
+// cudaStream_t of the endpoint's GPU, e.g. cudaStreamLegacy for the legacy default
+// stream): it reads its inputs after the stream's earlier work, and the stream's later
+// work sees its outputs (PendingOp::Enqueued gives the views without waiting on the CPU).
+// Nothing synchronises the CPU per op. Each endpoint of a process needs a stream of its
+// own: ops of two ranks of a group on one stream wait for each other until op_timeout.
+// A null `stream` (the default) orders the op after the caller's earlier work on the
+// legacy default stream but before none of the caller's later work: the op runs on a
+// stream of the endpoint, and its results are valid once Wait returns (so several
+// endpoints may be driven with no stream, e.g. one thread per rank).
+// Two launch modes, fixed per group at the first Join
 // (JoinOptions::launch_mode; EndpointInfo::launch_mode says the one granted), with
 // identical results:
 //   daemon-launched  the daemon's engine runs the kernels on its own stream; the caller's
@@ -230,8 +236,9 @@ class [[nodiscard]] PendingOp {
   absl::StatusOr<Result> Wait(absl::Duration timeout = absl::InfiniteDuration());
   /// The result without waiting on the CPU, for stream-ordered use (CUDA backend): work
   /// enqueued on the op's stream after the op reads the views correctly; errors still
-  /// come from Wait. FAILED_PRECONDITION on the host backend, and for a Dispatch without
-  /// a cached handle (its row count N is known only once the op is done: Wait).
+  /// come from Wait. FAILED_PRECONDITION on the host backend, for an op given no stream,
+  /// and for a Dispatch without a cached handle (its row count N is known only once the
+  /// op is done: Wait).
   /// Daemon-launched: the low-latency buffer of the views is the daemon's choice as
   /// predicted by the client, which holds as long as no earlier op of the endpoint failed
   /// (a failed low-latency op does not advance the daemon's buffer parity; Wait of that
