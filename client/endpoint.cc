@@ -332,6 +332,8 @@ struct Endpoint::Impl {
   internal::StreamHandle aux_stream;    ///< The library's own stream (releases, reads).
   internal::PinnedMemory release_word;  ///< uint64 kReleasedSeq (daemon-launched).
   std::atomic<bool> stream_released{false};
+  /// Stream-ordered ops published, by seq % size (ReleaseStreams checks which are done).
+  std::array<std::atomic<uint64_t>, abi::kCompletionCapacity> ordered_ops{};
   std::unique_ptr<ClientLaunch> cl;    ///< Client-launched state, after the first op.
   internal::StreamHandle own_stream;   ///< Runs the ops given no stream (OpStream).
   internal::EventHandle legacy_event;  ///< Orders own_stream after the legacy stream.
@@ -341,6 +343,9 @@ struct Endpoint::Impl {
 
   ~Impl() {
     if (session != nullptr && session_hook != 0) session->RemoveHook(session_hook);
+    // A stream still waiting for an op of this endpoint would wait on memory about to be
+    // unmapped: release it first (best effort; callers should Wait before destroying).
+    ReleaseStreams();
   }
 
   uint8_t* At(const Region& r) const { return data + r.offset; }
@@ -457,6 +462,7 @@ struct Endpoint::Impl {
     woke_engine = RingDoorbell(doorbell);
 #if EPD_HAVE_CUDA
     if (ordered && ordered_error.ok()) {
+      ordered_ops[seq % ordered_ops.size()].store(seq, std::memory_order_release);
       internal::DeviceGuard guard(mapping->device());
       ordered_error = internal::StreamWaitValue64Geq(
           AsStream(stream), At(layout.launch_flags) + kernels::kDoneFlagOffset, seq);
@@ -478,12 +484,25 @@ struct Endpoint::Impl {
     return error;
   }
 
-  /// Daemon-launched CUDA endpoint whose daemon is gone: releases every stream waiting for
-  /// its done flag by writing done_seq = kReleasedSeq from the host (on the library's own
-  /// stream). Best effort (the area may already be gone with the daemon). Once.
+  /// Daemon-launched CUDA endpoint whose daemon is gone (or that is being destroyed):
+  /// releases every stream still waiting for its done flag, by writing done_seq =
+  /// kReleasedSeq from the host (on the library's own stream). Only when some stream-
+  /// ordered op has no completion yet (an op with a completion had its done_seq written
+  /// before it). Best effort: the area may be gone with the daemon. Once.
   void ReleaseStreams() {
 #if EPD_HAVE_CUDA
-    if (!cuda || client_launched || aux_stream == nullptr || stream_released.exchange(true)) return;
+    if (!cuda || client_launched || aux_stream == nullptr || stream_released.load()) return;
+    abi::Completion* completions =
+        reinterpret_cast<abi::Completion*>(region.data() + header->completion_offset);
+    bool waiting = false;
+    for (const std::atomic<uint64_t>& ordered : ordered_ops) {
+      const uint64_t seq = ordered.load(std::memory_order_acquire);
+      if (seq != 0 && abi::Atomic(completions[seq % abi::kCompletionCapacity].seq)
+                              .load(std::memory_order_acquire) != seq) {
+        waiting = true;
+      }
+    }
+    if (!waiting || stream_released.exchange(true)) return;
     internal::DeviceGuard guard(mapping->device());
     cudaMemcpyAsync(At(layout.launch_flags) + kernels::kDoneFlagOffset, release_word.get(),
                     sizeof(uint64_t), cudaMemcpyHostToDevice, aux_stream.get());

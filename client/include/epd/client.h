@@ -266,6 +266,10 @@ struct JoinOptions {
 /// One rank of a group on this node. Created by Client::Join.
 class Endpoint {
  public:
+  /// Leaves the group and unmaps the buffers. CUDA backend: Wait for every op of the
+  /// endpoint (or synchronise their streams) first: work still queued on a stream may
+  /// read the buffers. (A stream still held by a daemon-launched op is released first,
+  /// best effort.)
   ~Endpoint();
   Endpoint(const Endpoint&) = delete;
   Endpoint& operator=(const Endpoint&) = delete;
