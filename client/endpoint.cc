@@ -473,14 +473,11 @@ struct Endpoint::Impl {
   }
 
   /// Reports a client-side validation error to the group (so the other ranks' op fails
-  /// promptly instead of timing out, and sequence numbers stay aligned), waits for the
-  /// daemon's completion, and returns `error`. Daemon-launched only.
+  /// promptly instead of timing out, and sequence numbers stay aligned) and returns
+  /// `error` at once: the op's completion is not waited for (a thread that drives several
+  /// endpoints must not block on peers it has not submitted yet). Daemon-launched only.
   absl::Status SubmitClientError(abi::OpKind op, absl::Status error) {
-    absl::StatusOr<uint64_t> seq = Submit(op, abi::kFlagClientError, 0, 1, 0, 0, nullptr);
-    if (seq.ok()) {
-      abi::Completion c;
-      (void)WaitCompletion(*seq, absl::Milliseconds(info.op_timeout_ms() + 5000), &c);
-    }
+    (void)Submit(op, abi::kFlagClientError, 0, 1, 0, 0, nullptr);
     return error;
   }
 
