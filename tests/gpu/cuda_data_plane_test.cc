@@ -733,6 +733,70 @@ TEST_F(CudaDataPlaneTest, StreamOrderedFailuresStillWriteDone) {
   }
 }
 
+// A client that publishes a stream-ordered request but never writes ready_seq (e.g. it
+// died between the two): the engine gives the op up after op_timeout + 5 s, releases the
+// rank's stream from the host (ready_seq = seq), the late kernels end at their own timeout
+// and write done_seq, and the group's next op is correct.
+TEST_F(CudaDataPlaneTest, ReadyNeverWrittenIsGivenUpThenTheGroupRecovers) {
+  const int R = 2, E = 8, K = 2, H = 256, T = 3;
+  const v1::GroupSpec spec = Spec("no-ready", R, E, H, K, 16, 16);
+  const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(ShapeOf(spec));
+  auto group = cuda_->CreateGroup(spec);
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::vector<RawRank> ranks = AttachRaw(**group, R, v1::LAUNCH_MODE_DAEMON);
+  ASSERT_EQ(ranks.size(), static_cast<size_t>(R));
+  std::vector<bf16_bits> x(T * H, kernels::FloatToBf16(0.5f));
+  std::vector<int64_t> idx(T * K);
+  for (int t = 0; t < T; ++t) {
+    idx[t * K] = (2 * t) % E;
+    idx[t * K + 1] = (2 * t + 5) % E;
+  }
+  for (int r = 0; r < R; ++r) {
+    Upload(ranks[r].area + L.in_x.offset, x);
+    Upload(ranks[r].area + L.in_topk_idx.offset, idx);
+  }
+  const auto ll = abi::OpKind::kLowLatencyDispatch;
+  const uint32_t ordered = abi::kFlagStreamOrdered;
+  const uint64_t seq = ranks[0].ring->Submit(ll, ordered, T);
+  ranks[1].ring->Submit(ll, ordered, T);
+  WriteU64(FlagsOf(ranks[0], L).ready, seq);  // Rank 1's client never does.
+  const auto start = std::chrono::steady_clock::now();
+  for (int r = 0; r < R; ++r) {
+    auto c = ranks[r].ring->Await(seq, std::chrono::milliseconds(10000));
+    ASSERT_TRUE(c.has_value()) << "rank " << r;
+    EXPECT_EQ(c->status_code, kCode(absl::StatusCode::kDeadlineExceeded)) << c->message;
+  }
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GT(secs, 5.5) << "given up before op_timeout (1 s) + 5 s";
+  EXPECT_LT(secs, 8.0);
+  // Both streams end: rank 0's after its kernel timed out, rank 1's after the release.
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(AwaitDone(FlagsOf(ranks[r], L), seq, std::chrono::milliseconds(5000)), seq)
+        << "rank " << r;
+  }
+  // The next op waits for the abandoned one to leave the GPU, then runs correctly.
+  uint64_t next = 0;
+  for (int r = 0; r < R; ++r) {
+    next = ranks[r].ring->Submit(ll, ordered, T);
+    WriteU64(FlagsOf(ranks[r], L).ready, next);
+  }
+  const int El = E / R;
+  for (int r = 0; r < R; ++r) {
+    auto c = ranks[r].ring->Await(next, std::chrono::milliseconds(5000));
+    ASSERT_TRUE(c.has_value()) << "rank " << r;
+    EXPECT_EQ(c->status_code, 0) << c->message;
+    EXPECT_EQ(AwaitDone(FlagsOf(ranks[r], L), next, std::chrono::milliseconds(2000)), next);
+    const auto count = Download<int32_t>(ranks[r].area + L.ll_recv_count[c->buffer].offset, El);
+    for (int j = 0; j < El; ++j) {
+      const int e = r * El + j;
+      int want = 0;
+      for (int t = 0; t < T; ++t) want += (idx[t * K] == e || idx[t * K + 1] == e) ? 1 : 0;
+      EXPECT_EQ(count[j], R * want) << "rank " << r << " expert " << e;
+    }
+  }
+}
+
 TEST_F(CudaDataPlaneTest, ClientLaunchedEndpointGetsAZeroedAreaAndItsRingIsRefused) {
   const int R = 2;
   const v1::GroupSpec spec = Spec("client-mode", R, 8, 256, 2, 16, 16);
