@@ -573,6 +573,38 @@ uint64_t AwaitDone(const Flags& f, uint64_t seq, std::chrono::milliseconds timeo
 
 constexpr int32_t kCode(absl::StatusCode c) { return static_cast<int32_t>(c); }
 
+/// Every rank submits a stream-ordered LowLatencyDispatch of T tokens routed by `idx`
+/// ([T, 2] int64, distinct ids per token, already staged in every rank's in_topk_idx)
+/// and writes its ready_seq; then each rank must complete OK with done_seq == seq and
+/// recv_count[j] = R * (tokens of idx with expert r*El + j).
+void RunOrderedDispatchAndCheckCounts(std::vector<RawRank>& ranks, const kernels::EndpointLayout& L,
+                                      const v1::GroupSpec& spec, const std::vector<int64_t>& idx,
+                                      int T, const std::string& what) {
+  const int R = spec.num_ranks(), K = spec.num_topk(), El = spec.num_experts() / R;
+  uint64_t seq = 0;
+  for (int r = 0; r < R; ++r) {
+    seq = ranks[r].ring->Submit(abi::OpKind::kLowLatencyDispatch, abi::kFlagStreamOrdered, T);
+    WriteU64(FlagsOf(ranks[r], L).ready, seq);
+  }
+  for (int r = 0; r < R; ++r) {
+    auto c = ranks[r].ring->Await(seq, std::chrono::milliseconds(5000));
+    ASSERT_TRUE(c.has_value()) << what << ": rank " << r;
+    EXPECT_EQ(c->status_code, 0) << what << ": " << c->message;
+    EXPECT_EQ(AwaitDone(FlagsOf(ranks[r], L), seq, std::chrono::milliseconds(2000)), seq) << what;
+    const auto count = Download<int32_t>(ranks[r].area + L.ll_recv_count[c->buffer].offset, El);
+    for (int j = 0; j < El; ++j) {
+      const int e = r * El + j;
+      int want = 0;
+      for (int t = 0; t < T; ++t) {
+        bool hit = false;
+        for (int k = 0; k < K; ++k) hit |= idx[t * K + k] == e;
+        want += hit ? 1 : 0;
+      }
+      EXPECT_EQ(count[j], R * want) << what << ": rank " << r << " expert " << e;
+    }
+  }
+}
+
 TEST_F(CudaDataPlaneTest, StreamOrderedOpRunsOnlyOnceReadyIsWrittenThenWritesDone) {
   const int R = 2, E = 8, K = 2, T = 6;
   const v1::GroupSpec spec = Spec("ordered", R, E, 256, K, 16, 16);
@@ -713,24 +745,7 @@ TEST_F(CudaDataPlaneTest, StreamOrderedFailuresStillWriteDone) {
   EXPECT_EQ(AwaitDone(FlagsOf(ranks[1], L), seq, std::chrono::milliseconds(2000)), seq);
 
   // 4. The group then works, stream-ordered: every token reaches its experts.
-  for (int r = 0; r < R; ++r) {
-    seq = ranks[r].ring->Submit(ll, ordered, T);
-    WriteU64(FlagsOf(ranks[r], L).ready, seq);
-  }
-  const int El = E / R;
-  for (int r = 0; r < R; ++r) {
-    auto c = ranks[r].ring->Await(seq, std::chrono::milliseconds(5000));
-    ASSERT_TRUE(c.has_value()) << "after failures: rank " << r;
-    EXPECT_EQ(c->status_code, 0) << c->message;
-    EXPECT_EQ(AwaitDone(FlagsOf(ranks[r], L), seq, std::chrono::milliseconds(2000)), seq);
-    const auto count = Download<int32_t>(ranks[r].area + L.ll_recv_count[c->buffer].offset, El);
-    for (int j = 0; j < El; ++j) {
-      const int e = r * El + j;
-      int want = 0;  // Both ranks send `good`: tokens with e among their ids.
-      for (int t = 0; t < T; ++t) want += (good[t * K] == e || good[t * K + 1] == e) ? 1 : 0;
-      EXPECT_EQ(count[j], R * want) << "rank " << r << " expert " << e;
-    }
-  }
+  RunOrderedDispatchAndCheckCounts(ranks, L, spec, good, T, "after failures");
 }
 
 // A client that publishes a stream-ordered request but never writes ready_seq (e.g. it
@@ -776,25 +791,7 @@ TEST_F(CudaDataPlaneTest, ReadyNeverWrittenIsGivenUpThenTheGroupRecovers) {
         << "rank " << r;
   }
   // The next op waits for the abandoned one to leave the GPU, then runs correctly.
-  uint64_t next = 0;
-  for (int r = 0; r < R; ++r) {
-    next = ranks[r].ring->Submit(ll, ordered, T);
-    WriteU64(FlagsOf(ranks[r], L).ready, next);
-  }
-  const int El = E / R;
-  for (int r = 0; r < R; ++r) {
-    auto c = ranks[r].ring->Await(next, std::chrono::milliseconds(5000));
-    ASSERT_TRUE(c.has_value()) << "rank " << r;
-    EXPECT_EQ(c->status_code, 0) << c->message;
-    EXPECT_EQ(AwaitDone(FlagsOf(ranks[r], L), next, std::chrono::milliseconds(2000)), next);
-    const auto count = Download<int32_t>(ranks[r].area + L.ll_recv_count[c->buffer].offset, El);
-    for (int j = 0; j < El; ++j) {
-      const int e = r * El + j;
-      int want = 0;
-      for (int t = 0; t < T; ++t) want += (idx[t * K] == e || idx[t * K + 1] == e) ? 1 : 0;
-      EXPECT_EQ(count[j], R * want) << "rank " << r << " expert " << e;
-    }
-  }
+  RunOrderedDispatchAndCheckCounts(ranks, L, spec, idx, T, "after the give-up");
 }
 
 TEST_F(CudaDataPlaneTest, ClientLaunchedEndpointGetsAZeroedAreaAndItsRingIsRefused) {
