@@ -3,8 +3,6 @@
 
 #if EPD_HAVE_CUDA
 
-#include <cuda.h>
-
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -16,45 +14,6 @@
 namespace epd::internal {
 namespace {
 
-/// The driver entry points of the stream memory operations, resolved once.
-struct StreamMemOps {
-  CUresult (*write_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
-  CUresult (*wait_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
-  CUresult (*get_error_string)(CUresult, const char**) = nullptr;
-
-  static absl::StatusOr<const StreamMemOps*> Get() {
-    static StreamMemOps ops;
-    static const absl::Status status = [] {
-      auto resolve = [](const char* name, void** fn) -> absl::Status {
-        cudaDriverEntryPointQueryResult q{};
-        EPD_CUDA_RETURN_IF_ERROR(
-            cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &q));
-        if (q != cudaDriverEntryPointSuccess || *fn == nullptr) {
-          return absl::InternalError(
-              absl::StrCat("the CUDA driver has no entry point ", name, " (query result ", q,
-                           "); the stream-ordered hand-off needs a driver of CUDA 12.0 or later"));
-        }
-        return absl::OkStatus();
-      };
-      EPD_RETURN_IF_ERROR(
-          resolve("cuStreamWriteValue64", reinterpret_cast<void**>(&ops.write_value64)));
-      EPD_RETURN_IF_ERROR(
-          resolve("cuStreamWaitValue64", reinterpret_cast<void**>(&ops.wait_value64)));
-      return resolve("cuGetErrorString", reinterpret_cast<void**>(&ops.get_error_string));
-    }();
-    if (!status.ok()) return status;
-    return &ops;
-  }
-};
-
-absl::Status DriverStatus(const StreamMemOps& ops, CUresult r, const char* call) {
-  if (r == CUDA_SUCCESS) return absl::OkStatus();
-  const char* msg = nullptr;
-  ops.get_error_string(r, &msg);
-  return absl::InternalError(
-      absl::StrCat(call, " failed: CUresult ", static_cast<int>(r), ": ", msg ? msg : "?"));
-}
-
 std::mutex& CacheMutex() {
   static std::mutex mu;
   return mu;
@@ -65,24 +24,6 @@ std::map<std::string, std::weak_ptr<const CudaAreaMapping>>& Cache() {
 }
 
 }  // namespace
-
-absl::Status StreamWriteValue64(cudaStream_t stream, void* address, uint64_t value) {
-  EPD_ASSIGN_OR_RETURN(const StreamMemOps* ops, StreamMemOps::Get());
-  return DriverStatus(
-      *ops,
-      ops->write_value64(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address),
-                         value, CU_STREAM_WRITE_VALUE_DEFAULT),
-      "cuStreamWriteValue64");
-}
-
-absl::Status StreamWaitValue64Geq(cudaStream_t stream, const void* address, uint64_t value) {
-  EPD_ASSIGN_OR_RETURN(const StreamMemOps* ops, StreamMemOps::Get());
-  return DriverStatus(
-      *ops,
-      ops->wait_value64(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address),
-                        value, CU_STREAM_WAIT_VALUE_GEQ),
-      "cuStreamWaitValue64");
-}
 
 absl::StatusOr<std::shared_ptr<const CudaAreaMapping>> MapSharedArea(const std::string& ipc_handle,
                                                                      const std::string& gpu_uuid) {

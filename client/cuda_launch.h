@@ -1,9 +1,7 @@
 // Internal to libepdclient: the CUDA pieces of both launch modes (DESIGN.md §3.2).
 //
-// - Stream memory operations (cuStreamWriteValue64 / cuStreamWaitValue64) for the
-//   stream-ordered hand-off of daemon-launched mode. They are resolved once through
-//   cudaGetDriverEntryPointByVersion: libepdclient does not link libcuda, so it loads on
-//   machines without the NVIDIA driver (CI), where only the host backend is used.
+// - The value that releases a daemon-launched stream whose daemon is gone (the stream
+//   memory operations themselves are epd/kernels/cuda_ops.h's, shared with the daemon).
 // - A process-wide, reference-counted cache of mapped data areas: client-launched mode
 //   maps every peer's area, and one process may hold several endpoints of a group (each
 //   also mapping its own area); CUDA refuses to open one IPC handle twice in a process.
@@ -27,20 +25,8 @@
 
 namespace epd::internal {
 
-// ---- stream memory operations -------------------------------------------------------------
-
-/// Enqueues on `stream` a 64-bit write of `value` to device address `address`, ordered
-/// after the stream's earlier work (with a memory barrier before it: everything the stream
-/// wrote earlier is visible to whoever sees the value). Errors: INTERNAL naming the driver
-/// call (or the entry point that could not be resolved).
-absl::Status StreamWriteValue64(cudaStream_t stream, void* address, uint64_t value);
-
-/// Enqueues on `stream` a wait until the 64-bit word at device address `address` is >=
-/// `value` (unsigned compare). The stream's later work runs only after it. The GPU does
-/// not bound this wait: whoever enqueues it must make sure the word is eventually written
-/// (the client library writes kReleasedSeq itself when the daemon is gone).
-/// Errors: INTERNAL naming the driver call.
-absl::Status StreamWaitValue64Geq(cudaStream_t stream, const void* address, uint64_t value);
+// ---- stream memory operations: kernels::cuda::StreamWriteValue64 / StreamWaitValue64Geq
+// (epd/kernels/cuda_ops.h), shared with the daemon.
 
 /// The done_seq value written from the host to release a stream whose daemon is gone
 /// (above every real sequence number, so every pending and later wait passes).

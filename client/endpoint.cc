@@ -159,22 +159,7 @@ int64_t TensorNbytes(const DLTensor* t) {
   return n;
 }
 
-const char* OpKindName(abi::OpKind op) {
-  switch (op) {
-    case abi::OpKind::kGetDispatchLayout:
-      return "GetDispatchLayout";
-    case abi::OpKind::kDispatch:
-      return "Dispatch";
-    case abi::OpKind::kCombine:
-      return "Combine";
-    case abi::OpKind::kLowLatencyDispatch:
-      return "LowLatencyDispatch";
-    case abi::OpKind::kLowLatencyCombine:
-      return "LowLatencyCombine";
-    default:
-      return "Invalid";
-  }
-}
+using abi::OpKindName;
 
 /// The op kind whose result type is `Result`.
 template <typename Result>
@@ -436,7 +421,7 @@ struct Endpoint::Impl {
     const bool ordered = cuda && !client_launched && (flags & abi::kFlagClientError) == 0;
     if (ordered) {
       internal::DeviceGuard guard(mapping->device());
-      ordered_error = internal::StreamWriteValue64(
+      ordered_error = kc::StreamWriteValue64(
           AsStream(stream), At(layout.launch_flags) + kernels::kReadyFlagOffset, seq);
       // Without the ready flag the daemon could not order its kernels: fail the op for
       // every rank instead (as a client error), and return the driver's error.
@@ -464,7 +449,7 @@ struct Endpoint::Impl {
     if (ordered && ordered_error.ok()) {
       ordered_ops[seq % ordered_ops.size()].store(seq, std::memory_order_release);
       internal::DeviceGuard guard(mapping->device());
-      ordered_error = internal::StreamWaitValue64Geq(
+      ordered_error = kc::StreamWaitValue64Geq(
           AsStream(stream), At(layout.launch_flags) + kernels::kDoneFlagOffset, seq);
     }
 #endif
@@ -694,6 +679,8 @@ struct Endpoint::Impl {
     ctx.peer_bases = reinterpret_cast<uint8_t* const*>(launch->peer_bases.get());
     ctx.own_base = data;
     ctx.ranks_on_device = on_device;
+    // Flags at .gpu scope when every rank's area is on this GPU (cuda_ops.h).
+    ctx.all_ranks_on_device = on_device == R;
     ctx.timeout_ns = static_cast<int64_t>(info.op_timeout_ms()) * 1'000'000;
     EPD_RETURN_IF_ERROR(kc::ValidateContext(ctx));
     EPD_ASSIGN_OR_RETURN(

@@ -52,6 +52,13 @@ class DataPlane {
   /// the host backend).
   virtual absl::StatusOr<uint64_t> FreeBytes(const std::string& gpu_uuid) const = 0;
 
+  /// The launch mode a new group gets when its first joiner leaves launch_mode unspecified
+  /// (DESIGN.md §3.2; the numbers behind the choice are in docs/BENCHMARKS.md). The host
+  /// backend: daemon-launched (it has no other).
+  virtual v1::LaunchMode DefaultLaunchMode(const v1::GroupSpec& /*spec*/) const {
+    return v1::LAUNCH_MODE_DAEMON;
+  }
+
   /// Creates the state of a new group with a validated spec.
   virtual absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(
       const v1::GroupSpec& spec) = 0;

@@ -58,22 +58,7 @@ kernels::GroupShape ShapeOf(const v1::GroupSpec& spec) {
   return s;
 }
 
-const char* OpName(uint32_t op) {
-  switch (static_cast<abi::OpKind>(op)) {
-    case abi::OpKind::kGetDispatchLayout:
-      return "GetDispatchLayout";
-    case abi::OpKind::kDispatch:
-      return "Dispatch";
-    case abi::OpKind::kCombine:
-      return "Combine";
-    case abi::OpKind::kLowLatencyDispatch:
-      return "LowLatencyDispatch";
-    case abi::OpKind::kLowLatencyCombine:
-      return "LowLatencyCombine";
-    default:
-      return "Invalid";
-  }
-}
+const char* OpName(uint32_t op) { return abi::OpKindName(op); }
 
 LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
     : spec_(spec),

@@ -117,10 +117,11 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
     EPD_RETURN_IF_ERROR(CheckSameSpec(group_it->second.spec, spec));
   }
   EPD_RETURN_IF_ERROR(ValidateRank(spec, rank));
-  // The group's launch mode: fixed by its first joiner (UNSPECIFIED = daemon-launched).
+  // The group's launch mode: fixed by its first joiner (UNSPECIFIED = the data plane's
+  // default for the spec).
   const v1::LaunchMode requested = request.launch_mode();
   v1::LaunchMode mode =
-      requested == v1::LAUNCH_MODE_UNSPECIFIED ? v1::LAUNCH_MODE_DAEMON : requested;
+      requested == v1::LAUNCH_MODE_UNSPECIFIED ? data_plane_->DefaultLaunchMode(spec) : requested;
   if (group_it != groups_.end()) {
     const v1::LaunchMode live = group_it->second.launch_mode;
     if (requested != v1::LAUNCH_MODE_UNSPECIFIED && requested != live) {
@@ -246,6 +247,7 @@ v1::ListGroupsResponse GroupRegistry::ListGroups() const {
     v1::GroupInfo* info = response.add_groups();
     *info->mutable_spec() = group.spec;
     info->set_buffer_bytes_per_rank(group.bytes_per_rank);
+    info->set_launch_mode(group.launch_mode);
     info->set_ops_completed(group.data->ops_completed());
     info->set_ops_failed(group.data->ops_failed());
     for (const auto& [rank, slot] : group.ranks) {

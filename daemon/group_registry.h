@@ -65,7 +65,7 @@ class GroupRegistry {
   ///   RESOURCE_EXHAUSTED   buffers do not fit (bytes needed and free), or max_groups.
   ///
   /// Launch mode (DESIGN.md §3.2): a group's mode is fixed by its first joiner
-  /// (LAUNCH_MODE_UNSPECIFIED = LAUNCH_MODE_DAEMON, the default); a later joiner asking
+  /// (LAUNCH_MODE_UNSPECIFIED = DataPlane::DefaultLaunchMode(spec)); a later joiner asking
   /// for UNSPECIFIED gets the group's mode. EndpointInfo.launch_mode is the mode granted.
   absl::StatusOr<v1::EndpointInfo> Join(const v1::JoinGroupRequest& request);
 

@@ -37,6 +37,26 @@ enum class OpKind : uint32_t {
 };
 inline constexpr uint32_t kMaxOpKind = 5;
 
+/// The op's name as the client API spells it ("Dispatch", ...); "Invalid" for any other
+/// value (e.g. a garbage ring slot).
+inline const char* OpKindName(uint32_t op) {
+  switch (static_cast<OpKind>(op)) {
+    case OpKind::kGetDispatchLayout:
+      return "GetDispatchLayout";
+    case OpKind::kDispatch:
+      return "Dispatch";
+    case OpKind::kCombine:
+      return "Combine";
+    case OpKind::kLowLatencyDispatch:
+      return "LowLatencyDispatch";
+    case OpKind::kLowLatencyCombine:
+      return "LowLatencyCombine";
+    default:
+      return "Invalid";
+  }
+}
+inline const char* OpKindName(OpKind op) { return OpKindName(static_cast<uint32_t>(op)); }
+
 /// RequestSlot::flags bits.
 enum RequestFlags : uint32_t {
   kFlagFp8 = 1u << 0,              ///< Dispatch: x is e4m3 + scales. LL dispatch: quantize.

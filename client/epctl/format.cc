@@ -83,7 +83,7 @@ std::string FormatStatus(const v1::GetStatsResponse& s, const std::string& targe
 std::string FormatGroups(const v1::ListGroupsResponse& groups) {
   if (groups.groups().empty()) return "no groups\n";
   Table table({"GROUP", "RANKS", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS", "LL_MAX_TOKENS", "FP8",
-               "BYTES/RANK", "OPS OK", "OPS FAILED"});
+               "LAUNCH", "BYTES/RANK", "OPS OK", "OPS FAILED"});
   Table ranks({"GROUP", "RANK", "PID", "GPU", "SESSION", "OPS OK"});
   for (const v1::GroupInfo& g : groups.groups()) {
     const v1::GroupSpec& spec = g.spec();
@@ -91,6 +91,9 @@ std::string FormatGroups(const v1::ListGroupsResponse& groups) {
                   absl::StrCat(spec.num_experts()), absl::StrCat(spec.hidden()),
                   absl::StrCat(spec.num_topk()), absl::StrCat(spec.max_tokens_per_rank()),
                   absl::StrCat(spec.ll_max_tokens_per_rank()), spec.use_fp8() ? "yes" : "no",
+                  g.launch_mode() == v1::LAUNCH_MODE_CLIENT   ? "client"
+                  : g.launch_mode() == v1::LAUNCH_MODE_DAEMON ? "daemon"
+                                                              : "-",
                   HumanBytes(g.buffer_bytes_per_rank()), absl::StrCat(g.ops_completed()),
                   absl::StrCat(g.ops_failed())});
     for (const v1::RankInfo& r : g.ranks()) {

@@ -2,7 +2,6 @@
 // CUDA IPC, one engine per GPU, daemon-launched group ops on one stream per rank.
 #include "daemon/cuda/cuda_data_plane.h"
 
-#include <cuda.h>  // Driver API types only: the entry points are resolved at run time.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -84,53 +83,6 @@ using DevicePtr = std::unique_ptr<uint8_t, DeviceFree>;
 using StreamPtr = std::unique_ptr<std::remove_pointer_t<cudaStream_t>, StreamDestroy>;
 using EventPtr = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, EventDestroy>;
 
-// ---- stream memory operations (driver API, resolved at run time) --------------------------
-
-/// cuStreamWaitValue64 / cuStreamWriteValue64, the stream-ordered hand-off of DESIGN.md
-/// §3.2, resolved once through cudaGetDriverEntryPointByVersion so that the daemon does not
-/// link libcuda (it must start where no NVIDIA driver is installed, e.g. CI, and run the
-/// host backend there).
-struct StreamMemOps {
-  CUresult (*wait_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
-  CUresult (*write_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
-  CUresult (*get_error_string)(CUresult, const char**) = nullptr;
-
-  /// The resolved entry points, or why they are unavailable (then stream-ordered requests
-  /// are refused with FAILED_PRECONDITION).
-  static absl::StatusOr<const StreamMemOps*> Get() {
-    static StreamMemOps ops;
-    static const absl::Status status = [] {
-      auto resolve = [](const char* name, void** fn) -> absl::Status {
-        cudaDriverEntryPointQueryResult q{};
-        EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(
-            cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &q)));
-        if (q != cudaDriverEntryPointSuccess || *fn == nullptr) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("the CUDA driver has no entry point ", name,
-                           " (stream-ordered daemon-launched ops need it)"));
-        }
-        return absl::OkStatus();
-      };
-      EPD_RETURN_IF_ERROR(
-          resolve("cuStreamWaitValue64", reinterpret_cast<void**>(&ops.wait_value64)));
-      EPD_RETURN_IF_ERROR(
-          resolve("cuStreamWriteValue64", reinterpret_cast<void**>(&ops.write_value64)));
-      return resolve("cuGetErrorString", reinterpret_cast<void**>(&ops.get_error_string));
-    }();
-    if (!status.ok()) return status;
-    return &ops;
-  }
-
-  /// absl::Status of a driver call `call` (INTERNAL naming it and the driver's message).
-  absl::Status Check(CUresult r, const char* call) const {
-    if (r == CUDA_SUCCESS) return absl::OkStatus();
-    const char* msg = nullptr;
-    if (get_error_string != nullptr) get_error_string(r, &msg);
-    return absl::InternalError(absl::StrCat(call, " failed: CUresult ", static_cast<int>(r), ": ",
-                                            msg != nullptr ? msg : "unknown error"));
-  }
-};
-
 /// What the engine reads back after each op, per rank (pinned host memory).
 struct Readback {
   kc::DeviceStatus status;
@@ -192,13 +144,11 @@ struct CudaRank : RankResources {
   }
 
   /// launch_flags.ready_seq / done_seq in the rank's area (layout.h).
-  CUdeviceptr ready_flag() const {
-    return reinterpret_cast<CUdeviceptr>(area.get() + launch_flags_offset +
-                                         kernels::kReadyFlagOffset);
+  uint8_t* ready_flag() const {
+    return (area.get() + launch_flags_offset + kernels::kReadyFlagOffset);
   }
-  CUdeviceptr done_flag() const {
-    return reinterpret_cast<CUdeviceptr>(area.get() + launch_flags_offset +
-                                         kernels::kDoneFlagOffset);
+  uint8_t* done_flag() const {
+    return (area.get() + launch_flags_offset + kernels::kDoneFlagOffset);
   }
 };
 
@@ -229,6 +179,16 @@ class CudaDataPlaneImpl : public DataPlane {
   }
   absl::StatusOr<uint64_t> FreeBytes(const std::string& gpu_uuid) const override;
   absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override;
+  /// Client-launched when the group's kernels can run side by side: MPS is active, or the
+  /// daemon has a GPU for every rank (one rank per GPU). Otherwise daemon-launched: ranks of
+  /// several client processes on one GPU without MPS would time-slice (~2 ms per hop,
+  /// DESIGN.md §3.2), while the daemon runs every rank's kernels from its one context.
+  /// Measured (docs/BENCHMARKS.md, H200, 8 ranks): client-launched 113 µs per FP8 dispatch,
+  /// daemon-launched 462 µs without MPS and 192 µs with it.
+  v1::LaunchMode DefaultLaunchMode(const v1::GroupSpec& spec) const override {
+    if (static_cast<size_t>(spec.num_ranks()) <= uuids_.size()) return v1::LAUNCH_MODE_CLIENT;
+    return DetectMps().active ? v1::LAUNCH_MODE_CLIENT : v1::LAUNCH_MODE_DAEMON;
+  }
   void Shutdown() override;
 
   const CudaDataPlaneOptions& options() const { return options_; }
@@ -592,6 +552,8 @@ kc::CudaRankContext CudaGroup::Context(int32_t r, int32_t num_sms) const {
   int32_t on_device = 0;
   for (const auto& other : ranks_) on_device += other && other->device == cr.device ? 1 : 0;
   ctx.ranks_on_device = on_device;
+  // Flags at .gpu scope when the whole group is on this GPU (cuda_ops.h).
+  ctx.all_ranks_on_device = on_device == shape().num_ranks;
   ctx.timeout_ns = static_cast<int64_t>(options().op_timeout_ms) * 1'000'000;
   return ctx;
 }
@@ -645,10 +607,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
   if (slot.flags & abi::kFlagStreamOrdered) {
     // The client's stream writes ready_seq = seq once it has staged the inputs; this
     // stream waits for it on the GPU (the CPU never does).
-    EPD_ASSIGN_OR_RETURN(const StreamMemOps* mem, StreamMemOps::Get());
-    EPD_RETURN_IF_ERROR(mem->Check(mem->wait_value64(reinterpret_cast<CUstream>(s), cr.ready_flag(),
-                                                     slot.seq, CU_STREAM_WAIT_VALUE_GEQ),
-                                   "cuStreamWaitValue64(ready_seq)"));
+    EPD_RETURN_IF_ERROR(kc::StreamWaitValue64Geq(s, cr.ready_flag(), slot.seq));
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventRecord(cr.waited.get(), s)));
     *ready_wait = true;
   }
@@ -755,11 +714,10 @@ std::optional<std::vector<RankOutcome>> CudaGroup::StartOp(
 
 absl::Status CudaGroup::CheckRequest(int32_t /*rank*/, const abi::RequestSlot& slot) const {
   if (slot.flags & abi::kFlagStreamOrdered) {
-    absl::StatusOr<const StreamMemOps*> mem = StreamMemOps::Get();
+    absl::Status mem = kc::StreamMemOpsAvailable();
     if (!mem.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          OpName(slot.op),
-          ": kFlagStreamOrdered cannot be served by this epd: ", mem.status().message()));
+          OpName(slot.op), ": kFlagStreamOrdered cannot be served by this epd: ", mem.message()));
     }
   }
   return absl::OkStatus();
@@ -777,11 +735,8 @@ absl::Status CudaGroup::AcceptsRequests(int32_t rank) const {
 }
 
 absl::Status CudaGroup::WriteDone(const CudaRank& cr, uint64_t seq) const {
-  EPD_ASSIGN_OR_RETURN(const StreamMemOps* mem, StreamMemOps::Get());
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
-  return mem->Check(
-      mem->write_value64(reinterpret_cast<CUstream>(cr.stream.get()), cr.done_flag(), seq, 0),
-      "cuStreamWriteValue64(done_seq)");
+  return kc::StreamWriteValue64(cr.stream.get(), cr.done_flag(), seq);
 }
 
 void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) {

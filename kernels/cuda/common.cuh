@@ -53,17 +53,59 @@ __device__ __forceinline__ void FenceAcqRelSys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 
+// Scope-selectable variants for the low-latency kernels. `gpu` = every rank of the group
+// is on this GPU (CudaRankContext::all_ranks_on_device): .gpu scope then orders the flags
+// and data among all the threads that touch them and is measurably cheaper than .sys
+// (H200, 8 virtual ranks: FP8 dispatch p50 86 -> 80 us, its T=0 cost 22 -> 15 us).
+// Across GPUs (peer access over NVLink) only .sys is correct. The branch is uniform.
+
+__device__ __forceinline__ uint32_t LdAcquire(const uint32_t* p, bool gpu) {
+  uint32_t v;
+  if (gpu) {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  } else {
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  }
+  return v;
+}
+
+__device__ __forceinline__ int32_t LdRelaxed(const int32_t* p, bool gpu) {
+  int32_t v;
+  if (gpu) {
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  } else {
+    asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  }
+  return v;
+}
+
+__device__ __forceinline__ void StRelease(uint32_t* p, uint32_t v, bool gpu) {
+  if (gpu) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  } else {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  }
+}
+
+__device__ __forceinline__ void FenceAcqRel(bool gpu) {
+  if (gpu) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  } else {
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+  }
+}
+
 /// True when sequence number `a` is at or past `b` (wrap-around safe).
 __device__ __forceinline__ bool SeqAtLeast(uint32_t a, uint32_t b) {
   return static_cast<int32_t>(a - b) >= 0;
 }
 
-/// Spins until `*flag` (written by st.release.sys) reaches `target`, or the global timer
-/// passes `deadline_ns`. Returns true on arrival. Every wait in the kernels goes through
-/// this (or an equivalent bounded loop).
+/// Spins until `*flag` (written by a release store of the same scope) reaches `target`, or
+/// the global timer passes `deadline_ns`; `gpu` selects .gpu scope (see LdAcquire). Returns true on
+/// arrival. Every wait in the kernels goes through this (or an equivalent bounded loop).
 __device__ __forceinline__ bool WaitFlagAtLeast(const uint32_t* flag, uint32_t target,
-                                                uint64_t deadline_ns) {
-  while (!SeqAtLeast(LdAcquireSys(flag), target)) {
+                                                uint64_t deadline_ns, bool gpu = false) {
+  while (!SeqAtLeast(LdAcquire(flag, gpu), target)) {
     if (GlobalTimerNs() > deadline_ns) return false;
   }
   return true;

@@ -27,7 +27,7 @@ using device::GlobalTimerNs;
 using device::LaneId;
 using device::LowLatencyExchange;
 using device::LowLatencyState;
-using device::StReleaseSys;
+using device::StRelease;
 using device::WaitFlagAtLeast;
 using internal::kLowLatencyThreads;
 
@@ -54,6 +54,7 @@ struct CombineParams {
   int32_t num_topk;
   int32_t max_tokens;
   int32_t buffer;
+  bool gpu_scope;  // every rank on this GPU: flags at .gpu scope (common.cuh LdAcquire)
 };
 
 __device__ __forceinline__ uint32_t* CombineFlag(uint8_t* base, const CombineParams& p,
@@ -105,13 +106,13 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
 
   // ---- 1. announce: this rank's expert outputs are ready ----
   if (blockIdx.x == 0 && threadIdx.x < num_ranks) {
-    device::FenceAcqRelSys();
-    StReleaseSys(CombineFlag(s_peer[threadIdx.x], p, p.rank), seq);
+    device::FenceAcqRel(p.gpu_scope);
+    StRelease(CombineFlag(s_peer[threadIdx.x], p, p.rank), seq, p.gpu_scope);
   }
   // ---- 2. wait for every rank ----
   bool arrived = true;
   if (threadIdx.x < num_ranks) {
-    arrived = WaitFlagAtLeast(CombineFlag(p.own_base, p, threadIdx.x), seq, deadline);
+    arrived = WaitFlagAtLeast(CombineFlag(p.own_base, p, threadIdx.x), seq, deadline, p.gpu_scope);
     if (!arrived) device::RecordMissingPeer(status, threadIdx.x);
   }
   const bool all_arrived = __syncthreads_and(arrived) != 0;
@@ -258,6 +259,7 @@ absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombi
   p.num_topk = s.num_topk;
   p.max_tokens = s.ll_max_tokens_per_rank;
   p.buffer = b;
+  p.gpu_scope = ctx.all_ranks_on_device;
   int32_t num_blocks = 0;
   EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &num_blocks));
   const bool vec = s.hidden % 8 == 0 && (args.combined_x == nullptr ||

@@ -34,11 +34,10 @@ namespace {
 
 using device::GlobalTimerNs;
 using device::LaneId;
-using device::LdAcquireSys;
-using device::LdRelaxedSys;
+using device::LdRelaxed;
 using device::LowLatencyExchange;
 using device::LowLatencyState;
-using device::StReleaseSys;
+using device::StRelease;
 using device::WaitFlagAtLeast;
 using internal::kLowLatencyThreads;
 
@@ -71,6 +70,7 @@ struct DispatchParams {
   int32_t buffer;
   int32_t mask_stride;  // words per token of the expert bitmask: ceil(E/32) made odd
   bool round_scale;
+  bool gpu_scope;  // every rank on this GPU: flags at .gpu scope (common.cuh LdAcquire)
 };
 
 __device__ __forceinline__ int32_t* CountsAt(uint8_t* base, const DispatchParams& p, int32_t parity,
@@ -212,17 +212,18 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     }
     __syncthreads();
     if (threadIdx.x < num_ranks) {
-      device::FenceAcqRelSys();
-      StReleaseSys(ExchangeFlag(s_peer[threadIdx.x], p, LowLatencyExchange::CountFlag(p.rank)),
-                   seq);
+      device::FenceAcqRel(p.gpu_scope);
+      StRelease(ExchangeFlag(s_peer[threadIdx.x], p, LowLatencyExchange::CountFlag(p.rank)), seq,
+                p.gpu_scope);
     }
   }
 
   // ---- 3. wait for every rank's counts ----
   bool arrived = true;
   if (threadIdx.x < num_ranks) {
-    arrived = WaitFlagAtLeast(
-        ExchangeFlag(p.own_base, p, LowLatencyExchange::CountFlag(threadIdx.x)), seq, deadline);
+    arrived =
+        WaitFlagAtLeast(ExchangeFlag(p.own_base, p, LowLatencyExchange::CountFlag(threadIdx.x)),
+                        seq, deadline, p.gpu_scope);
     if (!arrived) device::RecordMissingPeer(status, threadIdx.x);
   }
   const bool counts_ok = __syncthreads_and(arrived) != 0;
@@ -231,7 +232,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
       int32_t sum = 0;
       for (int32_t q = 0; q < p.rank; ++q)
-        sum += LdRelaxedSys(CountsAt(p.own_base, p, parity, q) + e);
+        sum += LdRelaxed(CountsAt(p.own_base, p, parity, q) + e, p.gpu_scope);
       s_base[e] = sum;
     }
     if (blockIdx.x == 0) {
@@ -239,7 +240,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
       for (int32_t j = threadIdx.x; j < p.experts_per_rank; j += blockDim.x) {
         int32_t total = 0;
         for (int32_t q = 0; q < num_ranks; ++q) {
-          total += LdRelaxedSys(CountsAt(p.own_base, p, parity, q) + first + j);
+          total += LdRelaxed(CountsAt(p.own_base, p, parity, q) + first + j, p.gpu_scope);
         }
         p.recv_count[j] = total;
       }
@@ -348,11 +349,11 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   // ---- 5. the last block tells every rank that this rank's rows have landed ----
   __syncthreads();
   if (threadIdx.x == 0) {
-    device::FenceAcqRelSys();
+    device::FenceAcqRel(p.gpu_scope);
     const uint32_t ticket = atomicAdd(&state->dispatch_ticket, 1u);
     s_last = ticket == gridDim.x - 1;
     if (s_last) {
-      device::FenceAcqRelSys();  // acquire the other blocks' writes (their fence + ticket)
+      device::FenceAcqRel(p.gpu_scope);  // acquire the other blocks' writes (their fence + ticket)
       s_aborted = atomicAdd(&state->dispatch_aborted, 0u) == seq;
       state->dispatch_ticket = 0;
       state->dispatch_seq = seq;
@@ -360,12 +361,13 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   }
   __syncthreads();
   if (s_last && !s_aborted && threadIdx.x < num_ranks) {
-    device::FenceAcqRelSys();
-    StReleaseSys(ExchangeFlag(s_peer[threadIdx.x], p, LowLatencyExchange::DataFlag(p.rank)), seq);
+    device::FenceAcqRel(p.gpu_scope);
+    StRelease(ExchangeFlag(s_peer[threadIdx.x], p, LowLatencyExchange::DataFlag(p.rank)), seq,
+              p.gpu_scope);
   }
   if (blockIdx.x == 0 && counts_ok && threadIdx.x < num_ranks) {
     if (!WaitFlagAtLeast(ExchangeFlag(p.own_base, p, LowLatencyExchange::DataFlag(threadIdx.x)),
-                         seq, deadline)) {
+                         seq, deadline, p.gpu_scope)) {
       device::RecordMissingPeer(status, threadIdx.x);
     }
   }
@@ -452,6 +454,7 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
   p.num_scales = s.num_scales();
   p.buffer = b;
   p.round_scale = args.round_scale;
+  p.gpu_scope = ctx.all_ranks_on_device;
 
   int32_t num_blocks = 0;
   EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &num_blocks));

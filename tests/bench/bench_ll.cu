@@ -73,6 +73,9 @@ absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
   EPD_RETURN_IF_ERROR(kc::PreloadKernels());
   EPD_ASSIGN_OR_RETURN(auto group, VirtualRankGroup::Create(s, 10'000'000'000));
   VirtualRankGroup& g = *group;
+  // Every rank is on this GPU: the flags at .gpu scope, as the daemon and the client
+  // library configure a group whose ranks share one GPU.
+  g.set_all_ranks_on_device(true);
   const auto& l = g.layout();
 
   // Inputs: random bf16 tokens, uniform top-8 routing without masking, random weights.

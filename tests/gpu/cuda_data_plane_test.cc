@@ -176,6 +176,7 @@ struct PlaneGroup {
       o.spec = s;
       o.rank = r;
       o.gpu_uuid = gpu_uuid;
+      o.launch_mode = v1::LAUNCH_MODE_DAEMON;  // This file tests the daemon's engine.
       auto ep = client->Join(o);
       ASSERT_TRUE(ep.ok()) << "rank " << r << ": " << ep.status();
       cuda = (*ep)->info().backend() == "cuda";
@@ -503,6 +504,21 @@ TEST_F(CudaDataPlaneTest, ReportsGpuMemory) {
   EXPECT_GT(*free_bytes, cuda_->BytesPerRank(spec));
   EXPECT_EQ(cuda_->BytesPerRank(spec) % (2u << 20), 0u);
   EXPECT_EQ(cuda_->FreeBytes("GPU-not-a-gpu").status().code(), absl::StatusCode::kNotFound);
+}
+
+// The default launch mode (DataPlane::DefaultLaunchMode): client-launched when every rank
+// can have a GPU of its own or MPS is active, daemon-launched otherwise.
+TEST_F(CudaDataPlaneTest, DefaultLaunchModeIsClientWithAGpuPerRankOrMps) {
+  int gpus = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&gpus), cudaSuccess);
+  EXPECT_EQ(cuda_->DefaultLaunchMode(Spec("one", 1, 2, 128, 1, 4, 0)), v1::LAUNCH_MODE_CLIENT);
+  EXPECT_EQ(cuda_->DefaultLaunchMode(Spec("per-gpu", gpus, 2 * gpus, 128, 1, 4, 0)),
+            v1::LAUNCH_MODE_CLIENT);
+  const v1::LaunchMode crowded =
+      cuda_->DefaultLaunchMode(Spec("crowded", gpus + 1, 2 * (gpus + 1), 128, 1, 4, 0));
+  EXPECT_EQ(crowded, DetectMps().active ? v1::LAUNCH_MODE_CLIENT : v1::LAUNCH_MODE_DAEMON)
+      << DetectMps().detail;
+  EXPECT_EQ(host_->DefaultLaunchMode(Spec("host", 1, 2, 128, 1, 4, 0)), v1::LAUNCH_MODE_DAEMON);
 }
 
 /// One rank attached to a data-plane group through raw ring slots: its EndpointInfo, its

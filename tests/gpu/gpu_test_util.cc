@@ -124,6 +124,7 @@ kernels::cuda::CudaRankContext VirtualRankGroup::Context(int32_t r) const {
   ctx.own_base = base(r);
   ctx.num_sms = num_sms_;
   ctx.ranks_on_device = ranks_on_device_;
+  ctx.all_ranks_on_device = all_ranks_on_device_;
   if (timeout_ns_ > 0) ctx.timeout_ns = timeout_ns_;
   return ctx;
 }

@@ -87,6 +87,9 @@ class VirtualRankGroup {
   cudaStream_t stream(int32_t r) const { return streams_[r].get(); }
   /// The CudaRankContext of rank r (peer_bases = the device array of all R bases).
   kernels::cuda::CudaRankContext Context(int32_t r) const;
+  /// Sets CudaRankContext::all_ranks_on_device in every later Context (default false: the
+  /// kernels' .sys-scope flags; true: .gpu scope, correct here since all ranks share a GPU).
+  void set_all_ranks_on_device(bool v) { all_ranks_on_device_ = v; }
 
   /// Synchronous copy of `bytes` from host `src` into rank r's `region` (at byte
   /// `offset` inside it). INVALID_ARGUMENT when it would leave the region.
@@ -121,6 +124,7 @@ class VirtualRankGroup {
   int64_t timeout_ns_ = 0;
   int32_t num_sms_ = 0;
   int32_t ranks_on_device_ = 0;
+  bool all_ranks_on_device_ = false;
 };
 
 // ---- random inputs ------------------------------------------------------------------------

@@ -346,35 +346,41 @@ TEST_P(LowLatencySweep, MatchesHostBitForBit) {
   s.use_fp8 = c.fp8 != Fp8::kOff;
   const bool fp8 = c.fp8 != Fp8::kOff;
   const bool round_scale = c.fp8 == Fp8::kRoundScale;
-  auto group = VirtualRankGroup::Create(s);
-  ASSERT_TRUE(group.ok()) << group.status();
-  VirtualRankGroup& g = **group;
-  std::mt19937_64 rng(std::hash<std::string>()(CaseName(c)));
+  // Every case runs with the flags at .sys scope (ranks on several GPUs) and at .gpu scope
+  // (CudaRankContext::all_ranks_on_device: every rank on this GPU).
+  for (const bool gpu_scope : {false, true}) {
+    SCOPED_TRACE(gpu_scope ? "flags at .gpu scope" : "flags at .sys scope");
+    auto group = VirtualRankGroup::Create(s);
+    ASSERT_TRUE(group.ok()) << group.status();
+    VirtualRankGroup& g = **group;
+    g.set_all_ranks_on_device(gpu_scope);
+    std::mt19937_64 rng(std::hash<std::string>()(CaseName(c)));
 
-  // Three ops: buffers 0, 1, 0 (the third reuses buffer 0 of the first); after op 2 the
-  // views of op 1 (buffer 0) must still hold op 1's results.
-  std::vector<int32_t> first_counts;
-  std::vector<std::vector<int32_t>> first_handles;
-  std::vector<RankInputs> first_inputs;
-  HostReference first_ref;
-  for (int32_t op = 0; op < 3; ++op) {
-    const int32_t b = op % 2;
-    std::vector<RankInputs> in = MakeInputs(c, rng, op);
-    HostReference ref;
-    EPD_ASSERT_OK(ComputeHostReference(s, fp8, round_scale, in, &ref));
-    EPD_ASSERT_OK(UploadInputs(g, in));
-    EPD_ASSERT_OK(RunDispatch(g, b, fp8, round_scale));
-    EPD_ASSERT_OK(CheckDispatch(g, b, fp8, in, ref)) << "op " << op;
-    EPD_ASSERT_OK(RunExpertAndCombine(g, b, fp8));
-    EPD_ASSERT_OK(CheckCombine(g, b, in, ref)) << "op " << op;
-    if (op == 0) {
-      first_inputs = std::move(in);
-      first_ref = std::move(ref);
-    }
-    if (op == 1) {
-      // Double buffering: op 0's outputs in buffer 0 are intact after op 1.
-      EPD_ASSERT_OK(CheckDispatch(g, 0, fp8, first_inputs, first_ref)) << "op 0 after op 1";
-      EPD_ASSERT_OK(CheckCombine(g, 0, first_inputs, first_ref)) << "op 0 after op 1";
+    // Three ops: buffers 0, 1, 0 (the third reuses buffer 0 of the first); after op 2 the
+    // views of op 1 (buffer 0) must still hold op 1's results.
+    std::vector<int32_t> first_counts;
+    std::vector<std::vector<int32_t>> first_handles;
+    std::vector<RankInputs> first_inputs;
+    HostReference first_ref;
+    for (int32_t op = 0; op < 3; ++op) {
+      const int32_t b = op % 2;
+      std::vector<RankInputs> in = MakeInputs(c, rng, op);
+      HostReference ref;
+      EPD_ASSERT_OK(ComputeHostReference(s, fp8, round_scale, in, &ref));
+      EPD_ASSERT_OK(UploadInputs(g, in));
+      EPD_ASSERT_OK(RunDispatch(g, b, fp8, round_scale));
+      EPD_ASSERT_OK(CheckDispatch(g, b, fp8, in, ref)) << "op " << op;
+      EPD_ASSERT_OK(RunExpertAndCombine(g, b, fp8));
+      EPD_ASSERT_OK(CheckCombine(g, b, in, ref)) << "op " << op;
+      if (op == 0) {
+        first_inputs = std::move(in);
+        first_ref = std::move(ref);
+      }
+      if (op == 1) {
+        // Double buffering: op 0's outputs in buffer 0 are intact after op 1.
+        EPD_ASSERT_OK(CheckDispatch(g, 0, fp8, first_inputs, first_ref)) << "op 0 after op 1";
+        EPD_ASSERT_OK(CheckCombine(g, 0, first_inputs, first_ref)) << "op 0 after op 1";
+      }
     }
   }
 }

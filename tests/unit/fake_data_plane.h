@@ -28,6 +28,8 @@ struct FakeDataPlaneState {
   std::set<std::pair<std::string, int>> attached;  ///< (group, rank) currently attached.
   std::map<std::string, std::string> last_gpu;     ///< "group/rank" → gpu_uuid given.
   bool shut_down = false;
+  /// DefaultLaunchMode's answer; UNSPECIFIED = the base class's (daemon-launched).
+  v1::LaunchMode default_launch_mode = v1::LAUNCH_MODE_UNSPECIFIED;
 };
 
 class FakeDataPlaneGroup : public DataPlaneGroup {
@@ -68,6 +70,11 @@ class FakeDataPlane : public DataPlane {
  public:
   explicit FakeDataPlane(std::shared_ptr<FakeDataPlaneState> state) : state_(std::move(state)) {}
   std::string backend_name() const override { return state_->backend; }
+  v1::LaunchMode DefaultLaunchMode(const v1::GroupSpec& spec) const override {
+    return state_->default_launch_mode == v1::LAUNCH_MODE_UNSPECIFIED
+               ? DataPlane::DefaultLaunchMode(spec)
+               : state_->default_launch_mode;
+  }
   uint64_t BytesPerRank(const v1::GroupSpec&) const override { return state_->bytes_per_rank; }
   absl::StatusOr<uint64_t> FreeBytes(const std::string&) const override {
     return state_->free_bytes;

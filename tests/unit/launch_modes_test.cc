@@ -270,6 +270,35 @@ TEST_F(CudaRegistryLaunchModeTest, FirstJoinerFixesTheModeAndAMismatchNamesBoth)
   auto again = Join(s, 0, SpecOf("daemonmode", 2), v1::LAUNCH_MODE_CLIENT);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->launch_mode(), v1::LAUNCH_MODE_CLIENT);
+
+  // ListGroups reports each group's mode.
+  const v1::ListGroupsResponse groups = registry_.ListGroups();
+  ASSERT_EQ(groups.groups_size(), 2);
+  for (const v1::GroupInfo& g : groups.groups()) {
+    EXPECT_EQ(g.launch_mode(), v1::LAUNCH_MODE_CLIENT) << g.spec().name();
+  }
+}
+
+TEST_F(CudaRegistryLaunchModeTest, AnUnspecifiedFirstJoinerGetsTheDataPlanesDefault) {
+  const std::string s = Session();
+  state_->default_launch_mode = v1::LAUNCH_MODE_CLIENT;
+  auto c0 = Join(s, 0, SpecOf("bydefault", 2));
+  ASSERT_TRUE(c0.ok()) << c0.status();
+  EXPECT_EQ(c0->launch_mode(), v1::LAUNCH_MODE_CLIENT);
+  // The default applies to new groups only: a live group keeps its mode.
+  state_->default_launch_mode = v1::LAUNCH_MODE_DAEMON;
+  auto c1 = Join(s, 1, SpecOf("bydefault", 2));
+  ASSERT_TRUE(c1.ok()) << c1.status();
+  EXPECT_EQ(c1->launch_mode(), v1::LAUNCH_MODE_CLIENT);
+  auto d0 = Join(s, 0, SpecOf("other", 2));
+  ASSERT_TRUE(d0.ok()) << d0.status();
+  EXPECT_EQ(d0->launch_mode(), v1::LAUNCH_MODE_DAEMON);
+  const v1::ListGroupsResponse groups = registry_.ListGroups();
+  ASSERT_EQ(groups.groups_size(), 2);
+  for (const v1::GroupInfo& g : groups.groups()) {
+    EXPECT_EQ(g.launch_mode(),
+              g.spec().name() == "bydefault" ? v1::LAUNCH_MODE_CLIENT : v1::LAUNCH_MODE_DAEMON);
+  }
 }
 
 // ---- the host data plane refuses stream-ordered requests --------------------------------

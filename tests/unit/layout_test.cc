@@ -24,7 +24,9 @@ TEST(EndpointLayoutTest, RegionsAreAlignedAndDisjoint) {
     ++n;
   });
   EXPECT_LE(prev_end, l.total_bytes);
-  EXPECT_EQ(n, 22 + 6 * kLowLatencyBuffers);
+  EXPECT_EQ(n, 23 + 6 * kLowLatencyBuffers);  // incl. sync and launch_flags
+  EXPECT_EQ(l.launch_flags.bytes, kLaunchFlagsRegionBytes);
+  EXPECT_EQ(l.launch_flags.offset + l.launch_flags.bytes, l.total_bytes);
   // recv_x: R*M rows of H bf16; over 4 GiB offsets must not wrap.
   EXPECT_EQ(l.recv_x.bytes, uint64_t{8} * 4096 * 7168 * 2);
   EXPECT_EQ(l.ll_recv_x[0].bytes, uint64_t{32} * 8 * 128 * 7168 * 2);

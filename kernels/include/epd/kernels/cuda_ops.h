@@ -101,6 +101,12 @@ struct CudaRankContext {
   /// Ranks of this group (or of all groups that may run at once) whose kernels share this
   /// GPU; 0 = all R ranks (the virtual-rank case, the safe default).
   int32_t ranks_on_device = 0;
+  /// Every rank of the group has its data area on this same GPU (virtual ranks, or ranks
+  /// of several processes sharing one GPU). The low-latency kernels then order their
+  /// inter-rank flags at .gpu scope instead of .sys, which is correct only then and saves
+  /// ~6 µs per dispatch (docs/BENCHMARKS.md). false (the safe default) when any peer may be
+  /// on another GPU.
+  bool all_ranks_on_device = false;
   /// Bound of every spin wait, in nanoseconds of %globaltimer. On expiry the op records a
   /// timeout (DEADLINE_EXCEEDED) in DeviceStatus and returns without deadlocking.
   int64_t timeout_ns = 10'000'000'000;
@@ -157,6 +163,28 @@ absl::Status PreloadKernels();
 /// normal-mode kernels register theirs); PreloadKernels calls every registered hook.
 /// Returns true so it can initialise a namespace-scope constant.
 bool RegisterPreloadHook(absl::Status (*hook)());
+
+// ---- stream memory operations ------------------------------------------------------------
+// The stream-ordered hand-off of daemon-launched mode (DESIGN.md §3.2; the ready/done words
+// of layout.h's launch_flags region). Driver entry points resolved once at run time through
+// cudaGetDriverEntryPointByVersion: nothing here links libcuda.
+
+/// OK when the driver offers cuStreamWriteValue64 / cuStreamWaitValue64; else
+/// FAILED_PRECONDITION naming the missing entry point (or INTERNAL for a CUDA error).
+absl::Status StreamMemOpsAvailable();
+
+/// Enqueues on `stream` a 64-bit write of `value` to device address `address`, after the
+/// stream's earlier work and with a memory barrier before it (everything the stream wrote
+/// before is visible to whoever sees the value). The current device's context must be
+/// current on this thread (call cudaSetDevice first on a thread that made no runtime call).
+/// Errors: FAILED_PRECONDITION (no entry point), INTERNAL naming the driver call.
+absl::Status StreamWriteValue64(cudaStream_t stream, void* address, uint64_t value);
+
+/// Enqueues on `stream` a wait until the 64-bit word at device address `address` is >=
+/// `value` (unsigned compare); the stream's later work runs only after it. The GPU does not
+/// bound this wait: whoever enqueues it must make sure the word is eventually written.
+/// Errors: as StreamWriteValue64.
+absl::Status StreamWaitValue64Geq(cudaStream_t stream, const void* address, uint64_t value);
 
 // ---- run-time token count ---------------------------------------------------------------
 
