@@ -262,6 +262,11 @@ struct ClientLaunch {
   struct Slot {
     uint64_t seq = 0;
     bool captured = false;  ///< Enqueued while the stream was capturing a CUDA graph.
+    /// A low-latency op: no read-back was enqueued after it (it would cost two stream ops
+    /// per op on the decode hot path, where ops are rarely waited for); Wait enqueues it on
+    /// `stream` when it is called.
+    bool deferred = false;
+    cudaStream_t stream = nullptr;
   };
 
   std::vector<std::shared_ptr<const internal::CudaAreaMapping>> areas;  ///< [R], own included.
@@ -737,17 +742,23 @@ struct Endpoint::Impl {
     return next_seq++;
   }
 
-  /// Ends a client-launched op on `stream`: unless capturing, enqueues the read-back of the
-  /// op's DeviceStatus (and, for Dispatch, N) into its completion slot and records the
-  /// slot's event, which Wait polls. A captured op gets no read-back: Wait reads the
-  /// device status itself once the graph's replay is done.
+  /// Ends a client-launched op on `stream`: unless capturing, records the slot's event,
+  /// which Wait polls, after the read-back of the op's DeviceStatus (and, for Dispatch, N)
+  /// into its completion slot. A low-latency op gets no read-back here: Wait enqueues it
+  /// on the op's stream (see Endpoint's docs: its errors are reported by the first Wait
+  /// at or after it). A captured op gets no read-back: Wait reads the device status
+  /// itself once the graph's replay is done.
   absl::Status EndClientOp(uint64_t seq, abi::OpKind op, cudaStream_t stream, bool capturing) {
     const uint32_t i = static_cast<uint32_t>(seq % ClientLaunch::kSlots);
     ClientLaunch::Slot& slot = cl->slots[i];
     slot.seq = 0;
+    const bool low_latency =
+        op == abi::OpKind::kLowLatencyDispatch || op == abi::OpKind::kLowLatencyCombine;
+    slot.deferred = low_latency && !capturing;
+    slot.stream = stream;
     if (!capturing) {
       ClientLaunch::Readback& rb = cl->readback(i);
-      EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(cl->ctx, stream, &rb.status));
+      if (!low_latency) EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(cl->ctx, stream, &rb.status));
       if (op == abi::OpKind::kDispatch) {
         EPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&rb.recv_count, At(layout.recv_count),
                                                  sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
@@ -805,6 +816,14 @@ struct Endpoint::Impl {
               "the stream stuck?); the op is still pending"));
         }
         if (now >= spin_until) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+      if (slot.deferred) {
+        // The read-back, ordered after everything enqueued on the op's stream so far: it
+        // reports the device-side errors of this op and of the later ops of that stream
+        // (nothing is lost and nothing is read while a kernel may still add to it).
+        EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(cl->ctx, slot.stream, &rb->status));
+        EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(slot.stream));
+        cl->slots[i].deferred = false;  // A second Wait reports the same status.
       }
     }
     if (recv_count != nullptr) *recv_count = rb->recv_count;
@@ -1178,11 +1197,11 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
       // rank had no tokens); its buffer is then not usable by a combine.
       a.x = nullptr;
       a.topk_idx = nullptr;
-      EPD_RETURN_IF_ERROR(kc::SetLowLatencyNumTokensAsync(ctx, 0, s));
+      a.num_tokens_value = 0;
     } else if (runtime_tokens) {
       a.num_tokens = reinterpret_cast<const int32_t*>(TensorBytes(args.num_tokens));
     } else {
-      EPD_RETURN_IF_ERROR(kc::SetLowLatencyNumTokensAsync(ctx, static_cast<int32_t>(T), s));
+      a.num_tokens_value = static_cast<int32_t>(T);  // By value: no slot write to enqueue.
     }
     EPD_RETURN_IF_ERROR(kc::LowLatencyDispatch(ctx, a, s));
     ++m.ll_dispatches;

@@ -9,10 +9,11 @@
 // the same layer (Σ_k w[t,k]·W_{e_k}·x[t] in f64). The parent process starts the R rank
 // processes, waits for them and prints a table; it exits 0 only when every rank matched.
 //
-//   moe_layer --socket=/run/epd/epd.sock --num_ranks=8 [--launch_mode=daemon|client]
+//   moe_layer --socket=/run/epd/epd.sock --num_ranks=8 [--launch_mode=auto|daemon|client]
 //
-// --launch_mode picks who launches the kernels on the CUDA backend (client.h): the daemon
-// (default), or each rank process itself (client-launched; needs the CUDA backend). With
+// --launch_mode picks who launches the kernels on the CUDA backend (client.h): epd's
+// default for the group (auto: README "Launch modes"), the daemon, or each rank process
+// itself (client-launched; needs the CUDA backend). With
 // several rank processes on one GPU, client-launched kernels of different processes only
 // run side by side under MPS; without it they time-slice and each op is slow (DESIGN §1).
 #include <sys/wait.h>
@@ -50,8 +51,9 @@ ABSL_FLAG(int, topk, 4, "experts per token");
 ABSL_FLAG(int, tokens, 48, "tokens per rank per iteration");
 ABSL_FLAG(int, iters, 3, "iterations");
 ABSL_FLAG(bool, fp8, true, "low-latency dispatch in FP8 (normal mode stays BF16)");
-ABSL_FLAG(std::string, launch_mode, "daemon",
-          "daemon or client: who launches the kernels on the CUDA backend (client.h)");
+ABSL_FLAG(std::string, launch_mode, "auto",
+          "auto (epd's default), daemon or client: who launches the kernels on the CUDA "
+          "backend (client.h)");
 ABSL_FLAG(double, tolerance, 0.0, "max relative error (0 = 2e-2 BF16, 8e-2 with FP8)");
 
 namespace {
@@ -183,8 +185,10 @@ int RunRank(int rank) {
   jopt.spec.set_ll_max_tokens_per_rank(m.T);
   jopt.spec.set_use_fp8(absl::GetFlag(FLAGS_fp8));
   jopt.rank = rank;
-  jopt.launch_mode = absl::GetFlag(FLAGS_launch_mode) == "client" ? epd::v1::LAUNCH_MODE_CLIENT
-                                                                  : epd::v1::LAUNCH_MODE_DAEMON;
+  const std::string mode = absl::GetFlag(FLAGS_launch_mode);
+  jopt.launch_mode = mode == "client"   ? epd::v1::LAUNCH_MODE_CLIENT
+                     : mode == "daemon" ? epd::v1::LAUNCH_MODE_DAEMON
+                                        : epd::v1::LAUNCH_MODE_UNSPECIFIED;
   // On the CUDA backend each rank names its GPU by UUID: rank r takes GPU r % (number of
   // GPUs epd reports), so 8 ranks on one GPU are virtual ranks.
   auto stats = (*client)->GetStats();
@@ -356,10 +360,11 @@ int main(int argc, char** argv) {
     bad = absl::StrCat("--tokens=", T, " is outside [1, 65536]");
   else if (iters < 1)
     bad = absl::StrCat("--iters=", iters, " must be >= 1");
-  else if (absl::GetFlag(FLAGS_launch_mode) != "daemon" &&
+  else if (absl::GetFlag(FLAGS_launch_mode) != "auto" &&
+           absl::GetFlag(FLAGS_launch_mode) != "daemon" &&
            absl::GetFlag(FLAGS_launch_mode) != "client")
     bad = absl::StrCat("--launch_mode=", absl::GetFlag(FLAGS_launch_mode),
-                       " must be daemon or client");
+                       " must be auto, daemon or client");
   if (!bad.empty()) {
     std::fprintf(stderr, "moe_layer: %s\n", bad.c_str());
     return 2;

@@ -642,7 +642,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
       a.buffer = plan.ll_buffer;
       a.use_fp8 = plan.flags & abi::kFlagFp8;
       a.round_scale = plan.flags & abi::kFlagRoundScale;
-      EPD_RETURN_IF_ERROR(kc::SetLowLatencyNumTokensAsync(ctx, slot.num_tokens, s));
+      a.num_tokens_value = slot.num_tokens;  // By value: no slot write to enqueue.
       EPD_RETURN_IF_ERROR(kc::LowLatencyDispatch(ctx, a, s));
       break;
     }

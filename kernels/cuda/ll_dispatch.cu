@@ -49,6 +49,7 @@ struct DispatchParams {
   uint8_t* const* peer_bases;
   uint8_t* own_base;
   const int32_t* num_tokens;
+  int32_t num_tokens_value;  // >= 0: T by value (num_tokens unused)
   const bf16_bits* x;
   const int64_t* topk_idx;
   int32_t* recv_count;  // own ll_recv_count[b]
@@ -152,7 +153,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
 
   if (threadIdx.x == 0) {
     s_seq = *reinterpret_cast<volatile uint32_t*>(&state->dispatch_seq) + 1;
-    int32_t t = *reinterpret_cast<const volatile int32_t*>(p.num_tokens);
+    int32_t t = p.num_tokens_value >= 0 ? p.num_tokens_value
+                                        : *reinterpret_cast<const volatile int32_t*>(p.num_tokens);
     if (t < 0 || t > p.max_tokens) {
       if (blockIdx.x == 0) device::RecordBadNumTokens(status, t);
       t = 0;
@@ -431,6 +433,7 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
   p.peer_bases = ctx.peer_bases;
   p.own_base = ctx.own_base;
   p.num_tokens = args.num_tokens != nullptr ? args.num_tokens : LowLatencyNumTokensSlot(ctx);
+  p.num_tokens_value = args.num_tokens_value;
   p.x =
       args.x != nullptr ? args.x : reinterpret_cast<const bf16_bits*>(ctx.own_base + l.in_x.offset);
   p.topk_idx = args.topk_idx != nullptr

@@ -516,6 +516,29 @@ TEST(LowLatencyFailure, TooManyTokensGivesInvalidArgumentThenNextOpIsCorrect) {
   EPD_ASSERT_OK(g.SynchronizeAll());
   ExpectValidOp(g, 0, rng, 1);
   ExpectValidOp(g, 1, rng, 2);
+
+  // The same with T given by value (LowLatencyDispatchArgs::num_tokens_value), rank 1 bad.
+  a.num_tokens_value = 0;
+  EPD_ASSERT_OK(g.LaunchAll([&](int32_t r, cudaStream_t st) {
+    kc::LowLatencyDispatchArgs v = a;
+    v.buffer = 1;
+    v.num_tokens_value = r == 1 ? too_many : in[r].num_tokens;
+    return kc::LowLatencyDispatch(g.Context(r), v, st);
+  }));
+  for (int32_t r = 0; r < 4; ++r) {
+    absl::Status st = kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch");
+    if (r == 1) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_NE(st.message().find("num_tokens = 129"), std::string::npos) << st;
+    } else {
+      EXPECT_TRUE(st.ok()) << "rank " << r << ": " << st;
+    }
+  }
+  ca.buffer = 1;
+  EPD_ASSERT_OK(g.LaunchAll(
+      [&](int32_t r, cudaStream_t st) { return kc::LowLatencyCombine(g.Context(r), ca, st); }));
+  EPD_ASSERT_OK(g.SynchronizeAll());
+  ExpectValidOp(g, 0, rng, 3);
 }
 
 TEST(LowLatencyFailure, MissingRankTimesOutOthersKeepWorking) {

@@ -233,6 +233,13 @@ class [[nodiscard]] PendingOp {
   /// cudaStreamSynchronize); it then reads and clears the rank's device status, so it
   /// reports the errors of every replay since the last Wait, and for a Dispatch the N of
   /// the latest replay.
+  /// Client-launched low-latency ops enqueue no status read-back of their own (it would
+  /// add two stream operations to every decode op, which is rarely waited for): their Wait
+  /// reads and clears the rank's device status on the op's stream, after everything
+  /// enqueued there so far, and synchronises that stream. So a device-side error (a bad
+  /// expert id, a peer that never arrived) is reported by the first Wait at or after the
+  /// op that hit it, never lost; a later op whose error an earlier Wait reported then
+  /// returns OK.
   absl::StatusOr<Result> Wait(absl::Duration timeout = absl::InfiniteDuration());
   /// The result without waiting on the CPU, for stream-ordered use (CUDA backend): work
   /// enqueued on the op's stream after the op reads the views correctly; errors still

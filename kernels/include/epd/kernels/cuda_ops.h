@@ -231,6 +231,11 @@ struct LowLatencyDispatchArgs {
   bool round_scale = false;  ///< Power-of-two FP8 scales (types.h Fp8Scale).
   /// Device int32 holding T; null = LowLatencyNumTokensSlot(ctx).
   const int32_t* num_tokens = nullptr;
+  /// T given by the host (>= 0): passed to the kernel by value, so no write of the
+  /// token-count slot has to be enqueued before the dispatch (one stream op less per op).
+  /// -1 = read T from device memory (`num_tokens`), as a CUDA graph replaying with a new T
+  /// needs. A value outside [0, Mll] is recorded in DeviceStatus as for device T.
+  int32_t num_tokens_value = -1;
   /// [T, H] bf16 on this GPU; null = this rank's in_x region.
   const bf16_bits* x = nullptr;
   /// [T, K] int64 on this GPU; null = this rank's in_topk_idx region.
