@@ -593,6 +593,7 @@ struct Endpoint::Impl {
     r.num_recv_tokens_per_expert =
         View(layout.recv_tokens_per_expert, kI32, {shape.num_local_experts()});
     r.recv_src_info = View(layout.recv_src_info, kI32, {N});
+    r.recv_count = View(layout.recv_count, kI32, {1});
   }
 
   void LowLatencyDispatchViews(LowLatencyDispatchResult& r, int b) const {
@@ -935,6 +936,11 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
     } else if (cached->num_tokens != T) {
       st = absl::InvalidArgumentError(absl::StrCat(
           kOp, ": x has ", T, " tokens but the cached handle's dispatch had ", cached->num_tokens));
+    } else if (cached->num_recv_tokens < 0) {
+      st = absl::FailedPreconditionError(absl::StrCat(
+          kOp,
+          ": the cached handle comes from Enqueued() of a Dispatch, whose N is known only on "
+          "the device; Wait for that Dispatch and use the handle Wait returns"));
     }
   }
   if (st.ok() && !cached) {
@@ -1033,6 +1039,11 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
         kOp,
         ": the handle comes from another endpoint (group or rank) or from a low-latency "
         "dispatch"));
+  } else if (args.handle->num_recv_tokens < 0) {
+    st = absl::FailedPreconditionError(absl::StrCat(
+        kOp,
+        ": the handle comes from Enqueued() of a Dispatch, whose N is known only on the "
+        "device; Wait for that Dispatch and use the handle Wait returns"));
   }
   const int64_t N = args.handle ? args.handle->num_recv_tokens : 0;
   if (st.ok()) {
@@ -1394,9 +1405,12 @@ absl::StatusOr<Result> PendingOp<Result>::Enqueued() const {
   }
   if constexpr (std::is_same_v<Result, DispatchResult>) {
     if (partial_.recv_x.data() == nullptr) {
-      return absl::FailedPreconditionError(
-          "Enqueued: a Dispatch without a cached handle has N rows known only once it is done; "
-          "use Wait");
+      // N is on the device only: views of the capacity R*M rows, N in recv_count.
+      DispatchResult r = partial_;
+      m.DispatchViews(r, static_cast<int32_t>(m.shape.max_recv_tokens()));
+      r.num_recv_tokens = -1;
+      r.handle.num_recv_tokens = -1;
+      return r;
     }
   }
   return partial_;

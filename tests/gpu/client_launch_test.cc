@@ -569,6 +569,7 @@ GroupResult RunNormal(Group& g, std::vector<RankInputs>& in) {
     out[r].blobs.push_back({"is_token_in_rank", FetchAll(l->is_token_in_rank)});
   }
   std::vector<PendingOp<DispatchResult>> dops;
+  std::vector<DispatchResult> enqueued;
   for (int r = 0; r < R; ++r) {
     DispatchArgs a;
     a.x = &x[r];
@@ -579,7 +580,14 @@ GroupResult RunNormal(Group& g, std::vector<RankInputs>& in) {
     auto op = g.eps[r]->Dispatch(a);
     EXPECT_TRUE(op.ok()) << op.status();
     if (!op.ok()) return out;
-    EXPECT_EQ(op->Enqueued().status().code(), absl::StatusCode::kFailedPrecondition);
+    // Stream-ordered view before any CPU synchronisation: capacity rows, N on the device.
+    auto early = op->Enqueued();
+    EXPECT_TRUE(early.ok()) << early.status();
+    if (!early.ok()) return out;
+    EXPECT_EQ(early->num_recv_tokens, -1);
+    EXPECT_EQ(early->recv_x.shape()[0], int64_t{R} * g.spec.max_tokens_per_rank());
+    EXPECT_EQ(early->recv_count.numel(), 1);
+    enqueued.push_back(*early);
     dops.push_back(*op);
   }
   std::vector<DispatchResult> d;
@@ -588,6 +596,13 @@ GroupResult RunNormal(Group& g, std::vector<RankInputs>& in) {
     EXPECT_TRUE(res.ok()) << "rank " << r << ": " << res.status();
     if (!res.ok()) return out;
     const int32_t N = res->num_recv_tokens;
+    // The device count of the Enqueued() result is the N Wait returns, and its capacity
+    // views are the same memory.
+    const std::vector<uint8_t> device_n = FetchAll(enqueued[r].recv_count);
+    int32_t n_on_device = -1;
+    std::memcpy(&n_on_device, device_n.data(), sizeof(n_on_device));
+    EXPECT_EQ(n_on_device, N) << "rank " << r;
+    EXPECT_EQ(enqueued[r].recv_x.data(), res->recv_x.data()) << "rank " << r;
     out[r].blobs.push_back({"N", Bytes(&N, 1)});
     out[r].blobs.push_back({"recv_x", FetchAll(res->recv_x)});
     out[r].blobs.push_back({"recv_topk_idx", FetchAll(res->recv_topk_idx)});

@@ -159,8 +159,15 @@ struct DispatchResult {
   TensorView recv_topk_weights;           ///< [N, K] f32 (0 where id is -1).
   TensorView num_recv_tokens_per_expert;  ///< [E/R] int32, aligned.
   TensorView recv_src_info;               ///< [N] int32: src_rank * M + src_token.
+  /// [1] int32: N, in the endpoint's memory (on the GPU on the CUDA backend), written by
+  /// the op itself: the received count is always on the device; num_recv_tokens below
+  /// copies it to the host only when asked (Wait, a CPU synchronisation).
+  TensorView recv_count;
   Handle handle;
-  int32_t num_recv_tokens = 0;  ///< N.
+  /// N; -1 in a result from Enqueued() of a Dispatch without a cached handle, whose views
+  /// then have the capacity R*M rows (rows [0, recv_count[0]) valid, DeepEP's "worst case
+  /// tokens" style): work on the op's stream can consume them with no CPU synchronisation.
+  int32_t num_recv_tokens = 0;
 };
 
 /// Normal combine inputs.
@@ -243,9 +250,10 @@ class [[nodiscard]] PendingOp {
   absl::StatusOr<Result> Wait(absl::Duration timeout = absl::InfiniteDuration());
   /// The result without waiting on the CPU, for stream-ordered use (CUDA backend): work
   /// enqueued on the op's stream after the op reads the views correctly; errors still
-  /// come from Wait. FAILED_PRECONDITION on the host backend, for an op given no stream,
-  /// and for a Dispatch without a cached handle (its row count N is known only once the
-  /// op is done: Wait).
+  /// come from Wait. FAILED_PRECONDITION on the host backend and for an op given no
+  /// stream. A Dispatch without a cached handle gives views of the capacity R*M rows, N in
+  /// its device `recv_count` and num_recv_tokens = -1; Combine and cached re-dispatch need
+  /// the handle that Wait returns (FAILED_PRECONDITION for this one).
   /// Daemon-launched: the low-latency buffer of the views is the daemon's choice as
   /// predicted by the client, which holds as long as no earlier op of the endpoint failed
   /// (a failed low-latency op does not advance the daemon's buffer parity; Wait of that

@@ -276,6 +276,33 @@ int BadInputs() {
     (void)a0;
     (void)b0;
   }
+  // Combine and cached re-dispatch with a handle whose N is known only on the device (as
+  // PendingOp::Enqueued returns for a Dispatch without a cached handle).
+  {
+    std::vector<epd::DispatchResult> d(2);
+    Both([&](int r) -> absl::Status {
+      auto res = Dispatch(*ep[r], in[r]);
+      if (res.ok()) d[r] = *res;
+      return res.status();
+    });
+    auto [a, b] = Both([&](int r) -> absl::Status {
+      epd::DispatchResult dr = d[r];
+      if (r == 0) dr.handle.num_recv_tokens = -1;
+      return Combine(*ep[r], dr);
+    });
+    check("combine_device_only_handle", a, b, absl::StatusCode::kFailedPrecondition,
+          "known only on the device");
+    auto [c, e] = Both([&](int r) -> absl::Status {
+      epd::DispatchArgs args;
+      args.x = &in[r].x_t;
+      args.cached = d[r].handle;
+      if (r == 0) args.cached->num_recv_tokens = -1;
+      auto op = ep[r]->Dispatch(args);
+      return op.ok() ? op->Wait(absl::Seconds(30)).status() : op.status();
+    });
+    check("cached_device_only_handle", c, e, absl::StatusCode::kFailedPrecondition,
+          "known only on the device");
+  }
   // Combine with the handle of an older dispatch (its routing was replaced).
   {
     std::vector<epd::DispatchResult> first(2), second(2);
