@@ -328,6 +328,13 @@ struct Endpoint::Impl {
   internal::StreamHandle own_stream;   ///< Runs the ops given no stream (OpStream).
   internal::EventHandle legacy_event;  ///< Orders own_stream after the legacy stream.
 #endif
+  // Graph mode: the registered program (empty = none), the next step's index, and the
+  // daemon's error count already returned by ProgramStatus.
+  std::vector<ProgramStep> program;
+  std::vector<int> program_buffer;      ///< Per step: dispatch/handle buffer (see client.h).
+  std::vector<int> program_out_buffer;  ///< Per step: combine output buffer.
+  size_t program_next = 0;
+  uint64_t program_errors_seen = 0;
   /// Ops given no stream, by seq % size: Enqueued() refuses them.
   std::array<uint64_t, abi::kCompletionCapacity> unordered_ops{};
 
@@ -408,7 +415,7 @@ struct Endpoint::Impl {
   /// a client error): stream-ordered on `stream` (the file comment).
   absl::StatusOr<uint64_t> Submit(abi::OpKind op, uint32_t flags, int32_t num_tokens,
                                   int32_t expert_alignment, uint64_t handle_seq, int32_t num_sms,
-                                  void* stream) {
+                                  void* stream, const std::array<uint64_t, 3>& reserved = {}) {
     uint64_t head = abi::Atomic(header->ring_head).load(std::memory_order_relaxed);
     // Bounded wait for ring space (only when many ops are in flight).
     auto deadline =
@@ -423,7 +430,10 @@ struct Endpoint::Impl {
     uint64_t seq = next_seq++;
     absl::Status ordered_error;
 #if EPD_HAVE_CUDA
-    const bool ordered = cuda && !client_launched && (flags & abi::kFlagClientError) == 0;
+    // Program registration is not ordered on a stream (it blocks the CPU instead).
+    const bool ordered = cuda && !client_launched && (flags & abi::kFlagClientError) == 0 &&
+                         op != abi::OpKind::kRegisterProgram &&
+                         op != abi::OpKind::kUnregisterProgram;
     if (ordered) {
       internal::DeviceGuard guard(mapping->device());
       ordered_error = kc::StreamWriteValue64(
@@ -444,6 +454,7 @@ struct Endpoint::Impl {
     slot.expert_alignment = expert_alignment;
     slot.num_sms = num_sms;
     slot.handle_seq = handle_seq;
+    for (int i = 0; i < 3; ++i) slot.reserved[i] = reserved[i];
     auto* ring = reinterpret_cast<abi::RequestSlot*>(region.data() + header->ring_offset);
     std::memcpy(&ring[(head + 1) % abi::kRingCapacity], &slot, sizeof(slot));
     abi::Atomic(header->ring_head).store(head + 1, std::memory_order_seq_cst);
@@ -479,6 +490,16 @@ struct Endpoint::Impl {
   void ReleaseStreams() {
 #if EPD_HAVE_CUDA
     if (!cuda || client_launched || aux_stream == nullptr || stream_released.load()) return;
+    if (!program.empty()) {
+      // A stream at a program step's done wait: done = kProgramReleased, which no ack
+      // clears (layout.h).
+      static const uint64_t kReleased = kernels::kProgramReleased;
+      internal::DeviceGuard guard(mapping->device());
+      cudaMemcpyAsync(At(layout.launch_flags) + kernels::kProgramDoneOffset, &kReleased,
+                      sizeof(kReleased), cudaMemcpyHostToDevice, aux_stream.get());
+      cudaStreamSynchronize(aux_stream.get());
+      cudaGetLastError();
+    }
     abi::Completion* completions =
         reinterpret_cast<abi::Completion*>(region.data() + header->completion_offset);
     bool waiting = false;
@@ -852,6 +873,254 @@ TensorView Endpoint::LowLatencyCombineInput() const {
   if (m.shape.ll_max_tokens_per_rank == 0) return TensorView();
   return m.View(m.layout.in_ll_combine_x, kBf16,
                 {m.shape.num_local_experts(), m.shape.ll_rows_per_expert(), m.shape.hidden});
+}
+
+// ---- graph mode ----------------------------------------------------------------------------
+
+absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
+                                       absl::Duration timeout) {
+  Impl& m = *impl_;
+  EPD_RETURN_IF_ERROR(m.CheckUsable());
+  if (steps.empty() || steps.size() > abi::kMaxProgramSteps) {
+    return absl::InvalidArgumentError(absl::StrCat("RegisterProgram: ", steps.size(),
+                                                   " steps, outside [1, ", abi::kMaxProgramSteps,
+                                                   "]"));
+  }
+  if (!m.program.empty()) {
+    return absl::FailedPreconditionError(
+        "RegisterProgram: this endpoint already has a program; UnregisterProgram first");
+  }
+  std::array<uint64_t, 3> reserved{};
+  reserved[0] = steps.size();
+  std::vector<int> buffer(steps.size(), -1), out_buffer(steps.size(), 0);
+  int dispatches = 0, combines = 0, last = -1;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const bool dispatch = steps[i].op == ProgramStep::Op::kLowLatencyDispatch;
+    const uint8_t b = abi::EncodeProgramStep(
+        dispatch ? abi::OpKind::kLowLatencyDispatch : abi::OpKind::kLowLatencyCombine,
+        steps[i].use_fp8, steps[i].round_scale);
+    reserved[1 + i / 8] |= static_cast<uint64_t>(b) << (8 * (i % 8));
+    // The daemon's rule (daemon/group_ops.h ProgramStepPlan), which it validates.
+    if (dispatch) {
+      last = buffer[i] = dispatches++ % kernels::kLowLatencyBuffers;
+    } else {
+      out_buffer[i] = combines++ % kernels::kLowLatencyBuffers;
+      buffer[i] = last;
+    }
+  }
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (buffer[i] < 0) buffer[i] = last;
+  }
+  EPD_ASSIGN_OR_RETURN(uint64_t seq, m.Submit(abi::OpKind::kRegisterProgram, 0, 0, 1, 0, 0,
+                                              nullptr, reserved));
+  abi::Completion c;
+  EPD_RETURN_IF_ERROR(m.WaitCompletion(seq, timeout, &c));
+  m.program = steps;
+  m.program_buffer = std::move(buffer);
+  m.program_out_buffer = std::move(out_buffer);
+  m.program_next = 0;
+  m.program_errors_seen = 0;
+  for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) m.ll_seq[b] = 0;
+  return absl::OkStatus();
+}
+
+absl::Status Endpoint::UnregisterProgram(absl::Duration timeout) {
+  Impl& m = *impl_;
+  EPD_RETURN_IF_ERROR(m.CheckUsable());
+  EPD_ASSIGN_OR_RETURN(uint64_t seq,
+                       m.Submit(abi::OpKind::kUnregisterProgram, 0, 0, 1, 0, 0, nullptr));
+  abi::Completion c;
+  EPD_RETURN_IF_ERROR(m.WaitCompletion(seq, timeout, &c));
+  m.program.clear();
+  m.program_next = 0;
+  return absl::OkStatus();
+}
+
+#if EPD_HAVE_CUDA
+namespace {
+
+/// Checks that `t` is kDLCUDA memory of `device` (program steps read it at run time).
+absl::Status CheckOnDevice(const char* op, const char* name, const DLTensor* t, int device) {
+  if (t != nullptr && t->device.device_type == kDLCUDA && t->device.device_id == device) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(op, ": ", name, " must be kDLCUDA memory of the endpoint's GPU (device ",
+                   device, ") so a captured step reads it at run time"));
+}
+
+}  // namespace
+#endif
+
+/// The checks every program step shares: a registered program on a daemon-launched CUDA
+/// endpoint, and `want` as the next step.
+static absl::Status CheckProgramStep(Endpoint::Impl& m, ProgramStep::Op want, const char* op) {
+  EPD_RETURN_IF_ERROR(m.CheckUsable());
+  if (m.program.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(op, ": no graph-mode program is registered on this endpoint"));
+  }
+  const ProgramStep& next = m.program[m.program_next];
+  if (next.op != want) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        op, ": the program's next step (", m.program_next, ") is ",
+        next.op == ProgramStep::Op::kLowLatencyDispatch ? "LowLatencyDispatch"
+                                                        : "LowLatencyCombine",
+        "; steps run in program order"));
+  }
+  return absl::OkStatus();
+}
+
+#if EPD_HAVE_CUDA
+/// The go / done / ack sequence of one program step on `stream` (layout.h).
+static absl::Status HandOffProgramStep(Endpoint::Impl& m, cudaStream_t stream) {
+  uint8_t* flags = m.At(m.layout.launch_flags);
+  EPD_RETURN_IF_ERROR(kc::StreamWriteValue64(stream, flags + kernels::kProgramGoOffset, 1));
+  EPD_RETURN_IF_ERROR(kc::StreamWaitValue64Geq(stream, flags + kernels::kProgramDoneOffset, 1));
+  return kc::ProgramAckAsync(reinterpret_cast<uint64_t*>(flags + kernels::kProgramDoneOffset),
+                             stream);
+}
+#endif
+
+absl::StatusOr<LowLatencyDispatchResult> Endpoint::RunProgramDispatch(
+    const ProgramDispatchArgs& args) {
+  Impl& m = *impl_;
+  constexpr const char* kOp = "RunProgramDispatch";
+  EPD_RETURN_IF_ERROR(CheckProgramStep(m, ProgramStep::Op::kLowLatencyDispatch, kOp));
+#if EPD_HAVE_CUDA
+  const int device = m.mapping->device();
+  const int32_t Mll = m.shape.ll_max_tokens_per_rank;
+  std::vector<int64_t> xs{-1, m.shape.hidden};
+  EPD_RETURN_IF_ERROR(CheckTensor(true, kOp, "x", args.x, {kBf16}, xs));
+  EPD_RETURN_IF_ERROR(CheckOnDevice(kOp, "x", args.x, device));
+  const int64_t C = xs[0];
+  if (C > Mll) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kOp, ": x has ", C, " rows > ll_max_tokens_per_rank ", Mll));
+  }
+  std::vector<int64_t> ts{C, m.shape.num_topk};
+  EPD_RETURN_IF_ERROR(CheckTensor(true, kOp, "topk_idx", args.topk_idx, {kI64}, ts));
+  EPD_RETURN_IF_ERROR(CheckOnDevice(kOp, "topk_idx", args.topk_idx, device));
+  std::vector<int64_t> ns{1};
+  EPD_RETURN_IF_ERROR(CheckTensor(true, kOp, "num_tokens", args.num_tokens, {kI32}, ns));
+  EPD_RETURN_IF_ERROR(CheckOnDevice(kOp, "num_tokens", args.num_tokens, device));
+  EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
+  internal::DeviceGuard guard(device);
+  EPD_RETURN_IF_ERROR(m.Stage(kOp, "x", args.x, m.layout.in_x, stream));
+  EPD_RETURN_IF_ERROR(m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream));
+  kc::CudaRankContext ctx;
+  ctx.shape = m.shape;
+  ctx.layout = m.layout;
+  ctx.rank = m.info.rank();
+  ctx.own_base = m.data;
+  EPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(kc::LowLatencyNumTokensSlot(ctx),
+                                           TensorBytes(args.num_tokens), sizeof(int32_t),
+                                           cudaMemcpyDeviceToDevice, AsStream(stream)));
+  EPD_RETURN_IF_ERROR(HandOffProgramStep(m, AsStream(stream)));
+  const size_t i = m.program_next;
+  m.program_next = (i + 1) % m.program.size();
+  LowLatencyDispatchResult r;
+  r.handle.endpoint_id = m.info.endpoint_id();
+  r.handle.low_latency = true;
+  r.handle.num_tokens = static_cast<int32_t>(C);
+  r.handle.use_fp8 = m.program[i].use_fp8;
+  m.LowLatencyDispatchViews(r, m.program_buffer[i]);
+  return r;
+#else
+  (void)args;
+  return absl::FailedPreconditionError("RunProgramDispatch: built without CUDA");
+#endif
+}
+
+absl::StatusOr<LowLatencyCombineResult> Endpoint::RunProgramCombine(
+    const ProgramCombineArgs& args) {
+  Impl& m = *impl_;
+  constexpr const char* kOp = "RunProgramCombine";
+  EPD_RETURN_IF_ERROR(CheckProgramStep(m, ProgramStep::Op::kLowLatencyCombine, kOp));
+#if EPD_HAVE_CUDA
+  const int device = m.mapping->device();
+  std::vector<int64_t> xs{m.shape.num_local_experts(), m.shape.ll_rows_per_expert(),
+                          m.shape.hidden};
+  EPD_RETURN_IF_ERROR(CheckTensor(true, kOp, "x", args.x, {kBf16}, xs));
+  EPD_RETURN_IF_ERROR(CheckOnDevice(kOp, "x", args.x, device));
+  std::vector<int64_t> ts{-1, m.shape.num_topk};
+  EPD_RETURN_IF_ERROR(CheckTensor(true, kOp, "topk_idx", args.topk_idx, {kI64}, ts));
+  EPD_RETURN_IF_ERROR(CheckOnDevice(kOp, "topk_idx", args.topk_idx, device));
+  const int64_t C = ts[0];
+  if (C > m.shape.ll_max_tokens_per_rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        kOp, ": topk_idx has ", C, " rows > ll_max_tokens_per_rank ",
+        m.shape.ll_max_tokens_per_rank));
+  }
+  std::vector<int64_t> ws{C, m.shape.num_topk};
+  EPD_RETURN_IF_ERROR(CheckTensor(true, kOp, "topk_weights", args.topk_weights, {kF32}, ws));
+  EPD_RETURN_IF_ERROR(CheckOnDevice(kOp, "topk_weights", args.topk_weights, device));
+  EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
+  internal::DeviceGuard guard(device);
+  EPD_RETURN_IF_ERROR(m.Stage(kOp, "x", args.x, m.layout.in_ll_combine_x, stream));
+  EPD_RETURN_IF_ERROR(m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream));
+  EPD_RETURN_IF_ERROR(
+      m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, stream));
+  EPD_RETURN_IF_ERROR(HandOffProgramStep(m, AsStream(stream)));
+  const size_t i = m.program_next;
+  m.program_next = (i + 1) % m.program.size();
+  LowLatencyCombineResult r;
+  r.combined_x = m.View(m.layout.ll_combined_x[m.program_out_buffer[i]], kBf16,
+                        {C, m.shape.hidden});
+  return r;
+#else
+  (void)args;
+  return absl::FailedPreconditionError("RunProgramCombine: built without CUDA");
+#endif
+}
+
+absl::Status Endpoint::ProgramStatus() {
+  Impl& m = *impl_;
+  EPD_RETURN_IF_ERROR(m.CheckUsable());
+  abi::EndpointShmHeader* h = m.header;
+  uint64_t instance = 0;
+#if EPD_HAVE_CUDA
+  if (m.cuda && !m.client_launched) {
+    // The latest instance whose results this endpoint's streams have seen (written by the
+    // daemon's stream before done).
+    internal::DeviceGuard guard(m.mapping->device());
+    EPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&instance,
+                                             m.At(m.layout.launch_flags) +
+                                                 kernels::kProgramInstanceOffset,
+                                             sizeof(instance), cudaMemcpyDeviceToHost,
+                                             m.aux_stream.get()));
+    EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.aux_stream.get()));
+  }
+#endif
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(m.info.op_timeout_ms()) + std::chrono::seconds(5);
+  while (abi::Atomic(h->program_checked).load(std::memory_order_acquire) < instance) {
+    EPD_RETURN_IF_ERROR(m.CheckUsable());
+    if (std::chrono::steady_clock::now() > deadline) {
+      return absl::UnavailableError(absl::StrCat(
+          "ProgramStatus: epd did not check program instance ", instance,
+          " within op_timeout + 5 s; the daemon is gone or stuck"));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  for (;;) {
+    const uint64_t errors = abi::Atomic(h->program_errors).load(std::memory_order_acquire);
+    if (errors == m.program_errors_seen) break;
+    const int32_t code = h->program_error_code;
+    std::string msg(h->program_error_message,
+                    strnlen(h->program_error_message, abi::kMessageBytes));
+    if (abi::Atomic(h->program_errors).load(std::memory_order_acquire) != errors) continue;
+    const uint64_t missed = errors - m.program_errors_seen - 1;
+    m.program_errors_seen = errors;
+    if (missed > 0) absl::StrAppend(&msg, " (", missed, " earlier program error(s) not shown)");
+    return absl::Status(static_cast<absl::StatusCode>(code), msg);
+  }
+  if (!m.program.empty() && abi::Atomic(h->program_armed).load(std::memory_order_acquire) == 0) {
+    return absl::FailedPreconditionError(
+        "ProgramStatus: the daemon disarmed this endpoint's program (see the error it "
+        "reported); UnregisterProgram, then register it again");
+  }
+  return absl::OkStatus();
 }
 
 // ---- op submission ---------------------------------------------------------------------

@@ -60,6 +60,77 @@ kernels::GroupShape ShapeOf(const v1::GroupSpec& spec) {
 
 const char* OpName(uint32_t op) { return abi::OpKindName(op); }
 
+std::string ProgramStepName(const ProgramStepPlan& step) {
+  std::string s = OpName(static_cast<uint32_t>(step.op));
+  if (step.op == abi::OpKind::kLowLatencyDispatch) {
+    absl::StrAppend(&s, "{use_fp8=", step.use_fp8 ? "true" : "false",
+                    ", round_scale=", step.round_scale ? "true" : "false", "}");
+  }
+  return s;
+}
+
+absl::StatusOr<std::vector<ProgramStepPlan>> DecodeProgram(const abi::RequestSlot& slot,
+                                                           const kernels::GroupShape& shape) {
+  if (shape.ll_max_tokens_per_rank == 0) {
+    return absl::FailedPreconditionError(
+        "RegisterProgram: the group has no low-latency mode (spec.ll_max_tokens_per_rank = 0)");
+  }
+  const uint64_t n = slot.reserved[0];
+  if (n < 1 || n > abi::kMaxProgramSteps) {
+    return absl::InvalidArgumentError(absl::StrCat("RegisterProgram: ", n,
+                                                   " steps, outside [1, ", abi::kMaxProgramSteps,
+                                                   "]"));
+  }
+  std::vector<ProgramStepPlan> steps(n);
+  int dispatches = 0, combines = 0, last_dispatch_buffer = -1;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint8_t b = abi::ProgramStepByte(slot.reserved, i);
+    ProgramStepPlan& st = steps[i];
+    st.op = static_cast<abi::OpKind>(b & 0xf);
+    st.use_fp8 = b & abi::kProgramStepFp8;
+    st.round_scale = b & abi::kProgramStepRoundScale;
+    const bool dispatch = st.op == abi::OpKind::kLowLatencyDispatch;
+    if ((b & 0xc0) != 0 || (!dispatch && st.op != abi::OpKind::kLowLatencyCombine)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RegisterProgram: step ", i, " (byte 0x", absl::Hex(b), ") is ", OpName(b & 0xf),
+          "; a program step must be LowLatencyDispatch or LowLatencyCombine"));
+    }
+    if (!dispatch && (st.use_fp8 || st.round_scale)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RegisterProgram: step ", i, " (LowLatencyCombine) has use_fp8/round_scale set"));
+    }
+    if (st.round_scale && !st.use_fp8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterProgram: step ", i, " has round_scale without use_fp8"));
+    }
+    if (st.use_fp8 && !shape.use_fp8) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RegisterProgram: step ", i, " uses FP8 but the group has use_fp8 = false"));
+    }
+    if (st.use_fp8 && shape.hidden % kernels::kFp8BlockChannels != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RegisterProgram: step ", i, " uses FP8, which needs hidden % 128 == 0, hidden = ",
+          shape.hidden));
+    }
+    if (dispatch) {
+      st.buffer = dispatches++ % kernels::kLowLatencyBuffers;
+      last_dispatch_buffer = st.buffer;
+    } else {
+      st.out_buffer = combines++ % kernels::kLowLatencyBuffers;
+      st.buffer = last_dispatch_buffer;  // -1 until a dispatch: fixed cyclically below.
+    }
+  }
+  if (combines > 0 && dispatches == 0) {
+    return absl::InvalidArgumentError(
+        "RegisterProgram: the program has a LowLatencyCombine but no LowLatencyDispatch");
+  }
+  // A combine before the program's first dispatch pairs with its last one (cyclically).
+  for (ProgramStepPlan& st : steps) {
+    if (st.op == abi::OpKind::kLowLatencyCombine && st.buffer < 0) st.buffer = last_dispatch_buffer;
+  }
+  return steps;
+}
+
 LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
     : spec_(spec),
       shape_(ShapeOf(spec)),
@@ -215,6 +286,11 @@ absl::Status LockstepGroup::ValidateSlot(int32_t rank, const LockstepEndpoint& e
     return absl::InvalidArgumentError("the client rejected its own inputs for this op");
   }
   const auto op = static_cast<abi::OpKind>(slot.op);
+  if (op == abi::OpKind::kRegisterProgram || op == abi::OpKind::kUnregisterProgram) {
+    EPD_RETURN_IF_ERROR(CheckProgram(rank));
+    if (op == abi::OpKind::kRegisterProgram) return DecodeProgram(slot, shape_).status();
+    return absl::OkStatus();
+  }
   const bool ll = op == abi::OpKind::kLowLatencyDispatch || op == abi::OpKind::kLowLatencyCombine;
   const int32_t max_tokens = ll ? shape_.ll_max_tokens_per_rank : shape_.max_tokens_per_rank;
   if (ll && shape_.ll_max_tokens_per_rank == 0) {
@@ -395,7 +471,8 @@ void LockstepGroup::FailOp(const absl::Status& status) {
 
 bool LockstepGroup::Poll() {
   std::lock_guard<std::mutex> lock(mu_);
-  bool worked = PopRequests();
+  bool worked = PollBackground();
+  worked |= PopRequests();
   if (running_) {
     std::optional<std::vector<RankOutcome>> outcomes = PollOp();
     if (!outcomes) return true;  // Keep the engine polling (not sleeping) while it runs.
@@ -403,6 +480,24 @@ bool LockstepGroup::Poll() {
     worked = true;
   }
   if (!op_started_) return worked;
+  if (program_armed_) {
+    // A ring op other than UnregisterProgram while a program is armed fails at once for
+    // every rank (late ranks get the same error from failed_ops_).
+    for (size_t r = 0; r < endpoints_.size(); ++r) {
+      const LockstepEndpoint* ep = endpoints_[r].get();
+      if (!ep || !ep->request ||
+          ep->request->op == static_cast<uint32_t>(abi::OpKind::kUnregisterProgram)) {
+        continue;
+      }
+      const absl::Status st = absl::FailedPreconditionError(absl::StrCat(
+          OpName(ep->request->op), " (op ", current_seq_, ", rank ", r, ") refused: group ",
+          spec_.name(),
+          " has a graph-mode program armed, which alone runs on its buffers; call "
+          "UnregisterProgram on every rank first"));
+      FailOp(st);
+      return true;
+    }
+  }
   std::vector<int32_t> missing;
   for (size_t r = 0; r < endpoints_.size(); ++r) {
     if (!endpoints_[r] || !endpoints_[r]->request) missing.push_back(static_cast<int32_t>(r));
@@ -460,6 +555,34 @@ bool LockstepGroup::RunOp() {
   plan.seq = current_seq_;
   plan.op = static_cast<abi::OpKind>(slots[0].op);
   plan.flags = slots[0].flags;
+  if (plan.op == abi::OpKind::kRegisterProgram) {
+    if (program_armed_) {
+      FailOp(absl::FailedPreconditionError(
+          absl::StrCat("RegisterProgram: group ", spec_.name(),
+                       " already has a program armed; UnregisterProgram first")));
+      return true;
+    }
+    // Validated at pop time, so every rank's program decodes.
+    std::vector<std::vector<ProgramStepPlan>> programs(R);
+    for (int r = 0; r < R; ++r) programs[r] = *DecodeProgram(slots[r], shape_);
+    for (int r = 1; r < R; ++r) {
+      const size_t n = std::max(programs[0].size(), programs[r].size());
+      for (size_t i = 0; i < n; ++i) {
+        auto name = [&](int rank) {
+          return i < programs[rank].size() ? ProgramStepName(programs[rank][i])
+                                           : std::string("(no step)");
+        };
+        if (name(0) != name(r)) {
+          FailOp(absl::FailedPreconditionError(absl::StrCat(
+              "RegisterProgram: ranks disagree on the program of group ", spec_.name(),
+              ": step ", i, " is ", name(0), " at rank 0 but ", name(r), " at rank ", r,
+              " (every rank must register the same program)")));
+          return true;
+        }
+      }
+    }
+    plan.program = std::move(programs[0]);
+  }
   if (plan.op == abi::OpKind::kLowLatencyCombine) {
     for (int r = 1; r < R; ++r) {
       if (slots[r].handle_seq != slots[0].handle_seq) {
@@ -539,6 +662,19 @@ void LockstepGroup::FinishOp(std::vector<RankOutcome> outcomes) {
           outcomes[r].num_recv_tokens = slots[r].num_tokens;  // T, for the client's view.
         }
         ++ll_combines_;
+        break;
+      case abi::OpKind::kRegisterProgram:
+        // The program's instances overwrite the low-latency buffers: earlier handles die.
+        program_armed_ = true;
+        for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) ll_dispatch_seq_[b] = 0;
+        for (int r = 0; r < R; ++r) {
+          if (LockstepEndpoint* ep = endpoints_[r].get()) {
+            for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) ep->ll_seq[b] = 0;
+          }
+        }
+        break;
+      case abi::OpKind::kUnregisterProgram:
+        program_armed_ = false;
         break;
       default:
         break;

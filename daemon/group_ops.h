@@ -83,6 +83,32 @@ struct RankOutcome {
   int32_t buffer = 0;           ///< Low-latency ops: filled in by LockstepGroup.
 };
 
+/// One step of a graph-mode program (DESIGN.md §3.2), with its fixed low-latency buffers.
+/// Buffers are a pure function of the step's position, so every replay of a captured
+/// program sees the same views: the i-th dispatch of the program (counting from 0) writes
+/// buffer i % 2; a combine uses the buffer of the nearest dispatch before it (cyclically,
+/// so a combine at step 0 pairs with the program's last dispatch) and writes
+/// ll_combined_x[j % 2] for the j-th combine of the program.
+struct ProgramStepPlan {
+  abi::OpKind op = abi::OpKind::kInvalid;
+  bool use_fp8 = false;      ///< Dispatch: quantize to e4m3.
+  bool round_scale = false;  ///< Dispatch: power-of-two scales.
+  int buffer = 0;            ///< Dispatch: buffer written; combine: its dispatch's buffer.
+  int out_buffer = 0;        ///< Combine: ll_combined_x buffer written.
+};
+
+/// Decodes and validates the program of a kRegisterProgram slot (shm_abi.h encoding) for
+/// a group of `shape`. INVALID_ARGUMENT naming the step for: a step count outside
+/// [1, kMaxProgramSteps], a step that is not LowLatencyDispatch/LowLatencyCombine, FP8
+/// without shape.use_fp8 or with hidden % 128 != 0, round_scale without FP8, a program
+/// with a combine but no dispatch; FAILED_PRECONDITION when the group has no low-latency
+/// mode (ll_max_tokens_per_rank == 0).
+absl::StatusOr<std::vector<ProgramStepPlan>> DecodeProgram(const abi::RequestSlot& slot,
+                                                           const kernels::GroupShape& shape);
+
+/// "LowLatencyDispatch{use_fp8, round_scale}" / "LowLatencyCombine" for messages.
+std::string ProgramStepName(const ProgramStepPlan& step);
+
 /// What LockstepGroup decided about an op before handing it to the backend.
 struct OpPlan {
   uint64_t seq = 0;
@@ -91,6 +117,7 @@ struct OpPlan {
   int ll_buffer = 0;         ///< LowLatencyDispatch: the buffer set it writes.
   int ll_handle_buffer = 0;  ///< LowLatencyCombine: the buffer of its dispatch.
   int ll_out_buffer = 0;     ///< LowLatencyCombine: the ll_combined_x buffer it writes.
+  std::vector<ProgramStepPlan> program;  ///< kRegisterProgram: the agreed program.
 };
 
 /// Options every lockstep group shares.
@@ -187,6 +214,29 @@ class LockstepGroup : public DataPlaneGroup {
   /// launch_flags.done_seq = slot.seq for a kFlagStreamOrdered request, so that the
   /// client's stream, which waits for it, is released (shm_abi.h).
   virtual void OpEndedWithoutLaunch(int32_t /*rank*/, const abi::RequestSlot& /*slot*/) {}
+  /// Whether rank `rank` may register a graph-mode program (DESIGN.md §3.2). The default
+  /// (the host backend) refuses with UNIMPLEMENTED. Called under mu_ for every
+  /// kRegisterProgram / kUnregisterProgram slot; an error rejects the slot (the op then
+  /// fails for every rank). Backends that accept programs get kRegisterProgram (with
+  /// OpPlan::program) and kUnregisterProgram through StartOp, and report their outcomes as
+  /// for any op; a successful register arms the program (program_armed_).
+  virtual absl::Status CheckProgram(int32_t /*rank*/) const {
+    return absl::UnimplementedError(
+        "graph-mode programs (RegisterProgram) need the CUDA backend with a daemon-launched "
+        "endpoint; this backend runs every op from its ring");
+  }
+  /// Called under mu_ at the start of every Poll: background work of the backend (the CUDA
+  /// backend runs an armed program's instances here). True if it did work or must keep
+  /// the engine polling.
+  virtual bool PollBackground() { return false; }
+  /// Counts one program instance in the group's stats (ok: ops_completed, else ops_failed).
+  void CountProgramInstance(bool ok) { (ok ? ops_completed_ : ops_failed_).fetch_add(1); }
+
+  /// True while a graph-mode program is armed (set when a RegisterProgram op succeeds;
+  /// cleared by UnregisterProgram, or by the backend when it disarms the program itself:
+  /// a rank left, a device-side timeout, shutdown). While armed, every ring op other than
+  /// UnregisterProgram fails at once with FAILED_PRECONDITION for every rank. Guarded by mu_.
+  bool program_armed_ = false;
 
   /// Rank r's endpoint (null when detached). Call with mu_ held.
   LockstepEndpoint* endpoint(int32_t r) const { return endpoints_[r].get(); }

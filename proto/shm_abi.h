@@ -18,7 +18,7 @@
 
 namespace epd::abi {
 
-inline constexpr uint32_t kShmAbiVersion = 3;
+inline constexpr uint32_t kShmAbiVersion = 4;
 inline constexpr uint32_t kEndpointMagic = 0x45504431;  // "EPD1"
 inline constexpr uint32_t kRequestMagic = 0x52455131;   // "REQ1"
 inline constexpr uint32_t kDoorbellMagic = 0x44424c31;  // "DBL1"
@@ -34,8 +34,14 @@ enum class OpKind : uint32_t {
   kCombine = 3,
   kLowLatencyDispatch = 4,
   kLowLatencyCombine = 5,
+  /// Graph mode (DESIGN.md §3.2, CUDA backend, daemon-launched): registers the program
+  /// encoded in RequestSlot::reserved (EncodeProgram). A lockstep op: every rank submits
+  /// the same program; it is armed when all have. Completes without any stream ordering.
+  kRegisterProgram = 6,
+  /// Disarms the endpoint's group's program (a lockstep op; OK when none is armed).
+  kUnregisterProgram = 7,
 };
-inline constexpr uint32_t kMaxOpKind = 5;
+inline constexpr uint32_t kMaxOpKind = 7;
 
 /// The op's name as the client API spells it ("Dispatch", ...); "Invalid" for any other
 /// value (e.g. a garbage ring slot).
@@ -51,6 +57,10 @@ inline const char* OpKindName(uint32_t op) {
       return "LowLatencyDispatch";
     case OpKind::kLowLatencyCombine:
       return "LowLatencyCombine";
+    case OpKind::kRegisterProgram:
+      return "RegisterProgram";
+    case OpKind::kUnregisterProgram:
+      return "UnregisterProgram";
     default:
       return "Invalid";
   }
@@ -74,6 +84,23 @@ enum RequestFlags : uint32_t {
   kFlagStreamOrdered = 1u << 6,
 };
 inline constexpr uint32_t kAllRequestFlags = 0x7f;
+
+/// Graph-mode program encoding in a kRegisterProgram RequestSlot (DESIGN.md §3.2):
+/// reserved[0] = number of steps S in [1, kMaxProgramSteps]; step i is the byte
+/// (reserved[1 + i / 8] >> (8 * (i % 8))) & 0xff: bits 0-3 the OpKind (kLowLatencyDispatch or
+/// kLowLatencyCombine), bit 4 use_fp8, bit 5 round_scale (dispatch only).
+inline constexpr uint32_t kMaxProgramSteps = 16;
+inline constexpr uint8_t kProgramStepFp8 = 1u << 4;
+inline constexpr uint8_t kProgramStepRoundScale = 1u << 5;
+/// Byte of one step.
+constexpr uint8_t EncodeProgramStep(OpKind op, bool use_fp8, bool round_scale) {
+  return static_cast<uint8_t>((static_cast<uint32_t>(op) & 0xf) | (use_fp8 ? kProgramStepFp8 : 0) |
+                              (round_scale ? kProgramStepRoundScale : 0));
+}
+/// Step i's byte of a slot's `reserved` words.
+constexpr uint8_t ProgramStepByte(const uint64_t reserved[3], uint32_t i) {
+  return static_cast<uint8_t>((reserved[1 + i / 8] >> (8 * (i % 8))) & 0xff);
+}
 
 /// One request, written by the client into ring slot `seq % kRingCapacity`, then
 /// published by advancing EndpointShmHeader::ring_head (release).
@@ -132,9 +159,23 @@ struct EndpointShmHeader {
   uint32_t daemon_closed;  ///< Set by the daemon when it stops serving this endpoint
                            ///< (shutdown): waits and submits then fail with UNAVAILABLE.
   uint8_t pad1[52];
+  // ---- graph-mode program status (DESIGN.md §3.2), written by the daemon's engine ----
+  /// Program instances (1, 2, ...) whose device status the engine has checked (release,
+  /// written after the error fields below). Compared with the launch_flags instance word.
+  alignas(64) uint64_t program_checked;
+  /// Errors seen so far (release-stored after the error fields; the client re-reads it
+  /// to detect a concurrent update).
+  uint64_t program_errors;
+  uint64_t program_error_instance;  ///< Instance of the latest error.
+  int32_t program_error_code;       ///< absl::StatusCode of the latest error.
+  int32_t program_error_step;       ///< Step index of the latest error.
+  uint32_t program_armed;           ///< 1 while the group's program is armed.
+  uint32_t reserved1;
+  char program_error_message[kMessageBytes];  ///< NUL-terminated text of the latest error.
 };
 static_assert(std::is_trivially_copyable_v<EndpointShmHeader>);
-static_assert(sizeof(EndpointShmHeader) == 448);
+static_assert(sizeof(EndpointShmHeader) == 768);
+static_assert(offsetof(EndpointShmHeader, program_checked) == 448);
 static_assert(offsetof(EndpointShmHeader, ring_head) == 128);
 static_assert(offsetof(EndpointShmHeader, ring_tail) == 192);
 static_assert(offsetof(EndpointShmHeader, client_mapped) == 256);

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -51,6 +52,11 @@ const bool kCudaEnvironmentSet = [] {
 /// Extra time the engine gives the GPU past op_timeout before it gives up on an op whose
 /// kernels (themselves bounded by op_timeout) have not finished.
 constexpr auto kGpuGrace = std::chrono::seconds(5);
+
+/// Graph mode: program instances kept enqueued ahead on every rank's stream (DESIGN.md
+/// §3.2 warns that ~1000 waits enqueued ahead hung under MPS; 2 lets the client run one
+/// step ahead of the engine's polling).
+constexpr int kProgramDepth = 2;
 
 std::shared_ptr<spdlog::logger> EngineLog() {
   auto l = spdlog::get("epd.engine");
@@ -224,7 +230,13 @@ class CudaGroup : public LockstepGroup {
   ~CudaGroup() override;
 
   /// Shutdown: completes everything pending with `status`.
-  void Stop(const absl::Status& status) { FailAll(status); }
+  void Stop(const absl::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      DisarmProgram(status);
+    }
+    FailAll(status);
+  }
 
  protected:
   uint64_t ShmDataBytes() const override { return 0; }
@@ -245,8 +257,52 @@ class CudaGroup : public LockstepGroup {
   absl::Status CheckRequest(int32_t rank, const abi::RequestSlot& slot) const override;
   absl::Status AcceptsRequests(int32_t rank) const override;
   void OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) override;
+  absl::Status CheckProgram(int32_t rank) const override;
+  bool PollBackground() override;
 
  private:
+  // ---- graph mode (DESIGN.md §3.2; layout.h kProgram*Offset) ----
+  /// One rank's resources of an armed program: per instance slot (k % kProgramDepth) an
+  /// event after the go wait, an event after the instance, and a pinned status read-back.
+  struct ProgramRank {
+    std::shared_ptr<CudaRank> rank;
+    EventPtr waited[kProgramDepth];
+    EventPtr done[kProgramDepth];
+    std::unique_ptr<kc::DeviceStatus, HostFree> readback;  ///< [kProgramDepth].
+  };
+  /// An instance enqueued on every rank's stream.
+  struct ProgramInstance {
+    uint64_t k = 0;  ///< 1, 2, ... since the program was armed.
+    int step = 0;    ///< (k - 1) % steps.
+    std::vector<absl::Status> launch;
+  };
+  struct Program {
+    std::vector<ProgramStepPlan> steps;
+    std::vector<ProgramRank> ranks;
+    uint64_t next = 1;  ///< The next instance to enqueue.
+    std::deque<ProgramInstance> inflight;
+  };
+  /// Register / unregister (from StartOp, GPUs claimed): the outcomes for every rank.
+  std::vector<RankOutcome> ProgramOp(const OpPlan& plan, int R);
+  absl::Status ArmProgram(const std::vector<ProgramStepPlan>& steps);
+  /// Enqueues instance program_->next on every rank's stream.
+  void EnqueueProgramInstance();
+  /// Enqueues step `st`'s kernels for rank r (T of a dispatch read from the device).
+  absl::Status LaunchProgramStep(const ProgramStepPlan& st, int32_t r);
+  /// Disarms the program: releases every instance still waiting for its client's go (in
+  /// instance order; they then run on whatever is staged, consistently on every rank, and
+  /// their results are ignored), then writes done = kProgramReleased on every rank's
+  /// stream so that no client stream waits forever, and marks the endpoints disarmed.
+  /// `why` (non-OK) is published as a program error; OK for UnregisterProgram. The GPUs
+  /// stay claimed until that tail has left the GPU (program_tail_).
+  void DisarmProgram(const absl::Status& why);
+  /// Publishes an error of instance k (step `step`) to every attached endpoint's shm.
+  void PublishProgramError(const absl::Status& st, uint64_t k, int step);
+  /// Publishes program_checked = k to every attached endpoint's shm.
+  void PublishProgramChecked(uint64_t k);
+  /// True once the disarmed program's tail has left the GPU (then releases it).
+  bool ProgramTailDone();
+
   /// The group's GPUs (those of its attached ranks).
   std::set<int> Devices() const;
   kc::CudaRankContext Context(int32_t r, int32_t num_sms) const;
@@ -288,6 +344,8 @@ class CudaGroup : public LockstepGroup {
   bool needs_sync_reset_ = false;                 // Kernel sync state must be zeroed.
   std::optional<GpuOp> gpu_op_;                   // The op running on the GPU.
   std::optional<GpuOp> abandoned_;                // An op given up on, still on the GPU.
+  std::optional<Program> program_;                // The armed graph-mode program.
+  std::optional<GpuOp> program_tail_;             // A disarmed program still on the GPU.
 };
 
 // ---------------------------------------------------------------------------------------
@@ -416,7 +474,8 @@ CudaGroup::~CudaGroup() {
   // Ops still on the GPU end (their waits are bounded) before any memory of the group is
   // freed: the peer arrays below, the ranks' areas with the endpoints.
   std::lock_guard<std::mutex> lock(mu_);
-  for (const std::optional<GpuOp>* op : {&gpu_op_, &abandoned_}) {
+  DisarmProgram(absl::UnavailableError("the group is being destroyed"));
+  for (const std::optional<GpuOp>* op : {&gpu_op_, &abandoned_, &program_tail_}) {
     if (!op->has_value()) continue;
     ReleaseReadyWaits(**op);  // A client that never wrote ready_seq must not hang us.
     for (const auto& r : (*op)->ranks) {
@@ -427,6 +486,7 @@ CudaGroup::~CudaGroup() {
   cudaGetLastError();
   gpu_op_.reset();
   abandoned_.reset();
+  program_tail_.reset();
   plane_->ReleaseGpus(this);
 }
 
@@ -536,6 +596,11 @@ absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankRes
 }
 
 void CudaGroup::RankDetached(int32_t rank) {
+  if (program_) {
+    DisarmProgram(absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " left group ", spec().name(),
+        ": its graph-mode program was disarmed; rejoin and register it again")));
+  }
   ranks_[rank].reset();
   host_bases_[rank] = nullptr;
 }
@@ -559,6 +624,7 @@ kc::CudaRankContext CudaGroup::Context(int32_t r, int32_t num_sms) const {
 }
 
 bool CudaGroup::ReadyToStart() {
+  if (program_tail_ && !ProgramTailDone()) return false;
   if (abandoned_) {
     for (const auto& r : abandoned_->ranks) {
       if (cudaEventQuery(r->done.get()) == cudaErrorNotReady) return false;
@@ -685,6 +751,9 @@ std::optional<std::vector<RankOutcome>> CudaGroup::StartOp(
       }
       return out;
     }
+  }
+  if (plan.op == abi::OpKind::kRegisterProgram || plan.op == abi::OpKind::kUnregisterProgram) {
+    return ProgramOp(plan, R);
   }
   // Every rank's kernel is enqueued before any is waited for; a launch error on one rank
   // still launches the others, whose waits then end at the kernel timeout.
@@ -825,6 +894,303 @@ std::optional<std::vector<RankOutcome>> CudaGroup::PollOp() {
   gpu_op_.reset();
   plane_->ReleaseGpus(this);
   return out;
+}
+
+// ---- graph mode -------------------------------------------------------------------------
+
+absl::Status CudaGroup::CheckProgram(int32_t rank) const {
+  const std::shared_ptr<CudaRank>& cr = ranks_[rank];
+  if (cr && cr->client_launched) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " of group ", spec().name(),
+        " is client-launched: its ops are captured in CUDA graphs natively; graph-mode "
+        "programs are for daemon-launched endpoints"));
+  }
+  absl::Status mem = kc::StreamMemOpsAvailable();
+  if (!mem.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("graph-mode programs need stream memory operations: ", mem.message()));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<RankOutcome> CudaGroup::ProgramOp(const OpPlan& plan, int R) {
+  std::vector<RankOutcome> out(R);
+  absl::Status st;
+  if (plan.op == abi::OpKind::kRegisterProgram) {
+    st = ArmProgram(plan.program);
+    if (!st.ok()) {
+      program_.reset();
+      plane_->ReleaseGpus(this);
+      EngineLog()->error("group {}: arming the program failed: {}", spec().name(),
+                         st.ToString());
+    } else {
+      std::string steps;
+      for (const ProgramStepPlan& p : plan.program) {
+        absl::StrAppend(&steps, steps.empty() ? "" : ", ", ProgramStepName(p));
+      }
+      EngineLog()->info("group {}: graph-mode program armed: [{}]", spec().name(), steps);
+    }
+  } else {
+    DisarmProgram(absl::OkStatus());
+    if (!program_tail_) plane_->ReleaseGpus(this);
+  }
+  for (auto& o : out) o.status = st;
+  return out;
+}
+
+absl::Status CudaGroup::ArmProgram(const std::vector<ProgramStepPlan>& steps) {
+  Program p;
+  p.steps = steps;
+  const int R = static_cast<int>(ranks_.size());
+  p.ranks.resize(R);
+  for (int r = 0; r < R; ++r) {
+    ProgramRank& pr = p.ranks[r];
+    pr.rank = ranks_[r];
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(pr.rank->device)));
+    for (int i = 0; i < kProgramDepth; ++i) {
+      cudaEvent_t e = nullptr;
+      EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)));
+      pr.waited[i].reset(e);
+      EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)));
+      pr.done[i].reset(e);
+    }
+    void* pinned = nullptr;
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(
+        cudaHostAlloc(&pinned, sizeof(kc::DeviceStatus) * kProgramDepth, cudaHostAllocPortable)));
+    pr.readback.reset(static_cast<kc::DeviceStatus*>(pinned));
+    std::memset(pinned, 0, sizeof(kc::DeviceStatus) * kProgramDepth);
+    // go, done and instance start at 0 (the client runs no step while it registers).
+    cudaStream_t s = pr.rank->stream.get();
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaMemsetAsync(
+        pr.rank->area.get() + pr.rank->launch_flags_offset + kernels::kProgramGoOffset, 0,
+        kernels::kProgramInstanceOffset + sizeof(uint64_t) - kernels::kProgramGoOffset, s)));
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(s)));
+  }
+  for (int r = 0; r < R; ++r) {
+    abi::EndpointShmHeader* h = endpoint(r)->header;
+    abi::Atomic(h->program_errors).store(0, std::memory_order_relaxed);
+    abi::Atomic(h->program_checked).store(0, std::memory_order_relaxed);
+    abi::Atomic(h->program_armed).store(1, std::memory_order_release);
+  }
+  program_ = std::move(p);
+  while (program_->inflight.size() < kProgramDepth) EnqueueProgramInstance();
+  return absl::OkStatus();
+}
+
+absl::Status CudaGroup::LaunchProgramStep(const ProgramStepPlan& st, int32_t r) {
+  const CudaRank& cr = *ranks_[r];
+  const kc::CudaRankContext ctx = Context(r, plane_->options().num_sms);
+  cudaStream_t s = cr.stream.get();
+  if (st.op == abi::OpKind::kLowLatencyDispatch) {
+    kc::LowLatencyDispatchArgs a;
+    a.buffer = st.buffer;
+    a.use_fp8 = st.use_fp8;
+    a.round_scale = st.round_scale;
+    a.num_tokens_value = -1;  // T from the rank's token-count slot, staged by the client.
+    return kc::LowLatencyDispatch(ctx, a, s);
+  }
+  kc::LowLatencyCombineArgs a;
+  a.buffer = st.buffer;
+  a.combined_x = reinterpret_cast<kernels::bf16_bits*>(
+      cr.area.get() + layout().ll_combined_x[st.out_buffer].offset);
+  return kc::LowLatencyCombine(ctx, a, s);
+}
+
+void CudaGroup::EnqueueProgramInstance() {
+  Program& p = *program_;
+  ProgramInstance in;
+  in.k = p.next++;
+  in.step = static_cast<int>((in.k - 1) % p.steps.size());
+  const int slot = static_cast<int>(in.k % kProgramDepth);
+  const int R = static_cast<int>(p.ranks.size());
+  in.launch.assign(R, absl::OkStatus());
+  // Every rank's wait and kernels before any rank's read-back (as StartOp).
+  for (int r = 0; r < R; ++r) {
+    ProgramRank& pr = p.ranks[r];
+    const CudaRank& cr = *pr.rank;
+    uint8_t* flags = cr.area.get() + cr.launch_flags_offset;
+    in.launch[r] = [&]() -> absl::Status {
+      EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
+      cudaStream_t s = cr.stream.get();
+      EPD_RETURN_IF_ERROR(kc::StreamWaitValue64Geq(s, flags + kernels::kProgramGoOffset, 1));
+      EPD_RETURN_IF_ERROR(kc::StreamWriteValue64(s, flags + kernels::kProgramGoOffset, 0));
+      EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventRecord(pr.waited[slot].get(), s)));
+      return LaunchProgramStep(p.steps[in.step], r);
+    }();
+  }
+  for (int r = 0; r < R; ++r) {
+    ProgramRank& pr = p.ranks[r];
+    const CudaRank& cr = *pr.rank;
+    uint8_t* flags = cr.area.get() + cr.launch_flags_offset;
+    cudaSetDevice(cr.device);
+    cudaStream_t s = cr.stream.get();
+    absl::Status st = kc::EnqueueStatusReadback(Context(r, 0), s, &pr.readback.get()[slot]);
+    // instance and done after the kernels, also when a launch failed: the client's stream
+    // is released on every path.
+    absl::Status w = kc::StreamWriteValue64(s, flags + kernels::kProgramInstanceOffset, in.k);
+    if (st.ok()) st = w;
+    w = kc::StreamWriteValue64(s, flags + kernels::kProgramDoneOffset, 1);
+    if (st.ok()) st = w;
+    w = EPD_CUDA_STATUS(cudaEventRecord(pr.done[slot].get(), s));
+    if (st.ok()) st = w;
+    if (in.launch[r].ok()) in.launch[r] = st;
+  }
+  p.inflight.push_back(std::move(in));
+}
+
+void CudaGroup::PublishProgramError(const absl::Status& st, uint64_t k, int step) {
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    LockstepEndpoint* ep = endpoint(r);
+    if (!ep) continue;
+    abi::EndpointShmHeader* h = ep->header;
+    h->program_error_instance = k;
+    h->program_error_code = static_cast<int32_t>(st.code());
+    h->program_error_step = step;
+    const std::string msg(st.message());
+    const size_t n = std::min(msg.size(), static_cast<size_t>(abi::kMessageBytes - 1));
+    std::memcpy(h->program_error_message, msg.data(), n);
+    h->program_error_message[n] = '\0';
+    abi::Atomic(h->program_errors).fetch_add(1, std::memory_order_release);
+  }
+}
+
+void CudaGroup::PublishProgramChecked(uint64_t k) {
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    if (LockstepEndpoint* ep = endpoint(r)) {
+      abi::Atomic(ep->header->program_checked).store(k, std::memory_order_release);
+    }
+  }
+}
+
+void CudaGroup::DisarmProgram(const absl::Status& why) {
+  if (!program_) return;
+  Program& p = *program_;
+  static const uint64_t kOne = 1;
+  // Release the instances still waiting for their client's go, in instance order. go = 1
+  // for instance j is written only once instance j-1 has passed its wait and written
+  // go = 0 (its `waited` event), so no write is lost; a redundant go = 1 only releases the
+  // next instance early, which is released anyway.
+  for (const ProgramInstance& in : p.inflight) {
+    const int slot = static_cast<int>(in.k % kProgramDepth);
+    for (ProgramRank& pr : p.ranks) {
+      cudaSetDevice(pr.rank->device);
+      if (cudaEventQuery(pr.waited[slot].get()) != cudaErrorNotReady) continue;
+      cudaMemcpy(pr.rank->area.get() + pr.rank->launch_flags_offset + kernels::kProgramGoOffset,
+                 &kOne, sizeof(kOne), cudaMemcpyHostToDevice);
+    }
+    for (ProgramRank& pr : p.ranks) {
+      cudaSetDevice(pr.rank->device);
+      cudaEventSynchronize(pr.waited[slot].get());
+    }
+  }
+  GpuOp tail;
+  tail.seq = 0;
+  tail.started = Clock::now();
+  for (ProgramRank& pr : p.ranks) {
+    CudaRank& cr = *pr.rank;
+    cudaSetDevice(cr.device);
+    absl::Status st = kc::StreamWriteValue64(
+        cr.stream.get(), cr.area.get() + cr.launch_flags_offset + kernels::kProgramDoneOffset,
+        kernels::kProgramReleased);
+    if (!st.ok()) {
+      EngineLog()->error("group {} rank {}: releasing the program's client stream failed: {}",
+                         spec().name(), cr.rank, st.ToString());
+    }
+    cudaEventRecord(cr.done.get(), cr.stream.get());
+    tail.ranks.push_back(pr.rank);
+  }
+  cudaGetLastError();
+  if (!why.ok()) {
+    EngineLog()->warn("group {}: graph-mode program disarmed: {}", spec().name(),
+                      std::string(why.message()));
+    PublishProgramError(why, p.next - 1, -1);
+  } else {
+    EngineLog()->info("group {}: graph-mode program unregistered", spec().name());
+  }
+  // The released instances' results are not checked: nothing waits for them.
+  PublishProgramChecked(~uint64_t{0});
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    if (LockstepEndpoint* ep = endpoint(r)) {
+      abi::Atomic(ep->header->program_armed).store(0, std::memory_order_release);
+    }
+  }
+  program_.reset();
+  program_armed_ = false;
+  program_tail_ = std::move(tail);
+  // The released instances ran on stale inputs, possibly without a rank that left.
+  needs_sync_reset_ = true;
+}
+
+bool CudaGroup::ProgramTailDone() {
+  if (!program_tail_) return true;
+  for (const auto& r : program_tail_->ranks) {
+    cudaSetDevice(r->device);
+    if (cudaEventQuery(r->done.get()) == cudaErrorNotReady) return false;
+  }
+  cudaGetLastError();
+  program_tail_.reset();
+  if (!gpu_op_ && !abandoned_) plane_->ReleaseGpus(this);
+  return true;
+}
+
+bool CudaGroup::PollBackground() {
+  bool worked = false;
+  if (program_tail_ && ProgramTailDone()) worked = true;
+  if (!program_) return worked;
+  Program& p = *program_;
+  while (!p.inflight.empty()) {
+    ProgramInstance& in = p.inflight.front();
+    const int slot = static_cast<int>(in.k % kProgramDepth);
+    const int R = static_cast<int>(p.ranks.size());
+    std::vector<absl::Status> event_error(R);
+    bool done = true;
+    for (int r = 0; r < R && done; ++r) {
+      cudaSetDevice(p.ranks[r].rank->device);
+      cudaError_t err = cudaEventQuery(p.ranks[r].done[slot].get());
+      if (err == cudaErrorNotReady) done = false;
+      else if (err != cudaSuccess) event_error[r] = EPD_CUDA_STATUS(err);
+    }
+    if (!done) break;
+    const ProgramStepPlan& step = p.steps[in.step];
+    const char* name = OpName(static_cast<uint32_t>(step.op));
+    absl::Status bad;
+    bool disarm = false;
+    for (int r = 0; r < R && bad.ok(); ++r) {
+      absl::Status st = !in.launch[r].ok()      ? in.launch[r]
+                        : !event_error[r].ok() ? event_error[r]
+                                               : kc::StatusFromDevice(p.ranks[r].readback.get()[slot],
+                                                                      shape(), r, name, true);
+      if (!st.ok()) {
+        disarm = !in.launch[r].ok() || !event_error[r].ok() ||
+                 st.code() == absl::StatusCode::kDeadlineExceeded;
+        bad = absl::Status(st.code(), absl::StrCat("program instance ", in.k, " step ", in.step,
+                                                   " (", ProgramStepName(step), "): rank ", r,
+                                                   ": ", st.message()));
+      }
+    }
+    const uint64_t k = in.k;
+    const int step_index = in.step;
+    p.inflight.pop_front();
+    CountProgramInstance(bad.ok());
+    worked = true;
+    if (!bad.ok()) {
+      EngineLog()->warn("group {}: {}", spec().name(), std::string(bad.message()));
+      PublishProgramError(bad, k, step_index);
+    }
+    PublishProgramChecked(k);
+    if (disarm) {
+      // The ranks' kernel counters may be out of step: later instances could not pair up.
+      DisarmProgram(absl::Status(bad.code(), absl::StrCat(bad.message(),
+                                                          "; the program was disarmed: "
+                                                          "register it again")));
+      return true;
+    }
+  }
+  while (program_->inflight.size() < kProgramDepth) EnqueueProgramInstance();
+  // Keep the engine polling while a program is armed: the client never touches the ring,
+  // so only polling sees instances complete and enqueues the next ones.
+  return true;
 }
 
 }  // namespace

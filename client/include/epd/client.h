@@ -226,6 +226,39 @@ struct LowLatencyCombineResult {
   TensorView combined_x;  ///< [T, H] bf16.
 };
 
+// ---- graph mode (DESIGN.md §3.2): daemon-launched ops inside CUDA graphs ----------------
+
+/// One step of a graph-mode program.
+struct ProgramStep {
+  enum class Op { kLowLatencyDispatch, kLowLatencyCombine };
+  Op op = Op::kLowLatencyDispatch;
+  bool use_fp8 = false;      ///< Dispatch: e4m3 out with f32 scales per 128 channels.
+  bool round_scale = false;  ///< Dispatch: power-of-two FP8 scales (needs use_fp8).
+};
+
+/// Inputs of a program's LowLatencyDispatch step. Every tensor is kDLCUDA memory of the
+/// endpoint's GPU and is read at run time (so a captured step reads new contents on every
+/// replay). C is the capacity: x and topk_idx have C rows, 0 <= C <= Mll; the T tokens
+/// actually dispatched are rows [0, T).
+struct ProgramDispatchArgs {
+  const DLTensor* x = nullptr;           ///< [C, H] bf16.
+  const DLTensor* topk_idx = nullptr;    ///< [C, K] int64 (-1 = none).
+  const DLTensor* num_tokens = nullptr;  ///< [1] int32: T, 0 <= T <= C (read at run time).
+  void* stream = nullptr;                ///< The cudaStream_t the step is ordered on.
+};
+
+/// Inputs of a program's LowLatencyCombine step (kDLCUDA memory of the endpoint's GPU,
+/// read at run time). topk_idx / topk_weights have the C rows of the matching dispatch's
+/// topk_idx; T is that dispatch's.
+struct ProgramCombineArgs {
+  /// [E/R, R*Mll, H] bf16 expert outputs; copied into the endpoint's combine input unless
+  /// it is Endpoint::LowLatencyCombineInput() itself.
+  const DLTensor* x = nullptr;
+  const DLTensor* topk_idx = nullptr;      ///< [C, K] int64, as dispatched.
+  const DLTensor* topk_weights = nullptr;  ///< [C, K] f32.
+  void* stream = nullptr;                  ///< The cudaStream_t the step is ordered on.
+};
+
 /// A submitted op. Wait() returns its result once every rank's part is done.
 template <typename Result>
 class [[nodiscard]] PendingOp {
@@ -313,6 +346,72 @@ class Endpoint {
   /// (otherwise x is copied into it). Valid while the endpoint lives; its contents are
   /// read by every rank's LowLatencyCombine, so write it only between combines.
   TensorView LowLatencyCombineInput() const;
+
+  // ---- graph mode (DESIGN.md §3.2; CUDA backend, daemon-launched endpoints) ----
+  //
+  // A daemon-launched op needs the CPU (a ring slot with a new seq) on every call, which a
+  // replayed CUDA graph cannot do. Instead, every rank registers a fixed program once;
+  // the daemon then keeps its next instances enqueued on the rank's daemon stream, each
+  // waiting on the GPU for the client's "go". A program step called on a stream (also
+  // while it captures a CUDA graph) enqueues only device work on it: device-to-device
+  // copies of its inputs into the endpoint's staging regions (and of T into the rank's
+  // token-count slot), a "go" write (cuStreamWriteValue64), a wait for the daemon's
+  // "done" (cuStreamWaitValue64), and a one-thread kernel acknowledging it. Words and
+  // values are constants (layout.h kProgram*Offset), so a captured graph replays any
+  // number of times; no CPU takes part per step, on either side.
+  // Steps must be run in program order, cyclically (step i of instance n is program step
+  // i % S); every rank runs every step. The engine polls without sleeping while a program
+  // is armed (one CPU core), and keeps the GPUs of the group claimed: another group's
+  // daemon-launched ops on those GPUs wait (and fail with DEADLINE_EXCEEDED after
+  // op_timeout) until the program is unregistered.
+
+  /// Registers `steps` (1 to 16 LowLatencyDispatch / LowLatencyCombine steps) and blocks
+  /// until every rank of the group has registered the same program and the daemon armed
+  /// it, or `timeout`. Fixed buffers per step (so replays see the same views): the i-th
+  /// dispatch of the program writes low-latency buffer i % 2, a combine uses the buffer
+  /// of the nearest dispatch before it (cyclically) and writes combine output buffer
+  /// j % 2 for the j-th combine. Earlier low-latency handles become invalid. While armed,
+  /// every other op of the group (every rank) fails with FAILED_PRECONDITION. Call it
+  /// with no program step of this endpoint still running on a stream.
+  /// Errors: FAILED_PRECONDITION (ranks registered different programs: the message names
+  /// the first differing step; a program already armed; a client-launched endpoint; no
+  /// low-latency mode); UNIMPLEMENTED (host backend); INVALID_ARGUMENT (bad steps: count,
+  /// FP8 without spec.use_fp8 or hidden % 128 != 0, round_scale without FP8, a combine
+  /// without a dispatch); DEADLINE_EXCEEDED (a rank did not register within op_timeout,
+  /// or `timeout` passed: then the registration is still pending); UNAVAILABLE.
+  absl::Status RegisterProgram(const std::vector<ProgramStep>& steps,
+                               absl::Duration timeout = absl::InfiniteDuration());
+  /// Enqueues the next program step, which must be a LowLatencyDispatch, on args.stream.
+  /// Returns at once the views of its outputs (low-latency dispatch outputs, fixed buffer
+  /// of the step: recv_x [E/R, R*Mll, H] bf16 or e4m3, recv_scales (FP8), recv_count
+  /// [E/R] int32, recv_src_info), valid for work enqueued after it on the stream until the
+  /// program's next dispatch into the same buffer. handle.num_tokens is C. Errors found on
+  /// the GPU (bad expert ids, T outside [0, Mll], a peer that never arrived) are reported
+  /// by ProgramStatus. Errors here: FAILED_PRECONDITION (no program registered, or the
+  /// next step is a combine), INVALID_ARGUMENT (a tensor: dtype, shape, not kDLCUDA, C >
+  /// Mll), INTERNAL (CUDA).
+  absl::StatusOr<LowLatencyDispatchResult> RunProgramDispatch(const ProgramDispatchArgs& args);
+  /// Enqueues the next program step, which must be a LowLatencyCombine, on args.stream.
+  /// Returns the view of combined_x [C, H] bf16 (rows [0, T) written; fixed buffer of the
+  /// step, valid until the program's next combine into it). Errors as RunProgramDispatch.
+  absl::StatusOr<LowLatencyCombineResult> RunProgramCombine(const ProgramCombineArgs& args);
+  /// Device-side errors of the program's instances that the daemon has checked, e.g.
+  /// after a replay was synchronised: waits (bounded by op_timeout + 5 s) until the daemon
+  /// has checked every instance whose results this endpoint's streams have seen, then
+  /// returns the latest error not yet returned (INVALID_ARGUMENT for bad expert ids or T,
+  /// DEADLINE_EXCEEDED for a peer that never arrived — the program is then disarmed — with
+  /// the instance, step and rank in the message, and how many errors were not returned),
+  /// or OK. An error makes that instance's outputs undefined for every rank; later
+  /// instances are correct. FAILED_PRECONDITION when the daemon disarmed the program (a
+  /// rank left) after that was reported; UNAVAILABLE when the daemon is gone. Blocks the
+  /// CPU; not for the hot path.
+  absl::Status ProgramStatus();
+  /// Disarms the program and blocks until every rank of the group has unregistered it (or
+  /// `timeout`). Every instance still waiting on the daemon's streams is released, and any
+  /// later program step run on a stream returns at once without running (its outputs are
+  /// then stale), so no stream waits forever. OK when no program is armed. Leave, a rank
+  /// leaving, and the daemon's shutdown disarm the program as well.
+  absl::Status UnregisterProgram(absl::Duration timeout = absl::InfiniteDuration());
 
   /// Leaves the group explicitly (the daemon frees the rank). Later ops return
   /// FAILED_PRECONDITION. Idempotent.

@@ -186,6 +186,15 @@ absl::Status StreamWriteValue64(cudaStream_t stream, void* address, uint64_t val
 /// Errors: as StreamWriteValue64.
 absl::Status StreamWaitValue64Geq(cudaStream_t stream, const void* address, uint64_t value);
 
+// ---- graph-mode program hand-off (DESIGN.md §3.2; layout.h kProgram*Offset) -------------
+
+/// Enqueues on `stream` a one-thread kernel that replaces the value 1 of the 64-bit word
+/// `program_done` (launch_flags + kProgramDoneOffset) by 0 (atomicCAS), leaving any other
+/// value (0, kProgramReleased) as it is. The client's captured program step runs it after
+/// its wait for done >= 1, so the next step waits for the daemon again; capturable, no
+/// host argument changes between replays. Errors: CUDA launch errors (INTERNAL).
+absl::Status ProgramAckAsync(uint64_t* program_done, cudaStream_t stream);
+
 // ---- run-time token count ---------------------------------------------------------------
 
 /// Device address of this rank's low-latency token-count slot (int32 in its sync region).

@@ -65,10 +65,27 @@ inline constexpr uint64_t kSyncRegionBytes = 64 * 1024;
 ///                      (and the engine writes it for an op that fails before launch);
 ///                      the client's stream waits for done_seq >= seq before it reads
 ///                      the outputs.
-///   [64, 4096)         reserved for the graph-mode program counters.
+///   kProgramGoOffset   graph mode (DESIGN.md §3.2): the client's stream writes 1 once a
+///                      program step's inputs are staged (cuStreamWriteValue64); the
+///                      daemon's stream waits for go >= 1, then writes 0, then runs the
+///                      step's kernels.
+///   kProgramDoneOffset graph mode: the daemon's stream writes 1 after the step's kernels
+///                      and status read-back; the client's stream waits for done >= 1, then
+///                      a one-thread kernel swaps 1 for 0 (atomicCAS). When the program is
+///                      disarmed the daemon writes kProgramReleased, which no CAS clears, so
+///                      a client stream running further steps never waits forever.
+///   kProgramInstanceOffset graph mode: the daemon's stream writes the instance number
+///                      (1, 2, ... since the program was armed) before done.
+///   [88, 4096)         reserved.
+/// Graph-mode words hold only 0/1 (and kProgramReleased): every value a captured client
+/// graph writes or waits for is a constant, so replays stay valid.
 inline constexpr uint64_t kLaunchFlagsRegionBytes = 4096;
 inline constexpr uint64_t kReadyFlagOffset = 0;
 inline constexpr uint64_t kDoneFlagOffset = 8;
+inline constexpr uint64_t kProgramGoOffset = 64;
+inline constexpr uint64_t kProgramDoneOffset = 72;
+inline constexpr uint64_t kProgramInstanceOffset = 80;
+inline constexpr uint64_t kProgramReleased = 2;
 
 /// Every region of one endpoint. Shapes are given with M = max_tokens_per_rank,
 /// Mll = ll_max_tokens_per_rank, N = R*M, El = E/R, S = ceil(H/128).
