@@ -911,6 +911,14 @@ absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
   for (size_t i = 0; i < steps.size(); ++i) {
     if (buffer[i] < 0) buffer[i] = last;
   }
+#if EPD_HAVE_CUDA
+  // The step's acknowledging kernel is loaded now, not lazily inside a capture or while
+  // the group's kernels spin (DESIGN.md §3.2).
+  if (m.cuda) {
+    internal::DeviceGuard guard(m.mapping->device());
+    EPD_RETURN_IF_ERROR(PreloadKernelsOnce(m.mapping->device()));
+  }
+#endif
   EPD_ASSIGN_OR_RETURN(uint64_t seq, m.Submit(abi::OpKind::kRegisterProgram, 0, 0, 1, 0, 0,
                                               nullptr, reserved));
   abi::Completion c;

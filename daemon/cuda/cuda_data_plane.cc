@@ -266,6 +266,9 @@ class CudaGroup : public LockstepGroup {
   /// event after the go wait, an event after the instance, and a pinned status read-back.
   struct ProgramRank {
     std::shared_ptr<CudaRank> rank;
+    /// For host writes into the rank's launch_flags while its own stream is held by the
+    /// program's waits (non-blocking: no implicit order with any other stream).
+    StreamPtr aux;
     EventPtr waited[kProgramDepth];
     EventPtr done[kProgramDepth];
     std::unique_ptr<kc::DeviceStatus, HostFree> readback;  ///< [kProgramDepth].
@@ -812,6 +815,22 @@ void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot)
   if (!(slot.flags & abi::kFlagStreamOrdered)) return;
   const std::shared_ptr<CudaRank>& cr = ranks_[rank];
   if (!cr) return;
+  if (program_ && program_->ranks[rank].rank == cr) {
+    // The rank's stream is held by the program's waits: write done_seq from the host (no
+    // ring op of the group runs while a program is armed, so nothing else writes it).
+    const uint64_t seq = slot.seq;
+    cudaSetDevice(cr->device);
+    cudaStream_t aux = program_->ranks[rank].aux.get();
+    cudaError_t err = cudaMemcpyAsync(cr->done_flag(), &seq, sizeof(seq), cudaMemcpyHostToDevice,
+                                      aux);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(aux);
+    if (err != cudaSuccess) {
+      EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
+                         spec().name(), rank, slot.seq, cudaGetErrorString(err));
+      cudaGetLastError();
+    }
+    return;
+  }
   absl::Status st = WriteDone(*cr, slot.seq);
   if (!st.ok()) {
     EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
@@ -948,6 +967,9 @@ absl::Status CudaGroup::ArmProgram(const std::vector<ProgramStepPlan>& steps) {
     ProgramRank& pr = p.ranks[r];
     pr.rank = ranks_[r];
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(pr.rank->device)));
+    cudaStream_t aux = nullptr;
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamCreateWithFlags(&aux, cudaStreamNonBlocking)));
+    pr.aux.reset(aux);
     for (int i = 0; i < kProgramDepth; ++i) {
       cudaEvent_t e = nullptr;
       EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)));
@@ -1076,8 +1098,10 @@ void CudaGroup::DisarmProgram(const absl::Status& why) {
     for (ProgramRank& pr : p.ranks) {
       cudaSetDevice(pr.rank->device);
       if (cudaEventQuery(pr.waited[slot].get()) != cudaErrorNotReady) continue;
-      cudaMemcpy(pr.rank->area.get() + pr.rank->launch_flags_offset + kernels::kProgramGoOffset,
-                 &kOne, sizeof(kOne), cudaMemcpyHostToDevice);
+      cudaMemcpyAsync(
+          pr.rank->area.get() + pr.rank->launch_flags_offset + kernels::kProgramGoOffset, &kOne,
+          sizeof(kOne), cudaMemcpyHostToDevice, pr.aux.get());
+      cudaStreamSynchronize(pr.aux.get());
     }
     for (ProgramRank& pr : p.ranks) {
       cudaSetDevice(pr.rank->device);

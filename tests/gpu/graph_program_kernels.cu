@@ -1,0 +1,34 @@
+// The toy FP8 expert of graph_program_test (see graph_program_kernels.h).
+#include "epd/kernels/cuda_ops.h"
+#include "graph_program_kernels.h"
+
+namespace epd::testing {
+namespace {
+
+__global__ void DequantScaleExpertsKernel(const kernels::e4m3_bits* x, const float* scales,
+                                          kernels::bf16_bits* y, int64_t rows, int64_t H,
+                                          int64_t total) {
+  const int64_t S = H / kernels::kFp8BlockChannels;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / H;  // Row of [El * rows].
+    const int64_t h = i % H;
+    const int64_t j = row / rows;
+    const float s = 0.5f + 0.25f * static_cast<float>(j % 4);
+    const float v = __fmul_rn(__fmul_rn(kernels::E4m3ToFloat(x[i]),
+                                        scales[row * S + h / kernels::kFp8BlockChannels]),
+                              s);
+    y[i] = kernels::FloatToBf16(v);
+  }
+}
+
+}  // namespace
+
+absl::Status LaunchDequantScaleExperts(const kernels::e4m3_bits* x, const float* scales,
+                                       kernels::bf16_bits* y, int64_t El, int64_t rows, int64_t H,
+                                       cudaStream_t stream) {
+  DequantScaleExpertsKernel<<<64, 256, 0, stream>>>(x, scales, y, rows, H, El * rows * H);
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
+
+}  // namespace epd::testing

@@ -1,0 +1,26 @@
+// The toy FP8 expert of graph_program_test: it runs between a program's captured FP8
+// low-latency dispatch and its combine on the rank's stream, dequantising the dispatch's
+// recv_x and writing the combine's input.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "epd/kernels/types.h"
+
+namespace epd::testing {
+
+/// Expert j's scale (exact in binary): 0.5 + 0.25 * (j % 4).
+inline float ProgramExpertScale(int64_t j) { return 0.5f + 0.25f * static_cast<float>(j % 4); }
+
+/// y[j, row, h] = bf16((f32(x[j, row, h]) * scales[j, row, h / 128]) * ProgramExpertScale(j))
+/// for every element of [El, rows, H] (x e4m3, scales f32 [El, rows, H/128], y bf16), each
+/// product rounded to f32 (no fma), so the host computes the same bits. Enqueued on
+/// `stream` (capturable). Errors: INTERNAL for a CUDA launch error.
+absl::Status LaunchDequantScaleExperts(const kernels::e4m3_bits* x, const float* scales,
+                                       kernels::bf16_bits* y, int64_t El, int64_t rows, int64_t H,
+                                       cudaStream_t stream);
+
+}  // namespace epd::testing

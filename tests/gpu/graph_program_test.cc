@@ -1,0 +1,563 @@
+// The daemon-launched graph-mode program (DESIGN.md §3.2; issue 4 "CUDA graphs":
+// "Daemon-launched mode: the graph-mode program of DESIGN §3.2 does the same"), end to end
+// through an epd Daemon running in this process (CUDA data plane, engine, control service)
+// and a real Client on its socket. One process holds every endpoint of a group, R virtual
+// ranks on one GPU, one stream per rank (the approach of client_launch_test.cc).
+//
+// Per R in {2, 8}: every rank registers [LowLatencyDispatch{use_fp8}, LowLatencyCombine];
+// per rank, RunProgramDispatch → a toy FP8 expert (graph_program_kernels.h) →
+// RunProgramCombine is captured into one CUDA graph; the graph is replayed 100 times with
+// new inputs and a new T per rank written into device memory before each replay (not
+// captured). Rows of x/topk_idx past T hold out-of-range ids, so a kernel reading past T
+// would report INVALID_ARGUMENT. After every replay, every rank's recv_count, the valid rows
+// of recv_x (e4m3 bytes), recv_scales, recv_src_info and combined_x [T, H] are compared byte
+// for byte with kernels/host (host_ops.h) on the same inputs (the combine sums in the host's
+// order: ascending k, f32 products rounded then added, one bf16 rounding), and
+// ProgramStatus() is OK. Then: a bad expert id at rank 0 → every rank's ProgramStatus is
+// INVALID_ARGUMENT naming it, and the next replay is correct; a ring op while armed fails
+// with FAILED_PRECONDITION; a replay run by rank 0 alone (its dispatch waits for peers that
+// never come) is released by UnregisterProgram, and later replays return at once; the group's
+// ring ops work again.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/cuda_ipc.h"
+#include "daemon/config.h"
+#include "daemon/cuda/cuda_data_plane.h"
+#include "daemon/daemon.h"
+#include "daemon/group_ops.h"
+#include "epd/client.h"
+#include "epd/kernels/host_ops.h"
+#include "gpu_test_util.h"
+#include "graph_program_kernels.h"
+
+namespace epd {
+namespace {
+
+using kernels::bf16_bits;
+using kernels::GroupShape;
+using testing::DeviceBuffer;
+namespace host = kernels::host;
+
+constexpr uint32_t kOpTimeoutMs = 3000;
+constexpr auto kWait = absl::Seconds(20);
+constexpr DLDataType kBf16{kDLBfloat, 16, 1};
+constexpr DLDataType kI64{kDLInt, 64, 1};
+constexpr DLDataType kI32{kDLInt, 32, 1};
+constexpr DLDataType kF32{kDLFloat, 32, 1};
+
+int g_device = 0;
+
+v1::GroupSpec Spec(const std::string& name, int R, int H, int Mll) {
+  v1::GroupSpec s;
+  s.set_name(name);
+  s.set_num_ranks(R);
+  s.set_num_experts(4 * R);
+  s.set_hidden(H);
+  s.set_num_topk(4);
+  s.set_max_tokens_per_rank(16);
+  s.set_ll_max_tokens_per_rank(Mll);
+  s.set_use_fp8(true);
+  return s;
+}
+
+std::vector<uint8_t> Fetch(const void* p, size_t offset, size_t bytes) {
+  std::vector<uint8_t> out(bytes);
+  if (bytes == 0) return out;
+  EXPECT_EQ(
+      cudaMemcpy(out.data(), static_cast<const uint8_t*>(p) + offset, bytes, cudaMemcpyDefault),
+      cudaSuccess);
+  return out;
+}
+template <typename T>
+std::vector<uint8_t> Bytes(const T* p, size_t count) {
+  const auto* b = reinterpret_cast<const uint8_t*>(p);
+  return std::vector<uint8_t>(b, b + count * sizeof(T));
+}
+template <typename T>
+DeviceBuffer Zeros(size_t count) {
+  auto buf = DeviceBuffer::Allocate(std::max<size_t>(count * sizeof(T), 16));
+  EXPECT_TRUE(buf.ok()) << buf.status();
+  return buf.ok() ? std::move(*buf) : DeviceBuffer();
+}
+
+/// One rank's inputs of one replay.
+struct RankInputs {
+  int T = 0;
+  std::vector<bf16_bits> x;  // [T, H]
+  std::vector<int64_t> idx;  // [T, K]
+  std::vector<float> w;      // [T, K]
+};
+
+/// Named byte blobs of one rank's outputs.
+using Blobs = std::vector<std::pair<std::string, std::vector<uint8_t>>>;
+
+/// Reads rank outputs (recv_count, then per local expert the valid rows of recv_x, recv_src_info,
+/// recv_scales; then combined_x [T, H]) through `at(which, offset, bytes)`: which 0 recv_x, 1
+/// src_info, 2 scales, 3 combined_x.
+template <typename Reader>
+Blobs OutputBlobs(const GroupShape& g, const int32_t* count, int T, Reader at) {
+  const int64_t El = g.num_local_experts(), rows = g.ll_rows_per_expert();
+  const size_t H = static_cast<size_t>(g.hidden), S = static_cast<size_t>(g.num_scales());
+  Blobs b;
+  b.push_back({"recv_count", Bytes(count, El)});
+  for (int64_t j = 0; j < El; ++j) {
+    const size_t n = static_cast<size_t>(std::max(0, count[j]));
+    const size_t row0 = static_cast<size_t>(j * rows);
+    b.push_back({absl::StrCat("recv_x[", j, "]"), at(0, row0 * H, n * H)});
+    b.push_back({absl::StrCat("recv_src_info[", j, "]"), at(1, row0 * 4, n * 4)});
+    b.push_back({absl::StrCat("recv_scales[", j, "]"), at(2, row0 * S * 4, n * S * 4)});
+  }
+  b.push_back({"combined_x", at(3, 0, static_cast<size_t>(T) * H * 2)});
+  return b;
+}
+
+/// The host's FP8 low-latency dispatch, the toy expert (dequantise, scale), and the combine.
+std::vector<Blobs> HostProgram(const GroupShape& g, const std::vector<RankInputs>& in) {
+  const int R = g.num_ranks, H = g.hidden, K = g.num_topk;
+  const int64_t El = g.num_local_experts(), rows = g.ll_rows_per_expert();
+  const size_t S = static_cast<size_t>(g.num_scales());
+  const size_t cells = static_cast<size_t>(El * rows);
+  std::vector<std::vector<uint8_t>> recv_x(R, std::vector<uint8_t>(cells * H * 2));
+  std::vector<std::vector<float>> scales(R, std::vector<float>(cells * S));
+  std::vector<std::vector<int32_t>> count(R, std::vector<int32_t>(El)),
+      src(R, std::vector<int32_t>(cells)),
+      handle(R, std::vector<int32_t>(static_cast<size_t>(g.ll_max_tokens_per_rank) * K));
+  std::vector<host::LowLatencyDispatchRankArgs> da(R);
+  for (int r = 0; r < R; ++r) {
+    da[r] = {in[r].T,          in[r].x.data(),   in[r].idx.data(), recv_x[r].data(),
+             scales[r].data(), count[r].data(), src[r].data(),    handle[r].data()};
+  }
+  absl::Status st = host::LowLatencyDispatch(g, {/*use_fp8=*/true, false}, std::span(da));
+  EXPECT_TRUE(st.ok()) << st;
+  std::vector<std::vector<bf16_bits>> y(R, std::vector<bf16_bits>(cells * H)), combined(R);
+  for (int r = 0; r < R; ++r) {
+    for (size_t i = 0; i < cells * H; ++i) {
+      const size_t row = i / H;
+      const float v = (kernels::E4m3ToFloat(recv_x[r][i]) *
+                       scales[r][row * S + (i % H) / kernels::kFp8BlockChannels]) *
+                      testing::ProgramExpertScale(static_cast<int64_t>(row / rows));
+      y[r][i] = kernels::FloatToBf16(v);
+    }
+    combined[r].assign(static_cast<size_t>(in[r].T) * H, 0);
+  }
+  std::vector<host::LowLatencyCombineRankArgs> ca(R);
+  for (int r = 0; r < R; ++r) {
+    ca[r] = {in[r].T, in[r].idx.data(), in[r].w.data(), handle[r].data(), y[r].data(),
+             combined[r].data()};
+  }
+  st = host::LowLatencyCombine(g, std::span(ca));
+  EXPECT_TRUE(st.ok()) << st;
+  std::vector<Blobs> out(R);
+  for (int r = 0; r < R; ++r) {
+    out[r] = OutputBlobs(g, count[r].data(), in[r].T, [&](int which, size_t off, size_t n) {
+      const uint8_t* base = which == 0   ? recv_x[r].data()
+                            : which == 1 ? reinterpret_cast<const uint8_t*>(src[r].data())
+                            : which == 2 ? reinterpret_cast<const uint8_t*>(scales[r].data())
+                                         : reinterpret_cast<const uint8_t*>(combined[r].data());
+      return std::vector<uint8_t>(base + off, base + off + n);
+    });
+  }
+  return out;
+}
+
+class GraphProgramTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    std::string why;
+    if (!testing::HaveGpu(&why)) {
+      skip_reason_ = new std::string(why);
+      return;
+    }
+    char dir[] = "/tmp/epd_graph_program_XXXXXX";
+    ASSERT_NE(::mkdtemp(dir), nullptr);
+    dir_ = new std::string(dir);
+    v1::DaemonConfig config;
+    config.set_socket_path(*dir_ + "/epd.sock");
+    config.set_socket_mode("0600");
+    config.set_log_level("warn");
+    config.set_backend(v1::BACKEND_CUDA);
+    FillDaemonConfigDefaults(&config);
+    config.set_op_timeout_ms(kOpTimeoutMs);
+    DaemonOptions options;
+    options.drain_grace = absl::Milliseconds(10);
+    auto daemon = Daemon::Start(config, options);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = daemon->release();
+    internal::SetInProcessAreaResolver(FindInProcessCudaArea);
+    ClientOptions co;
+    co.socket_path = daemon_->socket_path();
+    co.client_name = "graph_program_test";
+    auto client = Client::Connect(co);
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = client->release();
+    auto stats = client_->GetStats();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    ASSERT_EQ(stats->backend(), "cuda") << stats->backend_reason();
+    gpu_uuid_ = new std::string(stats->gpus(0).uuid());
+    auto device = internal::DeviceOfUuid(*gpu_uuid_);
+    ASSERT_TRUE(device.ok()) << device.status();
+    g_device = *device;
+  }
+  static void TearDownTestSuite() {
+    delete client_;
+    client_ = nullptr;
+    delete daemon_;
+    daemon_ = nullptr;
+    internal::SetInProcessAreaResolver({});
+    if (dir_ != nullptr) std::filesystem::remove_all(*dir_);
+  }
+  void SetUp() override {
+    if (skip_reason_ != nullptr) GTEST_SKIP() << *skip_reason_;
+    ASSERT_NE(client_, nullptr) << "the in-process epd did not start (see the first test)";
+    ASSERT_EQ(cudaSetDevice(g_device), cudaSuccess);
+  }
+
+  static std::string* skip_reason_;
+  static std::string* dir_;
+  static std::string* gpu_uuid_;
+  static Daemon* daemon_;
+  static Client* client_;
+};
+std::string* GraphProgramTest::skip_reason_ = nullptr;
+std::string* GraphProgramTest::dir_ = nullptr;
+std::string* GraphProgramTest::gpu_uuid_ = nullptr;
+Daemon* GraphProgramTest::daemon_ = nullptr;
+Client* GraphProgramTest::client_ = nullptr;
+
+/// Runs `fn(r)` for every rank on its own thread (calls that block until every rank made
+/// them) and returns the statuses.
+std::vector<absl::Status> OnEveryRank(int R, const std::function<absl::Status(int)>& fn) {
+  std::vector<absl::Status> st(R);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r) threads.emplace_back([&, r] { st[r] = fn(r); });
+  for (auto& t : threads) t.join();
+  return st;
+}
+
+/// Waits (bounded) for `stream` to drain; false if it is still busy after `limit`.
+bool DrainsWithin(cudaStream_t stream, std::chrono::milliseconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    cudaError_t e = cudaStreamQuery(stream);
+    if (e == cudaSuccess) return true;
+    if (e != cudaErrorNotReady) {
+      ADD_FAILURE() << "stream error: " << cudaGetErrorString(e);
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
+TEST_F(GraphProgramTest, CapturedProgramReplaysWithChangingTokensMatchingHost) {
+  for (int R : {2, 8}) {
+    SCOPED_TRACE(absl::StrCat("R=", R));
+    const int Mll = 32, H = 256;
+    const v1::GroupSpec spec = Spec(absl::StrCat("program-", R), R, H, Mll);
+    const GroupShape shape = ShapeOf(spec);
+    const int K = spec.num_topk(), E = spec.num_experts();
+    const int64_t El = shape.num_local_experts(), rows = shape.ll_rows_per_expert();
+    std::vector<testing::CudaStream> streams;
+    std::vector<std::unique_ptr<Endpoint>> eps;
+    for (int r = 0; r < R; ++r) {
+      auto s = testing::CudaStream::Create();
+      ASSERT_TRUE(s.ok()) << s.status();
+      streams.push_back(std::move(*s));
+      JoinOptions o;
+      o.spec = spec;
+      o.rank = r;
+      o.gpu_uuid = *gpu_uuid_;
+      o.launch_mode = v1::LAUNCH_MODE_DAEMON;
+      auto ep = client_->Join(o);
+      ASSERT_TRUE(ep.ok()) << ep.status();
+      ASSERT_EQ((*ep)->info().launch_mode(), v1::LAUNCH_MODE_DAEMON);
+      eps.push_back(std::move(*ep));
+    }
+    auto stream = [&](int r) { return streams[r].get(); };
+
+    // Registration: every rank, the same program.
+    const std::vector<ProgramStep> program = {
+        {ProgramStep::Op::kLowLatencyDispatch, /*use_fp8=*/true, false},
+        {ProgramStep::Op::kLowLatencyCombine, false, false}};
+    for (const absl::Status& st :
+         OnEveryRank(R, [&](int r) { return eps[r]->RegisterProgram(program, kWait); })) {
+      ASSERT_TRUE(st.ok()) << st;
+    }
+
+    // Capture per rank: dispatch step → FP8 expert → combine step.
+    struct RankGraph {
+      DeviceBuffer dx, didx, dw, dT;
+      std::vector<int64_t> xs, ks, ns;
+      DLTensor x, idx, w, T;
+      LowLatencyDispatchResult d;
+      TensorView combined;
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+    };
+    std::vector<RankGraph> rg(R);
+    for (int r = 0; r < R; ++r) {
+      RankGraph& q = rg[r];
+      q.dx = Zeros<bf16_bits>(static_cast<size_t>(Mll) * H);
+      q.didx = Zeros<int64_t>(static_cast<size_t>(Mll) * K);
+      q.dw = Zeros<float>(static_cast<size_t>(Mll) * K);
+      q.dT = Zeros<int32_t>(1);
+      q.xs = {Mll, H};
+      q.ks = {Mll, K};
+      q.ns = {1};
+      const DLDevice dev{kDLCUDA, g_device};
+      q.x = MakeDLTensor(q.dx.get(), kBf16, q.xs, dev);
+      q.idx = MakeDLTensor(q.didx.get(), kI64, q.ks, dev);
+      q.w = MakeDLTensor(q.dw.get(), kF32, q.ks, dev);
+      q.T = MakeDLTensor(q.dT.get(), kI32, q.ns, dev);
+      cudaStream_t s = stream(r);
+      ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      struct EndCaptureOnExit {
+        cudaStream_t s;
+        ~EndCaptureOnExit() {
+          cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+          if (cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone) {
+            cudaGraph_t g = nullptr;
+            cudaStreamEndCapture(s, &g);
+            if (g != nullptr) cudaGraphDestroy(g);
+          }
+          cudaGetLastError();
+        }
+      } end_capture{s};
+      ProgramDispatchArgs da;
+      da.x = &q.x;
+      da.topk_idx = &q.idx;
+      da.num_tokens = &q.T;
+      da.stream = s;
+      auto d = eps[r]->RunProgramDispatch(da);
+      ASSERT_TRUE(d.ok()) << d.status();
+      q.d = *d;
+      ASSERT_EQ(q.d.recv_x.shape(), (std::vector<int64_t>{El, rows, H}));
+      ASSERT_EQ(q.d.recv_scales.shape(), (std::vector<int64_t>{El, rows, H / 128}));
+      const TensorView expert_out = eps[r]->LowLatencyCombineInput();
+      ASSERT_TRUE(testing::LaunchDequantScaleExperts(q.d.recv_x.as<kernels::e4m3_bits>(),
+                                                     q.d.recv_scales.as<float>(),
+                                                     expert_out.as<bf16_bits>(), El, rows, H, s)
+                      .ok());
+      ProgramCombineArgs ca;
+      ca.x = &expert_out.dl();
+      ca.topk_idx = &q.idx;
+      ca.topk_weights = &q.w;
+      ca.stream = s;
+      auto c = eps[r]->RunProgramCombine(ca);
+      ASSERT_TRUE(c.ok()) << c.status();
+      q.combined = c->combined_x;
+      ASSERT_EQ(cudaStreamEndCapture(s, &q.graph), cudaSuccess);
+      ASSERT_EQ(cudaGraphInstantiate(&q.exec, q.graph, 0), cudaSuccess);
+    }
+    // A step out of program order is refused (the next step is the dispatch again).
+    {
+      ProgramCombineArgs ca;
+      ca.stream = stream(0);
+      auto c = eps[0]->RunProgramCombine(ca);
+      EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << c.status();
+    }
+
+    std::mt19937_64 rng(777 + R);
+    // Writes replay inputs (T and rows past T: out-of-range ids) on each rank's stream.
+    auto stage = [&](std::vector<RankInputs>& in) {
+      for (int r = 0; r < R; ++r) {
+        RankInputs& ri = in[r];
+        std::vector<bf16_bits> x_cap = ri.x;
+        x_cap.resize(static_cast<size_t>(Mll) * H, 0x7fc0);
+        std::vector<int64_t> idx_cap = ri.idx;
+        idx_cap.resize(static_cast<size_t>(Mll) * K, E + 5);
+        std::vector<float> w_cap = ri.w;
+        w_cap.resize(static_cast<size_t>(Mll) * K, 1.f);
+        cudaStream_t s = stream(r);
+        ASSERT_EQ(cudaMemcpyAsync(rg[r].dx.get(), x_cap.data(), x_cap.size() * 2,
+                                  cudaMemcpyHostToDevice, s),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemcpyAsync(rg[r].didx.get(), idx_cap.data(), idx_cap.size() * 8,
+                                  cudaMemcpyHostToDevice, s),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemcpyAsync(rg[r].dw.get(), w_cap.data(), w_cap.size() * 4,
+                                  cudaMemcpyHostToDevice, s),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemcpyAsync(rg[r].dT.get(), &ri.T, 4, cudaMemcpyHostToDevice, s),
+                  cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);  // Pageable sources.
+      }
+    };
+    auto random_inputs = [&](int replay) {
+      std::vector<RankInputs> in(R);
+      for (int r = 0; r < R; ++r) {
+        RankInputs& ri = in[r];
+        ri.T = replay == 0 ? Mll : (r + replay) % 7 == 0 ? 0 : static_cast<int>(rng() % (Mll + 1));
+        testing::RoutingOptions routing;
+        routing.masked_fraction = (replay % 3) * 0.25;
+        if (replay % 10 == 9) routing.one_expert = replay % E;  // Every token to one expert.
+        ri.x = testing::RandomBf16(static_cast<size_t>(ri.T) * H, rng);
+        ri.idx = testing::RandomTopk(ri.T, K, E, routing, rng);
+        ri.w = testing::RandomFloats(ri.idx.size(), rng, 0.f, 1.f);
+      }
+      return in;
+    };
+    // Launches every rank's graph, then waits for every stream (bounded).
+    auto replay_all = [&]() {
+      for (int r = 0; r < R; ++r) ASSERT_EQ(cudaGraphLaunch(rg[r].exec, stream(r)), cudaSuccess);
+      for (int r = 0; r < R; ++r) {
+        ASSERT_TRUE(DrainsWithin(stream(r), std::chrono::milliseconds(20000))) << "rank " << r;
+      }
+    };
+    auto check = [&](const std::vector<RankInputs>& in, const std::string& what) {
+      const std::vector<Blobs> want = HostProgram(shape, in);
+      for (int r = 0; r < R; ++r) {
+        const std::vector<uint8_t> count_bytes = Fetch(rg[r].d.recv_count.data(), 0, El * 4);
+        const auto* count = reinterpret_cast<const int32_t*>(count_bytes.data());
+        const Blobs got = OutputBlobs(shape, count, in[r].T, [&](int which, size_t off, size_t n) {
+          const void* base = which == 0   ? rg[r].d.recv_x.data()
+                             : which == 1 ? rg[r].d.recv_src_info.data()
+                             : which == 2 ? rg[r].d.recv_scales.data()
+                                          : rg[r].combined.data();
+          return Fetch(base, off, n);
+        });
+        ASSERT_EQ(got.size(), want[r].size()) << what << " rank " << r;
+        for (size_t i = 0; i < got.size(); ++i) {
+          ASSERT_TRUE(got[i].second == want[r][i].second)
+              << what << " rank " << r << ": " << want[r][i].first << " differs from the host";
+        }
+      }
+    };
+
+    int checked = 0;
+    for (int replay = 0; replay < 100; ++replay) {
+      std::vector<RankInputs> in = random_inputs(replay);
+      stage(in);
+      replay_all();
+      if (HasFatalFailure()) break;
+      for (int r = 0; r < R; ++r) {
+        absl::Status st = eps[r]->ProgramStatus();
+        ASSERT_TRUE(st.ok()) << "replay " << replay << " rank " << r << ": " << st;
+      }
+      check(in, absl::StrCat("replay ", replay));
+      if (HasFailure()) break;
+      ++checked;
+    }
+    EXPECT_EQ(checked, 100);
+
+    // A bad expert id at rank 0: every rank's ProgramStatus reports it; the next replay is
+    // correct.
+    {
+      std::vector<RankInputs> in = random_inputs(1);
+      in[0].T = std::max(in[0].T, 1);
+      in[0].x = testing::RandomBf16(static_cast<size_t>(in[0].T) * H, rng);
+      in[0].idx = testing::RandomTopk(in[0].T, K, E, {}, rng);
+      in[0].w = testing::RandomFloats(in[0].idx.size(), rng, 0.f, 1.f);
+      in[0].idx[0] = E + 3;
+      stage(in);
+      replay_all();
+      for (int r = 0; r < R; ++r) {
+        absl::Status st = eps[r]->ProgramStatus();
+        EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << "rank " << r << ": " << st;
+        // The dispatch (step 0) and the combine (step 1) both see the id; the latest is
+        // returned, naming the earlier one as not shown.
+        EXPECT_NE(st.message().find("rank 0"), std::string::npos) << st;
+        EXPECT_NE(st.message().find("program instance"), std::string::npos) << st;
+        EXPECT_TRUE(eps[r]->ProgramStatus().ok()) << "reported once";
+      }
+      std::vector<RankInputs> good = random_inputs(2);
+      stage(good);
+      replay_all();
+      for (int r = 0; r < R; ++r) EXPECT_TRUE(eps[r]->ProgramStatus().ok()) << "rank " << r;
+      check(good, "replay after the bad id");
+    }
+
+    // A ring op while armed: FAILED_PRECONDITION for every rank; the streams are released.
+    {
+      std::vector<int64_t> shape0{0, K};
+      DLTensor empty = MakeDLTensor(nullptr, kI64, shape0, DLDevice{kDLCUDA, g_device});
+      std::vector<PendingOp<LayoutResult>> ops;
+      for (int r = 0; r < R; ++r) {
+        auto op = eps[r]->GetDispatchLayout(empty, stream(r));
+        ASSERT_TRUE(op.ok()) << op.status();
+        ops.push_back(*op);
+      }
+      for (int r = 0; r < R; ++r) {
+        auto res = ops[r].Wait(kWait);
+        EXPECT_EQ(res.status().code(), absl::StatusCode::kFailedPrecondition) << res.status();
+        EXPECT_NE(res.status().message().find("graph-mode program armed"), std::string::npos)
+            << res.status();
+        EXPECT_TRUE(DrainsWithin(stream(r), std::chrono::milliseconds(5000))) << "rank " << r;
+      }
+    }
+
+    // Rank 0 alone replays: its dispatch waits for peers that never come. Unregister
+    // releases it (the peers' waiting instances run too), and later replays return at once.
+    {
+      std::vector<RankInputs> in = random_inputs(3);
+      stage(in);
+      ASSERT_EQ(cudaGraphLaunch(rg[0].exec, stream(0)), cudaSuccess);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      EXPECT_EQ(cudaStreamQuery(stream(0)), cudaErrorNotReady) << "rank 0 should be waiting";
+      for (const absl::Status& st :
+           OnEveryRank(R, [&](int r) { return eps[r]->UnregisterProgram(kWait); })) {
+        EXPECT_TRUE(st.ok()) << st;
+      }
+      EXPECT_TRUE(DrainsWithin(stream(0), std::chrono::milliseconds(kOpTimeoutMs + 5000)));
+      for (int r = 0; r < R; ++r) {
+        ASSERT_EQ(cudaGraphLaunch(rg[r].exec, stream(r)), cudaSuccess);
+        EXPECT_TRUE(DrainsWithin(stream(r), std::chrono::milliseconds(5000)))
+            << "rank " << r << ": a replay after UnregisterProgram must not wait";
+      }
+      // No program: a step is refused on the host.
+      ProgramDispatchArgs da;
+      da.stream = stream(0);
+      EXPECT_EQ(eps[0]->RunProgramDispatch(da).status().code(),
+                absl::StatusCode::kFailedPrecondition);
+    }
+
+    // Ring ops run again (after the daemon reset the kernels' sync state).
+    {
+      std::vector<int64_t> xs{Mll, H}, ks{Mll, K};
+      std::vector<RankInputs> in = random_inputs(4);
+      stage(in);
+      std::vector<PendingOp<LowLatencyDispatchResult>> ops;
+      std::vector<std::vector<int64_t>> xsh(R), ksh(R);
+      std::vector<DLTensor> x(R), idx(R);
+      for (int r = 0; r < R; ++r) {
+        xsh[r] = {in[r].T, H};
+        ksh[r] = {in[r].T, K};
+        x[r] = MakeDLTensor(rg[r].dx.get(), kBf16, xsh[r], DLDevice{kDLCUDA, g_device});
+        idx[r] = MakeDLTensor(rg[r].didx.get(), kI64, ksh[r], DLDevice{kDLCUDA, g_device});
+        LowLatencyDispatchArgs a;
+        a.x = &x[r];
+        a.topk_idx = &idx[r];
+        a.use_fp8 = true;
+        a.stream = stream(r);
+        auto op = eps[r]->LowLatencyDispatch(a);
+        ASSERT_TRUE(op.ok()) << op.status();
+        ops.push_back(*op);
+      }
+      for (int r = 0; r < R; ++r) {
+        auto res = ops[r].Wait(kWait);
+        EXPECT_TRUE(res.ok()) << "rank " << r << ": " << res.status();
+      }
+    }
+    for (auto& q : rg) {
+      cudaGraphExecDestroy(q.exec);
+      cudaGraphDestroy(q.graph);
+    }
+    for (int r = 0; r < R; ++r) ASSERT_EQ(cudaStreamSynchronize(stream(r)), cudaSuccess);
+  }
+}
+
+}  // namespace
+}  // namespace epd
