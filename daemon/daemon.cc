@@ -203,14 +203,27 @@ absl::Status Daemon::Init() {
   registry_ = std::make_unique<GroupRegistry>(data_plane_.get(), inventory, registry_options);
   control_ = std::make_unique<ControlService>(registry_.get(), [this] { return Stats(); });
 
-  // gRPC server: Control and Health on the unix socket and the optional TCP listener.
+  // gRPC servers: Control and Health on the unix socket (local clients: its mode and group
+  // are the access control); Health alone on the optional TCP listener, for load balancers
+  // and kubelet probes. Control has no authentication, so it is never served over TCP
+  // (DESIGN.md §3.1: Control is for local clients over the unix socket).
   EPD_RETURN_IF_ERROR(PrepareSocketPath());
   grpc::EnableDefaultHealthCheckService(true);
+  if (!config_.listen().empty()) {
+    grpc::ServerBuilder tcp_builder;
+    tcp_builder.AddListeningPort(config_.listen(), grpc::InsecureServerCredentials(), &tcp_port_);
+    tcp_builder.SetMaxReceiveMessageSize(4096);  // Health requests only.
+    tcp_control_refusal_ = std::make_unique<v1::Control::Service>();
+    tcp_builder.RegisterService(tcp_control_refusal_.get());
+    tcp_server_ = tcp_builder.BuildAndStart();
+    if (tcp_server_ == nullptr || tcp_port_ == 0) {
+      return absl::UnavailableError(
+          absl::StrCat("listen: cannot listen on ", config_.listen(),
+                       " (address in use or not permitted; see the gRPC error above)"));
+    }
+  }
   grpc::ServerBuilder builder;
   builder.AddListeningPort(unix_target(), grpc::InsecureServerCredentials());
-  if (!config_.listen().empty()) {
-    builder.AddListeningPort(config_.listen(), grpc::InsecureServerCredentials(), &tcp_port_);
-  }
   builder.SetMaxReceiveMessageSize(static_cast<int>(config_.max_request_bytes()));
   builder.RegisterService(control_.get());
   // Nobody but us may connect until the configured mode and group are applied.
@@ -220,7 +233,6 @@ absl::Status Daemon::Init() {
   if (server_ == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", unix_target(),
-                     config_.listen().empty() ? "" : absl::StrCat(" and ", config_.listen()),
                      " (address in use or not permitted; see the gRPC error above)"));
   }
   SetServing(false, "starting");
@@ -228,7 +240,10 @@ absl::Status Daemon::Init() {
   if (::stat(socket_path_.c_str(), &st) == 0) socket_inode_ = st.st_ino;
   EPD_RETURN_IF_ERROR(ApplySocketPermissions());
   if (!config_.listen().empty()) {
-    log->info("TCP listener {} (port {}): Control and Health", config_.listen(), tcp_port_);
+    log->info(
+        "TCP listener {} (port {}): grpc.health.v1 only (Control is served on the unix "
+        "socket alone)",
+        config_.listen(), tcp_port_);
   }
   if (!inventory.empty()) gpu_monitor_ = std::thread([this] { MonitorGpus(); });
   SetServing(true, "");
@@ -315,9 +330,11 @@ void Daemon::SetServing(bool serving, const std::string& why) {
     serving_ = serving;
     serving_reason_ = why;
   }
-  if (server_ != nullptr && server_->GetHealthCheckService() != nullptr) {
-    server_->GetHealthCheckService()->SetServingStatus("", serving);
-    server_->GetHealthCheckService()->SetServingStatus(kControlServiceName, serving);
+  for (grpc::Server* server : {server_.get(), tcp_server_.get()}) {
+    if (server != nullptr && server->GetHealthCheckService() != nullptr) {
+      server->GetHealthCheckService()->SetServingStatus("", serving);
+      server->GetHealthCheckService()->SetServingStatus(kControlServiceName, serving);
+    }
   }
 }
 
@@ -394,12 +411,17 @@ void Daemon::Shutdown() {
     // sessions end; otherwise they would fail as "rank N left the group".
     if (data_plane_ != nullptr) data_plane_->Shutdown();
     if (control_ != nullptr) control_->DrainSessions();
-    if (server_->GetHealthCheckService() != nullptr) server_->GetHealthCheckService()->Shutdown();
-    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(1000));
-    server_->Wait();
+    for (grpc::Server* server : {server_.get(), tcp_server_.get()}) {
+      if (server == nullptr) continue;
+      if (server->GetHealthCheckService() != nullptr) server->GetHealthCheckService()->Shutdown();
+      server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(1000));
+      server->Wait();
+    }
   }
   if (gpu_monitor_.joinable()) gpu_monitor_.join();
   server_.reset();
+  tcp_server_.reset();
+  tcp_control_refusal_.reset();
   control_.reset();
   if (registry_ != nullptr) registry_->ReleaseAll();
   registry_.reset();

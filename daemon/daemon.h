@@ -25,6 +25,7 @@
 #include "daemon/data_plane.h"
 #include "daemon/gpu_inventory.h"
 #include "epd/v1/config.pb.h"
+#include "epd/v1/control.grpc.pb.h"
 #include "epd/v1/control.pb.h"
 
 namespace grpc {
@@ -124,7 +125,12 @@ class Daemon {
   std::unique_ptr<DataPlane> data_plane_;
   std::unique_ptr<GroupRegistry> registry_;
   std::unique_ptr<ControlService> control_;
-  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> server_;      // Unix socket: Control and Health.
+  std::unique_ptr<grpc::Server> tcp_server_;  // --listen: Health only (no Control over TCP).
+  /// The generated Control base class, whose every method answers UNIMPLEMENTED: registered
+  /// on the TCP server so that it is a synchronous server (gRPC then polls its default
+  /// health service), while Control calls over TCP are refused.
+  std::unique_ptr<v1::Control::Service> tcp_control_refusal_;
   std::thread gpu_monitor_;
 
   mutable absl::Mutex mu_;

@@ -153,11 +153,33 @@ TEST_F(ControlTest, EpctlStatusGroupsHealthStatsConfig) {
               AllOf(HasSubstr(absl::StrCat("socket_path: \"", epd_->socket_path(), "\"")),
                     HasSubstr("backend: BACKEND_HOST"), HasSubstr("op_timeout_ms: 10000")));
 
-  // The TCP listener works as --socket too.
+  // The TCP listener works as --socket for health, and refuses Control (no authentication
+  // on TCP: Control is served on the unix socket alone).
   absl::StatusOr<CommandResult> over_tcp =
       RunCommand({EpctlBinary(), "--socket=" + epd_->tcp_target(), "health"});
   ASSERT_TRUE(over_tcp.ok());
   EXPECT_EQ(over_tcp->exit_code, 0) << over_tcp->stderr_text;
+  auto channel = grpc::CreateChannel(epd_->tcp_target(), grpc::InsecureChannelCredentials());
+  auto control = v1::Control::NewStub(channel);
+  for (int call = 0; call < 3; ++call) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    grpc::Status status;
+    if (call == 0) {
+      v1::GetStatsResponse r;
+      status = control->GetStats(&context, v1::GetStatsRequest(), &r);
+    } else if (call == 1) {
+      v1::ListGroupsResponse r;
+      status = control->ListGroups(&context, v1::ListGroupsRequest(), &r);
+    } else {
+      v1::LeaveGroupRequest leave;
+      leave.set_group("any");
+      v1::LeaveGroupResponse r;
+      status = control->LeaveGroup(&context, leave, &r);
+    }
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED)
+        << "Control call " << call << " over TCP: " << status.error_message();
+  }
 }
 
 TEST_F(ControlTest, EpctlJson) {
@@ -547,12 +569,11 @@ TEST_F(ControlTest, InProcessClientApi) {
   EXPECT_EQ(groups->groups(0).ranks(0).client_pid(), ::getpid());
   EXPECT_TRUE((*endpoint)->Leave().ok());
   EXPECT_EQ(JoinedRanks("api"), std::vector<int>{});
-  // Also by TCP target.
+  // Not by the TCP listener: it serves grpc.health.v1 only (Control has no authentication).
   options.socket_path = epd_->tcp_target();
   absl::StatusOr<std::unique_ptr<Client>> tcp_client = Client::Connect(options);
-  ASSERT_TRUE(tcp_client.ok()) << tcp_client.status();
+  EXPECT_FALSE(tcp_client.ok());
   // Destroying a client ends its session.
-  tcp_client->reset();
   client->reset();
   absl::Time deadline = absl::Now() + absl::Seconds(1);
   int sessions = -1;
