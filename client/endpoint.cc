@@ -99,6 +99,11 @@ std::string ShapeString(const int64_t* shape, int ndim) {
 absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTensor* t,
                          std::initializer_list<DLDataType> dtypes, std::vector<int64_t>& shape) {
   if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is required"));
+  if (t->ndim < 0 || t->ndim > 8 || (t->ndim > 0 && t->shape == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": ", name, " is a malformed DLTensor: ndim = ", t->ndim,
+        t->ndim > 0 && t->shape == nullptr ? " with a null shape array" : " (expected 0 to 8)"));
+  }
   const bool device_ok = t->device.device_type == kDLCPU || t->device.device_type == kDLCUDAHost ||
                          (cuda && t->device.device_type == kDLCUDA);
   if (!device_ok) {
@@ -358,6 +363,12 @@ struct Endpoint::Impl {
 #if EPD_HAVE_CUDA
     if (!cuda || stream != nullptr) return stream;
     internal::DeviceGuard guard(mapping->device());
+    // Created at the first op given no stream: every stream takes one of the GPU's
+    // CUDA_DEVICE_MAX_CONNECTIONS hardware queues, which streams beyond it share.
+    if (own_stream == nullptr) {
+      EPD_ASSIGN_OR_RETURN(own_stream, internal::CreateStream());
+      EPD_ASSIGN_OR_RETURN(legacy_event, internal::CreateEvent());
+    }
     EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(legacy_event.get(), cudaStreamLegacy));
     EPD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(own_stream.get(), legacy_event.get(), 0));
     return static_cast<void*>(own_stream.get());
@@ -394,6 +405,16 @@ struct Endpoint::Impl {
 #endif
     std::memcpy(At(r), src, static_cast<size_t>(n));
     return absl::OkStatus();
+  }
+
+  /// Ring ops of an endpoint with a registered graph-mode program are refused here, before
+  /// any stream work or ring slot (the daemon refuses them too, for every rank).
+  absl::Status CheckNoProgram() const {
+    if (program.empty()) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("endpoint of group ", spec.name(), " rank ", info.rank(),
+                     " has a graph-mode program armed, which alone runs on its buffers; use "
+                     "RunProgramDispatch/RunProgramCombine, or UnregisterProgram first"));
   }
 
   absl::Status CheckUsable() const {
@@ -882,9 +903,8 @@ absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
   Impl& m = *impl_;
   EPD_RETURN_IF_ERROR(m.CheckUsable());
   if (steps.empty() || steps.size() > abi::kMaxProgramSteps) {
-    return absl::InvalidArgumentError(absl::StrCat("RegisterProgram: ", steps.size(),
-                                                   " steps, outside [1, ", abi::kMaxProgramSteps,
-                                                   "]"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RegisterProgram: ", steps.size(), " steps, outside [1, ", abi::kMaxProgramSteps, "]"));
   }
   if (!m.program.empty()) {
     return absl::FailedPreconditionError(
@@ -919,8 +939,8 @@ absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
     EPD_RETURN_IF_ERROR(PreloadKernelsOnce(m.mapping->device()));
   }
 #endif
-  EPD_ASSIGN_OR_RETURN(uint64_t seq, m.Submit(abi::OpKind::kRegisterProgram, 0, 0, 1, 0, 0,
-                                              nullptr, reserved));
+  EPD_ASSIGN_OR_RETURN(uint64_t seq,
+                       m.Submit(abi::OpKind::kRegisterProgram, 0, 0, 1, 0, 0, nullptr, reserved));
   abi::Completion c;
   EPD_RETURN_IF_ERROR(m.WaitCompletion(seq, timeout, &c));
   m.program = steps;
@@ -953,8 +973,8 @@ absl::Status CheckOnDevice(const char* op, const char* name, const DLTensor* t, 
     return absl::OkStatus();
   }
   return absl::InvalidArgumentError(
-      absl::StrCat(op, ": ", name, " must be kDLCUDA memory of the endpoint's GPU (device ",
-                   device, ") so a captured step reads it at run time"));
+      absl::StrCat(op, ": ", name, " must be kDLCUDA memory of the endpoint's GPU (device ", device,
+                   ") so a captured step reads it at run time"));
 }
 
 }  // namespace
@@ -970,11 +990,11 @@ static absl::Status CheckProgramStep(Endpoint::Impl& m, ProgramStep::Op want, co
   }
   const ProgramStep& next = m.program[m.program_next];
   if (next.op != want) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        op, ": the program's next step (", m.program_next, ") is ",
-        next.op == ProgramStep::Op::kLowLatencyDispatch ? "LowLatencyDispatch"
-                                                        : "LowLatencyCombine",
-        "; steps run in program order"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(op, ": the program's next step (", m.program_next, ") is ",
+                     next.op == ProgramStep::Op::kLowLatencyDispatch ? "LowLatencyDispatch"
+                                                                     : "LowLatencyCombine",
+                     "; steps run in program order"));
   }
   return absl::OkStatus();
 }
@@ -1056,9 +1076,9 @@ absl::StatusOr<LowLatencyCombineResult> Endpoint::RunProgramCombine(
   EPD_RETURN_IF_ERROR(CheckOnDevice(kOp, "topk_idx", args.topk_idx, device));
   const int64_t C = ts[0];
   if (C > m.shape.ll_max_tokens_per_rank) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kOp, ": topk_idx has ", C, " rows > ll_max_tokens_per_rank ",
-        m.shape.ll_max_tokens_per_rank));
+    return absl::InvalidArgumentError(absl::StrCat(kOp, ": topk_idx has ", C,
+                                                   " rows > ll_max_tokens_per_rank ",
+                                                   m.shape.ll_max_tokens_per_rank));
   }
   std::vector<int64_t> ws{C, m.shape.num_topk};
   EPD_RETURN_IF_ERROR(CheckTensor(true, kOp, "topk_weights", args.topk_weights, {kF32}, ws));
@@ -1073,8 +1093,8 @@ absl::StatusOr<LowLatencyCombineResult> Endpoint::RunProgramCombine(
   const size_t i = m.program_next;
   m.program_next = (i + 1) % m.program.size();
   LowLatencyCombineResult r;
-  r.combined_x = m.View(m.layout.ll_combined_x[m.program_out_buffer[i]], kBf16,
-                        {C, m.shape.hidden});
+  r.combined_x =
+      m.View(m.layout.ll_combined_x[m.program_out_buffer[i]], kBf16, {C, m.shape.hidden});
   return r;
 #else
   (void)args;
@@ -1092,11 +1112,9 @@ absl::Status Endpoint::ProgramStatus() {
     // The latest instance whose results this endpoint's streams have seen (written by the
     // daemon's stream before done).
     internal::DeviceGuard guard(m.mapping->device());
-    EPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&instance,
-                                             m.At(m.layout.launch_flags) +
-                                                 kernels::kProgramInstanceOffset,
-                                             sizeof(instance), cudaMemcpyDeviceToHost,
-                                             m.aux_stream.get()));
+    EPD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(&instance, m.At(m.layout.launch_flags) + kernels::kProgramInstanceOffset,
+                        sizeof(instance), cudaMemcpyDeviceToHost, m.aux_stream.get()));
     EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.aux_stream.get()));
   }
 #endif
@@ -1105,9 +1123,9 @@ absl::Status Endpoint::ProgramStatus() {
   while (abi::Atomic(h->program_checked).load(std::memory_order_acquire) < instance) {
     EPD_RETURN_IF_ERROR(m.CheckUsable());
     if (std::chrono::steady_clock::now() > deadline) {
-      return absl::UnavailableError(absl::StrCat(
-          "ProgramStatus: epd did not check program instance ", instance,
-          " within op_timeout + 5 s; the daemon is gone or stuck"));
+      return absl::UnavailableError(
+          absl::StrCat("ProgramStatus: epd did not check program instance ", instance,
+                       " within op_timeout + 5 s; the daemon is gone or stuck"));
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
@@ -1137,6 +1155,7 @@ absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTens
                                                                     void* caller_stream) {
   Impl& m = *impl_;
   EPD_RETURN_IF_ERROR(m.CheckUsable());
+  EPD_RETURN_IF_ERROR(m.CheckNoProgram());
   EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(caller_stream));
   constexpr const char* kOp = "GetDispatchLayout";
   const auto op = abi::OpKind::kGetDispatchLayout;
@@ -1180,6 +1199,7 @@ absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTens
 absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs& args) {
   Impl& m = *impl_;
   EPD_RETURN_IF_ERROR(m.CheckUsable());
+  EPD_RETURN_IF_ERROR(m.CheckNoProgram());
   EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   constexpr const char* kOp = "Dispatch";
   const auto op = abi::OpKind::kDispatch;
@@ -1305,6 +1325,7 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
 absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& args) {
   Impl& m = *impl_;
   EPD_RETURN_IF_ERROR(m.CheckUsable());
+  EPD_RETURN_IF_ERROR(m.CheckNoProgram());
   EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   constexpr const char* kOp = "Combine";
   const auto op = abi::OpKind::kCombine;
@@ -1395,6 +1416,7 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
     const LowLatencyDispatchArgs& args) {
   Impl& m = *impl_;
   EPD_RETURN_IF_ERROR(m.CheckUsable());
+  EPD_RETURN_IF_ERROR(m.CheckNoProgram());
   EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   constexpr const char* kOp = "LowLatencyDispatch";
   const auto op = abi::OpKind::kLowLatencyDispatch;
@@ -1525,6 +1547,7 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
     const LowLatencyCombineArgs& args) {
   Impl& m = *impl_;
   EPD_RETURN_IF_ERROR(m.CheckUsable());
+  EPD_RETURN_IF_ERROR(m.CheckNoProgram());
   EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   constexpr const char* kOp = "LowLatencyCombine";
   const auto op = abi::OpKind::kLowLatencyCombine;
@@ -1776,8 +1799,6 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
     m->group_endpoints = std::move(group_endpoints);
     internal::DeviceGuard guard(m->mapping->device());
     EPD_ASSIGN_OR_RETURN(m->aux_stream, internal::CreateStream());
-    EPD_ASSIGN_OR_RETURN(m->own_stream, internal::CreateStream());
-    EPD_ASSIGN_OR_RETURN(m->legacy_event, internal::CreateEvent());
     if (!m->client_launched) {
       EPD_ASSIGN_OR_RETURN(m->release_word, internal::AllocatePinned(sizeof(uint64_t)));
       const uint64_t released = internal::kReleasedSeq;

@@ -116,8 +116,8 @@ TEST(DataPlaneTest, BadInputMatrixWhileAnotherGroupRuns) {
   for (const char* c :
        {"shape_mismatch", "dtype_mismatch", "tokens_over_max", "topk_idx_4", "topk_idx_-5",
         "fp8_hidden_192_join", "fp8_hidden_192_ll_dispatch", "combine_foreign_handle",
-        "combine_stale_handle", "combine_device_only_handle", "cached_device_only_handle",
-        "garbage_ring_slot", "op_after_leave"}) {
+        "combine_stale_handle", "combine_device_only_handle", "negative_ndim", "null_shape",
+        "cached_device_only_handle", "garbage_ring_slot", "op_after_leave"}) {
     EXPECT_NE(out.find(absl::StrCat("case ", c)), std::string::npos) << c << "\n" << out;
   }
   EXPECT_EQ(out.find("=> FAIL"), std::string::npos) << out;

@@ -203,6 +203,19 @@ int BadInputs() {
         [&](int r) { return Dispatch(*ep[r], in[r], r == 0 ? &in[0].xf_t : nullptr).status(); });
     check("dtype_mismatch", a, b, absl::StatusCode::kInvalidArgument, "dtype");
   }
+  // Malformed DLTensors: a negative ndim, and a null shape array.
+  {
+    DLTensor negative = in[0].x_t;
+    negative.ndim = -1;
+    auto [a, b] =
+        Both([&](int r) { return Dispatch(*ep[r], in[r], r == 0 ? &negative : nullptr).status(); });
+    check("negative_ndim", a, b, absl::StatusCode::kInvalidArgument, "malformed DLTensor");
+    DLTensor no_shape = in[0].x_t;
+    no_shape.shape = nullptr;
+    auto [c, d] =
+        Both([&](int r) { return Dispatch(*ep[r], in[r], r == 0 ? &no_shape : nullptr).status(); });
+    check("null_shape", c, d, absl::StatusCode::kInvalidArgument, "null shape array");
+  }
   Inputs many;
   many.Make(kM + 1, kH, 4);
   {
