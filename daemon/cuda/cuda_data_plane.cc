@@ -167,6 +167,11 @@ struct GpuEngine {
   std::unique_ptr<Engine> engine;
   std::mutex mu;  // Guards groups.
   std::vector<CudaGroup*> groups;
+  /// For host writes into launch_flags while the ranks' own streams are held by a
+  /// program's waits (graph mode). Created at start-up, before any rank's stream: every
+  /// stream takes one of the CUDA_DEVICE_MAX_CONNECTIONS hardware queues, and a write
+  /// queued behind a stream memory wait on a shared queue would wait with it.
+  StreamPtr aux;
 
   bool PollAll();
 };
@@ -266,9 +271,6 @@ class CudaGroup : public LockstepGroup {
   /// event after the go wait, an event after the instance, and a pinned status read-back.
   struct ProgramRank {
     std::shared_ptr<CudaRank> rank;
-    /// For host writes into the rank's launch_flags while its own stream is held by the
-    /// program's waits (non-blocking: no implicit order with any other stream).
-    StreamPtr aux;
     EventPtr waited[kProgramDepth];
     EventPtr done[kProgramDepth];
     std::unique_ptr<kc::DeviceStatus, HostFree> readback;  ///< [kProgramDepth].
@@ -396,6 +398,10 @@ absl::Status CudaDataPlaneImpl::Init() {
     EPD_RETURN_IF_ERROR(kc::PreloadKernels());
     auto engine = std::make_unique<GpuEngine>();
     engine->device = device;
+    cudaStream_t aux = nullptr;
+    EPD_RETURN_IF_ERROR(
+        EPD_CUDA_STATUS(cudaStreamCreateWithFlags(&aux, cudaStreamNonBlocking)));
+    engine->aux.reset(aux);
     EPD_ASSIGN_OR_RETURN(engine->doorbell,
                          ShmRegion::Create("epd-doorbell", sizeof(abi::DoorbellPage),
                                            options_.shm_mode, options_.shm_group));
@@ -741,7 +747,9 @@ std::optional<std::vector<RankOutcome>> CudaGroup::StartOp(
   op.stream_ordered.assign(R, false);
   op.ready_wait.assign(R, false);
   for (int r = 0; r < R; ++r) op.stream_ordered[r] = slots[r].flags & abi::kFlagStreamOrdered;
-  if (needs_sync_reset_) {
+  // Not while a program is armed: the ranks' streams are held by its waits (the only op
+  // then is UnregisterProgram, whose disarm sets the reset for the op after it).
+  if (needs_sync_reset_ && !program_) {
     absl::Status st = ResetSync();
     if (!st.ok()) {
       EngineLog()->error("group {}: resetting the kernels' sync state failed: {}", spec().name(),
@@ -820,7 +828,7 @@ void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot)
     // ring op of the group runs while a program is armed, so nothing else writes it).
     const uint64_t seq = slot.seq;
     cudaSetDevice(cr->device);
-    cudaStream_t aux = program_->ranks[rank].aux.get();
+    cudaStream_t aux = plane_->EngineOf(cr->device)->aux.get();
     cudaError_t err = cudaMemcpyAsync(cr->done_flag(), &seq, sizeof(seq), cudaMemcpyHostToDevice,
                                       aux);
     if (err == cudaSuccess) err = cudaStreamSynchronize(aux);
@@ -967,9 +975,6 @@ absl::Status CudaGroup::ArmProgram(const std::vector<ProgramStepPlan>& steps) {
     ProgramRank& pr = p.ranks[r];
     pr.rank = ranks_[r];
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(pr.rank->device)));
-    cudaStream_t aux = nullptr;
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamCreateWithFlags(&aux, cudaStreamNonBlocking)));
-    pr.aux.reset(aux);
     for (int i = 0; i < kProgramDepth; ++i) {
       cudaEvent_t e = nullptr;
       EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)));
@@ -1098,10 +1103,11 @@ void CudaGroup::DisarmProgram(const absl::Status& why) {
     for (ProgramRank& pr : p.ranks) {
       cudaSetDevice(pr.rank->device);
       if (cudaEventQuery(pr.waited[slot].get()) != cudaErrorNotReady) continue;
+      cudaStream_t aux = plane_->EngineOf(pr.rank->device)->aux.get();
       cudaMemcpyAsync(
           pr.rank->area.get() + pr.rank->launch_flags_offset + kernels::kProgramGoOffset, &kOne,
-          sizeof(kOne), cudaMemcpyHostToDevice, pr.aux.get());
-      cudaStreamSynchronize(pr.aux.get());
+          sizeof(kOne), cudaMemcpyHostToDevice, aux);
+      cudaStreamSynchronize(aux);
     }
     for (ProgramRank& pr : p.ranks) {
       cudaSetDevice(pr.rank->device);
