@@ -214,11 +214,11 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
   if (config->socket_mode().empty()) config->set_socket_mode(kDefaultSocketMode);
   if (config->backend() == v1::BACKEND_UNSPECIFIED) config->set_backend(v1::BACKEND_AUTO);
   if (config->log_level().empty()) config->set_log_level(kDefaultLogLevel);
-  if (config->op_timeout_ms() == 0) config->set_op_timeout_ms(kDefaultOpTimeoutMs);
+  if (!config->has_op_timeout_ms()) config->set_op_timeout_ms(kDefaultOpTimeoutMs);
   if (config->shm_mode().empty()) config->set_shm_mode(kDefaultShmMode);
   if (config->engine_idle_us() == 0) config->set_engine_idle_us(kDefaultEngineIdleUs);
-  if (config->max_request_bytes() == 0) config->set_max_request_bytes(kDefaultMaxRequestBytes);
-  if (config->max_groups() == 0) config->set_max_groups(kDefaultMaxGroups);
+  if (!config->has_max_request_bytes()) config->set_max_request_bytes(kDefaultMaxRequestBytes);
+  if (!config->has_max_groups()) config->set_max_groups(kDefaultMaxGroups);
 }
 
 absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
@@ -233,8 +233,21 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
                                                    "\" is longer than ", kMaxSocketPathBytes,
                                                    " bytes (the unix socket limit)"));
   }
-  EPD_RETURN_IF_ERROR(ParseFileMode("socket_mode", config.socket_mode()).status());
-  EPD_RETURN_IF_ERROR(ParseFileMode("shm_mode", config.shm_mode()).status());
+  for (const auto& [field, value] :
+       {std::pair<const char*, const std::string*>{"socket_mode", &config.socket_mode()},
+        {"shm_mode", &config.shm_mode()}}) {
+    EPD_ASSIGN_OR_RETURN(uint32_t mode, ParseFileMode(field, *value));
+    if (mode & ~0777u) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": \"", *value,
+                       "\" sets setuid, setgid or sticky bits; give permissions only "
+                       "(e.g. \"0660\")"));
+    }
+    if ((mode & 0600u) != 0600u) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": \"", *value, "\" does not let the owner read and write (needs 0600)"));
+    }
+  }
   EPD_RETURN_IF_ERROR(CheckListen(config.listen()));
   if (!v1::Backend_IsValid(config.backend())) {
     return absl::InvalidArgumentError(
@@ -251,6 +264,11 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
   }
   if (config.max_groups() == 0) {
     return absl::InvalidArgumentError("max_groups: 0 (at least 1 group must be allowed)");
+  }
+  if (config.host_threads() > kMaxHostThreads) {
+    return absl::InvalidArgumentError(absl::StrCat("host_threads: ", config.host_threads(),
+                                                   " is above the maximum ", kMaxHostThreads,
+                                                   " (0 = the hardware concurrency)"));
   }
   for (const std::string& uuid : config.gpu_uuids()) {
     if (uuid.empty()) return absl::InvalidArgumentError("gpu_uuids: an entry is empty");

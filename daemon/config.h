@@ -39,6 +39,8 @@ inline constexpr uint32_t kDefaultMaxRequestBytes = 4u << 20;
 inline constexpr uint32_t kDefaultMaxGroups = 64;
 /// Smallest accepted max_request_bytes: every control message fits in far less.
 inline constexpr uint32_t kMinMaxRequestBytes = 64u << 10;
+/// Most host-backend threads per op (host_threads).
+inline constexpr uint32_t kMaxHostThreads = 1024;
 /// Longest unix socket path (sockaddr_un.sun_path holds 108 bytes with the NUL).
 inline constexpr size_t kMaxSocketPathBytes = 107;
 

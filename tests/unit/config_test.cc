@@ -118,6 +118,12 @@ TEST(ValidateDaemonConfigTest, BadValuesAreNamed) {
             "socket_path", "aaaa"},
            {[](v1::DaemonConfig* x) { x->set_max_request_bytes(100); }, "max_request_bytes", "100"},
            {[](v1::DaemonConfig* x) { x->add_gpu_uuids(""); }, "gpu_uuids", "empty"},
+           {[](v1::DaemonConfig* x) { x->set_socket_mode("7777"); }, "socket_mode", "setuid"},
+           {[](v1::DaemonConfig* x) { x->set_socket_mode("0"); }, "socket_mode", "owner"},
+           {[](v1::DaemonConfig* x) { x->set_shm_mode("0000"); }, "shm_mode", "owner"},
+           {[](v1::DaemonConfig* x) { x->set_host_threads(100000); }, "host_threads", "100000"},
+           {[](v1::DaemonConfig* x) { x->set_op_timeout_ms(0); }, "op_timeout_ms", "0"},
+           {[](v1::DaemonConfig* x) { x->set_max_groups(0); }, "max_groups", "0"},
        }) {
     v1::DaemonConfig config;
     FillDaemonConfigDefaults(&config);
@@ -175,6 +181,30 @@ TEST(ResolveDaemonConfigTest, FlagsOverrideTheFile) {
   // And absent ones take defaults.
   EXPECT_EQ(config->shm_mode(), "0600");
   EXPECT_EQ(config->max_request_bytes(), kDefaultMaxRequestBytes);
+}
+
+// proto3 `optional`: a 0 written in the file (or given as a flag) is an error, never read
+// as "absent" and replaced by the default.
+TEST(ResolveDaemonConfigTest, ZerosInTheFileOrFlagsAreErrorsNotDefaults) {
+  for (const std::string text : {"op_timeout_ms: 0", "max_groups: 0", "max_request_bytes: 0"}) {
+    absl::StatusOr<v1::DaemonConfig> parsed = ParseDaemonConfig(text, "test.textproto");
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    v1::DaemonConfig config = *parsed;
+    FillDaemonConfigDefaults(&config);
+    absl::Status st = ValidateDaemonConfig(config);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(st.message().find(text.substr(0, text.find(':'))), std::string::npos) << st;
+  }
+  ConfigFlags zero_bytes;
+  zero_bytes.max_request_bytes = 0u;
+  absl::StatusOr<v1::DaemonConfig> resolved = ResolveDaemonConfig(zero_bytes);
+  EXPECT_EQ(resolved.status().code(), absl::StatusCode::kInvalidArgument);
+  // Absent fields still take their defaults.
+  v1::DaemonConfig empty;
+  FillDaemonConfigDefaults(&empty);
+  EXPECT_EQ(empty.op_timeout_ms(), kDefaultOpTimeoutMs);
+  EXPECT_EQ(empty.max_groups(), kDefaultMaxGroups);
+  EXPECT_TRUE(ValidateDaemonConfig(empty).ok());
 }
 
 TEST(ResolveDaemonConfigTest, DirectoryAsConfigAndSilentFlagValuesAreErrors) {
