@@ -41,17 +41,33 @@ int main(int argc, char** argv) {
   // Every thread inherits this mask: SIGTERM/SIGINT are only ever taken by the waiter below,
   // which also ends a start-up that hangs (e.g. in CUDA initialisation) instead of leaving the
   // signal pending.
+  // SIGHUP, SIGUSR1 and SIGUSR2, whose default action would kill epd without a drain or a
+  // log line, are taken too: logged and otherwise ignored (epd does not reload its
+  // configuration; restart it to change it).
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGHUP);
+  sigaddset(&stop_signals, SIGUSR1);
+  sigaddset(&stop_signals, SIGUSR2);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
   absl::Notification stop_requested;
   absl::Notification started;
   int signal_number = 0;
   std::thread([&stop_signals, &stop_requested, &started, &signal_number] {
-    sigwait(&stop_signals, &signal_number);
+    while (true) {
+      sigwait(&stop_signals, &signal_number);
+      if (signal_number == SIGTERM || signal_number == SIGINT) break;
+      epd::GetLogger(epd::kLogDaemon)
+          ->warn(
+              "received {}: ignored (epd does not reload its configuration; restart it to "
+              "change it; SIGTERM stops it)",
+              signal_number == SIGHUP    ? "SIGHUP"
+              : signal_number == SIGUSR1 ? "SIGUSR1"
+                                         : "SIGUSR2");
+    }
     stop_requested.Notify();
     if (!started.WaitForNotificationWithTimeout(absl::Seconds(4))) {
       epd::GetLogger(epd::kLogDaemon)
