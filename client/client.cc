@@ -19,7 +19,11 @@ namespace epd {
 namespace {
 
 /// Deadline of the unary control RPCs (JoinGroup allocates buffers: allow time).
-constexpr auto kRpcTimeout = std::chrono::seconds(30);
+/// Deadlines of the control RPCs. A join may allocate and zero gigabytes on a GPU; the
+/// others are cheap, so a stuck daemon costs a client seconds, not minutes, on its way out.
+constexpr auto kJoinTimeout = std::chrono::seconds(30);
+constexpr auto kRpcTimeout = std::chrono::seconds(10);
+constexpr auto kLeaveTimeout = std::chrono::seconds(5);
 
 std::string DefaultClientName() {
   std::ifstream comm("/proc/self/comm");
@@ -148,7 +152,7 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Client::Join(const JoinOptions& option
   request.set_launch_mode(options.launch_mode);
   v1::JoinGroupResponse response;
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+  context.set_deadline(std::chrono::system_clock::now() + kJoinTimeout);
   EPD_RETURN_IF_ERROR(internal::AnnotateUnavailable(
       internal::FromGrpcStatus(control->stub->JoinGroup(&context, request, &response)),
       control->target));
@@ -163,7 +167,7 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Client::Join(const JoinOptions& option
     leave_request.set_session_id(session_id);
     v1::LeaveGroupResponse leave_response;
     grpc::ClientContext leave_context;
-    leave_context.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+    leave_context.set_deadline(std::chrono::system_clock::now() + kLeaveTimeout);
     absl::Status status = internal::FromGrpcStatus(
         control->stub->LeaveGroup(&leave_context, leave_request, &leave_response));
     // Already released (the session ended, or the daemon restarted): leaving is done.
