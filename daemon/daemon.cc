@@ -1,6 +1,8 @@
 #include "daemon/daemon.h"
 
+#include <fcntl.h>
 #include <grp.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -264,6 +266,30 @@ absl::Status Daemon::PrepareSocketPath() {
           absl::StrCat("socket_path: cannot create directory ", parent.string(), ": ", ec.message(),
                        " (run epd with a RuntimeDirectory, or choose another --socket)"));
     }
+  }
+  // One epd per socket, also when two start at the same instant (both would find no live
+  // socket below, and the later bind would take the socket file from the earlier): an
+  // exclusive flock on "<socket>.lock", held for the daemon's life (released by the kernel
+  // however epd ends; the file itself stays, harmlessly).
+  const std::string lock_path = socket_path_ + ".lock";
+  socket_lock_ = ScopedFd(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  if (!socket_lock_.valid()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket_path: cannot open the lock file ", lock_path, ": ", Errno(errno)));
+  }
+  if (::flock(socket_lock_.get(), LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    socket_lock_ = ScopedFd();
+    int probe_err = 0;
+    if (ProbeUnixSocket(socket_path_, &probe_err) == SocketProbe::kLive) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: ", socket_path_, " is in use by a live ", DescribeLiveServer(socket_path_),
+          "; refusing to start a second epd on it (stop the other one or choose another "
+          "--socket)"));
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "socket_path: ", socket_path_, " is held by another epd that is starting (", lock_path,
+        " is locked: ", Errno(err), "); refusing to start a second epd on it"));
   }
   struct stat st {};
   if (::lstat(socket_path_.c_str(), &st) != 0) {

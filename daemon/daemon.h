@@ -27,6 +27,7 @@
 #include "epd/v1/config.pb.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "epd/v1/control.pb.h"
+#include "shm_region.h"
 
 namespace grpc {
 class Server;
@@ -125,6 +126,7 @@ class Daemon {
   std::unique_ptr<DataPlane> data_plane_;
   std::unique_ptr<GroupRegistry> registry_;
   std::unique_ptr<ControlService> control_;
+  ScopedFd socket_lock_;                      // flock on "<socket>.lock" (one epd per socket).
   std::unique_ptr<grpc::Server> server_;      // Unix socket: Control and Health.
   std::unique_ptr<grpc::Server> tcp_server_;  // --listen: Health only (no Control over TCP).
   /// The generated Control base class, whose every method answers UNIMPLEMENTED: registered

@@ -415,6 +415,33 @@ TEST_F(ControlTest, SecondEpdOnTheSameSocketRefusesToStart) {
   EXPECT_THAT(status.stdout_text, HasSubstr(absl::StrCat("pid ", epd_->pid())));
 }
 
+// Two epd started at the same instant on a new socket: exactly one serves, and its socket
+// file stays (the other must not take or remove it).
+TEST_F(ControlTest, TwoEpdStartedTogetherLeaveExactlyOneServing) {
+  for (int round = 0; round < 4; ++round) {
+    DaemonProcessOptions options;
+    options.socket_path = absl::StrCat(epd_->dir(), "/race", round, ".sock");
+    options.wait_serving = false;
+    options.tcp = false;
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> a = DaemonProcess::Start(options);
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> b = DaemonProcess::Start(options);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    absl::StatusOr<int> code_a = (*a)->WaitExit(absl::Seconds(3));
+    absl::StatusOr<int> code_b = (*b)->WaitExit(absl::Seconds(code_a.ok() ? 3 : 10));
+    ASSERT_NE(code_a.ok(), code_b.ok()) << "round " << round << ": exactly one must exit\n"
+                                        << (*a)->Logs() << "\n----\n"
+                                        << (*b)->Logs();
+    DaemonProcess& loser = code_a.ok() ? **a : **b;
+    DaemonProcess& winner = code_a.ok() ? **b : **a;
+    EXPECT_NE(code_a.ok() ? *code_a : *code_b, 0);
+    EXPECT_THAT(loser.Logs(), HasSubstr("refusing to start a second epd")) << round;
+    EXPECT_TRUE(winner.WaitServing(absl::Seconds(10)).ok()) << round << "\n" << winner.Logs();
+    EXPECT_TRUE(std::filesystem::exists(options.socket_path)) << round;
+    EXPECT_EQ(winner.Stop().value_or(-1), 0);
+  }
+}
+
 TEST_F(ControlTest, StaleSocketFileIsReplaced) {
   ASSERT_EQ(epd_->Stop().value_or(-1), 0);
   // Leave a socket file nobody listens on, as a SIGKILLed epd does.
