@@ -77,9 +77,8 @@ absl::StatusOr<std::vector<ProgramStepPlan>> DecodeProgram(const abi::RequestSlo
   }
   const uint64_t n = slot.reserved[0];
   if (n < 1 || n > abi::kMaxProgramSteps) {
-    return absl::InvalidArgumentError(absl::StrCat("RegisterProgram: ", n,
-                                                   " steps, outside [1, ", abi::kMaxProgramSteps,
-                                                   "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("RegisterProgram: ", n, " steps, outside [1, ", abi::kMaxProgramSteps, "]"));
   }
   std::vector<ProgramStepPlan> steps(n);
   int dispatches = 0, combines = 0, last_dispatch_buffer = -1;
@@ -104,13 +103,13 @@ absl::StatusOr<std::vector<ProgramStepPlan>> DecodeProgram(const abi::RequestSlo
           absl::StrCat("RegisterProgram: step ", i, " has round_scale without use_fp8"));
     }
     if (st.use_fp8 && !shape.use_fp8) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "RegisterProgram: step ", i, " uses FP8 but the group has use_fp8 = false"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterProgram: step ", i, " uses FP8 but the group has use_fp8 = false"));
     }
     if (st.use_fp8 && shape.hidden % kernels::kFp8BlockChannels != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "RegisterProgram: step ", i, " uses FP8, which needs hidden % 128 == 0, hidden = ",
-          shape.hidden));
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterProgram: step ", i,
+                       " uses FP8, which needs hidden % 128 == 0, hidden = ", shape.hidden));
     }
     if (dispatch) {
       st.buffer = dispatches++ % kernels::kLowLatencyBuffers;
@@ -489,11 +488,11 @@ bool LockstepGroup::Poll() {
           ep->request->op == static_cast<uint32_t>(abi::OpKind::kUnregisterProgram)) {
         continue;
       }
-      const absl::Status st = absl::FailedPreconditionError(absl::StrCat(
-          OpName(ep->request->op), " (op ", current_seq_, ", rank ", r, ") refused: group ",
-          spec_.name(),
-          " has a graph-mode program armed, which alone runs on its buffers; call "
-          "UnregisterProgram on every rank first"));
+      const absl::Status st = absl::FailedPreconditionError(
+          absl::StrCat(OpName(ep->request->op), " (op ", current_seq_, ", rank ", r,
+                       ") refused: group ", spec_.name(),
+                       " has a graph-mode program armed, which alone runs on its buffers; call "
+                       "UnregisterProgram on every rank first"));
       FailOp(st);
       return true;
     }
@@ -573,10 +572,10 @@ bool LockstepGroup::RunOp() {
                                            : std::string("(no step)");
         };
         if (name(0) != name(r)) {
-          FailOp(absl::FailedPreconditionError(absl::StrCat(
-              "RegisterProgram: ranks disagree on the program of group ", spec_.name(),
-              ": step ", i, " is ", name(0), " at rank 0 but ", name(r), " at rank ", r,
-              " (every rank must register the same program)")));
+          FailOp(absl::FailedPreconditionError(
+              absl::StrCat("RegisterProgram: ranks disagree on the program of group ", spec_.name(),
+                           ": step ", i, " is ", name(0), " at rank 0 but ", name(r), " at rank ",
+                           r, " (every rank must register the same program)")));
           return true;
         }
       }

@@ -399,8 +399,7 @@ absl::Status CudaDataPlaneImpl::Init() {
     auto engine = std::make_unique<GpuEngine>();
     engine->device = device;
     cudaStream_t aux = nullptr;
-    EPD_RETURN_IF_ERROR(
-        EPD_CUDA_STATUS(cudaStreamCreateWithFlags(&aux, cudaStreamNonBlocking)));
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamCreateWithFlags(&aux, cudaStreamNonBlocking)));
     engine->aux.reset(aux);
     EPD_ASSIGN_OR_RETURN(engine->doorbell,
                          ShmRegion::Create("epd-doorbell", sizeof(abi::DoorbellPage),
@@ -606,9 +605,9 @@ absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankRes
 
 void CudaGroup::RankDetached(int32_t rank) {
   if (program_) {
-    DisarmProgram(absl::FailedPreconditionError(absl::StrCat(
-        "rank ", rank, " left group ", spec().name(),
-        ": its graph-mode program was disarmed; rejoin and register it again")));
+    DisarmProgram(absl::FailedPreconditionError(
+        absl::StrCat("rank ", rank, " left group ", spec().name(),
+                     ": its graph-mode program was disarmed; rejoin and register it again")));
   }
   ranks_[rank].reset();
   host_bases_[rank] = nullptr;
@@ -829,8 +828,8 @@ void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot)
     const uint64_t seq = slot.seq;
     cudaSetDevice(cr->device);
     cudaStream_t aux = plane_->EngineOf(cr->device)->aux.get();
-    cudaError_t err = cudaMemcpyAsync(cr->done_flag(), &seq, sizeof(seq), cudaMemcpyHostToDevice,
-                                      aux);
+    cudaError_t err =
+        cudaMemcpyAsync(cr->done_flag(), &seq, sizeof(seq), cudaMemcpyHostToDevice, aux);
     if (err == cudaSuccess) err = cudaStreamSynchronize(aux);
     if (err != cudaSuccess) {
       EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
@@ -949,8 +948,7 @@ std::vector<RankOutcome> CudaGroup::ProgramOp(const OpPlan& plan, int R) {
     if (!st.ok()) {
       program_.reset();
       plane_->ReleaseGpus(this);
-      EngineLog()->error("group {}: arming the program failed: {}", spec().name(),
-                         st.ToString());
+      EngineLog()->error("group {}: arming the program failed: {}", spec().name(), st.ToString());
     } else {
       std::string steps;
       for (const ProgramStepPlan& p : plan.program) {
@@ -1178,8 +1176,11 @@ bool CudaGroup::PollBackground() {
     for (int r = 0; r < R && done; ++r) {
       cudaSetDevice(p.ranks[r].rank->device);
       cudaError_t err = cudaEventQuery(p.ranks[r].done[slot].get());
-      if (err == cudaErrorNotReady) done = false;
-      else if (err != cudaSuccess) event_error[r] = EPD_CUDA_STATUS(err);
+      if (err == cudaErrorNotReady) {
+        done = false;
+      } else if (err != cudaSuccess) {
+        event_error[r] = EPD_CUDA_STATUS(err);
+      }
     }
     if (!done) break;
     const ProgramStepPlan& step = p.steps[in.step];
@@ -1187,16 +1188,17 @@ bool CudaGroup::PollBackground() {
     absl::Status bad;
     bool disarm = false;
     for (int r = 0; r < R && bad.ok(); ++r) {
-      absl::Status st = !in.launch[r].ok()      ? in.launch[r]
-                        : !event_error[r].ok() ? event_error[r]
-                                               : kc::StatusFromDevice(p.ranks[r].readback.get()[slot],
-                                                                      shape(), r, name, true);
+      absl::Status st =
+          !in.launch[r].ok() ? in.launch[r]
+          : !event_error[r].ok()
+              ? event_error[r]
+              : kc::StatusFromDevice(p.ranks[r].readback.get()[slot], shape(), r, name, true);
       if (!st.ok()) {
         disarm = !in.launch[r].ok() || !event_error[r].ok() ||
                  st.code() == absl::StatusCode::kDeadlineExceeded;
-        bad = absl::Status(st.code(), absl::StrCat("program instance ", in.k, " step ", in.step,
-                                                   " (", ProgramStepName(step), "): rank ", r,
-                                                   ": ", st.message()));
+        bad = absl::Status(st.code(),
+                           absl::StrCat("program instance ", in.k, " step ", in.step, " (",
+                                        ProgramStepName(step), "): rank ", r, ": ", st.message()));
       }
     }
     const uint64_t k = in.k;

@@ -40,7 +40,30 @@
 //    kernels itself); the engine never launches anything for it and completes every slot
 //    of its ring at once with FAILED_PRECONDITION.
 //
-// Simplification of this step (docs/CUDA_BACKEND.md): graph mode comes next.
+//  * Graph mode (DESIGN.md §3.2; daemon-launched endpoints; client.h RegisterProgram): every
+//    rank registers the same program of low-latency steps with a lockstep ring op
+//    (abi::OpKind::kRegisterProgram; LockstepGroup checks that the ranks agree, naming the
+//    first differing step). Arming claims the group's GPUs until the program is disarmed
+//    (other groups' ops on them wait, and fail after op_timeout). While armed the engine
+//    keeps kProgramDepth (2) instances enqueued on every rank's stream: instance k waits on
+//    the GPU for launch_flags go >= 1 (cuStreamWaitValue64; the client's captured step
+//    writes 1 once its inputs and T are staged), writes go = 0, runs the step's kernels
+//    (a dispatch reads T from the rank's token-count slot; fixed buffers per step, group_ops.h
+//    ProgramStepPlan), reads the status back, writes the instance number and done = 1. The
+//    engine polls each instance's events (it does not sleep while armed), publishes errors
+//    and the checked instance in the endpoint's shm header (program_* fields, read by
+//    Endpoint::ProgramStatus), and enqueues the next instance. A device-side timeout or a
+//    launch error disarms the program. Disarming (UnregisterProgram, a rank leaving, a
+//    timeout, shutdown) releases every instance still waiting (go = 1 from the host, in
+//    instance order, through the engine's aux stream), then writes done = kProgramReleased
+//    on every rank's stream (sticky: client streams running further steps pass at once),
+//    and resets the kernels' sync state before the group's next op. Ring ops of an armed
+//    group fail with FAILED_PRECONDITION for every rank; stream-ordered ones get done_seq
+//    from the host (their ranks' streams are held by the program's waits).
+//    Caveat (in-process use, e.g. tests): stream memory waits enqueued ahead hold their
+//    hardware queue; streams beyond CUDA_DEVICE_MAX_CONNECTIONS (32) share queues, and a
+//    write queued behind such a wait waits with it. The daemon creates its aux stream at
+//    start-up; a daemon with more than 32 streams per GPU has the same hazard.
 #pragma once
 
 #include <cstdint>

@@ -15,9 +15,8 @@ __global__ void DequantScaleExpertsKernel(const kernels::e4m3_bits* x, const flo
     const int64_t h = i % H;
     const int64_t j = row / rows;
     const float s = 0.5f + 0.25f * static_cast<float>(j % 4);
-    const float v = __fmul_rn(__fmul_rn(kernels::E4m3ToFloat(x[i]),
-                                        scales[row * S + h / kernels::kFp8BlockChannels]),
-                              s);
+    const float v = __fmul_rn(
+        __fmul_rn(kernels::E4m3ToFloat(x[i]), scales[row * S + h / kernels::kFp8BlockChannels]), s);
     y[i] = kernels::FloatToBf16(v);
   }
 }

@@ -25,8 +25,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <functional>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <random>
 #include <span>
@@ -139,7 +139,7 @@ std::vector<Blobs> HostProgram(const GroupShape& g, const std::vector<RankInputs
       handle(R, std::vector<int32_t>(static_cast<size_t>(g.ll_max_tokens_per_rank) * K));
   std::vector<host::LowLatencyDispatchRankArgs> da(R);
   for (int r = 0; r < R; ++r) {
-    da[r] = {in[r].T,          in[r].x.data(),   in[r].idx.data(), recv_x[r].data(),
+    da[r] = {in[r].T,          in[r].x.data(),  in[r].idx.data(), recv_x[r].data(),
              scales[r].data(), count[r].data(), src[r].data(),    handle[r].data()};
   }
   absl::Status st = host::LowLatencyDispatch(g, {/*use_fp8=*/true, false}, std::span(da));
@@ -157,8 +157,8 @@ std::vector<Blobs> HostProgram(const GroupShape& g, const std::vector<RankInputs
   }
   std::vector<host::LowLatencyCombineRankArgs> ca(R);
   for (int r = 0; r < R; ++r) {
-    ca[r] = {in[r].T, in[r].idx.data(), in[r].w.data(), handle[r].data(), y[r].data(),
-             combined[r].data()};
+    ca[r] = {in[r].T,          in[r].idx.data(), in[r].w.data(),
+             handle[r].data(), y[r].data(),      combined[r].data()};
   }
   st = host::LowLatencyCombine(g, std::span(ca));
   EXPECT_TRUE(st.ok()) << st;

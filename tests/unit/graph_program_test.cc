@@ -58,8 +58,8 @@ class ProgramRing {
   uint64_t Submit(abi::RequestSlot slot) {
     slot.seq = next_seq_++;
     abi::EndpointShmHeader* h = ring_->header();
-    auto* ring = reinterpret_cast<abi::RequestSlot*>(reinterpret_cast<uint8_t*>(h) +
-                                                     h->ring_offset);
+    auto* ring =
+        reinterpret_cast<abi::RequestSlot*>(reinterpret_cast<uint8_t*>(h) + h->ring_offset);
     const uint64_t head = abi::Atomic(h->ring_head).load();
     std::memcpy(&ring[(head + 1) % abi::kRingCapacity], &slot, sizeof(slot));
     abi::Atomic(h->ring_head).store(head + 1, std::memory_order_release);
@@ -114,11 +114,13 @@ TEST(DecodeProgramTest, BadProgramsNameTheStep) {
   const std::vector<Case> cases = {
       {{}, absl::StatusCode::kInvalidArgument, "0 steps"},
       {std::vector<uint8_t>(17, kD), absl::StatusCode::kInvalidArgument, "17 steps"},
-      {{kD, static_cast<uint8_t>(Op::kDispatch)}, absl::StatusCode::kInvalidArgument,
+      {{kD, static_cast<uint8_t>(Op::kDispatch)},
+       absl::StatusCode::kInvalidArgument,
        "step 1 (byte 0x2) is Dispatch"},
       {{kD8}, absl::StatusCode::kInvalidArgument, "step 0 uses FP8"},
       {{abi::EncodeProgramStep(Op::kLowLatencyDispatch, false, true)},
-       absl::StatusCode::kInvalidArgument, "round_scale without use_fp8"},
+       absl::StatusCode::kInvalidArgument,
+       "round_scale without use_fp8"},
       {{kC}, absl::StatusCode::kInvalidArgument, "no LowLatencyDispatch"},
   };
   for (const Case& c : cases) {
@@ -214,7 +216,8 @@ TEST_F(ProgramRulesTest, MismatchedProgramsFailNamingTheStep) {
   // A shorter program differs at its missing step.
   const uint64_t seq2 = rings_[0]->Submit(ProgramSlot({kD, kC}));
   rings_[1]->Submit(ProgramSlot({kD}));
-  ExpectBoth(seq2, absl::StatusCode::kFailedPrecondition, "step 1 is LowLatencyCombine at rank 0 but (no step)");
+  ExpectBoth(seq2, absl::StatusCode::kFailedPrecondition,
+             "step 1 is LowLatencyCombine at rank 0 but (no step)");
   EXPECT_FALSE(group_->armed());
   EXPECT_TRUE(group_->started().empty());
 }
@@ -278,8 +281,7 @@ TEST(HostDataPlaneProgramTest, RegisterIsUnimplementedNamingTheCudaBackend) {
   for (int r = 0; r < 2; ++r) {
     auto c = rings[r]->raw().Await(seq, std::chrono::milliseconds(5000));
     ASSERT_TRUE(c.has_value()) << "rank " << r << " got no completion";
-    EXPECT_EQ(c->status_code, static_cast<int32_t>(absl::StatusCode::kUnimplemented))
-        << c->message;
+    EXPECT_EQ(c->status_code, static_cast<int32_t>(absl::StatusCode::kUnimplemented)) << c->message;
     EXPECT_THAT(std::string(c->message), HasSubstr("need the CUDA backend"));
   }
   // The group keeps working.
