@@ -15,13 +15,19 @@
 namespace epd {
 namespace {
 
+/// 128 bits from the kernel's CSPRNG (std::random_device reads /dev/urandom on Linux): a
+/// session id is a capability (Join and Leave in that session's name), so it must not be
+/// predictable from others.
 std::string NewSessionId() {
   static std::mutex mu;
   static std::random_device device;
-  static std::mt19937_64 rng((static_cast<uint64_t>(device()) << 32) ^ device() ^
-                             static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
   std::lock_guard<std::mutex> lock(mu);
-  return absl::StrFormat("%016x%016x", rng() ^ device(), rng());
+  return absl::StrFormat("%08x%08x%08x%08x", device(), device(), device(), device());
+}
+
+/// The part of a session id that ListGroups shows.
+std::string RedactSessionId(const std::string& id) {
+  return id.size() <= 8 ? id : id.substr(0, 8) + "...";
 }
 
 }  // namespace
@@ -254,7 +260,9 @@ v1::ListGroupsResponse GroupRegistry::ListGroups() const {
       v1::RankInfo* r = info->add_ranks();
       r->set_rank(rank);
       r->set_gpu_uuid(slot.gpu_uuid);
-      r->set_session_id(slot.session_id);
+      // Only a prefix: a session id is the capability to leave or join in that session's
+      // name, and ListGroups is readable by every client of the socket.
+      r->set_session_id(RedactSessionId(slot.session_id));
       r->set_client_pid(slot.client_pid);
       r->set_ops_completed(group.data->rank_ops_completed(rank));
     }
