@@ -18,6 +18,13 @@
 // with FAILED_PRECONDITION; a replay run by rank 0 alone (its dispatch waits for peers that
 // never come) is released by UnregisterProgram, and later replays return at once; the group's
 // ring ops work again.
+//
+// Each test must run in a process of its own (it skips itself otherwise, saying so):
+//   epd_gpu_tests --gtest_filter=GraphProgramTest.TwoRanks
+//   epd_gpu_tests --gtest_filter=GraphProgramTest.EightRanks
+// In-process, the daemon's streams (whose program waits are enqueued ahead) and the
+// client's share the GPU's 32 hardware queues; 8 ranks use 25 streams, under that limit
+// only when no other test created streams before.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -223,6 +230,14 @@ class GraphProgramTest : public ::testing::Test {
   }
   void SetUp() override {
     if (skip_reason_ != nullptr) GTEST_SKIP() << *skip_reason_;
+    if (::testing::UnitTest::GetInstance()->test_to_run_count() != 1) {
+      GTEST_SKIP() << "GraphProgramTest runs only as the one test of its process "
+                      "(--gtest_filter=GraphProgramTest.TwoRanks, then a second process with "
+                      "GraphProgramTest.EightRanks): in one process the daemon's and the "
+                      "client's streams share the GPU's CUDA_DEVICE_MAX_CONNECTIONS (32) "
+                      "hardware queues, and beyond 32 streams a stream memory wait enqueued "
+                      "ahead can hold an unrelated stream's work (see the file comment)";
+    }
     ASSERT_NE(client_, nullptr) << "the in-process epd did not start (see the first test)";
     ASSERT_EQ(cudaSetDevice(g_device), cudaSuccess);
   }
