@@ -83,6 +83,11 @@ else
   done
   "$BUILD_DIR/client/epctl" --socket="$gpu_tmp/epd.sock" status || fail "epd --backend=cuda not serving"
   EPD_TEST_SOCKET="$gpu_tmp/epd.sock" "$gpu_tests" || fail "GPU tests"
+  # The graph-mode program tests run one per process (they skip themselves otherwise: the
+  # daemon plane and the client share the GPU's hardware queues in one process).
+  for t in GraphProgramTest.TwoRanks GraphProgramTest.EightRanks; do
+    timeout 300 "$gpu_tests" --gtest_filter="$t" || fail "GPU test $t"
+  done
 fi
 
 step "6/6 example configs parse as epd.v1.DaemonConfig"
