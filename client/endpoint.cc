@@ -417,17 +417,29 @@ struct Endpoint::Impl {
                      "RunProgramDispatch/RunProgramCombine, or UnregisterProgram first"));
   }
 
+  /// The error for a closed endpoint (EndpointShmHeader::daemon_closed), OK when open.
+  absl::Status ClosedStatus(const std::string& prefix) const {
+    const uint32_t closed = abi::Atomic(header->daemon_closed).load(std::memory_order_acquire);
+    if (closed == 0) return absl::OkStatus();
+    if (closed == abi::kClosedRankRemoved) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          prefix, "rank ", info.rank(), " of group ", spec.name(),
+          " was removed from its group by epd (a LeaveGroup in this session's name, or the "
+          "session ended); Join again"));
+    }
+    return absl::UnavailableError(
+        absl::StrCat(prefix, "epd is shutting down: it closed this endpoint"));
+  }
+
   absl::Status CheckUsable() const {
-    if (abi::Atomic(header->daemon_closed).load(std::memory_order_acquire) != 0) {
-      return absl::UnavailableError("epd is shutting down: it closed this endpoint");
-    }
-    if (session != nullptr && session->lost()) {
-      return absl::UnavailableError(
-          "the Session with epd ended (the daemon died or restarted): this endpoint is gone");
-    }
     if (left) {
       return absl::FailedPreconditionError(absl::StrCat("endpoint of group ", spec.name(), " rank ",
                                                         info.rank(), " has left its group"));
+    }
+    EPD_RETURN_IF_ERROR(ClosedStatus(""));
+    if (session != nullptr && session->lost()) {
+      return absl::UnavailableError(
+          "the Session with epd ended (the daemon died or restarted): this endpoint is gone");
     }
     return absl::OkStatus();
   }
@@ -586,8 +598,7 @@ struct Endpoint::Impl {
       }
       if (abi::Atomic(header->daemon_closed).load(std::memory_order_acquire) != 0 &&
           abi::Atomic(c.seq).load(std::memory_order_acquire) != seq) {
-        return absl::UnavailableError(
-            absl::StrCat("op ", seq, ": epd is shutting down: it closed this endpoint"));
+        return ClosedStatus(absl::StrCat("op ", seq, ": "));
       }
       if (now >= daemon_gone) {
         return absl::UnavailableError(

@@ -202,6 +202,8 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   info->set_first_seq(first_seq);
   EPD_RETURN_IF_ERROR(RankAttached(rank, ep->backend));
   endpoints_[rank] = std::move(ep);
+  departed_.resize(endpoints_.size(), false);
+  departed_[rank] = false;
   EngineLog()->info("group {}: rank {} attached (endpoint {}, backend {}, {} bytes of shm)",
                     spec_.name(), rank, endpoints_[rank]->endpoint_id, info->backend(),
                     shm.total_bytes);
@@ -215,12 +217,22 @@ void LockstepGroup::DetachRank(int32_t rank) {
     if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size())) return;
     ep = std::move(endpoints_[rank]);
     if (!ep) return;
+    // Its client, if alive (removed by another session's LeaveGroup), fails its waits at
+    // once with FAILED_PRECONDITION instead of waiting for a completion that never comes.
+    uint32_t open = 0;  // A shutdown's kClosedShutdown stays.
+    abi::Atomic(ep->header->daemon_closed)
+        .compare_exchange_strong(open, abi::kClosedRankRemoved, std::memory_order_seq_cst);
+    FutexWakeAll(&ep->header->completion_futex);
+    departed_.resize(endpoints_.size(), false);
     // A rank that already arrived at a running op stays part of it (its resources live
-    // on in the backend's running op); one that never arrived fails the op.
+    // on in the backend's running op); one that never arrived fails the op. Otherwise the
+    // group's next op that waits for it fails at once (departed_).
     if (op_started_ && !running_ && !ep->request.has_value()) {
       FailOp(absl::DeadlineExceededError(absl::StrCat("op ", current_seq_, " of group ",
                                                       spec_.name(), ": rank ", rank,
                                                       " left the group before arriving")));
+    } else {
+      departed_[rank] = true;
     }
     if (ep->request && !(running_ && ep->request->seq == running_->seq)) {
       OpEndedWithoutLaunch(rank, *ep->request);  // Its client is gone: no completion.
@@ -258,7 +270,7 @@ void LockstepGroup::FailAll(const absl::Status& status) {
       }
     }
     // Later submits and waits of this endpoint's client fail at once (shm_abi.h).
-    abi::Atomic(ep->header->daemon_closed).store(1, std::memory_order_seq_cst);
+    abi::Atomic(ep->header->daemon_closed).store(abi::kClosedShutdown, std::memory_order_seq_cst);
     abi::Atomic(ep->header->completion_futex).fetch_add(1, std::memory_order_seq_cst);
     FutexWakeAll(&ep->header->completion_futex);
   }
@@ -500,6 +512,21 @@ bool LockstepGroup::Poll() {
   std::vector<int32_t> missing;
   for (size_t r = 0; r < endpoints_.size(); ++r) {
     if (!endpoints_[r] || !endpoints_[r]->request) missing.push_back(static_cast<int32_t>(r));
+  }
+  // A rank that left or died since the last op cannot arrive unless it rejoins: fail the op
+  // at once instead of after op_timeout (once per departure; see departed_).
+  std::vector<int32_t> gone;
+  for (int32_t r : missing) {
+    if (static_cast<size_t>(r) < departed_.size() && departed_[r]) gone.push_back(r);
+  }
+  if (!gone.empty()) {
+    for (int32_t r : gone) departed_[r] = false;
+    absl::Status st = absl::DeadlineExceededError(absl::StrCat(
+        "op ", current_seq_, " of group ", spec_.name(), ": rank(s) ", absl::StrJoin(gone, ", "),
+        " left the group (their client left or died) and did not rejoin"));
+    EngineLog()->warn("{}", std::string(st.message()));
+    FailOp(st);
+    return true;
   }
   if (missing.empty()) {
     if (RunOp()) return true;

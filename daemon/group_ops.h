@@ -113,10 +113,10 @@ std::string ProgramStepName(const ProgramStepPlan& step);
 struct OpPlan {
   uint64_t seq = 0;
   abi::OpKind op = abi::OpKind::kInvalid;
-  uint32_t flags = 0;        ///< Rank 0's flags (all ranks agree on the op's flags).
-  int ll_buffer = 0;         ///< LowLatencyDispatch: the buffer set it writes.
-  int ll_handle_buffer = 0;  ///< LowLatencyCombine: the buffer of its dispatch.
-  int ll_out_buffer = 0;     ///< LowLatencyCombine: the ll_combined_x buffer it writes.
+  uint32_t flags = 0;                    ///< Rank 0's flags (all ranks agree on the op's flags).
+  int ll_buffer = 0;                     ///< LowLatencyDispatch: the buffer set it writes.
+  int ll_handle_buffer = 0;              ///< LowLatencyCombine: the buffer of its dispatch.
+  int ll_out_buffer = 0;                 ///< LowLatencyCombine: the ll_combined_x buffer it writes.
   std::vector<ProgramStepPlan> program;  ///< kRegisterProgram: the agreed program.
 };
 
@@ -265,6 +265,10 @@ class LockstepGroup : public DataPlaneGroup {
   kernels::EndpointLayout layout_;
   LockstepOptions options_;
   std::vector<std::unique_ptr<LockstepEndpoint>> endpoints_;
+  /// departed_[r]: rank r was attached and then detached (left, or its client died) and
+  /// has not rejoined; the group's next op that waits for it fails at once (once: later
+  /// ops wait op_timeout for a rejoin again, a natural back-off for retrying peers).
+  std::vector<bool> departed_;
   uint64_t current_seq_ = 1;  ///< The group op being collected or running.
   std::optional<std::chrono::steady_clock::time_point> op_started_;
   std::optional<OpPlan> running_;  ///< The op the backend is running.

@@ -18,7 +18,7 @@
 
 namespace epd::abi {
 
-inline constexpr uint32_t kShmAbiVersion = 4;
+inline constexpr uint32_t kShmAbiVersion = 5;
 inline constexpr uint32_t kEndpointMagic = 0x45504431;  // "EPD1"
 inline constexpr uint32_t kRequestMagic = 0x52455131;   // "REQ1"
 inline constexpr uint32_t kDoorbellMagic = 0x44424c31;  // "DBL1"
@@ -102,6 +102,11 @@ constexpr uint8_t ProgramStepByte(const uint64_t reserved[3], uint32_t i) {
   return static_cast<uint8_t>((reserved[1 + i / 8] >> (8 * (i % 8))) & 0xff);
 }
 
+/// EndpointShmHeader::daemon_closed values.
+inline constexpr uint32_t kClosedShutdown = 1;     ///< epd is shutting down.
+inline constexpr uint32_t kClosedRankRemoved = 2;  ///< The rank was detached from its group
+                                                   ///< (LeaveGroup, or its Session ended).
+
 /// One request, written by the client into ring slot `seq % kRingCapacity`, then
 /// published by advancing EndpointShmHeader::ring_head (release).
 struct RequestSlot {
@@ -156,8 +161,9 @@ struct EndpointShmHeader {
   alignas(64) uint32_t completion_futex;   ///< Bumped by the daemon on every completion.
   uint32_t client_waiting;                 ///< Client sleeps on completion_futex when set.
   alignas(64) uint64_t rejected_requests;  ///< Malformed slots seen (diagnostics).
-  uint32_t daemon_closed;  ///< Set by the daemon when it stops serving this endpoint
-                           ///< (shutdown): waits and submits then fail with UNAVAILABLE.
+  uint32_t daemon_closed;  ///< Set by the daemon when it stops serving this endpoint:
+                           ///< kClosedShutdown (waits and submits then fail with
+                           ///< UNAVAILABLE) or kClosedRankRemoved (FAILED_PRECONDITION).
   uint8_t pad1[52];
   // ---- graph-mode program status (DESIGN.md §3.2), written by the daemon's engine ----
   /// Program instances (1, 2, ...) whose device status the engine has checked (release,

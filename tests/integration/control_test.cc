@@ -9,6 +9,7 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -576,6 +577,48 @@ TEST(ControlClientTest, ConnectWithoutDaemonIsUnavailableNamingTheSocket) {
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
   EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(client.status().message()), HasSubstr("/tmp/epd-no-daemon-here.sock"));
+}
+
+// A rank removed by epd while its client waits (here a LeaveGroup in the session's name
+// from another thread): the wait fails at once with FAILED_PRECONDITION saying so, not with
+// "daemon gone" after op_timeout + 5 s; later ops are refused the same way.
+TEST_F(ControlTest, ARemovedRanksWaitingOpFailsAtOnceNamingTheRemoval) {
+  ClientOptions options;
+  options.socket_path = epd_->socket_path();
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  JoinOptions join;
+  join.spec.set_name("evicted");
+  join.spec.set_num_ranks(2);  // Rank 1 never comes: rank 0's op waits (op_timeout 10 s).
+  join.spec.set_num_experts(4);
+  join.spec.set_hidden(128);
+  join.spec.set_num_topk(2);
+  join.spec.set_max_tokens_per_rank(8);
+  absl::StatusOr<std::unique_ptr<Endpoint>> endpoint = (*client)->Join(join);
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  std::vector<int64_t> idx(4 * 2, 1);
+  std::vector<int64_t> shape = {4, 2};
+  DLTensor topk_idx = MakeDLTensor(idx.data(), DLDataType{kDLInt, 64, 1}, shape);
+  auto op = (*endpoint)->GetDispatchLayout(topk_idx);
+  ASSERT_TRUE(op.ok()) << op.status();
+  const absl::Time start = absl::Now();
+  std::thread evict([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    grpc::ClientContext context;
+    v1::LeaveGroupRequest leave;
+    leave.set_group("evicted");
+    leave.set_rank(0);
+    leave.set_session_id((*client)->session_id());
+    v1::LeaveGroupResponse response;
+    EXPECT_TRUE(Stub()->LeaveGroup(&context, leave, &response).ok());
+  });
+  absl::StatusOr<LayoutResult> result = op->Wait();
+  evict.join();
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition) << result.status();
+  EXPECT_THAT(std::string(result.status().message()), HasSubstr("was removed from its group"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  auto again = (*endpoint)->GetDispatchLayout(topk_idx);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition) << again.status();
 }
 
 TEST_F(ControlTest, InProcessClientApi) {

@@ -509,6 +509,23 @@ TEST_F(OpEndedWithoutLaunchTest, RankLeavingAndShutdownEndPendingRequests) {
   EXPECT_EQ(ended[3], (std::pair<int32_t, uint64_t>{1, next}));
 }
 
+// A rank that left (or whose client died) while no op was in flight: the group's next op
+// that waits for it fails at once, not after op_timeout; only once, so the op after that
+// waits op_timeout for a rejoin again. A rejoined rank makes ops run again.
+TEST_F(OpEndedWithoutLaunchTest, AnOpWaitingForADepartedRankFailsAtOnceAndOnlyOnce) {
+  Open(2, 5000);
+  group_->DetachRank(1);
+  const auto start = std::chrono::steady_clock::now();
+  const uint64_t seq = rings_[0]->Submit(abi::OpKind::kGetDispatchLayout, kOrdered, 1);
+  auto c = Await(0, seq, 1000);
+  ASSERT_TRUE(c.has_value()) << "the op waited for the departed rank";
+  EXPECT_EQ(c->status_code, static_cast<int32_t>(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(std::string(c->message), HasSubstr("rank(s) 1 left the group"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(1000));
+  const uint64_t next = rings_[0]->Submit(abi::OpKind::kGetDispatchLayout, kOrdered, 1);
+  EXPECT_FALSE(Await(0, next, 300).has_value()) << "the second op must wait for a rejoin";
+}
+
 TEST_F(OpEndedWithoutLaunchTest, RefusedRankHasEverySlotCompletedAtOnce) {
   Open(2, 5000);
   group_->RefuseRank(1);
