@@ -48,6 +48,7 @@
 #include "epd/client.h"
 #include "epd/kernels/host_ops.h"
 #include "gpu_test_util.h"
+#include "in_process_epd.h"
 
 namespace epd {
 namespace {
@@ -354,51 +355,29 @@ class ClientLaunchTest : public ::testing::Test {
   static void SetUpTestSuite() {
     std::string why;
     if (!testing::HaveGpu(&why)) {
-      skip_reason_ = new std::string(why);
+      SkipReason() = why;
       return;
     }
-    char dir[] = "/tmp/epd_client_launch_XXXXXX";
-    ASSERT_NE(::mkdtemp(dir), nullptr);
-    dir_ = new std::string(dir);
-    v1::DaemonConfig config;
-    config.set_socket_path(*dir_ + "/epd.sock");
-    config.set_socket_mode("0600");
-    config.set_log_level("warn");
-    config.set_backend(v1::BACKEND_CUDA);
-    FillDaemonConfigDefaults(&config);
-    config.set_op_timeout_ms(kOpTimeoutMs);
-    DaemonOptions options;
-    options.drain_grace = absl::Milliseconds(10);
-    auto daemon = Daemon::Start(config, options);
-    ASSERT_TRUE(daemon.ok()) << daemon.status();
-    daemon_ = daemon->release();
-    internal::SetInProcessAreaResolver(FindInProcessCudaArea);
-    ClientOptions co;
-    co.socket_path = daemon_->socket_path();
-    co.client_name = "client_launch_test";
-    auto client = Client::Connect(co);
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = client->release();
-    auto stats = client_->GetStats();
-    ASSERT_TRUE(stats.ok()) << stats.status();
-    ASSERT_EQ(stats->backend(), "cuda") << stats->backend_reason();
-    ASSERT_GT(stats->gpus_size(), 0);
-    gpu_uuid_ = new std::string(stats->gpus(0).uuid());
-    auto device = internal::DeviceOfUuid(*gpu_uuid_);
-    ASSERT_TRUE(device.ok()) << device.status();
-    g_device = *device;
+    auto epd = testing::InProcessEpd::Start("client_launch", kOpTimeoutMs);
+    ASSERT_TRUE(epd.ok()) << epd.status();
+    Epd() = std::move(*epd);
+    g_device = Epd()->device();
   }
-  static void TearDownTestSuite() {
-    delete client_;
-    client_ = nullptr;
-    delete daemon_;
-    daemon_ = nullptr;
-    internal::SetInProcessAreaResolver({});
-    if (dir_ != nullptr) std::filesystem::remove_all(*dir_);
+  static void TearDownTestSuite() { Epd().reset(); }
+  /// The in-process daemon and client of the suite (null when it did not start).
+  static std::unique_ptr<testing::InProcessEpd>& Epd() {
+    static std::unique_ptr<testing::InProcessEpd> epd;
+    return epd;
   }
+  /// Why the suite skips (empty: it runs).
+  static std::string& SkipReason() {
+    static std::string reason;
+    return reason;
+  }
+
   void SetUp() override {
-    if (skip_reason_ != nullptr) GTEST_SKIP() << *skip_reason_;
-    ASSERT_NE(client_, nullptr) << "the in-process epd did not start (see the first test)";
+    if (!SkipReason().empty()) GTEST_SKIP() << SkipReason();
+    ASSERT_NE(Epd(), nullptr) << "the in-process epd did not start (see the first test)";
     // Streams, inputs and kernels of the test on the groups' GPU.
     ASSERT_EQ(cudaSetDevice(g_device), cudaSuccess);
   }
@@ -418,9 +397,9 @@ class ClientLaunchTest : public ::testing::Test {
       JoinOptions o;
       o.spec = spec;
       o.rank = r;
-      o.gpu_uuid = *gpu_uuid_;
+      o.gpu_uuid = Epd()->gpu_uuid();
       o.launch_mode = mode;
-      auto ep = client_->Join(o);
+      auto ep = Epd()->client().Join(o);
       EXPECT_TRUE(ep.ok()) << ModeName(mode) << " rank " << r << ": " << ep.status();
       if (!ep.ok()) return g;
       EXPECT_EQ((*ep)->info().launch_mode(), mode);
@@ -440,18 +419,7 @@ class ClientLaunchTest : public ::testing::Test {
     }
     return g;
   }
-
-  static std::string* skip_reason_;
-  static std::string* dir_;
-  static std::string* gpu_uuid_;
-  static Daemon* daemon_;
-  static Client* client_;
 };
-std::string* ClientLaunchTest::skip_reason_ = nullptr;
-std::string* ClientLaunchTest::dir_ = nullptr;
-std::string* ClientLaunchTest::gpu_uuid_ = nullptr;
-Daemon* ClientLaunchTest::daemon_ = nullptr;
-Client* ClientLaunchTest::client_ = nullptr;
 
 // ---- op rounds through the client --------------------------------------------------------------
 

@@ -51,6 +51,7 @@
 #include "epd/kernels/host_ops.h"
 #include "gpu_test_util.h"
 #include "graph_program_kernels.h"
+#include "in_process_epd.h"
 
 namespace epd {
 namespace {
@@ -187,49 +188,28 @@ class GraphProgramTest : public ::testing::Test {
   static void SetUpTestSuite() {
     std::string why;
     if (!testing::HaveGpu(&why)) {
-      skip_reason_ = new std::string(why);
+      SkipReason() = why;
       return;
     }
-    char dir[] = "/tmp/epd_graph_program_XXXXXX";
-    ASSERT_NE(::mkdtemp(dir), nullptr);
-    dir_ = new std::string(dir);
-    v1::DaemonConfig config;
-    config.set_socket_path(*dir_ + "/epd.sock");
-    config.set_socket_mode("0600");
-    config.set_log_level("warn");
-    config.set_backend(v1::BACKEND_CUDA);
-    FillDaemonConfigDefaults(&config);
-    config.set_op_timeout_ms(kOpTimeoutMs);
-    DaemonOptions options;
-    options.drain_grace = absl::Milliseconds(10);
-    auto daemon = Daemon::Start(config, options);
-    ASSERT_TRUE(daemon.ok()) << daemon.status();
-    daemon_ = daemon->release();
-    internal::SetInProcessAreaResolver(FindInProcessCudaArea);
-    ClientOptions co;
-    co.socket_path = daemon_->socket_path();
-    co.client_name = "graph_program_test";
-    auto client = Client::Connect(co);
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = client->release();
-    auto stats = client_->GetStats();
-    ASSERT_TRUE(stats.ok()) << stats.status();
-    ASSERT_EQ(stats->backend(), "cuda") << stats->backend_reason();
-    gpu_uuid_ = new std::string(stats->gpus(0).uuid());
-    auto device = internal::DeviceOfUuid(*gpu_uuid_);
-    ASSERT_TRUE(device.ok()) << device.status();
-    g_device = *device;
+    auto epd = testing::InProcessEpd::Start("graph_program", kOpTimeoutMs);
+    ASSERT_TRUE(epd.ok()) << epd.status();
+    Epd() = std::move(*epd);
+    g_device = Epd()->device();
   }
-  static void TearDownTestSuite() {
-    delete client_;
-    client_ = nullptr;
-    delete daemon_;
-    daemon_ = nullptr;
-    internal::SetInProcessAreaResolver({});
-    if (dir_ != nullptr) std::filesystem::remove_all(*dir_);
+  static void TearDownTestSuite() { Epd().reset(); }
+  /// The in-process daemon and client of the suite (null when it did not start).
+  static std::unique_ptr<testing::InProcessEpd>& Epd() {
+    static std::unique_ptr<testing::InProcessEpd> epd;
+    return epd;
   }
+  /// Why the suite skips (empty: it runs).
+  static std::string& SkipReason() {
+    static std::string reason;
+    return reason;
+  }
+
   void SetUp() override {
-    if (skip_reason_ != nullptr) GTEST_SKIP() << *skip_reason_;
+    if (!SkipReason().empty()) GTEST_SKIP() << SkipReason();
     if (::testing::UnitTest::GetInstance()->test_to_run_count() != 1) {
       GTEST_SKIP() << "GraphProgramTest runs only as the one test of its process "
                       "(--gtest_filter=GraphProgramTest.TwoRanks, then a second process with "
@@ -238,21 +218,10 @@ class GraphProgramTest : public ::testing::Test {
                       "hardware queues, and beyond 32 streams a stream memory wait enqueued "
                       "ahead can hold an unrelated stream's work (see the file comment)";
     }
-    ASSERT_NE(client_, nullptr) << "the in-process epd did not start (see the first test)";
+    ASSERT_NE(Epd(), nullptr) << "the in-process epd did not start (see the first test)";
     ASSERT_EQ(cudaSetDevice(g_device), cudaSuccess);
   }
-
-  static std::string* skip_reason_;
-  static std::string* dir_;
-  static std::string* gpu_uuid_;
-  static Daemon* daemon_;
-  static Client* client_;
 };
-std::string* GraphProgramTest::skip_reason_ = nullptr;
-std::string* GraphProgramTest::dir_ = nullptr;
-std::string* GraphProgramTest::gpu_uuid_ = nullptr;
-Daemon* GraphProgramTest::daemon_ = nullptr;
-Client* GraphProgramTest::client_ = nullptr;
 
 /// Runs `fn(r)` for every rank on its own thread (calls that block until every rank made
 /// them) and returns the statuses.
@@ -589,13 +558,13 @@ void RunProgramScenario(int R, const std::string& gpu_uuid, Client* client) {
   }
 }
 
-TEST_F(GraphProgramTest, TwoRanks) { RunProgramScenario(2, *gpu_uuid_, client_); }
+TEST_F(GraphProgramTest, TwoRanks) { RunProgramScenario(2, Epd()->gpu_uuid(), &Epd()->client()); }
 
 // Run it in a process of its own (--gtest_filter): in-process, the daemon's streams and
 // the client's share the GPU's CUDA_DEVICE_MAX_CONNECTIONS (32) hardware queues, and a
 // stream memory wait at the head of a shared queue holds every stream behind it; 8 ranks
 // use 25 streams (8 daemon + 1 daemon aux + 8 client aux + 8 test streams).
-TEST_F(GraphProgramTest, EightRanks) { RunProgramScenario(8, *gpu_uuid_, client_); }
+TEST_F(GraphProgramTest, EightRanks) { RunProgramScenario(8, Epd()->gpu_uuid(), &Epd()->client()); }
 
 }  // namespace
 }  // namespace epd

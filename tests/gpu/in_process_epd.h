@@ -1,0 +1,43 @@
+// An epd Daemon running the CUDA backend inside the test process, with one Client connected
+// to it: what the tests of the client library's CUDA paths (client_launch_test.cc,
+// graph_program_test.cc) share. The data areas the daemon exports are reached through
+// FindInProcessCudaArea (CUDA cannot open an IPC handle in the exporting process).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "daemon/daemon.h"
+#include "epd/client.h"
+
+namespace epd::testing {
+
+class InProcessEpd {
+ public:
+  /// Starts a daemon (backend cuda, op_timeout `op_timeout_ms`, socket in a fresh temp dir
+  /// named after `name`) and connects a client. FAILED_PRECONDITION when the daemon does
+  /// not run the CUDA backend; the daemon's or the client's error otherwise.
+  static absl::StatusOr<std::unique_ptr<InProcessEpd>> Start(const std::string& name,
+                                                             uint32_t op_timeout_ms);
+  InProcessEpd() = default;  ///< Empty; use Start.
+  /// Closes the client, stops the daemon, removes the temp dir and the area resolver.
+  ~InProcessEpd();
+  InProcessEpd(const InProcessEpd&) = delete;
+  InProcessEpd& operator=(const InProcessEpd&) = delete;
+
+  Client& client() { return *client_; }
+  /// UUID of the GPU the tests join (the daemon's first) and this process's ordinal of it.
+  const std::string& gpu_uuid() const { return gpu_uuid_; }
+  int device() const { return device_; }
+
+ private:
+  std::string dir_;
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<Client> client_;
+  std::string gpu_uuid_;
+  int device_ = 0;
+};
+
+}  // namespace epd::testing
