@@ -350,34 +350,16 @@ struct Group {
   void* stream(int r) const { return streams[r].get(); }
 };
 
-class ClientLaunchTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    std::string why;
-    if (!testing::HaveGpu(&why)) {
-      SkipReason() = why;
-      return;
-    }
-    auto epd = testing::InProcessEpd::Start("client_launch", kOpTimeoutMs);
-    ASSERT_TRUE(epd.ok()) << epd.status();
-    Epd() = std::move(*epd);
-    g_device = Epd()->device();
-  }
-  static void TearDownTestSuite() { Epd().reset(); }
-  /// The in-process daemon and client of the suite (null when it did not start).
-  static std::unique_ptr<testing::InProcessEpd>& Epd() {
-    static std::unique_ptr<testing::InProcessEpd> epd;
-    return epd;
-  }
-  /// Why the suite skips (empty: it runs).
-  static std::string& SkipReason() {
-    static std::string reason;
-    return reason;
-  }
+class ClientLaunchTest : public testing::InProcessEpdTest<ClientLaunchTest> {
+ public:
+  static constexpr const char* kSuiteName = "client_launch";
+  static constexpr uint32_t kSuiteOpTimeoutMs = kOpTimeoutMs;
 
+ protected:
   void SetUp() override {
-    if (!SkipReason().empty()) GTEST_SKIP() << SkipReason();
-    ASSERT_NE(Epd(), nullptr) << "the in-process epd did not start (see the first test)";
+    InProcessEpdTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    g_device = Epd()->device();
     // Streams, inputs and kernels of the test on the groups' GPU.
     ASSERT_EQ(cudaSetDevice(g_device), cudaSuccess);
   }

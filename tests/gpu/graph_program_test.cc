@@ -183,33 +183,16 @@ std::vector<Blobs> HostProgram(const GroupShape& g, const std::vector<RankInputs
   return out;
 }
 
-class GraphProgramTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    std::string why;
-    if (!testing::HaveGpu(&why)) {
-      SkipReason() = why;
-      return;
-    }
-    auto epd = testing::InProcessEpd::Start("graph_program", kOpTimeoutMs);
-    ASSERT_TRUE(epd.ok()) << epd.status();
-    Epd() = std::move(*epd);
-    g_device = Epd()->device();
-  }
-  static void TearDownTestSuite() { Epd().reset(); }
-  /// The in-process daemon and client of the suite (null when it did not start).
-  static std::unique_ptr<testing::InProcessEpd>& Epd() {
-    static std::unique_ptr<testing::InProcessEpd> epd;
-    return epd;
-  }
-  /// Why the suite skips (empty: it runs).
-  static std::string& SkipReason() {
-    static std::string reason;
-    return reason;
-  }
+class GraphProgramTest : public testing::InProcessEpdTest<GraphProgramTest> {
+ public:
+  static constexpr const char* kSuiteName = "graph_program";
+  static constexpr uint32_t kSuiteOpTimeoutMs = kOpTimeoutMs;
 
+ protected:
   void SetUp() override {
-    if (!SkipReason().empty()) GTEST_SKIP() << SkipReason();
+    InProcessEpdTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    g_device = Epd()->device();
     if (::testing::UnitTest::GetInstance()->test_to_run_count() != 1) {
       GTEST_SKIP() << "GraphProgramTest runs only as the one test of its process "
                       "(--gtest_filter=GraphProgramTest.TwoRanks, then a second process with "
@@ -218,7 +201,6 @@ class GraphProgramTest : public ::testing::Test {
                       "hardware queues, and beyond 32 streams a stream memory wait enqueued "
                       "ahead can hold an unrelated stream's work (see the file comment)";
     }
-    ASSERT_NE(Epd(), nullptr) << "the in-process epd did not start (see the first test)";
     ASSERT_EQ(cudaSetDevice(g_device), cudaSuccess);
   }
 };

@@ -4,6 +4,9 @@
 // FindInProcessCudaArea (CUDA cannot open an IPC handle in the exporting process).
 #pragma once
 
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -11,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/daemon.h"
 #include "epd/client.h"
+#include "gpu_test_util.h"
 
 namespace epd::testing {
 
@@ -38,6 +42,41 @@ class InProcessEpd {
   std::unique_ptr<Client> client_;
   std::string gpu_uuid_;
   int device_ = 0;
+};
+
+/// Base of a test suite sharing one InProcessEpd (CRTP: each Suite has its own). Suite
+/// defines `static constexpr const char* kSuiteName` and `uint32_t kSuiteOpTimeoutMs`.
+/// Without a GPU every test skips with the reason; SetUp fails when the daemon did not
+/// start and makes its GPU current.
+template <typename Suite>
+class InProcessEpdTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    std::string why;
+    if (!HaveGpu(&why)) {
+      SkipReason() = why;
+      return;
+    }
+    auto epd = InProcessEpd::Start(Suite::kSuiteName, Suite::kSuiteOpTimeoutMs);
+    ASSERT_TRUE(epd.ok()) << epd.status();
+    Epd() = std::move(*epd);
+  }
+  static void TearDownTestSuite() { Epd().reset(); }
+  void SetUp() override {
+    if (!SkipReason().empty()) GTEST_SKIP() << SkipReason();
+    ASSERT_NE(Epd(), nullptr) << "the in-process epd did not start (see the first test)";
+    ASSERT_EQ(cudaSetDevice(Epd()->device()), cudaSuccess);
+  }
+  /// The suite's daemon and client (null when it did not start).
+  static std::unique_ptr<InProcessEpd>& Epd() {
+    static std::unique_ptr<InProcessEpd> epd;
+    return epd;
+  }
+  /// Why the suite skips (empty: it runs).
+  static std::string& SkipReason() {
+    static std::string reason;
+    return reason;
+  }
 };
 
 }  // namespace epd::testing
