@@ -570,10 +570,21 @@ bool LockstepGroup::RunOp() {
     if (slots[r].op != slots[0].op || !same_flags ||
         (slots[0].op == static_cast<uint32_t>(abi::OpKind::kDispatch) &&
          slots[r].expert_alignment != slots[0].expert_alignment)) {
+      // Name what differs: the op, an option flag, or expert_alignment.
+      auto describe = [](const abi::RequestSlot& x) {
+        return absl::StrCat(
+            OpName(x.op), " (fp8 ", (x.flags & abi::kFlagFp8) ? 1 : 0, ", round_scale ",
+            (x.flags & abi::kFlagRoundScale) ? 1 : 0, ", cached handle ",
+            (x.flags & abi::kFlagCachedHandle) ? 1 : 0, ", topk_weights ",
+            (x.flags & (abi::kFlagDispatchWeights | abi::kFlagCombineWeights)) ? 1 : 0,
+            x.op == static_cast<uint32_t>(abi::OpKind::kDispatch)
+                ? absl::StrCat(", expert_alignment ", x.expert_alignment)
+                : "",
+            ")");
+      };
       FailOp(absl::InvalidArgumentError(absl::StrCat(
           "op ", current_seq_, " of group ", spec_.name(), ": ranks disagree: rank 0 submitted ",
-          OpName(slots[0].op), " (flags 0x", absl::Hex(slots[0].flags), "), rank ", r,
-          " submitted ", OpName(slots[r].op), " (flags 0x", absl::Hex(slots[r].flags), ")")));
+          describe(slots[0]), ", rank ", r, " submitted ", describe(slots[r]))));
       return true;
     }
   }

@@ -526,6 +526,23 @@ TEST_F(OpEndedWithoutLaunchTest, AnOpWaitingForADepartedRankFailsAtOnceAndOnlyOn
   EXPECT_FALSE(Await(0, next, 300).has_value()) << "the second op must wait for a rejoin";
 }
 
+// Ranks that submit different ops fail the op for every rank, and the error names what
+// each rank submitted.
+TEST_F(OpEndedWithoutLaunchTest, RanksDisagreeingNameWhatEachSubmitted) {
+  Open(2, 5000);
+  const uint64_t seq = rings_[0]->Submit(abi::OpKind::kGetDispatchLayout, kOrdered, 1);
+  rings_[1]->Submit(abi::OpKind::kDispatch, kOrdered, 1);
+  for (int r = 0; r < 2; ++r) {
+    auto c = Await(r, seq);
+    ASSERT_TRUE(c.has_value()) << "rank " << r;
+    EXPECT_EQ(c->status_code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(std::string(c->message),
+                AllOf(HasSubstr("ranks disagree"), HasSubstr("rank 0 submitted GetDispatchLayout"),
+                      HasSubstr("rank 1 submitted Dispatch"), HasSubstr("expert_alignment 1")))
+        << c->message;
+  }
+}
+
 TEST_F(OpEndedWithoutLaunchTest, RefusedRankHasEverySlotCompletedAtOnce) {
   Open(2, 5000);
   group_->RefuseRank(1);
