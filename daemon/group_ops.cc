@@ -450,7 +450,9 @@ bool LockstepGroup::PopRequests() {
         auto it = failed_ops_.find(seq);
         absl::Status st =
             it != failed_ops_.end()
-                ? it->second
+                ? absl::Status(it->second.code(),
+                               absl::StrCat("rank ", rank, " arrived after op ", seq,
+                                            " had failed for the group: ", it->second.message()))
                 : absl::DeadlineExceededError(absl::StrCat("op ", seq, " of group ", spec_.name(),
                                                            " failed before this rank arrived"));
         CompleteUnrun(rank, *ep, slot, st);

@@ -475,6 +475,8 @@ TEST_F(OpEndedWithoutLaunchTest, MissingRankTimeoutThenTheLateRequest) {
   auto c1 = Await(1, seq);
   ASSERT_TRUE(c1.has_value());
   EXPECT_EQ(c1->status_code, static_cast<int32_t>(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(std::string(c1->message),
+              HasSubstr(absl::StrCat("rank 1 arrived after op ", seq, " had failed")));
   EXPECT_EQ(group_->ended().size(), 3u);
   EXPECT_EQ(group_->ended().back(), (std::pair<int32_t, uint64_t>{1, seq}));
   EXPECT_EQ(group_->started(), 0);
