@@ -58,6 +58,10 @@ std::shared_ptr<grpc::Channel> Connect(const std::string& target) {
                         "--socket right?)"));
       return nullptr;
     }
+    if (!S_ISSOCK(st.st_mode)) {
+      Fail(absl::StrCat("--socket: ", path, " is not a unix socket (is --socket right?)"));
+      return nullptr;
+    }
   }
   auto channel = epd::internal::MakeControlChannel(target);
   if (!channel->WaitForConnected(Deadline())) {
@@ -101,6 +105,10 @@ int main(int argc, char** argv) {
   if (command != "status" && command != "groups" && command != "health" && command != "stats" &&
       command != "config") {
     std::fprintf(stderr, "epctl: unknown command \"%s\"\n%s\n", command.c_str(), kUsage);
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_socket).empty()) {
+    std::fprintf(stderr, "epctl: --socket is empty; give epd's socket path or host:port\n");
     return 2;
   }
   const std::string target = epd::internal::ChannelTarget(absl::GetFlag(FLAGS_socket));

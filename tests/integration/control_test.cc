@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <memory>
 #include <string>
@@ -228,6 +229,20 @@ TEST_F(ControlTest, EpctlExitsNonZeroWhenDaemonIsDown) {
     EXPECT_THAT(result->stderr_text, AllOf(HasSubstr("no epd daemon"), HasSubstr(missing)))
         << command;
   }
+  // A path that is not a socket fails at once, naming it; an empty --socket is a usage error.
+  const std::string regular = epd_->dir() + "/regular-file";
+  { std::ofstream(regular) << "not a socket\n"; }
+  const absl::Time start = absl::Now();
+  absl::StatusOr<CommandResult> not_socket =
+      RunCommand({EpctlBinary(), "--socket=" + regular, "--timeout=5s", "status"});
+  ASSERT_TRUE(not_socket.ok());
+  EXPECT_EQ(not_socket->exit_code, 1);
+  EXPECT_THAT(not_socket->stderr_text, HasSubstr(regular + " is not a unix socket"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  absl::StatusOr<CommandResult> empty = RunCommand({EpctlBinary(), "--socket=", "status"});
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(empty->exit_code, 2);
+  EXPECT_THAT(empty->stderr_text, HasSubstr("--socket is empty"));
   // Also on a TCP port nobody listens on.
   absl::StatusOr<CommandResult> tcp =
       RunCommand({EpctlBinary(), absl::StrCat("--socket=127.0.0.1:", PickFreeTcpPort()),
