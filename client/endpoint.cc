@@ -63,12 +63,8 @@ using kernels::EndpointLayout;
 using kernels::GroupShape;
 using kernels::Region;
 
-/// DLPack >= 1.1 type code of float8_e4m3fn (kDLFloat8_e4m3fn); Debian's dlpack.h (0.6)
-/// predates it, so the value is spelled here.
-constexpr uint8_t kDLFloat8E4m3fnCode = 10;
-
 constexpr DLDataType kBf16{kDLBfloat, 16, 1};
-constexpr DLDataType kE4m3{kDLFloat8E4m3fnCode, 8, 1};
+constexpr DLDataType kE4m3 = kDLFloat8E4m3fn;  // client.h
 constexpr DLDataType kF32{kDLFloat, 32, 1};
 constexpr DLDataType kI32{kDLInt, 32, 1};
 constexpr DLDataType kI64{kDLInt, 64, 1};

@@ -73,6 +73,13 @@ namespace epd {
 class Endpoint;
 struct EndpointShared;
 
+/// DLPack >= 1.1 type code of float8_e4m3fn (kDLFloat8_e4m3fn). Debian's dlpack.h (0.6)
+/// predates it, so epd spells the value; FP8 tensors (e4m3 x of Dispatch, the e4m3 recv_x
+/// views) carry dtype kDLFloat8E4m3fn.
+inline constexpr uint8_t kDLFloat8E4m3fnCode = 10;
+/// The DLDataType of e4m3 tensors: {kDLFloat8E4m3fnCode, 8 bits, 1 lane}.
+inline constexpr DLDataType kDLFloat8E4m3fn{kDLFloat8E4m3fnCode, 8, 1};
+
 /// A compact row-major DLTensor over caller-owned memory: `data` [shape...] of `dtype` on
 /// `device` (default kDLCPU). The DLTensor points at `shape`, which must outlive it.
 /// Convenience for callers that hold plain buffers rather than framework tensors.
