@@ -975,8 +975,13 @@ absl::Status Endpoint::UnregisterProgram(absl::Duration timeout) {
 namespace {
 
 /// Checks that `t` is kDLCUDA memory of `device` (program steps read it at run time).
-absl::Status CheckOnDevice(const char* op, const char* name, const DLTensor* t, int device) {
-  if (t != nullptr && t->device.device_type == kDLCUDA && t->device.device_id == device) {
+/// CheckTensor, then: `t` is kDLCUDA memory of the endpoint's GPU `device` (a program
+/// step is captured, so it reads its inputs at run time, in place).
+absl::Status CheckStepTensor(const char* op, const char* name, const DLTensor* t,
+                             std::initializer_list<DLDataType> dtypes, std::vector<int64_t>& shape,
+                             int device) {
+  EPD_RETURN_IF_ERROR(CheckTensor(true, op, name, t, dtypes, shape));
+  if (t->device.device_type == kDLCUDA && t->device.device_id == device) {
     return absl::OkStatus();
   }
   return absl::InvalidArgumentError(
@@ -1026,19 +1031,16 @@ absl::StatusOr<LowLatencyDispatchResult> Endpoint::RunProgramDispatch(
   const int device = m.mapping->device();
   const int32_t Mll = m.shape.ll_max_tokens_per_rank;
   std::vector<int64_t> xs{-1, m.shape.hidden};
-  EPD_RETURN_IF_ERROR(CheckTensor(true, kOp, "x", args.x, {kBf16}, xs));
-  EPD_RETURN_IF_ERROR(CheckOnDevice(kOp, "x", args.x, device));
+  EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "x", args.x, {kBf16}, xs, device));
   const int64_t C = xs[0];
   if (C > Mll) {
     return absl::InvalidArgumentError(
         absl::StrCat(kOp, ": x has ", C, " rows > ll_max_tokens_per_rank ", Mll));
   }
   std::vector<int64_t> ts{C, m.shape.num_topk};
-  EPD_RETURN_IF_ERROR(CheckTensor(true, kOp, "topk_idx", args.topk_idx, {kI64}, ts));
-  EPD_RETURN_IF_ERROR(CheckOnDevice(kOp, "topk_idx", args.topk_idx, device));
+  EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "topk_idx", args.topk_idx, {kI64}, ts, device));
   std::vector<int64_t> ns{1};
-  EPD_RETURN_IF_ERROR(CheckTensor(true, kOp, "num_tokens", args.num_tokens, {kI32}, ns));
-  EPD_RETURN_IF_ERROR(CheckOnDevice(kOp, "num_tokens", args.num_tokens, device));
+  EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "num_tokens", args.num_tokens, {kI32}, ns, device));
   EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   internal::DeviceGuard guard(device);
   EPD_RETURN_IF_ERROR(m.Stage(kOp, "x", args.x, m.layout.in_x, stream));
@@ -1076,11 +1078,9 @@ absl::StatusOr<LowLatencyCombineResult> Endpoint::RunProgramCombine(
   const int device = m.mapping->device();
   std::vector<int64_t> xs{m.shape.num_local_experts(), m.shape.ll_rows_per_expert(),
                           m.shape.hidden};
-  EPD_RETURN_IF_ERROR(CheckTensor(true, kOp, "x", args.x, {kBf16}, xs));
-  EPD_RETURN_IF_ERROR(CheckOnDevice(kOp, "x", args.x, device));
+  EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "x", args.x, {kBf16}, xs, device));
   std::vector<int64_t> ts{-1, m.shape.num_topk};
-  EPD_RETURN_IF_ERROR(CheckTensor(true, kOp, "topk_idx", args.topk_idx, {kI64}, ts));
-  EPD_RETURN_IF_ERROR(CheckOnDevice(kOp, "topk_idx", args.topk_idx, device));
+  EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "topk_idx", args.topk_idx, {kI64}, ts, device));
   const int64_t C = ts[0];
   if (C > m.shape.ll_max_tokens_per_rank) {
     return absl::InvalidArgumentError(absl::StrCat(kOp, ": topk_idx has ", C,
@@ -1088,8 +1088,7 @@ absl::StatusOr<LowLatencyCombineResult> Endpoint::RunProgramCombine(
                                                    m.shape.ll_max_tokens_per_rank));
   }
   std::vector<int64_t> ws{C, m.shape.num_topk};
-  EPD_RETURN_IF_ERROR(CheckTensor(true, kOp, "topk_weights", args.topk_weights, {kF32}, ws));
-  EPD_RETURN_IF_ERROR(CheckOnDevice(kOp, "topk_weights", args.topk_weights, device));
+  EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "topk_weights", args.topk_weights, {kF32}, ws, device));
   EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   internal::DeviceGuard guard(device);
   EPD_RETURN_IF_ERROR(m.Stage(kOp, "x", args.x, m.layout.in_ll_combine_x, stream));
