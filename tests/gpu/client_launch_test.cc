@@ -49,13 +49,16 @@
 #include "epd/kernels/host_ops.h"
 #include "gpu_test_util.h"
 #include "in_process_epd.h"
+#include "test_bytes.h"
 
 namespace epd {
 namespace {
 
 using kernels::bf16_bits;
 using kernels::GroupShape;
+using testing::Bytes;
 using testing::DeviceBuffer;
+using testing::Fetch;
 namespace host = kernels::host;
 
 constexpr uint32_t kOpTimeoutMs = 3000;
@@ -92,21 +95,7 @@ DLTensor Tensor(const void* data, DLDataType dtype, std::vector<int64_t>& shape,
                       cuda ? DLDevice{kDLCUDA, g_device} : DLDevice{kDLCPU, 0});
 }
 
-/// `bytes` bytes at byte `offset` of device or host memory `p`, copied to the host.
-std::vector<uint8_t> Fetch(const void* p, size_t offset, size_t bytes) {
-  std::vector<uint8_t> out(bytes);
-  if (bytes == 0) return out;
-  EXPECT_EQ(
-      cudaMemcpy(out.data(), static_cast<const uint8_t*>(p) + offset, bytes, cudaMemcpyDefault),
-      cudaSuccess);
-  return out;
-}
 std::vector<uint8_t> FetchAll(const TensorView& v) { return Fetch(v.data(), 0, v.nbytes()); }
-template <typename T>
-std::vector<uint8_t> Bytes(const T* p, size_t count) {
-  const auto* b = reinterpret_cast<const uint8_t*>(p);
-  return std::vector<uint8_t>(b, b + count * sizeof(T));
-}
 
 /// Device copy of a host vector (at least 16 bytes allocated).
 template <typename T>
@@ -687,18 +676,7 @@ TEST_F(ClientLaunchTest, ClientLaunchedGraphReplaysWithChangingTokens) {
       cudaStream_t s = static_cast<cudaStream_t>(g.stream(r));
       ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
       // A failed assertion below leaves the capture: end it, so later tests see no error.
-      struct EndCaptureOnExit {
-        cudaStream_t s;
-        ~EndCaptureOnExit() {
-          cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-          if (cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone) {
-            cudaGraph_t g = nullptr;
-            cudaStreamEndCapture(s, &g);
-            if (g != nullptr) cudaGraphDestroy(g);
-          }
-          cudaGetLastError();
-        }
-      } end_capture{s};
+      testing::EndCaptureOnExit end_capture(s);
       LowLatencyDispatchArgs da;
       da.x = &q.x;
       da.topk_idx = &q.idx;

@@ -52,13 +52,16 @@
 #include "gpu_test_util.h"
 #include "graph_program_kernels.h"
 #include "in_process_epd.h"
+#include "test_bytes.h"
 
 namespace epd {
 namespace {
 
 using kernels::bf16_bits;
 using kernels::GroupShape;
+using testing::Bytes;
 using testing::DeviceBuffer;
+using testing::Fetch;
 namespace host = kernels::host;
 
 constexpr uint32_t kOpTimeoutMs = 3000;
@@ -83,19 +86,6 @@ v1::GroupSpec Spec(const std::string& name, int R, int H, int Mll) {
   return s;
 }
 
-std::vector<uint8_t> Fetch(const void* p, size_t offset, size_t bytes) {
-  std::vector<uint8_t> out(bytes);
-  if (bytes == 0) return out;
-  EXPECT_EQ(
-      cudaMemcpy(out.data(), static_cast<const uint8_t*>(p) + offset, bytes, cudaMemcpyDefault),
-      cudaSuccess);
-  return out;
-}
-template <typename T>
-std::vector<uint8_t> Bytes(const T* p, size_t count) {
-  const auto* b = reinterpret_cast<const uint8_t*>(p);
-  return std::vector<uint8_t>(b, b + count * sizeof(T));
-}
 template <typename T>
 DeviceBuffer Zeros(size_t count) {
   auto buf = DeviceBuffer::Allocate(std::max<size_t>(count * sizeof(T), 16));
@@ -300,18 +290,7 @@ void RunProgramScenario(int R, const std::string& gpu_uuid, Client* client) {
       q.T = MakeDLTensor(q.dT.get(), kI32, q.ns, dev);
       cudaStream_t s = stream(r);
       ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-      struct EndCaptureOnExit {
-        cudaStream_t s;
-        ~EndCaptureOnExit() {
-          cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-          if (cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone) {
-            cudaGraph_t g = nullptr;
-            cudaStreamEndCapture(s, &g);
-            if (g != nullptr) cudaGraphDestroy(g);
-          }
-          cudaGetLastError();
-        }
-      } end_capture{s};
+      testing::EndCaptureOnExit end_capture(s);
       ProgramDispatchArgs da;
       da.x = &q.x;
       da.topk_idx = &q.idx;
