@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/data_plane.h"
+#include "daemon/gpu_inventory.h"
 
 namespace epd::testing {
 
@@ -105,6 +106,19 @@ inline v1::GroupSpec SmallSpec(const std::string& name = "g") {
   spec.set_num_topk(2);
   spec.set_max_tokens_per_rank(16);
   return spec;
+}
+
+/// UUID of the one fake GPU of OneGpu().
+inline constexpr char kGpuA[] = "GPU-aaaaaaaa-0000-0000-0000-000000000000";
+
+/// An inventory of one fake GPU (kGpuA, ordinal 0), for registry tests without a GPU.
+inline GpuInventory OneGpu() {
+  v1::GpuInfo gpu;
+  gpu.set_ordinal(0);
+  gpu.set_uuid(kGpuA);
+  gpu.set_pci_bus_id("00000000:3B:00.0");
+  gpu.set_name("Fake H200");
+  return GpuInventory::FromList({gpu}, "1 GPU(s): Fake H200 x1");
 }
 
 }  // namespace epd::testing

@@ -29,19 +29,10 @@ using ::testing::ElementsAre;
 using testing::FakeDataPlane;
 using testing::FakeDataPlaneState;
 using ::testing::HasSubstr;
+using testing::kGpuA;
+using testing::OneGpu;
 using testing::RawRing;
 using testing::SmallSpec;
-
-constexpr char kGpuA[] = "GPU-aaaaaaaa-0000-0000-0000-000000000000";
-
-GpuInventory OneGpu() {
-  v1::GpuInfo gpu;
-  gpu.set_ordinal(0);
-  gpu.set_uuid(kGpuA);
-  gpu.set_pci_bus_id("00000000:3B:00.0");
-  gpu.set_name("Fake H200");
-  return GpuInventory::FromList({gpu}, "1 GPU(s): Fake H200 x1");
-}
 
 v1::GroupSpec SpecOf(const std::string& name, int ranks) {
   v1::GroupSpec spec = SmallSpec(name);
