@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "cuda_ipc.h"
+#include "epd/common/cuda_handles.h"
 
 namespace epd::internal {
 
@@ -43,32 +44,11 @@ absl::StatusOr<std::shared_ptr<const CudaAreaMapping>> MapSharedArea(const std::
 
 // ---- RAII owners ------------------------------------------------------------------------------
 
-struct CudaFreeDeleter {
-  void operator()(void* p) const {
-    if (p != nullptr) cudaFree(p);
-  }
-};
-struct CudaFreeHostDeleter {
-  void operator()(void* p) const {
-    if (p != nullptr) cudaFreeHost(p);
-  }
-};
-struct CudaStreamDeleter {
-  void operator()(cudaStream_t s) const {
-    if (s != nullptr) cudaStreamDestroy(s);
-  }
-};
-struct CudaEventDeleter {
-  void operator()(cudaEvent_t e) const {
-    if (e != nullptr) cudaEventDestroy(e);
-  }
-};
-/// cudaMalloc'd device memory (current device at allocation).
-using DeviceMemory = std::unique_ptr<uint8_t, CudaFreeDeleter>;
-/// cudaHostAlloc'd (pinned, portable) host memory.
-using PinnedMemory = std::unique_ptr<uint8_t, CudaFreeHostDeleter>;
-using StreamHandle = std::unique_ptr<std::remove_pointer_t<cudaStream_t>, CudaStreamDeleter>;
-using EventHandle = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, CudaEventDeleter>;
+// epd/common/cuda_handles.h, shared with the daemon.
+using ::epd::DeviceMemory;
+using ::epd::EventHandle;
+using ::epd::PinnedMemory;
+using ::epd::StreamHandle;
 
 /// `bytes` of device memory on the current device, zeroed. RESOURCE_EXHAUSTED when full,
 /// INTERNAL for other CUDA errors.

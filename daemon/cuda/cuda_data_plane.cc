@@ -24,6 +24,7 @@
 #include "daemon/engine.h"
 #include "daemon/gpu_inventory.h"
 #include "daemon/group_ops.h"
+#include "epd/common/cuda_handles.h"
 #include "epd/common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
@@ -65,29 +66,11 @@ std::shared_ptr<spdlog::logger> EngineLog() {
 
 // ---- RAII for CUDA resources ------------------------------------------------------------
 
-struct DeviceFree {
-  void operator()(void* p) const {
-    if (p != nullptr) cudaFree(p);
-  }
-};
-struct StreamDestroy {
-  void operator()(cudaStream_t s) const {
-    if (s != nullptr) cudaStreamDestroy(s);
-  }
-};
-struct EventDestroy {
-  void operator()(cudaEvent_t e) const {
-    if (e != nullptr) cudaEventDestroy(e);
-  }
-};
-struct HostFree {
-  void operator()(void* p) const {
-    if (p != nullptr) cudaFreeHost(p);
-  }
-};
-using DevicePtr = std::unique_ptr<uint8_t, DeviceFree>;
-using StreamPtr = std::unique_ptr<std::remove_pointer_t<cudaStream_t>, StreamDestroy>;
-using EventPtr = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, EventDestroy>;
+// epd/common/cuda_handles.h, shared with the client library.
+using HostFree = CudaFreeHostDeleter;
+using DevicePtr = DeviceMemory;
+using StreamPtr = StreamHandle;
+using EventPtr = EventHandle;
 
 /// What the engine reads back after each op, per rank (pinned host memory).
 struct Readback {

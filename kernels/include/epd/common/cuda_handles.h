@@ -1,0 +1,43 @@
+// RAII owners of CUDA runtime resources, shared by the daemon's CUDA data plane and the
+// client library (needs the CUDA runtime headers; include only where CUDA is built).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+
+namespace epd {
+
+/// cudaFree (errors ignored: a destructor has no one to report to).
+struct CudaFreeDeleter {
+  void operator()(void* p) const {
+    if (p != nullptr) cudaFree(p);
+  }
+};
+/// cudaFreeHost, for cudaHostAlloc'd memory.
+struct CudaFreeHostDeleter {
+  void operator()(void* p) const {
+    if (p != nullptr) cudaFreeHost(p);
+  }
+};
+struct CudaStreamDeleter {
+  void operator()(cudaStream_t s) const {
+    if (s != nullptr) cudaStreamDestroy(s);
+  }
+};
+struct CudaEventDeleter {
+  void operator()(cudaEvent_t e) const {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+};
+
+/// cudaMalloc'd device memory (on the device current at allocation).
+using DeviceMemory = std::unique_ptr<uint8_t, CudaFreeDeleter>;
+/// cudaHostAlloc'd (pinned) host memory.
+using PinnedMemory = std::unique_ptr<uint8_t, CudaFreeHostDeleter>;
+using StreamHandle = std::unique_ptr<std::remove_pointer_t<cudaStream_t>, CudaStreamDeleter>;
+using EventHandle = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, CudaEventDeleter>;
+
+}  // namespace epd
