@@ -32,6 +32,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <span>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -92,8 +93,9 @@ std::string ShapeString(const int64_t* shape, int ndim) {
 /// Checks a DLTensor against an expected dtype and shape (-1 = any size; the size found
 /// is written back into `shape`). Names the argument and the offending value.
 /// `cuda`: the endpoint is on the CUDA backend, which also takes kDLCUDA tensors.
+/// Allocates nothing when the tensor passes (the ops pass a std::array: README "Hot path").
 absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTensor* t,
-                         std::initializer_list<DLDataType> dtypes, std::vector<int64_t>& shape) {
+                         std::initializer_list<DLDataType> dtypes, std::span<int64_t> shape) {
   if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is required"));
   if (t->ndim < 0 || t->ndim > 8 || (t->ndim > 0 && t->shape == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -414,7 +416,7 @@ struct Endpoint::Impl {
   }
 
   /// The error for a closed endpoint (EndpointShmHeader::daemon_closed), OK when open.
-  absl::Status ClosedStatus(const std::string& prefix) const {
+  absl::Status ClosedStatus(absl::string_view prefix) const {
     const uint32_t closed = abi::Atomic(header->daemon_closed).load(std::memory_order_acquire);
     if (closed == 0) return absl::OkStatus();
     if (closed == abi::kClosedRankRemoved) {
@@ -618,7 +620,8 @@ struct Endpoint::Impl {
     return absl::OkStatus();
   }
 
-  TensorView View(const Region& r, DLDataType dtype, std::vector<int64_t> shape) const {
+  /// A view of region `r` (no allocation: TensorShape keeps up to 4 dimensions inline).
+  TensorView View(const Region& r, DLDataType dtype, TensorShape shape) const {
     return TensorView(At(r), dtype, device, std::move(shape));
   }
 
@@ -1165,7 +1168,7 @@ absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTens
   EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(caller_stream));
   constexpr const char* kOp = "GetDispatchLayout";
   const auto op = abi::OpKind::kGetDispatchLayout;
-  std::vector<int64_t> shape{-1, m.shape.num_topk};
+  std::array<int64_t, 2> shape{-1, m.shape.num_topk};
   absl::Status st = CheckTensor(m.cuda, kOp, "topk_idx", &topk_idx, {kI64}, shape);
   if (st.ok() && shape[0] > m.shape.max_tokens_per_rank) {
     st = absl::InvalidArgumentError(absl::StrCat(
@@ -1211,7 +1214,7 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
   const auto op = abi::OpKind::kDispatch;
   const int H = m.shape.hidden, K = m.shape.num_topk;
   absl::Status st;
-  std::vector<int64_t> xs{-1, H};
+  std::array<int64_t, 2> xs{-1, H};
   st = CheckTensor(m.cuda, kOp, "x", args.x, {kBf16, kE4m3}, xs);
   const bool fp8 = st.ok() && SameType(args.x->dtype, kE4m3);
   const int64_t T = st.ok() ? xs[0] : 0;
@@ -1224,7 +1227,7 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
                                                  m.spec.name(), " has use_fp8 = false"));
   }
   if (st.ok() && fp8) {
-    std::vector<int64_t> ss{T, m.shape.num_scales()};
+    std::array<int64_t, 2> ss{T, m.shape.num_scales()};
     st = CheckTensor(m.cuda, kOp, "x_scales", args.x_scales, {kF32}, ss);
   }
   if (st.ok() && args.expert_alignment < 1) {
@@ -1247,12 +1250,12 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
     }
   }
   if (st.ok() && !cached) {
-    std::vector<int64_t> ts{T, K};
+    std::array<int64_t, 2> ts{T, K};
     st = CheckTensor(m.cuda, kOp, "topk_idx", args.topk_idx, {kI64}, ts);
   }
   const bool weights = !cached && args.topk_weights != nullptr;
   if (st.ok() && weights) {
-    std::vector<int64_t> ws{T, K};
+    std::array<int64_t, 2> ws{T, K};
     st = CheckTensor(m.cuda, kOp, "topk_weights", args.topk_weights, {kF32}, ws);
   }
   uint64_t seq = 0;
@@ -1351,12 +1354,12 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
   }
   const int64_t N = args.handle ? args.handle->num_recv_tokens : 0;
   if (st.ok()) {
-    std::vector<int64_t> xs{N, m.shape.hidden};
+    std::array<int64_t, 2> xs{N, m.shape.hidden};
     st = CheckTensor(m.cuda, kOp, "x", args.x, {kBf16}, xs);
   }
   const bool weights = args.topk_weights != nullptr;
   if (st.ok() && weights) {
-    std::vector<int64_t> ws{N, m.shape.num_topk};
+    std::array<int64_t, 2> ws{N, m.shape.num_topk};
     st = CheckTensor(m.cuda, kOp, "topk_weights", args.topk_weights, {kF32}, ws);
   }
   const int32_t T = args.handle ? args.handle->num_tokens : 0;
@@ -1436,7 +1439,7 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
                                                  args.max_dispatch_tokens_per_rank,
                                                  " != the group's ll_max_tokens_per_rank ", Mll));
   }
-  std::vector<int64_t> xs{-1, m.shape.hidden};
+  std::array<int64_t, 2> xs{-1, m.shape.hidden};
   if (st.ok()) st = CheckTensor(m.cuda, kOp, "x", args.x, {kBf16}, xs);
   // T, or with a device num_tokens the capacity of x and topk_idx (the kernel reads T).
   const int64_t T = st.ok() ? xs[0] : 0;
@@ -1454,7 +1457,7 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
         absl::StrCat(kOp, ": use_fp8 but group ", m.spec.name(), " has use_fp8 = false"));
   }
   if (st.ok()) {
-    std::vector<int64_t> ts{T, m.shape.num_topk};
+    std::array<int64_t, 2> ts{T, m.shape.num_topk};
     st = CheckTensor(m.cuda, kOp, "topk_idx", args.topk_idx, {kI64}, ts);
   }
   const bool runtime_tokens = args.num_tokens != nullptr;
@@ -1463,7 +1466,7 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
 #if EPD_HAVE_CUDA
     client_launched = m.client_launched;
 #endif
-    std::vector<int64_t> ns{1};
+    std::array<int64_t, 1> ns{1};
     if (!client_launched) {
       st = absl::InvalidArgumentError(absl::StrCat(
           kOp,
@@ -1571,15 +1574,15 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
   }
   const int64_t T = args.handle ? args.handle->num_tokens : 0;
   if (st.ok()) {
-    std::vector<int64_t> xs{El, rows, m.shape.hidden};
+    std::array<int64_t, 3> xs{El, rows, m.shape.hidden};
     st = CheckTensor(m.cuda, kOp, "x", args.x, {kBf16}, xs);
   }
   if (st.ok()) {
-    std::vector<int64_t> ts{T, m.shape.num_topk};
+    std::array<int64_t, 2> ts{T, m.shape.num_topk};
     st = CheckTensor(m.cuda, kOp, "topk_idx", args.topk_idx, {kI64}, ts);
   }
   if (st.ok()) {
-    std::vector<int64_t> ws{T, m.shape.num_topk};
+    std::array<int64_t, 2> ws{T, m.shape.num_topk};
     st = CheckTensor(m.cuda, kOp, "topk_weights", args.topk_weights, {kF32}, ws);
   }
   uint64_t seq = 0;

@@ -1,11 +1,11 @@
-// TensorView: DLTensor views into endpoint buffers.
+// TensorView: DLTensor views into endpoint buffers (no heap allocation for <= 4 dimensions).
 #include <utility>
 
 #include "epd/client.h"
 
 namespace epd {
 
-TensorView::TensorView(void* data, DLDataType dtype, DLDevice device, std::vector<int64_t> shape)
+TensorView::TensorView(void* data, DLDataType dtype, DLDevice device, TensorShape shape)
     : shape_(std::move(shape)) {
   tensor_.data = data;
   tensor_.dtype = dtype;
@@ -30,7 +30,7 @@ TensorView& TensorView::operator=(const TensorView& other) {
 
 void TensorView::Rebind() {
   tensor_.ndim = static_cast<int32_t>(shape_.size());
-  tensor_.shape = shape_.empty() ? nullptr : shape_.data();
+  tensor_.shape = shape_.empty() ? nullptr : shape_.mutable_data();
 }
 
 int64_t TensorView::numel() const {

@@ -7,8 +7,12 @@
 namespace epd {
 
 Engine::Engine(abi::DoorbellPage* doorbell, uint32_t idle_us, uint32_t max_sleep_us,
-               std::function<bool()> poll)
-    : doorbell_(doorbell), idle_us_(idle_us), max_sleep_us_(max_sleep_us), poll_(std::move(poll)) {}
+               std::function<bool()> poll, std::function<void()> on_start)
+    : doorbell_(doorbell),
+      idle_us_(idle_us),
+      max_sleep_us_(max_sleep_us),
+      poll_(std::move(poll)),
+      on_start_(std::move(on_start)) {}
 
 Engine::~Engine() { Stop(); }
 
@@ -29,6 +33,7 @@ void Engine::Wake() {
 
 void Engine::Run() {
   using Clock = std::chrono::steady_clock;
+  if (on_start_) on_start_();
   auto last_work = Clock::now();
   while (!stop_.load(std::memory_order_relaxed)) {
     if (poll_()) {

@@ -1,7 +1,8 @@
 // Engine: the thread that polls request rings (DESIGN.md §1). It spins while there is
 // work, and once every ring it polls has been idle for `idle_us` it sleeps on the
 // doorbell futex (proto/shm_abi.h DoorbellPage) until a client rings it, waking at least
-// every `max_sleep_us` to enforce op timeouts. No core is burnt while idle.
+// every `max_sleep_us` to enforce op timeouts. No core is burnt while idle. The loop itself
+// allocates nothing (README "Hot path"): what it costs per op is the poll's.
 #pragma once
 
 #include <atomic>
@@ -17,8 +18,10 @@ class Engine {
  public:
   /// `poll` is called in a loop on the engine thread; it returns true when it did work.
   /// `doorbell` points to a DoorbellPage shared with clients; it must outlive the engine.
+  /// `on_start`, when set, is called once on the engine thread before its first poll (a
+  /// test seam: e.g. to mark the thread for an allocation counter).
   Engine(abi::DoorbellPage* doorbell, uint32_t idle_us, uint32_t max_sleep_us,
-         std::function<bool()> poll);
+         std::function<bool()> poll, std::function<void()> on_start = nullptr);
   /// Stops and joins the thread.
   ~Engine();
   Engine(const Engine&) = delete;
@@ -40,6 +43,7 @@ class Engine {
   uint32_t idle_us_;
   uint32_t max_sleep_us_;
   std::function<bool()> poll_;
+  std::function<void()> on_start_;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> sleeps_{0};
   std::thread thread_;

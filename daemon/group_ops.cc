@@ -28,7 +28,7 @@ void WriteCompletion(LockstepEndpoint& ep, uint64_t seq, const RankOutcome& outc
   c.num_recv_tokens = outcome.num_recv_tokens;
   c.buffer = outcome.buffer;
   c.reserved = 0;
-  std::string msg(outcome.status.message());
+  const absl::string_view msg = outcome.status.message();  // No copy: this is the hot path.
   size_t n = std::min(msg.size(), static_cast<size_t>(abi::kMessageBytes - 1));
   std::memcpy(c.message, msg.data(), n);
   c.message[n] = '\0';
@@ -41,6 +41,22 @@ void WriteCompletion(LockstepEndpoint& ep, uint64_t seq, const RankOutcome& outc
 }
 
 std::atomic<uint64_t> g_next_endpoint_id{1};
+
+/// Moves the outcomes a backend returned by value (StartOp / PollOp) into the group's [R]
+/// `outcomes`; INTERNAL for every rank when their number is not R. False for nullopt (the
+/// op runs on).
+bool TakeOutcomes(std::optional<std::vector<RankOutcome>> out, std::span<RankOutcome> outcomes) {
+  if (!out) return false;
+  if (out->size() != outcomes.size()) {
+    for (RankOutcome& o : outcomes) {
+      o.status = absl::InternalError(absl::StrCat("the backend returned ", out->size(),
+                                                  " outcomes for ", outcomes.size(), " ranks"));
+    }
+    return true;
+  }
+  std::move(out->begin(), out->end(), outcomes.begin());
+  return true;
+}
 
 }  // namespace
 
@@ -135,7 +151,33 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
       shape_(ShapeOf(spec)),
       layout_(kernels::EndpointLayout::Compute(shape_)),
       options_(std::move(options)),
-      endpoints_(spec.num_ranks()) {}
+      endpoints_(spec.num_ranks()),
+      departed_(spec.num_ranks(), false),
+      running_slots_(spec.num_ranks()),
+      outcomes_(spec.num_ranks()) {
+  missing_.reserve(spec.num_ranks());
+  gone_.reserve(spec.num_ranks());
+}
+
+std::optional<std::vector<RankOutcome>> LockstepGroup::StartOp(
+    const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) {
+  std::vector<RankOutcome> out(slots.size());
+  for (RankOutcome& o : out) {
+    o.status = absl::InternalError(
+        absl::StrCat(OpName(static_cast<uint32_t>(plan.op)),
+                     ": this backend implements neither LockstepGroup::StartOp nor StartOpInto"));
+  }
+  return out;
+}
+
+bool LockstepGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                                std::span<RankOutcome> outcomes) {
+  return TakeOutcomes(StartOp(plan, slots), outcomes);
+}
+
+bool LockstepGroup::PollOpInto(std::span<RankOutcome> outcomes) {
+  return TakeOutcomes(PollOp(), outcomes);
+}
 
 uint64_t LockstepGroup::rank_ops_completed(int32_t rank) const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -487,9 +529,8 @@ bool LockstepGroup::Poll() {
   bool worked = PollBackground();
   worked |= PopRequests();
   if (running_) {
-    std::optional<std::vector<RankOutcome>> outcomes = PollOp();
-    if (!outcomes) return true;  // Keep the engine polling (not sleeping) while it runs.
-    FinishOp(std::move(*outcomes));
+    if (!PollOpInto(outcomes_)) return true;  // Keep the engine polling while it runs.
+    FinishOp();
     worked = true;
   }
   if (!op_started_) return worked;
@@ -511,13 +552,15 @@ bool LockstepGroup::Poll() {
       return true;
     }
   }
-  std::vector<int32_t> missing;
+  std::vector<int32_t>& missing = missing_;  // Capacity R: no allocation.
+  missing.clear();
   for (size_t r = 0; r < endpoints_.size(); ++r) {
     if (!endpoints_[r] || !endpoints_[r]->request) missing.push_back(static_cast<int32_t>(r));
   }
   // A rank that left or died since the last op cannot arrive unless it rejoins: fail the op
   // at once instead of after op_timeout (once per departure; see departed_).
-  std::vector<int32_t> gone;
+  std::vector<int32_t>& gone = gone_;
+  gone.clear();
   for (int32_t r : missing) {
     if (static_cast<size_t>(r) < departed_.size() && departed_[r]) gone.push_back(r);
   }
@@ -555,7 +598,7 @@ bool LockstepGroup::Poll() {
 
 bool LockstepGroup::RunOp() {
   const int R = static_cast<int>(endpoints_.size());
-  std::vector<abi::RequestSlot> slots(R);
+  std::vector<abi::RequestSlot>& slots = running_slots_;  // [R], reused.
   // A rejected slot, or ranks disagreeing on the op, fail the op for every rank.
   for (int r = 0; r < R; ++r) {
     if (endpoints_[r]->slot_error) {
@@ -638,17 +681,16 @@ bool LockstepGroup::RunOp() {
   plan.ll_buffer = static_cast<int>(ll_dispatches_ % kernels::kLowLatencyBuffers);
   plan.ll_out_buffer = static_cast<int>(ll_combines_ % kernels::kLowLatencyBuffers);
   if (!ReadyToStart()) return false;
-  running_ = plan;
-  running_slots_ = slots;
-  std::optional<std::vector<RankOutcome>> outcomes = StartOp(plan, slots);
-  if (outcomes) FinishOp(std::move(*outcomes));
+  running_ = std::move(plan);
+  for (RankOutcome& o : outcomes_) o = RankOutcome{};
+  if (StartOpInto(*running_, running_slots_, outcomes_)) FinishOp();
   return true;
 }
 
-void LockstepGroup::FinishOp(std::vector<RankOutcome> outcomes) {
-  const OpPlan plan = *running_;
-  const std::vector<abi::RequestSlot> slots = std::move(running_slots_);
-  running_.reset();
+void LockstepGroup::FinishOp() {
+  const OpPlan& plan = *running_;  // Reset at the end.
+  const std::vector<abi::RequestSlot>& slots = running_slots_;
+  std::vector<RankOutcome>& outcomes = outcomes_;
   const int R = static_cast<int>(slots.size());
   // Every op but GetDispatchLayout exchanges data: one rank's error (e.g. its bad expert
   // ids) makes every rank's output undefined, so every rank gets it.
@@ -725,11 +767,12 @@ void LockstepGroup::FinishOp(std::vector<RankOutcome> outcomes) {
     WriteCompletion(*ep, slots[r].seq, outcomes[r]);
     ep->request.reset();
   }
-  (all_ok ? ops_completed_ : ops_failed_).fetch_add(1);
   if (!all_ok) {
     failed_ops_[plan.seq] = outcomes[0].status;
     while (failed_ops_.size() > 2 * abi::kRingCapacity) failed_ops_.erase(failed_ops_.begin());
   }
+  running_.reset();  // `plan` dies here.
+  (all_ok ? ops_completed_ : ops_failed_).fetch_add(1);
   ++current_seq_;
   op_started_.reset();
 }

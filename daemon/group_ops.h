@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -139,7 +140,8 @@ LockstepOptions LockstepOptionsOf(const BackendOptions& o) {
 }
 
 /// The lockstep core of a group. Thread-safety: every public method locks mu_; the hooks
-/// are called with mu_ held except PrepareRank.
+/// are called with mu_ held except PrepareRank. A successful op allocates nothing here (its
+/// per-op state is sized R at construction); error paths may (messages).
 class LockstepGroup : public DataPlaneGroup {
  public:
   LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options);
@@ -189,10 +191,24 @@ class LockstepGroup : public DataPlaneGroup {
   /// Starts `plan` for every rank; `slots[r]` is rank r's validated request (every rank
   /// attached). Returns the outcomes when the op finished synchronously, nullopt when it
   /// runs on (then PollOp is called on every Poll until it returns the outcomes).
+  /// A vector per op: a backend whose ops must not allocate (README "Hot path") overrides
+  /// StartOpInto / PollOpInto instead. The default (a backend that overrides StartOpInto
+  /// only) fails every rank with INTERNAL.
   virtual std::optional<std::vector<RankOutcome>> StartOp(
-      const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) = 0;
+      const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
   /// Outcomes of the running op once it finished, nullopt while it runs.
   virtual std::optional<std::vector<RankOutcome>> PollOp() { return std::nullopt; }
+  /// The allocation-free form of StartOp, which is what LockstepGroup calls. `outcomes`
+  /// has one entry per rank (R), each reset to {OK, 0, 0}; it is the group's, reused from
+  /// op to op: the backend writes rank r's outcome into outcomes[r]. Returns true when the
+  /// op finished synchronously (outcomes written), false when it runs on (then PollOpInto
+  /// is called on every Poll). The default forwards to StartOp (a vector per op).
+  virtual bool StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                           std::span<RankOutcome> outcomes);
+  /// The allocation-free form of PollOp: true once the running op finished, with
+  /// `outcomes` (as for StartOpInto) written; false while it runs. The default forwards to
+  /// PollOp.
+  virtual bool PollOpInto(std::span<RankOutcome> outcomes);
   /// Wakes whoever polls this group (a daemon-side event: a rank left).
   virtual void WakeEngine() {}
   /// Backend checks of one popped request of rank `rank` (with the shape and handle
@@ -252,7 +268,8 @@ class LockstepGroup : public DataPlaneGroup {
   void FailOp(const absl::Status& status);
   /// Validates the collected op and starts it; false when the backend is not ready.
   bool RunOp();
-  void FinishOp(std::vector<RankOutcome> outcomes);
+  /// Completes the running op (running_, running_slots_) with outcomes_ for every rank.
+  void FinishOp();
   absl::Status ValidateSlot(int32_t rank, const LockstepEndpoint& ep,
                             const abi::RequestSlot& slot) const;
   /// Completes request `slot` of rank `rank` with `status` without running it.
@@ -272,7 +289,12 @@ class LockstepGroup : public DataPlaneGroup {
   uint64_t current_seq_ = 1;  ///< The group op being collected or running.
   std::optional<std::chrono::steady_clock::time_point> op_started_;
   std::optional<OpPlan> running_;  ///< The op the backend is running.
-  std::vector<abi::RequestSlot> running_slots_;
+  // Per-op state sized R at construction and reused, so that an op allocates nothing
+  // (README "Hot path"; tests/unit/hot_path_alloc_test.cc).
+  std::vector<abi::RequestSlot> running_slots_;  ///< [R] the collected/running op's slots.
+  std::vector<RankOutcome> outcomes_;            ///< [R] the running op's outcomes.
+  std::vector<int32_t> missing_;                 ///< Poll: ranks not arrived (capacity R).
+  std::vector<int32_t> gone_;                    ///< Poll: missing ranks that left (capacity R).
   std::map<uint64_t, absl::Status> failed_ops_;  ///< Recent failed ops, for late ranks.
   uint64_t ll_dispatches_ = 0;                   ///< Low-latency dispatches so far (buffer parity).
   uint64_t ll_combines_ = 0;

@@ -8,8 +8,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,22 @@ namespace epd {
 namespace {
 
 using kernels::EndpointLayout;
+
+/// Brackets an op's calls into kernels/host for HostDataPlaneOptions::on_kernels.
+class KernelScope {
+ public:
+  explicit KernelScope(const std::function<void(bool)>& hook) : hook_(hook) {
+    if (hook_) hook_(true);
+  }
+  ~KernelScope() {
+    if (hook_) hook_(false);
+  }
+  KernelScope(const KernelScope&) = delete;
+  KernelScope& operator=(const KernelScope&) = delete;
+
+ private:
+  const std::function<void(bool)>& hook_;
+};
 
 class HostGroup;
 
@@ -63,7 +81,13 @@ class HostDataPlaneImpl : public DataPlane {
 class HostGroup : public LockstepGroup {
  public:
   HostGroup(HostDataPlaneImpl* plane, const v1::GroupSpec& spec)
-      : LockstepGroup(spec, LockstepOptionsOf(plane->options())), plane_(plane) {}
+      : LockstepGroup(spec, LockstepOptionsOf(plane->options())),
+        plane_(plane),
+        layout_args_(spec.num_ranks()),
+        dispatch_args_(spec.num_ranks()),
+        combine_args_(spec.num_ranks()),
+        ll_dispatch_args_(spec.num_ranks()),
+        ll_combine_args_(spec.num_ranks()) {}
   ~HostGroup() override { plane_->Unregister(this); }
 
  protected:
@@ -72,9 +96,12 @@ class HostGroup : public LockstepGroup {
                                                              const std::string& gpu_uuid,
                                                              v1::LaunchMode launch_mode,
                                                              v1::EndpointInfo* info) override;
-  std::optional<std::vector<RankOutcome>> StartOp(
-      const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) override {
-    return Execute(plan, slots);
+  /// Runs the op synchronously on the engine thread (always true), with the per-rank
+  /// kernel arguments kept in the group: no allocation outside kernels/host.
+  bool StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                   std::span<RankOutcome> outcomes) override {
+    Execute(plan, slots, outcomes);
+    return true;
   }
   /// The host backend has no streams: a stream-ordered request (kFlagStreamOrdered,
   /// CUDA daemon-launched mode) is INVALID_ARGUMENT.
@@ -88,13 +115,20 @@ class HostGroup : public LockstepGroup {
   }
 
  private:
-  std::vector<RankOutcome> Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
+  void Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+               std::span<RankOutcome> out);
   template <typename T>
   T* Ptr(int rank, const kernels::Region& r) const {
     return reinterpret_cast<T*>(endpoint(rank)->shm_data() + r.offset);
   }
 
   HostDataPlaneImpl* plane_;
+  // Each op kind's kernel arguments, [R], filled in per op (sized once: README "Hot path").
+  std::vector<kernels::host::LayoutRankArgs> layout_args_;
+  std::vector<kernels::host::DispatchRankArgs> dispatch_args_;
+  std::vector<kernels::host::CombineRankArgs> combine_args_;
+  std::vector<kernels::host::LowLatencyDispatchRankArgs> ll_dispatch_args_;
+  std::vector<kernels::host::LowLatencyCombineRankArgs> ll_combine_args_;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -109,8 +143,8 @@ absl::Status HostDataPlaneImpl::Init() {
   page->magic = abi::kDoorbellMagic;
   page->version = abi::kShmAbiVersion;
   // Wake at least every 20 ms to enforce op timeouts while asleep.
-  engine_ =
-      std::make_unique<Engine>(page, options_.engine_idle_us, 20000, [this] { return PollAll(); });
+  engine_ = std::make_unique<Engine>(
+      page, options_.engine_idle_us, 20000, [this] { return PollAll(); }, options_.on_engine_start);
   engine_->Start();
   return absl::OkStatus();
 }
@@ -161,39 +195,42 @@ absl::StatusOr<std::shared_ptr<RankResources>> HostGroup::PrepareRank(
   return std::shared_ptr<RankResources>();
 }
 
-std::vector<RankOutcome> HostGroup::Execute(const OpPlan& plan,
-                                            const std::vector<abi::RequestSlot>& slots) {
+void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                        std::span<RankOutcome> out) {
   const int R = static_cast<int>(slots.size());
   const abi::OpKind op = plan.op;
   const uint32_t flags = plan.flags;
   const kernels::GroupShape& gs = shape();
   kernels::host::HostExecution exec{plane_->options().host_threads};
-  std::vector<RankOutcome> out(R);
   auto fail_all = [&](const absl::Status& st) {
     for (auto& o : out) o.status = st;
-    return out;
   };
   const EndpointLayout& L = layout();
   switch (op) {
     case abi::OpKind::kGetDispatchLayout: {
       for (int r = 0; r < R; ++r) {
-        kernels::host::LayoutRankArgs a;
+        auto& a = layout_args_[r];
+        a = {};
         a.num_tokens = slots[r].num_tokens;
         a.topk_idx = Ptr<const int64_t>(r, L.in_topk_idx);
         a.num_tokens_per_rank = Ptr<int32_t>(r, L.layout_tokens_per_rank);
         a.num_tokens_per_expert = Ptr<int32_t>(r, L.layout_tokens_per_expert);
         a.is_token_in_rank = Ptr<uint8_t>(r, L.layout_is_token_in_rank);
         out[r].status = kernels::host::CheckTopkIdx(gs, r, a.num_tokens, a.topk_idx);
-        if (out[r].status.ok()) out[r].status = kernels::host::GetDispatchLayout(gs, a);
+        if (out[r].status.ok()) {
+          KernelScope k(plane_->options().on_kernels);
+          out[r].status = kernels::host::GetDispatchLayout(gs, a);
+        }
       }
-      return out;
+      return;
     }
     case abi::OpKind::kDispatch: {
       const bool cached = flags & abi::kFlagCachedHandle;
       const bool fp8 = flags & abi::kFlagFp8;
-      std::vector<kernels::host::DispatchRankArgs> args(R);
+      std::vector<kernels::host::DispatchRankArgs>& args = dispatch_args_;
       for (int r = 0; r < R; ++r) {
         auto& a = args[r];
+        a = {};
         const LockstepEndpoint& ep = *endpoint(r);
         a.num_tokens = slots[r].num_tokens;
         a.x = Ptr<const void>(r, L.in_x);
@@ -222,19 +259,24 @@ std::vector<RankOutcome> HostGroup::Execute(const OpPlan& plan,
       kernels::host::DispatchOptions opt;
       opt.fp8 = fp8;
       opt.expert_alignment = slots[0].expert_alignment;
-      absl::Status st = kernels::host::Dispatch(gs, opt, args, exec);
+      absl::Status st;
+      {
+        KernelScope k(plane_->options().on_kernels);
+        st = kernels::host::Dispatch(gs, opt, args, exec);
+      }
       if (!st.ok()) return fail_all(st);
       for (int r = 0; r < R; ++r) {
         *Ptr<int32_t>(r, L.recv_count) = args[r].num_recv_tokens;
         out[r].num_recv_tokens = args[r].num_recv_tokens;
       }
-      return out;
+      return;
     }
     case abi::OpKind::kCombine: {
       const bool weights = flags & abi::kFlagCombineWeights;
-      std::vector<kernels::host::CombineRankArgs> args(R);
+      std::vector<kernels::host::CombineRankArgs>& args = combine_args_;
       for (int r = 0; r < R; ++r) {
         auto& a = args[r];
+        a = {};
         const LockstepEndpoint& ep = *endpoint(r);
         a.num_tokens = ep.routing_tokens;
         a.send_pos = Ptr<const int32_t>(r, L.send_pos);
@@ -244,15 +286,20 @@ std::vector<RankOutcome> HostGroup::Execute(const OpPlan& plan,
         a.combined_x = Ptr<kernels::bf16_bits>(r, L.combined_x);
         a.combined_topk_weights = weights ? Ptr<float>(r, L.combined_topk_weights) : nullptr;
       }
-      absl::Status st = kernels::host::Combine(gs, args, exec);
+      absl::Status st;
+      {
+        KernelScope k(plane_->options().on_kernels);
+        st = kernels::host::Combine(gs, args, exec);
+      }
       if (!st.ok()) return fail_all(st);
-      return out;
+      return;
     }
     case abi::OpKind::kLowLatencyDispatch: {
       const int b = plan.ll_buffer;
-      std::vector<kernels::host::LowLatencyDispatchRankArgs> args(R);
+      std::vector<kernels::host::LowLatencyDispatchRankArgs>& args = ll_dispatch_args_;
       for (int r = 0; r < R; ++r) {
         auto& a = args[r];
+        a = {};
         a.num_tokens = slots[r].num_tokens;
         a.x = Ptr<const kernels::bf16_bits>(r, L.in_x);
         a.topk_idx = Ptr<const int64_t>(r, L.in_topk_idx);
@@ -267,16 +314,21 @@ std::vector<RankOutcome> HostGroup::Execute(const OpPlan& plan,
       kernels::host::LowLatencyDispatchOptions opt;
       opt.use_fp8 = flags & abi::kFlagFp8;
       opt.round_scale = flags & abi::kFlagRoundScale;
-      absl::Status st = kernels::host::LowLatencyDispatch(gs, opt, args, exec);
+      absl::Status st;
+      {
+        KernelScope k(plane_->options().on_kernels);
+        st = kernels::host::LowLatencyDispatch(gs, opt, args, exec);
+      }
       if (!st.ok()) return fail_all(st);
-      return out;
+      return;
     }
     case abi::OpKind::kLowLatencyCombine: {
       const int hb = plan.ll_handle_buffer;
       const int ob = plan.ll_out_buffer;
-      std::vector<kernels::host::LowLatencyCombineRankArgs> args(R);
+      std::vector<kernels::host::LowLatencyCombineRankArgs>& args = ll_combine_args_;
       for (int r = 0; r < R; ++r) {
         auto& a = args[r];
+        a = {};
         a.num_tokens = slots[r].num_tokens;
         a.topk_idx = Ptr<const int64_t>(r, L.in_topk_idx);
         a.topk_weights = Ptr<const float>(r, L.in_topk_weights);
@@ -286,12 +338,17 @@ std::vector<RankOutcome> HostGroup::Execute(const OpPlan& plan,
         absl::Status st = kernels::host::CheckTopkIdx(gs, r, a.num_tokens, a.topk_idx);
         if (!st.ok()) return fail_all(st);
       }
-      absl::Status st = kernels::host::LowLatencyCombine(gs, args, exec);
+      absl::Status st;
+      {
+        KernelScope k(plane_->options().on_kernels);
+        st = kernels::host::LowLatencyCombine(gs, args, exec);
+      }
       if (!st.ok()) return fail_all(st);
-      return out;
+      return;
     }
     default:
-      return fail_all(absl::InternalError("unreachable op kind"));
+      return fail_all(absl::InternalError(absl::StrCat(
+          "host backend: op kind ", OpName(static_cast<uint32_t>(op)), " is not run by StartOp")));
   }
 }
 

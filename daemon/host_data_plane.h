@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -20,6 +21,14 @@ struct HostDataPlaneOptions {
   uint32_t op_timeout_ms = 10000;  ///< Bound on waiting for the ranks of an op.
   uint32_t engine_idle_us = 100;   ///< Engine sleeps after this long with no request.
   int host_threads = 0;            ///< Threads per op (0 = hardware concurrency).
+
+  /// Test seams (unset in the daemon), called on the engine thread: `on_engine_start` once
+  /// before its first poll; `on_kernels(true)` right before and `on_kernels(false)` right
+  /// after each op's calls into kernels/host (the reference data movement, which keeps
+  /// per-op scratch of its own: README "Hot path"). tests/unit/hot_path_alloc_test.cc uses
+  /// them to count the engine's heap allocations per op outside the kernels.
+  std::function<void()> on_engine_start;
+  std::function<void(bool)> on_kernels;
 };
 
 /// Creates the host data plane (and its doorbell shm page) and starts its engine thread.

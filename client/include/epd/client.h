@@ -56,13 +56,17 @@
 
 #include <dlpack/dlpack.h>
 
+#include <algorithm>
 #include <array>
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -94,20 +98,67 @@ inline DLTensor MakeDLTensor(void* data, DLDataType dtype, std::vector<int64_t>&
   return t;
 }
 
+class TensorView;
+
+/// The dimensions of a TensorView, in elements, outermost first (e.g. [N, H] for recv_x).
+/// Up to kInlineDims (4) dimensions are stored inside the object (every view epd returns
+/// has 1 to 3), so results are built and copied with no heap allocation (README "Hot
+/// path"); more would be stored on the heap. Reads like the std::vector<int64_t> it
+/// replaces: size(), empty(), operator[], data(), begin()/end(), == with a
+/// std::vector<int64_t> (or another TensorShape), and it converts to a std::vector<int64_t>.
+class TensorShape {
+ public:
+  static constexpr size_t kInlineDims = 4;
+  using value_type = int64_t;
+  using size_type = size_t;
+  using const_iterator = const int64_t*;
+  using iterator = const_iterator;
+
+  TensorShape() = default;
+  TensorShape(std::initializer_list<int64_t> dims) : dims_(dims) {}
+  /// From a vector (implicit, as the API took std::vector<int64_t> before).
+  TensorShape(const std::vector<int64_t>& dims)  // NOLINT(google-explicit-constructor)
+      : dims_(dims.begin(), dims.end()) {}
+
+  size_t size() const { return dims_.size(); }
+  bool empty() const { return dims_.empty(); }
+  const int64_t* data() const { return dims_.data(); }
+  const int64_t& operator[](size_t i) const { return dims_[i]; }
+  const_iterator begin() const { return dims_.data(); }
+  const_iterator end() const { return dims_.data() + dims_.size(); }
+  /// A copy as a std::vector (allocates).
+  operator std::vector<int64_t>() const {  // NOLINT(google-explicit-constructor)
+    return std::vector<int64_t>(begin(), end());
+  }
+
+  friend bool operator==(const TensorShape& a, const TensorShape& b) { return a.dims_ == b.dims_; }
+  friend bool operator==(const TensorShape& a, const std::vector<int64_t>& b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end());
+  }
+
+ private:
+  friend class TensorView;
+  int64_t* mutable_data() { return dims_.data(); }
+  absl::InlinedVector<int64_t, kInlineDims> dims_;
+};
+
 /// A read-only description of a tensor living in an endpoint's buffers.
 /// `dl()` returns a DLTensor that points into this object (its shape array), so keep the
-/// TensorView alive while the DLTensor is used.
+/// TensorView alive while the DLTensor is used. Building, copying and assigning a view of
+/// up to 4 dimensions allocates nothing.
 class TensorView {
  public:
   TensorView() = default;
-  TensorView(void* data, DLDataType dtype, DLDevice device, std::vector<int64_t> shape);
+  /// A view of `data` [shape...] of `dtype` on `device`, compact row-major.
+  TensorView(void* data, DLDataType dtype, DLDevice device, TensorShape shape);
   TensorView(const TensorView& other);
   TensorView& operator=(const TensorView& other);
 
   /// The DLPack view (ndim = shape().size(), compact strides).
   const DLTensor& dl() const { return tensor_; }
   void* data() const { return tensor_.data; }
-  const std::vector<int64_t>& shape() const { return shape_; }
+  /// The dimensions in elements (see TensorShape), outermost first.
+  const TensorShape& shape() const { return shape_; }
   /// Number of elements.
   int64_t numel() const;
   /// Bytes of the element data.
@@ -119,7 +170,7 @@ class TensorView {
 
  private:
   void Rebind();
-  std::vector<int64_t> shape_;
+  TensorShape shape_;
   DLTensor tensor_{};
 };
 
