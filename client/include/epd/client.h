@@ -11,7 +11,9 @@
 // how long its views stay valid.
 //
 // Every op is two steps: the op call validates and submits, returning a `PendingOp`;
-// `PendingOp::Wait` returns the op's status and result.
+// `PendingOp::Wait` returns the op's status and result. Neither allocates heap memory when
+// the op succeeds (results hold their shapes inline: TensorShape), so a steady stream of
+// ops allocates nothing on the calling thread (README "Hot path"); errors may.
 //
 // CUDA backend: every op is ordered on the CUDA stream its args name (`stream`, a
 // cudaStream_t of the endpoint's GPU, e.g. cudaStreamLegacy for the legacy default
