@@ -4,18 +4,22 @@
 // dispatch counter + 1, kept in its sync region so CUDA-graph replays stay valid):
 //  1. Every block reads T (device memory) and topk_idx into shared memory (plus a bitmask
 //     of experts per token) and computes, per global expert e, how many of this rank's
-//     tokens go to e and each (t, k)'s index among them (a warp per expert: ballot + popc
-//     over 32 tokens at a time; a duplicate expert in a row shares the index). Blocks repeat this
-//     small computation instead of synchronising with each other.
+//     tokens go to e (the bitmasks transposed into per-(32-token group, expert) ballots, then
+//     popc prefix sums); after step 2, each (t, k)'s index among them (a duplicate expert in
+//     a row shares the index). Blocks repeat this small computation instead of
+//     synchronising with each other.
 //  2. Block 0 publishes the [E] counts into every rank's sync region (set seq & 1), then
 //     st.release.sys count_flag[rank] = seq at each.
 //  3. Every block waits (bounded) until all R count flags reach seq, then computes the
 //     first row of this rank in each expert's block, base[e] = Σ_{q < rank} count_q[e]:
 //     rows are packed by source rank ascending, token ascending (the host order).
-//  4. Warps copy rows: one warp per (token, 512-channel chunk), 16-byte loads, the chunk
-//     loaded and (FP8) quantised once in registers (16 lanes per 128-channel scale block)
-//     and stored to every destination of the token, straight into the owner's
-//     ll_recv_x[b] (and scales, src_info).
+//  4. Warps copy rows: one warp per (token, 512-channel chunk) "unit", 16 channels per lane,
+//     the chunk loaded and (FP8) quantised once in registers (8 lanes per 128-channel scale
+//     block) and stored with 16-byte stores to every destination of the token, straight
+//     into the owner's ll_recv_x[b] (and scales, src_info). Each warp's first two units are
+//     loaded and quantised between steps 2 and 3 (while the counts travel); later units are
+//     loaded two ahead of the stores. Block 0 then writes this rank's recv_count and
+//     handle positions (only this rank's later kernels read them).
 //  5. Each block takes a ticket; the last one st.release.sys data_flag[rank] = seq at every
 //     rank (all of this rank's rows have landed) and bumps the counter. Block 0 then waits
 //     (bounded) for all R data flags: the op's outputs are complete when the kernel ends.
@@ -90,36 +94,46 @@ __device__ __forceinline__ uint32_t* ExchangeFlag(uint8_t* base, const DispatchP
 /// Channels per unit of work of the vector paths: a multiple of 128 (FP8 scale blocks).
 constexpr int32_t kChunkChannels = 512;
 
-// Quantizes 8 channels held by this lane (one 16-byte bf16 vector) to 8 e4m3 bytes with the
-// scale of its 128-channel block, exactly as host::QuantizeRowFp8: amax over the block
-// (fmaxf, NaN ignored) reduced over the 16 lanes that hold the block, Fp8Scale, then
-// x / scale (a true division) rounded to e4m3. All 32 lanes must call it together.
-__device__ __forceinline__ uint2 QuantizeVec8(const uint4& v, bool round_scale, float* scale) {
-  float f[8];
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+// Quantizes the 16 channels held by this lane (two 16-byte bf16 vectors) to 16 e4m3 bytes
+// with the scale of their 128-channel block, exactly as host::QuantizeRowFp8: amax over the
+// block (fmaxf, NaN ignored) reduced over the 8 lanes that hold it, Fp8Scale, then x / scale
+// (a true division) rounded to e4m3. All 32 lanes must call it together.
+__device__ __forceinline__ uint4 QuantizeVec16(const uint4& lo, const uint4& hi, bool round_scale,
+                                               float* scale) {
+  float f[16];
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < 8; ++c) {
     f[2 * c] = Bf16ToFloat(static_cast<bf16_bits>(w[c] & 0xffffu));
     f[2 * c + 1] = Bf16ToFloat(static_cast<bf16_bits>(w[c] >> 16));
   }
   float amax = 0.0f;
 #pragma unroll
-  for (int c = 0; c < 8; ++c) amax = fmaxf(amax, fabsf(f[c]));
+  for (int c = 0; c < 16; ++c) amax = fmaxf(amax, fabsf(f[c]));
 #pragma unroll
-  for (int mask = 8; mask >= 1; mask >>= 1) {
+  for (int mask = 4; mask >= 1; mask >>= 1) {
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, mask));
   }
   const float s = Fp8Scale(amax, round_scale);
   *scale = s;
-  uint32_t packed[2];
+  uint32_t packed[4];
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
+  for (int c = 0; c < 4; ++c) {
     packed[c] =
         static_cast<uint32_t>(device::FloatsToE4m3x2(f[4 * c] / s, f[4 * c + 1] / s)) |
         (static_cast<uint32_t>(device::FloatsToE4m3x2(f[4 * c + 2] / s, f[4 * c + 3] / s)) << 16);
   }
-  return make_uint2(packed[0], packed[1]);
+  return make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
+
+/// One unit of copy work of the vector paths as one lane holds it: the lane's 16 channels
+/// of one (token, 512-channel chunk), loaded (BF16: v0, v1 = 16 bf16) or quantised (FP8:
+/// v0 = 16 e4m3 bytes, scale = its 128-channel block's scale).
+struct UnitData {
+  uint4 v0;
+  uint4 v1;
+  float scale;
+};
 
 template <int kMode>
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
@@ -143,6 +157,9 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   int32_t* s_count = s_pos + max_slots;     // [E] this rank's tokens per expert
   int32_t* s_base = s_count + num_experts;  // [E] first row of this rank in e's block
   uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_base + num_experts);  // [Mll, stride]
+  const int32_t max_groups = (p.max_tokens + 31) / 32;
+  uint32_t* s_ballot = s_mask + p.max_tokens * p.mask_stride;  // [Mll/32, E] token bitmasks
+  int32_t* s_prefix = reinterpret_cast<int32_t*>(s_ballot + max_groups * num_experts);  // same
 
   const int lane = LaneId();
   const int warp = device::WarpId();
@@ -183,25 +200,36 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     }
   }
   __syncthreads();
-  // A warp per expert: ballot over 32 tokens at a time gives each token's index among this
-  // rank's tokens routed to e (token order), shared by duplicate k's of a row.
-  for (int32_t e = warp; e < num_experts; e += kWarps) {
-    const int32_t word = e >> 5;
-    const uint32_t bit = 1u << (e & 31);
-    int32_t base = 0;
-    for (int32_t t0 = 0; t0 < num_tokens; t0 += 32) {
-      const int32_t t = t0 + lane;
-      const bool has = t < num_tokens && (s_mask[t * p.mask_stride + word] & bit) != 0;
-      const uint32_t ballot = __ballot_sync(0xffffffffu, has);
-      if (has) {
-        const int32_t pos = base + __popc(ballot & ((1u << lane) - 1u));
-        for (int32_t k = 0; k < num_topk; ++k) {
-          if (s_expert[t * num_topk + k] == e) s_pos[t * num_topk + k] = pos;
-        }
-      }
-      base += __popc(ballot);
+  // Per group g of 32 tokens and expert e, s_ballot[g][e] = the bitmask of the group's
+  // tokens routed to e: a warp per (group, mask word) transposes the word with 32 ballots.
+  // Then a thread per expert: s_prefix[g][e] = the group's first index among this rank's
+  // tokens to e, and s_count[e]. (Positions of the slots follow in step 2b, off the critical
+  // path of the count exchange.)
+  const int32_t groups = (num_tokens + 31) / 32;
+  const int32_t words = (num_experts + 31) / 32;
+  for (int32_t gw = warp; gw < groups * words; gw += kWarps) {
+    const int32_t g = gw / words;
+    const int32_t w = gw - g * words;
+    const int32_t t = g * 32 + lane;
+    const uint32_t m = t < num_tokens ? s_mask[t * p.mask_stride + w] : 0u;
+    uint32_t mine = 0;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const uint32_t b = __ballot_sync(0xffffffffu, (m >> j) & 1u);
+      if (lane == j) mine = b;
     }
-    if (lane == 0) s_count[e] = base;
+    const int32_t e = w * 32 + lane;
+    if (e < num_experts) s_ballot[g * num_experts + e] = mine;
+  }
+  __syncthreads();
+  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    int32_t c = 0;
+    for (int32_t g = 0; g < groups; ++g) {
+      s_prefix[g * num_experts + e] = c;
+      c += __popc(s_ballot[g * num_experts + e]);
+    }
+    s_count[e] = c;
+    s_base[e] = 0;
   }
   __syncthreads();
 
@@ -220,6 +248,69 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     }
   }
 
+  // Each slot's index among this rank's tokens routed to its expert (token order; duplicate
+  // k's of a row share it). Read after step 3's barrier.
+  for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
+    const int32_t e = s_expert[i];
+    if (e >= 0) {
+      const int32_t t = i / num_topk;
+      const int32_t ge = (t >> 5) * num_experts + e;
+      s_pos[i] = s_prefix[ge] + __popc(s_ballot[ge] & ((1u << (t & 31)) - 1u));
+    }
+  }
+
+  // ---- 2b. while the counts travel: load (and quantise) this warp's first two units ----
+  // A unit is one (token, 512-channel chunk); each lane holds 16 of its channels (see
+  // first_channel). Units are dealt to warps round-robin (u = first_unit + i * total_warps). The
+  // vector paths keep two units in registers: loaded before the count wait (their loads and
+  // quantisation overlap the exchange), and afterwards the next two units' loads are issued
+  // before the current two are stored (software pipelining).
+  const int32_t total_warps = static_cast<int32_t>(gridDim.x) * kWarps;
+  const int32_t first_unit = static_cast<int32_t>(blockIdx.x) * kWarps + warp;
+  const int32_t chunk = kMode == kBf16Scalar ? p.hidden : kChunkChannels;
+  const int32_t chunks_per_token = (p.hidden + chunk - 1) / chunk;
+  const int32_t units = num_tokens * chunks_per_token;
+  const int64_t hidden = p.hidden;
+  // The first channel of the lane's two 8-channel vectors in unit u (vector paths). FP8:
+  // 16 consecutive channels (one 16-byte e4m3 store per destination, 8 lanes per scale
+  // block). BF16: channels 8 l and 256 + 8 l of the chunk, so that each 16-byte store
+  // instruction of the warp writes 512 consecutive bytes.
+  auto first_channel = [&](int32_t u) {
+    const int32_t t = u / chunks_per_token;
+    return (u - t * chunks_per_token) * kChunkChannels + (kMode == kFp8 ? 16 : 8) * lane;
+  };
+  constexpr int32_t kSecondVector = kMode == kFp8 ? 8 : kChunkChannels / 2;
+  // Raw 16-byte loads of the lane's two vectors of unit u (zero past H).
+  auto load_unit = [&](int32_t u, uint4* lo, uint4* hi) {
+    const int32_t t = u / chunks_per_token;
+    const int32_t h0 = first_channel(u);
+    const bf16_bits* src = p.x + static_cast<int64_t>(t) * hidden + h0;
+    *lo = h0 < p.hidden ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+    *hi = h0 + kSecondVector < p.hidden ? *reinterpret_cast<const uint4*>(src + kSecondVector)
+                                        : make_uint4(0, 0, 0, 0);
+  };
+  // What is stored: FP8 quantised (all 32 lanes call it together), BF16 as loaded.
+  auto prepare_unit = [&](const uint4& lo, const uint4& hi) {
+    UnitData d;
+    if constexpr (kMode == kFp8) {
+      d.v0 = QuantizeVec16(lo, hi, p.round_scale, &d.scale);
+      d.v1 = make_uint4(0, 0, 0, 0);
+    } else {
+      d.v0 = lo;
+      d.v1 = hi;
+      d.scale = 0.0f;
+    }
+    return d;
+  };
+  UnitData staged0{};
+  UnitData staged1{};
+  if constexpr (kMode != kBf16Scalar) {
+    uint4 lo0 = make_uint4(0, 0, 0, 0), hi0 = lo0, lo1 = lo0, hi1 = lo0;
+    if (first_unit < units) load_unit(first_unit, &lo0, &hi0);
+    if (first_unit + total_warps < units) load_unit(first_unit + total_warps, &lo1, &hi1);
+    if (first_unit < units) staged0 = prepare_unit(lo0, hi0);
+    if (first_unit + total_warps < units) staged1 = prepare_unit(lo1, hi1);
+  }
   // ---- 3. wait for every rank's counts ----
   bool arrived = true;
   if (threadIdx.x < num_ranks) {
@@ -231,45 +322,21 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const bool counts_ok = __syncthreads_and(arrived) != 0;
 
   if (counts_ok) {
-    for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      int32_t sum = 0;
-      for (int32_t q = 0; q < p.rank; ++q)
-        sum += LdRelaxed(CountsAt(p.own_base, p, parity, q) + e, p.gpu_scope);
-      s_base[e] = sum;
-    }
-    if (blockIdx.x == 0) {
-      const int32_t first = p.rank * p.experts_per_rank;
-      for (int32_t j = threadIdx.x; j < p.experts_per_rank; j += blockDim.x) {
-        int32_t total = 0;
-        for (int32_t q = 0; q < num_ranks; ++q) {
-          total += LdRelaxed(CountsAt(p.own_base, p, parity, q) + first + j, p.gpu_scope);
-        }
-        p.recv_count[j] = total;
-      }
-      if (threadIdx.x == 0) state->dispatch_num_tokens[p.buffer] = num_tokens;
+    // s_base[e] = Σ_{q < rank} count_q[e] (zeroed in step 1): every load in flight at once,
+    // summed with shared atomics (integer sums: the order does not matter).
+    for (int32_t i = threadIdx.x; i < p.rank * num_experts; i += blockDim.x) {
+      const int32_t q = i / num_experts;
+      const int32_t e = i - q * num_experts;
+      const int32_t c = LdRelaxed(CountsAt(p.own_base, p, parity, q) + e, p.gpu_scope);
+      if (c != 0) atomicAdd(&s_base[e], c);
     }
     __syncthreads();
-    if (blockIdx.x == 0) {
-      for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
-        const int32_t e = s_expert[i];
-        p.handle_pos[i] = e >= 0 ? s_base[e] + s_pos[i] : -1;
-      }
-    }
-
     // ---- 4. rows straight into the owners' buffers ----
-    // One warp per (token, chunk of channels): the chunk is loaded (and quantised) once and
-    // stored to every destination of the token (first occurrence of each expert).
-    const int32_t total_warps = static_cast<int32_t>(gridDim.x) * kWarps;
-    const int64_t hidden = p.hidden;
+    // Each unit is stored to every destination of its token (first occurrence of each
+    // expert): lanes < K work out the destination rows into s_dst, then every lane stores its
+    // 16 bytes (FP8) or 32 bytes (BF16) to each.
     const int64_t out_row_bytes = kMode == kFp8 ? hidden : hidden * 2;
-    const int32_t chunk = kMode == kBf16Scalar ? p.hidden : kChunkChannels;
-    const int32_t chunks_per_token = (p.hidden + chunk - 1) / chunk;
-    const int32_t units = num_tokens * chunks_per_token;
-    for (int32_t u = static_cast<int32_t>(blockIdx.x) * kWarps + warp; u < units;
-         u += total_warps) {
-      const int32_t t = u / chunks_per_token;
-      const int32_t c0 = (u - t * chunks_per_token) * chunk;
-      const int32_t c1 = min(p.hidden, c0 + chunk);
+    auto destinations = [&](int32_t t, int32_t c0) {
       bool has_dst = false;
       uint8_t* dst = nullptr;
       float* dst_scales = nullptr;
@@ -300,48 +367,72 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
         s_dst[warp][idx] = dst;
         s_dst_scales[warp][idx] = dst_scales;
       }
-      const int num_dst = __popc(dst_mask);
       __syncwarp();
-      const bf16_bits* src = p.x + static_cast<int64_t>(t) * hidden;
-      if constexpr (kMode == kBf16Scalar) {
+      return __popc(dst_mask);
+    };
+    if constexpr (kMode == kBf16Scalar) {
+      for (int32_t u = first_unit; u < units; u += total_warps) {
+        const int32_t t = u / chunks_per_token;
+        const int32_t c0 = (u - t * chunks_per_token) * chunk;
+        const int32_t c1 = min(p.hidden, c0 + chunk);
+        const int num_dst = destinations(t, c0);
+        const bf16_bits* src = p.x + static_cast<int64_t>(t) * hidden;
         for (int32_t h = c0 + lane; h < c1; h += 32) {
           const bf16_bits v = src[h];
           for (int d = 0; d < num_dst; ++d) reinterpret_cast<bf16_bits*>(s_dst[warp][d])[h] = v;
         }
-      } else {
-        const uint4* s4 = reinterpret_cast<const uint4*>(src);
-        const int32_t v1 = c1 / 8;
-        for (int32_t base = c0 / 8; base < v1; base += 64) {
-          const int32_t i0 = base + lane;
-          const int32_t i1 = base + 32 + lane;
-          const uint4 a = i0 < v1 ? s4[i0] : make_uint4(0, 0, 0, 0);
-          const uint4 b = i1 < v1 ? s4[i1] : make_uint4(0, 0, 0, 0);
-          if constexpr (kMode == kBf16Vec) {
-            for (int d = 0; d < num_dst; ++d) {
-              uint4* o = reinterpret_cast<uint4*>(s_dst[warp][d]);
-              if (i0 < v1) o[i0] = a;
-              if (i1 < v1) o[i1] = b;
-            }
-          } else {
-            float scale_a, scale_b;
-            const uint2 qa = QuantizeVec8(a, p.round_scale, &scale_a);
-            const uint2 qb = QuantizeVec8(b, p.round_scale, &scale_b);
-            for (int d = 0; d < num_dst; ++d) {
-              uint2* o = reinterpret_cast<uint2*>(s_dst[warp][d]);
-              float* sc = s_dst_scales[warp][d];
-              if (i0 < v1) {
-                o[i0] = qa;
-                if ((lane & 15) == 0) sc[i0 / 16] = scale_a;
-              }
-              if (i1 < v1) {
-                o[i1] = qb;
-                if ((lane & 15) == 0) sc[i1 / 16] = scale_b;
+        __syncwarp();
+      }
+    } else {
+      auto store_unit = [&](int32_t u, const UnitData& d) {
+        const int32_t t = u / chunks_per_token;
+        const int32_t h0 = first_channel(u);
+        const int num_dst = destinations(t, (u - t * chunks_per_token) * kChunkChannels);
+        if (h0 < p.hidden) {
+          for (int i = 0; i < num_dst; ++i) {
+            if constexpr (kMode == kFp8) {
+              *reinterpret_cast<uint4*>(s_dst[warp][i] + h0) = d.v0;
+              if ((lane & 7) == 0) s_dst_scales[warp][i][h0 / kFp8BlockChannels] = d.scale;
+            } else {
+              bf16_bits* o = reinterpret_cast<bf16_bits*>(s_dst[warp][i]) + h0;
+              *reinterpret_cast<uint4*>(o) = d.v0;
+              if (h0 + kSecondVector < p.hidden) {
+                *reinterpret_cast<uint4*>(o + kSecondVector) = d.v1;
               }
             }
           }
         }
+        __syncwarp();
+      };
+      for (int32_t u = first_unit; u < units; u += 2 * total_warps) {
+        const int32_t u1 = u + total_warps;
+        const int32_t next0 = u + 2 * total_warps;
+        const int32_t next1 = u + 3 * total_warps;
+        uint4 lo0, hi0, lo1, hi1;
+        if (next0 < units) load_unit(next0, &lo0, &hi0);
+        if (next1 < units) load_unit(next1, &lo1, &hi1);
+        store_unit(u, staged0);
+        if (u1 < units) store_unit(u1, staged1);
+        if (next0 < units) staged0 = prepare_unit(lo0, hi0);
+        if (next1 < units) staged1 = prepare_unit(lo1, hi1);
       }
-      __syncwarp();
+    }
+    // Block 0, after its rows: this rank's recv_count and the handle (read by the next
+    // kernels on this stream, not by the peers).
+    if (blockIdx.x == 0) {
+      const int32_t first = p.rank * p.experts_per_rank;
+      for (int32_t j = threadIdx.x; j < p.experts_per_rank; j += blockDim.x) {
+        int32_t total = 0;
+        for (int32_t q = 0; q < num_ranks; ++q) {
+          total += LdRelaxed(CountsAt(p.own_base, p, parity, q) + first + j, p.gpu_scope);
+        }
+        p.recv_count[j] = total;
+      }
+      if (threadIdx.x == 0) state->dispatch_num_tokens[p.buffer] = num_tokens;
+      for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
+        const int32_t e = s_expert[i];
+        p.handle_pos[i] = e >= 0 ? s_base[e] + s_pos[i] : -1;
+      }
     }
   } else if (threadIdx.x == 0) {
     atomicExch(&state->dispatch_aborted, seq);
@@ -463,9 +554,11 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
   EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &num_blocks));
   p.mask_stride = (s.num_experts + 31) / 32;
   if (p.mask_stride % 2 == 0) ++p.mask_stride;
+  const uint64_t max_groups = (s.ll_max_tokens_per_rank + 31) / 32;
   const size_t smem =
       sizeof(int32_t) * (2ull * s.ll_max_tokens_per_rank * s.num_topk + 2ull * s.num_experts +
-                         static_cast<uint64_t>(s.ll_max_tokens_per_rank) * p.mask_stride);
+                         static_cast<uint64_t>(s.ll_max_tokens_per_rank) * p.mask_stride +
+                         2 * max_groups * s.num_experts);
   const bool x_aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
   if (args.use_fp8 && !x_aligned) {
     return absl::InvalidArgumentError(absl::StrCat(kOp, ": x must be 16-byte aligned for FP8"));

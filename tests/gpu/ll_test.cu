@@ -405,6 +405,12 @@ INSTANTIATE_TEST_SUITE_P(
         SweepCase{8, 7168, 6, 64, 1, false, 0.5, Routing::kDuplicates, Fp8::kRoundScale},
         SweepCase{8, 2048, 8, 256, 128, true, 0.5, Routing::kOneExpert, Fp8::kOff},
         SweepCase{8, 4096, 6, 8, 0, true, 0.0, Routing::kUniform, Fp8::kOn},
+        // H not a multiple of the kernels' 512-channel chunk: FP8 with a 128-channel tail;
+        // BF16 with H % 16 == 8 (a lane's second 16-byte vector past H); BF16 with H % 8 != 0
+        // (the scalar path).
+        SweepCase{4, 640, 8, 64, 128, true, 0.0, Routing::kUniform, Fp8::kOn},
+        SweepCase{4, 1000, 6, 64, 77, false, 0.5, Routing::kDuplicates, Fp8::kOff},
+        SweepCase{2, 1002, 8, 64, 128, true, 0.0, Routing::kUniform, Fp8::kOff},
         // DeepSeek-V3 decode: T=128, H=7168, K=8, E=256, 8 ranks; FP8 and BF16.
         SweepCase{8, 7168, 8, 256, 128, true, 0.0, Routing::kUniform, Fp8::kOn},
         SweepCase{8, 7168, 8, 256, 128, true, 0.0, Routing::kUniform, Fp8::kOff}),
