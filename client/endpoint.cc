@@ -55,6 +55,7 @@
 
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/cuda_program.h"
 #endif
 
 namespace epd {
@@ -338,6 +339,12 @@ struct Endpoint::Impl {
   std::vector<int> program_out_buffer;  ///< Per step: combine output buffer.
   size_t program_next = 0;
   uint64_t program_errors_seen = 0;
+#if EPD_HAVE_CUDA
+  /// Pinned uint64 ProgramStatus reads launch_flags' program instance into (with a kernel:
+  /// a device-to-host copy could queue behind the daemon's waiting instances, see
+  /// epd/kernels/cuda_program.h). Allocated by the first RegisterProgram.
+  internal::PinnedMemory program_word;
+#endif
   /// Ops given no stream, by seq % size: Enqueued() refuses them.
   std::array<uint64_t, abi::kCompletionCapacity> unordered_ops{};
 
@@ -947,6 +954,9 @@ absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
   if (m.cuda) {
     internal::DeviceGuard guard(m.mapping->device());
     EPD_RETURN_IF_ERROR(PreloadKernelsOnce(m.mapping->device()));
+    if (!m.client_launched && m.program_word == nullptr) {
+      EPD_ASSIGN_OR_RETURN(m.program_word, internal::AllocatePinned(sizeof(uint64_t)));
+    }
   }
 #endif
   EPD_ASSIGN_OR_RETURN(uint64_t seq,
@@ -1117,14 +1127,16 @@ absl::Status Endpoint::ProgramStatus() {
   abi::EndpointShmHeader* h = m.header;
   uint64_t instance = 0;
 #if EPD_HAVE_CUDA
-  if (m.cuda && !m.client_launched) {
+  if (m.cuda && !m.client_launched && m.program_word != nullptr) {
     // The latest instance whose results this endpoint's streams have seen (written by the
-    // daemon's stream before done).
+    // daemon's stream before done), read by a kernel (see program_word).
     internal::DeviceGuard guard(m.mapping->device());
-    EPD_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(&instance, m.At(m.layout.launch_flags) + kernels::kProgramInstanceOffset,
-                        sizeof(instance), cudaMemcpyDeviceToHost, m.aux_stream.get()));
+    const auto* word = reinterpret_cast<const uint64_t*>(m.At(m.layout.launch_flags) +
+                                                         kernels::kProgramInstanceOffset);
+    auto* host = reinterpret_cast<uint64_t*>(m.program_word.get());
+    EPD_RETURN_IF_ERROR(kc::ReadWordAsync(word, host, m.aux_stream.get()));
     EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.aux_stream.get()));
+    instance = *reinterpret_cast<volatile uint64_t*>(host);
   }
 #endif
   const auto deadline = std::chrono::steady_clock::now() +

@@ -28,6 +28,7 @@
 #include "epd/common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/cuda_program.h"
 #include "epd/kernels/layout.h"
 #include "shm_abi.h"
 #include "shm_region.h"
@@ -62,6 +63,28 @@ constexpr int kProgramDepth = 2;
 std::shared_ptr<spdlog::logger> EngineLog() {
   auto l = spdlog::get("epd.engine");
   return l ? l : spdlog::default_logger();
+}
+
+/// EPD_PROGRAM_TRACE=1 (off by default; a diagnostic): the engine logs every graph-mode
+/// program instance it enqueues and completes, every disarm, and, while an instance is
+/// pending, once a second every pending instance's state per rank (its go wait passed or
+/// not, the instance done or not). At warning level ("program trace: ..."), so the lines
+/// show at epd's usual log levels.
+bool ProgramTrace() {
+  static const bool on = [] {
+    const char* v = std::getenv("EPD_PROGRAM_TRACE");
+    return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
+/// "done", "pending" or the error of cudaEventQuery(e) (clearing a non-sticky error).
+const char* EventState(cudaEvent_t e) {
+  const cudaError_t err = cudaEventQuery(e);
+  if (err == cudaSuccess) return "done";
+  if (err == cudaErrorNotReady) return "pending";
+  cudaGetLastError();
+  return cudaGetErrorString(err);
 }
 
 // ---- RAII for CUDA resources ------------------------------------------------------------
@@ -256,7 +279,8 @@ class CudaGroup : public LockstepGroup {
     std::shared_ptr<CudaRank> rank;
     EventPtr waited[kProgramDepth];
     EventPtr done[kProgramDepth];
-    std::unique_ptr<kc::DeviceStatus, HostFree> readback;  ///< [kProgramDepth].
+    /// [kProgramDepth], pinned and mapped: written by ProgramStatusReadbackAsync.
+    std::unique_ptr<kc::DeviceStatus, HostFree> readback;
   };
   /// An instance enqueued on every rank's stream.
   struct ProgramInstance {
@@ -269,6 +293,7 @@ class CudaGroup : public LockstepGroup {
     std::vector<ProgramRank> ranks;
     uint64_t next = 1;  ///< The next instance to enqueue.
     std::deque<ProgramInstance> inflight;
+    Clock::time_point trace_next;  ///< EPD_PROGRAM_TRACE: when to log pending events next.
   };
   /// Register / unregister (from StartOp, GPUs claimed): the outcomes for every rank.
   std::vector<RankOutcome> ProgramOp(const OpPlan& plan, int R);
@@ -808,16 +833,14 @@ void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot)
   if (program_ && program_->ranks[rank].rank == cr) {
     // The rank's stream is held by the program's waits: write done_seq from the host (no
     // ring op of the group runs while a program is armed, so nothing else writes it).
-    const uint64_t seq = slot.seq;
+    // A stream memory write on the engine's aux stream (no copy: see DisarmProgram).
     cudaSetDevice(cr->device);
     cudaStream_t aux = plane_->EngineOf(cr->device)->aux.get();
-    cudaError_t err =
-        cudaMemcpyAsync(cr->done_flag(), &seq, sizeof(seq), cudaMemcpyHostToDevice, aux);
-    if (err == cudaSuccess) err = cudaStreamSynchronize(aux);
-    if (err != cudaSuccess) {
+    absl::Status st = kc::StreamWriteValue64(aux, cr->done_flag(), slot.seq);
+    if (st.ok()) st = EPD_CUDA_STATUS(cudaStreamSynchronize(aux));
+    if (!st.ok()) {
       EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
-                         spec().name(), rank, slot.seq, cudaGetErrorString(err));
-      cudaGetLastError();
+                         spec().name(), rank, slot.seq, st.ToString());
     }
     return;
   }
@@ -964,8 +987,9 @@ absl::Status CudaGroup::ArmProgram(const std::vector<ProgramStepPlan>& steps) {
       pr.done[i].reset(e);
     }
     void* pinned = nullptr;
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(
-        cudaHostAlloc(&pinned, sizeof(kc::DeviceStatus) * kProgramDepth, cudaHostAllocPortable)));
+    EPD_RETURN_IF_ERROR(
+        EPD_CUDA_STATUS(cudaHostAlloc(&pinned, sizeof(kc::DeviceStatus) * kProgramDepth,
+                                      cudaHostAllocPortable | cudaHostAllocMapped)));
     pr.readback.reset(static_cast<kc::DeviceStatus*>(pinned));
     std::memset(pinned, 0, sizeof(kc::DeviceStatus) * kProgramDepth);
     // go, done and instance start at 0 (the client runs no step while it registers).
@@ -974,6 +998,12 @@ absl::Status CudaGroup::ArmProgram(const std::vector<ProgramStepPlan>& steps) {
         pr.rank->area.get() + pr.rank->launch_flags_offset + kernels::kProgramGoOffset, 0,
         kernels::kProgramInstanceOffset + sizeof(uint64_t) - kernels::kProgramGoOffset, s)));
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(s)));
+    if (ProgramTrace()) {
+      EngineLog()->warn("program trace: group {} rank {}: GPU {} stream {} go at {}", spec().name(),
+                        r, pr.rank->device, static_cast<void*>(s),
+                        static_cast<void*>(pr.rank->area.get() + pr.rank->launch_flags_offset +
+                                           kernels::kProgramGoOffset));
+    }
   }
   for (int r = 0; r < R; ++r) {
     abi::EndpointShmHeader* h = endpoint(r)->header;
@@ -1033,7 +1063,10 @@ void CudaGroup::EnqueueProgramInstance() {
     uint8_t* flags = cr.area.get() + cr.launch_flags_offset;
     cudaSetDevice(cr.device);
     cudaStream_t s = cr.stream.get();
-    absl::Status st = kc::EnqueueStatusReadback(Context(r, 0), s, &pr.readback.get()[slot]);
+    // A kernel, not EnqueueStatusReadback's copy: this is enqueued long before the go wait
+    // passes, and a device-to-host copy waiting there would hold a copy-engine queue that
+    // other streams' copies share (epd/kernels/cuda_program.h).
+    absl::Status st = kc::ProgramStatusReadbackAsync(Context(r, 0), &pr.readback.get()[slot], s);
     // instance and done after the kernels, also when a launch failed: the client's stream
     // is released on every path.
     absl::Status w = kc::StreamWriteValue64(s, flags + kernels::kProgramInstanceOffset, in.k);
@@ -1043,6 +1076,10 @@ void CudaGroup::EnqueueProgramInstance() {
     w = EPD_CUDA_STATUS(cudaEventRecord(pr.done[slot].get(), s));
     if (st.ok()) st = w;
     if (in.launch[r].ok()) in.launch[r] = st;
+    if (ProgramTrace()) {
+      EngineLog()->warn("program trace: group {}: enqueued instance {} (step {}) on rank {}: {}",
+                        spec().name(), in.k, in.step, r, in.launch[r].ToString());
+    }
   }
   p.inflight.push_back(std::move(in));
 }
@@ -1074,7 +1111,10 @@ void CudaGroup::PublishProgramChecked(uint64_t k) {
 void CudaGroup::DisarmProgram(const absl::Status& why) {
   if (!program_) return;
   Program& p = *program_;
-  static const uint64_t kOne = 1;
+  if (ProgramTrace()) {
+    EngineLog()->warn("program trace: group {}: disarming ({}) with {} instance(s) in flight",
+                      spec().name(), why.ToString(), p.inflight.size());
+  }
   // Release the instances still waiting for their client's go, in instance order. go = 1
   // for instance j is written only once instance j-1 has passed its wait and written
   // go = 0 (its `waited` event), so no write is lost; a redundant go = 1 only releases the
@@ -1084,11 +1124,16 @@ void CudaGroup::DisarmProgram(const absl::Status& why) {
     for (ProgramRank& pr : p.ranks) {
       cudaSetDevice(pr.rank->device);
       if (cudaEventQuery(pr.waited[slot].get()) != cudaErrorNotReady) continue;
+      // A stream memory write, not a copy (epd/kernels/cuda_program.h: a copy could queue
+      // behind another stream's copy that waits on the GPU).
       cudaStream_t aux = plane_->EngineOf(pr.rank->device)->aux.get();
-      cudaMemcpyAsync(
-          pr.rank->area.get() + pr.rank->launch_flags_offset + kernels::kProgramGoOffset, &kOne,
-          sizeof(kOne), cudaMemcpyHostToDevice, aux);
-      cudaStreamSynchronize(aux);
+      absl::Status st = kc::StreamWriteValue64(
+          aux, pr.rank->area.get() + pr.rank->launch_flags_offset + kernels::kProgramGoOffset, 1);
+      if (st.ok()) st = EPD_CUDA_STATUS(cudaStreamSynchronize(aux));
+      if (!st.ok()) {
+        EngineLog()->error("group {} rank {}: releasing program instance {} failed: {}",
+                           spec().name(), pr.rank->rank, in.k, st.ToString());
+      }
     }
     for (ProgramRank& pr : p.ranks) {
       cudaSetDevice(pr.rank->device);
@@ -1165,7 +1210,28 @@ bool CudaGroup::PollBackground() {
         event_error[r] = EPD_CUDA_STATUS(err);
       }
     }
-    if (!done) break;
+    if (!done) {
+      if (ProgramTrace() && Clock::now() >= p.trace_next) {
+        p.trace_next = Clock::now() + std::chrono::seconds(1);
+        for (const ProgramInstance& pending : p.inflight) {
+          const int ps = static_cast<int>(pending.k % kProgramDepth);
+          std::string ranks;
+          for (int r = 0; r < R; ++r) {
+            cudaSetDevice(p.ranks[r].rank->device);
+            absl::StrAppend(&ranks, " rank ", r, ": go wait ",
+                            EventState(p.ranks[r].waited[ps].get()), ", instance ",
+                            EventState(p.ranks[r].done[ps].get()), ";");
+          }
+          EngineLog()->warn("program trace: group {}: instance {} pending:{}", spec().name(),
+                            pending.k, ranks);
+        }
+      }
+      break;
+    }
+    if (ProgramTrace()) {
+      EngineLog()->warn("program trace: group {}: instance {} (step {}) done on every rank",
+                        spec().name(), in.k, in.step);
+    }
     const ProgramStepPlan& step = p.steps[in.step];
     const char* name = OpName(static_cast<uint32_t>(step.op));
     absl::Status bad;

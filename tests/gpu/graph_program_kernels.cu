@@ -21,7 +21,25 @@ __global__ void DequantScaleExpertsKernel(const kernels::e4m3_bits* x, const flo
   }
 }
 
+__global__ void PeekWordsKernel(const unsigned long long* src, int n, unsigned long long* host,
+                                unsigned long long ticket) {
+  for (int i = static_cast<int>(threadIdx.x); i < n; i += blockDim.x) {
+    host[i] = reinterpret_cast<const volatile unsigned long long*>(src)[i];
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) reinterpret_cast<volatile unsigned long long*>(host)[kPeekWords] = ticket;
+}
+
 }  // namespace
+
+absl::Status PeekWordsAsync(const void* src, int n, uint64_t* host_mapped, uint64_t ticket,
+                            cudaStream_t stream) {
+  PeekWordsKernel<<<1, kPeekWords, 0, stream>>>(
+      static_cast<const unsigned long long*>(src), n < kPeekWords ? n : kPeekWords,
+      reinterpret_cast<unsigned long long*>(host_mapped), ticket);
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
 
 absl::Status LaunchDequantScaleExperts(const kernels::e4m3_bits* x, const float* scales,
                                        kernels::bf16_bits* y, int64_t El, int64_t rows, int64_t H,

@@ -1,6 +1,7 @@
 // The toy FP8 expert of graph_program_test: it runs between a program's captured FP8
 // low-latency dispatch and its combine on the rank's stream, dequantising the dispatch's
-// recv_x and writing the combine's input.
+// recv_x and writing the combine's input. And PeekWordsAsync, with which the test's hang
+// watchdog reads device words without a copy engine.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,5 +23,17 @@ inline float ProgramExpertScale(int64_t j) { return 0.5f + 0.25f * static_cast<f
 absl::Status LaunchDequantScaleExperts(const kernels::e4m3_bits* x, const float* scales,
                                        kernels::bf16_bits* y, int64_t El, int64_t rows, int64_t H,
                                        cudaStream_t stream);
+
+/// Words PeekWordsAsync reads at most; host_mapped holds kPeekWords + 1 words.
+inline constexpr int kPeekWords = 32;
+
+/// One block on `stream` copies `n` (<= kPeekWords) 64-bit words from device address
+/// `src` (8-byte aligned) to host_mapped[0, n), then writes `ticket` to
+/// host_mapped[kPeekWords]: the host polls that word (bounded) instead of synchronising
+/// the stream. host_mapped is pinned host memory (cudaHostAlloc; under UVA kernels
+/// reach it directly). A kernel, not a copy: a copy could queue behind copies that wait
+/// on the GPU (epd/kernels/cuda_program.h). Errors: INTERNAL for a launch error.
+absl::Status PeekWordsAsync(const void* src, int n, uint64_t* host_mapped, uint64_t ticket,
+                            cudaStream_t stream);
 
 }  // namespace epd::testing

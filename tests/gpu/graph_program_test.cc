@@ -18,6 +18,8 @@
 // with FAILED_PRECONDITION; a replay run by rank 0 alone (its dispatch waits for peers that
 // never come) is released by UnregisterProgram, and later replays return at once; the group's
 // ring ops work again.
+// A HangWatchdog (below) turns a hang anywhere in the scenario into a dump of every rank's
+// hand-off words and an exit with code 3 after 15 s without progress.
 //
 // Each test must run in a process of its own (it skips itself otherwise, saying so):
 //   epd_gpu_tests --gtest_filter=GraphProgramTest.TwoRanks
@@ -30,11 +32,15 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <span>
 #include <string>
@@ -48,7 +54,9 @@
 #include "daemon/daemon.h"
 #include "daemon/group_ops.h"
 #include "epd/client.h"
+#include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"
+#include "epd/kernels/layout.h"
 #include "gpu_test_util.h"
 #include "graph_program_kernels.h"
 #include "in_process_epd.h"
@@ -225,6 +233,173 @@ void Phase(int R, const std::string& what) {
   std::fprintf(stderr, "[graph program R=%d] %s\n", R, what.c_str());
 }
 
+/// The test's hang detector. A thread watches Beat(); when no beat came for `limit` (the
+/// scenario is stuck in a wait that no timeout of its own bounds, e.g. a stream memory wait
+/// of the hand-off), it prints on stderr where the scenario was, every test stream's state,
+/// and every rank's launch_flags words (ready_seq, done_seq; program go, done, instance) and
+/// low-latency sync words (status, counters, exchange flags), read by a kernel on a stream of
+/// its own, and once by a device-to-host copy on another stream for comparison (bounded);
+/// then it ends the process with exit code 3 (the GPU waits of a hung program would hold its
+/// teardown for ever). It found the hang this test was written for: the daemon's status
+/// read-back copies, enqueued ahead behind the program's go waits, held the copy-engine
+/// queue the test's cudaMemcpy needed (epd/kernels/cuda_program.h).
+class HangWatchdog {
+ public:
+  HangWatchdog(int R, std::vector<const uint8_t*> bases, const kernels::EndpointLayout& layout,
+               std::vector<cudaStream_t> streams, std::chrono::seconds limit)
+      : R_(R),
+        bases_(std::move(bases)),
+        layout_(layout),
+        streams_(std::move(streams)),
+        limit_(limit) {
+    // Everything the dump needs is made now: while the GPU is stuck, allocations may wait.
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, (testing::kPeekWords + 1) * 8 * 2, cudaHostAllocMapped) != cudaSuccess) {
+      ADD_FAILURE() << "HangWatchdog: cudaHostAlloc failed";
+      return;
+    }
+    host_ = static_cast<uint64_t*>(p);
+    std::memset(host_, 0, (testing::kPeekWords + 1) * 8 * 2);
+    if (cudaStreamCreateWithFlags(&peek_, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking) != cudaSuccess) {
+      ADD_FAILURE() << "HangWatchdog: cudaStreamCreateWithFlags failed";
+      return;
+    }
+    thread_ = std::thread([this] { Watch(); });
+  }
+  ~HangWatchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+    if (peek_ != nullptr) cudaStreamDestroy(peek_);
+    if (copy_ != nullptr) cudaStreamDestroy(copy_);
+    if (host_ != nullptr) cudaFreeHost(host_);
+  }
+  HangWatchdog(const HangWatchdog&) = delete;
+  HangWatchdog& operator=(const HangWatchdog&) = delete;
+
+  /// The scenario made progress; `where` names what it does next.
+  void Beat(std::string where) {
+    std::lock_guard<std::mutex> lock(mu_);
+    where_ = std::move(where);
+    last_ = std::chrono::steady_clock::now();
+  }
+
+ private:
+  void Watch() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      cv_.wait_for(lock, std::chrono::milliseconds(200));
+      if (stop_ || std::chrono::steady_clock::now() - last_ < limit_) continue;
+      const std::string where = where_;
+      lock.unlock();
+      // The dump's CUDA calls may block too (a thread stuck in a synchronous copy can hold
+      // the context): it runs on a thread of its own, given 10 s.
+      std::atomic<bool> dumped{false};
+      std::thread([&] {
+        Dump(where);
+        dumped.store(true);
+      }).detach();
+      const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (!dumped.load() && std::chrono::steady_clock::now() < end) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      if (!dumped.load()) {
+        std::fprintf(stderr, "[hang watchdog] the dump itself blocked in a CUDA call\n");
+      }
+      std::fflush(nullptr);
+      std::_Exit(3);
+    }
+  }
+
+  /// `n` words at `src` by a kernel (bounded 1 s); empty on timeout.
+  std::vector<uint64_t> Peek(const uint8_t* src, int n) {
+    const uint64_t ticket = ++ticket_;
+    if (!testing::PeekWordsAsync(src, n, host_, ticket, peek_).ok()) return {};
+    volatile uint64_t* done = host_ + testing::kPeekWords;
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while (*done != ticket) {
+      if (std::chrono::steady_clock::now() > end) return {};
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return std::vector<uint64_t>(host_, host_ + n);
+  }
+
+  static std::string Words(const std::vector<uint64_t>& w, bool halves) {
+    if (w.empty()) return "(the peek kernel did not finish within 1 s)";
+    std::string out;
+    for (uint64_t v : w) {
+      if (halves) {
+        absl::StrAppend(&out, " ", v & 0xffffffffu, " ", v >> 32);
+      } else {
+        absl::StrAppend(&out, " ", v);
+      }
+    }
+    return out;
+  }
+
+  void Dump(const std::string& where) {
+    std::fprintf(stderr, "[hang watchdog] no progress for %lld s; the scenario was at: %s\n",
+                 static_cast<long long>(limit_.count()), where.c_str());
+    for (size_t r = 0; r < streams_.size(); ++r) {
+      std::fprintf(stderr, "[hang watchdog] test stream %zu: %s\n", r,
+                   cudaGetErrorString(cudaStreamQuery(streams_[r])));
+    }
+    const int flag_words = (R_ + 1) / 2;
+    for (int r = 0; r < R_; ++r) {
+      const uint8_t* flags = bases_[r] + layout_.launch_flags.offset;
+      const uint8_t* sync = bases_[r] + layout_.sync.offset;
+      const uint8_t* ex = sync + kernels::cuda::kSyncLowLatencyExchangeOffset;
+      std::string line = absl::StrCat(
+          "rank ", r, ": ready_seq done_seq:", Words(Peek(flags, 2), false),
+          "; go done instance:", Words(Peek(flags + kernels::kProgramGoOffset, 3), false),
+          "; status (bad ids, bad T, has bad T, timed out, missing):",
+          Words(Peek(sync + kernels::cuda::kSyncStatusOffset, 3), true),
+          "; ll state (dispatch_seq, combine_seq, tickets, aborted, T, T per buffer):",
+          Words(Peek(sync + kernels::cuda::kSyncLowLatencyStateOffset, 4), true),
+          "; count_flag:", Words(Peek(ex, flag_words), true),
+          "; data_flag:", Words(Peek(ex + 4 * kernels::cuda::kMaxStatusRanks, flag_words), true),
+          "; combine_flag:",
+          Words(Peek(ex + 8 * kernels::cuda::kMaxStatusRanks, flag_words), true));
+      std::fprintf(stderr, "[hang watchdog] %s\n", line.c_str());
+    }
+    // The same words of rank 0 by a device-to-host copy: does a copy get through?
+    uint64_t* dst = host_ + testing::kPeekWords + 1;
+    const cudaError_t err = cudaMemcpyAsync(dst, bases_[0] + layout_.launch_flags.offset, 16,
+                                            cudaMemcpyDeviceToHost, copy_);
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    cudaError_t q = cudaErrorNotReady;
+    while (err == cudaSuccess && (q = cudaStreamQuery(copy_)) == cudaErrorNotReady &&
+           std::chrono::steady_clock::now() < end) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::fprintf(stderr, "[hang watchdog] rank 0 ready_seq done_seq by cudaMemcpyAsync D2H: %s\n",
+                 err != cudaSuccess       ? cudaGetErrorString(err)
+                 : q == cudaSuccess       ? absl::StrCat(dst[0], " ", dst[1]).c_str()
+                 : q == cudaErrorNotReady ? "the copy did not finish within 2 s"
+                                          : cudaGetErrorString(q));
+  }
+
+  const int R_;
+  const std::vector<const uint8_t*> bases_;
+  const kernels::EndpointLayout layout_;
+  const std::vector<cudaStream_t> streams_;
+  const std::chrono::seconds limit_;
+  uint64_t* host_ = nullptr;
+  cudaStream_t peek_ = nullptr;
+  cudaStream_t copy_ = nullptr;
+  uint64_t ticket_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::string where_ = "start";
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+  std::thread thread_;
+};
+
 /// The whole scenario of the file comment for R virtual ranks.
 void RunProgramScenario(int R, const std::string& gpu_uuid, Client* client) {
   {
@@ -251,6 +426,20 @@ void RunProgramScenario(int R, const std::string& gpu_uuid, Client* client) {
       eps.push_back(std::move(*ep));
     }
     auto stream = [&](int r) { return streams[r].get(); };
+    std::vector<const uint8_t*> bases;
+    std::vector<cudaStream_t> raw_streams;
+    for (int r = 0; r < R; ++r) {
+      auto area = FindInProcessCudaArea(eps[r]->info().cuda_ipc_handle());
+      ASSERT_TRUE(area.ok()) << area.status();
+      bases.push_back(static_cast<const uint8_t*>(*area));
+      raw_streams.push_back(stream(r));
+    }
+    HangWatchdog watchdog(R, bases, kernels::EndpointLayout::Compute(shape), raw_streams,
+                          std::chrono::seconds(15));
+    auto Phase = [&](int /*R*/, const std::string& what) {
+      epd::Phase(R, what);
+      watchdog.Beat(what);
+    };
 
     // Registration: every rank, the same program.
     const std::vector<ProgramStep> program = {
@@ -337,6 +526,7 @@ void RunProgramScenario(int R, const std::string& gpu_uuid, Client* client) {
         std::vector<float> w_cap = ri.w;
         w_cap.resize(static_cast<size_t>(Mll) * K, 1.f);
         cudaStream_t s = stream(r);
+        watchdog.Beat(absl::StrCat("staging the inputs of rank ", r));
         ASSERT_EQ(cudaMemcpyAsync(rg[r].dx.get(), x_cap.data(), x_cap.size() * 2,
                                   cudaMemcpyHostToDevice, s),
                   cudaSuccess);
@@ -368,13 +558,18 @@ void RunProgramScenario(int R, const std::string& gpu_uuid, Client* client) {
     };
     // Launches every rank's graph, then waits for every stream (bounded).
     auto replay_all = [&]() {
-      for (int r = 0; r < R; ++r) ASSERT_EQ(cudaGraphLaunch(rg[r].exec, stream(r)), cudaSuccess);
+      for (int r = 0; r < R; ++r) {
+        watchdog.Beat(absl::StrCat("cudaGraphLaunch of rank ", r));
+        ASSERT_EQ(cudaGraphLaunch(rg[r].exec, stream(r)), cudaSuccess);
+      }
+      watchdog.Beat("draining the replay's streams");
       for (int r = 0; r < R; ++r) {
         ASSERT_TRUE(DrainsWithin(stream(r), std::chrono::milliseconds(20000))) << "rank " << r;
       }
     };
     auto check = [&](const std::vector<RankInputs>& in, const std::string& what) {
       const std::vector<Blobs> want = HostProgram(shape, in);
+      watchdog.Beat(absl::StrCat("reading the outputs back (", what, ")"));
       for (int r = 0; r < R; ++r) {
         const std::vector<uint8_t> count_bytes = Fetch(rg[r].d.recv_count.data(), 0, El * 4);
         const auto* count = reinterpret_cast<const int32_t*>(count_bytes.data());
@@ -397,11 +592,13 @@ void RunProgramScenario(int R, const std::string& gpu_uuid, Client* client) {
     int checked = 0;
     for (int replay = 0; replay < 100; ++replay) {
       if (replay % 25 == 0) Phase(R, absl::StrCat("replay ", replay));
+      watchdog.Beat(absl::StrCat("replay ", replay));
       std::vector<RankInputs> in = random_inputs(replay);
       stage(in);
       replay_all();
       if (::testing::Test::HasFatalFailure()) break;
       for (int r = 0; r < R; ++r) {
+        watchdog.Beat(absl::StrCat("ProgramStatus of rank ", r, " after replay ", replay));
         absl::Status st = eps[r]->ProgramStatus();
         ASSERT_TRUE(st.ok()) << "replay " << replay << " rank " << r << ": " << st;
       }
@@ -462,6 +659,7 @@ void RunProgramScenario(int R, const std::string& gpu_uuid, Client* client) {
       ASSERT_EQ(cudaGraphLaunch(rg[0].exec, stream(0)), cudaSuccess);
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       EXPECT_EQ(cudaStreamQuery(stream(0)), cudaErrorNotReady) << "rank 0 should be waiting";
+      watchdog.Beat("UnregisterProgram while rank 0 waits alone");
       for (const absl::Status& st :
            OnEveryRank(R, [&](int r) { return eps[r]->UnregisterProgram(kWait); })) {
         EXPECT_TRUE(st.ok()) << st;
@@ -503,6 +701,7 @@ void RunProgramScenario(int R, const std::string& gpu_uuid, Client* client) {
         ASSERT_TRUE(op.ok()) << op.status();
         ops.push_back(*op);
       }
+      watchdog.Beat("waiting for the ring ops after UnregisterProgram");
       for (int r = 0; r < R; ++r) {
         auto res = ops[r].Wait(kWait);
         EXPECT_TRUE(res.ok()) << "rank " << r << ": " << res.status();
