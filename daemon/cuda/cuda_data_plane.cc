@@ -279,7 +279,7 @@ class CudaGroup : public LockstepGroup {
     std::shared_ptr<CudaRank> rank;
     EventPtr waited[kProgramDepth];
     EventPtr done[kProgramDepth];
-    /// [kProgramDepth], pinned and mapped: written by ProgramStatusReadbackAsync.
+    /// [kProgramDepth], pinned and mapped: written by EnqueueStatusReadback's kernel.
     std::unique_ptr<kc::DeviceStatus, HostFree> readback;
   };
   /// An instance enqueued on every rank's stream.
@@ -1063,10 +1063,10 @@ void CudaGroup::EnqueueProgramInstance() {
     uint8_t* flags = cr.area.get() + cr.launch_flags_offset;
     cudaSetDevice(cr.device);
     cudaStream_t s = cr.stream.get();
-    // A kernel, not EnqueueStatusReadback's copy: this is enqueued long before the go wait
+    // A kernel (EnqueueStatusReadback), not a copy: this is enqueued long before the go wait
     // passes, and a device-to-host copy waiting there would hold a copy-engine queue that
     // other streams' copies share (epd/kernels/cuda_program.h).
-    absl::Status st = kc::ProgramStatusReadbackAsync(Context(r, 0), &pr.readback.get()[slot], s);
+    absl::Status st = kc::EnqueueStatusReadback(Context(r, 0), s, &pr.readback.get()[slot]);
     // instance and done after the kernels, also when a launch failed: the client's stream
     // is released on every path.
     absl::Status w = kc::StreamWriteValue64(s, flags + kernels::kProgramInstanceOffset, in.k);

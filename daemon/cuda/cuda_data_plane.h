@@ -50,7 +50,7 @@
 //    writes 1 once its inputs and T are staged), writes go = 0, runs the step's kernels
 //    (a dispatch reads T from the rank's token-count slot; fixed buffers per step, group_ops.h
 //    ProgramStepPlan), reads the status back with a kernel into mapped pinned memory
-//    (kc::ProgramStatusReadbackAsync), writes the instance number and done = 1. The engine
+//    (kc::EnqueueStatusReadback), writes the instance number and done = 1. The engine
 //    polls each instance's events (it does not sleep while armed), publishes errors and the
 //    checked instance in the endpoint's shm header (program_* fields, read by
 //    Endpoint::ProgramStatus), and enqueues the next instance. A device-side timeout or a
@@ -65,19 +65,18 @@
 //    completed, each disarm, and once a second the state of pending instances per rank.
 //    No copy (cudaMemcpyAsync/cudaMemsetAsync) is ever enqueued behind a program's go wait,
 //    nor used to write the hand-off words from the host: the first GPU run hung because the
-//    status read-back was a device-to-host copy (kc::EnqueueStatusReadback). A copy goes to
-//    a copy-engine queue that the process's streams share, and waits there for its
-//    stream's earlier work; the instances enqueued ahead (waiting for a
-//    go that comes only with the next replay) thus held the device-to-host queue, and the
-//    next device-to-host copy of any stream of the process (the test's cudaMemcpy of the
-//    results after replay 0) waited behind them for ever. Found with the test's hang
-//    watchdog (tests/gpu/graph_program_test.cc): both test streams had drained, and the
-//    scenario was stuck in that cudaMemcpy. With the read-back as a kernel, both GPU tests
-//    pass (R = 2 and 8, 100 replays each, bit-exact with kernels/host).
-//    Caveat (in-process use, e.g. tests): stream memory waits enqueued ahead hold their
-//    hardware queue; streams beyond CUDA_DEVICE_MAX_CONNECTIONS (32) share queues, and a
-//    write queued behind such a wait waits with it. The daemon creates its aux stream at
-//    start-up; a daemon with more than 32 streams per GPU has the same hazard.
+//    status read-back was a device-to-host copy (EnqueueStatusReadback's former copy). A copy goes
+//    to a copy-engine queue that the process's streams share, and waits there for its stream's
+//    earlier work; the instances enqueued ahead (waiting for a go that comes only with the next
+//    replay) thus held the device-to-host queue, and the next device-to-host copy of any stream of
+//    the process (the test's cudaMemcpy of the results after replay 0) waited behind them for ever.
+//    Found with the test's hang watchdog (tests/gpu/graph_program_test.cc): both test streams had
+//    drained, and the scenario was stuck in that cudaMemcpy. With the read-back as a kernel, both
+//    GPU tests pass (R = 2 and 8, 100 replays each, bit-exact with kernels/host). Caveat
+//    (in-process use, e.g. tests): stream memory waits enqueued ahead hold their hardware queue;
+//    streams beyond CUDA_DEVICE_MAX_CONNECTIONS (32) share queues, and a write queued behind such a
+//    wait waits with it. The daemon creates its aux stream at start-up; a daemon with more than 32
+//    streams per GPU has the same hazard.
 #pragma once
 
 #include <cstdint>

@@ -18,6 +18,16 @@ namespace {
 
 __global__ void SetInt32Kernel(int32_t* dst, int32_t value) { *dst = value; }
 
+constexpr int kStatusWords = static_cast<int>(sizeof(DeviceStatus) / sizeof(uint32_t));
+
+/// host[i] = status[i]; status[i] = 0 for the 64 words of a DeviceStatus (EnqueueStatusReadback).
+__global__ void StatusReadbackKernel(uint32_t* status, uint32_t* host) {
+  for (int i = static_cast<int>(threadIdx.x); i < kStatusWords; i += blockDim.x) {
+    host[i] = status[i];
+    status[i] = 0;
+  }
+}
+
 std::mutex& HookMutex() {
   static std::mutex mu;
   return mu;
@@ -125,16 +135,22 @@ absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shap
 
 absl::Status EnqueueStatusReadback(const CudaRankContext& ctx, cudaStream_t stream,
                                    DeviceStatus* host_dst) {
+  if (host_dst == nullptr || ctx.own_base == nullptr) {
+    return absl::InvalidArgumentError("EnqueueStatusReadback: null host or area pointer");
+  }
   uint8_t* dev = ctx.own_base + ctx.layout.sync.offset + kSyncStatusOffset;
-  EPD_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(host_dst, dev, sizeof(DeviceStatus), cudaMemcpyDeviceToHost, stream));
-  EPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dev, 0, sizeof(DeviceStatus), stream));
-  return absl::OkStatus();
+  StatusReadbackKernel<<<1, kStatusWords, 0, stream>>>(reinterpret_cast<uint32_t*>(dev),
+                                                       reinterpret_cast<uint32_t*>(host_dst));
+  return EPD_CUDA_STATUS(cudaGetLastError());
 }
 
 absl::Status ReadAndClearStatus(const CudaRankContext& ctx, cudaStream_t stream, const char* op) {
+  // Pageable destination: copies (this is the synchronous slow path).
   DeviceStatus status{};
-  EPD_RETURN_IF_ERROR(EnqueueStatusReadback(ctx, stream, &status));
+  uint8_t* dev = ctx.own_base + ctx.layout.sync.offset + kSyncStatusOffset;
+  EPD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&status, dev, sizeof(DeviceStatus), cudaMemcpyDeviceToHost, stream));
+  EPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dev, 0, sizeof(DeviceStatus), stream));
   EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   // This entry point gets only the op's name: a low-latency op is one named
   // "LowLatency..." (what every caller passes for those ops); the name picks the bound
@@ -177,6 +193,7 @@ bool RegisterPreloadHook(absl::Status (*hook)()) {
 absl::Status PreloadKernels() {
   cudaFuncAttributes attr;
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, SetInt32Kernel));
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, StatusReadbackKernel));
   EPD_RETURN_IF_ERROR(internal::PreloadLowLatencyKernels());
   std::vector<absl::Status (*)()> hooks;
   {

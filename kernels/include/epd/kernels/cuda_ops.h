@@ -133,10 +133,15 @@ absl::Status ResolveNumBlocks(const CudaRankContext& ctx, int32_t* num_blocks);
 absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shape, int32_t rank,
                               const char* op, bool low_latency);
 
-/// Enqueues on `stream`: a copy of the rank's DeviceStatus into `host_dst` (pinned host
-/// memory, or any memory the copy engine can reach), then a clear of the device word.
-/// Nothing waits: read `*host_dst` after the stream has passed this point (e.g. an event)
-/// and convert it with StatusFromDevice. Errors: CUDA launch errors.
+/// Enqueues on `stream` one tiny kernel that copies the rank's DeviceStatus (256 bytes) into
+/// `host_dst` and clears the device word. `host_dst` must be pinned host memory
+/// (cudaHostAlloc / cudaMallocHost: under unified addressing every kernel can write it).
+/// A kernel, not cudaMemcpyAsync: a copy goes to a copy-engine queue that all the
+/// context's streams share and waits there for its own stream's earlier work, so the
+/// read-back of one rank (behind its op's ready wait and kernels) would hold every other
+/// stream's device-to-host copies (cuda_program.h). Nothing waits: read `*host_dst` after
+/// the stream has passed this point (e.g. an event) and convert it with StatusFromDevice.
+/// Errors: INVALID_ARGUMENT for a null pointer, INTERNAL for a launch error.
 absl::Status EnqueueStatusReadback(const CudaRankContext& ctx, cudaStream_t stream,
                                    DeviceStatus* host_dst);
 

@@ -17,15 +17,6 @@
 
 namespace epd::kernels::cuda {
 
-/// Copies rank ctx.rank's DeviceStatus (sync + kSyncStatusOffset, 256 bytes) to
-/// `host_mapped` and zeroes it, with one tiny kernel on `stream` (what EnqueueStatusReadback
-/// does with a cudaMemcpyAsync and a cudaMemsetAsync). `host_mapped` is pinned host memory
-/// allocated with cudaHostAllocMapped (its device address equals the host one under UVA);
-/// its contents are valid once an event recorded after this call has completed. Errors:
-/// INVALID_ARGUMENT for a null pointer, INTERNAL for a launch error.
-absl::Status ProgramStatusReadbackAsync(const CudaRankContext& ctx, DeviceStatus* host_mapped,
-                                        cudaStream_t stream);
-
 /// Copies the 64-bit word at device address `word` to `host_mapped` (pinned host memory
 /// allocated with cudaHostAllocMapped) with one tiny kernel on `stream`; valid once the
 /// stream has passed it. Errors: INVALID_ARGUMENT for a null pointer, INTERNAL for a
