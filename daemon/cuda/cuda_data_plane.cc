@@ -5,15 +5,16 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -215,10 +216,11 @@ class CudaDataPlaneImpl : public DataPlane {
   bool PeerAccess(int a, int b) const { return a == b || peer_.at(a).count(b) > 0; }
   GpuEngine* EngineOf(int device) { return engines_.at(device).get(); }
 
-  /// Claims every GPU in `devices` for `group`'s next op when none of them runs another
-  /// group's op (one group op per GPU at a time: spinning kernels must all be resident).
-  bool TryClaimGpus(const std::set<int>& devices, const CudaGroup* group);
-  /// Releases the GPUs `group` holds.
+  /// Claims every GPU in `devices` (daemon ordinals) for `group`'s next op when none of
+  /// them runs another group's op (one group op per GPU at a time: spinning kernels must
+  /// all be resident). Allocates nothing (the holder table is sized at Init).
+  bool TryClaimGpus(std::span<const int> devices, const CudaGroup* group);
+  /// Releases the GPUs `group` holds. Allocates nothing.
   void ReleaseGpus(const CudaGroup* group);
 
  private:
@@ -227,7 +229,9 @@ class CudaDataPlaneImpl : public DataPlane {
   std::map<int, std::set<int>> peer_;  // ordinal → peers it can access.
   std::map<int, std::unique_ptr<GpuEngine>> engines_;
   std::mutex claim_mu_;
-  std::map<int, const CudaGroup*> gpu_holder_;  // GPU → group whose op runs on it.
+  /// [max ordinal + 1], indexed by ordinal: the group whose op runs on the GPU, or null.
+  /// Sized once at Init, so claiming and releasing per op allocate nothing.
+  std::vector<const CudaGroup*> gpu_holder_;
   std::atomic<bool> shut_down_{false};
 };
 
@@ -237,7 +241,11 @@ class CudaGroup : public LockstepGroup {
       : LockstepGroup(spec, LockstepOptionsOf(plane->options())),
         plane_(plane),
         ranks_(spec.num_ranks()),
-        host_bases_(spec.num_ranks(), nullptr) {}
+        host_bases_(spec.num_ranks(), nullptr),
+        event_errors_(spec.num_ranks(), cudaSuccess) {
+    devices_.reserve(spec.num_ranks());
+    SizeOp(spare_);
+  }
   ~CudaGroup() override;
 
   /// Shutdown: completes everything pending with `status`.
@@ -258,9 +266,9 @@ class CudaGroup : public LockstepGroup {
   absl::Status RankAttached(int32_t rank, const std::shared_ptr<RankResources>& res) override;
   void RankDetached(int32_t rank) override;
   bool ReadyToStart() override;
-  std::optional<std::vector<RankOutcome>> StartOp(
-      const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) override;
-  std::optional<std::vector<RankOutcome>> PollOp() override;
+  bool StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                   std::span<RankOutcome> outcomes) override;
+  bool PollOpInto(std::span<RankOutcome> outcomes) override;
   void WakeEngine() override {
     GpuEngine* e = engine_.load();
     if (e != nullptr && e->engine != nullptr) e->engine->Wake();
@@ -284,19 +292,28 @@ class CudaGroup : public LockstepGroup {
   };
   /// An instance enqueued on every rank's stream.
   struct ProgramInstance {
-    uint64_t k = 0;  ///< 1, 2, ... since the program was armed.
-    int step = 0;    ///< (k - 1) % steps.
-    std::vector<absl::Status> launch;
+    uint64_t k = 0;                    ///< 1, 2, ... since the program was armed.
+    int step = 0;                      ///< (k - 1) % steps.
+    std::vector<absl::Status> launch;  ///< [R], sized once by ArmProgram.
   };
   struct Program {
     std::vector<ProgramStepPlan> steps;
     std::vector<ProgramRank> ranks;
     uint64_t next = 1;  ///< The next instance to enqueue.
-    std::deque<ProgramInstance> inflight;
+    /// Instances in flight: next - inflight, ..., next - 1 (oldest first; at most
+    /// kProgramDepth). Instance k's state is instances[k % kProgramDepth], the slot of its
+    /// events and read-back too: a fixed ring, so enqueueing and completing an instance
+    /// allocate nothing.
+    int inflight = 0;
+    std::array<ProgramInstance, kProgramDepth> instances;
     Clock::time_point trace_next;  ///< EPD_PROGRAM_TRACE: when to log pending events next.
+
+    ProgramInstance& instance(uint64_t k) { return instances[k % kProgramDepth]; }
+    /// The oldest instance in flight (inflight > 0).
+    uint64_t front() const { return next - static_cast<uint64_t>(inflight); }
   };
-  /// Register / unregister (from StartOp, GPUs claimed): the outcomes for every rank.
-  std::vector<RankOutcome> ProgramOp(const OpPlan& plan, int R);
+  /// Register / unregister (from StartOpInto, GPUs claimed): writes every rank's outcome.
+  void ProgramOp(const OpPlan& plan, std::span<RankOutcome> outcomes);
   absl::Status ArmProgram(const std::vector<ProgramStepPlan>& steps);
   /// Enqueues instance program_->next on every rank's stream.
   void EnqueueProgramInstance();
@@ -316,8 +333,8 @@ class CudaGroup : public LockstepGroup {
   /// True once the disarmed program's tail has left the GPU (then releases it).
   bool ProgramTailDone();
 
-  /// The group's GPUs (those of its attached ranks).
-  std::set<int> Devices() const;
+  /// Recomputes devices_ from ranks_ (capacity R: allocates nothing).
+  void UpdateDevices();
   kc::CudaRankContext Context(int32_t r, int32_t num_sms) const;
   /// Enqueues rank r's part of `plan` on its stream: for a stream-ordered slot first the
   /// wait for ready_seq >= seq (then *ready_wait = true), then the op's kernels.
@@ -329,7 +346,8 @@ class CudaGroup : public LockstepGroup {
 
   /// An op on the GPU: the ranks it runs on (kept alive until it finished), per-rank
   /// launch errors, which ranks' streams wait for their client (kFlagStreamOrdered), when
-  /// it started.
+  /// it started. Every vector has R entries (SizeOp); a program's tail (DisarmProgram)
+  /// too.
   struct GpuOp {
     abi::OpKind op = abi::OpKind::kInvalid;
     uint64_t seq = 0;
@@ -339,6 +357,21 @@ class CudaGroup : public LockstepGroup {
     std::vector<bool> ready_wait;  ///< The rank's stream got the ready_seq wait.
     Clock::time_point started;
   };
+  /// Gives every vector of `op` R entries (no allocation when they already have).
+  void SizeOp(GpuOp& op) const {
+    const size_t R = ranks_.size();
+    op.ranks.resize(R);
+    op.launch.resize(R);
+    op.stream_ordered.resize(R);
+    op.ready_wait.resize(R);
+  }
+  /// Moves a finished op's vectors back into spare_ for the next op, dropping its rank
+  /// references (a rank that left during the op is freed here, not kept by the spare).
+  void RecycleOp(std::optional<GpuOp>& op) {
+    spare_ = std::move(*op);
+    op.reset();
+    for (auto& r : spare_.ranks) r.reset();
+  }
   /// Enqueues done_seq = seq on rank `cr`'s stream (after everything already on it).
   absl::Status WriteDone(const CudaRank& cr, uint64_t seq) const;
   /// For every stream-ordered rank of `op` whose stream still waits for ready_seq (its
@@ -354,11 +387,19 @@ class CudaGroup : public LockstepGroup {
   std::vector<std::shared_ptr<CudaRank>> ranks_;  // Attached ranks.
   std::vector<uint8_t*> host_bases_;              // [R] data-area bases.
   std::map<int, DevicePtr> peer_bases_;           // GPU → device array [R].
-  bool needs_sync_reset_ = false;                 // Kernel sync state must be zeroed.
-  std::optional<GpuOp> gpu_op_;                   // The op running on the GPU.
-  std::optional<GpuOp> abandoned_;                // An op given up on, still on the GPU.
-  std::optional<Program> program_;                // The armed graph-mode program.
-  std::optional<GpuOp> program_tail_;             // A disarmed program still on the GPU.
+  /// The distinct GPUs of the attached ranks, ascending (capacity R): what an op claims.
+  std::vector<int> devices_;
+  bool needs_sync_reset_ = false;  // Kernel sync state must be zeroed.
+  // The per-op state is sized R once and moved, never reallocated (README "Hot path"): the
+  // next op's GpuOp waits in spare_ while no op is on the GPU, moves into gpu_op_ while one
+  // runs (into abandoned_ if it is given up on), and back into spare_ once it has left.
+  GpuOp spare_;
+  std::optional<GpuOp> gpu_op_;     // The op running on the GPU.
+  std::optional<GpuOp> abandoned_;  // An op given up on, still on the GPU.
+  /// [R] scratch of one poll (PollOpInto, PollBackground): each rank's cudaEventQuery.
+  std::vector<cudaError_t> event_errors_;
+  std::optional<Program> program_;     // The armed graph-mode program.
+  std::optional<GpuOp> program_tail_;  // A disarmed program still on the GPU.
 };
 
 // ---------------------------------------------------------------------------------------
@@ -400,6 +441,7 @@ absl::Status CudaDataPlaneImpl::Init() {
     }
   }
   // Eager kernel loading, then one engine per GPU.
+  gpu_holder_.assign(static_cast<size_t>(uuids_.rbegin()->first) + 1, nullptr);
   for (const auto& [device, uuid] : uuids_) {
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(device)));
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaFree(nullptr)));  // Creates the context.
@@ -418,10 +460,13 @@ absl::Status CudaDataPlaneImpl::Init() {
     page->version = abi::kShmAbiVersion;
     GpuEngine* e = engine.get();
     // Wake at least every 20 ms to enforce op timeouts while asleep.
-    e->engine = std::make_unique<Engine>(page, options_.engine_idle_us, 20000, [e] {
-      cudaSetDevice(e->device);
-      return e->PollAll();
-    });
+    e->engine = std::make_unique<Engine>(
+        page, options_.engine_idle_us, 20000,
+        [e] {
+          cudaSetDevice(e->device);
+          return e->PollAll();
+        },
+        options_.on_engine_start);
     e->engine->Start();
     engines_[device] = std::move(engine);
     log->info("CUDA data plane: GPU {} ({}) ready: kernels loaded, engine started", device, uuid);
@@ -452,20 +497,20 @@ absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CudaDataPlaneImpl::CreateGroup(
   return std::unique_ptr<DataPlaneGroup>(std::make_unique<CudaGroup>(this, spec));
 }
 
-bool CudaDataPlaneImpl::TryClaimGpus(const std::set<int>& devices, const CudaGroup* group) {
+bool CudaDataPlaneImpl::TryClaimGpus(std::span<const int> devices, const CudaGroup* group) {
   std::lock_guard<std::mutex> lock(claim_mu_);
   for (int d : devices) {
-    auto it = gpu_holder_.find(d);
-    if (it != gpu_holder_.end() && it->second != group) return false;
+    const CudaGroup* holder = gpu_holder_[static_cast<size_t>(d)];
+    if (holder != nullptr && holder != group) return false;
   }
-  for (int d : devices) gpu_holder_[d] = group;
+  for (int d : devices) gpu_holder_[static_cast<size_t>(d)] = group;
   return true;
 }
 
 void CudaDataPlaneImpl::ReleaseGpus(const CudaGroup* group) {
   std::lock_guard<std::mutex> lock(claim_mu_);
-  for (auto it = gpu_holder_.begin(); it != gpu_holder_.end();) {
-    it = it->second == group ? gpu_holder_.erase(it) : std::next(it);
+  for (const CudaGroup*& holder : gpu_holder_) {
+    if (holder == group) holder = nullptr;
   }
 }
 
@@ -495,6 +540,7 @@ CudaGroup::~CudaGroup() {
     if (!op->has_value()) continue;
     ReleaseReadyWaits(**op);  // A client that never wrote ready_seq must not hang us.
     for (const auto& r : (*op)->ranks) {
+      if (!r) continue;
       cudaSetDevice(r->device);
       cudaStreamSynchronize(r->stream.get());
     }
@@ -563,17 +609,18 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
   return std::shared_ptr<RankResources>(std::move(r));
 }
 
-std::set<int> CudaGroup::Devices() const {
-  std::set<int> d;
+void CudaGroup::UpdateDevices() {
+  devices_.clear();
   for (const auto& r : ranks_) {
-    if (r) d.insert(r->device);
+    if (!r) continue;
+    auto it = std::lower_bound(devices_.begin(), devices_.end(), r->device);
+    if (it == devices_.end() || *it != r->device) devices_.insert(it, r->device);
   }
-  return d;
 }
 
 absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankResources>& res) {
   auto r = std::static_pointer_cast<CudaRank>(res);
-  for (int d : Devices()) {
+  for (int d : devices_) {
     if (!plane_->PeerAccess(r->device, d) || !plane_->PeerAccess(d, r->device)) {
       return absl::FailedPreconditionError(
           absl::StrCat("rank ", rank, " on GPU ", plane_->UuidOf(r->device), " cannot reach GPU ",
@@ -583,7 +630,7 @@ absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankRes
   }
   std::vector<uint8_t*> bases = host_bases_;
   bases[rank] = r->area.get();
-  std::set<int> devices = Devices();
+  std::set<int> devices(devices_.begin(), devices_.end());
   devices.insert(r->device);
   // Every GPU of the group gets the new [R] array of bases, copied on a stream of that GPU
   // (the new rank's, or an attached rank's) and waited for, so no kernel sees a stale array.
@@ -605,6 +652,7 @@ absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankRes
   }
   host_bases_ = std::move(bases);
   ranks_[rank] = std::move(r);
+  UpdateDevices();
   // The new area's sync state is zero, the others' counters are not: zero them all
   // before the next op.
   needs_sync_reset_ = true;
@@ -619,6 +667,7 @@ void CudaGroup::RankDetached(int32_t rank) {
   }
   ranks_[rank].reset();
   host_bases_[rank] = nullptr;
+  UpdateDevices();
 }
 
 kc::CudaRankContext CudaGroup::Context(int32_t r, int32_t num_sms) const {
@@ -643,14 +692,14 @@ bool CudaGroup::ReadyToStart() {
   if (program_tail_ && !ProgramTailDone()) return false;
   if (abandoned_) {
     for (const auto& r : abandoned_->ranks) {
-      if (cudaEventQuery(r->done.get()) == cudaErrorNotReady) return false;
+      if (r && cudaEventQuery(r->done.get()) == cudaErrorNotReady) return false;
     }
     cudaGetLastError();
-    abandoned_.reset();
+    RecycleOp(abandoned_);
     plane_->ReleaseGpus(this);
     needs_sync_reset_ = true;
   }
-  return plane_->TryClaimGpus(Devices(), this);
+  return plane_->TryClaimGpus(devices_, this);
 }
 
 absl::Status CudaGroup::ResetSync() {
@@ -742,18 +791,9 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
   return absl::OkStatus();
 }
 
-std::optional<std::vector<RankOutcome>> CudaGroup::StartOp(
-    const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) {
+bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                            std::span<RankOutcome> outcomes) {
   const int R = static_cast<int>(slots.size());
-  GpuOp op;
-  op.op = plan.op;
-  op.seq = plan.seq;
-  op.started = Clock::now();
-  op.ranks = ranks_;
-  op.launch.assign(R, absl::OkStatus());
-  op.stream_ordered.assign(R, false);
-  op.ready_wait.assign(R, false);
-  for (int r = 0; r < R; ++r) op.stream_ordered[r] = slots[r].flags & abi::kFlagStreamOrdered;
   // Not while a program is armed: the ranks' streams are held by its waits (the only op
   // then is UnregisterProgram, whose disarm sets the reset for the op after it).
   if (needs_sync_reset_ && !program_) {
@@ -762,16 +802,29 @@ std::optional<std::vector<RankOutcome>> CudaGroup::StartOp(
       EngineLog()->error("group {}: resetting the kernels' sync state failed: {}", spec().name(),
                          st.ToString());
       plane_->ReleaseGpus(this);
-      std::vector<RankOutcome> out(R);
       for (int r = 0; r < R; ++r) {
-        out[r].status = st;
+        outcomes[r].status = st;
         OpEndedWithoutLaunch(r, slots[r]);  // No kernel runs: release the client's stream.
       }
-      return out;
+      return true;
     }
   }
   if (plan.op == abi::OpKind::kRegisterProgram || plan.op == abi::OpKind::kUnregisterProgram) {
-    return ProgramOp(plan, R);
+    ProgramOp(plan, outcomes);
+    return true;
+  }
+  // The op's state: spare_'s vectors (R entries each; SizeOp allocates only if an earlier
+  // path had not given them back, which none does), filled in place.
+  GpuOp& op = spare_;
+  SizeOp(op);
+  op.op = plan.op;
+  op.seq = plan.seq;
+  op.started = Clock::now();
+  for (int r = 0; r < R; ++r) {
+    op.ranks[r] = ranks_[r];
+    op.launch[r] = absl::OkStatus();
+    op.stream_ordered[r] = (slots[r].flags & abi::kFlagStreamOrdered) != 0;
+    op.ready_wait[r] = false;
   }
   // Every rank's kernel is enqueued before any is waited for; a launch error on one rank
   // still launches the others, whose waits then end at the kernel timeout.
@@ -795,8 +848,8 @@ std::optional<std::vector<RankOutcome>> CudaGroup::StartOp(
     if (st.ok()) st = recorded;
     if (!st.ok() && op.launch[r].ok()) op.launch[r] = st;
   }
-  gpu_op_ = std::move(op);
-  return std::nullopt;
+  gpu_op_.emplace(std::move(spare_));  // The vectors move: no allocation.
+  return false;
 }
 
 absl::Status CudaGroup::CheckRequest(int32_t /*rank*/, const abi::RequestSlot& slot) const {
@@ -852,8 +905,8 @@ void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot)
 }
 
 void CudaGroup::ReleaseReadyWaits(const GpuOp& op) const {
-  for (size_t r = 0; r < op.ranks.size(); ++r) {
-    if (!op.ready_wait[r]) continue;
+  for (size_t r = 0; r < op.ranks.size() && r < op.ready_wait.size(); ++r) {
+    if (!op.ready_wait[r] || !op.ranks[r]) continue;
     const CudaRank& cr = *op.ranks[r];
     cudaSetDevice(cr.device);
     if (cudaEventQuery(cr.waited.get()) != cudaErrorNotReady) continue;
@@ -870,62 +923,65 @@ void CudaGroup::ReleaseReadyWaits(const GpuOp& op) const {
   cudaGetLastError();
 }
 
-std::optional<std::vector<RankOutcome>> CudaGroup::PollOp() {
+bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
   GpuOp& op = *gpu_op_;
   const int R = static_cast<int>(op.ranks.size());
   bool all_done = true;
-  std::vector<absl::Status> event_error(R);
   for (int r = 0; r < R; ++r) {
-    cudaError_t err = cudaEventQuery(op.ranks[r]->done.get());
+    const cudaError_t err = cudaEventQuery(op.ranks[r]->done.get());
+    event_errors_[r] = err;
     if (err == cudaErrorNotReady) {
       all_done = false;
     } else if (err != cudaSuccess) {
-      event_error[r] = EPD_CUDA_STATUS(err);
+      cudaGetLastError();  // Clear a non-sticky error: it is reported below, not later.
     }
   }
-  std::vector<RankOutcome> out(R);
   if (!all_done) {
     if (Clock::now() - op.started <
         std::chrono::milliseconds(options().op_timeout_ms) + kGpuGrace) {
-      return std::nullopt;
+      return false;
     }
     // The kernels bound their own waits by op_timeout; past that and a grace period the
     // op is given up on. Its resources stay held until the GPU is done with them, and the
-    // group's next op waits for that (ReadyToStart).
+    // group's next op waits for that (ReadyToStart, which recycles it into spare_).
     absl::Status st = absl::DeadlineExceededError(
         absl::StrCat(OpName(static_cast<uint32_t>(op.op)), " of group ", spec().name(),
                      ": the GPU did not finish the op within op_timeout ", options().op_timeout_ms,
                      " ms + 5 s; check the GPU (nvidia-smi) and the daemon log"));
     EngineLog()->error("{}", std::string(st.message()));
-    for (auto& o : out) o.status = st;
+    for (RankOutcome& o : outcomes) o.status = st;
     ReleaseReadyWaits(op);
     abandoned_ = std::move(gpu_op_);
     gpu_op_.reset();
-    return out;
+    return true;
   }
   const char* name = OpName(static_cast<uint32_t>(op.op));
+  const bool low_latency =
+      op.op == abi::OpKind::kLowLatencyDispatch || op.op == abi::OpKind::kLowLatencyCombine;
   for (int r = 0; r < R; ++r) {
     const Readback& rb = *op.ranks[r]->readback;
+    RankOutcome& out = outcomes[r];
+    const bool event_failed = event_errors_[r] != cudaSuccess;
     if (!op.launch[r].ok()) {
-      out[r].status = op.launch[r];
-    } else if (!event_error[r].ok()) {
-      out[r].status = event_error[r];
+      out.status = op.launch[r];
+    } else if (event_failed) {
+      out.status = kc::CudaErrorToStatus(event_errors_[r], "cudaEventQuery(the op's done event)",
+                                         __FILE__, __LINE__);
     } else {
-      const bool low_latency =
-          op.op == abi::OpKind::kLowLatencyDispatch || op.op == abi::OpKind::kLowLatencyCombine;
-      out[r].status = kc::StatusFromDevice(rb.status, shape(), r, name, low_latency);
-      if (op.op == abi::OpKind::kDispatch) out[r].num_recv_tokens = rb.recv_count;
+      // OK allocates nothing (a DeviceStatus without findings).
+      out.status = kc::StatusFromDevice(rb.status, shape(), r, name, low_latency);
+      if (op.op == abi::OpKind::kDispatch) out.num_recv_tokens = rb.recv_count;
     }
     // A device-side timeout or a launch error leaves the ranks' sequence counters out of
     // step: zero the sync state before the next op.
-    if (out[r].status.code() == absl::StatusCode::kDeadlineExceeded || !op.launch[r].ok() ||
-        !event_error[r].ok()) {
+    if (out.status.code() == absl::StatusCode::kDeadlineExceeded || !op.launch[r].ok() ||
+        event_failed) {
       needs_sync_reset_ = true;
     }
   }
-  gpu_op_.reset();
+  RecycleOp(gpu_op_);
   plane_->ReleaseGpus(this);
-  return out;
+  return true;
 }
 
 // ---- graph mode -------------------------------------------------------------------------
@@ -946,8 +1002,7 @@ absl::Status CudaGroup::CheckProgram(int32_t rank) const {
   return absl::OkStatus();
 }
 
-std::vector<RankOutcome> CudaGroup::ProgramOp(const OpPlan& plan, int R) {
-  std::vector<RankOutcome> out(R);
+void CudaGroup::ProgramOp(const OpPlan& plan, std::span<RankOutcome> outcomes) {
   absl::Status st;
   if (plan.op == abi::OpKind::kRegisterProgram) {
     st = ArmProgram(plan.program);
@@ -966,8 +1021,7 @@ std::vector<RankOutcome> CudaGroup::ProgramOp(const OpPlan& plan, int R) {
     DisarmProgram(absl::OkStatus());
     if (!program_tail_) plane_->ReleaseGpus(this);
   }
-  for (auto& o : out) o.status = st;
-  return out;
+  for (RankOutcome& o : outcomes) o.status = st;
 }
 
 absl::Status CudaGroup::ArmProgram(const std::vector<ProgramStepPlan>& steps) {
@@ -975,6 +1029,7 @@ absl::Status CudaGroup::ArmProgram(const std::vector<ProgramStepPlan>& steps) {
   p.steps = steps;
   const int R = static_cast<int>(ranks_.size());
   p.ranks.resize(R);
+  for (ProgramInstance& in : p.instances) in.launch.assign(R, absl::OkStatus());
   for (int r = 0; r < R; ++r) {
     ProgramRank& pr = p.ranks[r];
     pr.rank = ranks_[r];
@@ -1012,7 +1067,7 @@ absl::Status CudaGroup::ArmProgram(const std::vector<ProgramStepPlan>& steps) {
     abi::Atomic(h->program_armed).store(1, std::memory_order_release);
   }
   program_ = std::move(p);
-  while (program_->inflight.size() < kProgramDepth) EnqueueProgramInstance();
+  while (program_->inflight < kProgramDepth) EnqueueProgramInstance();
   return absl::OkStatus();
 }
 
@@ -1037,12 +1092,14 @@ absl::Status CudaGroup::LaunchProgramStep(const ProgramStepPlan& st, int32_t r) 
 
 void CudaGroup::EnqueueProgramInstance() {
   Program& p = *program_;
-  ProgramInstance in;
-  in.k = p.next++;
+  // Instance k takes the ring entry of instance k - kProgramDepth, which has completed
+  // (inflight < kProgramDepth); its launch vector already has R entries (ArmProgram).
+  const uint64_t k = p.next++;
+  ProgramInstance& in = p.instance(k);
+  in.k = k;
   in.step = static_cast<int>((in.k - 1) % p.steps.size());
   const int slot = static_cast<int>(in.k % kProgramDepth);
   const int R = static_cast<int>(p.ranks.size());
-  in.launch.assign(R, absl::OkStatus());
   // Every rank's wait and kernels before any rank's read-back (as StartOp).
   for (int r = 0; r < R; ++r) {
     ProgramRank& pr = p.ranks[r];
@@ -1081,7 +1138,7 @@ void CudaGroup::EnqueueProgramInstance() {
                         spec().name(), in.k, in.step, r, in.launch[r].ToString());
     }
   }
-  p.inflight.push_back(std::move(in));
+  ++p.inflight;
 }
 
 void CudaGroup::PublishProgramError(const absl::Status& st, uint64_t k, int step) {
@@ -1113,13 +1170,14 @@ void CudaGroup::DisarmProgram(const absl::Status& why) {
   Program& p = *program_;
   if (ProgramTrace()) {
     EngineLog()->warn("program trace: group {}: disarming ({}) with {} instance(s) in flight",
-                      spec().name(), why.ToString(), p.inflight.size());
+                      spec().name(), why.ToString(), p.inflight);
   }
   // Release the instances still waiting for their client's go, in instance order. go = 1
   // for instance j is written only once instance j-1 has passed its wait and written
   // go = 0 (its `waited` event), so no write is lost; a redundant go = 1 only releases the
   // next instance early, which is released anyway.
-  for (const ProgramInstance& in : p.inflight) {
+  for (uint64_t k = p.front(); k < p.next; ++k) {
+    const ProgramInstance& in = p.instance(k);
     const int slot = static_cast<int>(in.k % kProgramDepth);
     for (ProgramRank& pr : p.ranks) {
       cudaSetDevice(pr.rank->device);
@@ -1141,9 +1199,11 @@ void CudaGroup::DisarmProgram(const absl::Status& why) {
     }
   }
   GpuOp tail;
+  SizeOp(tail);  // ranks[r] set below; no ready waits (ReleaseReadyWaits reads ready_wait).
   tail.seq = 0;
   tail.started = Clock::now();
-  for (ProgramRank& pr : p.ranks) {
+  for (size_t r = 0; r < p.ranks.size(); ++r) {
+    ProgramRank& pr = p.ranks[r];
     CudaRank& cr = *pr.rank;
     cudaSetDevice(cr.device);
     absl::Status st = kc::StreamWriteValue64(
@@ -1154,7 +1214,7 @@ void CudaGroup::DisarmProgram(const absl::Status& why) {
                          spec().name(), cr.rank, st.ToString());
     }
     cudaEventRecord(cr.done.get(), cr.stream.get());
-    tail.ranks.push_back(pr.rank);
+    tail.ranks[r] = pr.rank;
   }
   cudaGetLastError();
   if (!why.ok()) {
@@ -1181,6 +1241,7 @@ void CudaGroup::DisarmProgram(const absl::Status& why) {
 bool CudaGroup::ProgramTailDone() {
   if (!program_tail_) return true;
   for (const auto& r : program_tail_->ranks) {
+    if (!r) continue;
     cudaSetDevice(r->device);
     if (cudaEventQuery(r->done.get()) == cudaErrorNotReady) return false;
   }
@@ -1195,26 +1256,26 @@ bool CudaGroup::PollBackground() {
   if (program_tail_ && ProgramTailDone()) worked = true;
   if (!program_) return worked;
   Program& p = *program_;
-  while (!p.inflight.empty()) {
-    ProgramInstance& in = p.inflight.front();
+  const int R = static_cast<int>(p.ranks.size());
+  while (p.inflight > 0) {
+    ProgramInstance& in = p.instance(p.front());
     const int slot = static_cast<int>(in.k % kProgramDepth);
-    const int R = static_cast<int>(p.ranks.size());
-    std::vector<absl::Status> event_error(R);
     bool done = true;
     for (int r = 0; r < R && done; ++r) {
       cudaSetDevice(p.ranks[r].rank->device);
-      cudaError_t err = cudaEventQuery(p.ranks[r].done[slot].get());
+      const cudaError_t err = cudaEventQuery(p.ranks[r].done[slot].get());
+      event_errors_[r] = err;
       if (err == cudaErrorNotReady) {
         done = false;
       } else if (err != cudaSuccess) {
-        event_error[r] = EPD_CUDA_STATUS(err);
+        cudaGetLastError();  // Clear a non-sticky error: it is reported below.
       }
     }
     if (!done) {
       if (ProgramTrace() && Clock::now() >= p.trace_next) {
         p.trace_next = Clock::now() + std::chrono::seconds(1);
-        for (const ProgramInstance& pending : p.inflight) {
-          const int ps = static_cast<int>(pending.k % kProgramDepth);
+        for (uint64_t k = p.front(); k < p.next; ++k) {
+          const int ps = static_cast<int>(k % kProgramDepth);
           std::string ranks;
           for (int r = 0; r < R; ++r) {
             cudaSetDevice(p.ranks[r].rank->device);
@@ -1222,8 +1283,8 @@ bool CudaGroup::PollBackground() {
                             EventState(p.ranks[r].waited[ps].get()), ", instance ",
                             EventState(p.ranks[r].done[ps].get()), ";");
           }
-          EngineLog()->warn("program trace: group {}: instance {} pending:{}", spec().name(),
-                            pending.k, ranks);
+          EngineLog()->warn("program trace: group {}: instance {} pending:{}", spec().name(), k,
+                            ranks);
         }
       }
       break;
@@ -1234,17 +1295,19 @@ bool CudaGroup::PollBackground() {
     }
     const ProgramStepPlan& step = p.steps[in.step];
     const char* name = OpName(static_cast<uint32_t>(step.op));
-    absl::Status bad;
+    absl::Status bad;  // OK (no allocation) unless a rank failed.
     bool disarm = false;
     for (int r = 0; r < R && bad.ok(); ++r) {
+      const bool event_failed = event_errors_[r] != cudaSuccess;
       absl::Status st =
           !in.launch[r].ok() ? in.launch[r]
-          : !event_error[r].ok()
-              ? event_error[r]
+          : event_failed
+              ? kc::CudaErrorToStatus(event_errors_[r], "cudaEventQuery(the instance's done event)",
+                                      __FILE__, __LINE__)
               : kc::StatusFromDevice(p.ranks[r].readback.get()[slot], shape(), r, name, true);
       if (!st.ok()) {
-        disarm = !in.launch[r].ok() || !event_error[r].ok() ||
-                 st.code() == absl::StatusCode::kDeadlineExceeded;
+        disarm =
+            !in.launch[r].ok() || event_failed || st.code() == absl::StatusCode::kDeadlineExceeded;
         bad = absl::Status(st.code(),
                            absl::StrCat("program instance ", in.k, " step ", in.step, " (",
                                         ProgramStepName(step), "): rank ", r, ": ", st.message()));
@@ -1252,7 +1315,7 @@ bool CudaGroup::PollBackground() {
     }
     const uint64_t k = in.k;
     const int step_index = in.step;
-    p.inflight.pop_front();
+    --p.inflight;  // Its ring entry is free for instance k + kProgramDepth.
     CountProgramInstance(bad.ok());
     worked = true;
     if (!bad.ok()) {
@@ -1268,7 +1331,7 @@ bool CudaGroup::PollBackground() {
       return true;
     }
   }
-  while (program_->inflight.size() < kProgramDepth) EnqueueProgramInstance();
+  while (program_->inflight < kProgramDepth) EnqueueProgramInstance();
   // Keep the engine polling while a program is armed: the client never touches the ring,
   // so only polling sees instances complete and enqueues the next ones.
   return true;

@@ -77,9 +77,17 @@
 //    streams beyond CUDA_DEVICE_MAX_CONNECTIONS (32) share queues, and a write queued behind such a
 //    wait waits with it. The daemon creates its aux stream at start-up; a daemon with more than 32
 //    streams per GPU has the same hazard.
+//
+// Hot path (issue 4, README "Hot path"): a successful daemon-launched op, and a graph-mode
+// instance, allocate nothing on the engine thread. The per-op state (the GpuOp of the op on
+// the GPU, the per-rank event results, the program's ring of kProgramDepth instances, the
+// GPU claim table) is sized once (group creation, ArmProgram, start-up) and reused; the
+// engine polls an op with cudaEventQuery only. Error paths allocate (messages).
+// tests/gpu/cuda_hot_path_alloc_test.cc counts the engine thread's operator new per op kind.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -99,6 +107,10 @@ struct CudaDataPlaneOptions {
   std::vector<std::string> gpu_uuids;  ///< GPUs to use; empty = every visible GPU.
   int32_t num_sms = 0;                 ///< Blocks per rank's kernel; 0 = SM count / ranks of
                                        ///< the group on that GPU (every rank resident).
+  /// Test seam (unset in the daemon): called once on each engine thread (one per GPU)
+  /// before its first poll. tests/gpu/cuda_hot_path_alloc_test.cc marks the engine threads
+  /// with it to count their heap allocations per op.
+  std::function<void()> on_engine_start;
 };
 
 /// Creates the CUDA data plane and starts its engines. Errors: FAILED_PRECONDITION when no

@@ -1,0 +1,722 @@
+// The CUDA data plane's per-op path allocates nothing (issue 4: "Hot path: no gRPC, no
+// allocation, no host synchronisation per op"; README "Hot path"; the host backend's twin is
+// tests/unit/hot_path_alloc_test.cc). A CUDA data plane runs in this process
+// (MakeCudaDataPlane), with one group of R daemon-launched virtual ranks on the first GPU
+// (R = 2 and 8) whose endpoints are opened by the real client code (internal::OpenEndpoint,
+// the areas mapped through the in-process resolver). After warm-up rounds (the first op
+// after the ranks attached also resets the kernels' sync state), every op kind runs kRounds
+// more times, and the heap allocations made meanwhile on the data plane's engine threads
+// are counted per op kind: each must be 0. The test thread (every rank's client) is
+// counted too and printed, not asserted (this test is about the daemon's engine).
+//
+// Op kinds, in the order one round runs them: GetDispatchLayout, Dispatch (bf16, weights,
+// expert_alignment 4), Combine of the received rows (identity experts), Dispatch with the
+// cached handle, LowLatencyDispatch (bf16), LowLatencyCombine, LowLatencyDispatch (FP8).
+// Every daemon-launched op is stream-ordered (kFlagStreamOrdered: ready/done words), so
+// that path is measured as well. Every other measured round first pauses 2 ms (longer than
+// the engine's idle_us), so the engine's sleep and wake-up are measured too.
+//
+// Counting: this file replaces every global operator new / new[] (plain, nothrow, aligned,
+// aligned + nothrow) for the whole epd_gpu_tests binary. The replacement only counts on
+// threads marked by this test (the engine threads, through
+// CudaDataPlaneOptions::on_engine_start, and the test thread while a test of this file
+// runs) and forwards every call to malloc/free, so the other tests of the binary are not
+// affected. Allocations made through malloc directly (the CUDA runtime and driver) are not
+// counted: the guarantee is about the daemon's C++ code.
+//
+// Not a vacuous pass: the engine's probe allocation must be counted, every op must succeed
+// (ops_failed == 0), and the results are checked (normal combine of identity experts gives
+// x times the number of ranks each token went to, exactly).
+//
+// Run (GPU machine):  epd_gpu_tests --gtest_filter='*CudaHotPathAllocTest*'
+// Pass: every "[alloc] ... engine thread 0" line, and the tests pass.
+#include <cuda_runtime.h>
+#include <dlpack/dlpack.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <new>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/cuda_ipc.h"
+#include "client/endpoint_internal.h"
+#include "daemon/cuda/cuda_data_plane.h"
+#include "epd/client.h"
+#include "epd/kernels/types.h"
+#include "gpu_test_util.h"
+
+// ---- counting allocator ----------------------------------------------------------------
+
+namespace {
+
+thread_local bool t_engine = false;        ///< This thread is an engine thread of the plane.
+thread_local bool t_client = false;        ///< This thread is the test's (client) thread.
+std::atomic<uint64_t> g_engine_allocs{0};  ///< Allocations on the engine threads.
+std::atomic<uint64_t> g_client_allocs{0};  ///< Allocations on the test thread (marked).
+
+/// Sizes of the first allocations on the engine threads in a measured window (a hint for
+/// whoever hunts an allocation).
+constexpr int kMaxSizes = 8;
+std::atomic<bool> g_record_sizes{false};
+std::atomic<int> g_num_sizes{0};
+std::array<std::atomic<size_t>, kMaxSizes> g_sizes{};
+
+void CountAllocation(size_t bytes) noexcept {
+  if (t_engine) {
+    g_engine_allocs.fetch_add(1, std::memory_order_relaxed);
+    if (g_record_sizes.load(std::memory_order_relaxed)) {
+      const int i = g_num_sizes.fetch_add(1);
+      if (i < kMaxSizes) g_sizes[i].store(bytes);
+    }
+  } else if (t_client) {
+    g_client_allocs.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+void* Allocate(size_t bytes, size_t alignment, bool nothrow) {
+  CountAllocation(bytes);
+  if (bytes == 0) bytes = 1;
+  void* p = nullptr;
+  if (alignment <= alignof(std::max_align_t)) {
+    p = std::malloc(bytes);
+  } else if (posix_memalign(&p, std::max(alignment, sizeof(void*)), bytes) != 0) {
+    p = nullptr;
+  }
+  if (p == nullptr && !nothrow) throw std::bad_alloc();
+  return p;
+}
+
+}  // namespace
+
+void* operator new(size_t n) { return Allocate(n, 0, false); }
+void* operator new[](size_t n) { return Allocate(n, 0, false); }
+void* operator new(size_t n, const std::nothrow_t&) noexcept { return Allocate(n, 0, true); }
+void* operator new[](size_t n, const std::nothrow_t&) noexcept { return Allocate(n, 0, true); }
+void* operator new(size_t n, std::align_val_t a) {
+  return Allocate(n, static_cast<size_t>(a), false);
+}
+void* operator new[](size_t n, std::align_val_t a) {
+  return Allocate(n, static_cast<size_t>(a), false);
+}
+void* operator new(size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  return Allocate(n, static_cast<size_t>(a), true);
+}
+void* operator new[](size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  return Allocate(n, static_cast<size_t>(a), true);
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
+void operator delete[](void* p, size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+
+namespace epd {
+namespace {
+
+using kernels::bf16_bits;
+using testing::DeviceBuffer;
+
+constexpr DLDataType kBf16{kDLBfloat, 16, 1};
+constexpr DLDataType kF32{kDLFloat, 32, 1};
+constexpr DLDataType kI64{kDLInt, 64, 1};
+constexpr auto kWait = absl::Seconds(30);
+
+/// The op kinds measured, in the order one round runs them.
+enum Kind {
+  kLayout,
+  kDispatch,
+  kCombine,
+  kCachedDispatch,
+  kLowLatencyDispatch,
+  kLowLatencyCombine,
+  kLowLatencyDispatchFp8,
+  kNumKinds
+};
+constexpr const char* kKindNames[kNumKinds] = {
+    "GetDispatchLayout",       "Dispatch",           "Combine",
+    "Dispatch(cached handle)", "LowLatencyDispatch", "LowLatencyCombine",
+    "LowLatencyDispatch(fp8)"};
+
+/// One rank's inputs: x on the GPU (staged device to device), topk on the host; DLTensors
+/// built once (their shape arrays live here).
+struct RankInputs {
+  int T = 0;    ///< Tokens of the normal ops.
+  int Tll = 0;  ///< Tokens of the low-latency ops (the first Tll rows of the same data).
+  std::vector<bf16_bits> x;
+  std::vector<float> w;
+  std::vector<int64_t> idx;
+  DeviceBuffer dx;
+  std::array<int64_t, 2> xs{}, ks{}, xs_ll{}, ks_ll{};
+  DLTensor x_t{}, idx_t{}, w_t{}, x_ll{}, idx_ll{}, w_ll{};
+};
+
+DLTensor Tensor(void* data, DLDataType dtype, std::array<int64_t, 2>& shape, DLDevice device) {
+  DLTensor t{};
+  t.data = data;
+  t.device = device;
+  t.ndim = 2;
+  t.dtype = dtype;
+  t.shape = shape.data();
+  return t;
+}
+
+/// Keeps a submitted op in `slot`; its error otherwise.
+template <typename Result>
+absl::Status Keep(absl::StatusOr<PendingOp<Result>> op, std::optional<PendingOp<Result>>& slot) {
+  if (!op.ok()) return op.status();
+  slot.emplace(std::move(*op));
+  return absl::OkStatus();
+}
+
+/// Waits for the op kept in `slot` and stores its result in `out`.
+template <typename Result>
+absl::Status WaitInto(std::optional<PendingOp<Result>>& slot, Result& out) {
+  absl::StatusOr<Result> res = slot->Wait(kWait);
+  if (!res.ok()) return res.status();
+  out = std::move(*res);
+  return absl::OkStatus();
+}
+
+/// Removes the in-process area resolver when the test ends, whatever the path.
+struct ResolverGuard {
+  ResolverGuard() { internal::SetInProcessAreaResolver(FindInProcessCudaArea); }
+  ~ResolverGuard() { internal::SetInProcessAreaResolver({}); }
+};
+
+/// Marks the test thread as counted while the test runs.
+struct ClientMark {
+  ClientMark() { t_client = true; }
+  ~ClientMark() { t_client = false; }
+};
+
+/// A CUDA data plane whose engine threads count their allocations, and one group of
+/// daemon-launched ranks on its first GPU with every endpoint opened in this process.
+/// Members are destroyed in reverse order: endpoints (DetachRank), group, plane.
+struct CountedPlane {
+  std::unique_ptr<DataPlane> plane;
+  std::unique_ptr<DataPlaneGroup> group;
+  std::vector<std::unique_ptr<Endpoint>> eps;
+  ~CountedPlane() {
+    eps.clear();
+    group.reset();
+    plane.reset();
+  }
+};
+
+/// Starts the plane (engines marked through on_engine_start, each allocating one probe that
+/// must be counted) and opens every rank of `spec` (daemon-launched, first GPU).
+void OpenCountedPlane(const v1::GroupSpec& spec, CountedPlane& f) {
+  // Shared with the plane's copy of the options (the engine threads may run the hook late).
+  auto engines_marked = std::make_shared<std::atomic<int>>(0);
+  CudaDataPlaneOptions o;
+  o.op_timeout_ms = 10000;
+  o.on_engine_start = [engines_marked] {
+    t_engine = true;
+    // A probe: proves the engine threads' allocations are counted.
+    ::operator delete(::operator new(16));
+    engines_marked->fetch_add(1);
+  };
+  const uint64_t probes_before = g_engine_allocs.load();
+  auto plane = MakeCudaDataPlane(o);
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  f.plane = std::move(*plane);
+  // One engine per GPU: wait for every one's probe, so none lands in a measured window.
+  int gpus = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&gpus), cudaSuccess);
+  const auto marked_by = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (engines_marked->load() < gpus && std::chrono::steady_clock::now() < marked_by) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_GE(engines_marked->load(), 1) << "no engine thread ran on_engine_start";
+  ASSERT_GE(g_engine_allocs.load(), probes_before + 1)
+      << "the engine thread's probe allocation was not counted";
+  {
+    const bool was = t_client;
+    t_client = true;
+    const uint64_t before = g_client_allocs.load();
+    ::operator delete(::operator new(16));
+    t_client = was;
+    ASSERT_EQ(g_client_allocs.load(), before + 1) << "the counting operator new is not in force";
+  }
+
+  auto group_or = f.plane->CreateGroup(spec);
+  ASSERT_TRUE(group_or.ok()) << group_or.status();
+  f.group = std::move(*group_or);
+  for (int r = 0; r < spec.num_ranks(); ++r) {
+    v1::EndpointInfo info;
+    absl::Status st = f.group->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, &info);
+    ASSERT_TRUE(st.ok()) << st;
+    ASSERT_EQ(info.backend(), "cuda");
+    ASSERT_EQ(info.launch_mode(), v1::LAUNCH_MODE_DAEMON);
+    DataPlaneGroup* g = f.group.get();
+    auto ep = internal::OpenEndpoint(info, spec, [g, r] {
+      g->DetachRank(r);
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(ep.ok()) << ep.status();
+    f.eps.push_back(std::move(*ep));
+  }
+}
+
+v1::GroupSpec Spec(const std::string& name, int R, int M, int Mll) {
+  v1::GroupSpec spec;
+  spec.set_name(name);
+  spec.set_num_ranks(R);
+  spec.set_num_experts(4 * R);
+  spec.set_hidden(256);
+  spec.set_num_topk(4);
+  spec.set_max_tokens_per_rank(M);
+  spec.set_ll_max_tokens_per_rank(Mll);
+  spec.set_use_fp8(true);
+  return spec;
+}
+
+class CudaHotPathAllocTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CudaHotPathAllocTest, DaemonLaunchedOpsAllocateNothingOnTheEngineThread) {
+  const int R = GetParam();
+  const int M = 32, Mll = 16;
+  const v1::GroupSpec spec = Spec(absl::StrCat("hot-path-cuda-", R), R, M, Mll);
+  const int E = spec.num_experts(), H = spec.hidden(), K = spec.num_topk();
+  constexpr int kWarmupRounds = 3, kRounds = 20;
+  std::string why;
+  if (!testing::HaveGpu(&why)) GTEST_SKIP() << why;
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);  // The plane's first GPU ("" at AttachRank).
+  const DLDevice gpu{kDLCUDA, 0};
+  ResolverGuard resolver;
+  CountedPlane f;
+  OpenCountedPlane(spec, f);
+  if (HasFatalFailure()) return;
+  ClientMark client_mark;
+  DataPlaneGroup* group = f.group.get();
+  std::vector<std::unique_ptr<Endpoint>>& eps = f.eps;
+
+  std::vector<RankInputs> in(R);
+  std::mt19937 rng(7 + R);
+  for (int r = 0; r < R; ++r) {
+    RankInputs& d = in[r];
+    d.T = std::min(M, 9 + 7 * r);  // 9, 16, 23, 30, 32, ...
+    d.Tll = std::min(d.T, Mll);
+    d.x.resize(size_t(d.T) * H);
+    for (size_t i = 0; i < d.x.size(); ++i) d.x[i] = kernels::FloatToBf16((rng() % 200) / 100.f);
+    d.idx.resize(size_t(d.T) * K);
+    d.w.resize(d.idx.size());
+    for (int t = 0; t < d.T; ++t) {
+      for (int k = 0; k < K; ++k) {
+        // Distinct experts per row (offsets k * E / K differ mod E), some masked.
+        d.idx[size_t(t) * K + k] = (k == 3 && t % 3 == 0) ? -1 : (t * 5 + k * (E / K) + r) % E;
+        d.w[size_t(t) * K + k] = 0.25f;
+      }
+    }
+    auto dx = DeviceBuffer::Allocate(d.x.size() * sizeof(bf16_bits));
+    ASSERT_TRUE(dx.ok()) << dx.status();
+    d.dx = std::move(*dx);
+    ASSERT_EQ(
+        cudaMemcpy(d.dx.get(), d.x.data(), d.x.size() * sizeof(bf16_bits), cudaMemcpyHostToDevice),
+        cudaSuccess);
+    d.xs = {d.T, H};
+    d.ks = {d.T, K};
+    d.xs_ll = {d.Tll, H};
+    d.ks_ll = {d.Tll, K};
+    const DLDevice cpu{kDLCPU, 0};
+    d.x_t = Tensor(d.dx.get(), kBf16, d.xs, gpu);
+    d.idx_t = Tensor(d.idx.data(), kI64, d.ks, cpu);
+    d.w_t = Tensor(d.w.data(), kF32, d.ks, cpu);
+    d.x_ll = Tensor(d.dx.get(), kBf16, d.xs_ll, gpu);
+    d.idx_ll = Tensor(d.idx.data(), kI64, d.ks_ll, cpu);
+    d.w_ll = Tensor(d.w.data(), kF32, d.ks_ll, cpu);
+  }
+  // The experts' low-latency outputs, read where the combine reads them (no copy).
+  std::vector<TensorView> ll_y;
+  for (int r = 0; r < R; ++r) ll_y.push_back(eps[r]->LowLatencyCombineInput());
+
+  // Every result and pending op lives here, so the rounds below only reuse them.
+  std::vector<std::optional<PendingOp<LayoutResult>>> p_layout(R);
+  std::vector<std::optional<PendingOp<DispatchResult>>> p_dispatch(R);
+  std::vector<std::optional<PendingOp<CombineResult>>> p_combine(R);
+  std::vector<std::optional<PendingOp<LowLatencyDispatchResult>>> p_ll_dispatch(R);
+  std::vector<std::optional<PendingOp<LowLatencyCombineResult>>> p_ll_combine(R);
+  std::vector<LayoutResult> layout(R);
+  std::vector<DispatchResult> dispatch(R), cached(R);
+  std::vector<CombineResult> combine(R);
+  std::vector<LowLatencyDispatchResult> ll_dispatch(R), ll_dispatch_fp8(R);
+  std::vector<LowLatencyCombineResult> ll_combine(R);
+  std::vector<absl::Status> errors(kNumKinds);  // First error of each kind (error path only).
+
+  std::array<uint64_t, kNumKinds> client_allocs{}, engine_allocs{};
+  std::array<std::array<size_t, kMaxSizes>, kNumKinds> first_sizes{};
+  std::array<int, kNumKinds> num_first_sizes{};
+  std::array<bool, kNumKinds> sizes_taken{};
+  uint64_t group_ops = group->ops_completed();
+  bool engine_lagged = false;
+
+  // Runs one op of `kind` on every rank from this thread: submit all (an op call does not
+  // wait for the peers), then Wait all, then until the engine has finished the op (its
+  // completions are written before ops_completed counts it).
+  auto run = [&](Kind kind, bool measured, bool pause, auto submit, auto wait) {
+    const uint64_t c0 = g_client_allocs.load();
+    const uint64_t e0 = g_engine_allocs.load();
+    if (measured && !sizes_taken[kind]) {
+      g_num_sizes = 0;
+      g_record_sizes = true;
+    }
+    if (pause) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    absl::Status st;
+    for (int r = 0; r < R && st.ok(); ++r) st = submit(r);
+    for (int r = 0; r < R && st.ok(); ++r) st = wait(r);
+    ++group_ops;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+    while (group->ops_completed() + group->ops_failed() < group_ops) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        engine_lagged = true;
+        break;
+      }
+      std::this_thread::yield();
+    }
+    g_record_sizes = false;
+    if (!st.ok() && errors[kind].ok()) errors[kind] = st;  // Error path: may allocate.
+    if (!measured) return;
+    client_allocs[kind] += g_client_allocs.load() - c0;
+    engine_allocs[kind] += g_engine_allocs.load() - e0;
+    if (!sizes_taken[kind]) {
+      sizes_taken[kind] = true;
+      const int n = std::min(g_num_sizes.load(), kMaxSizes);
+      for (int i = 0; i < n; ++i) first_sizes[kind][i] = g_sizes[i].load();
+      num_first_sizes[kind] = n;
+    }
+  };
+
+  for (int round = 0; round < kWarmupRounds + kRounds && !engine_lagged; ++round) {
+    const bool m = round >= kWarmupRounds;
+    const bool pause = m && round % 2 == 1;
+    run(
+        kLayout, m, pause,
+        [&](int r) -> absl::Status {
+          return Keep(eps[r]->GetDispatchLayout(in[r].idx_t), p_layout[r]);
+        },
+        [&](int r) { return WaitInto(p_layout[r], layout[r]); });
+    // Normal dispatch (bf16, with weights), its combine, a cached re-dispatch.
+    for (Kind kind : {kDispatch, kCachedDispatch}) {
+      std::vector<DispatchResult>& out = kind == kDispatch ? dispatch : cached;
+      run(
+          kind, m, pause,
+          [&](int r) -> absl::Status {
+            DispatchArgs a;
+            a.x = &in[r].x_t;
+            a.topk_idx = &in[r].idx_t;
+            a.topk_weights = kind == kDispatch ? &in[r].w_t : nullptr;
+            a.expert_alignment = 4;
+            if (kind == kCachedDispatch) a.cached = dispatch[r].handle;
+            return Keep(eps[r]->Dispatch(a), p_dispatch[r]);
+          },
+          [&](int r) { return WaitInto(p_dispatch[r], out[r]); });
+      if (kind != kDispatch) continue;
+      run(
+          kCombine, m, pause,
+          [&](int r) -> absl::Status {
+            CombineArgs a;
+            a.x = &dispatch[r].recv_x.dl();  // Identity experts.
+            a.topk_weights = &dispatch[r].recv_topk_weights.dl();
+            a.handle = &dispatch[r].handle;
+            return Keep(eps[r]->Combine(a), p_combine[r]);
+          },
+          [&](int r) { return WaitInto(p_combine[r], combine[r]); });
+    }
+    // Low-latency dispatch (bf16), its combine, then an FP8 low-latency dispatch.
+    for (Kind kind : {kLowLatencyDispatch, kLowLatencyDispatchFp8}) {
+      std::vector<LowLatencyDispatchResult>& out =
+          kind == kLowLatencyDispatch ? ll_dispatch : ll_dispatch_fp8;
+      run(
+          kind, m, pause,
+          [&](int r) -> absl::Status {
+            LowLatencyDispatchArgs a;
+            a.x = &in[r].x_ll;
+            a.topk_idx = &in[r].idx_ll;
+            a.use_fp8 = kind == kLowLatencyDispatchFp8;
+            return Keep(eps[r]->LowLatencyDispatch(a), p_ll_dispatch[r]);
+          },
+          [&](int r) { return WaitInto(p_ll_dispatch[r], out[r]); });
+      if (kind != kLowLatencyDispatch) continue;
+      run(
+          kLowLatencyCombine, m, pause,
+          [&](int r) -> absl::Status {
+            LowLatencyCombineArgs a;
+            a.x = &ll_y[r].dl();
+            a.topk_idx = &in[r].idx_ll;
+            a.topk_weights = &in[r].w_ll;
+            a.handle = &ll_dispatch[r].handle;
+            return Keep(eps[r]->LowLatencyCombine(a), p_ll_combine[r]);
+          },
+          [&](int r) { return WaitInto(p_ll_combine[r], ll_combine[r]); });
+    }
+  }
+
+  ASSERT_FALSE(engine_lagged) << "the engine did not finish an op within 15 s of its Waits";
+  EXPECT_EQ(group->ops_failed(), 0u);
+  for (int k = 0; k < kNumKinds; ++k) {
+    EXPECT_TRUE(errors[k].ok()) << kKindNames[k] << ": " << errors[k];
+  }
+  // The ops did their work (not a vacuous pass). Read back outside the measured windows.
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(layout[r].is_token_in_rank.shape()[0], in[r].T);
+    EXPECT_GT(dispatch[r].num_recv_tokens, 0) << "rank " << r;
+    EXPECT_EQ(cached[r].num_recv_tokens, dispatch[r].num_recv_tokens) << "rank " << r;
+    EXPECT_EQ(ll_dispatch[r].recv_x.shape()[0], E / R);
+    EXPECT_EQ(ll_dispatch_fp8[r].recv_scales.shape()[2], H / 128);
+    EXPECT_EQ(ll_combine[r].combined_x.shape()[0], in[r].Tll);
+    // Identity experts: combined_x[t] = x[t] times the number of ranks token t went to
+    // (exact in f32, rounded once to bf16).
+    std::vector<bf16_bits> got(size_t(in[r].T) * H);
+    ASSERT_EQ(combine[r].combined_x.nbytes(), got.size() * sizeof(bf16_bits));
+    ASSERT_EQ(cudaMemcpy(got.data(), combine[r].combined_x.data(), got.size() * sizeof(bf16_bits),
+                         cudaMemcpyDefault),
+              cudaSuccess);
+    for (int t = 0; t < in[r].T; ++t) {
+      std::vector<bool> to(R, false);
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = in[r].idx[size_t(t) * K + k];
+        if (e >= 0) to[e / (E / R)] = true;
+      }
+      const float n = static_cast<float>(std::count(to.begin(), to.end(), true));
+      for (int h = 0; h < H; ++h) {
+        const float x = kernels::Bf16ToFloat(in[r].x[size_t(t) * H + h]);
+        ASSERT_EQ(got[size_t(t) * H + h], kernels::FloatToBf16(n * x))
+            << "rank " << r << " token " << t << " channel " << h;
+      }
+    }
+  }
+
+  // The verdict, per op kind, with a hint at the allocations' sizes.
+  for (int k = 0; k < kNumKinds; ++k) {
+    std::string sizes;
+    for (int i = 0; i < num_first_sizes[k]; ++i) {
+      absl::StrAppend(&sizes, i ? ", " : "", first_sizes[k][i]);
+    }
+    std::cout << "[alloc] R=" << R << " " << kKindNames[k] << ": engine thread " << engine_allocs[k]
+              << ", client thread " << client_allocs[k] << " (not asserted)\n";
+    EXPECT_EQ(engine_allocs[k], 0u)
+        << "the engine thread allocated in " << kKindNames[k] << " (" << kRounds << " group ops of "
+        << R << " daemon-launched ranks after warm-up); sizes of its first "
+        << "allocations in the first measured op, bytes: [" << sizes << "]";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(VirtualRanks, CudaHotPathAllocTest, ::testing::Values(2, 8),
+                         [](const ::testing::TestParamInfo<int>& p) {
+                           return absl::StrCat("R", p.param);
+                         });
+
+/// Waits (bounded) for `stream` to drain; false if it is still busy after `limit`.
+bool DrainsWithin(cudaStream_t stream, std::chrono::milliseconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    const cudaError_t e = cudaStreamQuery(stream);
+    if (e == cudaSuccess) return true;
+    if (e != cudaErrorNotReady) {
+      ADD_FAILURE() << "stream error: " << cudaGetErrorString(e);
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
+/// Runs `fn(r)` for every rank on its own thread (calls that block until every rank made
+/// them: RegisterProgram, UnregisterProgram) and returns the statuses.
+std::vector<absl::Status> OnEveryRank(int R, const std::function<absl::Status(int)>& fn) {
+  std::vector<absl::Status> st(R);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r) threads.emplace_back([&, r] { st[r] = fn(r); });
+  for (auto& t : threads) t.join();
+  return st;
+}
+
+// Graph mode (DESIGN.md §3.2): while a program is armed the engine polls without sleeping
+// (PollBackground on every loop), completes each instance and enqueues the next; none of
+// that may allocate. R = 2 daemon-launched ranks register [LowLatencyDispatch{bf16},
+// LowLatencyCombine]; the steps are enqueued on one stream per rank (no graph capture: the
+// engine's side is the same), kWarmup replays, then kReplays measured ones; the engine
+// threads' allocations over the measured replays (every instance checked: ProgramStatus)
+// must be 0. Runs only as the one test of its process, as GraphProgramTest does (in one
+// process the daemon's and the client's streams share the GPU's 32 hardware queues, and a
+// stream memory wait enqueued ahead can then hold an unrelated stream's work):
+//   epd_gpu_tests --gtest_filter=CudaHotPathAllocProgramTest.*
+TEST(CudaHotPathAllocProgramTest, ArmedProgramAllocatesNothingOnTheEngineThread) {
+  constexpr int R = 2, M = 32, Mll = 16, T = 11;
+  constexpr int kWarmup = 5, kReplays = 100;
+  std::string why;
+  if (!testing::HaveGpu(&why)) GTEST_SKIP() << why;
+  if (::testing::UnitTest::GetInstance()->test_to_run_count() != 1) {
+    GTEST_SKIP() << "CudaHotPathAllocProgramTest runs only as the one test of its process "
+                    "(--gtest_filter=CudaHotPathAllocProgramTest.*): in one process the "
+                    "daemon's and the client's streams share the GPU's "
+                    "CUDA_DEVICE_MAX_CONNECTIONS (32) hardware queues (graph_program_test.cc)";
+  }
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  const DLDevice gpu{kDLCUDA, 0};
+  const v1::GroupSpec spec = Spec("hot-path-cuda-program", R, M, Mll);
+  const int E = spec.num_experts(), H = spec.hidden(), K = spec.num_topk();
+  ResolverGuard resolver;
+  CountedPlane f;
+  OpenCountedPlane(spec, f);
+  if (HasFatalFailure()) return;
+
+  // Per rank: a stream and the step inputs on the GPU, staged once (C = Mll rows, T used).
+  struct RankSteps {
+    testing::CudaStream stream;
+    DeviceBuffer dx, didx, dw, dT;
+    std::array<int64_t, 2> xs{}, ks{};
+    std::array<int64_t, 1> ns{};
+    DLTensor x{}, idx{}, w{}, num_tokens{};
+  };
+  std::vector<RankSteps> rs(R);
+  std::mt19937 rng(11);
+  for (int r = 0; r < R; ++r) {
+    RankSteps& q = rs[r];
+    auto s = testing::CudaStream::Create();
+    ASSERT_TRUE(s.ok()) << s.status();
+    q.stream = std::move(*s);
+    std::vector<bf16_bits> x(size_t(Mll) * H);
+    for (auto& v : x) v = kernels::FloatToBf16((rng() % 200) / 100.f);
+    std::vector<int64_t> idx(size_t(Mll) * K);
+    for (int t = 0; t < Mll; ++t) {
+      for (int k = 0; k < K; ++k) idx[size_t(t) * K + k] = (t * 3 + k * (E / K) + r) % E;
+    }
+    std::vector<float> w(idx.size(), 0.5f);
+    const int32_t num_tokens = T;
+    auto dx = DeviceBuffer::Allocate(x.size() * sizeof(bf16_bits));
+    auto didx = DeviceBuffer::Allocate(idx.size() * sizeof(int64_t));
+    auto dw = DeviceBuffer::Allocate(w.size() * sizeof(float));
+    auto dT = DeviceBuffer::Allocate(16);
+    ASSERT_TRUE(dx.ok() && didx.ok() && dw.ok() && dT.ok());
+    q.dx = std::move(*dx);
+    q.didx = std::move(*didx);
+    q.dw = std::move(*dw);
+    q.dT = std::move(*dT);
+    ASSERT_EQ(cudaMemcpy(q.dx.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(q.didx.get(), idx.data(), idx.size() * 8, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(q.dw.get(), w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(q.dT.get(), &num_tokens, 4, cudaMemcpyHostToDevice), cudaSuccess);
+    q.xs = {Mll, H};
+    q.ks = {Mll, K};
+    q.ns = {1};
+    q.x = Tensor(q.dx.get(), kBf16, q.xs, gpu);
+    q.idx = Tensor(q.didx.get(), kI64, q.ks, gpu);
+    q.w = Tensor(q.dw.get(), kF32, q.ks, gpu);
+    q.num_tokens = q.x;
+    q.num_tokens.data = q.dT.get();
+    q.num_tokens.ndim = 1;
+    q.num_tokens.dtype = DLDataType{kDLInt, 32, 1};
+    q.num_tokens.shape = q.ns.data();
+  }
+  std::vector<TensorView> expert_out;
+  for (int r = 0; r < R; ++r) expert_out.push_back(f.eps[r]->LowLatencyCombineInput());
+
+  const std::vector<ProgramStep> program = {{ProgramStep::Op::kLowLatencyDispatch, false, false},
+                                            {ProgramStep::Op::kLowLatencyCombine, false, false}};
+  for (const absl::Status& st :
+       OnEveryRank(R, [&](int r) { return f.eps[r]->RegisterProgram(program, kWait); })) {
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  // Every path below ends with the program unregistered (its waits released).
+  struct Unregister {
+    CountedPlane& f;
+    ~Unregister() {
+      OnEveryRank(static_cast<int>(f.eps.size()),
+                  [this](int r) { return f.eps[r]->UnregisterProgram(kWait); });
+    }
+  } unregister{f};
+
+  std::vector<LowLatencyDispatchResult> d(R);
+  std::vector<LowLatencyCombineResult> c(R);
+  // One replay: every rank's dispatch step, then every rank's combine step, then every
+  // stream drained (bounded).
+  auto replay = [&]() -> absl::Status {
+    for (int r = 0; r < R; ++r) {
+      ProgramDispatchArgs a;
+      a.x = &rs[r].x;
+      a.topk_idx = &rs[r].idx;
+      a.num_tokens = &rs[r].num_tokens;
+      a.stream = rs[r].stream.get();
+      auto res = f.eps[r]->RunProgramDispatch(a);
+      if (!res.ok()) return res.status();
+      d[r] = std::move(*res);
+    }
+    for (int r = 0; r < R; ++r) {
+      ProgramCombineArgs a;
+      a.x = &expert_out[r].dl();
+      a.topk_idx = &rs[r].idx;
+      a.topk_weights = &rs[r].w;
+      a.stream = rs[r].stream.get();
+      auto res = f.eps[r]->RunProgramCombine(a);
+      if (!res.ok()) return res.status();
+      c[r] = std::move(*res);
+    }
+    for (int r = 0; r < R; ++r) {
+      if (!DrainsWithin(rs[r].stream.get(), std::chrono::milliseconds(20000))) {
+        return absl::DeadlineExceededError(absl::StrCat("rank ", r, "'s stream did not drain"));
+      }
+    }
+    return absl::OkStatus();
+  };
+  // Every instance run so far checked by the daemon, without errors.
+  auto checked = [&]() -> absl::Status {
+    for (int r = 0; r < R; ++r) {
+      absl::Status st = f.eps[r]->ProgramStatus();
+      if (!st.ok()) return absl::Status(st.code(), absl::StrCat("rank ", r, ": ", st.message()));
+    }
+    return absl::OkStatus();
+  };
+
+  for (int i = 0; i < kWarmup; ++i) {
+    absl::Status st = replay();
+    ASSERT_TRUE(st.ok()) << "warm-up replay " << i << ": " << st;
+  }
+  ASSERT_TRUE(checked().ok()) << checked();
+  const uint64_t instances0 = f.group->ops_completed();
+  g_num_sizes = 0;
+  g_record_sizes = true;
+  const uint64_t e0 = g_engine_allocs.load();
+  absl::Status st;
+  for (int i = 0; i < kReplays && st.ok(); ++i) st = replay();
+  if (st.ok()) st = checked();
+  const uint64_t e1 = g_engine_allocs.load();
+  g_record_sizes = false;
+  ASSERT_TRUE(st.ok()) << st;
+  // Not vacuous: the engine completed (at least) every measured instance, two per replay.
+  EXPECT_GE(f.group->ops_completed() - instances0, uint64_t{2} * kReplays);
+  EXPECT_EQ(f.group->ops_failed(), 0u);
+  EXPECT_EQ(d[0].recv_x.shape()[0], E / R);
+  EXPECT_EQ(c[0].combined_x.shape()[0], Mll);
+  std::string sizes;
+  for (int i = 0; i < std::min(g_num_sizes.load(), kMaxSizes); ++i) {
+    absl::StrAppend(&sizes, i ? ", " : "", g_sizes[i].load());
+  }
+  std::cout << "[alloc] program R=" << R << ": engine thread " << e1 - e0 << " over " << kReplays
+            << " replays (" << 2 * kReplays << " instances)\n";
+  EXPECT_EQ(e1 - e0, 0u) << "the engine thread allocated while the program ran " << kReplays
+                         << " replays; sizes of its first allocations, bytes: [" << sizes << "]";
+}
+}  // namespace
+}  // namespace epd
