@@ -28,8 +28,14 @@
 // (ops_failed == 0), and the results are checked (normal combine of identity experts gives
 // x times the number of ranks each token went to, exactly).
 //
-// Run (GPU machine):  epd_gpu_tests --gtest_filter='*CudaHotPathAllocTest*'
-// Pass: every "[alloc] ... engine thread 0" line, and the tests pass.
+// Graph mode (CudaHotPathAllocProgramTest, below): the engine's polling of an armed
+// program's instances (it never sleeps then), measured over 100 replays of a 2-step program.
+//
+// Run (GPU machine), two processes (the program test runs only as the one test of its
+// process, as GraphProgramTest does):
+//   epd_gpu_tests --gtest_filter='*CudaHotPathAllocTest*'
+//   epd_gpu_tests --gtest_filter='CudaHotPathAllocProgramTest.*'
+// Pass: every "[alloc] ..." line says "engine thread 0", and the tests pass.
 #include <cuda_runtime.h>
 #include <dlpack/dlpack.h>
 #include <gtest/gtest.h>
