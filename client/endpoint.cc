@@ -387,8 +387,9 @@ struct Endpoint::Impl {
     unordered_ops[seq % unordered_ops.size()] = caller_stream == nullptr ? seq : 0;
   }
 
-  /// Copies `t` into region `r` (no copy when it already lives there). CUDA backend: a
-  /// cudaMemcpyAsync on `stream` (ordered before the op's ready flag or kernels).
+  /// Copies `t` into region `r` (no copy when it already lives there). CUDA backend: on
+  /// `stream` (ordered before the op's ready flag or kernels), a copy kernel for a tensor
+  /// on the area's GPU, else cudaMemcpyAsync.
   absl::Status Stage(const char* op, const char* name, const DLTensor* t, const Region& r,
                      void* stream) {
     int64_t n = TensorNbytes(t);
@@ -401,6 +402,12 @@ struct Endpoint::Impl {
 #if EPD_HAVE_CUDA
     if (cuda) {
       internal::DeviceGuard guard(mapping->device());
+      // A tensor on the area's GPU is copied by a kernel (kc::CopyDeviceAsync: no
+      // copy-engine queue shared with the process's other streams); anything else (host
+      // memory, another GPU) by cudaMemcpyAsync.
+      if (t->device.device_type == kDLCUDA && t->device.device_id == mapping->device()) {
+        return kc::CopyDeviceAsync(At(r), src, static_cast<uint64_t>(n), AsStream(stream));
+      }
       EPD_CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(At(r), src, static_cast<size_t>(n), cudaMemcpyDefault, AsStream(stream)));
       return absl::OkStatus();

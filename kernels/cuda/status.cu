@@ -1,6 +1,7 @@
 // Host side of cuda_ops.h shared by every CUDA op: CUDA error conversion, context checks,
 // grid sizing, the DeviceStatus read-back, low-latency sync reset, the run-time token-count
 // slot and eager kernel loading.
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -17,6 +18,23 @@ namespace epd::kernels::cuda {
 namespace {
 
 __global__ void SetInt32Kernel(int32_t* dst, int32_t value) { *dst = value; }
+
+/// dst[0, n) = src[0, n): 16-byte vectors when both are 16-byte aligned, else bytes.
+__global__ void CopyBytesKernel(uint8_t* dst, const uint8_t* src, uint64_t n) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  const uint64_t first = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool aligned =
+      ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0;
+  uint64_t done = 0;
+  if (aligned) {
+    const uint64_t vectors = n / 16;
+    for (uint64_t i = first; i < vectors; i += stride) {
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+    }
+    done = vectors * 16;
+  }
+  for (uint64_t i = done + first; i < n; i += stride) dst[i] = src[i];
+}
 
 constexpr int kStatusWords = static_cast<int>(sizeof(DeviceStatus) / sizeof(uint32_t));
 
@@ -144,6 +162,20 @@ absl::Status EnqueueStatusReadback(const CudaRankContext& ctx, cudaStream_t stre
   return EPD_CUDA_STATUS(cudaGetLastError());
 }
 
+absl::Status CopyDeviceAsync(void* dst, const void* src, uint64_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst == nullptr || src == nullptr) {
+    return absl::InvalidArgumentError("CopyDeviceAsync: null destination or source");
+  }
+  constexpr int kThreads = 512;
+  constexpr uint64_t kBytesPerBlock = 64 * 1024;
+  const uint64_t blocks =
+      std::min<uint64_t>(kCopyMaxBlocks, (bytes + kBytesPerBlock - 1) / kBytesPerBlock);
+  CopyBytesKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes);
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
+
 absl::Status ReadAndClearStatus(const CudaRankContext& ctx, cudaStream_t stream, const char* op) {
   // Pageable destination: copies (this is the synchronous slow path).
   DeviceStatus status{};
@@ -194,6 +226,7 @@ absl::Status PreloadKernels() {
   cudaFuncAttributes attr;
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, SetInt32Kernel));
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, StatusReadbackKernel));
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, CopyBytesKernel));
   EPD_RETURN_IF_ERROR(internal::PreloadLowLatencyKernels());
   std::vector<absl::Status (*)()> hooks;
   {

@@ -145,6 +145,18 @@ absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shap
 absl::Status EnqueueStatusReadback(const CudaRankContext& ctx, cudaStream_t stream,
                                    DeviceStatus* host_dst);
 
+/// Most blocks CopyDeviceAsync launches (each copies >= 64 KiB; 1.8 MB, one rank's
+/// DeepSeek-V3 decode tokens, takes 28 blocks).
+inline constexpr uint64_t kCopyMaxBlocks = 32;
+
+/// Copies `bytes` bytes from `src` to `dst`, both device memory this context can address
+/// (its own allocations, CUDA IPC mappings, peers with access enabled), with one kernel on
+/// `stream` (16-byte vectors when both are 16-byte aligned). A kernel, not
+/// cudaMemcpyAsync: a copy goes to a copy-engine queue shared by the context's streams
+/// (see EnqueueStatusReadback), and small copies run sooner on SMs. Errors:
+/// INVALID_ARGUMENT for a null pointer with bytes > 0, INTERNAL for a launch error.
+absl::Status CopyDeviceAsync(void* dst, const void* src, uint64_t bytes, cudaStream_t stream);
+
 /// Synchronizes `stream`, reads and clears the rank's DeviceStatus and converts it with
 /// StatusFromDevice(op). For tests and slow paths (it blocks the CPU). A CUDA error of the
 /// stream itself is returned as INTERNAL.
