@@ -16,11 +16,11 @@
 // that path is measured as well. Every other measured round first pauses 2 ms (longer than
 // the engine's idle_us), so the engine's sleep and wake-up are measured too.
 //
-// Counting: this file replaces every global operator new / new[] (plain, nothrow, aligned,
-// aligned + nothrow) for the whole epd_gpu_tests binary. The replacement only counts on
-// threads marked by this test (the engine threads, through
-// CudaDataPlaneOptions::on_engine_start, and the test thread while a test of this file
-// runs) and forwards every call to malloc/free, so the other tests of the binary are not
+// Counting (tests/common/counting_new.h, whose replacement operators this file defines for
+// the whole epd_gpu_tests binary): every global operator new / new[] (plain, nothrow,
+// aligned, aligned + nothrow) is counted on the threads marked by this test (the engine
+// threads, through CudaDataPlaneOptions::on_engine_start, and the test thread while a test of
+// this file runs) and forwarded to malloc/free, so the other tests of the binary are not
 // affected. Allocations made through malloc directly (the CUDA runtime and driver) are not
 // counted: the guarantee is about the daemon's C++ code.
 //
@@ -63,84 +63,20 @@
 #include "epd/client.h"
 #include "epd/kernels/types.h"
 #include "gpu_test_util.h"
-
-// ---- counting allocator ----------------------------------------------------------------
-
-namespace {
-
-thread_local bool t_engine = false;        ///< This thread is an engine thread of the plane.
-thread_local bool t_client = false;        ///< This thread is the test's (client) thread.
-std::atomic<uint64_t> g_engine_allocs{0};  ///< Allocations on the engine threads.
-std::atomic<uint64_t> g_client_allocs{0};  ///< Allocations on the test thread (marked).
-
-/// Sizes of the first allocations on the engine threads in a measured window (a hint for
-/// whoever hunts an allocation).
-constexpr int kMaxSizes = 8;
-std::atomic<bool> g_record_sizes{false};
-std::atomic<int> g_num_sizes{0};
-std::array<std::atomic<size_t>, kMaxSizes> g_sizes{};
-
-void CountAllocation(size_t bytes) noexcept {
-  if (t_engine) {
-    g_engine_allocs.fetch_add(1, std::memory_order_relaxed);
-    if (g_record_sizes.load(std::memory_order_relaxed)) {
-      const int i = g_num_sizes.fetch_add(1);
-      if (i < kMaxSizes) g_sizes[i].store(bytes);
-    }
-  } else if (t_client) {
-    g_client_allocs.fetch_add(1, std::memory_order_relaxed);
-  }
-}
-
-void* Allocate(size_t bytes, size_t alignment, bool nothrow) {
-  CountAllocation(bytes);
-  if (bytes == 0) bytes = 1;
-  void* p = nullptr;
-  if (alignment <= alignof(std::max_align_t)) {
-    p = std::malloc(bytes);
-  } else if (posix_memalign(&p, std::max(alignment, sizeof(void*)), bytes) != 0) {
-    p = nullptr;
-  }
-  if (p == nullptr && !nothrow) throw std::bad_alloc();
-  return p;
-}
-
-}  // namespace
-
-void* operator new(size_t n) { return Allocate(n, 0, false); }
-void* operator new[](size_t n) { return Allocate(n, 0, false); }
-void* operator new(size_t n, const std::nothrow_t&) noexcept { return Allocate(n, 0, true); }
-void* operator new[](size_t n, const std::nothrow_t&) noexcept { return Allocate(n, 0, true); }
-void* operator new(size_t n, std::align_val_t a) {
-  return Allocate(n, static_cast<size_t>(a), false);
-}
-void* operator new[](size_t n, std::align_val_t a) {
-  return Allocate(n, static_cast<size_t>(a), false);
-}
-void* operator new(size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return Allocate(n, static_cast<size_t>(a), true);
-}
-void* operator new[](size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return Allocate(n, static_cast<size_t>(a), true);
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+#include "in_process_epd.h"
+#define EPD_COUNTING_NEW_DEFINE_OPERATORS
+#include "tests/common/counting_new.h"
 
 namespace epd {
 namespace {
 
 using kernels::bf16_bits;
 using testing::DeviceBuffer;
+using testing::DrainsWithin;
+using testing::OnEveryRank;
+namespace counting_new = testing::counting_new;
+using counting_new::g_client_allocs;
+using counting_new::g_engine_allocs;
 
 constexpr DLDataType kBf16{kDLBfloat, 16, 1};
 constexpr DLDataType kF32{kDLFloat, 32, 1};
@@ -211,8 +147,8 @@ struct ResolverGuard {
 
 /// Marks the test thread as counted while the test runs.
 struct ClientMark {
-  ClientMark() { t_client = true; }
-  ~ClientMark() { t_client = false; }
+  ClientMark() { counting_new::t_client = true; }
+  ~ClientMark() { counting_new::t_client = false; }
 };
 
 /// A CUDA data plane whose engine threads count their allocations, and one group of
@@ -237,9 +173,8 @@ void OpenCountedPlane(const v1::GroupSpec& spec, CountedPlane& f) {
   CudaDataPlaneOptions o;
   o.op_timeout_ms = 10000;
   o.on_engine_start = [engines_marked] {
-    t_engine = true;
-    // A probe: proves the engine threads' allocations are counted.
-    ::operator delete(::operator new(16));
+    // Also a probe: proves the engine threads' allocations are counted.
+    counting_new::MarkEngineThread();
     engines_marked->fetch_add(1);
   };
   const uint64_t probes_before = g_engine_allocs.load();
@@ -256,14 +191,7 @@ void OpenCountedPlane(const v1::GroupSpec& spec, CountedPlane& f) {
   ASSERT_GE(engines_marked->load(), 1) << "no engine thread ran on_engine_start";
   ASSERT_GE(g_engine_allocs.load(), probes_before + 1)
       << "the engine thread's probe allocation was not counted";
-  {
-    const bool was = t_client;
-    t_client = true;
-    const uint64_t before = g_client_allocs.load();
-    ::operator delete(::operator new(16));
-    t_client = was;
-    ASSERT_EQ(g_client_allocs.load(), before + 1) << "the counting operator new is not in force";
-  }
+  ASSERT_TRUE(counting_new::CountingNewInForce()) << "the counting operator new is not in force";
 
   auto group_or = f.plane->CreateGroup(spec);
   ASSERT_TRUE(group_or.ok()) << group_or.status();
@@ -370,8 +298,7 @@ TEST_P(CudaHotPathAllocTest, DaemonLaunchedOpsAllocateNothingOnTheEngineThread) 
   std::vector<absl::Status> errors(kNumKinds);  // First error of each kind (error path only).
 
   std::array<uint64_t, kNumKinds> client_allocs{}, engine_allocs{};
-  std::array<std::array<size_t, kMaxSizes>, kNumKinds> first_sizes{};
-  std::array<int, kNumKinds> num_first_sizes{};
+  std::array<counting_new::RecordedSizes, kNumKinds> first_sizes{};  // Engine threads.
   std::array<bool, kNumKinds> sizes_taken{};
   uint64_t group_ops = group->ops_completed();
   bool engine_lagged = false;
@@ -382,10 +309,7 @@ TEST_P(CudaHotPathAllocTest, DaemonLaunchedOpsAllocateNothingOnTheEngineThread) 
   auto run = [&](Kind kind, bool measured, bool pause, auto submit, auto wait) {
     const uint64_t c0 = g_client_allocs.load();
     const uint64_t e0 = g_engine_allocs.load();
-    if (measured && !sizes_taken[kind]) {
-      g_num_sizes = 0;
-      g_record_sizes = true;
-    }
+    if (measured && !sizes_taken[kind]) counting_new::StartRecordingSizes();
     if (pause) std::this_thread::sleep_for(std::chrono::milliseconds(2));
     absl::Status st;
     for (int r = 0; r < R && st.ok(); ++r) st = submit(r);
@@ -399,16 +323,14 @@ TEST_P(CudaHotPathAllocTest, DaemonLaunchedOpsAllocateNothingOnTheEngineThread) 
       }
       std::this_thread::yield();
     }
-    g_record_sizes = false;
+    counting_new::StopRecordingSizes();
     if (!st.ok() && errors[kind].ok()) errors[kind] = st;  // Error path: may allocate.
     if (!measured) return;
     client_allocs[kind] += g_client_allocs.load() - c0;
     engine_allocs[kind] += g_engine_allocs.load() - e0;
     if (!sizes_taken[kind]) {
       sizes_taken[kind] = true;
-      const int n = std::min(g_num_sizes.load(), kMaxSizes);
-      for (int i = 0; i < n; ++i) first_sizes[kind][i] = g_sizes[i].load();
-      num_first_sizes[kind] = n;
+      first_sizes[kind] = counting_new::TakeRecordedSizes(counting_new::kEngineThread);
     }
   };
 
@@ -514,10 +436,7 @@ TEST_P(CudaHotPathAllocTest, DaemonLaunchedOpsAllocateNothingOnTheEngineThread) 
 
   // The verdict, per op kind, with a hint at the allocations' sizes.
   for (int k = 0; k < kNumKinds; ++k) {
-    std::string sizes;
-    for (int i = 0; i < num_first_sizes[k]; ++i) {
-      absl::StrAppend(&sizes, i ? ", " : "", first_sizes[k][i]);
-    }
+    const std::string sizes = first_sizes[k].ToString();
     std::cout << "[alloc] R=" << R << " " << kKindNames[k] << ": engine thread " << engine_allocs[k]
               << ", client thread " << client_allocs[k] << " (not asserted)\n";
     EXPECT_EQ(engine_allocs[k], 0u)
@@ -531,31 +450,6 @@ INSTANTIATE_TEST_SUITE_P(VirtualRanks, CudaHotPathAllocTest, ::testing::Values(2
                          [](const ::testing::TestParamInfo<int>& p) {
                            return absl::StrCat("R", p.param);
                          });
-
-/// Waits (bounded) for `stream` to drain; false if it is still busy after `limit`.
-bool DrainsWithin(cudaStream_t stream, std::chrono::milliseconds limit) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < end) {
-    const cudaError_t e = cudaStreamQuery(stream);
-    if (e == cudaSuccess) return true;
-    if (e != cudaErrorNotReady) {
-      ADD_FAILURE() << "stream error: " << cudaGetErrorString(e);
-      return true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  return false;
-}
-
-/// Runs `fn(r)` for every rank on its own thread (calls that block until every rank made
-/// them: RegisterProgram, UnregisterProgram) and returns the statuses.
-std::vector<absl::Status> OnEveryRank(int R, const std::function<absl::Status(int)>& fn) {
-  std::vector<absl::Status> st(R);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < R; ++r) threads.emplace_back([&, r] { st[r] = fn(r); });
-  for (auto& t : threads) t.join();
-  return st;
-}
 
 // Graph mode (DESIGN.md §3.2): while a program is armed the engine polls without sleeping
 // (PollBackground on every loop), completes each instance and enqueues the next; none of
@@ -701,24 +595,20 @@ TEST(CudaHotPathAllocProgramTest, ArmedProgramAllocatesNothingOnTheEngineThread)
   }
   ASSERT_TRUE(checked().ok()) << checked();
   const uint64_t instances0 = f.group->ops_completed();
-  g_num_sizes = 0;
-  g_record_sizes = true;
+  counting_new::StartRecordingSizes();
   const uint64_t e0 = g_engine_allocs.load();
   absl::Status st;
   for (int i = 0; i < kReplays && st.ok(); ++i) st = replay();
   if (st.ok()) st = checked();
   const uint64_t e1 = g_engine_allocs.load();
-  g_record_sizes = false;
+  counting_new::StopRecordingSizes();
   ASSERT_TRUE(st.ok()) << st;
   // Not vacuous: the engine completed (at least) every measured instance, two per replay.
   EXPECT_GE(f.group->ops_completed() - instances0, uint64_t{2} * kReplays);
   EXPECT_EQ(f.group->ops_failed(), 0u);
   EXPECT_EQ(d[0].recv_x.shape()[0], E / R);
   EXPECT_EQ(c[0].combined_x.shape()[0], Mll);
-  std::string sizes;
-  for (int i = 0; i < std::min(g_num_sizes.load(), kMaxSizes); ++i) {
-    absl::StrAppend(&sizes, i ? ", " : "", g_sizes[i].load());
-  }
+  const std::string sizes = counting_new::TakeRecordedSizes(counting_new::kEngineThread).ToString();
   std::cout << "[alloc] program R=" << R << ": engine thread " << e1 - e0 << " over " << kReplays
             << " replays (" << 2 * kReplays << " instances)\n";
   EXPECT_EQ(e1 - e0, 0u) << "the engine thread allocated while the program ran " << kReplays

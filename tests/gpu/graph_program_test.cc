@@ -69,7 +69,9 @@ using kernels::bf16_bits;
 using kernels::GroupShape;
 using testing::Bytes;
 using testing::DeviceBuffer;
+using testing::DrainsWithin;
 using testing::Fetch;
+using testing::OnEveryRank;
 namespace host = kernels::host;
 
 constexpr uint32_t kOpTimeoutMs = 3000;
@@ -202,31 +204,6 @@ class GraphProgramTest : public testing::InProcessEpdTest<GraphProgramTest> {
     ASSERT_EQ(cudaSetDevice(g_device), cudaSuccess);
   }
 };
-
-/// Runs `fn(r)` for every rank on its own thread (calls that block until every rank made
-/// them) and returns the statuses.
-std::vector<absl::Status> OnEveryRank(int R, const std::function<absl::Status(int)>& fn) {
-  std::vector<absl::Status> st(R);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < R; ++r) threads.emplace_back([&, r] { st[r] = fn(r); });
-  for (auto& t : threads) t.join();
-  return st;
-}
-
-/// Waits (bounded) for `stream` to drain; false if it is still busy after `limit`.
-bool DrainsWithin(cudaStream_t stream, std::chrono::milliseconds limit) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < end) {
-    cudaError_t e = cudaStreamQuery(stream);
-    if (e == cudaSuccess) return true;
-    if (e != cudaErrorNotReady) {
-      ADD_FAILURE() << "stream error: " << cudaGetErrorString(e);
-      return true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  return false;
-}
 
 /// Progress on stderr (unbuffered), so a run cut short still shows how far it came.
 void Phase(int R, const std::string& what) {

@@ -1,16 +1,23 @@
 // An epd Daemon running the CUDA backend inside the test process, with one Client connected
 // to it: what the tests of the client library's CUDA paths (client_launch_test.cc,
 // graph_program_test.cc) share. The data areas the daemon exports are reached through
-// FindInProcessCudaArea (CUDA cannot open an IPC handle in the exporting process).
+// FindInProcessCudaArea (CUDA cannot open an IPC handle in the exporting process). Also the
+// helpers of tests that hold every rank of a group in this one process (graph_program_test.cc,
+// cuda_hot_path_alloc_test.cc): OnEveryRank, DrainsWithin.
 #pragma once
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "daemon/daemon.h"
 #include "epd/client.h"
@@ -78,5 +85,32 @@ class InProcessEpdTest : public ::testing::Test {
     return reason;
   }
 };
+
+/// Runs `fn(r)` for r in [0, R), each on its own thread (calls that block until every rank
+/// made them: RegisterProgram, UnregisterProgram), joins them and returns the R statuses,
+/// indexed by rank. Allocates (threads, the statuses): not for counted windows.
+inline std::vector<absl::Status> OnEveryRank(int R, const std::function<absl::Status(int)>& fn) {
+  std::vector<absl::Status> st(R);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r) threads.emplace_back([&, r] { st[r] = fn(r); });
+  for (auto& t : threads) t.join();
+  return st;
+}
+
+/// Waits (bounded: polls cudaStreamQuery every 1 ms) for `stream` to drain; false if it is
+/// still busy after `limit`. A stream error is a test failure (ADD_FAILURE) and returns true.
+inline bool DrainsWithin(cudaStream_t stream, std::chrono::milliseconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    const cudaError_t e = cudaStreamQuery(stream);
+    if (e == cudaSuccess) return true;
+    if (e != cudaErrorNotReady) {
+      ADD_FAILURE() << "stream error: " << cudaGetErrorString(e);
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
 
 }  // namespace epd::testing

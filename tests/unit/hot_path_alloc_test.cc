@@ -5,16 +5,15 @@
 // counted on the client's calling thread (the test thread, which drives every rank's
 // endpoint) and on the daemon's engine thread, per op kind.
 //
-// Counting: this file replaces every global operator new / new[] (plain, nothrow, aligned,
-// aligned + nothrow) with one that counts into a thread_local counter; the engine thread
-// marks itself through HostDataPlaneOptions::on_engine_start, and its allocations go to a
-// global atomic (outside kernels/host) or to a second one (inside kernels/host, bracketed by
+// Counting (tests/common/counting_new.h, whose replacement operators this file defines for
+// the whole epd_unit_tests binary; they only count and forward to malloc/free): every global
+// operator new / new[] (plain, nothrow, aligned, aligned + nothrow) counts into a
+// thread_local counter; the engine thread marks itself through
+// HostDataPlaneOptions::on_engine_start, and its allocations go to a global atomic (outside
+// kernels/host) or to a second one (inside kernels/host, bracketed by
 // HostDataPlaneOptions::on_kernels: the reference data movement keeps its own per-op
 // scratch, which the guarantee does not cover; the test prints that count). Allocations
 // made through malloc directly (not through operator new) are not counted.
-//
-// The replacement operators are in force for the whole epd_unit_tests binary; they only
-// count and forward to malloc/free.
 #include <dlpack/dlpack.h>
 #include <gtest/gtest.h>
 
@@ -38,83 +37,17 @@
 #include "daemon/host_data_plane.h"
 #include "epd/client.h"
 #include "epd/kernels/types.h"
-
-// ---- counting allocator ----------------------------------------------------------------
-
-namespace {
-
-thread_local bool t_engine = false;        ///< This thread is the daemon's engine thread.
-thread_local bool t_in_kernels = false;    ///< Inside kernels/host (engine thread).
-thread_local bool t_client = false;        ///< This thread is the test's (client) thread.
-thread_local uint64_t t_allocs = 0;        ///< Allocations by this thread.
-std::atomic<uint64_t> g_engine_allocs{0};  ///< Engine thread, outside kernels/host.
-std::atomic<uint64_t> g_kernel_allocs{0};  ///< Engine thread, inside kernels/host.
-
-/// Sizes of the first allocations of a measured window, [0] on the client thread, [1] on
-/// the engine thread outside kernels/host (a hint for whoever hunts an allocation).
-constexpr int kMaxSizes = 8;
-std::atomic<bool> g_record_sizes{false};
-std::array<std::atomic<int>, 2> g_num_sizes{};
-std::array<std::array<std::atomic<size_t>, kMaxSizes>, 2> g_sizes{};
-
-void CountAllocation(size_t bytes) noexcept {
-  ++t_allocs;
-  if (t_engine) (t_in_kernels ? g_kernel_allocs : g_engine_allocs).fetch_add(1);
-  const int who = t_client ? 0 : (t_engine && !t_in_kernels) ? 1 : -1;
-  if (who >= 0 && g_record_sizes.load(std::memory_order_relaxed)) {
-    const int i = g_num_sizes[who].fetch_add(1);
-    if (i < kMaxSizes) g_sizes[who][i].store(bytes);
-  }
-}
-
-void* Allocate(size_t bytes, size_t alignment, bool nothrow) {
-  CountAllocation(bytes);
-  if (bytes == 0) bytes = 1;
-  void* p = nullptr;
-  if (alignment <= alignof(std::max_align_t)) {
-    p = std::malloc(bytes);
-  } else if (posix_memalign(&p, std::max(alignment, sizeof(void*)), bytes) != 0) {
-    p = nullptr;
-  }
-  if (p == nullptr && !nothrow) throw std::bad_alloc();
-  return p;
-}
-
-}  // namespace
-
-void* operator new(size_t n) { return Allocate(n, 0, false); }
-void* operator new[](size_t n) { return Allocate(n, 0, false); }
-void* operator new(size_t n, const std::nothrow_t&) noexcept { return Allocate(n, 0, true); }
-void* operator new[](size_t n, const std::nothrow_t&) noexcept { return Allocate(n, 0, true); }
-void* operator new(size_t n, std::align_val_t a) {
-  return Allocate(n, static_cast<size_t>(a), false);
-}
-void* operator new[](size_t n, std::align_val_t a) {
-  return Allocate(n, static_cast<size_t>(a), false);
-}
-void* operator new(size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return Allocate(n, static_cast<size_t>(a), true);
-}
-void* operator new[](size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return Allocate(n, static_cast<size_t>(a), true);
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+#define EPD_COUNTING_NEW_DEFINE_OPERATORS
+#include "tests/common/counting_new.h"
 
 namespace epd {
 namespace {
 
 using kernels::bf16_bits;
+namespace counting_new = testing::counting_new;
+using counting_new::g_engine_allocs;
+using counting_new::g_kernel_allocs;
+using counting_new::t_allocs;
 
 constexpr DLDataType kBf16{kDLBfloat, 16, 1};
 constexpr DLDataType kF32{kDLFloat, 32, 1};
@@ -178,19 +111,18 @@ absl::Status WaitInto(std::optional<PendingOp<Result>>& slot, Result& out) {
 TEST(HotPathAllocTest, SteadyOpsAllocateNothingOnClientThreadOrEngineThread) {
   constexpr int R = 4, E = 16, H = 256, K = 4, M = 32, Mll = 16;
   constexpr int kWarmupRounds = 3, kRounds = 20;
-  t_client = true;
+  counting_new::t_client = true;
 
   std::atomic<bool> engine_marked{false};
   HostDataPlaneOptions o;
   o.op_timeout_ms = 10000;
   o.host_threads = 2;
   o.on_engine_start = [&engine_marked] {
-    t_engine = true;
-    // A probe: proves the engine thread's allocations are counted.
-    ::operator delete(::operator new(16));
+    // Also a probe: proves the engine thread's allocations are counted.
+    counting_new::MarkEngineThread();
     engine_marked = true;
   };
-  o.on_kernels = [](bool entering) { t_in_kernels = entering; };
+  o.on_kernels = [](bool entering) { counting_new::t_in_kernels = entering; };
   auto plane = MakeHostDataPlane(o);
   ASSERT_TRUE(plane.ok()) << plane.status();
   const auto marked_by = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -199,11 +131,7 @@ TEST(HotPathAllocTest, SteadyOpsAllocateNothingOnClientThreadOrEngineThread) {
   }
   ASSERT_TRUE(engine_marked) << "the engine thread never ran on_engine_start";
   ASSERT_GE(g_engine_allocs.load(), 1u) << "the engine thread's probe allocation was not counted";
-  {
-    const uint64_t before = t_allocs;
-    ::operator delete(::operator new(16));
-    ASSERT_EQ(t_allocs, before + 1) << "the counting operator new is not in force";
-  }
+  ASSERT_TRUE(counting_new::CountingNewInForce()) << "the counting operator new is not in force";
 
   v1::GroupSpec spec;
   spec.set_name("hot-path");
@@ -280,9 +208,8 @@ TEST(HotPathAllocTest, SteadyOpsAllocateNothingOnClientThreadOrEngineThread) {
   std::vector<absl::Status> errors(kNumKinds);  // First error of each kind (error path only).
 
   std::array<uint64_t, kNumKinds> client_allocs{}, engine_allocs{}, kernel_allocs{};
-  // First allocation sizes per kind, per thread (0 client, 1 engine); -1 = none seen.
-  std::array<std::array<std::array<size_t, kMaxSizes>, 2>, kNumKinds> first_sizes{};
-  std::array<std::array<int, 2>, kNumKinds> num_first_sizes{};
+  // First allocation sizes per kind, per thread (0 client, 1 engine).
+  std::array<std::array<counting_new::RecordedSizes, 2>, kNumKinds> first_sizes{};
   std::array<bool, kNumKinds> sizes_taken{};
   uint64_t group_ops = group->ops_completed();
   bool engine_lagged = false;
@@ -295,10 +222,7 @@ TEST(HotPathAllocTest, SteadyOpsAllocateNothingOnClientThreadOrEngineThread) {
     const uint64_t c0 = t_allocs;
     const uint64_t e0 = g_engine_allocs.load();
     const uint64_t k0 = g_kernel_allocs.load();
-    if (measured && !sizes_taken[kind]) {
-      for (auto& n : g_num_sizes) n = 0;
-      g_record_sizes = true;
-    }
+    if (measured && !sizes_taken[kind]) counting_new::StartRecordingSizes();
     if (pause) std::this_thread::sleep_for(std::chrono::milliseconds(2));
     absl::Status st;
     for (int r = 0; r < R && st.ok(); ++r) st = submit(r);
@@ -311,7 +235,7 @@ TEST(HotPathAllocTest, SteadyOpsAllocateNothingOnClientThreadOrEngineThread) {
         break;
       }
     }
-    g_record_sizes = false;
+    counting_new::StopRecordingSizes();
     if (!st.ok() && errors[kind].ok()) errors[kind] = st;  // Error path: may allocate.
     if (!measured) return;
     client_allocs[kind] += t_allocs - c0;
@@ -319,10 +243,8 @@ TEST(HotPathAllocTest, SteadyOpsAllocateNothingOnClientThreadOrEngineThread) {
     kernel_allocs[kind] += g_kernel_allocs.load() - k0;
     if (!sizes_taken[kind]) {
       sizes_taken[kind] = true;
-      for (int who = 0; who < 2; ++who) {
-        const int n = std::min(g_num_sizes[who].load(), kMaxSizes);
-        for (int i = 0; i < n; ++i) first_sizes[kind][who][i] = g_sizes[who][i].load();
-        num_first_sizes[kind][who] = n;
+      for (counting_new::Who who : {counting_new::kClientThread, counting_new::kEngineThread}) {
+        first_sizes[kind][who] = counting_new::TakeRecordedSizes(who);
       }
     }
   };
@@ -432,10 +354,7 @@ TEST(HotPathAllocTest, SteadyOpsAllocateNothingOnClientThreadOrEngineThread) {
   for (int k = 0; k < kNumKinds; ++k) {
     std::array<std::string, 2> where;
     for (int who = 0; who < 2; ++who) {
-      std::string sizes;
-      for (int i = 0; i < num_first_sizes[k][who]; ++i) {
-        absl::StrAppend(&sizes, i ? ", " : "", first_sizes[k][who][i]);
-      }
+      const std::string sizes = first_sizes[k][who].ToString();
       where[who] = absl::StrCat(kKindNames[k], " (", kRounds, " group ops of ", R,
                                 " ranks after warm-up; sizes of its first allocations in the "
                                 "first measured op, bytes: [",
