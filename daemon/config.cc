@@ -27,8 +27,8 @@ ABSL_FLAG(std::optional<std::string>, socket_mode, std::nullopt,
 ABSL_FLAG(std::optional<std::string>, socket_group, std::nullopt,
           "Group owning the socket and shm regions (default: the daemon's own).");
 ABSL_FLAG(std::optional<std::string>, listen, std::nullopt,
-          "Optional TCP listener host:port for health probes and remote control; \"off\" "
-          "turns off a listener the config file sets.");
+          "Optional TCP listener host:port for grpc.health.v1 probes only (Control stays on "
+          "the unix socket); \"off\" turns off a listener the config file sets.");
 ABSL_FLAG(std::optional<std::string>, backend, std::nullopt,
           "Data-plane backend: auto (CUDA when a GPU is usable, else host), cuda, host.");
 ABSL_FLAG(std::optional<std::string>, log_level, std::nullopt,
