@@ -137,8 +137,15 @@ absl::Status VirtualRankGroup::Upload(int32_t r, const kernels::Region& region, 
                                                    " bytes"));
   }
   if (bytes == 0) return absl::OkStatus();
-  return EPD_CUDA_STATUS(
+  EPD_CUDA_RETURN_IF_ERROR(
       cudaMemcpy(base(r) + region.offset + offset, src, bytes, cudaMemcpyHostToDevice));
+  // From pageable memory, cudaMemcpy returns once the bytes are staged for DMA, possibly
+  // before they have landed (CUDA runtime API, "API synchronization behavior"); the ranks'
+  // streams are non-blocking, so their next kernel could read the old bytes (seen on the
+  // H200: a cached normal re-dispatch read the previous x). Wait for the legacy stream,
+  // which holds the copy (not cudaDeviceSynchronize: other streams may hold spinning
+  // kernels).
+  return EPD_CUDA_STATUS(cudaStreamSynchronize(cudaStreamLegacy));
 }
 
 absl::Status VirtualRankGroup::Download(int32_t r, const kernels::Region& region, void* dst,
