@@ -195,6 +195,10 @@ absl::Status Daemon::Init() {
     inventory_ = inventory;
   }
 
+  // One epd per socket (its lock file), and the shm regions a killed epd on this socket
+  // left in /dev/shm removed, before the data plane creates its first region (named with
+  // this socket's creator tag from then on).
+  EPD_RETURN_IF_ERROR(PrepareSocketPath());
   DataPlaneFactory factory =
       options_.data_plane_factory ? options_.data_plane_factory : MakeDefaultDataPlane;
   EPD_ASSIGN_OR_RETURN(data_plane_, factory(config_, backend_));
@@ -209,7 +213,6 @@ absl::Status Daemon::Init() {
   // are the access control); Health alone on the optional TCP listener, for load balancers
   // and kubelet probes. Control has no authentication, so it is never served over TCP
   // (DESIGN.md §3.1: Control is for local clients over the unix socket).
-  EPD_RETURN_IF_ERROR(PrepareSocketPath());
   grpc::EnableDefaultHealthCheckService(true);
   if (!config_.listen().empty()) {
     grpc::ServerBuilder tcp_builder;
@@ -291,6 +294,17 @@ absl::Status Daemon::PrepareSocketPath() {
         "socket_path: ", socket_path_, " is held by another epd that is starting (", lock_path,
         " is locked: ", Errno(err), "); refusing to start a second epd on it"));
   }
+  // The lock makes this socket's shm creator tag ours: names with it are leftovers of an
+  // earlier epd on this socket that could not clean up (SIGKILL, OOM kill, power loss).
+  const std::string tag = ShmCreatorTag(socket_path_);
+  absl::StatusOr<int> removed = ShmRegion::RemoveStale(tag);
+  if (!removed.ok()) {
+    log->warn("cannot look for stale shm regions of this socket: {}", removed.status().ToString());
+  } else if (*removed > 0) {
+    log->warn("removed {} shm region(s) left in /dev/shm by an earlier epd on {} (tag {})",
+              *removed, socket_path_, tag);
+  }
+  ShmRegion::SetCreatorTag(tag);
   struct stat st {};
   if (::lstat(socket_path_.c_str(), &st) != 0) {
     if (errno == ENOENT) return absl::OkStatus();

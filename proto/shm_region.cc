@@ -1,5 +1,6 @@
 #include "shm_region.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <grp.h>
 #include <linux/futex.h>
@@ -14,12 +15,18 @@
 #include <ctime>
 #include <random>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 namespace epd {
 namespace {
+
+std::string& CreatorTag() {
+  static std::string* tag = new std::string();  // Never destroyed: used until exit.
+  return *tag;
+}
 
 std::string RandomHex128() {
   std::random_device rd;
@@ -80,11 +87,42 @@ void ShmRegion::Unlink() {
   linked_ = false;
 }
 
+std::string ShmCreatorTag(const std::string& socket_path) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64.
+  for (unsigned char c : socket_path) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return absl::StrFormat("%016x", h);
+}
+
+void ShmRegion::SetCreatorTag(std::string tag) { CreatorTag() = std::move(tag); }
+
+absl::StatusOr<int> ShmRegion::RemoveStale(const std::string& tag) {
+  if (tag.empty()) return absl::InvalidArgumentError("RemoveStale: empty creator tag");
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return Errno("opendir(/dev/shm)", errno);
+  const std::string infix = absl::StrCat("-", tag, "-");
+  std::vector<std::string> stale;
+  while (const dirent* e = ::readdir(dir)) {
+    const std::string name = e->d_name;
+    if (name.rfind("epd-", 0) == 0 && name.find(infix) != std::string::npos) stale.push_back(name);
+  }
+  ::closedir(dir);
+  int removed = 0;
+  for (const std::string& name : stale) {
+    if (::shm_unlink(absl::StrCat("/", name).c_str()) == 0) ++removed;
+  }
+  return removed;
+}
+
 absl::StatusOr<ShmRegion> ShmRegion::Create(const std::string& prefix, uint64_t bytes,
                                             uint32_t mode, const std::string& group) {
   if (bytes == 0) return absl::InvalidArgumentError("shm region of 0 bytes");
   ShmRegion r;
-  r.name_ = absl::StrCat("/", prefix, "-", RandomHex128());
+  const std::string& tag = CreatorTag();
+  r.name_ = tag.empty() ? absl::StrCat("/", prefix, "-", RandomHex128())
+                        : absl::StrCat("/", prefix, "-", tag, "-", RandomHex128());
   ScopedFd fd(::shm_open(r.name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode & 0777));
   if (!fd.valid()) return Errno(absl::StrCat("shm_open(", r.name_, ")"), errno);
   r.linked_ = true;

@@ -39,6 +39,11 @@ class ScopedFd {
   int fd_ = -1;
 };
 
+/// The shm creator tag of a daemon serving `socket_path`: 16 hex digits of the 64-bit
+/// FNV-1a hash of the path (stable across builds and runs, so an epd restarted on the same
+/// socket finds what the previous one left; see ShmRegion::SetCreatorTag).
+std::string ShmCreatorTag(const std::string& socket_path);
+
 /// A mapped POSIX shared-memory object.
 class ShmRegion {
  public:
@@ -49,10 +54,26 @@ class ShmRegion {
   ShmRegion(const ShmRegion&) = delete;
   ShmRegion& operator=(const ShmRegion&) = delete;
 
-  /// Creates a new object named `/<prefix>-<128 random bits in hex>` (O_EXCL), sizes it
-  /// to `bytes` (zero-filled), sets `mode` (e.g. 0600) and, when `group` is not empty,
-  /// its group, and maps it read-write. Errors: RESOURCE_EXHAUSTED when /dev/shm cannot
-  /// hold `bytes`, INVALID_ARGUMENT for an unknown group, INTERNAL otherwise.
+  /// Sets the creator tag of this process (empty by default): from then on Create names
+  /// objects `/<prefix>-<tag>-<random>`, so that a later process with the same tag can
+  /// find and remove what this one left behind if it is killed (RemoveStale). The daemon
+  /// sets ShmCreatorTag(its socket path) once at start-up, before creating any region.
+  /// Not thread-safe against concurrent Create calls.
+  static void SetCreatorTag(std::string tag);
+
+  /// Unlinks every POSIX shm object (a file in /dev/shm) whose name starts with "epd-" and
+  /// contains "-<tag>-": the regions of an earlier process with this creator tag (e.g. an
+  /// epd on the same socket that was SIGKILLed). Only call it while holding what makes the
+  /// tag exclusive (epd: the socket's lock file). Processes that still map such a region
+  /// keep their mapping; only the name goes. Returns how many names were removed; INTERNAL
+  /// when /dev/shm cannot be read. `tag` must be non-empty (INVALID_ARGUMENT).
+  static absl::StatusOr<int> RemoveStale(const std::string& tag);
+
+  /// Creates a new object named `/<prefix>-<128 random bits in hex>` (with a creator tag:
+  /// `/<prefix>-<tag>-<random>`; O_EXCL), sizes it to `bytes` (zero-filled), sets `mode` (e.g.
+  /// 0600) and, when `group` is not empty, its group, and maps it read-write. Errors:
+  /// RESOURCE_EXHAUSTED when /dev/shm cannot hold `bytes`, INVALID_ARGUMENT for an unknown group,
+  /// INTERNAL otherwise.
   static absl::StatusOr<ShmRegion> Create(const std::string& prefix, uint64_t bytes, uint32_t mode,
                                           const std::string& group);
 

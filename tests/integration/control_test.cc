@@ -5,6 +5,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -23,6 +24,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "shm_region.h"
 #include "tests/integration/daemon_process.h"
 
 namespace epd::testing {
@@ -472,6 +474,52 @@ TEST_F(ControlTest, StaleSocketFileIsReplaced) {
   absl::StatusOr<std::unique_ptr<DaemonProcess>> again = DaemonProcess::Start(options);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_THAT((*again)->Logs(), HasSubstr("replacing stale socket file"));
+}
+
+// The shm names in /dev/shm carrying this socket's creator tag (shm_region.h).
+std::vector<std::string> TaggedShmNames(const std::string& socket_path) {
+  const std::string infix = "-" + ShmCreatorTag(socket_path) + "-";
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("epd-", 0) == 0 && name.find(infix) != std::string::npos) names.push_back(name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST_F(ControlTest, ShmRegionsOfAKilledEpdAreRemovedByTheNextOneOnTheSocket) {
+  std::unique_ptr<Subprocess> c0 = JoinedClient(0);
+  std::unique_ptr<Subprocess> c1 = JoinedClient(1);
+  ASSERT_EQ(JoinedRanks(), (std::vector<int>{0, 1}));
+  // The engine's doorbell page (and endpoint regions whose name is still needed: the
+  // daemon unlinks an endpoint's name once both sides have it mapped), named with the
+  // socket's tag.
+  const std::vector<std::string> before = TaggedShmNames(epd_->socket_path());
+  ASSERT_EQ(std::count_if(before.begin(), before.end(),
+                          [](const std::string& n) { return n.rfind("epd-doorbell-", 0) == 0; }),
+            1)
+      << ::testing::PrintToString(before);
+  epd_->Kill();  // SIGKILL: no destructor unlinks anything.
+  ASSERT_TRUE(epd_->WaitExit(absl::Seconds(5)).ok());
+  c0.reset();
+  c1.reset();
+  EXPECT_EQ(TaggedShmNames(epd_->socket_path()), before) << "SIGKILL left them behind";
+
+  DaemonProcessOptions options;
+  options.socket_path = epd_->socket_path();
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> again = DaemonProcess::Start(options);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_THAT((*again)->Logs(), HasSubstr(absl::StrCat("removed ", before.size(),
+                                                       " shm region(s) left in /dev/shm")));
+  const std::vector<std::string> after = TaggedShmNames(epd_->socket_path());
+  for (const std::string& name : before) {
+    EXPECT_EQ(std::count(after.begin(), after.end(), name), 0) << name << " is still there";
+  }
+  EXPECT_FALSE(after.empty()) << "the new epd's doorbell carries the tag too";
+  // A clean stop leaves nothing.
+  EXPECT_EQ((*again)->Stop().value_or(-1), 0);
+  EXPECT_TRUE(TaggedShmNames(epd_->socket_path()).empty());
 }
 
 TEST_F(ControlTest, MalformedAndOversizedRequestsLeaveTheDaemonServing) {
