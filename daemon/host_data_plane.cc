@@ -64,6 +64,9 @@ class HostDataPlaneImpl : public DataPlane {
   void Shutdown() override;
 
   const HostDataPlaneOptions& options() const { return options_; }
+  /// kernels/host's worker threads, shared by every group (all run on the one engine
+  /// thread, one op at a time).
+  kernels::host::HostWorkerPool& kernel_pool() { return kernel_pool_; }
   const std::string& doorbell_name() const { return doorbell_.name(); }
   void Unregister(HostGroup* group);
 
@@ -71,6 +74,7 @@ class HostDataPlaneImpl : public DataPlane {
   bool PollAll();
 
   HostDataPlaneOptions options_;
+  kernels::host::HostWorkerPool kernel_pool_;  // Outlives engine_ (declared first).
   ShmRegion doorbell_;
   std::unique_ptr<Engine> engine_;
   std::mutex mu_;  // Guards groups_.
@@ -87,7 +91,13 @@ class HostGroup : public LockstepGroup {
         dispatch_args_(spec.num_ranks()),
         combine_args_(spec.num_ranks()),
         ll_dispatch_args_(spec.num_ranks()),
-        ll_combine_args_(spec.num_ranks()) {}
+        ll_combine_args_(spec.num_ranks()) {
+    // Scratch for the group's largest ops, and the plane's kernel threads, made here so
+    // that no op allocates (README "Hot path").
+    const int threads = plane->options().host_threads;
+    kernel_scratch_.Reserve(shape(), threads);
+    plane->kernel_pool().Start(threads);
+  }
   ~HostGroup() override { plane_->Unregister(this); }
 
  protected:
@@ -129,11 +139,14 @@ class HostGroup : public LockstepGroup {
   std::vector<kernels::host::CombineRankArgs> combine_args_;
   std::vector<kernels::host::LowLatencyDispatchRankArgs> ll_dispatch_args_;
   std::vector<kernels::host::LowLatencyCombineRankArgs> ll_combine_args_;
+  // kernels/host's temporaries for this group's ops (one op at a time: the engine thread).
+  kernels::host::HostScratch kernel_scratch_;
 };
 
 // ---------------------------------------------------------------------------------------
 
-HostDataPlaneImpl::HostDataPlaneImpl(const HostDataPlaneOptions& options) : options_(options) {}
+HostDataPlaneImpl::HostDataPlaneImpl(const HostDataPlaneOptions& options)
+    : options_(options), kernel_pool_(options.on_kernel_thread_start) {}
 
 absl::Status HostDataPlaneImpl::Init() {
   EPD_ASSIGN_OR_RETURN(doorbell_, ShmRegion::Create("epd-doorbell", sizeof(abi::DoorbellPage),
@@ -201,7 +214,8 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
   const abi::OpKind op = plan.op;
   const uint32_t flags = plan.flags;
   const kernels::GroupShape& gs = shape();
-  kernels::host::HostExecution exec{plane_->options().host_threads};
+  kernels::host::HostExecution exec{plane_->options().host_threads, &plane_->kernel_pool(),
+                                    &kernel_scratch_};
   auto fail_all = [&](const absl::Status& st) {
     for (auto& o : out) o.status = st;
   };
@@ -219,7 +233,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         out[r].status = kernels::host::CheckTopkIdx(gs, r, a.num_tokens, a.topk_idx);
         if (out[r].status.ok()) {
           KernelScope k(plane_->options().on_kernels);
-          out[r].status = kernels::host::GetDispatchLayout(gs, a);
+          out[r].status = kernels::host::GetDispatchLayout(gs, a, exec);
         }
       }
       return;

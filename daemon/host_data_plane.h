@@ -24,11 +24,16 @@ struct HostDataPlaneOptions {
 
   /// Test seams (unset in the daemon), called on the engine thread: `on_engine_start` once
   /// before its first poll; `on_kernels(true)` right before and `on_kernels(false)` right
-  /// after each op's calls into kernels/host (the reference data movement, which keeps
-  /// per-op scratch of its own: README "Hot path"). tests/unit/hot_path_alloc_test.cc uses
-  /// them to count the engine's heap allocations per op outside the kernels.
+  /// after each op's calls into kernels/host (the reference data movement, which runs on
+  /// the plane's persistent worker pool with each group's persistent scratch, and so
+  /// allocates nothing per op either). tests/unit/hot_path_alloc_test.cc uses them to count
+  /// the engine's heap allocations per op inside and outside the kernels.
   std::function<void()> on_engine_start;
   std::function<void(bool)> on_kernels;
+  /// Test seam (unset in the daemon): runs first on each of kernels/host's worker threads
+  /// (the plane's HostWorkerPool, host_threads - 1 of them, started with the first group),
+  /// so a test can count their allocations too.
+  std::function<void()> on_kernel_thread_start;
 };
 
 /// Creates the host data plane (and its doorbell shm page) and starts its engine thread.

@@ -67,37 +67,38 @@ absl::Status Combine(const GroupShape& shape, std::span<CombineRankArgs> args,
     }
   }
 
-  std::vector<int32_t> num_tokens(num_ranks);
-  for (int32_t s = 0; s < num_ranks; ++s) num_tokens[s] = args[s].num_tokens;
-  const std::vector<internal::TokenChunk> chunks =
-      internal::SplitTokens(num_tokens, internal::GrainForRowBytes(hidden * 2 * num_ranks));
-  internal::ParallelFor(
-      static_cast<int64_t>(chunks.size()), internal::ResolveThreads(exec), [&](int64_t c) {
-        const internal::TokenChunk& chunk = chunks[c];
-        const CombineRankArgs& dst = args[chunk.rank];
-        std::vector<float> acc(static_cast<size_t>(hidden));
-        for (int32_t t = chunk.begin; t < chunk.end; ++t) {
-          const int32_t* pos = dst.send_pos + static_cast<int64_t>(t) * num_ranks;
-          std::fill(acc.begin(), acc.end(), 0.0f);
-          for (int32_t r = 0; r < num_ranks; ++r) {
-            if (pos[r] < 0) continue;
-            const bf16_bits* x_row = args[r].x + static_cast<int64_t>(pos[r]) * hidden;
-            for (int64_t h = 0; h < hidden; ++h) acc[h] += Bf16ToFloat(x_row[h]);
-          }
-          bf16_bits* out = dst.combined_x + static_cast<int64_t>(t) * hidden;
-          for (int64_t h = 0; h < hidden; ++h) out[h] = FloatToBf16(acc[h]);
-          if (!with_weights) continue;
-          float* w_out = dst.combined_topk_weights + static_cast<int64_t>(t) * num_topk;
-          for (int k = 0; k < num_topk; ++k) {
-            float w = 0.0f;
-            for (int32_t r = 0; r < num_ranks; ++r) {
-              if (pos[r] >= 0)
-                w += args[r].topk_weights[static_cast<int64_t>(pos[r]) * num_topk + k];
-            }
-            w_out[k] = w;
-          }
+  internal::OpContext ctx(exec);
+  internal::ScratchState& scratch = ctx.scratch();
+  const internal::TokenChunks chunks(internal::TokenCounts(args, scratch),
+                                     internal::GrainForRowBytes(hidden * 2 * num_ranks),
+                                     scratch.first_chunk);
+  // One f32 accumulator row [H] per thread slot.
+  scratch.acc.resize(static_cast<size_t>(ctx.threads()) * hidden);
+  ctx.ParallelFor(chunks.size(), [&](int64_t c, int slot) {
+    const internal::TokenChunk chunk = chunks[c];
+    const CombineRankArgs& dst = args[chunk.rank];
+    float* acc = scratch.acc.data() + static_cast<int64_t>(slot) * hidden;
+    for (int32_t t = chunk.begin; t < chunk.end; ++t) {
+      const int32_t* pos = dst.send_pos + static_cast<int64_t>(t) * num_ranks;
+      std::fill(acc, acc + hidden, 0.0f);
+      for (int32_t r = 0; r < num_ranks; ++r) {
+        if (pos[r] < 0) continue;
+        const bf16_bits* x_row = args[r].x + static_cast<int64_t>(pos[r]) * hidden;
+        for (int64_t h = 0; h < hidden; ++h) acc[h] += Bf16ToFloat(x_row[h]);
+      }
+      bf16_bits* out = dst.combined_x + static_cast<int64_t>(t) * hidden;
+      for (int64_t h = 0; h < hidden; ++h) out[h] = FloatToBf16(acc[h]);
+      if (!with_weights) continue;
+      float* w_out = dst.combined_topk_weights + static_cast<int64_t>(t) * num_topk;
+      for (int k = 0; k < num_topk; ++k) {
+        float w = 0.0f;
+        for (int32_t r = 0; r < num_ranks; ++r) {
+          if (pos[r] >= 0) w += args[r].topk_weights[static_cast<int64_t>(pos[r]) * num_topk + k];
         }
-      });
+        w_out[k] = w;
+      }
+    }
+  });
   return absl::OkStatus();
 }
 

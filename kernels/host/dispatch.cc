@@ -18,17 +18,6 @@ namespace {
 
 constexpr const char* kOp = "Dispatch";
 
-/// Routing of one source rank computed before anything is written.
-struct SourceRouting {
-  /// [T, R]: row at each destination, relative to this source's first row there
-  /// (non-cached), or absolute (cached: points at cached_send_pos).
-  std::vector<int32_t> local_pos;
-  /// [R]: tokens of this source sent to each rank.
-  std::vector<int32_t> count_to_rank;
-  /// [E]: tokens of this source routed to each expert (duplicates in a row once).
-  std::vector<int32_t> count_to_expert;
-};
-
 int64_t AlignUp(int64_t n, int64_t alignment) {
   return (n + alignment - 1) / alignment * alignment;
 }
@@ -89,25 +78,38 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
     }
   }
 
-  // ---- Routing into temporaries.
-  std::vector<SourceRouting> routing(static_cast<size_t>(num_ranks));
-  const int threads = internal::ResolveThreads(exec);
+  // ---- Routing into temporaries (in the scratch), per source s:
+  // local_pos [T_s, R] at source_offset[s]: row at each destination, relative to this
+  // source's first row there (non-cached only); count_to_rank [R] at s * R: tokens of s
+  // sent to each rank; count_to_expert [E] at s * E: tokens of s routed to each expert
+  // (duplicates in a row once; non-cached only).
+  internal::OpContext ctx(exec);
+  internal::ScratchState& scratch = ctx.scratch();
+  std::vector<int32_t>& count_to_rank = scratch.count_to_rank;
+  std::vector<int32_t>& count_to_expert = scratch.count_to_expert;
+  count_to_rank.assign(static_cast<size_t>(num_ranks) * num_ranks, 0);
   if (!cached) {
-    internal::ParallelFor(num_ranks, threads, [&](int64_t s) {
+    std::vector<int64_t>& offset = scratch.source_offset;
+    offset.resize(static_cast<size_t>(num_ranks) + 1);
+    offset[0] = 0;
+    for (int32_t s = 0; s < num_ranks; ++s) {
+      offset[s + 1] = offset[s] + static_cast<int64_t>(args[s].num_tokens) * num_ranks;
+    }
+    scratch.local_pos.assign(static_cast<size_t>(offset[num_ranks]), -1);
+    count_to_expert.assign(static_cast<size_t>(num_ranks) * num_experts, 0);
+    ctx.ParallelFor(num_ranks, [&](int64_t s, int) {
       const DispatchRankArgs& a = args[s];
-      SourceRouting& out = routing[s];
-      out.local_pos.assign(static_cast<size_t>(a.num_tokens) * num_ranks, -1);
-      out.count_to_rank.assign(num_ranks, 0);
-      out.count_to_expert.assign(num_experts, 0);
+      int32_t* to_rank = count_to_rank.data() + s * num_ranks;
+      int32_t* to_expert = count_to_expert.data() + s * num_experts;
       for (int32_t t = 0; t < a.num_tokens; ++t) {
         const int64_t* row = a.topk_idx + static_cast<int64_t>(t) * num_topk;
-        int32_t* pos = out.local_pos.data() + static_cast<int64_t>(t) * num_ranks;
+        int32_t* pos = scratch.local_pos.data() + offset[s] + static_cast<int64_t>(t) * num_ranks;
         for (int k = 0; k < num_topk; ++k) {
           const int64_t e = row[k];
           if (e < 0 || internal::IsDuplicateInRow(row, k)) continue;
-          ++out.count_to_expert[e];
+          ++to_expert[e];
           const int64_t r = e / experts_per_rank;
-          if (pos[r] < 0) pos[r] = out.count_to_rank[r]++;
+          if (pos[r] < 0) pos[r] = to_rank[r]++;
         }
       }
     });
@@ -116,8 +118,7 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
     // inside that destination's cached row count.
     for (int32_t s = 0; s < num_ranks; ++s) {
       const DispatchRankArgs& a = args[s];
-      SourceRouting& out = routing[s];
-      out.count_to_rank.assign(num_ranks, 0);
+      int32_t* to_rank = count_to_rank.data() + static_cast<size_t>(s) * num_ranks;
       for (int32_t t = 0; t < a.num_tokens; ++t) {
         for (int32_t r = 0; r < num_ranks; ++r) {
           const int32_t row = a.cached_send_pos[static_cast<int64_t>(t) * num_ranks + r];
@@ -128,13 +129,14 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
                              " = ", row, " is outside [-1, cached_num_recv_tokens of rank ", r,
                              " = ", args[r].cached_num_recv_tokens, ")"));
           }
-          ++out.count_to_rank[r];
+          ++to_rank[r];
         }
       }
     }
     // Every destination row must be written by exactly one source token.
     for (int32_t r = 0; r < num_ranks; ++r) {
-      std::vector<uint8_t> seen(static_cast<size_t>(args[r].cached_num_recv_tokens), 0);
+      std::vector<uint8_t>& seen = scratch.marks;
+      seen.assign(static_cast<size_t>(args[r].cached_num_recv_tokens), 0);
       int64_t filled = 0;
       for (int32_t s = 0; s < num_ranks; ++s) {
         for (int32_t t = 0; t < args[s].num_tokens; ++t) {
@@ -159,13 +161,15 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
 
   // ---- Per-destination row counts, prefixes and capacity / output checks.
   // prefix[r * R + s] = first row of source s at destination r.
-  std::vector<int64_t> prefix(static_cast<size_t>(num_ranks) * num_ranks, 0);
-  std::vector<int64_t> num_recv(num_ranks, 0);
+  std::vector<int64_t>& prefix = scratch.prefix;
+  std::vector<int64_t>& num_recv = scratch.num_recv;
+  prefix.assign(static_cast<size_t>(num_ranks) * num_ranks, 0);
+  num_recv.assign(num_ranks, 0);
   for (int32_t r = 0; r < num_ranks; ++r) {
     int64_t total = 0;
     for (int32_t s = 0; s < num_ranks; ++s) {
       prefix[static_cast<size_t>(r) * num_ranks + s] = total;
-      total += routing[s].count_to_rank[r];
+      total += count_to_rank[static_cast<size_t>(s) * num_ranks + r];
     }
     num_recv[r] = total;
     const DispatchRankArgs& a = args[r];
@@ -189,7 +193,8 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
       for (int32_t j = 0; j < experts_per_rank; ++j) {
         int64_t count = 0;
         for (int32_t s = 0; s < num_ranks; ++s) {
-          count += routing[s].count_to_expert[static_cast<size_t>(r) * experts_per_rank + j];
+          count += count_to_expert[static_cast<size_t>(s) * num_experts +
+                                   static_cast<size_t>(r) * experts_per_rank + j];
         }
         if (AlignUp(count, options.expert_alignment) > INT32_MAX) {
           return absl::InvalidArgumentError(absl::StrCat(
@@ -211,7 +216,8 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
       for (int32_t j = 0; j < experts_per_rank; ++j) {
         int64_t count = 0;
         for (int32_t s = 0; s < num_ranks; ++s) {
-          count += routing[s].count_to_expert[static_cast<size_t>(r) * experts_per_rank + j];
+          count += count_to_expert[static_cast<size_t>(s) * num_experts +
+                                   static_cast<size_t>(r) * experts_per_rank + j];
         }
         a.recv_tokens_per_expert[j] =
             static_cast<int32_t>(AlignUp(count, options.expert_alignment));
@@ -220,13 +226,11 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
   }
 
   const int64_t x_row_bytes = options.fp8 ? hidden : hidden * 2;
-  std::vector<int32_t> num_tokens(num_ranks);
-  for (int32_t s = 0; s < num_ranks; ++s) num_tokens[s] = args[s].num_tokens;
-  const std::vector<internal::TokenChunk> chunks =
-      internal::SplitTokens(num_tokens, internal::GrainForRowBytes(x_row_bytes));
+  const internal::TokenChunks chunks(internal::TokenCounts(args, scratch),
+                                     internal::GrainForRowBytes(x_row_bytes), scratch.first_chunk);
   const int64_t max_tokens = shape.max_tokens_per_rank;
-  internal::ParallelFor(static_cast<int64_t>(chunks.size()), threads, [&](int64_t c) {
-    const internal::TokenChunk& chunk = chunks[c];
+  ctx.ParallelFor(chunks.size(), [&](int64_t c, int) {
+    const internal::TokenChunk chunk = chunks[c];
     const int32_t s = chunk.rank;
     const DispatchRankArgs& src = args[s];
     for (int32_t t = chunk.begin; t < chunk.end; ++t) {
@@ -236,7 +240,8 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
         std::memmove(send_pos, src.cached_send_pos + static_cast<int64_t>(t) * num_ranks,
                      sizeof(int32_t) * num_ranks);
       } else {
-        const int32_t* local = routing[s].local_pos.data() + static_cast<int64_t>(t) * num_ranks;
+        const int32_t* local = scratch.local_pos.data() + scratch.source_offset[s] +
+                               static_cast<int64_t>(t) * num_ranks;
         for (int32_t r = 0; r < num_ranks; ++r) {
           send_pos[r] =
               local[r] < 0

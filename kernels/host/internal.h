@@ -1,12 +1,19 @@
-// Internal helpers shared by the host ops: a fork-join ParallelFor, token chunking, and
-// the argument checks every op performs before it writes anything.
+// Internal helpers shared by the host ops: the worker pool and scratch behind
+// HostWorkerPool / HostScratch, a fork-join ParallelFor, token chunking, and the argument
+// checks every op performs before it writes anything.
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <mutex>
+#include <optional>
 #include <span>
+#include <thread>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
@@ -17,12 +24,89 @@ namespace epd::kernels::host::internal {
 /// (at least 1).
 int ResolveThreads(const HostExecution& exec);
 
-/// Calls fn(i) once for every i in [0, n), on up to `num_threads` threads (the caller is
-/// one of them). Indices are handed out dynamically; callers make every index write a
-/// disjoint part of the output, so the result does not depend on the thread count or on
-/// scheduling. Returns when every call has returned. If a thread cannot be started the
-/// remaining threads (at least the caller) do all the work.
-void ParallelFor(int64_t n, int num_threads, const std::function<void(int64_t)>& fn);
+/// The body of one parallel loop: fn(i, slot) for one index i; `slot` in [0, threads) names
+/// the thread running it (0 = the caller), for per-thread scratch.
+using LoopBody = absl::FunctionRef<void(int64_t, int)>;
+
+/// The state behind HostWorkerPool: worker threads that sleep on a condition variable
+/// between jobs. A job is (n, body): the caller and up to `threads - 1` workers take
+/// indices from a shared counter until it reaches n.
+class WorkerPoolState {
+ public:
+  explicit WorkerPoolState(std::function<void()> on_thread_start)
+      : on_thread_start_(std::move(on_thread_start)) {}
+  ~WorkerPoolState();
+
+  /// Starts workers until there are `count` (stops early if a thread cannot be started).
+  /// Safe while another thread runs a job.
+  void Start(int count);
+  int num_workers() const;
+  /// Runs fn(i, slot) for every i in [0, n) on the caller (slot 0) and up to `threads - 1`
+  /// workers (slots 1...). Returns when every call has returned. Allocates only when it
+  /// must start workers (the first time this many are wanted).
+  void Run(int64_t n, int threads, LoopBody fn);
+
+ private:
+  void StartLocked(int count);  // mu_ held.
+  void WorkerLoop(int slot);
+  void Work(int slot);
+
+  std::function<void()> on_thread_start_;
+  mutable std::mutex mu_;
+  std::condition_variable wake_;  // Workers wait for a new job (or stop_).
+  std::condition_variable done_;  // The caller waits for running_ == 0.
+  std::vector<std::thread> workers_;
+  uint64_t generation_ = 0;  // Bumped per job (guarded by mu_).
+  int job_workers_ = 0;      // Workers with slot <= job_workers_ take part in the job.
+  int running_ = 0;          // Workers of the current job not done yet.
+  bool stop_ = false;
+  // The current job (set under mu_ before generation_ is bumped, read by its workers).
+  std::optional<LoopBody> body_;
+  int64_t n_ = 0;
+  std::atomic<int64_t> next_{0};
+};
+
+/// The state behind HostScratch: every op's temporaries (see each op for shapes). Buffers
+/// are only resized/assigned, so they keep their capacity from op to op.
+struct ScratchState {
+  std::vector<int32_t> num_tokens;         ///< [R] tokens of each rank (chunking).
+  std::vector<int64_t> first_chunk;        ///< [R + 1] first token chunk of each rank.
+  std::vector<int64_t> source_offset;      ///< [R + 1] Dispatch: start of a source in local_pos.
+  std::vector<int32_t> local_pos;          ///< Dispatch: [sum T, R] row at each destination.
+  std::vector<int32_t> count_to_rank;      ///< Dispatch: [R (source), R] tokens sent.
+  std::vector<int32_t> count_to_expert;    ///< Dispatch, LL dispatch: [R (source), E].
+  std::vector<int32_t> expert_base;        ///< LL dispatch: [R (source), E] next row.
+  std::vector<int32_t> expert_total;       ///< LL dispatch: [E] rows of each expert.
+  std::vector<uint8_t> marks;              ///< Cached Dispatch: [N] rows seen; LL combine: [R].
+  std::vector<int64_t> prefix;             ///< Dispatch: [R (dest), R (source)] first row.
+  std::vector<int64_t> num_recv;           ///< Dispatch: [R] rows received.
+  std::vector<int32_t> layout_per_rank;    ///< GetDispatchLayout: [chunks, R] partial counts.
+  std::vector<int32_t> layout_per_expert;  ///< GetDispatchLayout: [chunks, E].
+  std::vector<float> acc;                  ///< Combines: [threads, H] f32 accumulators.
+  std::vector<e4m3_bits> fp8_row;          ///< LL dispatch FP8: [threads, H] e4m3.
+  std::vector<float> fp8_scales;           ///< LL dispatch FP8: [threads, S] f32.
+};
+
+/// One op's execution: its thread count, and the pool and scratch it uses (the caller's
+/// persistent ones, or its own, made when first needed and dropped with it).
+class OpContext {
+ public:
+  explicit OpContext(const HostExecution& exec);
+  int threads() const { return threads_; }
+  ScratchState& scratch();
+  /// Calls fn(i, slot) once for every i in [0, n), on up to threads() threads (the caller
+  /// is slot 0). Indices are handed out dynamically; callers make every index write a
+  /// disjoint part of the output, so the result does not depend on the thread count or on
+  /// scheduling. Returns when every call has returned.
+  void ParallelFor(int64_t n, LoopBody fn);
+
+ private:
+  int threads_;
+  HostWorkerPool* pool_;
+  HostScratch* scratch_;
+  std::optional<HostWorkerPool> own_pool_;
+  std::optional<HostScratch> own_scratch_;
+};
 
 /// A run of tokens [begin, end) of one rank: the unit of work of the per-token loops.
 struct TokenChunk {
@@ -31,9 +115,30 @@ struct TokenChunk {
   int32_t end = 0;
 };
 
-/// Splits every rank's tokens [0, num_tokens[r]) into chunks of at most `grain` tokens
-/// (grain >= 1), rank by rank.
-std::vector<TokenChunk> SplitTokens(std::span<const int32_t> num_tokens, int32_t grain);
+/// Every rank's tokens [0, num_tokens[r]) split into chunks of at most `grain` tokens
+/// (grain >= 1), rank by rank, begin ascending; chunk c is computed on demand from a
+/// per-rank table (no list of chunks is kept).
+class TokenChunks {
+ public:
+  /// `num_tokens` [R] must outlive this; `first` is filled ([R + 1], reused).
+  TokenChunks(std::span<const int32_t> num_tokens, int32_t grain, std::vector<int64_t>& first);
+  int64_t size() const { return first_.back(); }
+  TokenChunk operator[](int64_t c) const;
+
+ private:
+  std::span<const int32_t> num_tokens_;
+  int32_t grain_;
+  const std::vector<int64_t>& first_;
+};
+
+/// Fills scratch.num_tokens [R] with every rank's T (args[r].num_tokens) and returns it,
+/// for TokenChunks.
+template <typename RankArgs>
+std::span<const int32_t> TokenCounts(std::span<RankArgs> args, ScratchState& scratch) {
+  scratch.num_tokens.resize(args.size());
+  for (size_t r = 0; r < args.size(); ++r) scratch.num_tokens[r] = args[r].num_tokens;
+  return scratch.num_tokens;
+}
 
 /// Tokens per chunk for rows of `row_bytes` bytes: about 64 KiB of row data per chunk.
 int32_t GrainForRowBytes(int64_t row_bytes);

@@ -10,7 +10,8 @@
 
 namespace epd::kernels::host {
 
-absl::Status GetDispatchLayout(const GroupShape& shape, const LayoutRankArgs& args) {
+absl::Status GetDispatchLayout(const GroupShape& shape, const LayoutRankArgs& args,
+                               const HostExecution& exec) {
   constexpr const char* kOp = "GetDispatchLayout";
   EPD_RETURN_IF_ERROR(internal::CheckGroupShape(shape));
   // LayoutRankArgs does not say which rank it is: errors name the token, k and value.
@@ -38,9 +39,13 @@ absl::Status GetDispatchLayout(const GroupShape& shape, const LayoutRankArgs& ar
   // order afterwards (integer sums: the result does not depend on the thread count).
   constexpr int32_t kGrain = 1024;
   const int32_t num_chunks = (num_tokens + kGrain - 1) / kGrain;
-  std::vector<int32_t> per_rank(static_cast<size_t>(num_chunks) * num_ranks, 0);
-  std::vector<int32_t> per_expert(static_cast<size_t>(num_chunks) * num_experts, 0);
-  internal::ParallelFor(num_chunks, internal::ResolveThreads({}), [&](int64_t c) {
+  internal::OpContext ctx(exec);
+  internal::ScratchState& scratch = ctx.scratch();
+  std::vector<int32_t>& per_rank = scratch.layout_per_rank;
+  std::vector<int32_t>& per_expert = scratch.layout_per_expert;
+  per_rank.assign(static_cast<size_t>(num_chunks) * num_ranks, 0);
+  per_expert.assign(static_cast<size_t>(num_chunks) * num_experts, 0);
+  ctx.ParallelFor(num_chunks, [&](int64_t c, int) {
     int32_t* rank_count = per_rank.data() + c * num_ranks;
     int32_t* expert_count = per_expert.data() + c * num_experts;
     const int32_t end = std::min<int32_t>(num_tokens, static_cast<int32_t>(c + 1) * kGrain);

@@ -32,12 +32,6 @@ absl::Status CheckLowLatencyShape(const GroupShape& shape, const char* op) {
   return absl::OkStatus();
 }
 
-std::vector<int32_t> TokenCounts(std::span<const LowLatencyDispatchRankArgs> args) {
-  std::vector<int32_t> n(args.size());
-  for (size_t i = 0; i < args.size(); ++i) n[i] = args[i].num_tokens;
-  return n;
-}
-
 }  // namespace
 
 absl::Status LowLatencyDispatch(const GroupShape& shape, const LowLatencyDispatchOptions& options,
@@ -68,9 +62,11 @@ absl::Status LowLatencyDispatch(const GroupShape& shape, const LowLatencyDispatc
   }
 
   // count[s * E + e]: tokens of source s routed to expert e (a duplicate in a row once).
-  std::vector<int32_t> count(static_cast<size_t>(num_ranks) * num_experts, 0);
-  const int threads = internal::ResolveThreads(exec);
-  internal::ParallelFor(num_ranks, threads, [&](int64_t s) {
+  internal::OpContext ctx(exec);
+  internal::ScratchState& scratch = ctx.scratch();
+  std::vector<int32_t>& count = scratch.count_to_expert;
+  count.assign(static_cast<size_t>(num_ranks) * num_experts, 0);
+  ctx.ParallelFor(num_ranks, [&](int64_t s, int) {
     const LowLatencyDispatchRankArgs& a = args[s];
     int32_t* c = count.data() + s * num_experts;
     for (int32_t t = 0; t < a.num_tokens; ++t) {
@@ -81,7 +77,10 @@ absl::Status LowLatencyDispatch(const GroupShape& shape, const LowLatencyDispatc
     }
   });
   // base[s * E + e]: first row of source s in expert e's block; total[e]: rows of e.
-  std::vector<int32_t> base(count.size(), 0), total(num_experts, 0);
+  std::vector<int32_t>& base = scratch.expert_base;
+  std::vector<int32_t>& total = scratch.expert_total;
+  base.assign(count.size(), 0);
+  total.assign(num_experts, 0);
   for (int32_t e = 0; e < num_experts; ++e) {
     for (int32_t s = 0; s < num_ranks; ++s) {
       base[static_cast<size_t>(s) * num_experts + e] = total[e];
@@ -106,9 +105,10 @@ absl::Status LowLatencyDispatch(const GroupShape& shape, const LowLatencyDispatc
     }
   }
   // handle_pos, per source in token order (rows [T, Mll) of handle_pos are not written).
-  internal::ParallelFor(num_ranks, threads, [&](int64_t s) {
+  // next[e] starts at base[s * E + e] and counts up in place (each source owns its row).
+  ctx.ParallelFor(num_ranks, [&](int64_t s, int) {
     const LowLatencyDispatchRankArgs& a = args[s];
-    std::vector<int32_t> next(base.begin() + s * num_experts, base.begin() + (s + 1) * num_experts);
+    int32_t* next = base.data() + s * num_experts;
     for (int32_t t = 0; t < a.num_tokens; ++t) {
       const int64_t* row = a.topk_idx + static_cast<int64_t>(t) * num_topk;
       int32_t* pos = a.handle_pos + static_cast<int64_t>(t) * num_topk;
@@ -126,21 +126,28 @@ absl::Status LowLatencyDispatch(const GroupShape& shape, const LowLatencyDispatc
   });
 
   const int64_t out_row_bytes = options.use_fp8 ? hidden : hidden * 2;
-  const std::vector<int32_t> num_tokens = TokenCounts(args);
-  const std::vector<internal::TokenChunk> chunks =
-      internal::SplitTokens(num_tokens, internal::GrainForRowBytes(out_row_bytes * num_topk));
-  internal::ParallelFor(static_cast<int64_t>(chunks.size()), threads, [&](int64_t c) {
-    const internal::TokenChunk& chunk = chunks[c];
+  const internal::TokenChunks chunks(internal::TokenCounts(args, scratch),
+                                     internal::GrainForRowBytes(out_row_bytes * num_topk),
+                                     scratch.first_chunk);
+  // One quantized row [H] e4m3 + scales [S] per thread slot (FP8 only).
+  if (options.use_fp8) {
+    scratch.fp8_row.resize(static_cast<size_t>(ctx.threads()) * hidden);
+    scratch.fp8_scales.resize(static_cast<size_t>(ctx.threads()) * num_scales);
+  }
+  ctx.ParallelFor(chunks.size(), [&](int64_t c, int slot) {
+    const internal::TokenChunk chunk = chunks[c];
     const int32_t s = chunk.rank;
     const LowLatencyDispatchRankArgs& src = args[s];
-    std::vector<e4m3_bits> q(options.use_fp8 ? static_cast<size_t>(hidden) : 0);
-    std::vector<float> q_scales(options.use_fp8 ? static_cast<size_t>(num_scales) : 0);
+    e4m3_bits* q = options.use_fp8 ? scratch.fp8_row.data() + slot * hidden : nullptr;
+    float* q_scales = options.use_fp8
+                          ? scratch.fp8_scales.data() + static_cast<int64_t>(slot) * num_scales
+                          : nullptr;
     for (int32_t t = chunk.begin; t < chunk.end; ++t) {
       const bf16_bits* x_row = src.x + static_cast<int64_t>(t) * hidden;
       const void* out_row = x_row;
       if (options.use_fp8) {
-        QuantizeRowFp8(x_row, shape.hidden, options.round_scale, q.data(), q_scales.data());
-        out_row = q.data();
+        QuantizeRowFp8(x_row, shape.hidden, options.round_scale, q, q_scales);
+        out_row = q;
       }
       const int64_t* idx = src.topk_idx + static_cast<int64_t>(t) * num_topk;
       const int32_t* pos = src.handle_pos + static_cast<int64_t>(t) * num_topk;
@@ -152,8 +159,7 @@ absl::Status LowLatencyDispatch(const GroupShape& shape, const LowLatencyDispatc
         std::memcpy(static_cast<uint8_t*>(dst.recv_x) + row * out_row_bytes, out_row,
                     static_cast<size_t>(out_row_bytes));
         if (options.use_fp8) {
-          std::memcpy(dst.recv_scales + row * num_scales, q_scales.data(),
-                      sizeof(float) * num_scales);
+          std::memcpy(dst.recv_scales + row * num_scales, q_scales, sizeof(float) * num_scales);
         }
         dst.recv_src_info[row] = static_cast<int32_t>(s * ll_max_tokens + t);
       }
@@ -174,7 +180,10 @@ absl::Status LowLatencyCombine(const GroupShape& shape, std::span<LowLatencyComb
   const int64_t hidden = shape.hidden;
   const int64_t rows_per_expert = shape.ll_rows_per_expert();
 
-  std::vector<uint8_t> read_from(num_ranks, 0);
+  internal::OpContext ctx(exec);
+  internal::ScratchState& scratch = ctx.scratch();
+  std::vector<uint8_t>& read_from = scratch.marks;  // [R]: some token reads rank r's x.
+  read_from.assign(num_ranks, 0);
   for (int32_t s = 0; s < num_ranks; ++s) {
     const LowLatencyCombineRankArgs& a = args[s];
     EPD_RETURN_IF_ERROR(internal::CheckNumTokens(s, a.num_tokens, shape.ll_max_tokens_per_rank,
@@ -200,35 +209,35 @@ absl::Status LowLatencyCombine(const GroupShape& shape, std::span<LowLatencyComb
     EPD_RETURN_IF_ERROR(CheckPointer(args[r].x, read_from[r] != 0, kOp, r, "x"));
   }
 
-  std::vector<int32_t> num_tokens(num_ranks);
-  for (int32_t s = 0; s < num_ranks; ++s) num_tokens[s] = args[s].num_tokens;
-  const std::vector<internal::TokenChunk> chunks =
-      internal::SplitTokens(num_tokens, internal::GrainForRowBytes(hidden * 2 * num_topk));
-  internal::ParallelFor(
-      static_cast<int64_t>(chunks.size()), internal::ResolveThreads(exec), [&](int64_t c) {
-        const internal::TokenChunk& chunk = chunks[c];
-        const LowLatencyCombineRankArgs& dst = args[chunk.rank];
-        std::vector<float> acc(static_cast<size_t>(hidden));
-        for (int32_t t = chunk.begin; t < chunk.end; ++t) {
-          std::fill(acc.begin(), acc.end(), 0.0f);
-          const int64_t* idx = dst.topk_idx + static_cast<int64_t>(t) * num_topk;
-          const float* w = dst.topk_weights + static_cast<int64_t>(t) * num_topk;
-          const int32_t* pos = dst.handle_pos + static_cast<int64_t>(t) * num_topk;
-          for (int k = 0; k < num_topk; ++k) {
-            const int64_t e = idx[k];
-            if (e < 0) continue;
-            const bf16_bits* y = args[e / experts_per_rank].x +
-                                 ((e % experts_per_rank) * rows_per_expert + pos[k]) * hidden;
-            const float weight = w[k];
-            for (int64_t h = 0; h < hidden; ++h) {
-              const float product = weight * Bf16ToFloat(y[h]);
-              acc[h] += product;
-            }
-          }
-          bf16_bits* out = dst.combined_x + static_cast<int64_t>(t) * hidden;
-          for (int64_t h = 0; h < hidden; ++h) out[h] = FloatToBf16(acc[h]);
+  const internal::TokenChunks chunks(internal::TokenCounts(args, scratch),
+                                     internal::GrainForRowBytes(hidden * 2 * num_topk),
+                                     scratch.first_chunk);
+  // One f32 accumulator row [H] per thread slot.
+  scratch.acc.resize(static_cast<size_t>(ctx.threads()) * hidden);
+  ctx.ParallelFor(chunks.size(), [&](int64_t c, int slot) {
+    const internal::TokenChunk chunk = chunks[c];
+    const LowLatencyCombineRankArgs& dst = args[chunk.rank];
+    float* acc = scratch.acc.data() + static_cast<int64_t>(slot) * hidden;
+    for (int32_t t = chunk.begin; t < chunk.end; ++t) {
+      std::fill(acc, acc + hidden, 0.0f);
+      const int64_t* idx = dst.topk_idx + static_cast<int64_t>(t) * num_topk;
+      const float* w = dst.topk_weights + static_cast<int64_t>(t) * num_topk;
+      const int32_t* pos = dst.handle_pos + static_cast<int64_t>(t) * num_topk;
+      for (int k = 0; k < num_topk; ++k) {
+        const int64_t e = idx[k];
+        if (e < 0) continue;
+        const bf16_bits* y = args[e / experts_per_rank].x +
+                             ((e % experts_per_rank) * rows_per_expert + pos[k]) * hidden;
+        const float weight = w[k];
+        for (int64_t h = 0; h < hidden; ++h) {
+          const float product = weight * Bf16ToFloat(y[h]);
+          acc[h] += product;
         }
-      });
+      }
+      bf16_bits* out = dst.combined_x + static_cast<int64_t>(t) * hidden;
+      for (int64_t h = 0; h < hidden; ++h) out[h] = FloatToBf16(acc[h]);
+    }
+  });
   return absl::OkStatus();
 }
 

@@ -12,14 +12,20 @@
 //  - LowLatencyCombine: per channel, acc = +0.0f; for k = 0..K-1 ascending with
 //    topk_idx >= 0: acc += (w[t,k] * f32(y)) with the product rounded to f32 first; one
 //    round to bf16.
-// Error cases check the status code, that the message names the offending value, and
-// that every output is untouched.
+// Every sweep case runs twice: once as a one-off caller (no pool, no scratch: the op starts
+// its own threads and allocates its own scratch) and once on a persistent HostWorkerPool and
+// HostScratch (shared by every case run in the same process); HostOpsTest.
+// PersistentScratchAcrossShapes runs a spread of the sweep's cases one after another on one
+// pool and scratch, so each runs on whatever buffers a case of another shape left behind.
+// Error cases check the status code, that the
+// message names the offending value, and that every output is untouched.
 #include "epd/kernels/host_ops.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,8 +33,11 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
+
+#include "kernels/host/internal.h"
 
 namespace epd::kernels::host {
 namespace {
@@ -335,12 +344,23 @@ struct DispatchOut {
 
 constexpr uint8_t kGuardByte = 0xA5;
 
-void RunNormal(const SweepCase& c, const std::vector<RankInput>& in) {
+/// How a sweep case runs: as a one-off caller, or on the pool and scratch shared by every
+/// case run in this process.
+enum class Exec { kOneOff, kPersistent };
+
+HostExecution ExecOf(const SweepCase& c, Exec how) {
+  static HostWorkerPool pool;  // Shared by every case run in this process.
+  static HostScratch scratch;
+  if (how == Exec::kOneOff) return HostExecution{c.threads};
+  return HostExecution{c.threads, &pool, &scratch};
+}
+
+void RunNormal(const SweepCase& c, const std::vector<RankInput>& in, Exec how) {
   const int R = c.num_ranks, K = c.num_topk, E = c.num_experts, H = c.hidden;
   const int El = E / R, S = (H + 127) / 128;
   const int32_t M = c.num_tokens + c.token_slack;
   const GroupShape shape = ShapeOf(c, M, 0);
-  const HostExecution exec{c.threads};
+  const HostExecution exec = ExecOf(c, how);
   const NaiveNormalRouting naive = NaiveRoute(c, in);
 
   // GetDispatchLayout, rank by rank.
@@ -354,7 +374,7 @@ void RunNormal(const SweepCase& c, const std::vector<RankInput>& in) {
     a.num_tokens_per_rank = per_rank.data();
     a.num_tokens_per_expert = per_expert.data();
     a.is_token_in_rank = in_rank.data();
-    ASSERT_TRUE(GetDispatchLayout(shape, a).ok());
+    ASSERT_TRUE(GetDispatchLayout(shape, a, exec).ok());
     std::vector<int32_t> want_rank(R, 0), want_expert(E, 0);
     std::vector<uint8_t> want_in(static_cast<size_t>(T) * R, 0);
     for (int t = 0; t < T; ++t) {
@@ -565,13 +585,13 @@ void RunNormal(const SweepCase& c, const std::vector<RankInput>& in) {
   }
 }
 
-void RunLowLatency(const SweepCase& c, const std::vector<RankInput>& in) {
+void RunLowLatency(const SweepCase& c, const std::vector<RankInput>& in, Exec how) {
   const int R = c.num_ranks, K = c.num_topk, E = c.num_experts, H = c.hidden;
   const int El = E / R, S = (H + 127) / 128;
   const int32_t Mll = std::max(1, c.num_tokens + c.token_slack);
   const int64_t rows_per_expert = static_cast<int64_t>(R) * Mll;
   const GroupShape shape = ShapeOf(c, c.num_tokens + c.token_slack, Mll);
-  const HostExecution exec{c.threads};
+  const HostExecution exec = ExecOf(c, how);
   const NaiveLowLatencyRouting naive = NaiveRouteLowLatency(c, in);
   const bool fp8 = c.fp8;
   const int64_t row_bytes = fp8 ? H : 2 * H;
@@ -898,15 +918,36 @@ class HostOpsSweepTest : public ::testing::TestWithParam<SweepCase> {};
 TEST_P(HostOpsSweepTest, MatchesNaiveOracle) {
   const SweepCase& c = GetParam();
   const std::vector<RankInput> in = MakeInputs(c);
-  RunNormal(c, in);
-  if (HasFatalFailure()) return;
-  RunLowLatency(c, in);
+  for (Exec how : {Exec::kOneOff, Exec::kPersistent}) {
+    SCOPED_TRACE(how == Exec::kOneOff ? "one-off" : "persistent pool and scratch");
+    RunNormal(c, in, how);
+    if (HasFatalFailure()) return;
+    RunLowLatency(c, in, how);
+    if (HasFatalFailure()) return;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, HostOpsSweepTest, ::testing::ValuesIn(MakeSweep()),
                          [](const ::testing::TestParamInfo<SweepCase>& info) {
                            return std::to_string(info.index) + "_" + info.param.Name();
                          });
+
+// ---- persistent pool and scratch across shapes ------------------------------------------
+
+TEST(HostOpsTest, PersistentScratchAcrossShapes) {
+  const std::vector<SweepCase> sweep = MakeSweep();
+  int run = 0;
+  for (size_t i = 0; i < sweep.size(); i += 3) {  // A spread of shapes, small and large.
+    SCOPED_TRACE(sweep[i].Name());
+    const std::vector<RankInput> in = MakeInputs(sweep[i]);
+    RunNormal(sweep[i], in, Exec::kPersistent);
+    if (HasFatalFailure()) return;
+    RunLowLatency(sweep[i], in, Exec::kPersistent);
+    if (HasFatalFailure()) return;
+    ++run;
+  }
+  EXPECT_GE(run, 10) << "too few shapes to exercise reuse";
+}
 
 // ---- determinism across thread counts ----------------------------------------------------
 
@@ -917,7 +958,12 @@ TEST(HostOpsTest, ResultsIndependentOfThreadCount) {
   const std::vector<RankInput> in = MakeInputs(c);
   const GroupShape shape = ShapeOf(c, c.num_tokens, c.num_tokens);
   std::vector<std::vector<bf16_bits>> first;
-  for (int threads : {1, 2, 3, 5, 16}) {
+  HostWorkerPool pool;
+  HostScratch scratch;
+  for (int threads : {1, 2, 3, 5, 16, -1, -2, -3, -5, -16}) {
+    // Negative: |threads| on the persistent pool and scratch.
+    const HostExecution exec =
+        threads > 0 ? HostExecution{threads} : HostExecution{-threads, &pool, &scratch};
     std::vector<std::vector<bf16_bits>> recv(
         4, std::vector<bf16_bits>(static_cast<size_t>(4) * 300 * 256 * 4));
     std::vector<std::vector<int32_t>> count(4, std::vector<int32_t>(4)),
@@ -932,13 +978,54 @@ TEST(HostOpsTest, ResultsIndependentOfThreadCount) {
       args[r].recv_src_info = src[r].data();
       args[r].handle_pos = handle[r].data();
     }
-    ASSERT_TRUE(LowLatencyDispatch(shape, {}, args, HostExecution{threads}).ok());
+    ASSERT_TRUE(LowLatencyDispatch(shape, {}, args, exec).ok());
     if (first.empty()) {
       first = recv;
     } else {
       for (int r = 0; r < 4; ++r) ASSERT_EQ(first[r], recv[r]) << threads << " threads";
     }
   }
+}
+
+// ---- the worker pool ---------------------------------------------------------------------
+
+TEST(HostWorkerPoolTest, RunsEveryIndexOnceOnSlotsBelowTheThreadCount) {
+  HostWorkerPool pool;
+  HostScratch unused;
+  for (int round = 0; round < 200; ++round) {
+    const int threads = 1 + round % 5;
+    const int64_t n = round % 37;  // 0 too.
+    std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
+    std::atomic<int> bad_slot{0};
+    internal::OpContext ctx(HostExecution{threads, &pool, &unused});
+    ctx.ParallelFor(n, [&](int64_t i, int slot) {
+      hits[static_cast<size_t>(i)].fetch_add(1);
+      if (slot < 0 || slot >= threads) bad_slot.fetch_add(1);
+    });
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(hits[static_cast<size_t>(i)].load(), 1) << "round " << round << " index " << i;
+    }
+    ASSERT_EQ(bad_slot.load(), 0) << "round " << round;
+  }
+  // Workers are started once, up to the largest thread count asked for (minus the caller).
+  EXPECT_EQ(pool.num_workers(), 4);
+}
+
+TEST(HostWorkerPoolTest, StartWhileJobsRunIsSafe) {
+  HostWorkerPool pool;
+  std::atomic<bool> stop{false};
+  std::thread starter([&] {
+    for (int n = 1; n <= 6 && !stop; ++n) pool.Start(n);
+  });
+  std::atomic<int64_t> sum{0};
+  for (int round = 0; round < 100; ++round) {
+    internal::OpContext ctx(HostExecution{3, &pool, nullptr});
+    ctx.ParallelFor(50, [&](int64_t i, int) { sum.fetch_add(i); });
+  }
+  stop = true;
+  starter.join();
+  EXPECT_EQ(sum.load(), 100 * (49 * 50 / 2));
+  EXPECT_GE(pool.num_workers(), 2);
 }
 
 // ---- errors -------------------------------------------------------------------------------

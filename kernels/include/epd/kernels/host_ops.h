@@ -27,6 +27,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <span>
 
 #include "absl/status/status.h"
@@ -35,9 +37,80 @@
 
 namespace epd::kernels::host {
 
-/// Worker threads the host ops may use (0 = std::thread::hardware_concurrency()).
+namespace internal {
+class WorkerPoolState;
+struct ScratchState;
+}  // namespace internal
+
+/// Persistent worker threads for the host ops. Without one (HostExecution::pool null) an
+/// op starts the threads it needs and joins them before it returns (a few heap allocations
+/// and thread starts per op). With one, the threads are started once, when an op first
+/// needs them (or by Start), and each op hands them its work through a mutex and condition
+/// variable: no allocation per op once they run. Threads that cannot be started are left
+/// out (the ops then run on fewer threads, at least the caller's).
+/// Thread-safety: one op at a time per pool (the ops' calling thread takes part in the
+/// work; a second concurrent op on the same pool is a bug). Not copyable or movable; the
+/// destructor stops and joins the threads (no op may be running).
+class HostWorkerPool {
+ public:
+  /// `on_thread_start`, when set, runs first on every worker thread the pool starts (a test
+  /// seam: tests/unit/hot_path_alloc_test.cc marks the threads whose allocations it counts).
+  explicit HostWorkerPool(std::function<void()> on_thread_start = {});
+  ~HostWorkerPool();
+  HostWorkerPool(const HostWorkerPool&) = delete;
+  HostWorkerPool& operator=(const HostWorkerPool&) = delete;
+
+  /// Starts worker threads until the pool has `num_threads - 1` (the caller is the last
+  /// one; 0 = std::thread::hardware_concurrency()). Allocates; call it outside the hot path.
+  /// Safe to call from any thread, also while an op runs on the pool.
+  void Start(int num_threads);
+  /// Worker threads running now (not counting callers). Safe from any thread.
+  int num_workers() const;
+
+  /// For kernels/host only (internal.h).
+  internal::WorkerPoolState& state() { return *state_; }
+
+ private:
+  std::unique_ptr<internal::WorkerPoolState> state_;
+};
+
+/// Scratch buffers of the host ops (routing temporaries, per-thread accumulators, token
+/// chunk tables). Without one (HostExecution::scratch null) an op allocates its own
+/// scratch and frees it before it returns. With one, the buffers keep their capacity from
+/// op to op and are only resized within it, so an op allocates nothing once the scratch
+/// has grown to its shape: at once after Reserve(shape, num_threads), or after the first
+/// op of each kind at the largest token counts otherwise.
+/// Thread-safety: one op at a time per scratch (results never depend on what a scratch held
+/// before). Not copyable or movable.
+class HostScratch {
+ public:
+  HostScratch();
+  ~HostScratch();
+  HostScratch(const HostScratch&) = delete;
+  HostScratch& operator=(const HostScratch&) = delete;
+
+  /// Grows every buffer to what any op on a group of `shape` (T <= max_tokens_per_rank,
+  /// T <= ll_max_tokens_per_rank) run on up to `num_threads` threads (0 =
+  /// hardware_concurrency()) needs: R*M*R + R*(R + 2E) int32 of routing, R*M bytes of
+  /// cached-row marks, per thread H f32 accumulators, H e4m3 bytes and H/128 f32 scales of
+  /// an FP8 row, and small per-rank tables. Allocates (std::bad_alloc when memory is out); call it
+  /// at group creation. `shape` must pass the ops' shape checks (else it reserves nothing).
+  void Reserve(const GroupShape& shape, int num_threads);
+
+  /// For kernels/host only (internal.h).
+  internal::ScratchState& state() { return *state_; }
+
+ private:
+  std::unique_ptr<internal::ScratchState> state_;
+};
+
+/// How the host ops run: threads, and the optional persistent pool and scratch (see
+/// HostWorkerPool, HostScratch; null = the op starts its own threads and allocates its own
+/// scratch, as a one-off caller wants). A `{n}` initializer keeps both null.
 struct HostExecution {
-  int num_threads = 0;
+  int num_threads = 0;             ///< Threads per op (0 = hardware_concurrency()).
+  HostWorkerPool* pool = nullptr;  ///< Persistent workers, or null.
+  HostScratch* scratch = nullptr;  ///< Persistent scratch, or null.
 };
 
 // ---- GetDispatchLayout -----------------------------------------------------------------
@@ -54,8 +127,10 @@ struct LayoutRankArgs {
 /// GetDispatchLayout for one rank (it needs no other rank's data). Expert e lives on
 /// rank e / (E / R) (DeepEP's contiguous expert placement). Its errors name the token, k
 /// and value but not the rank (the args carry none): callers that need the rank in the
-/// message run CheckTopkIdx first, as the daemon's engine does.
-absl::Status GetDispatchLayout(const GroupShape& shape, const LayoutRankArgs& args);
+/// message run CheckTopkIdx first, as the daemon's engine does. Runs on up to
+/// exec.num_threads threads (one per 1024 tokens).
+absl::Status GetDispatchLayout(const GroupShape& shape, const LayoutRankArgs& args,
+                               const HostExecution& exec = {});
 
 // ---- normal (high-throughput) dispatch ------------------------------------------------
 
