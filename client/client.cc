@@ -132,6 +132,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
                                                  absl::FormatDuration(options.connect_timeout)));
     }
     if (impl->session_id.empty()) {
+      if (absl::IsUnimplemented(impl->end_status)) {
+        return absl::UnavailableError(
+            absl::StrCat(control->target,
+                         " does not serve epd's Control service (an epd TCP listener answers "
+                         "grpc.health.v1 probes only): connect to epd's unix socket"));
+      }
       return internal::AnnotateUnavailable(impl->end_status, control->target);
     }
     impl->session_id_copy = impl->session_id;

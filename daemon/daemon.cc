@@ -60,7 +60,8 @@ SocketProbe ProbeUnixSocket(const std::string& path, int* err) {
   return SocketProbe::kError;
 }
 
-/// A description of whoever answers on `path` ("epd 0.1.0, pid 123" or why it is unknown).
+/// A description of whoever answers on `path`, to follow "a live " ("epd 0.1.0 (pid 123,
+/// SERVING)" or "process that does not answer ...").
 std::string DescribeLiveServer(const std::string& path) {
   auto channel = grpc::CreateChannel("unix://" + path, grpc::InsecureChannelCredentials());
   auto stub = v1::Control::NewStub(channel);
@@ -70,7 +71,7 @@ std::string DescribeLiveServer(const std::string& path) {
   v1::GetStatsResponse response;
   grpc::Status status = stub->GetStats(&context, request, &response);
   if (!status.ok()) {
-    return absl::StrCat("a process that does not answer epd's GetStats (", status.error_message(),
+    return absl::StrCat("process that does not answer epd's GetStats (", status.error_message(),
                         ")");
   }
   return absl::StrCat("epd ", response.version(), " (pid ", response.pid(), ", ",
@@ -218,6 +219,9 @@ absl::Status Daemon::Init() {
     grpc::ServerBuilder tcp_builder;
     tcp_builder.AddListeningPort(config_.listen(), grpc::InsecureServerCredentials(), &tcp_port_);
     tcp_builder.SetMaxReceiveMessageSize(4096);  // Health requests only.
+    // gRPC sets SO_REUSEPORT by default: a second epd on the same port would then share
+    // it, and probes could be answered by the wrong daemon. Bind exclusively instead.
+    tcp_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     tcp_control_refusal_ = std::make_unique<v1::Control::Service>();
     tcp_builder.RegisterService(tcp_control_refusal_.get());
     tcp_server_ = tcp_builder.BuildAndStart();

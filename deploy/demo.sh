@@ -14,7 +14,8 @@
 # 6. stops epd (also on Ctrl-C or failure) and exits with the demo's status.
 #
 # Environment: EPD_BUILD_DIR (default build/), EPD_BUILD_TYPE (default Release),
-# EPD_JOBS (default nproc), EPD_DEMO_RANKS (default 8), EPD_BACKEND (default auto).
+# EPD_JOBS (default nproc), EPD_DEMO_RANKS (default 8), EPD_BACKEND (default auto),
+# EPD_WITH_CUDA (AUTO|ON|OFF, default AUTO, as tests/run.sh: OFF skips compiling CUDA).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -36,7 +37,7 @@ step "configure $BUILD_DIR ($BUILD_TYPE)"
 # CMakeLists.txt prints "epd: CUDA backend ON|OFF" and "epd: RDMA support ON|OFF".
 configure_log=$(mktemp)
 if ! cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
-     >"$configure_log" 2>&1; then
+     -DEPD_WITH_CUDA="${EPD_WITH_CUDA:-AUTO}" >"$configure_log" 2>&1; then
   cat "$configure_log" >&2
   rm -f "$configure_log"
   echo "demo.sh: cmake configure failed" >&2

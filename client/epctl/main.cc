@@ -74,6 +74,11 @@ std::shared_ptr<grpc::Channel> Connect(const std::string& target) {
 }
 
 int RpcFailed(const grpc::Status& status, const std::string& target) {
+  if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+    return Fail(absl::StrCat(target,
+                             " does not serve epd's Control service (an epd TCP listener answers "
+                             "grpc.health.v1 probes only): use --socket=<epd's unix socket>"));
+  }
   return Fail(
       epd::internal::AnnotateUnavailable(epd::internal::FromGrpcStatus(status), target).ToString());
 }

@@ -433,6 +433,26 @@ TEST_F(ControlTest, SecondEpdOnTheSameSocketRefusesToStart) {
   EXPECT_THAT(status.stdout_text, HasSubstr(absl::StrCat("pid ", epd_->pid())));
 }
 
+// A second epd whose health listener asks for the first one's TCP port fails to start
+// (gRPC's default SO_REUSEPORT would let both listen, and probes reach either).
+TEST_F(ControlTest, SecondEpdOnTheSameTcpPortRefusesToStart) {
+  ASSERT_GT(epd_->tcp_port(), 0);
+  DaemonProcessOptions options;
+  options.tcp = false;
+  options.extra_args = {absl::StrCat("--listen=127.0.0.1:", epd_->tcp_port())};
+  options.wait_serving = false;
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> second = DaemonProcess::Start(options);
+  ASSERT_TRUE(second.ok()) << second.status();
+  absl::StatusOr<int> code = (*second)->WaitExit(absl::Seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status() << "\n" << (*second)->Logs();
+  EXPECT_NE(*code, 0);
+  EXPECT_THAT((*second)->Logs(),
+              HasSubstr(absl::StrCat("cannot listen on 127.0.0.1:", epd_->tcp_port())));
+  auto health = epd_->CheckHealth("", epd_->tcp_target());
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, HealthCheckResponse::SERVING);
+}
+
 // Two epd started at the same instant on a new socket: exactly one serves, and its socket
 // file stays (the other must not take or remove it).
 TEST_F(ControlTest, TwoEpdStartedTogetherLeaveExactlyOneServing) {
@@ -492,34 +512,45 @@ TEST_F(ControlTest, ShmRegionsOfAKilledEpdAreRemovedByTheNextOneOnTheSocket) {
   std::unique_ptr<Subprocess> c0 = JoinedClient(0);
   std::unique_ptr<Subprocess> c1 = JoinedClient(1);
   ASSERT_EQ(JoinedRanks(), (std::vector<int>{0, 1}));
-  // The engine's doorbell page (and endpoint regions whose name is still needed: the
-  // daemon unlinks an endpoint's name once both sides have it mapped), named with the
-  // socket's tag.
-  const std::vector<std::string> before = TaggedShmNames(epd_->socket_path());
-  ASSERT_EQ(std::count_if(before.begin(), before.end(),
-                          [](const std::string& n) { return n.rfind("epd-doorbell-", 0) == 0; }),
-            1)
-      << ::testing::PrintToString(before);
   epd_->Kill();  // SIGKILL: no destructor unlinks anything.
   ASSERT_TRUE(epd_->WaitExit(absl::Seconds(5)).ok());
   c0.reset();
   c1.reset();
-  EXPECT_EQ(TaggedShmNames(epd_->socket_path()), before) << "SIGKILL left them behind";
+  // Left behind, named with the socket's tag: the engine's doorbell page (and any endpoint
+  // region whose name was still needed: the daemon unlinks an endpoint's name once both
+  // sides have it mapped).
+  const std::vector<std::string> left = TaggedShmNames(epd_->socket_path());
+  ASSERT_EQ(std::count_if(left.begin(), left.end(),
+                          [](const std::string& n) { return n.rfind("epd-doorbell-", 0) == 0; }),
+            1)
+      << ::testing::PrintToString(left);
 
   DaemonProcessOptions options;
   options.socket_path = epd_->socket_path();
   absl::StatusOr<std::unique_ptr<DaemonProcess>> again = DaemonProcess::Start(options);
   ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_THAT((*again)->Logs(), HasSubstr(absl::StrCat("removed ", before.size(),
-                                                       " shm region(s) left in /dev/shm")));
+  EXPECT_THAT((*again)->Logs(),
+              HasSubstr(absl::StrCat("removed ", left.size(), " shm region(s) left in /dev/shm")));
   const std::vector<std::string> after = TaggedShmNames(epd_->socket_path());
-  for (const std::string& name : before) {
+  for (const std::string& name : left) {
     EXPECT_EQ(std::count(after.begin(), after.end(), name), 0) << name << " is still there";
   }
   EXPECT_FALSE(after.empty()) << "the new epd's doorbell carries the tag too";
   // A clean stop leaves nothing.
   EXPECT_EQ((*again)->Stop().value_or(-1), 0);
   EXPECT_TRUE(TaggedShmNames(epd_->socket_path()).empty());
+}
+
+// The test harness's own hygiene: a DaemonProcess destroyed while its epd runs SIGKILLs it
+// and removes the shm names that epd can no longer unlink (its doorbell page).
+TEST_F(ControlTest, DestroyingARunningDaemonProcessLeavesNoShm) {
+  DaemonProcessOptions options;
+  options.socket_path = epd_->dir() + "/second.sock";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> second = DaemonProcess::Start(options);
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_FALSE(TaggedShmNames(options.socket_path).empty());
+  second->reset();
+  EXPECT_TRUE(TaggedShmNames(options.socket_path).empty());
 }
 
 TEST_F(ControlTest, MalformedAndOversizedRequestsLeaveTheDaemonServing) {

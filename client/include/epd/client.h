@@ -46,11 +46,20 @@
 //                    returns the error. After a DEADLINE_EXCEEDED (a rank never arrived),
 //                    the group must be left and rejoined (the kernels' sync state of the
 //                    ranks is out of step).
+// Lockstep: the ops of a group run in lockstep on group sequence numbers (DESIGN.md §3.3),
+// so every rank must issue the same ops in the same order (kinds and options are checked:
+// a disagreement fails that op for every rank, naming each rank's op, and the group
+// continues). A rank that skips an op, or issues one more, puts the group out of step:
+// each later op then fails with DEADLINE_EXCEEDED after op_timeout on one side and "arrived
+// after op S had failed" on the other, until the ranks that skipped leave and rejoin.
+// Dtypes (DLPack): bf16 {kDLBfloat, 16, 1}; e4m3 kDLFloat8E4m3fn (below); f32 scales and
+// weights {kDLFloat, 32, 1}; topk_idx {kDLInt, 64, 1}.
 // Errors are absl::Status:
 //   INVALID_ARGUMENT     bad shape/dtype/device/value (names the field and the value);
 //   FAILED_PRECONDITION  the endpoint has left its group, or a stale/foreign handle;
-//   DEADLINE_EXCEEDED    a rank of the op never arrived within the daemon's op_timeout
-//                        (the message names the ranks);
+//   DEADLINE_EXCEEDED    a rank of the op never arrived within the daemon's op_timeout, or
+//                        left the group before arriving (then at once); the message names
+//                        the ranks;
 //   UNAVAILABLE          the daemon is gone or shutting down.
 // Thread-safety: a Client may be used from several threads; an Endpoint from one thread
 // at a time.
@@ -488,8 +497,10 @@ class Endpoint {
 
 /// Options of Client::Connect.
 struct ClientOptions {
-  std::string socket_path = "/run/epd/epd.sock";  ///< Or "unix:///..." / "host:port".
-  std::string client_name;                        ///< Shown by `epctl groups`.
+  /// The daemon's unix socket (or "unix:///..."). Control is served on the unix socket
+  /// only; a TCP listener (--listen) answers grpc.health.v1 probes and nothing else.
+  std::string socket_path = "/run/epd/epd.sock";
+  std::string client_name;  ///< Shown by `epctl groups`.
   absl::Duration connect_timeout = absl::Seconds(5);
 };
 
