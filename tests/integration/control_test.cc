@@ -553,6 +553,21 @@ TEST_F(ControlTest, DestroyingARunningDaemonProcessLeavesNoShm) {
   EXPECT_TRUE(TaggedShmNames(options.socket_path).empty());
 }
 
+// Client::Connect to a socket path that does not exist fails at once naming it (it used to
+// wait the whole connect_timeout).
+TEST_F(ControlTest, ConnectToAMissingSocketFailsAtOnce) {
+  ClientOptions options;
+  options.socket_path = epd_->dir() + "/no-such.sock";
+  options.connect_timeout = absl::Seconds(10);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  ASSERT_FALSE(client.ok());
+  EXPECT_TRUE(absl::IsUnavailable(client.status())) << client.status();
+  EXPECT_THAT(std::string(client.status().message()),
+              AllOf(HasSubstr("does not exist"), HasSubstr(options.socket_path)));
+}
+
 TEST_F(ControlTest, MalformedAndOversizedRequestsLeaveTheDaemonServing) {
   auto channel = grpc::CreateChannel(epd_->unix_target(), grpc::InsecureChannelCredentials());
   // 1. Bytes that are not a JoinGroupRequest.
