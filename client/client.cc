@@ -3,13 +3,11 @@
 // the daemon treats the stream's end as this process's death and releases its endpoints.
 #include "epd/client.h"
 
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fstream>
 #include <thread>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "control_channel.h"
@@ -103,16 +101,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   control->stub = v1::Control::NewStub(control->channel);
   impl->control = control;
 
-  // A unix socket path that does not exist cannot start serving within a connect timeout
-  // worth waiting for: say so at once (what epctl does).
-  if (absl::StartsWith(options.socket_path, "/")) {
-    struct stat st {};
-    if (::stat(options.socket_path.c_str(), &st) != 0) {
-      return absl::UnavailableError(absl::StrCat("no epd daemon: socket ", options.socket_path,
-                                                 " does not exist (is epd running? is "
-                                                 "ClientOptions::socket_path right?)"));
-    }
-  }
+  // A path where nothing can answer fails at once instead of after connect_timeout.
+  EPD_RETURN_IF_ERROR(internal::CheckUnixSocket(control->target, "ClientOptions::socket_path"));
   const absl::Time deadline = absl::Now() + options.connect_timeout;
   if (!control->channel->WaitForConnected(absl::ToChronoTime(deadline))) {
     return absl::UnavailableError(absl::StrCat(
@@ -144,13 +134,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
                                                  absl::FormatDuration(options.connect_timeout)));
     }
     if (impl->session_id.empty()) {
-      if (absl::IsUnimplemented(impl->end_status)) {
-        return absl::UnavailableError(
-            absl::StrCat(control->target,
-                         " does not serve epd's Control service (an epd TCP listener answers "
-                         "grpc.health.v1 probes only): connect to epd's unix socket"));
-      }
-      return internal::AnnotateUnavailable(impl->end_status, control->target);
+      return internal::ExplainControlError(impl->end_status, control->target);
     }
     impl->session_id_copy = impl->session_id;
   }

@@ -1,5 +1,7 @@
 #include "control_channel.h"
 
+#include <sys/stat.h>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
@@ -40,6 +42,32 @@ absl::Status AnnotateUnavailable(const absl::Status& status, const std::string& 
   if (status.code() != absl::StatusCode::kUnavailable) return status;
   return absl::UnavailableError(absl::StrCat("no epd daemon answers on ", target, ": ",
                                              status.message(), " (is epd running?)"));
+}
+
+absl::Status ExplainControlError(const absl::Status& status, const std::string& target) {
+  if (absl::IsUnimplemented(status)) {
+    return absl::UnavailableError(absl::StrCat(
+        target,
+        " does not serve epd's Control service (an epd TCP listener answers grpc.health.v1 "
+        "probes only): connect to epd's unix socket"));
+  }
+  return AnnotateUnavailable(status, target);
+}
+
+absl::Status CheckUnixSocket(const std::string& target, absl::string_view option) {
+  if (!absl::StartsWith(target, "unix://")) return absl::OkStatus();
+  const std::string path = target.substr(7);
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    return absl::UnavailableError(absl::StrCat("no epd daemon: socket ", path,
+                                               " does not exist (is epd running? is ", option,
+                                               " right?)"));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(option, ": ", path, " is not a unix socket (is ", option, " right?)"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace epd::internal

@@ -26,4 +26,15 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 /// Adds "; is epd running? (no daemon answers on <target>)" context to UNAVAILABLE errors.
 absl::Status AnnotateUnavailable(const absl::Status& status, const std::string& target);
 
+/// An error of a Control RPC on `target`, explained: UNIMPLEMENTED (an epd TCP listener,
+/// which serves grpc.health.v1 only) becomes UNAVAILABLE saying to use epd's unix socket;
+/// UNAVAILABLE gets AnnotateUnavailable's context; anything else is returned as is.
+absl::Status ExplainControlError(const absl::Status& status, const std::string& target);
+
+/// For a "unix://<path>" target, fails at once when nothing can answer there instead of
+/// letting a connect wait its whole timeout: UNAVAILABLE when <path> does not exist,
+/// FAILED_PRECONDITION when it is not a unix socket; both name `option` (the flag or field
+/// the path came from). OK for other targets and for an existing socket.
+absl::Status CheckUnixSocket(const std::string& target, absl::string_view option);
+
 }  // namespace epd::internal

@@ -24,8 +24,8 @@ namespace epd {
 namespace {
 
 std::string& CreatorTag() {
-  static std::string* tag = new std::string();  // Never destroyed: used until exit.
-  return *tag;
+  static std::string tag;  // Set once at daemon start-up (SetCreatorTag).
+  return tag;
 }
 
 std::string RandomHex128() {

@@ -50,18 +50,9 @@ std::chrono::system_clock::time_point Deadline() {
 
 /// Connects to the daemon; prints why and returns null when nothing answers.
 std::shared_ptr<grpc::Channel> Connect(const std::string& target) {
-  if (absl::StartsWith(target, "unix://")) {
-    const std::string path = target.substr(7);
-    struct stat st {};
-    if (::stat(path.c_str(), &st) != 0) {
-      Fail(absl::StrCat("no epd daemon: socket ", path, " does not exist (is epd running? is ",
-                        "--socket right?)"));
-      return nullptr;
-    }
-    if (!S_ISSOCK(st.st_mode)) {
-      Fail(absl::StrCat("--socket: ", path, " is not a unix socket (is --socket right?)"));
-      return nullptr;
-    }
+  if (absl::Status st = epd::internal::CheckUnixSocket(target, "--socket"); !st.ok()) {
+    Fail(std::string(st.message()));
+    return nullptr;
   }
   auto channel = epd::internal::MakeControlChannel(target);
   if (!channel->WaitForConnected(Deadline())) {
@@ -74,13 +65,8 @@ std::shared_ptr<grpc::Channel> Connect(const std::string& target) {
 }
 
 int RpcFailed(const grpc::Status& status, const std::string& target) {
-  if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
-    return Fail(absl::StrCat(target,
-                             " does not serve epd's Control service (an epd TCP listener answers "
-                             "grpc.health.v1 probes only): use --socket=<epd's unix socket>"));
-  }
   return Fail(
-      epd::internal::AnnotateUnavailable(epd::internal::FromGrpcStatus(status), target).ToString());
+      epd::internal::ExplainControlError(epd::internal::FromGrpcStatus(status), target).ToString());
 }
 
 void Print(const std::string& text) { std::fwrite(text.data(), 1, text.size(), stdout); }

@@ -169,6 +169,7 @@ absl::Status CopyDeviceAsync(void* dst, const void* src, uint64_t bytes, cudaStr
   }
   constexpr int kThreads = 512;
   constexpr uint64_t kBytesPerBlock = 64 * 1024;
+  constexpr uint64_t kCopyMaxBlocks = 32;
   const uint64_t blocks =
       std::min<uint64_t>(kCopyMaxBlocks, (bytes + kBytesPerBlock - 1) / kBytesPerBlock);
   CopyBytesKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(

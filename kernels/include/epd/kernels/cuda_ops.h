@@ -145,13 +145,10 @@ absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shap
 absl::Status EnqueueStatusReadback(const CudaRankContext& ctx, cudaStream_t stream,
                                    DeviceStatus* host_dst);
 
-/// Most blocks CopyDeviceAsync launches (each copies >= 64 KiB; 1.8 MB, one rank's
-/// DeepSeek-V3 decode tokens, takes 28 blocks).
-inline constexpr uint64_t kCopyMaxBlocks = 32;
-
 /// Copies `bytes` bytes from `src` to `dst`, both device memory this context can address
 /// (its own allocations, CUDA IPC mappings, peers with access enabled), with one kernel on
-/// `stream` (16-byte vectors when both are 16-byte aligned). A kernel, not
+/// `stream` (16-byte vectors when both are 16-byte aligned; one 512-thread block per
+/// 64 KiB, at most 32: 1.8 MB, one rank's DeepSeek-V3 decode tokens, takes 28). A kernel, not
 /// cudaMemcpyAsync: a copy goes to a copy-engine queue shared by the context's streams
 /// (see EnqueueStatusReadback), and small copies run sooner on SMs. Errors:
 /// INVALID_ARGUMENT for a null pointer with bytes > 0, INTERNAL for a launch error.
