@@ -78,6 +78,28 @@ std::string DescribeLiveServer(const std::string& path) {
                       response.serving_status(), ")");
 }
 
+/// The gid of the socket_group `name` (which owns the socket and every shm region).
+/// NOT_FOUND naming the field, its flag and the value when the machine has no such group.
+absl::StatusOr<gid_t> LookUpSocketGroup(const std::string& name) {
+  std::vector<char> buffer(16384);
+  group entry{};
+  group* result = nullptr;
+  int rc = 0;
+  while ((rc = ::getgrnam_r(name.c_str(), &entry, buffer.data(), buffer.size(), &result)) ==
+             ERANGE &&
+         buffer.size() < (1u << 24)) {
+    buffer.resize(buffer.size() * 2);
+  }
+  if (rc != 0 || result == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        "socket_group (--socket_group or the config file's socket_group): \"", name,
+        "\" is not a group on this machine", rc != 0 ? absl::StrCat(" (", Errno(rc), ")") : "",
+        "; it must name an existing group (see `getent group`), which then owns the socket "
+        "and the shm regions"));
+  }
+  return result->gr_gid;
+}
+
 }  // namespace
 
 absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInventory& inventory,
@@ -165,6 +187,11 @@ absl::Status Daemon::Init() {
     GetLogger(name);
   }
   log->info("epd {} starting (pid {}) on socket {}", kEpdVersion, ::getpid(), socket_path_);
+  // The group owns the socket and every shm region: check it before anything is created
+  // (the data plane's first shm region would otherwise fail naming only the group).
+  if (!config_.socket_group().empty()) {
+    EPD_RETURN_IF_ERROR(LookUpSocketGroup(config_.socket_group()).status());
+  }
 
   // GPUs and backend.
   GpuInventory inventory;
@@ -344,16 +371,8 @@ absl::Status Daemon::PrepareSocketPath() {
 absl::Status Daemon::ApplySocketPermissions() {
   EPD_ASSIGN_OR_RETURN(uint32_t mode, ParseFileMode("socket_mode", config_.socket_mode()));
   if (!config_.socket_group().empty()) {
-    std::vector<char> buffer(16384);
-    group entry{};
-    group* result = nullptr;
-    int rc =
-        ::getgrnam_r(config_.socket_group().c_str(), &entry, buffer.data(), buffer.size(), &result);
-    if (rc != 0 || result == nullptr) {
-      return absl::NotFoundError(absl::StrCat("socket_group: \"", config_.socket_group(),
-                                              "\" is not a group on this machine"));
-    }
-    if (::chown(socket_path_.c_str(), static_cast<uid_t>(-1), result->gr_gid) != 0) {
+    EPD_ASSIGN_OR_RETURN(gid_t gid, LookUpSocketGroup(config_.socket_group()));
+    if (::chown(socket_path_.c_str(), static_cast<uid_t>(-1), gid) != 0) {
       return absl::PermissionDeniedError(absl::StrCat("socket_group: cannot give ", socket_path_,
                                                       " to group \"", config_.socket_group(),
                                                       "\": ", Errno(errno)));
