@@ -6,8 +6,10 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <type_traits>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/marshalling.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -18,35 +20,88 @@
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 
-ABSL_FLAG(std::optional<std::string>, config, std::nullopt,
-          "Text-format epd.v1.DaemonConfig to load; flags override its fields.");
-ABSL_FLAG(std::optional<std::string>, socket, std::nullopt,
-          "Unix socket of the Control and Health services (default /run/epd/epd.sock).");
-ABSL_FLAG(std::optional<std::string>, socket_mode, std::nullopt,
-          "Octal file mode of the socket (default 0660).");
-ABSL_FLAG(std::optional<std::string>, socket_group, std::nullopt,
-          "Group owning the socket and shm regions (default: the daemon's own).");
-ABSL_FLAG(std::optional<std::string>, listen, std::nullopt,
-          "Optional TCP listener host:port for grpc.health.v1 probes only (Control stays on "
-          "the unix socket); \"off\" turns off a listener the config file sets.");
-ABSL_FLAG(std::optional<std::string>, backend, std::nullopt,
-          "Data-plane backend: auto (CUDA when a GPU is usable, else host), cuda, host.");
-ABSL_FLAG(std::optional<std::string>, log_level, std::nullopt,
-          "trace, debug, info, warn, error, critical or off (default info).");
-ABSL_FLAG(std::optional<absl::Duration>, op_timeout, std::nullopt,
-          "Bound on every wait of a data-plane op, e.g. 10s (default 10s).");
-ABSL_FLAG(std::optional<std::string>, shm_mode, std::nullopt,
-          "Octal file mode of the endpoint shm regions (default 0600).");
-ABSL_FLAG(std::optional<uint32_t>, engine_idle_us, std::nullopt,
-          "An engine sleeps after this many idle microseconds (default 100).");
-ABSL_FLAG(std::optional<uint32_t>, host_threads, std::nullopt,
-          "Threads the host backend uses per op; 0 = hardware concurrency.");
-ABSL_FLAG(std::optional<uint32_t>, max_request_bytes, std::nullopt,
-          "Largest gRPC message accepted, in bytes (default 4194304).");
-ABSL_FLAG(std::optional<uint32_t>, max_groups, std::nullopt,
-          "Maximum number of live groups (default 64).");
-ABSL_FLAG(std::optional<std::vector<std::string>>, gpu_uuids, std::nullopt,
-          "Comma-separated GPU UUIDs the daemon may use (default: every visible GPU).");
+namespace epd::config_internal {
+
+/// The value of one epd flag and whether the command line gave it. absl::ParseCommandLine
+/// calls AbslParseFlag only for a flag it finds in argv, so `given` tells "--socket="
+/// (given, empty) from no --socket at all, and the flag's default can be the real one, which
+/// --help shows (std::optional flags showed "default: ;"). The default is never applied
+/// from here: an absent flag leaves the config file's value, or FillDaemonConfigDefaults's.
+template <typename T>
+struct CommandLineValue {
+  T value{};
+  bool given = false;
+};
+
+template <typename T>
+bool AbslParseFlag(absl::string_view text, CommandLineValue<T>* flag, std::string* error) {
+  if (!absl::ParseFlag<T>(text, &flag->value, error)) return false;
+  flag->given = true;
+  return true;
+}
+
+/// Text values are quoted, as --help shows plain string flags: `default: "";` rather
+/// than `default: ;`.
+template <typename T>
+std::string AbslUnparseFlag(const CommandLineValue<T>& flag) {
+  std::string text = absl::UnparseFlag<T>(flag.value);
+  if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::vector<std::string>>) {
+    return absl::StrCat("\"", text, "\"");
+  }
+  return text;
+}
+
+using StringFlag = CommandLineValue<std::string>;
+using Uint32Flag = CommandLineValue<uint32_t>;
+using DurationFlag = CommandLineValue<absl::Duration>;
+using StringListFlag = CommandLineValue<std::vector<std::string>>;
+
+}  // namespace epd::config_internal
+
+using epd::config_internal::DurationFlag;
+using epd::config_internal::StringFlag;
+using epd::config_internal::StringListFlag;
+using epd::config_internal::Uint32Flag;
+
+// Every default below is the DaemonConfig default (shown by --help); a flag overrides the
+// config file only when given on the command line.
+ABSL_FLAG(StringFlag, config, StringFlag{""},
+          "Text-format epd.v1.DaemonConfig to load first; the flags given override its "
+          "fields (\"\" = no file: flags and defaults only).");
+ABSL_FLAG(StringFlag, socket, StringFlag{epd::kDefaultSocketPath},
+          "socket_path: unix socket of the Control and Health services, \"/path\" or "
+          "\"unix:///path\".");
+ABSL_FLAG(StringFlag, socket_mode, StringFlag{epd::kDefaultSocketMode},
+          "socket_mode: octal file mode of the socket.");
+ABSL_FLAG(StringFlag, socket_group, StringFlag{""},
+          "socket_group: existing group owning the socket and the shm regions (\"\" = the "
+          "daemon's own group).");
+ABSL_FLAG(StringFlag, listen, StringFlag{""},
+          "listen: optional TCP listener host:port for grpc.health.v1 probes only (Control "
+          "stays on the unix socket); \"\" or \"off\" = no listener, also turning off one the "
+          "config file sets.");
+ABSL_FLAG(StringFlag, backend, StringFlag{"auto"},
+          "backend: data-plane backend: auto (CUDA when a GPU is usable, else host), cuda, "
+          "host.");
+ABSL_FLAG(StringFlag, log_level, StringFlag{epd::kDefaultLogLevel},
+          "log_level: trace, debug, info, warn, error, critical or off.");
+ABSL_FLAG(DurationFlag, op_timeout, DurationFlag{absl::Milliseconds(epd::kDefaultOpTimeoutMs)},
+          "op_timeout_ms: bound on every wait of a data-plane op, a whole number of "
+          "milliseconds, e.g. 10s or 2500ms.");
+ABSL_FLAG(StringFlag, shm_mode, StringFlag{epd::kDefaultShmMode},
+          "shm_mode: octal file mode of the endpoint shm regions (\"0660\" with "
+          "--socket_group to share them with a group).");
+ABSL_FLAG(Uint32Flag, engine_idle_us, Uint32Flag{epd::kDefaultEngineIdleUs},
+          "engine_idle_us: an engine sleeps after this many idle microseconds.");
+ABSL_FLAG(Uint32Flag, host_threads, Uint32Flag{0},
+          "host_threads: threads the host backend uses per op; 0 = the hardware concurrency.");
+ABSL_FLAG(Uint32Flag, max_request_bytes, Uint32Flag{epd::kDefaultMaxRequestBytes},
+          "max_request_bytes: largest gRPC message accepted, in bytes.");
+ABSL_FLAG(Uint32Flag, max_groups, Uint32Flag{epd::kDefaultMaxGroups},
+          "max_groups: maximum number of live groups.");
+ABSL_FLAG(StringListFlag, gpu_uuids, StringListFlag{},
+          "gpu_uuids: comma-separated GPU UUIDs the daemon may use (\"\" = every visible "
+          "GPU).");
 
 namespace epd {
 namespace {
@@ -98,22 +153,34 @@ absl::Status CheckListen(absl::string_view listen) {
 
 }  // namespace
 
+namespace {
+
+/// The flag's value when the command line gave it, else nullopt.
+template <typename T>
+std::optional<T> GivenValue(const absl::Flag<config_internal::CommandLineValue<T>>& flag) {
+  config_internal::CommandLineValue<T> v = absl::GetFlag(flag);
+  if (!v.given) return std::nullopt;
+  return std::move(v.value);
+}
+
+}  // namespace
+
 ConfigFlags ConfigFlagsFromCommandLine() {
   ConfigFlags f;
-  f.config_path = absl::GetFlag(FLAGS_config);
-  f.socket = absl::GetFlag(FLAGS_socket);
-  f.socket_mode = absl::GetFlag(FLAGS_socket_mode);
-  f.socket_group = absl::GetFlag(FLAGS_socket_group);
-  f.listen = absl::GetFlag(FLAGS_listen);
-  f.backend = absl::GetFlag(FLAGS_backend);
-  f.log_level = absl::GetFlag(FLAGS_log_level);
-  f.op_timeout = absl::GetFlag(FLAGS_op_timeout);
-  f.shm_mode = absl::GetFlag(FLAGS_shm_mode);
-  f.engine_idle_us = absl::GetFlag(FLAGS_engine_idle_us);
-  f.host_threads = absl::GetFlag(FLAGS_host_threads);
-  f.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
-  f.max_groups = absl::GetFlag(FLAGS_max_groups);
-  f.gpu_uuids = absl::GetFlag(FLAGS_gpu_uuids);
+  f.config_path = GivenValue(FLAGS_config);
+  f.socket = GivenValue(FLAGS_socket);
+  f.socket_mode = GivenValue(FLAGS_socket_mode);
+  f.socket_group = GivenValue(FLAGS_socket_group);
+  f.listen = GivenValue(FLAGS_listen);
+  f.backend = GivenValue(FLAGS_backend);
+  f.log_level = GivenValue(FLAGS_log_level);
+  f.op_timeout = GivenValue(FLAGS_op_timeout);
+  f.shm_mode = GivenValue(FLAGS_shm_mode);
+  f.engine_idle_us = GivenValue(FLAGS_engine_idle_us);
+  f.host_threads = GivenValue(FLAGS_host_threads);
+  f.max_request_bytes = GivenValue(FLAGS_max_request_bytes);
+  f.max_groups = GivenValue(FLAGS_max_groups);
+  f.gpu_uuids = GivenValue(FLAGS_gpu_uuids);
   return f;
 }
 
@@ -158,8 +225,7 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
   if (flags.socket) config->set_socket_path(*flags.socket);
   if (flags.socket_mode) config->set_socket_mode(*flags.socket_mode);
   if (flags.socket_group) config->set_socket_group(*flags.socket_group);
-  // "--listen=" reads as an absent flag (absl optional<string>), so "off" is the way to
-  // turn off a listener the config file sets.
+  // "--listen=" and "--listen=off" both turn off a listener the config file sets.
   if (flags.listen) config->set_listen(*flags.listen == "off" ? "" : *flags.listen);
   if (flags.backend) {
     std::string b = absl::AsciiStrToLower(*flags.backend);

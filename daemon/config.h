@@ -4,11 +4,13 @@
 // proto. A present-but-invalid value is an error naming the field and the value, never a
 // silent fallback.
 //
-// Flags (defined in config.cc, read by ConfigFlagsFromCommandLine):
+// Flags (defined in config.cc, read by ConfigFlagsFromCommandLine; each flag's default,
+// shown by --help, is the field's default, and only a flag given on the command line
+// overrides the file):
 //   --config=PATH            text-format DaemonConfig to load first (default: none)
 //   --socket=PATH            socket_path ("/path" or "unix:///path")
 //   --socket_mode=0660       socket_mode          --socket_group=NAME   socket_group
-//   --listen=HOST:PORT       listen ("" = off)    --backend=auto|cuda|host
+//   --listen=HOST:PORT       listen ("" or "off" = none)    --backend=auto|cuda|host
 //   --log_level=info         log_level            --op_timeout=10s      op_timeout_ms
 //   --shm_mode=0600          shm_mode             --engine_idle_us=100  engine_idle_us
 //   --host_threads=0         host_threads         --max_request_bytes   max_request_bytes
@@ -45,7 +47,8 @@ inline constexpr uint32_t kMaxHostThreads = 1024;
 inline constexpr size_t kMaxSocketPathBytes = 107;
 
 /// Values given on the command line; nullopt = flag not given (the config file's value,
-/// or the default, stands). Tests build one directly; epd builds it from its flags.
+/// or the default, stands), whatever the flag's default. Tests build one directly; epd
+/// builds it from its flags.
 struct ConfigFlags {
   std::optional<std::string> config_path;
   std::optional<std::string> socket;
@@ -63,7 +66,8 @@ struct ConfigFlags {
   std::optional<std::vector<std::string>> gpu_uuids;
 };
 
-/// Reads the --config, --socket, ... flags of this process (after absl::ParseCommandLine).
+/// Reads the --config, --socket, ... flags of this process (after absl::ParseCommandLine):
+/// a field is set exactly when its flag was given ("--socket=" gives an empty value).
 ConfigFlags ConfigFlagsFromCommandLine();
 
 /// Parses `text` as a text-format DaemonConfig. `source` names the text in errors (a file

@@ -18,9 +18,11 @@
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "epd: the expert-parallel daemon (MoE dispatch/combine for every process on the "
+      "the expert-parallel daemon (MoE dispatch/combine for every process on the "
       "node).\nUsage: epd [--config=/etc/epd/epd.textproto] [--socket=/run/epd/epd.sock] "
-      "[--listen=host:port] [--backend=auto|cuda|host] ...");
+      "[--listen=host:port] [--backend=auto|cuda|host] ...\nEach flag sets the DaemonConfig "
+      "field its help names and, when given, overrides the --config file; the defaults shown "
+      "are the DaemonConfig defaults.");
   // --help lists the daemon's flags (they live in daemon/config.cc, not in this file);
   // --version prints epd's version.
   absl::FlagsUsageConfig usage;

@@ -5,6 +5,8 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"
@@ -15,6 +17,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 /// Starts epd with `extra_args` expecting it to refuse; returns its exit code and log.
 std::pair<int, std::string> RefusedStart(const std::vector<std::string>& extra_args,
@@ -36,6 +39,25 @@ TEST(StartupFlagsTest, UnknownSocketGroupNamesTheFlagAndTheValue) {
   EXPECT_EQ(code, 1) << logs;
   EXPECT_THAT(logs, AllOf(HasSubstr("socket_group"), HasSubstr("--socket_group"),
                           HasSubstr("\"no-such-group-epd\" is not a group")));
+}
+
+// Every flag shows its real default (std::optional flags showed "default: ;"), each flag's
+// help names its DaemonConfig field, and the usage line does not repeat the program name.
+TEST(StartupFlagsTest, HelpShowsEveryFlagsDefault) {
+  absl::StatusOr<CommandResult> help = RunCommand({EpdBinary(), "--help"});
+  ASSERT_TRUE(help.ok()) << help.status();
+  // --help wraps at 80 columns, between any two words: compare with single spaces.
+  const std::string text = absl::StrJoin(absl::StrSplit(help->stdout_text + help->stderr_text,
+                                                        absl::ByAnyChar(" \n"), absl::SkipEmpty()),
+                                         " ");
+  EXPECT_THAT(text, Not(HasSubstr("default: ;")));
+  EXPECT_THAT(text, Not(HasSubstr("epd: epd:")));
+  for (const char* expected : {"--socket (socket_path:", "default: \"/run/epd/epd.sock\";",
+                               "--op_timeout (op_timeout_ms:", "default: 10s;",
+                               "--max_groups (max_groups:", "default: 64;", "default: \"auto\";",
+                               "--gpu_uuids (gpu_uuids:", "--config ("}) {
+    EXPECT_THAT(text, HasSubstr(expected));
+  }
 }
 
 }  // namespace

@@ -8,15 +8,10 @@
 #include <fstream>
 #include <string>
 
-#include "absl/flags/declare.h"
-#include "absl/flags/flag.h"
+#include "absl/flags/commandlineflag.h"
+#include "absl/flags/reflection.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-
-ABSL_DECLARE_FLAG(std::optional<std::string>, socket);
-ABSL_DECLARE_FLAG(std::optional<std::string>, backend);
-ABSL_DECLARE_FLAG(std::optional<absl::Duration>, op_timeout);
-ABSL_DECLARE_FLAG(std::optional<std::string>, config);
 
 namespace epd {
 namespace {
@@ -38,6 +33,25 @@ constexpr char kGoodConfig[] = R"pb(
   gpu_uuids: "GPU-b"
   host_threads: 3
 )pb";
+
+/// The names of epd's flags (daemon/config.cc).
+const std::vector<std::string>& EpdFlagNames() {
+  static const auto* names = new std::vector<std::string>{
+      "config",     "socket",         "socket_mode",  "socket_group",
+      "listen",     "backend",        "log_level",    "op_timeout",
+      "shm_mode",   "engine_idle_us", "host_threads", "max_request_bytes",
+      "max_groups", "gpu_uuids"};
+  return *names;
+}
+
+/// Sets flag `name` as the command line would ("--name=value"): through the flag's parser.
+/// Restore the flags with an absl::FlagSaver in the calling test.
+void GiveFlag(const std::string& name, const std::string& value) {
+  absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+  ASSERT_NE(flag, nullptr) << name;
+  std::string error;
+  ASSERT_TRUE(flag->ParseFrom(value, &error)) << "--" << name << "=" << value << ": " << error;
+}
 
 std::string WriteTempFile(const std::string& text) {
   char path[] = "/tmp/epd_config_test_XXXXXX";
@@ -237,13 +251,14 @@ TEST(ResolveDaemonConfigTest, ListenOffClearsTheFilesListener) {
 
 TEST(ResolveDaemonConfigTest, RealFlagsOverrideTheFile) {
   std::string path = WriteTempFile(kGoodConfig);
-  absl::SetFlag(&FLAGS_config, path);
-  absl::SetFlag(&FLAGS_socket, std::string("/tmp/epd-real-flag.sock"));
-  absl::SetFlag(&FLAGS_op_timeout, absl::Milliseconds(1500));
-  ConfigFlags flags = ConfigFlagsFromCommandLine();
-  absl::SetFlag(&FLAGS_config, std::nullopt);
-  absl::SetFlag(&FLAGS_socket, std::nullopt);
-  absl::SetFlag(&FLAGS_op_timeout, std::nullopt);
+  ConfigFlags flags;
+  {
+    absl::FlagSaver saver;
+    GiveFlag("config", path);
+    GiveFlag("socket", "/tmp/epd-real-flag.sock");
+    GiveFlag("op_timeout", "1500ms");
+    flags = ConfigFlagsFromCommandLine();
+  }
   EXPECT_FALSE(flags.backend.has_value());
   absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(flags);
   ::unlink(path.c_str());
@@ -251,6 +266,78 @@ TEST(ResolveDaemonConfigTest, RealFlagsOverrideTheFile) {
   EXPECT_EQ(config->socket_path(), "/tmp/epd-real-flag.sock");
   EXPECT_EQ(config->op_timeout_ms(), 1500u);
   EXPECT_EQ(config->backend(), v1::BACKEND_HOST);  // From the file.
+}
+
+// The flags' defaults are the real ones (for --help) but are never applied by themselves:
+// a flag not given leaves the file's value; a flag given, even with the default's value,
+// overrides it.
+TEST(ResolveDaemonConfigTest, OnlyFlagsGivenOverrideTheFile) {
+  std::string path = WriteTempFile(kGoodConfig);
+  ConfigFlags absent;
+  ConfigFlags given;
+  {
+    absl::FlagSaver saver;
+    GiveFlag("config", path);
+    absent = ConfigFlagsFromCommandLine();
+    GiveFlag("socket", kDefaultSocketPath);
+    GiveFlag("log_level", kDefaultLogLevel);
+    GiveFlag("backend", "auto");
+    GiveFlag("listen", "");  // "--listen=": no listener, as "--listen=off".
+    GiveFlag("gpu_uuids", "");
+    given = ConfigFlagsFromCommandLine();
+  }
+  EXPECT_FALSE(absent.socket || absent.socket_mode || absent.socket_group || absent.listen ||
+               absent.backend || absent.log_level || absent.op_timeout || absent.shm_mode ||
+               absent.engine_idle_us || absent.host_threads || absent.max_request_bytes ||
+               absent.max_groups || absent.gpu_uuids);
+  absl::StatusOr<v1::DaemonConfig> from_file = ResolveDaemonConfig(absent);
+  ASSERT_TRUE(from_file.ok()) << from_file.status();
+  EXPECT_EQ(from_file->socket_path(), "/tmp/epd-test/epd.sock");
+  EXPECT_EQ(from_file->log_level(), "debug");
+  EXPECT_EQ(from_file->backend(), v1::BACKEND_HOST);
+  EXPECT_EQ(from_file->listen(), "127.0.0.1:50051");
+  EXPECT_EQ(from_file->gpu_uuids_size(), 2);
+  absl::StatusOr<v1::DaemonConfig> overridden = ResolveDaemonConfig(given);
+  ::unlink(path.c_str());
+  ASSERT_TRUE(overridden.ok()) << overridden.status();
+  EXPECT_EQ(overridden->socket_path(), kDefaultSocketPath);
+  EXPECT_EQ(overridden->log_level(), kDefaultLogLevel);
+  EXPECT_EQ(overridden->backend(), v1::BACKEND_AUTO);
+  EXPECT_EQ(overridden->listen(), "");
+  EXPECT_EQ(overridden->gpu_uuids_size(), 0);
+}
+
+// --help prints "default: <DefaultValue>;" for every flag: the real default, never empty
+// (std::optional flags printed "default: ;").
+TEST(ConfigFlagsTest, HelpShowsTheRealDefaults) {
+  for (const std::string& name : EpdFlagNames()) {
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    ASSERT_NE(flag, nullptr) << name;
+    EXPECT_FALSE(flag->DefaultValue().empty()) << "--" << name;
+    EXPECT_THAT(flag->Filename(), HasSubstr("daemon/config.cc")) << name;
+  }
+  auto default_of = [](const char* name) {
+    return absl::FindCommandLineFlag(name)->DefaultValue();
+  };
+  EXPECT_EQ(default_of("socket"), "\"/run/epd/epd.sock\"");
+  EXPECT_EQ(default_of("socket_mode"), "\"0660\"");
+  EXPECT_EQ(default_of("socket_group"), "\"\"");
+  EXPECT_EQ(default_of("backend"), "\"auto\"");
+  EXPECT_EQ(default_of("log_level"), "\"info\"");
+  EXPECT_EQ(default_of("op_timeout"), "10s");
+  EXPECT_EQ(default_of("shm_mode"), "\"0600\"");
+  EXPECT_EQ(default_of("engine_idle_us"), "100");
+  EXPECT_EQ(default_of("host_threads"), "0");
+  EXPECT_EQ(default_of("max_request_bytes"), "4194304");
+  EXPECT_EQ(default_of("max_groups"), "64");
+  EXPECT_EQ(default_of("gpu_uuids"), "\"\"");
+  // And they are the DaemonConfig defaults.
+  v1::DaemonConfig defaults;
+  FillDaemonConfigDefaults(&defaults);
+  EXPECT_EQ(default_of("socket"), "\"" + defaults.socket_path() + "\"");
+  EXPECT_EQ(default_of("shm_mode"), "\"" + defaults.shm_mode() + "\"");
+  EXPECT_EQ(default_of("max_groups"), std::to_string(defaults.max_groups()));
+  EXPECT_EQ(default_of("backend"), "\"" + BackendFlagName(defaults.backend()) + "\"");
 }
 
 TEST(ResolveDaemonConfigTest, BadFlagValuesAreNamed) {
