@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 #include <type_traits>
 
 #include "absl/flags/flag.h"
@@ -222,6 +223,23 @@ absl::StatusOr<v1::DaemonConfig> LoadDaemonConfigFile(const std::string& path) {
 }
 
 absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config) {
+  // Given empty ("--socket="), these would read as absent and silently take the config
+  // file's value or the default: refuse instead. (--socket_group= and --listen= are
+  // meaningful empty: the daemon's own group, no listener.)
+  for (const auto& [name, field, value, default_value] :
+       {std::tuple<const char*, const char*, const std::optional<std::string>*, const char*>{
+            "socket", "socket_path", &flags.socket, kDefaultSocketPath},
+        {"socket_mode", "socket_mode", &flags.socket_mode, kDefaultSocketMode},
+        {"shm_mode", "shm_mode", &flags.shm_mode, kDefaultShmMode},
+        {"log_level", "log_level", &flags.log_level, kDefaultLogLevel}}) {
+    if (value->has_value() && (*value)->empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name,
+                       ": \"\" (given empty) is not a value; give one, or leave "
+                       "the flag out for the config file's ",
+                       field, " or the default \"", default_value, "\""));
+    }
+  }
   if (flags.socket) config->set_socket_path(*flags.socket);
   if (flags.socket_mode) config->set_socket_mode(*flags.socket_mode);
   if (flags.socket_group) config->set_socket_group(*flags.socket_group);

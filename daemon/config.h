@@ -81,7 +81,11 @@ absl::StatusOr<v1::DaemonConfig> ParseDaemonConfig(absl::string_view text,
 absl::StatusOr<v1::DaemonConfig> LoadDaemonConfigFile(const std::string& path);
 
 /// Writes every flag that was given into `config`. INVALID_ARGUMENT naming the flag and
-/// the value for a value that does not convert (e.g. --backend=gpu, --op_timeout=0s).
+/// the value for a value that does not convert (e.g. --backend=gpu, --op_timeout=0s), and
+/// for --socket, --socket_mode, --shm_mode or --log_level given empty (an explicit "" is
+/// never read as "use the default"; the same field left empty in the config file is unset
+/// and takes the default). --socket_group="" (the daemon's own group), --listen="" (no
+/// listener) and --gpu_uuids="" (every GPU) are meaningful and override the file.
 absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config);
 
 /// Replaces every absent field (proto3 default: "" or 0 or BACKEND_UNSPECIFIED) by its

@@ -41,6 +41,14 @@ TEST(StartupFlagsTest, UnknownSocketGroupNamesTheFlagAndTheValue) {
                           HasSubstr("\"no-such-group-epd\" is not a group")));
 }
 
+// "--socket=" is refused (exit 2, before anything starts), not read as the default socket.
+TEST(StartupFlagsTest, EmptySocketFlagIsRefusedNamingIt) {
+  auto [code, logs] = RefusedStart({"--socket="});
+  EXPECT_EQ(code, 2) << logs;
+  EXPECT_THAT(logs, AllOf(HasSubstr("--socket: \"\""), HasSubstr("empty")));
+  EXPECT_THAT(logs, Not(HasSubstr("starting")));
+}
+
 // Every flag shows its real default (std::optional flags showed "default: ;"), each flag's
 // help names its DaemonConfig field, and the usage line does not repeat the program name.
 TEST(StartupFlagsTest, HelpShowsEveryFlagsDefault) {

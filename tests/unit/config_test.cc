@@ -360,6 +360,36 @@ TEST(ResolveDaemonConfigTest, BadFlagValuesAreNamed) {
   EXPECT_THAT(std::string(status.message()), AllOf(HasSubstr("socket_mode"), HasSubstr("0888")));
 }
 
+// A flag given with an empty value is an error naming it, never the default; the config
+// file's field written empty is the same as leaving it out (proto3: it takes the default).
+TEST(ResolveDaemonConfigTest, ExplicitlyEmptyFlagsAreErrorsNamingThem) {
+  for (const std::string name : {"socket", "socket_mode", "shm_mode", "log_level"}) {
+    ConfigFlags flags;
+    {
+      absl::FlagSaver saver;
+      GiveFlag(name, "");
+      flags = ConfigFlagsFromCommandLine();
+    }
+    absl::Status status = ResolveDaemonConfig(flags).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_THAT(std::string(status.message()),
+                AllOf(HasSubstr("--" + name + ": \"\""), HasSubstr("empty"),
+                      HasSubstr("leave the flag out")));
+  }
+  ConfigFlags direct;
+  direct.socket = "";
+  EXPECT_EQ(ResolveDaemonConfig(direct).status().code(), absl::StatusCode::kInvalidArgument);
+
+  std::string path = WriteTempFile("socket_path: \"\"\nshm_mode: \"\"\n");
+  ConfigFlags from_file;
+  from_file.config_path = path;
+  absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(from_file);
+  ::unlink(path.c_str());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->socket_path(), kDefaultSocketPath);
+  EXPECT_EQ(config->shm_mode(), kDefaultShmMode);
+}
+
 TEST(ResolveDaemonConfigTest, MissingFileIsNamed) {
   ConfigFlags flags;
   flags.config_path = "/nonexistent/epd.textproto";
