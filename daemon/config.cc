@@ -71,7 +71,8 @@ ABSL_FLAG(StringFlag, config, StringFlag{""},
           "fields (\"\" = no file: flags and defaults only).");
 ABSL_FLAG(StringFlag, socket, StringFlag{epd::kDefaultSocketPath},
           "socket_path: unix socket of the Control and Health services, \"/path\" or "
-          "\"unix:///path\".");
+          "\"unix:///path\". A missing parent directory is created (and logged at info "
+          "level); under systemd, RuntimeDirectory=epd makes /run/epd.");
 ABSL_FLAG(StringFlag, socket_mode, StringFlag{epd::kDefaultSocketMode},
           "socket_mode: octal file mode of the socket.");
 ABSL_FLAG(StringFlag, socket_group, StringFlag{""},

@@ -8,7 +8,8 @@
 // shown by --help, is the field's default, and only a flag given on the command line
 // overrides the file):
 //   --config=PATH            text-format DaemonConfig to load first (default: none)
-//   --socket=PATH            socket_path ("/path" or "unix:///path")
+//   --socket=PATH            socket_path ("/path" or "unix:///path"; missing parent
+//                            directories are created, logged at info)
 //   --socket_mode=0660       socket_mode          --socket_group=NAME   socket_group
 //   --listen=HOST:PORT       listen ("" or "off" = none)    --backend=auto|cuda|host
 //   --log_level=info         log_level            --op_timeout=10s      op_timeout_ms

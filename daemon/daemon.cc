@@ -294,12 +294,24 @@ absl::Status Daemon::PrepareSocketPath() {
   std::filesystem::path parent = std::filesystem::path(socket_path_).parent_path();
   std::error_code ec;
   if (!parent.empty() && !std::filesystem::exists(parent, ec)) {
+    // Missing parents are created (deploy/examples/host-dev.textproto's /tmp/epd-dev relies
+    // on it; systemd's RuntimeDirectory= and the Kubernetes hostPath make /run/epd), and
+    // said at info level naming the topmost one, where a typo in --socket would show.
+    std::filesystem::path top = parent;
+    while (top.has_relative_path() && !std::filesystem::exists(top.parent_path(), ec)) {
+      top = top.parent_path();
+    }
     std::filesystem::create_directories(parent, ec);
     if (ec) {
       return absl::FailedPreconditionError(
           absl::StrCat("socket_path: cannot create directory ", parent.string(), ": ", ec.message(),
                        " (run epd with a RuntimeDirectory, or choose another --socket)"));
     }
+    log->info(
+        "socket_path: created the missing directory {}{} for the socket (epd creates the "
+        "socket's missing parent directories; if this is unexpected, check --socket or the "
+        "config file's socket_path for a typo)",
+        parent.string(), top == parent ? "" : absl::StrCat(" (from ", top.string(), " down)"));
   }
   // One epd per socket, also when two start at the same instant (both would find no live
   // socket below, and the later bind would take the socket file from the earlier): an

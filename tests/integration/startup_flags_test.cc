@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
@@ -47,6 +48,27 @@ TEST(StartupFlagsTest, EmptySocketFlagIsRefusedNamingIt) {
   EXPECT_EQ(code, 2) << logs;
   EXPECT_THAT(logs, AllOf(HasSubstr("--socket: \"\""), HasSubstr("empty")));
   EXPECT_THAT(logs, Not(HasSubstr("starting")));
+}
+
+// A socket in a directory that does not exist: epd creates it (example configs rely on
+// it) and says so at info level, naming the field and every directory it made.
+TEST(StartupFlagsTest, MissingSocketDirectoryIsCreatedAndLogged) {
+  const std::string dir = MakeTempDir("epd_startup_dir");
+  DaemonProcessOptions options;
+  options.socket_path = dir + "/typo/sub/epd.sock";
+  options.log_level = "info";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(options);
+  ASSERT_TRUE(epd.ok()) << epd.status();
+  EXPECT_TRUE(std::filesystem::is_directory(dir + "/typo/sub"));
+  EXPECT_EQ(*(*epd)->Stop(), 0);
+  std::string line;
+  for (absl::string_view l : absl::StrSplit((*epd)->Logs(), '\n')) {
+    if (absl::StrContains(l, "created the missing directory")) line = std::string(l);
+  }
+  EXPECT_THAT(line, AllOf(HasSubstr("[info] socket_path: created the missing directory " + dir +
+                                    "/typo/sub (from " + dir + "/typo down)"),
+                          HasSubstr("--socket")));
+  std::filesystem::remove_all(dir);
 }
 
 // Every flag shows its real default (std::optional flags showed "default: ;"), each flag's
