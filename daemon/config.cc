@@ -361,6 +361,19 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
   return absl::OkStatus();
 }
 
+std::vector<std::string> DaemonConfigWarnings(const v1::DaemonConfig& config) {
+  std::vector<std::string> warnings;
+  absl::StatusOr<uint32_t> shm_mode = ParseFileMode("shm_mode", config.shm_mode());
+  if (shm_mode.ok() && (*shm_mode & 0002u) != 0) {
+    warnings.push_back(absl::StrCat(
+        "shm_mode: \"", config.shm_mode(),
+        "\" lets every user on this machine write the endpoint shm regions (others-write "
+        "bit), so any local process can corrupt any client's tokens; share them with the "
+        "clients' group instead: socket_group plus shm_mode \"0660\""));
+  }
+  return warnings;
+}
+
 absl::StatusOr<v1::DaemonConfig> ResolveDaemonConfig(const ConfigFlags& flags) {
   v1::DaemonConfig config;
   if (flags.config_path && !flags.config_path->empty()) {

@@ -97,6 +97,13 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config);
 /// Checks every field of a filled config. INVALID_ARGUMENT naming the field and the value.
 absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config);
 
+/// What start-up should warn about in a filled, valid config (Daemon::Start logs each at
+/// warn level on epd.config; none refuses the start): today, a shm_mode granting write to
+/// others (0002: "0666", "0777", ...), which lets every local user write the endpoint shm
+/// regions and so corrupt any client's tokens. Group write ("0660") is the normal way to
+/// share with clients and is not warned about. Empty for the defaults.
+std::vector<std::string> DaemonConfigWarnings(const v1::DaemonConfig& config);
+
 /// The effective config: --config file (if given), then flags, then defaults, validated.
 absl::StatusOr<v1::DaemonConfig> ResolveDaemonConfig(const ConfigFlags& flags);
 

@@ -187,6 +187,9 @@ absl::Status Daemon::Init() {
     GetLogger(name);
   }
   log->info("epd {} starting (pid {}) on socket {}", kEpdVersion, ::getpid(), socket_path_);
+  for (const std::string& warning : DaemonConfigWarnings(config_)) {
+    GetLogger(kLogConfig)->warn("{}", warning);
+  }
   // The group owns the socket and every shm region: check it before anything is created
   // (the data plane's first shm region would otherwise fail naming only the group).
   if (!config_.socket_group().empty()) {

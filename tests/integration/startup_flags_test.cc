@@ -71,6 +71,18 @@ TEST(StartupFlagsTest, MissingSocketDirectoryIsCreatedAndLogged) {
   std::filesystem::remove_all(dir);
 }
 
+// --shm_mode=0777 starts (it is valid) but start-up warns, naming the field and the value.
+TEST(StartupFlagsTest, WorldWritableShmModeIsWarnedAbout) {
+  DaemonProcessOptions options;
+  options.extra_args = {"--shm_mode=0777"};
+  options.log_level = "info";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(options);
+  ASSERT_TRUE(epd.ok()) << epd.status();
+  EXPECT_EQ(*(*epd)->Stop(), 0);
+  EXPECT_THAT((*epd)->Logs(), HasSubstr("[epd.config] [warning] shm_mode: \"0777\" lets every "
+                                        "user on this machine write"));
+}
+
 // Every flag shows its real default (std::optional flags showed "default: ;"), each flag's
 // help names its DaemonConfig field, and the usage line does not repeat the program name.
 TEST(StartupFlagsTest, HelpShowsEveryFlagsDefault) {

@@ -390,6 +390,30 @@ TEST(ResolveDaemonConfigTest, ExplicitlyEmptyFlagsAreErrorsNamingThem) {
   EXPECT_EQ(config->shm_mode(), kDefaultShmMode);
 }
 
+// A world-writable shm_mode is accepted (it works) but warned about, naming the field and
+// the value; group-writable and the defaults are not.
+TEST(DaemonConfigWarningsTest, OthersWritableShmModeIsWarnedAbout) {
+  v1::DaemonConfig config;
+  FillDaemonConfigDefaults(&config);
+  EXPECT_THAT(DaemonConfigWarnings(config), ::testing::IsEmpty());
+  for (const std::string mode : {"0777", "0666", "0662", "602"}) {
+    config.set_shm_mode(mode);
+    ASSERT_TRUE(ValidateDaemonConfig(config).ok()) << mode;
+    std::vector<std::string> warnings = DaemonConfigWarnings(config);
+    ASSERT_EQ(warnings.size(), 1u) << mode;
+    EXPECT_THAT(warnings[0], AllOf(HasSubstr("shm_mode: \"" + mode + "\""), HasSubstr("every user"),
+                                   HasSubstr("\"0660\"")));
+  }
+  for (const std::string mode : {"0600", "0660", "0664", "0640", "0774"}) {
+    config.set_shm_mode(mode);
+    EXPECT_THAT(DaemonConfigWarnings(config), ::testing::IsEmpty()) << mode;
+  }
+  // The socket is not the shm: a world-writable socket_mode (deploy/k8s) is no warning.
+  config.set_shm_mode("0600");
+  config.set_socket_mode("0666");
+  EXPECT_THAT(DaemonConfigWarnings(config), ::testing::IsEmpty());
+}
+
 TEST(ResolveDaemonConfigTest, MissingFileIsNamed) {
   ConfigFlags flags;
   flags.config_path = "/nonexistent/epd.textproto";
