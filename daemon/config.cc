@@ -410,6 +410,16 @@ std::string SocketFilePath(absl::string_view socket_path) {
   return std::string(p);
 }
 
+std::string ConfigValueSource(absl::string_view flag_text, bool flag_given,
+                              absl::string_view field_text,
+                              const std::optional<std::string>& config_path) {
+  if (flag_given) return absl::StrCat(flag_text, " on the command line");
+  if (config_path && !config_path->empty()) {
+    return absl::StrCat("`", field_text, "` in the config file ", *config_path);
+  }
+  return absl::StrCat("`", field_text, "` in the DaemonConfig");
+}
+
 std::string BackendFlagName(v1::Backend backend) {
   switch (backend) {
     case v1::BACKEND_CUDA:

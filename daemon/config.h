@@ -114,6 +114,16 @@ absl::StatusOr<uint32_t> ParseFileMode(absl::string_view field, absl::string_vie
 /// The filesystem path of a socket_path value: "unix:///p" and "unix:/p" → "/p"; "/p" → "/p".
 std::string SocketFilePath(absl::string_view socket_path);
 
+/// Names where a config value came from, for start-up messages: "<flag_text> on the
+/// command line" when `flag_given` (e.g. "--backend=host on the command line"), else
+/// "`<field_text>` in the config file <config_path>" when a --config file was loaded
+/// (`config_path` set and non-empty), else "`<field_text>` in the DaemonConfig" (built
+/// in-process, e.g. by a test). `field_text` is the field as the file spells it
+/// ("backend: BACKEND_HOST").
+std::string ConfigValueSource(absl::string_view flag_text, bool flag_given,
+                              absl::string_view field_text,
+                              const std::optional<std::string>& config_path);
+
 /// Name of a backend enum value as flags spell it: "auto", "cuda" or "host".
 std::string BackendFlagName(v1::Backend backend);
 

@@ -100,27 +100,31 @@ absl::StatusOr<gid_t> LookUpSocketGroup(const std::string& name) {
   return result->gr_gid;
 }
 
-}  // namespace
-
-absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInventory& inventory,
-                                            bool cuda_data_plane_built) {
+/// ChooseBackend, with `requested_by` naming where the requested backend came from
+/// (ConfigValueSource: the command line, the config file or an in-process config), so the
+/// log line and GetStats.backend_reason do not claim a flag the user never gave.
+absl::StatusOr<BackendChoice> ChooseBackendRequestedBy(v1::Backend requested,
+                                                       const std::string& requested_by,
+                                                       const GpuInventory& inventory,
+                                                       bool cuda_data_plane_built) {
   const std::string not_built =
       "but the CUDA data plane is not built yet; using host buffers (the GPU inventory is "
       "still reported)";
   switch (requested) {
     case v1::BACKEND_HOST:
-      return BackendChoice{"host", "--backend=host requested"};
+      return BackendChoice{"host", absl::StrCat("requested by ", requested_by)};
     case v1::BACKEND_CUDA:
       if (inventory.empty()) {
         return absl::FailedPreconditionError(
-            absl::StrCat("backend: cuda requested but no GPU is usable: ", inventory.reason(),
-                         "; use --backend=auto or --backend=host"));
+            absl::StrCat("backend: cuda requested by ", requested_by, " but no GPU is usable: ",
+                         inventory.reason(), "; use --backend=auto or --backend=host"));
       }
       if (!cuda_data_plane_built) {
-        return BackendChoice{"host", absl::StrCat("--backend=cuda requested with ",
+        return BackendChoice{"host", absl::StrCat("cuda requested by ", requested_by, " with ",
                                                   inventory.reason(), ", ", not_built)};
       }
-      return BackendChoice{"cuda", absl::StrCat("--backend=cuda requested; ", inventory.reason())};
+      return BackendChoice{"cuda",
+                           absl::StrCat("requested by ", requested_by, "; ", inventory.reason())};
     default:
       if (inventory.empty()) {
         return BackendChoice{"host",
@@ -132,6 +136,14 @@ absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInve
       }
       return BackendChoice{"cuda", absl::StrCat("auto: ", inventory.reason(), " found")};
   }
+}
+
+}  // namespace
+
+absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInventory& inventory,
+                                            bool cuda_data_plane_built) {
+  return ChooseBackendRequestedBy(requested, "--backend=" + BackendFlagName(requested), inventory,
+                                  cuda_data_plane_built);
 }
 
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::DaemonConfig& config,
@@ -219,7 +231,14 @@ absl::Status Daemon::Init() {
         "MPS is not running: daemon-launched kernels will time-slice with client processes "
         "(~ms per hop); start it with deploy/mps/ for daemon-launched mode");
   }
-  EPD_ASSIGN_OR_RETURN(backend_, ChooseBackend(config_.backend(), inventory, kCudaDataPlaneBuilt));
+  // Which of the command line or the config file asked for the backend (the flags are
+  // this process's: none given when a test runs the daemon in-process).
+  const ConfigFlags given = ConfigFlagsFromCommandLine();
+  const std::string backend_source = ConfigValueSource(
+      absl::StrCat("--backend=", BackendFlagName(config_.backend())), given.backend.has_value(),
+      absl::StrCat("backend: ", v1::Backend_Name(config_.backend())), given.config_path);
+  EPD_ASSIGN_OR_RETURN(backend_, ChooseBackendRequestedBy(config_.backend(), backend_source,
+                                                          inventory, kCudaDataPlaneBuilt));
   log->info("backend {} ({})", backend_.backend, backend_.reason);
   {
     absl::MutexLock lock(&mu_);

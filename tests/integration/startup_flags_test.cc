@@ -83,6 +83,30 @@ TEST(StartupFlagsTest, WorldWritableShmModeIsWarnedAbout) {
                                         "user on this machine write"));
 }
 
+// "backend: BACKEND_HOST" in the config file: the start-up line says so (with the file),
+// not "--backend=host requested"; given as a flag, it says the command line.
+TEST(StartupFlagsTest, BackendLineNamesTheConfigFileOrTheFlag) {
+  DaemonProcessOptions options;
+  options.backend = "";  // Not on the command line.
+  options.config_text = "backend: BACKEND_HOST\n";
+  options.log_level = "info";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> from_file = DaemonProcess::Start(options);
+  ASSERT_TRUE(from_file.ok()) << from_file.status();
+  EXPECT_EQ(*(*from_file)->Stop(), 0);
+  EXPECT_THAT((*from_file)->Logs(),
+              AllOf(HasSubstr("backend host (requested by `backend: BACKEND_HOST` in the config "
+                              "file " +
+                              (*from_file)->dir() + "/epd.textproto)"),
+                    Not(HasSubstr("--backend=host"))));
+
+  options.backend = "host";
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> from_flag = DaemonProcess::Start(options);
+  ASSERT_TRUE(from_flag.ok()) << from_flag.status();
+  EXPECT_EQ(*(*from_flag)->Stop(), 0);
+  EXPECT_THAT((*from_flag)->Logs(),
+              HasSubstr("backend host (requested by --backend=host on the command line)"));
+}
+
 // Every flag shows its real default (std::optional flags showed "default: ;"), each flag's
 // help names its DaemonConfig field, and the usage line does not repeat the program name.
 TEST(StartupFlagsTest, HelpShowsEveryFlagsDefault) {

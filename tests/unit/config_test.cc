@@ -12,10 +12,12 @@
 #include "absl/flags/reflection.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/unit/config_flags_testing.h"
 
 namespace epd {
 namespace {
 
+using ::epd::testing::GiveFlag;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
@@ -42,15 +44,6 @@ const std::vector<std::string>& EpdFlagNames() {
       "shm_mode",   "engine_idle_us", "host_threads", "max_request_bytes",
       "max_groups", "gpu_uuids"};
   return *names;
-}
-
-/// Sets flag `name` as the command line would ("--name=value"): through the flag's parser.
-/// Restore the flags with an absl::FlagSaver in the calling test.
-void GiveFlag(const std::string& name, const std::string& value) {
-  absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-  ASSERT_NE(flag, nullptr) << name;
-  std::string error;
-  ASSERT_TRUE(flag->ParseFrom(value, &error)) << "--" << name << "=" << value << ": " << error;
 }
 
 std::string WriteTempFile(const std::string& text) {

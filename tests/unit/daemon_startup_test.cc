@@ -4,18 +4,22 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 
+#include "absl/flags/reflection.h"
 #include "daemon/config.h"
 #include "daemon/daemon.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/unit/config_flags_testing.h"
 #include "tests/unit/fake_data_plane.h"
 
 namespace epd {
 namespace {
 
+using ::epd::testing::GiveFlag;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -68,6 +72,54 @@ TEST_F(DaemonStartupTest, UnknownSocketGroupNamesTheFieldWithTheRealDataPlane) {
               AllOf(HasSubstr("socket_group"), HasSubstr("--socket_group"),
                     HasSubstr("\"no-such-group-epd\""), HasSubstr("not a group")));
   EXPECT_FALSE(std::filesystem::exists(config.socket_path()));
+}
+
+// The backend line names where the backend came from: the config file (with its path), the
+// command line, or an in-process DaemonConfig; never "--backend=host" for a file's value.
+TEST_F(DaemonStartupTest, BackendReasonNamesWhereTheValueCameFrom) {
+  const std::string path = dir_ + "/epd.textproto";
+  std::ofstream(path) << "backend: BACKEND_HOST\nsocket_path: \"" << dir_
+                      << "/epd.sock\"\nlog_level: \"warn\"\n";
+  {
+    absl::FlagSaver saver;
+    GiveFlag("config", path);
+    absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(ConfigFlagsFromCommandLine());
+    ASSERT_TRUE(config.ok()) << config.status();
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(*config, Options());
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    EXPECT_EQ((*daemon)->backend().backend, "host");
+    EXPECT_EQ((*daemon)->backend().reason,
+              "requested by `backend: BACKEND_HOST` in the config file " + path);
+    EXPECT_EQ((*daemon)->Stats().backend_reason(), (*daemon)->backend().reason);
+  }
+  {
+    absl::FlagSaver saver;
+    GiveFlag("config", path);
+    GiveFlag("backend", "host");
+    absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(ConfigFlagsFromCommandLine());
+    ASSERT_TRUE(config.ok()) << config.status();
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(*config, Options());
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    EXPECT_EQ((*daemon)->backend().reason, "requested by --backend=host on the command line");
+  }
+  absl::StatusOr<std::unique_ptr<Daemon>> in_process = Daemon::Start(Config(), Options());
+  ASSERT_TRUE(in_process.ok()) << in_process.status();
+  EXPECT_EQ((*in_process)->backend().reason,
+            "requested by `backend: BACKEND_HOST` in the DaemonConfig");
+  in_process->reset();
+
+  // --backend=cuda without a GPU: the refusal names the source too.
+  {
+    absl::FlagSaver saver;
+    GiveFlag("config", path);
+    GiveFlag("backend", "cuda");
+    absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(ConfigFlagsFromCommandLine());
+    ASSERT_TRUE(config.ok()) << config.status();
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(*config, Options());
+    EXPECT_EQ(daemon.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(daemon.status().message()),
+                HasSubstr("cuda requested by --backend=cuda on the command line but no GPU"));
+  }
 }
 
 }  // namespace
