@@ -328,6 +328,10 @@ struct Endpoint::Impl {
   std::atomic<bool> stream_released{false};
   /// Stream-ordered ops published, by seq % size (ReleaseStreams checks which are done).
   std::array<std::atomic<uint64_t>, abi::kCompletionCapacity> ordered_ops{};
+  /// Daemon-launched: copies of the op being built that Submit enqueues in one kernel with
+  /// the ready signal (StageForSubmit; kc::CopyDeviceBatchAsync).
+  std::array<kc::DeviceCopy, kc::kMaxBatchCopies> pending_copies{};
+  int num_pending_copies = 0;
   std::unique_ptr<ClientLaunch> cl;    ///< Client-launched state, after the first op.
   internal::StreamHandle own_stream;   ///< Runs the ops given no stream (OpStream).
   internal::EventHandle legacy_event;  ///< Orders own_stream after the legacy stream.
@@ -389,9 +393,12 @@ struct Endpoint::Impl {
 
   /// Copies `t` into region `r` (no copy when it already lives there). CUDA backend: on
   /// `stream` (ordered before the op's ready flag or kernels), a copy kernel for a tensor
-  /// on the area's GPU, else cudaMemcpyAsync.
+  /// on the area's GPU, else cudaMemcpyAsync. With `for_submit` (a daemon-launched op
+  /// about to Submit) a copy on the area's GPU is only recorded: Submit does it in the
+  /// kernel that signals ready (one kernel per op instead of one per input plus a stream
+  /// memory write, kc::CopyDeviceBatchAsync).
   absl::Status Stage(const char* op, const char* name, const DLTensor* t, const Region& r,
-                     void* stream) {
+                     void* stream, bool for_submit = false) {
     int64_t n = TensorNbytes(t);
     if (static_cast<uint64_t>(n) > r.bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -406,6 +413,10 @@ struct Endpoint::Impl {
       // copy-engine queue shared with the process's other streams); anything else (host
       // memory, another GPU) by cudaMemcpyAsync.
       if (t->device.device_type == kDLCUDA && t->device.device_id == mapping->device()) {
+        if (for_submit && num_pending_copies < kc::kMaxBatchCopies) {
+          pending_copies[num_pending_copies++] = {At(r), src, static_cast<uint64_t>(n)};
+          return absl::OkStatus();
+        }
         return kc::CopyDeviceAsync(At(r), src, static_cast<uint64_t>(n), AsStream(stream));
       }
       EPD_CUDA_RETURN_IF_ERROR(
@@ -414,9 +425,16 @@ struct Endpoint::Impl {
     }
 #else
     (void)stream;
+    (void)for_submit;
 #endif
     std::memcpy(At(r), src, static_cast<size_t>(n));
     return absl::OkStatus();
+  }
+
+  /// Stage(..., for_submit = true): daemon-launched inputs, copied by Submit's kernel.
+  absl::Status StageForSubmit(const char* op, const char* name, const DLTensor* t, const Region& r,
+                              void* stream) {
+    return Stage(op, name, t, r, stream, /*for_submit=*/true);
   }
 
   /// Ring ops of an endpoint with a registered graph-mode program are refused here, before
@@ -481,12 +499,19 @@ struct Endpoint::Impl {
                          op != abi::OpKind::kUnregisterProgram;
     if (ordered) {
       internal::DeviceGuard guard(mapping->device());
-      ordered_error = kc::StreamWriteValue64(
-          AsStream(stream), At(layout.launch_flags) + kernels::kReadyFlagOffset, seq);
+      // ready_seq = seq by a kernel (with the inputs StageForSubmit recorded): a kernel's
+      // store is seen by the daemon's WaitFlagAsync at once, where a stream memory write
+      // queued behind the caller's kernels lands ~14 µs after them (cuda_ops.h).
+      ordered_error = kc::CopyDeviceBatchAsync(
+          pending_copies.data(), num_pending_copies,
+          reinterpret_cast<uint64_t*>(At(layout.launch_flags) + kernels::kReadyFlagOffset), seq,
+          reinterpret_cast<uint32_t*>(At(layout.launch_flags) + kernels::kReadySignalCounterOffset),
+          AsStream(stream));
       // Without the ready flag the daemon could not order its kernels: fail the op for
       // every rank instead (as a client error), and return the driver's error.
       flags |= ordered_error.ok() ? abi::kFlagStreamOrdered : abi::kFlagClientError;
     }
+    num_pending_copies = 0;  // Done with the ready signal, or dropped with a client error.
 #else
     (void)stream;
 #endif
@@ -920,6 +945,12 @@ TensorView Endpoint::LowLatencyCombineInput() const {
                 {m.shape.num_local_experts(), m.shape.ll_rows_per_expert(), m.shape.hidden});
 }
 
+TensorView Endpoint::LowLatencyDispatchInput() const {
+  const Impl& m = *impl_;
+  if (m.shape.ll_max_tokens_per_rank == 0) return TensorView();
+  return m.View(m.layout.in_x, kBf16, {m.shape.ll_max_tokens_per_rank, m.shape.hidden});
+}
+
 // ---- graph mode ----------------------------------------------------------------------------
 
 absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
@@ -1214,7 +1245,7 @@ absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTens
   }
 #endif
   if (seq == 0) {
-    if (st.ok()) st = m.Stage(kOp, "topk_idx", &topk_idx, m.layout.in_topk_idx, stream);
+    if (st.ok()) st = m.StageForSubmit(kOp, "topk_idx", &topk_idx, m.layout.in_topk_idx, stream);
     if (!st.ok()) return m.SubmitClientError(op, st);
     EPD_ASSIGN_OR_RETURN(seq, m.Submit(op, 0, T, 1, 0, 0, stream));
   }
@@ -1324,13 +1355,15 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
   }
 #endif
   if (seq == 0) {
-    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x, stream);
-    if (st.ok() && fp8) st = m.Stage(kOp, "x_scales", args.x_scales, m.layout.in_scales, stream);
+    if (st.ok()) st = m.StageForSubmit(kOp, "x", args.x, m.layout.in_x, stream);
+    if (st.ok() && fp8)
+      st = m.StageForSubmit(kOp, "x_scales", args.x_scales, m.layout.in_scales, stream);
     if (st.ok() && !cached) {
-      st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream);
+      st = m.StageForSubmit(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream);
     }
     if (st.ok() && weights) {
-      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, stream);
+      st = m.StageForSubmit(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights,
+                            stream);
     }
     if (!st.ok()) return m.SubmitClientError(op, st);
     uint32_t flags = (fp8 ? abi::kFlagFp8 : 0) | (cached ? abi::kFlagCachedHandle : 0) |
@@ -1423,9 +1456,10 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
   }
 #endif
   if (seq == 0) {
-    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_combine_x, stream);
+    if (st.ok()) st = m.StageForSubmit(kOp, "x", args.x, m.layout.in_combine_x, stream);
     if (st.ok() && weights) {
-      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_combine_weights, stream);
+      st = m.StageForSubmit(kOp, "topk_weights", args.topk_weights, m.layout.in_combine_weights,
+                            stream);
     }
     if (!st.ok()) return m.SubmitClientError(op, st);
     EPD_ASSIGN_OR_RETURN(seq, m.Submit(op, weights ? abi::kFlagCombineWeights : 0, T, 1,
@@ -1552,8 +1586,9 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
   }
 #endif
   if (seq == 0) {
-    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_x, stream);
-    if (st.ok()) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream);
+    if (st.ok()) st = m.StageForSubmit(kOp, "x", args.x, m.layout.in_x, stream);
+    if (st.ok())
+      st = m.StageForSubmit(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream);
     if (!st.ok()) return m.SubmitClientError(op, st);
     uint32_t flags = (use_fp8 ? abi::kFlagFp8 : 0) | (args.round_scale ? abi::kFlagRoundScale : 0);
     EPD_ASSIGN_OR_RETURN(seq, m.Submit(op, flags, static_cast<int32_t>(T), 1, 0, 0, stream));
@@ -1667,10 +1702,12 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
   }
 #endif
   if (seq == 0) {
-    if (st.ok()) st = m.Stage(kOp, "x", args.x, m.layout.in_ll_combine_x, stream);
-    if (st.ok()) st = m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream);
+    if (st.ok()) st = m.StageForSubmit(kOp, "x", args.x, m.layout.in_ll_combine_x, stream);
+    if (st.ok())
+      st = m.StageForSubmit(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream);
     if (st.ok()) {
-      st = m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, stream);
+      st = m.StageForSubmit(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights,
+                            stream);
     }
     if (!st.ok()) return m.SubmitClientError(op, st);
     EPD_ASSIGN_OR_RETURN(seq,

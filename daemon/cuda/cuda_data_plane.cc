@@ -100,6 +100,10 @@ using EventPtr = EventHandle;
 struct Readback {
   kc::DeviceStatus status;
   int32_t recv_count;
+  /// The ready_seq a daemon-launched low-latency op's WaitFlagAsync saw (written by that
+  /// kernel once its wait passed): ReleaseReadyWaits tells from it whether the client
+  /// ever wrote ready_seq for the op.
+  uint64_t ready_seen;
 };
 
 /// Allocates `bytes` on the current device. RESOURCE_EXHAUSTED when the GPU is full.
@@ -338,8 +342,10 @@ class CudaGroup : public LockstepGroup {
   kc::CudaRankContext Context(int32_t r, int32_t num_sms) const;
   /// Enqueues rank r's part of `plan` on its stream: for a stream-ordered slot first the
   /// wait for ready_seq >= seq (then *ready_wait = true), then the op's kernels.
+  /// A stream-ordered low-latency op waits in a WaitFlagAsync kernel instead (then
+  /// *ready_spin = true) and its kernel writes done_seq itself.
   absl::Status LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
-                          bool* ready_wait);
+                          bool* ready_wait, bool* ready_spin);
   absl::Status ResetSync();
   /// Serves this group from the engine of `device` unless an engine already does.
   void AdoptEngine(int device);
@@ -355,6 +361,9 @@ class CudaGroup : public LockstepGroup {
     std::vector<absl::Status> launch;
     std::vector<bool> stream_ordered;
     std::vector<bool> ready_wait;  ///< The rank's stream got the ready_seq wait.
+    /// The rank's ready wait is a WaitFlagAsync kernel (Readback::ready_seen tells whether it
+    /// passed) and its low-latency kernel writes done_seq.
+    std::vector<bool> ready_spin;
     Clock::time_point started;
   };
   /// Gives every vector of `op` R entries (no allocation when they already have).
@@ -364,6 +373,7 @@ class CudaGroup : public LockstepGroup {
     op.launch.resize(R);
     op.stream_ordered.resize(R);
     op.ready_wait.resize(R);
+    op.ready_spin.resize(R);
   }
   /// Moves a finished op's vectors back into spare_ for the next op, dropping its rank
   /// references (a rank that left during the op is freed here, not kept by the spare).
@@ -722,7 +732,7 @@ absl::Status CudaGroup::ResetSync() {
 }
 
 absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
-                                   bool* ready_wait) {
+                                   bool* ready_wait, bool* ready_spin) {
   const CudaRank& cr = *ranks_[r];
   const EndpointLayout& L = layout();
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
@@ -735,7 +745,25 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
                               ? plane_->options().num_sms
                               : (slot.num_sms > 0 ? slot.num_sms : plane_->options().num_sms);
   const kc::CudaRankContext ctx = Context(r, num_sms);
-  if (slot.flags & abi::kFlagStreamOrdered) {
+  // Daemon-launched low-latency ops hand off inside kernels (cuda_ops.h "stream-ordered
+  // hand-off inside kernels"): a one-warp WaitFlagAsync for ready_seq, the op's kernel
+  // launched programmatically behind it (it checks ready_seq itself and writes done_seq).
+  // Its bound outlasts the engine's give-up (op_timeout + kGpuGrace), after which
+  // ReleaseReadyWaits writes ready_seq from the host.
+  kc::KernelHandoff handoff;
+  if ((slot.flags & abi::kFlagStreamOrdered) && low_latency) {
+    const auto bound = std::chrono::milliseconds(options().op_timeout_ms) + 2 * kGpuGrace;
+    EPD_RETURN_IF_ERROR(
+        kc::WaitFlagAsync(reinterpret_cast<const uint64_t*>(cr.ready_flag()), slot.seq,
+                          std::chrono::duration_cast<std::chrono::nanoseconds>(bound).count(),
+                          &cr.readback->ready_seen, s));
+    *ready_spin = true;
+    handoff.ready_flag = reinterpret_cast<const uint64_t*>(cr.ready_flag());
+    handoff.ready_value = slot.seq;
+    handoff.done_flag = reinterpret_cast<uint64_t*>(cr.done_flag());
+    handoff.done_value = slot.seq;
+    handoff.programmatic = true;
+  } else if (slot.flags & abi::kFlagStreamOrdered) {
     // The client's stream writes ready_seq = seq once it has staged the inputs; this
     // stream waits for it on the GPU (the CPU never does).
     EPD_RETURN_IF_ERROR(kc::StreamWaitValue64Geq(s, cr.ready_flag(), slot.seq));
@@ -774,6 +802,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
       a.use_fp8 = plan.flags & abi::kFlagFp8;
       a.round_scale = plan.flags & abi::kFlagRoundScale;
       a.num_tokens_value = slot.num_tokens;  // By value: no slot write to enqueue.
+      a.handoff = handoff;
       EPD_RETURN_IF_ERROR(kc::LowLatencyDispatch(ctx, a, s));
       break;
     }
@@ -782,6 +811,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
       a.buffer = plan.ll_handle_buffer;
       a.combined_x = reinterpret_cast<kernels::bf16_bits*>(
           cr.area.get() + L.ll_combined_x[plan.ll_out_buffer].offset);
+      a.handoff = handoff;
       EPD_RETURN_IF_ERROR(kc::LowLatencyCombine(ctx, a, s));
       break;
     }
@@ -825,13 +855,16 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
     op.launch[r] = absl::OkStatus();
     op.stream_ordered[r] = (slots[r].flags & abi::kFlagStreamOrdered) != 0;
     op.ready_wait[r] = false;
+    op.ready_spin[r] = false;
   }
   // Every rank's kernel is enqueued before any is waited for; a launch error on one rank
   // still launches the others, whose waits then end at the kernel timeout.
   for (int r = 0; r < R; ++r) {
     bool ready_wait = false;
-    op.launch[r] = LaunchRank(plan, slots[r], r, &ready_wait);
+    bool ready_spin = false;
+    op.launch[r] = LaunchRank(plan, slots[r], r, &ready_wait, &ready_spin);
     op.ready_wait[r] = ready_wait;
+    op.ready_spin[r] = ready_spin;
   }
   for (int r = 0; r < R; ++r) {
     const CudaRank& cr = *ranks_[r];
@@ -839,8 +872,9 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
     absl::Status st =
         kc::EnqueueStatusReadback(Context(r, 0), cr.stream.get(), &cr.readback->status);
     // done_seq = seq after the kernels and the read-back, also when a launch failed, so
-    // the client's stream is released on every path.
-    if (op.stream_ordered[r]) {
+    // the client's stream is released on every path (a launched low-latency kernel with a
+    // ready spin wrote it itself, before this read-back).
+    if (op.stream_ordered[r] && !(op.ready_spin[r] && op.launch[r].ok())) {
       absl::Status done = WriteDone(cr, plan.seq);
       if (st.ok()) st = done;
     }
@@ -906,10 +940,16 @@ void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot)
 
 void CudaGroup::ReleaseReadyWaits(const GpuOp& op) const {
   for (size_t r = 0; r < op.ranks.size() && r < op.ready_wait.size(); ++r) {
-    if (!op.ready_wait[r] || !op.ranks[r]) continue;
+    if (!(op.ready_wait[r] || op.ready_spin[r]) || !op.ranks[r]) continue;
     const CudaRank& cr = *op.ranks[r];
     cudaSetDevice(cr.device);
-    if (cudaEventQuery(cr.waited.get()) != cudaErrorNotReady) continue;
+    if (op.ready_spin[r]) {
+      // Written by the rank's WaitFlagAsync once its wait passed (pinned host memory).
+      const uint64_t seen = *reinterpret_cast<const volatile uint64_t*>(&cr.readback->ready_seen);
+      if (seen >= op.seq) continue;
+    } else if (cudaEventQuery(cr.waited.get()) != cudaErrorNotReady) {
+      continue;
+    }
     // The stream is still at the ready wait, so its client has not written ready_seq =
     // seq (nor anything later): writing seq cannot hide a newer value.
     const uint64_t seq = op.seq;

@@ -25,14 +25,23 @@
 //    spins on the GPU). After a device-side timeout or a launch error, the group's kernel
 //    sync state is reset before its next op.
 //    Stream-ordered requests (abi::kFlagStreamOrdered): the rank's stream first waits on
-//    the GPU for launch_flags.ready_seq >= seq (cuStreamWaitValue64; the client's stream
-//    writes it once the inputs are staged), then runs the kernels and the read-back, then
-//    writes launch_flags.done_seq = seq (cuStreamWriteValue64), which the client's stream
-//    waits for. An op that ends without its kernels (rejected slot, client error, a rank
+//    the GPU for launch_flags.ready_seq >= seq (the client's staging kernel writes it once
+//    the inputs are staged), then runs the kernels and the read-back, and done_seq = seq is
+//    written, which the client's stream waits for (cuStreamWaitValue64). Low-latency ops
+//    hand off inside kernels (kernels/cuda_ops.h KernelHandoff; ~60 µs less per op on the
+//    H200 than stream memory operations, docs/BENCHMARKS.md "Hand-off"): a one-warp
+//    WaitFlagAsync kernel waits for ready_seq, the op's kernel is launched programmatically
+//    behind it (it starts the moment the wait passes, and is not resident before, so it
+//    takes no SM from the client's own work), checks ready_seq itself and writes done_seq
+//    from its last block; the status read-back follows, off the client's path. Other ops
+//    wait with cuStreamWaitValue64 and write done_seq with cuStreamWriteValue64 after the
+//    read-back. An op that ends without its kernels (rejected slot, client error, a rank
 //    that never arrived or left, shutdown) still gets done_seq = seq on the stream of
 //    every rank whose request had the flag (LockstepGroup::OpEndedWithoutLaunch). If a
 //    client never writes ready_seq, the engine gives the op up after op_timeout + 5 s and
-//    writes ready_seq = seq from the host so the stream (and the group) moves on. Both
+//    writes ready_seq = seq from the host so the stream (and the group) moves on (the
+//    WaitFlagAsync kernel's bound, op_timeout + 10 s, outlasts that; its pinned ready_seen
+//    word tells the engine whether it passed). Both
 //    driver calls are resolved at run time (cudaGetDriverEntryPointByVersion): the daemon
 //    does not link libcuda.
 //  * Client-launched (LAUNCH_MODE_CLIENT): the endpoint gets the same zeroed area and IPC

@@ -45,6 +45,32 @@ __device__ __forceinline__ void StRelaxedSys(int32_t* p, int32_t v) {
   asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+/// 64-bit system-scope acquire load / release store: the stream-ordered hand-off words
+/// (layout.h launch_flags), which other streams and processes write.
+__device__ __forceinline__ uint64_t LdAcquireSys64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StReleaseSys64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+/// Spins until *flag >= target (LdAcquireSys64) or the global timer passes deadline_ns.
+/// Returns true on arrival (*value = what was read).
+__device__ __forceinline__ bool WaitFlag64AtLeast(const uint64_t* flag, uint64_t target,
+                                                  uint64_t deadline_ns, uint64_t* value) {
+  for (;;) {
+    const uint64_t v = LdAcquireSys64(flag);
+    if (v >= target) {
+      *value = v;
+      return true;
+    }
+    if (GlobalTimerNs() > deadline_ns) return false;
+  }
+}
+
 /// Acquire-release fence at system scope (fence.acq_rel.sys). Placed after __syncthreads()
 /// and before a flag store / ticket atomic, it releases every write the block made before the
 /// barrier; after a flag load / ticket atomic, it acquires. Much cheaper than

@@ -46,6 +46,10 @@ struct CombineParams {
   uint64_t x_offset;  // expert outputs [El, R*Mll, H] bf16, same at every rank
   int64_t rows_per_expert;
   int64_t timeout_ns;
+  const uint64_t* ready_flag;  // KernelHandoff (null = none)
+  uint64_t ready_value;
+  uint64_t* done_flag;
+  uint64_t done_value;
   int32_t rank;
   int32_t num_ranks;
   int32_t num_experts;
@@ -95,6 +99,14 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   DeviceStatus* status = device::StatusOf(p.own_base, p.sync_offset);
 
   if (threadIdx.x == 0) {
+    // Daemon-launched: the client's inputs (expert outputs, topk_idx, topk_weights) are
+    // staged once ready >= value; block 0 announces the expert outputs to the peers below.
+    uint64_t ready = 0;
+    if (p.ready_flag != nullptr &&
+        !device::WaitFlag64AtLeast(p.ready_flag, p.ready_value, deadline, &ready) &&
+        blockIdx.x == 0) {
+      device::RecordMissingPeer(status, p.rank);
+    }
     s_seq = *reinterpret_cast<volatile uint32_t*>(&state->combine_seq) + 1;
     int32_t t = *reinterpret_cast<volatile int32_t*>(&state->dispatch_num_tokens[p.buffer]);
     s_num_tokens = (t < 0 || t > p.max_tokens) ? 0 : t;  // written sanitised by the dispatch
@@ -197,11 +209,18 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   // ---- 4. the last block bumps the counter ----
   __syncthreads();
   if (threadIdx.x == 0) {
+    // Daemon-launched: the last block stores done once every block's rows of combined_x
+    // are written (each block releases its rows before its ticket, the last acquires them).
+    if (p.done_flag != nullptr) device::FenceAcqRelSys();
     const uint32_t ticket = atomicAdd(&state->combine_ticket, 1u);
     s_last = ticket == gridDim.x - 1;
     if (s_last) {
       state->combine_ticket = 0;
       state->combine_seq = seq;
+      if (p.done_flag != nullptr) {
+        device::FenceAcqRelSys();
+        device::StReleaseSys64(p.done_flag, p.done_value);
+      }
     }
   }
 }
@@ -251,6 +270,10 @@ absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombi
   p.x_offset = x_offset;
   p.rows_per_expert = s.ll_rows_per_expert();
   p.timeout_ns = ctx.timeout_ns;
+  p.ready_flag = args.handoff.ready_flag;
+  p.ready_value = args.handoff.ready_value;
+  p.done_flag = args.handoff.done_flag;
+  p.done_value = args.handoff.done_value;
   p.rank = ctx.rank;
   p.num_ranks = s.num_ranks;
   p.num_experts = s.num_experts;
@@ -265,8 +288,7 @@ absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombi
   const bool vec = s.hidden % 8 == 0 && (args.combined_x == nullptr ||
                                          reinterpret_cast<uintptr_t>(args.combined_x) % 16 == 0);
   auto kernel = vec ? LowLatencyCombineKernel<true> : LowLatencyCombineKernel<false>;
-  kernel<<<num_blocks, kLowLatencyThreads, 0, stream>>>(p);
-  return EPD_CUDA_STATUS(cudaGetLastError());
+  return internal::LaunchLowLatency(kernel, num_blocks, 0, args.handoff.programmatic, stream, p);
 }
 
 }  // namespace epd::kernels::cuda

@@ -64,6 +64,10 @@ struct DispatchParams {
   uint64_t recv_src_info_offset;  // ll_recv_src_info[b]
   int64_t rows_per_expert;        // R * Mll
   int64_t timeout_ns;
+  const uint64_t* ready_flag;  // KernelHandoff (null = none)
+  uint64_t ready_value;
+  uint64_t* done_flag;
+  uint64_t done_value;
   int32_t rank;
   int32_t num_ranks;
   int32_t num_experts;
@@ -169,6 +173,13 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   DeviceStatus* status = device::StatusOf(p.own_base, p.sync_offset);
 
   if (threadIdx.x == 0) {
+    // Daemon-launched: the client's inputs (x, topk_idx) are staged once ready >= value.
+    uint64_t ready = 0;
+    if (p.ready_flag != nullptr &&
+        !device::WaitFlag64AtLeast(p.ready_flag, p.ready_value, deadline, &ready) &&
+        blockIdx.x == 0) {
+      device::RecordMissingPeer(status, p.rank);
+    }
     s_seq = *reinterpret_cast<volatile uint32_t*>(&state->dispatch_seq) + 1;
     int32_t t = p.num_tokens_value >= 0 ? p.num_tokens_value
                                         : *reinterpret_cast<const volatile int32_t*>(p.num_tokens);
@@ -464,6 +475,15 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
       device::RecordMissingPeer(status, threadIdx.x);
     }
   }
+  // ---- 6. daemon-launched: done (every sender's rows have landed, block 0 wrote the counts
+  // and the handle; the other blocks are past their last read of the inputs) ----
+  if (blockIdx.x == 0 && p.done_flag != nullptr) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      device::FenceAcqRelSys();
+      device::StReleaseSys64(p.done_flag, p.done_value);
+    }
+  }
 }
 
 }  // namespace
@@ -538,6 +558,10 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
   p.recv_src_info_offset = l.ll_recv_src_info[b].offset;
   p.rows_per_expert = s.ll_rows_per_expert();
   p.timeout_ns = ctx.timeout_ns;
+  p.ready_flag = args.handoff.ready_flag;
+  p.ready_value = args.handoff.ready_value;
+  p.done_flag = args.handoff.done_flag;
+  p.done_value = args.handoff.done_value;
   p.rank = ctx.rank;
   p.num_ranks = s.num_ranks;
   p.num_experts = s.num_experts;
@@ -583,8 +607,7 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
     EPD_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
-  kernel<<<num_blocks, kLowLatencyThreads, smem, stream>>>(p);
-  return EPD_CUDA_STATUS(cudaGetLastError());
+  return internal::LaunchLowLatency(kernel, num_blocks, smem, args.handoff.programmatic, stream, p);
 }
 
 }  // namespace epd::kernels::cuda

@@ -19,23 +19,6 @@ namespace {
 
 __global__ void SetInt32Kernel(int32_t* dst, int32_t value) { *dst = value; }
 
-/// dst[0, n) = src[0, n): 16-byte vectors when both are 16-byte aligned, else bytes.
-__global__ void CopyBytesKernel(uint8_t* dst, const uint8_t* src, uint64_t n) {
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  const uint64_t first = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool aligned =
-      ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0;
-  uint64_t done = 0;
-  if (aligned) {
-    const uint64_t vectors = n / 16;
-    for (uint64_t i = first; i < vectors; i += stride) {
-      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-    }
-    done = vectors * 16;
-  }
-  for (uint64_t i = done + first; i < n; i += stride) dst[i] = src[i];
-}
-
 constexpr int kStatusWords = static_cast<int>(sizeof(DeviceStatus) / sizeof(uint32_t));
 
 /// host[i] = status[i]; status[i] = 0 for the 64 words of a DeviceStatus (EnqueueStatusReadback).
@@ -163,18 +146,9 @@ absl::Status EnqueueStatusReadback(const CudaRankContext& ctx, cudaStream_t stre
 }
 
 absl::Status CopyDeviceAsync(void* dst, const void* src, uint64_t bytes, cudaStream_t stream) {
-  if (bytes == 0) return absl::OkStatus();
-  if (dst == nullptr || src == nullptr) {
-    return absl::InvalidArgumentError("CopyDeviceAsync: null destination or source");
-  }
-  constexpr int kThreads = 512;
-  constexpr uint64_t kBytesPerBlock = 64 * 1024;
-  constexpr uint64_t kCopyMaxBlocks = 32;
-  const uint64_t blocks =
-      std::min<uint64_t>(kCopyMaxBlocks, (bytes + kBytesPerBlock - 1) / kBytesPerBlock);
-  CopyBytesKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes);
-  return EPD_CUDA_STATUS(cudaGetLastError());
+  // One kernel of the batch copy (handoff.cu), without a signal.
+  const DeviceCopy copy{dst, src, bytes};
+  return CopyDeviceBatchAsync(&copy, 1, nullptr, 0, nullptr, stream);
 }
 
 absl::Status ReadAndClearStatus(const CudaRankContext& ctx, cudaStream_t stream, const char* op) {
@@ -227,7 +201,6 @@ absl::Status PreloadKernels() {
   cudaFuncAttributes attr;
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, SetInt32Kernel));
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, StatusReadbackKernel));
-  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, CopyBytesKernel));
   EPD_RETURN_IF_ERROR(internal::PreloadLowLatencyKernels());
   std::vector<absl::Status (*)()> hooks;
   {

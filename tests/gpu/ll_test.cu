@@ -17,6 +17,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../../kernels/cuda/common.cuh"
@@ -730,6 +731,170 @@ TEST(LowLatencyGraph, CapturedDispatchExpertCombineReplaysWithChangingInputsAndT
     EPD_ASSERT_OK(CheckCombine(g, 0, in, ref)) << "replay " << replay;
   }
   for (auto e : execs) cudaGraphExecDestroy(e);
+}
+
+// ---- the daemon-launched hand-off inside the kernels (cuda_ops.h KernelHandoff) ----------
+
+uint64_t ReadWord(const void* device_word) {
+  uint64_t v = 0;
+  cudaMemcpy(&v, device_word, sizeof(v), cudaMemcpyDeviceToHost);
+  return v;
+}
+
+// As the daemon enqueues a stream-ordered low-latency op (WaitFlagAsync, then the kernel
+// launched programmatically with ready/done), while the inputs in the ranks' staging regions
+// are still stale; the client side then stages the real inputs and signals ready with one
+// CopyDeviceBatchAsync per rank from another stream. The kernels must not run before ready
+// (their outputs match the host on the real inputs), must write done, and the batch copy's
+// ticket word must be back at 0. Then the same for combine (the expert outputs are written
+// on the rank's stream before its wait).
+TEST(LowLatencyHandoff, KernelsWaitForReadyThenWriteDone) {
+  REQUIRE_GPU();
+  constexpr int32_t R = 4;
+  auto group = VirtualRankGroup::Create(SmallShape(R));
+  ASSERT_TRUE(group.ok()) << group.status();
+  VirtualRankGroup& g = **group;
+  const auto& l = g.layout();
+  std::mt19937_64 rng(31);
+  std::vector<RankInputs> stale = MakeInputs(SmallCase(R), rng, 1);
+  std::vector<RankInputs> in = MakeInputs(SmallCase(R), rng, 2);
+  HostReference ref;
+  EPD_ASSERT_OK(ComputeHostReference(g.shape(), true, false, in, &ref));
+  EPD_ASSERT_OK(UploadInputs(g, stale));
+  // The real inputs, in device memory of their own (the caller's tensors).
+  std::vector<DeviceBuffer> x(R), idx(R), w(R);
+  for (int32_t r = 0; r < R; ++r) {
+    auto xb = DeviceBuffer::Allocate(in[r].x.size() * 2 + 16);
+    auto ib = DeviceBuffer::Allocate(in[r].topk_idx.size() * 8 + 16);
+    auto wb = DeviceBuffer::Allocate(in[r].weights.size() * 4 + 16);
+    ASSERT_TRUE(xb.ok() && ib.ok() && wb.ok());
+    x[r] = std::move(*xb);
+    idx[r] = std::move(*ib);
+    w[r] = std::move(*wb);
+    ASSERT_EQ(cudaMemcpy(x[r].get(), in[r].x.data(), in[r].x.size() * 2, cudaMemcpyDefault),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(idx[r].get(), in[r].topk_idx.data(), in[r].topk_idx.size() * 8,
+                         cudaMemcpyDefault),
+              cudaSuccess);
+    ASSERT_EQ(
+        cudaMemcpy(w[r].get(), in[r].weights.data(), in[r].weights.size() * 4, cudaMemcpyDefault),
+        cudaSuccess);
+  }
+  auto seen_buffer = DeviceBuffer::Allocate(R * sizeof(uint64_t));
+  ASSERT_TRUE(seen_buffer.ok());
+  auto* seen = reinterpret_cast<uint64_t*>(seen_buffer->get());
+  auto client = CudaStream::Create();
+  ASSERT_TRUE(client.ok());
+  auto flag = [&](int32_t r, uint64_t offset) {
+    return reinterpret_cast<uint64_t*>(g.At<uint8_t>(r, l.launch_flags) + offset);
+  };
+  auto counter = [&](int32_t r) {
+    return reinterpret_cast<uint32_t*>(g.At<uint8_t>(r, l.launch_flags) +
+                                       kernels::kReadySignalCounterOffset);
+  };
+  auto handoff = [&](int32_t r, uint64_t seq) {
+    kc::KernelHandoff h;
+    h.ready_flag = flag(r, kernels::kReadyFlagOffset);
+    h.ready_value = seq;
+    h.done_flag = flag(r, kernels::kDoneFlagOffset);
+    h.done_value = seq;
+    h.programmatic = true;
+    return h;
+  };
+  constexpr int64_t kWaitNs = 10'000'000'000;
+
+  // ---- dispatch (seq 1) ----
+  for (int32_t r = 0; r < R; ++r) {
+    EPD_ASSERT_OK(
+        kc::WaitFlagAsync(flag(r, kernels::kReadyFlagOffset), 1, kWaitNs, seen + r, g.stream(r)));
+    kc::LowLatencyDispatchArgs a;
+    a.buffer = 0;
+    a.use_fp8 = true;
+    a.num_tokens_value = in[r].num_tokens;
+    a.handoff = handoff(r, 1);
+    EPD_ASSERT_OK(kc::LowLatencyDispatch(g.Context(r), a, g.stream(r)));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  for (int32_t r = 0; r < R; ++r) {
+    EXPECT_EQ(cudaStreamQuery(g.stream(r)), cudaErrorNotReady) << "rank " << r << " ran early";
+    EXPECT_EQ(ReadWord(seen + r), 0u) << "rank " << r;
+    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 0u) << "rank " << r;
+  }
+  for (int32_t r = 0; r < R; ++r) {
+    const kc::DeviceCopy copies[3] = {
+        {g.At<uint8_t>(r, l.in_x), x[r].get(), in[r].x.size() * 2},
+        {g.At<uint8_t>(r, l.in_topk_idx), idx[r].get(), in[r].topk_idx.size() * 8},
+        {g.At<uint8_t>(r, l.in_topk_weights), w[r].get(), in[r].weights.size() * 4}};
+    EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(copies, 3, flag(r, kernels::kReadyFlagOffset), 1,
+                                           counter(r), client->get()));
+  }
+  for (int32_t r = 0; r < R; ++r) {
+    ASSERT_EQ(cudaStreamSynchronize(g.stream(r)), cudaSuccess);
+    EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
+    EXPECT_EQ(ReadWord(seen + r), 1u) << "rank " << r;
+    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 1u) << "rank " << r;
+    EXPECT_EQ(ReadWord(counter(r)) & 0xffffffffu, 0u) << "rank " << r << ": ticket not reset";
+  }
+  EPD_ASSERT_OK(CheckDispatch(g, 0, true, in, ref));
+
+  // ---- combine (seq 2): expert outputs first on the rank's stream, then the ready wait ----
+  for (int32_t r = 0; r < R; ++r) {
+    EPD_ASSERT_OK(LaunchExpert(g, r, 0, true, g.stream(r)));
+    EPD_ASSERT_OK(
+        kc::WaitFlagAsync(flag(r, kernels::kReadyFlagOffset), 2, kWaitNs, seen + r, g.stream(r)));
+    kc::LowLatencyCombineArgs a;
+    a.buffer = 0;
+    a.handoff = handoff(r, 2);
+    EPD_ASSERT_OK(kc::LowLatencyCombine(g.Context(r), a, g.stream(r)));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  for (int32_t r = 0; r < R; ++r) {
+    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 1u) << "rank " << r << " ran early";
+  }
+  for (int32_t r = 0; r < R; ++r) {  // No copies: a one-thread signal.
+    EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(nullptr, 0, flag(r, kernels::kReadyFlagOffset), 2,
+                                           counter(r), client->get()));
+  }
+  for (int32_t r = 0; r < R; ++r) {
+    ASSERT_EQ(cudaStreamSynchronize(g.stream(r)), cudaSuccess);
+    EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyCombine"));
+    EXPECT_EQ(ReadWord(seen + r), 2u) << "rank " << r;
+    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 2u) << "rank " << r;
+  }
+  EPD_ASSERT_OK(CheckCombine(g, 0, in, ref));
+}
+
+TEST(LowLatencyHandoff, WaitFlagGivesUpAtItsBoundAndCopyBatchChecksItsArguments) {
+  REQUIRE_GPU();
+  auto words = DeviceBuffer::Allocate(64);
+  ASSERT_TRUE(words.ok());
+  auto* flag = reinterpret_cast<uint64_t*>(words->get());
+  auto stream = CudaStream::Create();
+  ASSERT_TRUE(stream.ok());
+  // Never written: the stream moves on after the bound (50 ms), and `seen` stays untouched.
+  const auto start = std::chrono::steady_clock::now();
+  EPD_ASSERT_OK(kc::WaitFlagAsync(flag, 1, 50'000'000, flag + 1, stream->get()));
+  ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  EXPECT_EQ(ReadWord(flag + 1), 0u);
+  EXPECT_EQ(kc::WaitFlagAsync(nullptr, 1, 1, nullptr, stream->get()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(kc::WaitFlagAsync(flag, 1, 0, nullptr, stream->get()).code(),
+            absl::StatusCode::kInvalidArgument);
+  kc::DeviceCopy copies[kc::kMaxBatchCopies + 1] = {};
+  absl::Status st =
+      kc::CopyDeviceBatchAsync(copies, kc::kMaxBatchCopies + 1, nullptr, 0, nullptr, stream->get());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("num_copies"), std::string::npos) << st;
+  copies[0] = {nullptr, words->get(), 8};
+  EXPECT_EQ(kc::CopyDeviceBatchAsync(copies, 1, nullptr, 0, nullptr, stream->get()).code(),
+            absl::StatusCode::kInvalidArgument);
+  auto big = DeviceBuffer::Allocate(1 << 20);
+  ASSERT_TRUE(big.ok());
+  copies[0] = {big->get(), big->get() + (1 << 19), 1 << 19};  // Several blocks: needs a counter.
+  st = kc::CopyDeviceBatchAsync(copies, 1, flag, 3, nullptr, stream->get());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_EQ(ReadWord(flag), 0u);
 }
 
 }  // namespace

@@ -415,6 +415,16 @@ class Endpoint {
   /// (otherwise x is copied into it). Valid while the endpoint lives; its contents are
   /// read by every rank's LowLatencyCombine, so write it only between combines.
   TensorView LowLatencyCombineInput() const;
+  /// The endpoint's low-latency dispatch input region, [Mll, H] bf16 (kDLCUDA on the CUDA
+  /// backend); empty when the group has no low-latency mode. A caller that produces its
+  /// tokens here (e.g. the layer before writes its output into it) and passes rows [0, T)
+  /// of it as LowLatencyDispatchArgs::x skips the copy of x into the daemon's staging area
+  /// (daemon-launched mode copies x otherwise: 1.8 MB per rank at DeepSeek-V3 decode,
+  /// ~2 µs of HBM time per rank on an H200, plus the staging kernel's place on the
+  /// critical path). Client-launched ops read a caller's x in place anyway. Valid while
+  /// the endpoint lives; read by this rank's next LowLatencyDispatch, so write it only
+  /// after the previous one's done (stream order on the op's stream does that).
+  TensorView LowLatencyDispatchInput() const;
 
   // ---- graph mode (DESIGN.md §3.2; CUDA backend, daemon-launched endpoints) ----
   //

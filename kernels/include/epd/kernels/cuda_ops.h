@@ -154,6 +154,72 @@ absl::Status EnqueueStatusReadback(const CudaRankContext& ctx, cudaStream_t stre
 /// INVALID_ARGUMENT for a null pointer with bytes > 0, INTERNAL for a launch error.
 absl::Status CopyDeviceAsync(void* dst, const void* src, uint64_t bytes, cudaStream_t stream);
 
+// ---- stream-ordered hand-off inside kernels (daemon-launched mode, DESIGN.md §3.2) -------
+//
+// Why kernels and not cuStreamWaitValue64 / cuStreamWriteValue64 (measured on the H200,
+// docs/BENCHMARKS.md "Hand-off"): a stream memory wait is polled by the GPU's front end
+// and is released ~11-17 µs after the flag is written, where a kernel that spins on the
+// flag sees it in ~1 µs; a stream memory write queued behind a kernel lands ~14 µs after
+// the kernel ends, a store by the kernel's last block at once. The same holds between two
+// streams of one process and between MPS clients, so it is the hop, not MPS.
+
+/// One copy of CopyDeviceBatchAsync: `bytes` bytes from `src` to `dst`, device memory of
+/// the current GPU's address space (own allocations, CUDA IPC mappings, peers).
+struct DeviceCopy {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  uint64_t bytes = 0;
+};
+
+/// Most copies one CopyDeviceBatchAsync takes (an op stages at most x, topk_idx,
+/// topk_weights and one more).
+inline constexpr int kMaxBatchCopies = 4;
+
+/// Enqueues ONE kernel on `stream` that does every copy of `copies` (16-byte vectors where
+/// both ends are 16-byte aligned; blocks sized as CopyDeviceAsync for the largest) and then,
+/// when `signal` is not null, stores `signal_value` to *signal (uint64, release at system
+/// scope) once every block's copies are done: the last block to finish (a ticket taken on
+/// *counter, a uint32 device word that is 0 before and after) stores it. This is the client's
+/// "inputs are staged" (ready) flag of daemon-launched mode: the daemon's WaitFlagAsync sees
+/// it about a microsecond later. With no copies it is a one-thread kernel that stores the
+/// signal. Errors: INVALID_ARGUMENT for more than kMaxBatchCopies copies, a null dst/src with
+/// bytes > 0, or a signal without a counter; INTERNAL for a launch error.
+absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint64_t* signal,
+                                  uint64_t signal_value, uint32_t* counter, cudaStream_t stream);
+
+/// Enqueues a one-warp kernel on `stream` that spins until *flag >= value (uint64, acquire
+/// at system scope) or `timeout_ns` of %globaltimer passed; on arrival it stores the value
+/// it read to *seen (when not null: pinned host memory the engine reads, so it can tell
+/// whether the stream got past the wait), then lets the next kernel of the stream start
+/// (griddepcontrol.launch_dependents: a kernel launched right after it with
+/// KernelHandoff::programmatic set starts at once instead of after this one's exit).
+/// The daemon's ready wait of a daemon-launched low-latency op: it holds one warp of one
+/// SM while it waits, never a whole grid (the low-latency kernel behind it is not resident
+/// before the client's inputs are staged, so it takes no SM from the client's own work).
+/// Errors: INVALID_ARGUMENT for a null flag or timeout_ns <= 0; INTERNAL for a launch error.
+absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout_ns, uint64_t* seen,
+                           cudaStream_t stream);
+
+/// The hand-off of a daemon-launched low-latency op done by the op's kernel itself (all
+/// fields optional; the defaults do nothing):
+///   ready: every block's first thread waits until *ready_flag >= ready_value (acquire at
+///          system scope; bounded by CudaRankContext::timeout_ns, then DeviceStatus.timed_out
+///          is set and the op goes on) before it reads any input, so inputs staged by
+///          another stream or process are visible to the whole block;
+///   done:  once this rank's outputs are complete (dispatch: every sender's rows landed in
+///          its receive buffers; combine: combined_x written) one thread stores done_value to
+///          *done_flag (uint64, release at system scope), which the client's stream waits for;
+///   programmatic: launch with programmatic stream serialization (cudaLaunchKernelEx), so
+///          the kernel starts as soon as a WaitFlagAsync just before it on the stream passes.
+/// Flags are the endpoint's launch_flags words (layout.h kReadyFlagOffset / kDoneFlagOffset).
+struct KernelHandoff {
+  const uint64_t* ready_flag = nullptr;
+  uint64_t ready_value = 0;
+  uint64_t* done_flag = nullptr;
+  uint64_t done_value = 0;
+  bool programmatic = false;
+};
+
 /// Synchronizes `stream`, reads and clears the rank's DeviceStatus and converts it with
 /// StatusFromDevice(op). For tests and slow paths (it blocks the CPU). A CUDA error of the
 /// stream itself is returned as INTERNAL.
@@ -263,6 +329,8 @@ struct LowLatencyDispatchArgs {
   const bf16_bits* x = nullptr;
   /// [T, K] int64 on this GPU; null = this rank's in_topk_idx region.
   const int64_t* topk_idx = nullptr;
+  /// Daemon-launched stream-ordered hand-off (KernelHandoff); default none.
+  KernelHandoff handoff;
 };
 
 /// Enqueues one rank's low-latency dispatch on `stream`. Errors: INVALID_ARGUMENT for a
@@ -293,6 +361,8 @@ struct LowLatencyCombineArgs {
   const float* topk_weights = nullptr;
   /// [T, H] bf16 output on this GPU; null = this rank's ll_combined_x[buffer].
   bf16_bits* combined_x = nullptr;
+  /// Daemon-launched stream-ordered hand-off (KernelHandoff); default none.
+  KernelHandoff handoff;
 };
 
 /// Enqueues one rank's low-latency combine on `stream`. Errors: INVALID_ARGUMENT for a bad

@@ -59,12 +59,18 @@ inline constexpr uint64_t kSyncRegionBytes = 64 * 1024;
 /// stream and the daemon's stream in daemon-launched mode (DESIGN.md §3.2), zeroed at
 /// creation. Layout (byte offsets inside the region, every word a uint64 in GPU memory):
 ///   kReadyFlagOffset   ready_seq: the client's stream writes the op's seq once the op's
-///                      inputs are staged (cuStreamWriteValue64); the daemon's stream
-///                      waits for ready_seq >= seq before the op's kernels.
-///   kDoneFlagOffset    done_seq: the daemon's stream writes seq after the op's kernels
-///                      (and the engine writes it for an op that fails before launch);
-///                      the client's stream waits for done_seq >= seq before it reads
-///                      the outputs.
+///                      inputs are staged (the last block of the staging kernel,
+///                      kc::CopyDeviceBatchAsync); the daemon's stream waits for
+///                      ready_seq >= seq before the op's kernels (low-latency ops: in a
+///                      WaitFlagAsync kernel; others: cuStreamWaitValue64).
+///   kDoneFlagOffset    done_seq: written with seq once the op's outputs are complete: by
+///                      the daemon's low-latency kernel itself (KernelHandoff), for other
+///                      ops by the daemon's stream after the kernels (cuStreamWriteValue64),
+///                      and by the engine for an op that fails before launch; the
+///                      client's stream waits for done_seq >= seq before it reads the
+///                      outputs.
+///   kReadySignalCounterOffset uint32 ticket of the staging kernel's blocks (the last one
+///                      writes ready_seq); 0 between ops. Client-owned.
 ///   kProgramGoOffset   graph mode (DESIGN.md §3.2): the client's stream writes 1 once a
 ///                      program step's inputs are staged (cuStreamWriteValue64); the
 ///                      daemon's stream waits for go >= 1, then writes 0, then runs the
@@ -76,12 +82,13 @@ inline constexpr uint64_t kSyncRegionBytes = 64 * 1024;
 ///                      a client stream running further steps never waits forever.
 ///   kProgramInstanceOffset graph mode: the daemon's stream writes the instance number
 ///                      (1, 2, ... since the program was armed) before done.
-///   [88, 4096)         reserved.
+///   [88, 4096) and [20, 64) reserved.
 /// Graph-mode words hold only 0/1 (and kProgramReleased): every value a captured client
 /// graph writes or waits for is a constant, so replays stay valid.
 inline constexpr uint64_t kLaunchFlagsRegionBytes = 4096;
 inline constexpr uint64_t kReadyFlagOffset = 0;
 inline constexpr uint64_t kDoneFlagOffset = 8;
+inline constexpr uint64_t kReadySignalCounterOffset = 16;
 inline constexpr uint64_t kProgramGoOffset = 64;
 inline constexpr uint64_t kProgramDoneOffset = 72;
 inline constexpr uint64_t kProgramInstanceOffset = 80;

@@ -1,0 +1,137 @@
+// The stream-ordered hand-off of daemon-launched mode done by kernels (cuda_ops.h
+// CopyDeviceBatchAsync, WaitFlagAsync; DESIGN.md §3.2; why not stream memory operations:
+// cuda_ops.h and docs/BENCHMARKS.md "Hand-off").
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common.cuh"
+#include "epd/common/status_macros.h"
+#include "epd/kernels/cuda_ops.h"
+
+namespace epd::kernels::cuda {
+namespace {
+
+/// The copies of one CopyDeviceBatchAsync, by value (kernel parameter space).
+struct BatchCopyParams {
+  DeviceCopy copies[kMaxBatchCopies];
+  int32_t num_copies;
+  uint64_t* signal;
+  uint64_t signal_value;
+  uint32_t* counter;
+};
+
+__device__ __forceinline__ void CopyRange(uint8_t* dst, const uint8_t* src, uint64_t n,
+                                          uint64_t first, uint64_t stride) {
+  const bool aligned =
+      ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0;
+  uint64_t done = 0;
+  if (aligned) {
+    const uint64_t vectors = n / 16;
+    for (uint64_t i = first; i < vectors; i += stride) {
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+    }
+    done = vectors * 16;
+  }
+  for (uint64_t i = done + first; i < n; i += stride) dst[i] = src[i];
+}
+
+__global__ void BatchCopySignalKernel(const BatchCopyParams p) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  const uint64_t first = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int32_t c = 0; c < p.num_copies; ++c) {
+    CopyRange(static_cast<uint8_t*>(p.copies[c].dst), static_cast<const uint8_t*>(p.copies[c].src),
+              p.copies[c].bytes, first, stride);
+  }
+  if (p.signal == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (gridDim.x == 1) {
+    device::FenceAcqRelSys();
+    device::StReleaseSys64(p.signal, p.signal_value);
+    return;
+  }
+  // The last block to finish stores the signal: each block releases its copies with the
+  // fence before its ticket; the last one acquires them all with the fence after it.
+  device::FenceAcqRelSys();
+  const uint32_t ticket = atomicAdd(p.counter, 1u);
+  if (ticket != gridDim.x - 1) return;
+  device::FenceAcqRelSys();
+  *p.counter = 0;
+  device::StReleaseSys64(p.signal, p.signal_value);
+}
+
+__global__ void WaitFlagKernel(const uint64_t* flag, uint64_t value, int64_t timeout_ns,
+                               uint64_t* seen) {
+  if (threadIdx.x == 0) {
+    const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(timeout_ns);
+    uint64_t v = 0;
+    if (device::WaitFlag64AtLeast(flag, value, deadline, &v) && seen != nullptr) {
+      *reinterpret_cast<volatile uint64_t*>(seen) = v;
+    }
+  }
+  __syncwarp();
+  // The kernel launched after this one with programmatic stream serialization may start.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+absl::Status PreloadHandoffKernels() {
+  cudaFuncAttributes attr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, BatchCopySignalKernel));
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, WaitFlagKernel));
+  return absl::OkStatus();
+}
+const bool kHandoffPreloadRegistered = RegisterPreloadHook(&PreloadHandoffKernels);
+
+}  // namespace
+
+absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint64_t* signal,
+                                  uint64_t signal_value, uint32_t* counter, cudaStream_t stream) {
+  (void)kHandoffPreloadRegistered;
+  if (num_copies < 0 || num_copies > kMaxBatchCopies || (num_copies > 0 && copies == nullptr)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CopyDeviceBatchAsync: num_copies = ", num_copies, " is outside [0, ",
+                     kMaxBatchCopies, "]"));
+  }
+  BatchCopyParams p{};
+  uint64_t largest = 0;
+  int32_t n = 0;
+  for (int c = 0; c < num_copies; ++c) {
+    if (copies[c].bytes == 0) continue;
+    if (copies[c].dst == nullptr || copies[c].src == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CopyDeviceBatchAsync: copy ", c, " has a null destination or source"));
+    }
+    p.copies[n++] = copies[c];
+    largest = std::max(largest, copies[c].bytes);
+  }
+  p.num_copies = n;
+  if (n == 0 && signal == nullptr) return absl::OkStatus();
+  p.signal = signal;
+  p.signal_value = signal_value;
+  p.counter = counter;
+  // As CopyDeviceAsync: one 512-thread block per 64 KiB of the largest copy, at most 32.
+  constexpr int kThreads = 512;
+  constexpr uint64_t kBytesPerBlock = 64 * 1024;
+  constexpr uint64_t kMaxBlocks = 32;
+  const uint64_t blocks =
+      std::clamp<uint64_t>((largest + kBytesPerBlock - 1) / kBytesPerBlock, 1, kMaxBlocks);
+  if (signal != nullptr && blocks > 1 && counter == nullptr) {
+    return absl::InvalidArgumentError(
+        "CopyDeviceBatchAsync: a signal after a multi-block copy needs a counter word");
+  }
+  BatchCopySignalKernel<<<static_cast<unsigned>(blocks), n == 0 ? 32 : kThreads, 0, stream>>>(p);
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
+
+absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout_ns, uint64_t* seen,
+                           cudaStream_t stream) {
+  if (flag == nullptr || timeout_ns <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("WaitFlagAsync: flag = ", flag == nullptr ? "null" : "set",
+                     ", timeout_ns = ", timeout_ns, " (need a flag and timeout_ns > 0)"));
+  }
+  WaitFlagKernel<<<1, 32, 0, stream>>>(flag, value, timeout_ns, seen);
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
+
+}  // namespace epd::kernels::cuda
