@@ -210,8 +210,10 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   __syncthreads();
   if (threadIdx.x == 0) {
     // Daemon-launched: the last block stores done once every block's rows of combined_x
-    // are written (each block releases its rows before its ticket, the last acquires them).
-    if (p.done_flag != nullptr) device::FenceAcqRelSys();
+    // are written (each block releases its rows before its ticket at .gpu scope: every
+    // block runs on this GPU; the last one acquires them and publishes done at .sys scope,
+    // which the client's stream reads through the GPU's front end).
+    if (p.done_flag != nullptr) device::FenceAcqRel(/*gpu=*/true);
     const uint32_t ticket = atomicAdd(&state->combine_ticket, 1u);
     s_last = ticket == gridDim.x - 1;
     if (s_last) {

@@ -50,6 +50,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "bench.h"
@@ -63,6 +64,10 @@
 
 ABSL_FLAG(std::string, epd, "",
           "launch bench: the epd binary to start (default: the epd next to epd_bench)");
+ABSL_FLAG(std::string, epd_args, "",
+          "launch bench: comma-separated extra flags for the epd it starts, e.g. "
+          "--engine_idle_us=20000 (an engine that keeps polling between the bench's "
+          "iterations instead of sleeping after 100 us)");
 ABSL_FLAG(std::string, socket, "",
           "launch bench: use the epd already serving on this socket instead of starting one");
 ABSL_FLAG(int, launch_iters, 1000, "launch bench: timed iterations per mode (after warm-up)");
@@ -509,6 +514,10 @@ absl::Status Run(Report* report) {
     dopt.tcp = false;
     dopt.log_level = "info";
     dopt.start_timeout = absl::Seconds(60);
+    for (absl::string_view arg :
+         absl::StrSplit(absl::GetFlag(FLAGS_epd_args), ',', absl::SkipEmpty())) {
+      dopt.extra_args.emplace_back(arg);
+    }
     absl::StatusOr<std::unique_ptr<testing::DaemonProcess>> started =
         testing::DaemonProcess::Start(dopt);
     if (!started.ok()) {
@@ -517,7 +526,8 @@ absl::Status Run(Report* report) {
     }
     daemon = std::move(*started);
     copt.socket_path = daemon->socket_path();
-    report->daemon = absl::StrCat(epd, " --backend=cuda on ", daemon->socket_path());
+    report->daemon = absl::StrCat(epd, " --backend=cuda ", absl::StrJoin(dopt.extra_args, " "),
+                                  dopt.extra_args.empty() ? "" : " ", "on ", daemon->socket_path());
   }
   absl::Status st;
   {
