@@ -400,7 +400,8 @@ class ClientLaunchTest : public testing::InProcessEpdTest<ClientLaunchTest> {
 /// `reject` pass a topk_idx of the wrong dtype (their op call must fail at once). Returns the blobs
 /// of the ranks that succeeded, the statuses of the others.
 GroupResult RunLowLatency(Group& g, std::vector<RankInputs>& in, bool fp8, bool round_scale,
-                          bool host_idx = false, int reject = -1, bool no_stream = false) {
+                          bool host_idx = false, int reject = -1, bool no_stream = false,
+                          bool in_place = false) {
   const int R = g.R(), H = g.spec.hidden(), K = g.spec.num_topk();
   const int64_t El = g.shape.num_local_experts(), rows = g.shape.ll_rows_per_expert();
   GroupResult out(R);
@@ -416,6 +417,21 @@ GroupResult RunLowLatency(Group& g, std::vector<RankInputs>& in, bool fp8, bool 
     if (r == reject) idx[r].dtype = kF32;
     w[r] = Tensor(in[r].dw.get(), kF32, ks[r], true);
     y[r] = Tensor(in[r].dy.get(), kBf16, ys[r], true);
+    if (in_place) {
+      // x and the expert outputs produced in the endpoint's own staging regions
+      // (LowLatencyDispatchInput / LowLatencyCombineInput): nothing is copied for them.
+      const TensorView xin = g.eps[r]->LowLatencyDispatchInput();
+      const TensorView yin = g.eps[r]->LowLatencyCombineInput();
+      EXPECT_EQ(xin.shape()[0], g.spec.ll_max_tokens_per_rank());
+      EXPECT_EQ(yin.nbytes(), static_cast<size_t>(El * rows * H * 2));
+      EXPECT_EQ(cudaMemcpy(xin.data(), in[r].dx.get(), static_cast<size_t>(in[r].T) * H * 2,
+                           cudaMemcpyDefault),
+                cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(yin.data(), in[r].dy.get(), yin.nbytes(), cudaMemcpyDefault),
+                cudaSuccess);
+      x[r] = Tensor(xin.data(), kBf16, xs[r], true);
+      y[r] = Tensor(yin.data(), kBf16, ys[r], true);
+    }
   }
   std::vector<std::optional<PendingOp<LowLatencyDispatchResult>>> dops(R);
   for (int r = 0; r < R; ++r) {
@@ -588,30 +604,31 @@ std::vector<int> Tokens(int R, int Mll, int salt) {
 TEST_F(ClientLaunchTest, LowLatencyBothModesMatchHost) {
   for (int R : {2, 8}) {
     const int Mll = 32;
-    GroupResult by_mode[2][3];
+    GroupResult by_mode[2][4];
     for (int m = 0; m < 2; ++m) {
       const v1::GroupSpec spec = Spec(absl::StrCat("ll-", R, "-", m), R, /*H=*/1024, Mll);
       Group g = Join(spec, kModes[m]);
       ASSERT_EQ(static_cast<int>(g.eps.size()), R);
       struct Round {
         testing::RoutingOptions routing;
-        bool fp8, round_scale, host_idx, no_stream;
+        bool fp8, round_scale, host_idx, no_stream, in_place;
       };
-      const Round rounds[] = {{{}, false, false, false, false},
-                              {{.masked_fraction = 0.5}, true, false, true, true},
-                              {{.one_expert = 1}, true, true, false, false}};
-      for (int i = 0; i < 3; ++i) {
+      const Round rounds[] = {{{}, false, false, false, false, false},
+                              {{.masked_fraction = 0.5}, true, false, true, true, false},
+                              {{.one_expert = 1}, true, true, false, false, false},
+                              {{}, true, false, false, false, true}};
+      for (int i = 0; i < 4; ++i) {
         const Round& round = rounds[i];
         std::vector<RankInputs> in = MakeInputs(spec, Tokens(R, Mll, i), round.routing, 100 + i);
         GroupResult want = HostLowLatency(g.shape, in, round.fp8, round.round_scale);
-        by_mode[m][i] =
-            RunLowLatency(g, in, round.fp8, round.round_scale, round.host_idx, -1, round.no_stream);
+        by_mode[m][i] = RunLowLatency(g, in, round.fp8, round.round_scale, round.host_idx, -1,
+                                      round.no_stream, round.in_place);
         ExpectSame(want, by_mode[m][i],
                    absl::StrCat(ModeName(kModes[m]), " R=", R, " round ", i,
-                                round.fp8 ? " fp8" : " bf16"));
+                                round.fp8 ? " fp8" : " bf16", round.in_place ? " in place" : ""));
       }
     }
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 4; ++i) {
       ExpectSame(by_mode[0][i], by_mode[1][i],
                  absl::StrCat("daemon vs client R=", R, " round ", i));
     }
