@@ -214,6 +214,9 @@ class CudaDataPlaneImpl : public DataPlane {
   void Shutdown() override;
 
   const CudaDataPlaneOptions& options() const { return options_; }
+  /// Whether daemon-launched low-latency ops wait for ready_seq in a WaitFlagAsync kernel
+  /// (CudaDataPlaneOptions::kernel_ready_wait; by default: MPS is active for this daemon).
+  bool kernel_ready_wait() const { return kernel_ready_wait_; }
   /// The daemon's ordinal of `gpu_uuid` ("" = the first GPU). NOT_FOUND otherwise.
   absl::StatusOr<int> DeviceOf(const std::string& gpu_uuid) const;
   const std::string& UuidOf(int device) const { return uuids_.at(device); }
@@ -229,6 +232,7 @@ class CudaDataPlaneImpl : public DataPlane {
 
  private:
   CudaDataPlaneOptions options_;
+  bool kernel_ready_wait_ = false;     // See kernel_ready_wait().
   std::map<int, std::string> uuids_;   // ordinal → UUID.
   std::map<int, std::set<int>> peer_;  // ordinal → peers it can access.
   std::map<int, std::unique_ptr<GpuEngine>> engines_;
@@ -342,10 +346,11 @@ class CudaGroup : public LockstepGroup {
   kc::CudaRankContext Context(int32_t r, int32_t num_sms) const;
   /// Enqueues rank r's part of `plan` on its stream: for a stream-ordered slot first the
   /// wait for ready_seq >= seq (then *ready_wait = true), then the op's kernels.
-  /// A stream-ordered low-latency op waits in a WaitFlagAsync kernel instead (then
-  /// *ready_spin = true) and its kernel writes done_seq itself.
+  /// A stream-ordered low-latency op's kernel checks ready_seq and writes done_seq itself
+  /// (*kernel_done = true); with kernel_ready_wait() it waits in a WaitFlagAsync kernel
+  /// instead of cuStreamWaitValue64 (*ready_spin = true instead of *ready_wait).
   absl::Status LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
-                          bool* ready_wait, bool* ready_spin);
+                          bool* ready_wait, bool* ready_spin, bool* kernel_done);
   absl::Status ResetSync();
   /// Serves this group from the engine of `device` unless an engine already does.
   void AdoptEngine(int device);
@@ -364,6 +369,8 @@ class CudaGroup : public LockstepGroup {
     /// The rank's ready wait is a WaitFlagAsync kernel (Readback::ready_seen tells whether it
     /// passed) and its low-latency kernel writes done_seq.
     std::vector<bool> ready_spin;
+    /// The rank's low-latency kernel writes done_seq (KernelHandoff), when it launched.
+    std::vector<bool> kernel_done;
     Clock::time_point started;
   };
   /// Gives every vector of `op` R entries (no allocation when they already have).
@@ -374,6 +381,7 @@ class CudaGroup : public LockstepGroup {
     op.stream_ordered.resize(R);
     op.ready_wait.resize(R);
     op.ready_spin.resize(R);
+    op.kernel_done.resize(R);
   }
   /// Moves a finished op's vectors back into spare_ for the next op, dropping its rank
   /// references (a rank that left during the op is freed here, not kept by the spare).
@@ -429,6 +437,10 @@ absl::Status CudaDataPlaneImpl::Init() {
         absl::StrCat("the CUDA data plane needs a GPU: ", inventory.reason()));
   }
   auto log = EngineLog();
+  kernel_ready_wait_ = options_.kernel_ready_wait.value_or(inventory.mps().active);
+  log->info("daemon-launched low-latency ops wait for their client's ready flag {}",
+            kernel_ready_wait_ ? "in a one-warp kernel (MPS or forced)"
+                               : "with cuStreamWaitValue64 (no MPS: contexts time-slice)");
   for (const v1::GpuInfo& g : inventory.gpus()) uuids_[g.ordinal()] = g.uuid();
   // Peer access among every pair of GPUs that supports it.
   for (const auto& [a, ua] : uuids_) {
@@ -732,7 +744,7 @@ absl::Status CudaGroup::ResetSync() {
 }
 
 absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
-                                   bool* ready_wait, bool* ready_spin) {
+                                   bool* ready_wait, bool* ready_spin, bool* kernel_done) {
   const CudaRank& cr = *ranks_[r];
   const EndpointLayout& L = layout();
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
@@ -750,18 +762,26 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
   // launched programmatically behind it (it checks ready_seq itself and writes done_seq).
   // Its bound outlasts the engine's give-up (op_timeout + kGpuGrace), after which
   // ReleaseReadyWaits writes ready_seq from the host.
+  // Without MPS (plane_->kernel_ready_wait() false) the client's and the daemon's contexts
+  // time-slice the GPU, and a spinning wait would hold the slice the client's staging kernel
+  // needs (~2 ms a hop, DESIGN.md §3.2): the ready wait is then cuStreamWaitValue64, and
+  // the kernel still checks ready_seq and writes done_seq.
   kc::KernelHandoff handoff;
-  if ((slot.flags & abi::kFlagStreamOrdered) && low_latency) {
+  const bool kernel_handoff = (slot.flags & abi::kFlagStreamOrdered) && low_latency;
+  if (kernel_handoff) {
+    handoff.ready_flag = reinterpret_cast<const uint64_t*>(cr.ready_flag());
+    handoff.ready_value = slot.seq;
+    handoff.done_flag = reinterpret_cast<uint64_t*>(cr.done_flag());
+    handoff.done_value = slot.seq;
+    *kernel_done = true;
+  }
+  if (kernel_handoff && plane_->kernel_ready_wait()) {
     const auto bound = std::chrono::milliseconds(options().op_timeout_ms) + 2 * kGpuGrace;
     EPD_RETURN_IF_ERROR(
         kc::WaitFlagAsync(reinterpret_cast<const uint64_t*>(cr.ready_flag()), slot.seq,
                           std::chrono::duration_cast<std::chrono::nanoseconds>(bound).count(),
                           &cr.readback->ready_seen, s));
     *ready_spin = true;
-    handoff.ready_flag = reinterpret_cast<const uint64_t*>(cr.ready_flag());
-    handoff.ready_value = slot.seq;
-    handoff.done_flag = reinterpret_cast<uint64_t*>(cr.done_flag());
-    handoff.done_value = slot.seq;
     handoff.programmatic = true;
   } else if (slot.flags & abi::kFlagStreamOrdered) {
     // The client's stream writes ready_seq = seq once it has staged the inputs; this
@@ -856,15 +876,18 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
     op.stream_ordered[r] = (slots[r].flags & abi::kFlagStreamOrdered) != 0;
     op.ready_wait[r] = false;
     op.ready_spin[r] = false;
+    op.kernel_done[r] = false;
   }
   // Every rank's kernel is enqueued before any is waited for; a launch error on one rank
   // still launches the others, whose waits then end at the kernel timeout.
   for (int r = 0; r < R; ++r) {
     bool ready_wait = false;
     bool ready_spin = false;
-    op.launch[r] = LaunchRank(plan, slots[r], r, &ready_wait, &ready_spin);
+    bool kernel_done = false;
+    op.launch[r] = LaunchRank(plan, slots[r], r, &ready_wait, &ready_spin, &kernel_done);
     op.ready_wait[r] = ready_wait;
     op.ready_spin[r] = ready_spin;
+    op.kernel_done[r] = kernel_done;
   }
   for (int r = 0; r < R; ++r) {
     const CudaRank& cr = *ranks_[r];
@@ -872,9 +895,9 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
     absl::Status st =
         kc::EnqueueStatusReadback(Context(r, 0), cr.stream.get(), &cr.readback->status);
     // done_seq = seq after the kernels and the read-back, also when a launch failed, so
-    // the client's stream is released on every path (a launched low-latency kernel with a
-    // ready spin wrote it itself, before this read-back).
-    if (op.stream_ordered[r] && !(op.ready_spin[r] && op.launch[r].ok())) {
+    // the client's stream is released on every path (a launched low-latency kernel wrote it
+    // itself, before this read-back).
+    if (op.stream_ordered[r] && !(op.kernel_done[r] && op.launch[r].ok())) {
       absl::Status done = WriteDone(cr, plan.seq);
       if (st.ok()) st = done;
     }

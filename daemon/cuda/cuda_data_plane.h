@@ -29,15 +29,18 @@
 //    the inputs are staged), then runs the kernels and the read-back, and done_seq = seq is
 //    written, which the client's stream waits for (cuStreamWaitValue64). Low-latency ops
 //    hand off inside kernels (kernels/cuda_ops.h KernelHandoff; ~60 µs less per op on the
-//    H200 than stream memory operations, docs/BENCHMARKS.md "Hand-off"): a one-warp
-//    WaitFlagAsync kernel waits for ready_seq, the op's kernel is launched programmatically
-//    behind it (it starts the moment the wait passes, and is not resident before, so it
-//    takes no SM from the client's own work), checks ready_seq itself and writes done_seq
-//    from its last block; the status read-back follows, off the client's path. Other ops
-//    wait with cuStreamWaitValue64 and write done_seq with cuStreamWriteValue64 after the
-//    read-back. An op that ends without its kernels (rejected slot, client error, a rank
-//    that never arrived or left, shutdown) still gets done_seq = seq on the stream of
-//    every rank whose request had the flag (LockstepGroup::OpEndedWithoutLaunch). If a
+//    H200 under MPS than stream memory operations, docs/BENCHMARKS.md "Hand-off"): under
+//    MPS (CudaDataPlaneOptions::kernel_ready_wait) a one-warp WaitFlagAsync kernel waits
+//    for ready_seq and the op's kernel is launched programmatically behind it (it starts
+//    the moment the wait passes, and is not resident before, so it takes no SM from the
+//    client's own work); without MPS cuStreamWaitValue64 waits (a spinning kernel would hold
+//    the time slice the client needs). The op's kernel checks ready_seq itself and writes
+//    done_seq once the rank's outputs are complete (dispatch: block 0, after every sender's
+//    rows landed; combine: the last block to finish); the status read-back follows, off the
+//    client's path. Other ops wait with cuStreamWaitValue64 and write done_seq with
+//    cuStreamWriteValue64 after the read-back. An op that ends without its kernels (rejected slot,
+//    client error, a rank that never arrived or left, shutdown) still gets done_seq = seq on the
+//    stream of every rank whose request had the flag (LockstepGroup::OpEndedWithoutLaunch). If a
 //    client never writes ready_seq, the engine gives the op up after op_timeout + 5 s and
 //    writes ready_seq = seq from the host so the stream (and the group) moves on (the
 //    WaitFlagAsync kernel's bound, op_timeout + 10 s, outlasts that; its pinned ready_seen
@@ -98,6 +101,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -116,6 +120,15 @@ struct CudaDataPlaneOptions {
   std::vector<std::string> gpu_uuids;  ///< GPUs to use; empty = every visible GPU.
   int32_t num_sms = 0;                 ///< Blocks per rank's kernel; 0 = SM count / ranks of
                                        ///< the group on that GPU (every rank resident).
+  /// How a daemon-launched low-latency op waits for its client's ready flag: true = a
+  /// one-warp spinning kernel with the op's kernel launched programmatically behind it
+  /// (docs/BENCHMARKS.md "Hand-off": ~13 µs less per op under MPS); false =
+  /// cuStreamWaitValue64, which without MPS is the only sane choice: the client's and the
+  /// daemon's contexts then time-slice the GPU, and a spinning kernel would hold the slice
+  /// the client's staging kernel needs (~2 ms a hop, DESIGN.md §3.2). Unset = true exactly
+  /// when MPS is active for this daemon (DetectMps at start-up). Either way the op's kernel
+  /// checks ready_seq and writes done_seq itself.
+  std::optional<bool> kernel_ready_wait;
   /// Test seam (unset in the daemon): called once on each engine thread (one per GPU)
   /// before its first poll. tests/gpu/cuda_hot_path_alloc_test.cc marks the engine threads
   /// with it to count their heap allocations per op.

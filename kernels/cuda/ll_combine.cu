@@ -2,6 +2,8 @@
 //
 // One kernel per rank, every rank's kernel resident at once. Per op (seq = the rank's
 // combine counter + 1, kept in its sync region):
+//  0. Daemon-launched (KernelHandoff): every block's first thread waits (bounded) until the
+//     client's ready_seq reaches the op's seq (expert outputs, topk_idx, weights staged).
 //  1. Block 0 st.release.sys combine_flag[rank] = seq at every rank: this rank's expert
 //     outputs (written by earlier work on its stream) are complete.
 //  2. Every block waits (bounded) until all R combine flags reach seq.
@@ -10,7 +12,8 @@
 //     (16-byte loads, up to 4 k's in flight) and accumulates in f32 in ascending k, each
 //     product rounded to f32 and then added (__fmul_rn / __fadd_rn: no fma), then rounds
 //     once to bf16: bit-identical to the host reference.
-//  4. The last block (ticket) bumps the combine counter.
+//  4. The last block (ticket) bumps the combine counter and, daemon-launched, stores
+//     done_seq (every block has written its rows of combined_x and read its last input).
 // No completion signal is needed: an owner overwrites its expert outputs only after its
 // next dispatch, which cannot finish before every rank has entered that dispatch, i.e.
 // finished this combine.

@@ -20,9 +20,13 @@
 //     loaded and quantised between steps 2 and 3 (while the counts travel); later units are
 //     loaded two ahead of the stores. Block 0 then writes this rank's recv_count and
 //     handle positions (only this rank's later kernels read them).
+//  0. Daemon-launched (KernelHandoff): before step 1 every block's first thread waits
+//     (bounded) until the client's ready_seq reaches the op's seq (its inputs are staged).
 //  5. Each block takes a ticket; the last one st.release.sys data_flag[rank] = seq at every
 //     rank (all of this rank's rows have landed) and bumps the counter. Block 0 then waits
 //     (bounded) for all R data flags: the op's outputs are complete when the kernel ends.
+//  6. Daemon-launched: block 0 then stores done_seq (st.release.sys), which the client's
+//     stream waits for; after a timeout it first waits (bounded) for every block's ticket.
 // Counts are double-buffered by seq parity: a sender can be at most one op ahead of any
 // reader of its counts (it needs everybody's counts of the next op to pass step 3).
 #include <cstddef>
@@ -480,6 +484,15 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   if (blockIdx.x == 0 && p.done_flag != nullptr) {
     __syncthreads();
     if (threadIdx.x == 0) {
+      if (!counts_ok) {
+        // Timed out: block 0 did not wait for the senders, so wait (bounded) until every
+        // block has taken its ticket (the last one sets dispatch_seq): none reads the
+        // inputs after done, which lets the client overwrite them.
+        const uint64_t until = GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
+        while (*reinterpret_cast<volatile uint32_t*>(&state->dispatch_seq) != seq &&
+               GlobalTimerNs() < until) {
+        }
+      }
       device::FenceAcqRelSys();
       device::StReleaseSys64(p.done_flag, p.done_value);
     }

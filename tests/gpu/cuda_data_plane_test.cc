@@ -31,6 +31,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -345,11 +346,15 @@ GroupResult RunLowLatency(PlaneGroup& g, Inputs& in, bool fp8, bool round_scale,
 
 class CudaDataPlaneTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { SetUpPlanes(std::nullopt); }
+  /// `kernel_ready_wait`: CudaDataPlaneOptions::kernel_ready_wait (unset = the daemon's
+  /// default: a WaitFlagAsync kernel under MPS, cuStreamWaitValue64 otherwise).
+  void SetUpPlanes(std::optional<bool> kernel_ready_wait) {
     std::string why;
     if (!testing::HaveGpu(&why)) GTEST_SKIP() << why;
     CudaDataPlaneOptions o;
     o.op_timeout_ms = 1000;
+    o.kernel_ready_wait = kernel_ready_wait;
     auto cuda = MakeCudaDataPlane(o);
     ASSERT_TRUE(cuda.ok()) << cuda.status();
     cuda_ = std::move(*cuda);
@@ -621,7 +626,21 @@ void RunOrderedDispatchAndCheckCounts(std::vector<RawRank>& ranks, const kernels
   }
 }
 
-TEST_F(CudaDataPlaneTest, StreamOrderedOpRunsOnlyOnceReadyIsWrittenThenWritesDone) {
+/// The stream-ordered tests, with each way a daemon-launched low-latency op can wait for its
+/// client's ready flag (CudaDataPlaneOptions::kernel_ready_wait): cuStreamWaitValue64 (no
+/// MPS) and a WaitFlagAsync kernel with the op's kernel launched programmatically (MPS).
+class CudaDataPlaneOrderedTest : public CudaDataPlaneTest,
+                                 public ::testing::WithParamInterface<bool> {
+ protected:
+  void SetUp() override { SetUpPlanes(GetParam()); }
+};
+
+INSTANTIATE_TEST_SUITE_P(ReadyWait, CudaDataPlaneOrderedTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return std::string(info.param ? "InAKernel" : "StreamWait");
+                         });
+
+TEST_P(CudaDataPlaneOrderedTest, StreamOrderedOpRunsOnlyOnceReadyIsWrittenThenWritesDone) {
   const int R = 2, E = 8, K = 2, T = 6;
   const v1::GroupSpec spec = Spec("ordered", R, E, 256, K, 16, 16);
   const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(ShapeOf(spec));
@@ -694,7 +713,7 @@ TEST_F(CudaDataPlaneTest, StreamOrderedOpRunsOnlyOnceReadyIsWrittenThenWritesDon
   }
 }
 
-TEST_F(CudaDataPlaneTest, StreamOrderedFailuresStillWriteDone) {
+TEST_P(CudaDataPlaneOrderedTest, StreamOrderedFailuresStillWriteDone) {
   const int R = 2, E = 8, K = 2, H = 256, T = 4;
   const v1::GroupSpec spec = Spec("ordered-fail", R, E, H, K, 16, 16);
   const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(ShapeOf(spec));
@@ -768,7 +787,7 @@ TEST_F(CudaDataPlaneTest, StreamOrderedFailuresStillWriteDone) {
 // died between the two): the engine gives the op up after op_timeout + 5 s, releases the
 // rank's stream from the host (ready_seq = seq), the late kernels end at their own timeout
 // and write done_seq, and the group's next op is correct.
-TEST_F(CudaDataPlaneTest, ReadyNeverWrittenIsGivenUpThenTheGroupRecovers) {
+TEST_P(CudaDataPlaneOrderedTest, ReadyNeverWrittenIsGivenUpThenTheGroupRecovers) {
   const int R = 2, E = 8, K = 2, H = 256, T = 3;
   const v1::GroupSpec spec = Spec("no-ready", R, E, H, K, 16, 16);
   const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(ShapeOf(spec));
