@@ -91,9 +91,27 @@ std::string ShapeString(const int64_t* shape, int ndim) {
   return absl::StrCat("[", absl::StrJoin(v, ", "), "]");
 }
 
+/// Checks that `t`'s first element, data + byte_offset, is aligned to its dtype's element
+/// size (bf16: 2 bytes, f32 and int32: 4, int64: 8): the host kernels and the CUDA kernels
+/// that read a tensor in place load whole elements, and a misaligned one is undefined
+/// behaviour. A tensor with no data pointer (empty) passes. INVALID_ARGUMENT naming `op`,
+/// `name`, the address, data + byte_offset and the alignment required.
+absl::Status CheckTensorAlignment(const char* op, const char* name, const DLTensor* t) {
+  const uint64_t alignment = (t->dtype.bits + 7u) / 8u;
+  if (t->data == nullptr || alignment <= 1) return absl::OkStatus();
+  const uintptr_t address = reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
+  if (address % alignment == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(op, ": ", name, " starts at address 0x", absl::Hex(address), " (data 0x",
+                   absl::Hex(reinterpret_cast<uintptr_t>(t->data)), " + byte_offset ",
+                   t->byte_offset, "), which is not aligned to ", alignment, " bytes as its dtype ",
+                   TypeName(t->dtype), " requires"));
+}
+
 /// Checks a DLTensor against an expected dtype and shape (-1 = any size; the size found
 /// is written back into `shape`). Names the argument and the offending value.
 /// `cuda`: the endpoint is on the CUDA backend, which also takes kDLCUDA tensors.
+/// Also checks the first element's alignment (CheckTensorAlignment).
 /// Allocates nothing when the tensor passes (the ops pass a std::array: README "Hot path").
 absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTensor* t,
                          std::initializer_list<DLDataType> dtypes, std::span<int64_t> shape) {
@@ -150,7 +168,7 @@ absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTe
     for (int64_t d : shape) n *= d;
     if (n > 0) return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has no data"));
   }
-  return absl::OkStatus();
+  return CheckTensorAlignment(op, name, t);
 }
 
 const uint8_t* TensorBytes(const DLTensor* t) {

@@ -75,6 +75,39 @@ struct RankData {
   }
 };
 
+/// A copy of `src`'s elements starting `misalign` bytes past a 16-byte aligned address, and
+/// a DLTensor over it of the same dtype and shape, misaligned through its byte_offset
+/// (`via_byte_offset`) or through its data pointer.
+struct MisalignedCopy {
+  std::vector<uint8_t> bytes;  // operator new: 16-byte aligned.
+  std::vector<int64_t> shape;
+  DLTensor t{};
+  MisalignedCopy(const DLTensor& src, uint64_t misalign, bool via_byte_offset)
+      : shape(src.shape, src.shape + src.ndim) {
+    size_t n = src.dtype.bits / 8;
+    for (int64_t d : shape) n *= static_cast<size_t>(d);
+    bytes.resize(n + 16);
+    std::memcpy(bytes.data() + misalign, static_cast<const uint8_t*>(src.data) + src.byte_offset,
+                n);
+    t = epd::MakeDLTensor(bytes.data() + (via_byte_offset ? 0 : misalign), src.dtype, shape);
+    if (via_byte_offset) t.byte_offset = misalign;
+  }
+  MisalignedCopy(const MisalignedCopy&) = delete;
+  MisalignedCopy& operator=(const MisalignedCopy&) = delete;
+};
+
+/// Expects `st` to be the client's INVALID_ARGUMENT for a misaligned `name` of op `op`:
+/// naming the op, the tensor, its byte_offset and the alignment its dtype requires.
+void ExpectMisalignedError(const absl::Status& st, const std::string& op, const std::string& name,
+                           uint64_t byte_offset, int alignment) {
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  const std::string msg(st.message());
+  EXPECT_NE(msg.find(op + ": " + name + " starts at address 0x"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("byte_offset " + std::to_string(byte_offset) + ")"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("not aligned to " + std::to_string(alignment) + " bytes"), std::string::npos)
+      << msg;
+}
+
 class HostDataPlaneTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -116,6 +149,26 @@ class HostDataPlaneTest : public ::testing::Test {
       if (r != skip) threads.emplace_back(fn, r);
     }
     for (auto& t : threads) t.join();
+  }
+
+  /// Runs `submit(r)` (an op call) on every rank, rank 0's with a misaligned tensor `name`:
+  /// rank 0's op is refused at once (ExpectMisalignedError); every other rank's op fails at
+  /// Wait with INVALID_ARGUMENT naming rank 0 (the refused rank told the daemon).
+  template <typename Submit>
+  void ExpectRank0Misaligned(const std::string& op_name, const std::string& name,
+                             uint64_t byte_offset, int alignment, Submit submit) {
+    OnEveryRank([&](int r) {
+      auto op = submit(r);
+      if (r == 0) {
+        ASSERT_FALSE(op.ok());
+        return ExpectMisalignedError(op.status(), op_name, name, byte_offset, alignment);
+      }
+      ASSERT_TRUE(op.ok()) << op.status();
+      auto res = op->Wait(absl::Seconds(10));
+      ASSERT_FALSE(res.ok());
+      EXPECT_EQ(res.status().code(), absl::StatusCode::kInvalidArgument) << res.status();
+      EXPECT_NE(res.status().message().find("rank 0"), std::string::npos) << res.status();
+    });
   }
 
   std::unique_ptr<DataPlane> plane_;
@@ -511,6 +564,158 @@ TEST_F(HostDataPlaneTest, EngineSleepsWhenIdleAndWakesForWork) {
     auto res = op->Wait(absl::Seconds(2));
     ASSERT_TRUE(res.ok()) << res.status();
     std::this_thread::sleep_for(std::chrono::milliseconds(2));  // engine sleeps again
+  }
+}
+
+TEST_F(HostDataPlaneTest, MisalignedDispatchInputsAreRejectedNamingThemThenTheNextOpIsCorrect) {
+  const int R = 2, E = 4, H = 128, K = 2, M = 4;
+  Open(Spec("align", R, E, H, K, M, 0, false));
+  std::vector<RankData> in(R);
+  for (int r = 0; r < R; ++r) in[r].Make(3, H, K, E, 40 + r);
+  // Each rank's received rows and expert ids from a dispatch of its own inputs.
+  auto dispatch_all = [&] {
+    std::vector<std::vector<uint8_t>> out(R);
+    OnEveryRank([&](int r) {
+      DispatchArgs a;
+      a.x = &in[r].x_t;
+      a.topk_idx = &in[r].idx_t;
+      a.topk_weights = &in[r].w_t;
+      auto op = endpoints_[r]->Dispatch(a);
+      ASSERT_TRUE(op.ok()) << op.status();
+      auto res = op->Wait(absl::Seconds(10));
+      ASSERT_TRUE(res.ok()) << res.status();
+      const size_t N = static_cast<size_t>(res->num_recv_tokens);
+      const auto* rx = static_cast<const uint8_t*>(res->recv_x.data());
+      const auto* ri = static_cast<const uint8_t*>(res->recv_topk_idx.data());
+      const auto* rw = static_cast<const uint8_t*>(res->recv_topk_weights.data());
+      out[r].assign(rx, rx + N * H * 2);
+      out[r].insert(out[r].end(), ri, ri + N * K * 8);
+      out[r].insert(out[r].end(), rw, rw + N * K * 4);
+    });
+    return out;
+  };
+  const std::vector<std::vector<uint8_t>> reference = dispatch_all();
+  ASSERT_FALSE(reference[0].empty());
+
+  struct Case {
+    const char* name;
+    const DLTensor* src;
+    uint64_t misalign;
+    bool via_byte_offset;
+    int alignment;
+  };
+  for (const Case& c :
+       {Case{"x", &in[0].x_t, 1, true, 2}, Case{"topk_idx", &in[0].idx_t, 4, false, 8},
+        Case{"topk_weights", &in[0].w_t, 2, true, 4}}) {
+    SCOPED_TRACE(c.name);
+    MisalignedCopy bad(*c.src, c.misalign, c.via_byte_offset);
+    ExpectRank0Misaligned(
+        "Dispatch", c.name, c.via_byte_offset ? c.misalign : 0, c.alignment, [&](int r) {
+          DispatchArgs a;
+          a.x = &in[r].x_t;
+          a.topk_idx = &in[r].idx_t;
+          a.topk_weights = &in[r].w_t;
+          if (r == 0) {
+            const std::string name = c.name;
+            (name == "x" ? a.x : name == "topk_idx" ? a.topk_idx : a.topk_weights) = &bad.t;
+          }
+          return endpoints_[r]->Dispatch(a);
+        });
+    // The next op on the same endpoints is correct: the same results as before.
+    EXPECT_EQ(dispatch_all(), reference);
+  }
+}
+
+TEST_F(HostDataPlaneTest, MisalignedLayoutAndLowLatencyInputsAreRejectedThenTheNextOpIsCorrect) {
+  const int R = 2, E = 4, H = 128, K = 2, Mll = 4;
+  Open(Spec("align-ll", R, E, H, K, 4, Mll, false));
+  std::vector<RankData> in(R);
+  for (int r = 0; r < R; ++r) in[r].Make(Mll - r, H, K, E, 50 + r);
+  // The experts' outputs each rank's low-latency combine sends: [E/R, R*Mll, H] bf16.
+  std::vector<std::vector<bf16_bits>> y(R);
+  std::vector<int64_t> ys{E / R, R * Mll, H};
+  std::vector<DLTensor> yt(R);
+  for (int r = 0; r < R; ++r) {
+    y[r].resize(size_t(E / R) * R * Mll * H);
+    for (size_t i = 0; i < y[r].size(); ++i) y[r][i] = FloatToBf16(float((i * 7 + r) % 13) / 8.f);
+    yt[r] = epd::MakeDLTensor(y[r].data(), {kDLBfloat, 16, 1}, ys);
+  }
+  // Every rank's low-latency dispatch of its inputs, into d.
+  std::vector<LowLatencyDispatchResult> d(R);
+  auto ll_dispatch_all = [&] {
+    OnEveryRank([&](int r) {
+      LowLatencyDispatchArgs a;
+      a.x = &in[r].x_t;
+      a.topk_idx = &in[r].idx_t;
+      auto op = endpoints_[r]->LowLatencyDispatch(a);
+      ASSERT_TRUE(op.ok()) << op.status();
+      auto res = op->Wait(absl::Seconds(10));
+      ASSERT_TRUE(res.ok()) << res.status();
+      d[r] = *res;
+    });
+  };
+  // Each rank's layout, then its low-latency dispatch and combine (of y).
+  auto run_all = [&] {
+    std::vector<std::vector<uint8_t>> out(R);
+    OnEveryRank([&](int r) {
+      auto lop = endpoints_[r]->GetDispatchLayout(in[r].idx_t);
+      ASSERT_TRUE(lop.ok()) << lop.status();
+      auto layout = lop->Wait(absl::Seconds(10));
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      const auto* pe = static_cast<const uint8_t*>(layout->num_tokens_per_expert.data());
+      const auto* tr = static_cast<const uint8_t*>(layout->is_token_in_rank.data());
+      out[r].assign(pe, pe + E * 4);
+      out[r].insert(out[r].end(), tr, tr + in[r].T * R);
+    });
+    ll_dispatch_all();
+    OnEveryRank([&](int r) {
+      const auto* rc = static_cast<const uint8_t*>(d[r].recv_count.data());
+      out[r].insert(out[r].end(), rc, rc + (E / R) * 4);
+      LowLatencyCombineArgs c;
+      c.x = &yt[r];
+      c.topk_idx = &in[r].idx_t;
+      c.topk_weights = &in[r].w_t;
+      c.handle = &d[r].handle;
+      auto cop = endpoints_[r]->LowLatencyCombine(c);
+      ASSERT_TRUE(cop.ok()) << cop.status();
+      auto combined = cop->Wait(absl::Seconds(10));
+      ASSERT_TRUE(combined.ok()) << combined.status();
+      const auto* cx = static_cast<const uint8_t*>(combined->combined_x.data());
+      out[r].insert(out[r].end(), cx, cx + size_t(in[r].T) * H * 2);
+    });
+    return out;
+  };
+  const std::vector<std::vector<uint8_t>> reference = run_all();
+  ASSERT_FALSE(reference[0].empty());
+  {  // GetDispatchLayout: int64 topk_idx 4 bytes past an 8-byte boundary.
+    MisalignedCopy bad(in[0].idx_t, 4, true);
+    ExpectRank0Misaligned("GetDispatchLayout", "topk_idx", 4, 8, [&](int r) {
+      return endpoints_[r]->GetDispatchLayout(r == 0 ? bad.t : in[r].idx_t);
+    });
+    EXPECT_EQ(run_all(), reference);
+  }
+  {  // LowLatencyDispatch: bf16 x at an odd address (data pointer, byte_offset 0).
+    MisalignedCopy bad(in[0].x_t, 1, false);
+    ExpectRank0Misaligned("LowLatencyDispatch", "x", 0, 2, [&](int r) {
+      LowLatencyDispatchArgs a;
+      a.x = r == 0 ? &bad.t : &in[r].x_t;
+      a.topk_idx = &in[r].idx_t;
+      return endpoints_[r]->LowLatencyDispatch(a);
+    });
+    EXPECT_EQ(run_all(), reference);
+  }
+  {  // LowLatencyCombine (after a dispatch): f32 topk_weights 2 bytes past a 4-byte boundary.
+    MisalignedCopy bad(in[0].w_t, 2, true);
+    ll_dispatch_all();
+    ExpectRank0Misaligned("LowLatencyCombine", "topk_weights", 2, 4, [&](int r) {
+      LowLatencyCombineArgs c;
+      c.x = &yt[r];
+      c.topk_idx = &in[r].idx_t;
+      c.topk_weights = r == 0 ? &bad.t : &in[r].w_t;
+      c.handle = &d[r].handle;
+      return endpoints_[r]->LowLatencyCombine(c);
+    });
+    EXPECT_EQ(run_all(), reference);
   }
 }
 
