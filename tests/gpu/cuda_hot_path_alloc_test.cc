@@ -11,7 +11,9 @@
 //
 // Op kinds, in the order one round runs them: GetDispatchLayout, Dispatch (bf16, weights,
 // expert_alignment 4), Combine of the received rows (identity experts), Dispatch with the
-// cached handle, LowLatencyDispatch (bf16), LowLatencyCombine, LowLatencyDispatch (FP8).
+// cached handle, LowLatencyDispatch (bf16), LowLatencyCombine, LowLatencyDispatch (FP8); the
+// round, the inputs and the combine check are shared with the host twin
+// (tests/common/hot_path_rounds.h; its FP8 normal Dispatch is not run here).
 // Every daemon-launched op is stream-ordered (kFlagStreamOrdered: ready/done words), so
 // that path is measured as well. Every other measured round first pauses 2 ms (longer than
 // the engine's idle_us), so the engine's sleep and wake-up are measured too.
@@ -66,6 +68,7 @@
 #include "in_process_epd.h"
 #define EPD_COUNTING_NEW_DEFINE_OPERATORS
 #include "tests/common/counting_new.h"
+#include "tests/common/hot_path_rounds.h"
 
 namespace epd {
 namespace {
@@ -77,27 +80,11 @@ using testing::OnEveryRank;
 namespace counting_new = testing::counting_new;
 using counting_new::g_client_allocs;
 using counting_new::g_engine_allocs;
-
-constexpr DLDataType kBf16{kDLBfloat, 16, 1};
-constexpr DLDataType kF32{kDLFloat, 32, 1};
-constexpr DLDataType kI64{kDLInt, 64, 1};
+namespace hot_path = testing::hot_path;
+using hot_path::kBf16;
+using hot_path::kF32;
+using hot_path::kI64;
 constexpr auto kWait = absl::Seconds(30);
-
-/// The op kinds measured, in the order one round runs them.
-enum Kind {
-  kLayout,
-  kDispatch,
-  kCombine,
-  kCachedDispatch,
-  kLowLatencyDispatch,
-  kLowLatencyCombine,
-  kLowLatencyDispatchFp8,
-  kNumKinds
-};
-constexpr const char* kKindNames[kNumKinds] = {
-    "GetDispatchLayout",       "Dispatch",           "Combine",
-    "Dispatch(cached handle)", "LowLatencyDispatch", "LowLatencyCombine",
-    "LowLatencyDispatch(fp8)"};
 
 /// One rank's inputs: x on the GPU (staged device to device), topk on the host; DLTensors
 /// built once (their shape arrays live here).
@@ -111,33 +98,6 @@ struct RankInputs {
   std::array<int64_t, 2> xs{}, ks{}, xs_ll{}, ks_ll{};
   DLTensor x_t{}, idx_t{}, w_t{}, x_ll{}, idx_ll{}, w_ll{};
 };
-
-DLTensor Tensor(void* data, DLDataType dtype, std::array<int64_t, 2>& shape, DLDevice device) {
-  DLTensor t{};
-  t.data = data;
-  t.device = device;
-  t.ndim = 2;
-  t.dtype = dtype;
-  t.shape = shape.data();
-  return t;
-}
-
-/// Keeps a submitted op in `slot`; its error otherwise.
-template <typename Result>
-absl::Status Keep(absl::StatusOr<PendingOp<Result>> op, std::optional<PendingOp<Result>>& slot) {
-  if (!op.ok()) return op.status();
-  slot.emplace(std::move(*op));
-  return absl::OkStatus();
-}
-
-/// Waits for the op kept in `slot` and stores its result in `out`.
-template <typename Result>
-absl::Status WaitInto(std::optional<PendingOp<Result>>& slot, Result& out) {
-  absl::StatusOr<Result> res = slot->Wait(kWait);
-  if (!res.ok()) return res.status();
-  out = std::move(*res);
-  return absl::OkStatus();
-}
 
 /// Removes the in-process area resolver when the test ends, whatever the path.
 struct ResolverGuard {
@@ -251,17 +211,8 @@ TEST_P(CudaHotPathAllocTest, DaemonLaunchedOpsAllocateNothingOnTheEngineThread) 
     RankInputs& d = in[r];
     d.T = std::min(M, 9 + 7 * r);  // 9, 16, 23, 30, 32, ...
     d.Tll = std::min(d.T, Mll);
-    d.x.resize(size_t(d.T) * H);
-    for (size_t i = 0; i < d.x.size(); ++i) d.x[i] = kernels::FloatToBf16((rng() % 200) / 100.f);
-    d.idx.resize(size_t(d.T) * K);
-    d.w.resize(d.idx.size());
-    for (int t = 0; t < d.T; ++t) {
-      for (int k = 0; k < K; ++k) {
-        // Distinct experts per row (offsets k * E / K differ mod E), some masked.
-        d.idx[size_t(t) * K + k] = (k == 3 && t % 3 == 0) ? -1 : (t * 5 + k * (E / K) + r) % E;
-        d.w[size_t(t) * K + k] = 0.25f;
-      }
-    }
+    // Distinct experts per row (offsets k * E / K differ mod E), some masked.
+    hot_path::FillRoutedTokens(d.T, H, K, E, r, rng, d.x, d.idx, d.w);
     auto dx = DeviceBuffer::Allocate(d.x.size() * sizeof(bf16_bits));
     ASSERT_TRUE(dx.ok()) << dx.status();
     d.dx = std::move(*dx);
@@ -273,47 +224,36 @@ TEST_P(CudaHotPathAllocTest, DaemonLaunchedOpsAllocateNothingOnTheEngineThread) 
     d.xs_ll = {d.Tll, H};
     d.ks_ll = {d.Tll, K};
     const DLDevice cpu{kDLCPU, 0};
-    d.x_t = Tensor(d.dx.get(), kBf16, d.xs, gpu);
-    d.idx_t = Tensor(d.idx.data(), kI64, d.ks, cpu);
-    d.w_t = Tensor(d.w.data(), kF32, d.ks, cpu);
-    d.x_ll = Tensor(d.dx.get(), kBf16, d.xs_ll, gpu);
-    d.idx_ll = Tensor(d.idx.data(), kI64, d.ks_ll, cpu);
-    d.w_ll = Tensor(d.w.data(), kF32, d.ks_ll, cpu);
+    d.x_t = hot_path::Tensor2d(d.dx.get(), kBf16, d.xs, gpu);
+    d.idx_t = hot_path::Tensor2d(d.idx.data(), kI64, d.ks, cpu);
+    d.w_t = hot_path::Tensor2d(d.w.data(), kF32, d.ks, cpu);
+    d.x_ll = hot_path::Tensor2d(d.dx.get(), kBf16, d.xs_ll, gpu);
+    d.idx_ll = hot_path::Tensor2d(d.idx.data(), kI64, d.ks_ll, cpu);
+    d.w_ll = hot_path::Tensor2d(d.w.data(), kF32, d.ks_ll, cpu);
   }
-  // The experts' low-latency outputs, read where the combine reads them (no copy).
-  std::vector<TensorView> ll_y;
-  for (int r = 0; r < R; ++r) ll_y.push_back(eps[r]->LowLatencyCombineInput());
+  std::vector<hot_path::RoundInputs> round_in(R);
+  for (int r = 0; r < R; ++r) {
+    round_in[r] = {&in[r].x_t, nullptr,     nullptr,       &in[r].idx_t,
+                   &in[r].w_t, &in[r].x_ll, &in[r].idx_ll, &in[r].w_ll};
+  }
+  // Every result, pending op and low-latency combine input (LowLatencyCombineInput(): no
+  // copy) lives here, so the rounds below only reuse them.
+  hot_path::RoundOps ops(eps);
 
-  // Every result and pending op lives here, so the rounds below only reuse them.
-  std::vector<std::optional<PendingOp<LayoutResult>>> p_layout(R);
-  std::vector<std::optional<PendingOp<DispatchResult>>> p_dispatch(R);
-  std::vector<std::optional<PendingOp<CombineResult>>> p_combine(R);
-  std::vector<std::optional<PendingOp<LowLatencyDispatchResult>>> p_ll_dispatch(R);
-  std::vector<std::optional<PendingOp<LowLatencyCombineResult>>> p_ll_combine(R);
-  std::vector<LayoutResult> layout(R);
-  std::vector<DispatchResult> dispatch(R), cached(R);
-  std::vector<CombineResult> combine(R);
-  std::vector<LowLatencyDispatchResult> ll_dispatch(R), ll_dispatch_fp8(R);
-  std::vector<LowLatencyCombineResult> ll_combine(R);
-  std::vector<absl::Status> errors(kNumKinds);  // First error of each kind (error path only).
-
-  std::array<uint64_t, kNumKinds> client_allocs{}, engine_allocs{};
-  std::array<counting_new::RecordedSizes, kNumKinds> first_sizes{};  // Engine threads.
-  std::array<bool, kNumKinds> sizes_taken{};
+  std::array<uint64_t, hot_path::kNumKinds> client_allocs{}, engine_allocs{};
+  std::array<counting_new::RecordedSizes, hot_path::kNumKinds> first_sizes{};  // Engine threads.
+  std::array<bool, hot_path::kNumKinds> sizes_taken{};
   uint64_t group_ops = group->ops_completed();
   bool engine_lagged = false;
 
   // Runs one op of `kind` on every rank from this thread: submit all (an op call does not
   // wait for the peers), then Wait all, then until the engine has finished the op (its
   // completions are written before ops_completed counts it).
-  auto run = [&](Kind kind, bool measured, bool pause, auto submit, auto wait) {
+  auto run = [&](hot_path::Kind kind, bool measured, bool pause, auto submit, auto wait) {
     const uint64_t c0 = g_client_allocs.load();
     const uint64_t e0 = g_engine_allocs.load();
     if (measured && !sizes_taken[kind]) counting_new::StartRecordingSizes();
-    if (pause) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    absl::Status st;
-    for (int r = 0; r < R && st.ok(); ++r) st = submit(r);
-    for (int r = 0; r < R && st.ok(); ++r) st = wait(r);
+    const absl::Status st = hot_path::SubmitThenWaitAll(R, pause, submit, wait);
     ++group_ops;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
     while (group->ops_completed() + group->ops_failed() < group_ops) {
@@ -324,7 +264,7 @@ TEST_P(CudaHotPathAllocTest, DaemonLaunchedOpsAllocateNothingOnTheEngineThread) 
       std::this_thread::yield();
     }
     counting_new::StopRecordingSizes();
-    if (!st.ok() && errors[kind].ok()) errors[kind] = st;  // Error path: may allocate.
+    if (!st.ok() && ops.errors[kind].ok()) ops.errors[kind] = st;  // Error path: may allocate.
     if (!measured) return;
     client_allocs[kind] += g_client_allocs.load() - c0;
     engine_allocs[kind] += g_engine_allocs.load() - e0;
@@ -337,111 +277,34 @@ TEST_P(CudaHotPathAllocTest, DaemonLaunchedOpsAllocateNothingOnTheEngineThread) 
   for (int round = 0; round < kWarmupRounds + kRounds && !engine_lagged; ++round) {
     const bool m = round >= kWarmupRounds;
     const bool pause = m && round % 2 == 1;
-    run(
-        kLayout, m, pause,
-        [&](int r) -> absl::Status {
-          return Keep(eps[r]->GetDispatchLayout(in[r].idx_t), p_layout[r]);
-        },
-        [&](int r) { return WaitInto(p_layout[r], layout[r]); });
-    // Normal dispatch (bf16, with weights), its combine, a cached re-dispatch.
-    for (Kind kind : {kDispatch, kCachedDispatch}) {
-      std::vector<DispatchResult>& out = kind == kDispatch ? dispatch : cached;
-      run(
-          kind, m, pause,
-          [&](int r) -> absl::Status {
-            DispatchArgs a;
-            a.x = &in[r].x_t;
-            a.topk_idx = &in[r].idx_t;
-            a.topk_weights = kind == kDispatch ? &in[r].w_t : nullptr;
-            a.expert_alignment = 4;
-            if (kind == kCachedDispatch) a.cached = dispatch[r].handle;
-            return Keep(eps[r]->Dispatch(a), p_dispatch[r]);
-          },
-          [&](int r) { return WaitInto(p_dispatch[r], out[r]); });
-      if (kind != kDispatch) continue;
-      run(
-          kCombine, m, pause,
-          [&](int r) -> absl::Status {
-            CombineArgs a;
-            a.x = &dispatch[r].recv_x.dl();  // Identity experts.
-            a.topk_weights = &dispatch[r].recv_topk_weights.dl();
-            a.handle = &dispatch[r].handle;
-            return Keep(eps[r]->Combine(a), p_combine[r]);
-          },
-          [&](int r) { return WaitInto(p_combine[r], combine[r]); });
-    }
-    // Low-latency dispatch (bf16), its combine, then an FP8 low-latency dispatch.
-    for (Kind kind : {kLowLatencyDispatch, kLowLatencyDispatchFp8}) {
-      std::vector<LowLatencyDispatchResult>& out =
-          kind == kLowLatencyDispatch ? ll_dispatch : ll_dispatch_fp8;
-      run(
-          kind, m, pause,
-          [&](int r) -> absl::Status {
-            LowLatencyDispatchArgs a;
-            a.x = &in[r].x_ll;
-            a.topk_idx = &in[r].idx_ll;
-            a.use_fp8 = kind == kLowLatencyDispatchFp8;
-            return Keep(eps[r]->LowLatencyDispatch(a), p_ll_dispatch[r]);
-          },
-          [&](int r) { return WaitInto(p_ll_dispatch[r], out[r]); });
-      if (kind != kLowLatencyDispatch) continue;
-      run(
-          kLowLatencyCombine, m, pause,
-          [&](int r) -> absl::Status {
-            LowLatencyCombineArgs a;
-            a.x = &ll_y[r].dl();
-            a.topk_idx = &in[r].idx_ll;
-            a.topk_weights = &in[r].w_ll;
-            a.handle = &ll_dispatch[r].handle;
-            return Keep(eps[r]->LowLatencyCombine(a), p_ll_combine[r]);
-          },
-          [&](int r) { return WaitInto(p_ll_combine[r], ll_combine[r]); });
-    }
+    hot_path::RunRound(eps, round_in, ops, /*fp8_dispatch=*/false, kWait, m, pause, run);
   }
 
   ASSERT_FALSE(engine_lagged) << "the engine did not finish an op within 15 s of its Waits";
   EXPECT_EQ(group->ops_failed(), 0u);
-  for (int k = 0; k < kNumKinds; ++k) {
-    EXPECT_TRUE(errors[k].ok()) << kKindNames[k] << ": " << errors[k];
-  }
+  hot_path::ExpectNoRoundErrors(ops);
   // The ops did their work (not a vacuous pass). Read back outside the measured windows.
   for (int r = 0; r < R; ++r) {
-    EXPECT_EQ(layout[r].is_token_in_rank.shape()[0], in[r].T);
-    EXPECT_GT(dispatch[r].num_recv_tokens, 0) << "rank " << r;
-    EXPECT_EQ(cached[r].num_recv_tokens, dispatch[r].num_recv_tokens) << "rank " << r;
-    EXPECT_EQ(ll_dispatch[r].recv_x.shape()[0], E / R);
-    EXPECT_EQ(ll_dispatch_fp8[r].recv_scales.shape()[2], H / 128);
-    EXPECT_EQ(ll_combine[r].combined_x.shape()[0], in[r].Tll);
-    // Identity experts: combined_x[t] = x[t] times the number of ranks token t went to
-    // (exact in f32, rounded once to bf16).
+    hot_path::ExpectRoundResults(ops, r, in[r].T, in[r].Tll, E, R, H, /*fp8_dispatch=*/false);
+    // Identity experts: combined_x[t] = x[t] times the number of ranks token t went to.
     std::vector<bf16_bits> got(size_t(in[r].T) * H);
-    ASSERT_EQ(combine[r].combined_x.nbytes(), got.size() * sizeof(bf16_bits));
-    ASSERT_EQ(cudaMemcpy(got.data(), combine[r].combined_x.data(), got.size() * sizeof(bf16_bits),
-                         cudaMemcpyDefault),
+    ASSERT_EQ(ops.combine[r].combined_x.nbytes(), got.size() * sizeof(bf16_bits));
+    ASSERT_EQ(cudaMemcpy(got.data(), ops.combine[r].combined_x.data(),
+                         got.size() * sizeof(bf16_bits), cudaMemcpyDefault),
               cudaSuccess);
-    for (int t = 0; t < in[r].T; ++t) {
-      std::vector<bool> to(R, false);
-      for (int k = 0; k < K; ++k) {
-        const int64_t e = in[r].idx[size_t(t) * K + k];
-        if (e >= 0) to[e / (E / R)] = true;
-      }
-      const float n = static_cast<float>(std::count(to.begin(), to.end(), true));
-      for (int h = 0; h < H; ++h) {
-        const float x = kernels::Bf16ToFloat(in[r].x[size_t(t) * H + h]);
-        ASSERT_EQ(got[size_t(t) * H + h], kernels::FloatToBf16(n * x))
-            << "rank " << r << " token " << t << " channel " << h;
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(
+        hot_path::ExpectIdentityCombine(r, in[r].T, H, K, E, R, in[r].x, in[r].idx, got.data()));
   }
 
   // The verdict, per op kind, with a hint at the allocations' sizes.
-  for (int k = 0; k < kNumKinds; ++k) {
+  for (int k = 0; k < hot_path::kNumKinds; ++k) {
+    if (k == hot_path::kDispatchFp8) continue;  // Not run on this backend.
     const std::string sizes = first_sizes[k].ToString();
-    std::cout << "[alloc] R=" << R << " " << kKindNames[k] << ": engine thread " << engine_allocs[k]
-              << ", client thread " << client_allocs[k] << " (not asserted)\n";
+    std::cout << "[alloc] R=" << R << " " << hot_path::kKindNames[k] << ": engine thread "
+              << engine_allocs[k] << ", client thread " << client_allocs[k] << " (not asserted)\n";
     EXPECT_EQ(engine_allocs[k], 0u)
-        << "the engine thread allocated in " << kKindNames[k] << " (" << kRounds << " group ops of "
-        << R << " daemon-launched ranks after warm-up); sizes of its first "
+        << "the engine thread allocated in " << hot_path::kKindNames[k] << " (" << kRounds
+        << " group ops of " << R << " daemon-launched ranks after warm-up); sizes of its first "
         << "allocations in the first measured op, bytes: [" << sizes << "]";
   }
 }
@@ -521,9 +384,9 @@ TEST(CudaHotPathAllocProgramTest, ArmedProgramAllocatesNothingOnTheEngineThread)
     q.xs = {Mll, H};
     q.ks = {Mll, K};
     q.ns = {1};
-    q.x = Tensor(q.dx.get(), kBf16, q.xs, gpu);
-    q.idx = Tensor(q.didx.get(), kI64, q.ks, gpu);
-    q.w = Tensor(q.dw.get(), kF32, q.ks, gpu);
+    q.x = hot_path::Tensor2d(q.dx.get(), kBf16, q.xs, gpu);
+    q.idx = hot_path::Tensor2d(q.didx.get(), kI64, q.ks, gpu);
+    q.w = hot_path::Tensor2d(q.dw.get(), kF32, q.ks, gpu);
     q.num_tokens = q.x;
     q.num_tokens.data = q.dT.get();
     q.num_tokens.ndim = 1;
