@@ -9,11 +9,14 @@
 // (cuda_ipc.h); inputs may be kDLCUDA, kDLCUDAHost or kDLCPU; output views are kDLCUDA on
 // this process's ordinal of the endpoint's GPU. Every op is ordered on the caller's stream
 // (the args' `stream`; null = the legacy default stream), in one of two launch modes:
-//  - daemon-launched (DESIGN §3.2, stream-ordered hand-off): on the stream, the inputs are
-//    staged with cudaMemcpyAsync, then cuStreamWriteValue64 sets launch_flags.ready_seq to
-//    the op's seq; the slot is published with kFlagStreamOrdered; then
+//  - daemon-launched (DESIGN §3.2, stream-ordered hand-off): on the stream, one kernel
+//    stages the inputs on the endpoint's GPU and then sets launch_flags.ready_seq to the
+//    op's seq (kc::CopyDeviceBatchAsync; other inputs are copied with cudaMemcpyAsync
+//    before it); the slot is published with kFlagStreamOrdered; then
 //    cuStreamWaitValue64(done_seq >= seq) holds the stream's later work until the daemon's
-//    kernels are done. Nothing synchronises the CPU per op; Wait reads the CPU completion.
+//    kernels are done. An op on another stream than the endpoint's previous one first waits
+//    for that op's done_seq (OrderAfterPreviousOp). Nothing synchronises the CPU per op;
+//    Wait reads the CPU completion.
 //    When the daemon dies or closes the endpoint, the stream is released by writing
 //    done_seq = kReleasedSeq from the host.
 //  - client-launched: the client launches the kernels of kernels/include/epd/kernels/
@@ -350,6 +353,9 @@ struct Endpoint::Impl {
   /// the ready signal (StageForSubmit; kc::CopyDeviceBatchAsync).
   std::array<kc::DeviceCopy, kc::kMaxBatchCopies> pending_copies{};
   int num_pending_copies = 0;
+  /// Daemon-launched: the stream and seq of the last stream-ordered op (OrderAfterPreviousOp).
+  cudaStream_t last_ordered_stream = nullptr;
+  uint64_t last_ordered_seq = 0;
   std::unique_ptr<ClientLaunch> cl;    ///< Client-launched state, after the first op.
   internal::StreamHandle own_stream;   ///< Runs the ops given no stream (OpStream).
   internal::EventHandle legacy_event;  ///< Orders own_stream after the legacy stream.
@@ -455,6 +461,28 @@ struct Endpoint::Impl {
     return Stage(op, name, t, r, stream, /*for_submit=*/true);
   }
 
+  /// Starts a daemon-launched op on `stream` (call before its staging). The ops of an
+  /// endpoint share its staging regions, its ready_seq word (the daemon waits for
+  /// ready_seq >= seq: a later op's value must not land first) and the staging kernel's
+  /// ticket word, so they must reach the GPU in seq order: when the previous stream-ordered
+  /// op ran on another stream, `stream` first waits (on the GPU) for its done_seq. Same
+  /// stream (the usual case): nothing. Errors: the driver's, as INTERNAL.
+  absl::Status OrderAfterPreviousOp(void* stream) {
+#if EPD_HAVE_CUDA
+    num_pending_copies = 0;
+    if (!cuda || client_launched || last_ordered_seq == 0 ||
+        AsStream(stream) == last_ordered_stream) {
+      return absl::OkStatus();
+    }
+    internal::DeviceGuard guard(mapping->device());
+    return kc::StreamWaitValue64Geq(
+        AsStream(stream), At(layout.launch_flags) + kernels::kDoneFlagOffset, last_ordered_seq);
+#else
+    (void)stream;
+    return absl::OkStatus();
+#endif
+  }
+
   /// Ring ops of an endpoint with a registered graph-mode program are refused here, before
   /// any stream work or ring slot (the daemon refuses them too, for every rank).
   absl::Status CheckNoProgram() const {
@@ -497,6 +525,10 @@ struct Endpoint::Impl {
   absl::StatusOr<uint64_t> Submit(abi::OpKind op, uint32_t flags, int32_t num_tokens,
                                   int32_t expert_alignment, uint64_t handle_seq, int32_t num_sms,
                                   void* stream, const std::array<uint64_t, 3>& reserved = {}) {
+#if EPD_HAVE_CUDA
+    // The copies StageForSubmit recorded belong to this op only, whichever way it ends.
+    const int num_copies = std::exchange(num_pending_copies, 0);
+#endif
     uint64_t head = abi::Atomic(header->ring_head).load(std::memory_order_relaxed);
     // Bounded wait for ring space (only when many ops are in flight).
     auto deadline =
@@ -521,7 +553,7 @@ struct Endpoint::Impl {
       // store is seen by the daemon's WaitFlagAsync at once, where a stream memory write
       // queued behind the caller's kernels lands ~14 µs after them (cuda_ops.h).
       ordered_error = kc::CopyDeviceBatchAsync(
-          pending_copies.data(), num_pending_copies,
+          pending_copies.data(), num_copies,
           reinterpret_cast<uint64_t*>(At(layout.launch_flags) + kernels::kReadyFlagOffset), seq,
           reinterpret_cast<uint32_t*>(At(layout.launch_flags) + kernels::kReadySignalCounterOffset),
           AsStream(stream));
@@ -529,7 +561,6 @@ struct Endpoint::Impl {
       // every rank instead (as a client error), and return the driver's error.
       flags |= ordered_error.ok() ? abi::kFlagStreamOrdered : abi::kFlagClientError;
     }
-    num_pending_copies = 0;  // Done with the ready signal, or dropped with a client error.
 #else
     (void)stream;
 #endif
@@ -555,6 +586,10 @@ struct Endpoint::Impl {
       internal::DeviceGuard guard(mapping->device());
       ordered_error = kc::StreamWaitValue64Geq(
           AsStream(stream), At(layout.launch_flags) + kernels::kDoneFlagOffset, seq);
+      if (ordered_error.ok()) {
+        last_ordered_stream = AsStream(stream);
+        last_ordered_seq = seq;
+      }
     }
 #endif
     if (!ordered_error.ok()) return ordered_error;
@@ -1263,6 +1298,7 @@ absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTens
   }
 #endif
   if (seq == 0) {
+    if (st.ok()) st = m.OrderAfterPreviousOp(stream);
     if (st.ok()) st = m.StageForSubmit(kOp, "topk_idx", &topk_idx, m.layout.in_topk_idx, stream);
     if (!st.ok()) return m.SubmitClientError(op, st);
     EPD_ASSIGN_OR_RETURN(seq, m.Submit(op, 0, T, 1, 0, 0, stream));
@@ -1373,6 +1409,7 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
   }
 #endif
   if (seq == 0) {
+    if (st.ok()) st = m.OrderAfterPreviousOp(stream);
     if (st.ok()) st = m.StageForSubmit(kOp, "x", args.x, m.layout.in_x, stream);
     if (st.ok() && fp8)
       st = m.StageForSubmit(kOp, "x_scales", args.x_scales, m.layout.in_scales, stream);
@@ -1474,6 +1511,7 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
   }
 #endif
   if (seq == 0) {
+    if (st.ok()) st = m.OrderAfterPreviousOp(stream);
     if (st.ok()) st = m.StageForSubmit(kOp, "x", args.x, m.layout.in_combine_x, stream);
     if (st.ok() && weights) {
       st = m.StageForSubmit(kOp, "topk_weights", args.topk_weights, m.layout.in_combine_weights,
@@ -1604,6 +1642,7 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
   }
 #endif
   if (seq == 0) {
+    if (st.ok()) st = m.OrderAfterPreviousOp(stream);
     if (st.ok()) st = m.StageForSubmit(kOp, "x", args.x, m.layout.in_x, stream);
     if (st.ok())
       st = m.StageForSubmit(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream);
@@ -1720,6 +1759,7 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
   }
 #endif
   if (seq == 0) {
+    if (st.ok()) st = m.OrderAfterPreviousOp(stream);
     if (st.ok()) st = m.StageForSubmit(kOp, "x", args.x, m.layout.in_ll_combine_x, stream);
     if (st.ok())
       st = m.StageForSubmit(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream);

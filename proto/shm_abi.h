@@ -79,8 +79,10 @@ enum RequestFlags : uint32_t {
   /// CUDA backend, daemon-launched (DESIGN.md §3.2): the client's stream writes
   /// launch_flags.ready_seq = seq once the inputs are staged (it may not have happened
   /// yet when the slot is read). The engine makes the rank's stream wait for
-  /// ready_seq >= seq before the op's kernels, and writes done_seq = seq after them, and
-  /// also for an op that fails before launch, so a client stream is never left waiting.
+  /// ready_seq >= seq before the op's kernels, and done_seq = seq is written once the op's
+  /// outputs are complete (by a low-latency op's kernel itself, else by the engine's stream
+  /// after the kernels), and also for an op that fails before launch, so a client stream is
+  /// never left waiting.
   kFlagStreamOrdered = 1u << 6,
 };
 inline constexpr uint32_t kAllRequestFlags = 0x7f;

@@ -812,6 +812,15 @@ TEST_F(ClientLaunchTest, StreamOrderedOpsBackToBackWithoutWait) {
         DeviceBuffer count, combined;
       };
       std::vector<Snap> snap(R);
+      // Round 1's combines run on other streams than its dispatches (no Wait between):
+      // the library must order them after the dispatch on the GPU (daemon-launched: the
+      // ops share the staging regions, ready_seq and the staging kernel's ticket word).
+      std::vector<testing::CudaStream> other(R);
+      for (int r = 0; r < R; ++r) {
+        auto os = testing::CudaStream::Create();
+        ASSERT_TRUE(os.ok()) << os.status();
+        other[r] = std::move(*os);
+      }
       std::vector<std::vector<std::optional<PendingOp<LowLatencyDispatchResult>>>> dops(
           2, std::vector<std::optional<PendingOp<LowLatencyDispatchResult>>>(R));
       std::vector<std::vector<std::optional<PendingOp<LowLatencyCombineResult>>>> cops(
@@ -868,7 +877,7 @@ TEST_F(ClientLaunchTest, StreamOrderedOpsBackToBackWithoutWait) {
           }
         }
         for (int r = 0; r < R; ++r) {
-          cudaStream_t s = static_cast<cudaStream_t>(g.stream(r));
+          cudaStream_t s = round == 1 ? other[r].get() : static_cast<cudaStream_t>(g.stream(r));
           LowLatencyCombineArgs ca;
           ca.x = &y[round][r];
           ca.topk_idx = &idx[round][r];
@@ -889,6 +898,7 @@ TEST_F(ClientLaunchTest, StreamOrderedOpsBackToBackWithoutWait) {
       }
       for (int r = 0; r < R; ++r) {
         ASSERT_EQ(cudaStreamSynchronize(static_cast<cudaStream_t>(g.stream(r))), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(other[r].get()), cudaSuccess);
       }
       GroupResult got[2];
       for (int round = 0; round < 2; ++round) {

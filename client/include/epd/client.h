@@ -413,7 +413,10 @@ class Endpoint {
   /// CUDA backend); empty when the group has no low-latency mode. Experts that write their
   /// outputs here and pass this view as LowLatencyCombineArgs::x skip the copy of x
   /// (otherwise x is copied into it). Valid while the endpoint lives; its contents are
-  /// read by every rank's LowLatencyCombine, so write it only between combines.
+  /// read by every rank's LowLatencyCombine (peers keep reading it after this rank's
+  /// combine is done), so write it only once this rank's next LowLatencyDispatch is done:
+  /// that dispatch cannot finish before every rank has finished the combine before it
+  /// (experts that run on the dispatch's stream after it do exactly that).
   TensorView LowLatencyCombineInput() const;
   /// The endpoint's low-latency dispatch input region, [Mll, H] bf16 (kDLCUDA on the CUDA
   /// backend); empty when the group has no low-latency mode. A caller that produces its

@@ -179,7 +179,9 @@ inline constexpr int kMaxBatchCopies = 4;
 /// both ends are 16-byte aligned; blocks sized as CopyDeviceAsync for the largest) and then,
 /// when `signal` is not null, stores `signal_value` to *signal (uint64, release at system
 /// scope) once every block's copies are done: the last block to finish (a ticket taken on
-/// *counter, a uint32 device word that is 0 before and after) stores it. This is the client's
+/// *counter, a uint32 device word that is 0 before and after: two batch copies sharing a
+/// counter must not run at the same time; the client orders an endpoint's ops on one
+/// stream order for that, see Endpoint::Impl::OrderAfterPreviousOp) stores it. This is the client's
 /// "inputs are staged" (ready) flag of daemon-launched mode: the daemon's WaitFlagAsync sees
 /// it about a microsecond later. With no copies it is a one-thread kernel that stores the
 /// signal. Errors: INVALID_ARGUMENT for more than kMaxBatchCopies copies, a null dst/src with
