@@ -1116,10 +1116,18 @@ static absl::Status CheckProgramStep(Endpoint::Impl& m, ProgramStep::Op want, co
 }
 
 #if EPD_HAVE_CUDA
-/// The go / done / ack sequence of one program step on `stream` (layout.h).
+/// The go / done / ack sequence of one program step on `stream` (layout.h): the step's
+/// inputs recorded by StageForSubmit are copied by one kernel whose last block stores go = 1
+/// (kc::CopyDeviceBatchAsync: a kernel's store reaches the daemon's stream sooner than a
+/// stream memory write queued behind the caller's kernels, cuda_ops.h), then the stream
+/// waits for done and a one-thread kernel acknowledges it.
 static absl::Status HandOffProgramStep(Endpoint::Impl& m, cudaStream_t stream) {
   uint8_t* flags = m.At(m.layout.launch_flags);
-  EPD_RETURN_IF_ERROR(kc::StreamWriteValue64(stream, flags + kernels::kProgramGoOffset, 1));
+  const int num_copies = std::exchange(m.num_pending_copies, 0);
+  EPD_RETURN_IF_ERROR(kc::CopyDeviceBatchAsync(
+      m.pending_copies.data(), num_copies,
+      reinterpret_cast<uint64_t*>(flags + kernels::kProgramGoOffset), 1,
+      reinterpret_cast<uint32_t*>(flags + kernels::kReadySignalCounterOffset), stream));
   EPD_RETURN_IF_ERROR(kc::StreamWaitValue64Geq(stream, flags + kernels::kProgramDoneOffset, 1));
   return kc::ProgramAckAsync(reinterpret_cast<uint64_t*>(flags + kernels::kProgramDoneOffset),
                              stream);
@@ -1147,16 +1155,19 @@ absl::StatusOr<LowLatencyDispatchResult> Endpoint::RunProgramDispatch(
   EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "num_tokens", args.num_tokens, {kI32}, ns, device));
   EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   internal::DeviceGuard guard(device);
-  EPD_RETURN_IF_ERROR(m.Stage(kOp, "x", args.x, m.layout.in_x, stream));
-  EPD_RETURN_IF_ERROR(m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream));
+  m.num_pending_copies = 0;
+  EPD_RETURN_IF_ERROR(m.StageForSubmit(kOp, "x", args.x, m.layout.in_x, stream));
+  EPD_RETURN_IF_ERROR(
+      m.StageForSubmit(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream));
   kc::CudaRankContext ctx;
   ctx.shape = m.shape;
   ctx.layout = m.layout;
   ctx.rank = m.info.rank();
   ctx.own_base = m.data;
-  EPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(kc::LowLatencyNumTokensSlot(ctx),
-                                           TensorBytes(args.num_tokens), sizeof(int32_t),
-                                           cudaMemcpyDeviceToDevice, AsStream(stream)));
+  // T into the rank's token-count slot, by the same kernel (x and topk_idx take two of its
+  // kc::kMaxBatchCopies copies at most).
+  m.pending_copies[m.num_pending_copies++] = {kc::LowLatencyNumTokensSlot(ctx),
+                                              TensorBytes(args.num_tokens), sizeof(int32_t)};
   EPD_RETURN_IF_ERROR(HandOffProgramStep(m, AsStream(stream)));
   const size_t i = m.program_next;
   m.program_next = (i + 1) % m.program.size();
@@ -1195,10 +1206,12 @@ absl::StatusOr<LowLatencyCombineResult> Endpoint::RunProgramCombine(
   EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "topk_weights", args.topk_weights, {kF32}, ws, device));
   EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   internal::DeviceGuard guard(device);
-  EPD_RETURN_IF_ERROR(m.Stage(kOp, "x", args.x, m.layout.in_ll_combine_x, stream));
-  EPD_RETURN_IF_ERROR(m.Stage(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream));
+  m.num_pending_copies = 0;
+  EPD_RETURN_IF_ERROR(m.StageForSubmit(kOp, "x", args.x, m.layout.in_ll_combine_x, stream));
   EPD_RETURN_IF_ERROR(
-      m.Stage(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, stream));
+      m.StageForSubmit(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream));
+  EPD_RETURN_IF_ERROR(
+      m.StageForSubmit(kOp, "topk_weights", args.topk_weights, m.layout.in_topk_weights, stream));
   EPD_RETURN_IF_ERROR(HandOffProgramStep(m, AsStream(stream)));
   const size_t i = m.program_next;
   m.program_next = (i + 1) % m.program.size();

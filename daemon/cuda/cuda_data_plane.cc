@@ -326,7 +326,9 @@ class CudaGroup : public LockstepGroup {
   /// Enqueues instance program_->next on every rank's stream.
   void EnqueueProgramInstance();
   /// Enqueues step `st`'s kernels for rank r (T of a dispatch read from the device).
-  absl::Status LaunchProgramStep(const ProgramStepPlan& st, int32_t r);
+  /// Enqueues rank r's kernel of program step `st` for instance `k` on its stream; the kernel
+  /// writes the instance word and done = 1 itself (KernelHandoff).
+  absl::Status LaunchProgramStep(const ProgramStepPlan& st, int32_t r, uint64_t k);
   /// Disarms the program: releases every instance still waiting for its client's go (in
   /// instance order; they then run on whatever is staged, consistently on every rank, and
   /// their results are ignored), then writes done = kProgramReleased on every rank's
@@ -1134,20 +1136,30 @@ absl::Status CudaGroup::ArmProgram(const std::vector<ProgramStepPlan>& steps) {
   return absl::OkStatus();
 }
 
-absl::Status CudaGroup::LaunchProgramStep(const ProgramStepPlan& st, int32_t r) {
+absl::Status CudaGroup::LaunchProgramStep(const ProgramStepPlan& st, int32_t r, uint64_t k) {
   const CudaRank& cr = *ranks_[r];
   const kc::CudaRankContext ctx = Context(r, plane_->options().num_sms);
   cudaStream_t s = cr.stream.get();
+  // The step's kernel writes the instance number and then done = 1 itself (a stream memory
+  // write behind the kernels and the read-back lands ~14 µs later, cuda_ops.h).
+  uint8_t* flags = cr.area.get() + cr.launch_flags_offset;
+  kc::KernelHandoff handoff;
+  handoff.done_flag = reinterpret_cast<uint64_t*>(flags + kernels::kProgramDoneOffset);
+  handoff.done_value = 1;
+  handoff.instance_flag = reinterpret_cast<uint64_t*>(flags + kernels::kProgramInstanceOffset);
+  handoff.instance_value = k;
   if (st.op == abi::OpKind::kLowLatencyDispatch) {
     kc::LowLatencyDispatchArgs a;
     a.buffer = st.buffer;
     a.use_fp8 = st.use_fp8;
     a.round_scale = st.round_scale;
     a.num_tokens_value = -1;  // T from the rank's token-count slot, staged by the client.
+    a.handoff = handoff;
     return kc::LowLatencyDispatch(ctx, a, s);
   }
   kc::LowLatencyCombineArgs a;
   a.buffer = st.buffer;
+  a.handoff = handoff;
   a.combined_x = reinterpret_cast<kernels::bf16_bits*>(
       cr.area.get() + layout().ll_combined_x[st.out_buffer].offset);
   return kc::LowLatencyCombine(ctx, a, s);
@@ -1174,7 +1186,7 @@ void CudaGroup::EnqueueProgramInstance() {
       EPD_RETURN_IF_ERROR(kc::StreamWaitValue64Geq(s, flags + kernels::kProgramGoOffset, 1));
       EPD_RETURN_IF_ERROR(kc::StreamWriteValue64(s, flags + kernels::kProgramGoOffset, 0));
       EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventRecord(pr.waited[slot].get(), s)));
-      return LaunchProgramStep(p.steps[in.step], r);
+      return LaunchProgramStep(p.steps[in.step], r, in.k);
     }();
   }
   for (int r = 0; r < R; ++r) {
@@ -1187,12 +1199,15 @@ void CudaGroup::EnqueueProgramInstance() {
     // passes, and a device-to-host copy waiting there would hold a copy-engine queue that
     // other streams' copies share (epd/kernels/cuda_program.h).
     absl::Status st = kc::EnqueueStatusReadback(Context(r, 0), s, &pr.readback.get()[slot]);
-    // instance and done after the kernels, also when a launch failed: the client's stream
-    // is released on every path.
-    absl::Status w = kc::StreamWriteValue64(s, flags + kernels::kProgramInstanceOffset, in.k);
-    if (st.ok()) st = w;
-    w = kc::StreamWriteValue64(s, flags + kernels::kProgramDoneOffset, 1);
-    if (st.ok()) st = w;
+    // The kernel wrote instance and done; when its launch failed, the stream writes them,
+    // so the client's stream is released on every path.
+    absl::Status w;
+    if (!in.launch[r].ok()) {
+      w = kc::StreamWriteValue64(s, flags + kernels::kProgramInstanceOffset, in.k);
+      if (st.ok()) st = w;
+      w = kc::StreamWriteValue64(s, flags + kernels::kProgramDoneOffset, 1);
+      if (st.ok()) st = w;
+    }
     w = EPD_CUDA_STATUS(cudaEventRecord(pr.done[slot].get(), s));
     if (st.ok()) st = w;
     if (in.launch[r].ok()) in.launch[r] = st;

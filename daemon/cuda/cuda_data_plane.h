@@ -61,8 +61,9 @@
 //    the GPU for launch_flags go >= 1 (cuStreamWaitValue64; the client's captured step
 //    writes 1 once its inputs and T are staged), writes go = 0, runs the step's kernels
 //    (a dispatch reads T from the rank's token-count slot; fixed buffers per step, group_ops.h
-//    ProgramStepPlan), reads the status back with a kernel into mapped pinned memory
-//    (kc::EnqueueStatusReadback), writes the instance number and done = 1. The engine
+//    ProgramStepPlan; the step's kernel writes the instance number and done = 1 itself once
+//    its outputs are complete, KernelHandoff), reads the status back with a kernel into
+//    mapped pinned memory (kc::EnqueueStatusReadback). The engine
 //    polls each instance's events (it does not sleep while armed), publishes errors and the
 //    checked instance in the endpoint's shm header (program_* fields, read by
 //    Endpoint::ProgramStatus), and enqueues the next instance. A device-side timeout or a

@@ -57,6 +57,16 @@ __device__ __forceinline__ void StReleaseSys64(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+/// Stores the hand-off's instance word (if any), then releases done (KernelHandoff): one
+/// thread, after a barrier that follows every write done announces.
+__device__ __forceinline__ void StoreDone(uint64_t* done_flag, uint64_t done_value,
+                                          uint64_t* instance_flag, uint64_t instance_value) {
+  if (instance_flag != nullptr)
+    *reinterpret_cast<volatile uint64_t*>(instance_flag) = instance_value;
+  asm volatile("fence.acq_rel.sys;" ::: "memory");  // FenceAcqRelSys (defined below).
+  StReleaseSys64(done_flag, done_value);
+}
+
 /// Spins until *flag >= target (LdAcquireSys64) or the global timer passes deadline_ns.
 /// Returns true on arrival (*value = what was read).
 __device__ __forceinline__ bool WaitFlag64AtLeast(const uint64_t* flag, uint64_t target,

@@ -53,6 +53,8 @@ struct CombineParams {
   uint64_t ready_value;
   uint64_t* done_flag;
   uint64_t done_value;
+  uint64_t* instance_flag;
+  uint64_t instance_value;
   int32_t rank;
   int32_t num_ranks;
   int32_t num_experts;
@@ -223,8 +225,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
       state->combine_ticket = 0;
       state->combine_seq = seq;
       if (p.done_flag != nullptr) {
-        device::FenceAcqRelSys();
-        device::StReleaseSys64(p.done_flag, p.done_value);
+        device::StoreDone(p.done_flag, p.done_value, p.instance_flag, p.instance_value);
       }
     }
   }
@@ -279,6 +280,8 @@ absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombi
   p.ready_value = args.handoff.ready_value;
   p.done_flag = args.handoff.done_flag;
   p.done_value = args.handoff.done_value;
+  p.instance_flag = args.handoff.instance_flag;
+  p.instance_value = args.handoff.instance_value;
   p.rank = ctx.rank;
   p.num_ranks = s.num_ranks;
   p.num_experts = s.num_experts;

@@ -43,6 +43,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -190,11 +191,15 @@ std::optional<TensorView> InPlaceDispatchInput(E& endpoint) {
 /// around cudaGraphLaunch. The combine graph uses the handles of the captured dispatch
 /// (PendingOp::Enqueued), so every dispatch replay writes the buffer that the combine reads.
 /// After the replays, Wait on each captured op reports the device status of the replays.
-absl::Status MeasureClientGraphs(std::vector<std::unique_ptr<Endpoint>>& eps,
-                                 const std::vector<cudaStream_t>& streams, std::vector<DLTensor>& x,
-                                 std::vector<DLTensor>& idx, std::vector<DLTensor>& w,
-                                 std::vector<DLTensor>& expert_out, int warmup, int iters,
-                                 ModeResult* out) {
+/// Captures `dispatch_step(r, stream)` / `combine_step(r, stream)` of the 8 ranks into one
+/// CUDA graph each (fork/join from an origin stream), replays them alternately
+/// `warmup + iters` times (timed with events on the origin stream around cudaGraphLaunch),
+/// then calls `check()` (the device status of the replays).
+absl::Status MeasureRankGraphs(
+    const std::vector<cudaStream_t>& streams,
+    const std::function<absl::Status(int32_t, cudaStream_t)>& dispatch_step,
+    const std::function<absl::Status(int32_t, cudaStream_t)>& combine_step,
+    const std::function<absl::Status()>& check, int warmup, int iters, ModeResult* out) {
   EPD_ASSIGN_OR_RETURN(CudaStream origin_holder, CudaStream::Create());
   const cudaStream_t origin = origin_holder.get();
   std::vector<cudaEvent_t> events;
@@ -235,35 +240,9 @@ absl::Status MeasureClientGraphs(std::vector<std::unique_ptr<Endpoint>>& eps,
     execs.push_back(exec);
     return exec;
   };
-  std::vector<std::optional<PendingOp<LowLatencyDispatchResult>>> dops(kRanks);
-  std::vector<std::optional<PendingOp<LowLatencyCombineResult>>> cops(kRanks);
-  std::vector<Handle> handles(kRanks);
   absl::Status st = [&]() -> absl::Status {
-    EPD_ASSIGN_OR_RETURN(cudaGraphExec_t dispatch_graph,
-                         capture([&](int32_t r, cudaStream_t s) -> absl::Status {
-                           LowLatencyDispatchArgs a;
-                           a.x = &x[r];
-                           a.topk_idx = &idx[r];
-                           a.use_fp8 = true;
-                           a.stream = s;
-                           EPD_ASSIGN_OR_RETURN(auto op, eps[r]->LowLatencyDispatch(a));
-                           EPD_ASSIGN_OR_RETURN(LowLatencyDispatchResult res, op.Enqueued());
-                           handles[r] = res.handle;
-                           dops[r].emplace(std::move(op));
-                           return absl::OkStatus();
-                         }));
-    EPD_ASSIGN_OR_RETURN(cudaGraphExec_t combine_graph,
-                         capture([&](int32_t r, cudaStream_t s) -> absl::Status {
-                           LowLatencyCombineArgs a;
-                           a.x = &expert_out[r];
-                           a.topk_idx = &idx[r];
-                           a.topk_weights = &w[r];
-                           a.handle = &handles[r];
-                           a.stream = s;
-                           EPD_ASSIGN_OR_RETURN(auto op, eps[r]->LowLatencyCombine(a));
-                           cops[r].emplace(std::move(op));
-                           return absl::OkStatus();
-                         }));
+    EPD_ASSIGN_OR_RETURN(cudaGraphExec_t dispatch_graph, capture(dispatch_step));
+    EPD_ASSIGN_OR_RETURN(cudaGraphExec_t combine_graph, capture(combine_step));
     EPD_ASSIGN_OR_RETURN(cudaEvent_t start, event());
     EPD_ASSIGN_OR_RETURN(cudaEvent_t end, event());
     auto replay = [&](cudaGraphExec_t g, double* span_us, double* host_us) -> absl::Status {
@@ -289,19 +268,143 @@ absl::Status MeasureClientGraphs(std::vector<std::unique_ptr<Endpoint>>& eps,
         c.Add(cs, cs, ch);
       }
     }
-    // The device status of every replay (bad ids, timeouts) through the captured ops.
-    for (int32_t r = 0; r < kRanks; ++r) {
-      absl::Status ds = dops[r]->Wait(kWaitTimeout).status();
-      if (!ds.ok()) return absl::Status(ds.code(), absl::StrCat("rank ", r, ": ", ds.message()));
-      absl::Status cs = cops[r]->Wait(kWaitTimeout).status();
-      if (!cs.ok()) return absl::Status(cs.code(), absl::StrCat("rank ", r, ": ", cs.message()));
-    }
+    EPD_RETURN_IF_ERROR(check());
     out->dispatch_graph = d.Build();
     out->combine_graph = c.Build();
     return absl::OkStatus();
   }();
   cleanup();
   return st;
+}
+
+/// Client-launched decode as an inference engine runs it (MeasureRankGraphs). The combine
+/// graph uses the handles of the captured dispatch (PendingOp::Enqueued), so every dispatch
+/// replay writes the buffer that the combine reads. After the replays, Wait on each captured
+/// op reports the device status of the replays.
+absl::Status MeasureClientGraphs(std::vector<std::unique_ptr<Endpoint>>& eps,
+                                 const std::vector<cudaStream_t>& streams, std::vector<DLTensor>& x,
+                                 std::vector<DLTensor>& idx, std::vector<DLTensor>& w,
+                                 std::vector<DLTensor>& expert_out, int warmup, int iters,
+                                 ModeResult* out) {
+  std::vector<std::optional<PendingOp<LowLatencyDispatchResult>>> dops(kRanks);
+  std::vector<std::optional<PendingOp<LowLatencyCombineResult>>> cops(kRanks);
+  std::vector<Handle> handles(kRanks);
+  return MeasureRankGraphs(
+      streams,
+      [&](int32_t r, cudaStream_t s) -> absl::Status {
+        LowLatencyDispatchArgs a;
+        a.x = &x[r];
+        a.topk_idx = &idx[r];
+        a.use_fp8 = true;
+        a.stream = s;
+        EPD_ASSIGN_OR_RETURN(auto op, eps[r]->LowLatencyDispatch(a));
+        EPD_ASSIGN_OR_RETURN(LowLatencyDispatchResult res, op.Enqueued());
+        handles[r] = res.handle;
+        dops[r].emplace(std::move(op));
+        return absl::OkStatus();
+      },
+      [&](int32_t r, cudaStream_t s) -> absl::Status {
+        LowLatencyCombineArgs a;
+        a.x = &expert_out[r];
+        a.topk_idx = &idx[r];
+        a.topk_weights = &w[r];
+        a.handle = &handles[r];
+        a.stream = s;
+        EPD_ASSIGN_OR_RETURN(auto op, eps[r]->LowLatencyCombine(a));
+        cops[r].emplace(std::move(op));
+        return absl::OkStatus();
+      },
+      [&]() -> absl::Status {
+        for (int32_t r = 0; r < kRanks; ++r) {
+          absl::Status ds = dops[r]->Wait(kWaitTimeout).status();
+          if (!ds.ok())
+            return absl::Status(ds.code(), absl::StrCat("rank ", r, ": ", ds.message()));
+          absl::Status cs = cops[r]->Wait(kWaitTimeout).status();
+          if (!cs.ok())
+            return absl::Status(cs.code(), absl::StrCat("rank ", r, ": ", cs.message()));
+        }
+        return absl::OkStatus();
+      },
+      warmup, iters, out);
+}
+
+/// Runs fn(r) for the 8 ranks on 8 threads (RegisterProgram / UnregisterProgram block until
+/// every rank has called them); the first error.
+absl::Status OnEveryRankThread(const std::function<absl::Status(int32_t)>& fn) {
+  std::vector<absl::Status> st(kRanks);
+  std::vector<std::thread> threads;
+  for (int32_t r = 0; r < kRanks; ++r) threads.emplace_back([&, r] { st[r] = fn(r); });
+  for (std::thread& t : threads) t.join();
+  for (int32_t r = 0; r < kRanks; ++r) {
+    if (!st[r].ok())
+      return absl::Status(st[r].code(), absl::StrCat("rank ", r, ": ", st[r].message()));
+  }
+  return absl::OkStatus();
+}
+
+/// Daemon-launched decode under CUDA graphs (graph mode, DESIGN.md §3.2): every rank
+/// registers the program [FP8 LowLatencyDispatch, LowLatencyCombine], its steps are captured
+/// and replayed as in MeasureRankGraphs (the daemon keeps the next instances enqueued; no
+/// CPU per step on either side), ProgramStatus reports the replays' device status, and the
+/// program is unregistered.
+absl::Status MeasureDaemonProgramGraphs(std::vector<std::unique_ptr<Endpoint>>& eps,
+                                        const std::vector<cudaStream_t>& streams,
+                                        std::vector<DLTensor>& x, std::vector<DLTensor>& idx,
+                                        std::vector<DLTensor>& w, std::vector<DLTensor>& expert_out,
+                                        int warmup, int iters, ModeResult* out) {
+  std::vector<ProgramStep> steps(2);
+  steps[0].op = ProgramStep::Op::kLowLatencyDispatch;
+  steps[0].use_fp8 = true;
+  steps[1].op = ProgramStep::Op::kLowLatencyCombine;
+  EPD_RETURN_IF_ERROR(
+      OnEveryRankThread([&](int32_t r) { return eps[r]->RegisterProgram(steps, kWaitTimeout); }));
+  // T on the device, one int32 per rank.
+  std::vector<DeviceBuffer> num_tokens(kRanks);
+  std::vector<DLTensor> nt(kRanks);
+  std::vector<std::vector<int64_t>> nt_shape(kRanks, std::vector<int64_t>{1});
+  const int32_t t = kTokens;
+  absl::Status st;
+  for (int32_t r = 0; r < kRanks && st.ok(); ++r) {
+    absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(sizeof(int32_t));
+    st = b.status();
+    if (st.ok()) {
+      num_tokens[r] = std::move(*b);
+      st = EPD_CUDA_STATUS(cudaMemcpy(num_tokens[r].get(), &t, sizeof(t), cudaMemcpyDefault));
+      nt[r] = CudaTensor(num_tokens[r].get(), DLDataType{kDLInt, 32, 1}, nt_shape[r]);
+    }
+  }
+  if (st.ok()) {
+    st = MeasureRankGraphs(
+        streams,
+        [&](int32_t r, cudaStream_t s) -> absl::Status {
+          ProgramDispatchArgs a;
+          a.x = &x[r];
+          a.topk_idx = &idx[r];
+          a.num_tokens = &nt[r];
+          a.stream = s;
+          return eps[r]->RunProgramDispatch(a).status();
+        },
+        [&](int32_t r, cudaStream_t s) -> absl::Status {
+          ProgramCombineArgs a;
+          a.x = &expert_out[r];
+          a.topk_idx = &idx[r];
+          a.topk_weights = &w[r];
+          a.stream = s;
+          return eps[r]->RunProgramCombine(a).status();
+        },
+        [&]() -> absl::Status {
+          for (int32_t r = 0; r < kRanks; ++r) {
+            absl::Status ps = eps[r]->ProgramStatus();
+            if (!ps.ok())
+              return absl::Status(ps.code(), absl::StrCat("rank ", r, ": ", ps.message()));
+          }
+          return absl::OkStatus();
+        },
+        warmup, iters, out);
+  }
+  absl::Status un =
+      OnEveryRankThread([&](int32_t r) { return eps[r]->UnregisterProgram(kWaitTimeout); });
+  return st.ok() ? un : st;
 }
 
 absl::Status MeasureMode(Client& client, const std::string& gpu_uuid, v1::LaunchMode mode,
@@ -438,9 +541,11 @@ absl::Status MeasureMode(Client& client, const std::string& gpu_uuid, v1::Launch
     EPD_RETURN_IF_ERROR(loop(&out->dispatch_late, &out->combine_late));
     out->late_measured = true;
   }
-  if (mode == v1::LAUNCH_MODE_CLIENT) {
+  {
     const absl::Status gs =
-        MeasureClientGraphs(eps, streams, x, idx, w, expert_out, warmup, iters, out);
+        mode == v1::LAUNCH_MODE_CLIENT
+            ? MeasureClientGraphs(eps, streams, x, idx, w, expert_out, warmup, iters, out)
+            : MeasureDaemonProgramGraphs(eps, streams, x, idx, w, expert_out, warmup, iters, out);
     out->graph_measured = gs.ok();
     if (!gs.ok()) out->graph_error = gs.ToString();
   }
@@ -631,13 +736,14 @@ int RunLaunchBench() {
                delay);
     }
     if (m.graph_measured) {
-      const std::string g = mode + ", 8 ranks in one CUDA graph";
+      const std::string g = mode + (m.mode == "client" ? ", 8 ranks in one CUDA graph"
+                                                       : ", graph-mode program, one CUDA graph");
       const std::string gd = g + " / dispatch", gc = g + " / combine";
       PrintRow(gd.c_str(), m.dispatch_graph, rep.inproc_dispatch, json, rep, mode + "-graph",
                "ll_dispatch_fp8");
       PrintRow(gc.c_str(), m.combine_graph, rep.inproc_combine, json, rep, mode + "-graph",
                "ll_combine_bf16");
-    } else if (m.mode == "client" && !json) {
+    } else if (!json) {
       std::printf("%-34s NOT MEASURED: %s\n", (mode + ", one CUDA graph").c_str(),
                   m.graph_error.c_str());
     }
@@ -680,6 +786,14 @@ int RunLaunchBench() {
               "  same, gate opened late (GPU-side path only): dispatch %+.2f us (%s), combine "
               "%+.2f us (%s)\n",
               ld, ld <= 10 ? "met" : "NOT met", lc, lc <= 10 ? "met" : "NOT met");
+        }
+        if (m.graph_measured) {
+          const double gd = m.dispatch_graph.span.p50 - rep.inproc_dispatch.op_us.span.p50;
+          const double gc = m.combine_graph.span.p50 - rep.inproc_combine.op_us.span.p50;
+          std::printf(
+              "  same, graph-mode program in one CUDA graph: dispatch %+.2f us (%s), combine "
+              "%+.2f us (%s)\n",
+              gd, gd <= 10 ? "met" : "NOT met", gc, gc <= 10 ? "met" : "NOT met");
         }
       } else {
         std::printf(

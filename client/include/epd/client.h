@@ -435,10 +435,11 @@ class Endpoint {
   // replayed CUDA graph cannot do. Instead, every rank registers a fixed program once;
   // the daemon then keeps its next instances enqueued on the rank's daemon stream, each
   // waiting on the GPU for the client's "go". A program step called on a stream (also
-  // while it captures a CUDA graph) enqueues only device work on it: device-to-device
-  // copies of its inputs into the endpoint's staging regions (and of T into the rank's
-  // token-count slot), a "go" write (cuStreamWriteValue64), a wait for the daemon's
-  // "done" (cuStreamWaitValue64), and a one-thread kernel acknowledging it. Words and
+  // while it captures a CUDA graph) enqueues only device work on it: one kernel that copies
+  // its inputs into the endpoint's staging regions (none for an input already there:
+  // LowLatencyDispatchInput / LowLatencyCombineInput) and T into the rank's token-count slot
+  // and then writes "go", a wait for the daemon's "done" (cuStreamWaitValue64), and a
+  // one-thread kernel acknowledging it. Words and
   // values are constants (layout.h kProgram*Offset), so a captured graph replays any
   // number of times; no CPU takes part per step, on either side.
   // Steps must be run in program order, cyclically (step i of instance n is program step

@@ -211,6 +211,8 @@ absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout
 ///   done:  once this rank's outputs are complete (dispatch: every sender's rows landed in
 ///          its receive buffers; combine: combined_x written) one thread stores done_value to
 ///          *done_flag (uint64, release at system scope), which the client's stream waits for;
+///   instance: when instance_flag is set, instance_value is stored there (relaxed) just
+///          before done (graph mode: the program instance whose results done announces);
 ///   programmatic: launch with programmatic stream serialization (cudaLaunchKernelEx), so
 ///          the kernel starts as soon as a WaitFlagAsync just before it on the stream passes.
 /// Flags are the endpoint's launch_flags words (layout.h kReadyFlagOffset / kDoneFlagOffset).
@@ -219,6 +221,8 @@ struct KernelHandoff {
   uint64_t ready_value = 0;
   uint64_t* done_flag = nullptr;
   uint64_t done_value = 0;
+  uint64_t* instance_flag = nullptr;
+  uint64_t instance_value = 0;
   bool programmatic = false;
 };
 

@@ -72,16 +72,18 @@ inline constexpr uint64_t kSyncRegionBytes = 64 * 1024;
 ///   kReadySignalCounterOffset uint32 ticket of the staging kernel's blocks (the last one
 ///                      writes ready_seq); 0 between ops. Client-owned.
 ///   kProgramGoOffset   graph mode (DESIGN.md §3.2): the client's stream writes 1 once a
-///                      program step's inputs are staged (cuStreamWriteValue64); the
+///                      program step's inputs are staged (the staging kernel's last block,
+///                      kc::CopyDeviceBatchAsync; ticket at kReadySignalCounterOffset); the
 ///                      daemon's stream waits for go >= 1, then writes 0, then runs the
 ///                      step's kernels.
-///   kProgramDoneOffset graph mode: the daemon's stream writes 1 after the step's kernels
-///                      and status read-back; the client's stream waits for done >= 1, then
+///   kProgramDoneOffset graph mode: the step's kernel writes 1 once its outputs are
+///                      complete (KernelHandoff; the daemon's stream, if the launch failed);
+///                      the client's stream waits for done >= 1, then
 ///                      a one-thread kernel swaps 1 for 0 (atomicCAS). When the program is
 ///                      disarmed the daemon writes kProgramReleased, which no CAS clears, so
 ///                      a client stream running further steps never waits forever.
-///   kProgramInstanceOffset graph mode: the daemon's stream writes the instance number
-///                      (1, 2, ... since the program was armed) before done.
+///   kProgramInstanceOffset graph mode: the step's kernel writes the instance number
+///                      (1, 2, ... since the program was armed) just before done.
 ///   [88, 4096) and [20, 64) reserved.
 /// Graph-mode words hold only 0/1 (and kProgramReleased): every value a captured client
 /// graph writes or waits for is a constant, so replays stay valid.
