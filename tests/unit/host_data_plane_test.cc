@@ -271,12 +271,24 @@ TEST_F(HostDataPlaneTest, LowLatencyRoundTripAndStaleHandle) {
   std::vector<RankData> in(R);
   for (int r = 0; r < R; ++r) in[r].Make(Mll - r, H, K, E, 77 + r);
   std::vector<LowLatencyDispatchResult> first(R);
-  for (int round = 0; round < 3; ++round) {
+  // Round 3: x produced in the endpoint's dispatch input and the expert outputs in its
+  // combine input (LowLatencyDispatchInput / LowLatencyCombineInput: nothing is staged).
+  for (int round = 0; round < 4; ++round) {
+    const bool in_place = round == 3;
     OnEveryRank([&](int r) {
       LowLatencyDispatchArgs a;
       a.x = &in[r].x_t;
       a.topk_idx = &in[r].idx_t;
       a.use_fp8 = round == 1;
+      std::vector<int64_t> xs{in[r].T, H};
+      DLTensor x_in{};
+      if (in_place) {
+        const TensorView v = endpoints_[r]->LowLatencyDispatchInput();
+        ASSERT_EQ(v.shape(), (std::vector<int64_t>{Mll, H}));
+        std::memcpy(v.data(), in[r].x.data(), in[r].x.size() * sizeof(bf16_bits));
+        x_in = epd::MakeDLTensor(v.data(), {kDLBfloat, 16, 1}, xs);
+        a.x = &x_in;
+      }
       auto op = endpoints_[r]->LowLatencyDispatch(a);
       ASSERT_TRUE(op.ok()) << op.status();
       auto d = op->Wait(absl::Seconds(10));
@@ -290,6 +302,12 @@ TEST_F(HostDataPlaneTest, LowLatencyRoundTripAndStaleHandle) {
       DLTensor yt = epd::MakeDLTensor(y.data(), {kDLBfloat, 16, 1}, ys);
       LowLatencyCombineArgs c;
       c.x = &yt;
+      const TensorView combine_in = endpoints_[r]->LowLatencyCombineInput();
+      if (in_place) {
+        ASSERT_EQ(combine_in.nbytes(), y.size() * sizeof(bf16_bits));
+        std::memcpy(combine_in.data(), y.data(), combine_in.nbytes());
+        c.x = &combine_in.dl();
+      }
       c.topk_idx = &in[r].idx_t;
       c.topk_weights = &in[r].w_t;
       c.handle = &d->handle;
