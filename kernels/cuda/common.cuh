@@ -59,12 +59,12 @@ __device__ __forceinline__ void StReleaseSys64(uint64_t* p, uint64_t v) {
 
 /// Stores the hand-off's instance word (if any), then releases done (KernelHandoff): one
 /// thread, after a barrier that follows every write done announces.
-__device__ __forceinline__ void StoreDone(uint64_t* done_flag, uint64_t done_value,
-                                          uint64_t* instance_flag, uint64_t instance_value) {
-  if (instance_flag != nullptr)
-    *reinterpret_cast<volatile uint64_t*>(instance_flag) = instance_value;
+__device__ __forceinline__ void StoreDone(const KernelHandoff& h) {
+  if (h.instance_flag != nullptr) {
+    *reinterpret_cast<volatile uint64_t*>(h.instance_flag) = h.instance_value;
+  }
   asm volatile("fence.acq_rel.sys;" ::: "memory");  // FenceAcqRelSys (defined below).
-  StReleaseSys64(done_flag, done_value);
+  StReleaseSys64(h.done_flag, h.done_value);
 }
 
 /// Spins until *flag >= target (LdAcquireSys64) or the global timer passes deadline_ns.
@@ -158,6 +158,19 @@ __device__ __forceinline__ void RecordMissingPeer(DeviceStatus* status, int32_t 
   atomicOr(&status->timed_out, 1u);
   if (peer >= 0 && peer < kMaxStatusRanks) {
     atomicOr(&status->missing_ranks[peer / 32], 1u << (peer % 32));
+  }
+}
+
+/// The ready wait of a KernelHandoff, by one thread per block before the block reads any
+/// input: until *ready_flag >= ready_value (acquire, system scope) or `deadline_ns`; block
+/// 0 records a timeout as a missing `rank` (the op then goes on: it fails anyway). No-op
+/// without a ready flag.
+__device__ __forceinline__ void WaitReady(const KernelHandoff& h, uint64_t deadline_ns,
+                                          DeviceStatus* status, int32_t rank) {
+  uint64_t ready = 0;
+  if (h.ready_flag != nullptr &&
+      !WaitFlag64AtLeast(h.ready_flag, h.ready_value, deadline_ns, &ready) && blockIdx.x == 0) {
+    RecordMissingPeer(status, rank);
   }
 }
 

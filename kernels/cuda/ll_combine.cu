@@ -49,12 +49,7 @@ struct CombineParams {
   uint64_t x_offset;  // expert outputs [El, R*Mll, H] bf16, same at every rank
   int64_t rows_per_expert;
   int64_t timeout_ns;
-  const uint64_t* ready_flag;  // KernelHandoff (null = none)
-  uint64_t ready_value;
-  uint64_t* done_flag;
-  uint64_t done_value;
-  uint64_t* instance_flag;
-  uint64_t instance_value;
+  KernelHandoff handoff;  // Daemon-launched stream-ordered hand-off (null flags = none).
   int32_t rank;
   int32_t num_ranks;
   int32_t num_experts;
@@ -106,12 +101,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   if (threadIdx.x == 0) {
     // Daemon-launched: the client's inputs (expert outputs, topk_idx, topk_weights) are
     // staged once ready >= value; block 0 announces the expert outputs to the peers below.
-    uint64_t ready = 0;
-    if (p.ready_flag != nullptr &&
-        !device::WaitFlag64AtLeast(p.ready_flag, p.ready_value, deadline, &ready) &&
-        blockIdx.x == 0) {
-      device::RecordMissingPeer(status, p.rank);
-    }
+    device::WaitReady(p.handoff, deadline, status, p.rank);
     s_seq = *reinterpret_cast<volatile uint32_t*>(&state->combine_seq) + 1;
     int32_t t = *reinterpret_cast<volatile int32_t*>(&state->dispatch_num_tokens[p.buffer]);
     s_num_tokens = (t < 0 || t > p.max_tokens) ? 0 : t;  // written sanitised by the dispatch
@@ -218,14 +208,14 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     // are written (each block releases its rows before its ticket at .gpu scope: every
     // block runs on this GPU; the last one acquires them and publishes done at .sys scope,
     // which the client's stream reads through the GPU's front end).
-    if (p.done_flag != nullptr) device::FenceAcqRel(/*gpu=*/true);
+    if (p.handoff.done_flag != nullptr) device::FenceAcqRel(/*gpu=*/true);
     const uint32_t ticket = atomicAdd(&state->combine_ticket, 1u);
     s_last = ticket == gridDim.x - 1;
     if (s_last) {
       state->combine_ticket = 0;
       state->combine_seq = seq;
-      if (p.done_flag != nullptr) {
-        device::StoreDone(p.done_flag, p.done_value, p.instance_flag, p.instance_value);
+      if (p.handoff.done_flag != nullptr) {
+        device::StoreDone(p.handoff);
       }
     }
   }
@@ -276,12 +266,7 @@ absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombi
   p.x_offset = x_offset;
   p.rows_per_expert = s.ll_rows_per_expert();
   p.timeout_ns = ctx.timeout_ns;
-  p.ready_flag = args.handoff.ready_flag;
-  p.ready_value = args.handoff.ready_value;
-  p.done_flag = args.handoff.done_flag;
-  p.done_value = args.handoff.done_value;
-  p.instance_flag = args.handoff.instance_flag;
-  p.instance_value = args.handoff.instance_value;
+  p.handoff = args.handoff;
   p.rank = ctx.rank;
   p.num_ranks = s.num_ranks;
   p.num_experts = s.num_experts;

@@ -68,12 +68,7 @@ struct DispatchParams {
   uint64_t recv_src_info_offset;  // ll_recv_src_info[b]
   int64_t rows_per_expert;        // R * Mll
   int64_t timeout_ns;
-  const uint64_t* ready_flag;  // KernelHandoff (null = none)
-  uint64_t ready_value;
-  uint64_t* done_flag;
-  uint64_t done_value;
-  uint64_t* instance_flag;
-  uint64_t instance_value;
+  KernelHandoff handoff;  // Daemon-launched stream-ordered hand-off (null flags = none).
   int32_t rank;
   int32_t num_ranks;
   int32_t num_experts;
@@ -180,12 +175,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
 
   if (threadIdx.x == 0) {
     // Daemon-launched: the client's inputs (x, topk_idx) are staged once ready >= value.
-    uint64_t ready = 0;
-    if (p.ready_flag != nullptr &&
-        !device::WaitFlag64AtLeast(p.ready_flag, p.ready_value, deadline, &ready) &&
-        blockIdx.x == 0) {
-      device::RecordMissingPeer(status, p.rank);
-    }
+    device::WaitReady(p.handoff, deadline, status, p.rank);
     s_seq = *reinterpret_cast<volatile uint32_t*>(&state->dispatch_seq) + 1;
     int32_t t = p.num_tokens_value >= 0 ? p.num_tokens_value
                                         : *reinterpret_cast<const volatile int32_t*>(p.num_tokens);
@@ -483,7 +473,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   }
   // ---- 6. daemon-launched: done (every sender's rows have landed, block 0 wrote the counts
   // and the handle; the other blocks are past their last read of the inputs) ----
-  if (blockIdx.x == 0 && p.done_flag != nullptr) {
+  if (blockIdx.x == 0 && p.handoff.done_flag != nullptr) {
     __syncthreads();
     if (threadIdx.x == 0) {
       if (!counts_ok) {
@@ -495,7 +485,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
                GlobalTimerNs() < until) {
         }
       }
-      device::StoreDone(p.done_flag, p.done_value, p.instance_flag, p.instance_value);
+      device::StoreDone(p.handoff);
     }
   }
 }
@@ -572,12 +562,7 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
   p.recv_src_info_offset = l.ll_recv_src_info[b].offset;
   p.rows_per_expert = s.ll_rows_per_expert();
   p.timeout_ns = ctx.timeout_ns;
-  p.ready_flag = args.handoff.ready_flag;
-  p.ready_value = args.handoff.ready_value;
-  p.done_flag = args.handoff.done_flag;
-  p.done_value = args.handoff.done_value;
-  p.instance_flag = args.handoff.instance_flag;
-  p.instance_value = args.handoff.instance_value;
+  p.handoff = args.handoff;
   p.rank = ctx.rank;
   p.num_ranks = s.num_ranks;
   p.num_experts = s.num_experts;
