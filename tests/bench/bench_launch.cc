@@ -12,7 +12,8 @@
 // script runs the bench again after deploy/mps/start-mps.sh for the MPS figure.
 //
 // Per iteration, for each op: every rank's stream waits on a device gate word, records a
-// start event, gets the op (the library's work on that stream: staging + flags in
+// start event, gets the op (the library's work on that stream: staging of topk_idx /
+// topk_weights + flags in
 // daemon-launched mode, the kernels in client-launched mode), records an end event; the
 // host opens the gate once all 8 ops are submitted (so the host's submit cost is not in
 // the stream figure), synchronizes the 8 streams and Waits on the 8 PendingOps. Figures:
@@ -60,6 +61,7 @@
 #include "epd/common/gpu_uuid.h"
 #include "epd/common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
+#include "tests/common/on_every_rank.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/integration/daemon_process.h"
 
@@ -112,23 +114,11 @@ DLTensor CudaTensor(void* data, DLDataType dtype, std::vector<int64_t>& shape) {
   return MakeDLTensor(data, dtype, shape, DLDevice{kDLCUDA, 0});
 }
 
-/// LowLatencyCombineInput() when the client library has it (the experts then write their
-/// outputs in place and combine copies nothing); nullopt otherwise.
-template <typename E>
-std::optional<TensorView> InPlaceCombineInput(E& endpoint) {
-  if constexpr (requires { endpoint.LowLatencyCombineInput(); }) {
-    TensorView v = endpoint.LowLatencyCombineInput();
-    if (v.data() != nullptr) return v;
-  }
-  return std::nullopt;
-}
-
 /// One rank's caller-side buffers (device memory of GPU 0) and stream.
 struct RankInputs {
   DeviceBuffer x;             // [T, H] bf16
   DeviceBuffer topk_idx;      // [T, K] int64
   DeviceBuffer topk_weights;  // [T, K] f32
-  DeviceBuffer expert_out;    // [E/R, R*Mll, H] bf16 when not combining in place
   CudaStream stream;
 };
 
@@ -136,8 +126,7 @@ struct ModeResult {
   std::string mode;  // "client" or "daemon"
   bool measured = false;
   std::string error;
-  std::string combine_input;  // "in place" or "copied"
-  OpTimes dispatch;           // gate opened at once
+  OpTimes dispatch;  // gate opened at once
   OpTimes combine;
   bool late_measured = false;  // gate opened --launch_gate_delay_us after the last submit
   OpTimes dispatch_late;
@@ -170,17 +159,6 @@ v1::GroupSpec Spec(const std::string& name) {
   spec.set_use_fp8(true);
   spec.set_ll_max_tokens_per_rank(kLlMaxTokens);
   return spec;
-}
-
-/// LowLatencyDispatchInput() when the client library has it (x is then produced in the
-/// endpoint's staging region and daemon-launched dispatch copies nothing); nullopt otherwise.
-template <typename E>
-std::optional<TensorView> InPlaceDispatchInput(E& endpoint) {
-  if constexpr (requires { endpoint.LowLatencyDispatchInput(); }) {
-    TensorView v = endpoint.LowLatencyDispatchInput();
-    if (v.data() != nullptr) return v;
-  }
-  return std::nullopt;
 }
 
 /// Joins the 8 ranks in `mode` from `client` and times `warmup` + `iters` iterations of
@@ -328,16 +306,14 @@ absl::Status MeasureClientGraphs(std::vector<std::unique_ptr<Endpoint>>& eps,
       warmup, iters, out);
 }
 
-/// Runs fn(r) for the 8 ranks on 8 threads (RegisterProgram / UnregisterProgram block until
-/// every rank has called them); the first error.
-absl::Status OnEveryRankThread(const std::function<absl::Status(int32_t)>& fn) {
-  std::vector<absl::Status> st(kRanks);
-  std::vector<std::thread> threads;
-  for (int32_t r = 0; r < kRanks; ++r) threads.emplace_back([&, r] { st[r] = fn(r); });
-  for (std::thread& t : threads) t.join();
+/// Runs fn(r) for the 8 ranks on 8 threads (testing::OnEveryRank: RegisterProgram and
+/// UnregisterProgram block until every rank has called them); the first error, naming its rank.
+absl::Status OnEveryRankThread(const std::function<absl::Status(int)>& fn) {
+  const std::vector<absl::Status> st = testing::OnEveryRank(kRanks, fn);
   for (int32_t r = 0; r < kRanks; ++r) {
-    if (!st[r].ok())
+    if (!st[r].ok()) {
       return absl::Status(st[r].code(), absl::StrCat("rank ", r, ": ", st[r].message()));
+    }
   }
   return absl::OkStatus();
 }
@@ -424,47 +400,29 @@ absl::Status MeasureMode(Client& client, const std::string& gpu_uuid, v1::Launch
                        v1::LaunchMode_Name(eps[r]->info().launch_mode())));
     }
   }
-  // Combine input: the endpoint's own region when the library offers it (written once
-  // here with a constant bf16 pattern, 0x3f3f ≈ 0.75), else a bench buffer of that shape.
   std::vector<std::vector<int64_t>> x_shape(kRanks), idx_shape(kRanks), out_shape(kRanks);
   std::vector<DLTensor> x(kRanks), idx(kRanks), w(kRanks), expert_out(kRanks);
-  std::vector<std::optional<TensorView>> in_place(kRanks);
-  bool dispatch_x_in_place = false;
   const DLDataType bf16{kDLBfloat, 16, 1}, i64{kDLInt, 64, 1}, f32{kDLFloat, 32, 1};
   for (int32_t r = 0; r < kRanks; ++r) {
     x_shape[r] = {kTokens, kHidden};
     idx_shape[r] = {kTokens, kTopk};
     out_shape[r] = {kExperts / kRanks, int64_t{kRanks} * kLlMaxTokens, kHidden};
-    // Dispatch input: the endpoint's own region when the library offers it (filled once
-    // from the bench's x), else the bench's x.
-    std::optional<TensorView> x_in_place = InPlaceDispatchInput(*eps[r]);
-    void* x_data = in[r].x.get();
-    if (x_in_place.has_value()) {
-      EPD_CUDA_RETURN_IF_ERROR(cudaMemcpy(x_in_place->data(), in[r].x.get(),
-                                          size_t{kTokens} * kHidden * 2, cudaMemcpyDefault));
-      x_data = x_in_place->data();
-      dispatch_x_in_place = true;
+    // Inputs produced in place, as a model that writes them there would: x in the
+    // endpoint's dispatch input (filled once from the bench's x), the expert outputs in its
+    // combine input (a constant bf16 pattern, 0x3f3f ≈ 0.75). Neither op then copies them.
+    const TensorView x_in = eps[r]->LowLatencyDispatchInput();
+    const TensorView y_in = eps[r]->LowLatencyCombineInput();
+    if (x_in.data() == nullptr || y_in.data() == nullptr) {
+      return absl::InternalError("the endpoint has no low-latency input regions");
     }
-    x[r] = CudaTensor(x_data, bf16, x_shape[r]);
+    EPD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(x_in.data(), in[r].x.get(), size_t{kTokens} * kHidden * 2, cudaMemcpyDefault));
+    EPD_CUDA_RETURN_IF_ERROR(cudaMemset(y_in.data(), 0x3f, y_in.nbytes()));
+    x[r] = CudaTensor(x_in.data(), bf16, x_shape[r]);
+    expert_out[r] = CudaTensor(y_in.data(), bf16, out_shape[r]);
     idx[r] = CudaTensor(in[r].topk_idx.get(), i64, idx_shape[r]);
     w[r] = CudaTensor(in[r].topk_weights.get(), f32, idx_shape[r]);
-    in_place[r] = InPlaceCombineInput(*eps[r]);
-    if (in_place[r].has_value()) {
-      EPD_CUDA_RETURN_IF_ERROR(cudaMemset(in_place[r]->data(), 0x3f, in_place[r]->nbytes()));
-      expert_out[r] = in_place[r]->dl();
-    } else {
-      if (in[r].expert_out.get() == nullptr) {
-        const size_t bytes = size_t{kExperts / kRanks} * kRanks * kLlMaxTokens * kHidden * 2;
-        EPD_ASSIGN_OR_RETURN(in[r].expert_out, DeviceBuffer::Allocate(bytes));
-        EPD_CUDA_RETURN_IF_ERROR(cudaMemset(in[r].expert_out.get(), 0x3f, bytes));
-      }
-      expert_out[r] = CudaTensor(in[r].expert_out.get(), bf16, out_shape[r]);
-    }
   }
-  out->combine_input = absl::StrCat(
-      in_place[0].has_value() ? "in place (LowLatencyCombineInput)" : "copied from a bench buffer",
-      ", dispatch x ",
-      dispatch_x_in_place ? "in place (LowLatencyDispatchInput)" : "from a bench buffer");
 
   std::vector<cudaStream_t> streams(kRanks);
   for (int32_t r = 0; r < kRanks; ++r) streams[r] = in[r].stream.get();
@@ -700,7 +658,8 @@ int RunLaunchBench() {
                 rep.epd_version.c_str(), rep.mps_active ? "yes" : "no");
     std::printf(
         "shape: T=%d H=%d K=%d E=%d R=%d Mll=%d; FP8 dispatch, BF16 combine; %d iterations "
-        "after %d warm-up; times in us\n",
+        "after %d warm-up; times in us; x and the expert outputs produced in place "
+        "(LowLatencyDispatchInput / LowLatencyCombineInput)\n",
         kTokens, kHidden, kTopk, kExperts, kRanks, kLlMaxTokens, absl::GetFlag(FLAGS_launch_iters),
         absl::GetFlag(FLAGS_launch_warmup));
     std::printf("%-34s %8s %8s %8s %8s %9s %9s %8s %9s %9s\n", "mode / op", "p50", "p99",
@@ -747,7 +706,6 @@ int RunLaunchBench() {
       std::printf("%-34s NOT MEASURED: %s\n", (mode + ", one CUDA graph").c_str(),
                   m.graph_error.c_str());
     }
-    if (!json) std::printf("  (%s: combine input %s)\n", mode.c_str(), m.combine_input.c_str());
   }
   if (!json) {
     std::printf(

@@ -3,7 +3,7 @@
 // graph_program_test.cc) share. The data areas the daemon exports are reached through
 // FindInProcessCudaArea (CUDA cannot open an IPC handle in the exporting process). Also the
 // helpers of tests that hold every rank of a group in this one process (graph_program_test.cc,
-// cuda_hot_path_alloc_test.cc): OnEveryRank, DrainsWithin.
+// cuda_hot_path_alloc_test.cc): DrainsWithin (and OnEveryRank, tests/common/on_every_rank.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,6 +22,7 @@
 #include "daemon/daemon.h"
 #include "epd/client.h"
 #include "gpu_test_util.h"
+#include "tests/common/on_every_rank.h"
 
 namespace epd::testing {
 
@@ -85,17 +86,6 @@ class InProcessEpdTest : public ::testing::Test {
     return reason;
   }
 };
-
-/// Runs `fn(r)` for r in [0, R), each on its own thread (calls that block until every rank
-/// made them: RegisterProgram, UnregisterProgram), joins them and returns the R statuses,
-/// indexed by rank. Allocates (threads, the statuses): not for counted windows.
-inline std::vector<absl::Status> OnEveryRank(int R, const std::function<absl::Status(int)>& fn) {
-  std::vector<absl::Status> st(R);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < R; ++r) threads.emplace_back([&, r] { st[r] = fn(r); });
-  for (auto& t : threads) t.join();
-  return st;
-}
 
 /// Waits (bounded: polls cudaStreamQuery every 1 ms) for `stream` to drain; false if it is
 /// still busy after `limit`. A stream error is a test failure (ADD_FAILURE) and returns true.
