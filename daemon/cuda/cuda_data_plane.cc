@@ -347,12 +347,12 @@ class CudaGroup : public LockstepGroup {
   void UpdateDevices();
   kc::CudaRankContext Context(int32_t r, int32_t num_sms) const;
   /// Enqueues rank r's part of `plan` on its stream: for a stream-ordered slot first the
-  /// wait for ready_seq >= seq (then *ready_wait = true), then the op's kernels.
-  /// A stream-ordered low-latency op's kernel checks ready_seq and writes done_seq itself
-  /// (*kernel_done = true); with kernel_ready_wait() it waits in a WaitFlagAsync kernel
-  /// instead of cuStreamWaitValue64 (*ready_spin = true instead of *ready_wait).
+  /// wait for ready_seq >= seq (then *ready_wait = true), then the op's kernels. A
+  /// stream-ordered low-latency op's kernel checks ready_seq and writes done_seq itself
+  /// (KernelHandoff), and with kernel_ready_wait() the wait is a WaitFlagAsync kernel
+  /// (SpinsForReady) instead of cuStreamWaitValue64.
   absl::Status LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
-                          bool* ready_wait, bool* ready_spin, bool* kernel_done);
+                          bool* ready_wait);
   absl::Status ResetSync();
   /// Serves this group from the engine of `device` unless an engine already does.
   void AdoptEngine(int device);
@@ -367,12 +367,7 @@ class CudaGroup : public LockstepGroup {
     std::vector<std::shared_ptr<CudaRank>> ranks;
     std::vector<absl::Status> launch;
     std::vector<bool> stream_ordered;
-    std::vector<bool> ready_wait;  ///< The rank's stream got the ready_seq wait.
-    /// The rank's ready wait is a WaitFlagAsync kernel (Readback::ready_seen tells whether it
-    /// passed) and its low-latency kernel writes done_seq.
-    std::vector<bool> ready_spin;
-    /// The rank's low-latency kernel writes done_seq (KernelHandoff), when it launched.
-    std::vector<bool> kernel_done;
+    std::vector<bool> ready_wait;  ///< The rank's stream got the ready_seq stream wait.
     Clock::time_point started;
   };
   /// Gives every vector of `op` R entries (no allocation when they already have).
@@ -382,8 +377,15 @@ class CudaGroup : public LockstepGroup {
     op.launch.resize(R);
     op.stream_ordered.resize(R);
     op.ready_wait.resize(R);
-    op.ready_spin.resize(R);
-    op.kernel_done.resize(R);
+  }
+  /// Whether rank r's part of `op` hands off inside its low-latency kernel (LaunchRank).
+  static bool KernelHandsOff(const GpuOp& op, size_t r) {
+    return op.stream_ordered[r] &&
+           (op.op == abi::OpKind::kLowLatencyDispatch || op.op == abi::OpKind::kLowLatencyCombine);
+  }
+  /// Whether that rank's ready wait is a WaitFlagAsync kernel (Readback::ready_seen).
+  bool SpinsForReady(const GpuOp& op, size_t r) const {
+    return KernelHandsOff(op, r) && plane_->kernel_ready_wait();
   }
   /// Moves a finished op's vectors back into spare_ for the next op, dropping its rank
   /// references (a rank that left during the op is freed here, not kept by the spare).
@@ -746,7 +748,7 @@ absl::Status CudaGroup::ResetSync() {
 }
 
 absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
-                                   bool* ready_wait, bool* ready_spin, bool* kernel_done) {
+                                   bool* ready_wait) {
   const CudaRank& cr = *ranks_[r];
   const EndpointLayout& L = layout();
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
@@ -775,7 +777,6 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
     handoff.ready_value = slot.seq;
     handoff.done_flag = reinterpret_cast<uint64_t*>(cr.done_flag());
     handoff.done_value = slot.seq;
-    *kernel_done = true;
   }
   if (kernel_handoff && plane_->kernel_ready_wait()) {
     const auto bound = std::chrono::milliseconds(options().op_timeout_ms) + 2 * kGpuGrace;
@@ -783,7 +784,6 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
         kc::WaitFlagAsync(reinterpret_cast<const uint64_t*>(cr.ready_flag()), slot.seq,
                           std::chrono::duration_cast<std::chrono::nanoseconds>(bound).count(),
                           &cr.readback->ready_seen, s));
-    *ready_spin = true;
     handoff.programmatic = true;
   } else if (slot.flags & abi::kFlagStreamOrdered) {
     // The client's stream writes ready_seq = seq once it has staged the inputs; this
@@ -877,19 +877,13 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
     op.launch[r] = absl::OkStatus();
     op.stream_ordered[r] = (slots[r].flags & abi::kFlagStreamOrdered) != 0;
     op.ready_wait[r] = false;
-    op.ready_spin[r] = false;
-    op.kernel_done[r] = false;
   }
   // Every rank's kernel is enqueued before any is waited for; a launch error on one rank
   // still launches the others, whose waits then end at the kernel timeout.
   for (int r = 0; r < R; ++r) {
     bool ready_wait = false;
-    bool ready_spin = false;
-    bool kernel_done = false;
-    op.launch[r] = LaunchRank(plan, slots[r], r, &ready_wait, &ready_spin, &kernel_done);
+    op.launch[r] = LaunchRank(plan, slots[r], r, &ready_wait);
     op.ready_wait[r] = ready_wait;
-    op.ready_spin[r] = ready_spin;
-    op.kernel_done[r] = kernel_done;
   }
   for (int r = 0; r < R; ++r) {
     const CudaRank& cr = *ranks_[r];
@@ -899,7 +893,7 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
     // done_seq = seq after the kernels and the read-back, also when a launch failed, so
     // the client's stream is released on every path (a launched low-latency kernel wrote it
     // itself, before this read-back).
-    if (op.stream_ordered[r] && !(op.kernel_done[r] && op.launch[r].ok())) {
+    if (op.stream_ordered[r] && !(KernelHandsOff(op, r) && op.launch[r].ok())) {
       absl::Status done = WriteDone(cr, plan.seq);
       if (st.ok()) st = done;
     }
@@ -965,10 +959,11 @@ void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot)
 
 void CudaGroup::ReleaseReadyWaits(const GpuOp& op) const {
   for (size_t r = 0; r < op.ranks.size() && r < op.ready_wait.size(); ++r) {
-    if (!(op.ready_wait[r] || op.ready_spin[r]) || !op.ranks[r]) continue;
+    const bool spins = SpinsForReady(op, r);
+    if (!(op.ready_wait[r] || spins) || !op.ranks[r]) continue;
     const CudaRank& cr = *op.ranks[r];
     cudaSetDevice(cr.device);
-    if (op.ready_spin[r]) {
+    if (spins) {
       // Written by the rank's WaitFlagAsync once its wait passed (pinned host memory).
       const uint64_t seen = *reinterpret_cast<const volatile uint64_t*>(&cr.readback->ready_seen);
       if (seen >= op.seq) continue;

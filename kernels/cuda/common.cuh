@@ -57,16 +57,6 @@ __device__ __forceinline__ void StReleaseSys64(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-/// Stores the hand-off's instance word (if any), then releases done (KernelHandoff): one
-/// thread, after a barrier that follows every write done announces.
-__device__ __forceinline__ void StoreDone(const KernelHandoff& h) {
-  if (h.instance_flag != nullptr) {
-    *reinterpret_cast<volatile uint64_t*>(h.instance_flag) = h.instance_value;
-  }
-  asm volatile("fence.acq_rel.sys;" ::: "memory");  // FenceAcqRelSys (defined below).
-  StReleaseSys64(h.done_flag, h.done_value);
-}
-
 /// Spins until *flag >= target (LdAcquireSys64) or the global timer passes deadline_ns.
 /// Returns true on arrival (*value = what was read).
 __device__ __forceinline__ bool WaitFlag64AtLeast(const uint64_t* flag, uint64_t target,
@@ -172,6 +162,16 @@ __device__ __forceinline__ void WaitReady(const KernelHandoff& h, uint64_t deadl
       !WaitFlag64AtLeast(h.ready_flag, h.ready_value, deadline_ns, &ready) && blockIdx.x == 0) {
     RecordMissingPeer(status, rank);
   }
+}
+
+/// Stores the hand-off's instance word (if any), then releases done (KernelHandoff): one
+/// thread, after a barrier that follows every write done announces.
+__device__ __forceinline__ void StoreDone(const KernelHandoff& h) {
+  if (h.instance_flag != nullptr) {
+    *reinterpret_cast<volatile uint64_t*>(h.instance_flag) = h.instance_value;
+  }
+  FenceAcqRelSys();
+  StReleaseSys64(h.done_flag, h.done_value);
 }
 
 /// Records a run-time T outside [0, capacity].

@@ -480,10 +480,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
         // Timed out: block 0 did not wait for the senders, so wait (bounded) until every
         // block has taken its ticket (the last one sets dispatch_seq): none reads the
         // inputs after done, which lets the client overwrite them.
-        const uint64_t until = GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
-        while (*reinterpret_cast<volatile uint32_t*>(&state->dispatch_seq) != seq &&
-               GlobalTimerNs() < until) {
-        }
+        WaitFlagAtLeast(&state->dispatch_seq, seq,
+                        GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns), /*gpu=*/true);
       }
       device::StoreDone(p.handoff);
     }
