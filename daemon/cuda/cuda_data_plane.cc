@@ -325,10 +325,11 @@ class CudaGroup : public LockstepGroup {
   absl::Status ArmProgram(const std::vector<ProgramStepPlan>& steps);
   /// Enqueues instance program_->next on every rank's stream.
   void EnqueueProgramInstance();
-  /// Enqueues step `st`'s kernels for rank r (T of a dispatch read from the device).
-  /// Enqueues rank r's kernel of program step `st` for instance `k` on its stream; the kernel
-  /// writes the instance word and done = 1 itself (KernelHandoff).
-  absl::Status LaunchProgramStep(const ProgramStepPlan& st, int32_t r, uint64_t k);
+  /// Enqueues rank r's kernel of program step `st` for instance `k` on its stream (T of a
+  /// dispatch read from the device); the kernel writes the instance word, done = 1 and its
+  /// DeviceStatus to `status_out` itself (KernelHandoff).
+  absl::Status LaunchProgramStep(const ProgramStepPlan& st, int32_t r, uint64_t k,
+                                 kc::DeviceStatus* status_out);
   /// Disarms the program: releases every instance still waiting for its client's go (in
   /// instance order; they then run on whatever is staged, consistently on every rank, and
   /// their results are ignored), then writes done = kProgramReleased on every rank's
@@ -777,6 +778,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
     handoff.ready_value = slot.seq;
     handoff.done_flag = reinterpret_cast<uint64_t*>(cr.done_flag());
     handoff.done_value = slot.seq;
+    handoff.status_out = &cr.readback->status;  // No read-back kernel behind it (StartOpInto).
   }
   if (kernel_handoff && plane_->kernel_ready_wait()) {
     const auto bound = std::chrono::milliseconds(options().op_timeout_ms) + 2 * kGpuGrace;
@@ -888,12 +890,15 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
   for (int r = 0; r < R; ++r) {
     const CudaRank& cr = *ranks_[r];
     cudaSetDevice(cr.device);
-    absl::Status st =
-        kc::EnqueueStatusReadback(Context(r, 0), cr.stream.get(), &cr.readback->status);
-    // done_seq = seq after the kernels and the read-back, also when a launch failed, so
-    // the client's stream is released on every path (a launched low-latency kernel wrote it
-    // itself, before this read-back).
-    if (op.stream_ordered[r] && !(KernelHandsOff(op, r) && op.launch[r].ok())) {
+    // A launched low-latency kernel that hands off wrote done and its status itself
+    // (KernelHandoff::status_out); every other path gets the read-back kernel and, when
+    // stream-ordered, done_seq = seq after it, so the client's stream is released on every
+    // path.
+    const bool kernel_wrote_all = KernelHandsOff(op, r) && op.launch[r].ok();
+    absl::Status st = kernel_wrote_all ? absl::OkStatus()
+                                       : kc::EnqueueStatusReadback(Context(r, 0), cr.stream.get(),
+                                                                   &cr.readback->status);
+    if (op.stream_ordered[r] && !kernel_wrote_all) {
       absl::Status done = WriteDone(cr, plan.seq);
       if (st.ok()) st = done;
     }
@@ -1131,7 +1136,8 @@ absl::Status CudaGroup::ArmProgram(const std::vector<ProgramStepPlan>& steps) {
   return absl::OkStatus();
 }
 
-absl::Status CudaGroup::LaunchProgramStep(const ProgramStepPlan& st, int32_t r, uint64_t k) {
+absl::Status CudaGroup::LaunchProgramStep(const ProgramStepPlan& st, int32_t r, uint64_t k,
+                                          kc::DeviceStatus* status_out) {
   const CudaRank& cr = *ranks_[r];
   const kc::CudaRankContext ctx = Context(r, plane_->options().num_sms);
   cudaStream_t s = cr.stream.get();
@@ -1143,6 +1149,7 @@ absl::Status CudaGroup::LaunchProgramStep(const ProgramStepPlan& st, int32_t r, 
   handoff.done_value = 1;
   handoff.instance_flag = reinterpret_cast<uint64_t*>(flags + kernels::kProgramInstanceOffset);
   handoff.instance_value = k;
+  handoff.status_out = status_out;
   if (st.op == abi::OpKind::kLowLatencyDispatch) {
     kc::LowLatencyDispatchArgs a;
     a.buffer = st.buffer;
@@ -1181,7 +1188,7 @@ void CudaGroup::EnqueueProgramInstance() {
       EPD_RETURN_IF_ERROR(kc::StreamWaitValue64Geq(s, flags + kernels::kProgramGoOffset, 1));
       EPD_RETURN_IF_ERROR(kc::StreamWriteValue64(s, flags + kernels::kProgramGoOffset, 0));
       EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventRecord(pr.waited[slot].get(), s)));
-      return LaunchProgramStep(p.steps[in.step], r, in.k);
+      return LaunchProgramStep(p.steps[in.step], r, in.k, &pr.readback.get()[slot]);
     }();
   }
   for (int r = 0; r < R; ++r) {
@@ -1190,14 +1197,15 @@ void CudaGroup::EnqueueProgramInstance() {
     uint8_t* flags = cr.area.get() + cr.launch_flags_offset;
     cudaSetDevice(cr.device);
     cudaStream_t s = cr.stream.get();
-    // A kernel (EnqueueStatusReadback), not a copy: this is enqueued long before the go wait
-    // passes, and a device-to-host copy waiting there would hold a copy-engine queue that
-    // other streams' copies share (epd/kernels/cuda_program.h).
-    absl::Status st = kc::EnqueueStatusReadback(Context(r, 0), s, &pr.readback.get()[slot]);
-    // The kernel wrote instance and done; when its launch failed, the stream writes them,
-    // so the client's stream is released on every path.
+    // The kernel wrote instance, done and its status; when its launch failed, the stream
+    // writes them (the read-back is a kernel, not a copy: this is enqueued long before the
+    // go wait passes, and a device-to-host copy waiting there would hold a copy-engine
+    // queue that other streams' copies share, epd/kernels/cuda_program.h), so the client's
+    // stream is released on every path.
+    absl::Status st;
     absl::Status w;
     if (!in.launch[r].ok()) {
+      st = kc::EnqueueStatusReadback(Context(r, 0), s, &pr.readback.get()[slot]);
       w = kc::StreamWriteValue64(s, flags + kernels::kProgramInstanceOffset, in.k);
       if (st.ok()) st = w;
       w = kc::StreamWriteValue64(s, flags + kernels::kProgramDoneOffset, 1);

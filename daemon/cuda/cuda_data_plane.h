@@ -36,17 +36,17 @@
 //    client's own work); without MPS cuStreamWaitValue64 waits (a spinning kernel would hold
 //    the time slice the client needs). The op's kernel checks ready_seq itself and writes
 //    done_seq once the rank's outputs are complete (dispatch: block 0, after every sender's
-//    rows landed; combine: the last block to finish); the status read-back follows, off the
-//    client's path. Other ops wait with cuStreamWaitValue64 and write done_seq with
-//    cuStreamWriteValue64 after the read-back. An op that ends without its kernels (rejected slot,
-//    client error, a rank that never arrived or left, shutdown) still gets done_seq = seq on the
-//    stream of every rank whose request had the flag (LockstepGroup::OpEndedWithoutLaunch). If a
-//    client never writes ready_seq, the engine gives the op up after op_timeout + 5 s and
-//    writes ready_seq = seq from the host so the stream (and the group) moves on (the
-//    WaitFlagAsync kernel's bound, op_timeout + 10 s, outlasts that; its pinned ready_seen
-//    word tells the engine whether it passed). Both
-//    driver calls are resolved at run time (cudaGetDriverEntryPointByVersion): the daemon
-//    does not link libcuda.
+//    rows landed; combine: the last block to finish), then copies the rank's DeviceStatus to
+//    the pinned read-back itself (KernelHandoff::status_out: no read-back kernel behind it,
+//    only the event; the hand-off words at .gpu scope, common.cuh). Other ops wait with
+//    cuStreamWaitValue64 and write done_seq with cuStreamWriteValue64 after the read-back. An op
+//    that ends without its kernels (rejected slot, client error, a rank that never arrived or left,
+//    shutdown) still gets done_seq = seq on the stream of every rank whose request had the flag
+//    (LockstepGroup::OpEndedWithoutLaunch). If a client never writes ready_seq, the engine gives
+//    the op up after op_timeout + 5 s and writes ready_seq = seq from the host so the stream (and
+//    the group) moves on (the WaitFlagAsync kernel's bound, op_timeout + 10 s, outlasts that; its
+//    pinned ready_seen word tells the engine whether it passed). Both driver calls are resolved at
+//    run time (cudaGetDriverEntryPointByVersion): the daemon does not link libcuda.
 //  * Client-launched (LAUNCH_MODE_CLIENT): the endpoint gets the same zeroed area and IPC
 //    handle (GetGroupEndpoints hands every rank's to the client, which launches the
 //    kernels itself); the engine never launches anything for it and completes every slot

@@ -45,24 +45,31 @@ __device__ __forceinline__ void StRelaxedSys(int32_t* p, int32_t v) {
   asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-/// 64-bit system-scope acquire load / release store: the stream-ordered hand-off words
-/// (layout.h launch_flags), which other streams and processes write.
-__device__ __forceinline__ uint64_t LdAcquireSys64(const uint64_t* p) {
+/// 64-bit acquire load / release store at GPU scope: the stream-ordered hand-off words
+/// (layout.h launch_flags). Their writers and readers all run on the endpoint's GPU (the
+/// client's staging kernel on its stream, the daemon's kernels, the front end's stream
+/// memory waits), whichever process or MPS client launched them, and the GPU's L2 is
+/// where they meet, so .gpu scope orders them; .sys would also wait for every earlier
+/// write to be visible to the CPUs and peer GPUs, which nobody here needs (measured on the
+/// H200 with %globaltimer stamps: the staging kernel's signal and the low-latency kernel's
+/// done each took 3-4 µs after the data at .sys). Words read by the CPU (ready_seen) are
+/// stored separately, volatile, after these.
+__device__ __forceinline__ uint64_t LdAcquireGpu64(const uint64_t* p) {
   uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 
-__device__ __forceinline__ void StReleaseSys64(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+__device__ __forceinline__ void StReleaseGpu64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-/// Spins until *flag >= target (LdAcquireSys64) or the global timer passes deadline_ns.
+/// Spins until *flag >= target (LdAcquireGpu64) or the global timer passes deadline_ns.
 /// Returns true on arrival (*value = what was read).
 __device__ __forceinline__ bool WaitFlag64AtLeast(const uint64_t* flag, uint64_t target,
                                                   uint64_t deadline_ns, uint64_t* value) {
   for (;;) {
-    const uint64_t v = LdAcquireSys64(flag);
+    const uint64_t v = LdAcquireGpu64(flag);
     if (v >= target) {
       *value = v;
       return true;
@@ -71,12 +78,12 @@ __device__ __forceinline__ bool WaitFlag64AtLeast(const uint64_t* flag, uint64_t
   }
 }
 
-/// Acquire-release fence at system scope (fence.acq_rel.sys). Placed after __syncthreads()
-/// and before a flag store / ticket atomic, it releases every write the block made before the
-/// barrier; after a flag load / ticket atomic, it acquires. Much cheaper than
-/// __threadfence_system() (fence.sc.sys), which message passing does not need.
-__device__ __forceinline__ void FenceAcqRelSys() {
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
+/// Acquire-release fence at GPU scope (fence.acq_rel.gpu) for the hand-off words (see
+/// LdAcquireGpu64). Placed after __syncthreads() and before a flag store / ticket atomic, it
+/// releases every write the block made before the barrier; after a flag load / ticket
+/// atomic, it acquires.
+__device__ __forceinline__ void FenceAcqRelGpu() {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
 // Scope-selectable variants for the low-latency kernels. `gpu` = every rank of the group
@@ -152,7 +159,7 @@ __device__ __forceinline__ void RecordMissingPeer(DeviceStatus* status, int32_t 
 }
 
 /// The ready wait of a KernelHandoff, by one thread per block before the block reads any
-/// input: until *ready_flag >= ready_value (acquire, system scope) or `deadline_ns`; block
+/// input: until *ready_flag >= ready_value (acquire, GPU scope) or `deadline_ns`; block
 /// 0 records a timeout as a missing `rank` (the op then goes on: it fails anyway). No-op
 /// without a ready flag.
 __device__ __forceinline__ void WaitReady(const KernelHandoff& h, uint64_t deadline_ns,
@@ -170,8 +177,21 @@ __device__ __forceinline__ void StoreDone(const KernelHandoff& h) {
   if (h.instance_flag != nullptr) {
     *reinterpret_cast<volatile uint64_t*>(h.instance_flag) = h.instance_value;
   }
-  FenceAcqRelSys();
-  StReleaseSys64(h.done_flag, h.done_value);
+  FenceAcqRelGpu();
+  StReleaseGpu64(h.done_flag, h.done_value);
+}
+
+/// KernelHandoff::status_out: one thread copies the rank's DeviceStatus to `out` and zeroes
+/// it (as EnqueueStatusReadback's kernel), once every block's status update is ordered
+/// before this thread (the callers' tickets / flags and fences). Volatile loads: the words
+/// were updated by other blocks' atomics (L2), never cached here.
+__device__ __forceinline__ void CopyStatusOut(DeviceStatus* status, DeviceStatus* out) {
+  volatile uint32_t* src = reinterpret_cast<volatile uint32_t*>(status);
+  volatile uint32_t* dst = reinterpret_cast<volatile uint32_t*>(out);
+  for (size_t i = 0; i < sizeof(DeviceStatus) / sizeof(uint32_t); ++i) {
+    dst[i] = src[i];
+    src[i] = 0;
+  }
 }
 
 /// Records a run-time T outside [0, capacity].

@@ -46,18 +46,18 @@ __global__ void BatchCopySignalKernel(const BatchCopyParams p) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   if (gridDim.x == 1) {
-    device::FenceAcqRelSys();
-    device::StReleaseSys64(p.signal, p.signal_value);
+    device::FenceAcqRelGpu();
+    device::StReleaseGpu64(p.signal, p.signal_value);
     return;
   }
   // The last block to finish stores the signal: each block releases its copies with the
   // fence before its ticket; the last one acquires them all with the fence after it.
-  device::FenceAcqRelSys();
+  device::FenceAcqRelGpu();
   const uint32_t ticket = atomicAdd(p.counter, 1u);
   if (ticket != gridDim.x - 1) return;
-  device::FenceAcqRelSys();
+  device::FenceAcqRelGpu();
   *p.counter = 0;
-  device::StReleaseSys64(p.signal, p.signal_value);
+  device::StReleaseGpu64(p.signal, p.signal_value);
 }
 
 __global__ void WaitFlagKernel(const uint64_t* flag, uint64_t value, int64_t timeout_ns,

@@ -206,8 +206,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   if (threadIdx.x == 0) {
     // Daemon-launched: the last block stores done once every block's rows of combined_x
     // are written (each block releases its rows before its ticket at .gpu scope: every
-    // block runs on this GPU; the last one acquires them and publishes done at .sys scope,
-    // which the client's stream reads through the GPU's front end).
+    // block runs on this GPU; the last one acquires them and publishes done, which the
+    // client's stream reads on this GPU too, then copies the status out: StoreDone).
     if (p.handoff.done_flag != nullptr) device::FenceAcqRel(/*gpu=*/true);
     const uint32_t ticket = atomicAdd(&state->combine_ticket, 1u);
     s_last = ticket == gridDim.x - 1;
@@ -215,7 +215,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
       state->combine_ticket = 0;
       state->combine_seq = seq;
       if (p.handoff.done_flag != nullptr) {
-        device::StoreDone(p.handoff);
+        device::StoreDone(p.handoff);  // Its fence also acquires the other blocks' status.
+        if (p.handoff.status_out != nullptr) device::CopyStatusOut(status, p.handoff.status_out);
       }
     }
   }

@@ -484,6 +484,9 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
                         GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns), /*gpu=*/true);
       }
       device::StoreDone(p.handoff);
+      // Every block's status updates came before its ticket, and this rank's last ticket
+      // before its own DataFlag / dispatch_seq, which block 0 acquired above.
+      if (p.handoff.status_out != nullptr) device::CopyStatusOut(status, p.handoff.status_out);
     }
   }
 }

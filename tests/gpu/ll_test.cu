@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -23,6 +24,7 @@
 #include "../../kernels/cuda/common.cuh"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "epd/common/cuda_handles.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"
 #include "gpu_test_util.h"
@@ -435,6 +437,13 @@ SweepCase SmallCase(int32_t ranks) {
   return SweepCase{ranks, 2048, 8, 64, 77, false, 0.0, Routing::kUniform, Fp8::kOn};
 }
 
+// One uint64 of device memory, read synchronously.
+uint64_t ReadWord(const void* device_word) {
+  uint64_t v = 0;
+  cudaMemcpy(&v, device_word, sizeof(v), cudaMemcpyDeviceToHost);
+  return v;
+}
+
 // Runs one valid FP8 op on buffer b and checks everything against the host.
 void ExpectValidOp(VirtualRankGroup& g, int32_t b, std::mt19937_64& rng, int32_t salt) {
   std::vector<RankInputs> in = MakeInputs(SmallCase(g.num_ranks()), rng, salt);
@@ -447,14 +456,52 @@ void ExpectValidOp(VirtualRankGroup& g, int32_t b, std::mt19937_64& rng, int32_t
   EPD_ASSERT_OK(CheckCombine(g, b, in, ref));
 }
 
+// Buffer 0: the status read back as a test does (ReadAndClearStatus). Buffer 1: as the
+// daemon does for a stream-ordered op, the kernel itself stores done and copies its status
+// to pinned memory (KernelHandoff::status_out) and clears it: the copy must carry rank 1's
+// error (and nothing for the others), and the status on the device must be zero after.
 TEST(LowLatencyFailure, OutOfRangeIdsGiveInvalidArgumentThenNextOpIsCorrect) {
   REQUIRE_GPU();
-  auto group = VirtualRankGroup::Create(SmallShape(4));
+  constexpr int32_t R = 4;
+  auto group = VirtualRankGroup::Create(SmallShape(R));
   ASSERT_TRUE(group.ok()) << group.status();
   VirtualRankGroup& g = **group;
+  void* pinned = nullptr;
+  ASSERT_EQ(cudaHostAlloc(&pinned, R * sizeof(kc::DeviceStatus), cudaHostAllocPortable),
+            cudaSuccess);
+  PinnedMemory status_out_memory(static_cast<uint8_t*>(pinned));
+  auto* status_out = reinterpret_cast<kc::DeviceStatus*>(pinned);
+  auto done_words = DeviceBuffer::Allocate(R * sizeof(uint64_t));
+  ASSERT_TRUE(done_words.ok());
+  auto* done = reinterpret_cast<uint64_t*>(done_words->get());
   std::mt19937_64 rng(7);
   for (int32_t b = 0; b < 2; ++b) {
-    std::vector<RankInputs> in = MakeInputs(SmallCase(4), rng, b);
+    const bool kernel_status = b == 1;
+    SCOPED_TRACE(kernel_status ? "status_out" : "ReadAndClearStatus");
+    std::memset(pinned, 0xff, R * sizeof(kc::DeviceStatus));  // Must all be overwritten.
+    auto handoff = [&](int32_t r, uint64_t seq) {
+      kc::KernelHandoff h;
+      if (!kernel_status) return h;
+      h.done_flag = done + r;
+      h.done_value = seq;
+      h.status_out = status_out + r;
+      return h;
+    };
+    // The status of rank r after an op: from status_out, or read (and cleared) from the device.
+    auto op_status = [&](int32_t r, const char* op) -> absl::Status {
+      if (!kernel_status) return kc::ReadAndClearStatus(g.Context(r), g.stream(r), op);
+      if (cudaStreamSynchronize(g.stream(r)) != cudaSuccess) return absl::InternalError("sync");
+      if (ReadWord(done + r) != (std::string(op) == "LowLatencyDispatch" ? 1u : 2u)) {
+        return absl::InternalError(absl::StrCat("rank ", r, ": done not written"));
+      }
+      absl::Status st = kc::StatusFromDevice(status_out[r], g.shape(), r, op, true);
+      // The kernel cleared the device's status: a read-back now finds nothing.
+      absl::Status left = kc::ReadAndClearStatus(g.Context(r), g.stream(r), op);
+      if (!left.ok())
+        return absl::InternalError(absl::StrCat("status not cleared: ", left.ToString()));
+      return st;
+    };
+    std::vector<RankInputs> in = MakeInputs(SmallCase(R), rng, b);
     in[1].num_tokens = 5;
     in[1].x.resize(5 * 2048);
     in[1].topk_idx.assign(5 * 8, 3);
@@ -463,28 +510,33 @@ TEST(LowLatencyFailure, OutOfRangeIdsGiveInvalidArgumentThenNextOpIsCorrect) {
     in[1].topk_idx[17] = -2;  // < -1
     in[1].topk_idx[30] = 1 << 20;
     EPD_ASSERT_OK(UploadInputs(g, in));
-    kc::LowLatencyDispatchArgs a;
-    a.buffer = b;
-    a.use_fp8 = true;
-    EPD_ASSERT_OK(g.LaunchAll(
-        [&](int32_t r, cudaStream_t st) { return kc::LowLatencyDispatch(g.Context(r), a, st); }));
-    for (int32_t r = 0; r < 4; ++r) {
-      absl::Status st = kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch");
+    EPD_ASSERT_OK(g.LaunchAll([&](int32_t r, cudaStream_t st) {
+      kc::LowLatencyDispatchArgs a;
+      a.buffer = b;
+      a.use_fp8 = true;
+      a.handoff = handoff(r, 1);
+      return kc::LowLatencyDispatch(g.Context(r), a, st);
+    }));
+    for (int32_t r = 0; r < R; ++r) {
+      absl::Status st = op_status(r, "LowLatencyDispatch");
       if (r == 1) {
         EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
         EXPECT_NE(st.message().find("3 topk_idx value(s)"), std::string::npos) << st;
       } else {
-        EXPECT_TRUE(st.ok()) << st;
+        EXPECT_TRUE(st.ok()) << "rank " << r << ": " << st;
       }
     }
-    kc::LowLatencyCombineArgs ca;
-    ca.buffer = b;
-    EPD_ASSERT_OK(g.LaunchAll(
-        [&](int32_t r, cudaStream_t st) { return kc::LowLatencyCombine(g.Context(r), ca, st); }));
-    absl::Status cs = kc::ReadAndClearStatus(g.Context(1), g.stream(1), "LowLatencyCombine");
+    EPD_ASSERT_OK(g.LaunchAll([&](int32_t r, cudaStream_t st) {
+      kc::LowLatencyCombineArgs ca;
+      ca.buffer = b;
+      ca.handoff = handoff(r, 2);
+      return kc::LowLatencyCombine(g.Context(r), ca, st);
+    }));
+    absl::Status cs = op_status(1, "LowLatencyCombine");
     EXPECT_EQ(cs.code(), absl::StatusCode::kInvalidArgument) << cs;
     for (int32_t r : {0, 2, 3}) {
-      EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyCombine"));
+      absl::Status st = op_status(r, "LowLatencyCombine");
+      EXPECT_TRUE(st.ok()) << "rank " << r << ": " << st;
     }
   }
   // The next ops on the same buffers are correct.
@@ -734,12 +786,6 @@ TEST(LowLatencyGraph, CapturedDispatchExpertCombineReplaysWithChangingInputsAndT
 }
 
 // ---- the daemon-launched hand-off inside the kernels (cuda_ops.h KernelHandoff) ----------
-
-uint64_t ReadWord(const void* device_word) {
-  uint64_t v = 0;
-  cudaMemcpy(&v, device_word, sizeof(v), cudaMemcpyDeviceToHost);
-  return v;
-}
 
 // As the daemon enqueues a stream-ordered low-latency op (WaitFlagAsync, then the kernel
 // launched programmatically with ready/done), while the inputs in the ranks' staging regions

@@ -177,23 +177,25 @@ inline constexpr int kMaxBatchCopies = 4;
 
 /// Enqueues ONE kernel on `stream` that does every copy of `copies` (16-byte vectors where
 /// both ends are 16-byte aligned; blocks sized as CopyDeviceAsync for the largest) and then,
-/// when `signal` is not null, stores `signal_value` to *signal (uint64, release at system
-/// scope) once every block's copies are done: the last block to finish (a ticket taken on
-/// *counter, a uint32 device word that is 0 before and after: two batch copies sharing a
-/// counter must not run at the same time; the client orders an endpoint's ops on one
-/// stream order for that, see Endpoint::Impl::OrderAfterPreviousOp) stores it. This is the client's
-/// "inputs are staged" (ready) flag of daemon-launched mode: the daemon's WaitFlagAsync sees
-/// it about a microsecond later. With no copies it is a one-thread kernel that stores the
-/// signal. Errors: INVALID_ARGUMENT for more than kMaxBatchCopies copies, a null dst/src with
-/// bytes > 0, or a signal without a counter; INTERNAL for a launch error.
+/// when `signal` is not null, stores `signal_value` to *signal (uint64, release at GPU
+/// scope: `signal` must be device memory of this stream's GPU, read by kernels or stream
+/// memory waits on that GPU, any process; common.cuh LdAcquireGpu64 says why) once every block's
+/// copies are done: the last block to finish (a ticket taken on *counter, a uint32 device word that
+/// is 0 before and after: two batch copies sharing a counter must not run at the same time; the
+/// client orders an endpoint's ops on one stream order for that, see
+/// Endpoint::Impl::OrderAfterPreviousOp) stores it. This is the client's "inputs are staged"
+/// (ready) flag of daemon-launched mode: the daemon's WaitFlagAsync sees it about a microsecond
+/// later. With no copies it is a one-thread kernel that stores the signal. Errors: INVALID_ARGUMENT
+/// for more than kMaxBatchCopies copies, a null dst/src with bytes > 0, or a signal without a
+/// counter; INTERNAL for a launch error.
 absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint64_t* signal,
                                   uint64_t signal_value, uint32_t* counter, cudaStream_t stream);
 
 /// Enqueues a one-warp kernel on `stream` that spins until *flag >= value (uint64, acquire
-/// at system scope) or `timeout_ns` of %globaltimer passed; on arrival it stores the value
-/// it read to *seen (when not null: pinned host memory the engine reads, so it can tell
-/// whether the stream got past the wait), then lets the next kernel of the stream start
-/// (griddepcontrol.launch_dependents: a kernel launched right after it with
+/// at GPU scope: a word of this GPU's memory written on this GPU) or `timeout_ns` of %globaltimer
+/// passed; on arrival it stores the value it read to *seen (when not null: pinned host memory the
+/// engine reads, so it can tell whether the stream got past the wait), then lets the next kernel of
+/// the stream start (griddepcontrol.launch_dependents: a kernel launched right after it with
 /// KernelHandoff::programmatic set starts at once instead of after this one's exit).
 /// The daemon's ready wait of a daemon-launched low-latency op: it holds one warp of one
 /// SM while it waits, never a whole grid (the low-latency kernel behind it is not resident
@@ -205,16 +207,22 @@ absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout
 /// The hand-off of a daemon-launched low-latency op done by the op's kernel itself (all
 /// fields optional; the defaults do nothing):
 ///   ready: every block's first thread waits until *ready_flag >= ready_value (acquire at
-///          system scope; bounded by CudaRankContext::timeout_ns, then DeviceStatus.timed_out
+///          GPU scope; bounded by CudaRankContext::timeout_ns, then DeviceStatus.timed_out
 ///          is set and the op goes on) before it reads any input, so inputs staged by
 ///          another stream or process are visible to the whole block;
 ///   done:  once this rank's outputs are complete (dispatch: every sender's rows landed in
 ///          its receive buffers; combine: combined_x written) one thread stores done_value to
-///          *done_flag (uint64, release at system scope), which the client's stream waits for;
+///          *done_flag (uint64, release at GPU scope; the flags are words of the
+///          rank's GPU, read there), which the client's stream waits for;
 ///   instance: when instance_flag is set, instance_value is stored there (relaxed) just
 ///          before done (graph mode: the program instance whose results done announces);
 ///   programmatic: launch with programmatic stream serialization (cudaLaunchKernelEx), so
-///          the kernel starts as soon as a WaitFlagAsync just before it on the stream passes.
+///          the kernel starts as soon as a WaitFlagAsync just before it on the stream passes;
+///   status_out: with done_flag, when set, the thread that stores done then copies the
+///          rank's DeviceStatus to *status_out (pinned host memory) and zeroes it, as
+///          EnqueueStatusReadback does, so the daemon's stream needs no read-back kernel
+///          behind the op (on the H200 with 8 virtual ranks, 8 such kernels launched just as
+///          the ops end delayed the clients' streams by 3-5 µs, docs/BENCHMARKS.md).
 /// Flags are the endpoint's launch_flags words (layout.h kReadyFlagOffset / kDoneFlagOffset).
 struct KernelHandoff {
   const uint64_t* ready_flag = nullptr;
@@ -224,6 +232,7 @@ struct KernelHandoff {
   uint64_t* instance_flag = nullptr;
   uint64_t instance_value = 0;
   bool programmatic = false;
+  DeviceStatus* status_out = nullptr;
 };
 
 /// Synchronizes `stream`, reads and clears the rank's DeviceStatus and converts it with
