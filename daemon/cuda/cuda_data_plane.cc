@@ -295,7 +295,8 @@ class CudaGroup : public LockstepGroup {
     std::shared_ptr<CudaRank> rank;
     EventPtr waited[kProgramDepth];
     EventPtr done[kProgramDepth];
-    /// [kProgramDepth], pinned and mapped: written by EnqueueStatusReadback's kernel.
+    /// [kProgramDepth], pinned and mapped: written by the step's kernel itself
+    /// (KernelHandoff::status_out), or by EnqueueStatusReadback's kernel if its launch failed.
     std::unique_ptr<kc::DeviceStatus, HostFree> readback;
   };
   /// An instance enqueued on every rank's stream.
@@ -1177,7 +1178,7 @@ void CudaGroup::EnqueueProgramInstance() {
   in.step = static_cast<int>((in.k - 1) % p.steps.size());
   const int slot = static_cast<int>(in.k % kProgramDepth);
   const int R = static_cast<int>(p.ranks.size());
-  // Every rank's wait and kernels before any rank's read-back (as StartOp).
+  // Every rank's wait and kernel before any rank's event (as StartOpInto).
   for (int r = 0; r < R; ++r) {
     ProgramRank& pr = p.ranks[r];
     const CudaRank& cr = *pr.rank;

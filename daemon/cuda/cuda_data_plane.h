@@ -18,7 +18,8 @@
 //    attached. Ops run in lockstep (daemon/group_ops.h): once every rank has submitted op
 //    n, the engine launches each rank's kernel on that rank's stream (grids sized so that
 //    every rank's kernel of the group is resident at once: virtual ranks on one GPU),
-//    enqueues each rank's DeviceStatus read-back into pinned memory and an event, and polls
+//    enqueues each rank's DeviceStatus read-back into pinned memory (a kernel; a
+//    stream-ordered low-latency kernel copies its status itself) and an event, and polls
 //    the events without blocking; then it writes the completions. Only one group op runs on
 //    a GPU at a time (residency of spinning kernels). A rank that never arrives fails the op
 //    on the CPU after op_timeout (no kernel of a partial op is ever launched, so nothing
@@ -62,8 +63,8 @@
 //    writes 1 once its inputs and T are staged), writes go = 0, runs the step's kernels
 //    (a dispatch reads T from the rank's token-count slot; fixed buffers per step, group_ops.h
 //    ProgramStepPlan; the step's kernel writes the instance number and done = 1 itself once
-//    its outputs are complete, KernelHandoff), reads the status back with a kernel into
-//    mapped pinned memory (kc::EnqueueStatusReadback). The engine
+//    its outputs are complete, then copies its status into mapped pinned memory,
+//    KernelHandoff::status_out; a failed launch gets kc::EnqueueStatusReadback). The engine
 //    polls each instance's events (it does not sleep while armed), publishes errors and the
 //    checked instance in the endpoint's shm header (program_* fields, read by
 //    Endpoint::ProgramStatus), and enqueues the next instance. A device-side timeout or a

@@ -25,8 +25,10 @@
 //  5. Each block takes a ticket; the last one st.release.sys data_flag[rank] = seq at every
 //     rank (all of this rank's rows have landed) and bumps the counter. Block 0 then waits
 //     (bounded) for all R data flags: the op's outputs are complete when the kernel ends.
-//  6. Daemon-launched: block 0 then stores done_seq (st.release.sys), which the client's
-//     stream waits for; after a timeout it first waits (bounded) for every block's ticket.
+//  6. Daemon-launched: block 0 then stores done_seq (release, .gpu scope), which the
+//     client's stream waits for, and copies the rank's DeviceStatus to the engine's pinned
+//     read-back (KernelHandoff::status_out); after a timeout it first waits (bounded) for
+//     every block's ticket, so that every block's status update is in the copy.
 // Counts are double-buffered by seq parity: a sender can be at most one op ahead of any
 // reader of its counts (it needs everybody's counts of the next op to pass step 3).
 #include <cstddef>
@@ -148,6 +150,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   __shared__ uint32_t s_seq;
   __shared__ int32_t s_num_tokens;
   __shared__ int s_last;
+  __shared__ int s_data_missed;  // Block 0: a DataFlag wait of step 5 timed out.
   __shared__ int s_aborted;
   // Per warp: the destinations of the token it copies (row start, scales row start).
   __shared__ uint8_t* s_dst[kWarps][internal::kLowLatencyMaxTopk];
@@ -452,11 +455,13 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     device::FenceAcqRel(p.gpu_scope);
     const uint32_t ticket = atomicAdd(&state->dispatch_ticket, 1u);
     s_last = ticket == gridDim.x - 1;
+    s_data_missed = 0;
     if (s_last) {
       device::FenceAcqRel(p.gpu_scope);  // acquire the other blocks' writes (their fence + ticket)
       s_aborted = atomicAdd(&state->dispatch_aborted, 0u) == seq;
       state->dispatch_ticket = 0;
-      state->dispatch_seq = seq;
+      // A strong store: block 0 acquires it after a timeout (step 6).
+      StRelease(&state->dispatch_seq, seq, /*gpu=*/true);
     }
   }
   __syncthreads();
@@ -469,6 +474,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     if (!WaitFlagAtLeast(ExchangeFlag(p.own_base, p, LowLatencyExchange::DataFlag(threadIdx.x)),
                          seq, deadline, p.gpu_scope)) {
       device::RecordMissingPeer(status, threadIdx.x);
+      s_data_missed = 1;
     }
   }
   // ---- 6. daemon-launched: done (every sender's rows have landed, block 0 wrote the counts
@@ -476,10 +482,13 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   if (blockIdx.x == 0 && p.handoff.done_flag != nullptr) {
     __syncthreads();
     if (threadIdx.x == 0) {
-      if (!counts_ok) {
-        // Timed out: block 0 did not wait for the senders, so wait (bounded) until every
-        // block has taken its ticket (the last one sets dispatch_seq): none reads the
-        // inputs after done, which lets the client overwrite them.
+      if (!counts_ok || s_data_missed != 0) {
+        // Timed out: block 0 did not see this rank's own DataFlag (it did not wait for the
+        // senders, or a block aborted), so wait (bounded) until every block has taken its
+        // ticket (the last one sets dispatch_seq): none reads the inputs after done, which
+        // lets the client overwrite them, and every block's status update is ordered
+        // before the copy below. If even this wait runs out, a late block's update may miss
+        // the copy; the op has failed anyway (DEADLINE_EXCEEDED resets the sync state).
         WaitFlagAtLeast(&state->dispatch_seq, seq,
                         GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns), /*gpu=*/true);
       }

@@ -437,6 +437,15 @@ SweepCase SmallCase(int32_t ranks) {
   return SweepCase{ranks, 2048, 8, 64, 77, false, 0.0, Routing::kUniform, Fp8::kOn};
 }
 
+// `n` DeviceStatus of pinned host memory (KernelHandoff::status_out), or null.
+PinnedMemory AllocateStatusOut(int32_t n) {
+  void* pinned = nullptr;
+  if (cudaHostAlloc(&pinned, n * sizeof(kc::DeviceStatus), cudaHostAllocPortable) != cudaSuccess) {
+    return nullptr;
+  }
+  return PinnedMemory(static_cast<uint8_t*>(pinned));
+}
+
 // One uint64 of device memory, read synchronously.
 uint64_t ReadWord(const void* device_word) {
   uint64_t v = 0;
@@ -466,10 +475,9 @@ TEST(LowLatencyFailure, OutOfRangeIdsGiveInvalidArgumentThenNextOpIsCorrect) {
   auto group = VirtualRankGroup::Create(SmallShape(R));
   ASSERT_TRUE(group.ok()) << group.status();
   VirtualRankGroup& g = **group;
-  void* pinned = nullptr;
-  ASSERT_EQ(cudaHostAlloc(&pinned, R * sizeof(kc::DeviceStatus), cudaHostAllocPortable),
-            cudaSuccess);
-  PinnedMemory status_out_memory(static_cast<uint8_t*>(pinned));
+  PinnedMemory status_out_memory = AllocateStatusOut(R);
+  ASSERT_NE(status_out_memory, nullptr);
+  void* pinned = status_out_memory.get();
   auto* status_out = reinterpret_cast<kc::DeviceStatus*>(pinned);
   auto done_words = DeviceBuffer::Allocate(R * sizeof(uint64_t));
   ASSERT_TRUE(done_words.ok());
@@ -489,7 +497,13 @@ TEST(LowLatencyFailure, OutOfRangeIdsGiveInvalidArgumentThenNextOpIsCorrect) {
     };
     // The status of rank r after an op: from status_out, or read (and cleared) from the device.
     auto op_status = [&](int32_t r, const char* op) -> absl::Status {
-      if (!kernel_status) return kc::ReadAndClearStatus(g.Context(r), g.stream(r), op);
+      if (!kernel_status) {
+        // Without a hand-off the kernel leaves status_out alone.
+        if (reinterpret_cast<const uint8_t*>(status_out + r)[0] != 0xff) {
+          return absl::InternalError(absl::StrCat("rank ", r, ": status_out written"));
+        }
+        return kc::ReadAndClearStatus(g.Context(r), g.stream(r), op);
+      }
       if (cudaStreamSynchronize(g.stream(r)) != cudaSuccess) return absl::InternalError("sync");
       if (ReadWord(done + r) != (std::string(op) == "LowLatencyDispatch" ? 1u : 2u)) {
         return absl::InternalError(absl::StrCat("rank ", r, ": done not written"));
@@ -645,6 +659,51 @@ TEST(LowLatencyFailure, MissingRankTimesOutOthersKeepWorking) {
   EPD_ASSERT_OK(a.SynchronizeAll());
   ExpectValidOp(a, 0, rng, 3);
   ExpectValidOp(a, 1, rng, 4);
+}
+
+// The same as the daemon runs it: ranks 0-2 dispatch with a hand-off that stores done and
+// copies the status out (KernelHandoff::status_out), rank 3 never launches. Every block of
+// the three ranks times out; status_out must carry the timeout naming rank 3 (every
+// block's update is in the copy: block 0 waits for all tickets first), done must be
+// written, and the device status must be clear afterwards.
+TEST(LowLatencyFailure, MissingRankTimeoutReachesStatusOut) {
+  REQUIRE_GPU();
+  constexpr int32_t R = 4;
+  constexpr int64_t kTimeoutNs = 1'000'000'000;
+  auto group = VirtualRankGroup::Create(SmallShape(R), kTimeoutNs);
+  ASSERT_TRUE(group.ok()) << group.status();
+  VirtualRankGroup& g = **group;
+  PinnedMemory status_out_memory = AllocateStatusOut(R);
+  ASSERT_NE(status_out_memory, nullptr);
+  std::memset(status_out_memory.get(), 0xff, R * sizeof(kc::DeviceStatus));
+  auto* status_out = reinterpret_cast<kc::DeviceStatus*>(status_out_memory.get());
+  auto done_words = DeviceBuffer::Allocate(R * sizeof(uint64_t));
+  ASSERT_TRUE(done_words.ok());
+  ASSERT_EQ(cudaMemset(done_words->get(), 0, R * sizeof(uint64_t)), cudaSuccess);
+  auto* done = reinterpret_cast<uint64_t*>(done_words->get());
+  std::mt19937_64 rng(12);
+  std::vector<RankInputs> in = MakeInputs(SmallCase(R), rng, 0);
+  EPD_ASSERT_OK(UploadInputs(g, in));
+  for (int32_t r = 0; r < R - 1; ++r) {
+    kc::LowLatencyDispatchArgs a;
+    a.use_fp8 = true;
+    a.handoff.done_flag = done + r;
+    a.handoff.done_value = 1;
+    a.handoff.status_out = status_out + r;
+    EPD_ASSERT_OK(kc::LowLatencyDispatch(g.Context(r), a, g.stream(r)));
+  }
+  for (int32_t r = 0; r < R - 1; ++r) {
+    ASSERT_EQ(cudaStreamSynchronize(g.stream(r)), cudaSuccess);
+    EXPECT_EQ(ReadWord(done + r), 1u) << "rank " << r;
+    absl::Status st = kc::StatusFromDevice(status_out[r], g.shape(), r, "LowLatencyDispatch", true);
+    EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << "rank " << r << ": " << st;
+    EXPECT_NE(st.message().find("[3]"), std::string::npos) << st;
+    absl::Status left = kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch");
+    EXPECT_TRUE(left.ok()) << "rank " << r << ": status not cleared: " << left;
+  }
+  for (int32_t r = 0; r < R; ++r) EPD_ASSERT_OK(kc::ResetLowLatencySync(g.Context(r), g.stream(r)));
+  EPD_ASSERT_OK(g.SynchronizeAll());
+  ExpectValidOp(g, 0, rng, 1);
 }
 
 TEST(LowLatencyFailure, LateRankPairsWithTimedOutOpAndNextOpIsCorrect) {
