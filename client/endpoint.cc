@@ -532,7 +532,8 @@ struct Endpoint::Impl {
     uint64_t head = abi::Atomic(header->ring_head).load(std::memory_order_relaxed);
     // Bounded wait for ring space (only when many ops are in flight).
     auto deadline =
-        std::chrono::steady_clock::now() + std::chrono::milliseconds(info.op_timeout_ms() + 1000);
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(info.op_timeout_ms()) +
+        std::chrono::seconds(1);  // (In int64: op_timeout_ms + 1000 overflows a uint32.)
     while (head - abi::Atomic(header->ring_tail).load(std::memory_order_acquire) >=
            abi::kRingCapacity) {
       if (std::chrono::steady_clock::now() > deadline) {
@@ -676,6 +677,12 @@ struct Endpoint::Impl {
     const auto spin_until = start + std::chrono::microseconds(
                                         std::exchange(woke_engine, false) ? 0 : kSpinBeforeSleepUs);
     while (abi::Atomic(c.seq).load(std::memory_order_acquire) != seq) {
+      if (const uint64_t later = abi::Atomic(c.seq).load(std::memory_order_acquire); later > seq) {
+        // The record was reused by a later op (record seq % kCompletionCapacity).
+        return absl::FailedPreconditionError(absl::StrCat(
+            "op ", seq, ": its completion record already holds op ", later, "'s; only the latest ",
+            abi::kCompletionCapacity, " ops of an endpoint can be waited for (Wait sooner)"));
+      }
       auto now = std::chrono::steady_clock::now();
       if (now >= limit) {
         return absl::DeadlineExceededError(

@@ -25,7 +25,9 @@ std::string NewSessionId() {
   return absl::StrFormat("%08x%08x%08x%08x", device(), device(), device(), device());
 }
 
-/// The part of a session id that ListGroups shows.
+/// The part of a session id that ListGroups and error messages show: the whole id is the
+/// session's only credential (LeaveGroup, GetGroupEndpoints check it), so no reply to
+/// another session may carry it.
 std::string RedactSessionId(const std::string& id) {
   return id.size() <= 8 ? id : id.substr(0, 8) + "...";
 }
@@ -146,9 +148,9 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   if (group_it != groups_.end()) {
     auto held = group_it->second.ranks.find(rank);
     if (held != group_it->second.ranks.end()) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("rank ", rank, " of group \"", spec.name(), "\" is held by session ",
-                       held->second.session_id, " (pid ", held->second.client_pid, ")"));
+      return absl::AlreadyExistsError(absl::StrCat(
+          "rank ", rank, " of group \"", spec.name(), "\" is held by session ",
+          RedactSessionId(held->second.session_id), " (pid ", held->second.client_pid, ")"));
     }
   } else if (groups_.size() >= options_.max_groups) {
     return absl::ResourceExhaustedError(absl::StrCat("max_groups: ", options_.max_groups,
@@ -211,9 +213,10 @@ absl::Status GroupRegistry::Leave(const v1::LeaveGroupRequest& request) {
                                             request.group(), "\" is not joined"));
   }
   if (slot->second.session_id != request.session_id()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "session_id: \"", request.session_id(), "\" does not hold rank ", request.rank(),
-        " of group \"", request.group(), "\" (session ", slot->second.session_id, " does)"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("session_id: \"", request.session_id(), "\" does not hold rank ",
+                     request.rank(), " of group \"", request.group(), "\" (session ",
+                     RedactSessionId(slot->second.session_id), " does)"));
   }
   auto session = sessions_.find(request.session_id());
   if (session != sessions_.end())
@@ -327,9 +330,10 @@ std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> GroupRegistry::Eval
                      "\" is not joined; JoinGroup it before GetGroupEndpoints"));
   }
   if (held->second.session_id != request.session_id()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "session_id: \"", request.session_id(), "\" does not hold rank ", request.rank(),
-        " of group \"", request.group(), "\" (session ", held->second.session_id, " does)"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("session_id: \"", request.session_id(), "\" does not hold rank ",
+                     request.rank(), " of group \"", request.group(), "\" (session ",
+                     RedactSessionId(held->second.session_id), " does)"));
   }
   std::vector<int32_t> missing;
   for (int32_t r = 0; r < group.spec.num_ranks(); ++r) {

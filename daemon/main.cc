@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -32,7 +33,14 @@ int main(int argc, char** argv) {
   usage.contains_helpshort_flags = usage.contains_help_flags;
   usage.version_string = [] { return std::string("epd ") + epd::kEpdVersion + "\n"; };
   absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() > 1) {  // [0] is the program.
+    std::fprintf(stderr,
+                 "epd: unexpected argument \"%s\": epd takes flags only (a configuration "
+                 "file is --config=PATH; see --help)\n",
+                 positional[1]);
+    return 2;
+  }
   absl::StatusOr<epd::v1::DaemonConfig> config =
       epd::ResolveDaemonConfig(epd::ConfigFlagsFromCommandLine());
   if (!config.ok()) {
@@ -79,7 +87,14 @@ int main(int argc, char** argv) {
   }).detach();
 
   absl::StatusOr<std::unique_ptr<epd::Daemon>> daemon = epd::Daemon::Start(*config);
-  if (!daemon.ok()) return 1;  // Start logged the reason.
+  if (!daemon.ok()) {
+    // Start logged the reason, unless the log level hides errors (off, critical): then
+    // stderr gets it, so that a failed start is never silent.
+    if (!epd::GetLogger(epd::kLogDaemon)->should_log(spdlog::level::err)) {
+      std::fprintf(stderr, "epd: failed to start: %s\n", daemon.status().ToString().c_str());
+    }
+    return 1;
+  }
   started.Notify();
 
   stop_requested.WaitForNotification();

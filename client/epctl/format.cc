@@ -49,6 +49,8 @@ std::string HumanBytes(uint64_t bytes) {
 }
 
 std::string HumanDurationMs(uint64_t ms) {
+  // absl formats a zero duration as "0": say "0s" like every other value.
+  if (ms < 1000) return "0s";
   return absl::FormatDuration(absl::Trunc(absl::Milliseconds(ms), absl::Seconds(1)));
 }
 

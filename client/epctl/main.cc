@@ -30,7 +30,7 @@ ABSL_FLAG(std::string, service, "",
 namespace {
 
 constexpr char kUsage[] =
-    "epctl: inspect a running epd daemon.\n"
+    "inspect a running epd daemon.\n"
     "Usage: epctl [--socket=/run/epd/epd.sock] [--json] [--timeout=5s] COMMAND\n"
     "Commands:\n"
     "  status   daemon, backend and why, MPS, GPU inventory\n"
@@ -83,7 +83,8 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
-    std::fprintf(stderr, "%s\n", kUsage);
+    if (args.size() > 2) std::fprintf(stderr, "epctl: unexpected argument \"%s\"\n", args[2]);
+    std::fprintf(stderr, "epctl: %s\n", kUsage);
     return 2;
   }
   const std::string command = args[1];
@@ -95,7 +96,7 @@ int main(int argc, char** argv) {
   }
   if (command != "status" && command != "groups" && command != "health" && command != "stats" &&
       command != "config") {
-    std::fprintf(stderr, "epctl: unknown command \"%s\"\n%s\n", command.c_str(), kUsage);
+    std::fprintf(stderr, "epctl: unknown command \"%s\"\nepctl: %s\n", command.c_str(), kUsage);
     return 2;
   }
   if (absl::GetFlag(FLAGS_socket).empty()) {

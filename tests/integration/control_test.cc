@@ -133,6 +133,17 @@ TEST_F(ControlTest, EpctlStatusGroupsHealthStatsConfig) {
               AllOf(HasSubstr("SERVING"), HasSubstr("backend: host"), HasSubstr("MPS:"),
                     HasSubstr(absl::StrCat("pid ", epd_->pid())), HasSubstr("GPUs:")));
 
+  // Uptime always has a unit ("up 0s" in the first second; absl alone prints "0").
+  EXPECT_THAT(status.stdout_text, ::testing::ContainsRegex("up [0-9]+[hms]"));
+  // A stray argument is named; the usage line is not prefixed twice.
+  CommandResult extra = Epctl({"status", "extra"});
+  EXPECT_EQ(extra.exit_code, 2);
+  EXPECT_THAT(extra.stderr_text, HasSubstr("unexpected argument \"extra\""));
+  CommandResult help = Epctl({"--help"});
+  EXPECT_THAT(help.stdout_text + help.stderr_text,
+              AllOf(HasSubstr("epctl: inspect a running epd daemon"),
+                    ::testing::Not(HasSubstr("epctl: epctl:"))));
+
   CommandResult groups = Epctl({"groups"});
   EXPECT_EQ(groups.exit_code, 0) << groups.stderr_text;
   EXPECT_THAT(groups.stdout_text, HasSubstr("no groups"));

@@ -42,6 +42,25 @@ TEST(StartupFlagsTest, UnknownSocketGroupNamesTheFlagAndTheValue) {
                           HasSubstr("\"no-such-group-epd\" is not a group")));
 }
 
+// A failed start is reported even when the log level hides errors.
+TEST(StartupFlagsTest, FailedStartIsReportedAtEveryLogLevel) {
+  for (const char* level : {"off", "critical"}) {
+    auto [code, logs] =
+        RefusedStart({"--socket_group=no-such-group-epd", std::string("--log_level=") + level});
+    EXPECT_EQ(code, 1) << level << ": " << logs;
+    EXPECT_THAT(logs, AllOf(HasSubstr("failed to start"), HasSubstr("no-such-group-epd"))) << level;
+  }
+}
+
+// A stray argument (e.g. a config file without --config=) is refused, not ignored.
+TEST(StartupFlagsTest, PositionalArgumentIsRefusedNamingIt) {
+  auto [code, logs] = RefusedStart({"/etc/epd.textproto"});
+  EXPECT_EQ(code, 2) << logs;
+  EXPECT_THAT(logs, AllOf(HasSubstr("unexpected argument \"/etc/epd.textproto\""),
+                          HasSubstr("--config=PATH")));
+  EXPECT_THAT(logs, Not(HasSubstr("starting")));
+}
+
 // "--socket=" is refused (exit 2, before anything starts), not read as the default socket.
 TEST(StartupFlagsTest, EmptySocketFlagIsRefusedNamingIt) {
   auto [code, logs] = RefusedStart({"--socket="});

@@ -350,6 +350,35 @@ TEST_F(HostDataPlaneTest, LowLatencyRoundTripAndStaleHandle) {
   });
 }
 
+// Only the latest kCompletionCapacity ops of an endpoint can be waited for: Wait on an
+// older op, whose completion record a later op reused, is FAILED_PRECONDITION at once
+// (it used to wait op_timeout + 5 s and then call the daemon dead).
+TEST_F(HostDataPlaneTest, WaitOnAnOpWhoseCompletionWasReusedFailsAtOnce) {
+  const int E = 4, H = 128, K = 2, Mll = 8;
+  Open(Spec("old", 1, E, H, K, 4, Mll, true));
+  RankData in;
+  in.Make(Mll, H, K, E, 5);
+  constexpr int kOps = static_cast<int>(abi::kCompletionCapacity) + 6;
+  std::vector<PendingOp<LowLatencyDispatchResult>> ops;
+  for (int i = 0; i < kOps; ++i) {
+    LowLatencyDispatchArgs a;
+    a.x = &in.x_t;
+    a.topk_idx = &in.idx_t;
+    auto op = endpoints_[0]->LowLatencyDispatch(a);
+    ASSERT_TRUE(op.ok()) << "op " << i << ": " << op.status();
+    ops.push_back(std::move(*op));
+  }
+  ASSERT_TRUE(ops.back().Wait(absl::Seconds(10)).ok());
+  const auto start = std::chrono::steady_clock::now();
+  auto old = ops.front().Wait(absl::Seconds(10));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+  ASSERT_FALSE(old.ok());
+  EXPECT_EQ(old.status().code(), absl::StatusCode::kFailedPrecondition) << old.status();
+  EXPECT_NE(old.status().message().find("latest 64 ops"), std::string::npos) << old.status();
+  // The latest 64 are still there.
+  EXPECT_TRUE(ops[kOps - static_cast<int>(abi::kCompletionCapacity)].Wait(absl::Seconds(10)).ok());
+}
+
 TEST_F(HostDataPlaneTest, MissingRankTimesOutNamingItThenGroupRecovers) {
   const int R = 3, E = 3, H = 128, K = 1, M = 4;
   Open(Spec("t", R, E, H, K, M, 0, false));

@@ -178,6 +178,7 @@ TEST_F(RegistryLaunchModeTest, CallerMustHoldTheRankAndTheGroupMustExist) {
   auto foreign = registry_.GetGroupEndpoints(Ask(mine, "held", 1, 0));
   EXPECT_EQ(foreign.status().code(), absl::StatusCode::kPermissionDenied) << foreign.status();
   EXPECT_THAT(foreign.status().message(), HasSubstr("does not hold rank 1"));
+  EXPECT_THAT(std::string(foreign.status().message()), ::testing::Not(HasSubstr(theirs)));
   auto bad_session = registry_.GetGroupEndpoints(Ask("0123", "held", 0, 0));
   EXPECT_EQ(bad_session.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(bad_session.status().message(), HasSubstr("not an open session"));

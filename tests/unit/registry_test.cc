@@ -16,6 +16,7 @@ using testing::FakeDataPlane;
 using testing::FakeDataPlaneState;
 using ::testing::HasSubstr;
 using testing::kGpuA;
+using ::testing::Not;
 using testing::OneGpu;
 using ::testing::SizeIs;
 using testing::SmallSpec;
@@ -96,8 +97,10 @@ TEST_F(RegistryTest, RankHeldIsAlreadyExists) {
   ASSERT_TRUE(Join(s0, 1).ok());
   absl::Status status = Join(s1, 1).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kAlreadyExists);
+  // The holder's session id is its credential (LeaveGroup): only its redacted form.
   EXPECT_THAT(std::string(status.message()),
-              AllOf(HasSubstr("rank 1"), HasSubstr("\"g\""), HasSubstr(s0), HasSubstr("pid 100")));
+              AllOf(HasSubstr("rank 1"), HasSubstr("\"g\""), HasSubstr(s0.substr(0, 8) + "..."),
+                    Not(HasSubstr(s0)), HasSubstr("pid 100")));
   // The same session asking again is refused too: one endpoint per rank.
   EXPECT_EQ(Join(s0, 1).status().code(), absl::StatusCode::kAlreadyExists);
 }
@@ -193,7 +196,10 @@ TEST_F(RegistryTest, LeaveReleasesAndLastLeaveDestroysGroup) {
   std::string s0 = Session(), s1 = Session();
   ASSERT_TRUE(Join(s0, 0).ok());
   ASSERT_TRUE(Join(s1, 1).ok());
-  EXPECT_EQ(Leave(s1, "g", 0).code(), absl::StatusCode::kPermissionDenied);
+  const absl::Status foreign = Leave(s1, "g", 0);
+  EXPECT_EQ(foreign.code(), absl::StatusCode::kPermissionDenied);
+  // Naming the holder by its whole id would let s1 leave in s0's name with it.
+  EXPECT_THAT(std::string(foreign.message()), Not(HasSubstr(s0)));
   EXPECT_EQ(Leave(s0, "nope", 0).code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(Leave(s0, "g", 0).ok());
   EXPECT_EQ(Leave(s0, "g", 0).code(), absl::StatusCode::kNotFound);

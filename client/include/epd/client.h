@@ -333,11 +333,12 @@ template <typename Result>
 class [[nodiscard]] PendingOp {
  public:
   /// Blocks until the op completes or `timeout` passes (DEADLINE_EXCEEDED, the op stays
-  /// pending and Wait may be called again). Returns the op's own error otherwise.
+  /// pending and Wait may be called again). Returns the op's own error otherwise. Only the
+  /// latest 64 ops of an endpoint can be waited for (FAILED_PRECONDITION at once for older
+  /// ones: their completion records were reused).
   /// Client-launched: waits (polling, bounded by `timeout` and by op_timeout + 5 s) for an
   /// event recorded on the op's stream after the op, then returns the status its kernels
-  /// left; only the latest 64 ops of an endpoint can be waited for (FAILED_PRECONDITION
-  /// for older ones). An op enqueued while its stream was capturing a CUDA graph is not
+  /// left. An op enqueued while its stream was capturing a CUDA graph is not
   /// waited for: call Wait once a replay of the graph has completed (e.g. after
   /// cudaStreamSynchronize); it then reads and clears the rank's device status, so it
   /// reports the errors of every replay since the last Wait, and for a Dispatch the N of
