@@ -1,6 +1,12 @@
 #include "control_channel.h"
 
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -66,6 +72,22 @@ absl::Status CheckUnixSocket(const std::string& target, absl::string_view option
   if (!S_ISSOCK(st.st_mode)) {
     return absl::FailedPreconditionError(
         absl::StrCat(option, ": ", path, " is not a unix socket (is ", option, " right?)"));
+  }
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) return absl::OkStatus();  // gRPC will say.
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::OkStatus();  // No probe; the connect's timeout still bounds it.
+  const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  const int error = rc == 0 ? 0 : errno;
+  ::close(fd);
+  if (error == ECONNREFUSED) {
+    return absl::UnavailableError(absl::StrCat(
+        "no epd daemon: nothing listens on socket ", path,
+        " (connection refused: a socket file left by an epd that was killed? is epd running? "
+        "is ",
+        option, " right?)"));
   }
   return absl::OkStatus();
 }

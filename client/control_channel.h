@@ -32,9 +32,11 @@ absl::Status AnnotateUnavailable(const absl::Status& status, const std::string& 
 absl::Status ExplainControlError(const absl::Status& status, const std::string& target);
 
 /// For a "unix://<path>" target, fails at once when nothing can answer there instead of
-/// letting a connect wait its whole timeout: UNAVAILABLE when <path> does not exist,
-/// FAILED_PRECONDITION when it is not a unix socket; both name `option` (the flag or field
-/// the path came from). OK for other targets and for an existing socket.
+/// letting a connect wait its whole timeout: UNAVAILABLE when <path> does not exist or
+/// refuses a connection (a socket file that no process listens on, e.g. left by an epd
+/// that was killed), FAILED_PRECONDITION when it is not a unix socket; each names `option`
+/// (the flag or field the path came from). The probe is one non-blocking connect(), closed
+/// at once. OK for other targets and for a socket that accepts (or whose backlog is full).
 absl::Status CheckUnixSocket(const std::string& target, absl::string_view option);
 
 }  // namespace epd::internal

@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "daemon/data_plane.h"
 #include "daemon/gpu_inventory.h"
+#include "epd/common/version.h"
 #include "epd/v1/config.pb.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "epd/v1/control.pb.h"
@@ -38,8 +39,6 @@ namespace epd {
 class ControlService;
 class GroupRegistry;
 
-/// epd's version, reported by GetStats.
-inline constexpr char kEpdVersion[] = "0.1.0";
 /// The gRPC service name whose health is reported besides "".
 inline constexpr char kControlServiceName[] = "epd.v1.Control";
 

@@ -32,6 +32,11 @@ int main(int argc, char** argv) {
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   usage.version_string = [] { return std::string("epd ") + epd::kEpdVersion + "\n"; };
+  // "Flags from daemon/config.cc", not the build machine's path to it.
+  usage.normalize_filename = [](absl::string_view file) {
+    const size_t at = file.rfind("daemon/");
+    return std::string(at == absl::string_view::npos ? file : file.substr(at));
+  };
   absl::SetFlagsUsageConfig(usage);
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {  // [0] is the program.

@@ -84,8 +84,11 @@ else
   log "installed: ${missing[*]}"
 fi
 
-# CUDA is optional; say which way the build will go.
-if command -v nvcc >/dev/null 2>&1; then
+# CUDA is optional; say which way the build will go (EPD_WITH_CUDA=OFF, as demo.sh and
+# tests/run.sh take it, skips it whatever is installed).
+if [[ "${EPD_WITH_CUDA:-AUTO}" == "OFF" ]]; then
+  log "CUDA: EPD_WITH_CUDA=OFF: the CUDA backend is not built (host backend only)"
+elif command -v nvcc >/dev/null 2>&1; then
   log "CUDA: nvcc found at $(command -v nvcc): the CUDA backend will be built"
 elif [[ -x /usr/local/cuda/bin/nvcc ]]; then
   log "CUDA: nvcc found at /usr/local/cuda/bin/nvcc: the CUDA backend will be built"

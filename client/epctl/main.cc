@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "epd/common/version.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "format.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -80,6 +81,11 @@ int main(int argc, char** argv) {
     return absl::StrContains(file, "epctl/");
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
+  usage.version_string = [] { return std::string("epctl ") + epd::kEpdVersion + "\n"; };
+  usage.normalize_filename = [](absl::string_view file) {
+    const size_t at = file.rfind("epctl/");
+    return std::string(at == absl::string_view::npos ? file : file.substr(at));
+  };
   absl::SetFlagsUsageConfig(usage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {

@@ -32,6 +32,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "epd/client.h"
@@ -336,6 +337,11 @@ int RunRank(int rank) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "a toy MoE layer run by one process per rank through epd; checks every rank's output "
+      "against a single-process computation.\n"
+      "Usage: moe_layer --socket=/run/epd/epd.sock --num_ranks=8 "
+      "[--launch_mode=auto|daemon|client]");
   absl::ParseCommandLine(argc, argv);
   const int rank = absl::GetFlag(FLAGS_rank);
   if (rank >= 0) return RunRank(rank);

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "epd/client.h"
+#include "epd/common/version.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
@@ -139,6 +140,8 @@ TEST_F(ControlTest, EpctlStatusGroupsHealthStatsConfig) {
   CommandResult extra = Epctl({"status", "extra"});
   EXPECT_EQ(extra.exit_code, 2);
   EXPECT_THAT(extra.stderr_text, HasSubstr("unexpected argument \"extra\""));
+  CommandResult version = Epctl({"--version"});
+  EXPECT_THAT(version.stdout_text, HasSubstr(absl::StrCat("epctl ", kEpdVersion)));
   CommandResult help = Epctl({"--help"});
   EXPECT_THAT(help.stdout_text + help.stderr_text,
               AllOf(HasSubstr("epctl: inspect a running epd daemon"),
@@ -701,6 +704,39 @@ TEST(ControlClientTest, ConnectWithoutDaemonIsUnavailableNamingTheSocket) {
   EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(client.status().message()),
               AllOf(HasSubstr("/tmp/epd-no-daemon-here.sock"), HasSubstr("does not exist")));
+}
+
+// A socket file that nothing listens on (left by an epd that was killed): Client::Connect
+// and epctl fail at once with "connection refused", not after their whole timeout.
+TEST(ControlClientTest, StaleSocketFileIsUnavailableAtOnce) {
+  const std::string path = absl::StrCat("/tmp/epd-stale-", ::getpid(), ".sock");
+  ::unlink(path.c_str());
+  {  // Bound, never listening, closed: the file stays.
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
+    ASSERT_EQ(::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    ::close(fd);
+  }
+  ClientOptions options;
+  options.socket_path = path;
+  options.connect_timeout = absl::Seconds(10);
+  absl::Time start = absl::Now();
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(client.status().message()),
+              AllOf(HasSubstr(path), HasSubstr("connection refused")));
+  start = absl::Now();
+  absl::StatusOr<CommandResult> epctl =
+      RunCommand({EpctlBinary(), "--socket=" + path, "--timeout=10s", "status"}, absl::Seconds(20));
+  ASSERT_TRUE(epctl.ok()) << epctl.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_NE(epctl->exit_code, 0);
+  EXPECT_THAT(epctl->stderr_text, HasSubstr("connection refused"));
+  ::unlink(path.c_str());
 }
 
 // A rank removed by epd while its client waits (here a LeaveGroup in the session's name

@@ -137,6 +137,8 @@ TEST(StartupFlagsTest, HelpShowsEveryFlagsDefault) {
                                          " ");
   EXPECT_THAT(text, Not(HasSubstr("default: ;")));
   EXPECT_THAT(text, Not(HasSubstr("epd: epd:")));
+  // The flags' file as in the source tree, not the build machine's path to it.
+  EXPECT_THAT(text, HasSubstr("Flags from daemon/config.cc:"));
   for (const char* expected : {"--socket (socket_path:", "default: \"/run/epd/epd.sock\";",
                                "--op_timeout (op_timeout_ms:", "default: 10s;",
                                "--max_groups (max_groups:", "default: 64;", "default: \"auto\";",
