@@ -676,11 +676,11 @@ struct Endpoint::Impl {
     // within it, and a futex wake-up costs a scheduler round trip (~100 µs in a VM).
     const auto spin_until = start + std::chrono::microseconds(
                                         std::exchange(woke_engine, false) ? 0 : kSpinBeforeSleepUs);
-    while (abi::Atomic(c.seq).load(std::memory_order_acquire) != seq) {
-      if (const uint64_t later = abi::Atomic(c.seq).load(std::memory_order_acquire); later > seq) {
+    for (uint64_t got; (got = abi::Atomic(c.seq).load(std::memory_order_acquire)) != seq;) {
+      if (got > seq) {
         // The record was reused by a later op (record seq % kCompletionCapacity).
         return absl::FailedPreconditionError(absl::StrCat(
-            "op ", seq, ": its completion record already holds op ", later, "'s; only the latest ",
+            "op ", seq, ": its completion record already holds op ", got, "'s; only the latest ",
             abi::kCompletionCapacity, " ops of an endpoint can be waited for (Wait sooner)"));
       }
       auto now = std::chrono::steady_clock::now();
