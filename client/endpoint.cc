@@ -552,12 +552,15 @@ struct Endpoint::Impl {
       internal::DeviceGuard guard(mapping->device());
       // ready_seq = seq by a kernel (with the inputs StageForSubmit recorded): a kernel's
       // store is seen by the daemon's WaitFlagAsync at once, where a stream memory write
-      // queued behind the caller's kernels lands ~14 µs after them (cuda_ops.h).
+      // queued behind the caller's kernels lands ~14 µs after them (cuda_ops.h). The same
+      // kernel writes staging_seq = seq once all its blocks are resident, so the daemon's
+      // kernel is launched while the copies run (layout.h).
       ordered_error = kc::CopyDeviceBatchAsync(
           pending_copies.data(), num_copies,
           reinterpret_cast<uint64_t*>(At(layout.launch_flags) + kernels::kReadyFlagOffset), seq,
           reinterpret_cast<uint32_t*>(At(layout.launch_flags) + kernels::kReadySignalCounterOffset),
-          AsStream(stream));
+          AsStream(stream),
+          reinterpret_cast<uint64_t*>(At(layout.launch_flags) + kernels::kStagingFlagOffset));
       // Without the ready flag the daemon could not order its kernels: fail the op for
       // every rank instead (as a client error), and return the driver's error.
       flags |= ordered_error.ok() ? abi::kFlagStreamOrdered : abi::kFlagClientError;

@@ -100,9 +100,10 @@ using EventPtr = EventHandle;
 struct Readback {
   kc::DeviceStatus status;
   int32_t recv_count;
-  /// The ready_seq a daemon-launched low-latency op's WaitFlagAsync saw (written by that
-  /// kernel once its wait passed): ReleaseReadyWaits tells from it whether the client
-  /// ever wrote ready_seq for the op.
+  /// The staging_seq or ready_seq a daemon-launched low-latency op's WaitFlagAsync saw
+  /// (written by that kernel once its wait passed): ReleaseReadyWaits tells from it
+  /// whether the client's staging ever started for the op (once it did, the op's kernel
+  /// waits for ready_seq itself, bounded by op_timeout).
   uint64_t ready_seen;
 };
 
@@ -166,6 +167,10 @@ struct CudaRank : RankResources {
   }
   uint8_t* done_flag() const {
     return (area.get() + launch_flags_offset + kernels::kDoneFlagOffset);
+  }
+  /// launch_flags.staging_seq (layout.h): the client's staging kernel has started.
+  uint8_t* staging_flag() const {
+    return (area.get() + launch_flags_offset + kernels::kStagingFlagOffset);
   }
 };
 
@@ -764,8 +769,9 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
                               : (slot.num_sms > 0 ? slot.num_sms : plane_->options().num_sms);
   const kc::CudaRankContext ctx = Context(r, num_sms);
   // Daemon-launched low-latency ops hand off inside kernels (cuda_ops.h "stream-ordered
-  // hand-off inside kernels"): a one-warp WaitFlagAsync for ready_seq, the op's kernel
-  // launched programmatically behind it (it checks ready_seq itself and writes done_seq).
+  // hand-off inside kernels"): a one-warp WaitFlagAsync for staging_seq or ready_seq, the
+  // op's kernel launched programmatically behind it (it waits for ready_seq itself and
+  // writes done_seq).
   // Its bound outlasts the engine's give-up (op_timeout + kGpuGrace), after which
   // ReleaseReadyWaits writes ready_seq from the host.
   // Without MPS (plane_->kernel_ready_wait() false) the client's and the daemon's contexts
@@ -782,11 +788,18 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
     handoff.status_out = &cr.readback->status;  // No read-back kernel behind it (StartOpInto).
   }
   if (kernel_handoff && plane_->kernel_ready_wait()) {
+    // The wait passes once the client's staging kernel has started (staging_seq, layout.h)
+    // or, from a client that does not write staging_seq, once it is done (ready_seq): the
+    // op's kernel is then launched while the inputs are still being copied (the ~2 µs of
+    // the programmatic launch overlap the ~1.5-2 µs of staging), and its blocks wait for
+    // ready_seq themselves. staging_seq comes only once every block of the staging kernel
+    // is resident, so that kernel ends whatever SMs the op's grid then takes
+    // (docs/CUDA_BACKEND.md "Launch modes").
     const auto bound = std::chrono::milliseconds(options().op_timeout_ms) + 2 * kGpuGrace;
-    EPD_RETURN_IF_ERROR(
-        kc::WaitFlagAsync(reinterpret_cast<const uint64_t*>(cr.ready_flag()), slot.seq,
-                          std::chrono::duration_cast<std::chrono::nanoseconds>(bound).count(),
-                          &cr.readback->ready_seen, s));
+    EPD_RETURN_IF_ERROR(kc::WaitFlagAsync(
+        reinterpret_cast<const uint64_t*>(cr.staging_flag()), slot.seq,
+        std::chrono::duration_cast<std::chrono::nanoseconds>(bound).count(),
+        &cr.readback->ready_seen, s, reinterpret_cast<const uint64_t*>(cr.ready_flag())));
     handoff.programmatic = true;
   } else if (slot.flags & abi::kFlagStreamOrdered) {
     // The client's stream writes ready_seq = seq once it has staged the inputs; this

@@ -18,6 +18,7 @@ struct BatchCopyParams {
   uint64_t* signal;
   uint64_t signal_value;
   uint32_t* counter;
+  uint64_t* started;
 };
 
 __device__ __forceinline__ void CopyRange(uint8_t* dst, const uint8_t* src, uint64_t n,
@@ -35,7 +36,21 @@ __device__ __forceinline__ void CopyRange(uint8_t* dst, const uint8_t* src, uint
   for (uint64_t i = done + first; i < n; i += stride) dst[i] = src[i];
 }
 
+/// Ticket word of a multi-block BatchCopySignalKernel: the low 16 bits count the blocks
+/// that have started, the high 16 bits those that have finished (at most kMaxBlocks = 32).
+constexpr uint32_t kFinishTicket = 1u << 16;
+
 __global__ void BatchCopySignalKernel(const BatchCopyParams p) {
+  if (p.started != nullptr && threadIdx.x == 0) {
+    // Once every block of this kernel is resident (the last one to start), the daemon may
+    // launch its kernel (a hint: that kernel waits for the signal below before it reads
+    // anything). Not sooner: a low-latency kernel's blocks fill whole SMs (1024 threads,
+    // the register file), so a block of this kernel not yet resident might never be.
+    if (gridDim.x == 1 || (atomicAdd(p.counter, 1u) & (kFinishTicket - 1)) == gridDim.x - 1) {
+      asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p.started), "l"(p.signal_value)
+                   : "memory");
+    }
+  }
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   const uint64_t first = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int32_t c = 0; c < p.num_copies; ++c) {
@@ -53,7 +68,7 @@ __global__ void BatchCopySignalKernel(const BatchCopyParams p) {
   // The last block to finish stores the signal: each block releases its copies with the
   // fence before its ticket; the last one acquires them all with the fence after it.
   device::FenceAcqRelGpu();
-  const uint32_t ticket = atomicAdd(p.counter, 1u);
+  const uint32_t ticket = atomicAdd(p.counter, kFinishTicket) / kFinishTicket;
   if (ticket != gridDim.x - 1) return;
   device::FenceAcqRelGpu();
   *p.counter = 0;
@@ -61,13 +76,25 @@ __global__ void BatchCopySignalKernel(const BatchCopyParams p) {
 }
 
 __global__ void WaitFlagKernel(const uint64_t* flag, uint64_t value, int64_t timeout_ns,
-                               uint64_t* seen) {
+                               uint64_t* seen, const uint64_t* alt_flag) {
   if (threadIdx.x == 0) {
     const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(timeout_ns);
     uint64_t v = 0;
-    if (device::WaitFlag64AtLeast(flag, value, deadline, &v) && seen != nullptr) {
-      *reinterpret_cast<volatile uint64_t*>(seen) = v;
+    bool arrived = false;
+    if (alt_flag == nullptr) {
+      arrived = device::WaitFlag64AtLeast(flag, value, deadline, &v);
+    } else {
+      for (;;) {
+        v = device::LdAcquireGpu64(flag);
+        if (v < value) v = device::LdAcquireGpu64(alt_flag);
+        if (v >= value) {
+          arrived = true;
+          break;
+        }
+        if (device::GlobalTimerNs() > deadline) break;
+      }
     }
+    if (arrived && seen != nullptr) *reinterpret_cast<volatile uint64_t*>(seen) = v;
   }
   __syncwarp();
   // The kernel launched after this one with programmatic stream serialization may start.
@@ -85,8 +112,13 @@ const bool kHandoffPreloadRegistered = RegisterPreloadHook(&PreloadHandoffKernel
 }  // namespace
 
 absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint64_t* signal,
-                                  uint64_t signal_value, uint32_t* counter, cudaStream_t stream) {
+                                  uint64_t signal_value, uint32_t* counter, cudaStream_t stream,
+                                  uint64_t* started) {
   (void)kHandoffPreloadRegistered;
+  if (started != nullptr && signal == nullptr) {
+    return absl::InvalidArgumentError(
+        "CopyDeviceBatchAsync: a started word without a signal (nothing to announce)");
+  }
   if (num_copies < 0 || num_copies > kMaxBatchCopies || (num_copies > 0 && copies == nullptr)) {
     return absl::InvalidArgumentError(
         absl::StrCat("CopyDeviceBatchAsync: num_copies = ", num_copies, " is outside [0, ",
@@ -109,6 +141,7 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
   p.signal = signal;
   p.signal_value = signal_value;
   p.counter = counter;
+  p.started = started;
   // As CopyDeviceAsync: one 512-thread block per 64 KiB of the largest copy, at most 32.
   constexpr int kThreads = 512;
   constexpr uint64_t kBytesPerBlock = 64 * 1024;
@@ -124,13 +157,13 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
 }
 
 absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout_ns, uint64_t* seen,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, const uint64_t* alt_flag) {
   if (flag == nullptr || timeout_ns <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("WaitFlagAsync: flag = ", flag == nullptr ? "null" : "set",
                      ", timeout_ns = ", timeout_ns, " (need a flag and timeout_ns > 0)"));
   }
-  WaitFlagKernel<<<1, 32, 0, stream>>>(flag, value, timeout_ns, seen);
+  WaitFlagKernel<<<1, 32, 0, stream>>>(flag, value, timeout_ns, seen, alt_flag);
   return EPD_CUDA_STATUS(cudaGetLastError());
 }
 

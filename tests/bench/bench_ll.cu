@@ -149,6 +149,32 @@ absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyCombine"));
   }
+  // The op sequence of the launch bench (bench_launch.cc): per iteration an FP8 dispatch,
+  // then the combine with its handle, each timed on its own. The repeated combine above
+  // reuses one buffer's handle and rows; after a dispatch the combine's rows and flags are
+  // the other buffer's each time, as in decode.
+  OpTimesBuilder paired_dispatch, paired_combine;
+  for (int it = 0; it < kWarmup + kIterations; ++it) {
+    EPD_ASSIGN_OR_RETURN(const GatedTimer::Sample ds,
+                         timer->RunOnce(Streams(g), it, [&](int32_t r, int, cudaStream_t stream) {
+                           kc::LowLatencyDispatchArgs a = da;
+                           a.buffer = it % 2;
+                           return kc::LowLatencyDispatch(g.Context(r), a, stream);
+                         }));
+    EPD_ASSIGN_OR_RETURN(const GatedTimer::Sample cs,
+                         timer->RunOnce(Streams(g), it, [&](int32_t r, int, cudaStream_t stream) {
+                           kc::LowLatencyCombineArgs a;
+                           a.buffer = it % 2;
+                           return kc::LowLatencyCombine(g.Context(r), a, stream);
+                         }));
+    if (it >= kWarmup) {
+      paired_dispatch.Add(ds.span, ds.after_last, ds.host);
+      paired_combine.Add(cs.span, cs.after_last, cs.host);
+    }
+  }
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "dispatch + combine"));
+  }
   // The fixed part: the same ops with T = 0 on every rank (count exchange, flags, launch
   // skew; no rows move).
   for (int32_t r = 0; r < s.num_ranks; ++r) {
@@ -179,6 +205,10 @@ absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
   figures->push_back({"ll_dispatch_fp8", dispatch_bytes, dispatch, dispatch_copy});
   figures->push_back({"ll_dispatch_bf16", dispatch_bf16_bytes, dispatch_bf16, dispatch_bf16_copy});
   figures->push_back({"ll_combine_bf16", combine_bytes, combine, combine_copy});
+  figures->push_back(
+      {"ll_dispatch_fp8_then_combine", dispatch_bytes, paired_dispatch.Build(), dispatch_copy});
+  figures->push_back(
+      {"ll_combine_bf16_after_dispatch", combine_bytes, paired_combine.Build(), combine_copy});
   figures->push_back({"ll_dispatch_fp8_T0", 0, dispatch_empty, {}});
   figures->push_back({"ll_combine_bf16_T0", 0, combine_empty, {}});
   return absl::OkStatus();

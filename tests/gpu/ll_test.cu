@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "epd/common/cuda_handles.h"
+#include "epd/common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"
 #include "gpu_test_util.h"
@@ -846,6 +847,43 @@ TEST(LowLatencyGraph, CapturedDispatchExpertCombineReplaysWithChangingInputsAndT
 
 // ---- the daemon-launched hand-off inside the kernels (cuda_ops.h KernelHandoff) ----------
 
+// Rank r's launch_flags word at `offset` (layout.h).
+uint64_t* LaunchFlag(VirtualRankGroup& g, int32_t r, uint64_t offset) {
+  return reinterpret_cast<uint64_t*>(g.At<uint8_t>(r, g.layout().launch_flags) + offset);
+}
+
+// Rank r's staging-kernel ticket word (layout.h kReadySignalCounterOffset).
+uint32_t* StagingCounter(VirtualRankGroup& g, int32_t r) {
+  return reinterpret_cast<uint32_t*>(LaunchFlag(g, r, kernels::kReadySignalCounterOffset));
+}
+
+// The KernelHandoff the daemon gives rank r's low-latency op `seq` (launched
+// programmatically behind its WaitFlagAsync).
+kc::KernelHandoff DaemonHandoff(VirtualRankGroup& g, int32_t r, uint64_t seq) {
+  kc::KernelHandoff h;
+  h.ready_flag = LaunchFlag(g, r, kernels::kReadyFlagOffset);
+  h.ready_value = seq;
+  h.done_flag = LaunchFlag(g, r, kernels::kDoneFlagOffset);
+  h.done_value = seq;
+  h.programmatic = true;
+  return h;
+}
+
+// The daemon's side of rank r's combine `seq` of dispatch buffer `buffer`, on its stream:
+// the expert outputs, the WaitFlagAsync on `wait_offset` (and `alt_offset`, when not 0;
+// launch_flags words; `seen` as WaitFlagAsync), then the kernel behind it.
+absl::Status EnqueueCombineBehindWait(VirtualRankGroup& g, int32_t r, int32_t buffer, uint64_t seq,
+                                      uint64_t wait_offset, uint64_t alt_offset, uint64_t* seen) {
+  EPD_RETURN_IF_ERROR(LaunchExpert(g, r, buffer, true, g.stream(r)));
+  EPD_RETURN_IF_ERROR(kc::WaitFlagAsync(LaunchFlag(g, r, wait_offset), seq, 10'000'000'000, seen,
+                                        g.stream(r),
+                                        alt_offset == 0 ? nullptr : LaunchFlag(g, r, alt_offset)));
+  kc::LowLatencyCombineArgs a;
+  a.buffer = buffer;
+  a.handoff = DaemonHandoff(g, r, seq);
+  return kc::LowLatencyCombine(g.Context(r), a, g.stream(r));
+}
+
 // As the daemon enqueues a stream-ordered low-latency op (WaitFlagAsync, then the kernel
 // launched programmatically with ready/done), while the inputs in the ranks' staging regions
 // are still stale; the client side then stages the real inputs and signals ready with one
@@ -890,22 +928,9 @@ TEST(LowLatencyHandoff, KernelsWaitForReadyThenWriteDone) {
   auto* seen = reinterpret_cast<uint64_t*>(seen_buffer->get());
   auto client = CudaStream::Create();
   ASSERT_TRUE(client.ok());
-  auto flag = [&](int32_t r, uint64_t offset) {
-    return reinterpret_cast<uint64_t*>(g.At<uint8_t>(r, l.launch_flags) + offset);
-  };
-  auto counter = [&](int32_t r) {
-    return reinterpret_cast<uint32_t*>(g.At<uint8_t>(r, l.launch_flags) +
-                                       kernels::kReadySignalCounterOffset);
-  };
-  auto handoff = [&](int32_t r, uint64_t seq) {
-    kc::KernelHandoff h;
-    h.ready_flag = flag(r, kernels::kReadyFlagOffset);
-    h.ready_value = seq;
-    h.done_flag = flag(r, kernels::kDoneFlagOffset);
-    h.done_value = seq;
-    h.programmatic = true;
-    return h;
-  };
+  auto flag = [&](int32_t r, uint64_t offset) { return LaunchFlag(g, r, offset); };
+  auto counter = [&](int32_t r) { return StagingCounter(g, r); };
+  auto handoff = [&](int32_t r, uint64_t seq) { return DaemonHandoff(g, r, seq); };
   constexpr int64_t kWaitNs = 10'000'000'000;
 
   // ---- dispatch (seq 1) ----
@@ -944,13 +969,7 @@ TEST(LowLatencyHandoff, KernelsWaitForReadyThenWriteDone) {
 
   // ---- combine (seq 2): expert outputs first on the rank's stream, then the ready wait ----
   for (int32_t r = 0; r < R; ++r) {
-    EPD_ASSERT_OK(LaunchExpert(g, r, 0, true, g.stream(r)));
-    EPD_ASSERT_OK(
-        kc::WaitFlagAsync(flag(r, kernels::kReadyFlagOffset), 2, kWaitNs, seen + r, g.stream(r)));
-    kc::LowLatencyCombineArgs a;
-    a.buffer = 0;
-    a.handoff = handoff(r, 2);
-    EPD_ASSERT_OK(kc::LowLatencyCombine(g.Context(r), a, g.stream(r)));
+    EPD_ASSERT_OK(EnqueueCombineBehindWait(g, r, 0, 2, kernels::kReadyFlagOffset, 0, seen + r));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   for (int32_t r = 0; r < R; ++r) {
@@ -967,6 +986,147 @@ TEST(LowLatencyHandoff, KernelsWaitForReadyThenWriteDone) {
     EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 2u) << "rank " << r;
   }
   EPD_ASSERT_OK(CheckCombine(g, 0, in, ref));
+}
+
+// The early hand-off (layout.h staging_seq; CopyDeviceBatchAsync `started`), as the daemon
+// and the client library use it:
+//  - dispatch (seq 1): each rank's WaitFlagAsync waits for staging_seq or ready_seq and
+//    launches the kernel programmatically. Nothing passes before either word is written;
+//    staging_seq = 1 alone (from the host, as a staging kernel's first thread would) lets
+//    the wait pass, but the kernel still waits for ready: no done, the stream busy. Then
+//    each rank's client stream stages the real inputs and signals ready; the outputs match
+//    the host on the real inputs;
+//  - dispatch (seq 2): the staging kernels write staging_seq themselves (several blocks
+//    each; the counter word's two halves are back at 0 after each op);
+//  - combine (seq 3): ranks 0-1 stage with `started` (their staging kernels write
+//    staging_seq = 3), ranks 2-3 as a client of an older version (ready only): every
+//    wait passes, and the combine matches the host.
+TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
+  REQUIRE_GPU();
+  constexpr int32_t R = 4;
+  // 8 blocks per rank leave SMs free for the client's staging kernel, which seq 1's
+  // host-written staging_seq lets the kernels precede (the real staging kernel writes it
+  // only once its own blocks are all resident: seqs 2 and 3).
+  auto group = VirtualRankGroup::Create(SmallShape(R), 5'000'000'000, /*num_sms=*/8);
+  ASSERT_TRUE(group.ok()) << group.status();
+  VirtualRankGroup& g = **group;
+  const auto& l = g.layout();
+  std::mt19937_64 rng(37);
+  std::vector<RankInputs> stale = MakeInputs(SmallCase(R), rng, 1);
+  std::vector<RankInputs> in = MakeInputs(SmallCase(R), rng, 2);
+  HostReference ref;
+  EPD_ASSERT_OK(ComputeHostReference(g.shape(), true, false, in, &ref));
+  EPD_ASSERT_OK(UploadInputs(g, stale));
+  std::vector<DeviceBuffer> x(R), idx(R);
+  const GroupShape& shape = g.shape();
+  for (int32_t r = 0; r < R; ++r) {  // Room for Mll tokens: each op's T differs.
+    auto xb = DeviceBuffer::Allocate(size_t{2} * shape.ll_max_tokens_per_rank * shape.hidden);
+    auto ib = DeviceBuffer::Allocate(size_t{8} * shape.ll_max_tokens_per_rank * shape.num_topk);
+    ASSERT_TRUE(xb.ok() && ib.ok());
+    x[r] = std::move(*xb);
+    idx[r] = std::move(*ib);
+  }
+  auto seen_buffer = DeviceBuffer::Allocate(R * sizeof(uint64_t));
+  ASSERT_TRUE(seen_buffer.ok());
+  auto* seen = reinterpret_cast<uint64_t*>(seen_buffer->get());
+  auto client = CudaStream::Create();
+  ASSERT_TRUE(client.ok());
+  auto flag = [&](int32_t r, uint64_t offset) { return LaunchFlag(g, r, offset); };
+  auto counter = [&](int32_t r) { return StagingCounter(g, r); };
+  auto handoff = [&](int32_t r, uint64_t seq) { return DaemonHandoff(g, r, seq); };
+  // The daemon's side of dispatch `seq` on `buffer`: the wait, then the kernel.
+  auto enqueue_dispatch = [&](uint64_t seq, int32_t buffer, const std::vector<RankInputs>& ins) {
+    for (int32_t r = 0; r < R; ++r) {
+      EPD_ASSERT_OK(kc::WaitFlagAsync(flag(r, kernels::kStagingFlagOffset), seq, 10'000'000'000,
+                                      seen + r, g.stream(r), flag(r, kernels::kReadyFlagOffset)));
+      kc::LowLatencyDispatchArgs a;
+      a.buffer = buffer;
+      a.use_fp8 = true;
+      a.num_tokens_value = ins[r].num_tokens;
+      a.handoff = handoff(r, seq);
+      EPD_ASSERT_OK(kc::LowLatencyDispatch(g.Context(r), a, g.stream(r)));
+    }
+  };
+  // The client's side: `ins` into the caller's buffers, then one staging kernel per rank
+  // (x and topk_idx; `started` = staging_seq).
+  auto stage = [&](uint64_t seq, const std::vector<RankInputs>& ins) {
+    for (int32_t r = 0; r < R; ++r) {
+      ASSERT_EQ(cudaMemcpy(x[r].get(), ins[r].x.data(), ins[r].x.size() * 2, cudaMemcpyDefault),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(idx[r].get(), ins[r].topk_idx.data(), ins[r].topk_idx.size() * 8,
+                           cudaMemcpyDefault),
+                cudaSuccess);
+      const kc::DeviceCopy copies[2] = {
+          {g.At<uint8_t>(r, l.in_x), x[r].get(), ins[r].x.size() * 2},
+          {g.At<uint8_t>(r, l.in_topk_idx), idx[r].get(), ins[r].topk_idx.size() * 8}};
+      EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(copies, 2, flag(r, kernels::kReadyFlagOffset), seq,
+                                             counter(r), client->get(),
+                                             flag(r, kernels::kStagingFlagOffset)));
+    }
+  };
+  // Every rank's dispatch `seq` ended cleanly: done, staging_seq, the ticket word reset.
+  auto finish_dispatch = [&](uint64_t seq) {
+    for (int32_t r = 0; r < R; ++r) {
+      ASSERT_EQ(cudaStreamSynchronize(g.stream(r)), cudaSuccess);
+      EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
+      EXPECT_EQ(ReadWord(flag(r, kernels::kStagingFlagOffset)), seq) << "rank " << r;
+      EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), seq) << "rank " << r;
+      EXPECT_EQ(ReadWord(counter(r)) & 0xffffffffu, 0u) << "rank " << r << ": ticket not reset";
+    }
+  };
+
+  // ---- dispatch (seq 1) ----
+  enqueue_dispatch(1, 0, in);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  for (int32_t r = 0; r < R; ++r) EXPECT_EQ(ReadWord(seen + r), 0u) << "rank " << r;
+  const uint64_t one = 1;
+  for (int32_t r = 0; r < R; ++r) {
+    ASSERT_EQ(cudaMemcpy(flag(r, kernels::kStagingFlagOffset), &one, 8, cudaMemcpyDefault),
+              cudaSuccess);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  for (int32_t r = 0; r < R; ++r) {
+    EXPECT_EQ(ReadWord(seen + r), 1u) << "rank " << r << ": the wait did not pass on staging_seq";
+    EXPECT_EQ(cudaStreamQuery(g.stream(r)), cudaErrorNotReady) << "rank " << r << " ran early";
+    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 0u) << "rank " << r;
+  }
+  stage(1, in);
+  finish_dispatch(1);
+  EPD_ASSERT_OK(CheckDispatch(g, 0, true, in, ref));
+
+  // ---- dispatch (seq 2) with staging_seq written by the staging kernel itself, once all
+  // its blocks (the x copy takes several) are resident ----
+  std::vector<RankInputs> in2 = MakeInputs(SmallCase(R), rng, 3);
+  HostReference ref2;
+  EPD_ASSERT_OK(ComputeHostReference(g.shape(), true, false, in2, &ref2));
+  enqueue_dispatch(2, 1, in2);
+  stage(2, in2);
+  finish_dispatch(2);
+  EPD_ASSERT_OK(CheckDispatch(g, 1, true, in2, ref2));
+
+  // ---- combine (seq 3) of the second dispatch (buffer 1): the expert outputs first on the
+  // rank's stream, then the wait ----
+  for (int32_t r = 0; r < R; ++r) {
+    EPD_ASSERT_OK(EnqueueCombineBehindWait(g, r, 1, 3, kernels::kStagingFlagOffset,
+                                           kernels::kReadyFlagOffset, seen + r));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  for (int32_t r = 0; r < R; ++r) {
+    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 2u) << "rank " << r << " ran early";
+  }
+  for (int32_t r = 0; r < R; ++r) {  // No copies: a one-thread signal.
+    EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(nullptr, 0, flag(r, kernels::kReadyFlagOffset), 3,
+                                           counter(r), client->get(),
+                                           r < 2 ? flag(r, kernels::kStagingFlagOffset) : nullptr));
+  }
+  for (int32_t r = 0; r < R; ++r) {
+    ASSERT_EQ(cudaStreamSynchronize(g.stream(r)), cudaSuccess);
+    EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyCombine"));
+    EXPECT_EQ(ReadWord(seen + r), 3u) << "rank " << r;
+    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 3u) << "rank " << r;
+    EXPECT_EQ(ReadWord(flag(r, kernels::kStagingFlagOffset)), r < 2 ? 3u : 2u) << "rank " << r;
+  }
+  EPD_ASSERT_OK(CheckCombine(g, 1, in2, ref2));
 }
 
 TEST(LowLatencyHandoff, WaitFlagGivesUpAtItsBoundAndCopyBatchChecksItsArguments) {
@@ -1000,6 +1160,14 @@ TEST(LowLatencyHandoff, WaitFlagGivesUpAtItsBoundAndCopyBatchChecksItsArguments)
   st = kc::CopyDeviceBatchAsync(copies, 1, flag, 3, nullptr, stream->get());
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_EQ(ReadWord(flag), 0u);
+  // A started word without a signal is refused; with one, both get the value.
+  st = kc::CopyDeviceBatchAsync(nullptr, 0, nullptr, 4, nullptr, stream->get(), flag + 2);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("started word without a signal"), std::string::npos) << st;
+  EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(nullptr, 0, flag, 5, nullptr, stream->get(), flag + 2));
+  ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
+  EXPECT_EQ(ReadWord(flag), 5u);
+  EXPECT_EQ(ReadWord(flag + 2), 5u);
 }
 
 }  // namespace

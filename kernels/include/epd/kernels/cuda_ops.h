@@ -187,22 +187,36 @@ inline constexpr int kMaxBatchCopies = 4;
 /// (ready) flag of daemon-launched mode: the daemon's WaitFlagAsync sees it about a microsecond
 /// later. With no copies it is a one-thread kernel that stores the signal. Errors: INVALID_ARGUMENT
 /// for more than kMaxBatchCopies copies, a null dst/src with bytes > 0, or a signal without a
-/// counter; INTERNAL for a launch error.
+/// counter, or `started` without a signal (or without a counter for a multi-block copy);
+/// INTERNAL for a launch error.
+///
+/// `started` (optional; daemon-launched: the endpoint's staging_seq, layout.h): once every
+/// block of the kernel is resident (the last block to start; a ticket in the low half of
+/// *counter, finished blocks count in the high half), one thread stores `signal_value`
+/// there (relaxed, GPU scope), before its copies. The daemon's WaitFlagAsync passes on it
+/// and launches the low-latency kernel behind it (a programmatic launch takes ~2 µs on the
+/// H200) while the copies run (~1.5-2 µs); that kernel's blocks wait for the signal
+/// themselves (KernelHandoff), so they are resident only for the rest of this kernel,
+/// never while the caller's earlier work runs (docs/BENCHMARKS.md "Launch modes": -2 µs on
+/// combine). Not before every block is resident: a low-latency kernel's blocks each take a
+/// whole SM's registers, and a staging block left out could then never start.
 absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint64_t* signal,
-                                  uint64_t signal_value, uint32_t* counter, cudaStream_t stream);
+                                  uint64_t signal_value, uint32_t* counter, cudaStream_t stream,
+                                  uint64_t* started = nullptr);
 
 /// Enqueues a one-warp kernel on `stream` that spins until *flag >= value (uint64, acquire
-/// at GPU scope: a word of this GPU's memory written on this GPU) or `timeout_ns` of %globaltimer
-/// passed; on arrival it stores the value it read to *seen (when not null: pinned host memory the
-/// engine reads, so it can tell whether the stream got past the wait), then lets the next kernel of
-/// the stream start (griddepcontrol.launch_dependents: a kernel launched right after it with
+/// at GPU scope: a word of this GPU's memory written on this GPU), or *alt_flag >= value
+/// when `alt_flag` is not null, or `timeout_ns` of %globaltimer passed; on arrival it stores the
+/// value it read to *seen (when not null: pinned host memory the engine reads, so it can tell
+/// whether the stream got past the wait), then lets the next kernel of the stream start
+/// (griddepcontrol.launch_dependents: a kernel launched right after it with
 /// KernelHandoff::programmatic set starts at once instead of after this one's exit).
 /// The daemon's ready wait of a daemon-launched low-latency op: it holds one warp of one
 /// SM while it waits, never a whole grid (the low-latency kernel behind it is not resident
 /// before the client's inputs are staged, so it takes no SM from the client's own work).
 /// Errors: INVALID_ARGUMENT for a null flag or timeout_ns <= 0; INTERNAL for a launch error.
 absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout_ns, uint64_t* seen,
-                           cudaStream_t stream);
+                           cudaStream_t stream, const uint64_t* alt_flag = nullptr);
 
 /// The hand-off of a daemon-launched low-latency op done by the op's kernel itself (all
 /// fields optional; the defaults do nothing):

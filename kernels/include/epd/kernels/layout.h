@@ -69,8 +69,17 @@ inline constexpr uint64_t kSyncRegionBytes = 64 * 1024;
 ///                      and by the engine for an op that fails before launch; the
 ///                      client's stream waits for done_seq >= seq before it reads the
 ///                      outputs.
-///   kReadySignalCounterOffset uint32 ticket of the staging kernel's blocks (the last one
-///                      writes ready_seq); 0 between ops. Client-owned.
+///   kReadySignalCounterOffset uint32 tickets of the staging kernel's blocks (low half:
+///                      started, the last one writes staging_seq; high half: finished, the
+///                      last one writes ready_seq); 0 between ops. Client-owned.
+///   kStagingFlagOffset staging_seq: the staging kernel writes the op's seq once all its
+///                      blocks are resident, before its copies (kc::CopyDeviceBatchAsync
+///                      `started`; its ticket at kReadySignalCounterOffset): the
+///                      daemon's WaitFlagAsync of a low-latency op passes on staging_seq >= seq
+///                      (or ready_seq >= seq), so the kernel behind it is launched while the
+///                      inputs are still being copied, and its blocks wait for ready_seq
+///                      themselves (KernelHandoff). Written by a client of this version only:
+///                      the daemon's wait also passes on ready_seq alone.
 ///   kProgramGoOffset   graph mode (DESIGN.md §3.2): the client's stream writes 1 once a
 ///                      program step's inputs are staged (the staging kernel's last block,
 ///                      kc::CopyDeviceBatchAsync; ticket at kReadySignalCounterOffset); the
@@ -84,13 +93,14 @@ inline constexpr uint64_t kSyncRegionBytes = 64 * 1024;
 ///                      a client stream running further steps never waits forever.
 ///   kProgramInstanceOffset graph mode: the step's kernel writes the instance number
 ///                      (1, 2, ... since the program was armed) just before done.
-///   [88, 4096) and [20, 64) reserved.
+///   [88, 4096), [20, 24) and [32, 64) reserved.
 /// Graph-mode words hold only 0/1 (and kProgramReleased): every value a captured client
 /// graph writes or waits for is a constant, so replays stay valid.
 inline constexpr uint64_t kLaunchFlagsRegionBytes = 4096;
 inline constexpr uint64_t kReadyFlagOffset = 0;
 inline constexpr uint64_t kDoneFlagOffset = 8;
 inline constexpr uint64_t kReadySignalCounterOffset = 16;
+inline constexpr uint64_t kStagingFlagOffset = 24;
 inline constexpr uint64_t kProgramGoOffset = 64;
 inline constexpr uint64_t kProgramDoneOffset = 72;
 inline constexpr uint64_t kProgramInstanceOffset = 80;
