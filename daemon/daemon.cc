@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <grp.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -9,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <vector>
@@ -76,6 +78,29 @@ std::string DescribeLiveServer(const std::string& path) {
   }
   return absl::StrCat("epd ", response.version(), " (pid ", response.pid(), ", ",
                       response.serving_status(), ")");
+}
+
+/// The pid written in the socket's lock file by the epd that holds it (WriteLockHolder),
+/// or 0 when the file holds none (the holder has not written it yet) or that process is
+/// gone.
+pid_t ReadLockHolder(int lock_fd) {
+  char text[32] = {};
+  const ssize_t n = ::pread(lock_fd, text, sizeof(text) - 1, 0);
+  if (n <= 0) return 0;
+  char* end = nullptr;
+  const long pid = std::strtol(text, &end, 10);
+  if (pid <= 0 || end == text) return 0;
+  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM) return 0;
+  return static_cast<pid_t>(pid);
+}
+
+/// Writes this process's pid into the socket's lock file (which it holds), so that an epd
+/// refused by the lock can name the holder. Best effort: the lock alone is what excludes.
+void WriteLockHolder(int lock_fd) {
+  const std::string text = absl::StrCat(::getpid(), "\n");
+  if (::ftruncate(lock_fd, 0) == 0) {
+    (void)!::pwrite(lock_fd, text.data(), text.size(), 0);
+  }
 }
 
 /// The gid of the socket_group `name` (which owns the socket and every shm region).
@@ -347,6 +372,7 @@ absl::Status Daemon::PrepareSocketPath() {
   }
   if (::flock(socket_lock_.get(), LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
+    const pid_t holder = ReadLockHolder(socket_lock_.get());
     socket_lock_ = ScopedFd();
     int probe_err = 0;
     if (ProbeUnixSocket(socket_path_, &probe_err) == SocketProbe::kLive) {
@@ -355,10 +381,20 @@ absl::Status Daemon::PrepareSocketPath() {
           "; refusing to start a second epd on it (stop the other one or choose another "
           "--socket)"));
     }
+    if (holder != 0) {
+      // A running epd that does not answer on the socket: still starting, or its socket
+      // file was deleted or replaced (it then serves nobody, and only stopping it helps).
+      return absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: ", socket_path_, " is held by epd pid ", holder, " (", lock_path,
+          " is locked), which does not answer on it: it is still starting, or its socket "
+          "file was deleted (then stop it, e.g. kill ",
+          holder, ", and start again); refusing to start a second epd on it"));
+    }
     return absl::FailedPreconditionError(absl::StrCat(
         "socket_path: ", socket_path_, " is held by another epd that is starting (", lock_path,
         " is locked: ", Errno(err), "); refusing to start a second epd on it"));
   }
+  WriteLockHolder(socket_lock_.get());
   // The lock makes this socket's shm creator tag ours: names with it are leftovers of an
   // earlier epd on this socket that could not clean up (SIGKILL, OOM kill, power loss).
   const std::string tag = ShmCreatorTag(socket_path_);

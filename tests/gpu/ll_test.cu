@@ -1017,14 +1017,16 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
   HostReference ref;
   EPD_ASSERT_OK(ComputeHostReference(g.shape(), true, false, in, &ref));
   EPD_ASSERT_OK(UploadInputs(g, stale));
-  std::vector<DeviceBuffer> x(R), idx(R);
+  std::vector<DeviceBuffer> x(R), idx(R), w(R);
   const GroupShape& shape = g.shape();
   for (int32_t r = 0; r < R; ++r) {  // Room for Mll tokens: each op's T differs.
     auto xb = DeviceBuffer::Allocate(size_t{2} * shape.ll_max_tokens_per_rank * shape.hidden);
     auto ib = DeviceBuffer::Allocate(size_t{8} * shape.ll_max_tokens_per_rank * shape.num_topk);
-    ASSERT_TRUE(xb.ok() && ib.ok());
+    auto wb = DeviceBuffer::Allocate(size_t{4} * shape.ll_max_tokens_per_rank * shape.num_topk);
+    ASSERT_TRUE(xb.ok() && ib.ok() && wb.ok());
     x[r] = std::move(*xb);
     idx[r] = std::move(*ib);
+    w[r] = std::move(*wb);
   }
   auto seen_buffer = DeviceBuffer::Allocate(R * sizeof(uint64_t));
   ASSERT_TRUE(seen_buffer.ok());
@@ -1048,7 +1050,7 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
     }
   };
   // The client's side: `ins` into the caller's buffers, then one staging kernel per rank
-  // (x and topk_idx; `started` = staging_seq).
+  // (x, topk_idx and topk_weights, which the combine reads; `started` = staging_seq).
   auto stage = [&](uint64_t seq, const std::vector<RankInputs>& ins) {
     for (int32_t r = 0; r < R; ++r) {
       ASSERT_EQ(cudaMemcpy(x[r].get(), ins[r].x.data(), ins[r].x.size() * 2, cudaMemcpyDefault),
@@ -1056,10 +1058,14 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
       ASSERT_EQ(cudaMemcpy(idx[r].get(), ins[r].topk_idx.data(), ins[r].topk_idx.size() * 8,
                            cudaMemcpyDefault),
                 cudaSuccess);
-      const kc::DeviceCopy copies[2] = {
+      ASSERT_EQ(cudaMemcpy(w[r].get(), ins[r].weights.data(), ins[r].weights.size() * 4,
+                           cudaMemcpyDefault),
+                cudaSuccess);
+      const kc::DeviceCopy copies[3] = {
           {g.At<uint8_t>(r, l.in_x), x[r].get(), ins[r].x.size() * 2},
-          {g.At<uint8_t>(r, l.in_topk_idx), idx[r].get(), ins[r].topk_idx.size() * 8}};
-      EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(copies, 2, flag(r, kernels::kReadyFlagOffset), seq,
+          {g.At<uint8_t>(r, l.in_topk_idx), idx[r].get(), ins[r].topk_idx.size() * 8},
+          {g.At<uint8_t>(r, l.in_topk_weights), w[r].get(), ins[r].weights.size() * 4}};
+      EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(copies, 3, flag(r, kernels::kReadyFlagOffset), seq,
                                              counter(r), client->get(),
                                              flag(r, kernels::kStagingFlagOffset)));
     }

@@ -447,6 +447,24 @@ TEST_F(ControlTest, SecondEpdOnTheSameSocketRefusesToStart) {
   EXPECT_THAT(status.stdout_text, HasSubstr(absl::StrCat("pid ", epd_->pid())));
 }
 
+// A running epd whose socket file was deleted serves nobody, but still holds the socket's
+// lock: a second epd on the path refuses to start, naming the holder's pid and why.
+TEST_F(ControlTest, SecondEpdOnADeletedSocketNamesTheHolder) {
+  ASSERT_EQ(::unlink(epd_->socket_path().c_str()), 0);
+  DaemonProcessOptions options;
+  options.socket_path = epd_->socket_path();
+  options.wait_serving = false;
+  options.tcp = false;
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> second = DaemonProcess::Start(options);
+  ASSERT_TRUE(second.ok()) << second.status();
+  absl::StatusOr<int> code = (*second)->WaitExit(absl::Seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_NE(*code, 0);
+  EXPECT_THAT((*second)->Logs(), AllOf(HasSubstr(absl::StrCat("is held by epd pid ", epd_->pid())),
+                                       HasSubstr("its socket file was deleted"),
+                                       HasSubstr("refusing to start a second epd")));
+}
+
 // A second epd whose health listener asks for the first one's TCP port fails to start
 // (gRPC's default SO_REUSEPORT would let both listen, and probes reach either).
 TEST_F(ControlTest, SecondEpdOnTheSameTcpPortRefusesToStart) {

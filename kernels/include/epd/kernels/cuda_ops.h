@@ -213,7 +213,8 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
 /// KernelHandoff::programmatic set starts at once instead of after this one's exit).
 /// The daemon's ready wait of a daemon-launched low-latency op: it holds one warp of one
 /// SM while it waits, never a whole grid (the low-latency kernel behind it is not resident
-/// before the client's inputs are staged, so it takes no SM from the client's own work).
+/// before every block of the client's staging kernel is, so it takes no SM from the
+/// client's earlier work on that stream).
 /// Errors: INVALID_ARGUMENT for a null flag or timeout_ns <= 0; INTERNAL for a launch error.
 absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout_ns, uint64_t* seen,
                            cudaStream_t stream, const uint64_t* alt_flag = nullptr);
