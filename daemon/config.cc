@@ -36,7 +36,19 @@ struct CommandLineValue {
 
 template <typename T>
 bool AbslParseFlag(absl::string_view text, CommandLineValue<T>* flag, std::string* error) {
-  if (!absl::ParseFlag<T>(text, &flag->value, error)) return false;
+  if (!absl::ParseFlag<T>(text, &flag->value, error)) {
+    // absl leaves `error` empty for these types; say what a value looks like.
+    if (error->empty()) {
+      if constexpr (std::is_same_v<T, absl::Duration>) {
+        *error = "need a number with its unit, e.g. 10s, 2500ms or 1m";
+      } else if constexpr (std::is_same_v<T, uint32_t>) {
+        *error = "need a whole number from 0 to 4294967295";
+      } else if constexpr (std::is_same_v<T, bool>) {
+        *error = "need true or false";
+      }
+    }
+    return false;
+  }
   flag->given = true;
   return true;
 }

@@ -61,6 +61,22 @@ TEST(StartupFlagsTest, PositionalArgumentIsRefusedNamingIt) {
   EXPECT_THAT(logs, Not(HasSubstr("starting")));
 }
 
+// A flag value that does not parse is refused by the flag parser (exit 1, absl's), saying
+// what a value looks like: a duration without its unit was "Illegal value '10'" alone.
+TEST(StartupFlagsTest, UnparsableFlagValueSaysWhatAValueLooksLike) {
+  {
+    auto [code, logs] = RefusedStart({"--op_timeout=10"});
+    EXPECT_NE(code, 0) << logs;
+    EXPECT_THAT(logs, AllOf(HasSubstr("'10'"), HasSubstr("op_timeout"),
+                            HasSubstr("need a number with its unit, e.g. 10s")));
+  }
+  {
+    auto [code, logs] = RefusedStart({"--engine_idle_us=-5"});
+    EXPECT_NE(code, 0) << logs;
+    EXPECT_THAT(logs, HasSubstr("need a whole number from 0 to 4294967295"));
+  }
+}
+
 // "--socket=" is refused (exit 2, before anything starts), not read as the default socket.
 TEST(StartupFlagsTest, EmptySocketFlagIsRefusedNamingIt) {
   auto [code, logs] = RefusedStart({"--socket="});
