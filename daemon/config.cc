@@ -43,8 +43,6 @@ bool AbslParseFlag(absl::string_view text, CommandLineValue<T>* flag, std::strin
         *error = "need a number with its unit, e.g. 10s, 2500ms or 1m";
       } else if constexpr (std::is_same_v<T, uint32_t>) {
         *error = "need a whole number from 0 to 4294967295";
-      } else if constexpr (std::is_same_v<T, bool>) {
-        *error = "need true or false";
       }
     }
     return false;
