@@ -358,6 +358,10 @@ int main(int argc, char** argv) {
     bad = absl::StrCat("--num_experts=", E, " is not a positive multiple of --num_ranks=", R);
   else if (H < 1 || H > 8192)
     bad = absl::StrCat("--hidden=", H, " is outside [1, 8192]");
+  else if (absl::GetFlag(FLAGS_fp8) && H % 128 != 0)
+    bad = absl::StrCat("--hidden=", H,
+                       " is not a multiple of 128, which --fp8 needs (one scale per 128 "
+                       "channels); pass --fp8=false or another --hidden");
   else if (static_cast<double>(E) * H * H * 4 > 8e9)
     bad = absl::StrCat("--num_experts=", E, " x --hidden=", H, "^2 expert matrices exceed 8 GB");
   else if (K < 1 || K > E)

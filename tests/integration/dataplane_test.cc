@@ -12,6 +12,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -55,6 +56,27 @@ void ExpectSuccess(Subprocess& p, const std::string& what, absl::Duration timeou
                     << p.Stdout() << "stderr:\n"
                     << p.Stderr() << "epd log:\n"
                     << epd.Logs();
+}
+
+// Bad flags are refused before any process is forked or epd is contacted (exit 2),
+// naming the flag: --hidden not a multiple of 128 with --fp8 (the default) among them.
+TEST(MoeLayerFlagsTest, BadFlagsAreRefusedNamingThem) {
+  const std::string dir = ::testing::TempDir();
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--hidden=200"}, "--hidden=200 is not a multiple of 128, which --fp8 needs"},
+      {{"--num_ranks=3"}, "--num_experts=32 is not a positive multiple of --num_ranks=3"},
+      {{"--launch_mode=gpu"}, "--launch_mode=gpu must be auto, daemon or client"},
+  };
+  for (const auto& [flags, message] : cases) {
+    std::vector<std::string> argv = {MoeLayerBinary(), "--socket=/nonexistent/epd.sock"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    auto p = Spawn(argv, dir, "moe_bad");
+    ASSERT_NE(p, nullptr);
+    auto rc = p->Wait(absl::Seconds(30));
+    ASSERT_TRUE(rc.ok()) << rc.status();
+    EXPECT_EQ(*rc, 2) << flags[0] << "\n" << p->Stderr();
+    EXPECT_NE(p->Stderr().find(message), std::string::npos) << p->Stderr();
+  }
 }
 
 class MoeLayerTest : public ::testing::TestWithParam<int> {};
