@@ -81,18 +81,10 @@ __global__ void WaitFlagKernel(const uint64_t* flag, uint64_t value, int64_t tim
     const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(timeout_ns);
     uint64_t v = 0;
     bool arrived = false;
-    if (alt_flag == nullptr) {
-      arrived = device::WaitFlag64AtLeast(flag, value, deadline, &v);
-    } else {
-      for (;;) {
-        v = device::LdAcquireGpu64(flag);
-        if (v < value) v = device::LdAcquireGpu64(alt_flag);
-        if (v >= value) {
-          arrived = true;
-          break;
-        }
-        if (device::GlobalTimerNs() > deadline) break;
-      }
+    for (;;) {  // As WaitFlag64AtLeast, on either word.
+      v = device::LdAcquireGpu64(flag);
+      if (v < value && alt_flag != nullptr) v = device::LdAcquireGpu64(alt_flag);
+      if ((arrived = v >= value) || device::GlobalTimerNs() > deadline) break;
     }
     if (arrived && seen != nullptr) *reinterpret_cast<volatile uint64_t*>(seen) = v;
   }

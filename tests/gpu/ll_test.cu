@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -869,6 +870,43 @@ kc::KernelHandoff DaemonHandoff(VirtualRankGroup& g, int32_t r, uint64_t seq) {
   return h;
 }
 
+// One rank's inputs as a caller holds them: device memory of their own (room for Mll
+// tokens), which a staging kernel (CopyDeviceBatchAsync) copies into the rank's regions.
+struct CallerTensors {
+  DeviceBuffer x, topk_idx, topk_weights;
+
+  // Uploads `in` (synchronously); returns the staging kernel's copies of it into rank r's
+  // in_x / in_topk_idx / in_topk_weights.
+  absl::StatusOr<std::array<kc::DeviceCopy, 3>> Fill(VirtualRankGroup& g, int32_t r,
+                                                     const RankInputs& in) {
+    const auto& l = g.layout();
+    const std::array<kc::DeviceCopy, 3> copies = {
+        kc::DeviceCopy{g.At<uint8_t>(r, l.in_x), x.get(), in.x.size() * 2},
+        kc::DeviceCopy{g.At<uint8_t>(r, l.in_topk_idx), topk_idx.get(), in.topk_idx.size() * 8},
+        kc::DeviceCopy{g.At<uint8_t>(r, l.in_topk_weights), topk_weights.get(),
+                       in.weights.size() * 4}};
+    const void* host[3] = {in.x.data(), in.topk_idx.data(), in.weights.data()};
+    for (int i = 0; i < 3; ++i) {
+      EPD_CUDA_RETURN_IF_ERROR(cudaMemcpy(const_cast<void*>(copies[i].src), host[i],
+                                          copies[i].bytes, cudaMemcpyDefault));
+    }
+    return copies;
+  }
+};
+
+// CallerTensors for every rank of `g`.
+absl::StatusOr<std::vector<CallerTensors>> AllocateCallerTensors(const VirtualRankGroup& g) {
+  const GroupShape& s = g.shape();
+  const size_t rows = static_cast<size_t>(s.ll_max_tokens_per_rank);
+  std::vector<CallerTensors> out(g.num_ranks());
+  for (CallerTensors& t : out) {
+    EPD_ASSIGN_OR_RETURN(t.x, DeviceBuffer::Allocate(2 * rows * s.hidden));
+    EPD_ASSIGN_OR_RETURN(t.topk_idx, DeviceBuffer::Allocate(8 * rows * s.num_topk));
+    EPD_ASSIGN_OR_RETURN(t.topk_weights, DeviceBuffer::Allocate(4 * rows * s.num_topk));
+  }
+  return out;
+}
+
 // The daemon's side of rank r's combine `seq` of dispatch buffer `buffer`, on its stream:
 // the expert outputs, the WaitFlagAsync on `wait_offset` (and `alt_offset`, when not 0;
 // launch_flags words; `seen` as WaitFlagAsync), then the kernel behind it.
@@ -897,7 +935,6 @@ TEST(LowLatencyHandoff, KernelsWaitForReadyThenWriteDone) {
   auto group = VirtualRankGroup::Create(SmallShape(R));
   ASSERT_TRUE(group.ok()) << group.status();
   VirtualRankGroup& g = **group;
-  const auto& l = g.layout();
   std::mt19937_64 rng(31);
   std::vector<RankInputs> stale = MakeInputs(SmallCase(R), rng, 1);
   std::vector<RankInputs> in = MakeInputs(SmallCase(R), rng, 2);
@@ -905,23 +942,13 @@ TEST(LowLatencyHandoff, KernelsWaitForReadyThenWriteDone) {
   EPD_ASSERT_OK(ComputeHostReference(g.shape(), true, false, in, &ref));
   EPD_ASSERT_OK(UploadInputs(g, stale));
   // The real inputs, in device memory of their own (the caller's tensors).
-  std::vector<DeviceBuffer> x(R), idx(R), w(R);
+  auto caller = AllocateCallerTensors(g);
+  ASSERT_TRUE(caller.ok()) << caller.status();
+  std::vector<std::array<kc::DeviceCopy, 3>> copies(R);
   for (int32_t r = 0; r < R; ++r) {
-    auto xb = DeviceBuffer::Allocate(in[r].x.size() * 2 + 16);
-    auto ib = DeviceBuffer::Allocate(in[r].topk_idx.size() * 8 + 16);
-    auto wb = DeviceBuffer::Allocate(in[r].weights.size() * 4 + 16);
-    ASSERT_TRUE(xb.ok() && ib.ok() && wb.ok());
-    x[r] = std::move(*xb);
-    idx[r] = std::move(*ib);
-    w[r] = std::move(*wb);
-    ASSERT_EQ(cudaMemcpy(x[r].get(), in[r].x.data(), in[r].x.size() * 2, cudaMemcpyDefault),
-              cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(idx[r].get(), in[r].topk_idx.data(), in[r].topk_idx.size() * 8,
-                         cudaMemcpyDefault),
-              cudaSuccess);
-    ASSERT_EQ(
-        cudaMemcpy(w[r].get(), in[r].weights.data(), in[r].weights.size() * 4, cudaMemcpyDefault),
-        cudaSuccess);
+    auto c = (*caller)[r].Fill(g, r, in[r]);
+    ASSERT_TRUE(c.ok()) << c.status();
+    copies[r] = *c;
   }
   auto seen_buffer = DeviceBuffer::Allocate(R * sizeof(uint64_t));
   ASSERT_TRUE(seen_buffer.ok());
@@ -951,12 +978,8 @@ TEST(LowLatencyHandoff, KernelsWaitForReadyThenWriteDone) {
     EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 0u) << "rank " << r;
   }
   for (int32_t r = 0; r < R; ++r) {
-    const kc::DeviceCopy copies[3] = {
-        {g.At<uint8_t>(r, l.in_x), x[r].get(), in[r].x.size() * 2},
-        {g.At<uint8_t>(r, l.in_topk_idx), idx[r].get(), in[r].topk_idx.size() * 8},
-        {g.At<uint8_t>(r, l.in_topk_weights), w[r].get(), in[r].weights.size() * 4}};
-    EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(copies, 3, flag(r, kernels::kReadyFlagOffset), 1,
-                                           counter(r), client->get()));
+    EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(copies[r].data(), 3, flag(r, kernels::kReadyFlagOffset),
+                                           1, counter(r), client->get()));
   }
   for (int32_t r = 0; r < R; ++r) {
     ASSERT_EQ(cudaStreamSynchronize(g.stream(r)), cudaSuccess);
@@ -1010,24 +1033,14 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
   auto group = VirtualRankGroup::Create(SmallShape(R), 5'000'000'000, /*num_sms=*/8);
   ASSERT_TRUE(group.ok()) << group.status();
   VirtualRankGroup& g = **group;
-  const auto& l = g.layout();
   std::mt19937_64 rng(37);
   std::vector<RankInputs> stale = MakeInputs(SmallCase(R), rng, 1);
   std::vector<RankInputs> in = MakeInputs(SmallCase(R), rng, 2);
   HostReference ref;
   EPD_ASSERT_OK(ComputeHostReference(g.shape(), true, false, in, &ref));
   EPD_ASSERT_OK(UploadInputs(g, stale));
-  std::vector<DeviceBuffer> x(R), idx(R), w(R);
-  const GroupShape& shape = g.shape();
-  for (int32_t r = 0; r < R; ++r) {  // Room for Mll tokens: each op's T differs.
-    auto xb = DeviceBuffer::Allocate(size_t{2} * shape.ll_max_tokens_per_rank * shape.hidden);
-    auto ib = DeviceBuffer::Allocate(size_t{8} * shape.ll_max_tokens_per_rank * shape.num_topk);
-    auto wb = DeviceBuffer::Allocate(size_t{4} * shape.ll_max_tokens_per_rank * shape.num_topk);
-    ASSERT_TRUE(xb.ok() && ib.ok() && wb.ok());
-    x[r] = std::move(*xb);
-    idx[r] = std::move(*ib);
-    w[r] = std::move(*wb);
-  }
+  auto caller = AllocateCallerTensors(g);
+  ASSERT_TRUE(caller.ok()) << caller.status();
   auto seen_buffer = DeviceBuffer::Allocate(R * sizeof(uint64_t));
   ASSERT_TRUE(seen_buffer.ok());
   auto* seen = reinterpret_cast<uint64_t*>(seen_buffer->get());
@@ -1053,20 +1066,10 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
   // (x, topk_idx and topk_weights, which the combine reads; `started` = staging_seq).
   auto stage = [&](uint64_t seq, const std::vector<RankInputs>& ins) {
     for (int32_t r = 0; r < R; ++r) {
-      ASSERT_EQ(cudaMemcpy(x[r].get(), ins[r].x.data(), ins[r].x.size() * 2, cudaMemcpyDefault),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(idx[r].get(), ins[r].topk_idx.data(), ins[r].topk_idx.size() * 8,
-                           cudaMemcpyDefault),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(w[r].get(), ins[r].weights.data(), ins[r].weights.size() * 4,
-                           cudaMemcpyDefault),
-                cudaSuccess);
-      const kc::DeviceCopy copies[3] = {
-          {g.At<uint8_t>(r, l.in_x), x[r].get(), ins[r].x.size() * 2},
-          {g.At<uint8_t>(r, l.in_topk_idx), idx[r].get(), ins[r].topk_idx.size() * 8},
-          {g.At<uint8_t>(r, l.in_topk_weights), w[r].get(), ins[r].weights.size() * 4}};
-      EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(copies, 3, flag(r, kernels::kReadyFlagOffset), seq,
-                                             counter(r), client->get(),
+      auto copies = (*caller)[r].Fill(g, r, ins[r]);
+      ASSERT_TRUE(copies.ok()) << copies.status();
+      EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(copies->data(), 3, flag(r, kernels::kReadyFlagOffset),
+                                             seq, counter(r), client->get(),
                                              flag(r, kernels::kStagingFlagOffset)));
     }
   };
