@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -908,14 +909,16 @@ absl::StatusOr<std::vector<CallerTensors>> AllocateCallerTensors(const VirtualRa
 }
 
 // The daemon's side of rank r's combine `seq` of dispatch buffer `buffer`, on its stream:
-// the expert outputs, the WaitFlagAsync on `wait_offset` (and `alt_offset`, when not 0;
-// launch_flags words; `seen` as WaitFlagAsync), then the kernel behind it.
+// the expert outputs, the WaitFlagAsync on `wait_offset` (and on `alt_offset` when given;
+// launch_flags words; `seen` as WaitFlagAsync), then the kernel behind it. (An optional, not
+// a 0 sentinel: ready_seq's offset is 0.)
 absl::Status EnqueueCombineBehindWait(VirtualRankGroup& g, int32_t r, int32_t buffer, uint64_t seq,
-                                      uint64_t wait_offset, uint64_t alt_offset, uint64_t* seen) {
+                                      uint64_t wait_offset, std::optional<uint64_t> alt_offset,
+                                      uint64_t* seen) {
   EPD_RETURN_IF_ERROR(LaunchExpert(g, r, buffer, true, g.stream(r)));
   EPD_RETURN_IF_ERROR(kc::WaitFlagAsync(LaunchFlag(g, r, wait_offset), seq, 10'000'000'000, seen,
                                         g.stream(r),
-                                        alt_offset == 0 ? nullptr : LaunchFlag(g, r, alt_offset)));
+                                        alt_offset ? LaunchFlag(g, r, *alt_offset) : nullptr));
   kc::LowLatencyCombineArgs a;
   a.buffer = buffer;
   a.handoff = DaemonHandoff(g, r, seq);
@@ -992,7 +995,8 @@ TEST(LowLatencyHandoff, KernelsWaitForReadyThenWriteDone) {
 
   // ---- combine (seq 2): expert outputs first on the rank's stream, then the ready wait ----
   for (int32_t r = 0; r < R; ++r) {
-    EPD_ASSERT_OK(EnqueueCombineBehindWait(g, r, 0, 2, kernels::kReadyFlagOffset, 0, seen + r));
+    EPD_ASSERT_OK(
+        EnqueueCombineBehindWait(g, r, 0, 2, kernels::kReadyFlagOffset, std::nullopt, seen + r));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   for (int32_t r = 0; r < R; ++r) {
@@ -1078,6 +1082,8 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
     for (int32_t r = 0; r < R; ++r) {
       ASSERT_EQ(cudaStreamSynchronize(g.stream(r)), cudaSuccess);
       EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
+      // The wait passed on the word (not at its bound, which would also let the kernel run).
+      EXPECT_EQ(ReadWord(seen + r), seq) << "rank " << r;
       EXPECT_EQ(ReadWord(flag(r, kernels::kStagingFlagOffset)), seq) << "rank " << r;
       EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), seq) << "rank " << r;
       EXPECT_EQ(ReadWord(counter(r)) & 0xffffffffu, 0u) << "rank " << r << ": ticket not reset";
@@ -1128,10 +1134,19 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
                                            counter(r), client->get(),
                                            r < 2 ? flag(r, kernels::kStagingFlagOffset) : nullptr));
   }
+  // Every rank first, then the checks: a rank whose wait never passed shows as a peer that
+  // did not arrive on the others, and as `seen` left at 2 on itself.
+  std::vector<absl::Status> combined(R);
   for (int32_t r = 0; r < R; ++r) {
     ASSERT_EQ(cudaStreamSynchronize(g.stream(r)), cudaSuccess);
-    EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyCombine"));
-    EXPECT_EQ(ReadWord(seen + r), 3u) << "rank " << r;
+    combined[r] = kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyCombine");
+  }
+  for (int32_t r = 0; r < R; ++r) {
+    EXPECT_EQ(ReadWord(seen + r), 3u) << "rank " << r << ": its wait did not pass on "
+                                      << (r < 2 ? "staging_seq" : "ready_seq (older client)");
+  }
+  for (int32_t r = 0; r < R; ++r) {
+    EPD_ASSERT_OK(combined[r]);
     EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 3u) << "rank " << r;
     EXPECT_EQ(ReadWord(flag(r, kernels::kStagingFlagOffset)), r < 2 ? 3u : 2u) << "rank " << r;
   }
