@@ -136,13 +136,15 @@ struct LowLatencyFigure {
   Percentiles memcpy_us;
 };
 
-/// The low-latency kernels launched in-process on R = 8 virtual ranks of the current GPU,
-/// DeepSeek-V3 decode shape (T=128, H=7168, K=8, E=256, Mll=128), 1000 iterations after 50
-/// of warm-up each: figures ll_dispatch_fp8, ll_dispatch_bf16, ll_combine_bf16,
-/// ll_dispatch_fp8_T0, ll_combine_bf16_T0, each with its memcpy bound (bench_ll.cu).
-/// `device_name` gets the GPU's name and SM count. Errors: INTERNAL (CUDA), kernel status.
+/// The low-latency kernels launched in-process on R = `num_ranks` virtual ranks of the
+/// current GPU (a divisor of E; 8 is DeepSeek-V3 decode's), DeepSeek-V3 decode shape
+/// otherwise (T=128, H=7168, K=8, E=256, Mll=128), 1000 iterations after 50 of warm-up each:
+/// figures ll_dispatch_fp8, ll_dispatch_bf16, ll_combine_bf16, ll_dispatch_fp8_then_combine,
+/// ll_combine_bf16_after_dispatch, ll_dispatch_fp8_T0, ll_combine_bf16_T0, each with its
+/// memcpy bound (bench_ll.cu). `device_name` gets the GPU's name and SM count. Errors:
+/// INTERNAL (CUDA), kernel status.
 absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
-                                        std::string* device_name);
+                                        std::string* device_name, int32_t num_ranks = 8);
 
 }  // namespace epd::bench
 #endif  // EPD_HAVE_CUDA

@@ -1,13 +1,14 @@
 // Launch modes through a real daemon (epd_bench --backend=cuda --mode=launch): the
-// low-latency ops of DeepSeek-V3 decode (T=128, H=7168, K=8, E=256, R=8 ranks on one GPU,
-// ll_max_tokens_per_rank=128; FP8 LowLatencyDispatch, then BF16 LowLatencyCombine with
-// that dispatch's handle) through libepdclient, for each launch mode of DESIGN.md §3.2:
+// low-latency ops of DeepSeek-V3 decode (T=128, H=7168, K=8, E=256, R=8 ranks on one GPU
+// (--launch_ranks: 1, 2, 4 or 8, the in-process bound at the same R), ll_max_tokens_per_rank=128;
+// FP8 LowLatencyDispatch, then BF16 LowLatencyCombine with that dispatch's handle) through
+// libepdclient, for each launch mode of DESIGN.md §3.2:
 //   client-launched  the library launches the kernels on the caller's streams;
 //   daemon-launched  the daemon's engine runs them, stream-ordered with the caller's
 //                    streams (ready/done flags; no CPU hand-off on the GPU's path).
 // A real `epd --backend=cuda` is started as a child on a private socket in a temp dir
 // (--epd names the binary; default the `epd` next to this one), or --socket names a running
-// daemon. ONE client process joins all 8 ranks (8 Joins on one Client), each rank with a
+// daemon. ONE client process joins all R ranks (R Joins on one Client), each rank with a
 // CUDA stream of its own. Whether MPS is active comes from the daemon (GetStats); the run
 // script runs the bench again after deploy/mps/start-mps.sh for the MPS figure.
 //
@@ -79,6 +80,10 @@ ABSL_FLAG(int, launch_warmup, 50, "launch bench: warm-up iterations per mode");
 ABSL_FLAG(int, launch_gate_delay_us, 1000,
           "launch bench: also time each mode with the gate opened this long after the last "
           "submit (the GPU-side path alone, the engine's launches already queued); 0 = skip");
+ABSL_FLAG(int, launch_ranks, 8,
+          "launch bench: ranks of the group, all on this GPU (1, 2, 4 or 8; 8 is DeepSeek-V3 "
+          "decode's R and the issue's shape; fewer ranks = fewer streams the GPU's front end "
+          "serves per op, with the in-process bound at the same R)");
 ABSL_FLAG(std::string, launch_modes, "client,daemon",
           "launch bench: comma-separated launch modes to measure (client, daemon)");
 
@@ -88,7 +93,11 @@ namespace {
 using ::epd::testing::CudaStream;
 using ::epd::testing::DeviceBuffer;
 
-constexpr int32_t kRanks = 8;
+/// --launch_ranks (R), checked by Run before anything uses it.
+int32_t Ranks() {
+  static const int32_t ranks = absl::GetFlag(FLAGS_launch_ranks);
+  return ranks;
+}
 constexpr int32_t kTokens = 128;
 constexpr int32_t kHidden = 7168;
 constexpr int32_t kTopk = 8;
@@ -157,7 +166,7 @@ struct Report {
 v1::GroupSpec Spec(const std::string& name) {
   v1::GroupSpec spec;
   spec.set_name(name);
-  spec.set_num_ranks(kRanks);
+  spec.set_num_ranks(Ranks());
   spec.set_num_experts(kExperts);
   spec.set_hidden(kHidden);
   spec.set_num_topk(kTopk);
@@ -206,7 +215,7 @@ absl::Status MeasureRankGraphs(
     EPD_ASSIGN_OR_RETURN(cudaEvent_t fork, event());
     EPD_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal));
     absl::Status st = EPD_CUDA_STATUS(cudaEventRecord(fork, origin));
-    for (int32_t r = 0; r < kRanks && st.ok(); ++r) {
+    for (int32_t r = 0; r < Ranks() && st.ok(); ++r) {
       st = EPD_CUDA_STATUS(cudaStreamWaitEvent(streams[r], fork, 0));
       if (st.ok()) st = fn(r, streams[r]);
       absl::StatusOr<cudaEvent_t> join = event();
@@ -270,9 +279,9 @@ absl::Status MeasureClientGraphs(std::vector<std::unique_ptr<Endpoint>>& eps,
                                  std::vector<DLTensor>& idx, std::vector<DLTensor>& w,
                                  std::vector<DLTensor>& expert_out, int warmup, int iters,
                                  ModeResult* out) {
-  std::vector<std::optional<PendingOp<LowLatencyDispatchResult>>> dops(kRanks);
-  std::vector<std::optional<PendingOp<LowLatencyCombineResult>>> cops(kRanks);
-  std::vector<Handle> handles(kRanks);
+  std::vector<std::optional<PendingOp<LowLatencyDispatchResult>>> dops(Ranks());
+  std::vector<std::optional<PendingOp<LowLatencyCombineResult>>> cops(Ranks());
+  std::vector<Handle> handles(Ranks());
   return MeasureRankGraphs(
       streams,
       [&](int32_t r, cudaStream_t s) -> absl::Status {
@@ -299,7 +308,7 @@ absl::Status MeasureClientGraphs(std::vector<std::unique_ptr<Endpoint>>& eps,
         return absl::OkStatus();
       },
       [&]() -> absl::Status {
-        for (int32_t r = 0; r < kRanks; ++r) {
+        for (int32_t r = 0; r < Ranks(); ++r) {
           absl::Status ds = dops[r]->Wait(kWaitTimeout).status();
           if (!ds.ok())
             return absl::Status(ds.code(), absl::StrCat("rank ", r, ": ", ds.message()));
@@ -315,8 +324,8 @@ absl::Status MeasureClientGraphs(std::vector<std::unique_ptr<Endpoint>>& eps,
 /// Runs fn(r) for the 8 ranks on 8 threads (testing::OnEveryRank: RegisterProgram and
 /// UnregisterProgram block until every rank has called them); the first error, naming its rank.
 absl::Status OnEveryRankThread(const std::function<absl::Status(int)>& fn) {
-  const std::vector<absl::Status> st = testing::OnEveryRank(kRanks, fn);
-  for (int32_t r = 0; r < kRanks; ++r) {
+  const std::vector<absl::Status> st = testing::OnEveryRank(Ranks(), fn);
+  for (int32_t r = 0; r < Ranks(); ++r) {
     if (!st[r].ok()) {
       return absl::Status(st[r].code(), absl::StrCat("rank ", r, ": ", st[r].message()));
     }
@@ -341,12 +350,12 @@ absl::Status MeasureDaemonProgramGraphs(std::vector<std::unique_ptr<Endpoint>>& 
   EPD_RETURN_IF_ERROR(
       OnEveryRankThread([&](int32_t r) { return eps[r]->RegisterProgram(steps, kWaitTimeout); }));
   // T on the device, one int32 per rank.
-  std::vector<DeviceBuffer> num_tokens(kRanks);
-  std::vector<DLTensor> nt(kRanks);
-  std::vector<std::vector<int64_t>> nt_shape(kRanks, std::vector<int64_t>{1});
+  std::vector<DeviceBuffer> num_tokens(Ranks());
+  std::vector<DLTensor> nt(Ranks());
+  std::vector<std::vector<int64_t>> nt_shape(Ranks(), std::vector<int64_t>{1});
   const int32_t t = kTokens;
   absl::Status st;
-  for (int32_t r = 0; r < kRanks && st.ok(); ++r) {
+  for (int32_t r = 0; r < Ranks() && st.ok(); ++r) {
     absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(sizeof(int32_t));
     st = b.status();
     if (st.ok()) {
@@ -375,7 +384,7 @@ absl::Status MeasureDaemonProgramGraphs(std::vector<std::unique_ptr<Endpoint>>& 
           return eps[r]->RunProgramCombine(a).status();
         },
         [&]() -> absl::Status {
-          for (int32_t r = 0; r < kRanks; ++r) {
+          for (int32_t r = 0; r < Ranks(); ++r) {
             absl::Status ps = eps[r]->ProgramStatus();
             if (!ps.ok())
               return absl::Status(ps.code(), absl::StrCat("rank ", r, ": ", ps.message()));
@@ -392,8 +401,8 @@ absl::Status MeasureDaemonProgramGraphs(std::vector<std::unique_ptr<Endpoint>>& 
 absl::Status MeasureMode(Client& client, const std::string& gpu_uuid, v1::LaunchMode mode,
                          int warmup, int iters, std::vector<RankInputs>& in, ModeResult* out) {
   const std::string name = mode == v1::LAUNCH_MODE_CLIENT ? "client" : "daemon";
-  std::vector<std::unique_ptr<Endpoint>> eps(kRanks);
-  for (int32_t r = 0; r < kRanks; ++r) {
+  std::vector<std::unique_ptr<Endpoint>> eps(Ranks());
+  for (int32_t r = 0; r < Ranks(); ++r) {
     JoinOptions join;
     join.spec = Spec(absl::StrCat("bench_launch_", name));
     join.rank = r;
@@ -406,13 +415,13 @@ absl::Status MeasureMode(Client& client, const std::string& gpu_uuid, v1::Launch
                        v1::LaunchMode_Name(eps[r]->info().launch_mode())));
     }
   }
-  std::vector<std::vector<int64_t>> x_shape(kRanks), idx_shape(kRanks), out_shape(kRanks);
-  std::vector<DLTensor> x(kRanks), idx(kRanks), w(kRanks), expert_out(kRanks);
+  std::vector<std::vector<int64_t>> x_shape(Ranks()), idx_shape(Ranks()), out_shape(Ranks());
+  std::vector<DLTensor> x(Ranks()), idx(Ranks()), w(Ranks()), expert_out(Ranks());
   const DLDataType bf16{kDLBfloat, 16, 1}, i64{kDLInt, 64, 1}, f32{kDLFloat, 32, 1};
-  for (int32_t r = 0; r < kRanks; ++r) {
+  for (int32_t r = 0; r < Ranks(); ++r) {
     x_shape[r] = {kTokens, kHidden};
     idx_shape[r] = {kTokens, kTopk};
-    out_shape[r] = {kExperts / kRanks, int64_t{kRanks} * kLlMaxTokens, kHidden};
+    out_shape[r] = {kExperts / Ranks(), int64_t{Ranks()} * kLlMaxTokens, kHidden};
     // Inputs produced in place, as a model that writes them there would: x in the
     // endpoint's dispatch input (filled once from the bench's x), the expert outputs in its
     // combine input (a constant bf16 pattern, 0x3f3f ≈ 0.75). Neither op then copies them.
@@ -430,12 +439,12 @@ absl::Status MeasureMode(Client& client, const std::string& gpu_uuid, v1::Launch
     w[r] = CudaTensor(in[r].topk_weights.get(), f32, idx_shape[r]);
   }
 
-  std::vector<cudaStream_t> streams(kRanks);
-  for (int32_t r = 0; r < kRanks; ++r) streams[r] = in[r].stream.get();
-  EPD_ASSIGN_OR_RETURN(std::unique_ptr<GatedTimer> timer, GatedTimer::Create(kRanks));
-  std::vector<std::optional<PendingOp<LowLatencyDispatchResult>>> dispatch_ops(kRanks);
-  std::vector<std::optional<PendingOp<LowLatencyCombineResult>>> combine_ops(kRanks);
-  std::vector<Handle> handles(kRanks);
+  std::vector<cudaStream_t> streams(Ranks());
+  for (int32_t r = 0; r < Ranks(); ++r) streams[r] = in[r].stream.get();
+  EPD_ASSIGN_OR_RETURN(std::unique_ptr<GatedTimer> timer, GatedTimer::Create(Ranks()));
+  std::vector<std::optional<PendingOp<LowLatencyDispatchResult>>> dispatch_ops(Ranks());
+  std::vector<std::optional<PendingOp<LowLatencyCombineResult>>> combine_ops(Ranks());
+  std::vector<Handle> handles(Ranks());
 
   auto dispatch = [&](int32_t r, int, cudaStream_t stream) -> absl::Status {
     LowLatencyDispatchArgs a;
@@ -448,7 +457,7 @@ absl::Status MeasureMode(Client& client, const std::string& gpu_uuid, v1::Launch
     return absl::OkStatus();
   };
   auto dispatch_done = [&](int) -> absl::Status {
-    for (int32_t r = 0; r < kRanks; ++r) {
+    for (int32_t r = 0; r < Ranks(); ++r) {
       absl::StatusOr<LowLatencyDispatchResult> res = dispatch_ops[r]->Wait(kWaitTimeout);
       if (!res.ok()) {
         return absl::Status(
@@ -471,7 +480,7 @@ absl::Status MeasureMode(Client& client, const std::string& gpu_uuid, v1::Launch
     return absl::OkStatus();
   };
   auto combine_done = [&](int) -> absl::Status {
-    for (int32_t r = 0; r < kRanks; ++r) {
+    for (int32_t r = 0; r < Ranks(); ++r) {
       absl::Status st = combine_ops[r]->Wait(kWaitTimeout).status();
       if (!st.ok()) {
         return absl::Status(st.code(),
@@ -526,6 +535,10 @@ absl::Status Run(Report* report) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--launch_iters=", iters, " --launch_warmup=", warmup, ": need iters >= 1, warmup >= 0"));
   }
+  if (const int r = absl::GetFlag(FLAGS_launch_ranks); r != 1 && r != 2 && r != 4 && r != 8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--launch_ranks=", r, ": need 1, 2, 4 or 8 (a divisor of E = ", kExperts, ", at most 8)"));
+  }
   std::vector<v1::LaunchMode> modes;
   for (absl::string_view m : absl::StrSplit(absl::GetFlag(FLAGS_launch_modes), ',')) {
     if (m == "client") {
@@ -543,7 +556,7 @@ absl::Status Run(Report* report) {
 
   // Bounds first, before any daemon runs on the GPU.
   std::vector<LowLatencyFigure> inproc;
-  EPD_RETURN_IF_ERROR(MeasureLowLatencyInProcess(&inproc, &report->device));
+  EPD_RETURN_IF_ERROR(MeasureLowLatencyInProcess(&inproc, &report->device, Ranks()));
   for (const LowLatencyFigure& f : inproc) {
     if (f.name == "ll_dispatch_fp8_then_combine") report->inproc_dispatch = f;
     if (f.name == "ll_combine_bf16_after_dispatch") report->inproc_combine = f;
@@ -553,8 +566,8 @@ absl::Status Run(Report* report) {
 
   // The caller's inputs: random bf16 tokens, uniform top-8 routing without masking.
   std::mt19937_64 rng(1);
-  std::vector<RankInputs> in(kRanks);
-  for (int32_t r = 0; r < kRanks; ++r) {
+  std::vector<RankInputs> in(Ranks());
+  for (int32_t r = 0; r < Ranks(); ++r) {
     const auto x = testing::RandomBf16(size_t{kTokens} * kHidden, rng);
     const auto topk = testing::RandomTopk(kTokens, kTopk, kExperts, {}, rng);
     const auto w = testing::RandomFloats(size_t{kTokens} * kTopk, rng);
@@ -660,15 +673,15 @@ int RunLaunchBench() {
   const absl::Status st = Run(&rep);
   const bool json = absl::GetFlag(FLAGS_json);
   if (!json) {
-    std::printf("Launch modes through epd, 8 ranks of one group on one GPU (%s), one client\n",
-                rep.device.c_str());
+    std::printf("Launch modes through epd, %d ranks of one group on one GPU (%s), one client\n",
+                Ranks(), rep.device.c_str());
     std::printf("daemon: %s (epd %s); MPS active (GetStats): %s\n", rep.daemon.c_str(),
                 rep.epd_version.c_str(), rep.mps_active ? "yes" : "no");
     std::printf(
         "shape: T=%d H=%d K=%d E=%d R=%d Mll=%d; FP8 dispatch, BF16 combine; %d iterations "
         "after %d warm-up; times in us; x and the expert outputs produced in place "
         "(LowLatencyDispatchInput / LowLatencyCombineInput)\n",
-        kTokens, kHidden, kTopk, kExperts, kRanks, kLlMaxTokens, absl::GetFlag(FLAGS_launch_iters),
+        kTokens, kHidden, kTopk, kExperts, Ranks(), kLlMaxTokens, absl::GetFlag(FLAGS_launch_iters),
         absl::GetFlag(FLAGS_launch_warmup));
     std::printf("%-34s %8s %8s %8s %8s %9s %9s %8s %9s %9s\n", "mode / op", "p50", "p99",
                 "host p50", "host p99", "inproc50", "memcpy50", "/memcpy", "/inproc", "-inproc");
@@ -707,8 +720,9 @@ int RunLaunchBench() {
                delay);
     }
     if (m.graph_measured) {
-      const std::string g = mode + (m.mode == "client" ? ", 8 ranks in one CUDA graph"
-                                                       : ", graph-mode program, one CUDA graph");
+      const std::string g =
+          mode + (m.mode == "client" ? absl::StrCat(", ", Ranks(), " ranks in one CUDA graph")
+                                     : std::string(", graph-mode program, one CUDA graph"));
       const std::string gd = g + " / dispatch", gc = g + " / combine";
       PrintRow(gd.c_str(), m.dispatch_graph, rep.inproc_dispatch, json, rep, mode + "-graph",
                "ll_dispatch_fp8");
@@ -721,11 +735,12 @@ int RunLaunchBench() {
   }
   if (!json) {
     std::printf(
-        "p50/p99: last end - first start event over the 8 ranks' streams (gated, no host "
-        "submit skew); host: first op call -> 8th Wait returned. /memcpy, /inproc, -inproc: "
+        "p50/p99: last end - first start event over the %d ranks' streams (gated, no host "
+        "submit skew); host: first op call -> last Wait returned. /memcpy, /inproc, -inproc: "
         "p50 against the same-run bounds. \"gate +Nus\": the gate opened N us after the last "
         "submit (work the daemon enqueues in response is queued by then: GPU-side path only; "
-        "host times include the N us).\n");
+        "host times include the N us).\n",
+        Ranks());
     for (const ModeResult& m : rep.modes) {
       if (!m.measured) continue;
       if (m.mode == "client") {
@@ -738,9 +753,9 @@ int RunLaunchBench() {
           const double gr = m.dispatch_graph.span.p50 / rep.inproc_dispatch.memcpy_us.p50;
           const double gc = m.combine_graph.span.p50 / rep.inproc_combine.memcpy_us.p50;
           std::printf(
-              "  same, the 8 ranks' op in one CUDA graph: dispatch %.2fx (%s), combine %.2fx "
+              "  same, the %d ranks' op in one CUDA graph: dispatch %.2fx (%s), combine %.2fx "
               "(%s)\n",
-              gr, gr <= 1.5 ? "met" : "NOT met", gc, gc <= 1.5 ? "met" : "NOT met");
+              Ranks(), gr, gr <= 1.5 ? "met" : "NOT met", gc, gc <= 1.5 ? "met" : "NOT met");
         }
       } else if (rep.mps_active) {
         const double dd = m.dispatch.span.p50 - rep.inproc_dispatch.op_us.span.p50;

@@ -56,9 +56,9 @@ std::vector<cudaStream_t> Streams(const VirtualRankGroup& g) {
 }  // namespace
 
 absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
-                                        std::string* device_name) {
+                                        std::string* device_name, int32_t num_ranks) {
   kernels::GroupShape s;
-  s.num_ranks = 8;
+  s.num_ranks = num_ranks;
   s.num_experts = 256;
   s.hidden = 7168;
   s.num_topk = 8;
