@@ -14,7 +14,9 @@
 //    op's seq (kc::CopyDeviceBatchAsync; other inputs are copied with cudaMemcpyAsync
 //    before it); the slot is published with kFlagStreamOrdered; then
 //    cuStreamWaitValue64(done_seq >= seq) holds the stream's later work until the daemon's
-//    kernels are done. An op on another stream than the endpoint's previous one first waits
+//    kernels are done (a low-latency op under MPS, EndpointInfo kernel_done_wait: the
+//    staging kernel itself waits for done_seq, kc::DoneWait, and no stream wait follows).
+//    An op on another stream than the endpoint's previous one first waits
 //    for that op's done_seq (OrderAfterPreviousOp). Nothing synchronises the CPU per op;
 //    Wait reads the CPU completion.
 //    When the daemon dies or closes the endpoint, the stream is released by writing
@@ -270,6 +272,9 @@ constexpr int64_t kSpinBeforeSleepUs = 200;
 /// Extra time past op_timeout that a client-launched Wait gives the op's stream (its
 /// kernels bound their own waits by op_timeout) before it reports the stream stuck.
 constexpr auto kGpuGrace = std::chrono::seconds(5);
+/// Bound of a staging kernel's wait for done_seq (kc::DoneWait) past op_timeout (ms): past
+/// the daemon's give-up (op_timeout + 5 s), whose error the op's Wait returns.
+constexpr int64_t kDoneWaitSlackMs = 10'000;
 
 #if EPD_HAVE_CUDA
 /// Client-launched mode: what an endpoint keeps to launch its own kernels, set up once
@@ -483,6 +488,14 @@ struct Endpoint::Impl {
 #endif
   }
 
+  /// Whether the staging kernel of daemon-launched `op` waits for its done_seq itself
+  /// (EndpointInfo kernel_done_wait: low-latency ops under MPS, whose grids the daemon sizes
+  /// to leave that kernel an SM) instead of a cuStreamWaitValue64 on the stream after it.
+  bool KernelWaitsForDone(abi::OpKind op) const {
+    return info.kernel_done_wait() &&
+           (op == abi::OpKind::kLowLatencyDispatch || op == abi::OpKind::kLowLatencyCombine);
+  }
+
   /// Ring ops of an endpoint with a registered graph-mode program are refused here, before
   /// any stream work or ring slot (the daemon refuses them too, for every rank).
   absl::Status CheckNoProgram() const {
@@ -554,13 +567,24 @@ struct Endpoint::Impl {
       // store is seen by the daemon's WaitFlagAsync at once, where a stream memory write
       // queued behind the caller's kernels lands ~14 µs after them (cuda_ops.h). The same
       // kernel writes staging_seq = seq once all its blocks are resident, so the daemon's
-      // kernel is launched while the copies run (layout.h).
+      // kernel is launched while the copies run (layout.h). Under MPS a low-latency op's
+      // kernel then also waits for done_seq (kernel_done_wait), in place of the stream wait
+      // below.
+      kc::DoneWait done_wait;
+      if (KernelWaitsForDone(op)) {
+        done_wait.flag =
+            reinterpret_cast<const uint64_t*>(At(layout.launch_flags) + kernels::kDoneFlagOffset);
+        done_wait.value = seq;
+        done_wait.timeout_ns =
+            (static_cast<int64_t>(info.op_timeout_ms()) + kDoneWaitSlackMs) * 1'000'000;
+      }
       ordered_error = kc::CopyDeviceBatchAsync(
           pending_copies.data(), num_copies,
           reinterpret_cast<uint64_t*>(At(layout.launch_flags) + kernels::kReadyFlagOffset), seq,
           reinterpret_cast<uint32_t*>(At(layout.launch_flags) + kernels::kReadySignalCounterOffset),
           AsStream(stream),
-          reinterpret_cast<uint64_t*>(At(layout.launch_flags) + kernels::kStagingFlagOffset));
+          reinterpret_cast<uint64_t*>(At(layout.launch_flags) + kernels::kStagingFlagOffset),
+          done_wait);
       // Without the ready flag the daemon could not order its kernels: fail the op for
       // every rank instead (as a client error), and return the driver's error.
       flags |= ordered_error.ok() ? abi::kFlagStreamOrdered : abi::kFlagClientError;
@@ -588,8 +612,10 @@ struct Endpoint::Impl {
     if (ordered && ordered_error.ok()) {
       ordered_ops[seq % ordered_ops.size()].store(seq, std::memory_order_release);
       internal::DeviceGuard guard(mapping->device());
-      ordered_error = kc::StreamWaitValue64Geq(
-          AsStream(stream), At(layout.launch_flags) + kernels::kDoneFlagOffset, seq);
+      if (!KernelWaitsForDone(op)) {
+        ordered_error = kc::StreamWaitValue64Geq(
+            AsStream(stream), At(layout.launch_flags) + kernels::kDoneFlagOffset, seq);
+      }
       if (ordered_error.ok()) {
         last_ordered_stream = AsStream(stream);
         last_ordered_seq = seq;

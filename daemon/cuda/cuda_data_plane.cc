@@ -639,6 +639,9 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
   info->set_cuda_ipc_handle(r->ipc_handle);
   info->set_doorbell_shm_name(engine_.load()->doorbell.name());
   info->set_launch_mode(r->client_launched ? v1::LAUNCH_MODE_CLIENT : v1::LAUNCH_MODE_DAEMON);
+  // Under MPS the client's staging kernel of a low-latency op waits for done itself (one
+  // block of one SM per rank, which LaunchRank's grids leave free).
+  info->set_kernel_done_wait(!r->client_launched && plane_->kernel_ready_wait());
   return std::shared_ptr<RankResources>(std::move(r));
 }
 
@@ -767,7 +770,10 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
   const int32_t num_sms = low_latency
                               ? plane_->options().num_sms
                               : (slot.num_sms > 0 ? slot.num_sms : plane_->options().num_sms);
-  const kc::CudaRankContext ctx = Context(r, num_sms);
+  kc::CudaRankContext ctx = Context(r, num_sms);
+  // Its clients' staging kernels wait for done on the GPU (EndpointInfo kernel_done_wait):
+  // one SM per rank of the GPU stays outside the low-latency grids for them.
+  if (low_latency && plane_->kernel_ready_wait()) ctx.sms_left_per_rank = 1;
   // Daemon-launched low-latency ops hand off inside kernels (cuda_ops.h "stream-ordered
   // hand-off inside kernels"): a one-warp WaitFlagAsync for staging_seq or ready_seq, the
   // op's kernel launched programmatically behind it (it waits for ready_seq itself and

@@ -19,6 +19,7 @@ struct BatchCopyParams {
   uint64_t signal_value;
   uint32_t* counter;
   uint64_t* started;
+  DoneWait done_wait;
 };
 
 __device__ __forceinline__ void CopyRange(uint8_t* dst, const uint8_t* src, uint64_t n,
@@ -60,19 +61,21 @@ __global__ void BatchCopySignalKernel(const BatchCopyParams p) {
   if (p.signal == nullptr) return;
   __syncthreads();
   if (threadIdx.x != 0) return;
-  if (gridDim.x == 1) {
+  device::FenceAcqRelGpu();
+  if (gridDim.x > 1) {
+    // The last block to finish stores the signal: each block releases its copies with the
+    // fence before its ticket; the last one acquires them all with the fence after it.
+    const uint32_t ticket = atomicAdd(p.counter, kFinishTicket) / kFinishTicket;
+    if (ticket != gridDim.x - 1) return;
     device::FenceAcqRelGpu();
-    device::StReleaseGpu64(p.signal, p.signal_value);
-    return;
+    *p.counter = 0;
   }
-  // The last block to finish stores the signal: each block releases its copies with the
-  // fence before its ticket; the last one acquires them all with the fence after it.
-  device::FenceAcqRelGpu();
-  const uint32_t ticket = atomicAdd(p.counter, kFinishTicket) / kFinishTicket;
-  if (ticket != gridDim.x - 1) return;
-  device::FenceAcqRelGpu();
-  *p.counter = 0;
   device::StReleaseGpu64(p.signal, p.signal_value);
+  if (p.done_wait.flag == nullptr) return;
+  // DoneWait: the stream's next work waits for the daemon's done_seq (bounded).
+  const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(p.done_wait.timeout_ns);
+  uint64_t seen = 0;
+  device::WaitFlag64AtLeast(p.done_wait.flag, p.done_wait.value, deadline, &seen);
 }
 
 __global__ void WaitFlagKernel(const uint64_t* flag, uint64_t value, int64_t timeout_ns,
@@ -105,11 +108,16 @@ const bool kHandoffPreloadRegistered = RegisterPreloadHook(&PreloadHandoffKernel
 
 absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint64_t* signal,
                                   uint64_t signal_value, uint32_t* counter, cudaStream_t stream,
-                                  uint64_t* started) {
+                                  uint64_t* started, const DoneWait& done_wait) {
   (void)kHandoffPreloadRegistered;
   if (started != nullptr && signal == nullptr) {
     return absl::InvalidArgumentError(
         "CopyDeviceBatchAsync: a started word without a signal (nothing to announce)");
+  }
+  if (done_wait.flag != nullptr && (signal == nullptr || done_wait.timeout_ns <= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CopyDeviceBatchAsync: a done wait needs a signal (", signal == nullptr ? "none" : "set",
+        ") and done_wait.timeout_ns > 0 (got ", done_wait.timeout_ns, ")"));
   }
   if (num_copies < 0 || num_copies > kMaxBatchCopies || (num_copies > 0 && copies == nullptr)) {
     return absl::InvalidArgumentError(
@@ -134,6 +142,7 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
   p.signal_value = signal_value;
   p.counter = counter;
   p.started = started;
+  p.done_wait = done_wait;
   // As CopyDeviceAsync: one 512-thread block per 64 KiB of the largest copy, at most 32.
   constexpr int kThreads = 512;
   constexpr uint64_t kBytesPerBlock = 64 * 1024;

@@ -97,7 +97,8 @@ absl::Status ResolveNumBlocks(const CudaRankContext& ctx, int32_t* num_blocks) {
   EPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   EPD_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int32_t ranks = ctx.ranks_on_device > 0 ? ctx.ranks_on_device : ctx.shape.num_ranks;
-  *num_blocks = sms / ranks > 0 ? sms / ranks : 1;
+  const int32_t usable = sms - ranks * std::max(ctx.sms_left_per_rank, 0);
+  *num_blocks = usable / ranks > 0 ? usable / ranks : 1;
   return absl::OkStatus();
 }
 

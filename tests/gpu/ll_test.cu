@@ -1194,5 +1194,107 @@ TEST(LowLatencyHandoff, WaitFlagGivesUpAtItsBoundAndCopyBatchChecksItsArguments)
   EXPECT_EQ(ReadWord(flag + 2), 5u);
 }
 
+// The staging kernel's wait for done (cuda_ops.h DoneWait; the client under MPS): the
+// signal is stored first, then the stream holds until done >= value (written here from the
+// host, as the daemon's kernel or the client's ReleaseStreams would), for a one-block
+// signal and for a multi-block copy (whose last block waits: the copy lands, the ticket
+// word is back at 0); a larger value passes too (kReleasedSeq); never written, the stream
+// goes on at the bound; bad arguments are refused before any launch.
+TEST(LowLatencyHandoff, StagingKernelWaitsForDoneThenTheStreamGoesOn) {
+  REQUIRE_GPU();
+  auto words = DeviceBuffer::Allocate(64);
+  ASSERT_TRUE(words.ok());
+  uint64_t* signal = reinterpret_cast<uint64_t*>(words->get());
+  uint64_t* done = signal + 1;
+  uint32_t* counter = reinterpret_cast<uint32_t*>(signal + 2);
+  auto stream = CudaStream::Create();
+  ASSERT_TRUE(stream.ok());
+  auto write_done = [&](uint64_t v) {
+    ASSERT_EQ(cudaMemcpy(done, &v, sizeof(v), cudaMemcpyHostToDevice), cudaSuccess);
+  };
+  const int64_t kBound = 10'000'000'000;
+
+  // One block, no copies.
+  EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(nullptr, 0, signal, 3, counter, stream->get(), nullptr,
+                                         kc::DoneWait{done, 3, kBound}));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(ReadWord(signal), 3u) << "the signal comes before the wait";
+  EXPECT_EQ(cudaStreamQuery(stream->get()), cudaErrorNotReady) << "went on before done";
+  write_done(2);  // An older op's done does not pass.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(cudaStreamQuery(stream->get()), cudaErrorNotReady) << "went on at done = 2";
+  auto start = std::chrono::steady_clock::now();
+  write_done(3);
+  ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+
+  // Several blocks (a 1 MiB copy: 16 blocks); the last one to finish waits.
+  const size_t bytes = 1 << 20;
+  auto src = DeviceBuffer::Allocate(bytes);
+  auto dst = DeviceBuffer::Allocate(bytes);
+  ASSERT_TRUE(src.ok() && dst.ok());
+  std::vector<uint8_t> pattern(bytes);
+  for (size_t i = 0; i < bytes; ++i) pattern[i] = static_cast<uint8_t>(i * 7 + 1);
+  ASSERT_EQ(cudaMemcpy(src->get(), pattern.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  const kc::DeviceCopy copy{dst->get(), src->get(), bytes};
+  EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(&copy, 1, signal, 4, counter, stream->get(), nullptr,
+                                         kc::DoneWait{done, 4, kBound}));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(ReadWord(signal), 4u);
+  EXPECT_EQ(cudaStreamQuery(stream->get()), cudaErrorNotReady);
+  write_done(uint64_t{1} << 62);  // Any larger value passes (the client's kReleasedSeq).
+  ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
+  std::vector<uint8_t> copied(bytes);
+  ASSERT_EQ(cudaMemcpy(copied.data(), dst->get(), bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(copied, pattern);
+  EXPECT_EQ(ReadWord(counter) & 0xffffffffu, 0u) << "ticket word not reset";
+
+  // Never written: the stream goes on at the bound (50 ms).
+  write_done(0);
+  start = std::chrono::steady_clock::now();
+  EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(nullptr, 0, signal, 5, counter, stream->get(), nullptr,
+                                         kc::DoneWait{done, 5, 50'000'000}));
+  ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  EXPECT_EQ(ReadWord(signal), 5u);
+
+  // A done wait needs a signal and a bound.
+  absl::Status st = kc::CopyDeviceBatchAsync(nullptr, 0, nullptr, 6, counter, stream->get(),
+                                             nullptr, kc::DoneWait{done, 6, kBound});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("done wait needs a signal"), std::string::npos) << st;
+  st = kc::CopyDeviceBatchAsync(nullptr, 0, signal, 6, counter, stream->get(), nullptr,
+                                kc::DoneWait{done, 6, 0});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("timeout_ns > 0"), std::string::npos) << st;
+  ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
+  EXPECT_EQ(ReadWord(signal), 5u) << "a refused call launched something";
+}
+
+// The default grid leaves sms_left_per_rank SMs per rank of the GPU to other work (the
+// daemon's low-latency ops under MPS: one per rank for its clients' DoneWait kernels).
+TEST(LowLatencyHandoff, DefaultGridLeavesSmsPerRankForDoneWaits) {
+  REQUIRE_GPU();
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  kc::CudaRankContext ctx;
+  ctx.shape.num_ranks = 8;
+  for (const int32_t on_device : {1, 2, 4, 8}) {
+    ctx.ranks_on_device = on_device;
+    int32_t blocks = 0;
+    ctx.sms_left_per_rank = 0;
+    EPD_ASSERT_OK(kc::ResolveNumBlocks(ctx, &blocks));
+    EXPECT_EQ(blocks, sms / on_device) << on_device << " ranks";
+    ctx.sms_left_per_rank = 1;
+    EPD_ASSERT_OK(kc::ResolveNumBlocks(ctx, &blocks));
+    EXPECT_EQ(blocks, (sms - on_device) / on_device) << on_device << " ranks";
+    EXPECT_LE(blocks * on_device + on_device, sms) << "no SM left per rank";
+  }
+  ctx.num_sms = 20;  // An explicit grid is taken as given.
+  int32_t blocks = 0;
+  EPD_ASSERT_OK(kc::ResolveNumBlocks(ctx, &blocks));
+  EXPECT_EQ(blocks, 20);
+}
+
 }  // namespace
 }  // namespace epd::testing

@@ -95,9 +95,14 @@ struct CudaRankContext {
   /// Host copy of peer_bases[rank] (this rank's own base), for host-side address
   /// computations (default input/output pointers, status read-back).
   uint8_t* own_base = nullptr;
-  /// Blocks (one per SM) per op; 0 = default: floor(SM count / ranks_on_device), so the
-  /// kernels of every rank on the GPU are resident at once (ranks spin on each other).
+  /// Blocks (one per SM) per op; 0 = default: floor((SM count - ranks_on_device *
+  /// sms_left_per_rank) / ranks_on_device), so the kernels of every rank on the GPU are
+  /// resident at once (ranks spin on each other).
   int32_t num_sms = 0;
+  /// SMs per rank on this GPU that the default grid leaves to other work: 1 for the
+  /// daemon's low-latency ops whose clients wait for done in their staging kernel
+  /// (DoneWait), whose one spinning block per rank must find an SM beside the grids.
+  int32_t sms_left_per_rank = 0;
   /// Ranks of this group (or of all groups that may run at once) whose kernels share this
   /// GPU; 0 = all R ranks (the virtual-rank case, the safe default).
   int32_t ranks_on_device = 0;
@@ -118,7 +123,8 @@ struct CudaRankContext {
 absl::Status ValidateContext(const CudaRankContext& ctx);
 
 /// Blocks the op's grid uses for `ctx` on the current device: ctx.num_sms if set, else
-/// max(1, SM count / ranks_on_device). Errors: CUDA device queries.
+/// max(1, (SM count - ranks_on_device * sms_left_per_rank) / ranks_on_device). Errors:
+/// CUDA device queries.
 absl::Status ResolveNumBlocks(const CudaRankContext& ctx, int32_t* num_blocks);
 
 // ---- status read-back -------------------------------------------------------------------
@@ -171,6 +177,20 @@ struct DeviceCopy {
   uint64_t bytes = 0;
 };
 
+/// CopyDeviceBatchAsync's optional wait for the daemon's done_seq (layout.h), on the GPU.
+struct DoneWait {
+  /// Device word of this stream's GPU (the endpoint's done_seq), read with acquire at GPU
+  /// scope; null = no wait.
+  const uint64_t* flag = nullptr;
+  /// Passes once *flag >= value (the op's seq; kReleasedSeq, which the client writes from
+  /// the host when the daemon is gone, passes every wait).
+  uint64_t value = 0;
+  /// Bound of the wait, ns of %globaltimer (> 0 with a flag). The client gives
+  /// op_timeout + 10 s: past the daemon's own give-up (op_timeout + 5 s), whose error the
+  /// op's Wait reports; the stream then goes on without the outputs.
+  int64_t timeout_ns = 0;
+};
+
 /// Most copies one CopyDeviceBatchAsync takes (an op stages at most x, topk_idx,
 /// topk_weights and one more).
 inline constexpr int kMaxBatchCopies = 4;
@@ -200,9 +220,19 @@ inline constexpr int kMaxBatchCopies = 4;
 /// never while the caller's earlier work runs (docs/BENCHMARKS.md "Launch modes": -2 µs on
 /// combine). Not before every block is resident: a low-latency kernel's blocks each take a
 /// whole SM's registers, and a staging block left out could then never start.
+///
+/// `done_wait` (optional; daemon-launched low-latency ops under MPS, EndpointInfo
+/// kernel_done_wait): after storing the signal, the block that stored it keeps one thread
+/// spinning until *done_wait.flag >= done_wait.value, so the stream's next work starts
+/// when the daemon's kernel has stored done_seq, as after a cuStreamWaitValue64 on it, but
+/// without the GPU front end's wake-up of a blocked stream (~2.5 µs per waiting stream, in
+/// series: docs/BENCHMARKS.md "Launch modes", dispatch -3.5 µs and combine -4 µs with 8
+/// ranks on one GPU). The kernel then holds one block of one SM for the op, which the
+/// daemon leaves free (CudaRankContext::sms_left_per_rank); the others' blocks exit as
+/// before.
 absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint64_t* signal,
                                   uint64_t signal_value, uint32_t* counter, cudaStream_t stream,
-                                  uint64_t* started = nullptr);
+                                  uint64_t* started = nullptr, const DoneWait& done_wait = {});
 
 /// Enqueues a one-warp kernel on `stream` that spins until *flag >= value (uint64, acquire
 /// at GPU scope: a word of this GPU's memory written on this GPU), or *alt_flag >= value
