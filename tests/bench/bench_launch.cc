@@ -26,7 +26,9 @@
 // daemon's engine may still be enqueueing its kernels then: its CPU path is in the figure),
 // and with the gate opened --launch_gate_delay_us (1000) later (everything is queued on the
 // GPU by then: the GPU-side path alone, what a caller whose stream is still busy with
-// earlier work when it submits would see).
+// earlier work when it submits would see). The daemon-launched goal (in-process + 10 µs) is
+// judged on the late-gate figure: the in-process bound's kernels are all launched before
+// its gate opens, so that is the like-for-like one; the gate-at-once gap is printed beside.
 // ≥ 1000 timed iterations after warm-up. Bounds measured in the same run on the same GPU
 // (before the daemon starts, bench_ll.cu's in-process path): a device-to-device
 // cudaMemcpy of the same bytes, and the same kernels launched in-process in the same op
@@ -758,20 +760,29 @@ int RunLaunchBench() {
               Ranks(), gr, gr <= 1.5 ? "met" : "NOT met", gc, gc <= 1.5 ? "met" : "NOT met");
         }
       } else if (rep.mps_active) {
+        // Like for like: the in-process bound's kernels are all launched before its gate
+        // opens, so the daemon's figure to judge is the one whose launches are queued
+        // before the gate too (gate +N us); the gate-at-once figure adds the daemon's CPU
+        // path, which the bound has no counterpart of.
         const double dd = m.dispatch.span.p50 - rep.inproc_dispatch.op_us.span.p50;
         const double dc = m.combine.span.p50 - rep.inproc_combine.op_us.span.p50;
-        std::printf(
-            "goal daemon-launched under MPS <= in-process + 10 us: dispatch %+.2f us (%s), "
-            "combine %+.2f us (%s)\n",
-            dd, dd <= 10 ? "met" : "NOT met", dc, dc <= 10 ? "met" : "NOT met");
         if (m.late_measured) {
           const double ld = m.dispatch_late.span.p50 - rep.inproc_dispatch.op_us.span.p50;
           const double lc = m.combine_late.span.p50 - rep.inproc_combine.op_us.span.p50;
           std::printf(
-              "  same, gate opened late (GPU-side path only): dispatch %+.2f us (%s), combine "
+              "goal daemon-launched under MPS <= in-process + 10 us (the daemon's launches "
+              "queued before the gate, as the bound's are): dispatch %+.2f us (%s), combine "
               "%+.2f us (%s)\n",
               ld, ld <= 10 ? "met" : "NOT met", lc, lc <= 10 ? "met" : "NOT met");
+        } else {
+          std::printf(
+              "goal daemon-launched under MPS <= in-process + 10 us: not judged (needs "
+              "--launch_gate_delay_us > 0: the like-for-like figure)\n");
         }
+        std::printf(
+            "  with the daemon's CPU path in the figure (gate opened at the last submit; the "
+            "bound has no such part): dispatch %+.2f us, combine %+.2f us\n",
+            dd, dc);
         if (m.graph_measured) {
           const double gd = m.dispatch_graph.span.p50 - rep.inproc_dispatch.op_us.span.p50;
           const double gc = m.combine_graph.span.p50 - rep.inproc_combine.op_us.span.p50;
