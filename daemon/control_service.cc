@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/logging.h"
+#include "daemon/spec_validation.h"
 
 namespace epd {
 
@@ -127,9 +128,11 @@ grpc::ServerUnaryReactor* ControlService::JoinGroup(grpc::CallbackServerContext*
   if (endpoint.ok()) {
     *response->mutable_endpoint() = *std::move(endpoint);
   } else {
+    // The name is the client's, unvalidated: escaped and capped (a '\n' would forge a line).
     GetLogger(kLogControl)
-        ->info("JoinGroup group \"{}\" rank {} from {} refused: {}", request->spec().name(),
-               request->rank(), context->peer(), endpoint.status().ToString());
+        ->info("JoinGroup group \"{}\" rank {} from {} refused: {}",
+               EscapeClientText(request->spec().name()), request->rank(), context->peer(),
+               endpoint.status().ToString());
   }
   reactor->Finish(ToGrpcStatus(endpoint.status()));
   return reactor;
@@ -149,7 +152,7 @@ grpc::ServerUnaryReactor* ControlService::GetGroupEndpoints(
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   // The reactor and `response` live until Finish; the callback runs exactly once.
   registry_->GetGroupEndpoints(
-      *request, [reactor, response, group = request->group(),
+      *request, [reactor, response, group = EscapeClientText(request->group()),
                  rank = request->rank()](absl::StatusOr<v1::GetGroupEndpointsResponse> endpoints) {
         if (endpoints.ok()) {
           *response = *std::move(endpoints);

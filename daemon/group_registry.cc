@@ -60,10 +60,12 @@ absl::StatusOr<std::string> GroupRegistry::OpenSession(int64_t client_pid,
   std::string id = NewSessionId();
   Session& session = sessions_[id];
   session.client_pid = client_pid;
-  session.client_name = client_name;
+  // Kept only for log lines: escaped and capped once (a client may send any bytes, up to
+  // max_request_bytes of them).
+  session.client_name = EscapeClientText(client_name);
   session.opened = absl::Now();
   GetLogger(kLogRegistry)
-      ->info("session {} opened (pid {}, name \"{}\")", id, client_pid, client_name);
+      ->info("session {} opened (pid {}, name \"{}\")", id, client_pid, session.client_name);
   return id;
 }
 
@@ -95,6 +97,15 @@ absl::StatusOr<std::string> GroupRegistry::ResolveGpu(const std::string& gpu_uui
         absl::StrCat("gpu_uuid: \"\" but the ", data_plane_->backend_name(),
                      " backend needs the GPU's UUID or PCI bus id (e.g. from nvidia-smi -L)"));
   }
+  // The inventory's error echoes the id: refuse one that is no id at all first, with the
+  // id escaped and capped (UUIDs are 40 bytes, MIG UUIDs about 60, PCI bus ids 16).
+  if (gpu_uuid.size() > kMaxEchoedClientBytes ||
+      !std::all_of(gpu_uuid.begin(), gpu_uuid.end(),
+                   [](char c) { return c > ' ' && c < 0x7f && c != '"' && c != '\\'; })) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gpu_uuid: \"", EscapeClientText(gpu_uuid), "\" (", gpu_uuid.size(),
+        " bytes) is not a GPU UUID or PCI bus id (e.g. GPU-<uuid> from nvidia-smi -L)"));
+  }
   EPD_ASSIGN_OR_RETURN(v1::GpuInfo gpu, inventory_.Find(gpu_uuid));
   return gpu.uuid();
 }
@@ -117,7 +128,8 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   if (draining_) return absl::UnavailableError("epd is shutting down; joins are refused");
   auto session = sessions_.find(request.session_id());
   if (session == sessions_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat("session_id: \"", request.session_id(),
+    return absl::FailedPreconditionError(absl::StrCat("session_id: \"",
+                                                      EscapeClientText(request.session_id()),
                                                       "\" is not an open session of this daemon"));
   }
   auto group_it = groups_.find(spec.name());
@@ -205,7 +217,8 @@ absl::Status GroupRegistry::Leave(const v1::LeaveGroupRequest& request) {
   absl::MutexLock lock(&mu_);
   auto group_it = groups_.find(request.group());
   if (group_it == groups_.end()) {
-    return absl::NotFoundError(absl::StrCat("group: \"", request.group(), "\" does not exist"));
+    return absl::NotFoundError(
+        absl::StrCat("group: \"", EscapeClientText(request.group()), "\" does not exist"));
   }
   auto slot = group_it->second.ranks.find(request.rank());
   if (slot == group_it->second.ranks.end()) {
@@ -214,9 +227,9 @@ absl::Status GroupRegistry::Leave(const v1::LeaveGroupRequest& request) {
   }
   if (slot->second.session_id != request.session_id()) {
     return absl::PermissionDeniedError(
-        absl::StrCat("session_id: \"", request.session_id(), "\" does not hold rank ",
-                     request.rank(), " of group \"", request.group(), "\" (session ",
-                     RedactSessionId(slot->second.session_id), " does)"));
+        absl::StrCat("session_id: \"", EscapeClientText(request.session_id()),
+                     "\" does not hold rank ", request.rank(), " of group \"", request.group(),
+                     "\" (session ", RedactSessionId(slot->second.session_id), " does)"));
   }
   auto session = sessions_.find(request.session_id());
   if (session != sessions_.end())
@@ -315,12 +328,14 @@ std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> GroupRegistry::Eval
   const v1::GetGroupEndpointsRequest& request = waiter.request;
   if (draining_) return absl::UnavailableError("epd is shutting down");
   if (sessions_.find(request.session_id()) == sessions_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat("session_id: \"", request.session_id(),
+    return absl::FailedPreconditionError(absl::StrCat("session_id: \"",
+                                                      EscapeClientText(request.session_id()),
                                                       "\" is not an open session of this daemon"));
   }
   auto group_it = groups_.find(request.group());
   if (group_it == groups_.end()) {
-    return absl::NotFoundError(absl::StrCat("group: \"", request.group(), "\" does not exist"));
+    return absl::NotFoundError(
+        absl::StrCat("group: \"", EscapeClientText(request.group()), "\" does not exist"));
   }
   const Group& group = group_it->second;
   auto held = group.ranks.find(request.rank());
@@ -331,9 +346,9 @@ std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> GroupRegistry::Eval
   }
   if (held->second.session_id != request.session_id()) {
     return absl::PermissionDeniedError(
-        absl::StrCat("session_id: \"", request.session_id(), "\" does not hold rank ",
-                     request.rank(), " of group \"", request.group(), "\" (session ",
-                     RedactSessionId(held->second.session_id), " does)"));
+        absl::StrCat("session_id: \"", EscapeClientText(request.session_id()),
+                     "\" does not hold rank ", request.rank(), " of group \"", request.group(),
+                     "\" (session ", RedactSessionId(held->second.session_id), " does)"));
   }
   std::vector<int32_t> missing;
   for (int32_t r = 0; r < group.spec.num_ranks(); ++r) {

@@ -28,18 +28,23 @@ std::string FieldValueText(const google::protobuf::Message& message,
 
 }  // namespace
 
+std::string EscapeClientText(absl::string_view text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return absl::CHexEscape(text);
+  return absl::StrCat(absl::CHexEscape(text.substr(0, max_bytes)), "...(", text.size(), " bytes)");
+}
+
 absl::Status ValidateGroupSpec(const v1::GroupSpec& spec) {
   const std::string& name = spec.name();
   if (name.empty() || name.size() > kMaxGroupNameBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("spec.name: \"", absl::CEscape(name),
+    return absl::InvalidArgumentError(absl::StrCat("spec.name: \"", EscapeClientText(name),
                                                    "\" must be 1 to ", kMaxGroupNameBytes,
                                                    " characters [A-Za-z0-9_.-]"));
   }
   for (char c : name) {
     if (!IsNameChar(c)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("spec.name: \"", absl::CEscape(name), "\" has character '",
-                       absl::CEscape(std::string(1, c)), "' outside [A-Za-z0-9_.-]"));
+          absl::StrCat("spec.name: \"", EscapeClientText(name), "\" has character '",
+                       absl::CHexEscape(std::string(1, c)), "' outside [A-Za-z0-9_.-]"));
     }
   }
   if (spec.num_ranks() < 1 || spec.num_ranks() > kMaxRanks) {
