@@ -7,7 +7,9 @@
 // (LowLatencyDispatch/LowLatencyCombine), for --iters iterations with fresh tokens each
 // time. Every rank checks its combined output against a single-process computation of
 // the same layer (Σ_k w[t,k]·W_{e_k}·x[t] in f64). The parent process starts the R rank
-// processes, waits for them and prints a table; it exits 0 only when every rank matched.
+// processes, waits for them and prints a table (a rank killed by a signal gets a line naming
+// the signal); it exits 0 only when every rank matched. The rank processes die with the
+// parent (PR_SET_PDEATHSIG), so a killed moe_layer leaves no rank holding the group.
 //
 //   moe_layer --socket=/run/epd/epd.sock --num_ranks=8 [--launch_mode=auto|daemon|client]
 //
@@ -16,15 +18,19 @@
 // itself (client-launched; needs the CUDA backend). With
 // several rank processes on one GPU, client-launched kernels of different processes only
 // run side by side under MPS; without it they time-slice and each op is slow (DESIGN §1).
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -55,7 +61,8 @@ ABSL_FLAG(bool, fp8, true, "low-latency dispatch in FP8 (normal mode stays BF16)
 ABSL_FLAG(std::string, launch_mode, "auto",
           "auto (epd's default), daemon or client: who launches the kernels on the CUDA "
           "backend (client.h)");
-ABSL_FLAG(double, tolerance, 0.0, "max relative error (0 = 2e-2 BF16, 8e-2 with FP8)");
+ABSL_FLAG(double, tolerance, 0.0,
+          "max relative error, >= 0 (0 = the defaults: 2e-2 BF16, 8e-2 with FP8)");
 
 namespace {
 
@@ -375,6 +382,10 @@ int main(int argc, char** argv) {
            absl::GetFlag(FLAGS_launch_mode) != "client")
     bad = absl::StrCat("--launch_mode=", absl::GetFlag(FLAGS_launch_mode),
                        " must be auto, daemon or client");
+  else if (const double tol = absl::GetFlag(FLAGS_tolerance); !(tol >= 0) || !std::isfinite(tol))
+    bad = absl::StrCat("--tolerance=", tol,
+                       " must be a finite number >= 0 (a relative error such as 2e-2; 0 = the "
+                       "defaults)");
   if (!bad.empty()) {
     std::fprintf(stderr, "moe_layer: %s\n", bad.c_str());
     return 2;
@@ -388,10 +399,19 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_socket).c_str());
   std::printf("rank  normal rel.err  low-lat rel.err  time (ms)  result\n");
   std::fflush(stdout);
-  std::vector<pid_t> children;
+  // Each rank process dies with the parent (SIGKILL when the parent dies, however it
+  // dies): without that, a killed moe_layer would leave its ranks holding the group.
+  const pid_t parent = ::getpid();
+  std::map<pid_t, int> rank_of;
   for (int r = 0; r < R; ++r) {
     pid_t pid = ::fork();
     if (pid == 0) {
+      if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) {
+        std::perror("prctl(PR_SET_PDEATHSIG)");
+        ::_exit(127);
+      }
+      // The parent may have died before prctl: then the signal never comes.
+      if (::getppid() != parent) ::_exit(127);
       std::string rank_flag = absl::StrCat("--rank=", r);
       std::vector<char*> child_argv(argv, argv + argc);
       child_argv.push_back(rank_flag.data());
@@ -404,12 +424,31 @@ int main(int argc, char** argv) {
       std::perror("fork");
       return 2;
     }
-    children.push_back(pid);
+    rank_of[pid] = r;
   }
+  // Reaped in the order they end, so a rank killed by a signal is named at once (its own
+  // output cannot say why it stopped).
   int failures = 0;
-  for (pid_t pid : children) {
+  while (!rank_of.empty()) {
     int status = 0;
-    ::waitpid(pid, &status, 0);
+    const pid_t pid = ::waitpid(-1, &status, 0);
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      std::perror("waitpid");
+      failures += static_cast<int>(rank_of.size());
+      break;
+    }
+    auto it = rank_of.find(pid);
+    if (it == rank_of.end()) continue;
+    const int r = it->second;
+    rank_of.erase(it);
+    if (WIFSIGNALED(status)) {
+      const int sig = WTERMSIG(status);
+      const char* abbrev = ::sigabbrev_np(sig);
+      std::printf("%4d  rank %d (pid %d) was killed by signal %d (SIG%s)\n", r, r,
+                  static_cast<int>(pid), sig, abbrev != nullptr ? abbrev : "?");
+      std::fflush(stdout);
+    }
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failures;
   }
   std::printf("moe_layer: %s (%d of %d ranks failed)\n",

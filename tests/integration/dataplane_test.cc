@@ -66,6 +66,8 @@ TEST(MoeLayerFlagsTest, BadFlagsAreRefusedNamingThem) {
       {{"--hidden=200"}, "--hidden=200 is not a multiple of 128, which --fp8 needs"},
       {{"--num_ranks=3"}, "--num_experts=32 is not a positive multiple of --num_ranks=3"},
       {{"--launch_mode=gpu"}, "--launch_mode=gpu must be auto, daemon or client"},
+      {{"--tolerance=-1"}, "--tolerance=-1 must be a finite number >= 0"},
+      {{"--tolerance=nan"}, "--tolerance=nan must be a finite number >= 0"},
   };
   for (const auto& [flags, message] : cases) {
     std::vector<std::string> argv = {MoeLayerBinary(), "--socket=/nonexistent/epd.sock"};
