@@ -1,16 +1,21 @@
 // epctl: inspect a running epd. Thin: flags → one RPC → print.
 //   epctl [--socket=/run/epd/epd.sock] [--json] status|groups|health|stats|config
-// Exit status: 0 on success (for `health`: only when SERVING), 1 when the daemon is down,
-// not serving or answers with an error, 2 on a usage error.
+// Exit status: 0 on success (for `health`: only when SERVING; `--help`, `--version`), 1
+// when the daemon is down, not serving or answers with an error, 2 on a usage error (an
+// unknown command or flag, a flag value that does not parse).
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "../control_channel.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
@@ -39,6 +44,102 @@ constexpr char kUsage[] =
     "  health   grpc.health.v1 status; exit 0 only when SERVING (for HEALTHCHECK)\n"
     "  stats    counters\n"
     "  config   the daemon's effective DaemonConfig";
+
+bool IsEpctlFlag(absl::string_view file) { return absl::StrContains(file, "epctl/"); }
+
+/// What a value of each of epctl's flags looks like, for the message refusing a bad one.
+std::string ValueExample(absl::string_view name) {
+  if (name == "timeout") return "a duration such as 5s, 500ms or 1m30s";
+  if (name == "json") return "true or false (--json alone means true, --nojson false)";
+  if (name == "socket") return "/run/epd/epd.sock, unix:///path or host:port";
+  if (name == "service") return "epd.v1.Control, or \"\" for the whole daemon";
+  return "what `epctl --help` says";
+}
+
+/// epctl --help (and --helpfull, --helpshort, ...): the usage and epctl's own flags on
+/// stdout.
+void PrintHelp() {
+  std::string text = absl::StrCat("epctl: ", kUsage, "\n\nFlags:\n");
+  std::vector<absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (IsEpctlFlag(flag->Filename())) flags.push_back(flag);
+  }
+  std::sort(flags.begin(), flags.end(),
+            [](const absl::CommandLineFlag* a, const absl::CommandLineFlag* b) {
+              return a->Name() < b->Name();
+            });
+  for (const absl::CommandLineFlag* flag : flags) {
+    absl::StrAppend(&text, "  --", flag->Name(), "  ", flag->Help(), " (default: \"",
+                    flag->DefaultValue(), "\")\n");
+  }
+  absl::StrAppend(&text, "  --version  print epctl's version\n  --help  this text\n");
+  std::fwrite(text.data(), 1, text.size(), stdout);
+}
+
+/// Looks at the flags before absl::ParseCommandLine does, because absl exits with code 1
+/// both for --help and for a flag it cannot parse. Returns the exit code when epctl must
+/// exit now (0 after --help; 2 for an unknown flag or a bad value, with a message naming
+/// the flag and what a value looks like), or -1 to go on.
+int CheckFlags(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--") break;
+    if (arg.size() < 2 || arg[0] != '-') continue;  // A command (or "-").
+    arg.remove_prefix(arg[1] == '-' ? 2 : 1);
+    const size_t eq = arg.find('=');
+    const absl::string_view name = arg.substr(0, eq);
+    const bool has_value = eq != absl::string_view::npos;
+    absl::string_view value = has_value ? arg.substr(eq + 1) : absl::string_view();
+    if (name == "help" || name == "helpfull" || name == "helpshort" || name == "helppackage" ||
+        name == "helpon" || name == "helpmatch") {
+      PrintHelp();
+      return 0;
+    }
+    // absl's own flags (--version, --flagfile, ...): absl parses them.
+    if (name == "version" || name == "only_check_args") continue;
+    if (name == "flagfile" || name == "fromenv" || name == "tryfromenv" || name == "undefok") {
+      if (!has_value) ++i;
+      continue;
+    }
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag == nullptr && absl::StartsWith(name, "no") && !has_value) {
+      absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name.substr(2));
+      if (negated != nullptr && negated->IsOfType<bool>()) continue;  // --nojson
+    }
+    if (flag == nullptr || flag->IsRetired()) {
+      std::fprintf(stderr, "epctl: unknown flag --%s (epctl --help lists the flags)\n",
+                   std::string(name).c_str());
+      return 2;
+    }
+    if (flag->IsOfType<bool>() && !has_value) continue;  // --json
+    if (!has_value) {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "epctl: --%s needs a value: %s\n", std::string(name).c_str(),
+                     ValueExample(name).c_str());
+        return 2;
+      }
+      value = argv[++i];
+    }
+    std::string error;
+    if (!flag->ParseFrom(value, &error)) {
+      std::fprintf(stderr, "epctl: --%s=%s is not a valid value; a value looks like %s\n",
+                   std::string(name).c_str(), std::string(value).c_str(),
+                   ValueExample(name).c_str());
+      return 2;
+    }
+  }
+  return -1;
+}
+
+/// A relative socket path made absolute (against the working directory, as gRPC would
+/// resolve it), so that the socket checks below see it: "relative.sock" and
+/// "unix:relative.sock" become "unix:///cwd/relative.sock". Other targets are unchanged.
+std::string AbsoluteTarget(const std::string& target) {
+  if (!absl::StartsWith(target, "unix:") || absl::StartsWith(target, "unix://")) return target;
+  std::error_code error;
+  const std::filesystem::path path = std::filesystem::absolute(target.substr(5), error);
+  return error ? target : absl::StrCat("unix://", path.string());
+}
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "epctl: %s\n", message.c_str());
@@ -77,9 +178,7 @@ void Print(const std::string& text) { std::fwrite(text.data(), 1, text.size(), s
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
   absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::StrContains(file, "epctl/");
-  };
+  usage.contains_help_flags = IsEpctlFlag;
   usage.contains_helpshort_flags = usage.contains_help_flags;
   usage.version_string = [] { return std::string("epctl ") + epd::kEpdVersion + "\n"; };
   usage.normalize_filename = [](absl::string_view file) {
@@ -87,6 +186,7 @@ int main(int argc, char** argv) {
     return std::string(at == absl::string_view::npos ? file : file.substr(at));
   };
   absl::SetFlagsUsageConfig(usage);
+  if (const int exit_code = CheckFlags(argc, argv); exit_code >= 0) return exit_code;
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     if (args.size() > 2) std::fprintf(stderr, "epctl: unexpected argument \"%s\"\n", args[2]);
@@ -109,7 +209,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "epctl: --socket is empty; give epd's socket path or host:port\n");
     return 2;
   }
-  const std::string target = epd::internal::ChannelTarget(absl::GetFlag(FLAGS_socket));
+  const std::string target =
+      AbsoluteTarget(epd::internal::ChannelTarget(absl::GetFlag(FLAGS_socket)));
   std::shared_ptr<grpc::Channel> channel = Connect(target);
   if (channel == nullptr) return 1;
 

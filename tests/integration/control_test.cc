@@ -143,6 +143,7 @@ TEST_F(ControlTest, EpctlStatusGroupsHealthStatsConfig) {
   CommandResult version = Epctl({"--version"});
   EXPECT_THAT(version.stdout_text, HasSubstr(absl::StrCat("epctl ", kEpdVersion)));
   CommandResult help = Epctl({"--help"});
+  EXPECT_EQ(help.exit_code, 0) << help.stderr_text;
   EXPECT_THAT(help.stdout_text + help.stderr_text,
               AllOf(HasSubstr("epctl: inspect a running epd daemon"),
                     ::testing::Not(HasSubstr("epctl: epctl:"))));
@@ -755,6 +756,54 @@ TEST(ControlClientTest, StaleSocketFileIsUnavailableAtOnce) {
   EXPECT_NE(epctl->exit_code, 0);
   EXPECT_THAT(epctl->stderr_text, HasSubstr("connection refused"));
   ::unlink(path.c_str());
+}
+
+// epctl's exit codes without a daemon: --help is 0 with the usage on stdout (absl alone
+// exits 1); an unknown flag or a value that does not parse is a usage error, 2, naming the
+// flag and what a value looks like (absl alone exits 1).
+TEST(EpctlFlagsTest, HelpIsZeroAndBadFlagsAreUsageErrors) {
+  for (const std::string& flag : {"--help", "-help", "--helpfull"}) {
+    absl::StatusOr<CommandResult> help = RunCommand({EpctlBinary(), flag}, absl::Seconds(20));
+    ASSERT_TRUE(help.ok()) << help.status();
+    EXPECT_EQ(help->exit_code, 0) << flag << ": " << help->stderr_text;
+    EXPECT_THAT(help->stdout_text,
+                AllOf(HasSubstr("Usage: epctl"), HasSubstr("--timeout"), HasSubstr("--json")))
+        << flag;
+  }
+  const std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> cases = {
+      {{"--timeout=abc", "status"}, {"--timeout=abc", "5s"}},
+      {{"--timeout", "abc", "status"}, {"--timeout=abc", "5s"}},
+      {{"--json=maybe", "status"}, {"--json=maybe", "true or false"}},
+      {{"--no_such_flag", "status"}, {"unknown flag --no_such_flag"}},
+      {{"status", "--timeout"}, {"--timeout needs a value", "5s"}},
+      {{"--timeout=0s", "status"}, {"--timeout=0", "must be positive"}},
+  };
+  for (const auto& [args, messages] : cases) {
+    std::vector<std::string> argv = {EpctlBinary(), "--socket=/tmp/epd-no-daemon-here.sock"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    absl::StatusOr<CommandResult> result = RunCommand(argv, absl::Seconds(20));
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->exit_code, 2) << args[0] << ": " << result->stderr_text;
+    for (const std::string& message : messages) {
+      EXPECT_THAT(result->stderr_text, HasSubstr(message)) << args[0];
+    }
+  }
+}
+
+// A relative --socket that does not exist is reported at once, naming the file (it was
+// waited on for the whole --timeout, then "no epd daemon answers").
+TEST(EpctlFlagsTest, MissingRelativeSocketIsReportedAtOnce) {
+  const std::string name = absl::StrCat("epd-no-such-", ::getpid(), ".sock");
+  ASSERT_FALSE(std::filesystem::exists(name));
+  for (const std::string& socket : {name, "unix:" + name}) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<CommandResult> result = RunCommand(
+        {EpctlBinary(), "--socket=" + socket, "--timeout=10s", "status"}, absl::Seconds(30));
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << socket;
+    EXPECT_EQ(result->exit_code, 1) << socket;
+    EXPECT_THAT(result->stderr_text, AllOf(HasSubstr(name), HasSubstr("does not exist"))) << socket;
+  }
 }
 
 // A rank removed by epd while its client waits (here a LeaveGroup in the session's name
