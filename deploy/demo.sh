@@ -14,8 +14,10 @@
 # 6. stops epd (also on Ctrl-C or failure) and exits with the demo's status.
 #
 # Environment: EPD_BUILD_DIR (default build/), EPD_BUILD_TYPE (default Release),
-# EPD_JOBS (default nproc), EPD_DEMO_RANKS (default 8), EPD_BACKEND (default auto),
-# EPD_WITH_CUDA (AUTO|ON|OFF, default AUTO, as tests/run.sh: OFF skips compiling CUDA).
+# EPD_JOBS (default nproc), EPD_DEMO_RANKS (1, 2, 4, 8, 16 or 32: a divisor of the demo's
+# 32 experts; default 8), EPD_BACKEND (auto|cuda|host, default auto), EPD_WITH_CUDA
+# (AUTO|ON|OFF, default AUTO, as tests/run.sh: OFF skips compiling CUDA). A bad value is
+# refused (exit 2, naming the variable) before anything is installed or built.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,6 +31,34 @@ EPCTL="$BUILD_DIR/client/epctl"
 DEMO="$BUILD_DIR/client/moe_layer"
 
 step() { printf '\n==> %s\n' "$*"; }
+
+# ---- the inputs, checked before anything is installed, built or started ----
+usage_error() {
+  echo "demo.sh: $*" >&2
+  exit 2
+}
+case "$RANKS" in  # the demo's 32 experts are split evenly over the ranks
+  1|2|4|8|16|32) ;;
+  *) usage_error "EPD_DEMO_RANKS=$RANKS: must be a divisor of the demo's 32 experts:" \
+       "1, 2, 4, 8, 16 or 32 (default 8)" ;;
+esac
+case "$BACKEND" in
+  auto|cuda|host) ;;
+  *) usage_error "EPD_BACKEND=$BACKEND: must be auto, cuda or host (default auto)" ;;
+esac
+case "${EPD_WITH_CUDA:-AUTO}" in
+  AUTO|ON|OFF) ;;
+  *) usage_error "EPD_WITH_CUDA=$EPD_WITH_CUDA: must be AUTO, ON or OFF (default AUTO)" ;;
+esac
+case "$BUILD_TYPE" in
+  Release|RelWithDebInfo|Debug|MinSizeRel) ;;
+  *) usage_error "EPD_BUILD_TYPE=$BUILD_TYPE: must be Release, RelWithDebInfo, Debug or" \
+       "MinSizeRel (default Release)" ;;
+esac
+if [[ ! "$JOBS" =~ ^[1-9][0-9]*$ ]]; then
+  usage_error "EPD_JOBS=$JOBS: must be a positive number of parallel build jobs" \
+    "(default: the number of cores)"
+fi
 
 step "dependencies (deploy/install-deps.sh)"
 "$ROOT/deploy/install-deps.sh"

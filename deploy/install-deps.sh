@@ -11,7 +11,7 @@
 # run at all. Non-interactive (DEBIAN_FRONTEND=noninteractive). Uses sudo only when not
 # root. The CUDA toolkit is not a Debian package and is not installed here: when nvcc is
 # found (on PATH or at /usr/local/cuda/bin/nvcc) the CUDA backend is built, otherwise
-# everything else still builds and tests (see README.md, "CUDA").
+# everything else still builds and tests (see README.md, "Quick start").
 set -euo pipefail
 
 # One package per line, grouped by what needs it. Keep the Dockerfile's build stage in

@@ -43,7 +43,9 @@ files+=("$tmp/k8s-configmap.textproto")
 serve_once() {
   local sock="$tmp/check.sock" log="$tmp/check.log" pid served=0
   rm -f "$sock"
-  # (Flags cannot clear a field: absl parses an empty optional flag as "not given".)
+  # The machine-specific fields are dropped from the copy rather than overridden or
+  # cleared by flags (`--listen=` and `--socket_group=` would clear theirs, README
+  # "Configuration"): the copy then holds exactly what is checked.
   grep -v -E '^[[:space:]]*(socket_path|listen|backend|socket_group)[[:space:]]*:' "$1" \
     >"$tmp/check.textproto"
   "$EPD" --config="$tmp/check.textproto" --socket="$sock" --backend=host >"$log" 2>&1 &
