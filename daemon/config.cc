@@ -324,9 +324,11 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
                      "\" must be an absolute path (\"/run/epd/epd.sock\")"));
   }
   if (path.size() > kMaxSocketPathBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("socket_path: \"", config.socket_path(),
-                                                   "\" is longer than ", kMaxSocketPathBytes,
-                                                   " bytes (the unix socket limit)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "socket_path: \"", config.socket_path(), "\" is ", path.size(),
+        " bytes long; the most epd can listen on is ", kMaxSocketPathBytes,
+        " bytes (the unix socket limit of 107, less the two that gRPC adds to the "
+        "\"unix:///path\" it listens on); use a shorter path, e.g. /run/epd/epd.sock"));
   }
   for (const auto& [field, value] :
        {std::pair<const char*, const std::string*>{"socket_mode", &config.socket_mode()},

@@ -44,8 +44,12 @@ inline constexpr uint32_t kDefaultMaxGroups = 64;
 inline constexpr uint32_t kMinMaxRequestBytes = 64u << 10;
 /// Most host-backend threads per op (host_threads).
 inline constexpr uint32_t kMaxHostThreads = 1024;
-/// Longest unix socket path (sockaddr_un.sun_path holds 108 bytes with the NUL).
-inline constexpr size_t kMaxSocketPathBytes = 107;
+/// Longest socket_path epd can listen on, in bytes. sockaddr_un.sun_path holds 107 bytes
+/// and the NUL, but gRPC 1.51's server resolves a "unix:" address as everything after
+/// "unix:", so the "unix:///path" epd listens on becomes "//" + path (two bytes longer, the
+/// same file to the kernel), and a 106- or 107-byte path fails with "Path name should not
+/// have more than 107 characters" at listen time.
+inline constexpr size_t kMaxSocketPathBytes = 105;
 
 /// Values given on the command line; nullopt = flag not given (the config file's value,
 /// or the default, stands), whatever the flag's default. Tests build one directly; epd

@@ -10,6 +10,7 @@
 
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/reflection.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/config_flags_testing.h"
@@ -423,6 +424,32 @@ TEST(ParseFileModeTest, OctalModes) {
   EXPECT_FALSE(ParseFileMode("m", "0o660").ok());
   EXPECT_FALSE(ParseFileMode("m", "0680").ok());
   EXPECT_FALSE(ParseFileMode("m", "17777").ok());
+}
+
+/// An absolute socket path of exactly `bytes` bytes.
+std::string SocketPathOfLength(size_t bytes) {
+  const std::string dir = "/tmp/epd-socket-length/";
+  return dir + std::string(bytes - dir.size(), 's');
+}
+
+// gRPC 1.51 listens on "unix:///path" as "//" + path, so 105 bytes is the most: 106 and
+// 107 passed validation and then failed to listen ("address in use or not permitted").
+TEST(ValidateDaemonConfigTest, SocketPathUpTo105BytesIsAccepted) {
+  for (const std::string prefix : {"", "unix://", "unix:"}) {
+    v1::DaemonConfig config;
+    config.set_socket_path(prefix + SocketPathOfLength(105));
+    FillDaemonConfigDefaults(&config);
+    EXPECT_TRUE(ValidateDaemonConfig(config).ok()) << ValidateDaemonConfig(config);
+    for (size_t bytes : {106, 107, 108}) {
+      config.set_socket_path(prefix + SocketPathOfLength(bytes));
+      absl::Status status = ValidateDaemonConfig(config);
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bytes;
+      EXPECT_THAT(std::string(status.message()),
+                  AllOf(HasSubstr("socket_path"), HasSubstr(SocketPathOfLength(bytes)),
+                        HasSubstr(absl::StrCat("is ", bytes, " bytes long")),
+                        HasSubstr("the most epd can listen on is 105 bytes")));
+    }
+  }
 }
 
 TEST(SocketFilePathTest, AcceptedSpellings) {
