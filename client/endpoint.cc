@@ -272,9 +272,15 @@ constexpr int64_t kSpinBeforeSleepUs = 200;
 /// Extra time past op_timeout that a client-launched Wait gives the op's stream (its
 /// kernels bound their own waits by op_timeout) before it reports the stream stuck.
 constexpr auto kGpuGrace = std::chrono::seconds(5);
-/// Bound of a staging kernel's wait for done_seq (kc::DoneWait) past op_timeout (ms): past
-/// the daemon's give-up (op_timeout + 5 s), whose error the op's Wait returns.
-constexpr int64_t kDoneWaitSlackMs = 10'000;
+/// Bound of a staging kernel's wait for done_seq (kc::DoneWait), in ms of op_timeout:
+/// 3 * op_timeout + kDoneWaitSlackMs counted from the staging. A successful op stores done
+/// within about 2 * op_timeout of it (the daemon waits up to op_timeout for the other ranks'
+/// requests, then the kernel's peer waits up to op_timeout) and a failed dispatch within
+/// one more (its block 0 waits for the others' tickets); the engine's give-up is
+/// op_timeout + 5 s after its launch. So the bound passes only when the daemon is gone or
+/// stuck, whose op's Wait fails anyway.
+constexpr int64_t kDoneWaitTimeouts = 3;
+constexpr int64_t kDoneWaitSlackMs = 15'000;
 
 #if EPD_HAVE_CUDA
 /// Client-launched mode: what an endpoint keeps to launch its own kernels, set up once
@@ -351,6 +357,10 @@ struct Endpoint::Impl {
   internal::GroupEndpointsFn group_endpoints;
   internal::StreamHandle aux_stream;    ///< The library's own stream (releases, reads).
   internal::PinnedMemory release_word;  ///< uint64 kReleasedSeq (daemon-launched).
+  /// EndpointInfo kernel_done_wait, and this process sees MPS on the endpoint's GPU too
+  /// (cudaDevAttrMpsEnabled): without MPS here, a spinning staging kernel would hold the
+  /// GPU's time slice that the daemon's kernels need, whatever the daemon sees.
+  bool kernel_done_wait = false;
   std::atomic<bool> stream_released{false};
   /// Stream-ordered ops published, by seq % size (ReleaseStreams checks which are done).
   std::array<std::atomic<uint64_t>, abi::kCompletionCapacity> ordered_ops{};
@@ -492,7 +502,7 @@ struct Endpoint::Impl {
   /// (EndpointInfo kernel_done_wait: low-latency ops under MPS, whose grids the daemon sizes
   /// to leave that kernel an SM) instead of a cuStreamWaitValue64 on the stream after it.
   bool KernelWaitsForDone(abi::OpKind op) const {
-    return info.kernel_done_wait() &&
+    return kernel_done_wait &&
            (op == abi::OpKind::kLowLatencyDispatch || op == abi::OpKind::kLowLatencyCombine);
   }
 
@@ -576,7 +586,7 @@ struct Endpoint::Impl {
             reinterpret_cast<const uint64_t*>(At(layout.launch_flags) + kernels::kDoneFlagOffset);
         done_wait.value = seq;
         done_wait.timeout_ns =
-            (static_cast<int64_t>(info.op_timeout_ms()) + kDoneWaitSlackMs) * 1'000'000;
+            (kDoneWaitTimeouts * info.op_timeout_ms() + kDoneWaitSlackMs) * 1'000'000;
       }
       ordered_error = kc::CopyDeviceBatchAsync(
           pending_copies.data(), num_copies,
@@ -665,8 +675,16 @@ struct Endpoint::Impl {
     }
     if (!waiting || stream_released.exchange(true)) return;
     internal::DeviceGuard guard(mapping->device());
-    cudaMemcpyAsync(At(layout.launch_flags) + kernels::kDoneFlagOffset, release_word.get(),
-                    sizeof(uint64_t), cudaMemcpyHostToDevice, aux_stream.get());
+    // A stream memory write, not a copy: a copy would queue on the copy engine that the
+    // process's other streams share, where one held behind a stream-ordered op could keep
+    // the release from landing.
+    if (!kc::StreamWriteValue64(aux_stream.get(),
+                                At(layout.launch_flags) + kernels::kDoneFlagOffset,
+                                internal::kReleasedSeq)
+             .ok()) {
+      cudaMemcpyAsync(At(layout.launch_flags) + kernels::kDoneFlagOffset, release_word.get(),
+                      sizeof(uint64_t), cudaMemcpyHostToDevice, aux_stream.get());
+    }
     cudaStreamSynchronize(aux_stream.get());
     cudaGetLastError();
 #endif
@@ -1972,6 +1990,13 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
     internal::DeviceGuard guard(m->mapping->device());
     EPD_ASSIGN_OR_RETURN(m->aux_stream, internal::CreateStream());
     if (!m->client_launched) {
+      int mps = 0;
+      if (cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, m->mapping->device()) !=
+          cudaSuccess) {
+        cudaGetLastError();  // Ours: no MPS assumed (the stream wait).
+        mps = 0;
+      }
+      m->kernel_done_wait = info.kernel_done_wait() && mps != 0;
       EPD_ASSIGN_OR_RETURN(m->release_word, internal::AllocatePinned(sizeof(uint64_t)));
       const uint64_t released = internal::kReleasedSeq;
       std::memcpy(m->release_word.get(), &released, sizeof(released));

@@ -153,8 +153,13 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
     return absl::InvalidArgumentError(
         "CopyDeviceBatchAsync: a signal after a multi-block copy needs a counter word");
   }
-  BatchCopySignalKernel<<<static_cast<unsigned>(blocks), n == 0 ? 32 : kThreads, 0, stream>>>(p);
-  return EPD_CUDA_STATUS(cudaGetLastError());
+  // cudaLaunchKernel returns this launch's own status; `<<<>>>` + cudaGetLastError would
+  // also return an error the caller left pending, and a client would then take a launched
+  // kernel (maybe waiting for done) for one that never ran.
+  void* args[] = {&p};
+  return EPD_CUDA_STATUS(cudaLaunchKernel(reinterpret_cast<const void*>(&BatchCopySignalKernel),
+                                          dim3(static_cast<unsigned>(blocks)),
+                                          dim3(n == 0 ? 32 : kThreads), args, 0, stream));
 }
 
 absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout_ns, uint64_t* seen,

@@ -1212,13 +1212,21 @@ TEST(LowLatencyHandoff, StagingKernelWaitsForDoneThenTheStreamGoesOn) {
   auto write_done = [&](uint64_t v) {
     ASSERT_EQ(cudaMemcpy(done, &v, sizeof(v), cudaMemcpyHostToDevice), cudaSuccess);
   };
+  // Polls `word` until it reads `value` (bounded: 10 s), so a loaded machine does not fail it.
+  auto eventually = [&](const void* word, uint64_t value) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (ReadWord(word) != value && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return ReadWord(word);
+  };
   const int64_t kBound = 10'000'000'000;
 
   // One block, no copies.
   EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(nullptr, 0, signal, 3, counter, stream->get(), nullptr,
                                          kc::DoneWait{done, 3, kBound}));
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  EXPECT_EQ(ReadWord(signal), 3u) << "the signal comes before the wait";
+  EXPECT_EQ(eventually(signal, 3), 3u) << "the signal comes before the wait";
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_EQ(cudaStreamQuery(stream->get()), cudaErrorNotReady) << "went on before done";
   write_done(2);  // An older op's done does not pass.
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -1237,10 +1245,16 @@ TEST(LowLatencyHandoff, StagingKernelWaitsForDoneThenTheStreamGoesOn) {
   for (size_t i = 0; i < bytes; ++i) pattern[i] = static_cast<uint8_t>(i * 7 + 1);
   ASSERT_EQ(cudaMemcpy(src->get(), pattern.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
   const kc::DeviceCopy copy{dst->get(), src->get(), bytes};
-  EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(&copy, 1, signal, 4, counter, stream->get(), nullptr,
+  uint64_t* started = signal + 3;  // As the client passes it: staging_seq and the done wait.
+  EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(&copy, 1, signal, 4, counter, stream->get(), started,
                                          kc::DoneWait{done, 4, kBound}));
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  EXPECT_EQ(ReadWord(signal), 4u);
+  EXPECT_EQ(eventually(signal, 4), 4u);
+  EXPECT_EQ(ReadWord(started), 4u);
+  // Both ticket halves are back at 0 before the wait: the next op's staging may take them
+  // while this kernel still waits (it runs on the same stream only after it, but the
+  // reset must not wait for done).
+  EXPECT_EQ(ReadWord(counter) & 0xffffffffu, 0u) << "ticket word not reset before the wait";
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_EQ(cudaStreamQuery(stream->get()), cudaErrorNotReady);
   write_done(uint64_t{1} << 62);  // Any larger value passes (the client's kReleasedSeq).
   ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);

@@ -185,9 +185,11 @@ struct DoneWait {
   /// Passes once *flag >= value (the op's seq; kReleasedSeq, which the client writes from
   /// the host when the daemon is gone, passes every wait).
   uint64_t value = 0;
-  /// Bound of the wait, ns of %globaltimer (> 0 with a flag). The client gives
-  /// op_timeout + 10 s: past the daemon's own give-up (op_timeout + 5 s), whose error the
-  /// op's Wait reports; the stream then goes on without the outputs.
+  /// Bound of the wait, ns of %globaltimer (> 0 with a flag), from the signal. The client
+  /// gives 3 * op_timeout + 15 s: past the latest a working daemon stores done (its wait for
+  /// the other ranks' requests, then the kernel's bounded waits: client/endpoint.cc
+  /// kDoneWaitTimeouts), so the stream goes on without the outputs only when the daemon is
+  /// gone or stuck, and then the op's Wait fails.
   int64_t timeout_ns = 0;
 };
 
@@ -226,8 +228,8 @@ inline constexpr int kMaxBatchCopies = 4;
 /// spinning until *done_wait.flag >= done_wait.value, so the stream's next work starts
 /// when the daemon's kernel has stored done_seq, as after a cuStreamWaitValue64 on it, but
 /// without the GPU front end's wake-up of a blocked stream (~2.5 µs per waiting stream, in
-/// series: docs/BENCHMARKS.md "Launch modes", dispatch -3.5 µs and combine -4 µs with 8
-/// ranks on one GPU). The kernel then holds one block of one SM for the op, which the
+/// series: docs/BENCHMARKS.md "Launch modes", dispatch -4.2 µs and combine -3.4 µs with 8
+/// ranks on one GPU, against the stream wait on the same grids). The kernel then holds one block of one SM for the op, which the
 /// daemon leaves free (CudaRankContext::sms_left_per_rank); the others' blocks exit as
 /// before.
 absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint64_t* signal,
