@@ -103,6 +103,84 @@ void WriteLockHolder(int lock_fd) {
   }
 }
 
+/// Opens (creating it when missing, mode 0600) the socket's lock file `lock_path` for
+/// PrepareSocketPath, which then truncates it and writes epd's pid there (WriteLockHolder).
+/// So that a root epd in a directory others can write never truncates a file someone else
+/// chose, the last component is never followed (O_NOFOLLOW), and the file must be a regular
+/// file with this one name. FAILED_PRECONDITION naming the path when it is a symbolic link,
+/// not a regular file, has other names (hard links), or cannot be opened.
+absl::StatusOr<ScopedFd> OpenSocketLockFile(const std::string& lock_path) {
+  const std::string remedy =
+      "; remove it (epd recreates it), and keep the socket's directory writable by epd's user "
+      "alone";
+  ScopedFd fd(::open(lock_path.c_str(),
+                     O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0600));
+  if (!fd.valid()) {
+    const int err = errno;
+    struct stat st {};
+    if (::lstat(lock_path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: the lock file ", lock_path,
+          " is a symbolic link; epd does not follow it (it would truncate the file it points to)",
+          remedy));
+    }
+    if (err == EISDIR) {
+      return absl::FailedPreconditionError(absl::StrCat("socket_path: the lock file ", lock_path,
+                                                        " is not a regular file (a directory)",
+                                                        remedy));
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket_path: cannot open the lock file ", lock_path, ": ", Errno(err)));
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket_path: cannot stat the lock file ", lock_path, ": ", Errno(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    const char* kind = S_ISFIFO(st.st_mode)                         ? "a FIFO"
+                       : S_ISSOCK(st.st_mode)                       ? "a socket"
+                       : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
+                                                                    : "not a file";
+    return absl::FailedPreconditionError(absl::StrCat(
+        "socket_path: the lock file ", lock_path, " is not a regular file (", kind, ")", remedy));
+  }
+  if (st.st_nlink != 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "socket_path: the lock file ", lock_path, " has ", st.st_nlink,
+        " names (hard links): it is another file's name too, which epd would truncate", remedy));
+  }
+  return fd;
+}
+
+/// Removes the shm regions with `socket_path`'s creator tag that no live process holds
+/// (ShmRegion::RemoveStale): what an earlier epd on this socket could not unlink (SIGKILL,
+/// OOM kill, power loss). Called once start-up has succeeded, so an epd that fails to start
+/// touches nothing; regions a live epd holds (another mount namespace with the same socket
+/// path and the same /dev/shm) are left alone and warned about. Logs; never fails.
+void RemoveStaleShmRegions(const std::string& socket_path) {
+  auto log = GetLogger(kLogDaemon);
+  const std::string tag = ShmCreatorTag(socket_path);
+  int held = 0;
+  absl::StatusOr<int> removed = ShmRegion::RemoveStale(tag, &held);
+  if (!removed.ok()) {
+    log->warn("cannot look for stale shm regions of this socket: {}", removed.status().ToString());
+    return;
+  }
+  if (*removed > 0) {
+    log->warn("removed {} shm region(s) left in /dev/shm by an earlier epd on {} (tag {})",
+              *removed, socket_path, tag);
+  }
+  if (held > 0) {
+    log->warn(
+        "{} shm region(s) in /dev/shm carry this socket's tag {} but are held by another live "
+        "process, so they were left alone: another epd on the path {} shares this /dev/shm "
+        "(e.g. in another mount namespace or container with --ipc=host); give each epd its "
+        "own socket path",
+        held, tag, socket_path);
+  }
+}
+
 /// The gid of the socket_group `name` (which owns the socket and every shm region).
 /// NOT_FOUND naming the field, its flag and the value when the machine has no such group.
 absl::StatusOr<gid_t> LookUpSocketGroup(const std::string& name) {
@@ -270,9 +348,8 @@ absl::Status Daemon::Init() {
     inventory_ = inventory;
   }
 
-  // One epd per socket (its lock file), and the shm regions a killed epd on this socket
-  // left in /dev/shm removed, before the data plane creates its first region (named with
-  // this socket's creator tag from then on).
+  // One epd per socket (its lock file), and this socket's shm creator tag set before the
+  // data plane creates its first region.
   EPD_RETURN_IF_ERROR(PrepareSocketPath());
   DataPlaneFactory factory =
       options_.data_plane_factory ? options_.data_plane_factory : MakeDefaultDataPlane;
@@ -328,6 +405,9 @@ absl::Status Daemon::Init() {
         "socket alone)",
         config_.listen(), tcp_port_);
   }
+  // Only now, with start-up done: the shm regions a killed epd on this socket left behind
+  // (never a region some live process holds).
+  RemoveStaleShmRegions(socket_path_);
   if (!inventory.empty()) gpu_monitor_ = std::thread([this] { MonitorGpus(); });
   SetServing(true, "");
   log->info("epd serving on {} (socket mode {}{}{}), backend {}", unix_target(),
@@ -365,11 +445,7 @@ absl::Status Daemon::PrepareSocketPath() {
   // exclusive flock on "<socket>.lock", held for the daemon's life (released by the kernel
   // however epd ends; the file itself stays, harmlessly).
   const std::string lock_path = socket_path_ + ".lock";
-  socket_lock_ = ScopedFd(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-  if (!socket_lock_.valid()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("socket_path: cannot open the lock file ", lock_path, ": ", Errno(errno)));
-  }
+  EPD_ASSIGN_OR_RETURN(socket_lock_, OpenSocketLockFile(lock_path));
   if (::flock(socket_lock_.get(), LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     const pid_t holder = ReadLockHolder(socket_lock_.get());
@@ -395,17 +471,10 @@ absl::Status Daemon::PrepareSocketPath() {
         " is locked: ", Errno(err), "); refusing to start a second epd on it"));
   }
   WriteLockHolder(socket_lock_.get());
-  // The lock makes this socket's shm creator tag ours: names with it are leftovers of an
-  // earlier epd on this socket that could not clean up (SIGKILL, OOM kill, power loss).
-  const std::string tag = ShmCreatorTag(socket_path_);
-  absl::StatusOr<int> removed = ShmRegion::RemoveStale(tag);
-  if (!removed.ok()) {
-    log->warn("cannot look for stale shm regions of this socket: {}", removed.status().ToString());
-  } else if (*removed > 0) {
-    log->warn("removed {} shm region(s) left in /dev/shm by an earlier epd on {} (tag {})",
-              *removed, socket_path_, tag);
-  }
-  ShmRegion::SetCreatorTag(tag);
+  // Regions are named with this socket's creator tag, so the next epd on it finds what this
+  // one could not unlink (RemoveStaleShmRegions, once start-up has succeeded). The lock does
+  // not make the tag ours: the same path in another mount namespace has another lock file.
+  ShmRegion::SetCreatorTag(ShmCreatorTag(socket_path_));
   struct stat st {};
   if (::lstat(socket_path_.c_str(), &st) != 0) {
     if (errno == ENOENT) return absl::OkStatus();
@@ -443,9 +512,13 @@ absl::Status Daemon::ApplySocketPermissions() {
   if (!config_.socket_group().empty()) {
     EPD_ASSIGN_OR_RETURN(gid_t gid, LookUpSocketGroup(config_.socket_group()));
     if (::chown(socket_path_.c_str(), static_cast<uid_t>(-1), gid) != 0) {
-      return absl::PermissionDeniedError(absl::StrCat("socket_group: cannot give ", socket_path_,
-                                                      " to group \"", config_.socket_group(),
-                                                      "\": ", Errno(errno)));
+      const int err = errno;
+      return absl::PermissionDeniedError(absl::StrCat(
+          "socket_group: cannot give ", socket_path_, " to group \"", config_.socket_group(),
+          "\": ", Errno(err),
+          err == EPERM ? absl::StrCat("; epd's user (uid ", ::geteuid(),
+                                      ") must be a member of that group, or run epd as root")
+                       : ""));
     }
   }
   if (::chmod(socket_path_.c_str(), static_cast<mode_t>(mode)) != 0) {

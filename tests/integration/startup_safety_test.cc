@@ -1,0 +1,232 @@
+// Start-up safety of the real epd binary against another epd and against a hostile socket
+// directory (daemon/daemon.cc PrepareSocketPath, proto/shm_region.h RemoveStale):
+// - a second epd whose socket path hashes to a live epd's shm creator tag, holding another
+//   lock file (as the same socket path in another mount namespace sharing /dev/shm does),
+//   never deletes the live epd's shm regions, whether it then fails or starts;
+// - `<socket>.lock` is never followed through a symlink, and nothing but a regular file
+//   epd opened itself is truncated.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "shm_region.h"
+#include "tests/integration/daemon_process.h"
+
+namespace epd::testing {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+/// The shm names ("/epd-...") in /dev/shm carrying `socket_path`'s creator tag.
+std::vector<std::string> TaggedNames(const std::string& socket_path) {
+  absl::StatusOr<std::vector<std::string>> names =
+      ShmRegion::NamesWithTag(ShmCreatorTag(socket_path));
+  EXPECT_TRUE(names.ok()) << names.status();
+  return names.value_or(std::vector<std::string>());
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+/// Runs epd_test_client joining rank 0 of group "g" on `socket_path`; true when it joined.
+/// Its output is appended to `*output`.
+bool ClientJoins(const std::string& socket_path, const std::string& dir, std::string* output) {
+  SubprocessOptions options;
+  options.stdout_path = dir + "/client.out";
+  options.stderr_path = dir + "/client.err";
+  options.pipe_stdin = true;
+  absl::StatusOr<std::unique_ptr<Subprocess>> client =
+      Subprocess::Spawn({TestClientBinary(), "--socket=" + socket_path, "--rank=0"}, options);
+  if (!client.ok()) {
+    *output = client.status().ToString();
+    return false;
+  }
+  const absl::Status joined = (*client)->WaitForOutput("JOINED", absl::Seconds(10));
+  *output = absl::StrCat((*client)->Stdout(), (*client)->Stderr());
+  return joined.ok();
+}
+
+/// Starts a second epd on `socket_path` after removing the first one's lock file (what a
+/// second epd in another mount namespace sees: the same path, another lock file).
+absl::StatusOr<std::unique_ptr<DaemonProcess>> StartWithoutTheFirstsLock(
+    const std::string& socket_path, bool wait_serving) {
+  if (::unlink((socket_path + ".lock").c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("unlink ", socket_path, ".lock: ", errno));
+  }
+  DaemonProcessOptions options;
+  options.socket_path = socket_path;
+  options.wait_serving = wait_serving;
+  return DaemonProcess::Start(options);
+}
+
+// The fresh-user trial's finding 1: the second epd took its own lock file as proof that the
+// socket's shm names were leftovers, deleted the live epd's doorbell page, then failed to
+// start (the socket is live); every later Join on the first epd failed with
+// "shm_open(/epd-doorbell-...): No such file or directory" while health said SERVING.
+TEST(StartupSafetyTest, RefusedSecondEpdWithAnotherLockFileLeavesTheLiveEpdsShm) {
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> first = DaemonProcess::Start();
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string socket = (*first)->socket_path();
+  const std::vector<std::string> live = TaggedNames(socket);
+  ASSERT_FALSE(live.empty()) << "the first epd's doorbell page carries the socket's tag";
+
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> second =
+      StartWithoutTheFirstsLock(socket, /*wait_serving=*/false);
+  ASSERT_TRUE(second.ok()) << second.status();
+  absl::StatusOr<int> code = (*second)->WaitExit(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status() << "\n" << (*second)->Logs();
+  EXPECT_NE(*code, 0);
+  EXPECT_THAT((*second)->Logs(), HasSubstr("refusing to start a second epd"));
+
+  EXPECT_EQ(TaggedNames(socket), live) << (*second)->Logs();
+  std::string client_output;
+  EXPECT_TRUE(ClientJoins(socket, (*first)->dir(), &client_output))
+      << client_output << "\n---- first epd ----\n"
+      << (*first)->Logs();
+  EXPECT_EQ((*first)->Stop().value_or(-1), 0);
+  EXPECT_TRUE(TaggedNames(socket).empty());
+}
+
+// The same when the second epd does start (the first one's socket file was moved away, as
+// in another mount namespace it is not there at all): the live epd's regions stay, and
+// the first epd keeps serving Joins; a leftover nobody holds is removed, and said.
+TEST(StartupSafetyTest, StartedSecondEpdRemovesOnlyUnheldLeftovers) {
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> first = DaemonProcess::Start();
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string socket = (*first)->socket_path();
+  const std::string moved_socket = (*first)->dir() + "/moved.sock";
+  ASSERT_EQ(::rename(socket.c_str(), moved_socket.c_str()), 0);
+  const std::vector<std::string> live = TaggedNames(socket);
+  ASSERT_FALSE(live.empty());
+  // A SIGKILLed epd's doorbell page: named with the tag, held by nobody.
+  const std::string leftover =
+      absl::StrCat("/dev/shm/epd-doorbell-", ShmCreatorTag(socket), "-leftover");
+  { std::ofstream(leftover) << "x"; }
+  ASSERT_TRUE(std::filesystem::exists(leftover));
+
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> second =
+      StartWithoutTheFirstsLock(socket, /*wait_serving=*/true);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_THAT((*second)->Logs(), HasSubstr("removed 1 shm region(s) left in /dev/shm"));
+  EXPECT_FALSE(std::filesystem::exists(leftover));
+  const std::vector<std::string> after = TaggedNames(socket);
+  for (const std::string& name : live) {
+    EXPECT_EQ(std::count(after.begin(), after.end(), name), 1)
+        << name << " of the live first epd was removed\n"
+        << (*second)->Logs();
+  }
+  std::string client_output;
+  EXPECT_TRUE(ClientJoins(moved_socket, (*first)->dir(), &client_output))
+      << client_output << "\n---- first epd ----\n"
+      << (*first)->Logs();
+  EXPECT_EQ((*second)->Stop().value_or(-1), 0);
+  EXPECT_EQ((*first)->Stop().value_or(-1), 0);
+  EXPECT_TRUE(TaggedNames(socket).empty());
+}
+
+/// Starts epd on `<dir>/epd.sock` expecting it to refuse; returns its exit code and log.
+std::pair<int, std::string> RefusedStart(const std::string& dir) {
+  DaemonProcessOptions options;
+  options.socket_path = dir + "/epd.sock";
+  options.tcp = false;
+  options.wait_serving = false;
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(options);
+  EXPECT_TRUE(epd.ok()) << epd.status();
+  if (!epd.ok()) return {-1000, ""};
+  absl::StatusOr<int> code = (*epd)->WaitExit(absl::Seconds(20));
+  EXPECT_TRUE(code.ok()) << code.status() << "\n" << (*epd)->Logs();
+  return {code.ok() ? *code : -1000, (*epd)->Logs()};
+}
+
+/// A hostile `<socket>.lock`: `make(dir)` puts it at `<dir>/epd.sock.lock` (returns 0, or
+/// -1 with errno), where `<dir>/precious.txt` holds "precious content\n".
+struct HostileLockFile {
+  const char* what;
+  std::function<int(const std::string& dir)> make;
+  const char* refusal;  ///< In epd's message, besides the lock path.
+};
+
+/// epd on `<dir>/epd.sock` must refuse (exit 1, FAILED_PRECONDITION naming the lock path),
+/// leave precious.txt as it was, create nothing through a link, and not start serving.
+void ExpectRefusedTouchingNothing(const HostileLockFile& lock_file) {
+  SCOPED_TRACE(lock_file.what);
+  const std::string dir = MakeTempDir("epd_lock_");
+  const std::string lock = dir + "/epd.sock.lock";
+  std::ofstream(dir + "/precious.txt") << "precious content\n";
+  ASSERT_EQ(lock_file.make(dir), 0) << std::strerror(errno);
+  auto [code, logs] = RefusedStart(dir);
+  EXPECT_EQ(code, 1) << logs;
+  EXPECT_THAT(
+      logs, AllOf(HasSubstr("FAILED_PRECONDITION"), HasSubstr(lock), HasSubstr(lock_file.refusal)));
+  EXPECT_EQ(ReadFile(dir + "/precious.txt"), "precious content\n");
+  EXPECT_FALSE(std::filesystem::exists(dir + "/created-through-the-link"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/epd.sock"));
+  std::filesystem::remove_all(dir);
+}
+
+// Finding 2: `<socket>.lock` was opened following symlinks, then truncated and given epd's
+// pid: a root epd on a socket in a directory others can write truncated any file (and
+// created the file a dangling link names).
+TEST(StartupSafetyTest, LockFileSymlinkIsRefusedAndItsTargetIsUntouched) {
+  for (const char* target : {"precious.txt", "created-through-the-link"}) {
+    ExpectRefusedTouchingNothing({target,
+                                  [target](const std::string& dir) {
+                                    return ::symlink((dir + "/" + target).c_str(),
+                                                     (dir + "/epd.sock.lock").c_str());
+                                  },
+                                  "is a symbolic link"});
+  }
+}
+
+// Not a regular file (a FIFO, a directory) or a second name of another file (a hard link,
+// which epd would truncate): refused naming the path.
+TEST(StartupSafetyTest, LockFileThatIsNotAPlainFileOfItsOwnIsRefused) {
+  const std::vector<HostileLockFile> cases = {
+      {"FIFO",
+       [](const std::string& dir) { return ::mkfifo((dir + "/epd.sock.lock").c_str(), 0600); },
+       "is not a regular file (a FIFO)"},
+      {"directory",
+       [](const std::string& dir) { return ::mkdir((dir + "/epd.sock.lock").c_str(), 0700); },
+       "is not a regular file (a directory)"},
+      {"hard link",
+       [](const std::string& dir) {
+         return ::link((dir + "/precious.txt").c_str(), (dir + "/epd.sock.lock").c_str());
+       },
+       "has 2 names (hard links)"},
+  };
+  for (const HostileLockFile& lock_file : cases) ExpectRefusedTouchingNothing(lock_file);
+}
+
+// An ordinary lock file left by an earlier epd is reused (and gets this epd's pid).
+TEST(StartupSafetyTest, LeftoverRegularLockFileIsReused) {
+  const std::string dir = MakeTempDir("epd_lock_reuse_");
+  std::ofstream(dir + "/epd.sock.lock") << "12345678\n";
+  DaemonProcessOptions options;
+  options.socket_path = dir + "/epd.sock";
+  options.tcp = false;
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(options);
+  ASSERT_TRUE(epd.ok()) << epd.status();
+  EXPECT_EQ(ReadFile(dir + "/epd.sock.lock"), absl::StrCat((*epd)->pid(), "\n"));
+  EXPECT_EQ((*epd)->Stop().value_or(-1), 0);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace epd::testing
