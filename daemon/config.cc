@@ -104,7 +104,9 @@ ABSL_FLAG(StringFlag, shm_mode, StringFlag{epd::kDefaultShmMode},
           "shm_mode: octal file mode of the endpoint shm regions (\"0660\" with "
           "--socket_group to share them with a group).");
 ABSL_FLAG(Uint32Flag, engine_idle_us, Uint32Flag{epd::kDefaultEngineIdleUs},
-          "engine_idle_us: an engine sleeps after this many idle microseconds.");
+          "engine_idle_us: an engine keeps polling this many microseconds after its last "
+          "request, then sleeps until a client rings it; 0 = sleep as soon as its rings are "
+          "empty (no spinning: least CPU, each op that finds it asleep pays a wake-up).");
 ABSL_FLAG(Uint32Flag, host_threads, Uint32Flag{0},
           "host_threads: threads the host backend uses per op; 0 = the hardware concurrency.");
 ABSL_FLAG(Uint32Flag, max_request_bytes, Uint32Flag{epd::kDefaultMaxRequestBytes},
@@ -311,7 +313,7 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
   if (config->log_level().empty()) config->set_log_level(kDefaultLogLevel);
   if (!config->has_op_timeout_ms()) config->set_op_timeout_ms(kDefaultOpTimeoutMs);
   if (config->shm_mode().empty()) config->set_shm_mode(kDefaultShmMode);
-  if (config->engine_idle_us() == 0) config->set_engine_idle_us(kDefaultEngineIdleUs);
+  if (!config->has_engine_idle_us()) config->set_engine_idle_us(kDefaultEngineIdleUs);
   if (!config->has_max_request_bytes()) config->set_max_request_bytes(kDefaultMaxRequestBytes);
   if (!config->has_max_groups()) config->set_max_groups(kDefaultMaxGroups);
 }

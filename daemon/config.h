@@ -1,8 +1,9 @@
 // DaemonConfig loading (DESIGN.md §3.1, STYLE rule 9): the config file is the text format
 // of epd.v1.DaemonConfig (proto/epd/v1/config.proto); command-line flags override any
-// field it sets; a field left absent (or 0 / "") takes the default documented in the
-// proto. A present-but-invalid value is an error naming the field and the value, never a
-// silent fallback.
+// field it sets; a field left absent (or "") takes the default documented in the proto
+// (op_timeout_ms, engine_idle_us, max_request_bytes and max_groups are `optional`: a
+// present 0 is kept and validated, never read as absent). A present-but-invalid value is an error
+// naming the field and the value, never a silent fallback.
 //
 // Flags (defined in config.cc, read by ConfigFlagsFromCommandLine; each flag's default,
 // shown by --help, is the field's default, and only a flag given on the command line
@@ -93,9 +94,11 @@ absl::StatusOr<v1::DaemonConfig> LoadDaemonConfigFile(const std::string& path);
 /// listener) and --gpu_uuids="" (every GPU) are meaningful and override the file.
 absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config);
 
-/// Replaces every absent field (proto3 default: "" or 0 or BACKEND_UNSPECIFIED) by its
-/// documented default. host_threads 0 and empty socket_group/listen/gpu_uuids are
-/// meaningful and stay.
+/// Replaces every absent field (proto3 default: "" or BACKEND_UNSPECIFIED; not set for the
+/// `optional` numbers) by its documented default. host_threads 0, a present
+/// engine_idle_us 0 (sleep at once) and empty socket_group/listen/gpu_uuids are meaningful
+/// and stay; a present op_timeout_ms or max_groups 0 stays for ValidateDaemonConfig to
+/// refuse.
 void FillDaemonConfigDefaults(v1::DaemonConfig* config);
 
 /// Checks every field of a filled config. INVALID_ARGUMENT naming the field and the value.

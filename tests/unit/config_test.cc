@@ -426,6 +426,44 @@ TEST(ParseFileModeTest, OctalModes) {
   EXPECT_FALSE(ParseFileMode("m", "17777").ok());
 }
 
+// engine_idle_us 0 means "sleep as soon as the rings are empty" (config.proto) and is kept,
+// from the file and from --engine_idle_us=0 alike; it was silently replaced by 100. Absent,
+// it still takes the default.
+TEST(ResolveDaemonConfigTest, EngineIdleUsZeroIsKeptFromFileAndFlag) {
+  std::string zero_file = WriteTempFile("engine_idle_us: 0\n");
+  ConfigFlags from_file;
+  from_file.config_path = zero_file;
+  absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(from_file);
+  ::unlink(zero_file.c_str());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config->has_engine_idle_us());
+  EXPECT_EQ(config->engine_idle_us(), 0u);
+
+  std::string good = WriteTempFile(kGoodConfig);  // engine_idle_us: 50
+  ConfigFlags flags;
+  {
+    absl::FlagSaver saver;
+    GiveFlag("config", good);
+    GiveFlag("engine_idle_us", "0");
+    flags = ConfigFlagsFromCommandLine();
+  }
+  ASSERT_TRUE(flags.engine_idle_us.has_value());
+  config = ResolveDaemonConfig(flags);
+  ::unlink(good.c_str());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->engine_idle_us(), 0u);
+
+  v1::DaemonConfig absent;
+  FillDaemonConfigDefaults(&absent);
+  EXPECT_EQ(absent.engine_idle_us(), kDefaultEngineIdleUs);
+  // The text epctl config shows keeps the 0 (presence is tracked).
+  v1::DaemonConfig zero;
+  zero.set_engine_idle_us(0);
+  FillDaemonConfigDefaults(&zero);
+  EXPECT_EQ(zero.engine_idle_us(), 0u);
+  EXPECT_THAT(zero.ShortDebugString(), HasSubstr("engine_idle_us: 0"));
+}
+
 /// An absolute socket path of exactly `bytes` bytes.
 std::string SocketPathOfLength(size_t bytes) {
   const std::string dir = "/tmp/epd-socket-length/";
