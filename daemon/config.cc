@@ -110,7 +110,8 @@ ABSL_FLAG(Uint32Flag, engine_idle_us, Uint32Flag{epd::kDefaultEngineIdleUs},
 ABSL_FLAG(Uint32Flag, host_threads, Uint32Flag{0},
           "host_threads: threads the host backend uses per op; 0 = the hardware concurrency.");
 ABSL_FLAG(Uint32Flag, max_request_bytes, Uint32Flag{epd::kDefaultMaxRequestBytes},
-          "max_request_bytes: largest gRPC message accepted, in bytes.");
+          "max_request_bytes: largest gRPC message accepted, in bytes, from 65536 to "
+          "2147483647 (gRPC's limit is an int).");
 ABSL_FLAG(Uint32Flag, max_groups, Uint32Flag{epd::kDefaultMaxGroups},
           "max_groups: maximum number of live groups.");
 ABSL_FLAG(StringListFlag, gpu_uuids, StringListFlag{},
@@ -360,6 +361,11 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_request_bytes: ", config.max_request_bytes(), " is below the minimum ",
                      kMinMaxRequestBytes));
+  }
+  if (config.max_request_bytes() > kMaxMaxRequestBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_request_bytes: ", config.max_request_bytes(), " is above the maximum ",
+                     kMaxMaxRequestBytes, " (gRPC takes the message size limit as an int)"));
   }
   if (config.max_groups() == 0) {
     return absl::InvalidArgumentError("max_groups: 0 (at least 1 group must be allowed)");

@@ -43,6 +43,8 @@ inline constexpr uint32_t kDefaultMaxRequestBytes = 4u << 20;
 inline constexpr uint32_t kDefaultMaxGroups = 64;
 /// Smallest accepted max_request_bytes: every control message fits in far less.
 inline constexpr uint32_t kMinMaxRequestBytes = 64u << 10;
+/// Largest accepted max_request_bytes: gRPC takes the limit as an int (INT32_MAX).
+inline constexpr uint32_t kMaxMaxRequestBytes = 2147483647u;
 /// Most host-backend threads per op (host_threads).
 inline constexpr uint32_t kMaxHostThreads = 1024;
 /// Longest socket_path epd can listen on, in bytes. sockaddr_un.sun_path holds 107 bytes
@@ -101,7 +103,9 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
 /// refuse.
 void FillDaemonConfigDefaults(v1::DaemonConfig* config);
 
-/// Checks every field of a filled config. INVALID_ARGUMENT naming the field and the value.
+/// Checks every field of a filled config. INVALID_ARGUMENT naming the field and the value
+/// (and the bound it breaks: e.g. max_request_bytes outside [kMinMaxRequestBytes,
+/// kMaxMaxRequestBytes]).
 absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config);
 
 /// What start-up should warn about in a filled, valid config (Daemon::Start logs each at

@@ -464,6 +464,40 @@ TEST(ResolveDaemonConfigTest, EngineIdleUsZeroIsKeptFromFileAndFlag) {
   EXPECT_THAT(zero.ShortDebugString(), HasSubstr("engine_idle_us: 0"));
 }
 
+// gRPC takes the message size limit as an int: a max_request_bytes above INT32_MAX was
+// cast to a negative limit. Refused from the file and from the flag, naming the maximum.
+TEST(ValidateDaemonConfigTest, MaxRequestBytesAboveInt32MaxIsRefused) {
+  v1::DaemonConfig config;
+  FillDaemonConfigDefaults(&config);
+  config.set_max_request_bytes(2147483647u);
+  EXPECT_TRUE(ValidateDaemonConfig(config).ok()) << ValidateDaemonConfig(config);
+  for (uint32_t bytes : {2147483648u, 4294967295u}) {
+    config.set_max_request_bytes(bytes);
+    absl::Status status = ValidateDaemonConfig(config);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bytes;
+    EXPECT_THAT(std::string(status.message()),
+                AllOf(HasSubstr("max_request_bytes"), HasSubstr(absl::StrCat(bytes)),
+                      HasSubstr("above the maximum 2147483647")));
+  }
+  std::string path = WriteTempFile("max_request_bytes: 3000000000\n");
+  ConfigFlags from_file;
+  from_file.config_path = path;
+  absl::Status status = ResolveDaemonConfig(from_file).status();
+  ::unlink(path.c_str());
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("max_request_bytes: 3000000000"), HasSubstr("2147483647")));
+  ConfigFlags flags;
+  {
+    absl::FlagSaver saver;
+    GiveFlag("max_request_bytes", "2147483648");
+    flags = ConfigFlagsFromCommandLine();
+  }
+  status = ResolveDaemonConfig(flags).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("max_request_bytes: 2147483648"), HasSubstr("2147483647")));
+}
+
 /// An absolute socket path of exactly `bytes` bytes.
 std::string SocketPathOfLength(size_t bytes) {
   const std::string dir = "/tmp/epd-socket-length/";
