@@ -37,8 +37,9 @@ std::string& CreatorTag() {
 class HeldNames {
  public:
   static HeldNames& Get() {
-    static HeldNames* names = new HeldNames();  // Never destroyed: used by static regions.
-    return *names;
+    // Destroyed at exit, like CreatorTag(): no ShmRegion may be a static (none is).
+    static HeldNames names;
+    return names;
   }
   void Add(const std::string& name) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -229,11 +230,12 @@ absl::StatusOr<ShmRegion> ShmRegion::Create(const std::string& prefix, uint64_t 
     }
     if (::fchown(fd.get(), static_cast<uid_t>(-1), g->gr_gid) != 0) {
       const int err = errno;
-      std::string msg = absl::StrCat("cannot give shm region ", r.name_, " to group \"", group,
-                                     "\" (gid ", g->gr_gid, "): ", std::strerror(err));
-      if (err != EPERM) return Errno(msg, err);
+      const std::string what = absl::StrCat("cannot give shm region ", r.name_, " to group \"",
+                                            group, "\" (gid ", g->gr_gid, ")");
+      if (err != EPERM) return Errno(what, err);
       return absl::PermissionDeniedError(absl::StrCat(
-          msg, "; epd's user (uid ", ::geteuid(), ") must be a member of group \"", group,
+          what, ": ", std::strerror(err), "; epd's user (uid ", ::geteuid(),
+          ") must be a member of group \"", group,
           "\" (socket_group) to give it its files: add it to the group (e.g. `usermod -aG ", group,
           " <user>`, then restart epd), choose a group it is in, or run epd as root"));
     }

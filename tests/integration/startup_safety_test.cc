@@ -228,5 +228,37 @@ TEST(StartupSafetyTest, LeftoverRegularLockFileIsReused) {
   std::filesystem::remove_all(dir);
 }
 
+// Finding 8: --socket_group naming a group epd's user is not in said only "fchown to group
+// root: Operation not permitted". epd runs as nobody (root: through setpriv, without
+// supplementary groups) with --socket_group=root, which it may not give files to.
+TEST(StartupSafetyTest, SocketGroupEpdsUserIsNotInNamesTheFileAndTheMembership) {
+  std::vector<std::string> argv;
+  if (::geteuid() == 0) {
+    if (::access("/usr/bin/setpriv", X_OK) != 0) GTEST_SKIP() << "needs setpriv (util-linux)";
+    argv = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"};
+  } else {
+    std::vector<gid_t> groups(::getgroups(0, nullptr) + 1);
+    groups.resize(::getgroups(static_cast<int>(groups.size()), groups.data()));
+    groups.push_back(::getegid());
+    if (std::count(groups.begin(), groups.end(), 0) > 0) {
+      GTEST_SKIP() << "the test user is in group root (gid 0)";
+    }
+  }
+  const std::string dir = MakeTempDir("epd_group_");
+  ASSERT_EQ(::chmod(dir.c_str(), 0777), 0);  // nobody creates the socket's lock file there.
+  argv.insert(argv.end(), {EpdBinary(), "--backend=host", "--socket=" + dir + "/epd.sock",
+                           "--socket_group=root"});
+  absl::StatusOr<CommandResult> epd = RunCommand(argv, absl::Seconds(30));
+  ASSERT_TRUE(epd.ok()) << epd.status();
+  EXPECT_EQ(epd->exit_code, 1) << epd->stderr_text;
+  EXPECT_THAT(epd->stderr_text,
+              AllOf(HasSubstr("epd failed to start: PERMISSION_DENIED"),
+                    HasSubstr("cannot give shm region /epd-doorbell-"),
+                    HasSubstr("to group \"root\" (gid 0)"),
+                    HasSubstr("must be a member of group \"root\" (socket_group)"),
+                    HasSubstr("or run epd as root")));
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace epd::testing
