@@ -351,16 +351,17 @@ struct Endpoint::Impl {
   /// Seqs whose failure was already accounted (Wait may be called again).
   std::array<uint64_t, abi::kCompletionCapacity> failure_noted{};
 
+  /// EndpointInfo kernel_done_wait, and this process sees MPS on the endpoint's GPU too
+  /// (cudaDevAttrMpsEnabled): without MPS here, a spinning staging kernel would hold the
+  /// GPU's time slice that the daemon's kernels need, whatever the daemon sees. Always
+  /// false without CUDA.
+  bool kernel_done_wait = false;
 #if EPD_HAVE_CUDA
   std::shared_ptr<const internal::CudaAreaMapping> mapping;  ///< The data area.
   bool client_launched = false;
   internal::GroupEndpointsFn group_endpoints;
   internal::StreamHandle aux_stream;    ///< The library's own stream (releases, reads).
   internal::PinnedMemory release_word;  ///< uint64 kReleasedSeq (daemon-launched).
-  /// EndpointInfo kernel_done_wait, and this process sees MPS on the endpoint's GPU too
-  /// (cudaDevAttrMpsEnabled): without MPS here, a spinning staging kernel would hold the
-  /// GPU's time slice that the daemon's kernels need, whatever the daemon sees.
-  bool kernel_done_wait = false;
   std::atomic<bool> stream_released{false};
   /// Stream-ordered ops published, by seq % size (ReleaseStreams checks which are done).
   std::array<std::atomic<uint64_t>, abi::kCompletionCapacity> ordered_ops{};
