@@ -1,5 +1,7 @@
 #include "control_channel.h"
 
+#include <grp.h>
+#include <pwd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -10,6 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace epd::internal {
 
@@ -60,36 +63,95 @@ absl::Status ExplainControlError(const absl::Status& status, const std::string& 
   return AnnotateUnavailable(status, target);
 }
 
-absl::Status CheckUnixSocket(const std::string& target, absl::string_view option) {
-  if (!absl::StartsWith(target, "unix://")) return absl::OkStatus();
-  const std::string path = target.substr(7);
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
+namespace {
+
+std::string UserText(const UnixSocketProbe& probe) {
+  return probe.user_name.empty() ? absl::StrCat("uid ", probe.uid)
+                                 : absl::StrCat(probe.user_name, " (uid ", probe.uid, ")");
+}
+
+std::string GroupText(const UnixSocketProbe& probe) {
+  return probe.group_name.empty() ? absl::StrCat("gid ", probe.gid)
+                                  : absl::StrCat(probe.group_name, " (gid ", probe.gid, ")");
+}
+
+}  // namespace
+
+absl::Status ClassifyUnixSocketProbe(const std::string& path, absl::string_view option,
+                                     const UnixSocketProbe& probe) {
+  const bool denied = probe.stat_errno == EACCES || probe.stat_errno == EPERM;
+  if (denied) {
+    // stat() needs only search (x) permission on the directories above the socket.
+    return absl::PermissionDeniedError(absl::StrCat(
+        "cannot reach socket ", path, " (", option, "): ", std::strerror(probe.stat_errno),
+        ": a directory above it is not searchable by ", UserText(probe),
+        "; epd may well be running: have the operator let the clients' group search that "
+        "directory (e.g. chmod 0750 and chgrp it to epd's socket_group), or give epd a "
+        "socket_path in a directory the clients can reach"));
+  }
+  if (probe.stat_errno == ENOENT || probe.stat_errno == ENOTDIR) {
     return absl::UnavailableError(absl::StrCat("no epd daemon: socket ", path,
                                                " does not exist (is epd running? is ", option,
                                                " right?)"));
   }
-  if (!S_ISSOCK(st.st_mode)) {
+  if (probe.stat_errno != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot stat socket ", path, " (", option,
+                                               "): ", std::strerror(probe.stat_errno)));
+  }
+  if (!S_ISSOCK(probe.mode)) {
     return absl::FailedPreconditionError(
         absl::StrCat(option, ": ", path, " is not a unix socket (is ", option, " right?)"));
   }
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof(addr.sun_path)) return absl::OkStatus();  // gRPC will say.
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::OkStatus();  // No probe; the connect's timeout still bounds it.
-  const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
-  const int error = rc == 0 ? 0 : errno;
-  ::close(fd);
-  if (error == ECONNREFUSED) {
+  if (probe.connect_errno == ECONNREFUSED) {
     return absl::UnavailableError(absl::StrCat(
         "no epd daemon: nothing listens on socket ", path,
         " (connection refused: a socket file left by an epd that was killed? is epd running? "
         "is ",
         option, " right?)"));
   }
+  if (probe.connect_errno == EACCES || probe.connect_errno == EPERM) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "permission denied connecting to socket %s (%s): it has mode %04o and group %s, and "
+        "%s may not write to it; epd is probably running: add this user to group %s (then "
+        "log in again), or have the operator set epd's socket_group to a group of this user "
+        "and socket_mode to \"0660\"",
+        path, option, probe.mode & 07777, GroupText(probe), UserText(probe),
+        probe.group_name.empty() ? absl::StrCat(probe.gid) : probe.group_name));
+  }
+  if (probe.connect_errno == ENOENT) {  // Removed between stat and connect.
+    return absl::UnavailableError(absl::StrCat("no epd daemon: socket ", path,
+                                               " does not exist (is epd running? is ", option,
+                                               " right?)"));
+  }
   return absl::OkStatus();
+}
+
+absl::Status CheckUnixSocket(const std::string& target, absl::string_view option) {
+  if (!absl::StartsWith(target, "unix://")) return absl::OkStatus();
+  const std::string path = target.substr(7);
+  UnixSocketProbe probe;
+  probe.uid = ::geteuid();
+  if (const passwd* pw = ::getpwuid(probe.uid); pw != nullptr) probe.user_name = pw->pw_name;
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    probe.stat_errno = errno;
+    return ClassifyUnixSocketProbe(path, option, probe);
+  }
+  probe.mode = st.st_mode;
+  probe.gid = st.st_gid;
+  if (const group* gr = ::getgrgid(st.st_gid); gr != nullptr) probe.group_name = gr->gr_name;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (S_ISSOCK(st.st_mode) && path.size() < sizeof(addr.sun_path)) {  // Else gRPC will say.
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd >= 0) {  // Else no probe; the connect's timeout still bounds the wait.
+      const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+      probe.connect_errno = rc == 0 ? 0 : errno;
+      ::close(fd);
+    }
+  }
+  return ClassifyUnixSocketProbe(path, option, probe);
 }
 
 }  // namespace epd::internal

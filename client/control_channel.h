@@ -2,6 +2,7 @@
 // epd's Control and Health services.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -34,9 +35,37 @@ absl::Status ExplainControlError(const absl::Status& status, const std::string& 
 /// For a "unix://<path>" target, fails at once when nothing can answer there instead of
 /// letting a connect wait its whole timeout: UNAVAILABLE when <path> does not exist or
 /// refuses a connection (a socket file that no process listens on, e.g. left by an epd
-/// that was killed), FAILED_PRECONDITION when it is not a unix socket; each names `option`
-/// (the flag or field the path came from). The probe is one non-blocking connect(), closed
-/// at once. OK for other targets and for a socket that accepts (or whose backlog is full).
+/// that was killed), PERMISSION_DENIED when this user may not reach or connect to it (the
+/// fix is the socket's group or epd's socket_mode / socket_group, not starting epd),
+/// FAILED_PRECONDITION when it is not a unix socket; each names the path and `option`
+/// (the flag or field the path came from). The probe is one stat() and one non-blocking
+/// connect(), closed at once; ClassifyUnixSocketProbe turns their outcome into the status.
+/// OK for other targets and for a socket that accepts (or whose backlog is full).
 absl::Status CheckUnixSocket(const std::string& target, absl::string_view option);
+
+/// What CheckUnixSocket's probe of a socket path found (built by it, or by a test).
+struct UnixSocketProbe {
+  /// errno of stat(path): 0 = it succeeded; ENOENT/ENOTDIR = no such file; EACCES = a
+  /// directory on the path is not searchable by this user.
+  int stat_errno = 0;
+  /// From a successful stat: the file's type and permission bits (st_mode), its group id
+  /// and that group's name ("" when unknown).
+  uint32_t mode = 0;
+  uint32_t gid = 0;
+  std::string group_name;
+  /// errno of the probe connect(): 0 = accepted, in progress or not tried; ECONNREFUSED =
+  /// nothing listens; EACCES/EPERM = no write permission on the socket (or no search
+  /// permission on a directory above it).
+  int connect_errno = 0;
+  /// The user running the probe, for the message: uid and name ("" when unknown).
+  uint32_t uid = 0;
+  std::string user_name;
+};
+
+/// CheckUnixSocket's verdict on `probe` of socket `path` (named with `option`), as
+/// documented there. Pure: the permission cases can be tested as root, where the kernel
+/// never refuses.
+absl::Status ClassifyUnixSocketProbe(const std::string& path, absl::string_view option,
+                                     const UnixSocketProbe& probe);
 
 }  // namespace epd::internal

@@ -1,0 +1,88 @@
+// A client running as another user than epd (real epd, real epctl run
+// as nobody through setpriv; needs root, else skipped): it is told at once that it lacks
+// permission, naming the path and the setting to change, instead of "is epd running?"
+// after its whole timeout (socket in a 0700 directory: "does not exist"; socket 0660 of
+// another group: a 5 s wait).
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
+
+namespace epd::testing {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+/// argv run as nobody:nogroup (65534), without supplementary groups.
+std::vector<std::string> AsNobody(std::vector<std::string> argv) {
+  std::vector<std::string> full = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534",
+                                   "--clear-groups"};
+  full.insert(full.end(), argv.begin(), argv.end());
+  return full;
+}
+
+class SocketPermissionsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root to run clients as another user";
+    if (::access("/usr/bin/setpriv", X_OK) != 0) GTEST_SKIP() << "needs setpriv (util-linux)";
+  }
+  void TearDown() override {
+    if (HasFailure() && epd_ != nullptr) std::cerr << "---- epd log ----\n" << epd_->Logs();
+  }
+  void StartEpd(std::vector<std::string> extra_args = {}) {
+    DaemonProcessOptions options;
+    options.tcp = false;
+    options.extra_args = std::move(extra_args);
+    auto epd = DaemonProcess::Start(options);
+    ASSERT_TRUE(epd.ok()) << epd.status();
+    epd_ = *std::move(epd);
+  }
+  /// Runs `epctl --socket=<epd's> --timeout=10s status` as nobody; its result and time.
+  CommandResult EpctlStatusAsNobody(absl::Duration* took) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<CommandResult> result = RunCommand(
+        AsNobody({EpctlBinary(), "--socket=" + epd_->socket_path(), "--timeout=10s", "status"}),
+        absl::Seconds(30));
+    *took = absl::Now() - start;
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.value_or(CommandResult{-1, "", ""});
+  }
+
+  std::unique_ptr<DaemonProcess> epd_;
+};
+
+TEST_F(SocketPermissionsTest, SocketInAClosedDirectoryIsPermissionNotMissing) {
+  StartEpd();  // Its socket is in a fresh 0700 directory of root's.
+  absl::Duration took;
+  CommandResult r = EpctlStatusAsNobody(&took);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_LT(took, absl::Seconds(5)) << r.stderr_text;
+  EXPECT_THAT(r.stderr_text, AllOf(HasSubstr("cannot reach socket " + epd_->socket_path()),
+                                   HasSubstr("not searchable"), Not(HasSubstr("does not exist"))));
+}
+
+TEST_F(SocketPermissionsTest, SocketOfAnotherGroupIsPermissionDeniedAtOnce) {
+  StartEpd();  // socket_mode 0660, group root: nobody may not connect.
+  ASSERT_EQ(::chmod(epd_->dir().c_str(), 0755), 0);
+  absl::Duration took;
+  CommandResult r = EpctlStatusAsNobody(&took);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_LT(took, absl::Seconds(5)) << r.stderr_text;
+  EXPECT_THAT(
+      r.stderr_text,
+      AllOf(HasSubstr("permission denied connecting to socket " + epd_->socket_path()),
+            HasSubstr("mode 0660"), HasSubstr("socket_group"), Not(HasSubstr("is epd running"))));
+}
+
+}  // namespace
+}  // namespace epd::testing
