@@ -46,6 +46,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "control_channel.h"
 #include "cuda_ipc.h"
 #include "cuda_launch.h"
 #include "endpoint_internal.h"
@@ -1966,9 +1967,16 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
           absl::StrCat("buffer region '", br.name(), "' differs between epd and this client"));
     }
   }
-  EPD_ASSIGN_OR_RETURN(m->region, ShmRegion::Open(info.shm_name(), info.shm_bytes()));
+  // The regions have epd's shm_mode (owner only by default): a PERMISSION_DENIED says
+  // which settings let this user open them.
+  auto open_region = [](const std::string& name, uint64_t bytes) -> absl::StatusOr<ShmRegion> {
+    absl::StatusOr<ShmRegion> region = ShmRegion::Open(name, bytes);
+    if (!region.ok()) return ExplainShmOpenError(region.status(), ::geteuid());
+    return region;
+  };
+  EPD_ASSIGN_OR_RETURN(m->region, open_region(info.shm_name(), info.shm_bytes()));
   EPD_ASSIGN_OR_RETURN(m->doorbell_region,
-                       ShmRegion::Open(info.doorbell_shm_name(), sizeof(abi::DoorbellPage)));
+                       open_region(info.doorbell_shm_name(), sizeof(abi::DoorbellPage)));
   m->header = reinterpret_cast<abi::EndpointShmHeader*>(m->region.data());
   m->doorbell = reinterpret_cast<abi::DoorbellPage*>(m->doorbell_region.data());
   const abi::EndpointShmHeader& h = *m->header;

@@ -1,8 +1,9 @@
-// A client running as another user than epd (real epd, real epctl run
+// A client running as another user than epd (real epd, real epctl and epd_test_client run
 // as nobody through setpriv; needs root, else skipped): it is told at once that it lacks
 // permission, naming the path and the setting to change, instead of "is epd running?"
 // after its whole timeout (socket in a 0700 directory: "does not exist"; socket 0660 of
-// another group: a 5 s wait).
+// another group: a 5 s wait), and a Join that the default shm_mode 0600 refuses names
+// shm_mode and socket_group.
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -82,6 +83,21 @@ TEST_F(SocketPermissionsTest, SocketOfAnotherGroupIsPermissionDeniedAtOnce) {
       r.stderr_text,
       AllOf(HasSubstr("permission denied connecting to socket " + epd_->socket_path()),
             HasSubstr("mode 0660"), HasSubstr("socket_group"), Not(HasSubstr("is epd running"))));
+}
+
+TEST_F(SocketPermissionsTest, JoinRefusedByShmModeNamesShmModeAndSocketGroup) {
+  // Anyone may connect, but the endpoint's regions keep the default shm_mode 0600.
+  StartEpd({"--socket_mode=0666"});
+  ASSERT_EQ(::chmod(epd_->dir().c_str(), 0755), 0);
+  absl::StatusOr<CommandResult> r =
+      RunCommand(AsNobody({TestClientBinary(), "--socket=" + epd_->socket_path(), "--rank=0",
+                           "--num_ranks=1", "--num_experts=2"}),
+                 absl::Seconds(30));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 4) << r->stdout_text << r->stderr_text;
+  EXPECT_THAT(r->stdout_text, AllOf(HasSubstr("JOIN_ERROR PERMISSION_DENIED"),
+                                    HasSubstr("shm_open("), HasSubstr("shm_mode \"0660\""),
+                                    HasSubstr("socket_group"), HasSubstr("uid 65534")));
 }
 
 }  // namespace
