@@ -52,6 +52,8 @@ using GroupEndpointsFn =
 /// `group_endpoints` is needed for client-launched endpoints (info.launch_mode =
 /// LAUNCH_MODE_CLIENT); their first op fails with FAILED_PRECONDITION without it.
 /// Errors: FAILED_PRECONDITION on an ABI mismatch, UNAVAILABLE when the shm is gone,
+/// PERMISSION_DENIED when this user may not open the endpoint's shm regions (the message
+/// names epd's shm_mode and socket_group and what to change: ExplainShmOpenError),
 /// INTERNAL on mmap failure.
 absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(
     const v1::EndpointInfo& info, const v1::GroupSpec& spec, std::function<absl::Status()> leave,
