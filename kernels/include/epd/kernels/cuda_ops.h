@@ -229,9 +229,9 @@ inline constexpr int kMaxBatchCopies = 4;
 /// when the daemon's kernel has stored done_seq, as after a cuStreamWaitValue64 on it, but
 /// without the GPU front end's wake-up of a blocked stream (~2.5 µs per waiting stream, in
 /// series: docs/BENCHMARKS.md "Launch modes", dispatch -4.2 µs and combine -3.4 µs with 8
-/// ranks on one GPU, against the stream wait on the same grids). The kernel then holds one block of one SM for the op, which the
-/// daemon leaves free (CudaRankContext::sms_left_per_rank); the others' blocks exit as
-/// before.
+/// ranks on one GPU, against the stream wait on the same grids). The kernel then holds one block of
+/// one SM for the op, which the daemon leaves free (CudaRankContext::sms_left_per_rank); the
+/// others' blocks exit as before.
 absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint64_t* signal,
                                   uint64_t signal_value, uint32_t* counter, cudaStream_t stream,
                                   uint64_t* started = nullptr, const DoneWait& done_wait = {});
