@@ -361,8 +361,7 @@ struct Endpoint::Impl {
   std::shared_ptr<const internal::CudaAreaMapping> mapping;  ///< The data area.
   bool client_launched = false;
   internal::GroupEndpointsFn group_endpoints;
-  internal::StreamHandle aux_stream;    ///< The library's own stream (releases, reads).
-  internal::PinnedMemory release_word;  ///< uint64 kReleasedSeq (daemon-launched).
+  internal::StreamHandle aux_stream;  ///< The library's own stream (releases, reads).
   std::atomic<bool> stream_released{false};
   /// Stream-ordered ops published, by seq % size (ReleaseStreams checks which are done).
   std::array<std::atomic<uint64_t>, abi::kCompletionCapacity> ordered_ops{};
@@ -657,11 +656,11 @@ struct Endpoint::Impl {
     if (!cuda || client_launched || aux_stream == nullptr || stream_released.load()) return;
     if (!program.empty()) {
       // A stream at a program step's done wait: done = kProgramReleased, which no ack
-      // clears (layout.h).
-      static const uint64_t kReleased = kernels::kProgramReleased;
+      // clears (layout.h); a stream memory write, as for done_seq below.
       internal::DeviceGuard guard(mapping->device());
-      cudaMemcpyAsync(At(layout.launch_flags) + kernels::kProgramDoneOffset, &kReleased,
-                      sizeof(kReleased), cudaMemcpyHostToDevice, aux_stream.get());
+      (void)kc::StreamWriteValue64(aux_stream.get(),
+                                   At(layout.launch_flags) + kernels::kProgramDoneOffset,
+                                   kernels::kProgramReleased);
       cudaStreamSynchronize(aux_stream.get());
       cudaGetLastError();
     }
@@ -679,14 +678,11 @@ struct Endpoint::Impl {
     internal::DeviceGuard guard(mapping->device());
     // A stream memory write, not a copy: a copy would queue on the copy engine that the
     // process's other streams share, where one held behind a stream-ordered op could keep
-    // the release from landing.
-    if (!kc::StreamWriteValue64(aux_stream.get(),
-                                At(layout.launch_flags) + kernels::kDoneFlagOffset,
-                                internal::kReleasedSeq)
-             .ok()) {
-      cudaMemcpyAsync(At(layout.launch_flags) + kernels::kDoneFlagOffset, release_word.get(),
-                      sizeof(uint64_t), cudaMemcpyHostToDevice, aux_stream.get());
-    }
+    // the release from landing. (Stream memory operations are there: the daemon accepts no
+    // stream-ordered op without them, CudaGroup::CheckRequest.)
+    (void)kc::StreamWriteValue64(aux_stream.get(),
+                                 At(layout.launch_flags) + kernels::kDoneFlagOffset,
+                                 internal::kReleasedSeq);
     cudaStreamSynchronize(aux_stream.get());
     cudaGetLastError();
 #endif
@@ -2006,9 +2002,6 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
         mps = 0;
       }
       m->kernel_done_wait = info.kernel_done_wait() && mps != 0;
-      EPD_ASSIGN_OR_RETURN(m->release_word, internal::AllocatePinned(sizeof(uint64_t)));
-      const uint64_t released = internal::kReleasedSeq;
-      std::memcpy(m->release_word.get(), &released, sizeof(released));
     }
   }
 #else
