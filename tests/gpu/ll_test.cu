@@ -908,6 +908,40 @@ absl::StatusOr<std::vector<CallerTensors>> AllocateCallerTensors(const VirtualRa
   return out;
 }
 
+// What the daemon-launched hand-off tests share: an R-rank group whose staging regions hold
+// stale inputs, the real inputs `in` (and their host reference) in the caller's own tensors,
+// a `seen` word per rank for the ranks' WaitFlagAsync, and the client's stream.
+struct HandoffRig {
+  std::unique_ptr<VirtualRankGroup> group;
+  std::mt19937_64 rng;
+  std::vector<RankInputs> in;
+  HostReference ref;
+  std::vector<CallerTensors> caller;
+  DeviceBuffer seen_buffer;
+  CudaStream client;
+
+  uint64_t* seen() const { return reinterpret_cast<uint64_t*>(seen_buffer.get()); }
+
+  // Group of R ranks (SmallShape; `num_sms` blocks per kernel, 0 = default), inputs drawn
+  // from `seed`.
+  static absl::StatusOr<std::unique_ptr<HandoffRig>> Create(int32_t R, uint64_t seed,
+                                                            int32_t num_sms) {
+    auto rig = std::make_unique<HandoffRig>();
+    EPD_ASSIGN_OR_RETURN(rig->group,
+                         VirtualRankGroup::Create(SmallShape(R), 5'000'000'000, num_sms));
+    VirtualRankGroup& g = *rig->group;
+    rig->rng.seed(seed);
+    const std::vector<RankInputs> stale = MakeInputs(SmallCase(R), rig->rng, 1);
+    rig->in = MakeInputs(SmallCase(R), rig->rng, 2);
+    EPD_RETURN_IF_ERROR(ComputeHostReference(g.shape(), true, false, rig->in, &rig->ref));
+    EPD_RETURN_IF_ERROR(UploadInputs(g, stale));
+    EPD_ASSIGN_OR_RETURN(rig->caller, AllocateCallerTensors(g));
+    EPD_ASSIGN_OR_RETURN(rig->seen_buffer, DeviceBuffer::Allocate(R * sizeof(uint64_t)));
+    EPD_ASSIGN_OR_RETURN(rig->client, CudaStream::Create());
+    return rig;
+  }
+};
+
 // The daemon's side of rank r's combine `seq` of dispatch buffer `buffer`, on its stream:
 // the expert outputs, the WaitFlagAsync on `wait_offset` (and on `alt_offset` when given;
 // launch_flags words; `seen` as WaitFlagAsync), then the kernel behind it. (An optional, not
@@ -935,29 +969,20 @@ absl::Status EnqueueCombineBehindWait(VirtualRankGroup& g, int32_t r, int32_t bu
 TEST(LowLatencyHandoff, KernelsWaitForReadyThenWriteDone) {
   REQUIRE_GPU();
   constexpr int32_t R = 4;
-  auto group = VirtualRankGroup::Create(SmallShape(R));
-  ASSERT_TRUE(group.ok()) << group.status();
-  VirtualRankGroup& g = **group;
-  std::mt19937_64 rng(31);
-  std::vector<RankInputs> stale = MakeInputs(SmallCase(R), rng, 1);
-  std::vector<RankInputs> in = MakeInputs(SmallCase(R), rng, 2);
-  HostReference ref;
-  EPD_ASSERT_OK(ComputeHostReference(g.shape(), true, false, in, &ref));
-  EPD_ASSERT_OK(UploadInputs(g, stale));
-  // The real inputs, in device memory of their own (the caller's tensors).
-  auto caller = AllocateCallerTensors(g);
-  ASSERT_TRUE(caller.ok()) << caller.status();
+  auto rig = HandoffRig::Create(R, 31, /*num_sms=*/0);
+  ASSERT_TRUE(rig.ok()) << rig.status();
+  VirtualRankGroup& g = *(*rig)->group;
+  const std::vector<RankInputs>& in = (*rig)->in;
+  const HostReference& ref = (*rig)->ref;
+  std::vector<CallerTensors>* caller = &(*rig)->caller;  // The caller's tensors.
+  uint64_t* seen = (*rig)->seen();
+  CudaStream* client = &(*rig)->client;
   std::vector<std::array<kc::DeviceCopy, 3>> copies(R);
   for (int32_t r = 0; r < R; ++r) {
     auto c = (*caller)[r].Fill(g, r, in[r]);
     ASSERT_TRUE(c.ok()) << c.status();
     copies[r] = *c;
   }
-  auto seen_buffer = DeviceBuffer::Allocate(R * sizeof(uint64_t));
-  ASSERT_TRUE(seen_buffer.ok());
-  auto* seen = reinterpret_cast<uint64_t*>(seen_buffer->get());
-  auto client = CudaStream::Create();
-  ASSERT_TRUE(client.ok());
   auto flag = [&](int32_t r, uint64_t offset) { return LaunchFlag(g, r, offset); };
   auto counter = [&](int32_t r) { return StagingCounter(g, r); };
   auto handoff = [&](int32_t r, uint64_t seq) { return DaemonHandoff(g, r, seq); };
@@ -1034,22 +1059,15 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
   // 8 blocks per rank leave SMs free for the client's staging kernel, which seq 1's
   // host-written staging_seq lets the kernels precede (the real staging kernel writes it
   // only once its own blocks are all resident: seqs 2 and 3).
-  auto group = VirtualRankGroup::Create(SmallShape(R), 5'000'000'000, /*num_sms=*/8);
-  ASSERT_TRUE(group.ok()) << group.status();
-  VirtualRankGroup& g = **group;
-  std::mt19937_64 rng(37);
-  std::vector<RankInputs> stale = MakeInputs(SmallCase(R), rng, 1);
-  std::vector<RankInputs> in = MakeInputs(SmallCase(R), rng, 2);
-  HostReference ref;
-  EPD_ASSERT_OK(ComputeHostReference(g.shape(), true, false, in, &ref));
-  EPD_ASSERT_OK(UploadInputs(g, stale));
-  auto caller = AllocateCallerTensors(g);
-  ASSERT_TRUE(caller.ok()) << caller.status();
-  auto seen_buffer = DeviceBuffer::Allocate(R * sizeof(uint64_t));
-  ASSERT_TRUE(seen_buffer.ok());
-  auto* seen = reinterpret_cast<uint64_t*>(seen_buffer->get());
-  auto client = CudaStream::Create();
-  ASSERT_TRUE(client.ok());
+  auto rig = HandoffRig::Create(R, 37, /*num_sms=*/8);
+  ASSERT_TRUE(rig.ok()) << rig.status();
+  VirtualRankGroup& g = *(*rig)->group;
+  std::mt19937_64& rng = (*rig)->rng;
+  const std::vector<RankInputs>& in = (*rig)->in;
+  const HostReference& ref = (*rig)->ref;
+  std::vector<CallerTensors>* caller = &(*rig)->caller;
+  uint64_t* seen = (*rig)->seen();
+  CudaStream* client = &(*rig)->client;
   auto flag = [&](int32_t r, uint64_t offset) { return LaunchFlag(g, r, offset); };
   auto counter = [&](int32_t r) { return StagingCounter(g, r); };
   auto handoff = [&](int32_t r, uint64_t seq) { return DaemonHandoff(g, r, seq); };
