@@ -9,6 +9,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <system_error>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -16,8 +18,23 @@
 
 namespace epd::internal {
 
+namespace {
+
+/// "unix://" + `path` made absolute against the working directory (as gRPC would resolve
+/// it), so CheckUnixSocket sees a relative socket path too; `path` itself when that fails.
+std::string AbsoluteUnixTarget(absl::string_view path) {
+  std::error_code error;
+  const std::filesystem::path absolute = std::filesystem::absolute(std::string(path), error);
+  return error ? absl::StrCat("unix:", path) : absl::StrCat("unix://", absolute.string());
+}
+
+}  // namespace
+
 std::string ChannelTarget(absl::string_view socket) {
   if (absl::StartsWith(socket, "/")) return absl::StrCat("unix://", socket);
+  if (absl::StartsWith(socket, "unix:") && !absl::StartsWith(socket, "unix://")) {
+    return AbsoluteUnixTarget(socket.substr(5));  // "unix:relative.sock"
+  }
   if (absl::StartsWith(socket, "unix:") || absl::StartsWith(socket, "unix-abstract:")) {
     return std::string(socket);
   }
@@ -28,7 +45,7 @@ std::string ChannelTarget(absl::string_view socket) {
   if (colon != absl::string_view::npos && (slash == absl::string_view::npos || slash > colon)) {
     return std::string(socket);
   }
-  return absl::StrCat("unix:", socket);
+  return AbsoluteUnixTarget(socket);
 }
 
 std::shared_ptr<grpc::Channel> MakeControlChannel(const std::string& target) {

@@ -12,9 +12,11 @@
 
 namespace epd::internal {
 
-/// The gRPC target of a socket argument: "/path" → "unix:///path"; "unix:..." as is;
+/// The gRPC target of a socket argument: "/path" → "unix:///path"; "unix://..." as is;
 /// "host:port" (and any other "scheme:" target such as "dns:///h:p") as is; a relative
-/// path ("run/epd.sock", "./epd.sock") → "unix:" + path.
+/// path ("run/epd.sock", "./epd.sock", "unix:epd.sock") → "unix://" + the absolute path
+/// against the working directory, so a missing file is reported at once (CheckUnixSocket)
+/// by epctl and Client::Connect alike.
 std::string ChannelTarget(absl::string_view socket);
 
 /// An insecure channel to `target` (a ChannelTarget) that is not throttled by gRPC's

@@ -7,9 +7,7 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <filesystem>
 #include <string>
-#include <system_error>
 #include <vector>
 
 #include "../control_channel.h"
@@ -131,16 +129,6 @@ int CheckFlags(int argc, char** argv) {
   return -1;
 }
 
-/// A relative socket path made absolute (against the working directory, as gRPC would
-/// resolve it), so that the socket checks below see it: "relative.sock" and
-/// "unix:relative.sock" become "unix:///cwd/relative.sock". Other targets are unchanged.
-std::string AbsoluteTarget(const std::string& target) {
-  if (!absl::StartsWith(target, "unix:") || absl::StartsWith(target, "unix://")) return target;
-  std::error_code error;
-  const std::filesystem::path path = std::filesystem::absolute(target.substr(5), error);
-  return error ? target : absl::StrCat("unix://", path.string());
-}
-
 int Fail(const std::string& message) {
   std::fprintf(stderr, "epctl: %s\n", message.c_str());
   return 1;
@@ -209,8 +197,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "epctl: --socket is empty; give epd's socket path or host:port\n");
     return 2;
   }
-  const std::string target =
-      AbsoluteTarget(epd::internal::ChannelTarget(absl::GetFlag(FLAGS_socket)));
+  const std::string target = epd::internal::ChannelTarget(absl::GetFlag(FLAGS_socket));
   std::shared_ptr<grpc::Channel> channel = Connect(target);
   if (channel == nullptr) return 1;
 

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -23,6 +24,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "epd/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "shm_region.h"
@@ -227,4 +229,27 @@ TEST(ExplainShmOpenError, RegionOfAnotherUserIsExplained) {
 }
 
 }  // namespace
+// A relative socket path (or "unix:relative") becomes an absolute unix:// target, so the
+// socket checks see it: a client on a missing relative socket learns at once, naming the
+// file, instead of after its connect timeout; other targets are unchanged.
+TEST(ChannelTarget, RelativeSocketPathsBecomeAbsoluteAndMissingOnesAreReportedAtOnce) {
+  const std::string cwd = std::filesystem::current_path().string();
+  EXPECT_EQ(ChannelTarget("run/epd.sock"), absl::StrCat("unix://", cwd, "/run/epd.sock"));
+  EXPECT_EQ(ChannelTarget("unix:epd.sock"), absl::StrCat("unix://", cwd, "/epd.sock"));
+  EXPECT_EQ(ChannelTarget("/run/epd/epd.sock"), "unix:///run/epd/epd.sock");
+  EXPECT_EQ(ChannelTarget("unix:///run/epd/epd.sock"), "unix:///run/epd/epd.sock");
+  EXPECT_EQ(ChannelTarget("127.0.0.1:50051"), "127.0.0.1:50051");
+  EXPECT_EQ(ChannelTarget("unix-abstract:epd"), "unix-abstract:epd");
+
+  ClientOptions options;
+  options.socket_path = "no-such-dir-of-this-test/epd.sock";
+  options.connect_timeout = absl::Seconds(20);
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  ASSERT_FALSE(client.ok());
+  EXPECT_THAT(std::string(client.status().message()),
+              ::testing::HasSubstr(absl::StrCat(cwd, "/no-such-dir-of-this-test/epd.sock")));
+}
+
 }  // namespace epd::internal
