@@ -65,7 +65,7 @@ TEST(DaemonDeathTest, StreamOfAnOpInFlightIsReleasedWhenEpdIsKilled) {
   }
 
   std::vector<uint16_t> x(kTokens * kHidden, 0x3f80);  // bf16 1.0
-  std::vector<int64_t> idx(kTokens * kTopk, 5);           // all to rank 1's experts
+  std::vector<int64_t> idx(kTokens * kTopk, 5);        // all to rank 1's experts
   std::vector<int64_t> x_shape = {kTokens, kHidden}, idx_shape = {kTokens, kTopk};
   DLTensor xt = MakeDLTensor(x.data(), DLDataType{kDLBfloat, 16, 1}, x_shape, {kDLCPU, 0});
   DLTensor it = MakeDLTensor(idx.data(), DLDataType{kDLInt, 64, 1}, idx_shape, {kDLCPU, 0});
