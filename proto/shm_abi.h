@@ -26,6 +26,12 @@ inline constexpr uint32_t kRingCapacity = 64;           // Request slots (power 
 inline constexpr uint32_t kCompletionCapacity = 64;     // Completion records.
 inline constexpr uint32_t kMessageBytes = 232;          // Error text in a completion.
 
+/// The first 8 bytes a client sends on a connection to epd's unix socket that is an fd
+/// channel (docs/SECURITY.md "Shared memory the client cannot resize") rather than gRPC
+/// (whose connections start with the HTTP/2 preface "PRI * HTTP/2.0"). epd's listener
+/// routes each accepted connection by its first bytes.
+inline constexpr char kFdChannelPreamble[8] = {'E', 'P', 'D', 'F', 'D', 'C', 'H', '1'};
+
 /// Data-plane operations carried by a RequestSlot.
 enum class OpKind : uint32_t {
   kInvalid = 0,
