@@ -488,7 +488,7 @@ int RunOpLoopAttack(const std::string& socket, Attack& attack, Clock::time_point
       }
       attack.Retarget(group);
     }
-    if (ops % 100 == 0) progress();
+    if (ops % 25 == 0) progress();
   }
   stop.store(true);
   attacker.join();
@@ -829,7 +829,7 @@ class Truncate : public Attack {
       }
       files.push_back({what, fd, st.st_size});
     }
-    const int cut = static_cast<int>(rng() % 4);
+    const int cut = static_cast<int>(steps_++ % 4);  // To nothing first.
     int64_t n = 0;
     for (const File& f : files) {
       const off_t to[] = {0, 1, f.size / 2, f.size - 1};
@@ -894,6 +894,7 @@ class Truncate : public Attack {
   std::string unmapped_;
   std::set<std::string> seen_;
   int64_t opened_ = 0, open_failed_ = 0, succeeded_ = 0, refused_ = 0;
+  uint64_t steps_ = 0;
 };
 
 // ---- floods ------------------------------------------------------------------------------
@@ -1180,33 +1181,34 @@ int Claim(const std::string& socket) {
       claimed += st.ok();
     }
   }
-  for (int r = 0; r < spec.num_ranks(); ++r) {
+  // Reading its endpoints, then leaving its ranks, in this session's name.
+  auto each_rank = [&](const char* what, auto rpc) {
+    for (int r = 0; r < spec.num_ranks(); ++r) {
+      grpc::ClientContext context;
+      SetDeadline(context);
+      grpc::Status st = rpc(r, context);
+      std::printf("%s rank %d %s %s\n", what, r, st.ok() ? "OK" : CodeName(st).c_str(),
+                  OneLine(st.error_message()).c_str());
+    }
+    std::fflush(stdout);
+  };
+  each_rank("ENDPOINTS", [&](int r, grpc::ClientContext& context) {
     v1::GetGroupEndpointsRequest request;
     request.set_group(victim);
     request.set_rank(r);
     request.set_session_id((*session)->id);
     v1::GetGroupEndpointsResponse response;
-    grpc::ClientContext context;
-    SetDeadline(context);
-    grpc::Status st = stub.GetGroupEndpoints(&context, request, &response);
-    std::printf("ENDPOINTS rank %d %s %s\n", r, st.ok() ? "OK" : CodeName(st).c_str(),
-                OneLine(st.error_message()).c_str());
-  }
-  std::fflush(stdout);
+    return stub.GetGroupEndpoints(&context, request, &response);
+  });
   if (claimed > 0) absl::SleepFor(absl::Seconds(absl::GetFlag(FLAGS_hold_seconds)));
-  // Leaving a rank held by another session.
-  for (int r = 0; r < spec.num_ranks(); ++r) {
+  each_rank("LEAVE", [&](int r, grpc::ClientContext& context) {
     v1::LeaveGroupRequest request;
     request.set_group(victim);
     request.set_rank(r);
     request.set_session_id((*session)->id);
     v1::LeaveGroupResponse response;
-    grpc::ClientContext context;
-    SetDeadline(context);
-    grpc::Status st = stub.LeaveGroup(&context, request, &response);
-    std::printf("LEAVE rank %d %s %s\n", r, st.ok() ? "OK" : CodeName(st).c_str(),
-                OneLine(st.error_message()).c_str());
-  }
+    return stub.LeaveGroup(&context, request, &response);
+  });
   std::printf("SUMMARY claimed=%d\n", claimed);
   return 0;
 }
@@ -1285,46 +1287,30 @@ int DestroyPending(const std::string& socket) {
     std::fflush(stdout);
     ++cases;
   };
-  // 1. A Dispatch submitted by rank 0 alone (rank 1 never submits): still pending.
-  {
+  std::vector<int64_t> shape = {1, epd::security::kNumTopk};
+  std::vector<int64_t> idx = {0, 1};
+  DLTensor t = epd::MakeDLTensor(idx.data(), {kDLInt, 64, 1}, shape);
+  // 1. A GetDispatchLayout submitted by rank 0 alone (rank 1 never submits): pending.
+  // 2. One both ranks submitted and rank 1 waited for: complete, not yet waited for.
+  for (bool complete : {false, true}) {
+    const char* what = complete ? "completed" : "pending";
     if (absl::Status st = group.Join(); !st.ok()) {
       std::printf("JOIN_ERROR %s\n", OneLine(st.ToString()).c_str());
       return 2;
     }
     auto& eps = group.mutable_endpoints();
-    std::vector<int64_t> shape = {1, epd::security::kNumTopk};
-    std::vector<int64_t> idx = {0, 1};
-    DLTensor t = epd::MakeDLTensor(idx.data(), {kDLInt, 64, 1}, shape);
     auto op = eps[0]->GetDispatchLayout(t);
+    if (complete) {
+      auto op1 = eps[1]->GetDispatchLayout(t);
+      if (op1.ok()) (void)op1->Wait(absl::Seconds(5));  // Done once rank 0's is too.
+    }
     if (!op.ok()) {
-      report("SUBMIT pending", op.status());
+      report(absl::StrCat("SUBMIT ", what).c_str(), op.status());
     } else {
       eps[0].reset();
       auto spray = SprayHeap();
-      report("WAIT pending", op->Wait(absl::Seconds(2)).status());
-      report("ENQUEUED pending", op->Enqueued().status());
-    }
-    group.Leave();
-  }
-  // 2. An op both ranks completed, destroyed before its Wait.
-  {
-    if (absl::Status st = group.Join(); !st.ok()) {
-      std::printf("JOIN_ERROR %s\n", OneLine(st.ToString()).c_str());
-      return 2;
-    }
-    auto& eps = group.mutable_endpoints();
-    std::vector<int64_t> shape = {1, epd::security::kNumTopk};
-    std::vector<int64_t> idx = {0, 1};
-    DLTensor t = epd::MakeDLTensor(idx.data(), {kDLInt, 64, 1}, shape);
-    auto op0 = eps[0]->GetDispatchLayout(t);
-    auto op1 = eps[1]->GetDispatchLayout(t);
-    if (!op0.ok() || !op1.ok()) {
-      report("SUBMIT completed", op0.ok() ? op1.status() : op0.status());
-    } else {
-      (void)op1->Wait(absl::Seconds(5));  // Rank 1's completes only once rank 0's did too.
-      eps[0].reset();
-      auto spray = SprayHeap();
-      report("WAIT completed", op0->Wait(absl::Seconds(2)).status());
+      report(absl::StrCat("WAIT ", what).c_str(), op->Wait(absl::Seconds(2)).status());
+      if (!complete) report("ENQUEUED pending", op->Enqueued().status());
     }
     group.Leave();
   }

@@ -38,6 +38,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/group_ops.h"
 #include "epd/client.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/types.h"
@@ -128,35 +129,68 @@ RankInputs MakeInputs(const GroupShape& s, uint64_t seed, int64_t round, int ran
   return in;
 }
 
-/// One rank's expected results of a round (kernels/host over the whole group).
-struct RankRef {
-  std::vector<int32_t> tokens_per_rank, tokens_per_expert;
-  std::vector<uint8_t> in_rank;
+/// One rank's expected outputs of a normal dispatch.
+struct DispatchRef {
   int32_t N = 0;
   std::vector<bf16_bits> recv_x;
   std::vector<int64_t> recv_idx;
   std::vector<float> recv_w;
   std::vector<int32_t> per_expert, src_info, send_pos, rank_prefix;
+  /// Sizes the outputs to their capacities and points `a`'s outputs at them.
+  void Bind(const GroupShape& s, host::DispatchRankArgs& a) {
+    const int64_t cap = s.max_recv_tokens();
+    recv_x.assign(size_t(cap) * s.hidden, 0);
+    recv_idx.assign(size_t(cap) * s.num_topk, 0);
+    recv_w.assign(size_t(cap) * s.num_topk, 0);
+    per_expert.assign(s.num_local_experts(), 0);
+    src_info.assign(size_t(cap), 0);
+    send_pos.assign(size_t(s.max_tokens_per_rank) * s.num_ranks, 0);
+    rank_prefix.assign(s.num_ranks, 0);
+    a.recv_capacity = cap;
+    a.recv_x = recv_x.data();
+    a.recv_topk_idx = recv_idx.data();
+    a.recv_topk_weights = recv_w.data();
+    a.recv_tokens_per_expert = per_expert.data();
+    a.recv_src_info = src_info.data();
+    a.send_pos = send_pos.data();
+    a.rank_prefix = rank_prefix.data();
+  }
+};
+
+/// One rank's expected outputs of a low-latency dispatch (x as bytes: bf16 or e4m3).
+struct LowLatencyRef {
+  std::vector<uint8_t> x;
+  std::vector<float> scales;
+  std::vector<int32_t> count, src, pos;
+  void Bind(const GroupShape& s, bool fp8, host::LowLatencyDispatchRankArgs& a) {
+    const int64_t rows = int64_t(s.num_local_experts()) * s.ll_rows_per_expert();
+    x.assign(size_t(rows) * s.hidden * (fp8 ? 1 : 2), 0);
+    scales.assign(fp8 ? size_t(rows) * s.num_scales() : 0, 0);
+    count.assign(s.num_local_experts(), 0);
+    src.assign(size_t(rows), 0);
+    pos.assign(size_t(s.ll_max_tokens_per_rank) * s.num_topk, 0);
+    a.recv_x = x.data();
+    a.recv_scales = fp8 ? scales.data() : nullptr;
+    a.recv_count = count.data();
+    a.recv_src_info = src.data();
+    a.handle_pos = pos.data();
+  }
+};
+
+/// One rank's expected results of a round (kernels/host over the whole group).
+struct RankRef {
+  std::vector<int32_t> tokens_per_rank, tokens_per_expert;
+  std::vector<uint8_t> in_rank;
+  DispatchRef dispatch, cached;
   std::vector<bf16_bits> combined;
   std::vector<float> combined_w;
-  int32_t N2 = 0;
-  std::vector<bf16_bits> recv_x2;
-  std::vector<int64_t> recv_idx2;
-  std::vector<float> recv_w2;
-  std::vector<int32_t> per_expert2, src_info2, send_pos2, rank_prefix2;
-  std::vector<bf16_bits> ll_x;
-  std::vector<int32_t> ll_count, ll_src, ll_pos;
+  LowLatencyRef ll, ll8;
   std::vector<bf16_bits> ll_combined;
-  std::vector<e4m3_bits> ll8_x;
-  std::vector<float> ll8_scales;
-  std::vector<int32_t> ll8_count, ll8_src, ll8_pos;
 };
 
 /// Every rank's expected results of the round with inputs `in`.
 absl::StatusOr<std::vector<RankRef>> Reference(const GroupShape& s, std::vector<RankInputs>& in) {
   const int R = s.num_ranks, H = s.hidden, K = s.num_topk, E = s.num_experts;
-  const int El = s.num_local_experts();
-  const int64_t cap = s.max_recv_tokens(), llrows = s.ll_rows_per_expert();
   std::vector<RankRef> ref(R);
   for (int r = 0; r < R; ++r) {
     RankRef& o = ref[r];
@@ -171,111 +205,56 @@ absl::StatusOr<std::vector<RankRef>> Reference(const GroupShape& s, std::vector<
     a.is_token_in_rank = o.in_rank.data();
     if (absl::Status st = host::GetDispatchLayout(s, a); !st.ok()) return st;
   }
-  auto size_dispatch = [&](RankRef& o, std::vector<bf16_bits>& rx, std::vector<int64_t>& ri,
-                           std::vector<float>& rw, std::vector<int32_t>& pe,
-                           std::vector<int32_t>& si, std::vector<int32_t>& sp,
-                           std::vector<int32_t>& rp) {
-    (void)o;
-    rx.assign(size_t(cap) * H, 0);
-    ri.assign(size_t(cap) * K, 0);
-    rw.assign(size_t(cap) * K, 0);
-    pe.assign(El, 0);
-    si.assign(size_t(cap), 0);
-    sp.assign(size_t(s.max_tokens_per_rank) * R, 0);
-    rp.assign(R, 0);
-  };
-  std::vector<host::DispatchRankArgs> d(R);
-  for (int r = 0; r < R; ++r) {
-    RankRef& o = ref[r];
-    size_dispatch(o, o.recv_x, o.recv_idx, o.recv_w, o.per_expert, o.src_info, o.send_pos,
-                  o.rank_prefix);
-    d[r].num_tokens = in[r].T;
-    d[r].x = in[r].x.data();
-    d[r].topk_idx = in[r].idx.data();
-    d[r].topk_weights = in[r].w.data();
-    d[r].recv_capacity = cap;
-    d[r].recv_x = o.recv_x.data();
-    d[r].recv_topk_idx = o.recv_idx.data();
-    d[r].recv_topk_weights = o.recv_w.data();
-    d[r].recv_tokens_per_expert = o.per_expert.data();
-    d[r].recv_src_info = o.src_info.data();
-    d[r].send_pos = o.send_pos.data();
-    d[r].rank_prefix = o.rank_prefix.data();
-  }
   host::DispatchOptions dopt;
   dopt.expert_alignment = kAlignment;
-  if (absl::Status st = host::Dispatch(s, dopt, std::span(d)); !st.ok()) return st;
-  for (int r = 0; r < R; ++r) ref[r].N = d[r].num_recv_tokens;
-
-  std::vector<host::CombineRankArgs> c(R);
-  for (int r = 0; r < R; ++r) {
-    RankRef& o = ref[r];
-    o.combined.assign(size_t(in[r].T) * H, 0);
-    o.combined_w.assign(size_t(in[r].T) * K, 0);
-    c[r].num_tokens = in[r].T;
-    c[r].send_pos = o.send_pos.data();
-    c[r].num_recv_tokens = o.N;
-    c[r].x = o.recv_x.data();
-    c[r].topk_weights = o.recv_w.data();
-    c[r].combined_x = o.combined.data();
-    c[r].combined_topk_weights = o.combined_w.data();
+  // The dispatch, then (after the combine) the cached re-dispatch of x2 on its routing.
+  for (bool cached : {false, true}) {
+    std::vector<host::DispatchRankArgs> d(R);
+    for (int r = 0; r < R; ++r) {
+      RankRef& o = ref[r];
+      d[r].num_tokens = in[r].T;
+      if (cached) {
+        d[r].x = in[r].x2.data();
+        d[r].cached_send_pos = o.dispatch.send_pos.data();
+        d[r].cached_num_recv_tokens = o.dispatch.N;
+      } else {
+        d[r].x = in[r].x.data();
+        d[r].topk_idx = in[r].idx.data();
+        d[r].topk_weights = in[r].w.data();
+      }
+      (cached ? o.cached : o.dispatch).Bind(s, d[r]);
+    }
+    if (absl::Status st = host::Dispatch(s, dopt, std::span(d)); !st.ok()) return st;
+    for (int r = 0; r < R; ++r) (cached ? ref[r].cached : ref[r].dispatch).N = d[r].num_recv_tokens;
+    if (cached) break;
+    std::vector<host::CombineRankArgs> c(R);
+    for (int r = 0; r < R; ++r) {
+      RankRef& o = ref[r];
+      o.combined.assign(size_t(in[r].T) * H, 0);
+      o.combined_w.assign(size_t(in[r].T) * K, 0);
+      c[r].num_tokens = in[r].T;
+      c[r].send_pos = o.dispatch.send_pos.data();
+      c[r].num_recv_tokens = o.dispatch.N;
+      c[r].x = o.dispatch.recv_x.data();
+      c[r].topk_weights = o.dispatch.recv_w.data();
+      c[r].combined_x = o.combined.data();
+      c[r].combined_topk_weights = o.combined_w.data();
+    }
+    if (absl::Status st = host::Combine(s, std::span(c)); !st.ok()) return st;
   }
-  if (absl::Status st = host::Combine(s, std::span(c)); !st.ok()) return st;
-
-  std::vector<host::DispatchRankArgs> d2(R);
-  for (int r = 0; r < R; ++r) {
-    RankRef& o = ref[r];
-    size_dispatch(o, o.recv_x2, o.recv_idx2, o.recv_w2, o.per_expert2, o.src_info2, o.send_pos2,
-                  o.rank_prefix2);
-    d2[r].num_tokens = in[r].T;
-    d2[r].x = in[r].x2.data();
-    d2[r].cached_send_pos = o.send_pos.data();
-    d2[r].cached_num_recv_tokens = o.N;
-    d2[r].recv_capacity = cap;
-    d2[r].recv_x = o.recv_x2.data();
-    d2[r].recv_topk_idx = o.recv_idx2.data();
-    d2[r].recv_topk_weights = o.recv_w2.data();
-    d2[r].recv_tokens_per_expert = o.per_expert2.data();
-    d2[r].recv_src_info = o.src_info2.data();
-    d2[r].send_pos = o.send_pos2.data();
-    d2[r].rank_prefix = o.rank_prefix2.data();
-  }
-  if (absl::Status st = host::Dispatch(s, dopt, std::span(d2)); !st.ok()) return st;
-  for (int r = 0; r < R; ++r) ref[r].N2 = d2[r].num_recv_tokens;
-
+  // Low-latency: bf16 dispatch, its combine, then the FP8 dispatch.
   for (bool fp8 : {false, true}) {
     std::vector<host::LowLatencyDispatchRankArgs> l(R);
     for (int r = 0; r < R; ++r) {
-      RankRef& o = ref[r];
       l[r].num_tokens = in[r].Tll;
       l[r].x = in[r].xll.data();
       l[r].topk_idx = in[r].idxll.data();
-      if (fp8) {
-        o.ll8_x.assign(size_t(El) * llrows * H, 0);
-        o.ll8_scales.assign(size_t(El) * llrows * s.num_scales(), 0);
-        o.ll8_count.assign(El, 0);
-        o.ll8_src.assign(size_t(El) * llrows, 0);
-        o.ll8_pos.assign(size_t(s.ll_max_tokens_per_rank) * K, 0);
-        l[r].recv_x = o.ll8_x.data();
-        l[r].recv_scales = o.ll8_scales.data();
-        l[r].recv_count = o.ll8_count.data();
-        l[r].recv_src_info = o.ll8_src.data();
-        l[r].handle_pos = o.ll8_pos.data();
-      } else {
-        o.ll_x.assign(size_t(El) * llrows * H, 0);
-        o.ll_count.assign(El, 0);
-        o.ll_src.assign(size_t(El) * llrows, 0);
-        o.ll_pos.assign(size_t(s.ll_max_tokens_per_rank) * K, 0);
-        l[r].recv_x = o.ll_x.data();
-        l[r].recv_count = o.ll_count.data();
-        l[r].recv_src_info = o.ll_src.data();
-        l[r].handle_pos = o.ll_pos.data();
-      }
+      (fp8 ? ref[r].ll8 : ref[r].ll).Bind(s, fp8, l[r]);
     }
     host::LowLatencyDispatchOptions lopt;
     lopt.use_fp8 = fp8;
     if (absl::Status st = host::LowLatencyDispatch(s, lopt, std::span(l)); !st.ok()) return st;
-    if (fp8) continue;
+    if (fp8) break;
     std::vector<host::LowLatencyCombineRankArgs> lc(R);
     for (int r = 0; r < R; ++r) {
       RankRef& o = ref[r];
@@ -283,7 +262,7 @@ absl::StatusOr<std::vector<RankRef>> Reference(const GroupShape& s, std::vector<
       lc[r].num_tokens = in[r].Tll;
       lc[r].topk_idx = in[r].idxll.data();
       lc[r].topk_weights = in[r].wll.data();
-      lc[r].handle_pos = o.ll_pos.data();
+      lc[r].handle_pos = o.ll.pos.data();
       lc[r].x = in[r].yll.data();
       lc[r].combined_x = o.ll_combined.data();
     }
@@ -296,14 +275,7 @@ absl::StatusOr<std::vector<RankRef>> Reference(const GroupShape& s, std::vector<
 class Victim {
  public:
   Victim(epd::Endpoint& ep, uint64_t seed) : ep_(ep), seed_(seed) {
-    const epd::v1::GroupSpec& spec = ep.spec();
-    shape_.num_ranks = spec.num_ranks();
-    shape_.num_experts = spec.num_experts();
-    shape_.hidden = spec.hidden();
-    shape_.num_topk = spec.num_topk();
-    shape_.max_tokens_per_rank = spec.max_tokens_per_rank();
-    shape_.ll_max_tokens_per_rank = spec.ll_max_tokens_per_rank();
-    shape_.use_fp8 = spec.use_fp8();
+    shape_ = epd::ShapeOf(ep.spec());
     rank_ = ep.rank();
   }
 
@@ -463,28 +435,19 @@ class Victim {
     da.expert_alignment = kAlignment;
     absl::StatusOr<epd::DispatchResult> d = Finish(ep_.Dispatch(da));
     // Combine inputs: the reference's received rows and weights (identity experts).
-    std::vector<bf16_bits> cx(ref.recv_x.begin(), ref.recv_x.begin() + int64_t(ref.N) * H);
-    std::vector<float> cw(ref.recv_w.begin(), ref.recv_w.begin() + int64_t(ref.N) * K);
+    std::vector<bf16_bits> cx(ref.dispatch.recv_x.begin(),
+                              ref.dispatch.recv_x.begin() + int64_t(ref.dispatch.N) * H);
+    std::vector<float> cw(ref.dispatch.recv_w.begin(),
+                          ref.dispatch.recv_w.begin() + int64_t(ref.dispatch.N) * K);
     Tensor cxt, cwt;
-    cxt.Bind(cx, kBf16, {ref.N, H});
-    cwt.Bind(cw, kF32, {ref.N, K});
+    cxt.Bind(cx, kBf16, {ref.dispatch.N, H});
+    cwt.Bind(cw, kF32, {ref.dispatch.N, K});
     epd::Handle handle;
     if (!d.ok()) {
       Error(round, "Dispatch", d.status());
     } else {
       handle = d->handle;
-      CheckEq(round, "Dispatch", "num_recv_tokens", d->num_recv_tokens, ref.N);
-      if (d->num_recv_tokens == ref.N) {
-        Check(round, "Dispatch", "recv_x", d->recv_x.data(), ref.recv_x.data(), int64_t(ref.N) * H);
-        Check(round, "Dispatch", "recv_topk_idx", d->recv_topk_idx.data(), ref.recv_idx.data(),
-              int64_t(ref.N) * K);
-        Check(round, "Dispatch", "recv_topk_weights", d->recv_topk_weights.data(),
-              ref.recv_w.data(), int64_t(ref.N) * K);
-        Check(round, "Dispatch", "recv_src_info", d->recv_src_info.data(), ref.src_info.data(),
-              ref.N);
-      }
-      Check(round, "Dispatch", "num_recv_tokens_per_expert", d->num_recv_tokens_per_expert.data(),
-            ref.per_expert.data(), El);
+      CheckDispatch(round, "Dispatch", *d, ref.dispatch, /*routing=*/true);
     }
 
     if (Stopping()) return;
@@ -512,13 +475,7 @@ class Victim {
     if (auto d2 = Finish(ep_.Dispatch(cd)); !d2.ok()) {
       Error(round, "Dispatch(cached)", d2.status());
     } else {
-      CheckEq(round, "Dispatch(cached)", "num_recv_tokens", d2->num_recv_tokens, ref.N2);
-      if (d2->num_recv_tokens == ref.N2) {
-        Check(round, "Dispatch(cached)", "recv_x", d2->recv_x.data(), ref.recv_x2.data(),
-              int64_t(ref.N2) * H);
-        Check(round, "Dispatch(cached)", "recv_src_info", d2->recv_src_info.data(),
-              ref.src_info2.data(), ref.N2);
-      }
+      CheckDispatch(round, "Dispatch(cached)", *d2, ref.cached, /*routing=*/false);
     }
 
     if (Stopping()) return;
@@ -532,8 +489,7 @@ class Victim {
       Error(round, "LowLatencyDispatch", ll.status());
     } else {
       ll_handle = ll->handle;
-      CheckLowLatency(round, "LowLatencyDispatch", *ll, ref.ll_count, ref.ll_src, ref.ll_x.data(),
-                      nullptr, sizeof(bf16_bits));
+      CheckLowLatency(round, "LowLatencyDispatch", *ll, ref.ll, /*fp8=*/false);
     }
     if (Stopping()) return;
     epd::LowLatencyCombineArgs lca;
@@ -552,36 +508,52 @@ class Victim {
     if (auto l8 = Finish(ep_.LowLatencyDispatch(la)); !l8.ok()) {
       Error(round, "LowLatencyDispatch(fp8)", l8.status());
     } else {
-      CheckLowLatency(round, "LowLatencyDispatch(fp8)", *l8, ref.ll8_count, ref.ll8_src,
-                      ref.ll8_x.data(), &ref.ll8_scales, sizeof(e4m3_bits));
+      CheckLowLatency(round, "LowLatencyDispatch(fp8)", *l8, ref.ll8, /*fp8=*/true);
     }
     std::fflush(stdout);
   }
 
+  /// Checks a normal dispatch: N, then rows [0, N) of the received tensors; with `routing`
+  /// (not a cached re-dispatch) also the received expert ids, weights and counts.
+  void CheckDispatch(int64_t round, const char* op, const epd::DispatchResult& d,
+                     const DispatchRef& ref, bool routing) {
+    const int64_t N = ref.N, H = shape_.hidden, K = shape_.num_topk;
+    CheckEq(round, op, "num_recv_tokens", d.num_recv_tokens, ref.N);
+    if (d.num_recv_tokens == ref.N) {
+      Check(round, op, "recv_x", d.recv_x.data(), ref.recv_x.data(), N * H);
+      Check(round, op, "recv_src_info", d.recv_src_info.data(), ref.src_info.data(), N);
+      if (routing) {
+        Check(round, op, "recv_topk_idx", d.recv_topk_idx.data(), ref.recv_idx.data(), N * K);
+        Check(round, op, "recv_topk_weights", d.recv_topk_weights.data(), ref.recv_w.data(), N * K);
+      }
+    }
+    if (routing) {
+      Check(round, op, "num_recv_tokens_per_expert", d.num_recv_tokens_per_expert.data(),
+            ref.per_expert.data(), shape_.num_local_experts());
+    }
+  }
+
   /// Checks a low-latency dispatch: counts, then each expert's rows [0, count).
   void CheckLowLatency(int64_t round, const char* op, const epd::LowLatencyDispatchResult& res,
-                       const std::vector<int32_t>& count, const std::vector<int32_t>& src,
-                       const void* x, const std::vector<float>* scales, size_t elem) {
+                       const LowLatencyRef& ref, bool fp8) {
     const int El = shape_.num_local_experts(), H = shape_.hidden, S = shape_.num_scales();
     const int64_t rows = shape_.ll_rows_per_expert();
-    Check(round, op, "recv_count", res.recv_count.data(), count.data(), El);
+    Check(round, op, "recv_count", res.recv_count.data(), ref.count.data(), El);
     const auto* got_count = res.recv_count.as<const int32_t>();
     if (got_count == nullptr) return;
     for (int j = 0; j < El; ++j) {
-      if (got_count[j] != count[j]) return;  // Reported above.
-      const int64_t n = count[j];
+      if (got_count[j] != ref.count[j]) return;  // Reported above.
+      const int64_t n = ref.count[j];
       Check(round, op, "recv_src_info", res.recv_src_info.as<const int32_t>() + j * rows,
-            src.data() + j * rows, n);
-      if (elem == 2) {
-        Check(round, op, "recv_x", res.recv_x.as<const bf16_bits>() + j * rows * H,
-              static_cast<const bf16_bits*>(x) + j * rows * H, n * H);
-      } else {
+            ref.src.data() + j * rows, n);
+      if (fp8) {
         Check(round, op, "recv_x", res.recv_x.as<const e4m3_bits>() + j * rows * H,
-              static_cast<const e4m3_bits*>(x) + j * rows * H, n * H);
-      }
-      if (scales != nullptr) {
+              ref.x.data() + j * rows * H, n * H);
         Check(round, op, "recv_scales", res.recv_scales.as<const float>() + j * rows * S,
-              scales->data() + j * rows * S, n * S);
+              ref.scales.data() + j * rows * S, n * S);
+      } else {
+        Check(round, op, "recv_x", res.recv_x.as<const bf16_bits>() + j * rows * H,
+              reinterpret_cast<const bf16_bits*>(ref.x.data()) + j * rows * H, n * H);
       }
     }
   }
