@@ -336,10 +336,11 @@ class OwnGroup {
       case 2:
         ok = Both<epd::CombineResult>(
             [&](int r) {
-              combine_x_[r].assign(
-                  size_t(std::max(dispatch_[r].num_recv_tokens, 0)) * epd::security::kHidden,
-                  0x3f80);
-              combine_shape_[r] = {dispatch_[r].num_recv_tokens, epd::security::kHidden};
+              // N as the (possibly scribbled) completion said, within the group's capacity.
+              const int32_t n = std::clamp(dispatch_[r].num_recv_tokens, 0,
+                                           epd::security::kNumRanks * epd::security::kMaxTokens);
+              combine_x_[r].assign(size_t(n) * epd::security::kHidden, 0x3f80);
+              combine_shape_[r] = {n, epd::security::kHidden};
               combine_t_[r] =
                   epd::MakeDLTensor(combine_x_[r].data(), {kDLBfloat, 16, 1}, combine_shape_[r]);
               epd::CombineArgs a;
