@@ -594,7 +594,7 @@ bool LockstepGroup::Poll() {
     absl::Status st = absl::DeadlineExceededError(absl::StrCat(
         "op ", current_seq_, " of group ", spec_.name(), ": rank(s) ", absl::StrJoin(gone, ", "),
         " left the group (their client left or died) and did not rejoin"));
-    WarnClientCaused("{}", st.message());
+    LogClientCaused(spdlog::level::warn, "{}", st.message());
     FailOp(st);
     return true;
   }
@@ -614,7 +614,7 @@ bool LockstepGroup::Poll() {
                   absl::StrCat("op ", current_seq_, " of group ", spec_.name(), ": rank(s) ",
                                absl::StrJoin(missing, ", "), " did not arrive within op_timeout ",
                                options_.op_timeout_ms, " ms"));
-    WarnClientCaused("{}", st.message());
+    LogClientCaused(spdlog::level::warn, "{}", st.message());
     FailOp(st);
     return true;
   }

@@ -273,20 +273,21 @@ class LockstepGroup : public DataPlaneGroup {
 
   /// Rank r's endpoint (null when detached). Call with mu_ held.
   LockstepEndpoint* endpoint(int32_t r) const { return endpoints_[r].get(); }
-  /// Logs a warning the group's clients can cause (an op timing out, a client that never
-  /// staged its inputs, ...) through the group's rate limit (LogLimited): a client
-  /// repeating it cannot flood the log. Call with mu_ held.
+  /// Logs a line the group's clients can cause (an op timing out, a client that never
+  /// staged its inputs, bad ids in a program step, ...) through the group's rate limit
+  /// (LogLimited): a client repeating it cannot flood the log. Call with mu_ held.
   template <typename... Args>
-  void WarnClientCaused(fmt::format_string<Args...> format, Args&&... args) {
-    LogLimited(*engine_log_, spdlog::level::warn, log_limiter_, log_name_, format,
-               std::forward<Args>(args)...);
+  void LogClientCaused(spdlog::level::level_enum level, fmt::format_string<Args...> format,
+                       Args&&... args) const {
+    LogLimited(*engine_log_, level, log_limiter_, log_name_, format, std::forward<Args>(args)...);
   }
-  /// As WarnClientCaused, through rank `rank`'s endpoint's rate limit (the group's when
-  /// the rank is detached).
+  /// As LogClientCaused, through rank `rank`'s endpoint's rate limit (the group's when the
+  /// rank is detached).
   template <typename... Args>
-  void WarnRankCaused(int32_t rank, fmt::format_string<Args...> format, Args&&... args) {
+  void LogRankCaused(int32_t rank, spdlog::level::level_enum level,
+                     fmt::format_string<Args...> format, Args&&... args) const {
     LockstepEndpoint* ep = endpoints_[rank].get();
-    LogLimited(*engine_log_, spdlog::level::warn, ep ? ep->log_limiter : log_limiter_,
+    LogLimited(*engine_log_, level, ep ? ep->log_limiter : log_limiter_,
                ep ? absl::string_view(ep->log_name) : absl::string_view(log_name_), format,
                std::forward<Args>(args)...);
   }
@@ -322,7 +323,7 @@ class LockstepGroup : public DataPlaneGroup {
   LockstepOptions options_;
   std::shared_ptr<spdlog::logger> engine_log_;  ///< "epd.engine".
   std::string log_name_;                        ///< "group G", for rate-limited lines.
-  LogRateLimiter log_limiter_;                  ///< WarnClientCaused's rate limit.
+  mutable LogRateLimiter log_limiter_;          ///< LogClientCaused's rate limit.
   std::vector<std::unique_ptr<LockstepEndpoint>> endpoints_;
   /// departed_[r]: rank r was attached and then detached (left, or its client died) and
   /// has not rejoined; the group's next op that waits for it fails at once (once: later
