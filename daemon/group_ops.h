@@ -54,9 +54,9 @@ struct RankResources {
 /// dereferences comes from it: the layout (ring, completion and data offsets) is computed
 /// here at attach and kept in `shm_layout`; the header's copy of it is for the client and
 /// is never read back. The daemon reads back from the header only ring_head (once per
-/// slot it pops; compared with its own ring_tail, never used as an index), client_mapped
-/// and client_waiting (flags); ring slots are copied into private memory once, then
-/// validated, then only the copy is used.
+/// slot it pops; compared with its own ring_tail, never used as an index) and the flag
+/// words client_mapped, client_waiting and daemon_closed; ring slots are copied into
+/// private memory once, then validated, then only the copy is used.
 struct LockstepEndpoint {
   ShmRegion region;
   abi::EndpointShmHeader* header = nullptr;  ///< Written by the daemon; see above.
