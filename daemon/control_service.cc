@@ -1,7 +1,10 @@
 #include "daemon/control_service.h"
 
+#include <optional>
+
 #include "absl/strings/str_cat.h"
 #include "daemon/logging.h"
+#include "daemon/peer_credentials.h"
 #include "daemon/spec_validation.h"
 
 namespace epd {
@@ -19,7 +22,7 @@ class ControlService::SessionReactor
     : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
  public:
   SessionReactor(ControlService* service, grpc::CallbackServerContext* context)
-      : service_(service), peer_(context->peer()) {
+      : service_(service), peer_(context->peer()), credentials_(CallerCredentials(*context)) {
     StartRead(&request_);
   }
 
@@ -31,8 +34,10 @@ class ControlService::SessionReactor
       return;
     }
     if (session_id_.empty()) {
-      absl::StatusOr<std::string> id =
-          service_->registry_->OpenSession(request_.client_pid(), request_.client_name());
+      // The pid is the kernel's (SO_PEERCRED of the connection), never the one the client
+      // sent in the request.
+      absl::StatusOr<std::string> id = service_->registry_->OpenSession(
+          credentials_ ? credentials_->pid : 0, request_.client_name());
       if (!id.ok()) {
         EndLocked("refused", ToGrpcStatus(id.status()));
         return;
@@ -104,6 +109,7 @@ class ControlService::SessionReactor
 
   ControlService* const service_;
   const std::string peer_;
+  const std::optional<PeerCredentials> credentials_;  ///< nullopt: not via epd's listener.
   absl::Mutex mu_;
   v1::SessionRequest request_;
   v1::SessionResponse response_;

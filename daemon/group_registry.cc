@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "daemon/fd_limits.h"
 #include "daemon/logging.h"
 #include "daemon/spec_validation.h"
 #include "epd/common/status_macros.h"
@@ -123,6 +124,9 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
         "session_id: \"\"; open a Session first and pass its id (Client::Connect does)");
   }
   EPD_ASSIGN_OR_RETURN(std::string gpu_uuid, ResolveGpu(request.gpu_uuid()));
+  // An endpoint holds descriptors until its client maps it: refuse joins before the
+  // listener and gRPC run short of them.
+  EPD_RETURN_IF_ERROR(CheckFreeFds(options_.min_free_fds, "JoinGroup"));
 
   absl::MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("epd is shutting down; joins are refused");
@@ -204,6 +208,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   slot.client_pid = session->second.client_pid;
   slot.endpoint_id = info.endpoint_id();
   slot.cuda_ipc_handle = info.cuda_ipc_handle();
+  slot.joined = absl::Now();
   info.set_launch_mode(mode);
   session->second.endpoints.emplace(spec.name(), rank);
   NotifyWaitersLocked();
@@ -240,7 +245,7 @@ absl::Status GroupRegistry::Leave(const v1::LeaveGroupRequest& request) {
 }
 
 void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t rank,
-                                      absl::string_view why) {
+                                      absl::string_view why, bool log_release) {
   auto group_it = groups_.find(group_name);
   if (group_it == groups_.end()) return;
   Group& group = group_it->second;
@@ -250,7 +255,9 @@ void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t ran
   if (session != sessions_.end()) session->second.endpoints.erase({group_name, rank});
   group.data->DetachRank(rank);
   group.ranks.erase(slot);
-  GetLogger(kLogRegistry)->info("rank {} of group \"{}\" released ({})", rank, group_name, why);
+  if (log_release) {
+    GetLogger(kLogRegistry)->info("rank {} of group \"{}\" released ({})", rank, group_name, why);
+  }
   if (group.ranks.empty()) {
     retired_ops_completed_ += group.data->ops_completed();
     retired_ops_failed_ += group.data->ops_failed();
@@ -260,6 +267,45 @@ void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t ran
         ->info("group \"{}\" destroyed: no members left (freed its buffers, {} bytes per rank)",
                group_name, bytes);
   }
+}
+
+int GroupRegistry::ExpireUnmappedEndpoints(absl::Time now) {
+  constexpr size_t kNamedInLog = 8;
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<std::string, int32_t>> expired;
+  for (auto& [name, group] : groups_) {
+    for (auto& [rank, slot] : group.ranks) {
+      if (slot.mapped) continue;
+      slot.mapped = group.data->RankMapped(rank);
+      if (!slot.mapped && now - slot.joined >= options_.unmapped_endpoint_timeout) {
+        expired.emplace_back(name, rank);
+      }
+    }
+  }
+  if (expired.empty()) return 0;
+  const std::string why =
+      absl::StrCat("not mapped by its client within unmapped_endpoint_timeout_ms = ",
+                   absl::ToInt64Milliseconds(options_.unmapped_endpoint_timeout));
+  std::vector<std::string> named;
+  for (const auto& [name, rank] : expired) {
+    if (named.size() < kNamedInLog) {
+      auto slot = groups_.at(name).ranks.find(rank);
+      named.push_back(absl::StrCat(name, "/", rank, " (session ",
+                                   RedactSessionId(slot->second.session_id), ", pid ",
+                                   slot->second.client_pid, ")"));
+    }
+    ReleaseRankLocked(name, rank, why, /*log_release=*/false);
+  }
+  GetLogger(kLogRegistry)
+      ->warn(
+          "expired {} endpoint(s) {}: {}{}; a client must map the endpoints it joins "
+          "(Client::Join does) or leave them",
+          expired.size(), why, absl::StrJoin(named, ", "),
+          expired.size() > named.size()
+              ? absl::StrCat(" and ", expired.size() - named.size(), " more")
+              : "");
+  NotifyWaitersLocked();
+  return static_cast<int>(expired.size());
 }
 
 v1::ListGroupsResponse GroupRegistry::ListGroups() const {
