@@ -132,7 +132,7 @@ class ConnectionsTest : public ::testing::Test {
 };
 
 TEST_F(ConnectionsTest, SessionPidIsTheKernelsNotTheOneTheClientSends) {
-  StartEpd();
+  ASSERT_NO_FATAL_FAILURE(StartEpd());
   RawSession liar(stub_.get(), /*client_pid=*/999999, "liar");
   ASSERT_TRUE(Join(liar, Spec("creds", 2), 0).ok());
   v1::ListGroupsResponse groups = ListGroups();
@@ -144,7 +144,7 @@ TEST_F(ConnectionsTest, SessionPidIsTheKernelsNotTheOneTheClientSends) {
 }
 
 TEST_F(ConnectionsTest, ConnectionFloodLeavesHealthServingAndClientsWorking) {
-  StartEpd();
+  ASSERT_NO_FATAL_FAILURE(StartEpd());
   constexpr int kHeldGrpc = 1500;
   constexpr int kSilent = 1000;
   constexpr int kChurn = 4000;
@@ -200,9 +200,8 @@ TEST_F(ConnectionsTest, ConnectionFloodLeavesHealthServingAndClientsWorking) {
 TEST_F(ConnectionsTest, LowFdLimitRefusesJoinsNamingDescriptorsAndRecovers) {
   DaemonProcessOptions options;
   options.wrapper = {"/usr/bin/prlimit", "--nofile=256:512", "--"};
-  options.config_text = "min_free_fds: 64\n";
-  StartEpd(options);
-  // The soft limit was raised to the hard one, and said so.
+  ASSERT_NO_FATAL_FAILURE(StartEpd(options));
+  // The soft limit was raised to the hard one, and said so (min_free_fds: the default 64).
   EXPECT_EQ(EpdFdLimits(), (std::pair<std::string, std::string>{"512", "512"}));
   EXPECT_THAT(epd_->Logs(), HasSubstr("RLIMIT_NOFILE: soft limit 256 -> 512 (hard limit 512)"));
 
@@ -242,7 +241,7 @@ TEST_F(ConnectionsTest, LowFdLimitRefusesJoinsNamingDescriptorsAndRecovers) {
 TEST_F(ConnectionsTest, OutOfDescriptorsNewConnectionsAreClosedAndAcceptedAgainOnceFreed) {
   DaemonProcessOptions options;
   options.wrapper = {"/usr/bin/prlimit", "--nofile=160:160", "--"};
-  StartEpd(options);
+  ASSERT_NO_FATAL_FAILURE(StartEpd(options));
   // gRPC connections held open until epd has no descriptor left: then a new connection is
   // accepted with the reserve descriptor and closed at once.
   std::vector<ScopedFd> held;
@@ -291,7 +290,7 @@ TEST_F(ConnectionsTest, OutOfDescriptorsNewConnectionsAreClosedAndAcceptedAgainO
 TEST_F(ConnectionsTest, EndpointsNeverMappedExpireAndMappedOnesStay) {
   DaemonProcessOptions options;
   options.config_text = "unmapped_endpoint_timeout_ms: 1000\n";
-  StartEpd(options);
+  ASSERT_NO_FATAL_FAILURE(StartEpd(options));
   RawSession lazy(stub_.get(), ::getpid(), "lazy");
   ASSERT_TRUE(Join(lazy, Spec("lazy", 2), 0).ok());
   ASSERT_TRUE(Join(lazy, Spec("lazy", 2), 1).ok());
