@@ -271,6 +271,7 @@ void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t ran
 
 int GroupRegistry::ExpireUnmappedEndpoints(absl::Time now) {
   constexpr size_t kNamedInLog = 8;
+  constexpr absl::Duration kLogInterval = absl::Seconds(5);
   absl::MutexLock lock(&mu_);
   std::vector<std::pair<std::string, int32_t>> expired;
   for (auto& [name, group] : groups_) {
@@ -282,29 +283,32 @@ int GroupRegistry::ExpireUnmappedEndpoints(absl::Time now) {
       }
     }
   }
-  if (expired.empty()) return 0;
   const std::string why =
       absl::StrCat("not mapped by its client within unmapped_endpoint_timeout_ms = ",
                    absl::ToInt64Milliseconds(options_.unmapped_endpoint_timeout));
-  std::vector<std::string> named;
   for (const auto& [name, rank] : expired) {
-    if (named.size() < kNamedInLog) {
-      auto slot = groups_.at(name).ranks.find(rank);
-      named.push_back(absl::StrCat(name, "/", rank, " (session ",
-                                   RedactSessionId(slot->second.session_id), ", pid ",
-                                   slot->second.client_pid, ")"));
+    if (expiry_log_.named.size() < kNamedInLog) {
+      const RankSlot& slot = groups_.at(name).ranks.at(rank);
+      expiry_log_.named.push_back(absl::StrCat(name, "/", rank, " (session ",
+                                               RedactSessionId(slot.session_id), ", pid ",
+                                               slot.client_pid, ")"));
     }
+    ++expiry_log_.count;
     ReleaseRankLocked(name, rank, why, /*log_release=*/false);
   }
-  GetLogger(kLogRegistry)
-      ->warn(
-          "expired {} endpoint(s) {}: {}{}; a client must map the endpoints it joins "
-          "(Client::Join does) or leave them",
-          expired.size(), why, absl::StrJoin(named, ", "),
-          expired.size() > named.size()
-              ? absl::StrCat(" and ", expired.size() - named.size(), " more")
-              : "");
-  NotifyWaitersLocked();
+  // One line per kLogInterval at most, however many expire.
+  if (expiry_log_.count > 0 && now - expiry_log_.last >= kLogInterval) {
+    GetLogger(kLogRegistry)
+        ->warn(
+            "expired {} endpoint(s) {}: {}{}; a client must map the endpoints it joins "
+            "(Client::Join does) or leave them",
+            expiry_log_.count, why, absl::StrJoin(expiry_log_.named, ", "),
+            expiry_log_.count > expiry_log_.named.size()
+                ? absl::StrCat(" and ", expiry_log_.count - expiry_log_.named.size(), " more")
+                : "");
+    expiry_log_ = ExpiryLog{.last = now};
+  }
+  if (!expired.empty()) NotifyWaitersLocked();
   return static_cast<int>(expired.size());
 }
 

@@ -106,8 +106,8 @@ class GroupRegistry {
 
   /// Detaches every rank whose endpoint its client has not mapped
   /// (DataPlaneGroup::RankMapped) within Options::unmapped_endpoint_timeout of its join, as
-  /// if its session had left it; groups left empty are destroyed. Logs one line per call
-  /// that expired any (how many, the first few by name). Returns how many it detached.
+  /// if its session had left it; groups left empty are destroyed. Logs what expired (how
+  /// many, the first few by name) at most once every 5 s. Returns how many it detached.
   /// The daemon's health updater calls it periodically.
   int ExpireUnmappedEndpoints(absl::Time now);
 
@@ -190,6 +190,14 @@ class GroupRegistry {
   absl::CondVar waiters_changed_;
   bool stop_waiters_ ABSL_GUARDED_BY(mu_) = false;
   std::thread waiter_thread_;  ///< Started with the first waiting call; joined at destruction.
+  /// Endpoints expired since ExpireUnmappedEndpoints last logged (it logs at most every
+  /// few seconds).
+  struct ExpiryLog {
+    absl::Time last = absl::InfinitePast();
+    uint64_t count = 0;
+    std::vector<std::string> named;  ///< The first few, "group/rank (session, pid)".
+  };
+  ExpiryLog expiry_log_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace epd
