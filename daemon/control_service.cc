@@ -34,10 +34,18 @@ class ControlService::SessionReactor
       return;
     }
     if (session_id_.empty()) {
-      // The pid is the kernel's (SO_PEERCRED of the connection), never the one the client
-      // sent in the request.
-      absl::StatusOr<std::string> id = service_->registry_->OpenSession(
-          credentials_ ? credentials_->pid : 0, request_.client_name());
+      // The identity is the kernel's; the pid the client sent is only compared. A call
+      // without SO_PEERCRED gets the uid no process has (and, for display only, the pid it
+      // claims).
+      PeerCredentials peer = credentials_.value_or(kUnauthenticatedPeer);
+      if (!credentials_) peer.pid = request_.client_pid();
+      if (request_.client_pid() != peer.pid) {
+        GetLogger(kLogControl)
+            ->debug("Session from {}: client_pid {} in the request is not the peer's ({})", peer_,
+                    request_.client_pid(), DescribeCredentials(peer));
+      }
+      absl::StatusOr<std::string> id =
+          service_->registry_->OpenSession(peer, request_.client_name());
       if (!id.ok()) {
         EndLocked("refused", ToGrpcStatus(id.status()));
         return;
@@ -109,7 +117,7 @@ class ControlService::SessionReactor
 
   ControlService* const service_;
   const std::string peer_;
-  const std::optional<PeerCredentials> credentials_;  ///< nullopt: not via epd's listener.
+  const std::optional<PeerCredentials> credentials_;
   absl::Mutex mu_;
   v1::SessionRequest request_;
   v1::SessionResponse response_;

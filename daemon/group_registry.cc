@@ -33,6 +33,11 @@ std::string RedactSessionId(const std::string& id) {
   return id.size() <= 8 ? id : id.substr(0, 8) + "...";
 }
 
+absl::Status NotAnOpenSession(const std::string& session_id) {
+  return absl::FailedPreconditionError(absl::StrCat("session_id: \"", EscapeClientText(session_id),
+                                                    "\" is not an open session of this daemon"));
+}
+
 }  // namespace
 
 GroupRegistry::GroupRegistry(DataPlane* data_plane, GpuInventory inventory, Options options)
@@ -54,20 +59,52 @@ GroupRegistry::~GroupRegistry() {
   for (EndpointsWaiter& w : left) w.done(absl::UnavailableError("epd is shutting down"));
 }
 
-absl::StatusOr<std::string> GroupRegistry::OpenSession(int64_t client_pid,
+absl::StatusOr<std::string> GroupRegistry::OpenSession(const PeerCredentials& peer,
                                                        const std::string& client_name) {
   absl::MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("epd is shutting down; no new sessions");
   std::string id = NewSessionId();
   Session& session = sessions_[id];
-  session.client_pid = client_pid;
+  session.peer = peer;
   // Kept only for log lines: escaped and capped once (a client may send any bytes, up to
   // max_request_bytes of them).
   session.client_name = EscapeClientText(client_name);
   session.opened = absl::Now();
   GetLogger(kLogRegistry)
-      ->info("session {} opened (pid {}, name \"{}\")", id, client_pid, session.client_name);
+      ->info("session {} opened ({}, name \"{}\")", id, DescribeCredentials(peer),
+             session.client_name);
   return id;
+}
+
+absl::StatusOr<PeerCredentials> GroupRegistry::SessionCredentials(
+    const std::string& session_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return NotAnOpenSession(session_id);
+  return it->second.peer;
+}
+
+absl::StatusOr<uint64_t> GroupRegistry::AuthorizeEndpoint(const std::string& session_id,
+                                                          const std::string& group, int32_t rank,
+                                                          const PeerCredentials& peer) const {
+  absl::MutexLock lock(&mu_);
+  auto session = sessions_.find(session_id);
+  if (session == sessions_.end()) return NotAnOpenSession(session_id);
+  if (session->second.peer.uid != peer.uid) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("session_id: session ", RedactSessionId(session_id), " was opened by uid ",
+                     session->second.peer.uid, ", not by the caller's uid ", peer.uid));
+  }
+  auto group_it = groups_.find(group);
+  if (group_it != groups_.end()) {
+    auto slot = group_it->second.ranks.find(rank);
+    if (slot != group_it->second.ranks.end() && slot->second.session_id == session_id) {
+      return slot->second.endpoint_id;
+    }
+  }
+  return absl::PermissionDeniedError(absl::StrCat("session ", RedactSessionId(session_id),
+                                                  " does not hold rank ", rank, " of group \"",
+                                                  EscapeClientText(group), "\""));
 }
 
 int GroupRegistry::CloseSession(const std::string& session_id, absl::string_view why) {
@@ -82,8 +119,8 @@ int GroupRegistry::CloseSession(const std::string& session_id, absl::string_view
   }
   GetLogger(kLogRegistry)
       ->info(
-          "session {} (pid {}, name \"{}\") ended ({}) after {}: released {} endpoint(s){}{}",
-          session_id, it->second.client_pid, it->second.client_name, why,
+          "session {} ({}, name \"{}\") ended ({}) after {}: released {} endpoint(s){}{}",
+          session_id, DescribeCredentials(it->second.peer), it->second.client_name, why,
           absl::FormatDuration(absl::Trunc(absl::Now() - it->second.opened, absl::Milliseconds(1))),
           released.size(), released.empty() ? "" : ": ", absl::StrJoin(released, ", "));
   sessions_.erase(session_id);
@@ -132,9 +169,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   if (draining_) return absl::UnavailableError("epd is shutting down; joins are refused");
   auto session = sessions_.find(request.session_id());
   if (session == sessions_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat("session_id: \"",
-                                                      EscapeClientText(request.session_id()),
-                                                      "\" is not an open session of this daemon"));
+    return NotAnOpenSession(request.session_id());
   }
   auto group_it = groups_.find(spec.name());
   if (group_it != groups_.end()) {
@@ -166,7 +201,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
     if (held != group_it->second.ranks.end()) {
       return absl::AlreadyExistsError(absl::StrCat(
           "rank ", rank, " of group \"", spec.name(), "\" is held by session ",
-          RedactSessionId(held->second.session_id), " (pid ", held->second.client_pid, ")"));
+          RedactSessionId(held->second.session_id), " (pid ", held->second.peer.pid, ")"));
     }
   } else if (groups_.size() >= options_.max_groups) {
     return absl::ResourceExhaustedError(absl::StrCat("max_groups: ", options_.max_groups,
@@ -205,7 +240,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   RankSlot& slot = group_it->second.ranks[rank];
   slot.gpu_uuid = gpu_uuid;
   slot.session_id = request.session_id();
-  slot.client_pid = session->second.client_pid;
+  slot.peer = session->second.peer;
   slot.endpoint_id = info.endpoint_id();
   slot.cuda_ipc_handle = info.cuda_ipc_handle();
   slot.joined = absl::Now();
@@ -213,8 +248,9 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   session->second.endpoints.emplace(spec.name(), rank);
   NotifyWaitersLocked();
   GetLogger(kLogRegistry)
-      ->info("rank {} of group \"{}\" joined by session {} (pid {}){}{}", rank, spec.name(),
-             request.session_id(), slot.client_pid, gpu_uuid.empty() ? "" : " on ", gpu_uuid);
+      ->info("rank {} of group \"{}\" joined by session {} ({}){}{}", rank, spec.name(),
+             request.session_id(), DescribeCredentials(slot.peer), gpu_uuid.empty() ? "" : " on ",
+             gpu_uuid);
   return info;
 }
 
@@ -291,7 +327,7 @@ int GroupRegistry::ExpireUnmappedEndpoints(absl::Time now) {
       const RankSlot& slot = groups_.at(name).ranks.at(rank);
       expiry_log_.named.push_back(absl::StrCat(name, "/", rank, " (session ",
                                                RedactSessionId(slot.session_id), ", pid ",
-                                               slot.client_pid, ")"));
+                                               slot.peer.pid, ")"));
     }
     ++expiry_log_.count;
     ReleaseRankLocked(name, rank, why, /*log_release=*/false);
@@ -329,7 +365,7 @@ v1::ListGroupsResponse GroupRegistry::ListGroups() const {
       // Only a prefix: a session id is the capability to leave or join in that session's
       // name, and ListGroups is readable by every client of the socket.
       r->set_session_id(RedactSessionId(slot.session_id));
-      r->set_client_pid(slot.client_pid);
+      r->set_client_pid(slot.peer.pid);
       r->set_ops_completed(group.data->rank_ops_completed(rank));
     }
   }
@@ -378,9 +414,7 @@ std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> GroupRegistry::Eval
   const v1::GetGroupEndpointsRequest& request = waiter.request;
   if (draining_) return absl::UnavailableError("epd is shutting down");
   if (sessions_.find(request.session_id()) == sessions_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat("session_id: \"",
-                                                      EscapeClientText(request.session_id()),
-                                                      "\" is not an open session of this daemon"));
+    return NotAnOpenSession(request.session_id());
   }
   auto group_it = groups_.find(request.group());
   if (group_it == groups_.end()) {

@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "daemon/data_plane.h"
 #include "daemon/gpu_inventory.h"
+#include "daemon/peer_credentials.h"
 #include "epd/v1/control.pb.h"
 
 namespace epd {
@@ -51,8 +52,25 @@ class GroupRegistry {
   GroupRegistry& operator=(const GroupRegistry&) = delete;
 
   /// Opens a session for a client (its Session stream's first message) and returns its
-  /// id (32 hex characters, unguessable). UNAVAILABLE while draining.
-  absl::StatusOr<std::string> OpenSession(int64_t client_pid, const std::string& client_name);
+  /// id (32 hex characters, unguessable). `peer` is the kernel's identity of the client
+  /// (SO_PEERCRED of its connection, daemon/peer_credentials.h), never a value the client
+  /// sent; it is what ListGroups and the logs show and what every authorization of the
+  /// session compares. UNAVAILABLE while draining.
+  absl::StatusOr<std::string> OpenSession(const PeerCredentials& peer,
+                                          const std::string& client_name);
+
+  /// The credentials `session_id` was opened with. FAILED_PRECONDITION when it is not an
+  /// open session.
+  absl::StatusOr<PeerCredentials> SessionCredentials(const std::string& session_id) const;
+
+  /// Whether `peer` may have the memory of rank `rank` of group `group` in the name of
+  /// `session_id` (the fd channel): the session is open, was opened by peer.uid, and holds
+  /// that rank. Returns the rank's endpoint_id. Errors: FAILED_PRECONDITION (no such open
+  /// session), PERMISSION_DENIED (another uid's session, or the session does not hold the
+  /// rank; the message does not say whether the group exists).
+  absl::StatusOr<uint64_t> AuthorizeEndpoint(const std::string& session_id,
+                                             const std::string& group, int32_t rank,
+                                             const PeerCredentials& peer) const;
 
   /// Ends a session (its stream ended: exit, crash, or daemon shutdown) and releases every
   /// endpoint it held; groups left empty are destroyed. Logs what was released and `why`.
@@ -133,7 +151,7 @@ class GroupRegistry {
   struct RankSlot {
     std::string gpu_uuid;
     std::string session_id;
-    int64_t client_pid = 0;
+    PeerCredentials peer;  ///< The holding session's.
     uint64_t endpoint_id = 0;
     std::string cuda_ipc_handle;
     absl::Time joined;    ///< For ExpireUnmappedEndpoints.
@@ -147,7 +165,7 @@ class GroupRegistry {
     uint64_t bytes_per_rank = 0;
   };
   struct Session {
-    int64_t client_pid = 0;
+    PeerCredentials peer;
     std::string client_name;
     absl::Time opened;
     std::set<std::pair<std::string, int32_t>> endpoints;  ///< (group, rank).

@@ -92,7 +92,8 @@ TEST_F(FdBudgetRegistryTest, JoinsAreRefusedWhileTooFewDescriptorsAreFree) {
   GroupRegistry::Options options = Options();
   options.min_free_fds = static_cast<uint32_t>(GetFdLimit()->soft);  // Never that many free.
   GroupRegistry registry(&plane_, OneGpu(), options);
-  const std::string session = *registry.OpenSession(1, "test");
+  const std::string session =
+      *registry.OpenSession(PeerCredentials{.pid = 1, .uid = 1000, .gid = 1000}, "test");
   absl::StatusOr<v1::EndpointInfo> joined = Join(registry, session, 0);
   EXPECT_EQ(joined.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(joined.status().message()),
@@ -100,13 +101,15 @@ TEST_F(FdBudgetRegistryTest, JoinsAreRefusedWhileTooFewDescriptorsAreFree) {
   EXPECT_TRUE(state_->attached.empty());
 
   GroupRegistry relaxed(&plane_, OneGpu(), Options());  // The default 0: never refused.
-  const std::string other = *relaxed.OpenSession(1, "test");
+  const std::string other =
+      *relaxed.OpenSession(PeerCredentials{.pid = 1, .uid = 1000, .gid = 1000}, "test");
   EXPECT_TRUE(Join(relaxed, other, 0).ok());
 }
 
 TEST_F(FdBudgetRegistryTest, EndpointsNeverMappedExpireAndMappedOnesStay) {
   GroupRegistry registry(&plane_, OneGpu(), Options());
-  const std::string session = *registry.OpenSession(1, "test");
+  const std::string session =
+      *registry.OpenSession(PeerCredentials{.pid = 1, .uid = 1000, .gid = 1000}, "test");
   state_->unmapped = {{"g", 1}, {"h", 0}, {"h", 1}};
   ASSERT_TRUE(Join(registry, session, 0, "g").ok());
   ASSERT_TRUE(Join(registry, session, 1, "g").ok());
