@@ -1,7 +1,10 @@
 #include "daemon/control_service.h"
 
+#include <optional>
+
 #include "absl/strings/str_cat.h"
 #include "daemon/logging.h"
+#include "daemon/peer_credentials.h"
 #include "daemon/spec_validation.h"
 
 namespace epd {
@@ -19,7 +22,7 @@ class ControlService::SessionReactor
     : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
  public:
   SessionReactor(ControlService* service, grpc::CallbackServerContext* context)
-      : service_(service), peer_(context->peer()) {
+      : service_(service), peer_(context->peer()), credentials_(CallerCredentials(*context)) {
     StartRead(&request_);
   }
 
@@ -31,8 +34,18 @@ class ControlService::SessionReactor
       return;
     }
     if (session_id_.empty()) {
+      // The identity is the kernel's; the pid the client sent is only compared. A call
+      // without SO_PEERCRED gets the uid no process has (and, for display only, the pid it
+      // claims).
+      PeerCredentials peer = credentials_.value_or(kUnauthenticatedPeer);
+      if (!credentials_) peer.pid = request_.client_pid();
+      if (request_.client_pid() != peer.pid) {
+        GetLogger(kLogControl)
+            ->debug("Session from {}: client_pid {} in the request is not the peer's ({})", peer_,
+                    request_.client_pid(), DescribeCredentials(peer));
+      }
       absl::StatusOr<std::string> id =
-          service_->registry_->OpenSession(request_.client_pid(), request_.client_name());
+          service_->registry_->OpenSession(peer, request_.client_name());
       if (!id.ok()) {
         EndLocked("refused", ToGrpcStatus(id.status()));
         return;
@@ -104,6 +117,7 @@ class ControlService::SessionReactor
 
   ControlService* const service_;
   const std::string peer_;
+  const std::optional<PeerCredentials> credentials_;
   absl::Mutex mu_;
   v1::SessionRequest request_;
   v1::SessionResponse response_;

@@ -8,10 +8,15 @@
 
 #include "absl/synchronization/mutex.h"
 #include "daemon/group_registry.h"
+#include "daemon/peer_credentials.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
 namespace epd {
+
+/// The identity of a call that did not come through epd's own unix listener (no
+/// SO_PEERCRED): uid and gid (uid_t)-1, which no process has.
+inline constexpr PeerCredentials kUnauthenticatedPeer{0, 0xFFFFFFFFu, 0xFFFFFFFFu};
 
 /// absl::Status → grpc::Status (codes are numerically identical).
 grpc::Status ToGrpcStatus(const absl::Status& status);
@@ -39,7 +44,8 @@ class ControlService final : public v1::Control::CallbackService {
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
                                      const v1::GetStatsRequest* request,
                                      v1::GetStatsResponse* response) override;
-  /// The client's first message opens its session (registry.OpenSession) and is answered
+  /// The client's first message opens its session (registry.OpenSession, with the stream's
+  /// SO_PEERCRED; SessionRequest.client_pid is never used) and is answered
   /// with {session_id, "open"}. When the stream ends for any reason (client exit or crash,
   /// cancellation, shutdown) the session is closed and its endpoints released.
   grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* Session(

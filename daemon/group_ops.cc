@@ -151,6 +151,8 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
       shape_(ShapeOf(spec)),
       layout_(kernels::EndpointLayout::Compute(shape_)),
       options_(std::move(options)),
+      engine_log_(EngineLog()),
+      log_name_(absl::StrCat("group ", spec.name())),
       endpoints_(spec.num_ranks()),
       departed_(spec.num_ranks(), false),
       running_slots_(spec.num_ranks()),
@@ -185,6 +187,14 @@ uint64_t LockstepGroup::rank_ops_completed(int32_t rank) const {
   return endpoints_[rank]->ops_completed;
 }
 
+bool LockstepGroup::RankMapped(int32_t rank) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size()) || !endpoints_[rank]) {
+    return false;
+  }
+  return endpoints_[rank]->ClientMapped();
+}
+
 absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid,
                                        v1::LaunchMode launch_mode, v1::EndpointInfo* info) {
   if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size())) {
@@ -194,9 +204,16 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   auto ep = std::make_unique<LockstepEndpoint>();
   EPD_ASSIGN_OR_RETURN(ep->backend, PrepareRank(rank, gpu_uuid, launch_mode, info));
   const uint64_t shm_data_bytes = ShmDataBytes();
-  abi::EndpointShmLayout shm = abi::ComputeEndpointShmLayout(shm_data_bytes);
+  // The layout the daemon uses from here on (private; the header gets a copy for the client).
+  const abi::EndpointShmLayout shm = abi::ComputeEndpointShmLayout(shm_data_bytes);
+  ep->shm_layout = shm;
   EPD_ASSIGN_OR_RETURN(ep->region, ShmRegion::Create("epd-ep", shm.total_bytes, options_.shm_mode,
                                                      options_.shm_group));
+  if (ep->region.size() < shm.total_bytes) {
+    return absl::InternalError(absl::StrCat("endpoint shm region ", ep->region.name(), " has ",
+                                            ep->region.size(), " bytes, the layout needs ",
+                                            shm.total_bytes));
+  }
   ep->header = reinterpret_cast<abi::EndpointShmHeader*>(ep->region.data());
   abi::EndpointShmHeader& h = *ep->header;
   h.size = sizeof(abi::EndpointShmHeader);
@@ -221,8 +238,11 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   ep->next_seq = first_seq;
   // The ring's head/tail count slots; start them at the first seq - 1 so slot i holds
   // seq i (the client writes slot (head + 1) % capacity, see client/endpoint.cc).
+  ep->ring_tail = first_seq - 1;
   h.ring_head = first_seq - 1;
   h.ring_tail = first_seq - 1;
+  ep->log_name =
+      absl::StrCat("group ", spec_.name(), " rank ", rank, " (endpoint ", ep->endpoint_id, ")");
   for (uint32_t i = 0; i < abi::kCompletionCapacity; ++i) ep->completions()[i].seq = 0;
 
   info->set_group(spec_.name());
@@ -230,7 +250,7 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   info->set_endpoint_id(ep->endpoint_id);
   info->set_shm_name(ep->region.name());
   info->set_shm_bytes(shm.total_bytes);
-  info->set_data_offset(h.data_offset);
+  info->set_data_offset(shm_data_bytes > 0 ? shm.data_offset : 0);
   info->set_data_bytes(layout_.total_bytes);
   info->clear_regions();
   layout_.ForEachRegion([&](const char* name, const kernels::Region& r) {
@@ -281,6 +301,7 @@ void LockstepGroup::DetachRank(int32_t rank) {
     }
     RankDetached(rank);
   }
+  LogSuppressedReport(*engine_log_, spdlog::level::warn, ep->log_name, ep->log_limiter.Flush());
   EngineLog()->info("group {}: rank {} detached (endpoint {})", spec_.name(), rank,
                     ep->endpoint_id);
   WakeEngine();
@@ -420,21 +441,37 @@ absl::Status LockstepGroup::ValidateHandle(const LockstepEndpoint& ep,
   return absl::OkStatus();
 }
 
+bool LockstepGroup::PopSlot(LockstepEndpoint& ep, abi::RequestSlot* slot) {
+  // ring_head is the only ring word read back from the client-writable header, once per
+  // slot, and only compared with the daemon's own tail.
+  const uint64_t head = abi::Atomic(ep.header->ring_head).load(std::memory_order_seq_cst);
+  const uint64_t tail = ep.ring_tail;
+  if (head == tail) return false;
+  // A head more than a ring ahead (or behind) is garbage: the slot after the tail is then
+  // taken as one malformed slot, so the ring stays usable.
+  std::memcpy(slot, &ep.ring()[(tail + 1) % abi::kRingCapacity], sizeof(*slot));
+  ep.ring_tail = tail + 1;
+  abi::Atomic(ep.header->ring_tail).store(ep.ring_tail, std::memory_order_release);
+  return true;
+}
+
+void LockstepGroup::CountRejected(LockstepEndpoint& ep) {
+  abi::Atomic(ep.header->rejected_requests)
+      .store(++ep.rejected_requests, std::memory_order_relaxed);
+}
+
 bool LockstepGroup::RefuseRequests(int32_t rank, LockstepEndpoint& ep, const absl::Status& why) {
   bool worked = false;
-  for (;;) {
-    uint64_t head = abi::Atomic(ep.header->ring_head).load(std::memory_order_seq_cst);
-    uint64_t tail = ep.header->ring_tail;
-    if (head == tail) break;
-    if (head - tail > abi::kRingCapacity) head = tail + 1;
-    abi::RequestSlot slot;
-    std::memcpy(&slot, &ep.ring()[(tail + 1) % abi::kRingCapacity], sizeof(slot));
-    abi::Atomic(ep.header->ring_tail).store(tail + 1, std::memory_order_release);
+  // At most one ring's worth per poll: a client advancing ring_head without end cannot
+  // hold the engine here.
+  abi::RequestSlot slot;
+  for (uint32_t n = 0; n < abi::kRingCapacity && PopSlot(ep, &slot); ++n) {
     worked = true;
-    abi::Atomic(ep.header->rejected_requests).fetch_add(1);
+    CountRejected(ep);
     if (slot.magic != abi::kRequestMagic) continue;  // Not attributable to a request.
-    EngineLog()->warn("group {} rank {}: refused request {}: {}", spec_.name(), rank, slot.seq,
-                      std::string(why.message()));
+    LogLimited(*engine_log_, spdlog::level::warn, ep.log_limiter, ep.log_name,
+               "group {} rank {}: refused request {}: {}", spec_.name(), rank, slot.seq,
+               why.message());
     CompleteUnrun(rank, ep, slot, why);
   }
   return worked;
@@ -445,46 +482,40 @@ bool LockstepGroup::PopRequests() {
   for (size_t r = 0; r < endpoints_.size(); ++r) {
     LockstepEndpoint* ep = endpoints_[r].get();
     if (!ep) continue;
-    if (ep->region.linked() &&
-        abi::Atomic(ep->header->client_mapped).load(std::memory_order_acquire) != 0) {
+    if (ep->region.linked() && ep->ClientMapped()) {
       ep->region.Unlink();  // Both sides have it mapped: the name is no longer needed.
     }
+    LogSuppressed(*engine_log_, spdlog::level::warn, ep->log_limiter, ep->log_name);
     const int32_t rank = static_cast<int32_t>(r);
     if (absl::Status refused = AcceptsRequests(rank); !refused.ok()) {
       worked |= RefuseRequests(rank, *ep, refused);
       continue;
     }
-    while (!ep->request && ep->next_seq <= current_seq_) {
-      uint64_t head = abi::Atomic(ep->header->ring_head).load(std::memory_order_seq_cst);
-      uint64_t tail = ep->header->ring_tail;
-      if (head == tail) break;
-      if (head - tail > abi::kRingCapacity) {
-        // Garbage head: treat as one malformed slot so the ring stays usable.
-        head = tail + 1;
-      }
-      abi::RequestSlot slot;
-      std::memcpy(&slot, &ep->ring()[(tail + 1) % abi::kRingCapacity], sizeof(slot));
-      abi::Atomic(ep->header->ring_tail).store(tail + 1, std::memory_order_release);
+    // At most one ring's worth of slots per poll (see RefuseRequests).
+    abi::RequestSlot slot;
+    for (uint32_t n = 0; n < abi::kRingCapacity && !ep->request && ep->next_seq <= current_seq_ &&
+                         PopSlot(*ep, &slot);
+         ++n) {
       worked = true;
       if (slot.magic != abi::kRequestMagic || slot.seq != ep->next_seq) {
         // Not a request of this endpoint's client (garbage, or a replayed slot): it cannot
         // be attributed to an op, so it is dropped, counted and reported, never executed.
-        abi::Atomic(ep->header->rejected_requests).fetch_add(1);
-        EngineLog()->warn(
-            "group {} rank {}: dropped a malformed ring slot (magic 0x{:x}, seq {}, expected "
-            "seq {}); {} dropped so far",
-            spec_.name(), r, slot.magic, slot.seq, ep->next_seq,
-            abi::Atomic(ep->header->rejected_requests).load());
+        CountRejected(*ep);
+        LogLimited(*engine_log_, spdlog::level::warn, ep->log_limiter, ep->log_name,
+                   "group {} rank {}: dropped a malformed ring slot (magic 0x{:x}, seq {}, "
+                   "expected seq {}); {} dropped so far",
+                   spec_.name(), r, slot.magic, slot.seq, ep->next_seq, ep->rejected_requests);
         continue;
       }
       absl::Status valid = ValidateSlot(rank, *ep, slot);
       uint64_t seq = ep->next_seq++;
       if (!valid.ok()) {
-        abi::Atomic(ep->header->rejected_requests).fetch_add(1);
+        CountRejected(*ep);
         if (slot.op == 0 || slot.op > abi::kMaxOpKind) slot.op = 0;
         if (!(slot.flags & abi::kFlagClientError)) {
-          EngineLog()->warn("group {} rank {}: rejected request {}: {}", spec_.name(), r, seq,
-                            std::string(valid.message()));
+          LogLimited(*engine_log_, spdlog::level::warn, ep->log_limiter, ep->log_name,
+                     "group {} rank {}: rejected request {}: {}", spec_.name(), r, seq,
+                     valid.message());
         }
       }
       if (seq < current_seq_) {
@@ -505,6 +536,7 @@ bool LockstepGroup::PopRequests() {
       if (!op_started_) op_started_ = Clock::now();
     }
   }
+  LogSuppressed(*engine_log_, spdlog::level::warn, log_limiter_, log_name_);
   return worked;
 }
 
@@ -569,7 +601,7 @@ bool LockstepGroup::Poll() {
     absl::Status st = absl::DeadlineExceededError(absl::StrCat(
         "op ", current_seq_, " of group ", spec_.name(), ": rank(s) ", absl::StrJoin(gone, ", "),
         " left the group (their client left or died) and did not rejoin"));
-    EngineLog()->warn("{}", std::string(st.message()));
+    LogClientCaused(spdlog::level::warn, "{}", st.message());
     FailOp(st);
     return true;
   }
@@ -589,7 +621,7 @@ bool LockstepGroup::Poll() {
                   absl::StrCat("op ", current_seq_, " of group ", spec_.name(), ": rank(s) ",
                                absl::StrJoin(missing, ", "), " did not arrive within op_timeout ",
                                options_.op_timeout_ms, " ms"));
-    EngineLog()->warn("{}", std::string(st.message()));
+    LogClientCaused(spdlog::level::warn, "{}", st.message());
     FailOp(st);
     return true;
   }

@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "daemon/data_plane.h"
+#include "daemon/logging.h"
 #include "epd/kernels/layout.h"
 #include "epd/v1/control.pb.h"
 #include "shm_abi.h"
@@ -48,11 +49,22 @@ struct RankResources {
 };
 
 /// One attached rank: its shm region and the daemon's view of its ring and handles.
+///
+/// The region is client-writable (the client maps it read-write). Nothing the daemon
+/// dereferences comes from it: the layout (ring, completion and data offsets) is computed
+/// here at attach and kept in `shm_layout`; the header's copy of it is for the client and
+/// is never read back. The daemon reads back from the header only ring_head (once per
+/// slot it pops; compared with its own ring_tail, never used as an index) and the flag
+/// words client_mapped, client_waiting and daemon_closed; ring slots are copied into
+/// private memory once, then validated, then only the copy is used.
 struct LockstepEndpoint {
   ShmRegion region;
-  abi::EndpointShmHeader* header = nullptr;
+  abi::EndpointShmHeader* header = nullptr;  ///< Written by the daemon; see above.
+  abi::EndpointShmLayout shm_layout{};       ///< Private: the region's layout.
   uint64_t endpoint_id = 0;
   uint64_t next_seq = 0;                    ///< Seq the next ring slot must carry.
+  uint64_t ring_tail = 0;                   ///< Slots consumed (published to the header).
+  uint64_t rejected_requests = 0;           ///< Malformed slots (published to the header).
   std::optional<abi::RequestSlot> request;  ///< Popped, waiting for (or running) the op.
   std::optional<absl::Status> slot_error;   ///< Why `request` was rejected, if it was.
   uint64_t ops_completed = 0;
@@ -66,14 +78,26 @@ struct LockstepEndpoint {
   uint64_t ll_seq[kernels::kLowLatencyBuffers] = {0, 0};
   int32_t ll_tokens[kernels::kLowLatencyBuffers] = {0, 0};
   std::shared_ptr<RankResources> backend;  ///< The backend's part of this rank.
+  /// "group G rank R (endpoint ID)", the source named in this endpoint's log lines.
+  std::string log_name;
+  /// Rate limit of the warnings this endpoint's client can cause (malformed or rejected
+  /// slots, bad inputs).
+  LogRateLimiter log_limiter;
+
+  /// Whether the client has taken up this endpoint: it mapped the region (it sets
+  /// client_mapped in the header then; only this predicate reads it for that). An endpoint
+  /// that stays unmapped is expired (DataPlaneGroup::RankMapped).
+  bool ClientMapped() const {
+    return abi::Atomic(header->client_mapped).load(std::memory_order_acquire) != 0;
+  }
 
   /// The data area when it lives in the shm region (host backend).
-  uint8_t* shm_data() const { return region.data() + header->data_offset; }
+  uint8_t* shm_data() const { return region.data() + shm_layout.data_offset; }
   abi::RequestSlot* ring() const {
-    return reinterpret_cast<abi::RequestSlot*>(region.data() + header->ring_offset);
+    return reinterpret_cast<abi::RequestSlot*>(region.data() + shm_layout.ring_offset);
   }
   abi::Completion* completions() const {
-    return reinterpret_cast<abi::Completion*>(region.data() + header->completion_offset);
+    return reinterpret_cast<abi::Completion*>(region.data() + shm_layout.completion_offset);
   }
 };
 
@@ -153,6 +177,8 @@ class LockstepGroup : public DataPlaneGroup {
   uint64_t ops_completed() const final { return ops_completed_.load(); }
   uint64_t ops_failed() const final { return ops_failed_.load(); }
   uint64_t rank_ops_completed(int32_t rank) const final;
+  /// LockstepEndpoint::ClientMapped of rank `rank` (false when it is not attached).
+  bool RankMapped(int32_t rank) const final;
 
   /// Engine thread: pops requests, starts, finishes or times out the current op. True if
   /// it did work.
@@ -256,12 +282,35 @@ class LockstepGroup : public DataPlaneGroup {
 
   /// Rank r's endpoint (null when detached). Call with mu_ held.
   LockstepEndpoint* endpoint(int32_t r) const { return endpoints_[r].get(); }
+  /// Logs a line the group's clients can cause (an op timing out, a client that never
+  /// staged its inputs, bad ids in a program step, ...) through the group's rate limit
+  /// (LogLimited): a client repeating it cannot flood the log. Call with mu_ held.
+  template <typename... Args>
+  void LogClientCaused(spdlog::level::level_enum level, fmt::format_string<Args...> format,
+                       Args&&... args) const {
+    LogLimited(*engine_log_, level, log_limiter_, log_name_, format, std::forward<Args>(args)...);
+  }
+  /// As LogClientCaused, through rank `rank`'s endpoint's rate limit (the group's when the
+  /// rank is detached).
+  template <typename... Args>
+  void LogRankCaused(int32_t rank, spdlog::level::level_enum level,
+                     fmt::format_string<Args...> format, Args&&... args) const {
+    LockstepEndpoint* ep = endpoints_[rank].get();
+    LogLimited(*engine_log_, level, ep ? ep->log_limiter : log_limiter_,
+               ep ? absl::string_view(ep->log_name) : absl::string_view(log_name_), format,
+               std::forward<Args>(args)...);
+  }
   const LockstepOptions& options() const { return options_; }
 
   mutable std::mutex mu_;  // Guards everything below and the backend's group state.
 
  private:
   bool PopRequests();
+  /// Copies the slot after `ep`'s tail into `*slot` and advances the tail, when the
+  /// client's ring_head says there is one. False when the ring is empty.
+  static bool PopSlot(LockstepEndpoint& ep, abi::RequestSlot* slot);
+  /// Counts a malformed or rejected slot of `ep` (published to the header).
+  static void CountRejected(LockstepEndpoint& ep);
   /// Pops every slot of rank `rank`'s ring and completes each with `why` (AcceptsRequests
   /// refused the rank). True if it popped any.
   bool RefuseRequests(int32_t rank, LockstepEndpoint& ep, const absl::Status& why);
@@ -281,6 +330,9 @@ class LockstepGroup : public DataPlaneGroup {
   kernels::GroupShape shape_;
   kernels::EndpointLayout layout_;
   LockstepOptions options_;
+  std::shared_ptr<spdlog::logger> engine_log_;  ///< "epd.engine".
+  std::string log_name_;                        ///< "group G", for rate-limited lines.
+  mutable LogRateLimiter log_limiter_;          ///< LogClientCaused's rate limit.
   std::vector<std::unique_ptr<LockstepEndpoint>> endpoints_;
   /// departed_[r]: rank r was attached and then detached (left, or its client died) and
   /// has not rejoined; the group's next op that waits for it fails at once (once: later

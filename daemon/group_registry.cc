@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "daemon/fd_limits.h"
 #include "daemon/logging.h"
 #include "daemon/spec_validation.h"
 #include "epd/common/status_macros.h"
@@ -32,6 +33,11 @@ std::string RedactSessionId(const std::string& id) {
   return id.size() <= 8 ? id : id.substr(0, 8) + "...";
 }
 
+absl::Status NotAnOpenSession(const std::string& session_id) {
+  return absl::FailedPreconditionError(absl::StrCat("session_id: \"", EscapeClientText(session_id),
+                                                    "\" is not an open session of this daemon"));
+}
+
 }  // namespace
 
 GroupRegistry::GroupRegistry(DataPlane* data_plane, GpuInventory inventory, Options options)
@@ -53,20 +59,52 @@ GroupRegistry::~GroupRegistry() {
   for (EndpointsWaiter& w : left) w.done(absl::UnavailableError("epd is shutting down"));
 }
 
-absl::StatusOr<std::string> GroupRegistry::OpenSession(int64_t client_pid,
+absl::StatusOr<std::string> GroupRegistry::OpenSession(const PeerCredentials& peer,
                                                        const std::string& client_name) {
   absl::MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("epd is shutting down; no new sessions");
   std::string id = NewSessionId();
   Session& session = sessions_[id];
-  session.client_pid = client_pid;
+  session.peer = peer;
   // Kept only for log lines: escaped and capped once (a client may send any bytes, up to
   // max_request_bytes of them).
   session.client_name = EscapeClientText(client_name);
   session.opened = absl::Now();
   GetLogger(kLogRegistry)
-      ->info("session {} opened (pid {}, name \"{}\")", id, client_pid, session.client_name);
+      ->info("session {} opened ({}, name \"{}\")", id, DescribeCredentials(peer),
+             session.client_name);
   return id;
+}
+
+absl::StatusOr<PeerCredentials> GroupRegistry::SessionCredentials(
+    const std::string& session_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return NotAnOpenSession(session_id);
+  return it->second.peer;
+}
+
+absl::StatusOr<uint64_t> GroupRegistry::AuthorizeEndpoint(const std::string& session_id,
+                                                          const std::string& group, int32_t rank,
+                                                          const PeerCredentials& peer) const {
+  absl::MutexLock lock(&mu_);
+  auto session = sessions_.find(session_id);
+  if (session == sessions_.end()) return NotAnOpenSession(session_id);
+  if (session->second.peer.uid != peer.uid) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("session_id: session ", RedactSessionId(session_id), " was opened by uid ",
+                     session->second.peer.uid, ", not by the caller's uid ", peer.uid));
+  }
+  auto group_it = groups_.find(group);
+  if (group_it != groups_.end()) {
+    auto slot = group_it->second.ranks.find(rank);
+    if (slot != group_it->second.ranks.end() && slot->second.session_id == session_id) {
+      return slot->second.endpoint_id;
+    }
+  }
+  return absl::PermissionDeniedError(absl::StrCat("session ", RedactSessionId(session_id),
+                                                  " does not hold rank ", rank, " of group \"",
+                                                  EscapeClientText(group), "\""));
 }
 
 int GroupRegistry::CloseSession(const std::string& session_id, absl::string_view why) {
@@ -81,8 +119,8 @@ int GroupRegistry::CloseSession(const std::string& session_id, absl::string_view
   }
   GetLogger(kLogRegistry)
       ->info(
-          "session {} (pid {}, name \"{}\") ended ({}) after {}: released {} endpoint(s){}{}",
-          session_id, it->second.client_pid, it->second.client_name, why,
+          "session {} ({}, name \"{}\") ended ({}) after {}: released {} endpoint(s){}{}",
+          session_id, DescribeCredentials(it->second.peer), it->second.client_name, why,
           absl::FormatDuration(absl::Trunc(absl::Now() - it->second.opened, absl::Milliseconds(1))),
           released.size(), released.empty() ? "" : ": ", absl::StrJoin(released, ", "));
   sessions_.erase(session_id);
@@ -123,14 +161,15 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
         "session_id: \"\"; open a Session first and pass its id (Client::Connect does)");
   }
   EPD_ASSIGN_OR_RETURN(std::string gpu_uuid, ResolveGpu(request.gpu_uuid()));
+  // An endpoint holds descriptors until its client maps it: refuse joins before the
+  // listener and gRPC run short of them.
+  EPD_RETURN_IF_ERROR(CheckFreeFds(options_.min_free_fds, "JoinGroup"));
 
   absl::MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("epd is shutting down; joins are refused");
   auto session = sessions_.find(request.session_id());
   if (session == sessions_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat("session_id: \"",
-                                                      EscapeClientText(request.session_id()),
-                                                      "\" is not an open session of this daemon"));
+    return NotAnOpenSession(request.session_id());
   }
   auto group_it = groups_.find(spec.name());
   if (group_it != groups_.end()) {
@@ -162,7 +201,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
     if (held != group_it->second.ranks.end()) {
       return absl::AlreadyExistsError(absl::StrCat(
           "rank ", rank, " of group \"", spec.name(), "\" is held by session ",
-          RedactSessionId(held->second.session_id), " (pid ", held->second.client_pid, ")"));
+          RedactSessionId(held->second.session_id), " (pid ", held->second.peer.pid, ")"));
     }
   } else if (groups_.size() >= options_.max_groups) {
     return absl::ResourceExhaustedError(absl::StrCat("max_groups: ", options_.max_groups,
@@ -201,15 +240,17 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   RankSlot& slot = group_it->second.ranks[rank];
   slot.gpu_uuid = gpu_uuid;
   slot.session_id = request.session_id();
-  slot.client_pid = session->second.client_pid;
+  slot.peer = session->second.peer;
   slot.endpoint_id = info.endpoint_id();
   slot.cuda_ipc_handle = info.cuda_ipc_handle();
+  slot.joined = absl::Now();
   info.set_launch_mode(mode);
   session->second.endpoints.emplace(spec.name(), rank);
   NotifyWaitersLocked();
   GetLogger(kLogRegistry)
-      ->info("rank {} of group \"{}\" joined by session {} (pid {}){}{}", rank, spec.name(),
-             request.session_id(), slot.client_pid, gpu_uuid.empty() ? "" : " on ", gpu_uuid);
+      ->info("rank {} of group \"{}\" joined by session {} ({}){}{}", rank, spec.name(),
+             request.session_id(), DescribeCredentials(slot.peer), gpu_uuid.empty() ? "" : " on ",
+             gpu_uuid);
   return info;
 }
 
@@ -240,7 +281,7 @@ absl::Status GroupRegistry::Leave(const v1::LeaveGroupRequest& request) {
 }
 
 void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t rank,
-                                      absl::string_view why) {
+                                      absl::string_view why, bool log_release) {
   auto group_it = groups_.find(group_name);
   if (group_it == groups_.end()) return;
   Group& group = group_it->second;
@@ -250,7 +291,9 @@ void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t ran
   if (session != sessions_.end()) session->second.endpoints.erase({group_name, rank});
   group.data->DetachRank(rank);
   group.ranks.erase(slot);
-  GetLogger(kLogRegistry)->info("rank {} of group \"{}\" released ({})", rank, group_name, why);
+  if (log_release) {
+    GetLogger(kLogRegistry)->info("rank {} of group \"{}\" released ({})", rank, group_name, why);
+  }
   if (group.ranks.empty()) {
     retired_ops_completed_ += group.data->ops_completed();
     retired_ops_failed_ += group.data->ops_failed();
@@ -260,6 +303,49 @@ void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t ran
         ->info("group \"{}\" destroyed: no members left (freed its buffers, {} bytes per rank)",
                group_name, bytes);
   }
+}
+
+int GroupRegistry::ExpireUnmappedEndpoints(absl::Time now) {
+  constexpr size_t kNamedInLog = 8;
+  constexpr absl::Duration kLogInterval = absl::Seconds(5);
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<std::string, int32_t>> expired;
+  for (auto& [name, group] : groups_) {
+    for (auto& [rank, slot] : group.ranks) {
+      if (slot.mapped) continue;
+      slot.mapped = group.data->RankMapped(rank);
+      if (!slot.mapped && now - slot.joined >= options_.unmapped_endpoint_timeout) {
+        expired.emplace_back(name, rank);
+      }
+    }
+  }
+  const std::string why =
+      absl::StrCat("not mapped by its client within unmapped_endpoint_timeout_ms = ",
+                   absl::ToInt64Milliseconds(options_.unmapped_endpoint_timeout));
+  for (const auto& [name, rank] : expired) {
+    if (expiry_log_.named.size() < kNamedInLog) {
+      const RankSlot& slot = groups_.at(name).ranks.at(rank);
+      expiry_log_.named.push_back(absl::StrCat(name, "/", rank, " (session ",
+                                               RedactSessionId(slot.session_id), ", pid ",
+                                               slot.peer.pid, ")"));
+    }
+    ++expiry_log_.count;
+    ReleaseRankLocked(name, rank, why, /*log_release=*/false);
+  }
+  // One line per kLogInterval at most, however many expire.
+  if (expiry_log_.count > 0 && now - expiry_log_.last >= kLogInterval) {
+    GetLogger(kLogRegistry)
+        ->warn(
+            "expired {} endpoint(s) {}: {}{}; a client must map the endpoints it joins "
+            "(Client::Join does) or leave them",
+            expiry_log_.count, why, absl::StrJoin(expiry_log_.named, ", "),
+            expiry_log_.count > expiry_log_.named.size()
+                ? absl::StrCat(" and ", expiry_log_.count - expiry_log_.named.size(), " more")
+                : "");
+    expiry_log_ = ExpiryLog{.last = now};
+  }
+  if (!expired.empty()) NotifyWaitersLocked();
+  return static_cast<int>(expired.size());
 }
 
 v1::ListGroupsResponse GroupRegistry::ListGroups() const {
@@ -279,7 +365,7 @@ v1::ListGroupsResponse GroupRegistry::ListGroups() const {
       // Only a prefix: a session id is the capability to leave or join in that session's
       // name, and ListGroups is readable by every client of the socket.
       r->set_session_id(RedactSessionId(slot.session_id));
-      r->set_client_pid(slot.client_pid);
+      r->set_client_pid(slot.peer.pid);
       r->set_ops_completed(group.data->rank_ops_completed(rank));
     }
   }
@@ -328,9 +414,7 @@ std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> GroupRegistry::Eval
   const v1::GetGroupEndpointsRequest& request = waiter.request;
   if (draining_) return absl::UnavailableError("epd is shutting down");
   if (sessions_.find(request.session_id()) == sessions_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat("session_id: \"",
-                                                      EscapeClientText(request.session_id()),
-                                                      "\" is not an open session of this daemon"));
+    return NotAnOpenSession(request.session_id());
   }
   auto group_it = groups_.find(request.group());
   if (group_it == groups_.end()) {

@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "daemon/data_plane.h"
 #include "daemon/gpu_inventory.h"
+#include "daemon/peer_credentials.h"
 #include "epd/v1/control.pb.h"
 
 namespace epd {
@@ -34,6 +35,13 @@ class GroupRegistry {
     uint32_t max_groups = 64;  ///< DaemonConfig.max_groups.
     /// Cap on GetGroupEndpointsRequest.wait_ms (the daemon uses op_timeout_ms + 5 s).
     uint32_t max_endpoints_wait_ms = 15000;
+    /// DaemonConfig.min_free_fds: Join is refused (RESOURCE_EXHAUSTED) while fewer
+    /// descriptors are free (CheckFreeFds). 0 = never.
+    uint32_t min_free_fds = 0;
+    /// DaemonConfig.unmapped_endpoint_timeout_ms: ExpireUnmappedEndpoints detaches a rank
+    /// whose client has not mapped its endpoint (DataPlaneGroup::RankMapped) this long
+    /// after its join.
+    absl::Duration unmapped_endpoint_timeout = absl::Seconds(30);
   };
 
   /// `data_plane` must outlive the registry (ReleaseAll() before destroying it).
@@ -44,8 +52,25 @@ class GroupRegistry {
   GroupRegistry& operator=(const GroupRegistry&) = delete;
 
   /// Opens a session for a client (its Session stream's first message) and returns its
-  /// id (32 hex characters, unguessable). UNAVAILABLE while draining.
-  absl::StatusOr<std::string> OpenSession(int64_t client_pid, const std::string& client_name);
+  /// id (32 hex characters, unguessable). `peer` is the kernel's identity of the client
+  /// (SO_PEERCRED of its connection, daemon/peer_credentials.h), never a value the client
+  /// sent; it is what ListGroups and the logs show and what every authorization of the
+  /// session compares. UNAVAILABLE while draining.
+  absl::StatusOr<std::string> OpenSession(const PeerCredentials& peer,
+                                          const std::string& client_name);
+
+  /// The credentials `session_id` was opened with. FAILED_PRECONDITION when it is not an
+  /// open session.
+  absl::StatusOr<PeerCredentials> SessionCredentials(const std::string& session_id) const;
+
+  /// Whether `peer` may have the memory of rank `rank` of group `group` in the name of
+  /// `session_id` (the fd channel): the session is open, was opened by peer.uid, and holds
+  /// that rank. Returns the rank's endpoint_id. Errors: FAILED_PRECONDITION (no such open
+  /// session), PERMISSION_DENIED (another uid's session, or the session does not hold the
+  /// rank; the message does not say whether the group exists).
+  absl::StatusOr<uint64_t> AuthorizeEndpoint(const std::string& session_id,
+                                             const std::string& group, int32_t rank,
+                                             const PeerCredentials& peer) const;
 
   /// Ends a session (its stream ended: exit, crash, or daemon shutdown) and releases every
   /// endpoint it held; groups left empty are destroyed. Logs what was released and `why`.
@@ -62,7 +87,8 @@ class GroupRegistry {
   ///                        the host backend;
   ///   ALREADY_EXISTS       the rank is held by a live session;
   ///   NOT_FOUND            unknown GPU;
-  ///   RESOURCE_EXHAUSTED   buffers do not fit (bytes needed and free), or max_groups.
+  ///   RESOURCE_EXHAUSTED   buffers do not fit (bytes needed and free), max_groups, or
+  ///                        fewer than min_free_fds descriptors free (CheckFreeFds).
   ///
   /// Launch mode (DESIGN.md §3.2): a group's mode is fixed by its first joiner
   /// (LAUNCH_MODE_UNSPECIFIED = DataPlane::DefaultLaunchMode(spec)); a later joiner asking
@@ -96,6 +122,13 @@ class GroupRegistry {
   /// PERMISSION_DENIED (the rank belongs to another session).
   absl::Status Leave(const v1::LeaveGroupRequest& request);
 
+  /// Detaches every rank whose endpoint its client has not mapped
+  /// (DataPlaneGroup::RankMapped) within Options::unmapped_endpoint_timeout of its join, as
+  /// if its session had left it; groups left empty are destroyed. Logs what expired (how
+  /// many, the first few by name) at most once every 5 s. Returns how many it detached.
+  /// The daemon's health updater calls it periodically.
+  int ExpireUnmappedEndpoints(absl::Time now);
+
   /// Every live group with its joined ranks.
   v1::ListGroupsResponse ListGroups() const;
 
@@ -118,9 +151,11 @@ class GroupRegistry {
   struct RankSlot {
     std::string gpu_uuid;
     std::string session_id;
-    int64_t client_pid = 0;
+    PeerCredentials peer;  ///< The holding session's.
     uint64_t endpoint_id = 0;
     std::string cuda_ipc_handle;
+    absl::Time joined;    ///< For ExpireUnmappedEndpoints.
+    bool mapped = false;  ///< The client mapped the endpoint (once seen, never asked again).
   };
   struct Group {
     v1::GroupSpec spec;
@@ -130,7 +165,7 @@ class GroupRegistry {
     uint64_t bytes_per_rank = 0;
   };
   struct Session {
-    int64_t client_pid = 0;
+    PeerCredentials peer;
     std::string client_name;
     absl::Time opened;
     std::set<std::pair<std::string, int32_t>> endpoints;  ///< (group, rank).
@@ -155,8 +190,9 @@ class GroupRegistry {
   void NotifyWaitersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Detaches `rank` of `group_name` (which must be held) and destroys the group when
   /// it becomes empty.
-  void ReleaseRankLocked(const std::string& group_name, int32_t rank, absl::string_view why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// `log_release` = false: the caller logs a summary instead of a line per rank.
+  void ReleaseRankLocked(const std::string& group_name, int32_t rank, absl::string_view why,
+                         bool log_release = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   DataPlane* const data_plane_;
   const GpuInventory inventory_;
@@ -172,6 +208,14 @@ class GroupRegistry {
   absl::CondVar waiters_changed_;
   bool stop_waiters_ ABSL_GUARDED_BY(mu_) = false;
   std::thread waiter_thread_;  ///< Started with the first waiting call; joined at destruction.
+  /// Endpoints expired since ExpireUnmappedEndpoints last logged (it logs at most every
+  /// few seconds).
+  struct ExpiryLog {
+    absl::Time last = absl::InfinitePast();
+    uint64_t count = 0;
+    std::vector<std::string> named;  ///< The first few, "group/rank (session, pid)".
+  };
+  ExpiryLog expiry_log_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace epd

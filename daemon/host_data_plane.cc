@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -47,6 +48,27 @@ class KernelScope {
 };
 
 class HostGroup;
+
+/// One attached rank's daemon-private memory on the host backend. Its shm region is
+/// client-writable, so nothing there is read as an index or size: the op's topk_idx is
+/// copied from it once into `topk_idx` and checked there, and the routing state that the
+/// combine and a cached re-dispatch read as row indices (send_pos, the low-latency handle
+/// positions) is kept here. After a dispatch the routing is published into the region's
+/// send_pos / ll_handle_pos regions for the client to read; the daemon never reads them
+/// back. Sized at attach: an op allocates nothing.
+struct HostRank : RankResources {
+  std::vector<int64_t> topk_idx;  ///< [max(M, Mll), K]: the current op's checked copy.
+  std::vector<int32_t> send_pos;  ///< [M, R]: the routing of the last normal dispatch.
+  std::vector<int32_t> ll_handle_pos[kernels::kLowLatencyBuffers];  ///< [Mll, K] per buffer.
+
+  explicit HostRank(const kernels::GroupShape& s)
+      : topk_idx(static_cast<size_t>(s.max_input_tokens()) * s.num_topk),
+        send_pos(static_cast<size_t>(s.max_tokens_per_rank) * s.num_ranks) {
+    for (auto& h : ll_handle_pos) {
+      h.resize(static_cast<size_t>(s.ll_max_tokens_per_rank) * s.num_topk);
+    }
+  }
+};
 
 class HostDataPlaneImpl : public DataPlane {
  public:
@@ -127,10 +149,21 @@ class HostGroup : public LockstepGroup {
  private:
   void Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
                std::span<RankOutcome> out);
+  /// Region `r` of rank `rank`'s data area in its shm region (client-writable: outputs,
+  /// and inputs read as values only).
   template <typename T>
   T* Ptr(int rank, const kernels::Region& r) const {
     return reinterpret_cast<T*>(endpoint(rank)->shm_data() + r.offset);
   }
+  /// Rank `rank`'s private memory (HostRank).
+  HostRank& Private(int rank) const { return static_cast<HostRank&>(*endpoint(rank)->backend); }
+  /// Copies rank `rank`'s staged topk_idx [T, K] out of its shm region once, into its
+  /// private copy, and checks the copy (CheckTopkIdx); the op reads only the copy.
+  absl::StatusOr<const int64_t*> TakeTopkIdx(int rank, int32_t num_tokens) const;
+  /// Copies `rows` rows of `row_elems` int32 from rank `rank`'s private routing `src` to
+  /// region `dst` of its shm region, for the client to read (never read back).
+  void Publish(int rank, const std::vector<int32_t>& src, int64_t rows, int64_t row_elems,
+               const kernels::Region& dst) const;
 
   HostDataPlaneImpl* plane_;
   // Each op kind's kernel arguments, [R], filled in per op (sized once: README "Hot path").
@@ -205,7 +238,30 @@ absl::StatusOr<std::shared_ptr<RankResources>> HostGroup::PrepareRank(
   info->set_backend("host");
   info->set_doorbell_shm_name(plane_->doorbell_name());
   info->set_launch_mode(v1::LAUNCH_MODE_DAEMON);
-  return std::shared_ptr<RankResources>();
+  return std::shared_ptr<RankResources>(std::make_shared<HostRank>(shape()));
+}
+
+absl::StatusOr<const int64_t*> HostGroup::TakeTopkIdx(int rank, int32_t num_tokens) const {
+  HostRank& hr = Private(rank);
+  const kernels::GroupShape& gs = shape();
+  // num_tokens comes from the validated slot: at most max(M, Mll) rows.
+  const size_t n = static_cast<size_t>(std::max(num_tokens, 0)) * gs.num_topk;
+  if (n > hr.topk_idx.size()) {
+    return absl::InternalError(absl::StrCat("rank ", rank, ": num_tokens ", num_tokens,
+                                            " exceeds the private topk_idx copy"));
+  }
+  std::memcpy(hr.topk_idx.data(), Ptr<const int64_t>(rank, layout().in_topk_idx),
+              n * sizeof(int64_t));
+  EPD_RETURN_IF_ERROR(kernels::host::CheckTopkIdx(gs, rank, num_tokens, hr.topk_idx.data()));
+  return hr.topk_idx.data();
+}
+
+void HostGroup::Publish(int rank, const std::vector<int32_t>& src, int64_t rows, int64_t row_elems,
+                        const kernels::Region& dst) const {
+  const uint64_t bytes = static_cast<uint64_t>(std::max<int64_t>(rows, 0)) *
+                         static_cast<uint64_t>(row_elems) * sizeof(int32_t);
+  std::memcpy(Ptr<int32_t>(rank, dst), src.data(),
+              std::min({bytes, dst.bytes, src.size() * sizeof(int32_t)}));
 }
 
 void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
@@ -226,12 +282,13 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         auto& a = layout_args_[r];
         a = {};
         a.num_tokens = slots[r].num_tokens;
-        a.topk_idx = Ptr<const int64_t>(r, L.in_topk_idx);
         a.num_tokens_per_rank = Ptr<int32_t>(r, L.layout_tokens_per_rank);
         a.num_tokens_per_expert = Ptr<int32_t>(r, L.layout_tokens_per_expert);
         a.is_token_in_rank = Ptr<uint8_t>(r, L.layout_is_token_in_rank);
-        out[r].status = kernels::host::CheckTopkIdx(gs, r, a.num_tokens, a.topk_idx);
-        if (out[r].status.ok()) {
+        absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens);
+        out[r].status = idx.status();
+        if (idx.ok()) {
+          a.topk_idx = *idx;
           KernelScope k(plane_->options().on_kernels);
           out[r].status = kernels::host::GetDispatchLayout(gs, a, exec);
         }
@@ -249,12 +306,16 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         a.num_tokens = slots[r].num_tokens;
         a.x = Ptr<const void>(r, L.in_x);
         a.x_scales = fp8 ? Ptr<const float>(r, L.in_scales) : nullptr;
-        a.topk_idx = cached ? nullptr : Ptr<const int64_t>(r, L.in_topk_idx);
         a.topk_weights =
             (flags & abi::kFlagDispatchWeights) ? Ptr<const float>(r, L.in_topk_weights) : nullptr;
+        HostRank& hr = Private(r);
         if (cached) {
-          a.cached_send_pos = Ptr<const int32_t>(r, L.send_pos);
+          a.cached_send_pos = hr.send_pos.data();  // Rewritten in place (memmove).
           a.cached_num_recv_tokens = ep.num_recv_tokens;
+        } else {
+          absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens);
+          if (!idx.ok()) return fail_all(idx.status());
+          a.topk_idx = *idx;
         }
         a.recv_capacity = gs.max_recv_tokens();
         a.recv_x = Ptr<void>(r, L.recv_x);
@@ -263,12 +324,8 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         a.recv_topk_weights = a.topk_weights ? Ptr<float>(r, L.recv_topk_weights) : nullptr;
         a.recv_tokens_per_expert = Ptr<int32_t>(r, L.recv_tokens_per_expert);
         a.recv_src_info = Ptr<int32_t>(r, L.recv_src_info);
-        a.send_pos = Ptr<int32_t>(r, L.send_pos);
+        a.send_pos = hr.send_pos.data();
         a.rank_prefix = Ptr<int32_t>(r, L.rank_prefix);
-        if (!cached) {
-          absl::Status st = kernels::host::CheckTopkIdx(gs, r, a.num_tokens, a.topk_idx);
-          if (!st.ok()) return fail_all(st);
-        }
       }
       kernels::host::DispatchOptions opt;
       opt.fp8 = fp8;
@@ -282,6 +339,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
       for (int r = 0; r < R; ++r) {
         *Ptr<int32_t>(r, L.recv_count) = args[r].num_recv_tokens;
         out[r].num_recv_tokens = args[r].num_recv_tokens;
+        Publish(r, Private(r).send_pos, args[r].num_tokens, R, L.send_pos);
       }
       return;
     }
@@ -293,7 +351,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         a = {};
         const LockstepEndpoint& ep = *endpoint(r);
         a.num_tokens = ep.routing_tokens;
-        a.send_pos = Ptr<const int32_t>(r, L.send_pos);
+        a.send_pos = Private(r).send_pos.data();
         a.num_recv_tokens = ep.num_recv_tokens;
         a.x = Ptr<const kernels::bf16_bits>(r, L.in_combine_x);
         a.topk_weights = weights ? Ptr<const float>(r, L.in_combine_weights) : nullptr;
@@ -316,14 +374,14 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         a = {};
         a.num_tokens = slots[r].num_tokens;
         a.x = Ptr<const kernels::bf16_bits>(r, L.in_x);
-        a.topk_idx = Ptr<const int64_t>(r, L.in_topk_idx);
         a.recv_x = Ptr<void>(r, L.ll_recv_x[b]);
         a.recv_scales = (flags & abi::kFlagFp8) ? Ptr<float>(r, L.ll_recv_scales[b]) : nullptr;
         a.recv_count = Ptr<int32_t>(r, L.ll_recv_count[b]);
         a.recv_src_info = Ptr<int32_t>(r, L.ll_recv_src_info[b]);
-        a.handle_pos = Ptr<int32_t>(r, L.ll_handle_pos[b]);
-        absl::Status st = kernels::host::CheckTopkIdx(gs, r, a.num_tokens, a.topk_idx);
-        if (!st.ok()) return fail_all(st);
+        a.handle_pos = Private(r).ll_handle_pos[b].data();
+        absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens);
+        if (!idx.ok()) return fail_all(idx.status());
+        a.topk_idx = *idx;
       }
       kernels::host::LowLatencyDispatchOptions opt;
       opt.use_fp8 = flags & abi::kFlagFp8;
@@ -334,6 +392,10 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         st = kernels::host::LowLatencyDispatch(gs, opt, args, exec);
       }
       if (!st.ok()) return fail_all(st);
+      for (int r = 0; r < R; ++r) {
+        Publish(r, Private(r).ll_handle_pos[b], args[r].num_tokens, gs.num_topk,
+                L.ll_handle_pos[b]);
+      }
       return;
     }
     case abi::OpKind::kLowLatencyCombine: {
@@ -344,13 +406,13 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         auto& a = args[r];
         a = {};
         a.num_tokens = slots[r].num_tokens;
-        a.topk_idx = Ptr<const int64_t>(r, L.in_topk_idx);
         a.topk_weights = Ptr<const float>(r, L.in_topk_weights);
-        a.handle_pos = Ptr<const int32_t>(r, L.ll_handle_pos[hb]);
+        a.handle_pos = Private(r).ll_handle_pos[hb].data();
         a.x = Ptr<const kernels::bf16_bits>(r, L.in_ll_combine_x);
         a.combined_x = Ptr<kernels::bf16_bits>(r, L.ll_combined_x[ob]);
-        absl::Status st = kernels::host::CheckTopkIdx(gs, r, a.num_tokens, a.topk_idx);
-        if (!st.ok()) return fail_all(st);
+        absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens);
+        if (!idx.ok()) return fail_all(idx.status());
+        a.topk_idx = *idx;
       }
       absl::Status st;
       {

@@ -1,5 +1,6 @@
 #include "daemon/logging.h"
 
+#include <algorithm>
 #include <mutex>
 
 #include "absl/status/statusor.h"
@@ -63,6 +64,69 @@ absl::Status SetLogLevel(absl::string_view level) {
     if (l->name().rfind("epd", 0) == 0) l->set_level(*parsed);
   });
   return absl::OkStatus();
+}
+
+LogRateLimiter::LogRateLimiter(double per_second, double burst)
+    : per_second_(std::max(per_second, 1e-3)),
+      burst_(std::max(burst, 1.0)),
+      tokens_(burst_),
+      last_refill_(Clock::now()) {}
+
+void LogRateLimiter::Refill(Clock::time_point now) {
+  if (now <= last_refill_) return;
+  const double seconds = std::chrono::duration<double>(now - last_refill_).count();
+  tokens_ = std::min(burst_, tokens_ + seconds * per_second_);
+  last_refill_ = now;
+}
+
+LogRateLimiter::Decision LogRateLimiter::Report(Clock::time_point now) {
+  Decision d;
+  d.log = true;
+  d.suppressed = suppressed_;
+  if (suppressed_ > 0) {
+    d.suppressed_seconds = std::chrono::duration<double>(now - first_suppressed_).count();
+  }
+  suppressed_ = 0;
+  return d;
+}
+
+LogRateLimiter::Decision LogRateLimiter::Allow(Clock::time_point now) {
+  Refill(now);
+  if (tokens_ >= 1.0) {
+    tokens_ -= 1.0;
+    return Report(now);
+  }
+  if (suppressed_++ == 0) first_suppressed_ = now;
+  return Decision{};
+}
+
+LogRateLimiter::Decision LogRateLimiter::TakeReport(Clock::time_point now) {
+  if (suppressed_ == 0) return Decision{};
+  Refill(now);
+  if (tokens_ < 1.0) return Decision{};
+  tokens_ -= 1.0;
+  return Report(now);
+}
+
+LogRateLimiter::Decision LogRateLimiter::Flush(Clock::time_point now) {
+  if (suppressed_ == 0) return Decision{};
+  return Report(now);
+}
+
+void LogSuppressedReport(spdlog::logger& log, spdlog::level::level_enum level,
+                         absl::string_view who, const LogRateLimiter::Decision& decision) {
+  if (decision.suppressed == 0) return;
+  log.log(level, "{} similar messages from {} suppressed in the last {:.1f} s", decision.suppressed,
+          who, decision.suppressed_seconds);
+}
+
+bool LogSuppressed(spdlog::logger& log, spdlog::level::level_enum level, LogRateLimiter& limiter,
+                   absl::string_view who) {
+  if (limiter.suppressed() == 0) return false;
+  const LogRateLimiter::Decision d = limiter.TakeReport();
+  if (!d.log) return false;
+  LogSuppressedReport(log, level, who, d);
+  return true;
 }
 
 }  // namespace epd

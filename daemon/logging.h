@@ -3,8 +3,11 @@
 // subsystem shows in every line: "[2026-11-29 15:20:25.123] [epd.control] [info] ...".
 #pragma once
 
+#include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -31,6 +34,80 @@ absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view level)
 
 /// Sets the level of every existing and future epd logger. Errors as ParseLogLevel.
 absl::Status SetLogLevel(absl::string_view level);
+
+/// A token bucket for the log lines one client can cause (docs/SECURITY.md, "Operators can
+/// read what happened"): up to `burst` lines at once, then `per_second` lines a second.
+/// Lines over that are counted instead of logged, and the count is reported in one line
+/// ("N similar messages from <who> suppressed in the last T s") before the next line that
+/// is logged, or by LogSuppressed once the bucket has a token again. Allocation-free.
+/// Not thread-safe: one owner (the data plane keeps one per endpoint and one per group,
+/// used under the group's lock).
+class LogRateLimiter {
+ public:
+  using Clock = std::chrono::steady_clock;
+  /// Steady rate of lines a second, and the burst allowed at once.
+  static constexpr double kDefaultPerSecond = 2;
+  static constexpr double kDefaultBurst = 10;
+
+  /// `per_second` > 0 and `burst` >= 1 (smaller values are raised to them).
+  explicit LogRateLimiter(double per_second = kDefaultPerSecond, double burst = kDefaultBurst);
+
+  /// What Allow / TakeReport decided.
+  struct Decision {
+    bool log = false;               ///< Log the line (Allow) / the report (TakeReport).
+    uint64_t suppressed = 0;        ///< Lines suppressed before it (0 = none to report).
+    double suppressed_seconds = 0;  ///< Seconds since the first of them was suppressed.
+  };
+
+  /// Whether one more line may be logged at `now` (takes a token); when not, the line is
+  /// counted as suppressed. When it may and lines were suppressed before, their count is
+  /// in the decision (and reset): log the report first.
+  Decision Allow(Clock::time_point now = Clock::now());
+  /// Lines suppressed and not yet reported.
+  uint64_t suppressed() const { return suppressed_; }
+  /// When lines were suppressed and a token is available at `now`: takes it and returns
+  /// their count (reset); else a decision with log = false.
+  Decision TakeReport(Clock::time_point now = Clock::now());
+  /// The suppressed lines' report regardless of tokens (reset), e.g. when the source goes
+  /// away; log = false when there is nothing to report.
+  Decision Flush(Clock::time_point now = Clock::now());
+
+ private:
+  void Refill(Clock::time_point now);
+  Decision Report(Clock::time_point now);
+
+  double per_second_;
+  double burst_;
+  double tokens_;
+  Clock::time_point last_refill_;
+  uint64_t suppressed_ = 0;
+  Clock::time_point first_suppressed_{};
+};
+
+/// Logs "N similar messages from <who> suppressed in the last T s" at `level` for a
+/// decision that carries suppressed lines (nothing otherwise).
+void LogSuppressedReport(spdlog::logger& log, spdlog::level::level_enum level,
+                         absl::string_view who, const LogRateLimiter::Decision& decision);
+
+/// Logs one client-caused line at `level` through `limiter`: nothing when the limiter
+/// suppresses it (the arguments are not even formatted), else the report of earlier
+/// suppressed lines of `who` first (LogSuppressedReport), then the line. A line the
+/// logger's level hides is neither logged nor counted.
+template <typename... Args>
+void LogLimited(spdlog::logger& log, spdlog::level::level_enum level, LogRateLimiter& limiter,
+                absl::string_view who, fmt::format_string<Args...> format, Args&&... args) {
+  if (!log.should_log(level)) return;
+  const LogRateLimiter::Decision d = limiter.Allow();
+  if (!d.log) return;
+  LogSuppressedReport(log, level, who, d);
+  log.log(level, format, std::forward<Args>(args)...);
+}
+
+/// Reports the lines `limiter` suppressed for `who`, once it has a token again (call it
+/// now and then, e.g. on every engine poll: it reads the clock only while lines are
+/// suppressed). True if it logged.
+bool LogSuppressed(spdlog::logger& log, spdlog::level::level_enum level, LogRateLimiter& limiter,
+                   absl::string_view who);
 
 }  // namespace epd
 

@@ -1000,10 +1000,10 @@ void CudaGroup::ReleaseReadyWaits(const GpuOp& op) const {
     const uint64_t seq = op.seq;
     cudaError_t err = cudaMemcpy(reinterpret_cast<void*>(cr.ready_flag()), &seq, sizeof(seq),
                                  cudaMemcpyHostToDevice);
-    EngineLog()->warn(
-        "group {} rank {}: its client never wrote ready_seq = {}; released the stream from the "
-        "host ({})",
-        spec().name(), r, seq, cudaGetErrorString(err));
+    LogRankCaused(static_cast<int32_t>(r), spdlog::level::warn,
+                  "group {} rank {}: its client never wrote ready_seq = {}; released the stream "
+                  "from the host ({})",
+                  spec().name(), r, seq, cudaGetErrorString(err));
   }
   cudaGetLastError();
 }
@@ -1033,7 +1033,7 @@ bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
         absl::StrCat(OpName(static_cast<uint32_t>(op.op)), " of group ", spec().name(),
                      ": the GPU did not finish the op within op_timeout ", options().op_timeout_ms,
                      " ms + 5 s; check the GPU (nvidia-smi) and the daemon log"));
-    EngineLog()->error("{}", std::string(st.message()));
+    LogClientCaused(spdlog::level::err, "{}", st.message());
     for (RankOutcome& o : outcomes) o.status = st;
     ReleaseReadyWaits(op);
     abandoned_ = std::move(gpu_op_);
@@ -1055,7 +1055,18 @@ bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
     } else {
       // OK allocates nothing (a DeviceStatus without findings).
       out.status = kc::StatusFromDevice(rb.status, shape(), r, name, low_latency);
-      if (op.op == abi::OpKind::kDispatch) out.num_recv_tokens = rb.recv_count;
+      if (op.op == abi::OpKind::kDispatch) {
+        // Read back from the rank's area, which its client can write: checked before use.
+        const int32_t n = rb.recv_count;
+        if (n >= 0 && n <= shape().max_recv_tokens()) {
+          out.num_recv_tokens = n;
+        } else if (out.status.ok()) {
+          out.status = absl::InvalidArgumentError(absl::StrCat(
+              name, ": rank ", r, ": the received count read back from the endpoint's memory, ", n,
+              ", is outside [0, num_ranks * max_tokens_per_rank = ", shape().max_recv_tokens(),
+              "]: the endpoint's memory was overwritten during the op"));
+        }
+      }
     }
     // A device-side timeout or a launch error leaves the ranks' sequence counters out of
     // step: zero the sync state before the next op.
@@ -1319,8 +1330,8 @@ void CudaGroup::DisarmProgram(const absl::Status& why) {
   }
   cudaGetLastError();
   if (!why.ok()) {
-    EngineLog()->warn("group {}: graph-mode program disarmed: {}", spec().name(),
-                      std::string(why.message()));
+    LogClientCaused(spdlog::level::warn, "group {}: graph-mode program disarmed: {}", spec().name(),
+                    why.message());
     PublishProgramError(why, p.next - 1, -1);
   } else {
     EngineLog()->info("group {}: graph-mode program unregistered", spec().name());
@@ -1420,7 +1431,7 @@ bool CudaGroup::PollBackground() {
     CountProgramInstance(bad.ok());
     worked = true;
     if (!bad.ok()) {
-      EngineLog()->warn("group {}: {}", spec().name(), std::string(bad.message()));
+      LogClientCaused(spdlog::level::warn, "group {}: {}", spec().name(), bad.message());
       PublishProgramError(bad, k, step_index);
     }
     PublishProgramChecked(k);

@@ -8,7 +8,9 @@
 //     outputs (written by earlier work on its stream) are complete.
 //  2. Every block waits (bounded) until all R combine flags reach seq.
 //  3. Warps pull: one warp per (token, 512-channel chunk). For each k the warp reads the
-//     row handle_pos[t, k] of expert topk_idx[t, k] from the owner's expert-output region
+//     row handle_pos[t, k] of expert topk_idx[t, k] (both read once into a register and
+//     checked: a bad id or row is counted in DeviceStatus and skipped, as the handle and the
+//     inputs are client-writable) from the owner's expert-output region
 //     (16-byte loads, up to 4 k's in flight) and accumulates in f32 in ascending k, each
 //     product rounded to f32 and then added (__fmul_rn / __fadd_rn: no fma), then rounds
 //     once to bf16: bit-identical to the host reference.
@@ -125,15 +127,6 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const bool all_arrived = __syncthreads_and(arrived) != 0;
 
   if (all_arrived) {
-    if (blockIdx.x == 0) {
-      for (int32_t i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
-        const int64_t e = p.topk_idx[i];
-        const bool bad_id = e < -1 || e >= p.num_experts;
-        const bool bad_pos =
-            e >= 0 && !bad_id && (p.handle_pos[i] < 0 || p.handle_pos[i] >= p.rows_per_expert);
-        if (bad_id || bad_pos) atomicAdd(&status->bad_expert_ids, 1u);
-      }
-    }
     // ---- 3. pull and reduce ----
     const int64_t hidden = p.hidden;
     const int32_t chunk = kVec ? kChunkChannels : p.hidden;
@@ -146,15 +139,22 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
       const int32_t c0 = (u - t * chunks_per_token) * chunk;
       const int32_t c1 = min(p.hidden, c0 + chunk);
       if (lane < num_topk) {
+        // The id and its row, each read once from client-writable memory into a register,
+        // checked, and only then used; a bad one is counted (once per slot: in the
+        // token's first chunk) and contributes nothing.
         const int64_t i = static_cast<int64_t>(t) * num_topk + lane;
         const int64_t e = p.topk_idx[i];
         const int32_t row = p.handle_pos[i];
         const uint8_t* src = nullptr;
-        if (e >= 0 && e < p.num_experts && row >= 0 && row < p.rows_per_expert) {
+        const bool bad_id = e < -1 || e >= p.num_experts;
+        const bool bad_row = e >= 0 && !bad_id && (row < 0 || row >= p.rows_per_expert);
+        if (e >= 0 && !bad_id && !bad_row) {
           const int32_t owner = static_cast<int32_t>(e) / p.experts_per_rank;
           const int64_t local = e - static_cast<int64_t>(owner) * p.experts_per_rank;
           src = s_peer[owner] + p.x_offset + (local * p.rows_per_expert + row) * hidden * 2;
         }
+        if (c0 == 0 && bad_id) atomicAdd(&status->bad_expert_ids, 1u);
+        if (c0 == 0 && bad_row) atomicAdd(&status->bad_routing, 1u);
         s_src[warp][lane] = src;
         s_w[warp][lane] = p.topk_weights[i];
       }

@@ -19,7 +19,9 @@
 //     into the owner's ll_recv_x[b] (and scales, src_info). Each warp's first two units are
 //     loaded and quantised between steps 2 and 3 (while the counts travel); later units are
 //     loaded two ahead of the stores. Block 0 then writes this rank's recv_count and
-//     handle positions (only this rank's later kernels read them).
+//     handle positions (only this rank's later kernels read them). The counts come from
+//     the sync region, which the client can rewrite through its CUDA IPC mapping: a row
+//     outside its expert's block is counted in DeviceStatus::bad_routing and skipped.
 //  0. Daemon-launched (KernelHandoff): before step 1 every block's first thread waits
 //     (bounded) until the client's ready_seq reaches the op's seq (its inputs are staged).
 //  5. Each block takes a ticket; the last one st.release.sys data_flag[rank] = seq at every
@@ -355,12 +357,16 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
         const int32_t e = s_expert[slot];
         bool duplicate = false;
         for (int32_t j = 0; j < lane; ++j) duplicate |= s_expert[t * num_topk + j] == e;
-        if (e >= 0 && !duplicate) {
+        // The row in the expert's block, from the peers' counts (s_base), which a client
+        // can rewrite through its IPC mapping of the sync region: used only when inside the
+        // block (else counted, once per slot, and skipped).
+        const int64_t in_block =
+            e >= 0 ? static_cast<int64_t>(s_base[e]) + s_pos[slot] : int64_t{-1};
+        if (e >= 0 && !duplicate && in_block >= 0 && in_block < p.rows_per_expert) {
           has_dst = true;
           const int32_t owner = e / p.experts_per_rank;
           const int64_t row =
-              static_cast<int64_t>(e - owner * p.experts_per_rank) * p.rows_per_expert + s_base[e] +
-              s_pos[slot];
+              static_cast<int64_t>(e - owner * p.experts_per_rank) * p.rows_per_expert + in_block;
           uint8_t* owner_base = s_peer[owner];
           dst = owner_base + p.recv_x_offset + row * out_row_bytes;
           dst_scales =
@@ -369,6 +375,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
             reinterpret_cast<int32_t*>(owner_base + p.recv_src_info_offset)[row] =
                 p.rank * p.max_tokens + t;
           }
+        } else if (e >= 0 && !duplicate && c0 == 0) {
+          atomicAdd(&status->bad_routing, 1u);
         }
       }
       const uint32_t dst_mask = __ballot_sync(0xffffffffu, has_dst);

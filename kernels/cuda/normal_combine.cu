@@ -59,10 +59,13 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
   float* combined_w = Region<float>(own, p.layout.combined_topk_weights);
   TokenRanks ranks;
   ranks.LoadBases(p.peer_bases, num_ranks, lane);
+  const int64_t capacity = p.shape.max_recv_tokens();
+  unsigned int bad_routing = 0;
 
   for (int t = blockIdx.x * warps_per_block + (threadIdx.x >> 5); t < num_tokens;
        t += gridDim.x * warps_per_block) {
-    ranks.LoadRow(send_pos + static_cast<int64_t>(t) * num_ranks, num_ranks, lane);
+    ranks.LoadRow(send_pos + static_cast<int64_t>(t) * num_ranks, num_ranks, lane, capacity,
+                  &bad_routing);
     const uint64_t mask = ranks.mask;
     bf16_bits* out = combined_x + t * hidden;
 
@@ -130,6 +133,7 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
       }
     }
   }
+  RecordBadRouting(p, bad_routing);
   FinishOp(p, seq);
 }
 

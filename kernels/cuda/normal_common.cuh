@@ -81,7 +81,10 @@ __device__ __forceinline__ uint64_t ScanTopkRow(const int64_t* row, int num_topk
 
 /// The ranks one token goes to (or comes back from), held by one warp: lane l keeps the
 /// send_pos row entries and data-area bases of ranks l and l + 32 (R <= 64); `mask` has
-/// bit r set when send_pos[t, r] >= 0. Row(r) / Base(r) are warp-collective (r uniform).
+/// bit r set when send_pos[t, r] is a row. Row(r) / Base(r) are warp-collective (r uniform).
+/// send_pos lives in the endpoint's memory, which its client can rewrite (CUDA IPC): each
+/// entry is read once into a register and checked against the receive capacity there;
+/// only the checked value is used.
 struct TokenRanks {
   int32_t pos_lo, pos_hi;
   unsigned long long base_lo, base_hi;
@@ -93,10 +96,21 @@ struct TokenRanks {
     base_hi = reinterpret_cast<unsigned long long>(lane + 32 < num_ranks ? peer_bases[lane + 32]
                                                                          : nullptr);
   }
-  /// Loads send_pos[t, :] (row `pos_row`) and builds the mask. Warp-collective.
-  __device__ __forceinline__ void LoadRow(const int32_t* pos_row, int num_ranks, int lane) {
+  /// Loads send_pos[t, :] (row `pos_row`) and builds the mask. Warp-collective. An entry
+  /// outside [-1, capacity) (capacity = R * M, the rows of every receive / combine-input
+  /// region) is counted into *bad and taken as -1.
+  __device__ __forceinline__ void LoadRow(const int32_t* pos_row, int num_ranks, int lane,
+                                          int64_t capacity, unsigned int* bad) {
     pos_lo = lane < num_ranks ? pos_row[lane] : -1;
     pos_hi = lane + 32 < num_ranks ? pos_row[lane + 32] : -1;
+    if (pos_lo < -1 || pos_lo >= capacity) {
+      ++*bad;
+      pos_lo = -1;
+    }
+    if (pos_hi < -1 || pos_hi >= capacity) {
+      ++*bad;
+      pos_hi = -1;
+    }
     mask = static_cast<uint64_t>(__ballot_sync(0xffffffffu, pos_lo >= 0)) |
            (static_cast<uint64_t>(__ballot_sync(0xffffffffu, pos_hi >= 0)) << 32);
   }
@@ -117,6 +131,12 @@ struct TokenRanks {
 /// Lowest set bit of a non-zero mask (ranks are visited in ascending order).
 __device__ __forceinline__ int LowestRank(uint64_t m) {
   return __ffsll(static_cast<long long>(m)) - 1;
+}
+
+/// Adds a thread's count of out-of-range routing values (TokenRanks::LoadRow) to the
+/// status word (one atomic per thread that saw any).
+__device__ __forceinline__ void RecordBadRouting(const NormalParams& p, unsigned int bad) {
+  if (bad != 0) atomicAdd(&OwnStatus(p)->bad_routing, bad);
 }
 
 /// Reads the run-time T, recording a value outside [0, M] in the status word (the op then

@@ -231,11 +231,14 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
   const float* topk_weights = Region<const float>(own, p.layout.in_topk_weights);
   TokenRanks ranks;
   ranks.LoadBases(p.peer_bases, num_ranks, lane);
+  const int64_t capacity = p.shape.max_recv_tokens();
+  unsigned int bad_routing = 0;
   const int64_t src_info_base = static_cast<int64_t>(p.rank) * p.shape.max_tokens_per_rank;
 
   for (int t = blockIdx.x * warps_per_block + (threadIdx.x >> 5); t < num_tokens;
        t += gridDim.x * warps_per_block) {
-    ranks.LoadRow(send_pos + static_cast<int64_t>(t) * num_ranks, num_ranks, lane);
+    ranks.LoadRow(send_pos + static_cast<int64_t>(t) * num_ranks, num_ranks, lane, capacity,
+                  &bad_routing);
     const uint64_t mask = ranks.mask;
     if (mask == 0) continue;
 
@@ -288,6 +291,7 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
       }
     }
   }
+  RecordBadRouting(p, bad_routing);
   FinishOp(p, seq);
 }
 

@@ -110,6 +110,13 @@ absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shap
         status.bad_expert_ids, " topk_idx value(s) outside [-1, num_experts = ", shape.num_experts,
         ") were ignored"));
   }
+  if (status.bad_routing != 0) {
+    findings.push_back(absl::StrCat(
+        status.bad_routing,
+        " routing value(s) in the endpoint's memory (send_pos rows, low-latency handle "
+        "positions, exchanged counts) were outside their buffers and were ignored: the "
+        "endpoint's memory was overwritten during the op"));
+  }
   if (status.has_bad_num_tokens != 0) {
     findings.push_back(
         absl::StrCat("num_tokens = ", status.bad_num_tokens, " is outside [0, ",

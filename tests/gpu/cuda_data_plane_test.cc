@@ -12,8 +12,9 @@
 //
 // Failure cases: a rank that never arrives (DEADLINE_EXCEEDED within op_timeout + 1 s for
 // the others, naming it; another group on the same GPU keeps working meanwhile; the late
-// group then works), and an out-of-range expert id (INVALID_ARGUMENT for every rank, the
-// next op correct).
+// group then works), an out-of-range expert id (INVALID_ARGUMENT for every rank, the
+// next op correct), and routing words a client rewrote in its area (INVALID_ARGUMENT naming
+// them, a neighbour group exact).
 //
 // Launch modes (issue 4, DESIGN.md §3.2), with raw ring slots (tests/unit/raw_ring.h) so
 // that the daemon side is tested on its own: a stream-ordered request (kFlagStreamOrdered)
@@ -480,6 +481,91 @@ TEST_F(CudaDataPlaneTest, OutOfRangeExpertIdFailsEveryRankThenNextOpIsCorrect) {
   GroupResult nwant = RunNormal(host, in);
   GroupResult ngot = RunNormal(cuda, in);
   ExpectSame(nwant, ngot, "normal after low-latency");
+}
+
+// A client rewriting its endpoint's routing words through its mapping of the data area
+// (here the in-process mapping the client library resolved; a real client has its CUDA IPC
+// mapping) between a dispatch and the combine that reads them as rows: send_pos before a
+// normal combine, the low-latency handle positions before a low-latency combine. The
+// kernels bound-check every row they read, so the op fails for the group with an error
+// naming the out-of-range routing values, a neighbour group on the same GPU keeps matching
+// the host oracle, and the attacked group's next ops are exact again.
+TEST_F(CudaDataPlaneTest, RoutingRewrittenByAClientFailsItsGroupWhileANeighbourStaysExact) {
+  const v1::GroupSpec spec = Spec("attacked", 2, 8, 1024, 4, 16, 16);
+  const v1::GroupSpec nspec = Spec("neighbour", 2, 8, 1024, 4, 16, 16);
+  PlaneGroup attacked, attacked_host, neighbour, neighbour_host;
+  attacked.Open(cuda_.get(), spec);
+  attacked_host.Open(host_.get(), spec);
+  neighbour.Open(cuda_.get(), nspec);
+  neighbour_host.Open(host_.get(), nspec);
+  Inputs in, nin;
+  in.Make(spec, {16, 9}, {}, 5);
+  nin.Make(nspec, {7, 16}, {}, 6);
+  const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(ShapeOf(spec));
+  const int R = spec.num_ranks(), H = spec.hidden(), K = spec.num_topk();
+  const int El = spec.num_experts() / R;
+  const int64_t rows = static_cast<int64_t>(R) * spec.ll_max_tokens_per_rank();
+  auto expect_routing_error = [](const absl::Status& st, const char* what) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << what << ": " << st;
+    EXPECT_NE(st.message().find("routing value(s)"), std::string::npos) << what << ": " << st;
+  };
+  attacked.OnEveryRank([&](int r) {
+    RankInputs& ri = in.ranks[r];
+    std::vector<int64_t> xs{ri.T, H}, ks{ri.T, K}, ys{El, rows, H};
+    DLTensor x = Tensor(ri.dx.get(), {kDLBfloat, 16, 1}, xs, true);
+    DLTensor idx = Tensor(ri.idx.data(), {kDLInt, 64, 1}, ks, false);
+    DLTensor w = Tensor(ri.w.data(), {kDLFloat, 32, 1}, ks, false);
+    DLTensor y = Tensor(ri.dy.get(), {kDLBfloat, 16, 1}, ys, true);
+    DispatchArgs da;
+    da.x = &x;
+    da.topk_idx = &idx;
+    auto dop = attacked.eps[r]->Dispatch(da);
+    ASSERT_TRUE(dop.ok()) << dop.status();
+    auto d = dop->Wait(absl::Seconds(20));
+    ASSERT_TRUE(d.ok()) << "rank " << r << ": " << d.status();
+    // The data area, as the client maps it: its views point into it.
+    uint8_t* area = static_cast<uint8_t*>(d->recv_x.data()) - L.recv_x.offset;
+    if (r == 0) {
+      const std::vector<int32_t> bad(static_cast<size_t>(ri.T) * R, 1 << 30);
+      ASSERT_EQ(
+          cudaMemcpy(area + L.send_pos.offset, bad.data(), bad.size() * 4, cudaMemcpyHostToDevice),
+          cudaSuccess);
+    }
+    CombineArgs ca;
+    ca.x = &d->recv_x.dl();
+    ca.handle = &d->handle;
+    auto cop = attacked.eps[r]->Combine(ca);
+    ASSERT_TRUE(cop.ok()) << cop.status();
+    expect_routing_error(cop->Wait(absl::Seconds(20)).status(), "Combine");
+
+    LowLatencyDispatchArgs la;
+    la.x = &x;
+    la.topk_idx = &idx;
+    auto lop = attacked.eps[r]->LowLatencyDispatch(la);
+    ASSERT_TRUE(lop.ok()) << lop.status();
+    auto ld = lop->Wait(absl::Seconds(20));
+    ASSERT_TRUE(ld.ok()) << "rank " << r << ": " << ld.status();
+    if (r == 1) {
+      const std::vector<int32_t> bad(static_cast<size_t>(ri.T) * K, 1 << 30);
+      ASSERT_EQ(cudaMemcpy(area + L.ll_handle_pos[ld->handle.buffer].offset, bad.data(),
+                           bad.size() * 4, cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+    LowLatencyCombineArgs lc;
+    lc.x = &y;
+    lc.topk_idx = &idx;
+    lc.topk_weights = &w;
+    lc.handle = &ld->handle;
+    auto lcop = attacked.eps[r]->LowLatencyCombine(lc);
+    ASSERT_TRUE(lcop.ok()) << lcop.status();
+    expect_routing_error(lcop->Wait(absl::Seconds(20)).status(), "LowLatencyCombine");
+  });
+  ExpectSame(RunNormal(neighbour_host, nin), RunNormal(neighbour, nin), "neighbour normal");
+  ExpectSame(RunLowLatency(neighbour_host, nin, false, false),
+             RunLowLatency(neighbour, nin, false, false), "neighbour low-latency");
+  ExpectSame(RunNormal(attacked_host, in), RunNormal(attacked, in), "attacked group after");
+  ExpectSame(RunLowLatency(attacked_host, in, false, false),
+             RunLowLatency(attacked, in, false, false), "attacked group low-latency after");
 }
 
 // One group across GPUs (peer access enabled by the plane): ranks alternate between the

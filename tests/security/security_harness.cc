@@ -94,7 +94,7 @@ void SecurityTest::TearDown() {
   }
 }
 
-void SecurityTest::StartEpd(std::vector<std::string> extra_args, std::vector<std::string> launcher,
+void SecurityTest::StartEpd(std::vector<std::string> extra_args, std::vector<std::string> wrapper,
                             bool world_socket) {
   DaemonProcessOptions options;
   options.tcp = false;
@@ -102,7 +102,7 @@ void SecurityTest::StartEpd(std::vector<std::string> extra_args, std::vector<std
   options.extra_args = {"--op_timeout=2s"};
   if (world_socket) options.extra_args.push_back("--socket_mode=0666");
   options.extra_args.insert(options.extra_args.end(), extra_args.begin(), extra_args.end());
-  options.launcher = std::move(launcher);
+  options.wrapper = std::move(wrapper);
   auto epd = DaemonProcess::Start(options);
   ASSERT_TRUE(epd.ok()) << epd.status();
   epd_ = *std::move(epd);
@@ -183,6 +183,18 @@ void SecurityTest::StopVictimsAndExpectExact() {
       EXPECT_EQ(*rc, 0) << "victim " << i << " exited " << *rc << ": " << Tail(out, 5);
       if (*rc == 0) EXPECT_EQ(LinesStartingWith(out, "VICTIM").size(), 1u) << Tail(out, 5);
     }
+    ExpectNoSanitizerReport(absl::StrCat("victim ", i), v.Stderr());
+  }
+  if (epd_ != nullptr) ExpectNoSanitizerReport("epd", epd_->Logs());
+}
+
+void SecurityTest::ExpectNoSanitizerReport(const std::string& who, const std::string& output) {
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    const bool report = absl::StrContains(line, "ERROR: AddressSanitizer") ||
+                        absl::StrContains(line, "ERROR: LeakSanitizer") ||
+                        absl::StrContains(line, ": runtime error: ");
+    EXPECT_FALSE(report) << who << " reported: " << line;
+    if (report) return;  // The first one is enough.
   }
 }
 

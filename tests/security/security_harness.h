@@ -65,10 +65,10 @@ class SecurityTest : public ::testing::Test {
   void TearDown() override;
 
   /// Starts epd --backend=host on a fresh socket: log level info, op_timeout 2 s, no TCP,
-  /// plus `extra_args`; `launcher` runs it (e.g. {"/usr/bin/prlimit", "--nofile=512:512",
+  /// plus `extra_args`; `wrapper` runs it (e.g. {"/usr/bin/prlimit", "--nofile=512:512",
   /// "--"}). With `world_socket` the socket is 0666 in a 0755 directory (clients of other
   /// users can connect).
-  void StartEpd(std::vector<std::string> extra_args = {}, std::vector<std::string> launcher = {},
+  void StartEpd(std::vector<std::string> extra_args = {}, std::vector<std::string> wrapper = {},
                 bool world_socket = false);
 
   /// Starts rank `rank` of victim group `group` (seed and secret shared by its ranks) and
@@ -86,8 +86,13 @@ class SecurityTest : public ::testing::Test {
   /// (their progress during an attack).
   void ExpectVictimProgress(int64_t before, int64_t min_new, const std::string& during);
   /// After the attack: each victim runs 3 more OK rounds (unless epd is gone), stops
-  /// (stdin closed; SIGKILL after 15 s), exits 0; no result of any round was wrong.
+  /// (stdin closed; SIGKILL after 15 s), exits 0; no result of any round was wrong; and
+  /// neither epd nor a victim reported a sanitizer error (ASan/UBSan builds).
   void StopVictimsAndExpectExact();
+
+  /// Expects no AddressSanitizer, LeakSanitizer or UndefinedBehaviorSanitizer report in
+  /// `output` (what `who` wrote).
+  void ExpectNoSanitizerReport(const std::string& who, const std::string& output);
 
   /// Spawns the attacker with `args` (the socket is added), as nobody when `as_nobody`.
   std::unique_ptr<Subprocess> SpawnAttacker(std::vector<std::string> args, bool as_nobody = false);

@@ -10,18 +10,24 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <random>
+#include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "client/endpoint_internal.h"
 #include "epd/client.h"
 #include "epd/kernels/host_ops.h"
 #include "shm_abi.h"
 #include "shm_region.h"
+#include "tests/unit/raw_ring.h"
 
 namespace epd {
 namespace {
@@ -73,6 +79,222 @@ struct RankData {
     idx_t = epd::MakeDLTensor(idx.data(), {kDLInt, 64, 1}, ks);
     w_t = epd::MakeDLTensor(w.data(), {kDLFloat, 32, 1}, ks);
   }
+};
+
+/// Runs fn(r) for r in [0, n) on one thread each and joins, skipping `skip`.
+void RunOnRanks(int n, const std::function<void(int)>& fn, int skip = -1) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    if (r != skip) threads.emplace_back(fn, r);
+  }
+  for (auto& t : threads) t.join();
+}
+
+/// Whether the first `bytes` of `view` equal `ref`.
+bool SameBytes(const TensorView& view, const void* ref, size_t bytes) {
+  return static_cast<size_t>(view.nbytes()) >= bytes && std::memcmp(view.data(), ref, bytes) == 0;
+}
+
+/// kernels/host's normal dispatch of every rank's `in` (the oracle): its outputs per rank.
+struct DispatchReference {
+  std::vector<std::vector<bf16_bits>> recv_x;
+  std::vector<std::vector<int64_t>> recv_idx;
+  std::vector<std::vector<float>> recv_w;
+  std::vector<std::vector<int32_t>> tokens_per_expert, src_info, send_pos, prefix;
+  std::vector<kernels::host::DispatchRankArgs> args;  ///< num_recv_tokens: each rank's N.
+
+  /// Runs it (moving the weights when `weights`).
+  void Run(const kernels::GroupShape& shape, const std::vector<RankData>& in, bool weights,
+           int32_t expert_alignment) {
+    const int R = shape.num_ranks;
+    const int64_t N = shape.max_recv_tokens(), K = shape.num_topk;
+    recv_x.assign(R, std::vector<bf16_bits>(N * shape.hidden));
+    recv_idx.assign(R, std::vector<int64_t>(N * K));
+    recv_w.assign(R, std::vector<float>(N * K));
+    tokens_per_expert.assign(R, std::vector<int32_t>(shape.num_local_experts()));
+    src_info.assign(R, std::vector<int32_t>(N));
+    send_pos.assign(R, std::vector<int32_t>(int64_t{shape.max_tokens_per_rank} * R));
+    prefix.assign(R, std::vector<int32_t>(R));
+    args.assign(R, {});
+    for (int r = 0; r < R; ++r) {
+      kernels::host::DispatchRankArgs& a = args[r];
+      a.num_tokens = in[r].T;
+      a.x = in[r].x.data();
+      a.topk_idx = in[r].idx.data();
+      a.topk_weights = weights ? in[r].w.data() : nullptr;
+      a.recv_capacity = N;
+      a.recv_x = recv_x[r].data();
+      a.recv_topk_idx = recv_idx[r].data();
+      a.recv_topk_weights = recv_w[r].data();
+      a.recv_tokens_per_expert = tokens_per_expert[r].data();
+      a.recv_src_info = src_info[r].data();
+      a.send_pos = send_pos[r].data();
+      a.rank_prefix = prefix[r].data();
+    }
+    ASSERT_TRUE(kernels::host::Dispatch(shape, {false, expert_alignment}, args).ok());
+  }
+};
+
+/// A well-behaved group beside an attacker in the same plane: fixed inputs, the results
+/// kernels/host gives for them, and rounds of Dispatch, Combine, LowLatencyDispatch and
+/// LowLatencyCombine on every rank whose every result must equal them exactly.
+class VictimGroup {
+ public:
+  static constexpr int R = 2, E = 4, H = 128, K = 2, M = 8, Mll = 8, El = E / R;
+
+  /// Creates group `name` on `plane`, opens its endpoints and computes the reference.
+  void Open(DataPlane& plane, const std::string& name) {
+    spec_ = Spec(name, R, E, H, K, M, Mll, false);
+    auto g = plane.CreateGroup(spec_);
+    ASSERT_TRUE(g.ok()) << g.status();
+    group_ = std::move(*g);
+    for (int r = 0; r < R; ++r) {
+      v1::EndpointInfo info;
+      ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+      DataPlaneGroup* gp = group_.get();
+      auto ep = internal::OpenEndpoint(info, spec_, [gp, r] {
+        gp->DetachRank(r);
+        return absl::OkStatus();
+      });
+      ASSERT_TRUE(ep.ok()) << ep.status();
+      eps_.push_back(std::move(*ep));
+    }
+    in_.resize(R);
+    for (int r = 0; r < R; ++r) in_[r].Make(Mll - 2 * r, H, K, E, 900 + r);
+    ComputeReference();
+  }
+
+  /// One round on every rank: the first op error or mismatch, OK when every result was
+  /// exact.
+  absl::Status Round() {
+    std::vector<absl::Status> st(R);
+    RunOnRanks(R, [&](int r) { st[r] = RankRound(r); });
+    for (const absl::Status& s : st) {
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  void ComputeReference() {
+    const kernels::GroupShape shape{R, E, H, K, M, Mll, false};
+    ASSERT_NO_FATAL_FAILURE(ref_.Run(shape, in_, /*weights=*/true, 1));
+    // Combine of 2x the received rows.
+    expert_out_.assign(R, {});
+    expert_shape_.assign(R, {});
+    expert_t_.assign(R, {});
+    combined_.assign(R, {});
+    std::vector<kernels::host::CombineRankArgs> ca(R);
+    for (int r = 0; r < R; ++r) {
+      const int N = ref_.args[r].num_recv_tokens;
+      expert_out_[r].resize(static_cast<size_t>(N) * H);
+      for (size_t i = 0; i < expert_out_[r].size(); ++i) {
+        expert_out_[r][i] = FloatToBf16(2.f * kernels::Bf16ToFloat(ref_.recv_x[r][i]));
+      }
+      expert_shape_[r] = {N, H};
+      expert_t_[r] = epd::MakeDLTensor(expert_out_[r].data(), {kDLBfloat, 16, 1}, expert_shape_[r]);
+      combined_[r].resize(static_cast<size_t>(in_[r].T) * H);
+      ca[r] = {in_[r].T, ref_.send_pos[r].data(), N,      expert_out_[r].data(),
+               nullptr,  combined_[r].data(),     nullptr};
+    }
+    ASSERT_TRUE(kernels::host::Combine(shape, ca).ok());
+    // Low-latency dispatch, then a combine of identity experts (y = the received rows).
+    ll_recv_x_.assign(R, std::vector<bf16_bits>(El * R * Mll * H));
+    ll_count_.assign(R, std::vector<int32_t>(El));
+    std::vector<std::vector<int32_t>> ll_src(R, std::vector<int32_t>(El * R * Mll)),
+        handle(R, std::vector<int32_t>(Mll * K));
+    std::vector<kernels::host::LowLatencyDispatchRankArgs> la(R);
+    for (int r = 0; r < R; ++r) {
+      la[r] = {in_[r].T, in_[r].x.data(),     in_[r].idx.data(), ll_recv_x_[r].data(),
+               nullptr,  ll_count_[r].data(), ll_src[r].data(),  handle[r].data()};
+    }
+    ASSERT_TRUE(kernels::host::LowLatencyDispatch(shape, {}, la).ok());
+    ll_y_shape_ = {El, R * Mll, H};
+    ll_y_t_.assign(R, {});
+    ll_combined_.assign(R, {});
+    std::vector<kernels::host::LowLatencyCombineRankArgs> lc(R);
+    for (int r = 0; r < R; ++r) {
+      ll_y_t_[r] = epd::MakeDLTensor(ll_recv_x_[r].data(), {kDLBfloat, 16, 1}, ll_y_shape_);
+      ll_combined_[r].resize(static_cast<size_t>(in_[r].T) * H);
+      lc[r] = {in_[r].T,         in_[r].idx.data(),    in_[r].w.data(),
+               handle[r].data(), ll_recv_x_[r].data(), ll_combined_[r].data()};
+    }
+    ASSERT_TRUE(kernels::host::LowLatencyCombine(shape, lc).ok());
+  }
+
+  absl::Status Mismatch(int r, const char* what) const {
+    return absl::DataLossError(
+        absl::StrCat("victim group ", spec_.name(), " rank ", r, ": ", what, " differs"));
+  }
+
+  absl::Status RankRound(int r) {
+    const size_t N = static_cast<size_t>(ref_.args[r].num_recv_tokens);
+    const size_t T = static_cast<size_t>(in_[r].T);
+    DispatchArgs a;
+    a.x = &in_[r].x_t;
+    a.topk_idx = &in_[r].idx_t;
+    a.topk_weights = &in_[r].w_t;
+    auto op = eps_[r]->Dispatch(a);
+    if (!op.ok()) return op.status();
+    auto d = op->Wait(absl::Seconds(30));
+    if (!d.ok()) return d.status();
+    if (d->num_recv_tokens != static_cast<int32_t>(N)) return Mismatch(r, "num_recv_tokens");
+    if (!SameBytes(d->recv_x, ref_.recv_x[r].data(), N * H * 2) ||
+        !SameBytes(d->recv_topk_idx, ref_.recv_idx[r].data(), N * K * 8) ||
+        !SameBytes(d->recv_topk_weights, ref_.recv_w[r].data(), N * K * 4) ||
+        !SameBytes(d->recv_src_info, ref_.src_info[r].data(), N * 4)) {
+      return Mismatch(r, "Dispatch output");
+    }
+    CombineArgs c;
+    c.x = &expert_t_[r];
+    c.handle = &d->handle;
+    auto cop = eps_[r]->Combine(c);
+    if (!cop.ok()) return cop.status();
+    auto combined = cop->Wait(absl::Seconds(30));
+    if (!combined.ok()) return combined.status();
+    if (!SameBytes(combined->combined_x, combined_[r].data(), T * H * 2)) {
+      return Mismatch(r, "Combine output");
+    }
+    LowLatencyDispatchArgs la;
+    la.x = &in_[r].x_t;
+    la.topk_idx = &in_[r].idx_t;
+    auto lop = eps_[r]->LowLatencyDispatch(la);
+    if (!lop.ok()) return lop.status();
+    auto ld = lop->Wait(absl::Seconds(30));
+    if (!ld.ok()) return ld.status();
+    if (!SameBytes(ld->recv_count, ll_count_[r].data(), El * 4)) return Mismatch(r, "recv_count");
+    for (int j = 0; j < El; ++j) {
+      const size_t block = static_cast<size_t>(j) * R * Mll * H;
+      if (std::memcmp(ld->recv_x.as<bf16_bits>() + block, ll_recv_x_[r].data() + block,
+                      static_cast<size_t>(ll_count_[r][j]) * H * 2) != 0) {
+        return Mismatch(r, "LowLatencyDispatch recv_x");
+      }
+    }
+    LowLatencyCombineArgs lc;
+    lc.x = &ll_y_t_[r];
+    lc.topk_idx = &in_[r].idx_t;
+    lc.topk_weights = &in_[r].w_t;
+    lc.handle = &ld->handle;
+    auto lcop = eps_[r]->LowLatencyCombine(lc);
+    if (!lcop.ok()) return lcop.status();
+    auto lcombined = lcop->Wait(absl::Seconds(30));
+    if (!lcombined.ok()) return lcombined.status();
+    if (!SameBytes(lcombined->combined_x, ll_combined_[r].data(), T * H * 2)) {
+      return Mismatch(r, "LowLatencyCombine output");
+    }
+    return absl::OkStatus();
+  }
+
+  v1::GroupSpec spec_;
+  std::unique_ptr<DataPlaneGroup> group_;
+  std::vector<std::unique_ptr<Endpoint>> eps_;
+  std::vector<RankData> in_;
+  DispatchReference ref_;
+  std::vector<std::vector<bf16_bits>> expert_out_, combined_, ll_recv_x_, ll_combined_;
+  std::vector<std::vector<int64_t>> expert_shape_;
+  std::vector<std::vector<int32_t>> ll_count_;
+  std::vector<DLTensor> expert_t_, ll_y_t_;
+  std::vector<int64_t> ll_y_shape_;
 };
 
 /// A copy of `src`'s elements starting `misalign` bytes past a 16-byte aligned address, and
@@ -144,11 +366,7 @@ class HostDataPlaneTest : public ::testing::Test {
 
   /// Runs fn(rank) on one thread per rank and joins.
   void OnEveryRank(const std::function<void(int)>& fn, int skip = -1) {
-    std::vector<std::thread> threads;
-    for (int r = 0; r < spec_.num_ranks(); ++r) {
-      if (r != skip) threads.emplace_back(fn, r);
-    }
-    for (auto& t : threads) t.join();
+    RunOnRanks(spec_.num_ranks(), fn, skip);
   }
 
   /// Runs `submit(r)` (an op call) on every rank, rank 0's with a misaligned tensor `name`:
@@ -185,28 +403,8 @@ TEST_F(HostDataPlaneTest, DispatchCombineMatchKernelsHost) {
 
   // Oracle: kernels/host on the same inputs.
   kernels::GroupShape shape{R, E, H, K, M, 0, false};
-  std::vector<std::vector<bf16_bits>> ox(R, std::vector<bf16_bits>(R * M * H));
-  std::vector<std::vector<int64_t>> oidx(R, std::vector<int64_t>(R * M * K));
-  std::vector<std::vector<float>> ow(R, std::vector<float>(R * M * K));
-  std::vector<std::vector<int32_t>> ocnt(R, std::vector<int32_t>(E / R)),
-      osrc(R, std::vector<int32_t>(R * M)), opos(R, std::vector<int32_t>(M * R)),
-      opre(R, std::vector<int32_t>(R));
-  std::vector<kernels::host::DispatchRankArgs> da(R);
-  for (int r = 0; r < R; ++r) {
-    da[r].num_tokens = in[r].T;
-    da[r].x = in[r].x.data();
-    da[r].topk_idx = in[r].idx.data();
-    da[r].topk_weights = in[r].w.data();
-    da[r].recv_capacity = R * M;
-    da[r].recv_x = ox[r].data();
-    da[r].recv_topk_idx = oidx[r].data();
-    da[r].recv_topk_weights = ow[r].data();
-    da[r].recv_tokens_per_expert = ocnt[r].data();
-    da[r].recv_src_info = osrc[r].data();
-    da[r].send_pos = opos[r].data();
-    da[r].rank_prefix = opre[r].data();
-  }
-  ASSERT_TRUE(kernels::host::Dispatch(shape, {false, 4}, da).ok());
+  DispatchReference ref;
+  ASSERT_NO_FATAL_FAILURE(ref.Run(shape, in, /*weights=*/true, 4));
 
   std::vector<DispatchResult> got(R);
   OnEveryRank([&](int r) {
@@ -222,16 +420,19 @@ TEST_F(HostDataPlaneTest, DispatchCombineMatchKernelsHost) {
     got[r] = *res;
   });
   for (int r = 0; r < R; ++r) {
-    const int N = da[r].num_recv_tokens;
+    const int N = ref.args[r].num_recv_tokens;
     ASSERT_EQ(got[r].num_recv_tokens, N) << "rank " << r;
     ASSERT_EQ(got[r].recv_x.shape(), (std::vector<int64_t>{N, H}));
-    EXPECT_EQ(0, std::memcmp(got[r].recv_x.data(), ox[r].data(), size_t(N) * H * 2)) << r;
-    EXPECT_EQ(0, std::memcmp(got[r].recv_topk_idx.data(), oidx[r].data(), size_t(N) * K * 8)) << r;
-    EXPECT_EQ(0, std::memcmp(got[r].recv_topk_weights.data(), ow[r].data(), size_t(N) * K * 4))
+    EXPECT_EQ(0, std::memcmp(got[r].recv_x.data(), ref.recv_x[r].data(), size_t(N) * H * 2)) << r;
+    EXPECT_EQ(0,
+              std::memcmp(got[r].recv_topk_idx.data(), ref.recv_idx[r].data(), size_t(N) * K * 8))
         << r;
     EXPECT_EQ(0,
-              std::memcmp(got[r].num_recv_tokens_per_expert.data(), ocnt[r].data(), (E / R) * 4));
-    EXPECT_EQ(0, std::memcmp(got[r].recv_src_info.data(), osrc[r].data(), size_t(N) * 4));
+              std::memcmp(got[r].recv_topk_weights.data(), ref.recv_w[r].data(), size_t(N) * K * 4))
+        << r;
+    EXPECT_EQ(0, std::memcmp(got[r].num_recv_tokens_per_expert.data(),
+                             ref.tokens_per_expert[r].data(), (E / R) * 4));
+    EXPECT_EQ(0, std::memcmp(got[r].recv_src_info.data(), ref.src_info[r].data(), size_t(N) * 4));
   }
 
   // Combine: each rank returns 2 * its received rows; oracle on the same rows.
@@ -249,7 +450,8 @@ TEST_F(HostDataPlaneTest, DispatchCombineMatchKernelsHost) {
     eshape[r] = {N, H};
     et[r] = epd::MakeDLTensor(expert_out[r].data(), {kDLBfloat, 16, 1}, eshape[r]);
     oc[r].resize(size_t(in[r].T) * H);
-    ca[r] = {in[r].T, opos[r].data(), N, expert_out[r].data(), nullptr, oc[r].data(), nullptr};
+    ca[r] = {in[r].T, ref.send_pos[r].data(), N,      expert_out[r].data(),
+             nullptr, oc[r].data(),           nullptr};
   }
   ASSERT_TRUE(kernels::host::Combine(shape, ca).ok());
   OnEveryRank([&](int r) {
@@ -764,6 +966,280 @@ TEST_F(HostDataPlaneTest, MisalignedLayoutAndLowLatencyInputsAreRejectedThenTheN
     });
     EXPECT_EQ(run_all(), reference);
   }
+}
+
+// The shm header is client-writable. A client that sets the ring, completion and data
+// offsets, the sizes, capacities and the ring tail in its header to huge or shifted values
+// neither crashes the daemon nor moves where it reads and writes: the daemon uses the layout
+// it computed at attach, publishes its ring tail and never reads any of them back. The ops
+// still complete with exact results, nothing else in the region is written, and another
+// group of the plane keeps its exact results.
+TEST_F(HostDataPlaneTest, HeaderOffsetsSizesAndTailWrittenByTheClientAreNeverUsed) {
+  VictimGroup victim;
+  ASSERT_NO_FATAL_FAILURE(victim.Open(*plane_, "victim"));
+  ASSERT_TRUE(victim.Round().ok());
+
+  const int E = 4, H = 128, K = 2, M = 8, T = 6;
+  spec_ = Spec("scribbled-header", 1, E, H, K, M, 0, false);
+  auto g = plane_->CreateGroup(spec_);
+  ASSERT_TRUE(g.ok()) << g.status();
+  group_ = std::move(*g);
+  v1::EndpointInfo info;
+  ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+  auto ring = testing::RawRing::Open(info);
+  ASSERT_NE(ring, nullptr);
+  const kernels::GroupShape shape{1, E, H, K, M, 0, false};
+  const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(shape);
+  uint8_t* data = ring->data();
+  std::memset(data, 0x5A, L.total_bytes);  // Canary: what no op of this test writes stays.
+  RankData in;
+  in.Make(T, H, K, E, 31);
+  std::memcpy(data + L.in_x.offset, in.x.data(), in.x.size() * 2);
+  std::memcpy(data + L.in_topk_idx.offset, in.idx.data(), in.idx.size() * 8);
+
+  // The reference: kernels/host on the same inputs.
+  std::vector<int32_t> per_rank(1), per_expert(E);
+  std::vector<uint8_t> in_rank(T);
+  kernels::host::LayoutRankArgs la{T, in.idx.data(), per_rank.data(), per_expert.data(),
+                                   in_rank.data()};
+  ASSERT_TRUE(kernels::host::GetDispatchLayout(shape, la).ok());
+  DispatchReference ref;
+  ASSERT_NO_FATAL_FAILURE(ref.Run(shape, {in}, /*weights=*/false, 1));
+  const std::vector<bf16_bits>& recv_x = ref.recv_x[0];
+  const int N = ref.args[0].num_recv_tokens;
+  std::vector<bf16_bits> combined(T * H);
+  std::vector<kernels::host::CombineRankArgs> ca(1);
+  ca[0] = {T, ref.send_pos[0].data(), N, recv_x.data(), nullptr, combined.data(), nullptr};
+  ASSERT_TRUE(kernels::host::Combine(shape, ca).ok());
+
+  // Every layout word of the header, scribbled.
+  abi::EndpointShmHeader* h = ring->header();
+  h->ring_offset = uint64_t{1} << 46;
+  h->completion_offset = (uint64_t{1} << 46) + 8;
+  h->data_offset = info.data_offset() + 64 * 1024;
+  h->data_bytes = std::numeric_limits<uint64_t>::max();
+  h->total_bytes = std::numeric_limits<uint64_t>::max();
+  h->ring_capacity = 1u << 31;
+  h->completion_capacity = 1u << 31;
+  h->size = 1;
+  h->ring_tail = 0xdeadbeef;
+  auto run = [&](abi::OpKind op, uint64_t handle_seq) -> std::optional<abi::Completion> {
+    const uint64_t seq = ring->Submit(op, 0, T, handle_seq);
+    auto c = ring->Await(seq, std::chrono::seconds(10));
+    EXPECT_TRUE(c.has_value()) << abi::OpKindName(op) << " never completed";
+    if (c) EXPECT_EQ(c->status_code, 0) << abi::OpKindName(op) << ": " << c->message;
+    return c;
+  };
+  auto at = [&](const kernels::Region& r) { return data + r.offset; };
+  ASSERT_TRUE(run(abi::OpKind::kGetDispatchLayout, 0));
+  EXPECT_EQ(0, std::memcmp(at(L.layout_tokens_per_rank), per_rank.data(), 4));
+  EXPECT_EQ(0, std::memcmp(at(L.layout_tokens_per_expert), per_expert.data(), E * 4));
+  EXPECT_EQ(0, std::memcmp(at(L.layout_is_token_in_rank), in_rank.data(), T));
+  const uint64_t dispatch_seq = info.first_seq() + 1;
+  auto d = run(abi::OpKind::kDispatch, 0);
+  ASSERT_TRUE(d);
+  ASSERT_EQ(d->num_recv_tokens, N);
+  EXPECT_EQ(0, std::memcmp(at(L.recv_x), recv_x.data(), size_t(N) * H * 2));
+  EXPECT_EQ(0, std::memcmp(at(L.recv_topk_idx), ref.recv_idx[0].data(), size_t(N) * K * 8));
+  EXPECT_EQ(0, std::memcmp(at(L.recv_src_info), ref.src_info[0].data(), size_t(N) * 4));
+  EXPECT_EQ(0, std::memcmp(at(L.send_pos), ref.send_pos[0].data(), T * 4));  // Published.
+  std::memcpy(at(L.in_combine_x), recv_x.data(), size_t(N) * H * 2);         // Identity experts.
+  ASSERT_TRUE(run(abi::OpKind::kCombine, dispatch_seq));
+  EXPECT_EQ(0, std::memcmp(at(L.combined_x), combined.data(), combined.size() * 2));
+  // The daemon's tail is its own: published, never read back.
+  EXPECT_EQ(abi::Atomic(h->ring_tail).load(), dispatch_seq + 1);
+
+  // Nothing but the staged inputs and the regions these ops write was touched.
+  const std::set<std::string> written = {"in_x",
+                                         "in_topk_idx",
+                                         "in_combine_x",
+                                         "layout_tokens_per_rank",
+                                         "recv_x",
+                                         "recv_topk_idx",
+                                         "layout_is_token_in_rank",
+                                         "layout_tokens_per_expert",
+                                         "send_pos",
+                                         "rank_prefix",
+                                         "recv_tokens_per_expert",
+                                         "recv_src_info",
+                                         "recv_count",
+                                         "combined_x"};
+  std::vector<uint8_t> owned(L.total_bytes, 0);
+  L.ForEachRegion([&](const char* name, const kernels::Region& r) {
+    if (written.count(name)) std::fill_n(owned.begin() + r.offset, r.bytes, 1);
+  });
+  uint64_t changed = 0;
+  for (uint64_t i = 0; i < L.total_bytes; ++i) changed += !owned[i] && data[i] != 0x5A;
+  EXPECT_EQ(changed, 0u) << "bytes written outside the op's regions";
+  EXPECT_TRUE(victim.Round().ok());
+}
+
+// A client thread rewriting, in a tight loop during thousands of ops, every array of its
+// endpoints that the daemon reads as an index or size (the staged topk_idx, the routing
+// state send_pos and low-latency handle positions, and the received counts / src info /
+// prefixes) cannot make the daemon read or write out of bounds: the daemon reads each once
+// into private memory and checks that copy, or keeps the routing state private in the
+// first place. The attacker's ops fail or give it garbage; the daemon does not crash, and
+// the victim group beside it gets the exact reference result in every round.
+TEST_F(HostDataPlaneTest,
+       ClientRewritingIndexArraysDuringOpsReachesNeitherTheDaemonNorAnotherGroup) {
+  VictimGroup victim;
+  ASSERT_NO_FATAL_FAILURE(victim.Open(*plane_, "victim"));
+  const int R = 2, E = 4, H = 128, K = 2, M = 8, Mll = 8;
+  spec_ = Spec("attacker", R, E, H, K, M, Mll, false);
+  auto g = plane_->CreateGroup(spec_);
+  ASSERT_TRUE(g.ok()) << g.status();
+  group_ = std::move(*g);
+  // The attacker's second mapping of every rank's region (opened before its client maps it
+  // and the daemon unlinks the name).
+  std::vector<std::unique_ptr<testing::RawRing>> hostile;
+  endpoints_.clear();
+  for (int r = 0; r < R; ++r) {
+    v1::EndpointInfo info;
+    ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+    hostile.push_back(testing::RawRing::Open(info));
+    ASSERT_NE(hostile.back(), nullptr);
+    DataPlaneGroup* gp = group_.get();
+    auto ep = internal::OpenEndpoint(info, spec_, [gp, r] {
+      gp->DetachRank(r);
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(ep.ok()) << ep.status();
+    endpoints_.push_back(std::move(*ep));
+  }
+  const kernels::EndpointLayout L =
+      kernels::EndpointLayout::Compute(kernels::GroupShape{R, E, H, K, M, Mll, false});
+
+  // The scribbler: over and over, for every index array, a snapshot of what is there (what
+  // the client staged or the daemon published, so checks of it pass) is written back
+  // poisoned (every id or row pushed far out of range) and then restored, so that a check
+  // may see the plain values and a later read the poisoned ones. Arrays the daemon only
+  // writes get plain garbage.
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> scribbles{0};
+  std::thread scribbler([&] {
+    std::mt19937_64 rng(7);
+    std::vector<uint8_t> snapshot;
+    auto poison = [&](uint8_t* base, const kernels::Region& r, int elem_bytes) {
+      snapshot.assign(base + r.offset, base + r.offset + r.bytes);
+      const int64_t far = int64_t{1} << (elem_bytes == 8 ? 40 : 29);
+      for (uint64_t i = 0; i + elem_bytes <= r.bytes; i += elem_bytes) {
+        if (elem_bytes == 8) {
+          int64_t v;
+          std::memcpy(&v, snapshot.data() + i, 8);
+          v = v >= 0 ? v + far : v - far;
+          std::memcpy(base + r.offset + i, &v, 8);
+        } else {
+          int32_t v;
+          std::memcpy(&v, snapshot.data() + i, 4);
+          v = v >= 0 ? static_cast<int32_t>(v + far) : static_cast<int32_t>(v - far);
+          std::memcpy(base + r.offset + i, &v, 4);
+        }
+      }
+      std::memcpy(base + r.offset, snapshot.data(), r.bytes);
+    };
+    auto garbage = [&](uint8_t* base, const kernels::Region& r) {
+      for (uint64_t i = 0; i + 8 <= r.bytes; i += 8) {
+        const uint64_t v = rng();
+        std::memcpy(base + r.offset + i, &v, 8);
+      }
+    };
+    while (!stop.load(std::memory_order_relaxed)) {
+      for (auto& ring : hostile) {
+        uint8_t* base = ring->data();
+        poison(base, L.in_topk_idx, 8);
+        poison(base, L.send_pos, 4);
+        for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) {
+          poison(base, L.ll_handle_pos[b], 4);
+          garbage(base, L.ll_recv_count[b]);
+          garbage(base, L.ll_recv_src_info[b]);
+        }
+        garbage(base, L.recv_src_info);
+        garbage(base, L.rank_prefix);
+        garbage(base, L.recv_count);
+        garbage(base, L.recv_tokens_per_expert);
+      }
+      scribbles.fetch_add(1, std::memory_order_relaxed);
+    }
+  });
+
+  // The victim runs rounds all along; every one must be OK and exact.
+  std::atomic<bool> attack_done{false};
+  int victim_rounds = 0;
+  absl::Status victim_status;
+  std::thread victim_thread([&] {
+    while (!attack_done.load() && victim_status.ok()) {
+      victim_status = victim.Round();
+      ++victim_rounds;
+    }
+  });
+
+  // The attacker's own ops, the same sequence on both ranks (their outcomes agree: an op
+  // that fails fails for every rank).
+  constexpr int kIterations = 1000;
+  std::vector<int> attacker_ops(R, 0);
+  std::vector<RankData> in(R);
+  for (int r = 0; r < R; ++r) in[r].Make(Mll - r, H, K, E, 500 + r);
+  std::vector<bf16_bits> zeros(size_t(E / R) * R * Mll * H * 2, 0);
+  OnEveryRank([&](int r) {
+    auto wait = [&](auto op) {
+      ++attacker_ops[r];
+      EXPECT_TRUE(op.ok()) << op.status();  // Submitting never fails: the inputs are fine.
+      if (!op.ok()) return decltype(op->Wait(absl::Seconds(1)))(op.status());
+      auto res = op->Wait(absl::Seconds(30));
+      EXPECT_NE(res.status().code(), absl::StatusCode::kUnavailable) << res.status();
+      return res;
+    };
+    for (int i = 0; i < kIterations; ++i) {
+      wait(endpoints_[r]->GetDispatchLayout(in[r].idx_t));
+      DispatchArgs a;
+      a.x = &in[r].x_t;
+      a.topk_idx = &in[r].idx_t;
+      a.topk_weights = &in[r].w_t;
+      auto d = wait(endpoints_[r]->Dispatch(a));
+      if (d.ok()) {
+        DispatchArgs cached = a;
+        cached.cached = d->handle;
+        wait(endpoints_[r]->Dispatch(cached));
+        std::vector<int64_t> xs{d->num_recv_tokens, H};
+        DLTensor x = epd::MakeDLTensor(zeros.data(), {kDLBfloat, 16, 1}, xs);
+        CombineArgs c;
+        c.x = &x;
+        c.handle = &d->handle;
+        wait(endpoints_[r]->Combine(c));
+      }
+      LowLatencyDispatchArgs la;
+      la.x = &in[r].x_t;
+      la.topk_idx = &in[r].idx_t;
+      auto ld = wait(endpoints_[r]->LowLatencyDispatch(la));
+      if (ld.ok()) {
+        std::vector<int64_t> ys{E / R, R * Mll, H};
+        DLTensor y = epd::MakeDLTensor(zeros.data(), {kDLBfloat, 16, 1}, ys);
+        LowLatencyCombineArgs lc;
+        lc.x = &y;
+        lc.topk_idx = &in[r].idx_t;
+        lc.topk_weights = &in[r].w_t;
+        lc.handle = &ld->handle;
+        wait(endpoints_[r]->LowLatencyCombine(lc));
+      }
+    }
+  });
+  attack_done = true;
+  victim_thread.join();
+  stop = true;
+  scribbler.join();
+  EXPECT_TRUE(victim_status.ok()) << victim_status << " (round " << victim_rounds << ")";
+  EXPECT_GE(victim_rounds, 2);
+  EXPECT_GE(attacker_ops[0], 3 * kIterations);
+  EXPECT_GT(scribbles.load(), 100u);
+  // The scribbler gone, the attacker's group works again, and so does the victim's.
+  OnEveryRank([&](int r) {
+    auto op = endpoints_[r]->GetDispatchLayout(in[r].idx_t);
+    ASSERT_TRUE(op.ok()) << op.status();
+    auto res = op->Wait(absl::Seconds(30));
+    EXPECT_TRUE(res.ok()) << res.status();
+  });
+  EXPECT_TRUE(victim.Round().ok());
 }
 
 }  // namespace

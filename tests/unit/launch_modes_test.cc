@@ -57,8 +57,9 @@ class RegistryLaunchModeTest : public ::testing::Test {
     return s;
   }
 
-  std::string Session(int64_t pid = 42) {
-    absl::StatusOr<std::string> id = registry_.OpenSession(pid, "test");
+  std::string Session(int64_t pid = 42, uint32_t uid = 1000) {
+    absl::StatusOr<std::string> id =
+        registry_.OpenSession(PeerCredentials{.pid = pid, .uid = uid, .gid = uid}, "test");
     EXPECT_TRUE(id.ok()) << id.status();
     return id.value_or("");
   }

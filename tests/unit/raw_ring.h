@@ -1,7 +1,9 @@
 // RawRing: a test's raw client of one endpoint's shm ring (proto/shm_abi.h), without the
 // client library: publishes request slots and reads completions. Used where a test must
 // write exactly the slot a client would (flags the client library sets on its own, e.g.
-// kFlagStreamOrdered) or drive a LockstepGroup by hand.
+// kFlagStreamOrdered) or drive a LockstepGroup by hand. The ring, completions and data area
+// are found from the ABI's layout (abi::ComputeEndpointShmLayout) and EndpointInfo, as the
+// daemon finds them, not from the header's offsets: a test may scribble over the header.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -31,6 +33,8 @@ class RawRing {
     auto ring = std::make_unique<RawRing>();
     ring->region_ = std::move(*region);
     ring->next_seq_ = info.first_seq();
+    ring->layout_ = abi::ComputeEndpointShmLayout(info.data_bytes());
+    ring->data_offset_ = info.data_offset();
     return ring;
   }
 
@@ -38,8 +42,15 @@ class RawRing {
     return reinterpret_cast<abi::EndpointShmHeader*>(region_.data());
   }
 
-  /// Publishes the next request (op, flags, T) and returns its seq.
-  uint64_t Submit(abi::OpKind op, uint32_t flags, int32_t num_tokens) {
+  /// The host backend's data area in the region (EndpointInfo.data_offset).
+  uint8_t* data() const { return region_.data() + data_offset_; }
+  /// The whole region (shm_bytes).
+  uint8_t* region_data() const { return region_.data(); }
+  uint64_t region_bytes() const { return region_.size(); }
+
+  /// Publishes the next request (op, flags, T; `handle_seq` for ops that use a handle)
+  /// and returns its seq.
+  uint64_t Submit(abi::OpKind op, uint32_t flags, int32_t num_tokens, uint64_t handle_seq = 0) {
     abi::RequestSlot slot{};
     slot.magic = abi::kRequestMagic;
     slot.op = static_cast<uint32_t>(op);
@@ -47,18 +58,23 @@ class RawRing {
     slot.flags = flags;
     slot.num_tokens = num_tokens;
     slot.expert_alignment = 1;
+    slot.handle_seq = handle_seq;
+    SubmitRaw(slot);
+    return slot.seq;
+  }
+
+  /// Publishes `slot` as it is (any bytes) in the next ring slot.
+  void SubmitRaw(const abi::RequestSlot& slot) {
     abi::EndpointShmHeader* h = header();
-    auto* ring = reinterpret_cast<abi::RequestSlot*>(region_.data() + h->ring_offset);
+    auto* ring = reinterpret_cast<abi::RequestSlot*>(region_.data() + layout_.ring_offset);
     const uint64_t head = abi::Atomic(h->ring_head).load();
     std::memcpy(&ring[(head + 1) % abi::kRingCapacity], &slot, sizeof(slot));
     abi::Atomic(h->ring_head).store(head + 1, std::memory_order_release);
-    return slot.seq;
   }
 
   /// The completion of `seq` once written, else nullopt.
   std::optional<abi::Completion> Completion(uint64_t seq) const {
-    abi::EndpointShmHeader* h = header();
-    auto* c = reinterpret_cast<abi::Completion*>(region_.data() + h->completion_offset) +
+    auto* c = reinterpret_cast<abi::Completion*>(region_.data() + layout_.completion_offset) +
               seq % abi::kCompletionCapacity;
     if (abi::Atomic(c->seq).load(std::memory_order_acquire) != seq) return std::nullopt;
     return *c;
@@ -79,6 +95,8 @@ class RawRing {
  private:
   ShmRegion region_;
   uint64_t next_seq_ = 0;
+  abi::EndpointShmLayout layout_{};
+  uint64_t data_offset_ = 0;
 };
 
 }  // namespace epd::testing

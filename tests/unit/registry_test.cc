@@ -28,8 +28,9 @@ class RegistryTest : public ::testing::Test {
         plane_(state_),
         registry_(&plane_, OneGpu(), GroupRegistry::Options{.max_groups = 2}) {}
 
-  std::string Session(int64_t pid = 42) {
-    absl::StatusOr<std::string> id = registry_.OpenSession(pid, "test");
+  std::string Session(int64_t pid = 42, uint32_t uid = 1000) {
+    absl::StatusOr<std::string> id =
+        registry_.OpenSession(PeerCredentials{.pid = pid, .uid = uid, .gid = uid}, "test");
     EXPECT_TRUE(id.ok()) << id.status();
     return id.value_or("");
   }
@@ -90,6 +91,44 @@ TEST_F(RegistryTest, FirstJoinCreatesGroupAndRanksJoin) {
   EXPECT_EQ(g.ranks(1).client_pid(), 101);
   EXPECT_EQ(g.ranks(1).ops_completed(), 101u);
   EXPECT_EQ(registry_.counters().num_groups, 1);
+}
+
+TEST_F(RegistryTest, SessionsKeepThePeerCredentialsTheyWereOpenedWith) {
+  std::string s = Session(/*pid=*/4242, /*uid=*/1234);
+  absl::StatusOr<PeerCredentials> creds = registry_.SessionCredentials(s);
+  ASSERT_TRUE(creds.ok()) << creds.status();
+  EXPECT_EQ(*creds, (PeerCredentials{.pid = 4242, .uid = 1234, .gid = 1234}));
+  EXPECT_EQ(registry_.SessionCredentials("0123456789abcdef0123456789abcdef").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  registry_.CloseSession(s, "test");
+  EXPECT_EQ(registry_.SessionCredentials(s).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(RegistryTest, AuthorizeEndpointNeedsTheSessionsUidAndItsRank) {
+  std::string s0 = Session(100, 1000), s1 = Session(101, 1000);
+  ASSERT_TRUE(Join(s0, 0).ok());
+  ASSERT_TRUE(Join(s1, 1).ok());
+  const PeerCredentials same_uid{.pid = 555, .uid = 1000, .gid = 1000};
+  EXPECT_TRUE(registry_.AuthorizeEndpoint(s0, "g", 0, same_uid).ok());
+  // Another uid quoting the session id.
+  absl::Status status =
+      registry_.AuthorizeEndpoint(s0, "g", 0, PeerCredentials{.pid = 7, .uid = 2000}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(status.message()), AllOf(HasSubstr("uid 1000"), HasSubstr("uid 2000")));
+  // A rank of the group the session does not hold, and a group that does not exist: the same
+  // answer.
+  status = registry_.AuthorizeEndpoint(s0, "g", 1, same_uid).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(status.message()), AllOf(HasSubstr("rank 1"), Not(HasSubstr(s0))));
+  EXPECT_EQ(registry_.AuthorizeEndpoint(s0, "nope", 0, same_uid).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(registry_.AuthorizeEndpoint("0123456789abcdef0123456789abcdef", "g", 0, same_uid)
+                .status()
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(Leave(s0, "g", 0).ok());
+  EXPECT_EQ(registry_.AuthorizeEndpoint(s0, "g", 0, same_uid).status().code(),
+            absl::StatusCode::kPermissionDenied);
 }
 
 TEST_F(RegistryTest, RankHeldIsAlreadyExists) {
@@ -234,7 +273,8 @@ TEST_F(RegistryTest, SessionEndReleasesOnlyItsEndpoints) {
 TEST_F(RegistryTest, DrainingRefusesSessionsAndJoins) {
   std::string s = Session();
   registry_.SetDraining();
-  EXPECT_EQ(registry_.OpenSession(1, "late").status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(registry_.OpenSession(PeerCredentials{.pid = 1}, "late").status().code(),
+            absl::StatusCode::kUnavailable);
   EXPECT_EQ(Join(s, 0).status().code(), absl::StatusCode::kUnavailable);
 }
 

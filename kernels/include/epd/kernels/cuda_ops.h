@@ -77,7 +77,11 @@ struct DeviceStatus {
   uint32_t has_bad_num_tokens;  ///< Nonzero when T was out of range (the op then used T = 0).
   uint32_t timed_out;           ///< Nonzero when a wait of this rank passed timeout_ns.
   uint32_t missing_ranks[kMaxStatusRanks / 32];  ///< Bit r: peer rank r never arrived.
-  uint32_t reserved[64 - 4 - kMaxStatusRanks / 32];
+  /// Count of routing values read from endpoint memory (send_pos rows, low-latency handle
+  /// positions, rows computed from the exchanged counts) outside their region: the kernels
+  /// skip them (an endpoint's memory is client-writable through its CUDA IPC mapping).
+  uint32_t bad_routing;
+  uint32_t reserved[64 - 5 - kMaxStatusRanks / 32];
 };
 static_assert(sizeof(DeviceStatus) == 256, "DeviceStatus must fill [0, 256) of sync");
 
@@ -131,8 +135,8 @@ absl::Status ResolveNumBlocks(const CudaRankContext& ctx, int32_t* num_blocks);
 
 /// Turns a DeviceStatus copied from the GPU into absl::Status for `op` at `rank`:
 /// DEADLINE_EXCEEDED naming the peer ranks that never arrived (a timeout wins, the other
-/// findings are appended); else INVALID_ARGUMENT naming the count of bad expert ids and/or
-/// the bad run-time T; else OK.
+/// findings are appended); else INVALID_ARGUMENT naming the count of bad expert ids, of
+/// out-of-range routing values (bad_routing) and/or the bad run-time T; else OK.
 /// `low_latency`: the op is LowLatencyDispatch/Combine, whose run-time T is bounded by
 /// shape.ll_max_tokens_per_rank (named in the bad-T message); otherwise (normal ops) by
 /// shape.max_tokens_per_rank.

@@ -1,0 +1,126 @@
+// LogRateLimiter (daemon/logging.h): the token bucket behind every client-caused warning of
+// the data plane. A flood gives at most the burst plus the steady rate, then one line that
+// counts what was dropped and names the source; deciding allocates nothing.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
+#include "daemon/logging.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "tests/common/counting_new.h"
+
+namespace epd {
+namespace {
+
+using Clock = LogRateLimiter::Clock;
+using std::chrono::milliseconds;
+
+TEST(LogRateLimiterTest, BurstThenSteadyRateAndTheReportCountsTheSuppressedLines) {
+  LogRateLimiter limiter(/*per_second=*/2, /*burst=*/3);
+  const Clock::time_point t0 = Clock::now();
+  for (int i = 0; i < 3; ++i) {
+    const LogRateLimiter::Decision d = limiter.Allow(t0);
+    EXPECT_TRUE(d.log) << i;
+    EXPECT_EQ(d.suppressed, 0u) << i;
+  }
+  for (int i = 0; i < 100; ++i) EXPECT_FALSE(limiter.Allow(t0).log) << i;
+  EXPECT_EQ(limiter.suppressed(), 100u);
+  // 0.25 s later: half a token, still suppressed.
+  EXPECT_FALSE(limiter.Allow(t0 + milliseconds(250)).log);
+  // 0.5 s after the flood began: one token; the line carries the count of the 101 before it.
+  const LogRateLimiter::Decision d = limiter.Allow(t0 + milliseconds(500));
+  ASSERT_TRUE(d.log);
+  EXPECT_EQ(d.suppressed, 101u);
+  EXPECT_NEAR(d.suppressed_seconds, 0.5, 1e-6);
+  EXPECT_EQ(limiter.suppressed(), 0u);
+  // Refilling stops at the burst.
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(limiter.Allow(t0 + std::chrono::seconds(60)).log);
+  EXPECT_FALSE(limiter.Allow(t0 + std::chrono::seconds(60)).log);
+}
+
+TEST(LogRateLimiterTest, TakeReportWaitsForATokenAndFlushDoesNot) {
+  LogRateLimiter limiter(/*per_second=*/1, /*burst=*/1);
+  const Clock::time_point t0 = Clock::now();
+  EXPECT_FALSE(limiter.TakeReport(t0).log);  // Nothing suppressed.
+  EXPECT_TRUE(limiter.Allow(t0).log);
+  EXPECT_FALSE(limiter.Allow(t0).log);
+  EXPECT_FALSE(limiter.Allow(t0).log);
+  EXPECT_FALSE(limiter.TakeReport(t0 + milliseconds(500)).log);  // No token yet.
+  const LogRateLimiter::Decision report = limiter.TakeReport(t0 + milliseconds(1000));
+  ASSERT_TRUE(report.log);
+  EXPECT_EQ(report.suppressed, 2u);
+  EXPECT_FALSE(limiter.TakeReport(t0 + std::chrono::seconds(10)).log);  // Reported once.
+  EXPECT_FALSE(limiter.Allow(t0 + milliseconds(1000)).log);  // The report took the token.
+  const LogRateLimiter::Decision flushed = limiter.Flush(t0 + milliseconds(1000));
+  EXPECT_TRUE(flushed.log);
+  EXPECT_EQ(flushed.suppressed, 1u);
+  EXPECT_FALSE(limiter.Flush(t0 + milliseconds(1000)).log);
+}
+
+TEST(LogRateLimiterTest, AFloodThroughLogLimitedGivesBoundedLinesNamingTheSource) {
+  std::ostringstream out;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_st>(out);
+  spdlog::logger log("epd.test", sink);
+  log.set_pattern("%v");
+  log.set_level(spdlog::level::info);
+  LogRateLimiter limiter;
+  const auto start = Clock::now();
+  for (int i = 0; i < 20000; ++i) {
+    LogLimited(log, spdlog::level::warn, limiter, "group g rank 1 (endpoint 7)",
+               "group {} rank {}: dropped a malformed ring slot {}", "g", 1, i);
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  // Suppressed lines are reported once a token is back.
+  const auto later = Clock::now() + std::chrono::seconds(1);
+  while (!LogSuppressed(log, spdlog::level::warn, limiter, "group g rank 1 (endpoint 7)") &&
+         Clock::now() < later) {
+  }
+  std::vector<std::string> lines = absl::StrSplit(out.str(), '\n', absl::SkipEmpty());
+  const size_t bound = static_cast<size_t>(LogRateLimiter::kDefaultBurst +
+                                           LogRateLimiter::kDefaultPerSecond * (seconds + 1)) +
+                       2;
+  EXPECT_LE(lines.size(), bound) << out.str().substr(0, 2000);
+  EXPECT_GE(lines.size(), static_cast<size_t>(LogRateLimiter::kDefaultBurst) + 1);
+  ASSERT_FALSE(lines.empty());
+  EXPECT_TRUE(absl::StrContains(lines.back(),
+                                "similar messages from group g rank 1 (endpoint 7) "
+                                "suppressed in the last"))
+      << lines.back();
+  // The first lines are the flood's own, in full.
+  EXPECT_EQ(lines.front(), "group g rank 1: dropped a malformed ring slot 0");
+}
+
+TEST(LogRateLimiterTest, SuppressedLinesAreNeitherFormattedNorAllocated) {
+  std::ostringstream out;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_st>(out);
+  spdlog::logger log("epd.test", sink);
+  LogRateLimiter limiter(/*per_second=*/0.001, /*burst=*/1);
+  LogLimited(log, spdlog::level::warn, limiter, "x", "first {}", 1);
+  const uint64_t before = testing::counting_new::t_allocs;
+  for (int i = 0; i < 1000; ++i) {
+    LogLimited(log, spdlog::level::warn, limiter, "x", "line {} of {}", i, "a flood");
+    LogSuppressed(log, spdlog::level::warn, limiter, "x");
+  }
+  EXPECT_EQ(testing::counting_new::t_allocs - before, 0u);
+  EXPECT_EQ(limiter.suppressed(), 1000u);
+}
+
+TEST(LogRateLimiterTest, LinesBelowTheLoggersLevelAreNotCounted) {
+  std::ostringstream out;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_st>(out);
+  spdlog::logger log("epd.test", sink);
+  log.set_level(spdlog::level::err);
+  LogRateLimiter limiter(/*per_second=*/1, /*burst=*/1);
+  for (int i = 0; i < 10; ++i) LogLimited(log, spdlog::level::warn, limiter, "x", "hidden {}", i);
+  EXPECT_EQ(limiter.suppressed(), 0u);
+  EXPECT_TRUE(out.str().empty());
+}
+
+}  // namespace
+}  // namespace epd
