@@ -24,10 +24,11 @@
 //                       region of a rank it joined without mapping.
 //   --mode=join_flood   Joins --joins ranks (64-rank groups) without mapping any, prints
 //                       HOLDING, holds them --hold_seconds, exits.
-//   --mode=conn_flood   Holds --connections connections to epd's socket (silent, garbage,
-//                       HTTP/2 preface only, fd-channel preamble only, half a preamble),
-//                       prints HOLDING, holds them --hold_seconds, then opens and closes
-//                       --churn more.
+//   --mode=conn_flood   Holds 300 idle connections (silent, garbage, half a preamble) for
+//                       3.5 s and reports how many epd closed (IDLE_CLOSED_BY_EPD); then
+//                       holds --connections (those, an HTTP/2 preface only, an fd-channel
+//                       preamble only), prints HOLDING, holds them --hold_seconds, then
+//                       opens and closes --churn more.
 //   --mode=ring_flood   Joins a 1-rank group and writes --slots garbage ring slots.
 //   --mode=claim        Tries to take ranks of --victim_group (which it does not own) with
 //                       no secret and with --join_secret, to read its endpoints, to leave
@@ -977,63 +978,83 @@ int Connect(const std::string& socket, const std::string& preamble, int* error) 
   return fd;
 }
 
-int ConnFlood(const std::string& socket) {
-  RaiseFdLimit();
-  const std::string kinds[] = {
-      "",                                     // silent
-      "GET / HTTP/1.1\r\nHost: epd\r\n\r\n",  // garbage
-      "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",     // HTTP/2 preface, then nothing
-      std::string(abi::kFdChannelPreamble, sizeof(abi::kFdChannelPreamble)),  // fd channel
-      "EPD",                                                                  // half a preamble
-  };
-  constexpr int kKinds = 5;
-  const char* names[kKinds] = {"silent", "garbage", "h2_preface", "fd_preamble", "half_preamble"};
-  const int want = absl::GetFlag(FLAGS_connections);
+/// The connections of a flood, by kind: what each sends first.
+constexpr int kConnectionKinds = 5;
+const char* const kConnectionKindNames[kConnectionKinds] = {"silent", "garbage", "h2_preface",
+                                                            "fd_preamble", "half_preamble"};
+std::string ConnectionPreamble(int kind) {
+  switch (kind) {
+    case 1:
+      return "GET / HTTP/1.1\r\nHost: epd\r\n\r\n";
+    case 2:
+      return "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";  // The HTTP/2 preface, then nothing.
+    case 3:
+      return std::string(abi::kFdChannelPreamble, sizeof(abi::kFdChannelPreamble));
+    case 4:
+      return "EPD";  // Half a preamble.
+    default:
+      return "";
+  }
+}
+
+/// Opens `count` connections of `kinds` (round robin), holds them `seconds`, then prints
+/// "<label> <kind> <closed> of <total>" per kind: how many epd closed meanwhile. Closes them.
+size_t HoldConnections(const std::string& socket, int count, const std::vector<int>& kinds,
+                       double seconds, const char* label, bool announce) {
   std::vector<std::pair<int, int>> held;  // (fd, kind)
   std::map<std::string, int> connect_errors;
-  for (int i = 0; i < want; ++i) {
+  for (int i = 0; i < count; ++i) {
+    const int kind = kinds[i % kinds.size()];
     int error = 0;
-    const int fd = Connect(socket, kinds[i % kKinds], &error);
+    const int fd = Connect(socket, ConnectionPreamble(kind), &error);
     if (fd < 0) {
       ++connect_errors[std::strerror(error)];
       continue;
     }
-    held.push_back({fd, i % kKinds});
+    held.push_back({fd, kind});
   }
-  std::printf("HOLDING %zu\n", held.size());
-  for (const auto& [error, n] : connect_errors)
+  if (announce) std::printf("HOLDING %zu\n", held.size());
+  for (const auto& [error, n] : connect_errors) {
     std::printf("CONNECT_FAILED %d %s\n", n, error.c_str());
+  }
   std::fflush(stdout);
-  absl::SleepFor(absl::Seconds(absl::GetFlag(FLAGS_hold_seconds)));
-  // Which ones did epd close meanwhile?
-  int closed[kKinds] = {}, total[kKinds] = {};
+  absl::SleepFor(absl::Seconds(seconds));
+  int closed[kConnectionKinds] = {}, total[kConnectionKinds] = {};
   for (auto [fd, kind] : held) {
     ++total[kind];
     char buffer[4096];
     ssize_t n;
-    bool eof = false;
     while ((n = ::recv(fd, buffer, sizeof(buffer), MSG_DONTWAIT)) > 0) {
     }
-    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) eof = true;
-    closed[kind] += eof;
+    closed[kind] += n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
     ::close(fd);
   }
-  for (int k = 0; k < kKinds; ++k) {
-    std::printf("CLOSED_BY_EPD %s %d of %d\n", names[k], closed[k], total[k]);
+  for (int kind : std::set<int>(kinds.begin(), kinds.end())) {
+    std::printf("%s %s %d of %d\n", label, kConnectionKindNames[kind], closed[kind], total[kind]);
   }
+  return held.size();
+}
+
+int ConnFlood(const std::string& socket) {
+  RaiseFdLimit();
+  // A few hundred idle ones first (well within epd's descriptors): each must be closed
+  // within epd's bound for a connection's first bytes.
+  HoldConnections(socket, 300, {0, 1, 4}, 3.5, "IDLE_CLOSED_BY_EPD", false);
+  // The flood: more than epd has descriptors for, of every kind.
+  const size_t held = HoldConnections(socket, absl::GetFlag(FLAGS_connections), {0, 1, 2, 3, 4},
+                                      absl::GetFlag(FLAGS_hold_seconds), "CLOSED_BY_EPD", true);
   int churn_errors = 0;
   const int churn = absl::GetFlag(FLAGS_churn);
   for (int i = 0; i < churn; ++i) {
     int error = 0;
-    const int fd = Connect(socket, kinds[i % kKinds], &error);
+    const int fd = Connect(socket, ConnectionPreamble(i % kConnectionKinds), &error);
     if (fd < 0) {
       ++churn_errors;
       continue;
     }
     ::close(fd);
   }
-  std::printf("SUMMARY held=%zu churn=%d churn_connect_errors=%d\n", held.size(), churn,
-              churn_errors);
+  std::printf("SUMMARY held=%zu churn=%d churn_connect_errors=%d\n", held, churn, churn_errors);
   return 0;
 }
 
