@@ -22,8 +22,8 @@
 //                       of its mappings (/proc/self/map_files), the names in its
 //                       EndpointInfos and in /dev/shm with this epd's creator tag, and the
 //                       region of a rank it joined without mapping.
-//   --mode=join_flood   Joins --joins ranks (64-rank groups) without mapping any, prints
-//                       HOLDING, holds them --hold_seconds, exits.
+//   --mode=join_flood   Joins --joins ranks (of --ranks_per_group-rank groups) without
+//                       mapping any, prints HOLDING, holds them --hold_seconds, exits.
 //   --mode=conn_flood   Holds 300 idle connections (silent, garbage, half a preamble) for
 //                       3.5 s and reports how many epd closed (IDLE_CLOSED_BY_EPD); then
 //                       holds --connections (those, an HTTP/2 preface only, an fd-channel
@@ -98,6 +98,7 @@ ABSL_FLAG(double, seconds, 5, "scribble, truncate, ring_flood: how long to attac
 ABSL_FLAG(bool, supervise, false, "scribble, truncate: restart the attack when it dies");
 ABSL_FLAG(std::string, group, "attacker", "name of the attacker's own groups");
 ABSL_FLAG(int, joins, 3000, "join_flood: ranks to join");
+ABSL_FLAG(int, ranks_per_group, 64, "join_flood: ranks of each group it creates");
 ABSL_FLAG(double, hold_seconds, 3, "join_flood, conn_flood, claim: how long to hold");
 ABSL_FLAG(int, connections, 3000, "conn_flood: connections held");
 ABSL_FLAG(int, churn, 3000, "conn_flood: connections opened and closed after the hold");
@@ -922,20 +923,20 @@ int JoinFlood(const std::string& socket) {
   }
   auto stub = ControlStub(socket);
   const int joins = absl::GetFlag(FLAGS_joins);
-  constexpr int kRanksPerGroup = 64;
+  const int ranks_per_group = std::max(1, absl::GetFlag(FLAGS_ranks_per_group));
   std::map<std::string, int> by_code;
   std::map<std::string, std::string> first_message;
   const auto start = Clock::now();
   for (int i = 0; i < joins; ++i) {
     v1::GroupSpec spec;
     spec.set_name(
-        absl::StrCat(absl::GetFlag(FLAGS_group), "-flood-", ::getpid(), "-", i / kRanksPerGroup));
-    spec.set_num_ranks(kRanksPerGroup);
-    spec.set_num_experts(kRanksPerGroup);
+        absl::StrCat(absl::GetFlag(FLAGS_group), "-flood-", ::getpid(), "-", i / ranks_per_group));
+    spec.set_num_ranks(ranks_per_group);
+    spec.set_num_experts(ranks_per_group);
     spec.set_hidden(128);
     spec.set_num_topk(1);
     spec.set_max_tokens_per_rank(1);
-    grpc::Status st = RawJoin(*stub, (*client)->session_id(), spec, i % kRanksPerGroup, "");
+    grpc::Status st = RawJoin(*stub, (*client)->session_id(), spec, i % ranks_per_group, "");
     const std::string code = CodeName(st);
     if (++by_code[code] == 1 && !st.ok()) {
       first_message[code] = OneLine(st.error_message());

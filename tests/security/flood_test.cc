@@ -6,12 +6,15 @@
 // refused with RESOURCE_EXHAUSTED and a reason), the victim group must stay exact, and the
 // log bounded (docs/SECURITY.md "Exhaustion is refused, not suffered", "Operators can read
 // what happened").
+#include <unistd.h>
+
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "epd/v1/config.pb.h"
 #include "tests/security/security_harness.h"
 
 namespace epd::testing::security {
@@ -42,7 +45,7 @@ class FloodTest : public SecurityTest {
 };
 
 TEST_F(FloodTest, ThousandsOfRanksJoinedWithoutMapping) {
-  ASSERT_NO_FATAL_FAILURE(StartEpd({}, kFdLimit));
+  ASSERT_NO_FATAL_FAILURE(StartEpd({.wrapper = kFdLimit}));
   ASSERT_NO_FATAL_FAILURE(StartVictims());
   const int64_t ok_before = VictimOkRounds();
   const LogMark log = MarkLog();
@@ -87,7 +90,7 @@ TEST_F(FloodTest, ThousandsOfRanksJoinedWithoutMapping) {
 }
 
 TEST_F(FloodTest, ThousandsOfConnectionsHeldThenChurned) {
-  ASSERT_NO_FATAL_FAILURE(StartEpd({}, kFdLimit));
+  ASSERT_NO_FATAL_FAILURE(StartEpd({.wrapper = kFdLimit}));
   ASSERT_NO_FATAL_FAILURE(StartVictims());
   const LogMark log = MarkLog();
   std::unique_ptr<Subprocess> a = SpawnAttacker(
@@ -122,6 +125,41 @@ TEST_F(FloodTest, ThousandsOfConnectionsHeldThenChurned) {
   // EMFILE and never accepts again).
   ExpectRecovers("after the connection flood", absl::Seconds(15));
   ExpectLogBounded(log, 300, 100, "the connection flood");
+  StopVictimsAndExpectExact();
+}
+
+// Another user creates all the groups it can: a per-uid quota below max_groups
+// (docs/SECURITY.md "Groups, owners, secrets, quotas") leaves room for the victims' group.
+// Runs the attacker as nobody (needs root).
+TEST_F(FloodTest, AnotherUsersGroupsLeaveRoomForTheVictims) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run the attacker as another user";
+  if (::access("/usr/bin/setpriv", X_OK) != 0) GTEST_SKIP() << "needs setpriv (util-linux)";
+  constexpr int kMaxGroups = 16;
+  std::string config = absl::StrCat("max_groups: ", kMaxGroups);
+  // Where this build has per-uid group quotas, half of the slots per uid; without them
+  // the attacker can take every slot, which is the failure this test shows.
+  if (v1::DaemonConfig::descriptor()->FindFieldByName("max_groups_per_uid") != nullptr) {
+    absl::StrAppend(&config, "\nmax_groups_per_uid: ", kMaxGroups / 2);
+  }
+  ASSERT_NO_FATAL_FAILURE(StartEpd({.config_text = config, .world_socket = true}));
+  const LogMark log = MarkLog();
+  std::unique_ptr<Subprocess> a =
+      SpawnAttacker({"--mode=join_flood", "--joins=40", "--ranks_per_group=1", "--hold_seconds=30"},
+                    /*as_nobody=*/true);
+  ASSERT_NE(a, nullptr);
+  absl::Status holding = a->WaitForOutput("HOLDING", absl::Seconds(30));
+  attackers_.push_back(std::move(a));
+  ASSERT_TRUE(holding.ok()) << holding;
+  // While the attacker holds its groups, the victims' group is created and runs.
+  ASSERT_NO_FATAL_FAILURE(StartVictims());
+  AttackResult result = ResultOf(*attackers_.back(), 0);
+  EXPECT_LE(result.Get("OK"), kMaxGroups - 1) << result.output;
+  for (const std::string& line : LinesStartingWith(result.output, "FIRST_ERROR ")) {
+    EXPECT_EQ(Token(line, 1), "RESOURCE_EXHAUSTED")
+        << "a refused group without a clear error: " << line;
+  }
+  ExpectEpdServing("while another user holds its groups");
+  ExpectLogBounded(log, 200 + 6 * 40, 100, "another user's group flood");
   StopVictimsAndExpectExact();
 }
 

@@ -31,7 +31,7 @@ class IdentityTest : public SecurityTest {
   /// `as_nobody`) tries to take its ranks; then victim rank 1 joins and the group must
   /// run exact rounds.
   void ClaimAttack(const std::string& secret, bool as_nobody) {
-    ASSERT_NO_FATAL_FAILURE(StartEpd({}, {}, /*world_socket=*/as_nobody));
+    ASSERT_NO_FATAL_FAILURE(StartEpd({.world_socket = as_nobody}));
     ASSERT_NO_FATAL_FAILURE(StartVictimRank("victim", 0, secret));
     AttackResult a = RunAttacker({"--mode=claim", "--victim_group=victim",
                                   "--join_secret=not-" + std::string(kSecret), "--hold_seconds=2"},
@@ -100,7 +100,7 @@ TEST_F(IdentityTest, ClaimedClientPidIsNotWhatEpdRecords) {
 TEST_F(IdentityTest, ListGroupsShowsAnotherUserNoneOfTheVictimsGroups) {
   SkipUnlessRoot();
   if (IsSkipped()) return;
-  ASSERT_NO_FATAL_FAILURE(StartEpd({}, {}, /*world_socket=*/true));
+  ASSERT_NO_FATAL_FAILURE(StartEpd({.world_socket = true}));
   ASSERT_NO_FATAL_FAILURE(StartVictims("victim", kSecret));
   AttackResult a = RunAttacker({"--mode=list_groups"}, absl::Seconds(30), /*as_nobody=*/true);
   EXPECT_EQ(a.exit_code, 0) << a.output;

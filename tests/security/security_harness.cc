@@ -94,19 +94,20 @@ void SecurityTest::TearDown() {
   }
 }
 
-void SecurityTest::StartEpd(std::vector<std::string> extra_args, std::vector<std::string> wrapper,
-                            bool world_socket) {
+void SecurityTest::StartEpd(EpdOptions epd_options) {
   DaemonProcessOptions options;
   options.tcp = false;
   options.log_level = "info";
   options.extra_args = {"--op_timeout=2s"};
-  if (world_socket) options.extra_args.push_back("--socket_mode=0666");
-  options.extra_args.insert(options.extra_args.end(), extra_args.begin(), extra_args.end());
-  options.wrapper = std::move(wrapper);
+  if (epd_options.world_socket) options.extra_args.push_back("--socket_mode=0666");
+  options.extra_args.insert(options.extra_args.end(), epd_options.extra_args.begin(),
+                            epd_options.extra_args.end());
+  options.wrapper = std::move(epd_options.wrapper);
+  options.config_text = std::move(epd_options.config_text);
   auto epd = DaemonProcess::Start(options);
   ASSERT_TRUE(epd.ok()) << epd.status();
   epd_ = *std::move(epd);
-  if (world_socket) ASSERT_EQ(::chmod(epd_->dir().c_str(), 0755), 0);
+  if (epd_options.world_socket) ASSERT_EQ(::chmod(epd_->dir().c_str(), 0755), 0);
 }
 
 void SecurityTest::StartVictimRank(const std::string& group, int rank, const std::string& secret) {

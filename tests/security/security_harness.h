@@ -60,16 +60,21 @@ std::string Token(const std::string& line, size_t i);
 /// Lines of `text` that start with `prefix`.
 std::vector<std::string> LinesStartingWith(const std::string& text, const std::string& prefix);
 
+/// How SecurityTest::StartEpd runs epd.
+struct EpdOptions {
+  std::vector<std::string> extra_args;  ///< More flags.
+  /// Runs epd (e.g. {"/usr/bin/prlimit", "--nofile=1024:1024", "--"}).
+  std::vector<std::string> wrapper;
+  std::string config_text;    ///< A DaemonConfig in text format ("" = none).
+  bool world_socket = false;  ///< Socket 0666 in a 0755 directory: other users connect.
+};
+
 class SecurityTest : public ::testing::Test {
  protected:
   void TearDown() override;
 
-  /// Starts epd --backend=host on a fresh socket: log level info, op_timeout 2 s, no TCP,
-  /// plus `extra_args`; `wrapper` runs it (e.g. {"/usr/bin/prlimit", "--nofile=512:512",
-  /// "--"}). With `world_socket` the socket is 0666 in a 0755 directory (clients of other
-  /// users can connect).
-  void StartEpd(std::vector<std::string> extra_args = {}, std::vector<std::string> wrapper = {},
-                bool world_socket = false);
+  /// Starts epd --backend=host on a fresh socket: log level info, op_timeout 2 s, no TCP.
+  void StartEpd(EpdOptions options = {});
 
   /// Starts rank `rank` of victim group `group` (seed and secret shared by its ranks) and
   /// waits for its JOINED line (fatal failure otherwise).
