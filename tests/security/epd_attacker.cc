@@ -87,7 +87,6 @@
 #include "epd/v1/control.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "shm_abi.h"
-#include "shm_region.h"
 #include "tests/security/security_spec.h"
 
 ABSL_FLAG(std::string, socket, "", "epd's unix socket");
@@ -767,6 +766,19 @@ class Scribble : public Attack {
 
 // ---- truncate ----------------------------------------------------------------------------
 
+/// 16 hex digits of the 64-bit FNV-1a hash of `socket`: the tag in the /dev/shm names of
+/// an epd that names its shared memory (proto/shm_region.h ShmCreatorTag, before memfds).
+std::string SocketTag(const std::string& socket) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : socket) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016" PRIx64, h);
+  return hex;
+}
+
 class Truncate : public Attack {
  public:
   explicit Truncate(std::string socket) : socket_(std::move(socket)) {}
@@ -791,8 +803,10 @@ class Truncate : public Attack {
       }
     }
     if (!unmapped_.empty()) names_.insert(unmapped_);
-    // This epd's names in /dev/shm (its creator tag), whatever the client was told.
-    const std::string tag = epd::ShmCreatorTag(socket_);
+    // This epd's names in /dev/shm, whatever the client was told: an epd that names its
+    // POSIX shm objects tags them with the FNV-1a hash of its socket path (none of another
+    // epd's on this machine is touched).
+    const std::string tag = SocketTag(socket_);
     std::error_code ec;
     for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
       const std::string name = entry.path().filename().string();
