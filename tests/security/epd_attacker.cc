@@ -766,6 +766,23 @@ class Scribble : public Attack {
 
 // ---- truncate ----------------------------------------------------------------------------
 
+/// The POSIX shm names an EndpointInfo gives (its string fields named "*shm_name", where
+/// this build's EndpointInfo has them: an epd of memfd regions names none), region first.
+std::vector<std::string> ShmNames(const v1::EndpointInfo& info) {
+  std::vector<std::string> names;
+  const google::protobuf::Descriptor* d = info.GetDescriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = d->field(i);
+    if (f->cpp_type() != google::protobuf::FieldDescriptor::CPPTYPE_STRING || f->is_repeated() ||
+        !absl::EndsWith(f->name(), "shm_name")) {
+      continue;
+    }
+    const std::string value = info.GetReflection()->GetString(info, f);
+    if (!value.empty()) names.push_back(value);
+  }
+  return names;
+}
+
 /// 16 hex digits of the 64-bit FNV-1a hash of `socket`: the tag in the /dev/shm names of
 /// an epd that names its shared memory (proto/shm_region.h ShmCreatorTag, before memfds).
 std::string SocketTag(const std::string& socket) {
@@ -786,8 +803,7 @@ class Truncate : public Attack {
   void Retarget(const OwnGroup& group) override {
     names_.clear();
     for (const auto& ep : group.endpoints()) {
-      if (!ep->info().shm_name().empty()) names_.insert(ep->info().shm_name());
-      if (!ep->info().doorbell_shm_name().empty()) names_.insert(ep->info().doorbell_shm_name());
+      for (const std::string& name : ShmNames(ep->info())) names_.insert(name);
     }
     // A rank of another group of its own, joined without mapping: its region's name (if
     // epd gives names) stays linked until the client would have mapped it.
@@ -799,7 +815,7 @@ class Truncate : public Attack {
         grpc::Status st = RawJoin(
             *raw_->stub, raw_->id,
             epd::security::SecuritySpec(absl::StrCat("unmapped-", ::getpid()), 1), 0, "", &info);
-        if (st.ok() && !info.shm_name().empty()) unmapped_ = info.shm_name();
+        if (st.ok() && !ShmNames(info).empty()) unmapped_ = ShmNames(info).front();
       }
     }
     if (!unmapped_.empty()) names_.insert(unmapped_);
