@@ -738,13 +738,27 @@ class Scribble : public Attack {
     return n;
   }
 
+  /// Random words anywhere, to random or hostile values. In an endpoint header's layout
+  /// words (which this process's own library reads on every op) a pulse, then the original
+  /// back: the attacker keeps running ops instead of crashing itself at once.
   int64_t Random(std::mt19937_64& rng) {
     int64_t n = 0;
     for (const Mapping& m : mappings_) {
       if (!m.writable || m.size < 8) continue;
+      const Endpoint* e = nullptr;
+      for (const Endpoint& candidate : endpoints_) {
+        if (candidate.map.base == m.base) e = &candidate;
+      }
       for (int i = 0; i < 256; ++i) {
         const uint64_t off = (rng() % (m.size / 8)) * 8;
-        Store<uint64_t>(m.base + off, rng() % 2 ? rng() : HostileOf(rng, m.size));
+        const uint64_t value = rng() % 2 ? rng() : HostileOf(rng, m.size);
+        if (e != nullptr && off < offsetof(abi::EndpointShmHeader, ring_head)) {
+          Pulse<uint64_t>(m.base + off, value,
+                          reinterpret_cast<const uint64_t*>(&e->original)[off / 8],
+                          1 + static_cast<int>(rng() % 2000));
+        } else {
+          Store<uint64_t>(m.base + off, value);
+        }
         ++n;
       }
     }
