@@ -14,6 +14,32 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
+namespace {
+
+/// The caller of a Control RPC as the kernel knows it: SO_PEERCRED of its connection to
+/// epd's unix socket. A call that came without credentials is kUnauthenticatedPeer.
+absl::StatusOr<PeerCredentials> Caller(const grpc::CallbackServerContext& context) {
+  return CallerCredentials(context).value_or(kUnauthenticatedPeer);
+}
+
+/// PERMISSION_DENIED when `session_id` is an open session of another uid than the caller's
+/// (a call acts in a session's name only for the user that opened it); the registry
+/// answers every other problem of the id itself.
+absl::Status CheckCallerMayUseSession(const GroupRegistry& registry, const std::string& session_id,
+                                      const PeerCredentials& caller) {
+  absl::Status status = registry.CheckSessionCaller(session_id, caller);
+  return status.code() == absl::StatusCode::kPermissionDenied ? status : absl::OkStatus();
+}
+
+/// Finishes `reactor` with `status` when it is an error; returns whether it did.
+bool FinishIfError(grpc::ServerUnaryReactor* reactor, const absl::Status& status) {
+  if (status.ok()) return false;
+  reactor->Finish(ToGrpcStatus(status));
+  return true;
+}
+
+}  // namespace
+
 // One Session stream. Lives until OnDone. Reactions may run concurrently with OnCancel,
 // so every state change happens under mu_. gRPC never runs a reaction inline from a
 // Start*/Finish call of a user reactor (can_inline is false for them), so calling those
@@ -138,15 +164,20 @@ grpc::ServerUnaryReactor* ControlService::JoinGroup(grpc::CallbackServerContext*
                                                     const v1::JoinGroupRequest* request,
                                                     v1::JoinGroupResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<v1::EndpointInfo> endpoint = registry_->Join(*request);
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  const absl::Status allowed = CheckCallerMayUseSession(*registry_, request->session_id(), *caller);
+  absl::StatusOr<v1::EndpointInfo> endpoint =
+      allowed.ok() ? registry_->Join(*request) : absl::StatusOr<v1::EndpointInfo>(allowed);
   if (endpoint.ok()) {
     *response->mutable_endpoint() = *std::move(endpoint);
   } else {
     // The name is the client's, unvalidated: escaped and capped (a '\n' would forge a line).
+    // The join secret is never logged (nor is it in any error message).
     GetLogger(kLogControl)
-        ->info("JoinGroup group \"{}\" rank {} from {} refused: {}",
-               EscapeClientText(request->spec().name()), request->rank(), context->peer(),
-               endpoint.status().ToString());
+        ->info("JoinGroup group \"{}\" rank {} from {} ({}) refused: {}",
+               EscapeClientText(request->spec().name()), request->rank(),
+               DescribeCredentials(*caller), context->peer(), endpoint.status().ToString());
   }
   reactor->Finish(ToGrpcStatus(endpoint.status()));
   return reactor;
@@ -156,6 +187,12 @@ grpc::ServerUnaryReactor* ControlService::LeaveGroup(grpc::CallbackServerContext
                                                      const v1::LeaveGroupRequest* request,
                                                      v1::LeaveGroupResponse* /*response*/) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  if (FinishIfError(reactor,
+                    CheckCallerMayUseSession(*registry_, request->session_id(), *caller))) {
+    return reactor;
+  }
   reactor->Finish(ToGrpcStatus(registry_->Leave(*request)));
   return reactor;
 }
@@ -164,6 +201,12 @@ grpc::ServerUnaryReactor* ControlService::GetGroupEndpoints(
     grpc::CallbackServerContext* context, const v1::GetGroupEndpointsRequest* request,
     v1::GetGroupEndpointsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  if (FinishIfError(reactor,
+                    CheckCallerMayUseSession(*registry_, request->session_id(), *caller))) {
+    return reactor;
+  }
   // The reactor and `response` live until Finish; the callback runs exactly once.
   registry_->GetGroupEndpoints(
       *request, [reactor, response, group = EscapeClientText(request->group()),
@@ -184,7 +227,9 @@ grpc::ServerUnaryReactor* ControlService::ListGroups(grpc::CallbackServerContext
                                                      const v1::ListGroupsRequest* /*request*/,
                                                      v1::ListGroupsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  *response = registry_->ListGroups();
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  *response = registry_->ListGroups(*caller);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -193,6 +238,8 @@ grpc::ServerUnaryReactor* ControlService::GetStats(grpc::CallbackServerContext* 
                                                    const v1::GetStatsRequest* /*request*/,
                                                    v1::GetStatsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // Whole-daemon counts, the GPUs and the config, but no group's name or spec: the same
+  // for every caller.
   *response = stats_();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -358,6 +358,10 @@ absl::Status Daemon::Init() {
   registry_options.max_groups = config_.max_groups();
   // GetGroupEndpoints waits at most an op timeout (plus slack) for the ranks to join.
   registry_options.max_endpoints_wait_ms = config_.op_timeout_ms() + 5000;
+  registry_options.max_groups_per_uid = config_.max_groups_per_uid();
+  registry_options.max_endpoints_per_uid = config_.max_endpoints_per_uid();
+  registry_options.max_endpoint_bytes_per_uid = config_.max_endpoint_bytes_per_uid();
+  registry_options.operator_uid = ::geteuid();  // With root, sees every group.
   registry_ = std::make_unique<GroupRegistry>(data_plane_.get(), inventory, registry_options);
   control_ = std::make_unique<ControlService>(registry_.get(), [this] { return Stats(); });
 
