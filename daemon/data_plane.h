@@ -30,6 +30,11 @@ class DataPlaneGroup {
   /// DEADLINE_EXCEEDED (or ABORTED) instead of hanging. Idempotent.
   virtual void DetachRank(int32_t rank) = 0;
 
+  /// Whether rank `rank`'s client has taken up its endpoint (mapped it). The registry
+  /// expires a rank for which this stays false for unmapped_endpoint_timeout_ms after its
+  /// join (GroupRegistry::ExpireUnmappedEndpoints). Default: true (never expires).
+  virtual bool RankMapped(int32_t /*rank*/) const { return true; }
+
   /// Ops completed / failed by this group (for ListGroups and GetStats).
   virtual uint64_t ops_completed() const = 0;
   virtual uint64_t ops_failed() const = 0;

@@ -185,6 +185,14 @@ uint64_t LockstepGroup::rank_ops_completed(int32_t rank) const {
   return endpoints_[rank]->ops_completed;
 }
 
+bool LockstepGroup::RankMapped(int32_t rank) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size()) || !endpoints_[rank]) {
+    return false;
+  }
+  return endpoints_[rank]->ClientMapped();
+}
+
 absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid,
                                        v1::LaunchMode launch_mode, v1::EndpointInfo* info) {
   if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size())) {
@@ -445,8 +453,7 @@ bool LockstepGroup::PopRequests() {
   for (size_t r = 0; r < endpoints_.size(); ++r) {
     LockstepEndpoint* ep = endpoints_[r].get();
     if (!ep) continue;
-    if (ep->region.linked() &&
-        abi::Atomic(ep->header->client_mapped).load(std::memory_order_acquire) != 0) {
+    if (ep->region.linked() && ep->ClientMapped()) {
       ep->region.Unlink();  // Both sides have it mapped: the name is no longer needed.
     }
     const int32_t rank = static_cast<int32_t>(r);

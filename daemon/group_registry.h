@@ -46,6 +46,13 @@ class GroupRegistry {
     /// Besides root (uid 0), the uid that sees every group in ListGroups: epd's own
     /// (the daemon passes its effective uid).
     uint32_t operator_uid = 0;
+    /// DaemonConfig.min_free_fds: Join is refused (RESOURCE_EXHAUSTED) while fewer
+    /// descriptors are free (CheckFreeFds). 0 = never.
+    uint32_t min_free_fds = 0;
+    /// DaemonConfig.unmapped_endpoint_timeout_ms: ExpireUnmappedEndpoints detaches a rank
+    /// whose client has not mapped its endpoint (DataPlaneGroup::RankMapped) this long
+    /// after its join.
+    absl::Duration unmapped_endpoint_timeout = absl::Seconds(30);
   };
 
   /// `data_plane` must outlive the registry (ReleaseAll() before destroying it).
@@ -106,8 +113,9 @@ class GroupRegistry {
   ///                        the host backend;
   ///   ALREADY_EXISTS       the rank is held by a live session;
   ///   NOT_FOUND            unknown GPU;
-  ///   RESOURCE_EXHAUSTED   buffers do not fit (bytes needed and free), max_groups, or a
-  ///                        per-uid quota (naming it, the uid, its usage and the limit).
+  ///   RESOURCE_EXHAUSTED   buffers do not fit (bytes needed and free), max_groups, a
+  ///                        per-uid quota (naming it, the uid, its usage and the limit), or
+  ///                        fewer than min_free_fds descriptors free (CheckFreeFds).
   ///
   /// Launch mode (DESIGN.md §3.2): a group's mode is fixed by its first joiner
   /// (LAUNCH_MODE_UNSPECIFIED = DataPlane::DefaultLaunchMode(spec)); a later joiner asking
@@ -141,6 +149,13 @@ class GroupRegistry {
   /// LeaveGroup: releases one rank. NOT_FOUND (no such group that the session's uid may
   /// see, or rank not joined), PERMISSION_DENIED (the rank belongs to another session).
   absl::Status Leave(const v1::LeaveGroupRequest& request);
+
+  /// Detaches every rank whose endpoint its client has not mapped
+  /// (DataPlaneGroup::RankMapped) within Options::unmapped_endpoint_timeout of its join, as
+  /// if its session had left it; groups left empty are destroyed. Logs what expired (how
+  /// many, the first few by name) at most once every 5 s. Returns how many it detached.
+  /// The daemon's health updater calls it periodically.
+  int ExpireUnmappedEndpoints(absl::Time now);
 
   /// The live groups `viewer` may see, with their joined ranks: those its uid owns or holds
   /// a rank of; every group for root and Options::operator_uid. Never a join secret.
@@ -176,6 +191,8 @@ class GroupRegistry {
     PeerCredentials peer;  ///< The holding session's.
     uint64_t endpoint_id = 0;
     std::string cuda_ipc_handle;
+    absl::Time joined;    ///< For ExpireUnmappedEndpoints.
+    bool mapped = false;  ///< The client mapped the endpoint (once seen, never asked again).
   };
   /// Built in place in groups_ and never moved (JoinSecret is not copyable).
   struct Group {
@@ -227,8 +244,9 @@ class GroupRegistry {
   void NotifyWaitersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Detaches `rank` of `group_name` (which must be held) and destroys the group when
   /// it becomes empty.
-  void ReleaseRankLocked(const std::string& group_name, int32_t rank, absl::string_view why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// `log_release` = false: the caller logs a summary instead of a line per rank.
+  void ReleaseRankLocked(const std::string& group_name, int32_t rank, absl::string_view why,
+                         bool log_release = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   DataPlane* const data_plane_;
   const GpuInventory inventory_;
@@ -244,6 +262,14 @@ class GroupRegistry {
   absl::CondVar waiters_changed_;
   bool stop_waiters_ ABSL_GUARDED_BY(mu_) = false;
   std::thread waiter_thread_;  ///< Started with the first waiting call; joined at destruction.
+  /// Endpoints expired since ExpireUnmappedEndpoints last logged (it logs at most every
+  /// few seconds).
+  struct ExpiryLog {
+    absl::Time last = absl::InfinitePast();
+    uint64_t count = 0;
+    std::vector<std::string> named;  ///< The first few, "group/rank (session, pid)".
+  };
+  ExpiryLog expiry_log_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace epd

@@ -29,6 +29,9 @@ struct FakeDataPlaneState {
   std::set<std::pair<std::string, int>> attached;  ///< (group, rank) currently attached.
   std::map<std::string, std::string> last_gpu;     ///< "group/rank" → gpu_uuid given.
   bool shut_down = false;
+  /// (group, rank) whose client has not mapped its endpoint (RankMapped false); every
+  /// other attached rank counts as mapped.
+  std::set<std::pair<std::string, int>> unmapped;
   /// DefaultLaunchMode's answer; UNSPECIFIED = the base class's (daemon-launched).
   v1::LaunchMode default_launch_mode = v1::LAUNCH_MODE_UNSPECIFIED;
 };
@@ -57,6 +60,10 @@ class FakeDataPlaneGroup : public DataPlaneGroup {
   void DetachRank(int32_t rank) override {
     std::lock_guard<std::mutex> lock(state_->mu);
     state_->attached.erase({name_, rank});
+  }
+  bool RankMapped(int32_t rank) const override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    return state_->attached.count({name_, rank}) != 0 && state_->unmapped.count({name_, rank}) == 0;
   }
   uint64_t ops_completed() const override { return 7; }
   uint64_t ops_failed() const override { return 1; }
