@@ -16,10 +16,21 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 
 namespace {
 
+/// UNAUTHENTICATED for a call that did not come through epd's own unix listener, which
+/// alone records a connection's SO_PEERCRED: epd knows a client by nothing else.
+absl::Status NoCredentials(const std::string& peer) {
+  return absl::UnauthenticatedError(
+      absl::StrCat("epd knows a client by the kernel's credentials of its connection to epd's unix "
+                   "socket (SO_PEERCRED), and this call (peer \"",
+                   EscapeClientText(peer), "\") has none; connect to the unix socket"));
+}
+
 /// The caller of a Control RPC as the kernel knows it: SO_PEERCRED of its connection to
-/// epd's unix socket. A call that came without credentials is kUnauthenticatedPeer.
+/// epd's unix socket; UNAUTHENTICATED without one.
 absl::StatusOr<PeerCredentials> Caller(const grpc::CallbackServerContext& context) {
-  return CallerCredentials(context).value_or(kUnauthenticatedPeer);
+  std::optional<PeerCredentials> creds = CallerCredentials(context);
+  if (!creds) return NoCredentials(context.peer());
+  return *creds;
 }
 
 /// PERMISSION_DENIED when `session_id` is an open session of another uid than the caller's
@@ -60,15 +71,18 @@ class ControlService::SessionReactor
       return;
     }
     if (session_id_.empty()) {
-      // The identity is the kernel's; the pid the client sent is only compared. A call
-      // without SO_PEERCRED gets the uid no process has (and, for display only, the pid it
-      // claims).
-      PeerCredentials peer = credentials_.value_or(kUnauthenticatedPeer);
-      if (!credentials_) peer.pid = request_.client_pid();
+      // The identity is the kernel's; the pid the client sent is only compared.
+      if (!credentials_) {
+        EndLocked("refused: no SO_PEERCRED", ToGrpcStatus(NoCredentials(peer_)));
+        return;
+      }
+      const PeerCredentials& peer = *credentials_;
       if (request_.client_pid() != peer.pid) {
         GetLogger(kLogControl)
-            ->debug("Session from {}: client_pid {} in the request is not the peer's ({})", peer_,
-                    request_.client_pid(), DescribeCredentials(peer));
+            ->debug(
+                "Session from {} ({}): its SessionRequest.client_pid is not the kernel's "
+                "pid; epd uses the kernel's",
+                DescribeCredentials(peer), peer_);
       }
       absl::StatusOr<std::string> id =
           service_->registry_->OpenSession(peer, request_.client_name());
@@ -238,6 +252,7 @@ grpc::ServerUnaryReactor* ControlService::GetStats(grpc::CallbackServerContext* 
                                                    const v1::GetStatsRequest* /*request*/,
                                                    v1::GetStatsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (FinishIfError(reactor, Caller(*context).status())) return reactor;
   // Whole-daemon counts, the GPUs and the config, but no group's name or spec: the same
   // for every caller.
   *response = stats_();
