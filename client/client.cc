@@ -152,6 +152,7 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Client::Join(const JoinOptions& option
   request.set_gpu_uuid(options.gpu_uuid);
   request.set_session_id(impl_->session_id_copy);
   request.set_launch_mode(options.launch_mode);
+  request.set_join_secret(options.join_secret);
   v1::JoinGroupResponse response;
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + kJoinTimeout);

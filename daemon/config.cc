@@ -44,6 +44,8 @@ bool AbslParseFlag(absl::string_view text, CommandLineValue<T>* flag, std::strin
         *error = "need a number with its unit, e.g. 10s, 2500ms or 1m";
       } else if constexpr (std::is_same_v<T, uint32_t>) {
         *error = "need a whole number from 0 to 4294967295";
+      } else if constexpr (std::is_same_v<T, uint64_t>) {
+        *error = "need a whole number from 0 to 18446744073709551615";
       }
     }
     return false;
@@ -65,6 +67,7 @@ std::string AbslUnparseFlag(const CommandLineValue<T>& flag) {
 
 using StringFlag = CommandLineValue<std::string>;
 using Uint32Flag = CommandLineValue<uint32_t>;
+using Uint64Flag = CommandLineValue<uint64_t>;
 using DurationFlag = CommandLineValue<absl::Duration>;
 using StringListFlag = CommandLineValue<std::vector<std::string>>;
 
@@ -74,6 +77,7 @@ using epd::config_internal::DurationFlag;
 using epd::config_internal::StringFlag;
 using epd::config_internal::StringListFlag;
 using epd::config_internal::Uint32Flag;
+using epd::config_internal::Uint64Flag;
 
 // Every default below is the DaemonConfig default (shown by --help); a flag overrides the
 // config file only when given on the command line.
@@ -115,6 +119,16 @@ ABSL_FLAG(Uint32Flag, max_request_bytes, Uint32Flag{epd::kDefaultMaxRequestBytes
           "2147483647 (gRPC's limit is an int).");
 ABSL_FLAG(Uint32Flag, max_groups, Uint32Flag{epd::kDefaultMaxGroups},
           "max_groups: maximum number of live groups.");
+ABSL_FLAG(Uint32Flag, max_groups_per_uid, Uint32Flag{epd::kDefaultMaxGroupsPerUid},
+          "max_groups_per_uid: groups one uid may own (first-joined) at a time, root "
+          "included; 0 = no limit.");
+ABSL_FLAG(Uint32Flag, max_endpoints_per_uid, Uint32Flag{epd::kDefaultMaxEndpointsPerUid},
+          "max_endpoints_per_uid: endpoints (joined ranks) one uid's sessions may hold at a "
+          "time, root included; 0 = no limit.");
+ABSL_FLAG(Uint64Flag, max_endpoint_bytes_per_uid, Uint64Flag{0},
+          "max_endpoint_bytes_per_uid: bytes of endpoint buffers (GPU memory, or shared "
+          "memory on the host backend) one uid's sessions may hold at a time, root included; "
+          "0 = no limit.");
 ABSL_FLAG(StringListFlag, gpu_uuids, StringListFlag{},
           "gpu_uuids: comma-separated GPU UUIDs the daemon may use (\"\" = every visible "
           "GPU).");
@@ -196,6 +210,9 @@ ConfigFlags ConfigFlagsFromCommandLine() {
   f.host_threads = GivenValue(FLAGS_host_threads);
   f.max_request_bytes = GivenValue(FLAGS_max_request_bytes);
   f.max_groups = GivenValue(FLAGS_max_groups);
+  f.max_groups_per_uid = GivenValue(FLAGS_max_groups_per_uid);
+  f.max_endpoints_per_uid = GivenValue(FLAGS_max_endpoints_per_uid);
+  f.max_endpoint_bytes_per_uid = GivenValue(FLAGS_max_endpoint_bytes_per_uid);
   f.gpu_uuids = GivenValue(FLAGS_gpu_uuids);
   return f;
 }
@@ -299,6 +316,13 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
     }
     config->set_max_groups(*flags.max_groups);
   }
+  if (flags.max_groups_per_uid) config->set_max_groups_per_uid(*flags.max_groups_per_uid);
+  if (flags.max_endpoints_per_uid) {
+    config->set_max_endpoints_per_uid(*flags.max_endpoints_per_uid);
+  }
+  if (flags.max_endpoint_bytes_per_uid) {
+    config->set_max_endpoint_bytes_per_uid(*flags.max_endpoint_bytes_per_uid);
+  }
   if (flags.gpu_uuids) {
     config->clear_gpu_uuids();
     for (const std::string& uuid : *flags.gpu_uuids) {
@@ -324,6 +348,10 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
         static_cast<uint64_t>(config->op_timeout_ms()) + kUnmappedEndpointSlackMs;
     config->set_unmapped_endpoint_timeout_ms(static_cast<uint32_t>(std::clamp<uint64_t>(
         after_op_timeout, kDefaultUnmappedEndpointTimeoutMs, kMaxUnmappedEndpointTimeoutMs)));
+  }
+  if (!config->has_max_groups_per_uid()) config->set_max_groups_per_uid(kDefaultMaxGroupsPerUid);
+  if (!config->has_max_endpoints_per_uid()) {
+    config->set_max_endpoints_per_uid(kDefaultMaxEndpointsPerUid);
   }
 }
 

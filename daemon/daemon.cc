@@ -382,6 +382,10 @@ absl::Status Daemon::Init() {
   registry_options.min_free_fds = config_.min_free_fds();
   registry_options.unmapped_endpoint_timeout =
       absl::Milliseconds(config_.unmapped_endpoint_timeout_ms());
+  registry_options.max_groups_per_uid = config_.max_groups_per_uid();
+  registry_options.max_endpoints_per_uid = config_.max_endpoints_per_uid();
+  registry_options.max_endpoint_bytes_per_uid = config_.max_endpoint_bytes_per_uid();
+  registry_options.operator_uid = ::geteuid();  // With root, sees every group.
   registry_ = std::make_unique<GroupRegistry>(data_plane_.get(), inventory, registry_options);
   control_ = std::make_unique<ControlService>(registry_.get(), [this] { return Stats(); });
 

@@ -646,8 +646,9 @@ TEST_F(ControlTest, MalformedAndOversizedRequestsLeaveTheDaemonServing) {
     leave.set_group("nope");
     v1::LeaveGroupResponse left;
     grpc::ClientContext leave_context;
+    // No session: refused as JoinGroup refuses it (which groups exist depends on who asks).
     EXPECT_EQ(stub->LeaveGroup(&leave_context, leave, &left).error_code(),
-              grpc::StatusCode::NOT_FOUND);
+              grpc::StatusCode::FAILED_PRECONDITION);
     ExpectServing();
   }
   // 4. Raw bytes that are not HTTP/2 on the unix socket and on the TCP port.

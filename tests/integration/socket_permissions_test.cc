@@ -14,7 +14,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/integration/as_other_user.h"
 
 namespace epd::testing {
 namespace {
@@ -24,30 +24,12 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 
 /// argv run as nobody:nogroup (65534), without supplementary groups.
-std::vector<std::string> AsNobody(std::vector<std::string> argv) {
-  std::vector<std::string> full = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534",
-                                   "--clear-groups"};
-  full.insert(full.end(), argv.begin(), argv.end());
-  return full;
+std::vector<std::string> AsNobody(const std::vector<std::string>& argv) {
+  return AsUser(65534, argv);
 }
 
-class SocketPermissionsTest : public ::testing::Test {
+class SocketPermissionsTest : public AsOtherUserTest {
  protected:
-  void SetUp() override {
-    if (::geteuid() != 0) GTEST_SKIP() << "needs root to run clients as another user";
-    if (::access("/usr/bin/setpriv", X_OK) != 0) GTEST_SKIP() << "needs setpriv (util-linux)";
-  }
-  void TearDown() override {
-    if (HasFailure() && epd_ != nullptr) std::cerr << "---- epd log ----\n" << epd_->Logs();
-  }
-  void StartEpd(std::vector<std::string> extra_args = {}) {
-    DaemonProcessOptions options;
-    options.tcp = false;
-    options.extra_args = std::move(extra_args);
-    auto epd = DaemonProcess::Start(options);
-    ASSERT_TRUE(epd.ok()) << epd.status();
-    epd_ = *std::move(epd);
-  }
   /// Runs `epctl --socket=<epd's> --timeout=10s status` as nobody; its result and time.
   CommandResult EpctlStatusAsNobody(absl::Duration* took) {
     const absl::Time start = absl::Now();
@@ -58,8 +40,6 @@ class SocketPermissionsTest : public ::testing::Test {
     EXPECT_TRUE(result.ok()) << result.status();
     return result.value_or(CommandResult{-1, "", ""});
   }
-
-  std::unique_ptr<DaemonProcess> epd_;
 };
 
 TEST_F(SocketPermissionsTest, SocketInAClosedDirectoryIsPermissionNotMissing) {

@@ -39,11 +39,23 @@ constexpr char kGoodConfig[] = R"pb(
 
 /// The names of epd's flags (daemon/config.cc).
 const std::vector<std::string>& EpdFlagNames() {
-  static const auto* names = new std::vector<std::string>{
-      "config",     "socket",         "socket_mode",  "socket_group",
-      "listen",     "backend",        "log_level",    "op_timeout",
-      "shm_mode",   "engine_idle_us", "host_threads", "max_request_bytes",
-      "max_groups", "gpu_uuids"};
+  static const auto* names = new std::vector<std::string>{"config",
+                                                          "socket",
+                                                          "socket_mode",
+                                                          "socket_group",
+                                                          "listen",
+                                                          "backend",
+                                                          "log_level",
+                                                          "op_timeout",
+                                                          "shm_mode",
+                                                          "engine_idle_us",
+                                                          "host_threads",
+                                                          "max_request_bytes",
+                                                          "max_groups",
+                                                          "gpu_uuids",
+                                                          "max_groups_per_uid",
+                                                          "max_endpoints_per_uid",
+                                                          "max_endpoint_bytes_per_uid"};
   return *names;
 }
 
@@ -215,6 +227,48 @@ TEST(ResolveDaemonConfigTest, ZerosInTheFileOrFlagsAreErrorsNotDefaults) {
   EXPECT_TRUE(ValidateDaemonConfig(empty).ok());
 }
 
+// Per-uid quotas: defaults a single big job fits in; a present 0 (file or flag) means no
+// limit and stays 0 rather than taking the default; flags override the file.
+TEST(ResolveDaemonConfigTest, PerUidQuotas) {
+  v1::DaemonConfig defaults;
+  FillDaemonConfigDefaults(&defaults);
+  EXPECT_EQ(defaults.max_groups_per_uid(), 64u);
+  EXPECT_EQ(defaults.max_endpoints_per_uid(), 256u);
+  EXPECT_EQ(defaults.max_endpoint_bytes_per_uid(), 0u);
+
+  std::string path = WriteTempFile(
+      "max_groups_per_uid: 0\nmax_endpoints_per_uid: 0\nmax_endpoint_bytes_per_uid: 1000\n");
+  ConfigFlags from_file;
+  from_file.config_path = path;
+  absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(from_file);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->max_groups_per_uid(), 0u);
+  EXPECT_EQ(config->max_endpoints_per_uid(), 0u);
+  EXPECT_EQ(config->max_endpoint_bytes_per_uid(), 1000u);
+
+  ConfigFlags flags = from_file;
+  {
+    absl::FlagSaver saver;
+    GiveFlag("max_groups_per_uid", "3");
+    GiveFlag("max_endpoints_per_uid", "5");
+    GiveFlag("max_endpoint_bytes_per_uid", "68719476736");  // 64 GiB: above 32 bits.
+    ConfigFlags given = ConfigFlagsFromCommandLine();
+    flags.max_groups_per_uid = given.max_groups_per_uid;
+    flags.max_endpoints_per_uid = given.max_endpoints_per_uid;
+    flags.max_endpoint_bytes_per_uid = given.max_endpoint_bytes_per_uid;
+  }
+  config = ResolveDaemonConfig(flags);
+  ::unlink(path.c_str());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->max_groups_per_uid(), 3u);
+  EXPECT_EQ(config->max_endpoints_per_uid(), 5u);
+  EXPECT_EQ(config->max_endpoint_bytes_per_uid(), 68719476736u);
+
+  std::string error;
+  EXPECT_FALSE(absl::FindCommandLineFlag("max_endpoint_bytes_per_uid")->ParseFrom("-1", &error));
+  EXPECT_THAT(error, HasSubstr("whole number"));
+}
+
 TEST(ResolveDaemonConfigTest, DirectoryAsConfigAndSilentFlagValuesAreErrors) {
   absl::StatusOr<v1::DaemonConfig> dir = LoadDaemonConfigFile("/tmp");
   ASSERT_FALSE(dir.ok());
@@ -283,7 +337,8 @@ TEST(ResolveDaemonConfigTest, OnlyFlagsGivenOverrideTheFile) {
   EXPECT_FALSE(absent.socket || absent.socket_mode || absent.socket_group || absent.listen ||
                absent.backend || absent.log_level || absent.op_timeout || absent.shm_mode ||
                absent.engine_idle_us || absent.host_threads || absent.max_request_bytes ||
-               absent.max_groups || absent.gpu_uuids);
+               absent.max_groups || absent.gpu_uuids || absent.max_groups_per_uid ||
+               absent.max_endpoints_per_uid || absent.max_endpoint_bytes_per_uid);
   absl::StatusOr<v1::DaemonConfig> from_file = ResolveDaemonConfig(absent);
   ASSERT_TRUE(from_file.ok()) << from_file.status();
   EXPECT_EQ(from_file->socket_path(), "/tmp/epd-test/epd.sock");
@@ -325,12 +380,17 @@ TEST(ConfigFlagsTest, HelpShowsTheRealDefaults) {
   EXPECT_EQ(default_of("max_request_bytes"), "4194304");
   EXPECT_EQ(default_of("max_groups"), "64");
   EXPECT_EQ(default_of("gpu_uuids"), "\"\"");
+  EXPECT_EQ(default_of("max_groups_per_uid"), "64");
+  EXPECT_EQ(default_of("max_endpoints_per_uid"), "256");
+  EXPECT_EQ(default_of("max_endpoint_bytes_per_uid"), "0");
   // And they are the DaemonConfig defaults.
   v1::DaemonConfig defaults;
   FillDaemonConfigDefaults(&defaults);
   EXPECT_EQ(default_of("socket"), "\"" + defaults.socket_path() + "\"");
   EXPECT_EQ(default_of("shm_mode"), "\"" + defaults.shm_mode() + "\"");
   EXPECT_EQ(default_of("max_groups"), std::to_string(defaults.max_groups()));
+  EXPECT_EQ(default_of("max_groups_per_uid"), std::to_string(defaults.max_groups_per_uid()));
+  EXPECT_EQ(default_of("max_endpoints_per_uid"), std::to_string(defaults.max_endpoints_per_uid()));
   EXPECT_EQ(default_of("backend"), "\"" + BackendFlagName(defaults.backend()) + "\"");
 }
 
