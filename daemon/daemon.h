@@ -37,6 +37,7 @@ class Server;
 namespace epd {
 
 class ControlService;
+class FdChannel;
 class GroupRegistry;
 
 /// The gRPC service name whose health is reported besides "".
@@ -61,7 +62,7 @@ using DataPlaneFactory = std::function<absl::StatusOr<std::unique_ptr<DataPlane>
     const v1::DaemonConfig& config, const BackendChoice& choice)>;
 
 /// The data plane epd runs by default: the host data plane (daemon/host_data_plane.h)
-/// with shm_mode, socket_group, op_timeout_ms, engine_idle_us and host_threads of `config`.
+/// with op_timeout_ms, engine_idle_us and host_threads of `config`.
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::DaemonConfig& config,
                                                                 const BackendChoice& choice);
 
@@ -125,6 +126,8 @@ class Daemon {
   std::unique_ptr<DataPlane> data_plane_;
   std::unique_ptr<GroupRegistry> registry_;
   std::unique_ptr<ControlService> control_;
+  /// Answers fd-channel connections of the unix socket (the endpoints' descriptors).
+  std::unique_ptr<FdChannel> fd_channel_;
   ScopedFd socket_lock_;                      // flock on "<socket>.lock" (one epd per socket).
   std::unique_ptr<grpc::Server> server_;      // Unix socket: Control and Health.
   std::unique_ptr<grpc::Server> tcp_server_;  // --listen: Health only (no Control over TCP).

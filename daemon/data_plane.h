@@ -1,7 +1,7 @@
 // DataPlane: what the group registry (control plane) asks of a backend. The registry
 // owns groups, ranks and sessions; the data plane owns the memory, the rings and the
 // engines that execute ops. Implementations: HostDataPlane (daemon/host_data_plane.h,
-// buffers in POSIX shm, ops by kernels/host) and, with CUDA, the CUDA data plane.
+// buffers in sealed shared memory, ops by kernels/host) and, with CUDA, the CUDA data plane.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +10,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "epd/v1/control.pb.h"
+#include "fd_frame.h"
 
 namespace epd {
 
@@ -30,6 +32,17 @@ class DataPlaneGroup {
   /// DEADLINE_EXCEEDED (or ABORTED) instead of hanging. Idempotent.
   virtual void DetachRank(int32_t rank) = 0;
 
+  /// Hands out rank `rank`'s endpoint region and its engine's doorbell page (new
+  /// descriptors, close-on-exec) for the fd channel, once per attach: the group keeps no
+  /// descriptor of the region afterwards (its own mapping stays), and a second call is
+  /// FAILED_PRECONDITION. NOT_FOUND when the rank is not attached; RESOURCE_EXHAUSTED when
+  /// the process is out of descriptors (the region stays available then). The default, for
+  /// data planes without shared regions, is UNIMPLEMENTED.
+  virtual absl::StatusOr<EndpointFds> TakeEndpointFds(int32_t rank) {
+    return absl::UnimplementedError(
+        absl::StrCat("rank ", rank, ": this data plane has no shared regions to hand out"));
+  }
+
   /// Ops completed / failed by this group (for ListGroups and GetStats).
   virtual uint64_t ops_completed() const = 0;
   virtual uint64_t ops_failed() const = 0;
@@ -48,8 +61,8 @@ class DataPlane {
   /// RESOURCE_EXHAUSTED check at join.
   virtual uint64_t BytesPerRank(const v1::GroupSpec& spec) const = 0;
 
-  /// Bytes free where a rank on `gpu_uuid` would be allocated (GPU memory, or /dev/shm on
-  /// the host backend).
+  /// Bytes free where a rank on `gpu_uuid` would be allocated (GPU memory, or available
+  /// host memory on the host backend).
   virtual absl::StatusOr<uint64_t> FreeBytes(const std::string& gpu_uuid) const = 0;
 
   /// The launch mode a new group gets when its first joiner leaves launch_mode unspecified

@@ -47,8 +47,10 @@ struct RankResources {
   virtual ~RankResources() = default;
 };
 
-/// One attached rank: its shm region and the daemon's view of its ring and handles.
+/// One attached rank: its shared region and the daemon's view of its ring and handles.
 struct LockstepEndpoint {
+  /// The endpoint's sealed region. Holds its descriptor until the fd channel took it
+  /// (TakeEndpointFds); the mapping lives as long as the endpoint.
   ShmRegion region;
   abi::EndpointShmHeader* header = nullptr;
   uint64_t endpoint_id = 0;
@@ -123,18 +125,14 @@ struct OpPlan {
 
 /// Options every lockstep group shares.
 struct LockstepOptions {
-  uint32_t shm_mode = 0600;        ///< Mode of the endpoint shm regions.
-  std::string shm_group;           ///< Group of the shm regions ("" = own group).
   uint32_t op_timeout_ms = 10000;  ///< Bound on waiting for the ranks of an op.
 };
 
-/// The LockstepOptions of a backend's options struct (any struct with shm_mode, shm_group
-/// and op_timeout_ms: HostDataPlaneOptions, CudaDataPlaneOptions).
+/// The LockstepOptions of a backend's options struct (any struct with op_timeout_ms:
+/// HostDataPlaneOptions, CudaDataPlaneOptions).
 template <typename BackendOptions>
 LockstepOptions LockstepOptionsOf(const BackendOptions& o) {
   LockstepOptions l;
-  l.shm_mode = o.shm_mode;
-  l.shm_group = o.shm_group;
   l.op_timeout_ms = o.op_timeout_ms;
   return l;
 }
@@ -150,6 +148,7 @@ class LockstepGroup : public DataPlaneGroup {
   absl::Status AttachRank(int32_t rank, const std::string& gpu_uuid, v1::LaunchMode launch_mode,
                           v1::EndpointInfo* info) final;
   void DetachRank(int32_t rank) final;
+  absl::StatusOr<EndpointFds> TakeEndpointFds(int32_t rank) final;
   uint64_t ops_completed() const final { return ops_completed_.load(); }
   uint64_t ops_failed() const final { return ops_failed_.load(); }
   uint64_t rank_ops_completed(int32_t rank) const final;
@@ -171,12 +170,16 @@ class LockstepGroup : public DataPlaneGroup {
   /// CUDA: 0, the data area is on the GPU).
   virtual uint64_t ShmDataBytes() const = 0;
   /// Allocates rank `rank`'s backend resources (without mu_: may be slow) and fills the
-  /// backend's fields of `info` (backend, gpu_uuid, cuda_ipc_handle, doorbell_shm_name,
-  /// launch_mode). Errors: INVALID_ARGUMENT (launch mode), RESOURCE_EXHAUSTED, INTERNAL.
+  /// backend's fields of `info` (backend, gpu_uuid, cuda_ipc_handle, launch_mode). Errors:
+  /// INVALID_ARGUMENT (launch mode), RESOURCE_EXHAUSTED, INTERNAL.
   virtual absl::StatusOr<std::shared_ptr<RankResources>> PrepareRank(int32_t rank,
                                                                      const std::string& gpu_uuid,
                                                                      v1::LaunchMode launch_mode,
                                                                      v1::EndpointInfo* info) = 0;
+  /// A new descriptor (close-on-exec) of the doorbell page of the engine that serves rank
+  /// `rank` (attached), for TakeEndpointFds. Called under mu_. RESOURCE_EXHAUSTED when the
+  /// process is out of descriptors.
+  virtual absl::StatusOr<ScopedFd> DoorbellFd(int32_t rank) const = 0;
   /// Called under mu_ when rank `rank` is being attached (after PrepareRank, with the
   /// resources it returned); an error fails the join and releases them.
   virtual absl::Status RankAttached(int32_t /*rank*/, const std::shared_ptr<RankResources>&) {

@@ -159,7 +159,9 @@ struct PlaneGroup {
         EXPECT_EQ(info.cuda_ipc_handle().size(), sizeof(cudaIpcMemHandle_t));
       }
       DataPlaneGroup* gp = group.get();
-      auto ep = internal::OpenEndpoint(info, s, [gp, r] {
+      absl::StatusOr<EndpointFds> fds = gp->TakeEndpointFds(r);
+      ASSERT_TRUE(fds.ok()) << fds.status();
+      auto ep = internal::OpenEndpoint(info, s, *std::move(fds), [gp, r] {
         gp->DetachRank(r);
         return absl::OkStatus();
       });
@@ -541,7 +543,7 @@ std::vector<RawRank> AttachRaw(DataPlaneGroup& group, int ranks, v1::LaunchMode 
     absl::Status st = group.AttachRank(r, "", mode, &out[r].info);
     EXPECT_TRUE(st.ok()) << st;
     if (!st.ok()) return {};
-    out[r].ring = testing::RawRing::Open(out[r].info);
+    out[r].ring = testing::RawRing::Open(out[r].info, group);
     auto area = FindInProcessCudaArea(out[r].info.cuda_ipc_handle());
     EXPECT_TRUE(area.ok()) << area.status();
     if (!area.ok() || out[r].ring == nullptr) return {};

@@ -16,39 +16,14 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/raw_session.h"
 
 namespace epd {
 namespace {
 
 using testing::DaemonProcess;
 using ::testing::HasSubstr;
-
-/// One open Session stream (the session lives while this object does).
-class RawSession {
- public:
-  explicit RawSession(v1::Control::Stub* stub) {
-    stream_ = stub->Session(&context_);
-    v1::SessionRequest hello;
-    hello.set_client_pid(getpid());
-    hello.set_client_name("group_endpoints_test");
-    EXPECT_TRUE(stream_->Write(hello));
-    v1::SessionResponse open;
-    EXPECT_TRUE(stream_->Read(&open));
-    EXPECT_EQ(open.event(), "open");
-    id_ = open.session_id();
-  }
-  ~RawSession() {
-    stream_->WritesDone();
-    context_.TryCancel();
-    stream_->Finish().IgnoreError();
-  }
-  const std::string& id() const { return id_; }
-
- private:
-  grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream_;
-  std::string id_;
-};
+using testing::RawSession;
 
 v1::GroupSpec Spec(const std::string& name, int ranks) {
   v1::GroupSpec spec;

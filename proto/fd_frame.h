@@ -1,0 +1,68 @@
+// Framing of the fd channel (docs/SECURITY.md "Shared memory the client cannot resize"), a
+// second kind of connection to epd's unix socket beside gRPC. The client connects, sends
+// abi::kFdChannelPreamble and one request frame; epd answers with one response frame that
+// carries the endpoint's file descriptors (SCM_RIGHTS) and closes the connection.
+//
+// A frame is a 4-byte little-endian length, then that many bytes of body (a serialized
+// epd.v1.FdChannelRequest / FdChannelResponse, proto/epd/v1/control.proto). Descriptors, if
+// any, ride on the frame's first byte. Every call here waits at most until its deadline
+// (poll, then a non-blocking send/recv), whatever the socket's own blocking mode.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "shm_region.h"
+
+namespace epd {
+
+/// What a client maps for one endpoint: the fd channel's answer (control.proto
+/// FdChannelResponse), in the order the frame carries them.
+struct EndpointFds {
+  ScopedFd region;           ///< The endpoint's sealed region (EndpointInfo.shm_bytes).
+  ScopedFd doorbell;         ///< Its engine's sealed doorbell page (sizeof(DoorbellPage)).
+  uint64_t endpoint_id = 0;  ///< The endpoint `region` belongs to.
+};
+
+/// Largest frame body either side accepts, in bytes.
+inline constexpr uint32_t kMaxFdFrameBytes = 4096;
+/// Most descriptors one frame carries.
+inline constexpr int kMaxFdFrameFds = 4;
+
+/// Writes all of `bytes` to the connected stream socket `socket`. Errors:
+/// DEADLINE_EXCEEDED when the peer does not take them by `deadline`, UNAVAILABLE when the
+/// peer has closed (EPIPE, ECONNRESET; never SIGPIPE), INTERNAL otherwise.
+absl::Status SendAll(int socket, absl::string_view bytes, absl::Time deadline);
+
+/// Reads exactly `bytes.size()` bytes into `bytes`. Errors: DEADLINE_EXCEEDED (fewer
+/// arrived by `deadline`), UNAVAILABLE (the peer closed first; the message says how many
+/// bytes came), INTERNAL. Descriptors sent along are discarded.
+absl::Status ReceiveExactly(int socket, absl::Span<char> bytes, absl::Time deadline);
+
+/// Sends one frame of `body` with `fds` (borrowed, not closed) attached. Errors as SendAll,
+/// and INVALID_ARGUMENT when `body` exceeds kMaxFdFrameBytes or `fds` kMaxFdFrameFds.
+absl::Status SendFrame(int socket, absl::string_view body, absl::Span<const int> fds,
+                       absl::Time deadline);
+
+/// One received frame; its descriptors are owned (close-on-exec).
+struct ReceivedFrame {
+  std::string body;
+  std::vector<ScopedFd> fds;
+};
+
+/// Receives one frame of at most `max_bytes` (<= kMaxFdFrameBytes) of body carrying at
+/// most `max_fds` (<= kMaxFdFrameFds) descriptors. Descriptors received before an error
+/// are closed. Errors: INVALID_ARGUMENT when the length prefix exceeds `max_bytes` (naming
+/// both; the body is not read) or more than `max_fds` descriptors came (the kernel
+/// discards those that do not fit); DEADLINE_EXCEEDED, UNAVAILABLE, INTERNAL as
+/// ReceiveExactly.
+absl::StatusOr<ReceivedFrame> ReceiveFrame(int socket, uint32_t max_bytes, int max_fds,
+                                           absl::Time deadline);
+
+}  // namespace epd
