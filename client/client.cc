@@ -117,8 +117,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   hello.set_client_pid(::getpid());
   hello.set_client_name(options.client_name.empty() ? DefaultClientName() : options.client_name);
   if (!impl->stream->Write(hello)) {
+    // The server may refuse before the first write lands (e.g. UNIMPLEMENTED from epd's
+    // TCP health listener): explained as when the refusal comes after it.
     grpc::Status status = impl->stream->Finish();
-    return internal::AnnotateUnavailable(status.ok()
+    return internal::ExplainControlError(status.ok()
                                              ? absl::UnavailableError("Session stream closed")
                                              : internal::FromGrpcStatus(status),
                                          control->target);

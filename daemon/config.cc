@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -315,6 +316,13 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
   if (!config->has_engine_idle_us()) config->set_engine_idle_us(kDefaultEngineIdleUs);
   if (!config->has_max_request_bytes()) config->set_max_request_bytes(kDefaultMaxRequestBytes);
   if (!config->has_max_groups()) config->set_max_groups(kDefaultMaxGroups);
+  if (!config->has_min_free_fds()) config->set_min_free_fds(kDefaultMinFreeFds);
+  if (!config->has_unmapped_endpoint_timeout_ms()) {
+    const uint64_t after_op_timeout =
+        static_cast<uint64_t>(config->op_timeout_ms()) + kUnmappedEndpointSlackMs;
+    config->set_unmapped_endpoint_timeout_ms(static_cast<uint32_t>(std::clamp<uint64_t>(
+        after_op_timeout, kDefaultUnmappedEndpointTimeoutMs, kMaxUnmappedEndpointTimeoutMs)));
+  }
 }
 
 absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
@@ -367,6 +375,17 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
   if (config.max_groups() == 0) {
     return absl::InvalidArgumentError("max_groups: 0 (at least 1 group must be allowed)");
   }
+  if (config.min_free_fds() > kMaxMinFreeFds) {
+    return absl::InvalidArgumentError(absl::StrCat("min_free_fds: ", config.min_free_fds(),
+                                                   " is above the maximum ", kMaxMinFreeFds));
+  }
+  if (config.unmapped_endpoint_timeout_ms() < kMinUnmappedEndpointTimeoutMs ||
+      config.unmapped_endpoint_timeout_ms() > kMaxUnmappedEndpointTimeoutMs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unmapped_endpoint_timeout_ms: ", config.unmapped_endpoint_timeout_ms(), " is outside [",
+        kMinUnmappedEndpointTimeoutMs, ", ", kMaxUnmappedEndpointTimeoutMs,
+        "] (milliseconds a client has to map an endpoint it joined)"));
+  }
   if (config.host_threads() > kMaxHostThreads) {
     return absl::InvalidArgumentError(absl::StrCat("host_threads: ", config.host_threads(),
                                                    " is above the maximum ", kMaxHostThreads,
@@ -386,6 +405,16 @@ std::vector<std::string> DaemonConfigWarnings(const v1::DaemonConfig& config) {
         "\" is deprecated and ignored: endpoint regions are sealed memfds with no name and no "
         "file mode, handed only to the process that joined the rank (docs/SECURITY.md); "
         "remove shm_mode from the config file or --shm_mode from the command line"));
+  }
+  if (static_cast<uint64_t>(config.unmapped_endpoint_timeout_ms()) <
+      static_cast<uint64_t>(config.op_timeout_ms()) + 5000) {
+    warnings.push_back(absl::StrCat(
+        "unmapped_endpoint_timeout_ms: ", config.unmapped_endpoint_timeout_ms(),
+        " is shorter than op_timeout_ms + 5000 = ", config.op_timeout_ms() + 5000ull,
+        ": a client-launched rank maps its endpoint only once every rank of its group has "
+        "joined, which it may wait for that long, so a slow group's ranks can expire; raise "
+        "it above ",
+        config.op_timeout_ms() + 5000ull));
   }
   return warnings;
 }

@@ -1,9 +1,10 @@
 // DaemonConfig loading (DESIGN.md §3.1, STYLE rule 9): the config file is the text format
 // of epd.v1.DaemonConfig (proto/epd/v1/config.proto); command-line flags override any
 // field it sets; a field left absent (or "") takes the default documented in the proto
-// (op_timeout_ms, engine_idle_us, max_request_bytes and max_groups are `optional`: a
-// present 0 is kept and validated, never read as absent). A present-but-invalid value is an error
-// naming the field and the value, never a silent fallback.
+// (op_timeout_ms, engine_idle_us, max_request_bytes, max_groups, min_free_fds and
+// unmapped_endpoint_timeout_ms are `optional`: a present 0 is kept and validated, never
+// read as absent). min_free_fds and unmapped_endpoint_timeout_ms have no flag. A
+// present-but-invalid value is an error naming the field and the value, never a silent fallback.
 //
 // Flags (defined in config.cc, read by ConfigFlagsFromCommandLine; each flag's default,
 // shown by --help, is the field's default, and only a flag given on the command line
@@ -40,6 +41,15 @@ inline constexpr uint32_t kDefaultOpTimeoutMs = 10000;
 inline constexpr uint32_t kDefaultEngineIdleUs = 100;
 inline constexpr uint32_t kDefaultMaxRequestBytes = 4u << 20;
 inline constexpr uint32_t kDefaultMaxGroups = 64;
+inline constexpr uint32_t kDefaultMinFreeFds = 64;
+inline constexpr uint32_t kMaxMinFreeFds = 1u << 20;
+/// unmapped_endpoint_timeout_ms: the default is the larger of this and op_timeout_ms +
+/// kUnmappedEndpointSlackMs; accepted values lie in [kMinUnmappedEndpointTimeoutMs,
+/// kMaxUnmappedEndpointTimeoutMs].
+inline constexpr uint32_t kDefaultUnmappedEndpointTimeoutMs = 30000;
+inline constexpr uint32_t kUnmappedEndpointSlackMs = 10000;
+inline constexpr uint32_t kMinUnmappedEndpointTimeoutMs = 100;
+inline constexpr uint32_t kMaxUnmappedEndpointTimeoutMs = 86400000;
 /// Smallest accepted max_request_bytes: every control message fits in far less.
 inline constexpr uint32_t kMinMaxRequestBytes = 64u << 10;
 /// Largest accepted max_request_bytes: gRPC takes the limit as an int (INT32_MAX).

@@ -19,8 +19,10 @@
 #include "daemon/config.h"
 #include "daemon/control_service.h"
 #include "daemon/fd_channel.h"
+#include "daemon/fd_limits.h"
 #include "daemon/group_registry.h"
 #include "daemon/host_data_plane.h"
+#include "daemon/listener.h"
 #if EPD_HAVE_CUDA
 #include "daemon/cuda/cuda_data_plane.h"
 #endif
@@ -273,6 +275,22 @@ absl::Status Daemon::Init() {
   for (const std::string& warning : DaemonConfigWarnings(config_)) {
     GetLogger(kLogConfig)->warn("{}", warning);
   }
+  // Every connection, endpoint and doorbell holds a descriptor: take all the kernel allows.
+  if (absl::StatusOr<FdLimitChange> fds = RaiseFdLimitToHard(); fds.ok()) {
+    log->info(
+        "RLIMIT_NOFILE: soft limit {} -> {} (hard limit {}); joins are refused while "
+        "fewer than min_free_fds = {} are free",
+        fds->before.soft, fds->after.soft, fds->after.hard, config_.min_free_fds());
+    if (config_.min_free_fds() >= fds->after.soft) {
+      GetLogger(kLogConfig)
+          ->warn(
+              "min_free_fds = {} is not below epd's descriptor limit {}: every join will be "
+              "refused; lower min_free_fds or raise the hard limit (LimitNOFILE=)",
+              config_.min_free_fds(), fds->after.soft);
+    }
+  } else {
+    log->warn("{}; epd keeps its soft limit", fds.status().message());
+  }
   // The group owns the socket: check it before anything is created.
   if (!config_.socket_group().empty()) {
     EPD_RETURN_IF_ERROR(LookUpSocketGroup(config_.socket_group()).status());
@@ -324,18 +342,24 @@ absl::Status Daemon::Init() {
   registry_options.max_groups = config_.max_groups();
   // GetGroupEndpoints waits at most an op timeout (plus slack) for the ranks to join.
   registry_options.max_endpoints_wait_ms = config_.op_timeout_ms() + 5000;
+  registry_options.min_free_fds = config_.min_free_fds();
+  registry_options.unmapped_endpoint_timeout =
+      absl::Milliseconds(config_.unmapped_endpoint_timeout_ms());
   registry_ = std::make_unique<GroupRegistry>(data_plane_.get(), inventory, registry_options);
   control_ = std::make_unique<ControlService>(registry_.get(), [this] { return Stats(); });
-  fd_channel_ = std::make_unique<FdChannel>([registry = registry_.get()](
-                                                const v1::FdChannelRequest& request,
-                                                const PeerCredentials& peer) {
-    return registry->TakeEndpointFds(request.session_id(), request.group(), request.rank(), peer);
-  });
+  EPD_ASSIGN_OR_RETURN(fd_channel_, FdChannel::Start([registry = registry_.get()](
+                                                         const v1::FdChannelRequest& request,
+                                                         const PeerCredentials& peer) {
+                         return registry->TakeEndpointFds(request.session_id(), request.group(),
+                                                          request.rank(), peer);
+                       }));
 
   // gRPC servers: Control and Health on the unix socket (local clients: its mode and group
-  // are the access control); Health alone on the optional TCP listener, for load balancers
-  // and kubelet probes. Control has no authentication, so it is never served over TCP
-  // (DESIGN.md §3.1: Control is for local clients over the unix socket).
+  // are the access control, SO_PEERCRED their identity); Health alone on the optional TCP
+  // listener, for load balancers and kubelet probes. Control has no authentication, so it
+  // is never served over TCP (DESIGN.md §3.1: Control is for local clients over the unix
+  // socket). epd accepts the unix socket's connections itself (listener_) and hands gRPC's
+  // to server_, which has no listening port of its own.
   grpc::EnableDefaultHealthCheckService(true);
   if (!config_.listen().empty()) {
     grpc::ServerBuilder tcp_builder;
@@ -353,22 +377,29 @@ absl::Status Daemon::Init() {
                        " (address in use or not permitted; see the gRPC error above)"));
     }
   }
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(unix_target(), grpc::InsecureServerCredentials());
-  builder.SetMaxReceiveMessageSize(static_cast<int>(config_.max_request_bytes()));
-  builder.RegisterService(control_.get());
-  // Nobody but us may connect until the configured mode and group are applied.
-  mode_t old_umask = ::umask(0177);
-  server_ = builder.BuildAndStart();
-  ::umask(old_umask);
-  if (server_ == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", unix_target(),
-                     " (address in use or not permitted; see the gRPC error above)"));
+  UnixListener::Options listener_options;
+  listener_options.socket_path = socket_path_;
+  listener_options.fd_channel_handler = fd_channel_->Handler();
+  listener_options.loop_hook_for_testing = options_.listener_loop_hook_for_testing;
+  // Bound with mode 0600: nobody but us may connect until the mode and group are applied.
+  absl::StatusOr<std::unique_ptr<UnixListener>> listener =
+      UnixListener::Bind(std::move(listener_options));
+  if (!listener.ok()) {
+    return absl::UnavailableError(absl::StrCat("socket_path: cannot listen on ", unix_target(),
+                                               ": ", listener.status().message()));
   }
-  SetServing(false, "starting");
+  listener_ = *std::move(listener);
   struct stat st {};
   if (::stat(socket_path_.c_str(), &st) == 0) socket_inode_ = st.st_ino;
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config_.max_request_bytes()));
+  builder.RegisterService(control_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr) {
+    return absl::UnavailableError("cannot start the gRPC server of the unix socket");
+  }
+  PublishServing();  // NOT_SERVING (starting) until start-up is done.
+  listener_->Start(server_.get());
   EPD_RETURN_IF_ERROR(ApplySocketPermissions());
   if (!config_.listen().empty()) {
     log->info(
@@ -377,7 +408,12 @@ absl::Status Daemon::Init() {
         config_.listen(), tcp_port_);
   }
   if (!inventory.empty()) gpu_monitor_ = std::thread([this] { MonitorGpus(); });
-  SetServing(true, "");
+  health_watcher_ = std::thread([this] { WatchHealth(); });
+  {
+    absl::MutexLock lock(&mu_);
+    start_up_done_ = true;
+  }
+  PublishServing();
   log->info("epd serving on {} (socket mode {}{}{}), backend {}", unix_target(),
             config_.socket_mode(), config_.socket_group().empty() ? "" : ", group ",
             config_.socket_group(), backend_.backend);
@@ -494,12 +530,19 @@ absl::Status Daemon::ApplySocketPermissions() {
   return absl::OkStatus();
 }
 
-void Daemon::SetServing(bool serving, const std::string& why) {
+std::string Daemon::NotServingReasonLocked() const {
+  if (shutting_down_) return "draining: shutting down";
+  if (!start_up_done_) return "starting";
+  if (!gpu_lost_.empty()) return gpu_lost_;
+  return listener_stuck_;
+}
+
+void Daemon::PublishServing() {
+  absl::MutexLock publish(&publish_mu_);
+  bool serving = false;
   {
     absl::MutexLock lock(&mu_);
-    if (serving && shutting_down_) return;
-    serving_ = serving;
-    serving_reason_ = why;
+    serving = NotServingReasonLocked().empty();
   }
   for (grpc::Server* server : {server_.get(), tcp_server_.get()}) {
     if (server != nullptr && server->GetHealthCheckService() != nullptr) {
@@ -533,8 +576,53 @@ void Daemon::MonitorGpus() {
           "{}; health is NOT_SERVING. Check `nvidia-smi` and the kernel log for Xid "
           "errors, then restart epd",
           status.message());
-      SetServing(false, absl::StrCat("GPU lost: ", status.message()));
+      {
+        absl::MutexLock lock(&mu_);
+        gpu_lost_ = absl::StrCat("GPU lost: ", status.message());
+      }
+      PublishServing();
     }
+  }
+}
+
+void Daemon::WatchHealth() {
+  auto log = GetLogger(kLogDaemon);
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&shutting_down_), options_.health_interval)) {
+        return;
+      }
+    }
+    const absl::Time now = absl::Now();
+    const ListenerStatus listener = listener_->status();
+    std::string stuck;
+    if (now - listener.heartbeat > options_.listener_stall_limit) {
+      stuck = absl::StrCat(
+          "listener stuck: its accept loop last ran ",
+          absl::FormatDuration(absl::Trunc(now - listener.heartbeat, absl::Milliseconds(1))),
+          " ago; new clients cannot connect (restart epd if this persists)");
+    } else if (listener.failing_for > options_.listener_stall_limit) {
+      stuck = absl::StrCat(
+          "listener failing: accept has failed for ",
+          absl::FormatDuration(absl::Trunc(listener.failing_for, absl::Milliseconds(1))), " (",
+          listener.last_failure, ")");
+    }
+    bool changed = false;
+    {
+      absl::MutexLock lock(&mu_);
+      changed = stuck.empty() != listener_stuck_.empty();
+      listener_stuck_ = stuck;  // The reason GetStats shows, kept current.
+    }
+    if (changed) {
+      if (stuck.empty()) {
+        log->info("listener recovered: accepting connections again");
+      } else {
+        log->error("{}; health is NOT_SERVING", stuck);
+      }
+      PublishServing();
+    }
+    registry_->ExpireUnmappedEndpoints(now);
   }
 }
 
@@ -556,8 +644,9 @@ v1::GetStatsResponse Daemon::Stats() const {
   absl::MutexLock lock(&mu_);
   stats.set_mps_active(inventory_.mps().active);
   for (const v1::GpuInfo& g : inventory_.gpus()) *stats.add_gpus() = g;
-  stats.set_serving_status(serving_ ? "SERVING"
-                                    : absl::StrCat("NOT_SERVING (", serving_reason_, ")"));
+  const std::string not_serving = NotServingReasonLocked();
+  stats.set_serving_status(not_serving.empty() ? "SERVING"
+                                               : absl::StrCat("NOT_SERVING (", not_serving, ")"));
   return stats;
 }
 
@@ -570,11 +659,11 @@ void Daemon::Shutdown() {
   auto log = GetLogger(kLogDaemon);
   const absl::Time begin = absl::Now();
   if (server_ != nullptr) log->info("draining: health NOT_SERVING, joins refused");
-  SetServing(false, "draining: shutting down");
   {
     absl::MutexLock lock(&mu_);
-    shutting_down_ = true;  // Also stops the GPU monitor.
+    shutting_down_ = true;  // Also stops the GPU monitor and the health updater.
   }
+  PublishServing();
   if (registry_ != nullptr) registry_->SetDraining();
   if (server_ != nullptr) {
     absl::SleepFor(options_.drain_grace);
@@ -582,6 +671,8 @@ void Daemon::Shutdown() {
     // sessions end; otherwise they would fail as "rank N left the group".
     if (data_plane_ != nullptr) data_plane_->Shutdown();
     if (control_ != nullptr) control_->DrainSessions();
+    // No new connection from here on; those gRPC has keep being served until its Shutdown.
+    if (listener_ != nullptr) listener_->Stop();
     for (grpc::Server* server : {server_.get(), tcp_server_.get()}) {
       if (server == nullptr) continue;
       if (server->GetHealthCheckService() != nullptr) server->GetHealthCheckService()->Shutdown();
@@ -590,7 +681,10 @@ void Daemon::Shutdown() {
     }
   }
   if (gpu_monitor_.joinable()) gpu_monitor_.join();
+  if (health_watcher_.joinable()) health_watcher_.join();
+  if (listener_ != nullptr) listener_->Stop();
   server_.reset();
+  listener_.reset();
   tcp_server_.reset();
   tcp_control_refusal_.reset();
   control_.reset();

@@ -1,10 +1,16 @@
 // Daemon: the core of `epd` (STYLE rule 1: main.cc only parses flags, builds a Daemon and
 // waits for a signal; a test can run a Daemon inside its own process).
 //
-// Start(): GPU inventory → backend choice → data plane → group registry → gRPC server on
-// the unix socket (+ the optional TCP listener) with the Control service and the standard
-// grpc.health.v1.Health service (per-service status for "" and "epd.v1.Control").
-// Health is NOT_SERVING while starting, while draining, and when a GPU is lost.
+// Start(): RLIMIT_NOFILE raised to its hard limit → GPU inventory → backend choice → data
+// plane → group registry → epd's own listener on the unix socket (daemon/listener.h), which
+// hands gRPC connections to a gRPC server without a listening port (Control and the standard
+// grpc.health.v1.Health service, per-service status for "" and "epd.v1.Control"), + the
+// optional TCP listener (Health only, a gRPC listening port).
+// Health is NOT_SERVING while starting, while draining, when a GPU is lost, and while the
+// listener is stuck (its accept loop has not gone round, or accept has kept failing, for
+// DaemonOptions::listener_stall_limit); it comes back when the listener recovers. The
+// health updater also expires endpoints their clients never mapped
+// (unmapped_endpoint_timeout_ms).
 // Shutdown() (SIGTERM/SIGINT): health NOT_SERVING, joins refused, a short grace for
 // probes to notice, Session streams ended, server stopped, every endpoint and group
 // released, data plane stopped, socket file removed: well within 5 s.
@@ -39,6 +45,7 @@ namespace epd {
 class ControlService;
 class FdChannel;
 class GroupRegistry;
+class UnixListener;
 
 /// The gRPC service name whose health is reported besides "".
 inline constexpr char kControlServiceName[] = "epd.v1.Control";
@@ -76,6 +83,13 @@ struct DaemonOptions {
   absl::Duration drain_grace = absl::Milliseconds(500);
   /// How often the GPUs are re-read (free memory; a failure = GPU lost → NOT_SERVING).
   absl::Duration gpu_poll_interval = absl::Seconds(2);
+  /// How often the health updater looks at the listener and expires unmapped endpoints.
+  absl::Duration health_interval = absl::Milliseconds(250);
+  /// The listener is stuck (health NOT_SERVING) when its accept loop has not gone round,
+  /// or accept has kept failing, for this long.
+  absl::Duration listener_stall_limit = absl::Seconds(3);
+  /// Called at the top of every round of the listener's accept loop (tests stall it).
+  std::function<void()> listener_loop_hook_for_testing;
 };
 
 class Daemon {
@@ -112,8 +126,15 @@ class Daemon {
   absl::Status Init();
   absl::Status PrepareSocketPath();
   absl::Status ApplySocketPermissions();
-  void SetServing(bool serving, const std::string& why);
+  /// Recomputes health from the state below (starting, draining, GPU lost, listener
+  /// stuck) and publishes it to both servers' health services when it changed.
+  void PublishServing();
+  /// Why epd is not serving now ("" when it is). Call with mu_ held.
+  std::string NotServingReasonLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MonitorGpus();
+  /// The health updater: listener health and unmapped-endpoint expiry, every
+  /// health_interval until shutdown.
+  void WatchHealth();
 
   const v1::DaemonConfig config_;
   DaemonOptions options_;
@@ -129,18 +150,22 @@ class Daemon {
   /// Answers fd-channel connections of the unix socket (the endpoints' descriptors).
   std::unique_ptr<FdChannel> fd_channel_;
   ScopedFd socket_lock_;                      // flock on "<socket>.lock" (one epd per socket).
-  std::unique_ptr<grpc::Server> server_;      // Unix socket: Control and Health.
+  std::unique_ptr<UnixListener> listener_;    // The unix socket: accepts, routes to server_.
+  std::unique_ptr<grpc::Server> server_;      // Control and Health, fed by listener_.
   std::unique_ptr<grpc::Server> tcp_server_;  // --listen: Health only (no Control over TCP).
   /// The generated Control base class, whose every method answers UNIMPLEMENTED: registered
   /// on the TCP server so that it is a synchronous server (gRPC then polls its default
   /// health service), while Control calls over TCP are refused.
   std::unique_ptr<v1::Control::Service> tcp_control_refusal_;
   std::thread gpu_monitor_;
+  std::thread health_watcher_;
 
+  absl::Mutex publish_mu_;  ///< Serialises PublishServing (the health services' order).
   mutable absl::Mutex mu_;
   GpuInventory inventory_ ABSL_GUARDED_BY(mu_);
-  bool serving_ ABSL_GUARDED_BY(mu_) = false;
-  std::string serving_reason_ ABSL_GUARDED_BY(mu_) = "starting";
+  bool start_up_done_ ABSL_GUARDED_BY(mu_) = false;
+  std::string gpu_lost_ ABSL_GUARDED_BY(mu_);        ///< Why a GPU is lost ("" = none).
+  std::string listener_stuck_ ABSL_GUARDED_BY(mu_);  ///< Why the listener is stuck ("").
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::Mutex shutdown_mu_;  ///< Serialises Shutdown().

@@ -43,6 +43,12 @@ class DataPlaneGroup {
         absl::StrCat("rank ", rank, ": this data plane has no shared regions to hand out"));
   }
 
+  /// Whether rank `rank`'s client has taken up its endpoint (fetched its descriptors:
+  /// TakeEndpointFds, which only the session holding the rank can). The registry
+  /// expires a rank for which this stays false for unmapped_endpoint_timeout_ms after its
+  /// join (GroupRegistry::ExpireUnmappedEndpoints). Default: true (never expires).
+  virtual bool RankMapped(int32_t /*rank*/) const { return true; }
+
   /// Ops completed / failed by this group (for ListGroups and GetStats).
   virtual uint64_t ops_completed() const = 0;
   virtual uint64_t ops_failed() const = 0;

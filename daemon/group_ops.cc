@@ -185,6 +185,14 @@ uint64_t LockstepGroup::rank_ops_completed(int32_t rank) const {
   return endpoints_[rank]->ops_completed;
 }
 
+bool LockstepGroup::RankMapped(int32_t rank) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size()) || !endpoints_[rank]) {
+    return false;
+  }
+  return endpoints_[rank]->ClientMapped();
+}
+
 absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid,
                                        v1::LaunchMode launch_mode, v1::EndpointInfo* info) {
   if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size())) {

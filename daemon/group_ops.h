@@ -69,6 +69,12 @@ struct LockstepEndpoint {
   int32_t ll_tokens[kernels::kLowLatencyBuffers] = {0, 0};
   std::shared_ptr<RankResources> backend;  ///< The backend's part of this rank.
 
+  /// Whether the client has taken up this endpoint: the fd channel handed it the region's
+  /// descriptor (TakeEndpointFds), which is daemon-private state (the header's
+  /// client_mapped, which the client writes, is not trusted for it). An endpoint that
+  /// stays unmapped is expired (DataPlaneGroup::RankMapped).
+  bool ClientMapped() const { return region.fd() < 0; }
+
   /// The data area when it lives in the shm region (host backend).
   uint8_t* shm_data() const { return region.data() + header->data_offset; }
   abi::RequestSlot* ring() const {
@@ -152,6 +158,8 @@ class LockstepGroup : public DataPlaneGroup {
   uint64_t ops_completed() const final { return ops_completed_.load(); }
   uint64_t ops_failed() const final { return ops_failed_.load(); }
   uint64_t rank_ops_completed(int32_t rank) const final;
+  /// LockstepEndpoint::ClientMapped of rank `rank` (false when it is not attached).
+  bool RankMapped(int32_t rank) const final;
 
   /// Engine thread: pops requests, starts, finishes or times out the current op. True if
   /// it did work.

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "daemon/fd_limits.h"
 #include "daemon/logging.h"
 #include "daemon/spec_validation.h"
 #include "epd/common/status_macros.h"
@@ -189,6 +190,9 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
         "session_id: \"\"; open a Session first and pass its id (Client::Connect does)");
   }
   EPD_ASSIGN_OR_RETURN(std::string gpu_uuid, ResolveGpu(request.gpu_uuid()));
+  // An endpoint holds descriptors until its client maps it: refuse joins before the
+  // listener and gRPC run short of them.
+  EPD_RETURN_IF_ERROR(CheckFreeFds(options_.min_free_fds, "JoinGroup"));
 
   absl::MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("epd is shutting down; joins are refused");
@@ -268,6 +272,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   slot.peer = session->second.peer;
   slot.endpoint_id = info.endpoint_id();
   slot.cuda_ipc_handle = info.cuda_ipc_handle();
+  slot.joined = absl::Now();
   info.set_launch_mode(mode);
   session->second.endpoints.emplace(spec.name(), rank);
   NotifyWaitersLocked();
@@ -305,7 +310,7 @@ absl::Status GroupRegistry::Leave(const v1::LeaveGroupRequest& request) {
 }
 
 void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t rank,
-                                      absl::string_view why) {
+                                      absl::string_view why, bool log_release) {
   auto group_it = groups_.find(group_name);
   if (group_it == groups_.end()) return;
   Group& group = group_it->second;
@@ -315,7 +320,9 @@ void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t ran
   if (session != sessions_.end()) session->second.endpoints.erase({group_name, rank});
   group.data->DetachRank(rank);
   group.ranks.erase(slot);
-  GetLogger(kLogRegistry)->info("rank {} of group \"{}\" released ({})", rank, group_name, why);
+  if (log_release) {
+    GetLogger(kLogRegistry)->info("rank {} of group \"{}\" released ({})", rank, group_name, why);
+  }
   if (group.ranks.empty()) {
     retired_ops_completed_ += group.data->ops_completed();
     retired_ops_failed_ += group.data->ops_failed();
@@ -325,6 +332,49 @@ void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t ran
         ->info("group \"{}\" destroyed: no members left (freed its buffers, {} bytes per rank)",
                group_name, bytes);
   }
+}
+
+int GroupRegistry::ExpireUnmappedEndpoints(absl::Time now) {
+  constexpr size_t kNamedInLog = 8;
+  constexpr absl::Duration kLogInterval = absl::Seconds(5);
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<std::string, int32_t>> expired;
+  for (auto& [name, group] : groups_) {
+    for (auto& [rank, slot] : group.ranks) {
+      if (slot.mapped) continue;
+      slot.mapped = group.data->RankMapped(rank);
+      if (!slot.mapped && now - slot.joined >= options_.unmapped_endpoint_timeout) {
+        expired.emplace_back(name, rank);
+      }
+    }
+  }
+  const std::string why =
+      absl::StrCat("not mapped by its client within unmapped_endpoint_timeout_ms = ",
+                   absl::ToInt64Milliseconds(options_.unmapped_endpoint_timeout));
+  for (const auto& [name, rank] : expired) {
+    if (expiry_log_.named.size() < kNamedInLog) {
+      const RankSlot& slot = groups_.at(name).ranks.at(rank);
+      expiry_log_.named.push_back(absl::StrCat(name, "/", rank, " (session ",
+                                               RedactSessionId(slot.session_id), ", pid ",
+                                               slot.peer.pid, ")"));
+    }
+    ++expiry_log_.count;
+    ReleaseRankLocked(name, rank, why, /*log_release=*/false);
+  }
+  // One line per kLogInterval at most, however many expire.
+  if (expiry_log_.count > 0 && now - expiry_log_.last >= kLogInterval) {
+    GetLogger(kLogRegistry)
+        ->warn(
+            "expired {} endpoint(s) {}: {}{}; a client must map the endpoints it joins "
+            "(Client::Join does) or leave them",
+            expiry_log_.count, why, absl::StrJoin(expiry_log_.named, ", "),
+            expiry_log_.count > expiry_log_.named.size()
+                ? absl::StrCat(" and ", expiry_log_.count - expiry_log_.named.size(), " more")
+                : "");
+    expiry_log_ = ExpiryLog{.last = now};
+  }
+  if (!expired.empty()) NotifyWaitersLocked();
+  return static_cast<int>(expired.size());
 }
 
 v1::ListGroupsResponse GroupRegistry::ListGroups() const {

@@ -35,6 +35,13 @@ class GroupRegistry {
     uint32_t max_groups = 64;  ///< DaemonConfig.max_groups.
     /// Cap on GetGroupEndpointsRequest.wait_ms (the daemon uses op_timeout_ms + 5 s).
     uint32_t max_endpoints_wait_ms = 15000;
+    /// DaemonConfig.min_free_fds: Join is refused (RESOURCE_EXHAUSTED) while fewer
+    /// descriptors are free (CheckFreeFds). 0 = never.
+    uint32_t min_free_fds = 0;
+    /// DaemonConfig.unmapped_endpoint_timeout_ms: ExpireUnmappedEndpoints detaches a rank
+    /// whose client has not mapped its endpoint (DataPlaneGroup::RankMapped) this long
+    /// after its join.
+    absl::Duration unmapped_endpoint_timeout = absl::Seconds(30);
   };
 
   /// `data_plane` must outlive the registry (ReleaseAll() before destroying it).
@@ -92,7 +99,8 @@ class GroupRegistry {
   ///                        the host backend;
   ///   ALREADY_EXISTS       the rank is held by a live session;
   ///   NOT_FOUND            unknown GPU;
-  ///   RESOURCE_EXHAUSTED   buffers do not fit (bytes needed and free), or max_groups.
+  ///   RESOURCE_EXHAUSTED   buffers do not fit (bytes needed and free), max_groups, or
+  ///                        fewer than min_free_fds descriptors free (CheckFreeFds).
   ///
   /// Launch mode (DESIGN.md §3.2): a group's mode is fixed by its first joiner
   /// (LAUNCH_MODE_UNSPECIFIED = DataPlane::DefaultLaunchMode(spec)); a later joiner asking
@@ -126,6 +134,13 @@ class GroupRegistry {
   /// PERMISSION_DENIED (the rank belongs to another session).
   absl::Status Leave(const v1::LeaveGroupRequest& request);
 
+  /// Detaches every rank whose endpoint its client has not mapped
+  /// (DataPlaneGroup::RankMapped) within Options::unmapped_endpoint_timeout of its join, as
+  /// if its session had left it; groups left empty are destroyed. Logs what expired (how
+  /// many, the first few by name) at most once every 5 s. Returns how many it detached.
+  /// The daemon's health updater calls it periodically.
+  int ExpireUnmappedEndpoints(absl::Time now);
+
   /// Every live group with its joined ranks.
   v1::ListGroupsResponse ListGroups() const;
 
@@ -151,9 +166,8 @@ class GroupRegistry {
     PeerCredentials peer;  ///< The holding session's.
     uint64_t endpoint_id = 0;
     std::string cuda_ipc_handle;
-    /// The client took the endpoint's descriptors on the fd channel (TakeEndpointFds): the
-    /// endpoint is mapped. An endpoint that stays unmapped pins a descriptor in epd.
-    bool mapped = false;
+    absl::Time joined;    ///< For ExpireUnmappedEndpoints.
+    bool mapped = false;  ///< The client mapped the endpoint (once seen, never asked again).
   };
   struct Group {
     v1::GroupSpec spec;
@@ -188,8 +202,9 @@ class GroupRegistry {
   void NotifyWaitersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Detaches `rank` of `group_name` (which must be held) and destroys the group when
   /// it becomes empty.
-  void ReleaseRankLocked(const std::string& group_name, int32_t rank, absl::string_view why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// `log_release` = false: the caller logs a summary instead of a line per rank.
+  void ReleaseRankLocked(const std::string& group_name, int32_t rank, absl::string_view why,
+                         bool log_release = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   DataPlane* const data_plane_;
   const GpuInventory inventory_;
@@ -205,6 +220,14 @@ class GroupRegistry {
   absl::CondVar waiters_changed_;
   bool stop_waiters_ ABSL_GUARDED_BY(mu_) = false;
   std::thread waiter_thread_;  ///< Started with the first waiting call; joined at destruction.
+  /// Endpoints expired since ExpireUnmappedEndpoints last logged (it logs at most every
+  /// few seconds).
+  struct ExpiryLog {
+    absl::Time last = absl::InfinitePast();
+    uint64_t count = 0;
+    std::vector<std::string> named;  ///< The first few, "group/rank (session, pid)".
+  };
+  ExpiryLog expiry_log_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace epd

@@ -86,50 +86,37 @@ absl::Status SendWithFds(int socket, absl::string_view bytes, absl::Span<const i
   return absl::OkStatus();
 }
 
-/// Receives exactly `bytes.size()` bytes; descriptors that arrive are appended to `*fds`
-/// (at most `max_fds` fit; `*truncated` is set when the kernel had to drop some).
-absl::Status Receive(int socket, absl::Span<char> bytes, absl::Time deadline, int max_fds,
-                     std::vector<ScopedFd>* fds, bool* truncated) {
-  size_t got = 0;
-  while (got < bytes.size()) {
-    iovec iov{bytes.data() + got, bytes.size() - got};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdFrameFds)] = {};
-    if (max_fds > 0) {
-      msg.msg_control = control;
-      msg.msg_controllen = CMSG_SPACE(sizeof(int) * std::min(max_fds, kMaxFdFrameFds));
-    }
-    const ssize_t n = ::recvmsg(socket, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (n < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
-        absl::Status ready = WaitReady(
-            socket, POLLIN, deadline,
-            absl::StrCat("fd channel: receive (", got, " of ", bytes.size(), " bytes came)"));
-        if (!ready.ok()) return ready;
-        continue;
-      }
-      return SocketError("fd channel: receive", errno);
-    }
-    if (msg.msg_flags & MSG_CTRUNC) *truncated = true;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < count; ++i) {
-        int fd = -1;
-        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-        fds->emplace_back(fd);
-      }
-    }
-    if (n == 0) {
-      return absl::UnavailableError(
-          absl::StrCat("fd channel: the peer closed the connection after ", got, " of ",
-                       bytes.size(), " bytes"));
-    }
-    got += static_cast<size_t>(n);
+/// One non-blocking recvmsg into `bytes`; descriptors that arrive are appended to `*fds`
+/// (at most `max_fds` fit; `*truncated` is set when the kernel had to drop some). Returns
+/// the bytes read, 0 when none are there yet; UNAVAILABLE when the peer closed.
+absl::StatusOr<size_t> ReceiveSome(int socket, absl::Span<char> bytes, int max_fds,
+                                   std::vector<ScopedFd>* fds, bool* truncated) {
+  iovec iov{bytes.data(), bytes.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdFrameFds)] = {};
+  if (max_fds > 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * std::min(max_fds, kMaxFdFrameFds));
   }
-  return absl::OkStatus();
+  const ssize_t n = ::recvmsg(socket, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
+    return SocketError("fd channel: receive", errno);
+  }
+  if (msg.msg_flags & MSG_CTRUNC) *truncated = true;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd = -1;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      fds->emplace_back(fd);
+    }
+  }
+  if (n == 0) return absl::UnavailableError("fd channel: the peer closed the connection");
+  return static_cast<size_t>(n);
 }
 
 }  // namespace
@@ -141,7 +128,22 @@ absl::Status SendAll(int socket, absl::string_view bytes, absl::Time deadline) {
 absl::Status ReceiveExactly(int socket, absl::Span<char> bytes, absl::Time deadline) {
   std::vector<ScopedFd> discarded;
   bool truncated = false;
-  return Receive(socket, bytes, deadline, 0, &discarded, &truncated);
+  size_t got = 0;
+  while (got < bytes.size()) {
+    absl::StatusOr<size_t> n = ReceiveSome(socket, bytes.subspan(got), 0, &discarded, &truncated);
+    if (!n.ok()) {
+      return absl::Status(n.status().code(), absl::StrCat(n.status().message(), " after ", got,
+                                                          " of ", bytes.size(), " bytes"));
+    }
+    got += *n;
+    if (*n == 0) {
+      absl::Status ready = WaitReady(
+          socket, POLLIN, deadline,
+          absl::StrCat("fd channel: receive (", got, " of ", bytes.size(), " bytes came)"));
+      if (!ready.ok()) return ready;
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status SendFrame(int socket, absl::string_view body, absl::Span<const int> fds,
@@ -163,38 +165,57 @@ absl::Status SendFrame(int socket, absl::string_view body, absl::Span<const int>
   return SendWithFds(socket, bytes, fds, deadline);
 }
 
-absl::StatusOr<ReceivedFrame> ReceiveFrame(int socket, uint32_t max_bytes, int max_fds,
-                                           absl::Time deadline) {
-  max_bytes = std::min(max_bytes, kMaxFdFrameBytes);
-  max_fds = std::clamp(max_fds, 0, kMaxFdFrameFds);
-  ReceivedFrame frame;
-  bool truncated = false;
-  char header[kHeaderBytes];
-  if (absl::Status st =
-          Receive(socket, absl::MakeSpan(header), deadline, max_fds, &frame.fds, &truncated);
-      !st.ok()) {
-    return st;
+FrameReader::FrameReader(uint32_t max_bytes, int max_fds)
+    : max_bytes_(std::min(max_bytes, kMaxFdFrameBytes)),
+      max_fds_(std::clamp(max_fds, 0, kMaxFdFrameFds)) {}
+
+absl::StatusOr<bool> FrameReader::Continue(int socket) {
+  while (received_ < needed_) {
+    absl::Span<char> into =
+        received_ < kHeaderBytes
+            ? absl::MakeSpan(header_ + received_, kHeaderBytes - received_)
+            : absl::MakeSpan(frame_.body.data() + (received_ - kHeaderBytes), needed_ - received_);
+    absl::StatusOr<size_t> n = ReceiveSome(socket, into, max_fds_, &frame_.fds, &truncated_);
+    if (!n.ok()) {
+      return absl::Status(n.status().code(), absl::StrCat(n.status().message(), " after ",
+                                                          received_, " of ", needed_, " bytes"));
+    }
+    if (*n == 0) return false;
+    received_ += *n;
+    if (received_ == kHeaderBytes && needed_ == kHeaderBytes) {
+      uint32_t length = 0;
+      for (size_t i = 0; i < kHeaderBytes; ++i) {
+        length |= static_cast<uint32_t>(static_cast<unsigned char>(header_[i])) << (8 * i);
+      }
+      if (length > max_bytes_) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "fd channel: frame length ", length, " exceeds the limit of ", max_bytes_, " bytes"));
+      }
+      frame_.body.resize(length);
+      needed_ = kHeaderBytes + length;
+    }
   }
-  uint32_t length = 0;
-  for (size_t i = 0; i < kHeaderBytes; ++i) {
-    length |= static_cast<uint32_t>(static_cast<unsigned char>(header[i])) << (8 * i);
-  }
-  if (length > max_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("fd channel: frame length ", length,
-                                                   " exceeds the limit of ", max_bytes, " bytes"));
-  }
-  frame.body.resize(length);
-  if (absl::Status st =
-          Receive(socket, absl::MakeSpan(frame.body), deadline, max_fds, &frame.fds, &truncated);
-      !st.ok()) {
-    return st;
-  }
-  if (truncated || frame.fds.size() > static_cast<size_t>(max_fds)) {
+  if (truncated_ || frame_.fds.size() > static_cast<size_t>(max_fds_)) {
+    frame_.fds.clear();
     return absl::InvalidArgumentError(
-        absl::StrCat("fd channel: the frame carried more than ", max_fds,
+        absl::StrCat("fd channel: the frame carried more than ", max_fds_,
                      " file descriptor(s); the surplus was discarded"));
   }
-  return frame;
+  return true;
+}
+
+absl::StatusOr<ReceivedFrame> ReceiveFrame(int socket, uint32_t max_bytes, int max_fds,
+                                           absl::Time deadline) {
+  FrameReader reader(max_bytes, max_fds);
+  for (;;) {
+    absl::StatusOr<bool> done = reader.Continue(socket);
+    if (!done.ok()) return done.status();
+    if (*done) return reader.TakeFrame();
+    absl::Status ready = WaitReady(socket, POLLIN, deadline,
+                                   absl::StrCat("fd channel: receive (", reader.received(), " of ",
+                                                reader.needed(), " bytes came)"));
+    if (!ready.ok()) return ready;
+  }
 }
 
 }  // namespace epd

@@ -56,6 +56,38 @@ struct ReceivedFrame {
   std::vector<ScopedFd> fds;
 };
 
+/// Reads one frame from a socket as far as the bytes that have arrived allow, without ever
+/// blocking: for an event loop serving many connections (daemon/fd_channel.h), and the
+/// base of ReceiveFrame. Descriptors are owned by the reader (closed with it).
+class FrameReader {
+ public:
+  /// A frame of at most `max_bytes` (<= kMaxFdFrameBytes) of body carrying at most
+  /// `max_fds` (<= kMaxFdFrameFds) descriptors.
+  FrameReader(uint32_t max_bytes, int max_fds);
+
+  /// Reads what `socket` has now. Returns true once the frame is complete (then frame()),
+  /// false when more must arrive (poll for POLLIN and call again). Errors, after which the
+  /// reader is done: INVALID_ARGUMENT when the length prefix exceeds max_bytes (naming
+  /// both; the body is not read) or more than max_fds descriptors came (the kernel
+  /// discards those that do not fit); UNAVAILABLE when the peer closed first (saying how
+  /// many bytes came); INTERNAL for other socket errors.
+  absl::StatusOr<bool> Continue(int socket);
+  /// Bytes received so far and bytes the frame needs (4 until its length is known).
+  size_t received() const { return received_; }
+  size_t needed() const { return needed_; }
+  /// The complete frame (after Continue returned true); moves it out.
+  ReceivedFrame TakeFrame() { return std::move(frame_); }
+
+ private:
+  uint32_t max_bytes_;
+  int max_fds_;
+  char header_[4] = {};
+  size_t received_ = 0;  ///< Header and body bytes so far.
+  size_t needed_ = 4;
+  bool truncated_ = false;
+  ReceivedFrame frame_;
+};
+
 /// Receives one frame of at most `max_bytes` (<= kMaxFdFrameBytes) of body carrying at
 /// most `max_fds` (<= kMaxFdFrameFds) descriptors. Descriptors received before an error
 /// are closed. Errors: INVALID_ARGUMENT when the length prefix exceeds `max_bytes` (naming

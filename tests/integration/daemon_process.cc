@@ -58,8 +58,9 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(DaemonProces
   SubprocessOptions process_options;
   process_options.stdout_path = d->dir_ + "/epd.stdout";
   process_options.stderr_path = d->dir_ + "/epd.log";
-  absl::StatusOr<std::unique_ptr<Subprocess>> process =
-      Subprocess::Spawn(d->argv_, process_options);
+  std::vector<std::string> command = options.wrapper;
+  command.insert(command.end(), d->argv_.begin(), d->argv_.end());
+  absl::StatusOr<std::unique_ptr<Subprocess>> process = Subprocess::Spawn(command, process_options);
   if (!process.ok()) return process.status();
   d->process_ = *std::move(process);
   if (options.wait_serving) {

@@ -41,6 +41,9 @@ struct DaemonProcessOptions {
   /// Text-format DaemonConfig written to <dir>/epd.textproto and passed as --config.
   std::string config_text;
   std::vector<std::string> extra_args;  ///< More flags, e.g. "--op_timeout=2s".
+  /// A command that runs epd by exec, e.g. {"/usr/bin/prlimit", "--nofile=256:512", "--"}
+  /// (pid() is then epd's); empty = none.
+  std::vector<std::string> wrapper;
   std::string log_level = "debug";
   /// Wait until health is SERVING (else return right after spawning).
   bool wait_serving = true;

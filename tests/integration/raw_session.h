@@ -1,28 +1,29 @@
-// RawSession: a Session stream opened with the raw gRPC stub, as the client library opens
-// one, for integration tests that drive epd's Control service (and the fd channel) without
-// the client library.
+// RawSession: one open Session stream of epd's Control service over the raw gRPC stub, as
+// the client library opens it, for tests that drive the RPCs themselves (the session lives
+// while the object does; destroying it ends the stream, and epd releases its endpoints).
 #pragma once
 
-#include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
 #include "epd/v1/control.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
 
 namespace epd::testing {
 
-/// One open Session stream of this process (the session lives while this object does).
 class RawSession {
  public:
-  /// Opens the session on `stub`, naming the client `client_name`.
-  explicit RawSession(v1::Control::Stub* stub, const std::string& client_name = "test") {
+  /// Opens a session on `stub`, sending `client_pid` (what a client claims) and `name`.
+  explicit RawSession(v1::Control::Stub* stub, int64_t client_pid = ::getpid(),
+                      const std::string& name = "raw_session") {
     stream_ = stub->Session(&context_);
     v1::SessionRequest hello;
-    hello.set_client_pid(getpid());
-    hello.set_client_name(client_name);
+    hello.set_client_pid(client_pid);
+    hello.set_client_name(name);
     EXPECT_TRUE(stream_->Write(hello));
     v1::SessionResponse open;
     EXPECT_TRUE(stream_->Read(&open));
@@ -36,8 +37,6 @@ class RawSession {
   }
   RawSession(const RawSession&) = delete;
   RawSession& operator=(const RawSession&) = delete;
-
-  /// The session id epd answered with ("" when it refused).
   const std::string& id() const { return id_; }
 
  private:

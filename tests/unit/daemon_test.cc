@@ -8,11 +8,14 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "daemon/config.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "gmock/gmock.h"
@@ -197,6 +200,61 @@ TEST_F(DaemonTest, UnknownSocketGroupIsNamed) {
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(config, Options());
   EXPECT_EQ(daemon.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(daemon.status().message()), HasSubstr("no-such-group-epd"));
+}
+
+TEST_F(DaemonTest, StuckListenerTurnsHealthNotServingUntilItRecovers) {
+  std::atomic<bool> stall{false};
+  absl::Notification stalled;
+  absl::Notification release;
+  DaemonOptions options = Options();
+  options.health_interval = absl::Milliseconds(50);
+  options.listener_stall_limit = absl::Milliseconds(500);
+  options.listener_loop_hook_for_testing = [&] {
+    if (stall.load() && !release.HasBeenNotified()) {
+      if (!stalled.HasBeenNotified()) stalled.Notify();
+      release.WaitForNotificationWithTimeout(absl::Seconds(20));
+    }
+  };
+  v1::DaemonConfig config = Config();
+  config.set_listen("127.0.0.1:0");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(config, options);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  auto check = [](const std::shared_ptr<grpc::Channel>& channel) {
+    auto stub = grpc::health::v1::Health::NewStub(channel);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckRequest request;
+    HealthCheckResponse response;
+    grpc::Status status = stub->Check(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response.status();
+  };
+  auto wait_for = [&](const std::string& prefix) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (absl::Now() < deadline &&
+           !absl::StartsWith((*daemon)->Stats().serving_status(), prefix)) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return (*daemon)->Stats().serving_status();
+  };
+  // Connections made before the stall stay gRPC's and keep being answered.
+  auto unix_channel = grpc::CreateChannel("unix://" + socket_, grpc::InsecureChannelCredentials());
+  auto tcp_channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*daemon)->tcp_port()),
+                                         grpc::InsecureChannelCredentials());
+  EXPECT_EQ(check(unix_channel), HealthCheckResponse::SERVING);
+  EXPECT_EQ(check(tcp_channel), HealthCheckResponse::SERVING);
+
+  stall = true;
+  ASSERT_TRUE(stalled.WaitForNotificationWithTimeout(absl::Seconds(2)));
+  EXPECT_THAT(wait_for("NOT_SERVING"), HasSubstr("NOT_SERVING (listener stuck: its accept loop"));
+  EXPECT_EQ(check(tcp_channel), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(check(unix_channel), HealthCheckResponse::NOT_SERVING);
+
+  release.Notify();
+  EXPECT_EQ(wait_for("SERVING"), "SERVING");
+  EXPECT_EQ(check(tcp_channel), HealthCheckResponse::SERVING);
+  EXPECT_EQ(Health(""), HealthCheckResponse::SERVING);  // A new connection is accepted.
+  (*daemon)->Shutdown();
 }
 
 }  // namespace

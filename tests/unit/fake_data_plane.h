@@ -31,6 +31,9 @@ struct FakeDataPlaneState {
   uint64_t next_endpoint_id = 0;
   std::map<std::string, std::string> last_gpu;  ///< "group/rank" → gpu_uuid given.
   bool shut_down = false;
+  /// (group, rank) whose client has not mapped its endpoint (RankMapped false); every
+  /// other attached rank counts as mapped.
+  std::set<std::pair<std::string, int>> unmapped;
   /// DefaultLaunchMode's answer; UNSPECIFIED = the base class's (daemon-launched).
   v1::LaunchMode default_launch_mode = v1::LAUNCH_MODE_UNSPECIFIED;
 };
@@ -76,6 +79,10 @@ class FakeDataPlaneGroup : public DataPlaneGroup {
     std::lock_guard<std::mutex> lock(state_->mu);
     state_->attached.erase({name_, rank});
     state_->fds_taken.erase({name_, rank});
+  }
+  bool RankMapped(int32_t rank) const override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    return state_->attached.count({name_, rank}) != 0 && state_->unmapped.count({name_, rank}) == 0;
   }
   uint64_t ops_completed() const override { return 7; }
   uint64_t ops_failed() const override { return 1; }

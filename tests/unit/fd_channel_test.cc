@@ -241,7 +241,7 @@ class FdChannelTest : public ::testing::Test {
     FdChannelOptions options;
     options.request_timeout = absl::Milliseconds(300);
     options.response_timeout = absl::Milliseconds(300);
-    channel_ = std::make_unique<FdChannel>(
+    auto channel = FdChannel::Start(
         [this](const v1::FdChannelRequest& request,
                const PeerCredentials& peer) -> absl::StatusOr<EndpointFds> {
           ++calls_;
@@ -255,30 +255,32 @@ class FdChannelTest : public ::testing::Test {
           return fds;
         },
         options);
+    EXPECT_TRUE(channel.ok()) << channel.status();
+    channel_ = *std::move(channel);
   }
 
-  /// Serves `s.b` on a thread while the test writes `bytes` to `s.a`, then reads the
-  /// answer (nullopt = closed without one). `*took` is how long Serve ran.
+  /// Hands `s.b` to the channel while the test writes `bytes` to `s.a`, then reads the
+  /// answer (nullopt = closed without one). `*took` is how long until the answer or close.
   std::optional<ReceivedFrame> Exchange(const std::string& bytes, absl::Duration* took = nullptr,
                                         std::vector<int> fds = {}) {
     SocketPair s;
-    std::thread server([&] {
-      const absl::Time start = absl::Now();
-      channel_->Serve(std::move(s.b), peer_);
-      if (took != nullptr) *took = absl::Now() - start;
-    });
+    const absl::Time start = absl::Now();
+    channel_->Serve(std::move(s.b), peer_);
     if (!bytes.empty() || !fds.empty()) {
       EXPECT_TRUE(SendWithDescriptors(s.a.get(), bytes, fds));
     }
     absl::StatusOr<ReceivedFrame> frame =
         ReceiveFrame(s.a.get(), kMaxFdFrameBytes, 2, absl::Now() + absl::Seconds(5));
-    server.join();
-    if (!frame.ok()) return std::nullopt;
+    if (took != nullptr) *took = absl::Now() - start;
+    if (!frame.ok()) {
+      EXPECT_TRUE(absl::IsUnavailable(frame.status())) << frame.status();  // Closed.
+      return std::nullopt;
+    }
     return *std::move(frame);
   }
   static bool SendWithDescriptors(int socket, const std::string& bytes, std::vector<int> fds) {
     if (fds.empty()) return SendAll(socket, bytes, absl::Now() + absl::Seconds(5)).ok();
-    // A frame's length prefix with descriptors attached, then the rest.
+    // The frame again, with descriptors attached.
     return SendFrame(socket, bytes.substr(4), fds, absl::Now() + absl::Seconds(5)).ok();
   }
   static v1::FdChannelResponse Parse(const ReceivedFrame& frame) {
@@ -364,13 +366,51 @@ TEST_F(FdChannelTest, APeerThatSendsNothingIsClosedWithinTheTimeout) {
   EXPECT_EQ(calls_.load(), 0);
 }
 
+// Silent peers hold no thread: while many wait for their deadline, a complete request is
+// answered at once.
+TEST_F(FdChannelTest, SilentPeersDelayNobody) {
+  std::vector<SocketPair> silent(50);
+  for (SocketPair& s : silent) channel_->Serve(std::move(s.b), peer_);
+  const absl::Time start = absl::Now();
+  std::optional<ReceivedFrame> answer = Exchange(Request("s1", "g", 0));
+  ASSERT_TRUE(answer.has_value());
+  EXPECT_EQ(Parse(*answer).code(), 0);
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(200));
+  for (SocketPair& s : silent) {
+    absl::StatusOr<ReceivedFrame> closed =
+        ReceiveFrame(s.a.get(), kMaxFdFrameBytes, 0, absl::Now() + absl::Seconds(5));
+    EXPECT_EQ(closed.status().code(), absl::StatusCode::kUnavailable) << closed.status();
+  }
+}
+
+// Beyond max_pending, the oldest waiting connection is closed.
+TEST(FdChannelLimitTest, TheOldestOfTooManyWaitingConnectionsIsClosed) {
+  FdChannelOptions options;
+  options.max_pending = 4;
+  options.request_timeout = absl::Seconds(30);
+  auto channel = FdChannel::Start(
+      [](const v1::FdChannelRequest&, const PeerCredentials&) -> absl::StatusOr<EndpointFds> {
+        return absl::NotFoundError("none");
+      },
+      options);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  std::vector<SocketPair> conns(5);
+  for (SocketPair& s : conns) (*channel)->Serve(std::move(s.b), PeerCredentials{});
+  absl::StatusOr<ReceivedFrame> oldest =
+      ReceiveFrame(conns[0].a.get(), kMaxFdFrameBytes, 0, absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(oldest.status().code(), absl::StatusCode::kUnavailable) << oldest.status();
+  absl::StatusOr<ReceivedFrame> newest =
+      ReceiveFrame(conns[4].a.get(), kMaxFdFrameBytes, 0, absl::Now() + absl::Milliseconds(300));
+  EXPECT_EQ(newest.status().code(), absl::StatusCode::kDeadlineExceeded) << newest.status();
+}
+
 // ---- the client's side against the handler, on a real unix socket ----------------------
 
 /// A unix socket served by `channel` as epd's listener would: accept, check the preamble,
 /// hand over with the peer's SO_PEERCRED.
 class ServedSocket {
  public:
-  explicit ServedSocket(const FdChannel& channel) {
+  explicit ServedSocket(FdChannel& channel) {
     dir_ = ::testing::TempDir() + "/fdch" + std::to_string(::getpid());
     std::filesystem::create_directories(dir_);
     path_ = dir_ + "/s.sock";

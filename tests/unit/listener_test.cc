@@ -1,0 +1,355 @@
+// UnixListener (daemon/listener.h) in-process, with a real gRPC server fed by it: a gRPC
+// call arrives as "fd:N" and CallerCredentials gives this process's pid/uid/gid; fd-channel
+// connections reach the handler with the preamble consumed (also when it arrives in
+// pieces); garbage and silent connections are closed without blocking anything else; on
+// EMFILE the pending connection gets a clean close and the listener accepts again as soon
+// as descriptors are free; Stop is prompt.
+#include "daemon/listener.h"
+
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "daemon/fd_limits.h"
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "shm_abi.h"
+#include "tests/common/unix_socket.h"
+
+namespace epd {
+namespace {
+
+using grpc::health::v1::HealthCheckRequest;
+using grpc::health::v1::HealthCheckResponse;
+using testing::ClosedByPeer;
+using testing::ConnectUnix;
+using ::testing::HasSubstr;
+using ::testing::MatchesRegex;
+
+/// A Health service that records what the server knows of each caller.
+class RecordingHealth final : public grpc::health::v1::Health::Service {
+ public:
+  grpc::Status Check(grpc::ServerContext* context, const HealthCheckRequest*,
+                     HealthCheckResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    peer_ = context->peer();
+    credentials_ = CallerCredentials(*context);
+    response->set_status(HealthCheckResponse::SERVING);
+    return grpc::Status::OK;
+  }
+  std::string peer() {
+    absl::MutexLock lock(&mu_);
+    return peer_;
+  }
+  std::optional<PeerCredentials> credentials() {
+    absl::MutexLock lock(&mu_);
+    return credentials_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::string peer_;
+  std::optional<PeerCredentials> credentials_;
+};
+
+class ListenerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/epd_listener_test_XXXXXX";
+    ASSERT_NE(::mkdtemp(dir), nullptr);
+    dir_ = dir;
+    socket_ = dir_ + "/epd.sock";
+  }
+  void TearDown() override {
+    if (listener_ != nullptr) listener_->Stop();
+    if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
+    std::filesystem::remove_all(dir_);
+  }
+
+  /// Starts a gRPC server without a port and a listener feeding it.
+  void StartListener(UnixListener::Options options) {
+    grpc::ServerBuilder builder;
+    builder.RegisterService(&health_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    options.socket_path = socket_;
+    absl::StatusOr<std::unique_ptr<UnixListener>> listener = UnixListener::Bind(options);
+    ASSERT_TRUE(listener.ok()) << listener.status();
+    listener_ = *std::move(listener);
+    listener_->Start(server_.get());
+  }
+
+  grpc::Status CheckHealth() {
+    auto stub = grpc::health::v1::Health::NewStub(
+        grpc::CreateChannel("unix://" + socket_, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    HealthCheckRequest request;
+    HealthCheckResponse response;
+    return stub->Check(&context, request, &response);
+  }
+
+  std::string dir_;
+  std::string socket_;
+  RecordingHealth health_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<UnixListener> listener_;
+};
+
+TEST(ClassifyConnectionTest, PrefacesPrefixesAndGarbage) {
+  const std::string fd_preamble(abi::kFdChannelPreamble, sizeof(abi::kFdChannelPreamble));
+  EXPECT_EQ(ClassifyConnection(""), ConnectionKind::kUndecided);
+  EXPECT_EQ(ClassifyConnection("PRI * HTTP/2.0"), ConnectionKind::kUndecided);
+  EXPECT_EQ(ClassifyConnection(kHttp2ClientPreface), ConnectionKind::kGrpc);
+  EXPECT_EQ(ClassifyConnection(std::string(kHttp2ClientPreface) + std::string("\0\0\x12\x04", 4)),
+            ConnectionKind::kGrpc);
+  EXPECT_EQ(ClassifyConnection("EPDF"), ConnectionKind::kUndecided);
+  EXPECT_EQ(ClassifyConnection(fd_preamble), ConnectionKind::kFdChannel);
+  EXPECT_EQ(ClassifyConnection(fd_preamble + "request"), ConnectionKind::kFdChannel);
+  EXPECT_EQ(ClassifyConnection("GET / HTTP/1.1\r\n"), ConnectionKind::kInvalid);
+  EXPECT_EQ(ClassifyConnection("PRX"), ConnectionKind::kInvalid);
+  EXPECT_EQ(ClassifyConnection("EPDFDCH2"), ConnectionKind::kInvalid);
+}
+
+TEST_F(ListenerTest, GrpcCallIsNamedFdNAndCarriesThePeersCredentials) {
+  StartListener({});
+  grpc::Status status = CheckHealth();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_THAT(health_.peer(), MatchesRegex("fd:[0-9]+"));
+  std::optional<PeerCredentials> creds = health_.credentials();
+  ASSERT_TRUE(creds.has_value()) << "no credentials recorded for peer " << health_.peer();
+  EXPECT_EQ(creds->pid, ::getpid());
+  EXPECT_EQ(creds->uid, ::getuid());
+  EXPECT_EQ(creds->gid, ::getgid());
+  EXPECT_EQ(listener_->status().grpc_connections, 1u);
+}
+
+TEST_F(ListenerTest, FdChannelConnectionsReachTheHandlerWithThePreambleConsumed) {
+  absl::Mutex mu;
+  std::vector<std::string> received;
+  std::vector<PeerCredentials> peers;
+  UnixListener::Options options;
+  options.fd_channel_handler = [&](ScopedFd conn, const PeerCredentials& peer) {
+    std::string text;
+    char buffer[64];
+    for (int i = 0; i < 200 && text.size() < 5; ++i) {
+      const ssize_t n = ::recv(conn.get(), buffer, sizeof(buffer), 0);
+      if (n > 0) text.append(buffer, static_cast<size_t>(n));
+      if (n == 0) break;
+      if (n < 0) absl::SleepFor(absl::Milliseconds(5));
+    }
+    {
+      absl::MutexLock lock(&mu);
+      received.push_back(text);
+      peers.push_back(peer);
+    }
+    (void)!::send(conn.get(), "ok", 2, MSG_NOSIGNAL);
+  };
+  StartListener(std::move(options));
+
+  // In one write, and in pieces (a preamble split across writes waits, bounded).
+  ScopedFd whole = ConnectUnix(socket_);
+  ASSERT_TRUE(whole.valid());
+  const std::string fd_preamble(abi::kFdChannelPreamble, sizeof(abi::kFdChannelPreamble));
+  const std::string message = fd_preamble + "hello";
+  ASSERT_EQ(::send(whole.get(), message.data(), message.size(), 0), ssize_t(message.size()));
+  ScopedFd pieces = ConnectUnix(socket_);
+  ASSERT_TRUE(pieces.valid());
+  ASSERT_EQ(::send(pieces.get(), "EPD", 3, 0), 3);
+  absl::SleepFor(absl::Milliseconds(100));
+  ASSERT_EQ(::send(pieces.get(), "FDCH1world", 10, 0), 10);
+
+  for (int fd : {whole.get(), pieces.get()}) {
+    char reply[2] = {};
+    pollfd p{fd, POLLIN, 0};
+    ASSERT_EQ(::poll(&p, 1, 5000), 1);
+    ASSERT_EQ(::recv(fd, reply, 2, 0), 2);
+    EXPECT_EQ(std::string(reply, 2), "ok");
+  }
+  listener_->Stop();  // Joins the workers, which use this test's locals.
+  absl::MutexLock lock(&mu);
+  EXPECT_THAT(received, ::testing::UnorderedElementsAre("hello", "world"));
+  for (const PeerCredentials& peer : peers) {
+    EXPECT_EQ(peer, (PeerCredentials{::getpid(), ::getuid(), ::getgid()}));
+  }
+}
+
+TEST_F(ListenerTest, PeerOfAnotherUserIsRecordedAsTheKernelSeesIt) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to connect as another user";
+  absl::Mutex mu;
+  std::optional<PeerCredentials> seen;
+  UnixListener::Options options;
+  options.fd_channel_handler = [&](ScopedFd, const PeerCredentials& peer) {
+    absl::MutexLock lock(&mu);
+    seen = peer;
+  };
+  StartListener(std::move(options));
+  ASSERT_EQ(::chmod(dir_.c_str(), 0755), 0);
+  ASSERT_EQ(::chmod(socket_.c_str(), 0666), 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, socket_.c_str(), sizeof(addr.sun_path) - 1);
+  // The child makes system calls only (it is a fork of a threaded process).
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (::setresgid(65534, 65534, 65534) != 0 || ::setresuid(65534, 65534, 65534) != 0) _exit(2);
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) _exit(3);
+    if (::write(fd, abi::kFdChannelPreamble, 8) != 8) _exit(4);
+    char c;
+    (void)!::read(fd, &c, 1);  // Until the listener's side closes.
+    _exit(0);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(::waitpid(child, &wstatus, 0), child);
+  EXPECT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0) << wstatus;
+  listener_->Stop();
+  absl::MutexLock lock(&mu);
+  ASSERT_TRUE(seen.has_value());
+  EXPECT_EQ(*seen, (PeerCredentials{child, 65534, 65534}));
+}
+
+TEST_F(ListenerTest, GarbageAndSilentConnectionsAreClosedWithoutBlockingOthers) {
+  UnixListener::Options options;
+  options.first_bytes_timeout = absl::Milliseconds(500);
+  StartListener(std::move(options));
+
+  std::vector<ScopedFd> silent;
+  for (int i = 0; i < 200; ++i) {
+    silent.push_back(ConnectUnix(socket_));
+    ASSERT_TRUE(silent.back().valid());
+  }
+  ScopedFd garbage = ConnectUnix(socket_);
+  ASSERT_EQ(::send(garbage.get(), "GET / HTTP/1.1\r\n\r\n", 18, 0), 18);
+  ScopedFd fd_channel = ConnectUnix(socket_);  // Served by nobody: closed at once.
+  ASSERT_EQ(::send(fd_channel.get(), abi::kFdChannelPreamble, 8, 0), 8);
+
+  // The silent ones wait for their bytes in the poll set; calls are served meanwhile.
+  const absl::Time begin = absl::Now();
+  grpc::Status status = CheckHealth();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_LT(absl::Now() - begin, absl::Milliseconds(400));
+  EXPECT_TRUE(ClosedByPeer(garbage.get(), absl::Seconds(2)));
+  EXPECT_TRUE(ClosedByPeer(fd_channel.get(), absl::Seconds(2)));
+  for (const ScopedFd& fd : silent) {
+    ASSERT_TRUE(ClosedByPeer(fd.get(), absl::Seconds(3))) << "a silent connection stayed open";
+  }
+  const ListenerStatus s = listener_->status();
+  EXPECT_EQ(s.closed_silent, 200u);
+  EXPECT_EQ(s.closed_invalid, 2u);
+  EXPECT_TRUE(CheckHealth().ok());
+}
+
+TEST_F(ListenerTest, PendingConnectionsBeyondTheCapEvictTheOldest) {
+  UnixListener::Options options;
+  options.max_pending = 4;
+  options.first_bytes_timeout = absl::Seconds(30);
+  StartListener(std::move(options));
+  std::vector<ScopedFd> silent;
+  for (int i = 0; i < 6; ++i) {
+    silent.push_back(ConnectUnix(socket_));
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(ClosedByPeer(silent[0].get(), absl::Seconds(2)));
+  EXPECT_TRUE(ClosedByPeer(silent[1].get(), absl::Seconds(2)));
+  EXPECT_FALSE(ClosedByPeer(silent[5].get(), absl::Milliseconds(200)));
+  EXPECT_TRUE(CheckHealth().ok());
+}
+
+TEST_F(ListenerTest, OutOfDescriptorsClosesNewConnectionsCleanlyAndRecovers) {
+  absl::Notification served;
+  UnixListener::Options options;
+  options.fd_channel_handler = [&](ScopedFd, const PeerCredentials&) { served.Notify(); };
+  StartListener(std::move(options));
+  // No gRPC call before the squeeze: a connection gRPC closes meanwhile would free a
+  // descriptor under the limit.
+  absl::SleepFor(absl::Milliseconds(100));
+
+  // Client sockets made first: connect needs no new descriptor of this process.
+  std::vector<ScopedFd> clients;
+  for (int i = 0; i < 20; ++i) {
+    clients.emplace_back(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    ASSERT_TRUE(clients.back().valid());
+  }
+  absl::StatusOr<FdLimit> saved = GetFdLimit();
+  ASSERT_TRUE(saved.ok());
+  // The lowest free descriptor number becomes the limit: every number below it is in use,
+  // so the listener's accept gets EMFILE.
+  const int lowest_free = ::dup(0);
+  ASSERT_GE(lowest_free, 0);
+  ::close(lowest_free);
+  rlimit squeezed{static_cast<rlim_t>(lowest_free), static_cast<rlim_t>(saved->hard)};
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &squeezed), 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, socket_.c_str(), sizeof(addr.sun_path) - 1);
+  for (ScopedFd& c : clients) {
+    ASSERT_EQ(::connect(c.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  }
+  // Each gets a clean close (not a hang in the backlog).
+  int closed = 0;
+  for (ScopedFd& c : clients) closed += ClosedByPeer(c.get(), absl::Seconds(3)) ? 1 : 0;
+  const ListenerStatus during = listener_->status();
+  rlimit restored{static_cast<rlim_t>(saved->soft), static_cast<rlim_t>(saved->hard)};
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &restored), 0);
+  EXPECT_EQ(closed, 20);
+  EXPECT_GE(during.refused_no_fds, 1u);
+  EXPECT_THAT(during.last_failure, HasSubstr("EMFILE"));
+  EXPECT_GT(during.failing_for, absl::ZeroDuration());
+
+  // Descriptors are free again: the very next connection is served.
+  ScopedFd after = ConnectUnix(socket_);
+  ASSERT_TRUE(after.valid());
+  ASSERT_EQ(::send(after.get(), abi::kFdChannelPreamble, 8, 0), 8);
+  EXPECT_TRUE(served.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_TRUE(CheckHealth().ok());
+  EXPECT_EQ(listener_->status().failing_for, absl::ZeroDuration());
+  listener_->Stop();  // Joins the workers, which use this test's locals.
+}
+
+TEST_F(ListenerTest, HeartbeatStopsWhileTheLoopIsStalledAndStopIsPrompt) {
+  absl::Notification stall;
+  absl::Notification release;
+  absl::Notification stalled;
+  UnixListener::Options options;
+  options.loop_hook_for_testing = [&] {
+    if (stall.HasBeenNotified() && !release.HasBeenNotified()) {
+      stalled.Notify();
+      release.WaitForNotification();
+    }
+  };
+  StartListener(std::move(options));
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_LT(absl::Now() - listener_->status().heartbeat, absl::Milliseconds(250));
+  stall.Notify();
+  ASSERT_TRUE(stalled.WaitForNotificationWithTimeout(absl::Seconds(2)));
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_GT(absl::Now() - listener_->status().heartbeat, absl::Milliseconds(450));
+  release.Notify();
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_LT(absl::Now() - listener_->status().heartbeat, absl::Milliseconds(250));
+  const absl::Time begin = absl::Now();
+  listener_->Stop();
+  EXPECT_LT(absl::Now() - begin, absl::Milliseconds(500));
+  EXPECT_FALSE(ConnectUnix(socket_).valid());
+}
+
+}  // namespace
+}  // namespace epd
