@@ -278,9 +278,12 @@ absl::Status Daemon::Init() {
   // Every connection, endpoint and doorbell holds a descriptor: take all the kernel allows.
   if (absl::StatusOr<FdLimitChange> fds = RaiseFdLimitToHard(); fds.ok()) {
     log->info(
-        "RLIMIT_NOFILE: soft limit {} -> {} (hard limit {}); joins are refused while "
-        "fewer than min_free_fds = {} are free",
-        fds->before.soft, fds->after.soft, fds->after.hard, config_.min_free_fds());
+        "RLIMIT_NOFILE: soft limit {} (hard limit {}); joins are refused while fewer than "
+        "min_free_fds = {} are free",
+        fds->before.soft == fds->after.soft
+            ? absl::StrCat(fds->after.soft, ", already the hard limit")
+            : absl::StrCat(fds->before.soft, " -> ", fds->after.soft),
+        fds->after.hard, config_.min_free_fds());
     if (config_.min_free_fds() >= fds->after.soft) {
       GetLogger(kLogConfig)
           ->warn(
