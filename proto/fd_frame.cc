@@ -41,8 +41,8 @@ absl::Status SocketError(absl::string_view what, int err) {
   return absl::InternalError(msg);
 }
 
-/// Sends `bytes` from `offset` on, the first chunk with `fds` attached. Returns bytes sent
-/// by this one sendmsg (0 when the socket would block).
+/// One non-blocking sendmsg of `bytes`, with `fds` attached when not empty. Returns the
+/// bytes sent (0 when the socket would block).
 absl::StatusOr<size_t> SendChunk(int socket, absl::string_view bytes, absl::Span<const int> fds) {
   iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
   msghdr msg{};
