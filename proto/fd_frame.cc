@@ -125,27 +125,6 @@ absl::Status SendAll(int socket, absl::string_view bytes, absl::Time deadline) {
   return SendWithFds(socket, bytes, {}, deadline);
 }
 
-absl::Status ReceiveExactly(int socket, absl::Span<char> bytes, absl::Time deadline) {
-  std::vector<ScopedFd> discarded;
-  bool truncated = false;
-  size_t got = 0;
-  while (got < bytes.size()) {
-    absl::StatusOr<size_t> n = ReceiveSome(socket, bytes.subspan(got), 0, &discarded, &truncated);
-    if (!n.ok()) {
-      return absl::Status(n.status().code(), absl::StrCat(n.status().message(), " after ", got,
-                                                          " of ", bytes.size(), " bytes"));
-    }
-    got += *n;
-    if (*n == 0) {
-      absl::Status ready = WaitReady(
-          socket, POLLIN, deadline,
-          absl::StrCat("fd channel: receive (", got, " of ", bytes.size(), " bytes came)"));
-      if (!ready.ok()) return ready;
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status SendFrame(int socket, absl::string_view body, absl::Span<const int> fds,
                        absl::Time deadline) {
   if (body.size() > kMaxFdFrameBytes) {

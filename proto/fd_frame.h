@@ -40,11 +40,6 @@ inline constexpr int kMaxFdFrameFds = 4;
 /// peer has closed (EPIPE, ECONNRESET; never SIGPIPE), INTERNAL otherwise.
 absl::Status SendAll(int socket, absl::string_view bytes, absl::Time deadline);
 
-/// Reads exactly `bytes.size()` bytes into `bytes`. Errors: DEADLINE_EXCEEDED (fewer
-/// arrived by `deadline`), UNAVAILABLE (the peer closed first; the message says how many
-/// bytes came), INTERNAL. Descriptors sent along are discarded.
-absl::Status ReceiveExactly(int socket, absl::Span<char> bytes, absl::Time deadline);
-
 /// Sends one frame of `body` with `fds` (borrowed, not closed) attached. Errors as SendAll,
 /// and INVALID_ARGUMENT when `body` exceeds kMaxFdFrameBytes or `fds` kMaxFdFrameFds.
 absl::Status SendFrame(int socket, absl::string_view body, absl::Span<const int> fds,
@@ -92,8 +87,9 @@ class FrameReader {
 /// most `max_fds` (<= kMaxFdFrameFds) descriptors. Descriptors received before an error
 /// are closed. Errors: INVALID_ARGUMENT when the length prefix exceeds `max_bytes` (naming
 /// both; the body is not read) or more than `max_fds` descriptors came (the kernel
-/// discards those that do not fit); DEADLINE_EXCEEDED, UNAVAILABLE, INTERNAL as
-/// ReceiveExactly.
+/// discards those that do not fit); DEADLINE_EXCEEDED when the frame is not complete by
+/// `deadline`; UNAVAILABLE when the peer closed first (saying how many bytes came);
+/// INTERNAL for other socket errors.
 absl::StatusOr<ReceivedFrame> ReceiveFrame(int socket, uint32_t max_bytes, int max_fds,
                                            absl::Time deadline);
 

@@ -426,8 +426,8 @@ class ServedSocket {
         ScopedFd conn(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
         if (!conn.valid() || stop_.load()) return;
         char preamble[sizeof(abi::kFdChannelPreamble)];
-        if (!ReceiveExactly(conn.get(), absl::MakeSpan(preamble), absl::Now() + absl::Seconds(2))
-                 .ok() ||
+        if (::recv(conn.get(), preamble, sizeof(preamble), MSG_WAITALL) !=
+                static_cast<ssize_t>(sizeof(preamble)) ||
             std::memcmp(preamble, abi::kFdChannelPreamble, sizeof(preamble)) != 0) {
           continue;
         }
