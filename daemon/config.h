@@ -16,7 +16,7 @@
 //   --socket_mode=0660       socket_mode          --socket_group=NAME   socket_group
 //   --listen=HOST:PORT       listen ("" or "off" = none)    --backend=auto|cuda|host
 //   --log_level=info         log_level            --op_timeout=10s      op_timeout_ms
-//   --shm_mode=0600          shm_mode             --engine_idle_us=100  engine_idle_us
+//   --shm_mode (ignored)     shm_mode             --engine_idle_us=100  engine_idle_us
 //   --host_threads=0         host_threads         --max_request_bytes   max_request_bytes
 //   --max_groups=64          max_groups           --gpu_uuids=GPU-a,GPU-b gpu_uuids
 //   --max_groups_per_uid=64  max_groups_per_uid
@@ -40,7 +40,6 @@ namespace epd {
 /// Defaults of the DaemonConfig fields (as documented in config.proto).
 inline constexpr char kDefaultSocketPath[] = "/run/epd/epd.sock";
 inline constexpr char kDefaultSocketMode[] = "0660";
-inline constexpr char kDefaultShmMode[] = "0600";
 inline constexpr char kDefaultLogLevel[] = "info";
 inline constexpr uint32_t kDefaultOpTimeoutMs = 10000;
 inline constexpr uint32_t kDefaultEngineIdleUs = 100;
@@ -111,7 +110,7 @@ absl::StatusOr<v1::DaemonConfig> LoadDaemonConfigFile(const std::string& path);
 
 /// Writes every flag that was given into `config`. INVALID_ARGUMENT naming the flag and
 /// the value for a value that does not convert (e.g. --backend=gpu, --op_timeout=0s), and
-/// for --socket, --socket_mode, --shm_mode or --log_level given empty (an explicit "" is
+/// for --socket, --socket_mode or --log_level given empty (an explicit "" is
 /// never read as "use the default"; the same field left empty in the config file is unset
 /// and takes the default). --socket_group="" (the daemon's own group), --listen="" (no
 /// listener) and --gpu_uuids="" (every GPU) are meaningful and override the file.
@@ -130,10 +129,8 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config);
 absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config);
 
 /// What start-up should warn about in a filled, valid config (Daemon::Start logs each at
-/// warn level on epd.config; none refuses the start): today, a shm_mode granting write to
-/// others (0002: "0666", "0777", ...), which lets every local user write the endpoint shm
-/// regions and so corrupt any client's tokens. Group write ("0660") is the normal way to
-/// share with clients and is not warned about. Empty for the defaults.
+/// warn level on epd.config; none refuses the start): today, a shm_mode (deprecated and
+/// ignored: endpoint regions are sealed memfds with no file mode). Empty for the defaults.
 std::vector<std::string> DaemonConfigWarnings(const v1::DaemonConfig& config);
 
 /// The effective config: --config file (if given), then flags, then defaults, validated.

@@ -128,6 +128,35 @@ absl::StatusOr<uint64_t> GroupRegistry::AuthorizeEndpoint(const std::string& ses
                                                   EscapeClientText(group), "\""));
 }
 
+absl::StatusOr<EndpointFds> GroupRegistry::TakeEndpointFds(const std::string& session_id,
+                                                           const std::string& group, int32_t rank,
+                                                           const PeerCredentials& peer) {
+  EPD_ASSIGN_OR_RETURN(const uint64_t endpoint_id,
+                       AuthorizeEndpoint(session_id, group, rank, peer));
+  absl::MutexLock lock(&mu_);
+  if (draining_) return absl::UnavailableError("epd is shutting down");
+  // The rank may have been released, or released and joined again, since the check.
+  auto group_it = groups_.find(group);
+  RankSlot* slot = nullptr;
+  if (group_it != groups_.end()) {
+    auto it = group_it->second.ranks.find(rank);
+    if (it != group_it->second.ranks.end()) slot = &it->second;
+  }
+  if (slot == nullptr || slot->session_id != session_id || slot->endpoint_id != endpoint_id) {
+    return absl::NotFoundError(
+        absl::StrCat("rank ", rank, " of group \"", EscapeClientText(group),
+                     "\" was released while its descriptors were asked for"));
+  }
+  EPD_ASSIGN_OR_RETURN(EndpointFds fds, group_it->second.data->TakeEndpointFds(rank));
+  if (fds.endpoint_id != endpoint_id) {
+    return absl::InternalError(absl::StrCat("rank ", rank, " of group \"", group,
+                                            "\": the data plane handed endpoint ", fds.endpoint_id,
+                                            " for endpoint ", endpoint_id));
+  }
+  slot->mapped = true;
+  return fds;
+}
+
 int GroupRegistry::CloseSession(const std::string& session_id, absl::string_view why) {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
@@ -245,7 +274,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   EPD_ASSIGN_OR_RETURN(uint64_t bytes_free, data_plane_->FreeBytes(gpu_uuid));
   EPD_RETURN_IF_ERROR(
       CheckBuffersFit(spec, bytes_needed, bytes_free,
-                      gpu_uuid.empty() ? std::string("/dev/shm (host backend)") : gpu_uuid));
+                      gpu_uuid.empty() ? std::string("host memory (host backend)") : gpu_uuid));
 
   bool created = false;
   if (creates) {

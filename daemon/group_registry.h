@@ -89,6 +89,18 @@ class GroupRegistry {
                                              const std::string& group, int32_t rank,
                                              const PeerCredentials& peer) const;
 
+  /// The fd channel's answer (daemon/fd_channel.h): the descriptors of rank `rank` of group
+  /// `group` (its endpoint region and its engine's doorbell page) for `peer`, in the name
+  /// of `session_id`, authorized as AuthorizeEndpoint does (the session is open, was opened
+  /// by peer.uid, and holds the rank). Handed out once per join
+  /// (DataPlaneGroup::TakeEndpointFds); from then on the endpoint counts as mapped (its
+  /// RankSlot's `mapped`). Errors: AuthorizeEndpoint's; NOT_FOUND when the rank was released
+  /// meanwhile; FAILED_PRECONDITION when the descriptors were already handed out;
+  /// RESOURCE_EXHAUSTED when epd is out of descriptors; UNAVAILABLE while draining.
+  absl::StatusOr<EndpointFds> TakeEndpointFds(const std::string& session_id,
+                                              const std::string& group, int32_t rank,
+                                              const PeerCredentials& peer);
+
   /// Ends a session (its stream ended: exit, crash, or daemon shutdown) and releases every
   /// endpoint it held; groups left empty are destroyed. Logs what was released and `why`.
   /// Unknown ids are ignored. Returns the number of endpoints released.

@@ -128,7 +128,6 @@ TEST(ValidateDaemonConfigTest, BadValuesAreNamed) {
            {[](v1::DaemonConfig* x) { x->set_socket_mode("0999"); }, "socket_mode", "0999"},
            {[](v1::DaemonConfig* x) { x->set_socket_mode("rw-rw----"); }, "socket_mode",
             "rw-rw----"},
-           {[](v1::DaemonConfig* x) { x->set_shm_mode("77777"); }, "shm_mode", "77777"},
            {[](v1::DaemonConfig* x) { x->set_log_level("verbose"); }, "log_level", "verbose"},
            {[](v1::DaemonConfig* x) { x->set_listen("localhost"); }, "listen", "localhost"},
            {[](v1::DaemonConfig* x) { x->set_listen("host:99999"); }, "listen", "host:99999"},
@@ -140,7 +139,6 @@ TEST(ValidateDaemonConfigTest, BadValuesAreNamed) {
            {[](v1::DaemonConfig* x) { x->add_gpu_uuids(""); }, "gpu_uuids", "empty"},
            {[](v1::DaemonConfig* x) { x->set_socket_mode("7777"); }, "socket_mode", "setuid"},
            {[](v1::DaemonConfig* x) { x->set_socket_mode("0"); }, "socket_mode", "owner"},
-           {[](v1::DaemonConfig* x) { x->set_shm_mode("0000"); }, "shm_mode", "owner"},
            {[](v1::DaemonConfig* x) { x->set_host_threads(100000); }, "host_threads", "100000"},
            {[](v1::DaemonConfig* x) { x->set_op_timeout_ms(0); }, "op_timeout_ms", "0"},
            {[](v1::DaemonConfig* x) { x->set_max_groups(0); }, "max_groups", "0"},
@@ -165,7 +163,7 @@ TEST(FillDaemonConfigDefaultsTest, DocumentedDefaults) {
   EXPECT_EQ(config.backend(), v1::BACKEND_AUTO);
   EXPECT_EQ(config.log_level(), "info");
   EXPECT_EQ(config.op_timeout_ms(), 10000u);
-  EXPECT_EQ(config.shm_mode(), "0600");
+  EXPECT_EQ(config.shm_mode(), "");  // Deprecated and ignored: no default.
   EXPECT_EQ(config.engine_idle_us(), 100u);
   EXPECT_EQ(config.max_request_bytes(), 4194304u);
   EXPECT_EQ(config.max_groups(), 64u);
@@ -199,7 +197,7 @@ TEST(ResolveDaemonConfigTest, FlagsOverrideTheFile) {
   EXPECT_EQ(config->max_groups(), 4u);
   EXPECT_EQ(config->engine_idle_us(), 50u);
   // And absent ones take defaults.
-  EXPECT_EQ(config->shm_mode(), "0600");
+  EXPECT_EQ(config->shm_mode(), "");
   EXPECT_EQ(config->max_request_bytes(), kDefaultMaxRequestBytes);
 }
 
@@ -374,7 +372,7 @@ TEST(ConfigFlagsTest, HelpShowsTheRealDefaults) {
   EXPECT_EQ(default_of("backend"), "\"auto\"");
   EXPECT_EQ(default_of("log_level"), "\"info\"");
   EXPECT_EQ(default_of("op_timeout"), "10s");
-  EXPECT_EQ(default_of("shm_mode"), "\"0600\"");
+  EXPECT_EQ(default_of("shm_mode"), "\"\"");  // Deprecated and ignored.
   EXPECT_EQ(default_of("engine_idle_us"), "100");
   EXPECT_EQ(default_of("host_threads"), "0");
   EXPECT_EQ(default_of("max_request_bytes"), "4194304");
@@ -387,7 +385,6 @@ TEST(ConfigFlagsTest, HelpShowsTheRealDefaults) {
   v1::DaemonConfig defaults;
   FillDaemonConfigDefaults(&defaults);
   EXPECT_EQ(default_of("socket"), "\"" + defaults.socket_path() + "\"");
-  EXPECT_EQ(default_of("shm_mode"), "\"" + defaults.shm_mode() + "\"");
   EXPECT_EQ(default_of("max_groups"), std::to_string(defaults.max_groups()));
   EXPECT_EQ(default_of("max_groups_per_uid"), std::to_string(defaults.max_groups_per_uid()));
   EXPECT_EQ(default_of("max_endpoints_per_uid"), std::to_string(defaults.max_endpoints_per_uid()));
@@ -417,7 +414,7 @@ TEST(ResolveDaemonConfigTest, BadFlagValuesAreNamed) {
 // A flag given with an empty value is an error naming it, never the default; the config
 // file's field written empty is the same as leaving it out (proto3: it takes the default).
 TEST(ResolveDaemonConfigTest, ExplicitlyEmptyFlagsAreErrorsNamingThem) {
-  for (const std::string name : {"socket", "socket_mode", "shm_mode", "log_level"}) {
+  for (const std::string name : {"socket", "socket_mode", "log_level"}) {
     ConfigFlags flags;
     {
       absl::FlagSaver saver;
@@ -441,31 +438,30 @@ TEST(ResolveDaemonConfigTest, ExplicitlyEmptyFlagsAreErrorsNamingThem) {
   ::unlink(path.c_str());
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->socket_path(), kDefaultSocketPath);
-  EXPECT_EQ(config->shm_mode(), kDefaultShmMode);
+  EXPECT_EQ(config->shm_mode(), "");
 }
 
-// A world-writable shm_mode is accepted (it works) but warned about, naming the field and
-// the value; group-writable and the defaults are not.
-TEST(DaemonConfigWarningsTest, OthersWritableShmModeIsWarnedAbout) {
+// shm_mode is deprecated (endpoint regions are sealed memfds with no file mode): any value,
+// from a config file or --shm_mode, still starts (older configs keep working), is ignored,
+// and start-up warns naming the field, the value and that it is ignored; the defaults warn
+// about nothing.
+TEST(DaemonConfigWarningsTest, ShmModeIsDeprecatedIgnoredAndWarnedAbout) {
   v1::DaemonConfig config;
   FillDaemonConfigDefaults(&config);
   EXPECT_THAT(DaemonConfigWarnings(config), ::testing::IsEmpty());
-  for (const std::string mode : {"0777", "0666", "0662", "602"}) {
+  for (const std::string mode : {"0600", "0660", "0777", "77777", "rw"}) {
     config.set_shm_mode(mode);
     ASSERT_TRUE(ValidateDaemonConfig(config).ok()) << mode;
     std::vector<std::string> warnings = DaemonConfigWarnings(config);
     ASSERT_EQ(warnings.size(), 1u) << mode;
-    EXPECT_THAT(warnings[0], AllOf(HasSubstr("shm_mode: \"" + mode + "\""), HasSubstr("every user"),
-                                   HasSubstr("\"0660\"")));
+    EXPECT_THAT(warnings[0], AllOf(HasSubstr("shm_mode: \"" + mode + "\""),
+                                   HasSubstr("deprecated and ignored"), HasSubstr("remove")));
   }
-  for (const std::string mode : {"0600", "0660", "0664", "0640", "0774"}) {
-    config.set_shm_mode(mode);
-    EXPECT_THAT(DaemonConfigWarnings(config), ::testing::IsEmpty()) << mode;
-  }
-  // The socket is not the shm: a world-writable socket_mode (deploy/k8s) is no warning.
-  config.set_shm_mode("0600");
-  config.set_socket_mode("0666");
-  EXPECT_THAT(DaemonConfigWarnings(config), ::testing::IsEmpty());
+  ConfigFlags flags;
+  flags.shm_mode = "0660";
+  absl::StatusOr<v1::DaemonConfig> resolved = ResolveDaemonConfig(flags);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_THAT(DaemonConfigWarnings(*resolved), ::testing::ElementsAre(HasSubstr("--shm_mode")));
 }
 
 TEST(ResolveDaemonConfigTest, MissingFileIsNamed) {

@@ -310,7 +310,7 @@ TEST(HostDataPlaneLaunchModeTest, StreamOrderedRequestIsInvalidArgumentNamingThe
   for (int r = 0; r < 2; ++r) {
     v1::EndpointInfo info;
     ASSERT_TRUE((*group)->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, &info).ok());
-    rings.push_back(RawRing::Open(info));
+    rings.push_back(RawRing::Open(info, **group));
     ASSERT_NE(rings.back(), nullptr);
   }
   // Client-launched mode is refused by the host group itself too.
@@ -370,6 +370,7 @@ class RecordingGroup : public LockstepGroup {
     return o;
   }
   uint64_t ShmDataBytes() const override { return 0; }
+  absl::StatusOr<ScopedFd> DoorbellFd(int32_t) const override { return testing::TestDoorbellFd(); }
   absl::StatusOr<std::shared_ptr<RankResources>> PrepareRank(int32_t, const std::string&,
                                                              v1::LaunchMode,
                                                              v1::EndpointInfo* info) override {
@@ -402,7 +403,7 @@ class OpEndedWithoutLaunchTest : public ::testing::Test {
     for (int r = 0; r < ranks; ++r) {
       v1::EndpointInfo info;
       ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, &info).ok());
-      rings_.push_back(RawRing::Open(info));
+      rings_.push_back(RawRing::Open(info, *group_));
       ASSERT_NE(rings_.back(), nullptr);
     }
   }
