@@ -14,6 +14,7 @@
 #include "endpoint_internal.h"
 #include "epd/common/status_macros.h"
 #include "epd/v1/control.grpc.pb.h"
+#include "fd_channel.h"
 
 namespace epd {
 namespace {
@@ -24,6 +25,8 @@ namespace {
 constexpr auto kJoinTimeout = std::chrono::seconds(30);
 constexpr auto kRpcTimeout = std::chrono::seconds(10);
 constexpr auto kLeaveTimeout = std::chrono::seconds(5);
+/// Bound on fetching an endpoint's descriptors on the fd channel (a local exchange).
+constexpr absl::Duration kFdChannelTimeout = absl::Seconds(10);
 
 std::string DefaultClientName() {
   std::ifstream comm("/proc/self/comm");
@@ -114,8 +117,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   hello.set_client_pid(::getpid());
   hello.set_client_name(options.client_name.empty() ? DefaultClientName() : options.client_name);
   if (!impl->stream->Write(hello)) {
+    // The server may refuse before the first write lands (e.g. UNIMPLEMENTED from epd's
+    // TCP health listener): explained as when the refusal comes after it.
     grpc::Status status = impl->stream->Finish();
-    return internal::AnnotateUnavailable(status.ok()
+    return internal::ExplainControlError(status.ok()
                                              ? absl::UnavailableError("Session stream closed")
                                              : internal::FromGrpcStatus(status),
                                          control->target);
@@ -152,6 +157,7 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Client::Join(const JoinOptions& option
   request.set_gpu_uuid(options.gpu_uuid);
   request.set_session_id(impl_->session_id_copy);
   request.set_launch_mode(options.launch_mode);
+  request.set_join_secret(options.join_secret);
   v1::JoinGroupResponse response;
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + kJoinTimeout);
@@ -196,8 +202,15 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Client::Join(const JoinOptions& option
         control->target));
     return response;
   };
-  absl::StatusOr<std::unique_ptr<Endpoint>> endpoint = internal::OpenEndpoint(
-      response.endpoint(), options.spec, leave, impl_->session_watch, group_endpoints);
+  // The endpoint's memory: sealed memfds handed over on the fd channel, once per join.
+  absl::StatusOr<std::unique_ptr<Endpoint>> endpoint =
+      [&]() -> absl::StatusOr<std::unique_ptr<Endpoint>> {
+    EPD_ASSIGN_OR_RETURN(std::string socket_path, internal::UnixSocketPathOf(control->target));
+    EPD_ASSIGN_OR_RETURN(EndpointFds fds, internal::FetchEndpointFds(socket_path, session_id, group,
+                                                                     rank, kFdChannelTimeout));
+    return internal::OpenEndpoint(response.endpoint(), options.spec, std::move(fds), leave,
+                                  impl_->session_watch, group_endpoints);
+  }();
   if (!endpoint.ok()) {
     leave().IgnoreError();  // Give the rank back: this process cannot use it.
     return endpoint.status();

@@ -171,15 +171,4 @@ absl::Status CheckUnixSocket(const std::string& target, absl::string_view option
   return ClassifyUnixSocketProbe(path, option, probe);
 }
 
-absl::Status ExplainShmOpenError(const absl::Status& status, uint32_t uid) {
-  if (!absl::IsPermissionDenied(status)) return status;
-  return absl::PermissionDeniedError(absl::StrCat(
-      status.message(),
-      "; the endpoint's shm regions are created with epd's shm_mode (default \"0600\": epd's "
-      "own user only) and group socket_group, and this client runs as uid ",
-      uid,
-      ": run it as epd's user, or have the operator start epd with shm_mode \"0660\" and a "
-      "socket_group this user belongs to (e.g. --shm_mode=0660 --socket_group=epd)"));
-}
-
 }  // namespace epd::internal

@@ -70,11 +70,4 @@ struct UnixSocketProbe {
 absl::Status ClassifyUnixSocketProbe(const std::string& path, absl::string_view option,
                                      const UnixSocketProbe& probe);
 
-/// An error of opening (shm_open) one of an endpoint's shm regions at join, explained:
-/// PERMISSION_DENIED gets the likely cause and fix appended (the regions are created with
-/// epd's shm_mode, default "0600", so only epd's own user may open them; a client running
-/// as another user, `uid` here, needs epd run with shm_mode "0660" and a socket_group this
-/// user belongs to). Any other status is returned as is.
-absl::Status ExplainShmOpenError(const absl::Status& status, uint32_t uid);
-
 }  // namespace epd::internal

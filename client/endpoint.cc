@@ -46,7 +46,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "control_channel.h"
 #include "cuda_ipc.h"
 #include "cuda_launch.h"
 #include "endpoint_internal.h"
@@ -1915,7 +1914,7 @@ template class PendingOp<LowLatencyCombineResult>;
 namespace internal {
 
 absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& info,
-                                                       const v1::GroupSpec& spec,
+                                                       const v1::GroupSpec& spec, EndpointFds fds,
                                                        std::function<absl::Status()> leave,
                                                        std::shared_ptr<SessionWatch> session,
                                                        GroupEndpointsFn group_endpoints) {
@@ -1963,25 +1962,28 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
           absl::StrCat("buffer region '", br.name(), "' differs between epd and this client"));
     }
   }
-  // The regions have epd's shm_mode (owner only by default): a PERMISSION_DENIED says
-  // which settings let this user open them.
-  auto open_region = [](const std::string& name, uint64_t bytes) -> absl::StatusOr<ShmRegion> {
-    absl::StatusOr<ShmRegion> region = ShmRegion::Open(name, bytes);
-    if (!region.ok()) return ExplainShmOpenError(region.status(), ::geteuid());
-    return region;
-  };
-  EPD_ASSIGN_OR_RETURN(m->region, open_region(info.shm_name(), info.shm_bytes()));
+  if (fds.endpoint_id != info.endpoint_id()) {
+    return absl::FailedPreconditionError(absl::StrCat("epd handed the memory of endpoint ",
+                                                      fds.endpoint_id, " for endpoint ",
+                                                      info.endpoint_id()));
+  }
+  // Sealed memfds of the expected sizes only: nothing can shrink them under the mapping.
+  const std::string what = absl::StrCat("group ", info.group(), " rank ", info.rank());
+  EPD_ASSIGN_OR_RETURN(m->region, ShmRegion::Map(std::move(fds.region), info.shm_bytes(),
+                                                 absl::StrCat(what, ": endpoint region")));
   EPD_ASSIGN_OR_RETURN(m->doorbell_region,
-                       open_region(info.doorbell_shm_name(), sizeof(abi::DoorbellPage)));
+                       ShmRegion::Map(std::move(fds.doorbell), sizeof(abi::DoorbellPage),
+                                      absl::StrCat(what, ": doorbell")));
   m->header = reinterpret_cast<abi::EndpointShmHeader*>(m->region.data());
   m->doorbell = reinterpret_cast<abi::DoorbellPage*>(m->doorbell_region.data());
+  // The doorbell page is shared with other clients of the engine, who can write its
+  // header: only its two words are used, so its magic is not checked.
   const abi::EndpointShmHeader& h = *m->header;
   if (h.magic != abi::kEndpointMagic || h.version != abi::kShmAbiVersion ||
       h.size != sizeof(abi::EndpointShmHeader) || h.total_bytes != info.shm_bytes() ||
-      h.data_offset != info.data_offset() || h.data_bytes < m->layout.total_bytes ||
-      m->doorbell->magic != abi::kDoorbellMagic) {
+      h.data_offset != info.data_offset() || h.data_bytes < m->layout.total_bytes) {
     return absl::FailedPreconditionError(
-        absl::StrCat("shm region ", info.shm_name(), " has a bad header (magic/version/size)"));
+        absl::StrCat(what, ": the endpoint region has a bad header (magic/version/size)"));
   }
   m->data = m->region.data() + h.data_offset;
 #if EPD_HAVE_CUDA

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "epd/client.h"
 #include "epd/v1/control.pb.h"
+#include "fd_frame.h"
 
 namespace epd::internal {
 
@@ -42,21 +43,21 @@ class SessionWatch {
 using GroupEndpointsFn =
     std::function<absl::StatusOr<v1::GetGroupEndpointsResponse>(uint32_t wait_ms)>;
 
-/// Maps the endpoint `info` describes (shm region, doorbell, data area), checks the shm
-/// ABI magic/version, and tells the daemon it is mapped (so the daemon unlinks the shm
-/// name). `leave` is called once by Endpoint::Leave (and by the destructor) to release
-/// the rank through the control plane.
+/// Maps the endpoint `info` describes: its region and doorbell from `fds` (as the fd
+/// channel handed them: client/fd_channel.h; both are closed once mapped) and, on the CUDA
+/// backend, its data area; checks the seals and sizes (ShmRegion::Map) and the shm ABI
+/// magic/version. `leave` is called once by Endpoint::Leave (and by the destructor) to
+/// release the rank through the control plane.
 /// `session`, when given, says when the client's Session with the daemon has ended:
 /// waits then return UNAVAILABLE at once instead of after op_timeout + 5 s, and a CUDA
 /// stream left waiting for the daemon is released.
 /// `group_endpoints` is needed for client-launched endpoints (info.launch_mode =
 /// LAUNCH_MODE_CLIENT); their first op fails with FAILED_PRECONDITION without it.
-/// Errors: FAILED_PRECONDITION on an ABI mismatch, UNAVAILABLE when the shm is gone,
-/// PERMISSION_DENIED when this user may not open the endpoint's shm regions (the message
-/// names epd's shm_mode and socket_group and what to change: ExplainShmOpenError),
-/// INTERNAL on mmap failure.
+/// Errors: FAILED_PRECONDITION on an ABI mismatch, a descriptor that is not a sealed memfd
+/// of the expected size, or fds of another endpoint; INTERNAL on mmap failure.
 absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(
-    const v1::EndpointInfo& info, const v1::GroupSpec& spec, std::function<absl::Status()> leave,
-    std::shared_ptr<SessionWatch> session = nullptr, GroupEndpointsFn group_endpoints = nullptr);
+    const v1::EndpointInfo& info, const v1::GroupSpec& spec, EndpointFds fds,
+    std::function<absl::Status()> leave, std::shared_ptr<SessionWatch> session = nullptr,
+    GroupEndpointsFn group_endpoints = nullptr);
 
 }  // namespace epd::internal

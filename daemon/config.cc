@@ -44,6 +44,8 @@ bool AbslParseFlag(absl::string_view text, CommandLineValue<T>* flag, std::strin
         *error = "need a number with its unit, e.g. 10s, 2500ms or 1m";
       } else if constexpr (std::is_same_v<T, uint32_t>) {
         *error = "need a whole number from 0 to 4294967295";
+      } else if constexpr (std::is_same_v<T, uint64_t>) {
+        *error = "need a whole number from 0 to 18446744073709551615";
       }
     }
     return false;
@@ -65,6 +67,7 @@ std::string AbslUnparseFlag(const CommandLineValue<T>& flag) {
 
 using StringFlag = CommandLineValue<std::string>;
 using Uint32Flag = CommandLineValue<uint32_t>;
+using Uint64Flag = CommandLineValue<uint64_t>;
 using DurationFlag = CommandLineValue<absl::Duration>;
 using StringListFlag = CommandLineValue<std::vector<std::string>>;
 
@@ -74,6 +77,7 @@ using epd::config_internal::DurationFlag;
 using epd::config_internal::StringFlag;
 using epd::config_internal::StringListFlag;
 using epd::config_internal::Uint32Flag;
+using epd::config_internal::Uint64Flag;
 
 // Every default below is the DaemonConfig default (shown by --help); a flag overrides the
 // config file only when given on the command line.
@@ -101,9 +105,9 @@ ABSL_FLAG(StringFlag, log_level, StringFlag{epd::kDefaultLogLevel},
 ABSL_FLAG(DurationFlag, op_timeout, DurationFlag{absl::Milliseconds(epd::kDefaultOpTimeoutMs)},
           "op_timeout_ms: bound on every wait of a data-plane op, a whole number of "
           "milliseconds, e.g. 10s or 2500ms.");
-ABSL_FLAG(StringFlag, shm_mode, StringFlag{epd::kDefaultShmMode},
-          "shm_mode: octal file mode of the endpoint shm regions (\"0660\" with "
-          "--socket_group to share them with a group).");
+ABSL_FLAG(StringFlag, shm_mode, StringFlag{""},
+          "shm_mode: deprecated and ignored (start-up warns): endpoint regions are sealed "
+          "memfds with no file mode, handed only to the process that joined.");
 ABSL_FLAG(Uint32Flag, engine_idle_us, Uint32Flag{epd::kDefaultEngineIdleUs},
           "engine_idle_us: an engine keeps polling this many microseconds after its last "
           "request, then sleeps until a client rings it; 0 = sleep as soon as its rings are "
@@ -115,6 +119,16 @@ ABSL_FLAG(Uint32Flag, max_request_bytes, Uint32Flag{epd::kDefaultMaxRequestBytes
           "2147483647 (gRPC's limit is an int).");
 ABSL_FLAG(Uint32Flag, max_groups, Uint32Flag{epd::kDefaultMaxGroups},
           "max_groups: maximum number of live groups.");
+ABSL_FLAG(Uint32Flag, max_groups_per_uid, Uint32Flag{epd::kDefaultMaxGroupsPerUid},
+          "max_groups_per_uid: groups one uid may own (first-joined) at a time, root "
+          "included; 0 = no limit.");
+ABSL_FLAG(Uint32Flag, max_endpoints_per_uid, Uint32Flag{epd::kDefaultMaxEndpointsPerUid},
+          "max_endpoints_per_uid: endpoints (joined ranks) one uid's sessions may hold at a "
+          "time, root included; 0 = no limit.");
+ABSL_FLAG(Uint64Flag, max_endpoint_bytes_per_uid, Uint64Flag{0},
+          "max_endpoint_bytes_per_uid: bytes of endpoint buffers (GPU memory, or shared "
+          "memory on the host backend) one uid's sessions may hold at a time, root included; "
+          "0 = no limit.");
 ABSL_FLAG(StringListFlag, gpu_uuids, StringListFlag{},
           "gpu_uuids: comma-separated GPU UUIDs the daemon may use (\"\" = every visible "
           "GPU).");
@@ -196,6 +210,9 @@ ConfigFlags ConfigFlagsFromCommandLine() {
   f.host_threads = GivenValue(FLAGS_host_threads);
   f.max_request_bytes = GivenValue(FLAGS_max_request_bytes);
   f.max_groups = GivenValue(FLAGS_max_groups);
+  f.max_groups_per_uid = GivenValue(FLAGS_max_groups_per_uid);
+  f.max_endpoints_per_uid = GivenValue(FLAGS_max_endpoints_per_uid);
+  f.max_endpoint_bytes_per_uid = GivenValue(FLAGS_max_endpoint_bytes_per_uid);
   f.gpu_uuids = GivenValue(FLAGS_gpu_uuids);
   return f;
 }
@@ -245,7 +262,6 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
        {std::tuple<const char*, const char*, const std::optional<std::string>*, const char*>{
             "socket", "socket_path", &flags.socket, kDefaultSocketPath},
         {"socket_mode", "socket_mode", &flags.socket_mode, kDefaultSocketMode},
-        {"shm_mode", "shm_mode", &flags.shm_mode, kDefaultShmMode},
         {"log_level", "log_level", &flags.log_level, kDefaultLogLevel}}) {
     if (value->has_value() && (*value)->empty()) {
       return absl::InvalidArgumentError(
@@ -299,6 +315,13 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
     }
     config->set_max_groups(*flags.max_groups);
   }
+  if (flags.max_groups_per_uid) config->set_max_groups_per_uid(*flags.max_groups_per_uid);
+  if (flags.max_endpoints_per_uid) {
+    config->set_max_endpoints_per_uid(*flags.max_endpoints_per_uid);
+  }
+  if (flags.max_endpoint_bytes_per_uid) {
+    config->set_max_endpoint_bytes_per_uid(*flags.max_endpoint_bytes_per_uid);
+  }
   if (flags.gpu_uuids) {
     config->clear_gpu_uuids();
     for (const std::string& uuid : *flags.gpu_uuids) {
@@ -314,7 +337,6 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
   if (config->backend() == v1::BACKEND_UNSPECIFIED) config->set_backend(v1::BACKEND_AUTO);
   if (config->log_level().empty()) config->set_log_level(kDefaultLogLevel);
   if (!config->has_op_timeout_ms()) config->set_op_timeout_ms(kDefaultOpTimeoutMs);
-  if (config->shm_mode().empty()) config->set_shm_mode(kDefaultShmMode);
   if (!config->has_engine_idle_us()) config->set_engine_idle_us(kDefaultEngineIdleUs);
   if (!config->has_max_request_bytes()) config->set_max_request_bytes(kDefaultMaxRequestBytes);
   if (!config->has_max_groups()) config->set_max_groups(kDefaultMaxGroups);
@@ -324,6 +346,10 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
         static_cast<uint64_t>(config->op_timeout_ms()) + kUnmappedEndpointSlackMs;
     config->set_unmapped_endpoint_timeout_ms(static_cast<uint32_t>(std::clamp<uint64_t>(
         after_op_timeout, kDefaultUnmappedEndpointTimeoutMs, kMaxUnmappedEndpointTimeoutMs)));
+  }
+  if (!config->has_max_groups_per_uid()) config->set_max_groups_per_uid(kDefaultMaxGroupsPerUid);
+  if (!config->has_max_endpoints_per_uid()) {
+    config->set_max_endpoints_per_uid(kDefaultMaxEndpointsPerUid);
   }
 }
 
@@ -341,19 +367,18 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
         " bytes (the unix socket limit of 107, less the two that gRPC adds to the "
         "\"unix:///path\" it listens on); use a shorter path, e.g. /run/epd/epd.sock"));
   }
-  for (const auto& [field, value] :
-       {std::pair<const char*, const std::string*>{"socket_mode", &config.socket_mode()},
-        {"shm_mode", &config.shm_mode()}}) {
-    EPD_ASSIGN_OR_RETURN(uint32_t mode, ParseFileMode(field, *value));
+  {
+    EPD_ASSIGN_OR_RETURN(uint32_t mode, ParseFileMode("socket_mode", config.socket_mode()));
     if (mode & ~0777u) {
       return absl::InvalidArgumentError(
-          absl::StrCat(field, ": \"", *value,
+          absl::StrCat("socket_mode: \"", config.socket_mode(),
                        "\" sets setuid, setgid or sticky bits; give permissions only "
                        "(e.g. \"0660\")"));
     }
     if ((mode & 0600u) != 0600u) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ": \"", *value, "\" does not let the owner read and write (needs 0600)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("socket_mode: \"", config.socket_mode(),
+                       "\" does not let the owner read and write (needs 0600)"));
     }
   }
   EPD_RETURN_IF_ERROR(CheckListen(config.listen()));
@@ -402,13 +427,12 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
 
 std::vector<std::string> DaemonConfigWarnings(const v1::DaemonConfig& config) {
   std::vector<std::string> warnings;
-  absl::StatusOr<uint32_t> shm_mode = ParseFileMode("shm_mode", config.shm_mode());
-  if (shm_mode.ok() && (*shm_mode & 0002u) != 0) {
+  if (!config.shm_mode().empty()) {
     warnings.push_back(absl::StrCat(
         "shm_mode: \"", config.shm_mode(),
-        "\" lets every user on this machine write the endpoint shm regions (others-write "
-        "bit), so any local process can corrupt any client's tokens; share them with the "
-        "clients' group instead: socket_group plus shm_mode \"0660\""));
+        "\" is deprecated and ignored: endpoint regions are sealed memfds with no name and no "
+        "file mode, handed only to the process that joined the rank (docs/SECURITY.md); "
+        "remove shm_mode from the config file or --shm_mode from the command line"));
   }
   if (static_cast<uint64_t>(config.unmapped_endpoint_timeout_ms()) <
       static_cast<uint64_t>(config.op_timeout_ms()) + 5000) {

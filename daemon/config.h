@@ -1,10 +1,11 @@
 // DaemonConfig loading (DESIGN.md §3.1, STYLE rule 9): the config file is the text format
 // of epd.v1.DaemonConfig (proto/epd/v1/config.proto); command-line flags override any
 // field it sets; a field left absent (or "") takes the default documented in the proto
-// (op_timeout_ms, engine_idle_us, max_request_bytes, max_groups, min_free_fds and
-// unmapped_endpoint_timeout_ms are `optional`: a present 0 is kept and validated, never
-// read as absent). min_free_fds and unmapped_endpoint_timeout_ms have no flag. A
-// present-but-invalid value is an error naming the field and the value, never a silent fallback.
+// (op_timeout_ms, engine_idle_us, max_request_bytes, max_groups, min_free_fds,
+// unmapped_endpoint_timeout_ms, max_groups_per_uid and max_endpoints_per_uid are
+// `optional`: a present 0 is kept and validated, never read as absent). min_free_fds and
+// unmapped_endpoint_timeout_ms have no flag. A present-but-invalid value is an error naming
+// the field and the value, never a silent fallback.
 //
 // Flags (defined in config.cc, read by ConfigFlagsFromCommandLine; each flag's default,
 // shown by --help, is the field's default, and only a flag given on the command line
@@ -15,9 +16,12 @@
 //   --socket_mode=0660       socket_mode          --socket_group=NAME   socket_group
 //   --listen=HOST:PORT       listen ("" or "off" = none)    --backend=auto|cuda|host
 //   --log_level=info         log_level            --op_timeout=10s      op_timeout_ms
-//   --shm_mode=0600          shm_mode             --engine_idle_us=100  engine_idle_us
+//   --shm_mode (ignored)     shm_mode             --engine_idle_us=100  engine_idle_us
 //   --host_threads=0         host_threads         --max_request_bytes   max_request_bytes
 //   --max_groups=64          max_groups           --gpu_uuids=GPU-a,GPU-b gpu_uuids
+//   --max_groups_per_uid=64  max_groups_per_uid
+//   --max_endpoints_per_uid=256                   max_endpoints_per_uid
+//   --max_endpoint_bytes_per_uid=0                max_endpoint_bytes_per_uid
 #pragma once
 
 #include <cstdint>
@@ -36,7 +40,6 @@ namespace epd {
 /// Defaults of the DaemonConfig fields (as documented in config.proto).
 inline constexpr char kDefaultSocketPath[] = "/run/epd/epd.sock";
 inline constexpr char kDefaultSocketMode[] = "0660";
-inline constexpr char kDefaultShmMode[] = "0600";
 inline constexpr char kDefaultLogLevel[] = "info";
 inline constexpr uint32_t kDefaultOpTimeoutMs = 10000;
 inline constexpr uint32_t kDefaultEngineIdleUs = 100;
@@ -51,6 +54,10 @@ inline constexpr uint32_t kDefaultUnmappedEndpointTimeoutMs = 30000;
 inline constexpr uint32_t kUnmappedEndpointSlackMs = 10000;
 inline constexpr uint32_t kMinUnmappedEndpointTimeoutMs = 100;
 inline constexpr uint32_t kMaxUnmappedEndpointTimeoutMs = 86400000;
+/// Per-uid quotas: one uid may own every group a default daemon allows, and hold 256
+/// endpoints (a 32-rank job in 8 groups); bytes are not limited by default (0).
+inline constexpr uint32_t kDefaultMaxGroupsPerUid = 64;
+inline constexpr uint32_t kDefaultMaxEndpointsPerUid = 256;
 /// Smallest accepted max_request_bytes: every control message fits in far less.
 inline constexpr uint32_t kMinMaxRequestBytes = 64u << 10;
 /// Largest accepted max_request_bytes: gRPC takes the limit as an int (INT32_MAX).
@@ -81,6 +88,9 @@ struct ConfigFlags {
   std::optional<uint32_t> host_threads;
   std::optional<uint32_t> max_request_bytes;
   std::optional<uint32_t> max_groups;
+  std::optional<uint32_t> max_groups_per_uid;
+  std::optional<uint32_t> max_endpoints_per_uid;
+  std::optional<uint64_t> max_endpoint_bytes_per_uid;
   std::optional<std::vector<std::string>> gpu_uuids;
 };
 
@@ -100,7 +110,7 @@ absl::StatusOr<v1::DaemonConfig> LoadDaemonConfigFile(const std::string& path);
 
 /// Writes every flag that was given into `config`. INVALID_ARGUMENT naming the flag and
 /// the value for a value that does not convert (e.g. --backend=gpu, --op_timeout=0s), and
-/// for --socket, --socket_mode, --shm_mode or --log_level given empty (an explicit "" is
+/// for --socket, --socket_mode or --log_level given empty (an explicit "" is
 /// never read as "use the default"; the same field left empty in the config file is unset
 /// and takes the default). --socket_group="" (the daemon's own group), --listen="" (no
 /// listener) and --gpu_uuids="" (every GPU) are meaningful and override the file.
@@ -119,10 +129,8 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config);
 absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config);
 
 /// What start-up should warn about in a filled, valid config (Daemon::Start logs each at
-/// warn level on epd.config; none refuses the start): today, a shm_mode granting write to
-/// others (0002: "0666", "0777", ...), which lets every local user write the endpoint shm
-/// regions and so corrupt any client's tokens. Group write ("0660") is the normal way to
-/// share with clients and is not warned about. Empty for the defaults.
+/// warn level on epd.config; none refuses the start): today, a shm_mode (deprecated and
+/// ignored: endpoint regions are sealed memfds with no file mode). Empty for the defaults.
 std::vector<std::string> DaemonConfigWarnings(const v1::DaemonConfig& config);
 
 /// The effective config: --config file (if given), then flags, then defaults, validated.

@@ -14,6 +14,43 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
+namespace {
+
+/// UNAUTHENTICATED for a call that did not come through epd's own unix listener, which
+/// alone records a connection's SO_PEERCRED: epd knows a client by nothing else.
+absl::Status NoCredentials(const std::string& peer) {
+  return absl::UnauthenticatedError(
+      absl::StrCat("epd knows a client by the kernel's credentials of its connection to epd's unix "
+                   "socket (SO_PEERCRED), and this call (peer \"",
+                   EscapeClientText(peer), "\") has none; connect to the unix socket"));
+}
+
+/// The caller of a Control RPC as the kernel knows it: SO_PEERCRED of its connection to
+/// epd's unix socket; UNAUTHENTICATED without one.
+absl::StatusOr<PeerCredentials> Caller(const grpc::CallbackServerContext& context) {
+  std::optional<PeerCredentials> creds = CallerCredentials(context);
+  if (!creds) return NoCredentials(context.peer());
+  return *creds;
+}
+
+/// PERMISSION_DENIED when `session_id` is an open session of another uid than the caller's
+/// (a call acts in a session's name only for the user that opened it); the registry
+/// answers every other problem of the id itself.
+absl::Status CheckCallerMayUseSession(const GroupRegistry& registry, const std::string& session_id,
+                                      const PeerCredentials& caller) {
+  absl::Status status = registry.CheckSessionCaller(session_id, caller);
+  return status.code() == absl::StatusCode::kPermissionDenied ? status : absl::OkStatus();
+}
+
+/// Finishes `reactor` with `status` when it is an error; returns whether it did.
+bool FinishIfError(grpc::ServerUnaryReactor* reactor, const absl::Status& status) {
+  if (status.ok()) return false;
+  reactor->Finish(ToGrpcStatus(status));
+  return true;
+}
+
+}  // namespace
+
 // One Session stream. Lives until OnDone. Reactions may run concurrently with OnCancel,
 // so every state change happens under mu_. gRPC never runs a reaction inline from a
 // Start*/Finish call of a user reactor (can_inline is false for them), so calling those
@@ -34,15 +71,18 @@ class ControlService::SessionReactor
       return;
     }
     if (session_id_.empty()) {
-      // The identity is the kernel's; the pid the client sent is only compared. A call
-      // without SO_PEERCRED gets the uid no process has (and, for display only, the pid it
-      // claims).
-      PeerCredentials peer = credentials_.value_or(kUnauthenticatedPeer);
-      if (!credentials_) peer.pid = request_.client_pid();
+      // The identity is the kernel's; the pid the client sent is only compared.
+      if (!credentials_) {
+        EndLocked("refused: no SO_PEERCRED", ToGrpcStatus(NoCredentials(peer_)));
+        return;
+      }
+      const PeerCredentials& peer = *credentials_;
       if (request_.client_pid() != peer.pid) {
         GetLogger(kLogControl)
-            ->debug("Session from {}: client_pid {} in the request is not the peer's ({})", peer_,
-                    request_.client_pid(), DescribeCredentials(peer));
+            ->debug(
+                "Session from {} ({}): its SessionRequest.client_pid is not the kernel's "
+                "pid; epd uses the kernel's",
+                DescribeCredentials(peer), peer_);
       }
       absl::StatusOr<std::string> id =
           service_->registry_->OpenSession(peer, request_.client_name());
@@ -138,15 +178,20 @@ grpc::ServerUnaryReactor* ControlService::JoinGroup(grpc::CallbackServerContext*
                                                     const v1::JoinGroupRequest* request,
                                                     v1::JoinGroupResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<v1::EndpointInfo> endpoint = registry_->Join(*request);
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  const absl::Status allowed = CheckCallerMayUseSession(*registry_, request->session_id(), *caller);
+  absl::StatusOr<v1::EndpointInfo> endpoint =
+      allowed.ok() ? registry_->Join(*request) : absl::StatusOr<v1::EndpointInfo>(allowed);
   if (endpoint.ok()) {
     *response->mutable_endpoint() = *std::move(endpoint);
   } else {
     // The name is the client's, unvalidated: escaped and capped (a '\n' would forge a line).
+    // The join secret is never logged (nor is it in any error message).
     GetLogger(kLogControl)
-        ->info("JoinGroup group \"{}\" rank {} from {} refused: {}",
-               EscapeClientText(request->spec().name()), request->rank(), context->peer(),
-               endpoint.status().ToString());
+        ->info("JoinGroup group \"{}\" rank {} from {} ({}) refused: {}",
+               EscapeClientText(request->spec().name()), request->rank(),
+               DescribeCredentials(*caller), context->peer(), endpoint.status().ToString());
   }
   reactor->Finish(ToGrpcStatus(endpoint.status()));
   return reactor;
@@ -156,6 +201,12 @@ grpc::ServerUnaryReactor* ControlService::LeaveGroup(grpc::CallbackServerContext
                                                      const v1::LeaveGroupRequest* request,
                                                      v1::LeaveGroupResponse* /*response*/) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  if (FinishIfError(reactor,
+                    CheckCallerMayUseSession(*registry_, request->session_id(), *caller))) {
+    return reactor;
+  }
   reactor->Finish(ToGrpcStatus(registry_->Leave(*request)));
   return reactor;
 }
@@ -164,6 +215,12 @@ grpc::ServerUnaryReactor* ControlService::GetGroupEndpoints(
     grpc::CallbackServerContext* context, const v1::GetGroupEndpointsRequest* request,
     v1::GetGroupEndpointsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  if (FinishIfError(reactor,
+                    CheckCallerMayUseSession(*registry_, request->session_id(), *caller))) {
+    return reactor;
+  }
   // The reactor and `response` live until Finish; the callback runs exactly once.
   registry_->GetGroupEndpoints(
       *request, [reactor, response, group = EscapeClientText(request->group()),
@@ -184,7 +241,9 @@ grpc::ServerUnaryReactor* ControlService::ListGroups(grpc::CallbackServerContext
                                                      const v1::ListGroupsRequest* /*request*/,
                                                      v1::ListGroupsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  *response = registry_->ListGroups();
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  *response = registry_->ListGroups(*caller);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -193,6 +252,9 @@ grpc::ServerUnaryReactor* ControlService::GetStats(grpc::CallbackServerContext* 
                                                    const v1::GetStatsRequest* /*request*/,
                                                    v1::GetStatsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (FinishIfError(reactor, Caller(*context).status())) return reactor;
+  // Whole-daemon counts, the GPUs and the config, but no group's name or spec: the same
+  // for every caller.
   *response = stats_();
   reactor->Finish(grpc::Status::OK);
   return reactor;

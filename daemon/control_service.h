@@ -14,13 +14,13 @@
 
 namespace epd {
 
-/// The identity of a call that did not come through epd's own unix listener (no
-/// SO_PEERCRED): uid and gid (uid_t)-1, which no process has.
-inline constexpr PeerCredentials kUnauthenticatedPeer{0, 0xFFFFFFFFu, 0xFFFFFFFFu};
-
 /// absl::Status → grpc::Status (codes are numerically identical).
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
+/// Every Control RPC acts for the caller's SO_PEERCRED (daemon/peer_credentials.h),
+/// recorded by epd's unix listener; a call without it is refused with UNAUTHENTICATED. A
+/// call that quotes a session id must come from the uid that opened that session
+/// (PERMISSION_DENIED otherwise). ListGroups lists what the caller's uid may see.
 class ControlService final : public v1::Control::CallbackService {
  public:
   /// `registry` must outlive the service; `stats` fills GetStats (called per RPC).

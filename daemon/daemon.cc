@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/config.h"
 #include "daemon/control_service.h"
+#include "daemon/fd_channel.h"
 #include "daemon/fd_limits.h"
 #include "daemon/group_registry.h"
 #include "daemon/host_data_plane.h"
@@ -155,35 +156,7 @@ absl::StatusOr<ScopedFd> OpenSocketLockFile(const std::string& lock_path) {
   return fd;
 }
 
-/// Removes the shm regions with `socket_path`'s creator tag that no live process holds
-/// (ShmRegion::RemoveStale): what an earlier epd on this socket could not unlink (SIGKILL,
-/// OOM kill, power loss). Called once start-up has succeeded, so an epd that fails to start
-/// touches nothing; regions a live epd holds (another mount namespace with the same socket
-/// path and the same /dev/shm) are left alone and warned about. Logs; never fails.
-void RemoveStaleShmRegions(const std::string& socket_path) {
-  auto log = GetLogger(kLogDaemon);
-  const std::string tag = ShmCreatorTag(socket_path);
-  int held = 0;
-  absl::StatusOr<int> removed = ShmRegion::RemoveStale(tag, &held);
-  if (!removed.ok()) {
-    log->warn("cannot look for stale shm regions of this socket: {}", removed.status().ToString());
-    return;
-  }
-  if (*removed > 0) {
-    log->warn("removed {} shm region(s) left in /dev/shm by an earlier epd on {} (tag {})",
-              *removed, socket_path, tag);
-  }
-  if (held > 0) {
-    log->warn(
-        "{} shm region(s) in /dev/shm carry this socket's tag {} but are held by another live "
-        "process, so they were left alone: another epd on the path {} shares this /dev/shm "
-        "(e.g. in another mount namespace or container with --ipc=host); give each epd its "
-        "own socket path",
-        held, tag, socket_path);
-  }
-}
-
-/// The gid of the socket_group `name` (which owns the socket and every shm region).
+/// The gid of the socket_group `name` (which owns the socket).
 /// NOT_FOUND naming the field, its flag and the value when the machine has no such group.
 absl::StatusOr<gid_t> LookUpSocketGroup(const std::string& name) {
   std::vector<char> buffer(16384);
@@ -199,8 +172,7 @@ absl::StatusOr<gid_t> LookUpSocketGroup(const std::string& name) {
     return absl::NotFoundError(absl::StrCat(
         "socket_group (--socket_group or the config file's socket_group): \"", name,
         "\" is not a group on this machine", rc != 0 ? absl::StrCat(" (", Errno(rc), ")") : "",
-        "; it must name an existing group (see `getent group`), which then owns the socket "
-        "and the shm regions"));
+        "; it must name an existing group (see `getent group`), which then owns the socket"));
   }
   return result->gr_gid;
 }
@@ -256,8 +228,6 @@ absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::Daemon
 #if EPD_HAVE_CUDA
   if (choice.backend == "cuda") {
     CudaDataPlaneOptions options;
-    EPD_ASSIGN_OR_RETURN(options.shm_mode, ParseFileMode("shm_mode", config.shm_mode()));
-    options.shm_group = config.socket_group();
     options.op_timeout_ms = config.op_timeout_ms();
     options.engine_idle_us = config.engine_idle_us();
     options.gpu_uuids.assign(config.gpu_uuids().begin(), config.gpu_uuids().end());
@@ -269,8 +239,6 @@ absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::Daemon
         absl::StrCat("backend \"", choice.backend, "\" has no data plane in this build"));
   }
   HostDataPlaneOptions options;
-  EPD_ASSIGN_OR_RETURN(options.shm_mode, ParseFileMode("shm_mode", config.shm_mode()));
-  options.shm_group = config.socket_group();
   options.op_timeout_ms = config.op_timeout_ms();
   options.engine_idle_us = config.engine_idle_us();
   options.host_threads = static_cast<int>(config.host_threads());
@@ -326,8 +294,7 @@ absl::Status Daemon::Init() {
   } else {
     log->warn("{}; epd keeps its soft limit", fds.status().message());
   }
-  // The group owns the socket and every shm region: check it before anything is created
-  // (the data plane's first shm region would otherwise fail naming only the group).
+  // The group owns the socket: check it before anything is created.
   if (!config_.socket_group().empty()) {
     EPD_RETURN_IF_ERROR(LookUpSocketGroup(config_.socket_group()).status());
   }
@@ -369,8 +336,7 @@ absl::Status Daemon::Init() {
     inventory_ = inventory;
   }
 
-  // One epd per socket (its lock file), and this socket's shm creator tag set before the
-  // data plane creates its first region.
+  // One epd per socket (its lock file).
   EPD_RETURN_IF_ERROR(PrepareSocketPath());
   DataPlaneFactory factory =
       options_.data_plane_factory ? options_.data_plane_factory : MakeDefaultDataPlane;
@@ -382,8 +348,18 @@ absl::Status Daemon::Init() {
   registry_options.min_free_fds = config_.min_free_fds();
   registry_options.unmapped_endpoint_timeout =
       absl::Milliseconds(config_.unmapped_endpoint_timeout_ms());
+  registry_options.max_groups_per_uid = config_.max_groups_per_uid();
+  registry_options.max_endpoints_per_uid = config_.max_endpoints_per_uid();
+  registry_options.max_endpoint_bytes_per_uid = config_.max_endpoint_bytes_per_uid();
+  registry_options.operator_uid = ::geteuid();  // With root, sees every group.
   registry_ = std::make_unique<GroupRegistry>(data_plane_.get(), inventory, registry_options);
   control_ = std::make_unique<ControlService>(registry_.get(), [this] { return Stats(); });
+  EPD_ASSIGN_OR_RETURN(fd_channel_, FdChannel::Start([registry = registry_.get()](
+                                                         const v1::FdChannelRequest& request,
+                                                         const PeerCredentials& peer) {
+                         return registry->TakeEndpointFds(request.session_id(), request.group(),
+                                                          request.rank(), peer);
+                       }));
 
   // gRPC servers: Control and Health on the unix socket (local clients: its mode and group
   // are the access control, SO_PEERCRED their identity); Health alone on the optional TCP
@@ -410,7 +386,7 @@ absl::Status Daemon::Init() {
   }
   UnixListener::Options listener_options;
   listener_options.socket_path = socket_path_;
-  // No fd channel is served yet: fd-channel connections are closed.
+  listener_options.fd_channel_handler = fd_channel_->Handler();
   listener_options.loop_hook_for_testing = options_.listener_loop_hook_for_testing;
   // Bound with mode 0600: nobody but us may connect until the mode and group are applied.
   absl::StatusOr<std::unique_ptr<UnixListener>> listener =
@@ -438,9 +414,6 @@ absl::Status Daemon::Init() {
         "socket alone)",
         config_.listen(), tcp_port_);
   }
-  // Only now, with start-up done: the shm regions a killed epd on this socket left behind
-  // (never a region some live process holds).
-  RemoveStaleShmRegions(socket_path_);
   if (!inventory.empty()) gpu_monitor_ = std::thread([this] { MonitorGpus(); });
   health_watcher_ = std::thread([this] { WatchHealth(); });
   {
@@ -509,10 +482,6 @@ absl::Status Daemon::PrepareSocketPath() {
         " is locked: ", Errno(err), "); refusing to start a second epd on it"));
   }
   WriteLockHolder(socket_lock_.get());
-  // Regions are named with this socket's creator tag, so the next epd on it finds what this
-  // one could not unlink (RemoveStaleShmRegions, once start-up has succeeded). The lock does
-  // not make the tag ours: the same path in another mount namespace has another lock file.
-  ShmRegion::SetCreatorTag(ShmCreatorTag(socket_path_));
   struct stat st {};
   if (::lstat(socket_path_.c_str(), &st) != 0) {
     if (errno == ENOENT) return absl::OkStatus();
@@ -553,10 +522,11 @@ absl::Status Daemon::ApplySocketPermissions() {
       const int err = errno;
       return absl::PermissionDeniedError(absl::StrCat(
           "socket_group: cannot give ", socket_path_, " to group \"", config_.socket_group(),
-          "\": ", Errno(err),
-          err == EPERM ? absl::StrCat("; epd's user (uid ", ::geteuid(),
-                                      ") must be a member of that group, or run epd as root")
-                       : ""));
+          "\" (gid ", gid, "): ", Errno(err),
+          err == EPERM
+              ? absl::StrCat("; epd's user (uid ", ::geteuid(), ") must be a member of group \"",
+                             config_.socket_group(), "\" (socket_group), or run epd as root")
+              : ""));
     }
   }
   if (::chmod(socket_path_.c_str(), static_cast<mode_t>(mode)) != 0) {
@@ -725,6 +695,7 @@ void Daemon::Shutdown() {
   tcp_server_.reset();
   tcp_control_refusal_.reset();
   control_.reset();
+  fd_channel_.reset();
   if (registry_ != nullptr) registry_->ReleaseAll();
   registry_.reset();
   if (data_plane_ != nullptr) data_plane_->Shutdown();

@@ -43,6 +43,7 @@ class Server;
 namespace epd {
 
 class ControlService;
+class FdChannel;
 class GroupRegistry;
 class UnixListener;
 
@@ -68,7 +69,7 @@ using DataPlaneFactory = std::function<absl::StatusOr<std::unique_ptr<DataPlane>
     const v1::DaemonConfig& config, const BackendChoice& choice)>;
 
 /// The data plane epd runs by default: the host data plane (daemon/host_data_plane.h)
-/// with shm_mode, socket_group, op_timeout_ms, engine_idle_us and host_threads of `config`.
+/// with op_timeout_ms, engine_idle_us and host_threads of `config`.
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::DaemonConfig& config,
                                                                 const BackendChoice& choice);
 
@@ -146,6 +147,8 @@ class Daemon {
   std::unique_ptr<DataPlane> data_plane_;
   std::unique_ptr<GroupRegistry> registry_;
   std::unique_ptr<ControlService> control_;
+  /// Answers fd-channel connections of the unix socket (the endpoints' descriptors).
+  std::unique_ptr<FdChannel> fd_channel_;
   ScopedFd socket_lock_;                      // flock on "<socket>.lock" (one epd per socket).
   std::unique_ptr<UnixListener> listener_;    // The unix socket: accepts, routes to server_.
   std::unique_ptr<grpc::Server> server_;      // Control and Health, fed by listener_.

@@ -1,7 +1,7 @@
 // DataPlane: what the group registry (control plane) asks of a backend. The registry
 // owns groups, ranks and sessions; the data plane owns the memory, the rings and the
 // engines that execute ops. Implementations: HostDataPlane (daemon/host_data_plane.h,
-// buffers in POSIX shm, ops by kernels/host) and, with CUDA, the CUDA data plane.
+// buffers in sealed shared memory, ops by kernels/host) and, with CUDA, the CUDA data plane.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +10,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "epd/v1/control.pb.h"
+#include "fd_frame.h"
 
 namespace epd {
 
@@ -30,7 +32,19 @@ class DataPlaneGroup {
   /// DEADLINE_EXCEEDED (or ABORTED) instead of hanging. Idempotent.
   virtual void DetachRank(int32_t rank) = 0;
 
-  /// Whether rank `rank`'s client has taken up its endpoint (mapped it). The registry
+  /// Hands out rank `rank`'s endpoint region and its engine's doorbell page (new
+  /// descriptors, close-on-exec) for the fd channel, once per attach: the group keeps no
+  /// descriptor of the region afterwards (its own mapping stays), and a second call is
+  /// FAILED_PRECONDITION. NOT_FOUND when the rank is not attached; RESOURCE_EXHAUSTED when
+  /// the process is out of descriptors (the region stays available then). The default, for
+  /// data planes without shared regions, is UNIMPLEMENTED.
+  virtual absl::StatusOr<EndpointFds> TakeEndpointFds(int32_t rank) {
+    return absl::UnimplementedError(
+        absl::StrCat("rank ", rank, ": this data plane has no shared regions to hand out"));
+  }
+
+  /// Whether rank `rank`'s client has taken up its endpoint (fetched its descriptors:
+  /// TakeEndpointFds, which only the session holding the rank can). The registry
   /// expires a rank for which this stays false for unmapped_endpoint_timeout_ms after its
   /// join (GroupRegistry::ExpireUnmappedEndpoints). Default: true (never expires).
   virtual bool RankMapped(int32_t /*rank*/) const { return true; }
@@ -53,8 +67,8 @@ class DataPlane {
   /// RESOURCE_EXHAUSTED check at join.
   virtual uint64_t BytesPerRank(const v1::GroupSpec& spec) const = 0;
 
-  /// Bytes free where a rank on `gpu_uuid` would be allocated (GPU memory, or /dev/shm on
-  /// the host backend).
+  /// Bytes free where a rank on `gpu_uuid` would be allocated (GPU memory, or available
+  /// host memory on the host backend).
   virtual absl::StatusOr<uint64_t> FreeBytes(const std::string& gpu_uuid) const = 0;
 
   /// The launch mode a new group gets when its first joiner leaves launch_mode unspecified

@@ -207,12 +207,10 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   // The layout the daemon uses from here on (private; the header gets a copy for the client).
   const abi::EndpointShmLayout shm = abi::ComputeEndpointShmLayout(shm_data_bytes);
   ep->shm_layout = shm;
-  EPD_ASSIGN_OR_RETURN(ep->region, ShmRegion::Create("epd-ep", shm.total_bytes, options_.shm_mode,
-                                                     options_.shm_group));
+  EPD_ASSIGN_OR_RETURN(ep->region, ShmRegion::Create("epd-ep", shm.total_bytes));
   if (ep->region.size() < shm.total_bytes) {
-    return absl::InternalError(absl::StrCat("endpoint shm region ", ep->region.name(), " has ",
-                                            ep->region.size(), " bytes, the layout needs ",
-                                            shm.total_bytes));
+    return absl::InternalError(absl::StrCat("endpoint region has ", ep->region.size(),
+                                            " bytes, the layout needs ", shm.total_bytes));
   }
   ep->header = reinterpret_cast<abi::EndpointShmHeader*>(ep->region.data());
   abi::EndpointShmHeader& h = *ep->header;
@@ -248,7 +246,6 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   info->set_group(spec_.name());
   info->set_rank(rank);
   info->set_endpoint_id(ep->endpoint_id);
-  info->set_shm_name(ep->region.name());
   info->set_shm_bytes(shm.total_bytes);
   info->set_data_offset(shm_data_bytes > 0 ? shm.data_offset : 0);
   info->set_data_bytes(layout_.total_bytes);
@@ -270,6 +267,25 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
                     spec_.name(), rank, endpoints_[rank]->endpoint_id, info->backend(),
                     shm.total_bytes);
   return absl::OkStatus();
+}
+
+absl::StatusOr<EndpointFds> LockstepGroup::TakeEndpointFds(int32_t rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size()) || !endpoints_[rank]) {
+    return absl::NotFoundError(
+        absl::StrCat("group ", spec_.name(), ": rank ", rank, " has no endpoint"));
+  }
+  LockstepEndpoint& ep = *endpoints_[rank];
+  if (ep.region.fd() < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", spec_.name(), " rank ", rank, ": the descriptors of endpoint ", ep.endpoint_id,
+        " were already handed out (once per join; leave and join again for a new endpoint)"));
+  }
+  EndpointFds fds;
+  EPD_ASSIGN_OR_RETURN(fds.doorbell, DoorbellFd(rank));
+  fds.region = ep.region.TakeFd();
+  fds.endpoint_id = ep.endpoint_id;
+  return fds;
 }
 
 void LockstepGroup::DetachRank(int32_t rank) {
@@ -482,9 +498,6 @@ bool LockstepGroup::PopRequests() {
   for (size_t r = 0; r < endpoints_.size(); ++r) {
     LockstepEndpoint* ep = endpoints_[r].get();
     if (!ep) continue;
-    if (ep->region.linked() && ep->ClientMapped()) {
-      ep->region.Unlink();  // Both sides have it mapped: the name is no longer needed.
-    }
     LogSuppressed(*engine_log_, spdlog::level::warn, ep->log_limiter, ep->log_name);
     const int32_t rank = static_cast<int32_t>(r);
     if (absl::Status refused = AcceptsRequests(rank); !refused.ok()) {

@@ -48,16 +48,18 @@ struct RankResources {
   virtual ~RankResources() = default;
 };
 
-/// One attached rank: its shm region and the daemon's view of its ring and handles.
+/// One attached rank: its shared region and the daemon's view of its ring and handles.
 ///
 /// The region is client-writable (the client maps it read-write). Nothing the daemon
 /// dereferences comes from it: the layout (ring, completion and data offsets) is computed
 /// here at attach and kept in `shm_layout`; the header's copy of it is for the client and
 /// is never read back. The daemon reads back from the header only ring_head (once per
 /// slot it pops; compared with its own ring_tail, never used as an index) and the flag
-/// words client_mapped, client_waiting and daemon_closed; ring slots are copied into
-/// private memory once, then validated, then only the copy is used.
+/// words client_waiting and daemon_closed; ring slots are copied into private memory
+/// once, then validated, then only the copy is used.
 struct LockstepEndpoint {
+  /// The endpoint's sealed region. Holds its descriptor until the fd channel took it
+  /// (TakeEndpointFds); the mapping lives as long as the endpoint.
   ShmRegion region;
   abi::EndpointShmHeader* header = nullptr;  ///< Written by the daemon; see above.
   abi::EndpointShmLayout shm_layout{};       ///< Private: the region's layout.
@@ -84,12 +86,11 @@ struct LockstepEndpoint {
   /// slots, bad inputs).
   LogRateLimiter log_limiter;
 
-  /// Whether the client has taken up this endpoint: it mapped the region (it sets
-  /// client_mapped in the header then; only this predicate reads it for that). An endpoint
-  /// that stays unmapped is expired (DataPlaneGroup::RankMapped).
-  bool ClientMapped() const {
-    return abi::Atomic(header->client_mapped).load(std::memory_order_acquire) != 0;
-  }
+  /// Whether the client has taken up this endpoint: the fd channel handed it the region's
+  /// descriptor (TakeEndpointFds), which is daemon-private state (the header's
+  /// client_mapped, which the client writes, is not trusted for it). An endpoint that
+  /// stays unmapped is expired (DataPlaneGroup::RankMapped).
+  bool ClientMapped() const { return region.fd() < 0; }
 
   /// The data area when it lives in the shm region (host backend).
   uint8_t* shm_data() const { return region.data() + shm_layout.data_offset; }
@@ -147,18 +148,14 @@ struct OpPlan {
 
 /// Options every lockstep group shares.
 struct LockstepOptions {
-  uint32_t shm_mode = 0600;        ///< Mode of the endpoint shm regions.
-  std::string shm_group;           ///< Group of the shm regions ("" = own group).
   uint32_t op_timeout_ms = 10000;  ///< Bound on waiting for the ranks of an op.
 };
 
-/// The LockstepOptions of a backend's options struct (any struct with shm_mode, shm_group
-/// and op_timeout_ms: HostDataPlaneOptions, CudaDataPlaneOptions).
+/// The LockstepOptions of a backend's options struct (any struct with op_timeout_ms:
+/// HostDataPlaneOptions, CudaDataPlaneOptions).
 template <typename BackendOptions>
 LockstepOptions LockstepOptionsOf(const BackendOptions& o) {
   LockstepOptions l;
-  l.shm_mode = o.shm_mode;
-  l.shm_group = o.shm_group;
   l.op_timeout_ms = o.op_timeout_ms;
   return l;
 }
@@ -174,6 +171,7 @@ class LockstepGroup : public DataPlaneGroup {
   absl::Status AttachRank(int32_t rank, const std::string& gpu_uuid, v1::LaunchMode launch_mode,
                           v1::EndpointInfo* info) final;
   void DetachRank(int32_t rank) final;
+  absl::StatusOr<EndpointFds> TakeEndpointFds(int32_t rank) final;
   uint64_t ops_completed() const final { return ops_completed_.load(); }
   uint64_t ops_failed() const final { return ops_failed_.load(); }
   uint64_t rank_ops_completed(int32_t rank) const final;
@@ -197,12 +195,16 @@ class LockstepGroup : public DataPlaneGroup {
   /// CUDA: 0, the data area is on the GPU).
   virtual uint64_t ShmDataBytes() const = 0;
   /// Allocates rank `rank`'s backend resources (without mu_: may be slow) and fills the
-  /// backend's fields of `info` (backend, gpu_uuid, cuda_ipc_handle, doorbell_shm_name,
-  /// launch_mode). Errors: INVALID_ARGUMENT (launch mode), RESOURCE_EXHAUSTED, INTERNAL.
+  /// backend's fields of `info` (backend, gpu_uuid, cuda_ipc_handle, launch_mode). Errors:
+  /// INVALID_ARGUMENT (launch mode), RESOURCE_EXHAUSTED, INTERNAL.
   virtual absl::StatusOr<std::shared_ptr<RankResources>> PrepareRank(int32_t rank,
                                                                      const std::string& gpu_uuid,
                                                                      v1::LaunchMode launch_mode,
                                                                      v1::EndpointInfo* info) = 0;
+  /// A new descriptor (close-on-exec) of the doorbell page of the engine that serves rank
+  /// `rank` (attached), for TakeEndpointFds. Called under mu_. RESOURCE_EXHAUSTED when the
+  /// process is out of descriptors.
+  virtual absl::StatusOr<ScopedFd> DoorbellFd(int32_t rank) const = 0;
   /// Called under mu_ when rank `rank` is being attached (after PrepareRank, with the
   /// resources it returned); an error fails the join and releases them.
   virtual absl::Status RankAttached(int32_t /*rank*/, const std::shared_ptr<RankResources>&) {

@@ -33,6 +33,14 @@ std::string RedactSessionId(const std::string& id) {
   return id.size() <= 8 ? id : id.substr(0, 8) + "...";
 }
 
+/// The answer about a group that does not exist or that `uid` may not see: the same for
+/// both, so that it tells nothing about other users' groups.
+absl::Status NoSuchGroup(const std::string& group, uint32_t uid) {
+  return absl::NotFoundError(absl::StrCat("group: \"", EscapeClientText(group),
+                                          "\" does not exist among the groups uid ", uid,
+                                          " may see (its own and those it holds a rank of)"));
+}
+
 absl::Status NotAnOpenSession(const std::string& session_id) {
   return absl::FailedPreconditionError(absl::StrCat("session_id: \"", EscapeClientText(session_id),
                                                     "\" is not an open session of this daemon"));
@@ -84,17 +92,30 @@ absl::StatusOr<PeerCredentials> GroupRegistry::SessionCredentials(
   return it->second.peer;
 }
 
+absl::Status GroupRegistry::CheckSessionCaller(const std::string& session_id,
+                                               const PeerCredentials& caller) const {
+  absl::MutexLock lock(&mu_);
+  return CheckSessionCallerLocked(session_id, caller);
+}
+
+absl::Status GroupRegistry::CheckSessionCallerLocked(const std::string& session_id,
+                                                     const PeerCredentials& caller) const {
+  auto session = sessions_.find(session_id);
+  if (session == sessions_.end()) return NotAnOpenSession(session_id);
+  if (session->second.peer.uid != caller.uid) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("session_id: session ", RedactSessionId(session_id), " was opened by uid ",
+                     session->second.peer.uid, ", not by the caller's uid ", caller.uid,
+                     " (a session acts only for the user that opened it)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<uint64_t> GroupRegistry::AuthorizeEndpoint(const std::string& session_id,
                                                           const std::string& group, int32_t rank,
                                                           const PeerCredentials& peer) const {
   absl::MutexLock lock(&mu_);
-  auto session = sessions_.find(session_id);
-  if (session == sessions_.end()) return NotAnOpenSession(session_id);
-  if (session->second.peer.uid != peer.uid) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("session_id: session ", RedactSessionId(session_id), " was opened by uid ",
-                     session->second.peer.uid, ", not by the caller's uid ", peer.uid));
-  }
+  EPD_RETURN_IF_ERROR(CheckSessionCallerLocked(session_id, peer));
   auto group_it = groups_.find(group);
   if (group_it != groups_.end()) {
     auto slot = group_it->second.ranks.find(rank);
@@ -105,6 +126,35 @@ absl::StatusOr<uint64_t> GroupRegistry::AuthorizeEndpoint(const std::string& ses
   return absl::PermissionDeniedError(absl::StrCat("session ", RedactSessionId(session_id),
                                                   " does not hold rank ", rank, " of group \"",
                                                   EscapeClientText(group), "\""));
+}
+
+absl::StatusOr<EndpointFds> GroupRegistry::TakeEndpointFds(const std::string& session_id,
+                                                           const std::string& group, int32_t rank,
+                                                           const PeerCredentials& peer) {
+  EPD_ASSIGN_OR_RETURN(const uint64_t endpoint_id,
+                       AuthorizeEndpoint(session_id, group, rank, peer));
+  absl::MutexLock lock(&mu_);
+  if (draining_) return absl::UnavailableError("epd is shutting down");
+  // The rank may have been released, or released and joined again, since the check.
+  auto group_it = groups_.find(group);
+  RankSlot* slot = nullptr;
+  if (group_it != groups_.end()) {
+    auto it = group_it->second.ranks.find(rank);
+    if (it != group_it->second.ranks.end()) slot = &it->second;
+  }
+  if (slot == nullptr || slot->session_id != session_id || slot->endpoint_id != endpoint_id) {
+    return absl::NotFoundError(
+        absl::StrCat("rank ", rank, " of group \"", EscapeClientText(group),
+                     "\" was released while its descriptors were asked for"));
+  }
+  EPD_ASSIGN_OR_RETURN(EndpointFds fds, group_it->second.data->TakeEndpointFds(rank));
+  if (fds.endpoint_id != endpoint_id) {
+    return absl::InternalError(absl::StrCat("rank ", rank, " of group \"", group,
+                                            "\": the data plane handed endpoint ", fds.endpoint_id,
+                                            " for endpoint ", endpoint_id));
+  }
+  slot->mapped = true;
+  return fds;
 }
 
 int GroupRegistry::CloseSession(const std::string& session_id, absl::string_view why) {
@@ -160,6 +210,10 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
     return absl::InvalidArgumentError(
         "session_id: \"\"; open a Session first and pass its id (Client::Connect does)");
   }
+  if (request.join_secret().size() > kMaxJoinSecretBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("join_secret: ", request.join_secret().size(),
+                                                   " bytes; at most ", kMaxJoinSecretBytes));
+  }
   EPD_ASSIGN_OR_RETURN(std::string gpu_uuid, ResolveGpu(request.gpu_uuid()));
   // An endpoint holds descriptors until its client maps it: refuse joins before the
   // listener and gRPC run short of them.
@@ -171,8 +225,12 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   if (session == sessions_.end()) {
     return NotAnOpenSession(request.session_id());
   }
+  const PeerCredentials& joiner = session->second.peer;
   auto group_it = groups_.find(spec.name());
   if (group_it != groups_.end()) {
+    // Before anything of the group is compared or reported: a joiner that may not join
+    // learns nothing of its spec, launch mode or ranks.
+    EPD_RETURN_IF_ERROR(AuthorizeJoin(group_it->second, rank, joiner, request.join_secret()));
     EPD_RETURN_IF_ERROR(CheckSameSpec(group_it->second.spec, spec));
   }
   EPD_RETURN_IF_ERROR(ValidateRank(spec, rank));
@@ -203,30 +261,38 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
           "rank ", rank, " of group \"", spec.name(), "\" is held by session ",
           RedactSessionId(held->second.session_id), " (pid ", held->second.peer.pid, ")"));
     }
-  } else if (groups_.size() >= options_.max_groups) {
+  }
+  const bool creates = group_it == groups_.end();
+  const uint64_t bytes_needed = data_plane_->BytesPerRank(spec);
+  EPD_RETURN_IF_ERROR(CheckQuotasLocked(joiner.uid, spec.name(), rank, creates, bytes_needed));
+  if (creates && groups_.size() >= options_.max_groups) {
     return absl::ResourceExhaustedError(absl::StrCat("max_groups: ", options_.max_groups,
                                                      " groups are live; group \"", spec.name(),
                                                      "\" cannot be created"));
   }
 
-  const uint64_t bytes_needed = data_plane_->BytesPerRank(spec);
   EPD_ASSIGN_OR_RETURN(uint64_t bytes_free, data_plane_->FreeBytes(gpu_uuid));
   EPD_RETURN_IF_ERROR(
       CheckBuffersFit(spec, bytes_needed, bytes_free,
-                      gpu_uuid.empty() ? std::string("/dev/shm (host backend)") : gpu_uuid));
+                      gpu_uuid.empty() ? std::string("host memory (host backend)") : gpu_uuid));
 
   bool created = false;
-  if (group_it == groups_.end()) {
+  if (creates) {
     EPD_ASSIGN_OR_RETURN(std::unique_ptr<DataPlaneGroup> data, data_plane_->CreateGroup(spec));
-    Group group;
+    group_it = groups_.try_emplace(spec.name()).first;
+    Group& group = group_it->second;
     group.spec = spec;
     group.data = std::move(data);
     group.bytes_per_rank = bytes_needed;
     group.launch_mode = mode;
-    group_it = groups_.emplace(spec.name(), std::move(group)).first;
+    group.owner_uid = joiner.uid;
+    group.join_secret.Set(request.join_secret());
     created = true;
     GetLogger(kLogRegistry)
-        ->info("group created: {} ({} bytes per rank)", SpecSummary(spec), bytes_needed);
+        ->info("group created: {} ({} bytes per rank), owner uid {}, {}", SpecSummary(spec),
+               bytes_needed, joiner.uid,
+               group.join_secret.set() ? "with a join secret"
+                                       : "no join secret (only its owner's uid may join)");
   }
   v1::EndpointInfo info;
   absl::Status attached = group_it->second.data->AttachRank(rank, gpu_uuid, mode, &info);
@@ -256,10 +322,12 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
 
 absl::Status GroupRegistry::Leave(const v1::LeaveGroupRequest& request) {
   absl::MutexLock lock(&mu_);
+  auto session = sessions_.find(request.session_id());
+  if (session == sessions_.end()) return NotAnOpenSession(request.session_id());
+  const uint32_t uid = session->second.peer.uid;
   auto group_it = groups_.find(request.group());
-  if (group_it == groups_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("group: \"", EscapeClientText(request.group()), "\" does not exist"));
+  if (group_it == groups_.end() || !VisibleLocked(group_it->second, uid)) {
+    return NoSuchGroup(request.group(), uid);
   }
   auto slot = group_it->second.ranks.find(request.rank());
   if (slot == group_it->second.ranks.end()) {
@@ -272,9 +340,7 @@ absl::Status GroupRegistry::Leave(const v1::LeaveGroupRequest& request) {
                      "\" does not hold rank ", request.rank(), " of group \"", request.group(),
                      "\" (session ", RedactSessionId(slot->second.session_id), " does)"));
   }
-  auto session = sessions_.find(request.session_id());
-  if (session != sessions_.end())
-    session->second.endpoints.erase({request.group(), request.rank()});
+  session->second.endpoints.erase({request.group(), request.rank()});
   ReleaseRankLocked(request.group(), request.rank(), "LeaveGroup");
   NotifyWaitersLocked();
   return absl::OkStatus();
@@ -348,14 +414,17 @@ int GroupRegistry::ExpireUnmappedEndpoints(absl::Time now) {
   return static_cast<int>(expired.size());
 }
 
-v1::ListGroupsResponse GroupRegistry::ListGroups() const {
+v1::ListGroupsResponse GroupRegistry::ListGroups(const PeerCredentials& viewer) const {
   v1::ListGroupsResponse response;
   absl::MutexLock lock(&mu_);
   for (const auto& [name, group] : groups_) {
+    if (!VisibleLocked(group, viewer.uid)) continue;
     v1::GroupInfo* info = response.add_groups();
     *info->mutable_spec() = group.spec;
     info->set_buffer_bytes_per_rank(group.bytes_per_rank);
     info->set_launch_mode(group.launch_mode);
+    info->set_owner_uid(group.owner_uid);
+    info->set_join_secret_set(group.join_secret.set());
     info->set_ops_completed(group.data->ops_completed());
     info->set_ops_failed(group.data->ops_failed());
     for (const auto& [rank, slot] : group.ranks) {
@@ -366,10 +435,90 @@ v1::ListGroupsResponse GroupRegistry::ListGroups() const {
       // name, and ListGroups is readable by every client of the socket.
       r->set_session_id(RedactSessionId(slot.session_id));
       r->set_client_pid(slot.peer.pid);
+      r->set_uid(slot.peer.uid);
       r->set_ops_completed(group.data->rank_ops_completed(rank));
     }
   }
   return response;
+}
+
+bool GroupRegistry::VisibleLocked(const Group& group, uint32_t uid) const {
+  if (uid == 0 || uid == options_.operator_uid || uid == group.owner_uid) return true;
+  return std::any_of(group.ranks.begin(), group.ranks.end(),
+                     [uid](const auto& rank) { return rank.second.peer.uid == uid; });
+}
+
+absl::Status GroupRegistry::AuthorizeJoin(const Group& group, int32_t rank,
+                                          const PeerCredentials& joiner,
+                                          const std::string& secret) {
+  const std::string& name = group.spec.name();
+  if (group.join_secret.set()) {
+    if (group.join_secret.Matches(secret)) return absl::OkStatus();
+    return absl::PermissionDeniedError(absl::StrCat(
+        "join_secret: rank ", rank, " of group \"", name, "\" (uid ", joiner.uid,
+        "): ", secret.empty() ? "none presented" : "the one presented is not the group's",
+        "; every rank presents the join secret its first joiner set "
+        "(JoinOptions.join_secret, e.g. from EPD_JOIN_SECRET)"));
+  }
+  if (!secret.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "join_secret: rank ", rank, " of group \"", name, "\" (uid ", joiner.uid,
+        "): a secret is presented but the group was created without one (its first joiner "
+        "presented none); every rank presents the same join secret, or none"));
+  }
+  if (joiner.uid != group.owner_uid) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "rank ", rank, " of group \"", name, "\": uid ", joiner.uid,
+        " may not join: the group has no join secret, so only its owner's uid (", group.owner_uid,
+        ") may join it (ranks of several uids need a join secret set by the first joiner: "
+        "JoinOptions.join_secret)"));
+  }
+  return absl::OkStatus();
+}
+
+GroupRegistry::Usage GroupRegistry::UsageOfLocked(uint32_t uid) const {
+  Usage usage;
+  for (const auto& [name, group] : groups_) {
+    if (group.owner_uid == uid) ++usage.groups_owned;
+    for (const auto& [rank, slot] : group.ranks) {
+      if (slot.peer.uid != uid) continue;
+      ++usage.endpoints;
+      usage.endpoint_bytes += group.bytes_per_rank;
+    }
+  }
+  return usage;
+}
+
+GroupRegistry::Usage GroupRegistry::UsageOf(uint32_t uid) const {
+  absl::MutexLock lock(&mu_);
+  return UsageOfLocked(uid);
+}
+
+absl::Status GroupRegistry::CheckQuotasLocked(uint32_t uid, const std::string& group, int32_t rank,
+                                              bool creates, uint64_t bytes) const {
+  const Usage usage = UsageOfLocked(uid);
+  const std::string what = absl::StrCat("rank ", rank, " of group \"", group, "\"");
+  const char* next = " (leave ranks or groups first, or raise the quota in the DaemonConfig)";
+  if (creates && options_.max_groups_per_uid != 0 &&
+      usage.groups_owned >= options_.max_groups_per_uid) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_groups_per_uid: uid ", uid, " owns ", usage.groups_owned, " groups, the quota is ",
+        options_.max_groups_per_uid, "; ", what, " would create another", next));
+  }
+  if (options_.max_endpoints_per_uid != 0 && usage.endpoints >= options_.max_endpoints_per_uid) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_endpoints_per_uid: uid ", uid, " holds ", usage.endpoints, " endpoints, the quota is ",
+        options_.max_endpoints_per_uid, "; ", what, " would be one more", next));
+  }
+  if (options_.max_endpoint_bytes_per_uid != 0 &&
+      (bytes > options_.max_endpoint_bytes_per_uid ||
+       usage.endpoint_bytes > options_.max_endpoint_bytes_per_uid - bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_endpoint_bytes_per_uid: uid ", uid, " holds ", usage.endpoint_bytes,
+        " bytes of endpoint buffers, the quota is ", options_.max_endpoint_bytes_per_uid, "; ",
+        what, " needs ", bytes, " more", next));
+  }
+  return absl::OkStatus();
 }
 
 GroupRegistry::Counters GroupRegistry::counters() const {
@@ -413,13 +562,12 @@ std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> GroupRegistry::Eval
     const EndpointsWaiter& waiter, absl::Time now) const {
   const v1::GetGroupEndpointsRequest& request = waiter.request;
   if (draining_) return absl::UnavailableError("epd is shutting down");
-  if (sessions_.find(request.session_id()) == sessions_.end()) {
-    return NotAnOpenSession(request.session_id());
-  }
+  auto session = sessions_.find(request.session_id());
+  if (session == sessions_.end()) return NotAnOpenSession(request.session_id());
+  const uint32_t uid = session->second.peer.uid;
   auto group_it = groups_.find(request.group());
-  if (group_it == groups_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("group: \"", EscapeClientText(request.group()), "\" does not exist"));
+  if (group_it == groups_.end() || !VisibleLocked(group_it->second, uid)) {
+    return NoSuchGroup(request.group(), uid);
   }
   const Group& group = group_it->second;
   auto held = group.ranks.find(request.rank());

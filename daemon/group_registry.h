@@ -1,8 +1,10 @@
 // GroupRegistry: the control plane's state (DESIGN.md §1): sessions (one per client
-// process, tied to its Session stream), groups (created on their first join, destroyed
-// with their memory when their last rank leaves) and ranks (each held by one session).
-// The registry validates every JoinGroup (spec_validation.h) and asks the DataPlane for
-// the memory; it never touches buffers itself. Thread-safe.
+// process, tied to its Session stream, with the kernel's credentials of that process),
+// groups (created on their first join, destroyed with their memory when their last rank
+// leaves) and ranks (each held by one session). The registry validates every JoinGroup
+// (spec_validation.h), enforces who may join and see a group and the per-uid quotas
+// (docs/SECURITY.md "Groups, owners, secrets, quotas"), and asks the DataPlane for the
+// memory; it never touches buffers itself. Thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +26,7 @@
 #include "absl/time/time.h"
 #include "daemon/data_plane.h"
 #include "daemon/gpu_inventory.h"
+#include "daemon/join_secret.h"
 #include "daemon/peer_credentials.h"
 #include "epd/v1/control.pb.h"
 
@@ -35,6 +38,14 @@ class GroupRegistry {
     uint32_t max_groups = 64;  ///< DaemonConfig.max_groups.
     /// Cap on GetGroupEndpointsRequest.wait_ms (the daemon uses op_timeout_ms + 5 s).
     uint32_t max_endpoints_wait_ms = 15000;
+    /// Per-uid quotas (DaemonConfig.max_groups_per_uid, max_endpoints_per_uid,
+    /// max_endpoint_bytes_per_uid); 0 = no limit. Every uid is counted, root included.
+    uint32_t max_groups_per_uid = 64;
+    uint32_t max_endpoints_per_uid = 256;
+    uint64_t max_endpoint_bytes_per_uid = 0;
+    /// Besides root (uid 0), the uid that sees every group in ListGroups: epd's own
+    /// (the daemon passes its effective uid).
+    uint32_t operator_uid = 0;
     /// DaemonConfig.min_free_fds: Join is refused (RESOURCE_EXHAUSTED) while fewer
     /// descriptors are free (CheckFreeFds). 0 = never.
     uint32_t min_free_fds = 0;
@@ -63,6 +74,12 @@ class GroupRegistry {
   /// open session.
   absl::StatusOr<PeerCredentials> SessionCredentials(const std::string& session_id) const;
 
+  /// OK when `session_id` is an open session opened by caller.uid: a call quoting a
+  /// session id acts in that session's name only for the user that opened it.
+  /// FAILED_PRECONDITION (no such open session), PERMISSION_DENIED (another uid's).
+  absl::Status CheckSessionCaller(const std::string& session_id,
+                                  const PeerCredentials& caller) const;
+
   /// Whether `peer` may have the memory of rank `rank` of group `group` in the name of
   /// `session_id` (the fd channel): the session is open, was opened by peer.uid, and holds
   /// that rank. Returns the rank's endpoint_id. Errors: FAILED_PRECONDITION (no such open
@@ -72,22 +89,44 @@ class GroupRegistry {
                                              const std::string& group, int32_t rank,
                                              const PeerCredentials& peer) const;
 
+  /// The fd channel's answer (daemon/fd_channel.h): the descriptors of rank `rank` of group
+  /// `group` (its endpoint region and its engine's doorbell page) for `peer`, in the name
+  /// of `session_id`, authorized as AuthorizeEndpoint does (the session is open, was opened
+  /// by peer.uid, and holds the rank). Handed out once per join
+  /// (DataPlaneGroup::TakeEndpointFds); from then on the endpoint counts as mapped (its
+  /// RankSlot's `mapped`). Errors: AuthorizeEndpoint's; NOT_FOUND when the rank was released
+  /// meanwhile; FAILED_PRECONDITION when the descriptors were already handed out;
+  /// RESOURCE_EXHAUSTED when epd is out of descriptors; UNAVAILABLE while draining.
+  absl::StatusOr<EndpointFds> TakeEndpointFds(const std::string& session_id,
+                                              const std::string& group, int32_t rank,
+                                              const PeerCredentials& peer);
+
   /// Ends a session (its stream ended: exit, crash, or daemon shutdown) and releases every
   /// endpoint it held; groups left empty are destroyed. Logs what was released and `why`.
   /// Unknown ids are ignored. Returns the number of endpoints released.
   int CloseSession(const std::string& session_id, absl::string_view why);
 
-  /// JoinGroup. Errors, each naming the field and the value:
+  /// JoinGroup, in the name of the session's credentials. Who may join (checked before
+  /// anything of a live group is compared or reported, so that a refused joiner learns
+  /// nothing of its spec or ranks): the first joiner of a group becomes its owner (its
+  /// uid) and sets its join secret (request.join_secret, empty = none); a later joiner
+  /// must present the same secret, and when there is none, must also be of the owner's
+  /// uid. Root is not exempt. Errors, each naming the field and the value (never the
+  /// secret):
   ///   UNAVAILABLE          draining (SIGTERM);
   ///   INVALID_ARGUMENT     a spec field (ValidateGroupSpec), rank out of range, empty
-  ///                        session_id, bad launch_mode, gpu_uuid "" on the cuda backend;
+  ///                        session_id, bad launch_mode, gpu_uuid "" on the cuda backend,
+  ///                        join_secret longer than kMaxJoinSecretBytes;
+  ///   PERMISSION_DENIED    the group exists and the join secret differs from the group's,
+  ///                        or the group has none and the session's uid is not the owner's;
   ///   FAILED_PRECONDITION  spec differs from the live group's (every differing field),
   ///                        session_id is not an open session, launch_mode explicitly
   ///                        differs from the group's (naming both), or LAUNCH_MODE_CLIENT on
   ///                        the host backend;
   ///   ALREADY_EXISTS       the rank is held by a live session;
   ///   NOT_FOUND            unknown GPU;
-  ///   RESOURCE_EXHAUSTED   buffers do not fit (bytes needed and free), max_groups, or
+  ///   RESOURCE_EXHAUSTED   buffers do not fit (bytes needed and free), max_groups, a
+  ///                        per-uid quota (naming it, the uid, its usage and the limit), or
   ///                        fewer than min_free_fds descriptors free (CheckFreeFds).
   ///
   /// Launch mode (DESIGN.md §3.2): a group's mode is fixed by its first joiner
@@ -107,7 +146,8 @@ class GroupRegistry {
   /// Options.max_endpoints_wait_ms). The response lists every rank ordered by rank:
   /// endpoint_id, gpu_uuid, cuda_ipc_handle ("" on the host backend) and launch_mode.
   /// Errors (checked again whenever the group changes during the wait):
-  ///   NOT_FOUND            no group request.group;
+  ///   NOT_FOUND            no group request.group that the session's uid may see
+  ///                        (ListGroups), the same answer whether it exists or not;
   ///   FAILED_PRECONDITION  session_id is not an open session, or rank request.rank of
   ///                        the group is not joined (or left during the wait);
   ///   PERMISSION_DENIED    the rank is held by another session;
@@ -118,8 +158,8 @@ class GroupRegistry {
   absl::StatusOr<v1::GetGroupEndpointsResponse> GetGroupEndpoints(
       const v1::GetGroupEndpointsRequest& request);
 
-  /// LeaveGroup: releases one rank. NOT_FOUND (no such group or rank not joined),
-  /// PERMISSION_DENIED (the rank belongs to another session).
+  /// LeaveGroup: releases one rank. NOT_FOUND (no such group that the session's uid may
+  /// see, or rank not joined), PERMISSION_DENIED (the rank belongs to another session).
   absl::Status Leave(const v1::LeaveGroupRequest& request);
 
   /// Detaches every rank whose endpoint its client has not mapped
@@ -129,8 +169,17 @@ class GroupRegistry {
   /// The daemon's health updater calls it periodically.
   int ExpireUnmappedEndpoints(absl::Time now);
 
-  /// Every live group with its joined ranks.
-  v1::ListGroupsResponse ListGroups() const;
+  /// The live groups `viewer` may see, with their joined ranks: those its uid owns or holds
+  /// a rank of; every group for root and Options::operator_uid. Never a join secret.
+  v1::ListGroupsResponse ListGroups(const PeerCredentials& viewer) const;
+
+  /// What one uid holds, as the per-uid quotas count it.
+  struct Usage {
+    uint32_t groups_owned = 0;
+    uint32_t endpoints = 0;
+    uint64_t endpoint_bytes = 0;
+  };
+  Usage UsageOf(uint32_t uid) const;
 
   /// Counters for GetStats.
   struct Counters {
@@ -157,9 +206,12 @@ class GroupRegistry {
     absl::Time joined;    ///< For ExpireUnmappedEndpoints.
     bool mapped = false;  ///< The client mapped the endpoint (once seen, never asked again).
   };
+  /// Built in place in groups_ and never moved (JoinSecret is not copyable).
   struct Group {
     v1::GroupSpec spec;
     v1::LaunchMode launch_mode = v1::LAUNCH_MODE_DAEMON;  ///< Fixed by the first joiner.
+    uint32_t owner_uid = 0;                               ///< The first joiner's uid.
+    JoinSecret join_secret;                               ///< Set by the first joiner.
     std::unique_ptr<DataPlaneGroup> data;
     std::map<int32_t, RankSlot> ranks;
     uint64_t bytes_per_rank = 0;
@@ -180,6 +232,20 @@ class GroupRegistry {
   };
 
   absl::StatusOr<std::string> ResolveGpu(const std::string& gpu_uuid) const;
+  /// Whether `uid` may see `group` (ListGroups): root, the operator uid, its owner, or a
+  /// holder of one of its ranks.
+  bool VisibleLocked(const Group& group, uint32_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// OK when `joiner` may join rank `rank` of the live `group` with `secret`.
+  static absl::Status AuthorizeJoin(const Group& group, int32_t rank, const PeerCredentials& joiner,
+                                    const std::string& secret);
+  /// OK when a join by `uid` that creates a group (`creates`) and holds `bytes` more
+  /// stays within the per-uid quotas.
+  absl::Status CheckQuotasLocked(uint32_t uid, const std::string& group, int32_t rank, bool creates,
+                                 uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Usage UsageOfLocked(uint32_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckSessionCallerLocked(const std::string& session_id,
+                                        const PeerCredentials& caller) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// The answer to `waiter` now; nullopt while ranks are missing and its deadline is
   /// ahead of `now`.
   std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> EvaluateEndpointsLocked(

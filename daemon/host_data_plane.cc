@@ -89,7 +89,7 @@ class HostDataPlaneImpl : public DataPlane {
   /// kernels/host's worker threads, shared by every group (all run on the one engine
   /// thread, one op at a time).
   kernels::host::HostWorkerPool& kernel_pool() { return kernel_pool_; }
-  const std::string& doorbell_name() const { return doorbell_.name(); }
+  const ShmRegion& doorbell() const { return doorbell_; }
   void Unregister(HostGroup* group);
 
  private:
@@ -134,6 +134,10 @@ class HostGroup : public LockstepGroup {
                    std::span<RankOutcome> outcomes) override {
     Execute(plan, slots, outcomes);
     return true;
+  }
+  /// The plane's one doorbell page serves every rank.
+  absl::StatusOr<ScopedFd> DoorbellFd(int32_t /*rank*/) const override {
+    return plane_->doorbell().DupFd();
   }
   /// The host backend has no streams: a stream-ordered request (kFlagStreamOrdered,
   /// CUDA daemon-launched mode) is INVALID_ARGUMENT.
@@ -182,8 +186,7 @@ HostDataPlaneImpl::HostDataPlaneImpl(const HostDataPlaneOptions& options)
     : options_(options), kernel_pool_(options.on_kernel_thread_start) {}
 
 absl::Status HostDataPlaneImpl::Init() {
-  EPD_ASSIGN_OR_RETURN(doorbell_, ShmRegion::Create("epd-doorbell", sizeof(abi::DoorbellPage),
-                                                    options_.shm_mode, options_.shm_group));
+  EPD_ASSIGN_OR_RETURN(doorbell_, ShmRegion::Create("epd-doorbell", sizeof(abi::DoorbellPage)));
   auto* page = reinterpret_cast<abi::DoorbellPage*>(doorbell_.data());
   page->size = sizeof(abi::DoorbellPage);
   page->magic = abi::kDoorbellMagic;
@@ -236,7 +239,6 @@ absl::StatusOr<std::shared_ptr<RankResources>> HostGroup::PrepareRank(
         "backend runs every op in the daemon (use LAUNCH_MODE_DAEMON or leave it unspecified)");
   }
   info->set_backend("host");
-  info->set_doorbell_shm_name(plane_->doorbell_name());
   info->set_launch_mode(v1::LAUNCH_MODE_DAEMON);
   return std::shared_ptr<RankResources>(std::make_shared<HostRank>(shape()));
 }

@@ -1,5 +1,5 @@
 // HostDataPlane: the host backend (DESIGN.md §4, `--backend=host`). Every endpoint's
-// data area lives in its POSIX shm region next to its request ring; one engine thread
+// data area lives in its sealed shared region next to its request ring; one engine thread
 // polls every ring and, once every rank of a group has submitted op `seq`, runs the op
 // for the whole group with kernels/host and completes it for every rank.
 #pragma once
@@ -16,8 +16,6 @@ namespace epd {
 
 /// Options of the host data plane (from DaemonConfig).
 struct HostDataPlaneOptions {
-  uint32_t shm_mode = 0600;        ///< Mode of the endpoint shm regions.
-  std::string shm_group;           ///< Group of the shm regions ("" = own group).
   uint32_t op_timeout_ms = 10000;  ///< Bound on waiting for the ranks of an op.
   uint32_t engine_idle_us = 100;   ///< Engine sleeps after this long with no request.
   int host_threads = 0;            ///< Threads per op (0 = hardware concurrency).
@@ -36,9 +34,8 @@ struct HostDataPlaneOptions {
   std::function<void()> on_kernel_thread_start;
 };
 
-/// Creates the host data plane (and its doorbell shm page) and starts its engine thread.
-/// Errors: those of creating the doorbell shm (RESOURCE_EXHAUSTED, INVALID_ARGUMENT for
-/// an unknown shm group, INTERNAL).
+/// Creates the host data plane (and its doorbell page) and starts its engine thread.
+/// Errors: those of creating the doorbell page (RESOURCE_EXHAUSTED, INTERNAL).
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeHostDataPlane(const HostDataPlaneOptions& options);
 
 }  // namespace epd

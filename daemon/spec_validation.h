@@ -53,7 +53,7 @@ absl::Status ValidateGroupSpec(const v1::GroupSpec& spec);
 absl::Status ValidateRank(const v1::GroupSpec& spec, int32_t rank);
 
 /// RESOURCE_EXHAUSTED when `bytes_needed` (one rank's buffers) exceeds `bytes_free` on
-/// `where` (a GPU UUID, or "/dev/shm"); the message gives both byte counts.
+/// `where` (a GPU UUID, or host memory); the message gives both byte counts.
 absl::Status CheckBuffersFit(const v1::GroupSpec& spec, uint64_t bytes_needed, uint64_t bytes_free,
                              const std::string& where);
 

@@ -10,10 +10,13 @@
 # 4. shows `epctl status` (backend, GPUs, MPS, groups);
 # 5. runs the MoE layer demo: 8 client processes, one per rank, each running
 #    router -> dispatch -> expert FFN -> combine through epd, checked against a
-#    single-process computation of the same layer;
+#    single-process computation of the same layer; the ranks join the group with a join
+#    secret handed to them in EPD_JOIN_SECRET, as a launcher hands them MASTER_ADDR (a
+#    random one unless EPD_JOIN_SECRET is set; never printed);
 # 6. stops epd (also on Ctrl-C or failure) and exits with the demo's status.
 #
-# Environment: EPD_BUILD_DIR (default build/), EPD_BUILD_TYPE (default Release),
+# Environment: EPD_JOIN_SECRET (the demo group's join secret; default: a random one),
+# EPD_BUILD_DIR (default build/), EPD_BUILD_TYPE (default Release),
 # EPD_JOBS (default nproc), EPD_DEMO_RANKS (1, 2, 4, 8, 16 or 32: a divisor of the demo's
 # 32 experts; default 8), EPD_BACKEND (auto|cuda|host, default auto), EPD_WITH_CUDA
 # (AUTO|ON|OFF, default AUTO, as tests/run.sh: OFF skips compiling CUDA). A bad value is
@@ -151,6 +154,13 @@ if ((!have_demo)); then
 fi
 
 step "MoE layer demo: $RANKS ranks (router -> dispatch -> expert FFN -> combine)"
+# The group's join secret for every rank (docs/SECURITY.md "Groups, owners, secrets,
+# quotas"): only processes that present it may join the demo group's ranks. Handed over in
+# the environment, as MASTER_ADDR is.
+if [[ -z "${EPD_JOIN_SECRET:-}" ]]; then
+  EPD_JOIN_SECRET=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
+fi
+export EPD_JOIN_SECRET
 status=0
 "$DEMO" --socket="$sock" --num_ranks="$RANKS" || status=$?
 

@@ -1,9 +1,11 @@
 // The shared-memory ABI between libepdclient and the epd daemon (DESIGN.md §3.2).
 //
-// One POSIX shm region per endpoint, laid out as:
+// One shared region per endpoint, laid out as:
 //   [EndpointShmHeader][RequestSlot x ring_capacity][Completion x completion_capacity]
 //   [data area (host backend only): EndpointLayout regions]
-// plus one DoorbellPage per engine, shared by every client of that engine.
+// plus one DoorbellPage per engine, shared by every client of that engine. Both are memfds
+// sealed against resizing (proto/shm_region.h), which the client receives as descriptors on
+// the fd channel (kFdChannelPreamble; control.proto FdChannelRequest).
 //
 // Every struct here is fixed-size POD with static_asserts on its size and the offsets of
 // its fields; shared counters are plain integers accessed through std::atomic_ref. The
@@ -18,7 +20,7 @@
 
 namespace epd::abi {
 
-inline constexpr uint32_t kShmAbiVersion = 5;
+inline constexpr uint32_t kShmAbiVersion = 6;
 inline constexpr uint32_t kEndpointMagic = 0x45504431;  // "EPD1"
 inline constexpr uint32_t kRequestMagic = 0x52455131;   // "REQ1"
 inline constexpr uint32_t kDoorbellMagic = 0x44424c31;  // "DBL1"
@@ -164,7 +166,7 @@ struct EndpointShmHeader {
   uint64_t total_bytes;
   alignas(64) uint64_t ring_head;      ///< Next seq the client will write - 1 (client).
   alignas(64) uint64_t ring_tail;      ///< Requests consumed (daemon).
-  alignas(64) uint32_t client_mapped;  ///< Client sets 1 after mapping (then unlinked).
+  alignas(64) uint32_t client_mapped;  ///< Client sets 1 after mapping (diagnostics only).
   uint32_t client_pid;
   alignas(64) uint32_t completion_futex;   ///< Bumped by the daemon on every completion.
   uint32_t client_waiting;                 ///< Client sleeps on completion_futex when set.
@@ -199,7 +201,9 @@ static_assert(offsetof(EndpointShmHeader, daemon_closed) == 392);
 
 /// An engine's wake-up page. The engine sets `engine_sleeping` before a futex wait on
 /// `futex_word`; a client that published a request and sees it set bumps `futex_word`
-/// and issues FUTEX_WAKE.
+/// and issues FUTEX_WAKE. Every client of the engine may write the whole page: the engine
+/// uses `futex_word` only as FUTEX_WAIT's expected value and never reads the header, and a
+/// client checks nothing of it but its size (docs/SECURITY.md "The doorbell page").
 struct DoorbellPage {
   uint32_t size;
   uint32_t magic;    ///< kDoorbellMagic.

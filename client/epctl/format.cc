@@ -1,5 +1,7 @@
 #include "format.h"
 
+#include <pwd.h>
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -48,6 +50,16 @@ std::string HumanBytes(uint64_t bytes) {
   return absl::StrCat(bytes, " B");
 }
 
+std::string UidAndName(uint32_t uid) {
+  struct passwd entry {};
+  struct passwd* found = nullptr;
+  std::vector<char> buffer(4096);
+  if (::getpwuid_r(uid, &entry, buffer.data(), buffer.size(), &found) == 0 && found != nullptr) {
+    return absl::StrCat(uid, " (", found->pw_name, ")");
+  }
+  return absl::StrCat(uid);
+}
+
 std::string HumanDurationMs(uint64_t ms) {
   // absl formats a zero duration as "0": say "0s" like every other value.
   if (ms < 1000) return "0s";
@@ -84,12 +96,13 @@ std::string FormatStatus(const v1::GetStatsResponse& s, const std::string& targe
 
 std::string FormatGroups(const v1::ListGroupsResponse& groups) {
   if (groups.groups().empty()) return "no groups\n";
-  Table table({"GROUP", "RANKS", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS", "LL_MAX_TOKENS", "FP8",
-               "LAUNCH", "BYTES/RANK", "OPS OK", "OPS FAILED"});
-  Table ranks({"GROUP", "RANK", "PID", "GPU", "SESSION", "OPS OK"});
+  Table table({"GROUP", "OWNER", "SECRET", "RANKS", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS",
+               "LL_MAX_TOKENS", "FP8", "LAUNCH", "BYTES/RANK", "OPS OK", "OPS FAILED"});
+  Table ranks({"GROUP", "RANK", "PID", "UID", "GPU", "SESSION", "OPS OK"});
   for (const v1::GroupInfo& g : groups.groups()) {
     const v1::GroupSpec& spec = g.spec();
-    table.AddRow({spec.name(), absl::StrCat(g.ranks_size(), "/", spec.num_ranks()),
+    table.AddRow({spec.name(), UidAndName(g.owner_uid()), g.join_secret_set() ? "yes" : "no",
+                  absl::StrCat(g.ranks_size(), "/", spec.num_ranks()),
                   absl::StrCat(spec.num_experts()), absl::StrCat(spec.hidden()),
                   absl::StrCat(spec.num_topk()), absl::StrCat(spec.max_tokens_per_rank()),
                   absl::StrCat(spec.ll_max_tokens_per_rank()), spec.use_fp8() ? "yes" : "no",
@@ -100,8 +113,8 @@ std::string FormatGroups(const v1::ListGroupsResponse& groups) {
                   absl::StrCat(g.ops_failed())});
     for (const v1::RankInfo& r : g.ranks()) {
       ranks.AddRow({spec.name(), absl::StrCat(r.rank()), absl::StrCat(r.client_pid()),
-                    r.gpu_uuid().empty() ? "-" : r.gpu_uuid(), r.session_id(),
-                    absl::StrCat(r.ops_completed())});
+                    absl::StrCat(r.uid()), r.gpu_uuid().empty() ? "-" : r.gpu_uuid(),
+                    r.session_id(), absl::StrCat(r.ops_completed())});
     }
   }
   return absl::StrCat(table.Render(), "\n", ranks.Render());

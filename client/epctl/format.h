@@ -2,6 +2,7 @@
 // helpers they share. JSON output uses protobuf's JSON printer (JsonOutput).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,8 @@ std::string FormatStats(const v1::GetStatsResponse& stats);
 /// `epctl config`: the effective DaemonConfig in its text format (every field shown).
 std::string FormatConfig(const v1::DaemonConfig& config);
 
+/// "1000 (alice)": a uid and its user name on this machine, or the uid alone.
+std::string UidAndName(uint32_t uid);
 /// "12.3 GiB" style byte counts; "1h2m3s" style durations from milliseconds.
 std::string HumanBytes(uint64_t bytes);
 std::string HumanDurationMs(uint64_t ms);

@@ -13,6 +13,11 @@
 //
 //   moe_layer --socket=/run/epd/epd.sock --num_ranks=8 [--launch_mode=auto|daemon|client]
 //
+// The ranks join with a join secret (client.h JoinOptions::join_secret), handed to them as
+// a launcher hands them MASTER_ADDR: in the environment, EPD_JOIN_SECRET. When it is not
+// set, moe_layer makes a random one for its rank processes; either way it is never printed.
+// A process of another user cannot join the group's ranks without it.
+//
 // --launch_mode picks who launches the kernels on the CUDA backend (client.h): epd's
 // default for the group (auto: README "Launch modes"), the daemon, or each rank process
 // itself (client-launched; needs the CUDA backend). With
@@ -65,6 +70,23 @@ ABSL_FLAG(double, tolerance, 0.0,
           "max relative error, >= 0 (0 = the defaults: 2e-2 BF16, 8e-2 with FP8)");
 
 namespace {
+
+/// The environment variable carrying the group's join secret to the rank processes.
+constexpr char kJoinSecretEnv[] = "EPD_JOIN_SECRET";
+
+/// A join secret for this run's group: 32 random bytes from the kernel, hex-encoded (an
+/// environment variable holds no NUL). Empty when /dev/urandom cannot be read.
+std::string RandomJoinSecret() {
+  unsigned char bytes[32];
+  FILE* urandom = std::fopen("/dev/urandom", "rb");
+  if (urandom == nullptr) return "";
+  const size_t got = std::fread(bytes, 1, sizeof(bytes), urandom);
+  std::fclose(urandom);
+  if (got != sizeof(bytes)) return "";
+  std::string hex;
+  for (unsigned char b : bytes) hex += absl::StrFormat("%02x", b);
+  return hex;
+}
 
 using epd::kernels::bf16_bits;
 using epd::kernels::Bf16ToFloat;
@@ -193,6 +215,9 @@ int RunRank(int rank) {
   jopt.spec.set_ll_max_tokens_per_rank(m.T);
   jopt.spec.set_use_fp8(absl::GetFlag(FLAGS_fp8));
   jopt.rank = rank;
+  if (const char* secret = std::getenv(kJoinSecretEnv); secret != nullptr) {
+    jopt.join_secret = secret;
+  }
   const std::string mode = absl::GetFlag(FLAGS_launch_mode);
   jopt.launch_mode = mode == "client"   ? epd::v1::LAUNCH_MODE_CLIENT
                      : mode == "daemon" ? epd::v1::LAUNCH_MODE_DAEMON
@@ -397,6 +422,19 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_tokens), absl::GetFlag(FLAGS_iters),
       absl::GetFlag(FLAGS_fp8) ? "on" : "off", absl::GetFlag(FLAGS_launch_mode).c_str(),
       absl::GetFlag(FLAGS_socket).c_str());
+  // The ranks' join secret: the caller's EPD_JOIN_SECRET (every rank of a job launched
+  // elsewhere gets the same), else a fresh one that the rank processes inherit.
+  const char* given_secret = std::getenv(kJoinSecretEnv);
+  if (given_secret == nullptr || given_secret[0] == '\0') {
+    const std::string secret = RandomJoinSecret();
+    if (secret.empty() || ::setenv(kJoinSecretEnv, secret.c_str(), 1) != 0) {
+      std::fprintf(stderr, "moe_layer: cannot make a join secret (/dev/urandom, setenv)\n");
+      return 2;
+    }
+    std::printf("join secret: a random one for this run (set %s to choose it)\n", kJoinSecretEnv);
+  } else {
+    std::printf("join secret: from %s\n", kJoinSecretEnv);
+  }
   std::printf("rank  normal rel.err  low-lat rel.err  time (ms)  result\n");
   std::fflush(stdout);
   // Each rank process dies with the parent (SIGKILL when the parent dies, however it

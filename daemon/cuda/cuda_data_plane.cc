@@ -286,6 +286,14 @@ class CudaGroup : public LockstepGroup {
     GpuEngine* e = engine_.load();
     if (e != nullptr && e->engine != nullptr) e->engine->Wake();
   }
+  /// Every rank of the group rings the engine the group adopted (its first rank's GPU).
+  absl::StatusOr<ScopedFd> DoorbellFd(int32_t rank) const override {
+    GpuEngine* e = engine_.load();
+    if (e == nullptr) {
+      return absl::InternalError(absl::StrCat("rank ", rank, ": the group has no engine yet"));
+    }
+    return e->doorbell.DupFd();
+  }
   absl::Status CheckRequest(int32_t rank, const abi::RequestSlot& slot) const override;
   absl::Status AcceptsRequests(int32_t rank) const override;
   void OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) override;
@@ -485,8 +493,7 @@ absl::Status CudaDataPlaneImpl::Init() {
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamCreateWithFlags(&aux, cudaStreamNonBlocking)));
     engine->aux.reset(aux);
     EPD_ASSIGN_OR_RETURN(engine->doorbell,
-                         ShmRegion::Create("epd-doorbell", sizeof(abi::DoorbellPage),
-                                           options_.shm_mode, options_.shm_group));
+                         ShmRegion::Create("epd-doorbell", sizeof(abi::DoorbellPage)));
     auto* page = reinterpret_cast<abi::DoorbellPage*>(engine->doorbell.data());
     page->size = sizeof(abi::DoorbellPage);
     page->magic = abi::kDoorbellMagic;
@@ -637,7 +644,6 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
   info->set_backend("cuda");
   info->set_gpu_uuid(plane_->UuidOf(device));
   info->set_cuda_ipc_handle(r->ipc_handle);
-  info->set_doorbell_shm_name(engine_.load()->doorbell.name());
   info->set_launch_mode(r->client_launched ? v1::LAUNCH_MODE_CLIENT : v1::LAUNCH_MODE_DAEMON);
   // Under MPS the client's staging kernel of a low-latency op waits for done itself (one
   // block of one SM per rank, which LaunchRank's grids leave free).

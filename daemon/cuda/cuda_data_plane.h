@@ -114,8 +114,6 @@ namespace epd {
 
 /// Options of the CUDA data plane (from DaemonConfig).
 struct CudaDataPlaneOptions {
-  uint32_t shm_mode = 0600;            ///< Mode of the endpoint shm regions and doorbells.
-  std::string shm_group;               ///< Group of the shm regions ("" = own group).
   uint32_t op_timeout_ms = 10000;      ///< Bound on waiting for the ranks of an op, and of
                                        ///< every spin wait in the kernels.
   uint32_t engine_idle_us = 100;       ///< An engine sleeps after this long with no request.
@@ -139,7 +137,7 @@ struct CudaDataPlaneOptions {
 
 /// Creates the CUDA data plane and starts its engines. Errors: FAILED_PRECONDITION when no
 /// GPU is usable, NOT_FOUND for an unknown entry of gpu_uuids, INTERNAL for CUDA errors
-/// (naming the call), and those of creating the doorbell shm pages.
+/// (naming the call), and those of creating the doorbell pages.
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const CudaDataPlaneOptions& options);
 
 /// The device address of the data area exported as `cuda_ipc_handle` by a CUDA data plane

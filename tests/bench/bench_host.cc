@@ -86,7 +86,10 @@ int RunHostBench() {
   for (int r = 0; r < R; ++r) {
     epd::v1::EndpointInfo info;
     if (!(*group)->AttachRank(r, "", epd::v1::LAUNCH_MODE_UNSPECIFIED, &info).ok()) return 1;
-    auto ep = epd::internal::OpenEndpoint(info, spec, [] { return absl::OkStatus(); });
+    auto fds = (*group)->TakeEndpointFds(r);
+    if (!fds.ok()) return 1;
+    auto ep =
+        epd::internal::OpenEndpoint(info, spec, *std::move(fds), [] { return absl::OkStatus(); });
     if (!ep.ok()) return 1;
     eps.push_back(std::move(*ep));
   }
@@ -238,7 +241,10 @@ int RunHostBench() {
   if (!(*solo_group)->AttachRank(0, "", epd::v1::LAUNCH_MODE_UNSPECIFIED, &solo_info).ok()) {
     return 1;
   }
-  auto solo_ep = epd::internal::OpenEndpoint(solo_info, solo, [] { return absl::OkStatus(); });
+  auto solo_fds = (*solo_group)->TakeEndpointFds(0);
+  if (!solo_fds.ok()) return 1;
+  auto solo_ep = epd::internal::OpenEndpoint(solo_info, solo, *std::move(solo_fds),
+                                             [] { return absl::OkStatus(); });
   if (!solo_ep.ok()) return 1;
   std::vector<int64_t> empty_shape{0, K};
   DLTensor empty = epd::MakeDLTensor(idx[0].data(), {kDLInt, 64, 1}, empty_shape);

@@ -5,6 +5,8 @@
 // - every op of the real clients afterwards completes (OK, or an error for an op the
 //   garbage consumed), and the op after that succeeds: the group keeps working;
 // - a garbage slot is never executed as somebody's op on another rank.
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +27,8 @@ namespace {
 using epd::DataPlane;
 using epd::DataPlaneGroup;
 using epd::Endpoint;
+using epd::EndpointFds;
+using epd::ScopedFd;
 using epd::ShmRegion;
 namespace v1 = epd::v1;
 namespace internal = epd::internal;
@@ -56,9 +60,14 @@ struct World {
     for (int r = 0; r < 2; ++r) {
       v1::EndpointInfo info;
       if (!group->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok()) std::abort();
-      if (r == 1) evil = std::move(ShmRegion::Open(info.shm_name(), info.shm_bytes()).value());
-      eps.push_back(
-          std::move(internal::OpenEndpoint(info, spec, [] { return absl::OkStatus(); }).value()));
+      EndpointFds fds = std::move(group->TakeEndpointFds(r).value());
+      if (r == 1) {
+        evil = std::move(
+            ShmRegion::Map(ScopedFd(::dup(fds.region.get())), info.shm_bytes(), "fuzz").value());
+      }
+      eps.push_back(std::move(internal::OpenEndpoint(info, spec, std::move(fds), [] {
+                                return absl::OkStatus();
+                              }).value()));
     }
     idx_t.data = idx.data();
     idx_t.device = {kDLCPU, 0};

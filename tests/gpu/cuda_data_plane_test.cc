@@ -24,7 +24,10 @@
 #include "daemon/cuda/cuda_data_plane.h"
 
 #include <cuda_runtime.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -160,7 +163,9 @@ struct PlaneGroup {
         EXPECT_EQ(info.cuda_ipc_handle().size(), sizeof(cudaIpcMemHandle_t));
       }
       DataPlaneGroup* gp = group.get();
-      auto ep = internal::OpenEndpoint(info, s, [gp, r] {
+      absl::StatusOr<EndpointFds> fds = gp->TakeEndpointFds(r);
+      ASSERT_TRUE(fds.ok()) << fds.status();
+      auto ep = internal::OpenEndpoint(info, s, *std::move(fds), [gp, r] {
         gp->DetachRank(r);
         return absl::OkStatus();
       });
@@ -597,6 +602,47 @@ TEST_F(CudaDataPlaneTest, ReportsGpuMemory) {
   EXPECT_EQ(cuda_->FreeBytes("GPU-not-a-gpu").status().code(), absl::StatusCode::kNotFound);
 }
 
+// The CUDA backend's endpoint regions and its engine's doorbell page are sealed memfds: each
+// rank's descriptors are handed out once, every group on a GPU gets that GPU's one doorbell
+// page, and nobody holding them can resize either (epd maps both: a shrink used to SIGBUS
+// it). docs/SECURITY.md "Shared memory the client cannot resize", "The doorbell page".
+TEST_F(CudaDataPlaneTest, EndpointRegionsAndTheGpusDoorbellAreSealedAndHandedOutOnce) {
+  std::vector<std::unique_ptr<DataPlaneGroup>> groups;
+  std::vector<EndpointFds> fds;
+  std::vector<v1::EndpointInfo> infos(2);
+  for (int g = 0; g < 2; ++g) {
+    auto group = cuda_->CreateGroup(Spec(absl::StrCat("sealed", g), 1, 2, 128, 1, 4, 0));
+    ASSERT_TRUE(group.ok()) << group.status();
+    groups.push_back(std::move(*group));
+    ASSERT_TRUE(groups[g]->AttachRank(0, "", v1::LAUNCH_MODE_DAEMON, &infos[g]).ok());
+    absl::StatusOr<EndpointFds> taken = groups[g]->TakeEndpointFds(0);
+    ASSERT_TRUE(taken.ok()) << taken.status();
+    EXPECT_EQ(taken->endpoint_id, infos[g].endpoint_id());
+    EXPECT_TRUE(groups[g]->RankMapped(0));
+    EXPECT_EQ(groups[g]->TakeEndpointFds(0).status().code(), absl::StatusCode::kFailedPrecondition);
+    fds.push_back(*std::move(taken));
+  }
+  struct stat a {
+  }, b{};
+  ASSERT_EQ(::fstat(fds[0].doorbell.get(), &a), 0);
+  ASSERT_EQ(::fstat(fds[1].doorbell.get(), &b), 0);
+  EXPECT_EQ(a.st_ino, b.st_ino) << "one doorbell page per GPU engine";
+  for (int g = 0; g < 2; ++g) {
+    for (const auto& [fd, bytes] :
+         {std::pair<int, uint64_t>{fds[g].region.get(), infos[g].shm_bytes()},
+          {fds[g].doorbell.get(), sizeof(abi::DoorbellPage)}}) {
+      EXPECT_EQ(::fcntl(fd, F_GET_SEALS) & kRequiredSeals, kRequiredSeals);
+      EXPECT_EQ(::ftruncate(fd, 0), -1);
+      EXPECT_EQ(errno, EPERM);
+      EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(bytes * 2)), -1);
+      EXPECT_EQ(errno, EPERM);
+      struct stat st {};
+      ASSERT_EQ(::fstat(fd, &st), 0);
+      EXPECT_EQ(static_cast<uint64_t>(st.st_size), bytes);
+    }
+  }
+}
+
 // The default launch mode (DataPlane::DefaultLaunchMode): client-launched when every rank
 // can have a GPU of its own or MPS is active, daemon-launched otherwise.
 TEST_F(CudaDataPlaneTest, DefaultLaunchModeIsClientWithAGpuPerRankOrMps) {
@@ -627,7 +673,7 @@ std::vector<RawRank> AttachRaw(DataPlaneGroup& group, int ranks, v1::LaunchMode 
     absl::Status st = group.AttachRank(r, "", mode, &out[r].info);
     EXPECT_TRUE(st.ok()) << st;
     if (!st.ok()) return {};
-    out[r].ring = testing::RawRing::Open(out[r].info);
+    out[r].ring = testing::RawRing::Open(out[r].info, group);
     auto area = FindInProcessCudaArea(out[r].info.cuda_ipc_handle());
     EXPECT_TRUE(area.ok()) << area.status();
     if (!area.ok() || out[r].ring == nullptr) return {};

@@ -163,7 +163,9 @@ void OpenCountedPlane(const v1::GroupSpec& spec, CountedPlane& f) {
     ASSERT_EQ(info.backend(), "cuda");
     ASSERT_EQ(info.launch_mode(), v1::LAUNCH_MODE_DAEMON);
     DataPlaneGroup* g = f.group.get();
-    auto ep = internal::OpenEndpoint(info, spec, [g, r] {
+    absl::StatusOr<EndpointFds> fds = g->TakeEndpointFds(r);
+    ASSERT_TRUE(fds.ok()) << fds.status();
+    auto ep = internal::OpenEndpoint(info, spec, *std::move(fds), [g, r] {
       g->DetachRank(r);
       return absl::OkStatus();
     });

@@ -1,8 +1,6 @@
 #include "tests/integration/daemon_process.h"
 
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/file.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -11,7 +9,6 @@
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "shm_region.h"
 
 namespace epd::testing {
 namespace {
@@ -74,14 +71,7 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(DaemonProces
 }
 
 DaemonProcess::~DaemonProcess() {
-  process_.reset();  // SIGKILLs a daemon still running.
-  // A SIGKILLed epd cannot unlink its shm regions (doorbell pages): remove those carrying
-  // this socket's creator tag, unless another epd still holds the socket (a test's second
-  // daemon on it): what the next epd on the socket would do at start-up.
-  ScopedFd lock(::open((socket_path_ + ".lock").c_str(), O_RDWR | O_CLOEXEC));
-  if (lock.valid() && ::flock(lock.get(), LOCK_EX | LOCK_NB) == 0) {
-    (void)ShmRegion::RemoveStale(ShmCreatorTag(socket_path_));
-  }
+  process_.reset();  // SIGKILLs a daemon still running (its memory has no name to leave).
   std::error_code ec;
   std::filesystem::remove_all(dir_, ec);
 }

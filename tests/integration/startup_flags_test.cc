@@ -106,16 +106,19 @@ TEST(StartupFlagsTest, MissingSocketDirectoryIsCreatedAndLogged) {
   std::filesystem::remove_all(dir);
 }
 
-// --shm_mode=0777 starts (it is valid) but start-up warns, naming the field and the value.
-TEST(StartupFlagsTest, WorldWritableShmModeIsWarnedAbout) {
-  DaemonProcessOptions options;
-  options.extra_args = {"--shm_mode=0777"};
-  options.log_level = "info";
-  absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(options);
-  ASSERT_TRUE(epd.ok()) << epd.status();
-  EXPECT_EQ(*(*epd)->Stop(), 0);
-  EXPECT_THAT((*epd)->Logs(), HasSubstr("[epd.config] [warning] shm_mode: \"0777\" lets every "
-                                        "user on this machine write"));
+// shm_mode is deprecated: --shm_mode=0777 (or any value, valid or not) still starts, and
+// start-up warns that it is ignored, naming the field and the value.
+TEST(StartupFlagsTest, DeprecatedShmModeStartsAndIsWarnedAboutAsIgnored) {
+  for (const std::string& value : {"0777", "rw-rw----"}) {
+    DaemonProcessOptions options;
+    options.extra_args = {"--shm_mode=" + value};
+    options.log_level = "info";
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(options);
+    ASSERT_TRUE(epd.ok()) << epd.status();
+    EXPECT_EQ(*(*epd)->Stop(), 0);
+    EXPECT_THAT((*epd)->Logs(), HasSubstr("[epd.config] [warning] shm_mode: \"" + value +
+                                          "\" is deprecated and ignored"));
+  }
 }
 
 // "backend: BACKEND_HOST" in the config file: the start-up line says so (with the file),

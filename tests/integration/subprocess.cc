@@ -228,4 +228,11 @@ absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
   return result;
 }
 
+std::vector<std::string> AsUser(uint32_t uid, const std::vector<std::string>& argv) {
+  std::vector<std::string> full = {"/usr/bin/setpriv", absl::StrCat("--reuid=", uid),
+                                   absl::StrCat("--regid=", uid), "--clear-groups"};
+  full.insert(full.end(), argv.begin(), argv.end());
+  return full;
+}
+
 }  // namespace epd::testing

@@ -6,6 +6,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -79,6 +80,10 @@ struct CommandResult {
   std::string stdout_text;
   std::string stderr_text;
 };
+
+/// argv to be run as user `uid` with group `uid` and no supplementary groups, through
+/// setpriv (util-linux; the caller must be root and should skip without /usr/bin/setpriv).
+std::vector<std::string> AsUser(uint32_t uid, const std::vector<std::string>& argv);
 
 /// Runs argv to completion (SIGKILL after `timeout`, then DEADLINE_EXCEEDED).
 absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,

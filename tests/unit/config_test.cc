@@ -39,11 +39,23 @@ constexpr char kGoodConfig[] = R"pb(
 
 /// The names of epd's flags (daemon/config.cc).
 const std::vector<std::string>& EpdFlagNames() {
-  static const auto* names = new std::vector<std::string>{
-      "config",     "socket",         "socket_mode",  "socket_group",
-      "listen",     "backend",        "log_level",    "op_timeout",
-      "shm_mode",   "engine_idle_us", "host_threads", "max_request_bytes",
-      "max_groups", "gpu_uuids"};
+  static const auto* names = new std::vector<std::string>{"config",
+                                                          "socket",
+                                                          "socket_mode",
+                                                          "socket_group",
+                                                          "listen",
+                                                          "backend",
+                                                          "log_level",
+                                                          "op_timeout",
+                                                          "shm_mode",
+                                                          "engine_idle_us",
+                                                          "host_threads",
+                                                          "max_request_bytes",
+                                                          "max_groups",
+                                                          "gpu_uuids",
+                                                          "max_groups_per_uid",
+                                                          "max_endpoints_per_uid",
+                                                          "max_endpoint_bytes_per_uid"};
   return *names;
 }
 
@@ -116,7 +128,6 @@ TEST(ValidateDaemonConfigTest, BadValuesAreNamed) {
            {[](v1::DaemonConfig* x) { x->set_socket_mode("0999"); }, "socket_mode", "0999"},
            {[](v1::DaemonConfig* x) { x->set_socket_mode("rw-rw----"); }, "socket_mode",
             "rw-rw----"},
-           {[](v1::DaemonConfig* x) { x->set_shm_mode("77777"); }, "shm_mode", "77777"},
            {[](v1::DaemonConfig* x) { x->set_log_level("verbose"); }, "log_level", "verbose"},
            {[](v1::DaemonConfig* x) { x->set_listen("localhost"); }, "listen", "localhost"},
            {[](v1::DaemonConfig* x) { x->set_listen("host:99999"); }, "listen", "host:99999"},
@@ -128,7 +139,6 @@ TEST(ValidateDaemonConfigTest, BadValuesAreNamed) {
            {[](v1::DaemonConfig* x) { x->add_gpu_uuids(""); }, "gpu_uuids", "empty"},
            {[](v1::DaemonConfig* x) { x->set_socket_mode("7777"); }, "socket_mode", "setuid"},
            {[](v1::DaemonConfig* x) { x->set_socket_mode("0"); }, "socket_mode", "owner"},
-           {[](v1::DaemonConfig* x) { x->set_shm_mode("0000"); }, "shm_mode", "owner"},
            {[](v1::DaemonConfig* x) { x->set_host_threads(100000); }, "host_threads", "100000"},
            {[](v1::DaemonConfig* x) { x->set_op_timeout_ms(0); }, "op_timeout_ms", "0"},
            {[](v1::DaemonConfig* x) { x->set_max_groups(0); }, "max_groups", "0"},
@@ -153,7 +163,7 @@ TEST(FillDaemonConfigDefaultsTest, DocumentedDefaults) {
   EXPECT_EQ(config.backend(), v1::BACKEND_AUTO);
   EXPECT_EQ(config.log_level(), "info");
   EXPECT_EQ(config.op_timeout_ms(), 10000u);
-  EXPECT_EQ(config.shm_mode(), "0600");
+  EXPECT_EQ(config.shm_mode(), "");  // Deprecated and ignored: no default.
   EXPECT_EQ(config.engine_idle_us(), 100u);
   EXPECT_EQ(config.max_request_bytes(), 4194304u);
   EXPECT_EQ(config.max_groups(), 64u);
@@ -187,7 +197,7 @@ TEST(ResolveDaemonConfigTest, FlagsOverrideTheFile) {
   EXPECT_EQ(config->max_groups(), 4u);
   EXPECT_EQ(config->engine_idle_us(), 50u);
   // And absent ones take defaults.
-  EXPECT_EQ(config->shm_mode(), "0600");
+  EXPECT_EQ(config->shm_mode(), "");
   EXPECT_EQ(config->max_request_bytes(), kDefaultMaxRequestBytes);
 }
 
@@ -213,6 +223,48 @@ TEST(ResolveDaemonConfigTest, ZerosInTheFileOrFlagsAreErrorsNotDefaults) {
   EXPECT_EQ(empty.op_timeout_ms(), kDefaultOpTimeoutMs);
   EXPECT_EQ(empty.max_groups(), kDefaultMaxGroups);
   EXPECT_TRUE(ValidateDaemonConfig(empty).ok());
+}
+
+// Per-uid quotas: defaults a single big job fits in; a present 0 (file or flag) means no
+// limit and stays 0 rather than taking the default; flags override the file.
+TEST(ResolveDaemonConfigTest, PerUidQuotas) {
+  v1::DaemonConfig defaults;
+  FillDaemonConfigDefaults(&defaults);
+  EXPECT_EQ(defaults.max_groups_per_uid(), 64u);
+  EXPECT_EQ(defaults.max_endpoints_per_uid(), 256u);
+  EXPECT_EQ(defaults.max_endpoint_bytes_per_uid(), 0u);
+
+  std::string path = WriteTempFile(
+      "max_groups_per_uid: 0\nmax_endpoints_per_uid: 0\nmax_endpoint_bytes_per_uid: 1000\n");
+  ConfigFlags from_file;
+  from_file.config_path = path;
+  absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(from_file);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->max_groups_per_uid(), 0u);
+  EXPECT_EQ(config->max_endpoints_per_uid(), 0u);
+  EXPECT_EQ(config->max_endpoint_bytes_per_uid(), 1000u);
+
+  ConfigFlags flags = from_file;
+  {
+    absl::FlagSaver saver;
+    GiveFlag("max_groups_per_uid", "3");
+    GiveFlag("max_endpoints_per_uid", "5");
+    GiveFlag("max_endpoint_bytes_per_uid", "68719476736");  // 64 GiB: above 32 bits.
+    ConfigFlags given = ConfigFlagsFromCommandLine();
+    flags.max_groups_per_uid = given.max_groups_per_uid;
+    flags.max_endpoints_per_uid = given.max_endpoints_per_uid;
+    flags.max_endpoint_bytes_per_uid = given.max_endpoint_bytes_per_uid;
+  }
+  config = ResolveDaemonConfig(flags);
+  ::unlink(path.c_str());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->max_groups_per_uid(), 3u);
+  EXPECT_EQ(config->max_endpoints_per_uid(), 5u);
+  EXPECT_EQ(config->max_endpoint_bytes_per_uid(), 68719476736u);
+
+  std::string error;
+  EXPECT_FALSE(absl::FindCommandLineFlag("max_endpoint_bytes_per_uid")->ParseFrom("-1", &error));
+  EXPECT_THAT(error, HasSubstr("whole number"));
 }
 
 TEST(ResolveDaemonConfigTest, DirectoryAsConfigAndSilentFlagValuesAreErrors) {
@@ -283,7 +335,8 @@ TEST(ResolveDaemonConfigTest, OnlyFlagsGivenOverrideTheFile) {
   EXPECT_FALSE(absent.socket || absent.socket_mode || absent.socket_group || absent.listen ||
                absent.backend || absent.log_level || absent.op_timeout || absent.shm_mode ||
                absent.engine_idle_us || absent.host_threads || absent.max_request_bytes ||
-               absent.max_groups || absent.gpu_uuids);
+               absent.max_groups || absent.gpu_uuids || absent.max_groups_per_uid ||
+               absent.max_endpoints_per_uid || absent.max_endpoint_bytes_per_uid);
   absl::StatusOr<v1::DaemonConfig> from_file = ResolveDaemonConfig(absent);
   ASSERT_TRUE(from_file.ok()) << from_file.status();
   EXPECT_EQ(from_file->socket_path(), "/tmp/epd-test/epd.sock");
@@ -319,18 +372,22 @@ TEST(ConfigFlagsTest, HelpShowsTheRealDefaults) {
   EXPECT_EQ(default_of("backend"), "\"auto\"");
   EXPECT_EQ(default_of("log_level"), "\"info\"");
   EXPECT_EQ(default_of("op_timeout"), "10s");
-  EXPECT_EQ(default_of("shm_mode"), "\"0600\"");
+  EXPECT_EQ(default_of("shm_mode"), "\"\"");  // Deprecated and ignored.
   EXPECT_EQ(default_of("engine_idle_us"), "100");
   EXPECT_EQ(default_of("host_threads"), "0");
   EXPECT_EQ(default_of("max_request_bytes"), "4194304");
   EXPECT_EQ(default_of("max_groups"), "64");
   EXPECT_EQ(default_of("gpu_uuids"), "\"\"");
+  EXPECT_EQ(default_of("max_groups_per_uid"), "64");
+  EXPECT_EQ(default_of("max_endpoints_per_uid"), "256");
+  EXPECT_EQ(default_of("max_endpoint_bytes_per_uid"), "0");
   // And they are the DaemonConfig defaults.
   v1::DaemonConfig defaults;
   FillDaemonConfigDefaults(&defaults);
   EXPECT_EQ(default_of("socket"), "\"" + defaults.socket_path() + "\"");
-  EXPECT_EQ(default_of("shm_mode"), "\"" + defaults.shm_mode() + "\"");
   EXPECT_EQ(default_of("max_groups"), std::to_string(defaults.max_groups()));
+  EXPECT_EQ(default_of("max_groups_per_uid"), std::to_string(defaults.max_groups_per_uid()));
+  EXPECT_EQ(default_of("max_endpoints_per_uid"), std::to_string(defaults.max_endpoints_per_uid()));
   EXPECT_EQ(default_of("backend"), "\"" + BackendFlagName(defaults.backend()) + "\"");
 }
 
@@ -357,7 +414,7 @@ TEST(ResolveDaemonConfigTest, BadFlagValuesAreNamed) {
 // A flag given with an empty value is an error naming it, never the default; the config
 // file's field written empty is the same as leaving it out (proto3: it takes the default).
 TEST(ResolveDaemonConfigTest, ExplicitlyEmptyFlagsAreErrorsNamingThem) {
-  for (const std::string name : {"socket", "socket_mode", "shm_mode", "log_level"}) {
+  for (const std::string name : {"socket", "socket_mode", "log_level"}) {
     ConfigFlags flags;
     {
       absl::FlagSaver saver;
@@ -381,31 +438,30 @@ TEST(ResolveDaemonConfigTest, ExplicitlyEmptyFlagsAreErrorsNamingThem) {
   ::unlink(path.c_str());
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->socket_path(), kDefaultSocketPath);
-  EXPECT_EQ(config->shm_mode(), kDefaultShmMode);
+  EXPECT_EQ(config->shm_mode(), "");
 }
 
-// A world-writable shm_mode is accepted (it works) but warned about, naming the field and
-// the value; group-writable and the defaults are not.
-TEST(DaemonConfigWarningsTest, OthersWritableShmModeIsWarnedAbout) {
+// shm_mode is deprecated (endpoint regions are sealed memfds with no file mode): any value,
+// from a config file or --shm_mode, still starts (older configs keep working), is ignored,
+// and start-up warns naming the field, the value and that it is ignored; the defaults warn
+// about nothing.
+TEST(DaemonConfigWarningsTest, ShmModeIsDeprecatedIgnoredAndWarnedAbout) {
   v1::DaemonConfig config;
   FillDaemonConfigDefaults(&config);
   EXPECT_THAT(DaemonConfigWarnings(config), ::testing::IsEmpty());
-  for (const std::string mode : {"0777", "0666", "0662", "602"}) {
+  for (const std::string mode : {"0600", "0660", "0777", "77777", "rw"}) {
     config.set_shm_mode(mode);
     ASSERT_TRUE(ValidateDaemonConfig(config).ok()) << mode;
     std::vector<std::string> warnings = DaemonConfigWarnings(config);
     ASSERT_EQ(warnings.size(), 1u) << mode;
-    EXPECT_THAT(warnings[0], AllOf(HasSubstr("shm_mode: \"" + mode + "\""), HasSubstr("every user"),
-                                   HasSubstr("\"0660\"")));
+    EXPECT_THAT(warnings[0], AllOf(HasSubstr("shm_mode: \"" + mode + "\""),
+                                   HasSubstr("deprecated and ignored"), HasSubstr("remove")));
   }
-  for (const std::string mode : {"0600", "0660", "0664", "0640", "0774"}) {
-    config.set_shm_mode(mode);
-    EXPECT_THAT(DaemonConfigWarnings(config), ::testing::IsEmpty()) << mode;
-  }
-  // The socket is not the shm: a world-writable socket_mode (deploy/k8s) is no warning.
-  config.set_shm_mode("0600");
-  config.set_socket_mode("0666");
-  EXPECT_THAT(DaemonConfigWarnings(config), ::testing::IsEmpty());
+  ConfigFlags flags;
+  flags.shm_mode = "0660";
+  absl::StatusOr<v1::DaemonConfig> resolved = ResolveDaemonConfig(flags);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_THAT(DaemonConfigWarnings(*resolved), ::testing::ElementsAre(HasSubstr("--shm_mode")));
 }
 
 TEST(ResolveDaemonConfigTest, MissingFileIsNamed) {

@@ -5,7 +5,6 @@
 // values (so the permission cases run as root too, where the kernel never refuses); the
 // real syscalls are tested as a user the kernel does refuse: as root, a child process
 // that drops to nobody (65534); otherwise this user with the permission bits taken away.
-// ExplainShmOpenError: the hint a join's PERMISSION_DENIED from shm_open gets.
 #include "client/control_channel.h"
 
 #include <grp.h>
@@ -196,36 +195,6 @@ TEST(CheckUnixSocket, ReachableMissingAndRefusedSocketsAsBefore) {
   EXPECT_EQ(missing.code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(missing.message()), HasSubstr("does not exist"));
   EXPECT_TRUE(CheckUnixSocket("127.0.0.1:1", "--socket").ok());  // Not a unix target.
-}
-
-TEST(ExplainShmOpenError, PermissionDeniedNamesShmModeAndSocketGroup) {
-  absl::Status explained = ExplainShmOpenError(
-      absl::PermissionDeniedError("shm_open(/epd-ep-abc): Permission denied"), 1000);
-  EXPECT_EQ(explained.code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_THAT(std::string(explained.message()),
-              AllOf(HasSubstr("shm_open(/epd-ep-abc): Permission denied"),
-                    HasSubstr("shm_mode (default \"0600\""), HasSubstr("uid 1000"),
-                    HasSubstr("shm_mode \"0660\""), HasSubstr("socket_group")));
-  // Other errors are not about permissions: as they were.
-  absl::Status missing = absl::NotFoundError("shm_open(/epd-ep-abc): No such file");
-  EXPECT_EQ(ExplainShmOpenError(missing, 1000), missing);
-  EXPECT_TRUE(ExplainShmOpenError(absl::OkStatus(), 1000).ok());
-}
-
-// The real path: a region made with the default shm_mode 0600 (as the daemon does), opened
-// by another user (as root: nobody; else this user, with the mode taken away).
-TEST(ExplainShmOpenError, RegionOfAnotherUserIsExplained) {
-  absl::StatusOr<ShmRegion> region =
-      ShmRegion::Create("epd-test", 4096, ::geteuid() == 0 ? 0600 : 0000, "");
-  ASSERT_TRUE(region.ok()) << region.status();
-  const std::string name = region->name();
-  absl::Status status = RunUnprivileged([&] {
-    absl::StatusOr<ShmRegion> opened = ShmRegion::Open(name, 4096);
-    return ExplainShmOpenError(opened.status(), ::geteuid());
-  });
-  EXPECT_EQ(status.code(), absl::StatusCode::kPermissionDenied) << status;
-  EXPECT_THAT(std::string(status.message()),
-              AllOf(HasSubstr(name), HasSubstr("shm_mode \"0660\""), HasSubstr("socket_group")));
 }
 
 }  // namespace

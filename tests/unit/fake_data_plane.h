@@ -1,6 +1,6 @@
-// FakeDataPlane: a DataPlane for control-plane tests (registry, daemon). It allocates
-// nothing; it records attaches/detaches and group lifetimes, and its sizes and failures
-// are set by the test.
+// FakeDataPlane: a DataPlane for control-plane tests (registry, daemon). It allocates no
+// buffers (TakeEndpointFds hands out two small sealed regions); it records
+// attaches/detaches and group lifetimes, and its sizes and failures are set by the test.
 #pragma once
 
 #include <atomic>
@@ -26,8 +26,10 @@ struct FakeDataPlaneState {
   absl::Status attach_error;  ///< Returned by every AttachRank when not OK.
   int groups_created = 0;
   int groups_destroyed = 0;
-  std::set<std::pair<std::string, int>> attached;  ///< (group, rank) currently attached.
-  std::map<std::string, std::string> last_gpu;     ///< "group/rank" → gpu_uuid given.
+  std::set<std::pair<std::string, int>> attached;   ///< (group, rank) currently attached.
+  std::set<std::pair<std::string, int>> fds_taken;  ///< Attached ranks whose fds were taken.
+  uint64_t next_endpoint_id = 0;
+  std::map<std::string, std::string> last_gpu;  ///< "group/rank" → gpu_uuid given.
   bool shut_down = false;
   /// (group, rank) whose client has not mapped its endpoint (RankMapped false); every
   /// other attached rank counts as mapped.
@@ -54,12 +56,29 @@ class FakeDataPlaneGroup : public DataPlaneGroup {
     info->set_rank(rank);
     info->set_backend(state_->backend);
     info->set_gpu_uuid(gpu_uuid);
-    info->set_shm_name(absl::StrCat("/fake-", name_, "-", rank));
+    info->set_endpoint_id(endpoint_ids_[rank] = ++state_->next_endpoint_id);
+    info->set_shm_bytes(4096);
     return absl::OkStatus();
+  }
+  absl::StatusOr<EndpointFds> TakeEndpointFds(int32_t rank) override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (state_->attached.count({name_, rank}) == 0) return absl::NotFoundError("not attached");
+    if (!state_->fds_taken.insert({name_, rank}).second) {
+      return absl::FailedPreconditionError("already handed out");
+    }
+    EndpointFds fds;
+    for (ScopedFd* fd : {&fds.region, &fds.doorbell}) {
+      absl::StatusOr<ShmRegion> region = ShmRegion::Create("epd-fake", 4096);
+      if (!region.ok()) return region.status();
+      *fd = region->TakeFd();
+    }
+    fds.endpoint_id = endpoint_ids_[rank];
+    return fds;
   }
   void DetachRank(int32_t rank) override {
     std::lock_guard<std::mutex> lock(state_->mu);
     state_->attached.erase({name_, rank});
+    state_->fds_taken.erase({name_, rank});
   }
   bool RankMapped(int32_t rank) const override {
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -72,6 +91,7 @@ class FakeDataPlaneGroup : public DataPlaneGroup {
  private:
   std::shared_ptr<FakeDataPlaneState> state_;
   std::string name_;
+  std::map<int32_t, uint64_t> endpoint_ids_;  ///< Guarded by state_->mu.
 };
 
 class FakeDataPlane : public DataPlane {

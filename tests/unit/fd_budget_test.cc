@@ -122,7 +122,7 @@ TEST_F(FdBudgetRegistryTest, EndpointsNeverMappedExpireAndMappedOnesStay) {
   EXPECT_EQ(registry.ExpireUnmappedEndpoints(now + absl::Seconds(31)), 3);
   // g/0 was mapped and stays; g/1 and group h went.
   EXPECT_EQ(state_->attached, (std::set<std::pair<std::string, int>>{{"g", 0}}));
-  v1::ListGroupsResponse groups = registry.ListGroups();
+  v1::ListGroupsResponse groups = registry.ListGroups(PeerCredentials{.uid = 1000});
   ASSERT_EQ(groups.groups_size(), 1);
   EXPECT_EQ(groups.groups(0).spec().name(), "g");
   ASSERT_EQ(groups.groups(0).ranks_size(), 1);

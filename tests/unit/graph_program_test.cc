@@ -53,8 +53,8 @@ abi::RequestSlot ProgramSlot(const std::vector<uint8_t>& steps) {
 /// Publishes `slot` (its seq set to the ring's next) on `info`'s ring; returns the seq.
 class ProgramRing {
  public:
-  explicit ProgramRing(const v1::EndpointInfo& info)
-      : ring_(RawRing::Open(info)), next_seq_(info.first_seq()) {}
+  ProgramRing(const v1::EndpointInfo& info, DataPlaneGroup& group)
+      : ring_(RawRing::Open(info, group)), next_seq_(info.first_seq()) {}
   uint64_t Submit(abi::RequestSlot slot) {
     slot.seq = next_seq_++;
     abi::EndpointShmHeader* h = ring_->header();
@@ -160,6 +160,7 @@ class ProgramGroup : public LockstepGroup {
     return o;
   }
   uint64_t ShmDataBytes() const override { return 0; }
+  absl::StatusOr<ScopedFd> DoorbellFd(int32_t) const override { return testing::TestDoorbellFd(); }
   absl::StatusOr<std::shared_ptr<RankResources>> PrepareRank(int32_t, const std::string&,
                                                              v1::LaunchMode,
                                                              v1::EndpointInfo* info) override {
@@ -186,7 +187,7 @@ class ProgramRulesTest : public ::testing::Test {
     for (int r = 0; r < 2; ++r) {
       v1::EndpointInfo info;
       ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, &info).ok());
-      rings_.push_back(std::make_unique<ProgramRing>(info));
+      rings_.push_back(std::make_unique<ProgramRing>(info, *group_));
     }
   }
   std::optional<abi::Completion> Await(int r, uint64_t seq, int ms = 3000) {
@@ -274,7 +275,7 @@ TEST(HostDataPlaneProgramTest, RegisterIsUnimplementedNamingTheCudaBackend) {
   for (int r = 0; r < 2; ++r) {
     v1::EndpointInfo info;
     ASSERT_TRUE((*group)->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, &info).ok());
-    rings.push_back(std::make_unique<ProgramRing>(info));
+    rings.push_back(std::make_unique<ProgramRing>(info, **group));
   }
   const uint64_t seq = rings[0]->Submit(ProgramSlot({kD8, kC}));
   rings[1]->Submit(ProgramSlot({kD8, kC}));

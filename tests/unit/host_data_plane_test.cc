@@ -5,9 +5,12 @@
 // handles, client-side input errors — after each, the group keeps working.
 #include "daemon/host_data_plane.h"
 
+#include <fcntl.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -21,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/endpoint_internal.h"
 #include "epd/client.h"
@@ -356,7 +360,10 @@ class HostDataPlaneTest : public ::testing::Test {
     absl::Status st = group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info);
     EXPECT_TRUE(st.ok()) << st;
     DataPlaneGroup* g = group_.get();
-    auto ep = internal::OpenEndpoint(info, spec_, [g, r] {
+    absl::StatusOr<EndpointFds> fds = g->TakeEndpointFds(r);
+    EXPECT_TRUE(fds.ok()) << fds.status();
+    if (!fds.ok()) return nullptr;
+    auto ep = internal::OpenEndpoint(info, spec_, *std::move(fds), [g, r] {
       g->DetachRank(r);
       return absl::OkStatus();
     });
@@ -620,14 +627,17 @@ TEST_F(HostDataPlaneTest, GarbageSlotIsRejectedNotExecuted) {
   group_ = std::move(*g);
   endpoints_.clear();
   endpoints_.push_back(Attach(0));
-  // Map rank 1's region a second time before its client does (the daemon unlinks the
-  // name once the client has mapped it), as a misbehaving process on the node could.
+  // Map rank 1's region a second time, as a misbehaving client could (it holds the
+  // region's descriptor).
   v1::EndpointInfo info;
   ASSERT_TRUE(group_->AttachRank(1, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
-  auto evil = ShmRegion::Open(info.shm_name(), info.shm_bytes());
+  absl::StatusOr<EndpointFds> fds = group_->TakeEndpointFds(1);
+  ASSERT_TRUE(fds.ok()) << fds.status();
+  ScopedFd second(::dup(fds->region.get()));
+  auto evil = ShmRegion::Map(std::move(second), info.shm_bytes(), "second mapping");
   ASSERT_TRUE(evil.ok()) << evil.status();
   DataPlaneGroup* gp = group_.get();
-  auto ep1 = internal::OpenEndpoint(info, spec_, [gp] {
+  auto ep1 = internal::OpenEndpoint(info, spec_, *std::move(fds), [gp] {
     gp->DetachRank(1);
     return absl::OkStatus();
   });
@@ -757,36 +767,48 @@ TEST_F(HostDataPlaneTest, ShutdownFailsInFlightAndLaterOpsWithUnavailable) {
   EXPECT_EQ(later.status().code(), absl::StatusCode::kUnavailable) << later.status();
 }
 
-TEST_F(HostDataPlaneTest, ShmIsPrivateAndUnlinkedOnceMapped) {
+// An endpoint's memory is a sealed memfd with no name: its descriptors are handed out once
+// (the fd channel's TakeEndpointFds), the region and the doorbell can be neither shrunk nor
+// grown by whoever holds them (the daemon maps them: a shrink would SIGBUS it), and the
+// seals cannot be removed.
+TEST_F(HostDataPlaneTest, EndpointMemoryIsSealedNamelessAndHandedOutOnce) {
   spec_ = Spec("shm", 1, 1, 128, 1, 2, 0, false);
   auto g = plane_->CreateGroup(spec_);
   ASSERT_TRUE(g.ok());
   group_ = std::move(*g);
   v1::EndpointInfo info;
   ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
-  const std::string path = "/dev/shm" + info.shm_name();
-  struct stat st {};
-  ASSERT_EQ(::stat(path.c_str(), &st), 0) << path;
-  EXPECT_EQ(st.st_mode & 0777, 0600u);
-  // 128 random bits in the name.
-  EXPECT_GE(info.shm_name().size(), std::string("/epd-ep-").size() + 32);
-  auto ep = internal::OpenEndpoint(info, spec_, [] { return absl::OkStatus(); });
-  ASSERT_TRUE(ep.ok()) << ep.status();
-  // The engine unlinks the name once the client has mapped the region.
-  bool gone = false;
-  for (int i = 0; i < 200 && !gone; ++i) {
-    gone = ::stat(path.c_str(), &st) != 0;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  absl::StatusOr<EndpointFds> fds = group_->TakeEndpointFds(0);
+  ASSERT_TRUE(fds.ok()) << fds.status();
+  EXPECT_EQ(fds->endpoint_id, info.endpoint_id());
+  absl::StatusOr<EndpointFds> again = group_->TakeEndpointFds(0);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition) << again.status();
+  EXPECT_THAT(std::string(again.status().message()), ::testing::HasSubstr("already handed out"));
+  EXPECT_EQ(group_->TakeEndpointFds(5).status().code(), absl::StatusCode::kNotFound);
+  for (const auto& [fd, bytes] : {std::pair<int, uint64_t>{fds->region.get(), info.shm_bytes()},
+                                  {fds->doorbell.get(), sizeof(abi::DoorbellPage)}}) {
+    char link[256] = {};
+    ASSERT_GT(::readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), link, sizeof(link) - 1), 0);
+    EXPECT_TRUE(absl::StartsWith(link, "/memfd:epd-")) << link;  // No file in /dev/shm.
+    EXPECT_EQ(::fcntl(fd, F_GET_SEALS) & kRequiredSeals, kRequiredSeals);
+    for (const off_t size :
+         {off_t{0}, static_cast<off_t>(bytes / 2), static_cast<off_t>(bytes * 2)}) {
+      EXPECT_EQ(::ftruncate(fd, size), -1) << size;
+      EXPECT_EQ(errno, EPERM) << size;
+    }
+    EXPECT_NE(::posix_fallocate(fd, 0, static_cast<off_t>(bytes * 2)), 0);
+    EXPECT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE), -1);
+    struct stat st {};
+    ASSERT_EQ(::fstat(fd, &st), 0);
+    EXPECT_EQ(static_cast<uint64_t>(st.st_size), bytes);
   }
-  EXPECT_TRUE(gone) << path << " still exists";
-  // Released endpoints unlink too (an endpoint whose client never mapped it).
-  v1::GroupSpec spec2 = Spec("shm2", 1, 1, 128, 1, 2, 0, false);
-  auto g2 = plane_->CreateGroup(spec2);
-  ASSERT_TRUE(g2.ok());
-  v1::EndpointInfo info2;
-  ASSERT_TRUE((*g2)->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, &info2).ok());
-  (*g2)->DetachRank(0);
-  EXPECT_NE(::stat(("/dev/shm" + info2.shm_name()).c_str(), &st), 0);
+  auto ep = internal::OpenEndpoint(info, spec_, *std::move(fds), [] { return absl::OkStatus(); });
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  RankData in;
+  in.Make(2, 128, 1, 1, 3);
+  auto op = (*ep)->GetDispatchLayout(in.idx_t);
+  ASSERT_TRUE(op.ok()) << op.status();
+  EXPECT_TRUE(op->Wait(absl::Seconds(10)).ok());
 }
 
 TEST_F(HostDataPlaneTest, EngineSleepsWhenIdleAndWakesForWork) {

@@ -118,7 +118,9 @@ TEST(HotPathAllocTest, SteadyOpsAllocateNothingOnClientThreadOrEngineThread) {
     v1::EndpointInfo info;
     ASSERT_TRUE(group->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
     DataPlaneGroup* g = group.get();
-    auto ep = internal::OpenEndpoint(info, spec, [g, r] {
+    absl::StatusOr<EndpointFds> fds = g->TakeEndpointFds(r);
+    ASSERT_TRUE(fds.ok()) << fds.status();
+    auto ep = internal::OpenEndpoint(info, spec, *std::move(fds), [g, r] {
       g->DetachRank(r);
       return absl::OkStatus();
     });

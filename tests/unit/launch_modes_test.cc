@@ -126,7 +126,7 @@ TEST_F(RegistryLaunchModeTest, WaitsForTheLastRankWithoutBlockingOtherCalls) {
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_FALSE(answered.load()) << "answered before rank 1 joined";
   // Other registry calls go on meanwhile (ListGroups, a join of another group).
-  EXPECT_EQ(registry_.ListGroups().groups_size(), 1);
+  EXPECT_EQ(registry_.ListGroups(PeerCredentials{.uid = 1000}).groups_size(), 1);
   ASSERT_TRUE(Join(s1, 0, SpecOf("other", 1)).ok());
   const auto joined = std::chrono::steady_clock::now();
   ASSERT_TRUE(Join(s1, 1, spec).ok());
@@ -215,7 +215,8 @@ TEST_F(RegistryLaunchModeTest, HostBackendRefusesClientLaunchedMode) {
   auto e = Join(s, 0, SpecOf("hostclient", 2), v1::LAUNCH_MODE_CLIENT);
   EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
   EXPECT_THAT(e.status().message(), HasSubstr("client-launched mode needs the CUDA backend"));
-  EXPECT_EQ(registry_.ListGroups().groups_size(), 0) << "a refused first join leaves no group";
+  EXPECT_EQ(registry_.ListGroups(PeerCredentials{.uid = 1000}).groups_size(), 0)
+      << "a refused first join leaves no group";
   auto d = Join(s, 0, SpecOf("hostclient", 2), v1::LAUNCH_MODE_DAEMON);
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_EQ(d->launch_mode(), v1::LAUNCH_MODE_DAEMON);
@@ -265,7 +266,7 @@ TEST_F(CudaRegistryLaunchModeTest, FirstJoinerFixesTheModeAndAMismatchNamesBoth)
   EXPECT_EQ(again->launch_mode(), v1::LAUNCH_MODE_CLIENT);
 
   // ListGroups reports each group's mode.
-  const v1::ListGroupsResponse groups = registry_.ListGroups();
+  const v1::ListGroupsResponse groups = registry_.ListGroups(PeerCredentials{.uid = 1000});
   ASSERT_EQ(groups.groups_size(), 2);
   for (const v1::GroupInfo& g : groups.groups()) {
     EXPECT_EQ(g.launch_mode(), v1::LAUNCH_MODE_CLIENT) << g.spec().name();
@@ -286,7 +287,7 @@ TEST_F(CudaRegistryLaunchModeTest, AnUnspecifiedFirstJoinerGetsTheDataPlanesDefa
   auto d0 = Join(s, 0, SpecOf("other", 2));
   ASSERT_TRUE(d0.ok()) << d0.status();
   EXPECT_EQ(d0->launch_mode(), v1::LAUNCH_MODE_DAEMON);
-  const v1::ListGroupsResponse groups = registry_.ListGroups();
+  const v1::ListGroupsResponse groups = registry_.ListGroups(PeerCredentials{.uid = 1000});
   ASSERT_EQ(groups.groups_size(), 2);
   for (const v1::GroupInfo& g : groups.groups()) {
     EXPECT_EQ(g.launch_mode(),
@@ -309,7 +310,7 @@ TEST(HostDataPlaneLaunchModeTest, StreamOrderedRequestIsInvalidArgumentNamingThe
   for (int r = 0; r < 2; ++r) {
     v1::EndpointInfo info;
     ASSERT_TRUE((*group)->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, &info).ok());
-    rings.push_back(RawRing::Open(info));
+    rings.push_back(RawRing::Open(info, **group));
     ASSERT_NE(rings.back(), nullptr);
   }
   // Client-launched mode is refused by the host group itself too.
@@ -369,6 +370,7 @@ class RecordingGroup : public LockstepGroup {
     return o;
   }
   uint64_t ShmDataBytes() const override { return 0; }
+  absl::StatusOr<ScopedFd> DoorbellFd(int32_t) const override { return testing::TestDoorbellFd(); }
   absl::StatusOr<std::shared_ptr<RankResources>> PrepareRank(int32_t, const std::string&,
                                                              v1::LaunchMode,
                                                              v1::EndpointInfo* info) override {
@@ -401,7 +403,7 @@ class OpEndedWithoutLaunchTest : public ::testing::Test {
     for (int r = 0; r < ranks; ++r) {
       v1::EndpointInfo info;
       ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, &info).ok());
-      rings_.push_back(RawRing::Open(info));
+      rings_.push_back(RawRing::Open(info, *group_));
       ASSERT_NE(rings_.back(), nullptr);
     }
   }

@@ -16,18 +16,32 @@
 #include <optional>
 #include <thread>
 
+#include "daemon/data_plane.h"
 #include "epd/v1/control.pb.h"
 #include "shm_abi.h"
 #include "shm_region.h"
 
 namespace epd::testing {
 
+/// A fresh doorbell page's descriptor, for test LockstepGroups (DoorbellFd) that run no
+/// engine: nobody sleeps on it.
+inline absl::StatusOr<ScopedFd> TestDoorbellFd() {
+  absl::StatusOr<ShmRegion> page =
+      ShmRegion::Create("epd-test-doorbell", sizeof(abi::DoorbellPage));
+  if (!page.ok()) return page.status();
+  return page->TakeFd();
+}
+
 /// Writes request slots into an endpoint's ring and reads its completions, as a client
 /// would (proto/shm_abi.h), without the client library.
 class RawRing {
  public:
-  static std::unique_ptr<RawRing> Open(const v1::EndpointInfo& info) {
-    auto region = ShmRegion::Open(info.shm_name(), info.shm_bytes());
+  /// Maps the region of `info`'s endpoint, taken from `group` (TakeEndpointFds: once).
+  static std::unique_ptr<RawRing> Open(const v1::EndpointInfo& info, DataPlaneGroup& group) {
+    absl::StatusOr<EndpointFds> fds = group.TakeEndpointFds(info.rank());
+    EXPECT_TRUE(fds.ok()) << fds.status();
+    if (!fds.ok()) return nullptr;
+    auto region = ShmRegion::Map(std::move(fds->region), info.shm_bytes(), "raw ring");
     EXPECT_TRUE(region.ok()) << region.status();
     if (!region.ok()) return nullptr;
     auto ring = std::make_unique<RawRing>();

@@ -2,7 +2,10 @@
 // codes of JoinGroup and group lifetime (daemon/group_registry.h).
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "daemon/group_registry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -78,7 +81,7 @@ TEST_F(RegistryTest, FirstJoinCreatesGroupAndRanksJoin) {
   EXPECT_EQ(state_->groups_created, 1);
   EXPECT_THAT(state_->attached, SizeIs(2));
 
-  v1::ListGroupsResponse list = registry_.ListGroups();
+  v1::ListGroupsResponse list = registry_.ListGroups(PeerCredentials{.uid = 1000});
   ASSERT_THAT(list.groups(), SizeIs(1));
   const v1::GroupInfo& g = list.groups(0);
   EXPECT_EQ(g.spec().name(), "g");
@@ -286,6 +289,289 @@ TEST_F(RegistryTest, ReleaseAllDetachesEverything) {
   EXPECT_TRUE(state_->attached.empty());
   EXPECT_EQ(state_->groups_destroyed, 2);
   EXPECT_EQ(registry_.counters().num_sessions, 0);
+}
+
+// ---- Who may join and see a group; per-uid quotas ------------------------------------------
+
+TEST(JoinSecretTest, MatchesOnlyTheSameBytes) {
+  JoinSecret none;
+  EXPECT_FALSE(none.set());
+  EXPECT_TRUE(none.Matches(""));
+  EXPECT_FALSE(none.Matches("x"));
+  JoinSecret secret;
+  secret.Set(std::string("s3cr\0t", 6));  // Any bytes, NULs included.
+  EXPECT_TRUE(secret.set());
+  EXPECT_TRUE(secret.Matches(std::string("s3cr\0t", 6)));
+  EXPECT_FALSE(secret.Matches("s3cr"));  // A prefix.
+  EXPECT_FALSE(secret.Matches(std::string("s3cr\0t\0", 7)));
+  EXPECT_FALSE(secret.Matches(std::string("s3cr\0u", 6)));
+  EXPECT_FALSE(secret.Matches(""));
+  const std::string longest(kMaxJoinSecretBytes, 'k');
+  secret.Set(longest);
+  EXPECT_TRUE(secret.Matches(longest));
+  EXPECT_FALSE(secret.Matches(longest + "k"));
+  secret.Set("");
+  EXPECT_FALSE(secret.set());
+}
+
+constexpr uint32_t kAlice = 1000, kBob = 2000, kCarol = 3000, kEpdUid = 999;
+
+/// A registry with the daemon's default quotas, epd's own uid kEpdUid, and sessions of
+/// several uids (as SO_PEERCRED would give them).
+class RegistryPolicyTest : public ::testing::Test {
+ protected:
+  RegistryPolicyTest() : state_(std::make_shared<FakeDataPlaneState>()), plane_(state_) {
+    Reset(GroupRegistry::Options{.operator_uid = kEpdUid});
+  }
+
+  void Reset(GroupRegistry::Options options) {
+    registry_.reset();
+    registry_ = std::make_unique<GroupRegistry>(&plane_, OneGpu(), options);
+  }
+
+  std::string Session(uint32_t uid, int64_t pid = 77) {
+    absl::StatusOr<std::string> id =
+        registry_->OpenSession(PeerCredentials{.pid = pid, .uid = uid, .gid = uid}, "test");
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.value_or("");
+  }
+
+  absl::Status Join(const std::string& session, int32_t rank, const std::string& secret = "",
+                    const v1::GroupSpec& spec = SmallSpec()) {
+    v1::JoinGroupRequest request;
+    *request.mutable_spec() = spec;
+    request.set_rank(rank);
+    request.set_session_id(session);
+    request.set_join_secret(secret);
+    return registry_->Join(request).status();
+  }
+
+  std::vector<std::string> Visible(uint32_t uid) const {
+    std::vector<std::string> names;
+    const v1::ListGroupsResponse list = registry_->ListGroups(PeerCredentials{.uid = uid});
+    for (const v1::GroupInfo& g : list.groups()) {
+      names.push_back(g.spec().name());
+    }
+    return names;
+  }
+
+  std::shared_ptr<FakeDataPlaneState> state_;
+  FakeDataPlane plane_;
+  std::unique_ptr<GroupRegistry> registry_;
+};
+
+TEST_F(RegistryPolicyTest, TheFirstJoinersUidOwnsTheGroupAndListGroupsShowsIt) {
+  std::string a = Session(kAlice, 4321);
+  ASSERT_TRUE(Join(a, 0).ok());
+  v1::ListGroupsResponse list = registry_->ListGroups(PeerCredentials{.uid = kAlice});
+  ASSERT_THAT(list.groups(), SizeIs(1));
+  EXPECT_EQ(list.groups(0).owner_uid(), kAlice);
+  EXPECT_FALSE(list.groups(0).join_secret_set());
+  ASSERT_THAT(list.groups(0).ranks(), SizeIs(1));
+  EXPECT_EQ(list.groups(0).ranks(0).uid(), kAlice);
+  EXPECT_EQ(list.groups(0).ranks(0).client_pid(), 4321);
+  // The owner stays the first joiner's uid while the group lives, whoever holds its ranks.
+  std::string a2 = Session(kAlice);
+  ASSERT_TRUE(Join(a2, 1).ok());
+  ASSERT_TRUE(registry_->CloseSession(a, "test"));
+  EXPECT_EQ(registry_->ListGroups(PeerCredentials{.uid = kAlice}).groups(0).owner_uid(), kAlice);
+}
+
+TEST_F(RegistryPolicyTest, WithoutASecretOnlyTheOwnersUidJoinsRootIncluded) {
+  std::string a0 = Session(kAlice), a1 = Session(kAlice), b = Session(kBob), root = Session(0);
+  ASSERT_TRUE(Join(a0, 0).ok());
+  absl::Status status = Join(b, 1);
+  EXPECT_EQ(status.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("rank 1 of group \"g\""), HasSubstr("uid 2000"),
+                    HasSubstr("owner's uid (1000)"), HasSubstr("join secret")));
+  EXPECT_EQ(Join(root, 1).code(), absl::StatusCode::kPermissionDenied);
+  // A refused joiner learns nothing of the group's spec or ranks: a different spec, or a
+  // held rank, gets the same refusal, not the field comparison or the holder.
+  v1::GroupSpec other = SmallSpec();
+  other.set_hidden(512);
+  status = Join(b, 1, "", other);
+  EXPECT_EQ(status.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(status.message()), Not(HasSubstr("hidden")));
+  status = Join(b, 0);
+  EXPECT_EQ(status.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(status.message()), Not(HasSubstr("pid")));
+  EXPECT_THAT(state_->attached, SizeIs(1));
+  // The owner's uid joins further ranks without a secret, from any of its processes.
+  EXPECT_TRUE(Join(a1, 1).ok());
+}
+
+TEST_F(RegistryPolicyTest, WithASecretEveryLaterJoinerPresentsIt) {
+  const std::string secret = "correct horse battery staple";
+  std::string a0 = Session(kAlice), a1 = Session(kAlice), b = Session(kBob), c = Session(kCarol);
+  ASSERT_TRUE(Join(a0, 0, secret).ok());
+  for (const std::string& wrong : {std::string(), std::string("correct horse"), secret + "!"}) {
+    absl::Status status = Join(b, 1, wrong);
+    EXPECT_EQ(status.code(), absl::StatusCode::kPermissionDenied) << wrong;
+    EXPECT_THAT(std::string(status.message()),
+                AllOf(HasSubstr("join_secret"), HasSubstr("rank 1 of group \"g\""),
+                      Not(HasSubstr("correct horse")), Not(HasSubstr("staple"))));
+  }
+  // The owner's own uid needs it too: the secret admits exactly those who hold it.
+  EXPECT_EQ(Join(a1, 1).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(Join(b, 1, secret).ok());
+  // A secret presented to a group created without one is refused (a misconfigured rank).
+  ASSERT_TRUE(Join(c, 0, "", SmallSpec("plain")).ok());
+  EXPECT_EQ(Join(c, 1, "anything", SmallSpec("plain")).code(), absl::StatusCode::kPermissionDenied);
+  // Longer than kMaxJoinSecretBytes: refused before anything else, without an echo.
+  absl::Status status = Join(a1, 1, std::string(kMaxJoinSecretBytes + 1, 'z'), SmallSpec("h"));
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("join_secret: 257 bytes"), Not(HasSubstr("zz"))));
+  // ListGroups says a secret is set, never what it is.
+  v1::ListGroupsResponse list = registry_->ListGroups(PeerCredentials{.uid = 0});
+  ASSERT_THAT(list.groups(), SizeIs(2));
+  EXPECT_TRUE(list.groups(0).join_secret_set());
+  EXPECT_FALSE(list.groups(1).join_secret_set());
+  EXPECT_THAT(list.DebugString(), Not(HasSubstr("horse")));
+}
+
+TEST_F(RegistryPolicyTest, ListGroupsShowsOwnAndHeldGroupsOperatorsSeeAll) {
+  std::string a = Session(kAlice), b = Session(kBob), c = Session(kCarol);
+  ASSERT_TRUE(Join(a, 0, "", SmallSpec("alices")).ok());
+  ASSERT_TRUE(Join(b, 0, "bobs-secret", SmallSpec("bobs")).ok());
+  ASSERT_TRUE(Join(a, 1, "bobs-secret", SmallSpec("bobs")).ok());
+  EXPECT_EQ(Visible(kAlice), (std::vector<std::string>{"alices", "bobs"}));
+  EXPECT_EQ(Visible(kBob), (std::vector<std::string>{"bobs"}));
+  EXPECT_TRUE(Visible(kCarol).empty());
+  EXPECT_EQ(Visible(0), (std::vector<std::string>{"alices", "bobs"}));
+  EXPECT_EQ(Visible(kEpdUid), (std::vector<std::string>{"alices", "bobs"}));
+  // Once alice's rank leaves "bobs", she no longer sees it.
+  ASSERT_TRUE(registry_->CloseSession(a, "test"));
+  EXPECT_TRUE(Visible(kAlice).empty());
+  // Counts stay whole-daemon for everyone (GetStats).
+  EXPECT_EQ(registry_->counters().num_groups, 1);
+  (void)c;
+}
+
+TEST_F(RegistryPolicyTest, GroupsAnotherUidCannotSeeAnswerAsIfTheyDidNotExist) {
+  std::string a = Session(kAlice), c = Session(kCarol);
+  ASSERT_TRUE(Join(a, 0).ok());
+  auto leave = [&](const std::string& group, int32_t rank) {
+    v1::LeaveGroupRequest r;
+    r.set_group(group);
+    r.set_rank(rank);
+    r.set_session_id(c);
+    return registry_->Leave(r);
+  };
+  auto endpoints = [&](const std::string& group, int32_t rank) {
+    v1::GetGroupEndpointsRequest r;
+    r.set_group(group);
+    r.set_rank(rank);
+    r.set_session_id(c);
+    return registry_->GetGroupEndpoints(r).status();
+  };
+  for (int32_t rank : {0, 1}) {
+    absl::Status hidden = leave("g", rank), missing = leave("h", rank);
+    EXPECT_EQ(hidden.code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(absl::StrReplaceAll(hidden.message(), {{"\"g\"", "\"h\""}}), missing.message());
+    hidden = endpoints("g", rank);
+    missing = endpoints("h", rank);
+    EXPECT_EQ(hidden.code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(absl::StrReplaceAll(hidden.message(), {{"\"g\"", "\"h\""}}), missing.message());
+  }
+  EXPECT_THAT(state_->attached, SizeIs(1));
+}
+
+TEST_F(RegistryPolicyTest, ASessionActsOnlyForTheUidThatOpenedIt) {
+  std::string a = Session(kAlice);
+  EXPECT_TRUE(registry_->CheckSessionCaller(a, PeerCredentials{.pid = 5, .uid = kAlice}).ok());
+  absl::Status status = registry_->CheckSessionCaller(a, PeerCredentials{.uid = kBob});
+  EXPECT_EQ(status.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("uid 1000"), HasSubstr("uid 2000"), Not(HasSubstr(a))));
+  // Root is no exception: a session id is not a credential for another user.
+  EXPECT_EQ(registry_->CheckSessionCaller(a, PeerCredentials{.uid = 0}).code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(
+      registry_
+          ->CheckSessionCaller("0123456789abcdef0123456789abcdef", PeerCredentials{.uid = kAlice})
+          .code(),
+      absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(RegistryPolicyTest, MaxGroupsPerUid) {
+  Reset(GroupRegistry::Options{.max_groups = 8, .max_groups_per_uid = 2});
+  std::string a = Session(kAlice), b = Session(kBob), root = Session(0);
+  ASSERT_TRUE(Join(a, 0, "", SmallSpec("a1")).ok());
+  ASSERT_TRUE(Join(a, 0, "", SmallSpec("a2")).ok());
+  absl::Status status = Join(a, 0, "", SmallSpec("a3"));
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("max_groups_per_uid"), HasSubstr("uid 1000 owns 2 groups"),
+                    HasSubstr("quota is 2"), HasSubstr("group \"a3\""), HasSubstr("DaemonConfig")));
+  EXPECT_EQ(state_->groups_created, 2);
+  // Joining a live group is no new group; other uids have their own quota; root has one too.
+  ASSERT_TRUE(Join(a, 1, "", SmallSpec("a1")).ok());
+  EXPECT_TRUE(Join(b, 0, "", SmallSpec("b1")).ok());
+  ASSERT_TRUE(Join(root, 0, "", SmallSpec("r1")).ok());
+  ASSERT_TRUE(Join(root, 0, "", SmallSpec("r2")).ok());
+  EXPECT_EQ(Join(root, 0, "", SmallSpec("r3")).code(), absl::StatusCode::kResourceExhausted);
+  // A destroyed group no longer counts.
+  ASSERT_TRUE(registry_->CloseSession(a, "test"));
+  EXPECT_TRUE(Join(Session(kAlice), 0, "", SmallSpec("a3")).ok());
+  EXPECT_EQ(registry_->UsageOf(kAlice).groups_owned, 1u);
+}
+
+TEST_F(RegistryPolicyTest, MaxEndpointsPerUidCountsEverySessionOfTheUid) {
+  Reset(GroupRegistry::Options{.max_endpoints_per_uid = 3});
+  std::string a0 = Session(kAlice), a1 = Session(kAlice), b = Session(kBob);
+  ASSERT_TRUE(Join(a0, 0, "s", SmallSpec("x")).ok());
+  ASSERT_TRUE(Join(a0, 1, "s", SmallSpec("x")).ok());
+  ASSERT_TRUE(Join(a1, 0, "s", SmallSpec("y")).ok());
+  absl::Status status = Join(a1, 1, "s", SmallSpec("y"));
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("max_endpoints_per_uid"), HasSubstr("uid 1000 holds 3 endpoints"),
+                    HasSubstr("quota is 3"), HasSubstr("rank 1 of group \"y\"")));
+  // Another uid may take that rank (with the secret); a leave frees one of alice's.
+  EXPECT_TRUE(Join(b, 1, "s", SmallSpec("y")).ok());
+  EXPECT_EQ(registry_->UsageOf(kAlice).endpoints, 3u);
+  v1::LeaveGroupRequest leave;
+  leave.set_group("x");
+  leave.set_rank(1);
+  leave.set_session_id(a0);
+  ASSERT_TRUE(registry_->Leave(leave).ok());
+  EXPECT_TRUE(Join(a1, 1, "s", SmallSpec("x")).ok());
+}
+
+TEST_F(RegistryPolicyTest, MaxEndpointBytesPerUid) {
+  state_->bytes_per_rank = 1000;
+  Reset(GroupRegistry::Options{.max_endpoint_bytes_per_uid = 2500});
+  std::string a = Session(kAlice), b = Session(kBob);
+  ASSERT_TRUE(Join(a, 0, "", SmallSpec("x")).ok());
+  ASSERT_TRUE(Join(a, 1, "", SmallSpec("x")).ok());
+  absl::Status status = Join(a, 0, "", SmallSpec("y"));
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("max_endpoint_bytes_per_uid"), HasSubstr("uid 1000 holds 2000 bytes"),
+                    HasSubstr("quota is 2500"), HasSubstr("needs 1000 more")));
+  EXPECT_EQ(state_->groups_created, 1) << "a refused join creates no group";
+  EXPECT_TRUE(Join(b, 0, "", SmallSpec("y")).ok());
+  EXPECT_EQ(registry_->UsageOf(kAlice).endpoint_bytes, 2000u);
+  // One endpoint larger than the whole quota is refused as well (no wrap-around).
+  state_->bytes_per_rank = ~uint64_t{0};
+  EXPECT_EQ(Join(Session(kCarol), 0, "", SmallSpec("huge")).code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
+TEST_F(RegistryPolicyTest, ZeroQuotasAreUnlimited) {
+  Reset(GroupRegistry::Options{.max_groups = 100,
+                               .max_groups_per_uid = 0,
+                               .max_endpoints_per_uid = 0,
+                               .max_endpoint_bytes_per_uid = 0});
+  std::string a = Session(kAlice);
+  for (int i = 0; i < 80; ++i) {
+    ASSERT_TRUE(Join(a, 0, "", SmallSpec(absl::StrCat("g", i))).ok()) << i;
+    ASSERT_TRUE(Join(a, 1, "", SmallSpec(absl::StrCat("g", i))).ok()) << i;
+  }
+  EXPECT_EQ(registry_->UsageOf(kAlice).endpoints, 160u);
 }
 
 }  // namespace

@@ -379,6 +379,12 @@ struct JoinOptions {
   int32_t rank = 0;
   std::string gpu_uuid;  ///< GPU UUID or PCI bus id; "" on host backend.
   v1::LaunchMode launch_mode = v1::LAUNCH_MODE_UNSPECIFIED;
+  /// The group's join secret: any bytes, at most 256; empty = none. The first rank to join
+  /// a group sets it and every other rank must present the same bytes (PERMISSION_DENIED
+  /// otherwise); a group created without one admits only processes of its creator's uid.
+  /// Distribute it to the ranks as MASTER_ADDR is (e.g. the environment variable
+  /// EPD_JOIN_SECRET, as client/examples/moe_layer.cc does). epd never logs or returns it.
+  std::string join_secret;
 };
 
 /// One rank of a group on this node. Created by Client::Join.
@@ -530,12 +536,17 @@ class Client {
   Client& operator=(const Client&) = delete;
 
   /// Joins `options.spec` as `options.rank` and maps the endpoint. Errors are the
-  /// daemon's: INVALID_ARGUMENT (a spec field or the rank), FAILED_PRECONDITION (spec
-  /// differs from the live group's), ALREADY_EXISTS (rank taken), NOT_FOUND (GPU),
-  /// RESOURCE_EXHAUSTED (memory), UNAVAILABLE (daemon draining or gone).
+  /// daemon's: INVALID_ARGUMENT (a spec field, the rank, a join secret over 256 bytes),
+  /// PERMISSION_DENIED (the group exists and this join's secret is not the group's, or the
+  /// group has none and belongs to another uid), FAILED_PRECONDITION (spec differs from the
+  /// live group's), ALREADY_EXISTS (rank taken), NOT_FOUND (GPU), RESOURCE_EXHAUSTED
+  /// (memory, max_groups, or a per-uid quota of the daemon's config), UNAVAILABLE (daemon
+  /// draining or gone).
   absl::StatusOr<std::unique_ptr<Endpoint>> Join(const JoinOptions& options);
 
   absl::StatusOr<v1::GetStatsResponse> GetStats();
+  /// The groups this process's uid owns or holds a rank of (every group for root and
+  /// epd's own uid).
   absl::StatusOr<v1::ListGroupsResponse> ListGroups();
   /// The Session id the daemon assigned.
   const std::string& session_id() const;

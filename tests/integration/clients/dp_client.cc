@@ -130,7 +130,7 @@ std::vector<uint8_t*> MappedEndpointRegions() {
   std::ifstream maps("/proc/self/maps");
   std::string line;
   while (std::getline(maps, line)) {
-    if (!absl::StrContains(line, "/epd-ep-")) continue;
+    if (!absl::StrContains(line, "/memfd:epd-ep")) continue;
     out.push_back(
         reinterpret_cast<uint8_t*>(std::stoull(line.substr(0, line.find('-')), nullptr, 16)));
   }

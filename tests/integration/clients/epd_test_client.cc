@@ -4,10 +4,13 @@
 // and then holds the endpoint until it is killed or its stdin closes. Lines on stdin:
 // "leave" leaves the group (prints "LEFT" or "LEAVE_ERROR <CODE>: <message>").
 // On failure it prints "CONNECT_ERROR <CODE>: <message>" (exit 3) or
-// "JOIN_ERROR <CODE>: <message>" (exit 4). Exit 0 after stdin closes.
+// "JOIN_ERROR <CODE>: <message>" (exit 4). Exit 0 after stdin closes. The join secret
+// (JoinOptions::join_secret) comes from the environment variable EPD_JOIN_SECRET, as an
+// application's ranks get it.
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 
@@ -67,6 +70,9 @@ int main(int argc, char** argv) {
   join.spec.set_use_fp8(absl::GetFlag(FLAGS_use_fp8));
   join.rank = absl::GetFlag(FLAGS_rank);
   join.gpu_uuid = absl::GetFlag(FLAGS_gpu_uuid);
+  if (const char* secret = std::getenv("EPD_JOIN_SECRET"); secret != nullptr) {
+    join.join_secret = secret;
+  }
   absl::StatusOr<std::unique_ptr<epd::Endpoint>> endpoint = (*client)->Join(join);
   if (!endpoint.ok()) {
     Say("JOIN_ERROR " + Describe(endpoint.status()));
