@@ -741,7 +741,9 @@ class Scribble : public Attack {
 
   /// Random words anywhere, to random or hostile values. In an endpoint header's layout
   /// words (which this process's own library reads on every op) a pulse, then the original
-  /// back: the attacker keeps running ops instead of crashing itself at once.
+  /// back, and never its ring counters (ring_head, ring_tail: one write there breaks its own
+  /// ring until it rejoins; the header attack covers them): the attacker keeps running ops
+  /// instead of breaking its endpoint or crashing itself at once.
   int64_t Random(std::mt19937_64& rng) {
     int64_t n = 0;
     for (const Mapping& m : mappings_) {
@@ -753,6 +755,10 @@ class Scribble : public Attack {
       for (int i = 0; i < 256; ++i) {
         const uint64_t off = (rng() % (m.size / 8)) * 8;
         const uint64_t value = rng() % 2 ? rng() : HostileOf(rng, m.size);
+        if (e != nullptr && (off == offsetof(abi::EndpointShmHeader, ring_head) ||
+                             off == offsetof(abi::EndpointShmHeader, ring_tail))) {
+          continue;
+        }
         if (e != nullptr && off < offsetof(abi::EndpointShmHeader, ring_head)) {
           Pulse<uint64_t>(m.base + off, value,
                           reinterpret_cast<const uint64_t*>(&e->original)[off / 8],
