@@ -16,12 +16,17 @@
 //                                  epd's check against its use;
 //                         routing  send_pos, rank_prefix, counts, low-latency handle
 //                                  positions: hostile values while ops use them;
-//                         random   random words anywhere, random values.
-//   --mode=truncate     The same op loop, while every shared file it can open is truncated,
-//                       grown and hole-punched: the fds it holds (/proc/self/fd), the files
-//                       of its mappings (/proc/self/map_files), the names in its
-//                       EndpointInfos and in /dev/shm with this epd's creator tag, and the
-//                       region of a rank it joined without mapping.
+//                         random   random words anywhere, random values (its own ring
+//                                  counters excepted: the header attack covers them).
+//                       A pulsed word is put back afterwards where this process's own
+//                       library reads it on every op (the header's layout words).
+//   --mode=truncate     The same op loop, while every shared file it can open is truncated
+//                       (held so while ops run), grown and hole-punched: the fds it holds
+//                       (/proc/self/fd), the files of its mappings (/proc/self/map_files),
+//                       the shm names its EndpointInfos give (if any) and this epd's names
+//                       in /dev/shm, and the region of a rank it joined without mapping.
+//                       Prints OPENED / OPEN_FAILED per file and DONE / REFUSED per
+//                       operation and file (once each).
 //   --mode=join_flood   Joins --joins ranks (of --ranks_per_group-rank groups) without
 //                       mapping any, prints HOLDING, holds them --hold_seconds, exits.
 //   --mode=conn_flood   Holds 300 idle connections (silent, garbage, half a preamble) for

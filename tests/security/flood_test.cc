@@ -132,8 +132,7 @@ TEST_F(FloodTest, ThousandsOfConnectionsHeldThenChurned) {
 // (docs/SECURITY.md "Groups, owners, secrets, quotas") leaves room for the victims' group.
 // Runs the attacker as nobody (needs root).
 TEST_F(FloodTest, AnotherUsersGroupsLeaveRoomForTheVictims) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run the attacker as another user";
-  if (::access("/usr/bin/setpriv", X_OK) != 0) GTEST_SKIP() << "needs setpriv (util-linux)";
+  if (const std::string why = WhyNotAsNobody(); !why.empty()) GTEST_SKIP() << why;
   constexpr int kMaxGroups = 16;
   std::string config = absl::StrCat("max_groups: ", kMaxGroups);
   // Where this build has per-uid group quotas, half of the slots per uid; without them

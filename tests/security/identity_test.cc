@@ -7,8 +7,6 @@
 // Other users: the attacker runs as nobody through setpriv, which needs root (skipped
 // otherwise, as in tests/integration/socket_permissions_test.cc); epd's socket is then
 // 0666 so that nobody may connect at all.
-#include <unistd.h>
-
 #include <string>
 
 #include "absl/strings/match.h"
@@ -22,11 +20,6 @@ constexpr char kSecret[] = "victim-secret-5f3a9c";
 
 class IdentityTest : public SecurityTest {
  protected:
-  void SkipUnlessRoot() {
-    if (::geteuid() != 0) GTEST_SKIP() << "needs root to run the attacker as another user";
-    if (::access("/usr/bin/setpriv", X_OK) != 0) GTEST_SKIP() << "needs setpriv (util-linux)";
-  }
-
   /// Victim rank 0 joins group "victim" (with `secret`); the attacker (as nobody when
   /// `as_nobody`) tries to take its ranks; then victim rank 1 joins and the group must
   /// run exact rounds.
@@ -74,8 +67,7 @@ TEST_F(IdentityTest, RanksOfASecretGroupAreRefusedWithoutTheSecret) {
 
 // Another user, a group without a secret: only its owner's uid may join it.
 TEST_F(IdentityTest, RanksOfAnotherUsersGroupAreRefused) {
-  SkipUnlessRoot();
-  if (IsSkipped()) return;
+  if (const std::string why = WhyNotAsNobody(); !why.empty()) GTEST_SKIP() << why;
   ClaimAttack("", /*as_nobody=*/true);
 }
 
@@ -98,8 +90,7 @@ TEST_F(IdentityTest, ClaimedClientPidIsNotWhatEpdRecords) {
 }
 
 TEST_F(IdentityTest, ListGroupsShowsAnotherUserNoneOfTheVictimsGroups) {
-  SkipUnlessRoot();
-  if (IsSkipped()) return;
+  if (const std::string why = WhyNotAsNobody(); !why.empty()) GTEST_SKIP() << why;
   ASSERT_NO_FATAL_FAILURE(StartEpd({.world_socket = true}));
   ASSERT_NO_FATAL_FAILURE(StartVictims("victim", kSecret));
   AttackResult a = RunAttacker({"--mode=list_groups"}, absl::Seconds(30), /*as_nobody=*/true);

@@ -60,6 +60,12 @@ std::vector<std::string> AsNobody(std::vector<std::string> argv) {
   return full;
 }
 
+std::string WhyNotAsNobody() {
+  if (::geteuid() != 0) return "needs root to run the attacker as another user";
+  if (::access("/usr/bin/setpriv", X_OK) != 0) return "needs setpriv (util-linux)";
+  return "";
+}
+
 std::string Token(const std::string& line, size_t i) {
   std::vector<std::string> tokens = absl::StrSplit(line, ' ', absl::SkipEmpty());
   return i < tokens.size() ? tokens[i] : "";

@@ -29,6 +29,9 @@ std::string AttackerBinary();
 
 /// argv run as nobody:nogroup (65534) without supplementary groups (through setpriv).
 std::vector<std::string> AsNobody(std::vector<std::string> argv);
+/// "" when this process can run AsNobody (it is root and setpriv exists); else why not,
+/// for GTEST_SKIP.
+std::string WhyNotAsNobody();
 
 /// What an attacker run printed: its exit code (-N: killed by signal N), its stdout, the
 /// sum of every key=value of its SUMMARY lines (one per supervised child that finished),
