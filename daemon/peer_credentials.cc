@@ -4,7 +4,6 @@
 
 #include <charconv>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/server_context.h"
 
@@ -40,7 +39,7 @@ void PeerCredentialsTable::Erase(int fd) {
 
 std::optional<PeerCredentials> PeerCredentialsTable::Lookup(std::string_view grpc_peer) const {
   constexpr std::string_view kPrefix = "fd:";
-  if (!absl::StartsWith(grpc_peer, kPrefix)) return std::nullopt;
+  if (!grpc_peer.starts_with(kPrefix)) return std::nullopt;
   std::string_view digits = grpc_peer.substr(kPrefix.size());
   int fd = -1;
   auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), fd);
