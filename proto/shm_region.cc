@@ -233,11 +233,19 @@ absl::StatusOr<ShmRegion> ShmRegion::Create(const std::string& prefix, uint64_t 
       const std::string what = absl::StrCat("cannot give shm region ", r.name_, " to group \"",
                                             group, "\" (gid ", g->gr_gid, ")");
       if (err != EPERM) return Errno(what, err);
-      return absl::PermissionDeniedError(absl::StrCat(
-          what, ": ", std::strerror(err), "; epd's user (uid ", ::geteuid(),
-          ") must be a member of group \"", group,
-          "\" (socket_group) to give it its files: add it to the group (e.g. `usermod -aG ", group,
-          " <user>`, then restart epd), choose a group it is in, or run epd as root"));
+      // Never advise joining group root: it gives far more than these files.
+      const std::string fix =
+          g->gr_gid == 0
+              ? "set socket_group to a dedicated group instead of root (e.g. epd, which "
+                "deploy/systemd/epd.sysusers creates) that epd's user is a member of, or run "
+                "epd as root"
+              : absl::StrCat("add it to the group (e.g. `usermod -aG ", group,
+                             " <user>`, then restart epd), choose a group it is in, or run epd "
+                             "as root");
+      return absl::PermissionDeniedError(
+          absl::StrCat(what, ": ", std::strerror(err), "; epd's user (uid ", ::geteuid(),
+                       ") must be a member of group \"", group,
+                       "\" (socket_group) to give it its files: ", fix));
     }
   }
   // posix_fallocate reserves the pages now, so a full /dev/shm fails here with ENOSPC
