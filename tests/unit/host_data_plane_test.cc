@@ -472,7 +472,10 @@ TEST_F(HostDataPlaneTest, DispatchCombineMatchKernelsHost) {
     auto res = op->Wait(absl::Seconds(10));
     ASSERT_TRUE(res.ok()) << res.status();
     ASSERT_EQ(res->combined_x.shape(), (std::vector<int64_t>{in[r].T, H}));
-    EXPECT_EQ(0, std::memcmp(res->combined_x.data(), oc[r].data(), oc[r].size() * 2)) << r;
+    // A rank with no tokens (T = 0) has nothing to compare (and null data pointers).
+    EXPECT_TRUE(oc[r].empty() ||
+                std::memcmp(res->combined_x.data(), oc[r].data(), oc[r].size() * 2) == 0)
+        << r;
   });
 }
 
