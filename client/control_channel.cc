@@ -127,13 +127,24 @@ absl::Status ClassifyUnixSocketProbe(const std::string& path, absl::string_view 
         option, " right?)"));
   }
   if (probe.connect_errno == EACCES || probe.connect_errno == EPERM) {
-    return absl::PermissionDeniedError(absl::StrFormat(
+    const std::string denied = absl::StrFormat(
         "permission denied connecting to socket %s (%s): it has mode %04o and group %s, and "
-        "%s may not write to it; epd is probably running: add this user to group %s (then "
-        "log in again), or have the operator set epd's socket_group to a group of this user "
-        "and socket_mode to \"0660\"",
-        path, option, probe.mode & 07777, GroupText(probe), UserText(probe),
-        probe.group_name.empty() ? absl::StrCat(probe.gid) : probe.group_name));
+        "%s may not write to it; epd is probably running: ",
+        path, option, probe.mode & 07777, GroupText(probe), UserText(probe));
+    if (probe.gid == 0) {
+      // Group root gives far more than this socket: never the advice.
+      return absl::PermissionDeniedError(absl::StrCat(
+          denied,
+          "epd runs without a dedicated socket group, so only root may connect. Have the "
+          "operator give the socket a group of its own (e.g. `groupadd epd`; the systemd "
+          "unit's Group=epd and deploy/systemd/epd.sysusers make one) by setting epd's "
+          "socket_group to it and socket_mode to \"0660\", then add this user to that group"));
+    }
+    return absl::PermissionDeniedError(absl::StrCat(
+        denied, "add this user to group ",
+        probe.group_name.empty() ? absl::StrCat(probe.gid) : probe.group_name,
+        " (then log in again), or have the operator set epd's socket_group to a group of this "
+        "user and socket_mode to \"0660\""));
   }
   if (probe.connect_errno == ENOENT) {  // Removed between stat and connect.
     return absl::UnavailableError(absl::StrCat("no epd daemon: socket ", path,

@@ -1370,7 +1370,7 @@ absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTens
   m.NoteStream(seq, caller_stream);
   LayoutResult r;
   m.LayoutViews(r, T);
-  return PendingOp<LayoutResult>(this, seq, std::move(r));
+  return PendingOp<LayoutResult>(impl_, seq, std::move(r));
 }
 
 absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs& args) {
@@ -1499,7 +1499,7 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
   r.handle.low_latency = false;
   // N is known now only for a cached re-dispatch; otherwise Wait fills the views in.
   if (cached) m.DispatchViews(r, cached->num_recv_tokens);
-  return PendingOp<DispatchResult>(this, seq, std::move(r));
+  return PendingOp<DispatchResult>(impl_, seq, std::move(r));
 }
 
 absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& args) {
@@ -1591,7 +1591,7 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
   if (weights) {
     r.combined_topk_weights = m.View(m.layout.combined_topk_weights, kF32, {T, m.shape.num_topk});
   }
-  return PendingOp<CombineResult>(this, seq, std::move(r));
+  return PendingOp<CombineResult>(impl_, seq, std::move(r));
 }
 
 absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch(
@@ -1724,7 +1724,7 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
   r.handle.num_tokens = static_cast<int32_t>(T);
   r.handle.use_fp8 = use_fp8;
   m.LowLatencyDispatchViews(r, buffer);
-  return PendingOp<LowLatencyDispatchResult>(this, seq, std::move(r));
+  return PendingOp<LowLatencyDispatchResult>(impl_, seq, std::move(r));
 }
 
 absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
@@ -1839,14 +1839,28 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
   m.NoteStream(seq, args.stream);
   LowLatencyCombineResult r;
   r.combined_x = m.View(m.layout.ll_combined_x[out_buffer], kBf16, {T, m.shape.hidden});
-  return PendingOp<LowLatencyCombineResult>(this, seq, std::move(r));
+  return PendingOp<LowLatencyCombineResult>(impl_, seq, std::move(r));
 }
 
 // ---- completion ------------------------------------------------------------------------
 
+namespace {
+
+/// FAILED_PRECONDITION for an op whose Endpoint was destroyed (`what`: "Wait", "Enqueued").
+absl::Status EndpointDestroyed(const char* what, uint64_t seq) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, ": op ", seq,
+      ": endpoint destroyed (its buffers, which held the op's outputs, are unmapped); Wait for "
+      "an op before destroying its Endpoint"));
+}
+
+}  // namespace
+
 template <typename Result>
 absl::StatusOr<Result> PendingOp<Result>::Wait(absl::Duration timeout) {
-  Endpoint::Impl& m = endpoint_->impl();
+  const std::shared_ptr<Endpoint::Impl> endpoint = endpoint_.lock();
+  if (endpoint == nullptr) return EndpointDestroyed("Wait", seq_);
+  Endpoint::Impl& m = *endpoint;
   constexpr abi::OpKind kOp = OpKindOf<Result>();
   Result r = partial_;
 #if EPD_HAVE_CUDA
@@ -1880,7 +1894,9 @@ absl::StatusOr<Result> PendingOp<Result>::Wait(absl::Duration timeout) {
 
 template <typename Result>
 absl::StatusOr<Result> PendingOp<Result>::Enqueued() const {
-  const Endpoint::Impl& m = endpoint_->impl();
+  const std::shared_ptr<const Endpoint::Impl> endpoint = endpoint_.lock();
+  if (endpoint == nullptr) return EndpointDestroyed("Enqueued", seq_);
+  const Endpoint::Impl& m = *endpoint;
   if (!m.cuda) {
     return absl::FailedPreconditionError(
         "Enqueued: ops of the host backend are not stream-ordered; use Wait");

@@ -27,6 +27,7 @@
 #include "daemon/cuda/cuda_data_plane.h"
 #endif
 #include "daemon/logging.h"
+#include "daemon/socket_path_checks.h"
 #include "epd/common/status_macros.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -110,12 +111,16 @@ void WriteLockHolder(int lock_fd) {
 /// PrepareSocketPath, which then truncates it and writes epd's pid there (WriteLockHolder).
 /// So that a root epd in a directory others can write never truncates a file someone else
 /// chose, the last component is never followed (O_NOFOLLOW), and the file must be a regular
-/// file with this one name. FAILED_PRECONDITION naming the path when it is a symbolic link,
-/// not a regular file, has other names (hard links), or cannot be opened.
+/// file with this one name, owned by epd's user and holding nothing but what epd writes
+/// there. FAILED_PRECONDITION naming the path when it is a symbolic link, not a regular
+/// file, has other names (hard links), belongs to another user, holds anything but a pid,
+/// or cannot be opened.
 absl::StatusOr<ScopedFd> OpenSocketLockFile(const std::string& lock_path) {
   const std::string remedy =
       "; remove it (epd recreates it), and keep the socket's directory writable by epd's user "
       "alone";
+  const std::string not_ours =
+      "; choose another --socket (remove the file only if you know it is a leftover of epd's)";
   ScopedFd fd(::open(lock_path.c_str(),
                      O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0600));
   if (!fd.valid()) {
@@ -141,17 +146,33 @@ absl::StatusOr<ScopedFd> OpenSocketLockFile(const std::string& lock_path) {
         absl::StrCat("socket_path: cannot stat the lock file ", lock_path, ": ", Errno(errno)));
   }
   if (!S_ISREG(st.st_mode)) {
-    const char* kind = S_ISFIFO(st.st_mode)                         ? "a FIFO"
-                       : S_ISSOCK(st.st_mode)                       ? "a socket"
-                       : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
-                                                                    : "not a file";
-    return absl::FailedPreconditionError(absl::StrCat(
-        "socket_path: the lock file ", lock_path, " is not a regular file (", kind, ")", remedy));
+    return absl::FailedPreconditionError(absl::StrCat("socket_path: the lock file ", lock_path,
+                                                      " is not a regular file (",
+                                                      FileTypeName(st.st_mode), ")", remedy));
   }
   if (st.st_nlink != 1) {
     return absl::FailedPreconditionError(absl::StrCat(
         "socket_path: the lock file ", lock_path, " has ", st.st_nlink,
         " names (hard links): it is another file's name too, which epd would truncate", remedy));
+  }
+  if (st.st_uid != ::geteuid()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket_path: the lock file ", lock_path, " belongs to uid ", st.st_uid,
+                     ", not to epd's user (uid ", ::geteuid(),
+                     "): epd did not create it, and would truncate it", not_ours));
+  }
+  // What WriteLockHolder leaves there: a pid and a newline (nothing before the first write).
+  char text[34] = {};
+  const ssize_t n = ::pread(fd.get(), text, sizeof(text) - 1, 0);
+  const size_t digits = n > 0 ? std::strspn(text, "0123456789") : 0;
+  if (n < 0 || st.st_size > 32 ||
+      (n > 0 && !(digits == static_cast<size_t>(n) ||
+                  (digits + 1 == static_cast<size_t>(n) && text[digits] == '\n')))) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket_path: the lock file ", lock_path, " (", st.st_size,
+                     " bytes) does not hold what epd writes there (a process id): it is "
+                     "another program's file, which epd would truncate",
+                     not_ours));
   }
   return fd;
 }
@@ -429,27 +450,23 @@ absl::Status Daemon::Init() {
 
 absl::Status Daemon::PrepareSocketPath() {
   auto log = GetLogger(kLogDaemon);
-  std::filesystem::path parent = std::filesystem::path(socket_path_).parent_path();
-  std::error_code ec;
-  if (!parent.empty() && !std::filesystem::exists(parent, ec)) {
-    // Missing parents are created (deploy/examples/host-dev.textproto's /tmp/epd-dev relies
-    // on it; systemd's RuntimeDirectory= and the Kubernetes hostPath make /run/epd), and
-    // said at info level naming the topmost one, where a typo in --socket would show.
-    std::filesystem::path top = parent;
-    while (top.has_relative_path() && !std::filesystem::exists(top.parent_path(), ec)) {
-      top = top.parent_path();
-    }
-    std::filesystem::create_directories(parent, ec);
-    if (ec) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("socket_path: cannot create directory ", parent.string(), ": ", ec.message(),
-                       " (run epd with a RuntimeDirectory, or choose another --socket)"));
-    }
+  // Before anything is created: the socket path is free or a socket, and no user but root
+  // and epd's can replace files in its directory or the ones above.
+  EPD_RETURN_IF_ERROR(CheckSocketPathIsFreeOrASocket(socket_path_));
+  EPD_RETURN_IF_ERROR(CheckSocketDirectories(socket_path_, ::geteuid()));
+  // Missing parents are created (deploy/examples/host-dev.textproto's /tmp/epd-dev relies
+  // on it; systemd's RuntimeDirectory= and the Kubernetes hostPath make /run/epd), and said
+  // at info level naming the topmost one, where a typo in --socket would show.
+  std::string created_top;
+  EPD_RETURN_IF_ERROR(CreateSocketDirectories(socket_path_, &created_top));
+  if (!created_top.empty()) {
+    const std::string parent = std::filesystem::path(socket_path_).parent_path().string();
     log->info(
         "socket_path: created the missing directory {}{} for the socket (epd creates the "
         "socket's missing parent directories; if this is unexpected, check --socket or the "
         "config file's socket_path for a typo)",
-        parent.string(), top == parent ? "" : absl::StrCat(" (from ", top.string(), " down)"));
+        parent, created_top == parent ? "" : absl::StrCat(" (from ", created_top, " down)"));
+    EPD_RETURN_IF_ERROR(CheckSocketDirectories(socket_path_, ::geteuid()));
   }
   // One epd per socket, also when two start at the same instant (both would find no live
   // socket below, and the later bind would take the socket file from the earlier): an
@@ -488,11 +505,7 @@ absl::Status Daemon::PrepareSocketPath() {
     return absl::FailedPreconditionError(
         absl::StrCat("socket_path: cannot stat ", socket_path_, ": ", Errno(errno)));
   }
-  if (!S_ISSOCK(st.st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("socket_path: ", socket_path_,
-                     " exists and is not a socket; remove it or choose another --socket"));
-  }
+  if (!S_ISSOCK(st.st_mode)) return CheckSocketPathIsFreeOrASocket(socket_path_);
   int err = 0;
   switch (ProbeUnixSocket(socket_path_, &err)) {
     case SocketProbe::kLive:
@@ -525,7 +538,13 @@ absl::Status Daemon::ApplySocketPermissions() {
           "\" (gid ", gid, "): ", Errno(err),
           err == EPERM
               ? absl::StrCat("; epd's user (uid ", ::geteuid(), ") must be a member of group \"",
-                             config_.socket_group(), "\" (socket_group), or run epd as root")
+                             config_.socket_group(), "\" (socket_group)",
+                             // Never advise joining group root: it gives far more than this.
+                             gid == 0 ? ": set socket_group to a dedicated group instead of "
+                                        "root (e.g. epd, which deploy/systemd/epd.sysusers "
+                                        "creates) that epd's user is a member of"
+                                      : "",
+                             ", or run epd as root")
               : ""));
     }
   }

@@ -30,7 +30,7 @@ void WriteCompletion(LockstepEndpoint& ep, uint64_t seq, const RankOutcome& outc
   c.reserved = 0;
   const absl::string_view msg = outcome.status.message();  // No copy: this is the hot path.
   size_t n = std::min(msg.size(), static_cast<size_t>(abi::kMessageBytes - 1));
-  std::memcpy(c.message, msg.data(), n);
+  if (n > 0) std::memcpy(c.message, msg.data(), n);  // An OK status's message has no data.
   c.message[n] = '\0';
   abi::Atomic(c.seq).store(seq, std::memory_order_release);
   abi::Atomic(ep.header->completion_futex).fetch_add(1, std::memory_order_seq_cst);

@@ -1,5 +1,6 @@
 // epd: the expert-parallel daemon. Thin by design (STYLE rule 1): flags → config →
 // Daemon → wait for SIGTERM/SIGINT → Daemon::Shutdown → exit 0. See daemon/daemon.h.
+// A fatal signal logs a stack trace before epd dies of it (daemon/fatal_signals.h).
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
@@ -15,9 +16,11 @@
 #include "absl/synchronization/notification.h"
 #include "daemon/config.h"
 #include "daemon/daemon.h"
+#include "daemon/fatal_signals.h"
 #include "daemon/logging.h"
 
 int main(int argc, char** argv) {
+  epd::InstallFatalSignalHandler(argv[0]);
   absl::SetProgramUsageMessage(
       "the expert-parallel daemon (MoE dispatch/combine for every process on the "
       "node).\nUsage: epd [--config=/etc/epd/epd.textproto] [--socket=/run/epd/epd.sock] "

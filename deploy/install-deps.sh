@@ -30,6 +30,8 @@ PACKAGES=(
   pybind11-dev python3 python3-dev
   # style check (.clang-format)
   clang-format
+  # sanitizer builds (tests/sanitize.sh): clang 14, its ASan/UBSan runtimes, llvm-symbolizer
+  clang-14 libclang-rt-14-dev llvm-14
 )
 
 log() { printf '[install-deps] %s\n' "$*"; }

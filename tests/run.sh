@@ -8,11 +8,16 @@
 # 2. configures build/ with CMake + Ninja (CUDA and RDMA on AUTO: the CUDA code is
 #    compiled whenever nvcc exists, at /usr/local/cuda on CI, even without a GPU);
 # 3. builds every target (tests included) with Ninja's [n/N] progress;
-# 4. runs every CTest test (labels unit, integration, fuzz) with --output-on-failure;
-# 5. on a machine with an NVIDIA GPU, also runs the GPU tests (tests/gpu, not in CTest
+# 4. runs every CTest test (labels unit, integration, fuzz, security) with
+#    --output-on-failure;
+# 5. builds epd and its tests again under AddressSanitizer (build-asan) and
+#    UndefinedBehaviorSanitizer (build-ubsan) with clang, host backend only, and runs the
+#    security, unit and integration tests in each (tests/sanitize.sh); set
+#    EPD_SKIP_SANITIZERS=1 to skip it (a quick local run);
+# 6. on a machine with an NVIDIA GPU, also runs the GPU tests (tests/gpu, not in CTest
 #    because CI has no GPU), with an epd --backend=cuda on a temporary socket for the
 #    end-to-end ones (EPD_TEST_SOCKET); set EPD_SKIP_GPU_TESTS=1 to skip them there.
-# 6. checks that every example config in deploy/examples/ parses as a DaemonConfig.
+# 7. checks that every example config in deploy/examples/ parses as a DaemonConfig.
 #
 # Environment: EPD_BUILD_DIR (default build/, the CI build directory), EPD_BUILD_TYPE
 # (default Release, the same as deploy/demo.sh so the two quick-start commands share one
@@ -30,10 +35,10 @@ START=$(date +%s)
 step() { printf '\n==> [%s +%ds] %s\n' "$(date -u +%H:%M:%S)" "$(($(date +%s) - START))" "$*"; }
 fail() { printf '\n[tests/run.sh] FAILED: %s\n' "$*" >&2; exit 1; }
 
-step "1/6 dependencies (deploy/install-deps.sh)"
+step "1/7 dependencies (deploy/install-deps.sh)"
 "$ROOT/deploy/install-deps.sh" || fail "installing dependencies"
 
-step "2/6 configure $BUILD_DIR ($BUILD_TYPE, CUDA ${EPD_WITH_CUDA:-AUTO}, RDMA AUTO)"
+step "2/7 configure $BUILD_DIR ($BUILD_TYPE, CUDA ${EPD_WITH_CUDA:-AUTO}, RDMA AUTO)"
 configure_log=$(mktemp)
 cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja \
   -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
@@ -48,17 +53,24 @@ else
 fi
 rm -f "$configure_log"
 
-step "3/6 build everything (ninja -j$JOBS)"
+step "3/7 build everything (ninja -j$JOBS)"
 # Ninja prints [done/total] per edge; NINJA_STATUS adds the elapsed time.
 NINJA_STATUS="[%f/%t %es] " cmake --build "$BUILD_DIR" -j "$JOBS" || fail "build"
 
-step "4/6 ctest (unit, integration, fuzz)"
+step "4/7 ctest (unit, integration, fuzz, security)"
 ctest --test-dir "$BUILD_DIR" --print-labels | sed 's/^/  /'
 # --timeout is the default for tests that set none (integration and fuzz set their own).
 ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 \
   --parallel "${CTEST_PARALLEL_LEVEL:-1}" "$@" || fail "ctest (see the output above)"
 
-step "5/6 GPU tests"
+step "5/7 sanitizers: ASan and UBSan builds (clang, host backend)"
+if [[ "${EPD_SKIP_SANITIZERS:-0}" == 1 ]]; then
+  echo "[tests/run.sh] skipped: EPD_SKIP_SANITIZERS=1"
+else
+  EPD_JOBS="$JOBS" "$ROOT/tests/sanitize.sh" || fail "sanitizer builds (see the output above)"
+fi
+
+step "6/7 GPU tests"
 gpu_tests="$BUILD_DIR/tests/gpu/epd_gpu_tests"
 if [[ "${EPD_SKIP_GPU_TESTS:-0}" == 1 ]]; then
   echo "[tests/run.sh] skipped: EPD_SKIP_GPU_TESTS=1"
@@ -90,7 +102,7 @@ else
   done
 fi
 
-step "6/6 example configs parse as epd.v1.DaemonConfig"
+step "7/7 example configs parse as epd.v1.DaemonConfig"
 "$ROOT/deploy/examples/check-configs.sh" "$BUILD_DIR" || fail "example configs"
 
 step "all tests passed in $(($(date +%s) - START)) s"

@@ -83,9 +83,14 @@ TEST(MoeLayerFlagsTest, BadFlagsAreRefusedNamingThem) {
 
 class MoeLayerTest : public ::testing::TestWithParam<int> {};
 
+/// op_timeout of the correctness tests: the rank processes start one by one, and the
+/// group's first op waits op_timeout for the last to join, which on a loaded machine or
+/// under a sanitizer build (tests/sanitize.sh) can be seconds after the first.
+constexpr char kCorrectnessOpTimeout[] = "10s";
+
 TEST_P(MoeLayerTest, MatchesSingleProcessLayer) {
   const int R = GetParam();
-  auto epd = StartEpd();
+  auto epd = StartEpd(kCorrectnessOpTimeout);
   ASSERT_NE(epd, nullptr);
   auto p = Spawn({MoeLayerBinary(), "--socket=" + epd->socket_path(),
                   absl::StrCat("--num_ranks=", R), absl::StrCat("--num_experts=", 4 * R),
@@ -108,7 +113,7 @@ TEST_P(MoeLayerTest, MatchesSingleProcessLayer) {
 INSTANTIATE_TEST_SUITE_P(Ranks, MoeLayerTest, ::testing::Values(2, 4, 8));
 
 TEST(DataPlaneTest, TwoGroupsAtOnce) {
-  auto epd = StartEpd();
+  auto epd = StartEpd(kCorrectnessOpTimeout);
   ASSERT_NE(epd, nullptr);
   auto a = Spawn({MoeLayerBinary(), "--socket=" + epd->socket_path(), "--group=alpha",
                   "--num_ranks=2", "--num_experts=8", "--hidden=128", "--tokens=16", "--iters=4"},

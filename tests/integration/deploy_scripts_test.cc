@@ -2,7 +2,8 @@
 // - deploy/demo.sh refuses a bad EPD_* input (exit 2, naming the variable and the allowed
 //   values) before it installs or builds anything;
 // - the README section deploy/install-deps.sh points to exists;
-// - every Documentation=file:// page of the systemd unit is installed by its install steps.
+// - every Documentation=file:// page of the systemd unit is installed by its install steps;
+// - the systemd unit keeps restarting epd (Restart=always, no start limit).
 #include <sys/stat.h>
 
 #include <filesystem>
@@ -14,6 +15,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -27,11 +29,9 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-/// The repository root: this file is tests/integration/deploy_scripts_test.cc in it (CMake
-/// compiles sources by absolute path).
-std::filesystem::path RepoRoot() {
-  return std::filesystem::path(__FILE__).parent_path().parent_path().parent_path();
-}
+/// The repository root (EPD_SOURCE_DIR, tests/CMakeLists.txt: __FILE__ is relative when
+/// ccache rewrites paths against its base_dir).
+std::filesystem::path RepoRoot() { return EPD_SOURCE_DIR; }
 
 std::string ReadText(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -140,6 +140,52 @@ TEST(DeployScriptsTest, SystemdDocumentationPagesAreInstalledByTheUnitsSteps) {
                   std::filesystem::exists(RepoRoot() / page.filename()))
           << page.filename() << " is not in the repository";
     }
+  }
+}
+
+/// The value of `key` in the unit file `unit` ("" when absent; the last one wins, as in
+/// systemd).
+std::string UnitValue(const std::string& unit, absl::string_view key) {
+  std::string value;
+  for (absl::string_view line : absl::StrSplit(unit, '\n')) {
+    if (absl::ConsumePrefix(&line, key) && absl::ConsumePrefix(&line, "=")) {
+      value = std::string(absl::StripAsciiWhitespace(line));
+    }
+  }
+  return value;
+}
+
+/// A systemd time span in seconds ("2s", "2", "500ms", "1min"); -1 when not understood.
+double UnitSeconds(absl::string_view span) {
+  for (const auto& [suffix, scale] :
+       {std::pair<absl::string_view, double>{"ms", 0.001}, {"min", 60}, {"s", 1}, {"", 1}}) {
+    absl::string_view number = span;
+    if (!absl::ConsumeSuffix(&number, suffix)) continue;
+    double value = 0;
+    if (absl::SimpleAtod(number, &value)) return value * scale;
+  }
+  return -1;
+}
+
+// The unit keeps epd running: restarted whatever ended it (a crash, a kill, a failed start),
+// at a pace, and never given up on: a start limit would let a client that can crash epd
+// keep it down for good by crashing it a few times in a row.
+TEST(DeployScriptsTest, SystemdUnitKeepsRestartingEpd) {
+  const std::string unit = ReadText(RepoRoot() / "deploy/systemd/epd.service");
+  ASSERT_FALSE(unit.empty());
+  EXPECT_EQ(UnitValue(unit, "Restart"), "always");
+  const double restart_sec = UnitSeconds(UnitValue(unit, "RestartSec"));
+  EXPECT_GE(restart_sec, 1) << "RestartSec=" << UnitValue(unit, "RestartSec");
+  EXPECT_LE(restart_sec, 30) << "RestartSec=" << UnitValue(unit, "RestartSec");
+  // StartLimitIntervalSec=0 disables the start limit; systemd's default (5 starts in 10 s)
+  // applies when it is not set.
+  const std::string interval = UnitValue(unit, "StartLimitIntervalSec");
+  EXPECT_TRUE(interval == "0" || interval == "infinity")
+      << "StartLimitIntervalSec=" << interval << ": restarts can reach the start limit";
+  // Only a configuration epd refuses (exit 2) may stop the restarts; never a signal.
+  for (absl::string_view status :
+       absl::StrSplit(UnitValue(unit, "RestartPreventExitStatus"), ' ', absl::SkipEmpty())) {
+    EXPECT_EQ(status, "2") << "RestartPreventExitStatus= holds " << status;
   }
 }
 

@@ -13,6 +13,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "client/fd_channel.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -59,12 +61,16 @@ TEST(RingFloodLoggingTest, TwentyThousandGarbageSlotsGiveABoundedNumberOfLogLine
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
   const v1::EndpointInfo& info = joined.endpoint();
-  auto region = ShmRegion::Open(info.shm_name(), info.shm_bytes());
+  absl::StatusOr<EndpointFds> fds = internal::FetchEndpointFds(
+      (*epd)->socket_path(), open.session_id(), info.group(), info.rank(), absl::Seconds(10));
+  ASSERT_TRUE(fds.ok()) << fds.status();
+  auto region = ShmRegion::Map(std::move(fds->region), info.shm_bytes(), "endpoint region");
   ASSERT_TRUE(region.ok()) << region.status();
   auto* h = reinterpret_cast<abi::EndpointShmHeader*>(region->data());
   auto* ring = reinterpret_cast<abi::RequestSlot*>(region->data() +
                                                    abi::ComputeEndpointShmLayout(0).ring_offset);
-  auto doorbell_region = ShmRegion::Open(info.doorbell_shm_name(), sizeof(abi::DoorbellPage));
+  auto doorbell_region =
+      ShmRegion::Map(std::move(fds->doorbell), sizeof(abi::DoorbellPage), "doorbell");
   ASSERT_TRUE(doorbell_region.ok()) << doorbell_region.status();
   auto* doorbell = reinterpret_cast<abi::DoorbellPage*>(doorbell_region->data());
 

@@ -4,7 +4,10 @@
 //   socket path in another mount namespace does), never disturbs the live epd, whether it
 //   then fails or starts;
 // - `<socket>.lock` is never followed through a symlink, and nothing but a regular file
-//   epd opened itself is truncated.
+//   epd opened itself is truncated;
+// - a socket path that is not a socket, a lock file epd did not write, and a socket
+//   directory another user can write are refused before anything is created
+//   (daemon/socket_path_checks.h).
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -28,6 +31,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -114,10 +118,10 @@ TEST(StartupSafetyTest, StartedSecondEpdLeavesTheFirstServing) {
   EXPECT_EQ((*first)->Stop().value_or(-1), 0);
 }
 
-/// Starts epd on `<dir>/epd.sock` expecting it to refuse; returns its exit code and log.
-std::pair<int, std::string> RefusedStart(const std::string& dir) {
+/// Starts epd on `socket_path` expecting it to refuse; returns its exit code and log.
+std::pair<int, std::string> RefusedStartOn(const std::string& socket_path) {
   DaemonProcessOptions options;
-  options.socket_path = dir + "/epd.sock";
+  options.socket_path = socket_path;
   options.tcp = false;
   options.wait_serving = false;
   absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(options);
@@ -126,6 +130,11 @@ std::pair<int, std::string> RefusedStart(const std::string& dir) {
   absl::StatusOr<int> code = (*epd)->WaitExit(absl::Seconds(20));
   EXPECT_TRUE(code.ok()) << code.status() << "\n" << (*epd)->Logs();
   return {code.ok() ? *code : -1000, (*epd)->Logs()};
+}
+
+/// Starts epd on `<dir>/epd.sock` expecting it to refuse; returns its exit code and log.
+std::pair<int, std::string> RefusedStart(const std::string& dir) {
+  return RefusedStartOn(dir + "/epd.sock");
 }
 
 /// A hostile `<socket>.lock`: `make(dir)` puts it at `<dir>/epd.sock.lock` (returns 0, or
@@ -218,7 +227,8 @@ TEST(StartupSafetyTest, SocketGroupEpdsUserIsNotInNamesTheFileAndTheMembership) 
     }
   }
   const std::string dir = MakeTempDir("epd_group_");
-  ASSERT_EQ(::chmod(dir.c_str(), 0777), 0);  // nobody creates the socket's lock file there.
+  // nobody creates the socket's lock file there (sticky: epd accepts the directory).
+  ASSERT_EQ(::chmod(dir.c_str(), 01777), 0);
   argv.insert(argv.end(), {EpdBinary(), "--backend=host", "--socket=" + dir + "/epd.sock",
                            "--socket_group=root"});
   absl::StatusOr<CommandResult> epd = RunCommand(argv, absl::Seconds(30));
@@ -229,8 +239,114 @@ TEST(StartupSafetyTest, SocketGroupEpdsUserIsNotInNamesTheFileAndTheMembership) 
       AllOf(HasSubstr("epd failed to start: PERMISSION_DENIED"),
             HasSubstr("cannot give " + dir + "/epd.sock"), HasSubstr("to group \"root\" (gid 0)"),
             HasSubstr("must be a member of group \"root\" (socket_group)"),
-            HasSubstr("or run epd as root")));
+            HasSubstr("set socket_group to a dedicated group instead of root"),
+            HasSubstr("or run epd as root"), Not(HasSubstr("usermod -aG root"))));
   std::filesystem::remove_all(dir);
+}
+
+// `epd --socket=/etc/passwd` left /etc/passwd.lock behind (then useradd failed): a socket
+// path that exists and is not a socket is refused, naming it and its type, before the lock
+// file (or anything else) is created, and it is left as it was.
+TEST(StartupSafetyTest, SocketPathThatIsNotASocketIsRefusedBeforeAnythingIsCreated) {
+  const std::string dir = MakeTempDir("epd_notsock_");
+  std::ofstream(dir + "/passwd") << "root:x:0:0:root:/root:/bin/bash\n";
+  ASSERT_EQ(::mkdir((dir + "/directory").c_str(), 0700), 0);
+  ASSERT_EQ(::symlink((dir + "/passwd").c_str(), (dir + "/link").c_str()), 0);
+  for (const auto& [name, type] : {std::pair<std::string, std::string>{"passwd", "a regular file"},
+                                   {"directory", "a directory"},
+                                   {"link", "a symbolic link"}}) {
+    SCOPED_TRACE(name);
+    const std::string socket = dir + "/" + name;
+    auto [code, logs] = RefusedStartOn(socket);
+    EXPECT_EQ(code, 1) << logs;
+    EXPECT_THAT(logs,
+                AllOf(HasSubstr("FAILED_PRECONDITION"),
+                      HasSubstr(socket + " exists and is not a socket (it is " + type + ")")));
+    EXPECT_FALSE(std::filesystem::exists(socket + ".lock")) << logs;
+  }
+  EXPECT_EQ(ReadFile(dir + "/passwd"), "root:x:0:0:root:/root:/bin/bash\n");
+  EXPECT_TRUE(std::filesystem::is_directory(dir + "/directory"));
+  EXPECT_TRUE(std::filesystem::is_empty(dir + "/directory"));
+  EXPECT_TRUE(std::filesystem::is_symlink(dir + "/link"));
+  std::filesystem::remove_all(dir);
+}
+
+// `<socket>.lock` that epd did not write (another program's file, with other contents) is
+// refused and left as it was; epd's own leftover (a pid) is reused
+// (LeftoverRegularLockFileIsReused).
+TEST(StartupSafetyTest, LockFileWithOtherContentsIsRefusedAndUntouched) {
+  const std::string dir = MakeTempDir("epd_lock_other_");
+  const std::string lock = dir + "/epd.sock.lock";
+  for (const std::string contents :
+       {std::string("important data\n"), std::string("123 456\n"), std::string(40, '7')}) {
+    SCOPED_TRACE(contents);
+    std::ofstream(lock, std::ios::trunc) << contents;
+    auto [code, logs] = RefusedStart(dir);
+    EXPECT_EQ(code, 1) << logs;
+    EXPECT_THAT(logs, AllOf(HasSubstr("FAILED_PRECONDITION"), HasSubstr(lock),
+                            HasSubstr("does not hold what epd writes there (a process id)")));
+    EXPECT_EQ(ReadFile(lock), contents);
+    EXPECT_FALSE(std::filesystem::exists(dir + "/epd.sock"));
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// A lock file another user created (possible in a sticky directory such as /tmp) is
+// refused: epd would truncate it, and that user could hold its flock to keep epd down.
+TEST(StartupSafetyTest, LockFileOfAnotherUserIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give the lock file to another user";
+  const std::string dir = MakeTempDir("epd_lock_user_");
+  const std::string lock = dir + "/epd.sock.lock";
+  std::ofstream(lock) << "123\n";
+  ASSERT_EQ(::chown(lock.c_str(), 65534, 65534), 0);
+  auto [code, logs] = RefusedStart(dir);
+  EXPECT_EQ(code, 1) << logs;
+  EXPECT_THAT(logs, AllOf(HasSubstr(lock), HasSubstr("belongs to uid 65534, not to epd's user")));
+  EXPECT_EQ(ReadFile(lock), "123\n");
+  std::filesystem::remove_all(dir);
+}
+
+// A socket directory every user may write, without the sticky bit: anyone could replace
+// the socket (clients would talk to an impostor) or its lock file. Refused naming the
+// directory, its owner and mode and the fix, before anything is created; with the sticky
+// bit (as /tmp has) it is accepted.
+TEST(StartupSafetyTest, WorldWritableSocketDirectoryWithoutStickyBitIsRefused) {
+  const std::string dir = MakeTempDir("epd_dir_0777_");
+  ASSERT_EQ(::chmod(dir.c_str(), 0777), 0);
+  auto [code, logs] = RefusedStart(dir);
+  EXPECT_EQ(code, 1) << logs;
+  EXPECT_THAT(logs, AllOf(HasSubstr("FAILED_PRECONDITION"), HasSubstr("the directory " + dir),
+                          HasSubstr("(owner "), HasSubstr("mode 0777"),
+                          HasSubstr("writable by every user and has no sticky bit"),
+                          HasSubstr("chmod go-w " + dir), HasSubstr("chmod +t " + dir)));
+  EXPECT_TRUE(std::filesystem::is_empty(dir)) << "epd created something in it";
+
+  ASSERT_EQ(::chmod(dir.c_str(), 01777), 0);
+  DaemonProcessOptions options;
+  options.socket_path = dir + "/epd.sock";
+  options.tcp = false;
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(options);
+  ASSERT_TRUE(epd.ok()) << epd.status();
+  EXPECT_EQ((*epd)->Stop().value_or(-1), 0);
+  std::filesystem::remove_all(dir);
+}
+
+// A socket directory owned by another user (here nobody, mode 0777 as in the issue; 0755
+// too: its owner may replace anything in it) is refused naming the owner.
+TEST(StartupSafetyTest, SocketDirectoryOfAnotherUserIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give the directory to another user";
+  for (const mode_t mode : {0777, 0755}) {
+    const std::string dir = MakeTempDir("epd_dir_nobody_");
+    ASSERT_EQ(::chown(dir.c_str(), 65534, 65534), 0);
+    ASSERT_EQ(::chmod(dir.c_str(), mode), 0);
+    auto [code, logs] = RefusedStart(dir);
+    EXPECT_EQ(code, 1) << logs;
+    EXPECT_THAT(logs,
+                AllOf(HasSubstr("the directory " + dir + " (owner "), HasSubstr("(uid 65534)"),
+                      HasSubstr("belongs to another user than root and epd's (uid 0)")));
+    EXPECT_TRUE(std::filesystem::is_empty(dir)) << "epd created something in it";
+    std::filesystem::remove_all(dir);
+  }
 }
 
 }  // namespace

@@ -89,6 +89,25 @@ TEST(ClassifyUnixSocketProbe, ConnectDeniedIsPermissionDeniedNamingGroupAndMode)
               AllOf(HasSubstr("group gid 990"), HasSubstr("add this user to group 990")));
 }
 
+// A socket of group root (epd without a socket_group, run as root): joining group root
+// would give the user far more than the socket, so the fix offered is a dedicated group.
+TEST(ClassifyUnixSocketProbe, ConnectDeniedOnAGroupRootSocketNeverAdvisesJoiningRoot) {
+  for (const char* name : {"root", ""}) {
+    UnixSocketProbe probe = SocketProbe(EACCES);
+    probe.gid = 0;
+    probe.group_name = name;
+    const absl::Status status = ClassifyUnixSocketProbe(kPath, "--socket", probe);
+    EXPECT_EQ(status.code(), absl::StatusCode::kPermissionDenied) << status;
+    EXPECT_THAT(std::string(status.message()),
+                AllOf(HasSubstr(kPath), HasSubstr("mode 0660"), HasSubstr("alice (uid 1000)"),
+                      HasSubstr("a group of its own"), HasSubstr("groupadd epd"),
+                      HasSubstr("socket_group"), HasSubstr("socket_mode to \"0660\""),
+                      ::testing::Not(HasSubstr("add this user to group root")),
+                      ::testing::Not(HasSubstr("add this user to group 0"))))
+        << status;
+  }
+}
+
 TEST(ClassifyUnixSocketProbe, OtherOutcomesKeepTheirMeaning) {
   absl::Status refused = ClassifyUnixSocketProbe(kPath, "--socket", SocketProbe(ECONNREFUSED));
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable);

@@ -503,6 +503,7 @@ class TakeEndpointFdsTest : public ::testing::Test {
     *request.mutable_spec() = testing::SmallSpec("g");
     request.set_rank(rank);
     request.set_session_id(session);
+    request.set_join_secret("fd-channel-test");  // Ranks of two uids share the group.
     absl::StatusOr<v1::EndpointInfo> info = registry_.Join(request);
     ASSERT_TRUE(info.ok()) << info.status();
   }

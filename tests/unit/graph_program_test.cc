@@ -38,13 +38,14 @@ v1::GroupSpec LlSpec(const std::string& name, bool fp8 = true) {
   return spec;
 }
 
-/// A RegisterProgram slot of `steps` (shm_abi.h encoding).
+/// A RegisterProgram slot of `steps` (shm_abi.h encoding; steps beyond the slot's room,
+/// kMaxProgramSteps, are counted in reserved[0] but not encoded).
 abi::RequestSlot ProgramSlot(const std::vector<uint8_t>& steps) {
   abi::RequestSlot slot{};
   slot.magic = abi::kRequestMagic;
   slot.op = static_cast<uint32_t>(Op::kRegisterProgram);
   slot.reserved[0] = steps.size();
-  for (size_t i = 0; i < steps.size(); ++i) {
+  for (size_t i = 0; i < steps.size() && i < abi::kMaxProgramSteps; ++i) {
     slot.reserved[1 + i / 8] |= static_cast<uint64_t>(steps[i]) << (8 * (i % 8));
   }
   return slot;

@@ -6,8 +6,10 @@
 // daemon finds them, not from the header's offsets: a test may scribble over the header.
 #pragma once
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -41,7 +43,21 @@ class RawRing {
     absl::StatusOr<EndpointFds> fds = group.TakeEndpointFds(info.rank());
     EXPECT_TRUE(fds.ok()) << fds.status();
     if (!fds.ok()) return nullptr;
-    auto region = ShmRegion::Map(std::move(fds->region), info.shm_bytes(), "raw ring");
+    return Map(info, std::move(fds->region));
+  }
+
+  /// A second mapping of the region whose descriptors `fds` holds (a hostile client's view
+  /// beside its own client library's): maps a duplicate, `fds` stays usable.
+  static std::unique_ptr<RawRing> OpenAlso(const v1::EndpointInfo& info, const EndpointFds& fds) {
+    ScopedFd dup(::fcntl(fds.region.get(), F_DUPFD_CLOEXEC, 0));
+    EXPECT_TRUE(dup.valid()) << "dup of the region descriptor: " << std::strerror(errno);
+    if (!dup.valid()) return nullptr;
+    return Map(info, std::move(dup));
+  }
+
+ private:
+  static std::unique_ptr<RawRing> Map(const v1::EndpointInfo& info, ScopedFd region_fd) {
+    auto region = ShmRegion::Map(std::move(region_fd), info.shm_bytes(), "raw ring");
     EXPECT_TRUE(region.ok()) << region.status();
     if (!region.ok()) return nullptr;
     auto ring = std::make_unique<RawRing>();
@@ -52,6 +68,7 @@ class RawRing {
     return ring;
   }
 
+ public:
   abi::EndpointShmHeader* header() const {
     return reinterpret_cast<abi::EndpointShmHeader*>(region_.data());
   }

@@ -328,50 +328,9 @@ struct ProgramCombineArgs {
   void* stream = nullptr;                  ///< The cudaStream_t the step is ordered on.
 };
 
-/// A submitted op. Wait() returns its result once every rank's part is done.
+/// A submitted op (defined below Endpoint).
 template <typename Result>
-class [[nodiscard]] PendingOp {
- public:
-  /// Blocks until the op completes or `timeout` passes (DEADLINE_EXCEEDED, the op stays
-  /// pending and Wait may be called again). Returns the op's own error otherwise. Only the
-  /// latest 64 ops of an endpoint can be waited for (FAILED_PRECONDITION at once for older
-  /// ones: their completion records were reused).
-  /// Client-launched: waits (polling, bounded by `timeout` and by op_timeout + 5 s) for an
-  /// event recorded on the op's stream after the op, then returns the status its kernels
-  /// left. An op enqueued while its stream was capturing a CUDA graph is not
-  /// waited for: call Wait once a replay of the graph has completed (e.g. after
-  /// cudaStreamSynchronize); it then reads and clears the rank's device status, so it
-  /// reports the errors of every replay since the last Wait, and for a Dispatch the N of
-  /// the latest replay.
-  /// Client-launched low-latency ops enqueue no status read-back of their own (it would
-  /// add two stream operations to every decode op, which is rarely waited for): their Wait
-  /// reads and clears the rank's device status on the op's stream, after everything
-  /// enqueued there so far, and synchronises that stream. So a device-side error (a bad
-  /// expert id, a peer that never arrived) is reported by the first Wait at or after the
-  /// op that hit it, never lost; a later op whose error an earlier Wait reported then
-  /// returns OK.
-  absl::StatusOr<Result> Wait(absl::Duration timeout = absl::InfiniteDuration());
-  /// The result without waiting on the CPU, for stream-ordered use (CUDA backend): work
-  /// enqueued on the op's stream after the op reads the views correctly; errors still
-  /// come from Wait. FAILED_PRECONDITION on the host backend and for an op given no
-  /// stream. A Dispatch without a cached handle gives views of the capacity R*M rows, N in
-  /// its device `recv_count` and num_recv_tokens = -1; Combine and cached re-dispatch need
-  /// the handle that Wait returns (FAILED_PRECONDITION for this one).
-  /// Daemon-launched: the low-latency buffer of the views is the daemon's choice as
-  /// predicted by the client, which holds as long as no earlier op of the endpoint failed
-  /// (a failed low-latency op does not advance the daemon's buffer parity; Wait of that
-  /// op brings the prediction back in step).
-  absl::StatusOr<Result> Enqueued() const;
-  uint64_t seq() const { return seq_; }
-
- private:
-  friend class Endpoint;
-  PendingOp(Endpoint* endpoint, uint64_t seq, Result partial)
-      : endpoint_(endpoint), seq_(seq), partial_(std::move(partial)) {}
-  Endpoint* endpoint_;
-  uint64_t seq_;
-  Result partial_;
-};
+class PendingOp;
 
 /// Options of Client::Join.
 struct JoinOptions {
@@ -513,7 +472,57 @@ class Endpoint {
   Impl& impl() { return *impl_; }
 
  private:
-  std::unique_ptr<Impl> impl_;
+  /// Shared only with weak_ptrs (PendingOp): destroyed with the Endpoint.
+  std::shared_ptr<Impl> impl_;
+};
+
+/// A submitted op. Wait() returns its result once every rank's part is done.
+/// A PendingOp may outlive its Endpoint: Wait and Enqueued then return FAILED_PRECONDITION
+/// ("endpoint destroyed"), whether or not the op had completed, since its outputs were
+/// views of the endpoint's buffers, which are gone. (Wait for an op before destroying its
+/// Endpoint.)
+template <typename Result>
+class [[nodiscard]] PendingOp {
+ public:
+  /// Blocks until the op completes or `timeout` passes (DEADLINE_EXCEEDED, the op stays
+  /// pending and Wait may be called again). Returns the op's own error otherwise. Only the
+  /// latest 64 ops of an endpoint can be waited for (FAILED_PRECONDITION at once for older
+  /// ones: their completion records were reused).
+  /// Client-launched: waits (polling, bounded by `timeout` and by op_timeout + 5 s) for an
+  /// event recorded on the op's stream after the op, then returns the status its kernels
+  /// left. An op enqueued while its stream was capturing a CUDA graph is not
+  /// waited for: call Wait once a replay of the graph has completed (e.g. after
+  /// cudaStreamSynchronize); it then reads and clears the rank's device status, so it
+  /// reports the errors of every replay since the last Wait, and for a Dispatch the N of
+  /// the latest replay.
+  /// Client-launched low-latency ops enqueue no status read-back of their own (it would
+  /// add two stream operations to every decode op, which is rarely waited for): their Wait
+  /// reads and clears the rank's device status on the op's stream, after everything
+  /// enqueued there so far, and synchronises that stream. So a device-side error (a bad
+  /// expert id, a peer that never arrived) is reported by the first Wait at or after the
+  /// op that hit it, never lost; a later op whose error an earlier Wait reported then
+  /// returns OK.
+  absl::StatusOr<Result> Wait(absl::Duration timeout = absl::InfiniteDuration());
+  /// The result without waiting on the CPU, for stream-ordered use (CUDA backend): work
+  /// enqueued on the op's stream after the op reads the views correctly; errors still
+  /// come from Wait. FAILED_PRECONDITION on the host backend and for an op given no
+  /// stream. A Dispatch without a cached handle gives views of the capacity R*M rows, N in
+  /// its device `recv_count` and num_recv_tokens = -1; Combine and cached re-dispatch need
+  /// the handle that Wait returns (FAILED_PRECONDITION for this one).
+  /// Daemon-launched: the low-latency buffer of the views is the daemon's choice as
+  /// predicted by the client, which holds as long as no earlier op of the endpoint failed
+  /// (a failed low-latency op does not advance the daemon's buffer parity; Wait of that
+  /// op brings the prediction back in step).
+  absl::StatusOr<Result> Enqueued() const;
+  uint64_t seq() const { return seq_; }
+
+ private:
+  friend class Endpoint;
+  PendingOp(std::weak_ptr<Endpoint::Impl> endpoint, uint64_t seq, Result partial)
+      : endpoint_(std::move(endpoint)), seq_(seq), partial_(std::move(partial)) {}
+  std::weak_ptr<Endpoint::Impl> endpoint_;  ///< Expires when the Endpoint is destroyed.
+  uint64_t seq_;
+  Result partial_;
 };
 
 /// Options of Client::Connect.
