@@ -156,7 +156,9 @@ class VictimGroup {
       v1::EndpointInfo info;
       ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
       DataPlaneGroup* gp = group_.get();
-      auto ep = internal::OpenEndpoint(info, spec_, [gp, r] {
+      absl::StatusOr<EndpointFds> fds = gp->TakeEndpointFds(r);
+      ASSERT_TRUE(fds.ok()) << fds.status();
+      auto ep = internal::OpenEndpoint(info, spec_, *std::move(fds), [gp, r] {
         gp->DetachRank(r);
         return absl::OkStatus();
       });
@@ -1008,7 +1010,7 @@ TEST_F(HostDataPlaneTest, HeaderOffsetsSizesAndTailWrittenByTheClientAreNeverUse
   group_ = std::move(*g);
   v1::EndpointInfo info;
   ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
-  auto ring = testing::RawRing::Open(info);
+  auto ring = testing::RawRing::Open(info, *group_);
   ASSERT_NE(ring, nullptr);
   const kernels::GroupShape shape{1, E, H, K, M, 0, false};
   const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(shape);
@@ -1119,10 +1121,12 @@ TEST_F(HostDataPlaneTest,
   for (int r = 0; r < R; ++r) {
     v1::EndpointInfo info;
     ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
-    hostile.push_back(testing::RawRing::Open(info));
-    ASSERT_NE(hostile.back(), nullptr);
     DataPlaneGroup* gp = group_.get();
-    auto ep = internal::OpenEndpoint(info, spec_, [gp, r] {
+    absl::StatusOr<EndpointFds> fds = gp->TakeEndpointFds(r);
+    ASSERT_TRUE(fds.ok()) << fds.status();
+    hostile.push_back(testing::RawRing::Map(info, ScopedFd(dup(fds->region.get()))));
+    ASSERT_NE(hostile.back(), nullptr);
+    auto ep = internal::OpenEndpoint(info, spec_, *std::move(fds), [gp, r] {
       gp->DetachRank(r);
       return absl::OkStatus();
     });

@@ -41,7 +41,13 @@ class RawRing {
     absl::StatusOr<EndpointFds> fds = group.TakeEndpointFds(info.rank());
     EXPECT_TRUE(fds.ok()) << fds.status();
     if (!fds.ok()) return nullptr;
-    auto region = ShmRegion::Map(std::move(fds->region), info.shm_bytes(), "raw ring");
+    return Map(info, std::move(fds->region));
+  }
+
+  /// Maps `region`, the descriptor of `info`'s endpoint region (e.g. a dup of the one a
+  /// client maps too).
+  static std::unique_ptr<RawRing> Map(const v1::EndpointInfo& info, ScopedFd region_fd) {
+    auto region = ShmRegion::Map(std::move(region_fd), info.shm_bytes(), "raw ring");
     EXPECT_TRUE(region.ok()) << region.status();
     if (!region.ok()) return nullptr;
     auto ring = std::make_unique<RawRing>();
