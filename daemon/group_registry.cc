@@ -202,6 +202,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   const v1::GroupSpec& spec = request.spec();
   const int32_t rank = request.rank();
   EPD_RETURN_IF_ERROR(ValidateGroupSpec(spec));
+  EPD_RETURN_IF_ERROR(ValidateGroupSpecForBackend(spec, data_plane_->backend_name()));
   if (!v1::LaunchMode_IsValid(request.launch_mode())) {
     return absl::InvalidArgumentError(
         absl::StrCat("launch_mode: ", request.launch_mode(), " is not a LaunchMode"));

@@ -323,7 +323,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         a.recv_x = Ptr<void>(r, L.recv_x);
         a.recv_scales = fp8 ? Ptr<float>(r, L.recv_scales) : nullptr;
         a.recv_topk_idx = Ptr<int64_t>(r, L.recv_topk_idx);
-        a.recv_topk_weights = a.topk_weights ? Ptr<float>(r, L.recv_topk_weights) : nullptr;
+        a.recv_topk_weights = Ptr<float>(r, L.recv_topk_weights);  // zeros without weights
         a.recv_tokens_per_expert = Ptr<int32_t>(r, L.recv_tokens_per_expert);
         a.recv_src_info = Ptr<int32_t>(r, L.recv_src_info);
         a.send_pos = hr.send_pos.data();

@@ -4,6 +4,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "daemon/group_ops.h"
+#include "epd/kernels/cuda_limits.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/text_format.h"
 
@@ -80,6 +82,11 @@ absl::Status ValidateGroupSpec(const v1::GroupSpec& spec) {
                    absl::StrCat("is outside [0, ", kMaxTokensPerRank, "] (0 = low-latency off)"));
   }
   return absl::OkStatus();
+}
+
+absl::Status ValidateGroupSpecForBackend(const v1::GroupSpec& spec, absl::string_view backend) {
+  if (backend != "cuda") return absl::OkStatus();
+  return kernels::cuda::CheckCudaShape(ShapeOf(spec));
 }
 
 absl::Status ValidateRank(const v1::GroupSpec& spec, int32_t rank) {

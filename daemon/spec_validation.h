@@ -49,6 +49,14 @@ inline constexpr int32_t kFp8HiddenMultiple = 128;
 /// Returns INVALID_ARGUMENT "spec.<field>: <value> ..." for the first failing rule.
 absl::Status ValidateGroupSpec(const v1::GroupSpec& spec);
 
+/// The limits of `backend` ("host" or "cuda") on a spec that passed ValidateGroupSpec, so
+/// that every spec Join accepts works on the daemon's backend: none on "host"; on "cuda"
+/// kernels/cuda's (epd/kernels/cuda_limits.h CheckCudaShape: num_ranks <= 64, and
+/// num_experts within the sync region's normal-mode state and, with low-latency mode on,
+/// its count exchange; no limit on ll_max_tokens_per_rank, num_topk or hidden). Returns
+/// INVALID_ARGUMENT "spec.<field>: <value> ..." naming the largest value that works there.
+absl::Status ValidateGroupSpecForBackend(const v1::GroupSpec& spec, absl::string_view backend);
+
 /// Checks 0 <= rank < spec.num_ranks. INVALID_ARGUMENT naming the rank and the range.
 absl::Status ValidateRank(const v1::GroupSpec& spec, int32_t rank);
 

@@ -25,6 +25,7 @@
 #include "daemon/engine.h"
 #include "daemon/gpu_inventory.h"
 #include "daemon/group_ops.h"
+#include "daemon/spec_validation.h"
 #include "epd/common/cuda_handles.h"
 #include "epd/common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
@@ -534,6 +535,8 @@ absl::StatusOr<uint64_t> CudaDataPlaneImpl::FreeBytes(const std::string& gpu_uui
 absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CudaDataPlaneImpl::CreateGroup(
     const v1::GroupSpec& spec) {
   if (shut_down_.load()) return absl::UnavailableError("epd is shutting down");
+  // The registry checked already (Join); a group past a kernel limit must never exist.
+  EPD_RETURN_IF_ERROR(ValidateGroupSpecForBackend(spec, backend_name()));
   return std::unique_ptr<DataPlaneGroup>(std::make_unique<CudaGroup>(this, spec));
 }
 

@@ -246,29 +246,7 @@ struct LowLatencyState {
 };
 static_assert(sizeof(LowLatencyState) <= 4096 - 256, "LowLatencyState overflows its slot");
 
-/// Inter-rank exchange area, at sync + kSyncLowLatencyExchangeOffset, written by peers:
-///   uint32 count_flag[R]    sender s sets [s] = seq after publishing its counts;
-///   uint32 data_flag[R]     sender s sets [s] = seq after all its rows to this rank landed;
-///   uint32 combine_flag[R]  rank s sets [s] = combine seq when it entered its combine;
-///   int32  counts[2][R][E]  counts of sender s per global expert, set (seq & 1).
-struct LowLatencyExchange {
-  static constexpr uint64_t kFlagsBytes = 3 * kMaxStatusRanks * 4;
-  __host__ __device__ static constexpr uint64_t CountFlag(int32_t s) { return 4ull * s; }
-  __host__ __device__ static constexpr uint64_t DataFlag(int32_t s) {
-    return 4ull * (kMaxStatusRanks + s);
-  }
-  __host__ __device__ static constexpr uint64_t CombineFlag(int32_t s) {
-    return 4ull * (2 * kMaxStatusRanks + s);
-  }
-  __host__ __device__ static uint64_t Counts(int32_t parity, int32_t sender, int32_t num_ranks,
-                                             int32_t num_experts) {
-    return kFlagsBytes +
-           4ull * ((static_cast<uint64_t>(parity) * num_ranks + sender) * num_experts);
-  }
-  /// Bytes the exchange needs for R ranks and E experts.
-  __host__ __device__ static uint64_t Bytes(int32_t num_ranks, int32_t num_experts) {
-    return kFlagsBytes + 4ull * 2 * num_ranks * num_experts;
-  }
-};
+/// The inter-rank exchange area (cuda_limits.h).
+using LowLatencyExchange = ::epd::kernels::cuda::LowLatencyExchange;
 
 }  // namespace epd::kernels::cuda::device

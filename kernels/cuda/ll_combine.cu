@@ -13,7 +13,9 @@
 //     inputs are client-writable) from the owner's expert-output region
 //     (16-byte loads, up to 4 k's in flight) and accumulates in f32 in ascending k, each
 //     product rounded to f32 and then added (__fmul_rn / __fadd_rn: no fma), then rounds
-//     once to bf16: bit-identical to the host reference.
+//     once to bf16: bit-identical to the host reference. With K > 32 (the batched variant)
+//     a unit is 256 channels (or 32 on the scalar path), one vector per lane, and the warp
+//     takes the k's 32 at a time, the sums staying in registers across batches.
 //  4. The last block (ticket) bumps the combine counter and, daemon-launched, stores
 //     done_seq (every block has written its rows of combined_x and read its last input).
 // No completion signal is needed: an owner overwrites its expert outputs only after its
@@ -34,11 +36,13 @@ using device::LowLatencyExchange;
 using device::LowLatencyState;
 using device::StRelease;
 using device::WaitFlagAtLeast;
-using internal::kLowLatencyThreads;
 
 constexpr int kWarps = kLowLatencyThreads / 32;
 /// Channels per unit of work of the vector path (a warp covers 256 channels per step).
 constexpr int32_t kChunkChannels = 512;
+/// Top-k slots a warp stages at once (one per lane): all of them when K <= this; else
+/// the batched kernel takes them in batches of this many, in ascending k.
+constexpr int32_t kSlotBatch = 32;
 
 struct CombineParams {
   uint8_t* const* peer_bases;
@@ -80,13 +84,16 @@ __device__ __forceinline__ void AccumulateBf16x8(float* acc, const uint4& y, flo
   }
 }
 
-template <bool kVec>
+// kBatched (K > kSlotBatch): each unit is one step of the warp (256 channels, one 8-channel
+// vector per lane; or 32 channels, one per lane) and the warp stages the token's slots in
+// batches of kSlotBatch, the lanes keeping their sums in registers across batches.
+template <bool kVec, bool kBatched>
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     LowLatencyCombineKernel(const CombineParams p) {
   __shared__ uint8_t* s_peer[kMaxStatusRanks];
-  // Per warp and top-k slot: source row address (null = skip) and weight.
-  __shared__ const uint8_t* s_src[kWarps][internal::kLowLatencyMaxTopk];
-  __shared__ float s_w[kWarps][internal::kLowLatencyMaxTopk];
+  // Per warp and top-k slot of the batch: source row address (null = skip) and weight.
+  __shared__ const uint8_t* s_src[kWarps][kSlotBatch];
+  __shared__ float s_w[kWarps][kSlotBatch];
   __shared__ uint32_t s_seq;
   __shared__ int32_t s_num_tokens;
   __shared__ int s_last;
@@ -129,7 +136,64 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   if (all_arrived) {
     // ---- 3. pull and reduce ----
     const int64_t hidden = p.hidden;
-    const int32_t chunk = kVec ? kChunkChannels : p.hidden;
+    // Slot k = kb + lane of token t: the id and its row, each read once from
+    // client-writable memory into a register, checked, and only then used; a bad one is
+    // counted (once per slot: when `count`, in the token's first chunk) and contributes
+    // nothing. Lanes past K stage nothing.
+    auto stage_slot = [&](int32_t t, int32_t kb, bool count) {
+      const int32_t k = kb + lane;
+      if (k >= num_topk) return;
+      const int64_t i = static_cast<int64_t>(t) * num_topk + k;
+      const int64_t e = p.topk_idx[i];
+      const int32_t row = p.handle_pos[i];
+      const uint8_t* src = nullptr;
+      const bool bad_id = e < -1 || e >= p.num_experts;
+      const bool bad_row = e >= 0 && !bad_id && (row < 0 || row >= p.rows_per_expert);
+      if (e >= 0 && !bad_id && !bad_row) {
+        const int32_t owner = static_cast<int32_t>(e) / p.experts_per_rank;
+        const int64_t local = e - static_cast<int64_t>(owner) * p.experts_per_rank;
+        src = s_peer[owner] + p.x_offset + (local * p.rows_per_expert + row) * hidden * 2;
+      }
+      if (count && bad_id) atomicAdd(&status->bad_expert_ids, 1u);
+      if (count && bad_row) atomicAdd(&status->bad_routing, 1u);
+      s_src[warp][lane] = src;
+      s_w[warp][lane] = p.topk_weights[i];
+    };
+    // acc[0..8) += the staged slots [0, n) at vector v (8 channels), in ascending k, up to
+    // 4 rows' loads in flight.
+    auto accumulate_vec = [&](float* acc, int32_t v, int32_t n) {
+      for (int32_t k0 = 0; k0 < n; k0 += 4) {
+        uint4 y[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const uint8_t* src = k0 + q < n ? s_src[warp][k0 + q] : nullptr;
+          if (src != nullptr) y[q] = device::LdVec16(src + static_cast<int64_t>(v) * 16);
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const uint8_t* src = k0 + q < n ? s_src[warp][k0 + q] : nullptr;
+          if (src != nullptr) AccumulateBf16x8(acc, y[q], s_w[warp][k0 + q]);
+        }
+      }
+    };
+    auto accumulate_scalar = [&](float acc, int32_t h, int32_t n) {
+      for (int32_t k = 0; k < n; ++k) {
+        const uint8_t* src = s_src[warp][k];
+        if (src == nullptr) continue;
+        const bf16_bits y = reinterpret_cast<const bf16_bits*>(src)[h];
+        acc = __fadd_rn(acc, __fmul_rn(s_w[warp][k], Bf16ToFloat(y)));
+      }
+      return acc;
+    };
+    auto store_vec = [&](bf16_bits* out, int32_t v, const float* acc) {
+      uint4 o;
+      o.x = FloatToBf16(acc[0]) | (static_cast<uint32_t>(FloatToBf16(acc[1])) << 16);
+      o.y = FloatToBf16(acc[2]) | (static_cast<uint32_t>(FloatToBf16(acc[3])) << 16);
+      o.z = FloatToBf16(acc[4]) | (static_cast<uint32_t>(FloatToBf16(acc[5])) << 16);
+      o.w = FloatToBf16(acc[6]) | (static_cast<uint32_t>(FloatToBf16(acc[7])) << 16);
+      device::StVec16(out + static_cast<int64_t>(v) * 8, o);
+    };
+    const int32_t chunk = kBatched ? (kVec ? 8 * 32 : 32) : (kVec ? kChunkChannels : p.hidden);
     const int32_t chunks_per_token = (p.hidden + chunk - 1) / chunk;
     const int32_t units = num_tokens * chunks_per_token;
     const int32_t total_warps = static_cast<int32_t>(gridDim.x) * kWarps;
@@ -137,67 +201,53 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
          u += total_warps) {
       const int32_t t = u / chunks_per_token;
       const int32_t c0 = (u - t * chunks_per_token) * chunk;
-      const int32_t c1 = min(p.hidden, c0 + chunk);
-      if (lane < num_topk) {
-        // The id and its row, each read once from client-writable memory into a register,
-        // checked, and only then used; a bad one is counted (once per slot: in the
-        // token's first chunk) and contributes nothing.
-        const int64_t i = static_cast<int64_t>(t) * num_topk + lane;
-        const int64_t e = p.topk_idx[i];
-        const int32_t row = p.handle_pos[i];
-        const uint8_t* src = nullptr;
-        const bool bad_id = e < -1 || e >= p.num_experts;
-        const bool bad_row = e >= 0 && !bad_id && (row < 0 || row >= p.rows_per_expert);
-        if (e >= 0 && !bad_id && !bad_row) {
-          const int32_t owner = static_cast<int32_t>(e) / p.experts_per_rank;
-          const int64_t local = e - static_cast<int64_t>(owner) * p.experts_per_rank;
-          src = s_peer[owner] + p.x_offset + (local * p.rows_per_expert + row) * hidden * 2;
-        }
-        if (c0 == 0 && bad_id) atomicAdd(&status->bad_expert_ids, 1u);
-        if (c0 == 0 && bad_row) atomicAdd(&status->bad_routing, 1u);
-        s_src[warp][lane] = src;
-        s_w[warp][lane] = p.topk_weights[i];
-      }
-      __syncwarp();
       bf16_bits* out = p.combined_x + static_cast<int64_t>(t) * hidden;
-      if constexpr (kVec) {
-        for (int32_t v = c0 / 8 + lane; v < c1 / 8; v += 32) {
-          float acc[8];
+      if constexpr (kBatched) {
+        // One vector (or channel) per lane, summed over every batch of slots.
+        const int32_t h = c0 + (kVec ? 8 : 1) * lane;
+        const bool active = h < p.hidden;  // kVec: H % 8 == 0, so h + 8 <= H
+        float acc[8];
 #pragma unroll
-          for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
-          for (int32_t k0 = 0; k0 < num_topk; k0 += 4) {
-            uint4 y[4];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              const uint8_t* src = k0 + q < num_topk ? s_src[warp][k0 + q] : nullptr;
-              if (src != nullptr) y[q] = device::LdVec16(src + static_cast<int64_t>(v) * 16);
-            }
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              const uint8_t* src = k0 + q < num_topk ? s_src[warp][k0 + q] : nullptr;
-              if (src != nullptr) AccumulateBf16x8(acc, y[q], s_w[warp][k0 + q]);
+        for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
+        for (int32_t kb = 0; kb < num_topk; kb += kSlotBatch) {
+          stage_slot(t, kb, c0 == 0);
+          __syncwarp();
+          const int32_t n = min(kSlotBatch, num_topk - kb);
+          if (active) {
+            if constexpr (kVec) {
+              accumulate_vec(acc, h / 8, n);
+            } else {
+              acc[0] = accumulate_scalar(acc[0], h, n);
             }
           }
-          uint4 o;
-          o.x = FloatToBf16(acc[0]) | (static_cast<uint32_t>(FloatToBf16(acc[1])) << 16);
-          o.y = FloatToBf16(acc[2]) | (static_cast<uint32_t>(FloatToBf16(acc[3])) << 16);
-          o.z = FloatToBf16(acc[4]) | (static_cast<uint32_t>(FloatToBf16(acc[5])) << 16);
-          o.w = FloatToBf16(acc[6]) | (static_cast<uint32_t>(FloatToBf16(acc[7])) << 16);
-          device::StVec16(out + static_cast<int64_t>(v) * 8, o);
+          __syncwarp();
+        }
+        if (active) {
+          if constexpr (kVec) {
+            store_vec(out, h / 8, acc);
+          } else {
+            out[h] = FloatToBf16(acc[0]);
+          }
         }
       } else {
-        for (int32_t h = c0 + lane; h < c1; h += 32) {
-          float acc = 0.0f;
-          for (int32_t k = 0; k < num_topk; ++k) {
-            const uint8_t* src = s_src[warp][k];
-            if (src == nullptr) continue;
-            const bf16_bits y = reinterpret_cast<const bf16_bits*>(src)[h];
-            acc = __fadd_rn(acc, __fmul_rn(s_w[warp][k], Bf16ToFloat(y)));
+        const int32_t c1 = min(p.hidden, c0 + chunk);
+        stage_slot(t, 0, c0 == 0);
+        __syncwarp();
+        if constexpr (kVec) {
+          for (int32_t v = c0 / 8 + lane; v < c1 / 8; v += 32) {
+            float acc[8];
+#pragma unroll
+            for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
+            accumulate_vec(acc, v, num_topk);
+            store_vec(out, v, acc);
           }
-          out[h] = FloatToBf16(acc);
+        } else {
+          for (int32_t h = c0 + lane; h < c1; h += 32) {
+            out[h] = FloatToBf16(accumulate_scalar(0.0f, h, num_topk));
+          }
         }
+        __syncwarp();
       }
-      __syncwarp();
     }
   }
 
@@ -228,8 +278,10 @@ namespace internal {
 
 absl::Status PreloadLowLatencyCombineKernels() {
   cudaFuncAttributes attr;
-  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, LowLatencyCombineKernel<true>));
-  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, LowLatencyCombineKernel<false>));
+  for (auto kernel : {LowLatencyCombineKernel<true, false>, LowLatencyCombineKernel<false, false>,
+                      LowLatencyCombineKernel<true, true>, LowLatencyCombineKernel<false, true>}) {
+    EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
+  }
   return absl::OkStatus();
 }
 
@@ -281,7 +333,11 @@ absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombi
   EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &num_blocks));
   const bool vec = s.hidden % 8 == 0 && (args.combined_x == nullptr ||
                                          reinterpret_cast<uintptr_t>(args.combined_x) % 16 == 0);
-  auto kernel = vec ? LowLatencyCombineKernel<true> : LowLatencyCombineKernel<false>;
+  const bool batched = s.num_topk > kSlotBatch;
+  auto kernel =
+      batched
+          ? (vec ? LowLatencyCombineKernel<true, true> : LowLatencyCombineKernel<false, true>)
+          : (vec ? LowLatencyCombineKernel<true, false> : LowLatencyCombineKernel<false, false>);
   return internal::LaunchLowLatency(kernel, num_blocks, 0, args.handoff.programmatic, stream, p);
 }
 

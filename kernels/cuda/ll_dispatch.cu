@@ -2,12 +2,20 @@
 //
 // One kernel per rank, every rank's kernel resident at once. Per op (seq = the rank's
 // dispatch counter + 1, kept in its sync region so CUDA-graph replays stay valid):
-//  1. Every block reads T (device memory) and topk_idx into shared memory (plus a bitmask
-//     of experts per token) and computes, per global expert e, how many of this rank's
-//     tokens go to e (the bitmasks transposed into per-(32-token group, expert) ballots, then
-//     popc prefix sums); after step 2, each (t, k)'s index among them (a duplicate expert in
-//     a row shares the index). Blocks repeat this small computation instead of
-//     synchronising with each other.
+//  1. Small path (K <= 32 and every slot's routing fits the default shared memory;
+//     cuda_limits.h PlanLowLatencyRouting): every block reads T (device memory) and
+//     topk_idx into shared memory (plus a bitmask of experts per token) and computes, per
+//     global expert e, how many of this rank's tokens go to e (the bitmasks transposed into
+//     per-(32-token group, expert) ballots, then popc prefix sums); after step 2, each
+//     (t, k)'s index among them (a duplicate expert in a row shares the index). Blocks
+//     repeat this small computation instead of synchronising with each other.
+//     Large path (any Mll and K; a template variant chosen at launch): block 0 alone does
+//     the same tile by tile (RouteTiles: 32 * tile_groups tokens a tile, the ballots' running
+//     per-expert counts carried from tile to tile) and writes each slot's {route code,
+//     index} into the rank's ll_routing region; the other blocks read it there in step 4.
+//     Block 0 writes it before it releases its count flags (step 2), which every block
+//     acquires in step 3 (its own rank's included), so no other barrier is needed. Step 4
+//     then works out destinations 32 k's at a time.
 //  2. Block 0 publishes the [E] counts into every rank's sync region (set seq & 1), then
 //     st.release.sys count_flag[rank] = seq at each.
 //  3. Every block waits (bounded) until all R count flags reach seq, then computes the
@@ -51,7 +59,6 @@ using device::LowLatencyExchange;
 using device::LowLatencyState;
 using device::StRelease;
 using device::WaitFlagAtLeast;
-using internal::kLowLatencyThreads;
 
 constexpr int kWarps = kLowLatencyThreads / 32;
 
@@ -83,6 +90,10 @@ struct DispatchParams {
   int32_t num_scales;
   int32_t buffer;
   int32_t mask_stride;  // words per token of the expert bitmask: ceil(E/32) made odd
+  // Large path: own ll_routing [Mll, K] {route code, position}, and the groups of 32
+  // tokens per routing tile (shared memory holds [tile_groups, E] ballots and prefixes).
+  int2* routing;
+  int32_t tile_groups;
   bool round_scale;
   bool gpu_scope;  // every rank on this GPU: flags at .gpu scope (common.cuh LdAcquire)
 };
@@ -144,7 +155,85 @@ struct UnitData {
   float scale;
 };
 
-template <int kMode>
+/// Destinations a warp works out at once (one per lane): the small path's K (<= this) in
+/// one batch, the large path's in batches of this many.
+constexpr int32_t kDestinationBatch = 32;
+
+// Route codes of the large path's routing scratch (DispatchParams::routing, per slot
+// {code, position}): code = e for the first k of the token's row with expert e (the one
+// that sends the token), kRouteNone for -1, kRouteDuplicateBase - e for a later k with the
+// same expert e (same position, sends nothing).
+constexpr int32_t kRouteNone = -1;
+constexpr int32_t kRouteDuplicateBase = -2;
+
+/// The expert of a route code (any int32, the scratch being client-writable), or -1.
+__device__ __forceinline__ int64_t RouteExpert(int32_t code) {
+  if (code >= 0) return code;
+  return code <= kRouteDuplicateBase ? kRouteDuplicateBase - static_cast<int64_t>(code) : -1;
+}
+
+// Large path, step 1, by every thread of block 0: the routing of this rank's `num_tokens`
+// tokens, tile by tile (p.tile_groups groups of 32 tokens), into p.routing. Per tile: each
+// slot's id is read once from topk_idx (an id outside [-1, E) is counted in DeviceStatus
+// and taken as -1); a slot with expert e sets its token's bit of s_ballot[group, e]
+// (atomicOr, whose old value tells a later k of the same row with the same expert: code
+// kRouteDuplicateBase - e, which sends nothing); then, per expert, the running count
+// s_count[e] gives each group's first index (s_prefix), and each slot's position is that
+// plus the group's earlier tokens to e. Ends with s_count[e] = this rank's tokens to e.
+// The positions are the small path's (token order, a duplicate k shares its row's).
+__device__ void RouteTiles(const DispatchParams& p, int32_t num_tokens, int32_t* s_count,
+                           uint32_t* s_ballot, int32_t* s_prefix, DeviceStatus* status) {
+  const int32_t num_experts = p.num_experts;
+  const int32_t num_topk = p.num_topk;
+  const int32_t tile_tokens = p.tile_groups * 32;
+  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) s_count[e] = 0;
+  for (int32_t t0 = 0; t0 < num_tokens; t0 += tile_tokens) {
+    const int32_t n = min(tile_tokens, num_tokens - t0);
+    const int32_t groups = (n + 31) / 32;
+    for (int32_t i = threadIdx.x; i < groups * num_experts; i += blockDim.x) s_ballot[i] = 0;
+    __syncthreads();
+    const int64_t first = static_cast<int64_t>(t0) * num_topk;
+    const int64_t tile_slots = static_cast<int64_t>(n) * num_topk;
+    for (int64_t i = threadIdx.x; i < tile_slots; i += blockDim.x) {
+      const int64_t e = p.topk_idx[first + i];
+      int32_t code = kRouteNone;
+      if (e >= 0 && e < num_experts) {
+        const int32_t t = static_cast<int32_t>(i / num_topk);
+        const uint32_t bit = 1u << (t & 31);
+        const uint32_t old = atomicOr(&s_ballot[(t >> 5) * num_experts + e], bit);
+        code = (old & bit) != 0 ? kRouteDuplicateBase - static_cast<int32_t>(e)
+                                : static_cast<int32_t>(e);
+      } else if (e != -1) {
+        atomicAdd(&status->bad_expert_ids, 1u);
+      }
+      p.routing[first + i].x = code;
+    }
+    __syncthreads();
+    for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
+      int32_t c = s_count[e];
+      for (int32_t g = 0; g < groups; ++g) {
+        s_prefix[g * num_experts + e] = c;
+        c += __popc(s_ballot[g * num_experts + e]);
+      }
+      s_count[e] = c;
+    }
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < tile_slots; i += blockDim.x) {
+      // This thread's own code from above, read back from client-writable memory: checked.
+      const int64_t e = RouteExpert(p.routing[first + i].x);
+      int32_t pos = -1;
+      if (e >= 0 && e < num_experts) {
+        const int32_t t = static_cast<int32_t>(i / num_topk);
+        const int64_t ge = static_cast<int64_t>(t >> 5) * num_experts + e;
+        pos = s_prefix[ge] + __popc(s_ballot[ge] & ((1u << (t & 31)) - 1u));
+      }
+      p.routing[first + i].y = pos;
+    }
+    __syncthreads();  // Before the next tile clears s_ballot.
+  }
+}
+
+template <int kMode, bool kTiled>
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     LowLatencyDispatchKernel(const DispatchParams p) {
   extern __shared__ int32_t smem[];
@@ -155,20 +244,23 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   __shared__ int s_data_missed;  // Block 0: a DataFlag wait of step 5 timed out.
   __shared__ int s_aborted;
   // Per warp: the destinations of the token it copies (row start, scales row start).
-  __shared__ uint8_t* s_dst[kWarps][internal::kLowLatencyMaxTopk];
-  __shared__ float* s_dst_scales[kWarps][internal::kLowLatencyMaxTopk];
+  __shared__ uint8_t* s_dst[kWarps][kDestinationBatch];
+  __shared__ float* s_dst_scales[kWarps][kDestinationBatch];
 
   const int32_t num_ranks = p.num_ranks;
   const int32_t num_experts = p.num_experts;
   const int32_t num_topk = p.num_topk;
-  const int32_t max_slots = p.max_tokens * num_topk;
+  // Small path (kTiled false): every token's routing in shared memory. Large path: the
+  // tile's ballots only (tile_groups groups of 32 tokens); the routing in p.routing.
+  const int32_t max_slots = kTiled ? 0 : p.max_tokens * num_topk;
+  const int32_t max_groups = kTiled ? p.tile_groups : (p.max_tokens + 31) / 32;
   int32_t* s_expert = smem;                 // [Mll*K] expert of (t,k), -1 = none
   int32_t* s_pos = s_expert + max_slots;    // [Mll*K] index among this rank's tokens to e
   int32_t* s_count = s_pos + max_slots;     // [E] this rank's tokens per expert
   int32_t* s_base = s_count + num_experts;  // [E] first row of this rank in e's block
   uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_base + num_experts);  // [Mll, stride]
-  const int32_t max_groups = (p.max_tokens + 31) / 32;
-  uint32_t* s_ballot = s_mask + p.max_tokens * p.mask_stride;  // [Mll/32, E] token bitmasks
+  // [groups, E] token bitmasks
+  uint32_t* s_ballot = s_mask + (kTiled ? 0 : p.max_tokens * p.mask_stride);
   int32_t* s_prefix = reinterpret_cast<int32_t*>(s_ballot + max_groups * num_experts);  // same
 
   const int lane = LaneId();
@@ -195,55 +287,62 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const uint32_t seq = s_seq;
   const int32_t num_tokens = s_num_tokens;
   const int32_t parity = static_cast<int32_t>(seq & 1u);
-  const int32_t slots = num_tokens * num_topk;
+  // Slots of the small path (the large path's may pass 2^31: int64 there).
+  const int32_t slots = kTiled ? 0 : num_tokens * num_topk;
 
   // ---- 1. routing of this rank's tokens ----
-  // s_mask: per token a bitmask of its experts (stride p.mask_stride words, odd, so lanes
-  // reading consecutive tokens hit distinct banks).
-  for (int32_t i = threadIdx.x; i < num_tokens * p.mask_stride; i += blockDim.x) s_mask[i] = 0;
-  __syncthreads();
-  for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
-    const int64_t e = p.topk_idx[i];
-    const bool in_range = e >= 0 && e < num_experts;
-    if (blockIdx.x == 0 && (e < -1 || e >= num_experts)) atomicAdd(&status->bad_expert_ids, 1u);
-    s_expert[i] = in_range ? static_cast<int32_t>(e) : -1;
-    if (in_range) {
-      atomicOr(&s_mask[(i / num_topk) * p.mask_stride + (e >> 5)], 1u << (e & 31));
+  if constexpr (kTiled) {
+    for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) s_base[e] = 0;
+    if (blockIdx.x == 0) RouteTiles(p, num_tokens, s_count, s_ballot, s_prefix, status);
+    __syncthreads();
+  } else {
+    // s_mask: per token a bitmask of its experts (stride p.mask_stride words, odd, so lanes
+    // reading consecutive tokens hit distinct banks).
+    for (int32_t i = threadIdx.x; i < num_tokens * p.mask_stride; i += blockDim.x) s_mask[i] = 0;
+    __syncthreads();
+    for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
+      const int64_t e = p.topk_idx[i];
+      const bool in_range = e >= 0 && e < num_experts;
+      if (blockIdx.x == 0 && (e < -1 || e >= num_experts)) atomicAdd(&status->bad_expert_ids, 1u);
+      s_expert[i] = in_range ? static_cast<int32_t>(e) : -1;
+      if (in_range) {
+        atomicOr(&s_mask[(i / num_topk) * p.mask_stride + (e >> 5)], 1u << (e & 31));
+      }
     }
-  }
-  __syncthreads();
-  // Per group g of 32 tokens and expert e, s_ballot[g][e] = the bitmask of the group's
-  // tokens routed to e: a warp per (group, mask word) transposes the word with 32 ballots.
-  // Then a thread per expert: s_prefix[g][e] = the group's first index among this rank's
-  // tokens to e, and s_count[e]. (Positions of the slots follow in step 2b, off the critical
-  // path of the count exchange.)
-  const int32_t groups = (num_tokens + 31) / 32;
-  const int32_t words = (num_experts + 31) / 32;
-  for (int32_t gw = warp; gw < groups * words; gw += kWarps) {
-    const int32_t g = gw / words;
-    const int32_t w = gw - g * words;
-    const int32_t t = g * 32 + lane;
-    const uint32_t m = t < num_tokens ? s_mask[t * p.mask_stride + w] : 0u;
-    uint32_t mine = 0;
+    __syncthreads();
+    // Per group g of 32 tokens and expert e, s_ballot[g][e] = the bitmask of the group's
+    // tokens routed to e: a warp per (group, mask word) transposes the word with 32 ballots.
+    // Then a thread per expert: s_prefix[g][e] = the group's first index among this rank's
+    // tokens to e, and s_count[e]. (Positions of the slots follow in step 2b, off the critical
+    // path of the count exchange.)
+    const int32_t groups = (num_tokens + 31) / 32;
+    const int32_t words = (num_experts + 31) / 32;
+    for (int32_t gw = warp; gw < groups * words; gw += kWarps) {
+      const int32_t g = gw / words;
+      const int32_t w = gw - g * words;
+      const int32_t t = g * 32 + lane;
+      const uint32_t m = t < num_tokens ? s_mask[t * p.mask_stride + w] : 0u;
+      uint32_t mine = 0;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const uint32_t b = __ballot_sync(0xffffffffu, (m >> j) & 1u);
-      if (lane == j) mine = b;
+      for (int j = 0; j < 32; ++j) {
+        const uint32_t b = __ballot_sync(0xffffffffu, (m >> j) & 1u);
+        if (lane == j) mine = b;
+      }
+      const int32_t e = w * 32 + lane;
+      if (e < num_experts) s_ballot[g * num_experts + e] = mine;
     }
-    const int32_t e = w * 32 + lane;
-    if (e < num_experts) s_ballot[g * num_experts + e] = mine;
-  }
-  __syncthreads();
-  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    int32_t c = 0;
-    for (int32_t g = 0; g < groups; ++g) {
-      s_prefix[g * num_experts + e] = c;
-      c += __popc(s_ballot[g * num_experts + e]);
+    __syncthreads();
+    for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
+      int32_t c = 0;
+      for (int32_t g = 0; g < groups; ++g) {
+        s_prefix[g * num_experts + e] = c;
+        c += __popc(s_ballot[g * num_experts + e]);
+      }
+      s_count[e] = c;
+      s_base[e] = 0;
     }
-    s_count[e] = c;
-    s_base[e] = 0;
+    __syncthreads();
   }
-  __syncthreads();
 
   // ---- 2. publish counts (block 0) ----
   if (blockIdx.x == 0) {
@@ -262,12 +361,14 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
 
   // Each slot's index among this rank's tokens routed to its expert (token order; duplicate
   // k's of a row share it). Read after step 3's barrier.
-  for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
-    const int32_t e = s_expert[i];
-    if (e >= 0) {
-      const int32_t t = i / num_topk;
-      const int32_t ge = (t >> 5) * num_experts + e;
-      s_pos[i] = s_prefix[ge] + __popc(s_ballot[ge] & ((1u << (t & 31)) - 1u));
+  if constexpr (!kTiled) {
+    for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
+      const int32_t e = s_expert[i];
+      if (e >= 0) {
+        const int32_t t = i / num_topk;
+        const int32_t ge = (t >> 5) * num_experts + e;
+        s_pos[i] = s_prefix[ge] + __popc(s_ballot[ge] & ((1u << (t & 31)) - 1u));
+      }
     }
   }
 
@@ -345,24 +446,43 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     __syncthreads();
     // ---- 4. rows straight into the owners' buffers ----
     // Each unit is stored to every destination of its token (first occurrence of each
-    // expert): lanes < K work out the destination rows into s_dst, then every lane stores its
-    // 16 bytes (FP8) or 32 bytes (BF16) to each.
+    // expert): lanes work out the destination rows of up to kDestinationBatch slots (k =
+    // kb + lane) into s_dst, then every lane stores its 16 bytes (FP8) or 32 bytes (BF16) to
+    // each. The small path (K <= kDestinationBatch) has one batch, the large path
+    // ceil(K / kDestinationBatch).
     const int64_t out_row_bytes = kMode == kFp8 ? hidden : hidden * 2;
-    auto destinations = [&](int32_t t, int32_t c0) {
+    const int32_t batches_end = kTiled ? num_topk : 1;  // kb < batches_end
+    auto destinations = [&](int32_t t, int32_t c0, int32_t kb) {
       bool has_dst = false;
       uint8_t* dst = nullptr;
       float* dst_scales = nullptr;
-      if (lane < num_topk) {
-        const int32_t slot = t * num_topk + lane;
-        const int32_t e = s_expert[slot];
-        bool duplicate = false;
-        for (int32_t j = 0; j < lane; ++j) duplicate |= s_expert[t * num_topk + j] == e;
+      const int32_t k = kb + lane;
+      if (k < num_topk) {
+        int32_t e;    // The slot's expert when the slot sends the token, else -1.
+        int32_t pos;  // Its index among this rank's tokens to e.
+        if constexpr (kTiled) {
+          // One 8-byte load of the routing scratch, which a client can rewrite: a code
+          // past E is counted (once per slot) and skipped; a position is checked below.
+          const int2 route = p.routing[static_cast<int64_t>(t) * num_topk + k];
+          e = route.x;  // < 0: none, or a duplicate k of the row.
+          pos = route.y;
+          if (e >= num_experts) {
+            if (c0 == 0) atomicAdd(&status->bad_routing, 1u);
+            e = -1;
+          }
+        } else {
+          const int32_t slot = t * num_topk + k;
+          e = s_expert[slot];
+          bool duplicate = false;
+          for (int32_t j = 0; j < k; ++j) duplicate |= s_expert[t * num_topk + j] == e;
+          if (duplicate) e = -1;
+          pos = s_pos[slot];
+        }
         // The row in the expert's block, from the peers' counts (s_base), which a client
         // can rewrite through its IPC mapping of the sync region: used only when inside the
         // block (else counted, once per slot, and skipped).
-        const int64_t in_block =
-            e >= 0 ? static_cast<int64_t>(s_base[e]) + s_pos[slot] : int64_t{-1};
-        if (e >= 0 && !duplicate && in_block >= 0 && in_block < p.rows_per_expert) {
+        const int64_t in_block = e >= 0 ? static_cast<int64_t>(s_base[e]) + pos : int64_t{-1};
+        if (e >= 0 && in_block >= 0 && in_block < p.rows_per_expert) {
           has_dst = true;
           const int32_t owner = e / p.experts_per_rank;
           const int64_t row =
@@ -375,7 +495,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
             reinterpret_cast<int32_t*>(owner_base + p.recv_src_info_offset)[row] =
                 p.rank * p.max_tokens + t;
           }
-        } else if (e >= 0 && !duplicate && c0 == 0) {
+        } else if (e >= 0 && c0 == 0) {
           atomicAdd(&status->bad_routing, 1u);
         }
       }
@@ -393,34 +513,39 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
         const int32_t t = u / chunks_per_token;
         const int32_t c0 = (u - t * chunks_per_token) * chunk;
         const int32_t c1 = min(p.hidden, c0 + chunk);
-        const int num_dst = destinations(t, c0);
         const bf16_bits* src = p.x + static_cast<int64_t>(t) * hidden;
-        for (int32_t h = c0 + lane; h < c1; h += 32) {
-          const bf16_bits v = src[h];
-          for (int d = 0; d < num_dst; ++d) reinterpret_cast<bf16_bits*>(s_dst[warp][d])[h] = v;
+        for (int32_t kb = 0; kb < batches_end; kb += kDestinationBatch) {
+          const int num_dst = destinations(t, c0, kb);
+          for (int32_t h = c0 + lane; h < c1; h += 32) {
+            const bf16_bits v = src[h];
+            for (int d = 0; d < num_dst; ++d) reinterpret_cast<bf16_bits*>(s_dst[warp][d])[h] = v;
+          }
+          __syncwarp();
         }
-        __syncwarp();
       }
     } else {
       auto store_unit = [&](int32_t u, const UnitData& d) {
         const int32_t t = u / chunks_per_token;
         const int32_t h0 = first_channel(u);
-        const int num_dst = destinations(t, (u - t * chunks_per_token) * kChunkChannels);
-        if (h0 < p.hidden) {
-          for (int i = 0; i < num_dst; ++i) {
-            if constexpr (kMode == kFp8) {
-              *reinterpret_cast<uint4*>(s_dst[warp][i] + h0) = d.v0;
-              if ((lane & 7) == 0) s_dst_scales[warp][i][h0 / kFp8BlockChannels] = d.scale;
-            } else {
-              bf16_bits* o = reinterpret_cast<bf16_bits*>(s_dst[warp][i]) + h0;
-              *reinterpret_cast<uint4*>(o) = d.v0;
-              if (h0 + kSecondVector < p.hidden) {
-                *reinterpret_cast<uint4*>(o + kSecondVector) = d.v1;
+        const int32_t c0 = (u - t * chunks_per_token) * kChunkChannels;
+        for (int32_t kb = 0; kb < batches_end; kb += kDestinationBatch) {
+          const int num_dst = destinations(t, c0, kb);
+          if (h0 < p.hidden) {
+            for (int i = 0; i < num_dst; ++i) {
+              if constexpr (kMode == kFp8) {
+                *reinterpret_cast<uint4*>(s_dst[warp][i] + h0) = d.v0;
+                if ((lane & 7) == 0) s_dst_scales[warp][i][h0 / kFp8BlockChannels] = d.scale;
+              } else {
+                bf16_bits* o = reinterpret_cast<bf16_bits*>(s_dst[warp][i]) + h0;
+                *reinterpret_cast<uint4*>(o) = d.v0;
+                if (h0 + kSecondVector < p.hidden) {
+                  *reinterpret_cast<uint4*>(o + kSecondVector) = d.v1;
+                }
               }
             }
           }
+          __syncwarp();
         }
-        __syncwarp();
       };
       for (int32_t u = first_unit; u < units; u += 2 * total_warps) {
         const int32_t u1 = u + total_warps;
@@ -447,9 +572,22 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
         p.recv_count[j] = total;
       }
       if (threadIdx.x == 0) state->dispatch_num_tokens[p.buffer] = num_tokens;
-      for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
-        const int32_t e = s_expert[i];
-        p.handle_pos[i] = e >= 0 ? s_base[e] + s_pos[i] : -1;
+      if constexpr (kTiled) {
+        // From the routing scratch (client-writable: a code or row out of range gives -1,
+        // which the combine counts as bad routing for a valid id).
+        const int64_t all_slots = static_cast<int64_t>(num_tokens) * num_topk;
+        for (int64_t i = threadIdx.x; i < all_slots; i += blockDim.x) {
+          const int2 route = p.routing[i];
+          const int64_t e = RouteExpert(route.x);
+          const int64_t row =
+              e >= 0 && e < num_experts ? static_cast<int64_t>(s_base[e]) + route.y : int64_t{-1};
+          p.handle_pos[i] = row >= 0 && row < p.rows_per_expert ? static_cast<int32_t>(row) : -1;
+        }
+      } else {
+        for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
+          const int32_t e = s_expert[i];
+          p.handle_pos[i] = e >= 0 ? s_base[e] + s_pos[i] : -1;
+        }
       }
     }
   } else if (threadIdx.x == 0) {
@@ -508,6 +646,23 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   }
 }
 
+// Lets `kernel` launch with up to the device's opt-in shared memory less its static part
+// (the same value every time: launches of other shapes on other threads cannot race with
+// it), which it returns in *dynamic_limit.
+absl::Status AllowLargestDynamicSmem(void (*kernel)(DispatchParams), size_t* dynamic_limit) {
+  cudaFuncAttributes attr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
+  int device = 0;
+  int limit = 0;
+  EPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  EPD_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  *dynamic_limit =
+      static_cast<size_t>(limit) > attr.sharedSizeBytes ? limit - attr.sharedSizeBytes : 0;
+  return EPD_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(*dynamic_limit)));
+}
+
 }  // namespace
 
 namespace internal {
@@ -524,11 +679,6 @@ absl::Status ValidateLowLatency(const CudaRankContext& ctx, int32_t buffer, cons
     return absl::InvalidArgumentError(
         absl::StrCat(op, ": buffer = ", buffer, " is outside [0, ", kLowLatencyBuffers, ")"));
   }
-  if (s.num_topk > kLowLatencyMaxTopk) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": num_topk = ", s.num_topk,
-                                                   " exceeds the CUDA kernels' limit of ",
-                                                   kLowLatencyMaxTopk));
-  }
   if (device::LowLatencyExchange::Bytes(s.num_ranks, s.num_experts) >
       kSyncLowLatencyExchangeBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -542,9 +692,21 @@ absl::Status ValidateLowLatency(const CudaRankContext& ctx, int32_t buffer, cons
 
 absl::Status PreloadLowLatencyDispatchKernels() {
   cudaFuncAttributes attr;
-  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, LowLatencyDispatchKernel<kBf16Vec>));
-  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, LowLatencyDispatchKernel<kBf16Scalar>));
-  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, LowLatencyDispatchKernel<kFp8>));
+  for (auto kernel :
+       {LowLatencyDispatchKernel<kBf16Vec, false>, LowLatencyDispatchKernel<kBf16Scalar, false>,
+        LowLatencyDispatchKernel<kFp8, false>, LowLatencyDispatchKernel<kBf16Vec, true>,
+        LowLatencyDispatchKernel<kBf16Scalar, true>, LowLatencyDispatchKernel<kFp8, true>}) {
+    EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
+    // Opened now, outside any stream capture: launches never change an attribute then.
+    size_t dynamic_limit = 0;
+    EPD_RETURN_IF_ERROR(AllowLargestDynamicSmem(kernel, &dynamic_limit));
+    if (attr.sharedSizeBytes > kLowLatencyStaticSmemBound) {
+      return absl::InternalError(absl::StrCat(
+          "LowLatencyDispatch: a kernel's static shared memory, ", attr.sharedSizeBytes,
+          " bytes, is above kLowLatencyStaticSmemBound = ", kLowLatencyStaticSmemBound,
+          " (cuda_limits.h), which the launcher plans with"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -595,36 +757,38 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
 
   int32_t num_blocks = 0;
   EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &num_blocks));
-  p.mask_stride = (s.num_experts + 31) / 32;
-  if (p.mask_stride % 2 == 0) ++p.mask_stride;
-  const uint64_t max_groups = (s.ll_max_tokens_per_rank + 31) / 32;
-  const size_t smem =
-      sizeof(int32_t) * (2ull * s.ll_max_tokens_per_rank * s.num_topk + 2ull * s.num_experts +
-                         static_cast<uint64_t>(s.ll_max_tokens_per_rank) * p.mask_stride +
-                         2 * max_groups * s.num_experts);
   const bool x_aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
   if (args.use_fp8 && !x_aligned) {
     return absl::InvalidArgumentError(absl::StrCat(kOp, ": x must be 16-byte aligned for FP8"));
   }
-  const bool vec = s.hidden % 8 == 0 && x_aligned;
-  auto kernel =
-      args.use_fp8
-          ? LowLatencyDispatchKernel<kFp8>
-          : (vec ? LowLatencyDispatchKernel<kBf16Vec> : LowLatencyDispatchKernel<kBf16Scalar>);
-  if (smem > 48 * 1024) {
-    int device = 0;
-    int limit = 0;
-    EPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-    EPD_CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    if (smem + 4096 > static_cast<size_t>(limit)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(kOp, ": ll_max_tokens_per_rank * num_topk = ",
-                       static_cast<int64_t>(s.ll_max_tokens_per_rank) * s.num_topk, " needs ", smem,
-                       " bytes of shared memory; the device allows ", limit));
+  const int mode = args.use_fp8 ? kFp8 : (s.hidden % 8 == 0 && x_aligned ? kBf16Vec : kBf16Scalar);
+  const LowLatencyRoutingPlan plan = PlanLowLatencyRouting(s);
+  const bool tiled = plan.tiled || args.large_path;
+  p.mask_stride = plan.mask_stride;
+  p.routing = reinterpret_cast<int2*>(ctx.own_base + l.ll_routing.offset);
+  p.tile_groups = plan.tile_groups;
+  const size_t smem = tiled ? plan.tiled_smem_bytes : plan.small_smem_bytes;
+  using Kernel = void (*)(DispatchParams);
+  static constexpr Kernel kKernels[2][3] = {
+      {LowLatencyDispatchKernel<kBf16Vec, false>, LowLatencyDispatchKernel<kBf16Scalar, false>,
+       LowLatencyDispatchKernel<kFp8, false>},
+      {LowLatencyDispatchKernel<kBf16Vec, true>, LowLatencyDispatchKernel<kBf16Scalar, true>,
+       LowLatencyDispatchKernel<kFp8, true>}};
+  const Kernel kernel = kKernels[tiled ? 1 : 0][mode];
+  if (smem > kLowLatencyDefaultDynamicSmemBytes) {
+    cudaFuncAttributes attr;
+    EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
+    // PreloadKernels has opened every kernel to the device's largest; otherwise do it now.
+    if (static_cast<size_t>(attr.maxDynamicSharedSizeBytes) < smem) {
+      size_t dynamic_limit = 0;
+      EPD_RETURN_IF_ERROR(AllowLargestDynamicSmem(kernel, &dynamic_limit));
+      if (smem > dynamic_limit) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(kOp, ": num_experts = ", s.num_experts, " needs ", smem,
+                         " bytes of shared memory for the low-latency routing; this device allows ",
+                         dynamic_limit));
+      }
     }
-    EPD_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
   return internal::LaunchLowLatency(kernel, num_blocks, smem, args.handoff.programmatic, stream, p);
 }

@@ -284,9 +284,9 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
           const int64_t e = topk_idx[static_cast<int64_t>(t) * num_topk + k];
           const bool local = e >= first_local && e < first_local + experts_per_rank;
           recv_idx[k] = local ? e - first_local : -1;
-          if (p.with_weights) {
-            recv_w[k] = local ? topk_weights[static_cast<int64_t>(t) * num_topk + k] : 0.0f;
-          }
+          // Without weights: zeros (not what an earlier dispatch left there).
+          recv_w[k] =
+              local && p.with_weights ? topk_weights[static_cast<int64_t>(t) * num_topk + k] : 0.0f;
         }
       }
     }

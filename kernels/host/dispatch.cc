@@ -270,10 +270,13 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
           const bool local = idx[k] >= first_local && idx[k] < first_local + experts_per_rank;
           recv_idx[k] = local ? idx[k] - first_local : -1;
         }
-        if (with_weights) {
-          const float* w = src.topk_weights + static_cast<int64_t>(t) * num_topk;
+        if (dst.recv_topk_weights != nullptr) {
+          // Without weights: zeros (not what an earlier dispatch left there).
+          const float* w =
+              with_weights ? src.topk_weights + static_cast<int64_t>(t) * num_topk : nullptr;
           float* recv_w = dst.recv_topk_weights + row * num_topk;
-          for (int k = 0; k < num_topk; ++k) recv_w[k] = recv_idx[k] >= 0 ? w[k] : 0.0f;
+          for (int k = 0; k < num_topk; ++k)
+            recv_w[k] = w != nullptr && recv_idx[k] >= 0 ? w[k] : 0.0f;
         }
       }
     }

@@ -137,6 +137,19 @@ absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
   }
+  // The FP8 dispatch through the large path (cuda_limits.h LowLatencyRoutingPlan), which
+  // capacities whose routing does not fit shared memory and K > 32 take: its cost here.
+  EPD_ASSIGN_OR_RETURN(
+      OpTimes dispatch_large,
+      timer->Run(Streams(g), kWarmup, kIterations, [&](int32_t r, int it, cudaStream_t stream) {
+        kc::LowLatencyDispatchArgs a = da;
+        a.buffer = it % 2;
+        a.large_path = true;
+        return kc::LowLatencyDispatch(g.Context(r), a, stream);
+      }));
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
+  }
   // Combine against the handle of the last dispatch (buffer 1 after an even count).
   const int32_t last_buffer = (kWarmup + kIterations - 1) % 2;
   EPD_ASSIGN_OR_RETURN(
@@ -204,6 +217,7 @@ absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
                        TimeMemcpy(static_cast<size_t>(dispatch_bf16_bytes)));
   figures->push_back({"ll_dispatch_fp8", dispatch_bytes, dispatch, dispatch_copy});
   figures->push_back({"ll_dispatch_bf16", dispatch_bf16_bytes, dispatch_bf16, dispatch_bf16_copy});
+  figures->push_back({"ll_dispatch_fp8_large", dispatch_bytes, dispatch_large, dispatch_copy});
   figures->push_back({"ll_combine_bf16", combine_bytes, combine, combine_copy});
   figures->push_back(
       {"ll_dispatch_fp8_then_combine", dispatch_bytes, paired_dispatch.Build(), dispatch_copy});

@@ -23,6 +23,9 @@
 //  - a bad expert id → INVALID_ARGUMENT, then the next op is correct (both modes);
 //  - client-launched: a rank whose input is rejected takes part with T = 0, so its peers
 //    complete (no timeout) with the results of T = 0 and zero expert outputs at that rank.
+// And: low-latency capacities up to 4096 and top-k up to 64 in both modes and in captured
+// graphs (the dispatch's large path); the rules of tests/common/contract_rules.h in both
+// modes.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -45,11 +48,13 @@
 #include "daemon/cuda/cuda_data_plane.h"
 #include "daemon/daemon.h"
 #include "daemon/group_ops.h"
+#include "daemon/spec_validation.h"
 #include "epd/client.h"
 #include "epd/kernels/host_ops.h"
 #include "gpu_test_util.h"
 #include "in_process_epd.h"
 #include "test_bytes.h"
+#include "tests/common/contract_rules.h"
 
 namespace epd {
 namespace {
@@ -72,17 +77,21 @@ const char* ModeName(v1::LaunchMode mode) {
   return mode == v1::LAUNCH_MODE_CLIENT ? "client-launched" : "daemon-launched";
 }
 
-v1::GroupSpec Spec(const std::string& name, int R, int H, int Mll) {
+v1::GroupSpec Spec(const std::string& name, int R, int E, int H, int K, int Mll) {
   v1::GroupSpec s;
   s.set_name(name);
   s.set_num_ranks(R);
-  s.set_num_experts(4 * R);
+  s.set_num_experts(E);
   s.set_hidden(H);
-  s.set_num_topk(4);
+  s.set_num_topk(K);
   s.set_max_tokens_per_rank(48);
   s.set_ll_max_tokens_per_rank(Mll);
   s.set_use_fp8(H % 128 == 0);
   return s;
+}
+
+v1::GroupSpec Spec(const std::string& name, int R, int H, int Mll) {
+  return Spec(name, R, 4 * R, H, 4, Mll);
 }
 
 /// This process's CUDA ordinal of the GPU the groups live on (current for every test).
@@ -353,6 +362,7 @@ class ClientLaunchTest : public testing::InProcessEpdTest<ClientLaunchTest> {
     ASSERT_EQ(cudaSetDevice(g_device), cudaSuccess);
   }
 
+ public:
   /// Joins every rank of `spec` in `mode`, then runs one op per rank that needs no peer
   /// (GetDispatchLayout, T = 0): in client-launched mode this maps the group's areas
   /// (GetGroupEndpoints) before any rank's kernel spins waiting for its peers.
@@ -635,6 +645,60 @@ TEST_F(ClientLaunchTest, LowLatencyBothModesMatchHost) {
   }
 }
 
+// Low-latency capacities (Mll) of 1, 1024, 1100, 3000 and 4096 and top-k of 1, 2, 4, 8, 48
+// and 64, small and DeepSeek-V3 hidden sizes, FP8 and BF16, in both modes: the CUDA
+// backend runs every spec Join accepts (cuda_limits.h), through the large path of the
+// dispatch where its routing does not fit shared memory or K > 32.
+TEST_F(ClientLaunchTest, LowLatencyLargeCapacityAndTopkBothModesMatchHost) {
+  struct Case {
+    int R, E, H, K, Mll;
+  };
+  const Case cases[] = {
+      {2, 16, 128, 8, 3000},   // The conformance check's failing specs (first three).
+      {4, 16, 1024, 4, 1024},  //
+      {4, 32, 256, 2, 1100},   //
+      {2, 64, 128, 64, 4096},  //
+      {2, 48, 7168, 48, 128},  // DeepSeek-V3's hidden size.
+      {8, 8, 7168, 1, 1},
+  };
+  for (const Case& c : cases) {
+    GroupResult by_mode[2][2];
+    for (int m = 0; m < 2; ++m) {
+      const v1::GroupSpec spec = Spec(absl::StrCat("ll-large-", c.E, "-", c.K, "-", c.Mll, "-", m),
+                                      c.R, c.E, c.H, c.K, c.Mll);
+      const std::string what = absl::StrCat(ModeName(kModes[m]), " ", SpecSummary(spec));
+      Group g = Join(spec, kModes[m]);
+      ASSERT_EQ(static_cast<int>(g.eps.size()), c.R) << what;
+      for (int i = 0; i < 2; ++i) {
+        const bool fp8 = i == 0;
+        std::vector<RankInputs> in =
+            MakeInputs(spec, Tokens(c.R, c.Mll, i), {.masked_fraction = 0.1 * i}, 300 + i);
+        GroupResult want = HostLowLatency(g.shape, in, fp8, /*round_scale=*/false);
+        by_mode[m][i] = RunLowLatency(g, in, fp8, /*round_scale=*/false);
+        ExpectSame(want, by_mode[m][i], absl::StrCat(what, fp8 ? " fp8" : " bf16"));
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      ExpectSame(by_mode[0][i], by_mode[1][i],
+                 absl::StrCat("daemon vs client E=", c.E, " K=", c.K, " Mll=", c.Mll, " op ", i));
+    }
+  }
+}
+
+// The rules client.h and DESIGN.md §3.3 state (tests/common/contract_rules.h): duplicate
+// experts, is_token_in_rank's dtype, recv_topk_weights without topk_weights, a cached
+// re-dispatch's outputs, empty sums, the FP8 scale floor; in both modes.
+TEST_F(ClientLaunchTest, ContractRulesOfClientHHoldInBothModes) {
+  for (int m = 0; m < 2; ++m) {
+    SCOPED_TRACE(ModeName(kModes[m]));
+    Group g = Join(testing::contract::Spec(absl::StrCat("contract-", m)), kModes[m]);
+    ASSERT_EQ(static_cast<int>(g.eps.size()), testing::contract::kR);
+    std::vector<Endpoint*> eps;
+    for (const auto& ep : g.eps) eps.push_back(ep.get());
+    testing::contract::CheckContractRules(eps, [](const TensorView& v) { return FetchAll(v); });
+  }
+}
+
 TEST_F(ClientLaunchTest, NormalBothModesMatchHost) {
   for (int R : {2, 8}) {
     GroupResult by_mode[2];
@@ -654,140 +718,147 @@ TEST_F(ClientLaunchTest, NormalBothModesMatchHost) {
   }
 }
 
-// Client-launched: dispatch (T read from the device) → toy expert → combine, captured into
-// one CUDA graph per rank, replayed 100 times with new inputs and a new T written into the
-// device before each replay (not captured). Rows of x/topk_idx past T hold ids that are
-// out of range: a kernel reading past T would report INVALID_ARGUMENT.
-TEST_F(ClientLaunchTest, ClientLaunchedGraphReplaysWithChangingTokens) {
-  for (int R : {2, 8}) {
-    const int Mll = 32, H = 256;
-    const v1::GroupSpec spec = Spec(absl::StrCat("graph-", R), R, H, Mll);
-    Group g = Join(spec, v1::LAUNCH_MODE_CLIENT);
-    ASSERT_EQ(static_cast<int>(g.eps.size()), R);
-    const int K = spec.num_topk(), E = spec.num_experts();
-    const int64_t El = g.shape.num_local_experts(), rows = g.shape.ll_rows_per_expert();
-    struct RankGraph {
-      DeviceBuffer dx, didx, dw, dT;
-      std::vector<int64_t> xs, ks, ns;
-      DLTensor x, idx, w, T;
-      std::optional<PendingOp<LowLatencyDispatchResult>> dop;
-      std::optional<PendingOp<LowLatencyCombineResult>> cop;
-      TensorView combined;
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-    };
-    std::vector<RankGraph> rg(R);
-    for (int r = 0; r < R; ++r) {
-      RankGraph& q = rg[r];
-      q.dx = Upload(std::vector<bf16_bits>(static_cast<size_t>(Mll) * H));
-      q.didx = Upload(std::vector<int64_t>(static_cast<size_t>(Mll) * K, -1));
-      q.dw = Upload(std::vector<float>(static_cast<size_t>(Mll) * K));
-      q.dT = Upload(std::vector<int32_t>(1, 0));
-      q.xs = {Mll, H};
-      q.ks = {Mll, K};
-      q.ns = {1};
-      q.x = Tensor(q.dx.get(), kBf16, q.xs, true);
-      q.idx = Tensor(q.didx.get(), kI64, q.ks, true);
-      q.w = Tensor(q.dw.get(), kF32, q.ks, true);
-      q.T = Tensor(q.dT.get(), kI32, q.ns, true);
-      cudaStream_t s = static_cast<cudaStream_t>(g.stream(r));
-      ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-      // A failed assertion below leaves the capture: end it, so later tests see no error.
-      testing::EndCaptureOnExit end_capture(s);
-      LowLatencyDispatchArgs da;
-      da.x = &q.x;
-      da.topk_idx = &q.idx;
-      da.num_tokens = &q.T;
-      da.stream = s;
-      auto dop = g.eps[r]->LowLatencyDispatch(da);
-      ASSERT_TRUE(dop.ok()) << dop.status();
-      q.dop = *dop;
-      auto d = dop->Enqueued();
-      ASSERT_TRUE(d.ok()) << d.status();
-      EXPECT_EQ(d->handle.num_tokens, Mll);  // The capacity.
-      const TensorView expert_out = g.eps[r]->LowLatencyCombineInput();
-      ASSERT_TRUE(testing::LaunchScaleExperts(d->recv_x.as<bf16_bits>(), expert_out.as<bf16_bits>(),
-                                              El, rows, H, s)
-                      .ok());
-      LowLatencyCombineArgs ca;
-      ca.x = &expert_out.dl();
-      ca.topk_idx = &q.idx;
-      ca.topk_weights = &q.w;
-      ca.handle = &d->handle;
-      ca.stream = s;
-      auto cop = g.eps[r]->LowLatencyCombine(ca);
-      ASSERT_TRUE(cop.ok()) << cop.status();
-      q.cop = *cop;
-      auto c = cop->Enqueued();
-      ASSERT_TRUE(c.ok()) << c.status();
-      q.combined = c->combined_x;
-      ASSERT_EQ(cudaStreamEndCapture(s, &q.graph), cudaSuccess);
-      ASSERT_EQ(cudaGraphInstantiate(&q.exec, q.graph, 0), cudaSuccess);
-    }
-    std::mt19937_64 rng(4242 + R);
-    int checked = 0;
-    for (int replay = 0; replay < 100; ++replay) {
-      std::vector<RankInputs> in(R);
-      for (int r = 0; r < R; ++r) {
-        RankInputs& ri = in[r];
-        ri.T = replay == 0 ? Mll : (r + replay) % 7 == 0 ? 0 : static_cast<int>(rng() % (Mll + 1));
-        testing::RoutingOptions routing;
-        routing.masked_fraction = (replay % 3) * 0.25;
-        ri.x = testing::RandomBf16(static_cast<size_t>(ri.T) * H, rng);
-        ri.idx = testing::RandomTopk(ri.T, K, E, routing, rng);
-        ri.w = testing::RandomFloats(ri.idx.size(), rng, 0.f, 1.f);
-        // Capacity rows past T: garbage tokens with out-of-range ids.
-        std::vector<bf16_bits> x_cap = ri.x;
-        x_cap.resize(static_cast<size_t>(Mll) * H, 0x7fc0);
-        std::vector<int64_t> idx_cap = ri.idx;
-        idx_cap.resize(static_cast<size_t>(Mll) * K, E + 5);
-        std::vector<float> w_cap = ri.w;
-        w_cap.resize(static_cast<size_t>(Mll) * K, 1.f);
-        cudaStream_t s = static_cast<cudaStream_t>(g.stream(r));
-        ASSERT_EQ(cudaMemcpyAsync(rg[r].dx.get(), x_cap.data(), x_cap.size() * 2,
-                                  cudaMemcpyHostToDevice, s),
-                  cudaSuccess);
-        ASSERT_EQ(cudaMemcpyAsync(rg[r].didx.get(), idx_cap.data(), idx_cap.size() * 8,
-                                  cudaMemcpyHostToDevice, s),
-                  cudaSuccess);
-        ASSERT_EQ(cudaMemcpyAsync(rg[r].dw.get(), w_cap.data(), w_cap.size() * 4,
-                                  cudaMemcpyHostToDevice, s),
-                  cudaSuccess);
-        ASSERT_EQ(cudaMemcpyAsync(rg[r].dT.get(), &ri.T, 4, cudaMemcpyHostToDevice, s),
-                  cudaSuccess);
-      }
-      for (int r = 0; r < R; ++r) {
-        ASSERT_EQ(cudaGraphLaunch(rg[r].exec, static_cast<cudaStream_t>(g.stream(r))), cudaSuccess);
-      }
-      for (int r = 0; r < R; ++r) {
-        ASSERT_EQ(cudaStreamSynchronize(static_cast<cudaStream_t>(g.stream(r))), cudaSuccess);
-      }
-      GroupResult want = HostLowLatency(g.shape, in, false, false, /*scale_experts=*/true);
-      GroupResult got(R);
-      for (int r = 0; r < R; ++r) {
-        auto d = rg[r].dop->Wait(kWait);  // Captured: reads and clears the device status.
-        ASSERT_TRUE(d.ok()) << "replay " << replay << " rank " << r << ": " << d.status();
-        auto c = rg[r].cop->Wait(kWait);
-        ASSERT_TRUE(c.ok()) << "replay " << replay << " rank " << r << ": " << c.status();
-        got[r].blobs.push_back({"recv_count", FetchAll(d->recv_count)});
-        got[r].blobs.push_back(
-            {"combined_x", Fetch(rg[r].combined.data(), 0, static_cast<size_t>(in[r].T) * H * 2)});
-        // Only recv_count and combined_x of the host's blobs.
-        RankResult keep;
-        keep.blobs.push_back(want[r].blobs.front());
-        keep.blobs.push_back(want[r].blobs.back());
-        want[r] = std::move(keep);
-      }
-      ExpectSame(want, got, absl::StrCat("graph R=", R, " replay ", replay));
-      if (::testing::Test::HasFailure()) break;
-      ++checked;
-    }
-    EXPECT_EQ(checked, 100);
-    for (auto& q : rg) {
-      cudaGraphExecDestroy(q.exec);
-      cudaGraphDestroy(q.graph);
-    }
+/// Client-launched: dispatch (T read from the device) → toy expert → combine of a group of
+/// `spec`, captured into one CUDA graph per rank, replayed `replays` times with new inputs
+/// and a new T written into the device before each replay (not captured). Rows of
+/// x/topk_idx past T hold ids that are out of range: a kernel reading past T would report
+/// INVALID_ARGUMENT.
+void RunClientLaunchedGraph(const v1::GroupSpec& spec, int replays) {
+  const int R = spec.num_ranks(), Mll = spec.ll_max_tokens_per_rank(), H = spec.hidden();
+  Group g = ClientLaunchTest::Join(spec, v1::LAUNCH_MODE_CLIENT);
+  ASSERT_EQ(static_cast<int>(g.eps.size()), R);
+  const int K = spec.num_topk(), E = spec.num_experts();
+  const int64_t El = g.shape.num_local_experts(), rows = g.shape.ll_rows_per_expert();
+  struct RankGraph {
+    DeviceBuffer dx, didx, dw, dT;
+    std::vector<int64_t> xs, ks, ns;
+    DLTensor x, idx, w, T;
+    std::optional<PendingOp<LowLatencyDispatchResult>> dop;
+    std::optional<PendingOp<LowLatencyCombineResult>> cop;
+    TensorView combined;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+  };
+  std::vector<RankGraph> rg(R);
+  for (int r = 0; r < R; ++r) {
+    RankGraph& q = rg[r];
+    q.dx = Upload(std::vector<bf16_bits>(static_cast<size_t>(Mll) * H));
+    q.didx = Upload(std::vector<int64_t>(static_cast<size_t>(Mll) * K, -1));
+    q.dw = Upload(std::vector<float>(static_cast<size_t>(Mll) * K));
+    q.dT = Upload(std::vector<int32_t>(1, 0));
+    q.xs = {Mll, H};
+    q.ks = {Mll, K};
+    q.ns = {1};
+    q.x = Tensor(q.dx.get(), kBf16, q.xs, true);
+    q.idx = Tensor(q.didx.get(), kI64, q.ks, true);
+    q.w = Tensor(q.dw.get(), kF32, q.ks, true);
+    q.T = Tensor(q.dT.get(), kI32, q.ns, true);
+    cudaStream_t s = static_cast<cudaStream_t>(g.stream(r));
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    // A failed assertion below leaves the capture: end it, so later tests see no error.
+    testing::EndCaptureOnExit end_capture(s);
+    LowLatencyDispatchArgs da;
+    da.x = &q.x;
+    da.topk_idx = &q.idx;
+    da.num_tokens = &q.T;
+    da.stream = s;
+    auto dop = g.eps[r]->LowLatencyDispatch(da);
+    ASSERT_TRUE(dop.ok()) << dop.status();
+    q.dop = *dop;
+    auto d = dop->Enqueued();
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->handle.num_tokens, Mll);  // The capacity.
+    const TensorView expert_out = g.eps[r]->LowLatencyCombineInput();
+    ASSERT_TRUE(testing::LaunchScaleExperts(d->recv_x.as<bf16_bits>(), expert_out.as<bf16_bits>(),
+                                            El, rows, H, s)
+                    .ok());
+    LowLatencyCombineArgs ca;
+    ca.x = &expert_out.dl();
+    ca.topk_idx = &q.idx;
+    ca.topk_weights = &q.w;
+    ca.handle = &d->handle;
+    ca.stream = s;
+    auto cop = g.eps[r]->LowLatencyCombine(ca);
+    ASSERT_TRUE(cop.ok()) << cop.status();
+    q.cop = *cop;
+    auto c = cop->Enqueued();
+    ASSERT_TRUE(c.ok()) << c.status();
+    q.combined = c->combined_x;
+    ASSERT_EQ(cudaStreamEndCapture(s, &q.graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&q.exec, q.graph, 0), cudaSuccess);
   }
+  std::mt19937_64 rng(4242 + R + Mll);
+  int checked = 0;
+  for (int replay = 0; replay < replays; ++replay) {
+    std::vector<RankInputs> in(R);
+    for (int r = 0; r < R; ++r) {
+      RankInputs& ri = in[r];
+      ri.T = replay == 0 ? Mll : (r + replay) % 7 == 0 ? 0 : static_cast<int>(rng() % (Mll + 1));
+      testing::RoutingOptions routing;
+      routing.masked_fraction = (replay % 3) * 0.25;
+      ri.x = testing::RandomBf16(static_cast<size_t>(ri.T) * H, rng);
+      ri.idx = testing::RandomTopk(ri.T, K, E, routing, rng);
+      ri.w = testing::RandomFloats(ri.idx.size(), rng, 0.f, 1.f);
+      // Capacity rows past T: garbage tokens with out-of-range ids.
+      std::vector<bf16_bits> x_cap = ri.x;
+      x_cap.resize(static_cast<size_t>(Mll) * H, 0x7fc0);
+      std::vector<int64_t> idx_cap = ri.idx;
+      idx_cap.resize(static_cast<size_t>(Mll) * K, E + 5);
+      std::vector<float> w_cap = ri.w;
+      w_cap.resize(static_cast<size_t>(Mll) * K, 1.f);
+      cudaStream_t s = static_cast<cudaStream_t>(g.stream(r));
+      ASSERT_EQ(cudaMemcpyAsync(rg[r].dx.get(), x_cap.data(), x_cap.size() * 2,
+                                cudaMemcpyHostToDevice, s),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(rg[r].didx.get(), idx_cap.data(), idx_cap.size() * 8,
+                                cudaMemcpyHostToDevice, s),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(rg[r].dw.get(), w_cap.data(), w_cap.size() * 4,
+                                cudaMemcpyHostToDevice, s),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(rg[r].dT.get(), &ri.T, 4, cudaMemcpyHostToDevice, s), cudaSuccess);
+    }
+    for (int r = 0; r < R; ++r) {
+      ASSERT_EQ(cudaGraphLaunch(rg[r].exec, static_cast<cudaStream_t>(g.stream(r))), cudaSuccess);
+    }
+    for (int r = 0; r < R; ++r) {
+      ASSERT_EQ(cudaStreamSynchronize(static_cast<cudaStream_t>(g.stream(r))), cudaSuccess);
+    }
+    GroupResult want = HostLowLatency(g.shape, in, false, false, /*scale_experts=*/true);
+    GroupResult got(R);
+    for (int r = 0; r < R; ++r) {
+      auto d = rg[r].dop->Wait(kWait);  // Captured: reads and clears the device status.
+      ASSERT_TRUE(d.ok()) << "replay " << replay << " rank " << r << ": " << d.status();
+      auto c = rg[r].cop->Wait(kWait);
+      ASSERT_TRUE(c.ok()) << "replay " << replay << " rank " << r << ": " << c.status();
+      got[r].blobs.push_back({"recv_count", FetchAll(d->recv_count)});
+      got[r].blobs.push_back(
+          {"combined_x", Fetch(rg[r].combined.data(), 0, static_cast<size_t>(in[r].T) * H * 2)});
+      // Only recv_count and combined_x of the host's blobs.
+      RankResult keep;
+      keep.blobs.push_back(want[r].blobs.front());
+      keep.blobs.push_back(want[r].blobs.back());
+      want[r] = std::move(keep);
+    }
+    ExpectSame(want, got, absl::StrCat("graph ", SpecSummary(spec), " replay ", replay));
+    if (::testing::Test::HasFailure()) break;
+    ++checked;
+  }
+  EXPECT_EQ(checked, replays);
+  for (auto& q : rg) {
+    cudaGraphExecDestroy(q.exec);
+    cudaGraphDestroy(q.graph);
+  }
+}
+
+TEST_F(ClientLaunchTest, ClientLaunchedGraphReplaysWithChangingTokens) {
+  for (int R : {2, 8}) RunClientLaunchedGraph(Spec(absl::StrCat("graph-", R), R, 256, 32), 100);
+}
+
+// The same at low-latency capacities and top-k that take the dispatch's large path.
+TEST_F(ClientLaunchTest, ClientLaunchedGraphAtLargeCapacityAndTopk) {
+  RunClientLaunchedGraph(Spec("graph-large-k48", 2, 64, 128, 48, 1024), 10);
+  RunClientLaunchedGraph(Spec("graph-large-m4096", 2, 16, 256, 8, 4096), 10);
 }
 
 // Four ops per rank enqueued back to back with no Wait between them (dispatch A, combine A,

@@ -24,6 +24,8 @@
 // Each test must run in a process of its own (it skips itself otherwise, saying so):
 //   epd_gpu_tests --gtest_filter=GraphProgramTest.TwoRanks
 //   epd_gpu_tests --gtest_filter=GraphProgramTest.EightRanks
+//   epd_gpu_tests --gtest_filter=GraphProgramTest.TwoRanksLargeCapacityAndTopk
+// (the last at Mll = 1024, E = 64, K = 48, 20 replays: the dispatch's large path).
 // In-process, the daemon's streams (whose program waits are enqueued ahead) and the
 // client's share the GPU's 32 hardware queues; 8 ranks use 25 streams, under that limit
 // only when no other test created streams before.
@@ -53,6 +55,7 @@
 #include "daemon/cuda/cuda_data_plane.h"
 #include "daemon/daemon.h"
 #include "daemon/group_ops.h"
+#include "daemon/spec_validation.h"
 #include "epd/client.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"
@@ -83,13 +86,13 @@ constexpr DLDataType kF32{kDLFloat, 32, 1};
 
 int g_device = 0;
 
-v1::GroupSpec Spec(const std::string& name, int R, int H, int Mll) {
+v1::GroupSpec Spec(const std::string& name, int R, int H, int Mll, int E = 0, int K = 4) {
   v1::GroupSpec s;
   s.set_name(name);
   s.set_num_ranks(R);
-  s.set_num_experts(4 * R);
+  s.set_num_experts(E > 0 ? E : 4 * R);
   s.set_hidden(H);
-  s.set_num_topk(4);
+  s.set_num_topk(K);
   s.set_max_tokens_per_rank(16);
   s.set_ll_max_tokens_per_rank(Mll);
   s.set_use_fp8(true);
@@ -378,11 +381,11 @@ class HangWatchdog {
 };
 
 /// The whole scenario of the file comment for R virtual ranks.
-void RunProgramScenario(int R, const std::string& gpu_uuid, Client* client) {
+void RunProgramScenario(const v1::GroupSpec& spec, const std::string& gpu_uuid, Client* client,
+                        int replays = 100) {
   {
-    SCOPED_TRACE(absl::StrCat("R=", R));
-    const int Mll = 32, H = 256;
-    const v1::GroupSpec spec = Spec(absl::StrCat("program-", R), R, H, Mll);
+    SCOPED_TRACE(SpecSummary(spec));
+    const int R = spec.num_ranks(), Mll = spec.ll_max_tokens_per_rank(), H = spec.hidden();
     const GroupShape shape = ShapeOf(spec);
     const int K = spec.num_topk(), E = spec.num_experts();
     const int64_t El = shape.num_local_experts(), rows = shape.ll_rows_per_expert();
@@ -567,7 +570,7 @@ void RunProgramScenario(int R, const std::string& gpu_uuid, Client* client) {
 
     Phase(R, "captured");
     int checked = 0;
-    for (int replay = 0; replay < 100; ++replay) {
+    for (int replay = 0; replay < replays; ++replay) {
       if (replay % 25 == 0) Phase(R, absl::StrCat("replay ", replay));
       watchdog.Beat(absl::StrCat("replay ", replay));
       std::vector<RankInputs> in = random_inputs(replay);
@@ -583,7 +586,7 @@ void RunProgramScenario(int R, const std::string& gpu_uuid, Client* client) {
       if (::testing::Test::HasFailure()) break;
       ++checked;
     }
-    EXPECT_EQ(checked, 100);
+    EXPECT_EQ(checked, replays);
     Phase(R, absl::StrCat(checked, " replays checked"));
 
     // A bad expert id at rank 0: every rank's ProgramStatus reports it; the next replay is
@@ -695,13 +698,24 @@ void RunProgramScenario(int R, const std::string& gpu_uuid, Client* client) {
   }
 }
 
-TEST_F(GraphProgramTest, TwoRanks) { RunProgramScenario(2, Epd()->gpu_uuid(), &Epd()->client()); }
+TEST_F(GraphProgramTest, TwoRanks) {
+  RunProgramScenario(Spec("program-2", 2, 256, 32), Epd()->gpu_uuid(), &Epd()->client());
+}
 
 // Run it in a process of its own (--gtest_filter): in-process, the daemon's streams and
 // the client's share the GPU's CUDA_DEVICE_MAX_CONNECTIONS (32) hardware queues, and a
 // stream memory wait at the head of a shared queue holds every stream behind it; 8 ranks
 // use 25 streams (8 daemon + 1 daemon aux + 8 client aux + 8 test streams).
-TEST_F(GraphProgramTest, EightRanks) { RunProgramScenario(8, Epd()->gpu_uuid(), &Epd()->client()); }
+TEST_F(GraphProgramTest, EightRanks) {
+  RunProgramScenario(Spec("program-8", 8, 256, 32), Epd()->gpu_uuid(), &Epd()->client());
+}
+
+// A program whose dispatch takes the large path (Mll = 1024, K = 48 > 32), 20 replays. In a
+// process of its own too.
+TEST_F(GraphProgramTest, TwoRanksLargeCapacityAndTopk) {
+  RunProgramScenario(Spec("program-large", 2, 256, 1024, /*E=*/64, /*K=*/48), Epd()->gpu_uuid(),
+                     &Epd()->client(), /*replays=*/20);
+}
 
 }  // namespace
 }  // namespace epd

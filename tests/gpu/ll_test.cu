@@ -90,23 +90,31 @@ absl::Status LaunchExpert(const VirtualRankGroup& g, int32_t r, int32_t buffer, 
   return EPD_CUDA_STATUS(cudaGetLastError());
 }
 
-// Host version of ExpertKernel over one rank's rows.
+// Host version of ExpertKernel over one rank's rows (local experts spread over threads).
 void HostExpert(const GroupShape& s, const uint8_t* recv_x, const float* recv_scales,
                 const int32_t* recv_count, bf16_bits* y, bool fp8) {
   const int64_t rows = s.ll_rows_per_expert();
   const int64_t hidden = s.hidden;
-  for (int32_t j = 0; j < s.num_local_experts(); ++j) {
-    for (int64_t rr = 0; rr < recv_count[j]; ++rr) {
-      const int64_t row = j * rows + rr;
-      for (int64_t h = 0; h < hidden; ++h) {
-        float v = fp8 ? kernels::E4m3ToFloat(recv_x[row * hidden + h]) *
-                            recv_scales[row * s.num_scales() + h / kernels::kFp8BlockChannels]
-                      : kernels::Bf16ToFloat(
-                            reinterpret_cast<const bf16_bits*>(recv_x)[row * hidden + h]);
-        y[row * hidden + h] = kernels::FloatToBf16(v * ExpertFactor(j));
+  const int32_t threads =
+      std::max(1, std::min<int32_t>(s.num_local_experts(), std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (int32_t first = 0; first < threads; ++first) {
+    pool.emplace_back([&, first] {
+      for (int32_t j = first; j < s.num_local_experts(); j += threads) {
+        for (int64_t rr = 0; rr < recv_count[j]; ++rr) {
+          const int64_t row = j * rows + rr;
+          for (int64_t h = 0; h < hidden; ++h) {
+            float v = fp8 ? kernels::E4m3ToFloat(recv_x[row * hidden + h]) *
+                                recv_scales[row * s.num_scales() + h / kernels::kFp8BlockChannels]
+                          : kernels::Bf16ToFloat(
+                                reinterpret_cast<const bf16_bits*>(recv_x)[row * hidden + h]);
+            y[row * hidden + h] = kernels::FloatToBf16(v * ExpertFactor(j));
+          }
+        }
       }
-    }
+    });
   }
+  for (std::thread& t : pool) t.join();
 }
 
 // ---- one op's inputs and host reference ----------------------------------------------
@@ -258,11 +266,13 @@ absl::Status CheckCombine(const VirtualRankGroup& g, int32_t b, const std::vecto
 }
 
 // Enqueues dispatch (buffer b) on every rank, then reads every rank's status.
-absl::Status RunDispatch(VirtualRankGroup& g, int32_t b, bool fp8, bool round_scale) {
+absl::Status RunDispatch(VirtualRankGroup& g, int32_t b, bool fp8, bool round_scale,
+                         bool large_path = false) {
   kc::LowLatencyDispatchArgs a;
   a.buffer = b;
   a.use_fp8 = fp8;
   a.round_scale = round_scale;
+  a.large_path = large_path;
   absl::Status st = g.LaunchAll([&](int32_t r, cudaStream_t stream) {
     return kc::LowLatencyDispatch(g.Context(r), a, stream);
   });
@@ -307,32 +317,62 @@ struct SweepCase {
 constexpr int32_t kMll = 128;
 constexpr int32_t kTokenCycle[4] = {0, 1, 77, 128};
 
+const char* RoutingName(Routing routing) {
+  return routing == Routing::kUniform     ? "uniform"
+         : routing == Routing::kOneExpert ? "oneexpert"
+                                          : "dups";
+}
+
+const char* Fp8Name(Fp8 fp8) {
+  return fp8 == Fp8::kOff ? "bf16" : fp8 == Fp8::kOn ? "fp8" : "fp8round";
+}
+
 std::string CaseName(const SweepCase& c) {
-  const char* routing = c.routing == Routing::kUniform     ? "uniform"
-                        : c.routing == Routing::kOneExpert ? "oneexpert"
-                                                           : "dups";
-  const char* fp8 = c.fp8 == Fp8::kOff ? "bf16" : c.fp8 == Fp8::kOn ? "fp8" : "fp8round";
   return absl::StrCat("R", c.ranks, "_H", c.hidden, "_K", c.topk, "_E", c.experts, "_T",
                       c.base_tokens, c.same_tokens ? "all" : "mix", "_mask",
-                      static_cast<int>(c.masked * 100), "_", routing, "_", fp8);
+                      static_cast<int>(c.masked * 100), "_", RoutingName(c.routing), "_",
+                      Fp8Name(c.fp8));
 }
 
 void PrintTo(const SweepCase& c, std::ostream* os) { *os << CaseName(c); }
 
+// A low-latency group's shape (M = 1: no normal-mode work in these tests).
+GroupShape LowLatencyShape(int32_t ranks, int32_t experts, int32_t hidden, int32_t topk,
+                           int32_t mll, Fp8 fp8) {
+  GroupShape s;
+  s.num_ranks = ranks;
+  s.num_experts = experts;
+  s.hidden = hidden;
+  s.num_topk = topk;
+  s.max_tokens_per_rank = 1;
+  s.ll_max_tokens_per_rank = mll;
+  s.use_fp8 = fp8 != Fp8::kOff;
+  return s;
+}
+
+// One rank's random inputs of `num_tokens` tokens routed as `routing` says.
+RankInputs MakeRankInputs(const GroupShape& s, int32_t num_tokens, double masked, Routing routing,
+                          std::mt19937_64& rng) {
+  RankInputs ri;
+  ri.num_tokens = num_tokens;
+  ri.x = RandomBf16(static_cast<size_t>(num_tokens) * s.hidden, rng);
+  RoutingOptions ro;
+  ro.masked_fraction = masked;
+  if (routing == Routing::kOneExpert) ro.one_expert = (s.num_experts - 1) / 2;
+  if (routing == Routing::kDuplicates) ro.duplicate_fraction = 0.3;
+  ri.topk_idx = RandomTopk(num_tokens, s.num_topk, s.num_experts, ro, rng);
+  ri.weights = RandomFloats(static_cast<size_t>(num_tokens) * s.num_topk, rng, -1.0f, 1.0f);
+  return ri;
+}
+
 std::vector<RankInputs> MakeInputs(const SweepCase& c, std::mt19937_64& rng, int32_t salt) {
-  std::vector<RankInputs> in(c.ranks);
+  const GroupShape s = LowLatencyShape(c.ranks, c.experts, c.hidden, c.topk, kMll, c.fp8);
+  std::vector<RankInputs> in;
   int32_t base_index = 0;
   while (kTokenCycle[base_index] != c.base_tokens) ++base_index;
   for (int32_t r = 0; r < c.ranks; ++r) {
-    RankInputs& ri = in[r];
-    ri.num_tokens = c.same_tokens ? c.base_tokens : kTokenCycle[(base_index + r + salt) % 4];
-    ri.x = RandomBf16(static_cast<size_t>(ri.num_tokens) * c.hidden, rng);
-    RoutingOptions ro;
-    ro.masked_fraction = c.masked;
-    if (c.routing == Routing::kOneExpert) ro.one_expert = (c.experts - 1) / 2;
-    if (c.routing == Routing::kDuplicates) ro.duplicate_fraction = 0.3;
-    ri.topk_idx = RandomTopk(ri.num_tokens, c.topk, c.experts, ro, rng);
-    ri.weights = RandomFloats(static_cast<size_t>(ri.num_tokens) * c.topk, rng, -1.0f, 1.0f);
+    const int32_t t = c.same_tokens ? c.base_tokens : kTokenCycle[(base_index + r + salt) % 4];
+    in.push_back(MakeRankInputs(s, t, c.masked, c.routing, rng));
   }
   return in;
 }
@@ -342,14 +382,7 @@ class LowLatencySweep : public ::testing::TestWithParam<SweepCase> {};
 TEST_P(LowLatencySweep, MatchesHostBitForBit) {
   REQUIRE_GPU();
   const SweepCase& c = GetParam();
-  GroupShape s;
-  s.num_ranks = c.ranks;
-  s.num_experts = c.experts;
-  s.hidden = c.hidden;
-  s.num_topk = c.topk;
-  s.max_tokens_per_rank = 1;
-  s.ll_max_tokens_per_rank = kMll;
-  s.use_fp8 = c.fp8 != Fp8::kOff;
+  const GroupShape s = LowLatencyShape(c.ranks, c.experts, c.hidden, c.topk, kMll, c.fp8);
   const bool fp8 = c.fp8 != Fp8::kOff;
   const bool round_scale = c.fp8 == Fp8::kRoundScale;
   // Every case runs with the flags at .sys scope (ranks on several GPUs) and at .gpu scope
@@ -422,19 +455,94 @@ INSTANTIATE_TEST_SUITE_P(
         SweepCase{8, 7168, 8, 256, 128, true, 0.0, Routing::kUniform, Fp8::kOff}),
     [](const ::testing::TestParamInfo<SweepCase>& info) { return CaseName(info.param); });
 
+// ---- large capacities and top-k ----------------------------------------------------------
+//
+// Capacities Mll of 1, 128, 1024, 3000 and 4096 and top-k of 1, 8, 32, 48 and 64 (and
+// 128), FP8 and BF16, small and DeepSeek-V3 hidden sizes: every routing too large for the
+// small path's shared memory or K > 32 takes the large path (cuda_limits.h
+// PlanLowLatencyRouting), and DeepSeek-V3 decode is also forced through it. Two ops per case
+// (buffers 0 and 1), rank 0 at T = Mll, rank 1 at T = 0, the others in between.
+
+struct LargeCase {
+  int32_t ranks;
+  int32_t experts;
+  int32_t hidden;
+  int32_t topk;
+  int32_t mll;
+  Fp8 fp8;
+  Routing routing;
+  double masked;
+  bool large_path;  // LowLatencyDispatchArgs::large_path (the plan may take it anyway)
+  bool gpu_scope;   // CudaRankContext::all_ranks_on_device
+};
+
+std::string LargeCaseName(const LargeCase& c) {
+  return absl::StrCat("R", c.ranks, "_E", c.experts, "_H", c.hidden, "_K", c.topk, "_Mll", c.mll,
+                      "_mask", static_cast<int>(c.masked * 100), "_", RoutingName(c.routing), "_",
+                      Fp8Name(c.fp8), c.large_path ? "_forcedlarge" : "",
+                      c.gpu_scope ? "_gpuscope" : "_sysscope");
+}
+
+void PrintTo(const LargeCase& c, std::ostream* os) { *os << LargeCaseName(c); }
+
+class LowLatencyLarge : public ::testing::TestWithParam<LargeCase> {};
+
+TEST_P(LowLatencyLarge, MatchesHostBitForBit) {
+  REQUIRE_GPU();
+  const LargeCase& c = GetParam();
+  const GroupShape s = LowLatencyShape(c.ranks, c.experts, c.hidden, c.topk, c.mll, c.fp8);
+  const bool fp8 = c.fp8 != Fp8::kOff;
+  const bool round_scale = c.fp8 == Fp8::kRoundScale;
+  auto group = VirtualRankGroup::Create(s);
+  ASSERT_TRUE(group.ok()) << group.status();
+  VirtualRankGroup& g = **group;
+  g.set_all_ranks_on_device(c.gpu_scope);
+  std::mt19937_64 rng(std::hash<std::string>()(LargeCaseName(c)));
+  for (int32_t op = 0; op < 2; ++op) {
+    std::vector<RankInputs> in;
+    for (int32_t r = 0; r < c.ranks; ++r) {
+      int32_t t = r == 0 ? c.mll : r == 1 ? 0 : (r * 37 + op * 11 + 5) % (c.mll + 1);
+      if (op == 1 && r < 2) t = c.mll - t;  // rank 0 empty, rank 1 full
+      in.push_back(MakeRankInputs(s, t, c.masked, c.routing, rng));
+    }
+    HostReference ref;
+    EPD_ASSERT_OK(ComputeHostReference(s, fp8, round_scale, in, &ref));
+    EPD_ASSERT_OK(UploadInputs(g, in));
+    EPD_ASSERT_OK(RunDispatch(g, op, fp8, round_scale, c.large_path)) << "op " << op;
+    EPD_ASSERT_OK(CheckDispatch(g, op, fp8, in, ref)) << "op " << op;
+    EPD_ASSERT_OK(RunExpertAndCombine(g, op, fp8)) << "op " << op;
+    EPD_ASSERT_OK(CheckCombine(g, op, in, ref)) << "op " << op;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    CapacityAndTopk, LowLatencyLarge,
+    ::testing::Values(
+        // The specs the conformance check found failing at the first op.
+        LargeCase{2, 16, 128, 8, 3000, Fp8::kOn, Routing::kUniform, 0.0, false, true},
+        LargeCase{4, 16, 1024, 4, 1024, Fp8::kOn, Routing::kDuplicates, 0.2, false, false},
+        LargeCase{4, 32, 256, 2, 1100, Fp8::kOff, Routing::kUniform, 0.5, false, true},
+        // Small hidden sizes; H = 1000 is BF16's scalar path, H = 640 FP8 with a tail chunk.
+        LargeCase{4, 64, 128, 64, 4096, Fp8::kOn, Routing::kDuplicates, 0.1, false, true},
+        LargeCase{2, 16, 256, 8, 4096, Fp8::kRoundScale, Routing::kOneExpert, 0.0, false, false},
+        LargeCase{2, 64, 1000, 48, 1024, Fp8::kOff, Routing::kUniform, 0.3, false, true},
+        LargeCase{8, 64, 640, 48, 1, Fp8::kOn, Routing::kUniform, 0.0, false, false},
+        LargeCase{2, 32, 256, 32, 3000, Fp8::kOff, Routing::kDuplicates, 0.0, false, true},
+        LargeCase{1, 128, 512, 128, 128, Fp8::kOff, Routing::kUniform, 0.2, false, true},
+        // DeepSeek-V3's hidden size.
+        LargeCase{8, 8, 7168, 1, 1, Fp8::kOff, Routing::kOneExpert, 0.0, false, true},
+        LargeCase{2, 16, 7168, 8, 4096, Fp8::kOn, Routing::kUniform, 0.0, false, true},
+        LargeCase{2, 64, 7168, 64, 1024, Fp8::kOff, Routing::kDuplicates, 0.1, false, false},
+        LargeCase{2, 48, 7168, 48, 3000, Fp8::kOn, Routing::kUniform, 0.0, false, true},
+        LargeCase{8, 256, 7168, 32, 128, Fp8::kRoundScale, Routing::kUniform, 0.2, false, true},
+        // DeepSeek-V3 decode (T = 128, K = 8, E = 256, 8 ranks) through the large path.
+        LargeCase{8, 256, 7168, 8, 128, Fp8::kOn, Routing::kUniform, 0.0, true, true},
+        LargeCase{8, 256, 7168, 8, 128, Fp8::kOff, Routing::kDuplicates, 0.3, true, false}),
+    [](const ::testing::TestParamInfo<LargeCase>& info) { return LargeCaseName(info.param); });
+
 // ---- failure cases ----------------------------------------------------------------------
 
-GroupShape SmallShape(int32_t ranks) {
-  GroupShape s;
-  s.num_ranks = ranks;
-  s.num_experts = 64;
-  s.hidden = 2048;
-  s.num_topk = 8;
-  s.max_tokens_per_rank = 1;
-  s.ll_max_tokens_per_rank = kMll;
-  s.use_fp8 = true;
-  return s;
-}
+GroupShape SmallShape(int32_t ranks) { return LowLatencyShape(ranks, 64, 2048, 8, kMll, Fp8::kOn); }
 
 SweepCase SmallCase(int32_t ranks) {
   return SweepCase{ranks, 2048, 8, 64, 77, false, 0.0, Routing::kUniform, Fp8::kOn};

@@ -31,6 +31,7 @@
 #include "epd/kernels/host_ops.h"
 #include "shm_abi.h"
 #include "shm_region.h"
+#include "tests/common/contract_rules.h"
 #include "tests/unit/raw_ring.h"
 
 namespace epd {
@@ -564,6 +565,19 @@ TEST_F(HostDataPlaneTest, LowLatencyRoundTripAndStaleHandle) {
   });
 }
 
+// The rules client.h and DESIGN.md §3.3 state (tests/common/contract_rules.h): duplicate
+// experts, is_token_in_rank's dtype, recv_topk_weights without topk_weights, a cached
+// re-dispatch's outputs, empty sums, the FP8 scale floor.
+TEST_F(HostDataPlaneTest, ContractRulesOfClientHHold) {
+  Open(testing::contract::Spec("contract"));
+  std::vector<Endpoint*> eps;
+  for (const auto& ep : endpoints_) eps.push_back(ep.get());
+  testing::contract::CheckContractRules(eps, [](const TensorView& v) {
+    const auto* p = static_cast<const uint8_t*>(v.data());
+    return std::vector<uint8_t>(p, p + v.nbytes());
+  });
+}
+
 // Only the latest kCompletionCapacity ops of an endpoint can be waited for: Wait on an
 // older op, whose completion record a later op reused, is FAILED_PRECONDITION at once
 // (it used to wait op_timeout + 5 s and then call the daemon dead).
@@ -1083,6 +1097,7 @@ TEST_F(HostDataPlaneTest, HeaderOffsetsSizesAndTailWrittenByTheClientAreNeverUse
                                          "layout_tokens_per_rank",
                                          "recv_x",
                                          "recv_topk_idx",
+                                         "recv_topk_weights",  // zeros: no weights
                                          "layout_is_token_in_rank",
                                          "layout_tokens_per_expert",
                                          "send_pos",

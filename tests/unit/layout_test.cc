@@ -24,12 +24,13 @@ TEST(EndpointLayoutTest, RegionsAreAlignedAndDisjoint) {
     ++n;
   });
   EXPECT_LE(prev_end, l.total_bytes);
-  EXPECT_EQ(n, 23 + 6 * kLowLatencyBuffers);  // incl. sync and launch_flags
+  EXPECT_EQ(n, 24 + 6 * kLowLatencyBuffers);  // incl. ll_routing, sync and launch_flags
   EXPECT_EQ(l.launch_flags.bytes, kLaunchFlagsRegionBytes);
   EXPECT_EQ(l.launch_flags.offset + l.launch_flags.bytes, l.total_bytes);
   // recv_x: R*M rows of H bf16; over 4 GiB offsets must not wrap.
   EXPECT_EQ(l.recv_x.bytes, uint64_t{8} * 4096 * 7168 * 2);
   EXPECT_EQ(l.ll_recv_x[0].bytes, uint64_t{32} * 8 * 128 * 7168 * 2);
+  EXPECT_EQ(l.ll_routing.bytes, uint64_t{128} * 8 * 8);  // [Mll, K] of two int32
 }
 
 TEST(EndpointLayoutTest, OffsetsAre64Bit) {
@@ -54,6 +55,7 @@ TEST(EndpointLayoutTest, LowLatencyDisabledTakesNoBytes) {
   EndpointLayout l = EndpointLayout::Compute(s);
   EXPECT_EQ(l.ll_recv_x[0].bytes, 0u);
   EXPECT_EQ(l.ll_recv_count[1].bytes, 0u);
+  EXPECT_EQ(l.ll_routing.bytes, 0u);
   EXPECT_EQ(l.recv_scales.bytes, 0u);
 }
 

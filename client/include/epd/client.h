@@ -201,31 +201,45 @@ struct Handle {
 
 // ---- op arguments and results ---------------------------------------------------------
 
-/// GetDispatchLayout input: topk_idx [T, K] int64 (-1 = none).
+/// GetDispatchLayout input: topk_idx [T, K] int64 (-1 = none). An expert that appears
+/// more than once in a token's row counts that token once (as Dispatch and
+/// LowLatencyDispatch send it once).
 struct LayoutResult {
-  TensorView num_tokens_per_rank;    ///< [R] int32.
-  TensorView num_tokens_per_expert;  ///< [E] int32.
-  TensorView is_token_in_rank;       ///< [T, R] bool.
+  TensorView num_tokens_per_rank;    ///< [R] int32: tokens with an expert on rank r.
+  TensorView num_tokens_per_expert;  ///< [E] int32: tokens routed to expert e.
+  /// [T, R] bytes 0 or 1, dtype {kDLUInt, 8, 1} (uint8): DLPack 0.6 has no bool type
+  /// (in PyTorch, `.bool()` makes it a mask).
+  TensorView is_token_in_rank;
   // Valid until the next GetDispatchLayout on this endpoint.
 };
 
 /// Normal (high-throughput) dispatch inputs.
 struct DispatchArgs {
-  const DLTensor* x = nullptr;             ///< [T, H] bf16, or [T, H] e4m3 (float8_e4m3fn).
-  const DLTensor* x_scales = nullptr;      ///< [T, H/128] f32, required with e4m3 x.
-  const DLTensor* topk_idx = nullptr;      ///< [T, K] int64; not used with `cached`.
-  const DLTensor* topk_weights = nullptr;  ///< [T, K] f32, optional.
+  const DLTensor* x = nullptr;         ///< [T, H] bf16, or [T, H] e4m3 (float8_e4m3fn).
+  const DLTensor* x_scales = nullptr;  ///< [T, H/128] f32, required with e4m3 x.
+  /// [T, K] int64 (-1 = none); not read with `cached`. An expert repeated in a row gets
+  /// the token once (one row, counted once in num_recv_tokens_per_expert).
+  const DLTensor* topk_idx = nullptr;
+  const DLTensor* topk_weights = nullptr;  ///< [T, K] f32, optional; not read with `cached`.
   int32_t expert_alignment = 1;            ///< >= 1; per-expert counts rounded up to it.
-  std::optional<Handle> cached;            ///< Re-dispatch with this handle's routing.
-  int32_t num_sms = 0;                     ///< Kernel SM budget (0 = default).
-  void* stream = nullptr;                  ///< CUDA backend: the op's cudaStream_t.
+  /// Re-dispatch x (and x_scales) with this handle's routing. The result's recv_x,
+  /// recv_scales and recv_src_info hold the new rows; its recv_topk_idx,
+  /// recv_topk_weights and num_recv_tokens_per_expert are the routing dispatch's views
+  /// (the same memory), not rewritten.
+  std::optional<Handle> cached;
+  int32_t num_sms = 0;     ///< Kernel SM budget (0 = default).
+  void* stream = nullptr;  ///< CUDA backend: the op's cudaStream_t.
 };
 /// Normal dispatch outputs. Valid until the next normal Dispatch on this endpoint.
 struct DispatchResult {
-  TensorView recv_x;                      ///< [N, H] bf16 or e4m3.
-  TensorView recv_scales;                 ///< [N, H/128] f32 (FP8 only).
-  TensorView recv_topk_idx;               ///< [N, K] int64 local expert ids, -1 elsewhere.
-  TensorView recv_topk_weights;           ///< [N, K] f32 (0 where id is -1).
+  TensorView recv_x;       ///< [N, H] bf16 or e4m3.
+  TensorView recv_scales;  ///< [N, H/128] f32 (FP8 only).
+  /// [N, K] int64: at each k the local id of the token's expert there, -1 where it is not
+  /// on this rank (a repeated expert shows at each of its k's).
+  TensorView recv_topk_idx;
+  /// [N, K] f32: the token's weight at each k with a local id, 0 where the id is -1; all
+  /// zeros for a Dispatch given no topk_weights.
+  TensorView recv_topk_weights;
   TensorView num_recv_tokens_per_expert;  ///< [E/R] int32, aligned.
   TensorView recv_src_info;               ///< [N] int32: src_rank * M + src_token.
   /// [1] int32: N, in the endpoint's memory (on the GPU on the CUDA backend), written by
@@ -258,9 +272,16 @@ struct LowLatencyDispatchArgs {
   const DLTensor* x = nullptr;               ///< [T, H] bf16, T <= Mll.
   const DLTensor* topk_idx = nullptr;        ///< [T, K] int64.
   int32_t max_dispatch_tokens_per_rank = 0;  ///< Mll; must equal the spec's (0 = spec's).
-  bool use_fp8 = false;                      ///< e4m3 out with f32 scales per 128 channels.
-  bool round_scale = false;                  ///< Power-of-two FP8 scales.
-  void* stream = nullptr;                    ///< CUDA backend: the op's cudaStream_t.
+  /// e4m3 out with one f32 scale per 128 channels of a token: scale = max(amax, 1e-4) /
+  /// 448, amax the block's largest |x|, values e4m3(x / scale). The floor is DeepEP's (the
+  /// same bytes as its dispatch): an all-zero block gets a normal scale instead of 0 (no
+  /// division by zero, no denormal scale for DeepGEMM to multiply by). So a block whose
+  /// amax is under 1e-4 is quantised as if it were 1e-4: its values under about 2.2e-10
+  /// in magnitude become 0 (a token with |x| ~ 1e-12 comes out all zeros).
+  bool use_fp8 = false;
+  /// Power-of-two FP8 scales: 2^ceil(log2(max(amax, 1e-4) / 448)).
+  bool round_scale = false;
+  void* stream = nullptr;  ///< CUDA backend: the op's cudaStream_t.
   /// Client-launched mode only, optional: [1] int32 on the endpoint's GPU holding T,
   /// read by the kernel at run time (x and topk_idx then give only the capacity, their
   /// first dimension >= T). Lets one captured CUDA graph replay with any T <= Mll.
@@ -367,12 +388,18 @@ class Endpoint {
   /// Normal dispatch (DESIGN §3.3): rows ordered by source rank, then token index.
   absl::StatusOr<PendingOp<DispatchResult>> Dispatch(const DispatchArgs& args);
   /// Normal combine: combined_x[t] = Σ over ranks that received t of their row (f32 sum
-  /// in ascending rank order, rounded once to bf16).
+  /// from +0 in ascending rank order, rounded once to bf16; a token sent nowhere is +0,
+  /// bits 0x0000); combined_topk_weights likewise.
   absl::StatusOr<PendingOp<CombineResult>> Combine(const CombineArgs& args);
-  /// Low-latency dispatch into [E/R, R*Mll, H] (packed by source rank, then token).
+  /// Low-latency dispatch into [E/R, R*Mll, H] (packed by source rank, then token;
+  /// Mll = spec.ll_max_tokens_per_rank). An expert repeated in a token's row gets the token
+  /// once (one row, counted once in recv_count).
   absl::StatusOr<PendingOp<LowLatencyDispatchResult>> LowLatencyDispatch(
       const LowLatencyDispatchArgs& args);
-  /// Low-latency combine: combined_x[t] = Σ_k w[t,k]·y_{e_k}(t) (f32, ascending k).
+  /// Low-latency combine: combined_x[t] = Σ_k w[t,k]·y_{e_k}(t) over the k with
+  /// topk_idx[t,k] >= 0, each with its own weight (an expert repeated in the row adds its
+  /// one row once per k), in f32 from +0 in ascending k, each product rounded to f32 before
+  /// the add, rounded once to bf16: a token with no expert is +0 (bits 0x0000).
   absl::StatusOr<PendingOp<LowLatencyCombineResult>> LowLatencyCombine(
       const LowLatencyCombineArgs& args);
   /// The endpoint's low-latency combine input region, [E/R, R*Mll, H] bf16 (kDLCUDA on the
@@ -544,8 +571,13 @@ class Client {
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
-  /// Joins `options.spec` as `options.rank` and maps the endpoint. Errors are the
-  /// daemon's: INVALID_ARGUMENT (a spec field, the rank, a join secret over 256 bytes),
+  /// Joins `options.spec` as `options.rank` and maps the endpoint. Every spec Join accepts
+  /// runs on the daemon's backend: the CUDA backend refuses one past its kernels' limits
+  /// (num_ranks <= 64; num_experts within the sync region: with 8 ranks at most 6048, or
+  /// 528 with low-latency mode on; DESIGN.md §3.3) with INVALID_ARGUMENT naming the field,
+  /// the value and the largest value that works there. Low-latency capacity, top-k and
+  /// hidden size have no limit beyond the spec's own. Errors are the daemon's:
+  /// INVALID_ARGUMENT (a spec field, the rank, a join secret over 256 bytes),
   /// PERMISSION_DENIED (the group exists and this join's secret is not the group's, or the
   /// group has none and belongs to another uid), FAILED_PRECONDITION (spec differs from the
   /// live group's), ALREADY_EXISTS (rank taken), NOT_FOUND (GPU), RESOURCE_EXHAUSTED

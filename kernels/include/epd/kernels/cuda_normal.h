@@ -73,39 +73,6 @@ namespace epd::kernels::cuda {
 inline constexpr int kNormalThreads = 512;
 /// Threads of the notify / barrier block.
 inline constexpr int kNormalNotifyThreads = 1024;
-/// Largest R normal mode supports (destination sets are 64-bit masks).
-inline constexpr int kNormalMaxRanks = 64;
-
-/// Map of the normal-mode part of a rank's sync region, [kSyncNormalOffset, 64 KiB).
-/// Byte offsets from `layout.sync.offset + kSyncNormalOffset`; R = num_ranks, E = experts.
-/// Sequence numbers are uint32, compared wrap-around safe.
-///   [0, 4)      uint32 op counter: sequence number of the last normal op of this rank.
-///   [4, 8)      uint32 sequence number of the last op whose barrier timed out here.
-///   [8, 12)     uint32 count of copy/combine blocks finished (reset by the last one).
-///   [12, 16)    int32 run-time token count slot (NormalNumTokensSlot).
-///   arrive      uint32 [R]: arrive[s] = last op sequence number rank s arrived at.
-///   done        uint32 [R]: done[s] = last op whose writes/reads rank s has finished.
-///   counts      int32 [R, R]: counts[s][r] = tokens of rank s sent to rank r.
-///   expert      int32 [R, El]: expert[s][j] = tokens of rank s routed to local expert j.
-struct NormalSyncLayout {
-  static constexpr uint64_t kOpCounter = 0;
-  static constexpr uint64_t kFailedSeq = 4;
-  static constexpr uint64_t kBlockCounter = 8;
-  static constexpr uint64_t kNumTokens = 12;
-  static constexpr uint64_t kArrive = 64;
-
-  int32_t num_ranks = 1;
-  int32_t num_experts = 1;
-
-  EPD_HD uint64_t arrive() const { return kArrive; }
-  EPD_HD uint64_t done() const { return kArrive + 4ull * num_ranks; }
-  EPD_HD uint64_t counts() const { return kArrive + 8ull * num_ranks; }
-  EPD_HD uint64_t expert() const {
-    return counts() + 4ull * static_cast<uint64_t>(num_ranks) * num_ranks;
-  }
-  EPD_HD uint64_t bytes() const { return expert() + 4ull * static_cast<uint64_t>(num_experts); }
-};
-
 /// Checks that normal mode can run `ctx`: ValidateContext, 1 <= R <= kNormalMaxRanks, the
 /// normal sync map fits its part of the sync region, M >= 0. INVALID_ARGUMENT naming the
 /// field and value otherwise.

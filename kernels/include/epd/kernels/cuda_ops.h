@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "epd/kernels/cuda_limits.h"
 #include "epd/kernels/layout.h"
 #include "epd/kernels/types.h"
 
@@ -50,24 +51,6 @@ absl::Status CudaErrorToStatus(cudaError_t err, const char* call, const char* fi
   } while (0)
 
 namespace epd::kernels::cuda {
-
-// ---- the sync region --------------------------------------------------------------------
-
-/// Map of the `sync` region (kSyncRegionBytes = 64 KiB, zeroed at creation) of every rank.
-/// Offsets in bytes from the start of the region.
-///   [0, 256)          DeviceStatus, shared by every CUDA op of the endpoint.
-///   [256, 4096)       low-latency counters and the run-time token count slot (LL).
-///   [4096, 40960)     low-latency inter-rank flags and count exchange (LL).
-///   [40960, 65536)    normal-mode kernels (cuda_normal.h).
-inline constexpr uint64_t kSyncStatusOffset = 0;
-inline constexpr uint64_t kSyncLowLatencyStateOffset = 256;
-inline constexpr uint64_t kSyncLowLatencyExchangeOffset = 4096;
-inline constexpr uint64_t kSyncLowLatencyExchangeBytes = 40960 - 4096;
-inline constexpr uint64_t kSyncNormalOffset = 40960;
-inline constexpr uint64_t kSyncNormalBytes = kSyncRegionBytes - kSyncNormalOffset;
-
-/// Largest group the status word can name missing ranks for.
-inline constexpr int kMaxStatusRanks = 256;
 
 /// The per-rank error word at `sync + kSyncStatusOffset`. Kernels only ever add to it
 /// (atomics); ReadAndClearStatus / EnqueueStatusReadback clear it. POD, 256 bytes.
@@ -397,11 +380,17 @@ struct LowLatencyDispatchArgs {
   const int64_t* topk_idx = nullptr;
   /// Daemon-launched stream-ordered hand-off (KernelHandoff); default none.
   KernelHandoff handoff;
+  /// Route through the large path (cuda_limits.h LowLatencyRoutingPlan) even where the
+  /// small one fits, e.g. to test it at small capacities. Outputs are the same.
+  bool large_path = false;
 };
 
-/// Enqueues one rank's low-latency dispatch on `stream`. Errors: INVALID_ARGUMENT for a
-/// bad context or arguments (buffer not 0/1, FP8 without shape.use_fp8 or H % 128 != 0,
-/// Mll == 0, shared memory need above the device limit); INTERNAL for CUDA launch errors.
+/// Enqueues one rank's low-latency dispatch on `stream`. Any Mll and K: the routing of a
+/// rank's tokens takes the small or the large path (cuda_limits.h PlanLowLatencyRouting),
+/// chosen here from the shape alone. Errors: INVALID_ARGUMENT for a bad context or
+/// arguments (buffer not 0/1, FP8 without shape.use_fp8 or H % 128 != 0, Mll == 0, an
+/// exchange that does not fit the sync region, a device with less shared memory than the
+/// routing needs: none since Volta); INTERNAL for CUDA launch errors.
 absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDispatchArgs& args,
                                 cudaStream_t stream);
 

@@ -149,11 +149,13 @@ struct DispatchRankArgs {
   int32_t cached_num_recv_tokens = 0;
 
   // Outputs (capacity rows = recv_capacity).
-  int64_t recv_capacity = 0;                  ///< Rows available in recv_* (R * M).
-  void* recv_x = nullptr;                     ///< out [N, H] bf16 / e4m3.
-  float* recv_scales = nullptr;               ///< out [N, S] f32 when fp8.
-  int64_t* recv_topk_idx = nullptr;           ///< out [N, K]: local expert id or -1.
-  float* recv_topk_weights = nullptr;         ///< out [N, K]: weight, 0 where id is -1.
+  int64_t recv_capacity = 0;         ///< Rows available in recv_* (R * M).
+  void* recv_x = nullptr;            ///< out [N, H] bf16 / e4m3.
+  float* recv_scales = nullptr;      ///< out [N, S] f32 when fp8.
+  int64_t* recv_topk_idx = nullptr;  ///< out [N, K]: local expert id or -1.
+  /// out [N, K]: weight, 0 where id is -1; all 0 without topk_weights (null: not written;
+  /// needed with topk_weights).
+  float* recv_topk_weights = nullptr;
   int32_t* recv_tokens_per_expert = nullptr;  ///< out [El]: count rounded up to alignment.
   int32_t* recv_src_info = nullptr;           ///< out [N]: src_rank * M + src_token.
   int32_t* send_pos = nullptr;                ///< out [T, R]: handle (source side).
@@ -172,7 +174,8 @@ struct DispatchOptions {
 /// expert on r, exactly once, at row `rank_prefix_r[s] + (number of earlier tokens of s
 /// sent to r)`: rows ordered by source rank, then by source token index.
 /// recv_topk_idx holds `e - r * El` for experts on r, -1 elsewhere; recv_topk_weights
-/// the weight where the id is local, 0 elsewhere (DeepEP's convention).
+/// the weight where the id is local, 0 elsewhere (DeepEP's convention), all 0 without
+/// topk_weights.
 /// send_pos[t, r] records that row (or -1), and is the handle for combine and for
 /// cached re-dispatch. recv_src_info uses M = shape.max_tokens_per_rank.
 /// Cached re-dispatch (any rank passes cached_send_pos; then every rank with T > 0 must):

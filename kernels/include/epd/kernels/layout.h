@@ -149,6 +149,11 @@ struct EndpointLayout {
   Region ll_handle_pos[kLowLatencyBuffers];     ///< [Mll, K] int32: handle, row of
                                                 ///< (t,k) in its expert's block, -1 none.
   Region ll_combined_x[kLowLatencyBuffers];     ///< [Mll, H] bf16.
+  /// [Mll, K] of {int32 code, int32 position}: the CUDA low-latency dispatch's routing of
+  /// its own tokens when it does not fit in shared memory (kernels/cuda/ll_dispatch.cu);
+  /// one for both buffers (a rank's dispatches run one after another). Not an output: its
+  /// contents are undefined between ops; unused on the host backend.
+  Region ll_routing;
 
   // ---- kernel-owned flags and counters ----
   Region sync;          ///< kSyncRegionBytes, zeroed at creation.
@@ -223,6 +228,7 @@ inline EndpointLayout EndpointLayout::Compute(const GroupShape& s) {
     l.ll_handle_pos[b] = take(Mll * K * 4);
     l.ll_combined_x[b] = take(Mll * H * 2);
   }
+  l.ll_routing = take(Mll * K * 8);
   l.sync = take(kSyncRegionBytes);
   l.launch_flags = take(kLaunchFlagsRegionBytes);
   l.total_bytes = cursor;
@@ -264,6 +270,7 @@ void EndpointLayout::ForEachRegion(Fn&& fn) const {
     fn(kLl[4][b], ll_handle_pos[b]);
     fn(kLl[5][b], ll_combined_x[b]);
   }
+  fn("ll_routing", ll_routing);
   fn("sync", sync);
   fn("launch_flags", launch_flags);
 }
