@@ -649,6 +649,7 @@ void Daemon::WatchHealth() {
       PublishServing();
     }
     registry_->ExpireUnmappedEndpoints(now);
+    registry_->ReportSuppressedLogLines();
   }
 }
 

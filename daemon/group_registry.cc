@@ -296,7 +296,8 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
                                        : "no join secret (only its owner's uid may join)");
   }
   v1::EndpointInfo info;
-  absl::Status attached = group_it->second.data->AttachRank(rank, gpu_uuid, mode, &info);
+  absl::Status attached = group_it->second.data->AttachRank(
+      rank, gpu_uuid, mode, RankClient{joiner.uid, LogBudgetLocked(joiner.uid)}, &info);
   if (!attached.ok()) {
     if (created) {
       groups_.erase(group_it);
@@ -552,7 +553,27 @@ void GroupRegistry::ReleaseAll() {
   for (const auto& [name, rank] : all) ReleaseRankLocked(name, rank, "daemon shutdown");
   groups_.clear();
   sessions_.clear();
+  auto log = GetLogger(kLogEngine);
+  for (auto& [uid, budget] : log_budgets_) {
+    LogSuppressedReport(*log, spdlog::level::warn, *budget, budget->Flush());
+  }
   NotifyWaitersLocked();
+}
+
+std::shared_ptr<LogRateLimiter> GroupRegistry::LogBudgetLocked(uint32_t uid) {
+  std::shared_ptr<LogRateLimiter>& budget = log_budgets_[uid];
+  if (!budget) {
+    budget =
+        std::make_shared<LogRateLimiter>(LogRateLimiter::kDefaultPerSecond,
+                                         LogRateLimiter::kDefaultBurst, absl::StrCat("uid ", uid));
+  }
+  return budget;
+}
+
+void GroupRegistry::ReportSuppressedLogLines() {
+  absl::MutexLock lock(&mu_);
+  auto log = GetLogger(kLogEngine);
+  for (auto& [uid, budget] : log_budgets_) LogSuppressed(*log, spdlog::level::warn, *budget);
 }
 
 void GroupRegistry::NotifyWaitersLocked() {

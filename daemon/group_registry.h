@@ -190,10 +190,16 @@ class GroupRegistry {
   };
   Counters counters() const;
 
+  /// Reports the client-caused warnings each uid's log budget suppressed (RankClient), for
+  /// the budgets that have a token again: a uid whose endpoints are all gone would
+  /// otherwise keep its count until its next warning. The daemon calls it periodically.
+  void ReportSuppressedLogLines();
+
   /// From now on OpenSession and Join return UNAVAILABLE (shutdown). Idempotent.
   void SetDraining();
 
-  /// Releases every endpoint and group and forgets every session (shutdown). Idempotent.
+  /// Releases every endpoint and group and forgets every session, and reports what the
+  /// log budgets still hold (shutdown). Idempotent.
   void ReleaseAll();
 
  private:
@@ -243,6 +249,8 @@ class GroupRegistry {
   absl::Status CheckQuotasLocked(uint32_t uid, const std::string& group, int32_t rank, bool creates,
                                  uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Usage UsageOfLocked(uint32_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// The log budget of `uid`'s clients (created on first use, then kept).
+  std::shared_ptr<LogRateLimiter> LogBudgetLocked(uint32_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckSessionCallerLocked(const std::string& session_id,
                                         const PeerCredentials& caller) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -271,6 +279,11 @@ class GroupRegistry {
   uint64_t retired_ops_completed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t retired_ops_failed_ ABSL_GUARDED_BY(mu_) = 0;
   std::list<EndpointsWaiter> waiters_ ABSL_GUARDED_BY(mu_);
+  /// One log budget per uid that ever joined (docs/SECURITY.md, "Client-caused log lines
+  /// are rate-limited"): per uid, not per session or group, which a client opens for free;
+  /// kept when the uid has nothing left, so that leaving and joining again starts no fresh
+  /// burst. A few hundred bytes per uid.
+  std::map<uint32_t, std::shared_ptr<LogRateLimiter>> log_budgets_ ABSL_GUARDED_BY(mu_);
   absl::CondVar waiters_changed_;
   bool stop_waiters_ ABSL_GUARDED_BY(mu_) = false;
   std::thread waiter_thread_;  ///< Started with the first waiting call; joined at destruction.

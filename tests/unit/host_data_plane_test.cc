@@ -155,7 +155,7 @@ class VictimGroup {
     group_ = std::move(*g);
     for (int r = 0; r < R; ++r) {
       v1::EndpointInfo info;
-      ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+      ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
       DataPlaneGroup* gp = group_.get();
       absl::StatusOr<EndpointFds> fds = gp->TakeEndpointFds(r);
       ASSERT_TRUE(fds.ok()) << fds.status();
@@ -360,7 +360,7 @@ class HostDataPlaneTest : public ::testing::Test {
 
   std::unique_ptr<Endpoint> Attach(int r) {
     v1::EndpointInfo info;
-    absl::Status st = group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info);
+    absl::Status st = group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info);
     EXPECT_TRUE(st.ok()) << st;
     DataPlaneGroup* g = group_.get();
     absl::StatusOr<EndpointFds> fds = g->TakeEndpointFds(r);
@@ -649,7 +649,7 @@ TEST_F(HostDataPlaneTest, GarbageSlotIsRejectedNotExecuted) {
   // Map rank 1's region a second time, as a misbehaving client could (it holds the
   // region's descriptor).
   v1::EndpointInfo info;
-  ASSERT_TRUE(group_->AttachRank(1, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+  ASSERT_TRUE(group_->AttachRank(1, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
   absl::StatusOr<EndpointFds> fds = group_->TakeEndpointFds(1);
   ASSERT_TRUE(fds.ok()) << fds.status();
   ScopedFd second(::dup(fds->region.get()));
@@ -796,7 +796,7 @@ TEST_F(HostDataPlaneTest, EndpointMemoryIsSealedNamelessAndHandedOutOnce) {
   ASSERT_TRUE(g.ok());
   group_ = std::move(*g);
   v1::EndpointInfo info;
-  ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+  ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
   absl::StatusOr<EndpointFds> fds = group_->TakeEndpointFds(0);
   ASSERT_TRUE(fds.ok()) << fds.status();
   EXPECT_EQ(fds->endpoint_id, info.endpoint_id());
@@ -1026,7 +1026,7 @@ TEST_F(HostDataPlaneTest, HeaderOffsetsSizesAndTailWrittenByTheClientAreNeverUse
   ASSERT_TRUE(g.ok()) << g.status();
   group_ = std::move(*g);
   v1::EndpointInfo info;
-  ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+  ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
   auto ring = testing::RawRing::Open(info, *group_);
   ASSERT_NE(ring, nullptr);
   const kernels::GroupShape shape{1, E, H, K, M, 0, false};
@@ -1137,7 +1137,7 @@ TEST_F(HostDataPlaneTest,
   endpoints_.clear();
   for (int r = 0; r < R; ++r) {
     v1::EndpointInfo info;
-    ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+    ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
     DataPlaneGroup* gp = group_.get();
     absl::StatusOr<EndpointFds> fds = gp->TakeEndpointFds(r);
     ASSERT_TRUE(fds.ok()) << fds.status();

@@ -1,12 +1,14 @@
 // GroupRegistry with a fake DataPlane: sessions, joins, leaves, session end, the error
 // codes of JoinGroup and group lifetime (daemon/group_registry.h).
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "daemon/group_registry.h"
+#include "daemon/logging.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/fake_data_plane.h"
@@ -494,6 +496,38 @@ TEST_F(RegistryPolicyTest, ASessionActsOnlyForTheUidThatOpenedIt) {
           ->CheckSessionCaller("0123456789abcdef0123456789abcdef", PeerCredentials{.uid = kAlice})
           .code(),
       absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(RegistryPolicyTest, EveryEndpointOfAUidSharesOneLogBudgetAcrossSessionsGroupsAndRejoins) {
+  // Client-caused warnings are charged to the uid (docs/SECURITY.md): a new session, a new
+  // group, or leaving everything and joining again gives a client no fresh budget.
+  const std::string a1 = Session(kAlice), a2 = Session(kAlice, 78);
+  ASSERT_TRUE(Join(a1, 0).ok());
+  ASSERT_TRUE(Join(a2, 1).ok());
+  ASSERT_TRUE(Join(a2, 0, "", SmallSpec("g2")).ok());
+  auto client_of = [&](const std::string& group_rank) {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    return state_->last_client.at(group_rank);
+  };
+  const RankClient first = client_of("g/0");
+  ASSERT_NE(first.log_budget, nullptr);
+  EXPECT_EQ(first.uid, kAlice);
+  EXPECT_EQ(first.log_budget->client(), "uid 1000");
+  EXPECT_EQ(client_of("g/1").log_budget, first.log_budget);
+  EXPECT_EQ(client_of("g2/0").log_budget, first.log_budget);
+  registry_->CloseSession(a1, "test");
+  registry_->CloseSession(a2, "test");
+  EXPECT_EQ(registry_->counters().num_groups, 0);
+  const std::string a3 = Session(kAlice, 79);
+  ASSERT_TRUE(Join(a3, 0).ok());
+  EXPECT_EQ(client_of("g/0").log_budget, first.log_budget);
+  // Another uid has a budget of its own.
+  const std::string b = Session(kBob);
+  ASSERT_TRUE(Join(b, 0, "", SmallSpec("bobs")).ok());
+  EXPECT_EQ(client_of("bobs/0").uid, kBob);
+  ASSERT_NE(client_of("bobs/0").log_budget, nullptr);
+  EXPECT_NE(client_of("bobs/0").log_budget, first.log_budget);
+  EXPECT_EQ(client_of("bobs/0").log_budget->client(), "uid 2000");
 }
 
 TEST_F(RegistryPolicyTest, MaxGroupsPerUid) {
