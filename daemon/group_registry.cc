@@ -78,8 +78,8 @@ absl::StatusOr<std::string> GroupRegistry::OpenSession(const PeerCredentials& pe
   // max_request_bytes of them).
   session.client_name = EscapeClientText(client_name);
   session.opened = absl::Now();
-  GetLogger(kLogRegistry)
-      ->info("session {} opened ({}, name \"{}\")", id, DescribeCredentials(peer),
+  LogLimited(*GetLogger(kLogRegistry), spdlog::level::info, *ControlLogBudgetLocked(peer.uid),
+             "its sessions", "session {} opened ({}, name \"{}\")", id, DescribeCredentials(peer),
              session.client_name);
   return id;
 }
@@ -167,12 +167,13 @@ int GroupRegistry::CloseSession(const std::string& session_id, absl::string_view
     ReleaseRankLocked(group, rank, why);
     released.push_back(absl::StrCat(group, "/", rank));
   }
-  GetLogger(kLogRegistry)
-      ->info(
-          "session {} ({}, name \"{}\") ended ({}) after {}: released {} endpoint(s){}{}",
-          session_id, DescribeCredentials(it->second.peer), it->second.client_name, why,
-          absl::FormatDuration(absl::Trunc(absl::Now() - it->second.opened, absl::Milliseconds(1))),
-          released.size(), released.empty() ? "" : ": ", absl::StrJoin(released, ", "));
+  LogLimited(
+      *GetLogger(kLogRegistry), spdlog::level::info, *ControlLogBudgetLocked(it->second.peer.uid),
+      "its sessions",
+      "session {} ({}, name \"{}\") ended ({}) after {}: released {} endpoint(s){}{}", session_id,
+      DescribeCredentials(it->second.peer), it->second.client_name, why,
+      absl::FormatDuration(absl::Trunc(absl::Now() - it->second.opened, absl::Milliseconds(1))),
+      released.size(), released.empty() ? "" : ": ", absl::StrJoin(released, ", "));
   sessions_.erase(session_id);
   NotifyWaitersLocked();
   return static_cast<int>(released.size());
@@ -315,10 +316,10 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   info.set_launch_mode(mode);
   session->second.endpoints.emplace(spec.name(), rank);
   NotifyWaitersLocked();
-  GetLogger(kLogRegistry)
-      ->info("rank {} of group \"{}\" joined by session {} ({}){}{}", rank, spec.name(),
-             request.session_id(), DescribeCredentials(slot.peer), gpu_uuid.empty() ? "" : " on ",
-             gpu_uuid);
+  LogLimited(*GetLogger(kLogRegistry), spdlog::level::info, *ControlLogBudgetLocked(slot.peer.uid),
+             "its joins", "rank {} of group \"{}\" joined by session {} ({}){}{}", rank,
+             spec.name(), request.session_id(), DescribeCredentials(slot.peer),
+             gpu_uuid.empty() ? "" : " on ", gpu_uuid);
   return info;
 }
 
@@ -358,9 +359,11 @@ void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t ran
   auto session = sessions_.find(slot->second.session_id);
   if (session != sessions_.end()) session->second.endpoints.erase({group_name, rank});
   group.data->DetachRank(rank);
+  const uint32_t holder_uid = slot->second.peer.uid;
   group.ranks.erase(slot);
   if (log_release) {
-    GetLogger(kLogRegistry)->info("rank {} of group \"{}\" released ({})", rank, group_name, why);
+    LogLimited(*GetLogger(kLogRegistry), spdlog::level::info, *ControlLogBudgetLocked(holder_uid),
+               "its releases", "rank {} of group \"{}\" released ({})", rank, group_name, why);
   }
   if (group.ranks.empty()) {
     retired_ops_completed_ += group.data->ops_completed();
@@ -574,6 +577,24 @@ void GroupRegistry::ReportSuppressedLogLines() {
   absl::MutexLock lock(&mu_);
   auto log = GetLogger(kLogEngine);
   for (auto& [uid, budget] : log_budgets_) LogSuppressed(*log, spdlog::level::warn, *budget);
+  auto registry_log = GetLogger(kLogRegistry);
+  for (auto& [uid, budget] : control_log_budgets_) {
+    LogSuppressed(*registry_log, spdlog::level::info, *budget);
+  }
+}
+
+std::shared_ptr<LogRateLimiter> GroupRegistry::ControlLogBudget(uint32_t uid) {
+  absl::MutexLock lock(&mu_);
+  return ControlLogBudgetLocked(uid);
+}
+
+std::shared_ptr<LogRateLimiter> GroupRegistry::ControlLogBudgetLocked(uint32_t uid) {
+  std::shared_ptr<LogRateLimiter>& budget = control_log_budgets_[uid];
+  if (!budget) {
+    budget = std::make_shared<LogRateLimiter>(kControlLogPerSecond, kControlLogBurst,
+                                              absl::StrCat("uid ", uid));
+  }
+  return budget;
 }
 
 void GroupRegistry::NotifyWaitersLocked() {

@@ -195,6 +195,15 @@ class GroupRegistry {
   /// otherwise keep its count until its next warning. The daemon calls it periodically.
   void ReportSuppressedLogLines();
 
+  /// The budget of the control-plane lines `uid`'s clients cause (sessions opened and
+  /// ended, joins, releases, refused calls): larger than the data plane's (a job of many
+  /// ranks starts with a few lines per rank), but a client cannot multiply it by opening
+  /// sessions or rejoining (docs/SECURITY.md "Client-caused log lines are rate-limited").
+  std::shared_ptr<LogRateLimiter> ControlLogBudget(uint32_t uid) ABSL_LOCKS_EXCLUDED(mu_);
+  /// Lines a second and burst of ControlLogBudget.
+  static constexpr double kControlLogPerSecond = 20;
+  static constexpr double kControlLogBurst = 200;
+
   /// From now on OpenSession and Join return UNAVAILABLE (shutdown). Idempotent.
   void SetDraining();
 
@@ -251,6 +260,8 @@ class GroupRegistry {
   Usage UsageOfLocked(uint32_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// The log budget of `uid`'s clients (created on first use, then kept).
   std::shared_ptr<LogRateLimiter> LogBudgetLocked(uint32_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::shared_ptr<LogRateLimiter> ControlLogBudgetLocked(uint32_t uid)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckSessionCallerLocked(const std::string& session_id,
                                         const PeerCredentials& caller) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -284,6 +295,7 @@ class GroupRegistry {
   /// kept when the uid has nothing left, so that leaving and joining again starts no fresh
   /// burst. A few hundred bytes per uid.
   std::map<uint32_t, std::shared_ptr<LogRateLimiter>> log_budgets_ ABSL_GUARDED_BY(mu_);
+  std::map<uint32_t, std::shared_ptr<LogRateLimiter>> control_log_budgets_ ABSL_GUARDED_BY(mu_);
   absl::CondVar waiters_changed_;
   bool stop_waiters_ ABSL_GUARDED_BY(mu_) = false;
   std::thread waiter_thread_;  ///< Started with the first waiting call; joined at destruction.

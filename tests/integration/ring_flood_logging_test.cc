@@ -208,3 +208,64 @@ TEST(RingFloodLoggingTest, NewSessionsGroupsAndRejoinsDrawFromOneBudgetPerUid) {
 
 }  // namespace
 }  // namespace epd
+
+namespace epd {
+namespace {
+
+// The control plane's client-caused lines (sessions opened and ended, refused joins) are
+// charged to a budget per uid too: thousands of sessions and refused joins from one client
+// give a bounded number of lines and a count of the rest, and epd keeps serving.
+TEST(ControlFloodLoggingTest, SessionChurnAndRefusedJoinsGiveABoundedNumberOfLogLines) {
+  testing::DaemonProcessOptions options;
+  options.log_level = "info";
+  auto epd = DaemonProcess::Start(options);
+  ASSERT_TRUE(epd.ok()) << epd.status();
+  auto stub = v1::Control::NewStub(
+      grpc::CreateChannel((*epd)->unix_target(), grpc::InsecureChannelCredentials()));
+  constexpr int kSessions = 1500, kRefusals = 1500;
+  const auto start = Clock::now();
+  for (int i = 0; i < kSessions; ++i) {
+    grpc::ClientContext context;
+    auto session = stub->Session(&context);
+    v1::SessionRequest hello;
+    hello.set_client_name("churn");
+    ASSERT_TRUE(session->Write(hello));
+    v1::SessionResponse open;
+    ASSERT_TRUE(session->Read(&open));
+    session->WritesDone();
+    session->Finish().IgnoreError();
+  }
+  for (int i = 0; i < kRefusals; ++i) {
+    v1::JoinGroupRequest join;  // No session: refused (and logged) every time.
+    join.mutable_spec()->set_name(absl::StrCat("refused-", i));
+    join.set_session_id("not-a-session");
+    v1::JoinGroupResponse joined;
+    grpc::ClientContext context;
+    EXPECT_FALSE(stub->JoinGroup(&context, join, &joined).ok());
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // The periodic report.
+  auto health = (*epd)->CheckHealth();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
+  absl::StatusOr<int> code = (*epd)->Stop();
+  ASSERT_TRUE(code.ok()) << code.status();
+  const std::string logs = (*epd)->Logs();
+  int opened = 0, ended = 0, refused = 0, reports = 0;
+  for (absl::string_view line : absl::StrSplit(logs, '\n')) {
+    opened += absl::StrContains(line, "opened (pid");
+    ended += absl::StrContains(line, ") ended (");
+    refused += absl::StrContains(line, "JoinGroup group \"refused-");
+    reports += absl::StrContains(line, "similar messages from uid");
+  }
+  // The budget: a burst of 200 lines, then 20 a second (GroupRegistry::ControlLogBudget),
+  // for every line of the uid together; before, each session and refusal gave its line.
+  const int bound = 200 + static_cast<int>(20 * (seconds + 3));
+  EXPECT_LE(opened + ended + refused, bound) << opened << " opened, " << ended << " ended, "
+                                             << refused << " refused in " << seconds << " s";
+  EXPECT_GE(opened, 1);
+  EXPECT_GE(reports, 1) << logs.substr(logs.size() > 4000 ? logs.size() - 4000 : 0);
+}
+
+}  // namespace
+}  // namespace epd
