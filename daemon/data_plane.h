@@ -83,6 +83,11 @@ class DataPlane {
   /// RESOURCE_EXHAUSTED check at join.
   virtual uint64_t BytesPerRank(const v1::GroupSpec& spec) const = 0;
 
+  /// Bytes of epd's private memory CreateGroup(spec) allocates for the whole group (kernel
+  /// scratch, every rank's private routing state), taken from what FreeBytes counts; for
+  /// the RESOURCE_EXHAUSTED check when a join creates the group. 0 by default.
+  virtual uint64_t GroupPrivateBytes(const v1::GroupSpec& /*spec*/) const { return 0; }
+
   /// Bytes free where a rank on `gpu_uuid` would be allocated (GPU memory, or available
   /// host memory on the host backend).
   virtual absl::StatusOr<uint64_t> FreeBytes(const std::string& gpu_uuid) const = 0;

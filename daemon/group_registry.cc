@@ -199,6 +199,15 @@ absl::StatusOr<std::string> GroupRegistry::ResolveGpu(const std::string& gpu_uui
   return gpu.uuid();
 }
 
+namespace {
+
+/// a + b, or the largest uint64_t when that overflows.
+uint64_t SaturatingAdd(uint64_t a, uint64_t b) {
+  return a > ~uint64_t{0} - b ? ~uint64_t{0} : a + b;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest& request) {
   const v1::GroupSpec& spec = request.spec();
   const int32_t rank = request.rank();
@@ -266,7 +275,10 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   }
   const bool creates = group_it == groups_.end();
   const uint64_t bytes_needed = data_plane_->BytesPerRank(spec);
-  EPD_RETURN_IF_ERROR(CheckQuotasLocked(joiner.uid, spec.name(), rank, creates, bytes_needed));
+  // A join that creates the group is charged the group's private memory too.
+  const uint64_t group_bytes = creates ? data_plane_->GroupPrivateBytes(spec) : 0;
+  EPD_RETURN_IF_ERROR(CheckQuotasLocked(joiner.uid, spec.name(), rank, creates,
+                                        SaturatingAdd(bytes_needed, group_bytes)));
   if (creates && groups_.size() >= options_.max_groups) {
     return absl::ResourceExhaustedError(absl::StrCat("max_groups: ", options_.max_groups,
                                                      " groups are live; group \"", spec.name(),
@@ -274,6 +286,14 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   }
 
   EPD_ASSIGN_OR_RETURN(uint64_t bytes_free, data_plane_->FreeBytes(gpu_uuid));
+  if (group_bytes > bytes_free || bytes_needed > bytes_free - group_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "group \"%s\" needs %d bytes of epd's private memory (kernel scratch and routing "
+        "state for %d ranks) plus %d bytes for rank %d's endpoint, but %s has %d bytes free; "
+        "lower num_ranks, max_tokens_per_rank, ll_max_tokens_per_rank or hidden, or free memory",
+        spec.name(), group_bytes, spec.num_ranks(), bytes_needed, rank,
+        gpu_uuid.empty() ? std::string("host memory (host backend)") : gpu_uuid, bytes_free));
+  }
   EPD_RETURN_IF_ERROR(
       CheckBuffersFit(spec, bytes_needed, bytes_free,
                       gpu_uuid.empty() ? std::string("host memory (host backend)") : gpu_uuid));
@@ -286,6 +306,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
     group.spec = spec;
     group.data = std::move(data);
     group.bytes_per_rank = bytes_needed;
+    group.private_bytes = group_bytes;
     group.launch_mode = mode;
     group.owner_uid = joiner.uid;
     group.join_secret.Set(request.join_secret());
@@ -484,7 +505,10 @@ absl::Status GroupRegistry::AuthorizeJoin(const Group& group, int32_t rank,
 GroupRegistry::Usage GroupRegistry::UsageOfLocked(uint32_t uid) const {
   Usage usage;
   for (const auto& [name, group] : groups_) {
-    if (group.owner_uid == uid) ++usage.groups_owned;
+    if (group.owner_uid == uid) {
+      ++usage.groups_owned;
+      usage.endpoint_bytes += group.private_bytes;
+    }
     for (const auto& [rank, slot] : group.ranks) {
       if (slot.peer.uid != uid) continue;
       ++usage.endpoints;

@@ -230,6 +230,7 @@ class GroupRegistry {
     std::unique_ptr<DataPlaneGroup> data;
     std::map<int32_t, RankSlot> ranks;
     uint64_t bytes_per_rank = 0;
+    uint64_t private_bytes = 0;  ///< DataPlane::GroupPrivateBytes, charged to its owner.
   };
   struct Session {
     PeerCredentials peer;

@@ -23,7 +23,8 @@ struct FakeDataPlaneState {
   std::string backend = "host";
   uint64_t bytes_per_rank = 1 << 20;
   uint64_t free_bytes = 1ull << 34;
-  absl::Status attach_error;  ///< Returned by every AttachRank when not OK.
+  uint64_t group_private_bytes = 0;  ///< GroupPrivateBytes of every spec.
+  absl::Status attach_error;         ///< Returned by every AttachRank when not OK.
   int groups_created = 0;
   int groups_destroyed = 0;
   std::set<std::pair<std::string, int>> attached;   ///< (group, rank) currently attached.
@@ -106,6 +107,9 @@ class FakeDataPlane : public DataPlane {
                : state_->default_launch_mode;
   }
   uint64_t BytesPerRank(const v1::GroupSpec&) const override { return state_->bytes_per_rank; }
+  uint64_t GroupPrivateBytes(const v1::GroupSpec&) const override {
+    return state_->group_private_bytes;
+  }
   absl::StatusOr<uint64_t> FreeBytes(const std::string&) const override {
     return state_->free_bytes;
   }

@@ -405,6 +405,25 @@ class HostDataPlaneTest : public ::testing::Test {
   std::vector<std::unique_ptr<Endpoint>> endpoints_;
 };
 
+// What a group's creation allocates privately is reported for the join's checks: at least
+// the kernel scratch's R*M*R int32 of routing and each rank's [M, R] send_pos.
+TEST_F(HostDataPlaneTest, GroupPrivateBytesCountsTheKernelScratch) {
+  v1::GroupSpec spec;
+  spec.set_name("big");
+  spec.set_num_ranks(1024);
+  spec.set_num_experts(1024);
+  spec.set_hidden(256);
+  spec.set_num_topk(2);
+  spec.set_max_tokens_per_rank(1024);
+  const uint64_t routing = uint64_t{1024} * 1024 * 1024 * sizeof(int32_t);
+  EXPECT_GE(plane_->GroupPrivateBytes(spec), 2 * routing);
+  spec.set_num_ranks(2);
+  spec.set_num_experts(8);
+  spec.set_max_tokens_per_rank(16);
+  EXPECT_GT(plane_->GroupPrivateBytes(spec), 0u);
+  EXPECT_LT(plane_->GroupPrivateBytes(spec), uint64_t{1} << 20);
+}
+
 TEST_F(HostDataPlaneTest, DispatchCombineMatchKernelsHost) {
   const int R = 3, E = 6, H = 256, K = 2, M = 16;
   Open(Spec("g", R, E, H, K, M, 0, false));

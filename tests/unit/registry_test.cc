@@ -216,6 +216,29 @@ TEST_F(RegistryTest, BuffersThatDoNotFitAreResourceExhausted) {
   EXPECT_EQ(state_->groups_created, 0);
 }
 
+// The private memory a group's creation allocates (the host backend's kernel scratch is
+// ~R*M*R int32) is checked against free memory with the first rank's endpoint, and charged
+// to the creator's byte quota: refused naming the bytes, never an allocation that fails.
+TEST_F(RegistryTest, GroupPrivateMemoryThatDoesNotFitIsResourceExhausted) {
+  state_->group_private_bytes = 4398046511104;  // R = M = 4096: 4096^3 int32.
+  state_->bytes_per_rank = 1000;
+  state_->free_bytes = 1ull << 34;
+  std::string s = Session();
+  absl::Status status = Join(s, 0).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("4398046511104 bytes of epd's private memory"),
+                    HasSubstr("1000 bytes for rank 0's endpoint"),
+                    HasSubstr(std::to_string(1ull << 34) + " bytes free")));
+  EXPECT_EQ(state_->groups_created, 0);
+
+  // Fits: created; the next rank of the live group is not charged it again.
+  state_->group_private_bytes = (1ull << 34) - 1000;
+  ASSERT_TRUE(Join(s, 0).ok());
+  state_->free_bytes = 1000;
+  EXPECT_TRUE(Join(s, 1).ok());
+}
+
 TEST_F(RegistryTest, MaxGroups) {
   std::string s = Session();
   ASSERT_TRUE(Join(s, 0, SmallSpec("a")).ok());
