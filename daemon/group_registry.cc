@@ -544,8 +544,8 @@ absl::Status GroupRegistry::CheckQuotasLocked(uint32_t uid, const std::string& g
        usage.endpoint_bytes > options_.max_endpoint_bytes_per_uid - bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "max_endpoint_bytes_per_uid: uid ", uid, " holds ", usage.endpoint_bytes,
-        " bytes of endpoint buffers, the quota is ", options_.max_endpoint_bytes_per_uid, "; ",
-        what, " needs ", bytes, " more", next));
+        " bytes of endpoint buffers and group memory, the quota is ",
+        options_.max_endpoint_bytes_per_uid, "; ", what, " needs ", bytes, " more", next));
   }
   return absl::OkStatus();
 }
