@@ -645,8 +645,8 @@ TEST_F(ClientLaunchTest, LowLatencyBothModesMatchHost) {
   }
 }
 
-// Low-latency capacities (Mll) of 1, 1024, 1100, 3000 and 4096 and top-k of 1, 2, 4, 8, 48
-// and 64, small and DeepSeek-V3 hidden sizes, FP8 and BF16, in both modes: the CUDA
+// Low-latency capacities (Mll) of 1, 128, 1024, 1100, 3000 and 4096 and top-k of 1, 2, 4, 8,
+// 32, 48 and 64, small and DeepSeek-V3 hidden sizes, FP8 and BF16, in both modes: the CUDA
 // backend runs every spec Join accepts (cuda_limits.h), through the large path of the
 // dispatch where its routing does not fit shared memory or K > 32.
 TEST_F(ClientLaunchTest, LowLatencyLargeCapacityAndTopkBothModesMatchHost) {
@@ -660,6 +660,8 @@ TEST_F(ClientLaunchTest, LowLatencyLargeCapacityAndTopkBothModesMatchHost) {
       {2, 64, 128, 64, 4096},  //
       {2, 48, 7168, 48, 128},  // DeepSeek-V3's hidden size.
       {8, 8, 7168, 1, 1},
+      {2, 32, 7168, 32, 1024},  // The largest top-k of the small path, at 7168.
+      {2, 32, 256, 32, 4096},
   };
   for (const Case& c : cases) {
     GroupResult by_mode[2][2];

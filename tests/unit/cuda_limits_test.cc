@@ -56,12 +56,31 @@ TEST(CudaLimitsTest, LowLatencyCapacityTopkAndHiddenHaveNoLimitOnCuda) {
     for (int K : {1, 8, 32, 48, 64, 128, 256}) {
       for (int H : {128, 7168, 65536}) {
         const v1::GroupSpec spec = Spec(8, 256, H, K, Mll, true);
+        if (static_cast<int64_t>(Mll) * ((H + 31) / 32) >= (int64_t{1} << 31)) {
+          continue;  // Past the 32-bit unit count (LowLatencyUnitCountIsBounded).
+        }
         EXPECT_TRUE(OnCuda(spec).ok()) << SpecSummary(spec) << ": " << OnCuda(spec);
       }
     }
   }
   // Top-k equal to the largest E the exchange allows, with one rank.
   EXPECT_TRUE(OnCuda(Spec(1, 4224, 128, 4224, 4096)).ok());
+}
+
+// The low-latency kernels number (token, 32-channel chunk) units in 32 bits: at the largest
+// hidden Join accepts, the capacity whose unit count reaches 2^31 is refused at Join, naming
+// the field, the value and the largest that works; that one is accepted.
+TEST(CudaLimitsTest, LowLatencyUnitCountIsBounded) {
+  const int H = 65536;  // 2048 chunks of 32 channels.
+  const int most = (1 << 31) / 2048 - 1;
+  EXPECT_TRUE(OnCuda(Spec(2, 16, H, 2, most)).ok()) << OnCuda(Spec(2, 16, H, 2, most));
+  const absl::Status past = OnCuda(Spec(2, 16, H, 2, most + 1));
+  EXPECT_EQ(past.code(), absl::StatusCode::kInvalidArgument) << past;
+  EXPECT_THAT(std::string(past.message()),
+              AllOf(HasSubstr("spec.ll_max_tokens_per_rank: " + std::to_string(most + 1)),
+                    HasSubstr("the largest ll_max_tokens_per_rank that works with this hidden "
+                              "is " +
+                              std::to_string(most))));
 }
 
 TEST(CudaLimitsTest, ASpecPastALimitIsRefusedNamingFieldValueAndLargestThatWorks) {

@@ -208,6 +208,18 @@ inline absl::Status CheckCudaShape(const GroupShape& shape) {
           "largest num_experts that works is ",
           kLowLatencyTiledSmemBudget / 16 / r * r));
     }
+    // The low-latency kernels number their units of work (token, channel chunk of at least
+    // 32 channels) in 32-bit integers: Mll * ceil(H / 32) must stay below 2^31.
+    const int64_t chunks = (static_cast<int64_t>(shape.hidden) + 31) / 32;
+    const int64_t most_tokens = (int64_t{1} << 31) / chunks - 1;
+    if (shape.ll_max_tokens_per_rank > most_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.ll_max_tokens_per_rank: ", shape.ll_max_tokens_per_rank, " with hidden = ",
+          shape.hidden, " is past the CUDA backend's limit: the low-latency kernels count ",
+          "(token, 32-channel chunk) units in 32 bits; the largest ll_max_tokens_per_rank that "
+          "works with this hidden is ",
+          most_tokens));
+    }
   }
   return absl::OkStatus();
 }
