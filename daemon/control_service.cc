@@ -188,8 +188,9 @@ grpc::ServerUnaryReactor* ControlService::JoinGroup(grpc::CallbackServerContext*
   } else {
     // The name is the client's, unvalidated: escaped and capped (a '\n' would forge a line).
     // The join secret is never logged (nor is it in any error message).
-    GetLogger(kLogControl)
-        ->info("JoinGroup group \"{}\" rank {} from {} ({}) refused: {}",
+    LogLimited(*GetLogger(kLogControl), spdlog::level::info,
+               *registry_->ControlLogBudget(caller->uid), "its refused joins",
+               "JoinGroup group \"{}\" rank {} from {} ({}) refused: {}",
                EscapeClientText(request->spec().name()), request->rank(),
                DescribeCredentials(*caller), context->peer(), endpoint.status().ToString());
   }
@@ -224,13 +225,14 @@ grpc::ServerUnaryReactor* ControlService::GetGroupEndpoints(
   // The reactor and `response` live until Finish; the callback runs exactly once.
   registry_->GetGroupEndpoints(
       *request, [reactor, response, group = EscapeClientText(request->group()),
-                 rank = request->rank()](absl::StatusOr<v1::GetGroupEndpointsResponse> endpoints) {
+                 rank = request->rank(), budget = registry_->ControlLogBudget(caller->uid)](
+                    absl::StatusOr<v1::GetGroupEndpointsResponse> endpoints) {
         if (endpoints.ok()) {
           *response = *std::move(endpoints);
         } else {
-          GetLogger(kLogControl)
-              ->info("GetGroupEndpoints group \"{}\" rank {}: {}", group, rank,
-                     endpoints.status().ToString());
+          LogLimited(*GetLogger(kLogControl), spdlog::level::info, *budget,
+                     "its GetGroupEndpoints calls", "GetGroupEndpoints group \"{}\" rank {}: {}",
+                     group, rank, endpoints.status().ToString());
         }
         reactor->Finish(ToGrpcStatus(endpoints.status()));
       });

@@ -672,6 +672,7 @@ void Daemon::WatchHealth() {
       PublishServing();
     }
     registry_->ExpireUnmappedEndpoints(now);
+    registry_->ReportSuppressedLogLines();
   }
 }
 

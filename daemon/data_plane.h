@@ -16,6 +16,18 @@
 
 namespace epd {
 
+class LogRateLimiter;  // daemon/logging.h
+
+/// The client that joins a rank, as the data plane needs it: whose budget the log lines
+/// its endpoint (and, for a group's first rank, the group) can cause are charged to
+/// (docs/SECURITY.md, "Client-caused log lines are rate-limited").
+struct RankClient {
+  uint32_t uid = 0;  ///< SO_PEERCRED uid of the session that joins the rank.
+  /// The rate limit shared by every endpoint, group and session of `uid` (GroupRegistry
+  /// keeps one per uid). Null: the endpoint gets a budget of its own (tests, tools).
+  std::shared_ptr<LogRateLimiter> log_budget;
+};
+
 /// Per-group state a data plane keeps. Created on a group's first join, destroyed (and
 /// its memory freed) when the last rank leaves.
 class DataPlaneGroup {
@@ -24,9 +36,13 @@ class DataPlaneGroup {
 
   /// Allocates rank `rank`'s endpoint (data area, shm ring) and fills `info` with what
   /// the client needs to map it. Errors: RESOURCE_EXHAUSTED (memory), INTERNAL.
-  /// `gpu_uuid` is already resolved to a known GPU by the registry ("" on host).
+  /// `gpu_uuid` is already resolved to a known GPU by the registry ("" on host). The
+  /// warnings the endpoint's client can cause are charged to `client.log_budget`; so are
+  /// the group's own (op timeouts, ranks that left) when this is the group's first attach
+  /// (its owner's).
   virtual absl::Status AttachRank(int32_t rank, const std::string& gpu_uuid,
-                                  v1::LaunchMode launch_mode, v1::EndpointInfo* info) = 0;
+                                  v1::LaunchMode launch_mode, const RankClient& client,
+                                  v1::EndpointInfo* info) = 0;
 
   /// Releases rank `rank`'s endpoint. Ops in flight that wait for this rank fail with
   /// DEADLINE_EXCEEDED (or ABORTED) instead of hanging. Idempotent.
@@ -66,6 +82,11 @@ class DataPlane {
   /// Bytes one rank's endpoint of `spec` needs (data area plus ring), for the
   /// RESOURCE_EXHAUSTED check at join.
   virtual uint64_t BytesPerRank(const v1::GroupSpec& spec) const = 0;
+
+  /// Bytes of epd's private memory CreateGroup(spec) allocates for the whole group (kernel
+  /// scratch, every rank's private routing state), taken from what FreeBytes counts; for
+  /// the RESOURCE_EXHAUSTED check when a join creates the group. 0 by default.
+  virtual uint64_t GroupPrivateBytes(const v1::GroupSpec& /*spec*/) const { return 0; }
 
   /// Bytes free where a rank on `gpu_uuid` would be allocated (GPU memory, or available
   /// host memory on the host backend).

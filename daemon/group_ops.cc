@@ -153,6 +153,7 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
       options_(std::move(options)),
       engine_log_(EngineLog()),
       log_name_(absl::StrCat("group ", spec.name())),
+      log_limiter_(std::make_shared<LogRateLimiter>()),
       endpoints_(spec.num_ranks()),
       departed_(spec.num_ranks(), false),
       running_slots_(spec.num_ranks()),
@@ -196,12 +197,14 @@ bool LockstepGroup::RankMapped(int32_t rank) const {
 }
 
 absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid,
-                                       v1::LaunchMode launch_mode, v1::EndpointInfo* info) {
+                                       v1::LaunchMode launch_mode, const RankClient& client,
+                                       v1::EndpointInfo* info) {
   if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size())) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " outside [0, ", endpoints_.size(), ")"));
   }
   auto ep = std::make_unique<LockstepEndpoint>();
+  ep->log_limiter = client.log_budget ? client.log_budget : std::make_shared<LogRateLimiter>();
   EPD_ASSIGN_OR_RETURN(ep->backend, PrepareRank(rank, gpu_uuid, launch_mode, info));
   const uint64_t shm_data_bytes = ShmDataBytes();
   // The layout the daemon uses from here on (private; the header gets a copy for the client).
@@ -263,8 +266,14 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   endpoints_[rank] = std::move(ep);
   departed_.resize(endpoints_.size(), false);
   departed_[rank] = false;
-  EngineLog()->info("group {}: rank {} attached (endpoint {}, backend {}, {} bytes of shm)",
-                    spec_.name(), rank, endpoints_[rank]->endpoint_id, info->backend(),
+  if (!log_limiter_is_owners_ && client.log_budget) {
+    // What the group's ops cause is charged to its owner (the first joiner): a client
+    // cannot multiply its budget by creating groups.
+    log_limiter_ = client.log_budget;
+    log_limiter_is_owners_ = true;
+  }
+  EngineLog()->info("group {}: rank {} attached (endpoint {}, uid {}, backend {}, {} bytes of shm)",
+                    spec_.name(), rank, endpoints_[rank]->endpoint_id, client.uid, info->backend(),
                     shm.total_bytes);
   return absl::OkStatus();
 }
@@ -317,7 +326,14 @@ void LockstepGroup::DetachRank(int32_t rank) {
     }
     RankDetached(rank);
   }
-  LogSuppressedReport(*engine_log_, spdlog::level::warn, ep->log_name, ep->log_limiter.Flush());
+  // A budget of the endpoint's own reports what it holds now; a shared one (its uid's)
+  // reports once it has a token, through its other sources or GroupRegistry.
+  if (ep->log_limiter.use_count() == 1) {
+    LogSuppressedReport(*engine_log_, spdlog::level::warn, *ep->log_limiter,
+                        ep->log_limiter->Flush());
+  } else {
+    LogSuppressed(*engine_log_, spdlog::level::warn, *ep->log_limiter);
+  }
   EngineLog()->info("group {}: rank {} detached (endpoint {})", spec_.name(), rank,
                     ep->endpoint_id);
   WakeEngine();
@@ -485,7 +501,7 @@ bool LockstepGroup::RefuseRequests(int32_t rank, LockstepEndpoint& ep, const abs
     worked = true;
     CountRejected(ep);
     if (slot.magic != abi::kRequestMagic) continue;  // Not attributable to a request.
-    LogLimited(*engine_log_, spdlog::level::warn, ep.log_limiter, ep.log_name,
+    LogLimited(*engine_log_, spdlog::level::warn, *ep.log_limiter, ep.log_name,
                "group {} rank {}: refused request {}: {}", spec_.name(), rank, slot.seq,
                why.message());
     CompleteUnrun(rank, ep, slot, why);
@@ -498,7 +514,7 @@ bool LockstepGroup::PopRequests() {
   for (size_t r = 0; r < endpoints_.size(); ++r) {
     LockstepEndpoint* ep = endpoints_[r].get();
     if (!ep) continue;
-    LogSuppressed(*engine_log_, spdlog::level::warn, ep->log_limiter, ep->log_name);
+    LogSuppressed(*engine_log_, spdlog::level::warn, *ep->log_limiter);
     const int32_t rank = static_cast<int32_t>(r);
     if (absl::Status refused = AcceptsRequests(rank); !refused.ok()) {
       worked |= RefuseRequests(rank, *ep, refused);
@@ -514,7 +530,7 @@ bool LockstepGroup::PopRequests() {
         // Not a request of this endpoint's client (garbage, or a replayed slot): it cannot
         // be attributed to an op, so it is dropped, counted and reported, never executed.
         CountRejected(*ep);
-        LogLimited(*engine_log_, spdlog::level::warn, ep->log_limiter, ep->log_name,
+        LogLimited(*engine_log_, spdlog::level::warn, *ep->log_limiter, ep->log_name,
                    "group {} rank {}: dropped a malformed ring slot (magic 0x{:x}, seq {}, "
                    "expected seq {}); {} dropped so far",
                    spec_.name(), r, slot.magic, slot.seq, ep->next_seq, ep->rejected_requests);
@@ -526,7 +542,7 @@ bool LockstepGroup::PopRequests() {
         CountRejected(*ep);
         if (slot.op == 0 || slot.op > abi::kMaxOpKind) slot.op = 0;
         if (!(slot.flags & abi::kFlagClientError)) {
-          LogLimited(*engine_log_, spdlog::level::warn, ep->log_limiter, ep->log_name,
+          LogLimited(*engine_log_, spdlog::level::warn, *ep->log_limiter, ep->log_name,
                      "group {} rank {}: rejected request {}: {}", spec_.name(), r, seq,
                      valid.message());
         }
@@ -549,7 +565,7 @@ bool LockstepGroup::PopRequests() {
       if (!op_started_) op_started_ = Clock::now();
     }
   }
-  LogSuppressed(*engine_log_, spdlog::level::warn, log_limiter_, log_name_);
+  LogSuppressed(*engine_log_, spdlog::level::warn, *log_limiter_);
   return worked;
 }
 

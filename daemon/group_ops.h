@@ -83,8 +83,9 @@ struct LockstepEndpoint {
   /// "group G rank R (endpoint ID)", the source named in this endpoint's log lines.
   std::string log_name;
   /// Rate limit of the warnings this endpoint's client can cause (malformed or rejected
-  /// slots, bad inputs).
-  LogRateLimiter log_limiter;
+  /// slots, bad inputs): its uid's, shared with every other endpoint of that uid
+  /// (RankClient::log_budget), or one of its own. Never null once attached.
+  std::shared_ptr<LogRateLimiter> log_limiter;
 
   /// Whether the client has taken up this endpoint: the fd channel handed it the region's
   /// descriptor (TakeEndpointFds), which is daemon-private state (the header's
@@ -169,7 +170,7 @@ class LockstepGroup : public DataPlaneGroup {
   ~LockstepGroup() override = default;
 
   absl::Status AttachRank(int32_t rank, const std::string& gpu_uuid, v1::LaunchMode launch_mode,
-                          v1::EndpointInfo* info) final;
+                          const RankClient& client, v1::EndpointInfo* info) final;
   void DetachRank(int32_t rank) final;
   absl::StatusOr<EndpointFds> TakeEndpointFds(int32_t rank) final;
   uint64_t ops_completed() const final { return ops_completed_.load(); }
@@ -286,11 +287,12 @@ class LockstepGroup : public DataPlaneGroup {
   LockstepEndpoint* endpoint(int32_t r) const { return endpoints_[r].get(); }
   /// Logs a line the group's clients can cause (an op timing out, a client that never
   /// staged its inputs, bad ids in a program step, ...) through the group's rate limit
-  /// (LogLimited): a client repeating it cannot flood the log. Call with mu_ held.
+  /// (LogLimited; the owner's uid's budget, see AttachRank): a client repeating it cannot
+  /// flood the log. Call with mu_ held.
   template <typename... Args>
   void LogClientCaused(spdlog::level::level_enum level, fmt::format_string<Args...> format,
                        Args&&... args) const {
-    LogLimited(*engine_log_, level, log_limiter_, log_name_, format, std::forward<Args>(args)...);
+    LogLimited(*engine_log_, level, *log_limiter_, log_name_, format, std::forward<Args>(args)...);
   }
   /// As LogClientCaused, through rank `rank`'s endpoint's rate limit (the group's when the
   /// rank is detached).
@@ -298,7 +300,7 @@ class LockstepGroup : public DataPlaneGroup {
   void LogRankCaused(int32_t rank, spdlog::level::level_enum level,
                      fmt::format_string<Args...> format, Args&&... args) const {
     LockstepEndpoint* ep = endpoints_[rank].get();
-    LogLimited(*engine_log_, level, ep ? ep->log_limiter : log_limiter_,
+    LogLimited(*engine_log_, level, ep ? *ep->log_limiter : *log_limiter_,
                ep ? absl::string_view(ep->log_name) : absl::string_view(log_name_), format,
                std::forward<Args>(args)...);
   }
@@ -334,7 +336,10 @@ class LockstepGroup : public DataPlaneGroup {
   LockstepOptions options_;
   std::shared_ptr<spdlog::logger> engine_log_;  ///< "epd.engine".
   std::string log_name_;                        ///< "group G", for rate-limited lines.
-  mutable LogRateLimiter log_limiter_;          ///< LogClientCaused's rate limit.
+  /// LogClientCaused's rate limit: the group's own until its first attach that names a
+  /// budget (the owner's uid's), then that one. Never null.
+  std::shared_ptr<LogRateLimiter> log_limiter_;
+  bool log_limiter_is_owners_ = false;  ///< log_limiter_ came from an attach.
   std::vector<std::unique_ptr<LockstepEndpoint>> endpoints_;
   /// departed_[r]: rank r was attached and then detached (left, or its client died) and
   /// has not rejoined; the group's next op that waits for it fails at once (once: later

@@ -88,8 +88,8 @@ absl::StatusOr<std::string> GroupRegistry::OpenSession(const PeerCredentials& pe
   // max_request_bytes of them).
   session.client_name = EscapeClientText(client_name);
   session.opened = absl::Now();
-  GetLogger(kLogRegistry)
-      ->info("session {} opened ({}, name \"{}\")", id, DescribeCredentials(peer),
+  LogLimited(*GetLogger(kLogRegistry), spdlog::level::info, *ControlLogBudgetLocked(peer.uid),
+             "its sessions", "session {} opened ({}, name \"{}\")", id, DescribeCredentials(peer),
              session.client_name);
   return id;
 }
@@ -177,12 +177,13 @@ int GroupRegistry::CloseSession(const std::string& session_id, absl::string_view
     ReleaseRankLocked(group, rank, why);
     released.push_back(absl::StrCat(group, "/", rank));
   }
-  GetLogger(kLogRegistry)
-      ->info(
-          "session {} ({}, name \"{}\") ended ({}) after {}: released {} endpoint(s){}{}",
-          session_id, DescribeCredentials(it->second.peer), it->second.client_name, why,
-          absl::FormatDuration(absl::Trunc(absl::Now() - it->second.opened, absl::Milliseconds(1))),
-          released.size(), released.empty() ? "" : ": ", absl::StrJoin(released, ", "));
+  LogLimited(
+      *GetLogger(kLogRegistry), spdlog::level::info, *ControlLogBudgetLocked(it->second.peer.uid),
+      "its sessions",
+      "session {} ({}, name \"{}\") ended ({}) after {}: released {} endpoint(s){}{}", session_id,
+      DescribeCredentials(it->second.peer), it->second.client_name, why,
+      absl::FormatDuration(absl::Trunc(absl::Now() - it->second.opened, absl::Milliseconds(1))),
+      released.size(), released.empty() ? "" : ": ", absl::StrJoin(released, ", "));
   sessions_.erase(session_id);
   NotifyWaitersLocked();
   return static_cast<int>(released.size());
@@ -207,6 +208,15 @@ absl::StatusOr<std::string> GroupRegistry::ResolveGpu(const std::string& gpu_uui
   EPD_ASSIGN_OR_RETURN(v1::GpuInfo gpu, inventory_.Find(gpu_uuid));
   return gpu.uuid();
 }
+
+namespace {
+
+/// a + b, or the largest uint64_t when that overflows.
+uint64_t SaturatingAdd(uint64_t a, uint64_t b) {
+  return a > ~uint64_t{0} - b ? ~uint64_t{0} : a + b;
+}
+
+}  // namespace
 
 absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest& request) {
   const v1::GroupSpec& spec = request.spec();
@@ -275,7 +285,10 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   }
   const bool creates = group_it == groups_.end();
   const uint64_t bytes_needed = data_plane_->BytesPerRank(spec);
-  EPD_RETURN_IF_ERROR(CheckQuotasLocked(joiner.uid, spec.name(), rank, creates, bytes_needed));
+  // A join that creates the group is charged the group's private memory too.
+  const uint64_t group_bytes = creates ? data_plane_->GroupPrivateBytes(spec) : 0;
+  EPD_RETURN_IF_ERROR(CheckQuotasLocked(joiner.uid, spec.name(), rank, creates,
+                                        SaturatingAdd(bytes_needed, group_bytes)));
   if (creates && groups_.size() >= options_.max_groups) {
     return absl::ResourceExhaustedError(absl::StrCat("max_groups: ", options_.max_groups,
                                                      " groups are live; group \"", spec.name(),
@@ -283,6 +296,14 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   }
 
   EPD_ASSIGN_OR_RETURN(uint64_t bytes_free, data_plane_->FreeBytes(gpu_uuid));
+  if (group_bytes > bytes_free || bytes_needed > bytes_free - group_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "group \"%s\" needs %d bytes of epd's private memory (kernel scratch and routing "
+        "state for %d ranks) plus %d bytes for rank %d's endpoint, but %s has %d bytes free; "
+        "lower num_ranks, max_tokens_per_rank, ll_max_tokens_per_rank or hidden, or free memory",
+        spec.name(), group_bytes, spec.num_ranks(), bytes_needed, rank,
+        gpu_uuid.empty() ? std::string("host memory (host backend)") : gpu_uuid, bytes_free));
+  }
   EPD_RETURN_IF_ERROR(
       CheckBuffersFit(spec, bytes_needed, bytes_free,
                       gpu_uuid.empty() ? std::string("host memory (host backend)") : gpu_uuid));
@@ -295,6 +316,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
     group.spec = spec;
     group.data = std::move(data);
     group.bytes_per_rank = bytes_needed;
+    group.private_bytes = group_bytes;
     group.launch_mode = mode;
     group.owner_uid = joiner.uid;
     group.join_secret.Set(request.join_secret());
@@ -306,7 +328,8 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
                                        : "no join secret (only its owner's uid may join)");
   }
   v1::EndpointInfo info;
-  absl::Status attached = group_it->second.data->AttachRank(rank, gpu_uuid, mode, &info);
+  absl::Status attached = group_it->second.data->AttachRank(
+      rank, gpu_uuid, mode, RankClient{joiner.uid, LogBudgetLocked(joiner.uid)}, &info);
   if (!attached.ok()) {
     if (created) {
       groups_.erase(group_it);
@@ -324,10 +347,10 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   info.set_launch_mode(mode);
   session->second.endpoints.emplace(spec.name(), rank);
   NotifyWaitersLocked();
-  GetLogger(kLogRegistry)
-      ->info("rank {} of group \"{}\" joined by session {} ({}){}{}", rank, spec.name(),
-             request.session_id(), DescribeCredentials(slot.peer), gpu_uuid.empty() ? "" : " on ",
-             gpu_uuid);
+  LogLimited(*GetLogger(kLogRegistry), spdlog::level::info, *ControlLogBudgetLocked(slot.peer.uid),
+             "its joins", "rank {} of group \"{}\" joined by session {} ({}){}{}", rank,
+             spec.name(), request.session_id(), DescribeCredentials(slot.peer),
+             gpu_uuid.empty() ? "" : " on ", gpu_uuid);
   return info;
 }
 
@@ -367,9 +390,11 @@ void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t ran
   auto session = sessions_.find(slot->second.session_id);
   if (session != sessions_.end()) session->second.endpoints.erase({group_name, rank});
   group.data->DetachRank(rank);
+  const uint32_t holder_uid = slot->second.peer.uid;
   group.ranks.erase(slot);
   if (log_release) {
-    GetLogger(kLogRegistry)->info("rank {} of group \"{}\" released ({})", rank, group_name, why);
+    LogLimited(*GetLogger(kLogRegistry), spdlog::level::info, *ControlLogBudgetLocked(holder_uid),
+               "its releases", "rank {} of group \"{}\" released ({})", rank, group_name, why);
   }
   if (group.ranks.empty()) {
     retired_ops_completed_ += group.data->ops_completed();
@@ -493,7 +518,10 @@ GroupRegistry::Usage GroupRegistry::UsageOfLocked(uint32_t uid) const {
     if (session.peer.uid == uid) ++usage.sessions;
   }
   for (const auto& [name, group] : groups_) {
-    if (group.owner_uid == uid) ++usage.groups_owned;
+    if (group.owner_uid == uid) {
+      ++usage.groups_owned;
+      usage.endpoint_bytes += group.private_bytes;
+    }
     for (const auto& [rank, slot] : group.ranks) {
       if (slot.peer.uid != uid) continue;
       ++usage.endpoints;
@@ -529,8 +557,8 @@ absl::Status GroupRegistry::CheckQuotasLocked(uint32_t uid, const std::string& g
        usage.endpoint_bytes > options_.max_endpoint_bytes_per_uid - bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "max_endpoint_bytes_per_uid: uid ", uid, " holds ", usage.endpoint_bytes,
-        " bytes of endpoint buffers, the quota is ", options_.max_endpoint_bytes_per_uid, "; ",
-        what, " needs ", bytes, " more", next));
+        " bytes of endpoint buffers and group memory, the quota is ",
+        options_.max_endpoint_bytes_per_uid, "; ", what, " needs ", bytes, " more", next));
   }
   return absl::OkStatus();
 }
@@ -565,7 +593,45 @@ void GroupRegistry::ReleaseAll() {
   for (const auto& [name, rank] : all) ReleaseRankLocked(name, rank, "daemon shutdown");
   groups_.clear();
   sessions_.clear();
+  auto log = GetLogger(kLogEngine);
+  for (auto& [uid, budget] : log_budgets_) {
+    LogSuppressedReport(*log, spdlog::level::warn, *budget, budget->Flush());
+  }
   NotifyWaitersLocked();
+}
+
+std::shared_ptr<LogRateLimiter> GroupRegistry::LogBudgetLocked(uint32_t uid) {
+  std::shared_ptr<LogRateLimiter>& budget = log_budgets_[uid];
+  if (!budget) {
+    budget =
+        std::make_shared<LogRateLimiter>(LogRateLimiter::kDefaultPerSecond,
+                                         LogRateLimiter::kDefaultBurst, absl::StrCat("uid ", uid));
+  }
+  return budget;
+}
+
+void GroupRegistry::ReportSuppressedLogLines() {
+  absl::MutexLock lock(&mu_);
+  auto log = GetLogger(kLogEngine);
+  for (auto& [uid, budget] : log_budgets_) LogSuppressed(*log, spdlog::level::warn, *budget);
+  auto registry_log = GetLogger(kLogRegistry);
+  for (auto& [uid, budget] : control_log_budgets_) {
+    LogSuppressed(*registry_log, spdlog::level::info, *budget);
+  }
+}
+
+std::shared_ptr<LogRateLimiter> GroupRegistry::ControlLogBudget(uint32_t uid) {
+  absl::MutexLock lock(&mu_);
+  return ControlLogBudgetLocked(uid);
+}
+
+std::shared_ptr<LogRateLimiter> GroupRegistry::ControlLogBudgetLocked(uint32_t uid) {
+  std::shared_ptr<LogRateLimiter>& budget = control_log_budgets_[uid];
+  if (!budget) {
+    budget = std::make_shared<LogRateLimiter>(kControlLogPerSecond, kControlLogBurst,
+                                              absl::StrCat("uid ", uid));
+  }
+  return budget;
 }
 
 void GroupRegistry::NotifyWaitersLocked() {

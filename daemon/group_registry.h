@@ -202,10 +202,25 @@ class GroupRegistry {
   };
   Counters counters() const;
 
+  /// Reports the client-caused warnings each uid's log budget suppressed (RankClient), for
+  /// the budgets that have a token again: a uid whose endpoints are all gone would
+  /// otherwise keep its count until its next warning. The daemon calls it periodically.
+  void ReportSuppressedLogLines();
+
+  /// The budget of the control-plane lines `uid`'s clients cause (sessions opened and
+  /// ended, joins, releases, refused calls): larger than the data plane's (a job of many
+  /// ranks starts with a few lines per rank), but a client cannot multiply it by opening
+  /// sessions or rejoining (docs/SECURITY.md "Client-caused log lines are rate-limited").
+  std::shared_ptr<LogRateLimiter> ControlLogBudget(uint32_t uid) ABSL_LOCKS_EXCLUDED(mu_);
+  /// Lines a second and burst of ControlLogBudget.
+  static constexpr double kControlLogPerSecond = 20;
+  static constexpr double kControlLogBurst = 200;
+
   /// From now on OpenSession and Join return UNAVAILABLE (shutdown). Idempotent.
   void SetDraining();
 
-  /// Releases every endpoint and group and forgets every session (shutdown). Idempotent.
+  /// Releases every endpoint and group and forgets every session, and reports what the
+  /// log budgets still hold (shutdown). Idempotent.
   void ReleaseAll();
 
  private:
@@ -227,6 +242,7 @@ class GroupRegistry {
     std::unique_ptr<DataPlaneGroup> data;
     std::map<int32_t, RankSlot> ranks;
     uint64_t bytes_per_rank = 0;
+    uint64_t private_bytes = 0;  ///< DataPlane::GroupPrivateBytes, charged to its owner.
   };
   struct Session {
     PeerCredentials peer;
@@ -255,6 +271,10 @@ class GroupRegistry {
   absl::Status CheckQuotasLocked(uint32_t uid, const std::string& group, int32_t rank, bool creates,
                                  uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Usage UsageOfLocked(uint32_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// The log budget of `uid`'s clients (created on first use, then kept).
+  std::shared_ptr<LogRateLimiter> LogBudgetLocked(uint32_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::shared_ptr<LogRateLimiter> ControlLogBudgetLocked(uint32_t uid)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckSessionCallerLocked(const std::string& session_id,
                                         const PeerCredentials& caller) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -287,6 +307,12 @@ class GroupRegistry {
   uint64_t retired_ops_completed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t retired_ops_failed_ ABSL_GUARDED_BY(mu_) = 0;
   std::list<EndpointsWaiter> waiters_ ABSL_GUARDED_BY(mu_);
+  /// One log budget per uid that ever joined (docs/SECURITY.md, "Client-caused log lines
+  /// are rate-limited"): per uid, not per session or group, which a client opens for free;
+  /// kept when the uid has nothing left, so that leaving and joining again starts no fresh
+  /// burst. A few hundred bytes per uid.
+  std::map<uint32_t, std::shared_ptr<LogRateLimiter>> log_budgets_ ABSL_GUARDED_BY(mu_);
+  std::map<uint32_t, std::shared_ptr<LogRateLimiter>> control_log_budgets_ ABSL_GUARDED_BY(mu_);
   absl::CondVar waiters_changed_;
   bool stop_waiters_ ABSL_GUARDED_BY(mu_) = false;
   std::thread waiter_thread_;  ///< Started with the first waiting call; joined at destruction.

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
@@ -61,6 +62,14 @@ struct HostRank : RankResources {
   std::vector<int32_t> send_pos;  ///< [M, R]: the routing of the last normal dispatch.
   std::vector<int32_t> ll_handle_pos[kernels::kLowLatencyBuffers];  ///< [Mll, K] per buffer.
 
+  /// The bytes a HostRank of `s` holds.
+  static uint64_t BytesFor(const kernels::GroupShape& s) {
+    return static_cast<uint64_t>(s.max_input_tokens()) * s.num_topk * sizeof(int64_t) +
+           static_cast<uint64_t>(s.max_tokens_per_rank) * s.num_ranks * sizeof(int32_t) +
+           uint64_t{kernels::kLowLatencyBuffers} * s.ll_max_tokens_per_rank * s.num_topk *
+               sizeof(int32_t);
+  }
+
   explicit HostRank(const kernels::GroupShape& s)
       : topk_idx(static_cast<size_t>(s.max_input_tokens()) * s.num_topk),
         send_pos(static_cast<size_t>(s.max_tokens_per_rank) * s.num_ranks) {
@@ -80,6 +89,13 @@ class HostDataPlaneImpl : public DataPlane {
   uint64_t BytesPerRank(const v1::GroupSpec& spec) const override {
     return abi::ComputeEndpointShmLayout(EndpointLayout::Compute(ShapeOf(spec)).total_bytes)
         .total_bytes;
+  }
+  /// The kernel scratch the group reserves at creation and every rank's HostRank: both in
+  /// host memory, as the endpoints are.
+  uint64_t GroupPrivateBytes(const v1::GroupSpec& spec) const override {
+    const kernels::GroupShape shape = ShapeOf(spec);
+    return kernels::host::HostScratch::ReservedBytes(shape, options_.host_threads) +
+           static_cast<uint64_t>(spec.num_ranks()) * HostRank::BytesFor(shape);
   }
   absl::StatusOr<uint64_t> FreeBytes(const std::string&) const override { return ShmFreeBytes(); }
   absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override;
@@ -201,7 +217,17 @@ absl::Status HostDataPlaneImpl::Init() {
 absl::StatusOr<std::unique_ptr<DataPlaneGroup>> HostDataPlaneImpl::CreateGroup(
     const v1::GroupSpec& spec) {
   if (shut_down_.load()) return absl::UnavailableError("epd is shutting down");
-  auto group = std::make_unique<HostGroup>(this, spec);
+  // Join checked GroupPrivateBytes against free memory; memory taken by others since then
+  // can still make the reservation fail, which must not cross gRPC as an exception.
+  std::unique_ptr<HostGroup> group;
+  try {
+    group = std::make_unique<HostGroup>(this, spec);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "group \"", spec.name(), "\": out of host memory reserving its ", GroupPrivateBytes(spec),
+        " bytes of kernel scratch and routing state; lower num_ranks or max_tokens_per_rank, "
+        "or free memory"));
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     groups_.push_back(group.get());

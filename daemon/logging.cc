@@ -1,7 +1,9 @@
 #include "daemon/logging.h"
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -66,66 +68,80 @@ absl::Status SetLogLevel(absl::string_view level) {
   return absl::OkStatus();
 }
 
-LogRateLimiter::LogRateLimiter(double per_second, double burst)
+LogRateLimiter::LogRateLimiter(double per_second, double burst, std::string client)
     : per_second_(std::max(per_second, 1e-3)),
       burst_(std::max(burst, 1.0)),
+      client_(std::move(client)),
       tokens_(burst_),
       last_refill_(Clock::now()) {}
 
-void LogRateLimiter::Refill(Clock::time_point now) {
+void LogRateLimiter::RefillLocked(Clock::time_point now) {
   if (now <= last_refill_) return;
   const double seconds = std::chrono::duration<double>(now - last_refill_).count();
   tokens_ = std::min(burst_, tokens_ + seconds * per_second_);
   last_refill_ = now;
 }
 
-LogRateLimiter::Decision LogRateLimiter::Report(Clock::time_point now) {
+LogRateLimiter::Decision LogRateLimiter::ReportLocked(Clock::time_point now) {
   Decision d;
   d.log = true;
-  d.suppressed = suppressed_;
-  if (suppressed_ > 0) {
-    d.suppressed_seconds = std::chrono::duration<double>(now - first_suppressed_).count();
+  d.suppressed = suppressed_.load(std::memory_order_relaxed);
+  if (d.suppressed > 0) {
+    // Threads read the clock before taking the lock: `now` may precede the first one.
+    d.suppressed_seconds =
+        std::max(0.0, std::chrono::duration<double>(now - first_suppressed_).count());
+    std::memcpy(d.last_source, last_source_, last_source_bytes_);
+    d.last_source_bytes = last_source_bytes_;
   }
-  suppressed_ = 0;
+  suppressed_.store(0, std::memory_order_relaxed);
   return d;
 }
 
-LogRateLimiter::Decision LogRateLimiter::Allow(Clock::time_point now) {
-  Refill(now);
+LogRateLimiter::Decision LogRateLimiter::Allow(absl::string_view source, Clock::time_point now) {
+  std::lock_guard<std::mutex> lock(mu_);
+  RefillLocked(now);
   if (tokens_ >= 1.0) {
     tokens_ -= 1.0;
-    return Report(now);
+    return ReportLocked(now);
   }
-  if (suppressed_++ == 0) first_suppressed_ = now;
+  if (suppressed_.fetch_add(1, std::memory_order_relaxed) == 0) first_suppressed_ = now;
+  last_source_bytes_ = std::min(source.size(), sizeof(last_source_));
+  std::memcpy(last_source_, source.data(), last_source_bytes_);
   return Decision{};
 }
 
 LogRateLimiter::Decision LogRateLimiter::TakeReport(Clock::time_point now) {
-  if (suppressed_ == 0) return Decision{};
-  Refill(now);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (suppressed() == 0) return Decision{};
+  RefillLocked(now);
   if (tokens_ < 1.0) return Decision{};
   tokens_ -= 1.0;
-  return Report(now);
+  return ReportLocked(now);
 }
 
 LogRateLimiter::Decision LogRateLimiter::Flush(Clock::time_point now) {
-  if (suppressed_ == 0) return Decision{};
-  return Report(now);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (suppressed() == 0) return Decision{};
+  return ReportLocked(now);
 }
 
 void LogSuppressedReport(spdlog::logger& log, spdlog::level::level_enum level,
-                         absl::string_view who, const LogRateLimiter::Decision& decision) {
+                         const LogRateLimiter& limiter, const LogRateLimiter::Decision& decision) {
   if (decision.suppressed == 0) return;
-  log.log(level, "{} similar messages from {} suppressed in the last {:.1f} s", decision.suppressed,
-          who, decision.suppressed_seconds);
+  if (limiter.client().empty()) {
+    log.log(level, "{} similar messages from {} suppressed in the last {:.1f} s",
+            decision.suppressed, decision.last(), decision.suppressed_seconds);
+  } else {
+    log.log(level, "{} similar messages from {} (last: {}) suppressed in the last {:.1f} s",
+            decision.suppressed, limiter.client(), decision.last(), decision.suppressed_seconds);
+  }
 }
 
-bool LogSuppressed(spdlog::logger& log, spdlog::level::level_enum level, LogRateLimiter& limiter,
-                   absl::string_view who) {
+bool LogSuppressed(spdlog::logger& log, spdlog::level::level_enum level, LogRateLimiter& limiter) {
   if (limiter.suppressed() == 0) return false;
   const LogRateLimiter::Decision d = limiter.TakeReport();
   if (!d.log) return false;
-  LogSuppressedReport(log, level, who, d);
+  LogSuppressedReport(log, level, limiter, d);
   return true;
 }
 

@@ -91,6 +91,125 @@ absl::Status ClassifySocketDirectory(const std::string& socket_path, const Direc
   return absl::OkStatus();
 }
 
+namespace {
+
+/// lstat of `path` as a DirectoryStat; FAILED_PRECONDITION naming `socket_path` and `path`.
+absl::Status StatEntry(const std::string& socket_path, const std::string& path,
+                       DirectoryStat* entry) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket_path: ", socket_path, ": cannot stat ", path, ": ", Errno(errno)));
+  }
+  *entry = DirectoryStat{path,       st.st_uid,           st.st_gid,
+                         st.st_mode, UserName(st.st_uid), GroupName(st.st_gid)};
+  return absl::OkStatus();
+}
+
+/// ClassifySocketDirectory of the directory `path` as lstat finds it.
+absl::Status CheckOneDirectory(const std::string& socket_path, const std::string& path,
+                               uid_t daemon_uid) {
+  DirectoryStat entry;
+  if (absl::Status status = StatEntry(socket_path, path, &entry); !status.ok()) return status;
+  return ClassifySocketDirectory(socket_path, entry, daemon_uid);
+}
+
+/// `path`'s components ("/" and "" left out), last first (a stack to pop in path order).
+void PushComponents(const std::filesystem::path& path, std::vector<std::string>* stack) {
+  std::vector<std::string> parts;
+  for (const std::filesystem::path& part : path.relative_path()) {
+    if (!part.empty()) parts.push_back(part.string());
+  }
+  stack->insert(stack->end(), parts.rbegin(), parts.rend());
+}
+
+/// The walk the kernel makes to the socket's directory, one component at a time, from
+/// `socket_path` made absolute (not resolved): every directory looked up in passes
+/// ClassifySocketDirectory and every symbolic link met passes ClassifySocketPathLink, its
+/// target then walked the same way. Stops at the first component that does not exist
+/// (epd creates it, CreateSocketDirectories).
+absl::Status WalkSocketPath(const std::string& socket_path, uid_t daemon_uid) {
+  namespace fs = std::filesystem;
+  // A kernel's own limit on links followed in one lookup (MAXSYMLINKS).
+  constexpr int kMaxLinks = 40;
+  fs::path dir = fs::path(socket_path).parent_path();
+  if (dir.is_relative()) {
+    std::error_code error;
+    const fs::path cwd = fs::current_path(error);
+    if (error) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: ", socket_path, ": cannot read the working directory: ", error.message()));
+    }
+    dir = cwd / dir;
+  }
+  std::vector<std::string> pending;
+  PushComponents(dir, &pending);
+  fs::path resolved = "/";  // Free of links: every component was looked up by lstat.
+  int links = 0;
+  while (!pending.empty()) {
+    const std::string name = pending.back();
+    pending.pop_back();
+    if (name == ".") continue;
+    if (name == "..") {
+      resolved = resolved.parent_path();
+      continue;
+    }
+    if (absl::Status status = CheckOneDirectory(socket_path, resolved.string(), daemon_uid);
+        !status.ok()) {
+      return status;
+    }
+    const fs::path next = resolved / name;
+    struct stat st {};
+    if (::lstat(next.c_str(), &st) != 0) {
+      if (errno == ENOENT) return absl::OkStatus();
+      return absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: ", socket_path, ": cannot stat ", next.string(), ": ", Errno(errno)));
+    }
+    if (!S_ISLNK(st.st_mode)) {
+      resolved = next;
+      continue;
+    }
+    std::error_code error;
+    const fs::path target = fs::read_symlink(next, error);
+    if (error) {
+      return absl::FailedPreconditionError(absl::StrCat("socket_path: ", socket_path,
+                                                        ": cannot read the link ", next.string(),
+                                                        ": ", error.message()));
+    }
+    if (++links > kMaxLinks) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("socket_path: ", socket_path, ": more than ", kMaxLinks,
+                       " symbolic links on the way to its directory"));
+    }
+    const DirectoryStat link{next.string(), st.st_uid,           st.st_gid,
+                             st.st_mode,    UserName(st.st_uid), GroupName(st.st_gid)};
+    if (absl::Status status =
+            ClassifySocketPathLink(socket_path, link, target.string(), daemon_uid);
+        !status.ok()) {
+      return status;
+    }
+    if (target.is_absolute()) resolved = "/";
+    PushComponents(target, &pending);
+  }
+  return CheckOneDirectory(socket_path, resolved.string(), daemon_uid);
+}
+
+}  // namespace
+
+absl::Status ClassifySocketPathLink(const std::string& socket_path, const DirectoryStat& link,
+                                    const std::string& target, uid_t daemon_uid) {
+  if (!S_ISLNK(link.mode) || link.uid == 0 || link.uid == daemon_uid) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "socket_path: ", socket_path, ": the symbolic link ", link.path, " -> ", target,
+      " on the way to the socket belongs to ", Named(link.owner_name, "uid", link.uid),
+      ", another user than root and epd's (uid ", daemon_uid,
+      "), who can point it at a directory of theirs at any time, where clients would "
+      "connect to their socket instead of epd's; give --socket a path without that link "
+      "(e.g. its target, `realpath ",
+      link.path, "`, or /run/epd), or give the link to root or epd's user (chown -h root ",
+      link.path, ")"));
+}
+
 absl::Status CheckSocketDirectories(const std::string& socket_path, uid_t daemon_uid) {
   std::filesystem::path dir = std::filesystem::path(socket_path).parent_path();
   if (dir.empty()) dir = ".";
@@ -107,19 +226,14 @@ absl::Status CheckSocketDirectories(const std::string& socket_path, uid_t daemon
                                                       dir.string(), ": ", Errno(errno)));
   }
   for (std::filesystem::path p(real.get());; p = p.parent_path()) {
-    if (::lstat(p.c_str(), &st) != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "socket_path: ", socket_path, ": cannot stat ", p.string(), ": ", Errno(errno)));
-    }
-    DirectoryStat entry{p.string(), st.st_uid,           st.st_gid,
-                        st.st_mode, UserName(st.st_uid), GroupName(st.st_gid)};
-    if (absl::Status status = ClassifySocketDirectory(socket_path, entry, daemon_uid);
+    if (absl::Status status = CheckOneDirectory(socket_path, p.string(), daemon_uid);
         !status.ok()) {
       return status;
     }
     if (!p.has_relative_path()) break;  // "/" is done.
   }
-  return absl::OkStatus();
+  // The path as configured: its links, and the directories that hold them.
+  return WalkSocketPath(socket_path, daemon_uid);
 }
 
 absl::Status CreateSocketDirectories(const std::string& socket_path, std::string* created_top) {

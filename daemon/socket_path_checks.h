@@ -14,8 +14,9 @@
 
 namespace epd {
 
-/// What ClassifySocketDirectory needs of one directory (from lstat): its path, owner and
-/// mode, and for the message the owner's and the group's names ("" = show the number).
+/// What ClassifySocketDirectory and ClassifySocketPathLink need of one file on the socket's
+/// path (from lstat): its path, owner and mode, and for the message the owner's and the group's
+/// names ("" = show the number).
 struct DirectoryStat {
   std::string path;
   uid_t uid = 0;
@@ -38,8 +39,21 @@ std::string FileTypeName(mode_t mode);
 absl::Status ClassifySocketDirectory(const std::string& socket_path, const DirectoryStat& dir,
                                      uid_t daemon_uid);
 
+/// OK unless `link` (lstat of a component of the socket's path; `target` is what it points
+/// at) is a symbolic link owned by another user than root and `daemon_uid`: that user could
+/// remove it (in a sticky directory such as /tmp the owner of an entry may) and point the
+/// path at a directory of theirs, where clients would meet their socket. Any other file
+/// type is OK here (ClassifySocketDirectory judges directories). FAILED_PRECONDITION
+/// naming `socket_path`, the link, its target, its owner and the fix otherwise.
+absl::Status ClassifySocketPathLink(const std::string& socket_path, const DirectoryStat& link,
+                                    const std::string& target, uid_t daemon_uid);
+
 /// ClassifySocketDirectory of every directory from the socket's (its canonical path,
-/// symbolic links resolved) up to "/", innermost first; the first refusal is returned.
+/// symbolic links resolved) up to "/", innermost first; then the path as configured (made
+/// absolute, not resolved) walked one component at a time as the kernel looks it up:
+/// every directory looked up in passes ClassifySocketDirectory, and every symbolic link
+/// met passes ClassifySocketPathLink before its target is walked the same way (at most 40
+/// links). The first refusal is returned.
 /// A socket directory that does not exist yet is skipped: its nearest existing ancestor
 /// is the first checked (epd creates the missing ones itself, see
 /// CreateSocketDirectories). FAILED_PRECONDITION naming a directory that cannot be

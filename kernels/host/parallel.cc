@@ -170,31 +170,82 @@ int HostWorkerPool::num_workers() const { return state_->num_workers(); }
 HostScratch::HostScratch() : state_(std::make_unique<internal::ScratchState>()) {}
 HostScratch::~HostScratch() = default;
 
-void HostScratch::Reserve(const GroupShape& shape, int num_threads) {
-  if (!internal::CheckGroupShape(shape).ok()) return;
-  internal::ScratchState& s = *state_;
+namespace {
+
+/// The element counts Reserve grows each buffer to, in ScratchState's order.
+struct ScratchSizes {
+  size_t num_tokens, first_chunk, source_offset, local_pos, count_to_rank, count_to_expert,
+      expert_base, expert_total, marks, prefix, num_recv, layout_per_rank, layout_per_expert, acc,
+      fp8_row, fp8_scales;
+};
+
+ScratchSizes SizesOf(const GroupShape& shape, int num_threads) {
   const size_t R = static_cast<size_t>(shape.num_ranks);
   const size_t E = static_cast<size_t>(shape.num_experts);
   const size_t M = static_cast<size_t>(shape.max_tokens_per_rank);
   const size_t H = static_cast<size_t>(shape.hidden);
   const size_t threads = static_cast<size_t>(internal::ResolveThreads({num_threads}));
-  s.num_tokens.reserve(R);
-  s.first_chunk.reserve(R + 1);
-  s.source_offset.reserve(R + 1);
-  s.local_pos.reserve(R * M * R);
-  s.count_to_rank.reserve(R * R);
-  s.count_to_expert.reserve(R * E);
-  s.expert_base.reserve(R * E);
-  s.expert_total.reserve(E);
-  s.marks.reserve(std::max(R * M, R));
-  s.prefix.reserve(R * R);
-  s.num_recv.reserve(R);
   const size_t layout_chunks = (M + 1023) / 1024;
-  s.layout_per_rank.reserve(layout_chunks * R);
-  s.layout_per_expert.reserve(layout_chunks * E);
-  s.acc.reserve(threads * H);
-  s.fp8_row.reserve(threads * H);
-  s.fp8_scales.reserve(threads * static_cast<size_t>(shape.num_scales()));
+  return ScratchSizes{R,
+                      R + 1,
+                      R + 1,
+                      R * M * R,
+                      R * R,
+                      R * E,
+                      R * E,
+                      E,
+                      std::max(R * M, R),
+                      R * R,
+                      R,
+                      layout_chunks * R,
+                      layout_chunks * E,
+                      threads * H,
+                      threads * H,
+                      threads * static_cast<size_t>(shape.num_scales())};
+}
+
+}  // namespace
+
+void HostScratch::Reserve(const GroupShape& shape, int num_threads) {
+  if (!internal::CheckGroupShape(shape).ok()) return;
+  internal::ScratchState& s = *state_;
+  const ScratchSizes n = SizesOf(shape, num_threads);
+  s.num_tokens.reserve(n.num_tokens);
+  s.first_chunk.reserve(n.first_chunk);
+  s.source_offset.reserve(n.source_offset);
+  s.local_pos.reserve(n.local_pos);
+  s.count_to_rank.reserve(n.count_to_rank);
+  s.count_to_expert.reserve(n.count_to_expert);
+  s.expert_base.reserve(n.expert_base);
+  s.expert_total.reserve(n.expert_total);
+  s.marks.reserve(n.marks);
+  s.prefix.reserve(n.prefix);
+  s.num_recv.reserve(n.num_recv);
+  s.layout_per_rank.reserve(n.layout_per_rank);
+  s.layout_per_expert.reserve(n.layout_per_expert);
+  s.acc.reserve(n.acc);
+  s.fp8_row.reserve(n.fp8_row);
+  s.fp8_scales.reserve(n.fp8_scales);
+}
+
+uint64_t HostScratch::ReservedBytes(const GroupShape& shape, int num_threads) {
+  if (!internal::CheckGroupShape(shape).ok()) return 0;
+  using S = internal::ScratchState;
+  const ScratchSizes n = SizesOf(shape, num_threads);
+  auto bytes = [](size_t count, size_t elem) { return static_cast<uint64_t>(count) * elem; };
+  return bytes(n.num_tokens, sizeof(S::num_tokens[0])) +
+         bytes(n.first_chunk, sizeof(S::first_chunk[0])) +
+         bytes(n.source_offset, sizeof(S::source_offset[0])) +
+         bytes(n.local_pos, sizeof(S::local_pos[0])) +
+         bytes(n.count_to_rank, sizeof(S::count_to_rank[0])) +
+         bytes(n.count_to_expert, sizeof(S::count_to_expert[0])) +
+         bytes(n.expert_base, sizeof(S::expert_base[0])) +
+         bytes(n.expert_total, sizeof(S::expert_total[0])) + bytes(n.marks, sizeof(S::marks[0])) +
+         bytes(n.prefix, sizeof(S::prefix[0])) + bytes(n.num_recv, sizeof(S::num_recv[0])) +
+         bytes(n.layout_per_rank, sizeof(S::layout_per_rank[0])) +
+         bytes(n.layout_per_expert, sizeof(S::layout_per_expert[0])) +
+         bytes(n.acc, sizeof(S::acc[0])) + bytes(n.fp8_row, sizeof(S::fp8_row[0])) +
+         bytes(n.fp8_scales, sizeof(S::fp8_scales[0]));
 }
 
 }  // namespace epd::kernels::host

@@ -85,7 +85,7 @@ int RunHostBench() {
   std::vector<std::unique_ptr<epd::Endpoint>> eps;
   for (int r = 0; r < R; ++r) {
     epd::v1::EndpointInfo info;
-    if (!(*group)->AttachRank(r, "", epd::v1::LAUNCH_MODE_UNSPECIFIED, &info).ok()) return 1;
+    if (!(*group)->AttachRank(r, "", epd::v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok()) return 1;
     auto fds = (*group)->TakeEndpointFds(r);
     if (!fds.ok()) return 1;
     auto ep =
@@ -238,7 +238,7 @@ int RunHostBench() {
   auto solo_group = (*plane)->CreateGroup(solo);
   if (!solo_group.ok()) return 1;
   epd::v1::EndpointInfo solo_info;
-  if (!(*solo_group)->AttachRank(0, "", epd::v1::LAUNCH_MODE_UNSPECIFIED, &solo_info).ok()) {
+  if (!(*solo_group)->AttachRank(0, "", epd::v1::LAUNCH_MODE_UNSPECIFIED, {}, &solo_info).ok()) {
     return 1;
   }
   auto solo_fds = (*solo_group)->TakeEndpointFds(0);

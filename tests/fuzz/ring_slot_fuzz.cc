@@ -59,7 +59,7 @@ struct World {
     group = std::move(plane->CreateGroup(spec).value());
     for (int r = 0; r < 2; ++r) {
       v1::EndpointInfo info;
-      if (!group->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok()) std::abort();
+      if (!group->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok()) std::abort();
       EndpointFds fds = std::move(group->TakeEndpointFds(r).value());
       if (r == 1) {
         evil = std::move(

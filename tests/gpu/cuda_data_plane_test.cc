@@ -155,7 +155,7 @@ struct PlaneGroup {
     for (int r = 0; r < s.num_ranks(); ++r) {
       v1::EndpointInfo info;
       const std::string uuid = cuda && !gpu_uuids.empty() ? gpu_uuids[r] : "";
-      absl::Status st = group->AttachRank(r, uuid, v1::LAUNCH_MODE_UNSPECIFIED, &info);
+      absl::Status st = group->AttachRank(r, uuid, v1::LAUNCH_MODE_UNSPECIFIED, {}, &info);
       ASSERT_TRUE(st.ok()) << st;
       EXPECT_EQ(info.backend(), cuda ? "cuda" : "host");
       if (cuda) {
@@ -614,7 +614,7 @@ TEST_F(CudaDataPlaneTest, EndpointRegionsAndTheGpusDoorbellAreSealedAndHandedOut
     auto group = cuda_->CreateGroup(Spec(absl::StrCat("sealed", g), 1, 2, 128, 1, 4, 0));
     ASSERT_TRUE(group.ok()) << group.status();
     groups.push_back(std::move(*group));
-    ASSERT_TRUE(groups[g]->AttachRank(0, "", v1::LAUNCH_MODE_DAEMON, &infos[g]).ok());
+    ASSERT_TRUE(groups[g]->AttachRank(0, "", v1::LAUNCH_MODE_DAEMON, {}, &infos[g]).ok());
     absl::StatusOr<EndpointFds> taken = groups[g]->TakeEndpointFds(0);
     ASSERT_TRUE(taken.ok()) << taken.status();
     EXPECT_EQ(taken->endpoint_id, infos[g].endpoint_id());
@@ -670,7 +670,7 @@ struct RawRank {
 std::vector<RawRank> AttachRaw(DataPlaneGroup& group, int ranks, v1::LaunchMode mode) {
   std::vector<RawRank> out(ranks);
   for (int r = 0; r < ranks; ++r) {
-    absl::Status st = group.AttachRank(r, "", mode, &out[r].info);
+    absl::Status st = group.AttachRank(r, "", mode, {}, &out[r].info);
     EXPECT_TRUE(st.ok()) << st;
     if (!st.ok()) return {};
     out[r].ring = testing::RawRing::Open(out[r].info, group);

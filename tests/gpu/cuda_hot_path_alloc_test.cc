@@ -158,7 +158,7 @@ void OpenCountedPlane(const v1::GroupSpec& spec, CountedPlane& f) {
   f.group = std::move(*group_or);
   for (int r = 0; r < spec.num_ranks(); ++r) {
     v1::EndpointInfo info;
-    absl::Status st = f.group->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, &info);
+    absl::Status st = f.group->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, {}, &info);
     ASSERT_TRUE(st.ok()) << st;
     ASSERT_EQ(info.backend(), "cuda");
     ASSERT_EQ(info.launch_mode(), v1::LAUNCH_MODE_DAEMON);

@@ -349,5 +349,38 @@ TEST(StartupSafetyTest, SocketDirectoryOfAnotherUserIsRefused) {
   }
 }
 
+// A symbolic link on the socket's path owned by another user (nobody's /tmp/evil ->
+// /run/epdtarget, which passes every check) is refused naming the link, its owner and the
+// fix: nobody could later point it at a directory of its own, where clients would connect
+// to its socket. The same link owned by root is accepted and epd serves through it.
+TEST(StartupSafetyTest, SocketPathThroughALinkOfAnotherUserIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give the link to another user";
+  const std::string target = MakeTempDir("epd_link_target_");
+  ASSERT_EQ(::chmod(target.c_str(), 0755), 0);
+  const std::string parent = MakeTempDir("epd_link_parent_");
+  ASSERT_EQ(::chmod(parent.c_str(), 01777), 0);  // As /tmp: anyone adds, only owners remove.
+  const std::string link = parent + "/evil";
+  ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0);
+  ASSERT_EQ(::lchown(link.c_str(), 65534, 65534), 0);
+  auto [code, logs] = RefusedStartOn(link + "/epd.sock");
+  EXPECT_EQ(code, 1) << logs;
+  EXPECT_THAT(logs, AllOf(HasSubstr("FAILED_PRECONDITION"),
+                          HasSubstr("the symbolic link " + link + " -> " + target),
+                          HasSubstr("(uid 65534)"), HasSubstr("chown -h root " + link)));
+  EXPECT_TRUE(std::filesystem::is_empty(target)) << "epd created something through the link";
+
+  ASSERT_EQ(::lchown(link.c_str(), 0, 0), 0);
+  DaemonProcessOptions options;
+  options.socket_path = link + "/epd.sock";
+  options.tcp = false;
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(options);
+  ASSERT_TRUE(epd.ok()) << epd.status();
+  std::string output;
+  EXPECT_TRUE(ClientJoins(link + "/epd.sock", target, &output)) << output;
+  EXPECT_EQ((*epd)->Stop().value_or(-1), 0);
+  std::filesystem::remove_all(parent);
+  std::filesystem::remove_all(target);
+}
+
 }  // namespace
 }  // namespace epd::testing

@@ -37,8 +37,8 @@ class ScribbleTest : public SecurityTest {
     EXPECT_EQ(a.output.find("stuck past the deadline"), std::string::npos)
         << "an attacker process hung in a call to epd";
     ExpectVictimProgress(ok_before, 3, "the attack");
-    // Each attacker process is one session (its warnings rate-limited); each rejoin logs a
-    // few info lines.
+    // The warnings the attacker causes are charged to its uid's one budget, however often
+    // it rejoins or a child restarts (a new session); each rejoin logs a few info lines.
     const int64_t children = std::max<int64_t>(1, LinesStartingWith(a.output, "CHILD").size());
     ExpectLogBounded(log, 200 + 12 * (a.Progress("rejoins") + 4 * children), 100 + 50 * children,
                      "the scribble attack on " + targets);

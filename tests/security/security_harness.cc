@@ -334,7 +334,7 @@ void SecurityTest::ExpectLogBounded(const LogMark& since, int64_t line_budget,
       << "epd logged " << now.lines - since.lines << " lines during " << what;
   EXPECT_LE(now.warnings - since.warnings, warning_budget)
       << "epd logged " << now.warnings - since.warnings << " warnings and errors during " << what
-      << " (client-caused warnings must be rate-limited per session); its last lines:\n"
+      << " (client-caused warnings must be rate-limited per uid); its last lines:\n"
       << Tail(epd_->Logs(), 5);
 }
 

@@ -121,7 +121,7 @@ class SecurityTest : public ::testing::Test {
   /// What epd has logged so far.
   LogMark MarkLog() const;
   /// Expects at most `line_budget` lines, of which at most `warning_budget` warnings or
-  /// errors, logged since `since`. Client-caused warnings are rate-limited per session
+  /// errors, logged since `since`. Client-caused warnings are rate-limited per uid
   /// (docs/SECURITY.md), so the warning budget is small; joins and leaves log a few info
   /// lines each, which the line budget allows for.
   void ExpectLogBounded(const LogMark& since, int64_t line_budget, int64_t warning_budget,

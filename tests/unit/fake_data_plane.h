@@ -23,13 +23,15 @@ struct FakeDataPlaneState {
   std::string backend = "host";
   uint64_t bytes_per_rank = 1 << 20;
   uint64_t free_bytes = 1ull << 34;
-  absl::Status attach_error;  ///< Returned by every AttachRank when not OK.
+  uint64_t group_private_bytes = 0;  ///< GroupPrivateBytes of every spec.
+  absl::Status attach_error;         ///< Returned by every AttachRank when not OK.
   int groups_created = 0;
   int groups_destroyed = 0;
   std::set<std::pair<std::string, int>> attached;   ///< (group, rank) currently attached.
   std::set<std::pair<std::string, int>> fds_taken;  ///< Attached ranks whose fds were taken.
   uint64_t next_endpoint_id = 0;
-  std::map<std::string, std::string> last_gpu;  ///< "group/rank" → gpu_uuid given.
+  std::map<std::string, std::string> last_gpu;    ///< "group/rank" → gpu_uuid given.
+  std::map<std::string, RankClient> last_client;  ///< "group/rank" → RankClient given.
   bool shut_down = false;
   /// (group, rank) whose client has not mapped its endpoint (RankMapped false); every
   /// other attached rank counts as mapped.
@@ -47,11 +49,12 @@ class FakeDataPlaneGroup : public DataPlaneGroup {
     ++state_->groups_destroyed;
   }
   absl::Status AttachRank(int32_t rank, const std::string& gpu_uuid, v1::LaunchMode,
-                          v1::EndpointInfo* info) override {
+                          const RankClient& client, v1::EndpointInfo* info) override {
     std::lock_guard<std::mutex> lock(state_->mu);
     if (!state_->attach_error.ok()) return state_->attach_error;
     state_->attached.emplace(name_, rank);
     state_->last_gpu[absl::StrCat(name_, "/", rank)] = gpu_uuid;
+    state_->last_client[absl::StrCat(name_, "/", rank)] = client;
     info->set_group(name_);
     info->set_rank(rank);
     info->set_backend(state_->backend);
@@ -104,6 +107,9 @@ class FakeDataPlane : public DataPlane {
                : state_->default_launch_mode;
   }
   uint64_t BytesPerRank(const v1::GroupSpec&) const override { return state_->bytes_per_rank; }
+  uint64_t GroupPrivateBytes(const v1::GroupSpec&) const override {
+    return state_->group_private_bytes;
+  }
   absl::StatusOr<uint64_t> FreeBytes(const std::string&) const override {
     return state_->free_bytes;
   }

@@ -210,7 +210,7 @@ TEST(ShmRegionMapTest, OpenEndpointRefusesAnUnsealedRegion) {
   auto group = (*plane)->CreateGroup(spec);
   ASSERT_TRUE(group.ok()) << group.status();
   v1::EndpointInfo info;
-  ASSERT_TRUE((*group)->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+  ASSERT_TRUE((*group)->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
   absl::StatusOr<EndpointFds> fds = (*group)->TakeEndpointFds(0);
   ASSERT_TRUE(fds.ok()) << fds.status();
   for (const bool doorbell : {false, true}) {

@@ -187,7 +187,7 @@ class ProgramRulesTest : public ::testing::Test {
     group_ = std::make_unique<ProgramGroup>(LlSpec("rules"));
     for (int r = 0; r < 2; ++r) {
       v1::EndpointInfo info;
-      ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, &info).ok());
+      ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, {}, &info).ok());
       rings_.push_back(std::make_unique<ProgramRing>(info, *group_));
     }
   }
@@ -275,7 +275,7 @@ TEST(HostDataPlaneProgramTest, RegisterIsUnimplementedNamingTheCudaBackend) {
   std::vector<std::unique_ptr<ProgramRing>> rings;
   for (int r = 0; r < 2; ++r) {
     v1::EndpointInfo info;
-    ASSERT_TRUE((*group)->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, &info).ok());
+    ASSERT_TRUE((*group)->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, {}, &info).ok());
     rings.push_back(std::make_unique<ProgramRing>(info, **group));
   }
   const uint64_t seq = rings[0]->Submit(ProgramSlot({kD8, kC}));

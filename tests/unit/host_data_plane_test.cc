@@ -155,7 +155,7 @@ class VictimGroup {
     group_ = std::move(*g);
     for (int r = 0; r < R; ++r) {
       v1::EndpointInfo info;
-      ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+      ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
       DataPlaneGroup* gp = group_.get();
       absl::StatusOr<EndpointFds> fds = gp->TakeEndpointFds(r);
       ASSERT_TRUE(fds.ok()) << fds.status();
@@ -360,7 +360,7 @@ class HostDataPlaneTest : public ::testing::Test {
 
   std::unique_ptr<Endpoint> Attach(int r) {
     v1::EndpointInfo info;
-    absl::Status st = group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info);
+    absl::Status st = group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info);
     EXPECT_TRUE(st.ok()) << st;
     DataPlaneGroup* g = group_.get();
     absl::StatusOr<EndpointFds> fds = g->TakeEndpointFds(r);
@@ -404,6 +404,25 @@ class HostDataPlaneTest : public ::testing::Test {
   std::unique_ptr<DataPlaneGroup> group_;
   std::vector<std::unique_ptr<Endpoint>> endpoints_;
 };
+
+// What a group's creation allocates privately is reported for the join's checks: at least
+// the kernel scratch's R*M*R int32 of routing and each rank's [M, R] send_pos.
+TEST_F(HostDataPlaneTest, GroupPrivateBytesCountsTheKernelScratch) {
+  v1::GroupSpec spec;
+  spec.set_name("big");
+  spec.set_num_ranks(1024);
+  spec.set_num_experts(1024);
+  spec.set_hidden(256);
+  spec.set_num_topk(2);
+  spec.set_max_tokens_per_rank(1024);
+  const uint64_t routing = uint64_t{1024} * 1024 * 1024 * sizeof(int32_t);
+  EXPECT_GE(plane_->GroupPrivateBytes(spec), 2 * routing);
+  spec.set_num_ranks(2);
+  spec.set_num_experts(8);
+  spec.set_max_tokens_per_rank(16);
+  EXPECT_GT(plane_->GroupPrivateBytes(spec), 0u);
+  EXPECT_LT(plane_->GroupPrivateBytes(spec), uint64_t{1} << 20);
+}
 
 TEST_F(HostDataPlaneTest, DispatchCombineMatchKernelsHost) {
   const int R = 3, E = 6, H = 256, K = 2, M = 16;
@@ -649,7 +668,7 @@ TEST_F(HostDataPlaneTest, GarbageSlotIsRejectedNotExecuted) {
   // Map rank 1's region a second time, as a misbehaving client could (it holds the
   // region's descriptor).
   v1::EndpointInfo info;
-  ASSERT_TRUE(group_->AttachRank(1, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+  ASSERT_TRUE(group_->AttachRank(1, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
   absl::StatusOr<EndpointFds> fds = group_->TakeEndpointFds(1);
   ASSERT_TRUE(fds.ok()) << fds.status();
   ScopedFd second(::dup(fds->region.get()));
@@ -796,7 +815,7 @@ TEST_F(HostDataPlaneTest, EndpointMemoryIsSealedNamelessAndHandedOutOnce) {
   ASSERT_TRUE(g.ok());
   group_ = std::move(*g);
   v1::EndpointInfo info;
-  ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+  ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
   absl::StatusOr<EndpointFds> fds = group_->TakeEndpointFds(0);
   ASSERT_TRUE(fds.ok()) << fds.status();
   EXPECT_EQ(fds->endpoint_id, info.endpoint_id());
@@ -1026,7 +1045,7 @@ TEST_F(HostDataPlaneTest, HeaderOffsetsSizesAndTailWrittenByTheClientAreNeverUse
   ASSERT_TRUE(g.ok()) << g.status();
   group_ = std::move(*g);
   v1::EndpointInfo info;
-  ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+  ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
   auto ring = testing::RawRing::Open(info, *group_);
   ASSERT_NE(ring, nullptr);
   const kernels::GroupShape shape{1, E, H, K, M, 0, false};
@@ -1137,7 +1156,7 @@ TEST_F(HostDataPlaneTest,
   endpoints_.clear();
   for (int r = 0; r < R; ++r) {
     v1::EndpointInfo info;
-    ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+    ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
     DataPlaneGroup* gp = group_.get();
     absl::StatusOr<EndpointFds> fds = gp->TakeEndpointFds(r);
     ASSERT_TRUE(fds.ok()) << fds.status();

@@ -116,7 +116,7 @@ TEST(HotPathAllocTest, SteadyOpsAllocateNothingOnClientThreadOrEngineThread) {
   std::vector<std::unique_ptr<Endpoint>> eps;
   for (int r = 0; r < R; ++r) {
     v1::EndpointInfo info;
-    ASSERT_TRUE(group->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, &info).ok());
+    ASSERT_TRUE(group->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
     DataPlaneGroup* g = group.get();
     absl::StatusOr<EndpointFds> fds = g->TakeEndpointFds(r);
     ASSERT_TRUE(fds.ok()) << fds.status();

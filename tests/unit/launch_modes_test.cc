@@ -309,13 +309,13 @@ TEST(HostDataPlaneLaunchModeTest, StreamOrderedRequestIsInvalidArgumentNamingThe
   std::vector<std::unique_ptr<RawRing>> rings;
   for (int r = 0; r < 2; ++r) {
     v1::EndpointInfo info;
-    ASSERT_TRUE((*group)->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, &info).ok());
+    ASSERT_TRUE((*group)->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, {}, &info).ok());
     rings.push_back(RawRing::Open(info, **group));
     ASSERT_NE(rings.back(), nullptr);
   }
   // Client-launched mode is refused by the host group itself too.
   v1::EndpointInfo info;
-  absl::Status client = (*group)->AttachRank(1, "", v1::LAUNCH_MODE_CLIENT, &info);
+  absl::Status client = (*group)->AttachRank(1, "", v1::LAUNCH_MODE_CLIENT, {}, &info);
   EXPECT_EQ(client.code(), absl::StatusCode::kFailedPrecondition) << client;
   EXPECT_THAT(client.message(), HasSubstr("client-launched mode needs the CUDA backend"));
 
@@ -402,7 +402,7 @@ class OpEndedWithoutLaunchTest : public ::testing::Test {
     group_ = std::make_unique<RecordingGroup>(SpecOf("hook", ranks), op_timeout_ms);
     for (int r = 0; r < ranks; ++r) {
       v1::EndpointInfo info;
-      ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, &info).ok());
+      ASSERT_TRUE(group_->AttachRank(r, "", v1::LAUNCH_MODE_DAEMON, {}, &info).ok());
       rings_.push_back(RawRing::Open(info, *group_));
       ASSERT_NE(rings_.back(), nullptr);
     }

@@ -2,6 +2,7 @@
 // codes of JoinGroup and group lifetime (daemon/group_registry.h).
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "daemon/group_registry.h"
+#include "daemon/logging.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/fake_data_plane.h"
@@ -215,6 +217,29 @@ TEST_F(RegistryTest, BuffersThatDoNotFitAreResourceExhausted) {
   EXPECT_THAT(std::string(status.message()),
               AllOf(HasSubstr("5000000 bytes"), HasSubstr("4000 bytes free")));
   EXPECT_EQ(state_->groups_created, 0);
+}
+
+// The private memory a group's creation allocates (the host backend's kernel scratch is
+// ~R*M*R int32) is checked against free memory with the first rank's endpoint, and charged
+// to the creator's byte quota: refused naming the bytes, never an allocation that fails.
+TEST_F(RegistryTest, GroupPrivateMemoryThatDoesNotFitIsResourceExhausted) {
+  state_->group_private_bytes = 4398046511104;  // R = M = 4096: 4096^3 int32.
+  state_->bytes_per_rank = 1000;
+  state_->free_bytes = 1ull << 34;
+  std::string s = Session();
+  absl::Status status = Join(s, 0).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("4398046511104 bytes of epd's private memory"),
+                    HasSubstr("1000 bytes for rank 0's endpoint"),
+                    HasSubstr(std::to_string(1ull << 34) + " bytes free")));
+  EXPECT_EQ(state_->groups_created, 0);
+
+  // Fits: created; the next rank of the live group is not charged it again.
+  state_->group_private_bytes = (1ull << 34) - 1000;
+  ASSERT_TRUE(Join(s, 0).ok());
+  state_->free_bytes = 1000;
+  EXPECT_TRUE(Join(s, 1).ok());
 }
 
 TEST_F(RegistryTest, MaxGroups) {
@@ -497,6 +522,38 @@ TEST_F(RegistryPolicyTest, ASessionActsOnlyForTheUidThatOpenedIt) {
           ->CheckSessionCaller("0123456789abcdef0123456789abcdef", PeerCredentials{.uid = kAlice})
           .code(),
       absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(RegistryPolicyTest, EveryEndpointOfAUidSharesOneLogBudgetAcrossSessionsGroupsAndRejoins) {
+  // Client-caused warnings are charged to the uid (docs/SECURITY.md): a new session, a new
+  // group, or leaving everything and joining again gives a client no fresh budget.
+  const std::string a1 = Session(kAlice), a2 = Session(kAlice, 78);
+  ASSERT_TRUE(Join(a1, 0).ok());
+  ASSERT_TRUE(Join(a2, 1).ok());
+  ASSERT_TRUE(Join(a2, 0, "", SmallSpec("g2")).ok());
+  auto client_of = [&](const std::string& group_rank) {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    return state_->last_client.at(group_rank);
+  };
+  const RankClient first = client_of("g/0");
+  ASSERT_NE(first.log_budget, nullptr);
+  EXPECT_EQ(first.uid, kAlice);
+  EXPECT_EQ(first.log_budget->client(), "uid 1000");
+  EXPECT_EQ(client_of("g/1").log_budget, first.log_budget);
+  EXPECT_EQ(client_of("g2/0").log_budget, first.log_budget);
+  registry_->CloseSession(a1, "test");
+  registry_->CloseSession(a2, "test");
+  EXPECT_EQ(registry_->counters().num_groups, 0);
+  const std::string a3 = Session(kAlice, 79);
+  ASSERT_TRUE(Join(a3, 0).ok());
+  EXPECT_EQ(client_of("g/0").log_budget, first.log_budget);
+  // Another uid has a budget of its own.
+  const std::string b = Session(kBob);
+  ASSERT_TRUE(Join(b, 0, "", SmallSpec("bobs")).ok());
+  EXPECT_EQ(client_of("bobs/0").uid, kBob);
+  ASSERT_NE(client_of("bobs/0").log_budget, nullptr);
+  EXPECT_NE(client_of("bobs/0").log_budget, first.log_budget);
+  EXPECT_EQ(client_of("bobs/0").log_budget->client(), "uid 2000");
 }
 
 TEST_F(RegistryPolicyTest, MaxGroupsPerUid) {

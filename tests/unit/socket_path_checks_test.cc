@@ -180,5 +180,70 @@ TEST(CheckSocketDirectories, ChecksTheWholeChainAndCreatesMissingDirectoriesSafe
   std::filesystem::remove_all(dir);
 }
 
+DirectoryStat Link(uid_t uid) {
+  DirectoryStat link;
+  link.path = "/tmp/evil";
+  link.uid = uid;
+  link.gid = uid;
+  link.mode = S_IFLNK | 0777;
+  link.owner_name = uid == 0 ? "root" : uid == kEpd ? "epd" : "nobody";
+  link.group_name = "nogroup";
+  return link;
+}
+
+// A link owned by root or epd's user cannot be replaced by anyone else (in a sticky
+// directory only an entry's owner may remove it); files that are not links are not its
+// business.
+TEST(ClassifySocketPathLink, LinkOwnedByRootOrEpdAndFilesThatAreNotLinksAreAccepted) {
+  EXPECT_TRUE(ClassifySocketPathLink(kSocket, Link(0), "/run/epd", kEpd).ok());
+  EXPECT_TRUE(ClassifySocketPathLink(kSocket, Link(kEpd), "/run/epd", kEpd).ok());
+  EXPECT_TRUE(ClassifySocketPathLink(kSocket, Link(0), "/run/epd", 0).ok());
+  EXPECT_TRUE(ClassifySocketPathLink(kSocket, Dir(65534, 0755), "", 0).ok());
+}
+
+// `ln -s /run/epdtarget /tmp/evil` by nobody: nobody may later point /tmp/evil at a
+// directory of its own, where clients would meet its socket.
+TEST(ClassifySocketPathLink, LinkOwnedByAnotherUserIsRefusedNamingItsOwnerAndTheFix) {
+  for (uid_t epd_uid : {uid_t{0}, kEpd}) {
+    const absl::Status status =
+        ClassifySocketPathLink("/tmp/evil/epd.sock", Link(65534), "/run/epdtarget", epd_uid);
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(
+        std::string(status.message()),
+        AllOf(HasSubstr("socket_path: /tmp/evil/epd.sock"),
+              HasSubstr("symbolic link /tmp/evil -> /run/epdtarget"),
+              HasSubstr("belongs to nobody (uid 65534)"),
+              HasSubstr("another user than root and epd's (uid " + std::to_string(epd_uid) + ")"),
+              HasSubstr("realpath /tmp/evil"), HasSubstr("chown -h root /tmp/evil")));
+  }
+}
+
+// The real file system: a link whose target passes, in a directory every user may write
+// (so anyone could replace the link), is refused naming that directory; the same link in
+// a directory of epd's own is accepted, and so is a chain of links. Links are followed no
+// further than the kernel would.
+TEST(CheckSocketDirectories, WalksTheConfiguredPathCheckingEveryLinkAndItsDirectory) {
+  const std::string dir = FreshDir();
+  ASSERT_EQ(::mkdir((dir + "/target").c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir((dir + "/open").c_str(), 0755), 0);
+  ASSERT_EQ(::chmod((dir + "/open").c_str(), 0777), 0);
+  ASSERT_EQ(::symlink((dir + "/target").c_str(), (dir + "/open/link").c_str()), 0);
+  const absl::Status status = CheckSocketDirectories(dir + "/open/link/epd.sock", ::geteuid());
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr(dir + "/open (owner "), HasSubstr("mode 0777"),
+                    HasSubstr("writable by every user")));
+
+  ASSERT_EQ(::symlink("target", (dir + "/rel").c_str()), 0);
+  ASSERT_EQ(::symlink((dir + "/rel").c_str(), (dir + "/chain").c_str()), 0);
+  EXPECT_TRUE(CheckSocketDirectories(dir + "/chain/epd.sock", ::geteuid()).ok());
+  EXPECT_TRUE(CheckSocketDirectories(dir + "/chain/new/epd.sock", ::geteuid()).ok());
+
+  ASSERT_EQ(::symlink("loop", (dir + "/loop").c_str()), 0);
+  const absl::Status loop = CheckSocketDirectories(dir + "/loop/epd.sock", ::geteuid());
+  EXPECT_EQ(loop.code(), absl::StatusCode::kFailedPrecondition);
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace epd

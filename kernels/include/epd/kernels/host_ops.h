@@ -97,6 +97,10 @@ class HostScratch {
   /// at group creation. `shape` must pass the ops' shape checks (else it reserves nothing).
   void Reserve(const GroupShape& shape, int num_threads);
 
+  /// Bytes Reserve(shape, num_threads) allocates (0 when `shape` fails the shape checks),
+  /// for a caller to check against free memory before it reserves.
+  static uint64_t ReservedBytes(const GroupShape& shape, int num_threads);
+
   /// For kernels/host only (internal.h).
   internal::ScratchState& state() { return *state_; }
 
