@@ -129,6 +129,12 @@ ABSL_FLAG(Uint64Flag, max_endpoint_bytes_per_uid, Uint64Flag{0},
           "max_endpoint_bytes_per_uid: bytes of endpoint buffers (GPU memory, or shared "
           "memory on the host backend) one uid's sessions may hold at a time, root included; "
           "0 = no limit.");
+ABSL_FLAG(Uint32Flag, max_sessions_per_uid, Uint32Flag{epd::kDefaultMaxSessionsPerUid},
+          "max_sessions_per_uid: open sessions (Session streams) one uid may hold at a time, "
+          "root included; 0 = no limit.");
+ABSL_FLAG(Uint32Flag, max_connections_per_uid, Uint32Flag{epd::kDefaultMaxConnectionsPerUid},
+          "max_connections_per_uid: live connections to the unix socket one uid may hold at a "
+          "time (more are closed at once); root and epd's own uid are exempt; 0 = no limit.");
 ABSL_FLAG(StringListFlag, gpu_uuids, StringListFlag{},
           "gpu_uuids: comma-separated GPU UUIDs the daemon may use (\"\" = every visible "
           "GPU).");
@@ -213,6 +219,8 @@ ConfigFlags ConfigFlagsFromCommandLine() {
   f.max_groups_per_uid = GivenValue(FLAGS_max_groups_per_uid);
   f.max_endpoints_per_uid = GivenValue(FLAGS_max_endpoints_per_uid);
   f.max_endpoint_bytes_per_uid = GivenValue(FLAGS_max_endpoint_bytes_per_uid);
+  f.max_sessions_per_uid = GivenValue(FLAGS_max_sessions_per_uid);
+  f.max_connections_per_uid = GivenValue(FLAGS_max_connections_per_uid);
   f.gpu_uuids = GivenValue(FLAGS_gpu_uuids);
   return f;
 }
@@ -322,6 +330,10 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
   if (flags.max_endpoint_bytes_per_uid) {
     config->set_max_endpoint_bytes_per_uid(*flags.max_endpoint_bytes_per_uid);
   }
+  if (flags.max_sessions_per_uid) config->set_max_sessions_per_uid(*flags.max_sessions_per_uid);
+  if (flags.max_connections_per_uid) {
+    config->set_max_connections_per_uid(*flags.max_connections_per_uid);
+  }
   if (flags.gpu_uuids) {
     config->clear_gpu_uuids();
     for (const std::string& uuid : *flags.gpu_uuids) {
@@ -350,6 +362,12 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
   if (!config->has_max_groups_per_uid()) config->set_max_groups_per_uid(kDefaultMaxGroupsPerUid);
   if (!config->has_max_endpoints_per_uid()) {
     config->set_max_endpoints_per_uid(kDefaultMaxEndpointsPerUid);
+  }
+  if (!config->has_max_sessions_per_uid()) {
+    config->set_max_sessions_per_uid(kDefaultMaxSessionsPerUid);
+  }
+  if (!config->has_max_connections_per_uid()) {
+    config->set_max_connections_per_uid(kDefaultMaxConnectionsPerUid);
   }
 }
 

@@ -2,7 +2,7 @@
 // of epd.v1.DaemonConfig (proto/epd/v1/config.proto); command-line flags override any
 // field it sets; a field left absent (or "") takes the default documented in the proto
 // (op_timeout_ms, engine_idle_us, max_request_bytes, max_groups, min_free_fds,
-// unmapped_endpoint_timeout_ms, max_groups_per_uid and max_endpoints_per_uid are
+// unmapped_endpoint_timeout_ms and the per-uid quotas other than max_endpoint_bytes_per_uid are
 // `optional`: a present 0 is kept and validated, never read as absent). min_free_fds and
 // unmapped_endpoint_timeout_ms have no flag. A present-but-invalid value is an error naming
 // the field and the value, never a silent fallback.
@@ -22,6 +22,8 @@
 //   --max_groups_per_uid=64  max_groups_per_uid
 //   --max_endpoints_per_uid=256                   max_endpoints_per_uid
 //   --max_endpoint_bytes_per_uid=0                max_endpoint_bytes_per_uid
+//   --max_sessions_per_uid=256                    max_sessions_per_uid
+//   --max_connections_per_uid=128                 max_connections_per_uid
 #pragma once
 
 #include <cstdint>
@@ -58,6 +60,8 @@ inline constexpr uint32_t kMaxUnmappedEndpointTimeoutMs = 86400000;
 /// endpoints (a 32-rank job in 8 groups); bytes are not limited by default (0).
 inline constexpr uint32_t kDefaultMaxGroupsPerUid = 64;
 inline constexpr uint32_t kDefaultMaxEndpointsPerUid = 256;
+inline constexpr uint32_t kDefaultMaxSessionsPerUid = 256;
+inline constexpr uint32_t kDefaultMaxConnectionsPerUid = 128;
 /// Smallest accepted max_request_bytes: every control message fits in far less.
 inline constexpr uint32_t kMinMaxRequestBytes = 64u << 10;
 /// Largest accepted max_request_bytes: gRPC takes the limit as an int (INT32_MAX).
@@ -91,6 +95,8 @@ struct ConfigFlags {
   std::optional<uint32_t> max_groups_per_uid;
   std::optional<uint32_t> max_endpoints_per_uid;
   std::optional<uint64_t> max_endpoint_bytes_per_uid;
+  std::optional<uint32_t> max_sessions_per_uid;
+  std::optional<uint32_t> max_connections_per_uid;
   std::optional<std::vector<std::string>> gpu_uuids;
 };
 

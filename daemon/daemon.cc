@@ -9,6 +9,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -43,6 +44,11 @@ constexpr bool kCudaDataPlaneBuilt = true;
 #else
 constexpr bool kCudaDataPlaneBuilt = false;
 #endif
+
+/// gRPC limits of each unix-socket connection: concurrent calls (streams), and how long it
+/// may stay without any call before gRPC closes it.
+constexpr int kMaxStreamsPerConnection = 64;
+constexpr absl::Duration kMaxConnectionIdle = absl::Minutes(5);
 
 std::string Errno(int err) { return std::strerror(err); }
 
@@ -372,6 +378,7 @@ absl::Status Daemon::Init() {
   registry_options.max_groups_per_uid = config_.max_groups_per_uid();
   registry_options.max_endpoints_per_uid = config_.max_endpoints_per_uid();
   registry_options.max_endpoint_bytes_per_uid = config_.max_endpoint_bytes_per_uid();
+  registry_options.max_sessions_per_uid = config_.max_sessions_per_uid();
   registry_options.operator_uid = ::geteuid();  // With root, sees every group.
   registry_ = std::make_unique<GroupRegistry>(data_plane_.get(), inventory, registry_options);
   control_ = std::make_unique<ControlService>(registry_.get(), [this] { return Stats(); });
@@ -409,6 +416,15 @@ absl::Status Daemon::Init() {
   listener_options.socket_path = socket_path_;
   listener_options.fd_channel_handler = fd_channel_->Handler();
   listener_options.loop_hook_for_testing = options_.listener_loop_hook_for_testing;
+  // Connection caps: per uid (root and epd's own uid exempt, so an operator always gets
+  // in), and in all, keeping min_free_fds descriptors (at least half the limit) for
+  // endpoints, gRPC and the exempt uids.
+  listener_options.max_connections_per_uid = config_.max_connections_per_uid();
+  listener_options.exempt_uids = {0, static_cast<uint32_t>(::geteuid())};
+  if (absl::StatusOr<FdLimit> fd_limit = GetFdLimit(); fd_limit.ok()) {
+    listener_options.max_connections =
+        fd_limit->soft - std::min<uint64_t>(config_.min_free_fds(), fd_limit->soft / 2);
+  }
   // Bound with mode 0600: nobody but us may connect until the mode and group are applied.
   absl::StatusOr<std::unique_ptr<UnixListener>> listener =
       UnixListener::Bind(std::move(listener_options));
@@ -421,6 +437,13 @@ absl::Status Daemon::Init() {
   if (::stat(socket_path_.c_str(), &st) == 0) socket_inode_ = st.st_ino;
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(static_cast<int>(config_.max_request_bytes()));
+  // Per connection: a bounded number of concurrent calls (a client has one Session stream
+  // and a few calls at a time), and a connection without any call for a while is closed
+  // (a client holds its Session stream open for its whole life, so only connections that
+  // never opened one, or finished with it, go idle).
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                             static_cast<int>(absl::ToInt64Milliseconds(kMaxConnectionIdle)));
   builder.RegisterService(control_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr) {

@@ -71,6 +71,16 @@ absl::StatusOr<std::string> GroupRegistry::OpenSession(const PeerCredentials& pe
                                                        const std::string& client_name) {
   absl::MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("epd is shutting down; no new sessions");
+  if (options_.max_sessions_per_uid != 0) {
+    const Usage usage = UsageOfLocked(peer.uid);
+    if (usage.sessions >= options_.max_sessions_per_uid) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "max_sessions_per_uid: uid ", peer.uid, " has ", usage.sessions,
+          " open sessions, the quota is ", options_.max_sessions_per_uid,
+          "; a new session would be one more (end other sessions of this uid first, or raise "
+          "the quota in the DaemonConfig)"));
+    }
+  }
   std::string id = NewSessionId();
   Session& session = sessions_[id];
   session.peer = peer;
@@ -504,6 +514,9 @@ absl::Status GroupRegistry::AuthorizeJoin(const Group& group, int32_t rank,
 
 GroupRegistry::Usage GroupRegistry::UsageOfLocked(uint32_t uid) const {
   Usage usage;
+  for (const auto& [id, session] : sessions_) {
+    if (session.peer.uid == uid) ++usage.sessions;
+  }
   for (const auto& [name, group] : groups_) {
     if (group.owner_uid == uid) {
       ++usage.groups_owned;
@@ -672,6 +685,26 @@ std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> GroupRegistry::Eval
   return response;
 }
 
+std::optional<absl::Status> GroupRegistry::CheckWaitersLocked(const std::string& session_id) const {
+  const uint32_t total = options_.max_endpoints_waiters;
+  if (total != 0 && waiters_.size() >= total) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("GetGroupEndpoints: ", waiters_.size(),
+                     " calls are already waiting for ranks, epd's limit is ", total,
+                     "; retry later, or call with wait_ms = 0"));
+  }
+  const uint32_t per_session = options_.max_endpoints_waiters_per_session;
+  if (per_session == 0) return std::nullopt;
+  const size_t mine = std::count_if(waiters_.begin(), waiters_.end(), [&](const auto& w) {
+    return w.request.session_id() == session_id;
+  });
+  if (mine < per_session) return std::nullopt;
+  return absl::ResourceExhaustedError(
+      absl::StrCat("GetGroupEndpoints: this session already has ", mine,
+                   " calls waiting for ranks, the limit per session is ", per_session,
+                   "; wait for one to return first"));
+}
+
 void GroupRegistry::GetGroupEndpoints(const v1::GetGroupEndpointsRequest& request,
                                       EndpointsCallback done) {
   EndpointsWaiter waiter;
@@ -682,6 +715,11 @@ void GroupRegistry::GetGroupEndpoints(const v1::GetGroupEndpointsRequest& reques
   {
     absl::MutexLock lock(&mu_);
     answer = EvaluateEndpointsLocked(waiter, absl::Now());
+    if (!answer) {
+      if (std::optional<absl::Status> refused = CheckWaitersLocked(request.session_id())) {
+        answer = *std::move(refused);
+      }
+    }
     if (!answer) {
       waiter.done = std::move(done);
       waiters_.push_back(std::move(waiter));

@@ -43,6 +43,13 @@ class GroupRegistry {
     uint32_t max_groups_per_uid = 64;
     uint32_t max_endpoints_per_uid = 256;
     uint64_t max_endpoint_bytes_per_uid = 0;
+    /// DaemonConfig.max_sessions_per_uid: open sessions per uid (root included); 0 = no
+    /// limit. OpenSession beyond it is RESOURCE_EXHAUSTED.
+    uint32_t max_sessions_per_uid = 256;
+    /// GetGroupEndpoints calls that may wait for ranks at a time, per session and in all;
+    /// one more is RESOURCE_EXHAUSTED (0 = no limit).
+    uint32_t max_endpoints_waiters_per_session = 4;
+    uint32_t max_endpoints_waiters = 1024;
     /// Besides root (uid 0), the uid that sees every group in ListGroups: epd's own
     /// (the daemon passes its effective uid).
     uint32_t operator_uid = 0;
@@ -66,7 +73,8 @@ class GroupRegistry {
   /// id (32 hex characters, unguessable). `peer` is the kernel's identity of the client
   /// (SO_PEERCRED of its connection, daemon/peer_credentials.h), never a value the client
   /// sent; it is what ListGroups and the logs show and what every authorization of the
-  /// session compares. UNAVAILABLE while draining.
+  /// session compares. UNAVAILABLE while draining; RESOURCE_EXHAUSTED when peer.uid already
+  /// holds max_sessions_per_uid open sessions (naming the quota, the uid and its usage).
   absl::StatusOr<std::string> OpenSession(const PeerCredentials& peer,
                                           const std::string& client_name);
 
@@ -152,6 +160,9 @@ class GroupRegistry {
   ///                        the group is not joined (or left during the wait);
   ///   PERMISSION_DENIED    the rank is held by another session;
   ///   DEADLINE_EXCEEDED    the wait ended with ranks missing (named);
+  ///   RESOURCE_EXHAUSTED   it would have to wait while the session already has
+  ///                        max_endpoints_waiters_per_session calls waiting, or
+  ///                        max_endpoints_waiters calls wait in all;
   ///   UNAVAILABLE          the daemon is shutting down.
   void GetGroupEndpoints(const v1::GetGroupEndpointsRequest& request, EndpointsCallback done);
   /// The same, blocking the caller until the answer (tests, tools).
@@ -178,6 +189,7 @@ class GroupRegistry {
     uint32_t groups_owned = 0;
     uint32_t endpoints = 0;
     uint64_t endpoint_bytes = 0;
+    uint32_t sessions = 0;  ///< Open sessions.
   };
   Usage UsageOf(uint32_t uid) const;
 
@@ -272,6 +284,10 @@ class GroupRegistry {
       const EndpointsWaiter& waiter, absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// The waiter thread: answers waiters as the groups change or their deadlines pass.
   void ServeEndpointsWaiters();
+  /// RESOURCE_EXHAUSTED when `session_id` may not park another GetGroupEndpoints waiter
+  /// (max_endpoints_waiters_per_session, max_endpoints_waiters); nullopt when it may.
+  std::optional<absl::Status> CheckWaitersLocked(const std::string& session_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Wakes the waiter thread after a change of the groups, sessions or draining.
   void NotifyWaitersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Detaches `rank` of `group_name` (which must be held) and destroys the group when

@@ -63,6 +63,68 @@ ConnectionKind ClassifyConnection(std::string_view first_bytes) {
   return could_be_more ? ConnectionKind::kUndecided : ConnectionKind::kInvalid;
 }
 
+bool ConnectionCounter::Exempt(uint32_t uid) const {
+  return std::find(limits_.exempt_uids.begin(), limits_.exempt_uids.end(), uid) !=
+         limits_.exempt_uids.end();
+}
+
+ConnectionCounter::Admission ConnectionCounter::Admit(int fd, uint32_t uid) {
+  Forget(fd);
+  const bool exempt = Exempt(uid);
+  if (!exempt) {
+    if (limits_.per_uid != 0 && live(uid) >= limits_.per_uid) return Admission::kOverUidCap;
+    if (limits_.total != 0 && live_capped_ >= limits_.total) return Admission::kOverTotalCap;
+    ++live_capped_;
+  }
+  ++per_uid_[uid];
+  ++live_total_;
+  return Admission::kAdmitted;
+}
+
+void ConnectionCounter::Release(uint32_t uid) {
+  auto it = per_uid_.find(uid);
+  if (it == per_uid_.end()) return;
+  if (--it->second == 0) per_uid_.erase(it);
+  --live_total_;
+  if (!Exempt(uid)) --live_capped_;
+}
+
+void ConnectionCounter::Forget(int fd) {
+  auto it = tracked_.find(fd);
+  if (it == tracked_.end()) return;
+  Release(it->second.uid);
+  tracked_.erase(it);
+}
+
+void ConnectionCounter::Track(int fd, uint32_t uid) {
+  Forget(fd);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {  // Already gone.
+    Release(uid);
+    return;
+  }
+  tracked_[fd] = Tracked{uid, static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
+}
+
+std::vector<int> ConnectionCounter::Sweep() {
+  std::vector<int> gone;
+  for (const auto& [fd, conn] : tracked_) {
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_dev) == conn.dev &&
+        static_cast<uint64_t>(st.st_ino) == conn.ino) {
+      continue;
+    }
+    gone.push_back(fd);
+  }
+  for (int fd : gone) Forget(fd);
+  return gone;
+}
+
+uint32_t ConnectionCounter::live(uint32_t uid) const {
+  auto it = per_uid_.find(uid);
+  return it == per_uid_.end() ? 0 : it->second;
+}
+
 absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(Options options) {
   sockaddr_un addr{};
   if (options.socket_path.empty() || options.socket_path.size() >= sizeof(addr.sun_path)) {
@@ -110,7 +172,9 @@ UnixListener::UnixListener(Options options, ScopedFd listen_fd, ScopedFd wake_fd
     : options_(std::move(options)),
       listen_fd_(std::move(listen_fd)),
       wake_fd_(std::move(wake_fd)),
-      reserve_fd_(std::move(reserve_fd)) {}
+      reserve_fd_(std::move(reserve_fd)),
+      connections_(ConnectionCounter::Limits{options_.max_connections_per_uid,
+                                             options_.max_connections, options_.exempt_uids}) {}
 
 UnixListener::~UnixListener() { Stop(); }
 
@@ -189,6 +253,11 @@ void UnixListener::Loop() {
       now = absl::Now();
     }
     FlushSuppressedWarnings(now);
+    if (now >= next_sweep_) {
+      // gRPC closes the connections it was handed without telling us.
+      for (int fd : connections_.Sweep()) PeerCredentialsTable::Global().Erase(fd);
+      next_sweep_ = now + options_.sweep_interval;
+    }
 
     // Poll set: the wake eventfd, the listening socket (unless backing off), and every
     // pending connection that has sent nothing yet.
@@ -230,10 +299,12 @@ void UnixListener::Loop() {
     }
     if (poll_listen && fds[1].revents != 0) AcceptReady(now);
     for (Pending& p : pending_) {
-      if (p.fd.valid() && now >= p.deadline) CloseConnection(std::move(p.fd), Closed::kSilent);
+      if (p.fd.valid() && now >= p.deadline) ClosePending(p, Closed::kSilent);
     }
     // Closed entries leave; the order (oldest first) is kept for eviction.
     std::erase_if(pending_, [](const Pending& p) { return !p.fd.valid(); });
+    absl::MutexLock lock(&status_mu_);
+    counters_.live_connections = connections_.live_total();
   }
 }
 
@@ -260,6 +331,29 @@ void UnixListener::AcceptReady(absl::Time now) {
       continue;
     }
     RecordSuccess();
+    const ConnectionCounter::Admission admission = connections_.Admit(fd.get(), peer->uid);
+    if (admission != ConnectionCounter::Admission::kAdmitted) {
+      {
+        absl::MutexLock lock(&status_mu_);
+        ++counters_.refused_over_cap;
+      }
+      if (MayWarn(now)) {
+        const bool per_uid = admission == ConnectionCounter::Admission::kOverUidCap;
+        GetLogger(kLogListener)
+            ->warn(
+                "listener: closed a new connection from {}: {} (max_connections_per_uid = {}, "
+                "{} live connections in all, at most {} below the descriptor limit); raise "
+                "max_connections_per_uid in the DaemonConfig if the uid needs more",
+                DescribeCredentials(*peer),
+                per_uid ? absl::StrCat("uid ", peer->uid, " holds ", connections_.live(peer->uid),
+                                       " connections")
+                        : std::string("epd holds as many connections as it allows"),
+                options_.max_connections_per_uid, connections_.live_total(),
+                options_.max_connections);
+      }
+      fd = ScopedFd();
+      continue;
+    }
     // Recorded at accept: CallerCredentials looks the peer up by the fd gRPC names.
     PeerCredentialsTable::Global().Set(fd.get(), *peer);
     if (pending_.size() >= options_.max_pending) {
@@ -267,7 +361,7 @@ void UnixListener::AcceptReady(absl::Time now) {
       // of the round).
       for (Pending& p : pending_) {
         if (p.fd.valid()) {
-          CloseConnection(std::move(p.fd), Closed::kSilent);
+          ClosePending(p, Closed::kSilent);
           break;
         }
       }
@@ -322,7 +416,7 @@ bool UnixListener::Route(Pending& pending) {
   const ssize_t n = ::recv(pending.fd.get(), buffer, sizeof(buffer), MSG_PEEK | MSG_DONTWAIT);
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
   if (n <= 0) {  // EOF before any byte, or an error (ECONNRESET).
-    CloseConnection(std::move(pending.fd), Closed::kInvalid);
+    ClosePending(pending, Closed::kInvalid);
     return true;
   }
   switch (ClassifyConnection(std::string_view(buffer, static_cast<size_t>(n)))) {
@@ -330,14 +424,16 @@ bool UnixListener::Route(Pending& pending) {
       pending.partial = true;
       return false;
     case ConnectionKind::kInvalid:
-      CloseConnection(std::move(pending.fd), Closed::kInvalid);
+      ClosePending(pending, Closed::kInvalid);
       return true;
     case ConnectionKind::kGrpc: {
       {
         absl::MutexLock lock(&status_mu_);
         ++counters_.grpc_connections;
       }
-      // gRPC owns the fd from here and names the connection "fd:<fd>".
+      // gRPC owns the fd from here and names the connection "fd:<fd>"; it stays counted
+      // until a sweep finds it closed.
+      connections_.Track(pending.fd.get(), pending.peer.uid);
       grpc::AddInsecureChannelFromFd(server_, pending.fd.Release());
       return true;
     }
@@ -346,7 +442,7 @@ bool UnixListener::Route(Pending& pending) {
       if (::recv(pending.fd.get(), preamble, sizeof(preamble), MSG_DONTWAIT) !=
               static_cast<ssize_t>(sizeof(preamble)) ||
           !options_.fd_channel_handler) {
-        CloseConnection(std::move(pending.fd), Closed::kInvalid);
+        ClosePending(pending, Closed::kInvalid);
         return true;
       }
       bool queued = false;
@@ -358,6 +454,7 @@ bool UnixListener::Route(Pending& pending) {
         }
       }
       if (queued) {
+        connections_.Release(pending.peer.uid);  // The worker's, bounded by its queue.
         absl::MutexLock lock(&status_mu_);
         ++counters_.fd_channel_connections;
         return true;
@@ -369,11 +466,17 @@ bool UnixListener::Route(Pending& pending) {
                 "from {}",
                 options_.fd_channel_queue, DescribeCredentials(pending.peer));
       }
-      CloseConnection(std::move(pending.fd), Closed::kInvalid);
+      ClosePending(pending, Closed::kInvalid);
       return true;
     }
   }
   return false;
+}
+
+void UnixListener::ClosePending(Pending& pending, Closed why) {
+  if (!pending.fd.valid()) return;
+  connections_.Release(pending.peer.uid);
+  CloseConnection(std::move(pending.fd), why);
 }
 
 void UnixListener::CloseConnection(ScopedFd fd, Closed why) {

@@ -11,6 +11,15 @@
 // that connects and sends nothing never blocks the loop (at most Options::max_pending wait
 // at a time; beyond that the oldest is closed).
 //
+// Connections per uid: every connection counts against its peer's uid from accept until it
+// closes (ConnectionCounter): while it waits for its first bytes, and after it was handed to
+// gRPC, which closes it without telling the listener, so the loop checks the handed-over
+// descriptors every Options::sweep_interval (fstat: a closed descriptor, or one whose number
+// now names another file, is a connection gone). A connection beyond
+// Options::max_connections_per_uid, or beyond Options::max_connections in all, is closed at
+// once (logged rate-limited); Options::exempt_uids (root, epd's own uid) are never refused,
+// so an operator can always connect.
+//
 // File descriptors: when accept fails with EMFILE/ENFILE, the loop closes a reserve
 // descriptor (/dev/null), accepts the pending connection and closes it at once (the client
 // sees a clean close, not a hang, and the backlog drains), then reopens the reserve; such
@@ -29,6 +38,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -75,8 +85,58 @@ struct ListenerStatus {
   uint64_t grpc_connections = 0;        ///< Handed to gRPC.
   uint64_t fd_channel_connections = 0;  ///< Handed to the fd-channel handler.
   uint64_t closed_invalid = 0;          ///< Closed: first bytes not a known preamble, or EOF.
-  uint64_t closed_silent = 0;   ///< Closed: nothing within first_bytes_timeout (or evicted).
-  uint64_t refused_no_fds = 0;  ///< Accepted with the reserve fd and closed (EMFILE/ENFILE).
+  uint64_t closed_silent = 0;     ///< Closed: nothing within first_bytes_timeout (or evicted).
+  uint64_t refused_no_fds = 0;    ///< Accepted with the reserve fd and closed (EMFILE/ENFILE).
+  uint64_t refused_over_cap = 0;  ///< Closed at accept: the uid's or the total cap was reached.
+  uint64_t live_connections = 0;  ///< Counted now (waiting for first bytes or held by gRPC).
+};
+
+/// The live connections of each uid (ConnectionCounter::Admit at accept until Release, or
+/// until Sweep finds a connection handed over with Track closed), and the caps on them.
+/// Not thread-safe: the accept loop owns it.
+class ConnectionCounter {
+ public:
+  struct Limits {
+    uint32_t per_uid = 0;               ///< Live connections per uid; 0 = no limit.
+    uint64_t total = 0;                 ///< Live connections of every uid not exempt; 0 = no limit.
+    std::vector<uint32_t> exempt_uids;  ///< Counted, never refused.
+  };
+  enum class Admission { kAdmitted, kOverUidCap, kOverTotalCap };
+
+  explicit ConnectionCounter(Limits limits) : limits_(std::move(limits)) {}
+
+  /// A connection just accepted as descriptor `fd` from `uid`: kAdmitted (counted from now)
+  /// or which cap refuses it (not counted). A descriptor number still tracked (Track) is
+  /// free again, since the kernel just handed it out: that connection is gone and its count
+  /// is released first.
+  Admission Admit(int fd, uint32_t uid);
+  /// An admitted connection of `uid` closed by the listener.
+  void Release(uint32_t uid);
+  /// An admitted connection of `uid` handed over as `fd` to an owner that closes it
+  /// unseen (gRPC): counted until Sweep finds `fd` closed or naming another file.
+  void Track(int fd, uint32_t uid);
+  /// Checks every tracked descriptor (fstat: EBADF, or another device/inode than at Track)
+  /// and releases the connections gone; returns their descriptor numbers.
+  std::vector<int> Sweep();
+
+  uint32_t live(uint32_t uid) const;                   ///< Live connections of `uid`.
+  uint64_t live_total() const { return live_total_; }  ///< Of every uid, exempt included.
+  size_t tracked() const { return tracked_.size(); }   ///< Handed over, not yet swept.
+
+ private:
+  struct Tracked {
+    uint32_t uid = 0;
+    uint64_t dev = 0;
+    uint64_t ino = 0;
+  };
+  bool Exempt(uint32_t uid) const;
+  void Forget(int fd);
+
+  const Limits limits_;
+  std::unordered_map<uint32_t, uint32_t> per_uid_;
+  std::unordered_map<int, Tracked> tracked_;
+  uint64_t live_total_ = 0;
+  uint64_t live_capped_ = 0;  ///< Of the uids not exempt.
 };
 
 class UnixListener {
@@ -103,6 +163,13 @@ class UnixListener {
     /// (beyond that a new fd-channel connection is closed, logged rate-limited).
     int fd_channel_threads = 2;
     size_t fd_channel_queue = 256;
+    /// Caps on live connections (ConnectionCounter::Limits; DaemonConfig.max_connections_per_uid,
+    /// and the daemon's total below its descriptor limit); 0 = no limit.
+    uint32_t max_connections_per_uid = 0;
+    uint64_t max_connections = 0;
+    std::vector<uint32_t> exempt_uids;
+    /// How often the loop checks whether gRPC closed the connections it was handed.
+    absl::Duration sweep_interval = absl::Milliseconds(250);
     /// Longest poll of the accept loop (its heartbeat period and Stop()'s latency).
     absl::Duration poll_interval = absl::Milliseconds(100);
     /// Called by the accept loop at the top of every round. Tests stall the loop with it.
@@ -161,6 +228,8 @@ class UnixListener {
   void RecordFailure(const std::string& what, absl::Time now);
   void RecordSuccess();
   void ServeFdChannels();
+  /// A pending connection leaves without being handed over: closed and uncounted.
+  void ClosePending(Pending& pending, Closed why);
 
   const Options options_;
   ScopedFd listen_fd_;
@@ -173,6 +242,8 @@ class UnixListener {
 
   // Accept loop state (the loop thread only).
   std::vector<Pending> pending_;
+  ConnectionCounter connections_;
+  absl::Time next_sweep_ = absl::InfinitePast();
   absl::Time listen_backoff_until_ = absl::InfinitePast();
   absl::Time warning_window_end_ = absl::InfinitePast();
   int warnings_in_window_ = 0;

@@ -55,7 +55,9 @@ const std::vector<std::string>& EpdFlagNames() {
                                                           "gpu_uuids",
                                                           "max_groups_per_uid",
                                                           "max_endpoints_per_uid",
-                                                          "max_endpoint_bytes_per_uid"};
+                                                          "max_endpoint_bytes_per_uid",
+                                                          "max_sessions_per_uid",
+                                                          "max_connections_per_uid"};
   return *names;
 }
 
@@ -233,9 +235,12 @@ TEST(ResolveDaemonConfigTest, PerUidQuotas) {
   EXPECT_EQ(defaults.max_groups_per_uid(), 64u);
   EXPECT_EQ(defaults.max_endpoints_per_uid(), 256u);
   EXPECT_EQ(defaults.max_endpoint_bytes_per_uid(), 0u);
+  EXPECT_EQ(defaults.max_sessions_per_uid(), 256u);
+  EXPECT_EQ(defaults.max_connections_per_uid(), 128u);
 
   std::string path = WriteTempFile(
-      "max_groups_per_uid: 0\nmax_endpoints_per_uid: 0\nmax_endpoint_bytes_per_uid: 1000\n");
+      "max_groups_per_uid: 0\nmax_endpoints_per_uid: 0\nmax_endpoint_bytes_per_uid: 1000\n"
+      "max_sessions_per_uid: 0\nmax_connections_per_uid: 0\n");
   ConfigFlags from_file;
   from_file.config_path = path;
   absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(from_file);
@@ -243,6 +248,8 @@ TEST(ResolveDaemonConfigTest, PerUidQuotas) {
   EXPECT_EQ(config->max_groups_per_uid(), 0u);
   EXPECT_EQ(config->max_endpoints_per_uid(), 0u);
   EXPECT_EQ(config->max_endpoint_bytes_per_uid(), 1000u);
+  EXPECT_EQ(config->max_sessions_per_uid(), 0u);
+  EXPECT_EQ(config->max_connections_per_uid(), 0u);
 
   ConfigFlags flags = from_file;
   {
@@ -250,10 +257,14 @@ TEST(ResolveDaemonConfigTest, PerUidQuotas) {
     GiveFlag("max_groups_per_uid", "3");
     GiveFlag("max_endpoints_per_uid", "5");
     GiveFlag("max_endpoint_bytes_per_uid", "68719476736");  // 64 GiB: above 32 bits.
+    GiveFlag("max_sessions_per_uid", "7");
+    GiveFlag("max_connections_per_uid", "9");
     ConfigFlags given = ConfigFlagsFromCommandLine();
     flags.max_groups_per_uid = given.max_groups_per_uid;
     flags.max_endpoints_per_uid = given.max_endpoints_per_uid;
     flags.max_endpoint_bytes_per_uid = given.max_endpoint_bytes_per_uid;
+    flags.max_sessions_per_uid = given.max_sessions_per_uid;
+    flags.max_connections_per_uid = given.max_connections_per_uid;
   }
   config = ResolveDaemonConfig(flags);
   ::unlink(path.c_str());
@@ -261,6 +272,8 @@ TEST(ResolveDaemonConfigTest, PerUidQuotas) {
   EXPECT_EQ(config->max_groups_per_uid(), 3u);
   EXPECT_EQ(config->max_endpoints_per_uid(), 5u);
   EXPECT_EQ(config->max_endpoint_bytes_per_uid(), 68719476736u);
+  EXPECT_EQ(config->max_sessions_per_uid(), 7u);
+  EXPECT_EQ(config->max_connections_per_uid(), 9u);
 
   std::string error;
   EXPECT_FALSE(absl::FindCommandLineFlag("max_endpoint_bytes_per_uid")->ParseFrom("-1", &error));
@@ -381,6 +394,8 @@ TEST(ConfigFlagsTest, HelpShowsTheRealDefaults) {
   EXPECT_EQ(default_of("max_groups_per_uid"), "64");
   EXPECT_EQ(default_of("max_endpoints_per_uid"), "256");
   EXPECT_EQ(default_of("max_endpoint_bytes_per_uid"), "0");
+  EXPECT_EQ(default_of("max_sessions_per_uid"), "256");
+  EXPECT_EQ(default_of("max_connections_per_uid"), "128");
   // And they are the DaemonConfig defaults.
   v1::DaemonConfig defaults;
   FillDaemonConfigDefaults(&defaults);

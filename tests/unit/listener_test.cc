@@ -6,6 +6,7 @@
 // as descriptors are free; Stop is prompt.
 #include "daemon/listener.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -271,6 +272,129 @@ TEST_F(ListenerTest, PendingConnectionsBeyondTheCapEvictTheOldest) {
   EXPECT_TRUE(ClosedByPeer(silent[1].get(), absl::Seconds(2)));
   EXPECT_FALSE(ClosedByPeer(silent[5].get(), absl::Milliseconds(200)));
   EXPECT_TRUE(CheckHealth().ok());
+}
+
+/// Connects and sends what a gRPC client sends first (the HTTP/2 preface and an empty
+/// SETTINGS frame), then nothing more: a connection the listener hands to gRPC.
+ScopedFd ConnectLikeGrpc(const std::string& socket) {
+  ScopedFd fd = ConnectUnix(socket);
+  const std::string hello =
+      std::string(kHttp2ClientPreface) + std::string("\0\0\0\x04\0\0\0\0\0", 9);
+  if (!fd.valid() || ::send(fd.get(), hello.data(), hello.size(), MSG_NOSIGNAL) !=
+                         static_cast<ssize_t>(hello.size())) {
+    return ScopedFd();
+  }
+  return fd;
+}
+
+TEST(ConnectionCounterTest, CapsPerUidAndInAllExemptUidsAreNeverRefused) {
+  ConnectionCounter counter({.per_uid = 2, .total = 3, .exempt_uids = {0}});
+  using Admission = ConnectionCounter::Admission;
+  EXPECT_EQ(counter.Admit(100, 1000), Admission::kAdmitted);
+  EXPECT_EQ(counter.Admit(101, 1000), Admission::kAdmitted);
+  EXPECT_EQ(counter.Admit(102, 1000), Admission::kOverUidCap);
+  EXPECT_EQ(counter.live(1000), 2u);
+  EXPECT_EQ(counter.Admit(103, 2000), Admission::kAdmitted);
+  EXPECT_EQ(counter.Admit(104, 3000), Admission::kOverTotalCap);
+  for (int fd = 105; fd < 110; ++fd) EXPECT_EQ(counter.Admit(fd, 0), Admission::kAdmitted);
+  EXPECT_EQ(counter.live(0), 5u);
+  EXPECT_EQ(counter.live_total(), 8u);
+  counter.Release(1000);
+  EXPECT_EQ(counter.Admit(110, 3000), Admission::kAdmitted);
+  EXPECT_EQ(counter.Admit(111, 1000), Admission::kOverTotalCap);
+  // 0 = no limit.
+  ConnectionCounter unlimited({});
+  for (int fd = 0; fd < 1000; ++fd) ASSERT_EQ(unlimited.Admit(fd, 7), Admission::kAdmitted);
+  EXPECT_EQ(unlimited.live(7), 1000u);
+}
+
+TEST(ConnectionCounterTest, SweepReleasesHandedOverConnectionsOnceTheirDescriptorCloses) {
+  ConnectionCounter counter({.per_uid = 2});
+  using Admission = ConnectionCounter::Admission;
+  int pair_a[2], pair_b[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, pair_a), 0);
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, pair_b), 0);
+  ScopedFd a(pair_a[0]), a_peer(pair_a[1]), b(pair_b[0]), b_peer(pair_b[1]);
+  ASSERT_EQ(counter.Admit(a.get(), 1000), Admission::kAdmitted);
+  ASSERT_EQ(counter.Admit(b.get(), 1000), Admission::kAdmitted);
+  counter.Track(a.get(), 1000);
+  counter.Track(b.get(), 1000);
+  EXPECT_TRUE(counter.Sweep().empty());  // Both still open.
+  EXPECT_EQ(counter.Admit(999999, 1000), Admission::kOverUidCap);
+
+  // Closed: the number is free (EBADF).
+  const int a_number = a.get();
+  a = ScopedFd();
+  EXPECT_EQ(counter.Sweep(), std::vector<int>{a_number});
+  EXPECT_EQ(counter.live(1000), 1u);
+
+  // Closed and the number reused by another file: the inode differs.
+  const int b_number = b.get();
+  b = ScopedFd();
+  ScopedFd reused(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(reused.valid());
+  if (reused.get() == b_number) {
+    EXPECT_EQ(counter.Sweep(), std::vector<int>{b_number});
+  } else {
+    ASSERT_EQ(::dup2(reused.get(), b_number), b_number);
+    EXPECT_EQ(counter.Sweep(), std::vector<int>{b_number});
+    ::close(b_number);
+  }
+  EXPECT_EQ(counter.live(1000), 0u);
+  EXPECT_EQ(counter.tracked(), 0u);
+
+  // A tracked number the kernel hands out again at accept: that connection is gone.
+  ASSERT_EQ(counter.Admit(50, 2000), Admission::kAdmitted);
+  ASSERT_EQ(counter.Admit(51, 2000), Admission::kAdmitted);
+  counter.Track(a_peer.get(), 2000);  // Open: a sweep would keep it.
+  EXPECT_EQ(counter.Admit(a_peer.get(), 3000), Admission::kAdmitted);
+  EXPECT_EQ(counter.live(2000), 1u);
+  EXPECT_EQ(counter.tracked(), 0u);
+}
+
+TEST_F(ListenerTest, ConnectionsBeyondTheUidCapAreClosedUntilGrpcClosesOne) {
+  UnixListener::Options options;
+  options.max_connections_per_uid = 3;
+  options.sweep_interval = absl::Milliseconds(50);
+  StartListener(std::move(options));
+  std::vector<ScopedFd> held;
+  for (int i = 0; i < 3; ++i) {
+    held.push_back(ConnectLikeGrpc(socket_));
+    ASSERT_TRUE(held.back().valid());
+  }
+  for (int i = 0; i < 50 && listener_->status().grpc_connections < 3; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(listener_->status().grpc_connections, 3u);
+  // The held connections are gRPC's now; this uid gets no more, whatever it sends.
+  ScopedFd over = ConnectLikeGrpc(socket_);
+  EXPECT_TRUE(ClosedByPeer(over.get(), absl::Seconds(2)));
+  EXPECT_FALSE(CheckHealth().ok());
+  ListenerStatus s = listener_->status();
+  EXPECT_GE(s.refused_over_cap, 2u);
+  EXPECT_EQ(s.live_connections, 3u);
+
+  // The client closes one; gRPC closes its end; a sweep finds it and the uid may connect.
+  held.pop_back();
+  grpc::Status status;
+  for (int i = 0; i < 100; ++i) {
+    status = CheckHealth();
+    if (status.ok()) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
+TEST_F(ListenerTest, ExemptUidsAreNeverCapped) {
+  UnixListener::Options options;
+  options.max_connections_per_uid = 2;
+  options.exempt_uids = {static_cast<uint32_t>(::geteuid())};
+  StartListener(std::move(options));
+  std::vector<ScopedFd> held;
+  for (int i = 0; i < 5; ++i) held.push_back(ConnectLikeGrpc(socket_));
+  grpc::Status status = CheckHealth();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(listener_->status().refused_over_cap, 0u);
 }
 
 TEST_F(ListenerTest, OutOfDescriptorsClosesNewConnectionsCleanlyAndRecovers) {

@@ -1,12 +1,15 @@
 // GroupRegistry with a fake DataPlane: sessions, joins, leaves, session end, the error
 // codes of JoinGroup and group lifetime (daemon/group_registry.h).
+#include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/time/clock.h"
 #include "daemon/group_registry.h"
 #include "daemon/logging.h"
 #include "gmock/gmock.h"
@@ -629,6 +632,79 @@ TEST_F(RegistryPolicyTest, ZeroQuotasAreUnlimited) {
     ASSERT_TRUE(Join(a, 1, "", SmallSpec(absl::StrCat("g", i))).ok()) << i;
   }
   EXPECT_EQ(registry_->UsageOf(kAlice).endpoints, 160u);
+}
+
+TEST_F(RegistryPolicyTest, MaxSessionsPerUidCountsOpenSessionsRootIncluded) {
+  Reset(GroupRegistry::Options{.max_sessions_per_uid = 2});
+  std::string a1 = Session(kAlice), a2 = Session(kAlice);
+  absl::StatusOr<std::string> third =
+      registry_->OpenSession(PeerCredentials{.pid = 9, .uid = kAlice, .gid = kAlice}, "third");
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(third.status().message()),
+              AllOf(HasSubstr("max_sessions_per_uid"), HasSubstr("uid 1000 has 2 open sessions"),
+                    HasSubstr("quota is 2"), HasSubstr("DaemonConfig")));
+  EXPECT_EQ(registry_->UsageOf(kAlice).sessions, 2u);
+  // Another uid has its own quota; root has one too.
+  Session(kBob);
+  Session(0);
+  Session(0);
+  EXPECT_EQ(registry_->OpenSession(PeerCredentials{.uid = 0}, "root").status().code(),
+            absl::StatusCode::kResourceExhausted);
+  // A closed session no longer counts.
+  registry_->CloseSession(a1, "test");
+  EXPECT_TRUE(
+      registry_->OpenSession(PeerCredentials{.pid = 9, .uid = kAlice, .gid = kAlice}, "again")
+          .ok());
+  // 0 = no limit.
+  Reset(GroupRegistry::Options{.max_sessions_per_uid = 0});
+  for (int i = 0; i < 300; ++i) Session(kAlice);
+  EXPECT_EQ(registry_->UsageOf(kAlice).sessions, 300u);
+}
+
+TEST_F(RegistryPolicyTest, EndpointsWaitersAreCappedPerSessionAndInAll) {
+  Reset(GroupRegistry::Options{.max_endpoints_waiters_per_session = 2, .max_endpoints_waiters = 3});
+  // Answers arrive when the registry goes away (UNAVAILABLE): count them from outside it.
+  auto answered = std::make_shared<std::atomic<int>>(0);
+  std::string a = Session(kAlice), b = Session(kBob);
+  ASSERT_TRUE(Join(a, 0, "", SmallSpec("ga")).ok());
+  ASSERT_TRUE(Join(b, 0, "", SmallSpec("gb")).ok());
+  auto wait = [&](const std::string& session, const std::string& group) {
+    v1::GetGroupEndpointsRequest r;
+    r.set_group(group);
+    r.set_rank(0);
+    r.set_session_id(session);
+    r.set_wait_ms(60000);
+    auto got = std::make_shared<std::optional<absl::Status>>();
+    registry_->GetGroupEndpoints(r, [answered, got](auto result) {
+      *got = result.status();
+      ++*answered;
+    });
+    return *got;  // nullopt: parked (rank 1 is missing).
+  };
+  EXPECT_FALSE(wait(a, "ga").has_value());
+  EXPECT_FALSE(wait(a, "ga").has_value());
+  std::optional<absl::Status> third = wait(a, "ga");
+  ASSERT_TRUE(third.has_value());
+  EXPECT_EQ(third->code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(third->message()),
+              AllOf(HasSubstr("already has 2 calls waiting"), HasSubstr("per session is 2"),
+                    Not(HasSubstr(a))));
+  // Another session may still wait, up to the total.
+  EXPECT_FALSE(wait(b, "gb").has_value());
+  std::optional<absl::Status> over_total = wait(b, "gb");
+  ASSERT_TRUE(over_total.has_value());
+  EXPECT_EQ(over_total->code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(over_total->message()),
+              AllOf(HasSubstr("3 calls are already waiting"), HasSubstr("limit is 3")));
+  // A call that need not wait is answered whatever the waiters.
+  ASSERT_TRUE(Join(b, 1, "", SmallSpec("gb")).ok());
+  for (int i = 0; i < 50 && answered->load() < 3; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(answered->load(), 3);  // Two refusals and b's waiter, answered by the join.
+  std::optional<absl::Status> ready = wait(b, "gb");
+  ASSERT_TRUE(ready.has_value());
+  EXPECT_TRUE(ready->ok()) << *ready;
+  registry_.reset();
+  EXPECT_EQ(answered->load(), 6);
 }
 
 }  // namespace
