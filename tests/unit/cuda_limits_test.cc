@@ -72,7 +72,7 @@ TEST(CudaLimitsTest, LowLatencyCapacityTopkAndHiddenHaveNoLimitOnCuda) {
 // the field, the value and the largest that works; that one is accepted.
 TEST(CudaLimitsTest, LowLatencyUnitCountIsBounded) {
   const int H = 65536;  // 2048 chunks of 32 channels.
-  const int most = (1 << 31) / 2048 - 1;
+  const int most = static_cast<int>((int64_t{1} << 31) / 2048 - 1);
   EXPECT_TRUE(OnCuda(Spec(2, 16, H, 2, most)).ok()) << OnCuda(Spec(2, 16, H, 2, most));
   const absl::Status past = OnCuda(Spec(2, 16, H, 2, most + 1));
   EXPECT_EQ(past.code(), absl::StatusCode::kInvalidArgument) << past;
