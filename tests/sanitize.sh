@@ -3,7 +3,7 @@
 #
 #   ./tests/sanitize.sh                    both builds, one after the other
 #   ./tests/sanitize.sh address            build-asan only  (-fsanitize=address, + LeakSanitizer)
-#   ./tests/sanitize.sh undefined          build-ubsan only (-fsanitize=undefined, every check fatal)
+#   ./tests/sanitize.sh undefined          build-ubsan only (-fsanitize=undefined minus vptr, every check fatal)
 #
 # Each build is host-only (EPD_WITH_CUDA=OFF), compiled with Debian's clang 14
 # (deploy/install-deps.sh installs it) through the EPD_SANITIZE option of CMakeLists.txt
