@@ -10,11 +10,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "control_channel.h"
-#include "endpoint_internal.h"
-#include "epd/common/status_macros.h"
+#include "client/control_channel.h"
+#include "client/endpoint/endpoint_internal.h"
+#include "client/fd_channel.h"
+#include "common/status_macros.h"
 #include "epd/v1/control.grpc.pb.h"
-#include "fd_channel.h"
 
 namespace epd {
 namespace {

@@ -1,4 +1,4 @@
-#include "control_channel.h"
+#include "client/control_channel.h"
 
 #include <grp.h>
 #include <pwd.h>

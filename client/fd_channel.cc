@@ -1,4 +1,4 @@
-#include "fd_channel.h"
+#include "client/fd_channel.h"
 
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -14,7 +14,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "epd/v1/control.pb.h"
-#include "shm_abi.h"
+#include "proto/abi/shm_abi.h"
 
 namespace epd::internal {
 

@@ -10,7 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "fd_frame.h"
+#include "common/os/fd_frame.h"
 
 namespace epd::internal {
 

@@ -14,10 +14,10 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
-#include "daemon/config.h"
-#include "daemon/daemon.h"
-#include "daemon/fatal_signals.h"
-#include "daemon/logging.h"
+#include "daemon/core/config.h"
+#include "daemon/core/daemon.h"
+#include "daemon/core/fatal_signals.h"
+#include "daemon/core/logging.h"
 
 int main(int argc, char** argv) {
   epd::InstallFatalSignalHandler(argv[0]);

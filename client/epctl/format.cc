@@ -1,4 +1,4 @@
-#include "format.h"
+#include "client/epctl/format.h"
 
 #include <pwd.h>
 

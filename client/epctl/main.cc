@@ -10,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "../control_channel.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -19,9 +18,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "epd/common/version.h"
+#include "client/control_channel.h"
+#include "client/epctl/format.h"
+#include "common/version.h"
 #include "epd/v1/control.grpc.pb.h"
-#include "format.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 ABSL_FLAG(std::string, socket, "/run/epd/epd.sock",

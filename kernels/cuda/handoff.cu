@@ -4,9 +4,9 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "common.cuh"
-#include "epd/common/status_macros.h"
+#include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
+#include "kernels/cuda/common.cuh"
 
 namespace epd::kernels::cuda {
 namespace {

@@ -4,7 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/status/status.h"
-#include "epd/common/status_macros.h"
+#include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 
 namespace epd::kernels::cuda::internal {

@@ -5,11 +5,11 @@
 
 #include <cstdint>
 
-#include "epd/common/status_macros.h"
+#include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/types.h"
-#include "normal_common.cuh"
+#include "kernels/cuda/normal_common.cuh"
 
 namespace epd::kernels::cuda {
 namespace normal {

@@ -8,10 +8,10 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "common.cuh"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/layout.h"
+#include "kernels/cuda/common.cuh"
 
 namespace epd::kernels::cuda::normal {
 

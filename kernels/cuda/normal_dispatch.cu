@@ -6,10 +6,10 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
-#include "epd/common/status_macros.h"
+#include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
-#include "normal_common.cuh"
+#include "kernels/cuda/normal_common.cuh"
 
 namespace epd::kernels::cuda {
 namespace normal {

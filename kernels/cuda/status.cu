@@ -9,10 +9,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common.cuh"
-#include "epd/common/status_macros.h"
+#include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
-#include "ll_internal.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ll_internal.h"
 
 namespace epd::kernels::cuda {
 namespace {

@@ -6,7 +6,7 @@
 #include <cuda.h>  // Driver API types only.
 
 #include "absl/strings/str_cat.h"
-#include "epd/common/status_macros.h"
+#include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 
 namespace epd::kernels::cuda {

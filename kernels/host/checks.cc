@@ -1,6 +1,6 @@
 // Argument checks shared by the host ops (see internal.h), and CheckTopkIdx.
 #include "absl/strings/str_cat.h"
-#include "internal.h"
+#include "kernels/host/internal.h"
 
 namespace epd::kernels::host {
 namespace internal {

@@ -4,9 +4,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "epd/common/status_macros.h"
+#include "common/status_macros.h"
 #include "epd/kernels/host_ops.h"
-#include "internal.h"
+#include "kernels/host/internal.h"
 
 namespace epd::kernels::host {
 

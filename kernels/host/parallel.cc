@@ -5,7 +5,7 @@
 #include <system_error>
 #include <thread>
 
-#include "internal.h"
+#include "kernels/host/internal.h"
 
 namespace epd::kernels::host {
 namespace internal {

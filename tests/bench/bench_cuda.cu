@@ -7,11 +7,11 @@
 #include <utility>
 #include <vector>
 
-#include "../gpu/gpu_test_util.h"
 #include "absl/strings/str_cat.h"
-#include "bench_cuda.h"
-#include "epd/common/status_macros.h"
+#include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
+#include "tests/bench/bench_cuda.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace epd::bench {
 namespace {

@@ -17,8 +17,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "bench.h"
 #include "epd/kernels/layout.h"
+#include "tests/bench/bench.h"
 
 namespace epd::bench {
 

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "client/endpoint_internal.h"
-#include "daemon/host_data_plane.h"
+#include "client/endpoint/endpoint_internal.h"
+#include "daemon/dataplane/host/host_data_plane.h"
 #include "epd/client.h"
 #include "epd/kernels/types.h"
 #include "tests/bench/bench.h"

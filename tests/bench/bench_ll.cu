@@ -21,15 +21,15 @@
 #include <string>
 #include <vector>
 
-#include "../gpu/gpu_test_util.h"
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
-#include "bench.h"
-#include "bench_cuda.h"
-#include "epd/common/status_macros.h"
+#include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"
+#include "tests/bench/bench.h"
+#include "tests/bench/bench_cuda.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace epd::bench {
 namespace {

@@ -22,16 +22,16 @@
 #include <string>
 #include <vector>
 
-#include "../gpu/gpu_test_util.h"
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "bench.h"
-#include "bench_cuda.h"
-#include "epd/common/status_macros.h"
+#include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
+#include "tests/bench/bench.h"
+#include "tests/bench/bench_cuda.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace epd::bench {
 namespace {

@@ -17,7 +17,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "bench.h"
+#include "tests/bench/bench.h"
 
 ABSL_FLAG(std::string, backend, "cuda", "cuda or host");
 ABSL_FLAG(std::string, mode, "all",

@@ -12,7 +12,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "shm_region.h"
+#include "common/os/shm_region.h"
 
 namespace epd::testing {
 

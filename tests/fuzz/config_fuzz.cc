@@ -6,8 +6,8 @@
 #include <cstring>
 #include <string>
 
-#include "daemon/config.h"
-#include "daemon/spec_validation.h"
+#include "daemon/control/spec_validation.h"
+#include "daemon/core/config.h"
 #include "google/protobuf/text_format.h"
 #include "spdlog/spdlog.h"
 

@@ -15,11 +15,11 @@
 #include <thread>
 #include <vector>
 
-#include "client/endpoint_internal.h"
-#include "daemon/host_data_plane.h"
+#include "client/endpoint/endpoint_internal.h"
+#include "common/os/shm_region.h"
+#include "daemon/dataplane/host/host_data_plane.h"
 #include "epd/client.h"
-#include "shm_abi.h"
-#include "shm_region.h"
+#include "proto/abi/shm_abi.h"
 #include "spdlog/spdlog.h"
 
 namespace {

@@ -1,6 +1,6 @@
 // The toy expert of client_launch_test (see client_launch_kernels.h).
-#include "client_launch_kernels.h"
 #include "epd/kernels/cuda_ops.h"
+#include "tests/gpu/client_launch_kernels.h"
 
 namespace epd::testing {
 namespace {

@@ -42,19 +42,19 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/cuda_ipc.h"
-#include "client_launch_kernels.h"
-#include "daemon/config.h"
-#include "daemon/cuda/cuda_data_plane.h"
-#include "daemon/daemon.h"
-#include "daemon/group_ops.h"
-#include "daemon/spec_validation.h"
+#include "client/cuda/cuda_ipc.h"
+#include "daemon/control/spec_validation.h"
+#include "daemon/core/config.h"
+#include "daemon/core/daemon.h"
+#include "daemon/dataplane/cuda/cuda_data_plane.h"
+#include "daemon/dataplane/lockstep_group.h"
 #include "epd/client.h"
 #include "epd/kernels/host_ops.h"
-#include "gpu_test_util.h"
-#include "in_process_epd.h"
-#include "test_bytes.h"
 #include "tests/common/contract_rules.h"
+#include "tests/gpu/client_launch_kernels.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/in_process_epd.h"
+#include "tests/gpu/test_bytes.h"
 
 namespace epd {
 namespace {

@@ -21,7 +21,7 @@
 // runs its kernels only once launch_flags.ready_seq >= seq and then gets done_seq == seq,
 // also when the op fails (bad expert id, a client error, a rank that never arrives); a
 // client-launched endpoint gets a zeroed area and its ring slots are refused.
-#include "daemon/cuda/cuda_data_plane.h"
+#include "daemon/dataplane/cuda/cuda_data_plane.h"
 
 #include <cuda_runtime.h>
 #include <fcntl.h>
@@ -42,14 +42,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/cuda_ipc.h"
-#include "client/endpoint_internal.h"
-#include "daemon/gpu_inventory.h"
-#include "daemon/group_ops.h"
-#include "daemon/host_data_plane.h"
+#include "client/cuda/cuda_ipc.h"
+#include "client/endpoint/endpoint_internal.h"
+#include "daemon/dataplane/host/host_data_plane.h"
+#include "daemon/dataplane/lockstep_group.h"
+#include "daemon/gpu/gpu_inventory.h"
 #include "epd/client.h"
-#include "gpu_test_util.h"
-#include "shm_abi.h"
+#include "proto/abi/shm_abi.h"
+#include "tests/gpu/gpu_test_util.h"
 #include "tests/unit/raw_ring.h"
 
 namespace epd {

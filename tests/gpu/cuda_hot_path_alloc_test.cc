@@ -59,13 +59,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/cuda_ipc.h"
-#include "client/endpoint_internal.h"
-#include "daemon/cuda/cuda_data_plane.h"
+#include "client/cuda/cuda_ipc.h"
+#include "client/endpoint/endpoint_internal.h"
+#include "daemon/dataplane/cuda/cuda_data_plane.h"
 #include "epd/client.h"
 #include "epd/kernels/types.h"
-#include "gpu_test_util.h"
-#include "in_process_epd.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/in_process_epd.h"
 #define EPD_COUNTING_NEW_DEFINE_OPERATORS
 #include "tests/common/counting_new.h"
 #include "tests/common/hot_path_rounds.h"

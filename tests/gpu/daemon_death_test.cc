@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "epd/client.h"
-#include "gpu_test_util.h"
+#include "tests/gpu/gpu_test_util.h"
 #include "tests/integration/daemon_process.h"
 
 namespace epd {

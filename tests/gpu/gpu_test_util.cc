@@ -1,11 +1,11 @@
-#include "gpu_test_util.h"
+#include "tests/gpu/gpu_test_util.h"
 
 #include <cstdlib>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "epd/common/status_macros.h"
+#include "common/status_macros.h"
 
 namespace epd::testing {
 namespace {

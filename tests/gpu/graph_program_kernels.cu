@@ -1,6 +1,6 @@
 // The toy FP8 expert of graph_program_test (see graph_program_kernels.h).
 #include "epd/kernels/cuda_ops.h"
-#include "graph_program_kernels.h"
+#include "tests/gpu/graph_program_kernels.h"
 
 namespace epd::testing {
 namespace {

@@ -1,15 +1,15 @@
 // InProcessEpd (in_process_epd.h).
-#include "in_process_epd.h"
+#include "tests/gpu/in_process_epd.h"
 
 #include <stdlib.h>
 
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
-#include "client/cuda_ipc.h"
-#include "daemon/config.h"
-#include "daemon/cuda/cuda_data_plane.h"
-#include "epd/common/status_macros.h"
+#include "client/cuda/cuda_ipc.h"
+#include "common/status_macros.h"
+#include "daemon/core/config.h"
+#include "daemon/dataplane/cuda/cuda_data_plane.h"
 
 namespace epd::testing {
 

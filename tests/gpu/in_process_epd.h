@@ -19,10 +19,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "daemon/daemon.h"
+#include "daemon/core/daemon.h"
 #include "epd/client.h"
-#include "gpu_test_util.h"
 #include "tests/common/on_every_rank.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace epd::testing {
 

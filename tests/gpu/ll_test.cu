@@ -23,14 +23,14 @@
 #include <thread>
 #include <vector>
 
-#include "../../kernels/cuda/common.cuh"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "epd/common/cuda_handles.h"
-#include "epd/common/status_macros.h"
+#include "common/cuda/cuda_handles.h"
+#include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"
-#include "gpu_test_util.h"
+#include "kernels/cuda/common.cuh"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace epd::testing {
 namespace {

@@ -15,14 +15,14 @@
 #include <string>
 #include <vector>
 
-#include "../../kernels/cuda/common.cuh"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "epd/common/status_macros.h"
+#include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/layout.h"
-#include "gpu_test_util.h"
+#include "kernels/cuda/common.cuh"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace epd::testing {
 namespace {

@@ -17,8 +17,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/os/shm_region.h"
+#include "common/version.h"
 #include "epd/client.h"
-#include "epd/common/version.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
@@ -26,7 +27,6 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "shm_region.h"
 #include "tests/integration/daemon_process.h"
 
 namespace epd::testing {

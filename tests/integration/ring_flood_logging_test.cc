@@ -18,11 +18,11 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "client/fd_channel.h"
+#include "common/os/shm_region.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "shm_abi.h"
-#include "shm_region.h"
+#include "proto/abi/shm_abi.h"
 #include "tests/integration/daemon_process.h"
 
 namespace epd {

@@ -1,5 +1,5 @@
 // epd's start-up flags as a user meets them: the real binary, its exit code and its log
-// (daemon/config.h, daemon/main.cc). Values that cannot work are refused naming the flag
+// (daemon/core/config.h, daemon/main.cc). Values that cannot work are refused naming the flag
 // and the value; values that work but deserve a word are logged.
 #include <filesystem>
 #include <memory>
@@ -157,7 +157,7 @@ TEST(StartupFlagsTest, HelpShowsEveryFlagsDefault) {
   EXPECT_THAT(text, Not(HasSubstr("default: ;")));
   EXPECT_THAT(text, Not(HasSubstr("epd: epd:")));
   // The flags' file as in the source tree, not the build machine's path to it.
-  EXPECT_THAT(text, HasSubstr("Flags from daemon/config.cc:"));
+  EXPECT_THAT(text, HasSubstr("Flags from daemon/core/config.cc:"));
   for (const char* expected : {"--socket (socket_path:", "default: \"/run/epd/epd.sock\";",
                                "--op_timeout (op_timeout_ms:", "default: 10s;",
                                "--max_groups (max_groups:", "default: 64;", "default: \"auto\";",

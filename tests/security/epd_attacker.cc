@@ -91,7 +91,7 @@
 #include "epd/kernels/types.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "shm_abi.h"
+#include "proto/abi/shm_abi.h"
 #include "tests/security/security_spec.h"
 
 ABSL_FLAG(std::string, socket, "", "epd's unix socket");

@@ -38,7 +38,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
-#include "daemon/group_ops.h"
+#include "daemon/dataplane/lockstep_group.h"
 #include "epd/client.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/types.h"

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "absl/strings/match.h"
-#include "daemon/spec_validation.h"
+#include "daemon/control/spec_validation.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/fake_data_plane.h"

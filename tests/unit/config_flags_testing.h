@@ -1,4 +1,4 @@
-// Test helper for epd's flags (daemon/config.cc): set one as the command line would.
+// Test helper for epd's flags (daemon/core/config.cc): set one as the command line would.
 #pragma once
 
 #include <string>

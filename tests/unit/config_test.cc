@@ -1,6 +1,6 @@
 // DaemonConfig loading: text format, unknown fields, bad values (the error names them),
-// defaults, and flags overriding the file (daemon/config.h).
-#include "daemon/config.h"
+// defaults, and flags overriding the file (daemon/core/config.h).
+#include "daemon/core/config.h"
 
 #include <unistd.h>
 
@@ -37,7 +37,7 @@ constexpr char kGoodConfig[] = R"pb(
   host_threads: 3
 )pb";
 
-/// The names of epd's flags (daemon/config.cc).
+/// The names of epd's flags (daemon/core/config.cc).
 const std::vector<std::string>& EpdFlagNames() {
   static const auto* names = new std::vector<std::string>{"config",
                                                           "socket",
@@ -374,7 +374,7 @@ TEST(ConfigFlagsTest, HelpShowsTheRealDefaults) {
     const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     ASSERT_NE(flag, nullptr) << name;
     EXPECT_FALSE(flag->DefaultValue().empty()) << "--" << name;
-    EXPECT_THAT(flag->Filename(), HasSubstr("daemon/config.cc")) << name;
+    EXPECT_THAT(flag->Filename(), HasSubstr("daemon/core/config.cc")) << name;
   }
   auto default_of = [](const char* name) {
     return absl::FindCommandLineFlag(name)->DefaultValue();

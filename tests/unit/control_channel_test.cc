@@ -23,10 +23,10 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/os/shm_region.h"
 #include "epd/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "shm_region.h"
 
 namespace epd::internal {
 namespace {

@@ -2,7 +2,7 @@
 // come through epd's unix listener (here gRPC's in-process channel, which has no peer
 // credentials) is refused with UNAUTHENTICATED, every RPC alike, so that no path around the
 // listener acts without an identity.
-#include "daemon/control_service.h"
+#include "daemon/control/control_service.h"
 
 #include <chrono>
 #include <memory>

@@ -9,8 +9,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/group_registry.h"
-#include "daemon/spec_validation.h"
+#include "daemon/control/group_registry.h"
+#include "daemon/control/spec_validation.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/fake_data_plane.h"

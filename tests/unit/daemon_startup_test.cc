@@ -9,8 +9,8 @@
 #include <string>
 
 #include "absl/flags/reflection.h"
-#include "daemon/config.h"
-#include "daemon/daemon.h"
+#include "daemon/core/config.h"
+#include "daemon/core/daemon.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/config_flags_testing.h"

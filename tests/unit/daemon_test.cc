@@ -1,7 +1,7 @@
 // The Daemon core run in-process with a fake data plane: backend choice, health per
 // service, GetStats, socket handling (live epd refused, stale file replaced, mode), and
 // shutdown (daemon/daemon.h).
-#include "daemon/daemon.h"
+#include "daemon/core/daemon.h"
 
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -16,7 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
-#include "daemon/config.h"
+#include "daemon/core/config.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"

@@ -13,8 +13,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "daemon/data_plane.h"
-#include "daemon/gpu_inventory.h"
+#include "daemon/dataplane/data_plane.h"
+#include "daemon/gpu/gpu_inventory.h"
 
 namespace epd::testing {
 

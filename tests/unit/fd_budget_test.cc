@@ -11,12 +11,12 @@
 #include <string>
 #include <vector>
 
-#include "daemon/config.h"
-#include "daemon/fd_limits.h"
-#include "daemon/group_registry.h"
+#include "common/os/shm_region.h"
+#include "daemon/control/group_registry.h"
+#include "daemon/core/config.h"
+#include "daemon/core/fd_limits.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "shm_region.h"
 #include "tests/unit/fake_data_plane.h"
 
 namespace epd {

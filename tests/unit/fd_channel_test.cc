@@ -21,15 +21,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "client/endpoint_internal.h"
-#include "daemon/fd_channel.h"
-#include "daemon/group_registry.h"
-#include "daemon/host_data_plane.h"
-#include "fd_frame.h"
+#include "client/endpoint/endpoint_internal.h"
+#include "common/os/fd_frame.h"
+#include "common/os/shm_region.h"
+#include "daemon/control/group_registry.h"
+#include "daemon/dataplane/host/host_data_plane.h"
+#include "daemon/server/fd_channel.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "shm_abi.h"
-#include "shm_region.h"
+#include "proto/abi/shm_abi.h"
 #include "tests/unit/fake_data_plane.h"
 
 namespace epd {

@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "daemon/group_ops.h"
-#include "daemon/host_data_plane.h"
+#include "daemon/dataplane/host/host_data_plane.h"
+#include "daemon/dataplane/lockstep_group.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "shm_abi.h"
+#include "proto/abi/shm_abi.h"
 #include "tests/unit/fake_data_plane.h"
 #include "tests/unit/raw_ring.h"
 

@@ -3,7 +3,7 @@
 // compared with kernels/host run directly on the same inputs. Also the failure paths:
 // garbage in a ring slot, a rank that never arrives, a rank leaving mid-op, stale
 // handles, client-side input errors — after each, the group keeps working.
-#include "daemon/host_data_plane.h"
+#include "daemon/dataplane/host/host_data_plane.h"
 
 #include <fcntl.h>
 #include <gmock/gmock.h>
@@ -26,11 +26,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "client/endpoint_internal.h"
+#include "client/endpoint/endpoint_internal.h"
+#include "common/os/shm_region.h"
 #include "epd/client.h"
 #include "epd/kernels/host_ops.h"
-#include "shm_abi.h"
-#include "shm_region.h"
+#include "proto/abi/shm_abi.h"
 #include "tests/common/contract_rules.h"
 #include "tests/unit/raw_ring.h"
 

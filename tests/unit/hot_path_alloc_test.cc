@@ -38,8 +38,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/endpoint_internal.h"
-#include "daemon/host_data_plane.h"
+#include "client/endpoint/endpoint_internal.h"
+#include "daemon/dataplane/host/host_data_plane.h"
 #include "epd/client.h"
 #include "epd/kernels/types.h"
 #define EPD_COUNTING_NEW_DEFINE_OPERATORS

@@ -12,13 +12,13 @@
 #include <utility>
 #include <vector>
 
-#include "daemon/group_ops.h"
-#include "daemon/group_registry.h"
-#include "daemon/host_data_plane.h"
+#include "common/os/shm_region.h"
+#include "daemon/control/group_registry.h"
+#include "daemon/dataplane/host/host_data_plane.h"
+#include "daemon/dataplane/lockstep_group.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "shm_abi.h"
-#include "shm_region.h"
+#include "proto/abi/shm_abi.h"
 #include "tests/unit/fake_data_plane.h"
 #include "tests/unit/raw_ring.h"
 

@@ -4,7 +4,7 @@
 // pieces); garbage and silent connections are closed without blocking anything else; on
 // EMFILE the pending connection gets a clean close and the listener accepts again as soon
 // as descriptors are free; Stop is prompt.
-#include "daemon/listener.h"
+#include "daemon/server/listener.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -25,12 +25,12 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "daemon/fd_limits.h"
+#include "daemon/core/fd_limits.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "shm_abi.h"
+#include "proto/abi/shm_abi.h"
 #include "tests/common/unix_socket.h"
 
 namespace epd {

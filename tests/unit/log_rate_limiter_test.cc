@@ -14,7 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "daemon/logging.h"
+#include "daemon/core/logging.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "tests/common/counting_new.h"
 

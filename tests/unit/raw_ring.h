@@ -18,10 +18,10 @@
 #include <optional>
 #include <thread>
 
-#include "daemon/data_plane.h"
+#include "common/os/shm_region.h"
+#include "daemon/dataplane/data_plane.h"
 #include "epd/v1/control.pb.h"
-#include "shm_abi.h"
-#include "shm_region.h"
+#include "proto/abi/shm_abi.h"
 
 namespace epd::testing {
 

@@ -1,7 +1,7 @@
 // The spec-validation table (issue 2): every rule of ValidateGroupSpec / ValidateRank /
 // CheckBuffersFit / CheckSameSpec with valid and invalid cases; each error must name the
 // field and the value.
-#include "daemon/spec_validation.h"
+#include "daemon/control/spec_validation.h"
 
 #include <functional>
 #include <string>

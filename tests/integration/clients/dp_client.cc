@@ -28,7 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "epd/client.h"
 #include "epd/kernels/types.h"
-#include "shm_abi.h"
+#include "proto/abi/shm_abi.h"
 
 ABSL_FLAG(std::string, socket, "", "epd socket");
 ABSL_FLAG(std::string, scenario, "bad_inputs", "bad_inputs or loop");

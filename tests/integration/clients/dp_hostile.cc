@@ -30,12 +30,12 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/os/fd_frame.h"
+#include "common/os/shm_region.h"
 #include "epd/client.h"
 #include "epd/v1/control.grpc.pb.h"
-#include "fd_frame.h"
 #include "grpcpp/grpcpp.h"
-#include "shm_abi.h"
-#include "shm_region.h"
+#include "proto/abi/shm_abi.h"
 
 ABSL_FLAG(std::string, socket, "", "epd socket path");
 ABSL_FLAG(std::string, scenario, "resize", "resize or fetch");

@@ -1,0 +1,63 @@
+// Internal to libepdclient: how Client::Join opens the Endpoint the daemon described.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "absl/status/statusor.h"
+#include "common/os/fd_frame.h"
+#include "epd/client.h"
+#include "epd/v1/control.pb.h"
+
+namespace epd::internal {
+
+/// Shared by a Client and its endpoints: whether the client's Session with the daemon has
+/// ended (e.g. epd was killed), and what to do when it does. Thread-safe.
+class SessionWatch {
+ public:
+  /// True once MarkLost was called.
+  bool lost() const { return lost_.load(std::memory_order_acquire); }
+  /// Marks the Session ended and runs every registered hook once (on the caller's thread,
+  /// under the watch's lock: a hook being removed waits for it).
+  void MarkLost();
+  /// Registers `hook` (run by MarkLost; at once when the Session is already lost).
+  /// Returns an id for RemoveHook.
+  uint64_t AddHook(std::function<void()> hook);
+  /// Removes a hook; after it returns, the hook is not running and never runs again.
+  void RemoveHook(uint64_t id);
+
+ private:
+  std::atomic<bool> lost_{false};
+  std::mutex mu_;
+  uint64_t next_id_ = 1;
+  std::map<uint64_t, std::function<void()>> hooks_;
+};
+
+/// Asks the daemon for every rank's endpoint of the caller's group (GetGroupEndpoints),
+/// waiting up to `wait_ms` for every rank to join. Client-launched mode calls it once per
+/// endpoint, before its first op.
+using GroupEndpointsFn =
+    std::function<absl::StatusOr<v1::GetGroupEndpointsResponse>(uint32_t wait_ms)>;
+
+/// Maps the endpoint `info` describes: its region and doorbell from `fds` (as the fd
+/// channel handed them: client/fd_channel.h; both are closed once mapped) and, on the CUDA
+/// backend, its data area; checks the seals and sizes (ShmRegion::Map) and the shm ABI
+/// magic/version. `leave` is called once by Endpoint::Leave (and by the destructor) to
+/// release the rank through the control plane.
+/// `session`, when given, says when the client's Session with the daemon has ended:
+/// waits then return UNAVAILABLE at once instead of after op_timeout + 5 s, and a CUDA
+/// stream left waiting for the daemon is released.
+/// `group_endpoints` is needed for client-launched endpoints (info.launch_mode =
+/// LAUNCH_MODE_CLIENT); their first op fails with FAILED_PRECONDITION without it.
+/// Errors: FAILED_PRECONDITION on an ABI mismatch, a descriptor that is not a sealed memfd
+/// of the expected size, or fds of another endpoint; INTERNAL on mmap failure.
+absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(
+    const v1::EndpointInfo& info, const v1::GroupSpec& spec, EndpointFds fds,
+    std::function<absl::Status()> leave, std::shared_ptr<SessionWatch> session = nullptr,
+    GroupEndpointsFn group_endpoints = nullptr);
+
+}  // namespace epd::internal

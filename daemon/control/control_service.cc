@@ -1,0 +1,286 @@
+#include "daemon/control/control_service.h"
+
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/control/spec_validation.h"
+#include "daemon/core/logging.h"
+#include "daemon/server/peer_credentials.h"
+
+namespace epd {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+namespace {
+
+/// UNAUTHENTICATED for a call that did not come through epd's own unix listener, which
+/// alone records a connection's SO_PEERCRED: epd knows a client by nothing else.
+absl::Status NoCredentials(const std::string& peer) {
+  return absl::UnauthenticatedError(
+      absl::StrCat("epd knows a client by the kernel's credentials of its connection to epd's unix "
+                   "socket (SO_PEERCRED), and this call (peer \"",
+                   EscapeClientText(peer), "\") has none; connect to the unix socket"));
+}
+
+/// The caller of a Control RPC as the kernel knows it: SO_PEERCRED of its connection to
+/// epd's unix socket; UNAUTHENTICATED without one.
+absl::StatusOr<PeerCredentials> Caller(const grpc::CallbackServerContext& context) {
+  std::optional<PeerCredentials> creds = CallerCredentials(context);
+  if (!creds) return NoCredentials(context.peer());
+  return *creds;
+}
+
+/// PERMISSION_DENIED when `session_id` is an open session of another uid than the caller's
+/// (a call acts in a session's name only for the user that opened it); the registry
+/// answers every other problem of the id itself.
+absl::Status CheckCallerMayUseSession(const GroupRegistry& registry, const std::string& session_id,
+                                      const PeerCredentials& caller) {
+  absl::Status status = registry.CheckSessionCaller(session_id, caller);
+  return status.code() == absl::StatusCode::kPermissionDenied ? status : absl::OkStatus();
+}
+
+/// Finishes `reactor` with `status` when it is an error; returns whether it did.
+bool FinishIfError(grpc::ServerUnaryReactor* reactor, const absl::Status& status) {
+  if (status.ok()) return false;
+  reactor->Finish(ToGrpcStatus(status));
+  return true;
+}
+
+}  // namespace
+
+// One Session stream. Lives until OnDone. Reactions may run concurrently with OnCancel,
+// so every state change happens under mu_. gRPC never runs a reaction inline from a
+// Start*/Finish call of a user reactor (can_inline is false for them), so calling those
+// under mu_ cannot re-enter it.
+class ControlService::SessionReactor
+    : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
+ public:
+  SessionReactor(ControlService* service, grpc::CallbackServerContext* context)
+      : service_(service), peer_(context->peer()), credentials_(CallerCredentials(*context)) {
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;
+    if (!ok) {
+      EndLocked("stream closed by the client", grpc::Status::OK);
+      return;
+    }
+    if (session_id_.empty()) {
+      // The identity is the kernel's; the pid the client sent is only compared.
+      if (!credentials_) {
+        EndLocked("refused: no SO_PEERCRED", ToGrpcStatus(NoCredentials(peer_)));
+        return;
+      }
+      const PeerCredentials& peer = *credentials_;
+      if (request_.client_pid() != peer.pid) {
+        GetLogger(kLogControl)
+            ->debug(
+                "Session from {} ({}): its SessionRequest.client_pid is not the kernel's "
+                "pid; epd uses the kernel's",
+                DescribeCredentials(peer), peer_);
+      }
+      absl::StatusOr<std::string> id =
+          service_->registry_->OpenSession(peer, request_.client_name());
+      if (!id.ok()) {
+        EndLocked("refused", ToGrpcStatus(id.status()));
+        return;
+      }
+      session_id_ = *id;
+      response_.set_session_id(session_id_);
+      response_.set_event("open");
+      writing_ = true;
+      StartWrite(&response_);
+    }
+    // Later messages carry nothing; keep reading to learn when the stream ends.
+    StartRead(&request_);
+  }
+
+  void OnWriteDone(bool /*ok*/) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (pending_finish_) {
+      pending_finish_ = false;
+      Finish(finish_status_);
+    }
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    EndLocked("stream cancelled (client gone)", grpc::Status::CANCELLED);
+  }
+
+  void OnDone() override {
+    {
+      absl::MutexLock lock(&mu_);
+      EndLocked("stream done", grpc::Status::OK);
+    }
+    service_->Forget(this);
+    delete this;
+  }
+
+  /// Shutdown: tells the client and ends the stream with UNAVAILABLE.
+  void Drain() {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;
+    if (!session_id_.empty() && !writing_) {
+      response_.set_session_id(session_id_);
+      response_.set_event("draining");
+      writing_ = true;
+      StartWrite(&response_);
+    }
+    EndLocked("daemon shutting down",
+              grpc::Status(grpc::StatusCode::UNAVAILABLE, "epd is shutting down"));
+  }
+
+ private:
+  /// Releases the session's endpoints (once) and finishes the stream (once).
+  void EndLocked(absl::string_view why, const grpc::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!session_id_.empty() && !closed_) {
+      closed_ = true;
+      service_->registry_->CloseSession(session_id_, absl::StrCat(why, ", peer ", peer_));
+    }
+    if (finished_) return;
+    finished_ = true;
+    if (writing_) {
+      pending_finish_ = true;  // Finish after the write in flight completes.
+      finish_status_ = status;
+    } else {
+      Finish(status);
+    }
+  }
+
+  ControlService* const service_;
+  const std::string peer_;
+  const std::optional<PeerCredentials> credentials_;
+  absl::Mutex mu_;
+  v1::SessionRequest request_;
+  v1::SessionResponse response_;
+  std::string session_id_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool pending_finish_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
+};
+
+ControlService::ControlService(GroupRegistry* registry, std::function<v1::GetStatsResponse()> stats)
+    : registry_(registry), stats_(std::move(stats)) {}
+
+ControlService::~ControlService() = default;
+
+grpc::ServerUnaryReactor* ControlService::JoinGroup(grpc::CallbackServerContext* context,
+                                                    const v1::JoinGroupRequest* request,
+                                                    v1::JoinGroupResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  const absl::Status allowed = CheckCallerMayUseSession(*registry_, request->session_id(), *caller);
+  absl::StatusOr<v1::EndpointInfo> endpoint =
+      allowed.ok() ? registry_->Join(*request) : absl::StatusOr<v1::EndpointInfo>(allowed);
+  if (endpoint.ok()) {
+    *response->mutable_endpoint() = *std::move(endpoint);
+  } else {
+    // The name is the client's, unvalidated: escaped and capped (a '\n' would forge a line).
+    // The join secret is never logged (nor is it in any error message).
+    LogLimited(*GetLogger(kLogControl), spdlog::level::info,
+               *registry_->ControlLogBudget(caller->uid), "its refused joins",
+               "JoinGroup group \"{}\" rank {} from {} ({}) refused: {}",
+               EscapeClientText(request->spec().name()), request->rank(),
+               DescribeCredentials(*caller), context->peer(), endpoint.status().ToString());
+  }
+  reactor->Finish(ToGrpcStatus(endpoint.status()));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ControlService::LeaveGroup(grpc::CallbackServerContext* context,
+                                                     const v1::LeaveGroupRequest* request,
+                                                     v1::LeaveGroupResponse* /*response*/) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  if (FinishIfError(reactor,
+                    CheckCallerMayUseSession(*registry_, request->session_id(), *caller))) {
+    return reactor;
+  }
+  reactor->Finish(ToGrpcStatus(registry_->Leave(*request)));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ControlService::GetGroupEndpoints(
+    grpc::CallbackServerContext* context, const v1::GetGroupEndpointsRequest* request,
+    v1::GetGroupEndpointsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  if (FinishIfError(reactor,
+                    CheckCallerMayUseSession(*registry_, request->session_id(), *caller))) {
+    return reactor;
+  }
+  // The reactor and `response` live until Finish; the callback runs exactly once.
+  registry_->GetGroupEndpoints(
+      *request, [reactor, response, group = EscapeClientText(request->group()),
+                 rank = request->rank(), budget = registry_->ControlLogBudget(caller->uid)](
+                    absl::StatusOr<v1::GetGroupEndpointsResponse> endpoints) {
+        if (endpoints.ok()) {
+          *response = *std::move(endpoints);
+        } else {
+          LogLimited(*GetLogger(kLogControl), spdlog::level::info, *budget,
+                     "its GetGroupEndpoints calls", "GetGroupEndpoints group \"{}\" rank {}: {}",
+                     group, rank, endpoints.status().ToString());
+        }
+        reactor->Finish(ToGrpcStatus(endpoints.status()));
+      });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ControlService::ListGroups(grpc::CallbackServerContext* context,
+                                                     const v1::ListGroupsRequest* /*request*/,
+                                                     v1::ListGroupsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  *response = registry_->ListGroups(*caller);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ControlService::GetStats(grpc::CallbackServerContext* context,
+                                                   const v1::GetStatsRequest* /*request*/,
+                                                   v1::GetStatsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (FinishIfError(reactor, Caller(*context).status())) return reactor;
+  // Whole-daemon counts, the GPUs and the config, but no group's name or spec: the same
+  // for every caller.
+  *response = stats_();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* ControlService::Session(
+    grpc::CallbackServerContext* context) {
+  auto* reactor = new SessionReactor(this, context);  // Deletes itself in OnDone.
+  absl::MutexLock lock(&mu_);
+  // While draining, the registry refuses the session (UNAVAILABLE) at its first message.
+  sessions_.insert(reactor);
+  return reactor;
+}
+
+void ControlService::Forget(SessionReactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  sessions_.erase(reactor);
+}
+
+void ControlService::DrainSessions() {
+  absl::MutexLock lock(&mu_);
+  // A reactor removes itself (Forget) before it is deleted, and Forget needs mu_: every
+  // reactor in the set is alive while we hold mu_.
+  for (SessionReactor* reactor : sessions_) reactor->Drain();
+}
+
+}  // namespace epd

@@ -1,0 +1,525 @@
+#include "daemon/core/config.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <tuple>
+#include <type_traits>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/marshalling.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/status_macros.h"
+#include "daemon/core/logging.h"
+#include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/text_format.h"
+
+namespace epd::config_internal {
+
+/// The value of one epd flag and whether the command line gave it. absl::ParseCommandLine
+/// calls AbslParseFlag only for a flag it finds in argv, so `given` tells "--socket="
+/// (given, empty) from no --socket at all, and the flag's default can be the real one, which
+/// --help shows (std::optional flags showed "default: ;"). The default is never applied
+/// from here: an absent flag leaves the config file's value, or FillDaemonConfigDefaults's.
+template <typename T>
+struct CommandLineValue {
+  T value{};
+  bool given = false;
+};
+
+template <typename T>
+bool AbslParseFlag(absl::string_view text, CommandLineValue<T>* flag, std::string* error) {
+  if (!absl::ParseFlag<T>(text, &flag->value, error)) {
+    // absl leaves `error` empty for these types; say what a value looks like.
+    if (error->empty()) {
+      if constexpr (std::is_same_v<T, absl::Duration>) {
+        *error = "need a number with its unit, e.g. 10s, 2500ms or 1m";
+      } else if constexpr (std::is_same_v<T, uint32_t>) {
+        *error = "need a whole number from 0 to 4294967295";
+      } else if constexpr (std::is_same_v<T, uint64_t>) {
+        *error = "need a whole number from 0 to 18446744073709551615";
+      }
+    }
+    return false;
+  }
+  flag->given = true;
+  return true;
+}
+
+/// Text values are quoted, as --help shows plain string flags: `default: "";` rather
+/// than `default: ;`.
+template <typename T>
+std::string AbslUnparseFlag(const CommandLineValue<T>& flag) {
+  std::string text = absl::UnparseFlag<T>(flag.value);
+  if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::vector<std::string>>) {
+    return absl::StrCat("\"", text, "\"");
+  }
+  return text;
+}
+
+using StringFlag = CommandLineValue<std::string>;
+using Uint32Flag = CommandLineValue<uint32_t>;
+using Uint64Flag = CommandLineValue<uint64_t>;
+using DurationFlag = CommandLineValue<absl::Duration>;
+using StringListFlag = CommandLineValue<std::vector<std::string>>;
+
+}  // namespace epd::config_internal
+
+using epd::config_internal::DurationFlag;
+using epd::config_internal::StringFlag;
+using epd::config_internal::StringListFlag;
+using epd::config_internal::Uint32Flag;
+using epd::config_internal::Uint64Flag;
+
+// Every default below is the DaemonConfig default (shown by --help); a flag overrides the
+// config file only when given on the command line.
+ABSL_FLAG(StringFlag, config, StringFlag{""},
+          "Text-format epd.v1.DaemonConfig to load first; the flags given override its "
+          "fields (\"\" = no file: flags and defaults only).");
+ABSL_FLAG(StringFlag, socket, StringFlag{epd::kDefaultSocketPath},
+          "socket_path: unix socket of the Control and Health services, \"/path\" or "
+          "\"unix:///path\". A missing parent directory is created (and logged at info "
+          "level); under systemd, RuntimeDirectory=epd makes /run/epd.");
+ABSL_FLAG(StringFlag, socket_mode, StringFlag{epd::kDefaultSocketMode},
+          "socket_mode: octal file mode of the socket.");
+ABSL_FLAG(StringFlag, socket_group, StringFlag{""},
+          "socket_group: existing group owning the socket and the shm regions (\"\" = the "
+          "daemon's own group).");
+ABSL_FLAG(StringFlag, listen, StringFlag{""},
+          "listen: optional TCP listener host:port for grpc.health.v1 probes only (Control "
+          "stays on the unix socket); \"\" or \"off\" = no listener, also turning off one the "
+          "config file sets.");
+ABSL_FLAG(StringFlag, backend, StringFlag{"auto"},
+          "backend: data-plane backend: auto (CUDA when a GPU is usable, else host), cuda, "
+          "host.");
+ABSL_FLAG(StringFlag, log_level, StringFlag{epd::kDefaultLogLevel},
+          "log_level: trace, debug, info, warn, error, critical or off.");
+ABSL_FLAG(DurationFlag, op_timeout, DurationFlag{absl::Milliseconds(epd::kDefaultOpTimeoutMs)},
+          "op_timeout_ms: bound on every wait of a data-plane op, a whole number of "
+          "milliseconds, e.g. 10s or 2500ms.");
+ABSL_FLAG(StringFlag, shm_mode, StringFlag{""},
+          "shm_mode: deprecated and ignored (start-up warns): endpoint regions are sealed "
+          "memfds with no file mode, handed only to the process that joined.");
+ABSL_FLAG(Uint32Flag, engine_idle_us, Uint32Flag{epd::kDefaultEngineIdleUs},
+          "engine_idle_us: an engine keeps polling this many microseconds after its last "
+          "request, then sleeps until a client rings it; 0 = sleep as soon as its rings are "
+          "empty (no spinning: least CPU, each op that finds it asleep pays a wake-up).");
+ABSL_FLAG(Uint32Flag, host_threads, Uint32Flag{0},
+          "host_threads: threads the host backend uses per op; 0 = the hardware concurrency.");
+ABSL_FLAG(Uint32Flag, max_request_bytes, Uint32Flag{epd::kDefaultMaxRequestBytes},
+          "max_request_bytes: largest gRPC message accepted, in bytes, from 65536 to "
+          "2147483647 (gRPC's limit is an int).");
+ABSL_FLAG(Uint32Flag, max_groups, Uint32Flag{epd::kDefaultMaxGroups},
+          "max_groups: maximum number of live groups.");
+ABSL_FLAG(Uint32Flag, max_groups_per_uid, Uint32Flag{epd::kDefaultMaxGroupsPerUid},
+          "max_groups_per_uid: groups one uid may own (first-joined) at a time, root "
+          "included; 0 = no limit.");
+ABSL_FLAG(Uint32Flag, max_endpoints_per_uid, Uint32Flag{epd::kDefaultMaxEndpointsPerUid},
+          "max_endpoints_per_uid: endpoints (joined ranks) one uid's sessions may hold at a "
+          "time, root included; 0 = no limit.");
+ABSL_FLAG(Uint64Flag, max_endpoint_bytes_per_uid, Uint64Flag{0},
+          "max_endpoint_bytes_per_uid: bytes of endpoint buffers (GPU memory, or shared "
+          "memory on the host backend) one uid's sessions may hold at a time, root included; "
+          "0 = no limit.");
+ABSL_FLAG(Uint32Flag, max_sessions_per_uid, Uint32Flag{epd::kDefaultMaxSessionsPerUid},
+          "max_sessions_per_uid: open sessions (Session streams) one uid may hold at a time, "
+          "root included; 0 = no limit.");
+ABSL_FLAG(Uint32Flag, max_connections_per_uid, Uint32Flag{epd::kDefaultMaxConnectionsPerUid},
+          "max_connections_per_uid: live connections to the unix socket one uid may hold at a "
+          "time (more are closed at once); root and epd's own uid are exempt; 0 = no limit.");
+ABSL_FLAG(StringListFlag, gpu_uuids, StringListFlag{},
+          "gpu_uuids: comma-separated GPU UUIDs the daemon may use (\"\" = every visible "
+          "GPU).");
+
+namespace epd {
+namespace {
+
+/// Collects the parser's messages with the offending source line.
+class CollectingErrorCollector : public google::protobuf::io::ErrorCollector {
+ public:
+  CollectingErrorCollector(absl::string_view text, absl::string_view source)
+      : lines_(absl::StrSplit(text, '\n')), source_(source) {}
+
+  void AddError(int line, google::protobuf::io::ColumnNumber column,
+                const std::string& message) override {
+    // Some errors (e.g. an unknown enum value) are reported at the start of the token after
+    // the offending one; point at the last non-blank line at or before it.
+    while (line > 0 && (static_cast<size_t>(line) >= lines_.size() ||
+                        absl::StripAsciiWhitespace(lines_[line]).empty())) {
+      --line;
+      column = static_cast<int>(lines_[line].size());
+    }
+    std::string where = absl::StrCat(source_, ":", line + 1, ":", column + 1, ": ", message);
+    if (line >= 0 && static_cast<size_t>(line) < lines_.size()) {
+      absl::StrAppend(&where, " (in: `", absl::StripAsciiWhitespace(lines_[line]), "`)");
+    }
+    errors_.push_back(std::move(where));
+  }
+  void AddWarning(int line, google::protobuf::io::ColumnNumber column,
+                  const std::string& message) override {
+    AddError(line, column, message);
+  }
+  const std::vector<std::string>& errors() const { return errors_; }
+
+ private:
+  std::vector<std::string> lines_;
+  std::string source_;
+  std::vector<std::string> errors_;
+};
+
+absl::Status CheckListen(absl::string_view listen) {
+  if (listen.empty()) return absl::OkStatus();
+  size_t colon = listen.rfind(':');
+  uint32_t port = 0;
+  if (colon == absl::string_view::npos || colon == 0 ||
+      !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "listen: \"", listen, "\" is not host:port (e.g. \"0.0.0.0:50051\", \"[::1]:0\")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+namespace {
+
+/// The flag's value when the command line gave it, else nullopt.
+template <typename T>
+std::optional<T> GivenValue(const absl::Flag<config_internal::CommandLineValue<T>>& flag) {
+  config_internal::CommandLineValue<T> v = absl::GetFlag(flag);
+  if (!v.given) return std::nullopt;
+  return std::move(v.value);
+}
+
+}  // namespace
+
+ConfigFlags ConfigFlagsFromCommandLine() {
+  ConfigFlags f;
+  f.config_path = GivenValue(FLAGS_config);
+  f.socket = GivenValue(FLAGS_socket);
+  f.socket_mode = GivenValue(FLAGS_socket_mode);
+  f.socket_group = GivenValue(FLAGS_socket_group);
+  f.listen = GivenValue(FLAGS_listen);
+  f.backend = GivenValue(FLAGS_backend);
+  f.log_level = GivenValue(FLAGS_log_level);
+  f.op_timeout = GivenValue(FLAGS_op_timeout);
+  f.shm_mode = GivenValue(FLAGS_shm_mode);
+  f.engine_idle_us = GivenValue(FLAGS_engine_idle_us);
+  f.host_threads = GivenValue(FLAGS_host_threads);
+  f.max_request_bytes = GivenValue(FLAGS_max_request_bytes);
+  f.max_groups = GivenValue(FLAGS_max_groups);
+  f.max_groups_per_uid = GivenValue(FLAGS_max_groups_per_uid);
+  f.max_endpoints_per_uid = GivenValue(FLAGS_max_endpoints_per_uid);
+  f.max_endpoint_bytes_per_uid = GivenValue(FLAGS_max_endpoint_bytes_per_uid);
+  f.max_sessions_per_uid = GivenValue(FLAGS_max_sessions_per_uid);
+  f.max_connections_per_uid = GivenValue(FLAGS_max_connections_per_uid);
+  f.gpu_uuids = GivenValue(FLAGS_gpu_uuids);
+  return f;
+}
+
+absl::StatusOr<v1::DaemonConfig> ParseDaemonConfig(absl::string_view text,
+                                                   absl::string_view source) {
+  v1::DaemonConfig config;
+  CollectingErrorCollector collector(text, source);
+  google::protobuf::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&collector);
+  // Unknown fields and enum values are errors (the parser's default); say so explicitly.
+  parser.AllowUnknownField(false);
+  parser.AllowUnknownExtension(false);
+  if (!parser.ParseFromString(std::string(text), &config)) {
+    std::string message = collector.errors().empty()
+                              ? absl::StrCat(source, ": not a text-format epd.v1.DaemonConfig")
+                              : absl::StrJoin(collector.errors(), "; ");
+    return absl::InvalidArgumentError(message);
+  }
+  return config;
+}
+
+absl::StatusOr<v1::DaemonConfig> LoadDaemonConfigFile(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--config: \"", path, "\" is not a regular file (a text-format DaemonConfig)"));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    int err = errno;
+    std::string message =
+        absl::StrCat("--config: cannot read \"", path, "\": ", std::strerror(err));
+    if (err == EACCES) return absl::PermissionDeniedError(message);
+    return absl::NotFoundError(message);
+  }
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return ParseDaemonConfig(buffer.str(), path);
+}
+
+absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config) {
+  // Given empty ("--socket="), these would read as absent and silently take the config
+  // file's value or the default: refuse instead. (--socket_group= and --listen= are
+  // meaningful empty: the daemon's own group, no listener.)
+  for (const auto& [name, field, value, default_value] :
+       {std::tuple<const char*, const char*, const std::optional<std::string>*, const char*>{
+            "socket", "socket_path", &flags.socket, kDefaultSocketPath},
+        {"socket_mode", "socket_mode", &flags.socket_mode, kDefaultSocketMode},
+        {"log_level", "log_level", &flags.log_level, kDefaultLogLevel}}) {
+    if (value->has_value() && (*value)->empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name,
+                       ": \"\" (given empty) is not a value; give one, or leave "
+                       "the flag out for the config file's ",
+                       field, " or the default \"", default_value, "\""));
+    }
+  }
+  if (flags.socket) config->set_socket_path(*flags.socket);
+  if (flags.socket_mode) config->set_socket_mode(*flags.socket_mode);
+  if (flags.socket_group) config->set_socket_group(*flags.socket_group);
+  // "--listen=" and "--listen=off" both turn off a listener the config file sets.
+  if (flags.listen) config->set_listen(*flags.listen == "off" ? "" : *flags.listen);
+  if (flags.backend) {
+    std::string b = absl::AsciiStrToLower(*flags.backend);
+    if (b == "auto") {
+      config->set_backend(v1::BACKEND_AUTO);
+    } else if (b == "cuda") {
+      config->set_backend(v1::BACKEND_CUDA);
+    } else if (b == "host") {
+      config->set_backend(v1::BACKEND_HOST);
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--backend: \"", *flags.backend, "\" is not one of auto, cuda, host"));
+    }
+  }
+  if (flags.log_level) config->set_log_level(*flags.log_level);
+  if (flags.op_timeout) {
+    int64_t ms = absl::ToInt64Milliseconds(*flags.op_timeout);
+    if (ms < 1 || ms > UINT32_MAX) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--op_timeout: ", absl::FormatDuration(*flags.op_timeout),
+                       " is out of range [1ms, ", UINT32_MAX, "ms]"));
+    }
+    if (*flags.op_timeout != absl::Milliseconds(ms)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--op_timeout: ", absl::FormatDuration(*flags.op_timeout),
+                       " is not a whole number of milliseconds (the config's unit)"));
+    }
+    config->set_op_timeout_ms(static_cast<uint32_t>(ms));
+  }
+  if (flags.shm_mode) config->set_shm_mode(*flags.shm_mode);
+  if (flags.engine_idle_us) config->set_engine_idle_us(*flags.engine_idle_us);
+  if (flags.host_threads) config->set_host_threads(*flags.host_threads);
+  if (flags.max_request_bytes) config->set_max_request_bytes(*flags.max_request_bytes);
+  if (flags.max_groups) {
+    // Checked here: a 0 in the config would read as "absent" and take the default.
+    if (*flags.max_groups == 0) {
+      return absl::InvalidArgumentError("--max_groups: 0 (at least 1 group must be allowed)");
+    }
+    config->set_max_groups(*flags.max_groups);
+  }
+  if (flags.max_groups_per_uid) config->set_max_groups_per_uid(*flags.max_groups_per_uid);
+  if (flags.max_endpoints_per_uid) {
+    config->set_max_endpoints_per_uid(*flags.max_endpoints_per_uid);
+  }
+  if (flags.max_endpoint_bytes_per_uid) {
+    config->set_max_endpoint_bytes_per_uid(*flags.max_endpoint_bytes_per_uid);
+  }
+  if (flags.max_sessions_per_uid) config->set_max_sessions_per_uid(*flags.max_sessions_per_uid);
+  if (flags.max_connections_per_uid) {
+    config->set_max_connections_per_uid(*flags.max_connections_per_uid);
+  }
+  if (flags.gpu_uuids) {
+    config->clear_gpu_uuids();
+    for (const std::string& uuid : *flags.gpu_uuids) {
+      if (!uuid.empty()) config->add_gpu_uuids(uuid);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
+  if (config->socket_path().empty()) config->set_socket_path(kDefaultSocketPath);
+  if (config->socket_mode().empty()) config->set_socket_mode(kDefaultSocketMode);
+  if (config->backend() == v1::BACKEND_UNSPECIFIED) config->set_backend(v1::BACKEND_AUTO);
+  if (config->log_level().empty()) config->set_log_level(kDefaultLogLevel);
+  if (!config->has_op_timeout_ms()) config->set_op_timeout_ms(kDefaultOpTimeoutMs);
+  if (!config->has_engine_idle_us()) config->set_engine_idle_us(kDefaultEngineIdleUs);
+  if (!config->has_max_request_bytes()) config->set_max_request_bytes(kDefaultMaxRequestBytes);
+  if (!config->has_max_groups()) config->set_max_groups(kDefaultMaxGroups);
+  if (!config->has_min_free_fds()) config->set_min_free_fds(kDefaultMinFreeFds);
+  if (!config->has_unmapped_endpoint_timeout_ms()) {
+    const uint64_t after_op_timeout =
+        static_cast<uint64_t>(config->op_timeout_ms()) + kUnmappedEndpointSlackMs;
+    config->set_unmapped_endpoint_timeout_ms(static_cast<uint32_t>(std::clamp<uint64_t>(
+        after_op_timeout, kDefaultUnmappedEndpointTimeoutMs, kMaxUnmappedEndpointTimeoutMs)));
+  }
+  if (!config->has_max_groups_per_uid()) config->set_max_groups_per_uid(kDefaultMaxGroupsPerUid);
+  if (!config->has_max_endpoints_per_uid()) {
+    config->set_max_endpoints_per_uid(kDefaultMaxEndpointsPerUid);
+  }
+  if (!config->has_max_sessions_per_uid()) {
+    config->set_max_sessions_per_uid(kDefaultMaxSessionsPerUid);
+  }
+  if (!config->has_max_connections_per_uid()) {
+    config->set_max_connections_per_uid(kDefaultMaxConnectionsPerUid);
+  }
+}
+
+absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
+  std::string path = SocketFilePath(config.socket_path());
+  if (path.empty() || path[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("socket_path: \"", config.socket_path(),
+                     "\" must be an absolute path (\"/run/epd/epd.sock\")"));
+  }
+  if (path.size() > kMaxSocketPathBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "socket_path: \"", config.socket_path(), "\" is ", path.size(),
+        " bytes long; the most epd can listen on is ", kMaxSocketPathBytes,
+        " bytes (the unix socket limit of 107, less the two that gRPC adds to the "
+        "\"unix:///path\" it listens on); use a shorter path, e.g. /run/epd/epd.sock"));
+  }
+  {
+    EPD_ASSIGN_OR_RETURN(uint32_t mode, ParseFileMode("socket_mode", config.socket_mode()));
+    if (mode & ~0777u) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("socket_mode: \"", config.socket_mode(),
+                       "\" sets setuid, setgid or sticky bits; give permissions only "
+                       "(e.g. \"0660\")"));
+    }
+    if ((mode & 0600u) != 0600u) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("socket_mode: \"", config.socket_mode(),
+                       "\" does not let the owner read and write (needs 0600)"));
+    }
+  }
+  EPD_RETURN_IF_ERROR(CheckListen(config.listen()));
+  if (!v1::Backend_IsValid(config.backend())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("backend: ", static_cast<int>(config.backend()), " is not a Backend"));
+  }
+  EPD_RETURN_IF_ERROR(ParseLogLevel(config.log_level()).status());
+  if (config.op_timeout_ms() == 0) {
+    return absl::InvalidArgumentError("op_timeout_ms: 0 is not a timeout (>= 1 ms)");
+  }
+  if (config.max_request_bytes() < kMinMaxRequestBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_request_bytes: ", config.max_request_bytes(), " is below the minimum ",
+                     kMinMaxRequestBytes));
+  }
+  if (config.max_request_bytes() > kMaxMaxRequestBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_request_bytes: ", config.max_request_bytes(), " is above the maximum ",
+                     kMaxMaxRequestBytes, " (gRPC takes the message size limit as an int)"));
+  }
+  if (config.max_groups() == 0) {
+    return absl::InvalidArgumentError("max_groups: 0 (at least 1 group must be allowed)");
+  }
+  if (config.min_free_fds() > kMaxMinFreeFds) {
+    return absl::InvalidArgumentError(absl::StrCat("min_free_fds: ", config.min_free_fds(),
+                                                   " is above the maximum ", kMaxMinFreeFds));
+  }
+  if (config.unmapped_endpoint_timeout_ms() < kMinUnmappedEndpointTimeoutMs ||
+      config.unmapped_endpoint_timeout_ms() > kMaxUnmappedEndpointTimeoutMs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unmapped_endpoint_timeout_ms: ", config.unmapped_endpoint_timeout_ms(), " is outside [",
+        kMinUnmappedEndpointTimeoutMs, ", ", kMaxUnmappedEndpointTimeoutMs,
+        "] (milliseconds a client has to map an endpoint it joined)"));
+  }
+  if (config.host_threads() > kMaxHostThreads) {
+    return absl::InvalidArgumentError(absl::StrCat("host_threads: ", config.host_threads(),
+                                                   " is above the maximum ", kMaxHostThreads,
+                                                   " (0 = the hardware concurrency)"));
+  }
+  for (const std::string& uuid : config.gpu_uuids()) {
+    if (uuid.empty()) return absl::InvalidArgumentError("gpu_uuids: an entry is empty");
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::string> DaemonConfigWarnings(const v1::DaemonConfig& config) {
+  std::vector<std::string> warnings;
+  if (!config.shm_mode().empty()) {
+    warnings.push_back(absl::StrCat(
+        "shm_mode: \"", config.shm_mode(),
+        "\" is deprecated and ignored: endpoint regions are sealed memfds with no name and no "
+        "file mode, handed only to the process that joined the rank (docs/SECURITY.md); "
+        "remove shm_mode from the config file or --shm_mode from the command line"));
+  }
+  if (static_cast<uint64_t>(config.unmapped_endpoint_timeout_ms()) <
+      static_cast<uint64_t>(config.op_timeout_ms()) + 5000) {
+    warnings.push_back(absl::StrCat(
+        "unmapped_endpoint_timeout_ms: ", config.unmapped_endpoint_timeout_ms(),
+        " is shorter than op_timeout_ms + 5000 = ", config.op_timeout_ms() + 5000ull,
+        ": a client-launched rank maps its endpoint only once every rank of its group has "
+        "joined, which it may wait for that long, so a slow group's ranks can expire; raise "
+        "it above ",
+        config.op_timeout_ms() + 5000ull));
+  }
+  return warnings;
+}
+
+absl::StatusOr<v1::DaemonConfig> ResolveDaemonConfig(const ConfigFlags& flags) {
+  v1::DaemonConfig config;
+  if (flags.config_path && !flags.config_path->empty()) {
+    EPD_ASSIGN_OR_RETURN(config, LoadDaemonConfigFile(*flags.config_path));
+  }
+  EPD_RETURN_IF_ERROR(ApplyConfigFlags(flags, &config));
+  FillDaemonConfigDefaults(&config);
+  EPD_RETURN_IF_ERROR(ValidateDaemonConfig(config));
+  return config;
+}
+
+absl::StatusOr<uint32_t> ParseFileMode(absl::string_view field, absl::string_view value) {
+  auto bad = [&] {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": \"", value, "\" is not an octal file mode (e.g. \"0660\")"));
+  };
+  if (value.empty() || value.size() > 5) return bad();
+  uint32_t mode = 0;
+  for (char c : value) {
+    if (c < '0' || c > '7') return bad();
+    mode = mode * 8 + static_cast<uint32_t>(c - '0');
+  }
+  if (mode > 07777) return bad();
+  return mode;
+}
+
+std::string SocketFilePath(absl::string_view socket_path) {
+  absl::string_view p = socket_path;
+  if (p.substr(0, 7) == "unix://") {
+    p.remove_prefix(7);
+  } else if (p.substr(0, 5) == "unix:") {
+    p.remove_prefix(5);
+  }
+  return std::string(p);
+}
+
+std::string ConfigValueSource(absl::string_view flag_text, bool flag_given,
+                              absl::string_view field_text,
+                              const std::optional<std::string>& config_path) {
+  if (flag_given) return absl::StrCat(flag_text, " on the command line");
+  if (config_path && !config_path->empty()) {
+    return absl::StrCat("`", field_text, "` in the config file ", *config_path);
+  }
+  return absl::StrCat("`", field_text, "` in the DaemonConfig");
+}
+
+std::string BackendFlagName(v1::Backend backend) {
+  switch (backend) {
+    case v1::BACKEND_CUDA:
+      return "cuda";
+    case v1::BACKEND_HOST:
+      return "host";
+    default:
+      return "auto";
+  }
+}
+
+}  // namespace epd

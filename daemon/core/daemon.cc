@@ -1,0 +1,758 @@
+#include "daemon/core/daemon.h"
+
+#include <fcntl.h>
+#include <grp.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/control/control_service.h"
+#include "daemon/control/group_registry.h"
+#include "daemon/core/config.h"
+#include "daemon/core/fd_limits.h"
+#include "daemon/dataplane/host/host_data_plane.h"
+#include "daemon/server/fd_channel.h"
+#include "daemon/server/listener.h"
+#if EPD_HAVE_CUDA
+#include "daemon/dataplane/cuda/cuda_data_plane.h"
+#endif
+#include "common/status_macros.h"
+#include "daemon/core/logging.h"
+#include "daemon/server/socket_path_checks.h"
+#include "epd/v1/control.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace epd {
+namespace {
+
+/// Whether the CUDA data plane exists in this build (daemon/cuda/, built with CUDA).
+/// Without it, a GPU choice runs the host data plane (and GetStats says so).
+#if EPD_HAVE_CUDA
+constexpr bool kCudaDataPlaneBuilt = true;
+#else
+constexpr bool kCudaDataPlaneBuilt = false;
+#endif
+
+/// gRPC limits of each unix-socket connection: concurrent calls (streams), and how long it
+/// may stay without any call before gRPC closes it.
+constexpr int kMaxStreamsPerConnection = 64;
+constexpr absl::Duration kMaxConnectionIdle = absl::Minutes(5);
+
+std::string Errno(int err) { return std::strerror(err); }
+
+/// Result of connecting to an existing socket file.
+enum class SocketProbe { kLive, kStale, kError };
+
+SocketProbe ProbeUnixSocket(const std::string& path, int* err) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    *err = errno;
+    return SocketProbe::kError;
+  }
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), std::min(path.size() + 1, sizeof(addr.sun_path)));
+  int rc = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  *err = rc == 0 ? 0 : errno;
+  ::close(fd);
+  if (rc == 0) return SocketProbe::kLive;
+  if (*err == ECONNREFUSED || *err == ENOENT) return SocketProbe::kStale;
+  return SocketProbe::kError;
+}
+
+/// A description of whoever answers on `path`, to follow "a live " ("epd 0.1.0 (pid 123,
+/// SERVING)" or "process that does not answer ...").
+std::string DescribeLiveServer(const std::string& path) {
+  auto channel = grpc::CreateChannel("unix://" + path, grpc::InsecureChannelCredentials());
+  auto stub = v1::Control::NewStub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  v1::GetStatsRequest request;
+  v1::GetStatsResponse response;
+  grpc::Status status = stub->GetStats(&context, request, &response);
+  if (!status.ok()) {
+    return absl::StrCat("process that does not answer epd's GetStats (", status.error_message(),
+                        ")");
+  }
+  return absl::StrCat("epd ", response.version(), " (pid ", response.pid(), ", ",
+                      response.serving_status(), ")");
+}
+
+/// The pid written in the socket's lock file by the epd that holds it (WriteLockHolder),
+/// or 0 when the file holds none (the holder has not written it yet) or that process is
+/// gone.
+pid_t ReadLockHolder(int lock_fd) {
+  char text[32] = {};
+  const ssize_t n = ::pread(lock_fd, text, sizeof(text) - 1, 0);
+  if (n <= 0) return 0;
+  char* end = nullptr;
+  const long pid = std::strtol(text, &end, 10);
+  if (pid <= 0 || end == text) return 0;
+  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM) return 0;
+  return static_cast<pid_t>(pid);
+}
+
+/// Writes this process's pid into the socket's lock file (which it holds), so that an epd
+/// refused by the lock can name the holder. Best effort: the lock alone is what excludes.
+void WriteLockHolder(int lock_fd) {
+  const std::string text = absl::StrCat(::getpid(), "\n");
+  if (::ftruncate(lock_fd, 0) == 0) {
+    (void)!::pwrite(lock_fd, text.data(), text.size(), 0);
+  }
+}
+
+/// Opens (creating it when missing, mode 0600) the socket's lock file `lock_path` for
+/// PrepareSocketPath, which then truncates it and writes epd's pid there (WriteLockHolder).
+/// So that a root epd in a directory others can write never truncates a file someone else
+/// chose, the last component is never followed (O_NOFOLLOW), and the file must be a regular
+/// file with this one name, owned by epd's user and holding nothing but what epd writes
+/// there. FAILED_PRECONDITION naming the path when it is a symbolic link, not a regular
+/// file, has other names (hard links), belongs to another user, holds anything but a pid,
+/// or cannot be opened.
+absl::StatusOr<ScopedFd> OpenSocketLockFile(const std::string& lock_path) {
+  const std::string remedy =
+      "; remove it (epd recreates it), and keep the socket's directory writable by epd's user "
+      "alone";
+  const std::string not_ours =
+      "; choose another --socket (remove the file only if you know it is a leftover of epd's)";
+  ScopedFd fd(::open(lock_path.c_str(),
+                     O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0600));
+  if (!fd.valid()) {
+    const int err = errno;
+    struct stat st {};
+    if (::lstat(lock_path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: the lock file ", lock_path,
+          " is a symbolic link; epd does not follow it (it would truncate the file it points to)",
+          remedy));
+    }
+    if (err == EISDIR) {
+      return absl::FailedPreconditionError(absl::StrCat("socket_path: the lock file ", lock_path,
+                                                        " is not a regular file (a directory)",
+                                                        remedy));
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket_path: cannot open the lock file ", lock_path, ": ", Errno(err)));
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket_path: cannot stat the lock file ", lock_path, ": ", Errno(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat("socket_path: the lock file ", lock_path,
+                                                      " is not a regular file (",
+                                                      FileTypeName(st.st_mode), ")", remedy));
+  }
+  if (st.st_nlink != 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "socket_path: the lock file ", lock_path, " has ", st.st_nlink,
+        " names (hard links): it is another file's name too, which epd would truncate", remedy));
+  }
+  if (st.st_uid != ::geteuid()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket_path: the lock file ", lock_path, " belongs to uid ", st.st_uid,
+                     ", not to epd's user (uid ", ::geteuid(),
+                     "): epd did not create it, and would truncate it", not_ours));
+  }
+  // What WriteLockHolder leaves there: a pid and a newline (nothing before the first write).
+  char text[34] = {};
+  const ssize_t n = ::pread(fd.get(), text, sizeof(text) - 1, 0);
+  const size_t digits = n > 0 ? std::strspn(text, "0123456789") : 0;
+  if (n < 0 || st.st_size > 32 ||
+      (n > 0 && !(digits == static_cast<size_t>(n) ||
+                  (digits + 1 == static_cast<size_t>(n) && text[digits] == '\n')))) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket_path: the lock file ", lock_path, " (", st.st_size,
+                     " bytes) does not hold what epd writes there (a process id): it is "
+                     "another program's file, which epd would truncate",
+                     not_ours));
+  }
+  return fd;
+}
+
+/// The gid of the socket_group `name` (which owns the socket).
+/// NOT_FOUND naming the field, its flag and the value when the machine has no such group.
+absl::StatusOr<gid_t> LookUpSocketGroup(const std::string& name) {
+  std::vector<char> buffer(16384);
+  group entry{};
+  group* result = nullptr;
+  int rc = 0;
+  while ((rc = ::getgrnam_r(name.c_str(), &entry, buffer.data(), buffer.size(), &result)) ==
+             ERANGE &&
+         buffer.size() < (1u << 24)) {
+    buffer.resize(buffer.size() * 2);
+  }
+  if (rc != 0 || result == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        "socket_group (--socket_group or the config file's socket_group): \"", name,
+        "\" is not a group on this machine", rc != 0 ? absl::StrCat(" (", Errno(rc), ")") : "",
+        "; it must name an existing group (see `getent group`), which then owns the socket"));
+  }
+  return result->gr_gid;
+}
+
+/// ChooseBackend, with `requested_by` naming where the requested backend came from
+/// (ConfigValueSource: the command line, the config file or an in-process config), so the
+/// log line and GetStats.backend_reason do not claim a flag the user never gave.
+absl::StatusOr<BackendChoice> ChooseBackendRequestedBy(v1::Backend requested,
+                                                       const std::string& requested_by,
+                                                       const GpuInventory& inventory,
+                                                       bool cuda_data_plane_built) {
+  const std::string not_built =
+      "but the CUDA data plane is not built yet; using host buffers (the GPU inventory is "
+      "still reported)";
+  switch (requested) {
+    case v1::BACKEND_HOST:
+      return BackendChoice{"host", absl::StrCat("requested by ", requested_by)};
+    case v1::BACKEND_CUDA:
+      if (inventory.empty()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("backend: cuda requested by ", requested_by, " but no GPU is usable: ",
+                         inventory.reason(), "; use --backend=auto or --backend=host"));
+      }
+      if (!cuda_data_plane_built) {
+        return BackendChoice{"host", absl::StrCat("cuda requested by ", requested_by, " with ",
+                                                  inventory.reason(), ", ", not_built)};
+      }
+      return BackendChoice{"cuda",
+                           absl::StrCat("requested by ", requested_by, "; ", inventory.reason())};
+    default:
+      if (inventory.empty()) {
+        return BackendChoice{"host",
+                             absl::StrCat("auto: no usable GPU (", inventory.reason(), ")")};
+      }
+      if (!cuda_data_plane_built) {
+        return BackendChoice{"host",
+                             absl::StrCat("auto: ", inventory.reason(), " found, ", not_built)};
+      }
+      return BackendChoice{"cuda", absl::StrCat("auto: ", inventory.reason(), " found")};
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInventory& inventory,
+                                            bool cuda_data_plane_built) {
+  return ChooseBackendRequestedBy(requested, "--backend=" + BackendFlagName(requested), inventory,
+                                  cuda_data_plane_built);
+}
+
+absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::DaemonConfig& config,
+                                                                const BackendChoice& choice) {
+#if EPD_HAVE_CUDA
+  if (choice.backend == "cuda") {
+    CudaDataPlaneOptions options;
+    options.op_timeout_ms = config.op_timeout_ms();
+    options.engine_idle_us = config.engine_idle_us();
+    options.gpu_uuids.assign(config.gpu_uuids().begin(), config.gpu_uuids().end());
+    return MakeCudaDataPlane(options);
+  }
+#endif
+  if (choice.backend != "host") {
+    return absl::UnimplementedError(
+        absl::StrCat("backend \"", choice.backend, "\" has no data plane in this build"));
+  }
+  HostDataPlaneOptions options;
+  options.op_timeout_ms = config.op_timeout_ms();
+  options.engine_idle_us = config.engine_idle_us();
+  options.host_threads = static_cast<int>(config.host_threads());
+  return MakeHostDataPlane(options);
+}
+
+Daemon::Daemon(v1::DaemonConfig config, DaemonOptions options)
+    : config_(std::move(config)),
+      options_(std::move(options)),
+      socket_path_(SocketFilePath(config_.socket_path())),
+      started_(absl::Now()) {}
+
+Daemon::~Daemon() { Shutdown(); }
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(v1::DaemonConfig config,
+                                                      DaemonOptions options) {
+  std::unique_ptr<Daemon> daemon(new Daemon(std::move(config), std::move(options)));
+  absl::Status status = daemon->Init();
+  if (!status.ok()) {
+    GetLogger(kLogDaemon)->error("epd failed to start: {}", status.ToString());
+    return status;
+  }
+  return daemon;
+}
+
+absl::Status Daemon::Init() {
+  EPD_RETURN_IF_ERROR(SetLogLevel(config_.log_level()));
+  auto log = GetLogger(kLogDaemon);
+  // Create every subsystem's logger now, so components that look theirs up find it.
+  for (const char* name : {kLogControl, kLogRegistry, kLogEngine, kLogGpu, kLogConfig}) {
+    GetLogger(name);
+  }
+  log->info("epd {} starting (pid {}) on socket {}", kEpdVersion, ::getpid(), socket_path_);
+  for (const std::string& warning : DaemonConfigWarnings(config_)) {
+    GetLogger(kLogConfig)->warn("{}", warning);
+  }
+  // Every connection, endpoint and doorbell holds a descriptor: take all the kernel allows.
+  if (absl::StatusOr<FdLimitChange> fds = RaiseFdLimitToHard(); fds.ok()) {
+    log->info(
+        "RLIMIT_NOFILE: soft limit {} (hard limit {}); joins are refused while fewer than "
+        "min_free_fds = {} are free",
+        fds->before.soft == fds->after.soft
+            ? absl::StrCat(fds->after.soft, ", already the hard limit")
+            : absl::StrCat(fds->before.soft, " -> ", fds->after.soft),
+        fds->after.hard, config_.min_free_fds());
+    if (config_.min_free_fds() >= fds->after.soft) {
+      GetLogger(kLogConfig)
+          ->warn(
+              "min_free_fds = {} is not below epd's descriptor limit {}: every join will be "
+              "refused; lower min_free_fds or raise the hard limit (LimitNOFILE=)",
+              config_.min_free_fds(), fds->after.soft);
+    }
+  } else {
+    log->warn("{}; epd keeps its soft limit", fds.status().message());
+  }
+  // The group owns the socket: check it before anything is created.
+  if (!config_.socket_group().empty()) {
+    EPD_RETURN_IF_ERROR(LookUpSocketGroup(config_.socket_group()).status());
+  }
+
+  // GPUs and backend.
+  GpuInventory inventory;
+  if (options_.inventory) {
+    inventory = *options_.inventory;
+  } else {
+    std::vector<std::string> allowed(config_.gpu_uuids().begin(), config_.gpu_uuids().end());
+    EPD_ASSIGN_OR_RETURN(inventory, GpuInventory::Discover(allowed));
+  }
+  auto gpu_log = GetLogger(kLogGpu);
+  gpu_log->info("GPU inventory: {}", inventory.reason());
+  for (const v1::GpuInfo& g : inventory.gpus()) {
+    gpu_log->info("GPU {}: {} {} {} SMs, {:.1f}/{:.1f} GiB free, sm_{}{}", g.ordinal(), g.uuid(),
+                  g.pci_bus_id(), g.sm_count(), g.free_memory_bytes() / double(1ull << 30),
+                  g.total_memory_bytes() / double(1ull << 30), g.compute_capability_major(),
+                  g.compute_capability_minor());
+  }
+  gpu_log->info("MPS {}: {}", inventory.mps().active ? "active" : "not active",
+                inventory.mps().detail);
+  if (!inventory.empty() && !inventory.mps().active) {
+    gpu_log->warn(
+        "MPS is not running: daemon-launched kernels will time-slice with client processes "
+        "(~ms per hop); start it with deploy/mps/ for daemon-launched mode");
+  }
+  // Which of the command line or the config file asked for the backend (the flags are
+  // this process's: none given when a test runs the daemon in-process).
+  const ConfigFlags given = ConfigFlagsFromCommandLine();
+  const std::string backend_source = ConfigValueSource(
+      absl::StrCat("--backend=", BackendFlagName(config_.backend())), given.backend.has_value(),
+      absl::StrCat("backend: ", v1::Backend_Name(config_.backend())), given.config_path);
+  EPD_ASSIGN_OR_RETURN(backend_, ChooseBackendRequestedBy(config_.backend(), backend_source,
+                                                          inventory, kCudaDataPlaneBuilt));
+  log->info("backend {} ({})", backend_.backend, backend_.reason);
+  {
+    absl::MutexLock lock(&mu_);
+    inventory_ = inventory;
+  }
+
+  // One epd per socket (its lock file).
+  EPD_RETURN_IF_ERROR(PrepareSocketPath());
+  DataPlaneFactory factory =
+      options_.data_plane_factory ? options_.data_plane_factory : MakeDefaultDataPlane;
+  EPD_ASSIGN_OR_RETURN(data_plane_, factory(config_, backend_));
+  GroupRegistry::Options registry_options;
+  registry_options.max_groups = config_.max_groups();
+  // GetGroupEndpoints waits at most an op timeout (plus slack) for the ranks to join.
+  registry_options.max_endpoints_wait_ms = config_.op_timeout_ms() + 5000;
+  registry_options.min_free_fds = config_.min_free_fds();
+  registry_options.unmapped_endpoint_timeout =
+      absl::Milliseconds(config_.unmapped_endpoint_timeout_ms());
+  registry_options.max_groups_per_uid = config_.max_groups_per_uid();
+  registry_options.max_endpoints_per_uid = config_.max_endpoints_per_uid();
+  registry_options.max_endpoint_bytes_per_uid = config_.max_endpoint_bytes_per_uid();
+  registry_options.max_sessions_per_uid = config_.max_sessions_per_uid();
+  registry_options.operator_uid = ::geteuid();  // With root, sees every group.
+  registry_ = std::make_unique<GroupRegistry>(data_plane_.get(), inventory, registry_options);
+  control_ = std::make_unique<ControlService>(registry_.get(), [this] { return Stats(); });
+  EPD_ASSIGN_OR_RETURN(fd_channel_, FdChannel::Start([registry = registry_.get()](
+                                                         const v1::FdChannelRequest& request,
+                                                         const PeerCredentials& peer) {
+                         return registry->TakeEndpointFds(request.session_id(), request.group(),
+                                                          request.rank(), peer);
+                       }));
+
+  // gRPC servers: Control and Health on the unix socket (local clients: its mode and group
+  // are the access control, SO_PEERCRED their identity); Health alone on the optional TCP
+  // listener, for load balancers and kubelet probes. Control has no authentication, so it
+  // is never served over TCP (DESIGN.md §3.1: Control is for local clients over the unix
+  // socket). epd accepts the unix socket's connections itself (listener_) and hands gRPC's
+  // to server_, which has no listening port of its own.
+  grpc::EnableDefaultHealthCheckService(true);
+  if (!config_.listen().empty()) {
+    grpc::ServerBuilder tcp_builder;
+    tcp_builder.AddListeningPort(config_.listen(), grpc::InsecureServerCredentials(), &tcp_port_);
+    tcp_builder.SetMaxReceiveMessageSize(4096);  // Health requests only.
+    // gRPC sets SO_REUSEPORT by default: a second epd on the same port would then share
+    // it, and probes could be answered by the wrong daemon. Bind exclusively instead.
+    tcp_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    tcp_control_refusal_ = std::make_unique<v1::Control::Service>();
+    tcp_builder.RegisterService(tcp_control_refusal_.get());
+    tcp_server_ = tcp_builder.BuildAndStart();
+    if (tcp_server_ == nullptr || tcp_port_ == 0) {
+      return absl::UnavailableError(
+          absl::StrCat("listen: cannot listen on ", config_.listen(),
+                       " (address in use or not permitted; see the gRPC error above)"));
+    }
+  }
+  UnixListener::Options listener_options;
+  listener_options.socket_path = socket_path_;
+  listener_options.fd_channel_handler = fd_channel_->Handler();
+  listener_options.loop_hook_for_testing = options_.listener_loop_hook_for_testing;
+  // Connection caps: per uid (root and epd's own uid exempt, so an operator always gets
+  // in), and in all, keeping min_free_fds descriptors (at least half the limit) for
+  // endpoints, gRPC and the exempt uids.
+  listener_options.max_connections_per_uid = config_.max_connections_per_uid();
+  listener_options.exempt_uids = {0, static_cast<uint32_t>(::geteuid())};
+  if (absl::StatusOr<FdLimit> fd_limit = GetFdLimit(); fd_limit.ok()) {
+    listener_options.max_connections =
+        fd_limit->soft - std::min<uint64_t>(config_.min_free_fds(), fd_limit->soft / 2);
+  }
+  // Bound with mode 0600: nobody but us may connect until the mode and group are applied.
+  absl::StatusOr<std::unique_ptr<UnixListener>> listener =
+      UnixListener::Bind(std::move(listener_options));
+  if (!listener.ok()) {
+    return absl::UnavailableError(absl::StrCat("socket_path: cannot listen on ", unix_target(),
+                                               ": ", listener.status().message()));
+  }
+  listener_ = *std::move(listener);
+  struct stat st {};
+  if (::stat(socket_path_.c_str(), &st) == 0) socket_inode_ = st.st_ino;
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config_.max_request_bytes()));
+  // Per connection: a bounded number of concurrent calls (a client has one Session stream
+  // and a few calls at a time), and a connection without any call for a while is closed
+  // (a client holds its Session stream open for its whole life, so only connections that
+  // never opened one, or finished with it, go idle).
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                             static_cast<int>(absl::ToInt64Milliseconds(kMaxConnectionIdle)));
+  builder.RegisterService(control_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr) {
+    return absl::UnavailableError("cannot start the gRPC server of the unix socket");
+  }
+  PublishServing();  // NOT_SERVING (starting) until start-up is done.
+  listener_->Start(server_.get());
+  EPD_RETURN_IF_ERROR(ApplySocketPermissions());
+  if (!config_.listen().empty()) {
+    log->info(
+        "TCP listener {} (port {}): grpc.health.v1 only (Control is served on the unix "
+        "socket alone)",
+        config_.listen(), tcp_port_);
+  }
+  if (!inventory.empty()) gpu_monitor_ = std::thread([this] { MonitorGpus(); });
+  health_watcher_ = std::thread([this] { WatchHealth(); });
+  {
+    absl::MutexLock lock(&mu_);
+    start_up_done_ = true;
+  }
+  PublishServing();
+  log->info("epd serving on {} (socket mode {}{}{}), backend {}", unix_target(),
+            config_.socket_mode(), config_.socket_group().empty() ? "" : ", group ",
+            config_.socket_group(), backend_.backend);
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::PrepareSocketPath() {
+  auto log = GetLogger(kLogDaemon);
+  // Before anything is created: the socket path is free or a socket, and no user but root
+  // and epd's can replace files in its directory or the ones above.
+  EPD_RETURN_IF_ERROR(CheckSocketPathIsFreeOrASocket(socket_path_));
+  EPD_RETURN_IF_ERROR(CheckSocketDirectories(socket_path_, ::geteuid()));
+  // Missing parents are created (deploy/examples/host-dev.textproto's /tmp/epd-dev relies
+  // on it; systemd's RuntimeDirectory= and the Kubernetes hostPath make /run/epd), and said
+  // at info level naming the topmost one, where a typo in --socket would show.
+  std::string created_top;
+  EPD_RETURN_IF_ERROR(CreateSocketDirectories(socket_path_, &created_top));
+  if (!created_top.empty()) {
+    const std::string parent = std::filesystem::path(socket_path_).parent_path().string();
+    log->info(
+        "socket_path: created the missing directory {}{} for the socket (epd creates the "
+        "socket's missing parent directories; if this is unexpected, check --socket or the "
+        "config file's socket_path for a typo)",
+        parent, created_top == parent ? "" : absl::StrCat(" (from ", created_top, " down)"));
+    EPD_RETURN_IF_ERROR(CheckSocketDirectories(socket_path_, ::geteuid()));
+  }
+  // One epd per socket, also when two start at the same instant (both would find no live
+  // socket below, and the later bind would take the socket file from the earlier): an
+  // exclusive flock on "<socket>.lock", held for the daemon's life (released by the kernel
+  // however epd ends; the file itself stays, harmlessly).
+  const std::string lock_path = socket_path_ + ".lock";
+  EPD_ASSIGN_OR_RETURN(socket_lock_, OpenSocketLockFile(lock_path));
+  if (::flock(socket_lock_.get(), LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    const pid_t holder = ReadLockHolder(socket_lock_.get());
+    socket_lock_ = ScopedFd();
+    int probe_err = 0;
+    if (ProbeUnixSocket(socket_path_, &probe_err) == SocketProbe::kLive) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: ", socket_path_, " is in use by a live ", DescribeLiveServer(socket_path_),
+          "; refusing to start a second epd on it (stop the other one or choose another "
+          "--socket)"));
+    }
+    if (holder != 0) {
+      // A running epd that does not answer on the socket: still starting, or its socket
+      // file was deleted or replaced (it then serves nobody, and only stopping it helps).
+      return absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: ", socket_path_, " is held by epd pid ", holder, " (", lock_path,
+          " is locked), which does not answer on it: it is still starting, or its socket "
+          "file was deleted (then stop it, e.g. kill ",
+          holder, ", and start again); refusing to start a second epd on it"));
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "socket_path: ", socket_path_, " is held by another epd that is starting (", lock_path,
+        " is locked: ", Errno(err), "); refusing to start a second epd on it"));
+  }
+  WriteLockHolder(socket_lock_.get());
+  struct stat st {};
+  if (::lstat(socket_path_.c_str(), &st) != 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket_path: cannot stat ", socket_path_, ": ", Errno(errno)));
+  }
+  if (!S_ISSOCK(st.st_mode)) return CheckSocketPathIsFreeOrASocket(socket_path_);
+  int err = 0;
+  switch (ProbeUnixSocket(socket_path_, &err)) {
+    case SocketProbe::kLive:
+      return absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: ", socket_path_, " is in use by a live ", DescribeLiveServer(socket_path_),
+          "; refusing to start a second epd on it (stop the other one or choose another "
+          "--socket)"));
+    case SocketProbe::kStale:
+      log->warn("replacing stale socket file {} (nothing listens on it)", socket_path_);
+      if (::unlink(socket_path_.c_str()) != 0 && errno != ENOENT) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "socket_path: cannot remove stale socket ", socket_path_, ": ", Errno(errno)));
+      }
+      return absl::OkStatus();
+    case SocketProbe::kError:
+      break;
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("socket_path: cannot probe existing socket ", socket_path_, ": ", Errno(err)));
+}
+
+absl::Status Daemon::ApplySocketPermissions() {
+  EPD_ASSIGN_OR_RETURN(uint32_t mode, ParseFileMode("socket_mode", config_.socket_mode()));
+  if (!config_.socket_group().empty()) {
+    EPD_ASSIGN_OR_RETURN(gid_t gid, LookUpSocketGroup(config_.socket_group()));
+    if (::chown(socket_path_.c_str(), static_cast<uid_t>(-1), gid) != 0) {
+      const int err = errno;
+      return absl::PermissionDeniedError(absl::StrCat(
+          "socket_group: cannot give ", socket_path_, " to group \"", config_.socket_group(),
+          "\" (gid ", gid, "): ", Errno(err),
+          err == EPERM
+              ? absl::StrCat("; epd's user (uid ", ::geteuid(), ") must be a member of group \"",
+                             config_.socket_group(), "\" (socket_group)",
+                             // Never advise joining group root: it gives far more than this.
+                             gid == 0 ? ": set socket_group to a dedicated group instead of "
+                                        "root (e.g. epd, which deploy/systemd/epd.sysusers "
+                                        "creates) that epd's user is a member of"
+                                      : "",
+                             ", or run epd as root")
+              : ""));
+    }
+  }
+  if (::chmod(socket_path_.c_str(), static_cast<mode_t>(mode)) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat("socket_mode: cannot chmod ", socket_path_,
+                                                    " to ", config_.socket_mode(), ": ",
+                                                    Errno(errno)));
+  }
+  return absl::OkStatus();
+}
+
+std::string Daemon::NotServingReasonLocked() const {
+  if (shutting_down_) return "draining: shutting down";
+  if (!start_up_done_) return "starting";
+  if (!gpu_lost_.empty()) return gpu_lost_;
+  return listener_stuck_;
+}
+
+void Daemon::PublishServing() {
+  absl::MutexLock publish(&publish_mu_);
+  bool serving = false;
+  {
+    absl::MutexLock lock(&mu_);
+    serving = NotServingReasonLocked().empty();
+  }
+  for (grpc::Server* server : {server_.get(), tcp_server_.get()}) {
+    if (server != nullptr && server->GetHealthCheckService() != nullptr) {
+      server->GetHealthCheckService()->SetServingStatus("", serving);
+      server->GetHealthCheckService()->SetServingStatus(kControlServiceName, serving);
+    }
+  }
+}
+
+void Daemon::MonitorGpus() {
+  auto log = GetLogger(kLogGpu);
+  bool lost = false;
+  while (true) {
+    GpuInventory copy;
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&shutting_down_), options_.gpu_poll_interval)) {
+        return;
+      }
+      copy = inventory_;
+    }
+    absl::Status status = copy.Refresh();
+    if (status.ok()) {
+      absl::MutexLock lock(&mu_);
+      inventory_ = std::move(copy);
+      continue;
+    }
+    if (!lost) {
+      lost = true;
+      log->error(
+          "{}; health is NOT_SERVING. Check `nvidia-smi` and the kernel log for Xid "
+          "errors, then restart epd",
+          status.message());
+      {
+        absl::MutexLock lock(&mu_);
+        gpu_lost_ = absl::StrCat("GPU lost: ", status.message());
+      }
+      PublishServing();
+    }
+  }
+}
+
+void Daemon::WatchHealth() {
+  auto log = GetLogger(kLogDaemon);
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&shutting_down_), options_.health_interval)) {
+        return;
+      }
+    }
+    const absl::Time now = absl::Now();
+    const ListenerStatus listener = listener_->status();
+    std::string stuck;
+    if (now - listener.heartbeat > options_.listener_stall_limit) {
+      stuck = absl::StrCat(
+          "listener stuck: its accept loop last ran ",
+          absl::FormatDuration(absl::Trunc(now - listener.heartbeat, absl::Milliseconds(1))),
+          " ago; new clients cannot connect (restart epd if this persists)");
+    } else if (listener.failing_for > options_.listener_stall_limit) {
+      stuck = absl::StrCat(
+          "listener failing: accept has failed for ",
+          absl::FormatDuration(absl::Trunc(listener.failing_for, absl::Milliseconds(1))), " (",
+          listener.last_failure, ")");
+    }
+    bool changed = false;
+    {
+      absl::MutexLock lock(&mu_);
+      changed = stuck.empty() != listener_stuck_.empty();
+      listener_stuck_ = stuck;  // The reason GetStats shows, kept current.
+    }
+    if (changed) {
+      if (stuck.empty()) {
+        log->info("listener recovered: accepting connections again");
+      } else {
+        log->error("{}; health is NOT_SERVING", stuck);
+      }
+      PublishServing();
+    }
+    registry_->ExpireUnmappedEndpoints(now);
+    registry_->ReportSuppressedLogLines();
+  }
+}
+
+v1::GetStatsResponse Daemon::Stats() const {
+  v1::GetStatsResponse stats;
+  stats.set_version(kEpdVersion);
+  stats.set_backend(data_plane_ != nullptr ? data_plane_->backend_name() : backend_.backend);
+  stats.set_backend_reason(backend_.reason);
+  stats.set_uptime_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(absl::Now() - started_)));
+  if (registry_ != nullptr) {
+    GroupRegistry::Counters c = registry_->counters();
+    stats.set_num_groups(c.num_groups);
+    stats.set_num_sessions(c.num_sessions);
+    stats.set_ops_completed(c.ops_completed);
+    stats.set_ops_failed(c.ops_failed);
+  }
+  *stats.mutable_effective_config() = config_;
+  stats.set_pid(::getpid());
+  absl::MutexLock lock(&mu_);
+  stats.set_mps_active(inventory_.mps().active);
+  for (const v1::GpuInfo& g : inventory_.gpus()) *stats.add_gpus() = g;
+  const std::string not_serving = NotServingReasonLocked();
+  stats.set_serving_status(not_serving.empty() ? "SERVING"
+                                               : absl::StrCat("NOT_SERVING (", not_serving, ")"));
+  return stats;
+}
+
+void Daemon::Shutdown() {
+  absl::MutexLock serialise(&shutdown_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (shut_down_) return;
+  }
+  auto log = GetLogger(kLogDaemon);
+  const absl::Time begin = absl::Now();
+  if (server_ != nullptr) log->info("draining: health NOT_SERVING, joins refused");
+  {
+    absl::MutexLock lock(&mu_);
+    shutting_down_ = true;  // Also stops the GPU monitor and the health updater.
+  }
+  PublishServing();
+  if (registry_ != nullptr) registry_->SetDraining();
+  if (server_ != nullptr) {
+    absl::SleepFor(options_.drain_grace);
+    // Ops still in flight complete with UNAVAILABLE ("epd is shutting down") before the
+    // sessions end; otherwise they would fail as "rank N left the group".
+    if (data_plane_ != nullptr) data_plane_->Shutdown();
+    if (control_ != nullptr) control_->DrainSessions();
+    // No new connection from here on; those gRPC has keep being served until its Shutdown.
+    if (listener_ != nullptr) listener_->Stop();
+    for (grpc::Server* server : {server_.get(), tcp_server_.get()}) {
+      if (server == nullptr) continue;
+      if (server->GetHealthCheckService() != nullptr) server->GetHealthCheckService()->Shutdown();
+      server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(1000));
+      server->Wait();
+    }
+  }
+  if (gpu_monitor_.joinable()) gpu_monitor_.join();
+  if (health_watcher_.joinable()) health_watcher_.join();
+  if (listener_ != nullptr) listener_->Stop();
+  server_.reset();
+  listener_.reset();
+  tcp_server_.reset();
+  tcp_control_refusal_.reset();
+  control_.reset();
+  fd_channel_.reset();
+  if (registry_ != nullptr) registry_->ReleaseAll();
+  registry_.reset();
+  if (data_plane_ != nullptr) data_plane_->Shutdown();
+  data_plane_.reset();
+  struct stat st {};
+  if (socket_inode_ != 0 && ::stat(socket_path_.c_str(), &st) == 0 && st.st_ino == socket_inode_) {
+    ::unlink(socket_path_.c_str());
+  }
+  if (socket_inode_ != 0) {
+    log->info("epd stopped: resources released in {}",
+              absl::FormatDuration(absl::Trunc(absl::Now() - begin, absl::Milliseconds(1))));
+  }
+  absl::MutexLock lock(&mu_);
+  shut_down_ = true;
+}
+
+}  // namespace epd

@@ -1,0 +1,174 @@
+// Daemon: the core of `epd` (STYLE rule 1: main.cc only parses flags, builds a Daemon and
+// waits for a signal; a test can run a Daemon inside its own process).
+//
+// Start(): RLIMIT_NOFILE raised to its hard limit → GPU inventory → backend choice → data
+// plane → group registry → epd's own listener on the unix socket (daemon/listener.h), which
+// hands gRPC connections to a gRPC server without a listening port (Control and the standard
+// grpc.health.v1.Health service, per-service status for "" and "epd.v1.Control"), + the
+// optional TCP listener (Health only, a gRPC listening port).
+// Health is NOT_SERVING while starting, while draining, when a GPU is lost, and while the
+// listener is stuck (its accept loop has not gone round, or accept has kept failing, for
+// DaemonOptions::listener_stall_limit); it comes back when the listener recovers. The
+// health updater also expires endpoints their clients never mapped
+// (unmapped_endpoint_timeout_ms).
+// Shutdown() (SIGTERM/SIGINT): health NOT_SERVING, joins refused, a short grace for
+// probes to notice, Session streams ended, server stopped, every endpoint and group
+// released, data plane stopped, socket file removed: well within 5 s.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/os/shm_region.h"
+#include "common/version.h"
+#include "daemon/dataplane/data_plane.h"
+#include "daemon/gpu/gpu_inventory.h"
+#include "epd/v1/config.pb.h"
+#include "epd/v1/control.grpc.pb.h"
+#include "epd/v1/control.pb.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace epd {
+
+class ControlService;
+class FdChannel;
+class GroupRegistry;
+class UnixListener;
+
+/// The gRPC service name whose health is reported besides "".
+inline constexpr char kControlServiceName[] = "epd.v1.Control";
+
+/// Which data plane runs, and why (logged at start, GetStats.backend/backend_reason).
+struct BackendChoice {
+  std::string backend;  ///< "host" or "cuda": the data plane actually built.
+  std::string reason;
+};
+
+/// Decides the backend from the requested one and the GPUs found.
+///   host → host. cuda → FAILED_PRECONDITION when no GPU is usable (the inventory's
+///   reason is in the message). auto → cuda when a GPU is usable, else host.
+/// `cuda_data_plane_built` = false (today): a cuda/auto choice with GPUs runs the host data
+/// plane and the reason says so.
+absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInventory& inventory,
+                                            bool cuda_data_plane_built);
+
+/// Builds the data plane for a config and a backend choice.
+using DataPlaneFactory = std::function<absl::StatusOr<std::unique_ptr<DataPlane>>(
+    const v1::DaemonConfig& config, const BackendChoice& choice)>;
+
+/// The data plane epd runs by default: the host data plane (daemon/host_data_plane.h)
+/// with op_timeout_ms, engine_idle_us and host_threads of `config`.
+absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::DaemonConfig& config,
+                                                                const BackendChoice& choice);
+
+struct DaemonOptions {
+  /// Data plane factory; null = MakeDefaultDataPlane. Tests inject a fake.
+  DataPlaneFactory data_plane_factory;
+  /// GPU inventory; nullopt = GpuInventory::Discover(config.gpu_uuids()).
+  std::optional<GpuInventory> inventory;
+  /// After health turns NOT_SERVING at shutdown, the server keeps answering this long so
+  /// health probes and watchers see NOT_SERVING before the socket goes away.
+  absl::Duration drain_grace = absl::Milliseconds(500);
+  /// How often the GPUs are re-read (free memory; a failure = GPU lost → NOT_SERVING).
+  absl::Duration gpu_poll_interval = absl::Seconds(2);
+  /// How often the health updater looks at the listener and expires unmapped endpoints.
+  absl::Duration health_interval = absl::Milliseconds(250);
+  /// The listener is stuck (health NOT_SERVING) when its accept loop has not gone round,
+  /// or accept has kept failing, for this long.
+  absl::Duration listener_stall_limit = absl::Seconds(3);
+  /// Called at the top of every round of the listener's accept loop (tests stall it).
+  std::function<void()> listener_loop_hook_for_testing;
+};
+
+class Daemon {
+ public:
+  /// Starts a daemon on `config` (a filled, validated DaemonConfig: ResolveDaemonConfig).
+  /// Errors: FAILED_PRECONDITION when a live epd already answers on the socket, when the
+  /// socket path exists and is not a socket, or --backend=cuda without a GPU;
+  /// UNAVAILABLE when a listener cannot be bound; NOT_FOUND for an unknown socket_group or
+  /// gpu_uuids entry; the data plane's errors.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(v1::DaemonConfig config,
+                                                       DaemonOptions options = {});
+  ~Daemon();  ///< Shutdown().
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  /// Drains and stops (see the file comment). Idempotent; returns once everything is
+  /// released (drain_grace + at most ~1 s).
+  void Shutdown();
+
+  /// Filesystem path of the unix socket.
+  const std::string& socket_path() const { return socket_path_; }
+  /// gRPC target of the unix socket: "unix:///path".
+  std::string unix_target() const { return "unix://" + socket_path_; }
+  /// Bound TCP port of --listen (the real one for "host:0"); 0 when there is none.
+  int tcp_port() const { return tcp_port_; }
+  const v1::DaemonConfig& config() const { return config_; }
+  const BackendChoice& backend() const { return backend_; }
+
+  /// What GetStats answers.
+  v1::GetStatsResponse Stats() const;
+
+ private:
+  Daemon(v1::DaemonConfig config, DaemonOptions options);
+  absl::Status Init();
+  absl::Status PrepareSocketPath();
+  absl::Status ApplySocketPermissions();
+  /// Recomputes health from the state below (starting, draining, GPU lost, listener
+  /// stuck) and publishes it to both servers' health services when it changed.
+  void PublishServing();
+  /// Why epd is not serving now ("" when it is). Call with mu_ held.
+  std::string NotServingReasonLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MonitorGpus();
+  /// The health updater: listener health and unmapped-endpoint expiry, every
+  /// health_interval until shutdown.
+  void WatchHealth();
+
+  const v1::DaemonConfig config_;
+  DaemonOptions options_;
+  const std::string socket_path_;
+  const absl::Time started_;
+  BackendChoice backend_;
+  int tcp_port_ = 0;
+  uint64_t socket_inode_ = 0;  ///< The socket file we created (removed only if unchanged).
+
+  std::unique_ptr<DataPlane> data_plane_;
+  std::unique_ptr<GroupRegistry> registry_;
+  std::unique_ptr<ControlService> control_;
+  /// Answers fd-channel connections of the unix socket (the endpoints' descriptors).
+  std::unique_ptr<FdChannel> fd_channel_;
+  ScopedFd socket_lock_;                      // flock on "<socket>.lock" (one epd per socket).
+  std::unique_ptr<UnixListener> listener_;    // The unix socket: accepts, routes to server_.
+  std::unique_ptr<grpc::Server> server_;      // Control and Health, fed by listener_.
+  std::unique_ptr<grpc::Server> tcp_server_;  // --listen: Health only (no Control over TCP).
+  /// The generated Control base class, whose every method answers UNIMPLEMENTED: registered
+  /// on the TCP server so that it is a synchronous server (gRPC then polls its default
+  /// health service), while Control calls over TCP are refused.
+  std::unique_ptr<v1::Control::Service> tcp_control_refusal_;
+  std::thread gpu_monitor_;
+  std::thread health_watcher_;
+
+  absl::Mutex publish_mu_;  ///< Serialises PublishServing (the health services' order).
+  mutable absl::Mutex mu_;
+  GpuInventory inventory_ ABSL_GUARDED_BY(mu_);
+  bool start_up_done_ ABSL_GUARDED_BY(mu_) = false;
+  std::string gpu_lost_ ABSL_GUARDED_BY(mu_);        ///< Why a GPU is lost ("" = none).
+  std::string listener_stuck_ ABSL_GUARDED_BY(mu_);  ///< Why the listener is stuck ("").
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Mutex shutdown_mu_;  ///< Serialises Shutdown().
+};
+
+}  // namespace epd

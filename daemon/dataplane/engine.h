@@ -1,0 +1,52 @@
+// Engine: the thread that polls request rings (DESIGN.md §1). It spins while there is
+// work, and once every ring it polls has been idle for `idle_us` it sleeps on the
+// doorbell futex (proto/shm_abi.h DoorbellPage) until a client rings it, waking at least
+// every `max_sleep_us` to enforce op timeouts. No core is burnt while idle. The loop itself
+// allocates nothing (README "Hot path"): what it costs per op is the poll's.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <thread>
+
+#include "proto/abi/shm_abi.h"
+
+namespace epd {
+
+class Engine {
+ public:
+  /// `poll` is called in a loop on the engine thread; it returns true when it did work.
+  /// `doorbell` points to a DoorbellPage shared with clients; it must outlive the engine.
+  /// `on_start`, when set, is called once on the engine thread before its first poll (a
+  /// test seam: e.g. to mark the thread for an allocation counter).
+  Engine(abi::DoorbellPage* doorbell, uint32_t idle_us, uint32_t max_sleep_us,
+         std::function<bool()> poll, std::function<void()> on_start = nullptr);
+  /// Stops and joins the thread.
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  /// Starts the thread. Call once.
+  void Start();
+  /// Asks the thread to exit and joins it. Idempotent.
+  void Stop();
+  /// Wakes the thread if it sleeps (for daemon-side events: a rank left, shutdown).
+  void Wake();
+
+  /// Number of times the engine went to sleep (diagnostics and tests).
+  uint64_t sleeps() const { return sleeps_.load(std::memory_order_relaxed); }
+
+ private:
+  void Run();
+  abi::DoorbellPage* doorbell_;
+  uint32_t idle_us_;
+  uint32_t max_sleep_us_;
+  std::function<bool()> poll_;
+  std::function<void()> on_start_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> sleeps_{0};
+  std::thread thread_;
+};
+
+}  // namespace epd

@@ -1,0 +1,41 @@
+// HostDataPlane: the host backend (DESIGN.md §4, `--backend=host`). Every endpoint's
+// data area lives in its sealed shared region next to its request ring; one engine thread
+// polls every ring and, once every rank of a group has submitted op `seq`, runs the op
+// for the whole group with kernels/host and completes it for every rank.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "daemon/dataplane/data_plane.h"
+
+namespace epd {
+
+/// Options of the host data plane (from DaemonConfig).
+struct HostDataPlaneOptions {
+  uint32_t op_timeout_ms = 10000;  ///< Bound on waiting for the ranks of an op.
+  uint32_t engine_idle_us = 100;   ///< Engine sleeps after this long with no request.
+  int host_threads = 0;            ///< Threads per op (0 = hardware concurrency).
+
+  /// Test seams (unset in the daemon), called on the engine thread: `on_engine_start` once
+  /// before its first poll; `on_kernels(true)` right before and `on_kernels(false)` right
+  /// after each op's calls into kernels/host (the reference data movement, which runs on
+  /// the plane's persistent worker pool with each group's persistent scratch, and so
+  /// allocates nothing per op either). tests/unit/hot_path_alloc_test.cc uses them to count
+  /// the engine's heap allocations per op inside and outside the kernels.
+  std::function<void()> on_engine_start;
+  std::function<void(bool)> on_kernels;
+  /// Test seam (unset in the daemon): runs first on each of kernels/host's worker threads
+  /// (the plane's HostWorkerPool, host_threads - 1 of them, started with the first group),
+  /// so a test can count their allocations too.
+  std::function<void()> on_kernel_thread_start;
+};
+
+/// Creates the host data plane (and its doorbell page) and starts its engine thread.
+/// Errors: those of creating the doorbell page (RESOURCE_EXHAUSTED, INTERNAL).
+absl::StatusOr<std::unique_ptr<DataPlane>> MakeHostDataPlane(const HostDataPlaneOptions& options);
+
+}  // namespace epd

@@ -1,0 +1,841 @@
+// The lockstep core of a data-plane group: ring popping and validation, op collection,
+// timeouts, completions and handle state (see group_ops.h).
+#include "daemon/dataplane/lockstep_group.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace epd {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::shared_ptr<spdlog::logger> EngineLog() {
+  auto l = spdlog::get("epd.engine");
+  return l ? l : spdlog::default_logger();
+}
+
+void WriteCompletion(LockstepEndpoint& ep, uint64_t seq, const RankOutcome& outcome) {
+  abi::Completion& c = ep.completions()[seq % abi::kCompletionCapacity];
+  c.status_code = static_cast<int32_t>(outcome.status.code());
+  c.num_recv_tokens = outcome.num_recv_tokens;
+  c.buffer = outcome.buffer;
+  c.reserved = 0;
+  const absl::string_view msg = outcome.status.message();  // No copy: this is the hot path.
+  size_t n = std::min(msg.size(), static_cast<size_t>(abi::kMessageBytes - 1));
+  if (n > 0) std::memcpy(c.message, msg.data(), n);  // An OK status's message has no data.
+  c.message[n] = '\0';
+  abi::Atomic(c.seq).store(seq, std::memory_order_release);
+  abi::Atomic(ep.header->completion_futex).fetch_add(1, std::memory_order_seq_cst);
+  if (abi::Atomic(ep.header->client_waiting).load(std::memory_order_seq_cst) != 0) {
+    FutexWakeAll(&ep.header->completion_futex);
+  }
+  if (outcome.status.ok()) ++ep.ops_completed;
+}
+
+std::atomic<uint64_t> g_next_endpoint_id{1};
+
+/// Moves the outcomes a backend returned by value (StartOp / PollOp) into the group's [R]
+/// `outcomes`; INTERNAL for every rank when their number is not R. False for nullopt (the
+/// op runs on).
+bool TakeOutcomes(std::optional<std::vector<RankOutcome>> out, std::span<RankOutcome> outcomes) {
+  if (!out) return false;
+  if (out->size() != outcomes.size()) {
+    for (RankOutcome& o : outcomes) {
+      o.status = absl::InternalError(absl::StrCat("the backend returned ", out->size(),
+                                                  " outcomes for ", outcomes.size(), " ranks"));
+    }
+    return true;
+  }
+  std::move(out->begin(), out->end(), outcomes.begin());
+  return true;
+}
+
+}  // namespace
+
+uint64_t NextEndpointId() { return g_next_endpoint_id.fetch_add(1); }
+
+kernels::GroupShape ShapeOf(const v1::GroupSpec& spec) {
+  kernels::GroupShape s;
+  s.num_ranks = spec.num_ranks();
+  s.num_experts = spec.num_experts();
+  s.hidden = spec.hidden();
+  s.num_topk = spec.num_topk();
+  s.max_tokens_per_rank = spec.max_tokens_per_rank();
+  s.ll_max_tokens_per_rank = spec.ll_max_tokens_per_rank();
+  s.use_fp8 = spec.use_fp8();
+  return s;
+}
+
+const char* OpName(uint32_t op) { return abi::OpKindName(op); }
+
+std::string ProgramStepName(const ProgramStepPlan& step) {
+  std::string s = OpName(static_cast<uint32_t>(step.op));
+  if (step.op == abi::OpKind::kLowLatencyDispatch) {
+    absl::StrAppend(&s, "{use_fp8=", step.use_fp8 ? "true" : "false",
+                    ", round_scale=", step.round_scale ? "true" : "false", "}");
+  }
+  return s;
+}
+
+absl::StatusOr<std::vector<ProgramStepPlan>> DecodeProgram(const abi::RequestSlot& slot,
+                                                           const kernels::GroupShape& shape) {
+  if (shape.ll_max_tokens_per_rank == 0) {
+    return absl::FailedPreconditionError(
+        "RegisterProgram: the group has no low-latency mode (spec.ll_max_tokens_per_rank = 0)");
+  }
+  const uint64_t n = slot.reserved[0];
+  if (n < 1 || n > abi::kMaxProgramSteps) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RegisterProgram: ", n, " steps, outside [1, ", abi::kMaxProgramSteps, "]"));
+  }
+  std::vector<ProgramStepPlan> steps(n);
+  int dispatches = 0, combines = 0, last_dispatch_buffer = -1;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint8_t b = abi::ProgramStepByte(slot.reserved, i);
+    ProgramStepPlan& st = steps[i];
+    st.op = static_cast<abi::OpKind>(b & 0xf);
+    st.use_fp8 = b & abi::kProgramStepFp8;
+    st.round_scale = b & abi::kProgramStepRoundScale;
+    const bool dispatch = st.op == abi::OpKind::kLowLatencyDispatch;
+    if ((b & 0xc0) != 0 || (!dispatch && st.op != abi::OpKind::kLowLatencyCombine)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RegisterProgram: step ", i, " (byte 0x", absl::Hex(b), ") is ", OpName(b & 0xf),
+          "; a program step must be LowLatencyDispatch or LowLatencyCombine"));
+    }
+    if (!dispatch && (st.use_fp8 || st.round_scale)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RegisterProgram: step ", i, " (LowLatencyCombine) has use_fp8/round_scale set"));
+    }
+    if (st.round_scale && !st.use_fp8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterProgram: step ", i, " has round_scale without use_fp8"));
+    }
+    if (st.use_fp8 && !shape.use_fp8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterProgram: step ", i, " uses FP8 but the group has use_fp8 = false"));
+    }
+    if (st.use_fp8 && shape.hidden % kernels::kFp8BlockChannels != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterProgram: step ", i,
+                       " uses FP8, which needs hidden % 128 == 0, hidden = ", shape.hidden));
+    }
+    if (dispatch) {
+      st.buffer = dispatches++ % kernels::kLowLatencyBuffers;
+      last_dispatch_buffer = st.buffer;
+    } else {
+      st.out_buffer = combines++ % kernels::kLowLatencyBuffers;
+      st.buffer = last_dispatch_buffer;  // -1 until a dispatch: fixed cyclically below.
+    }
+  }
+  if (combines > 0 && dispatches == 0) {
+    return absl::InvalidArgumentError(
+        "RegisterProgram: the program has a LowLatencyCombine but no LowLatencyDispatch");
+  }
+  // A combine before the program's first dispatch pairs with its last one (cyclically).
+  for (ProgramStepPlan& st : steps) {
+    if (st.op == abi::OpKind::kLowLatencyCombine && st.buffer < 0) st.buffer = last_dispatch_buffer;
+  }
+  return steps;
+}
+
+LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
+    : spec_(spec),
+      shape_(ShapeOf(spec)),
+      layout_(kernels::EndpointLayout::Compute(shape_)),
+      options_(std::move(options)),
+      engine_log_(EngineLog()),
+      log_name_(absl::StrCat("group ", spec.name())),
+      log_limiter_(std::make_shared<LogRateLimiter>()),
+      endpoints_(spec.num_ranks()),
+      departed_(spec.num_ranks(), false),
+      running_slots_(spec.num_ranks()),
+      outcomes_(spec.num_ranks()) {
+  missing_.reserve(spec.num_ranks());
+  gone_.reserve(spec.num_ranks());
+}
+
+std::optional<std::vector<RankOutcome>> LockstepGroup::StartOp(
+    const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) {
+  std::vector<RankOutcome> out(slots.size());
+  for (RankOutcome& o : out) {
+    o.status = absl::InternalError(
+        absl::StrCat(OpName(static_cast<uint32_t>(plan.op)),
+                     ": this backend implements neither LockstepGroup::StartOp nor StartOpInto"));
+  }
+  return out;
+}
+
+bool LockstepGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                                std::span<RankOutcome> outcomes) {
+  return TakeOutcomes(StartOp(plan, slots), outcomes);
+}
+
+bool LockstepGroup::PollOpInto(std::span<RankOutcome> outcomes) {
+  return TakeOutcomes(PollOp(), outcomes);
+}
+
+uint64_t LockstepGroup::rank_ops_completed(int32_t rank) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size()) || !endpoints_[rank]) return 0;
+  return endpoints_[rank]->ops_completed;
+}
+
+bool LockstepGroup::RankMapped(int32_t rank) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size()) || !endpoints_[rank]) {
+    return false;
+  }
+  return endpoints_[rank]->ClientMapped();
+}
+
+absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid,
+                                       v1::LaunchMode launch_mode, const RankClient& client,
+                                       v1::EndpointInfo* info) {
+  if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " outside [0, ", endpoints_.size(), ")"));
+  }
+  auto ep = std::make_unique<LockstepEndpoint>();
+  ep->log_limiter = client.log_budget ? client.log_budget : std::make_shared<LogRateLimiter>();
+  EPD_ASSIGN_OR_RETURN(ep->backend, PrepareRank(rank, gpu_uuid, launch_mode, info));
+  const uint64_t shm_data_bytes = ShmDataBytes();
+  // The layout the daemon uses from here on (private; the header gets a copy for the client).
+  const abi::EndpointShmLayout shm = abi::ComputeEndpointShmLayout(shm_data_bytes);
+  ep->shm_layout = shm;
+  EPD_ASSIGN_OR_RETURN(ep->region, ShmRegion::Create("epd-ep", shm.total_bytes));
+  if (ep->region.size() < shm.total_bytes) {
+    return absl::InternalError(absl::StrCat("endpoint region has ", ep->region.size(),
+                                            " bytes, the layout needs ", shm.total_bytes));
+  }
+  ep->header = reinterpret_cast<abi::EndpointShmHeader*>(ep->region.data());
+  abi::EndpointShmHeader& h = *ep->header;
+  h.size = sizeof(abi::EndpointShmHeader);
+  h.magic = abi::kEndpointMagic;
+  h.version = abi::kShmAbiVersion;
+  h.ring_capacity = abi::kRingCapacity;
+  h.completion_capacity = abi::kCompletionCapacity;
+  ep->endpoint_id = NextEndpointId();
+  h.endpoint_id = ep->endpoint_id;
+  h.ring_offset = shm.ring_offset;
+  h.completion_offset = shm.completion_offset;
+  h.data_offset = shm_data_bytes > 0 ? shm.data_offset : 0;
+  h.data_bytes = layout_.total_bytes;
+  h.total_bytes = shm.total_bytes;
+
+  std::lock_guard<std::mutex> lock(mu_);
+  if (endpoints_[rank]) {
+    return absl::AlreadyExistsError(absl::StrCat("rank ", rank, " is already attached"));
+  }
+  // A rank rejoining while an op of the group still runs in the backend continues after it.
+  const uint64_t first_seq = current_seq_ + (running_ ? 1 : 0);
+  ep->next_seq = first_seq;
+  // The ring's head/tail count slots; start them at the first seq - 1 so slot i holds
+  // seq i (the client writes slot (head + 1) % capacity, see client/endpoint.cc).
+  ep->ring_tail = first_seq - 1;
+  h.ring_head = first_seq - 1;
+  h.ring_tail = first_seq - 1;
+  ep->log_name =
+      absl::StrCat("group ", spec_.name(), " rank ", rank, " (endpoint ", ep->endpoint_id, ")");
+  for (uint32_t i = 0; i < abi::kCompletionCapacity; ++i) ep->completions()[i].seq = 0;
+
+  info->set_group(spec_.name());
+  info->set_rank(rank);
+  info->set_endpoint_id(ep->endpoint_id);
+  info->set_shm_bytes(shm.total_bytes);
+  info->set_data_offset(shm_data_bytes > 0 ? shm.data_offset : 0);
+  info->set_data_bytes(layout_.total_bytes);
+  info->clear_regions();
+  layout_.ForEachRegion([&](const char* name, const kernels::Region& r) {
+    v1::BufferRegion* br = info->add_regions();
+    br->set_name(name);
+    br->set_offset(r.offset);
+    br->set_bytes(r.bytes);
+  });
+  info->set_abi_version(abi::kShmAbiVersion);
+  info->set_op_timeout_ms(options_.op_timeout_ms);
+  info->set_first_seq(first_seq);
+  EPD_RETURN_IF_ERROR(RankAttached(rank, ep->backend));
+  endpoints_[rank] = std::move(ep);
+  departed_.resize(endpoints_.size(), false);
+  departed_[rank] = false;
+  if (!log_limiter_is_owners_ && client.log_budget) {
+    // What the group's ops cause is charged to its owner (the first joiner): a client
+    // cannot multiply its budget by creating groups.
+    log_limiter_ = client.log_budget;
+    log_limiter_is_owners_ = true;
+  }
+  EngineLog()->info("group {}: rank {} attached (endpoint {}, uid {}, backend {}, {} bytes of shm)",
+                    spec_.name(), rank, endpoints_[rank]->endpoint_id, client.uid, info->backend(),
+                    shm.total_bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<EndpointFds> LockstepGroup::TakeEndpointFds(int32_t rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size()) || !endpoints_[rank]) {
+    return absl::NotFoundError(
+        absl::StrCat("group ", spec_.name(), ": rank ", rank, " has no endpoint"));
+  }
+  LockstepEndpoint& ep = *endpoints_[rank];
+  if (ep.region.fd() < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", spec_.name(), " rank ", rank, ": the descriptors of endpoint ", ep.endpoint_id,
+        " were already handed out (once per join; leave and join again for a new endpoint)"));
+  }
+  EndpointFds fds;
+  EPD_ASSIGN_OR_RETURN(fds.doorbell, DoorbellFd(rank));
+  fds.region = ep.region.TakeFd();
+  fds.endpoint_id = ep.endpoint_id;
+  return fds;
+}
+
+void LockstepGroup::DetachRank(int32_t rank) {
+  std::unique_ptr<LockstepEndpoint> ep;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size())) return;
+    ep = std::move(endpoints_[rank]);
+    if (!ep) return;
+    // Its client, if alive (removed by another session's LeaveGroup), fails its waits at
+    // once with FAILED_PRECONDITION instead of waiting for a completion that never comes.
+    uint32_t open = 0;  // A shutdown's kClosedShutdown stays.
+    abi::Atomic(ep->header->daemon_closed)
+        .compare_exchange_strong(open, abi::kClosedRankRemoved, std::memory_order_seq_cst);
+    FutexWakeAll(&ep->header->completion_futex);
+    departed_.resize(endpoints_.size(), false);
+    // A rank that already arrived at a running op stays part of it (its resources live
+    // on in the backend's running op); one that never arrived fails the op. Otherwise the
+    // group's next op that waits for it fails at once (departed_).
+    if (op_started_ && !running_ && !ep->request.has_value()) {
+      FailOp(absl::DeadlineExceededError(absl::StrCat("op ", current_seq_, " of group ",
+                                                      spec_.name(), ": rank ", rank,
+                                                      " left the group before arriving")));
+    } else {
+      departed_[rank] = true;
+    }
+    if (ep->request && !(running_ && ep->request->seq == running_->seq)) {
+      OpEndedWithoutLaunch(rank, *ep->request);  // Its client is gone: no completion.
+    }
+    RankDetached(rank);
+  }
+  // A budget of the endpoint's own reports what it holds now; a shared one (its uid's)
+  // reports once it has a token, through its other sources or GroupRegistry.
+  if (ep->log_limiter.use_count() == 1) {
+    LogSuppressedReport(*engine_log_, spdlog::level::warn, *ep->log_limiter,
+                        ep->log_limiter->Flush());
+  } else {
+    LogSuppressed(*engine_log_, spdlog::level::warn, *ep->log_limiter);
+  }
+  EngineLog()->info("group {}: rank {} detached (endpoint {})", spec_.name(), rank,
+                    ep->endpoint_id);
+  WakeEngine();
+  // ep's shm is unmapped and unlinked here, outside the lock.
+}
+
+void LockstepGroup::FailAll(const absl::Status& status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int32_t r = 0; r < static_cast<int32_t>(endpoints_.size()); ++r) {
+    LockstepEndpoint* ep = endpoints_[r].get();
+    if (!ep) continue;
+    uint64_t head = abi::Atomic(ep->header->ring_head).load(std::memory_order_acquire);
+    // Complete everything already submitted so no client waits on a dead daemon.
+    if (ep->request) {
+      if (running_ && ep->request->seq == running_->seq) {
+        WriteCompletion(*ep, ep->request->seq, {status});  // Launched: the backend ends it.
+      } else {
+        CompleteUnrun(r, *ep, *ep->request, status);
+      }
+      ep->request.reset();
+    }
+    for (uint64_t s = ep->next_seq; s <= head && s < ep->next_seq + abi::kRingCapacity; ++s) {
+      abi::RequestSlot slot;
+      std::memcpy(&slot, &ep->ring()[s % abi::kRingCapacity], sizeof(slot));
+      if (slot.magic == abi::kRequestMagic && slot.seq == s) {
+        CompleteUnrun(r, *ep, slot, status);
+      } else {
+        WriteCompletion(*ep, s, {status});
+      }
+    }
+    // Later submits and waits of this endpoint's client fail at once (shm_abi.h).
+    abi::Atomic(ep->header->daemon_closed).store(abi::kClosedShutdown, std::memory_order_seq_cst);
+    abi::Atomic(ep->header->completion_futex).fetch_add(1, std::memory_order_seq_cst);
+    FutexWakeAll(&ep->header->completion_futex);
+  }
+}
+
+void LockstepGroup::CompleteUnrun(int32_t rank, LockstepEndpoint& ep, const abi::RequestSlot& slot,
+                                  const absl::Status& status) {
+  WriteCompletion(ep, slot.seq, {status});
+  OpEndedWithoutLaunch(rank, slot);
+}
+
+absl::Status LockstepGroup::ValidateSlot(int32_t rank, const LockstepEndpoint& ep,
+                                         const abi::RequestSlot& slot) const {
+  // magic and seq were checked when the slot was popped.
+  if (slot.op == 0 || slot.op > abi::kMaxOpKind) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed request slot: op ", slot.op));
+  }
+  if ((slot.flags & ~abi::kAllRequestFlags) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed request slot: flags 0x", absl::Hex(slot.flags)));
+  }
+  EPD_RETURN_IF_ERROR(CheckRequest(rank, slot));
+  if (slot.flags & abi::kFlagClientError) {
+    return absl::InvalidArgumentError("the client rejected its own inputs for this op");
+  }
+  const auto op = static_cast<abi::OpKind>(slot.op);
+  if (op == abi::OpKind::kRegisterProgram || op == abi::OpKind::kUnregisterProgram) {
+    EPD_RETURN_IF_ERROR(CheckProgram(rank));
+    if (op == abi::OpKind::kRegisterProgram) return DecodeProgram(slot, shape_).status();
+    return absl::OkStatus();
+  }
+  const bool ll = op == abi::OpKind::kLowLatencyDispatch || op == abi::OpKind::kLowLatencyCombine;
+  const int32_t max_tokens = ll ? shape_.ll_max_tokens_per_rank : shape_.max_tokens_per_rank;
+  if (ll && shape_.ll_max_tokens_per_rank == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        OpName(slot.op), " needs spec.ll_max_tokens_per_rank > 0 (group ", spec_.name(), ")"));
+  }
+  if (slot.num_tokens < 0 || slot.num_tokens > max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(OpName(slot.op), ": num_tokens ",
+                                                   slot.num_tokens, " outside [0, ", max_tokens,
+                                                   "] (", ll ? "ll_" : "", "max_tokens_per_rank)"));
+  }
+  if (slot.num_sms < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(OpName(slot.op), ": num_sms ", slot.num_sms, " < 0"));
+  }
+  if (op == abi::OpKind::kDispatch) {
+    if (slot.expert_alignment < 1 || slot.expert_alignment > (1 << 20)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Dispatch: expert_alignment ", slot.expert_alignment, " outside [1, 2^20]"));
+    }
+    if ((slot.flags & abi::kFlagFp8) && !shape_.use_fp8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Dispatch: FP8 input but group ", spec_.name(), " has use_fp8 = false"));
+    }
+  }
+  if (op == abi::OpKind::kLowLatencyDispatch && (slot.flags & abi::kFlagFp8) &&
+      shape_.hidden % kernels::kFp8BlockChannels != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LowLatencyDispatch: use_fp8 needs hidden % 128 == 0, hidden = ", shape_.hidden));
+  }
+  if ((op == abi::OpKind::kLowLatencyDispatch && (slot.flags & abi::kFlagFp8) && !shape_.use_fp8)) {
+    return absl::InvalidArgumentError(absl::StrCat("LowLatencyDispatch: use_fp8 but group ",
+                                                   spec_.name(), " has use_fp8 = false"));
+  }
+  return ValidateHandle(ep, slot);
+}
+
+absl::Status LockstepGroup::ValidateHandle(const LockstepEndpoint& ep,
+                                           const abi::RequestSlot& slot) const {
+  const auto op = static_cast<abi::OpKind>(slot.op);
+  const bool uses_routing = op == abi::OpKind::kCombine ||
+                            (op == abi::OpKind::kDispatch && (slot.flags & abi::kFlagCachedHandle));
+  if (uses_routing) {
+    if (ep.routing_seq == 0 || slot.handle_seq < ep.routing_seq ||
+        slot.handle_seq > ep.last_dispatch_seq) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          OpName(slot.op), ": handle of op ", slot.handle_seq,
+          " is not the current dispatch routing of this endpoint (valid: ops ", ep.routing_seq,
+          "..", ep.last_dispatch_seq, "); a handle is invalidated by the next Dispatch"));
+    }
+    if (slot.num_tokens != ep.routing_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(OpName(slot.op), ": num_tokens ",
+                                                     slot.num_tokens, " != the handle's ",
+                                                     ep.routing_tokens));
+    }
+  }
+  if (op == abi::OpKind::kLowLatencyCombine) {
+    int found = -1;
+    for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) {
+      if (ep.ll_seq[b] != 0 && ep.ll_seq[b] == slot.handle_seq) found = b;
+    }
+    if (found < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "LowLatencyCombine: handle of op ", slot.handle_seq,
+          " is not one of this endpoint's last two low-latency dispatches (its buffers were "
+          "reused, or it comes from another endpoint)"));
+    }
+    if (slot.num_tokens != ep.ll_tokens[found]) {
+      return absl::InvalidArgumentError(absl::StrCat("LowLatencyCombine: num_tokens ",
+                                                     slot.num_tokens, " != the handle's ",
+                                                     ep.ll_tokens[found]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool LockstepGroup::PopSlot(LockstepEndpoint& ep, abi::RequestSlot* slot) {
+  // ring_head is the only ring word read back from the client-writable header, once per
+  // slot, and only compared with the daemon's own tail.
+  const uint64_t head = abi::Atomic(ep.header->ring_head).load(std::memory_order_seq_cst);
+  const uint64_t tail = ep.ring_tail;
+  if (head == tail) return false;
+  // A head more than a ring ahead (or behind) is garbage: the slot after the tail is then
+  // taken as one malformed slot, so the ring stays usable.
+  std::memcpy(slot, &ep.ring()[(tail + 1) % abi::kRingCapacity], sizeof(*slot));
+  ep.ring_tail = tail + 1;
+  abi::Atomic(ep.header->ring_tail).store(ep.ring_tail, std::memory_order_release);
+  return true;
+}
+
+void LockstepGroup::CountRejected(LockstepEndpoint& ep) {
+  abi::Atomic(ep.header->rejected_requests)
+      .store(++ep.rejected_requests, std::memory_order_relaxed);
+}
+
+bool LockstepGroup::RefuseRequests(int32_t rank, LockstepEndpoint& ep, const absl::Status& why) {
+  bool worked = false;
+  // At most one ring's worth per poll: a client advancing ring_head without end cannot
+  // hold the engine here.
+  abi::RequestSlot slot;
+  for (uint32_t n = 0; n < abi::kRingCapacity && PopSlot(ep, &slot); ++n) {
+    worked = true;
+    CountRejected(ep);
+    if (slot.magic != abi::kRequestMagic) continue;  // Not attributable to a request.
+    LogLimited(*engine_log_, spdlog::level::warn, *ep.log_limiter, ep.log_name,
+               "group {} rank {}: refused request {}: {}", spec_.name(), rank, slot.seq,
+               why.message());
+    CompleteUnrun(rank, ep, slot, why);
+  }
+  return worked;
+}
+
+bool LockstepGroup::PopRequests() {
+  bool worked = false;
+  for (size_t r = 0; r < endpoints_.size(); ++r) {
+    LockstepEndpoint* ep = endpoints_[r].get();
+    if (!ep) continue;
+    LogSuppressed(*engine_log_, spdlog::level::warn, *ep->log_limiter);
+    const int32_t rank = static_cast<int32_t>(r);
+    if (absl::Status refused = AcceptsRequests(rank); !refused.ok()) {
+      worked |= RefuseRequests(rank, *ep, refused);
+      continue;
+    }
+    // At most one ring's worth of slots per poll (see RefuseRequests).
+    abi::RequestSlot slot;
+    for (uint32_t n = 0; n < abi::kRingCapacity && !ep->request && ep->next_seq <= current_seq_ &&
+                         PopSlot(*ep, &slot);
+         ++n) {
+      worked = true;
+      if (slot.magic != abi::kRequestMagic || slot.seq != ep->next_seq) {
+        // Not a request of this endpoint's client (garbage, or a replayed slot): it cannot
+        // be attributed to an op, so it is dropped, counted and reported, never executed.
+        CountRejected(*ep);
+        LogLimited(*engine_log_, spdlog::level::warn, *ep->log_limiter, ep->log_name,
+                   "group {} rank {}: dropped a malformed ring slot (magic 0x{:x}, seq {}, "
+                   "expected seq {}); {} dropped so far",
+                   spec_.name(), r, slot.magic, slot.seq, ep->next_seq, ep->rejected_requests);
+        continue;
+      }
+      absl::Status valid = ValidateSlot(rank, *ep, slot);
+      uint64_t seq = ep->next_seq++;
+      if (!valid.ok()) {
+        CountRejected(*ep);
+        if (slot.op == 0 || slot.op > abi::kMaxOpKind) slot.op = 0;
+        if (!(slot.flags & abi::kFlagClientError)) {
+          LogLimited(*engine_log_, spdlog::level::warn, *ep->log_limiter, ep->log_name,
+                     "group {} rank {}: rejected request {}: {}", spec_.name(), r, seq,
+                     valid.message());
+        }
+      }
+      if (seq < current_seq_) {
+        // This op already failed (timeout) before the rank arrived.
+        auto it = failed_ops_.find(seq);
+        absl::Status st =
+            it != failed_ops_.end()
+                ? absl::Status(it->second.code(),
+                               absl::StrCat("rank ", rank, " arrived after op ", seq,
+                                            " had failed for the group: ", it->second.message()))
+                : absl::DeadlineExceededError(absl::StrCat("op ", seq, " of group ", spec_.name(),
+                                                           " failed before this rank arrived"));
+        CompleteUnrun(rank, *ep, slot, st);
+        continue;
+      }
+      ep->request = slot;
+      if (!valid.ok()) ep->slot_error = valid;
+      if (!op_started_) op_started_ = Clock::now();
+    }
+  }
+  LogSuppressed(*engine_log_, spdlog::level::warn, *log_limiter_);
+  return worked;
+}
+
+void LockstepGroup::FailOp(const absl::Status& status) {
+  ops_failed_.fetch_add(1);
+  for (int32_t r = 0; r < static_cast<int32_t>(endpoints_.size()); ++r) {
+    LockstepEndpoint* ep = endpoints_[r].get();
+    if (ep && ep->request) {
+      CompleteUnrun(r, *ep, *ep->request, status);
+      ep->request.reset();
+      ep->slot_error.reset();
+    }
+  }
+  failed_ops_[current_seq_] = status;
+  while (failed_ops_.size() > 2 * abi::kRingCapacity) failed_ops_.erase(failed_ops_.begin());
+  ++current_seq_;
+  op_started_.reset();
+}
+
+bool LockstepGroup::Poll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  bool worked = PollBackground();
+  worked |= PopRequests();
+  if (running_) {
+    if (!PollOpInto(outcomes_)) return true;  // Keep the engine polling while it runs.
+    FinishOp();
+    worked = true;
+  }
+  if (!op_started_) return worked;
+  if (program_armed_) {
+    // A ring op other than UnregisterProgram while a program is armed fails at once for
+    // every rank (late ranks get the same error from failed_ops_).
+    for (size_t r = 0; r < endpoints_.size(); ++r) {
+      const LockstepEndpoint* ep = endpoints_[r].get();
+      if (!ep || !ep->request ||
+          ep->request->op == static_cast<uint32_t>(abi::OpKind::kUnregisterProgram)) {
+        continue;
+      }
+      const absl::Status st = absl::FailedPreconditionError(
+          absl::StrCat(OpName(ep->request->op), " (op ", current_seq_, ", rank ", r,
+                       ") refused: group ", spec_.name(),
+                       " has a graph-mode program armed, which alone runs on its buffers; call "
+                       "UnregisterProgram on every rank first"));
+      FailOp(st);
+      return true;
+    }
+  }
+  std::vector<int32_t>& missing = missing_;  // Capacity R: no allocation.
+  missing.clear();
+  for (size_t r = 0; r < endpoints_.size(); ++r) {
+    if (!endpoints_[r] || !endpoints_[r]->request) missing.push_back(static_cast<int32_t>(r));
+  }
+  // A rank that left or died since the last op cannot arrive unless it rejoins: fail the op
+  // at once instead of after op_timeout (once per departure; see departed_).
+  std::vector<int32_t>& gone = gone_;
+  gone.clear();
+  for (int32_t r : missing) {
+    if (static_cast<size_t>(r) < departed_.size() && departed_[r]) gone.push_back(r);
+  }
+  if (!gone.empty()) {
+    for (int32_t r : gone) departed_[r] = false;
+    absl::Status st = absl::DeadlineExceededError(absl::StrCat(
+        "op ", current_seq_, " of group ", spec_.name(), ": rank(s) ", absl::StrJoin(gone, ", "),
+        " left the group (their client left or died) and did not rejoin"));
+    LogClientCaused(spdlog::level::warn, "{}", st.message());
+    FailOp(st);
+    return true;
+  }
+  if (missing.empty()) {
+    if (RunOp()) return true;
+    worked = true;  // Waiting for the backend: keep polling.
+  }
+  auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - *op_started_);
+  if (waited.count() >= options_.op_timeout_ms) {
+    absl::Status st =
+        missing.empty()
+            ? absl::DeadlineExceededError(absl::StrCat(
+                  "op ", current_seq_, " of group ", spec_.name(),
+                  ": every rank arrived but the backend could not start it within op_timeout ",
+                  options_.op_timeout_ms, " ms (an earlier op is still running on the GPU)"))
+            : absl::DeadlineExceededError(
+                  absl::StrCat("op ", current_seq_, " of group ", spec_.name(), ": rank(s) ",
+                               absl::StrJoin(missing, ", "), " did not arrive within op_timeout ",
+                               options_.op_timeout_ms, " ms"));
+    LogClientCaused(spdlog::level::warn, "{}", st.message());
+    FailOp(st);
+    return true;
+  }
+  return worked;
+}
+
+bool LockstepGroup::RunOp() {
+  const int R = static_cast<int>(endpoints_.size());
+  std::vector<abi::RequestSlot>& slots = running_slots_;  // [R], reused.
+  // A rejected slot, or ranks disagreeing on the op, fail the op for every rank.
+  for (int r = 0; r < R; ++r) {
+    if (endpoints_[r]->slot_error) {
+      const absl::Status& e = *endpoints_[r]->slot_error;
+      FailOp(absl::Status(e.code(), absl::StrCat("rank ", r, ": ", e.message())));
+      return true;
+    }
+    slots[r] = *endpoints_[r]->request;
+  }
+  for (int r = 1; r < R; ++r) {
+    bool same_flags = ((slots[r].flags ^ slots[0].flags) &
+                       (abi::kFlagFp8 | abi::kFlagCachedHandle | abi::kFlagCombineWeights |
+                        abi::kFlagDispatchWeights | abi::kFlagRoundScale)) == 0;
+    if (slots[r].op != slots[0].op || !same_flags ||
+        (slots[0].op == static_cast<uint32_t>(abi::OpKind::kDispatch) &&
+         slots[r].expert_alignment != slots[0].expert_alignment)) {
+      // Name what differs: the op, an option flag, or expert_alignment.
+      auto describe = [](const abi::RequestSlot& x) {
+        return absl::StrCat(
+            OpName(x.op), " (fp8 ", (x.flags & abi::kFlagFp8) ? 1 : 0, ", round_scale ",
+            (x.flags & abi::kFlagRoundScale) ? 1 : 0, ", cached handle ",
+            (x.flags & abi::kFlagCachedHandle) ? 1 : 0, ", topk_weights ",
+            (x.flags & (abi::kFlagDispatchWeights | abi::kFlagCombineWeights)) ? 1 : 0,
+            x.op == static_cast<uint32_t>(abi::OpKind::kDispatch)
+                ? absl::StrCat(", expert_alignment ", x.expert_alignment)
+                : "",
+            ")");
+      };
+      FailOp(absl::InvalidArgumentError(absl::StrCat(
+          "op ", current_seq_, " of group ", spec_.name(), ": ranks disagree: rank 0 submitted ",
+          describe(slots[0]), ", rank ", r, " submitted ", describe(slots[r]))));
+      return true;
+    }
+  }
+  OpPlan plan;
+  plan.seq = current_seq_;
+  plan.op = static_cast<abi::OpKind>(slots[0].op);
+  plan.flags = slots[0].flags;
+  if (plan.op == abi::OpKind::kRegisterProgram) {
+    if (program_armed_) {
+      FailOp(absl::FailedPreconditionError(
+          absl::StrCat("RegisterProgram: group ", spec_.name(),
+                       " already has a program armed; UnregisterProgram first")));
+      return true;
+    }
+    // Validated at pop time, so every rank's program decodes.
+    std::vector<std::vector<ProgramStepPlan>> programs(R);
+    for (int r = 0; r < R; ++r) programs[r] = *DecodeProgram(slots[r], shape_);
+    for (int r = 1; r < R; ++r) {
+      const size_t n = std::max(programs[0].size(), programs[r].size());
+      for (size_t i = 0; i < n; ++i) {
+        auto name = [&](int rank) {
+          return i < programs[rank].size() ? ProgramStepName(programs[rank][i])
+                                           : std::string("(no step)");
+        };
+        if (name(0) != name(r)) {
+          FailOp(absl::FailedPreconditionError(
+              absl::StrCat("RegisterProgram: ranks disagree on the program of group ", spec_.name(),
+                           ": step ", i, " is ", name(0), " at rank 0 but ", name(r), " at rank ",
+                           r, " (every rank must register the same program)")));
+          return true;
+        }
+      }
+    }
+    plan.program = std::move(programs[0]);
+  }
+  if (plan.op == abi::OpKind::kLowLatencyCombine) {
+    for (int r = 1; r < R; ++r) {
+      if (slots[r].handle_seq != slots[0].handle_seq) {
+        FailOp(absl::InvalidArgumentError(
+            absl::StrCat("LowLatencyCombine: ranks disagree on the dispatch: rank 0 uses op ",
+                         slots[0].handle_seq, ", rank ", r, " uses op ", slots[r].handle_seq)));
+        return true;
+      }
+    }
+    for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) {
+      if (ll_dispatch_seq_[b] == slots[0].handle_seq) plan.ll_handle_buffer = b;
+    }
+  }
+  plan.ll_buffer = static_cast<int>(ll_dispatches_ % kernels::kLowLatencyBuffers);
+  plan.ll_out_buffer = static_cast<int>(ll_combines_ % kernels::kLowLatencyBuffers);
+  if (!ReadyToStart()) return false;
+  running_ = std::move(plan);
+  for (RankOutcome& o : outcomes_) o = RankOutcome{};
+  if (StartOpInto(*running_, running_slots_, outcomes_)) FinishOp();
+  return true;
+}
+
+void LockstepGroup::FinishOp() {
+  const OpPlan& plan = *running_;  // Reset at the end.
+  const std::vector<abi::RequestSlot>& slots = running_slots_;
+  std::vector<RankOutcome>& outcomes = outcomes_;
+  const int R = static_cast<int>(slots.size());
+  // Every op but GetDispatchLayout exchanges data: one rank's error (e.g. its bad expert
+  // ids) makes every rank's output undefined, so every rank gets it.
+  if (plan.op != abi::OpKind::kGetDispatchLayout) {
+    int first_bad = -1;
+    for (int r = 0; r < R && first_bad < 0; ++r) {
+      if (!outcomes[r].status.ok()) first_bad = r;
+    }
+    if (first_bad >= 0) {
+      const absl::Status& e = outcomes[first_bad].status;
+      for (int r = 0; r < R; ++r) {
+        if (outcomes[r].status.ok()) {
+          outcomes[r].status =
+              absl::Status(e.code(), absl::StrCat("rank ", first_bad, ": ", e.message()));
+        }
+      }
+    }
+  }
+  bool all_ok = true;
+  for (const RankOutcome& o : outcomes) all_ok &= o.status.ok();
+  if (all_ok) {
+    switch (plan.op) {
+      case abi::OpKind::kDispatch:
+        for (int r = 0; r < R; ++r) {
+          LockstepEndpoint* ep = endpoints_[r].get();
+          if (!ep) continue;
+          if (!(plan.flags & abi::kFlagCachedHandle)) {
+            ep->routing_seq = slots[r].seq;
+            ep->routing_tokens = slots[r].num_tokens;
+            ep->num_recv_tokens = outcomes[r].num_recv_tokens;
+            ep->routing_fp8 = plan.flags & abi::kFlagFp8;
+          }
+          ep->last_dispatch_seq = slots[r].seq;
+        }
+        break;
+      case abi::OpKind::kLowLatencyDispatch:
+        ll_dispatch_seq_[plan.ll_buffer] = slots[0].seq;
+        for (int r = 0; r < R; ++r) {
+          outcomes[r].buffer = plan.ll_buffer;
+          if (LockstepEndpoint* ep = endpoints_[r].get()) {
+            ep->ll_seq[plan.ll_buffer] = slots[r].seq;
+            ep->ll_tokens[plan.ll_buffer] = slots[r].num_tokens;
+          }
+        }
+        ++ll_dispatches_;
+        break;
+      case abi::OpKind::kLowLatencyCombine:
+        for (int r = 0; r < R; ++r) {
+          outcomes[r].buffer = plan.ll_out_buffer;
+          outcomes[r].num_recv_tokens = slots[r].num_tokens;  // T, for the client's view.
+        }
+        ++ll_combines_;
+        break;
+      case abi::OpKind::kRegisterProgram:
+        // The program's instances overwrite the low-latency buffers: earlier handles die.
+        program_armed_ = true;
+        for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) ll_dispatch_seq_[b] = 0;
+        for (int r = 0; r < R; ++r) {
+          if (LockstepEndpoint* ep = endpoints_[r].get()) {
+            for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) ep->ll_seq[b] = 0;
+          }
+        }
+        break;
+      case abi::OpKind::kUnregisterProgram:
+        program_armed_ = false;
+        break;
+      default:
+        break;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    LockstepEndpoint* ep = endpoints_[r].get();
+    if (!ep || !ep->request || ep->request->seq != slots[r].seq) continue;
+    WriteCompletion(*ep, slots[r].seq, outcomes[r]);
+    ep->request.reset();
+  }
+  if (!all_ok) {
+    failed_ops_[plan.seq] = outcomes[0].status;
+    while (failed_ops_.size() > 2 * abi::kRingCapacity) failed_ops_.erase(failed_ops_.begin());
+  }
+  running_.reset();  // `plan` dies here.
+  (all_ok ? ops_completed_ : ops_failed_).fetch_add(1);
+  ++current_seq_;
+  op_started_.reset();
+}
+
+}  // namespace epd

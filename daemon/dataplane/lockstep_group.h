@@ -1,0 +1,368 @@
+// LockstepGroup: the backend-independent half of a data-plane group (DESIGN.md §3.2),
+// shared by the host data plane (daemon/host_data_plane.cc) and the CUDA data plane
+// (daemon/cuda/cuda_data_plane.cc).
+//
+// Ops of a group run in lockstep: every rank's n-th op has sequence number n (a rejoining
+// rank continues at the group's next op, EndpointInfo.first_seq). The engine thread pops
+// each rank's request for the group's current op from its shm ring, validates it (shape,
+// flags, handles), and once all R are there checks that the ranks agree and hands the op
+// to the backend (LockstepGroup::StartOp). A backend finishes an op at once (host) or later
+// (CUDA: PollOp, polled without blocking the engine); then every rank gets its completion
+// and the handle state (normal routing, low-latency buffers) advances. When the op's first
+// request is older than op_timeout and some rank is missing, or a rank leaves, the op
+// fails with DEADLINE_EXCEEDED for every rank, naming the missing ranks; a late request for
+// a failed op completes at once with the same error. A backend never sees a partial op.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/os/shm_region.h"
+#include "daemon/core/logging.h"
+#include "daemon/dataplane/data_plane.h"
+#include "epd/kernels/layout.h"
+#include "epd/v1/control.pb.h"
+#include "proto/abi/shm_abi.h"
+
+namespace epd {
+
+/// The kernels' GroupShape of a (validated) spec.
+kernels::GroupShape ShapeOf(const v1::GroupSpec& spec);
+
+/// "Dispatch", "LowLatencyCombine", ... for an abi::OpKind value ("Invalid" otherwise).
+const char* OpName(uint32_t op);
+
+/// Backend state of one attached rank (device memory, streams, ...). Owned by the rank's
+/// LockstepEndpoint through a shared_ptr, so an op still running on the GPU can keep it
+/// alive after the rank detached.
+struct RankResources {
+  virtual ~RankResources() = default;
+};
+
+/// One attached rank: its shared region and the daemon's view of its ring and handles.
+///
+/// The region is client-writable (the client maps it read-write). Nothing the daemon
+/// dereferences comes from it: the layout (ring, completion and data offsets) is computed
+/// here at attach and kept in `shm_layout`; the header's copy of it is for the client and
+/// is never read back. The daemon reads back from the header only ring_head (once per
+/// slot it pops; compared with its own ring_tail, never used as an index) and the flag
+/// words client_waiting and daemon_closed; ring slots are copied into private memory
+/// once, then validated, then only the copy is used.
+struct LockstepEndpoint {
+  /// The endpoint's sealed region. Holds its descriptor until the fd channel took it
+  /// (TakeEndpointFds); the mapping lives as long as the endpoint.
+  ShmRegion region;
+  abi::EndpointShmHeader* header = nullptr;  ///< Written by the daemon; see above.
+  abi::EndpointShmLayout shm_layout{};       ///< Private: the region's layout.
+  uint64_t endpoint_id = 0;
+  uint64_t next_seq = 0;                    ///< Seq the next ring slot must carry.
+  uint64_t ring_tail = 0;                   ///< Slots consumed (published to the header).
+  uint64_t rejected_requests = 0;           ///< Malformed slots (published to the header).
+  std::optional<abi::RequestSlot> request;  ///< Popped, waiting for (or running) the op.
+  std::optional<absl::Status> slot_error;   ///< Why `request` was rejected, if it was.
+  uint64_t ops_completed = 0;
+  // Normal-mode handle state.
+  uint64_t routing_seq = 0;        ///< Seq of the dispatch that wrote send_pos.
+  uint64_t last_dispatch_seq = 0;  ///< Latest dispatch (cached or not).
+  int32_t routing_tokens = 0;      ///< T of the routing dispatch.
+  int32_t num_recv_tokens = 0;     ///< N of the routing dispatch.
+  bool routing_fp8 = false;
+  // Low-latency handle state, per buffer set.
+  uint64_t ll_seq[kernels::kLowLatencyBuffers] = {0, 0};
+  int32_t ll_tokens[kernels::kLowLatencyBuffers] = {0, 0};
+  std::shared_ptr<RankResources> backend;  ///< The backend's part of this rank.
+  /// "group G rank R (endpoint ID)", the source named in this endpoint's log lines.
+  std::string log_name;
+  /// Rate limit of the warnings this endpoint's client can cause (malformed or rejected
+  /// slots, bad inputs): its uid's, shared with every other endpoint of that uid
+  /// (RankClient::log_budget), or one of its own. Never null once attached.
+  std::shared_ptr<LogRateLimiter> log_limiter;
+
+  /// Whether the client has taken up this endpoint: the fd channel handed it the region's
+  /// descriptor (TakeEndpointFds), which is daemon-private state (the header's
+  /// client_mapped, which the client writes, is not trusted for it). An endpoint that
+  /// stays unmapped is expired (DataPlaneGroup::RankMapped).
+  bool ClientMapped() const { return region.fd() < 0; }
+
+  /// The data area when it lives in the shm region (host backend).
+  uint8_t* shm_data() const { return region.data() + shm_layout.data_offset; }
+  abi::RequestSlot* ring() const {
+    return reinterpret_cast<abi::RequestSlot*>(region.data() + shm_layout.ring_offset);
+  }
+  abi::Completion* completions() const {
+    return reinterpret_cast<abi::Completion*>(region.data() + shm_layout.completion_offset);
+  }
+};
+
+/// Result of one rank's part of an op.
+struct RankOutcome {
+  absl::Status status;
+  int32_t num_recv_tokens = 0;  ///< Dispatch: N received by the rank.
+  int32_t buffer = 0;           ///< Low-latency ops: filled in by LockstepGroup.
+};
+
+/// One step of a graph-mode program (DESIGN.md §3.2), with its fixed low-latency buffers.
+/// Buffers are a pure function of the step's position, so every replay of a captured
+/// program sees the same views: the i-th dispatch of the program (counting from 0) writes
+/// buffer i % 2; a combine uses the buffer of the nearest dispatch before it (cyclically,
+/// so a combine at step 0 pairs with the program's last dispatch) and writes
+/// ll_combined_x[j % 2] for the j-th combine of the program.
+struct ProgramStepPlan {
+  abi::OpKind op = abi::OpKind::kInvalid;
+  bool use_fp8 = false;      ///< Dispatch: quantize to e4m3.
+  bool round_scale = false;  ///< Dispatch: power-of-two scales.
+  int buffer = 0;            ///< Dispatch: buffer written; combine: its dispatch's buffer.
+  int out_buffer = 0;        ///< Combine: ll_combined_x buffer written.
+};
+
+/// Decodes and validates the program of a kRegisterProgram slot (shm_abi.h encoding) for
+/// a group of `shape`. INVALID_ARGUMENT naming the step for: a step count outside
+/// [1, kMaxProgramSteps], a step that is not LowLatencyDispatch/LowLatencyCombine, FP8
+/// without shape.use_fp8 or with hidden % 128 != 0, round_scale without FP8, a program
+/// with a combine but no dispatch; FAILED_PRECONDITION when the group has no low-latency
+/// mode (ll_max_tokens_per_rank == 0).
+absl::StatusOr<std::vector<ProgramStepPlan>> DecodeProgram(const abi::RequestSlot& slot,
+                                                           const kernels::GroupShape& shape);
+
+/// "LowLatencyDispatch{use_fp8, round_scale}" / "LowLatencyCombine" for messages.
+std::string ProgramStepName(const ProgramStepPlan& step);
+
+/// What LockstepGroup decided about an op before handing it to the backend.
+struct OpPlan {
+  uint64_t seq = 0;
+  abi::OpKind op = abi::OpKind::kInvalid;
+  uint32_t flags = 0;                    ///< Rank 0's flags (all ranks agree on the op's flags).
+  int ll_buffer = 0;                     ///< LowLatencyDispatch: the buffer set it writes.
+  int ll_handle_buffer = 0;              ///< LowLatencyCombine: the buffer of its dispatch.
+  int ll_out_buffer = 0;                 ///< LowLatencyCombine: the ll_combined_x buffer it writes.
+  std::vector<ProgramStepPlan> program;  ///< kRegisterProgram: the agreed program.
+};
+
+/// Options every lockstep group shares.
+struct LockstepOptions {
+  uint32_t op_timeout_ms = 10000;  ///< Bound on waiting for the ranks of an op.
+};
+
+/// The LockstepOptions of a backend's options struct (any struct with op_timeout_ms:
+/// HostDataPlaneOptions, CudaDataPlaneOptions).
+template <typename BackendOptions>
+LockstepOptions LockstepOptionsOf(const BackendOptions& o) {
+  LockstepOptions l;
+  l.op_timeout_ms = o.op_timeout_ms;
+  return l;
+}
+
+/// The lockstep core of a group. Thread-safety: every public method locks mu_; the hooks
+/// are called with mu_ held except PrepareRank. A successful op allocates nothing here (its
+/// per-op state is sized R at construction); error paths may (messages).
+class LockstepGroup : public DataPlaneGroup {
+ public:
+  LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options);
+  ~LockstepGroup() override = default;
+
+  absl::Status AttachRank(int32_t rank, const std::string& gpu_uuid, v1::LaunchMode launch_mode,
+                          const RankClient& client, v1::EndpointInfo* info) final;
+  void DetachRank(int32_t rank) final;
+  absl::StatusOr<EndpointFds> TakeEndpointFds(int32_t rank) final;
+  uint64_t ops_completed() const final { return ops_completed_.load(); }
+  uint64_t ops_failed() const final { return ops_failed_.load(); }
+  uint64_t rank_ops_completed(int32_t rank) const final;
+  /// LockstepEndpoint::ClientMapped of rank `rank` (false when it is not attached).
+  bool RankMapped(int32_t rank) const final;
+
+  /// Engine thread: pops requests, starts, finishes or times out the current op. True if
+  /// it did work.
+  bool Poll();
+  /// Completes everything pending with `status` (shutdown). An op still running in the
+  /// backend is completed too; the backend's resources outlive it.
+  void FailAll(const absl::Status& status);
+
+  const v1::GroupSpec& spec() const { return spec_; }
+  const kernels::GroupShape& shape() const { return shape_; }
+  const kernels::EndpointLayout& layout() const { return layout_; }
+
+ protected:
+  // ---- backend hooks ----
+  /// Bytes of the data area placed in the endpoint's shm region (host: the whole layout;
+  /// CUDA: 0, the data area is on the GPU).
+  virtual uint64_t ShmDataBytes() const = 0;
+  /// Allocates rank `rank`'s backend resources (without mu_: may be slow) and fills the
+  /// backend's fields of `info` (backend, gpu_uuid, cuda_ipc_handle, launch_mode). Errors:
+  /// INVALID_ARGUMENT (launch mode), RESOURCE_EXHAUSTED, INTERNAL.
+  virtual absl::StatusOr<std::shared_ptr<RankResources>> PrepareRank(int32_t rank,
+                                                                     const std::string& gpu_uuid,
+                                                                     v1::LaunchMode launch_mode,
+                                                                     v1::EndpointInfo* info) = 0;
+  /// A new descriptor (close-on-exec) of the doorbell page of the engine that serves rank
+  /// `rank` (attached), for TakeEndpointFds. Called under mu_. RESOURCE_EXHAUSTED when the
+  /// process is out of descriptors.
+  virtual absl::StatusOr<ScopedFd> DoorbellFd(int32_t rank) const = 0;
+  /// Called under mu_ when rank `rank` is being attached (after PrepareRank, with the
+  /// resources it returned); an error fails the join and releases them.
+  virtual absl::Status RankAttached(int32_t /*rank*/, const std::shared_ptr<RankResources>&) {
+    return absl::OkStatus();
+  }
+  /// Called under mu_ when rank `rank` is detached.
+  virtual void RankDetached(int32_t /*rank*/) {}
+  /// Whether the backend can start a (validated) op now, e.g. the previous op has left
+  /// the GPU; true commits the backend to the StartOp that follows. While false, the
+  /// collected op waits, bounded by op_timeout.
+  virtual bool ReadyToStart() { return true; }
+  /// Starts `plan` for every rank; `slots[r]` is rank r's validated request (every rank
+  /// attached). Returns the outcomes when the op finished synchronously, nullopt when it
+  /// runs on (then PollOp is called on every Poll until it returns the outcomes).
+  /// A vector per op: a backend whose ops must not allocate (README "Hot path") overrides
+  /// StartOpInto / PollOpInto instead. The default (a backend that overrides StartOpInto
+  /// only) fails every rank with INTERNAL.
+  virtual std::optional<std::vector<RankOutcome>> StartOp(
+      const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
+  /// Outcomes of the running op once it finished, nullopt while it runs.
+  virtual std::optional<std::vector<RankOutcome>> PollOp() { return std::nullopt; }
+  /// The allocation-free form of StartOp, which is what LockstepGroup calls. `outcomes`
+  /// has one entry per rank (R), each reset to {OK, 0, 0}; it is the group's, reused from
+  /// op to op: the backend writes rank r's outcome into outcomes[r]. Returns true when the
+  /// op finished synchronously (outcomes written), false when it runs on (then PollOpInto
+  /// is called on every Poll). The default forwards to StartOp (a vector per op).
+  virtual bool StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                           std::span<RankOutcome> outcomes);
+  /// The allocation-free form of PollOp: true once the running op finished, with
+  /// `outcomes` (as for StartOpInto) written; false while it runs. The default forwards to
+  /// PollOp.
+  virtual bool PollOpInto(std::span<RankOutcome> outcomes);
+  /// Wakes whoever polls this group (a daemon-side event: a rank left).
+  virtual void WakeEngine() {}
+  /// Backend checks of one popped request of rank `rank` (with the shape and handle
+  /// checks of ValidateSlot), e.g. a flag the backend does not support. Called under mu_.
+  /// An error rejects the slot like any invalid one: the op fails for every rank.
+  virtual absl::Status CheckRequest(int32_t /*rank*/, const abi::RequestSlot& /*slot*/) const {
+    return absl::OkStatus();
+  }
+  /// Whether rank `rank` takes part in daemon-run ops at all. An error (e.g. the endpoint
+  /// is client-launched, DESIGN.md §3.2) completes every slot of its ring at once with
+  /// that error, outside the lockstep (no op of the group is started or failed by it).
+  /// Called under mu_.
+  virtual absl::Status AcceptsRequests(int32_t /*rank*/) const { return absl::OkStatus(); }
+  /// Called under mu_ for every popped request of rank `rank` that completes without the
+  /// backend running it: rejected, failed before launch (client error, validation, a rank
+  /// that never arrived or left, ranks disagreeing), answered late for an op that already
+  /// failed, refused (AcceptsRequests), or failed at shutdown (FailAll). `slot` is the
+  /// request as the client wrote it (flags included). The CUDA backend uses it to write
+  /// launch_flags.done_seq = slot.seq for a kFlagStreamOrdered request, so that the
+  /// client's stream, which waits for it, is released (shm_abi.h).
+  virtual void OpEndedWithoutLaunch(int32_t /*rank*/, const abi::RequestSlot& /*slot*/) {}
+  /// Whether rank `rank` may register a graph-mode program (DESIGN.md §3.2). The default
+  /// (the host backend) refuses with UNIMPLEMENTED. Called under mu_ for every
+  /// kRegisterProgram / kUnregisterProgram slot; an error rejects the slot (the op then
+  /// fails for every rank). Backends that accept programs get kRegisterProgram (with
+  /// OpPlan::program) and kUnregisterProgram through StartOp, and report their outcomes as
+  /// for any op; a successful register arms the program (program_armed_).
+  virtual absl::Status CheckProgram(int32_t /*rank*/) const {
+    return absl::UnimplementedError(
+        "graph-mode programs (RegisterProgram) need the CUDA backend with a daemon-launched "
+        "endpoint; this backend runs every op from its ring");
+  }
+  /// Called under mu_ at the start of every Poll: background work of the backend (the CUDA
+  /// backend runs an armed program's instances here). True if it did work or must keep
+  /// the engine polling.
+  virtual bool PollBackground() { return false; }
+  /// Counts one program instance in the group's stats (ok: ops_completed, else ops_failed).
+  void CountProgramInstance(bool ok) { (ok ? ops_completed_ : ops_failed_).fetch_add(1); }
+
+  /// True while a graph-mode program is armed (set when a RegisterProgram op succeeds;
+  /// cleared by UnregisterProgram, or by the backend when it disarms the program itself:
+  /// a rank left, a device-side timeout, shutdown). While armed, every ring op other than
+  /// UnregisterProgram fails at once with FAILED_PRECONDITION for every rank. Guarded by mu_.
+  bool program_armed_ = false;
+
+  /// Rank r's endpoint (null when detached). Call with mu_ held.
+  LockstepEndpoint* endpoint(int32_t r) const { return endpoints_[r].get(); }
+  /// Logs a line the group's clients can cause (an op timing out, a client that never
+  /// staged its inputs, bad ids in a program step, ...) through the group's rate limit
+  /// (LogLimited; the owner's uid's budget, see AttachRank): a client repeating it cannot
+  /// flood the log. Call with mu_ held.
+  template <typename... Args>
+  void LogClientCaused(spdlog::level::level_enum level, fmt::format_string<Args...> format,
+                       Args&&... args) const {
+    LogLimited(*engine_log_, level, *log_limiter_, log_name_, format, std::forward<Args>(args)...);
+  }
+  /// As LogClientCaused, through rank `rank`'s endpoint's rate limit (the group's when the
+  /// rank is detached).
+  template <typename... Args>
+  void LogRankCaused(int32_t rank, spdlog::level::level_enum level,
+                     fmt::format_string<Args...> format, Args&&... args) const {
+    LockstepEndpoint* ep = endpoints_[rank].get();
+    LogLimited(*engine_log_, level, ep ? *ep->log_limiter : *log_limiter_,
+               ep ? absl::string_view(ep->log_name) : absl::string_view(log_name_), format,
+               std::forward<Args>(args)...);
+  }
+  const LockstepOptions& options() const { return options_; }
+
+  mutable std::mutex mu_;  // Guards everything below and the backend's group state.
+
+ private:
+  bool PopRequests();
+  /// Copies the slot after `ep`'s tail into `*slot` and advances the tail, when the
+  /// client's ring_head says there is one. False when the ring is empty.
+  static bool PopSlot(LockstepEndpoint& ep, abi::RequestSlot* slot);
+  /// Counts a malformed or rejected slot of `ep` (published to the header).
+  static void CountRejected(LockstepEndpoint& ep);
+  /// Pops every slot of rank `rank`'s ring and completes each with `why` (AcceptsRequests
+  /// refused the rank). True if it popped any.
+  bool RefuseRequests(int32_t rank, LockstepEndpoint& ep, const absl::Status& why);
+  void FailOp(const absl::Status& status);
+  /// Validates the collected op and starts it; false when the backend is not ready.
+  bool RunOp();
+  /// Completes the running op (running_, running_slots_) with outcomes_ for every rank.
+  void FinishOp();
+  absl::Status ValidateSlot(int32_t rank, const LockstepEndpoint& ep,
+                            const abi::RequestSlot& slot) const;
+  /// Completes request `slot` of rank `rank` with `status` without running it.
+  void CompleteUnrun(int32_t rank, LockstepEndpoint& ep, const abi::RequestSlot& slot,
+                     const absl::Status& status);
+  absl::Status ValidateHandle(const LockstepEndpoint& ep, const abi::RequestSlot& slot) const;
+
+  v1::GroupSpec spec_;
+  kernels::GroupShape shape_;
+  kernels::EndpointLayout layout_;
+  LockstepOptions options_;
+  std::shared_ptr<spdlog::logger> engine_log_;  ///< "epd.engine".
+  std::string log_name_;                        ///< "group G", for rate-limited lines.
+  /// LogClientCaused's rate limit: the group's own until its first attach that names a
+  /// budget (the owner's uid's), then that one. Never null.
+  std::shared_ptr<LogRateLimiter> log_limiter_;
+  bool log_limiter_is_owners_ = false;  ///< log_limiter_ came from an attach.
+  std::vector<std::unique_ptr<LockstepEndpoint>> endpoints_;
+  /// departed_[r]: rank r was attached and then detached (left, or its client died) and
+  /// has not rejoined; the group's next op that waits for it fails at once (once: later
+  /// ops wait op_timeout for a rejoin again, a natural back-off for retrying peers).
+  std::vector<bool> departed_;
+  uint64_t current_seq_ = 1;  ///< The group op being collected or running.
+  std::optional<std::chrono::steady_clock::time_point> op_started_;
+  std::optional<OpPlan> running_;  ///< The op the backend is running.
+  // Per-op state sized R at construction and reused, so that an op allocates nothing
+  // (README "Hot path"; tests/unit/hot_path_alloc_test.cc).
+  std::vector<abi::RequestSlot> running_slots_;  ///< [R] the collected/running op's slots.
+  std::vector<RankOutcome> outcomes_;            ///< [R] the running op's outcomes.
+  std::vector<int32_t> missing_;                 ///< Poll: ranks not arrived (capacity R).
+  std::vector<int32_t> gone_;                    ///< Poll: missing ranks that left (capacity R).
+  std::map<uint64_t, absl::Status> failed_ops_;  ///< Recent failed ops, for late ranks.
+  uint64_t ll_dispatches_ = 0;                   ///< Low-latency dispatches so far (buffer parity).
+  uint64_t ll_combines_ = 0;
+  uint64_t ll_dispatch_seq_[kernels::kLowLatencyBuffers] = {0, 0};
+  std::atomic<uint64_t> ops_completed_{0};
+  std::atomic<uint64_t> ops_failed_{0};
+};
+
+/// Allocates the next endpoint id (process-wide, never 0).
+uint64_t NextEndpointId();
+
+}  // namespace epd
