@@ -52,7 +52,7 @@ struct ReceivedFrame {
 };
 
 /// Reads one frame from a socket as far as the bytes that have arrived allow, without ever
-/// blocking: for an event loop serving many connections (daemon/fd_channel.h), and the
+/// blocking: for an event loop serving many connections (daemon/server/fd_channel.h), and the
 /// base of ReceiveFrame. Descriptors are owned by the reader (closed with it).
 class FrameReader {
  public:

@@ -1,4 +1,4 @@
-// RAII for the shared-memory regions of proto/shm_abi.h: sealed memfds that the daemon
+// RAII for the shared-memory regions of proto/abi/shm_abi.h: sealed memfds that the daemon
 // creates (ShmRegion::Create) and libepdclient maps from a descriptor the daemon handed it
 // (ShmRegion::Map). docs/SECURITY.md "Shared memory the client cannot resize".
 #pragma once
@@ -49,9 +49,9 @@ class ScopedFd {
 inline constexpr int kRequiredSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
 /// A mapped, size-sealed shared-memory file (memfd): an endpoint region or a doorbell page
-/// of proto/shm_abi.h. It has no name anywhere (nothing in /dev/shm): a process reaches it
+/// of proto/abi/shm_abi.h. It has no name anywhere (nothing in /dev/shm): a process reaches it
 /// only through a file descriptor, which epd hands to the client that holds the endpoint
-/// (SCM_RIGHTS on the fd channel, proto/fd_frame.h). Move-only; the destructor unmaps and
+/// (SCM_RIGHTS on the fd channel, common/os/fd_frame.h). Move-only; the destructor unmaps and
 /// closes the descriptor it still holds. The mapping stays valid after the descriptor is
 /// closed (CloseFd, TakeFd).
 class ShmRegion {

@@ -17,7 +17,7 @@ namespace epd {
 /// absl::Status → grpc::Status (codes are numerically identical).
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
-/// Every Control RPC acts for the caller's SO_PEERCRED (daemon/peer_credentials.h),
+/// Every Control RPC acts for the caller's SO_PEERCRED (daemon/server/peer_credentials.h),
 /// recorded by epd's unix listener; a call without it is refused with UNAUTHENTICATED. A
 /// call that quotes a session id must come from the uid that opened that session
 /// (PERMISSION_DENIED otherwise). ListGroups lists what the caller's uid may see.

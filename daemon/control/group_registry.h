@@ -71,7 +71,7 @@ class GroupRegistry {
 
   /// Opens a session for a client (its Session stream's first message) and returns its
   /// id (32 hex characters, unguessable). `peer` is the kernel's identity of the client
-  /// (SO_PEERCRED of its connection, daemon/peer_credentials.h), never a value the client
+  /// (SO_PEERCRED of its connection, daemon/server/peer_credentials.h), never a value the client
   /// sent; it is what ListGroups and the logs show and what every authorization of the
   /// session compares. UNAVAILABLE while draining; RESOURCE_EXHAUSTED when peer.uid already
   /// holds max_sessions_per_uid open sessions (naming the quota, the uid and its usage).
@@ -97,7 +97,7 @@ class GroupRegistry {
                                              const std::string& group, int32_t rank,
                                              const PeerCredentials& peer) const;
 
-  /// The fd channel's answer (daemon/fd_channel.h): the descriptors of rank `rank` of group
+  /// The fd channel's answer (daemon/server/fd_channel.h): the descriptors of rank `rank` of group
   /// `group` (its endpoint region and its engine's doorbell page) for `peer`, in the name
   /// of `session_id`, authorized as AuthorizeEndpoint does (the session is open, was opened
   /// by peer.uid, and holds the rank). Handed out once per join

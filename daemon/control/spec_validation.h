@@ -1,4 +1,4 @@
-// Validation of what a client asks at JoinGroup (issue 2, DESIGN.md §1, §3.4): the group
+// Validation of what a client asks at JoinGroup (DESIGN.md §1, §3.4): the group
 // spec, the rank, the fit of the buffers in memory, and the comparison of a joiner's spec
 // with the live group's. Every error names the field and the value.
 #pragma once

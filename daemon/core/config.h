@@ -1,29 +1,8 @@
-// DaemonConfig loading (DESIGN.md §3.1, STYLE rule 9): the config file is the text format
-// of epd.v1.DaemonConfig (proto/epd/v1/config.proto); command-line flags override any
-// field it sets; a field left absent (or "") takes the default documented in the proto
-// (op_timeout_ms, engine_idle_us, max_request_bytes, max_groups, min_free_fds,
-// unmapped_endpoint_timeout_ms and the per-uid quotas other than max_endpoint_bytes_per_uid are
-// `optional`: a present 0 is kept and validated, never read as absent). min_free_fds and
-// unmapped_endpoint_timeout_ms have no flag. A present-but-invalid value is an error naming
-// the field and the value, never a silent fallback.
-//
-// Flags (defined in config.cc, read by ConfigFlagsFromCommandLine; each flag's default,
-// shown by --help, is the field's default, and only a flag given on the command line
-// overrides the file):
-//   --config=PATH            text-format DaemonConfig to load first (default: none)
-//   --socket=PATH            socket_path ("/path" or "unix:///path"; missing parent
-//                            directories are created, logged at info)
-//   --socket_mode=0660       socket_mode          --socket_group=NAME   socket_group
-//   --listen=HOST:PORT       listen ("" or "off" = none)    --backend=auto|cuda|host
-//   --log_level=info         log_level            --op_timeout=10s      op_timeout_ms
-//   --shm_mode (ignored)     shm_mode             --engine_idle_us=100  engine_idle_us
-//   --host_threads=0         host_threads         --max_request_bytes   max_request_bytes
-//   --max_groups=64          max_groups           --gpu_uuids=GPU-a,GPU-b gpu_uuids
-//   --max_groups_per_uid=64  max_groups_per_uid
-//   --max_endpoints_per_uid=256                   max_endpoints_per_uid
-//   --max_endpoint_bytes_per_uid=0                max_endpoint_bytes_per_uid
-//   --max_sessions_per_uid=256                    max_sessions_per_uid
-//   --max_connections_per_uid=128                 max_connections_per_uid
+// DaemonConfig loading (DESIGN.md §3.1): the config file is the text format of
+// epd.v1.DaemonConfig (proto/epd/v1/config.proto), and command-line flags (defined in
+// config.cc) override the fields they set. An absent field takes the proto's default; a
+// present but invalid value is an error naming the field and the value. The flag table and
+// the optional-field rules are in docs/DEPLOYMENT.md §1.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// GpuInventory: the GPUs this daemon sees at start-up (issue 2): per GPU its UUID, PCI bus
+// GpuInventory: the GPUs this daemon sees at start-up: per GPU its UUID, PCI bus
 // id, name, SM count, memory, compute capability and peer-access row, plus whether the
 // CUDA MPS control daemon is running. Built with CUDA (EPD_HAVE_CUDA) it queries the CUDA
 // runtime; without CUDA, or with no usable device, the list is empty and `reason` says why.
@@ -21,7 +21,7 @@ struct MpsStatus {
 
 /// Detects the MPS control daemon for this process: active when the `control` unix socket
 /// in $CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps) accepts a connection (that is how
-/// CUDA joins MPS; with driver 580 it is a SOCK_SEQPACKET socket, seen on the H200 machine).
+/// CUDA joins MPS; with driver 580 it is a SOCK_SEQPACKET socket).
 /// A live nvidia-cuda-mps-* process (from /proc/*/comm, zombies ignored) without that
 /// socket is reported in `detail` but is not active for this daemon.
 MpsStatus DetectMps();

@@ -1,15 +1,10 @@
-// FdChannel: epd's side of the fd channel (proto/epd/v1/control.proto FdChannelRequest,
-// framing in proto/fd_frame.h; docs/SECURITY.md "Shared memory the client cannot resize").
-// epd's listener (daemon/listener.h) hands it every connection to epd's unix socket that
-// starts with abi::kFdChannelPreamble, after consuming the preamble, together with the
-// peer's SO_PEERCRED. The channel reads one request frame, asks its Fetch function for the
-// endpoint's descriptors (the registry authorizes: the session exists, was opened by the
-// peer's uid and holds the (group, rank)), answers with one response frame carrying them
-// (SCM_RIGHTS) or the error, and closes the connection.
-//
-// Serve only queues the connection: one thread of the channel reads every pending
-// request as its bytes arrive (poll), so a peer that sends nothing, or half a frame, holds
-// a slot in a bounded set until its deadline and never a thread, and delays nobody else.
+// FdChannel: epd's side of the fd channel (control.proto FdChannelRequest, framing in
+// common/os/fd_frame.h). The listener (daemon/server/listener.h) hands it each connection
+// that starts with abi::kFdChannelPreamble, with the peer's SO_PEERCRED; the channel reads
+// one request, asks its Fetch function for the endpoint's descriptors (the registry
+// authorizes), answers with them (SCM_RIGHTS) or the error, and closes the connection. One
+// thread polls every pending request, so a silent peer holds a bounded slot until its
+// deadline, never a thread (docs/SECURITY.md "Shared memory the client cannot resize").
 #pragma once
 
 #include <cstddef>
@@ -69,7 +64,7 @@ class FdChannel {
   /// in time, or closes, is closed without an answer. Thread-safe.
   void Serve(ScopedFd conn, const PeerCredentials& peer);
 
-  /// The listener's handler (daemon/listener.h): Serve on this channel, which must outlive
+  /// The listener's handler (daemon/server/listener.h): Serve on this channel, which must outlive
   /// the listener's use of it.
   std::function<void(ScopedFd, const PeerCredentials&)> Handler() {
     return [this](ScopedFd conn, const PeerCredentials& peer) { Serve(std::move(conn), peer); };

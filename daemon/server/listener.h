@@ -1,32 +1,10 @@
-// UnixListener: epd's own listener on its unix socket. It accepts every connection itself,
-// records the peer's SO_PEERCRED (PeerCredentialsTable::Global(), so that CallerCredentials
-// finds the caller of a gRPC call), and routes the connection by its first bytes:
-//   - the HTTP/2 client preface ("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"): a gRPC connection,
-//     handed to the gRPC server with grpc::AddInsecureChannelFromFd (the server has no
-//     listening port of its own; gRPC names the connection "fd:N");
-//   - abi::kFdChannelPreamble (proto/shm_abi.h): an fd-channel connection; the 8 bytes are
-//     consumed and the connection goes to Options::fd_channel_handler on a worker thread;
-//   - anything else, or nothing within Options::first_bytes_timeout: closed.
-// Connections waiting for their first bytes stay in the accept loop's poll set, so a client
-// that connects and sends nothing never blocks the loop (at most Options::max_pending wait
-// at a time; beyond that the oldest is closed).
-//
-// Connections per uid: every connection counts against its peer's uid from accept until it
-// closes (ConnectionCounter): while it waits for its first bytes, and after it was handed to
-// gRPC, which closes it without telling the listener, so the loop checks the handed-over
-// descriptors every Options::sweep_interval (fstat: a closed descriptor, or one whose number
-// now names another file, is a connection gone). A connection beyond
-// Options::max_connections_per_uid, or beyond Options::max_connections in all, is closed at
-// once (logged rate-limited); Options::exempt_uids (root, epd's own uid) are never refused,
-// so an operator can always connect.
-//
-// File descriptors: when accept fails with EMFILE/ENFILE, the loop closes a reserve
-// descriptor (/dev/null), accepts the pending connection and closes it at once (the client
-// sees a clean close, not a hang, and the backlog drains), then reopens the reserve; such
-// events are logged rate-limited. The loop accepts again as soon as descriptors are free.
-//
-// Health: the loop beats a heartbeat at least every Options::poll_interval; status() gives
-// it and how long accept has been failing, for the daemon's health updater.
+// UnixListener: epd's own accept loop on its unix socket. It records each peer's
+// SO_PEERCRED (PeerCredentialsTable::Global(), for CallerCredentials), routes a connection
+// by its first bytes (HTTP/2 preface -> gRPC through grpc::AddInsecureChannelFromFd;
+// abi::kFdChannelPreamble -> Options::fd_channel_handler; anything else -> closed), counts
+// connections per uid until they close, survives EMFILE/ENFILE with a reserve descriptor,
+// and beats a heartbeat for health. The behaviour and its limits are in docs/SECURITY.md
+// "Connections".
 #pragma once
 
 #include <atomic>

@@ -1,5 +1,5 @@
 // The identity of a local client: the kernel's SO_PEERCRED of its connection to epd's unix
-// socket, recorded when epd accepted the connection (daemon/listener.h), never taken from a
+// socket, recorded when epd accepted the connection (daemon/server/listener.h), never taken from a
 // request. docs/SECURITY.md says what each part of epd uses it for.
 #pragma once
 

@@ -17,7 +17,7 @@ namespace epd::kernels::cuda::device {
 
 // ---- timers and system-scope memory operations ----------------------------------------
 
-/// Nanoseconds of the GPU's global timer (coarse: updates every ~1 µs on Hopper).
+/// Nanoseconds of the GPU's global timer (coarse: about 1 µs steps on Hopper).
 __device__ __forceinline__ uint64_t GlobalTimerNs() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -47,17 +47,9 @@ __device__ __forceinline__ void StRelaxedSys(int32_t* p, int32_t v) {
 }
 
 /// 64-bit acquire load / release store at GPU scope: the stream-ordered hand-off words
-/// (layout.h launch_flags). They live in cudaMalloc memory of the endpoint's GPU, and every
-/// writer and reader runs on that GPU (the client's staging kernel on its stream, the
-/// daemon's kernels, the front end's stream memory waits), whichever process or MPS
-/// client launched them. The PTX memory model speaks of threads of one program at either
-/// scope, so between processes neither .gpu nor .sys is a formal guarantee; what orders
-/// them is the hardware: that GPU's L2, physically addressed, is where all of them (and
-/// the copies the hosts make to these words) meet. .sys would also wait for earlier writes
-/// to reach the CPUs and peer GPUs, which nobody here needs: measured on the H200 with
-/// %globaltimer stamps, the staging kernel (copies + signal) took 3.0-3.7 µs at .sys and
-/// 1.5-2.1 µs at .gpu. Words the CPU reads (ready_seen, KernelHandoff::status_out) are
-/// stored separately, volatile, and read only after the kernel's event.
+/// (layout.h launch_flags), all in memory of the endpoint's GPU and touched only on it; why
+/// .gpu suffices across processes: docs/CUDA_BACKEND.md "Memory scope of the flags". Words
+/// the CPU reads (ready_seen, KernelHandoff::status_out) are stored separately, volatile.
 __device__ __forceinline__ uint64_t LdAcquireGpu64(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -92,8 +84,8 @@ __device__ __forceinline__ void FenceAcqRelGpu() {
 
 // Scope-selectable variants for the low-latency kernels. `gpu` = every rank of the group
 // is on this GPU (CudaRankContext::all_ranks_on_device): .gpu scope then orders the flags
-// and data among all the threads that touch them and is measurably cheaper than .sys
-// (H200, 8 virtual ranks: FP8 dispatch p50 86 -> 80 us, its T=0 cost 22 -> 15 us).
+// and data among all the threads that touch them and is cheaper than .sys
+// (docs/CUDA_BACKEND.md "Memory scope of the flags").
 // Across GPUs (peer access over NVLink) only .sys is correct. The branch is uniform.
 
 __device__ __forceinline__ uint32_t LdAcquire(const uint32_t* p, bool gpu) {

@@ -1,26 +1,7 @@
-// LowLatencyCombine on CUDA (cuda_ops.h; semantics: host_ops.h LowLatencyCombine).
-//
-// One kernel per rank, every rank's kernel resident at once. Per op (seq = the rank's
-// combine counter + 1, kept in its sync region):
-//  0. Daemon-launched (KernelHandoff): every block's first thread waits (bounded) until the
-//     client's ready_seq reaches the op's seq (expert outputs, topk_idx, weights staged).
-//  1. Block 0 st.release.sys combine_flag[rank] = seq at every rank: this rank's expert
-//     outputs (written by earlier work on its stream) are complete.
-//  2. Every block waits (bounded) until all R combine flags reach seq.
-//  3. Warps pull: one warp per (token, 512-channel chunk). For each k the warp reads the
-//     row handle_pos[t, k] of expert topk_idx[t, k] (both read once into a register and
-//     checked: a bad id or row is counted in DeviceStatus and skipped, as the handle and the
-//     inputs are client-writable) from the owner's expert-output region
-//     (16-byte loads, up to 4 k's in flight) and accumulates in f32 in ascending k, each
-//     product rounded to f32 and then added (__fmul_rn / __fadd_rn: no fma), then rounds
-//     once to bf16: bit-identical to the host reference. With K > 32 (the batched variant)
-//     a unit is 256 channels (or 32 on the scalar path), one vector per lane, and the warp
-//     takes the k's 32 at a time, the sums staying in registers across batches.
-//  4. The last block (ticket) bumps the combine counter and, daemon-launched, stores
-//     done_seq (every block has written its rows of combined_x and read its last input).
-// No completion signal is needed: an owner overwrites its expert outputs only after its
-// next dispatch, which cannot finish before every rank has entered that dispatch, i.e.
-// finished this combine.
+// LowLatencyCombine on CUDA (cuda_ops.h; semantics: host_ops.h LowLatencyCombine): one
+// kernel per rank; each warp pulls a token's expert rows from their owners and reduces them
+// in f32 in ascending k, bit-identical to kernels/host. The protocol (flags, checks, why no
+// completion signal) is in docs/CUDA_BACKEND.md "Low-latency combine".
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"

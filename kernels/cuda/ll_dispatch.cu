@@ -1,46 +1,7 @@
-// LowLatencyDispatch on CUDA (cuda_ops.h; semantics: host_ops.h LowLatencyDispatch).
-//
-// One kernel per rank, every rank's kernel resident at once. Per op (seq = the rank's
-// dispatch counter + 1, kept in its sync region so CUDA-graph replays stay valid):
-//  1. Small path (K <= 32 and every slot's routing fits the default shared memory;
-//     cuda_limits.h PlanLowLatencyRouting): every block reads T (device memory) and
-//     topk_idx into shared memory (plus a bitmask of experts per token) and computes, per
-//     global expert e, how many of this rank's tokens go to e (the bitmasks transposed into
-//     per-(32-token group, expert) ballots, then popc prefix sums); after step 2, each
-//     (t, k)'s index among them (a duplicate expert in a row shares the index). Blocks
-//     repeat this small computation instead of synchronising with each other.
-//     Large path (any Mll and K; a template variant chosen at launch): block 0 alone does
-//     the same tile by tile (RouteTiles: 32 * tile_groups tokens a tile, the ballots' running
-//     per-expert counts carried from tile to tile) and writes each slot's {route code,
-//     index} into the rank's ll_routing region; the other blocks read it there in step 4.
-//     Block 0 writes it before it releases its count flags (step 2), which every block
-//     acquires in step 3 (its own rank's included), so no other barrier is needed. Step 4
-//     then works out destinations 32 k's at a time.
-//  2. Block 0 publishes the [E] counts into every rank's sync region (set seq & 1), then
-//     st.release.sys count_flag[rank] = seq at each.
-//  3. Every block waits (bounded) until all R count flags reach seq, then computes the
-//     first row of this rank in each expert's block, base[e] = Σ_{q < rank} count_q[e]:
-//     rows are packed by source rank ascending, token ascending (the host order).
-//  4. Warps copy rows: one warp per (token, 512-channel chunk) "unit", 16 channels per lane,
-//     the chunk loaded and (FP8) quantised once in registers (8 lanes per 128-channel scale
-//     block) and stored with 16-byte stores to every destination of the token, straight
-//     into the owner's ll_recv_x[b] (and scales, src_info). Each warp's first two units are
-//     loaded and quantised between steps 2 and 3 (while the counts travel); later units are
-//     loaded two ahead of the stores. Block 0 then writes this rank's recv_count and
-//     handle positions (only this rank's later kernels read them). The counts come from
-//     the sync region, which the client can rewrite through its CUDA IPC mapping: a row
-//     outside its expert's block is counted in DeviceStatus::bad_routing and skipped.
-//  0. Daemon-launched (KernelHandoff): before step 1 every block's first thread waits
-//     (bounded) until the client's ready_seq reaches the op's seq (its inputs are staged).
-//  5. Each block takes a ticket; the last one st.release.sys data_flag[rank] = seq at every
-//     rank (all of this rank's rows have landed) and bumps the counter. Block 0 then waits
-//     (bounded) for all R data flags: the op's outputs are complete when the kernel ends.
-//  6. Daemon-launched: block 0 then stores done_seq (release, .gpu scope), which the
-//     client's stream waits for, and copies the rank's DeviceStatus to the engine's pinned
-//     read-back (KernelHandoff::status_out); after a timeout it first waits (bounded) for
-//     every block's ticket, so that every block's status update is in the copy.
-// Counts are double-buffered by seq parity: a sender can be at most one op ahead of any
-// reader of its counts (it needs everybody's counts of the next op to pass step 3).
+// LowLatencyDispatch on CUDA (cuda_ops.h; semantics: host_ops.h LowLatencyDispatch): one
+// kernel per rank, routing on the small (shared memory) or large (ll_routing) path, count
+// exchange, row copy with FP8 quantisation, data flags, and the daemon-launched hand-off.
+// The step-by-step protocol is in docs/CUDA_BACKEND.md "Low-latency dispatch".
 #include <cstddef>
 
 #include "absl/strings/str_cat.h"

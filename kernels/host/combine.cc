@@ -1,10 +1,8 @@
 // Normal combine on the CPU (host_ops.h: Combine).
-//
 // Every argument and every handle entry is checked before anything is written. The sums
 // are split over chunks of each source rank's tokens; each token's output row is computed
 // by one thread in the fixed order below, so the result is identical for any thread
 // count.
-//
 // Summation order (the CUDA kernels match it): for each channel, acc = +0.0f, then
 // acc += f32(x_r[send_pos[t, r]]) for r = 0, 1, ..., R-1 where send_pos[t, r] >= 0, then
 // one round to bf16 (round to nearest even). combined_topk_weights likewise, without the

@@ -1,11 +1,9 @@
 // Low-latency dispatch and combine on the CPU (host_ops.h: LowLatencyDispatch,
 // LowLatencyCombine).
-//
 // Both check every argument (and every expert id and handle entry) before writing
 // anything, then split the per-token work over chunks of each source rank's tokens. Every
 // (token, expert) pair owns its receive row, and every token owns its combined row, so the
 // results are identical for any thread count.
-//
 // LowLatencyCombine summation order (the CUDA kernels match it): for each channel,
 // acc = +0.0f, then for k = 0, 1, ..., K-1 with topk_idx[t, k] >= 0:
 // p = w[t, k] * f32(y) rounded to f32, acc = acc + p rounded to f32 (no fused multiply-add;

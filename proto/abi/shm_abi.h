@@ -1,16 +1,10 @@
-// The shared-memory ABI between libepdclient and the epd daemon (DESIGN.md §3.2).
-//
-// One shared region per endpoint, laid out as:
-//   [EndpointShmHeader][RequestSlot x ring_capacity][Completion x completion_capacity]
-//   [data area (host backend only): EndpointLayout regions]
-// plus one DoorbellPage per engine, shared by every client of that engine. Both are memfds
-// sealed against resizing (proto/shm_region.h), which the client receives as descriptors on
-// the fd channel (kFdChannelPreamble; control.proto FdChannelRequest).
-//
-// Every struct here is fixed-size POD with static_asserts on its size and the offsets of
-// its fields; shared counters are plain integers accessed through std::atomic_ref. The
-// reader checks `magic` and `version` and rejects a mismatch. Bump kShmAbiVersion on any
-// change to this file.
+// The shared-memory ABI between libepdclient and the epd daemon (DESIGN.md §3.2). One region
+// per endpoint: [EndpointShmHeader][RequestSlot x ring_capacity][Completion x
+// completion_capacity][data area (host backend only)], plus one DoorbellPage per engine.
+// Both are sealed memfds (common/os/shm_region.h) passed on the fd channel. Every struct is
+// fixed-size POD with static_asserts on its size and offsets; shared counters are accessed
+// through std::atomic_ref; the reader checks `magic` and `version`. Bump kShmAbiVersion on
+// any change to this file.
 #pragma once
 
 #include <atomic>

@@ -1,20 +1,9 @@
 // What the CUDA kernels can run, as pure functions of a group's shape (no CUDA needed, so
-// the daemon's Join, host-only builds and unit tests use the same numbers as the
-// launchers): the map of the per-rank `sync` region and the parts of it sized by R and E,
-// the low-latency dispatch's choice of routing path and its shared memory, and
-// CheckCudaShape, which names the first limit a shape is past.
-//
-// Limits that remain on the CUDA backend (docs/CUDA_BACKEND.md "Limits"):
-//   num_ranks    R <= kNormalMaxRanks (64): normal mode's destination sets are 64-bit masks
-//                (the status word names up to kMaxStatusRanks = 256 ranks).
-//   num_experts  normal mode's sync state, 64 + 8 R + 4 R^2 + 4 E bytes, fits in
-//                kSyncNormalBytes (24 KiB): E <= 6128 - 2 R - R^2 (with R = 8: E <= 6048);
-//                with low-latency mode on (Mll > 0), the count exchange, 3 KiB + 8 R E
-//                bytes, fits in kSyncLowLatencyExchangeBytes (36 KiB): R E <= 4224 (with
-//                R = 8: E <= 528).
-// No limit on ll_max_tokens_per_rank, num_topk or hidden beyond the spec's own
-// (spec_validation.h): a low-latency dispatch whose routing does not fit in shared memory
-// takes the large path (LowLatencyRoutingPlan).
+// the daemon's Join, host-only builds and unit tests use the launchers' numbers): the map
+// of the per-rank `sync` region, the low-latency dispatch's routing path and its shared
+// memory (PlanLowLatencyRouting), and CheckCudaShape, which names the first limit a shape
+// is past. The limits (num_ranks <= 64; num_experts bounded by the sync region) and why
+// are in docs/CUDA_BACKEND.md "Limits".
 #pragma once
 
 #include <cstdint>
@@ -161,7 +150,7 @@ inline LowLatencyRoutingPlan PlanLowLatencyRouting(const GroupShape& shape) {
 /// OK when every CUDA op of a group of `shape` can run (the limits in this file's header);
 /// else INVALID_ARGUMENT "spec.<field>: <value> ... on the CUDA backend ... the largest
 /// <field> that works ... is <n>" for the first limit it is past. The CUDA data plane
-/// refuses such a spec at Join (daemon/spec_validation.h ValidateGroupSpecForBackend).
+/// refuses such a spec at Join (daemon/control/spec_validation.h ValidateGroupSpecForBackend).
 /// Expects a spec that passed ValidateGroupSpec (R >= 1, E >= R, E % R == 0).
 inline absl::Status CheckCudaShape(const GroupShape& shape) {
   const int32_t r = shape.num_ranks;

@@ -1,60 +1,9 @@
-// Normal (high-throughput) mode on CUDA: GetDispatchLayout, Dispatch and Combine
-// (DESIGN.md §3.3 normal rows, §4). Semantics are exactly kernels/host (host_ops.h:
-// GetDispatchLayout, Dispatch, Combine); outputs are bit-identical to it.
-//
-// Buffers: every rank's data area is laid out by EndpointLayout::Compute(shape)
-// (layout.h); inputs are read from the rank's own staging regions, outputs written to the
-// regions named below. All offsets are 64-bit: areas and regions over 4 GiB work.
-//
-// Dispatch, per rank, on its stream (two kernels):
-//   1. notify (one block): counts this rank's tokens per destination rank and per expert,
-//      writes its count vector [R] and the per-expert counts of each peer's local experts
-//      into every peer's sync region and releases an arrival flag there; waits for every
-//      peer's flag; then computes, as receiver, rank_prefix [R], recv_count and
-//      recv_tokens_per_expert [El] (rounded up to expert_alignment), and, as sender,
-//      send_pos [T, R] = rank_prefix_r[this rank] + (earlier tokens of this rank sent
-//      to r) (a block-wide scan over tokens per destination).
-//   2. copy (num_sms blocks, one warp per token): each token's row is written straight
-//      into its final row of every destination's recv_x (16-byte vectors), with its FP8
-//      scales, recv_topk_idx (local ids, -1 elsewhere), recv_topk_weights (0 where the id
-//      is -1) and recv_src_info. The last block to finish releases a done flag at every
-//      peer and waits until every peer has released its own: when the kernel ends, this
-//      rank's receive regions are complete.
-//   Cached re-dispatch (a Handle = this rank's send_pos of an earlier dispatch with the
-//   same T): step 1 is only an arrival barrier (no layout, no count exchange), and
-//   recv_topk_idx / recv_topk_weights / recv_tokens_per_expert / rank_prefix /
-//   recv_count are left as they were.
-// Combine, per rank: an arrival barrier (every peer's in_combine_x is complete), then
-//   each warp pulls one of this rank's tokens from the ranks that hold it (send_pos) and
-//   reduces in f32 in ascending rank order, rounding once to bf16 (the host's order, so
-//   the result is bit-identical); optionally also reduces the top-k weights. The last
-//   block releases a done flag at every peer and waits for all of them, so no peer's
-//   in_combine_x is overwritten while another rank still reads it.
-//
-// Run-time values: T is read from device memory (NormalNumTokensSlot, or a device int32
-// the args name), so a captured CUDA graph replays with a new T. Sequence numbers of the
-// inter-rank flags come from a device-side op counter of the rank (in its sync region),
-// compared with >=, so a timed-out op's late flags are never taken for a later op's.
-//
-// Errors only the GPU sees go to the rank's DeviceStatus (cuda_ops.h): expert ids outside
-// [-1, E) are counted and treated as -1 (INVALID_ARGUMENT; the op's outputs are then
-// undefined but no memory outside the regions is touched), a run-time T outside [0, M]
-// is recorded and treated as 0, a peer that does not arrive within ctx.timeout_ns is
-// named (DEADLINE_EXCEEDED). Read them with ReadAndClearStatus / EnqueueStatusReadback.
-// After a timeout where a rank never arrived at all, call ResetNormalSync on every rank
-// once all streams are idle (a rank that was merely late needs no reset).
-//
-// SM count (num_sms): a per-op parameter in CudaRankContext. Default (0): ResolveNumBlocks
-// = floor(SM count / ranks_on_device) blocks of kNormalThreads threads, so every rank's
-// kernels are resident at once (132 SMs / 8 virtual ranks = 16 on an H200). Only one
-// block per rank ever spins (the notify block, and the last copy block), so a larger
-// num_sms cannot deadlock, it only time-slices. Basis, measured on the H200 with 8 virtual
-// ranks (T=4096 H=7168 K=8 E=256; docs/BENCHMARKS.md, "Normal-mode kernels"): 16 blocks a
-// rank put dispatch at 115% (FP8) / 124% (BF16) and combine at 136% of a same-bytes
-// cudaMemcpy, and 32 add <= 1%, so floor(SMs / ranks) saturates HBM; 8 blocks give
-// 105% / 105% / 90%. With one rank per GPU the rule gives every SM; the SM count that
-// saturates NVLink was not measured (no multi-GPU machine yet): pass num_sms to leave SMs
-// to overlapped compute.
+// Normal (high-throughput) mode on CUDA: GetDispatchLayout, Dispatch and Combine, one
+// launcher per op taking one Args struct, plus the normal sync-state helpers. Semantics are
+// exactly kernels/host (host_ops.h); outputs are bit-identical to it. Buffers are laid out
+// by EndpointLayout (layout.h); errors only the GPU sees go to DeviceStatus (cuda_ops.h).
+// The protocol (notify + copy kernels, barriers, run-time T, SM count default and its
+// basis) is in docs/CUDA_BACKEND.md "Kernels".
 #pragma once
 
 #include <cuda_runtime.h>

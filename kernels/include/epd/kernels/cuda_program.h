@@ -1,13 +1,8 @@
 // Graph-mode program helpers without copies (DESIGN.md §3.2), defined in
-// kernels/cuda/program_ops.cu (with ProgramAckAsync, declared in cuda_ops.h).
-//
-// Why kernels and not cudaMemcpyAsync: a program instance is enqueued on the daemon's rank
-// stream long before its go wait passes, and a copy enqueued on a stream goes to a
-// copy-engine queue that the context's streams share, where it waits for the stream's
-// earlier work: a device-to-host copy of the daemon's waiting instance blocked the later
-// device-to-host copies of other streams of the process (seen on the H200: the test's
-// cudaMemcpy of the results waited for ever, since the go it needed comes only with the
-// next replay). A kernel or a stream memory operation stays on its stream's own queue.
+// kernels/cuda/program_ops.cu (with ProgramAckAsync, declared in cuda_ops.h). Kernels, not
+// cudaMemcpyAsync: a copy enqueued behind a program instance's go wait would hold the
+// context's shared copy-engine queue and block other streams' copies (docs/CUDA_BACKEND.md
+// "Rule: never enqueue a copy behind a program's go wait").
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,29 +1,13 @@
-// The reference semantics of every epd op (DESIGN.md §3.3), on CPU threads.
-//
-// Each function runs one op for a whole group at once: it is given every rank's input
-// views and every rank's output views (on the host backend these point into each rank's
-// shm data area; in tests into plain vectors). It is the oracle the CUDA kernels are
-// compared against, and the host backend's engine calls it once every rank has arrived.
-//
-// Conventions for every function here:
-// - bf16 is `bf16_bits` (uint16 raw bits), e4m3 is `e4m3_bits` (uint8 raw bits).
-// - Tensors are dense, row-major, with the shapes given in the comments.
-// - `topk_idx == -1` means "no expert": it sends nothing and contributes nothing.
-// - A token whose top-k row names the same expert twice is sent to that expert once;
-//   combine still sums every k (each with its own weight).
-// - Reductions accumulate in f32 and round once to bf16. The summation order is fixed
-//   and stated on each function, so the CUDA kernels can match it bit for bit.
-// - Every f32 sum starts from +0.0f (so a lone -0 gives +0, and a token that went
-//   nowhere gives +0); CUDA kernels must do the same to match bit for bit.
-// - Whether optional weights are "given" is decided by the pointers: an op moves or
-//   reduces weights when any rank with rows passes them, and then every such rank must.
-// - Outputs that would be written must be non-null (INVALID_ARGUMENT names the field).
-//   Rows past the counts (recv rows past N or recv_count, handle_pos rows [T, Mll)) are
-//   not written.
-// - The ops do not check GroupShape::use_fp8 against an FP8 request: the daemon does.
-// - Errors: INVALID_ARGUMENT for an expert id outside [-1, E) (the op then writes no
-//   output and names the rank, token, k and value), or for a shape that does not fit the
-//   given capacities. Outputs are untouched on error.
+// The reference semantics of every epd op (DESIGN.md §3.3) on CPU threads: each function
+// runs one op for a whole group, given every rank's input and output views. It is the
+// oracle of the CUDA kernels and what the host backend's engine runs. Conventions: bf16 /
+// e4m3 are raw bits (bf16_bits, e4m3_bits); tensors dense row-major; topk_idx -1 = no
+// expert; a repeated expert in a row gets the token once, combines sum every k; f32 sums
+// from +0.0f in the order each function states, rounded once to bf16; weights are "given"
+// when any rank with rows passes them (then every such rank must); outputs to be written
+// must be non-null; rows past the counts are not written; use_fp8 is the daemon's check.
+// Errors: INVALID_ARGUMENT (an expert id outside [-1, E), naming rank, token, k and value;
+// or a shape past the capacities), with outputs untouched.
 #pragma once
 
 #include <cstdint>
