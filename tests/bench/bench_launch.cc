@@ -67,7 +67,7 @@
 #include "tests/bench/bench_cuda.h"
 #include "tests/common/on_every_rank.h"
 #include "tests/gpu/gpu_test_util.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/common/daemon_process.h"
 
 ABSL_FLAG(std::string, epd, "",
           "launch bench: the epd binary to start (default: the epd next to epd_bench)");

@@ -29,7 +29,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/common/unix_socket.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/common/daemon_process.h"
 #include "tests/integration/raw_session.h"
 
 namespace epd::testing {
