@@ -8,15 +8,16 @@
 # 2. configures build/ with CMake + Ninja (CUDA and RDMA on AUTO: the CUDA code is
 #    compiled whenever nvcc exists, at /usr/local/cuda on CI, even without a GPU);
 # 3. builds every target (tests included) with Ninja's [n/N] progress;
-# 4. runs every CTest test (labels unit, integration, fuzz, security) with
+# 4. runs every CTest test but the GPU ones (labels unit, integration, fuzz, security) with
 #    --output-on-failure;
 # 5. builds epd and its tests again under AddressSanitizer (build-asan) and
 #    UndefinedBehaviorSanitizer (build-ubsan) with clang, host backend only, and runs the
 #    security, unit and integration tests in each (tests/sanitize.sh); set
 #    EPD_SKIP_SANITIZERS=1 to skip it (a quick local run);
-# 6. on a machine with an NVIDIA GPU, also runs the GPU tests (tests/gpu, not in CTest
-#    because CI has no GPU), with an epd --backend=cuda on a temporary socket for the
-#    end-to-end ones (EPD_TEST_SOCKET); set EPD_SKIP_GPU_TESTS=1 to skip them there.
+# 6. runs the GPU tests (tests/gpu, CTest label gpu, one process each): without an NVIDIA
+#    GPU (CI) each reports skipped with its reason; with one, an epd --backend=cuda runs on
+#    a temporary socket for the end-to-end ones (EPD_TEST_SOCKET); set EPD_SKIP_GPU_TESTS=1
+#    to skip the step.
 # 7. checks that every example config in deploy/examples/ parses as a DaemonConfig.
 #
 # Environment: EPD_BUILD_DIR (default build/, the CI build directory), EPD_BUILD_TYPE
@@ -60,7 +61,7 @@ NINJA_STATUS="[%f/%t %es] " cmake --build "$BUILD_DIR" -j "$JOBS" || fail "build
 step "4/7 ctest (unit, integration, fuzz, security)"
 ctest --test-dir "$BUILD_DIR" --print-labels | sed 's/^/  /'
 # --timeout is the default for tests that set none (integration and fuzz set their own).
-ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 \
+ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 -LE gpu \
   --parallel "${CTEST_PARALLEL_LEVEL:-1}" "$@" || fail "ctest (see the output above)"
 
 step "5/7 sanitizers: ASan and UBSan builds (clang, host backend)"
@@ -70,15 +71,19 @@ else
   EPD_JOBS="$JOBS" "$ROOT/tests/sanitize.sh" || fail "sanitizer builds (see the output above)"
 fi
 
-step "6/7 GPU tests"
+step "6/7 GPU tests (ctest -L gpu)"
 gpu_tests="$BUILD_DIR/tests/gpu/epd_gpu_tests"
 if [[ "${EPD_SKIP_GPU_TESTS:-0}" == 1 ]]; then
   echo "[tests/run.sh] skipped: EPD_SKIP_GPU_TESTS=1"
-elif ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
-  echo "[tests/run.sh] no NVIDIA GPU on this machine: GPU tests not run" \
-       "(compiled: $([[ -x "$gpu_tests" ]] && echo yes || echo no))"
 elif [[ ! -x "$gpu_tests" ]]; then
-  fail "a GPU is present but $gpu_tests was not built (was the CUDA backend built?)"
+  if nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+    fail "a GPU is present but $gpu_tests was not built (was the CUDA backend built?)"
+  fi
+  echo "[tests/run.sh] GPU tests not built (no CUDA backend) and no NVIDIA GPU: nothing to run"
+elif ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  # Each test skips itself with the reason (no CUDA device); CTest reports them skipped.
+  echo "[tests/run.sh] no NVIDIA GPU on this machine: every GPU test reports skipped"
+  ctest --test-dir "$BUILD_DIR" -L gpu --timeout 600 || fail "GPU tests"
 else
   nvidia-smi -L | sed 's/^/  /'
   # The end-to-end GPU tests talk to a real epd running the CUDA backend (EPD_TEST_SOCKET);
@@ -94,12 +99,10 @@ else
     sleep 0.1
   done
   "$BUILD_DIR/client/epctl" --socket="$gpu_tmp/epd.sock" status || fail "epd --backend=cuda not serving"
-  EPD_TEST_SOCKET="$gpu_tmp/epd.sock" "$gpu_tests" || fail "GPU tests"
-  # The graph-mode program tests run one per process (they skip themselves otherwise: the
-  # daemon plane and the client share the GPU's hardware queues in one process).
-  for t in GraphProgramTest.TwoRanks GraphProgramTest.EightRanks; do
-    timeout 300 "$gpu_tests" --gtest_filter="$t" || fail "GPU test $t"
-  done
+  # One process per test: the graph-mode program tests (GraphProgramTest,
+  # CudaHotPathAllocProgramTest) need a process of their own and skip themselves otherwise.
+  EPD_TEST_SOCKET="$gpu_tmp/epd.sock" ctest --test-dir "$BUILD_DIR" -L gpu \
+    --output-on-failure --timeout 600 || fail "GPU tests (see the output above)"
 fi
 
 step "7/7 example configs parse as epd.v1.DaemonConfig"

@@ -65,9 +65,10 @@
 #include "epd/kernels/cuda_ops.h"
 #include "tests/bench/bench.h"
 #include "tests/bench/bench_cuda.h"
+#include "tests/common/daemon_process.h"
 #include "tests/common/on_every_rank.h"
+#include "tests/common/specs.h"
 #include "tests/gpu/gpu_test_util.h"
-#include "tests/integration/daemon_process.h"
 
 ABSL_FLAG(std::string, epd, "",
           "launch bench: the epd binary to start (default: the epd next to epd_bench)");
@@ -166,16 +167,13 @@ struct Report {
 };
 
 v1::GroupSpec Spec(const std::string& name) {
-  v1::GroupSpec spec;
-  spec.set_name(name);
-  spec.set_num_ranks(Ranks());
-  spec.set_num_experts(kExperts);
-  spec.set_hidden(kHidden);
-  spec.set_num_topk(kTopk);
-  spec.set_max_tokens_per_rank(kLlMaxTokens);
-  spec.set_use_fp8(true);
-  spec.set_ll_max_tokens_per_rank(kLlMaxTokens);
-  return spec;
+  return testing::MakeSpec(name, {.num_ranks = Ranks(),
+                                  .num_experts = kExperts,
+                                  .hidden = kHidden,
+                                  .num_topk = kTopk,
+                                  .max_tokens_per_rank = kLlMaxTokens,
+                                  .ll_max_tokens_per_rank = kLlMaxTokens,
+                                  .use_fp8 = true});
 }
 
 /// Joins the 8 ranks in `mode` from `client` and times `warmup` + `iters` iterations of

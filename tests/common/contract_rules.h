@@ -23,6 +23,8 @@
 #include "absl/time/time.h"
 #include "epd/client.h"
 #include "epd/kernels/types.h"
+#include "tests/common/dtypes.h"
+#include "tests/common/specs.h"
 
 namespace epd::testing::contract {
 
@@ -30,16 +32,13 @@ namespace epd::testing::contract {
 inline constexpr int kR = 2, kE = 4, kH = 256, kK = 4, kM = 8;
 
 inline v1::GroupSpec Spec(const std::string& name) {
-  v1::GroupSpec s;
-  s.set_name(name);
-  s.set_num_ranks(kR);
-  s.set_num_experts(kE);
-  s.set_hidden(kH);
-  s.set_num_topk(kK);
-  s.set_max_tokens_per_rank(kM);
-  s.set_ll_max_tokens_per_rank(kM);
-  s.set_use_fp8(true);
-  return s;
+  return MakeSpec(name, {.num_ranks = kR,
+                         .num_experts = kE,
+                         .hidden = kH,
+                         .num_topk = kK,
+                         .max_tokens_per_rank = kM,
+                         .ll_max_tokens_per_rank = kM,
+                         .use_fp8 = true});
 }
 
 /// Reads a result view's bytes (host memory, or the CUDA backend's device memory).
@@ -85,9 +84,9 @@ inline std::vector<RankInputs> Inputs(float salt = 0.0f) {
     }
     ri.xs = {ri.T, kH};
     ri.ks = {ri.T, kK};
-    ri.x_t = MakeDLTensor(ri.x.data(), {kDLBfloat, 16, 1}, ri.xs);
-    ri.idx_t = MakeDLTensor(ri.idx.data(), {kDLInt, 64, 1}, ri.ks);
-    ri.w_t = MakeDLTensor(ri.w.data(), {kDLFloat, 32, 1}, ri.ks);
+    ri.x_t = MakeDLTensor(ri.x.data(), kBf16, ri.xs);
+    ri.idx_t = MakeDLTensor(ri.idx.data(), kI64, ri.ks);
+    ri.w_t = MakeDLTensor(ri.w.data(), kF32, ri.ks);
   }
   return in;
 }

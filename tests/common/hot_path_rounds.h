@@ -27,12 +27,9 @@
 #include "absl/time/time.h"
 #include "epd/client.h"
 #include "epd/kernels/types.h"
+#include "tests/common/dtypes.h"
 
 namespace epd::testing::hot_path {
-
-inline constexpr DLDataType kBf16{kDLBfloat, 16, 1};
-inline constexpr DLDataType kF32{kDLFloat, 32, 1};
-inline constexpr DLDataType kI64{kDLInt, 64, 1};
 
 /// The op kinds measured, in the order one round runs them.
 enum Kind {

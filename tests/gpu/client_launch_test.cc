@@ -51,6 +51,8 @@
 #include "epd/client.h"
 #include "epd/kernels/host_ops.h"
 #include "tests/common/contract_rules.h"
+#include "tests/common/dtypes.h"
+#include "tests/common/specs.h"
 #include "tests/gpu/client_launch_kernels.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/gpu/in_process_epd.h"
@@ -68,26 +70,23 @@ namespace host = kernels::host;
 
 constexpr uint32_t kOpTimeoutMs = 3000;
 constexpr auto kWait = absl::Seconds(20);
-constexpr DLDataType kBf16{kDLBfloat, 16, 1};
-constexpr DLDataType kI64{kDLInt, 64, 1};
-constexpr DLDataType kI32{kDLInt, 32, 1};
-constexpr DLDataType kF32{kDLFloat, 32, 1};
+using testing::kBf16;
+using testing::kF32;
+using testing::kI32;
+using testing::kI64;
 
 const char* ModeName(v1::LaunchMode mode) {
   return mode == v1::LAUNCH_MODE_CLIENT ? "client-launched" : "daemon-launched";
 }
 
 v1::GroupSpec Spec(const std::string& name, int R, int E, int H, int K, int Mll) {
-  v1::GroupSpec s;
-  s.set_name(name);
-  s.set_num_ranks(R);
-  s.set_num_experts(E);
-  s.set_hidden(H);
-  s.set_num_topk(K);
-  s.set_max_tokens_per_rank(48);
-  s.set_ll_max_tokens_per_rank(Mll);
-  s.set_use_fp8(H % 128 == 0);
-  return s;
+  return testing::MakeSpec(name, {.num_ranks = R,
+                                  .num_experts = E,
+                                  .hidden = H,
+                                  .num_topk = K,
+                                  .max_tokens_per_rank = 48,
+                                  .ll_max_tokens_per_rank = Mll,
+                                  .use_fp8 = H % 128 == 0});
 }
 
 v1::GroupSpec Spec(const std::string& name, int R, int H, int Mll) {

@@ -49,6 +49,7 @@
 #include "daemon/gpu/gpu_inventory.h"
 #include "epd/client.h"
 #include "proto/abi/shm_abi.h"
+#include "tests/common/specs.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/unit/raw_ring.h"
 
@@ -59,16 +60,13 @@ using kernels::bf16_bits;
 using testing::DeviceBuffer;
 
 v1::GroupSpec Spec(const std::string& name, int R, int E, int H, int K, int M, int Mll) {
-  v1::GroupSpec s;
-  s.set_name(name);
-  s.set_num_ranks(R);
-  s.set_num_experts(E);
-  s.set_hidden(H);
-  s.set_num_topk(K);
-  s.set_max_tokens_per_rank(M);
-  s.set_ll_max_tokens_per_rank(Mll);
-  s.set_use_fp8(H % 128 == 0);
-  return s;
+  return testing::MakeSpec(name, {.num_ranks = R,
+                                  .num_experts = E,
+                                  .hidden = H,
+                                  .num_topk = K,
+                                  .max_tokens_per_rank = M,
+                                  .ll_max_tokens_per_rank = Mll,
+                                  .use_fp8 = H % 128 == 0});
 }
 
 /// A DLTensor over `data` (host or device) with `shape` (kept alive by the caller).

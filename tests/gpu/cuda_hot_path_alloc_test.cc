@@ -68,7 +68,9 @@
 #include "tests/gpu/in_process_epd.h"
 #define EPD_COUNTING_NEW_DEFINE_OPERATORS
 #include "tests/common/counting_new.h"
+#include "tests/common/dtypes.h"
 #include "tests/common/hot_path_rounds.h"
+#include "tests/common/specs.h"
 
 namespace epd {
 namespace {
@@ -81,9 +83,9 @@ namespace counting_new = testing::counting_new;
 using counting_new::g_client_allocs;
 using counting_new::g_engine_allocs;
 namespace hot_path = testing::hot_path;
-using hot_path::kBf16;
-using hot_path::kF32;
-using hot_path::kI64;
+using testing::kBf16;
+using testing::kF32;
+using testing::kI64;
 constexpr auto kWait = absl::Seconds(30);
 
 /// One rank's inputs: x on the GPU (staged device to device), topk on the host; DLTensors
@@ -175,16 +177,13 @@ void OpenCountedPlane(const v1::GroupSpec& spec, CountedPlane& f) {
 }
 
 v1::GroupSpec Spec(const std::string& name, int R, int M, int Mll) {
-  v1::GroupSpec spec;
-  spec.set_name(name);
-  spec.set_num_ranks(R);
-  spec.set_num_experts(4 * R);
-  spec.set_hidden(256);
-  spec.set_num_topk(4);
-  spec.set_max_tokens_per_rank(M);
-  spec.set_ll_max_tokens_per_rank(Mll);
-  spec.set_use_fp8(true);
-  return spec;
+  return testing::MakeSpec(name, {.num_ranks = R,
+                                  .num_experts = 4 * R,
+                                  .hidden = 256,
+                                  .num_topk = 4,
+                                  .max_tokens_per_rank = M,
+                                  .ll_max_tokens_per_rank = Mll,
+                                  .use_fp8 = true});
 }
 
 class CudaHotPathAllocTest : public ::testing::TestWithParam<int> {};

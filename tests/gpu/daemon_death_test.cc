@@ -16,7 +16,7 @@
 
 #include "epd/client.h"
 #include "tests/gpu/gpu_test_util.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/common/daemon_process.h"
 
 namespace epd {
 namespace {

@@ -17,7 +17,8 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/common/daemon_process.h"
+#include "tests/common/specs.h"
 
 namespace epd {
 namespace {
@@ -33,14 +34,9 @@ constexpr char kForgedLine[] = "[2026-11-30 05:18:00.000] [epd.daemon] [error] F
 std::string Forged(absl::string_view prefix) { return absl::StrCat(prefix, "\n", kForgedLine); }
 
 v1::GroupSpec Spec(const std::string& name) {
-  v1::GroupSpec spec;
-  spec.set_name(name);
-  spec.set_num_ranks(1);
-  spec.set_num_experts(2);
-  spec.set_hidden(128);
-  spec.set_num_topk(1);
-  spec.set_max_tokens_per_rank(4);
-  return spec;
+  return testing::MakeSpec(
+      name,
+      {.num_ranks = 1, .num_experts = 2, .hidden = 128, .num_topk = 1, .max_tokens_per_rank = 4});
 }
 
 class ClientTextLoggingTest : public ::testing::Test {

@@ -28,8 +28,9 @@
 #include "grpc/health/v1/health.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/common/daemon_process.h"
+#include "tests/common/specs.h"
 #include "tests/common/unix_socket.h"
-#include "tests/integration/daemon_process.h"
 #include "tests/integration/raw_session.h"
 
 namespace epd::testing {
@@ -42,14 +43,11 @@ using ::testing::HasSubstr;
 constexpr std::string_view kPreface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 v1::GroupSpec Spec(const std::string& name, int ranks) {
-  v1::GroupSpec spec;
-  spec.set_name(name);
-  spec.set_num_ranks(ranks);
-  spec.set_num_experts(ranks);
-  spec.set_hidden(128);
-  spec.set_num_topk(1);
-  spec.set_max_tokens_per_rank(4);
-  return spec;
+  return testing::MakeSpec(name, {.num_ranks = ranks,
+                                  .num_experts = ranks,
+                                  .hidden = 128,
+                                  .num_topk = 1,
+                                  .max_tokens_per_rank = 4});
 }
 
 class ConnectionsTest : public ::testing::Test {

@@ -27,7 +27,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/common/daemon_process.h"
 
 namespace epd::testing {
 namespace {

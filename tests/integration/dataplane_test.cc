@@ -18,8 +18,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "tests/integration/daemon_process.h"
-#include "tests/integration/subprocess.h"
+#include "tests/common/daemon_process.h"
+#include "tests/common/subprocess.h"
 
 namespace epd::testing {
 namespace {

@@ -21,7 +21,7 @@
 #include "absl/strings/strip.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/integration/subprocess.h"
+#include "tests/common/subprocess.h"
 
 namespace epd::testing {
 namespace {

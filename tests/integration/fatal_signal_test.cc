@@ -15,7 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/common/daemon_process.h"
 
 namespace epd::testing {
 namespace {

@@ -29,9 +29,9 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "proto/abi/shm_abi.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/common/daemon_process.h"
 #include "tests/integration/raw_session.h"
-#include "tests/integration/subprocess.h"
+#include "tests/common/subprocess.h"
 
 namespace epd::testing {
 namespace {

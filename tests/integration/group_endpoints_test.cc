@@ -15,7 +15,8 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/common/daemon_process.h"
+#include "tests/common/specs.h"
 #include "tests/integration/raw_session.h"
 
 namespace epd {
@@ -26,14 +27,11 @@ using ::testing::HasSubstr;
 using testing::RawSession;
 
 v1::GroupSpec Spec(const std::string& name, int ranks) {
-  v1::GroupSpec spec;
-  spec.set_name(name);
-  spec.set_num_ranks(ranks);
-  spec.set_num_experts(2 * ranks);
-  spec.set_hidden(128);
-  spec.set_num_topk(1);
-  spec.set_max_tokens_per_rank(4);
-  return spec;
+  return testing::MakeSpec(name, {.num_ranks = ranks,
+                                  .num_experts = 2 * ranks,
+                                  .hidden = 128,
+                                  .num_topk = 1,
+                                  .max_tokens_per_rank = 4});
 }
 
 class GroupEndpointsTest : public ::testing::Test {

@@ -24,8 +24,8 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/integration/daemon_process.h"
-#include "tests/integration/subprocess.h"
+#include "tests/common/daemon_process.h"
+#include "tests/common/subprocess.h"
 
 namespace epd::testing {
 namespace {

@@ -12,7 +12,7 @@
 #include "epd/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/common/daemon_process.h"
 
 namespace epd::testing {
 namespace {

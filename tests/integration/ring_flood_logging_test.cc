@@ -23,7 +23,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "proto/abi/shm_abi.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/common/daemon_process.h"
 
 namespace epd {
 namespace {

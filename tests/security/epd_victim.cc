@@ -42,6 +42,7 @@
 #include "epd/client.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/types.h"
+#include "tests/common/dtypes.h"
 #include "tests/security/security_spec.h"
 
 ABSL_FLAG(std::string, socket, "", "epd's unix socket");
@@ -59,9 +60,9 @@ using epd::kernels::bf16_bits;
 using epd::kernels::e4m3_bits;
 using epd::kernels::GroupShape;
 
-constexpr DLDataType kBf16{kDLBfloat, 16, 1};
-constexpr DLDataType kF32{kDLFloat, 32, 1};
-constexpr DLDataType kI64{kDLInt, 64, 1};
+using epd::testing::kBf16;
+using epd::testing::kF32;
+using epd::testing::kI64;
 constexpr int32_t kAlignment = 2;
 constexpr absl::Duration kWaitTimeout = absl::Seconds(10);
 

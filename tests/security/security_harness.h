@@ -19,8 +19,8 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
-#include "tests/integration/daemon_process.h"
-#include "tests/integration/subprocess.h"
+#include "tests/common/daemon_process.h"
+#include "tests/common/subprocess.h"
 
 namespace epd::testing::security {
 

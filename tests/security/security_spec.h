@@ -17,6 +17,7 @@
 #include "epd/v1/control.pb.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
+#include "tests/common/specs.h"
 
 namespace epd::security {
 
@@ -32,16 +33,14 @@ inline constexpr int kLlMaxTokens = 8;
 
 /// GroupSpec `name` of that shape with `num_ranks` ranks (num_experts = 2 per rank).
 inline v1::GroupSpec SecuritySpec(const std::string& name, int num_ranks = kNumRanks) {
-  v1::GroupSpec spec;
-  spec.set_name(name);
-  spec.set_num_ranks(num_ranks);
-  spec.set_num_experts(num_ranks == kNumRanks ? kNumExperts : 2 * num_ranks);
-  spec.set_hidden(kHidden);
-  spec.set_num_topk(kNumTopk);
-  spec.set_max_tokens_per_rank(kMaxTokens);
-  spec.set_ll_max_tokens_per_rank(kLlMaxTokens);
-  spec.set_use_fp8(true);
-  return spec;
+  return testing::MakeSpec(name,
+                           {.num_ranks = num_ranks,
+                            .num_experts = num_ranks == kNumRanks ? kNumExperts : 2 * num_ranks,
+                            .hidden = kHidden,
+                            .num_topk = kNumTopk,
+                            .max_tokens_per_rank = kMaxTokens,
+                            .ll_max_tokens_per_rank = kLlMaxTokens,
+                            .use_fp8 = true});
 }
 
 /// Sets options.join_secret = secret when the client library's JoinOptions has that member.

@@ -13,6 +13,7 @@
 #include "daemon/control/spec_validation.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/common/specs.h"
 #include "tests/unit/fake_data_plane.h"
 
 namespace epd {
@@ -23,16 +24,13 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 v1::GroupSpec Spec(int R, int E, int H, int K, int Mll, bool fp8 = false) {
-  v1::GroupSpec s;
-  s.set_name("limits");
-  s.set_num_ranks(R);
-  s.set_num_experts(E);
-  s.set_hidden(H);
-  s.set_num_topk(K);
-  s.set_max_tokens_per_rank(64);
-  s.set_ll_max_tokens_per_rank(Mll);
-  s.set_use_fp8(fp8);
-  return s;
+  return testing::MakeSpec("limits", {.num_ranks = R,
+                                      .num_experts = E,
+                                      .hidden = H,
+                                      .num_topk = K,
+                                      .max_tokens_per_rank = 64,
+                                      .ll_max_tokens_per_rank = Mll,
+                                      .use_fp8 = fp8});
 }
 
 kernels::GroupShape Shape(int R, int E, int H, int K, int Mll) {

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/gpu/gpu_inventory.h"
+#include "tests/common/specs.h"
 
 namespace epd::testing {
 
@@ -129,17 +130,7 @@ class FakeDataPlane : public DataPlane {
   std::shared_ptr<FakeDataPlaneState> state_;
 };
 
-/// A valid spec: 2 ranks, 8 experts, hidden 256, top-2, 16 tokens per rank.
-inline v1::GroupSpec SmallSpec(const std::string& name = "g") {
-  v1::GroupSpec spec;
-  spec.set_name(name);
-  spec.set_num_ranks(2);
-  spec.set_num_experts(8);
-  spec.set_hidden(256);
-  spec.set_num_topk(2);
-  spec.set_max_tokens_per_rank(16);
-  return spec;
-}
+// SmallSpec (2 ranks, 8 experts, hidden 256, top-2, 16 tokens per rank): tests/common/specs.h.
 
 /// UUID of the one fake GPU of OneGpu().
 inline constexpr char kGpuA[] = "GPU-aaaaaaaa-0000-0000-0000-000000000000";

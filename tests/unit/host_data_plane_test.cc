@@ -32,6 +32,7 @@
 #include "epd/kernels/host_ops.h"
 #include "proto/abi/shm_abi.h"
 #include "tests/common/contract_rules.h"
+#include "tests/common/specs.h"
 #include "tests/unit/raw_ring.h"
 
 namespace epd {
@@ -41,16 +42,13 @@ using kernels::bf16_bits;
 using kernels::FloatToBf16;
 
 v1::GroupSpec Spec(const std::string& name, int R, int E, int H, int K, int M, int Mll, bool fp8) {
-  v1::GroupSpec s;
-  s.set_name(name);
-  s.set_num_ranks(R);
-  s.set_num_experts(E);
-  s.set_hidden(H);
-  s.set_num_topk(K);
-  s.set_max_tokens_per_rank(M);
-  s.set_ll_max_tokens_per_rank(Mll);
-  s.set_use_fp8(fp8);
-  return s;
+  return testing::MakeSpec(name, {.num_ranks = R,
+                                  .num_experts = E,
+                                  .hidden = H,
+                                  .num_topk = K,
+                                  .max_tokens_per_rank = M,
+                                  .ll_max_tokens_per_rank = Mll,
+                                  .use_fp8 = fp8});
 }
 
 /// One rank's random inputs.

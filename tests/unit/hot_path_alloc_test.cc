@@ -44,6 +44,7 @@
 #include "epd/kernels/types.h"
 #define EPD_COUNTING_NEW_DEFINE_OPERATORS
 #include "tests/common/counting_new.h"
+#include "tests/common/dtypes.h"
 #include "tests/common/hot_path_rounds.h"
 
 namespace epd {
@@ -55,9 +56,9 @@ using counting_new::g_engine_allocs;
 using counting_new::g_kernel_allocs;
 using counting_new::t_allocs;
 namespace hot_path = testing::hot_path;
-using hot_path::kBf16;
-using hot_path::kF32;
-using hot_path::kI64;
+using testing::kBf16;
+using testing::kF32;
+using testing::kI64;
 
 /// One rank's inputs, with DLTensors built once (their shape arrays live here).
 struct RankInputs {

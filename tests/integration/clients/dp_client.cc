@@ -29,6 +29,7 @@
 #include "epd/client.h"
 #include "epd/kernels/types.h"
 #include "proto/abi/shm_abi.h"
+#include "tests/common/specs.h"
 
 ABSL_FLAG(std::string, socket, "", "epd socket");
 ABSL_FLAG(std::string, scenario, "bad_inputs", "bad_inputs or loop");
@@ -45,16 +46,13 @@ using epd::kernels::FloatToBf16;
 constexpr int kE = 4, kH = 256, kK = 2, kM = 8;
 
 epd::v1::GroupSpec Spec(const std::string& name, int R, int H = kH, bool fp8 = true) {
-  epd::v1::GroupSpec s;
-  s.set_name(name);
-  s.set_num_ranks(R);
-  s.set_num_experts(kE);
-  s.set_hidden(H);
-  s.set_num_topk(kK);
-  s.set_max_tokens_per_rank(kM);
-  s.set_ll_max_tokens_per_rank(kM);
-  s.set_use_fp8(fp8);
-  return s;
+  return epd::testing::MakeSpec(name, {.num_ranks = R,
+                                       .num_experts = kE,
+                                       .hidden = H,
+                                       .num_topk = kK,
+                                       .max_tokens_per_rank = kM,
+                                       .ll_max_tokens_per_rank = kM,
+                                       .use_fp8 = fp8});
 }
 
 /// Host tensors of one rank's op.

@@ -1,4 +1,4 @@
-#include "tests/integration/daemon_process.h"
+#include "tests/common/daemon_process.h"
 
 #include <signal.h>
 

@@ -25,7 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.pb.h"
-#include "tests/integration/subprocess.h"
+#include "tests/common/subprocess.h"
 
 namespace epd::testing {
 

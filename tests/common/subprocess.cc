@@ -1,4 +1,4 @@
-#include "tests/integration/subprocess.h"
+#include "tests/common/subprocess.h"
 
 #include <fcntl.h>
 #include <netinet/in.h>
