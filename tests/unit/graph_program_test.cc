@@ -168,11 +168,11 @@ class ProgramGroup : public LockstepGroup {
     info->set_backend("program-test");
     return std::shared_ptr<RankResources>();
   }
-  std::optional<std::vector<RankOutcome>> StartOp(
-      const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) override {
+  bool StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>&,
+                   std::span<RankOutcome>) override {
     started_.push_back(plan.op);
     if (plan.op == Op::kRegisterProgram) program_steps_ = plan.program.size();
-    return std::vector<RankOutcome>(slots.size());
+    return true;
   }
   absl::Status CheckProgram(int32_t) const override { return absl::OkStatus(); }
 
@@ -207,6 +207,44 @@ class ProgramRulesTest : public ::testing::Test {
   std::unique_ptr<ProgramGroup> group_;
   std::vector<std::unique_ptr<ProgramRing>> rings_;
 };
+
+// The low-latency buffer rule (rules::LowLatencyParity) counts failed ops too, so the
+// buffer is a function of the op kinds each client submitted; a failed dispatch's handle is
+// refused; a rejoining rank learns the count at its first_seq.
+TEST_F(ProgramRulesTest, LowLatencyParityCountsFailedOps) {
+  auto submit = [&](Op op, uint32_t flags, uint64_t handle_seq = 0) {
+    abi::RequestSlot slot{};
+    slot.magic = abi::kRequestMagic;
+    slot.op = static_cast<uint32_t>(op);
+    slot.flags = flags;
+    slot.expert_alignment = 1;
+    slot.handle_seq = handle_seq;
+    uint64_t seq = 0;
+    for (auto& ring : rings_) seq = ring->Submit(slot);
+    return seq;
+  };
+  auto buffer_of = [&](uint64_t seq) {
+    auto c = Await(0, seq);
+    return c.has_value() && c->status_code == 0 ? c->buffer : -1;
+  };
+  const uint64_t failed = submit(Op::kLowLatencyDispatch, abi::kFlagClientError);  // Buffer 0.
+  ExpectBoth(failed, absl::StatusCode::kInvalidArgument, "rejected its own inputs");
+  const uint64_t d1 = submit(Op::kLowLatencyDispatch, 0);
+  EXPECT_EQ(buffer_of(d1), 1);
+  const uint64_t c_failed = submit(Op::kLowLatencyCombine, 0, failed);
+  ExpectBoth(c_failed, absl::StatusCode::kFailedPrecondition, "last two low-latency dispatches");
+  const uint64_t c1 = submit(Op::kLowLatencyCombine, 0, d1);
+  EXPECT_EQ(buffer_of(c1), 1);  // The failed combine took ll_combined_x[0].
+  const uint64_t d2 = submit(Op::kLowLatencyDispatch, 0);
+  EXPECT_EQ(buffer_of(d2), 0);
+  ExpectBoth(submit(Op::kLowLatencyCombine, 0, d1), absl::StatusCode::kOk, "");  // Both held.
+  // A rejoining rank starts from the group's count (3 dispatches, 3 combines).
+  group_->DetachRank(1);
+  v1::EndpointInfo info;
+  ASSERT_TRUE(group_->AttachRank(1, "", v1::LAUNCH_MODE_DAEMON, {}, &info).ok());
+  EXPECT_EQ(info.first_ll_dispatches(), 3u);
+  EXPECT_EQ(info.first_ll_combines(), 3u);
+}
 
 TEST_F(ProgramRulesTest, MismatchedProgramsFailNamingTheStep) {
   const uint64_t seq = rings_[0]->Submit(ProgramSlot({kD8, kC}));
