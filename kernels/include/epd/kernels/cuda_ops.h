@@ -1,6 +1,6 @@
 // CUDA backend of the data plane: the context every CUDA op of one rank shares, the
 // low-latency launchers (LowLatencyDispatch, LowLatencyCombine), the status word the
-// kernels report errors through, eager kernel loading, and the CUDA error-checking macro.
+// kernels report errors through, and eager kernel loading.
 //
 // Model (DESIGN.md §1, §3.2, §4): every rank (endpoint) has one data area laid out by
 // EndpointLayout::Compute(shape). A rank's kernels get a device array `peer_bases` [R] of
@@ -24,33 +24,15 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "common/cuda/cuda_check.h"
 #include "epd/kernels/cuda_limits.h"
 #include "epd/kernels/layout.h"
 #include "epd/kernels/types.h"
 
 namespace epd::kernels::cuda {
 
-// ---- CUDA error checking ---------------------------------------------------------------
-
-/// OK for cudaSuccess; otherwise INTERNAL "<call> failed at <file>:<line>: <name>: <string>".
-/// Also clears a non-sticky error (cudaGetLastError) so a later check does not report it
-/// again (NCCL's CUDACHECK habit).
-absl::Status CudaErrorToStatus(cudaError_t err, const char* call, const char* file, int line);
-
-}  // namespace epd::kernels::cuda
-
-/// `EPD_CUDA_STATUS(cudaMalloc(&p, n))` evaluates a CUDA runtime call and yields an
-/// absl::Status naming the call, file, line and cudaGetErrorString.
-#define EPD_CUDA_STATUS(call) \
-  ::epd::kernels::cuda::CudaErrorToStatus((call), #call, __FILE__, __LINE__)
-/// Returns the CUDA call's error as absl::Status from the enclosing function.
-#define EPD_CUDA_RETURN_IF_ERROR(call)                       \
-  do {                                                       \
-    ::absl::Status epd_cuda_status_ = EPD_CUDA_STATUS(call); \
-    if (!epd_cuda_status_.ok()) return epd_cuda_status_;     \
-  } while (0)
-
-namespace epd::kernels::cuda {
+/// The CUDA check (common/cuda/cuda_check.h), also under this namespace for the launchers.
+using ::epd::CudaErrorToStatus;
 
 /// The per-rank error word at `sync + kSyncStatusOffset`. Kernels only ever add to it
 /// (atomics); ReadAndClearStatus / EnqueueStatusReadback clear it. POD, 256 bytes.
