@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "common/cuda/cuda_check.h"
+#include "common/cuda/stream_memops.h"
 #include "epd/kernels/cuda_limits.h"
 #include "epd/kernels/layout.h"
 #include "epd/kernels/types.h"
@@ -275,27 +276,10 @@ absl::Status PreloadKernels();
 /// Returns true so it can initialise a namespace-scope constant.
 bool RegisterPreloadHook(absl::Status (*hook)());
 
-// ---- stream memory operations ------------------------------------------------------------
-// The stream-ordered hand-off of daemon-launched mode (DESIGN.md §3.2; the ready/done words
-// of layout.h's launch_flags region). Driver entry points resolved once at run time through
-// cudaGetDriverEntryPointByVersion: nothing here links libcuda.
-
-/// OK when the driver offers cuStreamWriteValue64 / cuStreamWaitValue64; else
-/// FAILED_PRECONDITION naming the missing entry point (or INTERNAL for a CUDA error).
-absl::Status StreamMemOpsAvailable();
-
-/// Enqueues on `stream` a 64-bit write of `value` to device address `address`, after the
-/// stream's earlier work and with a memory barrier before it (everything the stream wrote
-/// before is visible to whoever sees the value). The current device's context must be
-/// current on this thread (call cudaSetDevice first on a thread that made no runtime call).
-/// Errors: FAILED_PRECONDITION (no entry point), INTERNAL naming the driver call.
-absl::Status StreamWriteValue64(cudaStream_t stream, void* address, uint64_t value);
-
-/// Enqueues on `stream` a wait until the 64-bit word at device address `address` is >=
-/// `value` (unsigned compare); the stream's later work runs only after it. The GPU does not
-/// bound this wait: whoever enqueues it must make sure the word is eventually written.
-/// Errors: as StreamWriteValue64.
-absl::Status StreamWaitValue64Geq(cudaStream_t stream, const void* address, uint64_t value);
+// ---- stream memory operations (common/cuda/stream_memops.h), under this namespace too ----
+using ::epd::StreamMemOpsAvailable;
+using ::epd::StreamWaitValue64Geq;
+using ::epd::StreamWriteValue64;
 
 // ---- graph-mode program hand-off (DESIGN.md §3.2; layout.h kProgram*Offset) -------------
 
