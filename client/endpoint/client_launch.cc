@@ -304,7 +304,7 @@ absl::Status ClientLaunch::EnsureSetUp() {
   ctx.all_ranks_on_device = on_device == R;
   ctx.timeout_ns = static_cast<int64_t>(m_.info.op_timeout_ms()) * 1'000'000;
   EPD_RETURN_IF_ERROR(kc::ValidateContext(ctx));
-  EPD_ASSIGN_OR_RETURN(readback_memory_, AllocatePinned(sizeof(Readback) * (kSlots + 1)));
+  EPD_ASSIGN_OR_RETURN(readback_memory_, AllocatePinnedArray<Readback>(kSlots + 1));
   for (uint32_t i = 0; i < kSlots; ++i) {
     EPD_ASSIGN_OR_RETURN(EventHandle e, CreateEvent());
     events_.push_back(std::move(e));

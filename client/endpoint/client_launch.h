@@ -16,9 +16,11 @@
 #include <vector>
 
 #include "client/cuda/cuda_ipc.h"
-#include "client/cuda/cuda_resources.h"
+#include "client/cuda/device_guard.h"
 #include "client/endpoint/endpoint_internal.h"
 #include "client/endpoint/op_runner.h"
+#include "common/cuda/cuda_handles.h"
+#include "common/cuda/device_alloc.h"
 #include "epd/kernels/cuda_ops.h"
 
 namespace epd::internal {
@@ -88,7 +90,7 @@ class ClientLaunch final : public OpRunner {
   absl::Status End(uint64_t seq, abi::OpKind op, cudaStream_t stream, bool capturing);
   /// The op `seq` failed; a handle it produced is not usable.
   void NoteFailure(uint64_t seq);
-  Readback& readback(uint32_t i) { return reinterpret_cast<Readback*>(readback_memory_.get())[i]; }
+  Readback& readback(uint32_t i) { return readback_memory_.get()[i]; }
 
   Endpoint::Impl& m_;
   GroupEndpointsFn group_endpoints_;
@@ -96,9 +98,9 @@ class ClientLaunch final : public OpRunner {
   std::vector<std::shared_ptr<const CudaAreaMapping>> areas_;  ///< [R], own included.
   DeviceMemory peer_bases_;  ///< Device array [R] of the areas' bases.
   kernels::cuda::CudaRankContext ctx_;
-  PinnedMemory readback_memory_;     ///< Readback [kSlots + 1]; the last for Wait of a
-                                     ///< captured op (synchronous read).
-  std::vector<EventHandle> events_;  ///< [kSlots]: recorded after each op.
+  PinnedArray<Readback> readback_memory_;  ///< Readback [kSlots + 1]; the last for Wait of a
+                                           ///< captured op (synchronous read).
+  std::vector<EventHandle> events_;        ///< [kSlots]: recorded after each op.
   std::array<Slot, kSlots> slots_;
 
   // The handle table (the daemon's ValidateHandle rule, kept here).

@@ -25,7 +25,9 @@
 #include <cuda_runtime.h>
 
 #include "client/cuda/cuda_ipc.h"
-#include "client/cuda/cuda_resources.h"
+#include "client/cuda/device_guard.h"
+#include "common/cuda/cuda_handles.h"
+#include "common/cuda/device_alloc.h"
 #include "epd/kernels/cuda_ops.h"
 #endif
 
@@ -58,9 +60,9 @@ struct Endpoint::Impl {
   // ---- staging (staging.cc) ----
 #if EPD_HAVE_CUDA
   std::shared_ptr<const internal::CudaAreaMapping> mapping;  ///< The data area.
-  internal::StreamHandle aux_stream;   ///< The library's own stream (releases, reads).
-  internal::StreamHandle own_stream;   ///< Runs the ops given no stream (OpStream).
-  internal::EventHandle legacy_event;  ///< Orders own_stream after the legacy stream.
+  StreamHandle aux_stream;   ///< The library's own stream (releases, reads).
+  StreamHandle own_stream;   ///< Runs the ops given no stream (OpStream).
+  EventHandle legacy_event;  ///< Orders own_stream after the legacy stream.
   /// Daemon-launched: copies of the op being built that one kernel does together with the
   /// ready signal (StageForSubmit; kc::CopyDeviceBatchAsync).
   std::array<kernels::cuda::DeviceCopy, kernels::cuda::kMaxBatchCopies> pending_copies{};
@@ -80,7 +82,7 @@ struct Endpoint::Impl {
   /// Pinned uint64 ProgramStatus reads launch_flags' program instance into (with a kernel:
   /// a device-to-host copy could queue behind the daemon's waiting instances, see
   /// epd/kernels/cuda_program.h). Allocated by the first RegisterProgram.
-  internal::PinnedMemory program_word;
+  PinnedMemory program_word;
 #endif
 
   ~Impl();

@@ -71,7 +71,7 @@ absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
     internal::DeviceGuard guard(m.mapping->device());
     EPD_RETURN_IF_ERROR(internal::PreloadKernelsOnce(m.mapping->device()));
     if (!m.client_launched && m.program_word == nullptr) {
-      EPD_ASSIGN_OR_RETURN(m.program_word, internal::AllocatePinned(sizeof(uint64_t)));
+      EPD_ASSIGN_OR_RETURN(m.program_word, AllocatePinned(sizeof(uint64_t)));
     }
   }
 #endif

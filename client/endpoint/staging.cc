@@ -19,8 +19,8 @@ absl::StatusOr<void*> Endpoint::Impl::OpStream(void* stream) {
   // Created at the first op given no stream: every stream takes one of the GPU's
   // CUDA_DEVICE_MAX_CONNECTIONS hardware queues, which streams beyond it share.
   if (own_stream == nullptr) {
-    EPD_ASSIGN_OR_RETURN(own_stream, internal::CreateStream());
-    EPD_ASSIGN_OR_RETURN(legacy_event, internal::CreateEvent());
+    EPD_ASSIGN_OR_RETURN(own_stream, CreateStream());
+    EPD_ASSIGN_OR_RETURN(legacy_event, CreateEvent());
   }
   EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(legacy_event.get(), cudaStreamLegacy));
   EPD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(own_stream.get(), legacy_event.get(), 0));
