@@ -28,10 +28,6 @@ constexpr int64_t kSpinBeforeSleepUs = 200;
 /// waits by op_timeout) before it reports the stream stuck.
 constexpr auto kGpuGrace = std::chrono::seconds(5);
 
-bool IsLowLatency(abi::OpKind op) {
-  return op == abi::OpKind::kLowLatencyDispatch || op == abi::OpKind::kLowLatencyCombine;
-}
-
 }  // namespace
 
 absl::Status PreloadKernelsOnce(int device) {
@@ -47,31 +43,14 @@ absl::Status PreloadKernelsOnce(int device) {
 ClientLaunch::ClientLaunch(Endpoint::Impl& endpoint, GroupEndpointsFn group_endpoints)
     : m_(endpoint), group_endpoints_(std::move(group_endpoints)) {}
 
-absl::Status ClientLaunch::CheckRouting(const OpPlan& p, const char* what) const {
-  if (routing_seq_ != 0 && p.handle_seq >= routing_seq_ && p.handle_seq <= last_dispatch_seq_) {
-    return absl::OkStatus();
-  }
-  return absl::FailedPreconditionError(absl::StrCat(
-      p.name, ": ", what, " of op ", p.handle_seq,
-      " is not the current dispatch routing of this endpoint (valid: ops ", routing_seq_, "..",
-      last_dispatch_seq_, "); a handle is invalidated by the next Dispatch"));
-}
-
 bool ClientLaunch::CheckHandle(const OpPlan& p, absl::Status* st, int* buffer) const {
   const int32_t Mll = m_.shape.ll_max_tokens_per_rank;
   switch (p.op) {
     case abi::OpKind::kGetDispatchLayout:
       return st->ok();  // No exchange between ranks: a rejected input takes part in nothing.
     case abi::OpKind::kDispatch:
-      if (st->ok() && (p.flags & abi::kFlagCachedHandle) != 0)
-        *st = CheckRouting(p, "cached handle");
-      return true;
     case abi::OpKind::kCombine:
-      if (st->ok()) *st = CheckRouting(p, "handle");
-      if (st->ok() && p.num_tokens != routing_tokens_) {
-        *st = absl::InvalidArgumentError(absl::StrCat(p.name, ": num_tokens ", p.num_tokens,
-                                                      " != the handle's ", routing_tokens_));
-      }
+      if (st->ok()) *st = handles_.Check(p.op, p.flags, p.handle_seq, p.num_tokens);
       return true;
     case abi::OpKind::kLowLatencyDispatch:
       return Mll != 0;  // No low-latency buffers: nothing to take part in.
@@ -83,22 +62,11 @@ bool ClientLaunch::CheckHandle(const OpPlan& p, absl::Status* st, int* buffer) c
         return false;
       }
       // The handle's dispatch must still own its buffer.
-      *buffer = -1;
-      for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) {
-        if (ll_seq_[b] != 0 && ll_seq_[b] == p.handle_seq) *buffer = b;
-      }
-      if (st->ok() && *buffer < 0) {
-        *st = absl::FailedPreconditionError(absl::StrCat(
-            p.name, ": handle of op ", p.handle_seq,
-            " is not one of this endpoint's last two low-latency dispatches (its buffers were "
-            "reused, or the dispatch failed)"));
-      }
-      if (*buffer < 0) {
-        // A rejected rank takes part with the latest dispatch's buffer (what its peers use).
-        if (m_.ll_dispatches == 0) return false;
-        *buffer = static_cast<int>((m_.ll_dispatches + 1) % kernels::kLowLatencyBuffers);
-      }
-      return true;
+      if (st->ok()) *st = handles_.Check(p.op, p.flags, p.handle_seq, p.num_tokens);
+      *buffer = handles_.LowLatencyBufferOf(p.handle_seq);
+      // A rejected rank takes part with the latest dispatch's buffer (what its peers use).
+      if (*buffer < 0) *buffer = m_.parity.LatestDispatchBuffer();
+      return *buffer >= 0;
     default:
       *st = absl::InternalError(absl::StrCat(p.name, ": not an op of the client-launched runner"));
       return false;
@@ -150,23 +118,22 @@ absl::StatusOr<uint64_t> ClientLaunch::Run(const OpPlan& p) {
     }
   }
   EPD_RETURN_IF_ERROR(Launch(p, rejected, buffer, in_place, s));
-  if (p.op == abi::OpKind::kDispatch && rejected) routing_seq_ = 0;
+  m_.parity.Advance(p.op);
+  // The routing a rejected dispatch leaves is not usable; a low-latency dispatch owns its
+  // buffer only once its op is recorded.
+  if (p.op == abi::OpKind::kDispatch && rejected) handles_.Forget(handles_.routing_seq());
   if (p.op == abi::OpKind::kLowLatencyDispatch) {
-    ++m_.ll_dispatches;
-    ll_seq_[buffer] = 0;
+    handles_.LowLatencyDispatchEnded(seq, buffer, p.num_tokens, /*ok=*/false);
   }
-  if (p.op == abi::OpKind::kLowLatencyCombine) ++m_.ll_combines;
   EPD_RETURN_IF_ERROR(st);
   EPD_RETURN_IF_ERROR(End(seq, p.op, s, capturing));
   if (p.op == abi::OpKind::kDispatch) {
-    if ((p.flags & abi::kFlagCachedHandle) == 0) {
-      routing_seq_ = seq;
-      routing_tokens_ = p.num_tokens;
-    }
-    last_dispatch_seq_ = seq;
+    // (N is known on the device only.)
+    handles_.DispatchDone(seq, (p.flags & abi::kFlagCachedHandle) != 0, p.num_tokens,
+                          /*num_recv_tokens=*/-1, (p.flags & abi::kFlagFp8) != 0);
   }
   if (p.op == abi::OpKind::kLowLatencyDispatch) {
-    ll_seq_[buffer] = seq;
+    handles_.LowLatencyDispatchEnded(seq, buffer, p.num_tokens, /*ok=*/true);
     ll_runtime_tokens_[buffer] = runtime_tokens;
   }
   return seq;
@@ -177,6 +144,7 @@ absl::Status ClientLaunch::Launch(const OpPlan& p, bool rejected, int buffer,
   const int32_t T = rejected ? 0 : p.num_tokens;
   kc::CudaRankContext ctx = ctx_;
   ctx.num_sms = p.num_sms;
+  const rules::RequestOptions o = rules::DecodeFlags(p.flags);
   switch (p.op) {
     case abi::OpKind::kGetDispatchLayout: {
       kc::GetDispatchLayoutArgs a;
@@ -186,25 +154,24 @@ absl::Status ClientLaunch::Launch(const OpPlan& p, bool rejected, int buffer,
     }
     case abi::OpKind::kDispatch: {
       kc::NormalDispatchArgs a;
-      a.fp8 = (p.flags & abi::kFlagFp8) != 0;
+      a.fp8 = o.use_fp8;
       a.expert_alignment = std::max(1, p.expert_alignment);
-      a.with_weights = (p.flags & abi::kFlagDispatchWeights) != 0;
-      a.cached = (p.flags & abi::kFlagCachedHandle) != 0;
+      a.with_weights = o.dispatch_weights;
+      a.cached = o.cached_handle;
       EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, T, s));
       return kc::NormalDispatch(ctx, a, s);
     }
     case abi::OpKind::kCombine: {
       kc::NormalCombineArgs a;
-      a.with_weights = (p.flags & abi::kFlagCombineWeights) != 0;
+      a.with_weights = o.combine_weights;
       EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, T, s));
       return kc::NormalCombine(ctx, a, s);
     }
     case abi::OpKind::kLowLatencyDispatch: {
       kc::LowLatencyDispatchArgs a;
       a.buffer = buffer;
-      a.use_fp8 = (p.flags & abi::kFlagFp8) != 0 && m_.shape.use_fp8 &&
-                  m_.shape.hidden % kernels::kFp8BlockChannels == 0;
-      a.round_scale = (p.flags & abi::kFlagRoundScale) != 0;
+      a.use_fp8 = o.use_fp8 && rules::Fp8Allowed(p.op, m_.shape);
+      a.round_scale = o.round_scale;
       a.x = static_cast<const kernels::bf16_bits*>(in_place[0]);
       a.topk_idx = static_cast<const int64_t*>(in_place[1]);
       if (!rejected && p.device_num_tokens != nullptr) {
@@ -337,7 +304,7 @@ absl::Status ClientLaunch::End(uint64_t seq, abi::OpKind op, cudaStream_t stream
   const uint32_t i = static_cast<uint32_t>(seq % kSlots);
   Slot& slot = slots_[i];
   slot.seq = 0;
-  const bool low_latency = IsLowLatency(op);
+  const bool low_latency = rules::IsLowLatency(op);
   slot.deferred = low_latency && !capturing;
   slot.stream = stream;
   if (!capturing) {
@@ -408,9 +375,9 @@ absl::StatusOr<OpOutcome> ClientLaunch::Wait(uint64_t seq, abi::OpKind op, absl:
     }
   }
   absl::Status st = kc::StatusFromDevice(rb->status, m_.shape, m_.info.rank(), abi::OpKindName(op),
-                                         IsLowLatency(op));
+                                         rules::IsLowLatency(op));
   if (!st.ok()) {
-    NoteFailure(seq);
+    handles_.Forget(seq);  // A handle it produced is not usable.
     return st;
   }
   OpOutcome outcome;
@@ -418,16 +385,7 @@ absl::StatusOr<OpOutcome> ClientLaunch::Wait(uint64_t seq, abi::OpKind op, absl:
   return outcome;
 }
 
-void ClientLaunch::NoteFailure(uint64_t seq) {
-  for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) {
-    if (ll_seq_[b] == seq) ll_seq_[b] = 0;
-  }
-  if (routing_seq_ == seq) routing_seq_ = 0;
-}
-
-void ClientLaunch::ForgetLowLatencyHandles() {
-  for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) ll_seq_[b] = 0;
-}
+void ClientLaunch::ForgetLowLatencyHandles() { handles_.ClearLowLatency(); }
 
 }  // namespace epd::internal
 

@@ -22,6 +22,7 @@
 #include "common/cuda/cuda_handles.h"
 #include "common/cuda/device_alloc.h"
 #include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/op_rules.h"
 
 namespace epd::internal {
 
@@ -74,8 +75,6 @@ class ClientLaunch final : public OpRunner {
   /// The handle table's verdict on a (so far valid) op, and the low-latency buffer it
   /// reads (`*buffer`). Returns false when the rank takes no part at all (`*st` says why).
   bool CheckHandle(const OpPlan& p, absl::Status* st, int* buffer) const;
-  /// FAILED_PRECONDITION unless `handle_seq` is the endpoint's current dispatch routing.
-  absl::Status CheckRouting(const OpPlan& p, const char* what) const;
   /// Launches the op's kernels: with plan.num_tokens, or T = 0 and no inputs when
   /// `rejected` (`in_place`: the inputs read in place, by index; null = the region).
   absl::Status Launch(const OpPlan& p, bool rejected, int buffer,
@@ -88,8 +87,6 @@ class ClientLaunch final : public OpRunner {
   /// Wait enqueues it on the op's stream. A captured op gets no read-back: Wait reads the
   /// device status itself once the graph's replay is done.
   absl::Status End(uint64_t seq, abi::OpKind op, cudaStream_t stream, bool capturing);
-  /// The op `seq` failed; a handle it produced is not usable.
-  void NoteFailure(uint64_t seq);
   Readback& readback(uint32_t i) { return readback_memory_.get()[i]; }
 
   Endpoint::Impl& m_;
@@ -103,11 +100,8 @@ class ClientLaunch final : public OpRunner {
   std::vector<EventHandle> events_;        ///< [kSlots]: recorded after each op.
   std::array<Slot, kSlots> slots_;
 
-  // The handle table (the daemon's ValidateHandle rule, kept here).
-  uint64_t routing_seq_ = 0;  ///< Normal dispatch whose routing (send_pos) is current.
-  uint64_t last_dispatch_seq_ = 0;
-  int32_t routing_tokens_ = 0;
-  uint64_t ll_seq_[kernels::kLowLatencyBuffers] = {0, 0};  ///< Dispatch that wrote buffer b.
+  /// The handle table: client-launched, the client is its authority.
+  rules::HandleTable handles_;
   bool ll_runtime_tokens_[kernels::kLowLatencyBuffers] = {false, false};  ///< T on device.
 };
 

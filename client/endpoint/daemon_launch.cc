@@ -5,6 +5,7 @@
 
 #include "client/endpoint/endpoint_state.h"
 #include "common/status_macros.h"
+#include "epd/kernels/op_rules.h"
 
 #if EPD_HAVE_CUDA
 #include "epd/kernels/cuda_ops.h"
@@ -44,36 +45,21 @@ absl::StatusOr<uint64_t> DaemonLaunch::Run(const OpPlan& p) {
     (void)Submit(p.op, abi::kFlagClientError, 0, 1, 0, 0, nullptr);
     return st;
   }
-  EPD_ASSIGN_OR_RETURN(uint64_t seq, Submit(p.op, p.flags, p.num_tokens, p.expert_alignment,
-                                            p.handle_seq, p.num_sms, p.stream));
-  // The daemon's buffers, predicted for Enqueued(); Wait takes the completion's.
-  if (p.op == abi::OpKind::kLowLatencyDispatch) ++m_.ll_dispatches;
-  if (p.op == abi::OpKind::kLowLatencyCombine) ++m_.ll_combines;
-  return seq;
+  return Submit(p.op, p.flags, p.num_tokens, p.expert_alignment, p.handle_seq, p.num_sms, p.stream);
 }
 
-absl::StatusOr<OpOutcome> DaemonLaunch::Wait(uint64_t seq, abi::OpKind op, absl::Duration timeout) {
+absl::StatusOr<OpOutcome> DaemonLaunch::Wait(uint64_t seq, abi::OpKind /*op*/,
+                                             absl::Duration timeout) {
   abi::Completion c{};
   absl::Status st = m_.ring.WaitCompletion(seq, timeout, &c);
   if (st.code() == absl::StatusCode::kUnavailable) ReleaseStreams();
-  if (!st.ok()) {
-    if (c.seq == seq) NoteFailure(seq, op);  // The op's own failure.
-    return st;
-  }
+  if (!st.ok()) return st;
   OpOutcome outcome;
   // (Low-latency combine: the daemon reports this rank's T in num_recv_tokens.)
   outcome.num_recv_tokens = c.num_recv_tokens;
   outcome.buffer = static_cast<int>(c.buffer & 1);
   outcome.replaces_views = true;
   return outcome;
-}
-
-void DaemonLaunch::NoteFailure(uint64_t seq, abi::OpKind op) {
-  uint64_t& noted = failure_noted_[seq % failure_noted_.size()];
-  if (noted == seq) return;
-  noted = seq;
-  if (op == abi::OpKind::kLowLatencyDispatch && m_.ll_dispatches > 0) --m_.ll_dispatches;
-  if (op == abi::OpKind::kLowLatencyCombine && m_.ll_combines > 0) --m_.ll_combines;
 }
 
 absl::Status DaemonLaunch::OrderAfterPreviousOp(void* stream) {
@@ -93,8 +79,7 @@ absl::Status DaemonLaunch::OrderAfterPreviousOp(void* stream) {
 }
 
 bool DaemonLaunch::KernelWaitsForDone(abi::OpKind op) const {
-  return kernel_done_wait_ &&
-         (op == abi::OpKind::kLowLatencyDispatch || op == abi::OpKind::kLowLatencyCombine);
+  return kernel_done_wait_ && rules::IsLowLatency(op);
 }
 
 absl::StatusOr<uint64_t> DaemonLaunch::Submit(abi::OpKind op, uint32_t flags, int32_t num_tokens,
@@ -141,6 +126,7 @@ absl::StatusOr<uint64_t> DaemonLaunch::Submit(abi::OpKind op, uint32_t flags, in
 #endif
   m_.ring.Publish(Endpoint::Impl::MakeRequest(op, seq, flags, num_tokens, expert_alignment,
                                               handle_seq, num_sms));
+  m_.parity.Advance(op);  // The daemon counts every op it is handed, failed ones too.
 #if EPD_HAVE_CUDA
   if (ordered && ordered_error.ok()) {
     ordered_ops_[seq % ordered_ops_.size()].store(seq, std::memory_order_release);

@@ -49,14 +49,8 @@ class DaemonLaunch final : public OpRunner {
   absl::StatusOr<uint64_t> Submit(abi::OpKind op, uint32_t flags, int32_t num_tokens,
                                   int32_t expert_alignment, uint64_t handle_seq, int32_t num_sms,
                                   void* stream);
-  /// The op `seq` failed, so the daemon did not advance its low-latency buffer parity;
-  /// neither does the prediction. Once per op.
-  void NoteFailure(uint64_t seq, abi::OpKind op);
-
   Endpoint::Impl& m_;
   bool kernel_done_wait_ = false;
-  /// Seqs whose failure was already accounted (Wait may be called again).
-  std::array<uint64_t, abi::kCompletionCapacity> failure_noted_{};
   std::atomic<bool> stream_released_{false};
   /// Stream-ordered ops published, by seq % size (ReleaseStreams checks which are done).
   std::array<std::atomic<uint64_t>, abi::kCompletionCapacity> ordered_ops_{};

@@ -11,6 +11,7 @@
 #include "client/endpoint/endpoint_state.h"
 #include "client/endpoint/tensor_checks.h"
 #include "common/status_macros.h"
+#include "epd/kernels/op_rules.h"
 
 namespace epd {
 
@@ -145,7 +146,7 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
     st = absl::InvalidArgumentError(absl::StrCat(
         kOp, ": x has ", T, " tokens > max_tokens_per_rank ", m.shape.max_tokens_per_rank));
   }
-  if (st.ok() && fp8 && !m.shape.use_fp8) {
+  if (st.ok() && fp8 && !rules::Fp8Allowed(p.op, m.shape)) {
     st = absl::InvalidArgumentError(absl::StrCat(kOp, ": x is float8_e4m3fn but group ",
                                                  m.spec.name(), " has use_fp8 = false"));
   }
@@ -181,8 +182,8 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
     std::array<int64_t, 2> ws{T, K};
     st = CheckTensor(m.cuda, kOp, "topk_weights", args.topk_weights, {kF32}, ws);
   }
-  p.flags = (fp8 ? abi::kFlagFp8 : 0) | (cached ? abi::kFlagCachedHandle : 0) |
-            (weights ? abi::kFlagDispatchWeights : 0);
+  p.flags = rules::EncodeFlags(
+      {.use_fp8 = fp8, .cached_handle = cached != nullptr, .dispatch_weights = weights});
   p.num_tokens = static_cast<int32_t>(T);
   p.expert_alignment = args.expert_alignment;
   p.handle_seq = cached ? cached->seq : 0;
@@ -237,7 +238,7 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
     st = CheckTensor(m.cuda, kOp, "topk_weights", args.topk_weights, {kF32}, ws);
   }
   const int32_t T = args.handle ? args.handle->num_tokens : 0;
-  p.flags = weights ? abi::kFlagCombineWeights : 0;
+  p.flags = rules::EncodeFlags({.combine_weights = weights});
   p.num_tokens = T;
   p.handle_seq = args.handle ? args.handle->seq : 0;
   p.num_sms = args.num_sms;
@@ -281,14 +282,7 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
         absl::StrCat(kOp, ": x has ", T, " tokens > max_dispatch_tokens_per_rank ", Mll));
   }
   const bool use_fp8 = args.use_fp8;
-  if (st.ok() && use_fp8 && m.shape.hidden % kernels::kFp8BlockChannels != 0) {
-    st = absl::InvalidArgumentError(
-        absl::StrCat(kOp, ": use_fp8 needs hidden % 128 == 0, hidden = ", m.shape.hidden));
-  }
-  if (st.ok() && use_fp8 && !m.shape.use_fp8) {
-    st = absl::InvalidArgumentError(
-        absl::StrCat(kOp, ": use_fp8 but group ", m.spec.name(), " has use_fp8 = false"));
-  }
+  if (st.ok() && use_fp8) st = rules::CheckFp8(p.op, kOp, m.shape, m.spec.name());
   if (st.ok()) {
     std::array<int64_t, 2> ts{T, m.shape.num_topk};
     st = CheckTensor(m.cuda, kOp, "topk_idx", args.topk_idx, {kI64}, ts);
@@ -314,10 +308,10 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
     }
 #endif
   }
-  p.flags = (use_fp8 ? abi::kFlagFp8 : 0) | (args.round_scale ? abi::kFlagRoundScale : 0);
+  p.flags = rules::EncodeFlags({.use_fp8 = use_fp8, .round_scale = args.round_scale});
   p.num_tokens = static_cast<int32_t>(T);
   p.device_num_tokens = args.num_tokens;
-  p.buffer = static_cast<int>(m.ll_dispatches % kernels::kLowLatencyBuffers);
+  p.buffer = m.parity.DispatchBuffer();
   // x is read by the kernel in 16-byte vectors.
   p.Add("x", args.x, m.layout.in_x, /*by_pointer=*/true, 16);
   p.Add("topk_idx", args.topk_idx, m.layout.in_topk_idx, /*by_pointer=*/true, alignof(int64_t));
@@ -368,7 +362,7 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
   }
   p.num_tokens = static_cast<int32_t>(T);
   p.handle_seq = args.handle ? args.handle->seq : 0;
-  p.out_buffer = static_cast<int>(m.ll_combines % kernels::kLowLatencyBuffers);
+  p.out_buffer = m.parity.CombineOutBuffer();
   // x is read by every rank at the same offset of each area: in_ll_combine_x (staged
   // unless the caller wrote it there: LowLatencyCombineInput()).
   p.Add("x", args.x, m.layout.in_ll_combine_x);

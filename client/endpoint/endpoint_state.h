@@ -18,6 +18,7 @@
 #include "client/session_watch.h"
 #include "epd/client.h"
 #include "epd/kernels/layout.h"
+#include "epd/kernels/op_rules.h"
 #include "epd/v1/control.pb.h"
 #include "proto/abi/shm_abi.h"
 
@@ -51,11 +52,10 @@ struct Endpoint::Impl {
   bool left = false;
   std::unique_ptr<internal::OpRunner> runner;
 
-  // ---- low-latency buffer parity: buffers alternate per low-latency dispatch, and per
-  // low-latency combine for the output (the daemon's rule). Client-launched: authoritative;
-  // daemon-launched: predicts the daemon's choice for Enqueued() (Wait uses the completion's).
-  uint64_t ll_dispatches = 0;
-  uint64_t ll_combines = 0;
+  /// The low-latency buffers of the group's next ops (rules::LowLatencyParity), counted from
+  /// EndpointInfo's first_ll_* on: every low-latency op the runners hand over, failed ones
+  /// included, advances it, as the daemon counts them.
+  rules::LowLatencyParity parity;
 
   // ---- staging (staging.cc) ----
 #if EPD_HAVE_CUDA

@@ -12,6 +12,7 @@
 #include "client/endpoint/endpoint_state.h"
 #include "client/endpoint/tensor_checks.h"
 #include "common/status_macros.h"
+#include "epd/kernels/op_rules.h"
 
 #if EPD_HAVE_CUDA
 #include "client/endpoint/client_launch.h"
@@ -45,24 +46,22 @@ absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
   }
   std::array<uint64_t, 3> reserved{};
   reserved[0] = steps.size();
-  std::vector<int> buffer(steps.size(), -1), out_buffer(steps.size(), 0);
-  int dispatches = 0, combines = 0, last = -1;
+  std::vector<rules::ProgramStepPlan> plan(steps.size());
   for (size_t i = 0; i < steps.size(); ++i) {
-    const bool dispatch = steps[i].op == ProgramStep::Op::kLowLatencyDispatch;
-    const uint8_t b = abi::EncodeProgramStep(
-        dispatch ? abi::OpKind::kLowLatencyDispatch : abi::OpKind::kLowLatencyCombine,
-        steps[i].use_fp8, steps[i].round_scale);
+    plan[i].op = steps[i].op == ProgramStep::Op::kLowLatencyDispatch
+                     ? abi::OpKind::kLowLatencyDispatch
+                     : abi::OpKind::kLowLatencyCombine;
+    plan[i].use_fp8 = steps[i].use_fp8;
+    plan[i].round_scale = steps[i].round_scale;
+    const uint8_t b = abi::EncodeProgramStep(plan[i].op, plan[i].use_fp8, plan[i].round_scale);
     reserved[1 + i / 8] |= static_cast<uint64_t>(b) << (8 * (i % 8));
-    // The daemon's rule (daemon/group_ops.h ProgramStepPlan), which it validates.
-    if (dispatch) {
-      last = buffer[i] = dispatches++ % kernels::kLowLatencyBuffers;
-    } else {
-      out_buffer[i] = combines++ % kernels::kLowLatencyBuffers;
-      buffer[i] = last;
-    }
   }
+  // The daemon's plan (PlanProgram), which it validates.
+  rules::AssignProgramBuffers(plan);
+  std::vector<int> buffer(steps.size()), out_buffer(steps.size());
   for (size_t i = 0; i < steps.size(); ++i) {
-    if (buffer[i] < 0) buffer[i] = last;
+    buffer[i] = plan[i].buffer;
+    out_buffer[i] = plan[i].out_buffer;
   }
 #if EPD_HAVE_CUDA
   // The step's acknowledging kernel is loaded now, not lazily inside a capture or while

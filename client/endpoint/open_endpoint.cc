@@ -12,6 +12,7 @@
 #include "client/endpoint/endpoint_internal.h"
 #include "client/endpoint/endpoint_state.h"
 #include "common/status_macros.h"
+#include "epd/kernels/op_rules.h"
 
 #if EPD_HAVE_CUDA
 #include "client/cuda/area_cache.h"
@@ -29,13 +30,7 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
   m->info = info;
   m->spec = spec;
   m->leave = std::move(leave);
-  m->shape.num_ranks = spec.num_ranks();
-  m->shape.num_experts = spec.num_experts();
-  m->shape.hidden = spec.hidden();
-  m->shape.num_topk = spec.num_topk();
-  m->shape.max_tokens_per_rank = spec.max_tokens_per_rank();
-  m->shape.ll_max_tokens_per_rank = spec.ll_max_tokens_per_rank();
-  m->shape.use_fp8 = spec.use_fp8();
+  m->shape = rules::ShapeOf(spec);
   m->layout = kernels::EndpointLayout::Compute(m->shape);
   if (info.abi_version() != abi::kShmAbiVersion) {
     return absl::FailedPreconditionError(absl::StrCat("epd speaks shm ABI ", info.abi_version(),
@@ -120,6 +115,8 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
 #endif
   if (m->runner == nullptr) m->runner = std::make_unique<DaemonLaunch>(*m, kernel_done_wait);
   m->next_seq = info.first_seq();
+  m->parity.dispatches = info.first_ll_dispatches();
+  m->parity.combines = info.first_ll_combines();
   abi::Atomic(m->ring.header().client_pid).store(static_cast<uint32_t>(::getpid()));
   abi::Atomic(m->ring.header().client_mapped).store(1, std::memory_order_release);
   m->session = std::move(session);
