@@ -46,6 +46,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/op_rules.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ll_internal.h"
 
@@ -718,7 +719,7 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
   EPD_RETURN_IF_ERROR(internal::ValidateLowLatency(ctx, args.buffer, kOp));
   const GroupShape& s = ctx.shape;
   const EndpointLayout& l = ctx.layout;
-  if (args.use_fp8 && (!s.use_fp8 || s.hidden % kFp8BlockChannels != 0)) {
+  if (args.use_fp8 && !rules::Fp8Allowed(abi::OpKind::kLowLatencyDispatch, s)) {
     return absl::InvalidArgumentError(absl::StrCat(kOp, ": use_fp8 needs shape.use_fp8 (",
                                                    s.use_fp8, ") and hidden % ", kFp8BlockChannels,
                                                    " == 0 (hidden = ", s.hidden, ")"));

@@ -1,5 +1,6 @@
 // Argument checks shared by the host ops (see internal.h), and CheckTopkIdx.
 #include "absl/strings/str_cat.h"
+#include "epd/kernels/op_rules.h"
 #include "kernels/host/internal.h"
 
 namespace epd::kernels::host {
@@ -76,16 +77,13 @@ absl::Status CheckTopkIdxImpl(const GroupShape& shape, int32_t rank, int32_t num
         rank >= 0 ? absl::StrCat("rank ", rank, ": topk_idx is null with num_tokens = ", num_tokens)
                   : absl::StrCat("topk_idx is null with num_tokens = ", num_tokens));
   }
-  const int64_t k_count = shape.num_topk;
-  const int64_t n = static_cast<int64_t>(num_tokens) * k_count;
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t e = topk_idx[i];
-    if (e < -1 || e >= shape.num_experts) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("topk_idx", rank >= 0 ? absl::StrCat(" of rank ", rank) : std::string(),
-                       " at token ", i / k_count, ", k ", i % k_count, " = ", e,
-                       " is outside [-1, num_experts = ", shape.num_experts, ")"));
-    }
+  const int64_t i = rules::FirstBadTopkEntry(shape, num_tokens, topk_idx);
+  if (i >= 0) {
+    const int64_t k_count = shape.num_topk;
+    return absl::InvalidArgumentError(
+        absl::StrCat("topk_idx", rank >= 0 ? absl::StrCat(" of rank ", rank) : std::string(),
+                     " at token ", i / k_count, ", k ", i % k_count, " = ", topk_idx[i],
+                     " is outside [-1, num_experts = ", shape.num_experts, ")"));
   }
   return absl::OkStatus();
 }

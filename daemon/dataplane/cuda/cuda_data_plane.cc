@@ -62,10 +62,6 @@ constexpr auto kGpuGrace = std::chrono::seconds(5);
 /// step ahead of the engine's polling).
 constexpr int kProgramDepth = 2;
 
-std::shared_ptr<spdlog::logger> EngineLog() {
-  auto l = spdlog::get("epd.engine");
-  return l ? l : spdlog::default_logger();
-}
 
 /// EPD_PROGRAM_TRACE=1 (off by default; a diagnostic): the engine logs every graph-mode
 /// program instance it enqueues and completes, every disarm, and, while an instance is

@@ -296,7 +296,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
                         std::span<RankOutcome> out) {
   const int R = static_cast<int>(slots.size());
   const abi::OpKind op = plan.op;
-  const uint32_t flags = plan.flags;
+  const rules::RequestOptions flags = rules::DecodeFlags(plan.flags);  // Agreed by every rank.
   const kernels::GroupShape& gs = shape();
   kernels::host::HostExecution exec{plane_->options().host_threads, &plane_->kernel_pool(),
                                     &kernel_scratch_};
@@ -324,8 +324,8 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
       return;
     }
     case abi::OpKind::kDispatch: {
-      const bool cached = flags & abi::kFlagCachedHandle;
-      const bool fp8 = flags & abi::kFlagFp8;
+      const bool cached = flags.cached_handle;
+      const bool fp8 = flags.use_fp8;
       std::vector<kernels::host::DispatchRankArgs>& args = dispatch_args_;
       for (int r = 0; r < R; ++r) {
         auto& a = args[r];
@@ -334,12 +334,11 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         a.num_tokens = slots[r].num_tokens;
         a.x = Ptr<const void>(r, L.in_x);
         a.x_scales = fp8 ? Ptr<const float>(r, L.in_scales) : nullptr;
-        a.topk_weights =
-            (flags & abi::kFlagDispatchWeights) ? Ptr<const float>(r, L.in_topk_weights) : nullptr;
+        a.topk_weights = flags.dispatch_weights ? Ptr<const float>(r, L.in_topk_weights) : nullptr;
         HostRank& hr = Private(r);
         if (cached) {
           a.cached_send_pos = hr.send_pos.data();  // Rewritten in place (memmove).
-          a.cached_num_recv_tokens = ep.num_recv_tokens;
+          a.cached_num_recv_tokens = ep.handles.num_recv_tokens();
         } else {
           absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens);
           if (!idx.ok()) return fail_all(idx.status());
@@ -372,15 +371,15 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
       return;
     }
     case abi::OpKind::kCombine: {
-      const bool weights = flags & abi::kFlagCombineWeights;
+      const bool weights = flags.combine_weights;
       std::vector<kernels::host::CombineRankArgs>& args = combine_args_;
       for (int r = 0; r < R; ++r) {
         auto& a = args[r];
         a = {};
         const LockstepEndpoint& ep = *endpoint(r);
-        a.num_tokens = ep.routing_tokens;
+        a.num_tokens = ep.handles.routing_tokens();
         a.send_pos = Private(r).send_pos.data();
-        a.num_recv_tokens = ep.num_recv_tokens;
+        a.num_recv_tokens = ep.handles.num_recv_tokens();
         a.x = Ptr<const kernels::bf16_bits>(r, L.in_combine_x);
         a.topk_weights = weights ? Ptr<const float>(r, L.in_combine_weights) : nullptr;
         a.combined_x = Ptr<kernels::bf16_bits>(r, L.combined_x);
@@ -403,7 +402,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         a.num_tokens = slots[r].num_tokens;
         a.x = Ptr<const kernels::bf16_bits>(r, L.in_x);
         a.recv_x = Ptr<void>(r, L.ll_recv_x[b]);
-        a.recv_scales = (flags & abi::kFlagFp8) ? Ptr<float>(r, L.ll_recv_scales[b]) : nullptr;
+        a.recv_scales = flags.use_fp8 ? Ptr<float>(r, L.ll_recv_scales[b]) : nullptr;
         a.recv_count = Ptr<int32_t>(r, L.ll_recv_count[b]);
         a.recv_src_info = Ptr<int32_t>(r, L.ll_recv_src_info[b]);
         a.handle_pos = Private(r).ll_handle_pos[b].data();
@@ -412,8 +411,8 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         a.topk_idx = *idx;
       }
       kernels::host::LowLatencyDispatchOptions opt;
-      opt.use_fp8 = flags & abi::kFlagFp8;
-      opt.round_scale = flags & abi::kFlagRoundScale;
+      opt.use_fp8 = flags.use_fp8;
+      opt.round_scale = flags.round_scale;
       absl::Status st;
       {
         KernelScope k(plane_->options().on_kernels);
