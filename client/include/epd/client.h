@@ -536,10 +536,9 @@ class [[nodiscard]] PendingOp {
   /// stream. A Dispatch without a cached handle gives views of the capacity R*M rows, N in
   /// its device `recv_count` and num_recv_tokens = -1; Combine and cached re-dispatch need
   /// the handle that Wait returns (FAILED_PRECONDITION for this one).
-  /// Daemon-launched: the low-latency buffer of the views is the daemon's choice as
-  /// predicted by the client, which holds as long as no earlier op of the endpoint failed
-  /// (a failed low-latency op does not advance the daemon's buffer parity; Wait of that
-  /// op brings the prediction back in step).
+  /// Daemon-launched: the low-latency buffer of the views is the daemon's: both count the
+  /// group's low-latency ops, failed ones included (epd/kernels/op_rules.h
+  /// LowLatencyParity).
   absl::StatusOr<Result> Enqueued() const;
   uint64_t seq() const { return seq_; }
 
