@@ -8,28 +8,30 @@
 #include <memory>
 #include <type_traits>
 
+#include "common/cuda/cuda_check.h"
+
 namespace epd {
 
 /// cudaFree (errors ignored: a destructor has no one to report to).
 struct CudaFreeDeleter {
   void operator()(void* p) const {
-    if (p != nullptr) cudaFree(p);
+    if (p != nullptr) EPD_CUDA_IGNORE(cudaFree(p));
   }
 };
 /// cudaFreeHost, for cudaHostAlloc'd memory.
 struct CudaFreeHostDeleter {
   void operator()(void* p) const {
-    if (p != nullptr) cudaFreeHost(p);
+    if (p != nullptr) EPD_CUDA_IGNORE(cudaFreeHost(p));
   }
 };
 struct CudaStreamDeleter {
   void operator()(cudaStream_t s) const {
-    if (s != nullptr) cudaStreamDestroy(s);
+    if (s != nullptr) EPD_CUDA_IGNORE(cudaStreamDestroy(s));
   }
 };
 struct CudaEventDeleter {
   void operator()(cudaEvent_t e) const {
-    if (e != nullptr) cudaEventDestroy(e);
+    if (e != nullptr) EPD_CUDA_IGNORE(cudaEventDestroy(e));
   }
 };
 

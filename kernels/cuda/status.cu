@@ -1,4 +1,4 @@
-// Host side of cuda_ops.h shared by every CUDA op: CUDA error conversion, context checks,
+// Host side of cuda_ops.h shared by every CUDA op: context checks,
 // grid sizing, the DeviceStatus read-back, low-latency sync reset, the run-time token-count
 // slot and eager kernel loading.
 #include <algorithm>
@@ -39,13 +39,6 @@ std::vector<absl::Status (*)()>& Hooks() {
 }
 
 }  // namespace
-
-absl::Status CudaErrorToStatus(cudaError_t err, const char* call, const char* file, int line) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  cudaGetLastError();  // clear a non-sticky error so the next check does not see it again
-  return absl::InternalError(absl::StrCat(call, " failed at ", file, ":", line, ": ",
-                                          cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
-}
 
 absl::Status ValidateContext(const CudaRankContext& ctx) {
   const GroupShape& s = ctx.shape;

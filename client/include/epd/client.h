@@ -370,6 +370,8 @@ class [[nodiscard]] PendingOp {
   /// The result without a CPU wait, for work enqueued after the op on its stream (CUDA
   /// backend); errors still come from Wait. FAILED_PRECONDITION on the host backend or
   /// with no stream. A non-cached Dispatch gives R*M-row views and num_recv_tokens = -1.
+  /// Daemon-launched: the low-latency buffer of the views is the one the daemon uses (both
+  /// count the group's low-latency ops, failed ones included: rules::LowLatencyParity).
   absl::StatusOr<Result> Enqueued() const;
   uint64_t seq() const { return seq_; }
 

@@ -1,6 +1,6 @@
 // CUDA backend of the data plane: the context every CUDA op of one rank shares, the
 // low-latency launchers (LowLatencyDispatch, LowLatencyCombine), the status word the
-// kernels report errors through, eager kernel loading, and the CUDA error-checking macro.
+// kernels report errors through, and eager kernel loading.
 //
 // Model (DESIGN.md §1, §3.2, §4): every rank (endpoint) has one data area laid out by
 // EndpointLayout::Compute(shape). A rank's kernels get a device array `peer_bases` [R] of
@@ -24,33 +24,16 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "common/cuda/cuda_check.h"
+#include "common/cuda/stream_memops.h"
 #include "epd/kernels/cuda_limits.h"
 #include "epd/kernels/layout.h"
 #include "epd/kernels/types.h"
 
 namespace epd::kernels::cuda {
 
-// ---- CUDA error checking ---------------------------------------------------------------
-
-/// OK for cudaSuccess; otherwise INTERNAL "<call> failed at <file>:<line>: <name>: <string>".
-/// Also clears a non-sticky error (cudaGetLastError) so a later check does not report it
-/// again (NCCL's CUDACHECK habit).
-absl::Status CudaErrorToStatus(cudaError_t err, const char* call, const char* file, int line);
-
-}  // namespace epd::kernels::cuda
-
-/// `EPD_CUDA_STATUS(cudaMalloc(&p, n))` evaluates a CUDA runtime call and yields an
-/// absl::Status naming the call, file, line and cudaGetErrorString.
-#define EPD_CUDA_STATUS(call) \
-  ::epd::kernels::cuda::CudaErrorToStatus((call), #call, __FILE__, __LINE__)
-/// Returns the CUDA call's error as absl::Status from the enclosing function.
-#define EPD_CUDA_RETURN_IF_ERROR(call)                       \
-  do {                                                       \
-    ::absl::Status epd_cuda_status_ = EPD_CUDA_STATUS(call); \
-    if (!epd_cuda_status_.ok()) return epd_cuda_status_;     \
-  } while (0)
-
-namespace epd::kernels::cuda {
+/// The CUDA check (common/cuda/cuda_check.h), also under this namespace for the launchers.
+using ::epd::CudaErrorToStatus;
 
 /// The per-rank error word at `sync + kSyncStatusOffset`. Kernels only ever add to it
 /// (atomics); ReadAndClearStatus / EnqueueStatusReadback clear it. POD, 256 bytes.
@@ -293,27 +276,10 @@ absl::Status PreloadKernels();
 /// Returns true so it can initialise a namespace-scope constant.
 bool RegisterPreloadHook(absl::Status (*hook)());
 
-// ---- stream memory operations ------------------------------------------------------------
-// The stream-ordered hand-off of daemon-launched mode (DESIGN.md §3.2; the ready/done words
-// of layout.h's launch_flags region). Driver entry points resolved once at run time through
-// cudaGetDriverEntryPointByVersion: nothing here links libcuda.
-
-/// OK when the driver offers cuStreamWriteValue64 / cuStreamWaitValue64; else
-/// FAILED_PRECONDITION naming the missing entry point (or INTERNAL for a CUDA error).
-absl::Status StreamMemOpsAvailable();
-
-/// Enqueues on `stream` a 64-bit write of `value` to device address `address`, after the
-/// stream's earlier work and with a memory barrier before it (everything the stream wrote
-/// before is visible to whoever sees the value). The current device's context must be
-/// current on this thread (call cudaSetDevice first on a thread that made no runtime call).
-/// Errors: FAILED_PRECONDITION (no entry point), INTERNAL naming the driver call.
-absl::Status StreamWriteValue64(cudaStream_t stream, void* address, uint64_t value);
-
-/// Enqueues on `stream` a wait until the 64-bit word at device address `address` is >=
-/// `value` (unsigned compare); the stream's later work runs only after it. The GPU does not
-/// bound this wait: whoever enqueues it must make sure the word is eventually written.
-/// Errors: as StreamWriteValue64.
-absl::Status StreamWaitValue64Geq(cudaStream_t stream, const void* address, uint64_t value);
+// ---- stream memory operations (common/cuda/stream_memops.h), under this namespace too ----
+using ::epd::StreamMemOpsAvailable;
+using ::epd::StreamWaitValue64Geq;
+using ::epd::StreamWriteValue64;
 
 // ---- graph-mode program hand-off (DESIGN.md §3.2; layout.h kProgram*Offset) -------------
 

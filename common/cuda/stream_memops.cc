@@ -1,15 +1,15 @@
-// Stream memory operations (cuda_ops.h): cuStreamWriteValue64 / cuStreamWaitValue64, the
-// stream-ordered hand-off of DESIGN.md §3.2, shared by the daemon's engine and the client
-// library. The driver entry points are resolved once through
-// cudaGetDriverEntryPointByVersion, so neither links libcuda: both start where no NVIDIA
-// driver is installed (CI) and run the host backend there.
+// Stream memory operations (stream_memops.h) through driver entry points resolved at run
+// time, so neither daemon nor client links libcuda: both start where no NVIDIA driver is
+// installed (CI) and run the host backend there.
+#include "common/cuda/stream_memops.h"
+
 #include <cuda.h>  // Driver API types only.
 
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
-#include "epd/kernels/cuda_ops.h"
 
-namespace epd::kernels::cuda {
+namespace epd {
 namespace {
 
 struct StreamMemOps {
@@ -73,4 +73,4 @@ absl::Status StreamWaitValue64Geq(cudaStream_t stream, const void* address, uint
       "cuStreamWaitValue64");
 }
 
-}  // namespace epd::kernels::cuda
+}  // namespace epd
