@@ -49,6 +49,7 @@
 #include "client/cuda/area_cache.h"
 #include "client/cuda/cuda_ipc.h"
 #include "client/endpoint/endpoint_internal.h"
+#include "common/os/futex.h"
 #include "common/os/shm_region.h"
 #include "common/status_macros.h"
 #include "epd/client.h"
