@@ -23,15 +23,15 @@
 #include "absl/status/statusor.h"
 #include "client/cuda/cuda_ipc.h"
 #include "common/cuda/cuda_handles.h"
+#include "proto/abi/launch_flags.h"
 
 namespace epd::internal {
 
 // ---- stream memory operations: kernels::cuda::StreamWriteValue64 / StreamWaitValue64Geq
 // (epd/kernels/cuda_ops.h), shared with the daemon.
 
-/// The done_seq value written from the host to release a stream whose daemon is gone
-/// (above every real sequence number, so every pending and later wait passes).
-inline constexpr uint64_t kReleasedSeq = UINT64_MAX / 2;
+/// The done_seq value that releases a stream whose daemon is gone (launch_flags.h).
+using ::epd::abi::kReleasedSeq;
 
 // ---- shared mapping of data areas -----------------------------------------------------------
 

@@ -612,7 +612,9 @@ struct Endpoint::Impl {
     slot.expert_alignment = expert_alignment;
     slot.num_sms = num_sms;
     slot.handle_seq = handle_seq;
-    for (int i = 0; i < 3; ++i) slot.reserved[i] = reserved[i];
+    slot.program_num_steps = reserved[0];
+    slot.program_steps[0] = reserved[1];
+    slot.program_steps[1] = reserved[2];
     auto* ring = reinterpret_cast<abi::RequestSlot*>(region.data() + header->ring_offset);
     std::memcpy(&ring[(head + 1) % abi::kRingCapacity], &slot, sizeof(slot));
     abi::Atomic(header->ring_head).store(head + 1, std::memory_order_seq_cst);

@@ -92,7 +92,7 @@ absl::StatusOr<std::vector<ProgramStepPlan>> DecodeProgram(const abi::RequestSlo
     return absl::FailedPreconditionError(
         "RegisterProgram: the group has no low-latency mode (spec.ll_max_tokens_per_rank = 0)");
   }
-  const uint64_t n = slot.reserved[0];
+  const uint64_t n = slot.program_num_steps;
   if (n < 1 || n > abi::kMaxProgramSteps) {
     return absl::InvalidArgumentError(
         absl::StrCat("RegisterProgram: ", n, " steps, outside [1, ", abi::kMaxProgramSteps, "]"));
@@ -100,7 +100,7 @@ absl::StatusOr<std::vector<ProgramStepPlan>> DecodeProgram(const abi::RequestSlo
   std::vector<ProgramStepPlan> steps(n);
   int dispatches = 0, combines = 0, last_dispatch_buffer = -1;
   for (uint32_t i = 0; i < n; ++i) {
-    const uint8_t b = abi::ProgramStepByte(slot.reserved, i);
+    const uint8_t b = abi::ProgramStepByte(slot, i);
     ProgramStepPlan& st = steps[i];
     st.op = static_cast<abi::OpKind>(b & 0xf);
     st.use_fp8 = b & abi::kProgramStepFp8;
