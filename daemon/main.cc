@@ -49,8 +49,8 @@ int main(int argc, char** argv) {
                  positional[1]);
     return 2;
   }
-  absl::StatusOr<epd::v1::DaemonConfig> config =
-      epd::ResolveDaemonConfig(epd::ConfigFlagsFromCommandLine());
+  const epd::ConfigFlags flags = epd::ConfigFlagsFromCommandLine();
+  absl::StatusOr<epd::v1::DaemonConfig> config = epd::ResolveDaemonConfig(flags);
   if (!config.ok()) {
     std::fprintf(stderr, "epd: bad configuration: %s\n", config.status().ToString().c_str());
     return 2;
@@ -94,7 +94,9 @@ int main(int argc, char** argv) {
     }
   }).detach();
 
-  absl::StatusOr<std::unique_ptr<epd::Daemon>> daemon = epd::Daemon::Start(*config);
+  epd::DaemonOptions options;
+  options.backend_source = epd::BackendSource(*config, flags);
+  absl::StatusOr<std::unique_ptr<epd::Daemon>> daemon = epd::Daemon::Start(*config, options);
   if (!daemon.ok()) {
     // Start logged the reason, unless the log level hides errors (off, critical): then
     // stderr gets it, so that a failed start is never silent.

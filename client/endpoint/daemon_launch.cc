@@ -170,7 +170,7 @@ void DaemonLaunch::ReleaseStreams() {
   // the release from landing. (Stream memory operations are there: the daemon accepts no
   // stream-ordered op without them, CudaGroup::CheckRequest.)
   (void)kc::StreamWriteValue64(m_.aux_stream.get(), launch_flags + kernels::kDoneFlagOffset,
-                               kReleasedSeq);
+                               abi::kReleasedSeq);
   cudaStreamSynchronize(m_.aux_stream.get());
   cudaGetLastError();
 #endif

@@ -11,12 +11,9 @@
 
 #include "client/endpoint/op_runner.h"
 #include "epd/client.h"
+#include "proto/abi/launch_flags.h"
 
 namespace epd::internal {
-
-/// The done_seq value written from the host to release a stream whose daemon is gone
-/// (above every real sequence number, so every pending and later wait passes).
-inline constexpr uint64_t kReleasedSeq = UINT64_MAX / 2;
 
 class DaemonLaunch final : public OpRunner {
  public:

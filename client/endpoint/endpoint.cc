@@ -55,7 +55,7 @@ absl::Status Endpoint::Impl::CheckNoProgram() const {
 abi::RequestSlot Endpoint::Impl::MakeRequest(abi::OpKind op, uint64_t seq, uint32_t flags,
                                              int32_t num_tokens, int32_t expert_alignment,
                                              uint64_t handle_seq, int32_t num_sms,
-                                             const std::array<uint64_t, 3>& words) {
+                                             const abi::RequestSlot& program) {
   abi::RequestSlot slot{};
   slot.magic = abi::kRequestMagic;
   slot.op = static_cast<uint32_t>(op);
@@ -65,15 +65,18 @@ abi::RequestSlot Endpoint::Impl::MakeRequest(abi::OpKind op, uint64_t seq, uint3
   slot.expert_alignment = expert_alignment;
   slot.num_sms = num_sms;
   slot.handle_seq = handle_seq;
-  for (int i = 0; i < 3; ++i) slot.reserved[i] = words[i];
+  slot.program_num_steps = program.program_num_steps;
+  for (size_t i = 0; i < std::size(slot.program_steps); ++i) {
+    slot.program_steps[i] = program.program_steps[i];
+  }
   return slot;
 }
 
 absl::StatusOr<uint64_t> Endpoint::Impl::SubmitUnordered(abi::OpKind op,
-                                                         const std::array<uint64_t, 3>& words) {
+                                                         const abi::RequestSlot& program) {
   EPD_RETURN_IF_ERROR(ring.WaitForSpace());
   const uint64_t seq = next_seq++;
-  ring.Publish(MakeRequest(op, seq, 0, 0, 1, 0, 0, words));
+  ring.Publish(MakeRequest(op, seq, 0, 0, 1, 0, 0, program));
   return seq;
 }
 

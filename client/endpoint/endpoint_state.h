@@ -97,14 +97,14 @@ struct Endpoint::Impl {
   absl::Status CheckNoProgram() const;
 
   /// Publishes a request that is not stream-ordered (program registration) and returns
-  /// its seq. `words`: the request's program words (abi::RequestSlot::reserved).
-  absl::StatusOr<uint64_t> SubmitUnordered(abi::OpKind op,
-                                           const std::array<uint64_t, 3>& words = {});
+  /// its seq. `program`: a slot whose program fields (program_num_steps, program_steps)
+  /// the request carries; only those are read.
+  absl::StatusOr<uint64_t> SubmitUnordered(abi::OpKind op, const abi::RequestSlot& program = {});
   /// The RequestSlot of an op (magic, kind, seq and values).
   static abi::RequestSlot MakeRequest(abi::OpKind op, uint64_t seq, uint32_t flags,
                                       int32_t num_tokens, int32_t expert_alignment,
                                       uint64_t handle_seq, int32_t num_sms,
-                                      const std::array<uint64_t, 3>& words = {});
+                                      const abi::RequestSlot& program = {});
 
   // ---- streams and staging (staging.cc) ----
 

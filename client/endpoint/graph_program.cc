@@ -44,8 +44,8 @@ absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
     return absl::FailedPreconditionError(
         "RegisterProgram: this endpoint already has a program; UnregisterProgram first");
   }
-  std::array<uint64_t, 3> reserved{};
-  reserved[0] = steps.size();
+  abi::RequestSlot program{};
+  program.program_num_steps = steps.size();
   std::vector<rules::ProgramStepPlan> plan(steps.size());
   for (size_t i = 0; i < steps.size(); ++i) {
     plan[i].op = steps[i].op == ProgramStep::Op::kLowLatencyDispatch
@@ -54,7 +54,7 @@ absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
     plan[i].use_fp8 = steps[i].use_fp8;
     plan[i].round_scale = steps[i].round_scale;
     const uint8_t b = abi::EncodeProgramStep(plan[i].op, plan[i].use_fp8, plan[i].round_scale);
-    reserved[1 + i / 8] |= static_cast<uint64_t>(b) << (8 * (i % 8));
+    abi::SetProgramStep(program, static_cast<uint32_t>(i), b);
   }
   // The daemon's plan (PlanProgram), which it validates.
   rules::AssignProgramBuffers(plan);
@@ -74,7 +74,7 @@ absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
     }
   }
 #endif
-  EPD_ASSIGN_OR_RETURN(uint64_t seq, m.SubmitUnordered(abi::OpKind::kRegisterProgram, reserved));
+  EPD_ASSIGN_OR_RETURN(uint64_t seq, m.SubmitUnordered(abi::OpKind::kRegisterProgram, program));
   abi::Completion c;
   EPD_RETURN_IF_ERROR(m.ring.WaitCompletion(seq, timeout, &c));
   m.program = steps;

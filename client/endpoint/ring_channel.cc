@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/os/futex.h"
 
 namespace epd::internal {
 namespace {

@@ -1,15 +1,12 @@
 #include "common/os/shm_region.h"
 
 #include <fcntl.h>
-#include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
-#include <ctime>
 #include <fstream>
 #include <string>
 #include <utility>
@@ -36,11 +33,6 @@ absl::Status Errno(const std::string& what, int err) {
 }
 
 }  // namespace
-
-void ScopedFd::Reset(int fd) {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = fd;
-}
 
 std::string MissingSealNames(int seals) {
   std::string names;
@@ -149,24 +141,6 @@ absl::StatusOr<uint64_t> ShmFreeBytes() {
     }
   }
   return absl::InternalError("cannot read MemAvailable from /proc/meminfo");
-}
-
-void FutexWait(uint32_t* word, uint32_t expected, int64_t timeout_us) {
-  struct timespec ts;
-  ts.tv_sec = timeout_us / 1000000;
-  ts.tv_nsec = (timeout_us % 1000000) * 1000;
-  ::syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-
-void FutexWakeAll(uint32_t* word) {
-  ::syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
-}
-
-bool RingDoorbell(abi::DoorbellPage* doorbell) {
-  if (abi::Atomic(doorbell->engine_sleeping).load(std::memory_order_seq_cst) == 0) return false;
-  abi::Atomic(doorbell->futex_word).fetch_add(1, std::memory_order_seq_cst);
-  FutexWakeAll(&doorbell->futex_word);
-  return true;
 }
 
 }  // namespace epd

@@ -12,35 +12,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "proto/abi/shm_abi.h"
+#include "common/os/scoped_fd.h"
 
 namespace epd {
-
-/// A move-only file descriptor.
-class ScopedFd {
- public:
-  ScopedFd() = default;
-  explicit ScopedFd(int fd) : fd_(fd) {}
-  ~ScopedFd() { Reset(); }
-  ScopedFd(ScopedFd&& o) noexcept : fd_(o.Release()) {}
-  ScopedFd& operator=(ScopedFd&& o) noexcept {
-    if (this != &o) Reset(o.Release());
-    return *this;
-  }
-  ScopedFd(const ScopedFd&) = delete;
-  ScopedFd& operator=(const ScopedFd&) = delete;
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  int Release() {
-    int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-  void Reset(int fd = -1);
-
- private:
-  int fd_ = -1;
-};
 
 /// The seals every shared region carries (ShmRegion::Create), and which ShmRegion::Map
 /// requires: its size can never change again (ftruncate, and fallocate beyond the end,
@@ -109,16 +83,5 @@ std::string MissingSealNames(int seals);
 /// come from RAM and swap, not from the /dev/shm file system. INTERNAL when it cannot be
 /// read.
 absl::StatusOr<uint64_t> ShmFreeBytes();
-
-/// FUTEX_WAIT on a shared (non-private) futex word while it equals `expected`, for at
-/// most `timeout_us` microseconds. Returns on wake, timeout, or value change.
-void FutexWait(uint32_t* word, uint32_t expected, int64_t timeout_us);
-/// FUTEX_WAKE every waiter of a shared futex word.
-void FutexWakeAll(uint32_t* word);
-
-/// Client side of the engine doorbell (shm_abi.h DoorbellPage): call after publishing a
-/// request; wakes the engine when it sleeps (one futex syscall only in that case).
-/// Returns true when it had to wake the engine.
-bool RingDoorbell(abi::DoorbellPage* doorbell);
 
 }  // namespace epd

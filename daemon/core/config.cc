@@ -101,7 +101,9 @@ ABSL_FLAG(StringFlag, backend, StringFlag{"auto"},
           "backend: data-plane backend: auto (CUDA when a GPU is usable, else host), cuda, "
           "host.");
 ABSL_FLAG(StringFlag, log_level, StringFlag{epd::kDefaultLogLevel},
-          "log_level: trace, debug, info, warn, error, critical or off.");
+          "log_level: trace, debug, info, warn, error, critical or off, optionally followed "
+          "by per-subsystem levels, e.g. info,epd.engine=trace,epd.control=debug (loggers: "
+          "epd.control, epd.registry, epd.engine, epd.gpu, epd.daemon, epd.config).");
 ABSL_FLAG(DurationFlag, op_timeout, DurationFlag{absl::Milliseconds(epd::kDefaultOpTimeoutMs)},
           "op_timeout_ms: bound on every wait of a data-plane op, a whole number of "
           "milliseconds, e.g. 10s or 2500ms.");
@@ -404,7 +406,7 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrCat("backend: ", static_cast<int>(config.backend()), " is not a Backend"));
   }
-  EPD_RETURN_IF_ERROR(ParseLogLevel(config.log_level()).status());
+  EPD_RETURN_IF_ERROR(ParseLogLevels(config.log_level()).status());
   if (config.op_timeout_ms() == 0) {
     return absl::InvalidArgumentError("op_timeout_ms: 0 is not a timeout (>= 1 ms)");
   }
@@ -520,6 +522,12 @@ std::string BackendFlagName(v1::Backend backend) {
     default:
       return "auto";
   }
+}
+
+std::string BackendSource(const v1::DaemonConfig& config, const ConfigFlags& given) {
+  return ConfigValueSource(
+      absl::StrCat("--backend=", BackendFlagName(config.backend())), given.backend.has_value(),
+      absl::StrCat("backend: ", v1::Backend_Name(config.backend())), given.config_path);
 }
 
 }  // namespace epd

@@ -141,4 +141,9 @@ std::string ConfigValueSource(absl::string_view flag_text, bool flag_given,
 /// Name of a backend enum value as flags spell it: "auto", "cuda" or "host".
 std::string BackendFlagName(v1::Backend backend);
 
+/// Where `config`'s backend came from (ConfigValueSource for the backend field): the
+/// command line (`given.backend` set), the config file `given.config_path`, or an
+/// in-process DaemonConfig. For DaemonOptions::backend_source.
+std::string BackendSource(const v1::DaemonConfig& config, const ConfigFlags& given);
+
 }  // namespace epd

@@ -29,6 +29,7 @@
 #endif
 #include "common/status_macros.h"
 #include "daemon/core/logging.h"
+#include "daemon/core/socket_lock.h"
 #include "daemon/server/socket_path_checks.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -88,99 +89,6 @@ std::string DescribeLiveServer(const std::string& path) {
   }
   return absl::StrCat("epd ", response.version(), " (pid ", response.pid(), ", ",
                       response.serving_status(), ")");
-}
-
-/// The pid written in the socket's lock file by the epd that holds it (WriteLockHolder),
-/// or 0 when the file holds none (the holder has not written it yet) or that process is
-/// gone.
-pid_t ReadLockHolder(int lock_fd) {
-  char text[32] = {};
-  const ssize_t n = ::pread(lock_fd, text, sizeof(text) - 1, 0);
-  if (n <= 0) return 0;
-  char* end = nullptr;
-  const long pid = std::strtol(text, &end, 10);
-  if (pid <= 0 || end == text) return 0;
-  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM) return 0;
-  return static_cast<pid_t>(pid);
-}
-
-/// Writes this process's pid into the socket's lock file (which it holds), so that an epd
-/// refused by the lock can name the holder. Best effort: the lock alone is what excludes.
-void WriteLockHolder(int lock_fd) {
-  const std::string text = absl::StrCat(::getpid(), "\n");
-  if (::ftruncate(lock_fd, 0) == 0) {
-    (void)!::pwrite(lock_fd, text.data(), text.size(), 0);
-  }
-}
-
-/// Opens (creating it when missing, mode 0600) the socket's lock file `lock_path` for
-/// PrepareSocketPath, which then truncates it and writes epd's pid there (WriteLockHolder).
-/// So that a root epd in a directory others can write never truncates a file someone else
-/// chose, the last component is never followed (O_NOFOLLOW), and the file must be a regular
-/// file with this one name, owned by epd's user and holding nothing but what epd writes
-/// there. FAILED_PRECONDITION naming the path when it is a symbolic link, not a regular
-/// file, has other names (hard links), belongs to another user, holds anything but a pid,
-/// or cannot be opened.
-absl::StatusOr<ScopedFd> OpenSocketLockFile(const std::string& lock_path) {
-  const std::string remedy =
-      "; remove it (epd recreates it), and keep the socket's directory writable by epd's user "
-      "alone";
-  const std::string not_ours =
-      "; choose another --socket (remove the file only if you know it is a leftover of epd's)";
-  ScopedFd fd(::open(lock_path.c_str(),
-                     O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0600));
-  if (!fd.valid()) {
-    const int err = errno;
-    struct stat st {};
-    if (::lstat(lock_path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "socket_path: the lock file ", lock_path,
-          " is a symbolic link; epd does not follow it (it would truncate the file it points to)",
-          remedy));
-    }
-    if (err == EISDIR) {
-      return absl::FailedPreconditionError(absl::StrCat("socket_path: the lock file ", lock_path,
-                                                        " is not a regular file (a directory)",
-                                                        remedy));
-    }
-    return absl::FailedPreconditionError(
-        absl::StrCat("socket_path: cannot open the lock file ", lock_path, ": ", Errno(err)));
-  }
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("socket_path: cannot stat the lock file ", lock_path, ": ", Errno(errno)));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat("socket_path: the lock file ", lock_path,
-                                                      " is not a regular file (",
-                                                      FileTypeName(st.st_mode), ")", remedy));
-  }
-  if (st.st_nlink != 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "socket_path: the lock file ", lock_path, " has ", st.st_nlink,
-        " names (hard links): it is another file's name too, which epd would truncate", remedy));
-  }
-  if (st.st_uid != ::geteuid()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("socket_path: the lock file ", lock_path, " belongs to uid ", st.st_uid,
-                     ", not to epd's user (uid ", ::geteuid(),
-                     "): epd did not create it, and would truncate it", not_ours));
-  }
-  // What WriteLockHolder leaves there: a pid and a newline (nothing before the first write).
-  char text[34] = {};
-  const ssize_t n = ::pread(fd.get(), text, sizeof(text) - 1, 0);
-  const size_t digits = n > 0 ? std::strspn(text, "0123456789") : 0;
-  if (n < 0 || st.st_size > 32 ||
-      (n > 0 && !(digits == static_cast<size_t>(n) ||
-                  (digits + 1 == static_cast<size_t>(n) && text[digits] == '\n')))) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("socket_path: the lock file ", lock_path, " (", st.st_size,
-                     " bytes) does not hold what epd writes there (a process id): it is "
-                     "another program's file, which epd would truncate",
-                     not_ours));
-  }
-  return fd;
 }
 
 /// The gid of the socket_group `name` (which owns the socket).
@@ -349,12 +257,11 @@ absl::Status Daemon::Init() {
         "MPS is not running: daemon-launched kernels will time-slice with client processes "
         "(~ms per hop); start it with deploy/mps/ for daemon-launched mode");
   }
-  // Which of the command line or the config file asked for the backend (the flags are
-  // this process's: none given when a test runs the daemon in-process).
-  const ConfigFlags given = ConfigFlagsFromCommandLine();
-  const std::string backend_source = ConfigValueSource(
-      absl::StrCat("--backend=", BackendFlagName(config_.backend())), given.backend.has_value(),
-      absl::StrCat("backend: ", v1::Backend_Name(config_.backend())), given.config_path);
+  // Which of the command line or the config file asked for the backend (main.cc says;
+  // an in-process daemon's DaemonConfig otherwise).
+  const std::string backend_source = options_.backend_source.empty()
+                                         ? BackendSource(config_, ConfigFlags{})
+                                         : options_.backend_source;
   EPD_ASSIGN_OR_RETURN(backend_, ChooseBackendRequestedBy(config_.backend(), backend_source,
                                                           inventory, kCudaDataPlaneBuilt));
   log->info("backend {} ({})", backend_.backend, backend_.reason);
@@ -496,11 +403,10 @@ absl::Status Daemon::PrepareSocketPath() {
   // exclusive flock on "<socket>.lock", held for the daemon's life (released by the kernel
   // however epd ends; the file itself stays, harmlessly).
   const std::string lock_path = socket_path_ + ".lock";
-  EPD_ASSIGN_OR_RETURN(socket_lock_, OpenSocketLockFile(lock_path));
-  if (::flock(socket_lock_.get(), LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    const pid_t holder = ReadLockHolder(socket_lock_.get());
-    socket_lock_ = ScopedFd();
+  EPD_ASSIGN_OR_RETURN(SocketLockAttempt attempt, TryLockSocketFile(lock_path));
+  if (!attempt.lock.valid()) {
+    const int err = attempt.error;
+    const pid_t holder = attempt.holder;
     int probe_err = 0;
     if (ProbeUnixSocket(socket_path_, &probe_err) == SocketProbe::kLive) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -521,7 +427,7 @@ absl::Status Daemon::PrepareSocketPath() {
         "socket_path: ", socket_path_, " is held by another epd that is starting (", lock_path,
         " is locked: ", Errno(err), "); refusing to start a second epd on it"));
   }
-  WriteLockHolder(socket_lock_.get());
+  socket_lock_ = std::move(attempt.lock);
   struct stat st {};
   if (::lstat(socket_path_.c_str(), &st) != 0) {
     if (errno == ENOENT) return absl::OkStatus();

@@ -90,6 +90,10 @@ struct DaemonOptions {
   absl::Duration listener_stall_limit = absl::Seconds(3);
   /// Called at the top of every round of the listener's accept loop (tests stall it).
   std::function<void()> listener_loop_hook_for_testing;
+  /// Where config.backend came from, named in the backend's reason (BackendSource: e.g.
+  /// "--backend=cuda on the command line"); empty = an in-process DaemonConfig. The daemon
+  /// reads no command line: main.cc fills this from its flags.
+  std::string backend_source;
 };
 
 class Daemon {

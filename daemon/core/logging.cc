@@ -7,6 +7,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 
 namespace epd {
@@ -15,7 +17,7 @@ namespace {
 struct LoggingState {
   std::mutex mu;
   spdlog::sink_ptr sink;
-  spdlog::level::level_enum level = spdlog::level::info;
+  LogLevels levels;
 };
 
 LoggingState& State() {
@@ -35,7 +37,7 @@ std::shared_ptr<spdlog::logger> GetLogger(absl::string_view name) {
   std::string key(name);
   if (auto existing = spdlog::get(key)) return existing;
   auto logger = std::make_shared<spdlog::logger>(key, state.sink);
-  logger->set_level(state.level);
+  logger->set_level(state.levels.For(key));
   logger->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%n] [%l] %v");
   logger->flush_on(spdlog::level::info);
   spdlog::register_logger(logger);
@@ -56,14 +58,71 @@ absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view level)
                    "\" is not a level (trace, debug, info, warn, error, critical, off)"));
 }
 
-absl::Status SetLogLevel(absl::string_view level) {
-  absl::StatusOr<spdlog::level::level_enum> parsed = ParseLogLevel(level);
+absl::Span<const char* const> SubsystemLoggerNames() {
+  static constexpr const char* kNames[] = {kLogControl, kLogRegistry, kLogEngine,
+                                           kLogGpu,     kLogDaemon,   kLogConfig};
+  return kNames;
+}
+
+spdlog::level::level_enum LogLevels::For(absl::string_view name) const {
+  for (const auto& [logger, logger_level] : loggers) {
+    if (logger == name) return logger_level;
+  }
+  return level;
+}
+
+absl::StatusOr<LogLevels> ParseLogLevels(absl::string_view spec) {
+  LogLevels levels;
+  bool default_given = false;
+  for (absl::string_view item : absl::StrSplit(spec, ',')) {
+    const size_t eq = item.find('=');
+    if (eq == absl::string_view::npos) {
+      if (default_given) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("log_level: \"", spec, "\" gives the level of every logger twice (\"",
+                         item, "\"); give one level, then LOGGER=LEVEL items"));
+      }
+      if (item.empty() && spec.find(',') != absl::string_view::npos) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("log_level: \"", spec, "\" has an empty item"));
+      }
+      absl::StatusOr<spdlog::level::level_enum> parsed = ParseLogLevel(item);
+      if (!parsed.ok()) return parsed.status();
+      levels.level = *parsed;
+      default_given = true;
+      continue;
+    }
+    const absl::string_view name = item.substr(0, eq);
+    const absl::StatusOr<spdlog::level::level_enum> parsed = ParseLogLevel(item.substr(eq + 1));
+    if (!parsed.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("log_level: \"", item, "\" in \"", spec, "\": ", parsed.status().message()));
+    }
+    const absl::Span<const char* const> known = SubsystemLoggerNames();
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("log_level: \"", name, "\" (in \"", spec,
+                                                     "\") is not a logger name (",
+                                                     absl::StrJoin(known, ", "), ")"));
+    }
+    for (const auto& [logger, unused] : levels.loggers) {
+      if (logger == name) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("log_level: \"", spec, "\" gives the level of ", name, " twice"));
+      }
+    }
+    levels.loggers.emplace_back(std::string(name), *parsed);
+  }
+  return levels;
+}
+
+absl::Status SetLogLevel(absl::string_view spec) {
+  absl::StatusOr<LogLevels> parsed = ParseLogLevels(spec);
   if (!parsed.ok()) return parsed.status();
   LoggingState& state = State();
   std::lock_guard<std::mutex> lock(state.mu);
-  state.level = *parsed;
+  state.levels = *std::move(parsed);
   spdlog::apply_all([&](const std::shared_ptr<spdlog::logger>& l) {
-    if (l->name().rfind("epd", 0) == 0) l->set_level(*parsed);
+    if (l->name().rfind("epd", 0) == 0) l->set_level(state.levels.For(l->name()));
   });
   return absl::OkStatus();
 }

@@ -11,10 +11,12 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "spdlog/spdlog.h"
 
 namespace epd {
@@ -35,8 +37,30 @@ std::shared_ptr<spdlog::logger> GetLogger(absl::string_view name);
 /// off. INVALID_ARGUMENT naming `log_level` and the value otherwise.
 absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view level);
 
-/// Sets the level of every existing and future epd logger. Errors as ParseLogLevel.
-absl::Status SetLogLevel(absl::string_view level);
+/// The subsystem logger names (kLogControl ... kLogConfig), the names a log_level spec
+/// may give a level of its own.
+absl::Span<const char* const> SubsystemLoggerNames();
+
+/// A parsed log_level spec: the level of every epd logger, and per-subsystem exceptions.
+struct LogLevels {
+  spdlog::level::level_enum level = spdlog::level::info;
+  /// (logger name, level) for the loggers named in the spec, in its order.
+  std::vector<std::pair<std::string, spdlog::level::level_enum>> loggers;
+
+  /// The level of logger `name`: its own when the spec names it, else `level`.
+  spdlog::level::level_enum For(absl::string_view name) const;
+};
+
+/// Parses a log_level spec: comma-separated items, each a level (ParseLogLevel; at most
+/// one: every logger's level, info when absent) or LOGGER=LEVEL for one subsystem's
+/// logger (SubsystemLoggerNames), e.g. "info,epd.engine=trace,epd.control=debug".
+/// INVALID_ARGUMENT naming log_level and the offending item: a bad level, an unknown
+/// logger name (the known ones listed), a logger or the default given twice, an empty item.
+absl::StatusOr<LogLevels> ParseLogLevels(absl::string_view spec);
+
+/// Sets the level of every existing and future epd logger from a log_level spec
+/// (ParseLogLevels). Errors as ParseLogLevels (nothing changes then).
+absl::Status SetLogLevel(absl::string_view spec);
 
 /// A token bucket for the log lines one client can cause (docs/SECURITY.md, "Client-caused
 /// log lines are rate-limited"): up to `burst` lines at once, then `per_second` lines a

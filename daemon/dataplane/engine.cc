@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "common/os/futex.h"
 #include "common/os/shm_region.h"
 
 namespace epd {

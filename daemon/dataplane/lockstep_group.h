@@ -114,7 +114,7 @@ using rules::ProgramStepName;
 /// planned for a group of `shape`: rules::PlanProgram of the slot's words.
 inline absl::StatusOr<std::vector<ProgramStepPlan>> DecodeProgram(
     const abi::RequestSlot& slot, const kernels::GroupShape& shape) {
-  return rules::PlanProgram(slot.reserved, shape);
+  return rules::PlanProgram(slot, shape);
 }
 
 /// What LockstepGroup decided about an op before handing it to the backend.

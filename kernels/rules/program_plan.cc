@@ -24,13 +24,13 @@ void AssignProgramBuffers(std::vector<ProgramStepPlan>& steps) {
   }
 }
 
-absl::StatusOr<std::vector<ProgramStepPlan>> PlanProgram(const uint64_t words[3],
+absl::StatusOr<std::vector<ProgramStepPlan>> PlanProgram(const abi::RequestSlot& slot,
                                                          const kernels::GroupShape& shape) {
   if (shape.ll_max_tokens_per_rank == 0) {
     return absl::FailedPreconditionError(
         "RegisterProgram: the group has no low-latency mode (spec.ll_max_tokens_per_rank = 0)");
   }
-  const uint64_t n = words[0];
+  const uint64_t n = slot.program_num_steps;
   if (n < 1 || n > abi::kMaxProgramSteps) {
     return absl::InvalidArgumentError(
         absl::StrCat("RegisterProgram: ", n, " steps, outside [1, ", abi::kMaxProgramSteps, "]"));
@@ -38,7 +38,7 @@ absl::StatusOr<std::vector<ProgramStepPlan>> PlanProgram(const uint64_t words[3]
   std::vector<ProgramStepPlan> steps(n);
   bool any_dispatch = false, any_combine = false;
   for (uint32_t i = 0; i < n; ++i) {
-    const uint8_t b = abi::ProgramStepByte(words, i);
+    const uint8_t b = abi::ProgramStepByte(slot, i);
     ProgramStepPlan& st = steps[i];
     st.op = static_cast<abi::OpKind>(b & 0xf);
     st.use_fp8 = b & abi::kProgramStepFp8;

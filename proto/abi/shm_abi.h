@@ -37,8 +37,9 @@ enum class OpKind : uint32_t {
   kLowLatencyDispatch = 4,
   kLowLatencyCombine = 5,
   /// Graph mode (DESIGN.md §3.2, CUDA backend, daemon-launched): registers the program
-  /// encoded in RequestSlot::reserved (EncodeProgram). A lockstep op: every rank submits
-  /// the same program; it is armed when all have. Completes without any stream ordering.
+  /// encoded in RequestSlot::program_num_steps/program_steps (EncodeProgramStep). A lockstep op:
+  /// every rank submits the same program; it is armed when all have. Completes without any stream
+  /// ordering.
   kRegisterProgram = 6,
   /// Disarms the endpoint's group's program (a lockstep op; OK when none is armed).
   kUnregisterProgram = 7,
@@ -90,8 +91,8 @@ enum RequestFlags : uint32_t {
 inline constexpr uint32_t kAllRequestFlags = 0x7f;
 
 /// Graph-mode program encoding in a kRegisterProgram RequestSlot (DESIGN.md §3.2):
-/// reserved[0] = number of steps S in [1, kMaxProgramSteps]; step i is the byte
-/// (reserved[1 + i / 8] >> (8 * (i % 8))) & 0xff: bits 0-3 the OpKind (kLowLatencyDispatch or
+/// program_num_steps = number of steps S in [1, kMaxProgramSteps]; step i is the byte
+/// (program_steps[i / 8] >> (8 * (i % 8))) & 0xff: bits 0-3 the OpKind (kLowLatencyDispatch or
 /// kLowLatencyCombine), bit 4 use_fp8, bit 5 round_scale (dispatch only).
 inline constexpr uint32_t kMaxProgramSteps = 16;
 inline constexpr uint8_t kProgramStepFp8 = 1u << 4;
@@ -100,10 +101,6 @@ inline constexpr uint8_t kProgramStepRoundScale = 1u << 5;
 constexpr uint8_t EncodeProgramStep(OpKind op, bool use_fp8, bool round_scale) {
   return static_cast<uint8_t>((static_cast<uint32_t>(op) & 0xf) | (use_fp8 ? kProgramStepFp8 : 0) |
                               (round_scale ? kProgramStepRoundScale : 0));
-}
-/// Step i's byte of a slot's `reserved` words.
-constexpr uint8_t ProgramStepByte(const uint64_t reserved[3], uint32_t i) {
-  return static_cast<uint8_t>((reserved[1 + i / 8] >> (8 * (i % 8))) & 0xff);
 }
 
 /// EndpointShmHeader::daemon_closed values.
@@ -122,12 +119,28 @@ struct RequestSlot {
   int32_t expert_alignment;  ///< Dispatch: >= 1.
   int32_t num_sms;           ///< Kernel SM budget; 0 = the computed default.
   uint64_t handle_seq;       ///< Combine / cached dispatch / LL combine: dispatch seq.
-  uint64_t reserved[3];
+  /// kRegisterProgram: the number of steps S; 0 for every other op.
+  uint64_t program_num_steps;
+  /// kRegisterProgram: the step bytes, step i at bits [8 * (i % 8), +8) of word i / 8
+  /// (EncodeProgramStep); 0 for every other op.
+  uint64_t program_steps[kMaxProgramSteps / 8];
 };
 static_assert(std::is_trivially_copyable_v<RequestSlot>);
 static_assert(sizeof(RequestSlot) == 64);
 static_assert(offsetof(RequestSlot, seq) == 8);
 static_assert(offsetof(RequestSlot, handle_seq) == 32);
+static_assert(offsetof(RequestSlot, program_num_steps) == 40);
+static_assert(offsetof(RequestSlot, program_steps) == 48);
+
+/// Sets step i (< kMaxProgramSteps) of a kRegisterProgram slot to `byte` (EncodeProgramStep).
+constexpr void SetProgramStep(RequestSlot& slot, uint32_t i, uint8_t byte) {
+  slot.program_steps[i / 8] |= static_cast<uint64_t>(byte) << (8 * (i % 8));
+}
+
+/// Step i (< kMaxProgramSteps) of a kRegisterProgram slot.
+constexpr uint8_t ProgramStepByte(const RequestSlot& slot, uint32_t i) {
+  return static_cast<uint8_t>((slot.program_steps[i / 8] >> (8 * (i % 8))) & 0xff);
+}
 
 /// The daemon's answer to request `seq`, in record `seq % kCompletionCapacity`. The
 /// daemon writes every field, then stores `seq` (release); the client waits for

@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "client/fd_channel.h"
+#include "common/os/futex.h"
 #include "common/os/shm_region.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "grpcpp/grpcpp.h"

@@ -1203,7 +1203,8 @@ int RingFlood(const std::string& socket) {
         slot.expert_alignment = written % 8 == 6 ? 0 : static_cast<int32_t>(rng());
         slot.num_sms = static_cast<int32_t>(rng());
         slot.handle_seq = rng();
-        for (uint64_t& r : slot.reserved) r = rng();
+        slot.program_num_steps = rng();
+        for (uint64_t& r : slot.program_steps) r = rng();
         break;
     }
     std::memcpy(&ring[seq % abi::kRingCapacity], &slot, sizeof(slot));

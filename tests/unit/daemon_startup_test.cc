@@ -83,9 +83,12 @@ TEST_F(DaemonStartupTest, BackendReasonNamesWhereTheValueCameFrom) {
   {
     absl::FlagSaver saver;
     GiveFlag("config", path);
-    absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(ConfigFlagsFromCommandLine());
+    const ConfigFlags flags = ConfigFlagsFromCommandLine();
+    absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(flags);
     ASSERT_TRUE(config.ok()) << config.status();
-    absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(*config, Options());
+    DaemonOptions options = Options();
+    options.backend_source = BackendSource(*config, flags);  // as main.cc does
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(*config, options);
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     EXPECT_EQ((*daemon)->backend().backend, "host");
     EXPECT_EQ((*daemon)->backend().reason,
@@ -96,9 +99,12 @@ TEST_F(DaemonStartupTest, BackendReasonNamesWhereTheValueCameFrom) {
     absl::FlagSaver saver;
     GiveFlag("config", path);
     GiveFlag("backend", "host");
-    absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(ConfigFlagsFromCommandLine());
+    const ConfigFlags flags = ConfigFlagsFromCommandLine();
+    absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(flags);
     ASSERT_TRUE(config.ok()) << config.status();
-    absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(*config, Options());
+    DaemonOptions options = Options();
+    options.backend_source = BackendSource(*config, flags);  // as main.cc does
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(*config, options);
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     EXPECT_EQ((*daemon)->backend().reason, "requested by --backend=host on the command line");
   }
@@ -113,9 +119,12 @@ TEST_F(DaemonStartupTest, BackendReasonNamesWhereTheValueCameFrom) {
     absl::FlagSaver saver;
     GiveFlag("config", path);
     GiveFlag("backend", "cuda");
-    absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(ConfigFlagsFromCommandLine());
+    const ConfigFlags flags = ConfigFlagsFromCommandLine();
+    absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(flags);
     ASSERT_TRUE(config.ok()) << config.status();
-    absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(*config, Options());
+    DaemonOptions options = Options();
+    options.backend_source = BackendSource(*config, flags);  // as main.cc does
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(*config, options);
     EXPECT_EQ(daemon.status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_THAT(std::string(daemon.status().message()),
                 HasSubstr("cuda requested by --backend=cuda on the command line but no GPU"));

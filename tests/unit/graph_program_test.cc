@@ -39,14 +39,14 @@ v1::GroupSpec LlSpec(const std::string& name, bool fp8 = true) {
 }
 
 /// A RegisterProgram slot of `steps` (shm_abi.h encoding; steps beyond the slot's room,
-/// kMaxProgramSteps, are counted in reserved[0] but not encoded).
+/// kMaxProgramSteps, are counted in program_num_steps but not encoded).
 abi::RequestSlot ProgramSlot(const std::vector<uint8_t>& steps) {
   abi::RequestSlot slot{};
   slot.magic = abi::kRequestMagic;
   slot.op = static_cast<uint32_t>(Op::kRegisterProgram);
-  slot.reserved[0] = steps.size();
+  slot.program_num_steps = steps.size();
   for (size_t i = 0; i < steps.size() && i < abi::kMaxProgramSteps; ++i) {
-    slot.reserved[1 + i / 8] |= static_cast<uint64_t>(steps[i]) << (8 * (i % 8));
+    slot.program_steps[i / 8] |= static_cast<uint64_t>(steps[i]) << (8 * (i % 8));
   }
   return slot;
 }

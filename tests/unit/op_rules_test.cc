@@ -167,19 +167,19 @@ TEST(OpRulesTest, LowLatencyHandleOwnership) {
   EXPECT_EQ(h.LowLatencyBufferOf(2), -1);
 }
 
-std::vector<uint64_t> Words(const std::vector<uint8_t>& steps) {
-  std::vector<uint64_t> w(3, 0);
-  w[0] = steps.size();
+abi::RequestSlot Slot(const std::vector<uint8_t>& steps) {
+  abi::RequestSlot slot{};
+  slot.program_num_steps = steps.size();
   for (size_t i = 0; i < steps.size() && i < abi::kMaxProgramSteps; ++i) {
-    w[1 + i / 8] |= static_cast<uint64_t>(steps[i]) << (8 * (i % 8));
+    slot.program_steps[i / 8] |= static_cast<uint64_t>(steps[i]) << (8 * (i % 8));
   }
-  return w;
+  return slot;
 }
 
 TEST(OpRulesTest, ProgramPlanBuffers) {
   constexpr auto kD = abi::EncodeProgramStep(Op::kLowLatencyDispatch, false, false);
   constexpr auto kC = abi::EncodeProgramStep(Op::kLowLatencyCombine, false, false);
-  auto p = PlanProgram(Words({kC, kD, kD, kC}).data(), Shape());
+  auto p = PlanProgram(Slot({kC, kD, kD, kC}), Shape());
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ((*p)[0].buffer, 1);  // Before the first dispatch: the program's last one.
   EXPECT_EQ((*p)[0].out_buffer, 0);
@@ -198,11 +198,10 @@ TEST(OpRulesTest, ProgramPlanBuffers) {
     EXPECT_EQ(steps[i].buffer, (*p)[i].buffer) << i;
     EXPECT_EQ(steps[i].out_buffer, (*p)[i].out_buffer) << i;
   }
-  EXPECT_EQ(PlanProgram(Words({kC}).data(), Shape()).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(PlanProgram(Words({kD}).data(), Shape(256, true, 0)).status().code(),
+  EXPECT_EQ(PlanProgram(Slot({kC}), Shape()).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanProgram(Slot({kD}), Shape(256, true, 0)).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(PlanProgram(Words({}).data(), Shape()).status().message(),
+  EXPECT_THAT(PlanProgram(Slot({}), Shape()).status().message(),
               HasSubstr("0 steps, outside [1, 16]"));
 }
 

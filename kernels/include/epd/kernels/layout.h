@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "epd/kernels/types.h"
+#include "proto/abi/launch_flags.h"
 
 namespace epd::kernels {
 
@@ -55,56 +56,18 @@ inline constexpr int kLowLatencyBuffers = 2;
 /// Size of the `sync` region: inter-rank flags and counters owned by the CUDA kernels.
 inline constexpr uint64_t kSyncRegionBytes = 64 * 1024;
 
-/// Size of the `launch_flags` region: the stream-ordered hand-off between a client's
-/// stream and the daemon's stream in daemon-launched mode (DESIGN.md §3.2), zeroed at
-/// creation. Layout (byte offsets inside the region, every word a uint64 in GPU memory):
-///   kReadyFlagOffset   ready_seq: the client's stream writes the op's seq once the op's
-///                      inputs are staged (the last block of the staging kernel,
-///                      kc::CopyDeviceBatchAsync); the daemon's stream waits for
-///                      ready_seq >= seq before the op's kernels (low-latency ops: in a
-///                      WaitFlagAsync kernel; others: cuStreamWaitValue64).
-///   kDoneFlagOffset    done_seq: written with seq once the op's outputs are complete: by
-///                      the daemon's low-latency kernel itself (KernelHandoff), for other
-///                      ops by the daemon's stream after the kernels (cuStreamWriteValue64),
-///                      and by the engine for an op that fails before launch; the
-///                      client's stream waits for done_seq >= seq before it reads the
-///                      outputs.
-///   kReadySignalCounterOffset uint32 tickets of the staging kernel's blocks (low half:
-///                      started, the last one writes staging_seq; high half: finished, the
-///                      last one writes ready_seq); 0 between ops. Client-owned.
-///   kStagingFlagOffset staging_seq: the staging kernel writes the op's seq once all its
-///                      blocks are resident, before its copies (kc::CopyDeviceBatchAsync
-///                      `started`; its ticket at kReadySignalCounterOffset): the
-///                      daemon's WaitFlagAsync of a low-latency op passes on staging_seq >= seq
-///                      (or ready_seq >= seq), so the kernel behind it is launched while the
-///                      inputs are still being copied, and its blocks wait for ready_seq
-///                      themselves (KernelHandoff). Written by a client of this version only:
-///                      the daemon's wait also passes on ready_seq alone.
-///   kProgramGoOffset   graph mode (DESIGN.md §3.2): the client's stream writes 1 once a
-///                      program step's inputs are staged (the staging kernel's last block,
-///                      kc::CopyDeviceBatchAsync; ticket at kReadySignalCounterOffset); the
-///                      daemon's stream waits for go >= 1, then writes 0, then runs the
-///                      step's kernels.
-///   kProgramDoneOffset graph mode: the step's kernel writes 1 once its outputs are
-///                      complete (KernelHandoff; the daemon's stream, if the launch failed);
-///                      the client's stream waits for done >= 1, then
-///                      a one-thread kernel swaps 1 for 0 (atomicCAS). When the program is
-///                      disarmed the daemon writes kProgramReleased, which no CAS clears, so
-///                      a client stream running further steps never waits forever.
-///   kProgramInstanceOffset graph mode: the step's kernel writes the instance number
-///                      (1, 2, ... since the program was armed) just before done.
-///   [88, 4096), [20, 24) and [32, 64) reserved.
-/// Graph-mode words hold only 0/1 (and kProgramReleased): every value a captured client
-/// graph writes or waits for is a constant, so replays stay valid.
-inline constexpr uint64_t kLaunchFlagsRegionBytes = 4096;
-inline constexpr uint64_t kReadyFlagOffset = 0;
-inline constexpr uint64_t kDoneFlagOffset = 8;
-inline constexpr uint64_t kReadySignalCounterOffset = 16;
-inline constexpr uint64_t kStagingFlagOffset = 24;
-inline constexpr uint64_t kProgramGoOffset = 64;
-inline constexpr uint64_t kProgramDoneOffset = 72;
-inline constexpr uint64_t kProgramInstanceOffset = 80;
-inline constexpr uint64_t kProgramReleased = 2;
+/// The launch_flags region's words (proto/abi/launch_flags.h), also under this namespace.
+using ::epd::abi::kDoneFlagOffset;
+using ::epd::abi::kLaunchFlagsRegionBytes;
+using ::epd::abi::kProgramDoneOffset;
+using ::epd::abi::kProgramGoOffset;
+using ::epd::abi::kProgramInstanceOffset;
+using ::epd::abi::kProgramReleased;
+using ::epd::abi::kReadyFlagOffset;
+using ::epd::abi::kReadySignalCounterOffset;
+using ::epd::abi::kReleasedSeq;
+using ::epd::abi::kStagingFlagOffset;
+using ::epd::abi::LaunchFlags;
 
 /// Every region of one endpoint. Shapes are given with M = max_tokens_per_rank,
 /// Mll = ll_max_tokens_per_rank, N = R*M, El = E/R, S = ceil(H/128).

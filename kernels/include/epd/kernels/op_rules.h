@@ -194,13 +194,13 @@ struct ProgramStepPlan {
 /// buffer fields ignored) in place. Does not validate (PlanProgram does).
 void AssignProgramBuffers(std::vector<ProgramStepPlan>& steps);
 
-/// Decodes and validates a program encoded as in shm_abi.h (words[0] = step count, step i
-/// = abi::ProgramStepByte(words, i)) for a group of `shape`, and plans its buffers.
+/// Decodes and validates the program of a kRegisterProgram `slot` (its program_num_steps and
+/// program_steps, shm_abi.h) for a group of `shape`, and plans its buffers.
 /// INVALID_ARGUMENT naming the step for: a count outside [1, kMaxProgramSteps], a step
 /// that is not LowLatencyDispatch/LowLatencyCombine, FP8 without shape.use_fp8 or with
 /// hidden % 128 != 0, round_scale without FP8, a combine with FP8 options, a combine
 /// without any dispatch; FAILED_PRECONDITION when ll_max_tokens_per_rank == 0.
-absl::StatusOr<std::vector<ProgramStepPlan>> PlanProgram(const uint64_t words[3],
+absl::StatusOr<std::vector<ProgramStepPlan>> PlanProgram(const abi::RequestSlot& slot,
                                                          const kernels::GroupShape& shape);
 
 /// "LowLatencyDispatch{use_fp8=true, round_scale=false}" / "LowLatencyCombine".
