@@ -302,11 +302,9 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
       a.expert_alignment = slot.expert_alignment;
       a.with_weights = plan.flags & abi::kFlagDispatchWeights;
       a.cached = plan.flags & abi::kFlagCachedHandle;
+      a.recv_count_out = &cr.readback->recv_count;  // Mapped: the kernel writes N there.
       EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, slot.num_tokens, s));
       EPD_RETURN_IF_ERROR(kc::NormalDispatch(ctx, a, s));
-      EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(
-          cudaMemcpyAsync(&cr.readback->recv_count, cr.area.get() + L.recv_count.offset,
-                          sizeof(int32_t), cudaMemcpyDeviceToHost, s)));
       break;
     }
     case abi::OpKind::kCombine: {
