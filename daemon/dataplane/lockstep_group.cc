@@ -17,11 +17,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::shared_ptr<spdlog::logger> EngineLog() {
-  auto l = spdlog::get("epd.engine");
-  return l ? l : spdlog::default_logger();
-}
-
 void WriteCompletion(LockstepEndpoint& ep, uint64_t seq, const RankOutcome& outcome) {
   abi::Completion& c = ep.completions()[seq % abi::kCompletionCapacity];
   c.status_code = static_cast<int32_t>(outcome.status.code());
@@ -42,109 +37,16 @@ void WriteCompletion(LockstepEndpoint& ep, uint64_t seq, const RankOutcome& outc
 
 std::atomic<uint64_t> g_next_endpoint_id{1};
 
-/// Moves the outcomes a backend returned by value (StartOp / PollOp) into the group's [R]
-/// `outcomes`; INTERNAL for every rank when their number is not R. False for nullopt (the
-/// op runs on).
-bool TakeOutcomes(std::optional<std::vector<RankOutcome>> out, std::span<RankOutcome> outcomes) {
-  if (!out) return false;
-  if (out->size() != outcomes.size()) {
-    for (RankOutcome& o : outcomes) {
-      o.status = absl::InternalError(absl::StrCat("the backend returned ", out->size(),
-                                                  " outcomes for ", outcomes.size(), " ranks"));
-    }
-    return true;
-  }
-  std::move(out->begin(), out->end(), outcomes.begin());
-  return true;
-}
-
 }  // namespace
 
 uint64_t NextEndpointId() { return g_next_endpoint_id.fetch_add(1); }
 
-kernels::GroupShape ShapeOf(const v1::GroupSpec& spec) {
-  kernels::GroupShape s;
-  s.num_ranks = spec.num_ranks();
-  s.num_experts = spec.num_experts();
-  s.hidden = spec.hidden();
-  s.num_topk = spec.num_topk();
-  s.max_tokens_per_rank = spec.max_tokens_per_rank();
-  s.ll_max_tokens_per_rank = spec.ll_max_tokens_per_rank();
-  s.use_fp8 = spec.use_fp8();
-  return s;
+std::shared_ptr<spdlog::logger> EngineLog() {
+  auto l = spdlog::get("epd.engine");
+  return l ? l : spdlog::default_logger();
 }
 
 const char* OpName(uint32_t op) { return abi::OpKindName(op); }
-
-std::string ProgramStepName(const ProgramStepPlan& step) {
-  std::string s = OpName(static_cast<uint32_t>(step.op));
-  if (step.op == abi::OpKind::kLowLatencyDispatch) {
-    absl::StrAppend(&s, "{use_fp8=", step.use_fp8 ? "true" : "false",
-                    ", round_scale=", step.round_scale ? "true" : "false", "}");
-  }
-  return s;
-}
-
-absl::StatusOr<std::vector<ProgramStepPlan>> DecodeProgram(const abi::RequestSlot& slot,
-                                                           const kernels::GroupShape& shape) {
-  if (shape.ll_max_tokens_per_rank == 0) {
-    return absl::FailedPreconditionError(
-        "RegisterProgram: the group has no low-latency mode (spec.ll_max_tokens_per_rank = 0)");
-  }
-  const uint64_t n = slot.reserved[0];
-  if (n < 1 || n > abi::kMaxProgramSteps) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("RegisterProgram: ", n, " steps, outside [1, ", abi::kMaxProgramSteps, "]"));
-  }
-  std::vector<ProgramStepPlan> steps(n);
-  int dispatches = 0, combines = 0, last_dispatch_buffer = -1;
-  for (uint32_t i = 0; i < n; ++i) {
-    const uint8_t b = abi::ProgramStepByte(slot.reserved, i);
-    ProgramStepPlan& st = steps[i];
-    st.op = static_cast<abi::OpKind>(b & 0xf);
-    st.use_fp8 = b & abi::kProgramStepFp8;
-    st.round_scale = b & abi::kProgramStepRoundScale;
-    const bool dispatch = st.op == abi::OpKind::kLowLatencyDispatch;
-    if ((b & 0xc0) != 0 || (!dispatch && st.op != abi::OpKind::kLowLatencyCombine)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "RegisterProgram: step ", i, " (byte 0x", absl::Hex(b), ") is ", OpName(b & 0xf),
-          "; a program step must be LowLatencyDispatch or LowLatencyCombine"));
-    }
-    if (!dispatch && (st.use_fp8 || st.round_scale)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "RegisterProgram: step ", i, " (LowLatencyCombine) has use_fp8/round_scale set"));
-    }
-    if (st.round_scale && !st.use_fp8) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("RegisterProgram: step ", i, " has round_scale without use_fp8"));
-    }
-    if (st.use_fp8 && !shape.use_fp8) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("RegisterProgram: step ", i, " uses FP8 but the group has use_fp8 = false"));
-    }
-    if (st.use_fp8 && shape.hidden % kernels::kFp8BlockChannels != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("RegisterProgram: step ", i,
-                       " uses FP8, which needs hidden % 128 == 0, hidden = ", shape.hidden));
-    }
-    if (dispatch) {
-      st.buffer = dispatches++ % kernels::kLowLatencyBuffers;
-      last_dispatch_buffer = st.buffer;
-    } else {
-      st.out_buffer = combines++ % kernels::kLowLatencyBuffers;
-      st.buffer = last_dispatch_buffer;  // -1 until a dispatch: fixed cyclically below.
-    }
-  }
-  if (combines > 0 && dispatches == 0) {
-    return absl::InvalidArgumentError(
-        "RegisterProgram: the program has a LowLatencyCombine but no LowLatencyDispatch");
-  }
-  // A combine before the program's first dispatch pairs with its last one (cyclically).
-  for (ProgramStepPlan& st : steps) {
-    if (st.op == abi::OpKind::kLowLatencyCombine && st.buffer < 0) st.buffer = last_dispatch_buffer;
-  }
-  return steps;
-}
 
 LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
     : spec_(spec),
@@ -162,24 +64,12 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
   gone_.reserve(spec.num_ranks());
 }
 
-std::optional<std::vector<RankOutcome>> LockstepGroup::StartOp(
-    const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) {
-  std::vector<RankOutcome> out(slots.size());
-  for (RankOutcome& o : out) {
-    o.status = absl::InternalError(
-        absl::StrCat(OpName(static_cast<uint32_t>(plan.op)),
-                     ": this backend implements neither LockstepGroup::StartOp nor StartOpInto"));
-  }
-  return out;
-}
-
-bool LockstepGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
-                                std::span<RankOutcome> outcomes) {
-  return TakeOutcomes(StartOp(plan, slots), outcomes);
-}
-
 bool LockstepGroup::PollOpInto(std::span<RankOutcome> outcomes) {
-  return TakeOutcomes(PollOp(), outcomes);
+  for (RankOutcome& o : outcomes) {
+    o.status = absl::InternalError(
+        "this backend left an op running but implements no LockstepGroup::PollOpInto");
+  }
+  return true;
 }
 
 uint64_t LockstepGroup::rank_ops_completed(int32_t rank) const {
@@ -262,6 +152,9 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   info->set_abi_version(abi::kShmAbiVersion);
   info->set_op_timeout_ms(options_.op_timeout_ms);
   info->set_first_seq(first_seq);
+  // The buffer rule's count at first_seq: a running op was counted when it started.
+  info->set_first_ll_dispatches(parity_.dispatches);
+  info->set_first_ll_combines(parity_.combines);
   EPD_RETURN_IF_ERROR(RankAttached(rank, ep->backend));
   endpoints_[rank] = std::move(ep);
   departed_.resize(endpoints_.size(), false);
@@ -397,80 +290,22 @@ absl::Status LockstepGroup::ValidateSlot(int32_t rank, const LockstepEndpoint& e
     if (op == abi::OpKind::kRegisterProgram) return DecodeProgram(slot, shape_).status();
     return absl::OkStatus();
   }
-  const bool ll = op == abi::OpKind::kLowLatencyDispatch || op == abi::OpKind::kLowLatencyCombine;
-  const int32_t max_tokens = ll ? shape_.ll_max_tokens_per_rank : shape_.max_tokens_per_rank;
-  if (ll && shape_.ll_max_tokens_per_rank == 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        OpName(slot.op), " needs spec.ll_max_tokens_per_rank > 0 (group ", spec_.name(), ")"));
-  }
-  if (slot.num_tokens < 0 || slot.num_tokens > max_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat(OpName(slot.op), ": num_tokens ",
-                                                   slot.num_tokens, " outside [0, ", max_tokens,
-                                                   "] (", ll ? "ll_" : "", "max_tokens_per_rank)"));
-  }
-  if (slot.num_sms < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(OpName(slot.op), ": num_sms ", slot.num_sms, " < 0"));
-  }
-  if (op == abi::OpKind::kDispatch) {
-    if (slot.expert_alignment < 1 || slot.expert_alignment > (1 << 20)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("Dispatch: expert_alignment ", slot.expert_alignment, " outside [1, 2^20]"));
-    }
-    if ((slot.flags & abi::kFlagFp8) && !shape_.use_fp8) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("Dispatch: FP8 input but group ", spec_.name(), " has use_fp8 = false"));
-    }
-  }
-  if (op == abi::OpKind::kLowLatencyDispatch && (slot.flags & abi::kFlagFp8) &&
-      shape_.hidden % kernels::kFp8BlockChannels != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "LowLatencyDispatch: use_fp8 needs hidden % 128 == 0, hidden = ", shape_.hidden));
-  }
-  if ((op == abi::OpKind::kLowLatencyDispatch && (slot.flags & abi::kFlagFp8) && !shape_.use_fp8)) {
-    return absl::InvalidArgumentError(absl::StrCat("LowLatencyDispatch: use_fp8 but group ",
-                                                   spec_.name(), " has use_fp8 = false"));
-  }
-  return ValidateHandle(ep, slot);
+  EPD_RETURN_IF_ERROR(rules::CheckRequestShape(op, rules::DecodeFlags(slot.flags), slot.num_tokens,
+                                               slot.num_sms, slot.expert_alignment, shape_,
+                                               spec_.name()));
+  return ep.handles.Check(op, slot.flags, slot.handle_seq, slot.num_tokens);
 }
 
-absl::Status LockstepGroup::ValidateHandle(const LockstepEndpoint& ep,
-                                           const abi::RequestSlot& slot) const {
-  const auto op = static_cast<abi::OpKind>(slot.op);
-  const bool uses_routing = op == abi::OpKind::kCombine ||
-                            (op == abi::OpKind::kDispatch && (slot.flags & abi::kFlagCachedHandle));
-  if (uses_routing) {
-    if (ep.routing_seq == 0 || slot.handle_seq < ep.routing_seq ||
-        slot.handle_seq > ep.last_dispatch_seq) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          OpName(slot.op), ": handle of op ", slot.handle_seq,
-          " is not the current dispatch routing of this endpoint (valid: ops ", ep.routing_seq,
-          "..", ep.last_dispatch_seq, "); a handle is invalidated by the next Dispatch"));
-    }
-    if (slot.num_tokens != ep.routing_tokens) {
-      return absl::InvalidArgumentError(absl::StrCat(OpName(slot.op), ": num_tokens ",
-                                                     slot.num_tokens, " != the handle's ",
-                                                     ep.routing_tokens));
+void LockstepGroup::CountOp(uint32_t op) {
+  const auto kind = static_cast<abi::OpKind>(rules::Describe(op).op);
+  if (kind == abi::OpKind::kLowLatencyDispatch) {
+    const int b = parity_.DispatchBuffer();
+    ll_dispatch_seq_[b] = 0;  // Its dispatch, if it succeeds, owns it (FinishOp).
+    for (const auto& ep : endpoints_) {
+      if (ep) ep->handles.LowLatencyDispatchEnded(current_seq_, b, 0, /*ok=*/false);
     }
   }
-  if (op == abi::OpKind::kLowLatencyCombine) {
-    int found = -1;
-    for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) {
-      if (ep.ll_seq[b] != 0 && ep.ll_seq[b] == slot.handle_seq) found = b;
-    }
-    if (found < 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "LowLatencyCombine: handle of op ", slot.handle_seq,
-          " is not one of this endpoint's last two low-latency dispatches (its buffers were "
-          "reused, or it comes from another endpoint)"));
-    }
-    if (slot.num_tokens != ep.ll_tokens[found]) {
-      return absl::InvalidArgumentError(absl::StrCat("LowLatencyCombine: num_tokens ",
-                                                     slot.num_tokens, " != the handle's ",
-                                                     ep.ll_tokens[found]));
-    }
-  }
-  return absl::OkStatus();
+  parity_.Advance(kind);
 }
 
 bool LockstepGroup::PopSlot(LockstepEndpoint& ep, abi::RequestSlot* slot) {
@@ -571,6 +406,13 @@ bool LockstepGroup::PopRequests() {
 
 void LockstepGroup::FailOp(const absl::Status& status) {
   ops_failed_.fetch_add(1);
+  // The op counts for the buffer rule as the ranks submitted it (they agree, or it fails).
+  for (const auto& ep : endpoints_) {
+    if (ep && ep->request) {
+      CountOp(ep->request->op);
+      break;
+    }
+  }
   for (int32_t r = 0; r < static_cast<int32_t>(endpoints_.size()); ++r) {
     LockstepEndpoint* ep = endpoints_[r].get();
     if (ep && ep->request) {
@@ -670,9 +512,7 @@ bool LockstepGroup::RunOp() {
     slots[r] = *endpoints_[r]->request;
   }
   for (int r = 1; r < R; ++r) {
-    bool same_flags = ((slots[r].flags ^ slots[0].flags) &
-                       (abi::kFlagFp8 | abi::kFlagCachedHandle | abi::kFlagCombineWeights |
-                        abi::kFlagDispatchWeights | abi::kFlagRoundScale)) == 0;
+    bool same_flags = ((slots[r].flags ^ slots[0].flags) & rules::kAgreedFlags) == 0;
     if (slots[r].op != slots[0].op || !same_flags ||
         (slots[0].op == static_cast<uint32_t>(abi::OpKind::kDispatch) &&
          slots[r].expert_alignment != slots[0].expert_alignment)) {
@@ -739,9 +579,10 @@ bool LockstepGroup::RunOp() {
       if (ll_dispatch_seq_[b] == slots[0].handle_seq) plan.ll_handle_buffer = b;
     }
   }
-  plan.ll_buffer = static_cast<int>(ll_dispatches_ % kernels::kLowLatencyBuffers);
-  plan.ll_out_buffer = static_cast<int>(ll_combines_ % kernels::kLowLatencyBuffers);
+  plan.ll_buffer = parity_.DispatchBuffer();
+  plan.ll_out_buffer = parity_.CombineOutBuffer();
   if (!ReadyToStart()) return false;
+  CountOp(slots[0].op);
   running_ = std::move(plan);
   for (RankOutcome& o : outcomes_) o = RankOutcome{};
   if (StartOpInto(*running_, running_slots_, outcomes_)) FinishOp();
@@ -753,9 +594,9 @@ void LockstepGroup::FinishOp() {
   const std::vector<abi::RequestSlot>& slots = running_slots_;
   std::vector<RankOutcome>& outcomes = outcomes_;
   const int R = static_cast<int>(slots.size());
-  // Every op but GetDispatchLayout exchanges data: one rank's error (e.g. its bad expert
-  // ids) makes every rank's output undefined, so every rank gets it.
-  if (plan.op != abi::OpKind::kGetDispatchLayout) {
+  // One rank's error (e.g. its bad expert ids) in an op that exchanges data makes every
+  // rank's output undefined, so every rank gets it.
+  if (rules::Describe(plan.op).exchanges_data) {
     int first_bad = -1;
     for (int r = 0; r < R && first_bad < 0; ++r) {
       if (!outcomes[r].status.ok()) first_bad = r;
@@ -778,13 +619,9 @@ void LockstepGroup::FinishOp() {
         for (int r = 0; r < R; ++r) {
           LockstepEndpoint* ep = endpoints_[r].get();
           if (!ep) continue;
-          if (!(plan.flags & abi::kFlagCachedHandle)) {
-            ep->routing_seq = slots[r].seq;
-            ep->routing_tokens = slots[r].num_tokens;
-            ep->num_recv_tokens = outcomes[r].num_recv_tokens;
-            ep->routing_fp8 = plan.flags & abi::kFlagFp8;
-          }
-          ep->last_dispatch_seq = slots[r].seq;
+          ep->handles.DispatchDone(slots[r].seq, plan.flags & abi::kFlagCachedHandle,
+                                   slots[r].num_tokens, outcomes[r].num_recv_tokens,
+                                   plan.flags & abi::kFlagFp8);
         }
         break;
       case abi::OpKind::kLowLatencyDispatch:
@@ -792,27 +629,23 @@ void LockstepGroup::FinishOp() {
         for (int r = 0; r < R; ++r) {
           outcomes[r].buffer = plan.ll_buffer;
           if (LockstepEndpoint* ep = endpoints_[r].get()) {
-            ep->ll_seq[plan.ll_buffer] = slots[r].seq;
-            ep->ll_tokens[plan.ll_buffer] = slots[r].num_tokens;
+            ep->handles.LowLatencyDispatchEnded(slots[r].seq, plan.ll_buffer, slots[r].num_tokens,
+                                                /*ok=*/true);
           }
         }
-        ++ll_dispatches_;
         break;
       case abi::OpKind::kLowLatencyCombine:
         for (int r = 0; r < R; ++r) {
           outcomes[r].buffer = plan.ll_out_buffer;
           outcomes[r].num_recv_tokens = slots[r].num_tokens;  // T, for the client's view.
         }
-        ++ll_combines_;
         break;
       case abi::OpKind::kRegisterProgram:
         // The program's instances overwrite the low-latency buffers: earlier handles die.
         program_armed_ = true;
         for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) ll_dispatch_seq_[b] = 0;
         for (int r = 0; r < R; ++r) {
-          if (LockstepEndpoint* ep = endpoints_[r].get()) {
-            for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) ep->ll_seq[b] = 0;
-          }
+          if (LockstepEndpoint* ep = endpoints_[r].get()) ep->handles.ClearLowLatency();
         }
         break;
       case abi::OpKind::kUnregisterProgram:

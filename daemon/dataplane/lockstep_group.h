@@ -30,13 +30,17 @@
 #include "daemon/core/logging.h"
 #include "daemon/dataplane/data_plane.h"
 #include "epd/kernels/layout.h"
+#include "epd/kernels/op_rules.h"
 #include "epd/v1/control.pb.h"
 #include "proto/abi/shm_abi.h"
 
 namespace epd {
 
-/// The kernels' GroupShape of a (validated) spec.
-kernels::GroupShape ShapeOf(const v1::GroupSpec& spec);
+/// The kernels' GroupShape of a (validated) spec (rules::ShapeOf).
+inline kernels::GroupShape ShapeOf(const v1::GroupSpec& spec) { return rules::ShapeOf(spec); }
+
+/// The "epd.engine" logger (the default logger until it is registered).
+std::shared_ptr<spdlog::logger> EngineLog();
 
 /// "Dispatch", "LowLatencyCombine", ... for an abi::OpKind value ("Invalid" otherwise).
 const char* OpName(uint32_t op);
@@ -70,15 +74,7 @@ struct LockstepEndpoint {
   std::optional<abi::RequestSlot> request;  ///< Popped, waiting for (or running) the op.
   std::optional<absl::Status> slot_error;   ///< Why `request` was rejected, if it was.
   uint64_t ops_completed = 0;
-  // Normal-mode handle state.
-  uint64_t routing_seq = 0;        ///< Seq of the dispatch that wrote send_pos.
-  uint64_t last_dispatch_seq = 0;  ///< Latest dispatch (cached or not).
-  int32_t routing_tokens = 0;      ///< T of the routing dispatch.
-  int32_t num_recv_tokens = 0;     ///< N of the routing dispatch.
-  bool routing_fp8 = false;
-  // Low-latency handle state, per buffer set.
-  uint64_t ll_seq[kernels::kLowLatencyBuffers] = {0, 0};
-  int32_t ll_tokens[kernels::kLowLatencyBuffers] = {0, 0};
+  rules::HandleTable handles;  ///< Which dispatches' routing and low-latency buffers are current.
   std::shared_ptr<RankResources> backend;  ///< The backend's part of this rank.
   /// "group G rank R (endpoint ID)", the source named in this endpoint's log lines.
   std::string log_name;
@@ -110,38 +106,24 @@ struct RankOutcome {
   int32_t buffer = 0;           ///< Low-latency ops: filled in by LockstepGroup.
 };
 
-/// One step of a graph-mode program (DESIGN.md §3.2), with its fixed low-latency buffers.
-/// Buffers are a pure function of the step's position, so every replay of a captured
-/// program sees the same views: the i-th dispatch of the program (counting from 0) writes
-/// buffer i % 2; a combine uses the buffer of the nearest dispatch before it (cyclically,
-/// so a combine at step 0 pairs with the program's last dispatch) and writes
-/// ll_combined_x[j % 2] for the j-th combine of the program.
-struct ProgramStepPlan {
-  abi::OpKind op = abi::OpKind::kInvalid;
-  bool use_fp8 = false;      ///< Dispatch: quantize to e4m3.
-  bool round_scale = false;  ///< Dispatch: power-of-two scales.
-  int buffer = 0;            ///< Dispatch: buffer written; combine: its dispatch's buffer.
-  int out_buffer = 0;        ///< Combine: ll_combined_x buffer written.
-};
+/// One step of a graph-mode program with its fixed low-latency buffers (op_rules.h).
+using ProgramStepPlan = rules::ProgramStepPlan;
+using rules::ProgramStepName;
 
-/// Decodes and validates the program of a kRegisterProgram slot (shm_abi.h encoding) for
-/// a group of `shape`. INVALID_ARGUMENT naming the step for: a step count outside
-/// [1, kMaxProgramSteps], a step that is not LowLatencyDispatch/LowLatencyCombine, FP8
-/// without shape.use_fp8 or with hidden % 128 != 0, round_scale without FP8, a program
-/// with a combine but no dispatch; FAILED_PRECONDITION when the group has no low-latency
-/// mode (ll_max_tokens_per_rank == 0).
-absl::StatusOr<std::vector<ProgramStepPlan>> DecodeProgram(const abi::RequestSlot& slot,
-                                                           const kernels::GroupShape& shape);
-
-/// "LowLatencyDispatch{use_fp8, round_scale}" / "LowLatencyCombine" for messages.
-std::string ProgramStepName(const ProgramStepPlan& step);
+/// The program of a kRegisterProgram slot (shm_abi.h encoding), decoded, validated and
+/// planned for a group of `shape`: rules::PlanProgram of the slot's words.
+inline absl::StatusOr<std::vector<ProgramStepPlan>> DecodeProgram(
+    const abi::RequestSlot& slot, const kernels::GroupShape& shape) {
+  return rules::PlanProgram(slot.reserved, shape);
+}
 
 /// What LockstepGroup decided about an op before handing it to the backend.
 struct OpPlan {
   uint64_t seq = 0;
   abi::OpKind op = abi::OpKind::kInvalid;
   uint32_t flags = 0;                    ///< Rank 0's flags (all ranks agree on the op's flags).
-  int ll_buffer = 0;                     ///< LowLatencyDispatch: the buffer set it writes.
+  int ll_buffer = 0;                     ///< LowLatencyDispatch: the buffer set it writes
+                                         ///< (rules::LowLatencyParity).
   int ll_handle_buffer = 0;              ///< LowLatencyCombine: the buffer of its dispatch.
   int ll_out_buffer = 0;                 ///< LowLatencyCombine: the ll_combined_x buffer it writes.
   std::vector<ProgramStepPlan> program;  ///< kRegisterProgram: the agreed program.
@@ -218,25 +200,16 @@ class LockstepGroup : public DataPlaneGroup {
   /// collected op waits, bounded by op_timeout.
   virtual bool ReadyToStart() { return true; }
   /// Starts `plan` for every rank; `slots[r]` is rank r's validated request (every rank
-  /// attached). Returns the outcomes when the op finished synchronously, nullopt when it
-  /// runs on (then PollOp is called on every Poll until it returns the outcomes).
-  /// A vector per op: a backend whose ops must not allocate (README "Hot path") overrides
-  /// StartOpInto / PollOpInto instead. The default (a backend that overrides StartOpInto
-  /// only) fails every rank with INTERNAL.
-  virtual std::optional<std::vector<RankOutcome>> StartOp(
-      const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
-  /// Outcomes of the running op once it finished, nullopt while it runs.
-  virtual std::optional<std::vector<RankOutcome>> PollOp() { return std::nullopt; }
-  /// The allocation-free form of StartOp, which is what LockstepGroup calls. `outcomes`
-  /// has one entry per rank (R), each reset to {OK, 0, 0}; it is the group's, reused from
-  /// op to op: the backend writes rank r's outcome into outcomes[r]. Returns true when the
-  /// op finished synchronously (outcomes written), false when it runs on (then PollOpInto
-  /// is called on every Poll). The default forwards to StartOp (a vector per op).
+  /// attached). `outcomes` has one entry per rank (R), each reset to {OK, 0, 0}; it is the
+  /// group's, reused from op to op (an op allocates nothing, README "Hot path"): the
+  /// backend writes rank r's outcome into outcomes[r]. Returns true when the op finished
+  /// synchronously (outcomes written), false when it runs on (then PollOpInto is called
+  /// on every Poll).
   virtual bool StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
-                           std::span<RankOutcome> outcomes);
-  /// The allocation-free form of PollOp: true once the running op finished, with
-  /// `outcomes` (as for StartOpInto) written; false while it runs. The default forwards to
-  /// PollOp.
+                           std::span<RankOutcome> outcomes) = 0;
+  /// True once the running op finished, with `outcomes` (as for StartOpInto) written;
+  /// false while it runs. The default (a backend whose ops all finish in StartOpInto)
+  /// fails every rank with INTERNAL.
   virtual bool PollOpInto(std::span<RankOutcome> outcomes);
   /// Wakes whoever polls this group (a daemon-side event: a rank left).
   virtual void WakeEngine() {}
@@ -328,7 +301,9 @@ class LockstepGroup : public DataPlaneGroup {
   /// Completes request `slot` of rank `rank` with `status` without running it.
   void CompleteUnrun(int32_t rank, LockstepEndpoint& ep, const abi::RequestSlot& slot,
                      const absl::Status& status);
-  absl::Status ValidateHandle(const LockstepEndpoint& ep, const abi::RequestSlot& slot) const;
+  /// Counts op current_seq_ of kind `op` in parity_ (started or failed, once per op); a
+  /// low-latency dispatch takes its buffer from every handle that owned it.
+  void CountOp(uint32_t op);
 
   v1::GroupSpec spec_;
   kernels::GroupShape shape_;
@@ -355,9 +330,9 @@ class LockstepGroup : public DataPlaneGroup {
   std::vector<int32_t> missing_;                 ///< Poll: ranks not arrived (capacity R).
   std::vector<int32_t> gone_;                    ///< Poll: missing ranks that left (capacity R).
   std::map<uint64_t, absl::Status> failed_ops_;  ///< Recent failed ops, for late ranks.
-  uint64_t ll_dispatches_ = 0;                   ///< Low-latency dispatches so far (buffer parity).
-  uint64_t ll_combines_ = 0;
-  uint64_t ll_dispatch_seq_[kernels::kLowLatencyBuffers] = {0, 0};
+  /// Low-latency ops counted before current_seq_ (and the running op): the buffer rule.
+  rules::LowLatencyParity parity_;
+  uint64_t ll_dispatch_seq_[kernels::kLowLatencyBuffers] = {0, 0};  ///< Owner of buffer b.
   std::atomic<uint64_t> ops_completed_{0};
   std::atomic<uint64_t> ops_failed_{0};
 };

@@ -168,11 +168,11 @@ class ProgramGroup : public LockstepGroup {
     info->set_backend("program-test");
     return std::shared_ptr<RankResources>();
   }
-  std::optional<std::vector<RankOutcome>> StartOp(
-      const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) override {
+  bool StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>&,
+                   std::span<RankOutcome>) override {
     started_.push_back(plan.op);
     if (plan.op == Op::kRegisterProgram) program_steps_ = plan.program.size();
-    return std::vector<RankOutcome>(slots.size());
+    return true;
   }
   absl::Status CheckProgram(int32_t) const override { return absl::OkStatus(); }
 

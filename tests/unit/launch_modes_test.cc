@@ -377,10 +377,10 @@ class RecordingGroup : public LockstepGroup {
     info->set_backend("recording");
     return std::shared_ptr<RankResources>();
   }
-  std::optional<std::vector<RankOutcome>> StartOp(
-      const OpPlan&, const std::vector<abi::RequestSlot>& slots) override {
+  bool StartOpInto(const OpPlan&, const std::vector<abi::RequestSlot>&,
+                   std::span<RankOutcome>) override {
     ++started_;
-    return std::vector<RankOutcome>(slots.size());
+    return true;
   }
   absl::Status AcceptsRequests(int32_t rank) const override {
     if (rank == refused_rank_) return absl::FailedPreconditionError("rank refused by the test");

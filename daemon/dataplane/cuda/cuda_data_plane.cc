@@ -38,11 +38,6 @@ const bool kCudaEnvironmentSet = [] {
 
 }  // namespace
 
-std::shared_ptr<spdlog::logger> CudaEngineLog() {
-  auto l = spdlog::get("epd.engine");
-  return l ? l : spdlog::default_logger();
-}
-
 uint64_t CudaDataPlaneImpl::BytesPerRank(const v1::GroupSpec& spec) const {
   // cudaMalloc granularity is 2 MiB.
   const uint64_t bytes = EndpointLayout::Compute(ShapeOf(spec)).total_bytes;
@@ -61,7 +56,7 @@ absl::Status CudaDataPlaneImpl::Init() {
     return absl::FailedPreconditionError(
         absl::StrCat("the CUDA data plane needs a GPU: ", inventory.reason()));
   }
-  auto log = CudaEngineLog();
+  auto log = EngineLog();
   kernel_ready_wait_ = options_.kernel_ready_wait.value_or(inventory.mps().active);
   log->info("daemon-launched low-latency ops wait for their client's ready flag {}",
             kernel_ready_wait_ ? "in a one-warp kernel (MPS or forced)"

@@ -348,7 +348,7 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
   if (needs_sync_reset_ && !program_) {
     absl::Status st = ResetSync();
     if (!st.ok()) {
-      CudaEngineLog()->error("group {}: resetting the kernels' sync state failed: {}",
+      EngineLog()->error("group {}: resetting the kernels' sync state failed: {}",
                              spec().name(), st.ToString());
       plane_->ReleaseGpus(this);
       for (int r = 0; r < R; ++r) {
@@ -445,14 +445,14 @@ void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot)
     absl::Status st = kc::StreamWriteValue64(aux, cr->done_flag(), slot.seq);
     if (st.ok()) st = EPD_CUDA_STATUS(cudaStreamSynchronize(aux));
     if (!st.ok()) {
-      CudaEngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
+      EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
                              spec().name(), rank, slot.seq, st.ToString());
     }
     return;
   }
   absl::Status st = WriteDone(*cr, slot.seq);
   if (!st.ok()) {
-    CudaEngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
+    EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
                            spec().name(), rank, slot.seq, st.ToString());
   }
 }
@@ -581,14 +581,14 @@ void CudaGroup::ProgramOp(const OpPlan& plan, std::span<RankOutcome> outcomes) {
     if (armed.ok()) program_ = *std::move(armed);
     if (!st.ok()) {
       plane_->ReleaseGpus(this);
-      CudaEngineLog()->error("group {}: arming the program failed: {}", spec().name(),
+      EngineLog()->error("group {}: arming the program failed: {}", spec().name(),
                              st.ToString());
     } else {
       std::string steps;
       for (const ProgramStepPlan& p : plan.program) {
         absl::StrAppend(&steps, steps.empty() ? "" : ", ", ProgramStepName(p));
       }
-      CudaEngineLog()->info("group {}: graph-mode program armed: [{}]", spec().name(), steps);
+      EngineLog()->info("group {}: graph-mode program armed: [{}]", spec().name(), steps);
     }
   } else {
     DisarmProgram(absl::OkStatus());

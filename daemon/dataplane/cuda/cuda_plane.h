@@ -19,14 +19,10 @@
 #include "daemon/dataplane/cuda/cuda_data_plane.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/dataplane/engine_host.h"
-#include "spdlog/spdlog.h"
 
 namespace epd {
 
 class CudaGroup;
-
-/// The engine logger ("epd.engine", else the default logger).
-std::shared_ptr<spdlog::logger> CudaEngineLog();
 
 /// One engine per GPU: a thread, a doorbell page and the groups it polls.
 struct GpuEngine {

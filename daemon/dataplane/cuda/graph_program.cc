@@ -68,9 +68,9 @@ absl::StatusOr<std::unique_ptr<GraphProgram>> GraphProgram::Arm(
         kernels::kProgramInstanceOffset + sizeof(uint64_t) - kernels::kProgramGoOffset, s)));
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(s)));
     if (ProgramTrace()) {
-      CudaEngineLog()->warn("program trace: group {} rank {}: GPU {} stream {} go at {}",
-                            host->ProgramGroupName(), r, pr.rank->device, static_cast<void*>(s),
-                            static_cast<void*>(pr.rank->flag(kernels::kProgramGoOffset)));
+      EngineLog()->warn("program trace: group {} rank {}: GPU {} stream {} go at {}",
+                        host->ProgramGroupName(), r, pr.rank->device, static_cast<void*>(s),
+                        static_cast<void*>(pr.rank->flag(kernels::kProgramGoOffset)));
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -158,9 +158,8 @@ void GraphProgram::EnqueueInstance() {
     if (st.ok()) st = w;
     if (in.launch[r].ok()) in.launch[r] = st;
     if (ProgramTrace()) {
-      CudaEngineLog()->warn(
-          "program trace: group {}: enqueued instance {} (step {}) on rank {}: {}",
-          host_->ProgramGroupName(), in.k, in.step, r, in.launch[r].ToString());
+      EngineLog()->warn("program trace: group {}: enqueued instance {} (step {}) on rank {}: {}",
+                        host_->ProgramGroupName(), in.k, in.step, r, in.launch[r].ToString());
     }
   }
   ++inflight_;
@@ -192,8 +191,8 @@ void GraphProgram::PublishChecked(uint64_t k) {
 void GraphProgram::Disarm(const absl::Status& why) {
   const std::string& name = host_->ProgramGroupName();
   if (ProgramTrace()) {
-    CudaEngineLog()->warn("program trace: group {}: disarming ({}) with {} instance(s) in flight",
-                          name, why.ToString(), inflight_);
+    EngineLog()->warn("program trace: group {}: disarming ({}) with {} instance(s) in flight", name,
+                      why.ToString(), inflight_);
   }
   // Release the instances still waiting for their client's go, in instance order. go = 1
   // for instance j is written only once instance j-1 has passed its wait and written
@@ -211,8 +210,8 @@ void GraphProgram::Disarm(const absl::Status& why) {
       absl::Status st = kc::StreamWriteValue64(aux, pr.rank->flag(kernels::kProgramGoOffset), 1);
       if (st.ok()) st = EPD_CUDA_STATUS(cudaStreamSynchronize(aux));
       if (!st.ok()) {
-        CudaEngineLog()->error("group {} rank {}: releasing program instance {} failed: {}", name,
-                               pr.rank->rank, in.k, st.ToString());
+        EngineLog()->error("group {} rank {}: releasing program instance {} failed: {}", name,
+                           pr.rank->rank, in.k, st.ToString());
       }
     }
     for (ProgramRank& pr : ranks_) {
@@ -226,8 +225,8 @@ void GraphProgram::Disarm(const absl::Status& why) {
     absl::Status st = kc::StreamWriteValue64(cr.stream.get(), cr.flag(kernels::kProgramDoneOffset),
                                              kernels::kProgramReleased);
     if (!st.ok()) {
-      CudaEngineLog()->error("group {} rank {}: releasing the program's client stream failed: {}",
-                             name, cr.rank, st.ToString());
+      EngineLog()->error("group {} rank {}: releasing the program's client stream failed: {}", name,
+                         cr.rank, st.ToString());
     }
     cudaEventRecord(cr.done.get(), cr.stream.get());
   }
@@ -237,7 +236,7 @@ void GraphProgram::Disarm(const absl::Status& why) {
         absl::StrCat("group ", name, ": graph-mode program disarmed: ", why.message()));
     PublishError(why, next_ - 1, -1);
   } else {
-    CudaEngineLog()->info("group {}: graph-mode program unregistered", name);
+    EngineLog()->info("group {}: graph-mode program unregistered", name);
   }
   // The released instances' results are not checked: nothing waits for them.
   PublishChecked(~uint64_t{0});
@@ -260,8 +259,8 @@ void GraphProgram::TracePending() {
       absl::StrAppend(&ranks, " rank ", r, ": go wait ", EventState(ranks_[r].waited[ps].get()),
                       ", instance ", EventState(ranks_[r].done[ps].get()), ";");
     }
-    CudaEngineLog()->warn("program trace: group {}: instance {} pending:{}",
-                          host_->ProgramGroupName(), k, ranks);
+    EngineLog()->warn("program trace: group {}: instance {} pending:{}", host_->ProgramGroupName(),
+                      k, ranks);
   }
 }
 
@@ -286,8 +285,8 @@ absl::Status GraphProgram::Poll() {
       break;
     }
     if (ProgramTrace()) {
-      CudaEngineLog()->warn("program trace: group {}: instance {} (step {}) done on every rank",
-                            host_->ProgramGroupName(), in.k, in.step);
+      EngineLog()->warn("program trace: group {}: instance {} (step {}) done on every rank",
+                        host_->ProgramGroupName(), in.k, in.step);
     }
     const ProgramStepPlan& step = steps_[in.step];
     const char* name = OpName(static_cast<uint32_t>(step.op));

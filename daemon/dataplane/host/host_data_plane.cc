@@ -309,7 +309,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         HostRank& hr = Private(r);
         if (cached) {
           a.cached_send_pos = hr.send_pos.data();  // Rewritten in place (memmove).
-          a.cached_num_recv_tokens = ep.num_recv_tokens;
+          a.cached_num_recv_tokens = ep.handles.num_recv_tokens();
         } else {
           absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens);
           if (!idx.ok()) return fail_all(idx.status());
@@ -348,9 +348,9 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         auto& a = args[r];
         a = {};
         const LockstepEndpoint& ep = *endpoint(r);
-        a.num_tokens = ep.routing_tokens;
+        a.num_tokens = ep.handles.routing_tokens();
         a.send_pos = Private(r).send_pos.data();
-        a.num_recv_tokens = ep.num_recv_tokens;
+        a.num_recv_tokens = ep.handles.num_recv_tokens();
         a.x = Ptr<const kernels::bf16_bits>(r, L.in_combine_x);
         a.topk_weights = weights ? Ptr<const float>(r, L.in_combine_weights) : nullptr;
         a.combined_x = Ptr<kernels::bf16_bits>(r, L.combined_x);

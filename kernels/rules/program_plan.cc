@@ -1,0 +1,89 @@
+// The graph-program plan: decoding, validation and the fixed buffers of each step.
+#include "absl/strings/str_cat.h"
+#include "epd/kernels/op_rules.h"
+
+namespace epd::rules {
+
+void AssignProgramBuffers(std::vector<ProgramStepPlan>& steps) {
+  int dispatches = 0, combines = 0, last_dispatch_buffer = -1;
+  for (ProgramStepPlan& st : steps) {
+    if (st.op == abi::OpKind::kLowLatencyDispatch) {
+      st.buffer = dispatches++ % kernels::kLowLatencyBuffers;
+      st.out_buffer = 0;
+      last_dispatch_buffer = st.buffer;
+    } else {
+      st.out_buffer = combines++ % kernels::kLowLatencyBuffers;
+      st.buffer = last_dispatch_buffer;  // -1 until a dispatch: fixed cyclically below.
+    }
+  }
+  // A combine before the program's first dispatch pairs with its last one (cyclically).
+  for (ProgramStepPlan& st : steps) {
+    if (st.op != abi::OpKind::kLowLatencyDispatch && st.buffer < 0) {
+      st.buffer = last_dispatch_buffer;
+    }
+  }
+}
+
+absl::StatusOr<std::vector<ProgramStepPlan>> PlanProgram(const uint64_t words[3],
+                                                         const kernels::GroupShape& shape) {
+  if (shape.ll_max_tokens_per_rank == 0) {
+    return absl::FailedPreconditionError(
+        "RegisterProgram: the group has no low-latency mode (spec.ll_max_tokens_per_rank = 0)");
+  }
+  const uint64_t n = words[0];
+  if (n < 1 || n > abi::kMaxProgramSteps) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RegisterProgram: ", n, " steps, outside [1, ", abi::kMaxProgramSteps, "]"));
+  }
+  std::vector<ProgramStepPlan> steps(n);
+  bool any_dispatch = false, any_combine = false;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint8_t b = abi::ProgramStepByte(words, i);
+    ProgramStepPlan& st = steps[i];
+    st.op = static_cast<abi::OpKind>(b & 0xf);
+    st.use_fp8 = b & abi::kProgramStepFp8;
+    st.round_scale = b & abi::kProgramStepRoundScale;
+    const bool dispatch = st.op == abi::OpKind::kLowLatencyDispatch;
+    if ((b & 0xc0) != 0 || (!dispatch && st.op != abi::OpKind::kLowLatencyCombine)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RegisterProgram: step ", i, " (byte 0x", absl::Hex(b), ") is ", abi::OpKindName(b & 0xf),
+          "; a program step must be LowLatencyDispatch or LowLatencyCombine"));
+    }
+    if (!dispatch && (st.use_fp8 || st.round_scale)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RegisterProgram: step ", i, " (LowLatencyCombine) has use_fp8/round_scale set"));
+    }
+    if (st.round_scale && !st.use_fp8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterProgram: step ", i, " has round_scale without use_fp8"));
+    }
+    if (st.use_fp8 && !shape.use_fp8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterProgram: step ", i, " uses FP8 but the group has use_fp8 = false"));
+    }
+    if (st.use_fp8 && shape.hidden % kernels::kFp8BlockChannels != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterProgram: step ", i,
+                       " uses FP8, which needs hidden % 128 == 0, hidden = ", shape.hidden));
+    }
+    any_dispatch |= dispatch;
+    any_combine |= !dispatch;
+  }
+  if (any_combine && !any_dispatch) {
+    return absl::InvalidArgumentError(
+        "RegisterProgram: the program has a LowLatencyCombine but no LowLatencyDispatch");
+  }
+  AssignProgramBuffers(steps);
+  return steps;
+}
+
+std::string ProgramStepName(const ProgramStepPlan& step) {
+  std::string s = abi::OpKindName(step.op);
+  if (step.op == abi::OpKind::kLowLatencyDispatch) {
+    absl::StrAppend(&s, "{use_fp8=", step.use_fp8 ? "true" : "false",
+                    ", round_scale=", step.round_scale ? "true" : "false", "}");
+  }
+  return s;
+}
+
+}  // namespace epd::rules
