@@ -13,6 +13,7 @@
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_program.h"
 #include "epd/kernels/layout.h"
+#include "epd/kernels/op_rules.h"
 #include "epd/kernels/rank_context.h"
 #include "proto/abi/shm_abi.h"
 
@@ -68,8 +69,7 @@ void CudaGroup::SizeOp(GpuOp& op) const {
 }
 
 bool CudaGroup::KernelHandsOff(const GpuOp& op, size_t r) {
-  return op.stream_ordered[r] &&
-         (op.op == abi::OpKind::kLowLatencyDispatch || op.op == abi::OpKind::kLowLatencyCombine);
+  return op.stream_ordered[r] && rules::IsLowLatency(op.op);
 }
 
 void CudaGroup::RecycleOp(std::optional<GpuOp>& op) {
@@ -240,8 +240,10 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
   const EndpointLayout& L = layout();
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
   cudaStream_t s = cr.stream.get();
-  const bool low_latency =
-      plan.op == abi::OpKind::kLowLatencyDispatch || plan.op == abi::OpKind::kLowLatencyCombine;
+  const bool low_latency = rules::IsLowLatency(plan.op);
+  // The op's flags (agreed by every rank) and this rank's stream ordering, decoded once.
+  const rules::RequestOptions op_flags = rules::DecodeFlags(plan.flags);
+  const bool stream_ordered = rules::DecodeFlags(slot.flags).stream_ordered;
   // A client's SM budget applies to normal ops only: low-latency kernels spin on each
   // other, so their grids keep the default that makes every rank resident.
   const int32_t num_sms = low_latency
@@ -262,7 +264,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
   // needs (~2 ms a hop, DESIGN.md §3.2): the ready wait is then cuStreamWaitValue64, and
   // the kernel still checks ready_seq and writes done_seq.
   kc::KernelHandoff handoff;
-  const bool kernel_handoff = (slot.flags & abi::kFlagStreamOrdered) && low_latency;
+  const bool kernel_handoff = stream_ordered && low_latency;
   if (kernel_handoff) {
     handoff.ready_flag = reinterpret_cast<const uint64_t*>(cr.ready_flag());
     handoff.ready_value = slot.seq;
@@ -284,7 +286,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
         std::chrono::duration_cast<std::chrono::nanoseconds>(bound).count(),
         &cr.readback->ready_seen, s, reinterpret_cast<const uint64_t*>(cr.ready_flag())));
     handoff.programmatic = true;
-  } else if (slot.flags & abi::kFlagStreamOrdered) {
+  } else if (stream_ordered) {
     // The client's stream writes ready_seq = seq once it has staged the inputs; this
     // stream waits for it on the GPU (the CPU never does).
     EPD_RETURN_IF_ERROR(kc::StreamWaitValue64Geq(s, cr.ready_flag(), slot.seq));
@@ -298,10 +300,10 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
       break;
     case abi::OpKind::kDispatch: {
       kc::NormalDispatchArgs a;
-      a.fp8 = plan.flags & abi::kFlagFp8;
+      a.fp8 = op_flags.use_fp8;
       a.expert_alignment = slot.expert_alignment;
-      a.with_weights = plan.flags & abi::kFlagDispatchWeights;
-      a.cached = plan.flags & abi::kFlagCachedHandle;
+      a.with_weights = op_flags.dispatch_weights;
+      a.cached = op_flags.cached_handle;
       a.recv_count_out = &cr.readback->recv_count;  // Mapped: the kernel writes N there.
       EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, slot.num_tokens, s));
       EPD_RETURN_IF_ERROR(kc::NormalDispatch(ctx, a, s));
@@ -309,7 +311,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
     }
     case abi::OpKind::kCombine: {
       kc::NormalCombineArgs a;
-      a.with_weights = plan.flags & abi::kFlagCombineWeights;
+      a.with_weights = op_flags.combine_weights;
       // The handle's T (validated equal to the routing dispatch's T).
       EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, slot.num_tokens, s));
       EPD_RETURN_IF_ERROR(kc::NormalCombine(ctx, a, s));
@@ -318,8 +320,8 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
     case abi::OpKind::kLowLatencyDispatch: {
       kc::LowLatencyDispatchArgs a;
       a.buffer = plan.ll_buffer;
-      a.use_fp8 = plan.flags & abi::kFlagFp8;
-      a.round_scale = plan.flags & abi::kFlagRoundScale;
+      a.use_fp8 = op_flags.use_fp8;
+      a.round_scale = op_flags.round_scale;
       a.num_tokens_value = slot.num_tokens;  // By value: no slot write to enqueue.
       a.handoff = handoff;
       EPD_RETURN_IF_ERROR(kc::LowLatencyDispatch(ctx, a, s));
@@ -348,8 +350,8 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
   if (needs_sync_reset_ && !program_) {
     absl::Status st = ResetSync();
     if (!st.ok()) {
-      EngineLog()->error("group {}: resetting the kernels' sync state failed: {}",
-                             spec().name(), st.ToString());
+      EngineLog()->error("group {}: resetting the kernels' sync state failed: {}", spec().name(),
+                         st.ToString());
       plane_->ReleaseGpus(this);
       for (int r = 0; r < R; ++r) {
         outcomes[r].status = st;
@@ -372,7 +374,7 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
   for (int r = 0; r < R; ++r) {
     op.ranks[r] = ranks_[r];
     op.launch[r] = absl::OkStatus();
-    op.stream_ordered[r] = (slots[r].flags & abi::kFlagStreamOrdered) != 0;
+    op.stream_ordered[r] = rules::DecodeFlags(slots[r].flags).stream_ordered;
     op.ready_wait[r] = false;
   }
   // Every rank's kernel is enqueued before any is waited for; a launch error on one rank
@@ -406,7 +408,7 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
 }
 
 absl::Status CudaGroup::CheckRequest(int32_t /*rank*/, const abi::RequestSlot& slot) const {
-  if (slot.flags & abi::kFlagStreamOrdered) {
+  if (rules::DecodeFlags(slot.flags).stream_ordered) {
     absl::Status mem = kc::StreamMemOpsAvailable();
     if (!mem.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -433,7 +435,7 @@ absl::Status CudaGroup::WriteDone(const CudaRank& cr, uint64_t seq) const {
 }
 
 void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) {
-  if (!(slot.flags & abi::kFlagStreamOrdered)) return;
+  if (!rules::DecodeFlags(slot.flags).stream_ordered) return;
   const std::shared_ptr<CudaRank>& cr = ranks_[rank];
   if (!cr) return;
   if (program_ && program_->HoldsRank(rank, cr.get())) {
@@ -446,14 +448,14 @@ void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot)
     if (st.ok()) st = EPD_CUDA_STATUS(cudaStreamSynchronize(aux));
     if (!st.ok()) {
       EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
-                             spec().name(), rank, slot.seq, st.ToString());
+                         spec().name(), rank, slot.seq, st.ToString());
     }
     return;
   }
   absl::Status st = WriteDone(*cr, slot.seq);
   if (!st.ok()) {
     EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
-                           spec().name(), rank, slot.seq, st.ToString());
+                       spec().name(), rank, slot.seq, st.ToString());
   }
 }
 
@@ -516,8 +518,7 @@ bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
     return true;
   }
   const char* name = OpName(static_cast<uint32_t>(op.op));
-  const bool low_latency =
-      op.op == abi::OpKind::kLowLatencyDispatch || op.op == abi::OpKind::kLowLatencyCombine;
+  const bool low_latency = rules::IsLowLatency(op.op);
   for (int r = 0; r < R; ++r) {
     const Readback& rb = *op.ranks[r]->readback;
     RankOutcome& out = outcomes[r];
@@ -581,8 +582,7 @@ void CudaGroup::ProgramOp(const OpPlan& plan, std::span<RankOutcome> outcomes) {
     if (armed.ok()) program_ = *std::move(armed);
     if (!st.ok()) {
       plane_->ReleaseGpus(this);
-      EngineLog()->error("group {}: arming the program failed: {}", spec().name(),
-                             st.ToString());
+      EngineLog()->error("group {}: arming the program failed: {}", spec().name(), st.ToString());
     } else {
       std::string steps;
       for (const ProgramStepPlan& p : plan.program) {
