@@ -29,6 +29,8 @@ struct NormalParams {
   int32_t expert_alignment = 1;
   int32_t with_weights = 0;
   int32_t cached = 0;
+  /// NormalDispatchArgs::recv_count_out (host-mapped pinned), may be null.
+  int32_t* recv_count_out = nullptr;
   /// Overrides of the default input regions (GetDispatchLayout only), may be null.
   const int64_t* topk_idx = nullptr;
 };

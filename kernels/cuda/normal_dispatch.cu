@@ -33,6 +33,11 @@ constexpr int kCopyUnroll = 4;
 ///  pass 2: send_pos[t, r] = Σ_{s'<rank} counts[s'][r] + (tokens before t sent to r), by a
 ///          block-wide scan per destination over tiles of 1024 tokens.
 /// On a timeout the op is marked failed (kFailedSeq = seq): the copy kernel then skips.
+/// N into the caller's host-mapped recv_count_out, if any (thread 0 only).
+__device__ __forceinline__ void PublishRecvCount(const NormalParams& p, int32_t n) {
+  if (p.recv_count_out != nullptr) *reinterpret_cast<volatile int32_t*>(p.recv_count_out) = n;
+}
+
 __global__ void __launch_bounds__(kNormalNotifyThreads)
     NormalNotifyKernel(NormalParams p, int notify) {
   extern __shared__ int32_t s_expert_count[];
@@ -116,13 +121,15 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
     if (!WaitFlag(p, arrive + tid, seq, tid)) s_failed = 1;
   }
   __syncthreads();
-  if (s_failed) {
+  if (s_failed || !notify) {
     if (tid == 0) {
-      *reinterpret_cast<volatile uint32_t*>(own_sync + NormalSyncLayout::kFailedSeq) = seq;
+      if (s_failed) {
+        *reinterpret_cast<volatile uint32_t*>(own_sync + NormalSyncLayout::kFailedSeq) = seq;
+      }
+      PublishRecvCount(p, *Region<int32_t>(own, p.layout.recv_count));  // Left as it was.
     }
     return;
   }
-  if (!notify) return;
 
   // ---- receiver side: prefixes and counts; sender side: offsets at each destination.
   const volatile int32_t* counts =
@@ -141,6 +148,7 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
     int32_t total = 0;
     for (int s = 0; s < num_ranks; ++s) total += counts[s * num_ranks + p.rank];
     *Region<int32_t>(own, p.layout.recv_count) = total;
+    PublishRecvCount(p, total);
   }
   for (int j = tid; j < experts_per_rank; j += blockDim.x) {
     int64_t count = 0;
@@ -336,6 +344,7 @@ absl::Status NormalDispatch(const CudaRankContext& ctx, const NormalDispatchArgs
   p.expert_alignment = args.expert_alignment;
   p.with_weights = args.with_weights ? 1 : 0;
   p.cached = args.cached ? 1 : 0;
+  p.recv_count_out = args.recv_count_out;
 
   EPD_RETURN_IF_ERROR(normal::LaunchNotify(p, !args.cached, stream));
   const int64_t row_bytes = args.fp8 ? ctx.shape.hidden : 2 * int64_t{ctx.shape.hidden};

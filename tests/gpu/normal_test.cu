@@ -26,6 +26,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_handles.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
@@ -245,6 +246,15 @@ class NormalGroup {
     args.expert_alignment = c_.expert_alignment;
     args.with_weights = c_.with_weights;
     args.cached = cached;
+    // N comes back through host-mapped pinned memory written by the kernel (no copy).
+    if (recv_count_out_ == nullptr) {
+      void* p = nullptr;
+      EPD_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, sizeof(int32_t) * c_.num_ranks,
+                                             cudaHostAllocPortable | cudaHostAllocMapped));
+      recv_count_out_.reset(static_cast<uint8_t*>(p));
+      std::memset(p, 0xff, sizeof(int32_t) * c_.num_ranks);
+    }
+    args.recv_count_out = reinterpret_cast<int32_t*>(recv_count_out_.get()) + r;
     return kc::NormalDispatch(group_->Context(r), args, s);
   }
 
@@ -358,6 +368,15 @@ class NormalGroup {
           Compare(r, l.rank_prefix, rank_prefix_[r].data(), R * 4, where + "rank_prefix"));
       const int32_t n32 = static_cast<int32_t>(N);
       EPD_RETURN_IF_ERROR(Compare(r, l.recv_count, &n32, 4, where + "recv_count"));
+      // The kernel's write into host-mapped memory (NormalDispatchArgs::recv_count_out).
+      const int32_t mapped =
+          recv_count_out_ == nullptr
+              ? n32
+              : reinterpret_cast<const volatile int32_t*>(recv_count_out_.get())[r];
+      if (mapped != n32) {
+        return absl::InternalError(
+            absl::StrCat(where, "recv_count_out = ", mapped, ", expected N = ", n32));
+      }
       // The optional CPU sync reads the same counts.
       EPD_ASSIGN_OR_RETURN(kc::NormalDispatchCounts counts,
                            kc::ReadNormalDispatchCounts(group_->Context(r), group_->stream(r)));
@@ -484,6 +503,7 @@ class NormalGroup {
   std::vector<std::vector<int32_t>> recv_src_info_;
   std::vector<std::vector<int32_t>> recv_tokens_per_expert_;
   std::vector<std::vector<int32_t>> rank_prefix_;
+  PinnedMemory recv_count_out_;  ///< [R] int32, mapped: each rank's dispatch writes its N.
   std::vector<std::vector<int32_t>> send_pos_;
   std::vector<std::vector<bf16_bits>> combine_x_;
   std::vector<std::vector<float>> combine_w_;

@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/os/shm_region.h"
 #include "common/status_macros.h"
-#include "daemon/dataplane/engine.h"
+#include "daemon/dataplane/engine_host.h"
 #include "daemon/dataplane/lockstep_group.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
@@ -105,18 +105,13 @@ class HostDataPlaneImpl : public DataPlane {
   /// kernels/host's worker threads, shared by every group (all run on the one engine
   /// thread, one op at a time).
   kernels::host::HostWorkerPool& kernel_pool() { return kernel_pool_; }
-  const ShmRegion& doorbell() const { return doorbell_; }
-  void Unregister(HostGroup* group);
+  const ShmRegion& doorbell() const { return engine_.doorbell(); }
+  void Unregister(HostGroup* group) { engine_.Remove(group); }
 
  private:
-  bool PollAll();
-
   HostDataPlaneOptions options_;
   kernels::host::HostWorkerPool kernel_pool_;  // Outlives engine_ (declared first).
-  ShmRegion doorbell_;
-  std::unique_ptr<Engine> engine_;
-  std::mutex mu_;  // Guards groups_.
-  std::vector<HostGroup*> groups_;
+  EngineHost<HostGroup> engine_;               // The one engine, serving every group.
   std::atomic<bool> shut_down_{false};
 };
 
@@ -202,16 +197,7 @@ HostDataPlaneImpl::HostDataPlaneImpl(const HostDataPlaneOptions& options)
     : options_(options), kernel_pool_(options.on_kernel_thread_start) {}
 
 absl::Status HostDataPlaneImpl::Init() {
-  EPD_ASSIGN_OR_RETURN(doorbell_, ShmRegion::Create("epd-doorbell", sizeof(abi::DoorbellPage)));
-  auto* page = reinterpret_cast<abi::DoorbellPage*>(doorbell_.data());
-  page->size = sizeof(abi::DoorbellPage);
-  page->magic = abi::kDoorbellMagic;
-  page->version = abi::kShmAbiVersion;
-  // Wake at least every 20 ms to enforce op timeouts while asleep.
-  engine_ = std::make_unique<Engine>(
-      page, options_.engine_idle_us, 20000, [this] { return PollAll(); }, options_.on_engine_start);
-  engine_->Start();
-  return absl::OkStatus();
+  return engine_.Start(options_.engine_idle_us, options_.on_engine_start);
 }
 
 absl::StatusOr<std::unique_ptr<DataPlaneGroup>> HostDataPlaneImpl::CreateGroup(
@@ -228,30 +214,14 @@ absl::StatusOr<std::unique_ptr<DataPlaneGroup>> HostDataPlaneImpl::CreateGroup(
         " bytes of kernel scratch and routing state; lower num_ranks or max_tokens_per_rank, "
         "or free memory"));
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    groups_.push_back(group.get());
-  }
+  engine_.Add(group.get());
   return std::unique_ptr<DataPlaneGroup>(std::move(group));
-}
-
-void HostDataPlaneImpl::Unregister(HostGroup* group) {
-  std::lock_guard<std::mutex> lock(mu_);
-  groups_.erase(std::remove(groups_.begin(), groups_.end(), group), groups_.end());
-}
-
-bool HostDataPlaneImpl::PollAll() {
-  std::lock_guard<std::mutex> lock(mu_);
-  bool worked = false;
-  for (HostGroup* g : groups_) worked |= g->Poll();
-  return worked;
 }
 
 void HostDataPlaneImpl::Shutdown() {
   if (shut_down_.exchange(true)) return;
-  if (engine_) engine_->Stop();
-  std::lock_guard<std::mutex> lock(mu_);
-  for (HostGroup* g : groups_) g->FailAll(absl::UnavailableError("epd is shutting down"));
+  engine_.Stop();
+  engine_.ForEach([](HostGroup* g) { g->FailAll(absl::UnavailableError("epd is shutting down")); });
 }
 
 // ---------------------------------------------------------------------------------------

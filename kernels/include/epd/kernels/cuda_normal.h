@@ -83,6 +83,11 @@ struct NormalDispatchArgs {
   bool cached = false;
   /// Device int32 holding T; null = NormalNumTokensSlot(ctx).
   const int32_t* num_tokens = nullptr;
+  /// Optional int32 in host-mapped pinned memory (cudaHostAlloc ... Mapped) that the
+  /// dispatch's notify kernel writes recv_count (N) into, so the caller reads N after the
+  /// op's event without a device-to-host copy (no copy engine on the op path). A cached
+  /// dispatch writes the recv_count left in the area. Null = not written.
+  int32_t* recv_count_out = nullptr;
 };
 
 /// Enqueues one rank's normal dispatch on `stream`. Errors: INVALID_ARGUMENT for a bad

@@ -1,0 +1,651 @@
+// A group on the CUDA backend (see cuda_group.h): rank attach, lockstep launch on every
+// rank's stream, start/poll, the stream-release protocol, and the graph-mode program's owner.
+#include "daemon/dataplane/cuda/cuda_group.h"
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "epd/kernels/cuda_normal.h"
+#include "epd/kernels/cuda_program.h"
+#include "epd/kernels/layout.h"
+#include "epd/kernels/op_rules.h"
+#include "epd/kernels/rank_context.h"
+#include "proto/abi/shm_abi.h"
+
+namespace epd {
+namespace {
+
+namespace kc = kernels::cuda;
+using kernels::EndpointLayout;
+
+/// Extra time the engine gives the GPU past op_timeout before it gives up on an op whose
+/// kernels (themselves bounded by op_timeout) have not finished.
+constexpr auto kGpuGrace = std::chrono::seconds(5);
+
+}  // namespace
+
+CudaGroup::CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec)
+    : LockstepGroup(spec, LockstepOptionsOf(plane->options())),
+      plane_(plane),
+      ranks_(spec.num_ranks()),
+      host_bases_(spec.num_ranks(), nullptr),
+      event_errors_(spec.num_ranks(), cudaSuccess) {
+  devices_.reserve(spec.num_ranks());
+  SizeOp(spare_);
+}
+
+void CudaGroup::Stop(const absl::Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    DisarmProgram(status);
+  }
+  FailAll(status);
+}
+
+void CudaGroup::WakeEngine() {
+  GpuEngine* e = engine_.load();
+  if (e != nullptr) e->host.Wake();
+}
+
+absl::StatusOr<ScopedFd> CudaGroup::DoorbellFd(int32_t rank) const {
+  GpuEngine* e = engine_.load();
+  if (e == nullptr) {
+    return absl::InternalError(absl::StrCat("rank ", rank, ": the group has no engine yet"));
+  }
+  return e->host.doorbell().DupFd();
+}
+
+void CudaGroup::SizeOp(GpuOp& op) const {
+  const size_t R = ranks_.size();
+  op.ranks.resize(R);
+  op.launch.resize(R);
+  op.stream_ordered.resize(R);
+  op.ready_wait.resize(R);
+}
+
+bool CudaGroup::KernelHandsOff(const GpuOp& op, size_t r) {
+  return op.stream_ordered[r] && rules::IsLowLatency(op.op);
+}
+
+void CudaGroup::RecycleOp(std::optional<GpuOp>& op) {
+  spare_ = std::move(*op);
+  op.reset();
+  for (auto& r : spare_.ranks) r.reset();
+}
+
+CudaGroup::~CudaGroup() {
+  if (GpuEngine* e = engine_.load()) e->host.Remove(this);
+  // Ops still on the GPU end (their waits are bounded) before any memory of the group is
+  // freed: the peer arrays below, the ranks' areas with the endpoints.
+  std::lock_guard<std::mutex> lock(mu_);
+  DisarmProgram(absl::UnavailableError("the group is being destroyed"));
+  for (const std::optional<GpuOp>* op : {&gpu_op_, &abandoned_, &program_tail_}) {
+    if (!op->has_value()) continue;
+    ReleaseReadyWaits(**op);  // A client that never wrote ready_seq must not hang us.
+    for (const auto& r : (*op)->ranks) {
+      if (!r) continue;
+      cudaSetDevice(r->device);
+      cudaStreamSynchronize(r->stream.get());
+    }
+  }
+  cudaGetLastError();
+  gpu_op_.reset();
+  abandoned_.reset();
+  program_tail_.reset();
+  plane_->ReleaseGpus(this);
+}
+
+void CudaGroup::AdoptEngine(int device) {
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  if (engine_.load() != nullptr) return;
+  GpuEngine* e = plane_->EngineOf(device);
+  e->host.Add(this);
+  engine_.store(e);
+}
+
+absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t rank,
+                                                                      const std::string& gpu_uuid,
+                                                                      v1::LaunchMode launch_mode,
+                                                                      v1::EndpointInfo* info) {
+  EPD_ASSIGN_OR_RETURN(int device, plane_->DeviceOf(gpu_uuid));
+  // Client-launched endpoints get the same (zeroed) area and IPC handle; the engine
+  // refuses their ring slots (AcceptsRequests).
+  EPD_ASSIGN_OR_RETURN(
+      std::shared_ptr<CudaRank> r,
+      CreateCudaRank(device, rank, layout(), launch_mode == v1::LAUNCH_MODE_CLIENT));
+  AdoptEngine(device);
+  info->set_backend("cuda");
+  info->set_gpu_uuid(plane_->UuidOf(device));
+  info->set_cuda_ipc_handle(r->ipc_handle);
+  info->set_launch_mode(r->client_launched ? v1::LAUNCH_MODE_CLIENT : v1::LAUNCH_MODE_DAEMON);
+  // Under MPS the client's staging kernel of a low-latency op waits for done itself (one
+  // block of one SM per rank, which LaunchRank's grids leave free).
+  info->set_kernel_done_wait(!r->client_launched && plane_->kernel_ready_wait());
+  return std::shared_ptr<RankResources>(std::move(r));
+}
+
+void CudaGroup::UpdateDevices() {
+  devices_.clear();
+  for (const auto& r : ranks_) {
+    if (!r) continue;
+    auto it = std::lower_bound(devices_.begin(), devices_.end(), r->device);
+    if (it == devices_.end() || *it != r->device) devices_.insert(it, r->device);
+  }
+}
+
+absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankResources>& res) {
+  auto r = std::static_pointer_cast<CudaRank>(res);
+  for (int d : devices_) {
+    if (!plane_->PeerAccess(r->device, d) || !plane_->PeerAccess(d, r->device)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank, " on GPU ", plane_->UuidOf(r->device), " cannot reach GPU ",
+                       plane_->UuidOf(d), " of another rank of group ", spec().name(),
+                       " (no peer access between them)"));
+    }
+  }
+  std::vector<uint8_t*> bases = host_bases_;
+  bases[rank] = r->area.get();
+  std::set<int> devices(devices_.begin(), devices_.end());
+  devices.insert(r->device);
+  // Every GPU of the group gets the new [R] array of bases, copied on a stream of that GPU
+  // (the new rank's, or an attached rank's) and waited for, so no kernel sees a stale array.
+  for (int d : devices) {
+    cudaStream_t stream = r->device == d ? r->stream.get() : nullptr;
+    for (const auto& other : ranks_) {
+      if (stream == nullptr && other && other->device == d) stream = other->stream.get();
+    }
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(d)));
+    auto it = peer_bases_.find(d);
+    if (it == peer_bases_.end()) {
+      EPD_ASSIGN_OR_RETURN(DeviceMemory p, DeviceAlloc(sizeof(uint8_t*) * bases.size(), d));
+      it = peer_bases_.emplace(d, std::move(p)).first;
+    }
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaMemcpyAsync(it->second.get(), bases.data(),
+                                                        sizeof(uint8_t*) * bases.size(),
+                                                        cudaMemcpyHostToDevice, stream)));
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(stream)));
+  }
+  host_bases_ = std::move(bases);
+  ranks_[rank] = std::move(r);
+  UpdateDevices();
+  // The new area's sync state is zero, the others' counters are not: zero them all
+  // before the next op.
+  needs_sync_reset_ = true;
+  return absl::OkStatus();
+}
+
+void CudaGroup::RankDetached(int32_t rank) {
+  if (program_) {
+    DisarmProgram(absl::FailedPreconditionError(
+        absl::StrCat("rank ", rank, " left group ", spec().name(),
+                     ": its graph-mode program was disarmed; rejoin and register it again")));
+  }
+  ranks_[rank].reset();
+  host_bases_[rank] = nullptr;
+  UpdateDevices();
+}
+
+kc::CudaRankContext CudaGroup::Context(int32_t r, int32_t num_sms) const {
+  const CudaRank& cr = *ranks_[r];
+  kc::RankPlacement at;
+  at.rank = r;
+  at.peer_bases = reinterpret_cast<uint8_t* const*>(peer_bases_.at(cr.device).get());
+  at.own_base = cr.area.get();
+  for (const auto& other : ranks_) at.ranks_on_device += other && other->device == cr.device;
+  at.op_timeout_ms = options().op_timeout_ms;
+  return kc::MakeRankContext(shape(), layout(), at, num_sms);
+}
+
+bool CudaGroup::ReadyToStart() {
+  if (program_tail_ && !ProgramTailDone()) return false;
+  if (abandoned_) {
+    for (const auto& r : abandoned_->ranks) {
+      if (r && cudaEventQuery(r->done.get()) == cudaErrorNotReady) return false;
+    }
+    cudaGetLastError();
+    RecycleOp(abandoned_);
+    plane_->ReleaseGpus(this);
+    needs_sync_reset_ = true;
+  }
+  return plane_->TryClaimGpus(devices_, this);
+}
+
+absl::Status CudaGroup::ResetSync() {
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    kc::CudaRankContext ctx = Context(static_cast<int32_t>(r), 0);
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(ranks_[r]->device)));
+    cudaStream_t s = ranks_[r]->stream.get();
+    if (shape().ll_max_tokens_per_rank > 0) EPD_RETURN_IF_ERROR(kc::ResetLowLatencySync(ctx, s));
+    if (shape().num_ranks <= kc::kNormalMaxRanks) {  // Else normal ops are refused anyway.
+      EPD_RETURN_IF_ERROR(kc::ResetNormalSync(ctx, s));
+    }
+    EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(ctx, s, &ranks_[r]->readback->status));
+  }
+  // Every rank's reset must be complete before any rank's next kernel writes a peer's flags.
+  for (const auto& r : ranks_) {
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(r->stream.get())));
+  }
+  needs_sync_reset_ = false;
+  return absl::OkStatus();
+}
+
+absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
+                                   bool* ready_wait) {
+  const CudaRank& cr = *ranks_[r];
+  const EndpointLayout& L = layout();
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
+  cudaStream_t s = cr.stream.get();
+  const bool low_latency = rules::IsLowLatency(plan.op);
+  // The op's flags (agreed by every rank) and this rank's stream ordering, decoded once.
+  const rules::RequestOptions op_flags = rules::DecodeFlags(plan.flags);
+  const bool stream_ordered = rules::DecodeFlags(slot.flags).stream_ordered;
+  // A client's SM budget applies to normal ops only: low-latency kernels spin on each
+  // other, so their grids keep the default that makes every rank resident.
+  const int32_t num_sms = low_latency
+                              ? plane_->options().num_sms
+                              : (slot.num_sms > 0 ? slot.num_sms : plane_->options().num_sms);
+  kc::CudaRankContext ctx = Context(r, num_sms);
+  // Its clients' staging kernels wait for done on the GPU (EndpointInfo kernel_done_wait):
+  // one SM per rank of the GPU stays outside the low-latency grids for them.
+  if (low_latency && plane_->kernel_ready_wait()) ctx.sms_left_per_rank = 1;
+  // Daemon-launched low-latency ops hand off inside kernels (cuda_ops.h "stream-ordered
+  // hand-off inside kernels"): a one-warp WaitFlagAsync for staging_seq or ready_seq, the
+  // op's kernel launched programmatically behind it (it waits for ready_seq itself and
+  // writes done_seq).
+  // Its bound outlasts the engine's give-up (op_timeout + kGpuGrace), after which
+  // ReleaseReadyWaits writes ready_seq from the host.
+  // Without MPS (plane_->kernel_ready_wait() false) the client's and the daemon's contexts
+  // time-slice the GPU, and a spinning wait would hold the slice the client's staging kernel
+  // needs (~2 ms a hop, DESIGN.md §3.2): the ready wait is then cuStreamWaitValue64, and
+  // the kernel still checks ready_seq and writes done_seq.
+  kc::KernelHandoff handoff;
+  const bool kernel_handoff = stream_ordered && low_latency;
+  if (kernel_handoff) {
+    handoff.ready_flag = reinterpret_cast<const uint64_t*>(cr.ready_flag());
+    handoff.ready_value = slot.seq;
+    handoff.done_flag = reinterpret_cast<uint64_t*>(cr.done_flag());
+    handoff.done_value = slot.seq;
+    handoff.status_out = &cr.readback->status;  // No read-back kernel behind it (StartOpInto).
+  }
+  if (kernel_handoff && plane_->kernel_ready_wait()) {
+    // The wait passes once the client's staging kernel has started (staging_seq, layout.h)
+    // or, from a client that does not write staging_seq, once it is done (ready_seq): the
+    // op's kernel is then launched while the inputs are still being copied (the ~2 µs of
+    // the programmatic launch overlap the ~1.5-2 µs of staging), and its blocks wait for
+    // ready_seq themselves. staging_seq comes only once every block of the staging kernel
+    // is resident, so that kernel ends whatever SMs the op's grid then takes
+    // (docs/CUDA_BACKEND.md "Launch modes").
+    const auto bound = std::chrono::milliseconds(options().op_timeout_ms) + 2 * kGpuGrace;
+    EPD_RETURN_IF_ERROR(kc::WaitFlagAsync(
+        reinterpret_cast<const uint64_t*>(cr.staging_flag()), slot.seq,
+        std::chrono::duration_cast<std::chrono::nanoseconds>(bound).count(),
+        &cr.readback->ready_seen, s, reinterpret_cast<const uint64_t*>(cr.ready_flag())));
+    handoff.programmatic = true;
+  } else if (stream_ordered) {
+    // The client's stream writes ready_seq = seq once it has staged the inputs; this
+    // stream waits for it on the GPU (the CPU never does).
+    EPD_RETURN_IF_ERROR(kc::StreamWaitValue64Geq(s, cr.ready_flag(), slot.seq));
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventRecord(cr.waited.get(), s)));
+    *ready_wait = true;
+  }
+  switch (plan.op) {
+    case abi::OpKind::kGetDispatchLayout:
+      EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, slot.num_tokens, s));
+      EPD_RETURN_IF_ERROR(kc::GetDispatchLayout(ctx, kc::GetDispatchLayoutArgs{}, s));
+      break;
+    case abi::OpKind::kDispatch: {
+      kc::NormalDispatchArgs a;
+      a.fp8 = op_flags.use_fp8;
+      a.expert_alignment = slot.expert_alignment;
+      a.with_weights = op_flags.dispatch_weights;
+      a.cached = op_flags.cached_handle;
+      a.recv_count_out = &cr.readback->recv_count;  // Mapped: the kernel writes N there.
+      EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, slot.num_tokens, s));
+      EPD_RETURN_IF_ERROR(kc::NormalDispatch(ctx, a, s));
+      break;
+    }
+    case abi::OpKind::kCombine: {
+      kc::NormalCombineArgs a;
+      a.with_weights = op_flags.combine_weights;
+      // The handle's T (validated equal to the routing dispatch's T).
+      EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, slot.num_tokens, s));
+      EPD_RETURN_IF_ERROR(kc::NormalCombine(ctx, a, s));
+      break;
+    }
+    case abi::OpKind::kLowLatencyDispatch: {
+      kc::LowLatencyDispatchArgs a;
+      a.buffer = plan.ll_buffer;
+      a.use_fp8 = op_flags.use_fp8;
+      a.round_scale = op_flags.round_scale;
+      a.num_tokens_value = slot.num_tokens;  // By value: no slot write to enqueue.
+      a.handoff = handoff;
+      EPD_RETURN_IF_ERROR(kc::LowLatencyDispatch(ctx, a, s));
+      break;
+    }
+    case abi::OpKind::kLowLatencyCombine: {
+      kc::LowLatencyCombineArgs a;
+      a.buffer = plan.ll_handle_buffer;
+      a.combined_x = reinterpret_cast<kernels::bf16_bits*>(
+          cr.area.get() + L.ll_combined_x[plan.ll_out_buffer].offset);
+      a.handoff = handoff;
+      EPD_RETURN_IF_ERROR(kc::LowLatencyCombine(ctx, a, s));
+      break;
+    }
+    default:
+      return absl::InternalError(absl::StrCat("unreachable op kind ", static_cast<int>(plan.op)));
+  }
+  return absl::OkStatus();
+}
+
+bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                            std::span<RankOutcome> outcomes) {
+  const int R = static_cast<int>(slots.size());
+  // Not while a program is armed: the ranks' streams are held by its waits (the only op
+  // then is UnregisterProgram, whose disarm sets the reset for the op after it).
+  if (needs_sync_reset_ && !program_) {
+    absl::Status st = ResetSync();
+    if (!st.ok()) {
+      EngineLog()->error("group {}: resetting the kernels' sync state failed: {}", spec().name(),
+                         st.ToString());
+      plane_->ReleaseGpus(this);
+      for (int r = 0; r < R; ++r) {
+        outcomes[r].status = st;
+        OpEndedWithoutLaunch(r, slots[r]);  // No kernel runs: release the client's stream.
+      }
+      return true;
+    }
+  }
+  if (plan.op == abi::OpKind::kRegisterProgram || plan.op == abi::OpKind::kUnregisterProgram) {
+    ProgramOp(plan, outcomes);
+    return true;
+  }
+  // The op's state: spare_'s vectors (R entries each; SizeOp allocates only if an earlier
+  // path had not given them back, which none does), filled in place.
+  GpuOp& op = spare_;
+  SizeOp(op);
+  op.op = plan.op;
+  op.seq = plan.seq;
+  op.started = Clock::now();
+  for (int r = 0; r < R; ++r) {
+    op.ranks[r] = ranks_[r];
+    op.launch[r] = absl::OkStatus();
+    op.stream_ordered[r] = rules::DecodeFlags(slots[r].flags).stream_ordered;
+    op.ready_wait[r] = false;
+  }
+  // Every rank's kernel is enqueued before any is waited for; a launch error on one rank
+  // still launches the others, whose waits then end at the kernel timeout.
+  for (int r = 0; r < R; ++r) {
+    bool ready_wait = false;
+    op.launch[r] = LaunchRank(plan, slots[r], r, &ready_wait);
+    op.ready_wait[r] = ready_wait;
+  }
+  for (int r = 0; r < R; ++r) {
+    const CudaRank& cr = *ranks_[r];
+    cudaSetDevice(cr.device);
+    // A launched low-latency kernel that hands off wrote done and its status itself
+    // (KernelHandoff::status_out); every other path gets the read-back kernel and, when
+    // stream-ordered, done_seq = seq after it, so the client's stream is released on every
+    // path.
+    const bool kernel_wrote_all = KernelHandsOff(op, r) && op.launch[r].ok();
+    absl::Status st = kernel_wrote_all ? absl::OkStatus()
+                                       : kc::EnqueueStatusReadback(Context(r, 0), cr.stream.get(),
+                                                                   &cr.readback->status);
+    if (op.stream_ordered[r] && !kernel_wrote_all) {
+      absl::Status done = WriteDone(cr, plan.seq);
+      if (st.ok()) st = done;
+    }
+    absl::Status recorded = EPD_CUDA_STATUS(cudaEventRecord(cr.done.get(), cr.stream.get()));
+    if (st.ok()) st = recorded;
+    if (!st.ok() && op.launch[r].ok()) op.launch[r] = st;
+  }
+  gpu_op_.emplace(std::move(spare_));  // The vectors move: no allocation.
+  return false;
+}
+
+absl::Status CudaGroup::CheckRequest(int32_t /*rank*/, const abi::RequestSlot& slot) const {
+  if (rules::DecodeFlags(slot.flags).stream_ordered) {
+    absl::Status mem = kc::StreamMemOpsAvailable();
+    if (!mem.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          OpName(slot.op), ": kFlagStreamOrdered cannot be served by this epd: ", mem.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaGroup::AcceptsRequests(int32_t rank) const {
+  const std::shared_ptr<CudaRank>& cr = ranks_[rank];
+  if (cr && cr->client_launched) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " of group ", spec().name(),
+        " is client-launched (LAUNCH_MODE_CLIENT): the daemon runs no op for it and refuses "
+        "its ring slots; its client launches the kernels itself"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaGroup::WriteDone(const CudaRank& cr, uint64_t seq) const {
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
+  return kc::StreamWriteValue64(cr.stream.get(), cr.done_flag(), seq);
+}
+
+void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) {
+  if (!rules::DecodeFlags(slot.flags).stream_ordered) return;
+  const std::shared_ptr<CudaRank>& cr = ranks_[rank];
+  if (!cr) return;
+  if (program_ && program_->HoldsRank(rank, cr.get())) {
+    // The rank's stream is held by the program's waits: write done_seq from the host (no
+    // ring op of the group runs while a program is armed, so nothing else writes it).
+    // A stream memory write on the engine's aux stream (no copy: see DisarmProgram).
+    cudaSetDevice(cr->device);
+    cudaStream_t aux = plane_->EngineOf(cr->device)->aux.get();
+    absl::Status st = kc::StreamWriteValue64(aux, cr->done_flag(), slot.seq);
+    if (st.ok()) st = EPD_CUDA_STATUS(cudaStreamSynchronize(aux));
+    if (!st.ok()) {
+      EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
+                         spec().name(), rank, slot.seq, st.ToString());
+    }
+    return;
+  }
+  absl::Status st = WriteDone(*cr, slot.seq);
+  if (!st.ok()) {
+    EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
+                       spec().name(), rank, slot.seq, st.ToString());
+  }
+}
+
+void CudaGroup::ReleaseReadyWaits(const GpuOp& op) const {
+  for (size_t r = 0; r < op.ranks.size() && r < op.ready_wait.size(); ++r) {
+    const bool spins = SpinsForReady(op, r);
+    if (!(op.ready_wait[r] || spins) || !op.ranks[r]) continue;
+    const CudaRank& cr = *op.ranks[r];
+    cudaSetDevice(cr.device);
+    if (spins) {
+      // Written by the rank's WaitFlagAsync once its wait passed (pinned host memory).
+      const uint64_t seen = *reinterpret_cast<const volatile uint64_t*>(&cr.readback->ready_seen);
+      if (seen >= op.seq) continue;
+    } else if (cudaEventQuery(cr.waited.get()) != cudaErrorNotReady) {
+      continue;
+    }
+    // The stream is still at the ready wait, so its client has not written ready_seq =
+    // seq (nor anything later): writing seq cannot hide a newer value.
+    const uint64_t seq = op.seq;
+    cudaError_t err = cudaMemcpy(reinterpret_cast<void*>(cr.ready_flag()), &seq, sizeof(seq),
+                                 cudaMemcpyHostToDevice);
+    LogRankCaused(static_cast<int32_t>(r), spdlog::level::warn,
+                  "group {} rank {}: its client never wrote ready_seq = {}; released the stream "
+                  "from the host ({})",
+                  spec().name(), r, seq, cudaGetErrorString(err));
+  }
+  cudaGetLastError();
+}
+
+bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
+  GpuOp& op = *gpu_op_;
+  const int R = static_cast<int>(op.ranks.size());
+  bool all_done = true;
+  for (int r = 0; r < R; ++r) {
+    const cudaError_t err = cudaEventQuery(op.ranks[r]->done.get());
+    event_errors_[r] = err;
+    if (err == cudaErrorNotReady) {
+      all_done = false;
+    } else if (err != cudaSuccess) {
+      cudaGetLastError();  // Clear a non-sticky error: it is reported below, not later.
+    }
+  }
+  if (!all_done) {
+    if (Clock::now() - op.started <
+        std::chrono::milliseconds(options().op_timeout_ms) + kGpuGrace) {
+      return false;
+    }
+    // The kernels bound their own waits by op_timeout; past that and a grace period the
+    // op is given up on. Its resources stay held until the GPU is done with them, and the
+    // group's next op waits for that (ReadyToStart, which recycles it into spare_).
+    absl::Status st = absl::DeadlineExceededError(
+        absl::StrCat(OpName(static_cast<uint32_t>(op.op)), " of group ", spec().name(),
+                     ": the GPU did not finish the op within op_timeout ", options().op_timeout_ms,
+                     " ms + 5 s; check the GPU (nvidia-smi) and the daemon log"));
+    LogClientCaused(spdlog::level::err, "{}", st.message());
+    for (RankOutcome& o : outcomes) o.status = st;
+    ReleaseReadyWaits(op);
+    abandoned_ = std::move(gpu_op_);
+    gpu_op_.reset();
+    return true;
+  }
+  const char* name = OpName(static_cast<uint32_t>(op.op));
+  const bool low_latency = rules::IsLowLatency(op.op);
+  for (int r = 0; r < R; ++r) {
+    const Readback& rb = *op.ranks[r]->readback;
+    RankOutcome& out = outcomes[r];
+    const bool event_failed = event_errors_[r] != cudaSuccess;
+    if (!op.launch[r].ok()) {
+      out.status = op.launch[r];
+    } else if (event_failed) {
+      out.status = kc::CudaErrorToStatus(event_errors_[r], "cudaEventQuery(the op's done event)",
+                                         __FILE__, __LINE__);
+    } else {
+      // OK allocates nothing (a DeviceStatus without findings).
+      out.status = kc::StatusFromDevice(rb.status, shape(), r, name, low_latency);
+      if (op.op == abi::OpKind::kDispatch) {
+        // Read back from the rank's area, which its client can write: checked before use.
+        const int32_t n = rb.recv_count;
+        if (n >= 0 && n <= shape().max_recv_tokens()) {
+          out.num_recv_tokens = n;
+        } else if (out.status.ok()) {
+          out.status = absl::InvalidArgumentError(absl::StrCat(
+              name, ": rank ", r, ": the received count read back from the endpoint's memory, ", n,
+              ", is outside [0, num_ranks * max_tokens_per_rank = ", shape().max_recv_tokens(),
+              "]: the endpoint's memory was overwritten during the op"));
+        }
+      }
+    }
+    // A device-side timeout or a launch error leaves the ranks' sequence counters out of
+    // step: zero the sync state before the next op.
+    if (out.status.code() == absl::StatusCode::kDeadlineExceeded || !op.launch[r].ok() ||
+        event_failed) {
+      needs_sync_reset_ = true;
+    }
+  }
+  RecycleOp(gpu_op_);
+  plane_->ReleaseGpus(this);
+  return true;
+}
+
+// ---- graph mode -------------------------------------------------------------------------
+
+absl::Status CudaGroup::CheckProgram(int32_t rank) const {
+  const std::shared_ptr<CudaRank>& cr = ranks_[rank];
+  if (cr && cr->client_launched) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " of group ", spec().name(),
+        " is client-launched: its ops are captured in CUDA graphs natively; graph-mode "
+        "programs are for daemon-launched endpoints"));
+  }
+  absl::Status mem = kc::StreamMemOpsAvailable();
+  if (!mem.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("graph-mode programs need stream memory operations: ", mem.message()));
+  }
+  return absl::OkStatus();
+}
+
+void CudaGroup::ProgramOp(const OpPlan& plan, std::span<RankOutcome> outcomes) {
+  absl::Status st;
+  if (plan.op == abi::OpKind::kRegisterProgram) {
+    auto armed = GraphProgram::Arm(this, shape(), plan.program, ranks_, plane_->options().num_sms);
+    st = armed.status();
+    if (armed.ok()) program_ = *std::move(armed);
+    if (!st.ok()) {
+      plane_->ReleaseGpus(this);
+      EngineLog()->error("group {}: arming the program failed: {}", spec().name(), st.ToString());
+    } else {
+      std::string steps;
+      for (const ProgramStepPlan& p : plan.program) {
+        absl::StrAppend(&steps, steps.empty() ? "" : ", ", ProgramStepName(p));
+      }
+      EngineLog()->info("group {}: graph-mode program armed: [{}]", spec().name(), steps);
+    }
+  } else {
+    DisarmProgram(absl::OkStatus());
+    if (!program_tail_) plane_->ReleaseGpus(this);
+  }
+  for (RankOutcome& o : outcomes) o.status = st;
+}
+bool CudaGroup::ProgramTailDone() {
+  if (!program_tail_) return true;
+  for (const auto& r : program_tail_->ranks) {
+    if (!r) continue;
+    cudaSetDevice(r->device);
+    if (cudaEventQuery(r->done.get()) == cudaErrorNotReady) return false;
+  }
+  cudaGetLastError();
+  program_tail_.reset();
+  if (!gpu_op_ && !abandoned_) plane_->ReleaseGpus(this);
+  return true;
+}
+
+cudaStream_t CudaGroup::ProgramAuxStream(int device) const {
+  return plane_->EngineOf(device)->aux.get();
+}
+
+abi::EndpointShmHeader* CudaGroup::ProgramHeader(int32_t r) const {
+  LockstepEndpoint* ep = endpoint(r);
+  return ep != nullptr ? ep->header : nullptr;
+}
+
+void CudaGroup::ProgramWarning(const std::string& message) {
+  LogClientCaused(spdlog::level::warn, "{}", message);
+}
+
+void CudaGroup::DisarmProgram(const absl::Status& why) {
+  if (!program_) return;
+  program_->Disarm(why);
+  GpuOp tail;
+  SizeOp(tail);  // ranks[r] set below; no ready waits (ReleaseReadyWaits reads ready_wait).
+  tail.seq = 0;
+  tail.started = Clock::now();
+  for (size_t r = 0; r < program_->num_ranks(); ++r) tail.ranks[r] = program_->rank(r);
+  program_.reset();
+  program_armed_ = false;
+  program_tail_ = std::move(tail);
+  // The released instances ran on stale inputs, possibly without a rank that left.
+  needs_sync_reset_ = true;
+}
+
+bool CudaGroup::PollBackground() {
+  bool worked = false;
+  if (program_tail_ && ProgramTailDone()) worked = true;
+  if (!program_) return worked;
+  absl::Status disarm = program_->Poll();
+  if (!disarm.ok()) DisarmProgram(disarm);
+  // Keep the engine polling while a program is armed: the client never touches the ring,
+  // so only polling sees instances complete and enqueues the next ones.
+  return true;
+}
+
+}  // namespace epd

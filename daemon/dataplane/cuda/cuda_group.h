@@ -1,0 +1,148 @@
+// A group on the CUDA backend: lockstep ops launched on every rank's stream (daemon-
+// launched mode), started and polled without blocking, the stream-release protocol for
+// stream-ordered requests, and the group's graph-mode program. DESIGN.md §3.2.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/dataplane/cuda/cuda_plane.h"
+#include "daemon/dataplane/cuda/cuda_rank.h"
+#include "daemon/dataplane/cuda/graph_program.h"
+#include "daemon/dataplane/lockstep_group.h"
+#include "epd/kernels/cuda_ops.h"
+
+namespace epd {
+
+/// One group on the CUDA backend. Served by the engine of its first attached rank's GPU;
+/// one group op per GPU at a time (CudaDataPlaneImpl::TryClaimGpus). A successful op and a
+/// graph-mode instance allocate nothing on the engine thread (README "Hot path").
+class CudaGroup : public LockstepGroup, private GraphProgram::Host {
+ public:
+  CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec);
+  ~CudaGroup() override;
+
+  /// Shutdown: disarms the program and completes everything pending with `status`.
+  void Stop(const absl::Status& status);
+
+ protected:
+  uint64_t ShmDataBytes() const override { return 0; }
+  absl::StatusOr<std::shared_ptr<RankResources>> PrepareRank(int32_t rank,
+                                                             const std::string& gpu_uuid,
+                                                             v1::LaunchMode launch_mode,
+                                                             v1::EndpointInfo* info) override;
+  absl::Status RankAttached(int32_t rank, const std::shared_ptr<RankResources>& res) override;
+  void RankDetached(int32_t rank) override;
+  bool ReadyToStart() override;
+  bool StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                   std::span<RankOutcome> outcomes) override;
+  bool PollOpInto(std::span<RankOutcome> outcomes) override;
+  void WakeEngine() override;
+  /// Every rank of the group rings the engine the group adopted (its first rank's GPU).
+  absl::StatusOr<ScopedFd> DoorbellFd(int32_t rank) const override;
+  absl::Status CheckRequest(int32_t rank, const abi::RequestSlot& slot) const override;
+  absl::Status AcceptsRequests(int32_t rank) const override;
+  void OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) override;
+  absl::Status CheckProgram(int32_t rank) const override;
+  bool PollBackground() override;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  /// An op on the GPU: the ranks it runs on (kept alive until it finished), per-rank
+  /// launch errors, which ranks' streams wait for their client (kFlagStreamOrdered), when
+  /// it started. Every vector has R entries (SizeOp); a program's tail too.
+  struct GpuOp {
+    abi::OpKind op = abi::OpKind::kInvalid;
+    uint64_t seq = 0;
+    std::vector<std::shared_ptr<CudaRank>> ranks;
+    std::vector<absl::Status> launch;
+    std::vector<bool> stream_ordered;
+    std::vector<bool> ready_wait;  ///< The rank's stream got the ready_seq stream wait.
+    Clock::time_point started;
+  };
+
+  // GraphProgram::Host.
+  const std::string& ProgramGroupName() const override { return spec().name(); }
+  kernels::cuda::CudaRankContext ProgramRankContext(int32_t r, int32_t num_sms) const override {
+    return Context(r, num_sms);
+  }
+  cudaStream_t ProgramAuxStream(int device) const override;
+  abi::EndpointShmHeader* ProgramHeader(int32_t r) const override;
+  void ProgramInstanceChecked(bool ok) override { CountProgramInstance(ok); }
+  void ProgramWarning(const std::string& message) override;
+
+  /// Register / unregister (from StartOpInto, GPUs claimed): writes every rank's outcome.
+  void ProgramOp(const OpPlan& plan, std::span<RankOutcome> outcomes);
+  /// Disarms the armed program (GraphProgram::Disarm); its tail keeps the GPUs claimed
+  /// until it has left the GPU (ProgramTailDone). No-op when none is armed.
+  void DisarmProgram(const absl::Status& why);
+  /// True once the disarmed program's tail has left the GPU (then releases it).
+  bool ProgramTailDone();
+
+  /// Recomputes devices_ from ranks_ (capacity R: allocates nothing).
+  void UpdateDevices();
+  /// Rank r's kernel context (kernels::cuda::MakeRankContext) with `num_sms` blocks.
+  kernels::cuda::CudaRankContext Context(int32_t r, int32_t num_sms) const;
+  /// Enqueues rank r's part of `plan` on its stream: for a stream-ordered slot first the
+  /// wait for ready_seq >= seq (then *ready_wait = true), then the op's kernels. A
+  /// stream-ordered low-latency op's kernel checks ready_seq and writes done_seq itself
+  /// (KernelHandoff), and with kernel_ready_wait() the wait is a WaitFlagAsync kernel
+  /// (SpinsForReady) instead of cuStreamWaitValue64.
+  absl::Status LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
+                          bool* ready_wait);
+  absl::Status ResetSync();
+  /// Serves this group from the engine of `device` unless an engine already does.
+  void AdoptEngine(int device);
+  /// Gives every vector of `op` R entries (no allocation when they already have).
+  void SizeOp(GpuOp& op) const;
+  /// Whether rank r's part of `op` hands off inside its low-latency kernel (LaunchRank).
+  static bool KernelHandsOff(const GpuOp& op, size_t r);
+  /// Whether that rank's ready wait is a WaitFlagAsync kernel (Readback::ready_seen).
+  bool SpinsForReady(const GpuOp& op, size_t r) const {
+    return KernelHandsOff(op, r) && plane_->kernel_ready_wait();
+  }
+  /// Moves a finished op's vectors back into spare_ for the next op, dropping its rank
+  /// references (a rank that left during the op is freed here, not kept by the spare).
+  void RecycleOp(std::optional<GpuOp>& op);
+  /// Enqueues done_seq = seq on rank `cr`'s stream (after everything already on it).
+  absl::Status WriteDone(const CudaRank& cr, uint64_t seq) const;
+  /// For every stream-ordered rank of `op` whose stream still waits for ready_seq (its
+  /// client never wrote it), writes ready_seq = op.seq from the host so that the stream
+  /// and the op's kernels (bounded by op_timeout) can end. Used when the op is given up
+  /// on and before the group's memory is freed.
+  void ReleaseReadyWaits(const GpuOp& op) const;
+
+  CudaDataPlaneImpl* plane_;
+  std::atomic<GpuEngine*> engine_{nullptr};
+  std::mutex engine_mu_;  // Serialises AdoptEngine.
+  // Guarded by LockstepGroup::mu_:
+  std::vector<std::shared_ptr<CudaRank>> ranks_;  // Attached ranks.
+  std::vector<uint8_t*> host_bases_;              // [R] data-area bases.
+  std::map<int, DeviceMemory> peer_bases_;        // GPU → device array [R].
+  /// The distinct GPUs of the attached ranks, ascending (capacity R): what an op claims.
+  std::vector<int> devices_;
+  bool needs_sync_reset_ = false;  // Kernel sync state must be zeroed.
+  // The per-op state is sized R once and moved, never reallocated (README "Hot path"): the
+  // next op's GpuOp waits in spare_ while no op is on the GPU, moves into gpu_op_ while one
+  // runs (into abandoned_ if it is given up on), and back into spare_ once it has left.
+  GpuOp spare_;
+  std::optional<GpuOp> gpu_op_;     // The op running on the GPU.
+  std::optional<GpuOp> abandoned_;  // An op given up on, still on the GPU.
+  /// [R] scratch of one poll (PollOpInto): each rank's cudaEventQuery.
+  std::vector<cudaError_t> event_errors_;
+  std::unique_ptr<GraphProgram> program_;  // The armed graph-mode program.
+  std::optional<GpuOp> program_tail_;      // A disarmed program still on the GPU.
+};
+
+}  // namespace epd

@@ -1,0 +1,87 @@
+// The CUDA data plane's class (made by MakeCudaDataPlane, cuda_data_plane.h): GPUs, peer
+// access, one engine per GPU, the GPU claim table, the default launch mode. Internal to
+// daemon/dataplane/cuda/; CudaGroup (cuda_group.h) uses it. docs/CUDA_BACKEND.md.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/cuda/cuda_handles.h"
+#include "daemon/dataplane/cuda/cuda_data_plane.h"
+#include "daemon/dataplane/data_plane.h"
+#include "daemon/dataplane/engine_host.h"
+
+namespace epd {
+
+class CudaGroup;
+
+/// One engine per GPU: a thread, a doorbell page and the groups it polls.
+struct GpuEngine {
+  int device = 0;
+  EngineHost<CudaGroup> host;
+  /// For host writes into launch_flags while the ranks' own streams are held by a
+  /// program's waits (graph mode). Created at start-up, before any rank's stream: every
+  /// stream takes one of the CUDA_DEVICE_MAX_CONNECTIONS hardware queues, and a write
+  /// queued behind a stream memory wait on a shared queue would wait with it.
+  StreamHandle aux;
+};
+
+class CudaDataPlaneImpl : public DataPlane {
+ public:
+  explicit CudaDataPlaneImpl(const CudaDataPlaneOptions& options) : options_(options) {}
+  ~CudaDataPlaneImpl() override { Shutdown(); }
+
+  /// Discovers the GPUs, enables peer access, loads the kernels and starts one engine per
+  /// GPU. Errors: those of MakeCudaDataPlane.
+  absl::Status Init();
+  std::string backend_name() const override { return "cuda"; }
+  uint64_t BytesPerRank(const v1::GroupSpec& spec) const override;
+  absl::StatusOr<uint64_t> FreeBytes(const std::string& gpu_uuid) const override;
+  absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override;
+  /// Client-launched when the group's kernels can run side by side: MPS is active, or the
+  /// daemon has a GPU for every rank (one rank per GPU). Otherwise daemon-launched: ranks of
+  /// several client processes on one GPU without MPS would time-slice (DESIGN.md §3.2),
+  /// while the daemon runs every rank's kernels from its one context.
+  v1::LaunchMode DefaultLaunchMode(const v1::GroupSpec& spec) const override;
+  void Shutdown() override;
+
+  const CudaDataPlaneOptions& options() const { return options_; }
+  /// Whether daemon-launched low-latency ops wait for ready_seq in a WaitFlagAsync kernel
+  /// (CudaDataPlaneOptions::kernel_ready_wait; by default: MPS is active for this daemon).
+  bool kernel_ready_wait() const { return kernel_ready_wait_; }
+  /// The daemon's ordinal of `gpu_uuid` ("" = the first GPU). NOT_FOUND otherwise.
+  absl::StatusOr<int> DeviceOf(const std::string& gpu_uuid) const;
+  const std::string& UuidOf(int device) const { return uuids_.at(device); }
+  bool PeerAccess(int a, int b) const { return a == b || peer_.at(a).count(b) > 0; }
+  GpuEngine* EngineOf(int device) { return engines_.at(device).get(); }
+
+  /// Claims every GPU in `devices` (daemon ordinals) for `group`'s next op when none of
+  /// them runs another group's op (one group op per GPU at a time: spinning kernels must
+  /// all be resident). Allocates nothing (the holder table is sized at Init).
+  bool TryClaimGpus(std::span<const int> devices, const CudaGroup* group);
+  /// Releases the GPUs `group` holds. Allocates nothing.
+  void ReleaseGpus(const CudaGroup* group);
+
+ private:
+  CudaDataPlaneOptions options_;
+  bool kernel_ready_wait_ = false;     // See kernel_ready_wait().
+  std::map<int, std::string> uuids_;   // ordinal → UUID.
+  std::map<int, std::set<int>> peer_;  // ordinal → peers it can access.
+  std::map<int, std::unique_ptr<GpuEngine>> engines_;
+  std::mutex claim_mu_;
+  /// [max ordinal + 1], indexed by ordinal: the group whose op runs on the GPU, or null.
+  /// Sized once at Init, so claiming and releasing per op allocate nothing.
+  std::vector<const CudaGroup*> gpu_holder_;
+  std::atomic<bool> shut_down_{false};
+};
+
+}  // namespace epd
