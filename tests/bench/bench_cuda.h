@@ -22,7 +22,7 @@
 
 namespace epd::bench {
 
-/// The normal-mode benchmark shape (issue 5; DeepSeek-V3 prefill): T=4096 tokens per rank,
+/// The normal-mode benchmark shape (DeepSeek-V3 prefill): T=4096 tokens per rank,
 /// H=7168, K=8, E=256, FP8 enabled, with `ranks` ranks (8 virtual ranks in bench_normal.cu,
 /// one per GPU in bench_multigpu.cu).
 inline constexpr int32_t kNormalBenchTokens = 4096;

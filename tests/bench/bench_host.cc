@@ -20,6 +20,7 @@
 #include "epd/client.h"
 #include "epd/kernels/types.h"
 #include "tests/bench/bench.h"
+#include "tests/common/dtypes.h"
 
 ABSL_FLAG(int, host_ranks, 4, "host bench: ranks (threads)");
 ABSL_FLAG(int, host_tokens, 128, "host bench: tokens per rank");
@@ -32,6 +33,10 @@ ABSL_FLAG(int, host_iters, 200, "host bench: timed iterations per op (after 10 w
 
 namespace epd::bench {
 namespace {
+
+using ::epd::testing::kBf16;
+using ::epd::testing::kF32;
+using ::epd::testing::kI64;
 
 using Clock = std::chrono::steady_clock;
 
@@ -116,9 +121,9 @@ int RunHostBench() {
       std::shuffle(ex.begin(), ex.end(), rng);
       for (int k = 0; k < K; ++k) idx[r][t * K + k] = ex[k];
     }
-    xt[r] = epd::MakeDLTensor(x[r].data(), {kDLBfloat, 16, 1}, xs);
-    it[r] = epd::MakeDLTensor(idx[r].data(), {kDLInt, 64, 1}, ks);
-    wt[r] = epd::MakeDLTensor(w[r].data(), {kDLFloat, 32, 1}, ks);
+    xt[r] = epd::MakeDLTensor(x[r].data(), kBf16, xs);
+    it[r] = epd::MakeDLTensor(idx[r].data(), kI64, ks);
+    wt[r] = epd::MakeDLTensor(w[r].data(), kF32, ks);
   }
   // Per-rank timing of one op kind: every rank runs `op` iters times in lockstep.
   auto measure = [&](const std::function<absl::Status(int)>& op) {
@@ -185,7 +190,7 @@ int RunHostBench() {
   for (int r = 0; ok && r < R; ++r) {
     expert_out[r].assign(size_t(last[r].num_recv_tokens) * H, 0x3f80);
     eshape[r] = {last[r].num_recv_tokens, H};
-    et[r] = epd::MakeDLTensor(expert_out[r].data(), {kDLBfloat, 16, 1}, eshape[r]);
+    et[r] = epd::MakeDLTensor(expert_out[r].data(), kBf16, eshape[r]);
   }
   ok = ok && run("Combine (bf16)", T * token_bytes * std::min(K, R), [&](int r) -> absl::Status {
          epd::CombineArgs a;
@@ -214,7 +219,7 @@ int RunHostBench() {
   for (int r = 0; ok && r < R; ++r) {
     ll_out[r].assign(size_t(E / R) * R * T * H, 0x3f80);
     ll_shape[r] = {E / R, int64_t(R) * T, H};
-    llt[r] = epd::MakeDLTensor(ll_out[r].data(), {kDLBfloat, 16, 1}, ll_shape[r]);
+    llt[r] = epd::MakeDLTensor(ll_out[r].data(), kBf16, ll_shape[r]);
   }
   // LL combine reuses the last LL dispatch's handle each time (valid: no new dispatch).
   ok = ok && run("LowLatencyCombine (bf16)", T * token_bytes * K, [&](int r) -> absl::Status {
@@ -247,7 +252,7 @@ int RunHostBench() {
                                              [] { return absl::OkStatus(); });
   if (!solo_ep.ok()) return 1;
   std::vector<int64_t> empty_shape{0, K};
-  DLTensor empty = epd::MakeDLTensor(idx[0].data(), {kDLInt, 64, 1}, empty_shape);
+  DLTensor empty = epd::MakeDLTensor(idx[0].data(), kI64, empty_shape);
   auto round_trip = [&](std::chrono::microseconds idle, std::vector<double>& out) -> bool {
     for (int i = 0; i < iters + 10; ++i) {
       if (idle.count() > 0) std::this_thread::sleep_for(idle);

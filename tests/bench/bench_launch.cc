@@ -1,39 +1,9 @@
-// Launch modes through a real daemon (epd_bench --backend=cuda --mode=launch): the
-// low-latency ops of DeepSeek-V3 decode (T=128, H=7168, K=8, E=256, R=8 ranks on one GPU
-// (--launch_ranks: 1, 2, 4 or 8, the in-process bound at the same R), ll_max_tokens_per_rank=128;
-// FP8 LowLatencyDispatch, then BF16 LowLatencyCombine with that dispatch's handle) through
-// libepdclient, for each launch mode of DESIGN.md §3.2:
-//   client-launched  the library launches the kernels on the caller's streams;
-//   daemon-launched  the daemon's engine runs them, stream-ordered with the caller's
-//                    streams (ready/done flags; no CPU hand-off on the GPU's path).
-// A real `epd --backend=cuda` is started as a child on a private socket in a temp dir
-// (--epd names the binary; default the `epd` next to this one), or --socket names a running
-// daemon. ONE client process joins all R ranks (R Joins on one Client), each rank with a
-// CUDA stream of its own. Whether MPS is active comes from the daemon (GetStats); the run
-// script runs the bench again after deploy/mps/start-mps.sh for the MPS figure.
-//
-// Per iteration, for each op: every rank's stream waits on a device gate word, records a
-// start event, gets the op (the library's work on that stream: staging of topk_idx /
-// topk_weights + flags in
-// daemon-launched mode, the kernels in client-launched mode), records an end event; the
-// host opens the gate once all 8 ops are submitted (so the host's submit cost is not in
-// the stream figure), synchronizes the 8 streams and Waits on the 8 PendingOps. Figures:
-//   stream p50/p99  last end event - first start event over the 8 streams (what a
-//                   stream-ordered caller sees on the GPU);
-//   host p50/p99    host wall time from the first op call to the 8th Wait returned
-//                   (submit + GPU + CPU completion).
-// Each mode is timed twice: with the gate opened as soon as the 8th op is submitted (the
-// daemon's engine may still be enqueueing its kernels then: its CPU path is in the figure),
-// and with the gate opened --launch_gate_delay_us (1000) later (everything is queued on the
-// GPU by then: the GPU-side path alone, what a caller whose stream is still busy with
-// earlier work when it submits would see). The daemon-launched goal (in-process + 10 µs) is
-// judged on the late-gate figure: the in-process bound's kernels are all launched before
-// its gate opens, so that is the like-for-like one; the gate-at-once gap is printed beside.
-// ≥ 1000 timed iterations after warm-up. Bounds measured in the same run on the same GPU
-// (before the daemon starts, bench_ll.cu's in-process path): a device-to-device
-// cudaMemcpy of the same bytes, and the same kernels launched in-process in the same op
-// sequence (per iteration a dispatch, then the combine with its handle), timed the same
-// way (gate, events); each op repeated on its own is printed too, for reference.
+// Launch modes through a real daemon (epd_bench --backend=cuda --mode=launch): the FP8
+// LowLatencyDispatch and BF16 LowLatencyCombine of DeepSeek-V3 decode, R ranks on one GPU
+// joined by one client process, client-launched and daemon-launched, each timed as the
+// stream figure (gate, events) and the host figure (first call to last Wait), at two gate
+// delays, beside the in-process kernels and a cudaMemcpy of the same bytes measured in the
+// same run. Method and figures: docs/BENCHMARKS.md "Launch modes through the daemon".
 #if defined(EPD_HAVE_CUDA)
 #include <cuda_runtime.h>
 #include <dlpack/dlpack.h>
@@ -66,6 +36,7 @@
 #include "tests/bench/bench.h"
 #include "tests/bench/bench_cuda.h"
 #include "tests/common/daemon_process.h"
+#include "tests/common/dtypes.h"
 #include "tests/common/on_every_rank.h"
 #include "tests/common/specs.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -92,6 +63,11 @@ ABSL_FLAG(std::string, launch_modes, "client,daemon",
 
 namespace epd::bench {
 namespace {
+
+using ::epd::testing::kBf16;
+using ::epd::testing::kF32;
+using ::epd::testing::kI32;
+using ::epd::testing::kI64;
 
 using ::epd::testing::CudaStream;
 using ::epd::testing::DeviceBuffer;
@@ -361,7 +337,7 @@ absl::Status MeasureDaemonProgramGraphs(std::vector<std::unique_ptr<Endpoint>>& 
     if (st.ok()) {
       num_tokens[r] = std::move(*b);
       st = EPD_CUDA_STATUS(cudaMemcpy(num_tokens[r].get(), &t, sizeof(t), cudaMemcpyDefault));
-      nt[r] = CudaTensor(num_tokens[r].get(), DLDataType{kDLInt, 32, 1}, nt_shape[r]);
+      nt[r] = CudaTensor(num_tokens[r].get(), kI32, nt_shape[r]);
     }
   }
   if (st.ok()) {
@@ -417,7 +393,6 @@ absl::Status MeasureMode(Client& client, const std::string& gpu_uuid, v1::Launch
   }
   std::vector<std::vector<int64_t>> x_shape(Ranks()), idx_shape(Ranks()), out_shape(Ranks());
   std::vector<DLTensor> x(Ranks()), idx(Ranks()), w(Ranks()), expert_out(Ranks());
-  const DLDataType bf16{kDLBfloat, 16, 1}, i64{kDLInt, 64, 1}, f32{kDLFloat, 32, 1};
   for (int32_t r = 0; r < Ranks(); ++r) {
     x_shape[r] = {kTokens, kHidden};
     idx_shape[r] = {kTokens, kTopk};
@@ -433,10 +408,10 @@ absl::Status MeasureMode(Client& client, const std::string& gpu_uuid, v1::Launch
     EPD_CUDA_RETURN_IF_ERROR(
         cudaMemcpy(x_in.data(), in[r].x.get(), size_t{kTokens} * kHidden * 2, cudaMemcpyDefault));
     EPD_CUDA_RETURN_IF_ERROR(cudaMemset(y_in.data(), 0x3f, y_in.nbytes()));
-    x[r] = CudaTensor(x_in.data(), bf16, x_shape[r]);
-    expert_out[r] = CudaTensor(y_in.data(), bf16, out_shape[r]);
-    idx[r] = CudaTensor(in[r].topk_idx.get(), i64, idx_shape[r]);
-    w[r] = CudaTensor(in[r].topk_weights.get(), f32, idx_shape[r]);
+    x[r] = CudaTensor(x_in.data(), kBf16, x_shape[r]);
+    expert_out[r] = CudaTensor(y_in.data(), kBf16, out_shape[r]);
+    idx[r] = CudaTensor(in[r].topk_idx.get(), kI64, idx_shape[r]);
+    w[r] = CudaTensor(in[r].topk_weights.get(), kF32, idx_shape[r]);
   }
 
   std::vector<cudaStream_t> streams(Ranks());

@@ -1,14 +1,10 @@
 // Low-latency kernel benchmark (epd_bench --backend=cuda --mode=ll): the CUDA
 // LowLatencyDispatch (FP8) and LowLatencyCombine (BF16) on the DeepSeek-V3 decode shape,
-// T=128, H=7168, K=8, E=256, R=8 virtual ranks on one GPU, launched in-process (the bound
-// the daemon's launch modes are compared with). Each figure is printed beside a cudaMemcpy
-// (device to device) of the same bytes on the same GPU, measured in the same run.
-//
-// Timing of one op: every rank's stream first waits on a device gate word
-// (cuStreamWaitValue32), then records a start event, launches its kernel and records an end
-// event; the host opens the gate (cuStreamWriteValue32 on another stream) once all ranks are
-// enqueued, so host launch skew is not timed. Latency = last end - first start, over all
-// ranks. p50/p99 over 1000 iterations after 50 of warm-up.
+// R=8 virtual ranks on one GPU, launched in-process (the bound the daemon's launch modes
+// are compared with), each beside a device-to-device cudaMemcpy of the same bytes measured
+// in the same run. Timing (a device gate, events; p50/p99 of last end - first start) and
+// figures: docs/BENCHMARKS.md "Low-latency kernels".
+
 // nvcc (EDG) warns about assigning an absl::Status ([[nodiscard]] on operator=) by mistake.
 #pragma nv_diag_suppress 2810
 

@@ -1,27 +1,10 @@
 // Normal-mode kernels with one rank per GPU (epd_bench --backend=cuda --mode=multigpu
-// [--gpus=N]): R = N GPUs of this host, all in this one process (peer access enabled
-// among them, one stream per rank, each rank's data area one cudaMalloc on its own GPU,
-// peer_bases [R] on every GPU holding every rank's base), the normal-mode launchers of
-// cuda_normal.h with ranks_on_device = 1. Shape T=4096, H=7168, K=8, E=256: FP8 dispatch,
-// BF16 dispatch, BF16 combine, over an SM sweep {8, 16, 24, 32, all} blocks per rank.
-//
-// Bytes, as DeepEP counts logical bandwidth (same as bench_normal.cu): a rank's bytes are
-// those of the tokens it sends, one copy per destination rank (itself included); a BF16
-// row is 2H bytes, an FP8 row H + 4·H/128 bytes; combine moves the same rows back.
-// rank GB/s = mean bytes per rank / op time; aggregate = all ranks' bytes / op time. The
-// "NVLink" column counts only rows to other ranks (what crosses NVLink).
-// Op time: a batch of back-to-back ops on every rank's stream; per rank, its end event
-// minus its start event (events of one GPU), the largest over the ranks, / batch size.
-//
-// Bounds measured in the same run, on the same bytes:
-//   NCCL all-to-all: per op, ncclGroupStart, then for every rank and every peer (itself
-//     included, as torch all_to_all_single does) an ncclSend of the bytes it sends that
-//     peer and an ncclRecv of the bytes it receives from it, ncclGroupEnd; one
-//     communicator per GPU from ncclCommInitAll. Needs EPD_HAVE_NCCL (libnccl at build).
-//   peer copy: every rank copies its NVLink bytes to the next rank
-//     (cudaMemcpyPeerAsync, all ranks at once): the copy engines' NVLink bandwidth.
-// With fewer than 2 GPUs the bench prints that the multi-GPU figures were not measured
-// and exits 0 (a skip, not a result).
+// [--gpus=N]): every GPU of this host a rank, all in this one process (peer access, one
+// stream per rank), the launchers of cuda_normal.h with ranks_on_device = 1, at T=4096
+// H=7168 K=8 E=256 (FP8 dispatch, BF16 dispatch, BF16 combine) over an SM sweep, beside
+// an NCCL all-to-all (needs EPD_HAVE_NCCL) and a peer copy of the same bytes measured in
+// the same run. With fewer than 2 GPUs it says the figures were not measured and exits 0.
+// Bytes, op time and bounds: docs/BENCHMARKS.md "Normal-mode kernels, one rank per GPU".
 #pragma nv_diag_suppress 2810
 
 #include <cuda_runtime.h>

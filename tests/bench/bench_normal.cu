@@ -1,16 +1,9 @@
-// Normal-mode (high-throughput) CUDA kernels on R = 8 virtual ranks of one GPU:
-// FP8 dispatch, BF16 dispatch and BF16 combine at T=4096 H=7168 K=8 E=256, each printed
-// beside a device-to-device cudaMemcpy of the same total bytes measured in the same run,
-// over an SM sweep {8, 16, 24, 32} blocks per rank.
-//
-// Bytes, as DeepEP counts logical bandwidth: a rank's bytes are those of the tokens it
-// sends, one copy per destination rank (a token with experts on 5 ranks counts 5 rows);
-// a BF16 row is 2H bytes, an FP8 row H bytes plus H/128 f32 scales; combine moves the same
-// rows back (BF16). Per-rank bandwidth = mean bytes per rank / op time; aggregate = bytes
-// of all ranks / op time. The op time is the wall time of a batch of back-to-back ops on
-// every rank's stream (first start event to last end event) divided by the batch size.
-// The memcpy bound = aggregate bytes / time of one cudaMemcpyAsync of that many bytes (median
-// of 20, each timed alone; it reads and writes every byte once, as dispatch writes every row).
+// Normal-mode (high-throughput) CUDA kernels on R = 8 virtual ranks of one GPU
+// (epd_bench --backend=cuda --mode=normal): FP8 dispatch, BF16 dispatch and BF16 combine
+// at T=4096 H=7168 K=8 E=256 over an SM sweep {8, 16, 24, 32} blocks per rank, each beside
+// a device-to-device cudaMemcpy of the same total bytes measured in the same run.
+// Bytes (DeepEP's logical bandwidth), op time and the bound: docs/BENCHMARKS.md
+// "Normal-mode kernels".
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -1,7 +1,4 @@
-// epd_bench: flags → the chosen benchmark families → exit code. The figures themselves live
-// in bench_ll.cu (CUDA low-latency), bench_normal.cu (CUDA normal mode) and bench_host.cc
-// (host backend). Results are recorded in docs/BENCHMARKS.md.
-//
+// epd_bench: flags → the chosen benchmark families → exit code (docs/BENCHMARKS.md).
 //   epd_bench --backend=cuda --mode=ll        CUDA low-latency kernels
 //   epd_bench --backend=cuda --mode=normal    CUDA normal-mode kernels
 //   epd_bench --backend=cuda --mode=all       both
@@ -10,7 +7,7 @@
 //   epd_bench --backend=cuda --mode=launch [--epd=PATH | --socket=PATH]   launch modes
 //                                             through a real epd (client-, daemon-launched)
 //   epd_bench --backend=host                  host backend (daemon + clients over shm)
-//   add --json for one JSON object per figure.
+// (--json: one JSON object per figure.)
 #include <iostream>
 #include <string>
 

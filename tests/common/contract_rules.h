@@ -121,7 +121,7 @@ inline void CheckContractRules(const std::vector<Endpoint*>& eps, const ViewRead
   ASSERT_EQ(static_cast<int>(eps.size()), kR);
   std::vector<RankInputs> in = Inputs();
 
-  // ---- GetDispatchLayout: is_token_in_rank is {kDLUInt, 8, 1}; duplicates count once.
+  // ---- GetDispatchLayout: is_token_in_rank is kU8 (tests/common/dtypes.h); duplicates count once.
   std::vector<LayoutResult> layout =
       OnRanks<LayoutResult>([&](int r) { return eps[r]->GetDispatchLayout(in[r].idx_t, nullptr); });
   const std::vector<std::vector<int32_t>> per_rank = {{2, 2}, {1, 2}};

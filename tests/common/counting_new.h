@@ -1,28 +1,11 @@
 // A counting global operator new for the hot-path allocation tests
-// (tests/unit/hot_path_alloc_test.cc on the host backend, tests/gpu/cuda_hot_path_alloc_test.cc
-// on the CUDA backend; issue 4 "Hot path: no gRPC, no allocation, no host synchronisation per
-// op").
-//
-// What is counted: every call of a global operator new / new[] (plain, nothrow, aligned,
-// aligned + nothrow). Allocations made through malloc directly (the C library, the CUDA
-// runtime and driver) are not counted: the guarantee is about epd's C++ code. Every call is
-// forwarded to malloc / posix_memalign, every operator delete to free.
-//
-// On which threads: every thread counts into its own t_allocs. Beyond that only the threads a
-// test marks are counted: a thread with t_engine set (the data plane's engine threads, marked
-// through the options' on_engine_start hook, see MarkEngineThread) counts into
-// g_engine_allocs, or into g_kernel_allocs while it also has t_in_kernels set (inside
-// kernels/host, bracketed by HostDataPlaneOptions::on_kernels); a thread with t_client set
-// (the test's thread, every rank's client) and no t_engine counts into g_client_allocs. While
-// recording is on (StartRecordingSizes), the sizes of the first kMaxSizes allocations of the
-// client thread and of the engine threads outside kernels/host are kept, a hint for whoever
-// hunts an allocation.
-//
-// Per binary: the replacement operators are in force for the whole test binary that defines
-// them, and they must be defined in exactly one translation unit of it: that file defines
-// EPD_COUNTING_NEW_DEFINE_OPERATORS before including this header (hot_path_alloc_test.cc in
-// epd_unit_tests, cuda_hot_path_alloc_test.cc in epd_gpu_tests). The other tests of the binary
-// are not affected: unmarked threads only bump their t_allocs.
+// (tests/unit/hot_path_alloc_test.cc, tests/gpu/cuda_hot_path_alloc_test.cc): every global
+// operator new / new[] is forwarded to malloc and counted per thread, and into the engine,
+// kernel or client counter on the threads a test marks (MarkEngineThread, t_in_kernels,
+// t_client). Malloc called directly (the CUDA runtime and driver) is not counted. Exactly
+// one translation unit of a binary defines EPD_COUNTING_NEW_DEFINE_OPERATORS before
+// including this header; unmarked threads only bump their t_allocs. Details:
+// docs/CUDA_BACKEND.md "Hot path: no allocation per op".
 #pragma once
 
 #include <algorithm>

@@ -1,18 +1,13 @@
 // DaemonProcess: the real `epd` binary started for an integration test, on a socket in a
 // fresh temporary directory and (by default) a free TCP port on 127.0.0.1.
 //
-//   auto epd = DaemonProcess::Start();            // waits until health says SERVING
+//   auto epd = DaemonProcess::Start();   // waits until health says SERVING
 //   ASSERT_TRUE(epd.ok()) << epd.status();
-//   ClientOptions options;
-//   options.socket_path = (*epd)->socket_path();
-//   ...
-//   EXPECT_EQ(*(*epd)->Stop(), 0);                // SIGTERM, wait, exit code
-//   std::cerr << (*epd)->Logs();                  // everything epd logged
+//   ... options.socket_path = (*epd)->socket_path(); ...
+//   EXPECT_EQ(*(*epd)->Stop(), 0);       // SIGTERM, wait, exit code; (*epd)->Logs() = its log
 //
-// The destructor SIGKILLs a daemon that is still running and removes the directory.
-// Binaries: EpdBinary() / EpctlBinary() / TestClientBinary() come from the EPD_BINARY,
-// EPCTL_BINARY and EPD_TEST_CLIENT_BINARY compile definitions (tests/CMakeLists.txt), or
-// the environment variables of the same names when set.
+// The destructor SIGKILLs a daemon still running and removes the directory. Binaries come
+// from the EPD_BINARY, EPCTL_BINARY, EPD_TEST_CLIENT_BINARY definitions or environment.
 #pragma once
 
 #include <sys/types.h>

@@ -21,6 +21,7 @@
 #include "epd/client.h"
 #include "proto/abi/shm_abi.h"
 #include "spdlog/spdlog.h"
+#include "tests/common/dtypes.h"
 
 namespace {
 
@@ -30,6 +31,7 @@ using epd::Endpoint;
 using epd::EndpointFds;
 using epd::ScopedFd;
 using epd::ShmRegion;
+using ::epd::testing::kI64;
 namespace v1 = epd::v1;
 namespace internal = epd::internal;
 
@@ -72,7 +74,7 @@ struct World {
     idx_t.data = idx.data();
     idx_t.device = {kDLCPU, 0};
     idx_t.ndim = 2;
-    idx_t.dtype = {kDLInt, 64, 1};
+    idx_t.dtype = kI64;
     idx_t.shape = shape.data();
   }
 

@@ -1,31 +1,11 @@
 // libepdclient's two launch modes on the CUDA backend (client/include/epd/client.h), end to
-// end through an epd Daemon running in this process (the CUDA data plane, its engine, the
-// control service with GetGroupEndpoints) and a real Client connected to its socket. One
-// process holds every endpoint of a group, R virtual ranks on one GPU, one stream per rank,
-// one thread issuing every rank's ops (every op call returns without waiting for the
-// peers, so the thread enqueues rank 0..R-1 and then waits). The areas this process
-// exported are mapped through FindInProcessCudaArea (CUDA cannot open an IPC handle in its
-// exporting process).
-//
-// Oracle: kernels/host (host_ops.h) on the same inputs. Every output is compared byte for
-// byte, combine sums included: the kernels reduce in the host's order (ascending rank for
-// normal combine, ascending k for low-latency combine, f32, one rounding). Low-latency rows
-// past recv_count are undefined and not compared. The results of the two launch modes are
-// also compared with each other.
-//
-// Tests, for R = 2 and R = 8:
-//  - low-latency dispatch (BF16 and FP8, masked and hot-expert routing, T = 0 ranks) and
-//    combine, and GetDispatchLayout + Dispatch + Combine, in both modes;
-//  - client-launched CUDA graph: dispatch (T on the device) → a toy expert kernel →
-//    combine captured per rank, replayed 100 times with new inputs and a new T each time;
-//  - stream-ordered ops: four ops per rank enqueued back to back without Wait, read through
-//    PendingOp::Enqueued views on the stream, checked after one synchronisation;
-//  - a bad expert id → INVALID_ARGUMENT, then the next op is correct (both modes);
-//  - client-launched: a rank whose input is rejected takes part with T = 0, so its peers
-//    complete (no timeout) with the results of T = 0 and zero expert outputs at that rank.
-// And: low-latency capacities up to 4096 and top-k up to 64 in both modes and in captured
-// graphs (the dispatch's large path); the rules of tests/common/contract_rules.h in both
-// modes.
+// end through an epd Daemon running in this process and a real Client on its socket, R = 2
+// and 8 virtual ranks on one GPU, one thread issuing every rank's ops. Every output is
+// compared byte for byte with kernels/host (host_ops.h) and between the two modes: both
+// modes' ops, a client-launched CUDA graph replayed with a new T, stream-ordered ops without
+// Wait, bad expert ids, a rejected rank taking part with T = 0, large capacities and top-k,
+// and the rules of tests/common/contract_rules.h. The cases in full: docs/CUDA_BACKEND.md
+// "How the GPU tests are built".
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>

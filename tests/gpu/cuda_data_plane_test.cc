@@ -1,26 +1,10 @@
-// The CUDA data plane in-process (daemon/cuda/cuda_data_plane.h), daemon-launched mode:
-// endpoints opened by the real client code (internal::OpenEndpoint, mapping the device
-// areas through the in-process resolver, since CUDA cannot open an IPC handle in the
-// exporting process), one thread per rank, 8 virtual ranks on one GPU.
-//
-// Oracle: the same op sequence on the same inputs through the host data plane
-// (daemon/host_data_plane.h), which runs kernels/host. Outputs are compared byte for byte
-// (the CUDA kernels promise bit-identical results, combine sums included: both reduce in
-// the host's order — ascending rank for normal combine, ascending k for low-latency
-// combine — in f32, rounding once). Low-latency rows past recv_count are undefined and not
-// compared.
-//
-// Failure cases: a rank that never arrives (DEADLINE_EXCEEDED within op_timeout + 1 s for
-// the others, naming it; another group on the same GPU keeps working meanwhile; the late
-// group then works), an out-of-range expert id (INVALID_ARGUMENT for every rank, the
-// next op correct), and routing words a client rewrote in its area (INVALID_ARGUMENT naming
-// them, a neighbour group exact).
-//
-// Launch modes (issue 4, DESIGN.md §3.2), with raw ring slots (tests/unit/raw_ring.h) so
-// that the daemon side is tested on its own: a stream-ordered request (kFlagStreamOrdered)
-// runs its kernels only once launch_flags.ready_seq >= seq and then gets done_seq == seq,
-// also when the op fails (bad expert id, a client error, a rank that never arrives); a
-// client-launched endpoint gets a zeroed area and its ring slots are refused.
+// The CUDA data plane in-process (daemon/dataplane/cuda/cuda_data_plane.h), daemon-launched,
+// 8 virtual ranks on one GPU, endpoints opened by the real client code, one thread per
+// rank. Oracle: the same op sequence through the host data plane (kernels/host), compared
+// byte for byte. Also: a rank that never arrives, an out-of-range expert id, routing words a
+// client rewrote, and the launch modes seen from the daemon side through raw ring slots
+// (tests/unit/raw_ring.h): ready_seq/done_seq of stream-ordered requests, client-launched
+// endpoints. The cases in full: docs/CUDA_BACKEND.md "How the GPU tests are built".
 #include "daemon/dataplane/cuda/cuda_data_plane.h"
 
 #include <cuda_runtime.h>
@@ -49,12 +33,17 @@
 #include "daemon/gpu/gpu_inventory.h"
 #include "epd/client.h"
 #include "proto/abi/shm_abi.h"
+#include "tests/common/dtypes.h"
 #include "tests/common/specs.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/unit/raw_ring.h"
 
 namespace epd {
 namespace {
+
+using ::epd::testing::kBf16;
+using ::epd::testing::kF32;
+using ::epd::testing::kI64;
 
 using kernels::bf16_bits;
 using testing::DeviceBuffer;
@@ -234,10 +223,10 @@ GroupResult RunNormal(PlaneGroup& g, Inputs& in) {
     RankResult& res = out[r];
     std::vector<int64_t> xs{ri.T, H}, ks{ri.T, K};
     // x from the GPU on the CUDA plane (device-to-device staging); idx/weights from the host.
-    DLTensor x = Tensor(g.cuda ? static_cast<const void*>(ri.dx.get()) : ri.x.data(),
-                        {kDLBfloat, 16, 1}, xs, g.cuda);
-    DLTensor idx = Tensor(ri.idx.data(), {kDLInt, 64, 1}, ks, false);
-    DLTensor w = Tensor(ri.w.data(), {kDLFloat, 32, 1}, ks, false);
+    DLTensor x =
+        Tensor(g.cuda ? static_cast<const void*>(ri.dx.get()) : ri.x.data(), kBf16, xs, g.cuda);
+    DLTensor idx = Tensor(ri.idx.data(), kI64, ks, false);
+    DLTensor w = Tensor(ri.w.data(), kF32, ks, false);
 
     auto lop = g.eps[r]->GetDispatchLayout(idx);
     ASSERT_TRUE(lop.ok()) << lop.status();
@@ -301,12 +290,12 @@ GroupResult RunLowLatency(PlaneGroup& g, Inputs& in, bool fp8, bool round_scale,
         RankInputs& ri = in.ranks[r];
         RankResult& res = out[r];
         std::vector<int64_t> xs{ri.T, H}, ks{ri.T, K}, ys{El, rows, H};
-        DLTensor x = Tensor(g.cuda ? static_cast<const void*>(ri.dx.get()) : ri.x.data(),
-                            {kDLBfloat, 16, 1}, xs, g.cuda);
-        DLTensor idx = Tensor(ri.idx.data(), {kDLInt, 64, 1}, ks, false);
-        DLTensor w = Tensor(ri.w.data(), {kDLFloat, 32, 1}, ks, false);
-        DLTensor y = Tensor(g.cuda ? static_cast<const void*>(ri.dy.get()) : ri.y.data(),
-                            {kDLBfloat, 16, 1}, ys, g.cuda);
+        DLTensor x =
+            Tensor(g.cuda ? static_cast<const void*>(ri.dx.get()) : ri.x.data(), kBf16, xs, g.cuda);
+        DLTensor idx = Tensor(ri.idx.data(), kI64, ks, false);
+        DLTensor w = Tensor(ri.w.data(), kF32, ks, false);
+        DLTensor y =
+            Tensor(g.cuda ? static_cast<const void*>(ri.dy.get()) : ri.y.data(), kBf16, ys, g.cuda);
         LowLatencyDispatchArgs da;
         da.x = &x;
         da.topk_idx = &idx;
@@ -447,8 +436,8 @@ TEST_F(CudaDataPlaneTest, MissingRankTimesOutWhileAnotherGroupOnTheGpuWorks) {
   {
     RankInputs& ri = in_a.ranks[3];
     std::vector<int64_t> xs{ri.T, spec_a.hidden()}, ks{ri.T, spec_a.num_topk()};
-    DLTensor x = Tensor(ri.x.data(), {kDLBfloat, 16, 1}, xs, false);
-    DLTensor idx = Tensor(ri.idx.data(), {kDLInt, 64, 1}, ks, false);
+    DLTensor x = Tensor(ri.x.data(), kBf16, xs, false);
+    DLTensor idx = Tensor(ri.idx.data(), kI64, ks, false);
     LowLatencyDispatchArgs da;
     da.x = &x;
     da.topk_idx = &idx;
@@ -515,10 +504,10 @@ TEST_F(CudaDataPlaneTest, RoutingRewrittenByAClientFailsItsGroupWhileANeighbourS
   attacked.OnEveryRank([&](int r) {
     RankInputs& ri = in.ranks[r];
     std::vector<int64_t> xs{ri.T, H}, ks{ri.T, K}, ys{El, rows, H};
-    DLTensor x = Tensor(ri.dx.get(), {kDLBfloat, 16, 1}, xs, true);
-    DLTensor idx = Tensor(ri.idx.data(), {kDLInt, 64, 1}, ks, false);
-    DLTensor w = Tensor(ri.w.data(), {kDLFloat, 32, 1}, ks, false);
-    DLTensor y = Tensor(ri.dy.get(), {kDLBfloat, 16, 1}, ys, true);
+    DLTensor x = Tensor(ri.dx.get(), kBf16, xs, true);
+    DLTensor idx = Tensor(ri.idx.data(), kI64, ks, false);
+    DLTensor w = Tensor(ri.w.data(), kF32, ks, false);
+    DLTensor y = Tensor(ri.dy.get(), kBf16, ys, true);
     DispatchArgs da;
     da.x = &x;
     da.topk_idx = &idx;
@@ -602,7 +591,7 @@ TEST_F(CudaDataPlaneTest, ReportsGpuMemory) {
 
 // The CUDA backend's endpoint regions and its engine's doorbell page are sealed memfds: each
 // rank's descriptors are handed out once, every group on a GPU gets that GPU's one doorbell
-// page, and nobody holding them can resize either (epd maps both: a shrink used to SIGBUS
+// page, and nobody holding them can resize either (epd maps both: a shrink would SIGBUS
 // it). docs/SECURITY.md "Shared memory the client cannot resize", "The doorbell page".
 TEST_F(CudaDataPlaneTest, EndpointRegionsAndTheGpusDoorbellAreSealedAndHandedOutOnce) {
   std::vector<std::unique_ptr<DataPlaneGroup>> groups;

@@ -1,43 +1,11 @@
-// The CUDA data plane's per-op path allocates nothing (issue 4: "Hot path: no gRPC, no
-// allocation, no host synchronisation per op"; README "Hot path"; the host backend's twin is
-// tests/unit/hot_path_alloc_test.cc). A CUDA data plane runs in this process
-// (MakeCudaDataPlane), with one group of R daemon-launched virtual ranks on the first GPU
-// (R = 2 and 8) whose endpoints are opened by the real client code (internal::OpenEndpoint,
-// the areas mapped through the in-process resolver). After warm-up rounds (the first op
-// after the ranks attached also resets the kernels' sync state), every op kind runs kRounds
-// more times, and the heap allocations made meanwhile on the data plane's engine threads
-// are counted per op kind: each must be 0. The test thread (every rank's client) is
-// counted too and printed, not asserted (this test is about the daemon's engine).
-//
-// Op kinds, in the order one round runs them: GetDispatchLayout, Dispatch (bf16, weights,
-// expert_alignment 4), Combine of the received rows (identity experts), Dispatch with the
-// cached handle, LowLatencyDispatch (bf16), LowLatencyCombine, LowLatencyDispatch (FP8); the
-// round, the inputs and the combine check are shared with the host twin
-// (tests/common/hot_path_rounds.h; its FP8 normal Dispatch is not run here).
-// Every daemon-launched op is stream-ordered (kFlagStreamOrdered: ready/done words), so
-// that path is measured as well. Every other measured round first pauses 2 ms (longer than
-// the engine's idle_us), so the engine's sleep and wake-up are measured too.
-//
-// Counting (tests/common/counting_new.h, whose replacement operators this file defines for
-// the whole epd_gpu_tests binary): every global operator new / new[] (plain, nothrow,
-// aligned, aligned + nothrow) is counted on the threads marked by this test (the engine
-// threads, through CudaDataPlaneOptions::on_engine_start, and the test thread while a test of
-// this file runs) and forwarded to malloc/free, so the other tests of the binary are not
-// affected. Allocations made through malloc directly (the CUDA runtime and driver) are not
-// counted: the guarantee is about the daemon's C++ code.
-//
-// Not a vacuous pass: the engine's probe allocation must be counted, every op must succeed
-// (ops_failed == 0), and the results are checked (normal combine of identity experts gives
-// x times the number of ranks each token went to, exactly).
-//
-// Graph mode (CudaHotPathAllocProgramTest, below): the engine's polling of an armed
-// program's instances (it never sleeps then), measured over 100 replays of a 2-step program.
-//
-// Run (GPU machine), two processes (the program test runs only as the one test of its
-// process, as GraphProgramTest does):
-//   epd_gpu_tests --gtest_filter='*CudaHotPathAllocTest*'
-//   epd_gpu_tests --gtest_filter='CudaHotPathAllocProgramTest.*'
-// Pass: every "[alloc] ..." line says "engine thread 0", and the tests pass.
+// The CUDA data plane's per-op path allocates nothing: a daemon-launched group of R = 2 and
+// R = 8 virtual ranks on the first GPU runs in this process, every op kind of a round
+// (tests/common/hot_path_rounds.h) runs kRounds times after warm-up, and the heap
+// allocations on the engine threads must be 0 per op kind (the client thread's are
+// printed); CudaHotPathAllocProgramTest does the same over 100 replays of an armed graph-mode
+// program. This file defines the counting operators of tests/common/counting_new.h for
+// epd_gpu_tests. How it counts, how to run it (the program test in a process of its own)
+// and what passes: docs/CUDA_BACKEND.md "Hot path: no allocation per op".
 #include <cuda_runtime.h>
 #include <dlpack/dlpack.h>
 #include <gtest/gtest.h>
@@ -85,6 +53,7 @@ using counting_new::g_engine_allocs;
 namespace hot_path = testing::hot_path;
 using testing::kBf16;
 using testing::kF32;
+using testing::kI32;
 using testing::kI64;
 constexpr auto kWait = absl::Seconds(30);
 
@@ -391,7 +360,7 @@ TEST(CudaHotPathAllocProgramTest, ArmedProgramAllocatesNothingOnTheEngineThread)
     q.num_tokens = q.x;
     q.num_tokens.data = q.dT.get();
     q.num_tokens.ndim = 1;
-    q.num_tokens.dtype = DLDataType{kDLInt, 32, 1};
+    q.num_tokens.dtype = kI32;
     q.num_tokens.shape = q.ns.data();
   }
   std::vector<TensorView> expert_out;

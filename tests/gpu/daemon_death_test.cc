@@ -1,4 +1,4 @@
-// A daemon-launched op's stream when epd dies mid-op (client/endpoint.cc
+// A daemon-launched op's stream when epd dies mid-op (client/endpoint/endpoint.cc
 // Endpoint::Impl::ReleaseStreams): rank 0 of a 2-rank group submits a low-latency
 // dispatch whose peer never comes, so its stream waits for done_seq (a cuStreamWaitValue64
 // without MPS; the staging kernel's own wait, kc::DoneWait, under MPS). epd is then
@@ -15,11 +15,15 @@
 #include <vector>
 
 #include "epd/client.h"
-#include "tests/gpu/gpu_test_util.h"
 #include "tests/common/daemon_process.h"
+#include "tests/common/dtypes.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace epd {
 namespace {
+
+using ::epd::testing::kBf16;
+using ::epd::testing::kI64;
 
 using ::epd::testing::CudaStream;
 using ::epd::testing::DaemonProcess;
@@ -67,8 +71,8 @@ TEST(DaemonDeathTest, StreamOfAnOpInFlightIsReleasedWhenEpdIsKilled) {
   std::vector<uint16_t> x(kTokens * kHidden, 0x3f80);  // bf16 1.0
   std::vector<int64_t> idx(kTokens * kTopk, 5);        // all to rank 1's experts
   std::vector<int64_t> x_shape = {kTokens, kHidden}, idx_shape = {kTokens, kTopk};
-  DLTensor xt = MakeDLTensor(x.data(), DLDataType{kDLBfloat, 16, 1}, x_shape, {kDLCPU, 0});
-  DLTensor it = MakeDLTensor(idx.data(), DLDataType{kDLInt, 64, 1}, idx_shape, {kDLCPU, 0});
+  DLTensor xt = MakeDLTensor(x.data(), kBf16, x_shape, {kDLCPU, 0});
+  DLTensor it = MakeDLTensor(idx.data(), kI64, idx_shape, {kDLCPU, 0});
   auto stream = CudaStream::Create();
   ASSERT_TRUE(stream.ok());
   LowLatencyDispatchArgs a;

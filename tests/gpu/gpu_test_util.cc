@@ -141,8 +141,8 @@ absl::Status VirtualRankGroup::Upload(int32_t r, const kernels::Region& region, 
       cudaMemcpy(base(r) + region.offset + offset, src, bytes, cudaMemcpyHostToDevice));
   // From pageable memory, cudaMemcpy returns once the bytes are staged for DMA, possibly
   // before they have landed (CUDA runtime API, "API synchronization behavior"); the ranks'
-  // streams are non-blocking, so their next kernel could read the old bytes (seen on the
-  // H200: a cached normal re-dispatch read the previous x). Wait for the legacy stream,
+  // streams are non-blocking, so their next kernel could read the old bytes
+  // (a cached normal re-dispatch would read the previous x). Wait for the legacy stream,
   // which holds the copy (not cudaDeviceSynchronize: other streams may hold spinning
   // kernels).
   return EPD_CUDA_STATUS(cudaStreamSynchronize(cudaStreamLegacy));

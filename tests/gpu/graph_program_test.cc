@@ -1,34 +1,12 @@
-// The daemon-launched graph-mode program (DESIGN.md §3.2; issue 4 "CUDA graphs":
-// "Daemon-launched mode: the graph-mode program of DESIGN §3.2 does the same"), end to end
-// through an epd Daemon running in this process (CUDA data plane, engine, control service)
-// and a real Client on its socket. One process holds every endpoint of a group, R virtual
-// ranks on one GPU, one stream per rank (the approach of client_launch_test.cc).
-//
-// Per R in {2, 8}: every rank registers [LowLatencyDispatch{use_fp8}, LowLatencyCombine];
-// per rank, RunProgramDispatch → a toy FP8 expert (graph_program_kernels.h) →
-// RunProgramCombine is captured into one CUDA graph; the graph is replayed 100 times with
-// new inputs and a new T per rank written into device memory before each replay (not
-// captured). Rows of x/topk_idx past T hold out-of-range ids, so a kernel reading past T
-// would report INVALID_ARGUMENT. After every replay, every rank's recv_count, the valid rows
-// of recv_x (e4m3 bytes), recv_scales, recv_src_info and combined_x [T, H] are compared byte
-// for byte with kernels/host (host_ops.h) on the same inputs (the combine sums in the host's
-// order: ascending k, f32 products rounded then added, one bf16 rounding), and
-// ProgramStatus() is OK. Then: a bad expert id at rank 0 → every rank's ProgramStatus is
-// INVALID_ARGUMENT naming it, and the next replay is correct; a ring op while armed fails
-// with FAILED_PRECONDITION; a replay run by rank 0 alone (its dispatch waits for peers that
-// never come) is released by UnregisterProgram, and later replays return at once; the group's
-// ring ops work again.
-// A HangWatchdog (below) turns a hang anywhere in the scenario into a dump of every rank's
-// hand-off words and an exit with code 3 after 15 s without progress.
-//
-// Each test must run in a process of its own (it skips itself otherwise, saying so):
+// The daemon-launched graph-mode program (DESIGN.md §3.2) end to end through an epd Daemon
+// running in this process and a real Client on its socket, R = 2 and 8 virtual ranks on one
+// GPU: [LowLatencyDispatch{use_fp8}, LowLatencyCombine] around a toy FP8 expert captured
+// per rank into a CUDA graph, replayed with new inputs and T, every output compared byte for
+// byte with kernels/host; then a bad expert id, a ring op while armed, and a replay released
+// by UnregisterProgram. A HangWatchdog (below) turns a hang into a dump and exit code 3.
+// Each test must run in a process of its own (it skips itself otherwise, saying so), e.g.
 //   epd_gpu_tests --gtest_filter=GraphProgramTest.TwoRanks
-//   epd_gpu_tests --gtest_filter=GraphProgramTest.EightRanks
-//   epd_gpu_tests --gtest_filter=GraphProgramTest.TwoRanksLargeCapacityAndTopk
-// (the last at Mll = 1024, E = 64, K = 48, 20 replays: the dispatch's large path).
-// In-process, the daemon's streams (whose program waits are enqueued ahead) and the
-// client's share the GPU's 32 hardware queues; 8 ranks use 25 streams, under that limit
-// only when no other test created streams before.
+// The scenario in full: docs/CUDA_BACKEND.md "How the GPU tests are built".
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>

@@ -1,17 +1,11 @@
 // GPU tests of the normal-mode CUDA ops (kernels/include/epd/kernels/cuda_normal.h):
 // GetDispatchLayout, Dispatch (BF16 / FP8, expert alignment, cached re-dispatch) and
 // Combine, compared byte for byte with kernels/host (host_ops.h) on R virtual ranks of one
-// GPU. Combine sums in f32 in ascending rank order starting from +0.0f, one bf16 rounding,
-// on both sides, so combined_x must be bit-identical too.
-//
-// Sweep (a covering selection of the low-latency issue's product): virtual ranks 1, 2, 4, 8;
-// H 2048, 4096, 7168; K 1, 6, 8; E = R, 64, 256; masked 0 and 0.5; uniform routing, all
-// tokens to one expert, duplicates in a row; FP8 on/off; T in {0, 1, 333, 4096} (also mixed
-// per rank); expert alignment 1 and 128; re-dispatch from the cached handle. Plus: a
-// T=4096 group beside a decode group on the same GPU, launched concurrently; dispatch +
-// combine captured once in a CUDA graph per rank and replayed with new T and inputs; bad expert
-// ids and bad T (status, then the next op works); a rank that never arrives (timeout,
-// reset, next op works); a layout over 4 GiB per rank with rows written past 4 GiB.
+// GPU, combined_x included (both sum in f32 in ascending rank order, one bf16 rounding).
+// Sweep (a covering selection, not the product): R 1, 2, 4, 8; H 2048, 4096, 7168; K 1, 6, 8;
+// E = R, 64, 256; masked 0 and 0.5; uniform, one-expert and duplicate routing; FP8 on/off;
+// T 0, 1, 333, 4096 (also mixed); alignment 1 and 128. Plus: prefill beside decode groups,
+// CUDA-graph replay with new T, bad ids and T, a rank that never arrives, a layout over 4 GiB.
 #include <gtest/gtest.h>
 
 #include <algorithm>

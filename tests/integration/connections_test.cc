@@ -29,6 +29,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/common/daemon_process.h"
+#include "tests/common/dtypes.h"
 #include "tests/common/specs.h"
 #include "tests/common/unix_socket.h"
 #include "tests/integration/raw_session.h"
@@ -103,7 +104,7 @@ class ConnectionsTest : public ::testing::Test {
     ASSERT_TRUE(endpoint.ok()) << endpoint.status();
     std::vector<int64_t> idx = {0, 1, 2, 3, 1, 2, 3, 0};
     std::vector<int64_t> shape = {4, 2};
-    DLTensor topk_idx = MakeDLTensor(idx.data(), DLDataType{kDLInt, 64, 1}, shape);
+    DLTensor topk_idx = MakeDLTensor(idx.data(), kI64, shape);
     for (int i = 0; i < ops; ++i) {
       auto op = (*endpoint)->GetDispatchLayout(topk_idx);
       ASSERT_TRUE(op.ok()) << op.status();

@@ -1,4 +1,4 @@
-// Control-plane integration tests (issue 2): the real epd binary on a temporary socket and
+// Control-plane integration tests: the real epd binary on a temporary socket and
 // a free TCP port, real client processes (epd_test_client), real epctl.
 #include <signal.h>
 #include <sys/socket.h>
@@ -28,6 +28,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/common/daemon_process.h"
+#include "tests/common/dtypes.h"
 
 namespace epd::testing {
 namespace {
@@ -813,7 +814,7 @@ TEST_F(ControlTest, ARemovedRanksWaitingOpFailsAtOnceNamingTheRemoval) {
   ASSERT_TRUE(endpoint.ok()) << endpoint.status();
   std::vector<int64_t> idx(4 * 2, 1);
   std::vector<int64_t> shape = {4, 2};
-  DLTensor topk_idx = MakeDLTensor(idx.data(), DLDataType{kDLInt, 64, 1}, shape);
+  DLTensor topk_idx = MakeDLTensor(idx.data(), kI64, shape);
   auto op = (*endpoint)->GetDispatchLayout(topk_idx);
   ASSERT_TRUE(op.ok()) << op.status();
   const absl::Time start = absl::Now();

@@ -1,4 +1,4 @@
-// A fatal signal leaves a trace in epd's log (daemon/fatal_signals.h): the real epd, sent
+// A fatal signal leaves a trace in epd's log (daemon/core/fatal_signals.h): the real epd, sent
 // SIGSEGV, SIGBUS, SIGABRT, SIGFPE or SIGILL, logs the signal's name and a symbolized stack
 // trace on stderr, then dies of that very signal (so systemd and the kubelet see a crash).
 #include <signal.h>

@@ -3,7 +3,7 @@
 // - a hostile client that holds its endpoint region and its engine's doorbell page tries
 //   to shrink and grow both (ftruncate, fallocate) in a tight loop while it scribbles the
 //   doorbell: every attempt fails with EPERM, epd keeps serving, and a victim group on the
-//   same engine gets exact results all along (its ops used to die with epd's SIGBUS);
+//   same engine gets exact results all along (a shrunk mapping would SIGBUS epd);
 // - the fd channel answers only the session's own uid for a (group, rank) the session
 //   holds, once; wrong sessions, other users, ranks not held, garbage, oversized and silent
 //   connections get a clear error or a bounded close, and epd keeps serving meanwhile.
@@ -30,8 +30,8 @@
 #include "gtest/gtest.h"
 #include "proto/abi/shm_abi.h"
 #include "tests/common/daemon_process.h"
-#include "tests/integration/raw_session.h"
 #include "tests/common/subprocess.h"
+#include "tests/integration/raw_session.h"
 
 namespace epd::testing {
 namespace {

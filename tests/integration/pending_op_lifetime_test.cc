@@ -13,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/daemon_process.h"
+#include "tests/common/dtypes.h"
 
 namespace epd::testing {
 namespace {
@@ -57,7 +58,7 @@ class PendingOpLifetimeTest : public ::testing::Test {
   std::unique_ptr<Client> client_;
   std::vector<int64_t> idx_ = std::vector<int64_t>(4 * 2, 1);
   std::vector<int64_t> shape_ = {4, 2};
-  DLTensor topk_idx_ = MakeDLTensor(idx_.data(), DLDataType{kDLInt, 64, 1}, shape_);
+  DLTensor topk_idx_ = MakeDLTensor(idx_.data(), kI64, shape_);
 };
 
 void ExpectEndpointDestroyed(const absl::Status& status) {

@@ -1,6 +1,6 @@
 // A client flooding its endpoints' rings with garbage slots, against a real epd (host
 // backend), cannot flood epd's log: the warnings it causes are charged to its uid's budget
-// (daemon/logging.h LogRateLimiter, one per uid in GroupRegistry), which new sessions, new
+// (daemon/core/logging.h LogRateLimiter, one per uid in GroupRegistry), which new sessions, new
 // groups and rejoins share, and one line counts those that were dropped. Every slot is
 // still counted (rejected_requests) and epd keeps serving.
 #include <unistd.h>

@@ -1,5 +1,5 @@
 // Start-up safety of the real epd binary against another epd and against a hostile socket
-// directory (daemon/daemon.cc PrepareSocketPath):
+// directory (daemon/core/daemon.cc PrepareSocketPath):
 // - a second epd on a live epd's socket path, holding another lock file (as the same
 //   socket path in another mount namespace does), never disturbs the live epd, whether it
 //   then fails or starts;
@@ -7,7 +7,7 @@
 //   epd opened itself is truncated;
 // - a socket path that is not a socket, a lock file epd did not write, and a socket
 //   directory another user can write are refused before anything is created
-//   (daemon/socket_path_checks.h).
+//   (daemon/server/socket_path_checks.h).
 #include <sys/stat.h>
 #include <unistd.h>
 

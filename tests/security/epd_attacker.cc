@@ -1,54 +1,10 @@
 // epd_attacker: the hostile client of the security suite (tests/security/), one attack per
-// --mode, using nothing but what every client of epd has: its socket, the Control RPCs,
-// and the memory and files epd hands it for its own endpoints. The test decides what
-// passes (epd keeps serving, a victim group beside it stays exact, this process gets clear
-// errors, epd's log stays bounded); this program attacks and reports what it saw.
-//
-//   --mode=scribble     Joins its own 2-rank group (both ranks in this process) and runs
-//                       ops on it in a loop, while a second thread rewrites the words of
-//                       every shared mapping epd gave it (found in /proc/self/maps, made
-//                       writable with mprotect where they are read-only), per --targets:
-//                         header   each word of the endpoint header, to hostile values
-//                                  (the layout offsets and sizes, every counter);
-//                         ring     ring slots and completion records, at random;
-//                         inputs   the staged inputs (topk_idx, x, weights, combine x):
-//                                  one id at a time pulsed out of range and back, racing
-//                                  epd's check against its use;
-//                         routing  send_pos, rank_prefix, counts, low-latency handle
-//                                  positions: hostile values while ops use them;
-//                         random   random words anywhere, random values (its own ring
-//                                  counters excepted: the header attack covers them).
-//                       A pulsed word is put back afterwards where this process's own
-//                       library reads it on every op (the header's layout words).
-//   --mode=truncate     The same op loop, while every shared file it can open is truncated
-//                       (held so while ops run), grown and hole-punched: the fds it holds
-//                       (/proc/self/fd), the files of its mappings (/proc/self/map_files),
-//                       the shm names its EndpointInfos give (if any) and this epd's names
-//                       in /dev/shm, and the region of a rank it joined without mapping.
-//                       Prints OPENED / OPEN_FAILED per file and DONE / REFUSED per
-//                       operation and file (once each).
-//   --mode=join_flood   Joins --joins ranks (of --ranks_per_group-rank groups) without
-//                       mapping any, prints HOLDING, holds them --hold_seconds, exits.
-//   --mode=conn_flood   Holds 300 idle connections (silent, garbage, half a preamble) for
-//                       3.5 s and reports how many epd closed (IDLE_CLOSED_BY_EPD); then
-//                       holds --connections (those, an HTTP/2 preface only, an fd-channel
-//                       preamble only), prints HOLDING, holds them --hold_seconds, then
-//                       opens and closes --churn more.
-//   --mode=ring_flood   Joins a 1-rank group and writes --slots garbage ring slots.
-//   --mode=claim        Tries to take ranks of --victim_group (which it does not own) with
-//                       no secret and with --join_secret, to read its endpoints, to leave
-//                       its ranks; prints one line per attempt.
-//   --mode=spoof_pid    Opens a Session claiming client_pid --claimed_pid, joins a rank, and
-//                       prints the pid epd recorded (ListGroups).
-//   --mode=list_groups  Prints every group ListGroups shows it.
-//   --mode=destroy_pending  Destroys Endpoints with ops pending (and completed, not yet
-//                       waited for), reuses their heap memory, then calls Wait/Enqueued.
-// --supervise (scribble, truncate): the attack runs in a child process, restarted when it
-// dies (a client that scribbles on its own mappings may crash itself) until --seconds.
-//
-// Output, line-buffered: mode-specific lines (below), and for the op-loop modes
-//   PROGRESS child=<pid> ops=<n> ok=<k> failed=<f> writes=<w> rejoins=<j>
-// (cumulative per child), and SUMMARY key=value ... at the end of each mode.
+// --mode (scribble, truncate, join_flood, conn_flood, ring_flood, claim, spoof_pid,
+// list_groups, destroy_pending), using nothing but what every client of epd has: its
+// socket, the Control RPCs, and the memory and files epd hands it for its own endpoints.
+// It attacks and prints what it saw (line-buffered PROGRESS / mode lines / SUMMARY); the
+// test decides what passes. The modes and the output: docs/SECURITY.md "The suite's
+// programs".
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <poll.h>
@@ -92,6 +48,7 @@
 #include "epd/v1/control.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/abi/shm_abi.h"
+#include "tests/common/dtypes.h"
 #include "tests/security/security_spec.h"
 
 ABSL_FLAG(std::string, socket, "", "epd's unix socket");
@@ -113,6 +70,10 @@ ABSL_FLAG(int64_t, claimed_pid, 1, "spoof_pid: the client_pid to claim");
 ABSL_FLAG(uint64_t, seed, 7, "random seed");
 
 namespace {
+
+using ::epd::testing::kBf16;
+using ::epd::testing::kF32;
+using ::epd::testing::kI64;
 
 using Clock = std::chrono::steady_clock;
 namespace v1 = epd::v1;
@@ -279,9 +240,9 @@ class OwnGroup {
     }
     xs_ = {T, H};
     ks_ = {T, K};
-    x_t_ = epd::MakeDLTensor(x_.data(), {kDLBfloat, 16, 1}, xs_);
-    idx_t_ = epd::MakeDLTensor(idx_.data(), {kDLInt, 64, 1}, ks_);
-    w_t_ = epd::MakeDLTensor(w_.data(), {kDLFloat, 32, 1}, ks_);
+    x_t_ = epd::MakeDLTensor(x_.data(), kBf16, xs_);
+    idx_t_ = epd::MakeDLTensor(idx_.data(), kI64, ks_);
+    w_t_ = epd::MakeDLTensor(w_.data(), kF32, ks_);
   }
 
   absl::Status Connect(const std::string& socket) {
@@ -347,8 +308,7 @@ class OwnGroup {
                                            epd::security::kNumRanks * epd::security::kMaxTokens);
               combine_x_[r].assign(size_t(n) * epd::security::kHidden, 0x3f80);
               combine_shape_[r] = {n, epd::security::kHidden};
-              combine_t_[r] =
-                  epd::MakeDLTensor(combine_x_[r].data(), {kDLBfloat, 16, 1}, combine_shape_[r]);
+              combine_t_[r] = epd::MakeDLTensor(combine_x_[r].data(), kBf16, combine_shape_[r]);
               epd::CombineArgs a;
               a.x = &combine_t_[r];
               a.handle = &dispatch_[r].handle;
@@ -810,7 +770,7 @@ std::vector<std::string> ShmNames(const v1::EndpointInfo& info) {
 }
 
 /// 16 hex digits of the 64-bit FNV-1a hash of `socket`: the tag in the /dev/shm names of
-/// an epd that names its shared memory (proto/shm_region.h ShmCreatorTag, before memfds).
+/// an epd that names its shared memory (common/os/shm_region.h ShmCreatorTag, before memfds).
 std::string SocketTag(const std::string& socket) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (unsigned char c : socket) {
@@ -1369,7 +1329,7 @@ int DestroyPending(const std::string& socket) {
   };
   std::vector<int64_t> shape = {1, epd::security::kNumTopk};
   std::vector<int64_t> idx = {0, 1};
-  DLTensor t = epd::MakeDLTensor(idx.data(), {kDLInt, 64, 1}, shape);
+  DLTensor t = epd::MakeDLTensor(idx.data(), kI64, shape);
   // 1. A GetDispatchLayout submitted by rank 0 alone (rank 1 never submits): pending.
   // 2. One both ranks submitted and rank 1 waited for: complete, not yet waited for.
   for (bool complete : {false, true}) {

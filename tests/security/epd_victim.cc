@@ -1,25 +1,9 @@
 // epd_victim: one rank of a victim group for the security suite (tests/security/): a real
-// libepdclient process that joins --group as --rank and runs rounds of every op kind in a
-// loop while an attacker goes at epd beside it, checking every OK result exactly.
-//
-// Each round n runs, on every rank in the same order: GetDispatchLayout, Dispatch (bf16,
-// weights, expert_alignment 2), Combine (identity experts: each rank's received rows and
-// weights), Dispatch with the cached handle (new x), LowLatencyDispatch (bf16),
-// LowLatencyCombine, LowLatencyDispatch (FP8). Every rank's inputs of round n are a pure
-// function of (--seed, n, rank), so each rank recomputes the whole group's op with
-// kernels/host (the reference the host backend runs) and compares its own results byte
-// for byte. An op that fails is counted, and the round goes on with the next op (the
-// library keeps the ranks in lockstep on client-side errors).
-//
-// Output (stdout, line-buffered):
-//   JOINED rank <r> join_secret: <set|none|unsupported>
-//   JOIN_ERROR <CODE> <message>                       (exit 3)
-//   ROUND <n> OK | ROUND <n> ERROR <op> <CODE>: <message>
-//   MISMATCH round <n> <op> <field> <detail>           (an OK result that is wrong)
-//   VICTIM rank <r> rounds=<n> ok=<k> errors=<e> mismatches=<m>   (at the end)
-// It stops when its stdin reaches EOF (the test closes it) or after --max_seconds, leaves
-// its group and exits 0, or 1 when any result was wrong. Errors of the round under way when
-// the stop came are not counted (the peer may have stopped first).
+// libepdclient process that joins --group as --rank and runs rounds of every op kind while
+// an attacker goes at epd beside it, recomputing the whole group's op with kernels/host
+// (inputs are a pure function of seed, round and rank) and checking every OK result byte
+// for byte. It stops at EOF on stdin or after --max_seconds; exit 0, or 1 when a result was
+// wrong. The round and the output lines: docs/SECURITY.md "The suite's programs".
 #include <dlpack/dlpack.h>
 #include <unistd.h>
 

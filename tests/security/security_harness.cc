@@ -15,6 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "epd/client.h"
+#include "tests/common/dtypes.h"
 #include "tests/security/security_spec.h"
 
 #ifndef EPD_VICTIM_BINARY
@@ -301,7 +302,7 @@ absl::Status SecurityTest::ProbeFreshClient(const std::string& group, bool join)
   auto ep = (*client)->Join(join_options);
   if (!ep.ok()) return absl::Status(ep.status().code(), "join: " + ep.status().ToString());
   std::vector<int64_t> idx = {0, 1}, shape = {1, epd::security::kNumTopk};
-  DLTensor t = MakeDLTensor(idx.data(), {kDLInt, 64, 1}, shape);
+  DLTensor t = MakeDLTensor(idx.data(), kI64, shape);
   auto op = (*ep)->GetDispatchLayout(t);
   if (!op.ok()) return op.status();
   absl::Status st = op->Wait(absl::Seconds(10)).status();

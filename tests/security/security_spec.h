@@ -1,14 +1,9 @@
-// What the security suite's programs share (tests/security/: the victim epd_victim.cc, the
-// attacker epd_attacker.cc and the gtest files): the group shape every victim and attacker
-// group uses, and how a join secret is passed to epd.
-//
-// Join secrets (docs/SECURITY.md "Groups, owners, secrets, quotas") are expected as
-//   JoinOptions::join_secret        (std::string, libepdclient), and
-//   JoinGroupRequest.join_secret    (string field of proto/epd/v1/control.proto).
-// SetJoinSecret and SetRequestJoinSecret set them where this build has them (detected at
-// compile time and by proto reflection), so the suite compiles before and after that API
-// exists; where it does not, a victim joins without a secret and says so
-// ("join_secret: unsupported"), and the tests that need one fail on the attack itself.
+// What the security suite's programs share (tests/security/: epd_victim.cc,
+// epd_attacker.cc and the gtest files): the group shape every victim and attacker group
+// uses, and how a join secret is passed to epd (JoinOptions::join_secret,
+// JoinGroupRequest.join_secret), set where this build has them (compile time and proto
+// reflection) so the suite compiles with and without that API; docs/SECURITY.md "The
+// suite's programs".
 #pragma once
 
 #include <cstdint>

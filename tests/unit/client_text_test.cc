@@ -1,4 +1,4 @@
-// EscapeClientText (daemon/spec_validation.h): every client-supplied string that reaches a
+// EscapeClientText (daemon/control/spec_validation.h): every client-supplied string that reaches a
 // log line or an error message goes through it; and ValidateGroupSpec's errors echo an
 // oversized or forged name only through it (an 8200-byte name was echoed whole, so the
 // client got "received initial metadata size exceeds limit" instead of the error).

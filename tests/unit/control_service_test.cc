@@ -1,5 +1,5 @@
-// ControlService without SO_PEERCRED (daemon/control_service.h): a Control call that did not
-// come through epd's unix listener (here gRPC's in-process channel, which has no peer
+// ControlService without SO_PEERCRED (daemon/control/control_service.h): a Control call that did
+// not come through epd's unix listener (here gRPC's in-process channel, which has no peer
 // credentials) is refused with UNAUTHENTICATED, every RPC alike, so that no path around the
 // listener acts without an identity.
 #include "daemon/control/control_service.h"

@@ -1,4 +1,4 @@
-// Daemon start-up checks of the config, run in-process (daemon/daemon.h): what a user gets
+// Daemon start-up checks of the config, run in-process (daemon/core/daemon.h): what a user gets
 // from epd for a config value that cannot work (an unknown socket_group), and what
 // start-up says about the values it was given.
 #include <unistd.h>

@@ -1,6 +1,6 @@
 // The Daemon core run in-process with a fake data plane: backend choice, health per
 // service, GetStats, socket handling (live epd refused, stale file replaced, mode), and
-// shutdown (daemon/daemon.h).
+// shutdown (daemon/core/daemon.h).
 #include "daemon/core/daemon.h"
 
 #include <sys/socket.h>

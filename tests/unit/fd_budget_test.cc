@@ -1,4 +1,4 @@
-// The descriptor budget (daemon/fd_limits.h) and what rests on it: RLIMIT_NOFILE raised to
+// The descriptor budget (daemon/core/fd_limits.h) and what rests on it: RLIMIT_NOFILE raised to
 // its hard limit, open descriptors counted, joins refused with RESOURCE_EXHAUSTED naming
 // the descriptors while fewer than min_free_fds are free, endpoints never mapped expired
 // (GroupRegistry::ExpireUnmappedEndpoints), and the two config fields with their defaults

@@ -1,6 +1,6 @@
 // The fd channel (docs/SECURITY.md "Shared memory the client cannot resize") below the
-// listener: its framing (proto/fd_frame.h), the seal checks of a region the client maps
-// (ShmRegion::Map), epd's handler (daemon/fd_channel.h) over a socketpair, the client's
+// listener: its framing (common/os/fd_frame.h), the seal checks of a region the client maps
+// (ShmRegion::Map), epd's handler (daemon/server/fd_channel.h) over a socketpair, the client's
 // FetchEndpointFds against that handler on a real unix socket, and the registry's
 // authorization of a request (GroupRegistry::TakeEndpointFds).
 #include "client/fd_channel.h"

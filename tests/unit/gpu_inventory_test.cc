@@ -1,5 +1,5 @@
 // GpuInventory without a GPU, GPU lookup by UUID or PCI bus id, and MPS detection through
-// the control socket of $CUDA_MPS_PIPE_DIRECTORY (daemon/gpu_inventory.h).
+// the control socket of $CUDA_MPS_PIPE_DIRECTORY (daemon/gpu/gpu_inventory.h).
 #include "daemon/gpu/gpu_inventory.h"
 
 #include <sys/socket.h>

@@ -1,4 +1,4 @@
-// Graph-mode program registration on the CPU (DESIGN.md §3.2; issue 4 "CUDA graphs"):
+// Graph-mode program registration on the CPU (DESIGN.md §3.2):
 // the program encoding and its fixed buffers (DecodeProgram), LockstepGroup's rules with a
 // backend that accepts programs (every rank must register the same program, a mismatch
 // names the step; ring ops are refused while armed, at once, and late ranks get the same

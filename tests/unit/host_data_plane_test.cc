@@ -32,11 +32,16 @@
 #include "epd/kernels/host_ops.h"
 #include "proto/abi/shm_abi.h"
 #include "tests/common/contract_rules.h"
+#include "tests/common/dtypes.h"
 #include "tests/common/specs.h"
 #include "tests/unit/raw_ring.h"
 
 namespace epd {
 namespace {
+
+using ::epd::testing::kBf16;
+using ::epd::testing::kF32;
+using ::epd::testing::kI64;
 
 using kernels::bf16_bits;
 using kernels::FloatToBf16;
@@ -78,9 +83,9 @@ struct RankData {
     }
     xs = {T, H};
     ks = {T, K};
-    x_t = epd::MakeDLTensor(x.data(), {kDLBfloat, 16, 1}, xs);
-    idx_t = epd::MakeDLTensor(idx.data(), {kDLInt, 64, 1}, ks);
-    w_t = epd::MakeDLTensor(w.data(), {kDLFloat, 32, 1}, ks);
+    x_t = epd::MakeDLTensor(x.data(), kBf16, xs);
+    idx_t = epd::MakeDLTensor(idx.data(), kI64, ks);
+    w_t = epd::MakeDLTensor(w.data(), kF32, ks);
   }
 };
 
@@ -197,7 +202,7 @@ class VictimGroup {
         expert_out_[r][i] = FloatToBf16(2.f * kernels::Bf16ToFloat(ref_.recv_x[r][i]));
       }
       expert_shape_[r] = {N, H};
-      expert_t_[r] = epd::MakeDLTensor(expert_out_[r].data(), {kDLBfloat, 16, 1}, expert_shape_[r]);
+      expert_t_[r] = epd::MakeDLTensor(expert_out_[r].data(), kBf16, expert_shape_[r]);
       combined_[r].resize(static_cast<size_t>(in_[r].T) * H);
       ca[r] = {in_[r].T, ref_.send_pos[r].data(), N,      expert_out_[r].data(),
                nullptr,  combined_[r].data(),     nullptr};
@@ -219,7 +224,7 @@ class VictimGroup {
     ll_combined_.assign(R, {});
     std::vector<kernels::host::LowLatencyCombineRankArgs> lc(R);
     for (int r = 0; r < R; ++r) {
-      ll_y_t_[r] = epd::MakeDLTensor(ll_recv_x_[r].data(), {kDLBfloat, 16, 1}, ll_y_shape_);
+      ll_y_t_[r] = epd::MakeDLTensor(ll_recv_x_[r].data(), kBf16, ll_y_shape_);
       ll_combined_[r].resize(static_cast<size_t>(in_[r].T) * H);
       lc[r] = {in_[r].T,         in_[r].idx.data(),    in_[r].w.data(),
                handle[r].data(), ll_recv_x_[r].data(), ll_combined_[r].data()};
@@ -475,7 +480,7 @@ TEST_F(HostDataPlaneTest, DispatchCombineMatchKernelsHost) {
       expert_out[r][i] = FloatToBf16(2.f * kernels::Bf16ToFloat(got[r].recv_x.as<bf16_bits>()[i]));
     }
     eshape[r] = {N, H};
-    et[r] = epd::MakeDLTensor(expert_out[r].data(), {kDLBfloat, 16, 1}, eshape[r]);
+    et[r] = epd::MakeDLTensor(expert_out[r].data(), kBf16, eshape[r]);
     oc[r].resize(size_t(in[r].T) * H);
     ca[r] = {in[r].T, ref.send_pos[r].data(), N,      expert_out[r].data(),
              nullptr, oc[r].data(),           nullptr};
@@ -518,7 +523,7 @@ TEST_F(HostDataPlaneTest, LowLatencyRoundTripAndStaleHandle) {
         const TensorView v = endpoints_[r]->LowLatencyDispatchInput();
         ASSERT_EQ(v.shape(), (std::vector<int64_t>{Mll, H}));
         std::memcpy(v.data(), in[r].x.data(), in[r].x.size() * sizeof(bf16_bits));
-        x_in = epd::MakeDLTensor(v.data(), {kDLBfloat, 16, 1}, xs);
+        x_in = epd::MakeDLTensor(v.data(), kBf16, xs);
         a.x = &x_in;
       }
       auto op = endpoints_[r]->LowLatencyDispatch(a);
@@ -531,7 +536,7 @@ TEST_F(HostDataPlaneTest, LowLatencyRoundTripAndStaleHandle) {
       std::vector<bf16_bits> y(size_t(E / R) * R * Mll * H, 0);
       if (!a.use_fp8) std::memcpy(y.data(), d->recv_x.data(), y.size() * 2);
       std::vector<int64_t> ys{E / R, R * Mll, H};
-      DLTensor yt = epd::MakeDLTensor(y.data(), {kDLBfloat, 16, 1}, ys);
+      DLTensor yt = epd::MakeDLTensor(y.data(), kBf16, ys);
       LowLatencyCombineArgs c;
       c.x = &yt;
       const TensorView combine_in = endpoints_[r]->LowLatencyCombineInput();
@@ -568,7 +573,7 @@ TEST_F(HostDataPlaneTest, LowLatencyRoundTripAndStaleHandle) {
   OnEveryRank([&](int r) {
     std::vector<bf16_bits> y(size_t(E / R) * R * Mll * H, 0);
     std::vector<int64_t> ys{E / R, R * Mll, H};
-    DLTensor yt = epd::MakeDLTensor(y.data(), {kDLBfloat, 16, 1}, ys);
+    DLTensor yt = epd::MakeDLTensor(y.data(), kBf16, ys);
     LowLatencyCombineArgs c;
     c.x = &yt;
     c.topk_idx = &in[r].idx_t;
@@ -597,7 +602,7 @@ TEST_F(HostDataPlaneTest, ContractRulesOfClientHHold) {
 
 // Only the latest kCompletionCapacity ops of an endpoint can be waited for: Wait on an
 // older op, whose completion record a later op reused, is FAILED_PRECONDITION at once
-// (it used to wait op_timeout + 5 s and then call the daemon dead).
+// (not after op_timeout + 5 s with the daemon called dead).
 TEST_F(HostDataPlaneTest, WaitOnAnOpWhoseCompletionWasReusedFailsAtOnce) {
   const int E = 4, H = 128, K = 2, Mll = 8;
   Open(Spec("old", 1, E, H, K, 4, Mll, true));
@@ -945,7 +950,7 @@ TEST_F(HostDataPlaneTest, MisalignedLayoutAndLowLatencyInputsAreRejectedThenTheN
   for (int r = 0; r < R; ++r) {
     y[r].resize(size_t(E / R) * R * Mll * H);
     for (size_t i = 0; i < y[r].size(); ++i) y[r][i] = FloatToBf16(float((i * 7 + r) % 13) / 8.f);
-    yt[r] = epd::MakeDLTensor(y[r].data(), {kDLBfloat, 16, 1}, ys);
+    yt[r] = epd::MakeDLTensor(y[r].data(), kBf16, ys);
   }
   // Every rank's low-latency dispatch of its inputs, into d.
   std::vector<LowLatencyDispatchResult> d(R);
@@ -1262,7 +1267,7 @@ TEST_F(HostDataPlaneTest,
         cached.cached = d->handle;
         wait(endpoints_[r]->Dispatch(cached));
         std::vector<int64_t> xs{d->num_recv_tokens, H};
-        DLTensor x = epd::MakeDLTensor(zeros.data(), {kDLBfloat, 16, 1}, xs);
+        DLTensor x = epd::MakeDLTensor(zeros.data(), kBf16, xs);
         CombineArgs c;
         c.x = &x;
         c.handle = &d->handle;
@@ -1274,7 +1279,7 @@ TEST_F(HostDataPlaneTest,
       auto ld = wait(endpoints_[r]->LowLatencyDispatch(la));
       if (ld.ok()) {
         std::vector<int64_t> ys{E / R, R * Mll, H};
-        DLTensor y = epd::MakeDLTensor(zeros.data(), {kDLBfloat, 16, 1}, ys);
+        DLTensor y = epd::MakeDLTensor(zeros.data(), kBf16, ys);
         LowLatencyCombineArgs lc;
         lc.x = &y;
         lc.topk_idx = &in[r].idx_t;

@@ -1,24 +1,11 @@
-// kernels/host ops against a second, deliberately naive oracle written here.
-//
-// The oracle uses per-token loops straight from the contract in host_ops.h and shares no
-// code with kernels/host beyond the scalar conversions of types.h (Bf16ToFloat,
-// FloatToBf16, FloatToE4m3). It checks, over a seeded covering sweep of group shapes and
-// routings (see MakeSweep), that routed data is equal bit for bit: recv_x, scales,
-// recv_topk_idx/weights, counts, source info, rank prefixes and handles. Reductions are
-// equal bit for bit too, because the oracle adds in the order host_ops.h states:
-//  - Combine: per channel, acc = +0.0f; acc += f32(x_r[row]) for r = 0..R-1 ascending
-//    over the ranks that hold the token; one round to bf16. Weights: same order, no
-//    rounding.
-//  - LowLatencyCombine: per channel, acc = +0.0f; for k = 0..K-1 ascending with
-//    topk_idx >= 0: acc += (w[t,k] * f32(y)) with the product rounded to f32 first; one
-//    round to bf16.
-// Every sweep case runs twice: once as a one-off caller (no pool, no scratch: the op starts
-// its own threads and allocates its own scratch) and once on a persistent HostWorkerPool and
-// HostScratch (shared by every case run in the same process); HostOpsTest.
-// PersistentScratchAcrossShapes runs a spread of the sweep's cases one after another on one
-// pool and scratch, so each runs on whatever buffers a case of another shape left behind.
-// Error cases check the status code, that the
-// message names the offending value, and that every output is untouched.
+// kernels/host ops against a second, deliberately naive oracle written here: per-token loops
+// straight from the contract in host_ops.h, sharing no code with kernels/host beyond the
+// scalar conversions of types.h. Over a seeded covering sweep of group shapes and routings
+// (MakeSweep), routed data and reductions are equal bit for bit (the oracle adds in the
+// order host_ops.h states for Combine and LowLatencyCombine). Every case runs as a one-off
+// caller and on a persistent HostWorkerPool + HostScratch; PersistentScratchAcrossShapes runs
+// cases of different shapes on one pool and scratch. Error cases check the status code, that
+// the message names the offending value, and that every output is untouched.
 #include "epd/kernels/host_ops.h"
 
 #include <gmock/gmock.h>

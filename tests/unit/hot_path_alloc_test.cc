@@ -1,24 +1,10 @@
-// The hot path allocates nothing (issue 4: "no gRPC, no allocation, no host synchronisation
-// per op"; README "Hot path"). A host-backend group runs in this process (HostDataPlane +
-// endpoints opened by the real client code, internal::OpenEndpoint); after a warm-up,
-// every op kind runs kRounds more times, and the heap allocations made meanwhile are
-// counted on the client's calling thread (the test thread, which drives every rank's
-// endpoint) and on the daemon's engine thread, per op kind.
-//
-// Counting (tests/common/counting_new.h, whose replacement operators this file defines for
-// the whole epd_unit_tests binary; they only count and forward to malloc/free): every global
-// operator new / new[] (plain, nothrow, aligned, aligned + nothrow) counts into a
-// thread_local counter; the engine thread marks itself through
-// HostDataPlaneOptions::on_engine_start, and its allocations go to a global atomic (outside
-// kernels/host) or to a second one (inside kernels/host, bracketed by
-// HostDataPlaneOptions::on_kernels; kernels/host's worker threads, marked through
-// HostDataPlaneOptions::on_kernel_thread_start, count there too). Both must stay 0: the
-// reference data movement runs on the plane's persistent worker pool with the group's
-// persistent scratch. Allocations made through malloc directly (not through operator new)
-// are not counted.
-//
-// The ops of a round, the inputs and the combine check are shared with the CUDA twin
-// (tests/common/hot_path_rounds.h).
+// The host backend's hot path allocates nothing: a host-backend group runs in this process
+// (HostDataPlane + endpoints opened by the real client code), every op kind of a round
+// (tests/common/hot_path_rounds.h) runs kRounds times after warm-up, and the heap
+// allocations on the client's calling thread and on the engine thread (outside and inside
+// kernels/host) must be 0 per op kind. This file defines the counting operators of
+// tests/common/counting_new.h for epd_unit_tests. How it counts: docs/CUDA_BACKEND.md
+// "Hot path: no allocation per op".
 #include <dlpack/dlpack.h>
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// UnixListener (daemon/listener.h) in-process, with a real gRPC server fed by it: a gRPC
+// UnixListener (daemon/server/listener.h) in-process, with a real gRPC server fed by it: a gRPC
 // call arrives as "fd:N" and CallerCredentials gives this process's pid/uid/gid; fd-channel
 // connections reach the handler with the preamble consumed (also when it arrives in
 // pieces); garbage and silent connections are closed without blocking anything else; on

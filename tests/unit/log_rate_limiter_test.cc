@@ -1,4 +1,4 @@
-// LogRateLimiter (daemon/logging.h): the token bucket behind every client-caused warning of
+// LogRateLimiter (daemon/core/logging.h): the token bucket behind every client-caused warning of
 // the data plane, one per uid shared by all of its endpoints and groups on every engine
 // thread. A flood gives at most the burst plus the steady rate, then one line that counts
 // what was dropped and names the client and its last source; deciding allocates nothing.

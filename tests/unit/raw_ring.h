@@ -1,4 +1,4 @@
-// RawRing: a test's raw client of one endpoint's shm ring (proto/shm_abi.h), without the
+// RawRing: a test's raw client of one endpoint's shm ring (proto/abi/shm_abi.h), without the
 // client library: publishes request slots and reads completions. Used where a test must
 // write exactly the slot a client would (flags the client library sets on its own, e.g.
 // kFlagStreamOrdered) or drive a LockstepGroup by hand. The ring, completions and data area
@@ -35,7 +35,7 @@ inline absl::StatusOr<ScopedFd> TestDoorbellFd() {
 }
 
 /// Writes request slots into an endpoint's ring and reads its completions, as a client
-/// would (proto/shm_abi.h), without the client library.
+/// would (proto/abi/shm_abi.h), without the client library.
 class RawRing {
  public:
   /// Maps the region of `info`'s endpoint, taken from `group` (TakeEndpointFds: once).

@@ -1,5 +1,5 @@
 // GroupRegistry with a fake DataPlane: sessions, joins, leaves, session end, the error
-// codes of JoinGroup and group lifetime (daemon/group_registry.h).
+// codes of JoinGroup and group lifetime (daemon/control/group_registry.h).
 #include <atomic>
 #include <memory>
 #include <mutex>

@@ -1,6 +1,6 @@
-// daemon/socket_path_checks.h: which socket directories epd accepts (ClassifySocketDirectory,
-// from lstat results, so every owner and mode is covered without root), and the checks of
-// the real file system that PrepareSocketPath makes before it creates anything.
+// daemon/server/socket_path_checks.h: which socket directories epd accepts
+// (ClassifySocketDirectory, from lstat results, so every owner and mode is covered without root),
+// and the checks of the real file system that PrepareSocketPath makes before it creates anything.
 #include "daemon/server/socket_path_checks.h"
 
 #include <sys/socket.h>

@@ -1,4 +1,4 @@
-// The spec-validation table (issue 2): every rule of ValidateGroupSpec / ValidateRank /
+// The spec-validation table: every rule of ValidateGroupSpec / ValidateRank /
 // CheckBuffersFit / CheckSameSpec with valid and invalid cases; each error must name the
 // field and the value.
 #include "daemon/control/spec_validation.h"

@@ -1,41 +1,11 @@
 // epd_handoff_probe: what one stream-ordered hand-off costs between a "client" stream and a
-// "daemon" stream on one GPU (DESIGN.md §3.2; the measurements behind kernels/cuda_ops.h
-// "stream-ordered hand-off inside kernels" and docs/BENCHMARKS.md "Hand-off"). No epd code:
-// the pattern of a daemon-launched low-latency op, reduced to its hops, with 8 ranks.
+// "daemon" stream on one GPU, in two processes (under MPS) or one. No epd code: the pattern
+// of a daemon-launched low-latency op reduced to its hops, 8 ranks, stamped with
+// %globaltimer. A scratch-grade tool: any CUDA error ends it with a message.
 //
 //   epd_handoff_probe MODE [ITERS=500]     (env PROBE_BLOCKS: blocks per "LL" kernel, 16)
 //
-// Per iteration and rank r, the client stream: wait on a host gate word -> stamp t0 ->
-// [copy 1.8 MB of "x" into the daemon's staging buffer] -> hand-off -> stamp t3. The daemon
-// side: hand-off -> an "LL" kernel (16 blocks x 1024 threads, one per SM: every rank's blocks
-// meet at a grid-wide counter, then copy 1.8 MB; block 0 stamps t1 at entry, the last block
-// t2 at exit). The host enqueues everything, waits 600 us, opens the gate. Stamps are
-// %globaltimer, comparable across processes. Printed: p50/p99 of max t3 - min t0, and
-// p50 of (last LL entry - first t0), of the entry spread, of the LL kernel, and of
-// (last LL exit - last t3).
-//
-// Modes (two processes, parent = client, forked child = daemon, unless noted):
-//   inproc           one process, no hand-off: the LL kernel on the client stream (bound)
-//   inproc_copy      the same after the staging copy
-//   memop            ready: cuStreamWriteValue64 after the copy / daemon cuStreamWaitValue64;
-//                    done: a status kernel, then cuStreamWriteValue64 / client WaitValue64
-//   memop_nocopy     the same without the copy
-//   memop_kdone      done stored by the LL kernel's last block instead
-//   memop_rbk        done stored by the status kernel instead
-//   kd               = memop_kdone
-//   kd_sig           ready also stored by the copy kernel's last block (no stream write)
-//   kd_sig_nocopy    ready stored by a one-thread kernel
-//   kd_ev            ready through a CUDA IPC event (cudaEventRecord / cudaStreamWaitEvent)
-//   spin, spin_sig   the LL kernel itself spins on ready (launched early: holds its SMs)
-//   sp_sig           daemon: a one-warp kernel spins on ready, the LL kernel after it
-//   spp_sig          the same, LL launched with programmatic stream serialization (PDL):
-//                    what epd does (WaitFlagAsync + KernelHandoff)
-//   *_nocopy         without the copy; *_csp_*: the client spins on done in a one-warp
-//                    kernel instead of cuStreamWaitValue64; *_cspw_*: spins at most 200 us,
-//                    then cuStreamWaitValue64
-//   ip_kd, ip_kd_sig, ip_kd_sig_nocopy  the kd modes between two streams of ONE process
-// Run it with and without MPS (deploy/mps/start-mps.sh); the two-process modes need MPS to
-// run concurrently. A scratch-grade tool: any CUDA error ends it with a message.
+// The modes, what is printed and the figures: docs/BENCHMARKS.md "Hand-off".
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>

@@ -29,6 +29,7 @@
 #include "epd/client.h"
 #include "epd/kernels/types.h"
 #include "proto/abi/shm_abi.h"
+#include "tests/common/dtypes.h"
 #include "tests/common/specs.h"
 
 ABSL_FLAG(std::string, socket, "", "epd socket");
@@ -40,6 +41,10 @@ ABSL_FLAG(int, max_ops, 0, "loop: stop after this many ops (0 = forever)");
 ABSL_FLAG(bool, exit_after_recovery, false, "loop: exit 0 after a failure then 3 OKs");
 
 namespace {
+
+using ::epd::testing::kBf16;
+using ::epd::testing::kF32;
+using ::epd::testing::kI64;
 
 using epd::kernels::FloatToBf16;
 
@@ -80,10 +85,10 @@ struct Inputs {
     xs = {T, H};
     xfs = {T, H};
     ks = {T, kK};
-    x_t = epd::MakeDLTensor(x.data(), {kDLBfloat, 16, 1}, xs);
-    xf_t = epd::MakeDLTensor(xf.data(), {kDLFloat, 32, 1}, xfs);
-    idx_t = epd::MakeDLTensor(idx.data(), {kDLInt, 64, 1}, ks);
-    w_t = epd::MakeDLTensor(w.data(), {kDLFloat, 32, 1}, ks);
+    x_t = epd::MakeDLTensor(x.data(), kBf16, xs);
+    xf_t = epd::MakeDLTensor(xf.data(), kF32, xfs);
+    idx_t = epd::MakeDLTensor(idx.data(), kI64, ks);
+    w_t = epd::MakeDLTensor(w.data(), kF32, ks);
   }
 };
 
@@ -103,7 +108,7 @@ absl::Status Combine(epd::Endpoint& ep, const epd::DispatchResult& d) {
   std::vector<uint16_t> y(size_t(d.num_recv_tokens) * ep.spec().hidden());
   std::memcpy(y.data(), d.recv_x.data(), y.size() * 2);
   std::vector<int64_t> ys{d.num_recv_tokens, ep.spec().hidden()};
-  DLTensor yt = epd::MakeDLTensor(y.data(), {kDLBfloat, 16, 1}, ys);
+  DLTensor yt = epd::MakeDLTensor(y.data(), kBf16, ys);
   epd::CombineArgs c;
   c.x = &yt;
   c.handle = &d.handle;

@@ -1,17 +1,13 @@
-// epd_dp_hostile: a hostile client process for the fd-channel integration tests
-// (tests/integration/fd_channel_test.cc). It speaks the protocol itself, without the client
-// library's checks, as an attacker would.
-//
-//   --scenario=resize  Opens a Session, joins rank 0 of a 1-rank group --group over gRPC,
-//                      fetches the endpoint's descriptors on the fd channel, and tries to
-//                      resize each (ftruncate shrink and grow, fallocate beyond the end, add
-//                      a seal), printing "RESIZE <fd> <attempt> <errno name or OK>". Then,
-//                      for --seconds, keeps trying to resize both in a tight loop while it
-//                      scribbles the doorbell page's words (futex word, sleeping flag,
-//                      header) and punches holes in it. Prints "DONE resized=<n>"; exit 0
-//                      when no resize ever succeeded, 1 when one did, 2 on setup errors.
-//   --scenario=fetch   Asks the fd channel for (--group, --rank) in the name of --session
-//                      and prints "FETCH OK fds=<n>" or "FETCH <CODE>: <message> fds=<n>".
+// epd_dp_hostile: a hostile client process for tests/integration/fd_channel_test.cc that
+// speaks the protocol itself, without the client library's checks.
+//   --scenario=resize  Joins rank 0 of a 1-rank group --group, fetches its descriptors on the
+//                      fd channel and tries to resize each (ftruncate, fallocate, a seal),
+//                      printing "RESIZE <fd> <attempt> <errno name or OK>"; then, for
+//                      --seconds, keeps trying while it scribbles and hole-punches the
+//                      doorbell page. Prints "DONE resized=<n>"; exit 0 when no resize ever
+//                      succeeded, 1 when one did, 2 on setup errors.
+//   --scenario=fetch   Asks the fd channel for (--group, --rank) in the name of --session:
+//                      "FETCH OK fds=<n>" or "FETCH <CODE>: <message> fds=<n>".
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <sys/mman.h>
