@@ -154,6 +154,12 @@ class NormalGroup {
     shape_.use_fp8 = c_.fp8;
     EPD_ASSIGN_OR_RETURN(
         group_, VirtualRankGroup::Create(shape_, 5'000'000'000, c_.num_sms, c_.ranks_on_device));
+    // Allocated here, never while a stream captures (an allocation invalidates a capture).
+    void* p = nullptr;
+    EPD_CUDA_RETURN_IF_ERROR(
+        cudaHostAlloc(&p, sizeof(int32_t) * R, cudaHostAllocPortable | cudaHostAllocMapped));
+    recv_count_out_.reset(static_cast<uint8_t*>(p));
+    std::memset(p, 0xff, sizeof(int32_t) * R);
     return DrawInputs(c_.seed);
   }
 
@@ -241,13 +247,6 @@ class NormalGroup {
     args.with_weights = c_.with_weights;
     args.cached = cached;
     // N comes back through host-mapped pinned memory written by the kernel (no copy).
-    if (recv_count_out_ == nullptr) {
-      void* p = nullptr;
-      EPD_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, sizeof(int32_t) * c_.num_ranks,
-                                             cudaHostAllocPortable | cudaHostAllocMapped));
-      recv_count_out_.reset(static_cast<uint8_t*>(p));
-      std::memset(p, 0xff, sizeof(int32_t) * c_.num_ranks);
-    }
     args.recv_count_out = reinterpret_cast<int32_t*>(recv_count_out_.get()) + r;
     return kc::NormalDispatch(group_->Context(r), args, s);
   }
@@ -363,10 +362,7 @@ class NormalGroup {
       const int32_t n32 = static_cast<int32_t>(N);
       EPD_RETURN_IF_ERROR(Compare(r, l.recv_count, &n32, 4, where + "recv_count"));
       // The kernel's write into host-mapped memory (NormalDispatchArgs::recv_count_out).
-      const int32_t mapped =
-          recv_count_out_ == nullptr
-              ? n32
-              : reinterpret_cast<const volatile int32_t*>(recv_count_out_.get())[r];
+      const int32_t mapped = reinterpret_cast<const volatile int32_t*>(recv_count_out_.get())[r];
       if (mapped != n32) {
         return absl::InternalError(
             absl::StrCat(where, "recv_count_out = ", mapped, ", expected N = ", n32));
