@@ -1,5 +1,5 @@
 // Internal to libepdclient: the client's side of the fd channel (proto/epd/v1/control.proto
-// FdChannelRequest; framing in proto/fd_frame.h). After JoinGroup, Client::Join fetches the
+// FdChannelRequest; framing in common/os/fd_frame.h). After JoinGroup, Client::Join fetches the
 // endpoint's sealed region and its engine's doorbell page as file descriptors on a second
 // connection to epd's unix socket, then maps them (ShmRegion::Map checks the seals).
 #pragma once

@@ -1,6 +1,6 @@
-// epd: the expert-parallel daemon. Thin by design (STYLE rule 1): flags → config →
-// Daemon → wait for SIGTERM/SIGINT → Daemon::Shutdown → exit 0. See daemon/daemon.h.
-// A fatal signal logs a stack trace before epd dies of it (daemon/fatal_signals.h).
+// epd: the expert-parallel daemon. Thin by design: flags → config → Daemon → wait for
+// SIGTERM/SIGINT → Daemon::Shutdown → exit 0 (daemon/core/daemon.h; docs/DEPLOYMENT.md §5).
+// A fatal signal logs a stack trace before epd dies of it (daemon/core/fatal_signals.h).
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
       "[--listen=host:port] [--backend=auto|cuda|host] ...\nEach flag sets the DaemonConfig "
       "field its help names and, when given, overrides the --config file; the defaults shown "
       "are the DaemonConfig defaults.");
-  // --help lists the daemon's flags (they live in daemon/config.cc, not in this file);
+  // --help lists the daemon's flags (they live in daemon/core/config.cc, not in this file);
   // --version prints epd's version.
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) {
@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   usage.version_string = [] { return std::string("epd ") + epd::kEpdVersion + "\n"; };
-  // "Flags from daemon/config.cc", not the build machine's path to it.
+  // "Flags from daemon/core/config.cc", not the build machine's path to it.
   usage.normalize_filename = [](absl::string_view file) {
     const size_t at = file.rfind("daemon/");
     return std::string(at == absl::string_view::npos ? file : file.substr(at));

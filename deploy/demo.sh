@@ -1,26 +1,14 @@
 #!/usr/bin/env bash
-# The main job, from a fresh clone (README quick start, first command):
+# The main job, from a fresh clone (README "Quick start"): installs the Debian packages,
+# builds epd, epctl and the MoE demo in build/, starts epd on a temporary socket with
+# --backend=auto, shows `epctl status`, runs the MoE layer demo (client/examples/
+# moe_layer.cc) with EPD_DEMO_RANKS rank processes, stops epd (also on Ctrl-C or failure)
+# and exits with the demo's status.
 #
-#   ./deploy/demo.sh
-#
-# 1. installs the Debian packages (deploy/install-deps.sh);
-# 2. builds epd, epctl and the MoE demo in build/ (Release, CUDA when nvcc exists);
-# 3. starts epd on a temporary socket with --backend=auto: the CUDA backend when a GPU is
-#    usable, the host backend (CPU threads, buffers in shm) otherwise;
-# 4. shows `epctl status` (backend, GPUs, MPS, groups);
-# 5. runs the MoE layer demo: 8 client processes, one per rank, each running
-#    router -> dispatch -> expert FFN -> combine through epd, checked against a
-#    single-process computation of the same layer; the ranks join the group with a join
-#    secret handed to them in EPD_JOIN_SECRET, as a launcher hands them MASTER_ADDR (a
-#    random one unless EPD_JOIN_SECRET is set; never printed);
-# 6. stops epd (also on Ctrl-C or failure) and exits with the demo's status.
-#
-# Environment: EPD_JOIN_SECRET (the demo group's join secret; default: a random one),
-# EPD_BUILD_DIR (default build/), EPD_BUILD_TYPE (default Release),
-# EPD_JOBS (default nproc), EPD_DEMO_RANKS (1, 2, 4, 8, 16 or 32: a divisor of the demo's
-# 32 experts; default 8), EPD_BACKEND (auto|cuda|host, default auto), EPD_WITH_CUDA
-# (AUTO|ON|OFF, default AUTO, as tests/run.sh: OFF skips compiling CUDA). A bad value is
-# refused (exit 2, naming the variable) before anything is installed or built.
+# Environment: EPD_JOIN_SECRET (default: a random one), EPD_BUILD_DIR (build/),
+# EPD_BUILD_TYPE (Release), EPD_JOBS (nproc), EPD_DEMO_RANKS (1, 2, 4, 8, 16 or 32;
+# default 8), EPD_BACKEND (auto|cuda|host), EPD_WITH_CUDA (AUTO|ON|OFF, as tests/run.sh).
+# A bad value is refused (exit 2, naming the variable) before anything is installed.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -26,7 +26,7 @@ PACKAGES=(
   libibverbs-dev librdmacm-dev libdlpack-dev
   # tests
   libgtest-dev libgmock-dev
-  # Python binding (later issues) and scripts
+  # Python binding and scripts
   pybind11-dev python3 python3-dev
   # style check (.clang-format)
   clang-format

@@ -1,28 +1,13 @@
-// moe_layer: a toy Mixture-of-Experts layer run by one process per rank through epd.
-//
-//   router (x·G → top-k, softmax weights) → dispatch → per-expert FFN (y = W_e·x, a fixed
-//   matrix per expert) → combine,
-//
-// once in normal mode (Dispatch/Combine) and once in low-latency mode
-// (LowLatencyDispatch/LowLatencyCombine), for --iters iterations with fresh tokens each
-// time. Every rank checks its combined output against a single-process computation of
-// the same layer (Σ_k w[t,k]·W_{e_k}·x[t] in f64). The parent process starts the R rank
-// processes, waits for them and prints a table (a rank killed by a signal gets a line naming
-// the signal); it exits 0 only when every rank matched. The rank processes die with the
-// parent (PR_SET_PDEATHSIG), so a killed moe_layer leaves no rank holding the group.
+// moe_layer: a toy Mixture-of-Experts layer run by one process per rank through epd:
+// router (x·G → top-k, softmax weights) → dispatch → per-expert FFN (y = W_e·x) → combine,
+// in normal and in low-latency mode, each rank checking its combined output against a
+// single-process f64 computation of the same layer. The parent starts the R rank
+// processes (they die with it), prints a table and exits 0 only when every rank matched.
 //
 //   moe_layer --socket=/run/epd/epd.sock --num_ranks=8 [--launch_mode=auto|daemon|client]
 //
-// The ranks join with a join secret (client.h JoinOptions::join_secret), handed to them as
-// a launcher hands them MASTER_ADDR: in the environment, EPD_JOIN_SECRET. When it is not
-// set, moe_layer makes a random one for its rank processes; either way it is never printed.
-// A process of another user cannot join the group's ranks without it.
-//
-// --launch_mode picks who launches the kernels on the CUDA backend (client.h): epd's
-// default for the group (auto: README "Launch modes"), the daemon, or each rank process
-// itself (client-launched; needs the CUDA backend). With
-// several rank processes on one GPU, client-launched kernels of different processes only
-// run side by side under MPS; without it they time-slice and each op is slow (DESIGN §1).
+// The ranks join with the join secret in EPD_JOIN_SECRET (a random one when unset; never
+// printed). README "Quick start" and "Users, join secrets and quotas" say more.
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>

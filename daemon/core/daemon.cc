@@ -38,7 +38,7 @@
 namespace epd {
 namespace {
 
-/// Whether the CUDA data plane exists in this build (daemon/cuda/, built with CUDA).
+/// Whether the CUDA data plane exists in this build (daemon/dataplane/cuda/, built with CUDA).
 /// Without it, a GPU choice runs the host data plane (and GetStats says so).
 #if EPD_HAVE_CUDA
 constexpr bool kCudaDataPlaneBuilt = true;

@@ -1,19 +1,9 @@
-// Daemon: the core of `epd` (STYLE rule 1: main.cc only parses flags, builds a Daemon and
-// waits for a signal; a test can run a Daemon inside its own process).
-//
-// Start(): RLIMIT_NOFILE raised to its hard limit → GPU inventory → backend choice → data
-// plane → group registry → epd's own listener on the unix socket (daemon/listener.h), which
-// hands gRPC connections to a gRPC server without a listening port (Control and the standard
-// grpc.health.v1.Health service, per-service status for "" and "epd.v1.Control"), + the
-// optional TCP listener (Health only, a gRPC listening port).
-// Health is NOT_SERVING while starting, while draining, when a GPU is lost, and while the
-// listener is stuck (its accept loop has not gone round, or accept has kept failing, for
-// DaemonOptions::listener_stall_limit); it comes back when the listener recovers. The
-// health updater also expires endpoints their clients never mapped
-// (unmapped_endpoint_timeout_ms).
-// Shutdown() (SIGTERM/SIGINT): health NOT_SERVING, joins refused, a short grace for
-// probes to notice, Session streams ended, server stopped, every endpoint and group
-// released, data plane stopped, socket file removed: well within 5 s.
+// Daemon: the core of `epd` (main.cc only parses flags, builds a Daemon and waits for a
+// signal; a test can run a Daemon inside its own process). Start() brings up the GPU
+// inventory, the data plane (host or CUDA), the group registry, epd's own listener on the
+// unix socket (Control and grpc.health.v1) and the optional TCP listener (health only);
+// Shutdown() drains and releases everything. What health reports and when, and the order
+// of start and shutdown: docs/DEPLOYMENT.md §5 "Start, health and shutdown".
 #pragma once
 
 #include <cstdint>
@@ -59,8 +49,8 @@ struct BackendChoice {
 /// Decides the backend from the requested one and the GPUs found.
 ///   host → host. cuda → FAILED_PRECONDITION when no GPU is usable (the inventory's
 ///   reason is in the message). auto → cuda when a GPU is usable, else host.
-/// `cuda_data_plane_built` = false (today): a cuda/auto choice with GPUs runs the host data
-/// plane and the reason says so.
+/// `cuda_data_plane_built` = false (a build without CUDA): a cuda/auto choice with GPUs runs
+/// the host data plane and the reason says so.
 absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInventory& inventory,
                                             bool cuda_data_plane_built);
 
@@ -68,8 +58,11 @@ absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInve
 using DataPlaneFactory = std::function<absl::StatusOr<std::unique_ptr<DataPlane>>(
     const v1::DaemonConfig& config, const BackendChoice& choice)>;
 
-/// The data plane epd runs by default: the host data plane (daemon/host_data_plane.h)
-/// with op_timeout_ms, engine_idle_us and host_threads of `config`.
+/// The data plane epd runs by default for `choice`: the CUDA data plane
+/// (daemon/dataplane/cuda/cuda_data_plane.h; op_timeout_ms, engine_idle_us, gpu_uuids of
+/// `config`) when choice.backend is "cuda" in a CUDA build, else the host data plane
+/// (daemon/dataplane/host/host_data_plane.h; op_timeout_ms, engine_idle_us, host_threads).
+/// UNIMPLEMENTED for a backend this build has no data plane for.
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::DaemonConfig& config,
                                                                 const BackendChoice& choice);
 
@@ -109,7 +102,7 @@ class Daemon {
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
 
-  /// Drains and stops (see the file comment). Idempotent; returns once everything is
+  /// Drains and stops (docs/DEPLOYMENT.md §5). Idempotent; returns once everything is
   /// released (drain_grace + at most ~1 s).
   void Shutdown();
 

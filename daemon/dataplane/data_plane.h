@@ -1,7 +1,6 @@
-// DataPlane: what the group registry (control plane) asks of a backend. The registry
-// owns groups, ranks and sessions; the data plane owns the memory, the rings and the
-// engines that execute ops. Implementations: HostDataPlane (daemon/host_data_plane.h,
-// buffers in sealed shared memory, ops by kernels/host) and, with CUDA, the CUDA data plane.
+// DataPlane: what the group registry (control plane) asks of a backend; implemented by
+// HostDataPlane (daemon/dataplane/host/host_data_plane.h) and, with CUDA, the CUDA data
+// plane (daemon/dataplane/cuda/). docs/DESIGN.md §8.1.
 #pragma once
 
 #include <cstdint>
@@ -16,7 +15,7 @@
 
 namespace epd {
 
-class LogRateLimiter;  // daemon/logging.h
+class LogRateLimiter;  // daemon/core/logging.h
 
 /// The client that joins a rank, as the data plane needs it: whose budget the log lines
 /// its endpoint (and, for a group's first rank, the group) can cause are charged to

@@ -1,8 +1,5 @@
-// Engine: the thread that polls request rings (DESIGN.md §1). It spins while there is
-// work, and once every ring it polls has been idle for `idle_us` it sleeps on the
-// doorbell futex (proto/shm_abi.h DoorbellPage) until a client rings it, waking at least
-// every `max_sleep_us` to enforce op timeouts. No core is burnt while idle. The loop itself
-// allocates nothing (README "Hot path"): what it costs per op is the poll's.
+// Engine: the thread that polls request rings, spinning while there is work and sleeping
+// on the doorbell futex (proto/abi/shm_abi.h DoorbellPage) once idle. docs/DESIGN.md §8.2.
 #pragma once
 
 #include <atomic>

@@ -1,5 +1,5 @@
 // An engine with its doorbell page and the list of groups it polls: the skeleton both data
-// planes (host/, cuda/) share. DESIGN.md §1 "Engine".
+// planes (host/, cuda/) share. docs/DESIGN.md §8.2.
 #pragma once
 
 #include <algorithm>

@@ -1,5 +1,4 @@
-// The lockstep core of a data-plane group: ring popping and validation, op collection,
-// timeouts, completions and handle state (see group_ops.h).
+// The lockstep core of a data-plane group (lockstep_group.h; docs/DESIGN.md §8.3).
 #include "daemon/dataplane/lockstep_group.h"
 
 #include <algorithm>
@@ -129,7 +128,7 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   const uint64_t first_seq = current_seq_ + (running_ ? 1 : 0);
   ep->next_seq = first_seq;
   // The ring's head/tail count slots; start them at the first seq - 1 so slot i holds
-  // seq i (the client writes slot (head + 1) % capacity, see client/endpoint.cc).
+  // seq i (the client writes slot (head + 1) % capacity, see client/endpoint/ring_channel.cc).
   ep->ring_tail = first_seq - 1;
   h.ring_head = first_seq - 1;
   h.ring_tail = first_seq - 1;

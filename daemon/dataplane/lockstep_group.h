@@ -1,17 +1,6 @@
-// LockstepGroup: the backend-independent half of a data-plane group (DESIGN.md §3.2),
-// shared by the host data plane (daemon/host_data_plane.cc) and the CUDA data plane
-// (daemon/cuda/cuda_data_plane.cc).
-//
-// Ops of a group run in lockstep: every rank's n-th op has sequence number n (a rejoining
-// rank continues at the group's next op, EndpointInfo.first_seq). The engine thread pops
-// each rank's request for the group's current op from its shm ring, validates it (shape,
-// flags, handles), and once all R are there checks that the ranks agree and hands the op
-// to the backend (LockstepGroup::StartOp). A backend finishes an op at once (host) or later
-// (CUDA: PollOp, polled without blocking the engine); then every rank gets its completion
-// and the handle state (normal routing, low-latency buffers) advances. When the op's first
-// request is older than op_timeout and some rank is missing, or a rank leaves, the op
-// fails with DEADLINE_EXCEEDED for every rank, naming the missing ranks; a late request for
-// a failed op completes at once with the same error. A backend never sees a partial op.
+// LockstepGroup: the backend-independent half of a data-plane group, shared by the host
+// and the CUDA data plane: ring popping, validation, op collection across the ranks,
+// timeouts, completions and handle state. How ops run in lockstep: docs/DESIGN.md §8.3.
 #pragma once
 
 #include <chrono>

@@ -181,7 +181,7 @@ bool FdChannel::Advance(Pending& p) {
       status = absl::InvalidArgumentError(absl::StrCat(
           "fd channel: the request frame (", frame.body.size(),
           " bytes) is not an epd.v1.FdChannelRequest; send abi::kFdChannelPreamble, then one "
-          "frame as proto/fd_frame.h describes"));
+          "frame as common/os/fd_frame.h describes"));
     } else {
       absl::StatusOr<EndpointFds> fetched = fetch_(request, p.peer);
       if (fetched.ok()) {

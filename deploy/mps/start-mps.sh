@@ -1,20 +1,16 @@
 #!/usr/bin/env bash
 # Starts the CUDA MPS control daemon, so that epd's kernels and its clients' kernels run
-# side by side on a GPU instead of time-slicing (DESIGN.md §3.2: ~7-10 µs per hand-off
-# under MPS against ~140 µs-2 ms without). Idempotent: does nothing when it already runs.
+# side by side on a GPU instead of time-slicing (docs/DEPLOYMENT.md §4). Idempotent: does
+# nothing when it already runs.
 #
 #   deploy/mps/start-mps.sh [--exclusive]
 #
-# --exclusive also sets every GPU to EXCLUSIVE_PROCESS compute mode (NVIDIA's advice for
-# MPS: only the MPS server then holds a context; a process that bypasses MPS fails to
-# create one instead of time-slicing).
-#
-# Environment (the same values must be set for epd and for every client process):
-#   CUDA_MPS_PIPE_DIRECTORY  default /run/nvidia-mps (not /tmp/nvidia-mps: epd.service runs
-#                            with PrivateTmp=yes and would not see /tmp)
-#   CUDA_MPS_LOG_DIRECTORY   default /var/log/nvidia-mps
-# MPS serves one user id at a time: run the control daemon, epd and the clients as the
-# same user (root in the shipped units and manifests).
+# --exclusive also sets every GPU to EXCLUSIVE_PROCESS compute mode (only the MPS server
+# then holds a context; a process that bypasses MPS fails instead of time-slicing).
+# Environment (the same for epd and every client): CUDA_MPS_PIPE_DIRECTORY (default
+# /run/nvidia-mps, not /tmp: epd.service has PrivateTmp=yes), CUDA_MPS_LOG_DIRECTORY
+# (default /var/log/nvidia-mps). MPS serves one uid at a time: run it, epd and the clients
+# as the same user.
 set -euo pipefail
 
 export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/run/nvidia-mps}

@@ -1,7 +1,8 @@
 // The launch_flags region of an endpoint's data area (GPU memory): the words of the
 // stream-ordered hand-off between a client's stream and the daemon's stream in
 // daemon-launched mode, and of graph-mode programs (DESIGN.md §3.2). One layout for host
-// code and kernels; covered by kShmAbiVersion (shm_abi.h): bump it when a word moves.
+// code and kernels; covered by kShmAbiVersion (shm_abi.h): bump it when a byte moves or a
+// meaning changes.
 #pragma once
 
 #include <cstddef>

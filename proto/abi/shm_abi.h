@@ -3,8 +3,9 @@
 // completion_capacity][data area (host backend only)], plus one DoorbellPage per engine.
 // Both are sealed memfds (common/os/shm_region.h) passed on the fd channel. Every struct is
 // fixed-size POD with static_asserts on its size and offsets; shared counters are accessed
-// through std::atomic_ref; the reader checks `magic` and `version`. Bump kShmAbiVersion on
-// any change to this file.
+// through std::atomic_ref; the reader checks `magic` and `version`. Bump kShmAbiVersion
+// when a byte moves or a meaning changes (here or in launch_flags.h); comments and new
+// helpers that leave every byte and its meaning alone need no bump.
 #pragma once
 
 #include <atomic>

@@ -1,9 +1,6 @@
-// The host backend's data plane: shm endpoints, one engine, group ops by kernels/host.
-//
-// The lockstep part (collecting every rank's request for op n, validation, timeouts,
-// completions, handles) is LockstepGroup (daemon/group_ops.h); this file adds the data area
-// in each endpoint's shm region and runs each op synchronously on the engine thread with
-// kernels/host.
+// The host backend's data plane: shm endpoints, one engine, group ops by kernels/host. The
+// lockstep part is LockstepGroup (daemon/dataplane/lockstep_group.h); this file adds the
+// data area in each endpoint's shm region and runs each op on the engine thread.
 #include "daemon/dataplane/host/host_data_plane.h"
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // The semantics of epd's ops, written once: pure functions on plain values, used by the
 // daemon's validation, the client's checks, the client-launched launches and both
-// backends. Design: docs/DESIGN.md "Op rules".
+// backends. Design: docs/DESIGN.md §8.4 "Op rules".
 #pragma once
 
 #include <cstdint>
