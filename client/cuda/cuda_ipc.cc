@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
 #include "epd/kernels/cuda_ops.h"
 
 namespace epd::internal {

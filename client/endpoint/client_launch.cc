@@ -14,8 +14,10 @@
 #include "client/cuda/area_cache.h"
 #include "client/endpoint/endpoint_state.h"
 #include "client/endpoint/tensor_checks.h"
+#include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
+#include "epd/kernels/rank_context.h"
 
 namespace epd::internal {
 namespace {
@@ -117,7 +119,14 @@ absl::StatusOr<uint64_t> ClientLaunch::Run(const OpPlan& p) {
       EPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(m_.At(l.in_topk_idx), 0xff, l.in_topk_idx.bytes, s));
     }
   }
-  EPD_RETURN_IF_ERROR(Launch(p, rejected, buffer, in_place, s));
+  // A dispatch's kernel writes N into the op's read-back (a captured op's: the one Wait
+  // reads for captured ops); a rejected op's N is not reported, so it writes nowhere (its
+  // slot may still hold an earlier op's N).
+  int32_t* recv_count_out = nullptr;
+  if (p.op == abi::OpKind::kDispatch && !rejected) {
+    recv_count_out = &readback(capturing ? kSlots : static_cast<uint32_t>(seq % kSlots)).recv_count;
+  }
+  EPD_RETURN_IF_ERROR(Launch(p, rejected, buffer, in_place, recv_count_out, s));
   m_.parity.Advance(p.op);
   // The routing a rejected dispatch leaves is not usable; a low-latency dispatch owns its
   // buffer only once its op is recorded.
@@ -140,7 +149,8 @@ absl::StatusOr<uint64_t> ClientLaunch::Run(const OpPlan& p) {
 }
 
 absl::Status ClientLaunch::Launch(const OpPlan& p, bool rejected, int buffer,
-                                  const std::array<const void*, 4>& in_place, cudaStream_t s) {
+                                  const std::array<const void*, 4>& in_place,
+                                  int32_t* recv_count_out, cudaStream_t s) {
   const int32_t T = rejected ? 0 : p.num_tokens;
   kc::CudaRankContext ctx = ctx_;
   ctx.num_sms = p.num_sms;
@@ -158,6 +168,7 @@ absl::Status ClientLaunch::Launch(const OpPlan& p, bool rejected, int buffer,
       a.expert_alignment = std::max(1, p.expert_alignment);
       a.with_weights = o.dispatch_weights;
       a.cached = o.cached_handle;
+      a.recv_count_out = recv_count_out;
       EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, T, s));
       return kc::NormalDispatch(ctx, a, s);
     }
@@ -260,18 +271,18 @@ absl::Status ClientLaunch::EnsureSetUp() {
   EPD_ASSIGN_OR_RETURN(peer_bases_, AllocateDevice(sizeof(uint8_t*) * R));
   EPD_CUDA_RETURN_IF_ERROR(
       cudaMemcpy(peer_bases_.get(), bases.data(), sizeof(uint8_t*) * R, cudaMemcpyHostToDevice));
-  kc::CudaRankContext& ctx = ctx_;
-  ctx.shape = m_.shape;
-  ctx.layout = m_.layout;
-  ctx.rank = rank;
-  ctx.peer_bases = reinterpret_cast<uint8_t* const*>(peer_bases_.get());
-  ctx.own_base = m_.data;
-  ctx.ranks_on_device = on_device;
-  // Flags at .gpu scope when every rank's area is on this GPU (cuda_ops.h).
-  ctx.all_ranks_on_device = on_device == R;
-  ctx.timeout_ns = static_cast<int64_t>(m_.info.op_timeout_ms()) * 1'000'000;
-  EPD_RETURN_IF_ERROR(kc::ValidateContext(ctx));
-  EPD_ASSIGN_OR_RETURN(readback_memory_, AllocatePinnedArray<Readback>(kSlots + 1));
+  kc::RankPlacement at;
+  at.rank = rank;
+  at.peer_bases = reinterpret_cast<uint8_t* const*>(peer_bases_.get());
+  at.own_base = m_.data;
+  at.ranks_on_device = on_device;
+  at.op_timeout_ms = m_.info.op_timeout_ms();
+  ctx_ = kc::MakeRankContext(m_.shape, m_.layout, at);
+  EPD_RETURN_IF_ERROR(kc::ValidateContext(ctx_));
+  // Mapped: kernels write the status and N straight into it (no copy engine on the op path).
+  EPD_ASSIGN_OR_RETURN(
+      readback_memory_,
+      AllocatePinnedArray<Readback>(kSlots + 1, cudaHostAllocPortable | cudaHostAllocMapped));
   for (uint32_t i = 0; i < kSlots; ++i) {
     EPD_ASSIGN_OR_RETURN(EventHandle e, CreateEvent());
     events_.push_back(std::move(e));
@@ -310,10 +321,6 @@ absl::Status ClientLaunch::End(uint64_t seq, abi::OpKind op, cudaStream_t stream
   if (!capturing) {
     Readback& rb = readback(i);
     if (!low_latency) EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(ctx_, stream, &rb.status));
-    if (op == abi::OpKind::kDispatch) {
-      EPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&rb.recv_count, m_.At(m_.layout.recv_count),
-                                               sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
-    }
     EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[i].get(), stream));
   }
   slot.seq = seq;
@@ -335,10 +342,6 @@ absl::StatusOr<OpOutcome> ClientLaunch::Wait(uint64_t seq, abi::OpKind op, absl:
     rb = &readback(kSlots);
     cudaStream_t s = m_.aux_stream.get();
     EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(ctx_, s, &rb->status));
-    if (op == abi::OpKind::kDispatch) {
-      EPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&rb->recv_count, m_.At(m_.layout.recv_count),
-                                               sizeof(int32_t), cudaMemcpyDeviceToHost, s));
-    }
     EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   } else {
     const auto start = std::chrono::steady_clock::now();

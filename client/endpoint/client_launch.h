@@ -50,10 +50,10 @@ class ClientLaunch final : public OpRunner {
  private:
   /// Ops whose completion records are kept: Wait works for the latest kSlots ops.
   static constexpr uint32_t kSlots = abi::kCompletionCapacity;
-  /// What an op's stream copies back after its kernels (pinned host memory).
+  /// What an op's kernels write back (pinned host memory, mapped: no copy engine).
   struct Readback {
-    kernels::cuda::DeviceStatus status;
-    int32_t recv_count;  ///< Dispatch: N.
+    kernels::cuda::DeviceStatus status;  ///< By EnqueueStatusReadback's kernel.
+    int32_t recv_count;  ///< Dispatch: N, by its kernel (NormalDispatchArgs::recv_count_out).
     int32_t reserved[15];
   };
   /// The op last recorded in a completion slot.
@@ -76,16 +76,18 @@ class ClientLaunch final : public OpRunner {
   /// reads (`*buffer`). Returns false when the rank takes no part at all (`*st` says why).
   bool CheckHandle(const OpPlan& p, absl::Status* st, int* buffer) const;
   /// Launches the op's kernels: with plan.num_tokens, or T = 0 and no inputs when
-  /// `rejected` (`in_place`: the inputs read in place, by index; null = the region).
+  /// `rejected` (`in_place`: the inputs read in place, by index; null = the region). A
+  /// dispatch's kernel writes N into `recv_count_out` (mapped pinned memory) unless null.
   absl::Status Launch(const OpPlan& p, bool rejected, int buffer,
-                      const std::array<const void*, 4>& in_place, cudaStream_t s);
+                      const std::array<const void*, 4>& in_place, int32_t* recv_count_out,
+                      cudaStream_t s);
   /// Says whether `stream` is capturing a CUDA graph and assigns the op's seq. Call with
   /// the endpoint's device current.
   absl::StatusOr<uint64_t> Begin(cudaStream_t stream, bool* capturing);
   /// Unless capturing, records the slot's event (which Wait polls) after the read-back of
-  /// the op's DeviceStatus (and, for Dispatch, N). A low-latency op gets no read-back here:
-  /// Wait enqueues it on the op's stream. A captured op gets no read-back: Wait reads the
-  /// device status itself once the graph's replay is done.
+  /// the op's DeviceStatus (a Dispatch's kernel has written N itself). A low-latency op gets
+  /// no read-back here: Wait enqueues it on the op's stream. A captured op gets no
+  /// read-back: Wait reads the device status itself once the graph's replay is done.
   absl::Status End(uint64_t seq, abi::OpKind op, cudaStream_t stream, bool capturing);
   Readback& readback(uint32_t i) { return readback_memory_.get()[i]; }
 

@@ -8,7 +8,9 @@
 #include "epd/kernels/op_rules.h"
 
 #if EPD_HAVE_CUDA
+#include "common/cuda/stream_memops.h"
 #include "epd/kernels/cuda_ops.h"
+#include "proto/abi/launch_flags.h"
 #endif
 
 namespace epd::internal {
@@ -69,9 +71,8 @@ absl::Status DaemonLaunch::OrderAfterPreviousOp(void* stream) {
     return absl::OkStatus();
   }
   DeviceGuard guard(m_.mapping->device());
-  return kc::StreamWaitValue64Geq(AsStream(stream),
-                                  m_.At(m_.layout.launch_flags) + kernels::kDoneFlagOffset,
-                                  last_ordered_seq_);
+  return StreamWaitValue64Geq(
+      AsStream(stream), m_.At(m_.layout.launch_flags) + abi::kDoneFlagOffset, last_ordered_seq_);
 #else
   (void)stream;
   return absl::OkStatus();
@@ -106,16 +107,16 @@ absl::StatusOr<uint64_t> DaemonLaunch::Submit(abi::OpKind op, uint32_t flags, in
     // below.
     kc::DoneWait done_wait;
     if (KernelWaitsForDone(op)) {
-      done_wait.flag = reinterpret_cast<const uint64_t*>(launch_flags + kernels::kDoneFlagOffset);
+      done_wait.flag = reinterpret_cast<const uint64_t*>(launch_flags + abi::kDoneFlagOffset);
       done_wait.value = seq;
       done_wait.timeout_ns =
           (kDoneWaitTimeouts * m_.info.op_timeout_ms() + kDoneWaitSlackMs) * 1'000'000;
     }
     ordered_error = kc::CopyDeviceBatchAsync(
         m_.pending_copies.data(), num_copies,
-        reinterpret_cast<uint64_t*>(launch_flags + kernels::kReadyFlagOffset), seq,
-        reinterpret_cast<uint32_t*>(launch_flags + kernels::kReadySignalCounterOffset),
-        AsStream(stream), reinterpret_cast<uint64_t*>(launch_flags + kernels::kStagingFlagOffset),
+        reinterpret_cast<uint64_t*>(launch_flags + abi::kReadyFlagOffset), seq,
+        reinterpret_cast<uint32_t*>(launch_flags + abi::kReadySignalCounterOffset),
+        AsStream(stream), reinterpret_cast<uint64_t*>(launch_flags + abi::kStagingFlagOffset),
         done_wait);
     // Without the ready flag the daemon could not order its kernels: fail the op for
     // every rank instead (as a client error), and return the driver's error.
@@ -133,7 +134,7 @@ absl::StatusOr<uint64_t> DaemonLaunch::Submit(abi::OpKind op, uint32_t flags, in
     DeviceGuard guard(m_.mapping->device());
     if (!KernelWaitsForDone(op)) {
       ordered_error =
-          kc::StreamWaitValue64Geq(AsStream(stream), launch_flags + kernels::kDoneFlagOffset, seq);
+          StreamWaitValue64Geq(AsStream(stream), launch_flags + abi::kDoneFlagOffset, seq);
     }
     if (ordered_error.ok()) {
       last_ordered_stream_ = stream;
@@ -153,8 +154,8 @@ void DaemonLaunch::ReleaseStreams() {
     // A stream at a program step's done wait: done = kProgramReleased, which no ack
     // clears (layout.h); a stream memory write, as for done_seq below.
     DeviceGuard guard(m_.mapping->device());
-    (void)kc::StreamWriteValue64(m_.aux_stream.get(), launch_flags + kernels::kProgramDoneOffset,
-                                 kernels::kProgramReleased);
+    (void)StreamWriteValue64(m_.aux_stream.get(), launch_flags + abi::kProgramDoneOffset,
+                             abi::kProgramReleased);
     cudaStreamSynchronize(m_.aux_stream.get());
     cudaGetLastError();
   }
@@ -169,8 +170,8 @@ void DaemonLaunch::ReleaseStreams() {
   // process's other streams share, where one held behind a stream-ordered op could keep
   // the release from landing. (Stream memory operations are there: the daemon accepts no
   // stream-ordered op without them, CudaGroup::CheckRequest.)
-  (void)kc::StreamWriteValue64(m_.aux_stream.get(), launch_flags + kernels::kDoneFlagOffset,
-                               abi::kReleasedSeq);
+  (void)StreamWriteValue64(m_.aux_stream.get(), launch_flags + abi::kDoneFlagOffset,
+                           abi::kReleasedSeq);
   cudaStreamSynchronize(m_.aux_stream.get());
   cudaGetLastError();
 #endif

@@ -16,8 +16,13 @@
 
 #if EPD_HAVE_CUDA
 #include "client/endpoint/client_launch.h"
+#include "common/cuda/cuda_check.h"
+#include "common/cuda/device_alloc.h"
+#include "common/cuda/stream_memops.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/cuda_program.h"
+#include "epd/kernels/rank_context.h"
+#include "proto/abi/launch_flags.h"
 #endif
 
 namespace epd {
@@ -70,7 +75,10 @@ absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
     internal::DeviceGuard guard(m.mapping->device());
     EPD_RETURN_IF_ERROR(internal::PreloadKernelsOnce(m.mapping->device()));
     if (!m.client_launched && m.program_word == nullptr) {
-      EPD_ASSIGN_OR_RETURN(m.program_word, AllocatePinned(sizeof(uint64_t)));
+      // Mapped: ReadWordAsync's kernel writes it.
+      EPD_ASSIGN_OR_RETURN(
+          m.program_word,
+          AllocatePinned(sizeof(uint64_t), cudaHostAllocPortable | cudaHostAllocMapped));
     }
   }
 #endif
@@ -127,11 +135,10 @@ static absl::Status HandOffProgramStep(Endpoint::Impl& m, cudaStream_t stream) {
   const int num_copies = std::exchange(m.num_pending_copies, 0);
   EPD_RETURN_IF_ERROR(kc::CopyDeviceBatchAsync(
       m.pending_copies.data(), num_copies,
-      reinterpret_cast<uint64_t*>(flags + kernels::kProgramGoOffset), 1,
-      reinterpret_cast<uint32_t*>(flags + kernels::kReadySignalCounterOffset), stream));
-  EPD_RETURN_IF_ERROR(kc::StreamWaitValue64Geq(stream, flags + kernels::kProgramDoneOffset, 1));
-  return kc::ProgramAckAsync(reinterpret_cast<uint64_t*>(flags + kernels::kProgramDoneOffset),
-                             stream);
+      reinterpret_cast<uint64_t*>(flags + abi::kProgramGoOffset), 1,
+      reinterpret_cast<uint32_t*>(flags + abi::kReadySignalCounterOffset), stream));
+  EPD_RETURN_IF_ERROR(StreamWaitValue64Geq(stream, flags + abi::kProgramDoneOffset, 1));
+  return kc::ProgramAckAsync(reinterpret_cast<uint64_t*>(flags + abi::kProgramDoneOffset), stream);
 }
 #endif
 
@@ -160,11 +167,12 @@ absl::StatusOr<LowLatencyDispatchResult> Endpoint::RunProgramDispatch(
   EPD_RETURN_IF_ERROR(m.StageForSubmit(kOp, "x", args.x, m.layout.in_x, stream));
   EPD_RETURN_IF_ERROR(
       m.StageForSubmit(kOp, "topk_idx", args.topk_idx, m.layout.in_topk_idx, stream));
-  kc::CudaRankContext ctx;
-  ctx.shape = m.shape;
-  ctx.layout = m.layout;
-  ctx.rank = m.info.rank();
-  ctx.own_base = m.data;
+  // A context that only addresses this rank's own area (LowLatencyNumTokensSlot).
+  kc::RankPlacement at;
+  at.rank = m.info.rank();
+  at.own_base = m.data;
+  at.op_timeout_ms = m.info.op_timeout_ms();
+  const kc::CudaRankContext ctx = kc::MakeRankContext(m.shape, m.layout, at);
   // T into the rank's token-count slot, by the same kernel (x and topk_idx take two of its
   // kc::kMaxBatchCopies copies at most).
   m.pending_copies[m.num_pending_copies++] = {kc::LowLatencyNumTokensSlot(ctx),
@@ -237,7 +245,7 @@ absl::Status Endpoint::ProgramStatus() {
     // daemon's stream before done), read by a kernel (see program_word).
     internal::DeviceGuard guard(m.mapping->device());
     const auto* word = reinterpret_cast<const uint64_t*>(m.At(m.layout.launch_flags) +
-                                                         kernels::kProgramInstanceOffset);
+                                                         abi::kProgramInstanceOffset);
     auto* host = reinterpret_cast<uint64_t*>(m.program_word.get());
     EPD_RETURN_IF_ERROR(kc::ReadWordAsync(word, host, m.aux_stream.get()));
     EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.aux_stream.get()));

@@ -7,6 +7,10 @@
 #include "client/endpoint/tensor_checks.h"
 #include "common/status_macros.h"
 
+#if EPD_HAVE_CUDA
+#include "common/cuda/cuda_check.h"
+#endif
+
 namespace epd {
 
 using internal::TensorBytes;
@@ -50,7 +54,7 @@ absl::Status Endpoint::Impl::Stage(const char* op, const char* name, const DLTen
     const auto s = static_cast<cudaStream_t>(stream);
     // A tensor on the area's GPU is copied by a kernel (kc::CopyDeviceAsync: no
     // copy-engine queue shared with the process's other streams); anything else (host
-    // memory, another GPU) by cudaMemcpyAsync.
+    // memory, another GPU) by cudaMemcpyAsync, toward the area (never a read-back).
     if (t->device.device_type == kDLCUDA && t->device.device_id == mapping->device()) {
       if (for_submit && num_pending_copies < kc::kMaxBatchCopies) {
         pending_copies[num_pending_copies++] = {At(r), src, static_cast<uint64_t>(n)};
@@ -58,8 +62,8 @@ absl::Status Endpoint::Impl::Stage(const char* op, const char* name, const DLTen
       }
       return kc::CopyDeviceAsync(At(r), src, static_cast<uint64_t>(n), s);
     }
-    EPD_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(At(r), src, static_cast<size_t>(n), cudaMemcpyDefault, s));
+    const cudaMemcpyKind to_area = cudaMemcpyDefault;  // copy-engine-lint: to the device
+    EPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(r), src, static_cast<size_t>(n), to_area, s));
     return absl::OkStatus();
   }
 #else

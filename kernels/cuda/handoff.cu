@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "kernels/cuda/common.cuh"

@@ -3,6 +3,7 @@
 // in f32 in ascending k, bit-identical to kernels/host. The protocol (flags, checks, why no
 // completion signal) is in docs/CUDA_BACKEND.md "Low-latency combine".
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "kernels/cuda/common.cuh"

@@ -5,6 +5,7 @@
 #include <cstddef>
 
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/op_rules.h"

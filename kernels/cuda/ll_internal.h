@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/status/status.h"
+#include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"

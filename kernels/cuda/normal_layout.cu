@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"

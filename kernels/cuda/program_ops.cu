@@ -2,6 +2,7 @@
 // (cuda_ops.h ProgramAckAsync) and the copies without a copy engine of cuda_program.h.
 #include <cuda_runtime.h>
 
+#include "common/cuda/cuda_check.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/cuda_program.h"
 

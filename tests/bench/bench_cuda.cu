@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "tests/bench/bench_cuda.h"

@@ -29,6 +29,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "common/cuda/cuda_check.h"
 #include "common/gpu_uuid.h"
 #include "common/status_macros.h"
 #include "epd/client.h"

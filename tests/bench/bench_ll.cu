@@ -20,6 +20,7 @@
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"

@@ -26,6 +26,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"

@@ -1,4 +1,5 @@
 // The toy expert of client_launch_test (see client_launch_kernels.h).
+#include "common/cuda/cuda_check.h"
 #include "epd/kernels/cuda_ops.h"
 #include "tests/gpu/client_launch_kernels.h"
 

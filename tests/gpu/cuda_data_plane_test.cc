@@ -32,6 +32,7 @@
 #include "daemon/dataplane/lockstep_group.h"
 #include "daemon/gpu/gpu_inventory.h"
 #include "epd/client.h"
+#include "proto/abi/launch_flags.h"
 #include "proto/abi/shm_abi.h"
 #include "tests/common/dtypes.h"
 #include "tests/common/specs.h"
@@ -696,7 +697,7 @@ struct Flags {
 };
 Flags FlagsOf(const RawRank& rank, const kernels::EndpointLayout& layout) {
   uint8_t* base = rank.area + layout.launch_flags.offset;
-  return {base + kernels::kReadyFlagOffset, base + kernels::kDoneFlagOffset};
+  return {base + abi::kReadyFlagOffset, base + abi::kDoneFlagOffset};
 }
 
 /// Polls done_seq until it reaches `seq` (the engine's write lands on the GPU shortly after

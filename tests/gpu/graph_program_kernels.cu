@@ -1,4 +1,5 @@
 // The toy FP8 expert of graph_program_test (see graph_program_kernels.h).
+#include "common/cuda/cuda_check.h"
 #include "epd/kernels/cuda_ops.h"
 #include "tests/gpu/graph_program_kernels.h"
 

@@ -38,6 +38,7 @@
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
+#include "proto/abi/launch_flags.h"
 #include "tests/common/dtypes.h"
 #include "tests/common/specs.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -312,7 +313,7 @@ class HangWatchdog {
       const uint8_t* ex = sync + kernels::cuda::kSyncLowLatencyExchangeOffset;
       std::string line = absl::StrCat(
           "rank ", r, ": ready_seq done_seq:", Words(Peek(flags, 2), false),
-          "; go done instance:", Words(Peek(flags + kernels::kProgramGoOffset, 3), false),
+          "; go done instance:", Words(Peek(flags + abi::kProgramGoOffset, 3), false),
           "; status (bad ids, bad T, has bad T, timed out, missing):",
           Words(Peek(sync + kernels::cuda::kSyncStatusOffset, 3), true),
           "; ll state (dispatch_seq, combine_seq, tickets, aborted, T, T per buffer):",

@@ -25,11 +25,13 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
 #include "common/cuda/cuda_handles.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"
 #include "kernels/cuda/common.cuh"
+#include "proto/abi/launch_flags.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace epd::testing {
@@ -962,18 +964,18 @@ uint64_t* LaunchFlag(VirtualRankGroup& g, int32_t r, uint64_t offset) {
   return reinterpret_cast<uint64_t*>(g.At<uint8_t>(r, g.layout().launch_flags) + offset);
 }
 
-// Rank r's staging-kernel ticket word (layout.h kReadySignalCounterOffset).
+// Rank r's staging-kernel ticket word (abi::kReadySignalCounterOffset).
 uint32_t* StagingCounter(VirtualRankGroup& g, int32_t r) {
-  return reinterpret_cast<uint32_t*>(LaunchFlag(g, r, kernels::kReadySignalCounterOffset));
+  return reinterpret_cast<uint32_t*>(LaunchFlag(g, r, abi::kReadySignalCounterOffset));
 }
 
 // The KernelHandoff the daemon gives rank r's low-latency op `seq` (launched
 // programmatically behind its WaitFlagAsync).
 kc::KernelHandoff DaemonHandoff(VirtualRankGroup& g, int32_t r, uint64_t seq) {
   kc::KernelHandoff h;
-  h.ready_flag = LaunchFlag(g, r, kernels::kReadyFlagOffset);
+  h.ready_flag = LaunchFlag(g, r, abi::kReadyFlagOffset);
   h.ready_value = seq;
-  h.done_flag = LaunchFlag(g, r, kernels::kDoneFlagOffset);
+  h.done_flag = LaunchFlag(g, r, abi::kDoneFlagOffset);
   h.done_value = seq;
   h.programmatic = true;
   return h;
@@ -1099,7 +1101,7 @@ TEST(LowLatencyHandoff, KernelsWaitForReadyThenWriteDone) {
   // ---- dispatch (seq 1) ----
   for (int32_t r = 0; r < R; ++r) {
     EPD_ASSERT_OK(
-        kc::WaitFlagAsync(flag(r, kernels::kReadyFlagOffset), 1, kWaitNs, seen + r, g.stream(r)));
+        kc::WaitFlagAsync(flag(r, abi::kReadyFlagOffset), 1, kWaitNs, seen + r, g.stream(r)));
     kc::LowLatencyDispatchArgs a;
     a.buffer = 0;
     a.use_fp8 = true;
@@ -1111,17 +1113,17 @@ TEST(LowLatencyHandoff, KernelsWaitForReadyThenWriteDone) {
   for (int32_t r = 0; r < R; ++r) {
     EXPECT_EQ(cudaStreamQuery(g.stream(r)), cudaErrorNotReady) << "rank " << r << " ran early";
     EXPECT_EQ(ReadWord(seen + r), 0u) << "rank " << r;
-    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 0u) << "rank " << r;
+    EXPECT_EQ(ReadWord(flag(r, abi::kDoneFlagOffset)), 0u) << "rank " << r;
   }
   for (int32_t r = 0; r < R; ++r) {
-    EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(copies[r].data(), 3, flag(r, kernels::kReadyFlagOffset),
-                                           1, counter(r), client->get()));
+    EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(copies[r].data(), 3, flag(r, abi::kReadyFlagOffset), 1,
+                                           counter(r), client->get()));
   }
   for (int32_t r = 0; r < R; ++r) {
     ASSERT_EQ(cudaStreamSynchronize(g.stream(r)), cudaSuccess);
     EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
     EXPECT_EQ(ReadWord(seen + r), 1u) << "rank " << r;
-    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 1u) << "rank " << r;
+    EXPECT_EQ(ReadWord(flag(r, abi::kDoneFlagOffset)), 1u) << "rank " << r;
     EXPECT_EQ(ReadWord(counter(r)) & 0xffffffffu, 0u) << "rank " << r << ": ticket not reset";
   }
   EPD_ASSERT_OK(CheckDispatch(g, 0, true, in, ref));
@@ -1129,21 +1131,21 @@ TEST(LowLatencyHandoff, KernelsWaitForReadyThenWriteDone) {
   // ---- combine (seq 2): expert outputs first on the rank's stream, then the ready wait ----
   for (int32_t r = 0; r < R; ++r) {
     EPD_ASSERT_OK(
-        EnqueueCombineBehindWait(g, r, 0, 2, kernels::kReadyFlagOffset, std::nullopt, seen + r));
+        EnqueueCombineBehindWait(g, r, 0, 2, abi::kReadyFlagOffset, std::nullopt, seen + r));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   for (int32_t r = 0; r < R; ++r) {
-    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 1u) << "rank " << r << " ran early";
+    EXPECT_EQ(ReadWord(flag(r, abi::kDoneFlagOffset)), 1u) << "rank " << r << " ran early";
   }
   for (int32_t r = 0; r < R; ++r) {  // No copies: a one-thread signal.
-    EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(nullptr, 0, flag(r, kernels::kReadyFlagOffset), 2,
+    EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(nullptr, 0, flag(r, abi::kReadyFlagOffset), 2,
                                            counter(r), client->get()));
   }
   for (int32_t r = 0; r < R; ++r) {
     ASSERT_EQ(cudaStreamSynchronize(g.stream(r)), cudaSuccess);
     EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyCombine"));
     EXPECT_EQ(ReadWord(seen + r), 2u) << "rank " << r;
-    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 2u) << "rank " << r;
+    EXPECT_EQ(ReadWord(flag(r, abi::kDoneFlagOffset)), 2u) << "rank " << r;
   }
   EPD_ASSERT_OK(CheckCombine(g, 0, in, ref));
 }
@@ -1182,8 +1184,8 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
   // The daemon's side of dispatch `seq` on `buffer`: the wait, then the kernel.
   auto enqueue_dispatch = [&](uint64_t seq, int32_t buffer, const std::vector<RankInputs>& ins) {
     for (int32_t r = 0; r < R; ++r) {
-      EPD_ASSERT_OK(kc::WaitFlagAsync(flag(r, kernels::kStagingFlagOffset), seq, 10'000'000'000,
-                                      seen + r, g.stream(r), flag(r, kernels::kReadyFlagOffset)));
+      EPD_ASSERT_OK(kc::WaitFlagAsync(flag(r, abi::kStagingFlagOffset), seq, 10'000'000'000,
+                                      seen + r, g.stream(r), flag(r, abi::kReadyFlagOffset)));
       kc::LowLatencyDispatchArgs a;
       a.buffer = buffer;
       a.use_fp8 = true;
@@ -1198,9 +1200,9 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
     for (int32_t r = 0; r < R; ++r) {
       auto copies = (*caller)[r].Fill(g, r, ins[r]);
       ASSERT_TRUE(copies.ok()) << copies.status();
-      EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(copies->data(), 3, flag(r, kernels::kReadyFlagOffset),
-                                             seq, counter(r), client->get(),
-                                             flag(r, kernels::kStagingFlagOffset)));
+      EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(copies->data(), 3, flag(r, abi::kReadyFlagOffset), seq,
+                                             counter(r), client->get(),
+                                             flag(r, abi::kStagingFlagOffset)));
     }
   };
   // Every rank's dispatch `seq` ended cleanly: done, staging_seq, the ticket word reset.
@@ -1210,8 +1212,8 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
       EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
       // The wait passed on the word (not at its bound, which would also let the kernel run).
       EXPECT_EQ(ReadWord(seen + r), seq) << "rank " << r;
-      EXPECT_EQ(ReadWord(flag(r, kernels::kStagingFlagOffset)), seq) << "rank " << r;
-      EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), seq) << "rank " << r;
+      EXPECT_EQ(ReadWord(flag(r, abi::kStagingFlagOffset)), seq) << "rank " << r;
+      EXPECT_EQ(ReadWord(flag(r, abi::kDoneFlagOffset)), seq) << "rank " << r;
       EXPECT_EQ(ReadWord(counter(r)) & 0xffffffffu, 0u) << "rank " << r << ": ticket not reset";
     }
   };
@@ -1222,14 +1224,14 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
   for (int32_t r = 0; r < R; ++r) EXPECT_EQ(ReadWord(seen + r), 0u) << "rank " << r;
   const uint64_t one = 1;
   for (int32_t r = 0; r < R; ++r) {
-    ASSERT_EQ(cudaMemcpy(flag(r, kernels::kStagingFlagOffset), &one, 8, cudaMemcpyDefault),
+    ASSERT_EQ(cudaMemcpy(flag(r, abi::kStagingFlagOffset), &one, 8, cudaMemcpyDefault),
               cudaSuccess);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   for (int32_t r = 0; r < R; ++r) {
     EXPECT_EQ(ReadWord(seen + r), 1u) << "rank " << r << ": the wait did not pass on staging_seq";
     EXPECT_EQ(cudaStreamQuery(g.stream(r)), cudaErrorNotReady) << "rank " << r << " ran early";
-    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 0u) << "rank " << r;
+    EXPECT_EQ(ReadWord(flag(r, abi::kDoneFlagOffset)), 0u) << "rank " << r;
   }
   stage(1, in);
   finish_dispatch(1);
@@ -1248,17 +1250,17 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
   // ---- combine (seq 3) of the second dispatch (buffer 1): the expert outputs first on the
   // rank's stream, then the wait ----
   for (int32_t r = 0; r < R; ++r) {
-    EPD_ASSERT_OK(EnqueueCombineBehindWait(g, r, 1, 3, kernels::kStagingFlagOffset,
-                                           kernels::kReadyFlagOffset, seen + r));
+    EPD_ASSERT_OK(EnqueueCombineBehindWait(g, r, 1, 3, abi::kStagingFlagOffset,
+                                           abi::kReadyFlagOffset, seen + r));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   for (int32_t r = 0; r < R; ++r) {
-    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 2u) << "rank " << r << " ran early";
+    EXPECT_EQ(ReadWord(flag(r, abi::kDoneFlagOffset)), 2u) << "rank " << r << " ran early";
   }
   for (int32_t r = 0; r < R; ++r) {  // No copies: a one-thread signal.
-    EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(nullptr, 0, flag(r, kernels::kReadyFlagOffset), 3,
+    EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(nullptr, 0, flag(r, abi::kReadyFlagOffset), 3,
                                            counter(r), client->get(),
-                                           r < 2 ? flag(r, kernels::kStagingFlagOffset) : nullptr));
+                                           r < 2 ? flag(r, abi::kStagingFlagOffset) : nullptr));
   }
   // Every rank first, then the checks: a rank whose wait never passed shows as a peer that
   // did not arrive on the others, and as `seen` left at 2 on itself.
@@ -1273,8 +1275,8 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
   }
   for (int32_t r = 0; r < R; ++r) {
     EPD_ASSERT_OK(combined[r]);
-    EXPECT_EQ(ReadWord(flag(r, kernels::kDoneFlagOffset)), 3u) << "rank " << r;
-    EXPECT_EQ(ReadWord(flag(r, kernels::kStagingFlagOffset)), r < 2 ? 3u : 2u) << "rank " << r;
+    EXPECT_EQ(ReadWord(flag(r, abi::kDoneFlagOffset)), 3u) << "rank " << r;
+    EXPECT_EQ(ReadWord(flag(r, abi::kStagingFlagOffset)), r < 2 ? 3u : 2u) << "rank " << r;
   }
   EPD_ASSERT_OK(CheckCombine(g, 1, in2, ref2));
 }

@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
 #include "common/cuda/cuda_handles.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"

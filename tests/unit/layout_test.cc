@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "proto/abi/launch_flags.h"
+
 namespace epd::kernels {
 namespace {
 
@@ -25,7 +27,7 @@ TEST(EndpointLayoutTest, RegionsAreAlignedAndDisjoint) {
   });
   EXPECT_LE(prev_end, l.total_bytes);
   EXPECT_EQ(n, 24 + 6 * kLowLatencyBuffers);  // incl. ll_routing, sync and launch_flags
-  EXPECT_EQ(l.launch_flags.bytes, kLaunchFlagsRegionBytes);
+  EXPECT_EQ(l.launch_flags.bytes, abi::kLaunchFlagsRegionBytes);
   EXPECT_EQ(l.launch_flags.offset + l.launch_flags.bytes, l.total_bytes);
   // recv_x: R*M rows of H bf16; over 4 GiB offsets must not wrap.
   EXPECT_EQ(l.recv_x.bytes, uint64_t{8} * 4096 * 7168 * 2);

@@ -11,6 +11,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
+#include "common/cuda/device_alloc.h"
 #include "common/status_macros.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/dataplane/cuda/cuda_group.h"
@@ -90,9 +92,7 @@ absl::Status CudaDataPlaneImpl::Init() {
     EPD_RETURN_IF_ERROR(kc::PreloadKernels());
     auto engine = std::make_unique<GpuEngine>();
     engine->device = device;
-    cudaStream_t aux = nullptr;
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamCreateWithFlags(&aux, cudaStreamNonBlocking)));
-    engine->aux.reset(aux);
+    EPD_ASSIGN_OR_RETURN(engine->aux, CreateStream());
     GpuEngine* e = engine.get();
     EPD_RETURN_IF_ERROR(e->host.Start(options_.engine_idle_us, options_.on_engine_start,
                                       [e] { cudaSetDevice(e->device); }));

@@ -9,6 +9,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
+#include "common/cuda/device_alloc.h"
+#include "common/cuda/stream_memops.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_program.h"
@@ -162,7 +165,8 @@ absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankRes
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(d)));
     auto it = peer_bases_.find(d);
     if (it == peer_bases_.end()) {
-      EPD_ASSIGN_OR_RETURN(DeviceMemory p, DeviceAlloc(sizeof(uint8_t*) * bases.size(), d));
+      EPD_ASSIGN_OR_RETURN(DeviceMemory p,
+                           AllocateDevice(sizeof(uint8_t*) * bases.size(), DeviceZero::kNo));
       it = peer_bases_.emplace(d, std::move(p)).first;
     }
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaMemcpyAsync(it->second.get(), bases.data(),
@@ -289,7 +293,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
   } else if (stream_ordered) {
     // The client's stream writes ready_seq = seq once it has staged the inputs; this
     // stream waits for it on the GPU (the CPU never does).
-    EPD_RETURN_IF_ERROR(kc::StreamWaitValue64Geq(s, cr.ready_flag(), slot.seq));
+    EPD_RETURN_IF_ERROR(StreamWaitValue64Geq(s, cr.ready_flag(), slot.seq));
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventRecord(cr.waited.get(), s)));
     *ready_wait = true;
   }
@@ -409,7 +413,7 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
 
 absl::Status CudaGroup::CheckRequest(int32_t /*rank*/, const abi::RequestSlot& slot) const {
   if (rules::DecodeFlags(slot.flags).stream_ordered) {
-    absl::Status mem = kc::StreamMemOpsAvailable();
+    absl::Status mem = StreamMemOpsAvailable();
     if (!mem.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
           OpName(slot.op), ": kFlagStreamOrdered cannot be served by this epd: ", mem.message()));
@@ -431,7 +435,7 @@ absl::Status CudaGroup::AcceptsRequests(int32_t rank) const {
 
 absl::Status CudaGroup::WriteDone(const CudaRank& cr, uint64_t seq) const {
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
-  return kc::StreamWriteValue64(cr.stream.get(), cr.done_flag(), seq);
+  return StreamWriteValue64(cr.stream.get(), cr.done_flag(), seq);
 }
 
 void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) {
@@ -444,7 +448,7 @@ void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot)
     // A stream memory write on the engine's aux stream (no copy: see DisarmProgram).
     cudaSetDevice(cr->device);
     cudaStream_t aux = plane_->EngineOf(cr->device)->aux.get();
-    absl::Status st = kc::StreamWriteValue64(aux, cr->done_flag(), slot.seq);
+    absl::Status st = StreamWriteValue64(aux, cr->done_flag(), slot.seq);
     if (st.ok()) st = EPD_CUDA_STATUS(cudaStreamSynchronize(aux));
     if (!st.ok()) {
       EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
@@ -526,8 +530,8 @@ bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
     if (!op.launch[r].ok()) {
       out.status = op.launch[r];
     } else if (event_failed) {
-      out.status = kc::CudaErrorToStatus(event_errors_[r], "cudaEventQuery(the op's done event)",
-                                         __FILE__, __LINE__);
+      out.status = CudaErrorToStatus(event_errors_[r], "cudaEventQuery(the op's done event)",
+                                     __FILE__, __LINE__);
     } else {
       // OK allocates nothing (a DeviceStatus without findings).
       out.status = kc::StatusFromDevice(rb.status, shape(), r, name, low_latency);
@@ -566,7 +570,7 @@ absl::Status CudaGroup::CheckProgram(int32_t rank) const {
         " is client-launched: its ops are captured in CUDA graphs natively; graph-mode "
         "programs are for daemon-launched endpoints"));
   }
-  absl::Status mem = kc::StreamMemOpsAvailable();
+  absl::Status mem = StreamMemOpsAvailable();
   if (!mem.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("graph-mode programs need stream memory operations: ", mem.message()));

@@ -2,13 +2,13 @@
 // registry of exported areas (FindInProcessCudaArea, cuda_data_plane.h).
 #include "daemon/dataplane/cuda/cuda_rank.h"
 
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
 #include "daemon/dataplane/cuda/cuda_data_plane.h"
 
@@ -39,18 +39,6 @@ CudaRank::~CudaRank() {
   cudaGetLastError();
 }
 
-absl::StatusOr<DeviceMemory> DeviceAlloc(uint64_t bytes, int device) {
-  void* p = nullptr;
-  cudaError_t err = cudaMalloc(&p, bytes);
-  if (err == cudaErrorMemoryAllocation) {
-    cudaGetLastError();
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cudaMalloc of ", bytes, " bytes on GPU ", device, " failed: out of memory"));
-  }
-  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(err));
-  return DeviceMemory(static_cast<uint8_t*>(p));
-}
-
 absl::StatusOr<std::shared_ptr<CudaRank>> CreateCudaRank(int device, int32_t rank,
                                                          const kernels::EndpointLayout& layout,
                                                          bool client_launched) {
@@ -61,21 +49,14 @@ absl::StatusOr<std::shared_ptr<CudaRank>> CreateCudaRank(int device, int32_t ran
   r->launch_flags_offset = layout.launch_flags.offset;
   r->client_launched = client_launched;
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(device)));
-  cudaStream_t stream = nullptr;
-  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)));
-  r->stream.reset(stream);
-  cudaEvent_t event = nullptr;
-  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)));
-  r->done.reset(event);
-  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)));
-  r->waited.reset(event);
+  EPD_ASSIGN_OR_RETURN(r->stream, CreateStream());
+  const cudaStream_t stream = r->stream.get();
+  EPD_ASSIGN_OR_RETURN(r->done, CreateEvent());
+  EPD_ASSIGN_OR_RETURN(r->waited, CreateEvent());
   // Mapped: kernels write the status, N and ready_seen straight into it.
-  void* pinned = nullptr;
-  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(
-      cudaHostAlloc(&pinned, sizeof(Readback), cudaHostAllocPortable | cudaHostAllocMapped)));
-  r->readback.reset(static_cast<Readback*>(pinned));
-  std::memset(pinned, 0, sizeof(Readback));
-  EPD_ASSIGN_OR_RETURN(r->area, DeviceAlloc(r->bytes, device));
+  EPD_ASSIGN_OR_RETURN(
+      r->readback, AllocatePinnedArray<Readback>(1, cudaHostAllocPortable | cudaHostAllocMapped));
+  EPD_ASSIGN_OR_RETURN(r->area, AllocateDevice(r->bytes, DeviceZero::kNo));
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaMemsetAsync(r->area.get(), 0, r->bytes, stream)));
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(stream)));
   cudaIpcMemHandle_t handle;

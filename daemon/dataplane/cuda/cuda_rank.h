@@ -11,9 +11,11 @@
 
 #include "absl/status/statusor.h"
 #include "common/cuda/cuda_handles.h"
+#include "common/cuda/device_alloc.h"
 #include "daemon/dataplane/lockstep_group.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/layout.h"
+#include "proto/abi/launch_flags.h"
 
 namespace epd {
 
@@ -40,23 +42,19 @@ struct CudaRank : RankResources {
   std::string ipc_handle;            ///< cudaIpcMemHandle_t bytes of `area`.
   StreamHandle stream;               // Declared before area: destroyed after it is synchronised.
   EventHandle done;
-  EventHandle waited;  ///< Recorded once a stream-ordered op's ready wait has passed.
-  std::unique_ptr<Readback, CudaFreeHostDeleter> readback;
+  EventHandle waited;              ///< Recorded once a stream-ordered op's ready wait has passed.
+  PinnedArray<Readback> readback;  ///< [1], mapped.
   DeviceMemory area;
 
   ~CudaRank() override;
 
   /// launch_flags.ready_seq / done_seq / staging_seq in the rank's area (layout.h).
-  uint8_t* ready_flag() const { return flag(kernels::kReadyFlagOffset); }
-  uint8_t* done_flag() const { return flag(kernels::kDoneFlagOffset); }
-  uint8_t* staging_flag() const { return flag(kernels::kStagingFlagOffset); }
-  /// The launch-flag word at `offset` of launch_flags (layout.h k*Offset).
+  uint8_t* ready_flag() const { return flag(abi::kReadyFlagOffset); }
+  uint8_t* done_flag() const { return flag(abi::kDoneFlagOffset); }
+  uint8_t* staging_flag() const { return flag(abi::kStagingFlagOffset); }
+  /// The launch-flag word at `offset` of launch_flags (abi::k*Offset, proto/abi/launch_flags.h).
   uint8_t* flag(uint64_t offset) const { return area.get() + launch_flags_offset + offset; }
 };
-
-/// Allocates `bytes` on the current device (`device` names it in errors).
-/// RESOURCE_EXHAUSTED when the GPU is full, INTERNAL for other CUDA errors.
-absl::StatusOr<DeviceMemory> DeviceAlloc(uint64_t bytes, int device);
 
 /// Creates rank `rank`'s resources on `device`: a stream, its events, the pinned read-back
 /// and a zeroed data area of layout.total_bytes, exported by CUDA IPC and registered for

@@ -7,10 +7,14 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
+#include "common/cuda/device_alloc.h"
+#include "common/cuda/stream_memops.h"
 #include "common/status_macros.h"
 #include "daemon/dataplane/cuda/cuda_plane.h"
 #include "epd/kernels/cuda_program.h"
 #include "epd/kernels/layout.h"
+#include "proto/abi/launch_flags.h"
 
 namespace epd {
 namespace {
@@ -49,28 +53,22 @@ absl::StatusOr<std::unique_ptr<GraphProgram>> GraphProgram::Arm(
     pr.rank = ranks[r];
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(pr.rank->device)));
     for (int i = 0; i < kProgramDepth; ++i) {
-      cudaEvent_t e = nullptr;
-      EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)));
-      pr.waited[i].reset(e);
-      EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)));
-      pr.done[i].reset(e);
+      EPD_ASSIGN_OR_RETURN(pr.waited[i], CreateEvent());
+      EPD_ASSIGN_OR_RETURN(pr.done[i], CreateEvent());
     }
-    void* pinned = nullptr;
-    EPD_RETURN_IF_ERROR(
-        EPD_CUDA_STATUS(cudaHostAlloc(&pinned, sizeof(kc::DeviceStatus) * kProgramDepth,
-                                      cudaHostAllocPortable | cudaHostAllocMapped)));
-    pr.readback.reset(static_cast<kc::DeviceStatus*>(pinned));
-    std::memset(pinned, 0, sizeof(kc::DeviceStatus) * kProgramDepth);
+    EPD_ASSIGN_OR_RETURN(pr.readback,
+                         AllocatePinnedArray<kc::DeviceStatus>(
+                             kProgramDepth, cudaHostAllocPortable | cudaHostAllocMapped));
     // go, done and instance start at 0 (the client runs no step while it registers).
     cudaStream_t s = pr.rank->stream.get();
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaMemsetAsync(
-        pr.rank->flag(kernels::kProgramGoOffset), 0,
-        kernels::kProgramInstanceOffset + sizeof(uint64_t) - kernels::kProgramGoOffset, s)));
+        pr.rank->flag(abi::kProgramGoOffset), 0,
+        abi::kProgramInstanceOffset + sizeof(uint64_t) - abi::kProgramGoOffset, s)));
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(s)));
     if (ProgramTrace()) {
       EngineLog()->warn("program trace: group {} rank {}: GPU {} stream {} go at {}",
                         host->ProgramGroupName(), r, pr.rank->device, static_cast<void*>(s),
-                        static_cast<void*>(pr.rank->flag(kernels::kProgramGoOffset)));
+                        static_cast<void*>(pr.rank->flag(abi::kProgramGoOffset)));
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -91,9 +89,9 @@ absl::Status GraphProgram::LaunchStep(const ProgramStepPlan& st, int32_t r, uint
   // The step's kernel writes the instance number and then done = 1 itself (a stream memory
   // write behind the kernels and the read-back lands later, cuda_ops.h).
   kc::KernelHandoff handoff;
-  handoff.done_flag = reinterpret_cast<uint64_t*>(cr.flag(kernels::kProgramDoneOffset));
+  handoff.done_flag = reinterpret_cast<uint64_t*>(cr.flag(abi::kProgramDoneOffset));
   handoff.done_value = 1;
-  handoff.instance_flag = reinterpret_cast<uint64_t*>(cr.flag(kernels::kProgramInstanceOffset));
+  handoff.instance_flag = reinterpret_cast<uint64_t*>(cr.flag(abi::kProgramInstanceOffset));
   handoff.instance_value = k;
   handoff.status_out = status_out;
   if (st.op == abi::OpKind::kLowLatencyDispatch) {
@@ -129,8 +127,8 @@ void GraphProgram::EnqueueInstance() {
     in.launch[r] = [&]() -> absl::Status {
       EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
       cudaStream_t s = cr.stream.get();
-      EPD_RETURN_IF_ERROR(kc::StreamWaitValue64Geq(s, cr.flag(kernels::kProgramGoOffset), 1));
-      EPD_RETURN_IF_ERROR(kc::StreamWriteValue64(s, cr.flag(kernels::kProgramGoOffset), 0));
+      EPD_RETURN_IF_ERROR(StreamWaitValue64Geq(s, cr.flag(abi::kProgramGoOffset), 1));
+      EPD_RETURN_IF_ERROR(StreamWriteValue64(s, cr.flag(abi::kProgramGoOffset), 0));
       EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventRecord(pr.waited[slot].get(), s)));
       return LaunchStep(steps_[in.step], r, in.k, &pr.readback.get()[slot]);
     }();
@@ -149,9 +147,9 @@ void GraphProgram::EnqueueInstance() {
     absl::Status w;
     if (!in.launch[r].ok()) {
       st = kc::EnqueueStatusReadback(host_->ProgramRankContext(r, 0), s, &pr.readback.get()[slot]);
-      w = kc::StreamWriteValue64(s, cr.flag(kernels::kProgramInstanceOffset), in.k);
+      w = StreamWriteValue64(s, cr.flag(abi::kProgramInstanceOffset), in.k);
       if (st.ok()) st = w;
-      w = kc::StreamWriteValue64(s, cr.flag(kernels::kProgramDoneOffset), 1);
+      w = StreamWriteValue64(s, cr.flag(abi::kProgramDoneOffset), 1);
       if (st.ok()) st = w;
     }
     w = EPD_CUDA_STATUS(cudaEventRecord(pr.done[slot].get(), s));
@@ -207,7 +205,7 @@ void GraphProgram::Disarm(const absl::Status& why) {
       // A stream memory write, not a copy (epd/kernels/cuda_program.h: a copy could queue
       // behind another stream's copy that waits on the GPU).
       cudaStream_t aux = host_->ProgramAuxStream(pr.rank->device);
-      absl::Status st = kc::StreamWriteValue64(aux, pr.rank->flag(kernels::kProgramGoOffset), 1);
+      absl::Status st = StreamWriteValue64(aux, pr.rank->flag(abi::kProgramGoOffset), 1);
       if (st.ok()) st = EPD_CUDA_STATUS(cudaStreamSynchronize(aux));
       if (!st.ok()) {
         EngineLog()->error("group {} rank {}: releasing program instance {} failed: {}", name,
@@ -222,8 +220,8 @@ void GraphProgram::Disarm(const absl::Status& why) {
   for (ProgramRank& pr : ranks_) {
     CudaRank& cr = *pr.rank;
     cudaSetDevice(cr.device);
-    absl::Status st = kc::StreamWriteValue64(cr.stream.get(), cr.flag(kernels::kProgramDoneOffset),
-                                             kernels::kProgramReleased);
+    absl::Status st = StreamWriteValue64(cr.stream.get(), cr.flag(abi::kProgramDoneOffset),
+                                         abi::kProgramReleased);
     if (!st.ok()) {
       EngineLog()->error("group {} rank {}: releasing the program's client stream failed: {}", name,
                          cr.rank, st.ToString());
@@ -297,8 +295,8 @@ absl::Status GraphProgram::Poll() {
       absl::Status st =
           !in.launch[r].ok() ? in.launch[r]
           : event_failed
-              ? kc::CudaErrorToStatus(event_errors_[r], "cudaEventQuery(the instance's done event)",
-                                      __FILE__, __LINE__)
+              ? CudaErrorToStatus(event_errors_[r], "cudaEventQuery(the instance's done event)",
+                                  __FILE__, __LINE__)
               : kc::StatusFromDevice(ranks_[r].readback.get()[slot], shape_, r, name, true);
       if (!st.ok()) {
         disarm =

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/cuda/cuda_handles.h"
+#include "common/cuda/device_alloc.h"
 #include "daemon/dataplane/cuda/cuda_rank.h"
 #include "daemon/dataplane/lockstep_group.h"
 #include "epd/kernels/cuda_ops.h"
@@ -93,7 +94,7 @@ class GraphProgram {
     EventHandle done[kProgramDepth];
     /// [kProgramDepth]: written by the step's kernel itself (KernelHandoff::status_out), or
     /// by EnqueueStatusReadback's kernel if its launch failed.
-    std::unique_ptr<kernels::cuda::DeviceStatus, CudaFreeHostDeleter> readback;
+    PinnedArray<kernels::cuda::DeviceStatus> readback;
   };
   /// An instance enqueued on every rank's stream.
   struct Instance {

@@ -24,16 +24,11 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "common/cuda/cuda_check.h"
-#include "common/cuda/stream_memops.h"
 #include "epd/kernels/cuda_limits.h"
 #include "epd/kernels/layout.h"
 #include "epd/kernels/types.h"
 
 namespace epd::kernels::cuda {
-
-/// The CUDA check (common/cuda/cuda_check.h), also under this namespace for the launchers.
-using ::epd::CudaErrorToStatus;
 
 /// The per-rank error word at `sync + kSyncStatusOffset`. Kernels only ever add to it
 /// (atomics); ReadAndClearStatus / EnqueueStatusReadback clear it. POD, 256 bytes.
@@ -240,7 +235,7 @@ absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout
 ///          EnqueueStatusReadback does, so the daemon's stream needs no read-back kernel
 ///          behind the op (on the H200 with 8 virtual ranks, 8 such kernels launched just as
 ///          the ops end delayed the clients' streams by 3-5 µs, docs/BENCHMARKS.md).
-/// Flags are the endpoint's launch_flags words (layout.h kReadyFlagOffset / kDoneFlagOffset).
+/// Flags are the endpoint's launch_flags words (abi::kReadyFlagOffset / kDoneFlagOffset).
 struct KernelHandoff {
   const uint64_t* ready_flag = nullptr;
   uint64_t ready_value = 0;
@@ -276,12 +271,7 @@ absl::Status PreloadKernels();
 /// Returns true so it can initialise a namespace-scope constant.
 bool RegisterPreloadHook(absl::Status (*hook)());
 
-// ---- stream memory operations (common/cuda/stream_memops.h), under this namespace too ----
-using ::epd::StreamMemOpsAvailable;
-using ::epd::StreamWaitValue64Geq;
-using ::epd::StreamWriteValue64;
-
-// ---- graph-mode program hand-off (DESIGN.md §3.2; layout.h kProgram*Offset) -------------
+// ---- graph-mode program hand-off (DESIGN.md §3.2; abi::kProgram*Offset) ----------------
 
 /// Enqueues on `stream` a one-thread kernel that replaces the value 1 of the 64-bit word
 /// `program_done` (launch_flags + kProgramDoneOffset) by 0 (atomicCAS), leaving any other

@@ -56,19 +56,6 @@ inline constexpr int kLowLatencyBuffers = 2;
 /// Size of the `sync` region: inter-rank flags and counters owned by the CUDA kernels.
 inline constexpr uint64_t kSyncRegionBytes = 64 * 1024;
 
-/// The launch_flags region's words (proto/abi/launch_flags.h), also under this namespace.
-using ::epd::abi::kDoneFlagOffset;
-using ::epd::abi::kLaunchFlagsRegionBytes;
-using ::epd::abi::kProgramDoneOffset;
-using ::epd::abi::kProgramGoOffset;
-using ::epd::abi::kProgramInstanceOffset;
-using ::epd::abi::kProgramReleased;
-using ::epd::abi::kReadyFlagOffset;
-using ::epd::abi::kReadySignalCounterOffset;
-using ::epd::abi::kReleasedSeq;
-using ::epd::abi::kStagingFlagOffset;
-using ::epd::abi::LaunchFlags;
-
 /// Every region of one endpoint. Shapes are given with M = max_tokens_per_rank,
 /// Mll = ll_max_tokens_per_rank, N = R*M, El = E/R, S = ceil(H/128).
 /// Regions that a spec does not need (FP8 scales without use_fp8, low-latency regions
@@ -120,7 +107,7 @@ struct EndpointLayout {
 
   // ---- kernel-owned flags and counters ----
   Region sync;          ///< kSyncRegionBytes, zeroed at creation.
-  Region launch_flags;  ///< kLaunchFlagsRegionBytes: ready/done seq flags, zeroed.
+  Region launch_flags;  ///< abi::kLaunchFlagsRegionBytes: ready/done seq flags, zeroed.
 
   uint64_t total_bytes = 0;
 
@@ -193,7 +180,7 @@ inline EndpointLayout EndpointLayout::Compute(const GroupShape& s) {
   }
   l.ll_routing = take(Mll * K * 8);
   l.sync = take(kSyncRegionBytes);
-  l.launch_flags = take(kLaunchFlagsRegionBytes);
+  l.launch_flags = take(abi::kLaunchFlagsRegionBytes);
   l.total_bytes = cursor;
   return l;
 }
