@@ -10,30 +10,13 @@
 #include "absl/strings/str_join.h"
 #include "common/os/futex.h"
 #include "common/status_macros.h"
+#include "daemon/dataplane/completion.h"
 #include "spdlog/spdlog.h"
 
 namespace epd {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-void WriteCompletion(LockstepEndpoint& ep, uint64_t seq, const RankOutcome& outcome) {
-  abi::Completion& c = ep.completions()[seq % abi::kCompletionCapacity];
-  c.status_code = static_cast<int32_t>(outcome.status.code());
-  c.num_recv_tokens = outcome.num_recv_tokens;
-  c.buffer = outcome.buffer;
-  c.reserved = 0;
-  const absl::string_view msg = outcome.status.message();  // No copy: this is the hot path.
-  size_t n = std::min(msg.size(), static_cast<size_t>(abi::kMessageBytes - 1));
-  if (n > 0) std::memcpy(c.message, msg.data(), n);  // An OK status's message has no data.
-  c.message[n] = '\0';
-  abi::Atomic(c.seq).store(seq, std::memory_order_release);
-  abi::Atomic(ep.header->completion_futex).fetch_add(1, std::memory_order_seq_cst);
-  if (abi::Atomic(ep.header->client_waiting).load(std::memory_order_seq_cst) != 0) {
-    FutexWakeAll(&ep.header->completion_futex);
-  }
-  if (outcome.status.ok()) ++ep.ops_completed;
-}
 
 std::atomic<uint64_t> g_next_endpoint_id{1};
 
@@ -264,38 +247,6 @@ void LockstepGroup::FailAll(const absl::Status& status) {
   }
 }
 
-void LockstepGroup::CompleteUnrun(int32_t rank, LockstepEndpoint& ep, const abi::RequestSlot& slot,
-                                  const absl::Status& status) {
-  WriteCompletion(ep, slot.seq, {status});
-  OpEndedWithoutLaunch(rank, slot);
-}
-
-absl::Status LockstepGroup::ValidateSlot(int32_t rank, const LockstepEndpoint& ep,
-                                         const abi::RequestSlot& slot) const {
-  // magic and seq were checked when the slot was popped.
-  if (slot.op == 0 || slot.op > abi::kMaxOpKind) {
-    return absl::InvalidArgumentError(absl::StrCat("malformed request slot: op ", slot.op));
-  }
-  if ((slot.flags & ~abi::kAllRequestFlags) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("malformed request slot: flags 0x", absl::Hex(slot.flags)));
-  }
-  EPD_RETURN_IF_ERROR(CheckRequest(rank, slot));
-  if (slot.flags & abi::kFlagClientError) {
-    return absl::InvalidArgumentError("the client rejected its own inputs for this op");
-  }
-  const auto op = static_cast<abi::OpKind>(slot.op);
-  if (op == abi::OpKind::kRegisterProgram || op == abi::OpKind::kUnregisterProgram) {
-    EPD_RETURN_IF_ERROR(CheckProgram(rank));
-    if (op == abi::OpKind::kRegisterProgram) return DecodeProgram(slot, shape_).status();
-    return absl::OkStatus();
-  }
-  EPD_RETURN_IF_ERROR(rules::CheckRequestShape(op, rules::DecodeFlags(slot.flags), slot.num_tokens,
-                                               slot.num_sms, slot.expert_alignment, shape_,
-                                               spec_.name()));
-  return ep.handles.Check(op, slot.flags, slot.handle_seq, slot.num_tokens);
-}
-
 void LockstepGroup::CountOp(uint32_t op) {
   const auto kind = static_cast<abi::OpKind>(rules::Describe(op).op);
   if (kind == abi::OpKind::kLowLatencyDispatch) {
@@ -306,102 +257,6 @@ void LockstepGroup::CountOp(uint32_t op) {
     }
   }
   parity_.Advance(kind);
-}
-
-bool LockstepGroup::PopSlot(LockstepEndpoint& ep, abi::RequestSlot* slot) {
-  // ring_head is the only ring word read back from the client-writable header, once per
-  // slot, and only compared with the daemon's own tail.
-  const uint64_t head = abi::Atomic(ep.header->ring_head).load(std::memory_order_seq_cst);
-  const uint64_t tail = ep.ring_tail;
-  if (head == tail) return false;
-  // A head more than a ring ahead (or behind) is garbage: the slot after the tail is then
-  // taken as one malformed slot, so the ring stays usable.
-  std::memcpy(slot, &ep.ring()[(tail + 1) % abi::kRingCapacity], sizeof(*slot));
-  ep.ring_tail = tail + 1;
-  abi::Atomic(ep.header->ring_tail).store(ep.ring_tail, std::memory_order_release);
-  return true;
-}
-
-void LockstepGroup::CountRejected(LockstepEndpoint& ep) {
-  abi::Atomic(ep.header->rejected_requests)
-      .store(++ep.rejected_requests, std::memory_order_relaxed);
-}
-
-bool LockstepGroup::RefuseRequests(int32_t rank, LockstepEndpoint& ep, const absl::Status& why) {
-  bool worked = false;
-  // At most one ring's worth per poll: a client advancing ring_head without end cannot
-  // hold the engine here.
-  abi::RequestSlot slot;
-  for (uint32_t n = 0; n < abi::kRingCapacity && PopSlot(ep, &slot); ++n) {
-    worked = true;
-    CountRejected(ep);
-    if (slot.magic != abi::kRequestMagic) continue;  // Not attributable to a request.
-    LogLimited(*engine_log_, spdlog::level::warn, *ep.log_limiter, ep.log_name,
-               "group {} rank {}: refused request {}: {}", spec_.name(), rank, slot.seq,
-               why.message());
-    CompleteUnrun(rank, ep, slot, why);
-  }
-  return worked;
-}
-
-bool LockstepGroup::PopRequests() {
-  bool worked = false;
-  for (size_t r = 0; r < endpoints_.size(); ++r) {
-    LockstepEndpoint* ep = endpoints_[r].get();
-    if (!ep) continue;
-    LogSuppressed(*engine_log_, spdlog::level::warn, *ep->log_limiter);
-    const int32_t rank = static_cast<int32_t>(r);
-    if (absl::Status refused = AcceptsRequests(rank); !refused.ok()) {
-      worked |= RefuseRequests(rank, *ep, refused);
-      continue;
-    }
-    // At most one ring's worth of slots per poll (see RefuseRequests).
-    abi::RequestSlot slot;
-    for (uint32_t n = 0; n < abi::kRingCapacity && !ep->request && ep->next_seq <= current_seq_ &&
-                         PopSlot(*ep, &slot);
-         ++n) {
-      worked = true;
-      if (slot.magic != abi::kRequestMagic || slot.seq != ep->next_seq) {
-        // Not a request of this endpoint's client (garbage, or a replayed slot): it cannot
-        // be attributed to an op, so it is dropped, counted and reported, never executed.
-        CountRejected(*ep);
-        LogLimited(*engine_log_, spdlog::level::warn, *ep->log_limiter, ep->log_name,
-                   "group {} rank {}: dropped a malformed ring slot (magic 0x{:x}, seq {}, "
-                   "expected seq {}); {} dropped so far",
-                   spec_.name(), r, slot.magic, slot.seq, ep->next_seq, ep->rejected_requests);
-        continue;
-      }
-      absl::Status valid = ValidateSlot(rank, *ep, slot);
-      uint64_t seq = ep->next_seq++;
-      if (!valid.ok()) {
-        CountRejected(*ep);
-        if (slot.op == 0 || slot.op > abi::kMaxOpKind) slot.op = 0;
-        if (!(slot.flags & abi::kFlagClientError)) {
-          LogLimited(*engine_log_, spdlog::level::warn, *ep->log_limiter, ep->log_name,
-                     "group {} rank {}: rejected request {}: {}", spec_.name(), r, seq,
-                     valid.message());
-        }
-      }
-      if (seq < current_seq_) {
-        // This op already failed (timeout) before the rank arrived.
-        auto it = failed_ops_.find(seq);
-        absl::Status st =
-            it != failed_ops_.end()
-                ? absl::Status(it->second.code(),
-                               absl::StrCat("rank ", rank, " arrived after op ", seq,
-                                            " had failed for the group: ", it->second.message()))
-                : absl::DeadlineExceededError(absl::StrCat("op ", seq, " of group ", spec_.name(),
-                                                           " failed before this rank arrived"));
-        CompleteUnrun(rank, *ep, slot, st);
-        continue;
-      }
-      ep->request = slot;
-      if (!valid.ok()) ep->slot_error = valid;
-      if (!op_started_) op_started_ = Clock::now();
-    }
-  }
-  LogSuppressed(*engine_log_, spdlog::level::warn, *log_limiter_);
-  return worked;
 }
 
 void LockstepGroup::FailOp(const absl::Status& status) {

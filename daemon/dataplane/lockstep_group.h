@@ -271,6 +271,9 @@ class LockstepGroup : public DataPlaneGroup {
   mutable std::mutex mu_;  // Guards everything below and the backend's group state.
 
  private:
+  // ---- the request ring (request_validation.cc) ----
+  /// Pops each endpoint's new slots into daemon memory, validates and queues them (at most
+  /// one ring's worth per endpoint per poll). True if it popped any.
   bool PopRequests();
   /// Copies the slot after `ep`'s tail into `*slot` and advances the tail, when the
   /// client's ring_head says there is one. False when the ring is empty.
@@ -280,16 +283,19 @@ class LockstepGroup : public DataPlaneGroup {
   /// Pops every slot of rank `rank`'s ring and completes each with `why` (AcceptsRequests
   /// refused the rank). True if it popped any.
   bool RefuseRequests(int32_t rank, LockstepEndpoint& ep, const absl::Status& why);
-  void FailOp(const absl::Status& status);
-  /// Validates the collected op and starts it; false when the backend is not ready.
-  bool RunOp();
-  /// Completes the running op (running_, running_slots_) with outcomes_ for every rank.
-  void FinishOp();
+  /// Checks a popped slot: op, flags, the op rules (shape, FP8, limits), the handle table.
   absl::Status ValidateSlot(int32_t rank, const LockstepEndpoint& ep,
                             const abi::RequestSlot& slot) const;
   /// Completes request `slot` of rank `rank` with `status` without running it.
   void CompleteUnrun(int32_t rank, LockstepEndpoint& ep, const abi::RequestSlot& slot,
                      const absl::Status& status);
+
+  // ---- the lockstep op (lockstep_group.cc) ----
+  void FailOp(const absl::Status& status);
+  /// Validates the collected op and starts it; false when the backend is not ready.
+  bool RunOp();
+  /// Completes the running op (running_, running_slots_) with outcomes_ for every rank.
+  void FinishOp();
   /// Counts op current_seq_ of kind `op` in parity_ (started or failed, once per op); a
   /// low-latency dispatch takes its buffer from every handle that owned it.
   void CountOp(uint32_t op);
