@@ -77,14 +77,14 @@ absl::StatusOr<LogLevels> ParseLogLevels(absl::string_view spec) {
   for (absl::string_view item : absl::StrSplit(spec, ',')) {
     const size_t eq = item.find('=');
     if (eq == absl::string_view::npos) {
+      if (item.empty() && spec.find(',') != absl::string_view::npos) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("log_level: \"", spec, "\" has an empty item"));
+      }
       if (default_given) {
         return absl::InvalidArgumentError(
             absl::StrCat("log_level: \"", spec, "\" gives the level of every logger twice (\"",
                          item, "\"); give one level, then LOGGER=LEVEL items"));
-      }
-      if (item.empty() && spec.find(',') != absl::string_view::npos) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("log_level: \"", spec, "\" has an empty item"));
       }
       absl::StatusOr<spdlog::level::level_enum> parsed = ParseLogLevel(item);
       if (!parsed.ok()) return parsed.status();

@@ -67,6 +67,11 @@ TEST_F(LogLevelsTest, BadItemsAreErrorsAndChangeNothing) {
     EXPECT_EQ(engine->level(), spdlog::level::warn);
   }
   EXPECT_THAT(std::string(SetLogLevel("info,epd.engine=loud").message()), HasSubstr("loud"));
+  // An empty item is named as such, wherever it stands.
+  for (const char* spec : {"info,", "info,,epd.engine=trace", ",info"}) {
+    SCOPED_TRACE(spec);
+    EXPECT_THAT(std::string(SetLogLevel(spec).message()), HasSubstr("has an empty item"));
+  }
 }
 
 TEST_F(LogLevelsTest, ConfigValidationAcceptsPerLoggerSpec) {

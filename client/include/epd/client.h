@@ -371,7 +371,8 @@ class [[nodiscard]] PendingOp {
   /// backend); errors still come from Wait. FAILED_PRECONDITION on the host backend or
   /// with no stream. A non-cached Dispatch gives R*M-row views and num_recv_tokens = -1.
   /// Daemon-launched: the low-latency buffer of the views is the one the daemon uses (both
-  /// count the group's low-latency ops, failed ones included: rules::LowLatencyParity).
+  /// count the group's low-latency ops, failed ones included: rules::LowLatencyParity),
+  /// except after an op whose ranks submitted different kinds (docs/CLIENT_API.md §10).
   absl::StatusOr<Result> Enqueued() const;
   uint64_t seq() const { return seq_; }
 

@@ -103,7 +103,11 @@ absl::Status CheckRequestShape(abi::OpKind op, const RequestOptions& options, in
 /// low-latency dispatch of the group (from 0) writes buffer n % 2 and the n-th low-latency
 /// combine writes ll_combined_x[n % 2]. Every op counts, whatever its outcome (a failed
 /// dispatch takes its buffer too, and kills the handle that owned it): the daemon and the
-/// client count the same ops, so neither predicts nor undoes anything.
+/// client count the same ops, so neither predicts nor undoes anything. One exception: an op
+/// whose ranks submitted different kinds fails for all and the daemon counts it under the
+/// lowest rank's kind, so a rank that submitted another kind is one count off from then on
+/// (its Enqueued() views may name the other buffer; Wait uses the completion's buffer; a
+/// rejoin starts from the daemon's counts). docs/CLIENT_API.md §10.
 struct LowLatencyParity {
   uint64_t dispatches = 0;  ///< Low-latency dispatches counted.
   uint64_t combines = 0;    ///< Low-latency combines counted.
