@@ -100,7 +100,7 @@ absl::StatusOr<uint64_t> DaemonLaunch::Submit(abi::OpKind op, uint32_t flags, in
     DeviceGuard guard(m_.mapping->device());
     // ready_seq = seq by a kernel (with the inputs StageForSubmit recorded): a kernel's
     // store is seen by the daemon's WaitFlagAsync at once, where a stream memory write
-    // queued behind the caller's kernels lands ~14 µs after them (cuda_ops.h). The same
+    // queued behind the caller's kernels lands well after them (cuda_ops.h). The same
     // kernel writes staging_seq = seq once all its blocks are resident, so the daemon's
     // kernel is launched while the copies run (layout.h). Under MPS a low-latency op's
     // kernel then also waits for done_seq (kernel_done_wait), in place of the stream wait

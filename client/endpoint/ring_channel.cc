@@ -49,7 +49,7 @@ void RingChannel::Publish(const abi::RequestSlot& slot) {
   std::memcpy(&ring[(head + 1) % abi::kRingCapacity], &slot, sizeof(slot));
   abi::Atomic(header_->ring_head).store(head + 1, std::memory_order_seq_cst);
   // When the engine was asleep, do not spin on this CPU afterwards: the scheduler may
-  // place the woken engine here, behind our spin (measured: +70–100 µs in a VM).
+  // place the woken engine here, behind our spin (docs/BENCHMARKS.md "Host backend").
   woke_engine_ = RingDoorbell(doorbell_);
 }
 
@@ -87,7 +87,8 @@ absl::Status RingChannel::WaitCompletion(uint64_t seq, absl::Duration timeout,
   const auto daemon_gone =
       start + std::chrono::milliseconds(op_timeout_ms_) + std::chrono::seconds(5);
   // Spin this long before sleeping on the futex: an op's own completion usually comes
-  // within it, and a futex wake-up costs a scheduler round trip (~100 µs in a VM).
+  // within it, and a futex wake-up costs a scheduler round trip (docs/BENCHMARKS.md
+  // "Host backend").
   const auto spin_until = start + std::chrono::microseconds(
                                       std::exchange(woke_engine_, false) ? 0 : kSpinBeforeSleepUs);
   for (uint64_t got; (got = abi::Atomic(c.seq).load(std::memory_order_acquire)) != seq;) {

@@ -28,12 +28,12 @@ struct CudaDataPlaneOptions {
                                        ///< the group on that GPU (every rank resident).
   /// How a daemon-launched low-latency op waits for its client's ready flag: true = a
   /// one-warp spinning kernel with the op's kernel launched programmatically behind it
-  /// (docs/BENCHMARKS.md "Hand-off": ~13 µs less per op under MPS); false =
-  /// cuStreamWaitValue64, which without MPS is the only sane choice: the client's and the
-  /// daemon's contexts then time-slice the GPU, and a spinning kernel would hold the slice
-  /// the client's staging kernel needs (~2 ms a hop, DESIGN.md §3.2). Unset = true exactly
-  /// when MPS is active for this daemon (DetectMps at start-up). Either way the op's kernel
-  /// checks ready_seq and writes done_seq itself.
+  /// (faster under MPS: docs/BENCHMARKS.md "Hand-off"); false = cuStreamWaitValue64,
+  /// which without MPS is the only sane choice: the client's and the daemon's contexts
+  /// then time-slice the GPU, and a spinning kernel would hold the slice the client's
+  /// staging kernel needs (DESIGN.md §3.2). Unset = true exactly when MPS is active for
+  /// this daemon (DetectMps at start-up). Either way the op's kernel checks ready_seq and
+  /// writes done_seq itself.
   std::optional<bool> kernel_ready_wait;
   /// Test seam (unset in the daemon): called once on each engine thread (one per GPU)
   /// before its first poll. tests/gpu/cuda_hot_path_alloc_test.cc marks the engine threads

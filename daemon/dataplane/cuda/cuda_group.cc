@@ -265,8 +265,8 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
   // ReleaseReadyWaits writes ready_seq from the host.
   // Without MPS (plane_->kernel_ready_wait() false) the client's and the daemon's contexts
   // time-slice the GPU, and a spinning wait would hold the slice the client's staging kernel
-  // needs (~2 ms a hop, DESIGN.md §3.2): the ready wait is then cuStreamWaitValue64, and
-  // the kernel still checks ready_seq and writes done_seq.
+  // needs (DESIGN.md §3.2): the ready wait is then cuStreamWaitValue64, and the kernel
+  // still checks ready_seq and writes done_seq.
   kc::KernelHandoff handoff;
   const bool kernel_handoff = stream_ordered && low_latency;
   if (kernel_handoff) {
@@ -279,10 +279,10 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
   if (kernel_handoff && plane_->kernel_ready_wait()) {
     // The wait passes once the client's staging kernel has started (staging_seq, layout.h)
     // or, from a client that does not write staging_seq, once it is done (ready_seq): the
-    // op's kernel is then launched while the inputs are still being copied (the ~2 µs of
-    // the programmatic launch overlap the ~1.5-2 µs of staging), and its blocks wait for
-    // ready_seq themselves. staging_seq comes only once every block of the staging kernel
-    // is resident, so that kernel ends whatever SMs the op's grid then takes
+    // op's kernel is then launched while the inputs are still being copied (the
+    // programmatic launch overlaps the staging), and its blocks wait for ready_seq
+    // themselves. staging_seq comes only once every block of the staging kernel is
+    // resident, so that kernel ends whatever SMs the op's grid then takes
     // (docs/CUDA_BACKEND.md "Launch modes").
     const auto bound = std::chrono::milliseconds(options().op_timeout_ms) + 2 * kGpuGrace;
     EPD_RETURN_IF_ERROR(kc::WaitFlagAsync(

@@ -1,22 +1,11 @@
-// CUDA backend of the data plane: the context every CUDA op of one rank shares, the
-// low-latency launchers (LowLatencyDispatch, LowLatencyCombine), the status word the
-// kernels report errors through, and eager kernel loading.
-//
-// Model (DESIGN.md §1, §3.2, §4): every rank (endpoint) has one data area laid out by
-// EndpointLayout::Compute(shape). A rank's kernels get a device array `peer_bases` [R] of
-// every rank's data-area base as seen by the launching CUDA context (its own included) and
-// read/write peers' regions at the same layout offsets, over NVLink / peer access or, for
-// virtual ranks, in the same GPU's memory. A sender writes each token straight into its
-// final row in the receiver's region.
-//
-// Launchers only enqueue work on the given stream: no allocation, no host synchronisation,
-// no process logic. They return a non-OK absl::Status only for arguments that are wrong on
-// the host side or for CUDA launch errors. Errors that only the GPU sees (expert ids outside
-// [-1, E), a run-time token count T > Mll, a peer that never arrives) are recorded by the
-// kernels in the rank's DeviceStatus (in its `sync` region); read them after the op with
-// ReadAndClearStatus (synchronous) or EnqueueStatusReadback + StatusFromDevice (async).
-//
-// Semantics are exactly kernels/host (host_ops.h); outputs are bit-identical to it.
+// The CUDA kernels' shared interface: the per-rank context every CUDA op takes
+// (CudaRankContext), the status word the kernels report GPU-side errors through
+// (DeviceStatus) and its read-back, the stream-ordered hand-off helpers of daemon-launched
+// mode, the low-latency launchers (LowLatencyDispatch, LowLatencyCombine) and eager kernel
+// loading. Launchers only enqueue work on the given stream; they fail only for host-side
+// argument errors and CUDA launch errors. Semantics are exactly kernels/host (host_ops.h),
+// outputs bit-identical. The model (peer_bases, layout offsets, where GPU-side errors go):
+// docs/CUDA_BACKEND.md "Kernels".
 #pragma once
 
 #include <cuda_runtime.h>
@@ -73,9 +62,9 @@ struct CudaRankContext {
   int32_t ranks_on_device = 0;
   /// Every rank of the group has its data area on this same GPU (virtual ranks, or ranks
   /// of several processes sharing one GPU). The low-latency kernels then order their
-  /// inter-rank flags at .gpu scope instead of .sys, which is correct only then and saves
-  /// ~6 µs per dispatch (docs/BENCHMARKS.md). false (the safe default) when any peer may be
-  /// on another GPU.
+  /// inter-rank flags at .gpu scope instead of .sys, which is correct only then and is
+  /// cheaper (docs/CUDA_BACKEND.md "Memory scope of the flags"). false (the safe default)
+  /// when any peer may be on another GPU.
   bool all_ranks_on_device = false;
   /// Bound of every spin wait, in nanoseconds of %globaltimer. On expiry the op records a
   /// timeout (DEADLINE_EXCEEDED) in DeviceStatus and returns without deadlocking.
@@ -127,12 +116,11 @@ absl::Status CopyDeviceAsync(void* dst, const void* src, uint64_t bytes, cudaStr
 
 // ---- stream-ordered hand-off inside kernels (daemon-launched mode, DESIGN.md §3.2) -------
 //
-// Why kernels and not cuStreamWaitValue64 / cuStreamWriteValue64 (measured on the H200,
-// docs/BENCHMARKS.md "Hand-off"): a stream memory wait is polled by the GPU's front end
-// and is released ~11-17 µs after the flag is written, where a kernel that spins on the
-// flag sees it in ~1 µs; a stream memory write queued behind a kernel lands ~14 µs after
-// the kernel ends, a store by the kernel's last block at once. The same holds between two
-// streams of one process and between MPS clients, so it is the hop, not MPS.
+// Kernels, not cuStreamWaitValue64 / cuStreamWriteValue64: a stream memory wait is polled
+// by the GPU's front end and released well after its flag is written, where a kernel that
+// spins on the flag sees it at once; a stream memory write queued behind a kernel lands
+// well after the kernel ends, a store by its last block at once. The same holds between two
+// streams of one process as between MPS clients (docs/BENCHMARKS.md "Hand-off").
 
 /// One copy of CopyDeviceBatchAsync: `bytes` bytes from `src` to `dst`, device memory of
 /// the current GPU's address space (own allocations, CUDA IPC mappings, peers).
@@ -152,9 +140,9 @@ struct DoneWait {
   uint64_t value = 0;
   /// Bound of the wait, ns of %globaltimer (> 0 with a flag), from the signal. The client
   /// gives 3 * op_timeout + 15 s: past the latest a working daemon stores done (its wait for
-  /// the other ranks' requests, then the kernel's bounded waits: client/endpoint.cc
-  /// kDoneWaitTimeouts), so the stream goes on without the outputs only when the daemon is
-  /// gone or stuck, and then the op's Wait fails.
+  /// the other ranks' requests, then the kernel's bounded waits: kDoneWaitTimeouts in
+  /// client/endpoint/daemon_launch.cc), so the stream goes on without the outputs only when
+  /// the daemon is gone or stuck, and then the op's Wait fails.
   int64_t timeout_ns = 0;
 };
 
@@ -166,35 +154,34 @@ inline constexpr int kMaxBatchCopies = 4;
 /// both ends are 16-byte aligned; blocks sized as CopyDeviceAsync for the largest) and then,
 /// when `signal` is not null, stores `signal_value` to *signal (uint64, release at GPU
 /// scope: `signal` must be device memory of this stream's GPU, read by kernels or stream
-/// memory waits on that GPU, any process; common.cuh LdAcquireGpu64 says why) once every block's
-/// copies are done: the last block to finish (a ticket taken on *counter, a uint32 device word that
-/// is 0 before and after: two batch copies sharing a counter must not run at the same time; the
-/// client orders an endpoint's ops on one stream order for that, see
-/// Endpoint::Impl::OrderAfterPreviousOp) stores it. This is the client's "inputs are staged"
-/// (ready) flag of daemon-launched mode: the daemon's WaitFlagAsync sees it about a microsecond
-/// later. With no copies it is a one-thread kernel that stores the signal. Errors: INVALID_ARGUMENT
-/// for more than kMaxBatchCopies copies, a null dst/src with bytes > 0, or a signal without a
-/// counter, or `started` without a signal (or without a counter for a multi-block copy);
-/// INTERNAL for a launch error.
+/// memory waits on that GPU, any process; common.cuh LdAcquireGpu64 says why) once every
+/// block's copies are done: the last block to finish (a ticket taken on *counter, a uint32
+/// device word that is 0 before and after: two batch copies sharing a counter must not run
+/// at the same time; the client orders an endpoint's ops on one stream order for that, see
+/// DaemonLaunch::OrderAfterPreviousOp, client/endpoint/daemon_launch.h) stores it. This is
+/// the client's "inputs are staged" (ready) flag of daemon-launched mode: the daemon's
+/// WaitFlagAsync sees it at once. With no copies it is a one-thread kernel that stores the
+/// signal. Errors: INVALID_ARGUMENT for more than kMaxBatchCopies copies, a null dst/src
+/// with bytes > 0, or a signal without a counter, or `started` without a signal (or without
+/// a counter for a multi-block copy); INTERNAL for a launch error.
 ///
 /// `started` (optional; daemon-launched: the endpoint's staging_seq, layout.h): once every
 /// block of the kernel is resident (the last block to start; a ticket in the low half of
 /// *counter, finished blocks count in the high half), one thread stores `signal_value`
 /// there (relaxed, GPU scope), before its copies. The daemon's WaitFlagAsync passes on it
-/// and launches the low-latency kernel behind it (a programmatic launch takes ~2 µs on the
-/// H200) while the copies run (~1.5-2 µs); that kernel's blocks wait for the signal
-/// themselves (KernelHandoff), so they are resident only for the rest of this kernel,
-/// never while the caller's earlier work runs (docs/BENCHMARKS.md "Launch modes": -2 µs on
-/// combine). Not before every block is resident: a low-latency kernel's blocks each take a
-/// whole SM's registers, and a staging block left out could then never start.
+/// and launches the low-latency kernel behind it while the copies run, so the programmatic
+/// launch overlaps the staging; that kernel's blocks wait for the signal themselves
+/// (KernelHandoff), so they are resident only for the rest of this kernel, never while the
+/// caller's earlier work runs (docs/CUDA_BACKEND.md "Launch modes"). Not before every block
+/// is resident: a low-latency kernel's blocks each take a whole SM's registers, and a
+/// staging block left out could then never start.
 ///
 /// `done_wait` (optional; daemon-launched low-latency ops under MPS, EndpointInfo
 /// kernel_done_wait): after storing the signal, the block that stored it keeps one thread
 /// spinning until *done_wait.flag >= done_wait.value, so the stream's next work starts
 /// when the daemon's kernel has stored done_seq, as after a cuStreamWaitValue64 on it, but
-/// without the GPU front end's wake-up of a blocked stream (~2.5 µs per waiting stream, in
-/// series: docs/BENCHMARKS.md "Launch modes", dispatch -4.2 µs and combine -3.4 µs with 8
-/// ranks on one GPU, against the stream wait on the same grids). The kernel then holds one block of
+/// without the GPU front end's wake-up of a blocked stream, which it pays per waiting stream
+/// and in series (docs/CUDA_BACKEND.md "Launch modes"). The kernel then holds one block of
 /// one SM for the op, which the daemon leaves free (CudaRankContext::sms_left_per_rank); the
 /// others' blocks exit as before.
 absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint64_t* signal,
@@ -233,8 +220,8 @@ absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout
 ///   status_out: with done_flag, when set, the thread that stores done then copies the
 ///          rank's DeviceStatus to *status_out (pinned host memory) and zeroes it, as
 ///          EnqueueStatusReadback does, so the daemon's stream needs no read-back kernel
-///          behind the op (on the H200 with 8 virtual ranks, 8 such kernels launched just as
-///          the ops end delayed the clients' streams by 3-5 µs, docs/BENCHMARKS.md).
+///          behind the op (such kernels, launched as every rank's op ends, delay the clients'
+///          streams: docs/CUDA_BACKEND.md "Launch modes").
 /// Flags are the endpoint's launch_flags words (abi::kReadyFlagOffset / kDoneFlagOffset).
 struct KernelHandoff {
   const uint64_t* ready_flag = nullptr;
