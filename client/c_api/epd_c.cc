@@ -232,6 +232,8 @@ epd_status_t epd_endpoint_info(const epd_endpoint_t* endpoint, epd_endpoint_info
     c.launch_mode = static_cast<epd_launch_mode_t>(info.launch_mode());
     c.op_timeout_ms = info.op_timeout_ms();
     c.cuda = info.backend() == "cuda" ? 1 : 0;
+    epd::c_api::CopyText(spec.name(), c.group);
+    epd::c_api::CopyText(info.gpu_uuid(), c.gpu_uuid);
     epd::c_api::WriteOut(c, out);
     return absl::OkStatus();
   });

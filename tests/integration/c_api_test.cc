@@ -431,6 +431,8 @@ TEST_F(CApiTest, BadInputsGiveTheDocumentedCodeAndNameTheField) {
   EXPECT_EQ(info.num_experts, kExperts);
   EXPECT_EQ(info.launch_mode, EPD_LAUNCH_MODE_DAEMON);
   EXPECT_EQ(info.cuda, 0);
+  EXPECT_STREQ(info.group, "bad");
+  EXPECT_STREQ(info.gpu_uuid, "");
   info.struct_size = 4;
   EXPECT_EQ(epd_endpoint_info(ep, &info), EPD_INVALID_ARGUMENT);
   EXPECT_THAT(epd_last_error(), HasSubstr("epd_endpoint_info_t.struct_size=4"));

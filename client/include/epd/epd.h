@@ -169,7 +169,9 @@ typedef struct epd_endpoint_info_t {
       use_fp8;                   /**< The group's spec. */
   epd_launch_mode_t launch_mode; /**< The mode granted (never DEFAULT). */
   uint32_t op_timeout_ms;
-  int32_t cuda; /**< 1 on the CUDA backend (tensors kDLCUDA), 0 on the host backend. */
+  int32_t cuda;      /**< 1 on the CUDA backend (tensors kDLCUDA), 0 on the host backend. */
+  char group[72];    /**< The group's name, NUL-terminated. */
+  char gpu_uuid[64]; /**< The endpoint's GPU ("" on the host backend), NUL-terminated. */
 } epd_endpoint_info_t;
 
 /** The endpoint's info into *out. */
