@@ -54,6 +54,14 @@ std::vector<uint8_t> Bytes(const DLTensor& t) {
   return std::vector<uint8_t>(p, p + n * t.dtype.bits / 8);
 }
 
+/// A copy of a result view the test owns (e.g. identity experts' outputs from recv_x).
+std::unique_ptr<Tensor> CopyOf(const DLTensor& t) {
+  auto copy = std::make_unique<Tensor>(t.dtype, std::vector<int64_t>(t.shape, t.shape + t.ndim));
+  copy->bytes = Bytes(t);
+  copy->dl.data = copy->bytes.data();
+  return copy;
+}
+
 uint16_t Bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -183,12 +191,10 @@ void RunRankC(epd_client_t* client, int rank, Outputs* out) {
   EXPECT_EQ(handle.low_latency, 0);
 
   // Identity experts: recv_x goes back as the combine's x (copied: the view is read-only).
-  std::vector<uint8_t> y = Bytes(dr.recv_x);
-  std::vector<int64_t> y_shape = {dr.num_recv_tokens, kHidden};
-  DLTensor y_dl = MakeDLTensor(y.data(), kBf16, y_shape);
+  std::unique_ptr<Tensor> y = CopyOf(dr.recv_x);
   epd_combine_args_t ca{};
   ca.struct_size = sizeof(ca);
-  ca.x = &y_dl;
+  ca.x = &y->dl;
   ca.handle = &handle;
   ASSERT_C_OK(epd_combine(ep, &ca, op));
   epd_combine_result_t cr;
@@ -272,11 +278,9 @@ void RunRankCpp(Client& client, int rank, Outputs* out) {
     out->Add(t->dl());
   }
   out->counts.push_back(dr->num_recv_tokens);
-  std::vector<uint8_t> y = Bytes(dr->recv_x.dl());
-  std::vector<int64_t> y_shape = {dr->num_recv_tokens, kHidden};
-  DLTensor y_dl = MakeDLTensor(y.data(), kBf16, y_shape);
+  std::unique_ptr<Tensor> y = CopyOf(dr->recv_x.dl());
   CombineArgs ca;
-  ca.x = &y_dl;
+  ca.x = &y->dl;
   ca.handle = &dr->handle;
   auto combine = (*ep)->Combine(ca);
   ASSERT_TRUE(combine.ok()) << combine.status();
@@ -298,11 +302,9 @@ void RunRankCpp(Client& client, int rank, Outputs* out) {
       out->Add(t->dl());
     }
     if (use_fp8) continue;
-    std::vector<uint8_t> ly = Bytes(ldr->recv_x.dl());
-    std::vector<int64_t> ly_shape(ldr->recv_x.shape().begin(), ldr->recv_x.shape().end());
-    DLTensor ly_dl = MakeDLTensor(ly.data(), kBf16, ly_shape);
+    std::unique_ptr<Tensor> ly = CopyOf(ldr->recv_x.dl());
     LowLatencyCombineArgs lca;
-    lca.x = &ly_dl;
+    lca.x = &ly->dl;
     lca.topk_idx = &in.topk_idx.dl;
     lca.topk_weights = &in.topk_weights.dl;
     lca.handle = &ldr->handle;
@@ -486,12 +488,10 @@ TEST_F(CApiTest, BadInputsGiveTheDocumentedCodeAndNameTheField) {
   ASSERT_C_OK(epd_dispatch(ep, &da, op));
   ASSERT_C_OK(epd_op_wait(op, 20000));
   ASSERT_C_OK(epd_op_dispatch_result(op, &dr));
-  std::vector<uint8_t> y = Bytes(dr.recv_x);
-  std::vector<int64_t> y_shape = {dr.num_recv_tokens, kHidden};
-  DLTensor y_dl = MakeDLTensor(y.data(), kBf16, y_shape);
+  std::unique_ptr<Tensor> y = CopyOf(dr.recv_x);
   epd_combine_args_t ca{};
   ca.struct_size = sizeof(ca);
-  ca.x = &y_dl;
+  ca.x = &y->dl;
   EXPECT_EQ(epd_combine(ep, &ca, op), EPD_INVALID_ARGUMENT);
   EXPECT_THAT(epd_last_error(), HasSubstr("args.handle is NULL"));
   ca.handle = &first;  // Submitted; the daemon refuses the stale handle, reported by wait.
