@@ -468,6 +468,22 @@ TEST_F(CApiTest, BadInputsGiveTheDocumentedCodeAndNameTheField) {
   EXPECT_EQ(epd_op_kind(op), EPD_OP_NONE);  // A refused op leaves the holder empty.
   da.topk_idx = &in.topk_idx.dl;
 
+  // No stream on the host backend: enqueued refuses; wait gives the result. A missing tensor
+  // is named.
+  epd_layout_args_t no_idx{sizeof(no_idx), nullptr, nullptr};
+  EXPECT_EQ(epd_get_dispatch_layout(ep, &no_idx, op), EPD_INVALID_ARGUMENT);
+  EXPECT_THAT(epd_last_error(), HasSubstr("args.topk_idx is NULL"));
+  epd_layout_args_t layout_args{sizeof(layout_args), &in.topk_idx.dl, nullptr};
+  ASSERT_C_OK(epd_get_dispatch_layout(ep, &layout_args, op));
+  EXPECT_NE(epd_op_seq(op), 0u);
+  EXPECT_EQ(epd_op_enqueued(op), EPD_FAILED_PRECONDITION);
+  ASSERT_C_OK(epd_op_wait(op, 20000));
+  DLTensor ll_input{};
+  ASSERT_C_OK(epd_low_latency_dispatch_input(ep, &ll_input));
+  ASSERT_EQ(ll_input.ndim, 2);
+  EXPECT_EQ(ll_input.shape[0], kMll);
+  EXPECT_EQ(ll_input.shape[1], kHidden);
+
   // A stale routing handle: combine with the first of two dispatches' handles.
   ASSERT_C_OK(epd_dispatch(ep, &da, op));
   epd_dispatch_result_t dr{};
