@@ -46,6 +46,9 @@ struct epd_op {
 
 namespace epd::c_api {
 
+/// The C handle of an endpoint (its low-latency region views taken once).
+std::unique_ptr<epd_endpoint> MakeEndpointHandle(std::unique_ptr<Endpoint> endpoint);
+
 /// Sets the calling thread's last error from `status` (cleared on OK) and returns its code.
 epd_status_t Report(const absl::Status& status);
 

@@ -41,6 +41,14 @@ epd_status_t Report(const absl::Status& status) {
   return static_cast<epd_status_t>(status.code());
 }
 
+std::unique_ptr<epd_endpoint> MakeEndpointHandle(std::unique_ptr<Endpoint> endpoint) {
+  auto handle = std::make_unique<epd_endpoint>();
+  handle->ll_combine_input = endpoint->LowLatencyCombineInput();
+  handle->ll_dispatch_input = endpoint->LowLatencyDispatchInput();
+  handle->endpoint = std::move(endpoint);
+  return handle;
+}
+
 namespace {
 
 /// protobuf JSON into the caller's buffer (OUT_OF_RANGE naming the size needed).
@@ -202,11 +210,7 @@ epd_status_t epd_client_join(epd_client_t* client, const epd_join_options_t* opt
       join.join_secret.assign(static_cast<const char*>(o.join_secret), o.join_secret_len);
     }
     EPD_ASSIGN_OR_RETURN(std::unique_ptr<epd::Endpoint> endpoint, client->client->Join(join));
-    auto handle = std::make_unique<epd_endpoint>();
-    handle->ll_combine_input = endpoint->LowLatencyCombineInput();
-    handle->ll_dispatch_input = endpoint->LowLatencyDispatchInput();
-    handle->endpoint = std::move(endpoint);
-    *out = handle.release();
+    *out = epd::c_api::MakeEndpointHandle(std::move(endpoint)).release();
     return absl::OkStatus();
   });
 }

@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "tests/common/daemon_process.h"
 #include "tests/common/dtypes.h"
+#include "tests/common/specs.h"
 
 namespace epd::testing {
 namespace {
@@ -245,14 +246,13 @@ void RunRankC(epd_client_t* client, int rank, Outputs* out) {
 void RunRankCpp(Client& client, int rank, Outputs* out) {
   Inputs in(rank);
   epd::JoinOptions j;
-  j.spec.set_name("cpp_group");
-  j.spec.set_num_ranks(kRanks);
-  j.spec.set_num_experts(kExperts);
-  j.spec.set_hidden(kHidden);
-  j.spec.set_num_topk(kTopk);
-  j.spec.set_max_tokens_per_rank(kTokens);
-  j.spec.set_ll_max_tokens_per_rank(kMll);
-  j.spec.set_use_fp8(true);
+  j.spec = MakeSpec("cpp_group", {.num_ranks = kRanks,
+                                  .num_experts = kExperts,
+                                  .hidden = kHidden,
+                                  .num_topk = kTopk,
+                                  .max_tokens_per_rank = kTokens,
+                                  .ll_max_tokens_per_rank = kMll,
+                                  .use_fp8 = true});
   j.rank = rank;
   auto ep = client.Join(j);
   ASSERT_TRUE(ep.ok()) << ep.status();
