@@ -32,6 +32,7 @@
 #include "tests/common/counting_new.h"
 #include "tests/common/dtypes.h"
 #include "tests/common/hot_path_rounds.h"
+#include "tests/unit/in_process_ranks.h"
 
 namespace epd {
 namespace {
@@ -100,20 +101,9 @@ TEST(HotPathAllocTest, SteadyOpsAllocateNothingOnClientThreadOrEngineThread) {
   auto group_or = (*plane)->CreateGroup(spec);
   ASSERT_TRUE(group_or.ok()) << group_or.status();
   std::unique_ptr<DataPlaneGroup> group = std::move(*group_or);
-  std::vector<std::unique_ptr<Endpoint>> eps;
-  for (int r = 0; r < R; ++r) {
-    v1::EndpointInfo info;
-    ASSERT_TRUE(group->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
-    DataPlaneGroup* g = group.get();
-    absl::StatusOr<EndpointFds> fds = g->TakeEndpointFds(r);
-    ASSERT_TRUE(fds.ok()) << fds.status();
-    auto ep = internal::OpenEndpoint(info, spec, *std::move(fds), [g, r] {
-      g->DetachRank(r);
-      return absl::OkStatus();
-    });
-    ASSERT_TRUE(ep.ok()) << ep.status();
-    eps.push_back(std::move(*ep));
-  }
+  auto opened = testing::OpenRanks(*group, spec);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  std::vector<std::unique_ptr<Endpoint>> eps = *std::move(opened);
 
   std::vector<RankInputs> in(R);
   std::mt19937 rng(7);
