@@ -89,13 +89,13 @@ extern "C" {
 int epd_abi_version(void) { return EPD_ABI_VERSION; }
 const char* epd_version_string(void) { return epd::kEpdVersion; }
 
-const char* epd_status_name(epd_status_t status) {
+const char* epd_status_name(int status) {
   static const std::array<std::string, 17> names = [] {
     std::array<std::string, 17> n;
     for (int i = 0; i < 17; ++i) n[i] = absl::StatusCodeToString(static_cast<absl::StatusCode>(i));
     return n;
   }();
-  const int i = static_cast<int>(status);
+  const int i = status;
   return i >= 0 && i < 17 ? names[i].c_str() : "UNKNOWN_CODE";
 }
 
@@ -233,7 +233,7 @@ epd_status_t epd_endpoint_info(const epd_endpoint_t* endpoint, epd_endpoint_info
     c.max_tokens_per_rank = spec.max_tokens_per_rank();
     c.ll_max_tokens_per_rank = spec.ll_max_tokens_per_rank();
     c.use_fp8 = spec.use_fp8() ? 1 : 0;
-    c.launch_mode = static_cast<epd_launch_mode_t>(info.launch_mode());
+    c.launch_mode = static_cast<int32_t>(info.launch_mode());
     c.op_timeout_ms = info.op_timeout_ms();
     c.cuda = info.backend() == "cuda" ? 1 : 0;
     epd::c_api::CopyText(spec.name(), c.group);

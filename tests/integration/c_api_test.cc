@@ -415,7 +415,7 @@ TEST_F(CApiTest, BadInputsGiveTheDocumentedCodeAndNameTheField) {
   EXPECT_EQ(epd_client_join(client, &j, &ep), EPD_INVALID_ARGUMENT);
   EXPECT_THAT(epd_last_error(), HasSubstr("epd_join_options_t.struct_size=16 is smaller than"));
   j.struct_size = sizeof(j);
-  j.launch_mode = static_cast<epd_launch_mode_t>(7);
+  j.launch_mode = 7;
   EXPECT_EQ(epd_client_join(client, &j, &ep), EPD_INVALID_ARGUMENT);
   EXPECT_THAT(epd_last_error(), HasSubstr("options.launch_mode=7"));
   j.launch_mode = EPD_LAUNCH_MODE_DEFAULT;

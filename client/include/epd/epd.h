@@ -81,7 +81,7 @@ EPD_API int epd_abi_version(void);
 /** epd's version, "MAJOR.MINOR.PATCH"; static storage. */
 EPD_API const char* epd_version_string(void);
 /** The name of a status ("INVALID_ARGUMENT"); static storage, "UNKNOWN_CODE" if unknown. */
-EPD_API const char* epd_status_name(epd_status_t status);
+EPD_API const char* epd_status_name(int status);
 /** The message of the latest call on this thread that failed, "" after one that succeeded.
  *  Valid until the next epd_* call on this thread. */
 EPD_API const char* epd_last_error(void);
@@ -146,7 +146,7 @@ typedef struct epd_join_options_t {
   int32_t use_fp8;                /**< Nonzero: FP8 data allowed (normal dispatch, LL dispatch). */
   int32_t rank;                   /**< This endpoint's rank, [0, R). */
   const char* gpu_uuid;           /**< GPU UUID or PCI bus id; NULL or "" on the host backend. */
-  epd_launch_mode_t launch_mode;
+  int32_t launch_mode; /**< An epd_launch_mode_t (int32_t: any value a caller stores is defined). */
   const void* join_secret; /**< The group's secret bytes (at most 256); NULL = none. */
   size_t join_secret_len;
 } epd_join_options_t;
@@ -166,8 +166,8 @@ typedef struct epd_endpoint_info_t {
   uint64_t endpoint_id;
   int32_t rank;
   int32_t num_ranks, num_experts, hidden, num_topk, max_tokens_per_rank, ll_max_tokens_per_rank,
-      use_fp8;                   /**< The group's spec. */
-  epd_launch_mode_t launch_mode; /**< The mode granted (never DEFAULT). */
+      use_fp8;         /**< The group's spec. */
+  int32_t launch_mode; /**< The epd_launch_mode_t granted (never DEFAULT). */
   uint32_t op_timeout_ms;
   int32_t cuda;      /**< 1 on the CUDA backend (tensors kDLCUDA), 0 on the host backend. */
   char group[72];    /**< The group's name, NUL-terminated. */
@@ -350,7 +350,7 @@ EPD_API epd_status_t epd_op_ll_combine_result(const epd_op_t* op, epd_ll_combine
 /** One program step. */
 typedef struct epd_program_step_t {
   size_t struct_size;  /**< sizeof(epd_program_step_t); the array's stride is steps[0]'s. */
-  epd_op_kind_t op;    /**< EPD_OP_LOW_LATENCY_DISPATCH or EPD_OP_LOW_LATENCY_COMBINE. */
+  int32_t op;          /**< EPD_OP_LOW_LATENCY_DISPATCH or EPD_OP_LOW_LATENCY_COMBINE. */
   int32_t use_fp8;     /**< Dispatch: e4m3 out. */
   int32_t round_scale; /**< Dispatch: power-of-two scales (needs use_fp8). */
 } epd_program_step_t;
