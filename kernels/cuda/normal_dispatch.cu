@@ -19,6 +19,11 @@ namespace {
 constexpr int kNotifyWarps = kNormalNotifyThreads / 32;
 constexpr int kCopyUnroll = 4;
 
+/// N into the caller's host-mapped recv_count_out, if any (thread 0 only).
+__device__ __forceinline__ void PublishRecvCount(const NormalParams& p, int32_t n) {
+  if (p.recv_count_out != nullptr) *reinterpret_cast<volatile int32_t*>(p.recv_count_out) = n;
+}
+
 /// The notify step of a dispatch (`notify` set) or the arrival barrier of a cached
 /// dispatch / combine (`notify` clear). One block of kNormalNotifyThreads threads; dynamic
 /// shared memory: E int32 when `notify`.
@@ -34,11 +39,8 @@ constexpr int kCopyUnroll = 4;
 ///  pass 2: send_pos[t, r] = Σ_{s'<rank} counts[s'][r] + (tokens before t sent to r), by a
 ///          block-wide scan per destination over tiles of 1024 tokens.
 /// On a timeout the op is marked failed (kFailedSeq = seq): the copy kernel then skips.
-/// N into the caller's host-mapped recv_count_out, if any (thread 0 only).
-__device__ __forceinline__ void PublishRecvCount(const NormalParams& p, int32_t n) {
-  if (p.recv_count_out != nullptr) *reinterpret_cast<volatile int32_t*>(p.recv_count_out) = n;
-}
-
+/// Thread 0 publishes N (PublishRecvCount): the new count, or with `notify` clear or on a
+/// timeout the count left as it was.
 __global__ void __launch_bounds__(kNormalNotifyThreads)
     NormalNotifyKernel(NormalParams p, int notify) {
   extern __shared__ int32_t s_expert_count[];

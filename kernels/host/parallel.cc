@@ -4,6 +4,7 @@
 #include <atomic>
 #include <system_error>
 #include <thread>
+#include <type_traits>
 
 #include "kernels/host/internal.h"
 
@@ -172,80 +173,52 @@ HostScratch::~HostScratch() = default;
 
 namespace {
 
-/// The element counts Reserve grows each buffer to, in ScratchState's order.
-struct ScratchSizes {
-  size_t num_tokens, first_chunk, source_offset, local_pos, count_to_rank, count_to_expert,
-      expert_base, expert_total, marks, prefix, num_recv, layout_per_rank, layout_per_expert, acc,
-      fp8_row, fp8_scales;
-};
-
-ScratchSizes SizesOf(const GroupShape& shape, int num_threads) {
+/// Calls f(buffer, element count) for every buffer of `s` with the count Reserve grows it
+/// to for `shape` and `num_threads` (one list for Reserve and ReservedBytes).
+template <typename F>
+void ForEachScratchBuffer(internal::ScratchState& s, const GroupShape& shape, int num_threads,
+                          F f) {
   const size_t R = static_cast<size_t>(shape.num_ranks);
   const size_t E = static_cast<size_t>(shape.num_experts);
   const size_t M = static_cast<size_t>(shape.max_tokens_per_rank);
   const size_t H = static_cast<size_t>(shape.hidden);
   const size_t threads = static_cast<size_t>(internal::ResolveThreads({num_threads}));
   const size_t layout_chunks = (M + 1023) / 1024;
-  return ScratchSizes{R,
-                      R + 1,
-                      R + 1,
-                      R * M * R,
-                      R * R,
-                      R * E,
-                      R * E,
-                      E,
-                      std::max(R * M, R),
-                      R * R,
-                      R,
-                      layout_chunks * R,
-                      layout_chunks * E,
-                      threads * H,
-                      threads * H,
-                      threads * static_cast<size_t>(shape.num_scales())};
+  f(s.num_tokens, R);
+  f(s.first_chunk, R + 1);
+  f(s.source_offset, R + 1);
+  f(s.local_pos, R * M * R);
+  f(s.count_to_rank, R * R);
+  f(s.count_to_expert, R * E);
+  f(s.expert_base, R * E);
+  f(s.expert_total, E);
+  f(s.marks, std::max(R * M, R));
+  f(s.prefix, R * R);
+  f(s.num_recv, R);
+  f(s.layout_per_rank, layout_chunks * R);
+  f(s.layout_per_expert, layout_chunks * E);
+  f(s.acc, threads * H);
+  f(s.fp8_row, threads * H);
+  f(s.fp8_scales, threads * static_cast<size_t>(shape.num_scales()));
 }
 
 }  // namespace
 
 void HostScratch::Reserve(const GroupShape& shape, int num_threads) {
   if (!internal::CheckGroupShape(shape).ok()) return;
-  internal::ScratchState& s = *state_;
-  const ScratchSizes n = SizesOf(shape, num_threads);
-  s.num_tokens.reserve(n.num_tokens);
-  s.first_chunk.reserve(n.first_chunk);
-  s.source_offset.reserve(n.source_offset);
-  s.local_pos.reserve(n.local_pos);
-  s.count_to_rank.reserve(n.count_to_rank);
-  s.count_to_expert.reserve(n.count_to_expert);
-  s.expert_base.reserve(n.expert_base);
-  s.expert_total.reserve(n.expert_total);
-  s.marks.reserve(n.marks);
-  s.prefix.reserve(n.prefix);
-  s.num_recv.reserve(n.num_recv);
-  s.layout_per_rank.reserve(n.layout_per_rank);
-  s.layout_per_expert.reserve(n.layout_per_expert);
-  s.acc.reserve(n.acc);
-  s.fp8_row.reserve(n.fp8_row);
-  s.fp8_scales.reserve(n.fp8_scales);
+  ForEachScratchBuffer(*state_, shape, num_threads,
+                       [](auto& buffer, size_t count) { buffer.reserve(count); });
 }
 
 uint64_t HostScratch::ReservedBytes(const GroupShape& shape, int num_threads) {
   if (!internal::CheckGroupShape(shape).ok()) return 0;
-  using S = internal::ScratchState;
-  const ScratchSizes n = SizesOf(shape, num_threads);
-  auto bytes = [](size_t count, size_t elem) { return static_cast<uint64_t>(count) * elem; };
-  return bytes(n.num_tokens, sizeof(S::num_tokens[0])) +
-         bytes(n.first_chunk, sizeof(S::first_chunk[0])) +
-         bytes(n.source_offset, sizeof(S::source_offset[0])) +
-         bytes(n.local_pos, sizeof(S::local_pos[0])) +
-         bytes(n.count_to_rank, sizeof(S::count_to_rank[0])) +
-         bytes(n.count_to_expert, sizeof(S::count_to_expert[0])) +
-         bytes(n.expert_base, sizeof(S::expert_base[0])) +
-         bytes(n.expert_total, sizeof(S::expert_total[0])) + bytes(n.marks, sizeof(S::marks[0])) +
-         bytes(n.prefix, sizeof(S::prefix[0])) + bytes(n.num_recv, sizeof(S::num_recv[0])) +
-         bytes(n.layout_per_rank, sizeof(S::layout_per_rank[0])) +
-         bytes(n.layout_per_expert, sizeof(S::layout_per_expert[0])) +
-         bytes(n.acc, sizeof(S::acc[0])) + bytes(n.fp8_row, sizeof(S::fp8_row[0])) +
-         bytes(n.fp8_scales, sizeof(S::fp8_scales[0]));
+  internal::ScratchState empty;  // Only its buffers' element types are used.
+  uint64_t bytes = 0;
+  ForEachScratchBuffer(empty, shape, num_threads, [&bytes](auto& buffer, size_t count) {
+    using T = typename std::decay_t<decltype(buffer)>::value_type;
+    bytes += static_cast<uint64_t>(count) * sizeof(T);
+  });
+  return bytes;
 }
 
 }  // namespace epd::kernels::host
