@@ -24,10 +24,7 @@ std::atomic<uint64_t> g_next_endpoint_id{1};
 
 uint64_t NextEndpointId() { return g_next_endpoint_id.fetch_add(1); }
 
-std::shared_ptr<spdlog::logger> EngineLog() {
-  auto l = spdlog::get("epd.engine");
-  return l ? l : spdlog::default_logger();
-}
+std::shared_ptr<spdlog::logger> EngineLog() { return GetLogger(kLogEngine); }
 
 const char* OpName(uint32_t op) { return abi::OpKindName(op); }
 

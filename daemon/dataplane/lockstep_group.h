@@ -28,7 +28,7 @@ namespace epd {
 /// The kernels' GroupShape of a (validated) spec (rules::ShapeOf).
 inline kernels::GroupShape ShapeOf(const v1::GroupSpec& spec) { return rules::ShapeOf(spec); }
 
-/// The "epd.engine" logger (the default logger until it is registered).
+/// The "epd.engine" logger (GetLogger(kLogEngine): created at the level log_level gives it).
 std::shared_ptr<spdlog::logger> EngineLog();
 
 /// "Dispatch", "LowLatencyCombine", ... for an abi::OpKind value ("Invalid" otherwise).
