@@ -19,8 +19,6 @@
 namespace epd {
 namespace {
 
-std::string Errno(int err) { return std::strerror(err); }
-
 /// The pid written in the socket's lock file by the epd that holds it (WriteLockHolder),
 /// or 0 when the file holds none (the holder has not written it yet) or that process is
 /// gone.
@@ -68,13 +66,13 @@ absl::StatusOr<ScopedFd> OpenSocketLockFile(const std::string& lock_path) {
                                                         " is not a regular file (a directory)",
                                                         remedy));
     }
-    return absl::FailedPreconditionError(
-        absl::StrCat("socket_path: cannot open the lock file ", lock_path, ": ", Errno(err)));
+    return absl::FailedPreconditionError(absl::StrCat("socket_path: cannot open the lock file ",
+                                                      lock_path, ": ", std::strerror(err)));
   }
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("socket_path: cannot stat the lock file ", lock_path, ": ", Errno(errno)));
+    return absl::FailedPreconditionError(absl::StrCat("socket_path: cannot stat the lock file ",
+                                                      lock_path, ": ", std::strerror(errno)));
   }
   if (!S_ISREG(st.st_mode)) {
     return absl::FailedPreconditionError(absl::StrCat("socket_path: the lock file ", lock_path,
