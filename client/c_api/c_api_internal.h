@@ -64,6 +64,12 @@ epd_status_t Guard(const char* function, Fn&& fn) {
   }
 }
 
+/// INVALID_ARGUMENT "<arg> is NULL" when `p` is null.
+inline absl::Status NotNull(const void* p, const char* arg) {
+  if (p != nullptr) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(arg, " is NULL"));
+}
+
 // The name and first-version size of each versioned struct: a caller's struct_size below it
 // is refused. Version 1 of the ABI: the first version is the whole struct.
 template <typename T>
@@ -105,7 +111,7 @@ absl::Status CheckSize(size_t struct_size, const char* arg) {
 /// Copies the part of `*in` its struct_size covers over a zeroed T (the defaults).
 template <typename T>
 absl::Status ReadArgs(const T* in, const char* arg, T* out) {
-  if (in == nullptr) return absl::InvalidArgumentError(absl::StrCat(arg, " is NULL"));
+  EPD_RETURN_IF_ERROR(NotNull(in, arg));
   EPD_RETURN_IF_ERROR(CheckSize<T>(in->struct_size, arg));
   *out = T{};
   std::memcpy(static_cast<void*>(out), in, std::min(in->struct_size, sizeof(T)));
@@ -115,7 +121,7 @@ absl::Status ReadArgs(const T* in, const char* arg, T* out) {
 /// Checks an output struct's pointer and struct_size before the call fills it.
 template <typename T>
 absl::Status CheckOut(const T* out, const char* arg) {
-  if (out == nullptr) return absl::InvalidArgumentError(absl::StrCat(arg, " is NULL"));
+  EPD_RETURN_IF_ERROR(NotNull(out, arg));
   return CheckSize<T>(out->struct_size, arg);
 }
 
@@ -125,11 +131,6 @@ void WriteOut(T value, T* out) {
   const size_t size = std::min(out->struct_size, sizeof(T));
   value.struct_size = out->struct_size;
   std::memcpy(static_cast<void*>(out), &value, size);
-}
-
-inline absl::Status NotNull(const void* p, const char* arg) {
-  if (p != nullptr) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(arg, " is NULL"));
 }
 
 /// A C timeout in ms (negative = none) as a Duration.

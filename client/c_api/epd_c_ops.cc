@@ -160,17 +160,36 @@ absl::Status Complete(epd_op* op, bool wait, int64_t timeout_ms) {
       op->pending);
 }
 
-/// A graph-mode step: reads `args`, runs it, keeps the result in the endpoint's next of two
-/// slots (so a view's shape outlives the next call) and writes its C form to `out`.
-template <typename CArgs, typename Result, typename CResult, typename Run>
+// The C++ args of each graph-mode step's C args.
+ProgramDispatchArgs FromC(const epd_program_dispatch_args_t& a) {
+  ProgramDispatchArgs cpp;
+  cpp.x = a.x;
+  cpp.topk_idx = a.topk_idx;
+  cpp.num_tokens = a.num_tokens;
+  cpp.stream = a.stream;
+  return cpp;
+}
+ProgramCombineArgs FromC(const epd_program_combine_args_t& a) {
+  ProgramCombineArgs cpp;
+  cpp.x = a.x;
+  cpp.topk_idx = a.topk_idx;
+  cpp.topk_weights = a.topk_weights;
+  cpp.stream = a.stream;
+  return cpp;
+}
+
+/// A graph-mode step: reads `args`, runs it (Endpoint::`run`), keeps the result in the
+/// endpoint's next of two slots (so a view's shape outlives the next call) and writes its C
+/// form to `out`.
+template <typename CArgs, typename CppArgs, typename Result, typename CResult>
 absl::Status RunProgramStep(epd_endpoint* endpoint, const CArgs* args, CResult* out,
                             std::array<Result, 2> epd_endpoint::*slots, int epd_endpoint::*next,
-                            Run run) {
+                            absl::StatusOr<Result> (Endpoint::*run)(const CppArgs&)) {
   EPD_RETURN_IF_ERROR(NotNull(endpoint, "endpoint"));
   EPD_RETURN_IF_ERROR(CheckOut(out, "out"));
   CArgs a;
   EPD_RETURN_IF_ERROR(ReadArgs(args, "args", &a));
-  EPD_ASSIGN_OR_RETURN(Result result, run(*endpoint->endpoint, a));
+  EPD_ASSIGN_OR_RETURN(Result result, ((*endpoint->endpoint).*run)(FromC(a)));
   int& index = endpoint->*next;
   Result& slot = (endpoint->*slots)[index];
   index ^= 1;
@@ -370,14 +389,7 @@ epd_status_t epd_run_program_dispatch(epd_endpoint_t* endpoint,
   return Guard(__func__, [&] {
     return epd::c_api::RunProgramStep(endpoint, args, out, &epd_endpoint::program_dispatch,
                                       &epd_endpoint::next_program_dispatch,
-                                      [](epd::Endpoint& e, const epd_program_dispatch_args_t& a) {
-                                        epd::ProgramDispatchArgs cpp;
-                                        cpp.x = a.x;
-                                        cpp.topk_idx = a.topk_idx;
-                                        cpp.num_tokens = a.num_tokens;
-                                        cpp.stream = a.stream;
-                                        return e.RunProgramDispatch(cpp);
-                                      });
+                                      &epd::Endpoint::RunProgramDispatch);
   });
 }
 
@@ -387,14 +399,7 @@ epd_status_t epd_run_program_combine(epd_endpoint_t* endpoint,
   return Guard(__func__, [&] {
     return epd::c_api::RunProgramStep(endpoint, args, out, &epd_endpoint::program_combine,
                                       &epd_endpoint::next_program_combine,
-                                      [](epd::Endpoint& e, const epd_program_combine_args_t& a) {
-                                        epd::ProgramCombineArgs cpp;
-                                        cpp.x = a.x;
-                                        cpp.topk_idx = a.topk_idx;
-                                        cpp.topk_weights = a.topk_weights;
-                                        cpp.stream = a.stream;
-                                        return e.RunProgramCombine(cpp);
-                                      });
+                                      &epd::Endpoint::RunProgramCombine);
   });
 }
 

@@ -52,6 +52,17 @@ absl::Status Endpoint::Impl::CheckNoProgram() const {
                    "RunProgramDispatch/RunProgramCombine, or UnregisterProgram first"));
 }
 
+absl::StatusOr<internal::OpPlan> Endpoint::Impl::BeginOp(abi::OpKind op, const char* name,
+                                                         void* stream) {
+  EPD_RETURN_IF_ERROR(CheckUsable());
+  EPD_RETURN_IF_ERROR(CheckNoProgram());
+  OpPlan p;
+  p.op = op;
+  p.name = name;
+  EPD_ASSIGN_OR_RETURN(p.stream, OpStream(stream));
+  return p;
+}
+
 abi::RequestSlot Endpoint::Impl::MakeRequest(abi::OpKind op, uint64_t seq, uint32_t flags,
                                              int32_t num_tokens, int32_t expert_alignment,
                                              uint64_t handle_seq, int32_t num_sms,
@@ -110,12 +121,8 @@ TensorView Endpoint::LowLatencyDispatchInput() const {
 absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTensor& topk_idx,
                                                                     void* caller_stream) {
   Impl& m = *impl_;
-  EPD_RETURN_IF_ERROR(m.CheckUsable());
-  EPD_RETURN_IF_ERROR(m.CheckNoProgram());
-  OpPlan p;
-  p.op = abi::OpKind::kGetDispatchLayout;
-  p.name = "GetDispatchLayout";
-  EPD_ASSIGN_OR_RETURN(p.stream, m.OpStream(caller_stream));
+  EPD_ASSIGN_OR_RETURN(
+      OpPlan p, m.BeginOp(abi::OpKind::kGetDispatchLayout, "GetDispatchLayout", caller_stream));
   std::array<int64_t, 2> shape{-1, m.shape.num_topk};
   p.status = CheckTensor(m.cuda, p.name, "topk_idx", &topk_idx, {kI64}, shape);
   if (p.status.ok() && shape[0] > m.shape.max_tokens_per_rank) {
@@ -133,12 +140,8 @@ absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTens
 
 absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs& args) {
   Impl& m = *impl_;
-  EPD_RETURN_IF_ERROR(m.CheckUsable());
-  EPD_RETURN_IF_ERROR(m.CheckNoProgram());
-  OpPlan p;
-  p.op = abi::OpKind::kDispatch;
-  const char* const kOp = p.name = "Dispatch";
-  EPD_ASSIGN_OR_RETURN(p.stream, m.OpStream(args.stream));
+  EPD_ASSIGN_OR_RETURN(OpPlan p, m.BeginOp(abi::OpKind::kDispatch, "Dispatch", args.stream));
+  const char* const kOp = p.name;
   const int H = m.shape.hidden, K = m.shape.num_topk;
   absl::Status& st = p.status;
   std::array<int64_t, 2> xs{-1, H};
@@ -210,12 +213,8 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
 
 absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& args) {
   Impl& m = *impl_;
-  EPD_RETURN_IF_ERROR(m.CheckUsable());
-  EPD_RETURN_IF_ERROR(m.CheckNoProgram());
-  OpPlan p;
-  p.op = abi::OpKind::kCombine;
-  const char* const kOp = p.name = "Combine";
-  EPD_ASSIGN_OR_RETURN(p.stream, m.OpStream(args.stream));
+  EPD_ASSIGN_OR_RETURN(OpPlan p, m.BeginOp(abi::OpKind::kCombine, "Combine", args.stream));
+  const char* const kOp = p.name;
   absl::Status& st = p.status;
   if (args.handle == nullptr) {
     st = absl::InvalidArgumentError(absl::StrCat(kOp, ": handle is required"));
@@ -260,12 +259,9 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
 absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch(
     const LowLatencyDispatchArgs& args) {
   Impl& m = *impl_;
-  EPD_RETURN_IF_ERROR(m.CheckUsable());
-  EPD_RETURN_IF_ERROR(m.CheckNoProgram());
-  OpPlan p;
-  p.op = abi::OpKind::kLowLatencyDispatch;
-  const char* const kOp = p.name = "LowLatencyDispatch";
-  EPD_ASSIGN_OR_RETURN(p.stream, m.OpStream(args.stream));
+  EPD_ASSIGN_OR_RETURN(
+      OpPlan p, m.BeginOp(abi::OpKind::kLowLatencyDispatch, "LowLatencyDispatch", args.stream));
+  const char* const kOp = p.name;
   const int32_t Mll = m.shape.ll_max_tokens_per_rank;
   absl::Status& st = p.status;
   if (Mll == 0) {
@@ -333,12 +329,9 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
 absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
     const LowLatencyCombineArgs& args) {
   Impl& m = *impl_;
-  EPD_RETURN_IF_ERROR(m.CheckUsable());
-  EPD_RETURN_IF_ERROR(m.CheckNoProgram());
-  OpPlan p;
-  p.op = abi::OpKind::kLowLatencyCombine;
-  const char* const kOp = p.name = "LowLatencyCombine";
-  EPD_ASSIGN_OR_RETURN(p.stream, m.OpStream(args.stream));
+  EPD_ASSIGN_OR_RETURN(
+      OpPlan p, m.BeginOp(abi::OpKind::kLowLatencyCombine, "LowLatencyCombine", args.stream));
+  const char* const kOp = p.name;
   const int64_t El = m.shape.num_local_experts();
   const int64_t rows = m.shape.ll_rows_per_expert();
   absl::Status& st = p.status;

@@ -95,6 +95,9 @@ struct Endpoint::Impl {
   /// Ring ops of an endpoint with a registered graph-mode program are refused here, before
   /// any stream work or ring slot (the daemon refuses them too, for every rank).
   absl::Status CheckNoProgram() const;
+  /// The plan of ring op `op` (public name `name`, for errors) after CheckUsable and
+  /// CheckNoProgram, with OpStream(stream) as its stream; their error otherwise.
+  absl::StatusOr<internal::OpPlan> BeginOp(abi::OpKind op, const char* name, void* stream);
 
   /// Publishes a request that is not stream-ordered (program registration) and returns
   /// its seq. `program`: a slot whose program fields (program_num_steps, program_steps)

@@ -150,16 +150,16 @@ absl::StatusOr<LowLatencyDispatchResult> Endpoint::RunProgramDispatch(
 #if EPD_HAVE_CUDA
   const int device = m.mapping->device();
   const int32_t Mll = m.shape.ll_max_tokens_per_rank;
-  std::vector<int64_t> xs{-1, m.shape.hidden};
+  std::array<int64_t, 2> xs{-1, m.shape.hidden};
   EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "x", args.x, {kBf16}, xs, device));
   const int64_t C = xs[0];
   if (C > Mll) {
     return absl::InvalidArgumentError(
         absl::StrCat(kOp, ": x has ", C, " rows > ll_max_tokens_per_rank ", Mll));
   }
-  std::vector<int64_t> ts{C, m.shape.num_topk};
+  std::array<int64_t, 2> ts{C, m.shape.num_topk};
   EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "topk_idx", args.topk_idx, {kI64}, ts, device));
-  std::vector<int64_t> ns{1};
+  std::array<int64_t, 1> ns{1};
   EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "num_tokens", args.num_tokens, {kI32}, ns, device));
   EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   internal::DeviceGuard guard(device);
@@ -200,10 +200,10 @@ absl::StatusOr<LowLatencyCombineResult> Endpoint::RunProgramCombine(
   EPD_RETURN_IF_ERROR(CheckProgramStep(m, ProgramStep::Op::kLowLatencyCombine, kOp));
 #if EPD_HAVE_CUDA
   const int device = m.mapping->device();
-  std::vector<int64_t> xs{m.shape.num_local_experts(), m.shape.ll_rows_per_expert(),
-                          m.shape.hidden};
+  std::array<int64_t, 3> xs{m.shape.num_local_experts(), m.shape.ll_rows_per_expert(),
+                            m.shape.hidden};
   EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "x", args.x, {kBf16}, xs, device));
-  std::vector<int64_t> ts{-1, m.shape.num_topk};
+  std::array<int64_t, 2> ts{-1, m.shape.num_topk};
   EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "topk_idx", args.topk_idx, {kI64}, ts, device));
   const int64_t C = ts[0];
   if (C > m.shape.ll_max_tokens_per_rank) {
@@ -211,7 +211,7 @@ absl::StatusOr<LowLatencyCombineResult> Endpoint::RunProgramCombine(
                                                    " rows > ll_max_tokens_per_rank ",
                                                    m.shape.ll_max_tokens_per_rank));
   }
-  std::vector<int64_t> ws{C, m.shape.num_topk};
+  std::array<int64_t, 2> ws{C, m.shape.num_topk};
   EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "topk_weights", args.topk_weights, {kF32}, ws, device));
   EPD_ASSIGN_OR_RETURN(void* const stream, m.OpStream(args.stream));
   internal::DeviceGuard guard(device);
