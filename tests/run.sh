@@ -33,6 +33,8 @@ BUILD_TYPE=${EPD_BUILD_TYPE:-Release}
 JOBS=${EPD_JOBS:-$(nproc)}
 START=$(date +%s)
 
+SUMMARY=$(mktemp)
+trap 'rm -f "$SUMMARY"' EXIT
 step() { printf '\n==> [%s +%ds] %s\n' "$(date -u +%H:%M:%S)" "$(($(date +%s) - START))" "$*"; }
 fail() { printf '\n[tests/run.sh] FAILED: %s\n' "$*" >&2; exit 1; }
 
@@ -61,14 +63,31 @@ NINJA_STATUS="[%f/%t %es] " cmake --build "$BUILD_DIR" -j "$JOBS" || fail "build
 step "4/7 ctest (unit, integration, fuzz, security)"
 ctest --test-dir "$BUILD_DIR" --print-labels | sed 's/^/  /'
 # --timeout is the default for tests that set none (integration and fuzz set their own).
+# ctest's own summary line ("100% tests passed, 0 tests failed out of N") of every run is
+# kept and printed again at the end, so the last lines of the log say what ran.
+ctest_log=$(mktemp)
+set +e
 ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 -LE gpu \
-  --parallel "${CTEST_PARALLEL_LEVEL:-1}" "$@" || fail "ctest (see the output above)"
+  --parallel "${CTEST_PARALLEL_LEVEL:-1}" "$@" 2>&1 | tee "$ctest_log"
+rc=${PIPESTATUS[0]}
+set -e
+grep -E 'tests passed|tests failed out of' "$ctest_log" | sed 's/^/  step 4 (unit, integration, fuzz, security, install, python): /' >>"$SUMMARY" || true
+rm -f "$ctest_log"
+((rc == 0)) || fail "ctest (see the output above)"
 
 step "5/7 sanitizers: ASan and UBSan builds (clang, host backend)"
 if [[ "${EPD_SKIP_SANITIZERS:-0}" == 1 ]]; then
   echo "[tests/run.sh] skipped: EPD_SKIP_SANITIZERS=1"
 else
-  EPD_JOBS="$JOBS" "$ROOT/tests/sanitize.sh" || fail "sanitizer builds (see the output above)"
+  san_log=$(mktemp)
+  set +e
+  EPD_JOBS="$JOBS" "$ROOT/tests/sanitize.sh" 2>&1 | tee "$san_log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  grep -E '^==> \[sanitize.sh\] .*: ctest|tests passed|tests failed out of' "$san_log" |
+    sed 's/^/  step 5: /' >>"$SUMMARY" || true
+  rm -f "$san_log"
+  ((rc == 0)) || fail "sanitizer builds (see the output above)"
 fi
 
 step "6/7 GPU tests (ctest -L gpu)"
@@ -82,8 +101,14 @@ elif [[ ! -x "$gpu_tests" ]]; then
   echo "[tests/run.sh] GPU tests not built (no CUDA backend) and no NVIDIA GPU: nothing to run"
 elif ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
   # Each test skips itself with the reason (no CUDA device); CTest reports them skipped.
-  echo "[tests/run.sh] no NVIDIA GPU on this machine: every GPU test reports skipped"
-  ctest --test-dir "$BUILD_DIR" -L gpu --timeout 600 || fail "GPU tests"
+  # Their names go to a log, not to the end of this output: nothing ran.
+  gpu_log="$BUILD_DIR/gpu-tests-skipped.log"
+  echo "[tests/run.sh] no NVIDIA GPU on this machine: every GPU test reports skipped" \
+       "(names: $gpu_log)"
+  ctest --test-dir "$BUILD_DIR" -L gpu --timeout 600 >"$gpu_log" 2>&1 ||
+    { cat "$gpu_log"; fail "GPU tests"; }
+  gpu_total=$(grep -cE '^[[:space:]]*[0-9]+ - .*[(]Skipped[)]' "$gpu_log" || true)
+  echo "  step 6: $gpu_total GPU tests built, 0 run: no NVIDIA GPU (each skipped itself)" >>"$SUMMARY"
 else
   nvidia-smi -L | sed 's/^/  /'
   # The end-to-end GPU tests talk to a real epd running the CUDA backend (EPD_TEST_SOCKET);
@@ -92,7 +117,7 @@ else
   "$BUILD_DIR/daemon/epd" --socket="$gpu_tmp/epd.sock" --backend=cuda \
     >"$gpu_tmp/epd.log" 2>&1 &
   gpu_epd=$!
-  trap 'kill -TERM "$gpu_epd" 2>/dev/null; wait "$gpu_epd" 2>/dev/null; rm -rf "$gpu_tmp"' EXIT
+  trap 'kill -TERM "$gpu_epd" 2>/dev/null; wait "$gpu_epd" 2>/dev/null; rm -rf "$gpu_tmp" "$SUMMARY"' EXIT
   for _ in $(seq 1 300); do
     "$BUILD_DIR/client/epctl" --socket="$gpu_tmp/epd.sock" health >/dev/null 2>&1 && break
     kill -0 "$gpu_epd" 2>/dev/null || { cat "$gpu_tmp/epd.log" >&2; fail "epd --backend=cuda did not start"; }
@@ -101,11 +126,18 @@ else
   "$BUILD_DIR/client/epctl" --socket="$gpu_tmp/epd.sock" status || fail "epd --backend=cuda not serving"
   # One process per test: the graph-mode program tests (GraphProgramTest,
   # CudaHotPathAllocProgramTest) need a process of their own and skip themselves otherwise.
+  set +e
   EPD_TEST_SOCKET="$gpu_tmp/epd.sock" ctest --test-dir "$BUILD_DIR" -L gpu \
-    --output-on-failure --timeout 600 || fail "GPU tests (see the output above)"
+    --output-on-failure --timeout 600 2>&1 | tee "$gpu_tmp/ctest.log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  grep -E 'tests passed|tests failed out of' "$gpu_tmp/ctest.log" | sed 's/^/  step 6 (gpu): /' >>"$SUMMARY" || true
+  ((rc == 0)) || fail "GPU tests (see the output above)"
 fi
 
 step "7/7 example configs parse as epd.v1.DaemonConfig"
 "$ROOT/deploy/examples/check-configs.sh" "$BUILD_DIR" || fail "example configs"
 
 step "all tests passed in $(($(date +%s) - START)) s"
+echo "what ran (ctest's summary line of each run):"
+cat "$SUMMARY"
