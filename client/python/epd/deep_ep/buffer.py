@@ -85,16 +85,17 @@ class DispatchHandle(tuple):
 class LowLatencyHandle:
     """The handle of a low-latency dispatch; indexes and unpacks like DeepEP's 5-tuple:
 
-    (recv_src_info [E/R, R*Mll] int32 (src_rank * Mll + token),
-     recv_layout_range [E/R, R] int64 ((first row << 32) | rows, per source rank),
+    (recv_src_info [E/R, R*Mll] int32: each row's token index on its source rank,
+     recv_layout_range [E/R, R] int64: (first row << 32) | rows, per source rank,
      num_max_dispatch_tokens_per_rank, hidden, num_experts).
 
-    recv_layout_range is computed at its first access. Valid as the dispatch's results:
-    until the low-latency dispatch after next.
+    The two tensors are computed at their first access from epd's recv_src_info
+    (src_rank * Mll + token) and recv_count, so an op that never reads them allocates
+    nothing. Valid as the dispatch's results: until the low-latency dispatch after next.
     """
 
-    __slots__ = ("_owner", "_group", "_ep_handle", "_src_info", "_recv_count", "_layout",
-                 "num_max_dispatch_tokens_per_rank", "hidden", "num_experts")
+    __slots__ = ("_owner", "_group", "_ep_handle", "_src_info", "_recv_count", "_src_idx",
+                 "_layout", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts")
 
     def __init__(self, owner, group, ep_handle, src_info, recv_count, mll, hidden, num_experts):
         self._owner = owner
@@ -102,10 +103,17 @@ class LowLatencyHandle:
         self._ep_handle = ep_handle
         self._src_info = src_info
         self._recv_count = recv_count
+        self._src_idx = None
         self._layout = None
         self.num_max_dispatch_tokens_per_rank = mll
         self.hidden = hidden
         self.num_experts = num_experts
+
+    @property
+    def recv_src_info(self) -> torch.Tensor:
+        if self._src_idx is None:
+            self._src_idx = self._src_info % self.num_max_dispatch_tokens_per_rank
+        return self._src_idx
 
     @property
     def recv_layout_range(self) -> torch.Tensor:
@@ -116,15 +124,13 @@ class LowLatencyHandle:
         return self._layout
 
     def _items(self):
-        return (self._src_info, self.recv_layout_range, self.num_max_dispatch_tokens_per_rank,
+        return (self.recv_src_info, self.recv_layout_range, self.num_max_dispatch_tokens_per_rank,
                 self.hidden, self.num_experts)
 
     def __len__(self):
         return 5
 
     def __getitem__(self, index):
-        if index in (0, -5):
-            return self._src_info
         return self._items()[index]
 
     def __iter__(self):
