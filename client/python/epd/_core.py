@@ -19,6 +19,7 @@ _KDL_CUDA = 2
 
 _LAUNCH_MODES = {"auto": 0, "default": 0, "daemon": 1, "client": 2}
 _LAUNCH_MODE_NAMES = {0: "default", 1: "daemon", 2: "client"}
+_REGION_KINDS = {"numpy": 0, "torch": 1, "dlpack": 2}
 
 # Set up once, at the first join: torch (when importable) and numpy converters.
 _frameworks = None
@@ -369,17 +370,28 @@ class Endpoint:
         combine after next; wait=False: a PendingOp."""
         return self._ll_combine(x, topk_idx, topk_weights, handle, stream, wait)
 
-    def low_latency_combine_input(self):
+    def low_latency_combine_input(self, kind=None):
         """The endpoint's low-latency combine input region [E/R, R*Mll, H] bfloat16, writable
-        and zero-copy (a torch tensor when torch is importable, else a numpy uint16 array of
-        bf16 bits); None without low-latency mode. Valid while the endpoint's memory is
-        mapped; write it only once this rank's next low-latency dispatch is done."""
-        return self._c.input_region(True, self._fw.torch is not None)
+        and zero-copy; None without low-latency mode. kind: None (torch when importable, else
+        numpy), "torch", "numpy" (uint16 bf16 bits) or "dlpack" (the epd.DLView). The same
+        object every call. Valid while the endpoint's memory is mapped; write it only once
+        this rank's next low-latency dispatch is done."""
+        return self._c.input_region(True, self._region_kind(kind))
 
-    def low_latency_dispatch_input(self):
+    def low_latency_dispatch_input(self, kind=None):
         """The low-latency dispatch input region [Mll, H] bfloat16 (as
         low_latency_combine_input); rows [0, T) of it passed as x skip a copy."""
-        return self._c.input_region(False, self._fw.torch is not None)
+        return self._c.input_region(False, self._region_kind(kind))
+
+    def _region_kind(self, kind):
+        if kind is None:
+            return 1 if self._fw.torch is not None else 0
+        mode = _REGION_KINDS.get(kind)
+        if mode is None or (mode == 1 and self._fw.torch is None) or (mode == 0 and self._fw.to_numpy is None):
+            raise InvalidArgumentError(
+                3, "INVALID_ARGUMENT",
+                "kind=%r: expected None, 'torch' (needs torch), 'numpy' (needs numpy) or 'dlpack'" % (kind,))
+        return mode
 
 
 def version():

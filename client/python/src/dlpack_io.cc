@@ -150,6 +150,14 @@ const DLTensor* ReadTensor(py::handle obj, const char* op, const char* field, Te
   }
   if (src != &out.tensor) out.tensor = *src;
   out.present = true;
+  // An empty tensor is compact whatever strides its producer gives it (torch gives some
+  // empty tensors strides of 1).
+  for (int i = 0; i < out.tensor.ndim && out.tensor.shape != nullptr; ++i) {
+    if (out.tensor.shape[i] == 0) {
+      out.tensor.strides = nullptr;
+      break;
+    }
+  }
   if (relabel == Relabel::kBf16Bits && Same(out.tensor.dtype, kU16)) out.tensor.dtype = kBf16;
   if (relabel == Relabel::kFp8Bits && Same(out.tensor.dtype, kU8)) out.tensor.dtype = kE4m3;
   return &out.tensor;
@@ -283,11 +291,29 @@ py::object ViewCache::Get(const DLTensor& t, const std::shared_ptr<EndpointCore>
   for (int i = 0; i < t.ndim; ++i) key.shape[i] = t.shape[i];
   auto it = entries_.find(key);
   if (it != entries_.end()) return it->second;
-  if (entries_.size() >= kMaxEntries) entries_.clear();
+  if (entries_.size() >= kMaxEntries) Clear();
   py::object view = py::cast(DLView(t, owner, numpy_mode));
   py::object obj = convert.is_none() ? view : py::reinterpret_borrow<py::object>(convert)(view);
   entries_.emplace(key, obj);
+  Stored& stored = by_object_[obj.ptr()];
+  stored.tensor = t;
+  stored.tensor.shape = nullptr;
+  stored.tensor.strides = nullptr;
+  for (int i = 0; i < t.ndim; ++i) stored.shape[i] = t.shape[i];
   return obj;
+}
+
+bool ViewCache::Find(py::handle obj, TensorArg& out) const {
+  if (by_object_.empty()) return false;
+  auto it = by_object_.find(obj.ptr());
+  if (it == by_object_.end()) return false;
+  const Stored& stored = it->second;
+  out.tensor = stored.tensor;
+  for (int i = 0; i < out.tensor.ndim; ++i) out.shape[i] = stored.shape[i];
+  out.tensor.shape = out.shape;
+  out.keep = py::reinterpret_borrow<py::object>(obj);
+  out.present = true;
+  return true;
 }
 
 void BindDlpack(py::module_& m) {

@@ -59,6 +59,7 @@ enum class Relabel {
 struct TensorArg {
   py::object keep;  ///< The capsule (or view) that owns `tensor`'s memory.
   DLTensor tensor{};
+  int64_t shape[4] = {};  ///< tensor.shape when it was read from a ViewCache entry.
   bool present = false;
 };
 
@@ -114,7 +115,13 @@ class ViewCache {
   /// The cached object for `t`, made by `convert(DLView)` on a miss; None for ndim 0.
   py::object Get(const DLTensor& t, const std::shared_ptr<EndpointCore>& owner, bool numpy_mode,
                  py::handle convert);
-  void Clear() { entries_.clear(); }
+  /// When `obj` is one of this cache's objects, fills `out` with its view (no DLPack export:
+  /// a result or input region passed back as an op's input) and returns true.
+  bool Find(py::handle obj, TensorArg& out) const;
+  void Clear() {
+    by_object_.clear();
+    entries_.clear();
+  }
   size_t size() const { return entries_.size(); }
 
  private:
@@ -129,6 +136,11 @@ class ViewCache {
     size_t operator()(const Key& k) const;
   };
   std::unordered_map<Key, py::object, KeyHash> entries_;
+  struct Stored {
+    DLTensor tensor;  // shape = nullptr: the dimensions are in `shape`
+    int64_t shape[DLView::kMaxDims];
+  };
+  std::unordered_map<PyObject*, Stored> by_object_;  // the entries' objects (held by entries_)
 };
 
 void BindDlpack(py::module_& m);

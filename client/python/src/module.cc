@@ -215,11 +215,17 @@ class PendingOp;
 /// Tensor arguments of one op call (at most four), kept alive for the call (and for a
 /// PendingOp, until it is waited for).
 struct Inputs {
+  explicit Inputs(const ViewCache* caches) : caches(caches) {}
+  const ViewCache* caches;  // [3]: an endpoint's own views are read without an export
   std::array<TensorArg, 4> args;
   int used = 0;
   const DLTensor* Read(py::handle obj, const char* op, const char* field,
                        Relabel relabel = Relabel::kNone) {
-    return ReadTensor(obj, op, field, args[used++], relabel);
+    TensorArg& arg = args[used++];
+    if (caches[1].Find(obj, arg) || caches[0].Find(obj, arg) || caches[2].Find(obj, arg)) {
+      return &arg.tensor;
+    }
+    return ReadTensor(obj, op, field, arg, relabel);
   }
   py::tuple Keep() const {
     py::tuple t(used);
@@ -281,22 +287,23 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
       py::gil_scoped_release release;
       epd_endpoint_leave(core_->endpoint);
     }
-    caches_[0].Clear();
-    caches_[1].Clear();
+    for (ViewCache& cache : caches_) cache.Clear();
     free_ops_.clear();
     core_.reset();
   }
   bool closed() const { return core_ == nullptr; }
 
-  /// The low-latency combine (or dispatch) input region as a cached view; None without
-  /// low-latency mode.
-  py::object InputRegion(bool combine, bool torch_mode) {
+  /// The low-latency combine (or dispatch) input region as a cached view (mode: 0 numpy
+  /// converter, 1 torch converter, 2 the DLView itself); None without low-latency mode.
+  py::object InputRegion(bool combine, int mode) {
     const char* op = combine ? "low_latency_combine_input" : "low_latency_dispatch_input";
     EndpointCore& c = Live(op);
     DLTensor t{};
     Check(combine ? epd_low_latency_combine_input(c.endpoint, &t)
                   : epd_low_latency_dispatch_input(c.endpoint, &t));
-    return View(t, torch_mode);
+    if (mode < 0 || mode > 2)
+      RaiseStatus(EPD_INVALID_ARGUMENT, std::string(op) + ": mode " + std::to_string(mode));
+    return caches_[mode].Get(t, core_, mode != 1, mode == 2 ? py::none() : converters_[mode]);
   }
 
   py::object View(const DLTensor& t, bool torch_mode) {
@@ -308,7 +315,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     converters_[1] = std::move(torch_convert);
   }
 
-  size_t CacheSize() const { return caches_[0].size() + caches_[1].size(); }
+  size_t CacheSize() const { return caches_[0].size() + caches_[1].size() + caches_[2].size(); }
 
   // The five ops. Each reads its tensors, submits into the endpoint's reusable holder
   // (wait=True: waits with the GIL released and returns the result) or into a holder of its
@@ -316,7 +323,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
   py::object Layout(py::handle topk_idx, py::handle stream, bool wait) {
     static constexpr const char* kOp = "get_dispatch_layout";
     EndpointCore& c = Live(kOp);
-    Inputs in;
+    Inputs in(caches_);
     epd_layout_args_t a{};
     a.struct_size = sizeof(a);
     a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
@@ -330,7 +337,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
                       py::handle stream, bool wait) {
     static constexpr const char* kOp = "dispatch";
     EndpointCore& c = Live(kOp);
-    Inputs in;
+    Inputs in(caches_);
     epd_dispatch_args_t a{};
     a.struct_size = sizeof(a);
     a.x_scales = in.Read(x_scales, kOp, "x_scales");
@@ -349,7 +356,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
                      py::handle stream, bool wait) {
     static constexpr const char* kOp = "combine";
     EndpointCore& c = Live(kOp);
-    Inputs in;
+    Inputs in(caches_);
     epd_combine_args_t a{};
     a.struct_size = sizeof(a);
     a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits);
@@ -367,7 +374,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
                                 py::handle stream, bool wait) {
     static constexpr const char* kOp = "low_latency_dispatch";
     EndpointCore& c = Live(kOp);
-    Inputs in;
+    Inputs in(caches_);
     epd_ll_dispatch_args_t a{};
     a.struct_size = sizeof(a);
     a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits);
@@ -385,7 +392,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
                                py::handle handle, py::handle stream, bool wait) {
     static constexpr const char* kOp = "low_latency_combine";
     EndpointCore& c = Live(kOp);
-    Inputs in;
+    Inputs in(caches_);
     epd_ll_combine_args_t a{};
     a.struct_size = sizeof(a);
     a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits);
@@ -469,7 +476,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
 
   std::shared_ptr<EndpointCore> core_;
   OpHolder sync_op_;
-  ViewCache caches_[2];  // [0] numpy mode, [1] torch mode
+  ViewCache caches_[3];  // [0] numpy mode, [1] torch mode, [2] DLViews
   py::object converters_[2];
   std::vector<OpHolder> free_ops_;
 };
