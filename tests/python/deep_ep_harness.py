@@ -1,16 +1,9 @@
-"""Harness of the epd.deep_ep suites: a host-backend epd daemon for the test session and a
-runner of one function on R processes joined by a gloo group (torch.multiprocessing).
-
-The daemon binary is $EPD_BINARY, else $EPD_BUILD_DIR/daemon/epd, else build/daemon/epd
-of this repository. $EPD_SOCKET of a running daemon is used instead when
-EPD_TEST_USE_RUNNING_DAEMON=1 (e.g. a CUDA daemon on the GPU machine).
-"""
+"""Harness of the epd.deep_ep suites: the session's epd daemon (conftest.py) as
+$EPD_SOCKET, and a runner of one function on R processes that init_dist joins in a gloo
+group, as DeepEP's own tests run (torch.multiprocessing, spawn)."""
 
 import os
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 import traceback
 
@@ -19,52 +12,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _daemon_binary():
-    if os.environ.get("EPD_BINARY"):
-        return os.environ["EPD_BINARY"]
-    build = os.environ.get("EPD_BUILD_DIR", os.path.join(_REPO, "build"))
-    return os.path.join(build, "daemon", "epd")
-
 
 @pytest.fixture(scope="session")
-def epd_socket():
-    """The socket of an epd daemon (host backend) running for the whole session."""
-    if os.environ.get("EPD_TEST_USE_RUNNING_DAEMON") == "1":
-        yield os.environ["EPD_SOCKET"]
-        return
-    binary = _daemon_binary()
-    if not os.path.exists(binary):
-        pytest.fail(f"epd daemon binary not found at {binary} (set EPD_BINARY or EPD_BUILD_DIR)")
-    tmp = tempfile.mkdtemp(prefix="epd-deep-ep-")
-    sock = os.path.join(tmp, "epd.sock")
-    log = open(os.path.join(tmp, "epd.log"), "w")
-    proc = subprocess.Popen([binary, "--backend=host", f"--socket={sock}", "--host_threads=1"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 20
-    while not os.path.exists(sock):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            log.close()
-            pytest.fail("epd did not start: " + open(os.path.join(tmp, "epd.log")).read()[-2000:])
-        time.sleep(0.05)
+def epd_socket(daemon):
+    """The socket of the session's epd daemon (conftest.py `daemon`, host backend), also
+    exported as $EPD_SOCKET for the rank processes' Buffers."""
     old = os.environ.get("EPD_SOCKET")
-    os.environ["EPD_SOCKET"] = sock
+    os.environ["EPD_SOCKET"] = daemon.socket
     try:
-        yield sock
+        yield daemon.socket
     finally:
         if old is None:
             os.environ.pop("EPD_SOCKET", None)
         else:
             os.environ["EPD_SOCKET"] = old
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def _free_port():
@@ -136,5 +97,3 @@ def expect_error(exc_types, fn, *args, match=None, **kwargs):
         return e
     raise AssertionError(f"{getattr(fn, '__name__', fn)} raised nothing, expected {exc_types}")
 
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
