@@ -33,6 +33,14 @@ def _inputs(rank, num_experts=E, num_topk=K, hidden=H):
     return x, topk_idx, topk_weights
 
 
+def _fp8_inputs(rank, num_tokens):
+    """e4m3 bits (uint8, NaN codes left out) and f32 scales of rank `rank`: dispatch moves
+    FP8 data as bytes, so torch needs no float8 dtype for these."""
+    g = torch.Generator().manual_seed(2000 + rank)
+    bits = torch.randint(0, 0x7E, (num_tokens, H), generator=g, dtype=torch.uint8)
+    return bits, torch.rand((num_tokens, H // 128), generator=g, dtype=torch.float32)
+
+
 def _ref_layout(topk_idx, num_experts, num_ranks):
     t = topk_idx.size(0)
     per_expert = torch.zeros(num_experts, dtype=torch.int32)
@@ -148,6 +156,20 @@ def _normal_body(rank, num_ranks, group):
     # The first handle still serves (restored again: a dispatch came in between).
     comb3, _, _ = buf.combine(recv_x, handle)
     assert torch.equal(comb3, (x.float() * fanout).to(torch.bfloat16))
+
+    # FP8 (as e4m3 bits; column-major scales as DeepEP's tests pass them), then cached
+    # re-dispatches in the other dtype with the FP8 handle and with a stale BF16 handle.
+    bits, scales = _fp8_inputs(rank, x.size(0))
+    (rb, rs), _, _, _, h8, _ = buf.dispatch(
+        (bits, scales.T.contiguous().T), num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=n_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+    want_bits = torch.stack([_fp8_inputs(r[0], 20 + 3 * r[0])[0][r[1]] for r in ref])
+    want_scales = torch.stack([_fp8_inputs(r[0], 20 + 3 * r[0])[1][r[1]] for r in ref])
+    assert torch.equal(rb.view(torch.uint8), want_bits) and torch.equal(rs, want_scales)
+    bx, _, _, _, _, _ = buf.dispatch(x, handle=h8)
+    assert torch.equal(bx, recv_x)
+    (cb, cs), _, _, _, _, _ = buf.dispatch((bits, scales), handle=handle2)
+    assert torch.equal(cb.view(torch.uint8), want_bits) and torch.equal(cs, want_scales)
 
     # ---- bad input: a clear error on every rank, then the next op works ----
     expect_error(ValueError, buf.dispatch, x.float(), num_tokens_per_rank=n_rank,
