@@ -43,11 +43,9 @@ _LL_HINT_TOPK = 32
 class _Group:
     """One joined epd group of a Buffer: the endpoint and the shape it was created with."""
 
-    def __init__(self, ep, budget_name: str, budget: int):
+    def __init__(self, ep):
         self.ep = ep
         self.spec = ep.spec
-        self.budget_name = budget_name
-        self.budget = budget
         self.client_launched = ep.info.launch_mode == "client"
 
     def bytes_for(self, **changes) -> int:
@@ -263,11 +261,14 @@ class Buffer:
         self._secret = peers[0][2]
         self._client = _epd_core.Client.connect(client_name=f"deep_ep rank {self.rank}")
         # Normal mode: non-cached dispatches so far (handles remember theirs), the largest
-        # top-k and the expert count seen by get_dispatch_layout (the group's shape).
+        # top-k get_dispatch_layout saw (the group's top-k), zero rows for _restore.
         self._generation = 0
         self._topk_seen = 0
         self._zero_x = {}
+        # Low-latency ops not yet waited for (daemon-launched), the latest one
+        # (client-launched), ops so far, and cached scale views.
         self._ll_pending = collections.deque()
+        self._ll_last = None
         self._ll_ops = 0
         self._views = {}
 
@@ -282,7 +283,16 @@ class Buffer:
         self._release()
 
     def _release(self) -> None:
-        pending, self._ll_pending = self._ll_pending, collections.deque()
+        """Waits for the low-latency ops not waited for yet, leaves, closes; then raises the
+        first error those ops had, if any."""
+        pending = list(self._ll_pending) + ([self._ll_last] if self._ll_last is not None else [])
+        self._ll_pending, self._ll_last = collections.deque(), None
+        first_error = None
+        for op in pending:
+            try:
+                op.wait()
+            except _epd_errors.EpdError as e:
+                first_error = first_error or e
         if self._cuda:
             torch.cuda.synchronize()
         for g in (self._normal, self._ll):
@@ -292,7 +302,8 @@ class Buffer:
         if self._client is not None:
             self._client.close()
             self._client = None
-        pending.clear()
+        if first_error is not None:
+            raise first_error
 
     def __del__(self):
         if not getattr(self, "explicitly_destroy", True) and getattr(self, "_client", None):
@@ -377,13 +388,13 @@ class Buffer:
     def _event(self, async_finish: bool) -> EventOverlap:
         return EventOverlap(EventHandle()) if async_finish else EventOverlap()
 
-    def _join(self, suffix: str, spec_args: dict, budget_name: str, budget: int) -> _Group:
+    def _join(self, suffix: str, spec_args: dict) -> _Group:
         spec = _epd_core.GroupSpec(name=f"{self._name}-{suffix}", num_ranks=self.group_size,
                                    **spec_args)
         gpu = torch.cuda.current_device() if self._cuda else None
         ep = self._client.join(spec, self.rank, gpu=gpu, launch_mode=self._launch_mode,
                                join_secret=self._secret)
-        return _Group(ep, budget_name, budget)
+        return _Group(ep)
 
     def _normal_group(self, op: str, hidden: int, num_topk: int, num_experts: int,
                       num_tokens: int) -> _Group:
@@ -405,7 +416,7 @@ class Buffer:
             self._normal = g = self._join(
                 "n", dict(hidden=hidden, num_topk=shape["num_topk"], num_experts=num_experts,
                           max_tokens_per_rank=m, max_dispatch_tokens_per_rank=0,
-                          use_fp8=shape["use_fp8"]), "num_nvl_bytes", self.num_nvl_bytes)
+                          use_fp8=shape["use_fp8"]))
             return g
         s = g.spec
         if hidden != s.hidden or num_experts != s.num_experts or num_topk > s.num_topk:
@@ -448,8 +459,10 @@ class Buffer:
             zero = torch.zeros((num_tokens, g.spec.hidden), dtype=torch.bfloat16,
                                device=h._routing.device)
             self._zero_x = {num_tokens: zero}
-        res = g.ep.dispatch(zero, topk_idx=h._routing, num_sms=num_sms, stream=self._stream())
-        self._generation += 1
+        try:
+            res = g.ep.dispatch(zero, topk_idx=h._routing, num_sms=num_sms, stream=self._stream())
+        finally:
+            self._generation += 1
         if res.num_recv_tokens != h._ep_handle.num_recv_tokens:
             raise _epd_errors.InternalError(
                 13, "INTERNAL", f"{op}: re-dispatching a handle's routing received "
@@ -570,9 +583,10 @@ class Buffer:
                                 expert_alignment=expert_alignment, num_sms=num_sms,
                                 stream=self._stream())
         except _epd_errors.EpdError as e:
-            self._generation += 1
             self._explain_too_many(g, op, num_tokens, e)
-        self._generation += 1
+        finally:
+            # Any dispatch that reached epd may have replaced the group's routing.
+            self._generation += 1
         n = res.num_recv_tokens
         m = g.spec.max_tokens_per_rank
         src_info = res.recv_src_info
@@ -700,7 +714,7 @@ class Buffer:
         self._ll = g = self._join(
             "ll", dict(hidden=hidden, num_topk=num_topk, num_experts=num_experts,
                        max_tokens_per_rank=1, max_dispatch_tokens_per_rank=mll,
-                       use_fp8=shape["use_fp8"]), "num_rdma_bytes", self.num_rdma_bytes)
+                       use_fp8=shape["use_fp8"]))
         return g
 
     def _ll_submit(self, g: _Group, submit: Callable, hook_wanted: bool):
@@ -716,7 +730,9 @@ class Buffer:
         self._ll_ops += 1
         if g.client_launched:
             # Device errors stay until read: one wait (a stream sync) reports them all.
+            self._ll_last = pending
             if self._ll_ops % _LL_CHECK_EVERY == 0:
+                self._ll_last = None
                 pending.wait()
         else:
             self._ll_pending.append(pending)
