@@ -40,6 +40,8 @@ def _child(local_rank, num_ranks, port, fn, args, results):
         os.environ["MASTER_PORT"] = str(port)
         from epd.deep_ep.utils.envs import init_dist
         rank, world, group = init_dist(local_rank, num_ranks)
+        if hasattr(torch, "set_default_device"):
+            torch.set_default_device("cpu")  # the host backend's tensors, also on a GPU machine
         fn(rank, world, group, *args)
         dist.barrier()
         dist.destroy_process_group()

@@ -248,7 +248,6 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.enable_shrink = enable_shrink
-        self._cuda = torch.cuda.is_available()
         self._launch_mode = os.environ.get("EPD_LAUNCH_MODE", "auto")
         secret = os.environ.get("EPD_JOIN_SECRET", "").encode()
         mine = (socket.gethostname(), secrets.token_hex(8), secret or secrets.token_bytes(16))
@@ -260,6 +259,9 @@ class Buffer:
         self._name = f"deep_ep-{peers[0][1]}"
         self._secret = peers[0][2]
         self._client = _epd_core.Client.connect(client_name=f"deep_ep rank {self.rank}")
+        # CUDA tensors, streams and a GPU to join with on epd's CUDA backend; CPU tensors and
+        # synchronous ops on its host backend (also where torch sees a GPU).
+        self._cuda = self._client.stats_summary()["backend"] == "cuda"
         # Normal mode: non-cached dispatches so far (handles remember theirs), the largest
         # top-k get_dispatch_layout saw (the group's top-k), zero rows for _restore.
         self._generation = 0
