@@ -13,14 +13,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+# The tensors' device: "cpu" (the host backend, CI) or, with EPD_TEST_DEVICE=cuda, "cuda"
+# against the CUDA daemon already serving on $EPD_SOCKET (the GPU machine).
+DEVICE = os.environ.get("EPD_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="session")
-def epd_socket(daemon):
-    """The socket of the session's epd daemon (conftest.py `daemon`, host backend), also
-    exported as $EPD_SOCKET for the rank processes' Buffers."""
+def epd_socket(request):
+    """The daemon's socket, exported as $EPD_SOCKET for the rank processes' Buffers: the
+    session's host-backend daemon (conftest.py `daemon`), or with EPD_TEST_DEVICE=cuda the
+    running daemon on $EPD_SOCKET."""
     old = os.environ.get("EPD_SOCKET")
-    os.environ["EPD_SOCKET"] = daemon.socket
+    if DEVICE == "cuda":
+        if not old:
+            pytest.fail("EPD_TEST_DEVICE=cuda needs $EPD_SOCKET of a CUDA epd daemon")
+        yield old
+        return
+    os.environ["EPD_SOCKET"] = request.getfixturevalue("daemon").socket
     try:
-        yield daemon.socket
+        yield os.environ["EPD_SOCKET"]
     finally:
         if old is None:
             os.environ.pop("EPD_SOCKET", None)
@@ -41,7 +52,7 @@ def _child(local_rank, num_ranks, port, fn, args, results):
         from epd.deep_ep.utils.envs import init_dist
         rank, world, group = init_dist(local_rank, num_ranks)
         if hasattr(torch, "set_default_device"):
-            torch.set_default_device("cpu")  # the host backend's tensors, also on a GPU machine
+            torch.set_default_device(DEVICE)  # CPU tensors for the host backend, also on a GPU machine
         fn(rank, world, group, *args)
         dist.barrier()
         dist.destroy_process_group()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import epd
-from deep_ep_harness import epd_socket, expect_error, run_ranks  # noqa: F401 (fixture)
+from deep_ep_harness import DEVICE, epd_socket, expect_error, run_ranks  # noqa: F401 (fixture)
 
 R = 4
 H = 512
@@ -51,16 +51,16 @@ def _dequant(x8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def _inputs(rank):
-    g = torch.Generator().manual_seed(77 + rank)
-    x = torch.full((T, H), float(rank - OFFSET), dtype=torch.float32)
-    x[:, -128:] = torch.arange(T, dtype=torch.float32).view(-1, 1)
+    g = torch.Generator(device="cpu").manual_seed(77 + rank)
+    x = torch.full((T, H), float(rank - OFFSET), dtype=torch.float32, device="cpu")
+    x[:, -128:] = torch.arange(T, dtype=torch.float32, device="cpu").view(-1, 1)
     x = x.to(torch.bfloat16)
-    scores = torch.rand((T, E), generator=g, dtype=torch.float32)
+    scores = torch.rand((T, E), generator=g, dtype=torch.float32, device="cpu")
     topk_idx = scores.topk(K, dim=1).indices.to(torch.int64)
     topk_idx[3, :] = -1
     topk_idx[5, 2] = -1
-    weights = torch.rand((T, K), generator=g, dtype=torch.float32)
-    return x, topk_idx, weights
+    weights = torch.rand((T, K), generator=g, dtype=torch.float32, device="cpu")
+    return x.to(DEVICE), topk_idx.to(DEVICE), weights.to(DEVICE)
 
 
 def _check_dispatch(rank, num_ranks, recv, count, handle, all_idx, use_fp8, x_ref):

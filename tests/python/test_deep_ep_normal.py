@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import epd
-from deep_ep_harness import epd_socket, expect_error, run_ranks  # noqa: F401 (fixture)
+from deep_ep_harness import DEVICE, epd_socket, expect_error, run_ranks  # noqa: F401 (fixture)
 
 R = 4
 H = 256
@@ -22,23 +22,24 @@ K = 3
 
 def _inputs(rank, num_experts=E, num_topk=K, hidden=H):
     """Rank `rank`'s tokens, the same on every process (seeded by rank)."""
-    g = torch.Generator().manual_seed(1000 + rank)
+    g = torch.Generator(device="cpu").manual_seed(1000 + rank)
     t = 20 + 3 * rank
-    x = torch.randn((t, hidden), generator=g, dtype=torch.float32).to(torch.bfloat16)
-    scores = torch.rand((t, num_experts), generator=g, dtype=torch.float32)
+    x = torch.randn((t, hidden), generator=g, dtype=torch.float32, device="cpu").to(torch.bfloat16)
+    scores = torch.rand((t, num_experts), generator=g, dtype=torch.float32, device="cpu")
     topk_idx = scores.topk(num_topk, dim=1).indices.to(torch.int64)
     topk_idx[0, :] = -1  # a token sent nowhere
     topk_idx[1, 1] = -1
-    topk_weights = torch.rand((t, num_topk), generator=g, dtype=torch.float32)
-    return x, topk_idx, topk_weights
+    topk_weights = torch.rand((t, num_topk), generator=g, dtype=torch.float32, device="cpu")
+    return x.to(DEVICE), topk_idx.to(DEVICE), topk_weights.to(DEVICE)
 
 
 def _fp8_inputs(rank, num_tokens):
     """e4m3 bits (uint8, NaN codes left out) and f32 scales of rank `rank`: dispatch moves
     FP8 data as bytes, so torch needs no float8 dtype for these."""
-    g = torch.Generator().manual_seed(2000 + rank)
-    bits = torch.randint(0, 0x7E, (num_tokens, H), generator=g, dtype=torch.uint8)
-    return bits, torch.rand((num_tokens, H // 128), generator=g, dtype=torch.float32)
+    g = torch.Generator(device="cpu").manual_seed(2000 + rank)
+    bits = torch.randint(0, 0x7E, (num_tokens, H), generator=g, dtype=torch.uint8, device="cpu")
+    scales = torch.rand((num_tokens, H // 128), generator=g, dtype=torch.float32, device="cpu")
+    return bits.to(DEVICE), scales.to(DEVICE)
 
 
 def _ref_layout(topk_idx, num_experts, num_ranks):
