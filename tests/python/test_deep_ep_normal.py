@@ -7,7 +7,6 @@ clear error with the next op still working; and the op sequence of DeepEP's
 test_intranode.py (its logic rewritten here, CPU-sized).
 """
 
-import pytest
 import torch
 import torch.distributed as dist
 

@@ -5,8 +5,6 @@ client/python/deep_ep_dropin to import this package as `deep_ep`. docs/DEEP_EP.m
 every call onto epd and lists what is not supported.
 """
 
-import torch
-
 from . import utils
 from ._errors import BufferTooSmallError
 from .buffer import Buffer, DispatchHandle, LowLatencyHandle, topk_idx_t
