@@ -60,6 +60,16 @@ def _fp8_dtype() -> torch.dtype:
     return dtype
 
 
+def _padded_float(x: torch.Tensor, padded: int) -> torch.Tensor:
+    """x [m, n] as float32 [m, padded], zero columns past n (no copy beyond the cast when
+    n == padded)."""
+    if x.size(1) == padded:
+        return x.float()
+    xf = torch.zeros((x.size(0), padded), dtype=torch.float32, device=x.device)
+    xf[:, :x.size(1)] = x.float()
+    return xf
+
+
 def per_token_cast_to_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantises x [m, n] (any float dtype) to e4m3 with one scale per 128 channels.
 
@@ -71,8 +81,7 @@ def per_token_cast_to_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"per_token_cast_to_fp8: x must be 2-D, got shape {tuple(x.shape)}")
     m, n = x.shape
     padded = align(n, _BLOCK)
-    xf = torch.zeros((m, padded), dtype=torch.float32, device=x.device)
-    xf[:, :n] = x.float()
+    xf = _padded_float(x, padded)
     blocks = xf.view(m, padded // _BLOCK, _BLOCK)
     amax = blocks.abs().amax(dim=2).clamp(min=_AMAX_FLOOR)
     q = (blocks * (_E4M3_MAX / amax).unsqueeze(2)).to(_fp8_dtype())
@@ -100,8 +109,7 @@ def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor) -> torch.Te
     if x_fp8.numel() == 0:
         return torch.empty((m, n), dtype=torch.bfloat16, device=x_fp8.device)
     padded = align(n, _BLOCK)
-    xf = torch.zeros((m, padded), dtype=torch.float32, device=x_fp8.device)
-    xf[:, :n] = x_fp8.float()
+    xf = _padded_float(x_fp8, padded)
     scales = _scales_as_float(x_scales).reshape(m, -1, 1)
     out = xf.view(m, padded // _BLOCK, _BLOCK) * scales
     return out.view(m, padded)[:, :n].to(torch.bfloat16).contiguous()
