@@ -4,6 +4,7 @@ run scenario functions in lockstep, deterministic inputs and torch references of
 
 import importlib
 import os
+import pickle
 import queue
 import shutil
 import signal
@@ -129,7 +130,9 @@ def _rank_main(socket, rank, group, inbox, outbox):
             continue
         try:
             fn = getattr(importlib.import_module(module), name)
-            outbox.put((rank, True, fn(w, *args, **kwargs)))
+            result = fn(w, *args, **kwargs)
+            pickle.dumps(result)  # an unpicklable result would be lost in the queue's thread
+            outbox.put((rank, True, result))
         except BaseException:
             outbox.put((rank, False, traceback.format_exc()))
     w.client.close()
