@@ -143,6 +143,7 @@ print("epd setup.py: epd.h from %s, %s from %s (%s); dlpack.h from %s; pybind11 
 ext = Extension(
     "epd._C",
     sources=sorted(glob.glob(os.path.join("src", "*.cc"))),
+    depends=sorted(glob.glob(os.path.join("src", "*.h"))),
     include_dirs=[pybind11_include, epd_include, dlpack_include],
     library_dirs=[lib_dir],
     libraries=["epdclient"],
