@@ -12,6 +12,7 @@ libepdclient.so, found in this order:
 3. this repository's build/ tree;
 4. `pkg-config epd`;
 5. /usr/local.
+EPD_SOURCE_DIR names the repository when building from a copy of client/python.
 
 dlpack/dlpack.h is looked for in DLPACK_INCLUDE_DIR, then beside epd.h, then /usr/include
 and /usr/local/include. The extension links libepdclient alone, with an rpath to its
@@ -28,7 +29,9 @@ import sys
 from setuptools import Extension, find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
+# The repository (for its build/ tree, client/include and version): EPD_SOURCE_DIR when the
+# package is built from a copy, else the tree this file is in.
+REPO = os.environ.get("EPD_SOURCE_DIR") or os.path.dirname(os.path.dirname(HERE))
 LIB = "libepdclient.so"
 
 
@@ -143,6 +146,7 @@ print("epd setup.py: epd.h from %s, %s from %s (%s); dlpack.h from %s; pybind11 
 ext = Extension(
     "epd._C",
     sources=sorted(glob.glob(os.path.join("src", "*.cc"))),
+    depends=sorted(glob.glob(os.path.join("src", "*.h"))),
     include_dirs=[pybind11_include, epd_include, dlpack_include],
     library_dirs=[lib_dir],
     libraries=["epdclient"],

@@ -154,10 +154,11 @@ class Client {
   py::dict Stats() const {
     epd_stats_t s{};
     s.struct_size = sizeof(s);
+    epd_client_t* client = Live("stats").client;  // may raise: before the GIL is released
     epd_status_t status;
     {
       py::gil_scoped_release release;
-      status = epd_client_stats(Live("stats").client, &s);
+      status = epd_client_stats(client, &s);
     }
     Check(status);
     py::dict d;
@@ -303,7 +304,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
                   : epd_low_latency_dispatch_input(c.endpoint, &t));
     if (mode < 0 || mode > 2)
       RaiseStatus(EPD_INVALID_ARGUMENT, std::string(op) + ": mode " + std::to_string(mode));
-    return caches_[mode].Get(t, core_, mode != 1, mode == 2 ? py::none() : converters_[mode]);
+    return caches_[mode].Get(t, core_, mode == 0, mode == 2 ? py::none() : converters_[mode]);
   }
 
   py::object View(const DLTensor& t, bool torch_mode) {
