@@ -7,6 +7,7 @@
 #include <epd/epd.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <sched.h>
 #include <time.h>
 
 #include <chrono>
@@ -55,13 +56,17 @@ class Capsule {
     if (std::string(capsule_.name() ? capsule_.name() : "") != "dltensor") {
       throw std::invalid_argument("expected a 'dltensor' capsule (torch.utils.dlpack.to_dlpack)");
     }
-    managed_ = capsule_.get_pointer<DLManagedTensor>();
+    tensor_ = capsule_.get_pointer<DLManagedTensor>()->dl_tensor;
+    // An empty tensor's strides are arbitrary in DLPack: pass it as compact (as epd._C does).
+    for (int i = 0; i < tensor_.ndim; ++i) {
+      if (tensor_.shape[i] == 0) tensor_.strides = nullptr;
+    }
   }
-  const DLTensor* tensor() const { return &managed_->dl_tensor; }
+  const DLTensor* tensor() const { return &tensor_; }
 
  private:
   py::capsule capsule_;
-  DLManagedTensor* managed_;
+  DLTensor tensor_;
 };
 
 /// Per-op timings of one loop, in ns: submit = the op call (arguments already prepared);
@@ -119,9 +124,9 @@ class LlLoop {
 
   /// `iters` low-latency dispatch + combine ops of x [T, H] bf16 routed by topk_idx [T, K]
   /// int64 with topk_weights [T, K] f32 (capsules), the combine reading this endpoint's
-  /// combine input region. split: submit, then poll epd_op_wait(op, 0) every poll_us and
-  /// time the call that finds the op done (with its result); else block in epd_op_wait.
-  /// stream: a cudaStream_t as an int (0 = none). Returns a dict of ns lists.
+  /// combine input region. split: submit, then poll epd_op_wait(op, 0) every poll_us (0: spin with
+  /// sched_yield) and time the call that finds the op done (with its result); else block in
+  /// epd_op_wait. stream: a cudaStream_t as an int (0 = none). Returns a dict of ns lists.
   py::dict Run(py::capsule x, py::capsule topk_idx, py::capsule topk_weights, int iters, bool split,
                int poll_us, uintptr_t stream) {
     Capsule cx(std::move(x)), ci(std::move(topk_idx)), cw(std::move(topk_weights));
@@ -218,7 +223,11 @@ class LlLoop {
         *done_ns = t1 - t0;
         return s;
       }
-      SleepUs(poll_us);
+      if (poll_us > 0) {
+        SleepUs(poll_us);
+      } else {
+        sched_yield();
+      }
     }
   }
 

@@ -121,7 +121,9 @@ def _rank_inputs(torch, a, rank, device):
     g = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn((a.tokens, a.hidden), generator=g).to(torch.bfloat16)
     # Uniform routing: K distinct experts per token.
-    idx = torch.stack([torch.randperm(a.experts, generator=g)[:a.topk] for _ in range(a.tokens)])
+    idx = torch.empty((0, a.topk), dtype=torch.int64)
+    if a.tokens > 0:
+        idx = torch.stack([torch.randperm(a.experts, generator=g)[:a.topk] for _ in range(a.tokens)])
     w = torch.rand((a.tokens, a.topk), generator=g, dtype=torch.float32)
     return x.to(device), idx.to(device), w.to(device)
 
@@ -140,7 +142,10 @@ def _py_block(ep, x, idx, w, cin, iters, split, poll_s, stream):
             try:
                 r = p.wait(0)
             except epd.DeadlineExceededError:
-                time.sleep(poll_s)
+                if poll_s > 0:
+                    time.sleep(poll_s)
+                else:
+                    os.sched_yield()
                 continue
             return r, clock() - t0
 
@@ -285,31 +290,40 @@ def _rank_run(a, socket, rank, driver_dir):
         return _epd_bench_ll.LlLoop(socket, a.group + "-c", a.ranks, a.hidden, a.topk, a.experts, a.mll,
                                     a.mll, rank, info.gpu_uuid, mode)
 
-    def c_run(loop, iters, split):
-        caps = [torch.utils.dlpack.to_dlpack(t) for t in (x, idx, w)]
-        out = loop.run(*caps, iters, split, a.poll_us, c_stream)
+    def c_run(loop, iters, split, t):
+        caps = [torch.utils.dlpack.to_dlpack(v[:t]) for v in (x, idx, w)]
+        out = loop.run(*caps, iters, split, a.poll_us if t > 0 else 0, c_stream)
         sync()
         return out
 
-    def py_run(iters, split):
-        out = _py_block(ep, x, idx, w, cin, iters, split, poll_s, stream)
+    def py_run(iters, split, t):
+        out = _py_block(ep, x[:t], idx[:t], w[:t], cin, iters, split, poll_s if t > 0 else 0, stream)
         sync()
         return out
 
-    res = {"py_split": [], "c_split": [], "py_e2e": [], "c_e2e": []}
-    py_run(a.warmup, True)
-    py_run(a.warmup, False)
+    # The op at T tokens and, with --empty-ops, the same ops at T = 0 on the same endpoints,
+    # polled without sleeping (no data moved and the process kept running: the calls' own
+    # cost, with warm caches when each rank has a core of its own).
+    sets = [("", a.tokens)] + ([("_t0", 0)] if a.empty_ops else [])
+    res = {p + suffix: [] for p in ("py_split", "c_split", "py_e2e", "c_e2e") for suffix, _ in sets}
+
+    def blocks(paths):
+        for suffix, t in sets:
+            for split in (True, False):
+                for path in paths:
+                    (py_run if path == "py" else lambda n, sp, tt: c_run(loop, n, sp, tt))(a.warmup, split, t)
+        for _ in range(a.blocks):
+            for suffix, t in sets:
+                for split, name in ((True, "_split"), (False, "_e2e")):
+                    for path in paths:
+                        run = py_run if path == "py" else (lambda n, sp, tt: c_run(loop, n, sp, tt))
+                        res[path + name + suffix].append(run(a.iters, split, t))
+
     if a.order == "interleaved":
         loop = c_join()
-        c_run(loop, a.warmup, True)
-        c_run(loop, a.warmup, False)
-    for _ in range(a.blocks):
-        res["py_split"].append(py_run(a.iters, True))
-        if a.order == "interleaved":
-            res["c_split"].append(c_run(loop, a.iters, True))
-        res["py_e2e"].append(py_run(a.iters, False))
-        if a.order == "interleaved":
-            res["c_e2e"].append(c_run(loop, a.iters, False))
+        blocks(("py", "c"))
+    else:
+        blocks(("py",))
     alloc = _alloc_block(torch, ep, x, idx, w, cin, a.alloc_iters, stream)
     sync()
     if a.order == "sequential":
@@ -319,11 +333,7 @@ def _rank_run(a, socket, rank, driver_dir):
         ep.close()
         gc.collect()
         loop = c_join()
-        c_run(loop, a.warmup, True)
-        c_run(loop, a.warmup, False)
-        for _ in range(a.blocks):
-            res["c_split"].append(c_run(loop, a.iters, True))
-            res["c_e2e"].append(c_run(loop, a.iters, False))
+        blocks(("c",))
     loop.leave()
     ep.close()
     client.close()
@@ -378,29 +388,37 @@ def _stats(ns):
     return {"p50_us": statistics.median(ns) / 1e3, "p99_us": _pct(ns, 0.99) / 1e3, "n": len(ns)}
 
 
+def _op_rows(a, pooled, suffix, label):
+    rows, verdicts = [], []
+    for op in ("dispatch", "combine"):
+        pair = []
+        for what, key in (("submit (CPU)", op + "_submit"), ("complete (CPU, op done)", op + "_complete")):
+            c, p = _stats(pooled["c_split" + suffix][key]), _stats(pooled["py_split" + suffix][key])
+            pair.append({"figure": "%s %s%s" % (op, what, label), "cpp": c, "python": p,
+                         "added_p50_us": p["p50_us"] - c["p50_us"]})
+        added = sum(r["added_p50_us"] for r in pair)
+        ok = added <= a.goal_us
+        rows += pair + [{"figure": "%s: added per op%s" % (op, label), "added_p50_us": added,
+                         "goal_us": a.goal_us, "verdict": "PASS" if ok else "MISS"}]
+        verdicts.append(ok)
+    for op in ("dispatch", "combine"):
+        c, p = _stats(pooled["c_e2e" + suffix][op + "_total"]), _stats(pooled["py_e2e" + suffix][op + "_total"])
+        rows.append({"figure": "%s end to end (wait)%s" % (op, label), "cpp": c, "python": p,
+                     "added_p50_us": p["p50_us"] - c["p50_us"]})
+    return rows, all(verdicts)
+
+
 def summarize(a, results):
     pooled = {}
     for r in results:
         for path, figs in r["times"].items():
             for k, v in figs.items():
                 pooled.setdefault(path, {}).setdefault(k, []).extend(v)
-    rows = []
-    verdicts = []
-    for op in ("dispatch", "combine"):
-        figures = [("%s submit (CPU)" % op, "split", op + "_submit"),
-                   ("%s complete (CPU, op done)" % op, "split", op + "_complete")]
-        for label, path, key in figures:
-            c, p = _stats(pooled["c_" + path][key]), _stats(pooled["py_" + path][key])
-            rows.append({"figure": label, "cpp": c, "python": p, "added_p50_us": p["p50_us"] - c["p50_us"]})
-        added = sum(r["added_p50_us"] for r in rows[-2:])
-        ok = added <= a.goal_us
-        rows.append({"figure": "%s: added per op (submit + complete)" % op, "added_p50_us": added,
-                     "goal_us": a.goal_us, "verdict": "PASS" if ok else "MISS"})
-        verdicts.append(ok)
-    for op in ("dispatch", "combine"):
-        c, p = _stats(pooled["c_e2e"][op + "_total"]), _stats(pooled["py_e2e"][op + "_total"])
-        rows.append({"figure": "%s end to end (wait)" % op, "cpp": c, "python": p,
-                     "added_p50_us": p["p50_us"] - c["p50_us"]})
+    rows, ok = _op_rows(a, pooled, "", "")
+    empty = None
+    if "py_split_t0" in pooled:
+        rows_t0, ok_t0 = _op_rows(a, pooled, "_t0", ", T=0")
+        empty = {"rows": rows_t0, "verdict": "PASS" if ok_t0 else "MISS"}
     ops = sum(r["alloc"]["ops"] for r in results)
     alloc = {
         "ops": ops,
@@ -418,32 +436,39 @@ def summarize(a, results):
     no_alloc = (alloc["new_view_objects"] == 0 and alloc["live_tensors_delta"] == 0
                 and alloc["allocated_blocks_delta"] <= 0)
     alloc["verdict"] = "PASS" if no_alloc else "MISS"
-    verdicts.append(no_alloc)
-    return rows, alloc, all(verdicts)
+    return rows, empty, alloc, ok and no_alloc
 
 
-def print_table(a, rows, alloc, info):
-    print()
-    print("py_overhead: low-latency dispatch + combine, Python (epd package) vs C++ (C ABI loop) in one run")
-    print("shape: R=%d T=%d H=%d K=%d E=%d Mll=%d; %s backend, %s tensors, launch mode %s; %d blocks x %d ops "
-          "per path per rank (+%d warm-up), %s, all ranks pooled; times in us"
-          % (a.ranks, a.tokens, a.hidden, a.topk, a.experts, a.mll, info["backend"], a.device,
-             info["launch_mode"], a.blocks, a.iters, a.warmup, a.order))
-    print("%-40s %10s %10s %10s %10s %10s %7s %8s" % ("figure", "C++ p50", "C++ p99", "Py p50", "Py p99",
-                                                    "added p50", "goal", "verdict"))
+def _print_rows(rows):
     for r in rows:
         if "cpp" in r:
-            print("%-40s %10.1f %10.1f %10.1f %10.1f %10.1f" % (
+            print("%-44s %9.1f %9.1f %9.1f %9.1f %10.1f" % (
                 r["figure"], r["cpp"]["p50_us"], r["cpp"]["p99_us"], r["python"]["p50_us"], r["python"]["p99_us"],
                 r["added_p50_us"]))
         else:
-            print("%-40s %10s %10s %10s %10s %10.1f %7.1f %8s" % (
+            print("%-44s %9s %9s %9s %9s %10.1f %6.1f %8s" % (
                 r["figure"], "", "", "", "", r["added_p50_us"], r["goal_us"], r["verdict"]))
-    print("%-40s %d over %d ops (every result view is one of the first two ops' objects);"
+
+
+def print_table(a, rows, empty, alloc, info):
+    print()
+    print("py_overhead: low-latency dispatch + combine, Python (epd package) vs C++ (C ABI loop) in one run")
+    print("shape: R=%d T=%d H=%d K=%d E=%d Mll=%d; %s backend, %s tensors, launch mode %s; %d blocks x %d ops "
+          "per path per rank (+%d warm-up), %s, completion polled every %d us, all ranks pooled; times in us"
+          % (a.ranks, a.tokens, a.hidden, a.topk, a.experts, a.mll, info["backend"], a.device,
+             info["launch_mode"], a.blocks, a.iters, a.warmup, a.order, a.poll_us))
+    print("%-44s %9s %9s %9s %9s %10s %6s %8s" % ("figure", "C++ p50", "C++ p99", "Py p50", "Py p99",
+                                                "added p50", "goal", "verdict"))
+    _print_rows(rows)
+    if empty is not None:
+        print("the same ops with T=0 on the same endpoints, completion polled without sleeping (no data moved: "
+              "the calls' own cost, warm caches when each rank has a core):")
+        _print_rows(empty["rows"])
+    print("%-44s %d over %d ops (each result view is one of the first two ops' objects)"
           % ("new tensor objects (low-latency results)", alloc["new_view_objects"], alloc["ops"]))
-    print("%-40s live torch tensors %+d; Python heap blocks per op %+.2f (2n ops vs n) %14s" % (
+    print("%-44s live torch tensors %+d; Python heap blocks per op %+.2f (2n ops vs n) %8s" % (
         "", alloc["live_tensors_delta"], alloc["allocated_blocks_per_op"], alloc["verdict"]))
-    print("(C++ = the bound: the same ops through the C ABI from C++, same process, same tensors, same daemon.)")
+    print("(C++ = the bound: the same ops through the C ABI from C++, same processes, same tensors, same daemon.)")
 
 
 def main():
@@ -458,7 +483,10 @@ def main():
     p.add_argument("--blocks", type=int, default=2, help="interleaved blocks per path")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--alloc-iters", type=int, default=10, help="ops of the allocation check")
-    p.add_argument("--poll-us", type=int, default=1000, help="sleep between completion polls")
+    p.add_argument("--empty-ops", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the same ops with T=0 on the same endpoints")
+    p.add_argument("--poll-us", type=int, default=1000, help="sleep between completion polls of the T-token ops (0: spin with sched_yield; "
+                   "the T=0 ops always spin)")
     p.add_argument("--order", choices=("auto", "interleaved", "sequential"), default="auto",
                    help="interleaved: both groups joined, blocks alternate; sequential: the Python "
                    "group's blocks, then the C++ group's (one group's buffers at a time); auto: "
@@ -522,14 +550,14 @@ def main():
             daemon.stop()
 
     ordered = [results[r] for r in range(a.ranks)]
-    rows, alloc, ok = summarize(a, ordered)
+    rows, empty, alloc, ok = summarize(a, ordered)
     info = {"backend": backend, "launch_mode": ordered[0]["launch_mode"]}
-    print_table(a, rows, alloc, info)
+    print_table(a, rows, empty, alloc, info)
     if a.json:
         doc = {"shape": {"R": a.ranks, "T": a.tokens, "H": a.hidden, "K": a.topk, "E": a.experts, "Mll": a.mll},
                "backend": backend, "device": a.device, "launch_mode": info["launch_mode"],
                "iters": a.iters, "blocks": a.blocks, "order": a.order, "poll_us": a.poll_us, "warmup": a.warmup, "goal_us": a.goal_us,
-               "rows": rows, "allocation": alloc, "verdict": "PASS" if ok else "MISS",
+               "rows": rows, "empty_ops": empty, "allocation": alloc, "verdict": "PASS" if ok else "MISS",
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         text = json.dumps(doc, indent=1)
         if a.json == "-":
