@@ -92,6 +92,9 @@ if [[ -f "$ROOT/client/examples/moe_layer.cc" ]]; then
   targets+=(moe_layer)
   have_demo=1
 fi
+if [[ "$PY_DEMO" == 1 ]]; then
+  targets+=(epdclient_shared)  # libepdclient.so, which the Python package links
+fi
 step "build ${targets[*]} (ninja -j$JOBS)"
 NINJA_STATUS="[%f/%t %es] " cmake --build "$BUILD_DIR" -j "$JOBS" --target "${targets[@]}"
 
