@@ -65,27 +65,15 @@ def dense_reference(x, idx, w, experts):
     return out
 
 
-_E4M3 = None
-
-
 def fp8_to_float(t):
-    """float8_e4m3fn (or its uint8 bits, on torch without float8) to float32."""
-    global _E4M3
+    """float8_e4m3fn (or its uint8 bits, on a torch without float8) to float32."""
     if t.dtype != torch.uint8:
         return t.float()
-    if _E4M3 is None:
-        values = []
-        for b in range(256):
-            sign = -1.0 if b & 0x80 else 1.0
-            exp, mant = (b >> 3) & 0xF, b & 0x7
-            if exp == 0xF and mant == 0x7:
-                values.append(float("nan"))
-            elif exp == 0:
-                values.append(sign * mant / 8.0 * 2.0 ** -6)
-            else:
-                values.append(sign * (1.0 + mant / 8.0) * 2.0 ** (exp - 7))
-        _E4M3 = torch.tensor(values, dtype=torch.float32)
-    return _E4M3.to(t.device)[t.long()]
+    b = t.to(torch.int32)
+    exp, mant = (b >> 3) & 0xF, (b & 0x7).float()
+    mag = torch.where(exp == 0, mant * 2.0 ** -9, (8 + mant) * torch.pow(2.0, (exp - 10).float()))
+    mag = torch.where((exp == 0xF) & (b & 0x7 == 0x7), torch.full_like(mag, float("nan")), mag)
+    return torch.where(b & 0x80 != 0, -mag, mag)
 
 
 def rel_error(ref, got):

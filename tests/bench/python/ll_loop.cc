@@ -144,53 +144,32 @@ class LlLoop {
 
     Timings t;
     epd_status_t failed = EPD_OK;
-    std::string where;
+    const char* where = "";
     {
       py::gil_scoped_release release;
       epd_ll_dispatch_result_t dr{};
       epd_ll_combine_result_t cr{};
       for (int i = 0; i < iters && failed == EPD_OK; ++i) {
-        int64_t t0 = NowNs();
-        epd_status_t s = epd_low_latency_dispatch(endpoint_.get(), &d, dispatch_op_.get());
-        int64_t t1 = NowNs();
-        if (s != EPD_OK) {
-          failed = s, where = "epd_low_latency_dispatch";
-          break;
-        }
-        int64_t done = 0;
-        s = Complete(dispatch_op_.get(), split, poll_us, &done, [&] {
-          dr.struct_size = sizeof(dr);
-          return epd_op_ll_dispatch_result(dispatch_op_.get(), &dr);
-        });
-        int64_t t2 = NowNs();
-        if (s != EPD_OK) {
-          failed = s, where = "dispatch wait";
-          break;
-        }
-        t.dispatch_submit.push_back(t1 - t0);
-        t.dispatch_complete.push_back(done);
-        t.dispatch_total.push_back(t2 - t0);
-
+        failed = TimeOp(
+            [&] { return epd_low_latency_dispatch(endpoint_.get(), &d, dispatch_op_.get()); },
+            dispatch_op_.get(), split, poll_us,
+            [&] {
+              dr.struct_size = sizeof(dr);
+              return epd_op_ll_dispatch_result(dispatch_op_.get(), &dr);
+            },
+            t.dispatch_submit, t.dispatch_complete, t.dispatch_total);
+        where = "low-latency dispatch";
+        if (failed != EPD_OK) break;
         c.handle = &dr.handle;
-        t0 = NowNs();
-        s = epd_low_latency_combine(endpoint_.get(), &c, combine_op_.get());
-        t1 = NowNs();
-        if (s != EPD_OK) {
-          failed = s, where = "epd_low_latency_combine";
-          break;
-        }
-        s = Complete(combine_op_.get(), split, poll_us, &done, [&] {
-          cr.struct_size = sizeof(cr);
-          return epd_op_ll_combine_result(combine_op_.get(), &cr);
-        });
-        t2 = NowNs();
-        if (s != EPD_OK) {
-          failed = s, where = "combine wait";
-          break;
-        }
-        t.combine_submit.push_back(t1 - t0);
-        t.combine_complete.push_back(done);
-        t.combine_total.push_back(t2 - t0);
+        failed =
+            TimeOp([&] { return epd_low_latency_combine(endpoint_.get(), &c, combine_op_.get()); },
+                   combine_op_.get(), split, poll_us,
+                   [&] {
+                     cr.struct_size = sizeof(cr);
+                     return epd_op_ll_combine_result(combine_op_.get(), &cr);
+                   },
+                   t.combine_submit, t.combine_complete, t.combine_total);
+        where = "low-latency combine";
       }
     }
     if (failed != EPD_OK) Fail(where, failed);
@@ -209,6 +188,26 @@ class LlLoop {
   }
 
  private:
+  /// Submits one op (submit() into `op`), waits for it and reads its result (read()),
+  /// appending the submit, complete and total times.
+  template <typename Submit, typename ReadResult>
+  static epd_status_t TimeOp(Submit submit, epd_op_t* op, bool split, int poll_us, ReadResult read,
+                             std::vector<int64_t>& submit_ns, std::vector<int64_t>& complete_ns,
+                             std::vector<int64_t>& total_ns) {
+    const int64_t t0 = NowNs();
+    epd_status_t s = submit();
+    const int64_t t1 = NowNs();
+    if (s != EPD_OK) return s;
+    int64_t done = 0;
+    s = Complete(op, split, poll_us, &done, read);
+    const int64_t t2 = NowNs();
+    if (s != EPD_OK) return s;
+    submit_ns.push_back(t1 - t0);
+    complete_ns.push_back(done);
+    total_ns.push_back(t2 - t0);
+    return EPD_OK;
+  }
+
   /// Waits for `op` and reads its result; *done_ns = the time of the wait call that found
   /// it done plus the result read.
   template <typename ReadResult>

@@ -2,12 +2,12 @@
 """What the Python path adds to a low-latency dispatch + combine, against the C++ path, in
 one run (docs/BENCHMARKS.md "Python overhead").
 
-R rank processes (torch.multiprocessing, spawn); each joins two groups of the same spec on
-one epd: group A through the `epd` package, group B through the C ABI from a small C++ loop
-(ll_loop.cc, the module _epd_bench_ll, built here against the libepdclient that epd._C
-loaded). Both paths run on the same torch tensors (x [T, H] bf16, topk_idx [T, K] int64,
-topk_weights [T, K] f32) in the same processes, in interleaved blocks, and time the same
-calls:
+R rank processes (torch.multiprocessing, spawn) on one epd; each runs the same ops through
+two groups of the same spec: group "-py" through the `epd` package, group "-c" through the
+C ABI from a small C++ loop (ll_loop.cc, the module _epd_bench_ll, built here against the
+libepdclient that epd._C loaded). Both paths run on the same torch tensors (x [T, H] bf16,
+topk_idx [T, K] int64, topk_weights [T, K] f32) in the same processes, in blocks that
+alternate between the paths (--order), and time the same calls:
 
 - submit: the op call that returns with the op submitted (Python: wait=False, returning a
   PendingOp; C++: epd_low_latency_dispatch / _combine on prepared arguments);
@@ -18,15 +18,17 @@ calls:
 - end to end: the blocking op (Python: wait=True; C++: submit + epd_op_wait(-1) + result).
 
 Added per op = Python (submit + complete) - C++ (submit + complete), medians over every
-rank's ops; the goal is <= --goal-us (5 us). On the host backend end-to-end times are the
-host data movement (~100 ms per op at the DeepSeek decode shape on a small VM): the CPU
-figures decide. It also checks that the low-latency ops allocate no tensor per op: the
-result views are the same objects op after op (two buffer sets), and the Python heap's
-allocated blocks and live torch tensors do not grow over a block of ops.
+rank's ops; the goal is <= --goal-us (5 us). The same figures follow for the same ops with
+T = 0 on the same endpoints, polled without sleeping: no data moved, so what is left is the
+calls' own cost (with warm caches where each rank has a core). On the host backend the op
+moves the data with the CPU (~20 ms per op at the DeepSeek decode shape on a 2-core VM),
+which also evicts the interpreter's working set. The run also checks that the low-latency
+ops allocate no tensor per op: the result views are the same objects op after op (two
+buffer sets), live torch tensors do not grow, and the Python heap does not grow per op.
 
     # host backend: starts its own epd --backend=host
-    tests/bench/python/py_overhead.py [--iters 30] [--json out.json]
-    # a running daemon (e.g. CUDA backend, CUDA tensors)
+    tests/bench/python/py_overhead.py [--iters 20] [--json out.json]
+    # a running daemon (CUDA backend, CUDA tensors)
     tests/bench/python/py_overhead.py --socket /tmp/epd.sock --device cuda --launch-mode client
 
 Exit status 0 when it ran (whatever the verdict; --check-goal makes a missed goal exit 1).
@@ -37,13 +39,10 @@ import gc
 import json
 import os
 import queue
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 import traceback
 import warnings
@@ -201,28 +200,16 @@ def _alloc_block(torch, ep, x, idx, w, cin, iters, stream):
         for f, v in zip(_FIELDS, (r.recv_x, r.recv_count, r.recv_src_info, c.combined_x)):
             refs[f].append(v)
     del r, c
-    a0, a1 = refs["recv_x"]
-    b0, b1 = refs["recv_count"]
-    s0, s1 = refs["recv_src_info"]
-    c0, c1 = refs["combined_x"]
+    firsts = tuple(tuple(refs[f]) for f in _FIELDS)
 
     def ops(n):
         new_views = 0
         for _ in range(n):
             r = ep.low_latency_dispatch(x, idx, stream=stream)
             c = ep.low_latency_combine(cin, idx, w, r.handle, stream=stream)
-            v = r.recv_x
-            if v is not a0 and v is not a1:
-                new_views += 1
-            v = r.recv_count
-            if v is not b0 and v is not b1:
-                new_views += 1
-            v = r.recv_src_info
-            if v is not s0 and v is not s1:
-                new_views += 1
-            v = c.combined_x
-            if v is not c0 and v is not c1:
-                new_views += 1
+            for v, (o0, o1) in zip((r.recv_x, r.recv_count, r.recv_src_info, c.combined_x), firsts):
+                if v is not o0 and v is not o1:
+                    new_views += 1
         return new_views
 
     def window(n):
@@ -248,14 +235,14 @@ def _alloc_block(torch, ep, x, idx, w, cin, iters, stream):
             "tensors_delta": _live_tensors(torch) - tensors0, "distinct_first_two": distinct}
 
 
-def _rank_main(a, socket, rank, driver_dir, outbox):
+def _rank_main(a, socket, rank, driver_dir, barrier, outbox):
     try:
-        outbox.put((rank, True, _rank_run(a, socket, rank, driver_dir)))
+        outbox.put((rank, True, _rank_run(a, socket, rank, driver_dir, barrier)))
     except BaseException:
         outbox.put((rank, False, traceback.format_exc()))
 
 
-def _rank_run(a, socket, rank, driver_dir):
+def _rank_run(a, socket, rank, driver_dir, barrier):
     import torch
     import torch.utils.dlpack
 
@@ -270,36 +257,61 @@ def _rank_run(a, socket, rank, driver_dir):
     if a.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = "cuda"
-        stream = torch.cuda.current_stream()
-    client = epd.Client.connect(socket, client_name="py_overhead-py")
-    spec = epd.GroupSpec(a.group + "-py", num_ranks=a.ranks, hidden=a.hidden, num_topk=a.topk,
-                         num_experts=a.experts, max_tokens_per_rank=a.mll, max_dispatch_tokens_per_rank=a.mll)
-    ep = client.join(spec, rank, launch_mode=a.launch_mode)
-    info = ep.info
-    mode = {"default": 0, "daemon": 1, "client": 2}[info.launch_mode]
-    x, idx, w = _rank_inputs(torch, a, rank, device)
-    cin = ep.low_latency_combine_input()
+        # Both paths submit on one side stream (torch's default stream would read as none).
+        stream = torch.cuda.Stream()
+        torch.cuda.set_stream(stream)
     c_stream = stream.cuda_stream if stream is not None else 0
-    poll_s = a.poll_us / 1e6
+    x, idx, w = _rank_inputs(torch, a, rank, device)
+    client = epd.Client.connect(socket, client_name="py_overhead-py")
+    # The launch mode and GPU the first Python join gets, for every later join of both paths.
+    joined = {}
 
     def sync():
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def c_join():
-        return _epd_bench_ll.LlLoop(socket, a.group + "-c", a.ranks, a.hidden, a.topk, a.experts, a.mll,
-                                    a.mll, rank, info.gpu_uuid, mode)
+    class PyPath:
+        """Group "<group>-py<gen>" through the epd package."""
 
-    def c_run(loop, iters, split, t):
-        caps = [torch.utils.dlpack.to_dlpack(v[:t]) for v in (x, idx, w)]
-        out = loop.run(*caps, iters, split, a.poll_us if t > 0 else 0, c_stream)
-        sync()
-        return out
+        def __init__(self, gen):
+            spec = epd.GroupSpec("%s-py%d" % (a.group, gen), num_ranks=a.ranks, hidden=a.hidden,
+                                 num_topk=a.topk, num_experts=a.experts, max_tokens_per_rank=a.mll,
+                                 max_dispatch_tokens_per_rank=a.mll)
+            self.ep = client.join(spec, rank, launch_mode=joined.get("mode_name", a.launch_mode))
+            joined.setdefault("mode_name", self.ep.info.launch_mode)
+            joined.setdefault("info", self.ep.info)
+            self.cin = self.ep.low_latency_combine_input()
 
-    def py_run(iters, split, t):
-        out = _py_block(ep, x[:t], idx[:t], w[:t], cin, iters, split, poll_s if t > 0 else 0, stream)
-        sync()
-        return out
+        def run(self, iters, split, t):
+            # T=0 ops are polled without sleeping (see --empty-ops).
+            out = _py_block(self.ep, x[:t], idx[:t], w[:t], self.cin, iters, split,
+                            a.poll_us / 1e6 if t > 0 else 0, stream)
+            sync()
+            return out
+
+        def close(self):
+            self.cin = None
+            self.ep.close()
+            gc.collect()
+
+    class CPath:
+        """Group "<group>-c<gen>" through the C ABI (ll_loop.cc), same spec and mode."""
+
+        def __init__(self, gen):
+            info = joined["info"]
+            mode = {"default": 0, "daemon": 1, "client": 2}[info.launch_mode]
+            self.loop = _epd_bench_ll.LlLoop(socket, "%s-c%d" % (a.group, gen), a.ranks, a.hidden, a.topk,
+                                             a.experts, a.mll, a.mll, rank, info.gpu_uuid, mode)
+
+        def run(self, iters, split, t):
+            caps = [torch.utils.dlpack.to_dlpack(v[:t]) for v in (x, idx, w)]
+            out = self.loop.run(*caps, iters, split, a.poll_us if t > 0 else 0, c_stream)
+            sync()
+            return out
+
+        def close(self):
+            self.loop.leave()
+            self.loop = None
 
     # The op at T tokens and, with --empty-ops, the same ops at T = 0 on the same endpoints,
     # polled without sleeping (no data moved and the process kept running: the calls' own
@@ -307,81 +319,57 @@ def _rank_run(a, socket, rank, driver_dir):
     sets = [("", a.tokens)] + ([("_t0", 0)] if a.empty_ops else [])
     res = {p + suffix: [] for p in ("py_split", "c_split", "py_e2e", "c_e2e") for suffix, _ in sets}
 
-    def blocks(paths):
-        for suffix, t in sets:
+    def warm(paths):
+        for _, t in sets:
             for split in (True, False):
-                for path in paths:
-                    (py_run if path == "py" else lambda n, sp, tt: c_run(loop, n, sp, tt))(a.warmup, split, t)
-        for _ in range(a.blocks):
-            for suffix, t in sets:
-                for split, name in ((True, "_split"), (False, "_e2e")):
-                    for path in paths:
-                        run = py_run if path == "py" else (lambda n, sp, tt: c_run(loop, n, sp, tt))
-                        res[path + name + suffix].append(run(a.iters, split, t))
+                for _, path in paths:
+                    path.run(a.warmup, split, t)
 
+    def block(paths):
+        for suffix, t in sets:
+            for split, name in ((True, "_split"), (False, "_e2e")):
+                for key, path in paths:
+                    res[key + name + suffix].append(path.run(a.iters, split, t))
+
+    alloc = None
     if a.order == "interleaved":
-        loop = c_join()
-        blocks(("py", "c"))
+        py, c = PyPath(0), None
+        c = CPath(0)
+        warm((("py", py), ("c", c)))
+        for _ in range(a.blocks):
+            block((("py", py), ("c", c)))
+        alloc = _alloc_block(torch, py.ep, x, idx, w, py.cin, a.alloc_iters, stream)
+        c.close()
+        py.close()
     else:
-        blocks(("py",))
-    alloc = _alloc_block(torch, ep, x, idx, w, cin, a.alloc_iters, stream)
-    sync()
-    if a.order == "sequential":
-        # One group at a time (the host backend's low-latency buffers are large): the
-        # Python group is left before the C++ one is joined.
-        del cin
-        ep.close()
-        gc.collect()
-        loop = c_join()
-        blocks(("c",))
-    loop.leave()
-    ep.close()
+        # One group at a time (the host backend's low-latency buffers are large): sequential
+        # runs every Python block, then every C++ block; alternating joins a fresh group of
+        # each path for each block, so slow drifts of the machine hit both paths alike.
+        rounds = [(0, a.blocks)] if a.order == "sequential" else [(b, 1) for b in range(a.blocks)]
+        for gen, n in rounds:
+            py = PyPath(gen)
+            warm((("py", py),))
+            for _ in range(n):
+                block((("py", py),))
+            if alloc is None:
+                alloc = _alloc_block(torch, py.ep, x, idx, w, py.cin, a.alloc_iters, stream)
+            py.close()
+            barrier.wait()  # every rank has left before any joins the next group
+            c = CPath(gen)
+            warm((("c", c),))
+            for _ in range(n):
+                block((("c", c),))
+            c.close()
+            barrier.wait()
     client.close()
     merged = {}
     for path, blocks in res.items():
         merged[path] = {k: [v for b in blocks for v in b[k]] for k in blocks[0]}
-    return {"times": merged, "alloc": alloc,
-            "launch_mode": info.launch_mode, "cuda": info.cuda}
+    info = joined["info"]
+    return {"times": merged, "alloc": alloc, "launch_mode": info.launch_mode, "cuda": info.cuda}
 
 
 # ---- the parent ---------------------------------------------------------------------------
-
-
-class Daemon:
-    """epd --backend=host on a temporary socket (when no --socket is given)."""
-
-    def __init__(self, binary, backend):
-        if not os.access(binary, os.X_OK):
-            raise SystemExit("py_overhead: epd binary %s not found (build the epd target, or pass --epd or --socket)" % binary)
-        self.dir = tempfile.mkdtemp(prefix="epd_pybench_")
-        self.socket = os.path.join(self.dir, "epd.sock")
-        self.log = open(os.path.join(self.dir, "epd.log"), "w")
-        self.proc = subprocess.Popen([binary, "--socket=" + self.socket, "--backend=" + backend, "--op_timeout=60s"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        import epd
-
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit("py_overhead: epd exited (%s) before serving" % self.proc.returncode)
-            try:
-                epd.Client.connect(self.socket, timeout=1.0).close()
-                return
-            except epd.UnavailableError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("py_overhead: epd not serving within 30 s")
-                time.sleep(0.05)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _stats(ns):
@@ -454,9 +442,10 @@ def print_table(a, rows, empty, alloc, info):
     print()
     print("py_overhead: low-latency dispatch + combine, Python (epd package) vs C++ (C ABI loop) in one run")
     print("shape: R=%d T=%d H=%d K=%d E=%d Mll=%d; %s backend, %s tensors, launch mode %s; %d blocks x %d ops "
-          "per path per rank (+%d warm-up), %s, completion polled every %d us, all ranks pooled; times in us"
+          "per path per rank (+%d warm-up), %s, completion polled %s, all ranks pooled; times in us"
           % (a.ranks, a.tokens, a.hidden, a.topk, a.experts, a.mll, info["backend"], a.device,
-             info["launch_mode"], a.blocks, a.iters, a.warmup, a.order, a.poll_us))
+             info["launch_mode"], a.blocks, a.iters, a.warmup, a.order,
+             "every %d us" % a.poll_us if a.poll_us > 0 else "spinning"))
     print("%-44s %9s %9s %9s %9s %10s %6s %8s" % ("figure", "C++ p50", "C++ p99", "Py p50", "Py p99",
                                                 "added p50", "goal", "verdict"))
     _print_rows(rows)
@@ -487,10 +476,11 @@ def main():
                    help="also time the same ops with T=0 on the same endpoints")
     p.add_argument("--poll-us", type=int, default=1000, help="sleep between completion polls of the T-token ops (0: spin with sched_yield; "
                    "the T=0 ops always spin)")
-    p.add_argument("--order", choices=("auto", "interleaved", "sequential"), default="auto",
-                   help="interleaved: both groups joined, blocks alternate; sequential: the Python "
-                   "group's blocks, then the C++ group's (one group's buffers at a time); auto: "
-                   "sequential on the host backend, else interleaved")
+    p.add_argument("--order", choices=("auto", "interleaved", "alternating", "sequential"), default="auto",
+                   help="interleaved: both groups joined, blocks alternate; alternating: a fresh group "
+                   "per block, Python then C++ (one group's buffers at a time); sequential: every "
+                   "Python block, then every C++ block; auto: alternating on the host backend, else "
+                   "interleaved")
     p.add_argument("--goal-us", type=float, default=5.0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--launch-mode", default="auto", choices=("auto", "daemon", "client"))
@@ -512,17 +502,25 @@ def main():
     daemon = None
     socket = a.socket
     if socket is None:
-        daemon = Daemon(a.epd or os.environ.get("EPD_BINARY") or os.path.join(build, "daemon", "epd"), "host")
+        # tests/python's Daemon: epd --backend=host on a temporary socket.
+        sys.path.insert(0, os.path.join(REPO, "tests", "python"))
+        import epd_testing
+
+        os.environ["EPD_BUILD_DIR"] = build
+        if a.epd:
+            os.environ["EPD_BINARY"] = a.epd
+        daemon = epd_testing.Daemon(extra_args=("--op_timeout=60s", "--host_threads=0"))
         socket = daemon.socket
     try:
         import epd
 
         backend = epd.Client.connect(socket).stats_summary()["backend"]
         if a.order == "auto":
-            a.order = "sequential" if backend == "host" else "interleaved"
+            a.order = "alternating" if backend == "host" else "interleaved"
         ctx = torch.multiprocessing.get_context("spawn")
         outbox = ctx.Queue()
-        procs = [ctx.Process(target=_rank_main, args=(a, socket, r, driver_dir, outbox), daemon=True)
+        barrier = ctx.Barrier(a.ranks, timeout=a.timeout)
+        procs = [ctx.Process(target=_rank_main, args=(a, socket, r, driver_dir, barrier, outbox), daemon=True)
                  for r in range(a.ranks)]
         for pr in procs:
             pr.start()
