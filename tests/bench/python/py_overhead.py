@@ -189,10 +189,11 @@ _FIELDS = ("recv_x", "recv_count", "recv_src_info", "combined_x")
 
 
 def _alloc_block(torch, ep, x, idx, w, cin, iters, stream):
-    """Blocking Python dispatch + combine ops with nothing recorded per op: counts result
-    views that are not one of the objects the first two ops returned (two buffer sets), and
-    the growth of the Python heap (allocated blocks) and of live torch tensors over `iters`
-    ops that follow `iters` untimed ones (free lists fill once)."""
+    """Blocking Python dispatch + combine pairs with nothing recorded per op, after two that
+    give the reference objects: `iters` pairs (free lists fill once), then windows of
+    `iters` and 2 * `iters` pairs. Counts result views that are not one of the reference
+    objects (two buffer sets) over all of them, the growth of live torch tensors over the
+    windows, and the Python heap blocks the 2n-pair window gains beyond the n-pair one."""
     refs = {f: [] for f in _FIELDS}
     for _ in range(2):
         r = ep.low_latency_dispatch(x, idx, stream=stream)
