@@ -1,0 +1,399 @@
+"""The pythonic core API over epd._C: Client, GroupSpec, Endpoint (docs/CLIENT_API.md "Python")."""
+
+import collections
+import json
+import os
+import sys
+import weakref
+
+from . import _C
+from ._errors import ERROR_TYPES, InvalidArgumentError, UnimplementedError
+
+_C._set_error_types(list(ERROR_TYPES))
+
+DEFAULT_SOCKET = "/run/epd/epd.sock"
+
+# DLPack device types epd returns views on.
+_KDL_CPU = 1
+_KDL_CUDA = 2
+
+_LAUNCH_MODES = {"auto": 0, "default": 0, "daemon": 1, "client": 2}
+_LAUNCH_MODE_NAMES = {0: "default", 1: "daemon", 2: "client"}
+_REGION_KINDS = {"numpy": 0, "torch": 1, "dlpack": 2}
+
+# Set up once, at the first join: torch (when importable) and numpy converters.
+_frameworks = None
+
+
+class _Frameworks:
+    """How views become framework objects: torch tensors for torch callers, numpy arrays
+    (else the DLView itself) for everyone else."""
+
+    def __init__(self):
+        self.torch = None
+        self.fp8 = None
+        self.to_torch = None
+        self.to_numpy = None
+        try:
+            import torch
+            import torch.utils.dlpack
+        except ImportError:
+            torch = None
+        if torch is not None:
+            self.torch = torch
+            self.fp8 = getattr(torch, "float8_e4m3fn", None)
+            from_dlpack = torch.utils.dlpack.from_dlpack
+            to_dlpack = getattr(torch._C, "_to_dlpack", None)
+            _C._set_torch(torch.Tensor, to_dlpack)
+            fp8 = self.fp8
+
+            def to_torch(view):
+                t = from_dlpack(view)
+                if fp8 is not None and view.dtype == "float8_e4m3fn":
+                    t = t.view(fp8)
+                return t
+
+            self.to_torch = to_torch
+        try:
+            import numpy
+
+            self.to_numpy = numpy.from_dlpack
+        except (ImportError, AttributeError):
+            self.to_numpy = None
+
+
+def _setup_frameworks():
+    global _frameworks
+    if _frameworks is None:
+        _frameworks = _Frameworks()
+    return _frameworks
+
+
+class GroupSpec(
+    collections.namedtuple(
+        "GroupSpec",
+        [
+            "name",
+            "num_ranks",
+            "hidden",
+            "num_topk",
+            "num_experts",
+            "max_tokens_per_rank",
+            "max_dispatch_tokens_per_rank",
+            "use_fp8",
+        ],
+        defaults=(0, False),
+    )
+):
+    """A group's shape (epd.v1.GroupSpec); every rank joins with the same one.
+
+    name: [A-Za-z0-9_.-]{1,64}; num_ranks R; hidden H (a multiple of 128 with use_fp8);
+    num_topk K; num_experts E (a multiple of R); max_tokens_per_rank M (normal mode);
+    max_dispatch_tokens_per_rank Mll (low-latency mode; 0 = no low-latency ops);
+    use_fp8: FP8 data allowed (normal dispatch with x_scales, low-latency use_fp8).
+    """
+
+    __slots__ = ()
+
+
+EndpointInfo = collections.namedtuple(
+    "EndpointInfo",
+    [
+        "endpoint_id",
+        "rank",
+        "group",
+        "launch_mode",
+        "op_timeout_ms",
+        "cuda",
+        "gpu_uuid",
+    ],
+)
+EndpointInfo.__doc__ = (
+    "What the daemon granted an endpoint: endpoint_id, rank, group name, launch_mode "
+    "('daemon' or 'client'), op_timeout_ms, cuda (True on the CUDA backend), gpu_uuid."
+)
+
+
+def _gpu_uuid(gpu, client):
+    """The GPU argument of join as the UUID string the daemon takes ("" on the host backend)."""
+    if gpu is None:
+        if client.stats_summary()["backend"] != "cuda":
+            return ""
+        fw = _setup_frameworks()
+        if fw.torch is None or not fw.torch.cuda.is_available():
+            raise InvalidArgumentError(
+                3, "INVALID_ARGUMENT", "join: gpu=None on the CUDA backend needs torch.cuda to "
+                "name the current device; pass gpu= a UUID or PCI bus id")
+        gpu = fw.torch.cuda.current_device()
+    if isinstance(gpu, int):
+        fw = _setup_frameworks()
+        if fw.torch is None or not fw.torch.cuda.is_available():
+            raise InvalidArgumentError(
+                3, "INVALID_ARGUMENT",
+                "join: gpu=%d is a device index, which needs torch.cuda; pass a UUID" % gpu)
+        uuid = getattr(fw.torch.cuda.get_device_properties(gpu), "uuid", None)
+        if uuid is None:
+            raise InvalidArgumentError(
+                3, "INVALID_ARGUMENT",
+                "join: gpu=%d: this torch has no device UUIDs; pass a UUID or PCI bus id" % gpu)
+        text = str(uuid)
+        return text if text.startswith("GPU-") else "GPU-" + text
+    if isinstance(gpu, str):
+        return gpu
+    raise InvalidArgumentError(
+        3, "INVALID_ARGUMENT",
+        "join: gpu is a %s; expected None, a device index or a UUID string" % type(gpu).__name__)
+
+
+class Client:
+    """A connection to the daemon and its Session (closed when the process exits).
+
+    Use Client.connect(). Safe to use from several threads. close() (or the end of a with
+    block) leaves every endpoint this client joined; the Session itself ends once the last
+    endpoint and the last view of its buffers are gone.
+    """
+
+    def __init__(self, c):
+        self._c = c
+        self._endpoints = weakref.WeakSet()
+
+    @classmethod
+    def connect(cls, socket=None, client_name="", timeout=5.0):
+        """Connects to the daemon on `socket` (None: $EPD_SOCKET, else /run/epd/epd.sock).
+        timeout in seconds. Raises UnavailableError naming the socket when no daemon answers."""
+        if socket is None:
+            socket = os.environ.get("EPD_SOCKET") or None
+        return cls(_C.Client.connect(socket, client_name, int(timeout * 1000)))
+
+    @property
+    def session_id(self):
+        """The Session id the daemon assigned (str)."""
+        return self._c.session_id
+
+    def stats(self):
+        """The daemon's GetStats as a dict (protobuf JSON)."""
+        return json.loads(self._c.stats_json())
+
+    def stats_summary(self):
+        """The main figures of GetStats: version, backend, serving_status, num_gpus,
+        num_groups, num_sessions, uptime_ms, ops_completed, ops_failed, pid, ..."""
+        return self._c.stats()
+
+    def list_groups(self):
+        """The groups this uid owns or holds a rank of: a list of dicts (protobuf JSON)."""
+        return json.loads(self._c.list_groups_json()).get("groups", [])
+
+    def join(self, spec, rank, gpu=None, launch_mode="auto", join_secret=b""):
+        """Joins `spec` (a GroupSpec) as `rank` and returns its Endpoint.
+
+        gpu: None (host backend; on the CUDA backend torch's current device), a device index
+        (needs torch.cuda) or a GPU UUID / PCI bus id string. launch_mode: "auto", "daemon"
+        or "client" (fixed by the group's first joiner). join_secret: bytes (at most 256)
+        every rank of the group presents. Raises InvalidArgumentError (a spec field, the
+        rank), PermissionDeniedError, FailedPreconditionError (spec differs from the live
+        group's), AlreadyExistsError (rank taken), NotFoundError (GPU),
+        ResourceExhaustedError, UnavailableError.
+        """
+        if not isinstance(spec, GroupSpec):
+            raise InvalidArgumentError(
+                3, "INVALID_ARGUMENT", "join: spec is a %s, expected an epd.GroupSpec" % type(spec).__name__)
+        mode = _LAUNCH_MODES.get(launch_mode)
+        if mode is None:
+            raise InvalidArgumentError(
+                3, "INVALID_ARGUMENT",
+                "join: launch_mode=%r, expected one of %s" % (launch_mode, sorted(_LAUNCH_MODES)))
+        if isinstance(join_secret, str):
+            join_secret = join_secret.encode()
+        fw = _setup_frameworks()
+        c_ep = self._c.join(
+            spec.name,
+            spec.num_ranks,
+            spec.num_experts,
+            spec.hidden,
+            spec.num_topk,
+            spec.max_tokens_per_rank,
+            spec.max_dispatch_tokens_per_rank,
+            bool(spec.use_fp8),
+            rank,
+            _gpu_uuid(gpu, self),
+            mode,
+            bytes(join_secret),
+        )
+        ep = Endpoint(self, c_ep, fw)
+        self._endpoints.add(ep)
+        return ep
+
+    def close(self):
+        """Leaves every endpoint of this client and releases the connection. Idempotent."""
+        for ep in list(self._endpoints):
+            ep.close()
+        self._c.close()
+
+    @property
+    def closed(self):
+        return self._c.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Endpoint:
+    """One rank of a group: runs the group's ops (every rank issues the same ops in the
+    same order). Use from one thread at a time.
+
+    Results are zero-copy views of the endpoint's buffers (torch tensors for torch inputs,
+    numpy arrays otherwise), valid until the op that overwrites them (docs/CLIENT_API.md
+    section 7) and cached: an op returns the same tensor objects as an earlier op whose
+    result lay in the same buffer with the same shape. Do not resize or re-stride them in
+    place. A view keeps the endpoint's memory mapped after close().
+    """
+
+    def __init__(self, client, c_ep, fw):
+        self._c = c_ep
+        self.client = client
+        c_ep.set_converters(fw.to_numpy, fw.to_torch)
+        self._fw = fw
+        i = c_ep.info()
+        self.rank = i["rank"]
+        self.spec = GroupSpec(
+            i["group"],
+            i["num_ranks"],
+            i["hidden"],
+            i["num_topk"],
+            i["num_experts"],
+            i["max_tokens_per_rank"],
+            i["ll_max_tokens_per_rank"],
+            i["use_fp8"],
+        )
+        self.info = EndpointInfo(
+            i["endpoint_id"],
+            i["rank"],
+            i["group"],
+            _LAUNCH_MODE_NAMES.get(i["launch_mode"], str(i["launch_mode"])),
+            i["op_timeout_ms"],
+            i["cuda"],
+            i["gpu_uuid"],
+        )
+        # Bound methods of the binding, looked up once.
+        self._layout = c_ep.layout
+        self._dispatch = c_ep.dispatch
+        self._combine = c_ep.combine
+        self._ll_dispatch = c_ep.ll_dispatch
+        self._ll_combine = c_ep.ll_combine
+
+    def __repr__(self):
+        return "epd.Endpoint(group=%r, rank=%d, endpoint_id=%d%s)" % (
+            self.info.group, self.rank, self.info.endpoint_id, ", closed" if self.closed else "")
+
+    # ---- lifetime ------------------------------------------------------------------------
+
+    def leave(self):
+        """Leaves the group (the daemon frees the rank); later ops raise
+        FailedPreconditionError. Idempotent."""
+        self._c.leave()
+
+    def close(self):
+        """Leaves and drops this object's caches; later ops raise FailedPreconditionError.
+        The buffers stay mapped while views of them live. Idempotent. On the CUDA backend
+        wait for (or synchronise) every op first."""
+        self._c.close()
+
+    @property
+    def closed(self):
+        return self._c.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- ops -----------------------------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx, stream=None, wait=True):
+        """Routing statistics of topk_idx [T, K] int64 (-1 = none): a LayoutResult
+        (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank
+        [T, R] uint8 0/1), which unpacks as that 3-tuple. wait=False: a PendingOp."""
+        return self._layout(topk_idx, stream, wait)
+
+    def dispatch(self, x, x_scales=None, topk_idx=None, topk_weights=None, expert_alignment=1,
+                 handle=None, num_sms=0, stream=None, wait=True):
+        """Normal (high-throughput) dispatch of x [T, H] bfloat16, or FP8 x [T, H]
+        (torch.float8_e4m3fn or uint8 bits) with x_scales [T, H/128] float32.
+
+        topk_idx [T, K] int64 and topk_weights [T, K] float32 (optional) route the tokens;
+        handle: re-dispatch x with an earlier dispatch's routing (topk_* not read).
+        Returns a DispatchResult (recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert, recv_src_info, recv_count, handle, num_recv_tokens),
+        valid until the next normal dispatch; wait=False: a PendingOp.
+        """
+        if x_scales is not None:
+            fp8 = self._fw.fp8
+            if fp8 is not None and getattr(x, "dtype", None) is fp8:
+                x = x.view(self._fw.torch.uint8)
+        return self._dispatch(x, x_scales, topk_idx, topk_weights, expert_alignment, num_sms,
+                              handle, stream, wait)
+
+    def combine(self, x, handle, topk_weights=None, num_sms=0, stream=None, wait=True):
+        """Normal combine of x [N, H] bfloat16 (rows as received) with the dispatch's
+        handle; topk_weights [N, K] float32 optional. Returns a CombineResult (combined_x
+        [T, H] bfloat16, combined_topk_weights [T, K] float32 or None), valid until the
+        next normal combine; wait=False: a PendingOp."""
+        return self._combine(x, handle, topk_weights, num_sms, stream, wait)
+
+    def low_latency_dispatch(self, x, topk_idx, use_fp8=False, round_scale=False,
+                             use_ue8m0=False, num_tokens=None, stream=None, wait=True,
+                             max_dispatch_tokens_per_rank=0):
+        """Low-latency dispatch of x [T, H] bfloat16 (T <= Mll) routed by topk_idx [T, K]
+        int64 into [E/R, R*Mll, H]. use_fp8: float8_e4m3fn out with float32 scales per 128
+        channels; round_scale: power-of-two scales. num_tokens: [1] int32 device tensor
+        holding T (client-launched mode). max_dispatch_tokens_per_rank: 0 or the spec's Mll.
+        Returns a LowLatencyDispatchResult (recv_x, recv_scales, recv_count, recv_src_info,
+        handle), valid until the low-latency dispatch after next; wait=False: a PendingOp.
+        use_ue8m0 raises UnimplementedError."""
+        if use_ue8m0:
+            raise UnimplementedError(
+                12, "UNIMPLEMENTED",
+                "low_latency_dispatch: use_ue8m0=True (packed UE8M0 scales) is not supported; "
+                "use round_scale=True for power-of-two float32 scales")
+        return self._ll_dispatch(x, topk_idx, max_dispatch_tokens_per_rank, use_fp8,
+                                 round_scale, num_tokens, stream, wait)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, stream=None, wait=True):
+        """Low-latency combine of x [E/R, R*Mll, H] bfloat16 (pass
+        low_latency_combine_input() to skip a copy) with topk_idx [T, K] int64 and
+        topk_weights [T, K] float32 as dispatched, and the dispatch's handle. Returns a
+        LowLatencyCombineResult (combined_x [T, H] bfloat16), valid until the low-latency
+        combine after next; wait=False: a PendingOp."""
+        return self._ll_combine(x, topk_idx, topk_weights, handle, stream, wait)
+
+    def low_latency_combine_input(self, kind=None):
+        """The endpoint's low-latency combine input region [E/R, R*Mll, H] bfloat16, writable
+        and zero-copy; None without low-latency mode. kind: None (torch when importable, else
+        numpy), "torch", "numpy" (uint16 bf16 bits) or "dlpack" (the epd.DLView). The same
+        object every call. Valid while the endpoint's memory is mapped; write it only once
+        this rank's next low-latency dispatch is done."""
+        return self._c.input_region(True, self._region_kind(kind))
+
+    def low_latency_dispatch_input(self, kind=None):
+        """The low-latency dispatch input region [Mll, H] bfloat16 (as
+        low_latency_combine_input); rows [0, T) of it passed as x skip a copy."""
+        return self._c.input_region(False, self._region_kind(kind))
+
+    def _region_kind(self, kind):
+        if kind is None:
+            return 1 if self._fw.torch is not None else 0
+        mode = _REGION_KINDS.get(kind)
+        if mode is None or (mode == 1 and self._fw.torch is None) or (mode == 0 and self._fw.to_numpy is None):
+            raise InvalidArgumentError(
+                3, "INVALID_ARGUMENT",
+                "kind=%r: expected None, 'torch' (needs torch), 'numpy' (needs numpy) or 'dlpack'" % (kind,))
+        return mode
+
+
+def version():
+    """epd's version ("MAJOR.MINOR.PATCH") as libepdclient reports it."""
+    return _C.version()

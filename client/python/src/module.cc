@@ -1,0 +1,685 @@
+// epd._C: a thin pybind11 binding of the C ABI (client/include/epd/epd.h). The pythonic API
+// is epd/__init__.py; this module only converts: DLPack tensors in, cached zero-copy views
+// out, epd_status_t to the registered exceptions. Links libepdclient only.
+#include <epd/epd.h>
+#include <pybind11/pybind11.h>
+
+#include <array>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dlpack_io.h"
+
+namespace epd_py {
+namespace {
+
+struct OpDeleter {
+  void operator()(epd_op_t* op) const { epd_op_destroy(op); }
+};
+using OpHolder = std::unique_ptr<epd_op_t, OpDeleter>;
+
+OpHolder NewOp() {
+  epd_op_t* op = nullptr;
+  Check(epd_op_create(&op));
+  return OpHolder(op);
+}
+
+std::string CString(const char* s, size_t capacity) { return std::string(s, strnlen(s, capacity)); }
+
+// ---- result types ---------------------------------------------------------------------
+
+// Struct sequences (named tuples implemented in C): cheap to build, indexable, unpackable.
+struct ResultTypes {
+  PyTypeObject* layout = nullptr;
+  PyTypeObject* dispatch = nullptr;
+  PyTypeObject* combine = nullptr;
+  PyTypeObject* ll_dispatch = nullptr;
+  PyTypeObject* ll_combine = nullptr;
+};
+ResultTypes g_results;
+
+PyStructSequence_Field kLayoutFields[] = {
+    {"num_tokens_per_rank", "[R] int32: tokens with an expert on each rank."},
+    {"num_tokens_per_expert", "[E] int32: tokens routed to each expert."},
+    {"is_token_in_rank", "[T, R] uint8 0/1 (.bool() for a mask)."},
+    {nullptr, nullptr}};
+PyStructSequence_Field kDispatchFields[] = {
+    {"recv_x", "[N, H] bfloat16, or float8_e4m3fn (uint8 on torch without float8)."},
+    {"recv_scales", "[N, H/128] float32 with FP8 x; else None."},
+    {"recv_topk_idx", "[N, K] int64 local expert ids, -1 elsewhere."},
+    {"recv_topk_weights", "[N, K] float32."},
+    {"num_recv_tokens_per_expert", "[E/R] int32, aligned."},
+    {"recv_src_info", "[N] int32: src_rank * M + src_token."},
+    {"recv_count", "[1] int32: N, in the endpoint's memory."},
+    {"handle", "epd.Handle for combine and cached re-dispatch."},
+    {"num_recv_tokens", "N (int); -1 from enqueued()."},
+    {nullptr, nullptr}};
+PyStructSequence_Field kCombineFields[] = {
+    {"combined_x", "[T, H] bfloat16."},
+    {"combined_topk_weights", "[T, K] float32 when topk_weights was given; else None."},
+    {nullptr, nullptr}};
+PyStructSequence_Field kLlDispatchFields[] = {
+    {"recv_x", "[E/R, R*Mll, H] bfloat16 or float8_e4m3fn."},
+    {"recv_scales", "[E/R, R*Mll, H/128] float32 with use_fp8; else None."},
+    {"recv_count", "[E/R] int32."},
+    {"recv_src_info", "[E/R, R*Mll] int32: src_rank * Mll + token."},
+    {"handle", "epd.Handle for the matching low-latency combine."},
+    {nullptr, nullptr}};
+PyStructSequence_Field kLlCombineFields[] = {{"combined_x", "[T, H] bfloat16."},
+                                             {nullptr, nullptr}};
+
+PyTypeObject* MakeResultType(py::module_& m, const char* name, const char* doc,
+                             PyStructSequence_Field* fields) {
+  int n = 0;
+  while (fields[n].name != nullptr) ++n;
+  static std::vector<std::unique_ptr<PyStructSequence_Desc>> descs;
+  descs.push_back(
+      std::make_unique<PyStructSequence_Desc>(PyStructSequence_Desc{name, doc, fields, n}));
+  PyTypeObject* type = PyStructSequence_NewType(descs.back().get());
+  if (type == nullptr) throw py::error_already_set();
+  const char* dot = std::strrchr(name, '.');
+  m.attr(dot ? dot + 1 : name) =
+      py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(type));
+  return type;
+}
+
+// Builds a struct sequence from items (stolen references).
+py::object MakeResult(PyTypeObject* type, std::initializer_list<py::object> items) {
+  PyObject* r = PyStructSequence_New(type);
+  if (r == nullptr) throw py::error_already_set();
+  Py_ssize_t i = 0;
+  for (const py::object& item : items) {
+    PyStructSequence_SetItem(r, i++, py::object(item).release().ptr());
+  }
+  return py::reinterpret_steal<py::object>(r);
+}
+
+// ---- handle ---------------------------------------------------------------------------
+
+/// epd.Handle: the routing of a dispatch (epd_handle_t), a plain value.
+struct Handle {
+  epd_handle_t h{};
+};
+
+const epd_handle_t* ReadHandle(py::handle obj, const char* op, const char* field) {
+  if (obj.is_none()) return nullptr;
+  if (!py::isinstance<Handle>(obj)) {
+    RaiseStatus(EPD_INVALID_ARGUMENT, std::string(op) + ": " + field + " is a " +
+                                          Py_TYPE(obj.ptr())->tp_name +
+                                          ", expected an epd.Handle from a dispatch");
+  }
+  return &obj.cast<const Handle&>().h;
+}
+
+// ---- client ---------------------------------------------------------------------------
+
+class Endpoint;
+
+class Client {
+ public:
+  static std::shared_ptr<Client> Connect(py::object socket_path, const std::string& client_name,
+                                         int64_t timeout_ms) {
+    std::string path;
+    epd_client_options_t options{};
+    options.struct_size = sizeof(options);
+    if (!socket_path.is_none()) {
+      path = socket_path.cast<std::string>();
+      options.socket_path = path.c_str();
+    }
+    options.client_name = client_name.c_str();
+    options.connect_timeout_ms = timeout_ms;
+    epd_client_t* client = nullptr;
+    epd_status_t status;
+    {
+      py::gil_scoped_release release;
+      status = epd_client_connect(&options, &client);
+    }
+    Check(status);
+    return std::make_shared<Client>(std::make_shared<ClientCore>(client));
+  }
+
+  explicit Client(std::shared_ptr<ClientCore> core) : core_(std::move(core)) {}
+
+  ClientCore& Live(const char* what) const {
+    if (core_ == nullptr)
+      RaiseStatus(EPD_FAILED_PRECONDITION, std::string(what) + ": the client is closed");
+    return *core_;
+  }
+
+  std::string SessionId() const { return epd_client_session_id(Live("session_id").client); }
+
+  py::dict Stats() const {
+    epd_stats_t s{};
+    s.struct_size = sizeof(s);
+    epd_status_t status;
+    {
+      py::gil_scoped_release release;
+      status = epd_client_stats(Live("stats").client, &s);
+    }
+    Check(status);
+    py::dict d;
+    d["version"] = CString(s.version, sizeof(s.version));
+    d["backend"] = CString(s.backend, sizeof(s.backend));
+    d["serving_status"] = CString(s.serving_status, sizeof(s.serving_status));
+    d["mps_active"] = s.mps_active;
+    d["num_gpus"] = s.num_gpus;
+    d["num_groups"] = s.num_groups;
+    d["num_sessions"] = s.num_sessions;
+    d["uptime_ms"] = s.uptime_ms;
+    d["ops_completed"] = s.ops_completed;
+    d["ops_failed"] = s.ops_failed;
+    d["pid"] = s.pid;
+    return d;
+  }
+
+  template <epd_status_t (*Fn)(epd_client_t*, char*, size_t, size_t*)>
+  std::string Json(const char* what) const {
+    epd_client_t* c = Live(what).client;
+    std::string buf(4096, '\0');
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      size_t length = 0;
+      epd_status_t status;
+      {
+        py::gil_scoped_release release;
+        status = Fn(c, buf.data(), buf.size(), &length);
+      }
+      if (status == EPD_OK) {
+        buf.resize(length);
+        return buf;
+      }
+      if (status != EPD_OUT_OF_RANGE) Check(status);
+      buf.assign(length + 1, '\0');
+    }
+    RaiseStatus(EPD_INTERNAL, std::string(what) + ": the JSON kept growing");
+  }
+
+  std::shared_ptr<Endpoint> Join(const std::string& name, int num_ranks, int num_experts,
+                                 int hidden, int num_topk, int max_tokens_per_rank,
+                                 int ll_max_tokens_per_rank, bool use_fp8, int rank,
+                                 py::object gpu_uuid, int launch_mode, py::bytes join_secret);
+
+  void Close() { core_.reset(); }
+  bool closed() const { return core_ == nullptr; }
+
+ private:
+  std::shared_ptr<ClientCore> core_;
+};
+
+// ---- endpoint -------------------------------------------------------------------------
+
+class PendingOp;
+
+/// Tensor arguments of one op call (at most four), kept alive for the call (and for a
+/// PendingOp, until it is waited for).
+struct Inputs {
+  explicit Inputs(const ViewCache* caches) : caches(caches) {}
+  const ViewCache* caches;  // [3]: an endpoint's own views are read without an export
+  std::array<TensorArg, 4> args;
+  int used = 0;
+  const DLTensor* Read(py::handle obj, const char* op, const char* field,
+                       Relabel relabel = Relabel::kNone) {
+    TensorArg& arg = args[used++];
+    if (caches[1].Find(obj, arg) || caches[0].Find(obj, arg) || caches[2].Find(obj, arg)) {
+      return &arg.tensor;
+    }
+    return ReadTensor(obj, op, field, arg, relabel);
+  }
+  py::tuple Keep() const {
+    py::tuple t(used);
+    for (int i = 0; i < used; ++i) {
+      t[i] = args[i].keep ? args[i].keep : py::none();
+    }
+    return t;
+  }
+};
+
+class Endpoint : public std::enable_shared_from_this<Endpoint> {
+ public:
+  Endpoint(std::shared_ptr<EndpointCore> core) : core_(std::move(core)), sync_op_(NewOp()) {}
+
+  EndpointCore& Live(const char* op) const {
+    if (core_ == nullptr) {
+      RaiseStatus(EPD_FAILED_PRECONDITION, std::string(op) + ": the endpoint is closed");
+    }
+    return *core_;
+  }
+
+  py::dict Info() const {
+    epd_endpoint_info_t i{};
+    i.struct_size = sizeof(i);
+    Check(epd_endpoint_info(Live("info").endpoint, &i));
+    py::dict d;
+    d["endpoint_id"] = i.endpoint_id;
+    d["rank"] = i.rank;
+    d["num_ranks"] = i.num_ranks;
+    d["num_experts"] = i.num_experts;
+    d["hidden"] = i.hidden;
+    d["num_topk"] = i.num_topk;
+    d["max_tokens_per_rank"] = i.max_tokens_per_rank;
+    d["ll_max_tokens_per_rank"] = i.ll_max_tokens_per_rank;
+    d["use_fp8"] = i.use_fp8 != 0;
+    d["launch_mode"] = i.launch_mode;
+    d["op_timeout_ms"] = i.op_timeout_ms;
+    d["cuda"] = i.cuda != 0;
+    d["group"] = CString(i.group, sizeof(i.group));
+    d["gpu_uuid"] = CString(i.gpu_uuid, sizeof(i.gpu_uuid));
+    return d;
+  }
+
+  void Leave() {
+    epd_endpoint_t* e = Live("leave").endpoint;
+    epd_status_t status;
+    {
+      py::gil_scoped_release release;
+      status = epd_endpoint_leave(e);
+    }
+    Check(status);
+  }
+
+  /// Leaves (best effort) and drops this object's hold on the mapping: it is unmapped once
+  /// the last view made from it is gone. Idempotent.
+  void Close() {
+    if (core_ == nullptr) return;
+    {
+      py::gil_scoped_release release;
+      epd_endpoint_leave(core_->endpoint);
+    }
+    for (ViewCache& cache : caches_) cache.Clear();
+    free_ops_.clear();
+    core_.reset();
+  }
+  bool closed() const { return core_ == nullptr; }
+
+  /// The low-latency combine (or dispatch) input region as a cached view (mode: 0 numpy
+  /// converter, 1 torch converter, 2 the DLView itself); None without low-latency mode.
+  py::object InputRegion(bool combine, int mode) {
+    const char* op = combine ? "low_latency_combine_input" : "low_latency_dispatch_input";
+    EndpointCore& c = Live(op);
+    DLTensor t{};
+    Check(combine ? epd_low_latency_combine_input(c.endpoint, &t)
+                  : epd_low_latency_dispatch_input(c.endpoint, &t));
+    if (mode < 0 || mode > 2)
+      RaiseStatus(EPD_INVALID_ARGUMENT, std::string(op) + ": mode " + std::to_string(mode));
+    return caches_[mode].Get(t, core_, mode != 1, mode == 2 ? py::none() : converters_[mode]);
+  }
+
+  py::object View(const DLTensor& t, bool torch_mode) {
+    return caches_[torch_mode].Get(t, core_, !torch_mode, converters_[torch_mode]);
+  }
+
+  void SetConverters(py::object numpy_convert, py::object torch_convert) {
+    converters_[0] = std::move(numpy_convert);
+    converters_[1] = std::move(torch_convert);
+  }
+
+  size_t CacheSize() const { return caches_[0].size() + caches_[1].size() + caches_[2].size(); }
+
+  // The five ops. Each reads its tensors, submits into the endpoint's reusable holder
+  // (wait=True: waits with the GIL released and returns the result) or into a holder of its
+  // own (wait=False: returns a PendingOp).
+  py::object Layout(py::handle topk_idx, py::handle stream, bool wait) {
+    static constexpr const char* kOp = "get_dispatch_layout";
+    EndpointCore& c = Live(kOp);
+    Inputs in(caches_);
+    epd_layout_args_t a{};
+    a.struct_size = sizeof(a);
+    a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
+    a.stream = ReadStream(stream, kOp);
+    return Submit(c, in, IsTorch(topk_idx), wait,
+                  [&](epd_op_t* op) { return epd_get_dispatch_layout(c.endpoint, &a, op); });
+  }
+
+  py::object Dispatch(py::handle x, py::handle x_scales, py::handle topk_idx,
+                      py::handle topk_weights, int expert_alignment, int num_sms, py::handle handle,
+                      py::handle stream, bool wait) {
+    static constexpr const char* kOp = "dispatch";
+    EndpointCore& c = Live(kOp);
+    Inputs in(caches_);
+    epd_dispatch_args_t a{};
+    a.struct_size = sizeof(a);
+    a.x_scales = in.Read(x_scales, kOp, "x_scales");
+    a.x = in.Read(x, kOp, "x", a.x_scales != nullptr ? Relabel::kFp8Bits : Relabel::kBf16Bits);
+    a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
+    a.topk_weights = in.Read(topk_weights, kOp, "topk_weights");
+    a.expert_alignment = expert_alignment;
+    a.num_sms = num_sms;
+    a.cached = ReadHandle(handle, kOp, "handle");
+    a.stream = ReadStream(stream, kOp);
+    return Submit(c, in, IsTorch(x), wait,
+                  [&](epd_op_t* op) { return epd_dispatch(c.endpoint, &a, op); });
+  }
+
+  py::object Combine(py::handle x, py::handle handle, py::handle topk_weights, int num_sms,
+                     py::handle stream, bool wait) {
+    static constexpr const char* kOp = "combine";
+    EndpointCore& c = Live(kOp);
+    Inputs in(caches_);
+    epd_combine_args_t a{};
+    a.struct_size = sizeof(a);
+    a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits);
+    a.handle = ReadHandle(handle, kOp, "handle");
+    if (a.handle == nullptr) RaiseStatus(EPD_INVALID_ARGUMENT, "combine: handle is required");
+    a.topk_weights = in.Read(topk_weights, kOp, "topk_weights");
+    a.num_sms = num_sms;
+    a.stream = ReadStream(stream, kOp);
+    return Submit(c, in, IsTorch(x), wait,
+                  [&](epd_op_t* op) { return epd_combine(c.endpoint, &a, op); });
+  }
+
+  py::object LowLatencyDispatch(py::handle x, py::handle topk_idx, int max_dispatch_tokens,
+                                bool use_fp8, bool round_scale, py::handle num_tokens,
+                                py::handle stream, bool wait) {
+    static constexpr const char* kOp = "low_latency_dispatch";
+    EndpointCore& c = Live(kOp);
+    Inputs in(caches_);
+    epd_ll_dispatch_args_t a{};
+    a.struct_size = sizeof(a);
+    a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits);
+    a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
+    a.max_dispatch_tokens_per_rank = max_dispatch_tokens;
+    a.use_fp8 = use_fp8;
+    a.round_scale = round_scale;
+    a.num_tokens = in.Read(num_tokens, kOp, "num_tokens");
+    a.stream = ReadStream(stream, kOp);
+    return Submit(c, in, IsTorch(x) || IsTorch(topk_idx), wait,
+                  [&](epd_op_t* op) { return epd_low_latency_dispatch(c.endpoint, &a, op); });
+  }
+
+  py::object LowLatencyCombine(py::handle x, py::handle topk_idx, py::handle topk_weights,
+                               py::handle handle, py::handle stream, bool wait) {
+    static constexpr const char* kOp = "low_latency_combine";
+    EndpointCore& c = Live(kOp);
+    Inputs in(caches_);
+    epd_ll_combine_args_t a{};
+    a.struct_size = sizeof(a);
+    a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits);
+    a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
+    a.topk_weights = in.Read(topk_weights, kOp, "topk_weights");
+    a.handle = ReadHandle(handle, kOp, "handle");
+    if (a.handle == nullptr) {
+      RaiseStatus(EPD_INVALID_ARGUMENT, "low_latency_combine: handle is required");
+    }
+    a.stream = ReadStream(stream, kOp);
+    return Submit(c, in, IsTorch(x) || IsTorch(topk_idx), wait,
+                  [&](epd_op_t* op) { return epd_low_latency_combine(c.endpoint, &a, op); });
+  }
+
+  /// The result `op` holds (after a successful wait or enqueued), as a result object of
+  /// cached views.
+  py::object Result(const epd_op_t* op, bool torch_mode) {
+    switch (epd_op_kind(op)) {
+      case EPD_OP_GET_DISPATCH_LAYOUT: {
+        epd_layout_result_t r{};
+        r.struct_size = sizeof(r);
+        Check(epd_op_layout_result(op, &r));
+        return MakeResult(g_results.layout, {View(r.num_tokens_per_rank, torch_mode),
+                                             View(r.num_tokens_per_expert, torch_mode),
+                                             View(r.is_token_in_rank, torch_mode)});
+      }
+      case EPD_OP_DISPATCH: {
+        epd_dispatch_result_t r{};
+        r.struct_size = sizeof(r);
+        Check(epd_op_dispatch_result(op, &r));
+        return MakeResult(g_results.dispatch,
+                          {View(r.recv_x, torch_mode), View(r.recv_scales, torch_mode),
+                           View(r.recv_topk_idx, torch_mode), View(r.recv_topk_weights, torch_mode),
+                           View(r.num_recv_tokens_per_expert, torch_mode),
+                           View(r.recv_src_info, torch_mode), View(r.recv_count, torch_mode),
+                           py::cast(Handle{r.handle}), py::int_(r.num_recv_tokens)});
+      }
+      case EPD_OP_COMBINE: {
+        epd_combine_result_t r{};
+        r.struct_size = sizeof(r);
+        Check(epd_op_combine_result(op, &r));
+        return MakeResult(g_results.combine, {View(r.combined_x, torch_mode),
+                                              View(r.combined_topk_weights, torch_mode)});
+      }
+      case EPD_OP_LOW_LATENCY_DISPATCH: {
+        epd_ll_dispatch_result_t r{};
+        r.struct_size = sizeof(r);
+        Check(epd_op_ll_dispatch_result(op, &r));
+        return MakeResult(g_results.ll_dispatch,
+                          {View(r.recv_x, torch_mode), View(r.recv_scales, torch_mode),
+                           View(r.recv_count, torch_mode), View(r.recv_src_info, torch_mode),
+                           py::cast(Handle{r.handle})});
+      }
+      case EPD_OP_LOW_LATENCY_COMBINE: {
+        epd_ll_combine_result_t r{};
+        r.struct_size = sizeof(r);
+        Check(epd_op_ll_combine_result(op, &r));
+        return MakeResult(g_results.ll_combine, {View(r.combined_x, torch_mode)});
+      }
+      case EPD_OP_NONE:
+        break;
+    }
+    RaiseStatus(EPD_FAILED_PRECONDITION, "the op holds no op");
+  }
+
+  OpHolder TakeOp() {
+    if (free_ops_.empty()) return NewOp();
+    OpHolder op = std::move(free_ops_.back());
+    free_ops_.pop_back();
+    return op;
+  }
+  void ReturnOp(OpHolder op) {
+    if (core_ != nullptr && free_ops_.size() < kMaxFreeOps) free_ops_.push_back(std::move(op));
+  }
+
+ private:
+  static constexpr size_t kMaxFreeOps = 64;
+
+  template <typename SubmitFn>
+  py::object Submit(EndpointCore& c, const Inputs& in, bool torch_mode, bool wait, SubmitFn submit);
+
+  std::shared_ptr<EndpointCore> core_;
+  OpHolder sync_op_;
+  ViewCache caches_[3];  // [0] numpy mode, [1] torch mode, [2] DLViews
+  py::object converters_[2];
+  std::vector<OpHolder> free_ops_;
+};
+
+/// epd._C.PendingOp: a submitted op with its own holder; keeps its endpoint and its input
+/// tensors alive until it is waited for.
+class PendingOp {
+ public:
+  PendingOp(std::shared_ptr<Endpoint> endpoint, OpHolder op, py::tuple inputs, bool torch_mode)
+      : endpoint_(std::move(endpoint)),
+        op_(std::move(op)),
+        inputs_(std::move(inputs)),
+        torch_mode_(torch_mode) {}
+  PendingOp(PendingOp&&) = default;
+  PendingOp& operator=(PendingOp&&) = delete;
+  ~PendingOp() {
+    if (op_ != nullptr && endpoint_ != nullptr) endpoint_->ReturnOp(std::move(op_));
+  }
+
+  /// timeout: None (no limit) or seconds.
+  py::object Wait(py::handle timeout) {
+    int64_t timeout_ms = EPD_TIMEOUT_INFINITE;
+    if (!timeout.is_none()) {
+      const double seconds = timeout.cast<double>();
+      if (seconds < 0) {
+        RaiseStatus(EPD_INVALID_ARGUMENT, "wait: timeout=" + std::to_string(seconds) +
+                                              " is negative (None waits without a limit)");
+      }
+      timeout_ms = static_cast<int64_t>(seconds * 1000.0 + 0.5);
+    }
+    epd_status_t status;
+    {
+      py::gil_scoped_release release;
+      status = epd_op_wait(op_.get(), timeout_ms);
+    }
+    Check(status);
+    inputs_ = py::tuple();
+    return endpoint_->Result(op_.get(), torch_mode_);
+  }
+
+  py::object Enqueued() {
+    Check(epd_op_enqueued(op_.get()));
+    return endpoint_->Result(op_.get(), torch_mode_);
+  }
+
+  uint64_t seq() const { return epd_op_seq(op_.get()); }
+  int kind() const { return epd_op_kind(op_.get()); }
+
+ private:
+  std::shared_ptr<Endpoint> endpoint_;
+  OpHolder op_;
+  py::tuple inputs_;
+  bool torch_mode_;
+};
+
+template <typename SubmitFn>
+py::object Endpoint::Submit(EndpointCore& c, const Inputs& in, bool torch_mode, bool wait,
+                            SubmitFn submit) {
+  (void)c;
+  if (wait) {
+    Check(submit(sync_op_.get()));
+    epd_status_t status;
+    {
+      py::gil_scoped_release release;
+      status = epd_op_wait(sync_op_.get(), EPD_TIMEOUT_INFINITE);
+    }
+    Check(status);
+    return Result(sync_op_.get(), torch_mode);
+  }
+  OpHolder op = TakeOp();
+  epd_status_t status = submit(op.get());
+  if (status != EPD_OK) {
+    std::string message = epd_last_error();
+    ReturnOp(std::move(op));
+    RaiseStatus(status, message);
+  }
+  return py::cast(PendingOp(shared_from_this(), std::move(op), in.Keep(), torch_mode));
+}
+
+std::shared_ptr<Endpoint> Client::Join(const std::string& name, int num_ranks, int num_experts,
+                                       int hidden, int num_topk, int max_tokens_per_rank,
+                                       int ll_max_tokens_per_rank, bool use_fp8, int rank,
+                                       py::object gpu_uuid, int launch_mode,
+                                       py::bytes join_secret) {
+  ClientCore& c = Live("join");
+  std::string gpu = gpu_uuid.is_none() ? "" : gpu_uuid.cast<std::string>();
+  std::string secret = join_secret;
+  epd_join_options_t o{};
+  o.struct_size = sizeof(o);
+  o.name = name.c_str();
+  o.num_ranks = num_ranks;
+  o.num_experts = num_experts;
+  o.hidden = hidden;
+  o.num_topk = num_topk;
+  o.max_tokens_per_rank = max_tokens_per_rank;
+  o.ll_max_tokens_per_rank = ll_max_tokens_per_rank;
+  o.use_fp8 = use_fp8;
+  o.rank = rank;
+  o.gpu_uuid = gpu.c_str();
+  o.launch_mode = launch_mode;
+  o.join_secret = secret.empty() ? nullptr : secret.data();
+  o.join_secret_len = secret.size();
+  epd_endpoint_t* e = nullptr;
+  epd_status_t status;
+  {
+    py::gil_scoped_release release;
+    status = epd_client_join(c.client, &o, &e);
+  }
+  Check(status);
+  return std::make_shared<Endpoint>(std::make_shared<EndpointCore>(e, core_));
+}
+
+std::string HandleRepr(const Handle& h) {
+  const epd_handle_t& x = h.h;
+  return "epd.Handle(endpoint_id=" + std::to_string(x.endpoint_id) +
+         ", seq=" + std::to_string(x.seq) + ", num_tokens=" + std::to_string(x.num_tokens) +
+         ", num_recv_tokens=" + std::to_string(x.num_recv_tokens) +
+         ", low_latency=" + (x.low_latency ? "True" : "False") +
+         ", buffer=" + std::to_string(x.buffer) + ", use_fp8=" + (x.use_fp8 ? "True" : "False") +
+         ")";
+}
+
+}  // namespace
+}  // namespace epd_py
+
+PYBIND11_MODULE(_C, m) {
+  using namespace epd_py;
+  m.doc() = "epd._C: the binding of libepdclient's C ABI (epd.h). Use the epd package.";
+  if (epd_abi_version() != EPD_ABI_VERSION) {
+    throw py::import_error("libepdclient has C ABI " + std::to_string(epd_abi_version()) +
+                           ", epd._C was built against " + std::to_string(EPD_ABI_VERSION));
+  }
+  m.attr("ABI_VERSION") = EPD_ABI_VERSION;
+  m.attr("TIMEOUT_INFINITE") = EPD_TIMEOUT_INFINITE;
+  m.def(
+      "version", [] { return std::string(epd_version_string()); }, "epd's version string.");
+  m.def("abi_version", &epd_abi_version, "The library's C ABI version.");
+  m.def("status_name", [](int code) { return std::string(epd_status_name(code)); });
+
+  BindDlpack(m);
+  g_results.layout =
+      MakeResultType(m, "epd.LayoutResult", "Result of get_dispatch_layout.", kLayoutFields);
+  g_results.dispatch =
+      MakeResultType(m, "epd.DispatchResult", "Result of a normal dispatch.", kDispatchFields);
+  g_results.combine =
+      MakeResultType(m, "epd.CombineResult", "Result of a normal combine.", kCombineFields);
+  g_results.ll_dispatch = MakeResultType(m, "epd.LowLatencyDispatchResult",
+                                         "Result of a low-latency dispatch.", kLlDispatchFields);
+  g_results.ll_combine = MakeResultType(m, "epd.LowLatencyCombineResult",
+                                        "Result of a low-latency combine.", kLlCombineFields);
+
+  py::class_<Handle>(m, "Handle",
+                     "The routing of a dispatch, for combine and cached re-dispatch: a value, "
+                     "bound to its endpoint and dispatch (stale or foreign: "
+                     "FailedPreconditionError).")
+      .def_property_readonly("endpoint_id", [](const Handle& h) { return h.h.endpoint_id; })
+      .def_property_readonly("seq", [](const Handle& h) { return h.h.seq; })
+      .def_property_readonly("num_tokens", [](const Handle& h) { return h.h.num_tokens; })
+      .def_property_readonly("num_recv_tokens", [](const Handle& h) { return h.h.num_recv_tokens; })
+      .def_property_readonly("buffer", [](const Handle& h) { return h.h.buffer; })
+      .def_property_readonly("low_latency", [](const Handle& h) { return h.h.low_latency != 0; })
+      .def_property_readonly("use_fp8", [](const Handle& h) { return h.h.use_fp8 != 0; })
+      .def("__eq__",
+           [](const Handle& a, py::object b) {
+             if (!py::isinstance<Handle>(b)) return false;
+             return std::memcmp(&a.h, &b.cast<const Handle&>().h, sizeof(epd_handle_t)) == 0;
+           })
+      .def("__hash__",
+           [](const Handle& h) { return py::hash(py::make_tuple(h.h.endpoint_id, h.h.seq)); })
+      .def("__repr__", &HandleRepr);
+
+  py::class_<PendingOp>(m, "PendingOp",
+                        "A submitted op (wait=False). wait(timeout=None) blocks until every "
+                        "rank's part is done (timeout in seconds: DeadlineExceededError, the op "
+                        "stays pending) and returns the result; enqueued() returns it without a "
+                        "CPU wait (CUDA backend, op given a stream).")
+      .def("wait", &PendingOp::Wait, py::arg("timeout") = py::none())
+      .def("enqueued", &PendingOp::Enqueued)
+      .def_property_readonly("seq", &PendingOp::seq)
+      .def_property_readonly("kind", &PendingOp::kind);
+
+  py::class_<Endpoint, std::shared_ptr<Endpoint>>(m, "Endpoint")
+      .def("info", &Endpoint::Info)
+      .def("leave", &Endpoint::Leave)
+      .def("close", &Endpoint::Close)
+      .def_property_readonly("closed", &Endpoint::closed)
+      .def("input_region", &Endpoint::InputRegion)
+      .def("set_converters", &Endpoint::SetConverters)
+      .def("cache_size", &Endpoint::CacheSize)
+      .def("layout", &Endpoint::Layout)
+      .def("dispatch", &Endpoint::Dispatch)
+      .def("combine", &Endpoint::Combine)
+      .def("ll_dispatch", &Endpoint::LowLatencyDispatch)
+      .def("ll_combine", &Endpoint::LowLatencyCombine);
+
+  py::class_<Client, std::shared_ptr<Client>>(m, "Client")
+      .def_static("connect", &Client::Connect)
+      .def_property_readonly("session_id", &Client::SessionId)
+      .def("stats", &Client::Stats)
+      .def("stats_json", &Client::Json<&epd_client_stats_json>, py::arg("what") = "stats")
+      .def("list_groups_json", &Client::Json<&epd_client_list_groups_json>,
+           py::arg("what") = "list_groups")
+      .def("join", &Client::Join)
+      .def("close", &Client::Close)
+      .def_property_readonly("closed", &Client::closed);
+}

@@ -1,0 +1,347 @@
+"""Shared helpers of the Python suites: a real epd daemon, a World of rank processes that
+run scenario functions in lockstep, deterministic inputs and torch references of every op
+(docs/CLIENT_API.md section 9 and DESIGN.md section 3.3 give the semantics)."""
+
+import importlib
+import os
+import pickle
+import queue
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import traceback
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The spec of the World's group (three ranks, two local experts each, FP8 allowed).
+R, E, K, H, M, MLL = 3, 6, 3, 256, 16, 8
+LOCAL = E // R
+
+
+def epd_binary():
+    if os.environ.get("EPD_BINARY"):
+        return os.environ["EPD_BINARY"]
+    build = os.environ.get("EPD_BUILD_DIR") or os.path.join(REPO, "build")
+    return os.path.join(build, "daemon", "epd")
+
+
+class Daemon:
+    """A real `epd --backend=host` on a temporary socket (stopped by stop())."""
+
+    def __init__(self, extra_args=()):
+        binary = epd_binary()
+        if not os.access(binary, os.X_OK):
+            raise RuntimeError("epd binary %s not found (build the epd target or set EPD_BINARY)" % binary)
+        self.dir = tempfile.mkdtemp(prefix="epd_py_")
+        self.socket = os.path.join(self.dir, "epd.sock")
+        self.log_path = os.path.join(self.dir, "epd.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [binary, "--socket=" + self.socket, "--backend=host", "--op_timeout=5s",
+             "--host_threads=1", *extra_args],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait_serving()
+
+    def _wait_serving(self):
+        import epd
+
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError("epd exited (%s) before serving:\n%s" % (self.proc.returncode, self.log()))
+            if os.path.exists(self.socket):
+                try:
+                    epd.Client.connect(self.socket, timeout=1.0).close()
+                    return
+                except epd.UnavailableError:
+                    pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("epd not serving within 30 s:\n" + self.log())
+            time.sleep(0.05)
+
+    def log(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ---- the World: one process per rank ----------------------------------------------------
+
+
+class Rank:
+    """What a scenario function gets on its rank: the client, the World's endpoint `ep`
+    (group spec `spec`), `rank`, and a dict `state` kept across scenarios."""
+
+    def __init__(self, socket, rank, group):
+        import epd
+
+        self.epd = epd
+        self.rank = rank
+        self.client = epd.Client.connect(socket, client_name="pytest-rank%d" % rank)
+        self.spec = epd.GroupSpec(group, num_ranks=R, hidden=H, num_topk=K, num_experts=E,
+                                  max_tokens_per_rank=M, max_dispatch_tokens_per_rank=MLL,
+                                  use_fp8=True)
+        self.ep = self.client.join(self.spec, rank)
+        self.base_name = group
+        self.state = {}
+        self.generation = 0
+
+    def rejoin(self):
+        """Leaves and joins a fresh group (after a failed scenario put the ranks out of step)."""
+        self.ep.close()
+        self.generation += 1
+        self.spec = self.spec._replace(name="%s_g%d" % (self.base_name, self.generation))
+        self.ep = self.client.join(self.spec, self.rank)
+
+
+def _rank_main(socket, rank, group, inbox, outbox):
+    torch.set_num_threads(1)
+    try:
+        w = Rank(socket, rank, group)
+    except BaseException:
+        outbox.put((rank, False, traceback.format_exc()))
+        return
+    outbox.put((rank, True, None))
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        module, name, args, kwargs = job
+        if name is None:
+            try:
+                w.rejoin()
+                outbox.put((rank, True, None))
+            except BaseException:
+                outbox.put((rank, False, traceback.format_exc()))
+            continue
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            result = fn(w, *args, **kwargs)
+            pickle.dumps(result)  # an unpicklable result would be lost in the queue's thread
+            outbox.put((rank, True, result))
+        except BaseException:
+            outbox.put((rank, False, traceback.format_exc()))
+    w.client.close()
+
+
+class World:
+    """R rank processes (torch.multiprocessing, spawn), each joined to one group; run(fn)
+    calls fn(rank) on every rank at once and returns the per-rank results, raising
+    AssertionError with every failing rank's traceback."""
+
+    def __init__(self, socket, group):
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(R)]
+        self.procs = [
+            ctx.Process(target=_rank_main, args=(socket, r, group, self.inboxes[r], self.outbox), daemon=True)
+            for r in range(R)
+        ]
+        for p in self.procs:
+            p.start()
+        self._collect("start", timeout=120)
+
+    def _collect(self, what, timeout):
+        results, failures = {}, []
+        deadline = time.monotonic() + timeout
+        while len(results) < R:
+            try:
+                rank, ok, payload = self.outbox.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                raise AssertionError("%s: ranks %s did not answer within %d s (dead: %s)"
+                                     % (what, sorted(set(range(R)) - set(results)), timeout, dead))
+            results[rank] = payload
+            if not ok:
+                failures.append("rank %d:\n%s" % (rank, payload))
+        if failures:
+            raise AssertionError("%s failed on %d rank(s):\n%s" % (what, len(failures), "\n".join(failures)))
+        return [results[r] for r in range(R)]
+
+    def run(self, fn, *args, timeout=60, **kwargs):
+        for q in self.inboxes:
+            q.put((fn.__module__, fn.__name__, args, kwargs))
+        try:
+            return self._collect(fn.__name__, timeout)
+        except AssertionError:
+            # A rank that failed may have skipped ops its peers ran: every rank moves to a
+            # fresh group so the next scenario starts in step.
+            for q in self.inboxes:
+                q.put((None, None, (), {}))
+            self._collect("rejoin after " + fn.__name__, 60)
+            raise
+
+    def close(self):
+        for q in self.inboxes:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+# ---- inputs -----------------------------------------------------------------------------
+
+
+def num_tokens(rank, seed):
+    """T of `rank` in scenario `seed`: varies per rank, M at most."""
+    return [5, 9, 16, 0, 3][(rank + seed) % 5] if seed % 7 != 3 else 0
+
+
+def num_tokens_ll(rank, seed):
+    return [5, 8, 1, 0][(rank + seed) % 4]
+
+
+def make_topk_idx(rank, seed, t):
+    """[t, K] int64 over E experts with -1 entries, a repeated expert and an all -1 row."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    idx = torch.randint(0, E, (t, K), generator=g, dtype=torch.int64)
+    if t > 0:
+        drop = torch.rand((t, K), generator=g) < 0.2
+        idx[drop] = -1
+        idx[0, 1] = idx[0, 0]  # a repeated expert
+        if t > 2:
+            idx[2] = -1  # a token sent nowhere
+    return idx
+
+
+def make_x(rank, seed, t):
+    g = torch.Generator().manual_seed(1000 * seed + rank + 500)
+    return torch.randn((t, H), generator=g).to(torch.bfloat16)
+
+
+def make_weights(rank, seed, t):
+    g = torch.Generator().manual_seed(1000 * seed + rank + 700)
+    return torch.rand((t, K), generator=g, dtype=torch.float32)
+
+
+def make_fp8(rank, seed, t):
+    """FP8 x as e4m3 bits (uint8, no NaN pattern) and its scales [t, H/128] f32."""
+    g = torch.Generator().manual_seed(1000 * seed + rank + 900)
+    bits = torch.randint(0, 0x7F, (t, H), generator=g, dtype=torch.int64)
+    sign = torch.randint(0, 2, (t, H), generator=g, dtype=torch.int64) * 0x80
+    scales = torch.rand((t, H // 128), generator=g, dtype=torch.float32) + 0.5
+    return (bits | sign).to(torch.uint8), scales
+
+
+def rank_of(expert):
+    return expert // LOCAL
+
+
+def as_bits(t):
+    """An FP8 tensor (torch float8 on torch >= 2.1, uint8 bits otherwise) as uint8 bits."""
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+_E4M3 = None
+
+
+def e4m3_to_float(bits):
+    """Decodes float8_e4m3fn bits (uint8) to float32."""
+    global _E4M3
+    if _E4M3 is None:
+        values = []
+        for b in range(256):
+            sign = -1.0 if b & 0x80 else 1.0
+            exp, mant = (b >> 3) & 0xF, b & 0x7
+            if exp == 0xF and mant == 0x7:
+                values.append(float("nan"))
+            elif exp == 0:
+                values.append(sign * mant / 8.0 * 2.0 ** -6)
+            else:
+                values.append(sign * (1.0 + mant / 8.0) * 2.0 ** (exp - 7))
+        _E4M3 = torch.tensor(values, dtype=torch.float32)
+    return _E4M3[as_bits(bits).long()]
+
+
+# ---- references ---------------------------------------------------------------------------
+
+
+def ref_layout(idx):
+    """(num_tokens_per_rank [R], num_tokens_per_expert [E], is_token_in_rank [T, R])."""
+    t = idx.shape[0]
+    in_expert = torch.zeros((t, E), dtype=torch.bool)
+    for e in range(E):
+        in_expert[:, e] = (idx == e).any(dim=1)
+    in_rank = torch.stack([in_expert[:, r * LOCAL:(r + 1) * LOCAL].any(dim=1) for r in range(R)], dim=1) \
+        if t > 0 else torch.zeros((0, R), dtype=torch.bool)
+    return in_rank.sum(0).int(), in_expert.sum(0).int(), in_rank.to(torch.uint8)
+
+
+def ref_dispatch(rank, seed, inputs, alignment=1):
+    """The normal dispatch rank `rank` receives: rows by source rank, then token.
+    inputs[src] = (x, topk_idx, topk_weights or None)."""
+    rows, idx_rows, w_rows, src_info = [], [], [], []
+    counts = torch.zeros(LOCAL, dtype=torch.int64)
+    for src in range(R):
+        x, idx, w = inputs[src]
+        for t in range(idx.shape[0]):
+            local = torch.where(rank_of(idx[t]) == rank, idx[t] - rank * LOCAL, torch.full_like(idx[t], -1))
+            local[idx[t] < 0] = -1
+            if (local >= 0).any():
+                rows.append(x[t])
+                idx_rows.append(local)
+                w_rows.append(torch.where(local >= 0, w[t], torch.zeros_like(w[t])) if w is not None
+                              else torch.zeros(K, dtype=torch.float32))
+                src_info.append(src * M + t)
+                for le in set(local[local >= 0].tolist()):
+                    counts[le] += 1
+    n = len(rows)
+    counts = (counts + alignment - 1) // alignment * alignment
+    stack = lambda xs, shape, dtype: torch.stack(xs) if xs else torch.zeros(shape, dtype=dtype)
+    return dict(
+        recv_x=stack(rows, (0, H), inputs[0][0].dtype),
+        recv_topk_idx=stack(idx_rows, (0, K), torch.int64),
+        recv_topk_weights=stack(w_rows, (0, K), torch.float32),
+        recv_src_info=torch.tensor(src_info, dtype=torch.int32),
+        num_recv_tokens_per_expert=counts.int(),
+        num_recv_tokens=n,
+    )
+
+
+def ref_ll_dispatch(rank, inputs):
+    """Per local expert: the rows (x, src_info) it receives, packed by source rank, then
+    token. inputs[src] = (x, topk_idx)."""
+    out = []
+    for le in range(LOCAL):
+        e = rank * LOCAL + le
+        xs, info = [], []
+        for src in range(R):
+            x, idx = inputs[src]
+            for t in range(idx.shape[0]):
+                if (idx[t] == e).any():
+                    xs.append(x[t])
+                    info.append(src * MLL + t)
+        out.append((xs, info))
+    return out
+
+
+def expert_output(x_rows, expert):
+    """What the tests' expert `expert` makes of its rows: bf16(x * (expert + 1))."""
+    return (x_rows.float() * (expert + 1)).to(torch.bfloat16)
+
+
+def ref_ll_combine(x, idx, w):
+    """combined_x [T, H] bf16: sum over k with idx >= 0 of w[t,k] * y_{e_k}(t), f32 from +0
+    in ascending k, rounded once."""
+    acc = torch.zeros((idx.shape[0], H), dtype=torch.float32)
+    for k in range(K):
+        for t in range(idx.shape[0]):
+            e = int(idx[t, k])
+            if e >= 0:
+                acc[t] = acc[t] + w[t, k] * expert_output(x[t:t + 1], e)[0].float()
+    return acc.to(torch.bfloat16)
