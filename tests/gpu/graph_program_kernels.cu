@@ -16,8 +16,9 @@ __global__ void DequantScaleExpertsKernel(const kernels::e4m3_bits* x, const flo
     const int64_t h = i % H;
     const int64_t j = row / rows;
     const float s = 0.5f + 0.25f * static_cast<float>(j % 4);
-    const float v = __fmul_rn(
-        __fmul_rn(kernels::E4m3ToFloat(x[i]), scales[row * S + h / kernels::kFp8BlockChannels]), s);
+    // scales are stored [El, S, rows] (token index fastest).
+    const float scale = scales[(j * S + h / kernels::kFp8BlockChannels) * rows + row % rows];
+    const float v = __fmul_rn(__fmul_rn(kernels::E4m3ToFloat(x[i]), scale), s);
     y[i] = kernels::FloatToBf16(v);
   }
 }

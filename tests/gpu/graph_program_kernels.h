@@ -17,7 +17,8 @@ namespace epd::testing {
 inline float ProgramExpertScale(int64_t j) { return 0.5f + 0.25f * static_cast<float>(j % 4); }
 
 /// y[j, row, h] = bf16((f32(x[j, row, h]) * scales[j, row, h / 128]) * ProgramExpertScale(j))
-/// for every element of [El, rows, H] (x e4m3, scales f32 [El, rows, H/128], y bf16), each
+/// for every element of [El, rows, H] (x e4m3, scales f32 [El, rows, H/128] stored token index
+/// fastest as the low-latency recv_scales view is: storage [El, H/128, rows]; y bf16), each
 /// product rounded to f32 (no fma), so the host computes the same bits. Enqueued on
 /// `stream` (capturable). Errors: INTERNAL for a CUDA launch error.
 absl::Status LaunchDequantScaleExperts(const kernels::e4m3_bits* x, const float* scales,

@@ -109,7 +109,11 @@ Blobs OutputBlobs(const GroupShape& g, const int32_t* count, int T, Reader at) {
     const size_t row0 = static_cast<size_t>(j * rows);
     b.push_back({absl::StrCat("recv_x[", j, "]"), at(0, row0 * H, n * H)});
     b.push_back({absl::StrCat("recv_src_info[", j, "]"), at(1, row0 * 4, n * 4)});
-    b.push_back({absl::StrCat("recv_scales[", j, "]"), at(2, row0 * S * 4, n * S * 4)});
+    // Scales are stored [El, S, rows] (token index fastest): rows [0, n) of each block.
+    for (size_t c = 0; c < S; ++c) {
+      b.push_back({absl::StrCat("recv_scales[", j, "][", c, "]"),
+                   at(2, (static_cast<size_t>(j) * S + c) * static_cast<size_t>(rows) * 4, n * 4)});
+    }
   }
   b.push_back({"combined_x", at(3, 0, static_cast<size_t>(T) * H * 2)});
   return b;
@@ -136,9 +140,9 @@ std::vector<Blobs> HostProgram(const GroupShape& g, const std::vector<RankInputs
   std::vector<std::vector<bf16_bits>> y(R, std::vector<bf16_bits>(cells * H)), combined(R);
   for (int r = 0; r < R; ++r) {
     for (size_t i = 0; i < cells * H; ++i) {
-      const size_t row = i / H;
+      const size_t row = i / H, j = row / rows, block = (i % H) / kernels::kFp8BlockChannels;
       const float v = (kernels::E4m3ToFloat(recv_x[r][i]) *
-                       scales[r][row * S + (i % H) / kernels::kFp8BlockChannels]) *
+                       scales[r][(j * S + block) * static_cast<size_t>(rows) + row % rows]) *
                       testing::ProgramExpertScale(static_cast<int64_t>(row / rows));
       y[r][i] = kernels::FloatToBf16(v);
     }
@@ -448,6 +452,7 @@ void RunProgramScenario(const v1::GroupSpec& spec, const std::string& gpu_uuid, 
       q.d = *d;
       ASSERT_EQ(q.d.recv_x.shape(), (std::vector<int64_t>{El, rows, H}));
       ASSERT_EQ(q.d.recv_scales.shape(), (std::vector<int64_t>{El, rows, H / 128}));
+      ASSERT_EQ(q.d.recv_scales.strides(), (std::vector<int64_t>{H / 128 * rows, 1, rows}));
       const TensorView expert_out = eps[r]->LowLatencyCombineInput();
       ASSERT_TRUE(testing::LaunchDequantScaleExperts(q.d.recv_x.as<kernels::e4m3_bits>(),
                                                      q.d.recv_scales.as<float>(),
