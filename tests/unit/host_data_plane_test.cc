@@ -362,6 +362,20 @@ class HostDataPlaneTest : public ::testing::Test {
     for (int r = 0; r < spec.num_ranks(); ++r) endpoints_.push_back(Attach(r));
   }
 
+  /// Creates the one-rank group `spec` and maps its endpoint as a raw ring (no client
+  /// library); `info` gets the endpoint's EndpointInfo. Null on failure (reported).
+  std::unique_ptr<testing::RawRing> OpenRawRing(const v1::GroupSpec& spec, v1::EndpointInfo* info) {
+    spec_ = spec;
+    auto g = plane_->CreateGroup(spec_);
+    EXPECT_TRUE(g.ok()) << g.status();
+    if (!g.ok()) return nullptr;
+    group_ = std::move(*g);
+    absl::Status st = group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, info);
+    EXPECT_TRUE(st.ok()) << st;
+    if (!st.ok()) return nullptr;
+    return testing::RawRing::Open(*info, *group_);
+  }
+
   std::unique_ptr<Endpoint> Attach(int r) {
     v1::EndpointInfo info;
     absl::Status st = group_->AttachRank(r, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info);
@@ -1044,13 +1058,8 @@ TEST_F(HostDataPlaneTest, HeaderOffsetsSizesAndTailWrittenByTheClientAreNeverUse
   ASSERT_TRUE(victim.Round().ok());
 
   const int E = 4, H = 128, K = 2, M = 8, T = 6;
-  spec_ = Spec("scribbled-header", 1, E, H, K, M, 0, false);
-  auto g = plane_->CreateGroup(spec_);
-  ASSERT_TRUE(g.ok()) << g.status();
-  group_ = std::move(*g);
   v1::EndpointInfo info;
-  ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
-  auto ring = testing::RawRing::Open(info, *group_);
+  auto ring = OpenRawRing(Spec("scribbled-header", 1, E, H, K, M, 0, false), &info);
   ASSERT_NE(ring, nullptr);
   const kernels::GroupShape shape{1, E, H, K, M, 0, false};
   const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(shape);
@@ -1147,13 +1156,8 @@ TEST_F(HostDataPlaneTest, Ue8m0FlagIsValidatedByTheDaemonAndWritesPackedScales) 
   for (const int H : {384, 1024}) {
     SCOPED_TRACE(absl::StrCat("hidden ", H));
     const int E = 4, K = 2, Mll = 8, T = 6;
-    spec_ = Spec(absl::StrCat("ue8m0-raw-", H), 1, E, H, K, Mll, Mll, true);
-    auto g = plane_->CreateGroup(spec_);
-    ASSERT_TRUE(g.ok()) << g.status();
-    group_ = std::move(*g);
     v1::EndpointInfo info;
-    ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
-    auto ring = testing::RawRing::Open(info, *group_);
+    auto ring = OpenRawRing(Spec(absl::StrCat("ue8m0-raw-", H), 1, E, H, K, Mll, Mll, true), &info);
     ASSERT_NE(ring, nullptr);
     const kernels::GroupShape shape = rules::ShapeOf(spec_);
     const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(shape);
