@@ -74,7 +74,7 @@ def _from_pkg_config():
     for inc in incs or ["/usr/include"]:
         for lib in lib_dirs or ["/usr/lib", "/usr/lib/x86_64-linux-gnu"]:
             if os.path.exists(os.path.join(inc, "epd", "epd.h")) and os.path.exists(os.path.join(lib, LIB)):
-                return "pkg-config epd", inc, lib
+                return "pkg-config epd", os.path.realpath(inc), os.path.realpath(lib)
     return None
 
 
