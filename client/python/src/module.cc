@@ -411,6 +411,8 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
   /// The result `op` holds (after a successful wait or enqueued), as a result object of
   /// cached views.
   py::object Result(const epd_op_t* op, bool torch_mode) {
+    // A closed endpoint's buffers may be unmapped: its pending ops give no views.
+    Live("the result of an op");
     switch (epd_op_kind(op)) {
       case EPD_OP_GET_DISPATCH_LAYOUT: {
         epd_layout_result_t r{};
