@@ -329,7 +329,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     a.struct_size = sizeof(a);
     a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
     a.stream = ReadStream(stream, kOp);
-    return Submit(c, in, IsTorch(topk_idx), wait,
+    return Submit(in, IsTorch(topk_idx), wait,
                   [&](epd_op_t* op) { return epd_get_dispatch_layout(c.endpoint, &a, op); });
   }
 
@@ -349,7 +349,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     a.num_sms = num_sms;
     a.cached = ReadHandle(handle, kOp, "handle");
     a.stream = ReadStream(stream, kOp);
-    return Submit(c, in, IsTorch(x), wait,
+    return Submit(in, IsTorch(x), wait,
                   [&](epd_op_t* op) { return epd_dispatch(c.endpoint, &a, op); });
   }
 
@@ -366,7 +366,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     a.topk_weights = in.Read(topk_weights, kOp, "topk_weights");
     a.num_sms = num_sms;
     a.stream = ReadStream(stream, kOp);
-    return Submit(c, in, IsTorch(x), wait,
+    return Submit(in, IsTorch(x), wait,
                   [&](epd_op_t* op) { return epd_combine(c.endpoint, &a, op); });
   }
 
@@ -385,7 +385,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     a.round_scale = round_scale;
     a.num_tokens = in.Read(num_tokens, kOp, "num_tokens");
     a.stream = ReadStream(stream, kOp);
-    return Submit(c, in, IsTorch(x) || IsTorch(topk_idx), wait,
+    return Submit(in, IsTorch(x) || IsTorch(topk_idx), wait,
                   [&](epd_op_t* op) { return epd_low_latency_dispatch(c.endpoint, &a, op); });
   }
 
@@ -404,7 +404,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
       RaiseStatus(EPD_INVALID_ARGUMENT, "low_latency_combine: handle is required");
     }
     a.stream = ReadStream(stream, kOp);
-    return Submit(c, in, IsTorch(x) || IsTorch(topk_idx), wait,
+    return Submit(in, IsTorch(x) || IsTorch(topk_idx), wait,
                   [&](epd_op_t* op) { return epd_low_latency_combine(c.endpoint, &a, op); });
   }
 
@@ -475,7 +475,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
   static constexpr size_t kMaxFreeOps = 64;
 
   template <typename SubmitFn>
-  py::object Submit(EndpointCore& c, const Inputs& in, bool torch_mode, bool wait, SubmitFn submit);
+  py::object Submit(const Inputs& in, bool torch_mode, bool wait, SubmitFn submit);
 
   std::shared_ptr<EndpointCore> core_;
   OpHolder sync_op_;
@@ -536,21 +536,26 @@ class PendingOp {
 };
 
 template <typename SubmitFn>
-py::object Endpoint::Submit(EndpointCore& c, const Inputs& in, bool torch_mode, bool wait,
-                            SubmitFn submit) {
-  (void)c;
+py::object Endpoint::Submit(const Inputs& in, bool torch_mode, bool wait, SubmitFn submit) {
+  // The GIL is released while epd works: a submit can block (a client-launched endpoint's
+  // first op waits for its peers to join), and a wait always does; ranks driven by threads
+  // of one process need each other's progress. The arguments are C structs over memory
+  // that `in` keeps alive. epd_last_error() stays this thread's.
+  epd_status_t status;
   if (wait) {
-    Check(submit(sync_op_.get()));
-    epd_status_t status;
     {
       py::gil_scoped_release release;
-      status = epd_op_wait(sync_op_.get(), EPD_TIMEOUT_INFINITE);
+      status = submit(sync_op_.get());
+      if (status == EPD_OK) status = epd_op_wait(sync_op_.get(), EPD_TIMEOUT_INFINITE);
     }
     Check(status);
     return Result(sync_op_.get(), torch_mode);
   }
   OpHolder op = TakeOp();
-  epd_status_t status = submit(op.get());
+  {
+    py::gil_scoped_release release;
+    status = submit(op.get());
+  }
   if (status != EPD_OK) {
     std::string message = epd_last_error();
     ReturnOp(std::move(op));
