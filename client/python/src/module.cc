@@ -664,7 +664,11 @@ PYBIND11_MODULE(_C, m) {
       .def("wait", &PendingOp::Wait, py::arg("timeout") = py::none())
       .def("enqueued", &PendingOp::Enqueued)
       .def_property_readonly("seq", &PendingOp::seq)
-      .def_property_readonly("kind", &PendingOp::kind);
+      .def_property_readonly("kind", &PendingOp::kind, "The epd_op_kind_t of the op (an int).")
+      .def("__repr__", [](const PendingOp& p) {
+        return "epd.PendingOp(kind=" + std::to_string(p.kind()) +
+               ", seq=" + std::to_string(p.seq()) + ")";
+      });
 
   py::class_<Endpoint, std::shared_ptr<Endpoint>>(m, "Endpoint")
       .def("info", &Endpoint::Info)
