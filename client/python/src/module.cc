@@ -239,7 +239,8 @@ struct Inputs {
 
 class Endpoint : public std::enable_shared_from_this<Endpoint> {
  public:
-  Endpoint(std::shared_ptr<EndpointCore> core) : core_(std::move(core)), sync_op_(NewOp()) {}
+  explicit Endpoint(std::shared_ptr<EndpointCore> core)
+      : core_(std::move(core)), sync_op_(NewOp()) {}
 
   EndpointCore& Live(const char* op) const {
     if (core_ == nullptr) {
@@ -302,8 +303,9 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     DLTensor t{};
     Check(combine ? epd_low_latency_combine_input(c.endpoint, &t)
                   : epd_low_latency_dispatch_input(c.endpoint, &t));
-    if (mode < 0 || mode > 2)
+    if (mode < 0 || mode > 2) {
       RaiseStatus(EPD_INVALID_ARGUMENT, std::string(op) + ": mode " + std::to_string(mode));
+    }
     return caches_[mode].Get(t, core_, mode == 0, mode == 2 ? py::none() : converters_[mode]);
   }
 
@@ -480,7 +482,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
   std::shared_ptr<EndpointCore> core_;
   OpHolder sync_op_;
   ViewCache caches_[3];  // [0] numpy mode, [1] torch mode, [2] DLViews
-  py::object converters_[2];
+  py::object converters_[2] = {py::none(), py::none()};
   std::vector<OpHolder> free_ops_;
 };
 
