@@ -26,8 +26,10 @@ PACKAGES=(
   libibverbs-dev librdmacm-dev libdlpack-dev
   # tests
   libgtest-dev libgmock-dev
-  # Python binding and scripts
-  pybind11-dev python3 python3-dev
+  # Python package (client/python) and its tests (tests/python): pybind11 headers, a venv
+  # with pip/setuptools/wheel, and torch (CPU), numpy, pytest for the suites
+  pybind11-dev python3 python3-dev python3-venv python3-pip python3-setuptools python3-wheel
+  python3-pybind11 python3-torch python3-numpy python3-pytest
   # style check (.clang-format)
   clang-format
   # sanitizer builds (tests/sanitize.sh): clang 14, its ASan/UBSan runtimes, llvm-symbolizer

@@ -12,6 +12,7 @@ libepdclient.so, found in this order:
 3. this repository's build/ tree;
 4. `pkg-config epd`;
 5. /usr/local.
+EPD_SOURCE_DIR names the repository when building from a copy of client/python.
 
 dlpack/dlpack.h is looked for in DLPACK_INCLUDE_DIR, then beside epd.h, then /usr/include
 and /usr/local/include. The extension links libepdclient alone, with an rpath to its
@@ -28,7 +29,9 @@ import sys
 from setuptools import Extension, find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
+# The repository (for its build/ tree, client/include and version): EPD_SOURCE_DIR when the
+# package is built from a copy, else the tree this file is in.
+REPO = os.environ.get("EPD_SOURCE_DIR") or os.path.dirname(os.path.dirname(HERE))
 LIB = "libepdclient.so"
 
 
@@ -71,7 +74,7 @@ def _from_pkg_config():
     for inc in incs or ["/usr/include"]:
         for lib in lib_dirs or ["/usr/lib", "/usr/lib/x86_64-linux-gnu"]:
             if os.path.exists(os.path.join(inc, "epd", "epd.h")) and os.path.exists(os.path.join(lib, LIB)):
-                return "pkg-config epd", inc, lib
+                return "pkg-config epd", os.path.realpath(inc), os.path.realpath(lib)
     return None
 
 
@@ -123,14 +126,28 @@ def find_pybind11():
     _fail("pybind11 headers not found (install pybind11-dev, or the pybind11 Python package)")
 
 
-def version():
-    """epd's version from the repository's CMakeLists.txt (0.0.0 outside the repository)."""
+def version(lib_dir):
+    """epd's version: the repository's CMakeLists.txt, else the epd.pc beside the library,
+    else `pkg-config --modversion epd`, else 0.0.0."""
     try:
         with open(os.path.join(REPO, "CMakeLists.txt")) as f:
             m = re.search(r"project\(epd VERSION ([0-9.]+)", f.read())
+        if m:
+            return m.group(1)
     except OSError:
-        m = None
-    return m.group(1) if m else "0.0.0"
+        pass
+    try:
+        with open(os.path.join(lib_dir, "pkgconfig", "epd.pc")) as f:
+            m = re.search(r"^Version:\s*([0-9.]+)", f.read(), re.M)
+        if m:
+            return m.group(1)
+    except OSError:
+        pass
+    try:
+        return subprocess.run(["pkg-config", "--modversion", "epd"], check=True, capture_output=True,
+                              text=True).stdout.strip() or "0.0.0"
+    except (OSError, subprocess.CalledProcessError):
+        return "0.0.0"
 
 
 os.chdir(HERE)  # sources and packages are named relative to this directory
@@ -143,6 +160,7 @@ print("epd setup.py: epd.h from %s, %s from %s (%s); dlpack.h from %s; pybind11 
 ext = Extension(
     "epd._C",
     sources=sorted(glob.glob(os.path.join("src", "*.cc"))),
+    depends=sorted(glob.glob(os.path.join("src", "*.h"))),
     include_dirs=[pybind11_include, epd_include, dlpack_include],
     library_dirs=[lib_dir],
     libraries=["epdclient"],
@@ -153,7 +171,7 @@ ext = Extension(
 
 setup(
     name="epd",
-    version=version(),
+    version=version(lib_dir),
     description="Python client of epd, the expert-parallel MoE dispatch/combine daemon",
     packages=find_packages(include=["epd", "epd.*"]),
     ext_modules=[ext],

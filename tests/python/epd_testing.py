@@ -86,16 +86,19 @@ class Rank:
     """What a scenario function gets on its rank: the client, the World's endpoint `ep`
     (group spec `spec`), `rank`, and a dict `state` kept across scenarios."""
 
-    def __init__(self, socket, rank, group):
+    def __init__(self, socket, rank, group, launch_mode="auto", cuda=False):
         import epd
 
+        if cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         self.epd = epd
         self.rank = rank
         self.client = epd.Client.connect(socket, client_name="pytest-rank%d" % rank)
         self.spec = epd.GroupSpec(group, num_ranks=R, hidden=H, num_topk=K, num_experts=E,
                                   max_tokens_per_rank=M, max_dispatch_tokens_per_rank=MLL,
                                   use_fp8=True)
-        self.ep = self.client.join(self.spec, rank)
+        self.launch_mode = launch_mode
+        self.ep = self.client.join(self.spec, rank, launch_mode=launch_mode)
         self.base_name = group
         self.state = {}
         self.generation = 0
@@ -105,13 +108,13 @@ class Rank:
         self.ep.close()
         self.generation += 1
         self.spec = self.spec._replace(name="%s_g%d" % (self.base_name, self.generation))
-        self.ep = self.client.join(self.spec, self.rank)
+        self.ep = self.client.join(self.spec, self.rank, launch_mode=self.launch_mode)
 
 
-def _rank_main(socket, rank, group, inbox, outbox):
+def _rank_main(socket, rank, group, inbox, outbox, launch_mode, cuda):
     torch.set_num_threads(1)
     try:
-        w = Rank(socket, rank, group)
+        w = Rank(socket, rank, group, launch_mode, cuda)
     except BaseException:
         outbox.put((rank, False, traceback.format_exc()))
         return
@@ -143,12 +146,13 @@ class World:
     calls fn(rank) on every rank at once and returns the per-rank results, raising
     AssertionError with every failing rank's traceback."""
 
-    def __init__(self, socket, group):
+    def __init__(self, socket, group, launch_mode="auto", cuda=False):
         ctx = torch.multiprocessing.get_context("spawn")
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(R)]
         self.procs = [
-            ctx.Process(target=_rank_main, args=(socket, r, group, self.inboxes[r], self.outbox), daemon=True)
+            ctx.Process(target=_rank_main, args=(socket, r, group, self.inboxes[r], self.outbox, launch_mode, cuda),
+                        daemon=True)
             for r in range(R)
         ]
         for p in self.procs:

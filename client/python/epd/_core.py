@@ -16,6 +16,7 @@ DEFAULT_SOCKET = "/run/epd/epd.sock"
 # DLPack device types epd returns views on.
 _KDL_CPU = 1
 _KDL_CUDA = 2
+_KDL_CUDA_HOST = 3
 
 _LAUNCH_MODES = {"auto": 0, "default": 0, "daemon": 1, "client": 2}
 _LAUNCH_MODE_NAMES = {0: "default", 1: "daemon", 2: "client"}
@@ -56,10 +57,20 @@ class _Frameworks:
             self.to_torch = to_torch
         try:
             import numpy
+        except ImportError:
+            numpy = None
+        if numpy is not None:
+            asarray = numpy.asarray
+            np_from_dlpack = getattr(numpy, "from_dlpack", None)
 
-            self.to_numpy = numpy.from_dlpack
-        except (ImportError, AttributeError):
-            self.to_numpy = None
+            def to_numpy(view):
+                # Host memory through __array_interface__: writable on every numpy (numpy
+                # 1.x marks DLPack imports read-only).
+                if view.__dlpack_device__()[0] in (_KDL_CPU, _KDL_CUDA_HOST) or np_from_dlpack is None:
+                    return asarray(view)
+                return np_from_dlpack(view)
+
+            self.to_numpy = to_numpy
 
 
 def _setup_frameworks():

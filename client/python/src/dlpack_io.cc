@@ -253,6 +253,26 @@ uintptr_t DLView::DataPtr() const {
   return reinterpret_cast<uintptr_t>(tensor_.data) + tensor_.byte_offset;
 }
 
+py::dict DLView::ArrayInterface() const {
+  const DLDeviceType device = tensor_.device.device_type;
+  if (device != kDLCPU && device != kDLCUDAHost) {
+    throw py::attribute_error("__array_interface__: the view is not in host memory");
+  }
+  const char kind = export_dtype_.code == kDLInt     ? 'i'
+                    : export_dtype_.code == kDLUInt  ? 'u'
+                    : export_dtype_.code == kDLFloat ? 'f'
+                                                     : 'V';
+  if (kind == 'V' || export_dtype_.lanes != 1) {
+    throw py::attribute_error("__array_interface__: numpy has no dtype " + DtypeName());
+  }
+  py::dict d;
+  d["shape"] = Shape();
+  d["typestr"] = std::string("<") + kind + std::to_string(export_dtype_.bits / 8);
+  d["data"] = py::make_tuple(DataPtr(), false);
+  d["version"] = 3;
+  return d;
+}
+
 std::string DLView::Repr() const {
   std::string s = "epd.DLView(shape=(";
   for (int i = 0; i < tensor_.ndim; ++i) s += (i ? ", " : "") + std::to_string(shape_[i]);
@@ -293,7 +313,8 @@ py::object ViewCache::Get(const DLTensor& t, const std::shared_ptr<EndpointCore>
   if (it != entries_.end()) return it->second;
   if (entries_.size() >= kMaxEntries) Clear();
   py::object view = py::cast(DLView(t, owner, numpy_mode));
-  py::object obj = convert.is_none() ? view : py::reinterpret_borrow<py::object>(convert)(view);
+  py::object obj =
+      !convert || convert.is_none() ? view : py::reinterpret_borrow<py::object>(convert)(view);
   entries_.emplace(key, obj);
   Stored& stored = by_object_[obj.ptr()];
   stored.tensor = t;
@@ -328,6 +349,9 @@ void BindDlpack(py::module_& m) {
       .def_property_readonly("shape", &DLView::Shape)
       .def_property_readonly("dtype", &DLView::DtypeName, "epd's dtype name, e.g. 'bfloat16'")
       .def_property_readonly("data_ptr", &DLView::DataPtr, "Address of the first element.")
+      .def_property_readonly("__array_interface__", &DLView::ArrayInterface,
+                             "numpy's array interface (host memory only): numpy.asarray(view) "
+                             "is a writable array over the view.")
       .def("__repr__", &DLView::Repr);
   g_dlview_type = reinterpret_cast<PyTypeObject*>(m.attr("DLView").ptr());
 

@@ -94,6 +94,8 @@ class DLView {
   /// The view as a DLTensor whose shape array lives in this object.
   DLTensor tensor() const;
   std::string Repr() const;
+  /// numpy's __array_interface__ (host memory; AttributeError otherwise).
+  py::dict ArrayInterface() const;
 
  private:
   DLTensor tensor_{};
