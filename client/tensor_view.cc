@@ -15,13 +15,22 @@ TensorView::TensorView(void* data, DLDataType dtype, DLDevice device, TensorShap
   Rebind();
 }
 
-TensorView::TensorView(const TensorView& other) : shape_(other.shape_), tensor_(other.tensor_) {
+TensorView::TensorView(void* data, DLDataType dtype, DLDevice device, TensorShape shape,
+                       TensorShape strides)
+    : TensorView(data, dtype, device, std::move(shape)) {
+  strides_ = std::move(strides);
+  Rebind();
+}
+
+TensorView::TensorView(const TensorView& other)
+    : shape_(other.shape_), strides_(other.strides_), tensor_(other.tensor_) {
   Rebind();
 }
 
 TensorView& TensorView::operator=(const TensorView& other) {
   if (this != &other) {
     shape_ = other.shape_;
+    strides_ = other.strides_;
     tensor_ = other.tensor_;
     Rebind();
   }
@@ -31,6 +40,7 @@ TensorView& TensorView::operator=(const TensorView& other) {
 void TensorView::Rebind() {
   tensor_.ndim = static_cast<int32_t>(shape_.size());
   tensor_.shape = shape_.empty() ? nullptr : shape_.mutable_data();
+  tensor_.strides = strides_.empty() ? nullptr : strides_.mutable_data();
 }
 
 int64_t TensorView::numel() const {

@@ -8,8 +8,10 @@
 # 2. configures build/ with CMake + Ninja (CUDA and RDMA on AUTO: the CUDA code is
 #    compiled whenever nvcc exists, at /usr/local/cuda on CI, even without a GPU);
 # 3. builds every target (tests included) with Ninja's [n/N] progress;
-# 4. runs every CTest test but the GPU ones (labels unit, integration, fuzz, security) with
-#    --output-on-failure;
+# 4. runs every CTest test but the GPU ones (labels unit, integration, fuzz, security,
+#    install, python) with --output-on-failure; python (tests/python/run_pytest.sh) pip
+#    installs client/python into a venv under the build directory and runs the pytest
+#    suites against a real epd (EPD_SKIP_PYTHON_TESTS=1 skips it, reported as skipped);
 # 5. builds epd and its tests again under AddressSanitizer (build-asan) and
 #    UndefinedBehaviorSanitizer (build-ubsan) with clang, host backend only, and runs the
 #    security, unit and integration tests in each (tests/sanitize.sh); set
@@ -60,7 +62,7 @@ step "3/7 build everything (ninja -j$JOBS)"
 # Ninja prints [done/total] per edge; NINJA_STATUS adds the elapsed time.
 NINJA_STATUS="[%f/%t %es] " cmake --build "$BUILD_DIR" -j "$JOBS" || fail "build"
 
-step "4/7 ctest (unit, integration, fuzz, security)"
+step "4/7 ctest (unit, integration, fuzz, security, install, python)"
 ctest --test-dir "$BUILD_DIR" --print-labels | sed 's/^/  /'
 # --timeout is the default for tests that set none (integration and fuzz set their own).
 # ctest's own summary line ("100% tests passed, 0 tests failed out of N") of every run is

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -71,7 +72,8 @@ inline absl::Status NotNull(const void* p, const char* arg) {
 }
 
 // The name and first-version size of each versioned struct: a caller's struct_size below it
-// is refused. Version 1 of the ABI: the first version is the whole struct.
+// is refused. EPD_C_STRUCT: the first version is the whole struct; EPD_C_STRUCT_GREW: fields
+// from `first_added` on came later (a caller built before them passes the shorter size).
 template <typename T>
 struct StructName;
 #define EPD_C_STRUCT(T)                           \
@@ -79,6 +81,12 @@ struct StructName;
   struct StructName<T> {                          \
     static constexpr const char* kName = #T;      \
     static constexpr size_t kMinSize = sizeof(T); \
+  }
+#define EPD_C_STRUCT_GREW(T, first_added)                        \
+  template <>                                                    \
+  struct StructName<T> {                                         \
+    static constexpr const char* kName = #T;                     \
+    static constexpr size_t kMinSize = offsetof(T, first_added); \
   }
 EPD_C_STRUCT(epd_client_options_t);
 EPD_C_STRUCT(epd_stats_t);
@@ -90,14 +98,15 @@ EPD_C_STRUCT(epd_dispatch_args_t);
 EPD_C_STRUCT(epd_dispatch_result_t);
 EPD_C_STRUCT(epd_combine_args_t);
 EPD_C_STRUCT(epd_combine_result_t);
-EPD_C_STRUCT(epd_ll_dispatch_args_t);
+EPD_C_STRUCT_GREW(epd_ll_dispatch_args_t, use_ue8m0);
 EPD_C_STRUCT(epd_ll_dispatch_result_t);
 EPD_C_STRUCT(epd_ll_combine_args_t);
 EPD_C_STRUCT(epd_ll_combine_result_t);
-EPD_C_STRUCT(epd_program_step_t);
+EPD_C_STRUCT_GREW(epd_program_step_t, use_ue8m0);
 EPD_C_STRUCT(epd_program_dispatch_args_t);
 EPD_C_STRUCT(epd_program_combine_args_t);
 #undef EPD_C_STRUCT
+#undef EPD_C_STRUCT_GREW
 
 template <typename T>
 absl::Status CheckSize(size_t struct_size, const char* arg) {

@@ -301,6 +301,7 @@ epd_status_t epd_low_latency_dispatch(epd_endpoint_t* endpoint, const epd_ll_dis
     cpp.max_dispatch_tokens_per_rank = a.max_dispatch_tokens_per_rank;
     cpp.use_fp8 = a.use_fp8 != 0;
     cpp.round_scale = a.round_scale != 0;
+    cpp.use_ue8m0 = a.use_ue8m0 != 0;
     cpp.stream = a.stream;
     cpp.num_tokens = a.num_tokens;
     return epd::c_api::Hold(endpoint->endpoint->LowLatencyDispatch(cpp), op);
@@ -377,6 +378,7 @@ epd_status_t epd_register_program(epd_endpoint_t* endpoint, const epd_program_st
       }
       step.use_fp8 = s.use_fp8 != 0;
       step.round_scale = s.round_scale != 0;
+      step.use_ue8m0 = s.use_ue8m0 != 0;
       program.push_back(step);
     }
     return endpoint->endpoint->RegisterProgram(program, epd::c_api::Timeout(timeout_ms));

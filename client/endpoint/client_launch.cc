@@ -183,6 +183,10 @@ absl::Status ClientLaunch::Launch(const OpPlan& p, bool rejected, int buffer,
       a.buffer = buffer;
       a.use_fp8 = o.use_fp8 && rules::Fp8Allowed(p.op, m_.shape);
       a.round_scale = o.round_scale;
+      // A rejected op still runs (lockstep) with a scale format the kernel accepts.
+      a.use_ue8m0 = o.use_ue8m0 && rules::CheckScaleFormat("LowLatencyDispatch", a.use_fp8,
+                                                           a.round_scale, true, m_.shape)
+                                       .ok();
       a.x = static_cast<const kernels::bf16_bits*>(in_place[0]);
       a.topk_idx = static_cast<const int64_t*>(in_place[1]);
       if (!rejected && p.device_num_tokens != nullptr) {

@@ -281,6 +281,9 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
         absl::StrCat(kOp, ": x has ", T, " tokens > max_dispatch_tokens_per_rank ", Mll));
   }
   const bool use_fp8 = args.use_fp8;
+  if (st.ok()) {
+    st = rules::CheckScaleFormat(kOp, use_fp8, args.round_scale, args.use_ue8m0, m.shape);
+  }
   if (st.ok() && use_fp8) st = rules::CheckFp8(p.op, kOp, m.shape, m.spec.name());
   if (st.ok()) {
     std::array<int64_t, 2> ts{T, m.shape.num_topk};
@@ -307,7 +310,8 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
     }
 #endif
   }
-  p.flags = rules::EncodeFlags({.use_fp8 = use_fp8, .round_scale = args.round_scale});
+  p.flags = rules::EncodeFlags(
+      {.use_fp8 = use_fp8, .round_scale = args.round_scale, .use_ue8m0 = args.use_ue8m0});
   p.num_tokens = static_cast<int32_t>(T);
   p.device_num_tokens = args.num_tokens;
   p.buffer = m.parity.DispatchBuffer();
@@ -322,6 +326,7 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
   r.handle.low_latency = true;
   r.handle.num_tokens = static_cast<int32_t>(T);
   r.handle.use_fp8 = use_fp8;
+  r.handle.use_ue8m0 = use_fp8 && args.use_ue8m0;
   m.LowLatencyDispatchViews(r, p.buffer);
   return PendingOp<LowLatencyDispatchResult>(impl_, seq, std::move(r));
 }

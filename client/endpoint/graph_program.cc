@@ -58,7 +58,9 @@ absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
                      : abi::OpKind::kLowLatencyCombine;
     plan[i].use_fp8 = steps[i].use_fp8;
     plan[i].round_scale = steps[i].round_scale;
-    const uint8_t b = abi::EncodeProgramStep(plan[i].op, plan[i].use_fp8, plan[i].round_scale);
+    plan[i].use_ue8m0 = steps[i].use_ue8m0;
+    const uint8_t b =
+        abi::EncodeProgramStep(plan[i].op, plan[i].use_fp8, plan[i].round_scale, plan[i].use_ue8m0);
     abi::SetProgramStep(program, static_cast<uint32_t>(i), b);
   }
   // The daemon's plan (PlanProgram), which it validates.
@@ -185,6 +187,7 @@ absl::StatusOr<LowLatencyDispatchResult> Endpoint::RunProgramDispatch(
   r.handle.low_latency = true;
   r.handle.num_tokens = static_cast<int32_t>(C);
   r.handle.use_fp8 = m.program[i].use_fp8;
+  r.handle.use_ue8m0 = m.program[i].use_fp8 && m.program[i].use_ue8m0;
   m.LowLatencyDispatchViews(r, m.program_buffer[i]);
   return r;
 #else

@@ -45,8 +45,16 @@ void Endpoint::Impl::LowLatencyDispatchViews(LowLatencyDispatchResult& r, int b)
   const bool fp8 = r.handle.use_fp8;
   r.handle.buffer = b;
   r.recv_x = View(layout.ll_recv_x[b], fp8 ? kE4m3 : kBf16, {El, rows, shape.hidden});
-  r.recv_scales =
-      fp8 ? View(layout.ll_recv_scales[b], kF32, {El, rows, shape.num_scales()}) : TensorView();
+  r.recv_scales = TensorView();
+  if (fp8) {
+    // Stored [El, cols, rows] (token fastest, layout.h LowLatencyScaleOffset), seen as
+    // [El, rows, cols]: f32 scales, or int32 words of four UE8M0 bytes.
+    const bool ue8m0 = r.handle.use_ue8m0;
+    const int64_t cols =
+        ue8m0 ? shape.num_scales() / kernels::kUe8m0BlocksPerWord : shape.num_scales();
+    r.recv_scales = TensorView(At(layout.ll_recv_scales[b]), ue8m0 ? kI32 : kF32, device,
+                               {El, rows, cols}, {cols * rows, 1, rows});
+  }
   r.recv_count = View(layout.ll_recv_count[b], kI32, {El});
   r.recv_src_info = View(layout.ll_recv_src_info[b], kI32, {El, rows});
 }

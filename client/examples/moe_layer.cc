@@ -310,13 +310,14 @@ int RunRank(int rank) {
         fp8 ? std::vector<bf16_bits>() : HostCopy<bf16_bits>(ld->recv_x);
     const std::vector<float> lscales =
         fp8 ? HostCopy<float>(ld->recv_scales) : std::vector<float>();
-    const int S = m.H / 128;
+    // recv_scales [El, rows, S] is stored token index fastest: its strides say where.
+    const epd::TensorShape& st = ld->recv_scales.strides();
     for (int j = 0; j < El; ++j) {
       for (int32_t row = 0; row < count[j]; ++row) {
         const int64_t base = (static_cast<int64_t>(j) * rows + row) * m.H;
         for (int h = 0; h < m.H; ++h) {
           if (fp8) {
-            float scale = lscales[(static_cast<int64_t>(j) * rows + row) * S + h / 128];
+            const float scale = lscales[j * st[0] + row * st[1] + (h / 128) * st[2]];
             xf[h] = E4m3ToFloat(lrx_fp8[base + h]) * scale;
           } else {
             xf[h] = Bf16ToFloat(lrx_bf16[base + h]);

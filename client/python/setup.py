@@ -74,7 +74,7 @@ def _from_pkg_config():
     for inc in incs or ["/usr/include"]:
         for lib in lib_dirs or ["/usr/lib", "/usr/lib/x86_64-linux-gnu"]:
             if os.path.exists(os.path.join(inc, "epd", "epd.h")) and os.path.exists(os.path.join(lib, LIB)):
-                return "pkg-config epd", inc, lib
+                return "pkg-config epd", os.path.realpath(inc), os.path.realpath(lib)
     return None
 
 
@@ -126,14 +126,28 @@ def find_pybind11():
     _fail("pybind11 headers not found (install pybind11-dev, or the pybind11 Python package)")
 
 
-def version():
-    """epd's version from the repository's CMakeLists.txt (0.0.0 outside the repository)."""
+def version(lib_dir):
+    """epd's version: the repository's CMakeLists.txt, else the epd.pc beside the library,
+    else `pkg-config --modversion epd`, else 0.0.0."""
     try:
         with open(os.path.join(REPO, "CMakeLists.txt")) as f:
             m = re.search(r"project\(epd VERSION ([0-9.]+)", f.read())
+        if m:
+            return m.group(1)
     except OSError:
-        m = None
-    return m.group(1) if m else "0.0.0"
+        pass
+    try:
+        with open(os.path.join(lib_dir, "pkgconfig", "epd.pc")) as f:
+            m = re.search(r"^Version:\s*([0-9.]+)", f.read(), re.M)
+        if m:
+            return m.group(1)
+    except OSError:
+        pass
+    try:
+        return subprocess.run(["pkg-config", "--modversion", "epd"], check=True, capture_output=True,
+                              text=True).stdout.strip() or "0.0.0"
+    except (OSError, subprocess.CalledProcessError):
+        return "0.0.0"
 
 
 os.chdir(HERE)  # sources and packages are named relative to this directory
@@ -157,7 +171,7 @@ ext = Extension(
 
 setup(
     name="epd",
-    version=version(),
+    version=version(lib_dir),
     description="Python client of epd, the expert-parallel MoE dispatch/combine daemon",
     packages=find_packages(include=["epd", "epd.*"]),
     ext_modules=[ext],

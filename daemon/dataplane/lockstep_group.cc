@@ -372,7 +372,8 @@ bool LockstepGroup::RunOp() {
       auto describe = [](const abi::RequestSlot& x) {
         return absl::StrCat(
             OpName(x.op), " (fp8 ", (x.flags & abi::kFlagFp8) ? 1 : 0, ", round_scale ",
-            (x.flags & abi::kFlagRoundScale) ? 1 : 0, ", cached handle ",
+            (x.flags & abi::kFlagRoundScale) ? 1 : 0,
+            (x.flags & abi::kFlagUe8m0) ? ", use_ue8m0 1" : "", ", cached handle ",
             (x.flags & abi::kFlagCachedHandle) ? 1 : 0, ", topk_weights ",
             (x.flags & (abi::kFlagDispatchWeights | abi::kFlagCombineWeights)) ? 1 : 0,
             x.op == static_cast<uint32_t>(abi::OpKind::kDispatch)

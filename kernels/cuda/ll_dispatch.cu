@@ -38,7 +38,7 @@ struct DispatchParams {
   int32_t* handle_pos;  // own ll_handle_pos[b]
   uint64_t sync_offset;
   uint64_t recv_x_offset;         // ll_recv_x[b], same at every rank
-  uint64_t recv_scales_offset;    // ll_recv_scales[b]
+  uint64_t recv_scales_offset;    // ll_recv_scales[b] (layout.h LowLatencyScaleOffset)
   uint64_t recv_src_info_offset;  // ll_recv_src_info[b]
   int64_t rows_per_expert;        // R * Mll
   int64_t timeout_ns;
@@ -51,6 +51,7 @@ struct DispatchParams {
   int32_t num_topk;
   int32_t max_tokens;  // Mll
   int32_t num_scales;
+  int32_t scale_words;  // 4-byte scale columns per token: num_scales, or num_scales / 4 (UE8M0)
   int32_t buffer;
   int32_t mask_stride;  // words per token of the expert bitmask: ceil(E/32) made odd
   // Large path: own ll_routing [Mll, K] {route code, position}, and the groups of 32
@@ -58,6 +59,7 @@ struct DispatchParams {
   int2* routing;
   int32_t tile_groups;
   bool round_scale;
+  bool use_ue8m0;  // scales as UE8M0 bytes, one int32 word per 512-channel chunk
   bool gpu_scope;  // every rank on this GPU: flags at .gpu scope (common.cuh LdAcquire)
 };
 
@@ -111,11 +113,13 @@ __device__ __forceinline__ uint4 QuantizeVec16(const uint4& lo, const uint4& hi,
 
 /// One unit of copy work of the vector paths as one lane holds it: the lane's 16 channels
 /// of one (token, 512-channel chunk), loaded (BF16: v0, v1 = 16 bf16) or quantised (FP8:
-/// v0 = 16 e4m3 bytes, scale = its 128-channel block's scale).
+/// v0 = 16 e4m3 bytes, scale = its 128-channel block's scale, ue8m0_word = the Ue8m0Code
+/// bytes of the chunk's four blocks, block 4j + i in byte i, as lanes 0, 8, 16, 24 hold them).
 struct UnitData {
   uint4 v0;
   uint4 v1;
   float scale;
+  uint32_t ue8m0_word;
 };
 
 /// Destinations a warp works out at once (one per lane): the small path's K (<= this) in
@@ -208,7 +212,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   __shared__ int s_aborted;
   // Per warp: the destinations of the token it copies (row start, scales row start).
   __shared__ uint8_t* s_dst[kWarps][kDestinationBatch];
-  __shared__ float* s_dst_scales[kWarps][kDestinationBatch];
+  __shared__ uint8_t* s_dst_scales[kWarps][kDestinationBatch];
 
   const int32_t num_ranks = p.num_ranks;
   const int32_t num_experts = p.num_experts;
@@ -371,10 +375,19 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     if constexpr (kMode == kFp8) {
       d.v0 = QuantizeVec16(lo, hi, p.round_scale, &d.scale);
       d.v1 = make_uint4(0, 0, 0, 0);
+      d.ue8m0_word = 0;
+      if (p.use_ue8m0) {
+        const uint32_t code = Ue8m0Code(d.scale);
+#pragma unroll
+        for (int i = 0; i < kUe8m0BlocksPerWord; ++i) {
+          d.ue8m0_word |= __shfl_sync(0xffffffffu, code, 8 * i) << (8 * i);
+        }
+      }
     } else {
       d.v0 = lo;
       d.v1 = hi;
       d.scale = 0.0f;
+      d.ue8m0_word = 0;
     }
     return d;
   };
@@ -418,7 +431,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     auto destinations = [&](int32_t t, int32_t c0, int32_t kb) {
       bool has_dst = false;
       uint8_t* dst = nullptr;
-      float* dst_scales = nullptr;
+      uint8_t* dst_scales = nullptr;  // the row's block-0 scale (LowLatencyScaleOffset)
       const int32_t k = kb + lane;
       if (k < num_topk) {
         int32_t e;    // The slot's expert when the slot sends the token, else -1.
@@ -452,8 +465,11 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
               static_cast<int64_t>(e - owner * p.experts_per_rank) * p.rows_per_expert + in_block;
           uint8_t* owner_base = s_peer[owner];
           dst = owner_base + p.recv_x_offset + row * out_row_bytes;
-          dst_scales =
-              reinterpret_cast<float*>(owner_base + p.recv_scales_offset) + row * p.num_scales;
+          dst_scales = owner_base + p.recv_scales_offset +
+                       (static_cast<int64_t>(e - owner * p.experts_per_rank) * p.scale_words *
+                            p.rows_per_expert +
+                        in_block) *
+                           4;
           if (c0 == 0) {
             reinterpret_cast<int32_t*>(owner_base + p.recv_src_info_offset)[row] =
                 p.rank * p.max_tokens + t;
@@ -497,7 +513,19 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
             for (int i = 0; i < num_dst; ++i) {
               if constexpr (kMode == kFp8) {
                 *reinterpret_cast<uint4*>(s_dst[warp][i] + h0) = d.v0;
-                if ((lane & 7) == 0) s_dst_scales[warp][i][h0 / kFp8BlockChannels] = d.scale;
+                // Scales are token-fastest: block g of the row is g * rows_per_expert * 4
+                // bytes past its block 0 (UE8M0: word g / 4, written whole by lane 0).
+                if (p.use_ue8m0) {
+                  if (lane == 0) {
+                    *reinterpret_cast<uint32_t*>(
+                        s_dst_scales[warp][i] + (h0 / kUe8m0WordChannels) * p.rows_per_expert * 4) =
+                        d.ue8m0_word;
+                  }
+                } else if ((lane & 7) == 0) {
+                  *reinterpret_cast<float*>(s_dst_scales[warp][i] +
+                                            (h0 / kFp8BlockChannels) * p.rows_per_expert * 4) =
+                      d.scale;
+                }
               } else {
                 bf16_bits* o = reinterpret_cast<bf16_bits*>(s_dst[warp][i]) + h0;
                 *reinterpret_cast<uint4*>(o) = d.v0;
@@ -686,6 +714,8 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
                                                    s.use_fp8, ") and hidden % ", kFp8BlockChannels,
                                                    " == 0 (hidden = ", s.hidden, ")"));
   }
+  EPD_RETURN_IF_ERROR(
+      rules::CheckScaleFormat(kOp, args.use_fp8, args.round_scale, args.use_ue8m0, s));
   const int b = args.buffer;
   DispatchParams p{};
   p.peer_bases = ctx.peer_bases;
@@ -716,6 +746,8 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
   p.num_scales = s.num_scales();
   p.buffer = b;
   p.round_scale = args.round_scale;
+  p.use_ue8m0 = args.use_ue8m0;
+  p.scale_words = args.use_ue8m0 ? p.num_scales / kUe8m0BlocksPerWord : p.num_scales;
   p.gpu_scope = ctx.all_ranks_on_device;
 
   int32_t num_blocks = 0;

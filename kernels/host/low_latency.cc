@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "epd/kernels/host_ops.h"
+#include "epd/kernels/op_rules.h"
 #include "kernels/host/internal.h"
 
 namespace epd::kernels::host {
@@ -40,6 +41,8 @@ absl::Status LowLatencyDispatch(const GroupShape& shape, const LowLatencyDispatc
   EPD_RETURN_IF_ERROR(CheckLowLatencyShape(shape, kOp));
   EPD_RETURN_IF_ERROR(internal::CheckNumRankArgs(shape, args.size(), kOp));
   EPD_RETURN_IF_ERROR(internal::CheckFp8Hidden(shape, options.use_fp8, kOp));
+  EPD_RETURN_IF_ERROR(
+      rules::CheckScaleFormat(kOp, options.use_fp8, options.round_scale, options.use_ue8m0, shape));
   const int32_t num_ranks = shape.num_ranks;
   const int32_t num_experts = shape.num_experts;
   const int32_t num_topk = shape.num_topk;
@@ -157,7 +160,16 @@ absl::Status LowLatencyDispatch(const GroupShape& shape, const LowLatencyDispatc
         std::memcpy(static_cast<uint8_t*>(dst.recv_x) + row * out_row_bytes, out_row,
                     static_cast<size_t>(out_row_bytes));
         if (options.use_fp8) {
-          std::memcpy(dst.recv_scales + row * num_scales, q_scales, sizeof(float) * num_scales);
+          uint8_t* scales = static_cast<uint8_t*>(dst.recv_scales);
+          for (int32_t g = 0; g < num_scales; ++g) {
+            const uint64_t at =
+                LowLatencyScaleOffset(shape, options.use_ue8m0, e % experts_per_rank, pos[k], g);
+            if (options.use_ue8m0) {
+              scales[at] = Ue8m0Code(q_scales[g]);
+            } else {
+              std::memcpy(scales + at, &q_scales[g], sizeof(float));
+            }
+          }
         }
         dst.recv_src_info[row] = static_cast<int32_t>(s * ll_max_tokens + t);
       }

@@ -14,7 +14,7 @@ constexpr OpDescriptor kTable[] = {
      abi::kFlagFp8 | abi::kFlagCachedHandle | abi::kFlagDispatchWeights},
     {OpKind::kCombine, "Combine", true, false, false, true, false, abi::kFlagCombineWeights},
     {OpKind::kLowLatencyDispatch, "LowLatencyDispatch", true, true, false, true, true,
-     abi::kFlagFp8 | abi::kFlagRoundScale},
+     abi::kFlagFp8 | abi::kFlagRoundScale | abi::kFlagUe8m0},
     {OpKind::kLowLatencyCombine, "LowLatencyCombine", true, true, false, true, false, 0},
     {OpKind::kRegisterProgram, "RegisterProgram", false, false, true, true, false, 0},
     {OpKind::kUnregisterProgram, "UnregisterProgram", false, false, true, true, false, 0},
@@ -30,6 +30,7 @@ RequestOptions DecodeFlags(uint32_t flags) {
   RequestOptions o;
   o.use_fp8 = flags & abi::kFlagFp8;
   o.round_scale = flags & abi::kFlagRoundScale;
+  o.use_ue8m0 = flags & abi::kFlagUe8m0;
   o.cached_handle = flags & abi::kFlagCachedHandle;
   o.combine_weights = flags & abi::kFlagCombineWeights;
   o.dispatch_weights = flags & abi::kFlagDispatchWeights;
@@ -40,7 +41,7 @@ RequestOptions DecodeFlags(uint32_t flags) {
 
 uint32_t EncodeFlags(const RequestOptions& o) {
   return (o.use_fp8 ? abi::kFlagFp8 : 0) | (o.round_scale ? abi::kFlagRoundScale : 0) |
-         (o.cached_handle ? abi::kFlagCachedHandle : 0) |
+         (o.use_ue8m0 ? abi::kFlagUe8m0 : 0) | (o.cached_handle ? abi::kFlagCachedHandle : 0) |
          (o.combine_weights ? abi::kFlagCombineWeights : 0) |
          (o.dispatch_weights ? abi::kFlagDispatchWeights : 0) |
          (o.stream_ordered ? abi::kFlagStreamOrdered : 0) |
@@ -63,6 +64,24 @@ absl::Status CheckFp8(abi::OpKind op, absl::string_view what, const kernels::Gro
 bool Fp8Allowed(abi::OpKind op, const kernels::GroupShape& shape) {
   return shape.use_fp8 &&
          (op != OpKind::kLowLatencyDispatch || shape.hidden % kernels::kFp8BlockChannels == 0);
+}
+
+absl::Status CheckScaleFormat(absl::string_view what, bool use_fp8, bool round_scale,
+                              bool use_ue8m0, const kernels::GroupShape& shape) {
+  if (!use_ue8m0) return absl::OkStatus();
+  if (!use_fp8) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": use_ue8m0 needs use_fp8"));
+  }
+  if (!round_scale) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": use_ue8m0 needs round_scale (UE8M0 holds powers of two only)"));
+  }
+  if (shape.hidden % kernels::kUe8m0WordChannels != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": use_ue8m0 needs hidden % ",
+                                                   kernels::kUe8m0WordChannels,
+                                                   " == 0, hidden = ", shape.hidden));
+  }
+  return absl::OkStatus();
 }
 
 int32_t MaxTokens(abi::OpKind op, const kernels::GroupShape& shape) {
@@ -96,7 +115,10 @@ absl::Status CheckRequestShape(abi::OpKind op, const RequestOptions& options, in
           absl::StrCat("Dispatch: FP8 input but group ", group, " has use_fp8 = false"));
     }
   }
-  if (op == OpKind::kLowLatencyDispatch && options.use_fp8) {
+  if (op == OpKind::kLowLatencyDispatch) {
+    absl::Status format =
+        CheckScaleFormat(d.name, options.use_fp8, options.round_scale, options.use_ue8m0, shape);
+    if (!format.ok() || !options.use_fp8) return format;
     return CheckFp8(op, d.name, shape, group);
   }
   return absl::OkStatus();

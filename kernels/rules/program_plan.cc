@@ -43,19 +43,26 @@ absl::StatusOr<std::vector<ProgramStepPlan>> PlanProgram(const abi::RequestSlot&
     st.op = static_cast<abi::OpKind>(b & 0xf);
     st.use_fp8 = b & abi::kProgramStepFp8;
     st.round_scale = b & abi::kProgramStepRoundScale;
+    st.use_ue8m0 = b & abi::kProgramStepUe8m0;
     const bool dispatch = st.op == abi::OpKind::kLowLatencyDispatch;
-    if ((b & 0xc0) != 0 || (!dispatch && st.op != abi::OpKind::kLowLatencyCombine)) {
+    if ((b & 0x80) != 0 || (!dispatch && st.op != abi::OpKind::kLowLatencyCombine)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "RegisterProgram: step ", i, " (byte 0x", absl::Hex(b), ") is ", abi::OpKindName(b & 0xf),
           "; a program step must be LowLatencyDispatch or LowLatencyCombine"));
     }
-    if (!dispatch && (st.use_fp8 || st.round_scale)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "RegisterProgram: step ", i, " (LowLatencyCombine) has use_fp8/round_scale set"));
+    if (!dispatch && (st.use_fp8 || st.round_scale || st.use_ue8m0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterProgram: step ", i,
+                       " (LowLatencyCombine) has use_fp8/round_scale/use_ue8m0 set"));
     }
     if (st.round_scale && !st.use_fp8) {
       return absl::InvalidArgumentError(
           absl::StrCat("RegisterProgram: step ", i, " has round_scale without use_fp8"));
+    }
+    if (absl::Status format = CheckScaleFormat(absl::StrCat("RegisterProgram: step ", i),
+                                               st.use_fp8, st.round_scale, st.use_ue8m0, shape);
+        !format.ok()) {
+      return format;
     }
     if (st.use_fp8 && !shape.use_fp8) {
       return absl::InvalidArgumentError(
@@ -81,7 +88,8 @@ std::string ProgramStepName(const ProgramStepPlan& step) {
   std::string s = abi::OpKindName(step.op);
   if (step.op == abi::OpKind::kLowLatencyDispatch) {
     absl::StrAppend(&s, "{use_fp8=", step.use_fp8 ? "true" : "false",
-                    ", round_scale=", step.round_scale ? "true" : "false", "}");
+                    ", round_scale=", step.round_scale ? "true" : "false",
+                    step.use_ue8m0 ? ", use_ue8m0=true" : "", "}");
   }
   return s;
 }

@@ -15,7 +15,7 @@
 
 namespace epd::abi {
 
-inline constexpr uint32_t kShmAbiVersion = 7;
+inline constexpr uint32_t kShmAbiVersion = 8;
 inline constexpr uint32_t kEndpointMagic = 0x45504431;  // "EPD1"
 inline constexpr uint32_t kRequestMagic = 0x52455131;   // "REQ1"
 inline constexpr uint32_t kDoorbellMagic = 0x44424c31;  // "DBL1"
@@ -88,20 +88,27 @@ enum RequestFlags : uint32_t {
   /// after the kernels), and also for an op that fails before launch, so a client stream is
   /// never left waiting.
   kFlagStreamOrdered = 1u << 6,
+  /// LL dispatch (with kFlagFp8 and kFlagRoundScale): the scales are written as UE8M0
+  /// exponent bytes packed four to an int32 (DeepEP's use_ue8m0; layout.h
+  /// LowLatencyScaleOffset).
+  kFlagUe8m0 = 1u << 7,
 };
-inline constexpr uint32_t kAllRequestFlags = 0x7f;
+inline constexpr uint32_t kAllRequestFlags = 0xff;
 
 /// Graph-mode program encoding in a kRegisterProgram RequestSlot (DESIGN.md §3.2):
 /// program_num_steps = number of steps S in [1, kMaxProgramSteps]; step i is the byte
 /// (program_steps[i / 8] >> (8 * (i % 8))) & 0xff: bits 0-3 the OpKind (kLowLatencyDispatch or
-/// kLowLatencyCombine), bit 4 use_fp8, bit 5 round_scale (dispatch only).
+/// kLowLatencyCombine), bit 4 use_fp8, bit 5 round_scale, bit 6 use_ue8m0 (dispatch only).
 inline constexpr uint32_t kMaxProgramSteps = 16;
 inline constexpr uint8_t kProgramStepFp8 = 1u << 4;
 inline constexpr uint8_t kProgramStepRoundScale = 1u << 5;
+inline constexpr uint8_t kProgramStepUe8m0 = 1u << 6;
 /// Byte of one step.
-constexpr uint8_t EncodeProgramStep(OpKind op, bool use_fp8, bool round_scale) {
+constexpr uint8_t EncodeProgramStep(OpKind op, bool use_fp8, bool round_scale,
+                                    bool use_ue8m0 = false) {
   return static_cast<uint8_t>((static_cast<uint32_t>(op) & 0xf) | (use_fp8 ? kProgramStepFp8 : 0) |
-                              (round_scale ? kProgramStepRoundScale : 0));
+                              (round_scale ? kProgramStepRoundScale : 0) |
+                              (use_ue8m0 ? kProgramStepUe8m0 : 0));
 }
 
 /// EndpointShmHeader::daemon_closed values.

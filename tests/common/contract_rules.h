@@ -275,11 +275,19 @@ inline void CheckContractRules(const std::vector<Endpoint*>& eps, const ViewRead
   ASSERT_EQ(src.size(), static_cast<size_t>(2 * rows));
   ASSERT_EQ(src[row], 0);
   const std::vector<uint8_t> q = read(fp8[0].recv_x);
+  // Scales are stored token index fastest: [E/R, R*Mll, S] with strides {S*R*Mll, 1, R*Mll}.
   const std::vector<float> scales = Read<float>(read, fp8[0].recv_scales);
+  const TensorShape& strides = fp8[0].recv_scales.strides();
+  ASSERT_EQ(fp8[0].recv_scales.shape(), (std::vector<int64_t>{2, rows, 2}));
+  ASSERT_EQ(strides, (std::vector<int64_t>{2 * rows, 1, rows}));
+  ASSERT_EQ(fp8[0].recv_scales.dl().strides, strides.data());
+  auto scale = [&](int64_t j, int64_t i, int64_t g) {
+    return scales[j * strides[0] + i * strides[1] + g * strides[2]];
+  };
   float amax = 0.0f;
   for (int h = 128; h < kH; ++h) amax = std::max(amax, std::fabs(X(in, 0, 0, h)));
-  EXPECT_EQ(scales[row * 2], 1e-4f / 448.0f);
-  EXPECT_EQ(scales[row * 2 + 1], amax / 448.0f);
+  EXPECT_EQ(scale(1, 0, 0), 1e-4f / 448.0f);
+  EXPECT_EQ(scale(1, 0, 1), amax / 448.0f);
   for (int h = 0; h < 128; ++h) {
     EXPECT_EQ(kernels::E4m3ToFloat(q[row * kH + h]), 0.0f) << "channel " << h;
   }

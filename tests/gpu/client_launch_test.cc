@@ -160,21 +160,25 @@ std::vector<RankInputs> MakeInputs(const v1::GroupSpec& s, const std::vector<int
 // ---- host oracle ------------------------------------------------------------------------------
 
 /// Blobs of one rank's low-latency dispatch: recv_count, then per local expert the valid
-/// rows of recv_x, recv_src_info and (FP8) recv_scales. `at(name, offset, bytes)` reads.
+/// rows of recv_x, recv_src_info and (FP8) recv_scales (per scale block: the storage is
+/// token index fastest). `at(name, offset, bytes)` reads.
 template <typename Reader>
 void LowLatencyDispatchBlobs(const GroupShape& g, bool fp8, const int32_t* count, Reader at,
-                             RankResult& res) {
+                             RankResult& res, bool ue8m0 = false) {
   const int64_t El = g.num_local_experts(), rows = g.ll_rows_per_expert();
   const size_t row_bytes = static_cast<size_t>(g.hidden) * (fp8 ? 1 : 2);
-  const size_t S = static_cast<size_t>(g.num_scales());
+  // 4-byte scale columns: f32 per 128 channels, or (UE8M0) one int32 per 512.
+  const size_t S = static_cast<size_t>(ue8m0 ? g.num_scales() / 4 : g.num_scales());
   res.blobs.push_back({"recv_count", Bytes(count, El)});
   for (int64_t j = 0; j < El; ++j) {
     const size_t n = static_cast<size_t>(std::max(0, count[j]));
     const size_t row0 = static_cast<size_t>(j * rows);
     res.blobs.push_back({absl::StrCat("recv_x[", j, "]"), at(0, row0 * row_bytes, n * row_bytes)});
     res.blobs.push_back({absl::StrCat("recv_src_info[", j, "]"), at(1, row0 * 4, n * 4)});
-    if (fp8) {
-      res.blobs.push_back({absl::StrCat("recv_scales[", j, "]"), at(2, row0 * S * 4, n * S * 4)});
+    // Scales are stored [El, S, rows] (token index fastest): rows [0, n) of each column.
+    for (size_t c = 0; fp8 && c < S; ++c) {
+      const size_t at_col = (static_cast<size_t>(j) * S + c) * static_cast<size_t>(rows) * 4;
+      res.blobs.push_back({absl::StrCat("recv_scales[", j, "][", c, "]"), at(2, at_col, n * 4)});
     }
   }
 }
@@ -183,7 +187,8 @@ void LowLatencyDispatchBlobs(const GroupShape& g, bool fp8, const int32_t* count
 /// `scale_experts`), as blobs per rank: dispatch blobs then "combined_x".
 /// `zero_experts_of`: a rank whose expert outputs are zeros (-1 = none).
 GroupResult HostLowLatency(const GroupShape& g, const std::vector<RankInputs>& in, bool fp8,
-                           bool round_scale, bool scale_experts = false, int zero_experts_of = -1) {
+                           bool round_scale, bool scale_experts = false, int zero_experts_of = -1,
+                           bool ue8m0 = false) {
   const int R = g.num_ranks, H = g.hidden, K = g.num_topk;
   const int64_t El = g.num_local_experts(), rows = g.ll_rows_per_expert();
   const size_t S = static_cast<size_t>(g.num_scales());
@@ -199,7 +204,7 @@ GroupResult HostLowLatency(const GroupShape& g, const std::vector<RankInputs>& i
              recv_x[r].data(), recv_scales[r].data(), count[r].data(),
              src[r].data(),    handle[r].data()};
   }
-  absl::Status st = host::LowLatencyDispatch(g, {fp8, round_scale}, std::span(da));
+  absl::Status st = host::LowLatencyDispatch(g, {fp8, round_scale, ue8m0}, std::span(da));
   EXPECT_TRUE(st.ok()) << st;
   GroupResult out(R);
   std::vector<std::vector<bf16_bits>> y(R), combined(R);
@@ -213,7 +218,7 @@ GroupResult HostLowLatency(const GroupShape& g, const std::vector<RankInputs>& i
                                     : reinterpret_cast<const uint8_t*>(recv_scales[r].data());
           return std::vector<uint8_t>(base + off, base + off + n);
         },
-        out[r]);
+        out[r], ue8m0);
     if (scale_experts) {
       y[r].assign(cells * H, 0);
       const auto* rx = reinterpret_cast<const bf16_bits*>(recv_x[r].data());
@@ -390,7 +395,7 @@ class ClientLaunchTest : public testing::InProcessEpdTest<ClientLaunchTest> {
 /// of the ranks that succeeded, the statuses of the others.
 GroupResult RunLowLatency(Group& g, std::vector<RankInputs>& in, bool fp8, bool round_scale,
                           bool host_idx = false, int reject = -1, bool no_stream = false,
-                          bool in_place = false) {
+                          bool in_place = false, bool ue8m0 = false) {
   const int R = g.R(), H = g.spec.hidden(), K = g.spec.num_topk();
   const int64_t El = g.shape.num_local_experts(), rows = g.shape.ll_rows_per_expert();
   GroupResult out(R);
@@ -429,6 +434,7 @@ GroupResult RunLowLatency(Group& g, std::vector<RankInputs>& in, bool fp8, bool 
     a.topk_idx = &idx[r];
     a.use_fp8 = fp8;
     a.round_scale = round_scale;
+    a.use_ue8m0 = ue8m0;
     a.stream = no_stream ? nullptr : g.stream(r);
     auto op = g.eps[r]->LowLatencyDispatch(a);
     if (r == reject) {
@@ -455,7 +461,7 @@ GroupResult RunLowLatency(Group& g, std::vector<RankInputs>& in, bool fp8, bool 
     LowLatencyDispatchBlobs(
         g.shape, fp8, reinterpret_cast<const int32_t*>(count.data()),
         [&](int which, size_t off, size_t n) { return Fetch(views[which]->data(), off, n); },
-        out[r]);
+        out[r], ue8m0);
   }
   if (!all_ok) return out;  // A failed dispatch: no rank combines.
   std::vector<std::optional<PendingOp<LowLatencyCombineResult>>> cops(R);
@@ -593,31 +599,34 @@ std::vector<int> Tokens(int R, int Mll, int salt) {
 TEST_F(ClientLaunchTest, LowLatencyBothModesMatchHost) {
   for (int R : {2, 8}) {
     const int Mll = 32;
-    GroupResult by_mode[2][4];
+    GroupResult by_mode[2][5];
     for (int m = 0; m < 2; ++m) {
       const v1::GroupSpec spec = Spec(absl::StrCat("ll-", R, "-", m), R, /*H=*/1024, Mll);
       Group g = Join(spec, kModes[m]);
       ASSERT_EQ(static_cast<int>(g.eps.size()), R);
       struct Round {
         testing::RoutingOptions routing;
-        bool fp8, round_scale, host_idx, no_stream, in_place;
+        bool fp8, round_scale, host_idx, no_stream, in_place, ue8m0;
       };
-      const Round rounds[] = {{{}, false, false, false, false, false},
-                              {{.masked_fraction = 0.5}, true, false, true, true, false},
-                              {{.one_expert = 1}, true, true, false, false, false},
-                              {{}, true, false, false, false, true}};
-      for (int i = 0; i < 4; ++i) {
+      const Round rounds[] = {{{}, false, false, false, false, false, false},
+                              {{.masked_fraction = 0.5}, true, false, true, true, false, false},
+                              {{.one_expert = 1}, true, true, false, false, false, false},
+                              {{}, true, false, false, false, true, false},
+                              {{.masked_fraction = 0.2}, true, true, false, false, false, true}};
+      for (int i = 0; i < 5; ++i) {
         const Round& round = rounds[i];
         std::vector<RankInputs> in = MakeInputs(spec, Tokens(R, Mll, i), round.routing, 100 + i);
-        GroupResult want = HostLowLatency(g.shape, in, round.fp8, round.round_scale);
+        GroupResult want =
+            HostLowLatency(g.shape, in, round.fp8, round.round_scale, false, -1, round.ue8m0);
         by_mode[m][i] = RunLowLatency(g, in, round.fp8, round.round_scale, round.host_idx, -1,
-                                      round.no_stream, round.in_place);
-        ExpectSame(want, by_mode[m][i],
-                   absl::StrCat(ModeName(kModes[m]), " R=", R, " round ", i,
-                                round.fp8 ? " fp8" : " bf16", round.in_place ? " in place" : ""));
+                                      round.no_stream, round.in_place, round.ue8m0);
+        ExpectSame(
+            want, by_mode[m][i],
+            absl::StrCat(ModeName(kModes[m]), " R=", R, " round ", i, round.fp8 ? " fp8" : " bf16",
+                         round.in_place ? " in place" : "", round.ue8m0 ? " ue8m0" : ""));
       }
     }
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 5; ++i) {
       ExpectSame(by_mode[0][i], by_mode[1][i],
                  absl::StrCat("daemon vs client R=", R, " round ", i));
     }

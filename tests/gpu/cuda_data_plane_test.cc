@@ -278,13 +278,15 @@ GroupResult RunNormal(PlaneGroup& g, Inputs& in) {
   return out;
 }
 
-/// One low-latency round: dispatch (bf16 or FP8), then combine of the fixed expert
-/// outputs y. Only the packed rows [0, recv_count[j]) of each expert are compared.
-GroupResult RunLowLatency(PlaneGroup& g, Inputs& in, bool fp8, bool round_scale, int skip = -1) {
+/// One low-latency round: dispatch (bf16 or FP8; `ue8m0`: UE8M0-packed scales), then
+/// combine of the fixed expert outputs y. Only the packed rows [0, recv_count[j]) of each
+/// expert are compared.
+GroupResult RunLowLatency(PlaneGroup& g, Inputs& in, bool fp8, bool round_scale, int skip = -1,
+                          bool ue8m0 = false) {
   const int R = g.spec.num_ranks(), H = g.spec.hidden(), K = g.spec.num_topk();
   const int El = g.spec.num_experts() / R;
   const int64_t rows = static_cast<int64_t>(R) * g.spec.ll_max_tokens_per_rank();
-  const int S = (H + 127) / 128;
+  const int S = ue8m0 ? (H + 511) / 512 : (H + 127) / 128;  // 4-byte scale columns
   GroupResult out(R);
   g.OnEveryRank(
       [&](int r) {
@@ -302,6 +304,7 @@ GroupResult RunLowLatency(PlaneGroup& g, Inputs& in, bool fp8, bool round_scale,
         da.topk_idx = &idx;
         da.use_fp8 = fp8;
         da.round_scale = round_scale;
+        da.use_ue8m0 = ue8m0;
         auto dop = g.eps[r]->LowLatencyDispatch(da);
         ASSERT_TRUE(dop.ok()) << dop.status();
         auto d = dop->Wait(absl::Seconds(20));
@@ -318,9 +321,12 @@ GroupResult RunLowLatency(PlaneGroup& g, Inputs& in, bool fp8, bool round_scale,
               {absl::StrCat("recv_x[", j, "]"), Fetch(d->recv_x, row0 * row_bytes, n * row_bytes)});
           res.blobs.push_back(
               {absl::StrCat("recv_src_info[", j, "]"), Fetch(d->recv_src_info, row0 * 4, n * 4)});
-          if (fp8) {
-            res.blobs.push_back({absl::StrCat("recv_scales[", j, "]"),
-                                 Fetch(d->recv_scales, row0 * S * 4, n * S * 4)});
+          // Scales are stored [El, S, rows] of 4-byte words (token index fastest): rows
+          // [0, n) per column.
+          for (size_t c = 0; fp8 && c < static_cast<size_t>(S); ++c) {
+            const size_t at = (static_cast<size_t>(j) * S + c) * rows * 4;
+            res.blobs.push_back(
+                {absl::StrCat("recv_scales[", j, "][", c, "]"), Fetch(d->recv_scales, at, n * 4)});
           }
         }
         LowLatencyCombineArgs ca;
@@ -385,19 +391,22 @@ TEST_F(CudaDataPlaneTest, LowLatencyMatchesHostWithEightVirtualRanks) {
   cuda.Open(cuda_.get(), spec);
   struct Round {
     testing::RoutingOptions routing;
-    bool fp8, round_scale;
+    bool fp8, round_scale, ue8m0;
   };
-  const Round rounds[] = {{{}, false, false},
-                          {{.masked_fraction = 0.5}, true, false},
-                          {{.one_expert = 3}, true, true},  // Every token to one expert.
-                          {{.duplicate_fraction = 0.3}, false, false}};
+  const Round rounds[] = {{{}, false, false, false},
+                          {{.masked_fraction = 0.5}, true, false, false},
+                          {{.one_expert = 3}, true, true, false},  // Every token to one expert.
+                          {{.duplicate_fraction = 0.3}, false, false, false},
+                          {{.masked_fraction = 0.2}, true, true, true}};  // UE8M0 scales
   int i = 0;
   for (const Round& round : rounds) {
     Inputs in;
     in.Make(spec, {128, 0, 1, 77, 128, 64, 3, 100}, round.routing, 100 + i);
-    GroupResult want = RunLowLatency(host, in, round.fp8, round.round_scale);
-    GroupResult got = RunLowLatency(cuda, in, round.fp8, round.round_scale);
-    ExpectSame(want, got, absl::StrCat("low-latency round ", i, round.fp8 ? " fp8" : " bf16"));
+    GroupResult want = RunLowLatency(host, in, round.fp8, round.round_scale, -1, round.ue8m0);
+    GroupResult got = RunLowLatency(cuda, in, round.fp8, round.round_scale, -1, round.ue8m0);
+    ExpectSame(want, got,
+               absl::StrCat("low-latency round ", i, round.fp8 ? " fp8" : " bf16",
+                            round.ue8m0 ? " ue8m0" : ""));
     ++i;
   }
 }

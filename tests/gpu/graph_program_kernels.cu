@@ -6,18 +6,19 @@
 namespace epd::testing {
 namespace {
 
-__global__ void DequantScaleExpertsKernel(const kernels::e4m3_bits* x, const float* scales,
-                                          kernels::bf16_bits* y, int64_t rows, int64_t H,
-                                          int64_t total) {
-  const int64_t S = H / kernels::kFp8BlockChannels;
+__global__ void DequantScaleExpertsKernel(const kernels::e4m3_bits* x, const void* scales,
+                                          bool ue8m0, kernels::bf16_bits* y, int64_t rows,
+                                          int64_t H, int64_t total) {
+  const size_t cols = (ue8m0 ? H / 512 : H / kernels::kFp8BlockChannels);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = i / H;  // Row of [El * rows].
     const int64_t h = i % H;
     const int64_t j = row / rows;
     const float s = 0.5f + 0.25f * static_cast<float>(j % 4);
-    const float v = __fmul_rn(
-        __fmul_rn(kernels::E4m3ToFloat(x[i]), scales[row * S + h / kernels::kFp8BlockChannels]), s);
+    const float scale = ProgramScaleAt(scales, ue8m0, cols, rows, j, row % rows,
+                                       static_cast<int>(h / kernels::kFp8BlockChannels));
+    const float v = __fmul_rn(__fmul_rn(kernels::E4m3ToFloat(x[i]), scale), s);
     y[i] = kernels::FloatToBf16(v);
   }
 }
@@ -42,10 +43,10 @@ absl::Status PeekWordsAsync(const void* src, int n, uint64_t* host_mapped, uint6
   return EPD_CUDA_STATUS(cudaGetLastError());
 }
 
-absl::Status LaunchDequantScaleExperts(const kernels::e4m3_bits* x, const float* scales,
+absl::Status LaunchDequantScaleExperts(const kernels::e4m3_bits* x, const void* scales, bool ue8m0,
                                        kernels::bf16_bits* y, int64_t El, int64_t rows, int64_t H,
                                        cudaStream_t stream) {
-  DequantScaleExpertsKernel<<<64, 256, 0, stream>>>(x, scales, y, rows, H, El * rows * H);
+  DequantScaleExpertsKernel<<<64, 256, 0, stream>>>(x, scales, ue8m0, y, rows, H, El * rows * H);
   return EPD_CUDA_STATUS(cudaGetLastError());
 }
 

@@ -16,11 +16,22 @@ namespace epd::testing {
 /// Expert j's scale (exact in binary): 0.5 + 0.25 * (j % 4).
 inline float ProgramExpertScale(int64_t j) { return 0.5f + 0.25f * static_cast<float>(j % 4); }
 
-/// y[j, row, h] = bf16((f32(x[j, row, h]) * scales[j, row, h / 128]) * ProgramExpertScale(j))
-/// for every element of [El, rows, H] (x e4m3, scales f32 [El, rows, H/128], y bf16), each
+/// The FP8 scale of block `block` of row `row` of local expert j in low-latency recv_scales
+/// storage (token index fastest, `cols` 4-byte columns of `rows` rows per expert): the f32,
+/// or with `ue8m0` 2^(byte - 127) of byte block % 4 of word block / 4.
+EPD_HD float ProgramScaleAt(const void* scales, bool ue8m0, size_t cols, int64_t rows, int64_t j,
+                            int64_t row, int block) {
+  if (!ue8m0) return static_cast<const float*>(scales)[(j * cols + block) * rows + row];
+  const uint32_t word = static_cast<const uint32_t*>(scales)[(j * cols + block / 4) * rows + row];
+  return kernels::FloatFromBits(((word >> (8 * (block % 4))) & 0xffu) << 23);
+}
+
+/// y[j, row, h] = bf16((f32(x[j, row, h]) * scale) * ProgramExpertScale(j)) for every element
+/// of [El, rows, H] (x e4m3, scale = ProgramScaleAt of the low-latency recv_scales storage:
+/// f32 [El, H/128, rows], or with `ue8m0` int32 [El, H/512, rows]; y bf16), each
 /// product rounded to f32 (no fma), so the host computes the same bits. Enqueued on
 /// `stream` (capturable). Errors: INTERNAL for a CUDA launch error.
-absl::Status LaunchDequantScaleExperts(const kernels::e4m3_bits* x, const float* scales,
+absl::Status LaunchDequantScaleExperts(const kernels::e4m3_bits* x, const void* scales, bool ue8m0,
                                        kernels::bf16_bits* y, int64_t El, int64_t rows, int64_t H,
                                        cudaStream_t stream);
 

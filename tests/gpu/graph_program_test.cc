@@ -97,11 +97,12 @@ using Blobs = std::vector<std::pair<std::string, std::vector<uint8_t>>>;
 
 /// Reads rank outputs (recv_count, then per local expert the valid rows of recv_x, recv_src_info,
 /// recv_scales; then combined_x [T, H]) through `at(which, offset, bytes)`: which 0 recv_x, 1
-/// src_info, 2 scales, 3 combined_x.
+/// src_info, 2 scales, 3 combined_x. `ue8m0`: the scales are UE8M0-packed int32 words.
 template <typename Reader>
-Blobs OutputBlobs(const GroupShape& g, const int32_t* count, int T, Reader at) {
+Blobs OutputBlobs(const GroupShape& g, const int32_t* count, int T, Reader at, bool ue8m0) {
   const int64_t El = g.num_local_experts(), rows = g.ll_rows_per_expert();
-  const size_t H = static_cast<size_t>(g.hidden), S = static_cast<size_t>(g.num_scales());
+  const size_t H = static_cast<size_t>(g.hidden);
+  const size_t S = static_cast<size_t>(ue8m0 ? g.num_scales() / 4 : g.num_scales());
   Blobs b;
   b.push_back({"recv_count", Bytes(count, El)});
   for (int64_t j = 0; j < El; ++j) {
@@ -109,14 +110,20 @@ Blobs OutputBlobs(const GroupShape& g, const int32_t* count, int T, Reader at) {
     const size_t row0 = static_cast<size_t>(j * rows);
     b.push_back({absl::StrCat("recv_x[", j, "]"), at(0, row0 * H, n * H)});
     b.push_back({absl::StrCat("recv_src_info[", j, "]"), at(1, row0 * 4, n * 4)});
-    b.push_back({absl::StrCat("recv_scales[", j, "]"), at(2, row0 * S * 4, n * S * 4)});
+    // Scales are stored [El, S, rows] of 4-byte words (token index fastest): rows [0, n) of
+    // each column.
+    for (size_t c = 0; c < S; ++c) {
+      b.push_back({absl::StrCat("recv_scales[", j, "][", c, "]"),
+                   at(2, (static_cast<size_t>(j) * S + c) * static_cast<size_t>(rows) * 4, n * 4)});
+    }
   }
   b.push_back({"combined_x", at(3, 0, static_cast<size_t>(T) * H * 2)});
   return b;
 }
 
-/// The host's FP8 low-latency dispatch, the toy expert (dequantise, scale), and the combine.
-std::vector<Blobs> HostProgram(const GroupShape& g, const std::vector<RankInputs>& in) {
+/// The host's FP8 low-latency dispatch (`ue8m0`: with round_scale and UE8M0-packed scales),
+/// the toy expert (dequantise, scale), and the combine.
+std::vector<Blobs> HostProgram(const GroupShape& g, const std::vector<RankInputs>& in, bool ue8m0) {
   const int R = g.num_ranks, H = g.hidden, K = g.num_topk;
   const int64_t El = g.num_local_experts(), rows = g.ll_rows_per_expert();
   const size_t S = static_cast<size_t>(g.num_scales());
@@ -131,14 +138,16 @@ std::vector<Blobs> HostProgram(const GroupShape& g, const std::vector<RankInputs
     da[r] = {in[r].T,          in[r].x.data(),  in[r].idx.data(), recv_x[r].data(),
              scales[r].data(), count[r].data(), src[r].data(),    handle[r].data()};
   }
-  absl::Status st = host::LowLatencyDispatch(g, {/*use_fp8=*/true, false}, std::span(da));
+  absl::Status st = host::LowLatencyDispatch(g, {/*use_fp8=*/true, ue8m0, ue8m0}, std::span(da));
   EXPECT_TRUE(st.ok()) << st;
   std::vector<std::vector<bf16_bits>> y(R, std::vector<bf16_bits>(cells * H)), combined(R);
   for (int r = 0; r < R; ++r) {
     for (size_t i = 0; i < cells * H; ++i) {
-      const size_t row = i / H;
+      const size_t row = i / H, j = row / rows;
+      const int block = static_cast<int>((i % H) / kernels::kFp8BlockChannels);
       const float v = (kernels::E4m3ToFloat(recv_x[r][i]) *
-                       scales[r][row * S + (i % H) / kernels::kFp8BlockChannels]) *
+                       testing::ProgramScaleAt(scales[r].data(), ue8m0, ue8m0 ? S / 4 : S, rows,
+                                               static_cast<int64_t>(j), row % rows, block)) *
                       testing::ProgramExpertScale(static_cast<int64_t>(row / rows));
       y[r][i] = kernels::FloatToBf16(v);
     }
@@ -153,13 +162,16 @@ std::vector<Blobs> HostProgram(const GroupShape& g, const std::vector<RankInputs
   EXPECT_TRUE(st.ok()) << st;
   std::vector<Blobs> out(R);
   for (int r = 0; r < R; ++r) {
-    out[r] = OutputBlobs(g, count[r].data(), in[r].T, [&](int which, size_t off, size_t n) {
-      const uint8_t* base = which == 0   ? recv_x[r].data()
-                            : which == 1 ? reinterpret_cast<const uint8_t*>(src[r].data())
-                            : which == 2 ? reinterpret_cast<const uint8_t*>(scales[r].data())
-                                         : reinterpret_cast<const uint8_t*>(combined[r].data());
-      return std::vector<uint8_t>(base + off, base + off + n);
-    });
+    out[r] = OutputBlobs(
+        g, count[r].data(), in[r].T,
+        [&](int which, size_t off, size_t n) {
+          const uint8_t* base = which == 0   ? recv_x[r].data()
+                                : which == 1 ? reinterpret_cast<const uint8_t*>(src[r].data())
+                                : which == 2 ? reinterpret_cast<const uint8_t*>(scales[r].data())
+                                             : reinterpret_cast<const uint8_t*>(combined[r].data());
+          return std::vector<uint8_t>(base + off, base + off + n);
+        },
+        ue8m0);
   }
   return out;
 }
@@ -360,7 +372,7 @@ class HangWatchdog {
 
 /// The whole scenario of the file comment for R virtual ranks.
 void RunProgramScenario(const v1::GroupSpec& spec, const std::string& gpu_uuid, Client* client,
-                        int replays = 100) {
+                        int replays = 100, bool ue8m0 = false) {
   {
     SCOPED_TRACE(SpecSummary(spec));
     const int R = spec.num_ranks(), Mll = spec.ll_max_tokens_per_rank(), H = spec.hidden();
@@ -401,7 +413,8 @@ void RunProgramScenario(const v1::GroupSpec& spec, const std::string& gpu_uuid, 
 
     // Registration: every rank, the same program.
     const std::vector<ProgramStep> program = {
-        {ProgramStep::Op::kLowLatencyDispatch, /*use_fp8=*/true, false},
+        {ProgramStep::Op::kLowLatencyDispatch, /*use_fp8=*/true, /*round_scale=*/ue8m0,
+         /*use_ue8m0=*/ue8m0},
         {ProgramStep::Op::kLowLatencyCombine, false, false}};
     Phase(R, "joined");
     for (const absl::Status& st :
@@ -447,10 +460,13 @@ void RunProgramScenario(const v1::GroupSpec& spec, const std::string& gpu_uuid, 
       ASSERT_TRUE(d.ok()) << d.status();
       q.d = *d;
       ASSERT_EQ(q.d.recv_x.shape(), (std::vector<int64_t>{El, rows, H}));
-      ASSERT_EQ(q.d.recv_scales.shape(), (std::vector<int64_t>{El, rows, H / 128}));
+      const int64_t cols = ue8m0 ? H / 512 : H / 128;
+      ASSERT_EQ(q.d.recv_scales.shape(), (std::vector<int64_t>{El, rows, cols}));
+      ASSERT_EQ(q.d.recv_scales.strides(), (std::vector<int64_t>{cols * rows, 1, rows}));
+      ASSERT_EQ(q.d.recv_scales.dl().dtype.code, ue8m0 ? kDLInt : kDLFloat);
       const TensorView expert_out = eps[r]->LowLatencyCombineInput();
       ASSERT_TRUE(testing::LaunchDequantScaleExperts(q.d.recv_x.as<kernels::e4m3_bits>(),
-                                                     q.d.recv_scales.as<float>(),
+                                                     q.d.recv_scales.data(), ue8m0,
                                                      expert_out.as<bf16_bits>(), El, rows, H, s)
                       .ok());
       ProgramCombineArgs ca;
@@ -526,18 +542,21 @@ void RunProgramScenario(const v1::GroupSpec& spec, const std::string& gpu_uuid, 
       }
     };
     auto check = [&](const std::vector<RankInputs>& in, const std::string& what) {
-      const std::vector<Blobs> want = HostProgram(shape, in);
+      const std::vector<Blobs> want = HostProgram(shape, in, ue8m0);
       watchdog.Beat(absl::StrCat("reading the outputs back (", what, ")"));
       for (int r = 0; r < R; ++r) {
         const std::vector<uint8_t> count_bytes = Fetch(rg[r].d.recv_count.data(), 0, El * 4);
         const auto* count = reinterpret_cast<const int32_t*>(count_bytes.data());
-        const Blobs got = OutputBlobs(shape, count, in[r].T, [&](int which, size_t off, size_t n) {
-          const void* base = which == 0   ? rg[r].d.recv_x.data()
-                             : which == 1 ? rg[r].d.recv_src_info.data()
-                             : which == 2 ? rg[r].d.recv_scales.data()
-                                          : rg[r].combined.data();
-          return Fetch(base, off, n);
-        });
+        const Blobs got = OutputBlobs(
+            shape, count, in[r].T,
+            [&](int which, size_t off, size_t n) {
+              const void* base = which == 0   ? rg[r].d.recv_x.data()
+                                 : which == 1 ? rg[r].d.recv_src_info.data()
+                                 : which == 2 ? rg[r].d.recv_scales.data()
+                                              : rg[r].combined.data();
+              return Fetch(base, off, n);
+            },
+            ue8m0);
         ASSERT_EQ(got.size(), want[r].size()) << what << " rank " << r;
         for (size_t i = 0; i < got.size(); ++i) {
           ASSERT_TRUE(got[i].second == want[r][i].second)
@@ -693,6 +712,14 @@ TEST_F(GraphProgramTest, EightRanks) {
 TEST_F(GraphProgramTest, TwoRanksLargeCapacityAndTopk) {
   RunProgramScenario(Spec("program-large", 2, 256, 1024, /*E=*/64, /*K=*/48), Epd()->gpu_uuid(),
                      &Epd()->client(), /*replays=*/20);
+}
+
+// The same with UE8M0-packed scales (use_ue8m0 with round_scale; H % 512 == 0): the step's
+// recv_scales view is int32 [E/R, R*Mll, H/512] and the toy expert decodes the exponents.
+// In a process of its own too.
+TEST_F(GraphProgramTest, TwoRanksUe8m0Scales) {
+  RunProgramScenario(Spec("program-ue8m0", 2, 1024, 32), Epd()->gpu_uuid(), &Epd()->client(),
+                     /*replays=*/30, /*ue8m0=*/true);
 }
 
 }  // namespace

@@ -53,15 +53,32 @@ using kernels::GroupShape;
     if (!HaveGpu(&why)) GTEST_SKIP() << why; \
   } while (0)
 
+// The dispatch's data format: BF16, FP8 (f32 scales), FP8 with round_scale, FP8 with
+// round_scale and UE8M0-packed scales (use_ue8m0).
+enum class Fp8 { kOff, kOn, kRoundScale, kUe8m0 };
+constexpr bool IsFp8(Fp8 m) { return m != Fp8::kOff; }
+constexpr bool RoundsScale(Fp8 m) { return m == Fp8::kRoundScale || m == Fp8::kUe8m0; }
+constexpr bool IsUe8m0(Fp8 m) { return m == Fp8::kUe8m0; }
+
+// The scale of block `block` of row `row` of local expert j in an ll_recv_scales region
+// (token index fastest; UE8M0 bytes decoded to 2^(code - 127)).
+__device__ __host__ inline float ScaleAt(const GroupShape& s, const uint8_t* scales, bool ue8m0,
+                                         int64_t j, int64_t row, int32_t block) {
+  const uint8_t* p = scales + kernels::LowLatencyScaleOffset(s, ue8m0, j, row, block);
+  if (ue8m0) return kernels::FloatFromBits(static_cast<uint32_t>(*p) << 23);
+  return *reinterpret_cast<const float*>(p);
+}
+
 // ---- the test "expert": y = bf16(dequant(x) * (1 + j/8)), rows [0, recv_count[j]) ----
 
 __device__ __host__ inline float ExpertFactor(int32_t j) { return 1.0f + 0.125f * (j % 8); }
 
-__global__ void ExpertKernel(const uint8_t* recv_x, const float* recv_scales,
-                             const int32_t* recv_count, bf16_bits* y, int32_t experts_per_rank,
-                             int64_t rows_per_expert, int32_t hidden, int32_t num_scales,
-                             bool fp8) {
-  for (int32_t j = blockIdx.y; j < experts_per_rank; j += gridDim.y) {
+__global__ void ExpertKernel(const uint8_t* recv_x, const uint8_t* recv_scales,
+                             const int32_t* recv_count, bf16_bits* y, GroupShape s, bool fp8,
+                             bool ue8m0) {
+  const int64_t rows_per_expert = s.ll_rows_per_expert();
+  const int32_t hidden = s.hidden;
+  for (int32_t j = blockIdx.y; j < s.num_local_experts(); j += gridDim.y) {
     const int64_t n = static_cast<int64_t>(recv_count[j]) * hidden;
     const float factor = ExpertFactor(j);
     for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
@@ -70,8 +87,9 @@ __global__ void ExpertKernel(const uint8_t* recv_x, const float* recv_scales,
       const int32_t h = static_cast<int32_t>(i % hidden);
       float v;
       if (fp8) {
-        v = __fmul_rn(kernels::E4m3ToFloat(recv_x[row * hidden + h]),
-                      recv_scales[row * num_scales + h / kernels::kFp8BlockChannels]);
+        v = __fmul_rn(
+            kernels::E4m3ToFloat(recv_x[row * hidden + h]),
+            ScaleAt(s, recv_scales, ue8m0, j, i / hidden, h / kernels::kFp8BlockChannels));
       } else {
         v = kernels::Bf16ToFloat(reinterpret_cast<const bf16_bits*>(recv_x)[row * hidden + h]);
       }
@@ -80,21 +98,22 @@ __global__ void ExpertKernel(const uint8_t* recv_x, const float* recv_scales,
   }
 }
 
-absl::Status LaunchExpert(const VirtualRankGroup& g, int32_t r, int32_t buffer, bool fp8,
+absl::Status LaunchExpert(const VirtualRankGroup& g, int32_t r, int32_t buffer, Fp8 mode,
                           cudaStream_t stream) {
   const auto& l = g.layout();
   const GroupShape& s = g.shape();
   dim3 grid(16, std::min(s.num_local_experts(), 8));
   ExpertKernel<<<grid, 256, 0, stream>>>(
-      g.At<uint8_t>(r, l.ll_recv_x[buffer]), g.At<float>(r, l.ll_recv_scales[buffer]),
-      g.At<int32_t>(r, l.ll_recv_count[buffer]), g.At<bf16_bits>(r, l.in_ll_combine_x),
-      s.num_local_experts(), s.ll_rows_per_expert(), s.hidden, s.num_scales(), fp8);
+      g.At<uint8_t>(r, l.ll_recv_x[buffer]), g.At<uint8_t>(r, l.ll_recv_scales[buffer]),
+      g.At<int32_t>(r, l.ll_recv_count[buffer]), g.At<bf16_bits>(r, l.in_ll_combine_x), s,
+      IsFp8(mode), IsUe8m0(mode));
   return EPD_CUDA_STATUS(cudaGetLastError());
 }
 
 // Host version of ExpertKernel over one rank's rows (local experts spread over threads).
-void HostExpert(const GroupShape& s, const uint8_t* recv_x, const float* recv_scales,
-                const int32_t* recv_count, bf16_bits* y, bool fp8) {
+void HostExpert(const GroupShape& s, const uint8_t* recv_x, const uint8_t* recv_scales,
+                const int32_t* recv_count, bf16_bits* y, Fp8 mode) {
+  const bool fp8 = IsFp8(mode);
   const int64_t rows = s.ll_rows_per_expert();
   const int64_t hidden = s.hidden;
   const int32_t threads =
@@ -107,7 +126,8 @@ void HostExpert(const GroupShape& s, const uint8_t* recv_x, const float* recv_sc
           const int64_t row = j * rows + rr;
           for (int64_t h = 0; h < hidden; ++h) {
             float v = fp8 ? kernels::E4m3ToFloat(recv_x[row * hidden + h]) *
-                                recv_scales[row * s.num_scales() + h / kernels::kFp8BlockChannels]
+                                ScaleAt(s, recv_scales, IsUe8m0(mode), j, rr,
+                                        static_cast<int32_t>(h / kernels::kFp8BlockChannels))
                           : kernels::Bf16ToFloat(
                                 reinterpret_cast<const bf16_bits*>(recv_x)[row * hidden + h]);
             y[row * hidden + h] = kernels::FloatToBf16(v * ExpertFactor(j));
@@ -131,7 +151,7 @@ struct RankInputs {
 struct HostReference {
   // Per rank; recv arrays are [El, R*Mll, row] with only rows [0, count) meaningful.
   std::vector<std::unique_ptr<uint8_t[]>> recv_x;
-  std::vector<std::vector<float>> recv_scales;
+  std::vector<std::vector<uint8_t>> recv_scales;  // the ll_recv_scales bytes
   std::vector<std::vector<int32_t>> recv_count;
   std::vector<std::vector<int32_t>> recv_src_info;
   std::vector<std::vector<int32_t>> handle_pos;
@@ -140,8 +160,9 @@ struct HostReference {
 };
 
 // Runs the host dispatch, the host expert and the host combine.
-absl::Status ComputeHostReference(const GroupShape& s, bool fp8, bool round_scale,
-                                  std::vector<RankInputs>& in, HostReference* ref) {
+absl::Status ComputeHostReference(const GroupShape& s, Fp8 mode, std::vector<RankInputs>& in,
+                                  HostReference* ref) {
+  const bool fp8 = IsFp8(mode);
   const int32_t R = s.num_ranks;
   const int64_t rows = static_cast<int64_t>(s.num_local_experts()) * s.ll_rows_per_expert();
   const int64_t row_bytes = fp8 ? s.hidden : 2ll * s.hidden;
@@ -157,7 +178,7 @@ absl::Status ComputeHostReference(const GroupShape& s, bool fp8, bool round_scal
   for (int32_t r = 0; r < R; ++r) {
     ref->recv_x.emplace_back(new uint8_t[rows * row_bytes]);
     ref->y.emplace_back(new bf16_bits[rows * s.hidden]);
-    if (fp8) ref->recv_scales[r].resize(rows * s.num_scales());
+    if (fp8) ref->recv_scales[r].resize(rows * s.num_scales() * 4);
     d[r].num_tokens = in[r].num_tokens;
     d[r].x = in[r].x.data();
     d[r].topk_idx = in[r].topk_idx.data();
@@ -169,13 +190,14 @@ absl::Status ComputeHostReference(const GroupShape& s, bool fp8, bool round_scal
   }
   kh::LowLatencyDispatchOptions opt;
   opt.use_fp8 = fp8;
-  opt.round_scale = round_scale;
+  opt.round_scale = RoundsScale(mode);
+  opt.use_ue8m0 = IsUe8m0(mode);
   absl::Status st = kh::LowLatencyDispatch(s, opt, d);
   if (!st.ok()) return st;
   std::vector<kh::LowLatencyCombineRankArgs> c(R);
   for (int32_t r = 0; r < R; ++r) {
     HostExpert(s, ref->recv_x[r].get(), fp8 ? ref->recv_scales[r].data() : nullptr,
-               ref->recv_count[r].data(), ref->y[r].get(), fp8);
+               ref->recv_count[r].data(), ref->y[r].get(), mode);
     ref->combined[r].resize(static_cast<size_t>(in[r].num_tokens) * s.hidden);
     c[r].num_tokens = in[r].num_tokens;
     c[r].topk_idx = in[r].topk_idx.data();
@@ -204,8 +226,9 @@ absl::Status UploadInputs(VirtualRankGroup& g, const std::vector<RankInputs>& in
 }
 
 // Compares every dispatch output of every rank (buffer b) with the reference.
-absl::Status CheckDispatch(const VirtualRankGroup& g, int32_t b, bool fp8,
+absl::Status CheckDispatch(const VirtualRankGroup& g, int32_t b, Fp8 mode,
                            const std::vector<RankInputs>& in, const HostReference& ref) {
+  const bool fp8 = IsFp8(mode);
   const GroupShape& s = g.shape();
   const auto& l = g.layout();
   const int64_t rows = s.ll_rows_per_expert();
@@ -239,13 +262,16 @@ absl::Status CheckDispatch(const VirtualRankGroup& g, int32_t b, bool fp8,
                           absl::StrCat(who, " recv_src_info of local expert ", j));
       }
       if (!st.ok()) return st;
-      if (fp8) {
-        const int64_t ns = s.num_scales();
-        std::vector<float> sc(n * ns);
-        st = g.Download(r, l.ll_recv_scales[b], sc.data(), sc.size() * 4, first * ns * 4);
+      // Scales, token index fastest: [El, cols, rows] of 4-byte words (f32, or 4 UE8M0
+      // bytes); rows [0, n) of each column.
+      const int64_t cols = IsUe8m0(mode) ? s.num_scales() / 4 : s.num_scales();
+      for (int64_t col = 0; fp8 && col < cols; ++col) {
+        const int64_t at = ((j * cols + col) * rows) * 4;
+        std::vector<uint8_t> sc(n * 4);
+        st = g.Download(r, l.ll_recv_scales[b], sc.data(), sc.size(), at);
         if (st.ok()) {
-          st = CompareBytes(ref.recv_scales[r].data() + first * ns, sc.data(), sc.size() * 4,
-                            absl::StrCat(who, " recv_scales of local expert ", j));
+          st = CompareBytes(ref.recv_scales[r].data() + at, sc.data(), sc.size(),
+                            absl::StrCat(who, " recv_scales of local expert ", j, " column ", col));
         }
         if (!st.ok()) return st;
       }
@@ -268,12 +294,12 @@ absl::Status CheckCombine(const VirtualRankGroup& g, int32_t b, const std::vecto
 }
 
 // Enqueues dispatch (buffer b) on every rank, then reads every rank's status.
-absl::Status RunDispatch(VirtualRankGroup& g, int32_t b, bool fp8, bool round_scale,
-                         bool large_path = false) {
+absl::Status RunDispatch(VirtualRankGroup& g, int32_t b, Fp8 mode, bool large_path = false) {
   kc::LowLatencyDispatchArgs a;
   a.buffer = b;
-  a.use_fp8 = fp8;
-  a.round_scale = round_scale;
+  a.use_fp8 = IsFp8(mode);
+  a.round_scale = RoundsScale(mode);
+  a.use_ue8m0 = IsUe8m0(mode);
   a.large_path = large_path;
   absl::Status st = g.LaunchAll([&](int32_t r, cudaStream_t stream) {
     return kc::LowLatencyDispatch(g.Context(r), a, stream);
@@ -285,11 +311,11 @@ absl::Status RunDispatch(VirtualRankGroup& g, int32_t b, bool fp8, bool round_sc
 }
 
 // Enqueues the test expert + combine on every rank, then reads every rank's status.
-absl::Status RunExpertAndCombine(VirtualRankGroup& g, int32_t b, bool fp8) {
+absl::Status RunExpertAndCombine(VirtualRankGroup& g, int32_t b, Fp8 mode) {
   kc::LowLatencyCombineArgs a;
   a.buffer = b;
   absl::Status st = g.LaunchAll([&](int32_t r, cudaStream_t stream) {
-    absl::Status e = LaunchExpert(g, r, b, fp8, stream);
+    absl::Status e = LaunchExpert(g, r, b, mode, stream);
     if (!e.ok()) return e;
     return kc::LowLatencyCombine(g.Context(r), a, stream);
   });
@@ -302,7 +328,6 @@ absl::Status RunExpertAndCombine(VirtualRankGroup& g, int32_t b, bool fp8) {
 // ---- the covering sweep -----------------------------------------------------------------
 
 enum class Routing { kUniform, kOneExpert, kDuplicates };
-enum class Fp8 { kOff, kOn, kRoundScale };
 
 struct SweepCase {
   int32_t ranks;
@@ -326,7 +351,10 @@ const char* RoutingName(Routing routing) {
 }
 
 const char* Fp8Name(Fp8 fp8) {
-  return fp8 == Fp8::kOff ? "bf16" : fp8 == Fp8::kOn ? "fp8" : "fp8round";
+  return fp8 == Fp8::kOff          ? "bf16"
+         : fp8 == Fp8::kOn         ? "fp8"
+         : fp8 == Fp8::kRoundScale ? "fp8round"
+                                   : "fp8ue8m0";
 }
 
 std::string CaseName(const SweepCase& c) {
@@ -385,8 +413,7 @@ TEST_P(LowLatencySweep, MatchesHostBitForBit) {
   REQUIRE_GPU();
   const SweepCase& c = GetParam();
   const GroupShape s = LowLatencyShape(c.ranks, c.experts, c.hidden, c.topk, kMll, c.fp8);
-  const bool fp8 = c.fp8 != Fp8::kOff;
-  const bool round_scale = c.fp8 == Fp8::kRoundScale;
+  const Fp8 mode = c.fp8;
   // Every case runs with the flags at .sys scope (ranks on several GPUs) and at .gpu scope
   // (CudaRankContext::all_ranks_on_device: every rank on this GPU).
   for (const bool gpu_scope : {false, true}) {
@@ -407,11 +434,11 @@ TEST_P(LowLatencySweep, MatchesHostBitForBit) {
       const int32_t b = op % 2;
       std::vector<RankInputs> in = MakeInputs(c, rng, op);
       HostReference ref;
-      EPD_ASSERT_OK(ComputeHostReference(s, fp8, round_scale, in, &ref));
+      EPD_ASSERT_OK(ComputeHostReference(s, mode, in, &ref));
       EPD_ASSERT_OK(UploadInputs(g, in));
-      EPD_ASSERT_OK(RunDispatch(g, b, fp8, round_scale));
-      EPD_ASSERT_OK(CheckDispatch(g, b, fp8, in, ref)) << "op " << op;
-      EPD_ASSERT_OK(RunExpertAndCombine(g, b, fp8));
+      EPD_ASSERT_OK(RunDispatch(g, b, mode));
+      EPD_ASSERT_OK(CheckDispatch(g, b, mode, in, ref)) << "op " << op;
+      EPD_ASSERT_OK(RunExpertAndCombine(g, b, mode));
       EPD_ASSERT_OK(CheckCombine(g, b, in, ref)) << "op " << op;
       if (op == 0) {
         first_inputs = std::move(in);
@@ -419,7 +446,7 @@ TEST_P(LowLatencySweep, MatchesHostBitForBit) {
       }
       if (op == 1) {
         // Double buffering: op 0's outputs in buffer 0 are intact after op 1.
-        EPD_ASSERT_OK(CheckDispatch(g, 0, fp8, first_inputs, first_ref)) << "op 0 after op 1";
+        EPD_ASSERT_OK(CheckDispatch(g, 0, mode, first_inputs, first_ref)) << "op 0 after op 1";
         EPD_ASSERT_OK(CheckCombine(g, 0, first_inputs, first_ref)) << "op 0 after op 1";
       }
     }
@@ -454,7 +481,14 @@ INSTANTIATE_TEST_SUITE_P(
         SweepCase{2, 1002, 8, 64, 128, true, 0.0, Routing::kUniform, Fp8::kOff},
         // DeepSeek-V3 decode: T=128, H=7168, K=8, E=256, 8 ranks; FP8 and BF16.
         SweepCase{8, 7168, 8, 256, 128, true, 0.0, Routing::kUniform, Fp8::kOn},
-        SweepCase{8, 7168, 8, 256, 128, true, 0.0, Routing::kUniform, Fp8::kOff}),
+        SweepCase{8, 7168, 8, 256, 128, true, 0.0, Routing::kUniform, Fp8::kOff},
+        // UE8M0-packed scales (use_ue8m0, H % 512 == 0): one int32 per 512 channels per
+        // token, written whole by the kernel; DeepSeek-V3 decode among them.
+        SweepCase{1, 4096, 1, 8, 1, false, 0.0, Routing::kUniform, Fp8::kUe8m0},
+        SweepCase{2, 7168, 8, 256, 77, false, 0.3, Routing::kDuplicates, Fp8::kUe8m0},
+        SweepCase{4, 512, 6, 64, 0, false, 0.5, Routing::kOneExpert, Fp8::kUe8m0},
+        SweepCase{8, 2048, 6, 64, 128, true, 0.0, Routing::kUniform, Fp8::kUe8m0},
+        SweepCase{8, 7168, 8, 256, 128, true, 0.0, Routing::kUniform, Fp8::kUe8m0}),
     [](const ::testing::TestParamInfo<SweepCase>& info) { return CaseName(info.param); });
 
 // ---- large capacities and top-k ----------------------------------------------------------
@@ -493,8 +527,7 @@ TEST_P(LowLatencyLarge, MatchesHostBitForBit) {
   REQUIRE_GPU();
   const LargeCase& c = GetParam();
   const GroupShape s = LowLatencyShape(c.ranks, c.experts, c.hidden, c.topk, c.mll, c.fp8);
-  const bool fp8 = c.fp8 != Fp8::kOff;
-  const bool round_scale = c.fp8 == Fp8::kRoundScale;
+  const Fp8 mode = c.fp8;
   auto group = VirtualRankGroup::Create(s);
   ASSERT_TRUE(group.ok()) << group.status();
   VirtualRankGroup& g = **group;
@@ -508,11 +541,11 @@ TEST_P(LowLatencyLarge, MatchesHostBitForBit) {
       in.push_back(MakeRankInputs(s, t, c.masked, c.routing, rng));
     }
     HostReference ref;
-    EPD_ASSERT_OK(ComputeHostReference(s, fp8, round_scale, in, &ref));
+    EPD_ASSERT_OK(ComputeHostReference(s, mode, in, &ref));
     EPD_ASSERT_OK(UploadInputs(g, in));
-    EPD_ASSERT_OK(RunDispatch(g, op, fp8, round_scale, c.large_path)) << "op " << op;
-    EPD_ASSERT_OK(CheckDispatch(g, op, fp8, in, ref)) << "op " << op;
-    EPD_ASSERT_OK(RunExpertAndCombine(g, op, fp8)) << "op " << op;
+    EPD_ASSERT_OK(RunDispatch(g, op, mode, c.large_path)) << "op " << op;
+    EPD_ASSERT_OK(CheckDispatch(g, op, mode, in, ref)) << "op " << op;
+    EPD_ASSERT_OK(RunExpertAndCombine(g, op, mode)) << "op " << op;
     EPD_ASSERT_OK(CheckCombine(g, op, in, ref)) << "op " << op;
   }
 }
@@ -539,7 +572,11 @@ INSTANTIATE_TEST_SUITE_P(
         LargeCase{8, 256, 7168, 32, 128, Fp8::kRoundScale, Routing::kUniform, 0.2, false, true},
         // DeepSeek-V3 decode (T = 128, K = 8, E = 256, 8 ranks) through the large path.
         LargeCase{8, 256, 7168, 8, 128, Fp8::kOn, Routing::kUniform, 0.0, true, true},
-        LargeCase{8, 256, 7168, 8, 128, Fp8::kOff, Routing::kDuplicates, 0.3, true, false}),
+        LargeCase{8, 256, 7168, 8, 128, Fp8::kOff, Routing::kDuplicates, 0.3, true, false},
+        // UE8M0-packed scales on the large path: a big capacity, and DeepSeek-V3 decode.
+        LargeCase{2, 16, 512, 8, 4096, Fp8::kUe8m0, Routing::kUniform, 0.1, false, true},
+        LargeCase{4, 64, 1024, 48, 1024, Fp8::kUe8m0, Routing::kDuplicates, 0.2, false, false},
+        LargeCase{8, 256, 7168, 8, 128, Fp8::kUe8m0, Routing::kUniform, 0.0, true, false}),
     [](const ::testing::TestParamInfo<LargeCase>& info) { return LargeCaseName(info.param); });
 
 // ---- failure cases ----------------------------------------------------------------------
@@ -570,11 +607,11 @@ uint64_t ReadWord(const void* device_word) {
 void ExpectValidOp(VirtualRankGroup& g, int32_t b, std::mt19937_64& rng, int32_t salt) {
   std::vector<RankInputs> in = MakeInputs(SmallCase(g.num_ranks()), rng, salt);
   HostReference ref;
-  EPD_ASSERT_OK(ComputeHostReference(g.shape(), true, false, in, &ref));
+  EPD_ASSERT_OK(ComputeHostReference(g.shape(), Fp8::kOn, in, &ref));
   EPD_ASSERT_OK(UploadInputs(g, in));
-  EPD_ASSERT_OK(RunDispatch(g, b, true, false));
-  EPD_ASSERT_OK(CheckDispatch(g, b, true, in, ref));
-  EPD_ASSERT_OK(RunExpertAndCombine(g, b, true));
+  EPD_ASSERT_OK(RunDispatch(g, b, Fp8::kOn));
+  EPD_ASSERT_OK(CheckDispatch(g, b, Fp8::kOn, in, ref));
+  EPD_ASSERT_OK(RunExpertAndCombine(g, b, Fp8::kOn));
   EPD_ASSERT_OK(CheckCombine(g, b, in, ref));
 }
 
@@ -853,6 +890,11 @@ TEST(LowLatencyFailure, LauncherRejectsBadArguments) {
   EXPECT_EQ(kc::LowLatencyDispatch((*group)->Context(0), a, (*group)->stream(0)).code(),
             absl::StatusCode::kInvalidArgument);
   a.buffer = 0;
+  a.use_ue8m0 = true;  // without use_fp8 and round_scale
+  absl::Status ue8m0 = kc::LowLatencyDispatch((*group)->Context(0), a, (*group)->stream(0));
+  EXPECT_EQ(ue8m0.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(ue8m0.message().find("use_ue8m0 needs use_fp8"), std::string::npos) << ue8m0;
+  a.use_ue8m0 = false;
   a.use_fp8 = true;  // the group was created without use_fp8
   EXPECT_EQ(kc::LowLatencyDispatch((*group)->Context(0), a, (*group)->stream(0)).code(),
             absl::StatusCode::kInvalidArgument);
@@ -923,7 +965,7 @@ TEST(LowLatencyGraph, CapturedDispatchExpertCombineReplaysWithChangingInputsAndT
     da.use_fp8 = true;
     da.round_scale = true;
     absl::Status st = kc::LowLatencyDispatch(g.Context(r), da, g.stream(r));
-    if (st.ok()) st = LaunchExpert(g, r, 0, true, g.stream(r));
+    if (st.ok()) st = LaunchExpert(g, r, 0, Fp8::kRoundScale, g.stream(r));
     if (st.ok()) st = kc::LowLatencyCombine(g.Context(r), {}, g.stream(r));
     ASSERT_EQ(cudaStreamEndCapture(g.stream(r), &graph), cudaSuccess);
     EPD_ASSERT_OK(st);
@@ -943,7 +985,7 @@ TEST(LowLatencyGraph, CapturedDispatchExpertCombineReplaysWithChangingInputsAndT
       ri.weights.resize(static_cast<size_t>(ri.num_tokens) * s.num_topk);
     }
     HostReference ref;
-    EPD_ASSERT_OK(ComputeHostReference(s, true, true, in, &ref));
+    EPD_ASSERT_OK(ComputeHostReference(s, Fp8::kRoundScale, in, &ref));
     EPD_ASSERT_OK(UploadInputs(g, in));
     for (int32_t r = 0; r < g.num_ranks(); ++r) {
       ASSERT_EQ(cudaGraphLaunch(execs[r], g.stream(r)), cudaSuccess);
@@ -951,7 +993,7 @@ TEST(LowLatencyGraph, CapturedDispatchExpertCombineReplaysWithChangingInputsAndT
     for (int32_t r = 0; r < g.num_ranks(); ++r) {
       EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "graph replay"));
     }
-    EPD_ASSERT_OK(CheckDispatch(g, 0, true, in, ref)) << "replay " << replay;
+    EPD_ASSERT_OK(CheckDispatch(g, 0, Fp8::kRoundScale, in, ref)) << "replay " << replay;
     EPD_ASSERT_OK(CheckCombine(g, 0, in, ref)) << "replay " << replay;
   }
   for (auto e : execs) cudaGraphExecDestroy(e);
@@ -1043,7 +1085,7 @@ struct HandoffRig {
     rig->rng.seed(seed);
     const std::vector<RankInputs> stale = MakeInputs(SmallCase(R), rig->rng, 1);
     rig->in = MakeInputs(SmallCase(R), rig->rng, 2);
-    EPD_RETURN_IF_ERROR(ComputeHostReference(g.shape(), true, false, rig->in, &rig->ref));
+    EPD_RETURN_IF_ERROR(ComputeHostReference(g.shape(), Fp8::kOn, rig->in, &rig->ref));
     EPD_RETURN_IF_ERROR(UploadInputs(g, stale));
     EPD_ASSIGN_OR_RETURN(rig->caller, AllocateCallerTensors(g));
     EPD_ASSIGN_OR_RETURN(rig->seen_buffer, DeviceBuffer::Allocate(R * sizeof(uint64_t)));
@@ -1059,7 +1101,7 @@ struct HandoffRig {
 absl::Status EnqueueCombineBehindWait(VirtualRankGroup& g, int32_t r, int32_t buffer, uint64_t seq,
                                       uint64_t wait_offset, std::optional<uint64_t> alt_offset,
                                       uint64_t* seen) {
-  EPD_RETURN_IF_ERROR(LaunchExpert(g, r, buffer, true, g.stream(r)));
+  EPD_RETURN_IF_ERROR(LaunchExpert(g, r, buffer, Fp8::kOn, g.stream(r)));
   EPD_RETURN_IF_ERROR(kc::WaitFlagAsync(LaunchFlag(g, r, wait_offset), seq, 10'000'000'000, seen,
                                         g.stream(r),
                                         alt_offset ? LaunchFlag(g, r, *alt_offset) : nullptr));
@@ -1126,7 +1168,7 @@ TEST(LowLatencyHandoff, KernelsWaitForReadyThenWriteDone) {
     EXPECT_EQ(ReadWord(flag(r, abi::kDoneFlagOffset)), 1u) << "rank " << r;
     EXPECT_EQ(ReadWord(counter(r)) & 0xffffffffu, 0u) << "rank " << r << ": ticket not reset";
   }
-  EPD_ASSERT_OK(CheckDispatch(g, 0, true, in, ref));
+  EPD_ASSERT_OK(CheckDispatch(g, 0, Fp8::kOn, in, ref));
 
   // ---- combine (seq 2): expert outputs first on the rank's stream, then the ready wait ----
   for (int32_t r = 0; r < R; ++r) {
@@ -1235,17 +1277,17 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
   }
   stage(1, in);
   finish_dispatch(1);
-  EPD_ASSERT_OK(CheckDispatch(g, 0, true, in, ref));
+  EPD_ASSERT_OK(CheckDispatch(g, 0, Fp8::kOn, in, ref));
 
   // ---- dispatch (seq 2) with staging_seq written by the staging kernel itself, once all
   // its blocks (the x copy takes several) are resident ----
   std::vector<RankInputs> in2 = MakeInputs(SmallCase(R), rng, 3);
   HostReference ref2;
-  EPD_ASSERT_OK(ComputeHostReference(g.shape(), true, false, in2, &ref2));
+  EPD_ASSERT_OK(ComputeHostReference(g.shape(), Fp8::kOn, in2, &ref2));
   enqueue_dispatch(2, 1, in2);
   stage(2, in2);
   finish_dispatch(2);
-  EPD_ASSERT_OK(CheckDispatch(g, 1, true, in2, ref2));
+  EPD_ASSERT_OK(CheckDispatch(g, 1, Fp8::kOn, in2, ref2));
 
   // ---- combine (seq 3) of the second dispatch (buffer 1): the expert outputs first on the
   // rank's stream, then the wait ----

@@ -5,6 +5,9 @@
 // inputs (NULL handles and arguments, struct_size too small, a wrong dtype, a stale routing
 // handle, an op of a destroyed endpoint, a result of the wrong kind) give the documented
 // code and a message naming the field.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -217,6 +220,14 @@ void RunRankC(epd_client_t* client, int rank, Outputs* out) {
     }
     EXPECT_EQ(ldr.handle.low_latency, 1);
     EXPECT_EQ(ldr.handle.use_fp8, use_fp8);
+    if (use_fp8) {
+      // Token index fastest: [E/R, R*Mll, H/128] with strides {H/128 * R*Mll, 1, R*Mll}.
+      const int64_t rows = kRanks * kMll, S = kHidden / 128;
+      ASSERT_EQ(ldr.recv_scales.ndim, 3);
+      ASSERT_NE(ldr.recv_scales.strides, nullptr);
+      EXPECT_EQ(std::vector<int64_t>(ldr.recv_scales.strides, ldr.recv_scales.strides + 3),
+                (std::vector<int64_t>{S * rows, 1, rows}));
+    }
     if (use_fp8) continue;
     // Combine from the endpoint's own combine input region, filled with recv_x.
     DLTensor region{};
@@ -396,6 +407,164 @@ TEST_F(CApiTest, OpsThroughTheCAbiMatchTheCppApi) {
   EXPECT_C_OK(epd_client_stats(client, &stats));
   EXPECT_STREQ(stats.backend, "host");
   EXPECT_GT(stats.ops_completed, 0u);
+  epd_client_destroy(client);
+}
+
+// ---- FP8 low-latency scales: column-major storage and UE8M0 packing --------------------
+
+constexpr int kUeHidden = 1024, kUeScales = kUeHidden / 128;
+
+/// x [T, H] of rank `rank` for the scale tests: small integers times a power of two that
+/// differs per 128-channel block, so blocks have different amax and exponents (exact bf16).
+float UeX(int rank, int t, int h) {
+  return static_cast<float>((rank * 31 + t * 7 + h) % 17 - 8) *
+         std::ldexp(1.0f, (rank + t + h / 128) % 9 - 4);
+}
+
+/// The round_scale scale of block g of token t of rank `rank`, from its definition:
+/// 2^ceil(log2(max(amax, 1e-4) / 448)).
+float RoundScaleRef(int rank, int t, int g) {
+  float amax = 0.0f;
+  for (int h = g * 128; h < (g + 1) * 128; ++h) amax = std::max(amax, std::fabs(UeX(rank, t, h)));
+  const double s = std::max(static_cast<double>(amax), 1e-4) / 448.0;
+  return static_cast<float>(std::exp2(std::ceil(std::log2(s))));
+}
+
+/// One rank of a 2-rank group with hidden 1024: an FP8 low-latency dispatch with round_scale
+/// and use_ue8m0 (recv_scales int32 [E/R, R*Mll, H/512], token fastest, each byte the biased
+/// exponent of the scale), then one with round_scale only, passed with the first version's
+/// struct_size (use_ue8m0 past it is not read): f32 [E/R, R*Mll, H/128], token fastest.
+void RunUe8m0Rank(epd_client_t* client, int rank) {
+  const int rows = kRanks * kMll, El = kExperts / kRanks;
+  Tensor x(kBf16, {kTokens, kUeHidden});
+  Inputs routing(rank);
+  for (int t = 0; t < kTokens; ++t) {
+    for (int h = 0; h < kUeHidden; ++h) x.as<uint16_t>()[t * kUeHidden + h] = Bf16(UeX(rank, t, h));
+  }
+  epd_join_options_t j = JoinOptions("ue8m0", kRanks, rank);
+  j.hidden = kUeHidden;
+  epd_endpoint_t* ep = nullptr;
+  ASSERT_C_OK(epd_client_join(client, &j, &ep));
+  epd_op_t* packed_op = nullptr;
+  epd_op_t* f32_op = nullptr;
+  ASSERT_C_OK(epd_op_create(&packed_op));
+  ASSERT_C_OK(epd_op_create(&f32_op));
+
+  epd_ll_dispatch_args_t a{};
+  a.struct_size = sizeof(a);
+  a.x = &x.dl;
+  a.topk_idx = &routing.topk_idx.dl;
+  a.use_fp8 = 1;
+  a.round_scale = 1;
+  a.use_ue8m0 = 1;
+  ASSERT_C_OK(epd_low_latency_dispatch(ep, &a, packed_op));
+  epd_ll_dispatch_result_t packed;
+  ASSERT_TRUE(Await(packed_op, epd_op_ll_dispatch_result, &packed));
+  a.struct_size = offsetof(epd_ll_dispatch_args_t, use_ue8m0);  // A first-version caller.
+  ASSERT_C_OK(epd_low_latency_dispatch(ep, &a, f32_op));
+  epd_ll_dispatch_result_t f32;
+  ASSERT_TRUE(Await(f32_op, epd_op_ll_dispatch_result, &f32));
+
+  const DLTensor& ps = packed.recv_scales;
+  ASSERT_EQ(ps.ndim, 3);
+  EXPECT_EQ(ps.dtype.code, kDLInt);
+  EXPECT_EQ(ps.dtype.bits, 32);
+  ASSERT_EQ(std::vector<int64_t>(ps.shape, ps.shape + 3),
+            (std::vector<int64_t>{El, rows, kUeScales / 4}));
+  ASSERT_NE(ps.strides, nullptr);
+  ASSERT_EQ(std::vector<int64_t>(ps.strides, ps.strides + 3),
+            (std::vector<int64_t>{kUeScales / 4 * rows, 1, rows}));
+  const DLTensor& fs = f32.recv_scales;
+  ASSERT_EQ(fs.ndim, 3);
+  EXPECT_EQ(fs.dtype.code, kDLFloat);
+  ASSERT_EQ(std::vector<int64_t>(fs.shape, fs.shape + 3),
+            (std::vector<int64_t>{El, rows, kUeScales}));
+  ASSERT_NE(fs.strides, nullptr);
+  ASSERT_EQ(std::vector<int64_t>(fs.strides, fs.strides + 3),
+            (std::vector<int64_t>{kUeScales * rows, 1, rows}));
+
+  // Every received row against the reference of its source token (recv_src_info), read
+  // through the views' strides.
+  const auto* count = static_cast<const int32_t*>(packed.recv_count.data);
+  const auto* src = static_cast<const int32_t*>(packed.recv_src_info.data);
+  const auto* words = static_cast<const uint32_t*>(ps.data);
+  const auto* scales = static_cast<const float*>(fs.data);
+  int checked = 0;
+  for (int e = 0; e < El; ++e) {
+    ASSERT_EQ(count[e], static_cast<const int32_t*>(f32.recv_count.data)[e]);
+    for (int i = 0; i < count[e]; ++i) {
+      const int s = src[e * rows + i] / kMll, t = src[e * rows + i] % kMll;
+      ASSERT_EQ(static_cast<const int32_t*>(f32.recv_src_info.data)[e * rows + i],
+                src[e * rows + i]);
+      for (int g = 0; g < kUeScales; ++g) {
+        const float want = RoundScaleRef(s, t, g);
+        const uint32_t word =
+            words[e * ps.strides[0] + i * ps.strides[1] + (g / 4) * ps.strides[2]];
+        const int code = static_cast<int>((word >> (8 * (g % 4))) & 0xff);
+        EXPECT_EQ(code, std::ilogb(want) + 127)
+            << "rank " << rank << " expert " << e << " row " << i << " block " << g;
+        EXPECT_EQ(std::ldexp(1.0f, code - 127), want);
+        EXPECT_EQ(scales[e * fs.strides[0] + i * fs.strides[1] + g * fs.strides[2]], want)
+            << "rank " << rank << " expert " << e << " row " << i << " block " << g;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 0);
+  epd_op_destroy(packed_op);
+  epd_op_destroy(f32_op);
+  EXPECT_C_OK(epd_endpoint_leave(ep));
+  epd_endpoint_destroy(ep);
+}
+
+TEST_F(CApiTest, LowLatencyScalesAreColumnMajorAndUe8m0Packed) {
+  epd_client_t* client = Connect();
+  ASSERT_NE(client, nullptr);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) threads.emplace_back([&, r] { RunUe8m0Rank(client, r); });
+  for (auto& t : threads) t.join();
+  epd_client_destroy(client);
+}
+
+// use_ue8m0 without round_scale or use_fp8, or with hidden % 512 != 0, is INVALID_ARGUMENT
+// naming the field; a struct_size before the first version's end is refused.
+TEST_F(CApiTest, Ue8m0NeedsFp8RoundScaleAndHidden512) {
+  epd_client_t* client = Connect();
+  ASSERT_NE(client, nullptr);
+  epd_join_options_t j = JoinOptions("ue8m0_bad", 1, 0);  // hidden 256
+  epd_endpoint_t* ep = nullptr;
+  ASSERT_C_OK(epd_client_join(client, &j, &ep));
+  epd_op_t* op = nullptr;
+  ASSERT_C_OK(epd_op_create(&op));
+  Inputs in(0);
+  epd_ll_dispatch_args_t a{};
+  a.struct_size = sizeof(a);
+  a.x = &in.x.dl;
+  a.topk_idx = &in.topk_idx.dl;
+  a.use_ue8m0 = 1;
+  EXPECT_EQ(epd_low_latency_dispatch(ep, &a, op), EPD_INVALID_ARGUMENT);
+  EXPECT_THAT(epd_last_error(), HasSubstr("use_ue8m0 needs use_fp8"));
+  a.use_fp8 = 1;
+  EXPECT_EQ(epd_low_latency_dispatch(ep, &a, op), EPD_INVALID_ARGUMENT);
+  EXPECT_THAT(epd_last_error(), HasSubstr("use_ue8m0 needs round_scale"));
+  a.round_scale = 1;
+  EXPECT_EQ(epd_low_latency_dispatch(ep, &a, op), EPD_INVALID_ARGUMENT);
+  EXPECT_THAT(epd_last_error(), HasSubstr("use_ue8m0 needs hidden % 512 == 0, hidden = 256"));
+  a.struct_size = offsetof(epd_ll_dispatch_args_t, use_ue8m0) - 8;
+  EXPECT_EQ(epd_low_latency_dispatch(ep, &a, op), EPD_INVALID_ARGUMENT);
+  EXPECT_THAT(epd_last_error(), HasSubstr("epd_ll_dispatch_args_t.struct_size="));
+  // The same op without use_ue8m0 runs: f32 scales, token fastest.
+  a.struct_size = sizeof(a);
+  a.use_ue8m0 = 0;
+  ASSERT_C_OK(epd_low_latency_dispatch(ep, &a, op));
+  epd_ll_dispatch_result_t r;
+  ASSERT_TRUE(Await(op, epd_op_ll_dispatch_result, &r));
+  ASSERT_EQ(r.recv_scales.ndim, 3);
+  ASSERT_NE(r.recv_scales.strides, nullptr);
+  EXPECT_EQ(r.recv_scales.strides[2], kMll);
+  epd_op_destroy(op);
+  EXPECT_C_OK(epd_endpoint_leave(ep));
+  epd_endpoint_destroy(ep);
   epd_client_destroy(client);
 }
 

@@ -25,9 +25,11 @@ import epd_testing as T  # noqa: E402
 def scenario(w, iters):
     import epd
 
-    dev = torch.device("cuda", torch.cuda.current_device())
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     out = {}
-    assert w.ep.info.cuda, w.ep.info
+    assert w.ep.info.cuda == cuda, w.ep.info
     seed = 3
     data = []
     for src in range(T.R):
@@ -82,20 +84,9 @@ def scenario(w, iters):
     cb = w.ep.combine(d.recv_x, d.handle, topk_weights=d.recv_topk_weights)
     assert cb.combined_x.shape == nx.shape
 
-    # Stream-ordered: wait=False on a torch stream, enqueued() views used on that stream.
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        op = w.ep.low_latency_dispatch(xd, idxd, stream=stream, wait=False)
-        rq = op.enqueued()
-        counts = rq.recv_count.clone()
-        op2 = w.ep.low_latency_combine(rq.recv_x, idxd, wtd, rq.handle, stream=stream.cuda_stream, wait=False)
-        rc = op2.enqueued()
-        combined = rc.combined_x.clone()
-    stream.synchronize()
-    op.wait(timeout=30)
-    op2.wait(timeout=30)
-    assert counts.cpu().tolist() == [len(rows) for rows, _ in ref]
-    assert combined.shape == x.shape
+    # Stream-ordered (CUDA only): wait=False on a torch stream, enqueued() views used there.
+    if cuda:
+        stream_ordered(w, xd, idxd, wtd, x, ref)
 
     # The view cache: one object per buffer.
     ids = set()
@@ -110,7 +101,7 @@ def scenario(w, iters):
     for _ in range(50):
         a = w.ep.low_latency_dispatch(xd, idxd)
         w.ep.low_latency_combine(ci, idxd, wtd, a.handle)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         a = w.ep.low_latency_dispatch(xd, idxd)
@@ -122,15 +113,33 @@ def scenario(w, iters):
     return out
 
 
+def stream_ordered(w, xd, idxd, wtd, x, ref):
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        op = w.ep.low_latency_dispatch(xd, idxd, stream=stream, wait=False)
+        rq = op.enqueued()
+        counts = rq.recv_count.clone()
+        op2 = w.ep.low_latency_combine(rq.recv_x, idxd, wtd, rq.handle, stream=stream.cuda_stream, wait=False)
+        rc = op2.enqueued()
+        combined = rc.combined_x.clone()
+    stream.synchronize()
+    op.wait(timeout=30)
+    op2.wait(timeout=30)
+    assert counts.cpu().tolist() == [len(rows) for rows, _ in ref]
+    assert combined.shape == x.shape
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--epd", default=None)
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "host"],
+                    help="host: a dry run of the same checks on CPU tensors (no GPU needed)")
     args = ap.parse_args()
     if args.epd:
         os.environ["EPD_BINARY"] = args.epd
-    if not torch.cuda.is_available():
-        print("cuda_check.py: no CUDA device")
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        print("cuda_check.py: no CUDA device (--backend=host runs the checks on CPU tensors)")
         return 2
     import shutil
     import signal
@@ -142,7 +151,7 @@ def main():
     d = tempfile.mkdtemp(prefix="epd_cuda_")
     sock = os.path.join(d, "epd.sock")
     log = open(os.path.join(d, "epd.log"), "w")
-    proc = subprocess.Popen([T.epd_binary(), "--socket=" + sock, "--backend=cuda", "--op_timeout=20s"],
+    proc = subprocess.Popen([T.epd_binary(), "--socket=" + sock, "--backend=" + args.backend, "--op_timeout=20s"],
                             stdout=log, stderr=subprocess.STDOUT)
     failed = False
     try:
@@ -153,10 +162,11 @@ def main():
                 break
             except epd.UnavailableError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("epd --backend=cuda did not serve:\n" + open(log.name).read())
+                    raise RuntimeError("epd did not serve:\n" + open(log.name).read())
                 time.sleep(0.1)
-        for mode in ("daemon", "client"):
-            world = T.World(sock, "cudacheck_%s_%d" % (mode, os.getpid()), launch_mode=mode, cuda=True)
+        for mode in ("daemon", "client") if args.backend == "cuda" else ("daemon",):
+            world = T.World(sock, "cudacheck_%s_%d" % (mode, os.getpid()), launch_mode=mode,
+                            cuda=args.backend == "cuda")
             try:
                 results = world.run(scenario, args.iters, timeout=600)
                 print("launch_mode=%s: PASSED; per rank: %s" % (mode, results))

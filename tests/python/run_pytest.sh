@@ -47,7 +47,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
   "$python" -m venv --system-site-packages "$venv" || fail "python3 -m venv"
 fi
 
-step "pip install client/python into $venv (against $build/client/libepdclient.so)"
+step "pip install client/python and client/python/deep_ep_dropin into $venv (against $build/client/libepdclient.so)"
 rm -rf "$work/src"
 mkdir -p "$work/src"
 cp -r "$root/client/python/." "$work/src/"
@@ -58,6 +58,11 @@ fi
 EPD_SOURCE_DIR=$root EPD_BUILD_DIR=$build PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
   "$venv/bin/pip" install --no-build-isolation --no-deps --force-reinstall "$work/src" \
   >"$work/pip.log" 2>&1 || { cat "$work/pip.log" >&2; fail "pip install client/python"; }
+# The drop-in `deep_ep` package (re-exports epd.deep_ep) for the deep_ep suites.
+PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+  "$venv/bin/pip" install --no-build-isolation --no-deps --force-reinstall \
+  "$work/src/deep_ep_dropin" >"$work/pip-dropin.log" 2>&1 ||
+  { cat "$work/pip-dropin.log" >&2; fail "pip install client/python/deep_ep_dropin"; }
 installed=$(cd "$work" && "$venv/bin/python" -c "import epd, os; print(os.path.dirname(epd.__file__))") ||
   fail "import epd in $venv"
 [[ "$installed" == "$venv"/* ]] || fail "import epd found $installed, not the venv's"

@@ -141,3 +141,48 @@ def test_pending_op_timeout(client):
             op.wait(timeout=0.05)
         with pytest.raises(epd.InvalidArgumentError, match="timeout"):
             op.wait(timeout=-1)
+
+
+def test_ranks_on_threads(client):
+    """Two ranks of one group driven by two threads of one process: ops wait with the GIL
+    released, so each rank's op completes while the other thread submits its own."""
+    import threading
+
+    import torch
+
+    s = spec("threads", num_ranks=2)
+    eps = [client.join(s, r) for r in range(2)]
+    idx = torch.tensor([[0, 3], [1, 2]], dtype=torch.int64)
+    x = torch.ones((2, 128), dtype=torch.bfloat16)
+    results, errors = {}, []
+
+    def rank_main(r):
+        try:
+            for _ in range(20):
+                d = eps[r].low_latency_dispatch(x * (r + 1), idx)
+                counts = d.recv_count.tolist()
+                eps[r].low_latency_combine(d.recv_x, idx, torch.ones((2, 2)), d.handle)
+            results[r] = counts
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    # Experts 0, 1 on rank 0 and 2, 3 on rank 1; each gets one token from each rank.
+    assert results == {0: [2, 2], 1: [2, 2]}
+    for ep in eps:
+        ep.close()
+
+
+def test_pending_op_of_closed_endpoint(client):
+    import torch
+
+    ep = client.join(spec("pendclosed"), 0)
+    op = ep.get_dispatch_layout(torch.zeros((1, 2), dtype=torch.int64), wait=False)
+    ep.close()
+    with pytest.raises(epd.FailedPreconditionError, match="closed|destroyed"):
+        op.wait(timeout=5)

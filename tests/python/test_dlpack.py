@@ -110,3 +110,32 @@ def test_ll_dispatch_input_region(ep):
     with pytest.raises(epd.InvalidArgumentError, match="kind"):
         ep.low_latency_dispatch_input(kind="cupy")
     ep.low_latency_combine(r.recv_x, idx, torch.ones(3, 2), r.handle)
+
+
+def test_without_torch(daemon):
+    """A process where torch cannot be imported gets numpy arrays (bf16 as uint16 bits),
+    a writable combine input region included."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, time
+sys.modules["torch"] = None  # import torch raises ImportError
+import numpy as np, epd
+c = epd.Client.connect(sys.argv[1])
+ep = c.join(epd.GroupSpec("notorch_%d" % time.monotonic_ns(), 1, 128, 2, 4, 8, 4), 0)
+idx = np.array([[0, 1], [2, 3]], dtype=np.int64)
+x = np.full((2, 128), 0x3F80, dtype=np.uint16)
+r = ep.low_latency_dispatch(x, idx)
+assert isinstance(r.recv_x, np.ndarray) and r.recv_x.dtype == np.uint16, r.recv_x
+assert r.recv_count.tolist() == [1, 1, 1, 1]
+ci = ep.low_latency_combine_input()
+assert ci.dtype == np.uint16 and ci.flags.writeable
+ci[:] = 0x3F80
+out = ep.low_latency_combine(ci, idx, np.full((2, 2), 0.5, dtype=np.float32), r.handle).combined_x
+assert (out == 0x3F80).all(), out  # 0.5 * 1.0 + 0.5 * 1.0
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code, daemon.socket], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr

@@ -534,8 +534,11 @@ class Victim {
       if (fp8) {
         Check(round, op, "recv_x", res.recv_x.as<const e4m3_bits>() + j * rows * H,
               ref.x.data() + j * rows * H, n * H);
-        Check(round, op, "recv_scales", res.recv_scales.as<const float>() + j * rows * S,
-              ref.scales.data() + j * rows * S, n * S);
+        // Scales are stored [El, S, rows] (token fastest): n per block of expert j.
+        for (int g = 0; g < S; ++g) {
+          Check(round, op, "recv_scales", res.recv_scales.as<const float>() + (j * S + g) * rows,
+                ref.scales.data() + (j * S + g) * rows, n);
+        }
       } else {
         Check(round, op, "recv_x", res.recv_x.as<const bf16_bits>() + j * rows * H,
               reinterpret_cast<const bf16_bits*>(ref.x.data()) + j * rows * H, n * H);

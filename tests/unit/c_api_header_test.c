@@ -11,6 +11,14 @@ _Static_assert(sizeof(epd_status_t) == sizeof(int), "epd_status_t is an int-size
 _Static_assert(sizeof(epd_handle_t) == 48, "epd_handle_t is 48 bytes");
 _Static_assert(offsetof(epd_dispatch_args_t, struct_size) == 0, "struct_size comes first");
 _Static_assert(offsetof(epd_ll_dispatch_result_t, struct_size) == 0, "struct_size comes first");
+#if defined(__LP64__)
+/* Fields appended after the first version start where that version's struct ended (its
+ * sizeof, tail padding included), so a first-version struct_size never covers them. */
+_Static_assert(offsetof(epd_ll_dispatch_args_t, use_ue8m0) == 56,
+               "use_ue8m0 starts at the first version's sizeof(epd_ll_dispatch_args_t)");
+_Static_assert(offsetof(epd_program_step_t, use_ue8m0) == 24,
+               "use_ue8m0 starts at the first version's sizeof(epd_program_step_t)");
+#endif
 _Static_assert(EPD_INVALID_ARGUMENT == 3 && EPD_FAILED_PRECONDITION == 9 && EPD_UNAVAILABLE == 14,
                "status codes are absl::StatusCode numbers");
 

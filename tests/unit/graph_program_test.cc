@@ -105,6 +105,37 @@ TEST(DecodeProgramTest, FixedBuffersPerStep) {
   EXPECT_EQ((*p)[0].buffer, 1);
 }
 
+TEST(DecodeProgramTest, Ue8m0StepNeedsFp8RoundScaleAndHidden512) {
+  constexpr auto kUe8m0 = abi::EncodeProgramStep(Op::kLowLatencyDispatch, true, true, true);
+  static_assert((kUe8m0 & abi::kProgramStepUe8m0) != 0);
+  v1::GroupSpec spec = LlSpec("ue8m0");
+  spec.set_hidden(1024);
+  auto p = DecodeProgram(ProgramSlot({kUe8m0, kC}), ShapeOf(spec));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE((*p)[0].use_fp8 && (*p)[0].round_scale && (*p)[0].use_ue8m0);
+  EXPECT_FALSE((*p)[1].use_ue8m0);
+  EXPECT_EQ(ProgramStepName((*p)[0]),
+            "LowLatencyDispatch{use_fp8=true, round_scale=true, use_ue8m0=true}");
+  const struct {
+    uint8_t step;
+    int32_t hidden;
+    const char* text;
+  } bad[] = {
+      {kUe8m0, 256, "step 0: use_ue8m0 needs hidden % 512 == 0, hidden = 256"},
+      {abi::EncodeProgramStep(Op::kLowLatencyDispatch, true, false, true), 1024,
+       "step 0: use_ue8m0 needs round_scale"},
+      {static_cast<uint8_t>(kC | abi::kProgramStepUe8m0), 1024,
+       "step 0 (LowLatencyCombine) has use_fp8/round_scale/use_ue8m0 set"},
+  };
+  for (const auto& b : bad) {
+    spec.set_hidden(b.hidden);
+    p = DecodeProgram(ProgramSlot({b.step, kD}), ShapeOf(spec));
+    ASSERT_FALSE(p.ok()) << b.text;
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(p.status().message(), HasSubstr(b.text));
+  }
+}
+
 TEST(DecodeProgramTest, BadProgramsNameTheStep) {
   const kernels::GroupShape shape = ShapeOf(LlSpec("decode", /*fp8=*/false));
   struct Case {

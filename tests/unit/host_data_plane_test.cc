@@ -30,6 +30,7 @@
 #include "common/os/shm_region.h"
 #include "epd/client.h"
 #include "epd/kernels/host_ops.h"
+#include "epd/kernels/op_rules.h"
 #include "proto/abi/shm_abi.h"
 #include "tests/common/contract_rules.h"
 #include "tests/common/dtypes.h"
@@ -359,6 +360,20 @@ class HostDataPlaneTest : public ::testing::Test {
     group_ = std::move(*g);
     endpoints_.clear();
     for (int r = 0; r < spec.num_ranks(); ++r) endpoints_.push_back(Attach(r));
+  }
+
+  /// Creates the one-rank group `spec` and maps its endpoint as a raw ring (no client
+  /// library); `info` gets the endpoint's EndpointInfo. Null on failure (reported).
+  std::unique_ptr<testing::RawRing> OpenRawRing(const v1::GroupSpec& spec, v1::EndpointInfo* info) {
+    spec_ = spec;
+    auto g = plane_->CreateGroup(spec_);
+    EXPECT_TRUE(g.ok()) << g.status();
+    if (!g.ok()) return nullptr;
+    group_ = std::move(*g);
+    absl::Status st = group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, info);
+    EXPECT_TRUE(st.ok()) << st;
+    if (!st.ok()) return nullptr;
+    return testing::RawRing::Open(*info, *group_);
   }
 
   std::unique_ptr<Endpoint> Attach(int r) {
@@ -1043,13 +1058,8 @@ TEST_F(HostDataPlaneTest, HeaderOffsetsSizesAndTailWrittenByTheClientAreNeverUse
   ASSERT_TRUE(victim.Round().ok());
 
   const int E = 4, H = 128, K = 2, M = 8, T = 6;
-  spec_ = Spec("scribbled-header", 1, E, H, K, M, 0, false);
-  auto g = plane_->CreateGroup(spec_);
-  ASSERT_TRUE(g.ok()) << g.status();
-  group_ = std::move(*g);
   v1::EndpointInfo info;
-  ASSERT_TRUE(group_->AttachRank(0, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
-  auto ring = testing::RawRing::Open(info, *group_);
+  auto ring = OpenRawRing(Spec("scribbled-header", 1, E, H, K, M, 0, false), &info);
   ASSERT_NE(ring, nullptr);
   const kernels::GroupShape shape{1, E, H, K, M, 0, false};
   const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(shape);
@@ -1136,6 +1146,68 @@ TEST_F(HostDataPlaneTest, HeaderOffsetsSizesAndTailWrittenByTheClientAreNeverUse
   for (uint64_t i = 0; i < L.total_bytes; ++i) changed += !owned[i] && data[i] != 0x5A;
   EXPECT_EQ(changed, 0u) << "bytes written outside the op's regions";
   EXPECT_TRUE(victim.Round().ok());
+}
+
+// The daemon's own validation of kFlagUe8m0, on raw slots (a client that skips the client
+// library's check): without use_fp8 or round_scale, or with hidden % 512 != 0, the op fails
+// with INVALID_ARGUMENT naming use_ue8m0; with use_fp8 and round_scale it runs and writes the
+// packed UE8M0 scales (token index fastest) exactly as kernels/host does.
+TEST_F(HostDataPlaneTest, Ue8m0FlagIsValidatedByTheDaemonAndWritesPackedScales) {
+  for (const int H : {384, 1024}) {
+    SCOPED_TRACE(absl::StrCat("hidden ", H));
+    const int E = 4, K = 2, Mll = 8, T = 6;
+    v1::EndpointInfo info;
+    auto ring = OpenRawRing(Spec(absl::StrCat("ue8m0-raw-", H), 1, E, H, K, Mll, Mll, true), &info);
+    ASSERT_NE(ring, nullptr);
+    const kernels::GroupShape shape = rules::ShapeOf(spec_);
+    const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(shape);
+    RankData in;
+    in.Make(T, H, K, E, 77);
+    std::memcpy(ring->data() + L.in_x.offset, in.x.data(), in.x.size() * 2);
+    std::memcpy(ring->data() + L.in_topk_idx.offset, in.idx.data(), in.idx.size() * 8);
+    auto run = [&](uint32_t flags) {
+      const uint64_t seq = ring->Submit(abi::OpKind::kLowLatencyDispatch, flags, T);
+      auto c = ring->Await(seq, std::chrono::seconds(10));
+      EXPECT_TRUE(c.has_value()) << "flags 0x" << std::hex << flags << " never completed";
+      return c.value_or(abi::Completion{});
+    };
+    abi::Completion c = run(abi::kFlagFp8 | abi::kFlagUe8m0);
+    EXPECT_EQ(c.status_code, static_cast<int>(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(c.message, ::testing::HasSubstr("use_ue8m0 needs round_scale"));
+    c = run(abi::kFlagRoundScale | abi::kFlagUe8m0);
+    EXPECT_EQ(c.status_code, static_cast<int>(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(c.message, ::testing::HasSubstr("use_ue8m0 needs use_fp8"));
+    c = run(abi::kFlagFp8 | abi::kFlagRoundScale | abi::kFlagUe8m0);
+    if (H % 512 != 0) {
+      EXPECT_EQ(c.status_code, static_cast<int>(absl::StatusCode::kInvalidArgument));
+      EXPECT_THAT(c.message,
+                  ::testing::HasSubstr("use_ue8m0 needs hidden % 512 == 0, hidden = 384"));
+      continue;
+    }
+    ASSERT_EQ(c.status_code, 0) << c.message;
+    // The reference: kernels/host with the same options.
+    const int64_t El = E, rows = Mll, cols = H / 512;
+    std::vector<uint8_t> recv_x(El * rows * H), scales(El * cols * rows * 4);
+    std::vector<int32_t> count(El), src(El * rows), pos(Mll * K);
+    std::vector<kernels::host::LowLatencyDispatchRankArgs> a(1);
+    a[0] = {T,          in.x.data(), in.idx.data(), recv_x.data(), scales.data(), count.data(),
+            src.data(), pos.data()};
+    ASSERT_TRUE(kernels::host::LowLatencyDispatch(shape, {true, true, true}, a).ok());
+    const uint8_t* got = ring->data() + L.ll_recv_scales[c.buffer].offset;
+    int compared = 0;
+    for (int64_t j = 0; j < El; ++j) {
+      ASSERT_EQ(
+          reinterpret_cast<const int32_t*>(ring->data() + L.ll_recv_count[c.buffer].offset)[j],
+          count[j]);
+      for (int64_t col = 0; col < cols; ++col) {
+        const int64_t at = (j * cols + col) * rows * 4;
+        EXPECT_EQ(0, std::memcmp(got + at, scales.data() + at, size_t(count[j]) * 4))
+            << "expert " << j << " column " << col;
+        compared += count[j];
+      }
+    }
+    EXPECT_GT(compared, 0);
+  }
 }
 
 // A client thread rewriting, in a tight loop during thousands of ops, every array of its

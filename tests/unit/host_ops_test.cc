@@ -59,6 +59,7 @@ struct SweepCase {
   int alignment = 1;
   bool ragged = false;  ///< Ranks get different T, some of them 0.
   bool round_scale = false;
+  bool ue8m0 = false;  ///< Low-latency dispatch: UE8M0-packed scales (fp8, round_scale, H%512).
   int threads = 1;
   int token_slack = 0;  ///< max_tokens_per_rank (and the low-latency M) = T + token_slack.
   uint64_t seed = 1;
@@ -68,7 +69,8 @@ struct SweepCase {
     o << "R" << num_ranks << "_E" << num_experts << "_K" << num_topk << "_H" << hidden << "_T"
       << num_tokens << "_" << RoutingName(routing) << "_mask" << masked_pct
       << (fp8 ? "_fp8" : "_bf16") << "_align" << alignment << (ragged ? "_ragged" : "")
-      << (round_scale ? "_rs" : "") << (token_slack ? "_slack" : "") << "_thr" << threads;
+      << (round_scale ? "_rs" : "") << (ue8m0 ? "_ue8m0" : "") << (token_slack ? "_slack" : "")
+      << "_thr" << threads;
     return o.str();
   }
 };
@@ -584,14 +586,19 @@ void RunLowLatency(const SweepCase& c, const std::vector<RankInput>& in, Exec ho
   const int64_t row_bytes = fp8 ? H : 2 * H;
 
   std::vector<std::unique_ptr<uint8_t[]>> recv_x(R);
-  std::vector<std::unique_ptr<float[]>> recv_scales(R);
+  // Scales are stored token index fastest: f32 [El, S, rows], or UE8M0 int32 [El, S/4, rows].
+  const int64_t scale_cols = c.ue8m0 ? S / 4 : S;
+  std::vector<std::unique_ptr<uint8_t[]>> recv_scales(R);
   std::vector<std::vector<int32_t>> recv_count(R), handle_pos(R);
   std::vector<std::unique_ptr<int32_t[]>> recv_src_info(R);
   std::vector<LowLatencyDispatchRankArgs> args(R);
   for (int r = 0; r < R; ++r) {
     const size_t rows = static_cast<size_t>(El) * rows_per_expert;
     recv_x[r] = Uninit<uint8_t>(rows * row_bytes);
-    if (fp8) recv_scales[r] = Uninit<float>(rows * S);
+    if (fp8) {
+      recv_scales[r] = Uninit<uint8_t>(rows * scale_cols * 4);
+      std::memset(recv_scales[r].get(), kGuardByte, rows * scale_cols * 4);
+    }
     recv_src_info[r] = Uninit<int32_t>(rows);
     // Guard: the first row past each expert's count must stay untouched.
     for (int j = 0; j < El; ++j) {
@@ -616,6 +623,7 @@ void RunLowLatency(const SweepCase& c, const std::vector<RankInput>& in, Exec ho
   LowLatencyDispatchOptions options;
   options.use_fp8 = fp8;
   options.round_scale = c.round_scale;
+  options.use_ue8m0 = c.ue8m0;
   const absl::Status st = LowLatencyDispatch(shape, options, args, exec);
   ASSERT_TRUE(st.ok()) << st;
 
@@ -634,9 +642,28 @@ void RunLowLatency(const SweepCase& c, const std::vector<RankInput>& in, Exec ho
           NaiveQuantize(x, H, c.round_scale, q, q_scales);
           ASSERT_TRUE(SameArray("ll recv_x (e4m3)", q.data(), recv_x[r].get() + row * row_bytes, H))
               << "rank " << r << " expert " << j << " row " << i;
-          ASSERT_TRUE(
-              SameArray("ll recv_scales", q_scales.data(), recv_scales[r].get() + row * S, S))
-              << "rank " << r << " expert " << j << " row " << i;
+          for (int g = 0; g < S; ++g) {
+            // Word (or f32) [j, col, i] of [El, scale_cols, rows_per_expert].
+            const int col = c.ue8m0 ? g / 4 : g;
+            uint32_t word;
+            std::memcpy(
+                &word,
+                recv_scales[r].get() +
+                    ((j * scale_cols + col) * rows_per_expert + static_cast<int64_t>(i)) * 4,
+                4);
+            uint32_t want;
+            std::memcpy(&want, &q_scales[g], 4);
+            if (c.ue8m0) {
+              // The exponent byte of the power-of-two scale, group 4j + b in byte b.
+              ASSERT_EQ(want & 0x807fffffu, 0u) << "round_scale scale not a power of two";
+              ASSERT_EQ((word >> (8 * (g % 4))) & 0xffu, want >> 23)
+                  << "ll recv_scales (ue8m0) rank " << r << " expert " << j << " row " << i
+                  << " block " << g;
+            } else {
+              ASSERT_EQ(word, want) << "ll recv_scales rank " << r << " expert " << j << " row "
+                                    << i << " block " << g;
+            }
+          }
         } else {
           ASSERT_EQ(std::memcmp(recv_x[r].get() + row * row_bytes, x, row_bytes), 0)
               << "ll recv_x rank " << r << " expert " << j << " row " << i;
@@ -651,6 +678,13 @@ void RunLowLatency(const SweepCase& c, const std::vector<RankInput>& in, Exec ho
           ASSERT_EQ(recv_x[r][row * row_bytes + b], kGuardByte) << "row past recv_count written";
         }
         ASSERT_EQ(recv_src_info[r][row], -9);
+        for (int64_t col = 0; fp8 && col < scale_cols; ++col) {
+          for (int b = 0; b < 4; ++b) {
+            ASSERT_EQ(recv_scales[r][((j * scale_cols + col) * rows_per_expert + n) * 4 + b],
+                      kGuardByte)
+                << "scale of a row past recv_count written";
+          }
+        }
       }
     }
     ASSERT_TRUE(SameArray("handle_pos", naive.handle_pos[r].data(), handle_pos[r].data(),
@@ -868,6 +902,8 @@ std::vector<SweepCase> MakeSweep() {
     cases[i].seed = 1000 + i;
     cases[i].threads = 1 + static_cast<int>(i % 4);
     cases[i].round_scale = (i % 3) == 1;
+    cases[i].ue8m0 =
+        cases[i].fp8 && cases[i].round_scale && cases[i].hidden % 512 == 0 && i % 2 == 0;
     cases[i].token_slack = (i % 2) ? 3 : 0;
     if (i + num_edge < cases.size() && i % 5 == 2 && cases[i].num_ranks > 1) cases[i].ragged = true;
   }
@@ -895,6 +931,14 @@ TEST(HostOpsSweepCoverageTest, CoversEveryValueRequiredPairAndEdgeCase) {
         big_hot || (c.routing == Routing::kOneExpert && c.hidden == 7168 && c.num_tokens == 4096);
   }
   EXPECT_TRUE(ragged && all_masked && big_hot);
+  // Both scale formats of the low-latency dispatch with round_scale, at a real group size.
+  bool ue8m0 = false, f32_round = false;
+  for (const SweepCase& c : cases) {
+    const bool real = c.num_ranks > 1 && c.num_tokens > 0 && c.fp8 && c.round_scale;
+    ue8m0 = ue8m0 || (real && c.ue8m0);
+    f32_round = f32_round || (real && !c.ue8m0 && c.hidden % 512 == 0);
+  }
+  EXPECT_TRUE(ue8m0 && f32_round);
   // Pairs left out are infeasible (E % R, K <= E) or over the CI budget (T = 4096 with
   // large H and R); the sweep still has every value of every parameter.
   EXPECT_LT(optional_missed, 60) << cases.size() << " cases";
@@ -1319,6 +1363,22 @@ TEST(HostOpsErrorTest, LowLatencyRejectsBadIdsAndTooManyTokens) {
   GroupShape odd = d.shape;
   odd.hidden = 96;
   EXPECT_EQ(LowLatencyDispatch(odd, fp8, args).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(untouched());
+  // use_ue8m0 needs use_fp8, round_scale and hidden % 512 == 0 (H = 128 here); each refusal
+  // names what is missing and writes nothing.
+  LowLatencyDispatchOptions ue8m0;
+  ue8m0.use_ue8m0 = true;
+  st = LowLatencyDispatch(d.shape, ue8m0, args);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("use_ue8m0 needs use_fp8"));
+  ue8m0.use_fp8 = true;
+  st = LowLatencyDispatch(d.shape, ue8m0, args);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("use_ue8m0 needs round_scale"));
+  ue8m0.round_scale = true;
+  st = LowLatencyDispatch(d.shape, ue8m0, args);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("use_ue8m0 needs hidden % 512 == 0, hidden = 128"));
   EXPECT_TRUE(untouched());
 
   // LowLatencyCombine: a bad id, then a handle row outside [0, R * Mll).

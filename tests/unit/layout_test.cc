@@ -35,6 +35,34 @@ TEST(EndpointLayoutTest, RegionsAreAlignedAndDisjoint) {
   EXPECT_EQ(l.ll_routing.bytes, uint64_t{128} * 8 * 8);  // [Mll, K] of two int32
 }
 
+// The low-latency dispatch's scales are stored token index fastest (DeepEP's layout): f32
+// [El, S, R*Mll]; UE8M0 int32 [El, S/4, R*Mll] with block 4j + i in byte i of word j. Both
+// fit the f32-sized region.
+TEST(EndpointLayoutTest, LowLatencyScalesAreTokenFastest) {
+  GroupShape s;
+  s.num_ranks = 2;
+  s.num_experts = 6;  // El = 3
+  s.hidden = 1024;    // S = 8
+  s.num_topk = 2;
+  s.max_tokens_per_rank = 4;
+  s.ll_max_tokens_per_rank = 5;  // rows = 10
+  s.use_fp8 = true;
+  const int64_t rows = 10, S = 8, El = 3;
+  EXPECT_EQ(LowLatencyScaleOffset(s, false, 0, 0, 0), 0u);
+  EXPECT_EQ(LowLatencyScaleOffset(s, false, 0, 1, 0), 4u);
+  EXPECT_EQ(LowLatencyScaleOffset(s, false, 0, 0, 1), uint64_t(rows * 4));
+  EXPECT_EQ(LowLatencyScaleOffset(s, false, 2, 9, 7), uint64_t(((2 * S + 7) * rows + 9) * 4));
+  EXPECT_EQ(LowLatencyScaleOffset(s, true, 0, 0, 3), 3u);
+  EXPECT_EQ(LowLatencyScaleOffset(s, true, 0, 1, 0), 4u);
+  EXPECT_EQ(LowLatencyScaleOffset(s, true, 0, 0, 4), uint64_t(rows * 4));
+  EXPECT_EQ(LowLatencyScaleOffset(s, true, 2, 9, 6),
+            uint64_t(((2 * (S / 4) + 1) * rows + 9) * 4 + 2));
+  const EndpointLayout l = EndpointLayout::Compute(s);
+  EXPECT_EQ(l.ll_recv_scales[0].bytes, uint64_t(El * S * rows * 4));
+  EXPECT_LT(LowLatencyScaleOffset(s, false, El - 1, rows - 1, S - 1), l.ll_recv_scales[0].bytes);
+  EXPECT_LT(LowLatencyScaleOffset(s, true, El - 1, rows - 1, S - 1), l.ll_recv_scales[0].bytes);
+}
+
 TEST(EndpointLayoutTest, OffsetsAre64Bit) {
   GroupShape s;
   s.num_ranks = 8;

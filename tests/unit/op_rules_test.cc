@@ -103,6 +103,44 @@ TEST(OpRulesTest, RequestShapeLimits) {
               HasSubstr("hidden % 128"));
 }
 
+// use_ue8m0 (DeepEP's packed UE8M0 scales) needs use_fp8, round_scale and hidden % 512 == 0;
+// the flag round-trips, is an option of the low-latency dispatch only and must be agreed.
+TEST(OpRulesTest, Ue8m0Rule) {
+  const kernels::GroupShape h512 = Shape(512), h256 = Shape(256);
+  EXPECT_TRUE(CheckScaleFormat("X", false, false, false, h256).ok());
+  EXPECT_TRUE(CheckScaleFormat("X", true, true, false, h256).ok());
+  EXPECT_TRUE(CheckScaleFormat("X", true, true, true, h512).ok());
+  absl::Status st = CheckScaleFormat("X", false, true, true, h512);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("X: use_ue8m0 needs use_fp8"));
+  st = CheckScaleFormat("X", true, false, true, h512);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("X: use_ue8m0 needs round_scale"));
+  st = CheckScaleFormat("X", true, true, true, h256);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("X: use_ue8m0 needs hidden % 512 == 0, hidden = 256"));
+
+  RequestOptions o;
+  o.use_fp8 = o.round_scale = o.use_ue8m0 = true;
+  EXPECT_TRUE(CheckRequestShape(Op::kLowLatencyDispatch, o, 1, 0, 1, h512, "g").ok());
+  EXPECT_THAT(CheckRequestShape(Op::kLowLatencyDispatch, o, 1, 0, 1, h256, "g").message(),
+              HasSubstr("LowLatencyDispatch: use_ue8m0 needs hidden % 512 == 0"));
+  o.round_scale = false;
+  EXPECT_THAT(CheckRequestShape(Op::kLowLatencyDispatch, o, 1, 0, 1, h512, "g").message(),
+              HasSubstr("LowLatencyDispatch: use_ue8m0 needs round_scale"));
+  o.round_scale = true;
+  o.use_fp8 = false;
+  EXPECT_THAT(CheckRequestShape(Op::kLowLatencyDispatch, o, 1, 0, 1, h512, "g").message(),
+              HasSubstr("LowLatencyDispatch: use_ue8m0 needs use_fp8"));
+
+  EXPECT_TRUE(DecodeFlags(abi::kFlagUe8m0).use_ue8m0);
+  EXPECT_FALSE(DecodeFlags(abi::kFlagFp8 | abi::kFlagRoundScale).use_ue8m0);
+  EXPECT_EQ(EncodeFlags({.use_ue8m0 = true}), abi::kFlagUe8m0);
+  EXPECT_NE(Describe(Op::kLowLatencyDispatch).option_flags & abi::kFlagUe8m0, 0u);
+  EXPECT_EQ(Describe(Op::kDispatch).option_flags & abi::kFlagUe8m0, 0u);
+  EXPECT_NE(kAgreedFlags & abi::kFlagUe8m0, 0u);
+}
+
 // The parity is a function of the op kinds counted, whatever their outcome: d c d c
 // alternates the dispatch buffer (round % 2), and d d keeps two dispatches' buffers apart.
 TEST(OpRulesTest, LowLatencyParityCountsEveryOp) {

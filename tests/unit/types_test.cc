@@ -219,6 +219,23 @@ TEST(Fp8ScaleTest, MatchesDefinitionWithAndWithoutRoundScale) {
   }
 }
 
+// The UE8M0 code of a round_scale scale is e with scale == 2^(e - 127), by the definition
+// (std::ilogb), over the whole range of amax.
+TEST(Fp8ScaleTest, Ue8m0CodeIsTheExponentOfThePowerOfTwoScale) {
+  std::mt19937_64 rng(17);
+  std::uniform_real_distribution<float> exponent(-30.0f, 60.0f);
+  std::vector<float> amaxes = {0.0f, kFp8AmaxFloor, 1.0f, 448.0f, 449.0f, 1e30f};
+  for (int i = 0; i < 100'000; ++i) amaxes.push_back(std::exp2(exponent(rng)));
+  for (float amax : amaxes) {
+    const float scale = Fp8Scale(amax, true);
+    const int e = std::ilogb(scale);
+    ASSERT_EQ(std::ldexp(1.0f, e), scale) << amax;
+    ASSERT_EQ(static_cast<int>(Ue8m0Code(scale)), e + 127) << "amax " << amax;
+  }
+  EXPECT_EQ(Ue8m0Code(1.0f), 127);
+  EXPECT_EQ(Ue8m0Code(0.5f), 126);
+}
+
 TEST(Fp8ScaleTest, QuantizeUsesTrueDivision) {
   // x / scale is correctly rounded f32 division (computed here in double, then rounded:
   // exact for f32 operands); check against the brute-force e4m3 search.

@@ -93,25 +93,33 @@ class TensorShape {
   absl::InlinedVector<int64_t, kInlineDims> dims_;
 };
 
-/// A read-only, compact row-major tensor in an endpoint's buffers. `dl()` points into this
-/// object: keep the view alive while the DLTensor is used. Copies of up to 4 dims allocate
-/// nothing.
+/// A read-only tensor in an endpoint's buffers: compact row-major, or with explicit strides
+/// (the low-latency dispatch's recv_scales, stored token index fastest). `dl()` (shape and
+/// strides) points into this object: keep the view alive while the DLTensor is used.
+/// Copies of up to 4 dims allocate nothing.
 class TensorView {
  public:
   TensorView() = default;
   /// A view of `data` [shape...] of `dtype` on `device`, compact row-major.
   TensorView(void* data, DLDataType dtype, DLDevice device, TensorShape shape);
+  /// A view with `strides` (elements, one per dim of `shape`): element [i0, i1, ...] is at
+  /// data + Σ i_d * strides[d] elements.
+  TensorView(void* data, DLDataType dtype, DLDevice device, TensorShape shape, TensorShape strides);
   TensorView(const TensorView& other);
   TensorView& operator=(const TensorView& other);
 
-  /// The DLPack view (ndim = shape().size(), compact strides).
+  /// The DLPack view (ndim = shape().size(); strides NULL when compact row-major, else
+  /// strides()).
   const DLTensor& dl() const { return tensor_; }
   void* data() const { return tensor_.data; }
   /// The dimensions in elements (see TensorShape), outermost first.
   const TensorShape& shape() const { return shape_; }
+  /// The strides in elements, one per dimension; empty for a compact row-major view.
+  const TensorShape& strides() const { return strides_; }
   /// Number of elements.
   int64_t numel() const;
-  /// Bytes of the element data.
+  /// Bytes of the element data (numel() elements; a strided view's strides permute a
+  /// compact block of this size).
   int64_t nbytes() const;
   template <typename T>
   T* as() const {
@@ -121,6 +129,7 @@ class TensorView {
  private:
   void Rebind();
   TensorShape shape_;
+  TensorShape strides_;
   DLTensor tensor_{};
 };
 
@@ -135,6 +144,7 @@ struct Handle {
   int32_t num_recv_tokens = 0;  ///< N received by this rank (normal mode).
   int32_t buffer = 0;           ///< Low-latency buffer set (0 or 1).
   bool use_fp8 = false;         ///< The dispatch moved FP8 data.
+  bool use_ue8m0 = false;       ///< Low-latency: its scales are UE8M0-packed int32.
 };
 
 // ---- op arguments and results ---------------------------------------------------------
@@ -205,6 +215,10 @@ struct LowLatencyDispatchArgs {
   bool use_fp8 = false;
   /// Power-of-two FP8 scales: 2^ceil(log2(max(amax, 1e-4) / 448)).
   bool round_scale = false;
+  /// DeepEP's use_ue8m0: recv_scales as int32 words of four UE8M0 exponent bytes (scale =
+  /// 2^(byte - 127); block 4j + i in byte i, least significant first). Needs use_fp8,
+  /// round_scale and hidden % 512 == 0 (else INVALID_ARGUMENT naming the field).
+  bool use_ue8m0 = false;
   void* stream = nullptr;  ///< CUDA backend: the op's cudaStream_t.
   /// Client-launched only, optional: [1] int32 on the endpoint's GPU holding T, read at run
   /// time; x and topk_idx then have C >= T rows and the handle's num_tokens is C. A T
@@ -214,8 +228,11 @@ struct LowLatencyDispatchArgs {
 /// Low-latency dispatch outputs. Double-buffered: valid until the low-latency dispatch
 /// after next on this endpoint.
 struct LowLatencyDispatchResult {
-  TensorView recv_x;         ///< [E/R, R*Mll, H] bf16 or e4m3.
-  TensorView recv_scales;    ///< [E/R, R*Mll, H/128] f32 (FP8 only).
+  TensorView recv_x;  ///< [E/R, R*Mll, H] bf16 or e4m3.
+  /// FP8 only, stored token index fastest (DeepEP's / DeepGEMM's layout): shape
+  /// [E/R, R*Mll, H/128] f32 with strides {H/128 * R*Mll, 1, R*Mll}; with use_ue8m0
+  /// [E/R, R*Mll, H/512] int32 with strides {H/512 * R*Mll, 1, R*Mll}.
+  TensorView recv_scales;
   TensorView recv_count;     ///< [E/R] int32.
   TensorView recv_src_info;  ///< [E/R, R*Mll] int32: src_rank*Mll + token.
   Handle handle;
@@ -242,6 +259,8 @@ struct ProgramStep {
   Op op = Op::kLowLatencyDispatch;
   bool use_fp8 = false;      ///< Dispatch: e4m3 out with f32 scales per 128 channels.
   bool round_scale = false;  ///< Dispatch: power-of-two FP8 scales (needs use_fp8).
+  /// Dispatch: UE8M0-packed int32 scales (needs use_fp8, round_scale, hidden % 512 == 0).
+  bool use_ue8m0 = false;
 };
 
 /// Inputs of a program's LowLatencyDispatch step: kDLCUDA memory of the endpoint's GPU,

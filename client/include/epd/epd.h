@@ -210,7 +210,7 @@ typedef struct epd_handle_t {
  *  op, replacing (and invalidating the results of) the op it held: reuse one per in-flight
  *  op to submit without allocating. */
 EPD_API epd_status_t epd_op_create(epd_op_t** out);
-/** Frees the holder and its result views' shape arrays. NULL is a no-op. */
+/** Frees the holder and its result views' shape and strides arrays. NULL is a no-op. */
 EPD_API void epd_op_destroy(epd_op_t* op);
 /** The kind of op held (EPD_OP_NONE for an empty or NULL op). */
 EPD_API epd_op_kind_t epd_op_kind(const epd_op_t* op);
@@ -291,13 +291,20 @@ typedef struct epd_ll_dispatch_args_t {
   int32_t round_scale;                  /**< Nonzero: power-of-two scales (with use_fp8). */
   void* stream;
   const DLTensor* num_tokens; /**< Client-launched: [1] int32 on the GPU holding T; or NULL. */
+  /** Nonzero: recv_scales as int32 words of four UE8M0 exponent bytes (DeepEP's use_ue8m0;
+   *  needs use_fp8, round_scale, hidden % 512 == 0). Added after the first version: a
+   *  struct_size that stops before it reads 0. */
+  int32_t use_ue8m0;
 } epd_ll_dispatch_args_t;
 /** Result of a low-latency dispatch (double-buffered: valid until the low-latency dispatch
  *  after next), also of a program's dispatch step. */
 typedef struct epd_ll_dispatch_result_t {
   size_t struct_size;
-  DLTensor recv_x;        /**< [E/R, R*Mll, H] bf16 or e4m3. */
-  DLTensor recv_scales;   /**< [E/R, R*Mll, H/128] f32 (FP8; else ndim 0). */
+  DLTensor recv_x; /**< [E/R, R*Mll, H] bf16 or e4m3. */
+  /** FP8 only (else ndim 0), stored token index fastest: shape [E/R, R*Mll, H/128] f32 with
+   *  strides {H/128 * R*Mll, 1, R*Mll}; with use_ue8m0 [E/R, R*Mll, H/512] int32 with strides
+   *  {H/512 * R*Mll, 1, R*Mll}. The strides array lives with the shape array. */
+  DLTensor recv_scales;
   DLTensor recv_count;    /**< [E/R] int32. */
   DLTensor recv_src_info; /**< [E/R, R*Mll] int32: src_rank * Mll + token. */
   epd_handle_t handle;
@@ -336,9 +343,9 @@ EPD_API epd_status_t epd_low_latency_combine(epd_endpoint_t* endpoint,
                                              const epd_ll_combine_args_t* args, epd_op_t* op);
 
 /** The result an op holds after a successful epd_op_wait / epd_op_enqueued, into *out. The
- *  DLTensors' data is valid until the point its result type names; their shape arrays live in
- *  the op holder (until it is reused or destroyed). FAILED_PRECONDITION when the op holds no
- *  result or is of another kind (both named). */
+ *  DLTensors' data is valid until the point its result type names; their shape (and strides)
+ *  arrays live in the op holder (until it is reused or destroyed). FAILED_PRECONDITION when the op
+ * holds no result or is of another kind (both named). */
 EPD_API epd_status_t epd_op_layout_result(const epd_op_t* op, epd_layout_result_t* out);
 EPD_API epd_status_t epd_op_dispatch_result(const epd_op_t* op, epd_dispatch_result_t* out);
 EPD_API epd_status_t epd_op_combine_result(const epd_op_t* op, epd_combine_result_t* out);
@@ -353,6 +360,10 @@ typedef struct epd_program_step_t {
   int32_t op;          /**< EPD_OP_LOW_LATENCY_DISPATCH or EPD_OP_LOW_LATENCY_COMBINE. */
   int32_t use_fp8;     /**< Dispatch: e4m3 out. */
   int32_t round_scale; /**< Dispatch: power-of-two scales (needs use_fp8). */
+  int32_t reserved0;   /**< The first version's tail padding; ignored. */
+  /** Dispatch: UE8M0-packed scales (needs use_fp8, round_scale, hidden % 512 == 0). Added
+   *  after the first version (a shorter struct_size reads 0). */
+  int32_t use_ue8m0;
 } epd_program_step_t;
 
 /** Inputs of a program's dispatch step: kDLCUDA, read at run time. */
@@ -378,8 +389,8 @@ typedef struct epd_program_combine_args_t {
 EPD_API epd_status_t epd_register_program(epd_endpoint_t* endpoint, const epd_program_step_t* steps,
                                           size_t num_steps, int64_t timeout_ms);
 /** Enqueue the next program step on args->stream; *out's views are valid for work after it
- *  on the stream until the program's next step into the same buffer; their shape arrays
- *  until the second next call of the same function on the endpoint. */
+ *  on the stream until the program's next step into the same buffer; their shape and strides
+ *  arrays until the second next call of the same function on the endpoint. */
 EPD_API epd_status_t epd_run_program_dispatch(epd_endpoint_t* endpoint,
                                               const epd_program_dispatch_args_t* args,
                                               epd_ll_dispatch_result_t* out);

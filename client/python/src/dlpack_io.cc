@@ -313,7 +313,8 @@ py::object ViewCache::Get(const DLTensor& t, const std::shared_ptr<EndpointCore>
   if (it != entries_.end()) return it->second;
   if (entries_.size() >= kMaxEntries) Clear();
   py::object view = py::cast(DLView(t, owner, numpy_mode));
-  py::object obj = convert.is_none() ? view : py::reinterpret_borrow<py::object>(convert)(view);
+  py::object obj =
+      !convert || convert.is_none() ? view : py::reinterpret_borrow<py::object>(convert)(view);
   entries_.emplace(key, obj);
   Stored& stored = by_object_[obj.ptr()];
   stored.tensor = t;

@@ -239,7 +239,8 @@ struct Inputs {
 
 class Endpoint : public std::enable_shared_from_this<Endpoint> {
  public:
-  Endpoint(std::shared_ptr<EndpointCore> core) : core_(std::move(core)), sync_op_(NewOp()) {}
+  explicit Endpoint(std::shared_ptr<EndpointCore> core)
+      : core_(std::move(core)), sync_op_(NewOp()) {}
 
   EndpointCore& Live(const char* op) const {
     if (core_ == nullptr) {
@@ -302,8 +303,9 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     DLTensor t{};
     Check(combine ? epd_low_latency_combine_input(c.endpoint, &t)
                   : epd_low_latency_dispatch_input(c.endpoint, &t));
-    if (mode < 0 || mode > 2)
+    if (mode < 0 || mode > 2) {
       RaiseStatus(EPD_INVALID_ARGUMENT, std::string(op) + ": mode " + std::to_string(mode));
+    }
     return caches_[mode].Get(t, core_, mode == 0, mode == 2 ? py::none() : converters_[mode]);
   }
 
@@ -329,7 +331,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     a.struct_size = sizeof(a);
     a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
     a.stream = ReadStream(stream, kOp);
-    return Submit(c, in, IsTorch(topk_idx), wait,
+    return Submit(in, IsTorch(topk_idx), wait,
                   [&](epd_op_t* op) { return epd_get_dispatch_layout(c.endpoint, &a, op); });
   }
 
@@ -349,7 +351,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     a.num_sms = num_sms;
     a.cached = ReadHandle(handle, kOp, "handle");
     a.stream = ReadStream(stream, kOp);
-    return Submit(c, in, IsTorch(x), wait,
+    return Submit(in, IsTorch(x), wait,
                   [&](epd_op_t* op) { return epd_dispatch(c.endpoint, &a, op); });
   }
 
@@ -366,7 +368,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     a.topk_weights = in.Read(topk_weights, kOp, "topk_weights");
     a.num_sms = num_sms;
     a.stream = ReadStream(stream, kOp);
-    return Submit(c, in, IsTorch(x), wait,
+    return Submit(in, IsTorch(x), wait,
                   [&](epd_op_t* op) { return epd_combine(c.endpoint, &a, op); });
   }
 
@@ -385,7 +387,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     a.round_scale = round_scale;
     a.num_tokens = in.Read(num_tokens, kOp, "num_tokens");
     a.stream = ReadStream(stream, kOp);
-    return Submit(c, in, IsTorch(x) || IsTorch(topk_idx), wait,
+    return Submit(in, IsTorch(x) || IsTorch(topk_idx), wait,
                   [&](epd_op_t* op) { return epd_low_latency_dispatch(c.endpoint, &a, op); });
   }
 
@@ -404,13 +406,15 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
       RaiseStatus(EPD_INVALID_ARGUMENT, "low_latency_combine: handle is required");
     }
     a.stream = ReadStream(stream, kOp);
-    return Submit(c, in, IsTorch(x) || IsTorch(topk_idx), wait,
+    return Submit(in, IsTorch(x) || IsTorch(topk_idx), wait,
                   [&](epd_op_t* op) { return epd_low_latency_combine(c.endpoint, &a, op); });
   }
 
   /// The result `op` holds (after a successful wait or enqueued), as a result object of
   /// cached views.
   py::object Result(const epd_op_t* op, bool torch_mode) {
+    // A closed endpoint's buffers may be unmapped: its pending ops give no views.
+    Live("the result of an op");
     switch (epd_op_kind(op)) {
       case EPD_OP_GET_DISPATCH_LAYOUT: {
         epd_layout_result_t r{};
@@ -473,12 +477,12 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
   static constexpr size_t kMaxFreeOps = 64;
 
   template <typename SubmitFn>
-  py::object Submit(EndpointCore& c, const Inputs& in, bool torch_mode, bool wait, SubmitFn submit);
+  py::object Submit(const Inputs& in, bool torch_mode, bool wait, SubmitFn submit);
 
   std::shared_ptr<EndpointCore> core_;
   OpHolder sync_op_;
   ViewCache caches_[3];  // [0] numpy mode, [1] torch mode, [2] DLViews
-  py::object converters_[2];
+  py::object converters_[2] = {py::none(), py::none()};
   std::vector<OpHolder> free_ops_;
 };
 
@@ -534,21 +538,26 @@ class PendingOp {
 };
 
 template <typename SubmitFn>
-py::object Endpoint::Submit(EndpointCore& c, const Inputs& in, bool torch_mode, bool wait,
-                            SubmitFn submit) {
-  (void)c;
+py::object Endpoint::Submit(const Inputs& in, bool torch_mode, bool wait, SubmitFn submit) {
+  // The GIL is released while epd works: a submit can block (a client-launched endpoint's
+  // first op waits for its peers to join), and a wait always does; ranks driven by threads
+  // of one process need each other's progress. The arguments are C structs over memory
+  // that `in` keeps alive. epd_last_error() stays this thread's.
+  epd_status_t status;
   if (wait) {
-    Check(submit(sync_op_.get()));
-    epd_status_t status;
     {
       py::gil_scoped_release release;
-      status = epd_op_wait(sync_op_.get(), EPD_TIMEOUT_INFINITE);
+      status = submit(sync_op_.get());
+      if (status == EPD_OK) status = epd_op_wait(sync_op_.get(), EPD_TIMEOUT_INFINITE);
     }
     Check(status);
     return Result(sync_op_.get(), torch_mode);
   }
   OpHolder op = TakeOp();
-  epd_status_t status = submit(op.get());
+  {
+    py::gil_scoped_release release;
+    status = submit(op.get());
+  }
   if (status != EPD_OK) {
     std::string message = epd_last_error();
     ReturnOp(std::move(op));
@@ -657,7 +666,11 @@ PYBIND11_MODULE(_C, m) {
       .def("wait", &PendingOp::Wait, py::arg("timeout") = py::none())
       .def("enqueued", &PendingOp::Enqueued)
       .def_property_readonly("seq", &PendingOp::seq)
-      .def_property_readonly("kind", &PendingOp::kind);
+      .def_property_readonly("kind", &PendingOp::kind, "The epd_op_kind_t of the op (an int).")
+      .def("__repr__", [](const PendingOp& p) {
+        return "epd.PendingOp(kind=" + std::to_string(p.kind()) +
+               ", seq=" + std::to_string(p.seq()) + ")";
+      });
 
   py::class_<Endpoint, std::shared_ptr<Endpoint>>(m, "Endpoint")
       .def("info", &Endpoint::Info)

@@ -326,6 +326,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
       a.buffer = plan.ll_buffer;
       a.use_fp8 = op_flags.use_fp8;
       a.round_scale = op_flags.round_scale;
+      a.use_ue8m0 = op_flags.use_ue8m0;
       a.num_tokens_value = slot.num_tokens;  // By value: no slot write to enqueue.
       a.handoff = handoff;
       EPD_RETURN_IF_ERROR(kc::LowLatencyDispatch(ctx, a, s));

@@ -99,6 +99,7 @@ absl::Status GraphProgram::LaunchStep(const ProgramStepPlan& st, int32_t r, uint
     a.buffer = st.buffer;
     a.use_fp8 = st.use_fp8;
     a.round_scale = st.round_scale;
+    a.use_ue8m0 = st.use_ue8m0;
     a.num_tokens_value = -1;  // T from the rank's token-count slot, staged by the client.
     a.handoff = handoff;
     return kc::LowLatencyDispatch(ctx, a, s);

@@ -369,7 +369,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         a.num_tokens = slots[r].num_tokens;
         a.x = Ptr<const kernels::bf16_bits>(r, L.in_x);
         a.recv_x = Ptr<void>(r, L.ll_recv_x[b]);
-        a.recv_scales = flags.use_fp8 ? Ptr<float>(r, L.ll_recv_scales[b]) : nullptr;
+        a.recv_scales = flags.use_fp8 ? Ptr<void>(r, L.ll_recv_scales[b]) : nullptr;
         a.recv_count = Ptr<int32_t>(r, L.ll_recv_count[b]);
         a.recv_src_info = Ptr<int32_t>(r, L.ll_recv_src_info[b]);
         a.handle_pos = Private(r).ll_handle_pos[b].data();
@@ -380,6 +380,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
       kernels::host::LowLatencyDispatchOptions opt;
       opt.use_fp8 = flags.use_fp8;
       opt.round_scale = flags.round_scale;
+      opt.use_ue8m0 = flags.use_ue8m0;
       absl::Status st;
       {
         KernelScope k(plane_->options().on_kernels);

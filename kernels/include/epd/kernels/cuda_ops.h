@@ -294,7 +294,9 @@ absl::Status SetLowLatencyNumTokensAsync(const CudaRankContext& ctx, int32_t num
 ///                       rows [0, recv_count[j]) of expert j packed, grouped by source
 ///                       rank ascending, token ascending within a source; later rows
 ///                       untouched.
-///   ll_recv_scales[b]   [El, R*Mll, S] f32 when use_fp8: Fp8Scale(amax, round_scale).
+///   ll_recv_scales[b]   when use_fp8, token index fastest (layout.h LowLatencyScaleOffset):
+///                       [El, S, R*Mll] f32 Fp8Scale(amax, round_scale), or with
+///                       use_ue8m0 [El, S/4, R*Mll] int32 of Ue8m0Code bytes.
 ///   ll_recv_count[b]    [El] int32.
 ///   ll_recv_src_info[b] [El, R*Mll] int32: src_rank * Mll + src_token.
 ///   ll_handle_pos[b]    [Mll, K] int32 (source side, rows [0, T)): row of (t, k) in the
@@ -310,6 +312,8 @@ struct LowLatencyDispatchArgs {
   int32_t buffer = 0;        ///< Low-latency buffer set, 0 or 1.
   bool use_fp8 = false;      ///< Quantize to e4m3 (needs shape.use_fp8, H%128==0).
   bool round_scale = false;  ///< Power-of-two FP8 scales (types.h Fp8Scale).
+  /// UE8M0-packed scales (needs use_fp8, round_scale, H % 512 == 0: CheckScaleFormat).
+  bool use_ue8m0 = false;
   /// Device int32 holding T; null = LowLatencyNumTokensSlot(ctx).
   const int32_t* num_tokens = nullptr;
   /// T given by the host (>= 0): passed to the kernel by value, so no write of the

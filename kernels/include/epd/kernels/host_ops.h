@@ -201,15 +201,20 @@ struct LowLatencyDispatchRankArgs {
   const bf16_bits* x = nullptr;       ///< [T, H] bf16.
   const int64_t* topk_idx = nullptr;  ///< [T, K].
   void* recv_x = nullptr;             ///< out [El, R*Mll, H] bf16 or e4m3.
-  float* recv_scales = nullptr;       ///< out [El, R*Mll, S] f32 when fp8.
-  int32_t* recv_count = nullptr;      ///< out [El] int32.
-  int32_t* recv_src_info = nullptr;   ///< out [El, R*Mll] int32: src_rank*Mll + t.
-  int32_t* handle_pos = nullptr;      ///< out [Mll, K] int32: handle (source side).
+  /// out when fp8: the ll_recv_scales layout (layout.h LowLatencyScaleOffset, token index
+  /// fastest): [El, S, R*Mll] f32, or [El, S/4, R*Mll] int32 with use_ue8m0.
+  void* recv_scales = nullptr;
+  int32_t* recv_count = nullptr;     ///< out [El] int32.
+  int32_t* recv_src_info = nullptr;  ///< out [El, R*Mll] int32: src_rank*Mll + t.
+  int32_t* handle_pos = nullptr;     ///< out [Mll, K] int32: handle (source side).
 };
 
 struct LowLatencyDispatchOptions {
   bool use_fp8 = false;      ///< Quantize to e4m3 with one scale per 128 channels.
   bool round_scale = false;  ///< Scales rounded up to powers of two (see Fp8Scale).
+  /// Scales stored as UE8M0 bytes (Ue8m0Code), four blocks per int32; needs use_fp8,
+  /// round_scale and H % 512 == 0 (rules::CheckScaleFormat).
+  bool use_ue8m0 = false;
 };
 
 /// Low-latency dispatch over all ranks. For local expert j of rank r (global expert
@@ -218,7 +223,10 @@ struct LowLatencyDispatchOptions {
 /// written. handle_pos_s[t,k] = the row of token t in expert topk_idx[t,k]'s block at its
 /// rank, or -1 for a masked k (a duplicate expert in a row gets the same row).
 /// FP8: scale per 128 channels = Fp8Scale(amax of the bf16 values, round_scale), value =
-/// QuantizeE4m3(x, scale).
+/// QuantizeE4m3(x, scale); the scale of block g of row i of expert j goes to byte
+/// LowLatencyScaleOffset(shape, use_ue8m0, j, i, g) of recv_scales: the f32, or with
+/// use_ue8m0 its Ue8m0Code byte. INVALID_ARGUMENT for a scale format CheckScaleFormat
+/// refuses.
 absl::Status LowLatencyDispatch(const GroupShape& shape, const LowLatencyDispatchOptions& options,
                                 std::span<LowLatencyDispatchRankArgs> args,
                                 const HostExecution& exec = {});

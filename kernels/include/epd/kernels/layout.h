@@ -43,6 +43,23 @@ struct GroupShape {
   }
 };
 
+/// Byte offset, inside an ll_recv_scales region of `shape`, of the scale of 128-channel
+/// block `block` of row `row` of local expert `local_expert`. f32 scales: element
+/// [local_expert, block, row] of [El, S, R*Mll]. UE8M0 (`ue8m0`): byte block % 4 (least
+/// significant first) of int32 element [local_expert, block / 4, row] of
+/// [El, ceil(S/4), R*Mll]. Both fit the region's El * S * R*Mll * 4 bytes.
+EPD_HD uint64_t LowLatencyScaleOffset(const GroupShape& shape, bool ue8m0, int64_t local_expert,
+                                      int64_t row, int32_t block) {
+  const int64_t rows = shape.ll_rows_per_expert();
+  if (!ue8m0) {
+    return static_cast<uint64_t>(((local_expert * shape.num_scales() + block) * rows + row) * 4);
+  }
+  const int64_t words = (shape.num_scales() + kUe8m0BlocksPerWord - 1) / kUe8m0BlocksPerWord;
+  return static_cast<uint64_t>(((local_expert * words + block / kUe8m0BlocksPerWord) * rows + row) *
+                                   4 +
+                               block % kUe8m0BlocksPerWord);
+}
+
 /// [offset, offset + bytes) inside an endpoint's data area.
 struct Region {
   uint64_t offset = 0;
@@ -92,8 +109,11 @@ struct EndpointLayout {
   Region combined_topk_weights;  ///< [M, K] f32.
 
   // ---- low-latency, per buffer b in {0, 1} ----
-  Region ll_recv_x[kLowLatencyBuffers];         ///< [El, R*Mll, H] bf16 or e4m3.
-  Region ll_recv_scales[kLowLatencyBuffers];    ///< [El, R*Mll, S] f32.
+  Region ll_recv_x[kLowLatencyBuffers];  ///< [El, R*Mll, H] bf16 or e4m3.
+  /// Scales of the FP8 low-latency dispatch, token index fastest (DeepEP's column-major
+  /// storage, what DeepGEMM reads): [El, S, R*Mll] f32, or with use_ue8m0 [El, S/4, R*Mll]
+  /// int32 (4 exponent bytes per word). LowLatencyScaleOffset gives each scale's byte.
+  Region ll_recv_scales[kLowLatencyBuffers];
   Region ll_recv_count[kLowLatencyBuffers];     ///< [El] int32.
   Region ll_recv_src_info[kLowLatencyBuffers];  ///< [El, R*Mll] int32: src_rank*Mll + t.
   Region ll_handle_pos[kLowLatencyBuffers];     ///< [Mll, K] int32: handle, row of

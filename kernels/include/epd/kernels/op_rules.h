@@ -42,12 +42,13 @@ inline bool IsLowLatency(abi::OpKind op) { return Describe(op).low_latency; }
 /// Request flags every rank of an op must agree on (the op fails when they differ).
 inline constexpr uint32_t kAgreedFlags = abi::kFlagFp8 | abi::kFlagCachedHandle |
                                          abi::kFlagCombineWeights | abi::kFlagDispatchWeights |
-                                         abi::kFlagRoundScale;
+                                         abi::kFlagRoundScale | abi::kFlagUe8m0;
 
 /// A request's flags, decoded: what the backends turn into kernel Args.
 struct RequestOptions {
   bool use_fp8 = false;           ///< kFlagFp8: FP8 (e4m3) data.
   bool round_scale = false;       ///< kFlagRoundScale: power-of-two FP8 scales.
+  bool use_ue8m0 = false;         ///< kFlagUe8m0: UE8M0-packed scales (LL dispatch).
   bool cached_handle = false;     ///< kFlagCachedHandle: Dispatch reuses handle_seq's routing.
   bool combine_weights = false;   ///< kFlagCombineWeights: Combine also reduces topk_weights.
   bool dispatch_weights = false;  ///< kFlagDispatchWeights: Dispatch got topk_weights.
@@ -84,6 +85,13 @@ absl::Status CheckFp8(abi::OpKind op, absl::string_view what, const kernels::Gro
 /// CheckFp8(...).ok() without the message.
 bool Fp8Allowed(abi::OpKind op, const kernels::GroupShape& shape);
 
+/// The scale-format rule of a low-latency dispatch (request or program step): use_ue8m0
+/// (DeepEP's packed UE8M0 scales) needs use_fp8, round_scale and hidden % 512 == 0.
+/// INVALID_ARGUMENT "<what>: use_ue8m0 needs use_fp8" / "... needs round_scale" / "... needs
+/// hidden % 512 == 0, hidden = H". OK without use_ue8m0.
+absl::Status CheckScaleFormat(absl::string_view what, bool use_fp8, bool round_scale,
+                              bool use_ue8m0, const kernels::GroupShape& shape);
+
 /// Tokens per rank `op` may carry: ll_max_tokens_per_rank for low-latency ops, else
 /// max_tokens_per_rank.
 int32_t MaxTokens(abi::OpKind op, const kernels::GroupShape& shape);
@@ -91,7 +99,8 @@ int32_t MaxTokens(abi::OpKind op, const kernels::GroupShape& shape);
 /// The shape checks of a request for `op` (a data op): FAILED_PRECONDITION when a
 /// low-latency op meets a group with ll_max_tokens_per_rank == 0; INVALID_ARGUMENT for
 /// num_tokens outside [0, MaxTokens], num_sms < 0, a Dispatch expert_alignment outside
-/// [1, 2^20], FP8 not allowed (CheckFp8). `group` names the group in messages.
+/// [1, 2^20], FP8 not allowed (CheckFp8), a LowLatencyDispatch scale format that breaks
+/// CheckScaleFormat. `group` names the group in messages.
 absl::Status CheckRequestShape(abi::OpKind op, const RequestOptions& options, int32_t num_tokens,
                                int32_t num_sms, int32_t expert_alignment,
                                const kernels::GroupShape& shape, absl::string_view group);
@@ -190,6 +199,7 @@ struct ProgramStepPlan {
   abi::OpKind op = abi::OpKind::kInvalid;
   bool use_fp8 = false;      ///< Dispatch: quantize to e4m3.
   bool round_scale = false;  ///< Dispatch: power-of-two scales.
+  bool use_ue8m0 = false;    ///< Dispatch: UE8M0-packed scales.
   int buffer = 0;            ///< Dispatch: buffer written; combine: its dispatch's buffer.
   int out_buffer = 0;        ///< Combine: ll_combined_x buffer written.
 };
@@ -202,12 +212,14 @@ void AssignProgramBuffers(std::vector<ProgramStepPlan>& steps);
 /// program_steps, shm_abi.h) for a group of `shape`, and plans its buffers.
 /// INVALID_ARGUMENT naming the step for: a count outside [1, kMaxProgramSteps], a step
 /// that is not LowLatencyDispatch/LowLatencyCombine, FP8 without shape.use_fp8 or with
-/// hidden % 128 != 0, round_scale without FP8, a combine with FP8 options, a combine
+/// hidden % 128 != 0, round_scale without FP8, use_ue8m0 against CheckScaleFormat, a
+/// combine with FP8 options, a combine
 /// without any dispatch; FAILED_PRECONDITION when ll_max_tokens_per_rank == 0.
 absl::StatusOr<std::vector<ProgramStepPlan>> PlanProgram(const abi::RequestSlot& slot,
                                                          const kernels::GroupShape& shape);
 
-/// "LowLatencyDispatch{use_fp8=true, round_scale=false}" / "LowLatencyCombine".
+/// "LowLatencyDispatch{use_fp8=true, round_scale=false}" (", use_ue8m0=true" added when set)
+/// / "LowLatencyCombine".
 std::string ProgramStepName(const ProgramStepPlan& step);
 
 // ---- host backend -----------------------------------------------------------------------

@@ -123,6 +123,19 @@ EPD_HD float Fp8Scale(float amax, bool round_scale) {
   return FloatFromBits(u & 0xff800000u);
 }
 
+/// Channels per int32 word of UE8M0-packed scales: four 128-channel blocks (DeepEP's
+/// use_ue8m0, which needs hidden % kUe8m0WordChannels == 0).
+inline constexpr int32_t kUe8m0WordChannels = 512;
+/// Scale blocks per int32 word of UE8M0-packed scales; block 4j + i is byte i (from the
+/// least significant) of word j.
+inline constexpr int32_t kUe8m0BlocksPerWord = 4;
+
+/// The UE8M0 code of a power-of-two scale (Fp8Scale with round_scale): the f32's biased
+/// exponent byte, so the scale is 2^(code - 127).
+EPD_HD uint8_t Ue8m0Code(float scale) {
+  return static_cast<uint8_t>((BitsFromFloat(scale) >> 23) & 0xffu);
+}
+
 /// Quantizes one value with its block's scale. Uses a true division (not a reciprocal
 /// multiply) so host and device round identically.
 EPD_HD e4m3_bits QuantizeE4m3(float x, float scale) { return FloatToE4m3(x / scale); }
