@@ -2,12 +2,17 @@
 # The main job, from a fresh clone (README "Quick start"): installs the Debian packages,
 # builds epd, epctl and the MoE demo in build/, starts epd on a temporary socket with
 # --backend=auto, shows `epctl status`, runs the MoE layer demo (client/examples/
-# moe_layer.cc) with EPD_DEMO_RANKS rank processes, stops epd (also on Ctrl-C or failure)
-# and exits with the demo's status.
+# moe_layer.cc) with EPD_DEMO_RANKS rank processes, then its Python twin: installs the epd
+# Python package and the deep_ep drop-in into a venv (BUILD_DIR/python/venv, Debian's
+# python3 with --system-site-packages for torch; no network) and runs client/examples/
+# moe_layer.py through deep_ep. Stops epd (also on Ctrl-C or failure) and exits non-zero
+# when either demo failed.
 #
 # Environment: EPD_JOIN_SECRET (default: a random one), EPD_BUILD_DIR (build/),
 # EPD_BUILD_TYPE (Release), EPD_JOBS (nproc), EPD_DEMO_RANKS (1, 2, 4, 8, 16 or 32;
-# default 8), EPD_BACKEND (auto|cuda|host), EPD_WITH_CUDA (AUTO|ON|OFF, as tests/run.sh).
+# default 8), EPD_BACKEND (auto|cuda|host), EPD_WITH_CUDA (AUTO|ON|OFF, as tests/run.sh),
+# EPD_PYTHON (the interpreter of the venv; default /usr/bin/python3), EPD_DEMO_PYTHON
+# (1; 0 skips the Python demo).
 # A bad value is refused (exit 2, naming the variable) before anything is installed.
 set -euo pipefail
 
@@ -20,6 +25,9 @@ BACKEND=${EPD_BACKEND:-auto}
 EPD="$BUILD_DIR/daemon/epd"
 EPCTL="$BUILD_DIR/client/epctl"
 DEMO="$BUILD_DIR/client/moe_layer"
+PYTHON=${EPD_PYTHON:-/usr/bin/python3}
+PY_DEMO=${EPD_DEMO_PYTHON:-1}
+VENV="$BUILD_DIR/python/venv"
 
 step() { printf '\n==> %s\n' "$*"; }
 
@@ -46,6 +54,14 @@ case "$BUILD_TYPE" in
   *) usage_error "EPD_BUILD_TYPE=$BUILD_TYPE: must be Release, RelWithDebInfo, Debug or" \
        "MinSizeRel (default Release)" ;;
 esac
+case "$PY_DEMO" in
+  0|1) ;;
+  *) usage_error "EPD_DEMO_PYTHON=$PY_DEMO: must be 1 (run the Python demo) or 0 (default 1)" ;;
+esac
+if [[ "$PY_DEMO" == 1 && ! -x "$PYTHON" ]]; then
+  usage_error "EPD_PYTHON=$PYTHON: not an executable Python interpreter" \
+    "(default /usr/bin/python3, Debian's, which has python3-torch)"
+fi
 if [[ ! "$JOBS" =~ ^[1-9][0-9]*$ ]]; then
   usage_error "EPD_JOBS=$JOBS: must be a positive number of parallel build jobs" \
     "(default: the number of cores)"
@@ -75,6 +91,9 @@ have_demo=0
 if [[ -f "$ROOT/client/examples/moe_layer.cc" ]]; then
   targets+=(moe_layer)
   have_demo=1
+fi
+if [[ "$PY_DEMO" == 1 ]]; then
+  targets+=(epdclient_shared)  # libepdclient.so, which the Python package links
 fi
 step "build ${targets[*]} (ninja -j$JOBS)"
 NINJA_STATUS="[%f/%t %es] " cmake --build "$BUILD_DIR" -j "$JOBS" --target "${targets[@]}"
@@ -155,10 +174,45 @@ status=0
 step "epctl groups after the demo"
 "$EPCTL" --socket="$sock" groups || true
 
-if ((status == 0)); then
-  step "demo passed: the $RANKS-rank MoE layer through epd matches the single-process result"
+# ---- the Python twin: the epd package + deep_ep drop-in in a venv, moe_layer.py ----
+py_status=0
+py_result="skipped (EPD_DEMO_PYTHON=0)"
+backend_now=$("$EPCTL" --socket="$sock" status | sed -n 's/^backend: \([a-z]*\).*/\1/p' || true)
+if [[ "$PY_DEMO" == 1 ]]; then
+  step "Python: venv $VENV ($PYTHON, --system-site-packages)"
+  if [[ ! -x "$VENV/bin/python" ]]; then
+    "$PYTHON" -m venv --system-site-packages "$VENV"
+  fi
+  dropin=()
+  [[ -d "$ROOT/client/python/deep_ep_dropin" ]] && dropin=("$ROOT/client/python/deep_ep_dropin")
+  step "pip install --no-build-isolation client/python ${dropin[*]:+client/python/deep_ep_dropin} (no network)"
+  # setup.py finds libepdclient.so in EPD_BUILD_DIR; the extension keeps an rpath to it.
+  EPD_BUILD_DIR="$BUILD_DIR" PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    "$VENV/bin/pip" install --quiet --no-build-isolation --no-deps --force-reinstall \
+    "$ROOT/client/python" "${dropin[@]}"
+  "$VENV/bin/python" -c 'import epd; print("epd", epd.__version__, "from", epd.__file__)'
+  if [[ "$backend_now" == cuda ]] &&
+     ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    py_result="skipped: epd runs the CUDA backend and this torch has no CUDA"
+    step "Python MoE layer demo $py_result (EPD_BACKEND=host runs it on the CPU)"
+  else
+    step "Python MoE layer demo: $RANKS ranks through deep_ep (client/examples/moe_layer.py)"
+    "$VENV/bin/python" "$ROOT/client/examples/moe_layer.py" --socket="$sock" \
+      --num-ranks="$RANKS" || py_status=$?
+    if ((py_status == 0)); then
+      py_result="passed"
+    else
+      py_result="FAILED (exit status $py_status)"
+    fi
+  fi
+fi
+
+if ((status == 0 && py_status == 0)); then
+  step "demo passed: the $RANKS-rank MoE layer through epd matches the single-process result" \
+    "(C++); Python through deep_ep: $py_result"
 else
-  step "demo FAILED (exit status $status); epd's log:"
+  step "demo FAILED (C++ exit status $status; Python: $py_result); epd's log:"
   sed 's/^/  epd| /' "$tmp/epd.log"
 fi
-exit "$status"
+((status == 0)) || exit "$status"
+exit "$py_status"
