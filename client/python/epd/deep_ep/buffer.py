@@ -10,7 +10,6 @@ Every op runs on torch.cuda.current_stream() (CUDA) or synchronously (epd's host
 CPU tensors). Every rank must issue the same ops in the same order, as with DeepEP.
 """
 
-import collections
 import os
 import secrets
 import socket
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from .. import _core as _epd_core
 from .. import _errors as _epd_errors
 from . import _sizes
+from ._pending import PendingOps
 from ._errors import invalid, precondition, too_small, unsupported
 from .config import Config
 from .event import EventHandle, EventOverlap
@@ -47,6 +47,8 @@ class _Group:
         self.ep = ep
         self.spec = ep.spec
         self.client_launched = ep.info.launch_mode == "client"
+        # Its ops submitted without a CPU wait (CUDA backend), not waited for yet.
+        self.pending = PendingOps(self.client_launched, _LL_CHECK_EVERY)
 
     def bytes_for(self, **changes) -> int:
         s = self.spec
@@ -257,11 +259,6 @@ class Buffer:
         self._generation = 0
         self._topk_seen = 0
         self._zero_x = {}
-        # Low-latency ops not yet waited for (daemon-launched), the latest one
-        # (client-launched), ops so far.
-        self._ll_pending = collections.deque()
-        self._ll_last = None
-        self._ll_ops = 0
 
     # ---- lifetime --------------------------------------------------------------------------
 
@@ -276,14 +273,13 @@ class Buffer:
     def _release(self) -> None:
         """Waits for the low-latency ops not waited for yet, leaves, closes; then raises the
         first error those ops had, if any."""
-        pending = list(self._ll_pending) + ([self._ll_last] if self._ll_last is not None else [])
-        self._ll_pending, self._ll_last = collections.deque(), None
         first_error = None
-        for op in pending:
-            try:
-                op.wait()
-            except _epd_errors.EpdError as e:
-                first_error = first_error or e
+        for g in (self._normal, self._ll):
+            if g is not None:
+                try:
+                    g.pending.drain()
+                except _epd_errors.EpdError as e:
+                    first_error = first_error or e
         if self._cuda:
             torch.cuda.synchronize()
         for g in (self._normal, self._ll):
@@ -710,26 +706,13 @@ class Buffer:
 
     def _ll_submit(self, g: _Group, submit: Callable, hook_wanted: bool):
         """Runs a low-latency op: on CPU waits for it; on CUDA returns its stream-ordered
-        result and a hook that waits for it (errors of ops given no hook are collected every
-        _LL_CHECK_EVERY ops)."""
+        result and a hook that waits for it. Ops not waited through a hook are waited
+        _LL_CHECK_EVERY ops later (their errors raised then) or by destroy (g.pending)."""
         if not self._cuda:
             return submit(True), _no_hook
         pending = submit(False)
-        result = pending.enqueued()
-        if hook_wanted:
-            return result, pending.wait
-        self._ll_ops += 1
-        if g.client_launched:
-            # Device errors stay until read: one wait (a stream sync) reports them all.
-            self._ll_last = pending
-            if self._ll_ops % _LL_CHECK_EVERY == 0:
-                self._ll_last = None
-                pending.wait()
-        else:
-            self._ll_pending.append(pending)
-            while len(self._ll_pending) > _LL_CHECK_EVERY:
-                self._ll_pending.popleft().wait()
-        return result, _no_hook
+        hook = g.pending.add(pending, hook_wanted)  # tracked before anything can raise
+        return pending.enqueued(), hook or _no_hook
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
