@@ -172,3 +172,61 @@ def test_size_model():
     ll = _sizes.endpoint_bytes(num_ranks=8, num_experts=288, hidden=7168, num_topk=8,
                                max_tokens_per_rank=1, ll_max_tokens_per_rank=128, use_fp8=True)
     assert ll <= hint
+
+
+def test_timed_calls_leave_the_prologue_out():
+    """bench_kineto's daemon-launched fallback times fn only: a slow prologue before each
+    call (the L2 flush, sleep and barrier of barrier_comm_profiling) is not counted."""
+    import time
+    from epd.deep_ep.utils import testing
+    calls = []
+    avg = testing._timed_calls(lambda: (calls.append("fn"), time.sleep(0.002)), 5,
+                               lambda: (calls.append("pro"), time.sleep(0.03)),
+                               timer=testing._wall_timer)
+    assert calls == ["pro", "fn"] * 5
+    assert 0.002 <= avg < 0.02, avg
+
+
+def test_bench_kineto_without_matching_kernels(monkeypatch):
+    """No kernel of fn matches (epd daemon-launched: they run in the daemon): each name gets
+    fn's average end-to-end time, [send + recv, 0] with num_kernels_per_period=2; the
+    prologue (here a 30 ms barrier) is outside the timed region. CUDA stood in for by the
+    wall clock and a profiler that records nothing."""
+    import time
+    from epd.deep_ep.utils import testing
+
+    class NoKernels:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                f.write('{"traceEvents": []}')
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.profiler, "profile", lambda **kw: NoKernels())
+    monkeypatch.setattr(testing, "_cuda_timer", testing._wall_timer)
+    barriers = []
+
+    def barrier():
+        barriers.append(1)
+        time.sleep(0.03)
+
+    def fn():
+        time.sleep(0.002)
+
+    one = testing.bench_kineto(fn, "dispatch", num_tests=4, flush_l2=False,
+                               barrier_comm_profiling=True, barrier=barrier)
+    assert 0.002 <= one < 0.02, one
+    both = testing.bench_kineto(fn, ("dispatch", "combine"), num_tests=4, flush_l2=False,
+                                barrier_comm_profiling=True, barrier=barrier,
+                                num_kernels_per_period=2)
+    assert isinstance(both, tuple) and len(both) == 2
+    for send_recv, zero in both:
+        assert 0.002 <= send_recv < 0.02 and zero == 0.0, both
+    assert len(barriers) == 2 * (4 + 4)  # profiled calls, then the timed ones
