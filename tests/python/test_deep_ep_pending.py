@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import epd
+import epd_testing as T
 from epd.deep_ep._pending import RECORD_WINDOW, PendingOps
 
 H, E, K, MLL = 128, 4, 2, 4
@@ -20,8 +21,8 @@ H, E, K, MLL = 128, 4, 2, 4
 def ep(client):
     spec = epd.GroupSpec("pending_%d" % time.monotonic_ns(), num_ranks=1, hidden=H, num_topk=K,
                          num_experts=E, max_tokens_per_rank=4, max_dispatch_tokens_per_rank=MLL)
-    e = client.join(spec, 0)
-    yield e
+    e = client.join(spec, 0, launch_mode=T.LAUNCH_MODE)
+    yield T.OnDevice(e) if T.CUDA else e
     e.close()
 
 
