@@ -258,7 +258,8 @@ class Endpoint:
     Results are zero-copy views of the endpoint's buffers (torch tensors for torch inputs,
     numpy arrays otherwise), valid until the op that overwrites them (docs/CLIENT_API.md
     section 7) and cached: an op returns the same tensor objects as an earlier op whose
-    result lay in the same buffer with the same shape. Do not resize or re-stride them in
+    result lay in the same buffer with the same shape and strides (the C ABI's: low-latency
+    FP8 recv_scales are token-index fastest). Do not resize or re-stride them in
     place. A view keeps the endpoint's memory mapped after close().
     """
 
