@@ -166,7 +166,7 @@ def main():
                 time.sleep(0.1)
         for mode in ("daemon", "client") if args.backend == "cuda" else ("daemon",):
             world = T.World(sock, "cudacheck_%s_%d" % (mode, os.getpid()), launch_mode=mode,
-                            cuda=args.backend == "cuda")
+                            cuda=args.backend == "cuda", on_device=False)
             try:
                 results = world.run(scenario, args.iters, timeout=600)
                 print("launch_mode=%s: PASSED; per rank: %s" % (mode, results))

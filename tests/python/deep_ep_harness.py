@@ -12,23 +12,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import epd_testing
+
 
 # The tensors' device: "cpu" (the host backend, CI) or, with EPD_TEST_DEVICE=cuda, "cuda"
-# against the CUDA daemon already serving on $EPD_SOCKET (the GPU machine).
-DEVICE = os.environ.get("EPD_TEST_DEVICE", "cpu")
+# (epd --backend=cuda, the GPU machine). The Buffers' launch mode is $EPD_LAUNCH_MODE
+# (auto, daemon or client), which the rank processes inherit.
+DEVICE = epd_testing.DEVICE
 
 
 @pytest.fixture(scope="session")
 def epd_socket(request):
-    """The daemon's socket, exported as $EPD_SOCKET for the rank processes' Buffers: the
-    session's host-backend daemon (conftest.py `daemon`), or with EPD_TEST_DEVICE=cuda the
-    running daemon on $EPD_SOCKET."""
+    """The session daemon's socket (conftest.py `daemon`: host backend, or with
+    EPD_TEST_DEVICE=cuda the CUDA one, started or found on $EPD_TEST_SOCKET), exported as
+    $EPD_SOCKET for the rank processes' Buffers."""
     old = os.environ.get("EPD_SOCKET")
-    if DEVICE == "cuda":
-        if not old:
-            pytest.fail("EPD_TEST_DEVICE=cuda needs $EPD_SOCKET of a CUDA epd daemon")
-        yield old
-        return
     os.environ["EPD_SOCKET"] = request.getfixturevalue("daemon").socket
     try:
         yield os.environ["EPD_SOCKET"]

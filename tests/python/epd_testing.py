@@ -1,6 +1,12 @@
 """Shared helpers of the Python suites: a real epd daemon, a World of rank processes that
 run scenario functions in lockstep, deterministic inputs and torch references of every op
-(docs/CLIENT_API.md section 9 and DESIGN.md section 3.3 give the semantics)."""
+(docs/CLIENT_API.md section 9 and DESIGN.md section 3.3 give the semantics).
+
+Environment (tests/python/README.md): EPD_TEST_DEVICE=cuda runs the suites against
+`epd --backend=cuda` (started here, or the daemon on $EPD_TEST_SOCKET) with CUDA tensors:
+the World's ranks then use OnDevice endpoints (inputs moved to the rank's GPU, results read
+back as CPU copies for the references); EPD_LAUNCH_MODE=auto|daemon|client picks the
+World's launch mode (client-launched ranks sharing a GPU need MPS running)."""
 
 import importlib
 import os
@@ -17,6 +23,15 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# "cpu" (epd --backend=host, CI) or "cuda" (epd --backend=cuda, CUDA tensors).
+DEVICE = os.environ.get("EPD_TEST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise RuntimeError("EPD_TEST_DEVICE=%r: expected cpu or cuda" % DEVICE)
+CUDA = DEVICE == "cuda"
+LAUNCH_MODE = os.environ.get("EPD_LAUNCH_MODE", "auto")
+if LAUNCH_MODE not in ("auto", "daemon", "client"):
+    raise RuntimeError("EPD_LAUNCH_MODE=%r: expected auto, daemon or client" % LAUNCH_MODE)
+
 # The spec of the World's group (three ranks, two local experts each, FP8 allowed).
 R, E, K, H, M, MLL = 3, 6, 3, 256, 16, 8
 LOCAL = E // R
@@ -30,9 +45,17 @@ def epd_binary():
 
 
 class Daemon:
-    """A real `epd --backend=host` on a temporary socket (stopped by stop())."""
+    """A real epd on a temporary socket (stopped by stop()): --backend=host, or with
+    EPD_TEST_DEVICE=cuda --backend=cuda; with $EPD_TEST_SOCKET the daemon already serving
+    there (not started, not stopped)."""
 
     def __init__(self, extra_args=()):
+        self.proc = None
+        if os.environ.get("EPD_TEST_SOCKET"):
+            self.socket = os.environ["EPD_TEST_SOCKET"]
+            self.dir = None
+            self._wait_serving()
+            return
         binary = epd_binary()
         if not os.access(binary, os.X_OK):
             raise RuntimeError("epd binary %s not found (build the epd target or set EPD_BINARY)" % binary)
@@ -41,8 +64,9 @@ class Daemon:
         self.log_path = os.path.join(self.dir, "epd.log")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [binary, "--socket=" + self.socket, "--backend=host", "--op_timeout=5s",
-             "--host_threads=1", *extra_args],
+            [binary, "--socket=" + self.socket, "--op_timeout=%ds" % (20 if CUDA else 5),
+             *(["--backend=cuda"] if CUDA else ["--backend=host", "--host_threads=1"]),
+             *extra_args],
             stdout=self._log, stderr=subprocess.STDOUT)
         self._wait_serving()
 
@@ -51,7 +75,7 @@ class Daemon:
 
         deadline = time.monotonic() + 30
         while True:
-            if self.proc.poll() is not None:
+            if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError("epd exited (%s) before serving:\n%s" % (self.proc.returncode, self.log()))
             if os.path.exists(self.socket):
                 try:
@@ -64,10 +88,14 @@ class Daemon:
             time.sleep(0.05)
 
     def log(self):
+        if self.proc is None:
+            return "(the daemon on $EPD_TEST_SOCKET: see its own log)"
         with open(self.log_path) as f:
             return f.read()
 
     def stop(self):
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -86,7 +114,7 @@ class Rank:
     """What a scenario function gets on its rank: the client, the World's endpoint `ep`
     (group spec `spec`), `rank`, and a dict `state` kept across scenarios."""
 
-    def __init__(self, socket, rank, group, launch_mode="auto", cuda=False):
+    def __init__(self, socket, rank, group, launch_mode="auto", cuda=False, on_device=False):
         import epd
 
         if cuda:
@@ -98,7 +126,8 @@ class Rank:
                                   max_tokens_per_rank=M, max_dispatch_tokens_per_rank=MLL,
                                   use_fp8=True)
         self.launch_mode = launch_mode
-        self.ep = self.client.join(self.spec, rank, launch_mode=launch_mode)
+        self.on_device = on_device
+        self.ep = self._join()
         self.base_name = group
         self.state = {}
         self.generation = 0
@@ -108,13 +137,17 @@ class Rank:
         self.ep.close()
         self.generation += 1
         self.spec = self.spec._replace(name="%s_g%d" % (self.base_name, self.generation))
-        self.ep = self.client.join(self.spec, self.rank, launch_mode=self.launch_mode)
+        self.ep = self._join()
+
+    def _join(self):
+        ep = self.client.join(self.spec, self.rank, launch_mode=self.launch_mode)
+        return OnDevice(ep) if self.on_device else ep
 
 
-def _rank_main(socket, rank, group, inbox, outbox, launch_mode, cuda):
+def _rank_main(socket, rank, group, inbox, outbox, launch_mode, cuda, on_device):
     torch.set_num_threads(1)
     try:
-        w = Rank(socket, rank, group, launch_mode, cuda)
+        w = Rank(socket, rank, group, launch_mode, cuda, on_device)
     except BaseException:
         outbox.put((rank, False, traceback.format_exc()))
         return
@@ -144,14 +177,17 @@ def _rank_main(socket, rank, group, inbox, outbox, launch_mode, cuda):
 class World:
     """R rank processes (torch.multiprocessing, spawn), each joined to one group; run(fn)
     calls fn(rank) on every rank at once and returns the per-rank results, raising
-    AssertionError with every failing rank's traceback."""
+    AssertionError with every failing rank's traceback. cuda: the ranks use GPU
+    rank % device count; on_device (default: cuda): their `ep` is an OnDevice endpoint."""
 
-    def __init__(self, socket, group, launch_mode="auto", cuda=False):
+    def __init__(self, socket, group, launch_mode=LAUNCH_MODE, cuda=CUDA, on_device=None):
+        on_device = cuda if on_device is None else on_device
         ctx = torch.multiprocessing.get_context("spawn")
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(R)]
         self.procs = [
-            ctx.Process(target=_rank_main, args=(socket, r, group, self.inboxes[r], self.outbox, launch_mode, cuda),
+            ctx.Process(target=_rank_main, args=(socket, r, group, self.inboxes[r], self.outbox, launch_mode, cuda,
+                                                   on_device),
                         daemon=True)
             for r in range(R)
         ]
@@ -196,6 +232,96 @@ class World:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+# ---- CUDA endpoints -------------------------------------------------------------------
+
+
+def _to_device(value, device):
+    """A CPU torch tensor as a copy on `device` with the same strides (a non-contiguous
+    argument stays non-contiguous); anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        out = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=device)
+        out.copy_(value)
+        return out
+    return value
+
+
+class _OnHostResult:
+    """A result whose GPU tensors read as CPU copies (made once, at the first access);
+    raw(self) is the result itself. Unpacks and indexes as the result."""
+
+    def __init__(self, result):
+        self._raw = result
+        self._host = {}
+
+    def _host_copy(self, key, get):
+        if key not in self._host:
+            value = get()
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                torch.cuda.synchronize(value.device)
+                value = value.cpu()
+            self._host[key] = value
+        return self._host[key]
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self._host_copy(name, lambda: getattr(self._raw, name))
+
+    def __iter__(self):
+        return iter([self[i] for i in range(len(self._raw))])
+
+    def __getitem__(self, i):
+        return self._host_copy(i, lambda: self._raw[i])
+
+    def __len__(self):
+        return len(self._raw)
+
+
+class _OnHostPending:
+    def __init__(self, op):
+        self._raw = op
+
+    def wait(self, timeout=None):
+        return _OnHostResult(self._raw.wait(timeout))
+
+    def enqueued(self):
+        return _OnHostResult(self._raw.enqueued())
+
+    def __getattr__(self, name):
+        return getattr(self._raw, name)
+
+
+class OnDevice:
+    """An epd.Endpoint on the CUDA backend as the suites' scenarios use it: CPU torch tensor
+    arguments are moved to the endpoint's GPU, results read back as CPU copies (raw(r) is
+    epd's result of views). Everything else is the Endpoint's."""
+
+    _OPS = ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch",
+            "low_latency_combine")
+
+    def __init__(self, ep):
+        self._ep = ep
+        self._device = torch.device("cuda", torch.cuda.current_device())
+
+    def __getattr__(self, name):
+        value = getattr(self._ep, name)
+        if name not in self._OPS:
+            return value
+
+        def op(*args, **kwargs):
+            args = [_to_device(a, self._device) for a in args]
+            kwargs = {k: _to_device(v, self._device) for k, v in kwargs.items()}
+            r = value(*args, **kwargs)
+            return _OnHostPending(r) if kwargs.get("wait", True) is False else _OnHostResult(r)
+
+        return op
+
+
+def raw(x):
+    """epd's own object behind an OnDevice result, pending op or endpoint (else x)."""
+    return getattr(x, "_raw", None) or getattr(x, "_ep", None) or x
 
 
 # ---- inputs -----------------------------------------------------------------------------

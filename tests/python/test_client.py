@@ -1,4 +1,5 @@
-"""Client and Endpoint lifecycle through the Python API (one process, host backend):
+"""Client and Endpoint lifecycle through the Python API (one process; host backend, or the
+CUDA one with EPD_TEST_DEVICE=cuda):
 connect (explicit socket, $EPD_SOCKET, no daemon), session_id, stats, list_groups, join
 (errors of each kind), EndpointInfo / spec / rank, leave, close and context managers,
 Client.close leaving its endpoints, the exception hierarchy and its pickling."""
@@ -45,7 +46,7 @@ def test_connect_from_environment(daemon, monkeypatch):
 
 def test_stats_and_list_groups(client):
     summary = client.stats_summary()
-    assert summary["backend"] == "host"
+    assert summary["backend"] == ("cuda" if T.CUDA else "host")
     assert summary["version"] == epd.__version__
     assert summary["num_sessions"] >= 1
     stats = client.stats()
@@ -62,7 +63,7 @@ def test_endpoint_info_spec_rank(client):
     assert ep.rank == 1
     assert ep.spec == s
     assert ep.info.rank == 1 and ep.info.group == s.name
-    assert ep.info.cuda is False and ep.info.gpu_uuid == ""
+    assert ep.info.cuda is T.CUDA and (ep.info.gpu_uuid != "") is T.CUDA
     assert ep.info.launch_mode in ("daemon", "client")
     assert ep.info.op_timeout_ms > 0
     assert "rank=1" in repr(ep)

@@ -39,7 +39,7 @@ def _e4m3_to_float(t: torch.Tensor) -> torch.Tensor:
 def _ue8m0_to_float(words: torch.Tensor) -> torch.Tensor:
     """float32 scales of packed UE8M0 int32 words (byte j of a word: scale 4w + j, value
     2^(byte - 127)), in element order."""
-    b = words.contiguous().view(torch.uint8).to(torch.float64)
+    b = words.contiguous().reshape(-1).view(torch.uint8).to(torch.float64)
     return torch.pow(2.0, b - 127).to(torch.float32)
 
 
@@ -123,7 +123,8 @@ def _ll_body(rank, num_ranks, group):
                         if use_ue8m0:
                             assert scales.dtype == torch.int32
                             assert scales.shape == (local, num_ranks * MLL, H // 512)
-                            assert scales.stride(1) == 1  # column-major last two dims
+                            # DeepEP's layout: column-major last two dims, epd's view as is.
+                            assert scales.stride() == (H // 512 * num_ranks * MLL, 1, num_ranks * MLL)
                             # The same exponents as the float32 power-of-two scales.
                             unpacked = _ue8m0_to_float(scales).view(local, num_ranks * MLL, -1)
                             for i in range(local):
@@ -132,6 +133,7 @@ def _ll_body(rank, num_ranks, group):
                         else:
                             assert scales.dtype == torch.float32
                             assert scales.shape == (local, num_ranks * MLL, H // 128)
+                            assert scales.stride() == (H // 128 * num_ranks * MLL, 1, num_ranks * MLL)
                             if round_scale:
                                 for i in range(local):
                                     s = scales[i, :int(count[i])]
@@ -216,7 +218,7 @@ def _ll_flow_body(rank, num_ranks, group):
     """The op sequence and checks of DeepEP's tests/legacy/test_low_latency.py, CPU-sized
     (bench_kineto, which needs CUDA, left out)."""
     import deep_ep
-    from deep_ep.utils.math import calc_diff, hash_tensor
+    from deep_ep.utils.math import calc_diff, hash_tensor, per_token_cast_back
     from deep_ep.utils.testing import bench
     num_tokens, hidden, num_topk, num_experts = 8, 512, 3, 2 * num_ranks
     buf = deep_ep.Buffer(group, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
@@ -250,8 +252,9 @@ def _ll_flow_body(rank, num_ranks, group):
                                 async_finish=not hook_mode, return_recv_hook=hook_mode)
                             hook() if hook_mode else ev.current_stream_wait()
                         recv = (recv[0], recv[1].contiguous()) if use_fp8 else recv
-                        gemm = (_dequant(recv[0].view(-1, hidden), recv[1].view(-1, hidden // 128))
-                                .view(recv[0].shape).to(torch.bfloat16) if use_fp8 else recv.clone())
+                        # DeepEP's own calls (e4m3 as uint8 bits where torch has no float8).
+                        gemm = (per_token_cast_back(recv[0].view(-1, hidden), recv[1].view(-1, hidden // 128))
+                                .view(recv[0].shape) if use_fp8 else recv.clone())
                         for i in range(local):
                             expert = rank * local + i
                             n = int(count[i])
@@ -261,7 +264,8 @@ def _ll_flow_body(rank, num_ranks, group):
                             assert n == int((all_topk == expert).sum())
                             if n == 0 or cur is not x:
                                 continue
-                            rows = (_dequant(recv[0][i], recv[1][i]) if use_fp8 else recv[i].float())[:n]
+                            rows = (per_token_cast_back(recv[0][i], recv[1][i]).float() if use_fp8
+                                    else recv[i].float())[:n]
                             src = handle[0][i, :n]
                             amin = rows[:, :-128].amin(dim=-1)
                             assert torch.equal(amin, rows[:, :-128].amax(dim=-1))

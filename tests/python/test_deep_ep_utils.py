@@ -77,8 +77,12 @@ def test_per_token_cast_back_scales():
     assert empty.shape == (0, 128) and empty.dtype == torch.bfloat16
 
 
-@pytest.mark.skipif(not HAS_FP8, reason="torch without float8_e4m3fn (FP8 needs torch >= 2.1)")
-def test_per_token_cast_to_fp8_roundtrip():
+def test_per_token_cast_to_fp8():
+    """A round trip on a torch with float8_e4m3fn; TypeError naming float8 without it."""
+    if not HAS_FP8:
+        with pytest.raises(TypeError, match="float8"):
+            dmath.per_token_cast_to_fp8(torch.zeros((2, 128)))
+        return
     x = torch.randn(8, 300, dtype=torch.float32) * 3
     x[1] = 0
     x8, s = dmath.per_token_cast_to_fp8(x.to(torch.bfloat16))
@@ -89,10 +93,62 @@ def test_per_token_cast_to_fp8_roundtrip():
     assert torch.allclose(back, x.to(torch.bfloat16).float(), rtol=0.07, atol=1e-6)
 
 
-@pytest.mark.skipif(HAS_FP8, reason="torch has float8_e4m3fn")
-def test_per_token_cast_to_fp8_needs_float8():
-    with pytest.raises(TypeError, match="float8"):
-        dmath.per_token_cast_to_fp8(torch.zeros((2, 128)))
+
+def _e4m3_bits(values):
+    """e4m3 bits (uint8) of values exactly representable in e4m3 (normal numbers, 0)."""
+    out = []
+    for v in values.flatten().tolist():
+        if v == 0:
+            out.append(0)
+            continue
+        sign = 0x80 if v < 0 else 0
+        e = int(torch.floor(torch.log2(torch.tensor(abs(v)))))
+        man = int(round((abs(v) / 2.0 ** e - 1) * 8))
+        out.append(sign | (e + 7) << 3 | man)
+    return torch.tensor(out, dtype=torch.uint8).view(values.shape)
+
+
+@pytest.mark.parametrize("H", [512, 1024], ids=["one-word-a-row", "two-words-a-row"])
+def test_per_token_cast_back_deep_ep_layouts(H):
+    """The calls DeepEP's test_low_latency.py makes on low-latency results: e4m3 data
+    [L, N, H] (uint8 bits here) with f32 scales [L, N, H/128] or packed UE8M0 int32
+    [L, N, H/512], both column-major (token stride 1) as dispatch returns them, then
+    scales.contiguous(), per_token_cast_back(x.view(-1, H), s.view(-1, H // 128)) and
+    per_token_cast_back(x[i], s[i]). H = 512: one int32 a row, a last dim of size 1
+    whose stride is N (torch counts such a tensor contiguous)."""
+    L, N = 2, 8
+    g = torch.Generator().manual_seed(3)
+    mant = torch.randint(0, 8, (L, N, H), generator=g).float()
+    sign = torch.randint(0, 2, (L, N, H), generator=g).float() * 2 - 1
+    expo = torch.randint(-6, 8, (L, N, H), generator=g).float()
+    values = sign * (1 + mant / 8) * torch.pow(2.0, expo)
+    bits = _e4m3_bits(values)
+    log2s = torch.randint(-20, 10, (L, N, H // 128), generator=g)
+    f32 = torch.pow(2.0, log2s.float())
+    want = (values.view(L, N, H // 128, 128) * f32.unsqueeze(3)).view(L, N, H).to(torch.bfloat16)
+    # Column-major storage [L, S, N], presented as [L, N, S] with strides (S*N, 1, N).
+    def column_major(t):
+        out = torch.empty((L, t.size(2), N), dtype=t.dtype).transpose(1, 2)
+        out.copy_(t)
+        return out
+
+    f32_cm = column_major(f32)
+    exps = (log2s + 127).to(torch.int64).view(L, N, H // 512, 4)
+    words = exps[..., 0] | exps[..., 1] << 8 | exps[..., 2] << 16 | exps[..., 3] << 24
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    ue8m0_cm = column_major(words)
+    assert ue8m0_cm.stride() == (H // 512 * N, 1, N) and f32_cm.stride() == (H // 128 * N, 1, N)
+    for scales in (f32_cm, ue8m0_cm):
+        s = scales.contiguous()
+        whole = dmath.per_token_cast_back(bits.view(-1, H), s.view(-1, H // 128)).view(bits.shape)
+        assert torch.equal(whole, want), scales.dtype
+        for i in range(L):
+            assert torch.equal(dmath.per_token_cast_back(bits[i], s[i]), want[i])
+            # Without contiguous(): the column-major slice itself.
+            assert torch.equal(dmath.per_token_cast_back(bits[i], scales[i]), want[i])
+    if HAS_FP8:
+        assert torch.equal(dmath.per_token_cast_back(bits.view(torch.float8_e4m3fn)[0], f32_cm[0]),
+                           want[0])
 
 
 def test_bench_cpu():
@@ -116,3 +172,61 @@ def test_size_model():
     ll = _sizes.endpoint_bytes(num_ranks=8, num_experts=288, hidden=7168, num_topk=8,
                                max_tokens_per_rank=1, ll_max_tokens_per_rank=128, use_fp8=True)
     assert ll <= hint
+
+
+def test_timed_calls_leave_the_prologue_out():
+    """bench_kineto's daemon-launched fallback times fn only: a slow prologue before each
+    call (the L2 flush, sleep and barrier of barrier_comm_profiling) is not counted."""
+    import time
+    from epd.deep_ep.utils import testing
+    calls = []
+    avg = testing._timed_calls(lambda: (calls.append("fn"), time.sleep(0.002)), 5,
+                               lambda: (calls.append("pro"), time.sleep(0.03)),
+                               timer=testing._wall_timer)
+    assert calls == ["pro", "fn"] * 5
+    assert 0.002 <= avg < 0.02, avg
+
+
+def test_bench_kineto_without_matching_kernels(monkeypatch):
+    """No kernel of fn matches (epd daemon-launched: they run in the daemon): each name gets
+    fn's average end-to-end time, [send + recv, 0] with num_kernels_per_period=2; the
+    prologue (here a 30 ms barrier) is outside the timed region. CUDA stood in for by the
+    wall clock and a profiler that records nothing."""
+    import time
+    from epd.deep_ep.utils import testing
+
+    class NoKernels:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                f.write('{"traceEvents": []}')
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.profiler, "profile", lambda **kw: NoKernels())
+    monkeypatch.setattr(testing, "_cuda_timer", testing._wall_timer)
+    barriers = []
+
+    def barrier():
+        barriers.append(1)
+        time.sleep(0.03)
+
+    def fn():
+        time.sleep(0.002)
+
+    one = testing.bench_kineto(fn, "dispatch", num_tests=4, flush_l2=False,
+                               barrier_comm_profiling=True, barrier=barrier)
+    assert 0.002 <= one < 0.02, one
+    both = testing.bench_kineto(fn, ("dispatch", "combine"), num_tests=4, flush_l2=False,
+                                barrier_comm_profiling=True, barrier=barrier,
+                                num_kernels_per_period=2)
+    assert isinstance(both, tuple) and len(both) == 2
+    for send_recv, zero in both:
+        assert 0.002 <= send_recv < 0.02 and zero == 0.0, both
+    assert len(barriers) == 2 * (4 + 4)  # profiled calls, then the timed ones

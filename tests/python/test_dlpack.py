@@ -13,6 +13,9 @@ import torch.utils.dlpack
 
 import epd
 
+pytestmark = pytest.mark.host_only(
+    reason="views of host memory (numpy arrays, __array_interface__, DLView on kDLCPU)")
+
 
 def one_rank_spec(name, **kw):
     fields = dict(num_ranks=1, hidden=128, num_topk=2, num_experts=4, max_tokens_per_rank=8,

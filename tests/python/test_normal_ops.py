@@ -117,7 +117,7 @@ def _async(w, seed):
     data = inputs(seed)
     x, idx, wt = data[w.rank]
     layout = w.ep.get_dispatch_layout(idx, wait=False)
-    assert isinstance(layout, w.epd.PendingOp) and layout.seq > 0
+    assert isinstance(T.raw(layout), w.epd.PendingOp) and layout.seq > 0
     ref = T.ref_layout(idx)
     assert torch.equal(layout.wait(timeout=10).num_tokens_per_rank, ref[0])
     op = w.ep.dispatch(x, topk_idx=idx, topk_weights=wt, wait=False)

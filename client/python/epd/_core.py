@@ -7,7 +7,7 @@ import sys
 import weakref
 
 from . import _C
-from ._errors import ERROR_TYPES, InvalidArgumentError, UnimplementedError
+from ._errors import ERROR_TYPES, InvalidArgumentError
 
 _C._set_error_types(list(ERROR_TYPES))
 
@@ -258,7 +258,8 @@ class Endpoint:
     Results are zero-copy views of the endpoint's buffers (torch tensors for torch inputs,
     numpy arrays otherwise), valid until the op that overwrites them (docs/CLIENT_API.md
     section 7) and cached: an op returns the same tensor objects as an earlier op whose
-    result lay in the same buffer with the same shape. Do not resize or re-stride them in
+    result lay in the same buffer with the same shape and strides (the C ABI's: low-latency
+    FP8 recv_scales are token-index fastest). Do not resize or re-stride them in
     place. A view keeps the endpoint's memory mapped after close().
     """
 
@@ -360,18 +361,18 @@ class Endpoint:
                              max_dispatch_tokens_per_rank=0):
         """Low-latency dispatch of x [T, H] bfloat16 (T <= Mll) routed by topk_idx [T, K]
         int64 into [E/R, R*Mll, H]. use_fp8: float8_e4m3fn out with float32 scales per 128
-        channels; round_scale: power-of-two scales. num_tokens: [1] int32 device tensor
-        holding T (client-launched mode). max_dispatch_tokens_per_rank: 0 or the spec's Mll.
+        channels, recv_scales [E/R, R*Mll, H/128] with strides (H/128*R*Mll, 1, R*Mll)
+        (token index fastest, DeepEP's layout); round_scale: power-of-two scales;
+        use_ue8m0 (needs both, and H % 512 == 0): recv_scales packed UE8M0 int32
+        [E/R, R*Mll, H/512] (four exponent bytes per word, block 4j + i in byte i), strides
+        (H/512*R*Mll, 1, R*Mll). num_tokens: [1] int32 device tensor holding T
+        (client-launched mode). max_dispatch_tokens_per_rank: 0 or the spec's Mll.
         Returns a LowLatencyDispatchResult (recv_x, recv_scales, recv_count, recv_src_info,
         handle), valid until the low-latency dispatch after next; wait=False: a PendingOp.
-        use_ue8m0 raises UnimplementedError."""
-        if use_ue8m0:
-            raise UnimplementedError(
-                12, "UNIMPLEMENTED",
-                "low_latency_dispatch: use_ue8m0=True (packed UE8M0 scales) is not supported; "
-                "use round_scale=True for power-of-two float32 scales")
+        InvalidArgumentError names use_ue8m0 when it lacks use_fp8, round_scale or
+        H % 512 == 0."""
         return self._ll_dispatch(x, topk_idx, max_dispatch_tokens_per_rank, use_fp8,
-                                 round_scale, num_tokens, stream, wait)
+                                 round_scale, use_ue8m0, num_tokens, stream, wait)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, stream=None, wait=True):
         """Low-latency combine of x [E/R, R*Mll, H] bfloat16 (pass

@@ -197,12 +197,21 @@ std::string DtypeName(DLDataType t) {
   return base + std::to_string(t.bits);
 }
 
+void EffectiveStrides(const DLTensor& t, int64_t* strides) {
+  int64_t stride = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    strides[i] = t.strides != nullptr ? t.strides[i] : stride;
+    stride *= t.shape[i];
+  }
+}
+
 DLView::DLView(const DLTensor& t, std::shared_ptr<EndpointCore> owner, bool numpy_mode)
-    : tensor_(t), export_dtype_(t.dtype), owner_(std::move(owner)) {
+    : tensor_(t), export_dtype_(t.dtype), strided_(t.strides != nullptr), owner_(std::move(owner)) {
   if (t.ndim < 0 || t.ndim > kMaxDims) {
     RaiseStatus(EPD_INTERNAL, "a view with " + std::to_string(t.ndim) + " dimensions");
   }
   for (int i = 0; i < t.ndim; ++i) shape_[i] = t.shape[i];
+  EffectiveStrides(t, strides_);
   tensor_.shape = nullptr;
   tensor_.strides = nullptr;
   if (Same(t.dtype, kE4m3)) export_dtype_ = kU8;
@@ -212,6 +221,7 @@ DLView::DLView(const DLTensor& t, std::shared_ptr<EndpointCore> owner, bool nump
 DLTensor DLView::tensor() const {
   DLTensor t = tensor_;
   t.shape = const_cast<int64_t*>(shape_);
+  t.strides = strided_ ? const_cast<int64_t*>(strides_) : nullptr;
   return t;
 }
 
@@ -221,11 +231,9 @@ py::object DLView::Dlpack(py::args, py::kwargs) const {
   DLTensor& t = ctx->managed.dl_tensor;
   t = tensor_;
   t.dtype = export_dtype_;
-  int64_t stride = 1;
-  for (int i = tensor_.ndim - 1; i >= 0; --i) {
+  for (int i = 0; i < tensor_.ndim; ++i) {
     ctx->shape[i] = shape_[i];
-    ctx->strides[i] = stride;
-    stride *= shape_[i];
+    ctx->strides[i] = strides_[i];
   }
   t.shape = ctx->shape;
   t.strides = ctx->strides;
@@ -245,6 +253,12 @@ py::tuple DLView::Shape() const {
   py::tuple shape(tensor_.ndim);
   for (int i = 0; i < tensor_.ndim; ++i) shape[i] = py::int_(shape_[i]);
   return shape;
+}
+
+py::tuple DLView::Strides() const {
+  py::tuple strides(tensor_.ndim);
+  for (int i = 0; i < tensor_.ndim; ++i) strides[i] = py::int_(strides_[i]);
+  return strides;
 }
 
 std::string DLView::DtypeName() const { return epd_py::DtypeName(tensor_.dtype); }
@@ -269,6 +283,15 @@ py::dict DLView::ArrayInterface() const {
   d["shape"] = Shape();
   d["typestr"] = std::string("<") + kind + std::to_string(export_dtype_.bits / 8);
   d["data"] = py::make_tuple(DataPtr(), false);
+  if (strided_) {  // numpy's strides are in bytes; None means compact
+    py::tuple strides(tensor_.ndim);
+    for (int i = 0; i < tensor_.ndim; ++i) {
+      strides[i] = py::int_(strides_[i] * static_cast<int64_t>(export_dtype_.bits / 8));
+    }
+    d["strides"] = strides;
+  } else {
+    d["strides"] = py::none();
+  }
   d["version"] = 3;
   return d;
 }
@@ -277,6 +300,11 @@ std::string DLView::Repr() const {
   std::string s = "epd.DLView(shape=(";
   for (int i = 0; i < tensor_.ndim; ++i) s += (i ? ", " : "") + std::to_string(shape_[i]);
   if (tensor_.ndim == 1) s += ",";
+  if (strided_) {
+    s += "), strides=(";
+    for (int i = 0; i < tensor_.ndim; ++i) s += (i ? ", " : "") + std::to_string(strides_[i]);
+    if (tensor_.ndim == 1) s += ",";
+  }
   return s + "), dtype=" + DtypeName() + ", device=" + std::to_string(tensor_.device.device_type) +
          ":" + std::to_string(tensor_.device.device_id) + ")";
 }
@@ -284,14 +312,17 @@ std::string DLView::Repr() const {
 bool ViewCache::Key::operator==(const Key& o) const {
   if (data != o.data || dtype != o.dtype || ndim != o.ndim) return false;
   for (int i = 0; i < ndim; ++i) {
-    if (shape[i] != o.shape[i]) return false;
+    if (shape[i] != o.shape[i] || strides[i] != o.strides[i]) return false;
   }
   return true;
 }
 
 size_t ViewCache::KeyHash::operator()(const Key& k) const {
   uint64_t h = k.data * 0x9E3779B97F4A7C15ull ^ (k.dtype + 0x632BE59BD9B4E019ull * k.ndim);
-  for (int i = 0; i < k.ndim; ++i) h = (h ^ static_cast<uint64_t>(k.shape[i])) * 0x100000001B3ull;
+  for (int i = 0; i < k.ndim; ++i) {
+    h = (h ^ static_cast<uint64_t>(k.shape[i])) * 0x100000001B3ull;
+    h = (h ^ static_cast<uint64_t>(k.strides[i])) * 0x100000001B3ull;
+  }
   return static_cast<size_t>(h);
 }
 
@@ -309,6 +340,7 @@ py::object ViewCache::Get(const DLTensor& t, const std::shared_ptr<EndpointCore>
               static_cast<uint64_t>(t.device.device_id) << 48;
   key.ndim = t.ndim;
   for (int i = 0; i < t.ndim; ++i) key.shape[i] = t.shape[i];
+  EffectiveStrides(t, key.strides);
   auto it = entries_.find(key);
   if (it != entries_.end()) return it->second;
   if (entries_.size() >= kMaxEntries) Clear();
@@ -321,6 +353,8 @@ py::object ViewCache::Get(const DLTensor& t, const std::shared_ptr<EndpointCore>
   stored.tensor.shape = nullptr;
   stored.tensor.strides = nullptr;
   for (int i = 0; i < t.ndim; ++i) stored.shape[i] = t.shape[i];
+  for (int i = 0; i < t.ndim; ++i) stored.strides[i] = key.strides[i];
+  stored.strided = t.strides != nullptr;
   return obj;
 }
 
@@ -330,14 +364,56 @@ bool ViewCache::Find(py::handle obj, TensorArg& out) const {
   if (it == by_object_.end()) return false;
   const Stored& stored = it->second;
   out.tensor = stored.tensor;
-  for (int i = 0; i < out.tensor.ndim; ++i) out.shape[i] = stored.shape[i];
+  for (int i = 0; i < out.tensor.ndim; ++i) {
+    out.shape[i] = stored.shape[i];
+    out.strides[i] = stored.strides[i];
+  }
   out.tensor.shape = out.shape;
+  out.tensor.strides = stored.strided ? out.strides : nullptr;
   out.keep = py::reinterpret_borrow<py::object>(obj);
   out.present = true;
   return true;
 }
 
+namespace {
+
+// A ViewCache of its own over caller tensors, for the suites: what Get returns for a
+// tensor, and what Find gives back for an object it returned.
+class ViewCacheProbe {
+ public:
+  py::object Get(py::handle tensor) {
+    TensorArg arg;
+    const DLTensor* t = ReadTensor(tensor, "_ViewCacheProbe.get", "tensor", arg);
+    if (t == nullptr) RaiseStatus(EPD_INVALID_ARGUMENT, "_ViewCacheProbe.get: None");
+    return cache_.Get(*t, nullptr, false, py::none());
+  }
+  /// (shape, strides or None) of the DLTensor an op would read for `obj`; None if not cached.
+  py::object Find(py::handle obj) const {
+    TensorArg arg;
+    if (!cache_.Find(obj, arg)) return py::none();
+    py::tuple shape(arg.tensor.ndim);
+    py::tuple strides(arg.tensor.ndim);
+    for (int i = 0; i < arg.tensor.ndim; ++i) {
+      shape[i] = py::int_(arg.tensor.shape[i]);
+      if (arg.tensor.strides != nullptr) strides[i] = py::int_(arg.tensor.strides[i]);
+    }
+    return py::make_tuple(shape, arg.tensor.strides != nullptr ? py::object(strides) : py::none());
+  }
+  size_t size() const { return cache_.size(); }
+
+ private:
+  ViewCache cache_;
+};
+
+}  // namespace
+
 void BindDlpack(py::module_& m) {
+  py::class_<ViewCacheProbe>(m, "_ViewCacheProbe",
+                             "Test hook: a view cache over caller tensors (memory they own).")
+      .def(py::init<>())
+      .def("get", &ViewCacheProbe::Get)
+      .def("find", &ViewCacheProbe::Find)
+      .def("size", &ViewCacheProbe::size);
   py::class_<DLView>(m, "DLView",
                      "A zero-copy view of an epd buffer. torch.from_dlpack(view) and "
                      "numpy.from_dlpack(view) give tensors over the same memory; the memory "
@@ -347,6 +423,8 @@ void BindDlpack(py::module_& m) {
            "A legacy 'dltensor' capsule over the view (arguments accepted and ignored).")
       .def("__dlpack_device__", &DLView::DlpackDevice, "(device_type, device_id)")
       .def_property_readonly("shape", &DLView::Shape)
+      .def_property_readonly("strides", &DLView::Strides,
+                             "Strides in elements, as the C ABI gave them (compact when none).")
       .def_property_readonly("dtype", &DLView::DtypeName, "epd's dtype name, e.g. 'bfloat16'")
       .def_property_readonly("data_ptr", &DLView::DataPtr, "Address of the first element.")
       .def_property_readonly("__array_interface__", &DLView::ArrayInterface,

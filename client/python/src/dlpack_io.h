@@ -59,7 +59,8 @@ enum class Relabel {
 struct TensorArg {
   py::object keep;  ///< The capsule (or view) that owns `tensor`'s memory.
   DLTensor tensor{};
-  int64_t shape[4] = {};  ///< tensor.shape when it was read from a ViewCache entry.
+  int64_t shape[4] = {};    ///< tensor.shape when it was read from a ViewCache entry.
+  int64_t strides[4] = {};  ///< tensor.strides when it was read from a strided entry.
   bool present = false;
 };
 
@@ -77,10 +78,11 @@ bool IsTorch(py::handle obj);
 /// an int `cuda_stream` attribute (torch.cuda.Stream).
 void* ReadStream(py::handle obj, const char* op);
 
-/// A zero-copy view of one of epd's buffers. __dlpack__ (any arguments, ignored) returns a
-/// legacy "dltensor" capsule over the same memory whose deleter keeps `owner` alive;
-/// float8_e4m3fn exports as uint8, and bfloat16 as uint16 in numpy mode (numpy has
-/// neither type).
+/// A zero-copy view of one of epd's buffers, with the shape and strides (elements) the C
+/// ABI gave it, copied into the object (NULL strides: compact row-major). __dlpack__ (any
+/// arguments, ignored) returns a legacy "dltensor" capsule over the same memory and strides
+/// whose deleter keeps `owner` alive; float8_e4m3fn exports as uint8, and bfloat16 as
+/// uint16 in numpy mode (numpy has neither type).
 class DLView {
  public:
   static constexpr int kMaxDims = 4;
@@ -89,27 +91,34 @@ class DLView {
   py::object Dlpack(py::args args, py::kwargs kwargs) const;
   py::tuple DlpackDevice() const;
   py::tuple Shape() const;
+  /// The strides in elements (compact row-major ones when the C ABI gave none).
+  py::tuple Strides() const;
   std::string DtypeName() const;
   uintptr_t DataPtr() const;
-  /// The view as a DLTensor whose shape array lives in this object.
+  /// The view as a DLTensor whose shape (and strides, when it has any) live in this object.
   DLTensor tensor() const;
   std::string Repr() const;
   /// numpy's __array_interface__ (host memory; AttributeError otherwise).
   py::dict ArrayInterface() const;
 
  private:
-  DLTensor tensor_{};
+  DLTensor tensor_{};  // shape and strides = nullptr: they are in shape_ and strides_
   DLDataType export_dtype_{};
   int64_t shape_[kMaxDims] = {};
+  int64_t strides_[kMaxDims] = {};  // always filled: the C ABI's, else the compact ones
+  bool strided_ = false;            // the C ABI gave strides
   std::shared_ptr<EndpointCore> owner_;
 };
+
+/// The strides of `t` in elements: its own, or compact row-major ones when it has none.
+void EffectiveStrides(const DLTensor& t, int64_t* strides);
 
 /// The name epd gives a DLPack dtype ("bfloat16", "float8_e4m3fn", "int32", ...).
 std::string DtypeName(DLDataType t);
 
 /// The framework tensors made from an endpoint's views, keyed by (data pointer, shape,
-/// dtype): the same buffer returns the same object, so steady low-latency ops create no
-/// tensor objects. Bounded: cleared when it grows past kMaxEntries (normal-mode results
+/// strides, dtype): the same buffer returns the same object, so steady low-latency ops
+/// create no tensor objects. Bounded: cleared when it grows past kMaxEntries (normal-mode results
 /// change shape with every N).
 class ViewCache {
  public:
@@ -132,6 +141,7 @@ class ViewCache {
     uint64_t dtype;
     int32_t ndim;
     int64_t shape[DLView::kMaxDims];
+    int64_t strides[DLView::kMaxDims];  // effective strides (compact when none were given)
     bool operator==(const Key& o) const;
   };
   struct KeyHash {
@@ -139,8 +149,10 @@ class ViewCache {
   };
   std::unordered_map<Key, py::object, KeyHash> entries_;
   struct Stored {
-    DLTensor tensor;  // shape = nullptr: the dimensions are in `shape`
+    DLTensor tensor;  // shape, strides = nullptr: they are in `shape` and `strides`
     int64_t shape[DLView::kMaxDims];
+    int64_t strides[DLView::kMaxDims];
+    bool strided;  // the view had strides of its own
   };
   std::unordered_map<PyObject*, Stored> by_object_;  // the entries' objects (held by entries_)
 };

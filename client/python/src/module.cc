@@ -63,7 +63,10 @@ PyStructSequence_Field kCombineFields[] = {
     {nullptr, nullptr}};
 PyStructSequence_Field kLlDispatchFields[] = {
     {"recv_x", "[E/R, R*Mll, H] bfloat16 or float8_e4m3fn."},
-    {"recv_scales", "[E/R, R*Mll, H/128] float32 with use_fp8; else None."},
+    {"recv_scales",
+     "use_fp8: [E/R, R*Mll, H/128] float32, strides (H/128*R*Mll, 1, R*Mll) (token index "
+     "fastest); use_ue8m0: [E/R, R*Mll, H/512] int32 packed UE8M0, strides (H/512*R*Mll, 1, "
+     "R*Mll); else None."},
     {"recv_count", "[E/R] int32."},
     {"recv_src_info", "[E/R, R*Mll] int32: src_rank * Mll + token."},
     {"handle", "epd.Handle for the matching low-latency combine."},
@@ -373,8 +376,8 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
   }
 
   py::object LowLatencyDispatch(py::handle x, py::handle topk_idx, int max_dispatch_tokens,
-                                bool use_fp8, bool round_scale, py::handle num_tokens,
-                                py::handle stream, bool wait) {
+                                bool use_fp8, bool round_scale, bool use_ue8m0,
+                                py::handle num_tokens, py::handle stream, bool wait) {
     static constexpr const char* kOp = "low_latency_dispatch";
     EndpointCore& c = Live(kOp);
     Inputs in(caches_);
@@ -385,6 +388,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     a.max_dispatch_tokens_per_rank = max_dispatch_tokens;
     a.use_fp8 = use_fp8;
     a.round_scale = round_scale;
+    a.use_ue8m0 = use_ue8m0;
     a.num_tokens = in.Read(num_tokens, kOp, "num_tokens");
     a.stream = ReadStream(stream, kOp);
     return Submit(in, IsTorch(x) || IsTorch(topk_idx), wait,

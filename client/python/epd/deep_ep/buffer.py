@@ -10,7 +10,6 @@ Every op runs on torch.cuda.current_stream() (CUDA) or synchronously (epd's host
 CPU tensors). Every rank must issue the same ops in the same order, as with DeepEP.
 """
 
-import collections
 import os
 import secrets
 import socket
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from .. import _core as _epd_core
 from .. import _errors as _epd_errors
 from . import _sizes
+from ._pending import PendingOps
 from ._errors import invalid, precondition, too_small, unsupported
 from .config import Config
 from .event import EventHandle, EventOverlap
@@ -47,6 +47,8 @@ class _Group:
         self.ep = ep
         self.spec = ep.spec
         self.client_launched = ep.info.launch_mode == "client"
+        # Its ops submitted without a CPU wait (CUDA backend), not waited for yet.
+        self.pending = PendingOps(self.client_launched, _LL_CHECK_EVERY)
 
     def bytes_for(self, **changes) -> int:
         s = self.spec
@@ -146,16 +148,6 @@ def _layout_range(src_info: torch.Tensor, recv_count: torch.Tensor, mll: int, nu
     counts = counts[:, :num_ranks]
     begin = counts.cumsum(dim=1) - counts
     return (begin << 32) | counts
-
-
-def _pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
-    """Power-of-two f32 scales [..., rows, S] -> packed UE8M0 int32 [..., rows, S/4] whose
-    last two dims are column-major (storage [..., S/4, rows]); byte j of a word is the
-    biased exponent of scale 4w + j."""
-    *lead, rows, s = scales.shape
-    exps = ((scales.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-    words = exps.view(*lead, rows, s // 4, 4).transpose(-3, -2).contiguous()
-    return words.view(torch.int32).squeeze(-1).transpose(-2, -1)
 
 
 def _check_tensor(t, name: str, op: str, dims: int) -> None:
@@ -267,12 +259,6 @@ class Buffer:
         self._generation = 0
         self._topk_seen = 0
         self._zero_x = {}
-        # Low-latency ops not yet waited for (daemon-launched), the latest one
-        # (client-launched), ops so far, and cached scale views.
-        self._ll_pending = collections.deque()
-        self._ll_last = None
-        self._ll_ops = 0
-        self._views = {}
 
     # ---- lifetime --------------------------------------------------------------------------
 
@@ -287,14 +273,13 @@ class Buffer:
     def _release(self) -> None:
         """Waits for the low-latency ops not waited for yet, leaves, closes; then raises the
         first error those ops had, if any."""
-        pending = list(self._ll_pending) + ([self._ll_last] if self._ll_last is not None else [])
-        self._ll_pending, self._ll_last = collections.deque(), None
         first_error = None
-        for op in pending:
-            try:
-                op.wait()
-            except _epd_errors.EpdError as e:
-                first_error = first_error or e
+        for g in (self._normal, self._ll):
+            if g is not None:
+                try:
+                    g.pending.drain()
+                except _epd_errors.EpdError as e:
+                    first_error = first_error or e
         if self._cuda:
             torch.cuda.synchronize()
         for g in (self._normal, self._ll):
@@ -721,39 +706,13 @@ class Buffer:
 
     def _ll_submit(self, g: _Group, submit: Callable, hook_wanted: bool):
         """Runs a low-latency op: on CPU waits for it; on CUDA returns its stream-ordered
-        result and a hook that waits for it (errors of ops given no hook are collected every
-        _LL_CHECK_EVERY ops)."""
+        result and a hook that waits for it. Ops not waited through a hook are waited
+        _LL_CHECK_EVERY ops later (their errors raised then) or by destroy (g.pending)."""
         if not self._cuda:
             return submit(True), _no_hook
         pending = submit(False)
-        result = pending.enqueued()
-        if hook_wanted:
-            return result, pending.wait
-        self._ll_ops += 1
-        if g.client_launched:
-            # Device errors stay until read: one wait (a stream sync) reports them all.
-            self._ll_last = pending
-            if self._ll_ops % _LL_CHECK_EVERY == 0:
-                self._ll_last = None
-                pending.wait()
-        else:
-            self._ll_pending.append(pending)
-            while len(self._ll_pending) > _LL_CHECK_EVERY:
-                self._ll_pending.popleft().wait()
-        return result, _no_hook
-
-    def _scales_view(self, scales: torch.Tensor, rows: int) -> torch.Tensor:
-        """recv_scales as DeepEP returns them, [E/R, R*Mll, S] (rows = R*Mll). epd's
-        storage [E/R, S, R*Mll] is presented transposed (column-major last two dims); a
-        [E/R, R*Mll, S] view is returned as it is. Cached per buffer (no object per op)."""
-        key = scales.data_ptr()
-        view = self._views.get(key)
-        if view is None or view.shape[1] != rows:
-            view = scales
-            if scales.size(1) != rows:
-                view = scales.transpose(1, 2)
-            self._views[key] = view
-        return view
+        hook = g.pending.add(pending, hook_wanted)  # tracked before anything can raise
+        return pending.enqueued(), hook or _no_hook
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
@@ -766,9 +725,10 @@ class Buffer:
         routed by topk_idx [T, K] int64. Returns (recv_x, recv_count, handle, event, hook):
         recv_x [E/R, R*Mll, H] bf16, or with use_fp8 (x_e4m3, scales) where scales are
         [E/R, R*Mll, H/128] f32 (power-of-two with round_scale) or, with use_ue8m0, packed
-        int32 [E/R, R*Mll, H/512], last two dims column-major; recv_count [E/R] int32. Views
-        of epd's buffers, valid until the low-latency dispatch after next (the UE8M0 scales
-        are a new tensor). cumulative_local_expert_recv_stats [E/R] int32 += recv_count.
+        int32 [E/R, R*Mll, H/512] (byte i of word j: the exponent of block 4j + i), last two
+        dims column-major as DeepEP's (strides (S*R*Mll, 1, R*Mll) for S scales a row);
+        recv_count [E/R] int32. Views of epd's buffers, valid until the low-latency dispatch
+        after next. cumulative_local_expert_recv_stats [E/R] int32 += recv_count.
         hook() waits for the op (return_recv_hook); event is set with async_finish."""
         op = "low_latency_dispatch"
         self._live(op)
@@ -789,16 +749,13 @@ class Buffer:
 
         def submit(wait):
             return g.ep.low_latency_dispatch(x, topk_idx, use_fp8=use_fp8, round_scale=round_scale,
-                                             stream=stream, wait=wait,
+                                             use_ue8m0=use_ue8m0, stream=stream, wait=wait,
                                              max_dispatch_tokens_per_rank=mll)
 
         res, hook = self._ll_submit(g, submit, return_recv_hook)
         recv_x = res.recv_x
         if use_fp8:
-            scales = self._scales_view(res.recv_scales, self.group_size * mll)
-            if use_ue8m0:
-                scales = _pack_ue8m0(scales)
-            recv_x = (recv_x, scales)
+            recv_x = (recv_x, res.recv_scales)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats.add_(res.recv_count)
         handle = LowLatencyHandle(self, g, res.handle, res.recv_src_info, res.recv_count, mll,

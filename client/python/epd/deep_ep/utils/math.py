@@ -1,7 +1,8 @@
 """Numeric helpers of DeepEP's test suite, written for epd: FP8 casts, diffs, hashes.
 
-Every function works on CPU and CUDA tensors. The FP8 casts need a torch with
-torch.float8_e4m3fn (2.1 or later); on an older torch they raise TypeError.
+Every function works on CPU and CUDA tensors. per_token_cast_to_fp8 needs a torch with
+torch.float8_e4m3fn (2.1 or later; on an older torch it raises TypeError);
+per_token_cast_back also reads e4m3 data as uint8 bits (what epd returns on such a torch).
 """
 
 from typing import Tuple
@@ -92,16 +93,32 @@ def _scales_as_float(scales: torch.Tensor) -> torch.Tensor:
     """f32 scales as they are, or packed UE8M0 int32 scales (4 exponent bytes per int32,
     little-endian, value 2^(e - 127)) unpacked to f32, in element order."""
     if scales.dtype in (torch.int32, torch.uint8):
-        exponents = scales.contiguous().view(torch.uint8).to(torch.int32)
+        # reshape(-1): a contiguous tensor whose last dim has size 1 may keep any stride
+        # there, which a dtype view refuses.
+        exponents = scales.contiguous().reshape(-1).view(torch.uint8).to(torch.int32)
         return (exponents << 23).view(torch.float32)
     return scales.float()
+
+
+def _e4m3_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
+    """float32 values of float8_e4m3fn data held as uint8 bits (0x7F / 0xFF are NaN)."""
+    b = torch.arange(256, dtype=torch.int32, device=bits.device)
+    exp, man = (b >> 3) & 0xF, (b & 7).float()
+    normal = (1 + man / 8) * torch.pow(2.0, (exp - 7).float())
+    value = torch.where(exp == 0, man / 8 * 2.0 ** -6, normal)
+    value = torch.where(b >= 128, -value, value)
+    value = torch.where((b & 0x7F) == 0x7F, torch.full_like(value, float("nan")), value)
+    return value[bits.long()]
 
 
 def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor:
     """Dequantises x_fp8 [m, n] with x_scales to bf16 [m, n].
 
-    x_scales holds ceil(n/128) scales per row in row order: f32 [m, ceil(n/128)] (any
-    strides), or packed UE8M0 (int32 with 4 exponent bytes each, e.g. [m, n/512]).
+    x_fp8: float8_e4m3fn, uint8 e4m3 bits, or any float dtype (values as they are).
+    x_scales holds ceil(n/128) scales per row in row order (any shape and strides with
+    that element order): f32, e.g. [m, ceil(n/128)], or packed UE8M0 int32 with 4 exponent
+    bytes each (byte i of word j: block 4j + i), e.g. [m, n/512] or DeepEP's
+    scales.contiguous().view(-1, n // 128) (four rows of words per row).
     """
     if x_fp8.dim() != 2:
         raise ValueError(f"per_token_cast_back: x_fp8 must be 2-D, got shape {tuple(x_fp8.shape)}")
@@ -109,6 +126,8 @@ def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor) -> torch.Te
     if x_fp8.numel() == 0:
         return torch.empty((m, n), dtype=torch.bfloat16, device=x_fp8.device)
     padded = align(n, _BLOCK)
+    if x_fp8.dtype == torch.uint8:
+        x_fp8 = _e4m3_bits_to_float(x_fp8)
     xf = _padded_float(x_fp8, padded)
     scales = _scales_as_float(x_scales).reshape(m, -1, 1)
     out = xf.view(m, padded // _BLOCK, _BLOCK) * scales
@@ -143,7 +162,7 @@ def create_grouped_scores(scores: torch.Tensor, group_idx: torch.Tensor, num_gro
 
 def hash_tensor(t: torch.Tensor) -> int:
     """A cheap content hash: the sum of t's 4-byte words (4-byte dtypes) or bytes."""
-    t = t.contiguous()
+    t = t.contiguous().reshape(-1)
     if t.element_size() == 4:
         return int(t.view(torch.int32).long().sum().item())
     return int(t.view(torch.uint8).long().sum().item())

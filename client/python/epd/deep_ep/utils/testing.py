@@ -103,17 +103,33 @@ def _kernel_events(profiler) -> list:
                   key=lambda e: e.get("ts", 0))
 
 
-def _end_to_end(fn: Callable, num_tests: int, flush_l2: bool, before: Callable) -> float:
+def _cuda_timer(fn: Callable) -> float:
+    """Seconds of one call of fn between CUDA events on the current stream, the stream
+    drained first (so earlier work, e.g. a prologue's sleep, is not counted)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _wall_timer(fn: Callable) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _timed_calls(fn: Callable, num_tests: int, prologue: Callable,
+                 timer: Optional[Callable[[Callable], float]] = None) -> float:
+    """Average seconds of one call of fn over num_tests calls, each run after prologue()
+    (not timed) and timed by timer(fn) (default _cuda_timer)."""
+    timer = timer or _cuda_timer
     total = 0.0
     for _ in range(num_tests):
-        flush_l2_cache(flush_l2)
-        before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        total += start.elapsed_time(end) / 1e3
+        prologue()
+        total += timer(fn)
     return total / num_tests
 
 
@@ -131,8 +147,13 @@ def bench_kineto(fn: Callable, kernel_names: Union[str, Sequence[str]], num_test
     barrier_comm_profiling: before each call, a ~10 ms GPU sleep and a barrier (`barrier`,
     or an all_reduce on the default group), so ranks start the call together.
     When no kernel matches any name (epd daemon-launched mode: the kernels run in the
-    daemon), each name gets the end-to-end CUDA-event time of one call of fn instead (with
-    n > 1: [that time, 0, ...]). EP_USE_NVIDIA_TOOLS=1 skips profiling and returns 1s.
+    daemon), fn is run num_tests more times, each after the same prologue (L2 flush, and
+    the sleep and barrier of barrier_comm_profiling) outside the timed region, and every
+    name gets the average end-to-end time of one call of fn between CUDA events: all of
+    fn's work on its stream (e.g. dispatch and combine together, and whatever else fn
+    runs). With n > 1 a name gets [that time, 0, ...]: the send and receive phases are not
+    told apart, so element 0 is send + receive end to end. EP_USE_NVIDIA_TOOLS=1 skips
+    profiling and returns 1s.
     """
     names = (kernel_names,) if isinstance(kernel_names, str) else tuple(kernel_names)
     as_tuple = not isinstance(kernel_names, str)
@@ -146,15 +167,18 @@ def bench_kineto(fn: Callable, kernel_names: Union[str, Sequence[str]], num_test
     if not torch.cuda.is_available():
         raise RuntimeError("bench_kineto needs CUDA")
 
-    dummy = torch.ones(1, dtype=torch.float32, device="cuda")
+    dummy = []
 
     def before():
+        flush_l2_cache(flush_l2)
         if barrier_comm_profiling:
             torch.cuda._sleep(int(2e7))
             if barrier is not None:
                 barrier()
             else:
-                dist.all_reduce(dummy)
+                if not dummy:
+                    dummy.append(torch.ones(1, dtype=torch.float32, device="cuda"))
+                dist.all_reduce(dummy[0])
 
     fn()
     torch.cuda.synchronize()
@@ -163,7 +187,6 @@ def bench_kineto(fn: Callable, kernel_names: Union[str, Sequence[str]], num_test
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         with profiler:
             for _ in range(num_tests):
-                flush_l2_cache(flush_l2)
                 before()
                 fn()
             torch.cuda.synchronize()
@@ -174,7 +197,7 @@ def bench_kineto(fn: Callable, kernel_names: Union[str, Sequence[str]], num_test
     matched = {n: [e["dur"] / 1e6 for e in kernels if n.lower() in e.get("name", "").lower()]
                for n in names}
     if not any(matched.values()):
-        e2e = _end_to_end(fn, num_tests, flush_l2, before)
+        e2e = _timed_calls(fn, num_tests, before)
         return shape([e2e if period == 1 else [e2e] + [0.0] * (period - 1) for _ in names])
     results = []
     for n in names:
