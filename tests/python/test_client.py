@@ -131,6 +131,8 @@ def test_exception_hierarchy():
     assert epd.DeadlineExceededError.__module__ == "epd"
 
 
+@pytest.mark.host_only("on the CUDA backend Join itself waits for every rank (peer buffer mappings), "
+                       "so a lone rank never reaches its op")
 def test_pending_op_timeout(client):
     s = spec("timeout", num_ranks=2)
     with client.join(s, 0) as ep:
