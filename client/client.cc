@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <limits>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -13,6 +14,7 @@
 #include "client/control_channel.h"
 #include "client/endpoint/endpoint_internal.h"
 #include "client/fd_channel.h"
+#include "client/request_text.h"
 #include "common/status_macros.h"
 #include "epd/v1/control.grpc.pb.h"
 
@@ -28,11 +30,12 @@ constexpr auto kLeaveTimeout = std::chrono::seconds(5);
 /// Bound on fetching an endpoint's descriptors on the fd channel (a local exchange).
 constexpr absl::Duration kFdChannelTimeout = absl::Seconds(10);
 
+/// The process's name (/proc/self/comm: any bytes a process chose), as UTF-8.
 std::string DefaultClientName() {
   std::ifstream comm("/proc/self/comm");
   std::string name;
   std::getline(comm, name);
-  return name;
+  return internal::SanitizeUtf8(name.substr(0, internal::kMaxClientNameBytes));
 }
 
 /// What an endpoint's leave function needs; shared so an Endpoint may outlive its Client.
@@ -96,6 +99,8 @@ Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  EPD_RETURN_IF_ERROR(internal::CheckRequestText("ClientOptions::client_name", options.client_name,
+                                                 internal::kMaxClientNameBytes));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   auto control = std::make_shared<ControlHandle>();
@@ -150,6 +155,17 @@ const std::string& Client::session_id() const { return impl_->session_id_copy; }
 
 absl::StatusOr<std::unique_ptr<Endpoint>> Client::Join(const JoinOptions& options) {
   EPD_RETURN_IF_ERROR(impl_->SessionAlive());
+  // Every string field of the spec and the request: protobuf sends only UTF-8. The daemon
+  // checks the rest (the group name's characters and length, the GPU's existence).
+  EPD_RETURN_IF_ERROR(internal::CheckRequestText("JoinOptions::spec.name", options.spec.name(),
+                                                 std::numeric_limits<size_t>::max()));
+  EPD_RETURN_IF_ERROR(internal::CheckRequestText("JoinOptions::gpu_uuid", options.gpu_uuid,
+                                                 internal::kMaxGpuUuidBytes));
+  if (options.join_secret.size() > internal::kMaxJoinSecretBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("JoinOptions::join_secret is ",
+                                                   options.join_secret.size(), " bytes; at most ",
+                                                   internal::kMaxJoinSecretBytes, " are taken"));
+  }
   std::shared_ptr<ControlHandle> control = impl_->control;
   v1::JoinGroupRequest request;
   *request.mutable_spec() = options.spec;

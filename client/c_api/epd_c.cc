@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "client/c_api/c_api_internal.h"
+#include "client/request_text.h"
 #include "common/status_macros.h"
 #include "common/version.h"
 #include "epd/client.h"
@@ -189,6 +190,12 @@ epd_status_t epd_client_join(epd_client_t* client, const epd_join_options_t* opt
     if (o.join_secret == nullptr && o.join_secret_len != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "options.join_secret is NULL with options.join_secret_len=", o.join_secret_len));
+    }
+    // Checked before the secret is copied: a larger length would read past the caller's buffer.
+    if (o.join_secret_len > epd::internal::kMaxJoinSecretBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("options.join_secret_len=", o.join_secret_len,
+                                                     " is more than ",
+                                                     epd::internal::kMaxJoinSecretBytes, " bytes"));
     }
     epd::JoinOptions join;
     join.spec.set_name(o.name);

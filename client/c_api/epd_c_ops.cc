@@ -2,6 +2,7 @@
 // (epd_op) keeps the submitted PendingOp and, after wait / enqueued, its C++ result, whose
 // views' shapes the C results point at.
 #include <array>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -31,7 +32,23 @@ epd_handle_t ToC(const Handle& h) {
   return c;
 }
 
-Handle FromC(const epd_handle_t& c) {
+/// The C++ handle of `c` (named `arg` in errors); its reserved fields must be zero, so they
+/// can carry meaning in a later version.
+absl::StatusOr<Handle> FromC(const epd_handle_t& c, const char* arg) {
+  for (size_t i = 0; i < std::size(c.reserved0); ++i) {
+    if (c.reserved0[i] != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(arg, "->reserved0[", i, "]=", c.reserved0[i],
+                       " must be zero (copy handles as epd wrote them)"));
+    }
+  }
+  for (size_t i = 0; i < std::size(c.reserved); ++i) {
+    if (c.reserved[i] != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(arg, "->reserved[", i, "]=", c.reserved[i],
+                       " must be zero (copy handles as epd wrote them)"));
+    }
+  }
   Handle h;
   h.endpoint_id = c.endpoint_id;
   h.seq = c.seq;
@@ -267,7 +284,9 @@ epd_status_t epd_dispatch(epd_endpoint_t* endpoint, const epd_dispatch_args_t* a
     cpp.topk_idx = a.topk_idx;
     cpp.topk_weights = a.topk_weights;
     cpp.expert_alignment = a.expert_alignment == 0 ? 1 : a.expert_alignment;
-    if (a.cached != nullptr) cpp.cached = epd::c_api::FromC(*a.cached);
+    if (a.cached != nullptr) {
+      EPD_ASSIGN_OR_RETURN(cpp.cached, epd::c_api::FromC(*a.cached, "args.cached"));
+    }
     cpp.num_sms = a.num_sms;
     cpp.stream = a.stream;
     return epd::c_api::Hold(endpoint->endpoint->Dispatch(cpp), op);
@@ -279,7 +298,7 @@ epd_status_t epd_combine(epd_endpoint_t* endpoint, const epd_combine_args_t* arg
     epd_combine_args_t a;
     EPD_RETURN_IF_ERROR(epd::c_api::Prepare(endpoint, args, op, &a));
     EPD_RETURN_IF_ERROR(epd::c_api::NotNull(a.handle, "args.handle"));
-    const epd::Handle handle = epd::c_api::FromC(*a.handle);
+    EPD_ASSIGN_OR_RETURN(const epd::Handle handle, epd::c_api::FromC(*a.handle, "args.handle"));
     epd::CombineArgs cpp;
     cpp.x = a.x;
     cpp.handle = &handle;
@@ -314,7 +333,7 @@ epd_status_t epd_low_latency_combine(epd_endpoint_t* endpoint, const epd_ll_comb
     epd_ll_combine_args_t a;
     EPD_RETURN_IF_ERROR(epd::c_api::Prepare(endpoint, args, op, &a));
     EPD_RETURN_IF_ERROR(epd::c_api::NotNull(a.handle, "args.handle"));
-    const epd::Handle handle = epd::c_api::FromC(*a.handle);
+    EPD_ASSIGN_OR_RETURN(const epd::Handle handle, epd::c_api::FromC(*a.handle, "args.handle"));
     epd::LowLatencyCombineArgs cpp;
     cpp.x = a.x;
     cpp.topk_idx = a.topk_idx;

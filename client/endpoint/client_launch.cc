@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/cuda/area_cache.h"
+#include "client/endpoint/deadline.h"
 #include "client/endpoint/endpoint_state.h"
 #include "client/endpoint/tensor_checks.h"
 #include "common/cuda/cuda_check.h"
@@ -349,9 +350,7 @@ absl::StatusOr<OpOutcome> ClientLaunch::Wait(uint64_t seq, abi::OpKind op, absl:
     EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   } else {
     const auto start = std::chrono::steady_clock::now();
-    const auto limit = timeout == absl::InfiniteDuration()
-                           ? std::chrono::steady_clock::time_point::max()
-                           : start + absl::ToChronoNanoseconds(timeout);
+    const auto limit = DeadlineAfter(start, timeout);
     const auto stuck = start + std::chrono::milliseconds(m_.info.op_timeout_ms()) + kGpuGrace;
     const auto spin_until = start + std::chrono::microseconds(kSpinBeforeSleepUs);
     for (;;) {

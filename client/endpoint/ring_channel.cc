@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/endpoint/deadline.h"
 #include "common/os/futex.h"
 
 namespace epd::internal {
@@ -80,9 +81,7 @@ absl::Status RingChannel::WaitCompletion(uint64_t seq, absl::Duration timeout,
   abi::EndpointShmHeader* header = header_;
   abi::Completion& c = CompletionOf(seq);
   const auto start = std::chrono::steady_clock::now();
-  const auto limit = timeout == absl::InfiniteDuration()
-                         ? std::chrono::steady_clock::time_point::max()
-                         : start + absl::ToChronoNanoseconds(timeout);
+  const auto limit = DeadlineAfter(start, timeout);
   // The daemon bounds every op by op_timeout; far past it, the daemon is gone.
   const auto daemon_gone =
       start + std::chrono::milliseconds(op_timeout_ms_) + std::chrono::seconds(5);

@@ -1,10 +1,12 @@
 // DLPack argument checks (tensor_checks.h).
 #include "client/endpoint/tensor_checks.h"
 
+#include <cstdint>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 
 namespace epd::internal {
 namespace {
@@ -38,6 +40,33 @@ absl::Status CheckTensorAlignment(const char* op, const char* name, const DLTens
                    absl::Hex(reinterpret_cast<uintptr_t>(t->data)), " + byte_offset ",
                    t->byte_offset, "), which is not aligned to ", alignment, " bytes as its dtype ",
                    TypeName(t->dtype), " requires"));
+}
+
+/// Checks that byte_offset is a whole number of elements and that the tensor's bytes,
+/// data + byte_offset up to its end, lie inside the address space (an offset that wraps
+/// around would point before data). INVALID_ARGUMENT naming `op`, `name` and byte_offset.
+absl::Status CheckTensorExtent(const char* op, const char* name, const DLTensor* t) {
+  const uint64_t element = (t->dtype.bits + 7u) / 8u;
+  if (element > 1 && t->byte_offset % element != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, ".byte_offset=", t->byte_offset,
+                                                   " is not a multiple of its dtype ",
+                                                   TypeName(t->dtype), "'s ", element, " bytes"));
+  }
+  if (t->data == nullptr) return absl::OkStatus();
+  const uintptr_t data = reinterpret_cast<uintptr_t>(t->data);
+  uint64_t nbytes = (uint64_t{t->dtype.bits} * t->dtype.lanes + 7) / 8;
+  bool overflow = false;
+  for (int i = 0; i < t->ndim; ++i) {
+    overflow |= __builtin_mul_overflow(nbytes, static_cast<uint64_t>(t->shape[i]), &nbytes);
+  }
+  uintptr_t end = 0;
+  overflow |= __builtin_add_overflow(data, t->byte_offset, &end);
+  overflow |= __builtin_add_overflow(end, nbytes, &end);
+  if (!overflow) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(op, ": ", name, ".byte_offset=", t->byte_offset, " with data 0x",
+                   absl::Hex(data), " and shape ", ShapeString(t->shape, t->ndim),
+                   " runs past the end of the address space (a negative offset?)"));
 }
 
 }  // namespace
@@ -101,7 +130,8 @@ absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTe
     for (int64_t d : shape) n *= d;
     if (n > 0) return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has no data"));
   }
-  return CheckTensorAlignment(op, name, t);
+  EPD_RETURN_IF_ERROR(CheckTensorAlignment(op, name, t));
+  return CheckTensorExtent(op, name, t);
 }
 
 absl::Status CheckStepTensor(const char* op, const char* name, const DLTensor* t,

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "absl/time/time.h"
 #include "client/control_channel.h"
 #include "client/epctl/format.h"
+#include "client/request_text.h"
 #include "common/version.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -203,6 +205,12 @@ int main(int argc, char** argv) {
   if (channel == nullptr) return 1;
 
   if (command == "health") {
+    if (absl::Status text = epd::internal::CheckRequestText(
+            "--service", absl::GetFlag(FLAGS_service), std::numeric_limits<size_t>::max());
+        !text.ok()) {
+      std::fprintf(stderr, "epctl: %s\n", std::string(text.message()).c_str());
+      return 2;
+    }
     auto stub = grpc::health::v1::Health::NewStub(channel);
     grpc::ClientContext context;
     context.set_deadline(Deadline());

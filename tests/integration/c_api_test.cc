@@ -4,12 +4,18 @@
 // layout matches a reference computed here and identity experts combine back to x. Bad
 // inputs (NULL handles and arguments, struct_size too small, a wrong dtype, a stale routing
 // handle, an op of a destroyed endpoint, a result of the wrong kind) give the documented
-// code and a message naming the field.
+// code and a message naming the field; hostile ones (text that is not UTF-8, a join secret
+// length past its buffer, non-zero reserved handle fields, a byte_offset that wraps around)
+// are refused before anything is read or sent, and a huge finite wait timeout waits.
+#include <sys/prctl.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <set>
 #include <string>
@@ -719,6 +725,137 @@ TEST_F(CApiTest, BadInputsGiveTheDocumentedCodeAndNameTheField) {
   epd_endpoint_destroy(again);
   EXPECT_EQ(epd_op_wait(op, 1000), EPD_FAILED_PRECONDITION);
   EXPECT_THAT(epd_last_error(), HasSubstr("endpoint destroyed"));
+
+  epd_op_destroy(op);
+  epd_endpoint_destroy(ep);
+  epd_client_destroy(client);
+}
+
+TEST_F(CApiTest, HostileArgumentsAreRefusedBeforeAnythingIsReadOrSent) {
+  // Text that is not UTF-8 (protobuf would not send it) is refused naming the field; the
+  // daemon is unaffected: a well-formed connect and join follow.
+  epd_client_options_t o{};
+  o.struct_size = sizeof(o);
+  o.socket_path = epd_->socket_path().c_str();
+  o.client_name = "bad\xff\xfename";
+  epd_client_t* bad_client = nullptr;
+  EXPECT_EQ(epd_client_connect(&o, &bad_client), EPD_INVALID_ARGUMENT);
+  EXPECT_THAT(epd_last_error(), HasSubstr("client_name"));
+  EXPECT_THAT(epd_last_error(), HasSubstr("not valid UTF-8 (at byte 3)"));
+  EXPECT_EQ(bad_client, nullptr);
+  ClientOptions cpp_options;
+  cpp_options.socket_path = epd_->socket_path();
+  cpp_options.client_name = std::string("nul\0name", 8);
+  EXPECT_EQ(Client::Connect(cpp_options).status().code(), absl::StatusCode::kInvalidArgument);
+  cpp_options.client_name = std::string(300, 'n');
+  absl::Status too_long = Client::Connect(cpp_options).status();
+  EXPECT_EQ(too_long.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(too_long.message(), HasSubstr("client_name"));
+  // No client_name: the process name, whatever bytes it holds, is sent as UTF-8.
+  char comm[17] = {};
+  ASSERT_EQ(prctl(PR_GET_NAME, comm), 0);
+  ASSERT_EQ(prctl(PR_SET_NAME, "epd\xff\xfetest"), 0);
+  cpp_options.client_name.clear();
+  auto nameless = Client::Connect(cpp_options);
+  ASSERT_EQ(prctl(PR_SET_NAME, comm), 0);
+  EXPECT_TRUE(nameless.ok()) << nameless.status();
+
+  epd_client_t* client = Connect();
+  ASSERT_NE(client, nullptr);
+  epd_join_options_t j = JoinOptions("hostile", 1, 0);
+  epd_endpoint_t* ep = nullptr;
+  j.name = "ho\xc3(stile";
+  EXPECT_EQ(epd_client_join(client, &j, &ep), EPD_INVALID_ARGUMENT);
+  EXPECT_THAT(epd_last_error(), HasSubstr("spec.name"));
+  EXPECT_THAT(epd_last_error(), HasSubstr("not valid UTF-8"));
+  j.name = "hostile";
+  j.gpu_uuid = "GPU-\xed\xa0\x80";  // An encoded surrogate.
+  EXPECT_EQ(epd_client_join(client, &j, &ep), EPD_INVALID_ARGUMENT);
+  EXPECT_THAT(epd_last_error(), HasSubstr("gpu_uuid"));
+  j.gpu_uuid = nullptr;
+  // join_secret_len is checked before the secret is read: 2^40 bytes are never copied.
+  const char secret[] = "s3cret";
+  j.join_secret = secret;
+  j.join_secret_len = size_t{1} << 40;
+  EXPECT_EQ(epd_client_join(client, &j, &ep), EPD_INVALID_ARGUMENT);
+  EXPECT_THAT(epd_last_error(), HasSubstr("options.join_secret_len=1099511627776"));
+  j.join_secret_len = 257;
+  EXPECT_EQ(epd_client_join(client, &j, &ep), EPD_INVALID_ARGUMENT);
+  EXPECT_THAT(epd_last_error(), HasSubstr("options.join_secret_len=257"));
+  j.join_secret_len = sizeof(secret) - 1;
+  ASSERT_C_OK(epd_client_join(client, &j, &ep));
+
+  // A huge finite timeout waits (as an infinite one does) instead of failing at once.
+  epd_op_t* op = nullptr;
+  ASSERT_C_OK(epd_op_create(&op));
+  Inputs in(0);
+  epd_layout_args_t la{sizeof(la), &in.topk_idx.dl, nullptr};
+  ASSERT_C_OK(epd_get_dispatch_layout(ep, &la, op));
+  EXPECT_C_OK(epd_op_wait(op, std::numeric_limits<int64_t>::max()));
+
+  // A byte_offset that wraps around (data - 2) is refused, naming the tensor and the offset.
+  epd_dispatch_args_t da{};
+  da.struct_size = sizeof(da);
+  da.x = &in.x.dl;
+  da.topk_idx = &in.topk_idx.dl;
+  in.x.dl.byte_offset = static_cast<uint64_t>(-2);
+  EXPECT_EQ(epd_dispatch(ep, &da, op), EPD_INVALID_ARGUMENT);
+  EXPECT_THAT(epd_last_error(), HasSubstr("x.byte_offset=18446744073709551614"));
+  in.x.dl.byte_offset = 0;
+  ASSERT_C_OK(epd_dispatch(ep, &da, op));
+  ASSERT_C_OK(epd_op_wait(op, -1));
+  epd_dispatch_result_t dr{};
+  dr.struct_size = sizeof(dr);
+  ASSERT_C_OK(epd_op_dispatch_result(op, &dr));
+
+  // Reserved handle fields must be zero.
+  std::unique_ptr<Tensor> y = CopyOf(dr.recv_x);
+  epd_handle_t handle = dr.handle;
+  epd_combine_args_t ca{};
+  ca.struct_size = sizeof(ca);
+  ca.x = &y->dl;
+  ca.handle = &handle;
+  handle.reserved[1] = 7;
+  EXPECT_EQ(epd_combine(ep, &ca, op), EPD_INVALID_ARGUMENT);
+  EXPECT_THAT(epd_last_error(), HasSubstr("args.handle->reserved[1]=7 must be zero"));
+  handle.reserved[1] = 0;
+  handle.reserved0[0] = 1;
+  da.cached = &handle;
+  EXPECT_EQ(epd_dispatch(ep, &da, op), EPD_INVALID_ARGUMENT);
+  EXPECT_THAT(epd_last_error(), HasSubstr("args.cached->reserved0[0]=1 must be zero"));
+  handle.reserved0[0] = 0;
+  ASSERT_C_OK(epd_combine(ep, &ca, op));
+  EXPECT_C_OK(epd_op_wait(op, -1));
+
+  // The C++ PendingOp::Wait with a huge finite Duration, on a dispatch that completes only
+  // once the group's second rank dispatches, 200 ms later.
+  auto cpp_client = Client::Connect(cpp_options);
+  ASSERT_TRUE(cpp_client.ok()) << cpp_client.status();
+  std::vector<std::unique_ptr<Endpoint>> cpp_eps;
+  for (int rank = 0; rank < 2; ++rank) {
+    epd::JoinOptions cpp_join;
+    cpp_join.spec = MakeSpec("hostile_cpp");
+    cpp_join.rank = rank;
+    auto cpp_ep = (*cpp_client)->Join(cpp_join);
+    ASSERT_TRUE(cpp_ep.ok()) << cpp_ep.status();
+    cpp_eps.push_back(*std::move(cpp_ep));
+  }
+  Tensor x(kBf16, {4, 256}), idx(kI64, {4, 2});
+  for (int i = 0; i < 8; ++i) idx.as<int64_t>()[i] = i % 8;
+  DispatchArgs cpp_args;
+  cpp_args.x = &x.dl;
+  cpp_args.topk_idx = &idx.dl;
+  auto pending = cpp_eps[0]->Dispatch(cpp_args);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  std::thread second([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    auto other = cpp_eps[1]->Dispatch(cpp_args);
+    ASSERT_TRUE(other.ok()) << other.status();
+    EXPECT_TRUE(other->Wait().ok());
+  });
+  auto dispatched = pending->Wait(absl::Milliseconds(std::numeric_limits<int64_t>::max()));
+  second.join();
+  EXPECT_TRUE(dispatched.ok()) << dispatched.status();
 
   epd_op_destroy(op);
   epd_endpoint_destroy(ep);

@@ -164,6 +164,11 @@ TEST_F(ControlTest, EpctlStatusGroupsHealthStatsConfig) {
   CommandResult health = Epctl({"health"});
   EXPECT_EQ(health.exit_code, 0);
   EXPECT_EQ(health.stdout_text, "SERVING\n");
+  // A service name that is not UTF-8 is refused by epctl, naming the flag, before it is sent.
+  CommandResult bad_service = Epctl({"health", "--service=epd\xff"});
+  EXPECT_EQ(bad_service.exit_code, 2);
+  EXPECT_THAT(bad_service.stderr_text, HasSubstr("--service \"epd\\xff\" is not valid UTF-8"));
+  EXPECT_THAT(bad_service.stderr_text, Not(HasSubstr("libprotobuf")));
 
   CommandResult stats = Epctl({"stats"});
   EXPECT_EQ(stats.exit_code, 0);

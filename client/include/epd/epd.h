@@ -202,8 +202,8 @@ typedef struct epd_handle_t {
   int32_t buffer;          /**< Low-latency buffer set, 0 or 1. */
   uint8_t low_latency;
   uint8_t use_fp8;
-  uint8_t reserved0[2];
-  uint64_t reserved[2]; /**< Zero. */
+  uint8_t reserved0[2]; /**< Zero (else INVALID_ARGUMENT). */
+  uint64_t reserved[2]; /**< Zero (else INVALID_ARGUMENT). */
 } epd_handle_t;
 
 /** Creates an empty op holder (*out; free with epd_op_destroy). An op call fills it with its
