@@ -310,7 +310,8 @@ class Endpoint:
 
     def leave(self):
         """Leaves the group (the daemon frees the rank); later ops raise
-        FailedPreconditionError. Idempotent; a no-op after close() (which left)."""
+        FailedPreconditionError. Idempotent; a no-op after close() (which left). While
+        another thread's call on this endpoint runs, the leave happens when it returns."""
         self._c.leave()
 
     def close(self):

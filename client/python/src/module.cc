@@ -756,7 +756,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PendingOp>(m, "PendingOp",
                         "A submitted op (wait=False). wait(timeout=None) blocks until every "
                         "rank's part is done (timeout in seconds: DeadlineExceededError, the op "
-                        "stays pending) and returns the result; enqueued() returns it without a "
+                        "stays pending; NaN or negative: InvalidArgumentError; inf: no limit) "
+                        "and returns the result; enqueued() returns it without a "
                         "CPU wait (CUDA backend, op given a stream).")
       .def("wait", &PendingOp::Wait, py::arg("timeout") = py::none())
       .def("enqueued", &PendingOp::Enqueued)
