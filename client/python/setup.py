@@ -1,6 +1,8 @@
 """Builds the `epd` Python package and its extension epd._C (pybind11 over epd.h).
 
-    python3 -m venv --system-site-packages V && V/bin/pip install --no-build-isolation ./client/python
+    /usr/bin/python3 -m venv --system-site-packages V && V/bin/pip install --no-build-isolation ./client/python
+
+(the Python that has torch: /usr/bin/python3 on Debian 12; docs/CLIENT_API.md section 14.)
 
 No network: needs setuptools and pybind11's headers (the `pybind11` Python package when
 importable, else Debian's pybind11-dev in /usr/include), epd.h + dlpack/dlpack.h, and

@@ -372,6 +372,36 @@ def rank_of(expert):
     return expert // LOCAL
 
 
+def unique_spec(name, num_ranks=1, **kw):
+    """A small GroupSpec (H 128, K 2, E 4, M 8, Mll 4; kw overrides) under a name no other
+    test uses."""
+    import epd
+
+    fields = dict(num_ranks=num_ranks, hidden=128, num_topk=2, num_experts=4,
+                  max_tokens_per_rank=8, max_dispatch_tokens_per_rank=4)
+    fields.update(kw)
+    return epd.GroupSpec("%s_%d" % (name, time.monotonic_ns()), **fields)
+
+
+def small_inputs():
+    """x [8, 128] bfloat16 ones and topk_idx [8, 2] (token i to experts i % 4, (i + 1) % 4),
+    on the test device, for unique_spec groups."""
+    import torch
+
+    device = "cuda" if CUDA else "cpu"
+    x = torch.ones((8, 128), dtype=torch.bfloat16, device=device)
+    idx = torch.tensor([[i % 4, (i + 1) % 4] for i in range(8)], dtype=torch.int64, device=device)
+    return x, idx
+
+
+def expected_recv(idx, rank, num_ranks, num_experts=4):
+    """N of a normal dispatch on `rank` when every rank of the group sends topk_idx `idx`:
+    the tokens with an expert on `rank`, from each of the num_ranks ranks."""
+    local = num_experts // num_ranks
+    rows = idx.cpu().tolist()
+    return num_ranks * sum(any(e >= 0 and e // local == rank for e in row) for row in rows)
+
+
 def as_bits(t):
     """An FP8 tensor (torch float8 on torch >= 2.1, uint8 bits otherwise) as uint8 bits."""
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)

@@ -5,7 +5,6 @@ connect (explicit socket, $EPD_SOCKET, no daemon), session_id, stats, list_group
 Client.close leaving its endpoints, the exception hierarchy and its pickling."""
 
 import pickle
-import time
 
 import pytest
 
@@ -14,11 +13,7 @@ import epd
 import epd_testing as T
 
 
-def spec(name, num_ranks=1, **kw):
-    fields = dict(num_ranks=num_ranks, hidden=128, num_topk=2, num_experts=4,
-                  max_tokens_per_rank=8, max_dispatch_tokens_per_rank=4)
-    fields.update(kw)
-    return epd.GroupSpec("%s_%d" % (name, time.monotonic_ns()), **fields)
+spec = T.unique_spec
 
 
 def test_version():

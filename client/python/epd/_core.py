@@ -128,7 +128,7 @@ EndpointInfo.__doc__ = (
 def _gpu_uuid(gpu, client):
     """The GPU argument of join as the UUID string the daemon takes ("" on the host backend)."""
     if gpu is None:
-        if client.stats_summary()["backend"] != "cuda":
+        if client._c.stats("join")["backend"] != "cuda":
             return ""
         fw = _setup_frameworks()
         if fw.torch is None or not fw.torch.cuda.is_available():
@@ -170,11 +170,13 @@ class Client:
 
     @classmethod
     def connect(cls, socket=None, client_name="", timeout=5.0):
-        """Connects to the daemon on `socket` (None: $EPD_SOCKET, else /run/epd/epd.sock).
-        timeout in seconds. Raises UnavailableError naming the socket when no daemon answers."""
+        """Connects to the daemon on `socket` (a path: None: $EPD_SOCKET, else
+        /run/epd/epd.sock). timeout in seconds (None or 0: 5 s). Raises UnavailableError naming
+        the socket when no daemon answers; InvalidArgumentError for a NUL in socket or
+        client_name, or a negative or NaN timeout."""
         if socket is None:
             socket = os.environ.get("EPD_SOCKET") or None
-        return cls(_C.Client.connect(socket, client_name, int(timeout * 1000)))
+        return cls(_C.Client.connect(socket, client_name, timeout))
 
     @property
     def session_id(self):
@@ -200,8 +202,9 @@ class Client:
         gpu: None (host backend; on the CUDA backend torch's current device), a device index
         (needs torch.cuda) or a GPU UUID / PCI bus id string. launch_mode: "auto", "daemon"
         or "client" (fixed by the group's first joiner). join_secret: bytes (at most 256)
-        every rank of the group presents. Raises InvalidArgumentError (a spec field, the
-        rank), PermissionDeniedError, FailedPreconditionError (spec differs from the live
+        every rank of the group presents. Raises InvalidArgumentError (a spec field or the
+        rank not an int32, a str field not a str or holding a NUL; the daemon's checks),
+        PermissionDeniedError, FailedPreconditionError (spec differs from the live
         group's), AlreadyExistsError (rank taken), NotFoundError (GPU),
         ResourceExhaustedError, UnavailableError.
         """
@@ -253,7 +256,10 @@ class Client:
 
 class Endpoint:
     """One rank of a group: runs the group's ops (every rank issues the same ops in the
-    same order). Use from one thread at a time.
+    same order). Use from one thread at a time: a call (op, PendingOp.wait) while another
+    thread's is running raises FailedPreconditionError ("endpoint used from two threads at
+    once"). close() may come from any thread: a call running then finishes or raises
+    FailedPreconditionError / UnavailableError, and the endpoint leaves once it returns.
 
     Results are zero-copy views of the endpoint's buffers (torch tensors for torch inputs,
     numpy arrays otherwise), valid until the op that overwrites them (docs/CLIENT_API.md
@@ -304,13 +310,15 @@ class Endpoint:
 
     def leave(self):
         """Leaves the group (the daemon frees the rank); later ops raise
-        FailedPreconditionError. Idempotent."""
+        FailedPreconditionError. Idempotent; a no-op after close() (which left). While
+        another thread's call on this endpoint runs, the leave happens when it returns."""
         self._c.leave()
 
     def close(self):
         """Leaves and drops this object's caches; later ops raise FailedPreconditionError.
-        The buffers stay mapped while views of them live. Idempotent. On the CUDA backend
-        wait for (or synchronise) every op first."""
+        The buffers stay mapped while views of them live. Idempotent. From another thread
+        while an op runs: the op finishes or raises, and the endpoint leaves once it returns.
+        On the CUDA backend wait for (or synchronise) every op first."""
         self._c.close()
 
     @property
@@ -365,8 +373,9 @@ class Endpoint:
         (token index fastest, DeepEP's layout); round_scale: power-of-two scales;
         use_ue8m0 (needs both, and H % 512 == 0): recv_scales packed UE8M0 int32
         [E/R, R*Mll, H/512] (four exponent bytes per word, block 4j + i in byte i), strides
-        (H/512*R*Mll, 1, R*Mll). num_tokens: [1] int32 device tensor holding T
-        (client-launched mode). max_dispatch_tokens_per_rank: 0 or the spec's Mll.
+        (H/512*R*Mll, 1, R*Mll). num_tokens: None (T = x's rows) or, on a client-launched
+        endpoint only, a [1] int32 tensor on the endpoint's GPU holding T (not an int).
+        max_dispatch_tokens_per_rank: 0 or the spec's Mll.
         Returns a LowLatencyDispatchResult (recv_x, recv_scales, recv_count, recv_src_info,
         handle), valid until the low-latency dispatch after next; wait=False: a PendingOp.
         InvalidArgumentError names use_ue8m0 when it lacks use_fp8, round_scale or

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <utility>
 
+#include "args.h"
+
 namespace epd_py {
 namespace {
 
@@ -36,14 +38,6 @@ struct DLManagedTensorVersioned {
   uint64_t flags;
   DLTensor dl_tensor;
 };
-
-std::string TypeNameOf(py::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
-
-// The pending Python exception as "Type: message", cleared.
-std::string FetchErrorText() {
-  py::error_already_set e;
-  return e.what();
-}
 
 // The memory behind one exported capsule: the managed tensor, its shape and strides, and
 // the endpoint that owns the data.

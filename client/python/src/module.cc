@@ -5,12 +5,14 @@
 #include <pybind11/pybind11.h>
 
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "args.h"
 #include "dlpack_io.h"
 
 namespace epd_py {
@@ -123,17 +125,21 @@ class Endpoint;
 
 class Client {
  public:
-  static std::shared_ptr<Client> Connect(py::object socket_path, const std::string& client_name,
-                                         int64_t timeout_ms) {
+  /// timeout: seconds (None or 0: the C ABI's default, 5 s).
+  static std::shared_ptr<Client> Connect(py::handle socket_path, py::handle client_name,
+                                         py::handle timeout) {
+    static constexpr const char* kOp = "connect";
     std::string path;
     epd_client_options_t options{};
     options.struct_size = sizeof(options);
     if (!socket_path.is_none()) {
-      path = socket_path.cast<std::string>();
+      path = ToPath(socket_path, kOp, "socket");
       options.socket_path = path.c_str();
     }
-    options.client_name = client_name.c_str();
-    options.connect_timeout_ms = timeout_ms;
+    const std::string name = ToCString(client_name, kOp, "client_name");
+    options.client_name = name.c_str();
+    options.connect_timeout_ms =
+        TimeoutMs(timeout, kOp, 0, static_cast<int64_t>(kMaxTimeoutSeconds * 1000), "5 s");
     epd_client_t* client = nullptr;
     epd_status_t status;
     {
@@ -146,22 +152,25 @@ class Client {
 
   explicit Client(std::shared_ptr<ClientCore> core) : core_(std::move(core)) {}
 
-  ClientCore& Live(const char* what) const {
+  /// A strong reference to the C client for one call: close() from another thread while
+  /// the call runs without the GIL then cannot destroy the client under it.
+  std::shared_ptr<ClientCore> Live(const char* what) const {
     if (core_ == nullptr)
       RaiseStatus(EPD_FAILED_PRECONDITION, std::string(what) + ": the client is closed");
-    return *core_;
+    return core_;
   }
 
-  std::string SessionId() const { return epd_client_session_id(Live("session_id").client); }
+  std::string SessionId() const { return epd_client_session_id(Live("session_id")->client); }
 
-  py::dict Stats() const {
+  /// `what`: the op named by the closed-client error (join asks for the backend).
+  py::dict Stats(const char* what) const {
     epd_stats_t s{};
     s.struct_size = sizeof(s);
-    epd_client_t* client = Live("stats").client;  // may raise: before the GIL is released
+    const std::shared_ptr<ClientCore> core = Live(what);  // may raise: before the GIL is released
     epd_status_t status;
     {
       py::gil_scoped_release release;
-      status = epd_client_stats(client, &s);
+      status = epd_client_stats(core->client, &s);
     }
     Check(status);
     py::dict d;
@@ -181,7 +190,8 @@ class Client {
 
   template <epd_status_t (*Fn)(epd_client_t*, char*, size_t, size_t*)>
   std::string Json(const char* what) const {
-    epd_client_t* c = Live(what).client;
+    const std::shared_ptr<ClientCore> core = Live(what);
+    epd_client_t* c = core->client;
     std::string buf(4096, '\0');
     for (int attempt = 0; attempt < 4; ++attempt) {
       size_t length = 0;
@@ -200,11 +210,14 @@ class Client {
     RaiseStatus(EPD_INTERNAL, std::string(what) + ": the JSON kept growing");
   }
 
-  std::shared_ptr<Endpoint> Join(const std::string& name, int num_ranks, int num_experts,
-                                 int hidden, int num_topk, int max_tokens_per_rank,
-                                 int ll_max_tokens_per_rank, bool use_fp8, int rank,
-                                 py::object gpu_uuid, int launch_mode, py::bytes join_secret);
+  std::shared_ptr<Endpoint> Join(py::handle name, py::handle num_ranks, py::handle num_experts,
+                                 py::handle hidden, py::handle num_topk,
+                                 py::handle max_tokens_per_rank, py::handle ll_max_tokens_per_rank,
+                                 bool use_fp8, py::handle rank, py::handle gpu_uuid,
+                                 int launch_mode, py::bytes join_secret);
 
+  /// Drops this object's hold on the C client: it is destroyed once the calls running on
+  /// other threads and the endpoints (and their views) are gone. Idempotent.
   void Close() { core_.reset(); }
   bool closed() const { return core_ == nullptr; }
 
@@ -245,9 +258,50 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
   explicit Endpoint(std::shared_ptr<EndpointCore> core)
       : core_(std::move(core)), sync_op_(NewOp()) {}
 
+  /// One call into the C endpoint (an op, a wait, a leave), made with the GIL held on entry
+  /// and exit. It marks the endpoint busy, so a second thread's call raises instead of
+  /// sharing the endpoint's op holder and ring (the C ABI takes an endpoint from one thread
+  /// at a time), and holds a strong reference to the core: close() from another thread
+  /// while the call runs without the GIL cannot destroy the C endpoint under it. A leave
+  /// asked for during the call (close() or leave() on another thread) runs when it ends.
+  class Call {
+   public:
+    Call(Endpoint& e, const char* op) : e_(e) {
+      if (e.core_ == nullptr) {
+        RaiseStatus(EPD_FAILED_PRECONDITION,
+                    std::string(op) + ": the endpoint is closed (close() was called)");
+      }
+      if (e.busy_.exchange(true, std::memory_order_acquire)) {
+        RaiseStatus(EPD_FAILED_PRECONDITION,
+                    std::string("endpoint used from two threads at once: ") + op +
+                        " while another thread's call on it is running; use an Endpoint "
+                        "from one thread at a time (docs/CLIENT_API.md section 7)");
+      }
+      core_ = e.core_;
+    }
+    ~Call() {
+      e_.busy_.store(false, std::memory_order_release);
+      if (e_.leave_pending_) {
+        e_.leave_pending_ = false;
+        py::gil_scoped_release release;
+        epd_endpoint_leave(core_->endpoint);
+      }
+      // core_ goes here: after close(), the last call destroys the C endpoint (unless views
+      // of its buffers still hold it).
+    }
+    Call(const Call&) = delete;
+    Call& operator=(const Call&) = delete;
+    epd_endpoint_t* endpoint() const { return core_->endpoint; }
+
+   private:
+    Endpoint& e_;
+    std::shared_ptr<EndpointCore> core_;
+  };
+
   EndpointCore& Live(const char* op) const {
     if (core_ == nullptr) {
-      RaiseStatus(EPD_FAILED_PRECONDITION, std::string(op) + ": the endpoint is closed");
+      RaiseStatus(EPD_FAILED_PRECONDITION,
+                  std::string(op) + ": the endpoint is closed (close() was called)");
     }
     return *core_;
   }
@@ -274,27 +328,38 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     return d;
   }
 
+  /// Leaves the group. A no-op once closed (close() left); while another thread's call
+  /// runs, the leave happens when that call returns. Idempotent.
   void Leave() {
-    epd_endpoint_t* e = Live("leave").endpoint;
+    if (core_ == nullptr) return;
+    if (busy_.load(std::memory_order_acquire)) {
+      leave_pending_ = true;
+      return;
+    }
+    Call call(*this, "leave");
     epd_status_t status;
     {
       py::gil_scoped_release release;
-      status = epd_endpoint_leave(e);
+      status = epd_endpoint_leave(call.endpoint());
     }
     Check(status);
   }
 
   /// Leaves (best effort) and drops this object's hold on the mapping: it is unmapped once
-  /// the last view made from it is gone. Idempotent.
+  /// the last view made from it, and the last call running on another thread, are gone
+  /// (that call leaves when it returns). Later calls raise FailedPreconditionError.
+  /// Idempotent.
   void Close() {
     if (core_ == nullptr) return;
-    {
-      py::gil_scoped_release release;
-      epd_endpoint_leave(core_->endpoint);
-    }
+    std::shared_ptr<EndpointCore> core = std::move(core_);  // from here on: closed
     for (ViewCache& cache : caches_) cache.Clear();
     free_ops_.clear();
-    core_.reset();
+    if (busy_.load(std::memory_order_acquire)) {
+      leave_pending_ = true;
+      return;
+    }
+    py::gil_scoped_release release;
+    epd_endpoint_leave(core->endpoint);
   }
   bool closed() const { return core_ == nullptr; }
 
@@ -328,21 +393,21 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
   // own (wait=False: returns a PendingOp).
   py::object Layout(py::handle topk_idx, py::handle stream, bool wait) {
     static constexpr const char* kOp = "get_dispatch_layout";
-    EndpointCore& c = Live(kOp);
+    Call call(*this, kOp);
     Inputs in(caches_);
     epd_layout_args_t a{};
     a.struct_size = sizeof(a);
     a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
     a.stream = ReadStream(stream, kOp);
-    return Submit(in, IsTorch(topk_idx), wait,
-                  [&](epd_op_t* op) { return epd_get_dispatch_layout(c.endpoint, &a, op); });
+    return Submit(kOp, in, IsTorch(topk_idx), wait,
+                  [&](epd_op_t* op) { return epd_get_dispatch_layout(call.endpoint(), &a, op); });
   }
 
   py::object Dispatch(py::handle x, py::handle x_scales, py::handle topk_idx,
-                      py::handle topk_weights, int expert_alignment, int num_sms, py::handle handle,
-                      py::handle stream, bool wait) {
+                      py::handle topk_weights, py::handle expert_alignment, py::handle num_sms,
+                      py::handle handle, py::handle stream, bool wait) {
     static constexpr const char* kOp = "dispatch";
-    EndpointCore& c = Live(kOp);
+    Call call(*this, kOp);
     Inputs in(caches_);
     epd_dispatch_args_t a{};
     a.struct_size = sizeof(a);
@@ -350,18 +415,18 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     a.x = in.Read(x, kOp, "x", a.x_scales != nullptr ? Relabel::kFp8Bits : Relabel::kBf16Bits);
     a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
     a.topk_weights = in.Read(topk_weights, kOp, "topk_weights");
-    a.expert_alignment = expert_alignment;
-    a.num_sms = num_sms;
+    a.expert_alignment = ToInt32(expert_alignment, kOp, "expert_alignment");
+    a.num_sms = ToInt32(num_sms, kOp, "num_sms");
     a.cached = ReadHandle(handle, kOp, "handle");
     a.stream = ReadStream(stream, kOp);
-    return Submit(in, IsTorch(x), wait,
-                  [&](epd_op_t* op) { return epd_dispatch(c.endpoint, &a, op); });
+    return Submit(kOp, in, IsTorch(x), wait,
+                  [&](epd_op_t* op) { return epd_dispatch(call.endpoint(), &a, op); });
   }
 
-  py::object Combine(py::handle x, py::handle handle, py::handle topk_weights, int num_sms,
+  py::object Combine(py::handle x, py::handle handle, py::handle topk_weights, py::handle num_sms,
                      py::handle stream, bool wait) {
     static constexpr const char* kOp = "combine";
-    EndpointCore& c = Live(kOp);
+    Call call(*this, kOp);
     Inputs in(caches_);
     epd_combine_args_t a{};
     a.struct_size = sizeof(a);
@@ -369,36 +434,44 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     a.handle = ReadHandle(handle, kOp, "handle");
     if (a.handle == nullptr) RaiseStatus(EPD_INVALID_ARGUMENT, "combine: handle is required");
     a.topk_weights = in.Read(topk_weights, kOp, "topk_weights");
-    a.num_sms = num_sms;
+    a.num_sms = ToInt32(num_sms, kOp, "num_sms");
     a.stream = ReadStream(stream, kOp);
-    return Submit(in, IsTorch(x), wait,
-                  [&](epd_op_t* op) { return epd_combine(c.endpoint, &a, op); });
+    return Submit(kOp, in, IsTorch(x), wait,
+                  [&](epd_op_t* op) { return epd_combine(call.endpoint(), &a, op); });
   }
 
-  py::object LowLatencyDispatch(py::handle x, py::handle topk_idx, int max_dispatch_tokens,
+  py::object LowLatencyDispatch(py::handle x, py::handle topk_idx, py::handle max_dispatch_tokens,
                                 bool use_fp8, bool round_scale, bool use_ue8m0,
                                 py::handle num_tokens, py::handle stream, bool wait) {
     static constexpr const char* kOp = "low_latency_dispatch";
-    EndpointCore& c = Live(kOp);
+    Call call(*this, kOp);
     Inputs in(caches_);
     epd_ll_dispatch_args_t a{};
     a.struct_size = sizeof(a);
     a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits);
     a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
-    a.max_dispatch_tokens_per_rank = max_dispatch_tokens;
+    a.max_dispatch_tokens_per_rank =
+        ToInt32(max_dispatch_tokens, kOp, "max_dispatch_tokens_per_rank");
     a.use_fp8 = use_fp8;
     a.round_scale = round_scale;
     a.use_ue8m0 = use_ue8m0;
+    if (PyLong_Check(num_tokens.ptr())) {
+      RaiseStatus(EPD_INVALID_ARGUMENT,
+                  std::string(kOp) + ": num_tokens=" + ShortRepr(num_tokens) +
+                      " is an int; num_tokens is a [1] int32 tensor on the endpoint's GPU "
+                      "holding T (client-launched endpoints only); leave it None to take T "
+                      "from x's rows");
+    }
     a.num_tokens = in.Read(num_tokens, kOp, "num_tokens");
     a.stream = ReadStream(stream, kOp);
-    return Submit(in, IsTorch(x) || IsTorch(topk_idx), wait,
-                  [&](epd_op_t* op) { return epd_low_latency_dispatch(c.endpoint, &a, op); });
+    return Submit(kOp, in, IsTorch(x) || IsTorch(topk_idx), wait,
+                  [&](epd_op_t* op) { return epd_low_latency_dispatch(call.endpoint(), &a, op); });
   }
 
   py::object LowLatencyCombine(py::handle x, py::handle topk_idx, py::handle topk_weights,
                                py::handle handle, py::handle stream, bool wait) {
     static constexpr const char* kOp = "low_latency_combine";
-    EndpointCore& c = Live(kOp);
+    Call call(*this, kOp);
     Inputs in(caches_);
     epd_ll_combine_args_t a{};
     a.struct_size = sizeof(a);
@@ -410,15 +483,21 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
       RaiseStatus(EPD_INVALID_ARGUMENT, "low_latency_combine: handle is required");
     }
     a.stream = ReadStream(stream, kOp);
-    return Submit(in, IsTorch(x) || IsTorch(topk_idx), wait,
-                  [&](epd_op_t* op) { return epd_low_latency_combine(c.endpoint, &a, op); });
+    return Submit(kOp, in, IsTorch(x) || IsTorch(topk_idx), wait,
+                  [&](epd_op_t* op) { return epd_low_latency_combine(call.endpoint(), &a, op); });
   }
 
   /// The result `op` holds (after a successful wait or enqueued), as a result object of
-  /// cached views.
-  py::object Result(const epd_op_t* op, bool torch_mode) {
-    // A closed endpoint's buffers may be unmapped: its pending ops give no views.
-    Live("the result of an op");
+  /// cached views. Called inside a Call. `what` names the call for the closed error.
+  py::object Result(const epd_op_t* op, bool torch_mode, const char* what) {
+    // Closed by another thread during the call: its buffers may be unmapped, and its
+    // caches are gone. The op itself ran.
+    if (core_ == nullptr) {
+      RaiseStatus(EPD_FAILED_PRECONDITION,
+                  std::string(what) +
+                      ": the endpoint was closed (close() on another thread) while the call "
+                      "ran; its result is not readable");
+    }
     switch (epd_op_kind(op)) {
       case EPD_OP_GET_DISPATCH_LAYOUT: {
         epd_layout_result_t r{};
@@ -464,7 +543,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
       case EPD_OP_NONE:
         break;
     }
-    RaiseStatus(EPD_FAILED_PRECONDITION, "the op holds no op");
+    RaiseStatus(EPD_FAILED_PRECONDITION, std::string(what) + ": the op holds no op");
   }
 
   OpHolder TakeOp() {
@@ -481,9 +560,14 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
   static constexpr size_t kMaxFreeOps = 64;
 
   template <typename SubmitFn>
-  py::object Submit(const Inputs& in, bool torch_mode, bool wait, SubmitFn submit);
+  py::object Submit(const char* op_name, const Inputs& in, bool torch_mode, bool wait,
+                    SubmitFn submit);
 
-  std::shared_ptr<EndpointCore> core_;
+  std::shared_ptr<EndpointCore> core_;  // null once closed
+  // Set by a Call for its duration; read and written with the GIL held, atomic so that the
+  // check stays sound without it.
+  std::atomic<bool> busy_{false};
+  bool leave_pending_ = false;  // close() or leave() during a Call: the Call leaves at its end
   OpHolder sync_op_;
   ViewCache caches_[3];  // [0] numpy mode, [1] torch mode, [2] DLViews
   py::object converters_[2] = {py::none(), py::none()};
@@ -505,17 +589,12 @@ class PendingOp {
     if (op_ != nullptr && endpoint_ != nullptr) endpoint_->ReturnOp(std::move(op_));
   }
 
-  /// timeout: None (no limit) or seconds.
+  /// timeout: None (no limit) or seconds (inf or above ~31 years: no limit).
   py::object Wait(py::handle timeout) {
-    int64_t timeout_ms = EPD_TIMEOUT_INFINITE;
-    if (!timeout.is_none()) {
-      const double seconds = timeout.cast<double>();
-      if (seconds < 0) {
-        RaiseStatus(EPD_INVALID_ARGUMENT, "wait: timeout=" + std::to_string(seconds) +
-                                              " is negative (None waits without a limit)");
-      }
-      timeout_ms = static_cast<int64_t>(seconds * 1000.0 + 0.5);
-    }
+    static constexpr const char* kOp = "wait";
+    const int64_t timeout_ms =
+        TimeoutMs(timeout, kOp, EPD_TIMEOUT_INFINITE, EPD_TIMEOUT_INFINITE, "no limit");
+    Endpoint::Call call(*endpoint_, kOp);
     epd_status_t status;
     {
       py::gil_scoped_release release;
@@ -523,12 +602,14 @@ class PendingOp {
     }
     Check(status);
     inputs_ = py::tuple();
-    return endpoint_->Result(op_.get(), torch_mode_);
+    return endpoint_->Result(op_.get(), torch_mode_, kOp);
   }
 
   py::object Enqueued() {
+    static constexpr const char* kOp = "enqueued";
+    Endpoint::Call call(*endpoint_, kOp);
     Check(epd_op_enqueued(op_.get()));
-    return endpoint_->Result(op_.get(), torch_mode_);
+    return endpoint_->Result(op_.get(), torch_mode_, kOp);
   }
 
   uint64_t seq() const { return epd_op_seq(op_.get()); }
@@ -542,11 +623,13 @@ class PendingOp {
 };
 
 template <typename SubmitFn>
-py::object Endpoint::Submit(const Inputs& in, bool torch_mode, bool wait, SubmitFn submit) {
+py::object Endpoint::Submit(const char* op_name, const Inputs& in, bool torch_mode, bool wait,
+                            SubmitFn submit) {
   // The GIL is released while epd works: a submit can block (a client-launched endpoint's
   // first op waits for its peers to join), and a wait always does; ranks driven by threads
   // of one process need each other's progress. The arguments are C structs over memory
-  // that `in` keeps alive. epd_last_error() stays this thread's.
+  // that `in` keeps alive; the caller's Call keeps the C endpoint alive and this thread
+  // its only user. epd_last_error() stays this thread's.
   epd_status_t status;
   if (wait) {
     {
@@ -555,7 +638,7 @@ py::object Endpoint::Submit(const Inputs& in, bool torch_mode, bool wait, Submit
       if (status == EPD_OK) status = epd_op_wait(sync_op_.get(), EPD_TIMEOUT_INFINITE);
     }
     Check(status);
-    return Result(sync_op_.get(), torch_mode);
+    return Result(sync_op_.get(), torch_mode, op_name);
   }
   OpHolder op = TakeOp();
   {
@@ -570,25 +653,29 @@ py::object Endpoint::Submit(const Inputs& in, bool torch_mode, bool wait, Submit
   return py::cast(PendingOp(shared_from_this(), std::move(op), in.Keep(), torch_mode));
 }
 
-std::shared_ptr<Endpoint> Client::Join(const std::string& name, int num_ranks, int num_experts,
-                                       int hidden, int num_topk, int max_tokens_per_rank,
-                                       int ll_max_tokens_per_rank, bool use_fp8, int rank,
-                                       py::object gpu_uuid, int launch_mode,
+std::shared_ptr<Endpoint> Client::Join(py::handle name, py::handle num_ranks,
+                                       py::handle num_experts, py::handle hidden,
+                                       py::handle num_topk, py::handle max_tokens_per_rank,
+                                       py::handle ll_max_tokens_per_rank, bool use_fp8,
+                                       py::handle rank, py::handle gpu_uuid, int launch_mode,
                                        py::bytes join_secret) {
-  ClientCore& c = Live("join");
-  std::string gpu = gpu_uuid.is_none() ? "" : gpu_uuid.cast<std::string>();
+  static constexpr const char* kOp = "join";
+  const std::shared_ptr<ClientCore> core = Live(kOp);
+  const std::string group = ToCString(name, kOp, "spec.name");
+  const std::string gpu = gpu_uuid.is_none() ? "" : ToCString(gpu_uuid, kOp, "gpu");
   std::string secret = join_secret;
   epd_join_options_t o{};
   o.struct_size = sizeof(o);
-  o.name = name.c_str();
-  o.num_ranks = num_ranks;
-  o.num_experts = num_experts;
-  o.hidden = hidden;
-  o.num_topk = num_topk;
-  o.max_tokens_per_rank = max_tokens_per_rank;
-  o.ll_max_tokens_per_rank = ll_max_tokens_per_rank;
+  o.name = group.c_str();
+  o.num_ranks = ToInt32(num_ranks, kOp, "spec.num_ranks");
+  o.num_experts = ToInt32(num_experts, kOp, "spec.num_experts");
+  o.hidden = ToInt32(hidden, kOp, "spec.hidden");
+  o.num_topk = ToInt32(num_topk, kOp, "spec.num_topk");
+  o.max_tokens_per_rank = ToInt32(max_tokens_per_rank, kOp, "spec.max_tokens_per_rank");
+  o.ll_max_tokens_per_rank =
+      ToInt32(ll_max_tokens_per_rank, kOp, "spec.max_dispatch_tokens_per_rank");
   o.use_fp8 = use_fp8;
-  o.rank = rank;
+  o.rank = ToInt32(rank, kOp, "rank");
   o.gpu_uuid = gpu.c_str();
   o.launch_mode = launch_mode;
   o.join_secret = secret.empty() ? nullptr : secret.data();
@@ -597,10 +684,14 @@ std::shared_ptr<Endpoint> Client::Join(const std::string& name, int num_ranks, i
   epd_status_t status;
   {
     py::gil_scoped_release release;
-    status = epd_client_join(c.client, &o, &e);
+    status = epd_client_join(core->client, &o, &e);
   }
   Check(status);
-  return std::make_shared<Endpoint>(std::make_shared<EndpointCore>(e, core_));
+  auto endpoint_core = std::make_shared<EndpointCore>(e, core);
+  if (core_ == nullptr) {  // close() ran on another thread during the join: leave again
+    RaiseStatus(EPD_FAILED_PRECONDITION, "join: the client was closed while joining");
+  }
+  return std::make_shared<Endpoint>(std::move(endpoint_core));
 }
 
 std::string HandleRepr(const Handle& h) {
@@ -665,7 +756,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PendingOp>(m, "PendingOp",
                         "A submitted op (wait=False). wait(timeout=None) blocks until every "
                         "rank's part is done (timeout in seconds: DeadlineExceededError, the op "
-                        "stays pending) and returns the result; enqueued() returns it without a "
+                        "stays pending; NaN or negative: InvalidArgumentError; inf: no limit) "
+                        "and returns the result; enqueued() returns it without a "
                         "CPU wait (CUDA backend, op given a stream).")
       .def("wait", &PendingOp::Wait, py::arg("timeout") = py::none())
       .def("enqueued", &PendingOp::Enqueued)
@@ -693,7 +785,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Client, std::shared_ptr<Client>>(m, "Client")
       .def_static("connect", &Client::Connect)
       .def_property_readonly("session_id", &Client::SessionId)
-      .def("stats", &Client::Stats)
+      .def("stats", &Client::Stats, py::arg("what") = "stats")
       .def("stats_json", &Client::Json<&epd_client_stats_json>, py::arg("what") = "stats")
       .def("list_groups_json", &Client::Json<&epd_client_list_groups_json>,
            py::arg("what") = "list_groups")
