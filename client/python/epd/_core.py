@@ -267,10 +267,6 @@ class Endpoint:
     result lay in the same buffer with the same shape and strides (the C ABI's: low-latency
     FP8 recv_scales are token-index fastest). Do not resize or re-stride them in
     place. A view keeps the endpoint's memory mapped after close().
-
-    The low-latency ops reuse the DLPack export of a torch tensor passed again in the same
-    argument while its data_ptr, shape, strides, dtype and device are unchanged (holding
-    that tensor's storage until the argument's next export or close()).
     """
 
     def __init__(self, client, c_ep, fw):

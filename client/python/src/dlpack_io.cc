@@ -15,9 +15,6 @@ PyObject* g_error_types = nullptr;      // list indexed by status code
 PyTypeObject* g_torch_type = nullptr;   // torch.Tensor
 PyObject* g_torch_to_dlpack = nullptr;  // torch._C._to_dlpack (no requires_grad check)
 PyTypeObject* g_dlview_type = nullptr;  // epd._C.DLView
-// torch.Tensor.data_ptr and .stride (TorchArgCache's reads of a tensor's metadata).
-PyObject* g_torch_data_ptr = nullptr;
-PyObject* g_torch_stride = nullptr;
 
 constexpr DLDataType kBf16{kDLBfloat, 16, 1};
 constexpr DLDataType kE4m3{EPD_DL_FLOAT8_E4M3FN, 8, 1};
@@ -102,11 +99,10 @@ bool IsTorch(py::handle obj) {
   return g_torch_type != nullptr && PyObject_TypeCheck(obj.ptr(), g_torch_type);
 }
 
-namespace {
-
-// Reads `obj` (not None) into out.tensor and out.keep as its producer exports it.
-void ExportTensor(py::handle obj, const char* op, const char* field, TensorArg& out) {
+const DLTensor* ReadTensor(py::handle obj, const char* op, const char* field, TensorArg& out,
+                           Relabel relabel) {
   PyObject* o = obj.ptr();
+  if (o == Py_None) return nullptr;
   const DLTensor* src = nullptr;
   if (Py_TYPE(o) == g_dlview_type) {
     const DLView& view = obj.cast<const DLView&>();
@@ -147,10 +143,6 @@ void ExportTensor(py::handle obj, const char* op, const char* field, TensorArg& 
     src = CapsuleTensor(capsule, op, field);
   }
   if (src != &out.tensor) out.tensor = *src;
-}
-
-// What every read applies to the exported tensor: presence, compact empties, relabelling.
-const DLTensor* FinishArg(TensorArg& out, Relabel relabel) {
   out.present = true;
   // An empty tensor is compact whatever strides its producer gives it (torch gives some
   // empty tensors strides of 1).
@@ -163,130 +155,6 @@ const DLTensor* FinishArg(TensorArg& out, Relabel relabel) {
   if (relabel == Relabel::kBf16Bits && Same(out.tensor.dtype, kU16)) out.tensor.dtype = kBf16;
   if (relabel == Relabel::kFp8Bits && Same(out.tensor.dtype, kU8)) out.tensor.dtype = kE4m3;
   return &out.tensor;
-}
-
-// A new reference from `fn(obj)`, or nullptr with the error cleared.
-PyObject* CallOrClear(PyObject* fn, PyObject* obj) {
-  PyObject* r = PyObject_CallOneArg(fn, obj);
-  if (r == nullptr) PyErr_Clear();
-  return r;
-}
-
-// Reads a tuple of at most kMaxDims ints; false (error cleared) otherwise.
-bool ReadDims(PyObject* tuple, int* ndim, int64_t* dims) {
-  if (tuple == nullptr || !PyTuple_Check(tuple)) return false;
-  const Py_ssize_t n = PyTuple_GET_SIZE(tuple);
-  if (n > DLView::kMaxDims) return false;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    const long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, i));
-    if (v == -1 && PyErr_Occurred()) {
-      PyErr_Clear();
-      return false;
-    }
-    dims[i] = v;
-  }
-  *ndim = static_cast<int>(n);
-  return true;
-}
-
-}  // namespace
-
-const DLTensor* ReadTensor(py::handle obj, const char* op, const char* field, TensorArg& out,
-                           Relabel relabel) {
-  if (obj.ptr() == Py_None) return nullptr;
-  ExportTensor(obj, op, field, out);
-  return FinishArg(out, relabel);
-}
-
-bool TorchArgCache::ReadMeta(PyObject* obj, Meta& m) {
-  static PyObject* const kShape = PyUnicode_InternFromString("shape");
-  static PyObject* const kDtype = PyUnicode_InternFromString("dtype");
-  static PyObject* const kDevice = PyUnicode_InternFromString("device");
-  PyObject* ptr = CallOrClear(g_torch_data_ptr, obj);
-  if (ptr == nullptr) return false;
-  m.data_ptr = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(ptr));
-  Py_DECREF(ptr);
-  if (PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
-  py::object sizes = py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, kShape));
-  if (!sizes) PyErr_Clear();
-  if (!ReadDims(sizes.ptr(), &m.ndim, m.sizes)) return false;
-  py::object strides = py::reinterpret_steal<py::object>(CallOrClear(g_torch_stride, obj));
-  int stride_dims = -1;
-  if (!ReadDims(strides.ptr(), &stride_dims, m.strides) || stride_dims != m.ndim) return false;
-  m.dtype = py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, kDtype));
-  m.device = py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, kDevice));
-  if (!m.dtype || !m.device) {
-    PyErr_Clear();
-    return false;
-  }
-  return true;
-}
-
-bool TorchArgCache::Matches(const Meta& m) const {
-  if (m.data_ptr != meta_.data_ptr || m.ndim != meta_.ndim || !m.dtype.is(meta_.dtype)) {
-    return false;
-  }
-  for (int i = 0; i < m.ndim; ++i) {
-    if (m.sizes[i] != meta_.sizes[i] || m.strides[i] != meta_.strides[i]) return false;
-  }
-  if (m.device.is(meta_.device)) return true;
-  const int same = PyObject_RichCompareBool(m.device.ptr(), meta_.device.ptr(), Py_EQ);
-  if (same < 0) PyErr_Clear();
-  return same == 1;
-}
-
-void TorchArgCache::Clear() {
-  capsule_ = py::object();
-  meta_ = Meta();
-}
-
-const DLTensor* TorchArgCache::Read(py::handle obj, const char* op, const char* field,
-                                    TensorArg& out, Relabel relabel) {
-  PyObject* o = obj.ptr();
-  if (g_torch_type == nullptr || g_torch_to_dlpack == nullptr || g_torch_stride == nullptr ||
-      Py_TYPE(o) != g_torch_type) {
-    return ReadTensor(obj, op, field, out, relabel);
-  }
-  Meta m;
-  if (!ReadMeta(o, m)) {
-    Clear();
-    return ReadTensor(obj, op, field, out, relabel);
-  }
-  if (capsule_ && Matches(m)) {
-    ++hits_;
-    out.keep = capsule_;
-    out.tensor = tensor_;
-    for (int i = 0; i < tensor_.ndim; ++i) {
-      out.shape[i] = shape_[i];
-      out.strides[i] = strides_[i];
-    }
-    out.tensor.shape = out.shape;
-    out.tensor.strides = strided_ ? out.strides : nullptr;
-    return FinishArg(out, relabel);
-  }
-  Clear();
-  ExportTensor(obj, op, field, out);
-  // Kept only when the export is the tensor torch described (its data and shape).
-  const DLTensor& t = out.tensor;
-  bool keep = PyCapsule_CheckExact(out.keep.ptr()) && t.ndim == m.ndim && t.shape != nullptr &&
-              reinterpret_cast<uintptr_t>(t.data) + t.byte_offset == m.data_ptr;
-  for (int i = 0; keep && i < t.ndim; ++i) keep = t.shape[i] == m.sizes[i];
-  if (keep) {
-    capsule_ = out.keep;
-    tensor_ = t;
-    for (int i = 0; i < t.ndim; ++i) {
-      shape_[i] = t.shape[i];
-      strides_[i] = t.strides != nullptr ? t.strides[i] : 0;
-    }
-    strided_ = t.strides != nullptr;
-    tensor_.shape = nullptr;
-    tensor_.strides = nullptr;
-    meta_ = std::move(m);
-  }
-  return FinishArg(out, relabel);
 }
 
 void* ReadStream(py::handle obj, const char* op) {
@@ -531,41 +399,9 @@ class ViewCacheProbe {
   ViewCache cache_;
 };
 
-// A TorchArgCache of its own, for the suites: the DLTensor an op would read for a tensor
-// (data pointer, shape, strides or None, dtype name, (device type, id)) and the reuses.
-class TorchArgProbe {
- public:
-  py::tuple Read(py::handle tensor) {
-    TensorArg arg;
-    const DLTensor* t = cache_.Read(tensor, "_TorchArgProbe.read", "tensor", arg);
-    if (t == nullptr) RaiseStatus(EPD_INVALID_ARGUMENT, "_TorchArgProbe.read: None");
-    py::tuple shape(t->ndim);
-    py::tuple strides(t->ndim);
-    for (int i = 0; i < t->ndim; ++i) {
-      shape[i] = py::int_(t->shape[i]);
-      if (t->strides != nullptr) strides[i] = py::int_(t->strides[i]);
-    }
-    return py::make_tuple(
-        reinterpret_cast<uintptr_t>(t->data) + t->byte_offset, shape,
-        t->strides != nullptr ? py::object(strides) : py::none(), DtypeName(t->dtype),
-        py::make_tuple(static_cast<int>(t->device.device_type), t->device.device_id));
-  }
-  uint64_t hits() const { return cache_.hits(); }
-  void Clear() { cache_.Clear(); }
-
- private:
-  TorchArgCache cache_;
-};
-
 }  // namespace
 
 void BindDlpack(py::module_& m) {
-  py::class_<TorchArgProbe>(m, "_TorchArgProbe",
-                            "Test hook: a torch argument export cache over caller tensors.")
-      .def(py::init<>())
-      .def("read", &TorchArgProbe::Read)
-      .def("clear", &TorchArgProbe::Clear)
-      .def_property_readonly("hits", &TorchArgProbe::hits);
   py::class_<ViewCacheProbe>(m, "_ViewCacheProbe",
                              "Test hook: a view cache over caller tensors (memory they own).")
       .def(py::init<>())
@@ -606,11 +442,6 @@ void BindDlpack(py::module_& m) {
         m.attr("_torch_to_dlpack") = to_dlpack;
         g_torch_type = reinterpret_cast<PyTypeObject*>(tensor_type.ptr());
         g_torch_to_dlpack = to_dlpack.is_none() ? nullptr : to_dlpack.ptr();
-        py::tuple methods =
-            py::make_tuple(tensor_type.attr("data_ptr"), tensor_type.attr("stride"));
-        m.attr("_torch_methods") = methods;
-        g_torch_data_ptr = methods[0].ptr();
-        g_torch_stride = methods[1].ptr();
       },
       "Registers torch.Tensor and a function returning its DLPack capsule.");
 }

@@ -71,44 +71,6 @@ struct TensorArg {
 const DLTensor* ReadTensor(py::handle obj, const char* op, const char* field, TensorArg& out,
                            Relabel relabel = Relabel::kNone);
 
-/// The DLPack export of the last exact torch.Tensor read through it, reused while torch
-/// reports the same data_ptr(), size(), stride(), dtype and device for the tensor passed:
-/// the export is a function of these alone, so a reused one is exactly what a new export
-/// would give (a tensor resized, re-strided, re-pointed or changed in dtype or device in
-/// place is exported again). One per op argument of the hot (low-latency) ops: it keeps the
-/// last tensor's export, and so its storage, alive until the next export into it or Clear().
-class TorchArgCache {
- public:
-  /// As ReadTensor for an exact torch.Tensor `obj` (other objects: ReadTensor).
-  const DLTensor* Read(py::handle obj, const char* op, const char* field, TensorArg& out,
-                       Relabel relabel = Relabel::kNone);
-  void Clear();
-  /// Reads that reused the export (for the suites).
-  uint64_t hits() const { return hits_; }
-
- private:
-  /// Fills the torch-reported metadata of `obj`; false when torch raised or the tensor has
-  /// more than kMaxDims dimensions (the error is cleared: the export path reports it).
-  struct Meta {
-    uintptr_t data_ptr = 0;
-    int ndim = 0;
-    int64_t sizes[4] = {};
-    int64_t strides[4] = {};
-    py::object dtype;
-    py::object device;
-  };
-  static bool ReadMeta(PyObject* obj, Meta& m);
-  bool Matches(const Meta& m) const;
-
-  py::object capsule_;  // the export; none when empty
-  DLTensor tensor_{};   // its DLTensor as exported, shape and strides in the arrays below
-  int64_t shape_[4] = {};
-  int64_t strides_[4] = {};
-  bool strided_ = false;
-  Meta meta_;  // what torch reported at the export
-  uint64_t hits_ = 0;
-};
-
 /// True when `obj` is a torch.Tensor (the type registered by epd._C._set_torch).
 bool IsTorch(py::handle obj);
 

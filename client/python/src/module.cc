@@ -236,14 +236,12 @@ struct Inputs {
   const ViewCache* caches;  // [3]: an endpoint's own views are read without an export
   std::array<TensorArg, 4> args;
   int used = 0;
-  /// `exports`: the argument's export cache (torch tensors), or null.
   const DLTensor* Read(py::handle obj, const char* op, const char* field,
-                       Relabel relabel = Relabel::kNone, TorchArgCache* exports = nullptr) {
+                       Relabel relabel = Relabel::kNone) {
     TensorArg& arg = args[used++];
     if (caches[1].Find(obj, arg) || caches[0].Find(obj, arg) || caches[2].Find(obj, arg)) {
       return &arg.tensor;
     }
-    if (exports != nullptr) return exports->Read(obj, op, field, arg, relabel);
     return ReadTensor(obj, op, field, arg, relabel);
   }
   py::tuple Keep() const {
@@ -355,7 +353,6 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     if (core_ == nullptr) return;
     std::shared_ptr<EndpointCore> core = std::move(core_);  // from here on: closed
     for (ViewCache& cache : caches_) cache.Clear();
-    for (TorchArgCache& exports : ll_exports_) exports.Clear();
     free_ops_.clear();
     if (busy_.load(std::memory_order_acquire)) {
       leave_pending_ = true;
@@ -390,13 +387,6 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
   }
 
   size_t CacheSize() const { return caches_[0].size() + caches_[1].size() + caches_[2].size(); }
-
-  /// Low-latency op arguments read through a kept export (for the suites).
-  uint64_t ExportHits() const {
-    uint64_t n = 0;
-    for (const TorchArgCache& exports : ll_exports_) n += exports.hits();
-    return n;
-  }
 
   // The five ops. Each reads its tensors, submits into the endpoint's reusable holder
   // (wait=True: waits with the GIL released and returns the result) or into a holder of its
@@ -458,8 +448,8 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     Inputs in(caches_);
     epd_ll_dispatch_args_t a{};
     a.struct_size = sizeof(a);
-    a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits, &ll_exports_[kLlDispatchX]);
-    a.topk_idx = in.Read(topk_idx, kOp, "topk_idx", Relabel::kNone, &ll_exports_[kLlDispatchIdx]);
+    a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits);
+    a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
     a.max_dispatch_tokens_per_rank =
         ToInt32(max_dispatch_tokens, kOp, "max_dispatch_tokens_per_rank");
     a.use_fp8 = use_fp8;
@@ -485,10 +475,9 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     Inputs in(caches_);
     epd_ll_combine_args_t a{};
     a.struct_size = sizeof(a);
-    a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits, &ll_exports_[kLlCombineX]);
-    a.topk_idx = in.Read(topk_idx, kOp, "topk_idx", Relabel::kNone, &ll_exports_[kLlCombineIdx]);
-    a.topk_weights =
-        in.Read(topk_weights, kOp, "topk_weights", Relabel::kNone, &ll_exports_[kLlCombineWeights]);
+    a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits);
+    a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
+    a.topk_weights = in.Read(topk_weights, kOp, "topk_weights");
     a.handle = ReadHandle(handle, kOp, "handle");
     if (a.handle == nullptr) {
       RaiseStatus(EPD_INVALID_ARGUMENT, "low_latency_combine: handle is required");
@@ -581,9 +570,6 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
   bool leave_pending_ = false;  // close() or leave() during a Call: the Call leaves at its end
   OpHolder sync_op_;
   ViewCache caches_[3];  // [0] numpy mode, [1] torch mode, [2] DLViews
-  // The torch tensor arguments of the low-latency ops, read through kept exports.
-  enum { kLlDispatchX, kLlDispatchIdx, kLlCombineX, kLlCombineIdx, kLlCombineWeights, kLlArgs };
-  TorchArgCache ll_exports_[kLlArgs];
   py::object converters_[2] = {py::none(), py::none()};
   std::vector<OpHolder> free_ops_;
 };
@@ -790,7 +776,6 @@ PYBIND11_MODULE(_C, m) {
       .def("input_region", &Endpoint::InputRegion)
       .def("set_converters", &Endpoint::SetConverters)
       .def("cache_size", &Endpoint::CacheSize)
-      .def("_export_hits", &Endpoint::ExportHits)
       .def("layout", &Endpoint::Layout)
       .def("dispatch", &Endpoint::Dispatch)
       .def("combine", &Endpoint::Combine)
