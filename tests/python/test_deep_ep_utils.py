@@ -232,3 +232,23 @@ def test_bench_kineto_without_matching_kernels(monkeypatch):
     for send_recv, zero in both:
         assert 0.002 <= send_recv < 0.02 and zero == 0.0, both
     assert len(barriers) == 2 * (4 + 4)  # profiled calls, then the timed ones
+
+
+def test_byte_and_alignment_arguments_are_checked_ints():
+    """Buffer's byte budgets and dispatch's expert_alignment take anything with __index__
+    (numpy integers too) and refuse bool, float and str with InvalidArgumentError naming
+    the argument (a raw TypeError or a misleading message before)."""
+    import numpy as np
+
+    import epd
+    from epd.deep_ep.buffer import _non_negative_int
+
+    assert _non_negative_int("Buffer", "num_nvl_bytes", np.int64(1 << 20)) == 1 << 20
+    assert type(_non_negative_int("Buffer", "num_nvl_bytes", np.int64(7))) is int
+    for bad in (True, 2.0, "2", None):
+        with pytest.raises(epd.InvalidArgumentError, match="expert_alignment"):
+            _non_negative_int("dispatch", "expert_alignment", bad)
+    with pytest.raises(epd.InvalidArgumentError, match="num_rdma_bytes = -1"):
+        _non_negative_int("Buffer", "num_rdma_bytes", -1)
+    with pytest.raises(epd.InvalidArgumentError, match="num_nvl_bytes = '2'"):
+        deep_ep.Buffer(None, num_nvl_bytes="2")

@@ -10,6 +10,7 @@ Every op runs on torch.cuda.current_stream() (CUDA) or synchronously (epd's host
 CPU tensors). Every rank must issue the same ops in the same order, as with DeepEP.
 """
 
+import operator
 import os
 import secrets
 import socket
@@ -150,6 +151,17 @@ def _layout_range(src_info: torch.Tensor, recv_count: torch.Tensor, mll: int, nu
     return (begin << 32) | counts
 
 
+def _non_negative_int(op: str, name: str, value) -> int:
+    """value as a Python int >= 0 (anything with __index__, e.g. numpy integers; not bool or
+    float), else InvalidArgumentError naming op, the argument and the value."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise invalid(f"{op}: {name} = {value!r} ({type(value).__name__}) must be an int >= 0")
+    value = operator.index(value)
+    if value < 0:
+        raise invalid(f"{op}: {name} = {value} must be an int >= 0")
+    return value
+
+
 def _check_tensor(t, name: str, op: str, dims: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise invalid(f"{op}: {name} is a {type(t).__name__}, expected a torch.Tensor")
@@ -219,9 +231,8 @@ class Buffer:
         if not allow_nvlink_for_low_latency_mode:
             raise unsupported("allow_nvlink_for_low_latency_mode=False",
                               "epd moves low-latency data over the node's own GPU links")
-        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
-            if not isinstance(value, int) or value < 0:
-                raise invalid(f"Buffer: {name} = {value!r} must be an int >= 0")
+        num_nvl_bytes = _non_negative_int("Buffer", "num_nvl_bytes", num_nvl_bytes)
+        num_rdma_bytes = _non_negative_int("Buffer", "num_rdma_bytes", num_rdma_bytes)
         if group is not None:
             self.group = group
             self.rank, self.group_size = group.rank(), group.size()
@@ -524,6 +535,7 @@ class Buffer:
         if x_scales is not None:
             _check_tensor(x_scales, "x scales", op, 2)
             x_scales = x_scales.contiguous()
+        expert_alignment = _non_negative_int(op, "expert_alignment", expert_alignment)
         if expert_alignment < 1:
             raise invalid(f"{op}: expert_alignment {expert_alignment} must be >= 1")
         num_sms = (config or self.get_dispatch_config(self.group_size)).num_sms
