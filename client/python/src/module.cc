@@ -102,6 +102,15 @@ py::object MakeResult(PyTypeObject* type, std::initializer_list<py::object> item
   return py::reinterpret_steal<py::object>(r);
 }
 
+/// The result of kind R that `op` holds, read by `read` (an epd_op_*_result function).
+template <typename R>
+R ReadOpResult(const epd_op_t* op, epd_status_t (*read)(const epd_op_t*, R*)) {
+  R r{};
+  r.struct_size = sizeof(r);
+  Check(read(op, &r));
+  return r;
+}
+
 // ---- handle ---------------------------------------------------------------------------
 
 /// epd.Handle: the routing of a dispatch (epd_handle_t), a plain value.
@@ -500,17 +509,13 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     }
     switch (epd_op_kind(op)) {
       case EPD_OP_GET_DISPATCH_LAYOUT: {
-        epd_layout_result_t r{};
-        r.struct_size = sizeof(r);
-        Check(epd_op_layout_result(op, &r));
+        const epd_layout_result_t r = ReadOpResult(op, &epd_op_layout_result);
         return MakeResult(g_results.layout, {View(r.num_tokens_per_rank, torch_mode),
                                              View(r.num_tokens_per_expert, torch_mode),
                                              View(r.is_token_in_rank, torch_mode)});
       }
       case EPD_OP_DISPATCH: {
-        epd_dispatch_result_t r{};
-        r.struct_size = sizeof(r);
-        Check(epd_op_dispatch_result(op, &r));
+        const epd_dispatch_result_t r = ReadOpResult(op, &epd_op_dispatch_result);
         return MakeResult(g_results.dispatch,
                           {View(r.recv_x, torch_mode), View(r.recv_scales, torch_mode),
                            View(r.recv_topk_idx, torch_mode), View(r.recv_topk_weights, torch_mode),
@@ -519,25 +524,19 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
                            py::cast(Handle{r.handle}), py::int_(r.num_recv_tokens)});
       }
       case EPD_OP_COMBINE: {
-        epd_combine_result_t r{};
-        r.struct_size = sizeof(r);
-        Check(epd_op_combine_result(op, &r));
+        const epd_combine_result_t r = ReadOpResult(op, &epd_op_combine_result);
         return MakeResult(g_results.combine, {View(r.combined_x, torch_mode),
                                               View(r.combined_topk_weights, torch_mode)});
       }
       case EPD_OP_LOW_LATENCY_DISPATCH: {
-        epd_ll_dispatch_result_t r{};
-        r.struct_size = sizeof(r);
-        Check(epd_op_ll_dispatch_result(op, &r));
+        const epd_ll_dispatch_result_t r = ReadOpResult(op, &epd_op_ll_dispatch_result);
         return MakeResult(g_results.ll_dispatch,
                           {View(r.recv_x, torch_mode), View(r.recv_scales, torch_mode),
                            View(r.recv_count, torch_mode), View(r.recv_src_info, torch_mode),
                            py::cast(Handle{r.handle})});
       }
       case EPD_OP_LOW_LATENCY_COMBINE: {
-        epd_ll_combine_result_t r{};
-        r.struct_size = sizeof(r);
-        Check(epd_op_ll_combine_result(op, &r));
+        const epd_ll_combine_result_t r = ReadOpResult(op, &epd_op_ll_combine_result);
         return MakeResult(g_results.ll_combine, {View(r.combined_x, torch_mode)});
       }
       case EPD_OP_NONE:
