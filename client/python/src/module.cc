@@ -276,10 +276,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
   class Call {
    public:
     Call(Endpoint& e, const char* op) : e_(e) {
-      if (e.core_ == nullptr) {
-        RaiseStatus(EPD_FAILED_PRECONDITION,
-                    std::string(op) + ": the endpoint is closed (close() was called)");
-      }
+      e.Live(op);  // raises once closed
       if (e.busy_.exchange(true, std::memory_order_acquire)) {
         RaiseStatus(EPD_FAILED_PRECONDITION,
                     std::string("endpoint used from two threads at once: ") + op +
