@@ -118,8 +118,15 @@ struct Handle {
   epd_handle_t h{};
 };
 
-const epd_handle_t* ReadHandle(py::handle obj, const char* op, const char* field) {
-  if (obj.is_none()) return nullptr;
+/// `obj` (an epd.Handle, or None: nullptr unless `required`) as the C handle it holds.
+const epd_handle_t* ReadHandle(py::handle obj, const char* op, const char* field,
+                               bool required = false) {
+  if (obj.is_none()) {
+    if (required) {
+      RaiseStatus(EPD_INVALID_ARGUMENT, std::string(op) + ": " + field + " is required");
+    }
+    return nullptr;
+  }
   if (!py::isinstance<Handle>(obj)) {
     RaiseStatus(EPD_INVALID_ARGUMENT, std::string(op) + ": " + field + " is a " +
                                           Py_TYPE(obj.ptr())->tp_name +
@@ -437,8 +444,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     epd_combine_args_t a{};
     a.struct_size = sizeof(a);
     a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits);
-    a.handle = ReadHandle(handle, kOp, "handle");
-    if (a.handle == nullptr) RaiseStatus(EPD_INVALID_ARGUMENT, "combine: handle is required");
+    a.handle = ReadHandle(handle, kOp, "handle", /*required=*/true);
     a.topk_weights = in.Read(topk_weights, kOp, "topk_weights");
     a.num_sms = ToInt32(num_sms, kOp, "num_sms");
     a.stream = ReadStream(stream, kOp);
@@ -484,10 +490,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits);
     a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
     a.topk_weights = in.Read(topk_weights, kOp, "topk_weights");
-    a.handle = ReadHandle(handle, kOp, "handle");
-    if (a.handle == nullptr) {
-      RaiseStatus(EPD_INVALID_ARGUMENT, "low_latency_combine: handle is required");
-    }
+    a.handle = ReadHandle(handle, kOp, "handle", /*required=*/true);
     a.stream = ReadStream(stream, kOp);
     return Submit(kOp, in, IsTorch(x) || IsTorch(topk_idx), wait,
                   [&](epd_op_t* op) { return epd_low_latency_combine(call.endpoint(), &a, op); });
