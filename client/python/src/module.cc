@@ -91,14 +91,13 @@ PyTypeObject* MakeResultType(py::module_& m, const char* name, const char* doc,
   return type;
 }
 
-// Builds a struct sequence from items (stolen references).
-py::object MakeResult(PyTypeObject* type, std::initializer_list<py::object> items) {
+// Builds a struct sequence of `type` from items, in order (their references move into it).
+template <typename... Items>
+py::object MakeResult(PyTypeObject* type, Items... items) {
   PyObject* r = PyStructSequence_New(type);
   if (r == nullptr) throw py::error_already_set();
   Py_ssize_t i = 0;
-  for (const py::object& item : items) {
-    PyStructSequence_SetItem(r, i++, py::object(item).release().ptr());
-  }
+  (PyStructSequence_SetItem(r, i++, py::object(std::move(items)).release().ptr()), ...);
   return py::reinterpret_steal<py::object>(r);
 }
 
@@ -510,34 +509,33 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     switch (epd_op_kind(op)) {
       case EPD_OP_GET_DISPATCH_LAYOUT: {
         const epd_layout_result_t r = ReadOpResult(op, &epd_op_layout_result);
-        return MakeResult(g_results.layout, {View(r.num_tokens_per_rank, torch_mode),
-                                             View(r.num_tokens_per_expert, torch_mode),
-                                             View(r.is_token_in_rank, torch_mode)});
+        return MakeResult(g_results.layout, View(r.num_tokens_per_rank, torch_mode),
+                          View(r.num_tokens_per_expert, torch_mode),
+                          View(r.is_token_in_rank, torch_mode));
       }
       case EPD_OP_DISPATCH: {
         const epd_dispatch_result_t r = ReadOpResult(op, &epd_op_dispatch_result);
-        return MakeResult(g_results.dispatch,
-                          {View(r.recv_x, torch_mode), View(r.recv_scales, torch_mode),
-                           View(r.recv_topk_idx, torch_mode), View(r.recv_topk_weights, torch_mode),
-                           View(r.num_recv_tokens_per_expert, torch_mode),
-                           View(r.recv_src_info, torch_mode), View(r.recv_count, torch_mode),
-                           py::cast(Handle{r.handle}), py::int_(r.num_recv_tokens)});
+        return MakeResult(g_results.dispatch, View(r.recv_x, torch_mode),
+                          View(r.recv_scales, torch_mode), View(r.recv_topk_idx, torch_mode),
+                          View(r.recv_topk_weights, torch_mode),
+                          View(r.num_recv_tokens_per_expert, torch_mode),
+                          View(r.recv_src_info, torch_mode), View(r.recv_count, torch_mode),
+                          py::cast(Handle{r.handle}), py::int_(r.num_recv_tokens));
       }
       case EPD_OP_COMBINE: {
         const epd_combine_result_t r = ReadOpResult(op, &epd_op_combine_result);
-        return MakeResult(g_results.combine, {View(r.combined_x, torch_mode),
-                                              View(r.combined_topk_weights, torch_mode)});
+        return MakeResult(g_results.combine, View(r.combined_x, torch_mode),
+                          View(r.combined_topk_weights, torch_mode));
       }
       case EPD_OP_LOW_LATENCY_DISPATCH: {
         const epd_ll_dispatch_result_t r = ReadOpResult(op, &epd_op_ll_dispatch_result);
-        return MakeResult(g_results.ll_dispatch,
-                          {View(r.recv_x, torch_mode), View(r.recv_scales, torch_mode),
-                           View(r.recv_count, torch_mode), View(r.recv_src_info, torch_mode),
-                           py::cast(Handle{r.handle})});
+        return MakeResult(g_results.ll_dispatch, View(r.recv_x, torch_mode),
+                          View(r.recv_scales, torch_mode), View(r.recv_count, torch_mode),
+                          View(r.recv_src_info, torch_mode), py::cast(Handle{r.handle}));
       }
       case EPD_OP_LOW_LATENCY_COMBINE: {
         const epd_ll_combine_result_t r = ReadOpResult(op, &epd_op_ll_combine_result);
-        return MakeResult(g_results.ll_combine, {View(r.combined_x, torch_mode)});
+        return MakeResult(g_results.ll_combine, View(r.combined_x, torch_mode));
       }
       case EPD_OP_NONE:
         break;
