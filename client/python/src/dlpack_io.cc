@@ -143,7 +143,6 @@ const DLTensor* ReadTensor(py::handle obj, const char* op, const char* field, Te
     src = CapsuleTensor(capsule, op, field);
   }
   if (src != &out.tensor) out.tensor = *src;
-  out.present = true;
   // An empty tensor is compact whatever strides its producer gives it (torch gives some
   // empty tensors strides of 1).
   for (int i = 0; i < out.tensor.ndim && out.tensor.shape != nullptr; ++i) {
@@ -365,7 +364,6 @@ bool ViewCache::Find(py::handle obj, TensorArg& out) const {
   out.tensor.shape = out.shape;
   out.tensor.strides = stored.strided ? out.strides : nullptr;
   out.keep = py::reinterpret_borrow<py::object>(obj);
-  out.present = true;
   return true;
 }
 

@@ -61,7 +61,6 @@ struct TensorArg {
   DLTensor tensor{};
   int64_t shape[4] = {};    ///< tensor.shape when it was read from a ViewCache entry.
   int64_t strides[4] = {};  ///< tensor.strides when it was read from a strided entry.
-  bool present = false;
 };
 
 /// Reads `obj` (None, a DLView, a "dltensor" / "dltensor_versioned" capsule, or an object

@@ -91,15 +91,23 @@ PyTypeObject* MakeResultType(py::module_& m, const char* name, const char* doc,
   return type;
 }
 
-// Builds a struct sequence from items (stolen references).
-py::object MakeResult(PyTypeObject* type, std::initializer_list<py::object> items) {
+// Builds a struct sequence of `type` from items, in order (their references move into it).
+template <typename... Items>
+py::object MakeResult(PyTypeObject* type, Items... items) {
   PyObject* r = PyStructSequence_New(type);
   if (r == nullptr) throw py::error_already_set();
   Py_ssize_t i = 0;
-  for (const py::object& item : items) {
-    PyStructSequence_SetItem(r, i++, py::object(item).release().ptr());
-  }
+  (PyStructSequence_SetItem(r, i++, py::object(std::move(items)).release().ptr()), ...);
   return py::reinterpret_steal<py::object>(r);
+}
+
+/// The result of kind R that `op` holds, read by `read` (an epd_op_*_result function).
+template <typename R>
+R ReadOpResult(const epd_op_t* op, epd_status_t (*read)(const epd_op_t*, R*)) {
+  R r{};
+  r.struct_size = sizeof(r);
+  Check(read(op, &r));
+  return r;
 }
 
 // ---- handle ---------------------------------------------------------------------------
@@ -109,8 +117,15 @@ struct Handle {
   epd_handle_t h{};
 };
 
-const epd_handle_t* ReadHandle(py::handle obj, const char* op, const char* field) {
-  if (obj.is_none()) return nullptr;
+/// `obj` (an epd.Handle, or None: nullptr unless `required`) as the C handle it holds.
+const epd_handle_t* ReadHandle(py::handle obj, const char* op, const char* field,
+                               bool required = false) {
+  if (obj.is_none()) {
+    if (required) {
+      RaiseStatus(EPD_INVALID_ARGUMENT, std::string(op) + ": " + field + " is required");
+    }
+    return nullptr;
+  }
   if (!py::isinstance<Handle>(obj)) {
     RaiseStatus(EPD_INVALID_ARGUMENT, std::string(op) + ": " + field + " is a " +
                                           Py_TYPE(obj.ptr())->tp_name +
@@ -267,10 +282,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
   class Call {
    public:
     Call(Endpoint& e, const char* op) : e_(e) {
-      if (e.core_ == nullptr) {
-        RaiseStatus(EPD_FAILED_PRECONDITION,
-                    std::string(op) + ": the endpoint is closed (close() was called)");
-      }
+      e.Live(op);  // raises once closed
       if (e.busy_.exchange(true, std::memory_order_acquire)) {
         RaiseStatus(EPD_FAILED_PRECONDITION,
                     std::string("endpoint used from two threads at once: ") + op +
@@ -431,8 +443,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     epd_combine_args_t a{};
     a.struct_size = sizeof(a);
     a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits);
-    a.handle = ReadHandle(handle, kOp, "handle");
-    if (a.handle == nullptr) RaiseStatus(EPD_INVALID_ARGUMENT, "combine: handle is required");
+    a.handle = ReadHandle(handle, kOp, "handle", /*required=*/true);
     a.topk_weights = in.Read(topk_weights, kOp, "topk_weights");
     a.num_sms = ToInt32(num_sms, kOp, "num_sms");
     a.stream = ReadStream(stream, kOp);
@@ -478,10 +489,7 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     a.x = in.Read(x, kOp, "x", Relabel::kBf16Bits);
     a.topk_idx = in.Read(topk_idx, kOp, "topk_idx");
     a.topk_weights = in.Read(topk_weights, kOp, "topk_weights");
-    a.handle = ReadHandle(handle, kOp, "handle");
-    if (a.handle == nullptr) {
-      RaiseStatus(EPD_INVALID_ARGUMENT, "low_latency_combine: handle is required");
-    }
+    a.handle = ReadHandle(handle, kOp, "handle", /*required=*/true);
     a.stream = ReadStream(stream, kOp);
     return Submit(kOp, in, IsTorch(x) || IsTorch(topk_idx), wait,
                   [&](epd_op_t* op) { return epd_low_latency_combine(call.endpoint(), &a, op); });
@@ -500,45 +508,34 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
     }
     switch (epd_op_kind(op)) {
       case EPD_OP_GET_DISPATCH_LAYOUT: {
-        epd_layout_result_t r{};
-        r.struct_size = sizeof(r);
-        Check(epd_op_layout_result(op, &r));
-        return MakeResult(g_results.layout, {View(r.num_tokens_per_rank, torch_mode),
-                                             View(r.num_tokens_per_expert, torch_mode),
-                                             View(r.is_token_in_rank, torch_mode)});
+        const epd_layout_result_t r = ReadOpResult(op, &epd_op_layout_result);
+        return MakeResult(g_results.layout, View(r.num_tokens_per_rank, torch_mode),
+                          View(r.num_tokens_per_expert, torch_mode),
+                          View(r.is_token_in_rank, torch_mode));
       }
       case EPD_OP_DISPATCH: {
-        epd_dispatch_result_t r{};
-        r.struct_size = sizeof(r);
-        Check(epd_op_dispatch_result(op, &r));
-        return MakeResult(g_results.dispatch,
-                          {View(r.recv_x, torch_mode), View(r.recv_scales, torch_mode),
-                           View(r.recv_topk_idx, torch_mode), View(r.recv_topk_weights, torch_mode),
-                           View(r.num_recv_tokens_per_expert, torch_mode),
-                           View(r.recv_src_info, torch_mode), View(r.recv_count, torch_mode),
-                           py::cast(Handle{r.handle}), py::int_(r.num_recv_tokens)});
+        const epd_dispatch_result_t r = ReadOpResult(op, &epd_op_dispatch_result);
+        return MakeResult(g_results.dispatch, View(r.recv_x, torch_mode),
+                          View(r.recv_scales, torch_mode), View(r.recv_topk_idx, torch_mode),
+                          View(r.recv_topk_weights, torch_mode),
+                          View(r.num_recv_tokens_per_expert, torch_mode),
+                          View(r.recv_src_info, torch_mode), View(r.recv_count, torch_mode),
+                          py::cast(Handle{r.handle}), py::int_(r.num_recv_tokens));
       }
       case EPD_OP_COMBINE: {
-        epd_combine_result_t r{};
-        r.struct_size = sizeof(r);
-        Check(epd_op_combine_result(op, &r));
-        return MakeResult(g_results.combine, {View(r.combined_x, torch_mode),
-                                              View(r.combined_topk_weights, torch_mode)});
+        const epd_combine_result_t r = ReadOpResult(op, &epd_op_combine_result);
+        return MakeResult(g_results.combine, View(r.combined_x, torch_mode),
+                          View(r.combined_topk_weights, torch_mode));
       }
       case EPD_OP_LOW_LATENCY_DISPATCH: {
-        epd_ll_dispatch_result_t r{};
-        r.struct_size = sizeof(r);
-        Check(epd_op_ll_dispatch_result(op, &r));
-        return MakeResult(g_results.ll_dispatch,
-                          {View(r.recv_x, torch_mode), View(r.recv_scales, torch_mode),
-                           View(r.recv_count, torch_mode), View(r.recv_src_info, torch_mode),
-                           py::cast(Handle{r.handle})});
+        const epd_ll_dispatch_result_t r = ReadOpResult(op, &epd_op_ll_dispatch_result);
+        return MakeResult(g_results.ll_dispatch, View(r.recv_x, torch_mode),
+                          View(r.recv_scales, torch_mode), View(r.recv_count, torch_mode),
+                          View(r.recv_src_info, torch_mode), py::cast(Handle{r.handle}));
       }
       case EPD_OP_LOW_LATENCY_COMBINE: {
-        epd_ll_combine_result_t r{};
-        r.struct_size = sizeof(r);
-        Check(epd_op_ll_combine_result(op, &r));
-        return MakeResult(g_results.ll_combine, {View(r.combined_x, torch_mode)});
+        const epd_ll_combine_result_t r = ReadOpResult(op, &epd_op_ll_combine_result);
+        return MakeResult(g_results.ll_combine, View(r.combined_x, torch_mode));
       }
       case EPD_OP_NONE:
         break;
