@@ -162,11 +162,13 @@ def _non_negative_int(op: str, name: str, value) -> int:
     return value
 
 
-def _check_tensor(t, name: str, op: str, dims: int) -> None:
+def _check_tensor(t, name: str, op: str, dims: int, dtype: Optional[torch.dtype] = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise invalid(f"{op}: {name} is a {type(t).__name__}, expected a torch.Tensor")
     if t.dim() != dims:
         raise invalid(f"{op}: {name} has shape {tuple(t.shape)}, expected {dims} dims")
+    if dtype is not None and t.dtype != dtype:
+        raise invalid(f"{op}: {name} is {t.dtype}, expected {dtype}")
 
 
 def _pad_columns(t: Optional[torch.Tensor], width: int, fill) -> Optional[torch.Tensor]:
@@ -479,9 +481,7 @@ class Buffer:
         once the Buffer's normal group exists, by torch before (it is a local computation)."""
         op = "get_dispatch_layout"
         self._live(op)
-        _check_tensor(topk_idx, "topk_idx", op, 2)
-        if topk_idx.dtype != torch.int64:
-            raise invalid(f"{op}: topk_idx is {topk_idx.dtype}, expected torch.int64")
+        _check_tensor(topk_idx, "topk_idx", op, 2, torch.int64)
         if num_experts <= 0 or num_experts % self.group_size != 0:
             raise invalid(f"{op}: num_experts {num_experts} is not a positive multiple of the "
                           f"{self.group_size} ranks")
@@ -561,9 +561,7 @@ class Buffer:
         num_experts = num_tokens_per_expert.numel()
         with_topk = topk_idx is not None
         if with_topk:
-            _check_tensor(topk_idx, "topk_idx", op, 2)
-            if topk_idx.dtype != torch.int64:
-                raise invalid(f"{op}: topk_idx is {topk_idx.dtype}, expected torch.int64")
+            _check_tensor(topk_idx, "topk_idx", op, 2, torch.int64)
         if tuple(is_token_in_rank.shape) != (num_tokens, self.group_size):
             raise invalid(f"{op}: is_token_in_rank has shape {tuple(is_token_in_rank.shape)}, "
                           f"expected ({num_tokens}, {self.group_size})")
