@@ -47,9 +47,8 @@ class _Group:
     def __init__(self, ep):
         self.ep = ep
         self.spec = ep.spec
-        self.client_launched = ep.info.launch_mode == "client"
         # Its ops submitted without a CPU wait (CUDA backend), not waited for yet.
-        self.pending = PendingOps(self.client_launched, _LL_CHECK_EVERY)
+        self.pending = PendingOps(ep.info.launch_mode == "client", _LL_CHECK_EVERY)
 
     def bytes_for(self, **changes) -> int:
         s = self.spec
@@ -72,14 +71,13 @@ class DispatchHandle(tuple):
     combine and cached dispatch after later dispatches (docs/DEEP_EP.md "Handles").
     """
 
-    def __new__(cls, items, owner, group, ep_handle, generation, routing, num_topk):
+    def __new__(cls, items, owner, group, ep_handle, generation, routing):
         self = super().__new__(cls, items)
         self._owner = owner
         self._group = group
         self._ep_handle = ep_handle
         self._generation = generation
         self._routing = routing
-        self._num_topk = num_topk
         return self
 
 
@@ -594,7 +592,7 @@ class Buffer:
         rank_prefix[:, self.rank] = prefix
         new_handle = DispatchHandle(
             (rank_prefix, None, None, (src_info % m).to(torch.int32), is_token_in_rank.bool(), None),
-            self, g, res.handle, self._generation, routing, user_topk)
+            self, g, res.handle, self._generation, routing)
 
         rows = num_worst_tokens if num_worst_tokens > 0 else n
         if num_worst_tokens > 0 and num_worst_tokens < n:
