@@ -386,9 +386,15 @@ class Buffer:
     def _event(self, async_finish: bool) -> EventOverlap:
         return EventOverlap(EventHandle()) if async_finish else EventOverlap()
 
-    def _join(self, suffix: str, spec_args: dict) -> _Group:
-        spec = _epd_core.GroupSpec(name=f"{self._name}-{suffix}", num_ranks=self.group_size,
-                                   **spec_args)
+    def _join(self, suffix: str, shape: dict) -> _Group:
+        """Joins the epd group of `shape` (_sizes.endpoint_bytes' keywords; num_ranks is the
+        Buffer's group size)."""
+        spec = _epd_core.GroupSpec(
+            name=f"{self._name}-{suffix}", num_ranks=self.group_size, hidden=shape["hidden"],
+            num_topk=shape["num_topk"], num_experts=shape["num_experts"],
+            max_tokens_per_rank=shape["max_tokens_per_rank"],
+            max_dispatch_tokens_per_rank=shape["ll_max_tokens_per_rank"],
+            use_fp8=shape["use_fp8"])
         gpu = torch.cuda.current_device() if self._cuda else None
         ep = self._client.join(spec, self.rank, gpu=gpu, launch_mode=self._launch_mode,
                                join_secret=self._secret)
@@ -411,10 +417,7 @@ class Buffer:
                 raise too_small("num_nvl_bytes", needed, self.num_nvl_bytes,
                                 f"{op} of {num_tokens} tokens x {hidden} channels over "
                                 f"{self.group_size} ranks")
-            self._normal = g = self._join(
-                "n", dict(hidden=hidden, num_topk=shape["num_topk"], num_experts=num_experts,
-                          max_tokens_per_rank=m, max_dispatch_tokens_per_rank=0,
-                          use_fp8=shape["use_fp8"]))
+            self._normal = g = self._join("n", dict(shape, max_tokens_per_rank=m))
             return g
         s = g.spec
         if hidden != s.hidden or num_experts != s.num_experts or num_topk > s.num_topk:
@@ -706,10 +709,7 @@ class Buffer:
             raise too_small("num_rdma_bytes", needed, self.num_rdma_bytes,
                             f"{op} of up to {mll} tokens x {hidden} channels, top-k {num_topk}, "
                             f"{num_experts} experts over {self.group_size} ranks")
-        self._ll = g = self._join(
-            "ll", dict(hidden=hidden, num_topk=num_topk, num_experts=num_experts,
-                       max_tokens_per_rank=1, max_dispatch_tokens_per_rank=mll,
-                       use_fp8=shape["use_fp8"]))
+        self._ll = g = self._join("ll", shape)
         return g
 
     def _ll_submit(self, g: _Group, submit: Callable, hook_wanted: bool):
