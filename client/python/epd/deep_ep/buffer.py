@@ -47,9 +47,8 @@ class _Group:
     def __init__(self, ep):
         self.ep = ep
         self.spec = ep.spec
-        self.client_launched = ep.info.launch_mode == "client"
         # Its ops submitted without a CPU wait (CUDA backend), not waited for yet.
-        self.pending = PendingOps(self.client_launched, _LL_CHECK_EVERY)
+        self.pending = PendingOps(ep.info.launch_mode == "client", _LL_CHECK_EVERY)
 
     def bytes_for(self, **changes) -> int:
         s = self.spec
@@ -72,14 +71,13 @@ class DispatchHandle(tuple):
     combine and cached dispatch after later dispatches (docs/DEEP_EP.md "Handles").
     """
 
-    def __new__(cls, items, owner, group, ep_handle, generation, routing, num_topk):
+    def __new__(cls, items, owner, group, ep_handle, generation, routing):
         self = super().__new__(cls, items)
         self._owner = owner
         self._group = group
         self._ep_handle = ep_handle
         self._generation = generation
         self._routing = routing
-        self._num_topk = num_topk
         return self
 
 
@@ -162,11 +160,13 @@ def _non_negative_int(op: str, name: str, value) -> int:
     return value
 
 
-def _check_tensor(t, name: str, op: str, dims: int) -> None:
+def _check_tensor(t, name: str, op: str, dims: int, dtype: Optional[torch.dtype] = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise invalid(f"{op}: {name} is a {type(t).__name__}, expected a torch.Tensor")
     if t.dim() != dims:
         raise invalid(f"{op}: {name} has shape {tuple(t.shape)}, expected {dims} dims")
+    if dtype is not None and t.dtype != dtype:
+        raise invalid(f"{op}: {name} is {t.dtype}, expected {dtype}")
 
 
 def _pad_columns(t: Optional[torch.Tensor], width: int, fill) -> Optional[torch.Tensor]:
@@ -386,9 +386,15 @@ class Buffer:
     def _event(self, async_finish: bool) -> EventOverlap:
         return EventOverlap(EventHandle()) if async_finish else EventOverlap()
 
-    def _join(self, suffix: str, spec_args: dict) -> _Group:
-        spec = _epd_core.GroupSpec(name=f"{self._name}-{suffix}", num_ranks=self.group_size,
-                                   **spec_args)
+    def _join(self, suffix: str, shape: dict) -> _Group:
+        """Joins the epd group of `shape` (_sizes.endpoint_bytes' keywords; num_ranks is the
+        Buffer's group size)."""
+        spec = _epd_core.GroupSpec(
+            name=f"{self._name}-{suffix}", num_ranks=self.group_size, hidden=shape["hidden"],
+            num_topk=shape["num_topk"], num_experts=shape["num_experts"],
+            max_tokens_per_rank=shape["max_tokens_per_rank"],
+            max_dispatch_tokens_per_rank=shape["ll_max_tokens_per_rank"],
+            use_fp8=shape["use_fp8"])
         gpu = torch.cuda.current_device() if self._cuda else None
         ep = self._client.join(spec, self.rank, gpu=gpu, launch_mode=self._launch_mode,
                                join_secret=self._secret)
@@ -411,10 +417,7 @@ class Buffer:
                 raise too_small("num_nvl_bytes", needed, self.num_nvl_bytes,
                                 f"{op} of {num_tokens} tokens x {hidden} channels over "
                                 f"{self.group_size} ranks")
-            self._normal = g = self._join(
-                "n", dict(hidden=hidden, num_topk=shape["num_topk"], num_experts=num_experts,
-                          max_tokens_per_rank=m, max_dispatch_tokens_per_rank=0,
-                          use_fp8=shape["use_fp8"]))
+            self._normal = g = self._join("n", dict(shape, max_tokens_per_rank=m))
             return g
         s = g.spec
         if hidden != s.hidden or num_experts != s.num_experts or num_topk > s.num_topk:
@@ -479,9 +482,7 @@ class Buffer:
         once the Buffer's normal group exists, by torch before (it is a local computation)."""
         op = "get_dispatch_layout"
         self._live(op)
-        _check_tensor(topk_idx, "topk_idx", op, 2)
-        if topk_idx.dtype != torch.int64:
-            raise invalid(f"{op}: topk_idx is {topk_idx.dtype}, expected torch.int64")
+        _check_tensor(topk_idx, "topk_idx", op, 2, torch.int64)
         if num_experts <= 0 or num_experts % self.group_size != 0:
             raise invalid(f"{op}: num_experts {num_experts} is not a positive multiple of the "
                           f"{self.group_size} ranks")
@@ -561,9 +562,7 @@ class Buffer:
         num_experts = num_tokens_per_expert.numel()
         with_topk = topk_idx is not None
         if with_topk:
-            _check_tensor(topk_idx, "topk_idx", op, 2)
-            if topk_idx.dtype != torch.int64:
-                raise invalid(f"{op}: topk_idx is {topk_idx.dtype}, expected torch.int64")
+            _check_tensor(topk_idx, "topk_idx", op, 2, torch.int64)
         if tuple(is_token_in_rank.shape) != (num_tokens, self.group_size):
             raise invalid(f"{op}: is_token_in_rank has shape {tuple(is_token_in_rank.shape)}, "
                           f"expected ({num_tokens}, {self.group_size})")
@@ -596,7 +595,7 @@ class Buffer:
         rank_prefix[:, self.rank] = prefix
         new_handle = DispatchHandle(
             (rank_prefix, None, None, (src_info % m).to(torch.int32), is_token_in_rank.bool(), None),
-            self, g, res.handle, self._generation, routing, user_topk)
+            self, g, res.handle, self._generation, routing)
 
         rows = num_worst_tokens if num_worst_tokens > 0 else n
         if num_worst_tokens > 0 and num_worst_tokens < n:
@@ -710,10 +709,7 @@ class Buffer:
             raise too_small("num_rdma_bytes", needed, self.num_rdma_bytes,
                             f"{op} of up to {mll} tokens x {hidden} channels, top-k {num_topk}, "
                             f"{num_experts} experts over {self.group_size} ranks")
-        self._ll = g = self._join(
-            "ll", dict(hidden=hidden, num_topk=num_topk, num_experts=num_experts,
-                       max_tokens_per_rank=1, max_dispatch_tokens_per_rank=mll,
-                       use_fp8=shape["use_fp8"]))
+        self._ll = g = self._join("ll", shape)
         return g
 
     def _ll_submit(self, g: _Group, submit: Callable, hook_wanted: bool):
