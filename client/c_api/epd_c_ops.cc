@@ -32,23 +32,25 @@ epd_handle_t ToC(const Handle& h) {
   return c;
 }
 
+/// INVALID_ARGUMENT "<arg>-><field>[i]=v must be zero ..." for the first nonzero element of
+/// a handle's reserved array `values`.
+template <typename Array>
+absl::Status CheckReservedZero(const Array& values, const char* arg, const char* field) {
+  for (size_t i = 0; i < std::size(values); ++i) {
+    if (values[i] != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(arg, "->", field, "[", i, "]=", values[i],
+                       " must be zero (copy handles as epd wrote them)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 /// The C++ handle of `c` (named `arg` in errors); its reserved fields must be zero, so they
 /// can carry meaning in a later version.
 absl::StatusOr<Handle> FromC(const epd_handle_t& c, const char* arg) {
-  for (size_t i = 0; i < std::size(c.reserved0); ++i) {
-    if (c.reserved0[i] != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(arg, "->reserved0[", i, "]=", c.reserved0[i],
-                       " must be zero (copy handles as epd wrote them)"));
-    }
-  }
-  for (size_t i = 0; i < std::size(c.reserved); ++i) {
-    if (c.reserved[i] != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(arg, "->reserved[", i, "]=", c.reserved[i],
-                       " must be zero (copy handles as epd wrote them)"));
-    }
-  }
+  EPD_RETURN_IF_ERROR(CheckReservedZero(c.reserved0, arg, "reserved0"));
+  EPD_RETURN_IF_ERROR(CheckReservedZero(c.reserved, arg, "reserved"));
   Handle h;
   h.endpoint_id = c.endpoint_id;
   h.seq = c.seq;
