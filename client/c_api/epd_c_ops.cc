@@ -62,6 +62,12 @@ absl::StatusOr<Handle> FromC(const epd_handle_t& c, const char* arg) {
   return h;
 }
 
+/// FromC of a required handle argument: INVALID_ARGUMENT "<arg> is NULL" when `c` is null.
+absl::StatusOr<Handle> FromC(const epd_handle_t* c, const char* arg) {
+  EPD_RETURN_IF_ERROR(NotNull(c, arg));
+  return FromC(*c, arg);
+}
+
 // The C result of each C++ result; DLTensors point at the C++ views' shapes.
 epd_layout_result_t ToC(const LayoutResult& r) {
   epd_layout_result_t c{};
@@ -299,8 +305,7 @@ epd_status_t epd_combine(epd_endpoint_t* endpoint, const epd_combine_args_t* arg
   return Guard(__func__, [&]() -> absl::Status {
     epd_combine_args_t a;
     EPD_RETURN_IF_ERROR(epd::c_api::Prepare(endpoint, args, op, &a));
-    EPD_RETURN_IF_ERROR(epd::c_api::NotNull(a.handle, "args.handle"));
-    EPD_ASSIGN_OR_RETURN(const epd::Handle handle, epd::c_api::FromC(*a.handle, "args.handle"));
+    EPD_ASSIGN_OR_RETURN(const epd::Handle handle, epd::c_api::FromC(a.handle, "args.handle"));
     epd::CombineArgs cpp;
     cpp.x = a.x;
     cpp.handle = &handle;
@@ -334,8 +339,7 @@ epd_status_t epd_low_latency_combine(epd_endpoint_t* endpoint, const epd_ll_comb
   return Guard(__func__, [&]() -> absl::Status {
     epd_ll_combine_args_t a;
     EPD_RETURN_IF_ERROR(epd::c_api::Prepare(endpoint, args, op, &a));
-    EPD_RETURN_IF_ERROR(epd::c_api::NotNull(a.handle, "args.handle"));
-    EPD_ASSIGN_OR_RETURN(const epd::Handle handle, epd::c_api::FromC(*a.handle, "args.handle"));
+    EPD_ASSIGN_OR_RETURN(const epd::Handle handle, epd::c_api::FromC(a.handle, "args.handle"));
     epd::LowLatencyCombineArgs cpp;
     cpp.x = a.x;
     cpp.topk_idx = a.topk_idx;
