@@ -73,6 +73,15 @@ absl::Status ToJson(const google::protobuf::Message& message, std::string* out) 
   return absl::OkStatus();
 }
 
+/// A daemon reply (`reply`, or its error) as protobuf JSON into the caller's buffer.
+template <typename Message>
+absl::Status JsonOut(absl::StatusOr<Message> reply, char* buf, size_t capacity, size_t* length) {
+  if (!reply.ok()) return reply.status();
+  std::string json;
+  EPD_RETURN_IF_ERROR(ToJson(*reply, &json));
+  return CopyOutString(json, buf, capacity, length);
+}
+
 template <size_t N>
 void CopyText(const std::string& text, char (&out)[N]) {
   const size_t n = std::min(text.size(), N - 1);
@@ -160,10 +169,7 @@ epd_status_t epd_client_stats_json(epd_client_t* client, char* buf, size_t capac
                                    size_t* length) {
   return Guard(__func__, [&]() -> absl::Status {
     EPD_RETURN_IF_ERROR(epd::c_api::NotNull(client, "client"));
-    EPD_ASSIGN_OR_RETURN(epd::v1::GetStatsResponse stats, client->client->GetStats());
-    std::string json;
-    EPD_RETURN_IF_ERROR(epd::c_api::ToJson(stats, &json));
-    return epd::c_api::CopyOutString(json, buf, capacity, length);
+    return epd::c_api::JsonOut(client->client->GetStats(), buf, capacity, length);
   });
 }
 
@@ -171,10 +177,7 @@ epd_status_t epd_client_list_groups_json(epd_client_t* client, char* buf, size_t
                                          size_t* length) {
   return Guard(__func__, [&]() -> absl::Status {
     EPD_RETURN_IF_ERROR(epd::c_api::NotNull(client, "client"));
-    EPD_ASSIGN_OR_RETURN(epd::v1::ListGroupsResponse groups, client->client->ListGroups());
-    std::string json;
-    EPD_RETURN_IF_ERROR(epd::c_api::ToJson(groups, &json));
-    return epd::c_api::CopyOutString(json, buf, capacity, length);
+    return epd::c_api::JsonOut(client->client->ListGroups(), buf, capacity, length);
   });
 }
 

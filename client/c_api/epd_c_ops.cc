@@ -32,23 +32,25 @@ epd_handle_t ToC(const Handle& h) {
   return c;
 }
 
+/// INVALID_ARGUMENT "<arg>-><field>[i]=v must be zero ..." for the first nonzero element of
+/// a handle's reserved array `values`.
+template <typename Array>
+absl::Status CheckReservedZero(const Array& values, const char* arg, const char* field) {
+  for (size_t i = 0; i < std::size(values); ++i) {
+    if (values[i] != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(arg, "->", field, "[", i, "]=", values[i],
+                       " must be zero (copy handles as epd wrote them)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 /// The C++ handle of `c` (named `arg` in errors); its reserved fields must be zero, so they
 /// can carry meaning in a later version.
 absl::StatusOr<Handle> FromC(const epd_handle_t& c, const char* arg) {
-  for (size_t i = 0; i < std::size(c.reserved0); ++i) {
-    if (c.reserved0[i] != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(arg, "->reserved0[", i, "]=", c.reserved0[i],
-                       " must be zero (copy handles as epd wrote them)"));
-    }
-  }
-  for (size_t i = 0; i < std::size(c.reserved); ++i) {
-    if (c.reserved[i] != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(arg, "->reserved[", i, "]=", c.reserved[i],
-                       " must be zero (copy handles as epd wrote them)"));
-    }
-  }
+  EPD_RETURN_IF_ERROR(CheckReservedZero(c.reserved0, arg, "reserved0"));
+  EPD_RETURN_IF_ERROR(CheckReservedZero(c.reserved, arg, "reserved"));
   Handle h;
   h.endpoint_id = c.endpoint_id;
   h.seq = c.seq;
@@ -58,6 +60,12 @@ absl::StatusOr<Handle> FromC(const epd_handle_t& c, const char* arg) {
   h.low_latency = c.low_latency != 0;
   h.use_fp8 = c.use_fp8 != 0;
   return h;
+}
+
+/// FromC of a required handle argument: INVALID_ARGUMENT "<arg> is NULL" when `c` is null.
+absl::StatusOr<Handle> FromC(const epd_handle_t* c, const char* arg) {
+  EPD_RETURN_IF_ERROR(NotNull(c, arg));
+  return FromC(*c, arg);
 }
 
 // The C result of each C++ result; DLTensors point at the C++ views' shapes.
@@ -297,8 +305,7 @@ epd_status_t epd_combine(epd_endpoint_t* endpoint, const epd_combine_args_t* arg
   return Guard(__func__, [&]() -> absl::Status {
     epd_combine_args_t a;
     EPD_RETURN_IF_ERROR(epd::c_api::Prepare(endpoint, args, op, &a));
-    EPD_RETURN_IF_ERROR(epd::c_api::NotNull(a.handle, "args.handle"));
-    EPD_ASSIGN_OR_RETURN(const epd::Handle handle, epd::c_api::FromC(*a.handle, "args.handle"));
+    EPD_ASSIGN_OR_RETURN(const epd::Handle handle, epd::c_api::FromC(a.handle, "args.handle"));
     epd::CombineArgs cpp;
     cpp.x = a.x;
     cpp.handle = &handle;
@@ -332,8 +339,7 @@ epd_status_t epd_low_latency_combine(epd_endpoint_t* endpoint, const epd_ll_comb
   return Guard(__func__, [&]() -> absl::Status {
     epd_ll_combine_args_t a;
     EPD_RETURN_IF_ERROR(epd::c_api::Prepare(endpoint, args, op, &a));
-    EPD_RETURN_IF_ERROR(epd::c_api::NotNull(a.handle, "args.handle"));
-    EPD_ASSIGN_OR_RETURN(const epd::Handle handle, epd::c_api::FromC(*a.handle, "args.handle"));
+    EPD_ASSIGN_OR_RETURN(const epd::Handle handle, epd::c_api::FromC(a.handle, "args.handle"));
     epd::LowLatencyCombineArgs cpp;
     cpp.x = a.x;
     cpp.topk_idx = a.topk_idx;
