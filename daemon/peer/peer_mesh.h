@@ -1,0 +1,68 @@
+// PeerMesh: the daemon's side of the Peer service (proto/epd/v1/peer.proto) as the data
+// plane sees it. A group that spans nodes registers here on this daemon; the mesh finds
+// the same group on every other node's daemon (rendezvous over gRPC, authenticated and
+// version-checked), hands over each side's transport descriptor, watches the peers'
+// liveness, and tells them when the group is torn down here. docs/DESIGN.md §5.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "epd/v1/control.pb.h"
+
+namespace epd::peer {
+
+/// One group at this daemon, as registered with the mesh.
+struct GroupMembership {
+  v1::GroupSpec spec;     ///< Validated; spec.nodes().size() >= 2.
+  int32_t self_node = 0;  ///< The node this daemon is for the group.
+  /// This node's GroupLink::LocalDescriptor (opaque to the mesh).
+  std::string transport_descriptor;
+  /// Called (from a mesh thread) when something changed that the group's engine waits
+  /// for: a peer's descriptor arrived, a peer was lost or left. Cheap; no call back in.
+  std::function<void()> wake;
+};
+
+/// The group's view of its peer nodes. Thread-safe. Destroying it tears the group down
+/// at this node: the peers are told (their ops of the group fail at once, naming this
+/// node) and the mesh forgets the group.
+class GroupPeers {
+ public:
+  virtual ~GroupPeers() = default;
+  /// Node `node`'s transport descriptor, once its daemon registered the same group with
+  /// the same spec; nullopt before that.
+  virtual std::optional<std::string> Descriptor(int32_t node) const = 0;
+  /// OK while every peer node is registered (or still expected) and alive. Once a peer
+  /// is lost (its daemon died, stopped answering for the liveness bound, tore the group
+  /// down, or presented a different spec), the error names the node, its address and its
+  /// ranks; it stays until the group is re-formed.
+  virtual absl::Status Health() const = 0;
+  /// Nodes whose daemon has not registered the group yet, with their ranks, for an op's
+  /// DEADLINE_EXCEEDED message ("node 1 (10.0.0.2:7100, ranks 4-7) has not joined");
+  /// empty when all did.
+  virtual std::string DescribeMissing() const = 0;
+  /// This node's joined local ranks (a bit per local rank), published to the peers so
+  /// that their errors can name the ranks missing here.
+  virtual void SetLocalRanksJoined(const std::vector<bool>& joined) = 0;
+};
+
+/// The daemon-wide mesh. Thread-safe.
+class PeerMesh {
+ public:
+  virtual ~PeerMesh() = default;
+  /// Registers `membership`'s group. Errors: ALREADY_EXISTS (registered here already),
+  /// INVALID_ARGUMENT (self_node out of range), UNAVAILABLE (the mesh is shutting down).
+  virtual absl::StatusOr<std::unique_ptr<GroupPeers>> RegisterGroup(
+      GroupMembership membership) = 0;
+  /// This daemon's advertised Peer address ("host:port"), as a client puts it in a
+  /// spec's NodeSpec.peer_address; "" when the Peer listener is off.
+  virtual std::string advertised_address() const = 0;
+};
+
+}  // namespace epd::peer

@@ -1,0 +1,108 @@
+// The transport interface: how one daemon moves a group's bytes into another daemon's
+// memory. Shaped after NCCL's split: the caller's side (the engine thread: Post*, Poll*,
+// never blocking) and the proxy's side (the transport's own progress thread, or the NIC,
+// which moves the bytes). Implementations: TCP (daemon/transport/tcp/), a fault-injecting
+// wrapper for tests (daemon/transport/fault/), RDMA later (daemon/transport/rdma/).
+// docs/DESIGN.md §5.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace epd::transport {
+
+/// One piece of a one-sided write: `bytes` bytes from local memory `src` to byte offset
+/// `remote_offset` of the peer's receive region. The source must stay unchanged until
+/// the write completes (GroupLink::WritesCompleted).
+struct WritePiece {
+  const void* src = nullptr;
+  uint64_t bytes = 0;
+  uint64_t remote_offset = 0;
+};
+
+/// What a GroupLink is created with.
+struct GroupLinkOptions {
+  std::string group;    ///< The group's name (log lines, errors).
+  int32_t num_nodes = 0;  ///< Nodes of the group, >= 2.
+  int32_t self_node = 0;  ///< This daemon's node index, [0, num_nodes).
+  /// This node's receive region: peers' writes land here. Registered once for the
+  /// group's life (RDMA: one memory region). Owned by the caller; must outlive the link.
+  void* recv_base = nullptr;
+  uint64_t recv_bytes = 0;
+  /// Called from the transport's progress thread when something the engine waits for
+  /// happened (an immediate arrived, a write completed, a peer failed): wakes the engine.
+  /// Must be cheap and must not call back into the link.
+  std::function<void()> wake;
+};
+
+/// State of the link to one peer node.
+enum class PeerState {
+  kIdle,        ///< Connect not called yet.
+  kConnecting,  ///< Connecting / handshaking.
+  kReady,       ///< Writes flow.
+  kFailed,      ///< Broken for good (PeerStatus says why); the group's ops fail.
+};
+
+/// One group's links to the other nodes of the group. Thread-safety: the caller's side
+/// (every method) is called by one thread at a time (the engine thread of the group);
+/// the progress happens on the transport's threads. A write either lands whole, in order
+/// with the writes posted before it to the same peer, or the peer goes kFailed.
+class GroupLink {
+ public:
+  virtual ~GroupLink() = default;
+
+  /// What a peer needs to connect to this node for this group, as opaque bytes carried
+  /// by the Peer service (TCP: address, port and the group's connection token; RDMA:
+  /// queue pair numbers, GIDs and the region's key).
+  virtual std::string LocalDescriptor() const = 0;
+
+  /// Starts connecting to node `node` (!= self) with the descriptor it published.
+  /// Non-blocking. Errors: INVALID_ARGUMENT (node, descriptor), FAILED_PRECONDITION
+  /// (already connected).
+  virtual absl::Status Connect(int32_t node, std::string_view descriptor) = 0;
+
+  virtual PeerState State(int32_t node) const = 0;
+  /// OK while the peer is not kFailed; else why, naming the node and its address.
+  virtual absl::Status PeerStatus(int32_t node) const = 0;
+
+  /// Posts a one-sided write of `pieces` into node `node`'s receive region, then delivers
+  /// `imm` to that node (PollImm) once every byte of the write is in its memory.
+  /// Non-blocking; allocates nothing in steady state. Errors: UNAVAILABLE (peer not
+  /// ready or failed, naming it), INVALID_ARGUMENT (a piece outside the peer's region),
+  /// RESOURCE_EXHAUSTED (too many writes in flight: retry after WritesCompleted grows).
+  virtual absl::Status PostWrite(int32_t node, std::span<const WritePiece> pieces,
+                                 uint32_t imm) = 0;
+
+  /// Writes posted to `node` whose sources may be reused (a count since the link began).
+  virtual uint64_t WritesCompleted(int32_t node) const = 0;
+
+  /// Pops the next immediate received from node `node`, in the order it was posted.
+  /// False when none is waiting.
+  virtual bool PollImm(int32_t node, uint32_t* imm) = 0;
+
+  /// Closes every connection of the link (peers see it as a failure). Idempotent; the
+  /// destructor calls it.
+  virtual void Close() = 0;
+};
+
+/// A transport: a factory of group links plus the resources shared by every group
+/// (the progress thread, a listener). Thread-safe.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  /// "tcp", "rdma", "fault(tcp)".
+  virtual std::string name() const = 0;
+  virtual absl::StatusOr<std::unique_ptr<GroupLink>> CreateGroupLink(
+      const GroupLinkOptions& options) = 0;
+  /// Stops the progress thread and closes every link. Idempotent.
+  virtual void Shutdown() = 0;
+};
+
+}  // namespace epd::transport
