@@ -29,6 +29,12 @@ struct GroupMembership {
   std::function<void()> wake;
 };
 
+/// A peer node's registration of the group.
+struct PeerDescriptor {
+  uint64_t incarnation = 0;  ///< Changes each time that daemon registers the group anew.
+  std::string transport;     ///< Its GroupLink::LocalDescriptor (opaque bytes).
+};
+
 /// The group's view of its peer nodes. Thread-safe. Destroying it tears the group down
 /// at this node: the peers are told (their ops of the group fail at once, naming this
 /// node) and the mesh forgets the group.
@@ -36,12 +42,15 @@ class GroupPeers {
  public:
   virtual ~GroupPeers() = default;
   /// Node `node`'s transport descriptor, once its daemon registered the same group with
-  /// the same spec; nullopt before that.
-  virtual std::optional<std::string> Descriptor(int32_t node) const = 0;
+  /// the same spec; nullopt before that. A daemon that restarts (or tears the group down
+  /// and registers it again) comes back with a new incarnation: the data plane then
+  /// rebuilds its link to that node between ops (the group re-forms).
+  virtual std::optional<PeerDescriptor> Descriptor(int32_t node) const = 0;
   /// OK while every peer node is registered (or still expected) and alive. Once a peer
   /// is lost (its daemon died, stopped answering for the liveness bound, tore the group
-  /// down, or presented a different spec), the error names the node, its address and its
-  /// ranks; it stays until the group is re-formed.
+  /// down, or presented a different spec), UNAVAILABLE (FAILED_PRECONDITION for a spec
+  /// mismatch) naming the node, its address and its ranks; OK again once that node
+  /// registers the group anew (a new incarnation).
   virtual absl::Status Health() const = 0;
   /// Nodes whose daemon has not registered the group yet, with their ranks, for an op's
   /// DEADLINE_EXCEEDED message ("node 1 (10.0.0.2:7100, ranks 4-7) has not joined");
