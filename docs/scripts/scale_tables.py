@@ -4,15 +4,16 @@ bytes per node at EP 16, 64, 256 and 2048 for DeepSeek-V3 shapes, for epd (one d
 and for per-process communicators (DeepEP V1, DeepEP V2, NCCL all-to-all).
 
   /usr/bin/python3 docs/scripts/scale_tables.py           # prints the tables (Markdown)
+  /usr/bin/python3 docs/scripts/scale_tables.py --write   # puts them into docs/SCALE.md
   /usr/bin/python3 docs/scripts/scale_tables.py --check   # checks the epd layout formula against
-                                                          # layout.h (compiled) and _sizes.py
+                                                          # layout.h (compiled) and _sizes.py, and
+                                                          # that docs/SCALE.md holds these tables
 
 Standard library only. Every formula is written once below and quoted in docs/SCALE.md.
 """
 
 import argparse
 import importlib.util
-import math
 import os
 import shutil
 import subprocess
@@ -76,7 +77,8 @@ def epd_endpoint_regions(R, E, H_, K_, M_, Mll, fp8):
     ]
     for b in range(LOW_LATENCY_BUFFERS):
         regs += [
-            (f"ll_recv_x_{b}", El * R * Mll * H_ * 2), (f"ll_recv_scales_{b}", f * El * R * Mll * S_ * 4),
+            (f"ll_recv_x_{b}", El * R * Mll * H_ * 2),
+            (f"ll_recv_scales_{b}", f * El * R * Mll * S_ * 4),
             (f"ll_recv_count_{b}", ll * El * 4), (f"ll_recv_src_info_{b}", El * R * Mll * 4),
             (f"ll_handle_pos_{b}", Mll * K_ * 4), (f"ll_combined_x_{b}", Mll * H_ * 2),
         ]
@@ -87,7 +89,8 @@ def epd_endpoint_regions(R, E, H_, K_, M_, Mll, fp8):
 
 def epd_endpoint_bytes(R, E, H_, K_, M_, Mll, fp8):
     """EndpointLayout::total_bytes: every region rounded up to 256 bytes."""
-    return sum(align(b, REGION_ALIGNMENT) for _, b in epd_endpoint_regions(R, E, H_, K_, M_, Mll, fp8))
+    regions = epd_endpoint_regions(R, E, H_, K_, M_, Mll, fp8)
+    return sum(align(b, REGION_ALIGNMENT) for _, b in regions)
 
 
 # ---- epd: the cross-node exchange (assumed layout, docs/SCALE.md "Assumptions") ---------------
@@ -174,7 +177,8 @@ def v1_nvl_bytes(cfg, hidden_bytes, R):
     _, nvl_recv, _, _ = cfg
     ch, nvl, rdma = V1_NUM_SMS // 2, min(R, 8), max(R // 8, 1)
     b = ch * nvl * (2 * rdma + 3) * 4
-    b += ch * nvl * nvl_recv * (hidden_bytes + V1_SOURCE_META + 128 * V1_TOPK_IDX + 128 * 4 + 128 * 4)
+    b += ch * nvl * nvl_recv * (hidden_bytes + V1_SOURCE_META + 128 * V1_TOPK_IDX
+                                + 128 * 4 + 128 * 4)
     return align(b, 128)
 
 
@@ -274,12 +278,13 @@ def max_m_within(budget, ep):
     return lo
 
 
-def print_tables():
+def tables():
+    """The Markdown tables docs/SCALE.md embeds between its BEGIN/END markers."""
     out = []
     w = out.append
-    w(f"Shapes: H={H}, K={K}, M={M} (normal), Mll={MLL} (low-latency), FP8 dispatch "
-      f"(S={S} scales/token), bf16 combine, {L} GPUs and {L} NICs per node, "
-      f"tcp_connections_per_peer={C_TCP}, RDMA connections per peer per rail={C_RDMA}.")
+    w(f"Shapes: H={H}, K={K}, M={M} (normal), Mll={MLL} (low-latency), FP8 dispatch (S={S}")
+    w(f"scales/token), bf16 combine, {L} GPUs and {L} NICs per node,")
+    w(f"tcp_connections_per_peer={C_TCP}, RDMA connections per peer per rail={C_RDMA}.")
     w("")
     for ep in EP_SIZES:
         nodes, E = ep // L, experts_for(ep)
@@ -294,17 +299,20 @@ def print_tables():
         w(f"| cross-node receive region ({nodes - 1} x 2 slots) | {gib(n['recv_region'])} | "
           f"{gib(ll['recv_region'])} |")
         w(f"| registered with the NICs (RDMA) | {gib(n['registered'])} | {gib(ll['registered'])} |")
-        w(f"| alternative: count-addressed combine region (2 parities) | {gib(n['shared_region'])} | "
+        w("| alternative: count-addressed combine region (2 parities) | "
+          f"{gib(n['shared_region'])} | "
           f"{gib(ll['shared_region'])} |")
         w(f"| alternative: registered | {gib(n['registered_shared'])} | "
           f"{gib(ll['registered_shared'])} |")
         w(f"| memory regions (8 NICs x (1 + 8)) | {n['mrs']} | {ll['mrs']} |")
         w(f"| TCP sockets ({nodes - 1} peers x {C_TCP} x 2) | {n['tcp']} | {ll['tcp']} |")
-        w(f"| RDMA queue pairs ({nodes - 1} peers x 8 rails x {C_RDMA}) | {n['qps']} | {ll['qps']} |")
+        w(f"| RDMA queue pairs ({nodes - 1} peers x 8 rails x {C_RDMA}) | {n['qps']} | "
+          f"{ll['qps']} |")
         w("")
     w("### Per node, per-process communicators beside epd (8 processes; QPs are one end each)")
     w("")
-    w("| EP | epd QPs (both groups) | DeepEP V1 normal QPs | DeepEP V1 LL QPs | DeepEP V2 hybrid QPs "
+    w("| EP | epd QPs (both groups) | DeepEP V1 normal QPs | DeepEP V1 LL QPs "
+      "| DeepEP V2 hybrid QPs "
       "| NCCL a2a QPs |")
     w("|---:|---:|---:|---:|---:|---:|")
     for ep in EP_SIZES:
@@ -314,7 +322,8 @@ def print_tables():
         out[-1] += (f" {L * v1_low_latency(ep)['qps']:,} | {L * v2_hybrid(ep)['qps']:,} | "
                     f"{L * nccl_alltoall(ep)['qps']:,} |")
     w("")
-    w("| EP | epd registered, both groups (alternative) | DeepEP V1 normal (NVL + RDMA) | DeepEP V1 LL RDMA "
+    w("| EP | epd registered, both groups (alternative) | DeepEP V1 normal (NVL + RDMA) "
+      "| DeepEP V1 LL RDMA "
       "| DeepEP V2 hybrid buffer + workspace | NCCL a2a buffers |")
     w("|---:|---:|---:|---:|---:|---:|")
     for ep in EP_SIZES:
@@ -324,7 +333,23 @@ def print_tables():
         v1s = gib(L * (v1["nvl"] + v1["rdma"])) if v1 else "n/a"
         v2 = v2_hybrid(ep)
         w(f"| {ep} | {gib(e)} ({gib(e2)}) | {v1s} | {gib(L * v1_low_latency(ep)['rdma'])} | "
-          f"{gib(L * (v2['buffer'] + v2['workspace']))} | {gib(L * nccl_alltoall(ep)['buffers'])} |")
+          f"{gib(L * (v2['buffer'] + v2['workspace']))} | "
+          f"{gib(L * nccl_alltoall(ep)['buffers'])} |")
+    w("")
+    w("### What fills an endpoint area (share of the per-rank bytes)")
+    w("")
+    w("| EP | normal: recv_x + in_combine_x (2 x R*M*H*2) "
+      "| low-latency: in_ll_combine_x + 2 ll_recv_x "
+      "(3 x E*Mll*H*2) |")
+    w("|---:|---:|---:|")
+    for ep in EP_SIZES:
+        E = experts_for(ep)
+        big_n = dict(epd_endpoint_regions(ep, E, H, K, M, 0, True))
+        big_l = dict(epd_endpoint_regions(ep, E, H, K, 1, MLL, True))
+        sn = big_n["recv_x"] + big_n["in_combine_x"]
+        sl = big_l["in_ll_combine_x"] + big_l["ll_recv_x_0"] + big_l["ll_recv_x_1"]
+        w(f"| {ep} | {gib(sn)} = {100 * sn / epd_node(ep, 'normal')['endpoint']:.0f}% | "
+          f"{gib(sl)} = {100 * sl / epd_node(ep, 'll')['endpoint']:.0f}% |")
     w("")
     w("### The largest max_tokens_per_rank whose normal-group endpoint fits a per-rank budget")
     w("")
@@ -332,7 +357,11 @@ def print_tables():
     w("|---:|---:|---:|---:|")
     for ep in EP_SIZES:
         w(f"| {ep} | " + " | ".join(str(max_m_within(b << 30, ep)) for b in (8, 16, 32)) + " |")
-    print("\n".join(out))
+    return "\n".join(out) + "\n"
+
+
+BEGIN = "<!-- BEGIN scale_tables.py output -->\n"
+END = "<!-- END scale_tables.py output -->"
 
 
 # ---- checks ------------------------------------------------------------------------------------
@@ -367,11 +396,11 @@ def check():
             src, exe = os.path.join(d, "l.cc"), os.path.join(d, "l")
             with open(src, "w") as f:
                 f.write(CPP)
-            subprocess.run([cxx, "-std=c++20", "-I", os.path.join(ROOT, "kernels/include"), "-I", ROOT,
-                            src, "-o", exe], check=True)
+            subprocess.run([cxx, "-std=c++20", "-I", os.path.join(ROOT, "kernels/include"),
+                            "-I", ROOT, src, "-o", exe], check=True)
             stdin = "".join(" ".join(str(int(v)) for v in s) + "\n" for s in CHECK_SHAPES)
-            got = [int(x) for x in subprocess.run([exe], input=stdin, capture_output=True, text=True,
-                                                  check=True).stdout.split()]
+            run = subprocess.run([exe], input=stdin, capture_output=True, text=True, check=True)
+            got = [int(x) for x in run.stdout.split()]
         for s, g, x in zip(CHECK_SHAPES, got, want):
             if g != x:
                 print(f"FAIL layout.h {s}: C++ {g} != script {x}")
@@ -407,17 +436,38 @@ def check():
     assert dispatch_row_bytes(True) == 7504 and COMBINE_ROW == 14352
     assert v1_low_latency(16)["qps"] == 16 * 15
     print("derived figures: consistent")
+    # 4. the tables in docs/SCALE.md are this script's output
+    with open(os.path.join(ROOT, "docs/SCALE.md")) as f:
+        doc = f.read()
+    if BEGIN not in doc or END not in doc:
+        print("FAIL docs/SCALE.md has no scale_tables.py block")
+        failures += 1
+    elif doc.split(BEGIN, 1)[1].split(END, 1)[0] != tables():
+        print("FAIL docs/SCALE.md tables differ from this script's output: rerun with --write")
+        failures += 1
+    else:
+        print("docs/SCALE.md: tables match")
     print("OK" if failures == 0 else f"{failures} FAILED")
     return 1 if failures else 0
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="compare with layout.h and _sizes.py")
+    p.add_argument("--check", action="store_true",
+                   help="compare with layout.h, _sizes.py and the tables in docs/SCALE.md")
+    p.add_argument("--write", action="store_true", help="replace the tables in docs/SCALE.md")
     a = p.parse_args()
     if a.check:
         sys.exit(check())
-    print_tables()
+    if a.write:
+        path = os.path.join(ROOT, "docs/SCALE.md")
+        with open(path) as f:
+            doc = f.read()
+        head, rest = doc.split(BEGIN, 1)
+        with open(path, "w") as f:
+            f.write(head + BEGIN + tables() + END + rest.split(END, 1)[1])
+        return
+    sys.stdout.write(tables())
 
 
 if __name__ == "__main__":
