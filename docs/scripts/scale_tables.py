@@ -433,7 +433,8 @@ def check():
         assert n["registered"] == n["recv_region"] + L * n["endpoint"]
         assert n["shared_region"] <= n["recv_region"] or ep // L - 1 < 1
         assert max_m_within(n["endpoint"], ep) == M  # the budget search inverts the formula
-    assert dispatch_row_bytes(True) == 7504 and COMBINE_ROW == 14352
+    assert dispatch_row_bytes(True) == 7504 and dispatch_row_bytes(False) == 14448
+    assert COMBINE_ROW == 14352  # the row sizes docs/SCALE.md quotes
     assert v1_low_latency(16)["qps"] == 16 * 15
     print("derived figures: consistent")
     # 4. the tables in docs/SCALE.md are this script's output
