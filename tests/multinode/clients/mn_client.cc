@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -42,6 +43,7 @@
 #include "epd/kernels/op_rules.h"
 #include "epd/kernels/types.h"
 #include "tests/common/dtypes.h"
+#include "tests/common/op_reference.h"
 #include "tests/multinode/data_spec.h"
 
 ABSL_FLAG(std::string, socket, "", "this rank's node's epd socket");
@@ -146,54 +148,8 @@ void MakeInputs(const GroupShape& s, uint64_t seed, int rank, int32_t T, int num
   for (bf16_bits& v : in.yll.v) v = value();
 }
 
-/// One rank's expected outputs of a normal dispatch (x as bytes: bf16 or e4m3).
-struct DispatchRef {
-  int32_t N = 0;
-  std::vector<uint8_t> recv_x;
-  std::vector<float> recv_scales, recv_w;
-  std::vector<int64_t> recv_idx;
-  std::vector<int32_t> per_expert, src_info, send_pos, rank_prefix;
-  void Bind(const GroupShape& s, bool fp8, host::DispatchRankArgs& a) {
-    const int64_t cap = s.max_recv_tokens();
-    recv_x.assign(size_t(cap) * s.hidden * (fp8 ? 1 : 2), 0);
-    recv_scales.assign(fp8 ? size_t(cap) * s.num_scales() : 0, 0);
-    recv_idx.assign(size_t(cap) * s.num_topk, 0);
-    recv_w.assign(size_t(cap) * s.num_topk, 0);
-    per_expert.assign(s.num_local_experts(), 0);
-    src_info.assign(size_t(cap), 0);
-    send_pos.assign(size_t(s.max_tokens_per_rank) * s.num_ranks, 0);
-    rank_prefix.assign(s.num_ranks, 0);
-    a.recv_capacity = cap;
-    a.recv_x = recv_x.data();
-    a.recv_scales = fp8 ? recv_scales.data() : nullptr;
-    a.recv_topk_idx = recv_idx.data();
-    a.recv_topk_weights = recv_w.data();
-    a.recv_tokens_per_expert = per_expert.data();
-    a.recv_src_info = src_info.data();
-    a.send_pos = send_pos.data();
-    a.rank_prefix = rank_prefix.data();
-  }
-};
-
-/// One rank's expected outputs of a low-latency dispatch.
-struct LowLatencyRef {
-  std::vector<uint8_t> x;
-  std::vector<float> scales;  ///< f32 scales, or the int32 UE8M0 words in the same bytes.
-  std::vector<int32_t> count, src, pos;
-  void Bind(const GroupShape& s, bool fp8, host::LowLatencyDispatchRankArgs& a) {
-    const int64_t rows = int64_t(s.num_local_experts()) * s.ll_rows_per_expert();
-    x.assign(size_t(rows) * s.hidden * (fp8 ? 1 : 2), 0);
-    scales.assign(fp8 ? size_t(rows) * s.num_scales() : 0, 0);
-    count.assign(s.num_local_experts(), 0);
-    src.assign(size_t(rows), 0);
-    pos.assign(size_t(s.ll_max_tokens_per_rank) * s.num_topk, 0);
-    a.recv_x = x.data();
-    a.recv_scales = fp8 ? scales.data() : nullptr;
-    a.recv_count = count.data();
-    a.recv_src_info = src.data();
-    a.handle_pos = pos.data();
-  }
-};
+using epd::testing::DispatchRef;
+using epd::testing::LowLatencyRef;
 
 /// The low-latency variants run, in order.
 struct LowLatencyVariant {
@@ -243,7 +199,7 @@ absl::Status ReferenceDispatch(const GroupShape& s, std::vector<RankInputs>& in,
       d[r].x_scales = in[r].x8_scales.data();
       d[r].topk_idx = in[r].idx.data();
     }
-    out->Bind(s, mode == 2, d[r]);
+    out->Bind(s, d[r], /*fp8=*/mode == 2);
   }
   host::DispatchOptions options;
   options.fp8 = mode == 2;
@@ -282,7 +238,7 @@ absl::StatusOr<std::vector<RankRef>> Reference(const GroupShape& s, std::vector<
       c[r].num_tokens = in[r].T;
       c[r].send_pos = d.send_pos.data();
       c[r].num_recv_tokens = d.N;
-      c[r].x = reinterpret_cast<const bf16_bits*>(d.recv_x.data());
+      c[r].x = d.bf16();
       c[r].combined_x = out.data();
       if (weights) {
         o.combined_w.assign(std::max<size_t>(size_t(in[r].T) * K, 1), 0);
@@ -378,15 +334,8 @@ class Rank {
 
   template <typename T>
   void Check(const char* op, const char* field, const void* actual, const T* expected, int64_t n) {
-    if (n <= 0) return;
-    if (actual == nullptr) return Mismatch(op, field, absl::StrCat("no data, ", n, " expected"));
-    const T* a = static_cast<const T*>(actual);
-    for (int64_t i = 0; i < n; ++i) {
-      if (std::memcmp(&a[i], &expected[i], sizeof(T)) != 0) {
-        return Mismatch(
-            op, field,
-            absl::StrCat("element ", i, " of ", n, ": got ", +a[i], ", want ", +expected[i]));
-      }
+    if (std::string diff = epd::testing::FirstDifference(actual, expected, n); !diff.empty()) {
+      Mismatch(op, field, diff);
     }
   }
   void Mismatch(const char* op, const char* field, const std::string& detail) {
@@ -420,8 +369,7 @@ class Rank {
       Check(op, "recv_x", d.recv_x.data(), ref.recv_x.data(), N * H);
       Check(op, "recv_scales", d.recv_scales.data(), ref.recv_scales.data(), N * s_.num_scales());
     } else {
-      Check(op, "recv_x", d.recv_x.data(), reinterpret_cast<const bf16_bits*>(ref.recv_x.data()),
-            N * H);
+      Check(op, "recv_x", d.recv_x.data(), ref.bf16(), N * H);
     }
     Check(op, "recv_src_info", d.recv_src_info.data(), ref.src_info.data(), N);
     if (routing) {
@@ -436,18 +384,10 @@ class Rank {
   /// Combine without weights and Dispatch FP8 without weights.
   bool NormalOps(bool all) {
     const int H = s_.hidden, K = s_.num_topk;
-    const char* op = "Dispatch(bf16,weights)";
-    Begin();
-    epd::DispatchArgs da;
-    da.x = &in_.x.dl;
-    da.topk_idx = &in_.idx.dl;
-    da.topk_weights = &in_.w.dl;
-    da.expert_alignment = kAlignment;
-    auto d = Finish(ep_.Dispatch(da));
-    if (!Done(op, d)) return false;
-    CheckDispatch(op, *d, ref_.dispatch, /*routing=*/true, /*fp8=*/false);
-    if (!End(op)) return false;
-    const epd::Handle handle = d->handle;
+    std::optional<epd::Handle> routed =
+        RoutedDispatch("Dispatch(bf16,weights)", in_.x.dl, nullptr, &in_.w.dl, ref_.dispatch);
+    if (!routed.has_value()) return false;
+    const epd::Handle handle = *routed;
 
     // Identity experts: the combine's x is the reference's received rows.
     Buf<bf16_bits> cx;
@@ -456,7 +396,7 @@ class Rank {
     cw.Make({ref_.dispatch.N, K}, kF32);
     std::memcpy(cx.data(), ref_.dispatch.recv_x.data(), size_t(ref_.dispatch.N) * H * 2);
     std::memcpy(cw.data(), ref_.dispatch.recv_w.data(), size_t(ref_.dispatch.N) * K * 4);
-    op = "Combine(weights)";
+    const char* op = "Combine(weights)";
     Begin();
     epd::CombineArgs ca;
     ca.x = &cx.dl;
@@ -495,17 +435,28 @@ class Rank {
     Check(op, "combined_x", c2->combined_x.data(), ref_.combined_cached.data(), int64_t(in_.T) * H);
     if (!End(op)) return false;
 
-    op = "Dispatch(fp8,no weights)";
+    return RoutedDispatch("Dispatch(fp8,no weights)", in_.x8.dl, &in_.x8_scales.dl, nullptr,
+                          ref_.fp8)
+        .has_value();
+  }
+
+  /// A Dispatch of `x` (e4m3 with `x_scales`) routed by this rank's topk_idx, with
+  /// `weights` or none, checked against `ref`: its handle, or nullopt when it failed.
+  std::optional<epd::Handle> RoutedDispatch(const char* op, const DLTensor& x,
+                                            const DLTensor* x_scales, const DLTensor* weights,
+                                            const DispatchRef& ref) {
     Begin();
-    epd::DispatchArgs fd;
-    fd.x = &in_.x8.dl;
-    fd.x_scales = &in_.x8_scales.dl;
-    fd.topk_idx = &in_.idx.dl;
-    fd.expert_alignment = kAlignment;
-    auto d3 = Finish(ep_.Dispatch(fd));
-    if (!Done(op, d3)) return false;
-    CheckDispatch(op, *d3, ref_.fp8, /*routing=*/true, /*fp8=*/true);
-    return End(op);
+    epd::DispatchArgs args;
+    args.x = &x;
+    args.x_scales = x_scales;
+    args.topk_idx = &in_.idx.dl;
+    args.topk_weights = weights;
+    args.expert_alignment = kAlignment;
+    auto d = Finish(ep_.Dispatch(args));
+    if (!Done(op, d)) return std::nullopt;
+    CheckDispatch(op, *d, ref, /*routing=*/true, /*fp8=*/x_scales != nullptr);
+    if (!End(op)) return std::nullopt;
+    return d->handle;
   }
 
   /// LowLatencyDispatch of variant `v`, then its LowLatencyCombine.
