@@ -28,6 +28,7 @@
 #include "epd/kernels/types.h"
 #include "tests/common/dtypes.h"
 #include "tests/common/op_reference.h"
+#include "tests/common/stdin_eof.h"
 #include "tests/security/security_spec.h"
 
 ABSL_FLAG(std::string, socket, "", "epd's unix socket");
@@ -508,12 +509,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   // The test closes stdin to stop the victim.
-  std::thread([] {
-    char buffer[64];
-    while (::read(0, buffer, sizeof(buffer)) > 0) {
-    }
-    g_stop.store(true);
-  }).detach();
+  epd::testing::StopAtStdinEof(&g_stop);
 
   epd::ClientOptions options;
   options.socket_path = absl::GetFlag(FLAGS_socket);

@@ -44,6 +44,7 @@
 #include "epd/kernels/types.h"
 #include "tests/common/dtypes.h"
 #include "tests/common/op_reference.h"
+#include "tests/common/stdin_eof.h"
 #include "tests/multinode/data_spec.h"
 
 ABSL_FLAG(std::string, socket, "", "this rank's node's epd socket");
@@ -618,11 +619,6 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   // The test closes stdin to stop a loop.
-  std::thread([] {
-    char buffer[64];
-    while (::read(0, buffer, sizeof(buffer)) > 0) {
-    }
-    g_stop.store(true);
-  }).detach();
+  epd::testing::StopAtStdinEof(&g_stop);
   return Main();
 }
