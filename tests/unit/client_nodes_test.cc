@@ -181,3 +181,27 @@ TEST_F(CApiNodesTest, PeerAddressIsEmptyWithoutAPeerListener) {
 
 }  // namespace
 }  // namespace epd
+
+namespace epd {
+namespace {
+
+TEST_F(CApiNodesTest, CppJoinChecksEveryPeerAddressBeforeSending) {
+  ClientOptions options;
+  options.socket_path = socket_;
+  auto client = Client::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  JoinOptions join;
+  join.spec = testing::MakeSpec("cpp-nodes", {.num_ranks = 2});
+  SetNodes(&join.spec, {{"127.0.0.1:1", 1}, {"bad\xc3(:2", 1}});
+  absl::Status status = (*client)->Join(join).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("JoinOptions::spec.nodes[1].peer_address"));
+  EXPECT_THAT(status.message(), HasSubstr("not valid UTF-8"));
+  join.spec.mutable_nodes(1)->set_peer_address(std::string("a\0b", 3));
+  EXPECT_THAT((*client)->Join(join).status().message(), HasSubstr("NUL byte"));
+  join.spec.mutable_nodes(1)->set_peer_address(std::string(256, 'h'));
+  EXPECT_THAT((*client)->Join(join).status().message(), HasSubstr("at most 255"));
+}
+
+}  // namespace
+}  // namespace epd
