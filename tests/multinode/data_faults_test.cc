@@ -138,7 +138,8 @@ TEST_F(DataFaultsTest, RestartedPeerRejoinsAndTheGroupReforms) {
     EXPECT_THAT(clients_[r]->Stdout(), HasSubstr("RECOVERED"));
   }
   for (size_t i = 0; i < rejoined.size(); ++i) {
-    EXPECT_THAT(rejoined[i]->Stdout(), HasSubstr("ROUND 0 OK")) << "rank " << i + 2;
+    // Their first rounds may meet node 0's ranks mid-round (an error, then in step again).
+    EXPECT_THAT(rejoined[i]->Stdout(), HasSubstr(" OK\n")) << "rank " << i + 2;
     rejoined[i]->CloseStdin();
     auto code = rejoined[i]->Wait(kOpTimeout + absl::Seconds(25));
     ASSERT_TRUE(code.ok()) << rejoined[i]->Stdout();
