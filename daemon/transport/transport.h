@@ -29,7 +29,7 @@ struct WritePiece {
 
 /// What a GroupLink is created with.
 struct GroupLinkOptions {
-  std::string group;    ///< The group's name (log lines, errors).
+  std::string group;      ///< The group's name (log lines, errors).
   int32_t num_nodes = 0;  ///< Nodes of the group, >= 2.
   int32_t self_node = 0;  ///< This daemon's node index, [0, num_nodes).
   /// This node's receive region: peers' writes land here. Registered once for the
@@ -86,6 +86,14 @@ class GroupLink {
   /// Pops the next immediate received from node `node`, in the order it was posted.
   /// False when none is waiting.
   virtual bool PollImm(int32_t node, uint32_t* imm) = 0;
+
+  /// Fails the link to node `node` now: closes its connections (the peer sees a failure)
+  /// and makes it kFailed with `cause` in PeerStatus. For the data plane giving up on a
+  /// peer and for fault injection. Default: nothing.
+  virtual void FailPeer(int32_t node, const absl::Status& cause) {
+    (void)node;
+    (void)cause;
+  }
 
   /// Closes every connection of the link (peers see it as a failure). Idempotent; the
   /// destructor calls it.
