@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <iostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -525,6 +526,35 @@ TEST(TcpTransport, SteadyStateAllocatesNothing) {
   EXPECT_EQ(counting_new::t_allocs - engine_before, 0u) << "PostWrite/PollImm allocated";
   EXPECT_EQ(counting_new::g_engine_allocs.load() - progress_before, 0u)
       << "the progress thread allocated";
+}
+
+// The plain-TCP yardstick moves the bytes and says how fast; the transport's rate for the
+// same bytes is printed beside it (not compared: CI machines are noisy).
+TEST(TcpTransport, PlainTcpBound) {
+  EXPECT_TRUE(absl::IsInvalidArgument(MeasurePlainTcp(0, 2).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(MeasurePlainTcp(1, 0).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(MeasurePlainTcp(1, 17).status()));
+  constexpr uint64_t kBytes = 32ull << 20;
+  auto plain = MeasurePlainTcp(kBytes + 3, 2);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->bytes, kBytes + 3);
+  EXPECT_EQ(plain->connections, 2);
+  EXPECT_GT(plain->seconds, 0);
+  EXPECT_GT(plain->GBps(), 0);
+
+  Connected c(TcpTransportOptions{}, 2, 2, kBytes);
+  const std::vector<uint8_t> src = RandomBytes(kBytes, 5);
+  std::vector<WritePiece> pieces;
+  for (uint64_t off = 0; off < kBytes; off += 1 << 20)
+    pieces.push_back({src.data() + off, 1 << 20, off});
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(c.nodes[0].link->PostWrite(1, pieces, 1).ok());
+  uint32_t imm = 0;
+  ASSERT_TRUE(PollImmWaiting(*c.nodes[1].link, 0, &imm, std::chrono::milliseconds(20000)));
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+  std::cout << "same " << kBytes << " bytes over 2 connections: transport "
+            << static_cast<double>(kBytes) / took.count() / 1e9 << " GB/s, plain TCP "
+            << plain->GBps() << " GB/s\n";
 }
 
 }  // namespace

@@ -216,8 +216,9 @@ struct WriteEntry {
 struct Peer {
   int32_t node = 0;
   std::atomic<PeerState> state{PeerState::kIdle};
-  std::string address;  // "host:port" of its descriptor, or "from a:p" of an inbound conn.
-  absl::Status status;  // Why it failed (guarded by TcpGroupLink::status_mu_).
+  std::string address;       // "host:port" of its descriptor (Connect).
+  std::string inbound_from;  // Where its first inbound connection came from.
+  absl::Status status;       // Why it failed (guarded by TcpGroupLink::status_mu_).
   Clock::time_point deadline{};
   uint64_t peer_recv_bytes = 0;  // From its descriptor (set before kReady).
 
@@ -254,7 +255,8 @@ class TcpCore {
     const uint64_t one = 1;
     [[maybe_unused]] ssize_t n = ::write(wake_fd_.get(), &one, sizeof one);
   }
-  void Register(TcpGroupLink* link);
+  /// Adds `link` to the progress loop; FAILED_PRECONDITION after Shutdown.
+  absl::Status Register(TcpGroupLink* link);
   void Unregister(TcpGroupLink* link);
   absl::Status EpollAdd(int fd, uint64_t key);
   void EpollMod(int fd, uint64_t key);
@@ -337,9 +339,17 @@ class TcpGroupLink final : public GroupLink {
   bool ValidNode(int32_t node) const {
     return node >= 0 && node < options_.num_nodes && node != options_.self_node;
   }
+  /// "group 'g': node 1 (host:port)". `p.address` is written by Connect only (the engine
+  /// thread, under TcpCore::mu_), so either thread may call this.
   std::string PeerName(const Peer& p) const {
     return absl::StrCat("group '", options_.group, "': node ", p.node, " (",
                         p.address.empty() ? "address unknown" : p.address, ")");
+  }
+  /// PeerName, or with the address an inbound connection came from (under TcpCore::mu_).
+  std::string PeerNameLocked(const Peer& p) const {
+    if (!p.address.empty() || p.inbound_from.empty()) return PeerName(p);
+    return absl::StrCat("group '", options_.group, "': node ", p.node, " (connected from ",
+                        p.inbound_from, ")");
   }
   void CallWake() const {
     if (options_.wake) options_.wake();
@@ -454,9 +464,11 @@ void TcpCore::EpollMod(int fd, uint64_t key) {
   ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_MOD, fd, &ev);
 }
 
-void TcpCore::Register(TcpGroupLink* link) {
+absl::Status TcpCore::Register(TcpGroupLink* link) {
   std::lock_guard<std::mutex> l(mu_);
+  if (stop_.load()) return absl::FailedPreconditionError("the TCP transport was shut down");
   links_.push_back(link);
+  return absl::OkStatus();
 }
 
 void TcpCore::Unregister(TcpGroupLink* link) {
@@ -630,7 +642,7 @@ absl::Status TcpGroupLink::Init() {
     p->imm_slots.resize(static_cast<size_t>(o.max_pending_imms));
     peers_[static_cast<size_t>(n)] = std::move(p);
   }
-  core_->Register(this);
+  EPD_RETURN_IF_ERROR(core_->Register(this));
   registered_ = true;
   return absl::OkStatus();
 }
@@ -682,11 +694,16 @@ absl::Status TcpGroupLink::Connect(int32_t node, std::string_view descriptor) {
   const size_t host_len = strnlen(d.host, sizeof d.host);
   if (host_len == 0 || host_len == sizeof d.host) return bad("host empty or not terminated");
   Peer& p = *peers_[static_cast<size_t>(node)];
-  if (p.state.load() != PeerState::kIdle) {
-    return absl::FailedPreconditionError(absl::StrCat(PeerName(p),
-                                                      ": Connect was called already (state ",
-                                                      static_cast<int>(p.state.load()), ")"));
-  }
+  const auto check_idle = [&]() -> absl::Status {
+    const PeerState state = p.state.load();
+    if (state == PeerState::kIdle) return absl::OkStatus();
+    if (state == PeerState::kFailed) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("Connect to a failed peer: ", PeerStatus(node).message()));
+    }
+    return absl::FailedPreconditionError(absl::StrCat(PeerName(p), ": Connect was called already"));
+  };
+  EPD_RETURN_IF_ERROR(check_idle());
   const std::string host(d.host, host_len);
   const std::string address = host.find(':') != std::string::npos
                                   ? absl::StrCat("[", host, "]:", d.port)
@@ -696,6 +713,7 @@ absl::Status TcpGroupLink::Connect(int32_t node, std::string_view descriptor) {
   const absl::Status resolved = Resolve(host, d.port, /*passive=*/false, &sa, &sa_len);
 
   std::lock_guard<std::mutex> l(core_->mu());
+  EPD_RETURN_IF_ERROR(check_idle());  // The peer may have failed meanwhile (inbound).
   p.address = address;
   p.peer_recv_bytes = d.recv_bytes;
   p.deadline = Clock::now() + core_->options().connect_timeout;
@@ -846,7 +864,7 @@ void TcpGroupLink::Fail(Peer& p, absl::string_view why, bool report) {
   for (Conn& c : p.out) c.fd.Reset();
   for (Conn& c : p.in) c.fd.Reset();
   if (p.state.load() == PeerState::kFailed) return;
-  absl::Status status = absl::UnavailableError(absl::StrCat(PeerName(p), ": ", why));
+  absl::Status status = absl::UnavailableError(absl::StrCat(PeerNameLocked(p), ": ", why));
   if (report) Log()->warn("{}", status.message());
   {
     std::lock_guard<std::mutex> l(status_mu_);
@@ -904,7 +922,7 @@ absl::Status TcpGroupLink::AttachInbound(ScopedFd& fd, const TcpHandshake& hs,
   c.fd = std::move(fd);
   c.readable = true;
   ++p.in_attached;
-  if (p.address.empty()) p.address = absl::StrCat("connected from ", from);
+  if (p.inbound_from.empty()) p.inbound_from = from;
   return absl::OkStatus();
 }
 

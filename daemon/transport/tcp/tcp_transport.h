@@ -55,4 +55,21 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTcpTransport(const TcpTransportOp
 /// logs and tests; "" when `transport` is not a TCP transport.
 std::string TcpListenAddress(const Transport& transport);
 
+/// What MeasurePlainTcp moved and how fast.
+struct PlainTcpResult {
+  uint64_t bytes = 0;       ///< Payload bytes moved (all connections).
+  int32_t connections = 0;  ///< Connections used.
+  double seconds = 0;       ///< From the first send to the last byte received.
+  double GBps() const { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
+};
+
+/// The plain-TCP bound for the same bytes, as a yardstick for the transport (epd_bench): moves
+/// `bytes` (split evenly) over `connections` TCP connections between two ends in this process
+/// on `host` (a local address), one blocking sender and one receiver thread per connection,
+/// 1 MiB send/recv calls, TCP_NODELAY, and times it. Every call is bounded (10 s socket
+/// timeouts). Errors: INVALID_ARGUMENT (bytes 0, connections not in [1, 16]), UNAVAILABLE
+/// (a socket call failed, naming it and errno).
+absl::StatusOr<PlainTcpResult> MeasurePlainTcp(uint64_t bytes, int32_t connections,
+                                               const std::string& host = "127.0.0.1");
+
 }  // namespace epd::transport
