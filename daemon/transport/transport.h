@@ -38,7 +38,10 @@ struct GroupLinkOptions {
   uint64_t recv_bytes = 0;
   /// Called from the transport's progress thread when something the engine waits for
   /// happened (an immediate arrived, a write completed, a peer failed): wakes the engine.
-  /// Must be cheap and must not call back into the link.
+  /// Must be cheap and must not call back into the link. It is called with the
+  /// transport's internal locks held and never from inside a call into the link: it must
+  /// not block on anything the engine may hold while calling the link (write an eventfd,
+  /// wake a futex, notify a condition variable).
   std::function<void()> wake;
 };
 

@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "common/status_macros.h"
 #include "daemon/core/logging.h"
 #include "daemon/transport/tcp/tcp_transport.h"
 
@@ -242,40 +243,34 @@ class FaultGroupLink final : public GroupLink {
   }
 
   absl::Status PostWrite(int32_t node, std::span<const WritePiece> pieces, uint32_t imm) override {
-    bool woke = false;
-    absl::Status result;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (!Valid(node)) return inner_->PostWrite(node, pieces, imm);
-      Peer& p = peers_[static_cast<size_t>(node)];
-      if (!p.failed.ok()) return p.failed;
-      if (p.partitioned_since) return absl::UnavailableError(PartitionMessage(node));
-      const PeerFaults f = plan_.For(node);
-      if (f.reset_after_writes && p.posted >= static_cast<uint64_t>(*f.reset_after_writes)) {
-        woke = FailLocked(node,
-                          absl::StrCat("fault injection: link reset after ", p.posted, " writes"));
-        result = p.failed;
-      } else if (f.drop_after_writes && p.posted >= static_cast<uint64_t>(*f.drop_after_writes)) {
-        ++p.posted;
-        ++p.dropped;
-      } else if ((f.delay_ms && *f.delay_ms > 0) || !p.delayed.empty()) {
-        Delayed d;
-        d.due = Clock::now() + std::chrono::milliseconds(f.delay_ms.value_or(0));
-        d.pieces.assign(pieces.begin(), pieces.end());
-        d.imm = imm;
-        p.delayed.push_back(std::move(d));
-        ++p.posted;
-        ++p.passed;
-      } else {
-        result = inner_->PostWrite(node, pieces, imm);
-        if (result.ok()) {
-          ++p.posted;
-          ++p.passed;
-        }
-      }
+    std::lock_guard<std::mutex> l(mu_);
+    if (!Valid(node)) return inner_->PostWrite(node, pieces, imm);
+    Peer& p = peers_[static_cast<size_t>(node)];
+    if (!p.failed.ok()) return p.failed;
+    if (p.partitioned_since) return absl::UnavailableError(PartitionMessage(node));
+    const PeerFaults f = plan_.For(node);
+    if (f.reset_after_writes && p.posted >= static_cast<uint64_t>(*f.reset_after_writes)) {
+      // The engine learns it from the answer: no wake from inside its own call.
+      FailLocked(node, absl::StrCat("fault injection: link reset after ", p.posted, " writes"));
+      return p.failed;
     }
-    if (woke && wake_) wake_();
-    return result;
+    if (f.drop_after_writes && p.posted >= static_cast<uint64_t>(*f.drop_after_writes)) {
+      ++p.posted;
+      ++p.dropped;
+      return absl::OkStatus();
+    }
+    if ((f.delay_ms && *f.delay_ms > 0) || !p.delayed.empty()) {
+      Delayed d;
+      d.due = Clock::now() + std::chrono::milliseconds(f.delay_ms.value_or(0));
+      d.pieces.assign(pieces.begin(), pieces.end());
+      d.imm = imm;
+      p.delayed.push_back(std::move(d));
+    } else {
+      EPD_RETURN_IF_ERROR(inner_->PostWrite(node, pieces, imm));
+    }
+    ++p.posted;
+    ++p.passed;
+    return absl::OkStatus();
   }
 
   uint64_t WritesCompleted(int32_t node) const override {
@@ -297,11 +292,18 @@ class FaultGroupLink final : public GroupLink {
     return inner_->PollImm(node, imm);
   }
 
+  /// Called by the engine: no wake (it knows). ResetPeer wakes through WakeAfterReset.
   void FailPeer(int32_t node, const absl::Status& cause) override {
+    std::lock_guard<std::mutex> l(mu_);
+    if (Valid(node)) FailLocked(node, cause.message());
+  }
+
+  /// FailPeer from outside the engine (FaultTransport::ResetPeer): wakes the engine.
+  void ResetFromOutside(int32_t node, absl::string_view why) {
     bool woke = false;
     {
       std::lock_guard<std::mutex> l(mu_);
-      if (Valid(node)) woke = FailLocked(node, cause.message());
+      if (Valid(node)) woke = FailLocked(node, why);
     }
     if (woke && wake_) wake_();
   }
@@ -412,7 +414,7 @@ class FaultTransportImpl final : public FaultTransport {
     std::lock_guard<std::mutex> l(shared_->mu);
     for (FaultGroupLink* link : shared_->links) {
       if (link->group() == group) {
-        link->FailPeer(node, absl::UnavailableError("fault injection: link reset"));
+        link->ResetFromOutside(node, "fault injection: link reset");
         return absl::OkStatus();
       }
     }

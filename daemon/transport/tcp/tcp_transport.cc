@@ -332,8 +332,9 @@ class TcpGroupLink final : public GroupLink {
   absl::Status AttachInbound(ScopedFd& fd, const TcpHandshake& hs, const std::string& from);
   /// Moves bytes on every connection; true when more work is ready right now.
   bool Progress(Clock::time_point now);
-  /// Closes every connection and fails every peer with `cause` (Close, Shutdown).
-  void Detach(const absl::Status& cause);
+  /// Closes every connection and fails every peer with `cause`: Close (`wake` false) or
+  /// Shutdown (`wake` true: the engine learns of it).
+  void Detach(const absl::Status& cause, bool wake);
 
  private:
   bool ValidNode(int32_t node) const {
@@ -354,9 +355,11 @@ class TcpGroupLink final : public GroupLink {
   void CallWake() const {
     if (options_.wake) options_.wake();
   }
-  /// Closes `p`'s connections and makes it kFailed with `why` (the first cause wins);
-  /// `report`: log it and wake the engine (not when the link itself is closing).
-  void Fail(Peer& p, absl::string_view why, bool report = true);
+  /// Who fails a peer: the progress thread (log, wake the engine), the engine thread inside
+  /// a call (log; the engine knows), or the link closing (neither).
+  enum class FailedBy { kProgress, kEngine, kClose };
+  /// Closes `p`'s connections and makes it kFailed with `why` (the first cause wins).
+  void Fail(Peer& p, absl::string_view why, FailedBy by = FailedBy::kProgress);
   void ProgressConnect(Peer& p, Conn& c);
   bool ProgressSend(Peer& p, Conn& c);
   bool BuildBatch(Peer& p, Conn& c);
@@ -441,7 +444,7 @@ void TcpCore::Shutdown() {
   }
   std::lock_guard<std::mutex> l(mu_);
   const absl::Status cause = absl::UnavailableError("the TCP transport was shut down");
-  for (TcpGroupLink* link : links_) link->Detach(cause);
+  for (TcpGroupLink* link : links_) link->Detach(cause, /*wake=*/true);
   links_.clear();
   pending_.clear();
   listen_fd_.Reset();
@@ -475,7 +478,7 @@ void TcpCore::Unregister(TcpGroupLink* link) {
   std::lock_guard<std::mutex> l(mu_);
   auto it = std::find(links_.begin(), links_.end(), link);
   if (it != links_.end()) links_.erase(it);
-  link->Detach(absl::UnavailableError("the link was closed"));
+  link->Detach(absl::UnavailableError("the link was closed"), /*wake=*/false);
 }
 
 TcpGroupLink* TcpCore::FindLink(uint32_t id) {
@@ -719,7 +722,7 @@ absl::Status TcpGroupLink::Connect(int32_t node, std::string_view descriptor) {
   p.deadline = Clock::now() + core_->options().connect_timeout;
   p.state = PeerState::kConnecting;
   if (!resolved.ok()) {
-    Fail(p, resolved.message());
+    Fail(p, resolved.message(), FailedBy::kEngine);
     return absl::OkStatus();
   }
   p.out.resize(d.num_connections);
@@ -735,18 +738,18 @@ absl::Status TcpGroupLink::Connect(int32_t node, std::string_view descriptor) {
     c.hs.connection = i;
     c.fd.Reset(::socket(sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (!c.fd.valid()) {
-      Fail(p, absl::StrCat("socket: ", Errno(errno)));
+      Fail(p, absl::StrCat("socket: ", Errno(errno)), FailedBy::kEngine);
       return absl::OkStatus();
     }
     SetNoDelay(c.fd.get());
     if (::connect(c.fd.get(), reinterpret_cast<sockaddr*>(&sa), sa_len) != 0 &&
         errno != EINPROGRESS) {
-      Fail(p, absl::StrCat("connect: ", Errno(errno)));
+      Fail(p, absl::StrCat("connect: ", Errno(errno)), FailedBy::kEngine);
       return absl::OkStatus();
     }
     const absl::Status added = core_->EpollAdd(c.fd.get(), ConnKey(id_, node, false, i));
     if (!added.ok()) {
-      Fail(p, added.message());
+      Fail(p, added.message(), FailedBy::kEngine);
       return absl::OkStatus();
     }
   }
@@ -842,7 +845,7 @@ bool TcpGroupLink::PollImm(int32_t node, uint32_t* imm) {
 void TcpGroupLink::FailPeer(int32_t node, const absl::Status& cause) {
   if (!ValidNode(node) || closed_) return;
   std::lock_guard<std::mutex> l(core_->mu());
-  Fail(*peers_[static_cast<size_t>(node)], cause.message());
+  Fail(*peers_[static_cast<size_t>(node)], cause.message(), FailedBy::kEngine);
 }
 
 void TcpGroupLink::Close() {
@@ -851,27 +854,31 @@ void TcpGroupLink::Close() {
   if (registered_) core_->Unregister(this);
 }
 
-void TcpGroupLink::Detach(const absl::Status& cause) {
+void TcpGroupLink::Detach(const absl::Status& cause, bool wake) {
+  bool failed = false;
   for (auto& p : peers_) {
-    if (p != nullptr) Fail(*p, cause.message(), /*report=*/false);
+    if (p == nullptr) continue;
+    failed |= p->state.load() != PeerState::kFailed;
+    Fail(*p, cause.message(), FailedBy::kClose);
   }
+  if (wake && failed) CallWake();
 }
 
 // ---------------------------------------------------------------------------------------
 // TcpGroupLink: the progress side (under TcpCore::mu_)
 
-void TcpGroupLink::Fail(Peer& p, absl::string_view why, bool report) {
+void TcpGroupLink::Fail(Peer& p, absl::string_view why, FailedBy by) {
   for (Conn& c : p.out) c.fd.Reset();
   for (Conn& c : p.in) c.fd.Reset();
   if (p.state.load() == PeerState::kFailed) return;
   absl::Status status = absl::UnavailableError(absl::StrCat(PeerNameLocked(p), ": ", why));
-  if (report) Log()->warn("{}", status.message());
+  if (by != FailedBy::kClose) Log()->warn("{}", status.message());
   {
     std::lock_guard<std::mutex> l(status_mu_);
     p.status = std::move(status);
   }
   p.state.store(PeerState::kFailed, std::memory_order_release);
-  if (report) CallWake();
+  if (by == FailedBy::kProgress) CallWake();
 }
 
 void TcpGroupLink::OnConnEvent(int32_t node, bool inbound, uint32_t index, uint32_t events) {
