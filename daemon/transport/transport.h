@@ -84,6 +84,8 @@ class GroupLink {
                                  uint32_t imm) = 0;
 
   /// Writes posted to `node` whose sources may be reused (a count since the link began).
+  /// Once the peer is kFailed every posted write counts (the transport reads no source of
+  /// it any more), whether it landed or not.
   virtual uint64_t WritesCompleted(int32_t node) const = 0;
 
   /// Pops the next immediate received from node `node`, in the order it was posted.

@@ -136,6 +136,7 @@ TEST(FaultTransport, ResetsAfterWrites) {
   EXPECT_NE(s.message().find("node 1"), absl::string_view::npos) << s;
   EXPECT_NE(s.message().find("reset after 3 writes"), absl::string_view::npos) << s;
   EXPECT_EQ(c.nodes[0].link->State(1), PeerState::kFailed);
+  EXPECT_EQ(c.nodes[0].link->WritesCompleted(1), 3u);
   // The peer sees it: the wrapped link's connections were closed.
   EXPECT_TRUE(
       WaitFor([&] { return c.nodes[1].link->State(0) == PeerState::kFailed; }, milliseconds(2000)));

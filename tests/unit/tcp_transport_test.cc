@@ -303,6 +303,26 @@ TEST(TcpTransport, PeerCloseFailsThatPeerOnly) {
   g2[1].link->Close();
 }
 
+// A receiver that polls nothing stops reading (max_pending_imms), so a large write stays
+// incomplete; once that peer fails, every posted write counts as completed.
+TEST(TcpTransport, FailedPeerReleasesSources) {
+  TcpTransportOptions o;
+  o.max_pending_imms = 1;
+  constexpr uint64_t kRegion = 64ull << 20;  // Beyond what the socket buffers hold.
+  Connected c(o, 2, 2, kRegion);
+  const std::vector<uint8_t> src(kRegion, 1);
+  const std::vector<WritePiece> small = {{src.data(), 8, 0}};
+  const std::vector<WritePiece> large = {{src.data(), kRegion, 0}};
+  ASSERT_TRUE(c.nodes[0].link->PostWrite(1, small, 1).ok());
+  ASSERT_TRUE(c.nodes[0].link->PostWrite(1, small, 2).ok());
+  ASSERT_TRUE(c.nodes[0].link->PostWrite(1, large, 3).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_LT(c.nodes[0].link->WritesCompleted(1), 3u);  // Held back by the receiver.
+  c.nodes[1].link->Close();
+  ASSERT_TRUE(WaitFor([&] { return c.nodes[0].link->State(1) == PeerState::kFailed; }));
+  EXPECT_EQ(c.nodes[0].link->WritesCompleted(1), 3u);
+}
+
 TEST(TcpTransport, ConnectFailuresAreBounded) {
   TcpTransportOptions o;
   o.connect_timeout = std::chrono::milliseconds(300);

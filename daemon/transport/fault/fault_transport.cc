@@ -278,6 +278,7 @@ class FaultGroupLink final : public GroupLink {
     const uint64_t inner = inner_->WritesCompleted(node);
     if (!Valid(node)) return inner;
     const Peer& p = peers_[static_cast<size_t>(node)];
+    if (!p.failed.ok()) return p.posted;  // Delayed writes were discarded; none is read.
     return inner + (inner == p.passed ? p.dropped : 0);
   }
 

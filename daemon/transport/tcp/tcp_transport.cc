@@ -825,7 +825,13 @@ absl::Status TcpGroupLink::PostWrite(int32_t node, std::span<const WritePiece> p
 
 uint64_t TcpGroupLink::WritesCompleted(int32_t node) const {
   if (!ValidNode(node)) return 0;
-  return peers_[static_cast<size_t>(node)]->writes_done.load(std::memory_order_acquire);
+  const Peer& p = *peers_[static_cast<size_t>(node)];
+  // kFailed is stored under TcpCore::mu_ after the peer's sockets closed; the progress
+  // thread sends nothing for it after that, so no source is read any more.
+  if (p.state.load(std::memory_order_acquire) == PeerState::kFailed) {
+    return p.writes_posted.load(std::memory_order_relaxed);
+  }
+  return p.writes_done.load(std::memory_order_acquire);
 }
 
 bool TcpGroupLink::PollImm(int32_t node, uint32_t* imm) {
