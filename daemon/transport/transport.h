@@ -76,7 +76,10 @@ class GroupLink {
   virtual absl::Status PeerStatus(int32_t node) const = 0;
 
   /// Posts a one-sided write of `pieces` into node `node`'s receive region, then delivers
-  /// `imm` to that node (PollImm) once every byte of the write is in its memory.
+  /// `imm` to that node (PollImm) once every byte of the write is in its memory. Its bytes
+  /// land after those of the writes posted before it to that node (a byte written twice ends
+  /// with the later write's value); pieces of one write should not overlap (which of them
+  /// lands last is unspecified).
   /// Non-blocking; allocates nothing in steady state. Errors: UNAVAILABLE (peer not
   /// ready or failed, naming it), INVALID_ARGUMENT (a piece outside the peer's region),
   /// RESOURCE_EXHAUSTED (too many writes in flight: retry after WritesCompleted grows).

@@ -159,6 +159,26 @@ TEST(TcpTransport, ManyPiecesBothWaysInOrder) {
   EXPECT_GT(nodes[0].wakes->load(), 0);
 }
 
+// Successive writes to the same bytes, each striped differently over 3 connections: the
+// later write's bytes win.
+TEST(TcpTransport, LaterWritesWinOverlaps) {
+  TcpTransportOptions o;
+  o.connections_per_peer = 3;
+  o.chunk_bytes = 4096;
+  constexpr uint64_t kRegion = 64 * 1024;
+  Connected c(o, 2, 2, kRegion);
+  const std::vector<uint8_t> a = RandomBytes(kRegion, 1), b = RandomBytes(kRegion, 2);
+  constexpr int kWrites = 300;
+  for (int w = 0; w < kWrites; ++w) {
+    const std::vector<WritePiece> pieces = {{(w % 2 ? b : a).data(), kRegion, 0}};
+    ASSERT_TRUE(PostWriteRetrying(*c.nodes[0].link, 1, pieces, w).ok());
+  }
+  uint32_t imm = 0;
+  for (int w = 0; w < kWrites; ++w) ASSERT_TRUE(PollImmWaiting(*c.nodes[1].link, 0, &imm));
+  EXPECT_EQ(imm, static_cast<uint32_t>(kWrites - 1));
+  EXPECT_TRUE(c.nodes[1].recv == b);
+}
+
 // 64 MiB in pieces far larger than the socket buffers (one of 24 MiB), striped over 4
 // connections.
 TEST(TcpTransport, LargeWritesLandExactly) {

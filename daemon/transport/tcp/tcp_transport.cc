@@ -58,6 +58,7 @@ constexpr size_t kMaxPending = 64;           // Accepted connections still hands
 constexpr uint64_t kReadBudget = 4u << 20;   // Bytes per connection per loop turn.
 constexpr uint64_t kWriteBudget = 8u << 20;  // Bytes per connection per loop turn.
 constexpr int kTickMs = 50;                  // Loop tick (deadlines are checked per tick).
+constexpr int kRecvRounds = 8;               // Receive rounds per peer per loop turn.
 constexpr int32_t kMaxNodes = 4096;
 
 std::shared_ptr<spdlog::logger> Log() { return GetLogger(kLogTransport); }
@@ -302,6 +303,7 @@ class TcpCore {
   std::vector<TcpGroupLink*> links_;
   std::vector<Pending> pending_;
   uint64_t next_pending_id_ = 1;
+  bool accept_again_ = false;  // The last accept failed for want of a resource.
   LogRateLimiter refusals_{2, 10, "the TCP data listener"};
 };
 
@@ -523,6 +525,7 @@ void TcpCore::Run() {
         }
       }
     }
+    if (accept_again_) Accept(now);
     bool more = false;
     for (TcpGroupLink* link : links_) more |= link->Progress(now);
     for (size_t i = 0; i < pending_.size();) {
@@ -545,7 +548,10 @@ void TcpCore::Accept(Clock::time_point now) {
                           SOCK_NONBLOCK | SOCK_CLOEXEC));
     if (!fd.valid()) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      // Out of descriptors or memory: the connections stay in the backlog and no new edge
+      // may come, so the loop tries again next turn.
+      accept_again_ = errno != EAGAIN && errno != EWOULDBLOCK;
+      if (accept_again_) {
         LogLimited(*Log(), spdlog::level::warn, refusals_, "accept", "accept on {}: {}",
                    listen_address_, Errno(errno));
       }
@@ -974,9 +980,16 @@ bool TcpGroupLink::Progress(Clock::time_point now) {
         }
       }
     }
-    for (Conn& c : p.in) {
-      if (p.state.load() == PeerState::kFailed) break;
-      if (c.fd.valid()) more |= ProgressRecv(p, c);
+    // A write completed: connections waiting for it may go on (ProgressRecv's barrier);
+    // a few rounds here, then another turn of the loop.
+    for (int round = 0; round < kRecvRounds; ++round) {
+      const uint64_t delivered = p.delivered.load(std::memory_order_relaxed);
+      for (Conn& c : p.in) {
+        if (p.state.load() == PeerState::kFailed) break;
+        if (c.fd.valid()) more |= ProgressRecv(p, c);
+      }
+      if (p.delivered.load(std::memory_order_relaxed) == delivered) break;
+      if (round + 1 == kRecvRounds) more = true;
     }
   }
   return more;
@@ -1185,6 +1198,13 @@ bool TcpGroupLink::ProgressRecv(Peer& p, Conn& c) {
         p.recv_paused.store(false, std::memory_order_relaxed);
       }
       continue;
+    }
+    // Write c.dones starts only once every connection finished the write before it, so a
+    // later write's bytes always land after an earlier one's (the same offset written twice
+    // ends with the later bytes). Progress runs this connection again when that happens.
+    if (c.rstate == Conn::Recv::kHeader && c.rhdr_got == 0 &&
+        c.dones > p.delivered.load(std::memory_order_relaxed)) {
+      return false;
     }
     if (!c.readable) return false;
     if (budget == 0) return true;
