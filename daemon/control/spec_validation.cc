@@ -73,32 +73,39 @@ absl::Status ValidateNodes(const v1::GroupSpec& spec) {
   return absl::OkStatus();
 }
 
-/// "nodes: live=2 entries requested=3 entries" and "nodes[1]: live=<..> requested=<..>"
-/// for each differing element of a repeated field.
-void AppendRepeatedDiffs(const google::protobuf::Message& live,
-                         const google::protobuf::Message& requested,
-                         const google::protobuf::FieldDescriptor* field,
-                         std::vector<std::string>* diffs) {
+/// One diff of a repeated field, "nodes: live=[...] requested=[...]": the entry counts when
+/// they differ, else the differing entries ("#1 {...}"), at most kMaxReportedElementDiffs.
+void AppendRepeatedDiff(const google::protobuf::Message& live,
+                        const google::protobuf::Message& requested,
+                        const google::protobuf::FieldDescriptor* field,
+                        std::vector<std::string>* diffs) {
   const google::protobuf::Reflection* reflection = live.GetReflection();
   const int a = reflection->FieldSize(live, field);
   const int b = reflection->FieldSize(requested, field);
   if (a != b) {
     diffs->push_back(
-        absl::StrCat(field->name(), ": live=", a, " entries requested=", b, " entries"));
+        absl::StrCat(field->name(), ": live=[", a, " entries] requested=[", b, " entries]"));
+    return;
   }
-  int reported = 0;
-  for (int i = 0; i < std::min(a, b); ++i) {
-    std::string x;
-    std::string y;
-    google::protobuf::TextFormat::PrintFieldValueToString(live, field, i, &x);
-    google::protobuf::TextFormat::PrintFieldValueToString(requested, field, i, &y);
-    if (x == y) continue;
-    if (++reported > kMaxReportedElementDiffs) {
-      diffs->push_back(absl::StrCat(field->name(), ": more entries differ"));
-      return;
-    }
-    diffs->push_back(absl::StrCat(field->name(), "[", i, "]: live={", x, "} requested={", y, "}"));
+  std::vector<std::string> x;
+  std::vector<std::string> y;
+  int differing = 0;
+  for (int i = 0; i < a; ++i) {
+    std::string u;
+    std::string v;
+    google::protobuf::TextFormat::PrintFieldValueToString(live, field, i, &u);
+    google::protobuf::TextFormat::PrintFieldValueToString(requested, field, i, &v);
+    if (u == v) continue;
+    if (++differing > kMaxReportedElementDiffs) continue;
+    x.push_back(absl::StrCat("#", i, " {", absl::StripAsciiWhitespace(u), "}"));
+    y.push_back(absl::StrCat("#", i, " {", absl::StripAsciiWhitespace(v), "}"));
   }
+  if (differing == 0) return;
+  const std::string more = differing > kMaxReportedElementDiffs
+                               ? absl::StrCat(", ... (", differing, " entries differ)")
+                               : "";
+  diffs->push_back(absl::StrCat(field->name(), ": live=[", absl::StrJoin(x, ", "), more,
+                                "] requested=[", absl::StrJoin(y, ", "), more, "]"));
 }
 
 }  // namespace
@@ -228,7 +235,7 @@ std::vector<std::string> DiffGroupSpecs(const v1::GroupSpec& live, const v1::Gro
   for (int i = 0; i < descriptor->field_count(); ++i) {
     const google::protobuf::FieldDescriptor* field = descriptor->field(i);
     if (field->is_repeated()) {
-      AppendRepeatedDiffs(live, requested, field, &diffs);
+      AppendRepeatedDiff(live, requested, field, &diffs);
       continue;
     }
     std::string a = FieldValueText(live, field);

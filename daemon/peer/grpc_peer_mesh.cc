@@ -125,6 +125,22 @@ absl::Status FromGrpc(const grpc::Status& s) {
 
 }  // namespace
 
+std::string HelloProof(absl::string_view secret, absl::string_view server_nonce,
+                       absl::string_view client_nonce, absl::string_view daemon_id) {
+  return Mac(secret, kHelloLabel, {server_nonce, client_nonce, daemon_id});
+}
+
+std::string SessionKey(absl::string_view secret, absl::string_view server_nonce,
+                       absl::string_view client_nonce, absl::string_view daemon_id) {
+  return Mac(secret, kSessionLabel, {server_nonce, client_nonce, daemon_id});
+}
+
+void SignHeartbeat(absl::string_view session_id, absl::string_view session_key,
+                   v1::HeartbeatRequest* request) {
+  request->mutable_auth()->set_session_id(std::string(session_id));
+  request->mutable_auth()->set_mac(RequestMac(session_key, "Heartbeat", *request));
+}
+
 std::string RankRangeText(int32_t first_rank, int32_t num_ranks) {
   if (num_ranks == 1) return absl::StrCat("rank ", first_rank);
   return absl::StrCat("ranks ", first_rank, "-", first_rank + num_ranks - 1);
@@ -232,6 +248,14 @@ struct GrpcPeerMesh::State {
 
   absl::Duration interval() const { return options.heartbeat_interval; }
   absl::Duration call_deadline() const { return std::max(interval(), kMinCallDeadline); }
+
+  /// Logs the count of refusals suppressed so far once the limiter allows (every Peer call
+  /// looks, so the count comes out after a flood ends).
+  void ReportSuppressedRefusals() {
+    if (refusals.suppressed() == 0) return;
+    LogRateLimiter::Decision d = refusals.TakeReport();
+    if (d.log) LogSuppressedReport(*GetLogger(kLogPeer), spdlog::level::warn, refusals, d);
+  }
 
   void LogRefusal(const std::string& source, const std::string& what) {
     auto log = GetLogger(kLogPeer);
@@ -473,6 +497,7 @@ class PeerService final : public v1::Peer::Service {
 
   grpc::Status Challenge(grpc::ServerContext* context, const v1::ChallengeRequest* request,
                          v1::ChallengeResponse* response) override {
+    state_->ReportSuppressedRefusals();
     response->set_protocol_version(kPeerProtocolVersion);
     if (absl::Status s = CheckVersion(request->protocol_version()); !s.ok()) {
       return Refuse(context, s);
@@ -483,6 +508,7 @@ class PeerService final : public v1::Peer::Service {
 
   grpc::Status Hello(grpc::ServerContext* context, const v1::HelloRequest* request,
                      v1::HelloResponse* response) override {
+    state_->ReportSuppressedRefusals();
     if (absl::Status s = CheckVersion(request->protocol_version()); !s.ok()) {
       return Refuse(context, s);
     }
@@ -496,16 +522,15 @@ class PeerService final : public v1::Peer::Service {
     }
     const std::string& secret = state_->options.secret;
     const std::string expected =
-        Mac(secret, kHelloLabel,
-            {request->server_nonce(), request->client_nonce(), request->daemon_id()});
+        HelloProof(secret, request->server_nonce(), request->client_nonce(), request->daemon_id());
     if (!SameMac(request->proof(), expected)) {
       return Refuse(context, absl::UnauthenticatedError(absl::StrCat(
                                  "daemon \"", EscapeClientText(request->daemon_id()),
                                  "\" does not know the shared secret (peer_secret_file "
                                  "differs between the daemons)")));
     }
-    std::string key = Mac(secret, kSessionLabel,
-                          {request->server_nonce(), request->client_nonce(), request->daemon_id()});
+    std::string key =
+        SessionKey(secret, request->server_nonce(), request->client_nonce(), request->daemon_id());
     response->set_session_id(state_->OpenSession(request->daemon_id(), std::move(key)));
     response->set_daemon_id(state_->advertised);
     response->set_proof(
@@ -544,6 +569,7 @@ class PeerService final : public v1::Peer::Service {
 
   grpc::Status Heartbeat(grpc::ServerContext* context, const v1::HeartbeatRequest* request,
                          v1::HeartbeatResponse* response) override {
+    state_->ReportSuppressedRefusals();
     absl::StatusOr<std::string> caller = state_->Authenticate("Heartbeat", *request);
     if (!caller.ok()) return Refuse(context, caller.status());
     if (request->held().groups_size() > kMaxHeldGroups) {
@@ -642,8 +668,8 @@ absl::Status Handshake(State* st, PeerConn* pc, std::string* session_id, std::st
   hello.set_daemon_id(st->advertised);
   hello.set_server_nonce(nonce.server_nonce());
   hello.set_client_nonce(RandomBytes(kNonceBytes));
-  hello.set_proof(Mac(st->options.secret, kHelloLabel,
-                      {hello.server_nonce(), hello.client_nonce(), st->advertised}));
+  hello.set_proof(
+      HelloProof(st->options.secret, hello.server_nonce(), hello.client_nonce(), st->advertised));
   grpc::ClientContext c2;
   c2.set_deadline(DeadlineAfter(st->call_deadline()));
   v1::HelloResponse welcome;
@@ -664,8 +690,7 @@ absl::Status Handshake(State* st, PeerConn* pc, std::string* session_id, std::st
     return absl::InvalidArgumentError("malformed session id");
   }
   *session_id = welcome.session_id();
-  *key = Mac(st->options.secret, kSessionLabel,
-             {hello.server_nonce(), hello.client_nonce(), st->advertised});
+  *key = SessionKey(st->options.secret, hello.server_nonce(), hello.client_nonce(), st->advertised);
   return absl::OkStatus();
 }
 

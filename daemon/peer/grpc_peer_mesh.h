@@ -11,7 +11,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/strings/string_view.h"
 #include "daemon/peer/peer_mesh.h"
+#include "epd/v1/peer.pb.h"
 
 namespace epd::peer {
 
@@ -70,6 +72,16 @@ class GrpcPeerMesh final : public PeerMesh {
   explicit GrpcPeerMesh(std::shared_ptr<State> state);
   std::shared_ptr<State> state_;
 };
+
+/// The handshake's values (peer.proto HelloRequest.proof and PeerAuth's session key), for
+/// tools and tests that speak the Peer protocol by hand.
+std::string HelloProof(absl::string_view secret, absl::string_view server_nonce,
+                       absl::string_view client_nonce, absl::string_view daemon_id);
+std::string SessionKey(absl::string_view secret, absl::string_view server_nonce,
+                       absl::string_view client_nonce, absl::string_view daemon_id);
+/// Fills request->auth for `session_id` / `session_key`.
+void SignHeartbeat(absl::string_view session_id, absl::string_view session_key,
+                   v1::HeartbeatRequest* request);
 
 /// "ranks 4-7" / "rank 4": the ranks of a node, for messages.
 std::string RankRangeText(int32_t first_rank, int32_t num_ranks);

@@ -96,10 +96,12 @@ TEST(SpecNodesTest, DiffNamesTheNodes) {
   b.mutable_nodes(1)->set_peer_address("c:1");
   std::vector<std::string> diffs = DiffGroupSpecs(a, b);
   ASSERT_EQ(diffs.size(), 1u);
-  EXPECT_THAT(diffs[0], AllOf(HasSubstr("nodes[1]"), HasSubstr("b:1"), HasSubstr("c:1")));
+  EXPECT_THAT(diffs[0], AllOf(HasSubstr("nodes: live=[#1 {"), HasSubstr("b:1"),
+                              HasSubstr("requested=[#1 {"), HasSubstr("c:1")));
   v1::GroupSpec c = a;
   c.clear_nodes();
-  EXPECT_THAT(CheckSameSpec(a, c).message(), HasSubstr("nodes: live=2 entries requested=0"));
+  EXPECT_THAT(CheckSameSpec(a, c).message(),
+              HasSubstr("nodes: live=[2 entries] requested=[0 entries]"));
   EXPECT_TRUE(CheckSameSpec(a, a).ok());
   EXPECT_THAT(SpecSummary(a), HasSubstr("nodes=2"));
   EXPECT_THAT(SpecSummary(MakeSpec("g")), ::testing::Not(HasSubstr("nodes")));
