@@ -44,8 +44,9 @@ constexpr int kMaxHeldGroups = 65536;
 /// Rendezvous retry backoff bounds.
 constexpr absl::Duration kMinBackoff = absl::Milliseconds(20);
 constexpr absl::Duration kMaxBackoff = absl::Seconds(1);
-/// Shortest deadline of one Peer call (the heartbeat interval may be shorter).
-constexpr absl::Duration kMinCallDeadline = absl::Milliseconds(200);
+/// Shortest deadline of one Peer call (the heartbeat interval may be shorter); a loaded
+/// machine answers late rather than never.
+constexpr absl::Duration kMinCallDeadline = absl::Milliseconds(500);
 /// How long Shutdown spends sending the teardown notices still queued.
 constexpr absl::Duration kShutdownLeaveBudget = absl::Milliseconds(500);
 
@@ -203,11 +204,17 @@ struct PeerConn {
   std::string session_id;
   std::string session_key;
   absl::Time last_heard;
+  /// Heartbeats and handshakes that failed since it was last heard from.
+  int failed_probes = 0;
   absl::Time next_heartbeat = absl::InfinitePast();
   absl::Time next_handshake = absl::InfinitePast();
   absl::Duration handshake_backoff = kMinBackoff;
   std::deque<Leave> leaves;
   std::string last_error;  ///< Of the last failed call ("" after a success).
+  void Heard() {
+    last_heard = absl::Now();
+    failed_probes = 0;
+  }
   std::thread worker;
 };
 
@@ -333,7 +340,7 @@ struct GrpcPeerMesh::State {
     n.joined.clear();
     ApplyJoined(n, r.joined_ranks());
     auto p = peers.find(n.address);
-    if (p != peers.end()) p->second->last_heard = absl::Now();
+    if (p != peers.end()) p->second->Heard();
     GetLogger(kLogPeer)->info("group \"{}\": {} registered (incarnation {:x}){}",
                               g.membership.spec.name(), NodeText(g, r.node()), r.incarnation(),
                               was_lost ? ", again after it was lost" : "");
@@ -387,7 +394,7 @@ struct GrpcPeerMesh::State {
   void ApplyHeld(const std::string& address, const v1::HeldGroups& held)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto p = peers.find(address);
-    if (p != peers.end()) p->second->last_heard = absl::Now();
+    if (p != peers.end()) p->second->Heard();
     std::map<absl::string_view, const v1::HeldGroup*> by_name;
     for (const v1::HeldGroup& h : held.groups()) by_name.emplace(h.name(), &h);
     for (auto& [name, g] : groups) {
@@ -396,9 +403,11 @@ struct GrpcPeerMesh::State {
       NodeEntry& n = g->nodes[node];
       auto it = by_name.find(name);
       if (it != by_name.end()) {
-        if (it->second->incarnation() == n.descriptor.incarnation &&
-            n.state == NodeState::kRegistered) {
+        const bool same = it->second->incarnation() == n.descriptor.incarnation;
+        if (same && n.state == NodeState::kRegistered) {
           ApplyJoined(n, it->second->joined_ranks());
+        } else if (same && n.state == NodeState::kLost) {
+          // The registration that was lost: it stays lost until a new one.
         } else if (n.state != NodeState::kMissing || !n.refresh) {
           n.refresh = true;  // It holds a registration we do not have: ask for it.
           n.next_attempt = absl::InfinitePast();
@@ -772,7 +781,7 @@ class Worker {
       if (node < 0) continue;
       const NodeEntry& n = g->nodes[node];
       if (n.state != NodeState::kRegistered || n.refresh) at = std::min(at, n.next_attempt);
-      if (n.state == NodeState::kRegistered) {
+      if (n.state == NodeState::kRegistered && pc_->failed_probes >= kLostAfterIntervals) {
         at = std::min(at, pc_->last_heard + kLostAfterIntervals * st_->interval());
       }
     }
@@ -781,16 +790,18 @@ class Worker {
 
   void CheckLiveness(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st_->mu) {
     const absl::Duration bound = kLostAfterIntervals * st_->interval();
-    if (now - pc_->last_heard <= bound) return;
+    // Silent for the bound, and probed in vain that many times (so that a worker that was
+    // itself starved of CPU asks again before it judges).
+    if (now - pc_->last_heard <= bound || pc_->failed_probes < kLostAfterIntervals) return;
     for (auto& [name, g] : st_->groups) {
       const int32_t node = State::NodeAt(*g, pc_->address);
       if (node < 0 || g->nodes[node].state != NodeState::kRegistered) continue;
       st_->MarkLost(
           *g, node,
           absl::StrCat(
-              "its daemon answered nothing for ", MsText(now - pc_->last_heard),
-              " (heartbeat every ", MsText(st_->interval()), ", lost after ", kLostAfterIntervals,
-              " intervals)",
+              "its daemon answered nothing for ", MsText(now - pc_->last_heard), " and ",
+              pc_->failed_probes, " probes in a row (heartbeat every ", MsText(st_->interval()),
+              ", lost after ", kLostAfterIntervals, " intervals)",
               pc_->last_error.empty() ? "" : absl::StrCat("; last error: ", pc_->last_error)));
     }
   }
@@ -813,6 +824,7 @@ class Worker {
     if (s.ok()) {
       pc_->session_id = std::move(id);
       pc_->session_key = std::move(key);
+      pc_->Heard();
       pc_->handshake_backoff = kMinBackoff;
       pc_->next_heartbeat = absl::InfinitePast();
       if (!pc_->last_error.empty()) {
@@ -822,6 +834,7 @@ class Worker {
       return;
     }
     NoteError(s);
+    ++pc_->failed_probes;
     pc_->next_handshake = absl::Now() + pc_->handshake_backoff;
     pc_->handshake_backoff = std::min(pc_->handshake_backoff * 2, kMaxBackoff);
   }
@@ -860,6 +873,7 @@ class Worker {
     st_->mu.Lock();
     if (!s.ok()) {
       NoteError(FromGrpc(s));
+      ++pc_->failed_probes;
       return;
     }
     if (response.held().groups_size() > kMaxHeldGroups) {
