@@ -22,6 +22,8 @@ PACKAGES=(
   # control plane: gRPC, protobuf (+ the protoc gRPC plugin), abseil, logging
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev
+  # Peer service: HMAC-SHA256 of the daemons' handshake (libcrypto; libgrpc++-dev pulls it in)
+  libssl-dev
   # data plane: RDMA verbs + connection manager, DLPack tensors
   libibverbs-dev librdmacm-dev libdlpack-dev
   # tests

@@ -71,6 +71,7 @@ std::string FormatStatus(const v1::GetStatsResponse& s, const std::string& targe
                                     s.serving_status(), HumanDurationMs(s.uptime_ms()));
   absl::StrAppend(&out, "backend: ", s.backend(), " (", s.backend_reason(), ")\n");
   absl::StrAppend(&out, "MPS: ", s.mps_active() ? "active" : "not active", "\n");
+  absl::StrAppend(&out, "peer: ", s.peer_address().empty() ? "off" : s.peer_address(), "\n");
   absl::StrAppendFormat(&out, "groups: %d  sessions: %d  ops: %d completed, %d failed\n",
                         s.num_groups(), s.num_sessions(), s.ops_completed(), s.ops_failed());
   if (s.gpus().empty()) {
@@ -94,11 +95,31 @@ std::string FormatStatus(const v1::GetStatsResponse& s, const std::string& targe
   return out;
 }
 
+std::string NodeStateName(v1::NodeState state) {
+  switch (state) {
+    case v1::NODE_STATE_SELF:
+      return "self";
+    case v1::NODE_STATE_REGISTERED:
+      return "registered";
+    case v1::NODE_STATE_MISSING:
+      return "missing";
+    case v1::NODE_STATE_LOST:
+      return "lost";
+    case v1::NODE_STATE_MISMATCH:
+      return "mismatch";
+    default:
+      return "-";
+  }
+}
+
 std::string FormatGroups(const v1::ListGroupsResponse& groups) {
   if (groups.groups().empty()) return "no groups\n";
   Table table({"GROUP", "OWNER", "SECRET", "RANKS", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS",
                "LL_MAX_TOKENS", "FP8", "LAUNCH", "BYTES/RANK", "OPS OK", "OPS FAILED"});
   Table ranks({"GROUP", "RANK", "PID", "UID", "GPU", "SESSION", "OPS OK"});
+  Table nodes(
+      {"GROUP", "NODE", "PEER ADDRESS", "RANKS", "STATE", "JOINED", "INCARNATION", "REASON"});
+  bool any_nodes = false;
   for (const v1::GroupInfo& g : groups.groups()) {
     const v1::GroupSpec& spec = g.spec();
     table.AddRow({spec.name(), UidAndName(g.owner_uid()), g.join_secret_set() ? "yes" : "no",
@@ -116,7 +137,19 @@ std::string FormatGroups(const v1::ListGroupsResponse& groups) {
                     absl::StrCat(r.uid()), r.gpu_uuid().empty() ? "-" : r.gpu_uuid(),
                     r.session_id(), absl::StrCat(r.ops_completed())});
     }
+    for (const v1::GroupNodeInfo& n : g.nodes()) {
+      any_nodes = true;
+      nodes.AddRow({spec.name(), absl::StrCat(n.node()), n.peer_address(),
+                    n.num_ranks() == 1
+                        ? absl::StrCat(n.first_rank())
+                        : absl::StrCat(n.first_rank(), "-", n.first_rank() + n.num_ranks() - 1),
+                    NodeStateName(n.state()),
+                    n.joined_ranks() < 0 ? "-" : absl::StrCat(n.joined_ranks(), "/", n.num_ranks()),
+                    n.incarnation() == 0 ? "-" : absl::StrCat(absl::Hex(n.incarnation())),
+                    n.reason().empty() ? "-" : n.reason()});
+    }
   }
+  if (any_nodes) return absl::StrCat(table.Render(), "\n", ranks.Render(), "\n", nodes.Render());
   return absl::StrCat(table.Render(), "\n", ranks.Render());
 }
 
@@ -127,6 +160,7 @@ std::string FormatStats(const v1::GetStatsResponse& s) {
   table.AddRow({"pid", absl::StrCat(s.pid())});
   table.AddRow({"uptime", HumanDurationMs(s.uptime_ms())});
   table.AddRow({"backend", s.backend()});
+  table.AddRow({"peer_address", s.peer_address().empty() ? "-" : s.peer_address()});
   table.AddRow({"num_groups", absl::StrCat(s.num_groups())});
   table.AddRow({"num_sessions", absl::StrCat(s.num_sessions())});
   table.AddRow({"ops_completed", absl::StrCat(s.ops_completed())});

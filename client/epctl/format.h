@@ -26,9 +26,12 @@ class Table {
 /// names (protobuf JsonPrintOptions), ending in a newline.
 std::string JsonOutput(const google::protobuf::Message& message);
 
-/// `epctl status`: daemon line, backend and reason, MPS, counters, GPU inventory table.
+/// `epctl status`: daemon line, backend and reason, MPS, Peer address, counters, GPUs.
 std::string FormatStatus(const v1::GetStatsResponse& stats, const std::string& target);
-/// `epctl groups`: one row per group, then one row per joined rank.
+/// "self", "registered", "missing", "lost", "mismatch" ("-" for an unknown value).
+std::string NodeStateName(v1::NodeState state);
+/// `epctl groups`: one row per group, then one row per joined rank, then (for groups that
+/// span nodes) one row per node with its state as this daemon sees it.
 std::string FormatGroups(const v1::ListGroupsResponse& groups);
 /// `epctl stats`: counters.
 std::string FormatStats(const v1::GetStatsResponse& stats);

@@ -12,6 +12,7 @@
 #include "daemon/control/spec_validation.h"
 #include "daemon/core/fd_limits.h"
 #include "daemon/core/logging.h"
+#include "daemon/peer/grpc_peer_mesh.h"
 
 namespace epd {
 namespace {
@@ -218,11 +219,35 @@ uint64_t SaturatingAdd(uint64_t a, uint64_t b) {
 
 }  // namespace
 
+absl::Status GroupRegistry::CheckRankIsOnThisNode(const v1::GroupSpec& spec, int32_t rank) const {
+  if (!SpansNodes(spec)) return absl::OkStatus();
+  if (options_.peer_mesh == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group \"", spec.name(), "\" spans ", spec.nodes_size(),
+        " nodes, but this epd has no Peer listener (peer_listen is not set): start every "
+        "node's epd with --peer_listen=host:port and --peer_secret_file (docs/MULTINODE.md)"));
+  }
+  EPD_RETURN_IF_ERROR(ValidateRank(spec, rank));
+  int32_t first = 0;
+  const int32_t node = NodeOfRank(spec, rank, &first);
+  const std::string self = options_.peer_mesh->advertised_address();
+  const std::string& address = spec.nodes(node).peer_address();
+  if (address != self) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", rank, " of group \"", spec.name(), "\" lives on node ", node, " (", address, ", ",
+        peer::RankRangeText(first, spec.nodes(node).num_ranks()), "), not on this daemon (", self,
+        "): join it at that node's epd, or fix spec.nodes (each node's peer_address as its "
+        "epd advertises it, GetStats.peer_address)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest& request) {
   const v1::GroupSpec& spec = request.spec();
   const int32_t rank = request.rank();
   EPD_RETURN_IF_ERROR(ValidateGroupSpec(spec));
   EPD_RETURN_IF_ERROR(ValidateGroupSpecForBackend(spec, data_plane_->backend_name()));
+  EPD_RETURN_IF_ERROR(CheckRankIsOnThisNode(spec, rank));
   if (!v1::LaunchMode_IsValid(request.launch_mode())) {
     return absl::InvalidArgumentError(
         absl::StrCat("launch_mode: ", request.launch_mode(), " is not a LaunchMode"));
@@ -463,6 +488,11 @@ v1::ListGroupsResponse GroupRegistry::ListGroups(const PeerCredentials& viewer) 
     info->set_join_secret_set(group.join_secret.set());
     info->set_ops_completed(group.data->ops_completed());
     info->set_ops_failed(group.data->ops_failed());
+    if (options_.peer_mesh != nullptr && SpansNodes(group.spec)) {
+      for (v1::GroupNodeInfo& node : options_.peer_mesh->NodeStatuses(name)) {
+        *info->add_nodes() = std::move(node);
+      }
+    }
     for (const auto& [rank, slot] : group.ranks) {
       v1::RankInfo* r = info->add_ranks();
       r->set_rank(rank);

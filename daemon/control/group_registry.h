@@ -31,6 +31,9 @@
 #include "epd/v1/control.pb.h"
 
 namespace epd {
+namespace peer {
+class PeerMesh;
+}  // namespace peer
 
 class GroupRegistry {
  public:
@@ -60,6 +63,9 @@ class GroupRegistry {
     /// whose client has not mapped its endpoint (DataPlaneGroup::RankMapped) this long
     /// after its join.
     absl::Duration unmapped_endpoint_timeout = absl::Seconds(30);
+    /// The daemon's Peer mesh (DaemonConfig.peer_listen), null when the Peer listener is
+    /// off: a join of a group that spans nodes then fails. Must outlive the registry.
+    peer::PeerMesh* peer_mesh = nullptr;
   };
 
   /// `data_plane` must outlive the registry (ReleaseAll() before destroying it).
@@ -264,6 +270,9 @@ class GroupRegistry {
   /// holder of one of its ranks.
   bool VisibleLocked(const Group& group, uint32_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// OK when `joiner` may join rank `rank` of the live `group` with `secret`.
+  /// A spanning spec's rank must live on this daemon's node (its peer_address is this
+  /// mesh's advertised address); FAILED_PRECONDITION without a Peer listener.
+  absl::Status CheckRankIsOnThisNode(const v1::GroupSpec& spec, int32_t rank) const;
   static absl::Status AuthorizeJoin(const Group& group, int32_t rank, const PeerCredentials& joiner,
                                     const std::string& secret);
   /// OK when a join by `uid` that creates a group (`creates`) and holds `bytes` more

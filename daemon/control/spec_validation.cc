@@ -1,6 +1,11 @@
 #include "daemon/control/spec_validation.h"
 
+#include <algorithm>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -11,6 +16,9 @@
 
 namespace epd {
 namespace {
+
+/// Elements of a repeated field DiffGroupSpecs names one by one before it summarises.
+constexpr int kMaxReportedElementDiffs = 8;
 
 absl::Status Invalid(absl::string_view field, int64_t value, absl::string_view rule) {
   return absl::InvalidArgumentError(absl::StrCat("spec.", field, ": ", value, " ", rule));
@@ -39,6 +47,78 @@ std::string FieldValueText(const google::protobuf::Message& message,
     absl::StrAppend(&text, i == 0 ? "" : ", ", braces ? "{" : "", item, braces ? "}" : "");
   }
   return text + "]";
+}
+
+absl::Status ValidateNodes(const v1::GroupSpec& spec) {
+  if (spec.nodes_size() == 0) return absl::OkStatus();
+  if (spec.nodes_size() > kMaxNodes) {
+    return Invalid("nodes", spec.nodes_size(),
+                   absl::StrCat("entries: more than the ", kMaxNodes, " nodes a group may span"));
+  }
+  int64_t total = 0;
+  absl::flat_hash_set<absl::string_view> seen;
+  for (int32_t i = 0; i < spec.nodes_size(); ++i) {
+    const v1::NodeSpec& node = spec.nodes(i);
+    if (!PeerAddressIsWellFormed(node.peer_address())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.nodes[", i, "].peer_address: \"", EscapeClientText(node.peer_address()),
+          "\" is not host:port (a DNS name, IPv4 address or [IPv6] address, and a port "
+          "1-65535, at most ",
+          kMaxPeerAddressBytes, " bytes; e.g. \"10.0.0.2:7100\")"));
+    }
+    if (!seen.insert(node.peer_address()).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.nodes[", i, "].peer_address: \"", node.peer_address(),
+                       "\" is listed twice (each node's daemon once)"));
+    }
+    if (node.num_ranks() < 1) {
+      return Invalid(absl::StrCat("nodes[", i, "].num_ranks"), node.num_ranks(),
+                     "is below 1 (every listed node hosts at least one rank)");
+    }
+    total += node.num_ranks();
+  }
+  if (total != spec.num_ranks()) {
+    return Invalid("nodes", total,
+                   absl::StrCat("ranks in all (the sum of nodes[].num_ranks) differ from "
+                                "num_ranks ",
+                                spec.num_ranks()));
+  }
+  return absl::OkStatus();
+}
+
+/// One diff of a repeated field, "nodes: live=[...] requested=[...]": the entry counts when
+/// they differ, else the differing entries ("#1 {...}"), at most kMaxReportedElementDiffs.
+void AppendRepeatedDiff(const google::protobuf::Message& live,
+                        const google::protobuf::Message& requested,
+                        const google::protobuf::FieldDescriptor* field,
+                        std::vector<std::string>* diffs) {
+  const google::protobuf::Reflection* reflection = live.GetReflection();
+  const int a = reflection->FieldSize(live, field);
+  const int b = reflection->FieldSize(requested, field);
+  if (a != b) {
+    diffs->push_back(
+        absl::StrCat(field->name(), ": live=[", a, " entries] requested=[", b, " entries]"));
+    return;
+  }
+  std::vector<std::string> x;
+  std::vector<std::string> y;
+  int differing = 0;
+  for (int i = 0; i < a; ++i) {
+    std::string u;
+    std::string v;
+    google::protobuf::TextFormat::PrintFieldValueToString(live, field, i, &u);
+    google::protobuf::TextFormat::PrintFieldValueToString(requested, field, i, &v);
+    if (u == v) continue;
+    if (++differing > kMaxReportedElementDiffs) continue;
+    x.push_back(absl::StrCat("#", i, " {", absl::StripAsciiWhitespace(u), "}"));
+    y.push_back(absl::StrCat("#", i, " {", absl::StripAsciiWhitespace(v), "}"));
+  }
+  if (differing == 0) return;
+  const std::string more = differing > kMaxReportedElementDiffs
+                               ? absl::StrCat(", ... (", differing, " entries differ)")
+                               : "";
+  diffs->push_back(absl::StrCat(field->name(), ": live=[", absl::StrJoin(x, ", "), more,
+                                "] requested=[", absl::StrJoin(y, ", "), more, "]"));
 }
 
 }  // namespace
@@ -94,11 +174,53 @@ absl::Status ValidateGroupSpec(const v1::GroupSpec& spec) {
     return Invalid("ll_max_tokens_per_rank", spec.ll_max_tokens_per_rank(),
                    absl::StrCat("is outside [0, ", kMaxTokensPerRank, "] (0 = low-latency off)"));
   }
-  return absl::OkStatus();
+  return ValidateNodes(spec);
+}
+
+bool PeerAddressIsWellFormed(absl::string_view address) {
+  if (address.empty() || address.size() > kMaxPeerAddressBytes) return false;
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos || colon == 0) return false;
+  absl::string_view port_text = address.substr(colon + 1);
+  uint32_t port = 0;
+  if (port_text.empty() || port_text.size() > 5 ||
+      !std::all_of(port_text.begin(), port_text.end(), absl::ascii_isdigit) ||
+      !absl::SimpleAtoi(port_text, &port) || port < 1 || port > 65535) {
+    return false;
+  }
+  absl::string_view host = address.substr(0, colon);
+  if (host.front() == '[') {
+    if (host.size() < 4 || host.back() != ']') return false;
+    absl::string_view v6 = host.substr(1, host.size() - 2);
+    return std::all_of(v6.begin(), v6.end(),
+                       [](char c) { return absl::ascii_isxdigit(c) || c == ':' || c == '.'; });
+  }
+  if (host.front() == '-' || host.front() == '.') return false;
+  return std::all_of(host.begin(), host.end(),
+                     [](char c) { return absl::ascii_isalnum(c) || c == '-' || c == '.'; });
+}
+
+int32_t NodeOfRank(const v1::GroupSpec& spec, int32_t rank, int32_t* first_rank) {
+  int32_t first = 0;
+  for (int32_t i = 0; i < spec.nodes_size(); ++i) {
+    const int32_t n = spec.nodes(i).num_ranks();
+    if (rank >= first && rank - first < n) {
+      if (first_rank != nullptr) *first_rank = first;
+      return i;
+    }
+    first += n;
+  }
+  return -1;
 }
 
 absl::Status ValidateGroupSpecForBackend(const v1::GroupSpec& spec, absl::string_view backend) {
   if (backend != "cuda") return absl::OkStatus();
+  if (SpansNodes(spec)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "spec.nodes: the group spans ", spec.nodes_size(),
+        " nodes, which the cuda backend does not do yet (groups across nodes run on the host "
+        "backend: start epd with --backend=host, or keep the group on one node)"));
+  }
   return kernels::cuda::CheckCudaShape(ShapeOf(spec));
 }
 
@@ -125,6 +247,10 @@ std::vector<std::string> DiffGroupSpecs(const v1::GroupSpec& live, const v1::Gro
   const google::protobuf::Descriptor* descriptor = v1::GroupSpec::descriptor();
   for (int i = 0; i < descriptor->field_count(); ++i) {
     const google::protobuf::FieldDescriptor* field = descriptor->field(i);
+    if (field->is_repeated()) {
+      AppendRepeatedDiff(live, requested, field, &diffs);
+      continue;
+    }
     std::string a = FieldValueText(live, field);
     std::string b = FieldValueText(requested, field);
     if (a != b) diffs.push_back(absl::StrCat(field->name(), ": live=", a, " requested=", b));
@@ -141,10 +267,12 @@ absl::Status CheckSameSpec(const v1::GroupSpec& live, const v1::GroupSpec& reque
 }
 
 std::string SpecSummary(const v1::GroupSpec& spec) {
-  return absl::StrFormat("\"%s\" R=%d E=%d H=%d K=%d M=%d fp8=%d Mll=%d", spec.name(),
-                         spec.num_ranks(), spec.num_experts(), spec.hidden(), spec.num_topk(),
-                         spec.max_tokens_per_rank(), spec.use_fp8() ? 1 : 0,
-                         spec.ll_max_tokens_per_rank());
+  std::string summary = absl::StrFormat("\"%s\" R=%d E=%d H=%d K=%d M=%d fp8=%d Mll=%d",
+                                        spec.name(), spec.num_ranks(), spec.num_experts(),
+                                        spec.hidden(), spec.num_topk(), spec.max_tokens_per_rank(),
+                                        spec.use_fp8() ? 1 : 0, spec.ll_max_tokens_per_rank());
+  if (spec.nodes_size() > 0) absl::StrAppend(&summary, " nodes=", spec.nodes_size());
+  return summary;
 }
 
 }  // namespace epd

@@ -46,11 +46,32 @@ inline constexpr int32_t kFp8HiddenMultiple = 128;
 ///   num_topk           1 <= K <= E (no other cap: K = 128 and more are allowed)
 ///   max_tokens_per_rank 1 <= M <= kMaxTokensPerRank
 ///   ll_max_tokens_per_rank 0 <= Mll <= kMaxTokensPerRank (0 = low-latency disabled)
+///   nodes              empty (a one-node group), or 1 to kMaxNodes entries, each with a
+///                      well-formed peer_address (PeerAddressIsWellFormed), all distinct,
+///                      and num_ranks >= 1 summing to num_ranks. One entry is allowed and
+///                      is a one-node group (no Peer service involved).
 /// Returns INVALID_ARGUMENT "spec.<field>: <value> ..." for the first failing rule.
 absl::Status ValidateGroupSpec(const v1::GroupSpec& spec);
 
+/// Most nodes a spec may list.
+inline constexpr int32_t kMaxNodes = 4096;
+/// Longest NodeSpec.peer_address, in bytes.
+inline constexpr size_t kMaxPeerAddressBytes = 255;
+
+/// Whether `address` is "host:port" with a port 1..65535 and a host that is a DNS name
+/// ([A-Za-z0-9.-], not starting with '-' or '.'), or an IPv6 address in brackets.
+bool PeerAddressIsWellFormed(absl::string_view address);
+
+/// Whether `spec` spans nodes (lists at least two).
+inline bool SpansNodes(const v1::GroupSpec& spec) { return spec.nodes_size() >= 2; }
+
+/// The node hosting `rank` of a spec that passed ValidateGroupSpec with nodes listed, and
+/// that node's first rank; -1 when `rank` is out of range.
+int32_t NodeOfRank(const v1::GroupSpec& spec, int32_t rank, int32_t* first_rank = nullptr);
+
 /// The limits of `backend` ("host" or "cuda") on a spec that passed ValidateGroupSpec, so
 /// that every spec Join accepts works on the daemon's backend: none on "host"; on "cuda"
+/// no spec that spans nodes (FAILED_PRECONDITION: CUDA across nodes is not built yet), and
 /// kernels/cuda's (epd/kernels/cuda_limits.h CheckCudaShape: num_ranks <= 64, and
 /// num_experts within the sync region's normal-mode state and, with low-latency mode on,
 /// its count exchange; no limit on ll_max_tokens_per_rank, num_topk or hidden). Returns

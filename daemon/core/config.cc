@@ -1,6 +1,8 @@
 #include "daemon/core/config.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -13,11 +15,15 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/marshalling.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
+#include "daemon/control/spec_validation.h"
 #include "daemon/core/logging.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -103,7 +109,7 @@ ABSL_FLAG(StringFlag, backend, StringFlag{"auto"},
 ABSL_FLAG(StringFlag, log_level, StringFlag{epd::kDefaultLogLevel},
           "log_level: trace, debug, info, warn, error, critical or off, optionally followed "
           "by per-subsystem levels, e.g. info,epd.engine=trace,epd.control=debug (loggers: "
-          "epd.control, epd.registry, epd.engine, epd.gpu, epd.daemon, epd.config).");
+          "epd.control, epd.registry, epd.engine, epd.gpu, epd.daemon, epd.config, epd.peer).");
 ABSL_FLAG(DurationFlag, op_timeout, DurationFlag{absl::Milliseconds(epd::kDefaultOpTimeoutMs)},
           "op_timeout_ms: bound on every wait of a data-plane op, a whole number of "
           "milliseconds, e.g. 10s or 2500ms.");
@@ -140,6 +146,33 @@ ABSL_FLAG(Uint32Flag, max_connections_per_uid, Uint32Flag{epd::kDefaultMaxConnec
 ABSL_FLAG(StringListFlag, gpu_uuids, StringListFlag{},
           "gpu_uuids: comma-separated GPU UUIDs the daemon may use (\"\" = every visible "
           "GPU).");
+ABSL_FLAG(StringFlag, peer_listen, StringFlag{""},
+          "peer_listen: TCP listener host:port of the Peer service (daemon to daemon, for "
+          "groups that span nodes); \"\" or \"off\" = none (such groups are refused). "
+          "Needs --peer_secret_file.");
+ABSL_FLAG(StringFlag, peer_advertise, StringFlag{""},
+          "peer_advertise: the host:port other daemons reach this one at, as specs name it "
+          "(\"\" = peer_listen, which must then not be a wildcard address).");
+ABSL_FLAG(StringFlag, peer_secret_file, StringFlag{""},
+          "peer_secret_file: file with the shared secret of the cluster's daemons (at least "
+          "16 bytes; not readable by group or others).");
+ABSL_FLAG(StringFlag, peer_tls_cert_file, StringFlag{""},
+          "peer_tls_cert_file: PEM certificate of this daemon for mutual TLS between daemons "
+          "(with --peer_tls_key_file and --peer_tls_ca_file).");
+ABSL_FLAG(StringFlag, peer_tls_key_file, StringFlag{""},
+          "peer_tls_key_file: PEM private key of --peer_tls_cert_file.");
+ABSL_FLAG(StringFlag, peer_tls_ca_file, StringFlag{""},
+          "peer_tls_ca_file: PEM CA certificate that signs every daemon's certificate.");
+ABSL_FLAG(Uint32Flag, peer_heartbeat_ms, Uint32Flag{epd::kDefaultPeerHeartbeatMs},
+          "peer_heartbeat_ms: liveness probe interval between daemons, in ms (at least 10); "
+          "a peer silent for 3 intervals is lost.");
+ABSL_FLAG(StringFlag, transport, StringFlag{epd::kDefaultTransport},
+          "transport: data transport between daemons: tcp.");
+ABSL_FLAG(StringFlag, tcp_listen, StringFlag{""},
+          "tcp_listen: TCP transport's listener host:port (\"\" = peer_listen's host, any "
+          "free port).");
+ABSL_FLAG(Uint32Flag, tcp_connections_per_peer, Uint32Flag{epd::kDefaultTcpConnectionsPerPeer},
+          "tcp_connections_per_peer: TCP transport connections per peer per group, 1 to 16.");
 
 namespace epd {
 namespace {
@@ -177,14 +210,72 @@ class CollectingErrorCollector : public google::protobuf::io::ErrorCollector {
   std::vector<std::string> errors_;
 };
 
-absl::Status CheckListen(absl::string_view listen) {
+absl::Status CheckListen(absl::string_view listen, absl::string_view field = "listen") {
   if (listen.empty()) return absl::OkStatus();
   size_t colon = listen.rfind(':');
   uint32_t port = 0;
   if (colon == absl::string_view::npos || colon == 0 ||
       !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": \"", listen,
+                                                   "\" is not host:port (e.g. \"0.0.0.0:50051\", "
+                                                   "\"[::1]:0\")"));
+  }
+  return absl::OkStatus();
+}
+
+bool IsWildcardListen(absl::string_view listen) {
+  absl::string_view host = listen.substr(0, listen.rfind(':'));
+  return host == "0.0.0.0" || host == "[::]" || host == "::" || host == "[::0]" || host == "*";
+}
+
+/// peer_* / transport / tcp_* fields of a filled config.
+absl::Status ValidatePeerConfig(const v1::DaemonConfig& config) {
+  EPD_RETURN_IF_ERROR(CheckListen(config.peer_listen(), "peer_listen"));
+  EPD_RETURN_IF_ERROR(CheckListen(config.tcp_listen(), "tcp_listen"));
+  const bool on = !config.peer_listen().empty();
+  if (!config.peer_advertise().empty()) {
+    if (!on) {
+      return absl::InvalidArgumentError(absl::StrCat("peer_advertise: \"", config.peer_advertise(),
+                                                     "\" is set but peer_listen is not"));
+    }
+    if (!PeerAddressIsWellFormed(config.peer_advertise()) ||
+        IsWildcardListen(config.peer_advertise())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "peer_advertise: \"", config.peer_advertise(),
+          "\" is not a host:port other daemons can reach (a name or address, port 1-65535)"));
+    }
+  }
+  if (on && config.peer_advertise().empty() && IsWildcardListen(config.peer_listen())) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "listen: \"", listen, "\" is not host:port (e.g. \"0.0.0.0:50051\", \"[::1]:0\")"));
+        "peer_listen: \"", config.peer_listen(),
+        "\" is a wildcard address, which other daemons cannot reach: set peer_advertise to "
+        "this node's address (e.g. \"10.0.0.2:7100\")"));
+  }
+  if (on && config.peer_secret_file().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("peer_secret_file: required with peer_listen \"", config.peer_listen(),
+                     "\" (the shared secret every daemon of the cluster presents)"));
+  }
+  const int tls = !config.peer_tls_cert_file().empty() + !config.peer_tls_key_file().empty() +
+                  !config.peer_tls_ca_file().empty();
+  if (tls != 0 && tls != 3) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "peer_tls_cert_file, peer_tls_key_file, peer_tls_ca_file: give all three or none (", tls,
+        " given)"));
+  }
+  if (config.peer_heartbeat_ms() < kMinPeerHeartbeatMs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "peer_heartbeat_ms: ", config.peer_heartbeat_ms(), " is below ", kMinPeerHeartbeatMs));
+  }
+  if (config.transport() != kDefaultTransport) {
+    return absl::InvalidArgumentError(absl::StrCat("transport: \"", config.transport(),
+                                                   "\" is not a transport of this build (tcp)"));
+  }
+  if (config.tcp_connections_per_peer() < 1 ||
+      config.tcp_connections_per_peer() > kMaxTcpConnectionsPerPeer) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tcp_connections_per_peer: ", config.tcp_connections_per_peer(),
+                     " is outside [1, ", kMaxTcpConnectionsPerPeer, "]"));
   }
   return absl::OkStatus();
 }
@@ -224,6 +315,16 @@ ConfigFlags ConfigFlagsFromCommandLine() {
   f.max_sessions_per_uid = GivenValue(FLAGS_max_sessions_per_uid);
   f.max_connections_per_uid = GivenValue(FLAGS_max_connections_per_uid);
   f.gpu_uuids = GivenValue(FLAGS_gpu_uuids);
+  f.peer_listen = GivenValue(FLAGS_peer_listen);
+  f.peer_advertise = GivenValue(FLAGS_peer_advertise);
+  f.peer_secret_file = GivenValue(FLAGS_peer_secret_file);
+  f.peer_tls_cert_file = GivenValue(FLAGS_peer_tls_cert_file);
+  f.peer_tls_key_file = GivenValue(FLAGS_peer_tls_key_file);
+  f.peer_tls_ca_file = GivenValue(FLAGS_peer_tls_ca_file);
+  f.peer_heartbeat_ms = GivenValue(FLAGS_peer_heartbeat_ms);
+  f.transport = GivenValue(FLAGS_transport);
+  f.tcp_listen = GivenValue(FLAGS_tcp_listen);
+  f.tcp_connections_per_peer = GivenValue(FLAGS_tcp_connections_per_peer);
   return f;
 }
 
@@ -336,6 +437,28 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
   if (flags.max_connections_per_uid) {
     config->set_max_connections_per_uid(*flags.max_connections_per_uid);
   }
+  // "--peer_listen=" and "--peer_listen=off" turn off a Peer listener the file sets.
+  if (flags.peer_listen) {
+    config->set_peer_listen(*flags.peer_listen == "off" ? "" : *flags.peer_listen);
+  }
+  if (flags.peer_advertise) config->set_peer_advertise(*flags.peer_advertise);
+  if (flags.peer_secret_file) config->set_peer_secret_file(*flags.peer_secret_file);
+  if (flags.peer_tls_cert_file) config->set_peer_tls_cert_file(*flags.peer_tls_cert_file);
+  if (flags.peer_tls_key_file) config->set_peer_tls_key_file(*flags.peer_tls_key_file);
+  if (flags.peer_tls_ca_file) config->set_peer_tls_ca_file(*flags.peer_tls_ca_file);
+  if (flags.peer_heartbeat_ms) config->set_peer_heartbeat_ms(*flags.peer_heartbeat_ms);
+  if (flags.transport) {
+    if (flags.transport->empty()) {
+      return absl::InvalidArgumentError(
+          "--transport: \"\" (given empty) is not a value; give one, or leave the flag out for "
+          "the config file's transport or the default \"tcp\"");
+    }
+    config->set_transport(absl::AsciiStrToLower(*flags.transport));
+  }
+  if (flags.tcp_listen) config->set_tcp_listen(*flags.tcp_listen);
+  if (flags.tcp_connections_per_peer) {
+    config->set_tcp_connections_per_peer(*flags.tcp_connections_per_peer);
+  }
   if (flags.gpu_uuids) {
     config->clear_gpu_uuids();
     for (const std::string& uuid : *flags.gpu_uuids) {
@@ -370,6 +493,11 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
   }
   if (!config->has_max_connections_per_uid()) {
     config->set_max_connections_per_uid(kDefaultMaxConnectionsPerUid);
+  }
+  if (!config->has_peer_heartbeat_ms()) config->set_peer_heartbeat_ms(kDefaultPeerHeartbeatMs);
+  if (config->transport().empty()) config->set_transport(kDefaultTransport);
+  if (!config->has_tcp_connections_per_peer()) {
+    config->set_tcp_connections_per_peer(kDefaultTcpConnectionsPerPeer);
   }
 }
 
@@ -442,7 +570,75 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
   for (const std::string& uuid : config.gpu_uuids()) {
     if (uuid.empty()) return absl::InvalidArgumentError("gpu_uuids: an entry is empty");
   }
-  return absl::OkStatus();
+  return ValidatePeerConfig(config);
+}
+
+namespace {
+
+/// The whole of a regular file, at most `max_bytes`; errors name `field` and `path`.
+absl::StatusOr<std::string> ReadSmallFile(absl::string_view field, const std::string& path,
+                                          size_t max_bytes, struct stat* st) {
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!fd.valid()) {
+    const int err = errno;
+    std::string message = absl::StrCat(field, ": cannot read \"", path, "\": ", std::strerror(err));
+    if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(message);
+    if (err == ENOENT) return absl::NotFoundError(message);
+    return absl::FailedPreconditionError(message);
+  }
+  if (::fstat(fd.get(), st) != 0 || !S_ISREG(st->st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(field, ": \"", path, "\" is not a regular file"));
+  }
+  if (static_cast<uint64_t>(st->st_size) > max_bytes) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(field, ": \"", path, "\" has ", st->st_size, " bytes, more than ", max_bytes));
+  }
+  std::string data(static_cast<size_t>(st->st_size), '\0');
+  size_t got = 0;
+  while (got < data.size()) {
+    const ssize_t n = ::read(fd.get(), data.data() + got, data.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return absl::FailedPreconditionError(absl::StrCat(field, ": reading \"", path, "\" failed"));
+    }
+    got += static_cast<size_t>(n);
+  }
+  return data;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ReadPeerSecretFile(const std::string& path) {
+  struct stat st {};
+  EPD_ASSIGN_OR_RETURN(std::string secret,
+                       ReadSmallFile("peer_secret_file", path, kMaxPeerSecretBytes, &st));
+  if ((st.st_mode & 077) != 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "peer_secret_file: \"%s\" has mode %04o: group or others may read or write it; "
+        "chmod 600 it (the secret admits a daemon to the cluster)",
+        path, st.st_mode & 07777));
+  }
+  if (absl::EndsWith(secret, "\r\n")) {
+    secret.resize(secret.size() - 2);
+  } else if (absl::EndsWith(secret, "\n")) {
+    secret.resize(secret.size() - 1);
+  }
+  if (secret.size() < kMinPeerSecretBytes) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "peer_secret_file: \"", path, "\" holds ", secret.size(), " bytes, fewer than ",
+        kMinPeerSecretBytes, " (e.g. `head -c 32 /dev/urandom | base64 > file`)"));
+  }
+  return secret;
+}
+
+absl::StatusOr<std::string> ReadPemFile(absl::string_view field, const std::string& path) {
+  struct stat st {};
+  EPD_ASSIGN_OR_RETURN(std::string pem, ReadSmallFile(field, path, 1 << 20, &st));
+  if (pem.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(field, ": \"", path, "\" is empty"));
+  }
+  return pem;
 }
 
 std::vector<std::string> DaemonConfigWarnings(const v1::DaemonConfig& config) {

@@ -45,6 +45,16 @@ inline constexpr uint32_t kDefaultMaxConnectionsPerUid = 128;
 inline constexpr uint32_t kMinMaxRequestBytes = 64u << 10;
 /// Largest accepted max_request_bytes: gRPC takes the limit as an int (INT32_MAX).
 inline constexpr uint32_t kMaxMaxRequestBytes = 2147483647u;
+/// Peer service (docs/DESIGN.md §5.3): heartbeat interval default and minimum (ms), the
+/// smallest shared secret (bytes), and the TCP transport's connections per peer.
+inline constexpr uint32_t kDefaultPeerHeartbeatMs = 500;
+inline constexpr uint32_t kMinPeerHeartbeatMs = 10;
+inline constexpr size_t kMinPeerSecretBytes = 16;
+/// Largest peer secret file read, in bytes.
+inline constexpr size_t kMaxPeerSecretBytes = 4096;
+inline constexpr char kDefaultTransport[] = "tcp";
+inline constexpr uint32_t kDefaultTcpConnectionsPerPeer = 2;
+inline constexpr uint32_t kMaxTcpConnectionsPerPeer = 16;
 /// Most host-backend threads per op (host_threads).
 inline constexpr uint32_t kMaxHostThreads = 1024;
 /// Longest socket_path epd can listen on, in bytes. sockaddr_un.sun_path holds 107 bytes
@@ -77,6 +87,16 @@ struct ConfigFlags {
   std::optional<uint32_t> max_sessions_per_uid;
   std::optional<uint32_t> max_connections_per_uid;
   std::optional<std::vector<std::string>> gpu_uuids;
+  std::optional<std::string> peer_listen;  ///< "" or "off" = no Peer listener.
+  std::optional<std::string> peer_advertise;
+  std::optional<std::string> peer_secret_file;
+  std::optional<std::string> peer_tls_cert_file;
+  std::optional<std::string> peer_tls_key_file;
+  std::optional<std::string> peer_tls_ca_file;
+  std::optional<uint32_t> peer_heartbeat_ms;
+  std::optional<std::string> transport;
+  std::optional<std::string> tcp_listen;
+  std::optional<uint32_t> tcp_connections_per_peer;
 };
 
 /// Reads the --config, --socket, ... flags of this process (after absl::ParseCommandLine):
@@ -117,6 +137,17 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config);
 /// warn level on epd.config; none refuses the start): today, a shm_mode (deprecated and
 /// ignored: endpoint regions are sealed memfds with no file mode). Empty for the defaults.
 std::vector<std::string> DaemonConfigWarnings(const v1::DaemonConfig& config);
+
+/// Reads the Peer service's shared secret from `path` (peer_secret_file): its bytes, one
+/// trailing newline ("\n" or "\r\n") stripped. FAILED_PRECONDITION naming the file when it
+/// is not a regular file, is readable or writable by group or others (mode & 077), holds
+/// fewer than kMinPeerSecretBytes bytes or more than kMaxPeerSecretBytes; NOT_FOUND /
+/// PERMISSION_DENIED when it cannot be read.
+absl::StatusOr<std::string> ReadPeerSecretFile(const std::string& path);
+
+/// Reads a PEM file named by `field` (peer_tls_*_file). NOT_FOUND / PERMISSION_DENIED naming
+/// the field and path; FAILED_PRECONDITION when empty.
+absl::StatusOr<std::string> ReadPemFile(absl::string_view field, const std::string& path);
 
 /// The effective config: --config file (if given), then flags, then defaults, validated.
 absl::StatusOr<v1::DaemonConfig> ResolveDaemonConfig(const ConfigFlags& flags);

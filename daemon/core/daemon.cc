@@ -22,6 +22,7 @@
 #include "daemon/core/config.h"
 #include "daemon/core/fd_limits.h"
 #include "daemon/dataplane/host/host_data_plane.h"
+#include "daemon/peer/grpc_peer_mesh.h"
 #include "daemon/server/fd_channel.h"
 #include "daemon/server/listener.h"
 #if EPD_HAVE_CUDA
@@ -159,7 +160,8 @@ absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInve
 }
 
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::DaemonConfig& config,
-                                                                const BackendChoice& choice) {
+                                                                const BackendChoice& choice,
+                                                                peer::PeerMesh* peer_mesh) {
 #if EPD_HAVE_CUDA
   if (choice.backend == "cuda") {
     CudaDataPlaneOptions options;
@@ -177,6 +179,7 @@ absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::Daemon
   options.op_timeout_ms = config.op_timeout_ms();
   options.engine_idle_us = config.engine_idle_us();
   options.host_threads = static_cast<int>(config.host_threads());
+  options.peer_mesh = peer_mesh;
   return MakeHostDataPlane(options);
 }
 
@@ -203,7 +206,7 @@ absl::Status Daemon::Init() {
   EPD_RETURN_IF_ERROR(SetLogLevel(config_.log_level()));
   auto log = GetLogger(kLogDaemon);
   // Create every subsystem's logger now, so components that look theirs up find it.
-  for (const char* name : {kLogControl, kLogRegistry, kLogEngine, kLogGpu, kLogConfig}) {
+  for (const char* name : {kLogControl, kLogRegistry, kLogEngine, kLogGpu, kLogConfig, kLogPeer}) {
     GetLogger(name);
   }
   log->info("epd {} starting (pid {}) on socket {}", kEpdVersion, ::getpid(), socket_path_);
@@ -272,9 +275,12 @@ absl::Status Daemon::Init() {
 
   // One epd per socket (its lock file).
   EPD_RETURN_IF_ERROR(PrepareSocketPath());
-  DataPlaneFactory factory =
-      options_.data_plane_factory ? options_.data_plane_factory : MakeDefaultDataPlane;
-  EPD_ASSIGN_OR_RETURN(data_plane_, factory(config_, backend_));
+  if (!config_.peer_listen().empty()) EPD_RETURN_IF_ERROR(StartPeerMesh());
+  if (options_.data_plane_factory) {
+    EPD_ASSIGN_OR_RETURN(data_plane_, options_.data_plane_factory(config_, backend_));
+  } else {
+    EPD_ASSIGN_OR_RETURN(data_plane_, MakeDefaultDataPlane(config_, backend_, peer_mesh_.get()));
+  }
   GroupRegistry::Options registry_options;
   registry_options.max_groups = config_.max_groups();
   // GetGroupEndpoints waits at most an op timeout (plus slack) for the ranks to join.
@@ -287,6 +293,7 @@ absl::Status Daemon::Init() {
   registry_options.max_endpoint_bytes_per_uid = config_.max_endpoint_bytes_per_uid();
   registry_options.max_sessions_per_uid = config_.max_sessions_per_uid();
   registry_options.operator_uid = ::geteuid();  // With root, sees every group.
+  registry_options.peer_mesh = peer_mesh_.get();
   registry_ = std::make_unique<GroupRegistry>(data_plane_.get(), inventory, registry_options);
   control_ = std::make_unique<ControlService>(registry_.get(), [this] { return Stats(); });
   EPD_ASSIGN_OR_RETURN(fd_channel_, FdChannel::Start([registry = registry_.get()](
@@ -456,6 +463,27 @@ absl::Status Daemon::PrepareSocketPath() {
       absl::StrCat("socket_path: cannot probe existing socket ", socket_path_, ": ", Errno(err)));
 }
 
+absl::Status Daemon::StartPeerMesh() {
+  peer::PeerMeshOptions options;
+  options.listen = config_.peer_listen();
+  options.advertise = config_.peer_advertise();
+  EPD_ASSIGN_OR_RETURN(options.secret, ReadPeerSecretFile(config_.peer_secret_file()));
+  if (!config_.peer_tls_cert_file().empty()) {
+    EPD_ASSIGN_OR_RETURN(options.tls_cert_pem,
+                         ReadPemFile("peer_tls_cert_file", config_.peer_tls_cert_file()));
+    EPD_ASSIGN_OR_RETURN(options.tls_key_pem,
+                         ReadPemFile("peer_tls_key_file", config_.peer_tls_key_file()));
+    EPD_ASSIGN_OR_RETURN(options.tls_ca_pem,
+                         ReadPemFile("peer_tls_ca_file", config_.peer_tls_ca_file()));
+  }
+  options.heartbeat_interval = absl::Milliseconds(config_.peer_heartbeat_ms());
+  options.max_message_bytes = static_cast<int>(config_.max_request_bytes());
+  EPD_ASSIGN_OR_RETURN(peer_mesh_, peer::GrpcPeerMesh::Start(std::move(options)));
+  return absl::OkStatus();
+}
+
+peer::PeerMesh* Daemon::peer_mesh() const { return peer_mesh_.get(); }
+
 absl::Status Daemon::ApplySocketPermissions() {
   EPD_ASSIGN_OR_RETURN(uint32_t mode, ParseFileMode("socket_mode", config_.socket_mode()));
   if (!config_.socket_group().empty()) {
@@ -596,6 +624,7 @@ v1::GetStatsResponse Daemon::Stats() const {
     stats.set_ops_failed(c.ops_failed);
   }
   *stats.mutable_effective_config() = config_;
+  if (peer_mesh_ != nullptr) stats.set_peer_address(peer_mesh_->advertised_address());
   stats.set_pid(::getpid());
   absl::MutexLock lock(&mu_);
   stats.set_mps_active(inventory_.mps().active);
@@ -649,6 +678,9 @@ void Daemon::Shutdown() {
   registry_.reset();
   if (data_plane_ != nullptr) data_plane_->Shutdown();
   data_plane_.reset();
+  // After the data plane: its groups' teardown notices go out before the mesh stops.
+  if (peer_mesh_ != nullptr) peer_mesh_->Shutdown();
+  peer_mesh_.reset();
   struct stat st {};
   if (socket_inode_ != 0 && ::stat(socket_path_.c_str(), &st) == 0 && st.st_ino == socket_inode_) {
     ::unlink(socket_path_.c_str());

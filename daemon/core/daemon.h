@@ -31,6 +31,10 @@ class Server;
 }
 
 namespace epd {
+namespace peer {
+class GrpcPeerMesh;
+class PeerMesh;
+}  // namespace peer
 
 class ControlService;
 class FdChannel;
@@ -63,8 +67,11 @@ using DataPlaneFactory = std::function<absl::StatusOr<std::unique_ptr<DataPlane>
 /// `config`) when choice.backend is "cuda" in a CUDA build, else the host data plane
 /// (daemon/dataplane/host/host_data_plane.h; op_timeout_ms, engine_idle_us, host_threads).
 /// UNIMPLEMENTED for a backend this build has no data plane for.
-absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::DaemonConfig& config,
-                                                                const BackendChoice& choice);
+/// `peer_mesh` (null when the Peer listener is off) goes to the host data plane
+/// (HostDataPlaneOptions::peer_mesh) for groups that span nodes; it must outlive the plane.
+absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(
+    const v1::DaemonConfig& config, const BackendChoice& choice,
+    peer::PeerMesh* peer_mesh = nullptr);
 
 struct DaemonOptions {
   /// Data plane factory; null = MakeDefaultDataPlane. Tests inject a fake.
@@ -114,6 +121,8 @@ class Daemon {
   int tcp_port() const { return tcp_port_; }
   const v1::DaemonConfig& config() const { return config_; }
   const BackendChoice& backend() const { return backend_; }
+  /// The Peer mesh (peer_listen set), else null. Lives until Shutdown() returns.
+  peer::PeerMesh* peer_mesh() const;
 
   /// What GetStats answers.
   v1::GetStatsResponse Stats() const;
@@ -123,6 +132,8 @@ class Daemon {
   absl::Status Init();
   absl::Status PrepareSocketPath();
   absl::Status ApplySocketPermissions();
+  /// Starts peer_mesh_ from the peer_* fields (secret and TLS files read here).
+  absl::Status StartPeerMesh();
   /// Recomputes health from the state below (starting, draining, GPU lost, listener
   /// stuck) and publishes it to both servers' health services when it changed.
   void PublishServing();
@@ -141,6 +152,8 @@ class Daemon {
   int tcp_port_ = 0;
   uint64_t socket_inode_ = 0;  ///< The socket file we created (removed only if unchanged).
 
+  /// The Peer service and its clients (peer_listen); before the data plane, which uses it.
+  std::unique_ptr<peer::GrpcPeerMesh> peer_mesh_;
   std::unique_ptr<DataPlane> data_plane_;
   std::unique_ptr<GroupRegistry> registry_;
   std::unique_ptr<ControlService> control_;

@@ -59,8 +59,8 @@ absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view level)
 }
 
 absl::Span<const char* const> SubsystemLoggerNames() {
-  static constexpr const char* kNames[] = {kLogControl, kLogRegistry, kLogEngine,
-                                           kLogGpu,     kLogDaemon,   kLogConfig};
+  static constexpr const char* kNames[] = {kLogControl, kLogRegistry, kLogEngine, kLogGpu,
+                                           kLogDaemon,  kLogConfig,   kLogPeer};
   return kNames;
 }
 

@@ -28,6 +28,7 @@ inline constexpr char kLogEngine[] = "epd.engine";
 inline constexpr char kLogGpu[] = "epd.gpu";
 inline constexpr char kLogDaemon[] = "epd.daemon";
 inline constexpr char kLogConfig[] = "epd.config";
+inline constexpr char kLogPeer[] = "epd.peer";
 
 /// Returns the logger of subsystem `name`, creating it on first use at the current level.
 /// Thread-safe. Never returns null.

@@ -67,11 +67,16 @@ class PeerMesh {
   virtual ~PeerMesh() = default;
   /// Registers `membership`'s group. Errors: ALREADY_EXISTS (registered here already),
   /// INVALID_ARGUMENT (self_node out of range), UNAVAILABLE (the mesh is shutting down).
-  virtual absl::StatusOr<std::unique_ptr<GroupPeers>> RegisterGroup(
-      GroupMembership membership) = 0;
+  virtual absl::StatusOr<std::unique_ptr<GroupPeers>> RegisterGroup(GroupMembership membership) = 0;
   /// This daemon's advertised Peer address ("host:port"), as a client puts it in a
   /// spec's NodeSpec.peer_address; "" when the Peer listener is off.
   virtual std::string advertised_address() const = 0;
+  /// Every node of the registered group `group` as this daemon sees it (ListGroups);
+  /// empty when the group is not registered here.
+  virtual std::vector<v1::GroupNodeInfo> NodeStatuses(const std::string& group) const {
+    (void)group;
+    return {};
+  }
 };
 
 }  // namespace epd::peer

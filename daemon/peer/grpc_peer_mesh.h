@@ -1,0 +1,89 @@
+// GrpcPeerMesh: the PeerMesh of epd (peer_mesh.h) over the Peer gRPC service
+// (proto/epd/v1/peer.proto): its own gRPC server on peer_listen, a cached channel and a
+// worker thread per peer daemon (handshake, rendezvous with backoff, heartbeats, teardown
+// notices). DESIGN.md §5.3.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/strings/string_view.h"
+#include "daemon/peer/peer_mesh.h"
+#include "epd/v1/peer.pb.h"
+
+namespace epd::peer {
+
+/// The Peer protocol version this build speaks; daemons of other versions are refused at
+/// the handshake (FAILED_PRECONDITION naming both).
+inline constexpr uint32_t kPeerProtocolVersion = 1;
+/// Smallest shared secret accepted, in bytes.
+inline constexpr size_t kMinPeerSecretBytes = 16;
+/// Largest transport descriptor a peer may send, in bytes.
+inline constexpr size_t kMaxTransportDescriptorBytes = 64 << 10;
+/// Missed heartbeat intervals after which a peer is lost.
+inline constexpr int kLostAfterIntervals = 3;
+
+struct PeerMeshOptions {
+  /// "host:port" to listen on (port 0 = any free port).
+  std::string listen;
+  /// The address peers reach this daemon at; "" = `listen` (with the bound port when
+  /// `listen` asks for port 0; a wildcard host is refused then).
+  std::string advertise;
+  /// The cluster's shared secret (at least kMinPeerSecretBytes bytes).
+  std::string secret;
+  /// PEM contents (not paths): all three for mutual TLS, or none for plaintext.
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
+  std::string tls_ca_pem;
+  /// Heartbeat interval; a peer that answers none for kLostAfterIntervals is lost.
+  absl::Duration heartbeat_interval = absl::Milliseconds(500);
+  /// Largest Peer message accepted, in bytes.
+  int max_message_bytes = 4 << 20;
+};
+
+/// The daemon-wide mesh. Start() binds the listener; destroying it (or Shutdown()) stops
+/// the server, sends pending teardown notices (bounded) and joins every thread. GroupPeers
+/// handed out may outlive it (their Health is then UNAVAILABLE).
+class GrpcPeerMesh final : public PeerMesh {
+ public:
+  /// Errors: INVALID_ARGUMENT (a bad option, named), UNAVAILABLE (cannot listen).
+  static absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> Start(PeerMeshOptions options);
+  ~GrpcPeerMesh() override;
+  GrpcPeerMesh(const GrpcPeerMesh&) = delete;
+  GrpcPeerMesh& operator=(const GrpcPeerMesh&) = delete;
+
+  /// Idempotent; returns within about a second.
+  void Shutdown();
+
+  absl::StatusOr<std::unique_ptr<GroupPeers>> RegisterGroup(GroupMembership membership) override;
+  std::string advertised_address() const override;
+  std::vector<v1::GroupNodeInfo> NodeStatuses(const std::string& group) const override;
+
+  /// The TCP port the Peer server is bound to.
+  int bound_port() const;
+
+  struct State;  ///< Shared with the service, the workers and the GroupPeers.
+
+ private:
+  explicit GrpcPeerMesh(std::shared_ptr<State> state);
+  std::shared_ptr<State> state_;
+};
+
+/// The handshake's values (peer.proto HelloRequest.proof and PeerAuth's session key), for
+/// tools and tests that speak the Peer protocol by hand.
+std::string HelloProof(absl::string_view secret, absl::string_view server_nonce,
+                       absl::string_view client_nonce, absl::string_view daemon_id);
+std::string SessionKey(absl::string_view secret, absl::string_view server_nonce,
+                       absl::string_view client_nonce, absl::string_view daemon_id);
+/// Fills request->auth for `session_id` / `session_key`.
+void SignHeartbeat(absl::string_view session_id, absl::string_view session_key,
+                   v1::HeartbeatRequest* request);
+
+/// "ranks 4-7" / "rank 4": the ranks of a node, for messages.
+std::string RankRangeText(int32_t first_rank, int32_t num_ranks);
+
+}  // namespace epd::peer
