@@ -98,6 +98,49 @@ TEST(TcpTransport, OptionsAreChecked) {
   EXPECT_TRUE(absl::IsInvalidArgument(t->CreateGroupLink(g).status()));
 }
 
+// A wildcard listener advertises the host it is told; IPv6 listens and connects too (where
+// the machine has ::1); a transport shut down makes no more links.
+TEST(TcpTransport, AddressesAndShutdown) {
+  TcpTransportOptions o;
+  o.listen_address = "0.0.0.0:0";
+  o.advertise_host = "127.0.0.1";
+  Connected v4(o, 2, 2, 64);
+  abi::TcpDescriptor d{};
+  std::memcpy(&d, v4.nodes[0].link->LocalDescriptor().data(), sizeof d);
+  EXPECT_STREQ(d.host, "127.0.0.1");
+  EXPECT_EQ(d.recv_bytes, 64u);
+  EXPECT_EQ(d.num_connections, 2);
+
+  ScopedFd probe(::socket(AF_INET6, SOCK_STREAM, 0));
+  sockaddr_in6 sa6{};
+  sa6.sin6_family = AF_INET6;
+  sa6.sin6_addr = in6addr_loopback;
+  if (probe.valid() && ::bind(probe.get(), reinterpret_cast<sockaddr*>(&sa6), sizeof sa6) == 0) {
+    o.listen_address = "[::1]:0";
+    o.advertise_host = "";
+    Connected v6(o, 2, 2, 64);
+    EXPECT_NE(TcpListenAddress(*v6.transports[0]).find("[::1]:"), std::string::npos);
+    const uint8_t byte = 9;
+    const WritePiece p{&byte, 1, 7};
+    ASSERT_TRUE(v6.nodes[0].link->PostWrite(1, std::span(&p, 1), 1).ok());
+    uint32_t imm = 0;
+    ASSERT_TRUE(PollImmWaiting(*v6.nodes[1].link, 0, &imm));
+    EXPECT_EQ(v6.nodes[1].recv[7], 9);
+  } else {
+    std::cout << "no IPv6 loopback here: the IPv6 half is not run\n";
+  }
+  o.listen_address = "::1:0";  // IPv6 without brackets.
+  EXPECT_TRUE(absl::IsInvalidArgument(MakeTcpTransport(o).status()));
+
+  v4.transports[0]->Shutdown();
+  v4.transports[0]->Shutdown();  // Idempotent.
+  GroupLinkOptions g;
+  g.num_nodes = 2;
+  EXPECT_TRUE(absl::IsFailedPrecondition(v4.transports[0]->CreateGroupLink(g).status()));
+  EXPECT_EQ(v4.nodes[0].link->State(1), PeerState::kFailed);
+  EXPECT_NE(v4.nodes[0].link->PeerStatus(1).message().find("shut down"), absl::string_view::npos);
+}
+
 // Many small pieces at random offsets, 3 connections, both directions at once, each on its
 // own engine thread: every byte lands and the immediates come in posting order.
 TEST(TcpTransport, ManyPiecesBothWaysInOrder) {
