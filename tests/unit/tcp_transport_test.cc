@@ -567,6 +567,90 @@ TEST(TcpTransport, HostileConnectionsAreRefused) {
   ConnectAll(late);
 }
 
+// Streams of random frames (mostly well-formed headers with random kinds, sequence numbers,
+// offsets and lengths, some corrupted, some cut short) from a handshaken raw peer never write
+// outside the receive region and always end with that peer failed, naming it.
+TEST(TcpTransport, RandomFramesStayInsideTheRegion) {
+  TcpTransportOptions o;
+  o.connections_per_peer = 1;
+  auto t = MakeTcp(o);
+  constexpr uint64_t kRegion = 4096;
+  constexpr uint8_t kCanary = 0xa5;
+  std::vector<uint8_t> memory(3 * kRegion, kCanary);
+  uint64_t x = 88172645463325252ull;
+  const auto next = [&x] {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return x;
+  };
+  const uint64_t offsets[] = {0, 1, kRegion - 1, kRegion, kRegion + 1, ~uint64_t{0}, 1ull << 63};
+  for (int iter = 0; iter < 300; ++iter) {
+    GroupLinkOptions g;
+    g.group = "fuzz";
+    g.num_nodes = 2;
+    g.recv_base = memory.data() + kRegion;
+    g.recv_bytes = kRegion;
+    auto link = t->CreateGroupLink(g);
+    ASSERT_TRUE(link.ok()) << link.status();
+    const std::string d = (*link)->LocalDescriptor();
+    ScopedFd fd = RawConnect(d);
+    SendAll(fd.get(), Handshake(d, 1, 0, 1));
+    ASSERT_TRUE(Accepted(fd.get()));
+    std::string stream;
+    uint64_t seq = 0;
+    const int frames = 1 + static_cast<int>(next() % 8);
+    for (int f = 0; f < frames; ++f) {
+      const bool done = next() % 3 == 0;
+      const uint64_t offset = next() % 2 ? next() % (2 * kRegion) : offsets[next() % 7];
+      const uint64_t bytes = next() % 2 ? next() % 600 : offsets[next() % 7];
+      abi::TcpFrameHeader h =
+          abi::MakeTcpFrame(done ? abi::TcpFrameKind::kDone : abi::TcpFrameKind::kPiece,
+                            next() % 8 == 0 ? next() % 4 : seq, done ? 0 : offset, done ? 0 : bytes,
+                            static_cast<uint32_t>(next()));
+      if (!done) h.imm = 0;
+      switch (next() % 16) {
+        case 0:
+          h.magic ^= 1;
+          break;
+        case 1:
+          h.version = 7;
+          break;
+        case 2:
+          h.reserved = 1;
+          break;
+        case 3:
+          h.kind = 9;
+          break;
+        default:
+          break;
+      }
+      if (done) ++seq;
+      stream.append(reinterpret_cast<const char*>(&h), sizeof h);
+      if (!done) {
+        const uint64_t payload = std::min<uint64_t>(bytes, next() % 2 ? bytes : next() % 700);
+        for (uint64_t i = 0; i < std::min<uint64_t>(payload, 700); ++i) {
+          stream.push_back(static_cast<char>(next()));
+        }
+      }
+    }
+    stream.resize(stream.size() - next() % std::min<size_t>(stream.size(), 64));  // Cut short.
+    ::send(fd.get(), stream.data(), stream.size(), MSG_NOSIGNAL);
+    fd.Reset();
+    GroupLink& l = **link;
+    ASSERT_TRUE(WaitFor([&] { return l.State(1) == PeerState::kFailed; }, std::chrono::seconds(2)))
+        << "iteration " << iter;
+    EXPECT_NE(l.PeerStatus(1).message().find("node 1"), absl::string_view::npos);
+    for (uint64_t i = 0; i < kRegion; ++i) {
+      ASSERT_EQ(memory[i], kCanary) << "iteration " << iter << ": byte " << i << " before";
+      ASSERT_EQ(memory[2 * kRegion + i], kCanary)
+          << "iteration " << iter << ": byte " << i << " after";
+    }
+  }
+  auto late = MakeNodes({t.get()}, 2, 64, "late");  // The listener still serves.
+  ConnectAll(late);
+}
+
 // Steady-state PostWrite / PollImm on the engine thread and the progress thread allocate
 // nothing (counting operator new of tests/common/counting_new.h, defined in
 // hot_path_alloc_test.cc).
