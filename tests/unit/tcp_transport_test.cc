@@ -98,6 +98,49 @@ TEST(TcpTransport, OptionsAreChecked) {
   EXPECT_TRUE(absl::IsInvalidArgument(t->CreateGroupLink(g).status()));
 }
 
+// A wildcard listener advertises the host it is told; IPv6 listens and connects too (where
+// the machine has ::1); a transport shut down makes no more links.
+TEST(TcpTransport, AddressesAndShutdown) {
+  TcpTransportOptions o;
+  o.listen_address = "0.0.0.0:0";
+  o.advertise_host = "127.0.0.1";
+  Connected v4(o, 2, 2, 64);
+  abi::TcpDescriptor d{};
+  std::memcpy(&d, v4.nodes[0].link->LocalDescriptor().data(), sizeof d);
+  EXPECT_STREQ(d.host, "127.0.0.1");
+  EXPECT_EQ(d.recv_bytes, 64u);
+  EXPECT_EQ(d.num_connections, 2);
+
+  ScopedFd probe(::socket(AF_INET6, SOCK_STREAM, 0));
+  sockaddr_in6 sa6{};
+  sa6.sin6_family = AF_INET6;
+  sa6.sin6_addr = in6addr_loopback;
+  if (probe.valid() && ::bind(probe.get(), reinterpret_cast<sockaddr*>(&sa6), sizeof sa6) == 0) {
+    o.listen_address = "[::1]:0";
+    o.advertise_host = "";
+    Connected v6(o, 2, 2, 64);
+    EXPECT_NE(TcpListenAddress(*v6.transports[0]).find("[::1]:"), std::string::npos);
+    const uint8_t byte = 9;
+    const WritePiece p{&byte, 1, 7};
+    ASSERT_TRUE(v6.nodes[0].link->PostWrite(1, std::span(&p, 1), 1).ok());
+    uint32_t imm = 0;
+    ASSERT_TRUE(PollImmWaiting(*v6.nodes[1].link, 0, &imm));
+    EXPECT_EQ(v6.nodes[1].recv[7], 9);
+  } else {
+    std::cout << "no IPv6 loopback here: the IPv6 half is not run\n";
+  }
+  o.listen_address = "::1:0";  // IPv6 without brackets.
+  EXPECT_TRUE(absl::IsInvalidArgument(MakeTcpTransport(o).status()));
+
+  v4.transports[0]->Shutdown();
+  v4.transports[0]->Shutdown();  // Idempotent.
+  GroupLinkOptions g;
+  g.num_nodes = 2;
+  EXPECT_TRUE(absl::IsFailedPrecondition(v4.transports[0]->CreateGroupLink(g).status()));
+  EXPECT_EQ(v4.nodes[0].link->State(1), PeerState::kFailed);
+  EXPECT_NE(v4.nodes[0].link->PeerStatus(1).message().find("shut down"), absl::string_view::npos);
+}
+
 // Many small pieces at random offsets, 3 connections, both directions at once, each on its
 // own engine thread: every byte lands and the immediates come in posting order.
 TEST(TcpTransport, ManyPiecesBothWaysInOrder) {
@@ -521,6 +564,90 @@ TEST(TcpTransport, HostileConnectionsAreRefused) {
   std::memcpy(&landed, nodes[0].recv.data() + 64, sizeof landed);
   EXPECT_EQ(landed, value);
   auto late = MakeNodes({t.get()}, 2, 64, "late");
+  ConnectAll(late);
+}
+
+// Streams of random frames (mostly well-formed headers with random kinds, sequence numbers,
+// offsets and lengths, some corrupted, some cut short) from a handshaken raw peer never write
+// outside the receive region and always end with that peer failed, naming it.
+TEST(TcpTransport, RandomFramesStayInsideTheRegion) {
+  TcpTransportOptions o;
+  o.connections_per_peer = 1;
+  auto t = MakeTcp(o);
+  constexpr uint64_t kRegion = 4096;
+  constexpr uint8_t kCanary = 0xa5;
+  std::vector<uint8_t> memory(3 * kRegion, kCanary);
+  uint64_t x = 88172645463325252ull;
+  const auto next = [&x] {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return x;
+  };
+  const uint64_t offsets[] = {0, 1, kRegion - 1, kRegion, kRegion + 1, ~uint64_t{0}, 1ull << 63};
+  for (int iter = 0; iter < 300; ++iter) {
+    GroupLinkOptions g;
+    g.group = "fuzz";
+    g.num_nodes = 2;
+    g.recv_base = memory.data() + kRegion;
+    g.recv_bytes = kRegion;
+    auto link = t->CreateGroupLink(g);
+    ASSERT_TRUE(link.ok()) << link.status();
+    const std::string d = (*link)->LocalDescriptor();
+    ScopedFd fd = RawConnect(d);
+    SendAll(fd.get(), Handshake(d, 1, 0, 1));
+    ASSERT_TRUE(Accepted(fd.get()));
+    std::string stream;
+    uint64_t seq = 0;
+    const int frames = 1 + static_cast<int>(next() % 8);
+    for (int f = 0; f < frames; ++f) {
+      const bool done = next() % 3 == 0;
+      const uint64_t offset = next() % 2 ? next() % (2 * kRegion) : offsets[next() % 7];
+      const uint64_t bytes = next() % 2 ? next() % 600 : offsets[next() % 7];
+      abi::TcpFrameHeader h =
+          abi::MakeTcpFrame(done ? abi::TcpFrameKind::kDone : abi::TcpFrameKind::kPiece,
+                            next() % 8 == 0 ? next() % 4 : seq, done ? 0 : offset, done ? 0 : bytes,
+                            static_cast<uint32_t>(next()));
+      if (!done) h.imm = 0;
+      switch (next() % 16) {
+        case 0:
+          h.magic ^= 1;
+          break;
+        case 1:
+          h.version = 7;
+          break;
+        case 2:
+          h.reserved = 1;
+          break;
+        case 3:
+          h.kind = 9;
+          break;
+        default:
+          break;
+      }
+      if (done) ++seq;
+      stream.append(reinterpret_cast<const char*>(&h), sizeof h);
+      if (!done) {
+        const uint64_t payload = std::min<uint64_t>(bytes, next() % 2 ? bytes : next() % 700);
+        for (uint64_t i = 0; i < std::min<uint64_t>(payload, 700); ++i) {
+          stream.push_back(static_cast<char>(next()));
+        }
+      }
+    }
+    stream.resize(stream.size() - next() % std::min<size_t>(stream.size(), 64));  // Cut short.
+    ::send(fd.get(), stream.data(), stream.size(), MSG_NOSIGNAL);
+    fd.Reset();
+    GroupLink& l = **link;
+    ASSERT_TRUE(WaitFor([&] { return l.State(1) == PeerState::kFailed; }, std::chrono::seconds(2)))
+        << "iteration " << iter;
+    EXPECT_NE(l.PeerStatus(1).message().find("node 1"), absl::string_view::npos);
+    for (uint64_t i = 0; i < kRegion; ++i) {
+      ASSERT_EQ(memory[i], kCanary) << "iteration " << iter << ": byte " << i << " before";
+      ASSERT_EQ(memory[2 * kRegion + i], kCanary)
+          << "iteration " << iter << ": byte " << i << " after";
+    }
+  }
+  auto late = MakeNodes({t.get()}, 2, 64, "late");  // The listener still serves.
   ConnectAll(late);
 }
 

@@ -234,8 +234,7 @@ struct Peer {
   std::atomic<uint64_t> pieces_released{0};
 
   // Inbound.
-  std::vector<Conn> in;  // connections_per_peer slots.
-  size_t in_attached = 0;
+  std::vector<Conn> in;             // connections_per_peer slots.
   std::vector<uint32_t> imm_slots;  // Ring of max_pending_imms, indexed by seq.
   std::atomic<uint64_t> delivered{0};
   std::atomic<uint64_t> consumed{0};
@@ -940,7 +939,6 @@ absl::Status TcpGroupLink::AttachInbound(ScopedFd& fd, const TcpHandshake& hs,
   core_->EpollMod(fd.get(), ConnKey(id_, hs.from_node, true, hs.connection));
   c.fd = std::move(fd);
   c.readable = true;
-  ++p.in_attached;
   if (p.inbound_from.empty()) p.inbound_from = from;
   return absl::OkStatus();
 }

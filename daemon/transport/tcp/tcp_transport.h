@@ -33,7 +33,8 @@ struct TcpTransportOptions {
   /// RESOURCE_EXHAUSTED beyond), >= 1.
   int32_t max_writes_in_flight = 1024;
   /// Per peer of a link: pieces of the writes in flight, >= 1; a write with more pieces
-  /// than this is INVALID_ARGUMENT.
+  /// than this is INVALID_ARGUMENT. Rings cost 24 bytes a piece and 24 a write per peer
+  /// (the defaults: about 400 KiB per peer of a link).
   int32_t max_pieces_in_flight = 16384;
   /// Per peer of a link: immediates received and not yet polled (the receiver stops
   /// reading from that peer while this many wait), >= 1.
