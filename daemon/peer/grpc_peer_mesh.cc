@@ -102,14 +102,7 @@ std::string RequestMac(absl::string_view session_key, absl::string_view method,
                        const Request& request) {
   Request copy = request;
   copy.clear_auth();
-  std::string bytes;
-  {
-    google::protobuf::io::StringOutputStream stream(&bytes);
-    google::protobuf::io::CodedOutputStream coded(&stream);
-    coded.SetSerializationDeterministic(true);
-    copy.SerializeToCodedStream(&coded);
-  }
-  return Mac(session_key, method, {bytes});
+  return PeerRequestMac(session_key, method, copy);
 }
 
 std::chrono::system_clock::time_point DeadlineAfter(absl::Duration d) {
@@ -136,10 +129,16 @@ std::string SessionKey(absl::string_view secret, absl::string_view server_nonce,
   return Mac(secret, kSessionLabel, {server_nonce, client_nonce, daemon_id});
 }
 
-void SignHeartbeat(absl::string_view session_id, absl::string_view session_key,
-                   v1::HeartbeatRequest* request) {
-  request->mutable_auth()->set_session_id(std::string(session_id));
-  request->mutable_auth()->set_mac(RequestMac(session_key, "Heartbeat", *request));
+std::string PeerRequestMac(absl::string_view session_key, absl::string_view method,
+                           const google::protobuf::Message& request_without_auth) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    request_without_auth.SerializeToCodedStream(&coded);
+  }
+  return Mac(session_key, method, {bytes});
 }
 
 std::string RankRangeText(int32_t first_rank, int32_t num_ranks) {
