@@ -83,6 +83,27 @@ bool HasDescriptor(const GroupPeers& p, int node, const std::string& transport) 
   return d.has_value() && d->transport == transport;
 }
 
+/// Two meshes with group "g" registered on both ("a" at node 0, `b_descriptor` at node 1)
+/// and paired.
+struct PairedMeshes {
+  std::unique_ptr<GrpcPeerMesh> m0;
+  std::unique_ptr<GrpcPeerMesh> m1;
+  v1::GroupSpec spec;
+  Registered a;
+  Registered b;
+};
+
+void StartPaired(PairedMeshes* p, const std::string& b_descriptor = "b") {
+  p->m0 = StartMesh();
+  p->m1 = StartMesh();
+  ASSERT_TRUE(p->m0 && p->m1);
+  p->spec = Spec({p->m0.get(), p->m1.get()});
+  p->a = Register(p->m0.get(), p->spec, 0, "a");
+  p->b = Register(p->m1.get(), p->spec, 1, b_descriptor);
+  ASSERT_TRUE(p->a.peers && p->b.peers);
+  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*p->a.peers, 1, b_descriptor); }));
+}
+
 TEST(PeerMeshTest, TwoMeshesRendezvousAndExchangeDescriptors) {
   auto m0 = StartMesh();
   auto m1 = StartMesh();
@@ -195,14 +216,10 @@ TEST(PeerMeshTest, SpecMismatchIsFailedPreconditionNamingTheField) {
 }
 
 TEST(PeerMeshTest, LossDetectedWithinBoundAndReRegistrationHeals) {
-  auto m0 = StartMesh();
-  auto m1 = StartMesh();
-  ASSERT_TRUE(m0 && m1);
+  PairedMeshes p;
+  ASSERT_NO_FATAL_FAILURE(StartPaired(&p, "b-first"));
+  auto& [m0, m1, spec, a, b] = p;
   const std::string address1 = m1->advertised_address();
-  v1::GroupSpec spec = Spec({m0.get(), m1.get()});
-  Registered a = Register(m0.get(), spec, 0, "a");
-  Registered b = Register(m1.get(), spec, 1, "b-first");
-  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*a.peers, 1, "b-first"); }));
   const uint64_t first_incarnation = a.peers->Descriptor(1)->incarnation;
 
   // The daemon of node 1 stops (no teardown notice): lost after 3 silent intervals.
@@ -232,13 +249,9 @@ TEST(PeerMeshTest, LossDetectedWithinBoundAndReRegistrationHeals) {
 }
 
 TEST(PeerMeshTest, TeardownIsToldToThePeers) {
-  auto m0 = StartMesh();
-  auto m1 = StartMesh();
-  ASSERT_TRUE(m0 && m1);
-  v1::GroupSpec spec = Spec({m0.get(), m1.get()});
-  Registered a = Register(m0.get(), spec, 0, "a");
-  Registered b = Register(m1.get(), spec, 1, "b");
-  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*a.peers, 1, "b"); }));
+  PairedMeshes p;
+  ASSERT_NO_FATAL_FAILURE(StartPaired(&p));
+  auto& [m0, m1, spec, a, b] = p;
   const absl::Time left = absl::Now();
   b.peers.reset();
   ASSERT_TRUE(WaitFor([&] { return !a.peers->Health().ok(); }, absl::Seconds(2)));
@@ -316,13 +329,9 @@ class HandCaller {
 };
 
 TEST(PeerMeshTest, MalformedInputFromAnAuthenticatedPeerIsRefusedAndChangesNothing) {
-  auto m0 = StartMesh();
-  auto m1 = StartMesh();
-  ASSERT_TRUE(m0 && m1);
-  v1::GroupSpec spec = Spec({m0.get(), m1.get()});
-  Registered a = Register(m0.get(), spec, 0, "a");
-  Registered b = Register(m1.get(), spec, 1, "b");
-  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*a.peers, 1, "b"); }));
+  PairedMeshes p;
+  ASSERT_NO_FATAL_FAILURE(StartPaired(&p));
+  auto& [m0, m1, spec, a, b] = p;
   const uint64_t incarnation = a.peers->Descriptor(1)->incarnation;
 
   // Claims to be node 1's daemon (it knows the secret).
