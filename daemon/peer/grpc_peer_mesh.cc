@@ -47,6 +47,9 @@ constexpr absl::Duration kMaxBackoff = absl::Seconds(1);
 /// Shortest deadline of one Peer call (the heartbeat interval may be shorter); a loaded
 /// machine answers late rather than never.
 constexpr absl::Duration kMinCallDeadline = absl::Milliseconds(500);
+/// Teardown notices queued per peer at most (the oldest go first); they are best effort,
+/// the peer's heartbeats tell it the same.
+constexpr size_t kMaxQueuedLeaves = 1024;
 /// How long Shutdown spends sending the teardown notices still queued.
 constexpr absl::Duration kShutdownLeaveBudget = absl::Milliseconds(500);
 
@@ -213,6 +216,7 @@ struct PeerConn {
   void Heard() {
     last_heard = absl::Now();
     failed_probes = 0;
+    last_error.clear();
   }
   std::thread worker;
 };
@@ -834,6 +838,8 @@ class Worker {
     }
     NoteError(s);
     ++pc_->failed_probes;
+    // Unreachable and no group needs it: its teardown notices are dropped (best effort).
+    if (!HasGroups()) pc_->leaves.clear();
     pc_->next_handshake = absl::Now() + pc_->handshake_backoff;
     pc_->handshake_backoff = std::min(pc_->handshake_backoff * 2, kMaxBackoff);
   }
@@ -939,7 +945,9 @@ class GroupPeersImpl final : public GroupPeers {
       if (i == g_->membership.self_node) continue;
       auto p = st_->peers.find(g_->nodes[i].address);
       if (p != st_->peers.end()) {
-        p->second->leaves.push_back({g_->membership.spec.name(), g_->incarnation});
+        std::deque<Leave>& leaves = p->second->leaves;
+        if (leaves.size() >= kMaxQueuedLeaves) leaves.pop_front();
+        leaves.push_back({g_->membership.spec.name(), g_->incarnation});
       }
     }
     st_->work.SignalAll();
