@@ -29,7 +29,7 @@ struct WritePiece {
 
 /// What a GroupLink is created with.
 struct GroupLinkOptions {
-  std::string group;    ///< The group's name (log lines, errors).
+  std::string group;      ///< The group's name (log lines, errors).
   int32_t num_nodes = 0;  ///< Nodes of the group, >= 2.
   int32_t self_node = 0;  ///< This daemon's node index, [0, num_nodes).
   /// This node's receive region: peers' writes land here. Registered once for the
@@ -38,7 +38,10 @@ struct GroupLinkOptions {
   uint64_t recv_bytes = 0;
   /// Called from the transport's progress thread when something the engine waits for
   /// happened (an immediate arrived, a write completed, a peer failed): wakes the engine.
-  /// Must be cheap and must not call back into the link.
+  /// Must be cheap and must not call back into the link. It is called with the
+  /// transport's internal locks held and never from inside a call into the link: it must
+  /// not block on anything the engine may hold while calling the link (write an eventfd,
+  /// wake a futex, notify a condition variable).
   std::function<void()> wake;
 };
 
@@ -73,7 +76,10 @@ class GroupLink {
   virtual absl::Status PeerStatus(int32_t node) const = 0;
 
   /// Posts a one-sided write of `pieces` into node `node`'s receive region, then delivers
-  /// `imm` to that node (PollImm) once every byte of the write is in its memory.
+  /// `imm` to that node (PollImm) once every byte of the write is in its memory. Its bytes
+  /// land after those of the writes posted before it to that node (a byte written twice ends
+  /// with the later write's value); pieces of one write should not overlap (which of them
+  /// lands last is unspecified).
   /// Non-blocking; allocates nothing in steady state. Errors: UNAVAILABLE (peer not
   /// ready or failed, naming it), INVALID_ARGUMENT (a piece outside the peer's region),
   /// RESOURCE_EXHAUSTED (too many writes in flight: retry after WritesCompleted grows).
@@ -81,11 +87,21 @@ class GroupLink {
                                  uint32_t imm) = 0;
 
   /// Writes posted to `node` whose sources may be reused (a count since the link began).
+  /// Once the peer is kFailed every posted write counts (the transport reads no source of
+  /// it any more), whether it landed or not.
   virtual uint64_t WritesCompleted(int32_t node) const = 0;
 
   /// Pops the next immediate received from node `node`, in the order it was posted.
   /// False when none is waiting.
   virtual bool PollImm(int32_t node, uint32_t* imm) = 0;
+
+  /// Fails the link to node `node` now: closes its connections (the peer sees a failure)
+  /// and makes it kFailed with `cause` in PeerStatus. For the data plane giving up on a
+  /// peer and for fault injection. Default: nothing.
+  virtual void FailPeer(int32_t node, const absl::Status& cause) {
+    (void)node;
+    (void)cause;
+  }
 
   /// Closes every connection of the link (peers see it as a failure). Idempotent; the
   /// destructor calls it.
