@@ -47,6 +47,9 @@ constexpr absl::Duration kMaxBackoff = absl::Seconds(1);
 /// Shortest deadline of one Peer call (the heartbeat interval may be shorter); a loaded
 /// machine answers late rather than never.
 constexpr absl::Duration kMinCallDeadline = absl::Milliseconds(500);
+/// Teardown notices queued per peer at most (the oldest go first); they are best effort,
+/// the peer's heartbeats tell it the same.
+constexpr size_t kMaxQueuedLeaves = 1024;
 /// How long Shutdown spends sending the teardown notices still queued.
 constexpr absl::Duration kShutdownLeaveBudget = absl::Milliseconds(500);
 
@@ -102,14 +105,7 @@ std::string RequestMac(absl::string_view session_key, absl::string_view method,
                        const Request& request) {
   Request copy = request;
   copy.clear_auth();
-  std::string bytes;
-  {
-    google::protobuf::io::StringOutputStream stream(&bytes);
-    google::protobuf::io::CodedOutputStream coded(&stream);
-    coded.SetSerializationDeterministic(true);
-    copy.SerializeToCodedStream(&coded);
-  }
-  return Mac(session_key, method, {bytes});
+  return PeerRequestMac(session_key, method, copy);
 }
 
 std::chrono::system_clock::time_point DeadlineAfter(absl::Duration d) {
@@ -136,10 +132,16 @@ std::string SessionKey(absl::string_view secret, absl::string_view server_nonce,
   return Mac(secret, kSessionLabel, {server_nonce, client_nonce, daemon_id});
 }
 
-void SignHeartbeat(absl::string_view session_id, absl::string_view session_key,
-                   v1::HeartbeatRequest* request) {
-  request->mutable_auth()->set_session_id(std::string(session_id));
-  request->mutable_auth()->set_mac(RequestMac(session_key, "Heartbeat", *request));
+std::string PeerRequestMac(absl::string_view session_key, absl::string_view method,
+                           const google::protobuf::Message& request_without_auth) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    request_without_auth.SerializeToCodedStream(&coded);
+  }
+  return Mac(session_key, method, {bytes});
 }
 
 std::string RankRangeText(int32_t first_rank, int32_t num_ranks) {
@@ -214,6 +216,7 @@ struct PeerConn {
   void Heard() {
     last_heard = absl::Now();
     failed_probes = 0;
+    last_error.clear();
   }
   std::thread worker;
 };
@@ -835,6 +838,8 @@ class Worker {
     }
     NoteError(s);
     ++pc_->failed_probes;
+    // Unreachable and no group needs it: its teardown notices are dropped (best effort).
+    if (!HasGroups()) pc_->leaves.clear();
     pc_->next_handshake = absl::Now() + pc_->handshake_backoff;
     pc_->handshake_backoff = std::min(pc_->handshake_backoff * 2, kMaxBackoff);
   }
@@ -940,7 +945,9 @@ class GroupPeersImpl final : public GroupPeers {
       if (i == g_->membership.self_node) continue;
       auto p = st_->peers.find(g_->nodes[i].address);
       if (p != st_->peers.end()) {
-        p->second->leaves.push_back({g_->membership.spec.name(), g_->incarnation});
+        std::deque<Leave>& leaves = p->second->leaves;
+        if (leaves.size() >= kMaxQueuedLeaves) leaves.pop_front();
+        leaves.push_back({g_->membership.spec.name(), g_->incarnation});
       }
     }
     st_->work.SignalAll();

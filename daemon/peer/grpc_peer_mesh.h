@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/time/time.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "daemon/peer/peer_mesh.h"
 #include "epd/v1/peer.pb.h"
 
@@ -79,9 +79,20 @@ std::string HelloProof(absl::string_view secret, absl::string_view server_nonce,
                        absl::string_view client_nonce, absl::string_view daemon_id);
 std::string SessionKey(absl::string_view secret, absl::string_view server_nonce,
                        absl::string_view client_nonce, absl::string_view daemon_id);
-/// Fills request->auth for `session_id` / `session_key`.
-void SignHeartbeat(absl::string_view session_id, absl::string_view session_key,
-                   v1::HeartbeatRequest* request);
+/// PeerAuth.mac of a request whose auth is cleared: over `method` ("Rendezvous",
+/// "Heartbeat", "Leave") and the request's deterministic serialization.
+std::string PeerRequestMac(absl::string_view session_key, absl::string_view method,
+                           const google::protobuf::Message& request_without_auth);
+/// Fills request->auth for `session_id` / `session_key` (a RendezvousRequest,
+/// HeartbeatRequest or LeaveRequest).
+template <typename Request>
+void SignPeerRequest(absl::string_view method, absl::string_view session_id,
+                     absl::string_view session_key, Request* request) {
+  Request copy = *request;
+  copy.clear_auth();
+  request->mutable_auth()->set_session_id(std::string(session_id));
+  request->mutable_auth()->set_mac(PeerRequestMac(session_key, method, copy));
+}
 
 /// "ranks 4-7" / "rank 4": the ranks of a node, for messages.
 std::string RankRangeText(int32_t first_rank, int32_t num_ranks);

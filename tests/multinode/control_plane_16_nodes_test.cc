@@ -17,9 +17,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/daemon_process.h"
+#include "tests/common/subprocess.h"
 
 namespace epd::testing {
 namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 
 constexpr int kNodes = 16;
 constexpr int kHeartbeatMs = 250;
@@ -124,7 +128,7 @@ TEST(ControlPlane16NodesTest, EveryDaemonSeesEveryNodeRegisteredThenOneLost) {
     wrong.rank = 1;
     absl::StatusOr<std::unique_ptr<Endpoint>> e = clients[0]->Join(wrong);
     EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(e.status().message(), ::testing::HasSubstr("lives on node 1"));
+    EXPECT_THAT(e.status().message(), HasSubstr("lives on node 1"));
   }
 
   auto expected_all = [](int self) {
@@ -152,6 +156,18 @@ TEST(ControlPlane16NodesTest, EveryDaemonSeesEveryNodeRegisteredThenOneLost) {
   ASSERT_TRUE(all);
   std::printf("all %d nodes registered at all %d daemons %s after the joins\n", kNodes, kNodes,
               absl::FormatDuration(absl::Now() - joined_at).c_str());
+
+  // epctl shows the Peer address and the node table.
+  absl::StatusOr<CommandResult> status = RunCommand(
+      {EpctlBinary(), "--socket=" + daemons[0]->socket_path(), "status"}, absl::Seconds(20));
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_THAT(status->stdout_text, HasSubstr("peer: " + spec.nodes(0).peer_address()));
+  absl::StatusOr<CommandResult> groups = RunCommand(
+      {EpctlBinary(), "--socket=" + daemons[0]->socket_path(), "groups"}, absl::Seconds(20));
+  ASSERT_TRUE(groups.ok()) << groups.status();
+  EXPECT_THAT(groups->stdout_text,
+              AllOf(HasSubstr("PEER ADDRESS"), HasSubstr("self"), HasSubstr("registered"),
+                    HasSubstr(spec.nodes(15).peer_address())));
 
   // SIGKILL the last daemon: every other one shows its node lost within the bound.
   const absl::Time killed_at = absl::Now();

@@ -107,7 +107,7 @@ class PeerSecurityTest : public SecurityTest {
     EXPECT_EQ(welcome.daemon_id(), address_);
     v1::HeartbeatRequest beat;
     beat.mutable_held()->set_daemon_instance(1);
-    peer::SignHeartbeat(welcome.session_id(), key, &beat);
+    peer::SignPeerRequest("Heartbeat", welcome.session_id(), key, &beat);
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     v1::HeartbeatResponse answer;
@@ -188,7 +188,7 @@ TEST_F(PeerSecurityTest, WrongVersionWrongSecretAndForgeriesAreRefused) {
     std::string key;
     ASSERT_TRUE(Handshake(kSecret, &welcome, &key).ok());
     v1::HeartbeatRequest beat;
-    peer::SignHeartbeat(welcome.session_id(), "not-the-session-key", &beat);
+    peer::SignPeerRequest("Heartbeat", welcome.session_id(), "not-the-session-key", &beat);
     grpc::ClientContext context;
     v1::HeartbeatResponse r;
     grpc::Status s = peer_->Heartbeat(&context, beat, &r);

@@ -9,7 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/peer/grpc_peer_mesh.h"
+#include "epd/v1/peer.grpc.pb.h"
 #include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 
 namespace epd::peer {
@@ -79,6 +81,27 @@ bool WaitFor(const std::function<bool()>& done, absl::Duration limit = absl::Sec
 bool HasDescriptor(const GroupPeers& p, int node, const std::string& transport) {
   std::optional<PeerDescriptor> d = p.Descriptor(node);
   return d.has_value() && d->transport == transport;
+}
+
+/// Two meshes with group "g" registered on both ("a" at node 0, `b_descriptor` at node 1)
+/// and paired.
+struct PairedMeshes {
+  std::unique_ptr<GrpcPeerMesh> m0;
+  std::unique_ptr<GrpcPeerMesh> m1;
+  v1::GroupSpec spec;
+  Registered a;
+  Registered b;
+};
+
+void StartPaired(PairedMeshes* p, const std::string& b_descriptor = "b") {
+  p->m0 = StartMesh();
+  p->m1 = StartMesh();
+  ASSERT_TRUE(p->m0 && p->m1);
+  p->spec = Spec({p->m0.get(), p->m1.get()});
+  p->a = Register(p->m0.get(), p->spec, 0, "a");
+  p->b = Register(p->m1.get(), p->spec, 1, b_descriptor);
+  ASSERT_TRUE(p->a.peers && p->b.peers);
+  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*p->a.peers, 1, b_descriptor); }));
 }
 
 TEST(PeerMeshTest, TwoMeshesRendezvousAndExchangeDescriptors) {
@@ -193,14 +216,10 @@ TEST(PeerMeshTest, SpecMismatchIsFailedPreconditionNamingTheField) {
 }
 
 TEST(PeerMeshTest, LossDetectedWithinBoundAndReRegistrationHeals) {
-  auto m0 = StartMesh();
-  auto m1 = StartMesh();
-  ASSERT_TRUE(m0 && m1);
+  PairedMeshes p;
+  ASSERT_NO_FATAL_FAILURE(StartPaired(&p, "b-first"));
+  auto& [m0, m1, spec, a, b] = p;
   const std::string address1 = m1->advertised_address();
-  v1::GroupSpec spec = Spec({m0.get(), m1.get()});
-  Registered a = Register(m0.get(), spec, 0, "a");
-  Registered b = Register(m1.get(), spec, 1, "b-first");
-  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*a.peers, 1, "b-first"); }));
   const uint64_t first_incarnation = a.peers->Descriptor(1)->incarnation;
 
   // The daemon of node 1 stops (no teardown notice): lost after 3 silent intervals.
@@ -230,13 +249,9 @@ TEST(PeerMeshTest, LossDetectedWithinBoundAndReRegistrationHeals) {
 }
 
 TEST(PeerMeshTest, TeardownIsToldToThePeers) {
-  auto m0 = StartMesh();
-  auto m1 = StartMesh();
-  ASSERT_TRUE(m0 && m1);
-  v1::GroupSpec spec = Spec({m0.get(), m1.get()});
-  Registered a = Register(m0.get(), spec, 0, "a");
-  Registered b = Register(m1.get(), spec, 1, "b");
-  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*a.peers, 1, "b"); }));
+  PairedMeshes p;
+  ASSERT_NO_FATAL_FAILURE(StartPaired(&p));
+  auto& [m0, m1, spec, a, b] = p;
   const absl::Time left = absl::Now();
   b.peers.reset();
   ASSERT_TRUE(WaitFor([&] { return !a.peers->Health().ok(); }, absl::Seconds(2)));
@@ -261,6 +276,131 @@ TEST(PeerMeshTest, WrongSecretNeverRegistersAndSaysWhy) {
   EXPECT_FALSE(a.peers->Descriptor(1).has_value());
   EXPECT_FALSE(b.peers->Descriptor(0).has_value());
   EXPECT_THAT(a.peers->DescribeMissing(), HasSubstr("node 1"));
+}
+
+/// A caller that speaks the Peer protocol by hand as daemon `daemon_id` (it knows the
+/// secret): what a compromised or buggy peer daemon could send.
+class HandCaller {
+ public:
+  HandCaller(const std::string& target, const std::string& daemon_id)
+      : id_(daemon_id),
+        stub_(v1::Peer::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()))) {
+    grpc::ClientContext c1;
+    v1::ChallengeRequest challenge;
+    challenge.set_protocol_version(kPeerProtocolVersion);
+    v1::ChallengeResponse nonce;
+    EXPECT_TRUE(stub_->Challenge(&c1, challenge, &nonce).ok());
+    v1::HelloRequest hello;
+    hello.set_protocol_version(kPeerProtocolVersion);
+    hello.set_daemon_id(id_);
+    hello.set_server_nonce(nonce.server_nonce());
+    hello.set_client_nonce(std::string(32, 'n'));
+    hello.set_proof(HelloProof(kSecret, hello.server_nonce(), hello.client_nonce(), id_));
+    grpc::ClientContext c2;
+    v1::HelloResponse welcome;
+    EXPECT_TRUE(stub_->Hello(&c2, hello, &welcome).ok());
+    session_ = welcome.session_id();
+    key_ = SessionKey(kSecret, hello.server_nonce(), hello.client_nonce(), id_);
+  }
+  grpc::Status Rendezvous(v1::RendezvousRequest request) {
+    SignPeerRequest("Rendezvous", session_, key_, &request);
+    grpc::ClientContext c;
+    v1::RendezvousResponse r;
+    return stub_->Rendezvous(&c, request, &r);
+  }
+  grpc::Status Heartbeat(v1::HeartbeatRequest request) {
+    SignPeerRequest("Heartbeat", session_, key_, &request);
+    grpc::ClientContext c;
+    v1::HeartbeatResponse r;
+    return stub_->Heartbeat(&c, request, &r);
+  }
+  grpc::Status Leave(v1::LeaveRequest request) {
+    SignPeerRequest("Leave", session_, key_, &request);
+    grpc::ClientContext c;
+    v1::LeaveResponse r;
+    return stub_->Leave(&c, request, &r);
+  }
+
+ private:
+  std::string id_;
+  std::unique_ptr<v1::Peer::Stub> stub_;
+  std::string session_;
+  std::string key_;
+};
+
+TEST(PeerMeshTest, MalformedInputFromAnAuthenticatedPeerIsRefusedAndChangesNothing) {
+  PairedMeshes p;
+  ASSERT_NO_FATAL_FAILURE(StartPaired(&p));
+  auto& [m0, m1, spec, a, b] = p;
+  const uint64_t incarnation = a.peers->Descriptor(1)->incarnation;
+
+  // Claims to be node 1's daemon (it knows the secret).
+  HandCaller evil(m0->advertised_address(), m1->advertised_address());
+  auto registration = [&] {
+    v1::RendezvousRequest r;
+    *r.mutable_registration()->mutable_spec() = spec;
+    r.mutable_registration()->set_node(1);
+    r.mutable_registration()->set_incarnation(77);
+    r.mutable_registration()->set_transport_descriptor("evil");
+    return r;
+  };
+  struct Case {
+    std::function<void(v1::RendezvousRequest*)> mutate;
+    grpc::StatusCode code;
+  };
+  for (const Case& c : std::vector<Case>{
+           {[](v1::RendezvousRequest* r) { r->mutable_registration()->set_node(5); },
+            grpc::StatusCode::INVALID_ARGUMENT},
+           {[](v1::RendezvousRequest* r) { r->mutable_registration()->set_node(-1); },
+            grpc::StatusCode::INVALID_ARGUMENT},
+           {[](v1::RendezvousRequest* r) { r->mutable_registration()->set_node(0); },
+            grpc::StatusCode::INVALID_ARGUMENT},  // Not the caller's address.
+           {[](v1::RendezvousRequest* r) { r->mutable_registration()->set_incarnation(0); },
+            grpc::StatusCode::INVALID_ARGUMENT},
+           {[](v1::RendezvousRequest* r) {
+              r->mutable_registration()->set_transport_descriptor(std::string(65537, 'x'));
+            },
+            grpc::StatusCode::INVALID_ARGUMENT},
+           {[](v1::RendezvousRequest* r) {
+              r->mutable_registration()->mutable_spec()->set_num_ranks(0);
+            },
+            grpc::StatusCode::INVALID_ARGUMENT},
+           {[](v1::RendezvousRequest* r) {
+              r->mutable_registration()->mutable_spec()->mutable_nodes(1)->set_num_ranks(5);
+            },
+            grpc::StatusCode::INVALID_ARGUMENT},
+           {[](v1::RendezvousRequest* r) {
+              r->mutable_registration()->mutable_spec()->clear_nodes();
+            },
+            grpc::StatusCode::INVALID_ARGUMENT},
+           {[](v1::RendezvousRequest* r) {
+              r->mutable_registration()->mutable_spec()->set_name("other");
+            },
+            grpc::StatusCode::NOT_FOUND},
+       }) {
+    v1::RendezvousRequest r = registration();
+    c.mutate(&r);
+    EXPECT_EQ(evil.Rendezvous(r).error_code(), c.code) << r.ShortDebugString().substr(0, 300);
+  }
+  v1::HeartbeatRequest flood;
+  for (int i = 0; i < 65537; ++i) flood.mutable_held()->add_groups()->set_name("x");
+  EXPECT_EQ(evil.Heartbeat(flood).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  v1::HeartbeatRequest odd;  // Joined bits of the wrong size: ignored.
+  v1::HeldGroup* h = odd.mutable_held()->add_groups();
+  h->set_name("g");
+  h->set_incarnation(incarnation);
+  h->set_joined_ranks(std::string(1000, '\1'));
+  odd.mutable_held()->set_daemon_instance(1);
+  EXPECT_TRUE(evil.Heartbeat(odd).ok());
+  v1::LeaveRequest stale;  // An older registration's Leave: ignored.
+  stale.set_group("g");
+  stale.set_incarnation(incarnation + 1);
+  EXPECT_TRUE(evil.Leave(stale).ok());
+
+  EXPECT_TRUE(a.peers->Health().ok()) << a.peers->Health();
+  ASSERT_TRUE(a.peers->Descriptor(1).has_value());
+  EXPECT_EQ(a.peers->Descriptor(1)->incarnation, incarnation);
+  EXPECT_EQ(a.peers->Descriptor(1)->transport, "b");
 }
 
 TEST(PeerMeshTest, StartRefusesBadOptions) {
