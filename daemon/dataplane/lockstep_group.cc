@@ -62,7 +62,6 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
   local_count_ = spanning_ ? 0 : spec.num_ranks();
 }
 
-
 bool LockstepGroup::PollOpInto(std::span<RankOutcome> outcomes) {
   for (RankOutcome& o : outcomes) {
     o.status = absl::InternalError(
@@ -146,8 +145,8 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
     }
   } else if (spanning_ && node != self_node_) {
     return absl::InvalidArgumentError(absl::StrCat("group ", spec_.name(), ": rank ", rank,
-                                                   " lives on node ", node, ", this daemon is node ",
-                                                   self_node_));
+                                                   " lives on node ", node,
+                                                   ", this daemon is node ", self_node_));
   }
   // A rank rejoining while an op of the group still runs in the backend continues after it.
   const uint64_t first_seq = current_seq_ + (running_ ? 1 : 0);

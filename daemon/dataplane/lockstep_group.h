@@ -205,9 +205,7 @@ class LockstepGroup : public DataPlaneGroup {
   /// another node failed it or a peer is lost (the op then fails at once with it).
   virtual absl::Status PeerFailure(uint64_t /*seq*/) { return absl::OkStatus(); }
   /// Why ReadyToStart() is false, for the op's DEADLINE_EXCEEDED message.
-  virtual std::string NotReadyReason() const {
-    return "an earlier op is still running on the GPU";
-  }
+  virtual std::string NotReadyReason() const { return "an earlier op is still running on the GPU"; }
   /// Whether the backend can start a (validated) op now, e.g. the previous op has left
   /// the GPU; true commits the backend to the StartOp that follows. While false, the
   /// collected op waits, bounded by op_timeout.

@@ -97,9 +97,9 @@ absl::Status Combine(const GroupShape& shape, std::span<CombineRankArgs> args,
         float w = 0.0f;
         for (int32_t r = 0; r < num_ranks; ++r) {
           if (pos[r] >= 0) {
-            w += args[r].topk_weights[static_cast<int64_t>(pos[r] - args[r].x_first_row) *
-                                          num_topk +
-                                      k];
+            w +=
+                args[r].topk_weights[static_cast<int64_t>(pos[r] - args[r].x_first_row) * num_topk +
+                                     k];
           }
         }
         w_out[k] = w;

@@ -212,10 +212,10 @@ absl::Status LowLatencyCombine(const GroupShape& shape, std::span<LowLatencyComb
         const int64_t first = owner.x_first_row[j];
         if (row < first || row >= first + owner.x_num_rows[j] ||
             owner.x_num_rows[j] > owner.x_block_rows) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              kOp, ": handle_pos of rank ", s, " at token ", i / num_topk, ", k ", i % num_topk,
-              " = ", row, " is outside the rows [", first, ", ", first + owner.x_num_rows[j],
-              ") present of expert ", a.topk_idx[i]));
+          return absl::InvalidArgumentError(
+              absl::StrCat(kOp, ": handle_pos of rank ", s, " at token ", i / num_topk, ", k ",
+                           i % num_topk, " = ", row, " is outside the rows [", first, ", ",
+                           first + owner.x_num_rows[j], ") present of expert ", a.topk_idx[i]));
         }
       } else if (row < 0 || row >= rows_per_expert) {
         return absl::InvalidArgumentError(absl::StrCat(

@@ -31,9 +31,9 @@ absl::Status CheckSourceRows(const char* op, int32_t s, int32_t num_rows, const 
   if (token == nullptr) return absl::OkStatus();
   for (int32_t i = 0; i < num_rows; ++i) {
     if (token[i] < 0 || token[i] >= capacity || (i > 0 && token[i] <= token[i - 1])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(op, ": source rank ", s, ": row ", i, " has token index ", token[i],
-                       ", not ascending within [0, ", capacity, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(op, ": source rank ", s, ": row ", i,
+                                                     " has token index ", token[i],
+                                                     ", not ascending within [0, ", capacity, ")"));
     }
   }
   return absl::OkStatus();
@@ -140,16 +140,15 @@ absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& option
     EPD_RETURN_IF_ERROR(CheckSourceRows(kOp, s, v.num_rows, v.token, M));
     if (node.Has(s) && (v.token != nullptr || v.num_rows != local[s - node.first].num_tokens)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          kOp, ": local source rank ", s, " must present all its ", local[s - node.first].num_tokens,
-          " tokens in order, got ", v.num_rows, " rows"));
+          kOp, ": local source rank ", s, " must present all its ",
+          local[s - node.first].num_tokens, " tokens in order, got ", v.num_rows, " rows"));
     }
     const bool rows = v.num_rows > 0;
     EPD_RETURN_IF_ERROR(CheckPointer(v.x, rows, kOp, s, "x"));
     EPD_RETURN_IF_ERROR(CheckPointer(v.x_scales, rows && options.fp8, kOp, s, "x_scales"));
     EPD_RETURN_IF_ERROR(CheckPointer(v.topk_idx, rows && !cached, kOp, s, "topk_idx"));
     EPD_RETURN_IF_ERROR(CheckPointer(v.send_pos, rows && cached, kOp, s, "send_pos"));
-    EPD_RETURN_IF_ERROR(
-        CheckPointer(v.topk_weights, rows && with_weights, kOp, s, "topk_weights"));
+    EPD_RETURN_IF_ERROR(CheckPointer(v.topk_weights, rows && with_weights, kOp, s, "topk_weights"));
     seen_rows.assign(R, 0);
     if (!rows) {
     } else if (cached) {
@@ -161,8 +160,8 @@ absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& option
     for (int32_t r = node.first; r < node.first + node.count; ++r) {
       if (seen_rows[r] != counts[static_cast<size_t>(s) * R + r]) {
         return absl::InvalidArgumentError(
-            absl::StrCat(kOp, ": source rank ", s, " presents ", seen_rows[r], " rows for rank ",
-                         r, ", its count says ", counts[static_cast<size_t>(s) * R + r]));
+            absl::StrCat(kOp, ": source rank ", s, " presents ", seen_rows[r], " rows for rank ", r,
+                         ", its count says ", counts[static_cast<size_t>(s) * R + r]));
       }
     }
   }
@@ -236,10 +235,10 @@ absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& option
     }
     for (int32_t e = 0; e < node.count * El; ++e) {
       if (AlignUp(per_expert[e], options.expert_alignment) > INT32_MAX) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            kOp, ": expert_alignment = ", options.expert_alignment,
-            " makes the aligned count of local expert ", e % El, " of rank ", node.first + e / El,
-            " overflow int32"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(kOp, ": expert_alignment = ", options.expert_alignment,
+                         " makes the aligned count of local expert ", e % El, " of rank ",
+                         node.first + e / El, " overflow int32"));
       }
     }
   }
@@ -376,9 +375,10 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
     EPD_RETURN_IF_ERROR(CheckSourceRows(kOp, s, v.num_rows, v.token, Mll));
     if (node.Has(s) &&
         (v.token != nullptr || v.quantized || v.num_rows != local[s - node.first].num_tokens)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          kOp, ": local source rank ", s, " must present all its ", local[s - node.first].num_tokens,
-          " tokens in order, unquantized; got ", v.num_rows, " rows"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(kOp, ": local source rank ", s, " must present all its ",
+                       local[s - node.first].num_tokens, " tokens in order, unquantized; got ",
+                       v.num_rows, " rows"));
     }
     if (v.quantized && !options.use_fp8) {
       return absl::InvalidArgumentError(
@@ -496,8 +496,8 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
         if (options.use_fp8) {
           uint8_t* scales = static_cast<uint8_t*>(dst.recv_scales);
           for (int32_t g = 0; g < S; ++g) {
-            const uint64_t at = LowLatencyScaleOffset(shape, options.use_ue8m0, j,
-                                                      static_cast<int32_t>(pos), g);
+            const uint64_t at =
+                LowLatencyScaleOffset(shape, options.use_ue8m0, j, static_cast<int32_t>(pos), g);
             if (options.use_ue8m0) {
               scales[at] = Ue8m0Code(row_scales[g]);
             } else {

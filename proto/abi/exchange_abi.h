@@ -27,9 +27,7 @@ constexpr uint32_t ExchangeImm(uint64_t seq, uint32_t phase) {
   return static_cast<uint32_t>((seq % kExchangeImmSeqModulo) << kExchangePhaseBits) | phase;
 }
 constexpr uint64_t ExchangeImmSeq(uint32_t imm) { return imm >> kExchangePhaseBits; }
-constexpr uint32_t ExchangeImmPhase(uint32_t imm) {
-  return imm & ((1u << kExchangePhaseBits) - 1);
-}
+constexpr uint32_t ExchangeImmPhase(uint32_t imm) { return imm & ((1u << kExchangePhaseBits) - 1); }
 
 /// The head of one node's message to another for one op (at offset 0 of its slot).
 /// status_code != 0: the op failed at the sender (a bad request of rank status_rank, ranks
@@ -38,17 +36,17 @@ constexpr uint32_t ExchangeImmPhase(uint32_t imm) {
 struct ExchangeHeader {
   uint32_t magic = kExchangeMagic;
   uint32_t version = kExchangeAbiVersion;
-  uint64_t seq = 0;                ///< The group's op sequence number.
-  uint32_t op = 0;                 ///< abi::OpKind.
-  uint32_t flags = 0;              ///< The op's request flags (every rank agrees).
-  int32_t expert_alignment = 0;    ///< Dispatch.
-  int32_t source_node = 0;         ///< The sender's node index.
-  int32_t first_rank = 0;          ///< The sender's ranks: [first_rank, first_rank + num_ranks).
+  uint64_t seq = 0;              ///< The group's op sequence number.
+  uint32_t op = 0;               ///< abi::OpKind.
+  uint32_t flags = 0;            ///< The op's request flags (every rank agrees).
+  int32_t expert_alignment = 0;  ///< Dispatch.
+  int32_t source_node = 0;       ///< The sender's node index.
+  int32_t first_rank = 0;        ///< The sender's ranks: [first_rank, first_rank + num_ranks).
   int32_t num_ranks = 0;
-  uint64_t handle_seq = 0;         ///< LowLatencyCombine: the dispatch it combines.
-  int32_t status_code = 0;         ///< absl::StatusCode; 0 = OK.
-  int32_t status_rank = -1;        ///< The rank the error is of, or -1 (the node's).
-  uint32_t message_bytes = 0;      ///< <= kExchangeMessageBytes.
+  uint64_t handle_seq = 0;     ///< LowLatencyCombine: the dispatch it combines.
+  int32_t status_code = 0;     ///< absl::StatusCode; 0 = OK.
+  int32_t status_rank = -1;    ///< The rank the error is of, or -1 (the node's).
+  uint32_t message_bytes = 0;  ///< <= kExchangeMessageBytes.
   uint32_t reserved = 0;
   char message[kExchangeMessageBytes] = {};
 };
@@ -81,7 +79,7 @@ struct ExchangeShape {
 ///    block per sender expert of receiver_ranks * Mll rows [., H] bf16.
 struct ExchangeSlotLayout {
   uint64_t tokens = 0, counts = 0, rows = 0, payload = 0;
-  uint64_t block_rows = 0, block_bytes = 0;  ///< Dispatch blocks.
+  uint64_t block_rows = 0, block_bytes = 0;                            ///< Dispatch blocks.
   uint64_t ids = 0, idx = 0, pos = 0, weights = 0, scales = 0, x = 0;  ///< In a block.
   uint64_t combine_rows = 0, combine_block_bytes = 0, combine_weights = 0;
   uint64_t ll_combine_rows = 0, ll_combine_block_bytes = 0;
@@ -124,8 +122,8 @@ struct ExchangeSlotLayout {
     l.ll_combine_rows = static_cast<uint64_t>(receiver_ranks) * s.ll_max_tokens;
     l.ll_combine_block_bytes = Align(l.ll_combine_rows * 2 * H);
     const uint64_t El = s.num_ranks > 0 ? E / R : 0;
-    const uint64_t payload = std::max({n * l.block_bytes, n * l.combine_block_bytes,
-                                       n * El * l.ll_combine_block_bytes});
+    const uint64_t payload =
+        std::max({n * l.block_bytes, n * l.combine_block_bytes, n * El * l.ll_combine_block_bytes});
     l.total = Align(at + payload);
     return l;
   }

@@ -24,8 +24,8 @@
 #include "daemon/transport/transport.h"
 #include "epd/kernels/host_node_ops.h"
 #include "epd/kernels/host_ops.h"
-#include "proto/abi/exchange_abi.h"
 #include "epd/kernels/layout.h"
+#include "proto/abi/exchange_abi.h"
 #include "proto/abi/shm_abi.h"
 
 namespace epd {
@@ -228,29 +228,29 @@ class HostGroup : public LockstepGroup {
     std::vector<int32_t> first, count;  // [N] each node's ranks
     abi::ExchangeShape xs;
     std::vector<abi::ExchangeSlotLayout> in_layout, out_layout;  // [N]
-    std::vector<uint64_t> recv_offset;                             // [N]
+    std::vector<uint64_t> recv_offset;                           // [N]
     std::vector<uint64_t> remote_offset;  // [N]: this node's parity-0 slot at node n.
     const OpPlan* plan = nullptr;         // The running op (LockstepGroup's running_).
     const std::vector<abi::RequestSlot>* slots = nullptr;
-    std::vector<uint64_t> recv;                                    // The receive region.
-    std::vector<std::vector<uint64_t>> send;                       // [N] send staging.
-    std::vector<std::vector<uint64_t>> fail_send;                  // [N] error headers.
-    std::vector<uint64_t> posted, fail_posted;                     // [N] writes posted.
+    std::vector<uint64_t> recv;                    // The receive region.
+    std::vector<std::vector<uint64_t>> send;       // [N] send staging.
+    std::vector<std::vector<uint64_t>> fail_send;  // [N] error headers.
+    std::vector<uint64_t> posted, fail_posted;     // [N] writes posted.
     std::unique_ptr<transport::GroupLink> link;
     std::unique_ptr<peer::GroupPeers> peers;
-    std::vector<uint8_t> connected;                    // [N]
-    std::vector<std::optional<uint32_t>> pending;      // [N] an immediate not yet used.
-    std::vector<uint8_t> got;                          // [N] this op's message is in.
+    std::vector<uint8_t> connected;                // [N]
+    std::vector<std::optional<uint32_t>> pending;  // [N] an immediate not yet used.
+    std::vector<uint8_t> got;                      // [N] this op's message is in.
     std::chrono::steady_clock::time_point started;
-    absl::Status local_status;                         // This node's part of the op.
+    absl::Status local_status;  // This node's part of the op.
     std::vector<transport::WritePiece> pieces;
-    std::vector<int32_t> local_counts;                 // [Rl, E] this op's counts here.
-    std::vector<int32_t> counts;                       // [R, E] or [R, R]: every node's.
-    std::vector<int32_t> dispatch_counts;              // [R, R] of the routing dispatch.
+    std::vector<int32_t> local_counts;                            // [Rl, E] this op's counts here.
+    std::vector<int32_t> counts;                                  // [R, E] or [R, R]: every node's.
+    std::vector<int32_t> dispatch_counts;                         // [R, R] of the routing dispatch.
     std::vector<int32_t> ll_counts[kernels::kLowLatencyBuffers];  // [R, E] per buffer.
-    std::vector<int32_t> remote_first, remote_rows;    // [R * El] LL combine remote views.
-    std::vector<kernels::host::NodeDispatchSource> dispatch_sources;      // [R]
-    std::vector<kernels::host::NodeLowLatencySource> ll_sources;          // [R]
+    std::vector<int32_t> remote_first, remote_rows;  // [R * El] LL combine remote views.
+    std::vector<kernels::host::NodeDispatchSource> dispatch_sources;  // [R]
+    std::vector<kernels::host::NodeLowLatencySource> ll_sources;      // [R]
   };
   Span span_;
 
@@ -521,8 +521,8 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
     s.count.push_back(sp.nodes(n).num_ranks());
     at += sp.nodes(n).num_ranks();
   }
-  s.xs = {gs.num_ranks, gs.num_experts, gs.hidden, gs.num_topk, gs.max_tokens_per_rank,
-          gs.ll_max_tokens_per_rank};
+  s.xs = {gs.num_ranks, gs.num_experts,         gs.hidden,
+          gs.num_topk,  gs.max_tokens_per_rank, gs.ll_max_tokens_per_rank};
   uint64_t recv_bytes = 0;
   s.remote_offset.assign(s.num_nodes, 0);
   for (int32_t n = 0; n < s.num_nodes; ++n) {  // Where this node's slots lie at node n.
@@ -626,9 +626,9 @@ std::string HostGroup::NotReadyReason() const {
   std::string why;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
     if (n == span_.self || span_.link->State(n) == transport::PeerState::kReady) continue;
-    absl::StrAppend(&why, why.empty() ? "" : "; ", "node ", n, " (",
-                    spec().nodes(n).peer_address(), ", ranks ", span_.first[n], "-",
-                    span_.first[n] + span_.count[n] - 1, ") is not connected");
+    absl::StrAppend(&why, why.empty() ? "" : "; ", "node ", n, " (", spec().nodes(n).peer_address(),
+                    ", ranks ", span_.first[n], "-", span_.first[n] + span_.count[n] - 1,
+                    ") is not connected");
   }
   const std::string missing = span_.peers ? span_.peers->DescribeMissing() : std::string();
   if (!missing.empty()) absl::StrAppend(&why, "; ", missing);
@@ -663,8 +663,9 @@ void HostGroup::OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& stat
     // The error header's staging is reused only once the previous one left.
     if (span_.link->WritesCompleted(n) < span_.posted[n]) continue;
     StageHeader(n, seq, op, 0, 0, 0, status);
-    const transport::WritePiece piece{span_.fail_send[n].data(), sizeof(abi::ExchangeHeader),
-                                      span_.remote_offset[n] + (seq % 2) * span_.out_layout[n].total};
+    const transport::WritePiece piece{
+        span_.fail_send[n].data(), sizeof(abi::ExchangeHeader),
+        span_.remote_offset[n] + (seq % 2) * span_.out_layout[n].total};
     if (span_.link->PostWrite(n, {&piece, 1}, abi::ExchangeImm(seq, abi::kExchangePhaseOp)).ok()) {
       ++span_.posted[n];
     }
@@ -673,8 +674,7 @@ void HostGroup::OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& stat
 
 absl::Status HostGroup::PostToNode(int32_t n, uint64_t seq,
                                    std::span<const transport::WritePiece> pieces) {
-  absl::Status st =
-      span_.link->PostWrite(n, pieces, abi::ExchangeImm(seq, abi::kExchangePhaseOp));
+  absl::Status st = span_.link->PostWrite(n, pieces, abi::ExchangeImm(seq, abi::kExchangePhaseOp));
   if (st.ok()) ++span_.posted[n];
   return st;
 }
@@ -703,11 +703,11 @@ absl::Status HostGroup::CheckHeader(int32_t n, uint64_t seq) const {
   if (h.magic != abi::kExchangeMagic || h.version != abi::kExchangeAbiVersion || h.seq != seq ||
       h.source_node != n || h.first_rank != span_.first[n] || h.num_ranks != span_.count[n] ||
       h.message_bytes > abi::kExchangeMessageBytes) {
-    return absl::DataLossError(absl::StrCat(
-        "op ", seq, " of group ", spec().name(), ": node ", n, " (",
-        spec().nodes(n).peer_address(), ") sent a malformed exchange header (magic 0x",
-        absl::Hex(h.magic), ", version ", h.version, ", seq ", h.seq, ", node ", h.source_node,
-        ", ranks ", h.first_rank, "+", h.num_ranks, ")"));
+    return absl::DataLossError(
+        absl::StrCat("op ", seq, " of group ", spec().name(), ": node ", n, " (",
+                     spec().nodes(n).peer_address(), ") sent a malformed exchange header (magic 0x",
+                     absl::Hex(h.magic), ", version ", h.version, ", seq ", h.seq, ", node ",
+                     h.source_node, ", ranks ", h.first_rank, "+", h.num_ranks, ")"));
   }
   if (h.status_code != 0) {
     const int code = h.status_code > 0 && h.status_code <= 16 ? h.status_code : 2;
@@ -853,8 +853,8 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
               const int64_t in_bytes = ll ? 2 * H : x_bytes;
               std::memcpy(x + m * in_bytes, in_x + t * in_bytes, static_cast<size_t>(in_bytes));
               if (fp8) {
-                std::memcpy(sc + int64_t{m} * S,
-                            Ptr<const float>(r, L.in_scales) + int64_t{t} * S, sizeof(float) * S);
+                std::memcpy(sc + int64_t{m} * S, Ptr<const float>(r, L.in_scales) + int64_t{t} * S,
+                            sizeof(float) * S);
               }
             }
             ++m;
@@ -909,8 +909,8 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
               cnt += c[int64_t{s2} * E + e];
             }
             rows[i * El + j] = static_cast<int32_t>(cnt);
-            const uint64_t blk = remote + sl.payload +
-                                 static_cast<uint64_t>(i * El + j) * sl.ll_combine_block_bytes;
+            const uint64_t blk =
+                remote + sl.payload + static_cast<uint64_t>(i * El + j) * sl.ll_combine_block_bytes;
             pieces.push_back({Ptr<const uint8_t>(r, L.in_ll_combine_x) + (j * rpe + start) * 2 * H,
                               static_cast<uint64_t>(cnt) * 2 * H, blk});
           }
@@ -939,9 +939,9 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
       span_.pending[n].reset();
       span_.got[n] = 1;
     } else if (span_.pending[n]) {
-      return fail(absl::AbortedError(absl::StrCat(
-          "op ", plan.seq, " of group ", spec().name(), ": node ", n, " (",
-          spec().nodes(n).peer_address(), ") failed it and went on to its next op")));
+      return fail(absl::AbortedError(
+          absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": node ", n, " (",
+                       spec().nodes(n).peer_address(), ") failed it and went on to its next op")));
     } else {
       all = false;
     }
@@ -961,12 +961,12 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
                         span_.first[n] + span_.count[n] - 1, ")");
       }
       const std::string missing = span_.peers->DescribeMissing();
-      return fail(absl::DeadlineExceededError(absl::StrCat(
-          "op ", plan.seq, " of group ", spec().name(), ": ",
-          who.empty() ? std::string("the writes to the peers did not complete")
-                      : absl::StrCat(who, " sent nothing"),
-          " within op_timeout ", options().op_timeout_ms, " ms", missing.empty() ? "" : "; ",
-          missing)));
+      return fail(absl::DeadlineExceededError(
+          absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ",
+                       who.empty() ? std::string("the writes to the peers did not complete")
+                                   : absl::StrCat(who, " sent nothing"),
+                       " within op_timeout ", options().op_timeout_ms, " ms",
+                       missing.empty() ? "" : "; ", missing)));
     }
     return false;
   }
@@ -1030,9 +1030,9 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
     return reinterpret_cast<const int32_t*>(RecvSlot(n, plan.seq) + span_.in_layout[n].rows);
   };
   auto malformed = [&](int32_t n, const std::string& what) {
-    return absl::DataLossError(absl::StrCat("op ", plan.seq, " of group ", spec().name(),
-                                            ": node ", n, " (", spec().nodes(n).peer_address(),
-                                            ") sent ", what));
+    return absl::DataLossError(absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": node ",
+                                            n, " (", spec().nodes(n).peer_address(), ") sent ",
+                                            what));
   };
   switch (plan.op) {
     case abi::OpKind::kGetDispatchLayout: {
@@ -1055,10 +1055,9 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
       const int32_t width = ll ? E : R;  // Counts per source.
       std::vector<int32_t>& counts = span_.counts;
       for (int32_t n = 0; n < span_.num_nodes; ++n) {
-        const int32_t* c = n == span_.self
-                               ? span_.local_counts.data()
-                               : reinterpret_cast<const int32_t*>(RecvSlot(n, plan.seq) +
-                                                                  span_.in_layout[n].counts);
+        const int32_t* c = n == span_.self ? span_.local_counts.data()
+                                           : reinterpret_cast<const int32_t*>(
+                                                 RecvSlot(n, plan.seq) + span_.in_layout[n].counts);
         for (int32_t i = 0; i < span_.count[n]; ++i) {
           std::memcpy(counts.data() + static_cast<size_t>(span_.first[n] + i) * width,
                       c + static_cast<size_t>(i) * E, sizeof(int32_t) * width);
@@ -1069,16 +1068,15 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
         const int32_t n = NodeOf(s);
         if (n == span_.self) {
           const bool fp8 = flags.use_fp8 && !ll;
-          span_.dispatch_sources[s] = {slots[s].num_tokens,
-                                       nullptr,
-                                       Ptr<const void>(s, L.in_x),
-                                       fp8 ? Ptr<const float>(s, L.in_scales) : nullptr,
-                                       flags.cached_handle ? nullptr : Private(s).topk_idx.data(),
-                                       flags.dispatch_weights
-                                           ? Ptr<const float>(s, L.in_topk_weights)
-                                           : nullptr,
-                                       flags.cached_handle ? Private(s).send_pos.data() : nullptr};
-          span_.ll_sources[s] = {slots[s].num_tokens, nullptr, Private(s).topk_idx.data(),
+          span_.dispatch_sources[s] = {
+              slots[s].num_tokens,
+              nullptr,
+              Ptr<const void>(s, L.in_x),
+              fp8 ? Ptr<const float>(s, L.in_scales) : nullptr,
+              flags.cached_handle ? nullptr : Private(s).topk_idx.data(),
+              flags.dispatch_weights ? Ptr<const float>(s, L.in_topk_weights) : nullptr,
+              flags.cached_handle ? Private(s).send_pos.data() : nullptr};
+          span_.ll_sources[s] = {slots[s].num_tokens,        nullptr, Private(s).topk_idx.data(),
                                  Ptr<const void>(s, L.in_x), nullptr, false};
           continue;
         }
@@ -1086,8 +1084,8 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
         const int32_t i = s - span_.first[n];
         const int32_t rows = rows_of(n)[i];
         if (rows < 0 || static_cast<uint64_t>(rows) > sl.block_rows) {
-          return malformed(n, absl::StrCat(rows, " rows of rank ", s, " (at most ", sl.block_rows,
-                                           ")"));
+          return malformed(
+              n, absl::StrCat(rows, " rows of rank ", s, " (at most ", sl.block_rows, ")"));
         }
         const uint8_t* blk = RecvSlot(n, plan.seq) + sl.payload + i * sl.block_bytes;
         const auto* ids = reinterpret_cast<const int32_t*>(blk + sl.ids);
@@ -1101,7 +1099,7 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
             flags.cached_handle ? nullptr : idx,
             flags.dispatch_weights ? reinterpret_cast<const float*>(blk + sl.weights) : nullptr,
             flags.cached_handle ? reinterpret_cast<const int32_t*>(blk + sl.pos) : nullptr};
-        span_.ll_sources[s] = {rows, ids, idx, blk + sl.x, flags.use_fp8 ? sc : nullptr,
+        span_.ll_sources[s] = {rows,         ids, idx, blk + sl.x, flags.use_fp8 ? sc : nullptr,
                                flags.use_fp8};
       }
       absl::Status st;
@@ -1130,9 +1128,9 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
         opt.expert_alignment = slots[first].expert_alignment;
         {
           KernelScope k(plane_->options().on_kernels);
-          st = kernels::host::NodeDispatch(
-              gs, opt, flags.dispatch_weights, node, all_counts, span_.dispatch_sources,
-              std::span(dispatch_args_).subspan(first, Rl), exec);
+          st = kernels::host::NodeDispatch(gs, opt, flags.dispatch_weights, node, all_counts,
+                                           span_.dispatch_sources,
+                                           std::span(dispatch_args_).subspan(first, Rl), exec);
         }
         if (!st.ok()) return st;
         for (int32_t r = first; r < first + Rl; ++r) {
@@ -1186,7 +1184,8 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
           a.send_pos = Private(r).send_pos.data();
           a.num_recv_tokens = ep.handles.num_recv_tokens();
           a.x = Ptr<const kernels::bf16_bits>(r, L.in_combine_x);
-          a.topk_weights = flags.combine_weights ? Ptr<const float>(r, L.in_combine_weights) : nullptr;
+          a.topk_weights =
+              flags.combine_weights ? Ptr<const float>(r, L.in_combine_weights) : nullptr;
           a.combined_x = Ptr<kernels::bf16_bits>(r, L.combined_x);
           a.combined_topk_weights =
               flags.combine_weights ? Ptr<float>(r, L.combined_topk_weights) : nullptr;
@@ -1197,8 +1196,8 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
         for (int32_t s = first; s < first + Rl; ++s) cnt += dc[int64_t{s} * R + r];
         const int32_t i = r - span_.first[n];
         if (rows_of(n)[i] != cnt) {
-          return malformed(n, absl::StrCat(rows_of(n)[i], " combine rows of rank ", r, ", ", cnt,
-                                           " expected"));
+          return malformed(
+              n, absl::StrCat(rows_of(n)[i], " combine rows of rank ", r, ", ", cnt, " expected"));
         }
         const uint8_t* blk = RecvSlot(n, plan.seq) + span_.in_layout[n].payload +
                              i * span_.in_layout[n].combine_block_bytes;
@@ -1252,8 +1251,8 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
       return kernels::host::LowLatencyCombine(gs, ll_combine_args_, exec);
     }
     default:
-      return absl::UnimplementedError(absl::StrCat(
-          OpName(static_cast<uint32_t>(plan.op)), " is not run by a group that spans nodes"));
+      return absl::UnimplementedError(absl::StrCat(OpName(static_cast<uint32_t>(plan.op)),
+                                                   " is not run by a group that spans nodes"));
   }
 }
 

@@ -47,11 +47,11 @@ void CountLowLatencyRows(const GroupShape& shape, int32_t num_tokens, const int6
 
 /// What this node holds of one source rank of a normal dispatch.
 struct NodeDispatchSource {
-  int32_t num_rows = 0;            ///< Rows present.
-  const int32_t* token = nullptr;  ///< [num_rows] token index, ascending; null: row i = token i.
-  const void* x = nullptr;         ///< [num_rows, H] bf16, or e4m3 when fp8.
-  const float* x_scales = nullptr;      ///< [num_rows, S] f32 when fp8.
-  const int64_t* topk_idx = nullptr;    ///< [num_rows, K] (not cached).
+  int32_t num_rows = 0;               ///< Rows present.
+  const int32_t* token = nullptr;     ///< [num_rows] token index, ascending; null: row i = token i.
+  const void* x = nullptr;            ///< [num_rows, H] bf16, or e4m3 when fp8.
+  const float* x_scales = nullptr;    ///< [num_rows, S] f32 when fp8.
+  const int64_t* topk_idx = nullptr;  ///< [num_rows, K] (not cached).
   const float* topk_weights = nullptr;  ///< [num_rows, K] f32 when the op carries weights.
   const int32_t* send_pos = nullptr;    ///< Cached: [num_rows, R] the cached handle's rows.
 };

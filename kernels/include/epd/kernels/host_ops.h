@@ -177,11 +177,11 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
 
 /// One rank's view of a normal combine.
 struct CombineRankArgs {
-  int32_t num_tokens = 0;                  ///< T of the dispatch whose handle this is.
-  const int32_t* send_pos = nullptr;       ///< [T, R] handle from that dispatch.
-  int32_t num_recv_tokens = 0;             ///< N of that dispatch at this rank.
-  const bf16_bits* x = nullptr;            ///< [N, H] bf16: this rank's expert outputs.
-  const float* topk_weights = nullptr;     ///< [N, K] f32 or null.
+  int32_t num_tokens = 0;               ///< T of the dispatch whose handle this is.
+  const int32_t* send_pos = nullptr;    ///< [T, R] handle from that dispatch.
+  int32_t num_recv_tokens = 0;          ///< N of that dispatch at this rank.
+  const bf16_bits* x = nullptr;         ///< [N, H] bf16: this rank's expert outputs.
+  const float* topk_weights = nullptr;  ///< [N, K] f32 or null.
   /// x and topk_weights start at this row: they hold rows [x_first_row, N) only (a node
   /// of a group that spans nodes holds the rows of another node's rank that belong to its
   /// own tokens; host_node_ops.h). Every send_pos entry naming this rank must be in that
