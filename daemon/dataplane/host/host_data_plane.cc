@@ -156,6 +156,21 @@ class HostGroup : public LockstepGroup {
   bool ReadyToStart() override;
   std::string NotReadyReason() const override;
   bool PollBackground() override;
+  /// Spanning groups: publish this node's joined ranks to the peers (for their errors).
+  absl::Status RankAttached(int32_t rank, const std::shared_ptr<RankResources>&) override {
+    PublishJoined(rank, true);
+    return absl::OkStatus();
+  }
+  void RankDetached(int32_t rank) override { PublishJoined(rank, false); }
+  void PublishJoined(int32_t changed, bool joined) {
+    if (!spanning() || !span_.peers) return;
+    std::vector<bool> bits(local_count());
+    for (int32_t i = 0; i < local_count(); ++i) {
+      const int32_t r = local_first() + i;
+      bits[i] = r == changed ? joined : endpoint(r) != nullptr;
+    }
+    span_.peers->SetLocalRanksJoined(bits);
+  }
   void WakeEngine() override { plane_->WakeEngine(); }
   /// The plane's one doorbell page serves every rank.
   absl::StatusOr<ScopedFd> DoorbellFd(int32_t /*rank*/) const override {
@@ -598,7 +613,6 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
 bool HostGroup::PollBackground() {
   if (!spanning() || !span_.peers) return false;
   bool worked = false;
-  std::vector<bool> joined;  // Published on a change only (allocates).
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
     if (n == span_.self || span_.connected[n]) continue;
     std::optional<peer::PeerDescriptor> d = span_.peers->Descriptor(n);

@@ -177,18 +177,18 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
 
 /// One rank's view of a normal combine.
 struct CombineRankArgs {
-  int32_t num_tokens = 0;               ///< T of the dispatch whose handle this is.
-  const int32_t* send_pos = nullptr;    ///< [T, R] handle from that dispatch.
-  int32_t num_recv_tokens = 0;          ///< N of that dispatch at this rank.
-  const bf16_bits* x = nullptr;         ///< [N, H] bf16: this rank's expert outputs.
-  const float* topk_weights = nullptr;  ///< [N, K] f32 or null.
+  int32_t num_tokens = 0;                  ///< T of the dispatch whose handle this is.
+  const int32_t* send_pos = nullptr;       ///< [T, R] handle from that dispatch.
+  int32_t num_recv_tokens = 0;             ///< N of that dispatch at this rank.
+  const bf16_bits* x = nullptr;            ///< [N, H] bf16: this rank's expert outputs.
+  const float* topk_weights = nullptr;     ///< [N, K] f32 or null.
+  bf16_bits* combined_x = nullptr;         ///< out [T, H] bf16.
+  float* combined_topk_weights = nullptr;  ///< out [T, K] f32 (when topk_weights given).
   /// x and topk_weights start at this row: they hold rows [x_first_row, N) only (a node
   /// of a group that spans nodes holds the rows of another node's rank that belong to its
   /// own tokens; host_node_ops.h). Every send_pos entry naming this rank must be in that
   /// range. 0 for a rank whose every row is present.
   int32_t x_first_row = 0;
-  bf16_bits* combined_x = nullptr;         ///< out [T, H] bf16.
-  float* combined_topk_weights = nullptr;  ///< out [T, K] f32 (when topk_weights given).
 };
 
 /// Normal combine over all ranks. combined_x[t] of source rank s =
