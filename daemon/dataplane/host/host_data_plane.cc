@@ -80,6 +80,26 @@ struct HostRank : RankResources {
   }
 };
 
+/// The exchange's receive region and send staging of a group that spans nodes, at its
+/// largest node (DESIGN.md §5.1); 0 for a one-node group.
+uint64_t ExchangeBytes(const v1::GroupSpec& spec, const kernels::GroupShape& gs) {
+  if (spec.nodes_size() < 2) return 0;
+  const abi::ExchangeShape xs{gs.num_ranks, gs.num_experts,         gs.hidden,
+                              gs.num_topk,  gs.max_tokens_per_rank, gs.ll_max_tokens_per_rank};
+  uint64_t most = 0;
+  for (int m = 0; m < spec.nodes_size(); ++m) {
+    uint64_t bytes = 0;
+    for (int n = 0; n < spec.nodes_size(); ++n) {
+      if (n == m) continue;
+      const int64_t rn = spec.nodes(n).num_ranks(), rm = spec.nodes(m).num_ranks();
+      bytes += 2 * abi::ExchangeSlotLayout::Compute(xs, rn, rm).total +
+               abi::ExchangeSlotLayout::Compute(xs, rm, rn).total;
+    }
+    most = std::max(most, bytes);
+  }
+  return most;
+}
+
 class HostDataPlaneImpl : public DataPlane {
  public:
   explicit HostDataPlaneImpl(const HostDataPlaneOptions& options);
@@ -96,7 +116,8 @@ class HostDataPlaneImpl : public DataPlane {
   uint64_t GroupPrivateBytes(const v1::GroupSpec& spec) const override {
     const kernels::GroupShape shape = ShapeOf(spec);
     return kernels::host::HostScratch::ReservedBytes(shape, options_.host_threads) +
-           static_cast<uint64_t>(spec.num_ranks()) * HostRank::BytesFor(shape);
+           static_cast<uint64_t>(spec.num_ranks()) * HostRank::BytesFor(shape) +
+           ExchangeBytes(spec, shape);
   }
   absl::StatusOr<uint64_t> FreeBytes(const std::string&) const override { return ShmFreeBytes(); }
   absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override;
@@ -254,6 +275,8 @@ class HostGroup : public LockstepGroup {
     std::unique_ptr<transport::GroupLink> link;
     std::unique_ptr<peer::GroupPeers> peers;
     std::vector<uint8_t> connected;                // [N]
+    std::vector<uint64_t> incarnation;             // [N] of the peer connected to.
+    bool in_op = false;                            // An op is being exchanged.
     std::vector<std::optional<uint32_t>> pending;  // [N] an immediate not yet used.
     std::vector<uint8_t> got;                      // [N] this op's message is in.
     std::chrono::steady_clock::time_point started;
@@ -583,6 +606,7 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
   s.posted.assign(s.num_nodes, 0);
   s.fail_posted.assign(s.num_nodes, 0);
   s.connected.assign(s.num_nodes, 0);
+  s.incarnation.assign(s.num_nodes, 0);
   s.pending.assign(s.num_nodes, std::nullopt);
   s.got.assign(s.num_nodes, 0);
   transport::GroupLinkOptions lo;
@@ -614,15 +638,19 @@ bool HostGroup::PollBackground() {
   if (!spanning() || !span_.peers) return false;
   bool worked = false;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n == span_.self || span_.connected[n]) continue;
+    if (n == span_.self) continue;
     std::optional<peer::PeerDescriptor> d = span_.peers->Descriptor(n);
     if (!d) continue;
+    // A peer that registered the group anew (restarted) is reconnected, between ops only.
+    if (span_.connected[n] && (d->incarnation == span_.incarnation[n] || span_.in_op)) continue;
     absl::Status st = span_.link->Connect(n, d->transport);
     if (!st.ok()) {
       LogClientCaused(spdlog::level::warn, "group {}: connecting to node {}: {}", spec().name(), n,
                       st.message());
     }
     span_.connected[n] = 1;
+    span_.incarnation[n] = d->incarnation;
+    span_.pending[n].reset();
     worked = true;
   }
   return worked;
@@ -754,6 +782,7 @@ bool HostGroup::StartExchange(const OpPlan& plan, const std::vector<abi::Request
   span_.started = std::chrono::steady_clock::now();
   span_.plan = &plan;
   span_.slots = &slots;
+  span_.in_op = true;
   std::fill(span_.got.begin(), span_.got.end(), 0);
   span_.local_status = SendOp(plan, slots);
   return false;
@@ -943,6 +972,7 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
   const OpPlan& plan = *span_.plan;
   auto fail = [&](const absl::Status& st) {
     for (RankOutcome& o : outcomes) o.status = st;
+    span_.in_op = false;
     return true;
   };
   bool all = true;
@@ -994,6 +1024,7 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
   }
   if (st.ok()) st = FinishExchange(plan, *span_.slots, outcomes);
   if (!st.ok()) return fail(st);
+  span_.in_op = false;
   return true;
 }
 
