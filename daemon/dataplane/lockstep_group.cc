@@ -300,9 +300,9 @@ void LockstepGroup::CountOp(uint32_t op) {
   parity_.Advance(kind);
 }
 
-void LockstepGroup::FailOp(const absl::Status& status, bool tell_peers) {
+void LockstepGroup::FailOp(const absl::Status& status) {
   ops_failed_.fetch_add(1);
-  if (spanning_ && tell_peers) {
+  if (spanning_) {
     uint32_t op = 0;
     for (const auto& ep : endpoints_) {
       if (ep && ep->request) {
@@ -364,7 +364,7 @@ bool LockstepGroup::Poll() {
   if (spanning_) {
     if (absl::Status st = PeerFailure(current_seq_); !st.ok()) {
       LogClientCaused(spdlog::level::warn, "{}", st.message());
-      FailOp(st, /*tell_peers=*/false);
+      FailOp(st);  // Told to the other nodes too: one still running it waits for us.
       return true;
     }
   }

@@ -198,7 +198,7 @@ class LockstepGroup : public DataPlaneGroup {
   /// chooses again.
   virtual absl::Status NodeChosen(int32_t /*node*/) { return absl::OkStatus(); }
   /// Spanning groups: called under mu_ when op `seq` failed here before the backend ran
-  /// it (a bad request, ranks disagreeing, a rank missing, a peer's failure excluded), so
+  /// it (a bad request, ranks disagreeing, a rank missing, another node's failure), so
   /// that the backend tells the other nodes, which fail it with the same error.
   virtual void OpFailedHere(uint64_t /*seq*/, uint32_t /*op*/, const absl::Status& /*status*/) {}
   /// Spanning groups: called under mu_ while op `seq` is being collected: an error when
@@ -313,9 +313,9 @@ class LockstepGroup : public DataPlaneGroup {
                      const absl::Status& status);
 
   // ---- the lockstep op (lockstep_group.cc) ----
-  /// Fails the op being collected for every local rank; `tell_peers`: a spanning group's
-  /// other nodes are told (OpFailedHere).
-  void FailOp(const absl::Status& status, bool tell_peers = true);
+  /// Fails the op being collected for every local rank; a spanning group's other nodes
+  /// are told (OpFailedHere), so that one still running it ends it with the same error.
+  void FailOp(const absl::Status& status);
   /// Validates the collected op and starts it; false when the backend is not ready.
   bool RunOp();
   /// Completes the running op (running_, running_slots_) with outcomes_ for every rank.

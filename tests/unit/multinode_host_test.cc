@@ -435,6 +435,24 @@ TEST_F(MultinodeHostTest, LostPeerFailsTheOpNamingTheNode) {
   EXPECT_NE(Message(*c).find("node 1"), std::string::npos) << Message(*c);
 }
 
+// A node whose daemon has not (or no longer) registered the group: the op waits, bounded
+// by op_timeout, and fails naming the node and that it has not joined.
+TEST_F(MultinodeHostTest, MissingNodeTimesOutNamingIt) {
+  Start({1, 1}, /*op_timeout_ms=*/300);
+  if (HasFatalFailure()) return;
+  MakeInputs(2);
+  rings_.resize(1);
+  nodes_[1]->group.reset();  // Node 1 leaves: its registration and link go.
+  const auto t0 = std::chrono::steady_clock::now();
+  const uint64_t s = rings_[0]->Submit(abi::OpKind::kDispatch, 0, 1);
+  auto c = rings_[0]->Await(s, milliseconds(5000));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(300 + 1000));
+  EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kDeadlineExceeded)) << Message(*c);
+  EXPECT_NE(Message(*c).find("node 1 (10.0.0.2:7100"), std::string::npos) << Message(*c);
+  EXPECT_NE(Message(*c).find("has not joined"), std::string::npos) << Message(*c);
+}
+
 // A peer that never sends: DEADLINE_EXCEEDED within op_timeout, naming the node's ranks.
 TEST_F(MultinodeHostTest, SilentPeerTimesOutNamingTheNode) {
   Start({1, 2}, /*op_timeout_ms=*/300);
