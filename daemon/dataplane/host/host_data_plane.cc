@@ -274,9 +274,10 @@ class HostGroup : public LockstepGroup {
     std::vector<uint64_t> posted, fail_posted;     // [N] writes posted.
     std::unique_ptr<transport::GroupLink> link;
     std::unique_ptr<peer::GroupPeers> peers;
-    std::vector<uint8_t> connected;                // [N]
-    std::vector<uint64_t> incarnation;             // [N] of the peer connected to.
-    bool in_op = false;                            // An op is being exchanged.
+    std::vector<uint8_t> connected;     // [N]
+    std::vector<uint64_t> incarnation;  // [N] of the peer connected to.
+    bool in_op = false;                 // An op is being exchanged.
+    std::chrono::steady_clock::time_point next_descriptor_check;
     std::vector<std::optional<uint32_t>> pending;  // [N] an immediate not yet used.
     std::vector<uint8_t> got;                      // [N] this op's message is in.
     std::chrono::steady_clock::time_point started;
@@ -636,6 +637,11 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
 
 bool HostGroup::PollBackground() {
   if (!spanning() || !span_.peers) return false;
+  // Descriptors are looked at every few milliseconds, not on every poll (a lookup copies
+  // the descriptor: an allocation the steady state must not make per poll).
+  const auto now = std::chrono::steady_clock::now();
+  if (now < span_.next_descriptor_check) return false;
+  span_.next_descriptor_check = now + std::chrono::milliseconds(5);
   bool worked = false;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
     if (n == span_.self) continue;
@@ -648,9 +654,11 @@ bool HostGroup::PollBackground() {
       LogClientCaused(spdlog::level::warn, "group {}: connecting to node {}: {}", spec().name(), n,
                       st.message());
     }
+    // A new incarnation's immediates start anew; at the first connect an immediate may
+    // already be pending (polled while the op was collected) and is kept.
+    if (span_.connected[n]) span_.pending[n].reset();
     span_.connected[n] = 1;
     span_.incarnation[n] = d->incarnation;
-    span_.pending[n].reset();
     worked = true;
   }
   return worked;
