@@ -640,7 +640,10 @@ bool HostGroup::PollBackground() {
   // Descriptors are looked at every few milliseconds, not on every poll (a lookup copies
   // the descriptor: an allocation the steady state must not make per poll).
   const auto now = std::chrono::steady_clock::now();
-  if (now < span_.next_descriptor_check) return false;
+  bool all_connected = true;
+  for (int32_t n = 0; n < span_.num_nodes; ++n)
+    all_connected &= n == span_.self || span_.connected[n];
+  if (all_connected && now < span_.next_descriptor_check) return false;
   span_.next_descriptor_check = now + std::chrono::milliseconds(5);
   bool worked = false;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
@@ -775,7 +778,9 @@ absl::Status HostGroup::PeerFailure(uint64_t seq) {
     if (span_.connected[n]) {
       if (absl::Status st = span_.link->PeerStatus(n); !st.ok()) return st;
     }
-    if (!ImmFor(n, seq)) continue;
+    // Another node's failure of this op is taken once every peer can be told (else one
+    // still running it would wait for this node until op_timeout).
+    if (!ReadyToStart() || !ImmFor(n, seq)) continue;
     absl::Status st = CheckHeader(n, seq);
     if (!st.ok()) {
       span_.pending[n].reset();
