@@ -5,10 +5,12 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <limits>
 #include <thread>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/control_channel.h"
@@ -161,6 +163,11 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Client::Join(const JoinOptions& option
                                                  std::numeric_limits<size_t>::max()));
   EPD_RETURN_IF_ERROR(internal::CheckRequestText("JoinOptions::gpu_uuid", options.gpu_uuid,
                                                  internal::kMaxGpuUuidBytes));
+  for (int i = 0; i < options.spec.nodes_size(); ++i) {
+    EPD_RETURN_IF_ERROR(internal::CheckRequestText(
+        absl::StrCat("JoinOptions::spec.nodes[", i, "].peer_address"),
+        options.spec.nodes(i).peer_address(), internal::kMaxPeerAddressBytes));
+  }
   if (options.join_secret.size() > internal::kMaxJoinSecretBytes) {
     return absl::InvalidArgumentError(absl::StrCat("JoinOptions::join_secret is ",
                                                    options.join_secret.size(), " bytes; at most ",
@@ -243,6 +250,56 @@ absl::StatusOr<v1::GetStatsResponse> Client::GetStats() {
                                         &context, v1::GetStatsRequest(), &response)),
                                     impl_->control->target));
   return response;
+}
+
+absl::StatusOr<std::string> Client::PeerAddress() {
+  EPD_ASSIGN_OR_RETURN(v1::GetStatsResponse stats, GetStats());
+  return stats.peer_address();
+}
+
+void SetNodes(v1::GroupSpec* spec, const std::vector<GroupNode>& nodes) {
+  spec->clear_nodes();
+  if (nodes.empty()) return;
+  int64_t total = 0;
+  for (const GroupNode& node : nodes) {
+    v1::NodeSpec* n = spec->add_nodes();
+    n->set_peer_address(node.peer_address);
+    n->set_num_ranks(node.num_ranks);
+    total += node.num_ranks;
+  }
+  spec->set_num_ranks(static_cast<int32_t>(std::clamp<int64_t>(
+      total, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max())));
+}
+
+absl::StatusOr<std::vector<GroupNode>> NodesFromRankAddresses(
+    const std::vector<std::string>& rank_peer_addresses) {
+  std::vector<GroupNode> nodes;
+  for (size_t r = 0; r < rank_peer_addresses.size(); ++r) {
+    const std::string& address = rank_peer_addresses[r];
+    if (!nodes.empty() && nodes.back().peer_address == address) {
+      ++nodes.back().num_ranks;
+      continue;
+    }
+    for (const GroupNode& node : nodes) {
+      if (node.peer_address == address) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("rank ", r, "'s daemon \"", absl::CHexEscape(address),
+                         "\" also hosts earlier ranks, but not rank ", r - 1,
+                         ": a node's ranks must be contiguous (order the ranks by node)"));
+      }
+    }
+    nodes.push_back({address, 1});
+  }
+  if (nodes.size() <= 1) return std::vector<GroupNode>{};
+  for (size_t i = 0, first = 0; i < nodes.size(); first += nodes[i].num_ranks, ++i) {
+    if (nodes[i].peer_address.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ranks ", first, "..", first + nodes[i].num_ranks - 1,
+          " have a daemon without a Peer address (its peer_listen is off) while other ranks' "
+          "daemons have one: a group across daemons needs peer_listen on every daemon"));
+    }
+  }
+  return nodes;
 }
 
 absl::StatusOr<v1::ListGroupsResponse> Client::ListGroups() {

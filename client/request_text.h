@@ -15,6 +15,8 @@ namespace epd::internal {
 inline constexpr size_t kMaxClientNameBytes = 256;
 /// Longest JoinOptions::gpu_uuid, in bytes (a UUID "GPU-..." or a PCI bus id is shorter).
 inline constexpr size_t kMaxGpuUuidBytes = 63;
+/// Longest NodeSpec.peer_address, in bytes (a "host:port" with a DNS name fits).
+inline constexpr size_t kMaxPeerAddressBytes = 255;
 /// Longest join secret, in bytes (docs/SECURITY.md "Groups, owners, secrets, quotas").
 inline constexpr size_t kMaxJoinSecretBytes = 256;
 

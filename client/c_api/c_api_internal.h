@@ -90,7 +90,7 @@ struct StructName;
   }
 EPD_C_STRUCT(epd_client_options_t);
 EPD_C_STRUCT(epd_stats_t);
-EPD_C_STRUCT(epd_join_options_t);
+EPD_C_STRUCT_GREW(epd_join_options_t, nodes);
 EPD_C_STRUCT(epd_endpoint_info_t);
 EPD_C_STRUCT(epd_layout_args_t);
 EPD_C_STRUCT(epd_layout_result_t);

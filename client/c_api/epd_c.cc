@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "client/c_api/c_api_internal.h"
 #include "client/request_text.h"
 #include "common/status_macros.h"
@@ -80,6 +81,31 @@ absl::Status JsonOut(absl::StatusOr<Message> reply, char* buf, size_t capacity, 
   std::string json;
   EPD_RETURN_IF_ERROR(ToJson(*reply, &json));
   return CopyOutString(json, buf, capacity, length);
+}
+
+/// Most epd_join_options_t.num_nodes taken.
+constexpr int32_t kMaxNodes = 4096;
+
+/// Copies the caller's node list into `spec` (its strings read up to the length limit only).
+absl::Status ReadNodes(const epd_join_options_t& o, v1::GroupSpec* spec) {
+  if (o.num_nodes < 0 || o.num_nodes > kMaxNodes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.num_nodes=", o.num_nodes, " is outside [0, ", kMaxNodes, "]"));
+  }
+  if (o.num_nodes > 0) EPD_RETURN_IF_ERROR(NotNull(o.nodes, "options.nodes"));
+  for (int32_t i = 0; i < o.num_nodes; ++i) {
+    const std::string field = absl::StrCat("options.nodes[", i, "].peer_address");
+    const char* address = o.nodes[i].peer_address;
+    EPD_RETURN_IF_ERROR(NotNull(address, field.c_str()));
+    // One byte past the limit is enough to refuse a longer one without reading all of it.
+    const size_t length = strnlen(address, internal::kMaxPeerAddressBytes + 1);
+    const absl::string_view text(address, length);
+    EPD_RETURN_IF_ERROR(internal::CheckRequestText(field, text, internal::kMaxPeerAddressBytes));
+    v1::NodeSpec* node = spec->add_nodes();
+    node->set_peer_address(std::string(text));
+    node->set_num_ranks(o.nodes[i].num_ranks);
+  }
+  return absl::OkStatus();
 }
 
 template <size_t N>
@@ -181,6 +207,15 @@ epd_status_t epd_client_list_groups_json(epd_client_t* client, char* buf, size_t
   });
 }
 
+epd_status_t epd_client_peer_address(epd_client_t* client, char* buf, size_t capacity,
+                                     size_t* length) {
+  return Guard(__func__, [&]() -> absl::Status {
+    EPD_RETURN_IF_ERROR(epd::c_api::NotNull(client, "client"));
+    EPD_ASSIGN_OR_RETURN(std::string address, client->client->PeerAddress());
+    return epd::c_api::CopyOutString(address, buf, capacity, length);
+  });
+}
+
 epd_status_t epd_client_join(epd_client_t* client, const epd_join_options_t* options,
                              epd_endpoint_t** out) {
   return Guard(__func__, [&]() -> absl::Status {
@@ -209,6 +244,7 @@ epd_status_t epd_client_join(epd_client_t* client, const epd_join_options_t* opt
     join.spec.set_max_tokens_per_rank(o.max_tokens_per_rank);
     join.spec.set_ll_max_tokens_per_rank(o.ll_max_tokens_per_rank);
     join.spec.set_use_fp8(o.use_fp8 != 0);
+    EPD_RETURN_IF_ERROR(epd::c_api::ReadNodes(o, &join.spec));
     join.rank = o.rank;
     if (o.gpu_uuid != nullptr) join.gpu_uuid = o.gpu_uuid;
     if (!epd::v1::LaunchMode_IsValid(o.launch_mode)) {

@@ -21,11 +21,24 @@ bool IsNameChar(char c) {
          c == '.' || c == '-';
 }
 
+/// The value of `field` as text; a repeated field as "[item, item]" (each a message in
+/// braces).
 std::string FieldValueText(const google::protobuf::Message& message,
                            const google::protobuf::FieldDescriptor* field) {
   std::string text;
-  google::protobuf::TextFormat::PrintFieldValueToString(message, field, -1, &text);
-  return text;
+  if (!field->is_repeated()) {
+    google::protobuf::TextFormat::PrintFieldValueToString(message, field, -1, &text);
+    return text;
+  }
+  const bool braces = field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE;
+  const int size = message.GetReflection()->FieldSize(message, field);
+  text = "[";
+  for (int i = 0; i < size; ++i) {
+    std::string item;
+    google::protobuf::TextFormat::PrintFieldValueToString(message, field, i, &item);
+    absl::StrAppend(&text, i == 0 ? "" : ", ", braces ? "{" : "", item, braces ? "}" : "");
+  }
+  return text + "]";
 }
 
 }  // namespace

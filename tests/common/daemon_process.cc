@@ -1,17 +1,37 @@
 #include "tests/common/daemon_process.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/os/scoped_fd.h"
+#include "common/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
 namespace epd::testing {
 namespace {
+
+/// Writes `text` to a new file at `path` readable by its owner only (0600).
+absl::Status WritePrivateFile(const std::string& path, const std::string& text) {
+  const ScopedFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!fd.valid()) {
+    return absl::InternalError(absl::StrCat("open ", path, ": ", std::strerror(errno)));
+  }
+  const ssize_t written = ::write(fd.get(), text.data(), text.size());
+  if (written != static_cast<ssize_t>(text.size())) {
+    return absl::InternalError(absl::StrCat("write ", path, ": short write"));
+  }
+  return absl::OkStatus();
+}
 
 std::string FromEnvOr(const char* name, const char* fallback) {
   const char* value = std::getenv(name);
@@ -48,6 +68,15 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(DaemonProces
     if (d->tcp_port_ == 0) return absl::UnavailableError("no free TCP port on 127.0.0.1");
     d->argv_.push_back(absl::StrCat("--listen=127.0.0.1:", d->tcp_port_));
   }
+  if (options.peer) {
+    d->peer_port_ = options.peer_port != 0 ? options.peer_port : PickFreeTcpPort();
+    if (d->peer_port_ == 0) return absl::UnavailableError("no free TCP port on 127.0.0.1");
+    const std::string secret_path = d->dir_ + "/peer.secret";
+    EPD_RETURN_IF_ERROR(WritePrivateFile(secret_path, options.peer_secret));
+    d->argv_.push_back(absl::StrCat("--peer_listen=127.0.0.1:", d->peer_port_));
+    d->argv_.push_back("--peer_secret_file=" + secret_path);
+    d->argv_.push_back(absl::StrCat("--peer_heartbeat_ms=", options.peer_heartbeat_ms));
+  }
   if (!options.config_text.empty()) {
     std::string config_path = d->dir_ + "/epd.textproto";
     std::ofstream(config_path) << options.config_text;
@@ -55,19 +84,73 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(DaemonProces
   }
   for (const std::string& arg : options.extra_args) d->argv_.push_back(arg);
 
-  SubprocessOptions process_options;
-  process_options.stdout_path = d->dir_ + "/epd.stdout";
-  process_options.stderr_path = d->dir_ + "/epd.log";
-  std::vector<std::string> command = options.wrapper;
-  command.insert(command.end(), d->argv_.begin(), d->argv_.end());
-  absl::StatusOr<std::unique_ptr<Subprocess>> process = Subprocess::Spawn(command, process_options);
-  if (!process.ok()) return process.status();
-  d->process_ = *std::move(process);
+  d->wrapper_ = options.wrapper;
+  EPD_RETURN_IF_ERROR(d->Spawn());
   if (options.wait_serving) {
     absl::Status serving = d->WaitServing(options.start_timeout);
     if (!serving.ok()) return serving;
   }
   return d;
+}
+
+absl::Status DaemonProcess::Spawn() {
+  SubprocessOptions process_options;
+  process_options.stdout_path = dir_ + "/epd.stdout";
+  process_options.stderr_path = dir_ + "/epd.log";
+  std::vector<std::string> command = wrapper_;
+  command.insert(command.end(), argv_.begin(), argv_.end());
+  absl::StatusOr<std::unique_ptr<Subprocess>> process = Subprocess::Spawn(command, process_options);
+  if (!process.ok()) return process.status();
+  process_ = *std::move(process);
+  return absl::OkStatus();
+}
+
+absl::Status DaemonProcess::Restart(absl::Duration timeout) {
+  if (process_->Running()) Kill();
+  std::error_code ec;
+  ++restarts_;
+  std::filesystem::rename(dir_ + "/epd.log", absl::StrCat(dir_, "/epd.log.", restarts_), ec);
+  std::filesystem::rename(dir_ + "/epd.stdout", absl::StrCat(dir_, "/epd.stdout.", restarts_), ec);
+  EPD_RETURN_IF_ERROR(Spawn());
+  return WaitServing(timeout);
+}
+
+std::string DaemonProcess::peer_address() const {
+  return peer_port_ == 0 ? "" : absl::StrCat("127.0.0.1:", peer_port_);
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<DaemonProcess>>> StartNodes(
+    int num_nodes, DaemonProcessOptions options) {
+  options.peer = true;
+  options.socket_path.clear();
+  const bool wait = options.wait_serving;
+  options.wait_serving = false;
+  std::vector<std::unique_ptr<DaemonProcess>> nodes;
+  std::vector<int> taken;
+  for (int i = 0; i < num_nodes; ++i) {
+    // Ports picked one after the other can repeat: each node gets one no other node has.
+    options.peer_port = 0;
+    for (int attempt = 0; attempt < 20 && options.peer_port == 0; ++attempt) {
+      const int port = PickFreeTcpPort();
+      if (port != 0 && std::find(taken.begin(), taken.end(), port) == taken.end()) {
+        options.peer_port = port;
+      }
+    }
+    if (options.peer_port == 0) return absl::UnavailableError("no free TCP port on 127.0.0.1");
+    taken.push_back(options.peer_port);
+    EPD_ASSIGN_OR_RETURN(std::unique_ptr<DaemonProcess> node, DaemonProcess::Start(options));
+    taken.push_back(node->tcp_port());
+    nodes.push_back(std::move(node));
+  }
+  if (wait) {
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      absl::Status serving = nodes[i]->WaitServing(options.start_timeout);
+      if (!serving.ok()) {
+        return absl::UnavailableError(absl::StrCat("node ", i, ": ", serving.message()));
+      }
+    }
+  }
+  return nodes;
 }
 
 DaemonProcess::~DaemonProcess() {

@@ -6,6 +6,8 @@
 //   ... options.socket_path = (*epd)->socket_path(); ...
 //   EXPECT_EQ(*(*epd)->Stop(), 0);       // SIGTERM, wait, exit code; (*epd)->Logs() = its log
 //
+// With options.peer it also serves the Peer service on 127.0.0.1 (groups across daemons);
+// StartNodes starts several such daemons, the nodes of a cluster on one machine.
 // The destructor SIGKILLs a daemon still running and removes the directory. Binaries come
 // from the EPD_BINARY, EPCTL_BINARY, EPD_TEST_CLIENT_BINARY definitions or environment.
 #pragma once
@@ -40,6 +42,14 @@ struct DaemonProcessOptions {
   /// (pid() is then epd's); empty = none.
   std::vector<std::string> wrapper;
   std::string log_level = "debug";
+  /// The Peer listener (groups across daemons): --peer_listen=127.0.0.1:<peer_port>,
+  /// --peer_secret_file=<dir>/peer.secret (peer_secret, written 0600) and
+  /// --peer_heartbeat_ms.
+  bool peer = false;
+  int peer_port = 0;  ///< 0 = a free port.
+  /// Every daemon of a test's cluster presents the same one (at least 16 bytes).
+  std::string peer_secret = "epd-test-cluster-secret-0123456789";
+  int peer_heartbeat_ms = 100;
   /// Wait until health is SERVING (else return right after spawning).
   bool wait_serving = true;
   absl::Duration start_timeout = absl::Seconds(20);
@@ -61,6 +71,10 @@ class DaemonProcess {
   /// The TCP port (0 without tcp) and its target "127.0.0.1:<port>".
   int tcp_port() const { return tcp_port_; }
   std::string tcp_target() const;
+  /// With a Peer listener: its port, and "127.0.0.1:<port>", the address a spec's
+  /// NodeSpec.peer_address names this daemon by (0 / "" without one).
+  int peer_port() const { return peer_port_; }
+  std::string peer_address() const;
   /// The argv epd was started with.
   const std::vector<std::string>& argv() const { return argv_; }
 
@@ -80,6 +94,10 @@ class DaemonProcess {
   absl::StatusOr<int> WaitExit(absl::Duration timeout);
   /// SIGKILL (a crash).
   void Kill();
+  /// Starts epd again with the same argv (socket, ports, config, secret) after it exited or
+  /// was killed (SIGKILLs it first when it still runs), and waits until SERVING. The new
+  /// log replaces the old one in Logs(); the old one stays in <dir>/epd.log.<n>.
+  absl::Status Restart(absl::Duration timeout = absl::Seconds(20));
   bool Running() { return process_->Running(); }
 
   /// Everything epd wrote to stderr (its log) and stdout.
@@ -88,11 +106,23 @@ class DaemonProcess {
 
  private:
   DaemonProcess() = default;
+  /// Spawns argv_ (through wrapper_), logging to <dir>/epd.log.
+  absl::Status Spawn();
   std::string dir_;
   std::string socket_path_;
   int tcp_port_ = 0;
+  int peer_port_ = 0;
+  int restarts_ = 0;
+  std::vector<std::string> wrapper_;
   std::vector<std::string> argv_;
   std::unique_ptr<Subprocess> process_;
 };
+
+/// `num_nodes` daemons on this machine standing in for the nodes of a cluster, each with its
+/// own socket, directory and Peer port (options.peer is forced on; every daemon gets the same
+/// peer_secret; options.peer_port and socket_path are ignored). They start together, then
+/// each is waited for. UNAVAILABLE (with the log) when one does not become SERVING.
+absl::StatusOr<std::vector<std::unique_ptr<DaemonProcess>>> StartNodes(
+    int num_nodes, DaemonProcessOptions options = {});
 
 }  // namespace epd::testing

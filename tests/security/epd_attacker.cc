@@ -38,6 +38,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/debugging/failure_signal_handler.h"
+#include "absl/debugging/symbolize.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/match.h"
@@ -466,7 +468,9 @@ int RunOpLoopAttack(const std::string& socket, Attack& attack, Clock::time_point
   std::fflush(stdout);
   {
     std::unique_lock<std::shared_mutex> lock(mu);
+    std::printf("TEARDOWN child=%d leaving\n", ::getpid());
     group.Leave();
+    std::printf("TEARDOWN child=%d left\n", ::getpid());
   }
   return 0;
 }
@@ -492,10 +496,19 @@ int Supervise(double seconds, const std::function<int(Clock::time_point)>& body)
     ++children;
     int status = 0;
     bool killed_at_deadline = false;
+    // Stuck past its deadline: SIGABRT first, so that the child's failure signal handler
+    // prints where it hangs (stdout), then SIGKILL if it is still there 3 s later.
+    std::optional<Clock::time_point> aborted_at;
     while (::waitpid(pid, &status, WNOHANG) == 0) {
-      if (Clock::now() > deadline + std::chrono::seconds(10) && !killed_at_deadline) {
-        ::kill(pid, SIGKILL);  // Stuck past its deadline.
+      const Clock::time_point now = Clock::now();
+      if (!aborted_at && now > deadline + std::chrono::seconds(10)) {
+        std::printf("STUCK child=%d past its deadline: SIGABRT for its stack\n", pid);
+        std::fflush(stdout);
+        ::kill(pid, SIGABRT);
+        aborted_at = now;
         killed_at_deadline = true;
+      } else if (aborted_at && now > *aborted_at + std::chrono::seconds(3)) {
+        ::kill(pid, SIGKILL);
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
@@ -1361,7 +1374,15 @@ int DestroyPending(const std::string& socket) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  absl::InitializeSymbolizer(argv[0]);
   absl::ParseCommandLine(argc, argv);
+  // A crash or the supervisor's SIGABRT of a stuck child prints the stack on stdout, which
+  // the tests capture.
+  absl::FailureSignalHandlerOptions failure_options;
+  failure_options.writerfn = [](const char* text) {
+    if (text != nullptr) (void)!::write(STDOUT_FILENO, text, std::strlen(text));
+  };
+  absl::InstallFailureSignalHandler(failure_options);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   ::signal(SIGPIPE, SIG_IGN);
   const std::string socket = absl::GetFlag(FLAGS_socket);

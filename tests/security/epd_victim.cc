@@ -27,6 +27,8 @@
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/types.h"
 #include "tests/common/dtypes.h"
+#include "tests/common/op_reference.h"
+#include "tests/common/stdin_eof.h"
 #include "tests/security/security_spec.h"
 
 ABSL_FLAG(std::string, socket, "", "epd's unix socket");
@@ -114,53 +116,8 @@ RankInputs MakeInputs(const GroupShape& s, uint64_t seed, int64_t round, int ran
   return in;
 }
 
-/// One rank's expected outputs of a normal dispatch.
-struct DispatchRef {
-  int32_t N = 0;
-  std::vector<bf16_bits> recv_x;
-  std::vector<int64_t> recv_idx;
-  std::vector<float> recv_w;
-  std::vector<int32_t> per_expert, src_info, send_pos, rank_prefix;
-  /// Sizes the outputs to their capacities and points `a`'s outputs at them.
-  void Bind(const GroupShape& s, host::DispatchRankArgs& a) {
-    const int64_t cap = s.max_recv_tokens();
-    recv_x.assign(size_t(cap) * s.hidden, 0);
-    recv_idx.assign(size_t(cap) * s.num_topk, 0);
-    recv_w.assign(size_t(cap) * s.num_topk, 0);
-    per_expert.assign(s.num_local_experts(), 0);
-    src_info.assign(size_t(cap), 0);
-    send_pos.assign(size_t(s.max_tokens_per_rank) * s.num_ranks, 0);
-    rank_prefix.assign(s.num_ranks, 0);
-    a.recv_capacity = cap;
-    a.recv_x = recv_x.data();
-    a.recv_topk_idx = recv_idx.data();
-    a.recv_topk_weights = recv_w.data();
-    a.recv_tokens_per_expert = per_expert.data();
-    a.recv_src_info = src_info.data();
-    a.send_pos = send_pos.data();
-    a.rank_prefix = rank_prefix.data();
-  }
-};
-
-/// One rank's expected outputs of a low-latency dispatch (x as bytes: bf16 or e4m3).
-struct LowLatencyRef {
-  std::vector<uint8_t> x;
-  std::vector<float> scales;
-  std::vector<int32_t> count, src, pos;
-  void Bind(const GroupShape& s, bool fp8, host::LowLatencyDispatchRankArgs& a) {
-    const int64_t rows = int64_t(s.num_local_experts()) * s.ll_rows_per_expert();
-    x.assign(size_t(rows) * s.hidden * (fp8 ? 1 : 2), 0);
-    scales.assign(fp8 ? size_t(rows) * s.num_scales() : 0, 0);
-    count.assign(s.num_local_experts(), 0);
-    src.assign(size_t(rows), 0);
-    pos.assign(size_t(s.ll_max_tokens_per_rank) * s.num_topk, 0);
-    a.recv_x = x.data();
-    a.recv_scales = fp8 ? scales.data() : nullptr;
-    a.recv_count = count.data();
-    a.recv_src_info = src.data();
-    a.handle_pos = pos.data();
-  }
-};
+using epd::testing::DispatchRef;
+using epd::testing::LowLatencyRef;
 
 /// One rank's expected results of a round (kernels/host over the whole group).
 struct RankRef {
@@ -220,7 +177,7 @@ absl::StatusOr<std::vector<RankRef>> Reference(const GroupShape& s, std::vector<
       c[r].num_tokens = in[r].T;
       c[r].send_pos = o.dispatch.send_pos.data();
       c[r].num_recv_tokens = o.dispatch.N;
-      c[r].x = o.dispatch.recv_x.data();
+      c[r].x = o.dispatch.bf16();
       c[r].topk_weights = o.dispatch.recv_w.data();
       c[r].combined_x = o.combined.data();
       c[r].combined_topk_weights = o.combined_w.data();
@@ -330,17 +287,8 @@ class Victim {
   template <typename T>
   void Check(int64_t round, const char* op, const char* field, const void* actual,
              const T* expected, int64_t n) {
-    if (n < 0 || actual == nullptr) {
-      Mismatch(round, op, field, absl::StrCat("no data (", n, " elements expected)"));
-      return;
-    }
-    const T* a = static_cast<const T*>(actual);
-    for (int64_t i = 0; i < n; ++i) {
-      if (std::memcmp(&a[i], &expected[i], sizeof(T)) != 0) {
-        Mismatch(round, op, field,
-                 absl::StrCat("element ", i, " of ", n, ": got ", +a[i], ", want ", +expected[i]));
-        return;
-      }
+    if (std::string diff = epd::testing::FirstDifference(actual, expected, n); !diff.empty()) {
+      Mismatch(round, op, field, diff);
     }
   }
   void Mismatch(int64_t round, const char* op, const char* field, const std::string& detail) {
@@ -420,8 +368,8 @@ class Victim {
     da.expert_alignment = kAlignment;
     absl::StatusOr<epd::DispatchResult> d = Finish(ep_.Dispatch(da));
     // Combine inputs: the reference's received rows and weights (identity experts).
-    std::vector<bf16_bits> cx(ref.dispatch.recv_x.begin(),
-                              ref.dispatch.recv_x.begin() + int64_t(ref.dispatch.N) * H);
+    std::vector<bf16_bits> cx(ref.dispatch.bf16(),
+                              ref.dispatch.bf16() + int64_t(ref.dispatch.N) * H);
     std::vector<float> cw(ref.dispatch.recv_w.begin(),
                           ref.dispatch.recv_w.begin() + int64_t(ref.dispatch.N) * K);
     Tensor cxt, cwt;
@@ -505,7 +453,7 @@ class Victim {
     const int64_t N = ref.N, H = shape_.hidden, K = shape_.num_topk;
     CheckEq(round, op, "num_recv_tokens", d.num_recv_tokens, ref.N);
     if (d.num_recv_tokens == ref.N) {
-      Check(round, op, "recv_x", d.recv_x.data(), ref.recv_x.data(), N * H);
+      Check(round, op, "recv_x", d.recv_x.data(), ref.bf16(), N * H);
       Check(round, op, "recv_src_info", d.recv_src_info.data(), ref.src_info.data(), N);
       if (routing) {
         Check(round, op, "recv_topk_idx", d.recv_topk_idx.data(), ref.recv_idx.data(), N * K);
@@ -561,12 +509,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   // The test closes stdin to stop the victim.
-  std::thread([] {
-    char buffer[64];
-    while (::read(0, buffer, sizeof(buffer)) > 0) {
-    }
-    g_stop.store(true);
-  }).detach();
+  epd::testing::StopAtStdinEof(&g_stop);
 
   epd::ClientOptions options;
   options.socket_path = absl::GetFlag(FLAGS_socket);

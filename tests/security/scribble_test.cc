@@ -35,7 +35,8 @@ class ScribbleTest : public SecurityTest {
         << "the attacker did not find its endpoints' regions";
     // A child stuck past its deadline waited on epd without an answer.
     EXPECT_EQ(a.output.find("stuck past the deadline"), std::string::npos)
-        << "an attacker process hung in a call to epd";
+        << "an attacker process hung in a call to epd; its lines from STUCK on:\n"
+        << a.output.substr(std::min(a.output.size(), a.output.find("STUCK")));
     ExpectVictimProgress(ok_before, 3, "the attack");
     // The warnings the attacker causes are charged to its uid's one budget, however often
     // it rejoins or a child restarts (a new session); each rejoin logs a few info lines.

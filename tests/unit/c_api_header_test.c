@@ -18,6 +18,9 @@ _Static_assert(offsetof(epd_ll_dispatch_args_t, use_ue8m0) == 56,
                "use_ue8m0 starts at the first version's sizeof(epd_ll_dispatch_args_t)");
 _Static_assert(offsetof(epd_program_step_t, use_ue8m0) == 24,
                "use_ue8m0 starts at the first version's sizeof(epd_program_step_t)");
+_Static_assert(offsetof(epd_join_options_t, nodes) == 80,
+               "nodes starts at the first version's sizeof(epd_join_options_t)");
+_Static_assert(sizeof(epd_node_t) == 16, "epd_node_t is a pointer and an int32 (padded)");
 #endif
 _Static_assert(EPD_INVALID_ARGUMENT == 3 && EPD_FAILED_PRECONDITION == 9 && EPD_UNAVAILABLE == 14,
                "status codes are absl::StatusCode numbers");
@@ -58,6 +61,20 @@ int main(void) {
   options.connect_timeout_ms = 200;
   Check(epd_client_connect(&options, &client) == EPD_UNAVAILABLE, "connect to no daemon");
   Check(strstr(epd_last_error(), "epd-c-header-test.sock") != NULL, "the message names the socket");
+
+  /* The Peer address of no client: refused, naming it; a node list in the join options. */
+  char address[64];
+  Check(epd_client_peer_address(NULL, address, sizeof(address), NULL) == EPD_INVALID_ARGUMENT,
+        "peer_address(NULL client)");
+  Check(strstr(epd_last_error(), "client is NULL") != NULL, "the message names client");
+  epd_node_t nodes[2] = {{"10.0.0.1:7300", 2}, {"10.0.0.2:7300", 2}};
+  epd_join_options_t join;
+  memset(&join, 0, sizeof(join));
+  join.struct_size = sizeof(join);
+  join.nodes = nodes;
+  join.num_nodes = 2;
+  epd_endpoint_t* endpoint = NULL;
+  Check(epd_client_join(NULL, &join, &endpoint) == EPD_INVALID_ARGUMENT, "join(NULL client)");
 
   /* An empty op holder. */
   epd_op_t* op = NULL;

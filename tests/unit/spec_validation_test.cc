@@ -216,3 +216,27 @@ TEST(CheckSameSpecTest, ListsEveryDifferingField) {
 
 }  // namespace
 }  // namespace epd
+
+namespace epd {
+namespace {
+
+TEST(CheckSameSpecTest, ComparesTheNodeListsEntryByEntry) {
+  v1::GroupSpec live = testing::MakeSpec("g", {.num_ranks = 4});
+  for (const char* address : {"a:1", "b:2"}) {
+    v1::NodeSpec* node = live.add_nodes();
+    node->set_peer_address(address);
+    node->set_num_ranks(2);
+  }
+  v1::GroupSpec requested = live;
+  EXPECT_TRUE(CheckSameSpec(live, requested).ok());
+  requested.mutable_nodes(1)->set_peer_address("c:3");
+  absl::Status status = CheckSameSpec(live, requested);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("nodes: live=["));
+  EXPECT_THAT(std::string(status.message()), HasSubstr("c:3"));
+  requested.clear_nodes();
+  EXPECT_EQ(CheckSameSpec(live, requested).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace epd

@@ -286,8 +286,34 @@ struct ProgramCombineArgs {
 template <typename Result>
 class PendingOp;
 
+/// One node of a group that spans several epd daemons: its daemon's advertised Peer address
+/// ("host:port", as that daemon's GetStats().peer_address() / Client::PeerAddress() tells)
+/// and how many consecutive ranks it hosts (>= 1).
+struct GroupNode {
+  std::string peer_address;
+  int32_t num_ranks = 0;
+};
+
+/// Makes `spec` a group across `nodes`, in node order: node i hosts the num_ranks ranks
+/// after nodes 0..i-1's. Replaces spec->nodes and sets spec->num_ranks to the sum. An empty
+/// list makes a one-node group (no nodes; num_ranks left as it is). Every joiner on every
+/// node must present the same list; each rank joins the daemon of its own node. Checks
+/// nothing: Client::Join and the daemon do.
+///   SetNodes(&spec, {{"10.0.0.1:7300", 4}, {"10.0.0.2:7300", 4}});  // ranks 0-3, 4-7
+void SetNodes(v1::GroupSpec* spec, const std::vector<GroupNode>& nodes);
+
+/// The nodes of a group from each rank's daemon Peer address (index = rank), as a launcher
+/// that gathered them (e.g. over its process group) derives them: consecutive ranks with
+/// the same address form one node. All addresses equal (or all "") give an empty list (a
+/// one-node group). INVALID_ARGUMENT naming the rank and address when a node's ranks are not
+/// contiguous (an address seen again after another one), or when some addresses are ""
+/// and others are not (a daemon without a Peer listener in a group across daemons).
+absl::StatusOr<std::vector<GroupNode>> NodesFromRankAddresses(
+    const std::vector<std::string>& rank_peer_addresses);
+
 /// Options of Client::Join.
 struct JoinOptions {
+  /// The group's spec; a group across daemons lists its nodes (SetNodes).
   v1::GroupSpec spec;
   int32_t rank = 0;
   std::string gpu_uuid;  ///< GPU UUID or PCI bus id; "" on host backend.
@@ -430,6 +456,10 @@ class Client {
   absl::StatusOr<std::unique_ptr<Endpoint>> Join(const JoinOptions& options);
 
   absl::StatusOr<v1::GetStatsResponse> GetStats();
+  /// This daemon's advertised Peer address ("host:port", the NodeSpec.peer_address that names
+  /// it in a spec across nodes), from GetStats; "" when its Peer listener is off (it then
+  /// serves one-node groups only).
+  absl::StatusOr<std::string> PeerAddress();
   /// The groups this process's uid owns or holds a rank of (every group for root and
   /// epd's own uid).
   absl::StatusOr<v1::ListGroupsResponse> ListGroups();

@@ -133,6 +133,20 @@ EPD_API epd_status_t epd_client_stats_json(epd_client_t* client, char* buf, size
 EPD_API epd_status_t epd_client_list_groups_json(epd_client_t* client, char* buf, size_t capacity,
                                                  size_t* length);
 
+/** One node of a group that spans several epd daemons (epd.v1.NodeSpec). */
+typedef struct epd_node_t {
+  const char* peer_address; /**< Its daemon's Peer address "host:port" (epd_client_peer_address
+                                 there), UTF-8, at most 255 bytes. */
+  int32_t num_ranks;        /**< Consecutive ranks it hosts, >= 1. */
+} epd_node_t;
+
+/** This daemon's advertised Peer address ("host:port", what an epd_node_t names it by in a
+ *  group across daemons), "" when its Peer listener is off, into buf[capacity] NUL-terminated;
+ *  *length (optional) = its length without the NUL. OUT_OF_RANGE naming the size needed
+ *  (also in *length) when capacity is too small; buf may then be NULL. */
+EPD_API epd_status_t epd_client_peer_address(epd_client_t* client, char* buf, size_t capacity,
+                                             size_t* length);
+
 /** Options of epd_client_join: the group's spec (epd.v1.GroupSpec) and this rank's join. */
 typedef struct epd_join_options_t {
   size_t struct_size;             /**< sizeof(epd_join_options_t). */
@@ -149,6 +163,14 @@ typedef struct epd_join_options_t {
   int32_t launch_mode; /**< An epd_launch_mode_t (int32_t: any value a caller stores is defined). */
   const void* join_secret; /**< The group's secret bytes (at most 256); NULL = none. */
   size_t join_secret_len;
+  /* Fields added later: a caller built before them passes the smaller struct_size (then
+   * they are 0: a one-node group). */
+  /** The group's nodes in order: node i hosts the num_ranks ranks after nodes 0..i-1's (their
+   *  sum is num_ranks); read during the call only. NULL with num_nodes 0 = every rank on
+   *  this daemon (a one-node group). Every joiner on every node passes the same list; a rank
+   *  joins its own node's daemon. */
+  const epd_node_t* nodes;
+  int32_t num_nodes; /**< Entries of nodes, 0 to 4096. */
 } epd_join_options_t;
 
 /** Joins a group and maps the endpoint; *out is the endpoint (epd_endpoint_destroy). Errors

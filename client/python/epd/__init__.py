@@ -18,6 +18,7 @@ from ._core import (
     Endpoint,
     EndpointInfo,
     GroupSpec,
+    NodeSpec,
     version,
 )
 from ._errors import *  # noqa: F401,F403 (the exception classes)
@@ -39,6 +40,7 @@ __all__ = [
     "Endpoint",
     "EndpointInfo",
     "GroupSpec",
+    "NodeSpec",
     "DLView",
     "Handle",
     "PendingOp",

@@ -80,6 +80,14 @@ def _setup_frameworks():
     return _frameworks
 
 
+class NodeSpec(collections.namedtuple("NodeSpec", ["peer_address", "num_ranks"])):
+    """One node of a group that spans several epd daemons (epd.v1.NodeSpec): its daemon's
+    Peer address "host:port" (Client.peer_address on that node) and how many consecutive
+    ranks it hosts (>= 1)."""
+
+    __slots__ = ()
+
+
 class GroupSpec(
     collections.namedtuple(
         "GroupSpec",
@@ -92,8 +100,9 @@ class GroupSpec(
             "max_tokens_per_rank",
             "max_dispatch_tokens_per_rank",
             "use_fp8",
+            "nodes",
         ],
-        defaults=(0, False),
+        defaults=(0, False, ()),
     )
 ):
     """A group's shape (epd.v1.GroupSpec); every rank joins with the same one.
@@ -101,10 +110,41 @@ class GroupSpec(
     name: [A-Za-z0-9_.-]{1,64}; num_ranks R; hidden H (a multiple of 128 with use_fp8);
     num_topk K; num_experts E (a multiple of R); max_tokens_per_rank M (normal mode);
     max_dispatch_tokens_per_rank Mll (low-latency mode; 0 = no low-latency ops);
-    use_fp8: FP8 data allowed (normal dispatch with x_scales, low-latency use_fp8).
+    use_fp8: FP8 data allowed (normal dispatch with x_scales, low-latency use_fp8);
+    nodes: for a group across several epd daemons, its nodes in order, each a NodeSpec or a
+    ("host:port", num_ranks) pair: node i hosts the num_ranks ranks after nodes 0..i-1's
+    (their sum is num_ranks), and each rank joins its own node's daemon. () = every rank on
+    this daemon (a one-node group).
+
+        epd.GroupSpec("moe0", num_ranks=8, ..., nodes=[("10.0.0.1:7300", 4), ("10.0.0.2:7300", 4)])
     """
 
     __slots__ = ()
+
+
+def _node_list(nodes):
+    """GroupSpec.nodes as a list of (str, int) pairs for epd._C; InvalidArgumentError naming
+    the entry for anything else."""
+    if nodes is None:
+        return []
+    if isinstance(nodes, (str, bytes)):
+        raise InvalidArgumentError(
+            3, "INVALID_ARGUMENT", "join: spec.nodes is a %s, expected a list of "
+            "(peer_address, num_ranks) pairs" % type(nodes).__name__)
+    try:
+        entries = list(nodes)
+    except TypeError:
+        raise InvalidArgumentError(
+            3, "INVALID_ARGUMENT", "join: spec.nodes is a %s, expected a list of "
+            "(peer_address, num_ranks) pairs" % type(nodes).__name__) from None
+    out = []
+    for i, node in enumerate(entries):
+        if isinstance(node, (str, bytes)) or not isinstance(node, (tuple, list)) or len(node) != 2:
+            raise InvalidArgumentError(
+                3, "INVALID_ARGUMENT", "join: spec.nodes[%d]=%r, expected a NodeSpec or a "
+                "(peer_address, num_ranks) pair" % (i, node))
+        out.append((node[0], node[1]))
+    return out
 
 
 EndpointInfo = collections.namedtuple(
@@ -192,6 +232,13 @@ class Client:
         num_groups, num_sessions, uptime_ms, ops_completed, ops_failed, pid, ..."""
         return self._c.stats()
 
+    @property
+    def peer_address(self):
+        """This daemon's advertised Peer address "host:port" (str): what a NodeSpec names it
+        by in a group across daemons; "" when its Peer listener is off (one-node groups
+        only). Asked of the daemon (GetStats) at each read."""
+        return self._c.peer_address()
+
     def list_groups(self):
         """The groups this uid owns or holds a rank of: a list of dicts (protobuf JSON)."""
         return json.loads(self._c.list_groups_json()).get("groups", [])
@@ -219,6 +266,7 @@ class Client:
         if isinstance(join_secret, str):
             join_secret = join_secret.encode()
         fw = _setup_frameworks()
+        nodes = _node_list(spec.nodes)
         c_ep = self._c.join(
             spec.name,
             spec.num_ranks,
@@ -232,8 +280,9 @@ class Client:
             _gpu_uuid(gpu, self),
             mode,
             bytes(join_secret),
+            nodes,
         )
-        ep = Endpoint(self, c_ep, fw)
+        ep = Endpoint(self, c_ep, fw, tuple(NodeSpec(*n) for n in nodes))
         self._endpoints.add(ep)
         return ep
 
@@ -269,7 +318,7 @@ class Endpoint:
     place. A view keeps the endpoint's memory mapped after close().
     """
 
-    def __init__(self, client, c_ep, fw):
+    def __init__(self, client, c_ep, fw, nodes=()):
         self._c = c_ep
         self.client = client
         c_ep.set_converters(fw.to_numpy, fw.to_torch)
@@ -285,6 +334,7 @@ class Endpoint:
             i["max_tokens_per_rank"],
             i["ll_max_tokens_per_rank"],
             i["use_fp8"],
+            nodes,
         )
         self.info = EndpointInfo(
             i["endpoint_id"],

@@ -229,7 +229,7 @@ class Client {
                                  py::handle hidden, py::handle num_topk,
                                  py::handle max_tokens_per_rank, py::handle ll_max_tokens_per_rank,
                                  bool use_fp8, py::handle rank, py::handle gpu_uuid,
-                                 int launch_mode, py::bytes join_secret);
+                                 int launch_mode, py::bytes join_secret, py::handle nodes);
 
   /// Drops this object's hold on the C client: it is destroyed once the calls running on
   /// other threads and the endpoints (and their views) are gone. Idempotent.
@@ -655,7 +655,7 @@ std::shared_ptr<Endpoint> Client::Join(py::handle name, py::handle num_ranks,
                                        py::handle num_topk, py::handle max_tokens_per_rank,
                                        py::handle ll_max_tokens_per_rank, bool use_fp8,
                                        py::handle rank, py::handle gpu_uuid, int launch_mode,
-                                       py::bytes join_secret) {
+                                       py::bytes join_secret, py::handle nodes) {
   static constexpr const char* kOp = "join";
   const std::shared_ptr<ClientCore> core = Live(kOp);
   const std::string group = ToCString(name, kOp, "spec.name");
@@ -677,6 +677,26 @@ std::shared_ptr<Endpoint> Client::Join(py::handle name, py::handle num_ranks,
   o.launch_mode = launch_mode;
   o.join_secret = secret.empty() ? nullptr : secret.data();
   o.join_secret_len = secret.size();
+  // The node list: (peer_address, num_ranks) pairs; the strings live until the call returns.
+  std::vector<std::string> addresses;
+  std::vector<epd_node_t> node_list;
+  if (!nodes.is_none()) {
+    const py::sequence list = py::reinterpret_borrow<py::sequence>(nodes);
+    addresses.reserve(list.size());
+    for (size_t i = 0; i < list.size(); ++i) {
+      const py::sequence node = py::reinterpret_borrow<py::sequence>(list[i]);
+      const std::string field = "spec.nodes[" + std::to_string(i) + "]";
+      if (node.size() != 2) {
+        RaiseStatus(EPD_INVALID_ARGUMENT,
+                    std::string(kOp) + ": " + field + " must be (peer_address, num_ranks)");
+      }
+      addresses.push_back(ToCString(node[0], kOp, (field + ".peer_address").c_str()));
+      node_list.push_back({nullptr, ToInt32(node[1], kOp, (field + ".num_ranks").c_str())});
+    }
+    for (size_t i = 0; i < node_list.size(); ++i) node_list[i].peer_address = addresses[i].c_str();
+  }
+  o.nodes = node_list.empty() ? nullptr : node_list.data();
+  o.num_nodes = static_cast<int32_t>(node_list.size());
   epd_endpoint_t* e = nullptr;
   epd_status_t status;
   {
@@ -786,6 +806,8 @@ PYBIND11_MODULE(_C, m) {
       .def("stats_json", &Client::Json<&epd_client_stats_json>, py::arg("what") = "stats")
       .def("list_groups_json", &Client::Json<&epd_client_list_groups_json>,
            py::arg("what") = "list_groups")
+      .def("peer_address", &Client::Json<&epd_client_peer_address>,
+           py::arg("what") = "peer_address")
       .def("join", &Client::Join)
       .def("close", &Client::Close)
       .def_property_readonly("closed", &Client::closed);

@@ -201,6 +201,36 @@ def _layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     return per_rank, per_expert, in_rank
 
 
+def _nodes_of(addresses: List[str], hosts: List[str]) -> List[Tuple[str, int]]:
+    """The epd nodes of a group from each rank's daemon Peer address (index = rank):
+    consecutive ranks with one address form a node; [] when every rank has the same daemon
+    address (or none), a one-node group. Raises InvalidArgumentError naming the ranks when a
+    node's ranks are not contiguous, and UnimplementedError when ranks on several hosts have
+    daemons without a Peer listener."""
+    if len(set(addresses)) <= 1:
+        if len(set(addresses)) == 1 and addresses[0] == "" and len(set(hosts)) > 1:
+            raise unsupported(
+                "a group spanning several hosts whose epd daemons have no Peer listener",
+                f"the group spans {', '.join(sorted(set(hosts)))}; start each host's epd with "
+                "--peer_listen=HOST:PORT and --peer_secret_file=FILE (README \"Two nodes\")")
+        return []
+    nodes: List[Tuple[str, int]] = []
+    for rank, address in enumerate(addresses):
+        if address == "":
+            raise invalid(f"Buffer: rank {rank}'s epd daemon (host {hosts[rank]}) has no Peer "
+                          "listener while other ranks' daemons have one: start every epd with "
+                          "--peer_listen")
+        if nodes and nodes[-1][0] == address:
+            nodes[-1] = (address, nodes[-1][1] + 1)
+            continue
+        if any(a == address for a, _ in nodes):
+            raise invalid(f"Buffer: rank {rank}'s epd daemon {address} also serves earlier ranks "
+                          f"but not rank {rank - 1}: the ranks of a node must be contiguous "
+                          "(number the ranks node by node)")
+        nodes.append((address, 1))
+    return nodes
+
+
 class Buffer:
     """DeepEP's Buffer on epd: normal and low-latency dispatch/combine for one rank.
 
@@ -209,8 +239,11 @@ class Buffer:
     the low-latency one (each created at its first op; an op that does not fit raises
     BufferTooSmallError naming the bytes it needs). num_qps_per_rank is accepted and unused.
     Not supported (UnimplementedError naming the option): allow_nvlink_for_low_latency_mode
-    =False, allow_mnnvl=True, enable_shrink=True, ranks on several hosts. The epd daemon is
-    $EPD_SOCKET; EPD_LAUNCH_MODE (auto|daemon|client) and EPD_JOIN_SECRET are read too.
+    =False, allow_mnnvl=True, enable_shrink=True. The epd daemon is $EPD_SOCKET;
+    EPD_LAUNCH_MODE (auto|daemon|client) and EPD_JOIN_SECRET are read too. Ranks whose daemons
+    differ (several nodes) form a group across those daemons: each rank's daemon Peer address
+    is gathered over `group` here, ranks of one daemon must be contiguous, and every daemon
+    needs its Peer listener (README "Two nodes").
     """
 
     num_sms: int = 20
@@ -253,15 +286,26 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self._launch_mode = os.environ.get("EPD_LAUNCH_MODE", "auto")
         secret = os.environ.get("EPD_JOIN_SECRET", "").encode()
-        mine = (socket.gethostname(), secrets.token_hex(8), secret or secrets.token_bytes(16))
+        # Every rank's daemon and its Peer address, gathered once: a failure to connect is
+        # gathered too, so that every rank raises instead of the others waiting for it.
+        address, error = "", None
+        try:
+            self._client = _epd_core.Client.connect(client_name=f"deep_ep rank {self.rank}")
+            address = self._client.peer_address
+        except _epd_errors.EpdError as e:
+            error = e
+        mine = (socket.gethostname(), secrets.token_hex(8), secret or secrets.token_bytes(16),
+                address, None if error is None else str(error))
         peers = all_gather_object(mine)
-        hosts = sorted({p[0] for p in peers})
-        if len(hosts) > 1:
-            raise unsupported("a group spanning several hosts (internode)",
-                              f"epd is per node; this group spans {', '.join(hosts)}")
+        if error is not None:
+            raise error
+        failed = [r for r, p in enumerate(peers) if p[4] is not None]
+        if failed:
+            raise precondition(f"Buffer: rank {failed[0]} could not reach its epd daemon: "
+                               f"{peers[failed[0]][4]}")
+        self._nodes = _nodes_of([p[3] for p in peers], [p[0] for p in peers])
         self._name = f"deep_ep-{peers[0][1]}"
         self._secret = peers[0][2]
-        self._client = _epd_core.Client.connect(client_name=f"deep_ep rank {self.rank}")
         # CUDA tensors, streams and a GPU to join with on epd's CUDA backend; CPU tensors and
         # synchronous ops on its host backend (also where torch sees a GPU).
         self._cuda = self._client.stats_summary()["backend"] == "cuda"
@@ -394,7 +438,7 @@ class Buffer:
             num_topk=shape["num_topk"], num_experts=shape["num_experts"],
             max_tokens_per_rank=shape["max_tokens_per_rank"],
             max_dispatch_tokens_per_rank=shape["ll_max_tokens_per_rank"],
-            use_fp8=shape["use_fp8"])
+            use_fp8=shape["use_fp8"], nodes=self._nodes)
         gpu = torch.cuda.current_device() if self._cuda else None
         ep = self._client.join(spec, self.rank, gpu=gpu, launch_mode=self._launch_mode,
                                join_secret=self._secret)

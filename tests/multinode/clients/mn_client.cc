@@ -1,0 +1,625 @@
+// epd_mn_client: one rank of a group across nodes (tests/multinode/data_*_test.cc), a real
+// libepdclient process joining its own node's daemon. Inputs are a pure function of --seed,
+// the rank and --tokens (every rank's T), so each process recomputes the whole group's
+// answer with kernels/host (all R ranks here) and checks its own results bit for bit.
+//
+//   --scenario=ops   One pass of every op and option of both families: GetDispatchLayout;
+//                    Dispatch BF16 with weights, Combine with weights, cached re-dispatch,
+//                    Combine without weights, Dispatch FP8 without weights; LowLatencyDispatch
+//                    BF16, FP8, FP8+round_scale, FP8+round_scale+UE8M0, each followed by a
+//                    LowLatencyCombine. Prints "OK <op>", "MISMATCH <op> <field> ..." or
+//                    "ERROR <op> <CODE>: <message>" per op, then "DONE ok=<n> bad=<n>";
+//                    exit 0 when every op was OK and exact.
+//   --scenario=loop  Rounds of Dispatch + Combine + LowLatencyDispatch + LowLatencyCombine,
+//                    printing "ROUND <i> OK" or "ROUND <i> ERROR <op> <CODE> after <ms> ms:
+//                    <message>" (and MISMATCH lines), until EOF on stdin or --max_seconds;
+//                    with --exit_after_recovery it exits 0 once a failed round was followed
+//                    by 3 OK ones. Exit 1 when an OK result was wrong.
+// Exit 2: connect or join failed (the line says why).
+#include <dlpack/dlpack.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/status_macros.h"
+#include "epd/client.h"
+#include "epd/kernels/host_ops.h"
+#include "epd/kernels/op_rules.h"
+#include "epd/kernels/types.h"
+#include "tests/common/dtypes.h"
+#include "tests/common/op_reference.h"
+#include "tests/common/stdin_eof.h"
+#include "tests/multinode/data_spec.h"
+
+ABSL_FLAG(std::string, socket, "", "this rank's node's epd socket");
+ABSL_FLAG(std::string, group, "mn", "group name");
+ABSL_FLAG(std::string, nodes, "", "the group's nodes: ADDRESS=RANKS,...");
+ABSL_FLAG(int, rank, 0, "this process's rank");
+ABSL_FLAG(std::string, tokens, "", "T of every rank, comma-separated (default: 5 each)");
+ABSL_FLAG(bool, to_first_node, false, "route every token to experts of node 0's ranks");
+ABSL_FLAG(uint64_t, seed, 1, "input seed (every rank of a group uses the same)");
+ABSL_FLAG(std::string, scenario, "ops", "ops or loop");
+ABSL_FLAG(bool, exit_after_recovery, false, "loop: exit 0 after a failed round and 3 OK ones");
+ABSL_FLAG(int, max_seconds, 60, "loop: stop after this long");
+ABSL_FLAG(int, wait_seconds, 30, "bound of each op's Wait");
+ABSL_FLAG(int, round_pause_ms, 0, "loop: pause between rounds");
+
+namespace {
+
+namespace host = epd::kernels::host;
+using epd::kernels::bf16_bits;
+using epd::kernels::e4m3_bits;
+using epd::kernels::GroupShape;
+using epd::testing::kBf16;
+using epd::testing::kF32;
+using epd::testing::kI64;
+
+constexpr int32_t kAlignment = 2;
+const DLDataType kE4m3 = epd::kDLFloat8E4m3fn;
+
+std::atomic<bool> g_stop{false};
+
+/// A vector of at least one element (so that a [0, ...] tensor still has a data pointer)
+/// with a DLTensor of `dims` over it.
+template <typename T>
+struct Buf {
+  std::vector<T> v;
+  std::vector<int64_t> dims;
+  DLTensor dl{};
+  void Make(std::vector<int64_t> shape, DLDataType dtype) {
+    dims = std::move(shape);
+    int64_t n = 1;
+    for (int64_t d : dims) n *= d;
+    v.assign(std::max<int64_t>(n, 1), T{});
+    dl = epd::MakeDLTensor(v.data(), dtype, dims);
+  }
+  T* data() { return v.data(); }
+};
+
+/// One rank's inputs.
+struct RankInputs {
+  int32_t T = 0, Tll = 0;
+  Buf<bf16_bits> x, x2, xll;
+  Buf<e4m3_bits> x8;
+  Buf<float> x8_scales, w, wll;
+  Buf<int64_t> idx, idxll;
+  Buf<bf16_bits> yll;  ///< [El, R*Mll, H]: its low-latency expert outputs.
+};
+
+/// Rank `rank`'s inputs: values exact in bf16, distinct experts per row (some k masked
+/// with -1), drawn from [0, num_target_experts).
+void MakeInputs(const GroupShape& s, uint64_t seed, int rank, int32_t T, int num_target_experts,
+                RankInputs& in) {
+  std::mt19937_64 rng(seed * 1000003ull + static_cast<uint64_t>(rank) * 104729ull);
+  const int H = s.hidden, K = s.num_topk;
+  auto value = [&] { return epd::kernels::FloatToBf16(float(int(rng() % 255) - 127) / 32.f); };
+  auto route = [&](int32_t rows, Buf<int64_t>& idx, Buf<float>& w) {
+    idx.Make({rows, K}, kI64);
+    w.Make({rows, K}, kF32);
+    for (int32_t t = 0; t < rows; ++t) {
+      int64_t* row = idx.data() + int64_t(t) * K;
+      for (int k = 0; k < K; ++k) {
+        int64_t e = -1;
+        if ((k == 0 || rng() % 4 != 0) && k < num_target_experts) {
+          do {
+            e = static_cast<int64_t>(rng() % num_target_experts);
+          } while (std::find(row, row + k, e) != row + k);
+        }
+        row[k] = e;
+        w.data()[int64_t(t) * K + k] = float(1 + rng() % 8) / 8.f;
+      }
+    }
+  };
+  in.T = T;
+  in.Tll = std::min(T, s.ll_max_tokens_per_rank);
+  in.x.Make({T, H}, kBf16);
+  in.x2.Make({T, H}, kBf16);
+  for (int64_t i = 0; i < int64_t(T) * H; ++i) in.x.data()[i] = value();
+  for (int64_t i = 0; i < int64_t(T) * H; ++i) in.x2.data()[i] = value();
+  in.x8.Make({T, H}, kE4m3);
+  for (int64_t i = 0; i < int64_t(T) * H; ++i) {
+    in.x8.data()[i] = static_cast<e4m3_bits>(rng() % 0x7e);  // Finite, positive and negative.
+    if (rng() % 2) in.x8.data()[i] |= 0x80;
+  }
+  in.x8_scales.Make({T, s.num_scales()}, kF32);
+  for (int64_t i = 0; i < int64_t(T) * s.num_scales(); ++i) {
+    in.x8_scales.data()[i] = float(1 + rng() % 64) / 16.f;
+  }
+  route(T, in.idx, in.w);
+  in.xll.Make({in.Tll, H}, kBf16);
+  for (int64_t i = 0; i < int64_t(in.Tll) * H; ++i) in.xll.data()[i] = value();
+  route(in.Tll, in.idxll, in.wll);
+  in.yll.Make({s.num_local_experts(), s.ll_rows_per_expert(), H}, kBf16);
+  for (bf16_bits& v : in.yll.v) v = value();
+}
+
+using epd::testing::DispatchRef;
+using epd::testing::LowLatencyRef;
+
+/// The low-latency variants run, in order.
+struct LowLatencyVariant {
+  const char* name;
+  host::LowLatencyDispatchOptions options;
+};
+constexpr LowLatencyVariant kLowLatencyVariants[] = {
+    {"LowLatencyDispatch(bf16)", {false, false, false}},
+    {"LowLatencyDispatch(fp8)", {true, false, false}},
+    {"LowLatencyDispatch(fp8,round_scale)", {true, true, false}},
+    {"LowLatencyDispatch(fp8,round_scale,ue8m0)", {true, true, true}},
+};
+constexpr int kNumLowLatencyVariants = 4;
+
+/// One rank's expected results.
+struct RankRef {
+  std::vector<int32_t> tokens_per_rank, tokens_per_expert;
+  std::vector<uint8_t> in_rank;
+  DispatchRef dispatch, cached, fp8;
+  std::vector<bf16_bits> combined, combined_cached;
+  std::vector<float> combined_w;
+  LowLatencyRef ll[kNumLowLatencyVariants];
+  std::vector<bf16_bits> ll_combined;
+};
+
+/// Runs host::Dispatch for every rank: `mode` 0 = BF16 with weights, 1 = cached re-dispatch
+/// of x2 on mode 0's routing, 2 = FP8 without weights.
+absl::Status ReferenceDispatch(const GroupShape& s, std::vector<RankInputs>& in,
+                               std::vector<RankRef>& ref, int mode) {
+  const int R = s.num_ranks;
+  std::vector<host::DispatchRankArgs> d(R);
+  for (int r = 0; r < R; ++r) {
+    d[r].num_tokens = in[r].T;
+    DispatchRef* out = &ref[r].dispatch;
+    if (mode == 0) {
+      d[r].x = in[r].x.data();
+      d[r].topk_idx = in[r].idx.data();
+      d[r].topk_weights = in[r].w.data();
+    } else if (mode == 1) {
+      out = &ref[r].cached;
+      d[r].x = in[r].x2.data();
+      d[r].cached_send_pos = ref[r].dispatch.send_pos.data();
+      d[r].cached_num_recv_tokens = ref[r].dispatch.N;
+    } else {
+      out = &ref[r].fp8;
+      d[r].x = in[r].x8.data();
+      d[r].x_scales = in[r].x8_scales.data();
+      d[r].topk_idx = in[r].idx.data();
+    }
+    out->Bind(s, d[r], /*fp8=*/mode == 2);
+  }
+  host::DispatchOptions options;
+  options.fp8 = mode == 2;
+  options.expert_alignment = kAlignment;
+  EPD_RETURN_IF_ERROR(host::Dispatch(s, options, std::span(d)));
+  for (int r = 0; r < R; ++r) {
+    (mode == 0 ? ref[r].dispatch : mode == 1 ? ref[r].cached : ref[r].fp8).N = d[r].num_recv_tokens;
+  }
+  return absl::OkStatus();
+}
+
+/// Every rank's expected results, computed with kernels/host over the whole group.
+absl::StatusOr<std::vector<RankRef>> Reference(const GroupShape& s, std::vector<RankInputs>& in) {
+  const int R = s.num_ranks, H = s.hidden, K = s.num_topk;
+  std::vector<RankRef> ref(R);
+  for (int r = 0; r < R; ++r) {
+    RankRef& o = ref[r];
+    o.tokens_per_rank.assign(R, 0);
+    o.tokens_per_expert.assign(s.num_experts, 0);
+    o.in_rank.assign(std::max<size_t>(size_t(in[r].T) * R, 1), 0);
+    host::LayoutRankArgs a{in[r].T, in[r].idx.data(), o.tokens_per_rank.data(),
+                           o.tokens_per_expert.data(), o.in_rank.data()};
+    EPD_RETURN_IF_ERROR(host::GetDispatchLayout(s, a));
+  }
+  EPD_RETURN_IF_ERROR(ReferenceDispatch(s, in, ref, 0));
+  EPD_RETURN_IF_ERROR(ReferenceDispatch(s, in, ref, 1));
+  EPD_RETURN_IF_ERROR(ReferenceDispatch(s, in, ref, 2));
+  // Combine with weights (of the first dispatch's rows), then without (the cached rows).
+  for (bool weights : {true, false}) {
+    std::vector<host::CombineRankArgs> c(R);
+    for (int r = 0; r < R; ++r) {
+      RankRef& o = ref[r];
+      const DispatchRef& d = weights ? o.dispatch : o.cached;
+      std::vector<bf16_bits>& out = weights ? o.combined : o.combined_cached;
+      out.assign(std::max<size_t>(size_t(in[r].T) * H, 1), 0);
+      c[r].num_tokens = in[r].T;
+      c[r].send_pos = d.send_pos.data();
+      c[r].num_recv_tokens = d.N;
+      c[r].x = d.bf16();
+      c[r].combined_x = out.data();
+      if (weights) {
+        o.combined_w.assign(std::max<size_t>(size_t(in[r].T) * K, 1), 0);
+        c[r].topk_weights = d.recv_w.data();
+        c[r].combined_topk_weights = o.combined_w.data();
+      }
+    }
+    EPD_RETURN_IF_ERROR(host::Combine(s, std::span(c)));
+  }
+  for (int v = 0; v < kNumLowLatencyVariants; ++v) {
+    std::vector<host::LowLatencyDispatchRankArgs> l(R);
+    for (int r = 0; r < R; ++r) {
+      l[r].num_tokens = in[r].Tll;
+      l[r].x = in[r].xll.data();
+      l[r].topk_idx = in[r].idxll.data();
+      ref[r].ll[v].Bind(s, kLowLatencyVariants[v].options.use_fp8, l[r]);
+    }
+    EPD_RETURN_IF_ERROR(host::LowLatencyDispatch(s, kLowLatencyVariants[v].options, std::span(l)));
+  }
+  // Every variant routes the same tokens: one combine answer.
+  std::vector<host::LowLatencyCombineRankArgs> lc(R);
+  for (int r = 0; r < R; ++r) {
+    RankRef& o = ref[r];
+    o.ll_combined.assign(std::max<size_t>(size_t(in[r].Tll) * H, 1), 0);
+    lc[r].num_tokens = in[r].Tll;
+    lc[r].topk_idx = in[r].idxll.data();
+    lc[r].topk_weights = in[r].wll.data();
+    lc[r].handle_pos = o.ll[0].pos.data();
+    lc[r].x = in[r].yll.data();
+    lc[r].combined_x = o.ll_combined.data();
+  }
+  EPD_RETURN_IF_ERROR(host::LowLatencyCombine(s, std::span(lc)));
+  return ref;
+}
+
+/// Runs this rank's ops and checks each result against the reference.
+class Rank {
+ public:
+  Rank(epd::Endpoint& ep, const GroupShape& shape, RankInputs& in, RankRef& ref)
+      : ep_(ep), s_(shape), in_(in), ref_(ref) {}
+
+  /// One pass of every op; false when one failed or mismatched.
+  bool RunAll() {
+    bool ok = Layout();
+    ok &= NormalOps(/*all=*/true);
+    for (int v = 0; v < kNumLowLatencyVariants; ++v) ok &= LowLatency(v);
+    return ok;
+  }
+  /// Dispatch + Combine + LowLatencyDispatch + LowLatencyCombine (the loop's round).
+  bool RunRound() { return NormalOps(/*all=*/false) && LowLatency(0); }
+
+  int64_t oks() const { return oks_; }
+  int64_t bad() const { return bad_; }
+  int64_t mismatches() const { return mismatches_; }
+  const std::string& last_error() const { return last_error_; }
+
+ private:
+  template <typename Result>
+  absl::StatusOr<Result> Finish(absl::StatusOr<epd::PendingOp<Result>> op) {
+    if (!op.ok()) return op.status();
+    return op->Wait(absl::Seconds(absl::GetFlag(FLAGS_wait_seconds)));
+  }
+
+  /// Records an op's outcome: its error, or the mismatches Check found since Begin.
+  template <typename Result>
+  bool Done(const char* op, const absl::StatusOr<Result>& result) {
+    if (!result.ok()) {
+      ++bad_;
+      const double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_)
+              .count();
+      last_error_ =
+          absl::StrCat("ERROR ", op, " ", absl::StatusCodeToString(result.status().code()),
+                       " after ", static_cast<int64_t>(ms), " ms: ", result.status().message());
+      // The loop prints it in its ROUND line.
+      if (absl::GetFlag(FLAGS_scenario) == "ops") std::printf("%s\n", last_error_.c_str());
+      return false;
+    }
+    return true;
+  }
+  void Begin() {
+    start_ = std::chrono::steady_clock::now();
+    op_mismatch_ = false;
+  }
+  bool End(const char* op) {
+    if (op_mismatch_) {
+      ++bad_;
+      return false;
+    }
+    ++oks_;
+    if (absl::GetFlag(FLAGS_scenario) == "ops") std::printf("OK %s\n", op);
+    return true;
+  }
+
+  template <typename T>
+  void Check(const char* op, const char* field, const void* actual, const T* expected, int64_t n) {
+    if (std::string diff = epd::testing::FirstDifference(actual, expected, n); !diff.empty()) {
+      Mismatch(op, field, diff);
+    }
+  }
+  void Mismatch(const char* op, const char* field, const std::string& detail) {
+    op_mismatch_ = true;
+    ++mismatches_;
+    std::printf("MISMATCH rank %d %s %s %s\n", ep_.rank(), op, field, detail.c_str());
+  }
+
+  bool Layout() {
+    const char* op = "GetDispatchLayout";
+    Begin();
+    auto l = Finish(ep_.GetDispatchLayout(in_.idx.dl));
+    if (!Done(op, l)) return false;
+    const int R = s_.num_ranks;
+    Check(op, "num_tokens_per_rank", l->num_tokens_per_rank.data(), ref_.tokens_per_rank.data(), R);
+    Check(op, "num_tokens_per_expert", l->num_tokens_per_expert.data(),
+          ref_.tokens_per_expert.data(), s_.num_experts);
+    Check(op, "is_token_in_rank", l->is_token_in_rank.data(), ref_.in_rank.data(),
+          int64_t(in_.T) * R);
+    return End(op);
+  }
+
+  void CheckDispatch(const char* op, const epd::DispatchResult& d, const DispatchRef& ref,
+                     bool routing, bool fp8) {
+    const int64_t N = ref.N, H = s_.hidden, K = s_.num_topk;
+    if (d.num_recv_tokens != ref.N) {
+      return Mismatch(op, "num_recv_tokens",
+                      absl::StrCat("got ", d.num_recv_tokens, ", want ", ref.N));
+    }
+    if (fp8) {
+      Check(op, "recv_x", d.recv_x.data(), ref.recv_x.data(), N * H);
+      Check(op, "recv_scales", d.recv_scales.data(), ref.recv_scales.data(), N * s_.num_scales());
+    } else {
+      Check(op, "recv_x", d.recv_x.data(), ref.bf16(), N * H);
+    }
+    Check(op, "recv_src_info", d.recv_src_info.data(), ref.src_info.data(), N);
+    if (routing) {
+      Check(op, "recv_topk_idx", d.recv_topk_idx.data(), ref.recv_idx.data(), N * K);
+      Check(op, "recv_topk_weights", d.recv_topk_weights.data(), ref.recv_w.data(), N * K);
+      Check(op, "num_recv_tokens_per_expert", d.num_recv_tokens_per_expert.data(),
+            ref.per_expert.data(), s_.num_local_experts());
+    }
+  }
+
+  /// Dispatch (BF16, weights) and Combine (weights); with `all` also the cached re-dispatch,
+  /// Combine without weights and Dispatch FP8 without weights.
+  bool NormalOps(bool all) {
+    const int H = s_.hidden, K = s_.num_topk;
+    std::optional<epd::Handle> routed =
+        RoutedDispatch("Dispatch(bf16,weights)", in_.x.dl, nullptr, &in_.w.dl, ref_.dispatch);
+    if (!routed.has_value()) return false;
+    const epd::Handle handle = *routed;
+
+    // Identity experts: the combine's x is the reference's received rows.
+    Buf<bf16_bits> cx;
+    Buf<float> cw;
+    cx.Make({ref_.dispatch.N, H}, kBf16);
+    cw.Make({ref_.dispatch.N, K}, kF32);
+    std::memcpy(cx.data(), ref_.dispatch.recv_x.data(), size_t(ref_.dispatch.N) * H * 2);
+    std::memcpy(cw.data(), ref_.dispatch.recv_w.data(), size_t(ref_.dispatch.N) * K * 4);
+    const char* op = "Combine(weights)";
+    Begin();
+    epd::CombineArgs ca;
+    ca.x = &cx.dl;
+    ca.topk_weights = &cw.dl;
+    ca.handle = &handle;
+    auto c = Finish(ep_.Combine(ca));
+    if (!Done(op, c)) return false;
+    Check(op, "combined_x", c->combined_x.data(), ref_.combined.data(), int64_t(in_.T) * H);
+    Check(op, "combined_topk_weights", c->combined_topk_weights.data(), ref_.combined_w.data(),
+          int64_t(in_.T) * K);
+    if (!End(op)) return false;
+    if (!all) return true;
+
+    op = "Dispatch(cached)";
+    Begin();
+    epd::DispatchArgs cd;
+    cd.x = &in_.x2.dl;
+    cd.expert_alignment = kAlignment;
+    cd.cached = handle;
+    auto d2 = Finish(ep_.Dispatch(cd));
+    if (!Done(op, d2)) return false;
+    CheckDispatch(op, *d2, ref_.cached, /*routing=*/false, /*fp8=*/false);
+    if (!End(op)) return false;
+
+    op = "Combine(no weights)";
+    Begin();
+    Buf<bf16_bits> cx2;
+    cx2.Make({ref_.cached.N, H}, kBf16);
+    std::memcpy(cx2.data(), ref_.cached.recv_x.data(), size_t(ref_.cached.N) * H * 2);
+    const epd::Handle cached_handle = d2->handle;
+    epd::CombineArgs ca2;
+    ca2.x = &cx2.dl;
+    ca2.handle = &cached_handle;
+    auto c2 = Finish(ep_.Combine(ca2));
+    if (!Done(op, c2)) return false;
+    Check(op, "combined_x", c2->combined_x.data(), ref_.combined_cached.data(), int64_t(in_.T) * H);
+    if (!End(op)) return false;
+
+    return RoutedDispatch("Dispatch(fp8,no weights)", in_.x8.dl, &in_.x8_scales.dl, nullptr,
+                          ref_.fp8)
+        .has_value();
+  }
+
+  /// A Dispatch of `x` (e4m3 with `x_scales`) routed by this rank's topk_idx, with
+  /// `weights` or none, checked against `ref`: its handle, or nullopt when it failed.
+  std::optional<epd::Handle> RoutedDispatch(const char* op, const DLTensor& x,
+                                            const DLTensor* x_scales, const DLTensor* weights,
+                                            const DispatchRef& ref) {
+    Begin();
+    epd::DispatchArgs args;
+    args.x = &x;
+    args.x_scales = x_scales;
+    args.topk_idx = &in_.idx.dl;
+    args.topk_weights = weights;
+    args.expert_alignment = kAlignment;
+    auto d = Finish(ep_.Dispatch(args));
+    if (!Done(op, d)) return std::nullopt;
+    CheckDispatch(op, *d, ref, /*routing=*/true, /*fp8=*/x_scales != nullptr);
+    if (!End(op)) return std::nullopt;
+    return d->handle;
+  }
+
+  /// LowLatencyDispatch of variant `v`, then its LowLatencyCombine.
+  bool LowLatency(int v) {
+    const LowLatencyVariant& variant = kLowLatencyVariants[v];
+    const LowLatencyRef& ref = ref_.ll[v];
+    const char* op = variant.name;
+    Begin();
+    epd::LowLatencyDispatchArgs la;
+    la.x = &in_.xll.dl;
+    la.topk_idx = &in_.idxll.dl;
+    la.use_fp8 = variant.options.use_fp8;
+    la.round_scale = variant.options.round_scale;
+    la.use_ue8m0 = variant.options.use_ue8m0;
+    auto l = Finish(ep_.LowLatencyDispatch(la));
+    if (!Done(op, l)) return false;
+    const int El = s_.num_local_experts(), H = s_.hidden;
+    const int64_t rows = s_.ll_rows_per_expert();
+    // Scale columns as stored: f32 per 128 channels, or int32 words of four UE8M0 bytes.
+    const int S = variant.options.use_ue8m0 ? s_.num_scales() / 4 : s_.num_scales();
+    Check(op, "recv_count", l->recv_count.data(), ref.count.data(), El);
+    const auto* count = l->recv_count.as<const int32_t>();
+    for (int j = 0; count != nullptr && j < El && !op_mismatch_; ++j) {
+      const int64_t n = ref.count[j];
+      Check(op, "recv_src_info", l->recv_src_info.as<const int32_t>() + j * rows,
+            ref.src.data() + j * rows, n);
+      if (variant.options.use_fp8) {
+        Check(op, "recv_x", l->recv_x.as<const e4m3_bits>() + j * rows * H,
+              ref.x.data() + j * rows * H, n * H);
+        for (int g = 0; g < S; ++g) {
+          Check(op, "recv_scales", l->recv_scales.as<const uint32_t>() + (j * S + g) * rows,
+                reinterpret_cast<const uint32_t*>(ref.scales.data()) + (j * S + g) * rows, n);
+        }
+      } else {
+        Check(op, "recv_x", l->recv_x.as<const bf16_bits>() + j * rows * H,
+              reinterpret_cast<const bf16_bits*>(ref.x.data()) + j * rows * H, n * H);
+      }
+    }
+    if (!End(op)) return false;
+
+    const std::string combine_op = absl::StrCat("LowLatencyCombine after ", variant.name);
+    Begin();
+    const epd::Handle handle = l->handle;
+    epd::LowLatencyCombineArgs lc;
+    lc.x = &in_.yll.dl;
+    lc.topk_idx = &in_.idxll.dl;
+    lc.topk_weights = &in_.wll.dl;
+    lc.handle = &handle;
+    auto c = Finish(ep_.LowLatencyCombine(lc));
+    if (!Done(combine_op.c_str(), c)) return false;
+    Check(combine_op.c_str(), "combined_x", c->combined_x.data(), ref_.ll_combined.data(),
+          int64_t(in_.Tll) * H);
+    return End(combine_op.c_str());
+  }
+
+  epd::Endpoint& ep_;
+  const GroupShape& s_;
+  RankInputs& in_;
+  RankRef& ref_;
+  std::chrono::steady_clock::time_point start_;
+  bool op_mismatch_ = false;
+  int64_t oks_ = 0, bad_ = 0, mismatches_ = 0;
+  std::string last_error_;
+};
+
+int Loop(Rank& rank) {
+  const auto end =
+      std::chrono::steady_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_max_seconds));
+  bool failed = false;
+  int oks_after = 0;
+  for (int64_t i = 0; !g_stop.load() && std::chrono::steady_clock::now() < end; ++i) {
+    const int64_t mismatches = rank.mismatches();
+    if (rank.RunRound()) {
+      std::printf("ROUND %lld OK\n", static_cast<long long>(i));
+      if (failed && ++oks_after >= 3 && absl::GetFlag(FLAGS_exit_after_recovery)) {
+        std::printf("RECOVERED\n");
+        return rank.mismatches() > 0 ? 1 : 0;
+      }
+    } else {
+      if (rank.mismatches() == mismatches) {
+        std::printf("ROUND %lld %s\n", static_cast<long long>(i), rank.last_error().c_str());
+      }
+      failed = true;
+      oks_after = 0;
+    }
+    std::fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::milliseconds(absl::GetFlag(FLAGS_round_pause_ms)));
+  }
+  std::printf("STOPPED mismatches=%lld\n", static_cast<long long>(rank.mismatches()));
+  return rank.mismatches() > 0 ? 1 : 0;
+}
+
+int Main() {
+  auto nodes = epd::multinode::ParseNodesFlag(absl::GetFlag(FLAGS_nodes));
+  if (!nodes.ok()) {
+    std::printf("FLAGS %s\n", std::string(nodes.status().message()).c_str());
+    return 2;
+  }
+  const epd::v1::GroupSpec spec = epd::multinode::DataSpec(absl::GetFlag(FLAGS_group), *nodes);
+  const GroupShape shape = epd::rules::ShapeOf(spec);
+  const int R = shape.num_ranks, rank = absl::GetFlag(FLAGS_rank);
+  std::vector<int32_t> tokens(R, 5);
+  const std::string tokens_flag = absl::GetFlag(FLAGS_tokens);
+  if (!tokens_flag.empty()) {
+    std::vector<std::string> parts = absl::StrSplit(tokens_flag, ',');
+    if (static_cast<int>(parts.size()) != R) {
+      std::printf("FLAGS --tokens has %zu entries for %d ranks\n", parts.size(), R);
+      return 2;
+    }
+    for (int r = 0; r < R; ++r) {
+      if (!absl::SimpleAtoi(parts[r], &tokens[r])) {
+        std::printf("FLAGS --tokens entry %d \"%s\" is not a number\n", r, parts[r].c_str());
+        return 2;
+      }
+    }
+  }
+  const int targets = absl::GetFlag(FLAGS_to_first_node) && !nodes->empty()
+                          ? (*nodes)[0].num_ranks * epd::multinode::kExpertsPerRank
+                          : shape.num_experts;
+  std::vector<RankInputs> in(R);
+  for (int r = 0; r < R; ++r) {
+    MakeInputs(shape, absl::GetFlag(FLAGS_seed), r, tokens[r], targets, in[r]);
+  }
+  auto ref = Reference(shape, in);
+  if (!ref.ok()) {
+    std::printf("REFERENCE %s\n", ref.status().ToString().c_str());
+    return 2;
+  }
+
+  epd::ClientOptions options;
+  options.socket_path = absl::GetFlag(FLAGS_socket);
+  options.client_name = absl::StrCat("mn_client rank ", rank);
+  auto client = epd::Client::Connect(options);
+  if (!client.ok()) {
+    std::printf("CONNECT_ERROR %s\n", client.status().ToString().c_str());
+    return 2;
+  }
+  epd::JoinOptions join;
+  join.spec = spec;
+  join.rank = rank;
+  auto ep = (*client)->Join(join);
+  if (!ep.ok()) {
+    std::printf("JOIN_ERROR %s\n", ep.status().ToString().c_str());
+    return 2;
+  }
+  std::printf("JOINED rank %d of %d\n", rank, R);
+  std::fflush(stdout);
+  Rank runner(**ep, shape, in[rank], (*ref)[rank]);
+  if (absl::GetFlag(FLAGS_scenario) == "loop") return Loop(runner);
+  const bool ok = runner.RunAll();
+  std::printf("DONE ok=%lld bad=%lld\n", static_cast<long long>(runner.oks()),
+              static_cast<long long>(runner.bad()));
+  return ok && runner.bad() == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  // The test closes stdin to stop a loop.
+  epd::testing::StopAtStdinEof(&g_stop);
+  return Main();
+}

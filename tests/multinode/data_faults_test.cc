@@ -1,0 +1,151 @@
+// Groups across nodes, faults with real processes: two nodes (real `epd --backend=host`
+// daemons) of two ranks each, every rank a real client looping Dispatch, Combine,
+// LowLatencyDispatch and LowLatencyCombine (clients/mn_client.cc --scenario=loop, every OK
+// result checked bit for bit). Node 1's daemon is SIGKILLed mid-op: node 0's ops fail
+// within op_timeout + 1 s, naming node 1. Then node 1 is restarted on the same ports and its
+// ranks rejoin: the group re-forms and node 0's ranks, which never left, run exact ops again.
+// Each test takes a few seconds (op_timeout is 2 s).
+#include <signal.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/multinode/data_cluster.h"
+
+namespace epd::multinode {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr absl::Duration kOpTimeout = absl::Seconds(2);
+
+/// The first "ROUND <i> ERROR <op> <CODE> after <ms> ms: <message>" line of `output` after
+/// its first `skip` bytes, or "" when there is none yet.
+std::string FirstErrorLine(const std::string& output, size_t skip) {
+  for (absl::string_view line : absl::StrSplit(absl::string_view(output).substr(skip), '\n')) {
+    if (absl::StartsWith(line, "ROUND ") && absl::StrContains(line, " ERROR ")) {
+      return std::string(line);
+    }
+  }
+  return "";
+}
+
+/// The <ms> of an error line (-1 when it has none).
+int64_t ErrorMillis(const std::string& line) {
+  const size_t after = line.find(" after ");
+  int64_t ms = -1;
+  if (after == std::string::npos) return ms;
+  const size_t end = line.find(" ms:", after);
+  if (end == std::string::npos) return ms;
+  if (!absl::SimpleAtoi(line.substr(after + 7, end - after - 7), &ms)) return -1;
+  return ms;
+}
+
+class DataFaultsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto cluster = StartCluster({2, 2}, kOpTimeout);
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    cluster_ = *std::move(cluster);
+    run_.group = "faults";
+    run_.scenario = "loop";
+    run_.tokens = {3, 5, 0, 4};
+    run_.extra_args = {"--max_seconds=60", "--wait_seconds=20", "--round_pause_ms=5"};
+    for (int r = 0; r < 4; ++r) {
+      // Node 0's ranks exit once they have seen a failure and then 3 good rounds.
+      ClientRun run = run_;
+      if (r < 2) run.extra_args.push_back("--exit_after_recovery");
+      auto client = StartClient(cluster_, run, r);
+      ASSERT_TRUE(client.ok()) << client.status();
+      clients_.push_back(*std::move(client));
+    }
+    for (int r = 0; r < 4; ++r) {
+      absl::Status running = clients_[r]->WaitForOutput("ROUND 2 OK", absl::Seconds(20));
+      ASSERT_TRUE(running.ok()) << "rank " << r << ": " << running.message() << cluster_.Logs();
+    }
+  }
+
+  /// SIGKILLs node 1's daemon while ops run, and expects node 0's ranks to fail an op
+  /// within op_timeout + 1 s naming node 1; then ends node 1's client processes.
+  void KillNodeOne() {
+    std::vector<size_t> seen(2);
+    for (int r = 0; r < 2; ++r) seen[r] = clients_[r]->Stdout().size();
+    cluster_.daemons[1]->Kill();
+    for (int r = 0; r < 2; ++r) {
+      // The first error after the kill, polled for (bounded: op_timeout + 5 s).
+      const absl::Time deadline = absl::Now() + kOpTimeout + absl::Seconds(5);
+      std::string line;
+      while ((line = FirstErrorLine(clients_[r]->Stdout(), seen[r])).empty() &&
+             absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+      ASSERT_FALSE(line.empty()) << "rank " << r << " saw no error within op_timeout + 5 s:\n"
+                                 << clients_[r]->Stdout() << cluster_.Logs();
+      EXPECT_LE(ErrorMillis(line), absl::ToInt64Milliseconds(kOpTimeout) + 1000) << line;
+      const bool names_node = absl::StrContains(line, cluster_.daemons[1]->peer_address()) ||
+                              absl::StrContains(line, "node 1");
+      EXPECT_TRUE(names_node) << "rank " << r << "'s error does not name node 1 ("
+                              << cluster_.daemons[1]->peer_address() << "): " << line;
+    }
+    for (int r = 2; r < 4; ++r) {
+      clients_[r]->Signal(SIGKILL);
+      ASSERT_TRUE(clients_[r]->Wait(absl::Seconds(5)).ok());
+    }
+  }
+
+  Cluster cluster_;
+  ClientRun run_;
+  std::vector<std::unique_ptr<testing::Subprocess>> clients_;
+};
+
+TEST_F(DataFaultsTest, PeerDaemonKilledMidOpFailsTheOtherNodesOpsNamingIt) {
+  ASSERT_NO_FATAL_FAILURE(KillNodeOne());
+  // Node 0's daemon serves on: its ranks keep getting clear errors, never a hang.
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(clients_[r]->Running()) << clients_[r]->Stdout();
+    clients_[r]->CloseStdin();
+  }
+  for (int r = 0; r < 2; ++r) {
+    auto code = clients_[r]->Wait(kOpTimeout + absl::Seconds(25));
+    ASSERT_TRUE(code.ok()) << "rank " << r << " did not stop: " << clients_[r]->Stdout();
+    EXPECT_EQ(*code, 0) << clients_[r]->Stdout();
+  }
+  EXPECT_TRUE(cluster_.daemons[0]->Running()) << cluster_.daemons[0]->Logs();
+}
+
+TEST_F(DataFaultsTest, RestartedPeerRejoinsAndTheGroupReforms) {
+  ASSERT_NO_FATAL_FAILURE(KillNodeOne());
+  absl::Status restarted = cluster_.daemons[1]->Restart();
+  ASSERT_TRUE(restarted.ok()) << restarted;
+  std::vector<std::unique_ptr<testing::Subprocess>> rejoined;
+  for (int r = 2; r < 4; ++r) {
+    auto client = StartClient(cluster_, run_, r);
+    ASSERT_TRUE(client.ok()) << client.status();
+    rejoined.push_back(*std::move(client));
+  }
+  // Node 0's ranks never left: they exit 0 after 3 exact rounds with the new node 1.
+  for (int r = 0; r < 2; ++r) {
+    auto code = clients_[r]->Wait(absl::Seconds(30));
+    ASSERT_TRUE(code.ok()) << "rank " << r << " did not recover: " << clients_[r]->Stdout()
+                           << cluster_.Logs();
+    EXPECT_EQ(*code, 0) << clients_[r]->Stdout();
+    EXPECT_THAT(clients_[r]->Stdout(), HasSubstr("RECOVERED"));
+  }
+  for (size_t i = 0; i < rejoined.size(); ++i) {
+    // Their first rounds may meet node 0's ranks mid-round (an error, then in step again).
+    EXPECT_THAT(rejoined[i]->Stdout(), HasSubstr(" OK\n")) << "rank " << i + 2;
+    rejoined[i]->CloseStdin();
+    auto code = rejoined[i]->Wait(kOpTimeout + absl::Seconds(25));
+    ASSERT_TRUE(code.ok()) << rejoined[i]->Stdout();
+    EXPECT_EQ(*code, 0) << rejoined[i]->Stdout();
+  }
+}
+
+}  // namespace
+}  // namespace epd::multinode
