@@ -210,8 +210,7 @@ absl::Status LowLatencyCombine(const GroupShape& shape, std::span<LowLatencyComb
       if (owner.x_first_row != nullptr) {
         const int64_t j = a.topk_idx[i] % experts_per_rank;
         const int64_t first = owner.x_first_row[j];
-        if (row < first || row >= first + owner.x_num_rows[j] ||
-            owner.x_num_rows[j] > owner.x_block_rows) {
+        if (row < first || row >= first + owner.x_num_rows[j]) {
           return absl::InvalidArgumentError(
               absl::StrCat(kOp, ": handle_pos of rank ", s, " at token ", i / num_topk, ", k ",
                            i % num_topk, " = ", row, " is outside the rows [", first, ", ",
@@ -252,7 +251,7 @@ absl::Status LowLatencyCombine(const GroupShape& shape, std::span<LowLatencyComb
         const bf16_bits* y =
             owner.x_first_row == nullptr
                 ? owner.x + (j * rows_per_expert + pos[k]) * hidden
-                : owner.x + (j * owner.x_block_rows + pos[k] - owner.x_first_row[j]) * hidden;
+                : owner.x + (owner.x_block_start[j] + pos[k] - owner.x_first_row[j]) * hidden;
         const float weight = w[k];
         for (int64_t h = 0; h < hidden; ++h) {
           const float product = weight * Bf16ToFloat(y[h]);

@@ -72,17 +72,15 @@ struct ExchangeShape {
 ///    (first R of the row used); LowLatencyDispatch: to each expert;
 ///  - rows [sender_ranks * E] int32: rows sent per block (dispatch: per source rank; combine:
 ///    per sender rank; low-latency combine: per sender expert);
-///  - payload: dispatches: one block per sender rank of C = max(M, Mll) rows: token ids [C]
-///    int32, topk_idx [C, K] int64, send_pos [C, R] int32 (cached), weights [C, K] f32,
-///    scales [C, S] f32, x [C, 2H] bytes. Combine: one block per sender rank of
-///    receiver_ranks * M rows: x [., H] bf16, weights [., K] f32. Low-latency combine: one
-///    block per sender expert of receiver_ranks * Mll rows [., H] bf16.
+///  - payload (dispatches): one block per sender rank of C = max(M, Mll) rows: token ids
+///    [C] int32, topk_idx [C, K] int64, send_pos [C, R] int32 (cached), weights [C, K] f32,
+///    scales [C, S] f32, x [C, 2H] bytes.
+/// The combines' rows go to the receiver's combine area (ExchangeCombineLayout), shared by
+/// every sender.
 struct ExchangeSlotLayout {
   uint64_t tokens = 0, counts = 0, rows = 0, payload = 0;
   uint64_t block_rows = 0, block_bytes = 0;                            ///< Dispatch blocks.
   uint64_t ids = 0, idx = 0, pos = 0, weights = 0, scales = 0, x = 0;  ///< In a block.
-  uint64_t combine_rows = 0, combine_block_bytes = 0, combine_weights = 0;
-  uint64_t ll_combine_rows = 0, ll_combine_block_bytes = 0;
   uint64_t total = 0;
 
   static constexpr uint64_t Align(uint64_t n) { return (n + 63) / 64 * 64; }
@@ -116,15 +114,36 @@ struct ExchangeSlotLayout {
     l.x = b;
     b = Align(b + C * 2 * H);
     l.block_bytes = b;
-    l.combine_rows = static_cast<uint64_t>(receiver_ranks) * s.max_tokens;
-    l.combine_weights = Align(l.combine_rows * 2 * H);
-    l.combine_block_bytes = Align(l.combine_weights + l.combine_rows * K * 4);
-    l.ll_combine_rows = static_cast<uint64_t>(receiver_ranks) * s.ll_max_tokens;
-    l.ll_combine_block_bytes = Align(l.ll_combine_rows * 2 * H);
-    const uint64_t El = s.num_ranks > 0 ? E / R : 0;
-    const uint64_t payload =
-        std::max({n * l.block_bytes, n * l.combine_block_bytes, n * El * l.ll_combine_block_bytes});
-    l.total = Align(at + payload);
+    (void)receiver_ranks;
+    (void)E;
+    l.total = Align(at + n * l.block_bytes);
+    return l;
+  }
+};
+
+/// The combine area of a receiver of `receiver_ranks` ranks, one per op parity after its
+/// slots: the rows other nodes' ranks send back for this node's tokens, count-addressed.
+/// Normal combine: blocks per remote rank r, ascending, of the rows r received from this
+/// node's ranks (sum of the dispatch's counts), x [rows, H] bf16 at `x`, weights [rows, K]
+/// f32 at `weights`, row offsets the prefix sums of the blocks. A token comes back from at
+/// most min(K, remote ranks) ranks: rows <= receiver_ranks * M * min(K, R - receiver_ranks).
+/// Low-latency combine: blocks per remote expert, ascending, of the rows it holds of this
+/// node's tokens, [rows, H] bf16 at `x`: rows <= receiver_ranks * Mll * K.
+struct ExchangeCombineLayout {
+  uint64_t rows = 0, ll_rows = 0;  ///< Capacities in rows.
+  uint64_t x = 0, weights = 0;     ///< Offsets in the area.
+  uint64_t total = 0;
+
+  static ExchangeCombineLayout Compute(const ExchangeShape& s, int64_t receiver_ranks) {
+    ExchangeCombineLayout l;
+    const uint64_t K = s.num_topk, H = s.hidden;
+    const uint64_t remote =
+        static_cast<uint64_t>(std::max<int64_t>(s.num_ranks - receiver_ranks, 0));
+    l.rows = static_cast<uint64_t>(receiver_ranks) * s.max_tokens * std::min(K, remote);
+    l.ll_rows = static_cast<uint64_t>(receiver_ranks) * s.ll_max_tokens * K;
+    l.x = 0;
+    l.weights = ExchangeSlotLayout::Align(l.rows * 2 * H);
+    l.total = ExchangeSlotLayout::Align(std::max(l.weights + l.rows * K * 4, l.ll_rows * 2 * H));
     return l;
   }
 };

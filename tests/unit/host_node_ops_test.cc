@@ -422,6 +422,7 @@ void CheckLowLatency(const Group& g, const LlCase& c, int nodes) {
     const int64_t block_rows = static_cast<int64_t>(node.count) * s.ll_max_tokens_per_rank;
     std::vector<std::vector<bf16_bits>> blocks(R);
     std::vector<int32_t> first_row(E), num_rows(E);
+    std::vector<int64_t> block_start(E);
     std::vector<std::vector<bf16_bits>> comb(R, Garbage<bf16_bits>(s.ll_max_tokens_per_rank * H));
     std::vector<LowLatencyCombineRankArgs> na(R);
     for (int r = 0; r < R; ++r) {
@@ -441,12 +442,13 @@ void CheckLowLatency(const Group& g, const LlCase& c, int nodes) {
                   blocks[r].begin() + j * block_rows * H);
         first_row[e] = start;
         num_rows[e] = cnt;
+        block_start[e] = j * block_rows;
       }
       na[r] = {};
       na[r].x = blocks[r].data();
       na[r].x_first_row = first_row.data() + r * El;
       na[r].x_num_rows = num_rows.data() + r * El;
-      na[r].x_block_rows = block_rows;
+      na[r].x_block_start = block_start.data() + r * El;
     }
     ASSERT_TRUE(LowLatencyCombine(s, na, {2}).ok());
     for (int r = node.first; r < node.first + node.count; ++r) {

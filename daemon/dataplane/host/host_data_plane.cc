@@ -95,6 +95,7 @@ uint64_t ExchangeBytes(const v1::GroupSpec& spec, const kernels::GroupShape& gs)
       bytes += 2 * abi::ExchangeSlotLayout::Compute(xs, rn, rm).total +
                abi::ExchangeSlotLayout::Compute(xs, rm, rn).total;
     }
+    bytes += 2 * abi::ExchangeCombineLayout::Compute(xs, spec.nodes(m).num_ranks()).total;
     most = std::max(most, bytes);
   }
   return most;
@@ -233,6 +234,11 @@ class HostGroup : public LockstepGroup {
     return reinterpret_cast<uint8_t*>(span_.recv.data()) + span_.recv_offset[n] +
            (seq % 2) * span_.in_layout[n].total;
   }
+  /// This node's combine area of op `seq`'s parity.
+  const uint8_t* CombineArea(uint64_t seq) {
+    return reinterpret_cast<const uint8_t*>(span_.recv.data()) + span_.combine_offset[span_.self] +
+           (seq % 2) * span_.combine_layout[span_.self].total;
+  }
   int32_t NodeOf(int32_t rank) const {
     for (int32_t n = 0; n < span_.num_nodes; ++n) {
       if (rank >= span_.first[n] && rank < span_.first[n] + span_.count[n]) return n;
@@ -255,6 +261,12 @@ class HostGroup : public LockstepGroup {
   /// Runs this node's part of the op once every peer's message is in.
   absl::Status FinishExchange(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
                               std::span<RankOutcome> out);
+  /// Row offsets in node m's combine area of every block (ExchangeCombineLayout): for a
+  /// normal combine (width R, counts [R, R]) a block per rank not on m, for a low-latency
+  /// one (width E, counts [R, E]) a block per expert not on m, in ascending order, each of
+  /// the rows it holds of node m's tokens. Fills span_.combine_off [width] (blocks of m's own
+  /// ranks/experts get the offset of the next block) and returns the total rows.
+  int64_t CombineOffsets(int32_t m, const std::vector<int32_t>& counts, int32_t width);
   /// Pops node n's next immediate into span_.pending[n]; returns whether one is pending for
   /// `seq` (older ones are dropped).
   bool ImmFor(int32_t n, uint64_t seq);
@@ -266,7 +278,11 @@ class HostGroup : public LockstepGroup {
     std::vector<abi::ExchangeSlotLayout> in_layout, out_layout;  // [N]
     std::vector<uint64_t> recv_offset;                           // [N]
     std::vector<uint64_t> remote_offset;  // [N]: this node's parity-0 slot at node n.
-    const OpPlan* plan = nullptr;         // The running op (LockstepGroup's running_).
+    std::vector<abi::ExchangeCombineLayout> combine_layout;  // [N] each node's area.
+    std::vector<uint64_t> combine_offset;  // [N]: each node's parity-0 combine area.
+    std::vector<int64_t> combine_off;      // [max(R, E) + 1]: CombineOffsets' output.
+    std::vector<int64_t> block_start;      // [E]: LL combine remote blocks.
+    const OpPlan* plan = nullptr;          // The running op (LockstepGroup's running_).
     const std::vector<abi::RequestSlot>* slots = nullptr;
     std::vector<uint64_t> recv;                    // The receive region.
     std::vector<std::vector<uint64_t>> send;       // [N] send staging.
@@ -583,6 +599,19 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
     s.recv_offset[n] = recv_bytes;
     recv_bytes += 2 * s.in_layout[n].total;
   }
+  // The combine area (both parities) after the slots, here and at every peer.
+  s.combine_layout.resize(s.num_nodes);
+  s.combine_offset.assign(s.num_nodes, 0);
+  for (int32_t n = 0; n < s.num_nodes; ++n) {
+    s.combine_layout[n] = abi::ExchangeCombineLayout::Compute(s.xs, s.count[n]);
+    for (int32_t k = 0; k < s.num_nodes; ++k) {
+      if (k != n) {
+        s.combine_offset[n] +=
+            2 * abi::ExchangeSlotLayout::Compute(s.xs, s.count[k], s.count[n]).total;
+      }
+    }
+  }
+  recv_bytes += 2 * s.combine_layout[node].total;
   const int32_t R = gs.num_ranks, E = gs.num_experts;
   try {
     s.recv.assign(recv_bytes / 8 + 1, 0);
@@ -596,6 +625,8 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
     s.dispatch_counts.assign(static_cast<size_t>(R) * R, 0);
     for (auto& c : s.ll_counts) c.assign(static_cast<size_t>(R) * E, 0);
     s.remote_first.assign(static_cast<size_t>(E), 0);
+    s.block_start.assign(static_cast<size_t>(E), 0);
+    s.combine_off.assign(static_cast<size_t>(std::max(R, E)) + 1, 0);
     s.remote_rows.assign(static_cast<size_t>(E), 0);
     s.dispatch_sources.resize(R);
     s.ll_sources.resize(R);
@@ -723,6 +754,20 @@ void HostGroup::OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& stat
       ++span_.posted[n];
     }
   }
+}
+
+int64_t HostGroup::CombineOffsets(int32_t m, const std::vector<int32_t>& counts, int32_t width) {
+  const int32_t per_owner = width == shape().num_ranks ? 1 : shape().num_local_experts();
+  const int32_t first = span_.first[m], last = span_.first[m] + span_.count[m];
+  int64_t total = 0;
+  for (int32_t x = 0; x < width; ++x) {
+    span_.combine_off[x] = total;
+    const int32_t owner = x / per_owner;
+    if (owner >= first && owner < last) continue;
+    for (int32_t s = first; s < last; ++s) total += counts[static_cast<size_t>(s) * width + x];
+  }
+  span_.combine_off[width] = total;
+  return total;
 }
 
 absl::Status HostGroup::PostToNode(int32_t n, uint64_t seq,
@@ -931,8 +976,16 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
         break;
       }
       case abi::OpKind::kCombine: {
-        // Rows of this node's ranks that belong to node n's tokens: one range per rank.
+        // Rows of this node's ranks that belong to node n's tokens: one range per rank, to
+        // its count-addressed block of node n's combine area.
         const std::vector<int32_t>& dc = span_.dispatch_counts;
+        const abi::ExchangeCombineLayout& cl = span_.combine_layout[n];
+        const uint64_t area = span_.combine_offset[n] + (plan.seq % 2) * cl.total;
+        if (static_cast<uint64_t>(CombineOffsets(n, dc, R)) > cl.rows) {
+          return absl::InternalError(absl::StrCat("op ", plan.seq, ": ", span_.combine_off[R],
+                                                  " combine rows for node ", n, ", more than ",
+                                                  cl.rows));
+        }
         for (int32_t i = 0; i < Rl; ++i) {
           const int32_t r = first + i;
           int64_t start = 0, cnt = 0;
@@ -941,13 +994,12 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
             cnt += dc[int64_t{s2} * R + r];
           }
           rows[i] = static_cast<int32_t>(cnt);
-          const uint64_t blk =
-              remote + sl.payload + static_cast<uint64_t>(i) * sl.combine_block_bytes;
+          const uint64_t off = static_cast<uint64_t>(span_.combine_off[r]);
           pieces.push_back({Ptr<const uint8_t>(r, L.in_combine_x) + start * 2 * H,
-                            static_cast<uint64_t>(cnt) * 2 * H, blk});
+                            static_cast<uint64_t>(cnt) * 2 * H, area + cl.x + off * 2 * H});
           if (flags.combine_weights) {
             pieces.push_back({Ptr<const uint8_t>(r, L.in_combine_weights) + start * K * 4,
-                              static_cast<uint64_t>(cnt) * K * 4, blk + sl.combine_weights});
+                              static_cast<uint64_t>(cnt) * K * 4, area + cl.weights + off * K * 4});
           }
         }
         break;
@@ -955,6 +1007,13 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
       case abi::OpKind::kLowLatencyCombine: {
         const std::vector<int32_t>& c = span_.ll_counts[plan.ll_handle_buffer];
         const int64_t rpe = gs.ll_rows_per_expert();
+        const abi::ExchangeCombineLayout& cl = span_.combine_layout[n];
+        const uint64_t area = span_.combine_offset[n] + (plan.seq % 2) * cl.total;
+        if (static_cast<uint64_t>(CombineOffsets(n, c, E)) > cl.ll_rows) {
+          return absl::InternalError(absl::StrCat("op ", plan.seq, ": ", span_.combine_off[E],
+                                                  " low-latency combine rows for node ", n,
+                                                  ", more than ", cl.ll_rows));
+        }
         for (int32_t i = 0; i < Rl; ++i) {
           const int32_t r = first + i;
           for (int32_t j = 0; j < El; ++j) {
@@ -965,10 +1024,9 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
               cnt += c[int64_t{s2} * E + e];
             }
             rows[i * El + j] = static_cast<int32_t>(cnt);
-            const uint64_t blk =
-                remote + sl.payload + static_cast<uint64_t>(i * El + j) * sl.ll_combine_block_bytes;
+            const uint64_t off = static_cast<uint64_t>(span_.combine_off[e]);
             pieces.push_back({Ptr<const uint8_t>(r, L.in_ll_combine_x) + (j * rpe + start) * 2 * H,
-                              static_cast<uint64_t>(cnt) * 2 * H, blk});
+                              static_cast<uint64_t>(cnt) * 2 * H, area + cl.x + off * 2 * H});
           }
         }
         break;
@@ -1232,6 +1290,14 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
     }
     case abi::OpKind::kCombine: {
       const std::vector<int32_t>& dc = span_.dispatch_counts;
+      const abi::ExchangeCombineLayout& cl = span_.combine_layout[span_.self];
+      const uint8_t* area = CombineArea(plan.seq);
+      if (static_cast<uint64_t>(CombineOffsets(span_.self, dc, R)) > cl.rows) {
+        return absl::DataLossError(absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ",
+                                                span_.combine_off[R],
+                                                " combine rows come back here, more than ", cl.rows,
+                                                ": the dispatch's counts were wrong"));
+      }
       for (int32_t r = 0; r < R; ++r) {
         auto& a = combine_args_[r];
         a = {};
@@ -1257,13 +1323,11 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
           return malformed(
               n, absl::StrCat(rows_of(n)[i], " combine rows of rank ", r, ", ", cnt, " expected"));
         }
-        const uint8_t* blk = RecvSlot(n, plan.seq) + span_.in_layout[n].payload +
-                             i * span_.in_layout[n].combine_block_bytes;
-        a.x = reinterpret_cast<const kernels::bf16_bits*>(blk);
-        a.topk_weights =
-            flags.combine_weights
-                ? reinterpret_cast<const float*>(blk + span_.in_layout[n].combine_weights)
-                : nullptr;
+        const int64_t off = span_.combine_off[r];
+        a.x = reinterpret_cast<const kernels::bf16_bits*>(area + cl.x) + off * gs.hidden;
+        a.topk_weights = flags.combine_weights
+                             ? reinterpret_cast<const float*>(area + cl.weights) + off * gs.num_topk
+                             : nullptr;
         a.x_first_row = static_cast<int32_t>(start);
         a.num_recv_tokens = static_cast<int32_t>(start + cnt);
       }
@@ -1272,6 +1336,14 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
     }
     case abi::OpKind::kLowLatencyCombine: {
       const std::vector<int32_t>& c = span_.ll_counts[plan.ll_handle_buffer];
+      const abi::ExchangeCombineLayout& cl = span_.combine_layout[span_.self];
+      const uint8_t* area = CombineArea(plan.seq);
+      if (static_cast<uint64_t>(CombineOffsets(span_.self, c, E)) > cl.ll_rows) {
+        return absl::DataLossError(
+            absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ", span_.combine_off[E],
+                         " low-latency combine rows come back here, more than ", cl.ll_rows,
+                         ": the dispatch's counts were wrong"));
+      }
       for (int32_t r = 0; r < R; ++r) {
         auto& a = ll_combine_args_[r];
         a = {};
@@ -1297,13 +1369,12 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
           }
           span_.remote_first[e] = static_cast<int32_t>(start);
           span_.remote_rows[e] = static_cast<int32_t>(cnt);
+          span_.block_start[e] = span_.combine_off[e];
         }
-        a.x = reinterpret_cast<const kernels::bf16_bits*>(
-            RecvSlot(n, plan.seq) + span_.in_layout[n].payload +
-            static_cast<uint64_t>(i) * El * span_.in_layout[n].ll_combine_block_bytes);
+        a.x = reinterpret_cast<const kernels::bf16_bits*>(area + cl.x);
         a.x_first_row = span_.remote_first.data() + static_cast<size_t>(r) * El;
         a.x_num_rows = span_.remote_rows.data() + static_cast<size_t>(r) * El;
-        a.x_block_rows = static_cast<int64_t>(span_.in_layout[n].ll_combine_rows);
+        a.x_block_start = span_.block_start.data() + static_cast<size_t>(r) * El;
       }
       KernelScope k(plane_->options().on_kernels);
       return kernels::host::LowLatencyCombine(gs, ll_combine_args_, exec);

@@ -247,12 +247,12 @@ struct LowLatencyCombineRankArgs {
   const bf16_bits* x = nullptr;         ///< [El, R*Mll, H] bf16 expert outputs.
   bf16_bits* combined_x = nullptr;      ///< out [T, H] bf16.
   /// When set, x holds part of each expert's rows (a node of a group that spans nodes
-  /// holds, of another node's rank, the rows of its own tokens; host_node_ops.h): block j
-  /// of x, at x_block_rows rows per block, holds the expert's rows [x_first_row[j],
-  /// x_first_row[j] + x_num_rows[j]), and every handle_pos naming it must be in that range.
-  const int32_t* x_first_row = nullptr;  ///< [El] or null (every row present).
-  const int32_t* x_num_rows = nullptr;   ///< [El] with x_first_row.
-  int64_t x_block_rows = 0;              ///< Rows per block with x_first_row.
+  /// holds, of another node's rank, the rows of its own tokens; host_node_ops.h): expert
+  /// j's rows [x_first_row[j], x_first_row[j] + x_num_rows[j]) start at row
+  /// x_block_start[j] of x, and every handle_pos naming the expert must be in that range.
+  const int32_t* x_first_row = nullptr;    ///< [El] or null (every row present).
+  const int32_t* x_num_rows = nullptr;     ///< [El] with x_first_row.
+  const int64_t* x_block_start = nullptr;  ///< [El] with x_first_row.
 };
 
 /// Low-latency combine over all ranks: combined_x[t] = bf16(Σ_{k ascending, idx >= 0}
