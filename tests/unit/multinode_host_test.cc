@@ -370,6 +370,37 @@ TEST_F(MultinodeHostTest, BadRequestOnOneNodeFailsEveryNode) {
   for (int r = 0; r < 4; ++r) EXPECT_EQ(done[r].status_code, 0) << Message(done[r]);
 }
 
+// GetDispatchLayout exchanges nothing but its header: a bad topk_idx fails its own rank
+// only, as on one node, and the layout of every other rank is that of kernels/host.
+TEST_F(MultinodeHostTest, LayoutErrorIsTheRanksOwn) {
+  Start({1, 2});
+  if (HasFatalFailure()) return;
+  MakeInputs(8);
+  At<int64_t>(1, layout_.in_topk_idx)[0] = -7;
+  std::vector<int> tokens = {3, 3, 3};
+  auto done = RunOnAll(abi::OpKind::kGetDispatchLayout, 0, tokens);
+  EXPECT_EQ(done[0].status_code, 0) << Message(done[0]);
+  EXPECT_EQ(done[1].status_code, static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(Message(done[1]).find("-7"), std::string::npos) << Message(done[1]);
+  EXPECT_EQ(done[2].status_code, 0) << Message(done[2]);
+  for (int r : {0, 2}) {
+    std::vector<int32_t> per_rank(3), per_expert(shape_.num_experts);
+    std::vector<uint8_t> in_rank(shape_.max_tokens_per_rank * 3);
+    kernels::host::LayoutRankArgs a;
+    a.num_tokens = 3;
+    a.topk_idx = At<int64_t>(r, layout_.in_topk_idx);
+    a.num_tokens_per_rank = per_rank.data();
+    a.num_tokens_per_expert = per_expert.data();
+    a.is_token_in_rank = in_rank.data();
+    ASSERT_TRUE(kernels::host::GetDispatchLayout(shape_, a, {1}).ok());
+    EXPECT_TRUE(Same(At<int32_t>(r, layout_.layout_tokens_per_rank), per_rank.data(), 3)) << r;
+    EXPECT_TRUE(Same(At<int32_t>(r, layout_.layout_tokens_per_expert), per_expert.data(),
+                     per_expert.size()))
+        << r;
+    EXPECT_TRUE(Same(At<uint8_t>(r, layout_.layout_is_token_in_rank), in_rank.data(), 3 * 3)) << r;
+  }
+}
+
 // Nodes disagreeing on the op: INVALID_ARGUMENT on every node.
 TEST_F(MultinodeHostTest, NodesDisagreeingOnTheOpFailEverywhere) {
   Start({1, 1});

@@ -860,8 +860,9 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
   const uint64_t handle_seq = slots[first].handle_seq;
   // This node's checks first: a bad request here fails the op on every node.
   absl::Status local = absl::OkStatus();
-  const bool needs_idx = plan.op == abi::OpKind::kGetDispatchLayout ||
-                         plan.op == abi::OpKind::kLowLatencyDispatch ||
+  // (GetDispatchLayout checks each rank's topk_idx on its own, in FinishExchange: one
+  // rank's error is its own, as on one node.)
+  const bool needs_idx = plan.op == abi::OpKind::kLowLatencyDispatch ||
                          plan.op == abi::OpKind::kLowLatencyCombine ||
                          (plan.op == abi::OpKind::kDispatch && !flags.cached_handle);
   for (int32_t r = first; r < first + Rl && local.ok() && needs_idx; ++r) {
@@ -1156,10 +1157,13 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
         auto& a = layout_args_[r];
         a = {};
         a.num_tokens = slots[r].num_tokens;
-        a.topk_idx = Private(r).topk_idx.data();
         a.num_tokens_per_rank = Ptr<int32_t>(r, L.layout_tokens_per_rank);
         a.num_tokens_per_expert = Ptr<int32_t>(r, L.layout_tokens_per_expert);
         a.is_token_in_rank = Ptr<uint8_t>(r, L.layout_is_token_in_rank);
+        absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens);
+        out[r].status = idx.status();
+        if (!idx.ok()) continue;
+        a.topk_idx = *idx;
         KernelScope k(plane_->options().on_kernels);
         out[r].status = kernels::host::GetDispatchLayout(gs, a, exec);
       }
