@@ -735,7 +735,7 @@ abi::ExchangeHeader& HostGroup::StageHeader(int32_t n, uint64_t seq, uint32_t op
   h.handle_seq = handle_seq;
   h.status_code = static_cast<int32_t>(status.code());
   const size_t len = std::min<size_t>(status.message().size(), abi::kExchangeMessageBytes);
-  std::memcpy(h.message, status.message().data(), len);
+  if (len > 0) std::memcpy(h.message, status.message().data(), len);
   h.message_bytes = static_cast<uint32_t>(len);
   return h;
 }
@@ -895,7 +895,7 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
     if (header_only) {
       h.status_code = static_cast<int32_t>(local.code());
       const size_t len = std::min<size_t>(local.message().size(), abi::kExchangeMessageBytes);
-      std::memcpy(h.message, local.message().data(), len);
+      if (len > 0) std::memcpy(h.message, local.message().data(), len);
       h.message_bytes = static_cast<uint32_t>(len);
       pieces.push_back({base, sizeof(abi::ExchangeHeader), remote});
       EPD_RETURN_IF_ERROR(PostToNode(n, plan.seq, pieces));
