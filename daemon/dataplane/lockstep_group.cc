@@ -16,6 +16,21 @@
 namespace epd {
 namespace {
 
+/// The node of `rank` in a spanning spec (-1 if none), with its first rank and count.
+int32_t NodeOfRank(const v1::GroupSpec& spec, int32_t rank, int32_t* first, int32_t* count) {
+  int32_t begin = 0;
+  for (int32_t n = 0; n < spec.nodes_size(); ++n) {
+    const int32_t c = spec.nodes(n).num_ranks();
+    if (rank >= begin && rank < begin + c) {
+      if (first) *first = begin;
+      if (count) *count = c;
+      return n;
+    }
+    begin += c;
+  }
+  return -1;
+}
+
 using Clock = std::chrono::steady_clock;
 
 std::atomic<uint64_t> g_next_endpoint_id{1};
@@ -42,6 +57,9 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
       outcomes_(spec.num_ranks()) {
   missing_.reserve(spec.num_ranks());
   gone_.reserve(spec.num_ranks());
+  spanning_ = spec.nodes_size() >= 2;
+  self_node_ = spanning_ ? -1 : 0;
+  local_count_ = spanning_ ? 0 : spec.num_ranks();
 }
 
 bool LockstepGroup::PollOpInto(std::span<RankOutcome> outcomes) {
@@ -73,6 +91,18 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " outside [0, ", endpoints_.size(), ")"));
   }
+  int32_t node_first = 0, node_count = 0;
+  const int32_t node = spanning_ ? NodeOfRank(spec_, rank, &node_first, &node_count) : 0;
+  if (spanning_) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (node < 0 || (self_node_ >= 0 && node != self_node_)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group ", spec_.name(), ": rank ", rank, " lives on node ", node, " (",
+          node >= 0 ? spec_.nodes(node).peer_address() : std::string("none"),
+          "); this daemon is node ", self_node_, " of the group and hosts ranks ", local_first_,
+          "-", local_first_ + local_count_ - 1, ": join that node's daemon"));
+    }
+  }
   auto ep = std::make_unique<LockstepEndpoint>();
   ep->log_limiter = client.log_budget ? client.log_budget : std::make_shared<LogRateLimiter>();
   EPD_ASSIGN_OR_RETURN(ep->backend, PrepareRank(rank, gpu_uuid, launch_mode, info));
@@ -103,6 +133,20 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   std::lock_guard<std::mutex> lock(mu_);
   if (endpoints_[rank]) {
     return absl::AlreadyExistsError(absl::StrCat("rank ", rank, " is already attached"));
+  }
+  if (spanning_ && self_node_ < 0) {
+    self_node_ = node;
+    local_first_ = node_first;
+    local_count_ = node_count;
+    if (absl::Status st = NodeChosen(node); !st.ok()) {
+      self_node_ = -1;
+      local_first_ = local_count_ = 0;
+      return st;
+    }
+  } else if (spanning_ && node != self_node_) {
+    return absl::InvalidArgumentError(absl::StrCat("group ", spec_.name(), ": rank ", rank,
+                                                   " lives on node ", node,
+                                                   ", this daemon is node ", self_node_));
   }
   // A rank rejoining while an op of the group still runs in the backend continues after it.
   const uint64_t first_seq = current_seq_ + (running_ ? 1 : 0);
@@ -258,6 +302,16 @@ void LockstepGroup::CountOp(uint32_t op) {
 
 void LockstepGroup::FailOp(const absl::Status& status) {
   ops_failed_.fetch_add(1);
+  if (spanning_) {
+    uint32_t op = 0;
+    for (const auto& ep : endpoints_) {
+      if (ep && ep->request) {
+        op = ep->request->op;
+        break;
+      }
+    }
+    OpFailedHere(current_seq_, op, status);
+  }
   // The op counts for the buffer rule as the ranks submitted it (they agree, or it fails).
   for (const auto& ep : endpoints_) {
     if (ep && ep->request) {
@@ -307,9 +361,16 @@ bool LockstepGroup::Poll() {
       return true;
     }
   }
+  if (spanning_) {
+    if (absl::Status st = PeerFailure(current_seq_); !st.ok()) {
+      LogClientCaused(spdlog::level::warn, "{}", st.message());
+      FailOp(st);  // Told to the other nodes too: one still running it waits for us.
+      return true;
+    }
+  }
   std::vector<int32_t>& missing = missing_;  // Capacity R: no allocation.
   missing.clear();
-  for (size_t r = 0; r < endpoints_.size(); ++r) {
+  for (size_t r = local_first_; r < static_cast<size_t>(local_first_ + local_count_); ++r) {
     if (!endpoints_[r] || !endpoints_[r]->request) missing.push_back(static_cast<int32_t>(r));
   }
   // A rank that left or died since the last op cannot arrive unless it rejoins: fail the op
@@ -339,7 +400,7 @@ bool LockstepGroup::Poll() {
             ? absl::DeadlineExceededError(absl::StrCat(
                   "op ", current_seq_, " of group ", spec_.name(),
                   ": every rank arrived but the backend could not start it within op_timeout ",
-                  options_.op_timeout_ms, " ms (an earlier op is still running on the GPU)"))
+                  options_.op_timeout_ms, " ms (", NotReadyReason(), ")"))
             : absl::DeadlineExceededError(
                   absl::StrCat("op ", current_seq_, " of group ", spec_.name(), ": rank(s) ",
                                absl::StrJoin(missing, ", "), " did not arrive within op_timeout ",
@@ -352,10 +413,11 @@ bool LockstepGroup::Poll() {
 }
 
 bool LockstepGroup::RunOp() {
-  const int R = static_cast<int>(endpoints_.size());
+  const int R = local_first_ + local_count_;  // Every rank, or this node's.
+  const int first = local_first_;
   std::vector<abi::RequestSlot>& slots = running_slots_;  // [R], reused.
   // A rejected slot, or ranks disagreeing on the op, fail the op for every rank.
-  for (int r = 0; r < R; ++r) {
+  for (int r = first; r < R; ++r) {
     if (endpoints_[r]->slot_error) {
       const absl::Status& e = *endpoints_[r]->slot_error;
       FailOp(absl::Status(e.code(), absl::StrCat("rank ", r, ": ", e.message())));
@@ -363,11 +425,11 @@ bool LockstepGroup::RunOp() {
     }
     slots[r] = *endpoints_[r]->request;
   }
-  for (int r = 1; r < R; ++r) {
-    bool same_flags = ((slots[r].flags ^ slots[0].flags) & rules::kAgreedFlags) == 0;
-    if (slots[r].op != slots[0].op || !same_flags ||
-        (slots[0].op == static_cast<uint32_t>(abi::OpKind::kDispatch) &&
-         slots[r].expert_alignment != slots[0].expert_alignment)) {
+  for (int r = first + 1; r < R; ++r) {
+    bool same_flags = ((slots[r].flags ^ slots[first].flags) & rules::kAgreedFlags) == 0;
+    if (slots[r].op != slots[first].op || !same_flags ||
+        (slots[first].op == static_cast<uint32_t>(abi::OpKind::kDispatch) &&
+         slots[r].expert_alignment != slots[first].expert_alignment)) {
       // Name what differs: the op, an option flag, or expert_alignment.
       auto describe = [](const abi::RequestSlot& x) {
         return absl::StrCat(
@@ -382,15 +444,15 @@ bool LockstepGroup::RunOp() {
             ")");
       };
       FailOp(absl::InvalidArgumentError(absl::StrCat(
-          "op ", current_seq_, " of group ", spec_.name(), ": ranks disagree: rank 0 submitted ",
-          describe(slots[0]), ", rank ", r, " submitted ", describe(slots[r]))));
+          "op ", current_seq_, " of group ", spec_.name(), ": ranks disagree: rank ", first,
+          " submitted ", describe(slots[first]), ", rank ", r, " submitted ", describe(slots[r]))));
       return true;
     }
   }
   OpPlan plan;
   plan.seq = current_seq_;
-  plan.op = static_cast<abi::OpKind>(slots[0].op);
-  plan.flags = slots[0].flags;
+  plan.op = static_cast<abi::OpKind>(slots[first].op);
+  plan.flags = slots[first].flags;
   if (plan.op == abi::OpKind::kRegisterProgram) {
     if (program_armed_) {
       FailOp(absl::FailedPreconditionError(
@@ -400,8 +462,8 @@ bool LockstepGroup::RunOp() {
     }
     // Validated at pop time, so every rank's program decodes.
     std::vector<std::vector<ProgramStepPlan>> programs(R);
-    for (int r = 0; r < R; ++r) programs[r] = *DecodeProgram(slots[r], shape_);
-    for (int r = 1; r < R; ++r) {
+    for (int r = first; r < R; ++r) programs[r] = *DecodeProgram(slots[r], shape_);
+    for (int r = first + 1; r < R; ++r) {
       const size_t n = std::max(programs[0].size(), programs[r].size());
       for (size_t i = 0; i < n; ++i) {
         auto name = [&](int rank) {
@@ -417,25 +479,25 @@ bool LockstepGroup::RunOp() {
         }
       }
     }
-    plan.program = std::move(programs[0]);
+    plan.program = std::move(programs[first]);
   }
   if (plan.op == abi::OpKind::kLowLatencyCombine) {
-    for (int r = 1; r < R; ++r) {
-      if (slots[r].handle_seq != slots[0].handle_seq) {
-        FailOp(absl::InvalidArgumentError(
-            absl::StrCat("LowLatencyCombine: ranks disagree on the dispatch: rank 0 uses op ",
-                         slots[0].handle_seq, ", rank ", r, " uses op ", slots[r].handle_seq)));
+    for (int r = first + 1; r < R; ++r) {
+      if (slots[r].handle_seq != slots[first].handle_seq) {
+        FailOp(absl::InvalidArgumentError(absl::StrCat(
+            "LowLatencyCombine: ranks disagree on the dispatch: rank ", first, " uses op ",
+            slots[first].handle_seq, ", rank ", r, " uses op ", slots[r].handle_seq)));
         return true;
       }
     }
     for (int b = 0; b < kernels::kLowLatencyBuffers; ++b) {
-      if (ll_dispatch_seq_[b] == slots[0].handle_seq) plan.ll_handle_buffer = b;
+      if (ll_dispatch_seq_[b] == slots[first].handle_seq) plan.ll_handle_buffer = b;
     }
   }
   plan.ll_buffer = parity_.DispatchBuffer();
   plan.ll_out_buffer = parity_.CombineOutBuffer();
   if (!ReadyToStart()) return false;
-  CountOp(slots[0].op);
+  CountOp(slots[first].op);
   running_ = std::move(plan);
   for (RankOutcome& o : outcomes_) o = RankOutcome{};
   if (StartOpInto(*running_, running_slots_, outcomes_)) FinishOp();
@@ -478,7 +540,7 @@ void LockstepGroup::FinishOp() {
         }
         break;
       case abi::OpKind::kLowLatencyDispatch:
-        ll_dispatch_seq_[plan.ll_buffer] = slots[0].seq;
+        ll_dispatch_seq_[plan.ll_buffer] = plan.seq;
         for (int r = 0; r < R; ++r) {
           outcomes[r].buffer = plan.ll_buffer;
           if (LockstepEndpoint* ep = endpoints_[r].get()) {
@@ -515,7 +577,7 @@ void LockstepGroup::FinishOp() {
     ep->request.reset();
   }
   if (!all_ok) {
-    failed_ops_[plan.seq] = outcomes[0].status;
+    failed_ops_[plan.seq] = outcomes[local_first_].status;
     while (failed_ops_.size() > 2 * abi::kRingCapacity) failed_ops_.erase(failed_ops_.begin());
   }
   running_.reset();  // `plan` dies here.

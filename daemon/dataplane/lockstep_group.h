@@ -158,6 +158,14 @@ class LockstepGroup : public DataPlaneGroup {
   void FailAll(const absl::Status& status);
 
   const v1::GroupSpec& spec() const { return spec_; }
+  /// Whether the spec lists >= 2 nodes (DESIGN.md §5): then only this node's ranks attach.
+  bool spanning() const { return spanning_; }
+  /// This daemon's node of a spanning group (-1 until the first rank attached; 0 otherwise).
+  int32_t self_node() const { return self_node_; }
+  /// This node's ranks: [local_first(), local_first() + local_count()) (every rank of a
+  /// one-node group).
+  int32_t local_first() const { return local_first_; }
+  int32_t local_count() const { return local_count_; }
   const kernels::GroupShape& shape() const { return shape_; }
   const kernels::EndpointLayout& layout() const { return layout_; }
 
@@ -184,6 +192,20 @@ class LockstepGroup : public DataPlaneGroup {
   }
   /// Called under mu_ when rank `rank` is detached.
   virtual void RankDetached(int32_t /*rank*/) {}
+  /// Spanning groups: called under mu_ once, at the first attach, with the node of the
+  /// attaching rank, which this daemon is for the group from then on (local_first() and
+  /// local_count() are set before the call). An error fails that join; the next join
+  /// chooses again.
+  virtual absl::Status NodeChosen(int32_t /*node*/) { return absl::OkStatus(); }
+  /// Spanning groups: called under mu_ when op `seq` failed here before the backend ran
+  /// it (a bad request, ranks disagreeing, a rank missing, another node's failure), so
+  /// that the backend tells the other nodes, which fail it with the same error.
+  virtual void OpFailedHere(uint64_t /*seq*/, uint32_t /*op*/, const absl::Status& /*status*/) {}
+  /// Spanning groups: called under mu_ while op `seq` is being collected: an error when
+  /// another node failed it or a peer is lost (the op then fails at once with it).
+  virtual absl::Status PeerFailure(uint64_t /*seq*/) { return absl::OkStatus(); }
+  /// Why ReadyToStart() is false, for the op's DEADLINE_EXCEEDED message.
+  virtual std::string NotReadyReason() const { return "an earlier op is still running on the GPU"; }
   /// Whether the backend can start a (validated) op now, e.g. the previous op has left
   /// the GPU; true commits the backend to the StartOp that follows. While false, the
   /// collected op waits, bounded by op_timeout.
@@ -291,6 +313,8 @@ class LockstepGroup : public DataPlaneGroup {
                      const absl::Status& status);
 
   // ---- the lockstep op (lockstep_group.cc) ----
+  /// Fails the op being collected for every local rank; a spanning group's other nodes
+  /// are told (OpFailedHere), so that one still running it ends it with the same error.
   void FailOp(const absl::Status& status);
   /// Validates the collected op and starts it; false when the backend is not ready.
   bool RunOp();
@@ -301,6 +325,10 @@ class LockstepGroup : public DataPlaneGroup {
   void CountOp(uint32_t op);
 
   v1::GroupSpec spec_;
+  bool spanning_ = false;
+  int32_t self_node_ = 0;
+  int32_t local_first_ = 0;
+  int32_t local_count_ = 0;
   kernels::GroupShape shape_;
   kernels::EndpointLayout layout_;
   LockstepOptions options_;

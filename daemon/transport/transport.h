@@ -67,8 +67,9 @@ class GroupLink {
   virtual std::string LocalDescriptor() const = 0;
 
   /// Starts connecting to node `node` (!= self) with the descriptor it published.
-  /// Non-blocking. Errors: INVALID_ARGUMENT (node, descriptor), FAILED_PRECONDITION
-  /// (already connected).
+  /// Non-blocking. Called again for a node (its daemon registered the group anew: a new
+  /// incarnation), it drops the old connection and its undelivered immediates and
+  /// connects to the new descriptor. Errors: INVALID_ARGUMENT (node, descriptor).
   virtual absl::Status Connect(int32_t node, std::string_view descriptor) = 0;
 
   virtual PeerState State(int32_t node) const = 0;

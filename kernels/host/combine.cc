@@ -8,6 +8,7 @@
 // one round to bf16 (round to nearest even). combined_topk_weights likewise, without the
 // final rounding.
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -56,10 +57,13 @@ absl::Status Combine(const GroupShape& shape, std::span<CombineRankArgs> args,
     for (int32_t t = 0; t < a.num_tokens; ++t) {
       for (int32_t r = 0; r < num_ranks; ++r) {
         const int32_t row = a.send_pos[static_cast<int64_t>(t) * num_ranks + r];
-        if (row != -1 && (row < 0 || row >= args[r].num_recv_tokens)) {
+        if (row != -1 && (row < args[r].x_first_row || row >= args[r].num_recv_tokens)) {
           return absl::InvalidArgumentError(absl::StrCat(
               kOp, ": send_pos of rank ", s, " at token ", t, ", rank ", r, " = ", row,
-              " is outside [-1, num_recv_tokens of rank ", r, " = ", args[r].num_recv_tokens, ")"));
+              " is outside [-1, num_recv_tokens of rank ", r, " = ", args[r].num_recv_tokens, ")",
+              args[r].x_first_row > 0
+                  ? absl::StrCat(" or below its first present row ", args[r].x_first_row)
+                  : std::string()));
         }
       }
     }
@@ -81,7 +85,8 @@ absl::Status Combine(const GroupShape& shape, std::span<CombineRankArgs> args,
       std::fill(acc, acc + hidden, 0.0f);
       for (int32_t r = 0; r < num_ranks; ++r) {
         if (pos[r] < 0) continue;
-        const bf16_bits* x_row = args[r].x + static_cast<int64_t>(pos[r]) * hidden;
+        const bf16_bits* x_row =
+            args[r].x + static_cast<int64_t>(pos[r] - args[r].x_first_row) * hidden;
         for (int64_t h = 0; h < hidden; ++h) acc[h] += Bf16ToFloat(x_row[h]);
       }
       bf16_bits* out = dst.combined_x + static_cast<int64_t>(t) * hidden;
@@ -91,7 +96,11 @@ absl::Status Combine(const GroupShape& shape, std::span<CombineRankArgs> args,
       for (int k = 0; k < num_topk; ++k) {
         float w = 0.0f;
         for (int32_t r = 0; r < num_ranks; ++r) {
-          if (pos[r] >= 0) w += args[r].topk_weights[static_cast<int64_t>(pos[r]) * num_topk + k];
+          if (pos[r] >= 0) {
+            w +=
+                args[r].topk_weights[static_cast<int64_t>(pos[r] - args[r].x_first_row) * num_topk +
+                                     k];
+          }
         }
         w_out[k] = w;
       }

@@ -206,7 +206,17 @@ absl::Status LowLatencyCombine(const GroupShape& shape, std::span<LowLatencyComb
     for (int64_t i = 0; i < static_cast<int64_t>(a.num_tokens) * num_topk; ++i) {
       if (a.topk_idx[i] < 0) continue;
       const int32_t row = a.handle_pos[i];
-      if (row < 0 || row >= rows_per_expert) {
+      const LowLatencyCombineRankArgs& owner = args[a.topk_idx[i] / experts_per_rank];
+      if (owner.x_first_row != nullptr) {
+        const int64_t j = a.topk_idx[i] % experts_per_rank;
+        const int64_t first = owner.x_first_row[j];
+        if (row < first || row >= first + owner.x_num_rows[j]) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(kOp, ": handle_pos of rank ", s, " at token ", i / num_topk, ", k ",
+                           i % num_topk, " = ", row, " is outside the rows [", first, ", ",
+                           first + owner.x_num_rows[j], ") present of expert ", a.topk_idx[i]));
+        }
+      } else if (row < 0 || row >= rows_per_expert) {
         return absl::InvalidArgumentError(absl::StrCat(
             kOp, ": handle_pos of rank ", s, " at token ", i / num_topk, ", k ", i % num_topk,
             " = ", row, " is outside [0, num_ranks * ll_max_tokens_per_rank = ", rows_per_expert,
@@ -236,8 +246,12 @@ absl::Status LowLatencyCombine(const GroupShape& shape, std::span<LowLatencyComb
       for (int k = 0; k < num_topk; ++k) {
         const int64_t e = idx[k];
         if (e < 0) continue;
-        const bf16_bits* y = args[e / experts_per_rank].x +
-                             ((e % experts_per_rank) * rows_per_expert + pos[k]) * hidden;
+        const LowLatencyCombineRankArgs& owner = args[e / experts_per_rank];
+        const int64_t j = e % experts_per_rank;
+        const bf16_bits* y =
+            owner.x_first_row == nullptr
+                ? owner.x + (j * rows_per_expert + pos[k]) * hidden
+                : owner.x + (owner.x_block_start[j] + pos[k] - owner.x_first_row[j]) * hidden;
         const float weight = w[k];
         for (int64_t h = 0; h < hidden; ++h) {
           const float product = weight * Bf16ToFloat(y[h]);

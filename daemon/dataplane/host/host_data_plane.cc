@@ -20,8 +20,12 @@
 #include "common/status_macros.h"
 #include "daemon/dataplane/engine_host.h"
 #include "daemon/dataplane/lockstep_group.h"
+#include "daemon/peer/peer_mesh.h"
+#include "daemon/transport/transport.h"
+#include "epd/kernels/host_node_ops.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
+#include "proto/abi/exchange_abi.h"
 #include "proto/abi/shm_abi.h"
 
 namespace epd {
@@ -76,6 +80,27 @@ struct HostRank : RankResources {
   }
 };
 
+/// The exchange's receive region and send staging of a group that spans nodes, at its
+/// largest node (DESIGN.md §5.1); 0 for a one-node group.
+uint64_t ExchangeBytes(const v1::GroupSpec& spec, const kernels::GroupShape& gs) {
+  if (spec.nodes_size() < 2) return 0;
+  const abi::ExchangeShape xs{gs.num_ranks, gs.num_experts,         gs.hidden,
+                              gs.num_topk,  gs.max_tokens_per_rank, gs.ll_max_tokens_per_rank};
+  uint64_t most = 0;
+  for (int m = 0; m < spec.nodes_size(); ++m) {
+    uint64_t bytes = 0;
+    for (int n = 0; n < spec.nodes_size(); ++n) {
+      if (n == m) continue;
+      const int64_t rn = spec.nodes(n).num_ranks(), rm = spec.nodes(m).num_ranks();
+      bytes += 2 * abi::ExchangeSlotLayout::Compute(xs, rn, rm).total +
+               abi::ExchangeSlotLayout::Compute(xs, rm, rn).total;
+    }
+    bytes += 2 * abi::ExchangeCombineLayout::Compute(xs, spec.nodes(m).num_ranks()).total;
+    most = std::max(most, bytes);
+  }
+  return most;
+}
+
 class HostDataPlaneImpl : public DataPlane {
  public:
   explicit HostDataPlaneImpl(const HostDataPlaneOptions& options);
@@ -92,7 +117,8 @@ class HostDataPlaneImpl : public DataPlane {
   uint64_t GroupPrivateBytes(const v1::GroupSpec& spec) const override {
     const kernels::GroupShape shape = ShapeOf(spec);
     return kernels::host::HostScratch::ReservedBytes(shape, options_.host_threads) +
-           static_cast<uint64_t>(spec.num_ranks()) * HostRank::BytesFor(shape);
+           static_cast<uint64_t>(spec.num_ranks()) * HostRank::BytesFor(shape) +
+           ExchangeBytes(spec, shape);
   }
   absl::StatusOr<uint64_t> FreeBytes(const std::string&) const override { return ShmFreeBytes(); }
   absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override;
@@ -103,6 +129,7 @@ class HostDataPlaneImpl : public DataPlane {
   /// thread, one op at a time).
   kernels::host::HostWorkerPool& kernel_pool() { return kernel_pool_; }
   const ShmRegion& doorbell() const { return engine_.doorbell(); }
+  void WakeEngine() { engine_.Wake(); }
   void Unregister(HostGroup* group) { engine_.Remove(group); }
 
  private:
@@ -140,9 +167,33 @@ class HostGroup : public LockstepGroup {
   /// kernel arguments kept in the group: no allocation outside kernels/host.
   bool StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
                    std::span<RankOutcome> outcomes) override {
+    if (spanning()) return StartExchange(plan, slots, outcomes);
     Execute(plan, slots, outcomes);
     return true;
   }
+  bool PollOpInto(std::span<RankOutcome> outcomes) override;
+  absl::Status NodeChosen(int32_t node) override;
+  void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) override;
+  absl::Status PeerFailure(uint64_t seq) override;
+  bool ReadyToStart() override;
+  std::string NotReadyReason() const override;
+  bool PollBackground() override;
+  /// Spanning groups: publish this node's joined ranks to the peers (for their errors).
+  absl::Status RankAttached(int32_t rank, const std::shared_ptr<RankResources>&) override {
+    PublishJoined(rank, true);
+    return absl::OkStatus();
+  }
+  void RankDetached(int32_t rank) override { PublishJoined(rank, false); }
+  void PublishJoined(int32_t changed, bool joined) {
+    if (!spanning() || !span_.peers) return;
+    std::vector<bool> bits(local_count());
+    for (int32_t i = 0; i < local_count(); ++i) {
+      const int32_t r = local_first() + i;
+      bits[i] = r == changed ? joined : endpoint(r) != nullptr;
+    }
+    span_.peers->SetLocalRanksJoined(bits);
+  }
+  void WakeEngine() override { plane_->WakeEngine(); }
   /// The plane's one doorbell page serves every rank.
   absl::StatusOr<ScopedFd> DoorbellFd(int32_t /*rank*/) const override {
     return plane_->doorbell().DupFd();
@@ -177,6 +228,87 @@ class HostGroup : public LockstepGroup {
   void Publish(int rank, const std::vector<int32_t>& src, int64_t rows, int64_t row_elems,
                const kernels::Region& dst) const;
 
+  // ---- a group that spans nodes (DESIGN.md §5.1) ----
+  /// Node `n`'s slot of parity `p` in this node's receive region.
+  uint8_t* RecvSlot(int32_t n, uint64_t seq) {
+    return reinterpret_cast<uint8_t*>(span_.recv.data()) + span_.recv_offset[n] +
+           (seq % 2) * span_.in_layout[n].total;
+  }
+  /// This node's combine area of op `seq`'s parity.
+  const uint8_t* CombineArea(uint64_t seq) {
+    return reinterpret_cast<const uint8_t*>(span_.recv.data()) + span_.combine_offset[span_.self] +
+           (seq % 2) * span_.combine_layout[span_.self].total;
+  }
+  int32_t NodeOf(int32_t rank) const {
+    for (int32_t n = 0; n < span_.num_nodes; ++n) {
+      if (rank >= span_.first[n] && rank < span_.first[n] + span_.count[n]) return n;
+    }
+    return -1;
+  }
+  /// Posts a header (and `pieces` of payload) of op `plan` to node `n`. The header and
+  /// metadata are already in send staging n.
+  absl::Status PostToNode(int32_t n, uint64_t seq, std::span<const transport::WritePiece> pieces);
+  /// Fills send staging n's header for op `seq`.
+  abi::ExchangeHeader& StageHeader(int32_t n, uint64_t seq, uint32_t op, uint32_t flags,
+                                   int32_t alignment, uint64_t handle_seq,
+                                   const absl::Status& status);
+  bool StartExchange(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                     std::span<RankOutcome> outcomes);
+  /// Packs and posts this node's part of the running op to every peer.
+  absl::Status SendOp(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
+  /// Checks node n's header of op `seq` in the receive region.
+  absl::Status CheckHeader(int32_t n, uint64_t seq) const;
+  /// Runs this node's part of the op once every peer's message is in.
+  absl::Status FinishExchange(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                              std::span<RankOutcome> out);
+  /// Row offsets in node m's combine area of every block (ExchangeCombineLayout): for a
+  /// normal combine (width R, counts [R, R]) a block per rank not on m, for a low-latency
+  /// one (width E, counts [R, E]) a block per expert not on m, in ascending order, each of
+  /// the rows it holds of node m's tokens. Fills span_.combine_off [width] (blocks of m's own
+  /// ranks/experts get the offset of the next block) and returns the total rows.
+  int64_t CombineOffsets(int32_t m, const std::vector<int32_t>& counts, int32_t width);
+  /// Pops node n's next immediate into span_.pending[n]; returns whether one is pending for
+  /// `seq` (older ones are dropped).
+  bool ImmFor(int32_t n, uint64_t seq);
+
+  struct Span {
+    int32_t num_nodes = 0, self = 0;
+    std::vector<int32_t> first, count;  // [N] each node's ranks
+    abi::ExchangeShape xs;
+    std::vector<abi::ExchangeSlotLayout> in_layout, out_layout;  // [N]
+    std::vector<uint64_t> recv_offset;                           // [N]
+    std::vector<uint64_t> remote_offset;  // [N]: this node's parity-0 slot at node n.
+    std::vector<abi::ExchangeCombineLayout> combine_layout;  // [N] each node's area.
+    std::vector<uint64_t> combine_offset;  // [N]: each node's parity-0 combine area.
+    std::vector<int64_t> combine_off;      // [max(R, E) + 1]: CombineOffsets' output.
+    std::vector<int64_t> block_start;      // [E]: LL combine remote blocks.
+    const OpPlan* plan = nullptr;          // The running op (LockstepGroup's running_).
+    const std::vector<abi::RequestSlot>* slots = nullptr;
+    std::vector<uint64_t> recv;                    // The receive region.
+    std::vector<std::vector<uint64_t>> send;       // [N] send staging.
+    std::vector<std::vector<uint64_t>> fail_send;  // [N] error headers.
+    std::vector<uint64_t> posted, fail_posted;     // [N] writes posted.
+    std::unique_ptr<transport::GroupLink> link;
+    std::unique_ptr<peer::GroupPeers> peers;
+    std::vector<uint8_t> connected;     // [N]
+    std::vector<uint64_t> incarnation;  // [N] of the peer connected to.
+    bool in_op = false;                 // An op is being exchanged.
+    std::chrono::steady_clock::time_point next_descriptor_check;
+    std::vector<std::optional<uint32_t>> pending;  // [N] an immediate not yet used.
+    std::vector<uint8_t> got;                      // [N] this op's message is in.
+    std::chrono::steady_clock::time_point started;
+    absl::Status local_status;  // This node's part of the op.
+    std::vector<transport::WritePiece> pieces;
+    std::vector<int32_t> local_counts;                            // [Rl, E] this op's counts here.
+    std::vector<int32_t> counts;                                  // [R, E] or [R, R]: every node's.
+    std::vector<int32_t> dispatch_counts;                         // [R, R] of the routing dispatch.
+    std::vector<int32_t> ll_counts[kernels::kLowLatencyBuffers];  // [R, E] per buffer.
+    std::vector<int32_t> remote_first, remote_rows;  // [R * El] LL combine remote views.
+    std::vector<kernels::host::NodeDispatchSource> dispatch_sources;  // [R]
+    std::vector<kernels::host::NodeLowLatencySource> ll_sources;      // [R]
+  };
+  Span span_;
+
   HostDataPlaneImpl* plane_;
   // Each op kind's kernel arguments, [R], filled in per op (sized once: README "Hot path").
   std::vector<kernels::host::LayoutRankArgs> layout_args_;
@@ -200,6 +332,12 @@ absl::Status HostDataPlaneImpl::Init() {
 absl::StatusOr<std::unique_ptr<DataPlaneGroup>> HostDataPlaneImpl::CreateGroup(
     const v1::GroupSpec& spec) {
   if (shut_down_.load()) return absl::UnavailableError("epd is shutting down");
+  if (spec.nodes_size() >= 2 && (options_.peer_mesh == nullptr || options_.transport == nullptr)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group \"", spec.name(), "\" spans ", spec.nodes_size(),
+        " nodes, but this daemon has no Peer listener (peer_listen is unset in its config), so it "
+        "cannot reach the other nodes; set peer_listen (and peer_secret_file) on every daemon"));
+  }
   // Join checked GroupPrivateBytes against free memory; memory taken by others since then
   // can still make the reservation fail, which must not cross gRPC as an exception.
   std::unique_ptr<HostGroup> group;
@@ -420,6 +558,834 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
     default:
       return fail_all(absl::InternalError(absl::StrCat(
           "host backend: op kind ", OpName(static_cast<uint32_t>(op)), " is not run by StartOp")));
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// A group that spans nodes: the exchange (DESIGN.md §5.1).
+
+absl::Status HostGroup::NodeChosen(int32_t node) {
+  const v1::GroupSpec& sp = spec();
+  const kernels::GroupShape& gs = shape();
+  Span s;
+  s.num_nodes = sp.nodes_size();
+  s.self = node;
+  int32_t at = 0;
+  for (int32_t n = 0; n < s.num_nodes; ++n) {
+    s.first.push_back(at);
+    s.count.push_back(sp.nodes(n).num_ranks());
+    at += sp.nodes(n).num_ranks();
+  }
+  s.xs = {gs.num_ranks, gs.num_experts,         gs.hidden,
+          gs.num_topk,  gs.max_tokens_per_rank, gs.ll_max_tokens_per_rank};
+  uint64_t recv_bytes = 0;
+  s.remote_offset.assign(s.num_nodes, 0);
+  for (int32_t n = 0; n < s.num_nodes; ++n) {  // Where this node's slots lie at node n.
+    uint64_t off = 0;
+    for (int32_t k = 0; k < node && n != node; ++k) {
+      if (k != n) off += 2 * abi::ExchangeSlotLayout::Compute(s.xs, s.count[k], s.count[n]).total;
+    }
+    s.remote_offset[n] = off;
+  }
+  s.in_layout.resize(s.num_nodes);
+  s.out_layout.resize(s.num_nodes);
+  s.recv_offset.assign(s.num_nodes, 0);
+  s.send.resize(s.num_nodes);
+  s.fail_send.resize(s.num_nodes);
+  for (int32_t n = 0; n < s.num_nodes; ++n) {
+    if (n == node) continue;
+    s.in_layout[n] = abi::ExchangeSlotLayout::Compute(s.xs, s.count[n], s.count[node]);
+    s.out_layout[n] = abi::ExchangeSlotLayout::Compute(s.xs, s.count[node], s.count[n]);
+    s.recv_offset[n] = recv_bytes;
+    recv_bytes += 2 * s.in_layout[n].total;
+  }
+  // The combine area (both parities) after the slots, here and at every peer.
+  s.combine_layout.resize(s.num_nodes);
+  s.combine_offset.assign(s.num_nodes, 0);
+  for (int32_t n = 0; n < s.num_nodes; ++n) {
+    s.combine_layout[n] = abi::ExchangeCombineLayout::Compute(s.xs, s.count[n]);
+    for (int32_t k = 0; k < s.num_nodes; ++k) {
+      if (k != n) {
+        s.combine_offset[n] +=
+            2 * abi::ExchangeSlotLayout::Compute(s.xs, s.count[k], s.count[n]).total;
+      }
+    }
+  }
+  recv_bytes += 2 * s.combine_layout[node].total;
+  const int32_t R = gs.num_ranks, E = gs.num_experts;
+  try {
+    s.recv.assign(recv_bytes / 8 + 1, 0);
+    for (int32_t n = 0; n < s.num_nodes; ++n) {
+      if (n == node) continue;
+      s.send[n].assign(s.out_layout[n].total / 8 + 1, 0);
+      s.fail_send[n].assign(sizeof(abi::ExchangeHeader) / 8, 0);
+    }
+    s.local_counts.assign(static_cast<size_t>(s.count[node]) * E, 0);
+    s.counts.assign(static_cast<size_t>(R) * E, 0);
+    s.dispatch_counts.assign(static_cast<size_t>(R) * R, 0);
+    for (auto& c : s.ll_counts) c.assign(static_cast<size_t>(R) * E, 0);
+    s.remote_first.assign(static_cast<size_t>(E), 0);
+    s.block_start.assign(static_cast<size_t>(E), 0);
+    s.combine_off.assign(static_cast<size_t>(std::max(R, E)) + 1, 0);
+    s.remote_rows.assign(static_cast<size_t>(E), 0);
+    s.dispatch_sources.resize(R);
+    s.ll_sources.resize(R);
+    s.pieces.reserve(8 * static_cast<size_t>(s.count[node]) * (gs.num_local_experts() + 8) + 8);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat("group ", sp.name(), ": out of memory for ",
+                                                     recv_bytes, " bytes of receive region"));
+  }
+  s.posted.assign(s.num_nodes, 0);
+  s.fail_posted.assign(s.num_nodes, 0);
+  s.connected.assign(s.num_nodes, 0);
+  s.incarnation.assign(s.num_nodes, 0);
+  s.pending.assign(s.num_nodes, std::nullopt);
+  s.got.assign(s.num_nodes, 0);
+  transport::GroupLinkOptions lo;
+  lo.group = sp.name();
+  lo.num_nodes = s.num_nodes;
+  lo.self_node = node;
+  lo.recv_base = s.recv.data();
+  lo.recv_bytes = recv_bytes;
+  HostDataPlaneImpl* plane = plane_;
+  lo.wake = [plane] { plane->WakeEngine(); };
+  absl::StatusOr<std::unique_ptr<transport::GroupLink>> link =
+      plane_->options().transport->CreateGroupLink(lo);
+  if (!link.ok()) return link.status();
+  s.link = *std::move(link);
+  peer::GroupMembership m;
+  m.spec = sp;
+  m.self_node = node;
+  m.transport_descriptor = s.link->LocalDescriptor();
+  m.wake = [plane] { plane->WakeEngine(); };
+  absl::StatusOr<std::unique_ptr<peer::GroupPeers>> peers =
+      plane_->options().peer_mesh->RegisterGroup(std::move(m));
+  if (!peers.ok()) return peers.status();
+  s.peers = *std::move(peers);
+  span_ = std::move(s);
+  return absl::OkStatus();
+}
+
+bool HostGroup::PollBackground() {
+  if (!spanning() || !span_.peers) return false;
+  // Descriptors are looked at every few milliseconds, not on every poll (a lookup copies
+  // the descriptor: an allocation the steady state must not make per poll).
+  const auto now = std::chrono::steady_clock::now();
+  bool all_connected = true;
+  for (int32_t n = 0; n < span_.num_nodes; ++n)
+    all_connected &= n == span_.self || span_.connected[n];
+  if (all_connected && now < span_.next_descriptor_check) return false;
+  span_.next_descriptor_check = now + std::chrono::milliseconds(5);
+  bool worked = false;
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    if (n == span_.self) continue;
+    std::optional<peer::PeerDescriptor> d = span_.peers->Descriptor(n);
+    if (!d) continue;
+    // A peer that registered the group anew (restarted) is reconnected, between ops only.
+    if (span_.connected[n] && (d->incarnation == span_.incarnation[n] || span_.in_op)) continue;
+    absl::Status st = span_.link->Connect(n, d->transport);
+    if (!st.ok()) {
+      LogClientCaused(spdlog::level::warn, "group {}: connecting to node {}: {}", spec().name(), n,
+                      st.message());
+    }
+    // A new incarnation's immediates start anew; at the first connect an immediate may
+    // already be pending (polled while the op was collected) and is kept.
+    if (span_.connected[n]) span_.pending[n].reset();
+    span_.connected[n] = 1;
+    span_.incarnation[n] = d->incarnation;
+    worked = true;
+  }
+  return worked;
+}
+
+bool HostGroup::ReadyToStart() {
+  if (!spanning()) return true;
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    if (n != span_.self && span_.link->State(n) != transport::PeerState::kReady) return false;
+  }
+  return true;
+}
+
+std::string HostGroup::NotReadyReason() const {
+  std::string why;
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    if (n == span_.self || span_.link->State(n) == transport::PeerState::kReady) continue;
+    absl::StrAppend(&why, why.empty() ? "" : "; ", "node ", n, " (", spec().nodes(n).peer_address(),
+                    ", ranks ", span_.first[n], "-", span_.first[n] + span_.count[n] - 1,
+                    ") is not connected");
+  }
+  const std::string missing = span_.peers ? span_.peers->DescribeMissing() : std::string();
+  if (!missing.empty()) absl::StrAppend(&why, "; ", missing);
+  return why;
+}
+
+abi::ExchangeHeader& HostGroup::StageHeader(int32_t n, uint64_t seq, uint32_t op, uint32_t flags,
+                                            int32_t alignment, uint64_t handle_seq,
+                                            const absl::Status& status) {
+  auto& h = *reinterpret_cast<abi::ExchangeHeader*>(status.ok() ? span_.send[n].data()
+                                                                : span_.fail_send[n].data());
+  h = abi::ExchangeHeader{};
+  h.seq = seq;
+  h.op = op;
+  h.flags = flags & rules::kAgreedFlags;
+  h.expert_alignment = alignment;
+  h.source_node = span_.self;
+  h.first_rank = span_.first[span_.self];
+  h.num_ranks = span_.count[span_.self];
+  h.handle_seq = handle_seq;
+  h.status_code = static_cast<int32_t>(status.code());
+  const size_t len = std::min<size_t>(status.message().size(), abi::kExchangeMessageBytes);
+  if (len > 0) std::memcpy(h.message, status.message().data(), len);
+  h.message_bytes = static_cast<uint32_t>(len);
+  return h;
+}
+
+void HostGroup::OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) {
+  if (!span_.link) return;
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    if (n == span_.self || span_.link->State(n) != transport::PeerState::kReady) continue;
+    // The error header's staging is reused only once the previous one left.
+    if (span_.link->WritesCompleted(n) < span_.posted[n]) continue;
+    StageHeader(n, seq, op, 0, 0, 0, status);
+    const transport::WritePiece piece{
+        span_.fail_send[n].data(), sizeof(abi::ExchangeHeader),
+        span_.remote_offset[n] + (seq % 2) * span_.out_layout[n].total};
+    if (span_.link->PostWrite(n, {&piece, 1}, abi::ExchangeImm(seq, abi::kExchangePhaseOp)).ok()) {
+      ++span_.posted[n];
+    }
+  }
+}
+
+int64_t HostGroup::CombineOffsets(int32_t m, const std::vector<int32_t>& counts, int32_t width) {
+  const int32_t per_owner = width == shape().num_ranks ? 1 : shape().num_local_experts();
+  const int32_t first = span_.first[m], last = span_.first[m] + span_.count[m];
+  int64_t total = 0;
+  for (int32_t x = 0; x < width; ++x) {
+    span_.combine_off[x] = total;
+    const int32_t owner = x / per_owner;
+    if (owner >= first && owner < last) continue;
+    for (int32_t s = first; s < last; ++s) total += counts[static_cast<size_t>(s) * width + x];
+  }
+  span_.combine_off[width] = total;
+  return total;
+}
+
+absl::Status HostGroup::PostToNode(int32_t n, uint64_t seq,
+                                   std::span<const transport::WritePiece> pieces) {
+  absl::Status st = span_.link->PostWrite(n, pieces, abi::ExchangeImm(seq, abi::kExchangePhaseOp));
+  if (st.ok()) ++span_.posted[n];
+  return st;
+}
+
+bool HostGroup::ImmFor(int32_t n, uint64_t seq) {
+  for (;;) {
+    if (!span_.pending[n]) {
+      uint32_t imm = 0;
+      if (!span_.link->PollImm(n, &imm)) return false;
+      span_.pending[n] = imm;
+    }
+    const uint64_t got = abi::ExchangeImmSeq(*span_.pending[n]);
+    const uint64_t want = seq % abi::kExchangeImmSeqModulo;
+    const uint64_t ahead = (got + abi::kExchangeImmSeqModulo - want) % abi::kExchangeImmSeqModulo;
+    if (ahead == 0) return true;
+    if (ahead < abi::kExchangeImmSeqModulo / 2) return false;  // A later op's: keep it.
+    span_.pending[n].reset();  // An op this node already finished or failed: drop it.
+  }
+}
+
+absl::Status HostGroup::CheckHeader(int32_t n, uint64_t seq) const {
+  const auto* slot = reinterpret_cast<const uint8_t*>(span_.recv.data()) + span_.recv_offset[n] +
+                     (seq % 2) * span_.in_layout[n].total;
+  abi::ExchangeHeader h;
+  std::memcpy(&h, slot, sizeof(h));
+  if (h.magic != abi::kExchangeMagic || h.version != abi::kExchangeAbiVersion || h.seq != seq ||
+      h.source_node != n || h.first_rank != span_.first[n] || h.num_ranks != span_.count[n] ||
+      h.message_bytes > abi::kExchangeMessageBytes) {
+    return absl::DataLossError(
+        absl::StrCat("op ", seq, " of group ", spec().name(), ": node ", n, " (",
+                     spec().nodes(n).peer_address(), ") sent a malformed exchange header (magic 0x",
+                     absl::Hex(h.magic), ", version ", h.version, ", seq ", h.seq, ", node ",
+                     h.source_node, ", ranks ", h.first_rank, "+", h.num_ranks, ")"));
+  }
+  if (h.status_code != 0) {
+    const int code = h.status_code > 0 && h.status_code <= 16 ? h.status_code : 2;
+    return absl::Status(static_cast<absl::StatusCode>(code),
+                        std::string(h.message, h.message_bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HostGroup::PeerFailure(uint64_t seq) {
+  if (!span_.peers) return absl::OkStatus();
+  if (absl::Status h = span_.peers->Health(); !h.ok()) return h;
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    if (n == span_.self) continue;
+    if (span_.connected[n]) {
+      if (absl::Status st = span_.link->PeerStatus(n); !st.ok()) return st;
+    }
+    // Another node's failure of this op is taken once every peer can be told (else one
+    // still running it would wait for this node until op_timeout).
+    if (!ReadyToStart() || !ImmFor(n, seq)) continue;
+    absl::Status st = CheckHeader(n, seq);
+    if (!st.ok()) {
+      span_.pending[n].reset();
+      return st;
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool HostGroup::StartExchange(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                              std::span<RankOutcome> /*outcomes*/) {
+  span_.started = std::chrono::steady_clock::now();
+  span_.plan = &plan;
+  span_.slots = &slots;
+  span_.in_op = true;
+  std::fill(span_.got.begin(), span_.got.end(), 0);
+  span_.local_status = SendOp(plan, slots);
+  return false;
+}
+
+absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) {
+  const kernels::GroupShape& gs = shape();
+  const EndpointLayout& L = layout();
+  const int32_t R = gs.num_ranks, E = gs.num_experts, K = gs.num_topk;
+  const int32_t El = gs.num_local_experts();
+  const int32_t S = gs.num_scales();
+  const int64_t H = gs.hidden;
+  const int32_t first = local_first(), Rl = local_count();
+  const rules::RequestOptions flags = rules::DecodeFlags(plan.flags);
+  const uint32_t op = static_cast<uint32_t>(plan.op);
+  const int32_t alignment = slots[first].expert_alignment;
+  const uint64_t handle_seq = slots[first].handle_seq;
+  // This node's checks first: a bad request here fails the op on every node.
+  absl::Status local = absl::OkStatus();
+  // (GetDispatchLayout checks each rank's topk_idx on its own, in FinishExchange: one
+  // rank's error is its own, as on one node.)
+  const bool needs_idx = plan.op == abi::OpKind::kLowLatencyDispatch ||
+                         plan.op == abi::OpKind::kLowLatencyCombine ||
+                         (plan.op == abi::OpKind::kDispatch && !flags.cached_handle);
+  for (int32_t r = first; r < first + Rl && local.ok() && needs_idx; ++r) {
+    local = TakeTopkIdx(r, slots[r].num_tokens).status();
+  }
+  std::vector<int32_t>& lc = span_.local_counts;  // [Rl, E]: this node's sources' counts.
+  std::fill(lc.begin(), lc.end(), 0);
+  for (int32_t i = 0; i < Rl && local.ok(); ++i) {
+    const int32_t r = first + i;
+    if (plan.op == abi::OpKind::kDispatch) {
+      kernels::host::CountDispatchRows(gs, slots[r].num_tokens,
+                                       flags.cached_handle ? nullptr : Private(r).topk_idx.data(),
+                                       flags.cached_handle ? Private(r).send_pos.data() : nullptr,
+                                       lc.data() + static_cast<size_t>(i) * E);
+    } else if (plan.op == abi::OpKind::kLowLatencyDispatch) {
+      kernels::host::CountLowLatencyRows(gs, slots[r].num_tokens, Private(r).topk_idx.data(),
+                                         lc.data() + static_cast<size_t>(i) * E);
+    }
+  }
+  const bool header_only = !local.ok() || plan.op == abi::OpKind::kGetDispatchLayout;
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    if (n == span_.self) continue;
+    const abi::ExchangeSlotLayout& sl = span_.out_layout[n];
+    uint8_t* base = reinterpret_cast<uint8_t*>(span_.send[n].data());
+    const uint64_t remote = span_.remote_offset[n] + (plan.seq % 2) * sl.total;
+    abi::ExchangeHeader& h =
+        StageHeader(n, plan.seq, op, plan.flags, alignment, handle_seq, absl::OkStatus());
+    std::vector<transport::WritePiece>& pieces = span_.pieces;
+    pieces.clear();
+    if (header_only) {
+      h.status_code = static_cast<int32_t>(local.code());
+      const size_t len = std::min<size_t>(local.message().size(), abi::kExchangeMessageBytes);
+      if (len > 0) std::memcpy(h.message, local.message().data(), len);
+      h.message_bytes = static_cast<uint32_t>(len);
+      pieces.push_back({base, sizeof(abi::ExchangeHeader), remote});
+      EPD_RETURN_IF_ERROR(PostToNode(n, plan.seq, pieces));
+      continue;
+    }
+    auto* tokens = reinterpret_cast<int32_t*>(base + sl.tokens);
+    auto* counts = reinterpret_cast<int32_t*>(base + sl.counts);
+    auto* rows = reinterpret_cast<int32_t*>(base + sl.rows);
+    for (int32_t i = 0; i < Rl; ++i) tokens[i] = slots[first + i].num_tokens;
+    std::memcpy(counts, lc.data(), lc.size() * sizeof(int32_t));
+    std::memset(rows, 0, static_cast<size_t>(Rl) * E * sizeof(int32_t));
+    pieces.push_back({base, sl.payload, remote});
+    const kernels::host::NodeRanks to{span_.first[n], span_.count[n]};
+    switch (plan.op) {
+      case abi::OpKind::kDispatch:
+      case abi::OpKind::kLowLatencyDispatch: {
+        const bool ll = plan.op == abi::OpKind::kLowLatencyDispatch;
+        const bool fp8 = flags.use_fp8;
+        const bool cached = !ll && flags.cached_handle;
+        const bool weights = !ll && !cached && flags.dispatch_weights;
+        const int64_t x_bytes = fp8 ? H : 2 * H;
+        for (int32_t i = 0; i < Rl; ++i) {
+          const int32_t r = first + i;
+          const uint64_t blk = sl.payload + static_cast<uint64_t>(i) * sl.block_bytes;
+          auto* ids = reinterpret_cast<int32_t*>(base + blk + sl.ids);
+          auto* idx = reinterpret_cast<int64_t*>(base + blk + sl.idx);
+          auto* pos = reinterpret_cast<int32_t*>(base + blk + sl.pos);
+          auto* w = reinterpret_cast<float*>(base + blk + sl.weights);
+          auto* sc = reinterpret_cast<float*>(base + blk + sl.scales);
+          uint8_t* x = base + blk + sl.x;
+          const int64_t* topk = Private(r).topk_idx.data();
+          const int32_t* cpos = Private(r).send_pos.data();
+          const auto* in_x = Ptr<const uint8_t>(r, L.in_x);
+          int32_t m = 0;
+          for (int32_t t = 0; t < slots[r].num_tokens; ++t) {
+            if (!kernels::host::GoesToNode(gs, to, cached ? nullptr : topk + int64_t{t} * K,
+                                           cached ? cpos + int64_t{t} * R : nullptr)) {
+              continue;
+            }
+            ids[m] = t;
+            if (cached) {
+              std::memcpy(pos + int64_t{m} * R, cpos + int64_t{t} * R, sizeof(int32_t) * R);
+            } else {
+              std::memcpy(idx + int64_t{m} * K, topk + int64_t{t} * K, sizeof(int64_t) * K);
+            }
+            if (weights) {
+              std::memcpy(w + int64_t{m} * K,
+                          Ptr<const float>(r, L.in_topk_weights) + int64_t{t} * K,
+                          sizeof(float) * K);
+            }
+            if (ll && fp8) {
+              kernels::host::QuantizeRowFp8(
+                  reinterpret_cast<const kernels::bf16_bits*>(in_x) + t * H, gs.hidden,
+                  flags.round_scale, reinterpret_cast<kernels::e4m3_bits*>(x) + m * H,
+                  sc + int64_t{m} * S);
+            } else {
+              const int64_t in_bytes = ll ? 2 * H : x_bytes;
+              std::memcpy(x + m * in_bytes, in_x + t * in_bytes, static_cast<size_t>(in_bytes));
+              if (fp8) {
+                std::memcpy(sc + int64_t{m} * S, Ptr<const float>(r, L.in_scales) + int64_t{t} * S,
+                            sizeof(float) * S);
+              }
+            }
+            ++m;
+          }
+          rows[i] = m;
+          const uint64_t rb = remote + blk;
+          const int64_t sent_x = ll && !fp8 ? 2 * H : x_bytes;
+          pieces.push_back({ids, uint64_t(m) * 4, rb + sl.ids});
+          if (cached) {
+            pieces.push_back({pos, uint64_t(m) * R * 4, rb + sl.pos});
+          } else {
+            pieces.push_back({idx, uint64_t(m) * K * 8, rb + sl.idx});
+          }
+          if (weights) pieces.push_back({w, uint64_t(m) * K * 4, rb + sl.weights});
+          if (fp8) pieces.push_back({sc, uint64_t(m) * S * 4, rb + sl.scales});
+          pieces.push_back({x, uint64_t(m) * sent_x, rb + sl.x});
+        }
+        break;
+      }
+      case abi::OpKind::kCombine: {
+        // Rows of this node's ranks that belong to node n's tokens: one range per rank, to
+        // its count-addressed block of node n's combine area.
+        const std::vector<int32_t>& dc = span_.dispatch_counts;
+        const abi::ExchangeCombineLayout& cl = span_.combine_layout[n];
+        const uint64_t area = span_.combine_offset[n] + (plan.seq % 2) * cl.total;
+        if (static_cast<uint64_t>(CombineOffsets(n, dc, R)) > cl.rows) {
+          return absl::InternalError(absl::StrCat("op ", plan.seq, ": ", span_.combine_off[R],
+                                                  " combine rows for node ", n, ", more than ",
+                                                  cl.rows));
+        }
+        for (int32_t i = 0; i < Rl; ++i) {
+          const int32_t r = first + i;
+          int64_t start = 0, cnt = 0;
+          for (int32_t s2 = 0; s2 < span_.first[n]; ++s2) start += dc[int64_t{s2} * R + r];
+          for (int32_t s2 = span_.first[n]; s2 < span_.first[n] + span_.count[n]; ++s2) {
+            cnt += dc[int64_t{s2} * R + r];
+          }
+          rows[i] = static_cast<int32_t>(cnt);
+          const uint64_t off = static_cast<uint64_t>(span_.combine_off[r]);
+          pieces.push_back({Ptr<const uint8_t>(r, L.in_combine_x) + start * 2 * H,
+                            static_cast<uint64_t>(cnt) * 2 * H, area + cl.x + off * 2 * H});
+          if (flags.combine_weights) {
+            pieces.push_back({Ptr<const uint8_t>(r, L.in_combine_weights) + start * K * 4,
+                              static_cast<uint64_t>(cnt) * K * 4, area + cl.weights + off * K * 4});
+          }
+        }
+        break;
+      }
+      case abi::OpKind::kLowLatencyCombine: {
+        const std::vector<int32_t>& c = span_.ll_counts[plan.ll_handle_buffer];
+        const int64_t rpe = gs.ll_rows_per_expert();
+        const abi::ExchangeCombineLayout& cl = span_.combine_layout[n];
+        const uint64_t area = span_.combine_offset[n] + (plan.seq % 2) * cl.total;
+        if (static_cast<uint64_t>(CombineOffsets(n, c, E)) > cl.ll_rows) {
+          return absl::InternalError(absl::StrCat("op ", plan.seq, ": ", span_.combine_off[E],
+                                                  " low-latency combine rows for node ", n,
+                                                  ", more than ", cl.ll_rows));
+        }
+        for (int32_t i = 0; i < Rl; ++i) {
+          const int32_t r = first + i;
+          for (int32_t j = 0; j < El; ++j) {
+            const int32_t e = r * El + j;
+            int64_t start = 0, cnt = 0;
+            for (int32_t s2 = 0; s2 < span_.first[n]; ++s2) start += c[int64_t{s2} * E + e];
+            for (int32_t s2 = span_.first[n]; s2 < span_.first[n] + span_.count[n]; ++s2) {
+              cnt += c[int64_t{s2} * E + e];
+            }
+            rows[i * El + j] = static_cast<int32_t>(cnt);
+            const uint64_t off = static_cast<uint64_t>(span_.combine_off[e]);
+            pieces.push_back({Ptr<const uint8_t>(r, L.in_ll_combine_x) + (j * rpe + start) * 2 * H,
+                              static_cast<uint64_t>(cnt) * 2 * H, area + cl.x + off * 2 * H});
+          }
+        }
+        break;
+      }
+      default:
+        break;
+    }
+    EPD_RETURN_IF_ERROR(PostToNode(n, plan.seq, pieces));
+  }
+  return local;
+}
+
+bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
+  const OpPlan& plan = *span_.plan;
+  auto fail = [&](const absl::Status& st) {
+    for (RankOutcome& o : outcomes) o.status = st;
+    span_.in_op = false;
+    return true;
+  };
+  bool all = true;
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    if (n == span_.self || span_.got[n]) continue;
+    if (absl::Status st = span_.link->PeerStatus(n); !st.ok()) return fail(st);
+    if (ImmFor(n, plan.seq)) {
+      span_.pending[n].reset();
+      span_.got[n] = 1;
+    } else if (span_.pending[n]) {
+      return fail(absl::AbortedError(
+          absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": node ", n, " (",
+                       spec().nodes(n).peer_address(), ") failed it and went on to its next op")));
+    } else {
+      all = false;
+    }
+  }
+  for (int32_t n = 0; n < span_.num_nodes && all; ++n) {
+    if (n != span_.self && span_.link->WritesCompleted(n) < span_.posted[n]) all = false;
+  }
+  if (!all) {
+    if (absl::Status h = span_.peers->Health(); !h.ok()) return fail(h);
+    const auto waited = std::chrono::steady_clock::now() - span_.started;
+    if (waited >= std::chrono::milliseconds(options().op_timeout_ms)) {
+      std::string who;
+      for (int32_t n = 0; n < span_.num_nodes; ++n) {
+        if (n == span_.self || span_.got[n]) continue;
+        absl::StrAppend(&who, who.empty() ? "" : ", ", "node ", n, " (",
+                        spec().nodes(n).peer_address(), ", ranks ", span_.first[n], "-",
+                        span_.first[n] + span_.count[n] - 1, ")");
+      }
+      const std::string missing = span_.peers->DescribeMissing();
+      return fail(absl::DeadlineExceededError(
+          absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ",
+                       who.empty() ? std::string("the writes to the peers did not complete")
+                                   : absl::StrCat(who, " sent nothing"),
+                       " within op_timeout ", options().op_timeout_ms, " ms",
+                       missing.empty() ? "" : "; ", missing)));
+    }
+    return false;
+  }
+  // The lowest node's error wins, so that every node reports the same one.
+  absl::Status st = absl::OkStatus();
+  for (int32_t n = 0; n < span_.num_nodes && st.ok(); ++n) {
+    st = n == span_.self ? span_.local_status : CheckHeader(n, plan.seq);
+  }
+  if (!rules::Describe(static_cast<uint32_t>(plan.op)).exchanges_data) {
+    st = span_.local_status;  // GetDispatchLayout: another node's error is its own.
+  }
+  if (st.ok()) st = FinishExchange(plan, *span_.slots, outcomes);
+  if (!st.ok()) return fail(st);
+  span_.in_op = false;
+  return true;
+}
+
+absl::Status HostGroup::FinishExchange(const OpPlan& plan,
+                                       const std::vector<abi::RequestSlot>& slots,
+                                       std::span<RankOutcome> out) {
+  const kernels::GroupShape& gs = shape();
+  const EndpointLayout& L = layout();
+  const int32_t R = gs.num_ranks, E = gs.num_experts, El = gs.num_local_experts();
+  const int32_t first = local_first(), Rl = local_count();
+  const rules::RequestOptions flags = rules::DecodeFlags(plan.flags);
+  const kernels::host::NodeRanks node{first, Rl};
+  kernels::host::HostExecution exec{plane_->options().host_threads, &plane_->kernel_pool(),
+                                    &kernel_scratch_};
+  // Every node must run the same op: each is compared with node 0's.
+  auto header = [&](int32_t n) {
+    abi::ExchangeHeader h;
+    if (n == span_.self) {
+      h.op = static_cast<uint32_t>(plan.op);
+      h.flags = plan.flags & rules::kAgreedFlags;
+      h.expert_alignment = slots[first].expert_alignment;
+      h.handle_seq = slots[first].handle_seq;
+    } else {
+      std::memcpy(&h, RecvSlot(n, plan.seq), sizeof(h));
+    }
+    return h;
+  };
+  const abi::ExchangeHeader h0 = header(0);
+  for (int32_t n = 1; n < span_.num_nodes; ++n) {
+    const abi::ExchangeHeader h = header(n);
+    const bool dispatch = h0.op == static_cast<uint32_t>(abi::OpKind::kDispatch);
+    const bool ll_combine = h0.op == static_cast<uint32_t>(abi::OpKind::kLowLatencyCombine);
+    if (h.op != h0.op || h.flags != h0.flags ||
+        (dispatch && h.expert_alignment != h0.expert_alignment) ||
+        (ll_combine && h.handle_seq != h0.handle_seq)) {
+      auto describe = [](const abi::ExchangeHeader& x) {
+        return absl::StrCat(OpName(x.op), " (flags 0x", absl::Hex(x.flags), ", expert_alignment ",
+                            x.expert_alignment, ", handle op ", x.handle_seq, ")");
+      };
+      return absl::InvalidArgumentError(absl::StrCat(
+          "op ", plan.seq, " of group ", spec().name(), ": nodes disagree: node 0 (ranks 0-",
+          span_.count[0] - 1, ") submitted ", describe(h0), ", node ", n, " (ranks ",
+          span_.first[n], "-", span_.first[n] + span_.count[n] - 1, ") submitted ", describe(h)));
+    }
+  }
+  // Node n's metadata, checked: its rows per block.
+  auto rows_of = [&](int32_t n) {
+    return reinterpret_cast<const int32_t*>(RecvSlot(n, plan.seq) + span_.in_layout[n].rows);
+  };
+  auto malformed = [&](int32_t n, const std::string& what) {
+    return absl::DataLossError(absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": node ",
+                                            n, " (", spec().nodes(n).peer_address(), ") sent ",
+                                            what));
+  };
+  switch (plan.op) {
+    case abi::OpKind::kGetDispatchLayout: {
+      for (int32_t r = first; r < first + Rl; ++r) {
+        auto& a = layout_args_[r];
+        a = {};
+        a.num_tokens = slots[r].num_tokens;
+        a.num_tokens_per_rank = Ptr<int32_t>(r, L.layout_tokens_per_rank);
+        a.num_tokens_per_expert = Ptr<int32_t>(r, L.layout_tokens_per_expert);
+        a.is_token_in_rank = Ptr<uint8_t>(r, L.layout_is_token_in_rank);
+        absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens);
+        out[r].status = idx.status();
+        if (!idx.ok()) continue;
+        a.topk_idx = *idx;
+        KernelScope k(plane_->options().on_kernels);
+        out[r].status = kernels::host::GetDispatchLayout(gs, a, exec);
+      }
+      return absl::OkStatus();
+    }
+    case abi::OpKind::kDispatch:
+    case abi::OpKind::kLowLatencyDispatch: {
+      const bool ll = plan.op == abi::OpKind::kLowLatencyDispatch;
+      const int32_t width = ll ? E : R;  // Counts per source.
+      std::vector<int32_t>& counts = span_.counts;
+      for (int32_t n = 0; n < span_.num_nodes; ++n) {
+        const int32_t* c = n == span_.self ? span_.local_counts.data()
+                                           : reinterpret_cast<const int32_t*>(
+                                                 RecvSlot(n, plan.seq) + span_.in_layout[n].counts);
+        for (int32_t i = 0; i < span_.count[n]; ++i) {
+          std::memcpy(counts.data() + static_cast<size_t>(span_.first[n] + i) * width,
+                      c + static_cast<size_t>(i) * E, sizeof(int32_t) * width);
+        }
+      }
+      const std::span<const int32_t> all_counts(counts.data(), static_cast<size_t>(R) * width);
+      for (int32_t s = 0; s < R; ++s) {
+        const int32_t n = NodeOf(s);
+        if (n == span_.self) {
+          const bool fp8 = flags.use_fp8 && !ll;
+          span_.dispatch_sources[s] = {
+              slots[s].num_tokens,
+              nullptr,
+              Ptr<const void>(s, L.in_x),
+              fp8 ? Ptr<const float>(s, L.in_scales) : nullptr,
+              flags.cached_handle ? nullptr : Private(s).topk_idx.data(),
+              flags.dispatch_weights ? Ptr<const float>(s, L.in_topk_weights) : nullptr,
+              flags.cached_handle ? Private(s).send_pos.data() : nullptr};
+          span_.ll_sources[s] = {slots[s].num_tokens,        nullptr, Private(s).topk_idx.data(),
+                                 Ptr<const void>(s, L.in_x), nullptr, false};
+          continue;
+        }
+        const abi::ExchangeSlotLayout& sl = span_.in_layout[n];
+        const int32_t i = s - span_.first[n];
+        const int32_t rows = rows_of(n)[i];
+        if (rows < 0 || static_cast<uint64_t>(rows) > sl.block_rows) {
+          return malformed(
+              n, absl::StrCat(rows, " rows of rank ", s, " (at most ", sl.block_rows, ")"));
+        }
+        const uint8_t* blk = RecvSlot(n, plan.seq) + sl.payload + i * sl.block_bytes;
+        const auto* ids = reinterpret_cast<const int32_t*>(blk + sl.ids);
+        const auto* idx = reinterpret_cast<const int64_t*>(blk + sl.idx);
+        const auto* sc = reinterpret_cast<const float*>(blk + sl.scales);
+        span_.dispatch_sources[s] = {
+            rows,
+            ids,
+            blk + sl.x,
+            flags.use_fp8 ? sc : nullptr,
+            flags.cached_handle ? nullptr : idx,
+            flags.dispatch_weights ? reinterpret_cast<const float*>(blk + sl.weights) : nullptr,
+            flags.cached_handle ? reinterpret_cast<const int32_t*>(blk + sl.pos) : nullptr};
+        span_.ll_sources[s] = {rows,         ids, idx, blk + sl.x, flags.use_fp8 ? sc : nullptr,
+                               flags.use_fp8};
+      }
+      absl::Status st;
+      if (!ll) {
+        for (int32_t r = first; r < first + Rl; ++r) {
+          auto& a = dispatch_args_[r];
+          a = {};
+          HostRank& hr = Private(r);
+          a.num_tokens = slots[r].num_tokens;
+          if (flags.cached_handle) {
+            a.cached_send_pos = hr.send_pos.data();
+            a.cached_num_recv_tokens = endpoint(r)->handles.num_recv_tokens();
+          }
+          a.recv_capacity = gs.max_recv_tokens();
+          a.recv_x = Ptr<void>(r, L.recv_x);
+          a.recv_scales = flags.use_fp8 ? Ptr<float>(r, L.recv_scales) : nullptr;
+          a.recv_topk_idx = Ptr<int64_t>(r, L.recv_topk_idx);
+          a.recv_topk_weights = Ptr<float>(r, L.recv_topk_weights);
+          a.recv_tokens_per_expert = Ptr<int32_t>(r, L.recv_tokens_per_expert);
+          a.recv_src_info = Ptr<int32_t>(r, L.recv_src_info);
+          a.send_pos = hr.send_pos.data();
+          a.rank_prefix = Ptr<int32_t>(r, L.rank_prefix);
+        }
+        kernels::host::DispatchOptions opt;
+        opt.fp8 = flags.use_fp8;
+        opt.expert_alignment = slots[first].expert_alignment;
+        {
+          KernelScope k(plane_->options().on_kernels);
+          st = kernels::host::NodeDispatch(gs, opt, flags.dispatch_weights, node, all_counts,
+                                           span_.dispatch_sources,
+                                           std::span(dispatch_args_).subspan(first, Rl), exec);
+        }
+        if (!st.ok()) return st;
+        for (int32_t r = first; r < first + Rl; ++r) {
+          *Ptr<int32_t>(r, L.recv_count) = dispatch_args_[r].num_recv_tokens;
+          out[r].num_recv_tokens = dispatch_args_[r].num_recv_tokens;
+          Publish(r, Private(r).send_pos, dispatch_args_[r].num_tokens, R, L.send_pos);
+        }
+        span_.dispatch_counts.assign(all_counts.begin(), all_counts.end());
+        return absl::OkStatus();
+      }
+      const int b = plan.ll_buffer;
+      for (int32_t r = first; r < first + Rl; ++r) {
+        auto& a = ll_dispatch_args_[r];
+        a = {};
+        a.num_tokens = slots[r].num_tokens;
+        a.x = Ptr<const kernels::bf16_bits>(r, L.in_x);
+        a.topk_idx = Private(r).topk_idx.data();
+        a.recv_x = Ptr<void>(r, L.ll_recv_x[b]);
+        a.recv_scales = flags.use_fp8 ? Ptr<void>(r, L.ll_recv_scales[b]) : nullptr;
+        a.recv_count = Ptr<int32_t>(r, L.ll_recv_count[b]);
+        a.recv_src_info = Ptr<int32_t>(r, L.ll_recv_src_info[b]);
+        a.handle_pos = Private(r).ll_handle_pos[b].data();
+      }
+      kernels::host::LowLatencyDispatchOptions opt;
+      opt.use_fp8 = flags.use_fp8;
+      opt.round_scale = flags.round_scale;
+      opt.use_ue8m0 = flags.use_ue8m0;
+      {
+        KernelScope k(plane_->options().on_kernels);
+        st = kernels::host::NodeLowLatencyDispatch(gs, opt, node, all_counts, span_.ll_sources,
+                                                   std::span(ll_dispatch_args_).subspan(first, Rl),
+                                                   exec);
+      }
+      if (!st.ok()) return st;
+      for (int32_t r = first; r < first + Rl; ++r) {
+        Publish(r, Private(r).ll_handle_pos[b], slots[r].num_tokens, gs.num_topk,
+                L.ll_handle_pos[b]);
+      }
+      span_.ll_counts[b].assign(all_counts.begin(), all_counts.end());
+      return absl::OkStatus();
+    }
+    case abi::OpKind::kCombine: {
+      const std::vector<int32_t>& dc = span_.dispatch_counts;
+      const abi::ExchangeCombineLayout& cl = span_.combine_layout[span_.self];
+      const uint8_t* area = CombineArea(plan.seq);
+      if (static_cast<uint64_t>(CombineOffsets(span_.self, dc, R)) > cl.rows) {
+        return absl::DataLossError(absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ",
+                                                span_.combine_off[R],
+                                                " combine rows come back here, more than ", cl.rows,
+                                                ": the dispatch's counts were wrong"));
+      }
+      for (int32_t r = 0; r < R; ++r) {
+        auto& a = combine_args_[r];
+        a = {};
+        const int32_t n = NodeOf(r);
+        if (n == span_.self) {
+          const LockstepEndpoint& ep = *endpoint(r);
+          a.num_tokens = ep.handles.routing_tokens();
+          a.send_pos = Private(r).send_pos.data();
+          a.num_recv_tokens = ep.handles.num_recv_tokens();
+          a.x = Ptr<const kernels::bf16_bits>(r, L.in_combine_x);
+          a.topk_weights =
+              flags.combine_weights ? Ptr<const float>(r, L.in_combine_weights) : nullptr;
+          a.combined_x = Ptr<kernels::bf16_bits>(r, L.combined_x);
+          a.combined_topk_weights =
+              flags.combine_weights ? Ptr<float>(r, L.combined_topk_weights) : nullptr;
+          continue;
+        }
+        int64_t start = 0, cnt = 0;
+        for (int32_t s = 0; s < first; ++s) start += dc[int64_t{s} * R + r];
+        for (int32_t s = first; s < first + Rl; ++s) cnt += dc[int64_t{s} * R + r];
+        const int32_t i = r - span_.first[n];
+        if (rows_of(n)[i] != cnt) {
+          return malformed(
+              n, absl::StrCat(rows_of(n)[i], " combine rows of rank ", r, ", ", cnt, " expected"));
+        }
+        const int64_t off = span_.combine_off[r];
+        a.x = reinterpret_cast<const kernels::bf16_bits*>(area + cl.x) + off * gs.hidden;
+        a.topk_weights = flags.combine_weights
+                             ? reinterpret_cast<const float*>(area + cl.weights) + off * gs.num_topk
+                             : nullptr;
+        a.x_first_row = static_cast<int32_t>(start);
+        a.num_recv_tokens = static_cast<int32_t>(start + cnt);
+      }
+      KernelScope k(plane_->options().on_kernels);
+      return kernels::host::Combine(gs, combine_args_, exec);
+    }
+    case abi::OpKind::kLowLatencyCombine: {
+      const std::vector<int32_t>& c = span_.ll_counts[plan.ll_handle_buffer];
+      const abi::ExchangeCombineLayout& cl = span_.combine_layout[span_.self];
+      const uint8_t* area = CombineArea(plan.seq);
+      if (static_cast<uint64_t>(CombineOffsets(span_.self, c, E)) > cl.ll_rows) {
+        return absl::DataLossError(
+            absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ", span_.combine_off[E],
+                         " low-latency combine rows come back here, more than ", cl.ll_rows,
+                         ": the dispatch's counts were wrong"));
+      }
+      for (int32_t r = 0; r < R; ++r) {
+        auto& a = ll_combine_args_[r];
+        a = {};
+        const int32_t n = NodeOf(r);
+        if (n == span_.self) {
+          a.num_tokens = slots[r].num_tokens;
+          a.topk_weights = Ptr<const float>(r, L.in_topk_weights);
+          a.handle_pos = Private(r).ll_handle_pos[plan.ll_handle_buffer].data();
+          a.x = Ptr<const kernels::bf16_bits>(r, L.in_ll_combine_x);
+          a.combined_x = Ptr<kernels::bf16_bits>(r, L.ll_combined_x[plan.ll_out_buffer]);
+          a.topk_idx = Private(r).topk_idx.data();
+          continue;
+        }
+        const int32_t i = r - span_.first[n];
+        for (int32_t j = 0; j < El; ++j) {
+          const int32_t e = r * El + j;
+          int64_t start = 0, cnt = 0;
+          for (int32_t s = 0; s < first; ++s) start += c[int64_t{s} * E + e];
+          for (int32_t s = first; s < first + Rl; ++s) cnt += c[int64_t{s} * E + e];
+          if (rows_of(n)[i * El + j] != cnt) {
+            return malformed(n, absl::StrCat(rows_of(n)[i * El + j], " rows of expert ", e, ", ",
+                                             cnt, " expected"));
+          }
+          span_.remote_first[e] = static_cast<int32_t>(start);
+          span_.remote_rows[e] = static_cast<int32_t>(cnt);
+          span_.block_start[e] = span_.combine_off[e];
+        }
+        a.x = reinterpret_cast<const kernels::bf16_bits*>(area + cl.x);
+        a.x_first_row = span_.remote_first.data() + static_cast<size_t>(r) * El;
+        a.x_num_rows = span_.remote_rows.data() + static_cast<size_t>(r) * El;
+        a.x_block_start = span_.block_start.data() + static_cast<size_t>(r) * El;
+      }
+      KernelScope k(plane_->options().on_kernels);
+      return kernels::host::LowLatencyCombine(gs, ll_combine_args_, exec);
+    }
+    default:
+      return absl::UnimplementedError(absl::StrCat(OpName(static_cast<uint32_t>(plan.op)),
+                                                   " is not run by a group that spans nodes"));
   }
 }
 

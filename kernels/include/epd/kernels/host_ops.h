@@ -184,6 +184,11 @@ struct CombineRankArgs {
   const float* topk_weights = nullptr;     ///< [N, K] f32 or null.
   bf16_bits* combined_x = nullptr;         ///< out [T, H] bf16.
   float* combined_topk_weights = nullptr;  ///< out [T, K] f32 (when topk_weights given).
+  /// x and topk_weights start at this row: they hold rows [x_first_row, N) only (a node
+  /// of a group that spans nodes holds the rows of another node's rank that belong to its
+  /// own tokens; host_node_ops.h). Every send_pos entry naming this rank must be in that
+  /// range. 0 for a rank whose every row is present.
+  int32_t x_first_row = 0;
 };
 
 /// Normal combine over all ranks. combined_x[t] of source rank s =
@@ -241,6 +246,13 @@ struct LowLatencyCombineRankArgs {
   const int32_t* handle_pos = nullptr;  ///< [Mll, K] handle of that dispatch.
   const bf16_bits* x = nullptr;         ///< [El, R*Mll, H] bf16 expert outputs.
   bf16_bits* combined_x = nullptr;      ///< out [T, H] bf16.
+  /// When set, x holds part of each expert's rows (a node of a group that spans nodes
+  /// holds, of another node's rank, the rows of its own tokens; host_node_ops.h): expert
+  /// j's rows [x_first_row[j], x_first_row[j] + x_num_rows[j]) start at row
+  /// x_block_start[j] of x, and every handle_pos naming the expert must be in that range.
+  const int32_t* x_first_row = nullptr;    ///< [El] or null (every row present).
+  const int32_t* x_num_rows = nullptr;     ///< [El] with x_first_row.
+  const int64_t* x_block_start = nullptr;  ///< [El] with x_first_row.
 };
 
 /// Low-latency combine over all ranks: combined_x[t] = bf16(Σ_{k ascending, idx >= 0}

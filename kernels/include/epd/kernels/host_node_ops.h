@@ -1,0 +1,95 @@
+// The host ops of a group that spans nodes, one node's part (DESIGN.md §5.1). Pure
+// functions on plain memory, like host_ops.h: the daemon's exchange moves the bytes
+// between nodes; these compute, from what this node holds (its own ranks' inputs and the
+// rows other nodes sent it), exactly the outputs of the node's ranks that the whole-group
+// ops of host_ops.h compute, bit for bit.
+//
+// Terms: the group's R ranks live on nodes, each node holding a contiguous range of them
+// (NodeRanks). A "source view" is what this node holds of one source rank: for a local
+// rank all of its T tokens; for a remote rank only the tokens that go to this node, in
+// ascending token order, each with its token index. The counts every node sends every
+// other node (RowCounts below) tell each node where its rows land at the other nodes.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "epd/kernels/host_ops.h"
+#include "epd/kernels/layout.h"
+
+namespace epd::kernels::host {
+
+/// This node's ranks of the group: [first, first + count).
+struct NodeRanks {
+  int32_t first = 0;
+  int32_t count = 0;
+  bool Has(int32_t rank) const { return rank >= first && rank < first + count; }
+};
+
+/// Whether token row `topk_idx` [K] (or, for a cached normal dispatch, `send_pos` [R])
+/// has a destination on `node`: an expert of one of its ranks (normal and low-latency ops
+/// alike: expert e lives on rank e / (E / R)), or a cached row >= 0 at one of its ranks.
+/// Exactly one of topk_idx / send_pos is non-null.
+bool GoesToNode(const GroupShape& shape, NodeRanks node, const int64_t* topk_idx,
+                const int32_t* send_pos);
+
+/// A normal dispatch's row counts of one source: to_rank[r] = tokens sent to rank r
+/// (out [R]), from its (checked) topk_idx [T, K] or, for a cached re-dispatch, from its
+/// cached send_pos [T, R] (exactly one non-null).
+void CountDispatchRows(const GroupShape& shape, int32_t num_tokens, const int64_t* topk_idx,
+                       const int32_t* cached_send_pos, int32_t* to_rank);
+
+/// A low-latency dispatch's row counts of one source: to_expert[e] = tokens routed to
+/// expert e, a duplicate in a row once (out [E]), from its checked topk_idx [T, K].
+void CountLowLatencyRows(const GroupShape& shape, int32_t num_tokens, const int64_t* topk_idx,
+                         int32_t* to_expert);
+
+/// What this node holds of one source rank of a normal dispatch.
+struct NodeDispatchSource {
+  int32_t num_rows = 0;               ///< Rows present.
+  const int32_t* token = nullptr;     ///< [num_rows] token index, ascending; null: row i = token i.
+  const void* x = nullptr;            ///< [num_rows, H] bf16, or e4m3 when fp8.
+  const float* x_scales = nullptr;    ///< [num_rows, S] f32 when fp8.
+  const int64_t* topk_idx = nullptr;  ///< [num_rows, K] (not cached).
+  const float* topk_weights = nullptr;  ///< [num_rows, K] f32 when the op carries weights.
+  const int32_t* send_pos = nullptr;    ///< Cached: [num_rows, R] the cached handle's rows.
+};
+
+/// Normal dispatch, this node's part. `counts` [R, R]: tokens of source s sent to rank r,
+/// every node's (the same matrix on every node). `sources` [R]: what this node holds of
+/// every source. `local` [node.count]: the node's ranks' DispatchRankArgs with only the
+/// output fields used (recv_*, rank_prefix, num_recv_tokens; and for a local source its
+/// send_pos out [T, R], num_tokens, and cached_num_recv_tokens with a cached handle).
+/// `with_weights`: the op carries topk_weights. Writes what Dispatch writes for these
+/// ranks. Every remote row is checked against `counts` and the shape first (they come
+/// from another daemon): INVALID_ARGUMENT naming the source rank, with outputs untouched.
+absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& options,
+                          bool with_weights, NodeRanks node, std::span<const int32_t> counts,
+                          std::span<const NodeDispatchSource> sources,
+                          std::span<DispatchRankArgs> local, const HostExecution& exec = {});
+
+/// What this node holds of one source rank of a low-latency dispatch.
+struct NodeLowLatencySource {
+  int32_t num_rows = 0;               ///< Rows present.
+  const int32_t* token = nullptr;     ///< [num_rows] token index, ascending; null: row i = token i.
+  const int64_t* topk_idx = nullptr;  ///< [num_rows, K].
+  /// [num_rows, H]: bf16 (quantized here when use_fp8), or e4m3 when `quantized`.
+  const void* x = nullptr;
+  const float* scales = nullptr;  ///< [num_rows, S] f32 when `quantized` (QuantizeRowFp8's).
+  bool quantized = false;
+};
+
+/// Low-latency dispatch, this node's part. `counts` [R, E]: tokens of source s routed to
+/// expert e (CountLowLatencyRows of every source, the same matrix on every node).
+/// `sources` [R]; `local` [node.count]: the node's ranks' args (outputs recv_*, and for a
+/// local source num_tokens and handle_pos out). Writes what LowLatencyDispatch writes for
+/// these ranks; remote rows are checked first (INVALID_ARGUMENT, outputs untouched).
+absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
+                                    const LowLatencyDispatchOptions& options, NodeRanks node,
+                                    std::span<const int32_t> counts,
+                                    std::span<const NodeLowLatencySource> sources,
+                                    std::span<LowLatencyDispatchRankArgs> local,
+                                    const HostExecution& exec = {});
+
+}  // namespace epd::kernels::host

@@ -1,0 +1,251 @@
+// In-process fakes of the transport and the peer mesh (daemon/transport/transport.h,
+// daemon/peer/peer_mesh.h) for tests of groups that span nodes: several HostDataPlanes in
+// one process act as the nodes; a FakeHub joins them. A FakeLink's PostWrite copies the
+// pieces straight into the peer link's receive region (memcpy, bounds checked) and queues
+// the immediate there; FakePeers read each other's registrations from the hub. Kill(node)
+// makes that node lost: its links fail and Health names it. Hostile(node, fn) lets a test
+// rewrite what a node's writes leave in a peer's region (a peer daemon sending garbage).
+#pragma once
+
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/peer/peer_mesh.h"
+#include "daemon/transport/transport.h"
+
+namespace epd::testing {
+
+class FakeHub {
+ public:
+  struct LinkState {
+    transport::GroupLinkOptions options;
+    std::map<int32_t, std::deque<uint32_t>> inbox;  // From node n.
+    std::map<int32_t, uint64_t> completed;          // Writes to node n.
+  };
+
+  /// Registers a link of (group, node); replaces an earlier one.
+  void AddLink(const std::string& group, int32_t node, LinkState* s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    links_[{group, node}] = s;
+  }
+  void RemoveLink(const std::string& group, int32_t node, LinkState* s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = links_.find({group, node});
+    if (it != links_.end() && it->second == s) links_.erase(it);
+  }
+  /// Makes node `node` lost (its daemon died).
+  void Kill(int32_t node) {
+    std::lock_guard<std::mutex> lock(mu_);
+    dead_.insert(node);
+  }
+  bool Dead(int32_t node) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return dead_.count(node) > 0;
+  }
+  /// Called (under the hub's lock) on the bytes of every write node `from` lands in a peer's
+  /// region, with the write's region offset and size: a hostile peer's garbage.
+  void Hostile(int32_t from,
+               std::function<void(uint8_t* base, uint64_t offset, uint64_t bytes)> fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    hostile_[from] = std::move(fn);
+  }
+
+  absl::Status Write(const std::string& group, int32_t from, int32_t to,
+                     std::span<const transport::WritePiece> pieces, uint32_t imm) {
+    std::function<void()> wake;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (dead_.count(to) || dead_.count(from)) {
+        return absl::UnavailableError(absl::StrCat("fake link: node ", to, " is lost"));
+      }
+      auto it = links_.find({group, to});
+      if (it == links_.end()) return absl::UnavailableError("fake link: peer not there");
+      LinkState* peer = it->second;
+      for (const auto& p : pieces) {
+        if (p.remote_offset > peer->options.recv_bytes ||
+            p.bytes > peer->options.recv_bytes - p.remote_offset) {
+          return absl::InvalidArgumentError(absl::StrCat("fake link: piece at ", p.remote_offset,
+                                                         " + ", p.bytes, " outside the region"));
+        }
+      }
+      auto* base = static_cast<uint8_t*>(peer->options.recv_base);
+      for (const auto& p : pieces) {
+        if (p.bytes > 0) std::memcpy(base + p.remote_offset, p.src, p.bytes);
+        auto h = hostile_.find(from);
+        if (h != hostile_.end()) h->second(base, p.remote_offset, p.bytes);
+      }
+      peer->inbox[from].push_back(imm);
+      wake = peer->options.wake;
+      auto self = links_.find({group, from});
+      if (self != links_.end()) ++self->second->completed[to];
+    }
+    if (wake) wake();
+    return absl::OkStatus();
+  }
+
+  bool Pop(LinkState* s, int32_t from, uint32_t* imm) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& q = s->inbox[from];
+    if (q.empty()) return false;
+    *imm = q.front();
+    q.pop_front();
+    return true;
+  }
+  uint64_t Completed(LinkState* s, int32_t to) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = s->completed.find(to);
+    return it == s->completed.end() ? 0 : it->second;
+  }
+  bool HasLink(const std::string& group, int32_t node) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return links_.count({group, node}) > 0;
+  }
+
+  // ---- the mesh's registry ----
+  void Register(const std::string& group, int32_t node, const std::string& descriptor) {
+    std::lock_guard<std::mutex> lock(mu_);
+    registered_[{group, node}] = {++incarnation_, descriptor};
+  }
+  void Unregister(const std::string& group, int32_t node) {
+    std::lock_guard<std::mutex> lock(mu_);
+    registered_.erase({group, node});
+  }
+  std::optional<peer::PeerDescriptor> Descriptor(const std::string& group, int32_t node) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = registered_.find({group, node});
+    if (it == registered_.end()) return std::nullopt;
+    return it->second;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, int32_t>, LinkState*> links_;
+  std::map<std::pair<std::string, int32_t>, peer::PeerDescriptor> registered_;
+  std::map<int32_t, std::function<void(uint8_t*, uint64_t, uint64_t)>> hostile_;
+  std::set<int32_t> dead_;
+  uint64_t incarnation_ = 0;
+};
+
+class FakeLink : public transport::GroupLink {
+ public:
+  FakeLink(FakeHub* hub, const transport::GroupLinkOptions& o) : hub_(hub) {
+    state_.options = o;
+    hub_->AddLink(o.group, o.self_node, &state_);
+  }
+  ~FakeLink() override { Close(); }
+  std::string LocalDescriptor() const override {
+    return absl::StrCat("fake:", state_.options.self_node);
+  }
+  absl::Status Connect(int32_t node, std::string_view descriptor) override {
+    if (descriptor != absl::StrCat("fake:", node)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad descriptor ", std::string(descriptor)));
+    }
+    connected_.insert(node);
+    return absl::OkStatus();
+  }
+  transport::PeerState State(int32_t node) const override {
+    if (hub_->Dead(node)) return transport::PeerState::kFailed;
+    if (!connected_.count(node)) return transport::PeerState::kIdle;
+    return hub_->HasLink(state_.options.group, node) ? transport::PeerState::kReady
+                                                     : transport::PeerState::kConnecting;
+  }
+  absl::Status PeerStatus(int32_t node) const override {
+    if (hub_->Dead(node)) {
+      return absl::UnavailableError(absl::StrCat("node ", node, ": connection lost (fake)"));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status PostWrite(int32_t node, std::span<const transport::WritePiece> pieces,
+                         uint32_t imm) override {
+    return hub_->Write(state_.options.group, state_.options.self_node, node, pieces, imm);
+  }
+  uint64_t WritesCompleted(int32_t node) const override {
+    return hub_->Completed(const_cast<FakeHub::LinkState*>(&state_), node);
+  }
+  bool PollImm(int32_t node, uint32_t* imm) override { return hub_->Pop(&state_, node, imm); }
+  void Close() override {
+    hub_->RemoveLink(state_.options.group, state_.options.self_node, &state_);
+  }
+
+ private:
+  FakeHub* hub_;
+  FakeHub::LinkState state_;
+  std::set<int32_t> connected_;
+};
+
+class FakeTransport : public transport::Transport {
+ public:
+  explicit FakeTransport(FakeHub* hub) : hub_(hub) {}
+  std::string name() const override { return "fake"; }
+  absl::StatusOr<std::unique_ptr<transport::GroupLink>> CreateGroupLink(
+      const transport::GroupLinkOptions& o) override {
+    return std::unique_ptr<transport::GroupLink>(std::make_unique<FakeLink>(hub_, o));
+  }
+  void Shutdown() override {}
+
+ private:
+  FakeHub* hub_;
+};
+
+class FakePeers : public peer::GroupPeers {
+ public:
+  FakePeers(FakeHub* hub, peer::GroupMembership m) : hub_(hub), m_(std::move(m)) {
+    hub_->Register(m_.spec.name(), m_.self_node, m_.transport_descriptor);
+  }
+  ~FakePeers() override { hub_->Unregister(m_.spec.name(), m_.self_node); }
+  std::optional<peer::PeerDescriptor> Descriptor(int32_t node) const override {
+    return hub_->Descriptor(m_.spec.name(), node);
+  }
+  absl::Status Health() const override {
+    for (int32_t n = 0; n < m_.spec.nodes_size(); ++n) {
+      if (n != m_.self_node && hub_->Dead(n)) {
+        return absl::UnavailableError(absl::StrCat("node ", n, " (",
+                                                   m_.spec.nodes(n).peer_address(),
+                                                   ") is lost: its daemon stopped answering"));
+      }
+    }
+    return absl::OkStatus();
+  }
+  std::string DescribeMissing() const override {
+    std::string out;
+    for (int32_t n = 0; n < m_.spec.nodes_size(); ++n) {
+      if (n != m_.self_node && !hub_->Descriptor(m_.spec.name(), n)) {
+        absl::StrAppend(&out, out.empty() ? "" : "; ", "node ", n, " (",
+                        m_.spec.nodes(n).peer_address(), ") has not joined");
+      }
+    }
+    return out;
+  }
+  void SetLocalRanksJoined(const std::vector<bool>&) override {}
+
+ private:
+  FakeHub* hub_;
+  peer::GroupMembership m_;
+};
+
+class FakeMesh : public peer::PeerMesh {
+ public:
+  FakeMesh(FakeHub* hub, std::string address) : hub_(hub), address_(std::move(address)) {}
+  absl::StatusOr<std::unique_ptr<peer::GroupPeers>> RegisterGroup(
+      peer::GroupMembership m) override {
+    return std::unique_ptr<peer::GroupPeers>(std::make_unique<FakePeers>(hub_, std::move(m)));
+  }
+  std::string advertised_address() const override { return address_; }
+
+ private:
+  FakeHub* hub_;
+  std::string address_;
+};
+
+}  // namespace epd::testing

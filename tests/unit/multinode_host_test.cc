@@ -1,0 +1,536 @@
+// The host backend across nodes in one process: several HostDataPlanes act as the nodes of
+// a group, joined by the in-process fakes of fake_exchange.h (a memcpy transport and a
+// peer registry); clients are simulated by writing ring slots and inputs into each rank's
+// shm region (RawRing). Every op's outputs equal, bit for bit, those of kernels/host run
+// on the whole group; a bad request on one node fails every node's ranks with its error; a
+// lost peer fails the op within op_timeout naming the node; garbage from a peer is an
+// error, never an out-of-bounds access (this file runs under ASan in tests/sanitize.sh).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/dataplane/host/host_data_plane.h"
+#include "epd/kernels/host_ops.h"
+#include "epd/kernels/layout.h"
+#include "epd/kernels/op_rules.h"
+#include "tests/unit/fake_exchange.h"
+#include "tests/unit/raw_ring.h"
+
+namespace epd {
+namespace {
+
+using kernels::bf16_bits;
+using std::chrono::milliseconds;
+
+class MultinodeHostTest : public ::testing::Test {
+ protected:
+  /// Nodes with `ranks_per_node` ranks each; `op_timeout_ms` for every plane.
+  void Start(const std::vector<int>& ranks_per_node, uint32_t op_timeout_ms = 2000, bool fp8 = true,
+             int hidden = 512) {
+    spec_.set_name("mn");
+    int R = 0;
+    for (size_t n = 0; n < ranks_per_node.size(); ++n) {
+      v1::NodeSpec* ns = spec_.add_nodes();
+      ns->set_peer_address("10.0.0." + std::to_string(n + 1) + ":7100");
+      ns->set_num_ranks(ranks_per_node[n]);
+      R += ranks_per_node[n];
+    }
+    spec_.set_num_ranks(R);
+    spec_.set_num_experts(R * 2);
+    spec_.set_hidden(hidden);
+    spec_.set_num_topk(3);
+    spec_.set_max_tokens_per_rank(6);
+    spec_.set_ll_max_tokens_per_rank(5);
+    spec_.set_use_fp8(fp8);
+    shape_ = rules::ShapeOf(spec_);
+    layout_ = kernels::EndpointLayout::Compute(shape_);
+    int rank = 0;
+    for (size_t n = 0; n < ranks_per_node.size(); ++n) {
+      auto node = std::make_unique<Node>();
+      node->transport = std::make_unique<testing::FakeTransport>(&hub_);
+      node->mesh = std::make_unique<testing::FakeMesh>(&hub_, spec_.nodes(n).peer_address());
+      HostDataPlaneOptions o;
+      o.op_timeout_ms = op_timeout_ms;
+      o.host_threads = 2;
+      o.peer_mesh = node->mesh.get();
+      o.transport = node->transport.get();
+      auto plane = MakeHostDataPlane(o);
+      ASSERT_TRUE(plane.ok()) << plane.status();
+      node->plane = std::move(*plane);
+      auto g = node->plane->CreateGroup(spec_);
+      ASSERT_TRUE(g.ok()) << g.status();
+      node->group = std::move(*g);
+      for (int i = 0; i < ranks_per_node[n]; ++i, ++rank) {
+        v1::EndpointInfo info;
+        absl::Status st = node->group->AttachRank(rank, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info);
+        ASSERT_TRUE(st.ok()) << st;
+        rings_.push_back(testing::RawRing::Open(info, *node->group));
+        ASSERT_NE(rings_.back(), nullptr);
+        node_of_.push_back(static_cast<int>(n));
+      }
+      nodes_.push_back(std::move(node));
+    }
+  }
+
+  template <typename T>
+  T* At(int r, const kernels::Region& region) {
+    return reinterpret_cast<T*>(rings_[r]->data() + region.offset);
+  }
+
+  /// Random inputs of every rank: T, x (bf16, or e4m3 bytes + scales), topk_idx, weights.
+  void MakeInputs(uint64_t seed, bool one_node_only = false) {
+    std::mt19937 rng(static_cast<uint32_t>(seed));
+    const int R = shape_.num_ranks, K = shape_.num_topk, H = shape_.hidden;
+    tokens_.assign(R, 0);
+    const int node0_experts = spec_.nodes(0).num_ranks() * shape_.num_local_experts();
+    for (int r = 0; r < R; ++r) {
+      const int T = static_cast<int>(rng() % (shape_.max_tokens_per_rank + 1));
+      tokens_[r] = r == 0 ? 0 : T;  // Rank 0 sends nothing.
+      auto* x = At<bf16_bits>(r, layout_.in_x);
+      for (int i = 0; i < shape_.max_input_tokens() * H; ++i) {
+        x[i] =
+            kernels::FloatToBf16(static_cast<float>(static_cast<int>(rng() % 401) - 200) / 17.0f);
+      }
+      auto* sc = At<float>(r, layout_.in_scales);
+      for (int i = 0; i < shape_.max_tokens_per_rank * shape_.num_scales(); ++i) {
+        sc[i] = static_cast<float>(rng() % 100) / 7.0f;
+      }
+      auto* idx = At<int64_t>(r, layout_.in_topk_idx);
+      const int range = one_node_only ? node0_experts : shape_.num_experts;
+      for (int i = 0; i < shape_.max_input_tokens() * K; ++i) {
+        idx[i] = rng() % 6 == 0 ? -1 : static_cast<int64_t>(rng() % range);
+      }
+      auto* w = At<float>(r, layout_.in_topk_weights);
+      for (int i = 0; i < shape_.max_input_tokens() * K; ++i) {
+        w[i] = static_cast<float>(rng() % 1000) / 999.0f;
+      }
+    }
+  }
+
+  /// Submits op on every rank and waits for every completion.
+  std::vector<abi::Completion> RunOnAll(abi::OpKind op, uint32_t flags,
+                                        const std::vector<int>& tokens, uint64_t handle_seq = 0,
+                                        milliseconds timeout = milliseconds(10000)) {
+    std::vector<uint64_t> seqs;
+    for (size_t r = 0; r < rings_.size(); ++r) {
+      seqs.push_back(rings_[r]->Submit(op, flags, tokens[r], handle_seq));
+    }
+    std::vector<abi::Completion> out;
+    for (size_t r = 0; r < rings_.size(); ++r) {
+      auto c = rings_[r]->Await(seqs[r], timeout);
+      EXPECT_TRUE(c.has_value()) << "rank " << r << " got no completion";
+      out.push_back(c.value_or(abi::Completion{}));
+    }
+    last_seq_ = seqs[0];
+    return out;
+  }
+
+  static std::string Message(const abi::Completion& c) {
+    return std::string(c.message, strnlen(c.message, sizeof(c.message)));
+  }
+
+  struct Node {
+    std::unique_ptr<testing::FakeTransport> transport;
+    std::unique_ptr<testing::FakeMesh> mesh;
+    std::unique_ptr<DataPlane> plane;
+    std::unique_ptr<DataPlaneGroup> group;
+  };
+
+  void TearDown() override {
+    rings_.clear();
+    for (auto& n : nodes_) n->group.reset();
+    for (auto& n : nodes_) n->plane.reset();
+  }
+
+  testing::FakeHub hub_;
+  v1::GroupSpec spec_;
+  kernels::GroupShape shape_;
+  kernels::EndpointLayout layout_;
+  std::vector<std::unique_ptr<Node>> nodes_;
+  std::vector<std::unique_ptr<testing::RawRing>> rings_;
+  std::vector<int> node_of_;
+  std::vector<int> tokens_;
+  uint64_t last_seq_ = 0;
+};
+
+template <typename T>
+bool Same(const T* a, const T* b, size_t n) {
+  return std::memcmp(a, b, n * sizeof(T)) == 0;
+}
+
+// Normal dispatch (FP8 and BF16, weights, expert_alignment), combine with weights, a
+// cached re-dispatch and its combine, then low-latency dispatch (FP8 round_scale UE8M0,
+// then BF16) and combine: every node's outputs equal kernels/host on the whole group.
+TEST_F(MultinodeHostTest, EveryOpMatchesTheWholeGroup) {
+  for (const std::vector<int>& layout : {std::vector<int>{2, 1}, std::vector<int>{1, 3, 2, 1}}) {
+    SCOPED_TRACE(::testing::Message() << layout.size() << " nodes");
+    rings_.clear();
+    nodes_.clear();
+    node_of_.clear();
+    spec_.Clear();
+    Start(layout);
+    if (HasFatalFailure()) return;
+    const int R = shape_.num_ranks, K = shape_.num_topk, H = shape_.hidden;
+    const int S = shape_.num_scales(), El = shape_.num_local_experts();
+    for (int round = 0; round < 4; ++round) {
+      SCOPED_TRACE(::testing::Message() << "round " << round);
+      MakeInputs(100 + round + layout.size(), /*one_node_only=*/round == 3);
+      const bool fp8 = round % 2 == 1;
+      // ---- reference: the whole group
+      kernels::host::DispatchOptions dopt;
+      dopt.fp8 = fp8;
+      dopt.expert_alignment = 1;
+      std::vector<kernels::host::DispatchRankArgs> da(R);
+      const int64_t N = shape_.max_recv_tokens();
+      std::vector<std::vector<uint8_t>> rx(R, std::vector<uint8_t>(N * H * 2));
+      std::vector<std::vector<float>> rs(R, std::vector<float>(N * S)),
+          rw(R, std::vector<float>(N * K));
+      std::vector<std::vector<int64_t>> ri(R, std::vector<int64_t>(N * K));
+      std::vector<std::vector<int32_t>> rpe(R, std::vector<int32_t>(El)),
+          rsi(R, std::vector<int32_t>(N)),
+          rsp(R, std::vector<int32_t>(shape_.max_tokens_per_rank * R)),
+          rpf(R, std::vector<int32_t>(R));
+      for (int r = 0; r < R; ++r) {
+        auto& a = da[r];
+        a.num_tokens = tokens_[r];
+        a.x = At<void>(r, layout_.in_x);
+        a.x_scales = fp8 ? At<float>(r, layout_.in_scales) : nullptr;
+        a.topk_idx = At<int64_t>(r, layout_.in_topk_idx);
+        a.topk_weights = At<float>(r, layout_.in_topk_weights);
+        a.recv_capacity = N;
+        a.recv_x = rx[r].data();
+        a.recv_scales = fp8 ? rs[r].data() : nullptr;
+        a.recv_topk_idx = ri[r].data();
+        a.recv_topk_weights = rw[r].data();
+        a.recv_tokens_per_expert = rpe[r].data();
+        a.recv_src_info = rsi[r].data();
+        a.send_pos = rsp[r].data();
+        a.rank_prefix = rpf[r].data();
+      }
+      ASSERT_TRUE(kernels::host::Dispatch(shape_, dopt, da, {1}).ok());
+      // ---- the nodes
+      const uint32_t flags = abi::kFlagDispatchWeights | (fp8 ? abi::kFlagFp8 : 0);
+      auto done = RunOnAll(abi::OpKind::kDispatch, flags, tokens_);
+      const uint64_t dispatch_seq = last_seq_;
+      for (int r = 0; r < R; ++r) {
+        ASSERT_EQ(done[r].status_code, 0) << "rank " << r << ": " << Message(done[r]);
+        const int n = da[r].num_recv_tokens;
+        EXPECT_EQ(*At<int32_t>(r, layout_.recv_count), n) << r;
+        const int64_t xb = fp8 ? H : 2 * H;
+        EXPECT_TRUE(Same(At<uint8_t>(r, layout_.recv_x), rx[r].data(), n * xb)) << r;
+        if (fp8) EXPECT_TRUE(Same(At<float>(r, layout_.recv_scales), rs[r].data(), n * S)) << r;
+        EXPECT_TRUE(Same(At<int64_t>(r, layout_.recv_topk_idx), ri[r].data(), n * K)) << r;
+        EXPECT_TRUE(Same(At<float>(r, layout_.recv_topk_weights), rw[r].data(), n * K)) << r;
+        EXPECT_TRUE(Same(At<int32_t>(r, layout_.recv_tokens_per_expert), rpe[r].data(), El)) << r;
+        EXPECT_TRUE(Same(At<int32_t>(r, layout_.recv_src_info), rsi[r].data(), n)) << r;
+        EXPECT_TRUE(Same(At<int32_t>(r, layout_.rank_prefix), rpf[r].data(), R)) << r;
+        EXPECT_TRUE(Same(At<int32_t>(r, layout_.send_pos), rsp[r].data(), tokens_[r] * R)) << r;
+      }
+      // Combine with weights.
+      std::vector<kernels::host::CombineRankArgs> ca(R);
+      std::vector<std::vector<bf16_bits>> cx(
+          R, std::vector<bf16_bits>(shape_.max_tokens_per_rank * H));
+      std::vector<std::vector<float>> cw(R, std::vector<float>(shape_.max_tokens_per_rank * K));
+      for (int r = 0; r < R; ++r) {
+        auto* y = At<bf16_bits>(r, layout_.in_combine_x);
+        for (int i = 0; i < da[r].num_recv_tokens * H; ++i) {
+          y[i] = kernels::FloatToBf16(static_cast<float>((i * 7 + r * 13) % 301 - 150) / 11.0f);
+        }
+        auto* yw = At<float>(r, layout_.in_combine_weights);
+        for (int i = 0; i < da[r].num_recv_tokens * K; ++i)
+          yw[i] = static_cast<float>(i % 17) / 3.0f;
+        ca[r].num_tokens = tokens_[r];
+        ca[r].send_pos = rsp[r].data();
+        ca[r].num_recv_tokens = da[r].num_recv_tokens;
+        ca[r].x = y;
+        ca[r].topk_weights = yw;
+        ca[r].combined_x = cx[r].data();
+        ca[r].combined_topk_weights = cw[r].data();
+      }
+      ASSERT_TRUE(kernels::host::Combine(shape_, ca, {1}).ok());
+      done = RunOnAll(abi::OpKind::kCombine, abi::kFlagCombineWeights, tokens_, dispatch_seq);
+      for (int r = 0; r < R; ++r) {
+        ASSERT_EQ(done[r].status_code, 0) << "rank " << r << ": " << Message(done[r]);
+        EXPECT_TRUE(Same(At<bf16_bits>(r, layout_.combined_x), cx[r].data(), tokens_[r] * H)) << r;
+        EXPECT_TRUE(Same(At<float>(r, layout_.combined_topk_weights), cw[r].data(), tokens_[r] * K))
+            << r;
+      }
+      // Cached re-dispatch: the same rows again.
+      for (int r = 0; r < R; ++r)
+        std::memset(At<uint8_t>(r, layout_.recv_x), 0, layout_.recv_x.bytes);
+      done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagCachedHandle | (fp8 ? abi::kFlagFp8 : 0),
+                      tokens_, dispatch_seq);
+      for (int r = 0; r < R; ++r) {
+        ASSERT_EQ(done[r].status_code, 0) << "rank " << r << ": " << Message(done[r]);
+        const int64_t xb = fp8 ? H : 2 * H;
+        EXPECT_TRUE(Same(At<uint8_t>(r, layout_.recv_x), rx[r].data(), da[r].num_recv_tokens * xb))
+            << r;
+      }
+      // Low-latency dispatch and combine.
+      kernels::host::LowLatencyDispatchOptions lopt{fp8, fp8, fp8 && H % 512 == 0};
+      const int64_t rows = shape_.ll_rows_per_expert();
+      std::vector<kernels::host::LowLatencyDispatchRankArgs> la(R);
+      std::vector<std::vector<uint8_t>> lx(R, std::vector<uint8_t>(El * rows * H * 2)),
+          ls(R, std::vector<uint8_t>(El * rows * S * 4));
+      std::vector<std::vector<int32_t>> lc(R, std::vector<int32_t>(El)),
+          lsi(R, std::vector<int32_t>(El * rows)),
+          lh(R, std::vector<int32_t>(shape_.ll_max_tokens_per_rank * K));
+      std::vector<int> ll_tokens(R);
+      for (int r = 0; r < R; ++r) {
+        ll_tokens[r] = std::min(tokens_[r], shape_.ll_max_tokens_per_rank);
+        la[r].num_tokens = ll_tokens[r];
+        la[r].x = At<bf16_bits>(r, layout_.in_x);
+        la[r].topk_idx = At<int64_t>(r, layout_.in_topk_idx);
+        la[r].recv_x = lx[r].data();
+        la[r].recv_scales = fp8 ? ls[r].data() : nullptr;
+        la[r].recv_count = lc[r].data();
+        la[r].recv_src_info = lsi[r].data();
+        la[r].handle_pos = lh[r].data();
+      }
+      ASSERT_TRUE(kernels::host::LowLatencyDispatch(shape_, lopt, la, {1}).ok());
+      const uint32_t lflags =
+          fp8 ? (abi::kFlagFp8 | abi::kFlagRoundScale | (lopt.use_ue8m0 ? abi::kFlagUe8m0 : 0u))
+              : 0u;
+      done = RunOnAll(abi::OpKind::kLowLatencyDispatch, lflags, ll_tokens);
+      const uint64_t ll_seq = last_seq_;
+      for (int r = 0; r < R; ++r) {
+        ASSERT_EQ(done[r].status_code, 0) << "rank " << r << ": " << Message(done[r]);
+        const int b = done[r].buffer;
+        EXPECT_TRUE(Same(At<int32_t>(r, layout_.ll_recv_count[b]), lc[r].data(), El)) << r;
+        const int64_t xb = fp8 ? H : 2 * H;
+        for (int j = 0; j < El; ++j) {
+          EXPECT_TRUE(Same(At<uint8_t>(r, layout_.ll_recv_x[b]) + j * rows * xb,
+                           lx[r].data() + j * rows * xb, lc[r][j] * xb))
+              << r;
+          EXPECT_TRUE(Same(At<int32_t>(r, layout_.ll_recv_src_info[b]) + j * rows,
+                           lsi[r].data() + j * rows, lc[r][j]))
+              << r;
+          for (int i = 0; fp8 && i < lc[r][j]; ++i) {
+            for (int g = 0; g < S; ++g) {
+              const uint64_t at = kernels::LowLatencyScaleOffset(shape_, lopt.use_ue8m0, j, i, g);
+              EXPECT_EQ(At<uint8_t>(r, layout_.ll_recv_scales[b])[at], ls[r][at]) << r;
+            }
+          }
+        }
+        EXPECT_TRUE(Same(At<int32_t>(r, layout_.ll_handle_pos[b]), lh[r].data(), ll_tokens[r] * K))
+            << r;
+      }
+      std::vector<kernels::host::LowLatencyCombineRankArgs> lca(R);
+      std::vector<std::vector<bf16_bits>> lcx(
+          R, std::vector<bf16_bits>(shape_.ll_max_tokens_per_rank * H));
+      for (int r = 0; r < R; ++r) {
+        auto* y = At<bf16_bits>(r, layout_.in_ll_combine_x);
+        for (int64_t i = 0; i < El * rows * H; ++i) {
+          y[i] = kernels::FloatToBf16(static_cast<float>((i * 5 + r * 3) % 211 - 105) / 9.0f);
+        }
+        lca[r].num_tokens = ll_tokens[r];
+        lca[r].topk_idx = At<int64_t>(r, layout_.in_topk_idx);
+        lca[r].topk_weights = At<float>(r, layout_.in_topk_weights);
+        lca[r].handle_pos = lh[r].data();
+        lca[r].x = y;
+        lca[r].combined_x = lcx[r].data();
+      }
+      ASSERT_TRUE(kernels::host::LowLatencyCombine(shape_, lca, {1}).ok());
+      done = RunOnAll(abi::OpKind::kLowLatencyCombine, 0, ll_tokens, ll_seq);
+      for (int r = 0; r < R; ++r) {
+        ASSERT_EQ(done[r].status_code, 0) << "rank " << r << ": " << Message(done[r]);
+        EXPECT_TRUE(Same(At<bf16_bits>(r, layout_.ll_combined_x[done[r].buffer]), lcx[r].data(),
+                         ll_tokens[r] * H))
+            << r;
+      }
+      // GetDispatchLayout needs no exchange beyond the header.
+      done = RunOnAll(abi::OpKind::kGetDispatchLayout, 0, tokens_);
+      for (int r = 0; r < R; ++r) EXPECT_EQ(done[r].status_code, 0) << Message(done[r]);
+    }
+  }
+}
+
+// A rank of node 1 with an expert id out of range: every rank of every node fails with
+// its error (INVALID_ARGUMENT naming the rank and value); the group goes on.
+TEST_F(MultinodeHostTest, BadRequestOnOneNodeFailsEveryNode) {
+  Start({2, 2});
+  if (HasFatalFailure()) return;
+  MakeInputs(7);
+  At<int64_t>(2, layout_.in_topk_idx)[0] = 999;
+  std::vector<int> tokens(4, 3);
+  auto done = RunOnAll(abi::OpKind::kDispatch, 0, tokens);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(done[r].status_code, static_cast<int>(absl::StatusCode::kInvalidArgument)) << r;
+    EXPECT_NE(Message(done[r]).find("999"), std::string::npos) << Message(done[r]);
+    EXPECT_NE(Message(done[r]).find("rank 2"), std::string::npos) << Message(done[r]);
+  }
+  At<int64_t>(2, layout_.in_topk_idx)[0] = 1;
+  done = RunOnAll(abi::OpKind::kDispatch, 0, tokens);
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(done[r].status_code, 0) << Message(done[r]);
+}
+
+// GetDispatchLayout exchanges nothing but its header: a bad topk_idx fails its own rank
+// only, as on one node, and the layout of every other rank is that of kernels/host.
+TEST_F(MultinodeHostTest, LayoutErrorIsTheRanksOwn) {
+  Start({1, 2});
+  if (HasFatalFailure()) return;
+  MakeInputs(8);
+  At<int64_t>(1, layout_.in_topk_idx)[0] = -7;
+  std::vector<int> tokens = {3, 3, 3};
+  auto done = RunOnAll(abi::OpKind::kGetDispatchLayout, 0, tokens);
+  EXPECT_EQ(done[0].status_code, 0) << Message(done[0]);
+  EXPECT_EQ(done[1].status_code, static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(Message(done[1]).find("-7"), std::string::npos) << Message(done[1]);
+  EXPECT_EQ(done[2].status_code, 0) << Message(done[2]);
+  for (int r : {0, 2}) {
+    std::vector<int32_t> per_rank(3), per_expert(shape_.num_experts);
+    std::vector<uint8_t> in_rank(shape_.max_tokens_per_rank * 3);
+    kernels::host::LayoutRankArgs a;
+    a.num_tokens = 3;
+    a.topk_idx = At<int64_t>(r, layout_.in_topk_idx);
+    a.num_tokens_per_rank = per_rank.data();
+    a.num_tokens_per_expert = per_expert.data();
+    a.is_token_in_rank = in_rank.data();
+    ASSERT_TRUE(kernels::host::GetDispatchLayout(shape_, a, {1}).ok());
+    EXPECT_TRUE(Same(At<int32_t>(r, layout_.layout_tokens_per_rank), per_rank.data(), 3)) << r;
+    EXPECT_TRUE(Same(At<int32_t>(r, layout_.layout_tokens_per_expert), per_expert.data(),
+                     per_expert.size()))
+        << r;
+    EXPECT_TRUE(Same(At<uint8_t>(r, layout_.layout_is_token_in_rank), in_rank.data(), 3 * 3)) << r;
+  }
+}
+
+// Nodes disagreeing on the op: INVALID_ARGUMENT on every node.
+TEST_F(MultinodeHostTest, NodesDisagreeingOnTheOpFailEverywhere) {
+  Start({1, 1});
+  if (HasFatalFailure()) return;
+  MakeInputs(3);
+  const uint64_t a = rings_[0]->Submit(abi::OpKind::kDispatch, 0, 2);
+  const uint64_t b = rings_[1]->Submit(abi::OpKind::kDispatch, abi::kFlagFp8, 2);
+  for (auto [r, s] : {std::pair{0, a}, std::pair{1, b}}) {
+    auto c = rings_[r]->Await(s, milliseconds(10000));
+    ASSERT_TRUE(c.has_value());
+    EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kInvalidArgument)) << Message(*c);
+    EXPECT_NE(Message(*c).find("nodes disagree"), std::string::npos) << Message(*c);
+  }
+}
+
+// A remote rank cannot attach here; the node is chosen by the first joiner.
+TEST_F(MultinodeHostTest, RemoteRankIsRefusedNamingItsNode) {
+  Start({1, 2});
+  if (HasFatalFailure()) return;
+  v1::EndpointInfo info;
+  absl::Status st = nodes_[0]->group->AttachRank(2, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("node 1"), std::string::npos) << st;
+}
+
+// Without a mesh and a transport a spanning group is refused naming peer_listen.
+TEST(MultinodeHostPlain, SpanningGroupNeedsThePeerListener) {
+  HostDataPlaneOptions o;
+  auto plane = MakeHostDataPlane(o);
+  ASSERT_TRUE(plane.ok());
+  v1::GroupSpec spec;
+  spec.set_name("g");
+  spec.set_num_ranks(2);
+  spec.set_num_experts(2);
+  spec.set_hidden(128);
+  spec.set_num_topk(1);
+  spec.set_max_tokens_per_rank(2);
+  for (int n = 0; n < 2; ++n) {
+    auto* ns = spec.add_nodes();
+    ns->set_peer_address("h:1");
+    ns->set_num_ranks(1);
+  }
+  auto g = (*plane)->CreateGroup(spec);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(g.status().message().find("peer_listen"), std::string::npos) << g.status();
+}
+
+// A node lost mid-op: the other node's op fails within op_timeout (+ slack), naming it.
+TEST_F(MultinodeHostTest, LostPeerFailsTheOpNamingTheNode) {
+  Start({1, 1}, /*op_timeout_ms=*/800);
+  if (HasFatalFailure()) return;
+  MakeInputs(9);
+  // Node 1's rank never submits; node 0's waits for it; then node 1 dies.
+  const auto t0 = std::chrono::steady_clock::now();
+  const uint64_t s = rings_[0]->Submit(abi::OpKind::kDispatch, 0, 2);
+  std::this_thread::sleep_for(milliseconds(100));
+  hub_.Kill(1);
+  auto c = rings_[0]->Await(s, milliseconds(5000));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(800 + 1000));
+  EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kUnavailable)) << Message(*c);
+  EXPECT_NE(Message(*c).find("node 1"), std::string::npos) << Message(*c);
+}
+
+// A node whose daemon has not (or no longer) registered the group: the op waits, bounded
+// by op_timeout, and fails naming the node and that it has not joined.
+TEST_F(MultinodeHostTest, MissingNodeTimesOutNamingIt) {
+  Start({1, 1}, /*op_timeout_ms=*/300);
+  if (HasFatalFailure()) return;
+  MakeInputs(2);
+  rings_.resize(1);
+  nodes_[1]->group.reset();  // Node 1 leaves: its registration and link go.
+  const auto t0 = std::chrono::steady_clock::now();
+  const uint64_t s = rings_[0]->Submit(abi::OpKind::kDispatch, 0, 1);
+  auto c = rings_[0]->Await(s, milliseconds(5000));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(300 + 1000));
+  EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kDeadlineExceeded)) << Message(*c);
+  EXPECT_NE(Message(*c).find("node 1 (10.0.0.2:7100"), std::string::npos) << Message(*c);
+  EXPECT_NE(Message(*c).find("has not joined"), std::string::npos) << Message(*c);
+}
+
+// A peer that never sends: DEADLINE_EXCEEDED within op_timeout, naming the node's ranks.
+TEST_F(MultinodeHostTest, SilentPeerTimesOutNamingTheNode) {
+  Start({1, 2}, /*op_timeout_ms=*/300);
+  if (HasFatalFailure()) return;
+  MakeInputs(4);
+  // Rank 2 of node 1 never arrives: node 1 times out and tells node 0.
+  const uint64_t a = rings_[0]->Submit(abi::OpKind::kDispatch, 0, 1);
+  const uint64_t b = rings_[1]->Submit(abi::OpKind::kDispatch, 0, 1);
+  for (auto [r, s] : {std::pair{0, a}, std::pair{1, b}}) {
+    auto c = rings_[r]->Await(s, milliseconds(5000));
+    ASSERT_TRUE(c.has_value());
+    EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kDeadlineExceeded)) << Message(*c);
+    EXPECT_NE(Message(*c).find("2"), std::string::npos) << Message(*c);
+  }
+}
+
+// Garbage in the receive region (a hostile peer): the op fails with an error, nothing is
+// read out of bounds (ASan), and the honest node reports it.
+TEST_F(MultinodeHostTest, GarbageFromAPeerIsAnErrorNotACrash) {
+  for (int mode = 0; mode < 3; ++mode) {
+    SCOPED_TRACE(::testing::Message() << "mode " << mode);
+    rings_.clear();
+    nodes_.clear();
+    node_of_.clear();
+    spec_.Clear();
+    hub_.Hostile(1, [mode](uint8_t* base, uint64_t offset, uint64_t bytes) {
+      if (mode == 0) {
+        std::memset(base + offset, 0xFF, bytes);  // Everything.
+      } else if (bytes > 512 && mode == 1) {
+        std::memset(base + offset + 512, 0x7F, bytes - 512);  // Counts and rows, not the header.
+      } else if (mode == 2 && bytes >= 8) {
+        base[offset + bytes - 1] ^= 0x55;  // A flipped byte in each piece.
+      }
+    });
+    Start({1, 1});
+    if (HasFatalFailure()) return;
+    MakeInputs(5);
+    std::vector<int> tokens = {4, 4};
+    auto done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens);
+    // Node 0 must not report success with garbage it could not check, unless mode 2 only
+    // touched values (then the op may succeed with wrong bytes from the peer, which it sent).
+    if (mode < 2) EXPECT_NE(done[0].status_code, 0) << Message(done[0]);
+    done = RunOnAll(abi::OpKind::kLowLatencyDispatch, 0, tokens);
+    if (mode < 2) EXPECT_NE(done[0].status_code, 0) << Message(done[0]);
+    hub_.Hostile(1, [](uint8_t*, uint64_t, uint64_t) {});
+  }
+}
+
+}  // namespace
+}  // namespace epd
