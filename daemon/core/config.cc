@@ -25,6 +25,7 @@
 #include "common/status_macros.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/core/logging.h"
+#include "daemon/transport/fault/fault_transport.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 
@@ -109,7 +110,8 @@ ABSL_FLAG(StringFlag, backend, StringFlag{"auto"},
 ABSL_FLAG(StringFlag, log_level, StringFlag{epd::kDefaultLogLevel},
           "log_level: trace, debug, info, warn, error, critical or off, optionally followed "
           "by per-subsystem levels, e.g. info,epd.engine=trace,epd.control=debug (loggers: "
-          "epd.control, epd.registry, epd.engine, epd.gpu, epd.daemon, epd.config, epd.peer).");
+          "epd.control, epd.registry, epd.engine, epd.gpu, epd.daemon, epd.config, epd.peer, "
+          "epd.transport).");
 ABSL_FLAG(DurationFlag, op_timeout, DurationFlag{absl::Milliseconds(epd::kDefaultOpTimeoutMs)},
           "op_timeout_ms: bound on every wait of a data-plane op, a whole number of "
           "milliseconds, e.g. 10s or 2500ms.");
@@ -173,6 +175,9 @@ ABSL_FLAG(StringFlag, tcp_listen, StringFlag{""},
           "free port).");
 ABSL_FLAG(Uint32Flag, tcp_connections_per_peer, Uint32Flag{epd::kDefaultTcpConnectionsPerPeer},
           "tcp_connections_per_peer: TCP transport connections per peer per group, 1 to 16.");
+ABSL_FLAG(StringFlag, testing_transport_faults, StringFlag{""},
+          "testing_transport_faults: for tests only: a fault plan (drop, delay, reset, "
+          "partition) wrapped around the transport, e.g. \"delay_ms=5;partition=0|1\".");
 
 namespace epd {
 namespace {
@@ -271,6 +276,15 @@ absl::Status ValidatePeerConfig(const v1::DaemonConfig& config) {
     return absl::InvalidArgumentError(absl::StrCat("transport: \"", config.transport(),
                                                    "\" is not a transport of this build (tcp)"));
   }
+  if (!config.testing_transport_faults().empty()) {
+    absl::StatusOr<transport::FaultPlan> plan =
+        transport::ParseFaultPlan(config.testing_transport_faults());
+    if (!plan.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("testing_transport_faults: \"",
+                                                     config.testing_transport_faults(),
+                                                     "\": ", plan.status().message()));
+    }
+  }
   if (config.tcp_connections_per_peer() < 1 ||
       config.tcp_connections_per_peer() > kMaxTcpConnectionsPerPeer) {
     return absl::InvalidArgumentError(
@@ -325,6 +339,7 @@ ConfigFlags ConfigFlagsFromCommandLine() {
   f.transport = GivenValue(FLAGS_transport);
   f.tcp_listen = GivenValue(FLAGS_tcp_listen);
   f.tcp_connections_per_peer = GivenValue(FLAGS_tcp_connections_per_peer);
+  f.testing_transport_faults = GivenValue(FLAGS_testing_transport_faults);
   return f;
 }
 
@@ -456,6 +471,9 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
     config->set_transport(absl::AsciiStrToLower(*flags.transport));
   }
   if (flags.tcp_listen) config->set_tcp_listen(*flags.tcp_listen);
+  if (flags.testing_transport_faults) {
+    config->set_testing_transport_faults(*flags.testing_transport_faults);
+  }
   if (flags.tcp_connections_per_peer) {
     config->set_tcp_connections_per_peer(*flags.tcp_connections_per_peer);
   }

@@ -97,6 +97,7 @@ struct ConfigFlags {
   std::optional<std::string> transport;
   std::optional<std::string> tcp_listen;
   std::optional<uint32_t> tcp_connections_per_peer;
+  std::optional<std::string> testing_transport_faults;
 };
 
 /// Reads the --config, --socket, ... flags of this process (after absl::ParseCommandLine):

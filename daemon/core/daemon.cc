@@ -25,6 +25,8 @@
 #include "daemon/peer/grpc_peer_mesh.h"
 #include "daemon/server/fd_channel.h"
 #include "daemon/server/listener.h"
+#include "daemon/transport/fault/fault_transport.h"
+#include "daemon/transport/tcp/tcp_transport.h"
 #if EPD_HAVE_CUDA
 #include "daemon/dataplane/cuda/cuda_data_plane.h"
 #endif
@@ -161,7 +163,8 @@ absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInve
 
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::DaemonConfig& config,
                                                                 const BackendChoice& choice,
-                                                                peer::PeerMesh* peer_mesh) {
+                                                                peer::PeerMesh* peer_mesh,
+                                                                transport::Transport* transport) {
 #if EPD_HAVE_CUDA
   if (choice.backend == "cuda") {
     CudaDataPlaneOptions options;
@@ -180,6 +183,7 @@ absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::Daemon
   options.engine_idle_us = config.engine_idle_us();
   options.host_threads = static_cast<int>(config.host_threads());
   options.peer_mesh = peer_mesh;
+  options.transport = transport;
   return MakeHostDataPlane(options);
 }
 
@@ -275,11 +279,15 @@ absl::Status Daemon::Init() {
 
   // One epd per socket (its lock file).
   EPD_RETURN_IF_ERROR(PrepareSocketPath());
-  if (!config_.peer_listen().empty()) EPD_RETURN_IF_ERROR(StartPeerMesh());
+  if (!config_.peer_listen().empty()) {
+    EPD_RETURN_IF_ERROR(StartPeerMesh());
+    EPD_RETURN_IF_ERROR(StartTransport());
+  }
   if (options_.data_plane_factory) {
     EPD_ASSIGN_OR_RETURN(data_plane_, options_.data_plane_factory(config_, backend_));
   } else {
-    EPD_ASSIGN_OR_RETURN(data_plane_, MakeDefaultDataPlane(config_, backend_, peer_mesh_.get()));
+    EPD_ASSIGN_OR_RETURN(
+        data_plane_, MakeDefaultDataPlane(config_, backend_, peer_mesh_.get(), transport_.get()));
   }
   GroupRegistry::Options registry_options;
   registry_options.max_groups = config_.max_groups();
@@ -484,6 +492,38 @@ absl::Status Daemon::StartPeerMesh() {
 
 peer::PeerMesh* Daemon::peer_mesh() const { return peer_mesh_.get(); }
 
+absl::Status Daemon::StartTransport() {
+  transport::TcpTransportOptions options;
+  // The data listener: tcp_listen, else peer_listen's host on any free port. Peers learn
+  // the address from the descriptor the Peer service carries; the host they connect to is
+  // the advertised Peer address's.
+  const std::string& peer_listen = config_.peer_listen();
+  const std::string& advertised =
+      config_.peer_advertise().empty() ? peer_listen : config_.peer_advertise();
+  options.listen_address = config_.tcp_listen().empty()
+                               ? absl::StrCat(peer_listen.substr(0, peer_listen.rfind(':')), ":0")
+                               : config_.tcp_listen();
+  options.advertise_host = advertised.substr(0, advertised.rfind(':'));
+  options.connections_per_peer = static_cast<int32_t>(config_.tcp_connections_per_peer());
+  options.connect_timeout = std::chrono::milliseconds(config_.op_timeout_ms());
+  EPD_ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> tcp,
+                       transport::MakeTcpTransport(options));
+  GetLogger(kLogDaemon)
+      ->info("transport tcp: data listener {} ({} connection(s) per peer per group)",
+             transport::TcpListenAddress(*tcp), options.connections_per_peer);
+  if (config_.testing_transport_faults().empty()) {
+    transport_ = std::move(tcp);
+    return absl::OkStatus();
+  }
+  EPD_ASSIGN_OR_RETURN(transport::FaultPlan plan,
+                       transport::ParseFaultPlan(config_.testing_transport_faults()));
+  GetLogger(kLogDaemon)
+      ->warn("testing_transport_faults \"{}\": the transport injects faults (tests only)",
+             config_.testing_transport_faults());
+  transport_ = transport::MakeFaultTransport(std::move(tcp), std::move(plan));
+  return absl::OkStatus();
+}
+
 absl::Status Daemon::ApplySocketPermissions() {
   EPD_ASSIGN_OR_RETURN(uint32_t mode, ParseFileMode("socket_mode", config_.socket_mode()));
   if (!config_.socket_group().empty()) {
@@ -678,7 +718,10 @@ void Daemon::Shutdown() {
   registry_.reset();
   if (data_plane_ != nullptr) data_plane_->Shutdown();
   data_plane_.reset();
-  // After the data plane: its groups' teardown notices go out before the mesh stops.
+  // After the data plane: its groups' teardown notices go out before the mesh stops, and
+  // its links are closed before the transport's thread goes.
+  if (transport_ != nullptr) transport_->Shutdown();
+  transport_.reset();
   if (peer_mesh_ != nullptr) peer_mesh_->Shutdown();
   peer_mesh_.reset();
   struct stat st {};

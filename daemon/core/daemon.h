@@ -35,6 +35,9 @@ namespace peer {
 class GrpcPeerMesh;
 class PeerMesh;
 }  // namespace peer
+namespace transport {
+class Transport;
+}  // namespace transport
 
 class ControlService;
 class FdChannel;
@@ -67,11 +70,11 @@ using DataPlaneFactory = std::function<absl::StatusOr<std::unique_ptr<DataPlane>
 /// `config`) when choice.backend is "cuda" in a CUDA build, else the host data plane
 /// (daemon/dataplane/host/host_data_plane.h; op_timeout_ms, engine_idle_us, host_threads).
 /// UNIMPLEMENTED for a backend this build has no data plane for.
-/// `peer_mesh` (null when the Peer listener is off) goes to the host data plane
-/// (HostDataPlaneOptions::peer_mesh) for groups that span nodes; it must outlive the plane.
+/// `peer_mesh` and `transport` (null when the Peer listener is off) go to the host data
+/// plane (HostDataPlaneOptions) for groups that span nodes; both must outlive the plane.
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(
     const v1::DaemonConfig& config, const BackendChoice& choice,
-    peer::PeerMesh* peer_mesh = nullptr);
+    peer::PeerMesh* peer_mesh = nullptr, transport::Transport* transport = nullptr);
 
 struct DaemonOptions {
   /// Data plane factory; null = MakeDefaultDataPlane. Tests inject a fake.
@@ -134,6 +137,9 @@ class Daemon {
   absl::Status ApplySocketPermissions();
   /// Starts peer_mesh_ from the peer_* fields (secret and TLS files read here).
   absl::Status StartPeerMesh();
+  /// Starts transport_ from the transport / tcp_* fields (with peer_listen), wrapped in
+  /// the fault plan of testing_transport_faults when that is set.
+  absl::Status StartTransport();
   /// Recomputes health from the state below (starting, draining, GPU lost, listener
   /// stuck) and publishes it to both servers' health services when it changed.
   void PublishServing();
@@ -154,6 +160,8 @@ class Daemon {
 
   /// The Peer service and its clients (peer_listen); before the data plane, which uses it.
   std::unique_ptr<peer::GrpcPeerMesh> peer_mesh_;
+  /// The transport between daemons (peer_listen); before the data plane, which uses it.
+  std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<DataPlane> data_plane_;
   std::unique_ptr<GroupRegistry> registry_;
   std::unique_ptr<ControlService> control_;

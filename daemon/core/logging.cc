@@ -60,7 +60,7 @@ absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view level)
 
 absl::Span<const char* const> SubsystemLoggerNames() {
   static constexpr const char* kNames[] = {kLogControl, kLogRegistry, kLogEngine, kLogGpu,
-                                           kLogDaemon,  kLogConfig,   kLogPeer};
+                                           kLogDaemon,  kLogConfig,   kLogPeer,   kLogTransport};
   return kNames;
 }
 

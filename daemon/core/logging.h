@@ -29,6 +29,7 @@ inline constexpr char kLogGpu[] = "epd.gpu";
 inline constexpr char kLogDaemon[] = "epd.daemon";
 inline constexpr char kLogConfig[] = "epd.config";
 inline constexpr char kLogPeer[] = "epd.peer";
+inline constexpr char kLogTransport[] = "epd.transport";
 
 /// Returns the logger of subsystem `name`, creating it on first use at the current level.
 /// Thread-safe. Never returns null.

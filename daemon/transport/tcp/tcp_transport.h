@@ -11,12 +11,13 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "daemon/core/logging.h"
 #include "daemon/transport/transport.h"
 
 namespace epd::transport {
 
-/// Logger of the transports ("epd.transport").
-inline constexpr char kLogTransport[] = "epd.transport";
+/// Logger of the transports ("epd.transport", daemon/core/logging.h).
+using ::epd::kLogTransport;
 
 /// What MakeTcpTransport is built with.
 struct TcpTransportOptions {
