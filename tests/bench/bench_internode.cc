@@ -13,18 +13,14 @@
 // Goal: internode p50 <= 2 x plain-TCP p50 + one-node p50.
 #include <poll.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <barrier>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <functional>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -39,7 +35,6 @@
 #include "daemon/transport/tcp/tcp_transport.h"
 #include "epd/client.h"
 #include "epd/kernels/host_node_ops.h"
-#include "epd/kernels/op_rules.h"
 #include "epd/kernels/types.h"
 #include "proto/abi/exchange_abi.h"
 #include "tests/bench/bench.h"
