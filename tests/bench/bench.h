@@ -11,6 +11,8 @@
 
 /// --json: print one JSON object per figure instead of a table.
 ABSL_DECLARE_FLAG(bool, json);
+/// --nodes: with --backend=host, >= 2 runs RunInternodeBench instead of RunHostBench.
+ABSL_DECLARE_FLAG(int, nodes);
 
 namespace epd::bench {
 
@@ -29,6 +31,10 @@ int RunMultiGpuBench();
 int RunLaunchBench();
 /// Host backend: the real daemon and clients over shm (tests/bench/bench_host.cc).
 int RunHostBench();
+/// Host backend across nodes: --nodes real daemons on this machine with their Peer
+/// listeners, one client thread per rank, each op beside the plain-TCP time of the bytes
+/// that cross nodes and the one-node group's time (tests/bench/bench_internode.cc).
+int RunInternodeBench();
 
 /// Latency percentiles of a sample, in the sample's unit.
 struct Percentiles {

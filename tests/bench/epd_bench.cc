@@ -7,6 +7,8 @@
 //   epd_bench --backend=cuda --mode=launch [--epd=PATH | --socket=PATH]   launch modes
 //                                             through a real epd (client-, daemon-launched)
 //   epd_bench --backend=host                  host backend (daemon + clients over shm)
+//   epd_bench --backend=host --nodes=2 --ranks_per_node=2   a group across 2 real daemons,
+//                                             beside plain TCP and the one-node group
 // (--json: one JSON object per figure.)
 #include <iostream>
 #include <string>
@@ -23,13 +25,17 @@ ABSL_FLAG(bool, json, false, "print one JSON object per figure instead of tables
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "epd_bench --backend=cuda|host [--mode=ll|normal|all|multigpu|launch] [--json]: latency "
+      "epd_bench --backend=cuda|host [--mode=ll|normal|all|multigpu|launch] [--nodes=N] [--json]: "
+      "latency "
       "and bandwidth "
       "of the epd data plane beside same-run bounds");
   absl::ParseCommandLine(argc, argv);
   const std::string backend = absl::GetFlag(FLAGS_backend);
   const std::string mode = absl::GetFlag(FLAGS_mode);
-  if (backend == "host") return epd::bench::RunHostBench();
+  if (backend == "host") {
+    return absl::GetFlag(FLAGS_nodes) >= 2 ? epd::bench::RunInternodeBench()
+                                           : epd::bench::RunHostBench();
+  }
   if (backend != "cuda") {
     std::cerr << "epd_bench: --backend=" << backend << " is not one of cuda, host\n";
     return 2;

@@ -38,14 +38,8 @@ void Configure(int fd) {
 
 }  // namespace
 
-absl::StatusOr<PlainTcpResult> MeasurePlainTcp(uint64_t bytes, int32_t connections,
-                                               const std::string& host) {
-  if (bytes == 0 || connections < 1 ||
-      connections > static_cast<int32_t>(abi::kTcpMaxConnections)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("plain TCP measurement: bytes ", bytes, ", connections ", connections,
-                     " (want bytes > 0, connections in [1, ", abi::kTcpMaxConnections, "])"));
-  }
+absl::StatusOr<std::vector<PlainTcpPair>> ConnectPlainTcpPairs(int32_t count,
+                                                               const std::string& host) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -65,21 +59,41 @@ absl::StatusOr<PlainTcpResult> MeasurePlainTcp(uint64_t bytes, int32_t connectio
   if (::bind(listener.get(), reinterpret_cast<sockaddr*>(&sa), sa_len) != 0) {
     return SocketError("bind");
   }
-  if (::listen(listener.get(), connections) != 0) return SocketError("listen");
+  if (::listen(listener.get(), std::max(count, 1)) != 0) return SocketError("listen");
   if (::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&sa), &sa_len) != 0) {
     return SocketError("getsockname");
   }
-  std::vector<ScopedFd> senders, receivers;
-  for (int32_t i = 0; i < connections; ++i) {
-    senders.emplace_back(::socket(sa.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    if (!senders.back().valid()) return SocketError("socket");
-    Configure(senders.back().get());
-    if (::connect(senders.back().get(), reinterpret_cast<sockaddr*>(&sa), sa_len) != 0) {
+  std::vector<PlainTcpPair> pairs;
+  for (int32_t i = 0; i < count; ++i) {
+    PlainTcpPair p;
+    p.sender = ScopedFd(::socket(sa.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!p.sender.valid()) return SocketError("socket");
+    Configure(p.sender.get());
+    if (::connect(p.sender.get(), reinterpret_cast<sockaddr*>(&sa), sa_len) != 0) {
       return SocketError("connect");
     }
-    receivers.emplace_back(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (!receivers.back().valid()) return SocketError("accept");
-    Configure(receivers.back().get());
+    p.receiver = ScopedFd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!p.receiver.valid()) return SocketError("accept");
+    Configure(p.receiver.get());
+    pairs.push_back(std::move(p));
+  }
+  return pairs;
+}
+
+absl::StatusOr<PlainTcpResult> MeasurePlainTcp(uint64_t bytes, int32_t connections,
+                                               const std::string& host) {
+  if (bytes == 0 || connections < 1 ||
+      connections > static_cast<int32_t>(abi::kTcpMaxConnections)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plain TCP measurement: bytes ", bytes, ", connections ", connections,
+                     " (want bytes > 0, connections in [1, ", abi::kTcpMaxConnections, "])"));
+  }
+  absl::StatusOr<std::vector<PlainTcpPair>> pairs = ConnectPlainTcpPairs(connections, host);
+  if (!pairs.ok()) return pairs.status();
+  std::vector<ScopedFd> senders, receivers;
+  for (PlainTcpPair& p : *pairs) {
+    senders.push_back(std::move(p.sender));
+    receivers.push_back(std::move(p.receiver));
   }
 
   std::atomic<int> failed_errno{0};

@@ -9,8 +9,10 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/os/scoped_fd.h"
 #include "daemon/core/logging.h"
 #include "daemon/transport/transport.h"
 
@@ -56,6 +58,20 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTcpTransport(const TcpTransportOp
 /// The "host:port" the transport's data listener is bound to (the resolved port), for
 /// logs and tests; "" when `transport` is not a TCP transport.
 std::string TcpListenAddress(const Transport& transport);
+
+/// Two ends of one plain TCP connection in this process.
+struct PlainTcpPair {
+  ScopedFd sender;    ///< The connecting end.
+  ScopedFd receiver;  ///< The accepted end.
+};
+
+/// `count` connected TCP connections through one listener on `host` (a local address; the
+/// listener is closed on return), both ends TCP_NODELAY with 10 s send/receive timeouts:
+/// the plain sockets of the plain-TCP yardsticks (MeasurePlainTcp, epd_bench's exchange
+/// across nodes). Errors: INVALID_ARGUMENT (host does not resolve), UNAVAILABLE (a socket
+/// call failed, naming it and errno).
+absl::StatusOr<std::vector<PlainTcpPair>> ConnectPlainTcpPairs(int32_t count,
+                                                               const std::string& host);
 
 /// What MeasurePlainTcp moved and how fast.
 struct PlainTcpResult {
