@@ -567,6 +567,24 @@ TEST(TcpTransport, HostileConnectionsAreRefused) {
   ConnectAll(late);
 }
 
+// Connections that never send a handshake cannot hold the data listener shut: more of them
+// than may handshake at once (64) make the oldest go, and real peers still connect.
+TEST(TcpTransport, SilentConnectionsCannotHoldTheListenerShut) {
+  auto t = MakeTcp();
+  auto nodes = MakeNodes({t.get()}, 2, 64);
+  const std::string d0 = nodes[0].link->LocalDescriptor();
+  std::vector<ScopedFd> silent;
+  for (int i = 0; i < 80; ++i) silent.push_back(RawConnect(d0));
+  EXPECT_TRUE(Refused(silent.front().get()));  // The oldest made room for the newer ones.
+  ConnectAll(nodes);
+  const uint32_t value = 0x5a5a1234;
+  const WritePiece p{&value, sizeof value, 8};
+  ASSERT_TRUE(nodes[1].link->PostWrite(0, std::span(&p, 1), 7).ok());
+  uint32_t imm = 0;
+  ASSERT_TRUE(PollImmWaiting(*nodes[0].link, 1, &imm));
+  EXPECT_EQ(imm, 7u);
+}
+
 // Streams of random frames (mostly well-formed headers with random kinds, sequence numbers,
 // offsets and lengths, some corrupted, some cut short) from a handshaken raw peer never write
 // outside the receive region and always end with that peer failed, naming it.
