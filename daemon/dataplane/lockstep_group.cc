@@ -395,16 +395,17 @@ bool LockstepGroup::Poll() {
   }
   auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - *op_started_);
   if (waited.count() >= options_.op_timeout_ms) {
-    absl::Status st =
-        missing.empty()
-            ? absl::DeadlineExceededError(absl::StrCat(
-                  "op ", current_seq_, " of group ", spec_.name(),
-                  ": every rank arrived but the backend could not start it within op_timeout ",
-                  options_.op_timeout_ms, " ms (", NotReadyReason(), ")"))
-            : absl::DeadlineExceededError(
-                  absl::StrCat("op ", current_seq_, " of group ", spec_.name(), ": rank(s) ",
-                               absl::StrJoin(missing, ", "), " did not arrive within op_timeout ",
-                               options_.op_timeout_ms, " ms"));
+    absl::Status st = missing.empty()
+                          ? absl::DeadlineExceededError(absl::StrCat(
+                                "op ", current_seq_, " of group ", spec_.name(),
+                                spec_.nodes_size() >= 2 ? ": every rank of this node arrived"
+                                                        : ": every rank arrived",
+                                " but the backend could not start it within op_timeout ",
+                                options_.op_timeout_ms, " ms (", NotReadyReason(), ")"))
+                          : absl::DeadlineExceededError(absl::StrCat(
+                                "op ", current_seq_, " of group ", spec_.name(), ": rank(s) ",
+                                absl::StrJoin(missing, ", "), " did not arrive within op_timeout ",
+                                options_.op_timeout_ms, " ms"));
     LogClientCaused(spdlog::level::warn, "{}", st.message());
     FailOp(st);
     return true;

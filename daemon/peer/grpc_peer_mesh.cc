@@ -213,6 +213,9 @@ struct PeerConn {
   absl::Duration handshake_backoff = kMinBackoff;
   std::deque<Leave> leaves;
   std::string last_error;  ///< Of the last failed call ("" after a success).
+  /// Set by the worker as it ends because no group names this peer and no teardown notice
+  /// is queued (its channel is gone then); RegisterGroup joins it and drops the entry.
+  bool retired = false;
   void Heard() {
     last_heard = absl::Now();
     failed_probes = 0;
@@ -729,6 +732,14 @@ class Worker {
       const absl::Time now = absl::Now();
       CheckLiveness(now);
       if (Step(now)) continue;
+      if (!HasGroups() && pc_->leaves.empty()) {
+        // Nothing needs this peer any more: the worker ends and the channel goes, so that an
+        // address a spec named once is not dialled for ever (a later group starts anew).
+        pc_->retired = true;
+        pc_->stub.reset();
+        pc_->channel.reset();
+        return;
+      }
       st_->work.WaitWithDeadline(&st_->mu, NextWake(now));
     }
     // Teardown notices still queued go out within a small budget.
@@ -1141,8 +1152,23 @@ absl::StatusOr<std::unique_ptr<GroupPeers>> GrpcPeerMesh::RegisterGroup(
         absl::StrCat("transport_descriptor: ", membership.transport_descriptor.size(),
                      " bytes, more than ", kMaxTransportDescriptorBytes));
   }
+  // Peers whose workers retired: dropped under the lock, their threads joined after it.
+  struct Retired {
+    std::vector<std::unique_ptr<PeerConn>> conns;
+    ~Retired() {
+      for (auto& pc : conns) pc->worker.join();
+    }
+  } retired;
   absl::MutexLock lock(&state_->mu);
   if (state_->stopping) return absl::UnavailableError("the Peer mesh is shutting down");
+  for (auto it = state_->peers.begin(); it != state_->peers.end();) {
+    if (it->second->retired) {
+      retired.conns.push_back(std::move(it->second));
+      it = state_->peers.erase(it);
+    } else {
+      ++it;
+    }
+  }
   if (state_->groups.count(spec.name()) != 0) {
     return absl::AlreadyExistsError(
         absl::StrCat("group \"", spec.name(), "\" is registered with the Peer mesh already"));
@@ -1194,6 +1220,12 @@ absl::StatusOr<std::unique_ptr<GroupPeers>> GrpcPeerMesh::RegisterGroup(
 }
 
 std::string GrpcPeerMesh::advertised_address() const { return state_->advertised; }
+
+int GrpcPeerMesh::num_peer_workers() const {
+  absl::MutexLock lock(&state_->mu);
+  return static_cast<int>(std::count_if(state_->peers.begin(), state_->peers.end(),
+                                        [](const auto& p) { return !p.second->retired; }));
+}
 
 int GrpcPeerMesh::bound_port() const { return state_->port; }
 

@@ -65,6 +65,9 @@ class GrpcPeerMesh final : public PeerMesh {
 
   /// The TCP port the Peer server is bound to.
   int bound_port() const;
+  /// Peer daemons this mesh runs a worker (thread and channel) for: those a registered
+  /// group names, and those still sending teardown notices. For tests.
+  int num_peer_workers() const;
 
   struct State;  ///< Shared with the service, the workers and the GroupPeers.
 

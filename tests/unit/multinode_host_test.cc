@@ -482,6 +482,10 @@ TEST_F(MultinodeHostTest, MissingNodeTimesOutNamingIt) {
   EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kDeadlineExceeded)) << Message(*c);
   EXPECT_NE(Message(*c).find("node 1 (10.0.0.2:7100"), std::string::npos) << Message(*c);
   EXPECT_NE(Message(*c).find("has not joined"), std::string::npos) << Message(*c);
+  // Why the node is missing comes before the transport's "not connected" (the message is cut).
+  EXPECT_NE(Message(*c).find("is not connected"), std::string::npos) << Message(*c);
+  EXPECT_LT(Message(*c).find("has not joined"), Message(*c).find("is not connected"))
+      << Message(*c);
 }
 
 // A peer that never sends: DEADLINE_EXCEEDED within op_timeout, naming the node's ranks.

@@ -264,6 +264,33 @@ TEST(PeerMeshTest, TeardownIsToldToThePeers) {
   EXPECT_TRUE(a.peers->Health().ok());
 }
 
+// A peer daemon that no registered group names any more keeps no worker: addresses a spec
+// named once are not dialled for ever, and a later group that names one starts anew.
+TEST(PeerMeshTest, WorkersOfPeersNoGroupNamesEnd) {
+  auto m0 = StartMesh();
+  ASSERT_NE(m0, nullptr);
+  auto spec_naming = [&](const std::string& name, const std::vector<std::string>& others) {
+    v1::GroupSpec spec = Spec({m0.get()}, 1);
+    spec.set_name(name);
+    for (const std::string& address : others) {
+      v1::NodeSpec* n = spec.add_nodes();
+      n->set_peer_address(address);
+      n->set_num_ranks(1);
+    }
+    spec.set_num_ranks(spec.nodes_size());
+    spec.set_num_experts(2 * spec.num_ranks());
+    return spec;
+  };
+  {
+    Registered r = Register(m0.get(), spec_naming("g1", {"127.0.0.1:1", "127.0.0.1:2"}), 0, "d");
+    EXPECT_EQ(m0->num_peer_workers(), 2);
+  }
+  EXPECT_TRUE(WaitFor([&] { return m0->num_peer_workers() == 0; }));
+  Registered r2 = Register(m0.get(), spec_naming("g2", {"127.0.0.1:2"}), 0, "d");
+  EXPECT_EQ(m0->num_peer_workers(), 1);
+  EXPECT_FALSE(HasDescriptor(*r2.peers, 1, "x"));
+}
+
 TEST(PeerMeshTest, WrongSecretNeverRegistersAndSaysWhy) {
   auto m0 = StartMesh();
   auto m1 = StartMesh("127.0.0.1:0", "another-secret-of-16-bytes");

@@ -469,6 +469,19 @@ void SendAll(int fd, const T& v, size_t bytes = sizeof(T)) {
   ASSERT_EQ(::send(fd, &v, bytes, MSG_NOSIGNAL), static_cast<ssize_t>(bytes));
 }
 
+/// Node 1 writes `value` at `offset` of node 0's region with immediate `imm`: node 0 polls
+/// the immediate and finds the value there.
+void ExpectWriteLands(std::vector<TestNode>& nodes, uint32_t value, uint64_t offset, uint32_t imm) {
+  const WritePiece p{&value, sizeof value, offset};
+  ASSERT_TRUE(nodes[1].link->PostWrite(0, std::span(&p, 1), imm).ok());
+  uint32_t got = 0;
+  ASSERT_TRUE(PollImmWaiting(*nodes[0].link, 1, &got));
+  EXPECT_EQ(got, imm);
+  uint32_t landed = 0;
+  std::memcpy(&landed, nodes[0].recv.data() + offset, sizeof landed);
+  EXPECT_EQ(landed, value);
+}
+
 // Hostile connections to the data listener are refused or fail only the peer they claim to
 // be; the listener and the real peers keep working.
 TEST(TcpTransport, HostileConnectionsAreRefused) {
@@ -554,17 +567,22 @@ TEST(TcpTransport, HostileConnectionsAreRefused) {
   EXPECT_NE(nodes[0].link->PeerStatus(3).message().find("node 3"), absl::string_view::npos);
   // The real peer is untouched and the listener still accepts.
   EXPECT_EQ(nodes[0].link->State(1), PeerState::kReady);
-  const uint32_t value = 0xabcdef01;
-  const WritePiece p{&value, sizeof value, 64};
-  ASSERT_TRUE(nodes[1].link->PostWrite(0, std::span(&p, 1), 5).ok());
-  uint32_t imm = 0;
-  ASSERT_TRUE(PollImmWaiting(*nodes[0].link, 1, &imm));
-  EXPECT_EQ(imm, 5u);
-  uint32_t landed = 0;
-  std::memcpy(&landed, nodes[0].recv.data() + 64, sizeof landed);
-  EXPECT_EQ(landed, value);
+  ExpectWriteLands(nodes, 0xabcdef01, 64, 5);
   auto late = MakeNodes({t.get()}, 2, 64, "late");
   ConnectAll(late);
+}
+
+// Connections that never send a handshake cannot hold the data listener shut: more of them
+// than may handshake at once (64) make the oldest go, and real peers still connect.
+TEST(TcpTransport, SilentConnectionsCannotHoldTheListenerShut) {
+  auto t = MakeTcp();
+  auto nodes = MakeNodes({t.get()}, 2, 64);
+  const std::string d0 = nodes[0].link->LocalDescriptor();
+  std::vector<ScopedFd> silent;
+  for (int i = 0; i < 80; ++i) silent.push_back(RawConnect(d0));
+  EXPECT_TRUE(Refused(silent.front().get()));  // The oldest made room for the newer ones.
+  ConnectAll(nodes);
+  ExpectWriteLands(nodes, 0x5a5a1234, 8, 7);
 }
 
 // Streams of random frames (mostly well-formed headers with random kinds, sequence numbers,

@@ -707,15 +707,17 @@ bool HostGroup::ReadyToStart() {
 }
 
 std::string HostGroup::NotReadyReason() const {
-  std::string why;
+  // The Peer mesh's account (nodes not registered and why, ranks not joined) comes first: a
+  // client's copy of the message is cut to a fixed length.
+  std::string why = span_.peers ? span_.peers->DescribeMissing() : std::string();
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
     if (n == span_.self || span_.link->State(n) == transport::PeerState::kReady) continue;
-    absl::StrAppend(&why, why.empty() ? "" : "; ", "node ", n, " (", spec().nodes(n).peer_address(),
-                    ", ranks ", span_.first[n], "-", span_.first[n] + span_.count[n] - 1,
-                    ") is not connected");
+    absl::StrAppend(
+        &why, why.empty() ? "" : "; ", "node ", n, " (", spec().nodes(n).peer_address(),
+        span_.count[n] == 1 ? ", rank " : ", ranks ", span_.first[n],
+        span_.count[n] == 1 ? "" : absl::StrCat("-", span_.first[n] + span_.count[n] - 1),
+        ") is not connected");
   }
-  const std::string missing = span_.peers ? span_.peers->DescribeMissing() : std::string();
-  if (!missing.empty()) absl::StrAppend(&why, "; ", missing);
   return why;
 }
 

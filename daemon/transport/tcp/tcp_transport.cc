@@ -559,9 +559,11 @@ void TcpCore::Accept(Clock::time_point now) {
     Pending p;
     p.from = SockaddrString(sa, len);
     if (pending_.size() >= kMaxPending) {
-      p.fd = std::move(fd);
-      Refuse(p, "too many connections are handshaking");
-      continue;
+      // The oldest handshaking connection makes room (pending_ is in accept order): a real
+      // peer sends its handshake as soon as it connects, so connections that stay silent
+      // cannot hold the listener shut to the peers that come after them.
+      Refuse(pending_.front(), "too many connections are handshaking; the oldest is dropped");
+      pending_.erase(pending_.begin());
     }
     SetNoDelay(fd.get());
     p.id = next_pending_id_++;
