@@ -116,7 +116,14 @@ inline absl::StatusOr<std::unique_ptr<testing::Subprocess>> StartClient(const Cl
   };
   if (!run.tokens.empty()) argv.push_back("--tokens=" + absl::StrJoin(run.tokens, ","));
   argv.insert(argv.end(), run.extra_args.begin(), run.extra_args.end());
+  // Its output goes to files in its node's daemon directory (removed with the daemon), one
+  // pair per start of the rank.
+  static int starts = 0;
+  const std::string base =
+      absl::StrCat(cluster.daemons[node]->dir(), "/client.rank", rank, ".", ++starts);
   testing::SubprocessOptions options;
+  options.stdout_path = base + ".stdout";
+  options.stderr_path = base + ".stderr";
   options.pipe_stdin = true;
   return testing::Subprocess::Spawn(argv, options);
 }

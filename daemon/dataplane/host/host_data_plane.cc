@@ -1050,10 +1050,13 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
   bool all = true;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
     if (n == span_.self || span_.got[n]) continue;
-    if (absl::Status st = span_.link->PeerStatus(n); !st.ok()) return fail(st);
+    // A message that arrived counts even when the peer closed since (it finished the op
+    // and left): the immediate is looked for before the peer's state.
     if (ImmFor(n, plan.seq)) {
       span_.pending[n].reset();
       span_.got[n] = 1;
+    } else if (absl::Status st = span_.link->PeerStatus(n); !st.ok()) {
+      return fail(st);
     } else if (span_.pending[n]) {
       return fail(absl::AbortedError(
           absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": node ", n, " (",

@@ -239,6 +239,7 @@ struct Peer {
   std::atomic<uint64_t> delivered{0};
   std::atomic<uint64_t> consumed{0};
   std::atomic<bool> recv_paused{false};
+  bool draining = false;  // FailAfterDrain is reading what is left.
 };
 
 class TcpGroupLink;
@@ -361,6 +362,10 @@ class TcpGroupLink final : public GroupLink {
   enum class FailedBy { kProgress, kEngine, kClose };
   /// Closes `p`'s connections and makes it kFailed with `why` (the first cause wins).
   void Fail(Peer& p, absl::string_view why, FailedBy by = FailedBy::kProgress);
+  /// The peer closed a connection cleanly (its daemon tore the group down or died): what it
+  /// sent before on its other connections is read first (an op's last immediate may still
+  /// be on one of them), then `p` fails with `why`.
+  void FailAfterDrain(Peer& p, absl::string_view why);
   void ProgressConnect(Peer& p, Conn& c);
   bool ProgressSend(Peer& p, Conn& c);
   bool BuildBatch(Peer& p, Conn& c);
@@ -892,6 +897,26 @@ void TcpGroupLink::Fail(Peer& p, absl::string_view why, FailedBy by) {
   if (by == FailedBy::kProgress) CallWake();
 }
 
+void TcpGroupLink::FailAfterDrain(Peer& p, absl::string_view why) {
+  if (!p.draining && p.state.load() != PeerState::kFailed) {
+    p.draining = true;
+    // Bounded: each round reads what is already in the sockets and stops once nothing new
+    // was delivered (a connection that closed is dropped on its EOF).
+    for (int round = 0; round < 64 && p.state.load() != PeerState::kFailed; ++round) {
+      const uint64_t delivered = p.delivered.load(std::memory_order_relaxed);
+      bool more = false;
+      for (Conn& c : p.in) {
+        if (!c.fd.valid() || p.state.load() == PeerState::kFailed) continue;
+        c.readable = true;
+        more |= ProgressRecv(p, c);
+      }
+      if (!more && p.delivered.load(std::memory_order_relaxed) == delivered) break;
+    }
+    p.draining = false;
+  }
+  Fail(p, why);
+}
+
 void TcpGroupLink::OnConnEvent(int32_t node, bool inbound, uint32_t index, uint32_t events) {
   if (!ValidNode(node)) return;
   Peer& p = *peers_[static_cast<size_t>(node)];
@@ -1050,9 +1075,10 @@ void TcpGroupLink::CheckOutboundEof(Peer& p, Conn& c) {
       c.readable = false;
       return;
     }
-    return Fail(p, r == 0  ? absl::StrCat("connection ", c.index, " was closed by the peer")
-                   : r > 0 ? absl::StrCat("sent bytes on send-only connection ", c.index)
-                           : absl::StrCat("connection ", c.index, ": ", Errno(errno)));
+    if (r == 0)
+      return FailAfterDrain(p, absl::StrCat("connection ", c.index, " was closed by the peer"));
+    return Fail(p, r > 0 ? absl::StrCat("sent bytes on send-only connection ", c.index)
+                         : absl::StrCat("connection ", c.index, ": ", Errno(errno)));
   }
 }
 
@@ -1222,8 +1248,17 @@ bool TcpGroupLink::ProgressRecv(Peer& p, Conn& c) {
       c.readable = false;
       return false;
     }
+    if (r == 0 && c.rstate == Conn::Recv::kHeader && c.rhdr_got == 0) {
+      // A clean close between frames: while draining, this connection is done.
+      if (p.draining) {
+        c.fd.Reset();
+      } else {
+        FailAfterDrain(p, absl::StrCat("connection ", c.index, " from the peer was closed"));
+      }
+      return false;
+    }
     if (r <= 0) {
-      Fail(p, r == 0 ? absl::StrCat("connection ", c.index, " from the peer was closed")
+      Fail(p, r == 0 ? absl::StrCat("connection ", c.index, " from the peer was closed mid-frame")
                      : absl::StrCat("connection ", c.index, " from the peer: ", Errno(errno)));
       return false;
     }
