@@ -240,6 +240,10 @@ struct Peer {
   std::atomic<uint64_t> consumed{0};
   std::atomic<bool> recv_paused{false};
   bool draining = false;  // FailAfterDrain is reading what is left.
+  // Inbound connections of the peer's next incarnation that came while the old one's were
+  // still held (or had failed): acknowledged, not read, until the engine calls Connect for
+  // the new descriptor. One per connection index.
+  std::vector<ScopedFd> parked;
 };
 
 class TcpGroupLink;
@@ -366,6 +370,10 @@ class TcpGroupLink final : public GroupLink {
   /// sent before on its other connections is read first (an op's last immediate may still
   /// be on one of them), then `p` fails with `why`.
   void FailAfterDrain(Peer& p, absl::string_view why);
+  /// Connect for a peer connected before (a new incarnation): drops its connections, its
+  /// writes in flight and its undelivered immediates, clears its error, and takes the
+  /// parked inbound connections of the new incarnation. Under TcpCore::mu_, engine thread.
+  void Reset(Peer& p);
   void ProgressConnect(Peer& p, Conn& c);
   bool ProgressSend(Peer& p, Conn& c);
   bool BuildBatch(Peer& p, Conn& c);
@@ -653,6 +661,7 @@ absl::Status TcpGroupLink::Init() {
     p->in.resize(static_cast<size_t>(o.connections_per_peer));
     for (size_t i = 0; i < p->in.size(); ++i) p->in[i].index = static_cast<uint32_t>(i);
     p->imm_slots.resize(static_cast<size_t>(o.max_pending_imms));
+    p->parked.resize(static_cast<size_t>(o.connections_per_peer));
     peers_[static_cast<size_t>(n)] = std::move(p);
   }
   EPD_RETURN_IF_ERROR(core_->Register(this));
@@ -707,16 +716,6 @@ absl::Status TcpGroupLink::Connect(int32_t node, std::string_view descriptor) {
   const size_t host_len = strnlen(d.host, sizeof d.host);
   if (host_len == 0 || host_len == sizeof d.host) return bad("host empty or not terminated");
   Peer& p = *peers_[static_cast<size_t>(node)];
-  const auto check_idle = [&]() -> absl::Status {
-    const PeerState state = p.state.load();
-    if (state == PeerState::kIdle) return absl::OkStatus();
-    if (state == PeerState::kFailed) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("Connect to a failed peer: ", PeerStatus(node).message()));
-    }
-    return absl::FailedPreconditionError(absl::StrCat(PeerName(p), ": Connect was called already"));
-  };
-  EPD_RETURN_IF_ERROR(check_idle());
   const std::string host(d.host, host_len);
   const std::string address = host.find(':') != std::string::npos
                                   ? absl::StrCat("[", host, "]:", d.port)
@@ -726,7 +725,7 @@ absl::Status TcpGroupLink::Connect(int32_t node, std::string_view descriptor) {
   const absl::Status resolved = Resolve(host, d.port, /*passive=*/false, &sa, &sa_len);
 
   std::lock_guard<std::mutex> l(core_->mu());
-  EPD_RETURN_IF_ERROR(check_idle());  // The peer may have failed meanwhile (inbound).
+  if (p.state.load() != PeerState::kIdle) Reset(p);
   p.address = address;
   p.peer_recv_bytes = d.recv_bytes;
   p.deadline = Clock::now() + core_->options().connect_timeout;
@@ -886,6 +885,9 @@ void TcpGroupLink::Detach(const absl::Status& cause, bool wake) {
 void TcpGroupLink::Fail(Peer& p, absl::string_view why, FailedBy by) {
   for (Conn& c : p.out) c.fd.Reset();
   for (Conn& c : p.in) c.fd.Reset();
+  if (by == FailedBy::kClose) {
+    for (ScopedFd& fd : p.parked) fd.Reset();
+  }
   if (p.state.load() == PeerState::kFailed) return;
   absl::Status status = absl::UnavailableError(absl::StrCat(PeerNameLocked(p), ": ", why));
   if (by != FailedBy::kClose) Log()->warn("{}", status.message());
@@ -895,6 +897,35 @@ void TcpGroupLink::Fail(Peer& p, absl::string_view why, FailedBy by) {
   }
   p.state.store(PeerState::kFailed, std::memory_order_release);
   if (by == FailedBy::kProgress) CallWake();
+}
+
+void TcpGroupLink::Reset(Peer& p) {
+  for (Conn& c : p.out) c.fd.Reset();
+  p.out.clear();
+  p.ready_out = 0;
+  p.writes_posted.store(0, std::memory_order_relaxed);
+  p.pieces_posted = 0;
+  p.writes_done.store(0, std::memory_order_relaxed);
+  p.pieces_released.store(0, std::memory_order_relaxed);
+  for (size_t i = 0; i < p.in.size(); ++i) {
+    Conn fresh;
+    fresh.index = static_cast<uint32_t>(i);
+    if (p.parked[i].valid()) {
+      fresh.fd = std::move(p.parked[i]);
+      fresh.readable = true;  // Bytes may be waiting (edge-triggered).
+    }
+    p.in[i] = std::move(fresh);
+  }
+  p.delivered.store(0, std::memory_order_relaxed);
+  p.consumed.store(0, std::memory_order_relaxed);
+  p.recv_paused.store(false, std::memory_order_relaxed);
+  p.inbound_from.clear();
+  p.draining = false;
+  {
+    std::lock_guard<std::mutex> l(status_mu_);
+    p.status = absl::OkStatus();
+  }
+  p.state.store(PeerState::kIdle, std::memory_order_release);
 }
 
 void TcpGroupLink::FailAfterDrain(Peer& p, absl::string_view why) {
@@ -945,11 +976,11 @@ absl::Status TcpGroupLink::AttachInbound(ScopedFd& fd, const TcpHandshake& hs,
                                                    hs.num_connections, ", this node takes ", want));
   }
   Peer& p = *peers_[static_cast<size_t>(hs.from_node)];
-  if (p.state.load() == PeerState::kFailed) {
-    return absl::FailedPreconditionError(absl::StrCat(who, "comes after that peer failed"));
-  }
   Conn& c = p.in[hs.connection];
-  if (c.fd.valid() || c.dones > 0 || c.rhdr_got > 0) {
+  // After the peer failed, a connection is its next incarnation's (its daemon registered
+  // the group anew): parked until Connect.
+  const bool park = p.state.load() == PeerState::kFailed;
+  if (park ? p.parked[hs.connection].valid() : (c.fd.valid() || c.dones > 0 || c.rhdr_got > 0)) {
     return absl::AlreadyExistsError(absl::StrCat(who, "repeats connection ", hs.connection));
   }
   TcpAck ack{};
@@ -962,6 +993,10 @@ absl::Status TcpGroupLink::AttachInbound(ScopedFd& fd, const TcpHandshake& hs,
     return absl::UnavailableError(absl::StrCat(who, "could not be acknowledged: ", Errno(errno)));
   }
   core_->EpollMod(fd.get(), ConnKey(id_, hs.from_node, true, hs.connection));
+  if (park) {
+    p.parked[hs.connection] = std::move(fd);
+    return absl::OkStatus();
+  }
   c.fd = std::move(fd);
   c.readable = true;
   if (p.inbound_from.empty()) p.inbound_from = from;
