@@ -33,6 +33,10 @@ namespace {
 
 using kernels::EndpointLayout;
 
+/// How long a running op waits for the message of a node the Peer service reports lost
+/// while that node's data link still stands (a node that finished the op and left).
+constexpr std::chrono::milliseconds kLostGrace{200};
+
 /// Brackets an op's calls into kernels/host for HostDataPlaneOptions::on_kernels.
 class KernelScope {
  public:
@@ -307,6 +311,8 @@ class HostGroup : public LockstepGroup {
     std::vector<std::optional<uint32_t>> pending;  // [N] an immediate not yet used.
     std::vector<uint8_t> got;                      // [N] this op's message is in.
     std::chrono::steady_clock::time_point started;
+    // When this op first saw the Peer service report a node lost.
+    std::optional<std::chrono::steady_clock::time_point> lost_seen;
     absl::Status local_status;  // This node's part of the op.
     std::vector<transport::WritePiece> pieces;
     std::vector<int32_t> local_counts;                            // [Rl, E] this op's counts here.
@@ -861,6 +867,7 @@ bool HostGroup::StartExchange(const OpPlan& plan, const std::vector<abi::Request
   span_.plan = &plan;
   span_.slots = &slots;
   span_.in_op = true;
+  span_.lost_seen.reset();
   std::fill(span_.got.begin(), span_.got.end(), 0);
   span_.local_status = SendOp(plan, slots);
   return false;
@@ -1083,12 +1090,18 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
     if (n == span_.self || span_.got[n]) continue;
     // A message that arrived counts even when the peer closed since (it finished the op
-    // and left): the immediate is looked for before the peer's state.
-    if (ImmFor(n, plan.seq)) {
+    // and left): the immediate is looked for again once the peer's state says failed (the
+    // transport delivers what arrived before it fails the peer).
+    bool in = ImmFor(n, plan.seq);
+    if (!in) {
+      if (absl::Status st = span_.link->PeerStatus(n); !st.ok()) {
+        in = ImmFor(n, plan.seq);
+        if (!in) return fail(st);
+      }
+    }
+    if (in) {
       span_.pending[n].reset();
       span_.got[n] = 1;
-    } else if (absl::Status st = span_.link->PeerStatus(n); !st.ok()) {
-      return fail(st);
     } else if (span_.pending[n]) {
       return fail(absl::AbortedError(
           absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": node ", n, " (",
@@ -1101,7 +1114,20 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
     if (n != span_.self && span_.link->WritesCompleted(n) < span_.posted[n]) all = false;
   }
   if (!all) {
-    if (absl::Status h = span_.peers->Health(); !h.ok()) return fail(h);
+    if (absl::Status h = span_.peers->Health(); !h.ok()) {
+      // A node that finished the op (its message is in) and then left does not fail it; a
+      // lost one (no descriptor) whose message is still missing does, once its link failed
+      // too or kLostGrace passed (a leaving node's message may still be on its way: the
+      // Peer service and the data links are different connections). Looked at only while a
+      // peer is lost, not in the steady state.
+      const auto now = std::chrono::steady_clock::now();
+      if (!span_.lost_seen) span_.lost_seen = now;
+      for (int32_t n = 0; n < span_.num_nodes; ++n) {
+        if (n == span_.self || span_.got[n] || span_.peers->Descriptor(n)) continue;
+        if (span_.link->PeerStatus(n).ok() && now - *span_.lost_seen < kLostGrace) continue;
+        return fail(h);
+      }
+    }
     const auto waited = std::chrono::steady_clock::now() - span_.started;
     if (waited >= std::chrono::milliseconds(options().op_timeout_ms)) {
       std::string who;
