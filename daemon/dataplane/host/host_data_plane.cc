@@ -1116,16 +1116,18 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
   if (!all) {
     if (absl::Status h = span_.peers->Health(); !h.ok()) {
       // A node that finished the op (its message is in) and then left does not fail it; a
-      // lost one (no descriptor) whose message is still missing does, once its link failed
-      // too or kLostGrace passed (a leaving node's message may still be on its way: the
-      // Peer service and the data links are different connections). Looked at only while a
-      // peer is lost, not in the steady state.
+      // lost one (no descriptor) whose message is still missing does once kLostGrace
+      // passed with its link standing (a leaving node's message may still be on its way:
+      // the Peer service and the data links are different connections). A failed link is
+      // left to the next poll's loop above (its message may have come in meanwhile).
+      // Looked at only while a peer is lost, not in the steady state.
       const auto now = std::chrono::steady_clock::now();
       if (!span_.lost_seen) span_.lost_seen = now;
       for (int32_t n = 0; n < span_.num_nodes; ++n) {
         if (n == span_.self || span_.got[n] || span_.peers->Descriptor(n)) continue;
-        if (span_.link->PeerStatus(n).ok() && now - *span_.lost_seen < kLostGrace) continue;
-        return fail(h);
+        if (span_.link->PeerStatus(n).ok() && now - *span_.lost_seen >= kLostGrace) {
+          return fail(h);
+        }
       }
     }
     const auto waited = std::chrono::steady_clock::now() - span_.started;

@@ -52,13 +52,15 @@ using abi::TcpFrameHeader;
 using abi::TcpFrameKind;
 using abi::TcpHandshake;
 
-constexpr int kMaxIov = 64;                  // iovecs per sendmsg.
-constexpr int kMaxEvents = 64;               // epoll events per wait.
-constexpr size_t kMaxPending = 64;           // Accepted connections still handshaking.
-constexpr uint64_t kReadBudget = 4u << 20;   // Bytes per connection per loop turn.
-constexpr uint64_t kWriteBudget = 8u << 20;  // Bytes per connection per loop turn.
-constexpr int kTickMs = 50;                  // Loop tick (deadlines are checked per tick).
-constexpr int kRecvRounds = 8;               // Receive rounds per peer per loop turn.
+constexpr int kMaxIov = 64;     // iovecs per sendmsg.
+constexpr int kMaxEvents = 64;  // epoll events per wait.
+constexpr size_t kMaxPending = 64;
+/// How long a peer that closed a connection cleanly is read on (PeerClosing).
+constexpr std::chrono::milliseconds kCloseDrain{1000};  // Accepted connections still handshaking.
+constexpr uint64_t kReadBudget = 4u << 20;              // Bytes per connection per loop turn.
+constexpr uint64_t kWriteBudget = 8u << 20;             // Bytes per connection per loop turn.
+constexpr int kTickMs = 50;     // Loop tick (deadlines are checked per tick).
+constexpr int kRecvRounds = 8;  // Receive rounds per peer per loop turn.
 constexpr int32_t kMaxNodes = 4096;
 
 std::shared_ptr<spdlog::logger> Log() { return GetLogger(kLogTransport); }
@@ -239,7 +241,11 @@ struct Peer {
   std::atomic<uint64_t> delivered{0};
   std::atomic<uint64_t> consumed{0};
   std::atomic<bool> recv_paused{false};
-  bool draining = false;  // FailAfterDrain is reading what is left.
+  // The peer closed a connection cleanly (PeerClosing): its inbound connections are read to
+  // their EOFs (or close_deadline), then it fails with close_why.
+  bool closing = false;
+  Clock::time_point close_deadline{};
+  std::string close_why;
   // Inbound connections of the peer's next incarnation that came while the old one's were
   // still held (or had failed): acknowledged, not read, until the engine calls Connect for
   // the new descriptor. One per connection index.
@@ -367,9 +373,11 @@ class TcpGroupLink final : public GroupLink {
   /// Closes `p`'s connections and makes it kFailed with `why` (the first cause wins).
   void Fail(Peer& p, absl::string_view why, FailedBy by = FailedBy::kProgress);
   /// The peer closed a connection cleanly (its daemon tore the group down or died): what it
-  /// sent before on its other connections is read first (an op's last immediate may still
-  /// be on one of them), then `p` fails with `why`.
-  void FailAfterDrain(Peer& p, absl::string_view why);
+  /// sent before on its other connections is still read, up to each one's EOF (an op's last
+  /// immediate may be on one of them, its bytes behind the close: connections do not keep
+  /// order with each other), bounded by kCloseDrain; then `p` fails with `why`. Nothing
+  /// more is sent to it meanwhile.
+  void PeerClosing(Peer& p, absl::string_view why);
   /// Connect for a peer connected before (a new incarnation): drops its connections, its
   /// writes in flight and its undelivered immediates, clears its error, and takes the
   /// parked inbound connections of the new incarnation. Under TcpCore::mu_, engine thread.
@@ -920,7 +928,8 @@ void TcpGroupLink::Reset(Peer& p) {
   p.consumed.store(0, std::memory_order_relaxed);
   p.recv_paused.store(false, std::memory_order_relaxed);
   p.inbound_from.clear();
-  p.draining = false;
+  p.closing = false;
+  p.close_why.clear();
   {
     std::lock_guard<std::mutex> l(status_mu_);
     p.status = absl::OkStatus();
@@ -928,24 +937,17 @@ void TcpGroupLink::Reset(Peer& p) {
   p.state.store(PeerState::kIdle, std::memory_order_release);
 }
 
-void TcpGroupLink::FailAfterDrain(Peer& p, absl::string_view why) {
-  if (!p.draining && p.state.load() != PeerState::kFailed) {
-    p.draining = true;
-    // Bounded: each round reads what is already in the sockets and stops once nothing new
-    // was delivered (a connection that closed is dropped on its EOF).
-    for (int round = 0; round < 64 && p.state.load() != PeerState::kFailed; ++round) {
-      const uint64_t delivered = p.delivered.load(std::memory_order_relaxed);
-      bool more = false;
-      for (Conn& c : p.in) {
-        if (!c.fd.valid() || p.state.load() == PeerState::kFailed) continue;
-        c.readable = true;
-        more |= ProgressRecv(p, c);
-      }
-      if (!more && p.delivered.load(std::memory_order_relaxed) == delivered) break;
-    }
-    p.draining = false;
+void TcpGroupLink::PeerClosing(Peer& p, absl::string_view why) {
+  if (p.state.load() == PeerState::kFailed) return;
+  if (!p.closing) {
+    p.closing = true;
+    p.close_why = std::string(why);
+    p.close_deadline = Clock::now() + kCloseDrain;
+    for (Conn& c : p.in) c.readable = true;  // Read what is there now.
   }
-  Fail(p, why);
+  bool open = false;
+  for (const Conn& c : p.in) open |= c.fd.valid();
+  if (!open) Fail(p, p.close_why);
 }
 
 void TcpGroupLink::OnConnEvent(int32_t node, bool inbound, uint32_t index, uint32_t events) {
@@ -1018,16 +1020,21 @@ bool TcpGroupLink::Progress(Clock::time_point now) {
         Fail(p, absl::StrCat("not connected within ", core_->options().connect_timeout.count(),
                              " ms (", p.ready_out, " of ", p.out.size(), " connections ready)"));
       }
+    } else if (state == PeerState::kReady && p.closing) {
+      if (now >= p.close_deadline) {
+        Fail(p, absl::StrCat(p.close_why, " (its other connections not closed within ",
+                             kCloseDrain.count(), " ms)"));
+      }
     } else if (state == PeerState::kReady) {
       bool sent = false;
       for (Conn& c : p.out) {
         if (p.state.load() != PeerState::kReady) break;
         CheckOutboundEof(p, c);
-        if (p.state.load() != PeerState::kReady) break;
+        if (p.state.load() != PeerState::kReady || p.closing) break;
         more |= ProgressSend(p, c);
         sent = true;
       }
-      if (sent && p.state.load() == PeerState::kReady) {
+      if (sent && p.state.load() == PeerState::kReady && !p.closing) {
         uint64_t done = UINT64_MAX;
         for (const Conn& c : p.out) done = std::min(done, c.writes_sent);
         if (done > p.writes_done.load(std::memory_order_relaxed)) {
@@ -1110,8 +1117,8 @@ void TcpGroupLink::CheckOutboundEof(Peer& p, Conn& c) {
       c.readable = false;
       return;
     }
-    if (r == 0)
-      return FailAfterDrain(p, absl::StrCat("connection ", c.index, " was closed by the peer"));
+    if (r == 0) c.fd.Reset();
+    return PeerClosing(p, absl::StrCat("connection ", c.index, " was closed by the peer"));
     return Fail(p, r > 0 ? absl::StrCat("sent bytes on send-only connection ", c.index)
                          : absl::StrCat("connection ", c.index, ": ", Errno(errno)));
   }
@@ -1284,12 +1291,9 @@ bool TcpGroupLink::ProgressRecv(Peer& p, Conn& c) {
       return false;
     }
     if (r == 0 && c.rstate == Conn::Recv::kHeader && c.rhdr_got == 0) {
-      // A clean close between frames: while draining, this connection is done.
-      if (p.draining) {
-        c.fd.Reset();
-      } else {
-        FailAfterDrain(p, absl::StrCat("connection ", c.index, " from the peer was closed"));
-      }
+      // A clean close between frames: this connection is done; the others are read on.
+      c.fd.Reset();
+      PeerClosing(p, absl::StrCat("connection ", c.index, " from the peer was closed"));
       return false;
     }
     if (r <= 0) {
