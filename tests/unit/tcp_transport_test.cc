@@ -337,6 +337,28 @@ TEST(TcpTransport, ConnectAgainToARestartedPeer) {
   EXPECT_TRUE(WaitFor([&] { return nodes[0].link->WritesCompleted(1) == 1; }));
 }
 
+// A peer that finished writing and closed (its group torn down): what it wrote still
+// arrives whole, on every connection, before the link to it fails; many rounds, since
+// which connection's close is seen first varies.
+TEST(TcpTransport, WritesBeforeAPeersCloseStillArrive) {
+  TcpTransportOptions o;
+  o.connections_per_peer = 4;
+  o.chunk_bytes = 4096;
+  for (int round = 0; round < 20; ++round) {
+    Connected c(o, 2, 2, 64 * 1024);
+    const std::vector<uint8_t> src = RandomBytes(40000, static_cast<uint64_t>(round));
+    const WritePiece piece{src.data(), src.size(), 100};
+    ASSERT_TRUE(c.nodes[1].link->PostWrite(0, std::span(&piece, 1), 42).ok());
+    ASSERT_TRUE(WaitFor([&] { return c.nodes[1].link->WritesCompleted(0) == 1; }));
+    c.nodes[1].link.reset();
+    ASSERT_TRUE(WaitFor([&] { return c.nodes[0].link->State(1) == PeerState::kFailed; }));
+    uint32_t imm = 0;
+    ASSERT_TRUE(c.nodes[0].link->PollImm(1, &imm)) << "round " << round;
+    EXPECT_EQ(imm, 42u);
+    EXPECT_EQ(std::memcmp(c.nodes[0].recv.data() + 100, src.data(), src.size()), 0);
+  }
+}
+
 TEST(TcpTransport, BadDescriptorsAndPieces) {
   auto t = MakeTcp();
   auto nodes = MakeNodes({t.get()}, 3, 1024);
