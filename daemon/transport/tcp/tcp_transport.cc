@@ -52,15 +52,15 @@ using abi::TcpFrameHeader;
 using abi::TcpFrameKind;
 using abi::TcpHandshake;
 
-constexpr int kMaxIov = 64;     // iovecs per sendmsg.
-constexpr int kMaxEvents = 64;  // epoll events per wait.
-constexpr size_t kMaxPending = 64;
+constexpr int kMaxIov = 64;                  // iovecs per sendmsg.
+constexpr int kMaxEvents = 64;               // epoll events per wait.
+constexpr size_t kMaxPending = 64;           // Accepted connections still handshaking.
+constexpr uint64_t kReadBudget = 4u << 20;   // Bytes per connection per loop turn.
+constexpr uint64_t kWriteBudget = 8u << 20;  // Bytes per connection per loop turn.
+constexpr int kTickMs = 50;                  // Loop tick (deadlines are checked per tick).
+constexpr int kRecvRounds = 8;               // Receive rounds per peer per loop turn.
 /// How long a peer that closed a connection cleanly is read on (PeerClosing).
-constexpr std::chrono::milliseconds kCloseDrain{1000};  // Accepted connections still handshaking.
-constexpr uint64_t kReadBudget = 4u << 20;              // Bytes per connection per loop turn.
-constexpr uint64_t kWriteBudget = 8u << 20;             // Bytes per connection per loop turn.
-constexpr int kTickMs = 50;     // Loop tick (deadlines are checked per tick).
-constexpr int kRecvRounds = 8;  // Receive rounds per peer per loop turn.
+constexpr std::chrono::milliseconds kCloseDrain{1000};
 constexpr int32_t kMaxNodes = 4096;
 
 std::shared_ptr<spdlog::logger> Log() { return GetLogger(kLogTransport); }
@@ -1117,8 +1117,10 @@ void TcpGroupLink::CheckOutboundEof(Peer& p, Conn& c) {
       c.readable = false;
       return;
     }
-    if (r == 0) c.fd.Reset();
-    return PeerClosing(p, absl::StrCat("connection ", c.index, " was closed by the peer"));
+    if (r == 0) {
+      c.fd.Reset();
+      return PeerClosing(p, absl::StrCat("connection ", c.index, " was closed by the peer"));
+    }
     return Fail(p, r > 0 ? absl::StrCat("sent bytes on send-only connection ", c.index)
                          : absl::StrCat("connection ", c.index, ": ", Errno(errno)));
   }
