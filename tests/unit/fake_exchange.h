@@ -94,6 +94,13 @@ class FakeHub {
     return absl::OkStatus();
   }
 
+  /// GroupLink::Connect again for `node`: its undelivered immediates and the count of
+  /// writes to it start anew.
+  void Reconnect(LinkState* s, int32_t node) {
+    std::lock_guard<std::mutex> lock(mu_);
+    s->inbox.erase(node);
+    s->completed.erase(node);
+  }
   bool Pop(LinkState* s, int32_t from, uint32_t* imm) {
     std::lock_guard<std::mutex> lock(mu_);
     auto& q = s->inbox[from];
@@ -151,7 +158,7 @@ class FakeLink : public transport::GroupLink {
     if (descriptor != absl::StrCat("fake:", node)) {
       return absl::InvalidArgumentError(absl::StrCat("bad descriptor ", std::string(descriptor)));
     }
-    connected_.insert(node);
+    if (!connected_.insert(node).second) hub_->Reconnect(&state_, node);
     return absl::OkStatus();
   }
   transport::PeerState State(int32_t node) const override {
