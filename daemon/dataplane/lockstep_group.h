@@ -258,6 +258,8 @@ class LockstepGroup : public DataPlaneGroup {
   /// backend runs an armed program's instances here). True if it did work or must keep
   /// the engine polling.
   virtual bool PollBackground() { return false; }
+  /// The op being collected or running (this node's numbering; under mu_).
+  uint64_t current_seq() const { return current_seq_; }
   /// Counts one program instance in the group's stats (ok: ops_completed, else ops_failed).
   void CountProgramInstance(bool ok) { (ok ? ops_completed_ : ops_failed_).fetch_add(1); }
 

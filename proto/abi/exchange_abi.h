@@ -13,7 +13,7 @@
 
 namespace epd::abi {
 
-inline constexpr uint32_t kExchangeAbiVersion = 1;
+inline constexpr uint32_t kExchangeAbiVersion = 2;
 inline constexpr uint32_t kExchangeMagic = 0x45584831;  // "EXH1"
 inline constexpr uint32_t kExchangeMessageBytes = 448;  // Error text in a header.
 /// Low bits of an immediate: the phase of the op (one phase per op today: the message).
@@ -22,7 +22,8 @@ inline constexpr uint32_t kExchangePhaseOp = 1;
 /// An op's seq modulo this travels in the immediate (the header carries all 64 bits).
 inline constexpr uint64_t kExchangeImmSeqModulo = uint64_t{1} << (32 - kExchangePhaseBits);
 
-/// The immediate announcing op `seq`'s message of phase `phase`.
+/// The immediate announcing op `seq`'s message of phase `phase` (`seq`: the op's number on
+/// the link between the two nodes, counted from 0 when the link was last (re)built).
 constexpr uint32_t ExchangeImm(uint64_t seq, uint32_t phase) {
   return static_cast<uint32_t>((seq % kExchangeImmSeqModulo) << kExchangePhaseBits) | phase;
 }
@@ -36,14 +37,14 @@ constexpr uint32_t ExchangeImmPhase(uint32_t imm) { return imm & ((1u << kExchan
 struct ExchangeHeader {
   uint32_t magic = kExchangeMagic;
   uint32_t version = kExchangeAbiVersion;
-  uint64_t seq = 0;              ///< The group's op sequence number.
+  uint64_t seq = 0;              ///< The op's number on this link (ops since it was built).
   uint32_t op = 0;               ///< abi::OpKind.
   uint32_t flags = 0;            ///< The op's request flags (every rank agrees).
   int32_t expert_alignment = 0;  ///< Dispatch.
   int32_t source_node = 0;       ///< The sender's node index.
   int32_t first_rank = 0;        ///< The sender's ranks: [first_rank, first_rank + num_ranks).
   int32_t num_ranks = 0;
-  uint64_t handle_seq = 0;     ///< LowLatencyCombine: the dispatch it combines.
+  uint64_t handle_seq = 0;     ///< LowLatencyCombine: its dispatch ran this many ops before.
   int32_t status_code = 0;     ///< absl::StatusCode; 0 = OK.
   int32_t status_rank = -1;    ///< The rank the error is of, or -1 (the node's).
   uint32_t message_bytes = 0;  ///< <= kExchangeMessageBytes.

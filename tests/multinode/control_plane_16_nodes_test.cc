@@ -26,7 +26,7 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 constexpr int kNodes = 16;
-constexpr int kHeartbeatMs = 250;
+constexpr int kHeartbeatMs = 500;
 constexpr char kSecret[] = "control-plane-16-nodes-secret-0123";
 /// Bound on every node appearing registered at every daemon once all ranks joined.
 constexpr absl::Duration kRegisteredBound = absl::Seconds(20);

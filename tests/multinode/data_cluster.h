@@ -10,8 +10,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "epd/client.h"
 #include "tests/common/daemon_process.h"
@@ -61,16 +64,19 @@ struct Cluster {
   }
 };
 
-/// Starts one daemon per entry of `ranks_per_node` (host backend, `op_timeout`), each with
-/// its Peer listener; without `peer` a single daemon without one (a one-node group: the
-/// harness and the client checked apart from the Peer service).
+/// Starts one daemon per entry of `ranks_per_node` (host backend, `op_timeout`, and
+/// `daemon_args` on every command line), each with its Peer listener; without `peer` a
+/// single daemon without one (a one-node group: the harness and the client checked apart
+/// from the Peer service).
 inline absl::StatusOr<Cluster> StartCluster(std::vector<int> ranks_per_node,
                                             absl::Duration op_timeout = absl::Seconds(5),
-                                            bool peer = true) {
+                                            bool peer = true,
+                                            const std::vector<std::string>& daemon_args = {}) {
   testing::DaemonProcessOptions options;
   options.tcp = false;
   options.log_level = "info";
   options.extra_args = {absl::StrCat("--op_timeout=", absl::ToInt64Milliseconds(op_timeout), "ms")};
+  options.extra_args.insert(options.extra_args.end(), daemon_args.begin(), daemon_args.end());
   Cluster cluster;
   if (!peer) {
     if (ranks_per_node.size() != 1) {
@@ -82,7 +88,13 @@ inline absl::StatusOr<Cluster> StartCluster(std::vector<int> ranks_per_node,
     cluster.ranks_per_node = std::move(ranks_per_node);
     return cluster;
   }
-  auto daemons = testing::StartNodes(static_cast<int>(ranks_per_node.size()), options);
+  // A Peer port picked free can be taken before the daemon binds it (another test's
+  // ephemeral port, tests run in parallel): then the nodes start again on new ports.
+  absl::StatusOr<std::vector<std::unique_ptr<testing::DaemonProcess>>> daemons;
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    daemons = testing::StartNodes(static_cast<int>(ranks_per_node.size()), options);
+    if (daemons.ok() || !absl::StrContains(daemons.status().message(), "cannot listen")) break;
+  }
   if (!daemons.ok()) return daemons.status();
   cluster.daemons = *std::move(daemons);
   cluster.ranks_per_node = std::move(ranks_per_node);
@@ -116,7 +128,14 @@ inline absl::StatusOr<std::unique_ptr<testing::Subprocess>> StartClient(const Cl
   };
   if (!run.tokens.empty()) argv.push_back("--tokens=" + absl::StrJoin(run.tokens, ","));
   argv.insert(argv.end(), run.extra_args.begin(), run.extra_args.end());
+  // Its output goes to files in its node's daemon directory (removed with the daemon), one
+  // pair per start of the rank.
+  static int starts = 0;
+  const std::string base =
+      absl::StrCat(cluster.daemons[node]->dir(), "/client.rank", rank, ".", ++starts);
   testing::SubprocessOptions options;
+  options.stdout_path = base + ".stdout";
+  options.stderr_path = base + ".stderr";
   options.pipe_stdin = true;
   return testing::Subprocess::Spawn(argv, options);
 }
@@ -155,6 +174,41 @@ inline absl::Status WaitClients(std::vector<std::unique_ptr<testing::Subprocess>
   }
   if (all_ok) return absl::OkStatus();
   return absl::InternalError(report);
+}
+
+/// The first "ROUND <i> ERROR <op> <CODE> after <ms> ms: <message>" line a loop client
+/// (--scenario=loop) printed in `output` after its first `skip` bytes, or "" when there is
+/// none yet.
+inline std::string FirstErrorLine(const std::string& output, size_t skip = 0) {
+  if (skip > output.size()) return "";
+  for (absl::string_view line : absl::StrSplit(absl::string_view(output).substr(skip), '\n')) {
+    if (absl::StartsWith(line, "ROUND ") && absl::StrContains(line, " ERROR ")) {
+      return std::string(line);
+    }
+  }
+  return "";
+}
+
+/// The <ms> of an error line (-1 when it has none).
+inline int64_t ErrorMillis(const std::string& line) {
+  const size_t after = line.find(" after ");
+  int64_t ms = -1;
+  if (after == std::string::npos) return ms;
+  const size_t end = line.find(" ms:", after);
+  if (end == std::string::npos) return ms;
+  if (!absl::SimpleAtoi(line.substr(after + 7, end - after - 7), &ms)) return -1;
+  return ms;
+}
+
+/// Polls `client`'s stdout (bounded by `timeout`) for its first error line after `skip`
+/// bytes; "" when none came.
+inline std::string WaitErrorLine(testing::Subprocess& client, size_t skip, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  std::string line;
+  while ((line = FirstErrorLine(client.Stdout(), skip)).empty() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return line;
 }
 
 }  // namespace epd::multinode

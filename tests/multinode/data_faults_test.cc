@@ -25,28 +25,6 @@ using ::testing::HasSubstr;
 
 constexpr absl::Duration kOpTimeout = absl::Seconds(2);
 
-/// The first "ROUND <i> ERROR <op> <CODE> after <ms> ms: <message>" line of `output` after
-/// its first `skip` bytes, or "" when there is none yet.
-std::string FirstErrorLine(const std::string& output, size_t skip) {
-  for (absl::string_view line : absl::StrSplit(absl::string_view(output).substr(skip), '\n')) {
-    if (absl::StartsWith(line, "ROUND ") && absl::StrContains(line, " ERROR ")) {
-      return std::string(line);
-    }
-  }
-  return "";
-}
-
-/// The <ms> of an error line (-1 when it has none).
-int64_t ErrorMillis(const std::string& line) {
-  const size_t after = line.find(" after ");
-  int64_t ms = -1;
-  if (after == std::string::npos) return ms;
-  const size_t end = line.find(" ms:", after);
-  if (end == std::string::npos) return ms;
-  if (!absl::SimpleAtoi(line.substr(after + 7, end - after - 7), &ms)) return -1;
-  return ms;
-}
-
 class DataFaultsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -79,12 +57,7 @@ class DataFaultsTest : public ::testing::Test {
     cluster_.daemons[1]->Kill();
     for (int r = 0; r < 2; ++r) {
       // The first error after the kill, polled for (bounded: op_timeout + 5 s).
-      const absl::Time deadline = absl::Now() + kOpTimeout + absl::Seconds(5);
-      std::string line;
-      while ((line = FirstErrorLine(clients_[r]->Stdout(), seen[r])).empty() &&
-             absl::Now() < deadline) {
-        absl::SleepFor(absl::Milliseconds(20));
-      }
+      const std::string line = WaitErrorLine(*clients_[r], seen[r], kOpTimeout + absl::Seconds(5));
       ASSERT_FALSE(line.empty()) << "rank " << r << " saw no error within op_timeout + 5 s:\n"
                                  << clients_[r]->Stdout() << cluster_.Logs();
       EXPECT_LE(ErrorMillis(line), absl::ToInt64Milliseconds(kOpTimeout) + 1000) << line;

@@ -30,13 +30,16 @@ class FakeHub {
  public:
   struct LinkState {
     transport::GroupLinkOptions options;
-    std::map<int32_t, std::deque<uint32_t>> inbox;  // From node n.
-    std::map<int32_t, uint64_t> completed;          // Writes to node n.
+    uint64_t generation = 0;  ///< Set by AddLink: tells the incarnations of a node apart.
+    /// From node n: each immediate with the generation of the link that sent it.
+    std::map<int32_t, std::deque<std::pair<uint64_t, uint32_t>>> inbox;
+    std::map<int32_t, uint64_t> completed;  // Writes to node n.
   };
 
   /// Registers a link of (group, node); replaces an earlier one.
   void AddLink(const std::string& group, int32_t node, LinkState* s) {
     std::lock_guard<std::mutex> lock(mu_);
+    s->generation = ++generations_;
     links_[{group, node}] = s;
   }
   void RemoveLink(const std::string& group, int32_t node, LinkState* s) {
@@ -85,20 +88,31 @@ class FakeHub {
         auto h = hostile_.find(from);
         if (h != hostile_.end()) h->second(base, p.remote_offset, p.bytes);
       }
-      peer->inbox[from].push_back(imm);
-      wake = peer->options.wake;
       auto self = links_.find({group, from});
+      peer->inbox[from].push_back({self != links_.end() ? self->second->generation : 0, imm});
+      wake = peer->options.wake;
       if (self != links_.end()) ++self->second->completed[to];
     }
     if (wake) wake();
     return absl::OkStatus();
   }
 
+  /// GroupLink::Connect again for `node` (a new incarnation): the immediates of its earlier
+  /// links still undelivered are dropped (its current link's are kept) and the count of
+  /// writes to it starts anew.
+  void Reconnect(LinkState* s, const std::string& group, int32_t node) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto current = links_.find({group, node});
+    const uint64_t now = current != links_.end() ? current->second->generation : 0;
+    auto& q = s->inbox[node];
+    std::erase_if(q, [now](const auto& e) { return e.first != now; });
+    s->completed.erase(node);
+  }
   bool Pop(LinkState* s, int32_t from, uint32_t* imm) {
     std::lock_guard<std::mutex> lock(mu_);
     auto& q = s->inbox[from];
     if (q.empty()) return false;
-    *imm = q.front();
+    *imm = q.front().second;
     q.pop_front();
     return true;
   }
@@ -135,6 +149,7 @@ class FakeHub {
   std::map<int32_t, std::function<void(uint8_t*, uint64_t, uint64_t)>> hostile_;
   std::set<int32_t> dead_;
   uint64_t incarnation_ = 0;
+  uint64_t generations_ = 0;
 };
 
 class FakeLink : public transport::GroupLink {
@@ -151,7 +166,7 @@ class FakeLink : public transport::GroupLink {
     if (descriptor != absl::StrCat("fake:", node)) {
       return absl::InvalidArgumentError(absl::StrCat("bad descriptor ", std::string(descriptor)));
     }
-    connected_.insert(node);
+    if (!connected_.insert(node).second) hub_->Reconnect(&state_, state_.options.group, node);
     return absl::OkStatus();
   }
   transport::PeerState State(int32_t node) const override {

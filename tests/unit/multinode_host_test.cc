@@ -3,7 +3,8 @@
 // peer registry); clients are simulated by writing ring slots and inputs into each rank's
 // shm region (RawRing). Every op's outputs equal, bit for bit, those of kernels/host run
 // on the whole group; a bad request on one node fails every node's ranks with its error; a
-// lost peer fails the op within op_timeout naming the node; garbage from a peer is an
+// lost peer fails the op within op_timeout naming the node; a restarted node rejoins and the
+// group re-forms though the nodes number their ops differently; garbage from a peer is an
 // error, never an out-of-bounds access (this file runs under ASan in tests/sanitize.sh).
 #include <gtest/gtest.h>
 
@@ -464,6 +465,77 @@ TEST_F(MultinodeHostTest, LostPeerFailsTheOpNamingTheNode) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(800 + 1000));
   EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kUnavailable)) << Message(*c);
   EXPECT_NE(Message(*c).find("node 1"), std::string::npos) << Message(*c);
+}
+
+// A node's daemon restarts (its group torn down, registered anew: a new incarnation, its
+// ranks rejoin at seq 1) while the other node's ranks stay at their later seq: after one
+// failed op the group re-forms and a Dispatch is exact again.
+TEST_F(MultinodeHostTest, RestartedNodeRejoinsAndTheGroupReforms) {
+  Start({2, 2}, /*op_timeout_ms=*/300);
+  if (HasFatalFailure()) return;
+  MakeInputs(21);
+  for (int i = 0; i < 3; ++i) {
+    auto done = RunOnAll(abi::OpKind::kGetDispatchLayout, 0, tokens_);
+    for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+  }
+  // Node 1 goes away; node 0's next op fails (bounded by op_timeout), naming node 1.
+  rings_[2].reset();
+  rings_[3].reset();
+  nodes_[1]->group.reset();
+  const uint64_t s0 = rings_[0]->Submit(abi::OpKind::kGetDispatchLayout, 0, tokens_[0]);
+  const uint64_t s1 = rings_[1]->Submit(abi::OpKind::kGetDispatchLayout, 0, tokens_[1]);
+  for (auto [ring, seq] : {std::pair{0, s0}, std::pair{1, s1}}) {
+    auto c = rings_[ring]->Await(seq, milliseconds(5000));
+    ASSERT_TRUE(c.has_value());
+    EXPECT_NE(c->status_code, 0);
+    EXPECT_NE(Message(*c).find("node 1"), std::string::npos) << Message(*c);
+  }
+  // Node 1 comes back: a new group, its ranks at seq 1.
+  auto g = nodes_[1]->plane->CreateGroup(spec_);
+  ASSERT_TRUE(g.ok()) << g.status();
+  nodes_[1]->group = std::move(*g);
+  for (int rank = 2; rank < 4; ++rank) {
+    v1::EndpointInfo info;
+    absl::Status st =
+        nodes_[1]->group->AttachRank(rank, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info);
+    ASSERT_TRUE(st.ok()) << st;
+    rings_[rank] = testing::RawRing::Open(info, *nodes_[1]->group);
+    ASSERT_NE(rings_[rank], nullptr);
+  }
+  MakeInputs(22);
+  const int R = shape_.num_ranks, H = shape_.hidden;
+  const int64_t N = shape_.max_recv_tokens();
+  std::vector<kernels::host::DispatchRankArgs> da(R);
+  std::vector<std::vector<uint8_t>> rx(R, std::vector<uint8_t>(N * H * 2));
+  std::vector<std::vector<int32_t>> rsi(R, std::vector<int32_t>(N));
+  std::vector<std::vector<int32_t>> rsp(R, std::vector<int32_t>(shape_.max_tokens_per_rank * R));
+  std::vector<std::vector<int32_t>> rpf(R, std::vector<int32_t>(R)),
+      rpe(R, std::vector<int32_t>(shape_.num_local_experts()));
+  std::vector<std::vector<int64_t>> ri(R, std::vector<int64_t>(N * shape_.num_topk));
+  for (int r = 0; r < R; ++r) {
+    da[r].rank_prefix = rpf[r].data();
+    da[r].recv_tokens_per_expert = rpe[r].data();
+    da[r].recv_topk_idx = ri[r].data();
+    da[r].num_tokens = tokens_[r];
+    da[r].x = At<void>(r, layout_.in_x);
+    da[r].topk_idx = At<int64_t>(r, layout_.in_topk_idx);
+    da[r].recv_capacity = N;
+    da[r].recv_x = rx[r].data();
+    da[r].recv_src_info = rsi[r].data();
+    da[r].send_pos = rsp[r].data();
+  }
+  kernels::host::DispatchOptions dopt;
+  dopt.expert_alignment = 1;
+  const absl::Status ref = kernels::host::Dispatch(shape_, dopt, da, {1});
+  ASSERT_TRUE(ref.ok()) << ref;
+  auto done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
+  for (int r = 0; r < R; ++r) {
+    ASSERT_EQ(done[r].status_code, 0) << "rank " << r << ": " << Message(done[r]);
+    const int n = da[r].num_recv_tokens;
+    EXPECT_EQ(*At<int32_t>(r, layout_.recv_count), n) << r;
+    EXPECT_TRUE(Same(At<uint8_t>(r, layout_.recv_x), rx[r].data(), n * 2 * H)) << r;
+    EXPECT_TRUE(Same(At<int32_t>(r, layout_.recv_src_info), rsi[r].data(), n)) << r;
+  }
 }
 
 // A node whose daemon has not (or no longer) registered the group: the op waits, bounded

@@ -33,6 +33,10 @@ namespace {
 
 using kernels::EndpointLayout;
 
+/// How long a running op waits for the message of a node the Peer service reports lost
+/// while that node's data link still stands (a node that finished the op and left).
+constexpr std::chrono::milliseconds kLostGrace{200};
+
 /// Brackets an op's calls into kernels/host for HostDataPlaneOptions::on_kernels.
 class KernelScope {
  public:
@@ -229,15 +233,20 @@ class HostGroup : public LockstepGroup {
                const kernels::Region& dst) const;
 
   // ---- a group that spans nodes (DESIGN.md §5.1) ----
-  /// Node `n`'s slot of parity `p` in this node's receive region.
+  /// Op `seq` (this node's numbering) as the link to node `n` numbers it: ops since that
+  /// link was (re)built, the numbering both ends share (DESIGN.md §5.1). Everything that
+  /// crosses to node n (immediates, header seq, slot and combine-area parity) uses it.
+  uint64_t LinkSeq(int32_t n, uint64_t seq) const { return seq - span_.link_base[n]; }
+  /// Node `n`'s slot of op `seq`'s link parity in this node's receive region.
   uint8_t* RecvSlot(int32_t n, uint64_t seq) {
     return reinterpret_cast<uint8_t*>(span_.recv.data()) + span_.recv_offset[n] +
-           (seq % 2) * span_.in_layout[n].total;
+           (LinkSeq(n, seq) % 2) * span_.in_layout[n].total;
   }
-  /// This node's combine area of op `seq`'s parity.
-  const uint8_t* CombineArea(uint64_t seq) {
+  /// This node's combine area of op `seq`'s parity on the link to node `n` (the rows node
+  /// n's ranks send back).
+  const uint8_t* CombineArea(int32_t n, uint64_t seq) {
     return reinterpret_cast<const uint8_t*>(span_.recv.data()) + span_.combine_offset[span_.self] +
-           (seq % 2) * span_.combine_layout[span_.self].total;
+           (LinkSeq(n, seq) % 2) * span_.combine_layout[span_.self].total;
   }
   int32_t NodeOf(int32_t rank) const {
     for (int32_t n = 0; n < span_.num_nodes; ++n) {
@@ -248,9 +257,13 @@ class HostGroup : public LockstepGroup {
   /// Posts a header (and `pieces` of payload) of op `plan` to node `n`. The header and
   /// metadata are already in send staging n.
   absl::Status PostToNode(int32_t n, uint64_t seq, std::span<const transport::WritePiece> pieces);
-  /// Fills send staging n's header for op `seq`.
+  /// Ops between `handle_seq` and op `seq` (0 when it is not before).
+  static uint64_t HandleAge(uint64_t seq, uint64_t handle_seq) {
+    return handle_seq < seq ? seq - handle_seq : 0;
+  }
+  /// Fills send staging n's header for op `seq` (`handle_age`: HandleAge of an LL combine).
   abi::ExchangeHeader& StageHeader(int32_t n, uint64_t seq, uint32_t op, uint32_t flags,
-                                   int32_t alignment, uint64_t handle_seq,
+                                   int32_t alignment, uint64_t handle_age,
                                    const absl::Status& status);
   bool StartExchange(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
                      std::span<RankOutcome> outcomes);
@@ -292,11 +305,14 @@ class HostGroup : public LockstepGroup {
     std::unique_ptr<peer::GroupPeers> peers;
     std::vector<uint8_t> connected;     // [N]
     std::vector<uint64_t> incarnation;  // [N] of the peer connected to.
+    std::vector<uint64_t> link_base;    // [N] this node's seq when the link was (re)built.
     bool in_op = false;                 // An op is being exchanged.
     std::chrono::steady_clock::time_point next_descriptor_check;
     std::vector<std::optional<uint32_t>> pending;  // [N] an immediate not yet used.
     std::vector<uint8_t> got;                      // [N] this op's message is in.
     std::chrono::steady_clock::time_point started;
+    // When this op first saw the Peer service report a node lost.
+    std::optional<std::chrono::steady_clock::time_point> lost_seen;
     absl::Status local_status;  // This node's part of the op.
     std::vector<transport::WritePiece> pieces;
     std::vector<int32_t> local_counts;                            // [Rl, E] this op's counts here.
@@ -639,6 +655,7 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
   s.fail_posted.assign(s.num_nodes, 0);
   s.connected.assign(s.num_nodes, 0);
   s.incarnation.assign(s.num_nodes, 0);
+  s.link_base.assign(s.num_nodes, 0);
   s.pending.assign(s.num_nodes, std::nullopt);
   s.got.assign(s.num_nodes, 0);
   transport::GroupLinkOptions lo;
@@ -688,9 +705,15 @@ bool HostGroup::PollBackground() {
       LogClientCaused(spdlog::level::warn, "group {}: connecting to node {}: {}", spec().name(), n,
                       st.message());
     }
-    // A new incarnation's immediates start anew; at the first connect an immediate may
-    // already be pending (polled while the op was collected) and is kept.
+    // A new incarnation's immediates and writes count anew; at the first connect an
+    // immediate may already be pending (polled while the op was collected) and is kept.
     if (span_.connected[n]) span_.pending[n].reset();
+    span_.posted[n] = 0;
+    span_.fail_posted[n] = 0;
+    // The op collected now is the link's op 0 at both ends (the peer's first op after its
+    // connect); an op one end failed alone is told by the usual error header or a later
+    // op's immediate.
+    span_.link_base[n] = current_seq();
     span_.connected[n] = 1;
     span_.incarnation[n] = d->incarnation;
     worked = true;
@@ -722,19 +745,19 @@ std::string HostGroup::NotReadyReason() const {
 }
 
 abi::ExchangeHeader& HostGroup::StageHeader(int32_t n, uint64_t seq, uint32_t op, uint32_t flags,
-                                            int32_t alignment, uint64_t handle_seq,
+                                            int32_t alignment, uint64_t handle_age,
                                             const absl::Status& status) {
   auto& h = *reinterpret_cast<abi::ExchangeHeader*>(status.ok() ? span_.send[n].data()
                                                                 : span_.fail_send[n].data());
   h = abi::ExchangeHeader{};
-  h.seq = seq;
+  h.seq = LinkSeq(n, seq);
   h.op = op;
   h.flags = flags & rules::kAgreedFlags;
   h.expert_alignment = alignment;
   h.source_node = span_.self;
   h.first_rank = span_.first[span_.self];
   h.num_ranks = span_.count[span_.self];
-  h.handle_seq = handle_seq;
+  h.handle_seq = handle_age;
   h.status_code = static_cast<int32_t>(status.code());
   const size_t len = std::min<size_t>(status.message().size(), abi::kExchangeMessageBytes);
   if (len > 0) std::memcpy(h.message, status.message().data(), len);
@@ -751,8 +774,10 @@ void HostGroup::OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& stat
     StageHeader(n, seq, op, 0, 0, 0, status);
     const transport::WritePiece piece{
         span_.fail_send[n].data(), sizeof(abi::ExchangeHeader),
-        span_.remote_offset[n] + (seq % 2) * span_.out_layout[n].total};
-    if (span_.link->PostWrite(n, {&piece, 1}, abi::ExchangeImm(seq, abi::kExchangePhaseOp)).ok()) {
+        span_.remote_offset[n] + (LinkSeq(n, seq) % 2) * span_.out_layout[n].total};
+    if (span_.link
+            ->PostWrite(n, {&piece, 1}, abi::ExchangeImm(LinkSeq(n, seq), abi::kExchangePhaseOp))
+            .ok()) {
       ++span_.posted[n];
     }
   }
@@ -774,7 +799,8 @@ int64_t HostGroup::CombineOffsets(int32_t m, const std::vector<int32_t>& counts,
 
 absl::Status HostGroup::PostToNode(int32_t n, uint64_t seq,
                                    std::span<const transport::WritePiece> pieces) {
-  absl::Status st = span_.link->PostWrite(n, pieces, abi::ExchangeImm(seq, abi::kExchangePhaseOp));
+  absl::Status st =
+      span_.link->PostWrite(n, pieces, abi::ExchangeImm(LinkSeq(n, seq), abi::kExchangePhaseOp));
   if (st.ok()) ++span_.posted[n];
   return st;
 }
@@ -787,7 +813,7 @@ bool HostGroup::ImmFor(int32_t n, uint64_t seq) {
       span_.pending[n] = imm;
     }
     const uint64_t got = abi::ExchangeImmSeq(*span_.pending[n]);
-    const uint64_t want = seq % abi::kExchangeImmSeqModulo;
+    const uint64_t want = LinkSeq(n, seq) % abi::kExchangeImmSeqModulo;
     const uint64_t ahead = (got + abi::kExchangeImmSeqModulo - want) % abi::kExchangeImmSeqModulo;
     if (ahead == 0) return true;
     if (ahead < abi::kExchangeImmSeqModulo / 2) return false;  // A later op's: keep it.
@@ -797,12 +823,12 @@ bool HostGroup::ImmFor(int32_t n, uint64_t seq) {
 
 absl::Status HostGroup::CheckHeader(int32_t n, uint64_t seq) const {
   const auto* slot = reinterpret_cast<const uint8_t*>(span_.recv.data()) + span_.recv_offset[n] +
-                     (seq % 2) * span_.in_layout[n].total;
+                     (LinkSeq(n, seq) % 2) * span_.in_layout[n].total;
   abi::ExchangeHeader h;
   std::memcpy(&h, slot, sizeof(h));
-  if (h.magic != abi::kExchangeMagic || h.version != abi::kExchangeAbiVersion || h.seq != seq ||
-      h.source_node != n || h.first_rank != span_.first[n] || h.num_ranks != span_.count[n] ||
-      h.message_bytes > abi::kExchangeMessageBytes) {
+  if (h.magic != abi::kExchangeMagic || h.version != abi::kExchangeAbiVersion ||
+      h.seq != LinkSeq(n, seq) || h.source_node != n || h.first_rank != span_.first[n] ||
+      h.num_ranks != span_.count[n] || h.message_bytes > abi::kExchangeMessageBytes) {
     return absl::DataLossError(
         absl::StrCat("op ", seq, " of group ", spec().name(), ": node ", n, " (",
                      spec().nodes(n).peer_address(), ") sent a malformed exchange header (magic 0x",
@@ -843,6 +869,7 @@ bool HostGroup::StartExchange(const OpPlan& plan, const std::vector<abi::Request
   span_.plan = &plan;
   span_.slots = &slots;
   span_.in_op = true;
+  span_.lost_seen.reset();
   std::fill(span_.got.begin(), span_.got.end(), 0);
   span_.local_status = SendOp(plan, slots);
   return false;
@@ -859,9 +886,21 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
   const rules::RequestOptions flags = rules::DecodeFlags(plan.flags);
   const uint32_t op = static_cast<uint32_t>(plan.op);
   const int32_t alignment = slots[first].expert_alignment;
-  const uint64_t handle_seq = slots[first].handle_seq;
+  // A low-latency combine names its dispatch by how many ops before it that ran (the same
+  // at every node whatever each node's own numbering).
+  const uint64_t handle_age = HandleAge(plan.seq, slots[first].handle_seq);
   // This node's checks first: a bad request here fails the op on every node.
   absl::Status local = absl::OkStatus();
+  if (plan.op == abi::OpKind::kLowLatencyCombine) {
+    for (int32_t n = 0; n < span_.num_nodes && local.ok(); ++n) {
+      if (n != span_.self && slots[first].handle_seq < span_.link_base[n]) {
+        local = absl::InvalidArgumentError(absl::StrCat(
+            "LowLatencyCombine (op ", plan.seq, " of group ", spec().name(), "): its dispatch (op ",
+            slots[first].handle_seq, ") ran before node ", n, " (", spec().nodes(n).peer_address(),
+            ") rejoined the group; dispatch again"));
+      }
+    }
+  }
   // (GetDispatchLayout checks each rank's topk_idx on its own, in FinishExchange: one
   // rank's error is its own, as on one node.)
   const bool needs_idx = plan.op == abi::OpKind::kLowLatencyDispatch ||
@@ -889,9 +928,9 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
     if (n == span_.self) continue;
     const abi::ExchangeSlotLayout& sl = span_.out_layout[n];
     uint8_t* base = reinterpret_cast<uint8_t*>(span_.send[n].data());
-    const uint64_t remote = span_.remote_offset[n] + (plan.seq % 2) * sl.total;
+    const uint64_t remote = span_.remote_offset[n] + (LinkSeq(n, plan.seq) % 2) * sl.total;
     abi::ExchangeHeader& h =
-        StageHeader(n, plan.seq, op, plan.flags, alignment, handle_seq, absl::OkStatus());
+        StageHeader(n, plan.seq, op, plan.flags, alignment, handle_age, absl::OkStatus());
     std::vector<transport::WritePiece>& pieces = span_.pieces;
     pieces.clear();
     if (header_only) {
@@ -983,7 +1022,7 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
         // its count-addressed block of node n's combine area.
         const std::vector<int32_t>& dc = span_.dispatch_counts;
         const abi::ExchangeCombineLayout& cl = span_.combine_layout[n];
-        const uint64_t area = span_.combine_offset[n] + (plan.seq % 2) * cl.total;
+        const uint64_t area = span_.combine_offset[n] + (LinkSeq(n, plan.seq) % 2) * cl.total;
         if (static_cast<uint64_t>(CombineOffsets(n, dc, R)) > cl.rows) {
           return absl::InternalError(absl::StrCat("op ", plan.seq, ": ", span_.combine_off[R],
                                                   " combine rows for node ", n, ", more than ",
@@ -1011,7 +1050,7 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
         const std::vector<int32_t>& c = span_.ll_counts[plan.ll_handle_buffer];
         const int64_t rpe = gs.ll_rows_per_expert();
         const abi::ExchangeCombineLayout& cl = span_.combine_layout[n];
-        const uint64_t area = span_.combine_offset[n] + (plan.seq % 2) * cl.total;
+        const uint64_t area = span_.combine_offset[n] + (LinkSeq(n, plan.seq) % 2) * cl.total;
         if (static_cast<uint64_t>(CombineOffsets(n, c, E)) > cl.ll_rows) {
           return absl::InternalError(absl::StrCat("op ", plan.seq, ": ", span_.combine_off[E],
                                                   " low-latency combine rows for node ", n,
@@ -1052,8 +1091,17 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
   bool all = true;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
     if (n == span_.self || span_.got[n]) continue;
-    if (absl::Status st = span_.link->PeerStatus(n); !st.ok()) return fail(st);
-    if (ImmFor(n, plan.seq)) {
+    // A message that arrived counts even when the peer closed since (it finished the op
+    // and left): the immediate is looked for again once the peer's state says failed (the
+    // transport delivers what arrived before it fails the peer).
+    bool in = ImmFor(n, plan.seq);
+    if (!in) {
+      if (absl::Status st = span_.link->PeerStatus(n); !st.ok()) {
+        in = ImmFor(n, plan.seq);
+        if (!in) return fail(st);
+      }
+    }
+    if (in) {
       span_.pending[n].reset();
       span_.got[n] = 1;
     } else if (span_.pending[n]) {
@@ -1068,7 +1116,22 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
     if (n != span_.self && span_.link->WritesCompleted(n) < span_.posted[n]) all = false;
   }
   if (!all) {
-    if (absl::Status h = span_.peers->Health(); !h.ok()) return fail(h);
+    if (absl::Status h = span_.peers->Health(); !h.ok()) {
+      // A node that finished the op (its message is in) and then left does not fail it; a
+      // lost one (no descriptor) whose message is still missing does once kLostGrace
+      // passed with its link standing (a leaving node's message may still be on its way:
+      // the Peer service and the data links are different connections). A failed link is
+      // left to the next poll's loop above (its message may have come in meanwhile).
+      // Looked at only while a peer is lost, not in the steady state.
+      const auto now = std::chrono::steady_clock::now();
+      if (!span_.lost_seen) span_.lost_seen = now;
+      for (int32_t n = 0; n < span_.num_nodes; ++n) {
+        if (n == span_.self || span_.got[n] || span_.peers->Descriptor(n)) continue;
+        if (span_.link->PeerStatus(n).ok() && now - *span_.lost_seen >= kLostGrace) {
+          return fail(h);
+        }
+      }
+    }
     const auto waited = std::chrono::steady_clock::now() - span_.started;
     if (waited >= std::chrono::milliseconds(options().op_timeout_ms)) {
       std::string who;
@@ -1120,7 +1183,7 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
       h.op = static_cast<uint32_t>(plan.op);
       h.flags = plan.flags & rules::kAgreedFlags;
       h.expert_alignment = slots[first].expert_alignment;
-      h.handle_seq = slots[first].handle_seq;
+      h.handle_seq = HandleAge(plan.seq, slots[first].handle_seq);
     } else {
       std::memcpy(&h, RecvSlot(n, plan.seq), sizeof(h));
     }
@@ -1136,7 +1199,7 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
         (ll_combine && h.handle_seq != h0.handle_seq)) {
       auto describe = [](const abi::ExchangeHeader& x) {
         return absl::StrCat(OpName(x.op), " (flags 0x", absl::Hex(x.flags), ", expert_alignment ",
-                            x.expert_alignment, ", handle op ", x.handle_seq, ")");
+                            x.expert_alignment, ", dispatch ", x.handle_seq, " ops before)");
       };
       return absl::InvalidArgumentError(absl::StrCat(
           "op ", plan.seq, " of group ", spec().name(), ": nodes disagree: node 0 (ranks 0-",
@@ -1297,7 +1360,6 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
     case abi::OpKind::kCombine: {
       const std::vector<int32_t>& dc = span_.dispatch_counts;
       const abi::ExchangeCombineLayout& cl = span_.combine_layout[span_.self];
-      const uint8_t* area = CombineArea(plan.seq);
       if (static_cast<uint64_t>(CombineOffsets(span_.self, dc, R)) > cl.rows) {
         return absl::DataLossError(absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ",
                                                 span_.combine_off[R],
@@ -1330,6 +1392,7 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
               n, absl::StrCat(rows_of(n)[i], " combine rows of rank ", r, ", ", cnt, " expected"));
         }
         const int64_t off = span_.combine_off[r];
+        const uint8_t* area = CombineArea(n, plan.seq);
         a.x = reinterpret_cast<const kernels::bf16_bits*>(area + cl.x) + off * gs.hidden;
         a.topk_weights = flags.combine_weights
                              ? reinterpret_cast<const float*>(area + cl.weights) + off * gs.num_topk
@@ -1343,7 +1406,6 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
     case abi::OpKind::kLowLatencyCombine: {
       const std::vector<int32_t>& c = span_.ll_counts[plan.ll_handle_buffer];
       const abi::ExchangeCombineLayout& cl = span_.combine_layout[span_.self];
-      const uint8_t* area = CombineArea(plan.seq);
       if (static_cast<uint64_t>(CombineOffsets(span_.self, c, E)) > cl.ll_rows) {
         return absl::DataLossError(
             absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ", span_.combine_off[E],
@@ -1377,7 +1439,7 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
           span_.remote_rows[e] = static_cast<int32_t>(cnt);
           span_.block_start[e] = span_.combine_off[e];
         }
-        a.x = reinterpret_cast<const kernels::bf16_bits*>(area + cl.x);
+        a.x = reinterpret_cast<const kernels::bf16_bits*>(CombineArea(n, plan.seq) + cl.x);
         a.x_first_row = span_.remote_first.data() + static_cast<size_t>(r) * El;
         a.x_num_rows = span_.remote_rows.data() + static_cast<size_t>(r) * El;
         a.x_block_start = span_.block_start.data() + static_cast<size_t>(r) * El;

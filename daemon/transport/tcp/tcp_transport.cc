@@ -59,6 +59,8 @@ constexpr uint64_t kReadBudget = 4u << 20;   // Bytes per connection per loop tu
 constexpr uint64_t kWriteBudget = 8u << 20;  // Bytes per connection per loop turn.
 constexpr int kTickMs = 50;                  // Loop tick (deadlines are checked per tick).
 constexpr int kRecvRounds = 8;               // Receive rounds per peer per loop turn.
+/// How long a peer that closed a connection cleanly is read on (PeerClosing).
+constexpr std::chrono::milliseconds kCloseDrain{1000};
 constexpr int32_t kMaxNodes = 4096;
 
 std::shared_ptr<spdlog::logger> Log() { return GetLogger(kLogTransport); }
@@ -239,6 +241,15 @@ struct Peer {
   std::atomic<uint64_t> delivered{0};
   std::atomic<uint64_t> consumed{0};
   std::atomic<bool> recv_paused{false};
+  // The peer closed a connection cleanly (PeerClosing): its inbound connections are read to
+  // their EOFs (or close_deadline), then it fails with close_why.
+  bool closing = false;
+  Clock::time_point close_deadline{};
+  std::string close_why;
+  // Inbound connections of the peer's next incarnation that came while the old one's were
+  // still held (or had failed): acknowledged, not read, until the engine calls Connect for
+  // the new descriptor. One per connection index.
+  std::vector<ScopedFd> parked;
 };
 
 class TcpGroupLink;
@@ -361,6 +372,16 @@ class TcpGroupLink final : public GroupLink {
   enum class FailedBy { kProgress, kEngine, kClose };
   /// Closes `p`'s connections and makes it kFailed with `why` (the first cause wins).
   void Fail(Peer& p, absl::string_view why, FailedBy by = FailedBy::kProgress);
+  /// The peer closed a connection cleanly (its daemon tore the group down or died): what it
+  /// sent before on its other connections is still read, up to each one's EOF (an op's last
+  /// immediate may be on one of them, its bytes behind the close: connections do not keep
+  /// order with each other), bounded by kCloseDrain; then `p` fails with `why`. Nothing
+  /// more is sent to it meanwhile.
+  void PeerClosing(Peer& p, absl::string_view why);
+  /// Connect for a peer connected before (a new incarnation): drops its connections, its
+  /// writes in flight and its undelivered immediates, clears its error, and takes the
+  /// parked inbound connections of the new incarnation. Under TcpCore::mu_, engine thread.
+  void Reset(Peer& p);
   void ProgressConnect(Peer& p, Conn& c);
   bool ProgressSend(Peer& p, Conn& c);
   bool BuildBatch(Peer& p, Conn& c);
@@ -650,6 +671,7 @@ absl::Status TcpGroupLink::Init() {
     p->in.resize(static_cast<size_t>(o.connections_per_peer));
     for (size_t i = 0; i < p->in.size(); ++i) p->in[i].index = static_cast<uint32_t>(i);
     p->imm_slots.resize(static_cast<size_t>(o.max_pending_imms));
+    p->parked.resize(static_cast<size_t>(o.connections_per_peer));
     peers_[static_cast<size_t>(n)] = std::move(p);
   }
   EPD_RETURN_IF_ERROR(core_->Register(this));
@@ -704,16 +726,6 @@ absl::Status TcpGroupLink::Connect(int32_t node, std::string_view descriptor) {
   const size_t host_len = strnlen(d.host, sizeof d.host);
   if (host_len == 0 || host_len == sizeof d.host) return bad("host empty or not terminated");
   Peer& p = *peers_[static_cast<size_t>(node)];
-  const auto check_idle = [&]() -> absl::Status {
-    const PeerState state = p.state.load();
-    if (state == PeerState::kIdle) return absl::OkStatus();
-    if (state == PeerState::kFailed) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("Connect to a failed peer: ", PeerStatus(node).message()));
-    }
-    return absl::FailedPreconditionError(absl::StrCat(PeerName(p), ": Connect was called already"));
-  };
-  EPD_RETURN_IF_ERROR(check_idle());
   const std::string host(d.host, host_len);
   const std::string address = host.find(':') != std::string::npos
                                   ? absl::StrCat("[", host, "]:", d.port)
@@ -723,7 +735,7 @@ absl::Status TcpGroupLink::Connect(int32_t node, std::string_view descriptor) {
   const absl::Status resolved = Resolve(host, d.port, /*passive=*/false, &sa, &sa_len);
 
   std::lock_guard<std::mutex> l(core_->mu());
-  EPD_RETURN_IF_ERROR(check_idle());  // The peer may have failed meanwhile (inbound).
+  if (p.state.load() != PeerState::kIdle) Reset(p);
   p.address = address;
   p.peer_recv_bytes = d.recv_bytes;
   p.deadline = Clock::now() + core_->options().connect_timeout;
@@ -883,6 +895,9 @@ void TcpGroupLink::Detach(const absl::Status& cause, bool wake) {
 void TcpGroupLink::Fail(Peer& p, absl::string_view why, FailedBy by) {
   for (Conn& c : p.out) c.fd.Reset();
   for (Conn& c : p.in) c.fd.Reset();
+  if (by == FailedBy::kClose) {
+    for (ScopedFd& fd : p.parked) fd.Reset();
+  }
   if (p.state.load() == PeerState::kFailed) return;
   absl::Status status = absl::UnavailableError(absl::StrCat(PeerNameLocked(p), ": ", why));
   if (by != FailedBy::kClose) Log()->warn("{}", status.message());
@@ -892,6 +907,49 @@ void TcpGroupLink::Fail(Peer& p, absl::string_view why, FailedBy by) {
   }
   p.state.store(PeerState::kFailed, std::memory_order_release);
   if (by == FailedBy::kProgress) CallWake();
+}
+
+void TcpGroupLink::Reset(Peer& p) {
+  for (Conn& c : p.out) c.fd.Reset();
+  p.out.clear();
+  p.ready_out = 0;
+  p.writes_posted.store(0, std::memory_order_relaxed);
+  p.pieces_posted = 0;
+  p.writes_done.store(0, std::memory_order_relaxed);
+  p.pieces_released.store(0, std::memory_order_relaxed);
+  for (size_t i = 0; i < p.in.size(); ++i) {
+    Conn fresh;
+    fresh.index = static_cast<uint32_t>(i);
+    if (p.parked[i].valid()) {
+      fresh.fd = std::move(p.parked[i]);
+      fresh.readable = true;  // Bytes may be waiting (edge-triggered).
+    }
+    p.in[i] = std::move(fresh);
+  }
+  p.delivered.store(0, std::memory_order_relaxed);
+  p.consumed.store(0, std::memory_order_relaxed);
+  p.recv_paused.store(false, std::memory_order_relaxed);
+  p.inbound_from.clear();
+  p.closing = false;
+  p.close_why.clear();
+  {
+    std::lock_guard<std::mutex> l(status_mu_);
+    p.status = absl::OkStatus();
+  }
+  p.state.store(PeerState::kIdle, std::memory_order_release);
+}
+
+void TcpGroupLink::PeerClosing(Peer& p, absl::string_view why) {
+  if (p.state.load() == PeerState::kFailed) return;
+  if (!p.closing) {
+    p.closing = true;
+    p.close_why = std::string(why);
+    p.close_deadline = Clock::now() + kCloseDrain;
+    for (Conn& c : p.in) c.readable = true;  // Read what is there now.
+  }
+  bool open = false;
+  for (const Conn& c : p.in) open |= c.fd.valid();
+  if (!open) Fail(p, p.close_why);
 }
 
 void TcpGroupLink::OnConnEvent(int32_t node, bool inbound, uint32_t index, uint32_t events) {
@@ -922,11 +980,11 @@ absl::Status TcpGroupLink::AttachInbound(ScopedFd& fd, const TcpHandshake& hs,
                                                    hs.num_connections, ", this node takes ", want));
   }
   Peer& p = *peers_[static_cast<size_t>(hs.from_node)];
-  if (p.state.load() == PeerState::kFailed) {
-    return absl::FailedPreconditionError(absl::StrCat(who, "comes after that peer failed"));
-  }
   Conn& c = p.in[hs.connection];
-  if (c.fd.valid() || c.dones > 0 || c.rhdr_got > 0) {
+  // After the peer failed, a connection is its next incarnation's (its daemon registered
+  // the group anew): parked until Connect.
+  const bool park = p.state.load() == PeerState::kFailed;
+  if (park ? p.parked[hs.connection].valid() : (c.fd.valid() || c.dones > 0 || c.rhdr_got > 0)) {
     return absl::AlreadyExistsError(absl::StrCat(who, "repeats connection ", hs.connection));
   }
   TcpAck ack{};
@@ -939,6 +997,10 @@ absl::Status TcpGroupLink::AttachInbound(ScopedFd& fd, const TcpHandshake& hs,
     return absl::UnavailableError(absl::StrCat(who, "could not be acknowledged: ", Errno(errno)));
   }
   core_->EpollMod(fd.get(), ConnKey(id_, hs.from_node, true, hs.connection));
+  if (park) {
+    p.parked[hs.connection] = std::move(fd);
+    return absl::OkStatus();
+  }
   c.fd = std::move(fd);
   c.readable = true;
   if (p.inbound_from.empty()) p.inbound_from = from;
@@ -960,16 +1022,21 @@ bool TcpGroupLink::Progress(Clock::time_point now) {
         Fail(p, absl::StrCat("not connected within ", core_->options().connect_timeout.count(),
                              " ms (", p.ready_out, " of ", p.out.size(), " connections ready)"));
       }
+    } else if (state == PeerState::kReady && p.closing) {
+      if (now >= p.close_deadline) {
+        Fail(p, absl::StrCat(p.close_why, " (its other connections not closed within ",
+                             kCloseDrain.count(), " ms)"));
+      }
     } else if (state == PeerState::kReady) {
       bool sent = false;
       for (Conn& c : p.out) {
         if (p.state.load() != PeerState::kReady) break;
         CheckOutboundEof(p, c);
-        if (p.state.load() != PeerState::kReady) break;
+        if (p.state.load() != PeerState::kReady || p.closing) break;
         more |= ProgressSend(p, c);
         sent = true;
       }
-      if (sent && p.state.load() == PeerState::kReady) {
+      if (sent && p.state.load() == PeerState::kReady && !p.closing) {
         uint64_t done = UINT64_MAX;
         for (const Conn& c : p.out) done = std::min(done, c.writes_sent);
         if (done > p.writes_done.load(std::memory_order_relaxed)) {
@@ -1052,9 +1119,12 @@ void TcpGroupLink::CheckOutboundEof(Peer& p, Conn& c) {
       c.readable = false;
       return;
     }
-    return Fail(p, r == 0  ? absl::StrCat("connection ", c.index, " was closed by the peer")
-                   : r > 0 ? absl::StrCat("sent bytes on send-only connection ", c.index)
-                           : absl::StrCat("connection ", c.index, ": ", Errno(errno)));
+    if (r == 0) {
+      c.fd.Reset();
+      return PeerClosing(p, absl::StrCat("connection ", c.index, " was closed by the peer"));
+    }
+    return Fail(p, r > 0 ? absl::StrCat("sent bytes on send-only connection ", c.index)
+                         : absl::StrCat("connection ", c.index, ": ", Errno(errno)));
   }
 }
 
@@ -1224,8 +1294,14 @@ bool TcpGroupLink::ProgressRecv(Peer& p, Conn& c) {
       c.readable = false;
       return false;
     }
+    if (r == 0 && c.rstate == Conn::Recv::kHeader && c.rhdr_got == 0) {
+      // A clean close between frames: this connection is done; the others are read on.
+      c.fd.Reset();
+      PeerClosing(p, absl::StrCat("connection ", c.index, " from the peer was closed"));
+      return false;
+    }
     if (r <= 0) {
-      Fail(p, r == 0 ? absl::StrCat("connection ", c.index, " from the peer was closed")
+      Fail(p, r == 0 ? absl::StrCat("connection ", c.index, " from the peer was closed mid-frame")
                      : absl::StrCat("connection ", c.index, " from the peer: ", Errno(errno)));
       return false;
     }
