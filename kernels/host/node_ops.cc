@@ -114,8 +114,7 @@ void PackNodeRows(const GroupShape& shape, std::span<const NodePackJob> jobs,
                   const HostExecution& exec) {
   const int32_t R = shape.num_ranks, K = shape.num_topk;
   const int64_t S = shape.num_scales();
-  internal::OpContext ctx(exec);
-  ctx.ParallelFor(static_cast<int64_t>(jobs.size()), [&](int64_t j, int) {
+  auto pack = [&](int64_t j, int) {
     const NodePackJob& job = jobs[j];
     const NodePackSource& src = *job.source;
     const bool cached = src.send_pos != nullptr;
@@ -144,7 +143,17 @@ void PackNodeRows(const GroupShape& shape, std::span<const NodePackJob> jobs,
       ++m;
     }
     if (job.num_rows != nullptr) *job.num_rows = m;
-  });
+  };
+  // Small stagings run on the caller: handing them to the pool costs more than the copies.
+  constexpr int64_t kParallelBytes = 128 * 1024;
+  int64_t bytes = 0;
+  for (const NodePackJob& job : jobs) bytes += job.source->num_tokens * job.source->x_row_bytes;
+  if (bytes < kParallelBytes) {
+    for (size_t j = 0; j < jobs.size(); ++j) pack(static_cast<int64_t>(j), 0);
+    return;
+  }
+  internal::OpContext ctx(exec);
+  ctx.ParallelFor(static_cast<int64_t>(jobs.size()), pack);
 }
 
 absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& options,
