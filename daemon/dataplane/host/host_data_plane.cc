@@ -178,7 +178,8 @@ class HostGroup : public LockstepGroup {
   bool ReadyToStart() override;
   std::string NotReadyReason() const override;
   bool PollBackground() override;
-  // A spanning op waits for the transport, whose wake callback wakes the engine.
+  // A spanning op waits for the transport, whose wake callback wakes the engine: the
+  // engine polls engine_idle_us after its last work, then sleeps until woken.
   bool RunningOpWakesEngine() const override { return spanning(); }
   /// Spanning groups: publish this node's joined ranks to the peers (for their errors).
   absl::Status RankAttached(int32_t rank, const std::shared_ptr<RankResources>&) override {
