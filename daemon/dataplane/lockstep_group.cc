@@ -338,7 +338,8 @@ bool LockstepGroup::Poll() {
   bool worked = PollBackground();
   worked |= PopRequests();
   if (running_) {
-    if (!PollOpInto(outcomes_)) return true;  // Keep the engine polling while it runs.
+    // Keep the engine polling while it runs, unless its progress wakes the engine.
+    if (!PollOpInto(outcomes_)) return RunningOpWakesEngine() ? worked : true;
     FinishOp();
     worked = true;
   }

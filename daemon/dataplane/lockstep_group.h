@@ -222,6 +222,10 @@ class LockstepGroup : public DataPlaneGroup {
   /// false while it runs. The default (a backend whose ops all finish in StartOpInto)
   /// fails every rank with INTERNAL.
   virtual bool PollOpInto(std::span<RankOutcome> outcomes);
+  /// Whether whatever moves the running op on wakes the engine (Engine::Wake), so that
+  /// the engine may sleep while PollOpInto returns false (its wait is then bounded by the
+  /// engine's idle spin and its 20 ms sleep); false keeps the engine polling the op.
+  virtual bool RunningOpWakesEngine() const { return false; }
   /// Wakes whoever polls this group (a daemon-side event: a rank left).
   virtual void WakeEngine() {}
   /// Backend checks of one popped request of rank `rank` (with the shape and handle

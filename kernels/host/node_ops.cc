@@ -94,6 +94,68 @@ void CountLowLatencyRows(const GroupShape& shape, int32_t num_tokens, const int6
   }
 }
 
+void QuantizeRowsFp8(const GroupShape& shape, int32_t num_rows, const bf16_bits* x,
+                     bool round_scale, e4m3_bits* out, float* scales, const HostExecution& exec) {
+  if (num_rows <= 0) return;
+  const int64_t hidden = shape.hidden;
+  const int64_t S = shape.num_scales();
+  const int64_t grain = internal::GrainForRowBytes(hidden * 2);
+  const int64_t chunks = (num_rows + grain - 1) / grain;
+  internal::OpContext ctx(exec);
+  ctx.ParallelFor(chunks, [&](int64_t c, int) {
+    const int64_t end = std::min<int64_t>(num_rows, (c + 1) * grain);
+    for (int64_t t = c * grain; t < end; ++t) {
+      QuantizeRowFp8(x + t * hidden, shape.hidden, round_scale, out + t * hidden, scales + t * S);
+    }
+  });
+}
+
+void PackNodeRows(const GroupShape& shape, std::span<const NodePackJob> jobs,
+                  const HostExecution& exec) {
+  const int32_t R = shape.num_ranks, K = shape.num_topk;
+  const int64_t S = shape.num_scales();
+  auto pack = [&](int64_t j, int) {
+    const NodePackJob& job = jobs[j];
+    const NodePackSource& src = *job.source;
+    const bool cached = src.send_pos != nullptr;
+    const auto* in_x = static_cast<const uint8_t*>(src.x);
+    auto* out_x = static_cast<uint8_t*>(job.x);
+    const size_t xb = static_cast<size_t>(src.x_row_bytes);
+    int32_t m = 0;
+    for (int32_t t = 0; t < src.num_tokens; ++t) {
+      const int64_t* idx = cached ? nullptr : src.topk_idx + int64_t{t} * K;
+      const int32_t* pos = cached ? src.send_pos + int64_t{t} * R : nullptr;
+      if (!GoesToNode(shape, job.node, idx, pos)) continue;
+      if (job.token != nullptr) job.token[m] = t;
+      if (cached) {
+        if (job.send_pos != nullptr) std::memcpy(job.send_pos + int64_t{m} * R, pos, 4 * size_t(R));
+      } else if (job.topk_idx != nullptr) {
+        std::memcpy(job.topk_idx + int64_t{m} * K, idx, 8 * size_t(K));
+      }
+      if (src.topk_weights != nullptr && job.topk_weights != nullptr) {
+        std::memcpy(job.topk_weights + int64_t{m} * K, src.topk_weights + int64_t{t} * K,
+                    4 * size_t(K));
+      }
+      if (out_x != nullptr) std::memcpy(out_x + m * xb, in_x + t * xb, xb);
+      if (src.x_scales != nullptr && job.x_scales != nullptr) {
+        std::memcpy(job.x_scales + m * S, src.x_scales + t * S, 4 * size_t(S));
+      }
+      ++m;
+    }
+    if (job.num_rows != nullptr) *job.num_rows = m;
+  };
+  // Small stagings run on the caller: handing them to the pool costs more than the copies.
+  constexpr int64_t kParallelBytes = 128 * 1024;
+  int64_t bytes = 0;
+  for (const NodePackJob& job : jobs) bytes += job.source->num_tokens * job.source->x_row_bytes;
+  if (bytes < kParallelBytes) {
+    for (size_t j = 0; j < jobs.size(); ++j) pack(static_cast<int64_t>(j), 0);
+    return;
+  }
+  internal::OpContext ctx(exec);
+  ctx.ParallelFor(static_cast<int64_t>(jobs.size()), pack);
+}
+
 absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& options,
                           bool with_weights, NodeRanks node, std::span<const int32_t> counts,
                           std::span<const NodeDispatchSource> sources,
@@ -373,12 +435,10 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
   for (int32_t s = 0; s < R; ++s) {
     const NodeLowLatencySource& v = sources[s];
     EPD_RETURN_IF_ERROR(CheckSourceRows(kOp, s, v.num_rows, v.token, Mll));
-    if (node.Has(s) &&
-        (v.token != nullptr || v.quantized || v.num_rows != local[s - node.first].num_tokens)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(kOp, ": local source rank ", s, " must present all its ",
-                       local[s - node.first].num_tokens, " tokens in order, unquantized; got ",
-                       v.num_rows, " rows"));
+    if (node.Has(s) && (v.token != nullptr || v.num_rows != local[s - node.first].num_tokens)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kOp, ": local source rank ", s, " must present all its ",
+          local[s - node.first].num_tokens, " tokens in order; got ", v.num_rows, " rows"));
     }
     if (v.quantized && !options.use_fp8) {
       return absl::InvalidArgumentError(

@@ -4,7 +4,8 @@
 // FP8 / round_scale / UE8M0, each node's part computed from what the exchange would bring
 // it (the other nodes' counts and the rows that go to it) equals, bit for bit, the outputs
 // of its ranks in the whole-group op. Outputs start as the same garbage in both runs, so
-// rows neither writes must stay equal too.
+// rows neither writes must stay equal too. The send staging's helpers (QuantizeRowsFp8,
+// PackNodeRows) match their row-by-row definitions.
 #include "epd/kernels/host_node_ops.h"
 
 #include <gtest/gtest.h>
@@ -381,6 +382,14 @@ void CheckLowLatency(const Group& g, const LlCase& c, int nodes) {
     std::vector<std::vector<float>> sc(R);
     std::vector<NodeLowLatencySource> src(R);
     for (int r = 0; r < R; ++r) {
+      if (node.Has(r) && c.fp8 && n % 2 == 1) {  // A local source quantized at the source.
+        xs[r].resize(static_cast<size_t>(g.tokens[r]) * H + 1);
+        sc[r].resize(static_cast<size_t>(g.tokens[r]) * S + 1);
+        QuantizeRowsFp8(s, g.tokens[r], g.x[r].data(), c.round_scale, xs[r].data(), sc[r].data(),
+                        {3});
+        src[r] = {g.tokens[r], nullptr, g.topk[r].data(), xs[r].data(), sc[r].data(), true};
+        continue;
+      }
       if (node.Has(r)) {
         src[r] = {g.tokens[r], nullptr, g.topk[r].data(), g.x[r].data(), nullptr, false};
         continue;
@@ -486,6 +495,113 @@ TEST(HostNodeOps, LowLatencyDispatchCombineMatchTheWholeGroup) {
     SCOPED_TRACE(::testing::Message() << "iter " << iter << " R " << g.R());
     CheckLowLatency(g, c, nodes);
     if (HasFatalFailure()) return;
+  }
+}
+
+TEST(HostNodeOps, QuantizeRowsAndPackNodeRowsMatchTheRowByRowLoop) {
+  std::mt19937 rng(7);
+  HostWorkerPool pool;
+  for (int iter = 0; iter < 60; ++iter) {
+    const int nodes = iter % 2 ? 4 : 2;
+    // Wide rows (8192) make a staging large enough for PackNodeRows to use the threads.
+    const Group g =
+        MakeGroup(rng, nodes, iter % 5 == 0, iter % 3 == 0 ? 8192 : 128 * (1 + iter % 2));
+    const GroupShape& s = g.shape;
+    const int R = g.R(), K = s.num_topk, H = s.hidden, S = s.num_scales();
+    const bool cached = iter % 3 == 2, fp8 = iter % 3 == 1, round_scale = iter % 4 == 0;
+    const HostExecution exec{1 + iter % 4, iter % 2 ? &pool : nullptr};
+    SCOPED_TRACE(::testing::Message() << "iter " << iter << " R " << R);
+    // Cached sources route by a send_pos [T, R] (>= 0: a row at that rank).
+    std::vector<std::vector<int32_t>> send_pos(R);
+    std::vector<NodePackSource> src(R);
+    std::vector<std::vector<e4m3_bits>> q(R);
+    std::vector<std::vector<float>> qs(R);
+    for (int r = 0; r < R; ++r) {
+      const int T = g.tokens[r];
+      send_pos[r].resize(static_cast<size_t>(s.max_tokens_per_rank) * R);
+      for (auto& v : send_pos[r]) v = rng() % 3 == 0 ? static_cast<int32_t>(rng() % 50) : -1;
+      q[r] = Garbage<e4m3_bits>(static_cast<size_t>(T) * H + 1);
+      qs[r] = Garbage<float>(static_cast<size_t>(T) * S + 1);
+      QuantizeRowsFp8(s, T, g.x[r].data(), round_scale, q[r].data(), qs[r].data(), exec);
+      for (int t = 0; t < T; ++t) {
+        std::vector<e4m3_bits> one(H);
+        std::vector<float> one_s(S);
+        QuantizeRowFp8(g.x[r].data() + t * H, H, round_scale, one.data(), one_s.data());
+        ASSERT_EQ(std::memcmp(one.data(), q[r].data() + t * H, H), 0) << "rank " << r << " t " << t;
+        ASSERT_EQ(std::memcmp(one_s.data(), qs[r].data() + t * S, 4 * S), 0) << "rank " << r;
+      }
+      src[r] = {T,
+                cached ? nullptr : g.topk[r].data(),
+                cached ? send_pos[r].data() : nullptr,
+                fp8 ? static_cast<const void*>(g.x_fp8[r].data()) : g.x[r].data(),
+                fp8 ? H : 2 * H,
+                fp8 ? g.scales[r].data() : nullptr,
+                cached ? nullptr : g.weights[r].data()};
+    }
+    struct Packed {
+      std::vector<int32_t> token, pos;
+      std::vector<int64_t> idx;
+      std::vector<float> w, sc;
+      std::vector<uint8_t> x;
+      int32_t rows = -1;
+    };
+    const size_t M = s.max_tokens_per_rank;
+    auto garbage = [&] {
+      Packed p;
+      p.token = Garbage<int32_t>(M);
+      p.pos = Garbage<int32_t>(M * R);
+      p.idx = Garbage<int64_t>(M * K);
+      p.w = Garbage<float>(M * K);
+      p.sc = Garbage<float>(M * S);
+      p.x = Garbage<uint8_t>(M * H * 2);
+      return p;
+    };
+    std::vector<Packed> got(static_cast<size_t>(R) * nodes);
+    std::vector<NodePackJob> jobs;
+    for (int r = 0; r < R; ++r) {
+      for (int n = 0; n < nodes; ++n) {
+        Packed& p = got[r * nodes + n];
+        p = garbage();
+        jobs.push_back({&src[r], g.Node(n), p.token.data(), cached ? nullptr : p.idx.data(),
+                        cached ? p.pos.data() : nullptr, cached ? nullptr : p.w.data(), p.x.data(),
+                        fp8 ? p.sc.data() : nullptr, &p.rows});
+      }
+    }
+    PackNodeRows(s, jobs, exec);
+    for (int r = 0; r < R; ++r) {
+      for (int n = 0; n < nodes; ++n) {
+        Packed want = garbage();
+        int m = 0;
+        const int64_t xb = fp8 ? H : 2 * H;
+        for (int t = 0; t < g.tokens[r]; ++t) {
+          const int32_t* pos = send_pos[r].data() + t * R;
+          const int64_t* idx = g.topk[r].data() + t * K;
+          if (!GoesToNode(s, g.Node(n), cached ? nullptr : idx, cached ? pos : nullptr)) continue;
+          want.token[m] = t;
+          if (cached) {
+            std::copy(pos, pos + R, want.pos.begin() + m * R);
+          } else {
+            std::copy(idx, idx + K, want.idx.begin() + m * K);
+            std::copy(g.weights[r].begin() + t * K, g.weights[r].begin() + (t + 1) * K,
+                      want.w.begin() + m * K);
+          }
+          const auto* x = fp8 ? g.x_fp8[r].data() + t * H
+                              : reinterpret_cast<const uint8_t*>(g.x[r].data() + t * H);
+          std::copy(x, x + xb, want.x.begin() + m * xb);
+          if (fp8) {
+            std::copy(g.scales[r].begin() + t * S, g.scales[r].begin() + (t + 1) * S,
+                      want.sc.begin() + m * S);
+          }
+          ++m;
+        }
+        const Packed& p = got[r * nodes + n];
+        EXPECT_EQ(p.rows, m) << "rank " << r << " node " << n;
+        EXPECT_TRUE(p.token == want.token && p.pos == want.pos && p.idx == want.idx &&
+                    std::memcmp(p.w.data(), want.w.data(), 4 * p.w.size()) == 0 &&
+                    std::memcmp(p.sc.data(), want.sc.data(), 4 * p.sc.size()) == 0 && p.x == want.x)
+            << "rank " << r << " node " << n;
+      }
+    }
   }
 }
 

@@ -182,6 +182,9 @@ class HostGroup : public LockstepGroup {
   bool ReadyToStart() override;
   std::string NotReadyReason() const override;
   bool PollBackground() override;
+  // A spanning op waits for the transport, whose wake callback wakes the engine: the
+  // engine polls engine_idle_us after its last work, then sleeps until woken.
+  bool RunningOpWakesEngine() const override { return spanning(); }
   /// Spanning groups: publish this node's joined ranks to the peers (for their errors).
   absl::Status RankAttached(int32_t rank, const std::shared_ptr<RankResources>&) override {
     PublishJoined(rank, true);
@@ -269,6 +272,10 @@ class HostGroup : public LockstepGroup {
                      std::span<RankOutcome> outcomes);
   /// Packs and posts this node's part of the running op to every peer.
   absl::Status SendOp(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
+  // A dispatch's local sources for the send staging (span_.pack_sources); a low-latency FP8
+  // dispatch's tokens quantized, once, into span_.quant_x / quant_scales on `exec`.
+  void StagePackSources(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                        const kernels::host::HostExecution& exec);
   /// Checks node n's header of op `seq` in the receive region.
   absl::Status CheckHeader(int32_t n, uint64_t seq) const;
   /// Runs this node's part of the op once every peer's message is in.
@@ -322,6 +329,10 @@ class HostGroup : public LockstepGroup {
     std::vector<int32_t> remote_first, remote_rows;  // [R * El] LL combine remote views.
     std::vector<kernels::host::NodeDispatchSource> dispatch_sources;  // [R]
     std::vector<kernels::host::NodeLowLatencySource> ll_sources;      // [R]
+    std::vector<kernels::host::NodePackSource> pack_sources;  // [Rl] this op's local sources.
+    std::vector<kernels::host::NodePackJob> pack_jobs;        // [Rl] one node's send staging.
+    std::vector<kernels::e4m3_bits> quant_x;                  // [Rl, Mll, H] LL FP8 rows.
+    std::vector<float> quant_scales;                          // [Rl, Mll, S] their scales.
   };
   Span span_;
 
@@ -646,6 +657,13 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
     s.remote_rows.assign(static_cast<size_t>(E), 0);
     s.dispatch_sources.resize(R);
     s.ll_sources.resize(R);
+    s.pack_sources.resize(s.count[node]);
+    s.pack_jobs.resize(s.count[node]);
+    if (gs.ll_max_tokens_per_rank > 0) {
+      const size_t rows = static_cast<size_t>(s.count[node]) * gs.ll_max_tokens_per_rank;
+      s.quant_x.assign(rows * gs.hidden, 0);
+      s.quant_scales.assign(rows * gs.num_scales(), 0.0F);
+    }
     s.pieces.reserve(8 * static_cast<size_t>(s.count[node]) * (gs.num_local_experts() + 8) + 8);
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(absl::StrCat("group ", sp.name(), ": out of memory for ",
@@ -863,6 +881,40 @@ absl::Status HostGroup::PeerFailure(uint64_t seq) {
   return absl::OkStatus();
 }
 
+void HostGroup::StagePackSources(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                                 const kernels::host::HostExecution& exec) {
+  const kernels::GroupShape& gs = shape();
+  const EndpointLayout& L = layout();
+  const rules::RequestOptions flags = rules::DecodeFlags(plan.flags);
+  const int32_t first = local_first(), Rl = local_count();
+  const int64_t H = gs.hidden, S = gs.num_scales(), Mll = gs.ll_max_tokens_per_rank;
+  const bool ll = plan.op == abi::OpKind::kLowLatencyDispatch;
+  const bool cached = !ll && flags.cached_handle;
+  const bool weights = !ll && !cached && flags.dispatch_weights;
+  for (int32_t i = 0; i < Rl; ++i) {
+    const int32_t r = first + i;
+    kernels::host::NodePackSource& src = span_.pack_sources[i];
+    src = {slots[r].num_tokens,
+           cached ? nullptr : Private(r).topk_idx.data(),
+           cached ? Private(r).send_pos.data() : nullptr,
+           Ptr<const void>(r, L.in_x),
+           flags.use_fp8 ? H : 2 * H,
+           !ll && flags.use_fp8 ? Ptr<const float>(r, L.in_scales) : nullptr,
+           weights ? Ptr<const float>(r, L.in_topk_weights) : nullptr};
+    if (ll && flags.use_fp8) {
+      // Each token quantized once, here (the rows to every node and to this node's ranks).
+      kernels::e4m3_bits* q = span_.quant_x.data() + i * Mll * H;
+      float* q_scales = span_.quant_scales.data() + i * Mll * S;
+      KernelScope k(plane_->options().on_kernels);
+      kernels::host::QuantizeRowsFp8(gs, slots[r].num_tokens,
+                                     Ptr<const kernels::bf16_bits>(r, L.in_x), flags.round_scale, q,
+                                     q_scales, exec);
+      src.x = q;
+      src.x_scales = q_scales;
+    }
+  }
+}
+
 bool HostGroup::StartExchange(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
                               std::span<RankOutcome> /*outcomes*/) {
   span_.started = std::chrono::steady_clock::now();
@@ -924,6 +976,12 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
     }
   }
   const bool header_only = !local.ok() || plan.op == abi::OpKind::kGetDispatchLayout;
+  const kernels::host::HostExecution exec{plane_->options().host_threads, &plane_->kernel_pool(),
+                                          &kernel_scratch_};
+  if (!header_only &&
+      (plan.op == abi::OpKind::kDispatch || plan.op == abi::OpKind::kLowLatencyDispatch)) {
+    StagePackSources(plan, slots, exec);
+  }
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
     if (n == span_.self) continue;
     const abi::ExchangeSlotLayout& sl = span_.out_layout[n];
@@ -958,62 +1016,37 @@ absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::Reques
         const bool cached = !ll && flags.cached_handle;
         const bool weights = !ll && !cached && flags.dispatch_weights;
         const int64_t x_bytes = fp8 ? H : 2 * H;
+        std::vector<kernels::host::NodePackJob>& jobs = span_.pack_jobs;
         for (int32_t i = 0; i < Rl; ++i) {
-          const int32_t r = first + i;
           const uint64_t blk = sl.payload + static_cast<uint64_t>(i) * sl.block_bytes;
-          auto* ids = reinterpret_cast<int32_t*>(base + blk + sl.ids);
-          auto* idx = reinterpret_cast<int64_t*>(base + blk + sl.idx);
-          auto* pos = reinterpret_cast<int32_t*>(base + blk + sl.pos);
-          auto* w = reinterpret_cast<float*>(base + blk + sl.weights);
-          auto* sc = reinterpret_cast<float*>(base + blk + sl.scales);
-          uint8_t* x = base + blk + sl.x;
-          const int64_t* topk = Private(r).topk_idx.data();
-          const int32_t* cpos = Private(r).send_pos.data();
-          const auto* in_x = Ptr<const uint8_t>(r, L.in_x);
-          int32_t m = 0;
-          for (int32_t t = 0; t < slots[r].num_tokens; ++t) {
-            if (!kernels::host::GoesToNode(gs, to, cached ? nullptr : topk + int64_t{t} * K,
-                                           cached ? cpos + int64_t{t} * R : nullptr)) {
-              continue;
-            }
-            ids[m] = t;
-            if (cached) {
-              std::memcpy(pos + int64_t{m} * R, cpos + int64_t{t} * R, sizeof(int32_t) * R);
-            } else {
-              std::memcpy(idx + int64_t{m} * K, topk + int64_t{t} * K, sizeof(int64_t) * K);
-            }
-            if (weights) {
-              std::memcpy(w + int64_t{m} * K,
-                          Ptr<const float>(r, L.in_topk_weights) + int64_t{t} * K,
-                          sizeof(float) * K);
-            }
-            if (ll && fp8) {
-              kernels::host::QuantizeRowFp8(
-                  reinterpret_cast<const kernels::bf16_bits*>(in_x) + t * H, gs.hidden,
-                  flags.round_scale, reinterpret_cast<kernels::e4m3_bits*>(x) + m * H,
-                  sc + int64_t{m} * S);
-            } else {
-              const int64_t in_bytes = ll ? 2 * H : x_bytes;
-              std::memcpy(x + m * in_bytes, in_x + t * in_bytes, static_cast<size_t>(in_bytes));
-              if (fp8) {
-                std::memcpy(sc + int64_t{m} * S, Ptr<const float>(r, L.in_scales) + int64_t{t} * S,
-                            sizeof(float) * S);
-              }
-            }
-            ++m;
-          }
-          rows[i] = m;
+          jobs[i] = {&span_.pack_sources[i],
+                     to,
+                     reinterpret_cast<int32_t*>(base + blk + sl.ids),
+                     cached ? nullptr : reinterpret_cast<int64_t*>(base + blk + sl.idx),
+                     cached ? reinterpret_cast<int32_t*>(base + blk + sl.pos) : nullptr,
+                     weights ? reinterpret_cast<float*>(base + blk + sl.weights) : nullptr,
+                     base + blk + sl.x,
+                     fp8 ? reinterpret_cast<float*>(base + blk + sl.scales) : nullptr,
+                     rows + i};
+        }
+        {
+          KernelScope k(plane_->options().on_kernels);
+          kernels::host::PackNodeRows(gs, std::span(jobs.data(), static_cast<size_t>(Rl)), exec);
+        }
+        for (int32_t i = 0; i < Rl; ++i) {
+          const uint64_t blk = sl.payload + static_cast<uint64_t>(i) * sl.block_bytes;
+          const kernels::host::NodePackJob& j = jobs[i];
+          const int32_t m = rows[i];
           const uint64_t rb = remote + blk;
-          const int64_t sent_x = ll && !fp8 ? 2 * H : x_bytes;
-          pieces.push_back({ids, uint64_t(m) * 4, rb + sl.ids});
+          pieces.push_back({j.token, uint64_t(m) * 4, rb + sl.ids});
           if (cached) {
-            pieces.push_back({pos, uint64_t(m) * R * 4, rb + sl.pos});
+            pieces.push_back({j.send_pos, uint64_t(m) * R * 4, rb + sl.pos});
           } else {
-            pieces.push_back({idx, uint64_t(m) * K * 8, rb + sl.idx});
+            pieces.push_back({j.topk_idx, uint64_t(m) * K * 8, rb + sl.idx});
           }
-          if (weights) pieces.push_back({w, uint64_t(m) * K * 4, rb + sl.weights});
-          if (fp8) pieces.push_back({sc, uint64_t(m) * S * 4, rb + sl.scales});
-          pieces.push_back({x, uint64_t(m) * sent_x, rb + sl.x});
+          if (weights) pieces.push_back({j.topk_weights, uint64_t(m) * K * 4, rb + sl.weights});
+          if (fp8) pieces.push_back({j.x_scales, uint64_t(m) * S * 4, rb + sl.scales});
+          pieces.push_back({j.x, uint64_t(m) * x_bytes, rb + sl.x});
         }
         break;
       }
@@ -1261,8 +1294,14 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
               flags.cached_handle ? nullptr : Private(s).topk_idx.data(),
               flags.dispatch_weights ? Ptr<const float>(s, L.in_topk_weights) : nullptr,
               flags.cached_handle ? Private(s).send_pos.data() : nullptr};
-          span_.ll_sources[s] = {slots[s].num_tokens,        nullptr, Private(s).topk_idx.data(),
-                                 Ptr<const void>(s, L.in_x), nullptr, false};
+          // A low-latency FP8 source's rows were quantized by SendOp.
+          const bool q = ll && flags.use_fp8;
+          span_.ll_sources[s] = {slots[s].num_tokens,
+                                 nullptr,
+                                 Private(s).topk_idx.data(),
+                                 q ? span_.pack_sources[s - first].x : Ptr<const void>(s, L.in_x),
+                                 q ? span_.pack_sources[s - first].x_scales : nullptr,
+                                 q};
           continue;
         }
         const abi::ExchangeSlotLayout& sl = span_.in_layout[n];

@@ -45,6 +45,46 @@ void CountDispatchRows(const GroupShape& shape, int32_t num_tokens, const int64_
 void CountLowLatencyRows(const GroupShape& shape, int32_t num_tokens, const int64_t* topk_idx,
                          int32_t* to_expert);
 
+/// Quantizes rows [num_rows, H] bf16 to e4m3 `out` [num_rows, H] with scales `scales`
+/// [num_rows, S] f32, each row exactly as QuantizeRowFp8 does (the rows split over `exec`'s
+/// threads; no allocation with a pool).
+void QuantizeRowsFp8(const GroupShape& shape, int32_t num_rows, const bf16_bits* x,
+                     bool round_scale, e4m3_bits* out, float* scales,
+                     const HostExecution& exec = {});
+
+/// One source rank's inputs for PackNodeRows: its `num_tokens` tokens in order.
+struct NodePackSource {
+  int32_t num_tokens = 0;
+  const int64_t* topk_idx = nullptr;    ///< [T, K] (null with send_pos).
+  const int32_t* send_pos = nullptr;    ///< Cached dispatch: [T, R] (else null).
+  const void* x = nullptr;              ///< [T, x_row_bytes] (bf16, or e4m3 when fp8).
+  int64_t x_row_bytes = 0;              ///< Bytes of one row of x.
+  const float* x_scales = nullptr;      ///< [T, S] f32, or null when there are none.
+  const float* topk_weights = nullptr;  ///< [T, K] f32, or null when not sent.
+};
+
+/// Where PackNodeRows writes one (source, node) pair's rows: row m = the m-th token of the
+/// source with a destination on `node` (GoesToNode), in ascending token order. Each output
+/// is [rows, width] with the source's widths; null outputs are not written (send_pos is
+/// written when the source has send_pos, else topk_idx).
+struct NodePackJob {
+  const NodePackSource* source = nullptr;
+  NodeRanks node;
+  int32_t* token = nullptr;       ///< [rows] token index.
+  int64_t* topk_idx = nullptr;    ///< [rows, K].
+  int32_t* send_pos = nullptr;    ///< [rows, R].
+  float* topk_weights = nullptr;  ///< [rows, K] when the source has weights.
+  void* x = nullptr;              ///< [rows, x_row_bytes].
+  float* x_scales = nullptr;      ///< [rows, S] when the source has scales.
+  int32_t* num_rows = nullptr;    ///< Out: rows written.
+};
+
+/// Packs the rows of every job (a send staging for the daemon's exchange), the jobs split
+/// over `exec`'s threads. Jobs must write disjoint memory; the sources are read only. No
+/// checks: the caller has checked the sources' topk_idx / send_pos and sized the outputs.
+void PackNodeRows(const GroupShape& shape, std::span<const NodePackJob> jobs,
+                  const HostExecution& exec = {});
+
 /// What this node holds of one source rank of a normal dispatch.
 struct NodeDispatchSource {
   int32_t num_rows = 0;               ///< Rows present.
@@ -74,7 +114,8 @@ struct NodeLowLatencySource {
   int32_t num_rows = 0;               ///< Rows present.
   const int32_t* token = nullptr;     ///< [num_rows] token index, ascending; null: row i = token i.
   const int64_t* topk_idx = nullptr;  ///< [num_rows, K].
-  /// [num_rows, H]: bf16 (quantized here when use_fp8), or e4m3 when `quantized`.
+  /// [num_rows, H]: bf16 (quantized here when use_fp8), or e4m3 when `quantized` (a local
+  /// source may be quantized too: QuantizeRowsFp8 of all its tokens).
   const void* x = nullptr;
   const float* scales = nullptr;  ///< [num_rows, S] f32 when `quantized` (QuantizeRowFp8's).
   bool quantized = false;
