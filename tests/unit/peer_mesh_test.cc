@@ -218,7 +218,11 @@ TEST(PeerMeshTest, SpecMismatchIsFailedPreconditionNamingTheField) {
 TEST(PeerMeshTest, LossDetectedWithinBoundAndReRegistrationHeals) {
   PairedMeshes p;
   ASSERT_NO_FATAL_FAILURE(StartPaired(&p, "b-first"));
-  auto& [m0, m1, spec, a, b] = p;
+  auto& m0 = p.m0;
+  auto& m1 = p.m1;
+  auto& spec = p.spec;
+  auto& a = p.a;
+  auto& b = p.b;
   const std::string address1 = m1->advertised_address();
   const uint64_t first_incarnation = a.peers->Descriptor(1)->incarnation;
 
@@ -251,7 +255,10 @@ TEST(PeerMeshTest, LossDetectedWithinBoundAndReRegistrationHeals) {
 TEST(PeerMeshTest, TeardownIsToldToThePeers) {
   PairedMeshes p;
   ASSERT_NO_FATAL_FAILURE(StartPaired(&p));
-  auto& [m0, m1, spec, a, b] = p;
+  auto& m1 = p.m1;
+  auto& spec = p.spec;
+  auto& a = p.a;
+  auto& b = p.b;
   const absl::Time left = absl::Now();
   b.peers.reset();
   ASSERT_TRUE(WaitFor([&] { return !a.peers->Health().ok(); }, absl::Seconds(2)));
@@ -358,7 +365,10 @@ class HandCaller {
 TEST(PeerMeshTest, MalformedInputFromAnAuthenticatedPeerIsRefusedAndChangesNothing) {
   PairedMeshes p;
   ASSERT_NO_FATAL_FAILURE(StartPaired(&p));
-  auto& [m0, m1, spec, a, b] = p;
+  auto& m0 = p.m0;
+  auto& m1 = p.m1;
+  auto& spec = p.spec;
+  auto& a = p.a;
   const uint64_t incarnation = a.peers->Descriptor(1)->incarnation;
 
   // Claims to be node 1's daemon (it knows the secret).
