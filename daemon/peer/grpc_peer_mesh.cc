@@ -55,6 +55,7 @@ constexpr absl::Duration kShutdownLeaveBudget = absl::Milliseconds(500);
 
 constexpr char kHelloLabel[] = "epd-peer-hello-v1";
 constexpr char kWelcomeLabel[] = "epd-peer-welcome-v1";
+constexpr char kJoinSecretLabel[] = "epd-join-secret-v1";
 constexpr char kSessionLabel[] = "epd-peer-session-v1";
 
 std::string RandomBytes(size_t n) {
@@ -130,6 +131,11 @@ std::string HelloProof(absl::string_view secret, absl::string_view server_nonce,
 std::string SessionKey(absl::string_view secret, absl::string_view server_nonce,
                        absl::string_view client_nonce, absl::string_view daemon_id) {
   return Mac(secret, kSessionLabel, {server_nonce, client_nonce, daemon_id});
+}
+
+std::string JoinSecretDigest(absl::string_view secret, absl::string_view group,
+                             absl::string_view join_secret) {
+  return Mac(secret, kJoinSecretLabel, {group, join_secret});
 }
 
 std::string PeerRequestMac(absl::string_view session_key, absl::string_view method,
@@ -291,6 +297,7 @@ struct GrpcPeerMesh::State {
     r.set_daemon_instance(daemon_instance);
     r.set_registration_seq(g.registration_seq);
     r.set_joined_ranks(JoinedBytes(g.local_joined));
+    r.set_join_secret_digest(g.membership.join_secret_digest);
     return r;
   }
 
@@ -315,6 +322,17 @@ struct GrpcPeerMesh::State {
       return absl::FailedPreconditionError(
           absl::StrCat("group \"", g.membership.spec.name(), "\": node ", r.node(), " (", daemon_id,
                        ") registered it with a different spec: ", s.message()));
+    }
+    // In time independent of where they differ; neither digest nor secret is named.
+    const std::string& ours = g.membership.join_secret_digest;
+    const std::string& theirs = r.join_secret_digest();
+    if (ours.size() != theirs.size() ||
+        CRYPTO_memcmp(ours.data(), theirs.data(), ours.size()) != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "group \"", g.membership.spec.name(), "\": node ", r.node(), " (", daemon_id,
+          ") registered it with a different join_secret (its ranks presented another "
+          "JoinOptions.join_secret, or none, than this node's); every node's ranks must present "
+          "the same one"));
     }
     if (r.node() == g.membership.self_node) {
       return absl::InvalidArgumentError(
@@ -1220,6 +1238,13 @@ absl::StatusOr<std::unique_ptr<GroupPeers>> GrpcPeerMesh::RegisterGroup(
 }
 
 std::string GrpcPeerMesh::advertised_address() const { return state_->advertised; }
+
+std::string GrpcPeerMesh::JoinSecretDigest(std::string_view group,
+                                           std::string_view join_secret) const {
+  return peer::JoinSecretDigest(state_->options.secret,
+                                absl::string_view(group.data(), group.size()),
+                                absl::string_view(join_secret.data(), join_secret.size()));
+}
 
 int GrpcPeerMesh::num_peer_workers() const {
   absl::MutexLock lock(&state_->mu);

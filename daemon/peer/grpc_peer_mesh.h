@@ -61,6 +61,7 @@ class GrpcPeerMesh final : public PeerMesh {
 
   absl::StatusOr<std::unique_ptr<GroupPeers>> RegisterGroup(GroupMembership membership) override;
   std::string advertised_address() const override;
+  std::string JoinSecretDigest(std::string_view group, std::string_view join_secret) const override;
   std::vector<v1::GroupNodeInfo> NodeStatuses(const std::string& group) const override;
 
   /// The TCP port the Peer server is bound to.
@@ -82,6 +83,10 @@ std::string HelloProof(absl::string_view secret, absl::string_view server_nonce,
                        absl::string_view client_nonce, absl::string_view daemon_id);
 std::string SessionKey(absl::string_view secret, absl::string_view server_nonce,
                        absl::string_view client_nonce, absl::string_view daemon_id);
+/// GroupRegistration.join_secret_digest: HMAC-SHA256(secret, "epd-join-secret-v1" 0
+/// group, join_secret), 32 bytes.
+std::string JoinSecretDigest(absl::string_view secret, absl::string_view group,
+                             absl::string_view join_secret);
 /// PeerAuth.mac of a request whose auth is cleared: over `method` ("Rendezvous",
 /// "Heartbeat", "Leave") and the request's deterministic serialization.
 std::string PeerRequestMac(absl::string_view session_key, absl::string_view method,

@@ -18,6 +18,7 @@ namespace epd::peer {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr char kSecret[] = "0123456789abcdef-test-secret";
 constexpr absl::Duration kInterval = absl::Milliseconds(50);
@@ -55,12 +56,13 @@ struct Registered {
 };
 
 Registered Register(GrpcPeerMesh* mesh, const v1::GroupSpec& spec, int node,
-                    const std::string& descriptor) {
+                    const std::string& descriptor, const std::string& join_secret_digest = "") {
   Registered r;
   GroupMembership m;
   m.spec = spec;
   m.self_node = node;
   m.transport_descriptor = descriptor;
+  m.join_secret_digest = join_secret_digest;
   m.wake = [w = r.wakes] { ++*w; };
   absl::StatusOr<std::unique_ptr<GroupPeers>> peers = mesh->RegisterGroup(std::move(m));
   EXPECT_TRUE(peers.ok()) << peers.status();
@@ -213,6 +215,48 @@ TEST(PeerMeshTest, SpecMismatchIsFailedPreconditionNamingTheField) {
   EXPECT_THAT(b.peers->Health().message(), HasSubstr("hidden"));
   EXPECT_FALSE(a.peers->Descriptor(1).has_value());
   EXPECT_EQ(m0->NodeStatuses("g")[1].state(), v1::NODE_STATE_MISMATCH);
+}
+
+TEST(PeerMeshTest, JoinSecretMismatchIsFailedPreconditionNamingTheFieldNotTheValue) {
+  auto m0 = StartMesh();
+  auto m1 = StartMesh();
+  ASSERT_TRUE(m0 && m1);
+  v1::GroupSpec spec = Spec({m0.get(), m1.get()});
+  const std::string victim = m0->JoinSecretDigest("g", "victim-secret");
+  // Node 1's ranks presented another secret, or none at all: neither pairs.
+  for (const std::string& attacker :
+       {m1->JoinSecretDigest("g", "attacker-secret"), m1->JoinSecretDigest("g", "")}) {
+    Registered a = Register(m0.get(), spec, 0, "a", victim);
+    Registered b = Register(m1.get(), spec, 1, "b", attacker);
+    ASSERT_TRUE(WaitFor([&] { return !a.peers->Health().ok() && !b.peers->Health().ok(); }));
+    EXPECT_EQ(a.peers->Health().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(a.peers->Health().message(), HasSubstr("join_secret"));
+    EXPECT_THAT(b.peers->Health().message(), HasSubstr("join_secret"));
+    for (const auto& p : {&a, &b}) {
+      EXPECT_THAT(p->peers->Health().message(), Not(HasSubstr("victim-secret")));
+      EXPECT_THAT(p->peers->Health().message(), Not(HasSubstr("attacker-secret")));
+    }
+    EXPECT_FALSE(a.peers->Descriptor(1).has_value());
+    EXPECT_FALSE(b.peers->Descriptor(0).has_value());
+    EXPECT_EQ(m0->NodeStatuses("g")[1].state(), v1::NODE_STATE_MISMATCH);
+  }
+}
+
+TEST(PeerMeshTest, SameJoinSecretPairs) {
+  auto m0 = StartMesh();
+  auto m1 = StartMesh();
+  ASSERT_TRUE(m0 && m1);
+  v1::GroupSpec spec = Spec({m0.get(), m1.get()});
+  // Both meshes know the same cluster secret, so each computes the same digest.
+  const std::string d0 = m0->JoinSecretDigest("g", "s3cret");
+  EXPECT_EQ(d0, m1->JoinSecretDigest("g", "s3cret"));
+  EXPECT_EQ(d0.size(), 32u);
+  EXPECT_NE(d0, m0->JoinSecretDigest("h", "s3cret"));  // Bound to the group's name.
+  Registered a = Register(m0.get(), spec, 0, "a", d0);
+  Registered b = Register(m1.get(), spec, 1, "b", m1->JoinSecretDigest("g", "s3cret"));
+  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*a.peers, 1, "b"); }));
+  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*b.peers, 0, "a"); }));
+  EXPECT_TRUE(a.peers->Health().ok()) << a.peers->Health();
 }
 
 TEST(PeerMeshTest, LossDetectedWithinBoundAndReRegistrationHeals) {

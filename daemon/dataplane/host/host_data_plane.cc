@@ -121,7 +121,11 @@ class HostDataPlaneImpl : public DataPlane {
            ExchangeBytes(spec, shape);
   }
   absl::StatusOr<uint64_t> FreeBytes(const std::string&) const override { return ShmFreeBytes(); }
-  absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override;
+  absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override {
+    return CreateGroup(spec, GroupCreateOptions{});
+  }
+  absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(
+      const v1::GroupSpec& spec, const GroupCreateOptions& options) override;
   void Shutdown() override;
 
   const HostDataPlaneOptions& options() const { return options_; }
@@ -156,6 +160,9 @@ class HostGroup : public LockstepGroup {
     plane->kernel_pool().Start(threads);
   }
   ~HostGroup() override { plane_->Unregister(this); }
+  /// The digest of the group's join secret its Peer mesh registration carries (a group
+  /// that spans nodes; set once, before the first rank attaches).
+  void set_join_secret_digest(std::string digest) { join_secret_digest_ = std::move(digest); }
 
  protected:
   uint64_t ShmDataBytes() const override { return layout().total_bytes; }
@@ -308,6 +315,7 @@ class HostGroup : public LockstepGroup {
     std::vector<kernels::host::NodeLowLatencySource> ll_sources;      // [R]
   };
   Span span_;
+  std::string join_secret_digest_;  ///< See set_join_secret_digest.
 
   HostDataPlaneImpl* plane_;
   // Each op kind's kernel arguments, [R], filled in per op (sized once: README "Hot path").
@@ -330,7 +338,7 @@ absl::Status HostDataPlaneImpl::Init() {
 }
 
 absl::StatusOr<std::unique_ptr<DataPlaneGroup>> HostDataPlaneImpl::CreateGroup(
-    const v1::GroupSpec& spec) {
+    const v1::GroupSpec& spec, const GroupCreateOptions& options) {
   if (shut_down_.load()) return absl::UnavailableError("epd is shutting down");
   if (spec.nodes_size() >= 2 && (options_.peer_mesh == nullptr || options_.transport == nullptr)) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -348,6 +356,10 @@ absl::StatusOr<std::unique_ptr<DataPlaneGroup>> HostDataPlaneImpl::CreateGroup(
         "group \"", spec.name(), "\": out of host memory reserving its ", GroupPrivateBytes(spec),
         " bytes of kernel scratch and routing state; lower num_ranks or max_tokens_per_rank, "
         "or free memory"));
+  }
+  if (spec.nodes_size() >= 2) {
+    group->set_join_secret_digest(
+        options_.peer_mesh->JoinSecretDigest(spec.name(), options.join_secret));
   }
   engine_.Add(group.get());
   return std::unique_ptr<DataPlaneGroup>(std::move(group));
@@ -657,6 +669,7 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
   m.spec = sp;
   m.self_node = node;
   m.transport_descriptor = s.link->LocalDescriptor();
+  m.join_secret_digest = join_secret_digest_;
   m.wake = [plane] { plane->WakeEngine(); };
   absl::StatusOr<std::unique_ptr<peer::GroupPeers>> peers =
       plane_->options().peer_mesh->RegisterGroup(std::move(m));
