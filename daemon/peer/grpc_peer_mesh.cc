@@ -10,6 +10,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -1210,9 +1211,9 @@ absl::StatusOr<std::unique_ptr<GroupPeers>> GrpcPeerMesh::RegisterGroup(
   for (int32_t i = 0; i < static_cast<int32_t>(g->nodes.size()); ++i) {
     if (i == g->membership.self_node) continue;
     const std::string& address = g->nodes[i].address;
-    auto& pc = state_->peers[address];
-    if (pc == nullptr) {
-      pc = std::make_unique<PeerConn>();
+    auto found = state_->peers.find(address);
+    if (found == state_->peers.end()) {
+      auto pc = std::make_unique<PeerConn>();
       pc->address = address;
       grpc::ChannelArguments args;
       args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
@@ -1224,8 +1225,20 @@ absl::StatusOr<std::unique_ptr<GroupPeers>> GrpcPeerMesh::RegisterGroup(
       pc->last_heard = now;
       PeerConn* raw = pc.get();
       State* st = state_.get();
-      pc->worker = std::thread([st, raw] { Worker(st, raw).Run(); });
+      // The worker starts before the peer is listed, so that no entry is left without one.
+      // Workers this call started for other peers end by themselves: no group names them.
+      try {
+        if (state_->options.before_worker_start) state_->options.before_worker_start(address);
+        pc->worker = std::thread([st, raw] { Worker(st, raw).Run(); });
+      } catch (const std::system_error& e) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "group \"", g->membership.spec.name(), "\": cannot start the Peer worker thread for ",
+            NodeText(*g, i), ": ", e.what(),
+            " (the daemon is out of threads: raise its RLIMIT_NPROC / ulimit -u, or end groups)"));
+      }
+      found = state_->peers.emplace(address, std::move(pc)).first;
     }
+    PeerConn* pc = found->second.get();
     // A peer quiet before this group counted on it gets the full liveness bound.
     if (!state_->HasRegisteredNodeAt(address)) pc->last_heard = now;
   }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,6 +44,9 @@ struct PeerMeshOptions {
   absl::Duration heartbeat_interval = absl::Milliseconds(500);
   /// Largest Peer message accepted, in bytes.
   int max_message_bytes = 4 << 20;
+  /// For tests: called with a peer's address just before its worker thread starts; may
+  /// throw std::system_error as std::thread does when no thread can be made.
+  std::function<void(const std::string& address)> before_worker_start;
 };
 
 /// The daemon-wide mesh. Start() binds the listener; destroying it (or Shutdown()) stops

@@ -1,9 +1,11 @@
 // GrpcPeerMesh: two and three in-process meshes on 127.0.0.1 (rendezvous, descriptors,
 // spec mismatch, loss within the liveness bound, re-registration, teardown, wrong secret).
 #include <atomic>
+#include <cerrno>
 #include <functional>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -257,6 +259,40 @@ TEST(PeerMeshTest, SameJoinSecretPairs) {
   ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*a.peers, 1, "b"); }));
   ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*b.peers, 0, "a"); }));
   EXPECT_TRUE(a.peers->Health().ok()) << a.peers->Health();
+}
+
+TEST(PeerMeshTest, WorkerThatCannotStartIsResourceExhaustedNamingThePeerAndLeavesNoEntry) {
+  auto fail = std::make_shared<std::atomic<bool>>(true);
+  PeerMeshOptions options;
+  options.listen = "127.0.0.1:0";
+  options.secret = std::string(kSecret);
+  options.heartbeat_interval = kInterval;
+  options.before_worker_start = [fail](const std::string&) {
+    if (fail->load()) throw std::system_error(EAGAIN, std::generic_category(), "thread");
+  };
+  absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> m0 = GrpcPeerMesh::Start(options);
+  ASSERT_TRUE(m0.ok()) << m0.status();
+  auto m1 = StartMesh();
+  ASSERT_TRUE(m1);
+  v1::GroupSpec spec = Spec({m0->get(), m1.get()});
+  GroupMembership m;
+  m.spec = spec;
+  m.self_node = 0;
+  m.transport_descriptor = "a";
+  absl::StatusOr<std::unique_ptr<GroupPeers>> refused = (*m0)->RegisterGroup(m);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(), HasSubstr(m1->advertised_address()));
+  EXPECT_THAT(refused.status().message(), HasSubstr("ranks 2-3"));
+  EXPECT_EQ((*m0)->num_peer_workers(), 0);
+  EXPECT_TRUE((*m0)->NodeStatuses("g").empty());
+  // Once threads can be made again, the same group registers and pairs.
+  fail->store(false);
+  Registered a = Register(m0->get(), spec, 0, "a");
+  Registered b = Register(m1.get(), spec, 1, "b");
+  ASSERT_TRUE(a.peers && b.peers);
+  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*a.peers, 1, "b"); }));
+  EXPECT_EQ((*m0)->num_peer_workers(), 1);
 }
 
 TEST(PeerMeshTest, LossDetectedWithinBoundAndReRegistrationHeals) {
