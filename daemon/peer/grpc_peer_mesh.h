@@ -106,7 +106,4 @@ void SignPeerRequest(absl::string_view method, absl::string_view session_id,
   request->mutable_auth()->set_mac(PeerRequestMac(session_key, method, copy));
 }
 
-/// "ranks 4-7" / "rank 4": the ranks of a node, for messages.
-std::string RankRangeText(int32_t first_rank, int32_t num_ranks);
-
 }  // namespace epd::peer

@@ -66,6 +66,9 @@ class GroupPeers {
   virtual void SetLocalRanksJoined(const std::vector<bool>& joined) = 0;
 };
 
+/// "ranks 4-7" / "rank 4": the ranks of a node, for messages.
+std::string RankRangeText(int32_t first_rank, int32_t num_ranks);
+
 /// The daemon-wide mesh. Thread-safe.
 class PeerMesh {
  public:

@@ -661,6 +661,10 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
   lo.recv_bytes = recv_bytes;
   HostDataPlaneImpl* plane = plane_;
   lo.wake = [plane] { plane->WakeEngine(); };
+  for (int32_t n = 0; n < s.num_nodes; ++n) {
+    lo.node_labels.push_back(absl::StrCat(sp.nodes(n).peer_address(), ", ",
+                                          peer::RankRangeText(s.first[n], s.count[n])));
+  }
   absl::StatusOr<std::unique_ptr<transport::GroupLink>> link =
       plane_->options().transport->CreateGroupLink(lo);
   if (!link.ok()) return link.status();
