@@ -70,6 +70,9 @@ class GrpcPeerMesh final : public PeerMesh {
 
   /// The TCP port the Peer server is bound to.
   int bound_port() const;
+  /// Whether the Peer listener still takes connections: ProbeGrpcListener on the listen
+  /// address (a wildcard one through loopback) and the bound port. For health.
+  absl::Status ProbeListener(absl::Duration timeout) const;
   /// Peer daemons this mesh runs a worker (thread and channel) for: those a registered
   /// group names, and those still sending teardown notices. For tests.
   int num_peer_workers() const;
@@ -87,6 +90,12 @@ std::string HelloProof(absl::string_view secret, absl::string_view server_nonce,
                        absl::string_view client_nonce, absl::string_view daemon_id);
 std::string SessionKey(absl::string_view secret, absl::string_view server_nonce,
                        absl::string_view client_nonce, absl::string_view daemon_id);
+/// Connects to a gRPC server's listener at `host` ("127.0.0.1", "::1", a name) and `port`,
+/// sends the HTTP/2 preface and an empty SETTINGS frame, and waits up to `timeout` for any
+/// answer (bytes or a close: the server took the connection). DEADLINE_EXCEEDED when none
+/// comes (the server's accept loop is gone, or the backlog is full); UNAVAILABLE when the
+/// probe itself fails (no socket, connection refused), naming the address and errno.
+absl::Status ProbeGrpcListener(const std::string& host, int port, absl::Duration timeout);
 /// GroupRegistration.join_secret_digest: HMAC-SHA256(secret, "epd-join-secret-v1" 0
 /// group, join_secret), 32 bytes.
 std::string JoinSecretDigest(absl::string_view secret, absl::string_view group,

@@ -1,5 +1,10 @@
 // GrpcPeerMesh: two and three in-process meshes on 127.0.0.1 (rendezvous, descriptors,
 // spec mismatch, loss within the liveness bound, re-registration, teardown, wrong secret).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cerrno>
 #include <functional>
@@ -293,6 +298,33 @@ TEST(PeerMeshTest, WorkerThatCannotStartIsResourceExhaustedNamingThePeerAndLeave
   ASSERT_TRUE(a.peers && b.peers);
   ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*a.peers, 1, "b"); }));
   EXPECT_EQ((*m0)->num_peer_workers(), 1);
+}
+
+// The health probe: a live Peer listener answers; a listener whose accept loop is gone
+// (here: a socket that listens but never accepts) is DEADLINE_EXCEEDED naming it, within
+// the timeout; a port nobody listens on is UNAVAILABLE.
+TEST(PeerMeshTest, ListenerProbeTellsALiveListenerFromAStuckOne) {
+  auto mesh = StartMesh();
+  ASSERT_TRUE(mesh);
+  EXPECT_TRUE(mesh->ProbeListener(absl::Seconds(2)).ok()) << mesh->ProbeListener(absl::Seconds(2));
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 16), 0);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int port = ntohs(addr.sin_port);
+  const absl::Time t0 = absl::Now();
+  absl::Status stuck = ProbeGrpcListener("127.0.0.1", port, absl::Milliseconds(200));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(2));
+  EXPECT_EQ(stuck.code(), absl::StatusCode::kDeadlineExceeded) << stuck;
+  EXPECT_THAT(stuck.message(), HasSubstr(absl::StrCat("127.0.0.1:", port)));
+  ::close(fd);
+  absl::Status refused = ProbeGrpcListener("127.0.0.1", port, absl::Milliseconds(200));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
 }
 
 TEST(PeerMeshTest, LossDetectedWithinBoundAndReRegistrationHeals) {
