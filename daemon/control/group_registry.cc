@@ -335,7 +335,8 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
 
   bool created = false;
   if (creates) {
-    EPD_ASSIGN_OR_RETURN(std::unique_ptr<DataPlaneGroup> data, data_plane_->CreateGroup(spec));
+    EPD_ASSIGN_OR_RETURN(std::unique_ptr<DataPlaneGroup> data,
+                         data_plane_->CreateGroup(spec, GroupCreateOptions{request.join_secret()}));
     group_it = groups_.try_emplace(spec.name()).first;
     Group& group = group_it->second;
     group.spec = spec;

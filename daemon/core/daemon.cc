@@ -557,7 +557,8 @@ std::string Daemon::NotServingReasonLocked() const {
   if (shutting_down_) return "draining: shutting down";
   if (!start_up_done_) return "starting";
   if (!gpu_lost_.empty()) return gpu_lost_;
-  return listener_stuck_;
+  if (!listener_stuck_.empty()) return listener_stuck_;
+  return peer_listener_stuck_;
 }
 
 void Daemon::PublishServing() {
@@ -610,6 +611,8 @@ void Daemon::MonitorGpus() {
 
 void Daemon::WatchHealth() {
   auto log = GetLogger(kLogDaemon);
+  absl::Time next_peer_probe = absl::Now() + options_.peer_probe_interval;
+  int failed_peer_probes = 0;
   while (true) {
     {
       absl::MutexLock lock(&mu_);
@@ -644,6 +647,28 @@ void Daemon::WatchHealth() {
         log->error("{}; health is NOT_SERVING", stuck);
       }
       PublishServing();
+    }
+    if (peer_mesh_ != nullptr && now >= next_peer_probe) {
+      next_peer_probe = now + options_.peer_probe_interval;
+      const absl::Status probe = peer_mesh_->ProbeListener(options_.peer_probe_timeout);
+      failed_peer_probes = probe.ok() ? 0 : failed_peer_probes + 1;
+      const std::string peer_stuck = failed_peer_probes >= 2
+                                         ? absl::StrCat("Peer listener stuck: ", probe.message())
+                                         : std::string();
+      bool peer_changed = false;
+      {
+        absl::MutexLock lock(&mu_);
+        peer_changed = peer_stuck.empty() != peer_listener_stuck_.empty();
+        if (probe.ok() || !peer_stuck.empty()) peer_listener_stuck_ = peer_stuck;
+      }
+      if (peer_changed) {
+        if (peer_stuck.empty()) {
+          log->info("Peer listener recovered: taking connections again");
+        } else {
+          log->error("{}; health is NOT_SERVING", peer_stuck);
+        }
+        PublishServing();
+      }
     }
     registry_->ExpireUnmappedEndpoints(now);
     registry_->ReportSuppressedLogLines();

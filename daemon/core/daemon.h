@@ -93,6 +93,10 @@ struct DaemonOptions {
   absl::Duration listener_stall_limit = absl::Seconds(3);
   /// Called at the top of every round of the listener's accept loop (tests stall it).
   std::function<void()> listener_loop_hook_for_testing;
+  /// How often the health updater probes the Peer listener (GrpcPeerMesh::ProbeListener),
+  /// and how long one probe waits; two failed probes in a row make it stuck (NOT_SERVING).
+  absl::Duration peer_probe_interval = absl::Seconds(2);
+  absl::Duration peer_probe_timeout = absl::Seconds(1);
   /// Where config.backend came from, named in the backend's reason (BackendSource: e.g.
   /// "--backend=cuda on the command line"); empty = an in-process DaemonConfig. The daemon
   /// reads no command line: main.cc fills this from its flags.
@@ -182,8 +186,9 @@ class Daemon {
   mutable absl::Mutex mu_;
   GpuInventory inventory_ ABSL_GUARDED_BY(mu_);
   bool start_up_done_ ABSL_GUARDED_BY(mu_) = false;
-  std::string gpu_lost_ ABSL_GUARDED_BY(mu_);        ///< Why a GPU is lost ("" = none).
-  std::string listener_stuck_ ABSL_GUARDED_BY(mu_);  ///< Why the listener is stuck ("").
+  std::string gpu_lost_ ABSL_GUARDED_BY(mu_);             ///< Why a GPU is lost ("" = none).
+  std::string listener_stuck_ ABSL_GUARDED_BY(mu_);       ///< Why the listener is stuck ("").
+  std::string peer_listener_stuck_ ABSL_GUARDED_BY(mu_);  ///< Why the Peer listener is ("").
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::Mutex shutdown_mu_;  ///< Serialises Shutdown().

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -71,6 +72,14 @@ class DataPlaneGroup {
 };
 
 /// A backend's data plane.
+/// What a new group is created with besides its spec (DataPlane::CreateGroup).
+struct GroupCreateOptions {
+  /// The group's join secret (its first joiner's JoinGroupRequest.join_secret; empty =
+  /// none), borrowed for the call only. A group that spans nodes keeps just its keyed digest
+  /// (PeerMesh::JoinSecretDigest), which the nodes compare at rendezvous.
+  std::string_view join_secret;
+};
+
 class DataPlane {
  public:
   virtual ~DataPlane() = default;
@@ -101,6 +110,14 @@ class DataPlane {
   /// Creates the state of a new group with a validated spec.
   virtual absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(
       const v1::GroupSpec& spec) = 0;
+
+  /// CreateGroup(spec) with what else the registry knows of the new group. By default the
+  /// options are not used (a backend whose groups never span nodes needs none of them).
+  virtual absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(
+      const v1::GroupSpec& spec, const GroupCreateOptions& options) {
+    (void)options;
+    return CreateGroup(spec);
+  }
 
   /// Stops every engine; ops in flight complete with UNAVAILABLE. Idempotent.
   virtual void Shutdown() = 0;

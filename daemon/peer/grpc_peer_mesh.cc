@@ -1,15 +1,21 @@
 #include "daemon/peer/grpc_peer_mesh.h"
 
+#include <netdb.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <deque>
 #include <map>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -18,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/core/logging.h"
@@ -55,6 +62,8 @@ constexpr absl::Duration kShutdownLeaveBudget = absl::Milliseconds(500);
 
 constexpr char kHelloLabel[] = "epd-peer-hello-v1";
 constexpr char kWelcomeLabel[] = "epd-peer-welcome-v1";
+constexpr char kJoinSecretLabel[] = "epd-join-secret-v1";
+constexpr absl::Duration kServerHandshakeTimeout = absl::Seconds(5);
 constexpr char kSessionLabel[] = "epd-peer-session-v1";
 
 std::string RandomBytes(size_t n) {
@@ -132,6 +141,11 @@ std::string SessionKey(absl::string_view secret, absl::string_view server_nonce,
   return Mac(secret, kSessionLabel, {server_nonce, client_nonce, daemon_id});
 }
 
+std::string JoinSecretDigest(absl::string_view secret, absl::string_view group,
+                             absl::string_view join_secret) {
+  return Mac(secret, kJoinSecretLabel, {group, join_secret});
+}
+
 std::string PeerRequestMac(absl::string_view session_key, absl::string_view method,
                            const google::protobuf::Message& request_without_auth) {
   std::string bytes;
@@ -147,6 +161,69 @@ std::string PeerRequestMac(absl::string_view session_key, absl::string_view meth
 std::string RankRangeText(int32_t first_rank, int32_t num_ranks) {
   if (num_ranks == 1) return absl::StrCat("rank ", first_rank);
   return absl::StrCat("ranks ", first_rank, "-", first_rank + num_ranks - 1);
+}
+
+absl::Status ProbeGrpcListener(const std::string& host, int port, absl::Duration timeout) {
+  const std::string where = absl::StrCat(host, ":", port);
+  const absl::Time until = absl::Now() + timeout;
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  std::string bare = host;
+  if (bare.size() >= 2 && bare.front() == '[' && bare.back() == ']') {
+    bare = bare.substr(1, bare.size() - 2);
+  }
+  if (int rc = ::getaddrinfo(bare.c_str(), std::to_string(port).c_str(), &hints, &found);
+      rc != 0 || found == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("probe of ", where, ": cannot resolve the host: ", ::gai_strerror(rc)));
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> hold(found, &::freeaddrinfo);
+  ScopedFd fd(::socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) {
+    const int err = errno;
+    return absl::UnavailableError(
+        absl::StrCat("probe of ", where, ": cannot make a socket: ", std::strerror(err)));
+  }
+  if (::connect(fd.get(), found->ai_addr, found->ai_addrlen) != 0 && errno != EINPROGRESS) {
+    const int err = errno;
+    return absl::UnavailableError(
+        absl::StrCat("probe of ", where, ": connect: ", std::strerror(err)));
+  }
+  // Waits for `events` until `until`; the revents, or 0 at the deadline.
+  auto wait = [&](short events) -> short {
+    while (true) {
+      const int64_t ms = absl::ToInt64Milliseconds(until - absl::Now());
+      if (ms <= 0) return 0;
+      pollfd p{fd.get(), events, 0};
+      const int n = ::poll(&p, 1, static_cast<int>(ms));
+      if (n > 0) return p.revents;
+      if (n < 0 && errno != EINTR) return POLLERR;
+    }
+  };
+  const std::string stalled = absl::StrCat(
+      "the Peer listener at ", where, " took no connection within ", MsText(timeout),
+      " (its accept loop may have stopped, e.g. after the daemon ran out of file descriptors; "
+      "restart epd if this persists)");
+  if (wait(POLLOUT) == 0) return absl::DeadlineExceededError(stalled);
+  int err = 0;
+  socklen_t len = sizeof(err);
+  if (::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("probe of ", where, ": connect: ", std::strerror(err)));
+  }
+  // The HTTP/2 preface and an empty SETTINGS frame. A server that took the connection
+  // answers (its SETTINGS, or a close when it speaks TLS); one whose accept loop is gone
+  // leaves it in the backlog and says nothing.
+  static constexpr char kHello[] =
+      "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+  if (::send(fd.get(), kHello, sizeof(kHello) - 1, MSG_NOSIGNAL) < 0 && errno != EAGAIN) {
+    const int e = errno;
+    return absl::UnavailableError(absl::StrCat("probe of ", where, ": send: ", std::strerror(e)));
+  }
+  if (wait(POLLIN) == 0) return absl::DeadlineExceededError(stalled);
+  return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -291,6 +368,7 @@ struct GrpcPeerMesh::State {
     r.set_daemon_instance(daemon_instance);
     r.set_registration_seq(g.registration_seq);
     r.set_joined_ranks(JoinedBytes(g.local_joined));
+    r.set_join_secret_digest(g.membership.join_secret_digest);
     return r;
   }
 
@@ -315,6 +393,17 @@ struct GrpcPeerMesh::State {
       return absl::FailedPreconditionError(
           absl::StrCat("group \"", g.membership.spec.name(), "\": node ", r.node(), " (", daemon_id,
                        ") registered it with a different spec: ", s.message()));
+    }
+    // In time independent of where they differ; neither digest nor secret is named.
+    const std::string& ours = g.membership.join_secret_digest;
+    const std::string& theirs = r.join_secret_digest();
+    if (ours.size() != theirs.size() ||
+        CRYPTO_memcmp(ours.data(), theirs.data(), ours.size()) != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "group \"", g.membership.spec.name(), "\": node ", r.node(), " (", daemon_id,
+          ") registered it with a different join_secret (its ranks presented another "
+          "JoinOptions.join_secret, or none, than this node's); every node's ranks must present "
+          "the same one"));
     }
     if (r.node() == g.membership.self_node) {
       return absl::InvalidArgumentError(
@@ -1089,6 +1178,10 @@ absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> GrpcPeerMesh::Start(PeerMeshOption
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 16);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 5 * 60 * 1000);
+  // A connection that has not finished its handshake (TLS, or the HTTP/2 settings) within
+  // this time is closed, so that idle connections cannot hold descriptors for long.
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                             static_cast<int>(absl::ToInt64Milliseconds(kServerHandshakeTimeout)));
   builder.RegisterService(st->service.get());
   st->server = builder.BuildAndStart();
   if (st->server == nullptr || st->port == 0) {
@@ -1192,9 +1285,9 @@ absl::StatusOr<std::unique_ptr<GroupPeers>> GrpcPeerMesh::RegisterGroup(
   for (int32_t i = 0; i < static_cast<int32_t>(g->nodes.size()); ++i) {
     if (i == g->membership.self_node) continue;
     const std::string& address = g->nodes[i].address;
-    auto& pc = state_->peers[address];
-    if (pc == nullptr) {
-      pc = std::make_unique<PeerConn>();
+    auto found = state_->peers.find(address);
+    if (found == state_->peers.end()) {
+      auto pc = std::make_unique<PeerConn>();
       pc->address = address;
       grpc::ChannelArguments args;
       args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
@@ -1206,8 +1299,20 @@ absl::StatusOr<std::unique_ptr<GroupPeers>> GrpcPeerMesh::RegisterGroup(
       pc->last_heard = now;
       PeerConn* raw = pc.get();
       State* st = state_.get();
-      pc->worker = std::thread([st, raw] { Worker(st, raw).Run(); });
+      // The worker starts before the peer is listed, so that no entry is left without one.
+      // Workers this call started for other peers end by themselves: no group names them.
+      try {
+        if (state_->options.before_worker_start) state_->options.before_worker_start(address);
+        pc->worker = std::thread([st, raw] { Worker(st, raw).Run(); });
+      } catch (const std::system_error& e) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "group \"", g->membership.spec.name(), "\": cannot start the Peer worker thread for ",
+            NodeText(*g, i), ": ", e.what(),
+            " (the daemon is out of threads: raise its RLIMIT_NPROC / ulimit -u, or end groups)"));
+      }
+      found = state_->peers.emplace(address, std::move(pc)).first;
     }
+    PeerConn* pc = found->second.get();
     // A peer quiet before this group counted on it gets the full liveness bound.
     if (!state_->HasRegisteredNodeAt(address)) pc->last_heard = now;
   }
@@ -1220,6 +1325,21 @@ absl::StatusOr<std::unique_ptr<GroupPeers>> GrpcPeerMesh::RegisterGroup(
 }
 
 std::string GrpcPeerMesh::advertised_address() const { return state_->advertised; }
+
+absl::Status GrpcPeerMesh::ProbeListener(absl::Duration timeout) const {
+  const std::string& listen = state_->options.listen;
+  const size_t colon = listen.rfind(':');
+  std::string host = colon == std::string::npos ? std::string() : listen.substr(0, colon);
+  if (IsWildcardHost(listen)) host = host.find(':') != std::string::npos ? "::1" : "127.0.0.1";
+  return ProbeGrpcListener(host, state_->port, timeout);
+}
+
+std::string GrpcPeerMesh::JoinSecretDigest(std::string_view group,
+                                           std::string_view join_secret) const {
+  return peer::JoinSecretDigest(state_->options.secret,
+                                absl::string_view(group.data(), group.size()),
+                                absl::string_view(join_secret.data(), join_secret.size()));
+}
 
 int GrpcPeerMesh::num_peer_workers() const {
   absl::MutexLock lock(&state_->mu);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,6 +44,9 @@ struct PeerMeshOptions {
   absl::Duration heartbeat_interval = absl::Milliseconds(500);
   /// Largest Peer message accepted, in bytes.
   int max_message_bytes = 4 << 20;
+  /// For tests: called with a peer's address just before its worker thread starts; may
+  /// throw std::system_error as std::thread does when no thread can be made.
+  std::function<void(const std::string& address)> before_worker_start;
 };
 
 /// The daemon-wide mesh. Start() binds the listener; destroying it (or Shutdown()) stops
@@ -61,10 +65,14 @@ class GrpcPeerMesh final : public PeerMesh {
 
   absl::StatusOr<std::unique_ptr<GroupPeers>> RegisterGroup(GroupMembership membership) override;
   std::string advertised_address() const override;
+  std::string JoinSecretDigest(std::string_view group, std::string_view join_secret) const override;
   std::vector<v1::GroupNodeInfo> NodeStatuses(const std::string& group) const override;
 
   /// The TCP port the Peer server is bound to.
   int bound_port() const;
+  /// Whether the Peer listener still takes connections: ProbeGrpcListener on the listen
+  /// address (a wildcard one through loopback) and the bound port. For health.
+  absl::Status ProbeListener(absl::Duration timeout) const;
   /// Peer daemons this mesh runs a worker (thread and channel) for: those a registered
   /// group names, and those still sending teardown notices. For tests.
   int num_peer_workers() const;
@@ -82,6 +90,16 @@ std::string HelloProof(absl::string_view secret, absl::string_view server_nonce,
                        absl::string_view client_nonce, absl::string_view daemon_id);
 std::string SessionKey(absl::string_view secret, absl::string_view server_nonce,
                        absl::string_view client_nonce, absl::string_view daemon_id);
+/// Connects to a gRPC server's listener at `host` ("127.0.0.1", "::1", a name) and `port`,
+/// sends the HTTP/2 preface and an empty SETTINGS frame, and waits up to `timeout` for any
+/// answer (bytes or a close: the server took the connection). DEADLINE_EXCEEDED when none
+/// comes (the server's accept loop is gone, or the backlog is full); UNAVAILABLE when the
+/// probe itself fails (no socket, connection refused), naming the address and errno.
+absl::Status ProbeGrpcListener(const std::string& host, int port, absl::Duration timeout);
+/// GroupRegistration.join_secret_digest: HMAC-SHA256(secret, "epd-join-secret-v1" 0
+/// group, join_secret), 32 bytes.
+std::string JoinSecretDigest(absl::string_view secret, absl::string_view group,
+                             absl::string_view join_secret);
 /// PeerAuth.mac of a request whose auth is cleared: over `method` ("Rendezvous",
 /// "Heartbeat", "Leave") and the request's deterministic serialization.
 std::string PeerRequestMac(absl::string_view session_key, absl::string_view method,
@@ -96,8 +114,5 @@ void SignPeerRequest(absl::string_view method, absl::string_view session_id,
   request->mutable_auth()->set_session_id(std::string(session_id));
   request->mutable_auth()->set_mac(PeerRequestMac(session_key, method, copy));
 }
-
-/// "ranks 4-7" / "rank 4": the ranks of a node, for messages.
-std::string RankRangeText(int32_t first_rank, int32_t num_ranks);
 
 }  // namespace epd::peer

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -24,6 +25,10 @@ struct GroupMembership {
   int32_t self_node = 0;  ///< The node this daemon is for the group.
   /// This node's GroupLink::LocalDescriptor (opaque to the mesh).
   std::string transport_descriptor;
+  /// PeerMesh::JoinSecretDigest of the group's join secret at this node. A peer node that
+  /// registered the group with a different one is a mismatch (FAILED_PRECONDITION naming
+  /// "join_secret"): ranks on two nodes form a group only if they presented the same secret.
+  std::string join_secret_digest;
   /// Called (from a mesh thread) when something changed that the group's engine waits
   /// for: a peer's descriptor arrived, a peer was lost or left. Cheap; no call back in.
   std::function<void()> wake;
@@ -61,6 +66,9 @@ class GroupPeers {
   virtual void SetLocalRanksJoined(const std::vector<bool>& joined) = 0;
 };
 
+/// "ranks 4-7" / "rank 4": the ranks of a node, for messages.
+std::string RankRangeText(int32_t first_rank, int32_t num_ranks);
+
 /// The daemon-wide mesh. Thread-safe.
 class PeerMesh {
  public:
@@ -71,6 +79,14 @@ class PeerMesh {
   /// This daemon's advertised Peer address ("host:port"), as a client puts it in a
   /// spec's NodeSpec.peer_address; "" when the Peer listener is off.
   virtual std::string advertised_address() const = 0;
+  /// The digest of group `group`'s join secret (empty = none) that peers compare at
+  /// rendezvous (GroupMembership.join_secret_digest): keyed with the cluster's secret, so
+  /// it tells nothing about the join secret to one who does not know both.
+  virtual std::string JoinSecretDigest(std::string_view group, std::string_view join_secret) const {
+    (void)group;
+    (void)join_secret;
+    return {};
+  }
   /// Every node of the registered group `group` as this daemon sees it (ListGroups);
   /// empty when the group is not registered here.
   virtual std::vector<v1::GroupNodeInfo> NodeStatuses(const std::string& group) const {

@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -43,6 +44,10 @@ struct GroupLinkOptions {
   /// not block on anything the engine may hold while calling the link (write an eventfd,
   /// wake a futex, notify a condition variable).
   std::function<void()> wake;
+  /// How errors and log lines name each node: entry i for node i (for the data plane, its
+  /// Peer address and ranks: "10.0.0.2:7100, ranks 4-7"), so that a broken link names the
+  /// node as the Peer mesh does. Empty (or "" for a node): by its data address only.
+  std::vector<std::string> node_labels;
 };
 
 /// State of the link to one peer node.

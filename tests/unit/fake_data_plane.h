@@ -27,6 +27,7 @@ struct FakeDataPlaneState {
   uint64_t group_private_bytes = 0;  ///< GroupPrivateBytes of every spec.
   absl::Status attach_error;         ///< Returned by every AttachRank when not OK.
   int groups_created = 0;
+  std::string last_join_secret;  ///< GroupCreateOptions.join_secret of the last group created.
   int groups_destroyed = 0;
   std::set<std::pair<std::string, int>> attached;   ///< (group, rank) currently attached.
   std::set<std::pair<std::string, int>> fds_taken;  ///< Attached ranks whose fds were taken.
@@ -120,6 +121,14 @@ class FakeDataPlane : public DataPlane {
       ++state_->groups_created;
     }
     return std::unique_ptr<DataPlaneGroup>(new FakeDataPlaneGroup(state_, spec.name()));
+  }
+  absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(
+      const v1::GroupSpec& spec, const GroupCreateOptions& options) override {
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      state_->last_join_secret = std::string(options.join_secret);
+    }
+    return CreateGroup(spec);
   }
   void Shutdown() override {
     std::lock_guard<std::mutex> lock(state_->mu);

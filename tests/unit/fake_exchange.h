@@ -16,6 +16,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -254,13 +255,27 @@ class FakeMesh : public peer::PeerMesh {
   FakeMesh(FakeHub* hub, std::string address) : hub_(hub), address_(std::move(address)) {}
   absl::StatusOr<std::unique_ptr<peer::GroupPeers>> RegisterGroup(
       peer::GroupMembership m) override {
+    registered_join_secret_digest_ = m.join_secret_digest;
     return std::unique_ptr<peer::GroupPeers>(std::make_unique<FakePeers>(hub_, std::move(m)));
   }
   std::string advertised_address() const override { return address_; }
+  /// A stand-in for the keyed digest: differs by group and secret, shows neither.
+  std::string JoinSecretDigest(std::string_view group,
+                               std::string_view join_secret) const override {
+    std::string both(group);
+    both.push_back('\0');
+    both.append(join_secret);
+    return std::to_string(std::hash<std::string>{}(both));
+  }
+  /// GroupMembership.join_secret_digest of the last group registered.
+  const std::string& registered_join_secret_digest() const {
+    return registered_join_secret_digest_;
+  }
 
  private:
   FakeHub* hub_;
   std::string address_;
+  std::string registered_join_secret_digest_;
 };
 
 }  // namespace epd::testing

@@ -64,7 +64,7 @@ class MultinodeHostTest : public ::testing::Test {
       auto plane = MakeHostDataPlane(o);
       ASSERT_TRUE(plane.ok()) << plane.status();
       node->plane = std::move(*plane);
-      auto g = node->plane->CreateGroup(spec_);
+      auto g = node->plane->CreateGroup(spec_, GroupCreateOptions{join_secret_});
       ASSERT_TRUE(g.ok()) << g.status();
       node->group = std::move(*g);
       for (int i = 0; i < ranks_per_node[n]; ++i, ++rank) {
@@ -151,6 +151,7 @@ class MultinodeHostTest : public ::testing::Test {
 
   testing::FakeHub hub_;
   v1::GroupSpec spec_;
+  std::string join_secret_;  ///< Every node's group is created with it.
   kernels::GroupShape shape_;
   kernels::EndpointLayout layout_;
   std::vector<std::unique_ptr<Node>> nodes_;
@@ -448,6 +449,18 @@ TEST(MultinodeHostPlain, SpanningGroupNeedsThePeerListener) {
   ASSERT_FALSE(g.ok());
   EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(g.status().message().find("peer_listen"), std::string::npos) << g.status();
+}
+
+// The group's join secret reaches the Peer mesh as its keyed digest, never as itself.
+TEST_F(MultinodeHostTest, JoinSecretReachesTheMeshAsItsDigest) {
+  join_secret_ = "s3cret";
+  Start({1, 1});
+  if (HasFatalFailure()) return;
+  for (const auto& node : nodes_) {
+    EXPECT_EQ(node->mesh->registered_join_secret_digest(),
+              node->mesh->JoinSecretDigest("mn", "s3cret"));
+    EXPECT_EQ(node->mesh->registered_join_secret_digest().find("s3cret"), std::string::npos);
+  }
 }
 
 // A node lost mid-op: the other node's op fails within op_timeout (+ slack), naming it.

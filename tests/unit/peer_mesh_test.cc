@@ -1,9 +1,16 @@
 // GrpcPeerMesh: two and three in-process meshes on 127.0.0.1 (rendezvous, descriptors,
 // spec mismatch, loss within the liveness bound, re-registration, teardown, wrong secret).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <functional>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +25,7 @@ namespace epd::peer {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr char kSecret[] = "0123456789abcdef-test-secret";
 constexpr absl::Duration kInterval = absl::Milliseconds(50);
@@ -55,12 +63,13 @@ struct Registered {
 };
 
 Registered Register(GrpcPeerMesh* mesh, const v1::GroupSpec& spec, int node,
-                    const std::string& descriptor) {
+                    const std::string& descriptor, const std::string& join_secret_digest = "") {
   Registered r;
   GroupMembership m;
   m.spec = spec;
   m.self_node = node;
   m.transport_descriptor = descriptor;
+  m.join_secret_digest = join_secret_digest;
   m.wake = [w = r.wakes] { ++*w; };
   absl::StatusOr<std::unique_ptr<GroupPeers>> peers = mesh->RegisterGroup(std::move(m));
   EXPECT_TRUE(peers.ok()) << peers.status();
@@ -213,6 +222,109 @@ TEST(PeerMeshTest, SpecMismatchIsFailedPreconditionNamingTheField) {
   EXPECT_THAT(b.peers->Health().message(), HasSubstr("hidden"));
   EXPECT_FALSE(a.peers->Descriptor(1).has_value());
   EXPECT_EQ(m0->NodeStatuses("g")[1].state(), v1::NODE_STATE_MISMATCH);
+}
+
+TEST(PeerMeshTest, JoinSecretMismatchIsFailedPreconditionNamingTheFieldNotTheValue) {
+  auto m0 = StartMesh();
+  auto m1 = StartMesh();
+  ASSERT_TRUE(m0 && m1);
+  v1::GroupSpec spec = Spec({m0.get(), m1.get()});
+  const std::string victim = m0->JoinSecretDigest("g", "victim-secret");
+  // Node 1's ranks presented another secret, or none at all: neither pairs.
+  for (const std::string& attacker :
+       {m1->JoinSecretDigest("g", "attacker-secret"), m1->JoinSecretDigest("g", "")}) {
+    Registered a = Register(m0.get(), spec, 0, "a", victim);
+    Registered b = Register(m1.get(), spec, 1, "b", attacker);
+    ASSERT_TRUE(WaitFor([&] { return !a.peers->Health().ok() && !b.peers->Health().ok(); }));
+    EXPECT_EQ(a.peers->Health().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(a.peers->Health().message(), HasSubstr("join_secret"));
+    EXPECT_THAT(b.peers->Health().message(), HasSubstr("join_secret"));
+    for (const auto& p : {&a, &b}) {
+      EXPECT_THAT(p->peers->Health().message(), Not(HasSubstr("victim-secret")));
+      EXPECT_THAT(p->peers->Health().message(), Not(HasSubstr("attacker-secret")));
+    }
+    EXPECT_FALSE(a.peers->Descriptor(1).has_value());
+    EXPECT_FALSE(b.peers->Descriptor(0).has_value());
+    EXPECT_EQ(m0->NodeStatuses("g")[1].state(), v1::NODE_STATE_MISMATCH);
+  }
+}
+
+TEST(PeerMeshTest, SameJoinSecretPairs) {
+  auto m0 = StartMesh();
+  auto m1 = StartMesh();
+  ASSERT_TRUE(m0 && m1);
+  v1::GroupSpec spec = Spec({m0.get(), m1.get()});
+  // Both meshes know the same cluster secret, so each computes the same digest.
+  const std::string d0 = m0->JoinSecretDigest("g", "s3cret");
+  EXPECT_EQ(d0, m1->JoinSecretDigest("g", "s3cret"));
+  EXPECT_EQ(d0.size(), 32u);
+  EXPECT_NE(d0, m0->JoinSecretDigest("h", "s3cret"));  // Bound to the group's name.
+  Registered a = Register(m0.get(), spec, 0, "a", d0);
+  Registered b = Register(m1.get(), spec, 1, "b", m1->JoinSecretDigest("g", "s3cret"));
+  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*a.peers, 1, "b"); }));
+  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*b.peers, 0, "a"); }));
+  EXPECT_TRUE(a.peers->Health().ok()) << a.peers->Health();
+}
+
+TEST(PeerMeshTest, WorkerThatCannotStartIsResourceExhaustedNamingThePeerAndLeavesNoEntry) {
+  auto fail = std::make_shared<std::atomic<bool>>(true);
+  PeerMeshOptions options;
+  options.listen = "127.0.0.1:0";
+  options.secret = std::string(kSecret);
+  options.heartbeat_interval = kInterval;
+  options.before_worker_start = [fail](const std::string&) {
+    if (fail->load()) throw std::system_error(EAGAIN, std::generic_category(), "thread");
+  };
+  absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> m0 = GrpcPeerMesh::Start(options);
+  ASSERT_TRUE(m0.ok()) << m0.status();
+  auto m1 = StartMesh();
+  ASSERT_TRUE(m1);
+  v1::GroupSpec spec = Spec({m0->get(), m1.get()});
+  GroupMembership m;
+  m.spec = spec;
+  m.self_node = 0;
+  m.transport_descriptor = "a";
+  absl::StatusOr<std::unique_ptr<GroupPeers>> refused = (*m0)->RegisterGroup(m);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(), HasSubstr(m1->advertised_address()));
+  EXPECT_THAT(refused.status().message(), HasSubstr("ranks 2-3"));
+  EXPECT_EQ((*m0)->num_peer_workers(), 0);
+  EXPECT_TRUE((*m0)->NodeStatuses("g").empty());
+  // Once threads can be made again, the same group registers and pairs.
+  fail->store(false);
+  Registered a = Register(m0->get(), spec, 0, "a");
+  Registered b = Register(m1.get(), spec, 1, "b");
+  ASSERT_TRUE(a.peers && b.peers);
+  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*a.peers, 1, "b"); }));
+  EXPECT_EQ((*m0)->num_peer_workers(), 1);
+}
+
+// The health probe: a live Peer listener answers; a listener whose accept loop is gone
+// (here: a socket that listens but never accepts) is DEADLINE_EXCEEDED naming it, within
+// the timeout; a port nobody listens on is UNAVAILABLE.
+TEST(PeerMeshTest, ListenerProbeTellsALiveListenerFromAStuckOne) {
+  auto mesh = StartMesh();
+  ASSERT_TRUE(mesh);
+  EXPECT_TRUE(mesh->ProbeListener(absl::Seconds(2)).ok()) << mesh->ProbeListener(absl::Seconds(2));
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 16), 0);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int port = ntohs(addr.sin_port);
+  const absl::Time t0 = absl::Now();
+  absl::Status stuck = ProbeGrpcListener("127.0.0.1", port, absl::Milliseconds(200));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(2));
+  EXPECT_EQ(stuck.code(), absl::StatusCode::kDeadlineExceeded) << stuck;
+  EXPECT_THAT(stuck.message(), HasSubstr(absl::StrCat("127.0.0.1:", port)));
+  ::close(fd);
+  absl::Status refused = ProbeGrpcListener("127.0.0.1", port, absl::Milliseconds(200));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
 }
 
 TEST(PeerMeshTest, LossDetectedWithinBoundAndReRegistrationHeals) {

@@ -47,7 +47,8 @@ v1::GroupSpec SpanningSpec() {
 
 class RegistryNodesTest : public ::testing::Test {
  protected:
-  absl::StatusOr<v1::EndpointInfo> Join(GroupRegistry& registry, int32_t rank) {
+  absl::StatusOr<v1::EndpointInfo> Join(GroupRegistry& registry, int32_t rank,
+                                        const std::string& join_secret = "") {
     absl::StatusOr<std::string> session =
         registry.OpenSession(PeerCredentials{.pid = 7, .uid = 1000, .gid = 1000}, "test");
     EXPECT_TRUE(session.ok());
@@ -55,6 +56,7 @@ class RegistryNodesTest : public ::testing::Test {
     *request.mutable_spec() = SpanningSpec();
     request.set_rank(rank);
     request.set_session_id(session.value_or(""));
+    request.set_join_secret(join_secret);
     return registry.Join(request);
   }
 
@@ -83,6 +85,19 @@ TEST_F(RegistryNodesTest, RankMustLiveOnThisNode) {
   ASSERT_EQ(groups.groups_size(), 1);
   ASSERT_EQ(groups.groups(0).nodes_size(), 1);
   EXPECT_EQ(groups.groups(0).nodes(0).peer_address(), "10.0.0.2:7100");
+  registry.ReleaseAll();
+}
+
+// The group's join secret reaches the data plane at creation (which keeps only its digest
+// for the Peer rendezvous: MultinodeHostTest.JoinSecretReachesTheMeshAsItsDigest).
+TEST_F(RegistryNodesTest, JoinSecretGoesToTheDataPlaneAtCreation) {
+  GroupRegistry registry(&plane_, OneGpu(), GroupRegistry::Options{.peer_mesh = &mesh_});
+  absl::StatusOr<v1::EndpointInfo> ok = Join(registry, 2, "s3cret");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    EXPECT_EQ(state_->last_join_secret, "s3cret");
+  }
   registry.ReleaseAll();
 }
 

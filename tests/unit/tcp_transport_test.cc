@@ -407,7 +407,9 @@ TEST(TcpTransport, BadDescriptorsAndPieces) {
 TEST(TcpTransport, PeerCloseFailsThatPeerOnly) {
   auto ta = MakeTcp();
   auto tb = MakeTcp();
-  auto g1 = MakeNodes({ta.get(), tb.get()}, 2, 256, "g1");
+  // Nodes named as the data plane names them (their Peer address and ranks).
+  auto g1 = MakeNodes({ta.get(), tb.get()}, 2, 256, "g1",
+                      {"10.0.0.1:7300, ranks 0-1", "10.0.0.2:7301, ranks 2-3"});
   auto g2 = MakeNodes({ta.get(), tb.get()}, 2, 256, "g2");
   ConnectAll(g1);
   ConnectAll(g2);
@@ -420,6 +422,8 @@ TEST(TcpTransport, PeerCloseFailsThatPeerOnly) {
   EXPECT_TRUE(absl::IsUnavailable(s)) << s;
   EXPECT_NE(s.message().find("node 1"), absl::string_view::npos) << s;
   EXPECT_NE(s.message().find("g1"), absl::string_view::npos) << s;
+  EXPECT_NE(s.message().find("node 1 (10.0.0.2:7301, ranks 2-3; data "), absl::string_view::npos)
+      << s;
   EXPECT_GT(g1[0].wakes->load(), wakes);
   const uint8_t byte = 3;
   const WritePiece p{&byte, 1, 0};

@@ -41,7 +41,8 @@ struct TestNode {
 /// Creates `num_nodes` links of group `group` on `transports[i % transports.size()]`, each
 /// with a receive region of `recv_bytes` (zeroed).
 inline std::vector<TestNode> MakeNodes(const std::vector<Transport*>& transports, int num_nodes,
-                                       uint64_t recv_bytes, const std::string& group = "g") {
+                                       uint64_t recv_bytes, const std::string& group = "g",
+                                       const std::vector<std::string>& node_labels = {}) {
   std::vector<TestNode> nodes(static_cast<size_t>(num_nodes));
   for (int i = 0; i < num_nodes; ++i) {
     TestNode& n = nodes[static_cast<size_t>(i)];
@@ -52,6 +53,7 @@ inline std::vector<TestNode> MakeNodes(const std::vector<Transport*>& transports
     o.self_node = i;
     o.recv_base = n.recv.data();
     o.recv_bytes = recv_bytes;
+    o.node_labels = node_labels;
     o.wake = [w = n.wakes] { w->fetch_add(1); };
     auto link = transports[static_cast<size_t>(i) % transports.size()]->CreateGroupLink(o);
     EXPECT_TRUE(link.ok()) << link.status();

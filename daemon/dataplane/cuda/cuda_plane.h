@@ -46,6 +46,7 @@ class CudaDataPlaneImpl : public DataPlane {
   std::string backend_name() const override { return "cuda"; }
   uint64_t BytesPerRank(const v1::GroupSpec& spec) const override;
   absl::StatusOr<uint64_t> FreeBytes(const std::string& gpu_uuid) const override;
+  using DataPlane::CreateGroup;  // The overload with GroupCreateOptions (unused here).
   absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override;
   /// Client-launched when the group's kernels can run side by side: MPS is active, or the
   /// daemon has a GPU for every rank (one rank per GPU). Otherwise daemon-launched: ranks of

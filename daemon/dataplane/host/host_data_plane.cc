@@ -125,7 +125,11 @@ class HostDataPlaneImpl : public DataPlane {
            ExchangeBytes(spec, shape);
   }
   absl::StatusOr<uint64_t> FreeBytes(const std::string&) const override { return ShmFreeBytes(); }
-  absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override;
+  absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override {
+    return CreateGroup(spec, GroupCreateOptions{});
+  }
+  absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(
+      const v1::GroupSpec& spec, const GroupCreateOptions& options) override;
   void Shutdown() override;
 
   const HostDataPlaneOptions& options() const { return options_; }
@@ -160,6 +164,9 @@ class HostGroup : public LockstepGroup {
     plane->kernel_pool().Start(threads);
   }
   ~HostGroup() override { plane_->Unregister(this); }
+  /// The digest of the group's join secret its Peer mesh registration carries (a group
+  /// that spans nodes; set once, before the first rank attaches).
+  void set_join_secret_digest(std::string digest) { join_secret_digest_ = std::move(digest); }
 
  protected:
   uint64_t ShmDataBytes() const override { return layout().total_bytes; }
@@ -335,6 +342,7 @@ class HostGroup : public LockstepGroup {
     std::vector<float> quant_scales;                          // [Rl, Mll, S] their scales.
   };
   Span span_;
+  std::string join_secret_digest_;  ///< See set_join_secret_digest.
 
   HostDataPlaneImpl* plane_;
   // Each op kind's kernel arguments, [R], filled in per op (sized once: README "Hot path").
@@ -357,7 +365,7 @@ absl::Status HostDataPlaneImpl::Init() {
 }
 
 absl::StatusOr<std::unique_ptr<DataPlaneGroup>> HostDataPlaneImpl::CreateGroup(
-    const v1::GroupSpec& spec) {
+    const v1::GroupSpec& spec, const GroupCreateOptions& options) {
   if (shut_down_.load()) return absl::UnavailableError("epd is shutting down");
   if (spec.nodes_size() >= 2 && (options_.peer_mesh == nullptr || options_.transport == nullptr)) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -375,6 +383,10 @@ absl::StatusOr<std::unique_ptr<DataPlaneGroup>> HostDataPlaneImpl::CreateGroup(
         "group \"", spec.name(), "\": out of host memory reserving its ", GroupPrivateBytes(spec),
         " bytes of kernel scratch and routing state; lower num_ranks or max_tokens_per_rank, "
         "or free memory"));
+  }
+  if (spec.nodes_size() >= 2) {
+    group->set_join_secret_digest(
+        options_.peer_mesh->JoinSecretDigest(spec.name(), options.join_secret));
   }
   engine_.Add(group.get());
   return std::unique_ptr<DataPlaneGroup>(std::move(group));
@@ -684,6 +696,10 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
   lo.recv_bytes = recv_bytes;
   HostDataPlaneImpl* plane = plane_;
   lo.wake = [plane] { plane->WakeEngine(); };
+  for (int32_t n = 0; n < s.num_nodes; ++n) {
+    lo.node_labels.push_back(absl::StrCat(sp.nodes(n).peer_address(), ", ",
+                                          peer::RankRangeText(s.first[n], s.count[n])));
+  }
   absl::StatusOr<std::unique_ptr<transport::GroupLink>> link =
       plane_->options().transport->CreateGroupLink(lo);
   if (!link.ok()) return link.status();
@@ -692,6 +708,7 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
   m.spec = sp;
   m.self_node = node;
   m.transport_descriptor = s.link->LocalDescriptor();
+  m.join_secret_digest = join_secret_digest_;
   m.wake = [plane] { plane->WakeEngine(); };
   absl::StatusOr<std::unique_ptr<peer::GroupPeers>> peers =
       plane_->options().peer_mesh->RegisterGroup(std::move(m));

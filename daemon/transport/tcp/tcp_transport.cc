@@ -355,14 +355,21 @@ class TcpGroupLink final : public GroupLink {
   /// "group 'g': node 1 (host:port)". `p.address` is written by Connect only (the engine
   /// thread, under TcpCore::mu_), so either thread may call this.
   std::string PeerName(const Peer& p) const {
-    return absl::StrCat("group '", options_.group, "': node ", p.node, " (",
-                        p.address.empty() ? "address unknown" : p.address, ")");
+    return NameWith(p, p.address.empty() ? "address unknown" : p.address);
   }
   /// PeerName, or with the address an inbound connection came from (under TcpCore::mu_).
   std::string PeerNameLocked(const Peer& p) const {
     if (!p.address.empty() || p.inbound_from.empty()) return PeerName(p);
-    return absl::StrCat("group '", options_.group, "': node ", p.node, " (connected from ",
-                        p.inbound_from, ")");
+    return NameWith(p, absl::StrCat("connected from ", p.inbound_from));
+  }
+  /// "group 'g': node 1 (LABEL; data WHERE)" with the node's label, else "(WHERE)".
+  std::string NameWith(const Peer& p, absl::string_view where) const {
+    const size_t i = static_cast<size_t>(p.node);
+    if (i < options_.node_labels.size() && !options_.node_labels[i].empty()) {
+      return absl::StrCat("group '", options_.group, "': node ", p.node, " (",
+                          options_.node_labels[i], "; data ", where, ")");
+    }
+    return absl::StrCat("group '", options_.group, "': node ", p.node, " (", where, ")");
   }
   void CallWake() const {
     if (options_.wake) options_.wake();
