@@ -237,6 +237,10 @@ class HostGroup : public LockstepGroup {
   /// Copies rank `rank`'s staged topk_idx [T, K] out of its shm region once, into its
   /// private copy, and checks the copy (CheckTopkIdx); the op reads only the copy.
   absl::StatusOr<const int64_t*> TakeTopkIdx(int rank, int32_t num_tokens) const;
+  /// GetDispatchLayout of rank `rank` (it needs no other rank's data) from its validated
+  /// `slot`, into its shm region; the rank's outcome.
+  absl::Status RunLayout(int rank, const abi::RequestSlot& slot,
+                         const kernels::host::HostExecution& exec);
   /// Copies `rows` rows of `row_elems` int32 from rank `rank`'s private routing `src` to
   /// region `dst` of its shm region, for the client to read (never read back).
   void Publish(int rank, const std::vector<int32_t>& src, int64_t rows, int64_t row_elems,
@@ -413,6 +417,20 @@ absl::StatusOr<std::shared_ptr<RankResources>> HostGroup::PrepareRank(
   return std::shared_ptr<RankResources>(std::make_shared<HostRank>(shape()));
 }
 
+absl::Status HostGroup::RunLayout(int rank, const abi::RequestSlot& slot,
+                                  const kernels::host::HostExecution& exec) {
+  const EndpointLayout& L = layout();
+  auto& a = layout_args_[rank];
+  a = {};
+  a.num_tokens = slot.num_tokens;
+  a.num_tokens_per_rank = Ptr<int32_t>(rank, L.layout_tokens_per_rank);
+  a.num_tokens_per_expert = Ptr<int32_t>(rank, L.layout_tokens_per_expert);
+  a.is_token_in_rank = Ptr<uint8_t>(rank, L.layout_is_token_in_rank);
+  EPD_ASSIGN_OR_RETURN(a.topk_idx, TakeTopkIdx(rank, a.num_tokens));
+  KernelScope k(plane_->options().on_kernels);
+  return kernels::host::GetDispatchLayout(shape(), a, exec);
+}
+
 absl::StatusOr<const int64_t*> HostGroup::TakeTopkIdx(int rank, int32_t num_tokens) const {
   HostRank& hr = Private(rank);
   const kernels::GroupShape& gs = shape();
@@ -450,21 +468,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
   const EndpointLayout& L = layout();
   switch (op) {
     case abi::OpKind::kGetDispatchLayout: {
-      for (int r = 0; r < R; ++r) {
-        auto& a = layout_args_[r];
-        a = {};
-        a.num_tokens = slots[r].num_tokens;
-        a.num_tokens_per_rank = Ptr<int32_t>(r, L.layout_tokens_per_rank);
-        a.num_tokens_per_expert = Ptr<int32_t>(r, L.layout_tokens_per_expert);
-        a.is_token_in_rank = Ptr<uint8_t>(r, L.layout_is_token_in_rank);
-        absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens);
-        out[r].status = idx.status();
-        if (idx.ok()) {
-          a.topk_idx = *idx;
-          KernelScope k(plane_->options().on_kernels);
-          out[r].status = kernels::host::GetDispatchLayout(gs, a, exec);
-        }
-      }
+      for (int r = 0; r < R; ++r) out[r].status = RunLayout(r, slots[r], exec);
       return;
     }
     case abi::OpKind::kDispatch: {
@@ -1268,20 +1272,7 @@ absl::Status HostGroup::FinishExchange(const OpPlan& plan,
   };
   switch (plan.op) {
     case abi::OpKind::kGetDispatchLayout: {
-      for (int32_t r = first; r < first + Rl; ++r) {
-        auto& a = layout_args_[r];
-        a = {};
-        a.num_tokens = slots[r].num_tokens;
-        a.num_tokens_per_rank = Ptr<int32_t>(r, L.layout_tokens_per_rank);
-        a.num_tokens_per_expert = Ptr<int32_t>(r, L.layout_tokens_per_expert);
-        a.is_token_in_rank = Ptr<uint8_t>(r, L.layout_is_token_in_rank);
-        absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens);
-        out[r].status = idx.status();
-        if (!idx.ok()) continue;
-        a.topk_idx = *idx;
-        KernelScope k(plane_->options().on_kernels);
-        out[r].status = kernels::host::GetDispatchLayout(gs, a, exec);
-      }
+      for (int32_t r = first; r < first + Rl; ++r) out[r].status = RunLayout(r, slots[r], exec);
       return absl::OkStatus();
     }
     case abi::OpKind::kDispatch:
