@@ -1,5 +1,6 @@
 // Argument checks shared by the host ops (see internal.h), and CheckTopkIdx.
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "epd/kernels/op_rules.h"
 #include "kernels/host/internal.h"
 
@@ -67,6 +68,24 @@ absl::Status CheckPointer(const void* ptr, bool needed, const char* op, int32_t 
     return absl::InvalidArgumentError(absl::StrCat(op, ": rank ", rank, ": ", field, " is null"));
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckDispatchReceiver(const DispatchRankArgs& a, int32_t rank, int64_t total, bool fp8,
+                                   bool cached, bool with_weights) {
+  constexpr const char* kOp = "Dispatch";
+  if (total > a.recv_capacity) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kOp, ": rank ", rank, " receives ", total,
+                     " tokens, more than its recv_capacity = ", a.recv_capacity));
+  }
+  const bool receives = total > 0;
+  EPD_RETURN_IF_ERROR(CheckPointer(a.recv_x, receives, kOp, rank, "recv_x"));
+  EPD_RETURN_IF_ERROR(CheckPointer(a.recv_scales, receives && fp8, kOp, rank, "recv_scales"));
+  EPD_RETURN_IF_ERROR(CheckPointer(a.recv_src_info, receives, kOp, rank, "recv_src_info"));
+  EPD_RETURN_IF_ERROR(
+      CheckPointer(a.recv_topk_idx, receives && !cached, kOp, rank, "recv_topk_idx"));
+  return CheckPointer(a.recv_topk_weights, receives && with_weights, kOp, rank,
+                      "recv_topk_weights");
 }
 
 absl::Status CheckTopkIdxImpl(const GroupShape& shape, int32_t rank, int32_t num_tokens,

@@ -161,6 +161,12 @@ absl::Status CheckNumTokens(int32_t rank, int32_t num_tokens, int32_t capacity,
 absl::Status CheckPointer(const void* ptr, bool needed, const char* op, int32_t rank,
                           const char* field);
 
+/// A normal dispatch's checks of receiving rank `rank` once it is known to get `total` rows:
+/// within its recv_capacity, and every output it is written is there (scales with fp8,
+/// topk rows unless the dispatch is cached, weights when weights are moved).
+absl::Status CheckDispatchReceiver(const DispatchRankArgs& a, int32_t rank, int64_t total, bool fp8,
+                                   bool cached, bool with_weights);
+
 /// Same as CheckTopkIdx, with `rank` < 0 meaning "rank unknown" (left out of the message).
 absl::Status CheckTopkIdxImpl(const GroupShape& shape, int32_t rank, int32_t num_tokens,
                               const int64_t* topk_idx);

@@ -242,20 +242,8 @@ absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& option
     }
     num_recv[i] = total;
     const DispatchRankArgs& a = local[i];
-    if (total > a.recv_capacity) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(kOp, ": rank ", r, " receives ", total,
-                       " tokens, more than its recv_capacity = ", a.recv_capacity));
-    }
-    const bool receives = total > 0;
-    EPD_RETURN_IF_ERROR(CheckPointer(a.recv_x, receives, kOp, r, "recv_x"));
     EPD_RETURN_IF_ERROR(
-        CheckPointer(a.recv_scales, receives && options.fp8, kOp, r, "recv_scales"));
-    EPD_RETURN_IF_ERROR(CheckPointer(a.recv_src_info, receives, kOp, r, "recv_src_info"));
-    EPD_RETURN_IF_ERROR(
-        CheckPointer(a.recv_topk_idx, receives && !cached, kOp, r, "recv_topk_idx"));
-    EPD_RETURN_IF_ERROR(
-        CheckPointer(a.recv_topk_weights, receives && with_weights, kOp, r, "recv_topk_weights"));
+        internal::CheckDispatchReceiver(a, r, total, options.fp8, cached, with_weights));
     if (!cached) continue;
     if (total != a.cached_num_recv_tokens) {
       return absl::InvalidArgumentError(
