@@ -1210,9 +1210,9 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
     if (waited >= timeout) {
       // A live peer still owes its message (or its failure header, which names its silent
       // rank): wait for it up to the grace, so that every node reports the same error.
-      if (waited < timeout + PeerFailureGrace(options().op_timeout_ms) && MissingPeersAlive()) {
-        return false;
-      }
+      const std::chrono::milliseconds grace = PeerFailureGrace(options().op_timeout_ms);
+      const bool alive = MissingPeersAlive();
+      if (alive && waited < timeout + grace) return false;
       std::string who;
       for (int32_t n = 0; n < span_.num_nodes; ++n) {
         if (n == span_.self || span_.got[n]) continue;
@@ -1221,12 +1221,13 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
                         span_.first[n] + span_.count[n] - 1, ")");
       }
       const std::string missing = span_.peers->DescribeMissing();
-      return fail(absl::DeadlineExceededError(
-          absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ",
-                       who.empty() ? std::string("the writes to the peers did not complete")
-                                   : absl::StrCat(who, " sent nothing"),
-                       " within op_timeout ", options().op_timeout_ms, " ms",
-                       missing.empty() ? "" : "; ", missing)));
+      return fail(absl::DeadlineExceededError(absl::StrCat(
+          "op ", plan.seq, " of group ", spec().name(), ": ",
+          who.empty() ? std::string("the writes to the peers did not complete")
+                      : absl::StrCat(who, " sent nothing"),
+          " within op_timeout ", options().op_timeout_ms, " ms",
+          alive ? absl::StrCat(" (+ ", grace.count(), " ms grace for a live peer)") : std::string(),
+          missing.empty() ? "" : "; ", missing)));
     }
     return false;
   }
