@@ -122,9 +122,11 @@ class FakeHub {
     auto it = s->completed.find(to);
     return it == s->completed.end() ? 0 : it->second;
   }
-  bool HasLink(const std::string& group, int32_t node) const {
+  /// The generation of (group, node)'s current link; 0 when it has none.
+  uint64_t LinkGeneration(const std::string& group, int32_t node) const {
     std::lock_guard<std::mutex> lock(mu_);
-    return links_.count({group, node}) > 0;
+    auto it = links_.find({group, node});
+    return it != links_.end() ? it->second->generation : 0;
   }
 
   // ---- the mesh's registry ----
@@ -168,13 +170,20 @@ class FakeLink : public transport::GroupLink {
       return absl::InvalidArgumentError(absl::StrCat("bad descriptor ", std::string(descriptor)));
     }
     if (!connected_.insert(node).second) hub_->Reconnect(&state_, state_.options.group, node);
+    connected_generation_[node] = hub_->LinkGeneration(state_.options.group, node);
     return absl::OkStatus();
   }
   transport::PeerState State(int32_t node) const override {
     if (hub_->Dead(node)) return transport::PeerState::kFailed;
     if (!connected_.count(node)) return transport::PeerState::kIdle;
-    return hub_->HasLink(state_.options.group, node) ? transport::PeerState::kReady
-                                                     : transport::PeerState::kConnecting;
+    // Ready once the peer's link is there; a link of the peer's that replaced the one this
+    // end connected to (the peer restarted) needs Connect again, as a real connection to
+    // a restarted daemon would.
+    const uint64_t g = hub_->LinkGeneration(state_.options.group, node);
+    auto it = connected_generation_.find(node);
+    const bool current =
+        g != 0 && (it == connected_generation_.end() || it->second == 0 || it->second == g);
+    return current ? transport::PeerState::kReady : transport::PeerState::kConnecting;
   }
   absl::Status PeerStatus(int32_t node) const override {
     if (hub_->Dead(node)) {
@@ -198,6 +207,8 @@ class FakeLink : public transport::GroupLink {
   FakeHub* hub_;
   FakeHub::LinkState state_;
   std::set<int32_t> connected_;
+  /// The peer's link generation at the last Connect (0: its link was not there yet).
+  std::map<int32_t, uint64_t> connected_generation_;
 };
 
 class FakeTransport : public transport::Transport {
