@@ -4,6 +4,7 @@
 // result checked bit for bit). Node 1's daemon is SIGKILLed mid-op: node 0's ops fail
 // within op_timeout + 1 s, naming node 1. Then node 1 is restarted on the same ports and its
 // ranks rejoin: the group re-forms and node 0's ranks, which never left, run exact ops again.
+// A rank whose client stops submitting is named in every node's error, not only its own.
 // Each test takes a few seconds (op_timeout is 2 s).
 #include <signal.h>
 
@@ -117,6 +118,30 @@ TEST_F(DataFaultsTest, RestartedPeerRejoinsAndTheGroupReforms) {
     auto code = rejoined[i]->Wait(kOpTimeout + absl::Seconds(25));
     ASSERT_TRUE(code.ok()) << rejoined[i]->Stdout();
     EXPECT_EQ(*code, 0) << rejoined[i]->Stdout();
+  }
+}
+
+// Rank 3's client stops (SIGSTOP: joined, never submits again). Node 1 fails the op at
+// op_timeout naming rank 3; node 0 waits op_timeout plus its grace (min(1 s, op_timeout))
+// for that live peer's error, so every rank's first error names rank 3, within
+// op_timeout + 2 s.
+TEST_F(DataFaultsTest, SilentRankIsNamedOnEveryNode) {
+  std::vector<size_t> seen(3);
+  for (int r = 0; r < 3; ++r) seen[r] = clients_[r]->Stdout().size();
+  clients_[3]->Signal(SIGSTOP);
+  for (int r = 0; r < 3; ++r) {
+    const std::string line = WaitErrorLine(*clients_[r], seen[r], kOpTimeout + absl::Seconds(5));
+    ASSERT_FALSE(line.empty()) << "rank " << r << " saw no error within op_timeout + 5 s:\n"
+                               << clients_[r]->Stdout() << cluster_.Logs();
+    EXPECT_THAT(line, HasSubstr("rank(s) 3 did not arrive within op_timeout")) << "rank " << r;
+    EXPECT_LE(ErrorMillis(line), absl::ToInt64Milliseconds(kOpTimeout) + 2000) << line;
+  }
+  for (int r = 0; r < 4; ++r) {
+    clients_[r]->Signal(SIGKILL);
+    ASSERT_TRUE(clients_[r]->Wait(absl::Seconds(5)).ok()) << "rank " << r;
+  }
+  for (int n = 0; n < 2; ++n) {
+    EXPECT_TRUE(cluster_.daemons[n]->Running()) << cluster_.daemons[n]->Logs();
   }
 }
 

@@ -589,6 +589,64 @@ TEST_F(MultinodeHostTest, SilentPeerTimesOutNamingTheNode) {
   }
 }
 
+// A joined rank of node 1 that never submits: node 1 fails the op at its op_timeout naming
+// the rank and tells node 0, which waits op_timeout plus the grace (min(1 s, op_timeout))
+// for a live peer, so node 0's ranks get the same error, naming rank 3, within the bound.
+TEST_F(MultinodeHostTest, SilentRankIsNamedOnEveryNode) {
+  constexpr int kTimeoutMs = 300;
+  Start({2, 2}, kTimeoutMs);
+  if (HasFatalFailure()) return;
+  MakeInputs(11);
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::pair<int, uint64_t>> subs;
+    subs.push_back({0, rings_[0]->Submit(abi::OpKind::kDispatch, 0, 1)});
+    subs.push_back({1, rings_[1]->Submit(abi::OpKind::kDispatch, 0, 1)});
+    // Node 1's op (and its op_timeout) starts later than node 0's: without the grace
+    // node 0 would give up first and name only node 1.
+    std::this_thread::sleep_for(milliseconds(100));
+    subs.push_back({2, rings_[2]->Submit(abi::OpKind::kDispatch, 0, 1)});
+    for (auto [r, s] : subs) {
+      auto c = rings_[r]->Await(s, milliseconds(5000));
+      ASSERT_TRUE(c.has_value()) << "rank " << r;
+      EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(2 * kTimeoutMs + 1000 + 100))
+          << "rank " << r;
+      EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kDeadlineExceeded))
+          << "rank " << r << ": " << Message(*c);
+      EXPECT_NE(Message(*c).find("rank(s) 3 did not arrive within op_timeout"), std::string::npos)
+          << "rank " << r << ": " << Message(*c);
+    }
+    // Rank 3 comes late: its op failed already, so it gets the same error.
+    const uint64_t late = rings_[3]->Submit(abi::OpKind::kDispatch, 0, 1);
+    auto c = rings_[3]->Await(late, milliseconds(5000));
+    ASSERT_TRUE(c.has_value());
+    EXPECT_NE(c->status_code, 0);
+  }
+}
+
+// A node whose ranks joined but none submits sends nothing: its Peer service and link are
+// alive, so node 0 waits op_timeout plus the grace, then fails naming node 1 (not sooner,
+// not later than the bound).
+TEST_F(MultinodeHostTest, SilentLiveNodeTimesOutAfterTheGrace) {
+  constexpr int kTimeoutMs = 300;
+  Start({1, 1}, kTimeoutMs);
+  if (HasFatalFailure()) return;
+  MakeInputs(12);
+  const auto t0 = std::chrono::steady_clock::now();
+  const uint64_t s = rings_[0]->Submit(abi::OpKind::kDispatch, 0, 1);
+  auto c = rings_[0]->Await(s, milliseconds(5000));
+  ASSERT_TRUE(c.has_value());
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(waited, milliseconds(2 * kTimeoutMs));
+  EXPECT_LT(waited, milliseconds(2 * kTimeoutMs + 1000));
+  EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kDeadlineExceeded)) << Message(*c);
+  EXPECT_NE(Message(*c).find("node 1 (10.0.0.2:7100, ranks 1-1) sent nothing within op_timeout "
+                             "300 ms (+ 300 ms grace for a live peer)"),
+            std::string::npos)
+      << Message(*c);
+}
+
 // Garbage in the receive region (a hostile peer): the op fails with an error, nothing is
 // read out of bounds (ASan), and the honest node reports it.
 TEST_F(MultinodeHostTest, GarbageFromAPeerIsAnErrorNotACrash) {

@@ -37,6 +37,14 @@ using kernels::EndpointLayout;
 /// while that node's data link still stands (a node that finished the op and left).
 constexpr std::chrono::milliseconds kLostGrace{200};
 
+/// How much longer than op_timeout a running op waits for the message of a node whose
+/// Peer service reports it alive and whose data link is up: min(1 s, op_timeout). A node
+/// whose own rank never submitted fails the op at its op_timeout and sends that error
+/// (naming the rank); the grace lets it arrive before this node gives up naming the node.
+std::chrono::milliseconds PeerFailureGrace(uint32_t op_timeout_ms) {
+  return std::min(std::chrono::milliseconds(1000), std::chrono::milliseconds(op_timeout_ms));
+}
+
 /// Brackets an op's calls into kernels/host for HostDataPlaneOptions::on_kernels.
 class KernelScope {
  public:
@@ -186,6 +194,9 @@ class HostGroup : public LockstepGroup {
   absl::Status NodeChosen(int32_t node) override;
   void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) override;
   absl::Status PeerFailure(uint64_t seq) override;
+  /// True when every node whose message of the running op is missing is alive: its Peer
+  /// service healthy (GroupPeers::Health OK) and its data link ready.
+  bool MissingPeersAlive() const;
   bool ReadyToStart() override;
   std::string NotReadyReason() const override;
   bool PollBackground() override;
@@ -882,6 +893,18 @@ absl::Status HostGroup::CheckHeader(int32_t n, uint64_t seq) const {
   return absl::OkStatus();
 }
 
+bool HostGroup::MissingPeersAlive() const {
+  bool any = false;
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    if (n == span_.self || span_.got[n]) continue;
+    if (span_.link->State(n) != transport::PeerState::kReady || !span_.link->PeerStatus(n).ok()) {
+      return false;
+    }
+    any = true;
+  }
+  return any && span_.peers->Health().ok();
+}
+
 absl::Status HostGroup::PeerFailure(uint64_t seq) {
   if (!span_.peers) return absl::OkStatus();
   if (absl::Status h = span_.peers->Health(); !h.ok()) return h;
@@ -1187,7 +1210,13 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
       }
     }
     const auto waited = std::chrono::steady_clock::now() - span_.started;
-    if (waited >= std::chrono::milliseconds(options().op_timeout_ms)) {
+    const std::chrono::milliseconds timeout(options().op_timeout_ms);
+    if (waited >= timeout) {
+      // A live peer still owes its message (or its failure header, which names its silent
+      // rank): wait for it up to the grace, so that every node reports the same error.
+      const std::chrono::milliseconds grace = PeerFailureGrace(options().op_timeout_ms);
+      const bool alive = MissingPeersAlive();
+      if (alive && waited < timeout + grace) return false;
       std::string who;
       for (int32_t n = 0; n < span_.num_nodes; ++n) {
         if (n == span_.self || span_.got[n]) continue;
@@ -1196,12 +1225,13 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
                         span_.first[n] + span_.count[n] - 1, ")");
       }
       const std::string missing = span_.peers->DescribeMissing();
-      return fail(absl::DeadlineExceededError(
-          absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ",
-                       who.empty() ? std::string("the writes to the peers did not complete")
-                                   : absl::StrCat(who, " sent nothing"),
-                       " within op_timeout ", options().op_timeout_ms, " ms",
-                       missing.empty() ? "" : "; ", missing)));
+      return fail(absl::DeadlineExceededError(absl::StrCat(
+          "op ", plan.seq, " of group ", spec().name(), ": ",
+          who.empty() ? std::string("the writes to the peers did not complete")
+                      : absl::StrCat(who, " sent nothing"),
+          " within op_timeout ", options().op_timeout_ms, " ms",
+          alive ? absl::StrCat(" (+ ", grace.count(), " ms grace for a live peer)") : std::string(),
+          missing.empty() ? "" : "; ", missing)));
     }
     return false;
   }
