@@ -429,8 +429,8 @@ void UnixListener::AcceptReady(absl::Time now) {
       if (warn && tcp_) {
         GetLogger(kLogListener)
             ->warn(
-                "{}: closed a new connection: {} connections are live, at most {} (a quarter "
-                "of the descriptor limit)",
+                "{}: closed a new connection: {} connections are live, as many as it allows "
+                "({})",
                 name_, connections_.live_total(), options_.max_connections);
       } else if (warn) {
         const bool per_uid = admission == ConnectionCounter::Admission::kOverUidCap;

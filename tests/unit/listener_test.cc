@@ -6,7 +6,9 @@
 // as descriptors are free; Stop is prompt.
 #include "daemon/server/listener.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -23,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/core/fd_limits.h"
@@ -482,6 +485,100 @@ TEST_F(ListenerTest, HeartbeatStopsWhileTheLoopIsStalledAndStopIsPrompt) {
   listener_->Stop();
   EXPECT_LT(absl::Now() - begin, absl::Milliseconds(500));
   EXPECT_FALSE(ConnectUnix(socket_).valid());
+}
+
+/// A TCP connection to 127.0.0.1:`port` (blocking), or an invalid fd.
+ScopedFd ConnectTcp(int port) {
+  ScopedFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (!fd.valid() || ::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return ScopedFd();
+  }
+  return fd;
+}
+
+TEST(TcpListenerTest, BadAddressesAndAPortInUseAreRefusedNamingThem) {
+  absl::StatusOr<std::unique_ptr<UnixListener>> no_port = UnixListener::BindTcp({}, "localhost");
+  EXPECT_EQ(no_port.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(no_port.status().message(), HasSubstr("\"localhost\""));
+  EXPECT_EQ(UnixListener::BindTcp({}, "127.0.0.1:70000").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<std::unique_ptr<UnixListener>> first = UnixListener::BindTcp({}, "127.0.0.1:0");
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_GT((*first)->port(), 0);
+  const std::string taken = absl::StrCat("127.0.0.1:", (*first)->port());
+  absl::StatusOr<std::unique_ptr<UnixListener>> second = UnixListener::BindTcp({}, taken);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(second.status().message(), HasSubstr(taken));
+}
+
+TEST(TcpListenerTest, GrpcOverTcpIsServedGarbageIsClosedAndTheTotalCapHolds) {
+  RecordingHealth health;
+  grpc::ServerBuilder builder;
+  builder.RegisterService(&health);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  UnixListener::Options options;
+  options.name = "Peer listener";
+  options.max_connections = 2;
+  options.first_bytes_timeout = absl::Milliseconds(300);
+  options.sweep_interval = absl::Milliseconds(50);
+  absl::StatusOr<std::unique_ptr<UnixListener>> bound =
+      UnixListener::BindTcp(std::move(options), "127.0.0.1:0");
+  ASSERT_TRUE(bound.ok()) << bound.status();
+  std::unique_ptr<UnixListener> listener = *std::move(bound);
+  listener->Start(server.get());
+  const int port = listener->port();
+  auto check = [&] {
+    auto stub = grpc::health::v1::Health::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    HealthCheckResponse response;
+    return stub->Check(&context, HealthCheckRequest(), &response);
+  };
+  grpc::Status status = check();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_THAT(health.peer(), MatchesRegex("fd:[0-9]+"));
+  EXPECT_FALSE(health.credentials().has_value()) << "a TCP caller has no SO_PEERCRED";
+
+  // Garbage is closed at once; a silent connection after first_bytes_timeout.
+  ScopedFd garbage = ConnectTcp(port);
+  ASSERT_TRUE(garbage.valid());
+  ASSERT_EQ(::send(garbage.get(), "GET / HTTP/1.1\r\n", 16, MSG_NOSIGNAL), 16);
+  EXPECT_TRUE(ClosedByPeer(garbage.get(), absl::Seconds(2)));
+  ScopedFd silent = ConnectTcp(port);
+  ASSERT_TRUE(silent.valid());
+  EXPECT_TRUE(ClosedByPeer(silent.get(), absl::Seconds(2)));
+
+  // Two silent connections fill the cap: a third is closed at accept, and gRPC refused.
+  for (int i = 0; i < 50 && listener->status().live_connections > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ScopedFd a = ConnectTcp(port);
+  ScopedFd b = ConnectTcp(port);
+  ASSERT_TRUE(a.valid() && b.valid());
+  for (int i = 0; i < 50 && listener->status().live_connections < 2; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ScopedFd over = ConnectTcp(port);
+  ASSERT_TRUE(over.valid());
+  EXPECT_TRUE(ClosedByPeer(over.get(), absl::Milliseconds(200)));
+  EXPECT_GE(listener->status().refused_over_cap, 1u);
+  // Once they close (or time out), a call is served again.
+  a = ScopedFd();
+  b = ScopedFd();
+  for (int i = 0; i < 100; ++i) {
+    status = check();
+    if (status.ok()) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  listener->Stop();
+  server->Shutdown(std::chrono::system_clock::now());
 }
 
 }  // namespace
