@@ -27,7 +27,9 @@
 #include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
 #include "daemon/control/spec_validation.h"
+#include "daemon/core/fd_limits.h"
 #include "daemon/core/logging.h"
+#include "daemon/server/listener.h"
 #include "epd/v1/peer.grpc.pb.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -64,6 +66,9 @@ constexpr char kHelloLabel[] = "epd-peer-hello-v1";
 constexpr char kWelcomeLabel[] = "epd-peer-welcome-v1";
 constexpr char kJoinSecretLabel[] = "epd-join-secret-v1";
 constexpr absl::Duration kServerHandshakeTimeout = absl::Seconds(5);
+/// A plaintext Peer connection that has not sent the HTTP/2 preface within this time is
+/// closed by the accept loop.
+constexpr absl::Duration kPeerFirstBytesTimeout = absl::Seconds(2);
 constexpr char kSessionLabel[] = "epd-peer-session-v1";
 
 std::string RandomBytes(size_t n) {
@@ -322,6 +327,8 @@ struct GrpcPeerMesh::State {
   std::shared_ptr<grpc::ChannelCredentials> channel_credentials;
   std::unique_ptr<v1::Peer::Service> service;
   std::unique_ptr<grpc::Server> server;
+  /// The plaintext Peer listener (null with TLS: gRPC's own then). Stopped before server.
+  std::unique_ptr<UnixListener> listener;
   LogRateLimiter refusals{LogRateLimiter::kDefaultPerSecond, LogRateLimiter::kDefaultBurst,
                           "Peer callers"};
 
@@ -1172,7 +1179,29 @@ absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> GrpcPeerMesh::Start(PeerMeshOption
   }
   st->service = std::make_unique<PeerService>(st.get());
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(st->options.listen, server_credentials, &st->port);
+  if (tls_parts == 3) {
+    // gRPC hands no accepted descriptor over with server credentials: a TLS Peer listener
+    // is gRPC's own (docs/MULTINODE.md "Known gaps").
+    builder.AddListeningPort(st->options.listen, server_credentials, &st->port);
+  } else {
+    // Plaintext: epd's own accept loop (a cap on live connections, a reserve descriptor
+    // for EMFILE, a first-bytes timeout) hands each HTTP/2 connection to the server.
+    UnixListener::Options listener_options;
+    listener_options.name = "Peer listener";
+    listener_options.backlog = 1024;
+    listener_options.max_pending = 256;
+    listener_options.first_bytes_timeout = kPeerFirstBytesTimeout;
+    if (absl::StatusOr<FdLimit> fd_limit = GetFdLimit(); fd_limit.ok()) {
+      listener_options.max_connections = std::max<uint64_t>(fd_limit->soft / 4, 16);
+    }
+    absl::StatusOr<std::unique_ptr<UnixListener>> listener =
+        UnixListener::BindTcp(std::move(listener_options), st->options.listen);
+    if (!listener.ok()) {
+      return absl::UnavailableError(absl::StrCat("peer_listen: ", listener.status().message()));
+    }
+    st->listener = *std::move(listener);
+    st->port = st->listener->port();
+  }
   builder.SetMaxReceiveMessageSize(st->options.max_message_bytes);
   // No SO_REUSEPORT: a second daemon on the same peer port must fail, not share it.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -1184,6 +1213,7 @@ absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> GrpcPeerMesh::Start(PeerMeshOption
                              static_cast<int>(absl::ToInt64Milliseconds(kServerHandshakeTimeout)));
   builder.RegisterService(st->service.get());
   st->server = builder.BuildAndStart();
+  if (st->server != nullptr && st->listener != nullptr) st->listener->Start(st->server.get());
   if (st->server == nullptr || st->port == 0) {
     return absl::UnavailableError(absl::StrCat("peer_listen: cannot listen on \"",
                                                st->options.listen,
@@ -1216,6 +1246,7 @@ void GrpcPeerMesh::Shutdown() {
     for (auto& [address, pc] : state_->peers) workers.push_back(std::move(pc->worker));
   }
   for (std::thread& t : workers) t.join();
+  if (state_->listener != nullptr) state_->listener->Stop();
   state_->server->Shutdown(DeadlineAfter(absl::Milliseconds(500)));
   state_->server->Wait();
 }

@@ -1,6 +1,8 @@
 #include "daemon/server/listener.h"
 
 #include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -12,6 +14,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/core/logging.h"
 #include "grpcpp/server.h"
@@ -167,9 +170,84 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(Options options
       new UnixListener(std::move(options), std::move(fd), std::move(wake), std::move(reserve)));
 }
 
+absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::BindTcp(Options options,
+                                                                    const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || !absl::SimpleAtoi(listen.substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("\"", listen, "\" is not host:port with a port in [0, 65535]"));
+  }
+  std::string host = listen.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  if (const int rc =
+          ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &found);
+      rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot resolve \"", host, "\": ", ::gai_strerror(rc)));
+  }
+  std::unique_ptr<addrinfo, void (*)(addrinfo*)> addresses(found, ::freeaddrinfo);
+  std::string last_error = "no address";
+  for (const addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) {
+    ScopedFd fd(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    if (!fd.valid()) {
+      last_error = absl::StrCat("socket: ", ErrnoText(errno));
+      continue;
+    }
+    const int one = 1;
+    const int zero = 0;
+    // SO_REUSEADDR (a restart binds despite TIME_WAIT); no SO_REUSEPORT: a second daemon on
+    // the same port must fail, not share it. A wildcard IPv6 address takes IPv4 too.
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (ai->ai_family == AF_INET6) {
+      ::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+    }
+    if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+      last_error = absl::StrCat("bind: ", ErrnoText(errno));
+      continue;
+    }
+    if (::listen(fd.get(), options.backlog) != 0) {
+      last_error = absl::StrCat("listen: ", ErrnoText(errno));
+      continue;
+    }
+    sockaddr_storage bound{};
+    socklen_t bound_len = sizeof(bound);
+    if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &bound_len) != 0) {
+      last_error = absl::StrCat("getsockname: ", ErrnoText(errno));
+      continue;
+    }
+    const int bound_port =
+        ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                          : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    ScopedFd wake(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    ScopedFd reserve = OpenReserve();
+    if (!wake.valid() || !reserve.valid()) {
+      return absl::InternalError(
+          absl::StrCat("listener on ", listen,
+                       ": cannot open its eventfd or reserve descriptor: ", ErrnoText(errno)));
+    }
+    auto listener = std::unique_ptr<UnixListener>(
+        new UnixListener(std::move(options), std::move(fd), std::move(wake), std::move(reserve),
+                         /*tcp=*/true));
+    listener->port_ = bound_port;
+    return listener;
+  }
+  return absl::UnavailableError(absl::StrCat("cannot listen on \"", listen, "\": ", last_error));
+}
+
 UnixListener::UnixListener(Options options, ScopedFd listen_fd, ScopedFd wake_fd,
-                           ScopedFd reserve_fd)
+                           ScopedFd reserve_fd, bool tcp)
     : options_(std::move(options)),
+      tcp_(tcp),
+      name_(options_.name),
       listen_fd_(std::move(listen_fd)),
       wake_fd_(std::move(wake_fd)),
       reserve_fd_(std::move(reserve_fd)),
@@ -177,6 +255,14 @@ UnixListener::UnixListener(Options options, ScopedFd listen_fd, ScopedFd wake_fd
                                              options_.max_connections, options_.exempt_uids}) {}
 
 UnixListener::~UnixListener() { Stop(); }
+
+void UnixListener::RememberPeer(int fd, const PeerCredentials& peer) {
+  if (!tcp_) PeerCredentialsTable::Global().Set(fd, peer);
+}
+
+void UnixListener::ForgetPeer(int fd) {
+  if (!tcp_) PeerCredentialsTable::Global().Erase(fd);
+}
 
 void UnixListener::Start(grpc::Server* server) {
   server_ = server;
@@ -207,8 +293,8 @@ void UnixListener::Stop() {
     absl::MutexLock lock(&work_mu_);
     left.swap(work_);
   }
-  for (FdChannelWork& work : left) PeerCredentialsTable::Global().Erase(work.fd.get());
-  for (Pending& p : pending_) PeerCredentialsTable::Global().Erase(p.fd.get());
+  for (FdChannelWork& work : left) ForgetPeer(work.fd.get());
+  for (Pending& p : pending_) ForgetPeer(p.fd.get());
   pending_.clear();
   listen_fd_ = ScopedFd();
 }
@@ -255,7 +341,7 @@ void UnixListener::Loop() {
     FlushSuppressedWarnings(now);
     if (now >= next_sweep_) {
       // gRPC closes the connections it was handed without telling us.
-      for (int fd : connections_.Sweep()) PeerCredentialsTable::Global().Erase(fd);
+      for (int fd : connections_.Sweep()) ForgetPeer(fd);
       next_sweep_ = now + options_.sweep_interval;
     }
 
@@ -283,7 +369,7 @@ void UnixListener::Loop() {
     const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
     if (ready < 0 && errno != EINTR) {
       const int err = errno;
-      if (MayWarn(absl::Now())) log->warn("listener: poll failed: {}", ErrnoText(err));
+      if (MayWarn(absl::Now())) log->warn("{}: poll failed: {}", name_, ErrnoText(err));
       absl::SleepFor(absl::Milliseconds(10));  // ENOMEM: do not spin.
       continue;
     }
@@ -319,12 +405,14 @@ void UnixListener::AcceptReady(absl::Time now) {
       AcceptFailed(err, now);
       return;
     }
-    std::optional<PeerCredentials> peer = SocketPeerCredentials(fd.get());
+    // A TCP connection has no SO_PEERCRED: every one is counted as the same (uid 0) caller.
+    std::optional<PeerCredentials> peer =
+        tcp_ ? std::optional<PeerCredentials>(PeerCredentials{}) : SocketPeerCredentials(fd.get());
     if (!peer) {
       const int err = errno;
       if (MayWarn(now)) {
         GetLogger(kLogListener)
-            ->warn("listener: closed a connection whose SO_PEERCRED the kernel refused: {}",
+            ->warn("{}: closed a connection whose SO_PEERCRED the kernel refused: {}", name_,
                    ErrnoText(err));
       }
       CloseConnection(std::move(fd), Closed::kInvalid);
@@ -337,14 +425,21 @@ void UnixListener::AcceptReady(absl::Time now) {
         absl::MutexLock lock(&status_mu_);
         ++counters_.refused_over_cap;
       }
-      if (MayWarn(now)) {
+      const bool warn = MayWarn(now);
+      if (warn && tcp_) {
+        GetLogger(kLogListener)
+            ->warn(
+                "{}: closed a new connection: {} connections are live, as many as it allows "
+                "({})",
+                name_, connections_.live_total(), options_.max_connections);
+      } else if (warn) {
         const bool per_uid = admission == ConnectionCounter::Admission::kOverUidCap;
         GetLogger(kLogListener)
             ->warn(
-                "listener: closed a new connection from {}: {} (max_connections_per_uid = {}, "
+                "{}: closed a new connection from {}: {} (max_connections_per_uid = {}, "
                 "{} live connections in all, at most {} below the descriptor limit); raise "
                 "max_connections_per_uid in the DaemonConfig if the uid needs more",
-                DescribeCredentials(*peer),
+                name_, DescribeCredentials(*peer),
                 per_uid ? absl::StrCat("uid ", peer->uid, " holds ", connections_.live(peer->uid),
                                        " connections")
                         : std::string("epd holds as many connections as it allows"),
@@ -355,7 +450,7 @@ void UnixListener::AcceptReady(absl::Time now) {
       continue;
     }
     // Recorded at accept: CallerCredentials looks the peer up by the fd gRPC names.
-    PeerCredentialsTable::Global().Set(fd.get(), *peer);
+    RememberPeer(fd.get(), *peer);
     if (pending_.size() >= options_.max_pending) {
       // Evict the oldest connection that is still waiting (closed entries leave at the end
       // of the round).
@@ -394,17 +489,17 @@ void UnixListener::AcceptFailed(int err, absl::Time now) {
     }
     if (warn) {
       log->warn(
-          "listener: out of file descriptors ({}): {} the new connection; each client gets a "
+          "{}: out of file descriptors ({}): {} the new connection; each client gets a "
           "clean close until descriptors are freed (sessions ending, endpoints released). "
           "Raise epd's RLIMIT_NOFILE (LimitNOFILE= in epd.service) if this persists",
-          ErrnoText(err), took ? "accepted and closed" : "could not take");
+          name_, ErrnoText(err), took ? "accepted and closed" : "could not take");
     }
     if (!reserve_fd_.valid()) listen_backoff_until_ = now + kAcceptBackoff;
     return;
   }
   RecordFailure(absl::StrCat("accept: ", ErrnoText(err)), now);
   if (warn) {
-    log->warn("listener: accept failed: {}; retrying in {}", ErrnoText(err),
+    log->warn("{}: accept failed: {}; retrying in {}", name_, ErrnoText(err),
               absl::FormatDuration(kAcceptBackoff));
   }
   listen_backoff_until_ = now + kAcceptBackoff;
@@ -462,9 +557,9 @@ bool UnixListener::Route(Pending& pending) {
       if (MayWarn(absl::Now())) {
         GetLogger(kLogListener)
             ->warn(
-                "listener: {} fd-channel connections are waiting for a worker; closed one "
+                "{}: {} fd-channel connections are waiting for a worker; closed one "
                 "from {}",
-                options_.fd_channel_queue, DescribeCredentials(pending.peer));
+                name_, options_.fd_channel_queue, DescribeCredentials(pending.peer));
       }
       ClosePending(pending, Closed::kInvalid);
       return true;
@@ -481,7 +576,7 @@ void UnixListener::ClosePending(Pending& pending, Closed why) {
 
 void UnixListener::CloseConnection(ScopedFd fd, Closed why) {
   if (!fd.valid()) return;
-  PeerCredentialsTable::Global().Erase(fd.get());
+  ForgetPeer(fd.get());
   {
     absl::MutexLock lock(&status_mu_);  // Counted before the peer can see the close.
     ++(why == Closed::kInvalid ? counters_.closed_invalid : counters_.closed_silent);
@@ -504,7 +599,7 @@ void UnixListener::FlushSuppressedWarnings(absl::Time now) {
   if (warnings_in_window_ == 0 || now < warning_window_end_) return;
   if (suppressed_warnings_ > 0) {
     GetLogger(kLogListener)
-        ->warn("listener: {} more warning(s) like the above in {} were not logged",
+        ->warn("{}: {} more warning(s) like the above in {} were not logged", name_,
                suppressed_warnings_, absl::FormatDuration(kLogWindow));
   }
   warnings_in_window_ = 0;
@@ -525,7 +620,7 @@ void UnixListener::ServeFdChannels() {
       work = std::move(work_.front());
       work_.pop_front();
     }
-    PeerCredentialsTable::Global().Erase(work.fd.get());
+    ForgetPeer(work.fd.get());
     const PeerCredentials peer = work.peer;
     options_.fd_channel_handler(std::move(work.fd), peer);
   }

@@ -4,7 +4,7 @@
 // abi::kFdChannelPreamble -> Options::fd_channel_handler; anything else -> closed), counts
 // connections per uid until they close, survives EMFILE/ENFILE with a reserve descriptor,
 // and beats a heartbeat for health. The behaviour and its limits are in docs/SECURITY.md
-// "Connections".
+// "Connections". BindTcp runs the same loop on a TCP port (the plaintext Peer listener).
 #pragma once
 
 #include <atomic>
@@ -150,6 +150,8 @@ class UnixListener {
     absl::Duration sweep_interval = absl::Milliseconds(250);
     /// Longest poll of the accept loop (its heartbeat period and Stop()'s latency).
     absl::Duration poll_interval = absl::Milliseconds(100);
+    /// Names the listener in its log lines (e.g. "listener: out of file descriptors ...").
+    std::string name = "listener";
     /// Called by the accept loop at the top of every round. Tests stall the loop with it.
     std::function<void()> loop_hook_for_testing;
   };
@@ -160,6 +162,16 @@ class UnixListener {
   /// UNAVAILABLE naming the path and errno when socket/bind/listen fail, INTERNAL when the
   /// reserve descriptor cannot be opened.
   static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(Options options);
+  /// The same accept loop on a TCP socket bound to `listen` ("host:port", "[v6]:port"; an
+  /// empty or wildcard host listens on every address; port 0 = a free one, see port()),
+  /// ignoring options.socket_path. A TCP connection has no SO_PEERCRED: all count as one
+  /// caller (uid 0, not exempt unless exempt_uids says so), so only max_connections caps
+  /// them, and nothing is recorded in PeerCredentialsTable. Errors: INVALID_ARGUMENT for a
+  /// malformed `listen`, UNAVAILABLE naming it when resolving, bind or listen fail.
+  static absl::StatusOr<std::unique_ptr<UnixListener>> BindTcp(Options options,
+                                                               const std::string& listen);
+  /// The bound TCP port (BindTcp); 0 for a unix socket.
+  int port() const { return port_; }
   ~UnixListener();  ///< Stop().
   UnixListener(const UnixListener&) = delete;
   UnixListener& operator=(const UnixListener&) = delete;
@@ -188,7 +200,11 @@ class UnixListener {
     PeerCredentials peer;
   };
 
-  UnixListener(Options options, ScopedFd listen_fd, ScopedFd wake_fd, ScopedFd reserve_fd);
+  UnixListener(Options options, ScopedFd listen_fd, ScopedFd wake_fd, ScopedFd reserve_fd,
+               bool tcp = false);
+  /// PeerCredentialsTable for a unix socket; nothing for TCP.
+  void RememberPeer(int fd, const PeerCredentials& peer);
+  void ForgetPeer(int fd);
   void Loop();
   /// Accepts what the backlog holds (a bounded number per round).
   void AcceptReady(absl::Time now);
@@ -210,6 +226,9 @@ class UnixListener {
   void ClosePending(Pending& pending, Closed why);
 
   const Options options_;
+  const bool tcp_ = false;
+  const std::string name_;
+  int port_ = 0;
   ScopedFd listen_fd_;
   ScopedFd wake_fd_;     ///< eventfd: Stop() wakes the loop's poll.
   ScopedFd reserve_fd_;  ///< /dev/null, closed to accept-and-close on EMFILE.

@@ -49,7 +49,8 @@ class PeerSecurityTest : public SecurityTest {
     secret_path_ = path;
     ASSERT_NO_FATAL_FAILURE(
         StartEpd({.extra_args = {"--peer_listen=127.0.0.1:0", "--peer_secret_file=" + secret_path_,
-                                 "--peer_heartbeat_ms=100"}}));
+                                 "--peer_heartbeat_ms=100"},
+                  .wrapper = Wrapper()}));
     // The Peer address (the bound port) from GetStats.
     auto control = v1::Control::NewStub(
         grpc::CreateChannel(epd_->unix_target(), grpc::InsecureChannelCredentials()));
@@ -62,6 +63,9 @@ class PeerSecurityTest : public SecurityTest {
     ASSERT_TRUE(absl::SimpleAtoi(address_.substr(10), &port_));
     peer_ = v1::Peer::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
   }
+  /// What runs epd (SecurityTest::StartEpd's wrapper).
+  virtual std::vector<std::string> Wrapper() const { return {}; }
+
   void TearDown() override {
     SecurityTest::TearDown();
     std::remove(secret_path_.c_str());
@@ -281,6 +285,58 @@ TEST_F(PeerSecurityTest, GarbageBytesAndAFloodOfBadHandshakes) {
   EXPECT_THAT(epd_->Logs(), HasSubstr("similar messages"));
   ExpectLogBounded(mark, 300, 60, "a flood of bad Peer handshakes");
   StopVictimsAndExpectExact();
+}
+
+/// epd with a descriptor limit of 256, so that a flood of idle connections to the Peer port
+/// runs it out of descriptors.
+class PeerListenerFloodTest : public PeerSecurityTest {
+ protected:
+  std::vector<std::string> Wrapper() const override {
+    return {"/usr/bin/prlimit", "--nofile=256:256", "--"};
+  }
+};
+
+TEST_F(PeerListenerFloodTest, IdleConnectionFloodDoesNotStopThePeerListener) {
+  ASSERT_NO_FATAL_FAILURE(ExpectPeerServes("before the flood"));
+  const LogMark mark = MarkLog();
+  // More idle connections than epd has descriptors, opened without waiting (a connect
+  // into a full backlog would block), held for a while, then closed.
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port_));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::vector<int> flood;
+  for (int i = 0; i < 400; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    ASSERT_GE(fd, 0);
+    (void)::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    flood.push_back(fd);
+  }
+  absl::SleepFor(absl::Seconds(1));
+  for (int fd : flood) ::close(fd);
+
+  // Served again within a few seconds of the flood's end.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  bool served = false;
+  std::string last;
+  while (!served && absl::Now() < deadline) {
+    peer_ = v1::Peer::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+    v1::HelloResponse welcome;
+    grpc::Status s = Handshake(kSecret, &welcome);
+    served = s.ok();
+    if (!served) {
+      last = s.error_message();
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+  }
+  ASSERT_TRUE(served) << "no handshake within 10 s of the flood's end: " << last << "\n"
+                      << epd_->Logs();
+  ASSERT_NO_FATAL_FAILURE(ExpectPeerServes("after the flood"));
+  ExpectEpdServing("after the flood");
+  // The flood was met by the accept loop: connections over the cap, or out of descriptors,
+  // were closed at once, and the warnings are rate-limited.
+  EXPECT_THAT(epd_->Logs(), HasSubstr("Peer listener: "));
+  ExpectLogBounded(mark, 100, 30, "a flood of idle Peer connections");
 }
 
 }  // namespace

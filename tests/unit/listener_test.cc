@@ -3,10 +3,13 @@
 // connections reach the handler with the preamble consumed (also when it arrives in
 // pieces); garbage and silent connections are closed without blocking anything else; on
 // EMFILE the pending connection gets a clean close and the listener accepts again as soon
-// as descriptors are free; Stop is prompt.
+// as descriptors are free; Stop is prompt. The same loop on TCP (BindTcp, the plaintext Peer
+// listener): bad addresses, gRPC over TCP, the total cap, EMFILE and recovery.
 #include "daemon/server/listener.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -23,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/core/fd_limits.h"
@@ -68,6 +72,39 @@ class RecordingHealth final : public grpc::health::v1::Health::Service {
   std::string peer_;
   std::optional<PeerCredentials> credentials_;
 };
+
+/// Makes 20 client sockets of addr's family (first: connect then needs no new descriptor),
+/// lowers this process's RLIMIT_NOFILE to its lowest free descriptor number (every number
+/// below it is in use, so `listener`'s accept gets EMFILE), connects each to `addr`, and
+/// expects every one closed by the listener within 3 s (a clean close, not a hang in the
+/// backlog) with EMFILE recorded. Takes `listener`'s status then into `during` and
+/// restores the limit.
+void ConnectWhileOutOfDescriptors(const sockaddr* addr, socklen_t addr_len,
+                                  const UnixListener& listener, ListenerStatus* during) {
+  std::vector<ScopedFd> clients;
+  for (int i = 0; i < 20; ++i) {
+    clients.emplace_back(::socket(addr->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    ASSERT_TRUE(clients.back().valid());
+  }
+  absl::StatusOr<FdLimit> saved = GetFdLimit();
+  ASSERT_TRUE(saved.ok());
+  const int lowest_free = ::dup(0);
+  ASSERT_GE(lowest_free, 0);
+  ::close(lowest_free);
+  rlimit squeezed{static_cast<rlim_t>(lowest_free), static_cast<rlim_t>(saved->hard)};
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &squeezed), 0);
+  bool connected = true;
+  for (ScopedFd& c : clients) connected = connected && ::connect(c.get(), addr, addr_len) == 0;
+  int closed = 0;
+  for (ScopedFd& c : clients) closed += ClosedByPeer(c.get(), absl::Seconds(3)) ? 1 : 0;
+  *during = listener.status();
+  rlimit restored{static_cast<rlim_t>(saved->soft), static_cast<rlim_t>(saved->hard)};
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &restored), 0);
+  ASSERT_TRUE(connected);
+  EXPECT_EQ(closed, 20);
+  EXPECT_GE(during->refused_no_fds, 1u);
+  EXPECT_THAT(during->last_failure, HasSubstr("EMFILE"));
+}
 
 class ListenerTest : public ::testing::Test {
  protected:
@@ -415,36 +452,12 @@ TEST_F(ListenerTest, OutOfDescriptorsClosesNewConnectionsCleanlyAndRecovers) {
   // descriptor under the limit.
   absl::SleepFor(absl::Milliseconds(100));
 
-  // Client sockets made first: connect needs no new descriptor of this process.
-  std::vector<ScopedFd> clients;
-  for (int i = 0; i < 20; ++i) {
-    clients.emplace_back(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    ASSERT_TRUE(clients.back().valid());
-  }
-  absl::StatusOr<FdLimit> saved = GetFdLimit();
-  ASSERT_TRUE(saved.ok());
-  // The lowest free descriptor number becomes the limit: every number below it is in use,
-  // so the listener's accept gets EMFILE.
-  const int lowest_free = ::dup(0);
-  ASSERT_GE(lowest_free, 0);
-  ::close(lowest_free);
-  rlimit squeezed{static_cast<rlim_t>(lowest_free), static_cast<rlim_t>(saved->hard)};
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &squeezed), 0);
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::strncpy(addr.sun_path, socket_.c_str(), sizeof(addr.sun_path) - 1);
-  for (ScopedFd& c : clients) {
-    ASSERT_EQ(::connect(c.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  }
-  // Each gets a clean close (not a hang in the backlog).
-  int closed = 0;
-  for (ScopedFd& c : clients) closed += ClosedByPeer(c.get(), absl::Seconds(3)) ? 1 : 0;
-  const ListenerStatus during = listener_->status();
-  rlimit restored{static_cast<rlim_t>(saved->soft), static_cast<rlim_t>(saved->hard)};
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &restored), 0);
-  EXPECT_EQ(closed, 20);
-  EXPECT_GE(during.refused_no_fds, 1u);
-  EXPECT_THAT(during.last_failure, HasSubstr("EMFILE"));
+  ListenerStatus during;
+  ASSERT_NO_FATAL_FAILURE(ConnectWhileOutOfDescriptors(reinterpret_cast<sockaddr*>(&addr),
+                                                       sizeof(addr), *listener_, &during));
   EXPECT_GT(during.failing_for, absl::ZeroDuration());
 
   // Descriptors are free again: the very next connection is served.
@@ -482,6 +495,134 @@ TEST_F(ListenerTest, HeartbeatStopsWhileTheLoopIsStalledAndStopIsPrompt) {
   listener_->Stop();
   EXPECT_LT(absl::Now() - begin, absl::Milliseconds(500));
   EXPECT_FALSE(ConnectUnix(socket_).valid());
+}
+
+/// A TCP connection to 127.0.0.1:`port` (blocking), or an invalid fd.
+ScopedFd ConnectTcp(int port) {
+  ScopedFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (!fd.valid() || ::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return ScopedFd();
+  }
+  return fd;
+}
+
+/// A gRPC server fed by a TCP listener on 127.0.0.1 (a free port).
+class TcpListenerTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    if (listener_ != nullptr) listener_->Stop();
+    if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
+  }
+  void StartListener(UnixListener::Options options) {
+    grpc::ServerBuilder builder;
+    builder.RegisterService(&health_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    options.name = "Peer listener";
+    absl::StatusOr<std::unique_ptr<UnixListener>> bound =
+        UnixListener::BindTcp(std::move(options), "127.0.0.1:0");
+    ASSERT_TRUE(bound.ok()) << bound.status();
+    listener_ = *std::move(bound);
+    listener_->Start(server_.get());
+    port_ = listener_->port();
+  }
+  /// A Health/Check over a new TCP channel (5 s).
+  grpc::Status CheckHealth() {
+    auto stub = grpc::health::v1::Health::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    HealthCheckResponse response;
+    return stub->Check(&context, HealthCheckRequest(), &response);
+  }
+
+  RecordingHealth health_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<UnixListener> listener_;
+  int port_ = 0;
+};
+
+TEST_F(TcpListenerTest, BadAddressesAndAPortInUseAreRefusedNamingThem) {
+  absl::StatusOr<std::unique_ptr<UnixListener>> no_port = UnixListener::BindTcp({}, "localhost");
+  EXPECT_EQ(no_port.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(no_port.status().message(), HasSubstr("\"localhost\""));
+  EXPECT_EQ(UnixListener::BindTcp({}, "127.0.0.1:70000").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<std::unique_ptr<UnixListener>> first = UnixListener::BindTcp({}, "127.0.0.1:0");
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_GT((*first)->port(), 0);
+  const std::string taken = absl::StrCat("127.0.0.1:", (*first)->port());
+  absl::StatusOr<std::unique_ptr<UnixListener>> second = UnixListener::BindTcp({}, taken);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(second.status().message(), HasSubstr(taken));
+}
+
+TEST_F(TcpListenerTest, GrpcOverTcpIsServedGarbageIsClosedAndTheTotalCapHolds) {
+  UnixListener::Options options;
+  options.max_connections = 2;
+  options.first_bytes_timeout = absl::Milliseconds(300);
+  options.sweep_interval = absl::Milliseconds(50);
+  ASSERT_NO_FATAL_FAILURE(StartListener(std::move(options)));
+  const int port = port_;
+  std::unique_ptr<UnixListener>& listener = listener_;
+  auto check = [&] { return CheckHealth(); };
+  grpc::Status status = check();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_THAT(health_.peer(), MatchesRegex("fd:[0-9]+"));
+
+  // Garbage is closed at once; a silent connection after first_bytes_timeout.
+  ScopedFd garbage = ConnectTcp(port);
+  ASSERT_TRUE(garbage.valid());
+  ASSERT_EQ(::send(garbage.get(), "GET / HTTP/1.1\r\n", 16, MSG_NOSIGNAL), 16);
+  EXPECT_TRUE(ClosedByPeer(garbage.get(), absl::Seconds(2)));
+  ScopedFd silent = ConnectTcp(port);
+  ASSERT_TRUE(silent.valid());
+  EXPECT_TRUE(ClosedByPeer(silent.get(), absl::Seconds(2)));
+
+  // Two silent connections fill the cap: a third is closed at accept, and gRPC refused.
+  for (int i = 0; i < 50 && listener->status().live_connections > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ScopedFd a = ConnectTcp(port);
+  ScopedFd b = ConnectTcp(port);
+  ASSERT_TRUE(a.valid() && b.valid());
+  for (int i = 0; i < 50 && listener->status().live_connections < 2; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ScopedFd over = ConnectTcp(port);
+  ASSERT_TRUE(over.valid());
+  EXPECT_TRUE(ClosedByPeer(over.get(), absl::Milliseconds(200)));
+  EXPECT_GE(listener->status().refused_over_cap, 1u);
+  // Once they close (or time out), a call is served again.
+  a = ScopedFd();
+  b = ScopedFd();
+  for (int i = 0; i < 100; ++i) {
+    status = check();
+    if (status.ok()) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
+TEST_F(TcpListenerTest, OutOfDescriptorsClosesNewConnectionsCleanlyAndRecovers) {
+  ASSERT_NO_FATAL_FAILURE(StartListener({}));
+  absl::SleepFor(absl::Milliseconds(100));
+
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port_));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ListenerStatus during;
+  ASSERT_NO_FATAL_FAILURE(ConnectWhileOutOfDescriptors(reinterpret_cast<sockaddr*>(&addr),
+                                                       sizeof(addr), *listener_, &during));
+
+  // Descriptors are free again: a gRPC call over TCP is served.
+  const grpc::Status status = CheckHealth();
+  EXPECT_TRUE(status.ok()) << status.error_message();
 }
 
 }  // namespace
