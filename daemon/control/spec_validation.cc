@@ -50,6 +50,16 @@ std::string FieldValueText(const google::protobuf::Message& message,
 }
 
 absl::Status ValidateNodes(const v1::GroupSpec& spec) {
+  if (!spec.transport().empty() && spec.transport() != "tcp" && spec.transport() != "rdma") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.transport: \"", EscapeClientText(spec.transport()),
+                     "\" is not a transport (\"\" = the daemons' default, \"tcp\" or \"rdma\")"));
+  }
+  if (!spec.transport().empty() && spec.nodes_size() == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.transport: \"", spec.transport(),
+                     "\" is set for a group without nodes (a one-node group uses no transport)"));
+  }
   if (spec.nodes_size() == 0) return absl::OkStatus();
   if (spec.nodes_size() > kMaxNodes) {
     return Invalid("nodes", spec.nodes_size(),

@@ -28,6 +28,21 @@ struct WritePiece {
   uint64_t remote_offset = 0;
 };
 
+/// Where a region of local memory lives.
+enum class MemoryKind {
+  kHost,        ///< Host memory (pageable or pinned).
+  kCudaDevice,  ///< CUDA device memory of `cuda_device` (RDMA: registered through dmabuf).
+};
+
+/// A region of local memory a link writes from or receives into, registered once for the
+/// link's life (RDMA: one memory region each). Owned by the caller; must outlive the link.
+struct MemoryRegion {
+  void* base = nullptr;
+  uint64_t bytes = 0;
+  MemoryKind kind = MemoryKind::kHost;
+  int cuda_device = -1;  ///< For kCudaDevice: the daemon's CUDA ordinal.
+};
+
 /// What a GroupLink is created with.
 struct GroupLinkOptions {
   std::string group;      ///< The group's name (log lines, errors).
@@ -37,6 +52,15 @@ struct GroupLinkOptions {
   /// group's life (RDMA: one memory region). Owned by the caller; must outlive the link.
   void* recv_base = nullptr;
   uint64_t recv_bytes = 0;
+  /// Where the receive region lives (Transport::Supports says which kinds a transport
+  /// takes; CreateGroupLink refuses another with INVALID_ARGUMENT).
+  MemoryKind recv_kind = MemoryKind::kHost;
+  int recv_cuda_device = -1;
+  /// Regions PostWrite sources may lie in, besides the receive region. A transport that
+  /// needs sources registered (RDMA) refuses a piece outside them with INVALID_ARGUMENT;
+  /// TCP takes host sources anywhere. Empty: host sources anywhere where the transport
+  /// allows it (TCP), none elsewhere.
+  std::vector<MemoryRegion> send_regions;
   /// Called from the transport's progress thread when something the engine waits for
   /// happened (an immediate arrived, a write completed, a peer failed): wakes the engine.
   /// Must be cheap and must not call back into the link. It is called with the
@@ -121,6 +145,10 @@ class Transport {
   virtual ~Transport() = default;
   /// "tcp", "rdma", "fault(tcp)".
   virtual std::string name() const = 0;
+  /// Whether links can receive into and write from memory of `kind` (TCP: host only, so
+  /// the CUDA backend stages device memory through pinned host buffers; RDMA: host, and
+  /// device memory where GPUDirect RDMA works).
+  virtual bool Supports(MemoryKind kind) const { return kind == MemoryKind::kHost; }
   virtual absl::StatusOr<std::unique_ptr<GroupLink>> CreateGroupLink(
       const GroupLinkOptions& options) = 0;
   /// Stops the progress thread and closes every link. Idempotent.

@@ -107,6 +107,25 @@ TEST(SpecNodesTest, DiffNamesTheNodes) {
   EXPECT_THAT(SpecSummary(MakeSpec("g")), ::testing::Not(HasSubstr("nodes")));
 }
 
+TEST(SpecNodesTest, TransportIsNamedAndOnlyForSpanningGroups) {
+  v1::GroupSpec spec = Spanning({{"a:1", 2}, {"b:1", 2}});
+  for (const char* t : {"", "tcp", "rdma"}) {
+    spec.set_transport(t);
+    EXPECT_TRUE(ValidateGroupSpec(spec).ok()) << t;
+  }
+  spec.set_transport("udp");
+  absl::Status bad = ValidateGroupSpec(spec);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), AllOf(HasSubstr("spec.transport"), HasSubstr("\"udp\"")));
+  v1::GroupSpec one = MakeSpec("g");
+  one.set_transport("tcp");
+  EXPECT_THAT(ValidateGroupSpec(one).message(), HasSubstr("without nodes"));
+  v1::GroupSpec a = Spanning({{"a:1", 2}, {"b:1", 2}});
+  v1::GroupSpec b = a;
+  b.set_transport("rdma");
+  EXPECT_THAT(CheckSameSpec(a, b).message(), HasSubstr("transport"));
+}
+
 TEST(SpecNodesTest, CudaRefusesSpanningSpecs) {
   v1::GroupSpec spec = Spanning({{"a:1", 2}, {"b:1", 2}});
   EXPECT_TRUE(ValidateGroupSpecForBackend(spec, "host").ok());
