@@ -818,14 +818,13 @@ void RdmaGroupLink::HandleCompletion(RdmaPeer& p, const ibv_wc& wc, Clock::time_
   const PeerState state = p.state.load(std::memory_order_relaxed);
   if (state == PeerState::kFailed || state == PeerState::kIdle) return;
   QpSlot& s = p.qps[q];
-  const std::string name = PeerName(p);
   switch (kind) {
     case kWrProbe: {
       if (wc.status == IBV_WC_SUCCESS) s.sq_done.store(ordinal + 1, std::memory_order_release);
       switch (p.machine.OnProbe(q, wc.status, now)) {
         case PeerLinkMachine::Action::kReady:
           p.state.store(PeerState::kReady, std::memory_order_release);
-          Log()->debug("{}: connected ({} queue pairs, {} probe retries)", name, p.num_qps,
+          Log()->debug("{}: connected ({} queue pairs, {} probe retries)", PeerName(p), p.num_qps,
                        p.machine.reprobes());
           CallWake();
           break;
@@ -843,7 +842,7 @@ void RdmaGroupLink::HandleCompletion(RdmaPeer& p, const ibv_wc& wc, Clock::time_
                                                   " ms: queue pair ", q,
                                                   " got no answer (is the peer's daemon up and "
                                                   "its port reachable with this GID/SL?)"))
-                      : rdma::WcStatusToStatus(wc.status, wc.vendor_err, name, q, false));
+                      : rdma::WcStatusToStatus(wc.status, wc.vendor_err, PeerName(p), q, false));
           break;
         case PeerLinkMachine::Action::kNone:
           break;
@@ -853,7 +852,7 @@ void RdmaGroupLink::HandleCompletion(RdmaPeer& p, const ibv_wc& wc, Clock::time_
     case kWrSend:
     case kWrSendLast:
       if (wc.status != IBV_WC_SUCCESS) {
-        Fail(p, rdma::WcStatusToStatus(wc.status, wc.vendor_err, name, q, false));
+        Fail(p, rdma::WcStatusToStatus(wc.status, wc.vendor_err, PeerName(p), q, false));
         return;
       }
       s.sq_done.store(ordinal + 1, std::memory_order_release);
@@ -861,11 +860,11 @@ void RdmaGroupLink::HandleCompletion(RdmaPeer& p, const ibv_wc& wc, Clock::time_
       return;
     case kWrRecv: {
       if (wc.status != IBV_WC_SUCCESS) {
-        Fail(p, rdma::WcStatusToStatus(wc.status, wc.vendor_err, name, q, true));
+        Fail(p, rdma::WcStatusToStatus(wc.status, wc.vendor_err, PeerName(p), q, true));
         return;
       }
       if (wc.opcode != IBV_WC_RECV_RDMA_WITH_IMM || (wc.wc_flags & IBV_WC_WITH_IMM) == 0) {
-        Fail(p, absl::DataLossError(absl::StrCat(name, ": queue pair ", q,
+        Fail(p, absl::DataLossError(absl::StrCat(PeerName(p), ": queue pair ", q,
                                                  ": a receive that is not an RDMA write with "
                                                  "immediate (opcode ",
                                                  static_cast<int>(wc.opcode), ")")));
@@ -876,9 +875,9 @@ void RdmaGroupLink::HandleCompletion(RdmaPeer& p, const ibv_wc& wc, Clock::time_
       if (s.got < p.got_max) {
         // Another queue pair delivered this write's immediate already: they must agree.
         if (slot != imm) {
-          Fail(p, absl::DataLossError(absl::StrCat(name, ": write ", s.got, " carries immediate ",
-                                                   imm, " on queue pair ", q, " and ", slot,
-                                                   " on another")));
+          Fail(p, absl::DataLossError(absl::StrCat(PeerName(p), ": write ", s.got,
+                                                   " carries immediate ", imm, " on queue pair ", q,
+                                                   " and ", slot, " on another")));
           return;
         }
       } else {
