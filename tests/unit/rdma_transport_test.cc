@@ -255,6 +255,8 @@ TEST_F(RdmaLoopback, CloseFailsThePeers) {
   transport_->Shutdown();
   EXPECT_EQ(nodes_[1].link->State(0), PeerState::kFailed);
   EXPECT_FALSE(transport_->CreateGroupLink(GroupLinkOptions{}).ok());
+  EXPECT_TRUE(
+      absl::IsFailedPrecondition(nodes_[1].link->Connect(0, nodes_[0].link->LocalDescriptor())));
 }
 
 TEST_F(RdmaLoopback, SteadyStateAllocatesNothingOnTheEngineThread) {

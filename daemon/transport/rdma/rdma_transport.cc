@@ -561,9 +561,10 @@ absl::Status RdmaGroupLink::BringUp(RdmaPeer& p, uint32_t q) {
 }
 
 absl::Status RdmaGroupLink::Connect(int32_t node, std::string_view descriptor) {
-  if (closed_) {
+  if (closed_ || core_->stopped()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("group '", options_.group, "': the link is closed"));
+        absl::StrCat("group '", options_.group, "': the link is closed",
+                     core_->stopped() ? " (the RDMA transport was shut down)" : ""));
   }
   if (!ValidNode(node)) {
     return absl::InvalidArgumentError(absl::StrCat("group '", options_.group, "': node ", node,
