@@ -38,6 +38,7 @@
 #include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
 #include "daemon/core/logging.h"
+#include "daemon/transport/link_common.h"
 #include "daemon/transport/rdma/rdma_connection.h"
 #include "daemon/transport/rdma/rdma_datapath.h"
 #include "daemon/transport/rdma/rdma_device.h"
@@ -90,9 +91,8 @@ struct QpSlot {
 };
 
 /// One peer node of a link.
-struct RdmaPeer {
+struct RdmaPeer : PeerCounters {
   int32_t node = 0;
-  std::atomic<PeerState> state{PeerState::kIdle};
   PeerLinkMachine machine;  // Under RdmaCore::mu_.
   absl::Status status;      // Why it failed (guarded by RdmaGroupLink::status_mu_).
   std::string address;      // "rdma GID ..." of its descriptor (Connect).
@@ -100,12 +100,8 @@ struct RdmaPeer {
   IbvPtr<ibv_cq> cq;  // Declared before qps: destroyed after them.
   std::unique_ptr<QpSlot[]> qps;
   uint32_t num_qps = 0;
-  std::atomic<uint64_t> writes_posted{0};  // Engine thread.
-  std::atomic<uint64_t> writes_done{0};    // Progress thread.
-  std::vector<uint32_t> imm_slots;         // Ring of recv_wr, indexed by write seq.
-  uint64_t got_max = 0;                    // Progress thread: the most any queue pair got.
-  std::atomic<uint64_t> delivered{0};
-  std::atomic<uint64_t> consumed{0};
+  // imm_slots: a ring of recv_wr, indexed by write seq.
+  uint64_t got_max = 0;  // Progress thread: the most any queue pair got.
 };
 
 class RdmaGroupLink;
@@ -195,18 +191,10 @@ class RdmaGroupLink final : public GroupLink {
   void Detach(const absl::Status& cause, bool wake);
 
  private:
-  bool ValidNode(int32_t node) const {
-    return node >= 0 && node < options_.num_nodes && node != options_.self_node;
-  }
+  bool ValidNode(int32_t node) const { return IsPeerNode(options_, node); }
   /// "group 'g': node 1 (LABEL; rdma GID ...)" or "(rdma GID ...)" without a label.
   std::string PeerName(const RdmaPeer& p) const {
-    const std::string where = p.address.empty() ? "address unknown" : p.address;
-    const size_t i = static_cast<size_t>(p.node);
-    if (i < options_.node_labels.size() && !options_.node_labels[i].empty()) {
-      return absl::StrCat("group '", options_.group, "': node ", p.node, " (",
-                          options_.node_labels[i], "; ", where, ")");
-    }
-    return absl::StrCat("group '", options_.group, "': node ", p.node, " (", where, ")");
+    return PeerNodeName(options_, p.node, p.address.empty() ? "address unknown" : p.address, "");
   }
   void CallWake() const {
     if (options_.wake) options_.wake();
@@ -395,18 +383,7 @@ void RdmaCore::Run() {
 absl::Status RdmaGroupLink::Init() {
   const RdmaTransportOptions& o = core_->options();
   const std::string g = absl::StrCat("group '", options_.group, "'");
-  if (options_.num_nodes < 2 || options_.num_nodes > kMaxNodes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(g, ": num_nodes ", options_.num_nodes, " not in [2, ", kMaxNodes, "]"));
-  }
-  if (options_.self_node < 0 || options_.self_node >= options_.num_nodes) {
-    return absl::InvalidArgumentError(absl::StrCat(g, ": self_node ", options_.self_node,
-                                                   " not in [0, ", options_.num_nodes, ")"));
-  }
-  if (options_.recv_base == nullptr && options_.recv_bytes > 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(g, ": recv_base is null with recv_bytes ", options_.recv_bytes));
-  }
+  EPD_RETURN_IF_ERROR(CheckGroupLinkOptions(options_, kMaxNodes));
   num_qps_ = o.qps_per_peer;
   stripe_ = rdma::StripeBytes(num_qps_);
   const size_t desc_bytes =
@@ -566,11 +543,7 @@ absl::Status RdmaGroupLink::Connect(int32_t node, std::string_view descriptor) {
         absl::StrCat("group '", options_.group, "': the link is closed",
                      core_->stopped() ? " (the RDMA transport was shut down)" : ""));
   }
-  if (!ValidNode(node)) {
-    return absl::InvalidArgumentError(absl::StrCat("group '", options_.group, "': node ", node,
-                                                   " is not a peer (num_nodes ", options_.num_nodes,
-                                                   ", self ", options_.self_node, ")"));
-  }
+  if (!ValidNode(node)) return NotAPeerError(options_, node, "Connect");
   absl::StatusOr<rdma::RemoteEndpoint> remote = rdma::ParseDescriptor(
       descriptor, node, options_.self_node, options_.num_nodes, num_qps_, port_.link_layer);
   if (!remote.ok()) {
@@ -612,21 +585,12 @@ absl::Status RdmaGroupLink::Connect(int32_t node, std::string_view descriptor) {
 }
 
 PeerState RdmaGroupLink::State(int32_t node) const {
-  if (node == options_.self_node && node >= 0 && node < options_.num_nodes) {
-    return PeerState::kReady;
-  }
-  if (!ValidNode(node)) return PeerState::kIdle;
+  if (!ValidNode(node)) return NonPeerState(options_, node);
   return peers_[static_cast<size_t>(node)]->state.load(std::memory_order_acquire);
 }
 
 absl::Status RdmaGroupLink::PeerStatus(int32_t node) const {
-  if (node == options_.self_node && node >= 0 && node < options_.num_nodes) {
-    return absl::OkStatus();
-  }
-  if (!ValidNode(node)) {
-    return absl::InvalidArgumentError(absl::StrCat("group '", options_.group, "': node ", node,
-                                                   " not in [0, ", options_.num_nodes, ")"));
-  }
+  if (!ValidNode(node)) return NonPeerStatus(options_, node);
   const RdmaPeer& p = *peers_[static_cast<size_t>(node)];
   if (p.state.load(std::memory_order_acquire) != PeerState::kFailed) return absl::OkStatus();
   std::lock_guard<std::mutex> l(status_mu_);
@@ -645,24 +609,18 @@ absl::Status RdmaGroupLink::Flush(RdmaPeer& p, uint32_t q, uint32_t n) {
 
 absl::Status RdmaGroupLink::PostWrite(int32_t node, std::span<const WritePiece> pieces,
                                       uint32_t imm) {
-  if (!ValidNode(node)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("group '", options_.group, "': PostWrite to node ", node,
-                     ", not a peer (num_nodes ", options_.num_nodes, ")"));
-  }
+  if (!ValidNode(node)) return NotAPeerError(options_, node, "PostWrite");
   RdmaPeer& p = *peers_[static_cast<size_t>(node)];
   const PeerState state = p.state.load(std::memory_order_acquire);
   if (state != PeerState::kReady) {
     if (state == PeerState::kFailed) return PeerStatus(node);
     return absl::UnavailableError(absl::StrCat(PeerName(p), " is not connected yet"));
   }
+  if (const ptrdiff_t bad = FirstPieceOutside(pieces, p.remote.recv_bytes); bad >= 0) {
+    return PieceOutsideError(pieces, bad, p.remote.recv_bytes, PeerName(p));
+  }
   for (size_t i = 0; i < pieces.size(); ++i) {
     const WritePiece& w = pieces[i];
-    if (w.bytes > p.remote.recv_bytes || w.remote_offset > p.remote.recv_bytes - w.bytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(PeerName(p), ": piece ", i, " (offset ", w.remote_offset, ", ", w.bytes,
-                       " bytes) is outside its receive region of ", p.remote.recv_bytes, " bytes"));
-    }
     if (w.bytes > 0 && rdma::FindRegion(regions_, w.src, w.bytes) == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           PeerName(p), ": piece ", i, " (", w.bytes,
@@ -731,28 +689,22 @@ absl::Status RdmaGroupLink::PostWrite(int32_t node, std::span<const WritePiece> 
 
 uint64_t RdmaGroupLink::WritesCompleted(int32_t node) const {
   if (!ValidNode(node)) return 0;
-  const RdmaPeer& p = *peers_[static_cast<size_t>(node)];
   // kFailed is stored after the peer's queue pairs moved to ERROR: the NIC reads no source
   // of theirs any more.
-  if (p.state.load(std::memory_order_acquire) == PeerState::kFailed) {
-    return p.writes_posted.load(std::memory_order_relaxed);
-  }
-  return p.writes_done.load(std::memory_order_acquire);
+  return peers_[static_cast<size_t>(node)]->WritesCompleted();
 }
 
 bool RdmaGroupLink::PollImm(int32_t node, uint32_t* imm) {
   if (!ValidNode(node)) return false;
   RdmaPeer& p = *peers_[static_cast<size_t>(node)];
+  if (!p.PopImm(imm)) return false;
   const uint64_t consumed = p.consumed.load(std::memory_order_relaxed);
-  if (consumed >= p.delivered.load(std::memory_order_acquire)) return false;
-  *imm = p.imm_slots[consumed % p.imm_slots.size()];
-  p.consumed.store(consumed + 1, std::memory_order_release);
   // Once ready the engine thread owns the receive queues: it gives back what it consumed,
   // in batches.
   if (p.state.load(std::memory_order_acquire) == PeerState::kReady) {
     const uint64_t batch = std::max<uint64_t>(1, plan_.recv_wr / 8);
     for (uint32_t q = 0; q < p.num_qps; ++q) {
-      if (p.qps[q].recv_posted + batch > consumed + 1 + plan_.recv_wr) continue;
+      if (p.qps[q].recv_posted + batch > consumed + plan_.recv_wr) continue;
       if (const absl::Status s = TopUpRecv(p, q); !s.ok()) {
         std::lock_guard<std::mutex> l(core_->mu());
         Fail(p, s, FailedBy::kEngine);
