@@ -338,29 +338,55 @@ TEST(RdmaPeerLinkMachine, ReadyOnceEveryQueuePairAnswered) {
   EXPECT_EQ(m.state(), PeerState::kFailed);
 }
 
-TEST(RdmaPeerLinkMachine, RetryExceededWhileConnectingProbesAgainUntilTheDeadline) {
-  PeerLinkMachine m(2);
+TEST(RdmaPeerLinkMachine, InitiatorProbesAgainAfterAnErrorUntilTheDeadline) {
+  PeerLinkMachine m(2, /*initiator=*/true);
+  EXPECT_TRUE(m.initiator());
   const MClock::time_point t0 = MClock::now();
   m.OnConnect(t0 + std::chrono::seconds(1));
+  // Retries exceeded (the peer is not in RTR yet), or an error from a queue pair still
+  // bound to the peer's previous incarnation: probe again.
   EXPECT_EQ(m.OnProbe(0, IBV_WC_RETRY_EXC_ERR, t0), Action::kReprobe);
-  EXPECT_EQ(m.OnProbe(0, IBV_WC_RETRY_EXC_ERR, t0 + std::chrono::milliseconds(500)),
+  EXPECT_EQ(m.OnProbe(0, IBV_WC_REM_INV_REQ_ERR, t0 + std::chrono::milliseconds(500)),
             Action::kReprobe);
   EXPECT_EQ(m.reprobes(), 2u);
+  EXPECT_EQ(m.last_error(), IBV_WC_REM_INV_REQ_ERR);
   EXPECT_EQ(m.state(), PeerState::kConnecting);
   EXPECT_EQ(m.OnTick(t0 + std::chrono::milliseconds(999)), Action::kNone);
   EXPECT_EQ(m.OnProbe(1, IBV_WC_RETRY_EXC_ERR, t0 + std::chrono::seconds(1)), Action::kFail);
   EXPECT_EQ(m.state(), PeerState::kFailed);
+  m.OnConnect(t0 + std::chrono::seconds(5));
+  EXPECT_EQ(m.last_error(), IBV_WC_SUCCESS);
+  EXPECT_EQ(m.reprobes(), 0u);
 }
 
-TEST(RdmaPeerLinkMachine, OtherErrorsFailAtOnceAndTheDeadlineFails) {
-  for (ibv_wc_status s : {IBV_WC_REM_ACCESS_ERR, IBV_WC_LOC_PROT_ERR, IBV_WC_WR_FLUSH_ERR,
-                          IBV_WC_RNR_RETRY_EXC_ERR}) {
-    PeerLinkMachine m(1);
-    const MClock::time_point t0 = MClock::now();
-    m.OnConnect(t0 + std::chrono::seconds(10));
-    EXPECT_EQ(m.OnProbe(0, s, t0), Action::kFail) << ibv_wc_status_str(s);
-    EXPECT_EQ(m.state(), PeerState::kFailed);
-  }
+TEST(RdmaPeerLinkMachine, ResponderProbesBackOnlyAfterThePeersProbe) {
+  PeerLinkMachine m(2, /*initiator=*/false);
+  EXPECT_FALSE(m.initiator());
+  const MClock::time_point t0 = MClock::now();
+  m.OnConnect(t0 + std::chrono::seconds(10));
+  EXPECT_FALSE(m.peer_probed(0));
+  EXPECT_EQ(m.OnPeerProbe(0), Action::kSendProbe);
+  EXPECT_TRUE(m.peer_probed(0));
+  EXPECT_EQ(m.OnPeerProbe(0), Action::kNone);  // Once per queue pair.
+  EXPECT_EQ(m.OnProbe(0, IBV_WC_SUCCESS, t0), Action::kNone);
+  EXPECT_EQ(m.OnPeerProbe(1), Action::kSendProbe);
+  EXPECT_EQ(m.OnProbe(1, IBV_WC_SUCCESS, t0), Action::kReady);
+  // The responder's probe went to a queue pair that was up: any error fails at once.
+  PeerLinkMachine r(1, /*initiator=*/false);
+  r.OnConnect(t0 + std::chrono::seconds(10));
+  EXPECT_EQ(r.OnPeerProbe(0), Action::kSendProbe);
+  EXPECT_EQ(r.OnProbe(0, IBV_WC_RETRY_EXC_ERR, t0), Action::kFail);
+  EXPECT_EQ(r.state(), PeerState::kFailed);
+  // The initiator swallows the peer's probe without answering; Connect clears it.
+  PeerLinkMachine i(1, /*initiator=*/true);
+  i.OnConnect(t0 + std::chrono::seconds(10));
+  EXPECT_EQ(i.OnPeerProbe(0), Action::kNone);
+  EXPECT_TRUE(i.peer_probed(0));
+  i.OnConnect(t0 + std::chrono::seconds(10));
+  EXPECT_FALSE(i.peer_probed(0));
+}
+
+TEST(RdmaPeerLinkMachine, TheDeadlineFailsAndFailedStaysFailed) {
   PeerLinkMachine m(1);
   const MClock::time_point t0 = MClock::now();
   m.OnConnect(t0 + std::chrono::milliseconds(5));

@@ -241,7 +241,16 @@ void PeerLinkMachine::OnConnect(Clock::time_point deadline) {
   deadline_ = deadline;
   probed_ = 0;
   probed_mask_ = 0;
+  peer_mask_ = 0;
   reprobes_ = 0;
+  last_error_ = IBV_WC_SUCCESS;
+}
+
+PeerLinkMachine::Action PeerLinkMachine::OnPeerProbe(uint32_t qp) {
+  if (qp >= num_qps_ || qp >= 32 || (peer_mask_ & (1u << qp)) != 0) return Action::kNone;
+  peer_mask_ |= 1u << qp;
+  const bool answer = !initiator_ && (state_ == PeerState::kConnecting);
+  return answer ? Action::kSendProbe : Action::kNone;
 }
 
 PeerLinkMachine::Action PeerLinkMachine::OnProbe(uint32_t qp, ibv_wc_status status,
@@ -266,7 +275,8 @@ PeerLinkMachine::Action PeerLinkMachine::OnProbe(uint32_t qp, ibv_wc_status stat
     }
     return Action::kNone;
   }
-  if (status == IBV_WC_RETRY_EXC_ERR && now < deadline_) {
+  last_error_ = status;
+  if (initiator_ && now < deadline_) {
     ++reprobes_;
     return Action::kReprobe;
   }

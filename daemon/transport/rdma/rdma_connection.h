@@ -105,44 +105,73 @@ QpTransition StateTransition(ibv_qp_state state);
 /// Applies `t` to `qp`; INTERNAL naming `what`, the target state and errno.
 absl::Status ModifyQp(ibv_qp* qp, const QpTransition& t, absl::string_view what);
 
-/// The state of one peer's link as the transport drives it (PeerState plus the probe of each
+/// The state of one peer's link as the transport drives it (PeerState plus the probes of each
 /// queue pair). Device-free: the transport feeds it what it saw and does what it answers.
+///
+/// Bringing a queue pair up: both ends move it to RTS at Connect, but the peer's may not be
+/// in RTR yet (its daemon has not called Connect), and a write to it then exhausts its
+/// retries and breaks the queue pair. So only the initiator (the lower node of the pair)
+/// writes first: a probe, a zero-length RDMA WRITE WITH IMM, on each queue pair; while the
+/// peer is not up the probe exhausts its retries having reached nobody, and the queue pair
+/// is reset and probes again (kReprobe), no sooner than kReprobeInterval after the last. The
+/// responder writes nothing until the initiator's probe arrived on that queue pair (so the
+/// initiator's is in RTS), then probes back. Each end is kReady once its own probe is acknowledged
+/// on every queue pair; the first receive on each queue pair is the peer's probe, not an immediate
+/// for the engine. How long the initiator waits after a failed probe before it probes again.
+inline constexpr std::chrono::milliseconds kReprobeInterval{50};
+
 class PeerLinkMachine {
  public:
   using Clock = std::chrono::steady_clock;
   /// What the transport does next.
   enum class Action {
-    kNone,     ///< Nothing.
-    kReady,    ///< Every queue pair answered: the peer is kReady (wake the engine).
-    kReprobe,  ///< The peer's queue pair is not up yet: reset this one and probe again.
-    kFail,     ///< The peer fails with the status given.
+    kNone,       ///< Nothing.
+    kReady,      ///< Every queue pair's probe was acknowledged: the peer is kReady.
+    kReprobe,    ///< (Initiator) the peer's queue pair is not up: reset ours, probe again.
+    kSendProbe,  ///< (Responder) the initiator's probe arrived: send this end's probe.
+    kFail,       ///< The peer fails.
   };
 
-  explicit PeerLinkMachine(uint32_t num_qps = 1) : num_qps_(num_qps) {}
+  explicit PeerLinkMachine(uint32_t num_qps = 1, bool initiator = true)
+      : num_qps_(num_qps), initiator_(initiator) {}
 
   PeerState state() const { return state_; }
-  /// Connect (again): kConnecting until `deadline`, every queue pair unprobed.
+  /// Whether this end probes first (the lower node index of the pair).
+  bool initiator() const { return initiator_; }
+  /// Connect (again): kConnecting until `deadline`, no probe answered or received.
   void OnConnect(Clock::time_point deadline);
-  /// Queue pair `qp`'s probe write completed with `status` at `now`. A retry-exceeded error
-  /// while connecting and before the deadline is the peer's queue pair not yet in RTR:
-  /// kReprobe. Any other error, or any once ready, is kFail.
+  /// The peer's probe arrived on queue pair `qp` (its first receive since Connect): the
+  /// responder answers kSendProbe (once per queue pair); otherwise kNone.
+  Action OnPeerProbe(uint32_t qp);
+  /// Queue pair `qp`'s own probe completed with `status` at `now`. On the initiator, an
+  /// error while connecting and before the deadline means the peer's queue pair is not up
+  /// (not yet in RTR: retries exceeded; or still bound to its previous incarnation):
+  /// kReprobe, the error kept for the deadline's message. Any error on the responder (the
+  /// initiator's queue pair was up), or once ready, is kFail.
   Action OnProbe(uint32_t qp, ibv_wc_status status, Clock::time_point now);
   /// A tick while connecting: kFail once the deadline passed.
   Action OnTick(Clock::time_point now);
   /// Any other error completion, FailPeer, Close: kFailed for good (until OnConnect).
   void OnFail() { state_ = PeerState::kFailed; }
-  /// Queue pairs whose probe answered so far.
+  /// Queue pairs whose own probe was acknowledged so far.
   uint32_t probed() const { return probed_; }
+  /// Whether the peer's probe arrived on queue pair `qp` since Connect.
+  bool peer_probed(uint32_t qp) const { return qp < 32 && (peer_mask_ & (1u << qp)) != 0; }
   uint32_t reprobes() const { return reprobes_; }
+  /// The last probe error while connecting (IBV_WC_SUCCESS: none).
+  ibv_wc_status last_error() const { return last_error_; }
   Clock::time_point deadline() const { return deadline_; }
 
  private:
   uint32_t num_qps_;
+  bool initiator_;
   PeerState state_ = PeerState::kIdle;
   Clock::time_point deadline_{};
   uint32_t probed_ = 0;
   uint32_t probed_mask_ = 0;
+  uint32_t peer_mask_ = 0;
   uint32_t reprobes_ = 0;
+  ibv_wc_status last_error_ = IBV_WC_SUCCESS;
 };
 
 }  // namespace epd::transport::rdma

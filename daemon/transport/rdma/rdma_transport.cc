@@ -88,6 +88,12 @@ struct QpSlot {
   // once ready) and immediates received (progress thread).
   uint64_t recv_posted = 0;
   uint64_t got = 0;
+  // Receives the peer's probe used (0 or 1 since Connect; progress thread): given back
+  // beside those the engine consumed.
+  std::atomic<uint64_t> probe_recvs{0};
+  // The initiator's queue pair is reset and waits until reprobe_at to probe again.
+  bool reprobe = false;
+  Clock::time_point reprobe_at{};
 };
 
 /// One peer node of a link.
@@ -207,9 +213,10 @@ class RdmaGroupLink final : public GroupLink {
     return absl::UnavailableError(absl::StrCat(PeerName(p), ": ", why));
   }
   /// Brings queue pair `q` of `p` from RESET to RTS towards the peer's, posts its receives
-  /// and a probe write (a zero-length RDMA WRITE whose acknowledgement says the peer's
-  /// queue pair is up). Under RdmaCore::mu_.
+  /// and, on the initiator, the probe (PeerLinkMachine). Under RdmaCore::mu_.
   absl::Status BringUp(RdmaPeer& p, uint32_t q);
+  /// Posts the probe of queue pair `q` (PeerLinkMachine). Under RdmaCore::mu_.
+  absl::Status PostProbe(RdmaPeer& p, uint32_t q);
   /// Resets queue pair `q` of `p` (new epoch, counters zero). Under RdmaCore::mu_.
   absl::Status ResetQp(RdmaPeer& p, uint32_t q);
   /// Posts receives on queue pair `q` until recv_wr wait beyond what was consumed.
@@ -432,7 +439,7 @@ absl::Status RdmaGroupLink::Init() {
     auto p = std::make_unique<RdmaPeer>();
     p->node = n;
     p->num_qps = num_qps_;
-    p->machine = PeerLinkMachine(num_qps_);
+    p->machine = PeerLinkMachine(num_qps_, /*initiator=*/options_.self_node < n);
     p->imm_slots.resize(plan_.recv_wr);
     p->cq.reset(ibv_create_cq(device_->context(), static_cast<int>(plan_.cq_depth), nullptr,
                               device_->channel(), 0));
@@ -486,15 +493,17 @@ absl::Status RdmaGroupLink::ResetQp(RdmaPeer& p, uint32_t q) {
   s.sq_posted = 0;
   s.sq_done.store(0, std::memory_order_relaxed);
   s.writes_done = 0;
-  s.recv_posted = 0;
+  s.recv_posted = s.probe_recvs.load(std::memory_order_relaxed);
   s.got = 0;
+  s.reprobe = false;
   return rdma::ModifyQp(s.qp.get(), rdma::StateTransition(IBV_QPS_RESET),
                         absl::StrCat("queue pair ", q));
 }
 
 absl::Status RdmaGroupLink::TopUpRecv(RdmaPeer& p, uint32_t q) {
   QpSlot& s = p.qps[q];
-  const uint64_t target = p.consumed.load(std::memory_order_acquire) + plan_.recv_wr;
+  const uint64_t target = p.consumed.load(std::memory_order_acquire) + plan_.recv_wr +
+                          s.probe_recvs.load(std::memory_order_acquire);
   std::array<ibv_recv_wr, kPostBatch> rwrs{};
   while (s.recv_posted < target) {
     const uint32_t n =
@@ -519,19 +528,30 @@ absl::Status RdmaGroupLink::BringUp(RdmaPeer& p, uint32_t q) {
   const std::string what = absl::StrCat(PeerName(p), ": queue pair ", q);
   EPD_RETURN_IF_ERROR(rdma::ModifyQp(s.qp.get(), rdma::InitTransition(path_), what));
   EPD_RETURN_IF_ERROR(TopUpRecv(p, q));
+  // A peer probe already received (before a reset of this end) moved the peer's PSN on.
+  rdma::QpEndpoint remote = p.remote.qps[q];
+  if (p.machine.peer_probed(q)) remote.psn = (remote.psn + 1) & 0xffffffu;
   EPD_RETURN_IF_ERROR(
-      rdma::ModifyQp(s.qp.get(), rdma::RtrTransition(path_, p.remote, p.remote.qps[q]), what));
+      rdma::ModifyQp(s.qp.get(), rdma::RtrTransition(path_, p.remote, remote), what));
   EPD_RETURN_IF_ERROR(rdma::ModifyQp(s.qp.get(), rdma::RtsTransition(path_, s.psn), what));
+  if (p.machine.initiator()) return PostProbe(p, q);
+  return absl::OkStatus();
+}
+
+absl::Status RdmaGroupLink::PostProbe(RdmaPeer& p, uint32_t q) {
+  QpSlot& s = p.qps[q];
   ibv_send_wr probe{};
   probe.wr_id = WrId(kWrProbe, q, s.epoch, s.sq_posted);
-  probe.opcode = IBV_WR_RDMA_WRITE;
+  probe.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
   probe.send_flags = IBV_SEND_SIGNALED;
+  probe.imm_data = 0;
   probe.num_sge = 0;
   probe.wr.rdma.remote_addr = p.remote.recv_addr;
   probe.wr.rdma.rkey = p.remote.recv_rkey;
   ibv_send_wr* bad = nullptr;
   if (const int rc = ibv_post_send(s.qp.get(), &probe, &bad); rc != 0) {
-    return absl::InternalError(absl::StrCat(what, ": ibv_post_send (probe): ", Errno(rc)));
+    return absl::InternalError(
+        absl::StrCat(PeerName(p), ": queue pair ", q, ": ibv_post_send (probe): ", Errno(rc)));
   }
   ++s.sq_posted;
   return absl::OkStatus();
@@ -558,6 +578,10 @@ absl::Status RdmaGroupLink::Connect(int32_t node, std::string_view descriptor) {
     for (uint32_t q = 0; q < p.num_qps; ++q) (void)ResetQp(p, q);
     std::array<ibv_wc, kPollBatch> wcs{};
     while (ibv_poll_cq(p.cq.get(), kPollBatch, wcs.data()) > 0) {
+    }
+    for (uint32_t q = 0; q < p.num_qps; ++q) {
+      p.qps[q].probe_recvs.store(0, std::memory_order_relaxed);
+      p.qps[q].recv_posted = 0;
     }
     p.writes_posted.store(0, std::memory_order_relaxed);
     p.writes_done.store(0, std::memory_order_relaxed);
@@ -704,7 +728,11 @@ bool RdmaGroupLink::PollImm(int32_t node, uint32_t* imm) {
   if (p.state.load(std::memory_order_acquire) == PeerState::kReady) {
     const uint64_t batch = std::max<uint64_t>(1, plan_.recv_wr / 8);
     for (uint32_t q = 0; q < p.num_qps; ++q) {
-      if (p.qps[q].recv_posted + batch > consumed + plan_.recv_wr) continue;
+      const QpSlot& slot = p.qps[q];
+      if (slot.recv_posted + batch >
+          consumed + plan_.recv_wr + slot.probe_recvs.load(std::memory_order_acquire)) {
+        continue;
+      }
       if (const absl::Status s = TopUpRecv(p, q); !s.ok()) {
         std::lock_guard<std::mutex> l(core_->mu());
         Fail(p, s, FailedBy::kEngine);
@@ -782,20 +810,20 @@ void RdmaGroupLink::HandleCompletion(RdmaPeer& p, const ibv_wc& wc, Clock::time_
           CallWake();
           break;
         case PeerLinkMachine::Action::kReprobe: {
-          // The peer's queue pair was not up yet (its daemon has not connected): again.
-          absl::Status st = ResetQp(p, q);
-          if (st.ok()) st = BringUp(p, q);
-          if (!st.ok()) Fail(p, absl::UnavailableError(st.message()));
+          // The peer's queue pair was not up (its daemon has not connected yet): reset this
+          // one; Progress brings it up and probes again after kReprobeInterval.
+          if (const absl::Status st = ResetQp(p, q); !st.ok()) {
+            Fail(p, absl::UnavailableError(st.message()));
+            break;
+          }
+          s.reprobe = true;
+          s.reprobe_at = now + rdma::kReprobeInterval;
           break;
         }
         case PeerLinkMachine::Action::kFail:
-          Fail(p, wc.status == IBV_WC_RETRY_EXC_ERR
-                      ? PeerError(p, absl::StrCat("not connected within ",
-                                                  core_->options().connect_timeout_ms,
-                                                  " ms: queue pair ", q,
-                                                  " got no answer (is the peer's daemon up and "
-                                                  "its port reachable with this GID/SL?)"))
-                      : rdma::WcStatusToStatus(wc.status, wc.vendor_err, PeerName(p), q, false));
+          // The initiator past its deadline, the responder (the initiator's queue pair was
+          // up when it probed back), or a ready peer.
+          Fail(p, rdma::WcStatusToStatus(wc.status, wc.vendor_err, PeerName(p), q, false));
           break;
         case PeerLinkMachine::Action::kNone:
           break;
@@ -812,8 +840,21 @@ void RdmaGroupLink::HandleCompletion(RdmaPeer& p, const ibv_wc& wc, Clock::time_
       if (kind == kWrSendLast) ++s.writes_done;
       return;
     case kWrRecv: {
+      // While connecting a flushed receive only says the queue pair went to ERROR; the
+      // probe's own completion says why (and the initiator probes again).
+      if (wc.status == IBV_WC_WR_FLUSH_ERR && state == PeerState::kConnecting) return;
       if (wc.status != IBV_WC_SUCCESS) {
         Fail(p, rdma::WcStatusToStatus(wc.status, wc.vendor_err, PeerName(p), q, true));
+        return;
+      }
+      if (!p.machine.peer_probed(q)) {
+        // The first receive since Connect is the peer's probe, not an immediate.
+        s.probe_recvs.fetch_add(1, std::memory_order_release);
+        if (p.machine.OnPeerProbe(q) == PeerLinkMachine::Action::kSendProbe) {
+          if (const absl::Status st = PostProbe(p, q); !st.ok()) {
+            Fail(p, absl::UnavailableError(st.message()));
+          }
+        }
         return;
       }
       if (wc.opcode != IBV_WC_RECV_RDMA_WITH_IMM || (wc.wc_flags & IBV_WC_WITH_IMM) == 0) {
@@ -863,17 +904,34 @@ bool RdmaGroupLink::Progress(Clock::time_point now) {
     const PeerState state = p.state.load(std::memory_order_relaxed);
     if (state == PeerState::kConnecting) {
       if (p.machine.OnTick(now) == PeerLinkMachine::Action::kFail) {
+        const ibv_wc_status last = p.machine.last_error();
         Fail(p,
-             PeerError(p, absl::StrCat("not connected within ", core_->options().connect_timeout_ms,
-                                       " ms (", p.machine.probed(), " of ", p.num_qps,
-                                       " queue pairs answered)")));
+             PeerError(p, absl::StrCat(
+                              "not connected within ", core_->options().connect_timeout_ms, " ms (",
+                              p.machine.probed(), " of ", p.num_qps, " queue pairs answered",
+                              last == IBV_WC_SUCCESS
+                                  ? std::string()
+                                  : absl::StrCat("; last probe: ", ibv_wc_status_str(last)),
+                              "): is the peer's daemon up and its port reachable with this "
+                              "GID, service level and traffic class?")));
         continue;
       }
+      for (uint32_t q = 0; q < p.num_qps; ++q) {
+        QpSlot& s = p.qps[q];
+        if (!s.reprobe || now < s.reprobe_at) continue;
+        s.reprobe = false;
+        if (const absl::Status st = BringUp(p, q); !st.ok()) {
+          Fail(p, absl::UnavailableError(st.message()));
+          break;
+        }
+      }
+      if (p.state.load(std::memory_order_relaxed) == PeerState::kFailed) continue;
       // Until ready the progress thread gives the receive queues back (immediates may come
       // from a peer that is ready before this end is).
       for (uint32_t q = 0; q < p.num_qps; ++q) {
-        if (const absl::Status s = TopUpRecv(p, q); !s.ok()) {
-          Fail(p, s);
+        if (p.qps[q].reprobe) continue;  // In RESET: BringUp posts them.
+        if (const absl::Status st = TopUpRecv(p, q); !st.ok()) {
+          Fail(p, st);
           break;
         }
       }
