@@ -301,6 +301,25 @@ TEST(RdmaRegions, SourcesAreFoundOnlyWholeInARegion) {
   EXPECT_EQ(FindRegion({}, at(0x1000), 1), nullptr);
 }
 
+TEST(RdmaRegions, OnlyCudaDeviceRegionsAreExportedAsDmabuf) {
+  std::vector<char> host(4096);
+  const absl::Status h =
+      ExportCudaDmabuf(MemoryRegion{host.data(), host.size(), MemoryKind::kHost, -1}, "region")
+          .status();
+  EXPECT_TRUE(absl::IsInvalidArgument(h)) << h;
+  const absl::Status empty =
+      ExportCudaDmabuf(MemoryRegion{nullptr, 0, MemoryKind::kCudaDevice, 0}, "region").status();
+  EXPECT_TRUE(absl::IsInvalidArgument(empty)) << empty;
+#if !defined(EPD_HAVE_CUDA)
+  const absl::Status s =
+      ExportCudaDmabuf(MemoryRegion{host.data(), 64, MemoryKind::kCudaDevice, 0}, "region")
+          .status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_NE(s.message().find("without CUDA"), std::string::npos) << s;
+  EXPECT_TRUE(absl::IsFailedPrecondition(CudaDmabufUsable({})));
+#endif
+}
+
 }  // namespace
 }  // namespace epd::transport::rdma
 

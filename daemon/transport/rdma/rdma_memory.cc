@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/os/scoped_fd.h"
+#include "common/status_macros.h"
 
 #if defined(EPD_HAVE_CUDA)
 #include <cuda.h>  // Driver API types only: entry points are resolved at run time.
@@ -136,6 +137,20 @@ absl::StatusOr<IbvPtr<ibv_mr>> RegisterRegion(ibv_pd* pd, const MemoryRegion& re
     if (mr == nullptr) return RegistrationError(what, "ibv_reg_mr", errno, region.bytes);
     return mr;
   }
+  EPD_ASSIGN_OR_RETURN(DmabufRange dmabuf, ExportCudaDmabuf(region, what));
+  IbvPtr<ibv_mr> mr(ibv_reg_dmabuf_mr(pd, dmabuf.offset, region.bytes,
+                                      reinterpret_cast<uint64_t>(region.base), dmabuf.fd.get(),
+                                      access | IBV_ACCESS_RELAXED_ORDERING));
+  // The memory region holds its own reference to the dmabuf: the fd closes here.
+  if (mr == nullptr) return RegistrationError(what, "ibv_reg_dmabuf_mr", errno, region.bytes);
+  return mr;
+}
+
+absl::StatusOr<DmabufRange> ExportCudaDmabuf(const MemoryRegion& region, const std::string& what) {
+  if (region.kind != MemoryKind::kCudaDevice || region.base == nullptr || region.bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": not a non-empty CUDA device region (", region.bytes, " bytes)"));
+  }
 #if defined(EPD_HAVE_CUDA)
   absl::StatusOr<const DmabufOps*> ops = GetDmabufOps();
   if (!ops.ok()) return ops.status();
@@ -155,11 +170,11 @@ absl::StatusOr<IbvPtr<ibv_mr>> RegisterRegion(ibv_pd* pd, const MemoryRegion& re
         " memory failed: CUresult ", static_cast<int>(r), ": ", msg != nullptr ? msg : "?",
         " (set rdma gpudirect to off to stage through host memory)"));
   }
-  const ScopedFd dmabuf(fd);  // The memory region holds its own reference.
-  IbvPtr<ibv_mr> mr(ibv_reg_dmabuf_mr(pd, base - aligned, region.bytes, base, dmabuf.get(),
-                                      access | IBV_ACCESS_RELAXED_ORDERING));
-  if (mr == nullptr) return RegistrationError(what, "ibv_reg_dmabuf_mr", errno, region.bytes);
-  return mr;
+  DmabufRange out;
+  out.fd.Reset(fd);
+  out.offset = base - aligned;
+  out.bytes = region.bytes;
+  return out;
 #else
   return absl::FailedPreconditionError(absl::StrCat(
       what, ": CUDA device memory, but epd was built without CUDA (stage through host memory)"));

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/os/scoped_fd.h"
 #include "daemon/transport/rdma/rdma_device.h"
 #include "daemon/transport/transport.h"
 
@@ -34,6 +35,21 @@ const RegisteredRegion* FindRegion(std::span<const RegisteredRegion> regions, co
 /// (cuMemGetHandleForAddressRange) and every CUDA ordinal of `cuda_devices` reports
 /// dmabuf support (none listed: ordinal 0). OK, or FAILED_PRECONDITION saying what is missing.
 absl::Status CudaDmabufUsable(std::span<const int> cuda_devices);
+
+/// CUDA device memory exported as a dmabuf: the fd of the page-aligned range that holds the
+/// region, and where the region starts in it.
+struct DmabufRange {
+  ScopedFd fd;
+  uint64_t offset = 0;  ///< The region's first byte, from the start of the dmabuf.
+  uint64_t bytes = 0;   ///< The region's size.
+};
+
+/// Exports `region` (kCudaDevice) through cuMemGetHandleForAddressRange
+/// (CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD) over the host pages that cover it. `what` names it
+/// in errors. FAILED_PRECONDITION when built without CUDA, the driver has no dmabuf export
+/// or refuses this memory (saying to set gpudirect off); INVALID_ARGUMENT for an empty,
+/// null or host region.
+absl::StatusOr<DmabufRange> ExportCudaDmabuf(const MemoryRegion& region, const std::string& what);
 
 /// Registers `region` on `pd` with `access` (IBV_ACCESS_*): host memory with ibv_reg_mr,
 /// CUDA device memory with ibv_reg_dmabuf_mr (its IO virtual address is its device
