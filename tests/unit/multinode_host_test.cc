@@ -573,6 +573,27 @@ TEST_F(MultinodeHostTest, MissingNodeTimesOutNamingIt) {
       << Message(*c);
 }
 
+// A rank that leaves while its node's op waits for another node (its client was killed
+// mid-op): the op fails for the node's other ranks naming the rank, and the daemon does
+// not touch the departed rank's memory.
+TEST_F(MultinodeHostTest, RankLeavingMidOpFailsItsNodesOpNamingIt) {
+  Start({2, 1});
+  if (HasFatalFailure()) return;
+  MakeInputs(3);
+  const uint64_t a = rings_[0]->Submit(abi::OpKind::kLowLatencyDispatch, 0, tokens_[0]);
+  const uint64_t b = rings_[1]->Submit(abi::OpKind::kLowLatencyDispatch, 0, tokens_[1]);
+  // Node 0 starts the op once both its ranks arrived, then waits for node 1's message.
+  std::this_thread::sleep_for(milliseconds(200));
+  nodes_[0]->group->DetachRank(1);
+  const uint64_t c = rings_[2]->Submit(abi::OpKind::kLowLatencyDispatch, 0, tokens_[2]);
+  auto done = rings_[0]->Await(a, milliseconds(5000));
+  ASSERT_TRUE(done.has_value());
+  EXPECT_EQ(done->status_code, static_cast<int>(absl::StatusCode::kAborted)) << Message(*done);
+  EXPECT_NE(Message(*done).find("rank 1 left the group"), std::string::npos) << Message(*done);
+  EXPECT_TRUE(rings_[2]->Await(c, milliseconds(5000)).has_value());
+  (void)b;
+}
+
 // A peer that never sends: DEADLINE_EXCEEDED within op_timeout, naming the node's ranks.
 TEST_F(MultinodeHostTest, SilentPeerTimesOutNamingTheNode) {
   Start({1, 2}, /*op_timeout_ms=*/300);

@@ -1165,6 +1165,15 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
     span_.in_op = false;
     return true;
   };
+  // A local rank that left during the op (its client died, or another session removed it)
+  // took its shm region and private memory with it: the op cannot end for it, so it fails
+  // here for this node's ranks, naming the rank (the other nodes have this node's message).
+  for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+    if (endpoint(r) == nullptr) {
+      return fail(absl::AbortedError(absl::StrCat("op ", plan.seq, " of group ", spec().name(),
+                                                  ": rank ", r, " left the group during the op")));
+    }
+  }
   bool all = true;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
     if (n == span_.self || span_.got[n]) continue;
