@@ -576,7 +576,11 @@ TEST_F(MultinodeHostTest, MissingNodeTimesOutNamingIt) {
 // A rank that leaves while its node's op waits for another node (its client was killed
 // mid-op): the op fails for the node's other ranks naming the rank, and the daemon does
 // not touch the departed rank's memory.
-TEST_F(MultinodeHostTest, RankLeavingMidOpFailsItsNodesOpNamingIt) {
+class RankLeavingMidOpTest : public MultinodeHostTest,
+                             public ::testing::WithParamInterface<bool> {};
+
+TEST_P(RankLeavingMidOpTest, FailsItsNodesOpNamingIt) {
+  const bool reattach = GetParam();
   Start({2, 1});
   if (HasFatalFailure()) return;
   MakeInputs(3);
@@ -585,6 +589,10 @@ TEST_F(MultinodeHostTest, RankLeavingMidOpFailsItsNodesOpNamingIt) {
   // Node 0 starts the op once both its ranks arrived, then waits for node 1's message.
   std::this_thread::sleep_for(milliseconds(200));
   nodes_[0]->group->DetachRank(1);
+  if (reattach) {  // A new client takes rank 1 while the op still waits: not part of it.
+    v1::EndpointInfo info;
+    ASSERT_TRUE(nodes_[0]->group->AttachRank(1, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
+  }
   const uint64_t c = rings_[2]->Submit(abi::OpKind::kLowLatencyDispatch, 0, tokens_[2]);
   auto done = rings_[0]->Await(a, milliseconds(5000));
   ASSERT_TRUE(done.has_value());
@@ -593,6 +601,11 @@ TEST_F(MultinodeHostTest, RankLeavingMidOpFailsItsNodesOpNamingIt) {
   EXPECT_TRUE(rings_[2]->Await(c, milliseconds(5000)).has_value());
   (void)b;
 }
+
+INSTANTIATE_TEST_SUITE_P(MultinodeHostTest, RankLeavingMidOpTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& p) {
+                           return p.param ? "AnotherClientTakesItsPlace" : "NoneTakesItsPlace";
+                         });
 
 // A peer that never sends: DEADLINE_EXCEEDED within op_timeout, naming the node's ranks.
 TEST_F(MultinodeHostTest, SilentPeerTimesOutNamingTheNode) {

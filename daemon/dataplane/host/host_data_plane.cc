@@ -352,9 +352,10 @@ class HostGroup : public LockstepGroup {
     std::vector<kernels::host::NodeDispatchSource> dispatch_sources;  // [R]
     std::vector<kernels::host::NodeLowLatencySource> ll_sources;      // [R]
     std::vector<kernels::host::NodePackSource> pack_sources;  // [Rl] this op's local sources.
-    std::vector<kernels::host::NodePackJob> pack_jobs;        // [Rl] one node's send staging.
-    std::vector<kernels::e4m3_bits> quant_x;                  // [Rl, Mll, H] LL FP8 rows.
-    std::vector<float> quant_scales;                          // [Rl, Mll, S] their scales.
+    std::vector<uint64_t> op_endpoints;  // [Rl] the running op's ranks' endpoint ids.
+    std::vector<kernels::host::NodePackJob> pack_jobs;  // [Rl] one node's send staging.
+    std::vector<kernels::e4m3_bits> quant_x;            // [Rl, Mll, H] LL FP8 rows.
+    std::vector<float> quant_scales;                    // [Rl, Mll, S] their scales.
   };
   Span span_;
   std::string join_secret_digest_;  ///< See set_join_secret_digest.
@@ -685,6 +686,7 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
     s.dispatch_sources.resize(R);
     s.ll_sources.resize(R);
     s.pack_sources.resize(s.count[node]);
+    s.op_endpoints.resize(s.count[node]);
     s.pack_jobs.resize(s.count[node]);
     if (gs.ll_max_tokens_per_rank > 0) {
       const size_t rows = static_cast<size_t>(s.count[node]) * gs.ll_max_tokens_per_rank;
@@ -967,6 +969,9 @@ bool HostGroup::StartExchange(const OpPlan& plan, const std::vector<abi::Request
   span_.in_op = true;
   span_.lost_seen.reset();
   std::fill(span_.got.begin(), span_.got.end(), 0);
+  for (int32_t i = 0; i < local_count(); ++i) {
+    span_.op_endpoints[i] = endpoint(local_first() + i)->endpoint_id;
+  }
   span_.local_status = SendOp(plan, slots);
   return false;
 }
@@ -1166,10 +1171,12 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
     return true;
   };
   // A local rank that left during the op (its client died, or another session removed it)
-  // took its shm region and private memory with it: the op cannot end for it, so it fails
-  // here for this node's ranks, naming the rank (the other nodes have this node's message).
+  // took its shm region and private memory with it, and a rank attached since in its place
+  // is not part of the op: the op cannot end for it, so it fails here for this node's ranks,
+  // naming the rank (the other nodes have this node's message).
   for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
-    if (endpoint(r) == nullptr) {
+    const LockstepEndpoint* ep = endpoint(r);
+    if (ep == nullptr || ep->endpoint_id != span_.op_endpoints[r - local_first()]) {
       return fail(absl::AbortedError(absl::StrCat("op ", plan.seq, " of group ", spec().name(),
                                                   ": rank ", r, " left the group during the op")));
     }
