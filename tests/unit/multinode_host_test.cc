@@ -20,6 +20,7 @@
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
 #include "epd/kernels/op_rules.h"
+#include "proto/abi/exchange_abi.h"
 #include "tests/unit/fake_exchange.h"
 #include "tests/unit/raw_ring.h"
 
@@ -683,6 +684,31 @@ TEST_F(MultinodeHostTest, SilentLiveNodeTimesOutAfterTheGrace) {
 
 // Garbage in the receive region (a hostile peer): the op fails with an error, nothing is
 // read out of bounds (ASan), and the honest node reports it.
+// A peer's failure header with control bytes in its message: the ranks get the peer's error
+// code and text with those bytes escaped.
+TEST_F(MultinodeHostTest, APeersErrorTextIsEscaped) {
+  hub_.Hostile(1, [](uint8_t* base, uint64_t offset, uint64_t bytes) {
+    abi::ExchangeHeader h;
+    if (bytes < sizeof h) return;
+    std::memcpy(&h, base + offset, sizeof h);
+    if (h.magic != abi::kExchangeMagic) return;
+    const char text[] =
+        "evil\n\x1b[2J\x01"
+        "end";
+    h.status_code = static_cast<int32_t>(absl::StatusCode::kInvalidArgument);
+    h.message_bytes = sizeof text - 1;
+    std::memcpy(h.message, text, sizeof text - 1);
+    std::memcpy(base + offset, &h, sizeof h);
+  });
+  Start({1, 1});
+  if (HasFatalFailure()) return;
+  MakeInputs(6);
+  auto done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, {2, 2});
+  EXPECT_EQ(done[0].status_code, static_cast<int>(absl::StatusCode::kInvalidArgument))
+      << Message(done[0]);
+  EXPECT_EQ(Message(done[0]), "evil\\x0a\\x1b[2J\\x01end");
+}
+
 TEST_F(MultinodeHostTest, GarbageFromAPeerIsAnErrorNotACrash) {
   for (int mode = 0; mode < 3; ++mode) {
     SCOPED_TRACE(::testing::Message() << "mode " << mode);

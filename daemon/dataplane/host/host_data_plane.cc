@@ -889,8 +889,18 @@ absl::Status HostGroup::CheckHeader(int32_t n, uint64_t seq) const {
   }
   if (h.status_code != 0) {
     const int code = h.status_code > 0 && h.status_code <= 16 ? h.status_code : 2;
-    return absl::Status(static_cast<absl::StatusCode>(code),
-                        std::string(h.message, h.message_bytes));
+    // The peer's text reaches clients and logs: bytes outside printable ASCII are escaped
+    // (a real peer's messages are printable, so every node still reports the same text).
+    std::string text;
+    for (const char c : absl::string_view(h.message, h.message_bytes)) {
+      const auto u = static_cast<unsigned char>(c);
+      if (u >= 0x20 && u < 0x7f) {
+        text.push_back(c);
+      } else {
+        absl::StrAppend(&text, "\\x", absl::Hex(u, absl::kZeroPad2));
+      }
+    }
+    return absl::Status(static_cast<absl::StatusCode>(code), text);
   }
   return absl::OkStatus();
 }
