@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -62,21 +63,27 @@ int main(int argc, char** argv) {
   // SIGHUP, SIGUSR1 and SIGUSR2, whose default action would kill epd without a drain or a
   // log line, are taken too: logged and otherwise ignored (epd does not reload its
   // configuration; restart it to change it).
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGHUP);
-  sigaddset(&stop_signals, SIGUSR1);
-  sigaddset(&stop_signals, SIGUSR2);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  // The waiter thread is detached and may outlive main's frame (a failed start returns at
+  // once), so what it reads and writes lives in a block it shares.
+  struct StopState {
+    sigset_t signals;
+    absl::Notification stop_requested;
+    absl::Notification started;
+    int signal_number = 0;
+  };
+  auto stop = std::make_shared<StopState>();
+  sigemptyset(&stop->signals);
+  sigaddset(&stop->signals, SIGTERM);
+  sigaddset(&stop->signals, SIGINT);
+  sigaddset(&stop->signals, SIGHUP);
+  sigaddset(&stop->signals, SIGUSR1);
+  sigaddset(&stop->signals, SIGUSR2);
+  pthread_sigmask(SIG_BLOCK, &stop->signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
-  absl::Notification stop_requested;
-  absl::Notification started;
-  int signal_number = 0;
-  std::thread([&stop_signals, &stop_requested, &started, &signal_number] {
+  std::thread([stop] {
+    int signal_number = 0;
     while (true) {
-      sigwait(&stop_signals, &signal_number);
+      sigwait(&stop->signals, &signal_number);
       if (signal_number == SIGTERM || signal_number == SIGINT) break;
       epd::GetLogger(epd::kLogDaemon)
           ->warn(
@@ -86,8 +93,9 @@ int main(int argc, char** argv) {
               : signal_number == SIGUSR1 ? "SIGUSR1"
                                          : "SIGUSR2");
     }
-    stop_requested.Notify();
-    if (!started.WaitForNotificationWithTimeout(absl::Seconds(4))) {
+    stop->signal_number = signal_number;
+    stop->stop_requested.Notify();
+    if (!stop->started.WaitForNotificationWithTimeout(absl::Seconds(4))) {
       epd::GetLogger(epd::kLogDaemon)
           ->critical("stop signal during start-up, which did not finish within 4 s; exiting");
       _exit(1);
@@ -105,11 +113,11 @@ int main(int argc, char** argv) {
     }
     return 1;
   }
-  started.Notify();
+  stop->started.Notify();
 
-  stop_requested.WaitForNotification();
+  stop->stop_requested.WaitForNotification();
   epd::GetLogger(epd::kLogDaemon)
-      ->info("received {}: shutting down", signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
+      ->info("received {}: shutting down", stop->signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
   // The drain is bounded (~1.5 s); should anything still hang, do not outlive 5 s.
   std::thread([] {
     sleep(4);

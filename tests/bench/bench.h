@@ -5,13 +5,14 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "absl/flags/declare.h"
 
 /// --json: print one JSON object per figure instead of a table.
 ABSL_DECLARE_FLAG(bool, json);
-/// --nodes: with --backend=host, >= 2 runs RunInternodeBench instead of RunHostBench.
+/// --nodes: >= 2 runs RunInternodeBench (either backend) instead of the one-node figures.
 ABSL_DECLARE_FLAG(int, nodes);
 
 namespace epd::bench {
@@ -31,10 +32,11 @@ int RunMultiGpuBench();
 int RunLaunchBench();
 /// Host backend: the real daemon and clients over shm (tests/bench/bench_host.cc).
 int RunHostBench();
-/// Host backend across nodes: --nodes real daemons on this machine with their Peer
-/// listeners, one client thread per rank, each op beside the plain-TCP time of the bytes
-/// that cross nodes and the one-node group's time (tests/bench/bench_internode.cc).
-int RunInternodeBench();
+/// Across nodes: --nodes real daemons of `backend` ("host" or "cuda") on this machine with
+/// their Peer listeners, one client thread per rank, each op beside the plain-TCP time of
+/// the bytes that cross nodes, the one-node group's time and (CUDA) the host copies of
+/// those bytes (tests/bench/bench_internode.cc).
+int RunInternodeBench(const std::string& backend);
 
 /// Latency percentiles of a sample, in the sample's unit.
 struct Percentiles {

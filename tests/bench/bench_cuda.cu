@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_check.h"
+#include "common/cuda/device_alloc.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "tests/bench/bench_cuda.h"
@@ -102,6 +103,31 @@ absl::StatusOr<Percentiles> TimeDeviceCopy(size_t bytes, int warmup, int iterati
   cudaEventDestroy(a);
   if (b != nullptr) cudaEventDestroy(b);
   if (!st.ok()) return st;
+  return ComputePercentiles(std::move(us));
+}
+
+absl::StatusOr<Percentiles> TimeHostDeviceRoundTrip(size_t bytes, int warmup, int iterations) {
+  using ::epd::testing::CudaStream;
+  using ::epd::testing::DeviceBuffer;
+  bytes = std::max<size_t>(bytes, 1);
+  EPD_ASSIGN_OR_RETURN(DeviceBuffer dev, DeviceBuffer::Allocate(bytes));
+  EPD_ASSIGN_OR_RETURN(PinnedMemory host, AllocatePinned(bytes));
+  EPD_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+  EPD_ASSIGN_OR_RETURN(EventHandle a, CreateEvent(cudaEventDefault));
+  EPD_ASSIGN_OR_RETURN(EventHandle b, CreateEvent(cudaEventDefault));
+  std::vector<double> us;
+  for (int it = 0; it < warmup + iterations; ++it) {
+    EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(a.get(), stream.get()));
+    EPD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(host.get(), dev.get(), bytes, cudaMemcpyDeviceToHost, stream.get()));
+    EPD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dev.get(), host.get(), bytes, cudaMemcpyHostToDevice, stream.get()));
+    EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.get(), stream.get()));
+    EPD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.get()));
+    float ms = 0;
+    EPD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, a.get(), b.get()));
+    if (it >= warmup) us.push_back(1000.0 * ms);
+  }
   return ComputePercentiles(std::move(us));
 }
 

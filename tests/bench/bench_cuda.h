@@ -51,6 +51,11 @@ absl::Status FillPatternAsync(void* dst, size_t bytes, uint32_t seed, cudaStream
 /// Errors: INTERNAL (CUDA).
 absl::StatusOr<Percentiles> TimeDeviceCopy(size_t bytes, int warmup, int iterations);
 
+/// Latency of `bytes` copied device-to-host into pinned memory and back on one stream of the
+/// current GPU, in µs (the copies a node's bytes take when they cross it staged through the
+/// host): `iterations` round trips after `warmup`, each timed with events. Errors: INTERNAL.
+absl::StatusOr<Percentiles> TimeHostDeviceRoundTrip(size_t bytes, int warmup, int iterations);
+
 /// One op's latency over all ranks, in µs: `span` = last end event - first start event
 /// over the ranks' streams (the figure), `after_last` = the shortest per-rank end - start,
 /// i.e. from the last rank's start to its end (no launch skew), and `host` = host wall

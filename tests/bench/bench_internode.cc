@@ -1,16 +1,20 @@
-// epd_bench --backend=host --nodes=N (N >= 2): a group across nodes through the real data
-// path. N real `epd --backend=host` daemons on this machine (tests/common StartNodes: each
-// its own socket, Peer listener and TCP transport, one shared secret in a 0600 file) stand
-// in for N nodes; one client (libepdclient, a thread of this process with its own Client)
-// per rank joins its own node's daemon. Each op runs `--internode_iters` times after a
-// warm-up; its p50/p99 (every rank's samples) are printed beside two same-run bounds:
+// epd_bench --backend=host|cuda --nodes=N (N >= 2): a group across nodes through the real
+// data path. N real `epd --backend=host` (or `--backend=cuda`, every node on this machine's
+// GPU 0, the clients' tensors in device memory) daemons on this machine (tests/common StartNodes:
+// each its own socket, Peer listener and TCP transport, one shared secret in a 0600 file) stand in
+// for N nodes; one client (libepdclient, a thread of this process with its own Client) per rank
+// joins its own node's daemon. Each op runs `--internode_iters` times after a warm-up; its p50/p99
+// (every rank's samples) are printed beside two same-run bounds:
 //  - plain TCP: the bytes that cross nodes for that op (what each node sends each other
 //    node, counted from the inputs with the exchange's layout, proto/abi/exchange_abi.h,
 //    DESIGN §5.1) exchanged through plain sockets between the same hosts, with the same
 //    connections per ordered pair of nodes as the daemons' transport;
 //  - one node: the same shape and inputs as a one-node group of all the ranks on node 0's
-//    daemon.
-// Goal: internode p50 <= 2 x plain-TCP p50 + one-node p50.
+//    daemon;
+//  - CUDA only, host copies: the largest number of bytes one node sends or receives for
+//    the op, copied device-to-host into pinned memory and back (the staging those bytes
+//    take through the host when the transport cannot reach GPU memory).
+// Goal: internode p50 <= 2 x plain-TCP p50 + one-node p50 (+ the host copies on CUDA).
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -30,6 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/os/scoped_fd.h"
 #include "daemon/core/config.h"
 #include "daemon/transport/tcp/tcp_transport.h"
@@ -40,6 +45,14 @@
 #include "tests/bench/bench.h"
 #include "tests/common/daemon_process.h"
 #include "tests/common/dtypes.h"
+
+#if defined(EPD_HAVE_CUDA)
+#include <cuda_runtime.h>
+
+#include "common/cuda/cuda_check.h"
+#include "common/cuda/device_alloc.h"
+#include "tests/bench/bench_cuda.h"
+#endif
 
 ABSL_FLAG(int, nodes, 1,
           "host bench: daemons standing in for nodes; >= 2 measures a group across them");
@@ -85,7 +98,42 @@ struct Inputs {
   std::vector<std::vector<uint16_t>> x;
   std::vector<std::vector<int64_t>> idx;
   std::vector<std::vector<float>> w;
+#if defined(EPD_HAVE_CUDA)
+  /// With --backend=cuda: each rank's x, topk_idx and weights copied to GPU 0.
+  std::vector<DeviceMemory> dx, didx, dw;
+#endif
+  bool on_gpu = false;
 };
+
+#if defined(EPD_HAVE_CUDA)
+/// A device copy of `bytes` bytes at `src` on the current GPU (set-up, not the op path).
+absl::StatusOr<DeviceMemory> ToDevice(const void* src, size_t bytes) {
+  absl::StatusOr<DeviceMemory> d = AllocateDevice(std::max<size_t>(bytes, 1));
+  if (!d.ok()) return d.status();
+  if (bytes > 0) {
+    EPD_CUDA_RETURN_IF_ERROR(cudaMemcpy(d->get(), src, bytes, cudaMemcpyHostToDevice));
+  }
+  return d;
+}
+
+/// Copies every rank's inputs to GPU 0 (Inputs::dx, didx, dw).
+absl::Status InputsToDevice(Inputs& in) {
+  EPD_CUDA_RETURN_IF_ERROR(cudaSetDevice(0));
+  for (size_t r = 0; r < in.x.size(); ++r) {
+    absl::StatusOr<DeviceMemory> x = ToDevice(in.x[r].data(), in.x[r].size() * 2);
+    if (!x.ok()) return x.status();
+    absl::StatusOr<DeviceMemory> idx = ToDevice(in.idx[r].data(), in.idx[r].size() * 8);
+    if (!idx.ok()) return idx.status();
+    absl::StatusOr<DeviceMemory> w = ToDevice(in.w[r].data(), in.w[r].size() * 4);
+    if (!w.ok()) return w.status();
+    in.dx.push_back(*std::move(x));
+    in.didx.push_back(*std::move(idx));
+    in.dw.push_back(*std::move(w));
+  }
+  in.on_gpu = true;
+  return absl::OkStatus();
+}
+#endif
 
 Inputs MakeInputs(const Shape& s) {
   Inputs in;
@@ -299,7 +347,33 @@ struct RankState {
   std::vector<int64_t> xs, ks, xll, kll, eshape, llshape;
   DLTensor x{}, idx{}, w{}, x_ll{}, idx_ll{}, w_ll{}, expert_out{}, ll_out{};
   std::vector<uint16_t> expert_buf, ll_buf;
+#if defined(EPD_HAVE_CUDA)
+  DeviceMemory d_expert, d_ll;  // On GPU 0 with --backend=cuda.
+#endif
 };
+
+/// Where a rank's tensors live: host memory, or GPU 0 with --backend=cuda.
+DLDevice TensorDevice(const Inputs& in) {
+  return in.on_gpu ? DLDevice{kDLCUDA, 0} : DLDevice{kDLCPU, 0};
+}
+
+/// Points `*t` at `host` (host memory) or at a device buffer of the same bytes, made or
+/// reused in `*dev`, filled from `host` (with --backend=cuda).
+absl::Status BindOutput(const Inputs& in, std::vector<uint16_t>& host, std::vector<int64_t>& shape,
+                        DLTensor* t, [[maybe_unused]] void* dev_slot) {
+  void* data = host.data();
+#if defined(EPD_HAVE_CUDA)
+  if (in.on_gpu) {
+    auto* dev = static_cast<DeviceMemory*>(dev_slot);
+    absl::StatusOr<DeviceMemory> d = ToDevice(host.data(), host.size() * 2);
+    if (!d.ok()) return d.status();
+    *dev = *std::move(d);
+    data = dev->get();
+  }
+#endif
+  *t = MakeDLTensor(data, kBf16, shape, TensorDevice(in));
+  return absl::OkStatus();
+}
 
 /// Per-op latency samples (µs) of one group, every rank's pooled.
 struct GroupRun {
@@ -340,15 +414,35 @@ absl::StatusOr<GroupRun> RunGroup(const std::string& label, const v1::GroupSpec&
       st.ks = {s.T, s.K};
       st.xll = {s.Tll, s.H};
       st.kll = {s.Tll, s.K};
-      st.x = MakeDLTensor(in.x[r].data(), kBf16, st.xs);
-      st.idx = MakeDLTensor(in.idx[r].data(), kI64, st.ks);
-      st.w = MakeDLTensor(in.w[r].data(), kF32, st.ks);
-      st.x_ll = MakeDLTensor(in.x[r].data(), kBf16, st.xll);
-      st.idx_ll = MakeDLTensor(in.idx[r].data(), kI64, st.kll);
-      st.w_ll = MakeDLTensor(in.w[r].data(), kF32, st.kll);
+      void* x_data = in.x[r].data();
+      void* idx_data = in.idx[r].data();
+      void* w_data = in.w[r].data();
+      void* dev_expert = nullptr;
+      void* dev_ll = nullptr;
+#if defined(EPD_HAVE_CUDA)
+      if (in.on_gpu) {
+        x_data = in.dx[r].get();
+        idx_data = in.didx[r].get();
+        w_data = in.dw[r].get();
+        if (cudaSetDevice(0) != cudaSuccess) {
+          return fail("cudaSetDevice(0)", absl::InternalError("failed"));
+        }
+      }
+      dev_expert = &st.d_expert;
+      dev_ll = &st.d_ll;
+#endif
+      const DLDevice dev = TensorDevice(in);
+      st.x = MakeDLTensor(x_data, kBf16, st.xs, dev);
+      st.idx = MakeDLTensor(idx_data, kI64, st.ks, dev);
+      st.w = MakeDLTensor(w_data, kF32, st.ks, dev);
+      st.x_ll = MakeDLTensor(x_data, kBf16, st.xll, dev);
+      st.idx_ll = MakeDLTensor(idx_data, kI64, st.kll, dev);
+      st.w_ll = MakeDLTensor(w_data, kF32, st.kll, dev);
       st.llshape = {s.E / R, int64_t(R) * s.Tll, s.H};
       st.ll_buf.assign(size_t(s.E / R) * R * s.Tll * s.H, 0x3f80);
-      st.ll_out = MakeDLTensor(st.ll_buf.data(), kBf16, st.llshape);
+      if (absl::Status e = BindOutput(in, st.ll_buf, st.llshape, &st.ll_out, dev_ll); !e.ok()) {
+        return fail("low-latency combine input", e);
+      }
       DispatchResult dispatched;
       LowLatencyDispatchResult ll_dispatched;
       auto run_op = [&](int op) -> absl::Status {
@@ -401,7 +495,10 @@ absl::StatusOr<GroupRun> RunGroup(const std::string& label, const v1::GroupSpec&
           st.eshape = {dispatched.num_recv_tokens, s.H};
           st.expert_buf.assign(std::max<size_t>(size_t(dispatched.num_recv_tokens) * s.H, 1),
                                0x3f80);
-          st.expert_out = MakeDLTensor(st.expert_buf.data(), kBf16, st.eshape);
+          if (absl::Status e = BindOutput(in, st.expert_buf, st.eshape, &st.expert_out, dev_expert);
+              !e.ok()) {
+            return fail("combine input", e);
+          }
         }
         sync.arrive_and_wait();  // Every rank done with this op before the next kind.
       }
@@ -436,7 +533,7 @@ v1::GroupSpec MakeGroupSpec(const std::string& name, const Shape& s) {
 
 }  // namespace
 
-int RunInternodeBench() {
+int RunInternodeBench(const std::string& backend) {
   Shape s;
   s.nodes = absl::GetFlag(FLAGS_nodes);
   s.ranks_per_node = absl::GetFlag(FLAGS_ranks_per_node);
@@ -459,12 +556,21 @@ int RunInternodeBench() {
                  "ranks_per_node) == 0, H %% 128 == 0, iters >= 1, connections in [1, 16]\n");
     return 2;
   }
+  const bool cuda = backend == "cuda";
+#if !defined(EPD_HAVE_CUDA)
+  if (cuda) {
+    std::fprintf(stderr, "internode bench: built without CUDA; only --backend=host\n");
+    return 2;
+  }
+#endif
   // The daemons: one per node, each with its Peer listener and TCP transport.
   testing::DaemonProcessOptions o;
+  o.backend = backend;
   o.tcp = false;
   o.log_level = "warn";
   o.extra_args = {"--op_timeout=30s", absl::StrCat("--tcp_connections_per_peer=", conns)};
-  std::fprintf(stderr, "[internode] starting %d epd --backend=host daemons\n", s.nodes);
+  std::fprintf(stderr, "[internode] starting %d epd --backend=%s daemons\n", s.nodes,
+               backend.c_str());
   auto daemons = testing::StartNodes(s.nodes, o);
   if (!daemons.ok()) {
     std::fprintf(stderr, "internode bench: %s\n", daemons.status().ToString().c_str());
@@ -479,12 +585,18 @@ int RunInternodeBench() {
   };
   if (!json) {
     std::printf(
-        "internode bench (host backend): %d nodes x %d ranks, T=%d (low-latency %d) H=%d E=%d "
+        "internode bench (%s backend): %d nodes x %d ranks, T=%d (low-latency %d) H=%d E=%d "
         "K=%d, %d connections per pair of nodes, %d iterations (+%d warm-up) per op\n",
-        s.nodes, s.ranks_per_node, s.T, s.Tll, s.H, s.E, s.K, conns, iters, warmup);
+        backend.c_str(), s.nodes, s.ranks_per_node, s.T, s.Tll, s.H, s.E, s.K, conns, iters,
+        warmup);
     std::fflush(stdout);
   }
   Inputs in = MakeInputs(s);
+#if defined(EPD_HAVE_CUDA)
+  if (cuda) {
+    if (absl::Status e = InputsToDevice(in); !e.ok()) return fail(e);
+  }
+#endif
   std::vector<GroupNode> nodes;
   std::vector<std::string> sockets, node0(R, (*daemons)[0]->socket_path());
   for (int n = 0; n < s.nodes; ++n) {
@@ -511,12 +623,32 @@ int RunInternodeBench() {
     tcp[op] = *std::move(t);
   }
 
+  // CUDA: the host copies of the most bytes one node sends or receives, per op.
+  Percentiles copies[kNumOps];
+#if defined(EPD_HAVE_CUDA)
+  if (cuda) {
+    for (int op = 0; op < kNumOps; ++op) {
+      uint64_t most = 0;
+      for (int a = 0; a < s.nodes; ++a) {
+        uint64_t sent = 0, received = 0;
+        for (int b = 0; b < s.nodes; ++b) sent += bytes[op][a][b], received += bytes[op][b][a];
+        most = std::max({most, sent, received});
+      }
+      std::fprintf(stderr, "[host copies] %s: %llu bytes there and back\n", kOpNames[op],
+                   static_cast<unsigned long long>(most));
+      auto t = TimeHostDeviceRoundTrip(most, warmup, iters);
+      if (!t.ok()) return fail(t.status());
+      copies[op] = *t;
+    }
+  }
+#endif
+
   // The one-node group of the same shape on node 0's daemon.
   auto one = RunGroup("one node", MakeGroupSpec("bench-one-node", s), node0, s, in, warmup, iters);
   if (!one.ok()) return fail(one.status());
 
   struct Row {
-    Percentiles inter, single, plain;
+    Percentiles inter, single, plain, copy;
     uint64_t total = 0, max_pair = 0;
     double bound = 0, ratio = 0;
     bool met = false;
@@ -531,52 +663,59 @@ int RunInternodeBench() {
     for (const auto& from : bytes[op]) {
       for (uint64_t b : from) w.total += b, w.max_pair = std::max(w.max_pair, b);
     }
-    w.bound = 2 * w.plain.p50 + w.single.p50;
+    w.copy = copies[op];
+    w.bound = 2 * w.plain.p50 + w.single.p50 + w.copy.p50;
     w.ratio = w.inter.p50 / w.bound;
     w.met = w.ratio <= 1.0;
     all_met &= w.met;
   }
   if (json) {
     std::printf(
-        "{\"backend\":\"host\",\"mode\":\"internode\",\"nodes\":%d,\"ranks_per_node\":%d,"
+        "{\"backend\":\"%s\",\"mode\":\"internode\",\"nodes\":%d,\"ranks_per_node\":%d,"
         "\"tokens\":%d,\"ll_tokens\":%d,\"hidden\":%d,\"experts\":%d,\"topk\":%d,"
         "\"connections\":%d,\"iters\":%d,\"ops\":[",
-        s.nodes, s.ranks_per_node, s.T, s.Tll, s.H, s.E, s.K, conns, iters);
+        backend.c_str(), s.nodes, s.ranks_per_node, s.T, s.Tll, s.H, s.E, s.K, conns, iters);
     for (int op = 0; op < kNumOps; ++op) {
       const Row& w = rows[op];
       std::printf(
           "%s{\"op\":\"%s\",\"internode_p50_us\":%.1f,\"internode_p99_us\":%.1f,"
           "\"cross_node_bytes\":%llu,\"max_pair_bytes\":%llu,\"plain_tcp_p50_us\":%.1f,"
           "\"plain_tcp_p99_us\":%.1f,\"one_node_p50_us\":%.1f,\"one_node_p99_us\":%.1f,"
-          "\"goal_us\":%.1f,\"ratio\":%.3f,\"goal_met\":%s}",
+          "\"host_copies_p50_us\":%.1f,\"goal_us\":%.1f,\"ratio\":%.3f,\"goal_met\":%s}",
           op ? "," : "", kOpKeys[op], w.inter.p50, w.inter.p99,
           static_cast<unsigned long long>(w.total), static_cast<unsigned long long>(w.max_pair),
-          w.plain.p50, w.plain.p99, w.single.p50, w.single.p99, w.bound, w.ratio,
+          w.plain.p50, w.plain.p99, w.single.p50, w.single.p99, w.copy.p50, w.bound, w.ratio,
           w.met ? "true" : "false");
     }
     std::printf("],\"goal_met\":%s}\n", all_met ? "true" : "false");
     return 0;
   }
-  std::printf("%-25s %19s %12s %10s %19s %19s %10s\n", "", "internode (us)", "bytes across",
-              "max pair", "plain TCP (us)", "one node (us)", "goal (us)");
-  std::printf("%-25s %9s %9s %12s %10s %9s %9s %9s %9s %10s %6s\n", "op", "p50", "p99", "nodes",
-              "bytes", "p50", "p99", "p50", "p99", "2tcp+1n", "ratio");
+  std::printf("%-25s %19s %12s %10s %19s %19s %10s %10s\n", "", "internode (us)", "bytes across",
+              "max pair", "plain TCP (us)", "one node (us)", cuda ? "host copy" : "", "goal (us)");
+  std::printf("%-25s %9s %9s %12s %10s %9s %9s %9s %9s %10s %10s %6s\n", "op", "p50", "p99",
+              "nodes", "bytes", "p50", "p99", "p50", "p99", cuda ? "p50" : "",
+              cuda ? "2tcp+1n+cp" : "2tcp+1n", "ratio");
   for (int op = 0; op < kNumOps; ++op) {
     const Row& w = rows[op];
-    std::printf("%-25s %9.1f %9.1f %12llu %10llu %9.1f %9.1f %9.1f %9.1f %10.1f %6.2f %s\n",
+    std::printf("%-25s %9.1f %9.1f %12llu %10llu %9.1f %9.1f %9.1f %9.1f %10s %10.1f %6.2f %s\n",
                 kOpNames[op], w.inter.p50, w.inter.p99, static_cast<unsigned long long>(w.total),
                 static_cast<unsigned long long>(w.max_pair), w.plain.p50, w.plain.p99, w.single.p50,
-                w.single.p99, w.bound, w.ratio, w.met ? "met" : "NOT met");
+                w.single.p99, cuda ? absl::StrFormat("%.1f", w.copy.p50).c_str() : "", w.bound,
+                w.ratio, w.met ? "met" : "NOT met");
   }
   std::printf(
       "(bytes across nodes: what every node writes to every other node for the op, the "
       "exchange's layout; plain TCP: those bytes exchanged at once between %d ends on %s over "
       "%d connections per ordered pair; one node: the same shape and inputs as one daemon's "
-      "group)\n",
-      s.nodes, host.c_str(), conns);
+      "group%s)\n",
+      s.nodes, host.c_str(), conns,
+      cuda ? "; host copy: the most bytes one node sends or receives, device to pinned host "
+             "and back"
+           : "");
   int num_met = 0;
   for (const Row& w : rows) num_met += w.met ? 1 : 0;
-  std::printf("goal internode p50 <= 2 x plain-TCP p50 + one-node p50 (ratio <= 1): %s\n",
+  std::printf("goal internode p50 <= 2 x plain-TCP p50 + one-node p50%s (ratio <= 1): %s\n",
+              cuda ? " + host copy p50" : "",
               num_met == kNumOps ? "met for every op"
               : num_met == 0     ? "NOT met for any op"
                                  : absl::StrCat("met for ", num_met, " of ", kNumOps,

@@ -9,6 +9,8 @@
 //   epd_bench --backend=host                  host backend (daemon + clients over shm)
 //   epd_bench --backend=host --nodes=2 --ranks_per_node=2   a group across 2 real daemons,
 //                                             beside plain TCP and the one-node group
+//   epd_bench --backend=cuda --nodes=2 --ranks_per_node=4   the same on the CUDA backend
+//                                             (every node on GPU 0), + the host copies
 // (--json: one JSON object per figure.)
 #include <iostream>
 #include <string>
@@ -32,14 +34,12 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const std::string backend = absl::GetFlag(FLAGS_backend);
   const std::string mode = absl::GetFlag(FLAGS_mode);
-  if (backend == "host") {
-    return absl::GetFlag(FLAGS_nodes) >= 2 ? epd::bench::RunInternodeBench()
-                                           : epd::bench::RunHostBench();
-  }
-  if (backend != "cuda") {
+  if (backend != "cuda" && backend != "host") {
     std::cerr << "epd_bench: --backend=" << backend << " is not one of cuda, host\n";
     return 2;
   }
+  if (absl::GetFlag(FLAGS_nodes) >= 2) return epd::bench::RunInternodeBench(backend);
+  if (backend == "host") return epd::bench::RunHostBench();
   if (mode != "ll" && mode != "normal" && mode != "all" && mode != "multigpu" && mode != "launch") {
     std::cerr << "epd_bench: --mode=" << mode
               << " is not one of ll, normal, all, multigpu, launch\n";

@@ -20,6 +20,7 @@
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
 #include "epd/kernels/op_rules.h"
+#include "proto/abi/exchange_abi.h"
 #include "tests/unit/fake_exchange.h"
 #include "tests/unit/raw_ring.h"
 
@@ -573,6 +574,40 @@ TEST_F(MultinodeHostTest, MissingNodeTimesOutNamingIt) {
       << Message(*c);
 }
 
+// A rank that leaves while its node's op waits for another node (its client was killed
+// mid-op): the op fails for the node's other ranks naming the rank, and the daemon does
+// not touch the departed rank's memory.
+class RankLeavingMidOpTest : public MultinodeHostTest,
+                             public ::testing::WithParamInterface<bool> {};
+
+TEST_P(RankLeavingMidOpTest, FailsItsNodesOpNamingIt) {
+  const bool reattach = GetParam();
+  Start({2, 1});
+  if (HasFatalFailure()) return;
+  MakeInputs(3);
+  const uint64_t a = rings_[0]->Submit(abi::OpKind::kLowLatencyDispatch, 0, tokens_[0]);
+  const uint64_t b = rings_[1]->Submit(abi::OpKind::kLowLatencyDispatch, 0, tokens_[1]);
+  // Node 0 starts the op once both its ranks arrived, then waits for node 1's message.
+  std::this_thread::sleep_for(milliseconds(200));
+  nodes_[0]->group->DetachRank(1);
+  if (reattach) {  // A new client takes rank 1 while the op still waits: not part of it.
+    v1::EndpointInfo info;
+    ASSERT_TRUE(nodes_[0]->group->AttachRank(1, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
+  }
+  const uint64_t c = rings_[2]->Submit(abi::OpKind::kLowLatencyDispatch, 0, tokens_[2]);
+  auto done = rings_[0]->Await(a, milliseconds(5000));
+  ASSERT_TRUE(done.has_value());
+  EXPECT_EQ(done->status_code, static_cast<int>(absl::StatusCode::kAborted)) << Message(*done);
+  EXPECT_NE(Message(*done).find("rank 1 left the group"), std::string::npos) << Message(*done);
+  EXPECT_TRUE(rings_[2]->Await(c, milliseconds(5000)).has_value());
+  (void)b;
+}
+
+INSTANTIATE_TEST_SUITE_P(MultinodeHostTest, RankLeavingMidOpTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& p) {
+                           return p.param ? "AnotherClientTakesItsPlace" : "NoneTakesItsPlace";
+                         });
+
 // A peer that never sends: DEADLINE_EXCEEDED within op_timeout, naming the node's ranks.
 TEST_F(MultinodeHostTest, SilentPeerTimesOutNamingTheNode) {
   Start({1, 2}, /*op_timeout_ms=*/300);
@@ -649,6 +684,31 @@ TEST_F(MultinodeHostTest, SilentLiveNodeTimesOutAfterTheGrace) {
 
 // Garbage in the receive region (a hostile peer): the op fails with an error, nothing is
 // read out of bounds (ASan), and the honest node reports it.
+// A peer's failure header with control bytes in its message: the ranks get the peer's error
+// code and text with those bytes escaped.
+TEST_F(MultinodeHostTest, APeersErrorTextIsEscaped) {
+  hub_.Hostile(1, [](uint8_t* base, uint64_t offset, uint64_t bytes) {
+    abi::ExchangeHeader h;
+    if (bytes < sizeof h) return;
+    std::memcpy(&h, base + offset, sizeof h);
+    if (h.magic != abi::kExchangeMagic) return;
+    const char text[] =
+        "evil\n\x1b[2J\x01"
+        "end";
+    h.status_code = static_cast<int32_t>(absl::StatusCode::kInvalidArgument);
+    h.message_bytes = sizeof text - 1;
+    std::memcpy(h.message, text, sizeof text - 1);
+    std::memcpy(base + offset, &h, sizeof h);
+  });
+  Start({1, 1});
+  if (HasFatalFailure()) return;
+  MakeInputs(6);
+  auto done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, {2, 2});
+  EXPECT_EQ(done[0].status_code, static_cast<int>(absl::StatusCode::kInvalidArgument))
+      << Message(done[0]);
+  EXPECT_EQ(Message(done[0]), "evil\\x0a\\x1b[2J\\x01end");
+}
+
 TEST_F(MultinodeHostTest, GarbageFromAPeerIsAnErrorNotACrash) {
   for (int mode = 0; mode < 3; ++mode) {
     SCOPED_TRACE(::testing::Message() << "mode " << mode);

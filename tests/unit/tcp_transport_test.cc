@@ -498,10 +498,16 @@ TEST(TcpTransport, ConnectFailuresAreBounded) {
 }
 
 /// A raw client socket to the data listener of `node`'s transport.
-ScopedFd RawConnect(const std::string& descriptor) {
+/// A blocking connection to the descriptor's port on 127.0.0.1, from `source` (an address of
+/// 127.0.0.0/8, host byte order).
+ScopedFd RawConnect(const std::string& descriptor, uint32_t source = INADDR_LOOPBACK) {
   abi::TcpDescriptor d{};
   std::memcpy(&d, descriptor.data(), sizeof d);
   ScopedFd fd(::socket(AF_INET, SOCK_STREAM, 0));
+  sockaddr_in from{};
+  from.sin_family = AF_INET;
+  from.sin_addr.s_addr = htonl(source);
+  EXPECT_EQ(::bind(fd.get(), reinterpret_cast<sockaddr*>(&from), sizeof from), 0);
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
   sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -659,6 +665,24 @@ TEST(TcpTransport, SilentConnectionsCannotHoldTheListenerShut) {
   EXPECT_TRUE(Refused(silent.front().get()));  // The oldest made room for the newer ones.
   ConnectAll(nodes);
   ExpectWriteLands(nodes, 0x5a5a1234, 8, 7);
+}
+
+// A flood of connections from one address drops its own handshaking connections, not a real
+// peer's from another address that has sent only part of its handshake yet.
+TEST(TcpTransport, AFloodFromOneAddressDoesNotDropAnotherAddresssHandshake) {
+  auto t = MakeTcp();
+  auto nodes = MakeNodes({t.get()}, 2, 64);
+  const std::string d0 = nodes[0].link->LocalDescriptor();
+  const abi::TcpHandshake hs = Handshake(d0, 1, 0);
+  ScopedFd peer = RawConnect(d0);
+  SendAll(peer.get(), hs, 10);
+  std::vector<ScopedFd> flood;
+  for (int i = 0; i < 80; ++i) flood.push_back(RawConnect(d0, INADDR_LOOPBACK + 1));
+  EXPECT_TRUE(Refused(flood.front().get()));  // The flood's oldest made room.
+  const auto* rest = reinterpret_cast<const char*>(&hs) + 10;
+  ASSERT_EQ(::send(peer.get(), rest, sizeof hs - 10, MSG_NOSIGNAL),
+            static_cast<ssize_t>(sizeof hs - 10));
+  EXPECT_TRUE(Accepted(peer.get()));
 }
 
 // Streams of random frames (mostly well-formed headers with random kinds, sequence numbers,

@@ -352,9 +352,10 @@ class HostGroup : public LockstepGroup {
     std::vector<kernels::host::NodeDispatchSource> dispatch_sources;  // [R]
     std::vector<kernels::host::NodeLowLatencySource> ll_sources;      // [R]
     std::vector<kernels::host::NodePackSource> pack_sources;  // [Rl] this op's local sources.
-    std::vector<kernels::host::NodePackJob> pack_jobs;        // [Rl] one node's send staging.
-    std::vector<kernels::e4m3_bits> quant_x;                  // [Rl, Mll, H] LL FP8 rows.
-    std::vector<float> quant_scales;                          // [Rl, Mll, S] their scales.
+    std::vector<uint64_t> op_endpoints;  // [Rl] the running op's ranks' endpoint ids.
+    std::vector<kernels::host::NodePackJob> pack_jobs;  // [Rl] one node's send staging.
+    std::vector<kernels::e4m3_bits> quant_x;            // [Rl, Mll, H] LL FP8 rows.
+    std::vector<float> quant_scales;                    // [Rl, Mll, S] their scales.
   };
   Span span_;
   std::string join_secret_digest_;  ///< See set_join_secret_digest.
@@ -685,6 +686,7 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
     s.dispatch_sources.resize(R);
     s.ll_sources.resize(R);
     s.pack_sources.resize(s.count[node]);
+    s.op_endpoints.resize(s.count[node]);
     s.pack_jobs.resize(s.count[node]);
     if (gs.ll_max_tokens_per_rank > 0) {
       const size_t rows = static_cast<size_t>(s.count[node]) * gs.ll_max_tokens_per_rank;
@@ -887,8 +889,18 @@ absl::Status HostGroup::CheckHeader(int32_t n, uint64_t seq) const {
   }
   if (h.status_code != 0) {
     const int code = h.status_code > 0 && h.status_code <= 16 ? h.status_code : 2;
-    return absl::Status(static_cast<absl::StatusCode>(code),
-                        std::string(h.message, h.message_bytes));
+    // The peer's text reaches clients and logs: bytes outside printable ASCII are escaped
+    // (a real peer's messages are printable, so every node still reports the same text).
+    std::string text;
+    for (const char c : absl::string_view(h.message, h.message_bytes)) {
+      const auto u = static_cast<unsigned char>(c);
+      if (u >= 0x20 && u < 0x7f) {
+        text.push_back(c);
+      } else {
+        absl::StrAppend(&text, "\\x", absl::Hex(u, absl::kZeroPad2));
+      }
+    }
+    return absl::Status(static_cast<absl::StatusCode>(code), text);
   }
   return absl::OkStatus();
 }
@@ -967,6 +979,9 @@ bool HostGroup::StartExchange(const OpPlan& plan, const std::vector<abi::Request
   span_.in_op = true;
   span_.lost_seen.reset();
   std::fill(span_.got.begin(), span_.got.end(), 0);
+  for (int32_t i = 0; i < local_count(); ++i) {
+    span_.op_endpoints[i] = endpoint(local_first() + i)->endpoint_id;
+  }
   span_.local_status = SendOp(plan, slots);
   return false;
 }
@@ -1165,6 +1180,17 @@ bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
     span_.in_op = false;
     return true;
   };
+  // A local rank that left during the op (its client died, or another session removed it)
+  // took its shm region and private memory with it, and a rank attached since in its place
+  // is not part of the op: the op cannot end for it, so it fails here for this node's ranks,
+  // naming the rank (the other nodes have this node's message).
+  for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+    const LockstepEndpoint* ep = endpoint(r);
+    if (ep == nullptr || ep->endpoint_id != span_.op_endpoints[r - local_first()]) {
+      return fail(absl::AbortedError(absl::StrCat("op ", plan.seq, " of group ", spec().name(),
+                                                  ": rank ", r, " left the group during the op")));
+    }
+  }
   bool all = true;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
     if (n == span_.self || span_.got[n]) continue;

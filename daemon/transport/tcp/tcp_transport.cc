@@ -283,13 +283,17 @@ class TcpCore {
     TcpHandshake hs{};
     size_t got = 0;
     Clock::time_point deadline{};
-    std::string from;
+    std::string from;  ///< "host:port".
+    std::string host;  ///< The remote address without the port.
   };
 
   void Run();
   void Accept(Clock::time_point now);
   void OnPendingReadable(uint64_t id);
   void Refuse(Pending& p, absl::string_view why);
+  /// The index in pending_ of the connection to drop when it is full: the oldest of the
+  /// remote address holding the most handshaking connections.
+  size_t PendingVictim() const;
   TcpGroupLink* FindLink(uint32_t id);
 
   const TcpTransportOptions options_;
@@ -575,12 +579,15 @@ void TcpCore::Accept(Clock::time_point now) {
     }
     Pending p;
     p.from = SockaddrString(sa, len);
+    p.host = p.from.substr(0, p.from.rfind(':'));
     if (pending_.size() >= kMaxPending) {
-      // The oldest handshaking connection makes room (pending_ is in accept order): a real
-      // peer sends its handshake as soon as it connects, so connections that stay silent
-      // cannot hold the listener shut to the peers that come after them.
-      Refuse(pending_.front(), "too many connections are handshaking; the oldest is dropped");
-      pending_.erase(pending_.begin());
+      // A handshaking connection makes room: connections that stay silent cannot hold the
+      // listener shut to the peers that come after them, and a flood from one address drops
+      // its own connections, not a real peer's that has not sent its handshake yet.
+      const size_t victim = PendingVictim();
+      Refuse(pending_[victim],
+             "too many connections are handshaking; the oldest of the busiest address is dropped");
+      pending_.erase(pending_.begin() + static_cast<ptrdiff_t>(victim));
     }
     SetNoDelay(fd.get());
     p.id = next_pending_id_++;
@@ -590,6 +597,24 @@ void TcpCore::Accept(Clock::time_point now) {
     pending_.push_back(std::move(p));
     OnPendingReadable(pending_.back().id);  // Bytes may have arrived with the connection.
   }
+}
+
+size_t TcpCore::PendingVictim() const {
+  // pending_ is in accept order and holds at most kMaxPending: quadratic is cheap enough,
+  // and runs only while the listener is full.
+  size_t victim = 0, most = 0;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    size_t same = 0, first = i;
+    for (size_t j = 0; j < pending_.size(); ++j) {
+      if (pending_[j].host != pending_[i].host) continue;
+      if (same++ == 0) first = j;
+    }
+    if (same > most) {
+      most = same;
+      victim = first;
+    }
+  }
+  return victim;
 }
 
 void TcpCore::Refuse(Pending& p, absl::string_view why) {
