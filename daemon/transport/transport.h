@@ -2,7 +2,7 @@
 // memory. Shaped after NCCL's split: the caller's side (the engine thread: Post*, Poll*,
 // never blocking) and the proxy's side (the transport's own progress thread, or the NIC,
 // which moves the bytes). Implementations: TCP (daemon/transport/tcp/), a fault-injecting
-// wrapper for tests (daemon/transport/fault/), RDMA later (daemon/transport/rdma/).
+// wrapper for tests (daemon/transport/fault/), RDMA (daemon/transport/rdma/).
 // docs/DESIGN.md §5.
 #pragma once
 

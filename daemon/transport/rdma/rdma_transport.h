@@ -1,8 +1,10 @@
 // The RDMA transport (DESIGN.md §5.4): reliable-connected queue pairs to every peer node of
 // a group, RDMA WRITE WITH IMM of each write's pieces into the peer's registered receive
-// region, completion queues polled by one progress thread. Built on libibverbs (and
-// librdmacm for address resolution); split by lifecycle: device (rdma_device.*),
-// registration (rdma_memory.*), connection (rdma_connection.*), data path (rdma_link.*).
+// region, completion queues polled by one progress thread. Built on libibverbs (librdmacm is
+// not used: descriptors travel through the Peer service); split by lifecycle: device
+// (rdma_device.*), registration (rdma_memory.*), connection (rdma_connection.*), data path
+// (rdma_datapath.*, and the link and progress thread in rdma_transport.cc). Wire bytes:
+// proto/abi/rdma_wire.h.
 // Device discovery from sysfs, GPU-to-NIC choice and preflight: nic_inventory.h.
 #pragma once
 
@@ -45,13 +47,17 @@ struct RdmaTransportOptions {
   uint32_t max_send_wr = 1024;  ///< Per queue pair; capped at the device's max_qp_wr.
   uint32_t cq_depth = 4096;     ///< Capped at the device's max_cqe.
   uint32_t mtu = 0;             ///< Bytes (256..4096); 0 = the port's active MTU.
+  /// Bound on bringing up a peer's queue pairs after Connect (both ends in RTS and a probe
+  /// write acknowledged on each), milliseconds, 1..3600000.
+  uint32_t connect_timeout_ms = 10000;
   GpuDirectMode gpudirect = GpuDirectMode::kAuto;
 };
 
 /// Opens the devices of `options.ports` and starts the progress thread. Errors:
 /// INVALID_ARGUMENT naming the option and its value; UNAVAILABLE when a device or port is
 /// missing or not active (naming it); FAILED_PRECONDITION when a limit stops it (e.g.
-/// RLIMIT_MEMLOCK), saying what to change. Never crashes on a machine without RDMA.
+/// RLIMIT_MEMLOCK), saying what to change; UNIMPLEMENTED when epd was built without RDMA.
+/// Never crashes on a machine without RDMA.
 absl::StatusOr<std::unique_ptr<Transport>> MakeRdmaTransport(const RdmaTransportOptions& options);
 
 }  // namespace epd::transport

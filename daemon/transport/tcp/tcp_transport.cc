@@ -8,6 +8,8 @@
 // under it. Every epoll event carries a key (what it is: the eventfd, the listener, an
 // accepted connection still handshaking, or link id + peer + direction + index), never a
 // pointer, so an event of something closed meanwhile finds nothing.
+#include "daemon/transport/tcp/tcp_transport.h"
+
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -35,7 +37,7 @@
 #include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
 #include "daemon/core/logging.h"
-#include "daemon/transport/tcp/tcp_transport.h"
+#include "daemon/transport/link_common.h"
 #include "proto/abi/tcp_wire.h"
 
 namespace epd::transport {
@@ -215,9 +217,8 @@ struct WriteEntry {
 };
 
 /// One peer node of a link.
-struct Peer {
+struct Peer : PeerCounters {
   int32_t node = 0;
-  std::atomic<PeerState> state{PeerState::kIdle};
   std::string address;       // "host:port" of its descriptor (Connect).
   std::string inbound_from;  // Where its first inbound connection came from.
   absl::Status status;       // Why it failed (guarded by TcpGroupLink::status_mu_).
@@ -227,18 +228,14 @@ struct Peer {
   // Outbound (under TcpCore::mu_ except the atomics and the rings' owned halves).
   std::vector<Conn> out;
   size_t ready_out = 0;
-  std::vector<WriteEntry> writes;          // Ring of max_writes_in_flight.
-  std::vector<WritePiece> pieces;          // Ring of max_pieces_in_flight.
-  std::atomic<uint64_t> writes_posted{0};  // Engine thread.
-  uint64_t pieces_posted = 0;              // Engine thread.
-  std::atomic<uint64_t> writes_done{0};    // Progress thread.
+  std::vector<WriteEntry> writes;  // Ring of max_writes_in_flight.
+  std::vector<WritePiece> pieces;  // Ring of max_pieces_in_flight.
+  uint64_t pieces_posted = 0;      // Engine thread.
   std::atomic<uint64_t> pieces_released{0};
 
   // Inbound.
-  std::vector<Conn> in;             // connections_per_peer slots.
-  std::vector<uint32_t> imm_slots;  // Ring of max_pending_imms, indexed by seq.
-  std::atomic<uint64_t> delivered{0};
-  std::atomic<uint64_t> consumed{0};
+  std::vector<Conn> in;  // connections_per_peer slots.
+  // imm_slots: a ring of max_pending_imms, indexed by seq.
   std::atomic<bool> recv_paused{false};
   // The peer closed a connection cleanly (PeerClosing): its inbound connections are read to
   // their EOFs (or close_deadline), then it fails with close_why.
@@ -352,9 +349,7 @@ class TcpGroupLink final : public GroupLink {
   void Detach(const absl::Status& cause, bool wake);
 
  private:
-  bool ValidNode(int32_t node) const {
-    return node >= 0 && node < options_.num_nodes && node != options_.self_node;
-  }
+  bool ValidNode(int32_t node) const { return IsPeerNode(options_, node); }
   /// "group 'g': node 1 (host:port)". `p.address` is written by Connect only (the engine
   /// thread, under TcpCore::mu_), so either thread may call this.
   std::string PeerName(const Peer& p) const {
@@ -367,12 +362,7 @@ class TcpGroupLink final : public GroupLink {
   }
   /// "group 'g': node 1 (LABEL; data WHERE)" with the node's label, else "(WHERE)".
   std::string NameWith(const Peer& p, absl::string_view where) const {
-    const size_t i = static_cast<size_t>(p.node);
-    if (i < options_.node_labels.size() && !options_.node_labels[i].empty()) {
-      return absl::StrCat("group '", options_.group, "': node ", p.node, " (",
-                          options_.node_labels[i], "; data ", where, ")");
-    }
-    return absl::StrCat("group '", options_.group, "': node ", p.node, " (", where, ")");
+    return PeerNodeName(options_, p.node, where, "data ");
   }
   void CallWake() const {
     if (options_.wake) options_.wake();
@@ -671,20 +661,7 @@ void TcpCore::OnPendingReadable(uint64_t id) {
 
 absl::Status TcpGroupLink::Init() {
   const TcpTransportOptions& o = core_->options();
-  if (options_.num_nodes < 2 || options_.num_nodes > kMaxNodes) {
-    return absl::InvalidArgumentError(absl::StrCat("group '", options_.group, "': num_nodes ",
-                                                   options_.num_nodes, " not in [2, ", kMaxNodes,
-                                                   "]"));
-  }
-  if (options_.self_node < 0 || options_.self_node >= options_.num_nodes) {
-    return absl::InvalidArgumentError(absl::StrCat("group '", options_.group, "': self_node ",
-                                                   options_.self_node, " not in [0, ",
-                                                   options_.num_nodes, ")"));
-  }
-  if (options_.recv_base == nullptr && options_.recv_bytes > 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "group '", options_.group, "': recv_base is null with recv_bytes ", options_.recv_bytes));
-  }
+  EPD_RETURN_IF_ERROR(CheckGroupLinkOptions(options_, kMaxNodes));
   size_t got = 0;
   while (got < token_.size()) {
     const ssize_t r = ::getrandom(token_.data() + got, token_.size() - got, 0);
@@ -729,11 +706,7 @@ absl::Status TcpGroupLink::Connect(int32_t node, std::string_view descriptor) {
     return absl::FailedPreconditionError(
         absl::StrCat("group '", options_.group, "': the link is closed"));
   }
-  if (!ValidNode(node)) {
-    return absl::InvalidArgumentError(absl::StrCat("group '", options_.group, "': node ", node,
-                                                   " is not a peer (num_nodes ", options_.num_nodes,
-                                                   ", self ", options_.self_node, ")"));
-  }
+  if (!ValidNode(node)) return NotAPeerError(options_, node, "Connect");
   const auto bad = [&](absl::string_view why) {
     return absl::InvalidArgumentError(
         absl::StrCat("group '", options_.group, "': descriptor of node ", node, ": ", why));
@@ -808,21 +781,12 @@ absl::Status TcpGroupLink::Connect(int32_t node, std::string_view descriptor) {
 }
 
 PeerState TcpGroupLink::State(int32_t node) const {
-  if (node == options_.self_node && node >= 0 && node < options_.num_nodes) {
-    return PeerState::kReady;
-  }
-  if (!ValidNode(node)) return PeerState::kIdle;
+  if (!ValidNode(node)) return NonPeerState(options_, node);
   return peers_[static_cast<size_t>(node)]->state.load(std::memory_order_acquire);
 }
 
 absl::Status TcpGroupLink::PeerStatus(int32_t node) const {
-  if (node == options_.self_node && node >= 0 && node < options_.num_nodes) {
-    return absl::OkStatus();
-  }
-  if (!ValidNode(node)) {
-    return absl::InvalidArgumentError(absl::StrCat("group '", options_.group, "': node ", node,
-                                                   " not in [0, ", options_.num_nodes, ")"));
-  }
+  if (!ValidNode(node)) return NonPeerStatus(options_, node);
   const Peer& p = *peers_[static_cast<size_t>(node)];
   if (p.state.load(std::memory_order_acquire) != PeerState::kFailed) return absl::OkStatus();
   std::lock_guard<std::mutex> l(status_mu_);
@@ -831,11 +795,7 @@ absl::Status TcpGroupLink::PeerStatus(int32_t node) const {
 
 absl::Status TcpGroupLink::PostWrite(int32_t node, std::span<const WritePiece> pieces,
                                      uint32_t imm) {
-  if (!ValidNode(node)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("group '", options_.group, "': PostWrite to node ", node,
-                     ", not a peer (num_nodes ", options_.num_nodes, ")"));
-  }
+  if (!ValidNode(node)) return NotAPeerError(options_, node, "PostWrite");
   Peer& p = *peers_[static_cast<size_t>(node)];
   const PeerState state = p.state.load(std::memory_order_acquire);
   if (state != PeerState::kReady) {
@@ -847,15 +807,8 @@ absl::Status TcpGroupLink::PostWrite(int32_t node, std::span<const WritePiece> p
     return absl::InvalidArgumentError(
         absl::StrCat(PeerName(p), ": a write of ", pieces.size(), " pieces, at most ", max_pieces));
   }
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    const WritePiece& w = pieces[i];
-    if (w.bytes > p.peer_recv_bytes || w.remote_offset > p.peer_recv_bytes - w.bytes ||
-        (w.src == nullptr && w.bytes > 0)) {
-      return absl::InvalidArgumentError(absl::StrCat(PeerName(p), ": piece ", i, " (offset ",
-                                                     w.remote_offset, ", ", w.bytes,
-                                                     " bytes) is outside its receive region of ",
-                                                     p.peer_recv_bytes, " bytes or has no source"));
-    }
+  if (const ptrdiff_t bad = FirstPieceOutside(pieces, p.peer_recv_bytes); bad >= 0) {
+    return PieceOutsideError(pieces, bad, p.peer_recv_bytes, PeerName(p));
   }
   const uint64_t posted = p.writes_posted.load(std::memory_order_relaxed);
   if (posted - p.writes_done.load(std::memory_order_acquire) >= p.writes.size() ||
@@ -875,22 +828,15 @@ absl::Status TcpGroupLink::PostWrite(int32_t node, std::span<const WritePiece> p
 
 uint64_t TcpGroupLink::WritesCompleted(int32_t node) const {
   if (!ValidNode(node)) return 0;
-  const Peer& p = *peers_[static_cast<size_t>(node)];
   // kFailed is stored under TcpCore::mu_ after the peer's sockets closed; the progress
   // thread sends nothing for it after that, so no source is read any more.
-  if (p.state.load(std::memory_order_acquire) == PeerState::kFailed) {
-    return p.writes_posted.load(std::memory_order_relaxed);
-  }
-  return p.writes_done.load(std::memory_order_acquire);
+  return peers_[static_cast<size_t>(node)]->WritesCompleted();
 }
 
 bool TcpGroupLink::PollImm(int32_t node, uint32_t* imm) {
   if (!ValidNode(node)) return false;
   Peer& p = *peers_[static_cast<size_t>(node)];
-  const uint64_t consumed = p.consumed.load(std::memory_order_relaxed);
-  if (consumed >= p.delivered.load(std::memory_order_acquire)) return false;
-  *imm = p.imm_slots[consumed % p.imm_slots.size()];
-  p.consumed.store(consumed + 1, std::memory_order_release);
+  if (!p.PopImm(imm)) return false;
   if (p.recv_paused.load(std::memory_order_acquire)) {
     p.recv_paused.store(false, std::memory_order_relaxed);
     core_->Wake();
