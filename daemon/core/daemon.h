@@ -116,7 +116,8 @@ class Daemon {
   /// Errors: FAILED_PRECONDITION when a live epd already answers on the socket, when the
   /// socket path exists and is not a socket, or --backend=cuda without a GPU;
   /// UNAVAILABLE when a listener cannot be bound; NOT_FOUND for an unknown socket_group or
-  /// gpu_uuids entry; the data plane's errors.
+  /// gpu_uuids entry; FAILED_PRECONDITION when config.transport is "rdma" and RDMA cannot
+  /// run here (the preflight's lines); the data plane's errors.
   static absl::StatusOr<std::unique_ptr<Daemon>> Start(v1::DaemonConfig config,
                                                        DaemonOptions options = {});
   ~Daemon();  ///< Shutdown().
