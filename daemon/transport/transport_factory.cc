@@ -80,7 +80,8 @@ absl::StatusOr<std::unique_ptr<Transports>> StartTransports(const v1::DaemonConf
   out->nics = plan.nics;
   out->preflight = preflight.lines;
 
-  std::string rdma_reason = preflight.rdma_usable ? "" : preflight.reason;
+  // Why "rdma" cannot run here: the preflight's first refusing line, or its start error.
+  std::string rdma_refusal = preflight.rdma_usable ? "" : preflight.reason;
   if (options.start) {
     EPD_ASSIGN_OR_RETURN(std::unique_ptr<Transport> tcp,
                          MakeTcpTransport(TcpOptionsFromConfig(config)));
@@ -100,22 +101,23 @@ absl::StatusOr<std::unique_ptr<Transports>> StartTransports(const v1::DaemonConf
         out->set.Add("rdma", t.get());
         out->owned.push_back(std::move(t));
       } else {
-        rdma_reason = absl::StrCat("RDMA: the transport did not start: ", rdma.status().message());
-        out->preflight.push_back(rdma_reason);
-        log->warn("preflight: {}", rdma_reason);
+        rdma_refusal = absl::StrCat("RDMA: the transport did not start: ", rdma.status().message());
+        out->preflight.push_back(rdma_refusal);
+        log->warn("preflight: {}", rdma_refusal);
       }
     }
-  } else if (preflight.rdma_usable) {
-    rdma_reason = "the Peer listener is off (peer_listen is unset)";
   }
-  if (!rdma_reason.empty()) out->set.SetUnavailable("rdma", rdma_reason);
-  if (!options.start)
-    out->set.SetUnavailable("tcp", "the Peer listener is off (peer_listen is unset)");
+  constexpr char kNoPeerListener[] = "the Peer listener is off (peer_listen is unset)";
+  if (!rdma_refusal.empty()) {
+    out->set.SetUnavailable("rdma", rdma_refusal);
+  } else if (!options.start) {
+    out->set.SetUnavailable("rdma", kNoPeerListener);
+  }
+  if (!options.start) out->set.SetUnavailable("tcp", kNoPeerListener);
 
-  if (config.transport() == "rdma" && !rdma_reason.empty() &&
-      !(options.start == false && preflight.rdma_usable)) {
+  if (config.transport() == "rdma" && !rdma_refusal.empty()) {
     std::vector<std::string> lines = out->preflight;
-    if (lines.empty()) lines.push_back(rdma_reason);
+    if (lines.empty()) lines.push_back(rdma_refusal);
     out->Shutdown();
     return absl::FailedPreconditionError(absl::StrCat(
         "transport: \"rdma\" is configured but this daemon cannot run it (no fallback to tcp): ",
