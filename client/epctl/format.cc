@@ -76,22 +76,68 @@ std::string FormatStatus(const v1::GetStatsResponse& s, const std::string& targe
                         s.num_groups(), s.num_sessions(), s.ops_completed(), s.ops_failed());
   if (s.gpus().empty()) {
     absl::StrAppend(&out, "GPUs: none\n");
-    return out;
-  }
-  absl::StrAppend(&out, "GPUs: ", s.gpus_size(), "\n");
-  Table table({"ORD", "UUID", "PCI BUS ID", "NAME", "SMS", "MEM FREE/TOTAL", "CC", "PEER ACCESS"});
-  for (const v1::GpuInfo& g : s.gpus()) {
-    std::string peers;
-    for (int j = 0; j < g.peer_access_size(); ++j) {
-      peers += j == g.ordinal() ? '-' : (g.peer_access(j) ? 'Y' : 'n');
+  } else {
+    absl::StrAppend(&out, "GPUs: ", s.gpus_size(), "\n");
+    Table table(
+        {"ORD", "UUID", "PCI BUS ID", "NAME", "SMS", "MEM FREE/TOTAL", "CC", "PEER ACCESS"});
+    for (const v1::GpuInfo& g : s.gpus()) {
+      std::string peers;
+      for (int j = 0; j < g.peer_access_size(); ++j) {
+        peers += j == g.ordinal() ? '-' : (g.peer_access(j) ? 'Y' : 'n');
+      }
+      table.AddRow({absl::StrCat(g.ordinal()), g.uuid(), g.pci_bus_id(), g.name(),
+                    absl::StrCat(g.sm_count()),
+                    absl::StrCat(HumanBytes(g.free_memory_bytes()), " / ",
+                                 HumanBytes(g.total_memory_bytes())),
+                    absl::StrCat(g.compute_capability_major(), ".", g.compute_capability_minor()),
+                    peers.empty() ? "-" : peers});
     }
-    table.AddRow(
-        {absl::StrCat(g.ordinal()), g.uuid(), g.pci_bus_id(), g.name(), absl::StrCat(g.sm_count()),
-         absl::StrCat(HumanBytes(g.free_memory_bytes()), " / ", HumanBytes(g.total_memory_bytes())),
-         absl::StrCat(g.compute_capability_major(), ".", g.compute_capability_minor()),
-         peers.empty() ? "-" : peers});
+    absl::StrAppend(&out, table.Render("  "));
   }
-  absl::StrAppend(&out, table.Render("  "));
+  absl::StrAppend(&out, FormatTransports(s));
+  return out;
+}
+
+std::string FormatTransports(const v1::GetStatsResponse& s) {
+  std::string out = absl::StrCat(
+      "transports: ",
+      s.transports().empty() ? (s.peer_address().empty() ? "none (peer listener off)" : "none")
+                             : absl::StrJoin(s.transports(), ", "),
+      "\n");
+  if (s.nics().empty()) {
+    absl::StrAppend(&out, "NICs: none\n");
+  } else {
+    absl::StrAppend(&out, "NICs: ", s.nics_size(), "\n");
+    Table table({"PORT", "STATE", "LINK", "RATE", "GID INDEX", "GID", "NUMA", "PCI BUS ID", "GPUS",
+                 "GPUDIRECT", "USED"});
+    for (const v1::NicInfo& n : s.nics()) {
+      // GPUs by ordinal where GetStats lists them, else by UUID.
+      std::vector<std::string> gpus;
+      for (const std::string& uuid : n.gpu_uuids()) {
+        std::string name = uuid;
+        for (const v1::GpuInfo& g : s.gpus()) {
+          if (g.uuid() == uuid) name = absl::StrCat(g.ordinal());
+        }
+        gpus.push_back(std::move(name));
+      }
+      table.AddRow({absl::StrCat(n.device(), ":", n.port()), n.state(),
+                    n.link_layer().empty() ? "-" : n.link_layer(),
+                    n.rate_gbps() == 0 ? "-" : absl::StrCat(n.rate_gbps(), " Gb/s"),
+                    n.gid_index() < 0 ? "none" : absl::StrCat(n.gid_index()),
+                    n.gid().empty() ? "-" : n.gid(),
+                    n.numa_node() < 0 ? "-" : absl::StrCat(n.numa_node()),
+                    n.pci_bus_id().empty() ? "-" : n.pci_bus_id(),
+                    gpus.empty() ? "-" : absl::StrJoin(gpus, ","), n.gpudirect() ? "yes" : "no",
+                    n.selected() ? "yes" : "no"});
+    }
+    absl::StrAppend(&out, table.Render("  "));
+  }
+  if (s.preflight().empty()) {
+    absl::StrAppend(&out, "preflight: ok\n");
+  } else {
+    absl::StrAppend(&out, "preflight: ", s.preflight_size(), " problem(s)\n");
+    for (const std::string& line : s.preflight()) absl::StrAppend(&out, "  ", line, "\n");
+  }
   return out;
 }
 

@@ -26,8 +26,13 @@ class Table {
 /// names (protobuf JsonPrintOptions), ending in a newline.
 std::string JsonOutput(const google::protobuf::Message& message);
 
-/// `epctl status`: daemon line, backend and reason, MPS, Peer address, counters, GPUs.
+/// `epctl status`: daemon line, backend and reason, MPS, Peer address, counters, GPUs, then
+/// FormatTransports.
 std::string FormatStatus(const v1::GetStatsResponse& stats, const std::string& target);
+/// The transports this daemon can run, the NIC table (device:port, state, link layer,
+/// rate, GID index and GID, NUMA node, PCI bus id, the GPUs using it by ordinal, GPUDirect,
+/// whether epd uses it) and the preflight lines ("preflight: ok" when none).
+std::string FormatTransports(const v1::GetStatsResponse& stats);
 /// "self", "registered", "missing", "lost", "mismatch" ("-" for an unknown value).
 std::string NodeStateName(v1::NodeState state);
 /// `epctl groups`: one row per group, then one row per joined rank, then (for groups that

@@ -39,7 +39,7 @@ constexpr char kUsage[] =
     "inspect a running epd daemon.\n"
     "Usage: epctl [--socket=/run/epd/epd.sock] [--json] [--timeout=5s] COMMAND\n"
     "Commands:\n"
-    "  status   daemon, backend and why, MPS, GPU inventory\n"
+    "  status   daemon, backend and why, MPS, GPU inventory, transports, RDMA NICs, preflight\n"
     "  groups   live groups and their joined ranks: those your uid owns or holds a rank\n"
     "           of (every group for root and epd's own uid)\n"
     "  health   grpc.health.v1 status; exit 0 only when SERVING (for HEALTHCHECK)\n"

@@ -13,6 +13,7 @@
 #include "daemon/core/fd_limits.h"
 #include "daemon/core/logging.h"
 #include "daemon/peer/grpc_peer_mesh.h"
+#include "daemon/transport/transport_set.h"
 
 namespace epd {
 namespace {
@@ -238,6 +239,9 @@ absl::Status GroupRegistry::CheckRankIsOnThisNode(const v1::GroupSpec& spec, int
         peer::RankRangeText(first, spec.nodes(node).num_ranks()), "), not on this daemon (", self,
         "): join it at that node's epd, or fix spec.nodes (each node's peer_address as its "
         "epd advertises it, GetStats.peer_address)"));
+  }
+  if (options_.transports != nullptr) {
+    EPD_RETURN_IF_ERROR(options_.transports->Find(spec.transport(), spec.name()).status());
   }
   return absl::OkStatus();
 }

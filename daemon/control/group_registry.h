@@ -34,6 +34,9 @@ namespace epd {
 namespace peer {
 class PeerMesh;
 }  // namespace peer
+namespace transport {
+class TransportSet;
+}  // namespace transport
 
 class GroupRegistry {
  public:
@@ -66,6 +69,10 @@ class GroupRegistry {
     /// The daemon's Peer mesh (DaemonConfig.peer_listen), null when the Peer listener is
     /// off: a join of a group that spans nodes then fails. Must outlive the registry.
     peer::PeerMesh* peer_mesh = nullptr;
+    /// The transports this daemon runs (with peer_mesh): a join of a spanning group whose
+    /// spec.transport (or the default) is not among them is FAILED_PRECONDITION. Null =
+    /// not checked here. Must outlive the registry.
+    const transport::TransportSet* transports = nullptr;
   };
 
   /// `data_plane` must outlive the registry (ReleaseAll() before destroying it).

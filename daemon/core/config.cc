@@ -15,6 +15,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/marshalling.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -169,12 +170,27 @@ ABSL_FLAG(Uint32Flag, peer_heartbeat_ms, Uint32Flag{epd::kDefaultPeerHeartbeatMs
           "peer_heartbeat_ms: liveness probe interval between daemons, in ms (at least 10); "
           "a peer silent for 3 intervals is lost.");
 ABSL_FLAG(StringFlag, transport, StringFlag{epd::kDefaultTransport},
-          "transport: data transport between daemons: tcp.");
+          "transport: data transport between daemons for groups whose spec names none: tcp "
+          "or rdma (start-up fails when rdma cannot run here).");
 ABSL_FLAG(StringFlag, tcp_listen, StringFlag{""},
           "tcp_listen: TCP transport's listener host:port (\"\" = peer_listen's host, any "
           "free port).");
 ABSL_FLAG(Uint32Flag, tcp_connections_per_peer, Uint32Flag{epd::kDefaultTcpConnectionsPerPeer},
           "tcp_connections_per_peer: TCP transport connections per peer per group, 1 to 16.");
+ABSL_FLAG(StringFlag, rdma_devices, StringFlag{""},
+          "rdma.devices: RDMA devices and ports epd may use, comma-separated device or "
+          "device:port (\"mlx5_0,mlx5_1:2\"); \"\" = every active port.");
+ABSL_FLAG(Uint32Flag, rdma_gid_index, Uint32Flag{0},
+          "rdma.gid_index: GID table index (0 to 255); not given = the first RoCE v2 GID with "
+          "an IPv4 address on RoCE ports, 0 on InfiniBand.");
+ABSL_FLAG(Uint32Flag, rdma_service_level, Uint32Flag{0},
+          "rdma.service_level: InfiniBand SL / RoCE priority, 0 to 15.");
+ABSL_FLAG(Uint32Flag, rdma_traffic_class, Uint32Flag{0},
+          "rdma.traffic_class: RoCE traffic class (DSCP << 2 | ECN), 0 to 255.");
+ABSL_FLAG(Uint32Flag, rdma_qps_per_peer, Uint32Flag{epd::kDefaultRdmaQpsPerPeer},
+          "rdma.qps_per_peer: RDMA queue pairs per peer node per group, 1 to 16.");
+ABSL_FLAG(StringFlag, rdma_gpudirect, StringFlag{"auto"},
+          "rdma.gpudirect: register GPU memory with the NIC (dmabuf): auto, on or off.");
 ABSL_FLAG(StringFlag, testing_transport_faults, StringFlag{""},
           "testing_transport_faults: for tests only: a fault plan (drop, delay, reset, "
           "partition) wrapped around the transport, e.g. \"delay_ms=5;partition=0|1\".");
@@ -233,6 +249,74 @@ bool IsWildcardListen(absl::string_view listen) {
   return host == "0.0.0.0" || host == "[::]" || host == "::" || host == "[::0]" || host == "*";
 }
 
+absl::Status CheckRange(absl::string_view field, uint32_t value, uint32_t lo, uint32_t hi) {
+  if (value < lo || value > hi) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", value, " is outside [", lo, ", ", hi, "]"));
+  }
+  return absl::OkStatus();
+}
+
+/// An RDMA device name as ibv_devices prints it (letters, digits, '_', '-', '.').
+bool IsDeviceName(absl::string_view name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-' && c != '.') {
+      return false;
+    }
+  }
+  return true;
+}
+
+/// rdma.* of a filled config (ranges as documented in config.proto RdmaConfig).
+absl::Status ValidateRdmaConfig(const v1::RdmaConfig& rdma) {
+  for (int i = 0; i < rdma.devices_size(); ++i) {
+    const v1::RdmaDevicePort& d = rdma.devices(i);
+    if (!IsDeviceName(d.device())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rdma.devices[", i, "].device: \"", absl::CEscape(d.device()),
+                       "\" is not an RDMA device name (e.g. \"mlx5_0\", as ibv_devices lists)"));
+    }
+    EPD_RETURN_IF_ERROR(
+        CheckRange(absl::StrCat("rdma.devices[", i, "].port"), d.port(), 0, kMaxRdmaPort));
+    for (int j = 0; j < i; ++j) {
+      const v1::RdmaDevicePort& e = rdma.devices(j);
+      if (e.device() == d.device() && std::max(e.port(), 1u) == std::max(d.port(), 1u)) {
+        return absl::InvalidArgumentError(absl::StrCat("rdma.devices[", i, "]: ", d.device(), ":",
+                                                       std::max(d.port(), 1u),
+                                                       " is listed twice (also at [", j, "])"));
+      }
+    }
+  }
+  if (rdma.has_gid_index()) {
+    EPD_RETURN_IF_ERROR(CheckRange("rdma.gid_index", rdma.gid_index(), 0, kMaxRdmaGidIndex));
+  }
+  EPD_RETURN_IF_ERROR(CheckRange("rdma.service_level", rdma.service_level(), 0, 15));
+  EPD_RETURN_IF_ERROR(CheckRange("rdma.traffic_class", rdma.traffic_class(), 0, 255));
+  EPD_RETURN_IF_ERROR(CheckRange("rdma.timeout", rdma.timeout(), 1, 31));
+  EPD_RETURN_IF_ERROR(CheckRange("rdma.retry_count", rdma.retry_count(), 0, 7));
+  EPD_RETURN_IF_ERROR(CheckRange("rdma.rnr_retry", rdma.rnr_retry(), 0, 7));
+  EPD_RETURN_IF_ERROR(CheckRange("rdma.qps_per_peer", rdma.qps_per_peer(), 1, kMaxRdmaQpsPerPeer));
+  EPD_RETURN_IF_ERROR(
+      CheckRange("rdma.max_send_wr", rdma.max_send_wr(), kMinRdmaMaxSendWr, kMaxRdmaMaxSendWr));
+  EPD_RETURN_IF_ERROR(
+      CheckRange("rdma.cq_depth", rdma.cq_depth(), kMinRdmaCqDepth, kMaxRdmaCqDepth));
+  if (rdma.has_mtu()) {
+    const uint32_t m = rdma.mtu();
+    if (m != 256 && m != 512 && m != 1024 && m != 2048 && m != 4096) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rdma.mtu: ", m,
+                       " is not a path MTU (256, 512, 1024, 2048 or 4096; absent = the "
+                       "port's active MTU)"));
+    }
+  }
+  if (rdma.gpudirect() != "auto" && rdma.gpudirect() != "on" && rdma.gpudirect() != "off") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rdma.gpudirect: \"", absl::CEscape(rdma.gpudirect()), "\" is not auto, on or off"));
+  }
+  return absl::OkStatus();
+}
+
 /// peer_* / transport / tcp_* fields of a filled config.
 absl::Status ValidatePeerConfig(const v1::DaemonConfig& config) {
   EPD_RETURN_IF_ERROR(CheckListen(config.peer_listen(), "peer_listen"));
@@ -272,10 +356,11 @@ absl::Status ValidatePeerConfig(const v1::DaemonConfig& config) {
     return absl::InvalidArgumentError(absl::StrCat(
         "peer_heartbeat_ms: ", config.peer_heartbeat_ms(), " is below ", kMinPeerHeartbeatMs));
   }
-  if (config.transport() != kDefaultTransport) {
-    return absl::InvalidArgumentError(absl::StrCat("transport: \"", config.transport(),
-                                                   "\" is not a transport of this build (tcp)"));
+  if (config.transport() != "tcp" && config.transport() != "rdma") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transport: \"", config.transport(), "\" is not a transport (tcp or rdma)"));
   }
+  EPD_RETURN_IF_ERROR(ValidateRdmaConfig(config.rdma()));
   if (!config.testing_transport_faults().empty()) {
     absl::StatusOr<transport::FaultPlan> plan =
         transport::ParseFaultPlan(config.testing_transport_faults());
@@ -307,6 +392,33 @@ std::optional<T> GivenValue(const absl::Flag<config_internal::CommandLineValue<T
 }
 
 }  // namespace
+
+absl::StatusOr<std::vector<v1::RdmaDevicePort>> ParseRdmaDevices(absl::string_view text,
+                                                                 absl::string_view field) {
+  std::vector<v1::RdmaDevicePort> devices;
+  if (absl::StripAsciiWhitespace(text).empty()) return devices;
+  for (absl::string_view item : absl::StrSplit(text, ',')) {
+    item = absl::StripAsciiWhitespace(item);
+    v1::RdmaDevicePort d;
+    const size_t colon = item.find(':');
+    absl::string_view name = item.substr(0, colon);
+    uint32_t port = 1;
+    if (colon != absl::string_view::npos &&
+        (!absl::SimpleAtoi(item.substr(colon + 1), &port) || port == 0 || port > kMaxRdmaPort)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": \"", item, "\": the port after ':' must be 1 to ", kMaxRdmaPort,
+                       " (\"mlx5_0\" or \"mlx5_0:2\")"));
+    }
+    if (!IsDeviceName(name)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": \"", item, "\" is not device or device:port (\"mlx5_0\", \"mlx5_0:2\")"));
+    }
+    d.set_device(std::string(name));
+    d.set_port(port);
+    devices.push_back(std::move(d));
+  }
+  return devices;
+}
 
 ConfigFlags ConfigFlagsFromCommandLine() {
   ConfigFlags f;
@@ -340,6 +452,12 @@ ConfigFlags ConfigFlagsFromCommandLine() {
   f.tcp_listen = GivenValue(FLAGS_tcp_listen);
   f.tcp_connections_per_peer = GivenValue(FLAGS_tcp_connections_per_peer);
   f.testing_transport_faults = GivenValue(FLAGS_testing_transport_faults);
+  f.rdma_devices = GivenValue(FLAGS_rdma_devices);
+  f.rdma_gid_index = GivenValue(FLAGS_rdma_gid_index);
+  f.rdma_service_level = GivenValue(FLAGS_rdma_service_level);
+  f.rdma_traffic_class = GivenValue(FLAGS_rdma_traffic_class);
+  f.rdma_qps_per_peer = GivenValue(FLAGS_rdma_qps_per_peer);
+  f.rdma_gpudirect = GivenValue(FLAGS_rdma_gpudirect);
   return f;
 }
 
@@ -477,6 +595,21 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
   if (flags.tcp_connections_per_peer) {
     config->set_tcp_connections_per_peer(*flags.tcp_connections_per_peer);
   }
+  if (flags.rdma_devices) {
+    EPD_ASSIGN_OR_RETURN(std::vector<v1::RdmaDevicePort> devices,
+                         ParseRdmaDevices(*flags.rdma_devices, "--rdma_devices"));
+    config->mutable_rdma()->clear_devices();
+    for (v1::RdmaDevicePort& d : devices) *config->mutable_rdma()->add_devices() = std::move(d);
+  }
+  if (flags.rdma_gid_index) config->mutable_rdma()->set_gid_index(*flags.rdma_gid_index);
+  if (flags.rdma_service_level)
+    config->mutable_rdma()->set_service_level(*flags.rdma_service_level);
+  if (flags.rdma_traffic_class)
+    config->mutable_rdma()->set_traffic_class(*flags.rdma_traffic_class);
+  if (flags.rdma_qps_per_peer) config->mutable_rdma()->set_qps_per_peer(*flags.rdma_qps_per_peer);
+  if (flags.rdma_gpudirect) {
+    config->mutable_rdma()->set_gpudirect(absl::AsciiStrToLower(*flags.rdma_gpudirect));
+  }
   if (flags.gpu_uuids) {
     config->clear_gpu_uuids();
     for (const std::string& uuid : *flags.gpu_uuids) {
@@ -517,6 +650,15 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
   if (!config->has_tcp_connections_per_peer()) {
     config->set_tcp_connections_per_peer(kDefaultTcpConnectionsPerPeer);
   }
+  // gid_index and mtu stay absent when absent (chosen per port at start-up).
+  v1::RdmaConfig* rdma = config->mutable_rdma();
+  if (!rdma->has_timeout()) rdma->set_timeout(kDefaultRdmaTimeout);
+  if (!rdma->has_retry_count()) rdma->set_retry_count(kDefaultRdmaRetryCount);
+  if (!rdma->has_rnr_retry()) rdma->set_rnr_retry(kDefaultRdmaRnrRetry);
+  if (!rdma->has_qps_per_peer()) rdma->set_qps_per_peer(kDefaultRdmaQpsPerPeer);
+  if (!rdma->has_max_send_wr()) rdma->set_max_send_wr(kDefaultRdmaMaxSendWr);
+  if (!rdma->has_cq_depth()) rdma->set_cq_depth(kDefaultRdmaCqDepth);
+  if (rdma->gpudirect().empty()) rdma->set_gpudirect("auto");
 }
 
 absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {

@@ -55,6 +55,20 @@ inline constexpr size_t kMaxPeerSecretBytes = 4096;
 inline constexpr char kDefaultTransport[] = "tcp";
 inline constexpr uint32_t kDefaultTcpConnectionsPerPeer = 2;
 inline constexpr uint32_t kMaxTcpConnectionsPerPeer = 16;
+/// RdmaConfig defaults and bounds (config.proto RdmaConfig).
+inline constexpr uint32_t kDefaultRdmaTimeout = 14;
+inline constexpr uint32_t kDefaultRdmaRetryCount = 7;
+inline constexpr uint32_t kDefaultRdmaRnrRetry = 7;
+inline constexpr uint32_t kDefaultRdmaQpsPerPeer = 2;
+inline constexpr uint32_t kMaxRdmaQpsPerPeer = 16;
+inline constexpr uint32_t kDefaultRdmaMaxSendWr = 1024;
+inline constexpr uint32_t kMinRdmaMaxSendWr = 16;
+inline constexpr uint32_t kMaxRdmaMaxSendWr = 32768;
+inline constexpr uint32_t kDefaultRdmaCqDepth = 4096;
+inline constexpr uint32_t kMinRdmaCqDepth = 64;
+inline constexpr uint32_t kMaxRdmaCqDepth = 1048576;
+inline constexpr uint32_t kMaxRdmaGidIndex = 255;
+inline constexpr uint32_t kMaxRdmaPort = 255;
 /// Most host-backend threads per op (host_threads).
 inline constexpr uint32_t kMaxHostThreads = 1024;
 /// Longest socket_path epd can listen on, in bytes. sockaddr_un.sun_path holds 107 bytes
@@ -98,7 +112,19 @@ struct ConfigFlags {
   std::optional<std::string> tcp_listen;
   std::optional<uint32_t> tcp_connections_per_peer;
   std::optional<std::string> testing_transport_faults;
+  std::optional<std::string> rdma_devices;  ///< "mlx5_0,mlx5_1:2"; "" = every active port.
+  std::optional<uint32_t> rdma_gid_index;
+  std::optional<uint32_t> rdma_service_level;
+  std::optional<uint32_t> rdma_traffic_class;
+  std::optional<uint32_t> rdma_qps_per_peer;
+  std::optional<std::string> rdma_gpudirect;
 };
+
+/// Parses an RDMA device list, comma-separated "device" or "device:port" items
+/// ("mlx5_0,mlx5_1:2"; a port defaults to 1; "" = empty list). INVALID_ARGUMENT naming
+/// `field` and the offending item.
+absl::StatusOr<std::vector<v1::RdmaDevicePort>> ParseRdmaDevices(absl::string_view text,
+                                                                 absl::string_view field);
 
 /// Reads the --config, --socket, ... flags of this process (after absl::ParseCommandLine):
 /// a field is set exactly when its flag was given ("--socket=" gives an empty value).

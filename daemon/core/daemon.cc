@@ -25,8 +25,7 @@
 #include "daemon/peer/grpc_peer_mesh.h"
 #include "daemon/server/fd_channel.h"
 #include "daemon/server/listener.h"
-#include "daemon/transport/fault/fault_transport.h"
-#include "daemon/transport/tcp/tcp_transport.h"
+#include "daemon/transport/transport_factory.h"
 #if EPD_HAVE_CUDA
 #include "daemon/dataplane/cuda/cuda_data_plane.h"
 #endif
@@ -161,10 +160,9 @@ absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInve
                                   cuda_data_plane_built);
 }
 
-absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::DaemonConfig& config,
-                                                                const BackendChoice& choice,
-                                                                peer::PeerMesh* peer_mesh,
-                                                                transport::Transport* transport) {
+absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(
+    const v1::DaemonConfig& config, const BackendChoice& choice, peer::PeerMesh* peer_mesh,
+    const transport::TransportSet* transports) {
 #if EPD_HAVE_CUDA
   if (choice.backend == "cuda") {
     CudaDataPlaneOptions options;
@@ -183,7 +181,7 @@ absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(const v1::Daemon
   options.engine_idle_us = config.engine_idle_us();
   options.host_threads = static_cast<int>(config.host_threads());
   options.peer_mesh = peer_mesh;
-  options.transport = transport;
+  options.transports = transports;
   return MakeHostDataPlane(options);
 }
 
@@ -279,15 +277,14 @@ absl::Status Daemon::Init() {
 
   // One epd per socket (its lock file).
   EPD_RETURN_IF_ERROR(PrepareSocketPath());
-  if (!config_.peer_listen().empty()) {
-    EPD_RETURN_IF_ERROR(StartPeerMesh());
-    EPD_RETURN_IF_ERROR(StartTransport());
-  }
+  if (!config_.peer_listen().empty()) EPD_RETURN_IF_ERROR(StartPeerMesh());
+  EPD_RETURN_IF_ERROR(StartTransports());
   if (options_.data_plane_factory) {
     EPD_ASSIGN_OR_RETURN(data_plane_, options_.data_plane_factory(config_, backend_));
   } else {
-    EPD_ASSIGN_OR_RETURN(
-        data_plane_, MakeDefaultDataPlane(config_, backend_, peer_mesh_.get(), transport_.get()));
+    EPD_ASSIGN_OR_RETURN(data_plane_,
+                         MakeDefaultDataPlane(config_, backend_, peer_mesh_.get(),
+                                              peer_mesh_ != nullptr ? &transports_->set : nullptr));
   }
   GroupRegistry::Options registry_options;
   registry_options.max_groups = config_.max_groups();
@@ -302,6 +299,7 @@ absl::Status Daemon::Init() {
   registry_options.max_sessions_per_uid = config_.max_sessions_per_uid();
   registry_options.operator_uid = ::geteuid();  // With root, sees every group.
   registry_options.peer_mesh = peer_mesh_.get();
+  registry_options.transports = peer_mesh_ != nullptr ? &transports_->set : nullptr;
   registry_ = std::make_unique<GroupRegistry>(data_plane_.get(), inventory, registry_options);
   control_ = std::make_unique<ControlService>(registry_.get(), [this] { return Stats(); });
   EPD_ASSIGN_OR_RETURN(fd_channel_, FdChannel::Start([registry = registry_.get()](
@@ -492,35 +490,16 @@ absl::Status Daemon::StartPeerMesh() {
 
 peer::PeerMesh* Daemon::peer_mesh() const { return peer_mesh_.get(); }
 
-absl::Status Daemon::StartTransport() {
-  transport::TcpTransportOptions options;
-  // The data listener: tcp_listen, else peer_listen's host on any free port. Peers learn
-  // the address from the descriptor the Peer service carries; the host they connect to is
-  // the advertised Peer address's.
-  const std::string& peer_listen = config_.peer_listen();
-  const std::string& advertised =
-      config_.peer_advertise().empty() ? peer_listen : config_.peer_advertise();
-  options.listen_address = config_.tcp_listen().empty()
-                               ? absl::StrCat(peer_listen.substr(0, peer_listen.rfind(':')), ":0")
-                               : config_.tcp_listen();
-  options.advertise_host = advertised.substr(0, advertised.rfind(':'));
-  options.connections_per_peer = static_cast<int32_t>(config_.tcp_connections_per_peer());
-  options.connect_timeout = std::chrono::milliseconds(config_.op_timeout_ms());
-  EPD_ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> tcp,
-                       transport::MakeTcpTransport(options));
-  GetLogger(kLogDaemon)
-      ->info("transport tcp: data listener {} ({} connection(s) per peer per group)",
-             transport::TcpListenAddress(*tcp), options.connections_per_peer);
-  if (config_.testing_transport_faults().empty()) {
-    transport_ = std::move(tcp);
-    return absl::OkStatus();
+absl::Status Daemon::StartTransports() {
+  transport::TransportStartOptions options;
+  options.start = !config_.peer_listen().empty();
+  {
+    absl::MutexLock lock(&mu_);
+    options.gpus = inventory_.gpus();
   }
-  EPD_ASSIGN_OR_RETURN(transport::FaultPlan plan,
-                       transport::ParseFaultPlan(config_.testing_transport_faults()));
-  GetLogger(kLogDaemon)
-      ->warn("testing_transport_faults \"{}\": the transport injects faults (tests only)",
-             config_.testing_transport_faults());
-  transport_ = transport::MakeFaultTransport(std::move(tcp), std::move(plan));
+  options.sysfs_root = options_.sysfs_root;
+  options.facts = options_.preflight_facts;
+  EPD_ASSIGN_OR_RETURN(transports_, transport::StartTransports(config_, options));
   return absl::OkStatus();
 }
 
@@ -690,6 +669,13 @@ v1::GetStatsResponse Daemon::Stats() const {
   }
   *stats.mutable_effective_config() = config_;
   if (peer_mesh_ != nullptr) stats.set_peer_address(peer_mesh_->advertised_address());
+  if (transports_ != nullptr) {
+    for (const v1::NicInfo& n : transports_->nics) *stats.add_nics() = n;
+    for (const std::string& line : transports_->preflight) stats.add_preflight(line);
+    if (peer_mesh_ != nullptr) {
+      for (const std::string& name : transports_->set.names()) stats.add_transports(name);
+    }
+  }
   stats.set_pid(::getpid());
   absl::MutexLock lock(&mu_);
   stats.set_mps_active(inventory_.mps().active);
@@ -745,8 +731,8 @@ void Daemon::Shutdown() {
   data_plane_.reset();
   // After the data plane: its groups' teardown notices go out before the mesh stops, and
   // its links are closed before the transport's thread goes.
-  if (transport_ != nullptr) transport_->Shutdown();
-  transport_.reset();
+  if (transports_ != nullptr) transports_->Shutdown();
+  transports_.reset();
   if (peer_mesh_ != nullptr) peer_mesh_->Shutdown();
   peer_mesh_.reset();
   struct stat st {};

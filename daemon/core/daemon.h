@@ -22,6 +22,7 @@
 #include "common/version.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/gpu/gpu_inventory.h"
+#include "daemon/transport/rdma/preflight.h"
 #include "epd/v1/config.pb.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "epd/v1/control.pb.h"
@@ -36,7 +37,8 @@ class GrpcPeerMesh;
 class PeerMesh;
 }  // namespace peer
 namespace transport {
-class Transport;
+class TransportSet;
+struct Transports;
 }  // namespace transport
 
 class ControlService;
@@ -70,11 +72,11 @@ using DataPlaneFactory = std::function<absl::StatusOr<std::unique_ptr<DataPlane>
 /// `config`) when choice.backend is "cuda" in a CUDA build, else the host data plane
 /// (daemon/dataplane/host/host_data_plane.h; op_timeout_ms, engine_idle_us, host_threads).
 /// UNIMPLEMENTED for a backend this build has no data plane for.
-/// `peer_mesh` and `transport` (null when the Peer listener is off) go to the host data
+/// `peer_mesh` and `transports` (null when the Peer listener is off) go to the host data
 /// plane (HostDataPlaneOptions) for groups that span nodes; both must outlive the plane.
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(
     const v1::DaemonConfig& config, const BackendChoice& choice,
-    peer::PeerMesh* peer_mesh = nullptr, transport::Transport* transport = nullptr);
+    peer::PeerMesh* peer_mesh = nullptr, const transport::TransportSet* transports = nullptr);
 
 struct DaemonOptions {
   /// Data plane factory; null = MakeDefaultDataPlane. Tests inject a fake.
@@ -101,6 +103,11 @@ struct DaemonOptions {
   /// "--backend=cuda on the command line"); empty = an in-process DaemonConfig. The daemon
   /// reads no command line: main.cc fills this from its flags.
   std::string backend_source;
+  /// Root of sysfs for the NIC inventory ("/sys"); tests point it at a fake tree.
+  std::string sysfs_root = "/sys";
+  /// RDMA preflight facts; nullopt = read from this process and machine (tests inject
+  /// them).
+  std::optional<transport::PreflightFacts> preflight_facts;
 };
 
 class Daemon {
@@ -109,7 +116,8 @@ class Daemon {
   /// Errors: FAILED_PRECONDITION when a live epd already answers on the socket, when the
   /// socket path exists and is not a socket, or --backend=cuda without a GPU;
   /// UNAVAILABLE when a listener cannot be bound; NOT_FOUND for an unknown socket_group or
-  /// gpu_uuids entry; the data plane's errors.
+  /// gpu_uuids entry; FAILED_PRECONDITION when config.transport is "rdma" and RDMA cannot
+  /// run here (the preflight's lines); the data plane's errors.
   static absl::StatusOr<std::unique_ptr<Daemon>> Start(v1::DaemonConfig config,
                                                        DaemonOptions options = {});
   ~Daemon();  ///< Shutdown().
@@ -141,9 +149,9 @@ class Daemon {
   absl::Status ApplySocketPermissions();
   /// Starts peer_mesh_ from the peer_* fields (secret and TLS files read here).
   absl::Status StartPeerMesh();
-  /// Starts transport_ from the transport / tcp_* fields (with peer_listen), wrapped in
-  /// the fault plan of testing_transport_faults when that is set.
-  absl::Status StartTransport();
+  /// Runs the NIC inventory and the RDMA preflight, and (with peer_listen) starts the
+  /// transports (transport_factory.h) into transports_.
+  absl::Status StartTransports();
   /// Recomputes health from the state below (starting, draining, GPU lost, listener
   /// stuck) and publishes it to both servers' health services when it changed.
   void PublishServing();
@@ -164,8 +172,9 @@ class Daemon {
 
   /// The Peer service and its clients (peer_listen); before the data plane, which uses it.
   std::unique_ptr<peer::GrpcPeerMesh> peer_mesh_;
-  /// The transport between daemons (peer_listen); before the data plane, which uses it.
-  std::unique_ptr<transport::Transport> transport_;
+  /// The transports between daemons by name, NICs and preflight lines; before the data
+  /// plane, which uses them.
+  std::unique_ptr<transport::Transports> transports_;
   std::unique_ptr<DataPlane> data_plane_;
   std::unique_ptr<GroupRegistry> registry_;
   std::unique_ptr<ControlService> control_;

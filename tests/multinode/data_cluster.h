@@ -109,6 +109,8 @@ struct ClientRun {
   bool to_first_node = false;
   uint64_t seed = 1;
   std::vector<std::string> extra_args;
+  /// spec.transport the ranks of each node present (empty: "" everywhere).
+  std::vector<std::string> node_transports;
 };
 
 /// Starts the client process of `rank` (stdin a pipe: closing it stops a loop).
@@ -127,6 +129,7 @@ inline absl::StatusOr<std::unique_ptr<testing::Subprocess>> StartClient(const Cl
       absl::StrCat("--to_first_node=", run.to_first_node ? "true" : "false"),
   };
   if (!run.tokens.empty()) argv.push_back("--tokens=" + absl::StrJoin(run.tokens, ","));
+  if (!run.node_transports.empty()) argv.push_back("--transport=" + run.node_transports.at(node));
   argv.insert(argv.end(), run.extra_args.begin(), run.extra_args.end());
   // Its output goes to files in its node's daemon directory (removed with the daemon), one
   // pair per start of the rank.

@@ -68,6 +68,15 @@ TEST(DataOpsTest, EveryTokenToTheFirstNode) {
              {.group = "to-first", .tokens = {6, 2, 0, 8, 5, 1}, .to_first_node = true, .seed = 5});
 }
 
+// spec.transport "tcp" on one node and "" (the daemon's default, tcp) on the other resolve
+// to the same transport, which the rendezvous compares: the group forms and runs.
+TEST(DataOpsTest, TransportNamedOnOneNodeAndDefaultedOnTheOther) {
+  RunEveryOp({2, 2}, {.group = "named-transport",
+                      .tokens = {3, 4, 0, 2},
+                      .seed = 7,
+                      .node_transports = {"tcp", ""}});
+}
+
 TEST(DataOpsTest, NoRankHasTokens) {
   RunEveryOp({2, 2}, {.group = "empty", .tokens = {0, 0, 0, 0}, .seed = 6});
 }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "daemon/dataplane/host/host_data_plane.h"
+#include "daemon/transport/transport_set.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
 #include "epd/kernels/op_rules.h"
@@ -61,7 +62,8 @@ class MultinodeHostTest : public ::testing::Test {
       o.op_timeout_ms = op_timeout_ms;
       o.host_threads = 2;
       o.peer_mesh = node->mesh.get();
-      o.transport = node->transport.get();
+      node->transports.Add("tcp", node->transport.get());
+      o.transports = &node->transports;
       auto plane = MakeHostDataPlane(o);
       ASSERT_TRUE(plane.ok()) << plane.status();
       node->plane = std::move(*plane);
@@ -139,6 +141,7 @@ class MultinodeHostTest : public ::testing::Test {
 
   struct Node {
     std::unique_ptr<testing::FakeTransport> transport;
+    transport::TransportSet transports;  ///< "tcp" = `transport`.
     std::unique_ptr<testing::FakeMesh> mesh;
     std::unique_ptr<DataPlane> plane;
     std::unique_ptr<DataPlaneGroup> group;

@@ -1,5 +1,6 @@
-// The Peer service's and the transport's DaemonConfig fields (peer_*, transport, tcp_*):
-// defaults, validation naming field and value, flags, and the secret file's checks.
+// The Peer service's and the transports' DaemonConfig fields (peer_*, transport, tcp_*,
+// rdma): defaults, validation naming field and value (every RdmaConfig range, the device
+// list forms "mlx5_0" / "mlx5_0:2"), flags, and the secret file's checks.
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -75,7 +76,7 @@ TEST(PeerConfigTest, BadValuesAreNamed) {
             },
             "peer_tls_cert_file", "2 given"},
            {[](v1::DaemonConfig* x) { x->set_peer_heartbeat_ms(9); }, "peer_heartbeat_ms", "9"},
-           {[](v1::DaemonConfig* x) { x->set_transport("rdma"); }, "transport", "rdma"},
+           {[](v1::DaemonConfig* x) { x->set_transport("udp"); }, "transport", "udp"},
            {[](v1::DaemonConfig* x) { x->set_tcp_listen("x"); }, "tcp_listen", "x"},
            {[](v1::DaemonConfig* x) { x->set_tcp_connections_per_peer(0); },
             "tcp_connections_per_peer", "0"},
@@ -172,6 +173,155 @@ TEST_F(SecretFileTest, RefusesShortOpenOrMissing) {
   EXPECT_EQ(ReadPeerSecretFile(path_).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(ReadPeerSecretFile(path_ + ".absent").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(ReadPeerSecretFile("/tmp").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(RdmaConfigTest, DefaultsAreTheDocumentedOnes) {
+  v1::DaemonConfig config = Filled();
+  const v1::RdmaConfig& r = config.rdma();
+  EXPECT_EQ(r.devices_size(), 0);
+  EXPECT_FALSE(r.has_gid_index());
+  EXPECT_FALSE(r.has_mtu());
+  EXPECT_EQ(r.service_level(), 0u);
+  EXPECT_EQ(r.traffic_class(), 0u);
+  EXPECT_EQ(r.timeout(), 14u);
+  EXPECT_EQ(r.retry_count(), 7u);
+  EXPECT_EQ(r.rnr_retry(), 7u);
+  EXPECT_EQ(r.qps_per_peer(), 2u);
+  EXPECT_EQ(r.max_send_wr(), 1024u);
+  EXPECT_EQ(r.cq_depth(), 4096u);
+  EXPECT_EQ(r.gpudirect(), "auto");
+  EXPECT_TRUE(ValidateDaemonConfig(config).ok()) << ValidateDaemonConfig(config);
+  config.set_transport("rdma");
+  EXPECT_TRUE(ValidateDaemonConfig(config).ok()) << ValidateDaemonConfig(config);
+  // Present values are kept, also the extremes of each range.
+  v1::DaemonConfig edges;
+  v1::RdmaConfig* e = edges.mutable_rdma();
+  e->set_gid_index(255);
+  e->set_service_level(15);
+  e->set_traffic_class(255);
+  e->set_timeout(31);
+  e->set_retry_count(0);
+  e->set_rnr_retry(0);
+  e->set_qps_per_peer(16);
+  e->set_max_send_wr(16);
+  e->set_cq_depth(1048576);
+  e->set_mtu(256);
+  e->set_gpudirect("off");
+  FillDaemonConfigDefaults(&edges);
+  EXPECT_EQ(edges.rdma().retry_count(), 0u);
+  EXPECT_TRUE(ValidateDaemonConfig(edges).ok()) << ValidateDaemonConfig(edges);
+}
+
+TEST(RdmaConfigTest, OutOfRangeValuesAreNamed) {
+  struct Case {
+    std::function<void(v1::RdmaConfig*)> mutate;
+    std::string field;
+    std::string value;
+  };
+  for (const Case& c : std::vector<Case>{
+           {[](v1::RdmaConfig* r) { r->set_gid_index(256); }, "rdma.gid_index", "256"},
+           {[](v1::RdmaConfig* r) { r->set_service_level(16); }, "rdma.service_level", "16"},
+           {[](v1::RdmaConfig* r) { r->set_traffic_class(256); }, "rdma.traffic_class", "256"},
+           {[](v1::RdmaConfig* r) { r->set_timeout(0); }, "rdma.timeout", "0"},
+           {[](v1::RdmaConfig* r) { r->set_timeout(32); }, "rdma.timeout", "32"},
+           {[](v1::RdmaConfig* r) { r->set_retry_count(8); }, "rdma.retry_count", "8"},
+           {[](v1::RdmaConfig* r) { r->set_rnr_retry(8); }, "rdma.rnr_retry", "8"},
+           {[](v1::RdmaConfig* r) { r->set_qps_per_peer(0); }, "rdma.qps_per_peer", "0"},
+           {[](v1::RdmaConfig* r) { r->set_qps_per_peer(17); }, "rdma.qps_per_peer", "17"},
+           {[](v1::RdmaConfig* r) { r->set_max_send_wr(15); }, "rdma.max_send_wr", "15"},
+           {[](v1::RdmaConfig* r) { r->set_max_send_wr(32769); }, "rdma.max_send_wr", "32769"},
+           {[](v1::RdmaConfig* r) { r->set_cq_depth(63); }, "rdma.cq_depth", "63"},
+           {[](v1::RdmaConfig* r) { r->set_cq_depth(1048577); }, "rdma.cq_depth", "1048577"},
+           {[](v1::RdmaConfig* r) { r->set_mtu(1500); }, "rdma.mtu", "1500"},
+           {[](v1::RdmaConfig* r) { r->set_mtu(0); }, "rdma.mtu", "0"},
+           {[](v1::RdmaConfig* r) { r->set_gpudirect("yes"); }, "rdma.gpudirect", "yes"},
+           {[](v1::RdmaConfig* r) { r->add_devices()->set_device(""); }, "rdma.devices[0].device",
+            "\"\""},
+           {[](v1::RdmaConfig* r) { r->add_devices()->set_device("mlx5 0"); },
+            "rdma.devices[0].device", "mlx5 0"},
+           {[](v1::RdmaConfig* r) {
+              v1::RdmaDevicePort* d = r->add_devices();
+              d->set_device("mlx5_0");
+              d->set_port(256);
+            },
+            "rdma.devices[0].port", "256"},
+           {[](v1::RdmaConfig* r) {
+              r->add_devices()->set_device("mlx5_0");  // Port 0 = 1.
+              v1::RdmaDevicePort* d = r->add_devices();
+              d->set_device("mlx5_0");
+              d->set_port(1);
+            },
+            "rdma.devices[1]", "mlx5_0:1 is listed twice"},
+       }) {
+    v1::DaemonConfig config;
+    c.mutate(config.mutable_rdma());
+    FillDaemonConfigDefaults(&config);
+    absl::Status status = ValidateDaemonConfig(config);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(status.message()), AllOf(HasSubstr(c.field), HasSubstr(c.value)));
+  }
+  v1::DaemonConfig udp = Filled();
+  udp.set_transport("udp");
+  EXPECT_THAT(ValidateDaemonConfig(udp).message(),
+              AllOf(HasSubstr("transport"), HasSubstr("udp"), HasSubstr("tcp or rdma")));
+}
+
+TEST(RdmaConfigTest, DeviceListForms) {
+  auto list = ParseRdmaDevices("mlx5_0, mlx5_1:2", "--rdma_devices");
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->size(), 2u);
+  EXPECT_EQ((*list)[0].device(), "mlx5_0");
+  EXPECT_EQ((*list)[0].port(), 1u);
+  EXPECT_EQ((*list)[1].device(), "mlx5_1");
+  EXPECT_EQ((*list)[1].port(), 2u);
+  EXPECT_TRUE(ParseRdmaDevices("", "--rdma_devices")->empty());
+  for (const char* bad : {"mlx5_0:0", "mlx5_0:x", "mlx5_0:256", ":1", "mlx5_0,", "a b"}) {
+    auto r = ParseRdmaDevices(bad, "--rdma_devices");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(r.status().message(), HasSubstr("--rdma_devices")) << bad;
+  }
+}
+
+TEST(RdmaConfigTest, FlagsOverrideTheFile) {
+  absl::FlagSaver saver;
+  absl::StatusOr<v1::DaemonConfig> file = ParseDaemonConfig(
+      "transport: \"tcp\" rdma { devices { device: \"mlx5_9\" } service_level: 1 }", "test");
+  ASSERT_TRUE(file.ok()) << file.status();
+  GiveFlag("transport", "RDMA");
+  GiveFlag("rdma_devices", "mlx5_0,mlx5_1:2");
+  GiveFlag("rdma_gid_index", "3");
+  GiveFlag("rdma_service_level", "5");
+  GiveFlag("rdma_traffic_class", "106");
+  GiveFlag("rdma_qps_per_peer", "4");
+  GiveFlag("rdma_gpudirect", "Off");
+  v1::DaemonConfig config = *file;
+  ASSERT_TRUE(ApplyConfigFlags(ConfigFlagsFromCommandLine(), &config).ok());
+  FillDaemonConfigDefaults(&config);
+  EXPECT_EQ(config.transport(), "rdma");
+  ASSERT_EQ(config.rdma().devices_size(), 2);
+  EXPECT_EQ(config.rdma().devices(1).device(), "mlx5_1");
+  EXPECT_EQ(config.rdma().devices(1).port(), 2u);
+  EXPECT_EQ(config.rdma().gid_index(), 3u);
+  EXPECT_EQ(config.rdma().service_level(), 5u);
+  EXPECT_EQ(config.rdma().traffic_class(), 106u);
+  EXPECT_EQ(config.rdma().qps_per_peer(), 4u);
+  EXPECT_EQ(config.rdma().gpudirect(), "off");
+  EXPECT_TRUE(ValidateDaemonConfig(config).ok()) << ValidateDaemonConfig(config);
+
+  ConfigFlags bad;
+  bad.rdma_devices = "mlx5_0:0";
+  EXPECT_THAT(ApplyConfigFlags(bad, &config).message(),
+              AllOf(HasSubstr("--rdma_devices"), HasSubstr("mlx5_0:0")));
+  ConfigFlags every;
+  every.rdma_devices = "";
+  ASSERT_TRUE(ApplyConfigFlags(every, &config).ok());
+  EXPECT_EQ(config.rdma().devices_size(), 0);
+  for (const char* name : {"rdma_devices", "rdma_gid_index", "rdma_service_level",
+                           "rdma_traffic_class", "rdma_qps_per_peer", "rdma_gpudirect"}) {
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    ASSERT_NE(flag, nullptr) << name;
+    EXPECT_THAT(flag->Filename(), HasSubstr("daemon/core/config.cc")) << name;
+  }
 }
 
 }  // namespace

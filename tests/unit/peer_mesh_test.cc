@@ -224,6 +224,27 @@ TEST(PeerMeshTest, SpecMismatchIsFailedPreconditionNamingTheField) {
   EXPECT_EQ(m0->NodeStatuses("g")[1].state(), v1::NODE_STATE_MISMATCH);
 }
 
+// Each daemon registers the transport it resolved (spec.transport, or its default): nodes
+// that would run different transports are refused at rendezvous, naming the field.
+TEST(PeerMeshTest, TransportMismatchIsFailedPreconditionNamingTheField) {
+  auto m0 = StartMesh();
+  auto m1 = StartMesh();
+  ASSERT_TRUE(m0 && m1);
+  v1::GroupSpec spec = Spec({m0.get(), m1.get()});
+  spec.set_transport("tcp");
+  v1::GroupSpec other = spec;
+  other.set_transport("rdma");
+  Registered a = Register(m0.get(), spec, 0, "a");
+  Registered b = Register(m1.get(), other, 1, "b");
+  ASSERT_TRUE(WaitFor([&] { return !a.peers->Health().ok() && !b.peers->Health().ok(); }));
+  EXPECT_EQ(a.peers->Health().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(a.peers->Health().message(), HasSubstr("transport"));
+  EXPECT_THAT(a.peers->Health().message(), HasSubstr("\"rdma\""));
+  EXPECT_THAT(b.peers->Health().message(), HasSubstr("transport"));
+  EXPECT_FALSE(a.peers->Descriptor(1).has_value());
+  EXPECT_EQ(m0->NodeStatuses("g")[1].state(), v1::NODE_STATE_MISMATCH);
+}
+
 TEST(PeerMeshTest, JoinSecretMismatchIsFailedPreconditionNamingTheFieldNotTheValue) {
   auto m0 = StartMesh();
   auto m1 = StartMesh();

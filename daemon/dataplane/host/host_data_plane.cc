@@ -22,6 +22,7 @@
 #include "daemon/dataplane/lockstep_group.h"
 #include "daemon/peer/peer_mesh.h"
 #include "daemon/transport/transport.h"
+#include "daemon/transport/transport_set.h"
 #include "epd/kernels/host_node_ops.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
@@ -175,6 +176,12 @@ class HostGroup : public LockstepGroup {
   /// The digest of the group's join secret its Peer mesh registration carries (a group
   /// that spans nodes; set once, before the first rank attaches).
   void set_join_secret_digest(std::string digest) { join_secret_digest_ = std::move(digest); }
+  /// The transport of a group that spans nodes and its name (spec.transport, "" resolved
+  /// to the daemon's default); set once, before the first rank attaches.
+  void set_transport(transport::Transport* t, std::string name) {
+    transport_ = t;
+    transport_name_ = std::move(name);
+  }
 
  protected:
   uint64_t ShmDataBytes() const override { return layout().total_bytes; }
@@ -358,7 +365,9 @@ class HostGroup : public LockstepGroup {
     std::vector<float> quant_scales;                    // [Rl, Mll, S] their scales.
   };
   Span span_;
-  std::string join_secret_digest_;  ///< See set_join_secret_digest.
+  std::string join_secret_digest_;             ///< See set_join_secret_digest.
+  transport::Transport* transport_ = nullptr;  ///< See set_transport.
+  std::string transport_name_;
 
   HostDataPlaneImpl* plane_;
   // Each op kind's kernel arguments, [R], filled in per op (sized once: README "Hot path").
@@ -383,11 +392,15 @@ absl::Status HostDataPlaneImpl::Init() {
 absl::StatusOr<std::unique_ptr<DataPlaneGroup>> HostDataPlaneImpl::CreateGroup(
     const v1::GroupSpec& spec, const GroupCreateOptions& options) {
   if (shut_down_.load()) return absl::UnavailableError("epd is shutting down");
-  if (spec.nodes_size() >= 2 && (options_.peer_mesh == nullptr || options_.transport == nullptr)) {
+  if (spec.nodes_size() >= 2 && (options_.peer_mesh == nullptr || options_.transports == nullptr)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "group \"", spec.name(), "\" spans ", spec.nodes_size(),
         " nodes, but this daemon has no Peer listener (peer_listen is unset in its config), so it "
         "cannot reach the other nodes; set peer_listen (and peer_secret_file) on every daemon"));
+  }
+  transport::Transport* link_transport = nullptr;
+  if (spec.nodes_size() >= 2) {
+    EPD_ASSIGN_OR_RETURN(link_transport, options_.transports->Find(spec.transport(), spec.name()));
   }
   // Join checked GroupPrivateBytes against free memory; memory taken by others since then
   // can still make the reservation fail, which must not cross gRPC as an exception.
@@ -403,6 +416,7 @@ absl::StatusOr<std::unique_ptr<DataPlaneGroup>> HostDataPlaneImpl::CreateGroup(
   if (spec.nodes_size() >= 2) {
     group->set_join_secret_digest(
         options_.peer_mesh->JoinSecretDigest(spec.name(), options.join_secret));
+    group->set_transport(link_transport, options_.transports->Resolve(spec.transport()));
   }
   engine_.Add(group.get());
   return std::unique_ptr<DataPlaneGroup>(std::move(group));
@@ -717,12 +731,14 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
     lo.node_labels.push_back(absl::StrCat(sp.nodes(n).peer_address(), ", ",
                                           peer::RankRangeText(s.first[n], s.count[n])));
   }
-  absl::StatusOr<std::unique_ptr<transport::GroupLink>> link =
-      plane_->options().transport->CreateGroupLink(lo);
+  absl::StatusOr<std::unique_ptr<transport::GroupLink>> link = transport_->CreateGroupLink(lo);
   if (!link.ok()) return link.status();
   s.link = *std::move(link);
   peer::GroupMembership m;
   m.spec = sp;
+  // The daemons compare the transport each resolved ("" = its own default): nodes whose
+  // defaults differ are refused at rendezvous, not left with descriptors they cannot read.
+  m.spec.set_transport(transport_name_);
   m.self_node = node;
   m.transport_descriptor = s.link->LocalDescriptor();
   m.join_secret_digest = join_secret_digest_;

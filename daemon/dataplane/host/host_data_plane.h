@@ -17,7 +17,7 @@ namespace peer {
 class PeerMesh;
 }  // namespace peer
 namespace transport {
-class Transport;
+class TransportSet;
 }  // namespace transport
 
 /// Options of the host data plane (from DaemonConfig).
@@ -25,11 +25,12 @@ struct HostDataPlaneOptions {
   uint32_t op_timeout_ms = 10000;  ///< Bound on waiting for the ranks of an op.
   uint32_t engine_idle_us = 100;   ///< Engine sleeps after this long with no request.
   int host_threads = 0;            ///< Threads per op (0 = hardware concurrency).
-  /// The daemon's peer mesh and transport (DESIGN.md §5), for groups whose spec lists >= 2
-  /// nodes; null when the Peer listener is off (then such a group is FAILED_PRECONDITION).
-  /// Not owned; must outlive the plane.
+  /// The daemon's peer mesh and transports by name (DESIGN.md §5), for groups whose spec
+  /// lists >= 2 nodes (spec.transport, "" = the set's default, picks one; a name the set
+  /// cannot run is FAILED_PRECONDITION at CreateGroup); null when the Peer listener is off
+  /// (then such a group is FAILED_PRECONDITION). Not owned; must outlive the plane.
   peer::PeerMesh* peer_mesh = nullptr;
-  transport::Transport* transport = nullptr;
+  const transport::TransportSet* transports = nullptr;
 
   /// Test seams (unset in the daemon), called on the engine thread: `on_engine_start` once
   /// before its first poll; `on_kernels(true)` right before and `on_kernels(false)` right

@@ -55,6 +55,7 @@ ABSL_FLAG(std::string, tokens, "", "T of every rank, comma-separated (default: 5
 ABSL_FLAG(bool, to_first_node, false, "route every token to experts of node 0's ranks");
 ABSL_FLAG(uint64_t, seed, 1, "input seed (every rank of a group uses the same)");
 ABSL_FLAG(std::string, scenario, "ops", "ops or loop");
+ABSL_FLAG(std::string, transport, "", "spec.transport (\"\" = the daemons' default)");
 ABSL_FLAG(bool, exit_after_recovery, false, "loop: exit 0 after a failed round and 3 OK ones");
 ABSL_FLAG(int, max_seconds, 60, "loop: stop after this long");
 ABSL_FLAG(int, wait_seconds, 30, "bound of each op's Wait");
@@ -557,7 +558,8 @@ int Main() {
     std::printf("FLAGS %s\n", std::string(nodes.status().message()).c_str());
     return 2;
   }
-  const epd::v1::GroupSpec spec = epd::multinode::DataSpec(absl::GetFlag(FLAGS_group), *nodes);
+  epd::v1::GroupSpec spec = epd::multinode::DataSpec(absl::GetFlag(FLAGS_group), *nodes);
+  spec.set_transport(absl::GetFlag(FLAGS_transport));
   const GroupShape shape = epd::rules::ShapeOf(spec);
   const int R = shape.num_ranks, rank = absl::GetFlag(FLAGS_rank);
   std::vector<int32_t> tokens(R, 5);
