@@ -13,6 +13,7 @@
 #include <system_error>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/peer/grpc_peer_mesh.h"
@@ -31,11 +32,13 @@ constexpr char kSecret[] = "0123456789abcdef-test-secret";
 constexpr absl::Duration kInterval = absl::Milliseconds(50);
 
 std::unique_ptr<GrpcPeerMesh> StartMesh(const std::string& listen = "127.0.0.1:0",
-                                        const std::string& secret = kSecret) {
+                                        const std::string& secret = kSecret,
+                                        absl::Duration session_lifetime = absl::Hours(1)) {
   PeerMeshOptions options;
   options.listen = listen;
   options.secret = secret;
   options.heartbeat_interval = kInterval;
+  options.session_lifetime = session_lifetime;
   absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> mesh = GrpcPeerMesh::Start(options);
   EXPECT_TRUE(mesh.ok()) << mesh.status();
   return mesh.ok() ? *std::move(mesh) : nullptr;
@@ -449,19 +452,20 @@ class HandCaller {
     key_ = SessionKey(kSecret, hello.server_nonce(), hello.client_nonce(), id_);
   }
   grpc::Status Rendezvous(v1::RendezvousRequest request) {
-    SignPeerRequest("Rendezvous", session_, key_, &request);
+    SignPeerRequest("Rendezvous", session_, key_, ++counter_, &request);
     grpc::ClientContext c;
     v1::RendezvousResponse r;
     return stub_->Rendezvous(&c, request, &r);
   }
   grpc::Status Heartbeat(v1::HeartbeatRequest request) {
-    SignPeerRequest("Heartbeat", session_, key_, &request);
+    SignPeerRequest("Heartbeat", session_, key_, ++counter_, &request);
     grpc::ClientContext c;
     v1::HeartbeatResponse r;
     return stub_->Heartbeat(&c, request, &r);
   }
+  std::string session_hex() const { return absl::BytesToHexString(session_); }
   grpc::Status Leave(v1::LeaveRequest request) {
-    SignPeerRequest("Leave", session_, key_, &request);
+    SignPeerRequest("Leave", session_, key_, ++counter_, &request);
     grpc::ClientContext c;
     v1::LeaveResponse r;
     return stub_->Leave(&c, request, &r);
@@ -472,6 +476,7 @@ class HandCaller {
   std::unique_ptr<v1::Peer::Stub> stub_;
   std::string session_;
   std::string key_;
+  uint64_t counter_ = 0;
 };
 
 TEST(PeerMeshTest, MalformedInputFromAnAuthenticatedPeerIsRefusedAndChangesNothing) {
@@ -550,6 +555,54 @@ TEST(PeerMeshTest, MalformedInputFromAnAuthenticatedPeerIsRefusedAndChangesNothi
   ASSERT_TRUE(a.peers->Descriptor(1).has_value());
   EXPECT_EQ(a.peers->Descriptor(1)->incarnation, incarnation);
   EXPECT_EQ(a.peers->Descriptor(1)->transport, "b");
+}
+
+TEST(PeerMeshTest, SessionsExpireAtTheServerAndClientsRenewThemFirst) {
+  constexpr absl::Duration kLifetime = absl::Milliseconds(400);
+  auto m0 = StartMesh("127.0.0.1:0", kSecret, kLifetime);
+  auto m1 = StartMesh("127.0.0.1:0", kSecret, kLifetime);
+  ASSERT_TRUE(m0 && m1);
+  v1::GroupSpec spec = Spec({m0.get(), m1.get()});
+  Registered a = Register(m0.get(), spec, 0, "a");
+  Registered b = Register(m1.get(), spec, 1, "b");
+  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*a.peers, 1, "b"); }));
+  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*b.peers, 0, "a"); }));
+
+  // A session older than its lifetime is refused, naming it, however well its calls are
+  // signed.
+  HandCaller caller(m0->advertised_address(), "127.0.0.1:1");
+  ASSERT_TRUE(caller.Heartbeat(v1::HeartbeatRequest()).ok());
+  absl::SleepFor(kLifetime + absl::Milliseconds(100));
+  grpc::Status expired = caller.Heartbeat(v1::HeartbeatRequest());
+  EXPECT_EQ(expired.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(expired.error_message(), HasSubstr("expired"));
+  EXPECT_THAT(expired.error_message(), HasSubstr(caller.session_hex()));
+
+  // The meshes' own sessions are renewed before they expire: the pair stays healthy over
+  // several lifetimes.
+  const absl::Time until = absl::Now() + 4 * kLifetime;
+  while (absl::Now() < until) {
+    ASSERT_TRUE(a.peers->Health().ok()) << a.peers->Health();
+    ASSERT_TRUE(b.peers->Health().ok()) << b.peers->Health();
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+TEST(PeerMeshTest, CertificateNamesMustNameTheDaemonIdHost) {
+  EXPECT_TRUE(CheckPeerCertificateNames("127.0.0.1:7000", {"localhost", "127.0.0.1"}, {}).ok());
+  EXPECT_TRUE(CheckPeerCertificateNames("[::1]:7000", {"0:0:0:0:0:0:0:1"}, {}).ok());
+  EXPECT_TRUE(CheckPeerCertificateNames("Node3.Example:1", {"node3.example"}, {}).ok());
+  EXPECT_TRUE(CheckPeerCertificateNames("node3.example:1", {"*.example"}, {}).ok());
+  EXPECT_FALSE(CheckPeerCertificateNames("a.node3.example:1", {"*.example"}, {}).ok());
+  EXPECT_FALSE(CheckPeerCertificateNames("example:1", {"*.example"}, {}).ok());
+  // The common name counts only when there are no subject alternative names.
+  EXPECT_TRUE(CheckPeerCertificateNames("node3:1", {}, {"node3"}).ok());
+  EXPECT_FALSE(CheckPeerCertificateNames("node3:1", {"node4"}, {"node3"}).ok());
+  absl::Status s = CheckPeerCertificateNames("127.0.0.2:7000", {"127.0.0.1", "localhost"}, {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(s.message(), HasSubstr("127.0.0.2:7000"));
+  EXPECT_THAT(s.message(), HasSubstr("127.0.0.1, localhost"));
+  EXPECT_EQ(CheckPeerCertificateNames("h:1", {}, {}).code(), absl::StatusCode::kPermissionDenied);
 }
 
 TEST(PeerMeshTest, StartRefusesBadOptions) {
