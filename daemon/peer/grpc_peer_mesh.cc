@@ -421,12 +421,15 @@ struct GrpcPeerMesh::State {
     if (g.membership.wake) g.membership.wake();
   }
 
-  v1::GroupRegistration OwnRegistration(const GroupEntry& g) const {
+  /// This node's registration of `g` as node `to_node` is to see it (its descriptor).
+  v1::GroupRegistration OwnRegistration(const GroupEntry& g, int32_t to_node) const {
     v1::GroupRegistration r;
     *r.mutable_spec() = g.membership.spec;
     r.set_node(g.membership.self_node);
     r.set_incarnation(g.incarnation);
-    r.set_transport_descriptor(g.membership.transport_descriptor);
+    const std::vector<std::string>& per_node = g.membership.transport_descriptors;
+    r.set_transport_descriptor(per_node.empty() ? g.membership.transport_descriptor
+                                                : per_node[static_cast<size_t>(to_node)]);
     r.set_daemon_instance(daemon_instance);
     r.set_registration_seq(g.registration_seq);
     r.set_joined_ranks(JoinedBytes(g.local_joined));
@@ -769,7 +772,7 @@ class PeerService final : public v1::Peer::Service {
       return ToGrpc(s);
     }
     state_->ApplyRegistration(g, r);
-    *response->mutable_registration() = state_->OwnRegistration(g);
+    *response->mutable_registration() = state_->OwnRegistration(g, r.node());
     return grpc::Status::OK;
   }
 
@@ -1098,7 +1101,7 @@ class Worker {
   void SendRendezvous(const std::shared_ptr<GroupEntry>& g, int32_t node)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(st_->mu) {
     v1::RendezvousRequest request;
-    *request.mutable_registration() = st_->OwnRegistration(*g);
+    *request.mutable_registration() = st_->OwnRegistration(*g, node);
     Sign("Rendezvous", &request);
     NodeEntry& n = g->nodes[node];
     n.next_attempt = absl::Now() + n.backoff;
@@ -1374,6 +1377,19 @@ absl::StatusOr<std::unique_ptr<GroupPeers>> GrpcPeerMesh::RegisterGroup(
                                                    membership.self_node, " is ",
                                                    spec.nodes(membership.self_node).peer_address(),
                                                    ", not this daemon (", state_->advertised, ")"));
+  }
+  if (!membership.transport_descriptors.empty() &&
+      membership.transport_descriptors.size() != static_cast<size_t>(spec.nodes_size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transport_descriptors: ", membership.transport_descriptors.size(),
+                     " entries for ", spec.nodes_size(), " nodes"));
+  }
+  for (const std::string& d : membership.transport_descriptors) {
+    if (d.size() > kMaxTransportDescriptorBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("transport_descriptors: an entry of ",
+                                                     d.size(), " bytes, more than ",
+                                                     kMaxTransportDescriptorBytes));
+    }
   }
   if (membership.transport_descriptor.size() > kMaxTransportDescriptorBytes) {
     return absl::InvalidArgumentError(

@@ -66,12 +66,14 @@ struct Registered {
 };
 
 Registered Register(GrpcPeerMesh* mesh, const v1::GroupSpec& spec, int node,
-                    const std::string& descriptor, const std::string& join_secret_digest = "") {
+                    const std::string& descriptor, const std::string& join_secret_digest = "",
+                    std::vector<std::string> per_node_descriptors = {}) {
   Registered r;
   GroupMembership m;
   m.spec = spec;
   m.self_node = node;
   m.transport_descriptor = descriptor;
+  m.transport_descriptors = std::move(per_node_descriptors);
   m.join_secret_digest = join_secret_digest;
   m.wake = [w = r.wakes] { ++*w; };
   absl::StatusOr<std::unique_ptr<GroupPeers>> peers = mesh->RegisterGroup(std::move(m));
@@ -183,6 +185,34 @@ TEST(PeerMeshTest, ThreeMeshesAllRegistered) {
           << n.ShortDebugString();
     }
   }
+}
+
+// Per-node descriptors: each node gets the one made for it, by request and by answer.
+TEST(PeerMeshTest, EachNodeIsHandedTheDescriptorMadeForIt) {
+  auto m0 = StartMesh();
+  auto m1 = StartMesh();
+  auto m2 = StartMesh();
+  ASSERT_TRUE(m0 && m1 && m2);
+  v1::GroupSpec spec = Spec({m0.get(), m1.get(), m2.get()}, 1);
+  const auto per_node = [](int self) {
+    std::vector<std::string> d;
+    for (int to = 0; to < 3; ++to) d.push_back(absl::StrCat(self, "for", to));
+    return d;
+  };
+  Registered r0 = Register(m0.get(), spec, 0, "zero", "", per_node(0));
+  Registered r1 = Register(m1.get(), spec, 1, "one", "", per_node(1));
+  Registered r2 = Register(m2.get(), spec, 2, "two", "", per_node(2));
+  ASSERT_TRUE(WaitFor([&] {
+    return HasDescriptor(*r0.peers, 1, "1for0") && HasDescriptor(*r0.peers, 2, "2for0") &&
+           HasDescriptor(*r1.peers, 0, "0for1") && HasDescriptor(*r1.peers, 2, "2for1") &&
+           HasDescriptor(*r2.peers, 0, "0for2") && HasDescriptor(*r2.peers, 1, "1for2");
+  }));
+  GroupMembership short_list;
+  short_list.spec = spec;
+  short_list.spec.set_name("h");
+  short_list.self_node = 0;
+  short_list.transport_descriptors = {"a", "b"};
+  EXPECT_EQ(m0->RegisterGroup(short_list).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(PeerMeshTest, RegisterGroupRefusesBadMemberships) {
