@@ -91,8 +91,8 @@ class GroupLink {
   virtual ~GroupLink() = default;
 
   /// What a peer needs to connect to this node for this group, as opaque bytes carried
-  /// by the Peer service (TCP: address, port and the group's connection token; RDMA:
-  /// queue pair numbers, GIDs and the region's key).
+  /// by the Peer service (TCP: address and port, but no token: see LocalDescriptorFor;
+  /// RDMA: queue pair numbers, GIDs and the region's key).
   virtual std::string LocalDescriptor() const = 0;
   /// What node `node` (a peer of this node) needs to connect to this node: the descriptor
   /// the Peer service hands that node alone. A transport may put in it what only that node
