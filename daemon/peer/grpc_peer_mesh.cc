@@ -1,5 +1,6 @@
 #include "daemon/peer/grpc_peer_mesh.h"
 
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -21,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -119,7 +121,7 @@ std::string RequestMac(absl::string_view session_key, absl::string_view method,
                        const Request& request) {
   Request copy = request;
   copy.clear_auth();
-  return PeerRequestMac(session_key, method, copy);
+  return PeerRequestMac(session_key, method, request.auth().counter(), copy);
 }
 
 std::chrono::system_clock::time_point DeadlineAfter(absl::Duration d) {
@@ -134,7 +136,53 @@ absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
+/// The host part of a daemon id ("host:port", "[v6]:port"), without brackets.
+std::string DaemonIdHost(absl::string_view daemon_id) {
+  absl::string_view host = daemon_id.substr(0, std::min(daemon_id.rfind(':'), daemon_id.size()));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return std::string(host);
+}
+
+/// Whether a certificate name (a DNS name, "*.example.com" matching one leftmost label, or
+/// an IP address in any textual form) names `host`.
+bool CertNameMatches(absl::string_view name, absl::string_view host) {
+  in6_addr a{}, b{};
+  const std::string n(name), h(host);
+  for (int family : {AF_INET, AF_INET6}) {
+    if (::inet_pton(family, n.c_str(), &a) == 1) {
+      return ::inet_pton(family, h.c_str(), &b) == 1 &&
+             std::memcmp(&a, &b, family == AF_INET ? 4 : 16) == 0;
+    }
+  }
+  if (absl::EqualsIgnoreCase(name, host)) return true;
+  if (!absl::StartsWith(name, "*.")) return false;
+  const size_t dot = host.find('.');
+  return dot != absl::string_view::npos && dot > 0 &&
+         absl::EqualsIgnoreCase(name.substr(1), host.substr(dot));
+}
+
 }  // namespace
+
+absl::Status CheckPeerCertificateNames(absl::string_view daemon_id,
+                                       const std::vector<std::string>& sans,
+                                       const std::vector<std::string>& common_names) {
+  const std::string host = DaemonIdHost(daemon_id);
+  const std::vector<std::string>& names = sans.empty() ? common_names : sans;
+  for (const std::string& name : names) {
+    if (CertNameMatches(name, host)) return absl::OkStatus();
+  }
+  std::vector<std::string> shown;
+  for (const std::string& name : names) shown.push_back(EscapeClientText(name));
+  return absl::PermissionDeniedError(absl::StrCat(
+      "daemon id \"", EscapeClientText(daemon_id), "\" names host \"", EscapeClientText(host),
+      "\", but the caller's TLS certificate is for ",
+      names.empty() ? std::string("no name")
+                    : absl::StrCat(sans.empty() ? "common name " : "subject alternative names ",
+                                   absl::StrJoin(shown, ", ")),
+      " (a daemon must advertise a host its certificate names)"));
+}
 
 std::string HelloProof(absl::string_view secret, absl::string_view server_nonce,
                        absl::string_view client_nonce, absl::string_view daemon_id) {
@@ -152,6 +200,7 @@ std::string JoinSecretDigest(absl::string_view secret, absl::string_view group,
 }
 
 std::string PeerRequestMac(absl::string_view session_key, absl::string_view method,
+                           uint64_t counter,
                            const google::protobuf::Message& request_without_auth) {
   std::string bytes;
   {
@@ -160,7 +209,9 @@ std::string PeerRequestMac(absl::string_view session_key, absl::string_view meth
     coded.SetSerializationDeterministic(true);
     request_without_auth.SerializeToCodedStream(&coded);
   }
-  return Mac(session_key, method, {bytes});
+  char counter_bytes[sizeof counter];
+  std::memcpy(counter_bytes, &counter, sizeof counter);  // Little-endian hosts only.
+  return Mac(session_key, method, {absl::string_view(counter_bytes, sizeof counter), bytes});
 }
 
 std::string RankRangeText(int32_t first_rank, int32_t num_ranks) {
@@ -287,6 +338,8 @@ struct PeerConn {
   // Session (set by the worker's handshake; guarded by State::mu).
   std::string session_id;
   std::string session_key;
+  uint64_t session_counter = 0;  ///< The counter of the session's last call.
+  absl::Time session_opened;
   absl::Time last_heard;
   /// Heartbeats and handshakes that failed since it was last heard from.
   int failed_probes = 0;
@@ -309,7 +362,9 @@ struct PeerConn {
 struct Session {
   std::string daemon_id;
   std::string key;
+  absl::Time opened;
   absl::Time last_used;
+  uint64_t counter = 0;  ///< Of the last call accepted.
 };
 
 struct PendingNonce {
@@ -366,12 +421,15 @@ struct GrpcPeerMesh::State {
     if (g.membership.wake) g.membership.wake();
   }
 
-  v1::GroupRegistration OwnRegistration(const GroupEntry& g) const {
+  /// This node's registration of `g` as node `to_node` is to see it (its descriptor).
+  v1::GroupRegistration OwnRegistration(const GroupEntry& g, int32_t to_node) const {
     v1::GroupRegistration r;
     *r.mutable_spec() = g.membership.spec;
     r.set_node(g.membership.self_node);
     r.set_incarnation(g.incarnation);
-    r.set_transport_descriptor(g.membership.transport_descriptor);
+    const std::vector<std::string>& per_node = g.membership.transport_descriptors;
+    r.set_transport_descriptor(per_node.empty() ? g.membership.transport_descriptor
+                                                : per_node[static_cast<size_t>(to_node)]);
     r.set_daemon_instance(daemon_instance);
     r.set_registration_seq(g.registration_seq);
     r.set_joined_ranks(JoinedBytes(g.local_joined));
@@ -564,30 +622,53 @@ struct GrpcPeerMesh::State {
       sessions.erase(oldest);
     }
     std::string id = RandomBytes(kSessionIdBytes);
-    sessions[id] = Session{daemon_id, std::move(key), absl::Now()};
+    const absl::Time now = absl::Now();
+    sessions[id] = Session{daemon_id, std::move(key), now, now, 0};
     return id;
   }
 
-  /// The caller's daemon id when `auth` is a valid MAC of `request` in a live session.
+  static absl::Status UnknownSession() {
+    return absl::UnauthenticatedError(
+        "unknown Peer session (the callee restarted or forgot it): handshake again");
+  }
+
+  /// The caller's daemon id when `auth` is a valid MAC of `request` in a live session and
+  /// its counter is above the session's last one (which it then becomes).
   template <typename Request>
   absl::StatusOr<std::string> Authenticate(absl::string_view method, const Request& request) {
+    const std::string& id = request.auth().session_id();
+    const uint64_t counter = request.auth().counter();
     std::string key;
-    std::string daemon_id;
     {
       absl::MutexLock lock(&auth_mu);
-      auto it = sessions.find(request.auth().session_id());
-      if (it == sessions.end()) {
-        return absl::UnauthenticatedError(
-            "unknown Peer session (the callee restarted or forgot it): handshake again");
-      }
-      it->second.last_used = absl::Now();
+      auto it = sessions.find(id);
+      if (it == sessions.end()) return UnknownSession();
       key = it->second.key;
-      daemon_id = it->second.daemon_id;
     }
     if (!SameMac(request.auth().mac(), RequestMac(key, method, request))) {
       return absl::UnauthenticatedError("bad Peer request MAC");
     }
-    return daemon_id;
+    absl::MutexLock lock(&auth_mu);
+    auto it = sessions.find(id);
+    if (it == sessions.end()) return UnknownSession();
+    Session& session = it->second;
+    const absl::Time now = absl::Now();
+    if (now - session.opened > options.session_lifetime) {
+      const std::string who = session.daemon_id;
+      sessions.erase(it);
+      return absl::UnauthenticatedError(absl::StrCat(
+          "Peer session ", Hex(id), " of ", EscapeClientText(who), " expired (it lives ",
+          absl::FormatDuration(options.session_lifetime), "): handshake again"));
+    }
+    if (counter <= session.counter) {
+      return absl::UnauthenticatedError(
+          absl::StrCat("Peer session ", Hex(id), " of ", EscapeClientText(session.daemon_id),
+                       ": call counter ", counter, " is not above the last accepted ",
+                       session.counter, " (a replayed or reordered call)"));
+    }
+    session.counter = counter;
+    session.last_used = now;
+    return session.daemon_id;
   }
 };
 
@@ -640,6 +721,23 @@ class PeerService final : public v1::Peer::Service {
                                  "\" does not know the shared secret (peer_secret_file "
                                  "differs between the daemons)")));
     }
+    if (!state_->options.tls_ca_pem.empty()) {
+      // Mutual TLS: the caller's certificate (verified against the CA by the TLS layer)
+      // must name the host of the daemon id it claims.
+      std::vector<std::string> sans, common_names;
+      if (std::shared_ptr<const grpc::AuthContext> auth = context->auth_context()) {
+        for (const grpc::string_ref& v : auth->FindPropertyValues(GRPC_X509_SAN_PROPERTY_NAME)) {
+          sans.emplace_back(v.data(), v.size());
+        }
+        for (const grpc::string_ref& v : auth->FindPropertyValues(GRPC_X509_CN_PROPERTY_NAME)) {
+          common_names.emplace_back(v.data(), v.size());
+        }
+      }
+      if (absl::Status s = CheckPeerCertificateNames(request->daemon_id(), sans, common_names);
+          !s.ok()) {
+        return Refuse(context, s);
+      }
+    }
     std::string key =
         SessionKey(secret, request->server_nonce(), request->client_nonce(), request->daemon_id());
     response->set_session_id(state_->OpenSession(request->daemon_id(), std::move(key)));
@@ -674,7 +772,7 @@ class PeerService final : public v1::Peer::Service {
       return ToGrpc(s);
     }
     state_->ApplyRegistration(g, r);
-    *response->mutable_registration() = state_->OwnRegistration(g);
+    *response->mutable_registration() = state_->OwnRegistration(g, r.node());
     return grpc::Status::OK;
   }
 
@@ -850,6 +948,10 @@ class Worker {
   bool Step(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st_->mu) {
     const bool wanted = HasGroups() || !pc_->leaves.empty();
     if (!wanted) return false;
+    if (!pc_->session_id.empty() &&
+        now - pc_->session_opened >= st_->options.session_lifetime / 2) {
+      pc_->session_id.clear();  // Renewed well before the server refuses it.
+    }
     if (pc_->session_id.empty()) {
       if (now < pc_->next_handshake) return false;
       DoHandshake();
@@ -934,6 +1036,8 @@ class Worker {
     if (s.ok()) {
       pc_->session_id = std::move(id);
       pc_->session_key = std::move(key);
+      pc_->session_counter = 0;
+      pc_->session_opened = absl::Now();
       pc_->Heard();
       pc_->handshake_backoff = kMinBackoff;
       pc_->next_heartbeat = absl::InfinitePast();
@@ -953,8 +1057,7 @@ class Worker {
 
   template <typename Request>
   void Sign(absl::string_view method, Request* request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st_->mu) {
-    request->mutable_auth()->set_session_id(pc_->session_id);
-    request->mutable_auth()->set_mac(RequestMac(pc_->session_key, method, *request));
+    SignPeerRequest(method, pc_->session_id, pc_->session_key, ++pc_->session_counter, request);
   }
 
   void SendLeave() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st_->mu) {
@@ -998,7 +1101,7 @@ class Worker {
   void SendRendezvous(const std::shared_ptr<GroupEntry>& g, int32_t node)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(st_->mu) {
     v1::RendezvousRequest request;
-    *request.mutable_registration() = st_->OwnRegistration(*g);
+    *request.mutable_registration() = st_->OwnRegistration(*g, node);
     Sign("Rendezvous", &request);
     NodeEntry& n = g->nodes[node];
     n.next_attempt = absl::Now() + n.backoff;
@@ -1154,6 +1257,10 @@ absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> GrpcPeerMesh::Start(PeerMeshOption
   if (options.heartbeat_interval < absl::Milliseconds(10)) {
     return absl::InvalidArgumentError("peer_heartbeat_ms: below 10");
   }
+  if (options.session_lifetime < absl::Milliseconds(100)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session_lifetime: ", absl::FormatDuration(options.session_lifetime), ", below 100ms"));
+  }
   if (options.advertise.empty() && IsWildcardHost(options.listen)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "peer_listen: \"", options.listen,
@@ -1270,6 +1377,19 @@ absl::StatusOr<std::unique_ptr<GroupPeers>> GrpcPeerMesh::RegisterGroup(
                                                    membership.self_node, " is ",
                                                    spec.nodes(membership.self_node).peer_address(),
                                                    ", not this daemon (", state_->advertised, ")"));
+  }
+  if (!membership.transport_descriptors.empty() &&
+      membership.transport_descriptors.size() != static_cast<size_t>(spec.nodes_size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transport_descriptors: ", membership.transport_descriptors.size(),
+                     " entries for ", spec.nodes_size(), " nodes"));
+  }
+  for (const std::string& d : membership.transport_descriptors) {
+    if (d.size() > kMaxTransportDescriptorBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("transport_descriptors: an entry of ",
+                                                     d.size(), " bytes, more than ",
+                                                     kMaxTransportDescriptorBytes));
+    }
   }
   if (membership.transport_descriptor.size() > kMaxTransportDescriptorBytes) {
     return absl::InvalidArgumentError(

@@ -20,7 +20,7 @@ namespace epd::peer {
 
 /// The Peer protocol version this build speaks; daemons of other versions are refused at
 /// the handshake (FAILED_PRECONDITION naming both).
-inline constexpr uint32_t kPeerProtocolVersion = 1;
+inline constexpr uint32_t kPeerProtocolVersion = 2;
 /// Smallest shared secret accepted, in bytes.
 inline constexpr size_t kMinPeerSecretBytes = 16;
 /// Largest transport descriptor a peer may send, in bytes.
@@ -40,6 +40,9 @@ struct PeerMeshOptions {
   std::string tls_cert_pem;
   std::string tls_key_pem;
   std::string tls_ca_pem;
+  /// How long a Peer session lives from its handshake: the server refuses its calls after
+  /// that (UNAUTHENTICATED), and the client handshakes anew once half of it has passed.
+  absl::Duration session_lifetime = absl::Hours(1);
   /// Heartbeat interval; a peer that answers none for kLostAfterIntervals is lost.
   absl::Duration heartbeat_interval = absl::Milliseconds(500);
   /// Largest Peer message accepted, in bytes.
@@ -96,23 +99,32 @@ std::string SessionKey(absl::string_view secret, absl::string_view server_nonce,
 /// comes (the server's accept loop is gone, or the backlog is full); UNAVAILABLE when the
 /// probe itself fails (no socket, connection refused), naming the address and errno.
 absl::Status ProbeGrpcListener(const std::string& host, int port, absl::Duration timeout);
+/// With mutual TLS, the Peer server's check of a caller's identity: OK when the host of
+/// `daemon_id` ("host:port", "[v6]:port") is one of the certificate's subject alternative
+/// names `sans` (DNS names, "*." wildcards of one label, IP addresses), or, when it has
+/// none, one of its `common_names`; else PERMISSION_DENIED naming both.
+absl::Status CheckPeerCertificateNames(absl::string_view daemon_id,
+                                       const std::vector<std::string>& sans,
+                                       const std::vector<std::string>& common_names);
 /// GroupRegistration.join_secret_digest: HMAC-SHA256(secret, "epd-join-secret-v1" 0
 /// group, join_secret), 32 bytes.
 std::string JoinSecretDigest(absl::string_view secret, absl::string_view group,
                              absl::string_view join_secret);
 /// PeerAuth.mac of a request whose auth is cleared: over `method` ("Rendezvous",
-/// "Heartbeat", "Leave") and the request's deterministic serialization.
+/// "Heartbeat", "Leave"), the session's call `counter` and the request's deterministic
+/// serialization.
 std::string PeerRequestMac(absl::string_view session_key, absl::string_view method,
-                           const google::protobuf::Message& request_without_auth);
-/// Fills request->auth for `session_id` / `session_key` (a RendezvousRequest,
-/// HeartbeatRequest or LeaveRequest).
+                           uint64_t counter, const google::protobuf::Message& request_without_auth);
+/// Fills request->auth for `session_id` / `session_key` and the session's call `counter`
+/// (strictly rising, from 1) of a RendezvousRequest, HeartbeatRequest or LeaveRequest.
 template <typename Request>
 void SignPeerRequest(absl::string_view method, absl::string_view session_id,
-                     absl::string_view session_key, Request* request) {
+                     absl::string_view session_key, uint64_t counter, Request* request) {
   Request copy = *request;
   copy.clear_auth();
   request->mutable_auth()->set_session_id(std::string(session_id));
-  request->mutable_auth()->set_mac(PeerRequestMac(session_key, method, copy));
+  request->mutable_auth()->set_counter(counter);
+  request->mutable_auth()->set_mac(PeerRequestMac(session_key, method, counter, copy));
 }
 
 }  // namespace epd::peer

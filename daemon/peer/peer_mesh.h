@@ -23,8 +23,12 @@ namespace epd::peer {
 struct GroupMembership {
   v1::GroupSpec spec;     ///< Validated; spec.nodes().size() >= 2.
   int32_t self_node = 0;  ///< The node this daemon is for the group.
-  /// This node's GroupLink::LocalDescriptor (opaque to the mesh).
+  /// This node's GroupLink::LocalDescriptor (opaque to the mesh), for every peer node when
+  /// `transport_descriptors` is empty.
   std::string transport_descriptor;
+  /// Empty, or one entry per node of the spec: entry i (GroupLink::LocalDescriptorFor(i))
+  /// is handed to node i alone (the own node's entry is unused).
+  std::vector<std::string> transport_descriptors;
   /// PeerMesh::JoinSecretDigest of the group's join secret at this node. A peer node that
   /// registered the group with a different one is a mismatch (FAILED_PRECONDITION naming
   /// "join_secret"): ranks on two nodes form a group only if they presented the same secret.

@@ -91,9 +91,14 @@ class GroupLink {
   virtual ~GroupLink() = default;
 
   /// What a peer needs to connect to this node for this group, as opaque bytes carried
-  /// by the Peer service (TCP: address, port and the group's connection token; RDMA:
-  /// queue pair numbers, GIDs and the region's key).
+  /// by the Peer service (TCP: address and port, but no token: see LocalDescriptorFor;
+  /// RDMA: queue pair numbers, GIDs and the region's key).
   virtual std::string LocalDescriptor() const = 0;
+  /// What node `node` (a peer of this node) needs to connect to this node: the descriptor
+  /// the Peer service hands that node alone. A transport may put in it what only that node
+  /// may know (TCP: a token that lets it, and no other node, connect as itself); then
+  /// LocalDescriptor() lacks it and admits no one. Default: LocalDescriptor().
+  virtual std::string LocalDescriptorFor(int32_t node) const { return LocalDescriptor(); }
 
   /// Starts connecting to node `node` (!= self) with the descriptor it published.
   /// Non-blocking. Called again for a node (its daemon registered the group anew: a new

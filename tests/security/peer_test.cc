@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -111,7 +112,7 @@ class PeerSecurityTest : public SecurityTest {
     EXPECT_EQ(welcome.daemon_id(), address_);
     v1::HeartbeatRequest beat;
     beat.mutable_held()->set_daemon_instance(1);
-    peer::SignPeerRequest("Heartbeat", welcome.session_id(), key, &beat);
+    peer::SignPeerRequest("Heartbeat", welcome.session_id(), key, 1, &beat);
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     v1::HeartbeatResponse answer;
@@ -192,7 +193,7 @@ TEST_F(PeerSecurityTest, WrongVersionWrongSecretAndForgeriesAreRefused) {
     std::string key;
     ASSERT_TRUE(Handshake(kSecret, &welcome, &key).ok());
     v1::HeartbeatRequest beat;
-    peer::SignPeerRequest("Heartbeat", welcome.session_id(), "not-the-session-key", &beat);
+    peer::SignPeerRequest("Heartbeat", welcome.session_id(), "not-the-session-key", 1, &beat);
     grpc::ClientContext context;
     v1::HeartbeatResponse r;
     grpc::Status s = peer_->Heartbeat(&context, beat, &r);
@@ -215,6 +216,44 @@ TEST_F(PeerSecurityTest, WrongVersionWrongSecretAndForgeriesAreRefused) {
                          HasSubstr("does not know the shared secret")));
   EXPECT_THAT(log, ::testing::Not(HasSubstr(kSecret)));
   ExpectLogBounded(mark, 200, 20, "bad Peer handshakes");
+  StopVictimsAndExpectExact();
+}
+
+TEST_F(PeerSecurityTest, ReplayedAndReorderedCallsAreRefusedNamingTheSession) {
+  ASSERT_NO_FATAL_FAILURE(StartVictims());
+  v1::HelloResponse welcome;
+  std::string key;
+  ASSERT_TRUE(Handshake(kSecret, &welcome, &key).ok());
+  const std::string session_hex = absl::BytesToHexString(welcome.session_id());
+  const auto beat = [&](uint64_t counter) {
+    v1::HeartbeatRequest request;
+    request.mutable_held()->set_daemon_instance(7);
+    peer::SignPeerRequest("Heartbeat", welcome.session_id(), key, counter, &request);
+    return request;
+  };
+  const auto send = [&](const v1::HeartbeatRequest& request) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::HeartbeatResponse answer;
+    return peer_->Heartbeat(&context, request, &answer);
+  };
+  const v1::HeartbeatRequest first = beat(1);
+  ASSERT_TRUE(send(first).ok());
+  // The same signed bytes again: a replay.
+  grpc::Status replay = send(first);
+  EXPECT_EQ(replay.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(replay.error_message(),
+              AllOf(HasSubstr(session_hex), HasSubstr("replayed or reordered")));
+  // A later call, then an earlier one (captured, held back): a reorder.
+  const v1::HeartbeatRequest second = beat(2);
+  ASSERT_TRUE(send(beat(3)).ok());
+  EXPECT_EQ(send(second).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  // A counter changed on the wire breaks the MAC.
+  v1::HeartbeatRequest bumped = beat(4);
+  bumped.mutable_auth()->set_counter(5);
+  EXPECT_EQ(send(bumped).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(send(beat(4)).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectPeerServes("after the replays"));
   StopVictimsAndExpectExact();
 }
 

@@ -13,6 +13,7 @@
 #include <system_error>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/peer/grpc_peer_mesh.h"
@@ -31,11 +32,13 @@ constexpr char kSecret[] = "0123456789abcdef-test-secret";
 constexpr absl::Duration kInterval = absl::Milliseconds(50);
 
 std::unique_ptr<GrpcPeerMesh> StartMesh(const std::string& listen = "127.0.0.1:0",
-                                        const std::string& secret = kSecret) {
+                                        const std::string& secret = kSecret,
+                                        absl::Duration session_lifetime = absl::Hours(1)) {
   PeerMeshOptions options;
   options.listen = listen;
   options.secret = secret;
   options.heartbeat_interval = kInterval;
+  options.session_lifetime = session_lifetime;
   absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> mesh = GrpcPeerMesh::Start(options);
   EXPECT_TRUE(mesh.ok()) << mesh.status();
   return mesh.ok() ? *std::move(mesh) : nullptr;
@@ -63,12 +66,14 @@ struct Registered {
 };
 
 Registered Register(GrpcPeerMesh* mesh, const v1::GroupSpec& spec, int node,
-                    const std::string& descriptor, const std::string& join_secret_digest = "") {
+                    const std::string& descriptor, const std::string& join_secret_digest = "",
+                    std::vector<std::string> per_node_descriptors = {}) {
   Registered r;
   GroupMembership m;
   m.spec = spec;
   m.self_node = node;
   m.transport_descriptor = descriptor;
+  m.transport_descriptors = std::move(per_node_descriptors);
   m.join_secret_digest = join_secret_digest;
   m.wake = [w = r.wakes] { ++*w; };
   absl::StatusOr<std::unique_ptr<GroupPeers>> peers = mesh->RegisterGroup(std::move(m));
@@ -180,6 +185,34 @@ TEST(PeerMeshTest, ThreeMeshesAllRegistered) {
           << n.ShortDebugString();
     }
   }
+}
+
+// Per-node descriptors: each node gets the one made for it, by request and by answer.
+TEST(PeerMeshTest, EachNodeIsHandedTheDescriptorMadeForIt) {
+  auto m0 = StartMesh();
+  auto m1 = StartMesh();
+  auto m2 = StartMesh();
+  ASSERT_TRUE(m0 && m1 && m2);
+  v1::GroupSpec spec = Spec({m0.get(), m1.get(), m2.get()}, 1);
+  const auto per_node = [](int self) {
+    std::vector<std::string> d;
+    for (int to = 0; to < 3; ++to) d.push_back(absl::StrCat(self, "for", to));
+    return d;
+  };
+  Registered r0 = Register(m0.get(), spec, 0, "zero", "", per_node(0));
+  Registered r1 = Register(m1.get(), spec, 1, "one", "", per_node(1));
+  Registered r2 = Register(m2.get(), spec, 2, "two", "", per_node(2));
+  ASSERT_TRUE(WaitFor([&] {
+    return HasDescriptor(*r0.peers, 1, "1for0") && HasDescriptor(*r0.peers, 2, "2for0") &&
+           HasDescriptor(*r1.peers, 0, "0for1") && HasDescriptor(*r1.peers, 2, "2for1") &&
+           HasDescriptor(*r2.peers, 0, "0for2") && HasDescriptor(*r2.peers, 1, "1for2");
+  }));
+  GroupMembership short_list;
+  short_list.spec = spec;
+  short_list.spec.set_name("h");
+  short_list.self_node = 0;
+  short_list.transport_descriptors = {"a", "b"};
+  EXPECT_EQ(m0->RegisterGroup(short_list).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(PeerMeshTest, RegisterGroupRefusesBadMemberships) {
@@ -470,19 +503,20 @@ class HandCaller {
     key_ = SessionKey(kSecret, hello.server_nonce(), hello.client_nonce(), id_);
   }
   grpc::Status Rendezvous(v1::RendezvousRequest request) {
-    SignPeerRequest("Rendezvous", session_, key_, &request);
+    SignPeerRequest("Rendezvous", session_, key_, ++counter_, &request);
     grpc::ClientContext c;
     v1::RendezvousResponse r;
     return stub_->Rendezvous(&c, request, &r);
   }
   grpc::Status Heartbeat(v1::HeartbeatRequest request) {
-    SignPeerRequest("Heartbeat", session_, key_, &request);
+    SignPeerRequest("Heartbeat", session_, key_, ++counter_, &request);
     grpc::ClientContext c;
     v1::HeartbeatResponse r;
     return stub_->Heartbeat(&c, request, &r);
   }
+  std::string session_hex() const { return absl::BytesToHexString(session_); }
   grpc::Status Leave(v1::LeaveRequest request) {
-    SignPeerRequest("Leave", session_, key_, &request);
+    SignPeerRequest("Leave", session_, key_, ++counter_, &request);
     grpc::ClientContext c;
     v1::LeaveResponse r;
     return stub_->Leave(&c, request, &r);
@@ -493,6 +527,7 @@ class HandCaller {
   std::unique_ptr<v1::Peer::Stub> stub_;
   std::string session_;
   std::string key_;
+  uint64_t counter_ = 0;
 };
 
 TEST(PeerMeshTest, MalformedInputFromAnAuthenticatedPeerIsRefusedAndChangesNothing) {
@@ -571,6 +606,54 @@ TEST(PeerMeshTest, MalformedInputFromAnAuthenticatedPeerIsRefusedAndChangesNothi
   ASSERT_TRUE(a.peers->Descriptor(1).has_value());
   EXPECT_EQ(a.peers->Descriptor(1)->incarnation, incarnation);
   EXPECT_EQ(a.peers->Descriptor(1)->transport, "b");
+}
+
+TEST(PeerMeshTest, SessionsExpireAtTheServerAndClientsRenewThemFirst) {
+  constexpr absl::Duration kLifetime = absl::Milliseconds(400);
+  auto m0 = StartMesh("127.0.0.1:0", kSecret, kLifetime);
+  auto m1 = StartMesh("127.0.0.1:0", kSecret, kLifetime);
+  ASSERT_TRUE(m0 && m1);
+  v1::GroupSpec spec = Spec({m0.get(), m1.get()});
+  Registered a = Register(m0.get(), spec, 0, "a");
+  Registered b = Register(m1.get(), spec, 1, "b");
+  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*a.peers, 1, "b"); }));
+  ASSERT_TRUE(WaitFor([&] { return HasDescriptor(*b.peers, 0, "a"); }));
+
+  // A session older than its lifetime is refused, naming it, however well its calls are
+  // signed.
+  HandCaller caller(m0->advertised_address(), "127.0.0.1:1");
+  ASSERT_TRUE(caller.Heartbeat(v1::HeartbeatRequest()).ok());
+  absl::SleepFor(kLifetime + absl::Milliseconds(100));
+  grpc::Status expired = caller.Heartbeat(v1::HeartbeatRequest());
+  EXPECT_EQ(expired.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(expired.error_message(), HasSubstr("expired"));
+  EXPECT_THAT(expired.error_message(), HasSubstr(caller.session_hex()));
+
+  // The meshes' own sessions are renewed before they expire: the pair stays healthy over
+  // several lifetimes.
+  const absl::Time until = absl::Now() + 4 * kLifetime;
+  while (absl::Now() < until) {
+    ASSERT_TRUE(a.peers->Health().ok()) << a.peers->Health();
+    ASSERT_TRUE(b.peers->Health().ok()) << b.peers->Health();
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+TEST(PeerMeshTest, CertificateNamesMustNameTheDaemonIdHost) {
+  EXPECT_TRUE(CheckPeerCertificateNames("127.0.0.1:7000", {"localhost", "127.0.0.1"}, {}).ok());
+  EXPECT_TRUE(CheckPeerCertificateNames("[::1]:7000", {"0:0:0:0:0:0:0:1"}, {}).ok());
+  EXPECT_TRUE(CheckPeerCertificateNames("Node3.Example:1", {"node3.example"}, {}).ok());
+  EXPECT_TRUE(CheckPeerCertificateNames("node3.example:1", {"*.example"}, {}).ok());
+  EXPECT_FALSE(CheckPeerCertificateNames("a.node3.example:1", {"*.example"}, {}).ok());
+  EXPECT_FALSE(CheckPeerCertificateNames("example:1", {"*.example"}, {}).ok());
+  // The common name counts only when there are no subject alternative names.
+  EXPECT_TRUE(CheckPeerCertificateNames("node3:1", {}, {"node3"}).ok());
+  EXPECT_FALSE(CheckPeerCertificateNames("node3:1", {"node4"}, {"node3"}).ok());
+  absl::Status s = CheckPeerCertificateNames("127.0.0.2:7000", {"127.0.0.1", "localhost"}, {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(s.message(), HasSubstr("127.0.0.2:7000"));
+  EXPECT_THAT(s.message(), HasSubstr("127.0.0.1, localhost"));
+  EXPECT_EQ(CheckPeerCertificateNames("h:1", {}, {}).code(), absl::StatusCode::kPermissionDenied);
 }
 
 TEST(PeerMeshTest, StartRefusesBadOptions) {

@@ -12,6 +12,9 @@
 
 #include "absl/time/clock.h"
 #include "daemon/peer/grpc_peer_mesh.h"
+#include "epd/v1/peer.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 
 namespace epd::peer {
@@ -47,7 +50,8 @@ void AddExtension(X509* cert, X509* issuer, int nid, const char* value) {
   X509_EXTENSION_free(ext);
 }
 
-Identity MakeIdentity(const char* common_name, const Identity* issuer) {
+Identity MakeIdentity(const char* common_name, const Identity* issuer,
+                      const char* alt_names = "IP:127.0.0.1,DNS:localhost") {
   static long serial = 1;
   Identity id;
   id.key.reset(EVP_EC_gen("P-256"));
@@ -68,7 +72,7 @@ Identity MakeIdentity(const char* common_name, const Identity* issuer) {
     AddExtension(x, issuer_cert, NID_key_usage, "critical,keyCertSign,cRLSign");
   } else {
     AddExtension(x, issuer_cert, NID_basic_constraints, "CA:FALSE");
-    AddExtension(x, issuer_cert, NID_subject_alt_name, "IP:127.0.0.1,DNS:localhost");
+    AddExtension(x, issuer_cert, NID_subject_alt_name, alt_names);
     AddExtension(x, issuer_cert, NID_ext_key_usage, "serverAuth,clientAuth");
   }
   X509_sign(x, issuer != nullptr ? issuer->key.get() : id.key.get(), EVP_sha256());
@@ -180,6 +184,56 @@ TEST(PeerMeshTlsTest, SameCaRendezvousOtherCaAndPlaintextDoNot) {
     ASSERT_TRUE(a && b);
     EXPECT_FALSE(Paired(*a, *b, absl::Seconds(1)));
   }
+}
+
+/// Challenge and Hello over mutual TLS with `self`'s certificate, claiming `daemon_id`.
+grpc::Status HelloOverTls(const Identity& ca, const Identity& self, const std::string& target,
+                          const std::string& daemon_id) {
+  const PeerMeshOptions pems = TlsOptions(ca, self);
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = pems.tls_ca_pem;
+  ssl.pem_private_key = pems.tls_key_pem;
+  ssl.pem_cert_chain = pems.tls_cert_pem;
+  auto stub = v1::Peer::NewStub(grpc::CreateChannel(target, grpc::SslCredentials(ssl)));
+  const auto deadline = [] { return std::chrono::system_clock::now() + std::chrono::seconds(5); };
+  grpc::ClientContext c1;
+  c1.set_deadline(deadline());
+  v1::ChallengeRequest challenge;
+  challenge.set_protocol_version(kPeerProtocolVersion);
+  v1::ChallengeResponse nonce;
+  if (grpc::Status s = stub->Challenge(&c1, challenge, &nonce); !s.ok()) return s;
+  v1::HelloRequest hello;
+  hello.set_protocol_version(kPeerProtocolVersion);
+  hello.set_daemon_id(daemon_id);
+  hello.set_server_nonce(nonce.server_nonce());
+  hello.set_client_nonce(std::string(32, 'n'));
+  hello.set_proof(HelloProof(kSecret, hello.server_nonce(), hello.client_nonce(), daemon_id));
+  grpc::ClientContext c2;
+  c2.set_deadline(deadline());
+  v1::HelloResponse welcome;
+  return stub->Hello(&c2, hello, &welcome);
+}
+
+TEST(PeerMeshTlsTest, ACallerMayClaimOnlyAHostItsCertificateNames) {
+  Identity ca = MakeIdentity("epd test CA", nullptr);
+  Identity n0 = MakeIdentity("node0", &ca);
+  Identity n1 = MakeIdentity("node1", &ca);
+  Identity elsewhere = MakeIdentity("elsewhere", &ca, "DNS:elsewhere.example");
+  absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> m0 = GrpcPeerMesh::Start(TlsOptions(ca, n0));
+  ASSERT_TRUE(m0.ok()) << m0.status();
+  const std::string target = (*m0)->advertised_address();
+
+  // The certificate names 127.0.0.1: that host, any port, is the caller's to claim.
+  EXPECT_TRUE(HelloOverTls(ca, n1, target, "127.0.0.1:7001").ok());
+  // Another host is not, though the CA signed the certificate and the secret is right.
+  grpc::Status other = HelloOverTls(ca, n1, target, "127.0.0.2:7001");
+  EXPECT_EQ(other.error_code(), grpc::StatusCode::PERMISSION_DENIED) << other.error_message();
+  EXPECT_THAT(other.error_message(), ::testing::HasSubstr("127.0.0.2:7001"));
+  EXPECT_THAT(other.error_message(), ::testing::HasSubstr("127.0.0.1"));
+  // A certificate for another name cannot claim this host.
+  grpc::Status named = HelloOverTls(ca, elsewhere, target, "127.0.0.1:7001");
+  EXPECT_EQ(named.error_code(), grpc::StatusCode::PERMISSION_DENIED) << named.error_message();
+  EXPECT_THAT(named.error_message(), ::testing::HasSubstr("elsewhere.example"));
 }
 
 }  // namespace

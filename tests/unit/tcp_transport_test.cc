@@ -1,13 +1,15 @@
 // The TCP transport (daemon/transport/tcp/) between links in one process over 127.0.0.1,
 // each link standing in for a node: exact bytes for many and for large pieces, immediate
 // order, several connections, both directions at once, flow control, peer failure, bad
-// descriptors and pieces, hostile raw sockets against the data listener, and no allocation
-// on the steady-state path.
+// descriptors and pieces, hostile raw sockets against the data listener (a member posing
+// as another node, floods from several addresses), and no allocation on the steady-state
+// path.
 #include "daemon/transport/tcp/tcp_transport.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -17,6 +19,7 @@
 #include <cerrno>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -257,12 +260,15 @@ TEST(TcpTransport, FlowControlKeepsOrder) {
   o.max_pending_imms = 3;
   Connected c(o, 1, 2, 4096);
   auto& nodes = c.nodes;
-  const uint64_t value = 7;
-  const WritePiece piece{&value, sizeof value, 0};
+  // Whole-region writes: once the receiver holds max_pending_imms it reads no more, so
+  // the socket buffers fill and the sender must be held back (however fast its progress
+  // thread drains them), which small writes alone do not guarantee under load.
+  std::vector<uint8_t> bytes(4096, 7);
+  const WritePiece piece{bytes.data(), bytes.size(), 0};
   int exhausted = 0;
-  int posted = 0;
+  uint32_t posted = 0;
   uint32_t next = 0;
-  while (posted < 200) {
+  while ((posted < 200 || exhausted == 0) && posted < 100000) {
     const absl::Status s = nodes[0].link->PostWrite(1, std::span(&piece, 1), posted);
     if (absl::IsResourceExhausted(s)) {
       ++exhausted;
@@ -277,13 +283,30 @@ TEST(TcpTransport, FlowControlKeepsOrder) {
     ++posted;
   }
   uint32_t imm = 0;
-  while (next < 200 && PollImmWaiting(*nodes[1].link, 0, &imm)) {
+  while (next < posted && PollImmWaiting(*nodes[1].link, 0, &imm)) {
     EXPECT_EQ(imm, next++);
   }
-  EXPECT_EQ(next, 200u);
+  EXPECT_EQ(next, posted);
   EXPECT_GT(exhausted, 0);
   std::vector<WritePiece> too_many(9, piece);
   EXPECT_TRUE(absl::IsInvalidArgument(nodes[0].link->PostWrite(1, too_many, 0)));
+}
+
+/// Node 1 of `nodes` comes back as a new incarnation (a new link on `t`, group "g"), connects
+/// to node 0 and is ready (node 0 has not connected to it again yet).
+void RestartNode1(Transport& t, std::vector<TestNode>& nodes) {
+  GroupLinkOptions o;
+  o.group = "g";
+  o.num_nodes = static_cast<int32_t>(nodes.size());
+  o.self_node = 1;
+  o.recv_base = nodes[1].recv.data();
+  o.recv_bytes = nodes[1].recv.size();
+  auto fresh = t.CreateGroupLink(o);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  nodes[1].link = std::move(*fresh);
+  ASSERT_TRUE(nodes[1].link->Connect(0, nodes[0].link->LocalDescriptorFor(1)).ok());
+  ASSERT_TRUE(WaitFor([&] { return nodes[1].link->State(0) == PeerState::kReady; }))
+      << nodes[1].link->PeerStatus(0);
 }
 
 // A peer that restarts (its link closed, a new one with a new token): the survivor's link
@@ -301,23 +324,12 @@ TEST(TcpTransport, ConnectAgainToARestartedPeer) {
   // Node 1 restarts: node 0 sees it fail (its immediate 7 is never polled).
   nodes[1].link.reset();
   ASSERT_TRUE(WaitFor([&] { return nodes[0].link->State(1) == PeerState::kFailed; }));
-  GroupLinkOptions o;
-  o.group = "g";
-  o.num_nodes = 2;
-  o.self_node = 1;
-  o.recv_base = nodes[1].recv.data();
-  o.recv_bytes = nodes[1].recv.size();
-  auto fresh = t1->CreateGroupLink(o);
-  ASSERT_TRUE(fresh.ok()) << fresh.status();
-  nodes[1].link = std::move(*fresh);
   // The new node 1 connects first and writes: parked at node 0 until it reconnects.
-  ASSERT_TRUE(nodes[1].link->Connect(0, nodes[0].link->LocalDescriptor()).ok());
-  ASSERT_TRUE(WaitFor([&] { return nodes[1].link->State(0) == PeerState::kReady; }))
-      << nodes[1].link->PeerStatus(0);
+  ASSERT_NO_FATAL_FAILURE(RestartNode1(*t1, nodes));
   const WritePiece new_piece{&new_value, 4, 4};
   ASSERT_TRUE(nodes[1].link->PostWrite(0, std::span(&new_piece, 1), 8).ok());
   EXPECT_EQ(nodes[0].link->State(1), PeerState::kFailed);
-  ASSERT_TRUE(nodes[0].link->Connect(1, nodes[1].link->LocalDescriptor()).ok());
+  ASSERT_TRUE(nodes[0].link->Connect(1, nodes[1].link->LocalDescriptorFor(0)).ok());
   ASSERT_TRUE(WaitFor([&] { return nodes[0].link->State(1) == PeerState::kReady; }))
       << nodes[0].link->PeerStatus(1);
   EXPECT_TRUE(nodes[0].link->PeerStatus(1).ok());
@@ -363,10 +375,15 @@ TEST(TcpTransport, BadDescriptorsAndPieces) {
   auto t = MakeTcp();
   auto nodes = MakeNodes({t.get()}, 3, 1024);
   GroupLink& link = *nodes[0].link;
-  const std::string d1 = nodes[1].link->LocalDescriptor();
+  const std::string d1 = nodes[1].link->LocalDescriptorFor(0);
   EXPECT_TRUE(absl::IsInvalidArgument(link.Connect(0, d1)));  // Self.
   EXPECT_TRUE(absl::IsInvalidArgument(link.Connect(3, d1)));  // Out of range.
   EXPECT_TRUE(absl::IsInvalidArgument(link.Connect(2, d1)));  // Node 1's descriptor.
+  // Node 1's descriptor for node 2, or for no node: not node 0's to connect with.
+  const absl::Status other = link.Connect(1, nodes[1].link->LocalDescriptorFor(2));
+  EXPECT_TRUE(absl::IsInvalidArgument(other));
+  EXPECT_NE(other.message().find("made for node 2"), absl::string_view::npos) << other;
+  EXPECT_TRUE(absl::IsInvalidArgument(link.Connect(1, nodes[1].link->LocalDescriptor())));
   EXPECT_TRUE(absl::IsInvalidArgument(link.Connect(1, d1.substr(1))));
   EXPECT_TRUE(absl::IsInvalidArgument(link.Connect(1, "garbage")));
   std::string bad = d1;
@@ -462,24 +479,32 @@ TEST(TcpTransport, FailedPeerReleasesSources) {
   EXPECT_EQ(c.nodes[0].link->WritesCompleted(1), 3u);
 }
 
+/// A listening socket on 127.0.0.1 (any port, stored in *port) that accepts nothing itself.
+ScopedFd ListenOnLoopback(uint16_t* port) {
+  ScopedFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::bind(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  EXPECT_EQ(::listen(fd.get(), 16), 0);
+  socklen_t len = sizeof sa;
+  ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&sa), &len);
+  *port = ntohs(sa.sin_port);
+  return fd;
+}
+
 TEST(TcpTransport, ConnectFailuresAreBounded) {
   TcpTransportOptions o;
   o.connect_timeout = std::chrono::milliseconds(300);
   auto t = MakeTcp(o);
   auto nodes = MakeNodes({t.get()}, 3, 64);
   // A listener that never answers the handshake.
-  ScopedFd silent(::socket(AF_INET, SOCK_STREAM, 0));
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(silent.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
-  ASSERT_EQ(::listen(silent.get(), 8), 0);
-  socklen_t len = sizeof sa;
-  ::getsockname(silent.get(), reinterpret_cast<sockaddr*>(&sa), &len);
+  uint16_t silent_port = 0;
+  ScopedFd silent = ListenOnLoopback(&silent_port);
   abi::TcpDescriptor d{};
-  const std::string real = nodes[1].link->LocalDescriptor();
+  const std::string real = nodes[1].link->LocalDescriptorFor(0);
   std::memcpy(&d, real.data(), sizeof d);
-  d.port = ntohs(sa.sin_port);
+  d.port = silent_port;
   const auto start = std::chrono::steady_clock::now();
   ASSERT_TRUE(nodes[0].link->Connect(1, std::string(reinterpret_cast<char*>(&d), sizeof d)).ok());
   ASSERT_TRUE(WaitFor([&] { return nodes[0].link->State(1) == PeerState::kFailed; },
@@ -518,18 +543,16 @@ ScopedFd RawConnect(const std::string& descriptor, uint32_t source = INADDR_LOOP
   return fd;
 }
 
-abi::TcpHandshake Handshake(const std::string& descriptor, int32_t from, uint32_t connection,
-                            uint16_t num_connections = 2) {
+/// The handshake node `from` sends to `target` on `connection`, made with the descriptor
+/// `target` hands node `from` (or, with `presented_for`, the one it hands that node).
+abi::TcpHandshake Handshake(const GroupLink& target, int32_t from, uint32_t connection,
+                            uint16_t num_connections = 2, uint64_t incarnation = 0,
+                            std::optional<int32_t> presented_for = std::nullopt) {
   abi::TcpDescriptor d{};
-  std::memcpy(&d, descriptor.data(), sizeof d);
-  abi::TcpHandshake hs{};
-  hs.magic = abi::kTcpHandshakeMagic;
-  hs.version = abi::kTcpWireVersion;
+  std::memcpy(&d, target.LocalDescriptorFor(presented_for.value_or(from)).data(), sizeof d);
+  abi::TcpHandshake hs = MakeTcpHandshake(
+      d, from, incarnation != 0 ? incarnation : 0x5eed0000u + 17 * from, connection);
   hs.num_connections = num_connections;
-  std::memcpy(hs.token, d.token, sizeof hs.token);
-  hs.from_node = from;
-  hs.to_node = d.node;
-  hs.connection = connection;
   return hs;
 }
 
@@ -571,7 +594,7 @@ TEST(TcpTransport, HostileConnectionsAreRefused) {
   auto nodes = MakeNodes({t.get()}, 4, 4096);
   // Nodes 0 and 1 are real; 2 and 3 are played by raw sockets against node 0.
   for (int i : {0, 1}) {
-    ASSERT_TRUE(nodes[i].link->Connect(1 - i, nodes[1 - i].link->LocalDescriptor()).ok());
+    ASSERT_TRUE(nodes[i].link->Connect(1 - i, nodes[1 - i].link->LocalDescriptorFor(i)).ok());
   }
   ASSERT_TRUE(WaitFor([&] { return nodes[0].link->State(1) == PeerState::kReady; }));
   const std::string d0 = nodes[0].link->LocalDescriptor();
@@ -582,48 +605,49 @@ TEST(TcpTransport, HostileConnectionsAreRefused) {
     EXPECT_TRUE(Refused(fd.get()));
   }
   {
-    abi::TcpHandshake hs = Handshake(d0, 2, 0);
+    abi::TcpHandshake hs = Handshake(*nodes[0].link, 2, 0);
     hs.magic ^= 1;
     ScopedFd fd = RawConnect(d0);
     SendAll(fd.get(), hs);
     EXPECT_TRUE(Refused(fd.get()));
   }
   {
-    abi::TcpHandshake hs = Handshake(d0, 2, 0);
+    abi::TcpHandshake hs = Handshake(*nodes[0].link, 2, 0);
     hs.version = abi::kTcpWireVersion + 1;
     ScopedFd fd = RawConnect(d0);
     SendAll(fd.get(), hs);
     EXPECT_TRUE(Refused(fd.get()));
   }
   {
-    abi::TcpHandshake hs = Handshake(d0, 2, 0);
-    hs.token[3] ^= 0x40;
+    abi::TcpHandshake hs = Handshake(*nodes[0].link, 2, 0);
+    hs.proof[3] ^= 0x40;
     ScopedFd fd = RawConnect(d0);
     SendAll(fd.get(), hs);
     EXPECT_TRUE(Refused(fd.get()));
   }
   for (const abi::TcpHandshake& bad :
-       {Handshake(d0, 0, 0), Handshake(d0, 4, 0), Handshake(d0, -1, 0), Handshake(d0, 2, 2),
-        Handshake(d0, 2, 0, 3)}) {
+       {Handshake(*nodes[0].link, 0, 0), Handshake(*nodes[0].link, 4, 0),
+        Handshake(*nodes[0].link, -1, 0), Handshake(*nodes[0].link, 2, 2),
+        Handshake(*nodes[0].link, 2, 0, 3)}) {
     ScopedFd fd = RawConnect(d0);
     SendAll(fd.get(), bad);
     EXPECT_TRUE(Refused(fd.get())) << "from " << bad.from_node << " conn " << bad.connection;
   }
   {  // Half a handshake, then close.
     ScopedFd fd = RawConnect(d0);
-    const abi::TcpHandshake hs = Handshake(d0, 2, 0);
+    const abi::TcpHandshake hs = Handshake(*nodes[0].link, 2, 0);
     SendAll(fd.get(), hs, 10);
   }
   EXPECT_EQ(nodes[0].link->State(2), PeerState::kIdle);
   // Node 2 (raw) sends a piece outside node 0's region: node 2 fails, naming it.
   ScopedFd c0 = RawConnect(d0), c1 = RawConnect(d0);
-  SendAll(c0.get(), Handshake(d0, 2, 0));
-  SendAll(c1.get(), Handshake(d0, 2, 1));
+  SendAll(c0.get(), Handshake(*nodes[0].link, 2, 0));
+  SendAll(c1.get(), Handshake(*nodes[0].link, 2, 1));
   ASSERT_TRUE(Accepted(c0.get()));
   ASSERT_TRUE(Accepted(c1.get()));
   {  // A repeated connection index is refused.
     ScopedFd dup = RawConnect(d0);
-    SendAll(dup.get(), Handshake(d0, 2, 1));
+    SendAll(dup.get(), Handshake(*nodes[0].link, 2, 1));
     EXPECT_TRUE(Refused(dup.get()));
   }
   abi::TcpFrameHeader h = abi::MakeTcpFrame(abi::TcpFrameKind::kPiece, 0, 4000, 200, 0);
@@ -635,8 +659,8 @@ TEST(TcpTransport, HostileConnectionsAreRefused) {
   EXPECT_TRUE(Refused(c1.get()));  // Every connection of the failed peer is closed.
   // Node 3 (raw) sends half a frame, then closes: node 3 fails.
   ScopedFd e0 = RawConnect(d0), e1 = RawConnect(d0);
-  SendAll(e0.get(), Handshake(d0, 3, 0));
-  SendAll(e1.get(), Handshake(d0, 3, 1));
+  SendAll(e0.get(), Handshake(*nodes[0].link, 3, 0));
+  SendAll(e1.get(), Handshake(*nodes[0].link, 3, 1));
   ASSERT_TRUE(Accepted(e0.get()));
   ASSERT_TRUE(Accepted(e1.get()));
   h.offset = 0;
@@ -673,7 +697,7 @@ TEST(TcpTransport, AFloodFromOneAddressDoesNotDropAnotherAddresssHandshake) {
   auto t = MakeTcp();
   auto nodes = MakeNodes({t.get()}, 2, 64);
   const std::string d0 = nodes[0].link->LocalDescriptor();
-  const abi::TcpHandshake hs = Handshake(d0, 1, 0);
+  const abi::TcpHandshake hs = Handshake(*nodes[0].link, 1, 0);
   ScopedFd peer = RawConnect(d0);
   SendAll(peer.get(), hs, 10);
   std::vector<ScopedFd> flood;
@@ -683,6 +707,162 @@ TEST(TcpTransport, AFloodFromOneAddressDoesNotDropAnotherAddresssHandshake) {
   ASSERT_EQ(::send(peer.get(), rest, sizeof hs - 10, MSG_NOSIGNAL),
             static_cast<ssize_t>(sizeof hs - 10));
   EXPECT_TRUE(Accepted(peer.get()));
+}
+
+// A member of the group holds the descriptor node 0 handed it, not node 1's: it cannot
+// connect to node 0 as node 1, neither while node 1 is connected nor while it is failed
+// (when a connection would be held for node 1's next incarnation). Connections parked for
+// an incarnation node 0 has not connected (an old one's, a stale holder's) do not keep the
+// real new incarnation out: the newest per index wins, and Connect takes only those of the
+// descriptor's incarnation.
+TEST(TcpTransport, AMemberCannotConnectAsAnotherNode) {
+  auto t0 = MakeTcp(), t1 = MakeTcp();
+  auto nodes = MakeNodes({t0.get(), t1.get(), t1.get()}, 3, 256);
+  for (int i : {0, 1}) {
+    ASSERT_TRUE(nodes[i].link->Connect(1 - i, nodes[1 - i].link->LocalDescriptorFor(i)).ok());
+  }
+  ASSERT_TRUE(WaitFor([&] { return nodes[0].link->State(1) == PeerState::kReady; }));
+  const std::string d0 = nodes[0].link->LocalDescriptor();
+  // Node 2 (raw) presents its own token, claiming to be node 1.
+  const auto pose_as_1 = [&](uint32_t connection) {
+    ScopedFd fd = RawConnect(d0);
+    SendAll(fd.get(), Handshake(*nodes[0].link, 1, connection, 2, 0x77, /*presented_for=*/2));
+    return Refused(fd.get());
+  };
+  EXPECT_TRUE(pose_as_1(0));
+  EXPECT_EQ(nodes[0].link->State(1), PeerState::kReady);
+  ExpectWriteLands(nodes, 0x01020304, 0, 1);
+
+  // Node 1 restarts; while node 0 holds it failed, the pose is refused still.
+  nodes[1].link.reset();
+  ASSERT_TRUE(WaitFor([&] { return nodes[0].link->State(1) == PeerState::kFailed; }));
+  EXPECT_TRUE(pose_as_1(0));
+  EXPECT_TRUE(pose_as_1(1));
+  // Connections with node 1's token from an incarnation that is not the new one: parked.
+  ScopedFd stale0 = RawConnect(d0), stale1 = RawConnect(d0);
+  SendAll(stale0.get(), Handshake(*nodes[0].link, 1, 0, 2, 0xdead));
+  SendAll(stale1.get(), Handshake(*nodes[0].link, 1, 1, 2, 0xdead));
+  ASSERT_TRUE(Accepted(stale0.get()));
+  ASSERT_TRUE(Accepted(stale1.get()));
+
+  // The new node 1 connects: its connections replace the parked ones.
+  ASSERT_NO_FATAL_FAILURE(RestartNode1(*t1, nodes));
+  EXPECT_TRUE(Refused(stale0.get()));  // Replaced: closed.
+  EXPECT_TRUE(Refused(stale1.get()));
+  ASSERT_TRUE(nodes[0].link->Connect(1, nodes[1].link->LocalDescriptorFor(0)).ok());
+  ASSERT_TRUE(WaitFor([&] { return nodes[0].link->State(1) == PeerState::kReady; }))
+      << nodes[0].link->PeerStatus(1);
+  ExpectWriteLands(nodes, 0x0a0b0c0d, 8, 2);
+}
+
+/// A TCP relay on 127.0.0.1 to `target_port` on 127.0.0.1: every connection it accepts gets
+/// its own upstream connection, and bytes flow both ways; the first `hold` connections send
+/// nothing upstream (their upstream stays silent at the listener). Either side closing
+/// closes both.
+class Relay {
+ public:
+  Relay(uint16_t target_port, int hold) : target_port_(target_port), hold_(hold) {
+    listen_ = ListenOnLoopback(&port_);
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~Relay() {
+    stop_ = true;
+    thread_.join();
+  }
+  uint16_t port() const { return port_; }
+  /// Connections relayed so far (their upstream connected).
+  int relayed() const { return relayed_.load(); }
+
+ private:
+  struct Pair {
+    ScopedFd down, up;
+    bool held = false;
+  };
+
+  /// Moves what `from` has to `to`; false when `from` closed or failed.
+  static bool Pump(int from, int to) {
+    char buf[4096];
+    const ssize_t n = ::recv(from, buf, sizeof buf, MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return true;
+    return n > 0 && ::send(to, buf, static_cast<size_t>(n), MSG_NOSIGNAL) == n;
+  }
+
+  void Run() {
+    std::vector<Pair> pairs;
+    while (!stop_) {
+      std::vector<pollfd> fds{{listen_.get(), POLLIN, 0}};
+      for (const Pair& p : pairs) {
+        fds.push_back({p.down.get(), static_cast<short>(p.held ? 0 : POLLIN), 0});
+        fds.push_back({p.up.get(), POLLIN, 0});
+      }
+      if (::poll(fds.data(), fds.size(), 20) <= 0) continue;
+      const size_t n = pairs.size();
+      std::vector<bool> dead(n, false);
+      for (size_t i = 0; i < n; ++i) {
+        const short down = fds[1 + 2 * i].revents, up = fds[2 + 2 * i].revents;
+        if (down != 0 && !Pump(pairs[i].down.get(), pairs[i].up.get())) dead[i] = true;
+        if (up != 0 && !Pump(pairs[i].up.get(), pairs[i].down.get())) dead[i] = true;
+      }
+      for (size_t i = n; i-- > 0;) {
+        if (dead[i]) pairs.erase(pairs.begin() + static_cast<ptrdiff_t>(i));
+      }
+      if (fds[0].revents & POLLIN) {
+        Pair p;
+        p.down.Reset(::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+        p.up.Reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        sockaddr_in sa{};
+        sa.sin_family = AF_INET;
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        sa.sin_port = htons(target_port_);
+        if (!p.down.valid() ||
+            ::connect(p.up.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+          continue;
+        }
+        p.held = relayed_.fetch_add(1) < hold_;
+        pairs.push_back(std::move(p));
+      }
+    }
+  }
+
+  const uint16_t target_port_;
+  const int hold_;
+  ScopedFd listen_;
+  uint16_t port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> relayed_{0};
+  std::thread thread_;
+};
+
+// A flood of silent connections from several addresses (the connecting peer's own among
+// them) fills the data listener while a link connects: the listener drops the link's
+// connection before its handshake arrived (here held back by a relay, as a slow sender's
+// would be), and the connecting side connects again, with backoff, within its timeout.
+TEST(TcpTransport, AConnectionAFloodDroppedBeforeItsAcknowledgementIsRetried) {
+  TcpTransportOptions o;
+  o.connections_per_peer = 1;
+  o.connect_timeout = std::chrono::milliseconds(5000);
+  auto t0 = MakeTcp(o), t1 = MakeTcp(o);
+  auto nodes = MakeNodes({t0.get(), t1.get()}, 2, 64);
+  const std::string d0 = nodes[0].link->LocalDescriptor();
+  abi::TcpDescriptor d{};
+  std::memcpy(&d, nodes[0].link->LocalDescriptorFor(1).data(), sizeof d);
+  Relay relay(d.port, /*hold=*/1);
+  d.port = relay.port();
+  ASSERT_TRUE(nodes[1].link->Connect(0, std::string(reinterpret_cast<char*>(&d), sizeof d)).ok());
+  ASSERT_TRUE(WaitFor([&] { return relay.relayed() == 1; }));
+  std::vector<ScopedFd> flood;
+  for (int i = 0; i < 60; ++i) flood.push_back(RawConnect(d0));
+  for (uint32_t host = 2; host <= 5; ++host) {
+    for (int i = 0; i < 8; ++i) flood.push_back(RawConnect(d0, INADDR_LOOPBACK - 1 + host));
+  }
+  EXPECT_TRUE(Refused(flood.front().get()));  // The flood overflowed the listener.
+  ASSERT_TRUE(WaitFor([&] { return nodes[1].link->State(0) == PeerState::kReady; }))
+      << nodes[1].link->PeerStatus(0);
+  EXPECT_GE(relay.relayed(), 2);  // Connected again after the drop.
+  ASSERT_TRUE(nodes[0].link->Connect(1, nodes[1].link->LocalDescriptorFor(0)).ok());
+  ASSERT_TRUE(WaitFor([&] { return nodes[0].link->State(1) == PeerState::kReady; }))
+      << nodes[0].link->PeerStatus(1);
+  ExpectWriteLands(nodes, 0x600d600d, 16, 3);
 }
 
 // Streams of random frames (mostly well-formed headers with random kinds, sequence numbers,
@@ -713,7 +893,7 @@ TEST(TcpTransport, RandomFramesStayInsideTheRegion) {
     ASSERT_TRUE(link.ok()) << link.status();
     const std::string d = (*link)->LocalDescriptor();
     ScopedFd fd = RawConnect(d);
-    SendAll(fd.get(), Handshake(d, 1, 0, 1));
+    SendAll(fd.get(), Handshake(**link, 1, 0, 1));
     ASSERT_TRUE(Accepted(fd.get()));
     std::string stream;
     uint64_t seq = 0;

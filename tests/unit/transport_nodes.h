@@ -69,7 +69,7 @@ inline void ConnectAll(std::vector<TestNode>& nodes) {
     for (int j = 0; j < n; ++j) {
       if (i == j) continue;
       ASSERT_TRUE(nodes[static_cast<size_t>(i)]
-                      .link->Connect(j, nodes[static_cast<size_t>(j)].link->LocalDescriptor())
+                      .link->Connect(j, nodes[static_cast<size_t>(j)].link->LocalDescriptorFor(i))
                       .ok());
     }
   }

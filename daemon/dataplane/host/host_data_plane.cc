@@ -741,6 +741,9 @@ absl::Status HostGroup::NodeChosen(int32_t node) {
   m.spec.set_transport(transport_name_);
   m.self_node = node;
   m.transport_descriptor = s.link->LocalDescriptor();
+  for (int32_t n = 0; n < s.num_nodes; ++n) {
+    m.transport_descriptors.push_back(n == node ? std::string() : s.link->LocalDescriptorFor(n));
+  }
   m.join_secret_digest = join_secret_digest_;
   m.wake = [plane] { plane->WakeEngine(); };
   absl::StatusOr<std::unique_ptr<peer::GroupPeers>> peers =

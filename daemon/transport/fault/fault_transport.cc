@@ -220,6 +220,9 @@ class FaultGroupLink final : public GroupLink {
   }
 
   std::string LocalDescriptor() const override { return inner_->LocalDescriptor(); }
+  std::string LocalDescriptorFor(int32_t node) const override {
+    return inner_->LocalDescriptorFor(node);
+  }
 
   absl::Status Connect(int32_t node, std::string_view descriptor) override {
     std::lock_guard<std::mutex> l(mu_);

@@ -13,6 +13,8 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
@@ -26,6 +28,7 @@
 #include <bit>
 #include <cerrno>
 #include <cstring>
+#include <initializer_list>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -62,6 +65,13 @@ constexpr int kTickMs = 50;                  // Loop tick (deadlines are checked
 constexpr int kRecvRounds = 8;               // Receive rounds per peer per loop turn.
 /// How long a peer that closed a connection cleanly is read on (PeerClosing).
 constexpr std::chrono::milliseconds kCloseDrain{1000};
+/// Backoff of a connection closed by the listener before its acknowledgement (a flood may
+/// have dropped it), doubling per retry, until the connect timeout.
+constexpr std::chrono::milliseconds kMinRetryBackoff{10};
+constexpr std::chrono::milliseconds kMaxRetryBackoff{500};
+constexpr char kPeerTokenLabel[] = "epd-tcp-peer-token-v2";
+constexpr char kHandshakeLabel[] = "epd-tcp-handshake-v2";
+using Token = std::array<uint8_t, abi::kTcpTokenBytes>;
 constexpr int32_t kMaxNodes = 4096;
 
 std::shared_ptr<spdlog::logger> Log() { return GetLogger(kLogTransport); }
@@ -126,6 +136,42 @@ std::string SockaddrString(const sockaddr_storage& sa, socklen_t len) {
                                   : absl::StrCat(host, ":", serv);
 }
 
+/// HMAC-SHA256(key, label 0 parts...) cut to a token, each part length-prefixed
+/// (proto/abi/tcp_wire.h).
+Token TokenMac(const uint8_t* key, absl::string_view label,
+               std::initializer_list<absl::string_view> parts) {
+  std::string message(label);
+  message.push_back('\0');
+  for (absl::string_view part : parts) {
+    const auto n = static_cast<uint32_t>(part.size());
+    message.append(reinterpret_cast<const char*>(&n), sizeof n);
+    message.append(part.data(), part.size());
+  }
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned int out_len = 0;
+  HMAC(EVP_sha256(), key, static_cast<int>(abi::kTcpTokenBytes),
+       reinterpret_cast<const unsigned char*>(message.data()), message.size(), out, &out_len);
+  Token token{};
+  std::memcpy(token.data(), out, token.size());
+  return token;
+}
+
+template <typename T>
+absl::string_view Bytes(const T& v) {
+  return absl::string_view(reinterpret_cast<const char*>(&v), sizeof v);
+}
+
+/// The token node `self`'s link (secret `link_secret`) hands node `for_node`.
+Token PeerToken(const uint8_t* link_secret, int32_t self, int32_t for_node) {
+  return TokenMac(link_secret, kPeerTokenLabel, {Bytes(self), Bytes(for_node)});
+}
+
+/// The proof of a handshake made with `token` (proto/abi/tcp_wire.h).
+Token HandshakeProof(const uint8_t* token, int32_t from_node, int32_t to_node,
+                     uint64_t incarnation) {
+  return TokenMac(token, kHandshakeLabel, {Bytes(from_node), Bytes(to_node), Bytes(incarnation)});
+}
+
 /// Compares two tokens in time independent of where they differ.
 bool TokenEqual(const uint8_t* a, const uint8_t* b) {
   uint8_t diff = 0;
@@ -175,7 +221,8 @@ void SetNoDelay(int fd) {
 
 /// One data connection of a peer (outbound: this node sends on it; inbound: receives).
 struct Conn {
-  enum class Phase : uint8_t { kConnecting, kHandshake, kAwaitAck, kReady };
+  /// kRetry: closed by the listener before its acknowledgement; reopened at retry_at.
+  enum class Phase : uint8_t { kConnecting, kHandshake, kAwaitAck, kReady, kRetry };
   enum class Recv : uint8_t { kHeader, kPayload, kDonePending };
 
   ScopedFd fd;
@@ -189,6 +236,8 @@ struct Conn {
   size_t hs_sent = 0;
   TcpAck ack{};
   size_t ack_got = 0;
+  Clock::time_point retry_at{};
+  std::chrono::milliseconds backoff = kMinRetryBackoff;
   // The send cursor: the next chunk of write `cur_write` this connection looks at.
   uint64_t cur_write = 0;
   uint64_t cur_piece = 0;   // Piece index within the write.
@@ -207,7 +256,8 @@ struct Conn {
   size_t rhdr_got = 0;
   uint8_t* dst = nullptr;
   uint64_t dst_left = 0;
-  uint64_t dones = 0;  // kDone frames received (= the next write's seq).
+  uint64_t dones = 0;        // kDone frames received (= the next write's seq).
+  uint64_t incarnation = 0;  // The sending link's (from its handshake).
 };
 
 struct WriteEntry {
@@ -220,8 +270,13 @@ struct WriteEntry {
 struct Peer : PeerCounters {
   int32_t node = 0;
   std::string address;       // "host:port" of its descriptor (Connect).
-  std::string inbound_from;  // Where its first inbound connection came from.
-  absl::Status status;       // Why it failed (guarded by TcpGroupLink::status_mu_).
+  uint64_t incarnation = 0;  // Of its descriptor (Connect); 0 before.
+  sockaddr_storage sa{};     // Its resolved address (Connect), for retries.
+  socklen_t sa_len = 0;
+  int retries = 0;             // Connections closed before their acknowledgement.
+  std::string last_retry_why;  // Why the last one was.
+  std::string inbound_from;    // Where its first inbound connection came from.
+  absl::Status status;         // Why it failed (guarded by TcpGroupLink::status_mu_).
   Clock::time_point deadline{};
   uint64_t peer_recv_bytes = 0;  // From its descriptor (set before kReady).
 
@@ -242,10 +297,11 @@ struct Peer : PeerCounters {
   bool closing = false;
   Clock::time_point close_deadline{};
   std::string close_why;
-  // Inbound connections of the peer's next incarnation that came while the old one's were
-  // still held (or had failed): acknowledged, not read, until the engine calls Connect for
-  // the new descriptor. One per connection index.
+  // Inbound connections of another incarnation of the peer than the one connected (or of
+  // any, while it is failed): acknowledged, not read, until the engine calls Connect with
+  // that incarnation's descriptor. One per connection index, the newest.
   std::vector<ScopedFd> parked;
+  std::vector<uint64_t> parked_incarnation;
 };
 
 class TcpGroupLink;
@@ -326,7 +382,8 @@ class TcpGroupLink final : public GroupLink {
   /// Sizes the rings and draws the token; the link is not yet registered.
   absl::Status Init();
 
-  std::string LocalDescriptor() const override;
+  std::string LocalDescriptor() const override { return Descriptor(-1); }
+  std::string LocalDescriptorFor(int32_t node) const override { return Descriptor(node); }
   absl::Status Connect(int32_t node, std::string_view descriptor) override;
   PeerState State(int32_t node) const override;
   absl::Status PeerStatus(int32_t node) const override;
@@ -338,7 +395,9 @@ class TcpGroupLink final : public GroupLink {
 
   // Progress-thread side, all under TcpCore::mu_.
   uint32_t id() const { return id_; }
-  const uint8_t* token() const { return token_.data(); }
+  /// Whether `hs` carries a proof made with the token this link handed hs.from_node (a
+  /// peer node of the link) for this node; in time independent of where it differs.
+  bool Admits(const TcpHandshake& hs) const;
   void OnConnEvent(int32_t node, bool inbound, uint32_t index, uint32_t events);
   /// Routes an accepted, handshaken connection here; an error says why it is refused.
   absl::Status AttachInbound(ScopedFd& fd, const TcpHandshake& hs, const std::string& from);
@@ -382,7 +441,18 @@ class TcpGroupLink final : public GroupLink {
   /// writes in flight and its undelivered immediates, clears its error, and takes the
   /// parked inbound connections of the new incarnation. Under TcpCore::mu_, engine thread.
   void Reset(Peer& p);
-  void ProgressConnect(Peer& p, Conn& c);
+  /// After Connect set p.incarnation: inbound connections of another incarnation go, and
+  /// the parked ones of this incarnation take their slots.
+  void AdoptParked(Peer& p);
+  /// The descriptor for `node` (-1: none; its token then admits no one).
+  std::string Descriptor(int32_t node) const;
+  /// Opens outbound connection `c` of `p` (non-blocking connect to p.sa); false after
+  /// failing `p`, naming the cause.
+  bool OpenConn(Peer& p, Conn& c, FailedBy by);
+  /// The listener closed `c` before its acknowledgement: `c` is reopened after its backoff
+  /// (a flood of connections may have dropped it), until the connect timeout.
+  void RetryConn(Peer& p, Conn& c, const std::string& why, Clock::time_point now);
+  void ProgressConnect(Peer& p, Conn& c, Clock::time_point now);
   bool ProgressSend(Peer& p, Conn& c);
   bool BuildBatch(Peer& p, Conn& c);
   bool ProgressRecv(Peer& p, Conn& c);
@@ -393,7 +463,8 @@ class TcpGroupLink final : public GroupLink {
   const std::shared_ptr<TcpCore> core_;
   const uint32_t id_;
   const GroupLinkOptions options_;
-  std::array<uint8_t, abi::kTcpTokenBytes> token_{};
+  Token link_secret_{};                       // Never leaves this node; tokens are derived from it.
+  uint64_t incarnation_ = 0;                  // Random, != 0.
   std::vector<std::unique_ptr<Peer>> peers_;  // Indexed by node (self's is unused).
   mutable std::mutex status_mu_;              // Guards Peer::status.
   bool registered_ = false;                   // Engine thread.
@@ -641,13 +712,15 @@ void TcpCore::OnPendingReadable(uint64_t id) {
     why =
         absl::StrCat("wire version ", p.hs.version, ", this daemon speaks ", abi::kTcpWireVersion);
   } else {
-    // Every link's token is compared, each in constant time.
+    // Every link's proof is compared, each in constant time.
     TcpGroupLink* match = nullptr;
     for (TcpGroupLink* link : links_) {
-      if (TokenEqual(link->token(), p.hs.token)) match = link;
+      if (link->Admits(p.hs)) match = link;
     }
     if (match == nullptr) {
-      why = "its token matches no group link here (a stale or foreign descriptor)";
+      why = absl::StrCat("its proof for node ", p.hs.from_node,
+                         " matches no group link here (a stale or foreign descriptor, or a "
+                         "node presenting another node's)");
     } else if (const absl::Status s = match->AttachInbound(p.fd, p.hs, p.from); !s.ok()) {
       why = std::string(s.message());
     }
@@ -662,12 +735,18 @@ void TcpCore::OnPendingReadable(uint64_t id) {
 absl::Status TcpGroupLink::Init() {
   const TcpTransportOptions& o = core_->options();
   EPD_RETURN_IF_ERROR(CheckGroupLinkOptions(options_, kMaxNodes));
+  std::array<uint8_t, abi::kTcpTokenBytes + sizeof(uint64_t)> random{};
   size_t got = 0;
-  while (got < token_.size()) {
-    const ssize_t r = ::getrandom(token_.data() + got, token_.size() - got, 0);
+  while (got < random.size() || incarnation_ == 0) {
+    if (got == random.size()) got = abi::kTcpTokenBytes;  // Draw the incarnation again.
+    const ssize_t r = ::getrandom(random.data() + got, random.size() - got, 0);
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) return absl::InternalError(absl::StrCat("getrandom: ", Errno(errno)));
     got += static_cast<size_t>(r);
+    if (got == random.size()) {
+      std::memcpy(link_secret_.data(), random.data(), link_secret_.size());
+      std::memcpy(&incarnation_, random.data() + link_secret_.size(), sizeof incarnation_);
+    }
   }
   peers_.resize(static_cast<size_t>(options_.num_nodes));
   for (int32_t n = 0; n < options_.num_nodes; ++n) {
@@ -680,6 +759,7 @@ absl::Status TcpGroupLink::Init() {
     for (size_t i = 0; i < p->in.size(); ++i) p->in[i].index = static_cast<uint32_t>(i);
     p->imm_slots.resize(static_cast<size_t>(o.max_pending_imms));
     p->parked.resize(static_cast<size_t>(o.connections_per_peer));
+    p->parked_incarnation.resize(static_cast<size_t>(o.connections_per_peer), 0);
     peers_[static_cast<size_t>(n)] = std::move(p);
   }
   EPD_RETURN_IF_ERROR(core_->Register(this));
@@ -687,7 +767,7 @@ absl::Status TcpGroupLink::Init() {
   return absl::OkStatus();
 }
 
-std::string TcpGroupLink::LocalDescriptor() const {
+std::string TcpGroupLink::Descriptor(int32_t node) const {
   TcpDescriptor d{};
   d.magic = abi::kTcpDescriptorMagic;
   d.version = abi::kTcpWireVersion;
@@ -695,7 +775,12 @@ std::string TcpGroupLink::LocalDescriptor() const {
   d.node = options_.self_node;
   d.port = core_->port();
   d.recv_bytes = options_.recv_bytes;
-  std::memcpy(d.token, token_.data(), token_.size());
+  d.incarnation = incarnation_;
+  d.for_node = ValidNode(node) ? node : -1;
+  if (d.for_node >= 0) {
+    const Token token = PeerToken(link_secret_.data(), options_.self_node, node);
+    std::memcpy(d.token, token.data(), token.size());
+  }
   const std::string& host = core_->advertise_host();
   std::memcpy(d.host, host.data(), std::min(host.size(), sizeof d.host - 1));
   return std::string(reinterpret_cast<const char*>(&d), sizeof d);
@@ -726,7 +811,14 @@ absl::Status TcpGroupLink::Connect(int32_t node, std::string_view descriptor) {
     return bad(absl::StrCat("num_connections ", d.num_connections, " not in [1, ",
                             abi::kTcpMaxConnections, "]"));
   }
-  if (d.port == 0 || d.reserved != 0) return bad("port 0 or reserved bytes set");
+  if (d.port == 0 || d.reserved != 0 || d.reserved2 != 0) {
+    return bad("port 0 or reserved bytes set");
+  }
+  if (d.for_node != options_.self_node) {
+    return bad(absl::StrCat("it was made for node ", d.for_node, ", this is node ",
+                            options_.self_node, " (each node connects with its own)"));
+  }
+  if (d.incarnation == 0) return bad("incarnation 0");
   const size_t host_len = strnlen(d.host, sizeof d.host);
   if (host_len == 0 || host_len == sizeof d.host) return bad("host empty or not terminated");
   Peer& p = *peers_[static_cast<size_t>(node)];
@@ -739,45 +831,75 @@ absl::Status TcpGroupLink::Connect(int32_t node, std::string_view descriptor) {
   const absl::Status resolved = Resolve(host, d.port, /*passive=*/false, &sa, &sa_len);
 
   std::lock_guard<std::mutex> l(core_->mu());
-  if (p.state.load() != PeerState::kIdle) Reset(p);
+  bool stale_inbound = false;
+  for (const Conn& c : p.in) stale_inbound |= c.incarnation != 0 && c.incarnation != d.incarnation;
+  if (p.state.load() != PeerState::kIdle || stale_inbound) Reset(p);
   p.address = address;
+  p.incarnation = d.incarnation;
+  AdoptParked(p);
   p.peer_recv_bytes = d.recv_bytes;
   p.deadline = Clock::now() + core_->options().connect_timeout;
+  p.retries = 0;
+  p.last_retry_why.clear();
   p.state = PeerState::kConnecting;
   if (!resolved.ok()) {
     Fail(p, resolved.message(), FailedBy::kEngine);
     return absl::OkStatus();
   }
+  p.sa = sa;
+  p.sa_len = sa_len;
   p.out.resize(d.num_connections);
   for (uint32_t i = 0; i < d.num_connections; ++i) {
     Conn& c = p.out[i];
     c.index = i;
-    c.hs.magic = abi::kTcpHandshakeMagic;
-    c.hs.version = abi::kTcpWireVersion;
-    c.hs.num_connections = d.num_connections;
-    std::memcpy(c.hs.token, d.token, sizeof c.hs.token);
-    c.hs.from_node = options_.self_node;
-    c.hs.to_node = node;
-    c.hs.connection = i;
-    c.fd.Reset(::socket(sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-    if (!c.fd.valid()) {
-      Fail(p, absl::StrCat("socket: ", Errno(errno)), FailedBy::kEngine);
-      return absl::OkStatus();
-    }
-    SetNoDelay(c.fd.get());
-    if (::connect(c.fd.get(), reinterpret_cast<sockaddr*>(&sa), sa_len) != 0 &&
-        errno != EINPROGRESS) {
-      Fail(p, absl::StrCat("connect: ", Errno(errno)), FailedBy::kEngine);
-      return absl::OkStatus();
-    }
-    const absl::Status added = core_->EpollAdd(c.fd.get(), ConnKey(id_, node, false, i));
-    if (!added.ok()) {
-      Fail(p, added.message(), FailedBy::kEngine);
-      return absl::OkStatus();
-    }
+    c.hs = MakeTcpHandshake(d, options_.self_node, incarnation_, i);
+    if (!OpenConn(p, c, FailedBy::kEngine)) return absl::OkStatus();
   }
   core_->Wake();
   return absl::OkStatus();
+}
+
+bool TcpGroupLink::OpenConn(Peer& p, Conn& c, FailedBy by) {
+  c.fd.Reset(::socket(p.sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  c.phase = Conn::Phase::kConnecting;
+  c.hs_sent = 0;
+  c.ack_got = 0;
+  c.readable = false;
+  c.writable = false;
+  if (!c.fd.valid()) {
+    Fail(p, absl::StrCat("socket: ", Errno(errno)), by);
+    return false;
+  }
+  SetNoDelay(c.fd.get());
+  if (::connect(c.fd.get(), reinterpret_cast<const sockaddr*>(&p.sa), p.sa_len) != 0 &&
+      errno != EINPROGRESS) {
+    Fail(p, absl::StrCat("connect: ", Errno(errno)), by);
+    return false;
+  }
+  const absl::Status added = core_->EpollAdd(c.fd.get(), ConnKey(id_, p.node, false, c.index));
+  if (!added.ok()) {
+    Fail(p, added.message(), by);
+    return false;
+  }
+  return true;
+}
+
+void TcpGroupLink::RetryConn(Peer& p, Conn& c, const std::string& why, Clock::time_point now) {
+  c.fd.Reset();
+  c.phase = Conn::Phase::kRetry;
+  c.retry_at = now + c.backoff;
+  c.backoff = std::min(c.backoff * 2, kMaxRetryBackoff);
+  ++p.retries;
+  Log()->debug("{}: {}; connecting again in {} ms", PeerName(p), why,
+               (c.retry_at - now) / std::chrono::milliseconds(1));
+  p.last_retry_why = why;
+}
+
+bool TcpGroupLink::Admits(const TcpHandshake& hs) const {
+  if (!ValidNode(hs.from_node) || hs.to_node != options_.self_node) return false;
+  const Token token = PeerToken(link_secret_.data(), options_.self_node, hs.from_node);
+  const Token proof = HandshakeProof(token.data(), hs.from_node, hs.to_node, hs.incarnation);
+  return TokenEqual(proof.data(), hs.proof);
 }
 
 PeerState TcpGroupLink::State(int32_t node) const {
@@ -897,10 +1019,6 @@ void TcpGroupLink::Reset(Peer& p) {
   for (size_t i = 0; i < p.in.size(); ++i) {
     Conn fresh;
     fresh.index = static_cast<uint32_t>(i);
-    if (p.parked[i].valid()) {
-      fresh.fd = std::move(p.parked[i]);
-      fresh.readable = true;  // Bytes may be waiting (edge-triggered).
-    }
     p.in[i] = std::move(fresh);
   }
   p.delivered.store(0, std::memory_order_relaxed);
@@ -914,6 +1032,17 @@ void TcpGroupLink::Reset(Peer& p) {
     p.status = absl::OkStatus();
   }
   p.state.store(PeerState::kIdle, std::memory_order_release);
+}
+
+void TcpGroupLink::AdoptParked(Peer& p) {
+  for (size_t i = 0; i < p.in.size(); ++i) {
+    Conn& c = p.in[i];
+    if (c.fd.valid() || c.dones > 0 || c.rhdr_got > 0) continue;
+    if (!p.parked[i].valid() || p.parked_incarnation[i] != p.incarnation) continue;
+    c.fd = std::move(p.parked[i]);
+    c.incarnation = p.incarnation;
+    c.readable = true;  // Bytes may be waiting (edge-triggered).
+  }
 }
 
 void TcpGroupLink::PeerClosing(Peer& p, absl::string_view why) {
@@ -958,10 +1087,13 @@ absl::Status TcpGroupLink::AttachInbound(ScopedFd& fd, const TcpHandshake& hs,
   }
   Peer& p = *peers_[static_cast<size_t>(hs.from_node)];
   Conn& c = p.in[hs.connection];
-  // After the peer failed, a connection is its next incarnation's (its daemon registered
-  // the group anew): parked until Connect.
-  const bool park = p.state.load() == PeerState::kFailed;
-  if (park ? p.parked[hs.connection].valid() : (c.fd.valid() || c.dones > 0 || c.rhdr_got > 0)) {
+  // After the peer failed, or from another incarnation than the one connected (or than the
+  // one already in the slot), a connection is for a Connect to come (its daemon registered
+  // the group anew): parked until then, the newest per index.
+  const bool park = p.state.load() == PeerState::kFailed ||
+                    (p.incarnation != 0 && hs.incarnation != p.incarnation) ||
+                    (c.incarnation != 0 && hs.incarnation != c.incarnation);
+  if (!park && (c.fd.valid() || c.dones > 0 || c.rhdr_got > 0)) {
     return absl::AlreadyExistsError(absl::StrCat(who, "repeats connection ", hs.connection));
   }
   TcpAck ack{};
@@ -975,10 +1107,16 @@ absl::Status TcpGroupLink::AttachInbound(ScopedFd& fd, const TcpHandshake& hs,
   }
   core_->EpollMod(fd.get(), ConnKey(id_, hs.from_node, true, hs.connection));
   if (park) {
+    if (p.parked[hs.connection].valid()) {
+      Log()->debug("{}replaces the parked connection {} (incarnation {:x})", who, hs.connection,
+                   p.parked_incarnation[hs.connection]);
+    }
     p.parked[hs.connection] = std::move(fd);
+    p.parked_incarnation[hs.connection] = hs.incarnation;
     return absl::OkStatus();
   }
   c.fd = std::move(fd);
+  c.incarnation = hs.incarnation;
   c.readable = true;
   if (p.inbound_from.empty()) p.inbound_from = from;
   return absl::OkStatus();
@@ -993,11 +1131,17 @@ bool TcpGroupLink::Progress(Clock::time_point now) {
     if (state == PeerState::kFailed) continue;
     if (state == PeerState::kConnecting) {
       for (Conn& c : p.out) {
-        if (p.state.load() == PeerState::kConnecting) ProgressConnect(p, c);
+        if (p.state.load() == PeerState::kConnecting) ProgressConnect(p, c, now);
       }
       if (p.state.load() == PeerState::kConnecting && now >= p.deadline) {
         Fail(p, absl::StrCat("not connected within ", core_->options().connect_timeout.count(),
-                             " ms (", p.ready_out, " of ", p.out.size(), " connections ready)"));
+                             " ms (", p.ready_out, " of ", p.out.size(), " connections ready",
+                             p.retries == 0
+                                 ? std::string()
+                                 : absl::StrCat("; ", p.retries,
+                                                " closed before their acknowledgement, the last: ",
+                                                p.last_retry_why),
+                             ")"));
       }
     } else if (state == PeerState::kReady && p.closing) {
       if (now >= p.close_deadline) {
@@ -1039,7 +1183,10 @@ bool TcpGroupLink::Progress(Clock::time_point now) {
   return more;
 }
 
-void TcpGroupLink::ProgressConnect(Peer& p, Conn& c) {
+void TcpGroupLink::ProgressConnect(Peer& p, Conn& c, Clock::time_point now) {
+  if (c.phase == Conn::Phase::kRetry) {
+    if (now < c.retry_at || !OpenConn(p, c, FailedBy::kProgress)) return;
+  }
   if (c.phase == Conn::Phase::kConnecting) {
     if (!c.writable) return;
     int err = 0;
@@ -1055,7 +1202,8 @@ void TcpGroupLink::ProgressConnect(Peer& p, Conn& c) {
       return;
     }
     if (io != Io::kDone) {
-      return Fail(p, absl::StrCat("handshake on connection ", c.index, ": ", Errno(errno)));
+      return RetryConn(p, c, absl::StrCat("handshake on connection ", c.index, ": ", Errno(errno)),
+                       now);
     }
     c.phase = Conn::Phase::kAwaitAck;
   }
@@ -1067,10 +1215,13 @@ void TcpGroupLink::ProgressConnect(Peer& p, Conn& c) {
       return;
     }
     if (io != Io::kDone) {
-      return Fail(p, absl::StrCat("connection ", c.index, " was refused during the handshake (",
-                                  io == Io::kClosed ? "closed" : Errno(errno),
-                                  "): a stale descriptor, another wire version or "
-                                  "connection count?"));
+      return RetryConn(p, c,
+                       absl::StrCat("connection ", c.index,
+                                    " was closed by the listener before its acknowledgement (",
+                                    io == Io::kClosed ? "closed" : Errno(errno),
+                                    "): a flood of connections there, a stale descriptor, another "
+                                    "wire version or connection count?"),
+                       now);
     }
     if (c.ack.magic != abi::kTcpAckMagic || c.ack.version != abi::kTcpWireVersion ||
         c.ack.node != p.node || c.ack.connection != c.index) {
@@ -1328,6 +1479,21 @@ class TcpTransport final : public Transport {
 };
 
 }  // namespace
+
+abi::TcpHandshake MakeTcpHandshake(const abi::TcpDescriptor& target, int32_t from_node,
+                                   uint64_t incarnation, uint32_t connection) {
+  TcpHandshake hs{};
+  hs.magic = abi::kTcpHandshakeMagic;
+  hs.version = abi::kTcpWireVersion;
+  hs.num_connections = target.num_connections;
+  const Token proof = HandshakeProof(target.token, from_node, target.node, incarnation);
+  std::memcpy(hs.proof, proof.data(), proof.size());
+  hs.from_node = from_node;
+  hs.to_node = target.node;
+  hs.connection = connection;
+  hs.incarnation = incarnation;
+  return hs;
+}
 
 absl::StatusOr<std::unique_ptr<Transport>> MakeTcpTransport(const TcpTransportOptions& options) {
   const auto range = [](absl::string_view name, int64_t v, int64_t lo, int64_t hi) {

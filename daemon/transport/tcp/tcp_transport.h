@@ -15,6 +15,7 @@
 #include "common/os/scoped_fd.h"
 #include "daemon/core/logging.h"
 #include "daemon/transport/transport.h"
+#include "proto/abi/tcp_wire.h"
 
 namespace epd::transport {
 
@@ -54,6 +55,13 @@ struct TcpTransportOptions {
 /// UNAVAILABLE when the address cannot be bound (naming it and errno); INTERNAL for
 /// epoll/eventfd/thread failures.
 absl::StatusOr<std::unique_ptr<Transport>> MakeTcpTransport(const TcpTransportOptions& options);
+
+/// The handshake that node `from_node`'s link of incarnation `incarnation` sends on
+/// connection `connection` to the node that handed it `target` (its descriptor made for
+/// `from_node`): magic, version, counts and the proof of proto/abi/tcp_wire.h. For the
+/// transport and for tests that speak the wire by hand.
+abi::TcpHandshake MakeTcpHandshake(const abi::TcpDescriptor& target, int32_t from_node,
+                                   uint64_t incarnation, uint32_t connection);
 
 /// The "host:port" the transport's data listener is bound to (the resolved port), for
 /// logs and tests; "" when `transport` is not a TCP transport.
