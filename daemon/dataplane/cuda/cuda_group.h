@@ -19,18 +19,24 @@
 #include "daemon/dataplane/cuda/cuda_plane.h"
 #include "daemon/dataplane/cuda/cuda_rank.h"
 #include "daemon/dataplane/cuda/graph_program.h"
+#include "daemon/dataplane/exchange/node_exchange.h"
 #include "daemon/dataplane/lockstep_group.h"
+#include "epd/kernels/cuda_mirror.h"
 #include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/host_ops.h"
 
 namespace epd {
 
 /// One group on the CUDA backend. Served by the engine of its first attached rank's GPU;
 /// one group op per GPU at a time (CudaDataPlaneImpl::TryClaimGpus). A successful op and a
 /// graph-mode instance allocate nothing on the engine thread (README "Hot path").
-class CudaGroup : public LockstepGroup, private GraphProgram::Host {
+class CudaGroup : public LockstepGroup, private GraphProgram::Host, private NodeExchangeHost {
  public:
   CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec);
   ~CudaGroup() override;
+  /// A group that spans nodes (DESIGN.md §5.5): its exchange, made before the first rank
+  /// attaches (`join_secret_digest` goes into its Peer mesh registration).
+  void MakeExchange(std::string join_secret_digest);
 
   /// Shutdown: disarms the program and completes everything pending with `status`.
   void Stop(const absl::Status& status);
@@ -55,6 +61,16 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host {
   void OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) override;
   absl::Status CheckProgram(int32_t rank) const override;
   bool PollBackground() override;
+  // Spanning groups (DESIGN.md §5.5): the exchange's hooks.
+  absl::Status NodeChosen(int32_t node) override;
+  void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) override;
+  absl::Status PeerFailure(uint64_t seq) override;
+  std::string NotReadyReason() const override;
+  /// While a spanning op is in the exchange the transport wakes the engine; while its
+  /// copies run on the GPU the engine polls.
+  bool RunningOpWakesEngine() const override {
+    return spanning() && span_phase_ == SpanPhase::kExchanging;
+  }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -71,6 +87,48 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host {
     std::vector<bool> ready_wait;  ///< The rank's stream got the ready_seq stream wait.
     Clock::time_point started;
   };
+
+  // NodeExchangeHost: each local rank's pinned mirror.
+  uint8_t* ExchangeRankData(int32_t rank) const override {
+    return ranks_[rank]->mirror->data.get();
+  }
+  RankRouting& ExchangeRankRouting(int32_t rank) const override {
+    return ranks_[rank]->mirror->routing;
+  }
+  const rules::HandleTable& ExchangeRankHandles(int32_t rank) const override {
+    return endpoint(rank)->handles;
+  }
+  uint64_t ExchangeCurrentSeq() const override { return current_seq(); }
+  void ExchangeWarning(const std::string& message) const override {
+    LogClientCaused(spdlog::level::warn, "{}", message);
+  }
+
+  // ---- a group that spans nodes (DESIGN.md §5.5) ----
+  /// Where the running spanning op is: its inputs being copied into the mirrors, the
+  /// exchange on the mirrors, its outputs being copied back to the GPU.
+  enum class SpanPhase { kIdle, kStagingIn, kExchanging, kStagingOut };
+  /// Enqueues every local rank's ready wait (stream-ordered) and copy of the op's inputs
+  /// into its mirror; the op then runs on in PollSpanning.
+  bool StartSpanning(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
+  bool PollSpanning(std::span<RankOutcome> outcomes);
+  /// Rank r's part of StartSpanning on its stream.
+  absl::Status StageIn(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
+                       bool* ready_wait);
+  /// Rank r's copy of its outputs (when `outcome` is OK) to its GPU area, then done_seq
+  /// (stream-ordered) and the done event.
+  absl::Status StageOut(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
+                        const RankOutcome& outcome);
+  /// The spans of rank r's area that op `plan` reads (InputSpans) or writes (OutputSpans),
+  /// into `spans` [kMaxMirrorSpans]; returns their number and sets *total to their bytes.
+  int32_t InputSpans(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
+                     kernels::cuda::MirrorSpan* spans, uint64_t* total) const;
+  int32_t OutputSpans(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
+                      const RankOutcome& outcome, kernels::cuda::MirrorSpan* spans,
+                      uint64_t* total) const;
+  /// Ends the spanning op with `status` for every local rank without the exchange's
+  /// result (staging failed or timed out): tells the other nodes and releases the streams.
+  void FailSpanning(const absl::Status& status);
+  void PublishJoined(int32_t changed, bool joined);
 
   // GraphProgram::Host.
   const std::string& ProgramGroupName() const override { return spec().name(); }
@@ -110,7 +168,7 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host {
   static bool KernelHandsOff(const GpuOp& op, size_t r);
   /// Whether that rank's ready wait is a WaitFlagAsync kernel (Readback::ready_seen).
   bool SpinsForReady(const GpuOp& op, size_t r) const {
-    return KernelHandsOff(op, r) && plane_->kernel_ready_wait();
+    return !spanning() && KernelHandsOff(op, r) && plane_->kernel_ready_wait();
   }
   /// Moves a finished op's vectors back into spare_ for the next op, dropping its rank
   /// references (a rank that left during the op is freed here, not kept by the spare).
@@ -143,6 +201,13 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host {
   std::vector<cudaError_t> event_errors_;
   std::unique_ptr<GraphProgram> program_;  // The armed graph-mode program.
   std::optional<GpuOp> program_tail_;      // A disarmed program still on the GPU.
+  // A spanning group's (null / unused otherwise); the op's state lives in gpu_op_.
+  std::unique_ptr<NodeExchange> exchange_;
+  kernels::host::HostScratch kernel_scratch_;  // Reserved by MakeExchange.
+  SpanPhase span_phase_ = SpanPhase::kIdle;
+  const OpPlan* span_plan_ = nullptr;
+  const std::vector<abi::RequestSlot>* span_slots_ = nullptr;
+  std::vector<RankOutcome> span_outcomes_;  // [R] the exchange's outcomes.
 };
 
 }  // namespace epd

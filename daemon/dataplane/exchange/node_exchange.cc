@@ -49,6 +49,17 @@ uint64_t NodeExchangeBytes(const v1::GroupSpec& spec, const kernels::GroupShape&
   return most;
 }
 
+absl::Status CheckCanSpanNodes(const v1::GroupSpec& spec, const peer::PeerMesh* peer_mesh,
+                               const transport::Transport* transport) {
+  if (spec.nodes_size() < 2 || (peer_mesh != nullptr && transport != nullptr)) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "group \"", spec.name(), "\" spans ", spec.nodes_size(),
+      " nodes, but this daemon has no Peer listener (peer_listen is unset in its config), so it "
+      "cannot reach the other nodes; set peer_listen (and peer_secret_file) on every daemon"));
+}
+
 NodeExchange::NodeExchange(const v1::GroupSpec& spec, const kernels::GroupShape& shape,
                            const kernels::EndpointLayout& layout, NodeExchangeHost* host,
                            NodeExchangeOptions options)

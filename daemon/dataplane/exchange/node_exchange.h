@@ -35,6 +35,11 @@ namespace epd {
 /// GroupPrivateBytes.
 uint64_t NodeExchangeBytes(const v1::GroupSpec& spec, const kernels::GroupShape& shape);
 
+/// FAILED_PRECONDITION naming the group when `spec` spans nodes but this daemon has no
+/// Peer mesh or transport (its Peer listener is off); OK otherwise.
+absl::Status CheckCanSpanNodes(const v1::GroupSpec& spec, const peer::PeerMesh* peer_mesh,
+                               const transport::Transport* transport);
+
 /// What the exchange needs of its group. Called on the engine thread with the group's mu_
 /// held; only for this node's ranks, each attached for the running op.
 class NodeExchangeHost {

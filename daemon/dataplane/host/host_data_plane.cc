@@ -247,12 +247,7 @@ absl::Status HostDataPlaneImpl::Init() {
 absl::StatusOr<std::unique_ptr<DataPlaneGroup>> HostDataPlaneImpl::CreateGroup(
     const v1::GroupSpec& spec, const GroupCreateOptions& options) {
   if (shut_down_.load()) return absl::UnavailableError("epd is shutting down");
-  if (spec.nodes_size() >= 2 && (options_.peer_mesh == nullptr || options_.transport == nullptr)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group \"", spec.name(), "\" spans ", spec.nodes_size(),
-        " nodes, but this daemon has no Peer listener (peer_listen is unset in its config), so it "
-        "cannot reach the other nodes; set peer_listen (and peer_secret_file) on every daemon"));
-  }
+  EPD_RETURN_IF_ERROR(CheckCanSpanNodes(spec, options_.peer_mesh, options_.transport));
   // Join checked GroupPrivateBytes against free memory; memory taken by others since then
   // can still make the reservation fail, which must not cross gRPC as an exception.
   std::unique_ptr<HostGroup> group;
