@@ -13,7 +13,7 @@ namespace {
 struct SpanCopyParams {
   uint8_t* dst;
   const uint8_t* src;
-  const MirrorSpan* spans;
+  const Region* spans;
   int32_t num_spans;
   uint32_t* counter;
   uint64_t* signal;
@@ -22,7 +22,7 @@ struct SpanCopyParams {
 
 __global__ void CopySpansKernel(const SpanCopyParams p) {
   // The span table is read once per block (it may be host memory, across PCIe).
-  __shared__ MirrorSpan spans[kMaxMirrorSpans];
+  __shared__ Region spans[kMaxAreaSpans];
   for (int32_t i = static_cast<int32_t>(threadIdx.x); i < p.num_spans; i += blockDim.x) {
     spans[i] = p.spans[i];
   }
@@ -50,12 +50,12 @@ __global__ void CopySpansKernel(const SpanCopyParams p) {
 
 }  // namespace
 
-absl::Status CopySpansAsync(uint8_t* dst, const uint8_t* src, const MirrorSpan* spans,
+absl::Status CopySpansAsync(uint8_t* dst, const uint8_t* src, const Region* spans,
                             int32_t num_spans, uint64_t total_bytes, uint32_t* counter,
                             uint64_t* signal, uint64_t signal_value, cudaStream_t stream) {
-  if (num_spans < 0 || num_spans > kMaxMirrorSpans) {
+  if (num_spans < 0 || num_spans > kMaxAreaSpans) {
     return absl::InvalidArgumentError(absl::StrCat("CopySpansAsync: num_spans = ", num_spans,
-                                                   " is outside [0, ", kMaxMirrorSpans, "]"));
+                                                   " is outside [0, ", kMaxAreaSpans, "]"));
   }
   if (num_spans > 0 && (dst == nullptr || src == nullptr || spans == nullptr)) {
     return absl::InvalidArgumentError("CopySpansAsync: a null destination, source or span table");

@@ -32,8 +32,9 @@ using std::chrono::milliseconds;
 class MultinodeHostTest : public ::testing::Test {
  protected:
   /// Nodes with `ranks_per_node` ranks each; `op_timeout_ms` for every plane.
+  /// `mirror`: HostDataPlaneOptions::stage_through_mirror on every plane.
   void Start(const std::vector<int>& ranks_per_node, uint32_t op_timeout_ms = 2000, bool fp8 = true,
-             int hidden = 512) {
+             int hidden = 512, bool mirror = false) {
     spec_.set_name("mn");
     int R = 0;
     for (size_t n = 0; n < ranks_per_node.size(); ++n) {
@@ -61,6 +62,7 @@ class MultinodeHostTest : public ::testing::Test {
       o.host_threads = 2;
       o.peer_mesh = node->mesh.get();
       o.transport = node->transport.get();
+      o.stage_through_mirror = mirror;
       auto plane = MakeHostDataPlane(o);
       ASSERT_TRUE(plane.ok()) << plane.status();
       node->plane = std::move(*plane);
@@ -78,6 +80,8 @@ class MultinodeHostTest : public ::testing::Test {
       nodes_.push_back(std::move(node));
     }
   }
+
+  void EveryOpMatches(bool mirror);
 
   template <typename T>
   T* At(int r, const kernels::Region& region) {
@@ -169,14 +173,16 @@ bool Same(const T* a, const T* b, size_t n) {
 // Normal dispatch (FP8 and BF16, weights, expert_alignment), combine with weights, a
 // cached re-dispatch and its combine, then low-latency dispatch (FP8 round_scale UE8M0,
 // then BF16) and combine: every node's outputs equal kernels/host on the whole group.
-TEST_F(MultinodeHostTest, EveryOpMatchesTheWholeGroup) {
+/// Every op and option on 2 and 4 nodes, each result bit for bit that of kernels/host on
+/// the whole group; `mirror`: through HostDataPlaneOptions::stage_through_mirror.
+void MultinodeHostTest::EveryOpMatches(bool mirror) {
   for (const std::vector<int>& layout : {std::vector<int>{2, 1}, std::vector<int>{1, 3, 2, 1}}) {
     SCOPED_TRACE(::testing::Message() << layout.size() << " nodes");
     rings_.clear();
     nodes_.clear();
     node_of_.clear();
     spec_.Clear();
-    Start(layout);
+    Start(layout, 2000, true, 512, mirror);
     if (HasFatalFailure()) return;
     const int R = shape_.num_ranks, K = shape_.num_topk, H = shape_.hidden;
     const int S = shape_.num_scales(), El = shape_.num_local_experts();
@@ -346,11 +352,45 @@ TEST_F(MultinodeHostTest, EveryOpMatchesTheWholeGroup) {
                          ll_tokens[r] * H))
             << r;
       }
-      // GetDispatchLayout needs no exchange beyond the header.
+      // GetDispatchLayout needs no exchange beyond the header; each rank's own layout.
+      for (int r = 0; r < R; ++r) {
+        std::memset(At<uint8_t>(r, layout_.layout_tokens_per_rank), 0xEE,
+                    layout_.layout_tokens_per_rank.bytes);
+        std::memset(At<uint8_t>(r, layout_.layout_is_token_in_rank), 0xEE,
+                    layout_.layout_is_token_in_rank.bytes);
+      }
       done = RunOnAll(abi::OpKind::kGetDispatchLayout, 0, tokens_);
-      for (int r = 0; r < R; ++r) EXPECT_EQ(done[r].status_code, 0) << Message(done[r]);
+      for (int r = 0; r < R; ++r) {
+        EXPECT_EQ(done[r].status_code, 0) << Message(done[r]);
+        std::vector<int32_t> per_rank(R), per_expert(shape_.num_experts);
+        std::vector<uint8_t> in_rank(static_cast<size_t>(shape_.max_tokens_per_rank) * R);
+        kernels::host::LayoutRankArgs a;
+        a.num_tokens = tokens_[r];
+        a.topk_idx = At<int64_t>(r, layout_.in_topk_idx);
+        a.num_tokens_per_rank = per_rank.data();
+        a.num_tokens_per_expert = per_expert.data();
+        a.is_token_in_rank = in_rank.data();
+        ASSERT_TRUE(kernels::host::GetDispatchLayout(shape_, a, {1}).ok());
+        EXPECT_TRUE(Same(At<int32_t>(r, layout_.layout_tokens_per_rank), per_rank.data(), R)) << r;
+        EXPECT_TRUE(Same(At<int32_t>(r, layout_.layout_tokens_per_expert), per_expert.data(),
+                         shape_.num_experts))
+            << r;
+        EXPECT_TRUE(
+            Same(At<uint8_t>(r, layout_.layout_is_token_in_rank), in_rank.data(), tokens_[r] * R))
+            << r;
+      }
     }
   }
+}
+
+TEST_F(MultinodeHostTest, EveryOpMatchesTheWholeGroup) { EveryOpMatches(/*mirror=*/false); }
+
+// As the CUDA backend across nodes stages them (DESIGN.md §5.5): the exchange works on a
+// copy of each rank's area that holds only the ranges MirrorInputSpans names (the rest is
+// 0xA5), and only the MirrorOutputSpans ranges come back. Exact results mean those ranges
+// cover everything the exchange reads and writes.
+TEST_F(MultinodeHostTest, EveryOpMatchesThroughTheCudaMirrorSpans) {
+  EveryOpMatches(/*mirror=*/true);
 }
 
 // A rank of node 1 with an expert id out of range: every rank of every node fails with

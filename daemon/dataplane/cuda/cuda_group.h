@@ -118,13 +118,6 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// (stream-ordered) and the done event.
   absl::Status StageOut(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
                         const RankOutcome& outcome);
-  /// The spans of rank r's area that op `plan` reads (InputSpans) or writes (OutputSpans),
-  /// into `spans` [kMaxMirrorSpans]; returns their number and sets *total to their bytes.
-  int32_t InputSpans(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
-                     kernels::cuda::MirrorSpan* spans, uint64_t* total) const;
-  int32_t OutputSpans(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
-                      const RankOutcome& outcome, kernels::cuda::MirrorSpan* spans,
-                      uint64_t* total) const;
   /// Ends the spanning op with `status` for every local rank without the exchange's
   /// result (staging failed or timed out): tells the other nodes and releases the streams.
   void FailSpanning(const absl::Status& status);

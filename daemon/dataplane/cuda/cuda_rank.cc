@@ -96,8 +96,8 @@ absl::Status AddCudaRankMirror(CudaRank& rank, const kernels::GroupShape& shape,
   };
   EPD_RETURN_IF_ERROR(
       pinned(m->data, CudaRankMirror::MirrorBytes(layout), "host mirror of its data area"));
-  EPD_RETURN_IF_ERROR(pinned(m->in_spans, kc::kMaxMirrorSpans, "copy spans"));
-  EPD_RETURN_IF_ERROR(pinned(m->out_spans, kc::kMaxMirrorSpans, "copy spans"));
+  EPD_RETURN_IF_ERROR(pinned(m->in_spans, kernels::kMaxAreaSpans, "copy spans"));
+  EPD_RETURN_IF_ERROR(pinned(m->out_spans, kernels::kMaxAreaSpans, "copy spans"));
   EPD_RETURN_IF_ERROR(pinned(m->staged, 1, "staging flag"));
   EPD_ASSIGN_OR_RETURN(m->counter, AllocateDevice(256, DeviceZero::kYes));
   rank.mirror = std::move(m);

@@ -39,9 +39,9 @@ struct Readback {
 /// device-to-host copy runs on the op path. Daemon-private: clients never map it. Allocated
 /// at join; an op allocates nothing.
 struct CudaRankMirror {
-  PinnedArray<uint8_t> data;                         ///< [MirrorBytes(layout)], mapped.
-  PinnedArray<kernels::cuda::MirrorSpan> in_spans;   ///< [kMaxMirrorSpans], mapped.
-  PinnedArray<kernels::cuda::MirrorSpan> out_spans;  ///< [kMaxMirrorSpans], mapped.
+  PinnedArray<uint8_t> data;               ///< [MirrorBytes(layout)], mapped.
+  PinnedArray<kernels::Region> in_spans;   ///< [kMaxAreaSpans], mapped.
+  PinnedArray<kernels::Region> out_spans;  ///< [kMaxAreaSpans], mapped.
   /// [1], mapped: the seq of the op whose inputs the copy-in kernel has landed in `data`
   /// (stored by its last block, release at system scope; the engine polls it).
   PinnedArray<uint64_t> staged;
@@ -56,8 +56,7 @@ struct CudaRankMirror {
   /// Host bytes of one rank's mirror of a group of `shape` (data, span tables, routing).
   static uint64_t BytesFor(const kernels::GroupShape& shape) {
     return MirrorBytes(kernels::EndpointLayout::Compute(shape)) +
-           2 * sizeof(kernels::cuda::MirrorSpan) * kernels::cuda::kMaxMirrorSpans +
-           RankRouting::BytesFor(shape);
+           2 * sizeof(kernels::Region) * kernels::kMaxAreaSpans + RankRouting::BytesFor(shape);
   }
 };
 

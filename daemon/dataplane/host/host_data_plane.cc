@@ -21,6 +21,7 @@
 #include "common/os/shm_region.h"
 #include "common/status_macros.h"
 #include "daemon/dataplane/engine_host.h"
+#include "daemon/dataplane/exchange/mirror_spans.h"
 #include "daemon/dataplane/exchange/node_exchange.h"
 #include "daemon/dataplane/exchange/rank_routing.h"
 #include "daemon/dataplane/lockstep_group.h"
@@ -42,6 +43,9 @@ class HostGroup;
 /// nothing.
 struct HostRank : RankResources {
   RankRouting routing;
+  /// HostDataPlaneOptions::stage_through_mirror: the copy of the data area the exchange
+  /// works on; empty otherwise.
+  std::vector<uint8_t> mirror;
   explicit HostRank(const kernels::GroupShape& s) : routing(s) {}
 };
 
@@ -131,13 +135,22 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   bool StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
                    std::span<RankOutcome> outcomes) override {
     if (spanning()) {
+      span_plan_ = &plan;
+      span_slots_ = &slots;
+      if (plane_->options().stage_through_mirror) StageMirrors(plan, slots, /*in=*/true, outcomes);
       exchange_->Start(plan, slots);
       return false;
     }
     Execute(plan, slots, outcomes);
     return true;
   }
-  bool PollOpInto(std::span<RankOutcome> outcomes) override { return exchange_->Poll(outcomes); }
+  bool PollOpInto(std::span<RankOutcome> outcomes) override {
+    if (!exchange_->Poll(outcomes)) return false;
+    if (plane_->options().stage_through_mirror) {
+      StageMirrors(*span_plan_, *span_slots_, /*in=*/false, outcomes);
+    }
+    return true;
+  }
   absl::Status NodeChosen(int32_t node) override {
     return exchange_->Init(node, local_first(), local_count());
   }
@@ -189,8 +202,34 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   }
 
  private:
-  // NodeExchangeHost: the endpoints' shm data areas.
-  uint8_t* ExchangeRankData(int32_t rank) const override { return endpoint(rank)->shm_data(); }
+  // NodeExchangeHost: the endpoints' shm data areas (or the test seam's mirrors).
+  uint8_t* ExchangeRankData(int32_t rank) const override {
+    std::vector<uint8_t>& mirror = static_cast<HostRank&>(*endpoint(rank)->backend).mirror;
+    return mirror.empty() ? endpoint(rank)->shm_data() : mirror.data();
+  }
+  /// stage_through_mirror: copies every local rank's MirrorInputSpans from its shm area into
+  /// its mirror (`in`), or MirrorOutputSpans of each rank whose outcome is OK back.
+  void StageMirrors(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots, bool in,
+                    std::span<RankOutcome> outcomes) {
+    for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+      uint8_t* shm = endpoint(r)->shm_data();
+      uint8_t* mirror = ExchangeRankData(r);
+      uint64_t total = 0;
+      int32_t n = 0;
+      if (in) {
+        n = MirrorInputSpans(
+            shape(), layout(), plan, slots[r], r, endpoint(r)->handles.num_recv_tokens(),
+            exchange_->LowLatencyCounts(plan.ll_handle_buffer), spans_.data(), &total);
+      } else if (outcomes[r].status.ok()) {
+        n = MirrorOutputSpans(shape(), layout(), plan, slots[r], outcomes[r], mirror, spans_.data(),
+                              &total);
+      }
+      for (int32_t i = 0; i < n; ++i) {
+        const kernels::Region& s = spans_[i];
+        std::memcpy((in ? mirror : shm) + s.offset, (in ? shm : mirror) + s.offset, s.bytes);
+      }
+    }
+  }
   RankRouting& ExchangeRankRouting(int32_t rank) const override { return Private(rank); }
   const rules::HandleTable& ExchangeRankHandles(int32_t rank) const override {
     return endpoint(rank)->handles;
@@ -226,6 +265,10 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
 
   HostDataPlaneImpl* plane_;
   std::unique_ptr<NodeExchange> exchange_;  ///< A spanning group's; null otherwise.
+  const OpPlan* span_plan_ = nullptr;       ///< The running spanning op.
+  const std::vector<abi::RequestSlot>* span_slots_ = nullptr;
+  std::vector<kernels::Region> spans_ =
+      std::vector<kernels::Region>(kernels::kMaxAreaSpans);  ///< stage_through_mirror's.
   // Each op kind's kernel arguments, [R], filled in per op (sized once: README "Hot path").
   std::vector<kernels::host::DispatchRankArgs> dispatch_args_;
   std::vector<kernels::host::CombineRankArgs> combine_args_;
@@ -284,7 +327,11 @@ absl::StatusOr<std::shared_ptr<RankResources>> HostGroup::PrepareRank(
   }
   info->set_backend("host");
   info->set_launch_mode(v1::LAUNCH_MODE_DAEMON);
-  return std::shared_ptr<RankResources>(std::make_shared<HostRank>(shape()));
+  auto rank = std::make_shared<HostRank>(shape());
+  if (spanning() && plane_->options().stage_through_mirror) {
+    rank->mirror.assign(layout().total_bytes, 0xA5);
+  }
+  return std::shared_ptr<RankResources>(std::move(rank));
 }
 
 void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,

@@ -8,30 +8,22 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "epd/kernels/layout.h"
 
 namespace epd::kernels::cuda {
 
-/// One byte range [offset, offset + bytes) of an endpoint's data area; the same offsets at
-/// both ends of a mirror copy (the GPU area and its mirror share kernels::EndpointLayout).
-struct MirrorSpan {
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
-};
-
-/// Most spans one CopySpansAsync takes (the kernel stages them in shared memory).
-inline constexpr int kMaxMirrorSpans = 256;
-
-/// Enqueues ONE kernel on `stream` that copies every span of `spans` (num_spans entries, in
-/// memory the kernel can read: host-mapped pinned or device; not rewritten before the kernel
-/// ran) from `src` + offset to `dst` + offset (16-byte vectors where both ends and the length
-/// are 16-byte aligned), and then, when `signal` is not null, stores `signal_value` to it
-/// (uint64, release at system scope: host-mapped pinned memory the host polls) once every
-/// block's copies are visible to the host: the last block to finish stores it (a ticket on
+/// Enqueues ONE kernel on `stream` that copies every range of `spans` (num_spans entries,
+/// in memory the kernel can read: host-mapped pinned or device, not rewritten before the
+/// kernel ran) from `src` + offset to `dst` + offset (the same offsets at both ends: the GPU
+/// area and its mirror share the EndpointLayout; 16-byte vectors where both ends are 16-byte
+/// aligned), and then, when `signal` is not null, stores `signal_value` to it (uint64,
+/// release at system scope: host-mapped pinned memory the host polls) once every block's
+/// copies are visible to the host: the last block to finish stores it (a ticket on
 /// *counter, a uint32 device word that is 0 before and after; two copies sharing a counter
-/// must not run at the same time). `total_bytes` (the spans' sum) sizes the grid. Errors:
-/// INVALID_ARGUMENT for num_spans outside [0, kMaxMirrorSpans], a null pointer where one is
+/// must not run at the same time). `total_bytes` (the ranges' sum) sizes the grid. Errors:
+/// INVALID_ARGUMENT for num_spans outside [0, kMaxAreaSpans], a null pointer where one is
 /// needed; INTERNAL for a launch error.
-absl::Status CopySpansAsync(uint8_t* dst, const uint8_t* src, const MirrorSpan* spans,
+absl::Status CopySpansAsync(uint8_t* dst, const uint8_t* src, const Region* spans,
                             int32_t num_spans, uint64_t total_bytes, uint32_t* counter,
                             uint64_t* signal, uint64_t signal_value, cudaStream_t stream);
 
