@@ -89,11 +89,15 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   };
 
   // NodeExchangeHost: each local rank's pinned mirror.
+  // The running op's ranks (it keeps a rank that detached meanwhile alive), else ranks_.
   uint8_t* ExchangeRankData(int32_t rank) const override {
-    return ranks_[rank]->mirror->data.get();
+    return SpanRank(rank).mirror->data.get();
   }
   RankRouting& ExchangeRankRouting(int32_t rank) const override {
-    return ranks_[rank]->mirror->routing;
+    return SpanRank(rank).mirror->routing;
+  }
+  const CudaRank& SpanRank(int32_t rank) const {
+    return gpu_op_ && gpu_op_->ranks[rank] ? *gpu_op_->ranks[rank] : *ranks_[rank];
   }
   const rules::HandleTable& ExchangeRankHandles(int32_t rank) const override {
     return endpoint(rank)->handles;

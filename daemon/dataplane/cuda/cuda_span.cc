@@ -67,7 +67,7 @@ absl::Status CudaGroup::StageIn(const OpPlan& plan, const abi::RequestSlot& slot
 
 absl::Status CudaGroup::StageOut(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
                                  const RankOutcome& outcome) {
-  const CudaRank& cr = *ranks_[r];
+  const CudaRank& cr = SpanRank(r);  // Alive with the op even if it detached since.
   CudaRankMirror& m = *cr.mirror;
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
   cudaStream_t s = cr.stream.get();
@@ -139,7 +139,7 @@ bool CudaGroup::PollSpanning(std::span<RankOutcome> outcomes) {
       if (staged == op.seq) continue;
       all = false;
       cudaSetDevice(cr.device);
-      const cudaError_t err = cudaEventQuery(cr.done.get());  // Not recorded yet: kSuccess.
+      const cudaError_t err = cudaStreamQuery(cr.stream.get());
       if (err != cudaSuccess && err != cudaErrorNotReady) {
         cudaGetLastError();
         failed =

@@ -71,7 +71,9 @@ NodeExchange::NodeExchange(const v1::GroupSpec& spec, const kernels::GroupShape&
       dispatch_args_(shape.num_ranks),
       combine_args_(shape.num_ranks),
       ll_dispatch_args_(shape.num_ranks),
-      ll_combine_args_(shape.num_ranks) {}
+      ll_combine_args_(shape.num_ranks),
+      recv_tokens_(shape.num_ranks),
+      routing_tokens_(shape.num_ranks) {}
 
 NodeExchange::~NodeExchange() = default;
 
@@ -422,6 +424,12 @@ void NodeExchange::StagePackSources(const OpPlan& plan,
 }
 
 void NodeExchange::Start(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) {
+  // The handles as the op starts: a rank may detach while the op runs on.
+  for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+    const rules::HandleTable& h = host_->ExchangeRankHandles(r);
+    recv_tokens_[r] = h.num_recv_tokens();
+    routing_tokens_[r] = h.routing_tokens();
+  }
   span_.started = std::chrono::steady_clock::now();
   span_.plan = &plan;
   span_.slots = &slots;
@@ -831,7 +839,7 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
           a.num_tokens = slots[r].num_tokens;
           if (flags.cached_handle) {
             a.cached_send_pos = hr.send_pos.data();
-            a.cached_num_recv_tokens = host_->ExchangeRankHandles(r).num_recv_tokens();
+            a.cached_num_recv_tokens = recv_tokens_[r];
           }
           a.recv_capacity = gs.max_recv_tokens();
           a.recv_x = Ptr<void>(r, L.recv_x);
@@ -906,10 +914,9 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
         a = {};
         const int32_t n = NodeOf(r);
         if (n == span_.self) {
-          const rules::HandleTable& handles = host_->ExchangeRankHandles(r);
-          a.num_tokens = handles.routing_tokens();
+          a.num_tokens = routing_tokens_[r];
           a.send_pos = Private(r).send_pos.data();
-          a.num_recv_tokens = handles.num_recv_tokens();
+          a.num_recv_tokens = recv_tokens_[r];
           a.x = Ptr<const kernels::bf16_bits>(r, L.in_combine_x);
           a.topk_weights =
               flags.combine_weights ? Ptr<const float>(r, L.in_combine_weights) : nullptr;

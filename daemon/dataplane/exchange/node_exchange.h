@@ -41,7 +41,9 @@ absl::Status CheckCanSpanNodes(const v1::GroupSpec& spec, const peer::PeerMesh* 
                                const transport::Transport* transport);
 
 /// What the exchange needs of its group. Called on the engine thread with the group's mu_
-/// held; only for this node's ranks, each attached for the running op.
+/// held; only for this node's ranks. A rank may detach while an op runs on (it stays part
+/// of the op): the data and routing of every rank that started the op must stay valid
+/// until Poll returned true; the handles are read at Start only.
 class NodeExchangeHost {
  public:
   virtual ~NodeExchangeHost() = default;
@@ -49,7 +51,7 @@ class NodeExchangeHost {
   virtual uint8_t* ExchangeRankData(int32_t rank) const = 0;
   /// Rank `rank`'s private routing state.
   virtual RankRouting& ExchangeRankRouting(int32_t rank) const = 0;
-  /// Rank `rank`'s handle table (which dispatch's routing is current).
+  /// Rank `rank`'s handle table (which dispatch's routing is current); read by Start only.
   virtual const rules::HandleTable& ExchangeRankHandles(int32_t rank) const = 0;
   /// The op being collected or running, in this node's numbering (LockstepGroup).
   virtual uint64_t ExchangeCurrentSeq() const = 0;
@@ -244,6 +246,9 @@ class NodeExchange {
   std::vector<kernels::host::CombineRankArgs> combine_args_;
   std::vector<kernels::host::LowLatencyDispatchRankArgs> ll_dispatch_args_;
   std::vector<kernels::host::LowLatencyCombineRankArgs> ll_combine_args_;
+  // [R] each local rank's handles (N and T of its routing dispatch) as the running op
+  // started (Start), read instead of the handle table afterwards.
+  std::vector<int32_t> recv_tokens_, routing_tokens_;
 };
 
 }  // namespace epd
