@@ -28,7 +28,9 @@
 namespace epd {
 
 /// One group on the CUDA backend. Served by the engine of its first attached rank's GPU;
-/// one group op per GPU at a time (CudaDataPlaneImpl::TryClaimGpus). A successful op and a
+/// one group op per GPU at a time (CudaDataPlaneImpl::TryClaimGpus). A group that spans
+/// nodes runs its ops through the exchange on each rank's pinned mirror instead (copy
+/// kernels only, no GPU claim: DESIGN.md §5.5, cuda_span.cc). A successful op and a
 /// graph-mode instance allocate nothing on the engine thread (README "Hot path").
 class CudaGroup : public LockstepGroup, private GraphProgram::Host, private NodeExchangeHost {
  public:
