@@ -468,6 +468,28 @@ TEST_F(MultinodeHostTest, RemoteRankIsRefusedNamingItsNode) {
   EXPECT_NE(st.message().find("node 1"), std::string::npos) << st;
 }
 
+// A rank detaches while its spanning op waits for the other node (its client left): the op
+// runs on with the rank's memory kept until it finished (the exchange and the transport
+// still use it), and every other rank's op completes OK.
+TEST_F(MultinodeHostTest, RankLeavingDuringASpanningOpKeepsItsMemoryForTheOp) {
+  Start({2, 2});
+  if (HasFatalFailure()) return;
+  MakeInputs(5);
+  const uint32_t flags = abi::kFlagDispatchWeights;
+  std::vector<uint64_t> seqs(4);
+  for (int r = 0; r < 2; ++r)
+    seqs[r] = rings_[r]->Submit(abi::OpKind::kDispatch, flags, tokens_[r]);
+  std::this_thread::sleep_for(milliseconds(100));  // Node 0 runs it and waits for node 1.
+  nodes_[0]->group->DetachRank(1);
+  for (int r = 2; r < 4; ++r)
+    seqs[r] = rings_[r]->Submit(abi::OpKind::kDispatch, flags, tokens_[r]);
+  for (int r : {0, 2, 3}) {
+    auto c = rings_[r]->Await(seqs[r], milliseconds(5000));
+    ASSERT_TRUE(c.has_value()) << "rank " << r << " got no completion";
+    EXPECT_EQ(c->status_code, 0) << "rank " << r << ": " << Message(*c);
+  }
+}
+
 // Without a mesh and a transport a spanning group is refused naming peer_listen.
 TEST(MultinodeHostPlain, SpanningGroupNeedsThePeerListener) {
   HostDataPlaneOptions o;

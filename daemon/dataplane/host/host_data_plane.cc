@@ -204,15 +204,15 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
  private:
   // NodeExchangeHost: the endpoints' shm data areas (or the test seam's mirrors).
   uint8_t* ExchangeRankData(int32_t rank) const override {
-    std::vector<uint8_t>& mirror = static_cast<HostRank&>(*endpoint(rank)->backend).mirror;
-    return mirror.empty() ? endpoint(rank)->shm_data() : mirror.data();
+    std::vector<uint8_t>& mirror = static_cast<HostRank&>(*op_endpoint(rank)->backend).mirror;
+    return mirror.empty() ? op_endpoint(rank)->shm_data() : mirror.data();
   }
   /// stage_through_mirror: copies every local rank's MirrorInputSpans from its shm area into
   /// its mirror (`in`), or MirrorOutputSpans of each rank whose outcome is OK back.
   void StageMirrors(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots, bool in,
                     std::span<RankOutcome> outcomes) {
     for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
-      uint8_t* shm = endpoint(r)->shm_data();
+      uint8_t* shm = op_endpoint(r)->shm_data();
       uint8_t* mirror = ExchangeRankData(r);
       uint64_t total = 0;
       int32_t n = 0;
@@ -252,7 +252,7 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   }
   /// Rank `rank`'s private routing state.
   RankRouting& Private(int rank) const {
-    return static_cast<HostRank&>(*endpoint(rank)->backend).routing;
+    return static_cast<HostRank&>(*op_endpoint(rank)->backend).routing;
   }
   absl::StatusOr<const int64_t*> TakeTopkIdx(int rank, int32_t num_tokens) const {
     return epd::TakeTopkIdx(shape(), layout(), endpoint(rank)->shm_data(), Private(rank), rank,
