@@ -26,9 +26,27 @@ namespace {
 
 constexpr absl::Duration kOpTimeout = absl::Seconds(3);
 
-/// Two CUDA daemons of 4 ranks each, or a skip without a GPU.
+/// Two CUDA daemons of 4 ranks each.
 absl::StatusOr<Cluster> StartCudaCluster() {
   return StartCluster({4, 4}, kOpTimeout, /*peer=*/true, {}, "cuda");
+}
+
+/// The UUID of node 0's daemon's first GPU (every rank joins on it: one GPU here).
+absl::StatusOr<std::string> FirstGpu(const Cluster& cluster) {
+  ClientOptions options;
+  options.socket_path = cluster.daemons[0]->socket_path();
+  auto client = Client::Connect(options);
+  if (!client.ok()) return client.status();
+  auto stats = (*client)->GetStats();
+  if (!stats.ok()) return stats.status();
+  if (stats->gpus_size() == 0) return absl::FailedPreconditionError("the daemon lists no GPU");
+  return stats->gpus(0).uuid();
+}
+
+/// `run` with every client joining on the cluster's GPU.
+ClientRun OnGpu(ClientRun run, const std::string& gpu) {
+  run.extra_args.push_back("--gpu_uuid=" + gpu);
+  return run;
 }
 
 #define EPD_REQUIRE_GPU()                                    \
@@ -41,8 +59,10 @@ TEST(MultinodeCudaTest, TwoDaemonsEveryOpExactAgainstTheHostReference) {
   EPD_REQUIRE_GPU();
   auto cluster = StartCudaCluster();
   ASSERT_TRUE(cluster.ok()) << cluster.status();
-  auto clients =
-      StartClients(*cluster, {.group = "cuda-span", .tokens = {8, 1, 0, 6, 2, 7, 0, 4}, .seed = 7});
+  auto gpu = FirstGpu(*cluster);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto clients = StartClients(
+      *cluster, OnGpu({.group = "cuda-span", .tokens = {8, 1, 0, 6, 2, 7, 0, 4}, .seed = 7}, *gpu));
   ASSERT_TRUE(clients.ok()) << clients.status();
   absl::Status done = WaitClients(*clients, absl::Seconds(120));
   EXPECT_TRUE(done.ok()) << done.message() << cluster->Logs();
@@ -52,10 +72,13 @@ TEST(MultinodeCudaTest, EveryTokenToTheFirstNode) {
   EPD_REQUIRE_GPU();
   auto cluster = StartCudaCluster();
   ASSERT_TRUE(cluster.ok()) << cluster.status();
-  auto clients = StartClients(*cluster, {.group = "cuda-first",
-                                         .tokens = {6, 2, 0, 8, 5, 1, 3, 0},
-                                         .to_first_node = true,
-                                         .seed = 8});
+  auto gpu = FirstGpu(*cluster);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto clients = StartClients(*cluster, OnGpu({.group = "cuda-first",
+                                               .tokens = {6, 2, 0, 8, 5, 1, 3, 0},
+                                               .to_first_node = true,
+                                               .seed = 8},
+                                              *gpu));
   ASSERT_TRUE(clients.ok()) << clients.status();
   absl::Status done = WaitClients(*clients, absl::Seconds(120));
   EXPECT_TRUE(done.ok()) << done.message() << cluster->Logs();
@@ -72,7 +95,10 @@ TEST(MultinodeCudaTest, KilledPeerFailsTheOtherNodesOpsNamingIt) {
   run.group = "cuda-dead-peer";
   run.scenario = "loop";
   run.tokens = {3, 5, 0, 4, 2, 8, 1, 6};
-  run.extra_args = {"--max_seconds=60", "--wait_seconds=20", "--round_pause_ms=5"};
+  auto gpu = FirstGpu(*cluster);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  run.extra_args = {"--max_seconds=60", "--wait_seconds=20", "--round_pause_ms=5",
+                    "--gpu_uuid=" + *gpu};
   auto clients = StartClients(*cluster, run);
   ASSERT_TRUE(clients.ok()) << clients.status();
   for (int r = 0; r < 8; ++r) {
@@ -115,9 +141,12 @@ TEST(MultinodeCudaTest, ClientLaunchedJoinIsRefusedAcrossNodes) {
   options.socket_path = cluster->daemons[0]->socket_path();
   auto client = Client::Connect(options);
   ASSERT_TRUE(client.ok()) << client.status();
+  auto gpu = FirstGpu(*cluster);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
   JoinOptions join;
   join.spec = DataSpec("cuda-client-launched", cluster->Nodes());
   join.rank = 0;
+  join.gpu_uuid = *gpu;
   join.launch_mode = v1::LAUNCH_MODE_CLIENT;
   auto ep = (*client)->Join(join);
   ASSERT_FALSE(ep.ok());

@@ -66,6 +66,8 @@ ABSL_FLAG(bool, exit_after_recovery, false, "loop: exit 0 after a failed round a
 ABSL_FLAG(int, max_seconds, 60, "loop: stop after this long");
 ABSL_FLAG(int, wait_seconds, 30, "bound of each op's Wait");
 ABSL_FLAG(int, round_pause_ms, 0, "loop: pause between rounds");
+ABSL_FLAG(std::string, gpu_uuid, "",
+          "the GPU to join on (a CUDA daemon); \"\" on the host backend");
 
 namespace {
 
@@ -674,6 +676,7 @@ int Main() {
   epd::JoinOptions join;
   join.spec = spec;
   join.rank = rank;
+  join.gpu_uuid = absl::GetFlag(FLAGS_gpu_uuid);
   auto ep = (*client)->Join(join);
   if (!ep.ok()) {
     std::printf("JOIN_ERROR %s\n", ep.status().ToString().c_str());
