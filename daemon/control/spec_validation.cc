@@ -225,12 +225,8 @@ int32_t NodeOfRank(const v1::GroupSpec& spec, int32_t rank, int32_t* first_rank)
 
 absl::Status ValidateGroupSpecForBackend(const v1::GroupSpec& spec, absl::string_view backend) {
   if (backend != "cuda") return absl::OkStatus();
-  if (SpansNodes(spec)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "spec.nodes: the group spans ", spec.nodes_size(),
-        " nodes, which the cuda backend does not do yet (groups across nodes run on the host "
-        "backend: start epd with --backend=host, or keep the group on one node)"));
-  }
+  // A group across nodes runs on the CUDA backend too (DESIGN.md §5.5), within the same
+  // kernel limits (its ranks' areas are the same).
   return kernels::cuda::CheckCudaShape(ShapeOf(spec));
 }
 

@@ -71,11 +71,11 @@ int32_t NodeOfRank(const v1::GroupSpec& spec, int32_t rank, int32_t* first_rank 
 
 /// The limits of `backend` ("host" or "cuda") on a spec that passed ValidateGroupSpec, so
 /// that every spec Join accepts works on the daemon's backend: none on "host"; on "cuda"
-/// no spec that spans nodes (FAILED_PRECONDITION: CUDA across nodes is not built yet), and
-/// kernels/cuda's (epd/kernels/cuda_limits.h CheckCudaShape: num_ranks <= 64, and
-/// num_experts within the sync region's normal-mode state and, with low-latency mode on,
-/// its count exchange; no limit on ll_max_tokens_per_rank, num_topk or hidden). Returns
-/// INVALID_ARGUMENT "spec.<field>: <value> ..." naming the largest value that works there.
+/// (one node or across nodes alike) kernels/cuda's (epd/kernels/cuda_limits.h CheckCudaShape:
+/// num_ranks <= 64, and num_experts within the sync region's normal-mode state and, with
+/// low-latency mode on, its count exchange; no limit on ll_max_tokens_per_rank, num_topk or
+/// hidden). Returns INVALID_ARGUMENT "spec.<field>: <value> ..." naming the largest value that
+/// works there.
 absl::Status ValidateGroupSpecForBackend(const v1::GroupSpec& spec, absl::string_view backend);
 
 /// Checks 0 <= rank < spec.num_ranks. INVALID_ARGUMENT naming the rank and the range.

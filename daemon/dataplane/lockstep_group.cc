@@ -52,6 +52,7 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
       log_name_(absl::StrCat("group ", spec.name())),
       log_limiter_(std::make_shared<LogRateLimiter>()),
       endpoints_(spec.num_ranks()),
+      op_departed_(spec.num_ranks()),
       departed_(spec.num_ranks(), false),
       running_slots_(spec.num_ranks()),
       outcomes_(spec.num_ranks()) {
@@ -216,6 +217,10 @@ absl::StatusOr<EndpointFds> LockstepGroup::TakeEndpointFds(int32_t rank) {
 
 void LockstepGroup::DetachRank(int32_t rank) {
   std::unique_ptr<LockstepEndpoint> ep;
+  // What the lines below need of the endpoint, which may be kept for the running op.
+  std::shared_ptr<LogRateLimiter> log_limiter;
+  bool own_budget = false;
+  uint64_t endpoint_id = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size())) return;
@@ -238,21 +243,26 @@ void LockstepGroup::DetachRank(int32_t rank) {
     } else {
       departed_[rank] = true;
     }
-    if (ep->request && !(running_ && ep->request->seq == running_->seq)) {
+    const bool in_running_op = running_ && ep->request && ep->request->seq == running_->seq;
+    if (ep->request && !in_running_op) {
       OpEndedWithoutLaunch(rank, *ep->request);  // Its client is gone: no completion.
     }
     RankDetached(rank);
+    own_budget = ep->log_limiter.use_count() == 1;
+    log_limiter = ep->log_limiter;
+    endpoint_id = ep->endpoint_id;
+    // The running op may still read and write its data area (a spanning op runs on
+    // asynchronously, and the transport may send from it): kept until the op finished.
+    if (in_running_op) op_departed_[rank] = std::move(ep);
   }
   // A budget of the endpoint's own reports what it holds now; a shared one (its uid's)
   // reports once it has a token, through its other sources or GroupRegistry.
-  if (ep->log_limiter.use_count() == 1) {
-    LogSuppressedReport(*engine_log_, spdlog::level::warn, *ep->log_limiter,
-                        ep->log_limiter->Flush());
+  if (own_budget) {
+    LogSuppressedReport(*engine_log_, spdlog::level::warn, *log_limiter, log_limiter->Flush());
   } else {
-    LogSuppressed(*engine_log_, spdlog::level::warn, *ep->log_limiter);
+    LogSuppressed(*engine_log_, spdlog::level::warn, *log_limiter);
   }
-  EngineLog()->info("group {}: rank {} detached (endpoint {})", spec_.name(), rank,
-                    ep->endpoint_id);
+  EngineLog()->info("group {}: rank {} detached (endpoint {})", spec_.name(), rank, endpoint_id);
   WakeEngine();
   // ep's shm is unmapped and unlinked here, outside the lock.
 }
@@ -582,7 +592,8 @@ void LockstepGroup::FinishOp() {
     failed_ops_[plan.seq] = outcomes[local_first_].status;
     while (failed_ops_.size() > 2 * abi::kRingCapacity) failed_ops_.erase(failed_ops_.begin());
   }
-  running_.reset();  // `plan` dies here.
+  running_.reset();                              // `plan` dies here.
+  for (auto& kept : op_departed_) kept.reset();  // Ranks that left during the op.
   (all_ok ? ops_completed_ : ops_failed_).fetch_add(1);
   ++current_seq_;
   op_started_.reset();

@@ -275,6 +275,12 @@ class LockstepGroup : public DataPlaneGroup {
 
   /// Rank r's endpoint (null when detached). Call with mu_ held.
   LockstepEndpoint* endpoint(int32_t r) const { return endpoints_[r].get(); }
+  /// Rank r's endpoint in the running op: the one it detached from while the op ran (kept,
+  /// with its data area and backend resources, until the op finished), else endpoint(r).
+  /// Call with mu_ held.
+  LockstepEndpoint* op_endpoint(int32_t r) const {
+    return op_departed_[r] ? op_departed_[r].get() : endpoints_[r].get();
+  }
   /// Logs a line the group's clients can cause (an op timing out, a client that never
   /// staged its inputs, bad ids in a program step, ...) through the group's rate limit
   /// (LogLimited; the owner's uid's budget, see AttachRank): a client repeating it cannot
@@ -345,6 +351,9 @@ class LockstepGroup : public DataPlaneGroup {
   std::shared_ptr<LogRateLimiter> log_limiter_;
   bool log_limiter_is_owners_ = false;  ///< log_limiter_ came from an attach.
   std::vector<std::unique_ptr<LockstepEndpoint>> endpoints_;
+  /// [R] endpoints of ranks that detached while the running op held their request: kept
+  /// until FinishOp (op_endpoint), since the backend may still use their memory.
+  std::vector<std::unique_ptr<LockstepEndpoint>> op_departed_;
   /// departed_[r]: rank r was attached and then detached (left, or its client died) and
   /// has not rejoined; the group's next op that waits for it fails at once (once: later
   /// ops wait op_timeout for a rejoin again, a natural back-off for retrying peers).

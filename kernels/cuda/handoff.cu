@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/copy_bytes.cuh"
 
 namespace epd::kernels::cuda {
 namespace {
@@ -22,21 +23,6 @@ struct BatchCopyParams {
   uint64_t* started;
   DoneWait done_wait;
 };
-
-__device__ __forceinline__ void CopyRange(uint8_t* dst, const uint8_t* src, uint64_t n,
-                                          uint64_t first, uint64_t stride) {
-  const bool aligned =
-      ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0;
-  uint64_t done = 0;
-  if (aligned) {
-    const uint64_t vectors = n / 16;
-    for (uint64_t i = first; i < vectors; i += stride) {
-      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-    }
-    done = vectors * 16;
-  }
-  for (uint64_t i = done + first; i < n; i += stride) dst[i] = src[i];
-}
 
 /// Ticket word of a multi-block BatchCopySignalKernel: the low 16 bits count the blocks
 /// that have started, the high 16 bits those that have finished (at most kMaxBlocks = 32).
@@ -56,8 +42,9 @@ __global__ void BatchCopySignalKernel(const BatchCopyParams p) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   const uint64_t first = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int32_t c = 0; c < p.num_copies; ++c) {
-    CopyRange(static_cast<uint8_t*>(p.copies[c].dst), static_cast<const uint8_t*>(p.copies[c].src),
-              p.copies[c].bytes, first, stride);
+    device::CopyBytes(static_cast<uint8_t*>(p.copies[c].dst),
+                      static_cast<const uint8_t*>(p.copies[c].src), p.copies[c].bytes, first,
+                      stride);
   }
   if (p.signal == nullptr) return;
   __syncthreads();

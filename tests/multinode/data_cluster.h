@@ -1,9 +1,11 @@
-// The multinode data-path tests' harness: N real `epd --backend=host` daemons on this
-// machine standing in for N nodes (StartNodes: each its own socket and Peer port, one shared
-// secret), and real client processes (clients/mn_client.cc), one per rank, each joining its
-// own node's daemon with the group's node list.
+// The multinode data-path tests' harness: N real `epd` daemons on this machine (host
+// backend; cuda in tests/gpu/multinode_cuda_test.cc) standing in for N nodes (StartNodes:
+// each its own socket and Peer port, one shared secret), and real client processes
+// (clients/mn_client.cc, EPD_MN_CLIENT_BINARY), one per rank, each joining its own node's
+// daemon with the group's node list.
 #pragma once
 
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -64,15 +66,17 @@ struct Cluster {
   }
 };
 
-/// Starts one daemon per entry of `ranks_per_node` (host backend, `op_timeout`, and
+/// Starts one daemon per entry of `ranks_per_node` (`backend`, `op_timeout`, and
 /// `daemon_args` on every command line), each with its Peer listener; without `peer` a
 /// single daemon without one (a one-node group: the harness and the client checked apart
 /// from the Peer service).
 inline absl::StatusOr<Cluster> StartCluster(std::vector<int> ranks_per_node,
                                             absl::Duration op_timeout = absl::Seconds(5),
                                             bool peer = true,
-                                            const std::vector<std::string>& daemon_args = {}) {
+                                            const std::vector<std::string>& daemon_args = {},
+                                            const std::string& backend = "host") {
   testing::DaemonProcessOptions options;
+  options.backend = backend;
   options.tcp = false;
   options.log_level = "info";
   options.extra_args = {absl::StrCat("--op_timeout=", absl::ToInt64Milliseconds(op_timeout), "ms")};
@@ -118,8 +122,11 @@ inline absl::StatusOr<std::unique_ptr<testing::Subprocess>> StartClient(const Cl
                                                                         const ClientRun& run,
                                                                         int rank) {
   const int node = cluster.NodeOf(rank);
+  // The environment variable of the same name overrides the built-in path (binaries run
+  // from another directory, e.g. on a GPU machine).
+  const char* binary = std::getenv("EPD_MN_CLIENT_BINARY");
   std::vector<std::string> argv = {
-      EPD_MN_CLIENT_BINARY,
+      binary != nullptr && *binary != '\0' ? binary : EPD_MN_CLIENT_BINARY,
       "--socket=" + cluster.daemons[node]->socket_path(),
       "--group=" + run.group,
       "--nodes=" + NodesFlag(cluster.Nodes()),

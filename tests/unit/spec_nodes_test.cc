@@ -1,5 +1,5 @@
 // GroupSpec.nodes: the rules of a group that spans nodes (ValidateGroupSpec), the diff of
-// the repeated field, the node of a rank, and the cuda backend's refusal.
+// the repeated field, the node of a rank, and the cuda backend's kernel limits on spanning specs.
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -126,13 +126,17 @@ TEST(SpecNodesTest, TransportIsNamedAndOnlyForSpanningGroups) {
   EXPECT_THAT(CheckSameSpec(a, b).message(), HasSubstr("transport"));
 }
 
-TEST(SpecNodesTest, CudaRefusesSpanningSpecs) {
+TEST(SpecNodesTest, CudaTakesSpanningSpecsWithinItsKernelLimits) {
   v1::GroupSpec spec = Spanning({{"a:1", 2}, {"b:1", 2}});
   EXPECT_TRUE(ValidateGroupSpecForBackend(spec, "host").ok());
-  absl::Status cuda = ValidateGroupSpecForBackend(spec, "cuda");
-  EXPECT_EQ(cuda.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(cuda.message(), AllOf(HasSubstr("spans 2 nodes"), HasSubstr("--backend=host")));
+  EXPECT_TRUE(ValidateGroupSpecForBackend(spec, "cuda").ok());
   EXPECT_TRUE(ValidateGroupSpecForBackend(Spanning({{"a:1", 4}}), "cuda").ok());
+  // The kernels' limits hold across nodes as on one node: 65 ranks are too many for cuda.
+  v1::GroupSpec big = Spanning({{"a:1", 33}, {"b:1", 32}});
+  absl::Status cuda = ValidateGroupSpecForBackend(big, "cuda");
+  EXPECT_EQ(cuda.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(cuda.message(), HasSubstr("num_ranks"));
+  EXPECT_TRUE(ValidateGroupSpecForBackend(big, "host").ok());
 }
 
 }  // namespace

@@ -4,8 +4,10 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
+#include <new>
 #include <string>
 #include <utility>
 
@@ -17,8 +19,11 @@
 #include "daemon/control/spec_validation.h"
 #include "daemon/dataplane/cuda/cuda_group.h"
 #include "daemon/dataplane/cuda/cuda_plane.h"
+#include "daemon/dataplane/cuda/cuda_rank.h"
+#include "daemon/dataplane/exchange/node_exchange.h"
 #include "daemon/dataplane/lockstep_group.h"
 #include "daemon/gpu/gpu_inventory.h"
+#include "daemon/peer/peer_mesh.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/layout.h"
 
@@ -46,7 +51,19 @@ uint64_t CudaDataPlaneImpl::BytesPerRank(const v1::GroupSpec& spec) const {
   return (bytes + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20);
 }
 
+uint64_t CudaDataPlaneImpl::GroupPrivateBytes(const v1::GroupSpec& spec) const {
+  if (spec.nodes_size() < 2) return 0;
+  const kernels::GroupShape shape = ShapeOf(spec);
+  int32_t most_ranks = 0;  // Of any node: the mirrors this daemon may hold.
+  for (const v1::NodeSpec& n : spec.nodes()) most_ranks = std::max(most_ranks, n.num_ranks());
+  return kernels::host::HostScratch::ReservedBytes(shape, options_.host_threads) +
+         static_cast<uint64_t>(most_ranks) * CudaRankMirror::BytesFor(shape) +
+         NodeExchangeBytes(spec, shape);
+}
+
 v1::LaunchMode CudaDataPlaneImpl::DefaultLaunchMode(const v1::GroupSpec& spec) const {
+  // Across nodes the exchange runs in the daemon (DESIGN.md §5.5).
+  if (spec.nodes_size() >= 2) return v1::LAUNCH_MODE_DAEMON;
   if (static_cast<size_t>(spec.num_ranks()) <= uuids_.size()) return v1::LAUNCH_MODE_CLIENT;
   return DetectMps().active ? v1::LAUNCH_MODE_CLIENT : v1::LAUNCH_MODE_DAEMON;
 }
@@ -120,11 +137,27 @@ absl::StatusOr<uint64_t> CudaDataPlaneImpl::FreeBytes(const std::string& gpu_uui
 }
 
 absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CudaDataPlaneImpl::CreateGroup(
-    const v1::GroupSpec& spec) {
+    const v1::GroupSpec& spec, const GroupCreateOptions& options) {
   if (shut_down_.load()) return absl::UnavailableError("epd is shutting down");
   // The registry checked already (Join); a group past a kernel limit must never exist.
   EPD_RETURN_IF_ERROR(ValidateGroupSpecForBackend(spec, backend_name()));
-  return std::unique_ptr<DataPlaneGroup>(std::make_unique<CudaGroup>(this, spec));
+  const bool spans = spec.nodes_size() >= 2;
+  EPD_ASSIGN_OR_RETURN(SpanTransport span_transport,
+                       TransportForSpan(spec, options_.peer_mesh, options_.transports));
+  std::unique_ptr<CudaGroup> group;
+  try {
+    group = std::make_unique<CudaGroup>(this, spec);
+    if (spans) {
+      group->MakeExchange(options_.peer_mesh->JoinSecretDigest(spec.name(), options.join_secret),
+                          std::move(span_transport));
+    }
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "group \"", spec.name(), "\": out of host memory reserving its ", GroupPrivateBytes(spec),
+        " bytes of kernel scratch and exchange buffers; lower num_ranks or max_tokens_per_rank, "
+        "or free memory"));
+  }
+  return std::unique_ptr<DataPlaneGroup>(std::move(group));
 }
 
 bool CudaDataPlaneImpl::TryClaimGpus(std::span<const int> devices, const CudaGroup* group) {

@@ -15,6 +15,9 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/dataplane/data_plane.h"
+#include "daemon/peer/peer_mesh.h"
+#include "daemon/transport/transport.h"
+#include "daemon/transport/transport_set.h"
 
 namespace epd {
 
@@ -35,6 +38,15 @@ struct CudaDataPlaneOptions {
   /// this daemon (DetectMps at start-up). Either way the op's kernel checks ready_seq and
   /// writes done_seq itself.
   std::optional<bool> kernel_ready_wait;
+  /// The daemon's peer mesh and transports by name (DESIGN.md §5), for groups whose spec
+  /// lists >= 2
+  /// nodes (run through the exchange on pinned host mirrors, DESIGN.md §5.5); null when the
+  /// Peer listener is off (then such a group is FAILED_PRECONDITION). Not owned; must
+  /// outlive the plane.
+  peer::PeerMesh* peer_mesh = nullptr;
+  const transport::TransportSet* transports = nullptr;
+  /// kernels/host threads per op of a group that spans nodes (0 = hardware concurrency).
+  int host_threads = 0;
   /// Test seam (unset in the daemon): called once on each engine thread (one per GPU)
   /// before its first poll. tests/gpu/cuda_hot_path_alloc_test.cc marks the engine threads
   /// with it to count their heap allocations per op.

@@ -37,9 +37,26 @@ CudaGroup::CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec)
       plane_(plane),
       ranks_(spec.num_ranks()),
       host_bases_(spec.num_ranks(), nullptr),
-      event_errors_(spec.num_ranks(), cudaSuccess) {
+      event_errors_(spec.num_ranks(), cudaSuccess),
+      span_outcomes_(spec.num_ranks()) {
   devices_.reserve(spec.num_ranks());
   SizeOp(spare_);
+}
+
+void CudaGroup::MakeExchange(std::string join_secret_digest, SpanTransport span_transport) {
+  const int threads = plane_->options().host_threads;
+  kernel_scratch_.Reserve(shape(), threads);
+  plane_->kernel_pool().Start(threads);
+  NodeExchangeOptions o;
+  o.op_timeout_ms = plane_->options().op_timeout_ms;
+  o.exec = {threads, &plane_->kernel_pool(), &kernel_scratch_};
+  o.peer_mesh = plane_->options().peer_mesh;
+  o.transport = span_transport.transport;
+  o.transport_name = std::move(span_transport.name);
+  o.wake = [this] { WakeEngine(); };
+  o.join_secret_digest = std::move(join_secret_digest);
+  NodeExchangeHost* host = this;
+  exchange_ = std::make_unique<NodeExchange>(spec(), shape(), layout(), host, std::move(o));
 }
 
 void CudaGroup::Stop(const absl::Status& status) {
@@ -115,12 +132,19 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
                                                                       const std::string& gpu_uuid,
                                                                       v1::LaunchMode launch_mode,
                                                                       v1::EndpointInfo* info) {
+  if (spanning() && launch_mode == v1::LAUNCH_MODE_CLIENT) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "launch_mode LAUNCH_MODE_CLIENT: group ", spec().name(), " spans ", spec().nodes_size(),
+        " nodes, and across nodes the CUDA backend runs daemon-launched endpoints only for now "
+        "(its exchange runs in the daemon); use LAUNCH_MODE_DAEMON or leave it unspecified"));
+  }
   EPD_ASSIGN_OR_RETURN(int device, plane_->DeviceOf(gpu_uuid));
   // Client-launched endpoints get the same (zeroed) area and IPC handle; the engine
   // refuses their ring slots (AcceptsRequests).
   EPD_ASSIGN_OR_RETURN(
       std::shared_ptr<CudaRank> r,
       CreateCudaRank(device, rank, layout(), launch_mode == v1::LAUNCH_MODE_CLIENT));
+  if (spanning()) EPD_RETURN_IF_ERROR(AddCudaRankMirror(*r, shape(), layout()));
   AdoptEngine(device);
   info->set_backend("cuda");
   info->set_gpu_uuid(plane_->UuidOf(device));
@@ -128,7 +152,8 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
   info->set_launch_mode(r->client_launched ? v1::LAUNCH_MODE_CLIENT : v1::LAUNCH_MODE_DAEMON);
   // Under MPS the client's staging kernel of a low-latency op waits for done itself (one
   // block of one SM per rank, which LaunchRank's grids leave free).
-  info->set_kernel_done_wait(!r->client_launched && plane_->kernel_ready_wait());
+  // A spanning op's done comes after the exchange (milliseconds): a stream wait then.
+  info->set_kernel_done_wait(!r->client_launched && !spanning() && plane_->kernel_ready_wait());
   return std::shared_ptr<RankResources>(std::move(r));
 }
 
@@ -180,7 +205,18 @@ absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankRes
   // The new area's sync state is zero, the others' counters are not: zero them all
   // before the next op.
   needs_sync_reset_ = true;
+  PublishJoined(rank, true);
   return absl::OkStatus();
+}
+
+void CudaGroup::PublishJoined(int32_t changed, bool joined) {
+  if (!spanning() || !exchange_ || !exchange_->ready()) return;
+  std::vector<bool> bits(local_count());
+  for (int32_t i = 0; i < local_count(); ++i) {
+    const int32_t r = local_first() + i;
+    bits[i] = r == changed ? joined : ranks_[r] != nullptr;
+  }
+  exchange_->SetLocalRanksJoined(bits);
 }
 
 void CudaGroup::RankDetached(int32_t rank) {
@@ -192,6 +228,7 @@ void CudaGroup::RankDetached(int32_t rank) {
   ranks_[rank].reset();
   host_bases_[rank] = nullptr;
   UpdateDevices();
+  PublishJoined(rank, false);
 }
 
 kc::CudaRankContext CudaGroup::Context(int32_t r, int32_t num_sms) const {
@@ -216,6 +253,8 @@ bool CudaGroup::ReadyToStart() {
     plane_->ReleaseGpus(this);
     needs_sync_reset_ = true;
   }
+  // A spanning op's kernels are copies that wait for nothing on the GPU: no claim.
+  if (spanning()) return exchange_->ReadyToStart();
   return plane_->TryClaimGpus(devices_, this);
 }
 
@@ -349,6 +388,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
 
 bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
                             std::span<RankOutcome> outcomes) {
+  if (spanning()) return StartSpanning(plan, slots);
   const int R = static_cast<int>(slots.size());
   // Not while a program is armed: the ranks' streams are held by its waits (the only op
   // then is UnregisterProgram, whose disarm sets the reset for the op after it).
@@ -491,6 +531,7 @@ void CudaGroup::ReleaseReadyWaits(const GpuOp& op) const {
 }
 
 bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
+  if (spanning()) return PollSpanning(outcomes);
   GpuOp& op = *gpu_op_;
   const int R = static_cast<int>(op.ranks.size());
   bool all_done = true;
@@ -564,6 +605,12 @@ bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
 // ---- graph mode -------------------------------------------------------------------------
 
 absl::Status CudaGroup::CheckProgram(int32_t rank) const {
+  if (spanning()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", spec().name(), " spans ", spec().nodes_size(),
+        " nodes: graph-mode programs are not available across nodes yet; run its ops from the "
+        "ring"));
+  }
   const std::shared_ptr<CudaRank>& cr = ranks_[rank];
   if (cr && cr->client_launched) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -643,6 +690,7 @@ void CudaGroup::DisarmProgram(const absl::Status& why) {
 }
 
 bool CudaGroup::PollBackground() {
+  if (spanning()) return exchange_ && exchange_->ready() && exchange_->PollBackground();
   bool worked = false;
   if (program_tail_ && ProgramTailDone()) worked = true;
   if (!program_) return worked;

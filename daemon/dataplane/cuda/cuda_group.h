@@ -19,18 +19,26 @@
 #include "daemon/dataplane/cuda/cuda_plane.h"
 #include "daemon/dataplane/cuda/cuda_rank.h"
 #include "daemon/dataplane/cuda/graph_program.h"
+#include "daemon/dataplane/exchange/node_exchange.h"
 #include "daemon/dataplane/lockstep_group.h"
+#include "epd/kernels/cuda_mirror.h"
 #include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/host_ops.h"
 
 namespace epd {
 
 /// One group on the CUDA backend. Served by the engine of its first attached rank's GPU;
-/// one group op per GPU at a time (CudaDataPlaneImpl::TryClaimGpus). A successful op and a
+/// one group op per GPU at a time (CudaDataPlaneImpl::TryClaimGpus). A group that spans
+/// nodes runs its ops through the exchange on each rank's pinned mirror instead (copy
+/// kernels only, no GPU claim: DESIGN.md §5.5, cuda_span.cc). A successful op and a
 /// graph-mode instance allocate nothing on the engine thread (README "Hot path").
-class CudaGroup : public LockstepGroup, private GraphProgram::Host {
+class CudaGroup : public LockstepGroup, private GraphProgram::Host, private NodeExchangeHost {
  public:
   CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec);
   ~CudaGroup() override;
+  /// A group that spans nodes (DESIGN.md §5.5): its exchange, made before the first rank
+  /// attaches (`join_secret_digest` goes into its Peer mesh registration).
+  void MakeExchange(std::string join_secret_digest, SpanTransport span_transport);
 
   /// Shutdown: disarms the program and completes everything pending with `status`.
   void Stop(const absl::Status& status);
@@ -55,6 +63,16 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host {
   void OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) override;
   absl::Status CheckProgram(int32_t rank) const override;
   bool PollBackground() override;
+  // Spanning groups (DESIGN.md §5.5): the exchange's hooks.
+  absl::Status NodeChosen(int32_t node) override;
+  void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) override;
+  absl::Status PeerFailure(uint64_t seq) override;
+  std::string NotReadyReason() const override;
+  /// While a spanning op is in the exchange the transport wakes the engine; while its
+  /// copies run on the GPU the engine polls.
+  bool RunningOpWakesEngine() const override {
+    return spanning() && span_phase_ == SpanPhase::kExchanging;
+  }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -71,6 +89,45 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host {
     std::vector<bool> ready_wait;  ///< The rank's stream got the ready_seq stream wait.
     Clock::time_point started;
   };
+
+  // NodeExchangeHost: each local rank's pinned mirror.
+  // The running op's ranks (it keeps a rank that detached meanwhile alive), else ranks_.
+  uint8_t* ExchangeRankData(int32_t rank) const override {
+    return SpanRank(rank).mirror->data.get();
+  }
+  RankRouting& ExchangeRankRouting(int32_t rank) const override {
+    return SpanRank(rank).mirror->routing;
+  }
+  const CudaRank& SpanRank(int32_t rank) const {
+    return gpu_op_ && gpu_op_->ranks[rank] ? *gpu_op_->ranks[rank] : *ranks_[rank];
+  }
+  const rules::HandleTable& ExchangeRankHandles(int32_t rank) const override {
+    return endpoint(rank)->handles;
+  }
+  uint64_t ExchangeCurrentSeq() const override { return current_seq(); }
+  void ExchangeWarning(const std::string& message) const override {
+    LogClientCaused(spdlog::level::warn, "{}", message);
+  }
+
+  // ---- a group that spans nodes (DESIGN.md §5.5) ----
+  /// Where the running spanning op is: its inputs being copied into the mirrors, the
+  /// exchange on the mirrors, its outputs being copied back to the GPU.
+  enum class SpanPhase { kIdle, kStagingIn, kExchanging, kStagingOut };
+  /// Enqueues every local rank's ready wait (stream-ordered) and copy of the op's inputs
+  /// into its mirror; the op then runs on in PollSpanning.
+  bool StartSpanning(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
+  bool PollSpanning(std::span<RankOutcome> outcomes);
+  /// Rank r's part of StartSpanning on its stream.
+  absl::Status StageIn(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
+                       bool* ready_wait);
+  /// Rank r's copy of its outputs (when `outcome` is OK) to its GPU area, then done_seq
+  /// (stream-ordered) and the done event.
+  absl::Status StageOut(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
+                        const RankOutcome& outcome);
+  /// Ends the spanning op with `status` for every local rank without the exchange's
+  /// result (staging failed or timed out): tells the other nodes and releases the streams.
+  void FailSpanning(const absl::Status& status);
+  void PublishJoined(int32_t changed, bool joined);
 
   // GraphProgram::Host.
   const std::string& ProgramGroupName() const override { return spec().name(); }
@@ -110,7 +167,7 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host {
   static bool KernelHandsOff(const GpuOp& op, size_t r);
   /// Whether that rank's ready wait is a WaitFlagAsync kernel (Readback::ready_seen).
   bool SpinsForReady(const GpuOp& op, size_t r) const {
-    return KernelHandsOff(op, r) && plane_->kernel_ready_wait();
+    return !spanning() && KernelHandsOff(op, r) && plane_->kernel_ready_wait();
   }
   /// Moves a finished op's vectors back into spare_ for the next op, dropping its rank
   /// references (a rank that left during the op is freed here, not kept by the spare).
@@ -143,6 +200,13 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host {
   std::vector<cudaError_t> event_errors_;
   std::unique_ptr<GraphProgram> program_;  // The armed graph-mode program.
   std::optional<GpuOp> program_tail_;      // A disarmed program still on the GPU.
+  // A spanning group's (null / unused otherwise); the op's state lives in gpu_op_.
+  std::unique_ptr<NodeExchange> exchange_;
+  kernels::host::HostScratch kernel_scratch_;  // Reserved by MakeExchange.
+  SpanPhase span_phase_ = SpanPhase::kIdle;
+  const OpPlan* span_plan_ = nullptr;
+  const std::vector<abi::RequestSlot>* span_slots_ = nullptr;
+  std::vector<RankOutcome> span_outcomes_;  // [R] the exchange's outcomes.
 };
 
 }  // namespace epd

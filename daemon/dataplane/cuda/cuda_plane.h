@@ -19,6 +19,7 @@
 #include "daemon/dataplane/cuda/cuda_data_plane.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/dataplane/engine_host.h"
+#include "epd/kernels/host_ops.h"
 
 namespace epd {
 
@@ -46,12 +47,20 @@ class CudaDataPlaneImpl : public DataPlane {
   std::string backend_name() const override { return "cuda"; }
   uint64_t BytesPerRank(const v1::GroupSpec& spec) const override;
   absl::StatusOr<uint64_t> FreeBytes(const std::string& gpu_uuid) const override;
-  using DataPlane::CreateGroup;  // The overload with GroupCreateOptions (unused here).
-  absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override;
-  /// Client-launched when the group's kernels can run side by side: MPS is active, or the
-  /// daemon has a GPU for every rank (one rank per GPU). Otherwise daemon-launched: ranks of
-  /// several client processes on one GPU without MPS would time-slice (DESIGN.md §3.2),
-  /// while the daemon runs every rank's kernels from its one context.
+  /// A group that spans nodes: its kernel scratch, exchange buffers and every rank's pinned
+  /// mirror and routing state (DESIGN.md §5.5), host memory counted against FreeBytes.
+  uint64_t GroupPrivateBytes(const v1::GroupSpec& spec) const override;
+  absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override {
+    return CreateGroup(spec, GroupCreateOptions{});
+  }
+  absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(
+      const v1::GroupSpec& spec, const GroupCreateOptions& options) override;
+  /// A group that spans nodes: daemon-launched (the only mode it has for now, DESIGN.md
+  /// §5.5). Otherwise client-launched when the group's kernels can run side by side: MPS is
+  /// active, or the daemon has a GPU for every rank (one rank per GPU). Otherwise
+  /// daemon-launched: ranks of several client processes on one GPU without MPS would
+  /// time-slice (DESIGN.md §3.2), while the daemon runs every rank's kernels from its one
+  /// context.
   v1::LaunchMode DefaultLaunchMode(const v1::GroupSpec& spec) const override;
   void Shutdown() override;
 
@@ -71,9 +80,16 @@ class CudaDataPlaneImpl : public DataPlane {
   bool TryClaimGpus(std::span<const int> devices, const CudaGroup* group);
   /// Releases the GPUs `group` holds. Allocates nothing.
   void ReleaseGpus(const CudaGroup* group);
+  /// kernels/host's worker threads for the exchange of groups that span nodes (started by
+  /// the first such group; every engine uses it one op at a time, under pool_mu()).
+  kernels::host::HostWorkerPool& kernel_pool() { return kernel_pool_; }
+  /// Serialises the engines' use of kernel_pool() (one engine per GPU).
+  std::mutex& pool_mu() { return pool_mu_; }
 
  private:
   CudaDataPlaneOptions options_;
+  kernels::host::HostWorkerPool kernel_pool_;  // Outlives the engines' groups.
+  std::mutex pool_mu_;
   bool kernel_ready_wait_ = false;     // See kernel_ready_wait().
   std::map<int, std::string> uuids_;   // ordinal → UUID.
   std::map<int, std::set<int>> peer_;  // ordinal → peers it can access.

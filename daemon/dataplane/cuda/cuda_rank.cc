@@ -4,7 +4,9 @@
 
 #include <map>
 #include <mutex>
+#include <new>
 #include <string>
+#include <type_traits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -67,6 +69,39 @@ absl::StatusOr<std::shared_ptr<CudaRank>> CreateCudaRank(int device, int32_t ran
     Registry()[r->ipc_handle] = r->area.get();
   }
   return r;
+}
+
+absl::Status AddCudaRankMirror(CudaRank& rank, const kernels::GroupShape& shape,
+                               const kernels::EndpointLayout& layout) {
+  namespace kc = kernels::cuda;
+  constexpr unsigned kMapped = cudaHostAllocPortable | cudaHostAllocMapped;
+  std::unique_ptr<CudaRankMirror> m;
+  try {
+    m = std::make_unique<CudaRankMirror>(shape);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("rank ", rank.rank, ": out of host memory for its routing state"));
+  }
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(rank.device)));
+  auto pinned = [&](auto& array, size_t count, const char* what) -> absl::Status {
+    using T = typename std::remove_reference_t<decltype(array)>::element_type;
+    absl::StatusOr<PinnedArray<T>> a = AllocatePinnedArray<T>(count, kMapped);
+    if (!a.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat("rank ", rank.rank, ": allocating ",
+                                                       count * sizeof(T), " bytes of pinned ", what,
+                                                       ": ", a.status().message()));
+    }
+    array = *std::move(a);
+    return absl::OkStatus();
+  };
+  EPD_RETURN_IF_ERROR(
+      pinned(m->data, CudaRankMirror::MirrorBytes(layout), "host mirror of its data area"));
+  EPD_RETURN_IF_ERROR(pinned(m->in_spans, kernels::kMaxAreaSpans, "copy spans"));
+  EPD_RETURN_IF_ERROR(pinned(m->out_spans, kernels::kMaxAreaSpans, "copy spans"));
+  EPD_RETURN_IF_ERROR(pinned(m->staged, 1, "staging flag"));
+  EPD_ASSIGN_OR_RETURN(m->counter, AllocateDevice(256, DeviceZero::kYes));
+  rank.mirror = std::move(m);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<void*> FindInProcessCudaArea(const std::string& cuda_ipc_handle) {

@@ -12,7 +12,9 @@
 #include "absl/status/statusor.h"
 #include "common/cuda/cuda_handles.h"
 #include "common/cuda/device_alloc.h"
+#include "daemon/dataplane/exchange/rank_routing.h"
 #include "daemon/dataplane/lockstep_group.h"
+#include "epd/kernels/cuda_mirror.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/layout.h"
 #include "proto/abi/launch_flags.h"
@@ -30,6 +32,34 @@ struct Readback {
   uint64_t ready_seen;
 };
 
+/// A rank of a group that spans nodes (DESIGN.md §5.5): the host side of its data area that
+/// the exchange (daemon/dataplane/exchange/) reads and writes. `data` mirrors the GPU area's
+/// EndpointLayout regions up to (not including) ll_routing, at the same offsets; kernels copy
+/// an op's inputs into it and its outputs back (kernels::cuda::CopySpansAsync), so no
+/// device-to-host copy runs on the op path. Daemon-private: clients never map it. Allocated
+/// at join; an op allocates nothing.
+struct CudaRankMirror {
+  PinnedArray<uint8_t> data;               ///< [MirrorBytes(layout)], mapped.
+  PinnedArray<kernels::Region> in_spans;   ///< [kMaxAreaSpans], mapped.
+  PinnedArray<kernels::Region> out_spans;  ///< [kMaxAreaSpans], mapped.
+  /// [1], mapped: the seq of the op whose inputs the copy-in kernel has landed in `data`
+  /// (stored by its last block, release at system scope; the engine polls it).
+  PinnedArray<uint64_t> staged;
+  DeviceMemory counter;  ///< The copy kernels' ticket word (uint32, zeroed).
+  RankRouting routing;   ///< The rank's private routing state (as the host backend's).
+
+  explicit CudaRankMirror(const kernels::GroupShape& shape) : routing(shape) {}
+  /// Bytes of `data` for `layout`: every region before ll_routing.
+  static uint64_t MirrorBytes(const kernels::EndpointLayout& layout) {
+    return layout.ll_routing.offset;
+  }
+  /// Host bytes of one rank's mirror of a group of `shape` (data, span tables, routing).
+  static uint64_t BytesFor(const kernels::GroupShape& shape) {
+    return MirrorBytes(kernels::EndpointLayout::Compute(shape)) +
+           2 * sizeof(kernels::Region) * kernels::kMaxAreaSpans + RankRouting::BytesFor(shape);
+  }
+};
+
 /// One attached rank on the CUDA backend. Destroyed when the rank has detached and no op
 /// still running holds it: nothing writes its area any more. The destructor removes the
 /// area from the registry and synchronises the stream (bounded: every kernel wait is).
@@ -45,6 +75,7 @@ struct CudaRank : RankResources {
   EventHandle waited;              ///< Recorded once a stream-ordered op's ready wait has passed.
   PinnedArray<Readback> readback;  ///< [1], mapped.
   DeviceMemory area;
+  std::unique_ptr<CudaRankMirror> mirror;  ///< A spanning group's rank; null otherwise.
 
   ~CudaRank() override;
 
@@ -63,5 +94,10 @@ struct CudaRank : RankResources {
 absl::StatusOr<std::shared_ptr<CudaRank>> CreateCudaRank(int device, int32_t rank,
                                                          const kernels::EndpointLayout& layout,
                                                          bool client_launched);
+
+/// Gives `rank` (created by CreateCudaRank for a group of `shape`) its CudaRankMirror.
+/// Errors: RESOURCE_EXHAUSTED when pinned host memory runs out, INTERNAL (CUDA).
+absl::Status AddCudaRankMirror(CudaRank& rank, const kernels::GroupShape& shape,
+                               const kernels::EndpointLayout& layout);
 
 }  // namespace epd

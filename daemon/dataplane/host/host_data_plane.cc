@@ -1,6 +1,8 @@
 // The host backend's data plane: shm endpoints, one engine, group ops by kernels/host. The
 // lockstep part is LockstepGroup (daemon/dataplane/lockstep_group.h); this file adds the
-// data area in each endpoint's shm region and runs each op on the engine thread.
+// data area in each endpoint's shm region and runs each op on the engine thread. A group
+// that spans nodes runs its ops through NodeExchange (daemon/dataplane/exchange/) on the
+// endpoints' shm data areas.
 #include "daemon/dataplane/host/host_data_plane.h"
 
 #include <algorithm>
@@ -19,14 +21,14 @@
 #include "common/os/shm_region.h"
 #include "common/status_macros.h"
 #include "daemon/dataplane/engine_host.h"
+#include "daemon/dataplane/exchange/mirror_spans.h"
+#include "daemon/dataplane/exchange/node_exchange.h"
+#include "daemon/dataplane/exchange/rank_routing.h"
 #include "daemon/dataplane/lockstep_group.h"
 #include "daemon/peer/peer_mesh.h"
 #include "daemon/transport/transport.h"
-#include "daemon/transport/transport_set.h"
-#include "epd/kernels/host_node_ops.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
-#include "proto/abi/exchange_abi.h"
 #include "proto/abi/shm_abi.h"
 
 namespace epd {
@@ -34,85 +36,18 @@ namespace {
 
 using kernels::EndpointLayout;
 
-/// How long a running op waits for the message of a node the Peer service reports lost
-/// while that node's data link still stands (a node that finished the op and left).
-constexpr std::chrono::milliseconds kLostGrace{200};
-
-/// How much longer than op_timeout a running op waits for the message of a node whose
-/// Peer service reports it alive and whose data link is up: min(1 s, op_timeout). A node
-/// whose own rank never submitted fails the op at its op_timeout and sends that error
-/// (naming the rank); the grace lets it arrive before this node gives up naming the node.
-std::chrono::milliseconds PeerFailureGrace(uint32_t op_timeout_ms) {
-  return std::min(std::chrono::milliseconds(1000), std::chrono::milliseconds(op_timeout_ms));
-}
-
-/// Brackets an op's calls into kernels/host for HostDataPlaneOptions::on_kernels.
-class KernelScope {
- public:
-  explicit KernelScope(const std::function<void(bool)>& hook) : hook_(hook) {
-    if (hook_) hook_(true);
-  }
-  ~KernelScope() {
-    if (hook_) hook_(false);
-  }
-  KernelScope(const KernelScope&) = delete;
-  KernelScope& operator=(const KernelScope&) = delete;
-
- private:
-  const std::function<void(bool)>& hook_;
-};
-
 class HostGroup;
 
-/// One attached rank's daemon-private memory on the host backend. Its shm region is
-/// client-writable, so nothing there is read as an index or size: the op's topk_idx is
-/// copied from it once into `topk_idx` and checked there, and the routing state that the
-/// combine and a cached re-dispatch read as row indices (send_pos, the low-latency handle
-/// positions) is kept here. After a dispatch the routing is published into the region's
-/// send_pos / ll_handle_pos regions for the client to read; the daemon never reads them
-/// back. Sized at attach: an op allocates nothing.
+/// One attached rank's daemon-private memory on the host backend: its routing state
+/// (RankRouting; its data area is the shm region's). Sized at attach: an op allocates
+/// nothing.
 struct HostRank : RankResources {
-  std::vector<int64_t> topk_idx;  ///< [max(M, Mll), K]: the current op's checked copy.
-  std::vector<int32_t> send_pos;  ///< [M, R]: the routing of the last normal dispatch.
-  std::vector<int32_t> ll_handle_pos[kernels::kLowLatencyBuffers];  ///< [Mll, K] per buffer.
-
-  /// The bytes a HostRank of `s` holds.
-  static uint64_t BytesFor(const kernels::GroupShape& s) {
-    return static_cast<uint64_t>(s.max_input_tokens()) * s.num_topk * sizeof(int64_t) +
-           static_cast<uint64_t>(s.max_tokens_per_rank) * s.num_ranks * sizeof(int32_t) +
-           uint64_t{kernels::kLowLatencyBuffers} * s.ll_max_tokens_per_rank * s.num_topk *
-               sizeof(int32_t);
-  }
-
-  explicit HostRank(const kernels::GroupShape& s)
-      : topk_idx(static_cast<size_t>(s.max_input_tokens()) * s.num_topk),
-        send_pos(static_cast<size_t>(s.max_tokens_per_rank) * s.num_ranks) {
-    for (auto& h : ll_handle_pos) {
-      h.resize(static_cast<size_t>(s.ll_max_tokens_per_rank) * s.num_topk);
-    }
-  }
+  RankRouting routing;
+  /// HostDataPlaneOptions::stage_through_mirror: the copy of the data area the exchange
+  /// works on; empty otherwise.
+  std::vector<uint8_t> mirror;
+  explicit HostRank(const kernels::GroupShape& s) : routing(s) {}
 };
-
-/// The exchange's receive region and send staging of a group that spans nodes, at its
-/// largest node (DESIGN.md §5.1); 0 for a one-node group.
-uint64_t ExchangeBytes(const v1::GroupSpec& spec, const kernels::GroupShape& gs) {
-  if (spec.nodes_size() < 2) return 0;
-  const abi::ExchangeShape xs{gs.num_ranks, gs.num_experts,         gs.hidden,
-                              gs.num_topk,  gs.max_tokens_per_rank, gs.ll_max_tokens_per_rank};
-  uint64_t most = 0;
-  for (int m = 0; m < spec.nodes_size(); ++m) {
-    uint64_t bytes = 0;
-    for (int n = 0; n < spec.nodes_size(); ++n) {
-      if (n == m) continue;
-      const int64_t rn = spec.nodes(n).num_ranks(), rm = spec.nodes(m).num_ranks();
-      bytes += 2 * abi::ExchangeSlotLayout::Compute(xs, rn, rm).total +
-               abi::ExchangeSlotLayout::Compute(xs, rm, rn).total;
-    }
-    bytes += 2 * abi::ExchangeCombineLayout::Compute(xs, spec.nodes(m).num_ranks()).total;
-    most = std::max(most, bytes);
-  }
-  return most;
-}
 
 class HostDataPlaneImpl : public DataPlane {
  public:
@@ -125,13 +60,13 @@ class HostDataPlaneImpl : public DataPlane {
     return abi::ComputeEndpointShmLayout(EndpointLayout::Compute(ShapeOf(spec)).total_bytes)
         .total_bytes;
   }
-  /// The kernel scratch the group reserves at creation and every rank's HostRank: both in
-  /// host memory, as the endpoints are.
+  /// The kernel scratch the group reserves at creation, every rank's routing state and a
+  /// spanning group's exchange buffers: all in host memory, as the endpoints are.
   uint64_t GroupPrivateBytes(const v1::GroupSpec& spec) const override {
     const kernels::GroupShape shape = ShapeOf(spec);
     return kernels::host::HostScratch::ReservedBytes(shape, options_.host_threads) +
-           static_cast<uint64_t>(spec.num_ranks()) * HostRank::BytesFor(shape) +
-           ExchangeBytes(spec, shape);
+           static_cast<uint64_t>(spec.num_ranks()) * RankRouting::BytesFor(shape) +
+           NodeExchangeBytes(spec, shape);
   }
   absl::StatusOr<uint64_t> FreeBytes(const std::string&) const override { return ShmFreeBytes(); }
   absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(const v1::GroupSpec& spec) override {
@@ -156,12 +91,11 @@ class HostDataPlaneImpl : public DataPlane {
   std::atomic<bool> shut_down_{false};
 };
 
-class HostGroup : public LockstepGroup {
+class HostGroup : public LockstepGroup, private NodeExchangeHost {
  public:
   HostGroup(HostDataPlaneImpl* plane, const v1::GroupSpec& spec)
       : LockstepGroup(spec, LockstepOptionsOf(plane->options())),
         plane_(plane),
-        layout_args_(spec.num_ranks()),
         dispatch_args_(spec.num_ranks()),
         combine_args_(spec.num_ranks()),
         ll_dispatch_args_(spec.num_ranks()),
@@ -173,14 +107,21 @@ class HostGroup : public LockstepGroup {
     plane->kernel_pool().Start(threads);
   }
   ~HostGroup() override { plane_->Unregister(this); }
-  /// The digest of the group's join secret its Peer mesh registration carries (a group
-  /// that spans nodes; set once, before the first rank attaches).
-  void set_join_secret_digest(std::string digest) { join_secret_digest_ = std::move(digest); }
-  /// The transport of a group that spans nodes and its name (spec.transport, "" resolved
-  /// to the daemon's default); set once, before the first rank attaches.
-  void set_transport(transport::Transport* t, std::string name) {
-    transport_ = t;
-    transport_name_ = std::move(name);
+  /// A spanning group: its exchange, before the first rank attaches (`join_secret_digest`
+  /// goes into its Peer mesh registration).
+  void MakeExchange(std::string join_secret_digest, SpanTransport span_transport) {
+    NodeExchangeOptions o;
+    o.op_timeout_ms = plane_->options().op_timeout_ms;
+    o.exec = Execution();
+    o.on_kernels = &plane_->options().on_kernels;
+    o.peer_mesh = plane_->options().peer_mesh;
+    o.transport = span_transport.transport;
+    o.transport_name = std::move(span_transport.name);
+    HostDataPlaneImpl* plane = plane_;
+    o.wake = [plane] { plane->WakeEngine(); };
+    o.join_secret_digest = std::move(join_secret_digest);
+    NodeExchangeHost* host = this;
+    exchange_ = std::make_unique<NodeExchange>(spec(), shape(), layout(), host, std::move(o));
   }
 
  protected:
@@ -189,24 +130,44 @@ class HostGroup : public LockstepGroup {
                                                              const std::string& gpu_uuid,
                                                              v1::LaunchMode launch_mode,
                                                              v1::EndpointInfo* info) override;
-  /// Runs the op synchronously on the engine thread (always true), with the per-rank
-  /// kernel arguments kept in the group: no allocation outside kernels/host.
+  /// A one-node op runs synchronously on the engine thread (true), with the per-rank
+  /// kernel arguments kept in the group: no allocation outside kernels/host. A spanning
+  /// op runs through the exchange (false; PollOpInto).
   bool StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
                    std::span<RankOutcome> outcomes) override {
-    if (spanning()) return StartExchange(plan, slots, outcomes);
+    if (spanning()) {
+      span_plan_ = &plan;
+      span_slots_ = &slots;
+      if (plane_->options().stage_through_mirror) StageMirrors(plan, slots, /*in=*/true, outcomes);
+      exchange_->Start(plan, slots);
+      return false;
+    }
     Execute(plan, slots, outcomes);
     return true;
   }
-  bool PollOpInto(std::span<RankOutcome> outcomes) override;
-  absl::Status NodeChosen(int32_t node) override;
-  void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) override;
-  absl::Status PeerFailure(uint64_t seq) override;
-  /// True when every node whose message of the running op is missing is alive: its Peer
-  /// service healthy (GroupPeers::Health OK) and its data link ready.
-  bool MissingPeersAlive() const;
-  bool ReadyToStart() override;
-  std::string NotReadyReason() const override;
-  bool PollBackground() override;
+  bool PollOpInto(std::span<RankOutcome> outcomes) override {
+    if (!exchange_->Poll(outcomes)) return false;
+    if (plane_->options().stage_through_mirror) {
+      StageMirrors(*span_plan_, *span_slots_, /*in=*/false, outcomes);
+    }
+    return true;
+  }
+  absl::Status NodeChosen(int32_t node) override {
+    return exchange_->Init(node, local_first(), local_count());
+  }
+  void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) override {
+    if (exchange_ && exchange_->ready()) exchange_->OpFailedHere(seq, op, status);
+  }
+  absl::Status PeerFailure(uint64_t seq) override {
+    return exchange_ && exchange_->ready() ? exchange_->PeerFailure(seq) : absl::OkStatus();
+  }
+  bool ReadyToStart() override { return !spanning() || exchange_->ReadyToStart(); }
+  std::string NotReadyReason() const override {
+    return exchange_ && exchange_->ready() ? exchange_->NotReadyReason() : std::string();
+  }
+  bool PollBackground() override {
+    return spanning() && exchange_ && exchange_->ready() && exchange_->PollBackground();
+  }
   // A spanning op waits for the transport, whose wake callback wakes the engine: the
   // engine polls engine_idle_us after its last work, then sleeps until woken.
   bool RunningOpWakesEngine() const override { return spanning(); }
@@ -217,13 +178,13 @@ class HostGroup : public LockstepGroup {
   }
   void RankDetached(int32_t rank) override { PublishJoined(rank, false); }
   void PublishJoined(int32_t changed, bool joined) {
-    if (!spanning() || !span_.peers) return;
+    if (!spanning() || !exchange_ || !exchange_->ready()) return;
     std::vector<bool> bits(local_count());
     for (int32_t i = 0; i < local_count(); ++i) {
       const int32_t r = local_first() + i;
       bits[i] = r == changed ? joined : endpoint(r) != nullptr;
     }
-    span_.peers->SetLocalRanksJoined(bits);
+    exchange_->SetLocalRanksJoined(bits);
   }
   void WakeEngine() override { plane_->WakeEngine(); }
   /// The plane's one doorbell page serves every rank.
@@ -242,136 +203,74 @@ class HostGroup : public LockstepGroup {
   }
 
  private:
+  // NodeExchangeHost: the endpoints' shm data areas (or the test seam's mirrors).
+  uint8_t* ExchangeRankData(int32_t rank) const override {
+    std::vector<uint8_t>& mirror = static_cast<HostRank&>(*op_endpoint(rank)->backend).mirror;
+    return mirror.empty() ? op_endpoint(rank)->shm_data() : mirror.data();
+  }
+  /// stage_through_mirror: copies every local rank's MirrorInputSpans from its shm area into
+  /// its mirror (`in`), or MirrorOutputSpans of each rank whose outcome is OK back.
+  void StageMirrors(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots, bool in,
+                    std::span<RankOutcome> outcomes) {
+    for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+      uint8_t* shm = op_endpoint(r)->shm_data();
+      uint8_t* mirror = ExchangeRankData(r);
+      uint64_t total = 0;
+      int32_t n = 0;
+      if (in) {
+        n = MirrorInputSpans(
+            shape(), layout(), plan, slots[r], r, endpoint(r)->handles.num_recv_tokens(),
+            exchange_->LowLatencyCounts(plan.ll_handle_buffer), spans_.data(), &total);
+      } else if (outcomes[r].status.ok()) {
+        n = MirrorOutputSpans(shape(), layout(), plan, slots[r], outcomes[r], mirror, spans_.data(),
+                              &total);
+      }
+      for (int32_t i = 0; i < n; ++i) {
+        const kernels::Region& s = spans_[i];
+        std::memcpy((in ? mirror : shm) + s.offset, (in ? shm : mirror) + s.offset, s.bytes);
+      }
+    }
+  }
+  RankRouting& ExchangeRankRouting(int32_t rank) const override { return Private(rank); }
+  const rules::HandleTable& ExchangeRankHandles(int32_t rank) const override {
+    return endpoint(rank)->handles;
+  }
+  uint64_t ExchangeCurrentSeq() const override { return current_seq(); }
+  void ExchangeWarning(const std::string& message) const override {
+    LogClientCaused(spdlog::level::warn, "{}", message);
+  }
+
+  kernels::host::HostExecution Execution() {
+    return {plane_->options().host_threads, &plane_->kernel_pool(), &kernel_scratch_};
+  }
   void Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
                std::span<RankOutcome> out);
   /// Region `r` of rank `rank`'s data area in its shm region (client-writable: outputs,
   /// and inputs read as values only).
   template <typename T>
   T* Ptr(int rank, const kernels::Region& r) const {
-    return reinterpret_cast<T*>(endpoint(rank)->shm_data() + r.offset);
+    return RegionPtr<T>(endpoint(rank)->shm_data(), r);
   }
-  /// Rank `rank`'s private memory (HostRank).
-  HostRank& Private(int rank) const { return static_cast<HostRank&>(*endpoint(rank)->backend); }
-  /// Copies rank `rank`'s staged topk_idx [T, K] out of its shm region once, into its
-  /// private copy, and checks the copy (CheckTopkIdx); the op reads only the copy.
-  absl::StatusOr<const int64_t*> TakeTopkIdx(int rank, int32_t num_tokens) const;
-  /// GetDispatchLayout of rank `rank` (it needs no other rank's data) from its validated
-  /// `slot`, into its shm region; the rank's outcome.
-  absl::Status RunLayout(int rank, const abi::RequestSlot& slot,
-                         const kernels::host::HostExecution& exec);
-  /// Copies `rows` rows of `row_elems` int32 from rank `rank`'s private routing `src` to
-  /// region `dst` of its shm region, for the client to read (never read back).
+  /// Rank `rank`'s private routing state.
+  RankRouting& Private(int rank) const {
+    return static_cast<HostRank&>(*op_endpoint(rank)->backend).routing;
+  }
+  absl::StatusOr<const int64_t*> TakeTopkIdx(int rank, int32_t num_tokens) const {
+    return epd::TakeTopkIdx(shape(), layout(), endpoint(rank)->shm_data(), Private(rank), rank,
+                            num_tokens);
+  }
   void Publish(int rank, const std::vector<int32_t>& src, int64_t rows, int64_t row_elems,
-               const kernels::Region& dst) const;
-
-  // ---- a group that spans nodes (DESIGN.md §5.1) ----
-  /// Op `seq` (this node's numbering) as the link to node `n` numbers it: ops since that
-  /// link was (re)built, the numbering both ends share (DESIGN.md §5.1). Everything that
-  /// crosses to node n (immediates, header seq, slot and combine-area parity) uses it.
-  uint64_t LinkSeq(int32_t n, uint64_t seq) const { return seq - span_.link_base[n]; }
-  /// Node `n`'s slot of op `seq`'s link parity in this node's receive region.
-  uint8_t* RecvSlot(int32_t n, uint64_t seq) {
-    return reinterpret_cast<uint8_t*>(span_.recv.data()) + span_.recv_offset[n] +
-           (LinkSeq(n, seq) % 2) * span_.in_layout[n].total;
+               const kernels::Region& dst) const {
+    PublishRouting(endpoint(rank)->shm_data(), src, rows, row_elems, dst);
   }
-  /// This node's combine area of op `seq`'s parity on the link to node `n` (the rows node
-  /// n's ranks send back).
-  const uint8_t* CombineArea(int32_t n, uint64_t seq) {
-    return reinterpret_cast<const uint8_t*>(span_.recv.data()) + span_.combine_offset[span_.self] +
-           (LinkSeq(n, seq) % 2) * span_.combine_layout[span_.self].total;
-  }
-  int32_t NodeOf(int32_t rank) const {
-    for (int32_t n = 0; n < span_.num_nodes; ++n) {
-      if (rank >= span_.first[n] && rank < span_.first[n] + span_.count[n]) return n;
-    }
-    return -1;
-  }
-  /// Posts a header (and `pieces` of payload) of op `plan` to node `n`. The header and
-  /// metadata are already in send staging n.
-  absl::Status PostToNode(int32_t n, uint64_t seq, std::span<const transport::WritePiece> pieces);
-  /// Ops between `handle_seq` and op `seq` (0 when it is not before).
-  static uint64_t HandleAge(uint64_t seq, uint64_t handle_seq) {
-    return handle_seq < seq ? seq - handle_seq : 0;
-  }
-  /// Fills send staging n's header for op `seq` (`handle_age`: HandleAge of an LL combine).
-  abi::ExchangeHeader& StageHeader(int32_t n, uint64_t seq, uint32_t op, uint32_t flags,
-                                   int32_t alignment, uint64_t handle_age,
-                                   const absl::Status& status);
-  bool StartExchange(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
-                     std::span<RankOutcome> outcomes);
-  /// Packs and posts this node's part of the running op to every peer.
-  absl::Status SendOp(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
-  // A dispatch's local sources for the send staging (span_.pack_sources); a low-latency FP8
-  // dispatch's tokens quantized, once, into span_.quant_x / quant_scales on `exec`.
-  void StagePackSources(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
-                        const kernels::host::HostExecution& exec);
-  /// Checks node n's header of op `seq` in the receive region.
-  absl::Status CheckHeader(int32_t n, uint64_t seq) const;
-  /// Runs this node's part of the op once every peer's message is in.
-  absl::Status FinishExchange(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
-                              std::span<RankOutcome> out);
-  /// Row offsets in node m's combine area of every block (ExchangeCombineLayout): for a
-  /// normal combine (width R, counts [R, R]) a block per rank not on m, for a low-latency
-  /// one (width E, counts [R, E]) a block per expert not on m, in ascending order, each of
-  /// the rows it holds of node m's tokens. Fills span_.combine_off [width] (blocks of m's own
-  /// ranks/experts get the offset of the next block) and returns the total rows.
-  int64_t CombineOffsets(int32_t m, const std::vector<int32_t>& counts, int32_t width);
-  /// Pops node n's next immediate into span_.pending[n]; returns whether one is pending for
-  /// `seq` (older ones are dropped).
-  bool ImmFor(int32_t n, uint64_t seq);
-
-  struct Span {
-    int32_t num_nodes = 0, self = 0;
-    std::vector<int32_t> first, count;  // [N] each node's ranks
-    abi::ExchangeShape xs;
-    std::vector<abi::ExchangeSlotLayout> in_layout, out_layout;  // [N]
-    std::vector<uint64_t> recv_offset;                           // [N]
-    std::vector<uint64_t> remote_offset;  // [N]: this node's parity-0 slot at node n.
-    std::vector<abi::ExchangeCombineLayout> combine_layout;  // [N] each node's area.
-    std::vector<uint64_t> combine_offset;  // [N]: each node's parity-0 combine area.
-    std::vector<int64_t> combine_off;      // [max(R, E) + 1]: CombineOffsets' output.
-    std::vector<int64_t> block_start;      // [E]: LL combine remote blocks.
-    const OpPlan* plan = nullptr;          // The running op (LockstepGroup's running_).
-    const std::vector<abi::RequestSlot>* slots = nullptr;
-    std::vector<uint64_t> recv;                    // The receive region.
-    std::vector<std::vector<uint64_t>> send;       // [N] send staging.
-    std::vector<std::vector<uint64_t>> fail_send;  // [N] error headers.
-    std::vector<uint64_t> posted, fail_posted;     // [N] writes posted.
-    std::unique_ptr<transport::GroupLink> link;
-    std::unique_ptr<peer::GroupPeers> peers;
-    std::vector<uint8_t> connected;     // [N]
-    std::vector<uint64_t> incarnation;  // [N] of the peer connected to.
-    std::vector<uint64_t> link_base;    // [N] this node's seq when the link was (re)built.
-    bool in_op = false;                 // An op is being exchanged.
-    std::chrono::steady_clock::time_point next_descriptor_check;
-    std::vector<std::optional<uint32_t>> pending;  // [N] an immediate not yet used.
-    std::vector<uint8_t> got;                      // [N] this op's message is in.
-    std::chrono::steady_clock::time_point started;
-    // When this op first saw the Peer service report a node lost.
-    std::optional<std::chrono::steady_clock::time_point> lost_seen;
-    absl::Status local_status;  // This node's part of the op.
-    std::vector<transport::WritePiece> pieces;
-    std::vector<int32_t> local_counts;                            // [Rl, E] this op's counts here.
-    std::vector<int32_t> counts;                                  // [R, E] or [R, R]: every node's.
-    std::vector<int32_t> dispatch_counts;                         // [R, R] of the routing dispatch.
-    std::vector<int32_t> ll_counts[kernels::kLowLatencyBuffers];  // [R, E] per buffer.
-    std::vector<int32_t> remote_first, remote_rows;  // [R * El] LL combine remote views.
-    std::vector<kernels::host::NodeDispatchSource> dispatch_sources;  // [R]
-    std::vector<kernels::host::NodeLowLatencySource> ll_sources;      // [R]
-    std::vector<kernels::host::NodePackSource> pack_sources;  // [Rl] this op's local sources.
-    std::vector<uint64_t> op_endpoints;  // [Rl] the running op's ranks' endpoint ids.
-    std::vector<kernels::host::NodePackJob> pack_jobs;  // [Rl] one node's send staging.
-    std::vector<kernels::e4m3_bits> quant_x;            // [Rl, Mll, H] LL FP8 rows.
-    std::vector<float> quant_scales;                    // [Rl, Mll, S] their scales.
-  };
-  Span span_;
-  std::string join_secret_digest_;             ///< See set_join_secret_digest.
-  transport::Transport* transport_ = nullptr;  ///< See set_transport.
-  std::string transport_name_;
 
   HostDataPlaneImpl* plane_;
+  std::unique_ptr<NodeExchange> exchange_;  ///< A spanning group's; null otherwise.
+  const OpPlan* span_plan_ = nullptr;       ///< The running spanning op.
+  const std::vector<abi::RequestSlot>* span_slots_ = nullptr;
+  std::vector<kernels::Region> spans_ =
+      std::vector<kernels::Region>(kernels::kMaxAreaSpans);  ///< stage_through_mirror's.
   // Each op kind's kernel arguments, [R], filled in per op (sized once: README "Hot path").
-  std::vector<kernels::host::LayoutRankArgs> layout_args_;
   std::vector<kernels::host::DispatchRankArgs> dispatch_args_;
   std::vector<kernels::host::CombineRankArgs> combine_args_;
   std::vector<kernels::host::LowLatencyDispatchRankArgs> ll_dispatch_args_;
@@ -392,16 +291,8 @@ absl::Status HostDataPlaneImpl::Init() {
 absl::StatusOr<std::unique_ptr<DataPlaneGroup>> HostDataPlaneImpl::CreateGroup(
     const v1::GroupSpec& spec, const GroupCreateOptions& options) {
   if (shut_down_.load()) return absl::UnavailableError("epd is shutting down");
-  if (spec.nodes_size() >= 2 && (options_.peer_mesh == nullptr || options_.transports == nullptr)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group \"", spec.name(), "\" spans ", spec.nodes_size(),
-        " nodes, but this daemon has no Peer listener (peer_listen is unset in its config), so it "
-        "cannot reach the other nodes; set peer_listen (and peer_secret_file) on every daemon"));
-  }
-  transport::Transport* link_transport = nullptr;
-  if (spec.nodes_size() >= 2) {
-    EPD_ASSIGN_OR_RETURN(link_transport, options_.transports->Find(spec.transport(), spec.name()));
-  }
+  EPD_ASSIGN_OR_RETURN(SpanTransport span_transport,
+                       TransportForSpan(spec, options_.peer_mesh, options_.transports));
   // Join checked GroupPrivateBytes against free memory; memory taken by others since then
   // can still make the reservation fail, which must not cross gRPC as an exception.
   std::unique_ptr<HostGroup> group;
@@ -414,9 +305,8 @@ absl::StatusOr<std::unique_ptr<DataPlaneGroup>> HostDataPlaneImpl::CreateGroup(
         "or free memory"));
   }
   if (spec.nodes_size() >= 2) {
-    group->set_join_secret_digest(
-        options_.peer_mesh->JoinSecretDigest(spec.name(), options.join_secret));
-    group->set_transport(link_transport, options_.transports->Resolve(spec.transport()));
+    group->MakeExchange(options_.peer_mesh->JoinSecretDigest(spec.name(), options.join_secret),
+                        std::move(span_transport));
   }
   engine_.Add(group.get());
   return std::unique_ptr<DataPlaneGroup>(std::move(group));
@@ -440,44 +330,11 @@ absl::StatusOr<std::shared_ptr<RankResources>> HostGroup::PrepareRank(
   }
   info->set_backend("host");
   info->set_launch_mode(v1::LAUNCH_MODE_DAEMON);
-  return std::shared_ptr<RankResources>(std::make_shared<HostRank>(shape()));
-}
-
-absl::Status HostGroup::RunLayout(int rank, const abi::RequestSlot& slot,
-                                  const kernels::host::HostExecution& exec) {
-  const EndpointLayout& L = layout();
-  auto& a = layout_args_[rank];
-  a = {};
-  a.num_tokens = slot.num_tokens;
-  a.num_tokens_per_rank = Ptr<int32_t>(rank, L.layout_tokens_per_rank);
-  a.num_tokens_per_expert = Ptr<int32_t>(rank, L.layout_tokens_per_expert);
-  a.is_token_in_rank = Ptr<uint8_t>(rank, L.layout_is_token_in_rank);
-  EPD_ASSIGN_OR_RETURN(a.topk_idx, TakeTopkIdx(rank, a.num_tokens));
-  KernelScope k(plane_->options().on_kernels);
-  return kernels::host::GetDispatchLayout(shape(), a, exec);
-}
-
-absl::StatusOr<const int64_t*> HostGroup::TakeTopkIdx(int rank, int32_t num_tokens) const {
-  HostRank& hr = Private(rank);
-  const kernels::GroupShape& gs = shape();
-  // num_tokens comes from the validated slot: at most max(M, Mll) rows.
-  const size_t n = static_cast<size_t>(std::max(num_tokens, 0)) * gs.num_topk;
-  if (n > hr.topk_idx.size()) {
-    return absl::InternalError(absl::StrCat("rank ", rank, ": num_tokens ", num_tokens,
-                                            " exceeds the private topk_idx copy"));
+  auto rank = std::make_shared<HostRank>(shape());
+  if (spanning() && plane_->options().stage_through_mirror) {
+    rank->mirror.assign(layout().total_bytes, 0xA5);
   }
-  std::memcpy(hr.topk_idx.data(), Ptr<const int64_t>(rank, layout().in_topk_idx),
-              n * sizeof(int64_t));
-  EPD_RETURN_IF_ERROR(kernels::host::CheckTopkIdx(gs, rank, num_tokens, hr.topk_idx.data()));
-  return hr.topk_idx.data();
-}
-
-void HostGroup::Publish(int rank, const std::vector<int32_t>& src, int64_t rows, int64_t row_elems,
-                        const kernels::Region& dst) const {
-  const uint64_t bytes = static_cast<uint64_t>(std::max<int64_t>(rows, 0)) *
-                         static_cast<uint64_t>(row_elems) * sizeof(int32_t);
-  std::memcpy(Ptr<int32_t>(rank, dst), src.data(),
-              std::min({bytes, dst.bytes, src.size() * sizeof(int32_t)}));
+  return std::shared_ptr<RankResources>(std::move(rank));
 }
 
 void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
@@ -486,15 +343,17 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
   const abi::OpKind op = plan.op;
   const rules::RequestOptions flags = rules::DecodeFlags(plan.flags);  // Agreed by every rank.
   const kernels::GroupShape& gs = shape();
-  kernels::host::HostExecution exec{plane_->options().host_threads, &plane_->kernel_pool(),
-                                    &kernel_scratch_};
+  const kernels::host::HostExecution exec = Execution();
   auto fail_all = [&](const absl::Status& st) {
     for (auto& o : out) o.status = st;
   };
   const EndpointLayout& L = layout();
   switch (op) {
     case abi::OpKind::kGetDispatchLayout: {
-      for (int r = 0; r < R; ++r) out[r].status = RunLayout(r, slots[r], exec);
+      for (int r = 0; r < R; ++r) {
+        out[r].status = RunLayoutOp(gs, L, endpoint(r)->shm_data(), Private(r), r, slots[r], exec,
+                                    &plane_->options().on_kernels);
+      }
       return;
     }
     case abi::OpKind::kDispatch: {
@@ -509,7 +368,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         a.x = Ptr<const void>(r, L.in_x);
         a.x_scales = fp8 ? Ptr<const float>(r, L.in_scales) : nullptr;
         a.topk_weights = flags.dispatch_weights ? Ptr<const float>(r, L.in_topk_weights) : nullptr;
-        HostRank& hr = Private(r);
+        RankRouting& hr = Private(r);
         if (cached) {
           a.cached_send_pos = hr.send_pos.data();  // Rewritten in place (memmove).
           a.cached_num_recv_tokens = ep.handles.num_recv_tokens();
@@ -533,7 +392,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
       opt.expert_alignment = slots[0].expert_alignment;
       absl::Status st;
       {
-        KernelScope k(plane_->options().on_kernels);
+        KernelScope k(&plane_->options().on_kernels);
         st = kernels::host::Dispatch(gs, opt, args, exec);
       }
       if (!st.ok()) return fail_all(st);
@@ -561,7 +420,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
       }
       absl::Status st;
       {
-        KernelScope k(plane_->options().on_kernels);
+        KernelScope k(&plane_->options().on_kernels);
         st = kernels::host::Combine(gs, args, exec);
       }
       if (!st.ok()) return fail_all(st);
@@ -590,7 +449,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
       opt.use_ue8m0 = flags.use_ue8m0;
       absl::Status st;
       {
-        KernelScope k(plane_->options().on_kernels);
+        KernelScope k(&plane_->options().on_kernels);
         st = kernels::host::LowLatencyDispatch(gs, opt, args, exec);
       }
       if (!st.ok()) return fail_all(st);
@@ -618,7 +477,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
       }
       absl::Status st;
       {
-        KernelScope k(plane_->options().on_kernels);
+        KernelScope k(&plane_->options().on_kernels);
         st = kernels::host::LowLatencyCombine(gs, args, exec);
       }
       if (!st.ok()) return fail_all(st);
@@ -627,951 +486,6 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
     default:
       return fail_all(absl::InternalError(absl::StrCat(
           "host backend: op kind ", OpName(static_cast<uint32_t>(op)), " is not run by StartOp")));
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// A group that spans nodes: the exchange (DESIGN.md §5.1).
-
-absl::Status HostGroup::NodeChosen(int32_t node) {
-  const v1::GroupSpec& sp = spec();
-  const kernels::GroupShape& gs = shape();
-  Span s;
-  s.num_nodes = sp.nodes_size();
-  s.self = node;
-  int32_t at = 0;
-  for (int32_t n = 0; n < s.num_nodes; ++n) {
-    s.first.push_back(at);
-    s.count.push_back(sp.nodes(n).num_ranks());
-    at += sp.nodes(n).num_ranks();
-  }
-  s.xs = {gs.num_ranks, gs.num_experts,         gs.hidden,
-          gs.num_topk,  gs.max_tokens_per_rank, gs.ll_max_tokens_per_rank};
-  uint64_t recv_bytes = 0;
-  s.remote_offset.assign(s.num_nodes, 0);
-  for (int32_t n = 0; n < s.num_nodes; ++n) {  // Where this node's slots lie at node n.
-    uint64_t off = 0;
-    for (int32_t k = 0; k < node && n != node; ++k) {
-      if (k != n) off += 2 * abi::ExchangeSlotLayout::Compute(s.xs, s.count[k], s.count[n]).total;
-    }
-    s.remote_offset[n] = off;
-  }
-  s.in_layout.resize(s.num_nodes);
-  s.out_layout.resize(s.num_nodes);
-  s.recv_offset.assign(s.num_nodes, 0);
-  s.send.resize(s.num_nodes);
-  s.fail_send.resize(s.num_nodes);
-  for (int32_t n = 0; n < s.num_nodes; ++n) {
-    if (n == node) continue;
-    s.in_layout[n] = abi::ExchangeSlotLayout::Compute(s.xs, s.count[n], s.count[node]);
-    s.out_layout[n] = abi::ExchangeSlotLayout::Compute(s.xs, s.count[node], s.count[n]);
-    s.recv_offset[n] = recv_bytes;
-    recv_bytes += 2 * s.in_layout[n].total;
-  }
-  // The combine area (both parities) after the slots, here and at every peer.
-  s.combine_layout.resize(s.num_nodes);
-  s.combine_offset.assign(s.num_nodes, 0);
-  for (int32_t n = 0; n < s.num_nodes; ++n) {
-    s.combine_layout[n] = abi::ExchangeCombineLayout::Compute(s.xs, s.count[n]);
-    for (int32_t k = 0; k < s.num_nodes; ++k) {
-      if (k != n) {
-        s.combine_offset[n] +=
-            2 * abi::ExchangeSlotLayout::Compute(s.xs, s.count[k], s.count[n]).total;
-      }
-    }
-  }
-  recv_bytes += 2 * s.combine_layout[node].total;
-  const int32_t R = gs.num_ranks, E = gs.num_experts;
-  try {
-    s.recv.assign(recv_bytes / 8 + 1, 0);
-    for (int32_t n = 0; n < s.num_nodes; ++n) {
-      if (n == node) continue;
-      s.send[n].assign(s.out_layout[n].total / 8 + 1, 0);
-      s.fail_send[n].assign(sizeof(abi::ExchangeHeader) / 8, 0);
-    }
-    s.local_counts.assign(static_cast<size_t>(s.count[node]) * E, 0);
-    s.counts.assign(static_cast<size_t>(R) * E, 0);
-    s.dispatch_counts.assign(static_cast<size_t>(R) * R, 0);
-    for (auto& c : s.ll_counts) c.assign(static_cast<size_t>(R) * E, 0);
-    s.remote_first.assign(static_cast<size_t>(E), 0);
-    s.block_start.assign(static_cast<size_t>(E), 0);
-    s.combine_off.assign(static_cast<size_t>(std::max(R, E)) + 1, 0);
-    s.remote_rows.assign(static_cast<size_t>(E), 0);
-    s.dispatch_sources.resize(R);
-    s.ll_sources.resize(R);
-    s.pack_sources.resize(s.count[node]);
-    s.op_endpoints.resize(s.count[node]);
-    s.pack_jobs.resize(s.count[node]);
-    if (gs.ll_max_tokens_per_rank > 0) {
-      const size_t rows = static_cast<size_t>(s.count[node]) * gs.ll_max_tokens_per_rank;
-      s.quant_x.assign(rows * gs.hidden, 0);
-      s.quant_scales.assign(rows * gs.num_scales(), 0.0F);
-    }
-    s.pieces.reserve(8 * static_cast<size_t>(s.count[node]) * (gs.num_local_experts() + 8) + 8);
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(absl::StrCat("group ", sp.name(), ": out of memory for ",
-                                                     recv_bytes, " bytes of receive region"));
-  }
-  s.posted.assign(s.num_nodes, 0);
-  s.fail_posted.assign(s.num_nodes, 0);
-  s.connected.assign(s.num_nodes, 0);
-  s.incarnation.assign(s.num_nodes, 0);
-  s.link_base.assign(s.num_nodes, 0);
-  s.pending.assign(s.num_nodes, std::nullopt);
-  s.got.assign(s.num_nodes, 0);
-  transport::GroupLinkOptions lo;
-  lo.group = sp.name();
-  lo.num_nodes = s.num_nodes;
-  lo.self_node = node;
-  lo.recv_base = s.recv.data();
-  lo.recv_bytes = recv_bytes;
-  HostDataPlaneImpl* plane = plane_;
-  lo.wake = [plane] { plane->WakeEngine(); };
-  for (int32_t n = 0; n < s.num_nodes; ++n) {
-    lo.node_labels.push_back(absl::StrCat(sp.nodes(n).peer_address(), ", ",
-                                          peer::RankRangeText(s.first[n], s.count[n])));
-  }
-  absl::StatusOr<std::unique_ptr<transport::GroupLink>> link = transport_->CreateGroupLink(lo);
-  if (!link.ok()) return link.status();
-  s.link = *std::move(link);
-  peer::GroupMembership m;
-  m.spec = sp;
-  // The daemons compare the transport each resolved ("" = its own default): nodes whose
-  // defaults differ are refused at rendezvous, not left with descriptors they cannot read.
-  m.spec.set_transport(transport_name_);
-  m.self_node = node;
-  m.transport_descriptor = s.link->LocalDescriptor();
-  for (int32_t n = 0; n < s.num_nodes; ++n) {
-    m.transport_descriptors.push_back(n == node ? std::string() : s.link->LocalDescriptorFor(n));
-  }
-  m.join_secret_digest = join_secret_digest_;
-  m.wake = [plane] { plane->WakeEngine(); };
-  absl::StatusOr<std::unique_ptr<peer::GroupPeers>> peers =
-      plane_->options().peer_mesh->RegisterGroup(std::move(m));
-  if (!peers.ok()) return peers.status();
-  s.peers = *std::move(peers);
-  span_ = std::move(s);
-  return absl::OkStatus();
-}
-
-bool HostGroup::PollBackground() {
-  if (!spanning() || !span_.peers) return false;
-  // Descriptors are looked at every few milliseconds, not on every poll (a lookup copies
-  // the descriptor: an allocation the steady state must not make per poll).
-  const auto now = std::chrono::steady_clock::now();
-  bool all_connected = true;
-  for (int32_t n = 0; n < span_.num_nodes; ++n)
-    all_connected &= n == span_.self || span_.connected[n];
-  if (all_connected && now < span_.next_descriptor_check) return false;
-  span_.next_descriptor_check = now + std::chrono::milliseconds(5);
-  bool worked = false;
-  for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n == span_.self) continue;
-    std::optional<peer::PeerDescriptor> d = span_.peers->Descriptor(n);
-    if (!d) continue;
-    // A peer that registered the group anew (restarted) is reconnected, between ops only.
-    if (span_.connected[n] && (d->incarnation == span_.incarnation[n] || span_.in_op)) continue;
-    absl::Status st = span_.link->Connect(n, d->transport);
-    if (!st.ok()) {
-      LogClientCaused(spdlog::level::warn, "group {}: connecting to node {}: {}", spec().name(), n,
-                      st.message());
-    }
-    // A new incarnation's immediates and writes count anew; at the first connect an
-    // immediate may already be pending (polled while the op was collected) and is kept.
-    if (span_.connected[n]) span_.pending[n].reset();
-    span_.posted[n] = 0;
-    span_.fail_posted[n] = 0;
-    // The op collected now is the link's op 0 at both ends (the peer's first op after its
-    // connect); an op one end failed alone is told by the usual error header or a later
-    // op's immediate.
-    span_.link_base[n] = current_seq();
-    span_.connected[n] = 1;
-    span_.incarnation[n] = d->incarnation;
-    worked = true;
-  }
-  return worked;
-}
-
-bool HostGroup::ReadyToStart() {
-  if (!spanning()) return true;
-  for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n != span_.self && span_.link->State(n) != transport::PeerState::kReady) return false;
-  }
-  return true;
-}
-
-std::string HostGroup::NotReadyReason() const {
-  // The Peer mesh's account (nodes not registered and why, ranks not joined) comes first: a
-  // client's copy of the message is cut to a fixed length.
-  std::string why = span_.peers ? span_.peers->DescribeMissing() : std::string();
-  for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n == span_.self || span_.link->State(n) == transport::PeerState::kReady) continue;
-    absl::StrAppend(
-        &why, why.empty() ? "" : "; ", "node ", n, " (", spec().nodes(n).peer_address(),
-        span_.count[n] == 1 ? ", rank " : ", ranks ", span_.first[n],
-        span_.count[n] == 1 ? "" : absl::StrCat("-", span_.first[n] + span_.count[n] - 1),
-        ") is not connected");
-  }
-  return why;
-}
-
-abi::ExchangeHeader& HostGroup::StageHeader(int32_t n, uint64_t seq, uint32_t op, uint32_t flags,
-                                            int32_t alignment, uint64_t handle_age,
-                                            const absl::Status& status) {
-  auto& h = *reinterpret_cast<abi::ExchangeHeader*>(status.ok() ? span_.send[n].data()
-                                                                : span_.fail_send[n].data());
-  h = abi::ExchangeHeader{};
-  h.seq = LinkSeq(n, seq);
-  h.op = op;
-  h.flags = flags & rules::kAgreedFlags;
-  h.expert_alignment = alignment;
-  h.source_node = span_.self;
-  h.first_rank = span_.first[span_.self];
-  h.num_ranks = span_.count[span_.self];
-  h.handle_seq = handle_age;
-  h.status_code = static_cast<int32_t>(status.code());
-  const size_t len = std::min<size_t>(status.message().size(), abi::kExchangeMessageBytes);
-  if (len > 0) std::memcpy(h.message, status.message().data(), len);
-  h.message_bytes = static_cast<uint32_t>(len);
-  return h;
-}
-
-void HostGroup::OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) {
-  if (!span_.link) return;
-  for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n == span_.self || span_.link->State(n) != transport::PeerState::kReady) continue;
-    // The error header's staging is reused only once the previous one left.
-    if (span_.link->WritesCompleted(n) < span_.posted[n]) continue;
-    StageHeader(n, seq, op, 0, 0, 0, status);
-    const transport::WritePiece piece{
-        span_.fail_send[n].data(), sizeof(abi::ExchangeHeader),
-        span_.remote_offset[n] + (LinkSeq(n, seq) % 2) * span_.out_layout[n].total};
-    if (span_.link
-            ->PostWrite(n, {&piece, 1}, abi::ExchangeImm(LinkSeq(n, seq), abi::kExchangePhaseOp))
-            .ok()) {
-      ++span_.posted[n];
-    }
-  }
-}
-
-int64_t HostGroup::CombineOffsets(int32_t m, const std::vector<int32_t>& counts, int32_t width) {
-  const int32_t per_owner = width == shape().num_ranks ? 1 : shape().num_local_experts();
-  const int32_t first = span_.first[m], last = span_.first[m] + span_.count[m];
-  int64_t total = 0;
-  for (int32_t x = 0; x < width; ++x) {
-    span_.combine_off[x] = total;
-    const int32_t owner = x / per_owner;
-    if (owner >= first && owner < last) continue;
-    for (int32_t s = first; s < last; ++s) total += counts[static_cast<size_t>(s) * width + x];
-  }
-  span_.combine_off[width] = total;
-  return total;
-}
-
-absl::Status HostGroup::PostToNode(int32_t n, uint64_t seq,
-                                   std::span<const transport::WritePiece> pieces) {
-  absl::Status st =
-      span_.link->PostWrite(n, pieces, abi::ExchangeImm(LinkSeq(n, seq), abi::kExchangePhaseOp));
-  if (st.ok()) ++span_.posted[n];
-  return st;
-}
-
-bool HostGroup::ImmFor(int32_t n, uint64_t seq) {
-  for (;;) {
-    if (!span_.pending[n]) {
-      uint32_t imm = 0;
-      if (!span_.link->PollImm(n, &imm)) return false;
-      span_.pending[n] = imm;
-    }
-    const uint64_t got = abi::ExchangeImmSeq(*span_.pending[n]);
-    const uint64_t want = LinkSeq(n, seq) % abi::kExchangeImmSeqModulo;
-    const uint64_t ahead = (got + abi::kExchangeImmSeqModulo - want) % abi::kExchangeImmSeqModulo;
-    if (ahead == 0) return true;
-    if (ahead < abi::kExchangeImmSeqModulo / 2) return false;  // A later op's: keep it.
-    span_.pending[n].reset();  // An op this node already finished or failed: drop it.
-  }
-}
-
-absl::Status HostGroup::CheckHeader(int32_t n, uint64_t seq) const {
-  const auto* slot = reinterpret_cast<const uint8_t*>(span_.recv.data()) + span_.recv_offset[n] +
-                     (LinkSeq(n, seq) % 2) * span_.in_layout[n].total;
-  abi::ExchangeHeader h;
-  std::memcpy(&h, slot, sizeof(h));
-  if (h.magic != abi::kExchangeMagic || h.version != abi::kExchangeAbiVersion ||
-      h.seq != LinkSeq(n, seq) || h.source_node != n || h.first_rank != span_.first[n] ||
-      h.num_ranks != span_.count[n] || h.message_bytes > abi::kExchangeMessageBytes) {
-    return absl::DataLossError(
-        absl::StrCat("op ", seq, " of group ", spec().name(), ": node ", n, " (",
-                     spec().nodes(n).peer_address(), ") sent a malformed exchange header (magic 0x",
-                     absl::Hex(h.magic), ", version ", h.version, ", seq ", h.seq, ", node ",
-                     h.source_node, ", ranks ", h.first_rank, "+", h.num_ranks, ")"));
-  }
-  if (h.status_code != 0) {
-    const int code = h.status_code > 0 && h.status_code <= 16 ? h.status_code : 2;
-    // The peer's text reaches clients and logs: bytes outside printable ASCII are escaped
-    // (a real peer's messages are printable, so every node still reports the same text).
-    std::string text;
-    for (const char c : absl::string_view(h.message, h.message_bytes)) {
-      const auto u = static_cast<unsigned char>(c);
-      if (u >= 0x20 && u < 0x7f) {
-        text.push_back(c);
-      } else {
-        absl::StrAppend(&text, "\\x", absl::Hex(u, absl::kZeroPad2));
-      }
-    }
-    return absl::Status(static_cast<absl::StatusCode>(code), text);
-  }
-  return absl::OkStatus();
-}
-
-bool HostGroup::MissingPeersAlive() const {
-  bool any = false;
-  for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n == span_.self || span_.got[n]) continue;
-    if (span_.link->State(n) != transport::PeerState::kReady || !span_.link->PeerStatus(n).ok()) {
-      return false;
-    }
-    any = true;
-  }
-  return any && span_.peers->Health().ok();
-}
-
-absl::Status HostGroup::PeerFailure(uint64_t seq) {
-  if (!span_.peers) return absl::OkStatus();
-  if (absl::Status h = span_.peers->Health(); !h.ok()) return h;
-  for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n == span_.self) continue;
-    if (span_.connected[n]) {
-      if (absl::Status st = span_.link->PeerStatus(n); !st.ok()) return st;
-    }
-    // Another node's failure of this op is taken once every peer can be told (else one
-    // still running it would wait for this node until op_timeout).
-    if (!ReadyToStart() || !ImmFor(n, seq)) continue;
-    absl::Status st = CheckHeader(n, seq);
-    if (!st.ok()) {
-      span_.pending[n].reset();
-      return st;
-    }
-  }
-  return absl::OkStatus();
-}
-
-void HostGroup::StagePackSources(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
-                                 const kernels::host::HostExecution& exec) {
-  const kernels::GroupShape& gs = shape();
-  const EndpointLayout& L = layout();
-  const rules::RequestOptions flags = rules::DecodeFlags(plan.flags);
-  const int32_t first = local_first(), Rl = local_count();
-  const int64_t H = gs.hidden, S = gs.num_scales(), Mll = gs.ll_max_tokens_per_rank;
-  const bool ll = plan.op == abi::OpKind::kLowLatencyDispatch;
-  const bool cached = !ll && flags.cached_handle;
-  const bool weights = !ll && !cached && flags.dispatch_weights;
-  for (int32_t i = 0; i < Rl; ++i) {
-    const int32_t r = first + i;
-    kernels::host::NodePackSource& src = span_.pack_sources[i];
-    src = {slots[r].num_tokens,
-           cached ? nullptr : Private(r).topk_idx.data(),
-           cached ? Private(r).send_pos.data() : nullptr,
-           Ptr<const void>(r, L.in_x),
-           flags.use_fp8 ? H : 2 * H,
-           !ll && flags.use_fp8 ? Ptr<const float>(r, L.in_scales) : nullptr,
-           weights ? Ptr<const float>(r, L.in_topk_weights) : nullptr};
-    if (ll && flags.use_fp8) {
-      // Each token quantized once, here (the rows to every node and to this node's ranks).
-      kernels::e4m3_bits* q = span_.quant_x.data() + i * Mll * H;
-      float* q_scales = span_.quant_scales.data() + i * Mll * S;
-      KernelScope k(plane_->options().on_kernels);
-      kernels::host::QuantizeRowsFp8(gs, slots[r].num_tokens,
-                                     Ptr<const kernels::bf16_bits>(r, L.in_x), flags.round_scale, q,
-                                     q_scales, exec);
-      src.x = q;
-      src.x_scales = q_scales;
-    }
-  }
-}
-
-bool HostGroup::StartExchange(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
-                              std::span<RankOutcome> /*outcomes*/) {
-  span_.started = std::chrono::steady_clock::now();
-  span_.plan = &plan;
-  span_.slots = &slots;
-  span_.in_op = true;
-  span_.lost_seen.reset();
-  std::fill(span_.got.begin(), span_.got.end(), 0);
-  for (int32_t i = 0; i < local_count(); ++i) {
-    span_.op_endpoints[i] = endpoint(local_first() + i)->endpoint_id;
-  }
-  span_.local_status = SendOp(plan, slots);
-  return false;
-}
-
-absl::Status HostGroup::SendOp(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) {
-  const kernels::GroupShape& gs = shape();
-  const EndpointLayout& L = layout();
-  const int32_t R = gs.num_ranks, E = gs.num_experts, K = gs.num_topk;
-  const int32_t El = gs.num_local_experts();
-  const int32_t S = gs.num_scales();
-  const int64_t H = gs.hidden;
-  const int32_t first = local_first(), Rl = local_count();
-  const rules::RequestOptions flags = rules::DecodeFlags(plan.flags);
-  const uint32_t op = static_cast<uint32_t>(plan.op);
-  const int32_t alignment = slots[first].expert_alignment;
-  // A low-latency combine names its dispatch by how many ops before it that ran (the same
-  // at every node whatever each node's own numbering).
-  const uint64_t handle_age = HandleAge(plan.seq, slots[first].handle_seq);
-  // This node's checks first: a bad request here fails the op on every node.
-  absl::Status local = absl::OkStatus();
-  if (plan.op == abi::OpKind::kLowLatencyCombine) {
-    for (int32_t n = 0; n < span_.num_nodes && local.ok(); ++n) {
-      if (n != span_.self && slots[first].handle_seq < span_.link_base[n]) {
-        local = absl::InvalidArgumentError(absl::StrCat(
-            "LowLatencyCombine (op ", plan.seq, " of group ", spec().name(), "): its dispatch (op ",
-            slots[first].handle_seq, ") ran before node ", n, " (", spec().nodes(n).peer_address(),
-            ") rejoined the group; dispatch again"));
-      }
-    }
-  }
-  // (GetDispatchLayout checks each rank's topk_idx on its own, in FinishExchange: one
-  // rank's error is its own, as on one node.)
-  const bool needs_idx = plan.op == abi::OpKind::kLowLatencyDispatch ||
-                         plan.op == abi::OpKind::kLowLatencyCombine ||
-                         (plan.op == abi::OpKind::kDispatch && !flags.cached_handle);
-  for (int32_t r = first; r < first + Rl && local.ok() && needs_idx; ++r) {
-    local = TakeTopkIdx(r, slots[r].num_tokens).status();
-  }
-  std::vector<int32_t>& lc = span_.local_counts;  // [Rl, E]: this node's sources' counts.
-  std::fill(lc.begin(), lc.end(), 0);
-  for (int32_t i = 0; i < Rl && local.ok(); ++i) {
-    const int32_t r = first + i;
-    if (plan.op == abi::OpKind::kDispatch) {
-      kernels::host::CountDispatchRows(gs, slots[r].num_tokens,
-                                       flags.cached_handle ? nullptr : Private(r).topk_idx.data(),
-                                       flags.cached_handle ? Private(r).send_pos.data() : nullptr,
-                                       lc.data() + static_cast<size_t>(i) * E);
-    } else if (plan.op == abi::OpKind::kLowLatencyDispatch) {
-      kernels::host::CountLowLatencyRows(gs, slots[r].num_tokens, Private(r).topk_idx.data(),
-                                         lc.data() + static_cast<size_t>(i) * E);
-    }
-  }
-  const bool header_only = !local.ok() || plan.op == abi::OpKind::kGetDispatchLayout;
-  const kernels::host::HostExecution exec{plane_->options().host_threads, &plane_->kernel_pool(),
-                                          &kernel_scratch_};
-  if (!header_only &&
-      (plan.op == abi::OpKind::kDispatch || plan.op == abi::OpKind::kLowLatencyDispatch)) {
-    StagePackSources(plan, slots, exec);
-  }
-  for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n == span_.self) continue;
-    const abi::ExchangeSlotLayout& sl = span_.out_layout[n];
-    uint8_t* base = reinterpret_cast<uint8_t*>(span_.send[n].data());
-    const uint64_t remote = span_.remote_offset[n] + (LinkSeq(n, plan.seq) % 2) * sl.total;
-    abi::ExchangeHeader& h =
-        StageHeader(n, plan.seq, op, plan.flags, alignment, handle_age, absl::OkStatus());
-    std::vector<transport::WritePiece>& pieces = span_.pieces;
-    pieces.clear();
-    if (header_only) {
-      h.status_code = static_cast<int32_t>(local.code());
-      const size_t len = std::min<size_t>(local.message().size(), abi::kExchangeMessageBytes);
-      if (len > 0) std::memcpy(h.message, local.message().data(), len);
-      h.message_bytes = static_cast<uint32_t>(len);
-      pieces.push_back({base, sizeof(abi::ExchangeHeader), remote});
-      EPD_RETURN_IF_ERROR(PostToNode(n, plan.seq, pieces));
-      continue;
-    }
-    auto* tokens = reinterpret_cast<int32_t*>(base + sl.tokens);
-    auto* counts = reinterpret_cast<int32_t*>(base + sl.counts);
-    auto* rows = reinterpret_cast<int32_t*>(base + sl.rows);
-    for (int32_t i = 0; i < Rl; ++i) tokens[i] = slots[first + i].num_tokens;
-    std::memcpy(counts, lc.data(), lc.size() * sizeof(int32_t));
-    std::memset(rows, 0, static_cast<size_t>(Rl) * E * sizeof(int32_t));
-    pieces.push_back({base, sl.payload, remote});
-    const kernels::host::NodeRanks to{span_.first[n], span_.count[n]};
-    switch (plan.op) {
-      case abi::OpKind::kDispatch:
-      case abi::OpKind::kLowLatencyDispatch: {
-        const bool ll = plan.op == abi::OpKind::kLowLatencyDispatch;
-        const bool fp8 = flags.use_fp8;
-        const bool cached = !ll && flags.cached_handle;
-        const bool weights = !ll && !cached && flags.dispatch_weights;
-        const int64_t x_bytes = fp8 ? H : 2 * H;
-        std::vector<kernels::host::NodePackJob>& jobs = span_.pack_jobs;
-        for (int32_t i = 0; i < Rl; ++i) {
-          const uint64_t blk = sl.payload + static_cast<uint64_t>(i) * sl.block_bytes;
-          jobs[i] = {&span_.pack_sources[i],
-                     to,
-                     reinterpret_cast<int32_t*>(base + blk + sl.ids),
-                     cached ? nullptr : reinterpret_cast<int64_t*>(base + blk + sl.idx),
-                     cached ? reinterpret_cast<int32_t*>(base + blk + sl.pos) : nullptr,
-                     weights ? reinterpret_cast<float*>(base + blk + sl.weights) : nullptr,
-                     base + blk + sl.x,
-                     fp8 ? reinterpret_cast<float*>(base + blk + sl.scales) : nullptr,
-                     rows + i};
-        }
-        {
-          KernelScope k(plane_->options().on_kernels);
-          kernels::host::PackNodeRows(gs, std::span(jobs.data(), static_cast<size_t>(Rl)), exec);
-        }
-        for (int32_t i = 0; i < Rl; ++i) {
-          const uint64_t blk = sl.payload + static_cast<uint64_t>(i) * sl.block_bytes;
-          const kernels::host::NodePackJob& j = jobs[i];
-          const int32_t m = rows[i];
-          const uint64_t rb = remote + blk;
-          pieces.push_back({j.token, uint64_t(m) * 4, rb + sl.ids});
-          if (cached) {
-            pieces.push_back({j.send_pos, uint64_t(m) * R * 4, rb + sl.pos});
-          } else {
-            pieces.push_back({j.topk_idx, uint64_t(m) * K * 8, rb + sl.idx});
-          }
-          if (weights) pieces.push_back({j.topk_weights, uint64_t(m) * K * 4, rb + sl.weights});
-          if (fp8) pieces.push_back({j.x_scales, uint64_t(m) * S * 4, rb + sl.scales});
-          pieces.push_back({j.x, uint64_t(m) * x_bytes, rb + sl.x});
-        }
-        break;
-      }
-      case abi::OpKind::kCombine: {
-        // Rows of this node's ranks that belong to node n's tokens: one range per rank, to
-        // its count-addressed block of node n's combine area.
-        const std::vector<int32_t>& dc = span_.dispatch_counts;
-        const abi::ExchangeCombineLayout& cl = span_.combine_layout[n];
-        const uint64_t area = span_.combine_offset[n] + (LinkSeq(n, plan.seq) % 2) * cl.total;
-        if (static_cast<uint64_t>(CombineOffsets(n, dc, R)) > cl.rows) {
-          return absl::InternalError(absl::StrCat("op ", plan.seq, ": ", span_.combine_off[R],
-                                                  " combine rows for node ", n, ", more than ",
-                                                  cl.rows));
-        }
-        for (int32_t i = 0; i < Rl; ++i) {
-          const int32_t r = first + i;
-          int64_t start = 0, cnt = 0;
-          for (int32_t s2 = 0; s2 < span_.first[n]; ++s2) start += dc[int64_t{s2} * R + r];
-          for (int32_t s2 = span_.first[n]; s2 < span_.first[n] + span_.count[n]; ++s2) {
-            cnt += dc[int64_t{s2} * R + r];
-          }
-          rows[i] = static_cast<int32_t>(cnt);
-          const uint64_t off = static_cast<uint64_t>(span_.combine_off[r]);
-          pieces.push_back({Ptr<const uint8_t>(r, L.in_combine_x) + start * 2 * H,
-                            static_cast<uint64_t>(cnt) * 2 * H, area + cl.x + off * 2 * H});
-          if (flags.combine_weights) {
-            pieces.push_back({Ptr<const uint8_t>(r, L.in_combine_weights) + start * K * 4,
-                              static_cast<uint64_t>(cnt) * K * 4, area + cl.weights + off * K * 4});
-          }
-        }
-        break;
-      }
-      case abi::OpKind::kLowLatencyCombine: {
-        const std::vector<int32_t>& c = span_.ll_counts[plan.ll_handle_buffer];
-        const int64_t rpe = gs.ll_rows_per_expert();
-        const abi::ExchangeCombineLayout& cl = span_.combine_layout[n];
-        const uint64_t area = span_.combine_offset[n] + (LinkSeq(n, plan.seq) % 2) * cl.total;
-        if (static_cast<uint64_t>(CombineOffsets(n, c, E)) > cl.ll_rows) {
-          return absl::InternalError(absl::StrCat("op ", plan.seq, ": ", span_.combine_off[E],
-                                                  " low-latency combine rows for node ", n,
-                                                  ", more than ", cl.ll_rows));
-        }
-        for (int32_t i = 0; i < Rl; ++i) {
-          const int32_t r = first + i;
-          for (int32_t j = 0; j < El; ++j) {
-            const int32_t e = r * El + j;
-            int64_t start = 0, cnt = 0;
-            for (int32_t s2 = 0; s2 < span_.first[n]; ++s2) start += c[int64_t{s2} * E + e];
-            for (int32_t s2 = span_.first[n]; s2 < span_.first[n] + span_.count[n]; ++s2) {
-              cnt += c[int64_t{s2} * E + e];
-            }
-            rows[i * El + j] = static_cast<int32_t>(cnt);
-            const uint64_t off = static_cast<uint64_t>(span_.combine_off[e]);
-            pieces.push_back({Ptr<const uint8_t>(r, L.in_ll_combine_x) + (j * rpe + start) * 2 * H,
-                              static_cast<uint64_t>(cnt) * 2 * H, area + cl.x + off * 2 * H});
-          }
-        }
-        break;
-      }
-      default:
-        break;
-    }
-    EPD_RETURN_IF_ERROR(PostToNode(n, plan.seq, pieces));
-  }
-  return local;
-}
-
-bool HostGroup::PollOpInto(std::span<RankOutcome> outcomes) {
-  const OpPlan& plan = *span_.plan;
-  auto fail = [&](const absl::Status& st) {
-    for (RankOutcome& o : outcomes) o.status = st;
-    span_.in_op = false;
-    return true;
-  };
-  // A local rank that left during the op (its client died, or another session removed it)
-  // took its shm region and private memory with it, and a rank attached since in its place
-  // is not part of the op: the op cannot end for it, so it fails here for this node's ranks,
-  // naming the rank (the other nodes have this node's message).
-  for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
-    const LockstepEndpoint* ep = endpoint(r);
-    if (ep == nullptr || ep->endpoint_id != span_.op_endpoints[r - local_first()]) {
-      return fail(absl::AbortedError(absl::StrCat("op ", plan.seq, " of group ", spec().name(),
-                                                  ": rank ", r, " left the group during the op")));
-    }
-  }
-  bool all = true;
-  for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n == span_.self || span_.got[n]) continue;
-    // A message that arrived counts even when the peer closed since (it finished the op
-    // and left): the immediate is looked for again once the peer's state says failed (the
-    // transport delivers what arrived before it fails the peer).
-    bool in = ImmFor(n, plan.seq);
-    if (!in) {
-      if (absl::Status st = span_.link->PeerStatus(n); !st.ok()) {
-        in = ImmFor(n, plan.seq);
-        if (!in) return fail(st);
-      }
-    }
-    if (in) {
-      span_.pending[n].reset();
-      span_.got[n] = 1;
-    } else if (span_.pending[n]) {
-      return fail(absl::AbortedError(
-          absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": node ", n, " (",
-                       spec().nodes(n).peer_address(), ") failed it and went on to its next op")));
-    } else {
-      all = false;
-    }
-  }
-  for (int32_t n = 0; n < span_.num_nodes && all; ++n) {
-    if (n != span_.self && span_.link->WritesCompleted(n) < span_.posted[n]) all = false;
-  }
-  if (!all) {
-    if (absl::Status h = span_.peers->Health(); !h.ok()) {
-      // A node that finished the op (its message is in) and then left does not fail it; a
-      // lost one (no descriptor) whose message is still missing does once kLostGrace
-      // passed with its link standing (a leaving node's message may still be on its way:
-      // the Peer service and the data links are different connections). A failed link is
-      // left to the next poll's loop above (its message may have come in meanwhile).
-      // Looked at only while a peer is lost, not in the steady state.
-      const auto now = std::chrono::steady_clock::now();
-      if (!span_.lost_seen) span_.lost_seen = now;
-      for (int32_t n = 0; n < span_.num_nodes; ++n) {
-        if (n == span_.self || span_.got[n] || span_.peers->Descriptor(n)) continue;
-        if (span_.link->PeerStatus(n).ok() && now - *span_.lost_seen >= kLostGrace) {
-          return fail(h);
-        }
-      }
-    }
-    const auto waited = std::chrono::steady_clock::now() - span_.started;
-    const std::chrono::milliseconds timeout(options().op_timeout_ms);
-    if (waited >= timeout) {
-      // A live peer still owes its message (or its failure header, which names its silent
-      // rank): wait for it up to the grace, so that every node reports the same error.
-      const std::chrono::milliseconds grace = PeerFailureGrace(options().op_timeout_ms);
-      const bool alive = MissingPeersAlive();
-      if (alive && waited < timeout + grace) return false;
-      std::string who;
-      for (int32_t n = 0; n < span_.num_nodes; ++n) {
-        if (n == span_.self || span_.got[n]) continue;
-        absl::StrAppend(&who, who.empty() ? "" : ", ", "node ", n, " (",
-                        spec().nodes(n).peer_address(), ", ranks ", span_.first[n], "-",
-                        span_.first[n] + span_.count[n] - 1, ")");
-      }
-      const std::string missing = span_.peers->DescribeMissing();
-      return fail(absl::DeadlineExceededError(absl::StrCat(
-          "op ", plan.seq, " of group ", spec().name(), ": ",
-          who.empty() ? std::string("the writes to the peers did not complete")
-                      : absl::StrCat(who, " sent nothing"),
-          " within op_timeout ", options().op_timeout_ms, " ms",
-          alive ? absl::StrCat(" (+ ", grace.count(), " ms grace for a live peer)") : std::string(),
-          missing.empty() ? "" : "; ", missing)));
-    }
-    return false;
-  }
-  // The lowest node's error wins, so that every node reports the same one.
-  absl::Status st = absl::OkStatus();
-  for (int32_t n = 0; n < span_.num_nodes && st.ok(); ++n) {
-    st = n == span_.self ? span_.local_status : CheckHeader(n, plan.seq);
-  }
-  if (!rules::Describe(static_cast<uint32_t>(plan.op)).exchanges_data) {
-    st = span_.local_status;  // GetDispatchLayout: another node's error is its own.
-  }
-  if (st.ok()) st = FinishExchange(plan, *span_.slots, outcomes);
-  if (!st.ok()) return fail(st);
-  span_.in_op = false;
-  return true;
-}
-
-absl::Status HostGroup::FinishExchange(const OpPlan& plan,
-                                       const std::vector<abi::RequestSlot>& slots,
-                                       std::span<RankOutcome> out) {
-  const kernels::GroupShape& gs = shape();
-  const EndpointLayout& L = layout();
-  const int32_t R = gs.num_ranks, E = gs.num_experts, El = gs.num_local_experts();
-  const int32_t first = local_first(), Rl = local_count();
-  const rules::RequestOptions flags = rules::DecodeFlags(plan.flags);
-  const kernels::host::NodeRanks node{first, Rl};
-  kernels::host::HostExecution exec{plane_->options().host_threads, &plane_->kernel_pool(),
-                                    &kernel_scratch_};
-  // Every node must run the same op: each is compared with node 0's.
-  auto header = [&](int32_t n) {
-    abi::ExchangeHeader h;
-    if (n == span_.self) {
-      h.op = static_cast<uint32_t>(plan.op);
-      h.flags = plan.flags & rules::kAgreedFlags;
-      h.expert_alignment = slots[first].expert_alignment;
-      h.handle_seq = HandleAge(plan.seq, slots[first].handle_seq);
-    } else {
-      std::memcpy(&h, RecvSlot(n, plan.seq), sizeof(h));
-    }
-    return h;
-  };
-  const abi::ExchangeHeader h0 = header(0);
-  for (int32_t n = 1; n < span_.num_nodes; ++n) {
-    const abi::ExchangeHeader h = header(n);
-    const bool dispatch = h0.op == static_cast<uint32_t>(abi::OpKind::kDispatch);
-    const bool ll_combine = h0.op == static_cast<uint32_t>(abi::OpKind::kLowLatencyCombine);
-    if (h.op != h0.op || h.flags != h0.flags ||
-        (dispatch && h.expert_alignment != h0.expert_alignment) ||
-        (ll_combine && h.handle_seq != h0.handle_seq)) {
-      auto describe = [](const abi::ExchangeHeader& x) {
-        return absl::StrCat(OpName(x.op), " (flags 0x", absl::Hex(x.flags), ", expert_alignment ",
-                            x.expert_alignment, ", dispatch ", x.handle_seq, " ops before)");
-      };
-      return absl::InvalidArgumentError(absl::StrCat(
-          "op ", plan.seq, " of group ", spec().name(), ": nodes disagree: node 0 (ranks 0-",
-          span_.count[0] - 1, ") submitted ", describe(h0), ", node ", n, " (ranks ",
-          span_.first[n], "-", span_.first[n] + span_.count[n] - 1, ") submitted ", describe(h)));
-    }
-  }
-  // Node n's metadata, checked: its rows per block.
-  auto rows_of = [&](int32_t n) {
-    return reinterpret_cast<const int32_t*>(RecvSlot(n, plan.seq) + span_.in_layout[n].rows);
-  };
-  auto malformed = [&](int32_t n, const std::string& what) {
-    return absl::DataLossError(absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": node ",
-                                            n, " (", spec().nodes(n).peer_address(), ") sent ",
-                                            what));
-  };
-  switch (plan.op) {
-    case abi::OpKind::kGetDispatchLayout: {
-      for (int32_t r = first; r < first + Rl; ++r) out[r].status = RunLayout(r, slots[r], exec);
-      return absl::OkStatus();
-    }
-    case abi::OpKind::kDispatch:
-    case abi::OpKind::kLowLatencyDispatch: {
-      const bool ll = plan.op == abi::OpKind::kLowLatencyDispatch;
-      const int32_t width = ll ? E : R;  // Counts per source.
-      std::vector<int32_t>& counts = span_.counts;
-      for (int32_t n = 0; n < span_.num_nodes; ++n) {
-        const int32_t* c = n == span_.self ? span_.local_counts.data()
-                                           : reinterpret_cast<const int32_t*>(
-                                                 RecvSlot(n, plan.seq) + span_.in_layout[n].counts);
-        for (int32_t i = 0; i < span_.count[n]; ++i) {
-          std::memcpy(counts.data() + static_cast<size_t>(span_.first[n] + i) * width,
-                      c + static_cast<size_t>(i) * E, sizeof(int32_t) * width);
-        }
-      }
-      const std::span<const int32_t> all_counts(counts.data(), static_cast<size_t>(R) * width);
-      for (int32_t s = 0; s < R; ++s) {
-        const int32_t n = NodeOf(s);
-        if (n == span_.self) {
-          const bool fp8 = flags.use_fp8 && !ll;
-          span_.dispatch_sources[s] = {
-              slots[s].num_tokens,
-              nullptr,
-              Ptr<const void>(s, L.in_x),
-              fp8 ? Ptr<const float>(s, L.in_scales) : nullptr,
-              flags.cached_handle ? nullptr : Private(s).topk_idx.data(),
-              flags.dispatch_weights ? Ptr<const float>(s, L.in_topk_weights) : nullptr,
-              flags.cached_handle ? Private(s).send_pos.data() : nullptr};
-          // A low-latency FP8 source's rows were quantized by SendOp.
-          const bool q = ll && flags.use_fp8;
-          span_.ll_sources[s] = {slots[s].num_tokens,
-                                 nullptr,
-                                 Private(s).topk_idx.data(),
-                                 q ? span_.pack_sources[s - first].x : Ptr<const void>(s, L.in_x),
-                                 q ? span_.pack_sources[s - first].x_scales : nullptr,
-                                 q};
-          continue;
-        }
-        const abi::ExchangeSlotLayout& sl = span_.in_layout[n];
-        const int32_t i = s - span_.first[n];
-        const int32_t rows = rows_of(n)[i];
-        if (rows < 0 || static_cast<uint64_t>(rows) > sl.block_rows) {
-          return malformed(
-              n, absl::StrCat(rows, " rows of rank ", s, " (at most ", sl.block_rows, ")"));
-        }
-        const uint8_t* blk = RecvSlot(n, plan.seq) + sl.payload + i * sl.block_bytes;
-        const auto* ids = reinterpret_cast<const int32_t*>(blk + sl.ids);
-        const auto* idx = reinterpret_cast<const int64_t*>(blk + sl.idx);
-        const auto* sc = reinterpret_cast<const float*>(blk + sl.scales);
-        span_.dispatch_sources[s] = {
-            rows,
-            ids,
-            blk + sl.x,
-            flags.use_fp8 ? sc : nullptr,
-            flags.cached_handle ? nullptr : idx,
-            flags.dispatch_weights ? reinterpret_cast<const float*>(blk + sl.weights) : nullptr,
-            flags.cached_handle ? reinterpret_cast<const int32_t*>(blk + sl.pos) : nullptr};
-        span_.ll_sources[s] = {rows,         ids, idx, blk + sl.x, flags.use_fp8 ? sc : nullptr,
-                               flags.use_fp8};
-      }
-      absl::Status st;
-      if (!ll) {
-        for (int32_t r = first; r < first + Rl; ++r) {
-          auto& a = dispatch_args_[r];
-          a = {};
-          HostRank& hr = Private(r);
-          a.num_tokens = slots[r].num_tokens;
-          if (flags.cached_handle) {
-            a.cached_send_pos = hr.send_pos.data();
-            a.cached_num_recv_tokens = endpoint(r)->handles.num_recv_tokens();
-          }
-          a.recv_capacity = gs.max_recv_tokens();
-          a.recv_x = Ptr<void>(r, L.recv_x);
-          a.recv_scales = flags.use_fp8 ? Ptr<float>(r, L.recv_scales) : nullptr;
-          a.recv_topk_idx = Ptr<int64_t>(r, L.recv_topk_idx);
-          a.recv_topk_weights = Ptr<float>(r, L.recv_topk_weights);
-          a.recv_tokens_per_expert = Ptr<int32_t>(r, L.recv_tokens_per_expert);
-          a.recv_src_info = Ptr<int32_t>(r, L.recv_src_info);
-          a.send_pos = hr.send_pos.data();
-          a.rank_prefix = Ptr<int32_t>(r, L.rank_prefix);
-        }
-        kernels::host::DispatchOptions opt;
-        opt.fp8 = flags.use_fp8;
-        opt.expert_alignment = slots[first].expert_alignment;
-        {
-          KernelScope k(plane_->options().on_kernels);
-          st = kernels::host::NodeDispatch(gs, opt, flags.dispatch_weights, node, all_counts,
-                                           span_.dispatch_sources,
-                                           std::span(dispatch_args_).subspan(first, Rl), exec);
-        }
-        if (!st.ok()) return st;
-        for (int32_t r = first; r < first + Rl; ++r) {
-          *Ptr<int32_t>(r, L.recv_count) = dispatch_args_[r].num_recv_tokens;
-          out[r].num_recv_tokens = dispatch_args_[r].num_recv_tokens;
-          Publish(r, Private(r).send_pos, dispatch_args_[r].num_tokens, R, L.send_pos);
-        }
-        span_.dispatch_counts.assign(all_counts.begin(), all_counts.end());
-        return absl::OkStatus();
-      }
-      const int b = plan.ll_buffer;
-      for (int32_t r = first; r < first + Rl; ++r) {
-        auto& a = ll_dispatch_args_[r];
-        a = {};
-        a.num_tokens = slots[r].num_tokens;
-        a.x = Ptr<const kernels::bf16_bits>(r, L.in_x);
-        a.topk_idx = Private(r).topk_idx.data();
-        a.recv_x = Ptr<void>(r, L.ll_recv_x[b]);
-        a.recv_scales = flags.use_fp8 ? Ptr<void>(r, L.ll_recv_scales[b]) : nullptr;
-        a.recv_count = Ptr<int32_t>(r, L.ll_recv_count[b]);
-        a.recv_src_info = Ptr<int32_t>(r, L.ll_recv_src_info[b]);
-        a.handle_pos = Private(r).ll_handle_pos[b].data();
-      }
-      kernels::host::LowLatencyDispatchOptions opt;
-      opt.use_fp8 = flags.use_fp8;
-      opt.round_scale = flags.round_scale;
-      opt.use_ue8m0 = flags.use_ue8m0;
-      {
-        KernelScope k(plane_->options().on_kernels);
-        st = kernels::host::NodeLowLatencyDispatch(gs, opt, node, all_counts, span_.ll_sources,
-                                                   std::span(ll_dispatch_args_).subspan(first, Rl),
-                                                   exec);
-      }
-      if (!st.ok()) return st;
-      for (int32_t r = first; r < first + Rl; ++r) {
-        Publish(r, Private(r).ll_handle_pos[b], slots[r].num_tokens, gs.num_topk,
-                L.ll_handle_pos[b]);
-      }
-      span_.ll_counts[b].assign(all_counts.begin(), all_counts.end());
-      return absl::OkStatus();
-    }
-    case abi::OpKind::kCombine: {
-      const std::vector<int32_t>& dc = span_.dispatch_counts;
-      const abi::ExchangeCombineLayout& cl = span_.combine_layout[span_.self];
-      if (static_cast<uint64_t>(CombineOffsets(span_.self, dc, R)) > cl.rows) {
-        return absl::DataLossError(absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ",
-                                                span_.combine_off[R],
-                                                " combine rows come back here, more than ", cl.rows,
-                                                ": the dispatch's counts were wrong"));
-      }
-      for (int32_t r = 0; r < R; ++r) {
-        auto& a = combine_args_[r];
-        a = {};
-        const int32_t n = NodeOf(r);
-        if (n == span_.self) {
-          const LockstepEndpoint& ep = *endpoint(r);
-          a.num_tokens = ep.handles.routing_tokens();
-          a.send_pos = Private(r).send_pos.data();
-          a.num_recv_tokens = ep.handles.num_recv_tokens();
-          a.x = Ptr<const kernels::bf16_bits>(r, L.in_combine_x);
-          a.topk_weights =
-              flags.combine_weights ? Ptr<const float>(r, L.in_combine_weights) : nullptr;
-          a.combined_x = Ptr<kernels::bf16_bits>(r, L.combined_x);
-          a.combined_topk_weights =
-              flags.combine_weights ? Ptr<float>(r, L.combined_topk_weights) : nullptr;
-          continue;
-        }
-        int64_t start = 0, cnt = 0;
-        for (int32_t s = 0; s < first; ++s) start += dc[int64_t{s} * R + r];
-        for (int32_t s = first; s < first + Rl; ++s) cnt += dc[int64_t{s} * R + r];
-        const int32_t i = r - span_.first[n];
-        if (rows_of(n)[i] != cnt) {
-          return malformed(
-              n, absl::StrCat(rows_of(n)[i], " combine rows of rank ", r, ", ", cnt, " expected"));
-        }
-        const int64_t off = span_.combine_off[r];
-        const uint8_t* area = CombineArea(n, plan.seq);
-        a.x = reinterpret_cast<const kernels::bf16_bits*>(area + cl.x) + off * gs.hidden;
-        a.topk_weights = flags.combine_weights
-                             ? reinterpret_cast<const float*>(area + cl.weights) + off * gs.num_topk
-                             : nullptr;
-        a.x_first_row = static_cast<int32_t>(start);
-        a.num_recv_tokens = static_cast<int32_t>(start + cnt);
-      }
-      KernelScope k(plane_->options().on_kernels);
-      return kernels::host::Combine(gs, combine_args_, exec);
-    }
-    case abi::OpKind::kLowLatencyCombine: {
-      const std::vector<int32_t>& c = span_.ll_counts[plan.ll_handle_buffer];
-      const abi::ExchangeCombineLayout& cl = span_.combine_layout[span_.self];
-      if (static_cast<uint64_t>(CombineOffsets(span_.self, c, E)) > cl.ll_rows) {
-        return absl::DataLossError(
-            absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ", span_.combine_off[E],
-                         " low-latency combine rows come back here, more than ", cl.ll_rows,
-                         ": the dispatch's counts were wrong"));
-      }
-      for (int32_t r = 0; r < R; ++r) {
-        auto& a = ll_combine_args_[r];
-        a = {};
-        const int32_t n = NodeOf(r);
-        if (n == span_.self) {
-          a.num_tokens = slots[r].num_tokens;
-          a.topk_weights = Ptr<const float>(r, L.in_topk_weights);
-          a.handle_pos = Private(r).ll_handle_pos[plan.ll_handle_buffer].data();
-          a.x = Ptr<const kernels::bf16_bits>(r, L.in_ll_combine_x);
-          a.combined_x = Ptr<kernels::bf16_bits>(r, L.ll_combined_x[plan.ll_out_buffer]);
-          a.topk_idx = Private(r).topk_idx.data();
-          continue;
-        }
-        const int32_t i = r - span_.first[n];
-        for (int32_t j = 0; j < El; ++j) {
-          const int32_t e = r * El + j;
-          int64_t start = 0, cnt = 0;
-          for (int32_t s = 0; s < first; ++s) start += c[int64_t{s} * E + e];
-          for (int32_t s = first; s < first + Rl; ++s) cnt += c[int64_t{s} * E + e];
-          if (rows_of(n)[i * El + j] != cnt) {
-            return malformed(n, absl::StrCat(rows_of(n)[i * El + j], " rows of expert ", e, ", ",
-                                             cnt, " expected"));
-          }
-          span_.remote_first[e] = static_cast<int32_t>(start);
-          span_.remote_rows[e] = static_cast<int32_t>(cnt);
-          span_.block_start[e] = span_.combine_off[e];
-        }
-        a.x = reinterpret_cast<const kernels::bf16_bits*>(CombineArea(n, plan.seq) + cl.x);
-        a.x_first_row = span_.remote_first.data() + static_cast<size_t>(r) * El;
-        a.x_num_rows = span_.remote_rows.data() + static_cast<size_t>(r) * El;
-        a.x_block_start = span_.block_start.data() + static_cast<size_t>(r) * El;
-      }
-      KernelScope k(plane_->options().on_kernels);
-      return kernels::host::LowLatencyCombine(gs, ll_combine_args_, exec);
-    }
-    default:
-      return absl::UnimplementedError(absl::StrCat(OpName(static_cast<uint32_t>(plan.op)),
-                                                   " is not run by a group that spans nodes"));
   }
 }
 

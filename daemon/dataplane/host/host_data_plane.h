@@ -44,6 +44,12 @@ struct HostDataPlaneOptions {
   /// (the plane's HostWorkerPool, host_threads - 1 of them, started with the first group),
   /// so a test can count their allocations too.
   std::function<void()> on_kernel_thread_start;
+  /// Test seam (unset in the daemon): a group that spans nodes runs its exchange on a
+  /// private copy of each rank's data area (filled with 0xA5 at attach) instead of the shm
+  /// region: each op copies in only MirrorInputSpans and back only MirrorOutputSpans
+  /// (daemon/dataplane/exchange/mirror_spans.h), as the CUDA backend's copy kernels do
+  /// across nodes, so the host tests check those ranges where no GPU is.
+  bool stage_through_mirror = false;
 };
 
 /// Creates the host data plane (and its doorbell page) and starts its engine thread.

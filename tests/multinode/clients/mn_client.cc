@@ -16,6 +16,8 @@
 //                    with --exit_after_recovery it exits 0 once a failed round was followed
 //                    by 3 OK ones. Exit 1 when an OK result was wrong.
 // Exit 2: connect or join failed (the line says why).
+// Against a CUDA daemon (tests/gpu/multinode_cuda_test.cc) the results live in device
+// memory: each op's views are copied to host memory (cudaMemcpy) before they are checked.
 #include <dlpack/dlpack.h>
 #include <unistd.h>
 
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <optional>
 #include <random>
 #include <span>
@@ -47,6 +50,10 @@
 #include "tests/common/stdin_eof.h"
 #include "tests/multinode/data_spec.h"
 
+#if EPD_MN_CLIENT_CUDA
+#include <cuda_runtime.h>
+#endif
+
 ABSL_FLAG(std::string, socket, "", "this rank's node's epd socket");
 ABSL_FLAG(std::string, group, "mn", "group name");
 ABSL_FLAG(std::string, nodes, "", "the group's nodes: ADDRESS=RANKS,...");
@@ -60,6 +67,8 @@ ABSL_FLAG(bool, exit_after_recovery, false, "loop: exit 0 after a failed round a
 ABSL_FLAG(int, max_seconds, 60, "loop: stop after this long");
 ABSL_FLAG(int, wait_seconds, 30, "bound of each op's Wait");
 ABSL_FLAG(int, round_pause_ms, 0, "loop: pause between rounds");
+ABSL_FLAG(std::string, gpu_uuid, "",
+          "the GPU to join on (a CUDA daemon); \"\" on the host backend");
 
 namespace {
 
@@ -149,6 +158,70 @@ void MakeInputs(const GroupShape& s, uint64_t seed, int rank, int32_t T, int num
   in.yll.Make({s.num_local_experts(), s.ll_rows_per_expert(), H}, kBf16);
   for (bf16_bits& v : in.yll.v) v = value();
 }
+
+/// Host copies of result views that live in device memory (a CUDA daemon's endpoints): each
+/// view is replaced by a view of its host copy, kept until Clear().
+class HostViews {
+ public:
+  void Clear() { buffers_.clear(); }
+  absl::Status ToHost(epd::LayoutResult& r) {
+    return Each({&r.num_tokens_per_rank, &r.num_tokens_per_expert, &r.is_token_in_rank});
+  }
+  absl::Status ToHost(epd::DispatchResult& r) {
+    return Each({&r.recv_x, &r.recv_scales, &r.recv_topk_idx, &r.recv_topk_weights,
+                 &r.num_recv_tokens_per_expert, &r.recv_src_info, &r.recv_count});
+  }
+  absl::Status ToHost(epd::CombineResult& r) {
+    return Each({&r.combined_x, &r.combined_topk_weights});
+  }
+  absl::Status ToHost(epd::LowLatencyDispatchResult& r) {
+    return Each({&r.recv_x, &r.recv_scales, &r.recv_count, &r.recv_src_info});
+  }
+  absl::Status ToHost(epd::LowLatencyCombineResult& r) { return Each({&r.combined_x}); }
+
+ private:
+  absl::Status Each(std::initializer_list<epd::TensorView*> views) {
+    for (epd::TensorView* v : views) EPD_RETURN_IF_ERROR(Copy(*v));
+    return absl::OkStatus();
+  }
+  absl::Status Copy(epd::TensorView& v) {
+    if (v.data() == nullptr || v.dl().device.device_type != kDLCUDA) return absl::OkStatus();
+    // The elements the view spans: compact, or up to its last strided element.
+    int64_t elems = 1;
+    const bool strided = !v.strides().empty();
+    if (strided) {
+      for (size_t d = 0; d < v.shape().size(); ++d) {
+        if (v.shape()[d] == 0) elems = 0;
+      }
+      if (elems != 0) {
+        for (size_t d = 0; d < v.shape().size(); ++d) {
+          elems += (v.shape()[d] - 1) * v.strides()[d];
+        }
+      }
+    } else {
+      for (int64_t d : v.shape()) elems *= d;
+    }
+    const DLDataType t = v.dl().dtype;
+    const size_t bytes = static_cast<size_t>(elems) * ((t.bits * t.lanes + 7) / 8);
+    std::vector<uint8_t>& buf = buffers_.emplace_back(std::max<size_t>(bytes, 1));
+#if EPD_MN_CLIENT_CUDA
+    if (bytes > 0) {
+      const cudaError_t err = cudaMemcpy(buf.data(), v.data(), bytes, cudaMemcpyDeviceToHost);
+      if (err != cudaSuccess) {
+        return absl::InternalError(
+            absl::StrCat("cudaMemcpy of a result: ", cudaGetErrorString(err)));
+      }
+    }
+#else
+    return absl::FailedPreconditionError("a result in device memory, but built without CUDA");
+#endif
+    const DLDevice host{kDLCPU, 0};
+    v = strided ? epd::TensorView(buf.data(), t, host, v.shape(), v.strides())
+                : epd::TensorView(buf.data(), t, host, v.shape());
+    return absl::OkStatus();
+  }
+  std::deque<std::vector<uint8_t>> buffers_;
+};
 
 using epd::testing::DispatchRef;
 using epd::testing::LowLatencyRef;
@@ -301,7 +374,9 @@ class Rank {
   template <typename Result>
   absl::StatusOr<Result> Finish(absl::StatusOr<epd::PendingOp<Result>> op) {
     if (!op.ok()) return op.status();
-    return op->Wait(absl::Seconds(absl::GetFlag(FLAGS_wait_seconds)));
+    absl::StatusOr<Result> result = op->Wait(absl::Seconds(absl::GetFlag(FLAGS_wait_seconds)));
+    if (result.ok()) EPD_RETURN_IF_ERROR(host_views_.ToHost(*result));
+    return result;
   }
 
   /// Records an op's outcome: its error, or the mismatches Check found since Begin.
@@ -322,6 +397,7 @@ class Rank {
     return true;
   }
   void Begin() {
+    host_views_.Clear();
     start_ = std::chrono::steady_clock::now();
     op_mismatch_ = false;
   }
@@ -523,6 +599,7 @@ class Rank {
   bool op_mismatch_ = false;
   int64_t oks_ = 0, bad_ = 0, mismatches_ = 0;
   std::string last_error_;
+  HostViews host_views_;
 };
 
 int Loop(Rank& rank) {
@@ -601,6 +678,7 @@ int Main() {
   epd::JoinOptions join;
   join.spec = spec;
   join.rank = rank;
+  join.gpu_uuid = absl::GetFlag(FLAGS_gpu_uuid);
   auto ep = (*client)->Join(join);
   if (!ep.ok()) {
     std::printf("JOIN_ERROR %s\n", ep.status().ToString().c_str());

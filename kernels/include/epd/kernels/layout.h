@@ -66,6 +66,10 @@ struct Region {
   uint64_t bytes = 0;
 };
 
+/// Most byte ranges of an area one mirror copy takes (kernels::cuda::CopySpansAsync, the
+/// CUDA backend across nodes; daemon/dataplane/exchange/mirror_spans.h).
+inline constexpr int kMaxAreaSpans = 256;
+
 /// Number of low-latency buffer sets: consecutive low-latency ops alternate between them,
 /// so a low-latency output view stays valid until the op after next.
 inline constexpr int kLowLatencyBuffers = 2;

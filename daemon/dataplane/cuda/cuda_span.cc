@@ -1,0 +1,220 @@
+// A CUDA group that spans nodes (DESIGN.md §5.5): each op's inputs are copied by a kernel
+// from every local rank's GPU data area into its pinned host-mapped mirror, the exchange
+// (daemon/dataplane/exchange/) runs the op across nodes on the mirrors with kernels/host,
+// and a kernel copies the outputs back into the GPU area before done is published. No
+// device-to-host copy on the op path (docs/CUDA_BACKEND.md).
+#include <algorithm>
+#include <mutex>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_check.h"
+#include "common/cuda/stream_memops.h"
+#include "common/status_macros.h"
+#include "daemon/dataplane/cuda/cuda_group.h"
+#include "daemon/dataplane/exchange/mirror_spans.h"
+#include "epd/kernels/layout.h"
+#include "epd/kernels/op_rules.h"
+
+namespace epd {
+namespace {
+
+namespace kc = kernels::cuda;
+
+/// Extra time past op_timeout the engine gives a spanning op's copies on the GPU (and a
+/// stream-ordered op's wait for its client's ready_seq) before it gives up on the op.
+constexpr auto kSpanGpuGrace = std::chrono::seconds(5);
+
+}  // namespace
+
+absl::Status CudaGroup::NodeChosen(int32_t node) {
+  return exchange_->Init(node, local_first(), local_count());
+}
+
+void CudaGroup::OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) {
+  if (exchange_ && exchange_->ready()) exchange_->OpFailedHere(seq, op, status);
+}
+
+absl::Status CudaGroup::PeerFailure(uint64_t seq) {
+  return exchange_ && exchange_->ready() ? exchange_->PeerFailure(seq) : absl::OkStatus();
+}
+
+std::string CudaGroup::NotReadyReason() const {
+  if (spanning()) return exchange_ && exchange_->ready() ? exchange_->NotReadyReason() : "";
+  return "an earlier op is still running on the GPU";
+}
+
+absl::Status CudaGroup::StageIn(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
+                                bool* ready_wait) {
+  const CudaRank& cr = *ranks_[r];
+  CudaRankMirror& m = *cr.mirror;
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
+  cudaStream_t s = cr.stream.get();
+  if (rules::DecodeFlags(slot.flags).stream_ordered) {
+    // The client's stream writes ready_seq = seq once it has staged the inputs.
+    EPD_RETURN_IF_ERROR(StreamWaitValue64Geq(s, cr.ready_flag(), slot.seq));
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventRecord(cr.waited.get(), s)));
+    *ready_wait = true;
+  }
+  uint64_t total = 0;
+  const int32_t n = MirrorInputSpans(
+      shape(), layout(), plan, slot, r, endpoint(r)->handles.num_recv_tokens(),
+      exchange_->LowLatencyCounts(plan.ll_handle_buffer), m.in_spans.get(), &total);
+  return kc::CopySpansAsync(m.data.get(), cr.area.get(), m.in_spans.get(), n, total,
+                            reinterpret_cast<uint32_t*>(m.counter.get()), m.staged.get(), plan.seq,
+                            s);
+}
+
+absl::Status CudaGroup::StageOut(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
+                                 const RankOutcome& outcome) {
+  const CudaRank& cr = SpanRank(r);  // Alive with the op even if it detached since.
+  CudaRankMirror& m = *cr.mirror;
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
+  cudaStream_t s = cr.stream.get();
+  absl::Status st = absl::OkStatus();
+  if (outcome.status.ok()) {
+    uint64_t total = 0;
+    const int32_t n = MirrorOutputSpans(shape(), layout(), plan, slot, outcome, m.data.get(),
+                                        m.out_spans.get(), &total);
+    st = kc::CopySpansAsync(cr.area.get(), m.data.get(), m.out_spans.get(), n, total, nullptr,
+                            nullptr, 0, s);
+  }
+  // done_seq on every path, so that the client's stream is released.
+  if (rules::DecodeFlags(slot.flags).stream_ordered) {
+    absl::Status done = WriteDone(cr, slot.seq);
+    if (st.ok()) st = done;
+  }
+  absl::Status recorded = EPD_CUDA_STATUS(cudaEventRecord(cr.done.get(), s));
+  return st.ok() ? recorded : st;
+}
+
+bool CudaGroup::StartSpanning(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) {
+  GpuOp& op = spare_;
+  SizeOp(op);
+  op.op = plan.op;
+  op.seq = plan.seq;
+  op.started = Clock::now();
+  for (size_t r = 0; r < op.ranks.size(); ++r) {
+    op.ranks[r] = ranks_[r];  // Null for another node's rank.
+    op.launch[r] = absl::OkStatus();
+    op.stream_ordered[r] = false;
+    op.ready_wait[r] = false;
+    span_outcomes_[r] = RankOutcome{};
+  }
+  for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+    op.stream_ordered[r] = rules::DecodeFlags(slots[r].flags).stream_ordered;
+    bool ready_wait = false;
+    op.launch[r] = StageIn(plan, slots[r], r, &ready_wait);
+    op.ready_wait[r] = ready_wait;
+  }
+  span_plan_ = &plan;
+  span_slots_ = &slots;
+  span_phase_ = SpanPhase::kStagingIn;
+  gpu_op_.emplace(std::move(spare_));  // The vectors move: no allocation.
+  return false;
+}
+
+void CudaGroup::FailSpanning(const absl::Status& status) {
+  GpuOp& op = *gpu_op_;
+  OpFailedHere(op.seq, static_cast<uint32_t>(op.op), status);
+  for (RankOutcome& o : span_outcomes_) o.status = status;
+}
+
+bool CudaGroup::PollSpanning(std::span<RankOutcome> outcomes) {
+  GpuOp& op = *gpu_op_;
+  const int32_t first = local_first(), last = local_first() + local_count();
+  const auto waited = Clock::now() - op.started;
+  const auto bound = std::chrono::milliseconds(options().op_timeout_ms) + kSpanGpuGrace;
+  if (span_phase_ == SpanPhase::kStagingIn) {
+    absl::Status failed = absl::OkStatus();
+    bool all = true;
+    for (int32_t r = first; r < last && failed.ok(); ++r) {
+      if (!op.launch[r].ok()) {
+        failed = op.launch[r];
+        continue;
+      }
+      const CudaRank& cr = *op.ranks[r];
+      // Stored by the copy kernel's last block (release at system scope).
+      const uint64_t staged = __atomic_load_n(cr.mirror->staged.get(), __ATOMIC_ACQUIRE);
+      if (staged == op.seq) continue;
+      all = false;
+      cudaSetDevice(cr.device);
+      const cudaError_t err = cudaStreamQuery(cr.stream.get());
+      if (err != cudaSuccess && err != cudaErrorNotReady) {
+        cudaGetLastError();
+        failed =
+            CudaErrorToStatus(err, "the copy of the op's inputs to the host", __FILE__, __LINE__);
+      }
+    }
+    if (failed.ok() && !all) {
+      if (waited < bound) return false;
+      failed = absl::DeadlineExceededError(absl::StrCat(
+          OpName(static_cast<uint32_t>(op.op)), " (op ", op.seq, ") of group ", spec().name(),
+          ": the inputs of its local ranks were not copied to the host within op_timeout ",
+          options().op_timeout_ms,
+          " ms + 5 s (a stream-ordered client that never wrote ready_seq, or a stuck GPU)"));
+      LogClientCaused(spdlog::level::err, "{}", failed.message());
+    }
+    if (!failed.ok()) {
+      FailSpanning(failed);
+    } else {
+      std::lock_guard<std::mutex> pool(plane_->pool_mu());
+      exchange_->Start(*span_plan_, *span_slots_);
+    }
+    span_phase_ = failed.ok() ? SpanPhase::kExchanging : SpanPhase::kStagingOut;
+    if (!failed.ok()) {
+      ReleaseReadyWaits(op);  // A client that never wrote ready_seq must not hang us.
+      for (int32_t r = first; r < last; ++r) {
+        absl::Status st = StageOut(*span_plan_, (*span_slots_)[r], r, span_outcomes_[r]);
+        if (!st.ok() && op.launch[r].ok()) op.launch[r] = st;
+      }
+    }
+  }
+  if (span_phase_ == SpanPhase::kExchanging) {
+    {
+      std::lock_guard<std::mutex> pool(plane_->pool_mu());
+      if (!exchange_->Poll(span_outcomes_)) return false;
+    }
+    for (int32_t r = first; r < last; ++r) {
+      absl::Status st = StageOut(*span_plan_, (*span_slots_)[r], r, span_outcomes_[r]);
+      if (!st.ok() && op.launch[r].ok()) op.launch[r] = st;
+    }
+    span_phase_ = SpanPhase::kStagingOut;
+  }
+  // kStagingOut: every local rank's outputs back on the GPU (and done_seq written).
+  for (int32_t r = first; r < last; ++r) {
+    const CudaRank& cr = *op.ranks[r];
+    cudaSetDevice(cr.device);
+    const cudaError_t err = cudaEventQuery(cr.done.get());
+    if (err == cudaErrorNotReady) {
+      if (waited < 2 * bound) return false;
+      absl::Status st = absl::DeadlineExceededError(absl::StrCat(
+          OpName(static_cast<uint32_t>(op.op)), " of group ", spec().name(),
+          ": the GPU did not take the op's outputs back within 2 * (op_timeout ",
+          options().op_timeout_ms, " ms + 5 s); check the GPU (nvidia-smi) and the daemon log"));
+      LogClientCaused(spdlog::level::err, "{}", st.message());
+      for (int32_t q = first; q < last; ++q) outcomes[q].status = st;
+      ReleaseReadyWaits(op);
+      abandoned_ = std::move(gpu_op_);
+      gpu_op_.reset();
+      span_phase_ = SpanPhase::kIdle;
+      return true;
+    }
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      if (op.launch[r].ok()) {
+        op.launch[r] =
+            CudaErrorToStatus(err, "cudaEventQuery(the op's done event)", __FILE__, __LINE__);
+      }
+    }
+  }
+  for (int32_t r = first; r < last; ++r) {
+    outcomes[r] = span_outcomes_[r];
+    if (!op.launch[r].ok() && outcomes[r].status.ok()) outcomes[r].status = op.launch[r];
+  }
+  RecycleOp(gpu_op_);
+  span_phase_ = SpanPhase::kIdle;
+  return true;
+}
+
+}  // namespace epd

@@ -1,0 +1,150 @@
+// The byte ranges of a rank's data area an op crosses between the GPU and a host mirror
+// (mirror_spans.h).
+#include "daemon/dataplane/exchange/mirror_spans.h"
+
+#include <algorithm>
+
+#include "epd/kernels/op_rules.h"
+
+namespace epd {
+namespace {
+
+/// Appends span [offset, offset + bytes) (nothing when empty) and adds its bytes to *total.
+void Add(kernels::Region* spans, int32_t* n, uint64_t* total, uint64_t offset, uint64_t bytes) {
+  if (bytes == 0 || *n >= kernels::kMaxAreaSpans) return;
+  spans[(*n)++] = {offset, bytes};
+  *total += bytes;
+}
+
+/// `rows` rows of `row_bytes` at the start of `r`, clamped to the region.
+uint64_t Rows(const kernels::Region& r, int64_t rows, uint64_t row_bytes) {
+  return std::min<uint64_t>(r.bytes, static_cast<uint64_t>(std::max<int64_t>(rows, 0)) * row_bytes);
+}
+
+}  // namespace
+
+int32_t MirrorInputSpans(const kernels::GroupShape& s, const kernels::EndpointLayout& L,
+                         const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
+                         int32_t num_recv_tokens, const std::vector<int32_t>& ll_counts,
+                         kernels::Region* spans, uint64_t* total) {
+  const rules::RequestOptions f = rules::DecodeFlags(plan.flags);
+  const int64_t T = slot.num_tokens, H = s.hidden, K = s.num_topk;
+  int32_t n = 0;
+  *total = 0;
+  auto add = [&](const kernels::Region& region, uint64_t bytes) {
+    Add(spans, &n, total, region.offset, std::min(bytes, region.bytes));
+  };
+  switch (plan.op) {
+    case abi::OpKind::kGetDispatchLayout:
+      add(L.in_topk_idx, Rows(L.in_topk_idx, T, K * 8));
+      break;
+    case abi::OpKind::kDispatch:
+      add(L.in_x, Rows(L.in_x, T, f.use_fp8 ? H : 2 * H));
+      if (f.use_fp8) add(L.in_scales, Rows(L.in_scales, T, uint64_t(s.num_scales()) * 4));
+      if (!f.cached_handle) add(L.in_topk_idx, Rows(L.in_topk_idx, T, K * 8));
+      if (f.dispatch_weights) add(L.in_topk_weights, Rows(L.in_topk_weights, T, K * 4));
+      break;
+    case abi::OpKind::kCombine: {
+      const int64_t N = num_recv_tokens;
+      add(L.in_combine_x, Rows(L.in_combine_x, N, 2 * H));
+      if (f.combine_weights) add(L.in_combine_weights, Rows(L.in_combine_weights, N, K * 4));
+      break;
+    }
+    case abi::OpKind::kLowLatencyDispatch:
+      add(L.in_x, Rows(L.in_x, T, 2 * H));
+      add(L.in_topk_idx, Rows(L.in_topk_idx, T, K * 8));
+      break;
+    case abi::OpKind::kLowLatencyCombine: {
+      add(L.in_topk_idx, Rows(L.in_topk_idx, T, K * 8));
+      add(L.in_topk_weights, Rows(L.in_topk_weights, T, K * 4));
+      const int32_t El = s.num_local_experts(), E = s.num_experts, R = s.num_ranks;
+      const int64_t rpe = s.ll_rows_per_expert();
+      if (El + 2 > kernels::kMaxAreaSpans) {  // Too many experts for one span each: all rows.
+        add(L.in_ll_combine_x, L.in_ll_combine_x.bytes);
+        break;
+      }
+      // Per local expert, the rows its dispatch received (what the exchange reads).
+      const std::vector<int32_t>& c = ll_counts;
+      for (int32_t j = 0; j < El; ++j) {
+        int64_t rows = 0;
+        for (int32_t src = 0; src < R; ++src) rows += c[size_t(src) * E + size_t(r) * El + j];
+        rows = std::clamp<int64_t>(rows, 0, rpe);
+        Add(spans, &n, total, L.in_ll_combine_x.offset + uint64_t(j) * rpe * 2 * H,
+            uint64_t(rows) * 2 * H);
+      }
+      break;
+    }
+    default:
+      break;
+  }
+  return n;
+}
+
+int32_t MirrorOutputSpans(const kernels::GroupShape& s, const kernels::EndpointLayout& L,
+                          const OpPlan& plan, const abi::RequestSlot& slot,
+                          const RankOutcome& outcome, const uint8_t* data, kernels::Region* spans,
+                          uint64_t* total) {
+  const rules::RequestOptions f = rules::DecodeFlags(plan.flags);
+  const int64_t T = slot.num_tokens, H = s.hidden, K = s.num_topk, R = s.num_ranks;
+  const int64_t S = s.num_scales(), El = s.num_local_experts();
+  int32_t n = 0;
+  *total = 0;
+  auto add = [&](const kernels::Region& region, uint64_t bytes) {
+    Add(spans, &n, total, region.offset, std::min(bytes, region.bytes));
+  };
+  switch (plan.op) {
+    case abi::OpKind::kGetDispatchLayout:
+      add(L.layout_tokens_per_rank, L.layout_tokens_per_rank.bytes);
+      add(L.layout_tokens_per_expert, L.layout_tokens_per_expert.bytes);
+      add(L.layout_is_token_in_rank, Rows(L.layout_is_token_in_rank, T, R));
+      break;
+    case abi::OpKind::kDispatch: {
+      const int64_t N = outcome.num_recv_tokens;
+      add(L.recv_x, Rows(L.recv_x, N, f.use_fp8 ? H : 2 * H));
+      if (f.use_fp8) add(L.recv_scales, Rows(L.recv_scales, N, S * 4));
+      add(L.recv_topk_idx, Rows(L.recv_topk_idx, N, K * 8));
+      add(L.recv_topk_weights, Rows(L.recv_topk_weights, N, K * 4));
+      add(L.recv_tokens_per_expert, L.recv_tokens_per_expert.bytes);
+      add(L.recv_src_info, Rows(L.recv_src_info, N, 4));
+      add(L.send_pos, Rows(L.send_pos, T, R * 4));
+      add(L.rank_prefix, L.rank_prefix.bytes);
+      add(L.recv_count, L.recv_count.bytes);
+      break;
+    }
+    case abi::OpKind::kCombine:
+      add(L.combined_x, Rows(L.combined_x, T, 2 * H));
+      if (f.combine_weights) add(L.combined_topk_weights, Rows(L.combined_topk_weights, T, K * 4));
+      break;
+    case abi::OpKind::kLowLatencyDispatch: {
+      const int b = plan.ll_buffer;
+      const int64_t rpe = s.ll_rows_per_expert();
+      const uint64_t xb = f.use_fp8 ? H : 2 * H;
+      if (f.use_fp8) add(L.ll_recv_scales[b], L.ll_recv_scales[b].bytes);
+      add(L.ll_recv_count[b], L.ll_recv_count[b].bytes);
+      add(L.ll_handle_pos[b], Rows(L.ll_handle_pos[b], T, K * 4));
+      if (2 * El + 3 > kernels::kMaxAreaSpans) {  // Too many experts for spans each: all rows.
+        add(L.ll_recv_x[b], L.ll_recv_x[b].bytes);
+        add(L.ll_recv_src_info[b], L.ll_recv_src_info[b].bytes);
+        break;
+      }
+      // Per local expert, the rows it received (the count the exchange wrote to the
+      // daemon-private mirror).
+      const auto* count = reinterpret_cast<const int32_t*>(data + L.ll_recv_count[b].offset);
+      for (int64_t j = 0; j < El; ++j) {
+        const int64_t rows = std::clamp<int64_t>(count[j], 0, rpe);
+        Add(spans, &n, total, L.ll_recv_x[b].offset + uint64_t(j * rpe) * xb, uint64_t(rows) * xb);
+        Add(spans, &n, total, L.ll_recv_src_info[b].offset + uint64_t(j * rpe) * 4,
+            uint64_t(rows) * 4);
+      }
+      break;
+    }
+    case abi::OpKind::kLowLatencyCombine:
+      add(L.ll_combined_x[plan.ll_out_buffer], Rows(L.ll_combined_x[plan.ll_out_buffer], T, 2 * H));
+      break;
+    default:
+      break;
+  }
+  return n;
+}
+
+}  // namespace epd

@@ -1,0 +1,38 @@
+// The byte ranges of a rank's data area that an op crosses between where the client sees
+// the area and where the exchange reads and writes it: on the CUDA backend across nodes, the
+// rank's GPU area and its pinned host mirror (DESIGN.md §5.5). Only the rows the op uses:
+// T input rows, the N rows a dispatch received, each expert's received rows. Pure functions
+// of the shape and the op, so the host backend's tests can check them (HostDataPlaneOptions::
+// stage_through_mirror) where no GPU is.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "daemon/dataplane/lockstep_group.h"
+#include "epd/kernels/layout.h"
+#include "proto/abi/shm_abi.h"
+
+namespace epd {
+
+/// The ranges of rank `rank`'s area that the exchange reads for op `plan` with the rank's
+/// validated `slot`, into `spans` (capacity kernels::kMaxAreaSpans); returns their number
+/// and sets *total to their bytes. `num_recv_tokens`: the N of the rank's routing dispatch
+/// (HandleTable; a normal combine reads N rows). `ll_counts`: the rows of the low-latency
+/// combine's dispatch, [R, E] source major (NodeExchange::LowLatencyCounts); unused for
+/// other ops. Empty ranges are left out.
+int32_t MirrorInputSpans(const kernels::GroupShape& shape, const kernels::EndpointLayout& layout,
+                         const OpPlan& plan, const abi::RequestSlot& slot, int32_t rank,
+                         int32_t num_recv_tokens, const std::vector<int32_t>& ll_counts,
+                         kernels::Region* spans, uint64_t* total);
+
+/// The ranges of a rank's area that op `plan` wrote, once the exchange finished it with
+/// `outcome` (a dispatch's N), into `spans` (capacity kernels::kMaxAreaSpans); returns their
+/// number and sets *total. `data` is the area the exchange wrote (a low-latency dispatch's
+/// per-expert received counts are read from its ll_recv_count, clamped to the region).
+int32_t MirrorOutputSpans(const kernels::GroupShape& shape, const kernels::EndpointLayout& layout,
+                          const OpPlan& plan, const abi::RequestSlot& slot,
+                          const RankOutcome& outcome, const uint8_t* data, kernels::Region* spans,
+                          uint64_t* total);
+
+}  // namespace epd

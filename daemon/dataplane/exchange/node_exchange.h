@@ -1,0 +1,267 @@
+// NodeExchange: runs a group's ops across nodes (DESIGN.md §5.1), backend-neutral. A
+// spanning group at a daemon is one node of it; once every local rank's request is in, the
+// exchange sends this node's part of the op to every other node over the group's transport
+// link, waits for theirs, and computes the local ranks' outputs with kernels/host. It reads
+// and writes each local rank's data area through a HOST pointer laid out by the group's
+// kernels::EndpointLayout: the host backend hands it the endpoints' shm data areas, the CUDA
+// backend each rank's pinned host mirror (DESIGN.md §5.5).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/dataplane/exchange/rank_routing.h"
+#include "daemon/dataplane/lockstep_group.h"
+#include "daemon/peer/peer_mesh.h"
+#include "daemon/transport/transport.h"
+#include "daemon/transport/transport_set.h"
+#include "epd/kernels/host_node_ops.h"
+#include "epd/kernels/host_ops.h"
+#include "epd/kernels/layout.h"
+#include "epd/v1/control.pb.h"
+#include "proto/abi/exchange_abi.h"
+#include "proto/abi/shm_abi.h"
+
+namespace epd {
+
+/// The exchange's receive region and send staging of a group that spans nodes, at its
+/// largest node (DESIGN.md §5.1); 0 for a one-node group. Counted in the backends'
+/// GroupPrivateBytes.
+uint64_t NodeExchangeBytes(const v1::GroupSpec& spec, const kernels::GroupShape& shape);
+
+/// The transport of a group that spans nodes: `transport` null for a one-node spec; for a
+/// spanning one the set's transport named by spec.transport ("" = the set's default) and
+/// its resolved name (which the Peer mesh registration carries, so that the rendezvous
+/// compares it across nodes).
+struct SpanTransport {
+  transport::Transport* transport = nullptr;
+  std::string name;
+};
+
+/// SpanTransport of `spec`. Errors: FAILED_PRECONDITION when the spec spans nodes and this
+/// daemon has no Peer mesh or transports (its Peer listener is off), or cannot run the
+/// transport the spec asks for (naming spec.transport and why).
+absl::StatusOr<SpanTransport> TransportForSpan(const v1::GroupSpec& spec,
+                                               const peer::PeerMesh* peer_mesh,
+                                               const transport::TransportSet* transports);
+
+/// What the exchange needs of its group. Called on the engine thread with the group's mu_
+/// held; only for this node's ranks. A rank may detach while an op runs on (it stays part
+/// of the op): the data and routing of every rank that started the op must stay valid
+/// until Poll returned true; the handles are read at Start only.
+class NodeExchangeHost {
+ public:
+  virtual ~NodeExchangeHost() = default;
+  /// Host pointer to rank `rank`'s data area (EndpointLayout regions), valid for the op.
+  virtual uint8_t* ExchangeRankData(int32_t rank) const = 0;
+  /// Rank `rank`'s private routing state.
+  virtual RankRouting& ExchangeRankRouting(int32_t rank) const = 0;
+  /// Rank `rank`'s handle table (which dispatch's routing is current); read by Start only.
+  virtual const rules::HandleTable& ExchangeRankHandles(int32_t rank) const = 0;
+  /// The op being collected or running, in this node's numbering (LockstepGroup).
+  virtual uint64_t ExchangeCurrentSeq() const = 0;
+  /// Logs a warning the group's clients can cause (rate-limited by the group).
+  virtual void ExchangeWarning(const std::string& message) const = 0;
+};
+
+/// Options of one group's exchange.
+struct NodeExchangeOptions {
+  uint32_t op_timeout_ms = 10000;  ///< Bound on waiting for the peers' messages.
+  /// kernels/host's execution: threads per op, and the persistent pool and scratch (not
+  /// owned; outlive the exchange).
+  kernels::host::HostExecution exec;
+  /// Test hook around calls into kernels/host (KernelScope); may be null. Not owned.
+  const std::function<void(bool)>* on_kernels = nullptr;
+  peer::PeerMesh* peer_mesh = nullptr;        ///< Not owned; must outlive the exchange.
+  transport::Transport* transport = nullptr;  ///< Not owned; must outlive the exchange.
+  std::string transport_name;                 ///< Its resolved name (SpanTransport).
+  std::function<void()> wake;                 ///< Wakes the group's engine.
+  std::string join_secret_digest;             ///< Carried by the Peer mesh registration.
+};
+
+/// One spanning group's exchange at this node. Not thread-safe: every call comes from the
+/// group with its mu_ held. Allocates at Init only (README "Hot path").
+class NodeExchange {
+ public:
+  /// `host` must outlive the exchange.
+  NodeExchange(const v1::GroupSpec& spec, const kernels::GroupShape& shape,
+               const kernels::EndpointLayout& layout, NodeExchangeHost* host,
+               NodeExchangeOptions options);
+  ~NodeExchange();
+  NodeExchange(const NodeExchange&) = delete;
+  NodeExchange& operator=(const NodeExchange&) = delete;
+
+  /// This daemon is node `node` of the group (ranks [local_first, local_first +
+  /// local_count)): sizes the receive region and staging, creates the transport link and
+  /// registers with the Peer mesh. Errors: RESOURCE_EXHAUSTED, those of the transport and
+  /// the mesh.
+  absl::Status Init(int32_t node, int32_t local_first, int32_t local_count);
+  /// Whether Init succeeded.
+  bool ready() const { return span_.peers != nullptr; }
+
+  /// Starts op `plan` with the local ranks' validated `slots` ([R]; both must live until
+  /// Poll returned true): packs and posts this node's part to every peer.
+  void Start(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
+  /// True once the running op finished, with every local rank's outcome written into
+  /// `outcomes` ([R]); false while peers' messages or this node's writes are outstanding.
+  bool Poll(std::span<RankOutcome> outcomes);
+  /// LockstepGroup hooks (see there).
+  void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status);
+  absl::Status PeerFailure(uint64_t seq);
+  bool ReadyToStart();
+  std::string NotReadyReason() const;
+  bool PollBackground();
+  /// Publishes which of this node's ranks are joined (bits[i]: rank local_first + i).
+  void SetLocalRanksJoined(const std::vector<bool>& bits);
+  /// Rows of low-latency buffer `b`'s last dispatch from every rank to every expert
+  /// ([R, E], source major): what a LowLatencyCombine on it reads per expert.
+  const std::vector<int32_t>& LowLatencyCounts(int b) const { return span_.ll_counts[b]; }
+
+ private:
+  const v1::GroupSpec& spec() const { return spec_; }
+  const kernels::GroupShape& shape() const { return shape_; }
+  const kernels::EndpointLayout& layout() const { return layout_; }
+  int32_t local_first() const { return local_first_; }
+  int32_t local_count() const { return local_count_; }
+  template <typename T>
+  T* Ptr(int rank, const kernels::Region& r) const {
+    return RegionPtr<T>(host_->ExchangeRankData(rank), r);
+  }
+  RankRouting& Private(int rank) const { return host_->ExchangeRankRouting(rank); }
+  absl::StatusOr<const int64_t*> TakeTopkIdx(int rank, int32_t num_tokens) const {
+    return epd::TakeTopkIdx(shape_, layout_, host_->ExchangeRankData(rank), Private(rank), rank,
+                            num_tokens);
+  }
+  void Publish(int rank, const std::vector<int32_t>& src, int64_t rows, int64_t row_elems,
+               const kernels::Region& dst) const {
+    PublishRouting(host_->ExchangeRankData(rank), src, rows, row_elems, dst);
+  }
+  absl::Status RunLayout(int rank, const abi::RequestSlot& slot) const {
+    return RunLayoutOp(shape_, layout_, host_->ExchangeRankData(rank), Private(rank), rank, slot,
+                       options_.exec, options_.on_kernels);
+  }
+
+  /// Op `seq` (this node's numbering) as the link to node `n` numbers it: ops since that
+  /// link was (re)built, the numbering both ends share (DESIGN.md §5.1). Everything that
+  /// crosses to node n (immediates, header seq, slot and combine-area parity) uses it.
+  uint64_t LinkSeq(int32_t n, uint64_t seq) const { return seq - span_.link_base[n]; }
+  /// Node `n`'s slot of op `seq`'s link parity in this node's receive region.
+  uint8_t* RecvSlot(int32_t n, uint64_t seq) {
+    return reinterpret_cast<uint8_t*>(span_.recv.data()) + span_.recv_offset[n] +
+           (LinkSeq(n, seq) % 2) * span_.in_layout[n].total;
+  }
+  /// This node's combine area of op `seq`'s parity on the link to node `n` (the rows node
+  /// n's ranks send back).
+  const uint8_t* CombineArea(int32_t n, uint64_t seq) {
+    return reinterpret_cast<const uint8_t*>(span_.recv.data()) + span_.combine_offset[span_.self] +
+           (LinkSeq(n, seq) % 2) * span_.combine_layout[span_.self].total;
+  }
+  int32_t NodeOf(int32_t rank) const {
+    for (int32_t n = 0; n < span_.num_nodes; ++n) {
+      if (rank >= span_.first[n] && rank < span_.first[n] + span_.count[n]) return n;
+    }
+    return -1;
+  }
+  /// Posts a header (and `pieces` of payload) of op `seq` to node `n`. The header and
+  /// metadata are already in send staging n.
+  absl::Status PostToNode(int32_t n, uint64_t seq, std::span<const transport::WritePiece> pieces);
+  /// Ops between `handle_seq` and op `seq` (0 when it is not before).
+  static uint64_t HandleAge(uint64_t seq, uint64_t handle_seq) {
+    return handle_seq < seq ? seq - handle_seq : 0;
+  }
+  /// Fills send staging n's header for op `seq` (`handle_age`: HandleAge of an LL combine).
+  abi::ExchangeHeader& StageHeader(int32_t n, uint64_t seq, uint32_t op, uint32_t flags,
+                                   int32_t alignment, uint64_t handle_age,
+                                   const absl::Status& status);
+  /// Packs and posts this node's part of the running op to every peer.
+  absl::Status SendOp(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
+  // A dispatch's local sources for the send staging (span_.pack_sources); a low-latency FP8
+  // dispatch's tokens quantized, once, into span_.quant_x / quant_scales.
+  void StagePackSources(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
+  /// Checks node n's header of op `seq` in the receive region.
+  absl::Status CheckHeader(int32_t n, uint64_t seq) const;
+  /// True when every node whose message of the running op is missing is alive: its Peer
+  /// service healthy (GroupPeers::Health OK) and its data link ready.
+  bool MissingPeersAlive() const;
+  /// Runs this node's part of the op once every peer's message is in.
+  absl::Status FinishExchange(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
+                              std::span<RankOutcome> out);
+  /// Row offsets in node m's combine area of every block (ExchangeCombineLayout): for a
+  /// normal combine (width R, counts [R, R]) a block per rank not on m, for a low-latency
+  /// one (width E, counts [R, E]) a block per expert not on m, in ascending order, each of
+  /// the rows it holds of node m's tokens. Fills span_.combine_off [width] (blocks of m's own
+  /// ranks/experts get the offset of the next block) and returns the total rows.
+  int64_t CombineOffsets(int32_t m, const std::vector<int32_t>& counts, int32_t width);
+  /// Pops node n's next immediate into span_.pending[n]; returns whether one is pending for
+  /// `seq` (older ones are dropped).
+  bool ImmFor(int32_t n, uint64_t seq);
+
+  struct Span {
+    int32_t num_nodes = 0, self = 0;
+    std::vector<int32_t> first, count;  // [N] each node's ranks
+    abi::ExchangeShape xs;
+    std::vector<abi::ExchangeSlotLayout> in_layout, out_layout;  // [N]
+    std::vector<uint64_t> recv_offset;                           // [N]
+    std::vector<uint64_t> remote_offset;  // [N]: this node's parity-0 slot at node n.
+    std::vector<abi::ExchangeCombineLayout> combine_layout;  // [N] each node's area.
+    std::vector<uint64_t> combine_offset;  // [N]: each node's parity-0 combine area.
+    std::vector<int64_t> combine_off;      // [max(R, E) + 1]: CombineOffsets' output.
+    std::vector<int64_t> block_start;      // [E]: LL combine remote blocks.
+    const OpPlan* plan = nullptr;          // The running op (LockstepGroup's running_).
+    const std::vector<abi::RequestSlot>* slots = nullptr;
+    std::vector<uint64_t> recv;                    // The receive region.
+    std::vector<std::vector<uint64_t>> send;       // [N] send staging.
+    std::vector<std::vector<uint64_t>> fail_send;  // [N] error headers.
+    std::vector<uint64_t> posted, fail_posted;     // [N] writes posted.
+    std::unique_ptr<transport::GroupLink> link;
+    std::unique_ptr<peer::GroupPeers> peers;
+    std::vector<uint8_t> connected;     // [N]
+    std::vector<uint64_t> incarnation;  // [N] of the peer connected to.
+    std::vector<uint64_t> link_base;    // [N] this node's seq when the link was (re)built.
+    bool in_op = false;                 // An op is being exchanged.
+    std::chrono::steady_clock::time_point next_descriptor_check;
+    std::vector<std::optional<uint32_t>> pending;  // [N] an immediate not yet used.
+    std::vector<uint8_t> got;                      // [N] this op's message is in.
+    std::chrono::steady_clock::time_point started;
+    // When this op first saw the Peer service report a node lost.
+    std::optional<std::chrono::steady_clock::time_point> lost_seen;
+    absl::Status local_status;  // This node's part of the op.
+    std::vector<transport::WritePiece> pieces;
+    std::vector<int32_t> local_counts;                            // [Rl, E] this op's counts here.
+    std::vector<int32_t> counts;                                  // [R, E] or [R, R]: every node's.
+    std::vector<int32_t> dispatch_counts;                         // [R, R] of the routing dispatch.
+    std::vector<int32_t> ll_counts[kernels::kLowLatencyBuffers];  // [R, E] per buffer.
+    std::vector<int32_t> remote_first, remote_rows;  // [R * El] LL combine remote views.
+    std::vector<kernels::host::NodeDispatchSource> dispatch_sources;  // [R]
+    std::vector<kernels::host::NodeLowLatencySource> ll_sources;      // [R]
+    std::vector<kernels::host::NodePackSource> pack_sources;  // [Rl] this op's local sources.
+    std::vector<kernels::host::NodePackJob> pack_jobs;        // [Rl] one node's send staging.
+    std::vector<kernels::e4m3_bits> quant_x;                  // [Rl, Mll, H] LL FP8 rows.
+    std::vector<float> quant_scales;                          // [Rl, Mll, S] their scales.
+  };
+
+  v1::GroupSpec spec_;
+  kernels::GroupShape shape_;
+  kernels::EndpointLayout layout_;
+  NodeExchangeHost* host_;
+  NodeExchangeOptions options_;
+  int32_t local_first_ = 0, local_count_ = 0;
+  Span span_;
+  // Each op kind's kernel arguments, [R], filled in per op (sized once: README "Hot path").
+  std::vector<kernels::host::DispatchRankArgs> dispatch_args_;
+  std::vector<kernels::host::CombineRankArgs> combine_args_;
+  std::vector<kernels::host::LowLatencyDispatchRankArgs> ll_dispatch_args_;
+  std::vector<kernels::host::LowLatencyCombineRankArgs> ll_combine_args_;
+  // [R] each local rank's handles (N and T of its routing dispatch) as the running op
+  // started (Start), read instead of the handle table afterwards.
+  std::vector<int32_t> recv_tokens_, routing_tokens_;
+};
+
+}  // namespace epd

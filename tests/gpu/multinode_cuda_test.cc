@@ -1,0 +1,159 @@
+// The CUDA backend across nodes (DESIGN.md §5.5): two real `epd --backend=cuda` daemons on
+// this machine's one GPU, each a node of 4 ranks (Peer service and TCP data links over
+// 127.0.0.1), and one real client process per rank (tests/multinode/clients/mn_client.cc,
+// daemon-launched endpoints, results copied from the GPU). Every client runs
+// GetDispatchLayout, Dispatch BF16 (weights) and FP8, Combine with and without weights, the
+// cached re-dispatch, and LowLatencyDispatch BF16 / FP8 / FP8+round_scale /
+// FP8+round_scale+UE8M0 each with its LowLatencyCombine, and checks every output bit for
+// bit against kernels/host computing the whole group's answer. Then a killed peer daemon:
+// the other node's ops fail within op_timeout, naming the node. Skips without a GPU.
+//
+// Run on a GPU machine: ctest -R MultinodeCudaTest (or epd_gpu_tests
+// --gtest_filter='MultinodeCudaTest.*').
+#include <signal.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/multinode/data_cluster.h"
+
+namespace epd::multinode {
+namespace {
+
+constexpr absl::Duration kOpTimeout = absl::Seconds(3);
+
+/// Two CUDA daemons of 4 ranks each.
+absl::StatusOr<Cluster> StartCudaCluster() {
+  return StartCluster({4, 4}, kOpTimeout, /*peer=*/true, {}, "cuda");
+}
+
+/// The UUID of node 0's daemon's first GPU (every rank joins on it: one GPU here).
+absl::StatusOr<std::string> FirstGpu(const Cluster& cluster) {
+  ClientOptions options;
+  options.socket_path = cluster.daemons[0]->socket_path();
+  auto client = Client::Connect(options);
+  if (!client.ok()) return client.status();
+  auto stats = (*client)->GetStats();
+  if (!stats.ok()) return stats.status();
+  if (stats->gpus_size() == 0) return absl::FailedPreconditionError("the daemon lists no GPU");
+  return stats->gpus(0).uuid();
+}
+
+/// `run` with every client joining on the cluster's GPU.
+ClientRun OnGpu(ClientRun run, const std::string& gpu) {
+  run.extra_args.push_back("--gpu_uuid=" + gpu);
+  return run;
+}
+
+#define EPD_REQUIRE_GPU()                                    \
+  do {                                                       \
+    std::string why;                                         \
+    if (!::epd::testing::HaveGpu(&why)) GTEST_SKIP() << why; \
+  } while (0)
+
+TEST(MultinodeCudaTest, TwoDaemonsEveryOpExactAgainstTheHostReference) {
+  EPD_REQUIRE_GPU();
+  auto cluster = StartCudaCluster();
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto gpu = FirstGpu(*cluster);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto clients = StartClients(
+      *cluster, OnGpu({.group = "cuda-span", .tokens = {8, 1, 0, 6, 2, 7, 0, 4}, .seed = 7}, *gpu));
+  ASSERT_TRUE(clients.ok()) << clients.status();
+  absl::Status done = WaitClients(*clients, absl::Seconds(120));
+  EXPECT_TRUE(done.ok()) << done.message() << cluster->Logs();
+}
+
+TEST(MultinodeCudaTest, EveryTokenToTheFirstNode) {
+  EPD_REQUIRE_GPU();
+  auto cluster = StartCudaCluster();
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto gpu = FirstGpu(*cluster);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto clients = StartClients(*cluster, OnGpu({.group = "cuda-first",
+                                               .tokens = {6, 2, 0, 8, 5, 1, 3, 0},
+                                               .to_first_node = true,
+                                               .seed = 8},
+                                              *gpu));
+  ASSERT_TRUE(clients.ok()) << clients.status();
+  absl::Status done = WaitClients(*clients, absl::Seconds(120));
+  EXPECT_TRUE(done.ok()) << done.message() << cluster->Logs();
+}
+
+// Node 1's daemon is SIGKILLed while every rank loops Dispatch + Combine + LowLatency
+// Dispatch + LowLatencyCombine (each OK round exact): node 0's ranks fail an op within
+// op_timeout + 1 s naming node 1, and node 0's daemon serves on.
+TEST(MultinodeCudaTest, KilledPeerFailsTheOtherNodesOpsNamingIt) {
+  EPD_REQUIRE_GPU();
+  auto cluster = StartCudaCluster();
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  ClientRun run;
+  run.group = "cuda-dead-peer";
+  run.scenario = "loop";
+  run.tokens = {3, 5, 0, 4, 2, 8, 1, 6};
+  auto gpu = FirstGpu(*cluster);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  run.extra_args = {"--max_seconds=60", "--wait_seconds=20", "--round_pause_ms=5",
+                    "--gpu_uuid=" + *gpu};
+  auto clients = StartClients(*cluster, run);
+  ASSERT_TRUE(clients.ok()) << clients.status();
+  for (int r = 0; r < 8; ++r) {
+    absl::Status running = (*clients)[r]->WaitForOutput("ROUND 2 OK", absl::Seconds(30));
+    ASSERT_TRUE(running.ok()) << "rank " << r << ": " << running.message()
+                              << (*clients)[r]->Stdout() << cluster->Logs();
+  }
+  std::vector<size_t> seen(4);
+  for (int r = 0; r < 4; ++r) seen[r] = (*clients)[r]->Stdout().size();
+  cluster->daemons[1]->Kill();
+  for (int r = 0; r < 4; ++r) {
+    const std::string line = WaitErrorLine(*(*clients)[r], seen[r], kOpTimeout + absl::Seconds(5));
+    ASSERT_FALSE(line.empty()) << "rank " << r << " saw no error within op_timeout + 5 s:\n"
+                               << (*clients)[r]->Stdout() << cluster->Logs();
+    EXPECT_LE(ErrorMillis(line), absl::ToInt64Milliseconds(kOpTimeout) + 1000) << line;
+    const bool names_node = absl::StrContains(line, cluster->daemons[1]->peer_address()) ||
+                            absl::StrContains(line, "node 1");
+    EXPECT_TRUE(names_node) << "rank " << r << "'s error does not name node 1 ("
+                            << cluster->daemons[1]->peer_address() << "): " << line;
+  }
+  for (int r = 4; r < 8; ++r) (*clients)[r]->Signal(SIGKILL);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE((*clients)[r]->Running()) << (*clients)[r]->Stdout();
+    (*clients)[r]->CloseStdin();
+  }
+  for (int r = 0; r < 8; ++r) {
+    auto code = (*clients)[r]->Wait(kOpTimeout + absl::Seconds(25));
+    ASSERT_TRUE(code.ok()) << "rank " << r << " did not stop: " << (*clients)[r]->Stdout();
+    if (r < 4) EXPECT_EQ(*code, 0) << (*clients)[r]->Stdout();  // No wrong OK result.
+  }
+  EXPECT_TRUE(cluster->daemons[0]->Running()) << cluster->daemons[0]->Logs();
+}
+
+// Client-launched endpoints of a spanning group are refused at join, naming launch_mode.
+TEST(MultinodeCudaTest, ClientLaunchedJoinIsRefusedAcrossNodes) {
+  EPD_REQUIRE_GPU();
+  auto cluster = StartCudaCluster();
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  ClientOptions options;
+  options.socket_path = cluster->daemons[0]->socket_path();
+  auto client = Client::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto gpu = FirstGpu(*cluster);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  JoinOptions join;
+  join.spec = DataSpec("cuda-client-launched", cluster->Nodes());
+  join.rank = 0;
+  join.gpu_uuid = *gpu;
+  join.launch_mode = v1::LAUNCH_MODE_CLIENT;
+  auto ep = (*client)->Join(join);
+  ASSERT_FALSE(ep.ok());
+  EXPECT_EQ(ep.status().code(), absl::StatusCode::kFailedPrecondition) << ep.status();
+  EXPECT_THAT(ep.status().message(), ::testing::HasSubstr("launch_mode"));
+  EXPECT_THAT(ep.status().message(), ::testing::HasSubstr("daemon-launched"));
+}
+
+}  // namespace
+}  // namespace epd::multinode
