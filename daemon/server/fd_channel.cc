@@ -98,7 +98,12 @@ void FdChannel::Loop() {
     {
       absl::MutexLock lock(&mu_);
       if (stop_) break;
+      // A connection's time starts when this loop takes it: one that arrived while the
+      // loop was busy answering another (a fetch can wait on a join that allocates GBs)
+      // has not been slow itself.
+      const absl::Time taken = absl::Now();
       while (!incoming_.empty()) {
+        incoming_.front()->deadline = taken + options_.request_timeout;
         pending_.push_back(std::move(incoming_.front()));
         incoming_.pop_front();
       }
@@ -152,10 +157,15 @@ void FdChannel::Loop() {
     // pending_ is unchanged since fds was built: fds[i + 1] is pending_[i].
     std::vector<std::unique_ptr<Pending>> still;
     still.reserve(pending_.size());
+    const absl::Time busy_from = absl::Now();
     for (size_t i = 0; i < pending_.size(); ++i) {
       if (fds[i + 1].revents != 0 && Advance(*pending_[i])) continue;
       still.push_back(std::move(pending_[i]));
     }
+    // The time spent answering is the channel's, not the waiting peers': their deadlines
+    // move by it.
+    const absl::Duration busy = absl::Now() - busy_from;
+    for (auto& p : still) p->deadline += busy;
     pending_ = std::move(still);
   }
   pending_.clear();

@@ -51,6 +51,7 @@
 
 #include "common/cuda/cuda_check.h"
 #include "common/cuda/device_alloc.h"
+#include "common/gpu_uuid.h"
 #include "tests/bench/bench_cuda.h"
 #endif
 
@@ -103,6 +104,7 @@ struct Inputs {
   std::vector<DeviceMemory> dx, didx, dw;
 #endif
   bool on_gpu = false;
+  std::string gpu_uuid;  ///< GPU 0's, which every rank joins with (--backend=cuda).
 };
 
 #if defined(EPD_HAVE_CUDA)
@@ -130,6 +132,9 @@ absl::Status InputsToDevice(Inputs& in) {
     in.didx.push_back(*std::move(idx));
     in.dw.push_back(*std::move(w));
   }
+  cudaDeviceProp prop{};
+  EPD_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, 0));
+  in.gpu_uuid = FormatGpuUuid(prop.uuid.bytes);
   in.on_gpu = true;
   return absl::OkStatus();
 }
@@ -407,6 +412,7 @@ absl::StatusOr<GroupRun> RunGroup(const std::string& label, const v1::GroupSpec&
       JoinOptions jo;
       jo.spec = spec;
       jo.rank = r;
+      jo.gpu_uuid = in.gpu_uuid;
       auto ep = (*client)->Join(jo);
       if (!ep.ok()) return fail("join", ep.status());
       RankState st;
@@ -507,9 +513,14 @@ absl::StatusOr<GroupRun> RunGroup(const std::string& label, const v1::GroupSpec&
     });
   }
   for (std::thread& t : threads) t.join();
+  // Every rank's error: the first one is often only a consequence of another rank's.
+  absl::Status first;
   for (const absl::Status& e : errors) {
-    if (!e.ok()) return e;
+    if (e.ok()) continue;
+    std::fprintf(stderr, "[%s] %s\n", label.c_str(), e.ToString().c_str());
+    if (first.ok()) first = e;
   }
+  if (!first.ok()) return first;
   for (int op = 0; op < kNumOps; ++op) {
     for (int r = 0; r < R; ++r) {
       run.samples[op].insert(run.samples[op].end(), lat[op * R + r].begin(), lat[op * R + r].end());

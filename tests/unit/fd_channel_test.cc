@@ -404,6 +404,45 @@ TEST(FdChannelLimitTest, TheOldestOfTooManyWaitingConnectionsIsClosed) {
   EXPECT_EQ(newest.status().code(), absl::StatusCode::kDeadlineExceeded) << newest.status();
 }
 
+// A fetch that takes longer than request_timeout (it waits on a join that allocates GBs)
+// does not make the requests that arrived meanwhile expire: their time is the channel's.
+TEST(FdChannelSlowFetchTest, PeersWaitingOnASlowFetchAreStillAnswered) {
+  FdChannelOptions options;
+  options.request_timeout = absl::Milliseconds(200);
+  options.response_timeout = absl::Milliseconds(500);
+  std::atomic<int> calls{0};
+  auto channel = FdChannel::Start(
+      [&](const v1::FdChannelRequest&, const PeerCredentials&) -> absl::StatusOr<EndpointFds> {
+        if (calls.fetch_add(1) == 0) absl::SleepFor(absl::Milliseconds(600));
+        return absl::NotFoundError("none");
+      },
+      options);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  v1::FdChannelRequest r;
+  r.set_session_id("s");
+  r.set_group("g");
+  const std::string body = r.SerializeAsString();
+  const std::string request = Prefix(static_cast<uint32_t>(body.size())) + body;
+  std::vector<SocketPair> conns(3);
+  // The first one's fetch is slow; the others connect and send while it runs.
+  (*channel)->Serve(std::move(conns[0].b), PeerCredentials{});
+  ASSERT_TRUE(SendAll(conns[0].a.get(), request, absl::Now() + absl::Seconds(5)).ok());
+  absl::SleepFor(absl::Milliseconds(100));
+  (*channel)->Serve(std::move(conns[1].b), PeerCredentials{});
+  ASSERT_TRUE(SendAll(conns[1].a.get(), request, absl::Now() + absl::Seconds(5)).ok());
+  (*channel)->Serve(std::move(conns[2].b), PeerCredentials{});
+  ASSERT_TRUE(SendAll(conns[2].a.get(), request, absl::Now() + absl::Seconds(5)).ok());
+  for (size_t i = 0; i < conns.size(); ++i) {
+    absl::StatusOr<ReceivedFrame> answer =
+        ReceiveFrame(conns[i].a.get(), kMaxFdFrameBytes, 2, absl::Now() + absl::Seconds(5));
+    ASSERT_TRUE(answer.ok()) << "connection " << i << ": " << answer.status();
+    v1::FdChannelResponse response;
+    ASSERT_TRUE(response.ParseFromString(answer->body));
+    EXPECT_EQ(response.code(), static_cast<int>(absl::StatusCode::kNotFound)) << i;
+  }
+  EXPECT_EQ(calls.load(), 3);
+}
+
 // ---- the client's side against the handler, on a real unix socket ----------------------
 
 /// A unix socket served by `channel` as epd's listener would: accept, check the preamble,
