@@ -293,6 +293,7 @@ absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& option
     }
   }
 
+  if (exec.on_inputs_checked != nullptr && *exec.on_inputs_checked) (*exec.on_inputs_checked)();
   // ---- Everything is valid: write the outputs.
   for (int32_t i = 0; i < node.count; ++i) {
     DispatchRankArgs& a = local[i];
@@ -467,6 +468,7 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
     EPD_RETURN_IF_ERROR(CheckPointer(a.handle_pos, a.num_tokens > 0, kOp, r, "handle_pos"));
   }
 
+  if (exec.on_inputs_checked != nullptr && *exec.on_inputs_checked) (*exec.on_inputs_checked)();
   // ---- Everything is valid: write the outputs.
   // base[s * E + e]: first row of source s in expert e's block.
   std::vector<int32_t>& base = scratch.expert_base;

@@ -1,8 +1,10 @@
 // The byte layout of the host backend's exchange between the nodes of a group that spans
 // nodes (DESIGN.md §5.1): what one daemon writes into another daemon's receive region
 // (transport::GroupLink::PostWrite) and the immediate that follows. Every struct is a
-// fixed-size POD with static_asserts; the receiver checks magic, version, seq, node and
-// every count before it uses one as a size or index (a peer daemon's bytes are untrusted).
+// fixed-size POD with static_asserts; the receiver copies magic, version, seq, node, every
+// count and every index out of its receive region (which the peer may write again at any
+// time) and checks the copy before it uses one as a size or index (a peer daemon's bytes
+// are untrusted).
 // Bump kExchangeAbiVersion when a byte moves or a meaning changes.
 #pragma once
 

@@ -8,8 +8,10 @@
 // error, never an out-of-bounds access (this file runs under ASan in tests/sanitize.sh).
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -66,6 +68,7 @@ class MultinodeHostTest : public ::testing::Test {
       node->transports.Add("tcp", node->transport.get());
       o.transports = &node->transports;
       o.stage_through_mirror = mirror;
+      if (n == 0) o.on_inputs_checked = node0_inputs_checked_;
       auto plane = MakeHostDataPlane(o);
       ASSERT_TRUE(plane.ok()) << plane.status();
       node->plane = std::move(*plane);
@@ -167,6 +170,8 @@ class MultinodeHostTest : public ::testing::Test {
   std::vector<int> node_of_;
   std::vector<int> tokens_;
   uint64_t last_seq_ = 0;
+  /// HostDataPlaneOptions::on_inputs_checked of node 0 (set before Start).
+  std::function<void()> node0_inputs_checked_;
 };
 
 template <typename T>
@@ -802,6 +807,147 @@ TEST_F(MultinodeHostTest, GarbageFromAPeerIsAnErrorNotACrash) {
     done = RunOnAll(abi::OpKind::kLowLatencyDispatch, 0, tokens);
     if (mode < 2) EXPECT_NE(done[0].status_code, 0) << Message(done[0]);
     hub_.Hostile(1, [](uint8_t*, uint64_t, uint64_t) {});
+  }
+}
+
+// A peer holding the secret may write its next message into the slot as soon as the
+// previous one's immediate arrived, while this node still runs the op on it. Here node 1's
+// token ids, topk_idx and cached send_pos are rewritten in node 0's receive slot after the
+// kernels checked them and before they write the outputs (send_pos far out of range: a
+// write out of bounds if it were used). Node 0 reads only what it copied out of the slot
+// before the checks: every op completes with the outputs of an undisturbed run.
+TEST_F(MultinodeHostTest, PeerRewritingItsSlotMidOpChangesNothing) {
+  // Shared with the hooks, which the fixture's planes and hub may outlive the test body with.
+  struct Hooks {
+    std::atomic<uint8_t*> region{nullptr};
+    std::atomic<uint64_t> slot{0};
+    std::atomic<bool> armed{false};
+    std::atomic<int> rewrites{0};
+  };
+  auto hooks = std::make_shared<Hooks>();
+  std::atomic<uint8_t*>& region = hooks->region;
+  std::atomic<uint64_t>& slot = hooks->slot;
+  std::atomic<bool>& armed = hooks->armed;
+  std::atomic<int>& rewrites = hooks->rewrites;
+  hub_.Hostile(1, [hooks](uint8_t* base, uint64_t offset, uint64_t bytes) {
+    std::atomic<uint8_t*>& region = hooks->region;
+    std::atomic<uint64_t>& slot = hooks->slot;
+    uint32_t magic = 0;
+    if (bytes < sizeof(abi::ExchangeHeader)) return;
+    std::memcpy(&magic, base + offset, sizeof magic);
+    if (magic != abi::kExchangeMagic) return;
+    slot = offset;  // The header opens the slot of node 1's message.
+    region = base;
+  });
+  node0_inputs_checked_ = [this, hooks] {
+    std::atomic<uint8_t*>& region = hooks->region;
+    std::atomic<uint64_t>& slot = hooks->slot;
+    std::atomic<bool>& armed = hooks->armed;
+    std::atomic<int>& rewrites = hooks->rewrites;
+    if (!armed || region.load() == nullptr) return;
+    const abi::ExchangeShape xs{
+        shape_.num_ranks, shape_.num_experts,         shape_.hidden,
+        shape_.num_topk,  shape_.max_tokens_per_rank, shape_.ll_max_tokens_per_rank};
+    const abi::ExchangeSlotLayout sl = abi::ExchangeSlotLayout::Compute(xs, 1, 1);
+    uint8_t* blk = region.load() + slot.load() + sl.payload;
+    const int64_t C = static_cast<int64_t>(sl.block_rows), K = shape_.num_topk;
+    const int64_t R = shape_.num_ranks;
+    for (int64_t i = 0; i < C; ++i) {
+      const int32_t id = INT32_MAX - static_cast<int32_t>(i);
+      std::memcpy(blk + sl.ids + 4 * i, &id, 4);
+    }
+    const int64_t expert0 = 0;  // Every row to rank 0, more than its counts say.
+    for (int64_t i = 0; i < C * K; ++i) std::memcpy(blk + sl.idx + 8 * i, &expert0, 8);
+    const int32_t far = 1 << 30;
+    for (int64_t i = 0; i < C * R; ++i) std::memcpy(blk + sl.pos + 4 * i, &far, 4);
+    ++rewrites;
+  };
+  Start({1, 1}, 2000, /*fp8=*/false);
+  if (HasFatalFailure()) return;
+  MakeInputs(11);
+  const std::vector<int> tokens = {4, 6};
+  const int K = shape_.num_topk, H = shape_.hidden, El = shape_.num_local_experts();
+  auto snapshot = [&](const std::vector<kernels::Region>& regions) {
+    std::vector<uint8_t> out;
+    for (const kernels::Region& r : regions) {
+      const uint8_t* p = At<uint8_t>(0, r);
+      out.insert(out.end(), p, p + r.bytes);
+    }
+    return out;
+  };
+  auto clear = [&](const std::vector<kernels::Region>& regions) {
+    for (const kernels::Region& r : regions) std::memset(At<uint8_t>(0, r), 0, r.bytes);
+  };
+  const std::vector<kernels::Region> normal = {layout_.recv_x,
+                                               layout_.recv_src_info,
+                                               layout_.recv_topk_idx,
+                                               layout_.recv_topk_weights,
+                                               layout_.recv_count,
+                                               layout_.rank_prefix,
+                                               layout_.recv_tokens_per_expert};
+
+  // Normal dispatch, undisturbed and then rewritten mid-op.
+  clear(normal);
+  auto done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens);
+  ASSERT_EQ(done[0].status_code, 0) << Message(done[0]);
+  const int32_t num_recv = *At<int32_t>(0, layout_.recv_count);
+  ASSERT_GT(num_recv, 0);
+  const std::vector<uint8_t> want = snapshot(normal);
+  clear(normal);
+  armed = true;
+  done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens);
+  armed = false;
+  EXPECT_EQ(rewrites.exchange(0), 1);
+  ASSERT_EQ(done[0].status_code, 0) << Message(done[0]);
+  const uint64_t dispatch_seq = last_seq_;
+  EXPECT_TRUE(snapshot(normal) == want) << "dispatch outputs changed by the rewrite";
+  for (int32_t i = 0; i < num_recv; ++i) {
+    const int32_t src = At<int32_t>(0, layout_.recv_src_info)[i];
+    EXPECT_TRUE(src >= 0 && src < shape_.num_ranks * shape_.max_tokens_per_rank) << src;
+    for (int k = 0; k < K; ++k) {
+      const int64_t e = At<int64_t>(0, layout_.recv_topk_idx)[int64_t{i} * K + k];
+      EXPECT_TRUE(e >= -1 && e < El) << e;
+    }
+  }
+
+  // Cached dispatch of the second dispatch's handle: the rewritten send_pos would land rows
+  // 2^30 rows past the receive buffer.
+  clear({layout_.recv_x});
+  armed = true;
+  done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagCachedHandle, tokens, dispatch_seq);
+  armed = false;
+  EXPECT_EQ(rewrites.exchange(0), 1);
+  ASSERT_EQ(done[0].status_code, 0) << Message(done[0]);
+  EXPECT_TRUE(Same(At<uint8_t>(0, layout_.recv_x), want.data(), int64_t{num_recv} * 2 * H));
+
+  // Low-latency dispatch: undisturbed into one buffer, rewritten into the other.
+  const std::vector<int> ll_tokens = {4, 5};
+  done = RunOnAll(abi::OpKind::kLowLatencyDispatch, 0, ll_tokens);
+  ASSERT_EQ(done[0].status_code, 0) << Message(done[0]);
+  const int b0 = done[0].buffer;
+  const std::vector<uint8_t> ll_want =
+      snapshot({layout_.ll_recv_x[b0], layout_.ll_recv_src_info[b0], layout_.ll_recv_count[b0]});
+  armed = true;
+  done = RunOnAll(abi::OpKind::kLowLatencyDispatch, 0, ll_tokens);
+  armed = false;
+  EXPECT_EQ(rewrites.exchange(0), 1);
+  ASSERT_EQ(done[0].status_code, 0) << Message(done[0]);
+  const int b1 = done[0].buffer;
+  ASSERT_NE(b0, b1);
+  const int32_t* count = At<int32_t>(0, layout_.ll_recv_count[b1]);
+  const int64_t rows = shape_.ll_rows_per_expert();
+  const auto* want_count = reinterpret_cast<const int32_t*>(
+      ll_want.data() + layout_.ll_recv_x[b0].bytes + layout_.ll_recv_src_info[b0].bytes);
+  const auto* want_src =
+      reinterpret_cast<const int32_t*>(ll_want.data() + layout_.ll_recv_x[b0].bytes);
+  for (int j = 0; j < El; ++j) {
+    ASSERT_EQ(count[j], want_count[j]) << "expert " << j;
+    EXPECT_TRUE(Same(At<uint8_t>(0, layout_.ll_recv_x[b1]) + j * rows * 2 * H,
+                     ll_want.data() + j * rows * 2 * H, int64_t{count[j]} * 2 * H))
+        << "expert " << j;
+    EXPECT_TRUE(Same(At<int32_t>(0, layout_.ll_recv_src_info[b1]) + j * rows, want_src + j * rows,
+                     count[j]))
+        << "expert " << j;
   }
 }
 

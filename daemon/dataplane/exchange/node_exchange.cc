@@ -28,6 +28,18 @@ std::chrono::milliseconds PeerFailureGrace(uint32_t op_timeout_ms) {
   return std::min(std::chrono::milliseconds(1000), std::chrono::milliseconds(op_timeout_ms));
 }
 
+/// Rows of one dispatch block of the exchange (ExchangeSlotLayout::block_rows).
+uint64_t BlockRows(const abi::ExchangeShape& xs) {
+  return static_cast<uint64_t>(std::max(xs.max_tokens, xs.ll_max_tokens));
+}
+
+/// Bytes of the private copies of the other nodes' indices (NodeExchange's in_ids, in_idx,
+/// in_pos) at a node of `local_ranks` ranks.
+uint64_t RemoteIndexBytes(const abi::ExchangeShape& xs, int64_t local_ranks) {
+  const uint64_t remote = static_cast<uint64_t>(std::max<int64_t>(xs.num_ranks - local_ranks, 0));
+  return remote * BlockRows(xs) * (4 + 8 * xs.num_topk + 4 * xs.num_ranks);
+}
+
 }  // namespace
 
 uint64_t NodeExchangeBytes(const v1::GroupSpec& spec, const kernels::GroupShape& gs) {
@@ -44,6 +56,7 @@ uint64_t NodeExchangeBytes(const v1::GroupSpec& spec, const kernels::GroupShape&
                abi::ExchangeSlotLayout::Compute(xs, rm, rn).total;
     }
     bytes += 2 * abi::ExchangeCombineLayout::Compute(xs, spec.nodes(m).num_ranks()).total;
+    bytes += RemoteIndexBytes(xs, spec.nodes(m).num_ranks());
     most = std::max(most, bytes);
   }
   return most;
@@ -153,6 +166,11 @@ absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local
     s.block_start.assign(static_cast<size_t>(E), 0);
     s.combine_off.assign(static_cast<size_t>(std::max(R, E)) + 1, 0);
     s.remote_rows.assign(static_cast<size_t>(E), 0);
+    s.headers.assign(s.num_nodes, abi::ExchangeHeader{});
+    const size_t remote_rows = static_cast<size_t>(R - s.count[node]) * BlockRows(s.xs);
+    s.in_ids.assign(remote_rows, 0);
+    s.in_idx.assign(remote_rows * gs.num_topk, 0);
+    s.in_pos.assign(remote_rows * R, 0);
     s.dispatch_sources.resize(R);
     s.ll_sources.resize(R);
     s.pack_sources.resize(s.count[node]);
@@ -346,10 +364,10 @@ bool NodeExchange::ImmFor(int32_t n, uint64_t seq) {
   }
 }
 
-absl::Status NodeExchange::CheckHeader(int32_t n, uint64_t seq) const {
+absl::Status NodeExchange::CheckHeader(int32_t n, uint64_t seq) {
   const auto* slot = reinterpret_cast<const uint8_t*>(span_.recv.data()) + span_.recv_offset[n] +
                      (LinkSeq(n, seq) % 2) * span_.in_layout[n].total;
-  abi::ExchangeHeader h;
+  abi::ExchangeHeader& h = span_.headers[n];
   std::memcpy(&h, slot, sizeof(h));
   if (h.magic != abi::kExchangeMagic || h.version != abi::kExchangeAbiVersion ||
       h.seq != LinkSeq(n, seq) || h.source_node != n || h.first_rank != span_.first[n] ||
@@ -757,7 +775,7 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
       h.expert_alignment = slots[first].expert_alignment;
       h.handle_seq = HandleAge(plan.seq, slots[first].handle_seq);
     } else {
-      std::memcpy(&h, RecvSlot(n, plan.seq), sizeof(h));
+      h = span_.headers[n];  // Checked by CheckHeader (Poll) for this op.
     }
     return h;
   };
@@ -779,7 +797,7 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
           span_.first[n], "-", span_.first[n] + span_.count[n] - 1, ") submitted ", describe(h)));
     }
   }
-  // Node n's metadata, checked: its rows per block.
+  // Node n's rows per block (each read once, into a local, and checked there).
   auto rows_of = [&](int32_t n) {
     return reinterpret_cast<const int32_t*>(RecvSlot(n, plan.seq) + span_.in_layout[n].rows);
   };
@@ -838,17 +856,30 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
               n, absl::StrCat(rows, " rows of rank ", s, " (at most ", sl.block_rows, ")"));
         }
         const uint8_t* blk = RecvSlot(n, plan.seq) + sl.payload + i * sl.block_bytes;
-        const auto* ids = reinterpret_cast<const int32_t*>(blk + sl.ids);
-        const auto* idx = reinterpret_cast<const int64_t*>(blk + sl.idx);
+        // The peer may write this slot again while the kernels run (its next op's write may
+        // follow this op's immediate at once): what they check and then use as indices (token
+        // ids, topk_idx, send_pos) is copied out first, and only the copies are read. The rows'
+        // values (x, scales, weights) are read in place.
+        const size_t at = RemoteIndex(s) * sl.block_rows;
+        const bool cached = flags.cached_handle && !ll;
+        int32_t* ids = span_.in_ids.data() + at;
+        int64_t* idx = span_.in_idx.data() + at * gs.num_topk;
+        int32_t* pos = span_.in_pos.data() + at * R;
+        std::memcpy(ids, blk + sl.ids, sizeof(int32_t) * rows);
+        if (cached) {
+          std::memcpy(pos, blk + sl.pos, sizeof(int32_t) * static_cast<size_t>(rows) * R);
+        } else {
+          std::memcpy(idx, blk + sl.idx, sizeof(int64_t) * static_cast<size_t>(rows) * gs.num_topk);
+        }
         const auto* sc = reinterpret_cast<const float*>(blk + sl.scales);
         span_.dispatch_sources[s] = {
             rows,
             ids,
             blk + sl.x,
             flags.use_fp8 ? sc : nullptr,
-            flags.cached_handle ? nullptr : idx,
+            cached ? nullptr : idx,
             flags.dispatch_weights ? reinterpret_cast<const float*>(blk + sl.weights) : nullptr,
-            flags.cached_handle ? reinterpret_cast<const int32_t*>(blk + sl.pos) : nullptr};
+            cached ? pos : nullptr};
         span_.ll_sources[s] = {rows,         ids, idx, blk + sl.x, flags.use_fp8 ? sc : nullptr,
                                flags.use_fp8};
       }
@@ -951,9 +982,9 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
         for (int32_t s = 0; s < first; ++s) start += dc[int64_t{s} * R + r];
         for (int32_t s = first; s < first + Rl; ++s) cnt += dc[int64_t{s} * R + r];
         const int32_t i = r - span_.first[n];
-        if (rows_of(n)[i] != cnt) {
-          return malformed(
-              n, absl::StrCat(rows_of(n)[i], " combine rows of rank ", r, ", ", cnt, " expected"));
+        if (const int32_t rows = rows_of(n)[i]; rows != cnt) {
+          return malformed(n,
+                           absl::StrCat(rows, " combine rows of rank ", r, ", ", cnt, " expected"));
         }
         const int64_t off = span_.combine_off[r];
         const uint8_t* area = CombineArea(n, plan.seq);
@@ -995,9 +1026,8 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
           int64_t start = 0, cnt = 0;
           for (int32_t s = 0; s < first; ++s) start += c[int64_t{s} * E + e];
           for (int32_t s = first; s < first + Rl; ++s) cnt += c[int64_t{s} * E + e];
-          if (rows_of(n)[i * El + j] != cnt) {
-            return malformed(n, absl::StrCat(rows_of(n)[i * El + j], " rows of expert ", e, ", ",
-                                             cnt, " expected"));
+          if (const int32_t rows = rows_of(n)[i * El + j]; rows != cnt) {
+            return malformed(n, absl::StrCat(rows, " rows of expert ", e, ", ", cnt, " expected"));
           }
           span_.remote_first[e] = static_cast<int32_t>(start);
           span_.remote_rows[e] = static_cast<int32_t>(cnt);

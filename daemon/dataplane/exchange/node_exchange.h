@@ -31,9 +31,9 @@
 
 namespace epd {
 
-/// The exchange's receive region and send staging of a group that spans nodes, at its
-/// largest node (DESIGN.md §5.1); 0 for a one-node group. Counted in the backends'
-/// GroupPrivateBytes.
+/// The exchange's receive region, send staging and private copies of the peers' indices
+/// of a group that spans nodes, at its largest node (DESIGN.md §5.1); 0 for a one-node
+/// group. Counted in the backends' GroupPrivateBytes.
 uint64_t NodeExchangeBytes(const v1::GroupSpec& spec, const kernels::GroupShape& shape);
 
 /// The transport of a group that spans nodes: `transport` null for a one-node spec; for a
@@ -163,6 +163,11 @@ class NodeExchange {
     return reinterpret_cast<const uint8_t*>(span_.recv.data()) + span_.combine_offset[span_.self] +
            (LinkSeq(n, seq) % 2) * span_.combine_layout[span_.self].total;
   }
+  /// Rank `s` (not on this node) among the ranks of the other nodes: its block in
+  /// span_.in_ids / in_idx / in_pos.
+  size_t RemoteIndex(int32_t s) const {
+    return static_cast<size_t>(s < local_first_ ? s : s - local_count_);
+  }
   int32_t NodeOf(int32_t rank) const {
     for (int32_t n = 0; n < span_.num_nodes; ++n) {
       if (rank >= span_.first[n] && rank < span_.first[n] + span_.count[n]) return n;
@@ -185,8 +190,9 @@ class NodeExchange {
   // A dispatch's local sources for the send staging (span_.pack_sources); a low-latency FP8
   // dispatch's tokens quantized, once, into span_.quant_x / quant_scales.
   void StagePackSources(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
-  /// Checks node n's header of op `seq` in the receive region.
-  absl::Status CheckHeader(int32_t n, uint64_t seq) const;
+  /// Copies node n's header of op `seq` out of the receive region into span_.headers[n] and
+  /// checks the copy (which is all that is read of it afterwards).
+  absl::Status CheckHeader(int32_t n, uint64_t seq);
   /// True when every node whose message of the running op is missing is alive: its Peer
   /// service healthy (GroupPeers::Health OK) and its data link ready.
   bool MissingPeersAlive() const;
@@ -211,10 +217,18 @@ class NodeExchange {
     std::vector<uint64_t> recv_offset;                           // [N]
     std::vector<uint64_t> remote_offset;  // [N]: this node's parity-0 slot at node n.
     std::vector<abi::ExchangeCombineLayout> combine_layout;  // [N] each node's area.
-    std::vector<uint64_t> combine_offset;  // [N]: each node's parity-0 combine area.
-    std::vector<int64_t> combine_off;      // [max(R, E) + 1]: CombineOffsets' output.
-    std::vector<int64_t> block_start;      // [E]: LL combine remote blocks.
-    const OpPlan* plan = nullptr;          // The running op (LockstepGroup's running_).
+    std::vector<uint64_t> combine_offset;      // [N]: each node's parity-0 combine area.
+    std::vector<int64_t> combine_off;          // [max(R, E) + 1]: CombineOffsets' output.
+    std::vector<int64_t> block_start;          // [E]: LL combine remote blocks.
+    std::vector<abi::ExchangeHeader> headers;  // [N] each peer's, as CheckHeader copied it.
+    // The running dispatch's token ids, topk_idx and cached send_pos of every rank on another
+    // node, copied out of the receive region (which a peer may write again at any time)
+    // before anything checks them: block RemoteIndex(s) of C = in_layout block_rows rows,
+    // [C] int32, [C, K] int64 and [C, R] int32. The kernels read only these copies.
+    std::vector<int32_t> in_ids;
+    std::vector<int64_t> in_idx;
+    std::vector<int32_t> in_pos;
+    const OpPlan* plan = nullptr;  // The running op (LockstepGroup's running_).
     const std::vector<abi::RequestSlot>* slots = nullptr;
     std::vector<uint64_t> recv;                    // The receive region.
     std::vector<std::vector<uint64_t>> send;       // [N] send staging.

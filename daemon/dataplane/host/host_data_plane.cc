@@ -241,7 +241,8 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   }
 
   kernels::host::HostExecution Execution() {
-    return {plane_->options().host_threads, &plane_->kernel_pool(), &kernel_scratch_};
+    return {plane_->options().host_threads, &plane_->kernel_pool(), &kernel_scratch_,
+            &plane_->options().on_inputs_checked};
   }
   void Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
                std::span<RankOutcome> out);

@@ -40,6 +40,9 @@ struct HostDataPlaneOptions {
   /// the engine's heap allocations per op inside and outside the kernels.
   std::function<void()> on_engine_start;
   std::function<void(bool)> on_kernels;
+  /// Test seam (unset in the daemon): kernels::host::HostExecution::on_inputs_checked of
+  /// every op across nodes (called between the kernels' checks and their writes).
+  std::function<void()> on_inputs_checked;
   /// Test seam (unset in the daemon): runs first on each of kernels/host's worker threads
   /// (the plane's HostWorkerPool, host_threads - 1 of them, started with the first group),
   /// so a test can count their allocations too.

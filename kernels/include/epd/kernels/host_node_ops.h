@@ -85,7 +85,10 @@ struct NodePackJob {
 void PackNodeRows(const GroupShape& shape, std::span<const NodePackJob> jobs,
                   const HostExecution& exec = {});
 
-/// What this node holds of one source rank of a normal dispatch.
+/// What this node holds of one source rank of a normal dispatch. token, topk_idx and
+/// send_pos are checked and then read again: they must be memory nobody else writes while
+/// the call runs (the daemon copies a peer's out of its receive region first); x, x_scales
+/// and topk_weights are read as values only.
 struct NodeDispatchSource {
   int32_t num_rows = 0;               ///< Rows present.
   const int32_t* token = nullptr;     ///< [num_rows] token index, ascending; null: row i = token i.
@@ -109,7 +112,9 @@ absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& option
                           std::span<const NodeDispatchSource> sources,
                           std::span<DispatchRankArgs> local, const HostExecution& exec = {});
 
-/// What this node holds of one source rank of a low-latency dispatch.
+/// What this node holds of one source rank of a low-latency dispatch. token and topk_idx
+/// are checked and then read again: they must be memory nobody else writes while the call
+/// runs; x and scales are read as values only.
 struct NodeLowLatencySource {
   int32_t num_rows = 0;               ///< Rows present.
   const int32_t* token = nullptr;     ///< [num_rows] token index, ascending; null: row i = token i.

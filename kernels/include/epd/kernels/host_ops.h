@@ -99,6 +99,10 @@ struct HostExecution {
   int num_threads = 0;             ///< Threads per op (0 = hardware_concurrency()).
   HostWorkerPool* pool = nullptr;  ///< Persistent workers, or null.
   HostScratch* scratch = nullptr;  ///< Persistent scratch, or null.
+  /// Test seam (null in the daemon): called by NodeDispatch and NodeLowLatencyDispatch on
+  /// the caller's thread once every input is checked, before the outputs are written (a
+  /// test rewrites a peer's inputs there to show that nothing is read twice). Not owned.
+  const std::function<void()>* on_inputs_checked = nullptr;
 };
 
 // ---- GetDispatchLayout -----------------------------------------------------------------
