@@ -221,6 +221,7 @@ class FakeLink : public transport::GroupLink {
   }
   bool PollImm(int32_t node, uint32_t* imm) override { return hub_->Pop(&state_, node, imm); }
   absl::StatusOr<int> AddSendRegion(const transport::MemoryRegion& region) override {
+    if (!add_region_error.ok()) return add_region_error;
     if (region.base == nullptr || region.bytes == 0) {
       return absl::InvalidArgumentError("fake link: empty or null send region");
     }
@@ -238,6 +239,8 @@ class FakeLink : public transport::GroupLink {
   size_t num_source_regions() const { return sources_.size(); }
   /// Writes refused for a source outside them.
   uint64_t refused_sources() const { return refused_sources_; }
+  /// Not OK: AddSendRegion fails with it (a registration the memlock limit stops).
+  absl::Status add_region_error;
 
  private:
   struct Source {

@@ -449,6 +449,33 @@ TEST(FakeExchangeStrict, RefusesSourcesOutsideTheLinksRegions) {
   EXPECT_TRUE((*l2)->PostWrite(1, {&from_area, 1}, 6).ok());
 }
 
+// A rank's data area the link cannot take (RDMA: the locked-memory limit): the combine fails
+// on every node naming the rank and the link's reason; the ops that do not send from it run.
+TEST_F(MultinodeHostTest, ARankAreaTheLinkRefusesFailsTheCombineEverywhere) {
+  Start({1, 1});
+  if (HasFatalFailure()) return;
+  nodes_[0]->transport->last_link()->add_region_error =
+      absl::FailedPreconditionError("ibv_reg_mr: raise the locked-memory limit");
+  MakeInputs(50);
+  auto done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
+  const uint64_t dispatch_seq = last_seq_;
+  for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+  done = RunOnAll(abi::OpKind::kCombine, 0, tokens_, dispatch_seq);
+  for (size_t r = 0; r < done.size(); ++r) {
+    EXPECT_EQ(done[r].status_code, static_cast<int32_t>(absl::StatusCode::kFailedPrecondition))
+        << r;
+    EXPECT_NE(Message(done[r]).find("rank 0: declaring its data area"), std::string::npos)
+        << Message(done[r]);
+    EXPECT_NE(Message(done[r]).find("locked-memory limit"), std::string::npos) << Message(done[r]);
+  }
+  nodes_[0]->transport->last_link()->add_region_error = absl::OkStatus();
+  done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
+  for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+  done = RunOnAll(abi::OpKind::kCombine, 0, tokens_, last_seq_);
+  for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+  ExpectLinkRegions(0);
+}
+
 // A rank attached anew between ops (new endpoint, new shm memory): the next combine sends its
 // rows from the new memory, which the exchange declares to the link in place of the old.
 TEST_F(MultinodeHostTest, ReattachedRankCombinesFromItsNewMemory) {
