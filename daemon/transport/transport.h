@@ -34,8 +34,10 @@ enum class MemoryKind {
   kCudaDevice,  ///< CUDA device memory of `cuda_device` (RDMA: registered through dmabuf).
 };
 
-/// A region of local memory a link writes from or receives into, registered once for the
-/// link's life (RDMA: one memory region each). Owned by the caller; must outlive the link.
+/// A region of local memory a link writes from or receives into (RDMA: one memory region
+/// each): given at link creation, registered for the link's life, or added and withdrawn
+/// while it lives (GroupLink::AddSendRegion). Owned by the caller; must stay mapped while
+/// the link holds it.
 struct MemoryRegion {
   void* base = nullptr;
   uint64_t bytes = 0;
