@@ -67,4 +67,14 @@ absl::Status PieceOutsideError(std::span<const WritePiece> pieces, ptrdiff_t ind
       " bytes) is outside its receive region of ", region_bytes, " bytes or has no source"));
 }
 
+absl::Status SourceOutsideError(std::span<const WritePiece> pieces, ptrdiff_t index,
+                                absl::string_view peer) {
+  const WritePiece& w = pieces[static_cast<size_t>(index)];
+  return absl::InvalidArgumentError(absl::StrCat(
+      peer, ": piece ", index, " (", w.bytes, " bytes at 0x",
+      absl::Hex(reinterpret_cast<uint64_t>(w.src)),
+      ") has its source outside every registered region of the link (the receive region, "
+      "GroupLinkOptions.send_regions and the regions of GroupLink::AddSendRegion)"));
+}
+
 }  // namespace epd::transport

@@ -51,6 +51,38 @@ ptrdiff_t FirstPieceOutside(std::span<const WritePiece> pieces, uint64_t region_
 absl::Status PieceOutsideError(std::span<const WritePiece> pieces, ptrdiff_t index,
                                uint64_t region_bytes, absl::string_view peer);
 
+/// Whether [src, src + bytes) lies whole within [begin, end).
+inline bool RangeHolds(uint64_t begin, uint64_t end, const void* src, uint64_t bytes) {
+  const auto at = reinterpret_cast<uint64_t>(src);
+  return at >= begin && at <= end && bytes <= end - at;
+}
+
+/// Index of the first non-empty piece whose source lies whole in none of `regions` (each
+/// with uint64_t `begin` and `end`: the link's registered regions), or -1 when every
+/// piece's does. What a transport that needs sources registered (RDMA) checks before
+/// posting. Linear in pieces x regions; allocates nothing.
+template <typename Region>
+ptrdiff_t FirstSourceOutside(std::span<const WritePiece> pieces, std::span<const Region> regions) {
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const WritePiece& w = pieces[i];
+    if (w.bytes == 0) continue;
+    bool inside = false;
+    for (const Region& r : regions) {
+      if (RangeHolds(r.begin, r.end, w.src, w.bytes)) {
+        inside = true;
+        break;
+      }
+    }
+    if (!inside) return static_cast<ptrdiff_t>(i);
+  }
+  return -1;
+}
+
+/// INVALID_ARGUMENT naming `peer` and piece `index` of `pieces`, whose source lies outside
+/// every registered region of the link.
+absl::Status SourceOutsideError(std::span<const WritePiece> pieces, ptrdiff_t index,
+                                absl::string_view peer);
+
 /// The caller's side of one peer of a link: its state, writes posted (engine thread) and
 /// completed (progress thread), and the ring of immediates delivered (progress thread,
 /// written into imm_slots at their sequence number before `delivered` moves past it) and

@@ -34,8 +34,10 @@ enum class MemoryKind {
   kCudaDevice,  ///< CUDA device memory of `cuda_device` (RDMA: registered through dmabuf).
 };
 
-/// A region of local memory a link writes from or receives into, registered once for the
-/// link's life (RDMA: one memory region each). Owned by the caller; must outlive the link.
+/// A region of local memory a link writes from or receives into (RDMA: one memory region
+/// each): given at link creation, registered for the link's life, or added and withdrawn
+/// while it lives (GroupLink::AddSendRegion). Owned by the caller; must stay mapped while
+/// the link holds it.
 struct MemoryRegion {
   void* base = nullptr;
   uint64_t bytes = 0;
@@ -56,10 +58,10 @@ struct GroupLinkOptions {
   /// takes; CreateGroupLink refuses another with INVALID_ARGUMENT).
   MemoryKind recv_kind = MemoryKind::kHost;
   int recv_cuda_device = -1;
-  /// Regions PostWrite sources may lie in, besides the receive region. A transport that
-  /// needs sources registered (RDMA) refuses a piece outside them with INVALID_ARGUMENT;
-  /// TCP takes host sources anywhere. Empty: host sources anywhere where the transport
-  /// allows it (TCP), none elsewhere.
+  /// Regions PostWrite sources may lie in, besides the receive region (and those added
+  /// later with GroupLink::AddSendRegion). A transport that needs sources registered (RDMA)
+  /// refuses a piece outside them with INVALID_ARGUMENT; TCP takes host sources anywhere.
+  /// Empty: host sources anywhere where the transport allows it (TCP), none elsewhere.
   std::vector<MemoryRegion> send_regions;
   /// Called from the transport's progress thread when something the engine waits for
   /// happened (an immediate arrived, a write completed, a peer failed): wakes the engine.
@@ -137,6 +139,24 @@ class GroupLink {
     (void)node;
     (void)cause;
   }
+
+  /// Declares `region` a place PostWrite sources may lie in from now on, besides the
+  /// receive region and GroupLinkOptions.send_regions: for memory that comes and goes
+  /// while the link lives (a rank's data area, attached after the link was made). RDMA
+  /// registers it (one memory region, pinned until RemoveSendRegion); a transport that
+  /// takes host sources anywhere (TCP, the default) records nothing. Returns a handle for
+  /// RemoveSendRegion (>= 0). The memory must stay mapped until RemoveSendRegion or the
+  /// link's end. Allocates; not for the hot path (once per attach). Errors: INVALID_ARGUMENT
+  /// (empty or null region, a kind the transport does not Support), FAILED_PRECONDITION
+  /// (the locked-memory limit), those of the registration.
+  virtual absl::StatusOr<int> AddSendRegion(const MemoryRegion& region) {
+    (void)region;
+    return 0;
+  }
+  /// Withdraws a region AddSendRegion declared (`handle` its answer). No write posted
+  /// from it may still be in flight (WritesCompleted has counted every one). An unknown
+  /// handle is ignored. Default: nothing.
+  virtual void RemoveSendRegion(int handle) { (void)handle; }
 
   /// Closes every connection of the link (peers see it as a failure). Idempotent; the
   /// destructor calls it.

@@ -5,6 +5,9 @@
 // the immediate there; FakePeers read each other's registrations from the hub. Kill(node)
 // makes that node lost: its links fail and Health names it. Hostile(node, fn) lets a test
 // rewrite what a node's writes leave in a peer's region (a peer daemon sending garbage).
+// A strict FakeTransport (the default) refuses, as the RDMA transport does and with the same
+// check (link_common.h FirstSourceOutside), a write piece whose source lies outside every
+// region the link was given (receive region, send_regions, AddSendRegion).
 #pragma once
 
 #include <cstring>
@@ -15,6 +18,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -23,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/peer/peer_mesh.h"
+#include "daemon/transport/link_common.h"
 #include "daemon/transport/transport.h"
 
 namespace epd::testing {
@@ -157,8 +162,16 @@ class FakeHub {
 
 class FakeLink : public transport::GroupLink {
  public:
-  FakeLink(FakeHub* hub, const transport::GroupLinkOptions& o) : hub_(hub) {
+  /// `strict_sources`: refuse sources outside the link's regions (RDMA's rule).
+  FakeLink(FakeHub* hub, const transport::GroupLinkOptions& o, bool strict_sources)
+      : hub_(hub), strict_(strict_sources) {
     state_.options = o;
+    const auto add = [this](const void* base, uint64_t bytes) {
+      const auto at = reinterpret_cast<uint64_t>(base);
+      if (bytes > 0) sources_.push_back({at, at + bytes, -1});
+    };
+    add(o.recv_base, o.recv_bytes);
+    for (const transport::MemoryRegion& r : o.send_regions) add(r.base, r.bytes);
     hub_->AddLink(o.group, o.self_node, &state_);
   }
   ~FakeLink() override { Close(); }
@@ -193,36 +206,79 @@ class FakeLink : public transport::GroupLink {
   }
   absl::Status PostWrite(int32_t node, std::span<const transport::WritePiece> pieces,
                          uint32_t imm) override {
+    if (strict_) {
+      if (const ptrdiff_t bad =
+              transport::FirstSourceOutside(pieces, std::span<const Source>(sources_));
+          bad >= 0) {
+        ++refused_sources_;
+        return transport::SourceOutsideError(pieces, bad, absl::StrCat("fake link to node ", node));
+      }
+    }
     return hub_->Write(state_.options.group, state_.options.self_node, node, pieces, imm);
   }
   uint64_t WritesCompleted(int32_t node) const override {
     return hub_->Completed(const_cast<FakeHub::LinkState*>(&state_), node);
   }
   bool PollImm(int32_t node, uint32_t* imm) override { return hub_->Pop(&state_, node, imm); }
+  absl::StatusOr<int> AddSendRegion(const transport::MemoryRegion& region) override {
+    if (!add_region_error.ok()) return add_region_error;
+    if (region.base == nullptr || region.bytes == 0) {
+      return absl::InvalidArgumentError("fake link: empty or null send region");
+    }
+    const auto at = reinterpret_cast<uint64_t>(region.base);
+    sources_.push_back({at, at + region.bytes, next_handle_});
+    return next_handle_++;
+  }
+  void RemoveSendRegion(int handle) override {
+    std::erase_if(sources_, [handle](const Source& s) { return s.handle == handle; });
+  }
   void Close() override {
     hub_->RemoveLink(state_.options.group, state_.options.self_node, &state_);
   }
+  /// Regions the link holds now (receive region, send_regions and those added).
+  size_t num_source_regions() const { return sources_.size(); }
+  /// Writes refused for a source outside them.
+  uint64_t refused_sources() const { return refused_sources_; }
+  /// Not OK: AddSendRegion fails with it (a registration the memlock limit stops).
+  absl::Status add_region_error;
 
  private:
+  struct Source {
+    uint64_t begin = 0, end = 0;
+    int handle = -1;  ///< AddSendRegion's; -1 for the options' regions.
+  };
   FakeHub* hub_;
   FakeHub::LinkState state_;
   std::set<int32_t> connected_;
   /// The peer's link generation at the last Connect (0: its link was not there yet).
   std::map<int32_t, uint64_t> connected_generation_;
+  bool strict_ = true;
+  std::vector<Source> sources_;
+  int next_handle_ = 0;
+  uint64_t refused_sources_ = 0;
 };
 
 class FakeTransport : public transport::Transport {
  public:
-  explicit FakeTransport(FakeHub* hub) : hub_(hub) {}
+  /// `strict_sources`: links refuse write sources outside their regions, as RDMA does;
+  /// false: sources anywhere, as TCP takes them.
+  explicit FakeTransport(FakeHub* hub, bool strict_sources = true)
+      : hub_(hub), strict_(strict_sources) {}
   std::string name() const override { return "fake"; }
   absl::StatusOr<std::unique_ptr<transport::GroupLink>> CreateGroupLink(
       const transport::GroupLinkOptions& o) override {
-    return std::unique_ptr<transport::GroupLink>(std::make_unique<FakeLink>(hub_, o));
+    auto link = std::make_unique<FakeLink>(hub_, o, strict_);
+    last_link_ = link.get();
+    return std::unique_ptr<transport::GroupLink>(std::move(link));
   }
+  /// The link created last (owned by its caller; valid while it lives).
+  FakeLink* last_link() const { return last_link_; }
   void Shutdown() override {}
 
  private:
   FakeHub* hub_;
+  bool strict_ = true;
+  FakeLink* last_link_ = nullptr;
 };
 
 class FakePeers : public peer::GroupPeers {

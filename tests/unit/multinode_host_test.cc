@@ -6,6 +6,8 @@
 // lost peer fails the op within op_timeout naming the node; a restarted node rejoins and the
 // group re-forms though the nodes number their ops differently; garbage from a peer is an
 // error, never an out-of-bounds access (this file runs under ASan in tests/sanitize.sh).
+// The fake links refuse, as RDMA does, a write whose source lies outside the regions the
+// exchange declared to them: every exchange write passes RDMA's registration rule.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -153,6 +155,18 @@ class MultinodeHostTest : public ::testing::Test {
     std::unique_ptr<DataPlane> plane;
     std::unique_ptr<DataPlaneGroup> group;
   };
+
+  /// Asserts that node `n`'s link holds its receive region, its send staging and error
+  /// headers (two per peer) and one region per local rank: no rank area declared twice or
+  /// left behind by a re-attach.
+  void ExpectLinkRegions(int n) {
+    testing::FakeLink* link = nodes_[n]->transport->last_link();
+    ASSERT_NE(link, nullptr);
+    const size_t peers = spec_.nodes_size() - 1;
+    EXPECT_EQ(link->num_source_regions(), 1 + 2 * peers + spec_.nodes(n).num_ranks())
+        << "node " << n;
+    EXPECT_EQ(link->refused_sources(), 0u) << "node " << n;
+  }
 
   void TearDown() override {
     rings_.clear();
@@ -389,10 +403,116 @@ void MultinodeHostTest::EveryOpMatches(bool mirror) {
             << r;
       }
     }
+    for (size_t n = 0; n < layout.size(); ++n) ExpectLinkRegions(static_cast<int>(n));
   }
 }
 
 TEST_F(MultinodeHostTest, EveryOpMatchesTheWholeGroup) { EveryOpMatches(/*mirror=*/false); }
+
+// The fake links take write sources only inside the regions they were given, as RDMA does:
+// the check the exchange's writes pass in every test here.
+TEST(FakeExchangeStrict, RefusesSourcesOutsideTheLinksRegions) {
+  testing::FakeHub hub;
+  std::vector<uint8_t> recv0(64), recv1(64), staging(32), area(32);
+  transport::GroupLinkOptions o;
+  o.group = "g";
+  o.num_nodes = 2;
+  o.self_node = 0;
+  o.recv_base = recv0.data();
+  o.recv_bytes = recv0.size();
+  o.send_regions.push_back({staging.data(), staging.size()});
+  testing::FakeTransport t0(&hub), t1(&hub);
+  auto l0 = t0.CreateGroupLink(o);
+  o.self_node = 1;
+  o.recv_base = recv1.data();
+  o.send_regions.clear();
+  auto l1 = t1.CreateGroupLink(o);
+  ASSERT_TRUE(l0.ok() && l1.ok());
+  ASSERT_TRUE((*l0)->Connect(1, "fake:1").ok());
+  const transport::WritePiece from_staging{staging.data() + 8, 24, 0};
+  const transport::WritePiece from_area{area.data(), 32, 32};
+  const transport::WritePiece past_staging{staging.data() + 8, 25, 0};
+  EXPECT_TRUE((*l0)->PostWrite(1, {&from_staging, 1}, 1).ok());
+  EXPECT_EQ((*l0)->PostWrite(1, {&from_area, 1}, 2).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*l0)->PostWrite(1, {&past_staging, 1}, 3).code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<int> h = (*l0)->AddSendRegion({area.data(), area.size()});
+  ASSERT_TRUE(h.ok()) << h.status();
+  const transport::WritePiece both[] = {from_staging, from_area};
+  EXPECT_TRUE((*l0)->PostWrite(1, both, 4).ok());
+  (*l0)->RemoveSendRegion(*h);
+  const absl::Status st = (*l0)->PostWrite(1, {&from_area, 1}, 5);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("piece 0"), std::string::npos) << st;
+  EXPECT_EQ(t0.last_link()->refused_sources(), 3u);
+  // Without the rule (TCP's): sources anywhere.
+  testing::FakeTransport loose(&hub, /*strict_sources=*/false);
+  o.self_node = 0;
+  o.recv_base = recv0.data();
+  auto l2 = loose.CreateGroupLink(o);
+  ASSERT_TRUE(l2.ok());
+  ASSERT_TRUE((*l2)->Connect(1, "fake:1").ok());
+  EXPECT_TRUE((*l2)->PostWrite(1, {&from_area, 1}, 6).ok());
+}
+
+// A rank's data area the link cannot take (RDMA: the locked-memory limit): the combine fails
+// on every node naming the rank and the link's reason; the ops that do not send from it run.
+TEST_F(MultinodeHostTest, ARankAreaTheLinkRefusesFailsTheCombineEverywhere) {
+  Start({1, 1});
+  if (HasFatalFailure()) return;
+  nodes_[0]->transport->last_link()->add_region_error =
+      absl::FailedPreconditionError("ibv_reg_mr: raise the locked-memory limit");
+  MakeInputs(50);
+  auto done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
+  const uint64_t dispatch_seq = last_seq_;
+  for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+  done = RunOnAll(abi::OpKind::kCombine, 0, tokens_, dispatch_seq);
+  for (size_t r = 0; r < done.size(); ++r) {
+    EXPECT_EQ(done[r].status_code, static_cast<int32_t>(absl::StatusCode::kFailedPrecondition))
+        << r;
+    EXPECT_NE(Message(done[r]).find("rank 0: declaring its data area"), std::string::npos)
+        << Message(done[r]);
+    EXPECT_NE(Message(done[r]).find("locked-memory limit"), std::string::npos) << Message(done[r]);
+  }
+  nodes_[0]->transport->last_link()->add_region_error = absl::OkStatus();
+  done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
+  for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+  done = RunOnAll(abi::OpKind::kCombine, 0, tokens_, last_seq_);
+  for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+  ExpectLinkRegions(0);
+}
+
+// A rank attached anew between ops (new endpoint, new shm memory): the next combine sends its
+// rows from the new memory, which the exchange declares to the link in place of the old.
+TEST_F(MultinodeHostTest, ReattachedRankCombinesFromItsNewMemory) {
+  Start({2, 1});
+  if (HasFatalFailure()) return;
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    if (round == 1) {
+      rings_[1].reset();
+      nodes_[0]->group->DetachRank(1);
+      v1::EndpointInfo info;
+      absl::Status st = nodes_[0]->group->AttachRank(1, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info);
+      ASSERT_TRUE(st.ok()) << st;
+      rings_[1] = testing::RawRing::Open(info, *nodes_[0]->group);
+      ASSERT_NE(rings_[1], nullptr);
+    }
+    MakeInputs(40 + round);
+    for (int r = 0; r < shape_.num_ranks; ++r) tokens_[r] = shape_.ll_max_tokens_per_rank;
+    auto done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
+    const uint64_t dispatch_seq = last_seq_;
+    for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+    done = RunOnAll(abi::OpKind::kCombine, 0, tokens_, dispatch_seq);
+    for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+    done = RunOnAll(abi::OpKind::kLowLatencyDispatch, 0, tokens_);
+    const uint64_t ll_seq = last_seq_;
+    for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+    done = RunOnAll(abi::OpKind::kLowLatencyCombine, 0, tokens_, ll_seq);
+    for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+    ExpectLinkRegions(0);
+    ExpectLinkRegions(1);
+  }
+}
 
 // As the CUDA backend across nodes stages them (DESIGN.md §5.5): the exchange works on a
 // copy of each rank's area that holds only the ranges MirrorInputSpans names (the rest is

@@ -299,6 +299,9 @@ TEST(RdmaRegions, SourcesAreFoundOnlyWholeInARegion) {
   EXPECT_EQ(FindRegion(regions, at(0x3000), 1), nullptr);
   EXPECT_EQ(FindRegion(regions, at(0x1000), ~uint64_t{0}), nullptr);
   EXPECT_EQ(FindRegion({}, at(0x1000), 1), nullptr);
+  // Memory registered anew where a stale registration still lies: the latest wins.
+  const std::vector<RegisteredRegion> twice = {{0x1000, 0x2000, 11, 12}, {0x1000, 0x3000, 31, 32}};
+  EXPECT_EQ(FindRegion(twice, at(0x1800), 0x10)->lkey, 31u);
 }
 
 TEST(RdmaRegions, OnlyCudaDeviceRegionsAreExportedAsDmabuf) {

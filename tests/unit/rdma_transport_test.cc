@@ -207,6 +207,31 @@ TEST_F(RdmaLoopback, BadPiecesAreRefused) {
   EXPECT_TRUE(absl::IsInvalidArgument(nodes_[0].link->Connect(1, "garbage")));
 }
 
+// Memory that comes after the link (a rank's data area): writable from once added, refused
+// again once removed, and the latest registration of an address is the one used.
+TEST_F(RdmaLoopback, AddedSendRegionsAreWritableUntilRemoved) {
+  MakeGroup(2, 1 << 20);
+  std::vector<uint8_t> area(4096);
+  for (size_t i = 0; i < area.size(); ++i) area[i] = static_cast<uint8_t>(i * 7 + 3);
+  const WritePiece from_area{area.data(), area.size(), 512};
+  EXPECT_TRUE(absl::IsInvalidArgument(nodes_[0].link->PostWrite(1, {&from_area, 1}, 1)));
+  absl::StatusOr<int> h = nodes_[0].link->AddSendRegion({area.data(), area.size()});
+  ASSERT_TRUE(h.ok()) << h.status();
+  absl::StatusOr<int> again = nodes_[0].link->AddSendRegion({area.data(), area.size()});
+  ASSERT_TRUE(again.ok()) << again.status();
+  nodes_[0].link->RemoveSendRegion(*h);  // The other registration still covers it.
+  ASSERT_TRUE(PostWriteRetrying(*nodes_[0].link, 1, {&from_area, 1}, 2).ok());
+  uint32_t imm = 0;
+  ASSERT_TRUE(PollImmWaiting(*nodes_[1].link, 0, &imm));
+  EXPECT_EQ(imm, 2u);
+  EXPECT_EQ(std::memcmp(nodes_[1].recv.data() + 512, area.data(), area.size()), 0);
+  EXPECT_TRUE(WaitFor([&] { return nodes_[0].link->WritesCompleted(1) == 1; }));
+  nodes_[0].link->RemoveSendRegion(*again);
+  nodes_[0].link->RemoveSendRegion(12345);  // Unknown: ignored.
+  EXPECT_TRUE(absl::IsInvalidArgument(nodes_[0].link->PostWrite(1, {&from_area, 1}, 3)));
+  EXPECT_TRUE(absl::IsInvalidArgument(nodes_[0].link->AddSendRegion({nullptr, 64}).status()));
+}
+
 TEST_F(RdmaLoopback, TooManyInFlightIsResourceExhausted) {
   MakeGroup(2, 1 << 20);
   const WritePiece w{nodes_[0].send.data(), 64, 0};

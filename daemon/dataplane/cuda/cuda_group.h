@@ -95,6 +95,11 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   uint8_t* ExchangeRankData(int32_t rank) const override {
     return SpanRank(rank).mirror->data.get();
   }
+  transport::MemoryRegion ExchangeRankRegion(int32_t rank, uint64_t* memory_id) const override {
+    const CudaRankMirror& m = *SpanRank(rank).mirror;
+    *memory_id = m.memory_id;
+    return {m.data.get(), CudaRankMirror::MirrorBytes(layout()), transport::MemoryKind::kHost};
+  }
   RankRouting& ExchangeRankRouting(int32_t rank) const override {
     return SpanRank(rank).mirror->routing;
   }

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -47,11 +48,18 @@ struct CudaRankMirror {
   PinnedArray<uint64_t> staged;
   DeviceMemory counter;  ///< The copy kernels' ticket word (uint32, zeroed).
   RankRouting routing;   ///< The rank's private routing state (as the host backend's).
+  /// Unique to this mirror in the process (NodeExchangeHost::ExchangeRankRegion's id).
+  uint64_t memory_id = 0;
 
-  explicit CudaRankMirror(const kernels::GroupShape& shape) : routing(shape) {}
+  explicit CudaRankMirror(const kernels::GroupShape& shape)
+      : routing(shape), memory_id(NextMemoryId()) {}
   /// Bytes of `data` for `layout`: every region before ll_routing.
   static uint64_t MirrorBytes(const kernels::EndpointLayout& layout) {
     return layout.ll_routing.offset;
+  }
+  static uint64_t NextMemoryId() {
+    static std::atomic<uint64_t> next{1};
+    return next.fetch_add(1, std::memory_order_relaxed);
   }
   /// Host bytes of one rank's mirror of a group of `shape` (data, span tables, routing).
   static uint64_t BytesFor(const kernels::GroupShape& shape) {

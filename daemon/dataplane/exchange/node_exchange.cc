@@ -199,6 +199,14 @@ absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local
   lo.recv_base = s.recv.data();
   lo.recv_bytes = recv_bytes;
   lo.wake = options_.wake;
+  // Every write's sources: the send staging and error headers here (dispatch rows are packed
+  // into the staging); the local ranks' data areas, which combine rows are sent from, are
+  // declared as they attach (DeclareRankRegions).
+  for (int32_t n = 0; n < s.num_nodes; ++n) {
+    if (n == node) continue;
+    lo.send_regions.push_back({s.send[n].data(), s.send[n].size() * sizeof(uint64_t)});
+    lo.send_regions.push_back({s.fail_send[n].data(), s.fail_send[n].size() * sizeof(uint64_t)});
+  }
   for (int32_t n = 0; n < s.num_nodes; ++n) {
     lo.node_labels.push_back(absl::StrCat(sp.nodes(n).peer_address(), ", ",
                                           peer::RankRangeText(s.first[n], s.count[n])));
@@ -207,6 +215,8 @@ absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local
       options_.transport->CreateGroupLink(lo);
   if (!link.ok()) return link.status();
   s.link = *std::move(link);
+  rank_region_.assign(static_cast<size_t>(local_count), -1);
+  rank_memory_id_.assign(static_cast<size_t>(local_count), 0);
   peer::GroupMembership m;
   m.spec = sp;
   // The daemons compare the transport each resolved ("" = its own default): nodes whose
@@ -254,6 +264,7 @@ bool NodeExchange::PollBackground() {
     if (span_.connected[n]) span_.pending[n].reset();
     span_.posted[n] = 0;
     span_.fail_posted[n] = 0;
+    for (RetiredRegion& old : retired_regions_) old.posted[n] = 0;  // Its writes are gone.
     // The op collected now is the link's op 0 at both ends (the peer's first op after its
     // connect); an op one end failed alone is told by the usual error header or a later
     // op's immediate.
@@ -346,6 +357,41 @@ absl::Status NodeExchange::PostToNode(int32_t n, uint64_t seq,
       span_.link->PostWrite(n, pieces, abi::ExchangeImm(LinkSeq(n, seq), abi::kExchangePhaseOp));
   if (st.ok()) ++span_.posted[n];
   return st;
+}
+
+absl::Status NodeExchange::DeclareRankRegions() {
+  WithdrawRetiredRegions(false);
+  for (int32_t i = 0; i < local_count(); ++i) {
+    const int32_t r = local_first() + i;
+    uint64_t id = 0;
+    const transport::MemoryRegion region = host_->ExchangeRankRegion(r, &id);
+    if (rank_region_[i] >= 0 && rank_memory_id_[i] == id) continue;
+    absl::StatusOr<int> handle = span_.link->AddSendRegion(region);
+    if (!handle.ok()) {
+      return absl::Status(
+          handle.status().code(),
+          absl::StrCat("group ", spec().name(), " rank ", r, ": declaring its data area (",
+                       region.bytes, " bytes) to the ", options_.transport_name,
+                       " link: ", handle.status().message()));
+    }
+    // The old area is withdrawn after the new one is declared: a transport that looks for
+    // a source's region finds the latest declaration first.
+    if (rank_region_[i] >= 0) retired_regions_.push_back({rank_region_[i], span_.posted});
+    rank_region_[i] = *handle;
+    rank_memory_id_[i] = id;
+  }
+  WithdrawRetiredRegions(false);
+  return absl::OkStatus();
+}
+
+void NodeExchange::WithdrawRetiredRegions(bool all) {
+  std::erase_if(retired_regions_, [&](const RetiredRegion& old) {
+    for (int32_t n = 0; n < span_.num_nodes && !all; ++n) {
+      if (n != span_.self && span_.link->WritesCompleted(n) < old.posted[n]) return false;
+    }
+    span_.link->RemoveSendRegion(old.handle);
+    return true;
+  });
 }
 
 bool NodeExchange::ImmFor(int32_t n, uint64_t seq) {
@@ -526,6 +572,11 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
       kernels::host::CountLowLatencyRows(gs, slots[r].num_tokens, Private(r).topk_idx.data(),
                                          lc.data() + static_cast<size_t>(i) * E);
     }
+  }
+  // Combine rows go out straight from the ranks' data areas: each declared to the link.
+  if (local.ok() &&
+      (plan.op == abi::OpKind::kCombine || plan.op == abi::OpKind::kLowLatencyCombine)) {
+    local = DeclareRankRegions();
   }
   const bool header_only = !local.ok() || plan.op == abi::OpKind::kGetDispatchLayout;
   const kernels::host::HostExecution& exec = options_.exec;

@@ -61,6 +61,12 @@ class NodeExchangeHost {
   virtual ~NodeExchangeHost() = default;
   /// Host pointer to rank `rank`'s data area (EndpointLayout regions), valid for the op.
   virtual uint8_t* ExchangeRankData(int32_t rank) const = 0;
+  /// Rank `rank`'s data area as one region of host memory (ExchangeRankData and its size;
+  /// pinned or not), with in `*memory_id` what tells this memory apart: it differs whenever
+  /// the area is new memory (the rank attached anew), even at the same address. A combine
+  /// writes its rows to the peers straight from it, so the exchange declares it to the
+  /// transport link (GroupLink::AddSendRegion) at the first op that needs it after it changed.
+  virtual transport::MemoryRegion ExchangeRankRegion(int32_t rank, uint64_t* memory_id) const = 0;
   /// Rank `rank`'s private routing state.
   virtual RankRouting& ExchangeRankRouting(int32_t rank) const = 0;
   /// Rank `rank`'s handle table (which dispatch's routing is current); read by Start only.
@@ -205,6 +211,13 @@ class NodeExchange {
   /// the rows it holds of node m's tokens. Fills span_.combine_off [width] (blocks of m's own
   /// ranks/experts get the offset of the next block) and returns the total rows.
   int64_t CombineOffsets(int32_t m, const std::vector<int32_t>& counts, int32_t width);
+  /// Declares every local rank's data area to the link (GroupLink::AddSendRegion) where it
+  /// is new memory since the last declaration; a region withdrawn once the writes posted
+  /// before are complete (retired_regions_ until then). Allocates only when an area changed.
+  /// Errors: the link's, naming the rank.
+  absl::Status DeclareRankRegions();
+  /// Withdraws the retired regions whose writes are complete (every one when `all`).
+  void WithdrawRetiredRegions(bool all);
   /// Pops node n's next immediate into span_.pending[n]; returns whether one is pending for
   /// `seq` (older ones are dropped).
   bool ImmFor(int32_t n, uint64_t seq);
@@ -276,6 +289,17 @@ class NodeExchange {
   // [R] each local rank's handles (N and T of its routing dispatch) as the running op
   // started (Start), read instead of the handle table afterwards.
   std::vector<int32_t> recv_tokens_, routing_tokens_;
+  // [Rl] each local rank's data area as declared to the link: AddSendRegion's handle (-1:
+  // none yet) and the memory id it was declared for (ExchangeRankRegion).
+  std::vector<int> rank_region_;
+  std::vector<uint64_t> rank_memory_id_;
+  /// Handles of rank areas replaced while writes were in flight, with the writes posted to
+  /// each node then ([N]): withdrawn once those completed.
+  struct RetiredRegion {
+    int handle = -1;
+    std::vector<uint64_t> posted;
+  };
+  std::vector<RetiredRegion> retired_regions_;
 };
 
 }  // namespace epd

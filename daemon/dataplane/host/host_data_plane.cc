@@ -208,6 +208,13 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
     std::vector<uint8_t>& mirror = static_cast<HostRank&>(*op_endpoint(rank)->backend).mirror;
     return mirror.empty() ? op_endpoint(rank)->shm_data() : mirror.data();
   }
+  transport::MemoryRegion ExchangeRankRegion(int32_t rank, uint64_t* memory_id) const override {
+    // An endpoint's shm mapping (or test mirror) lives as long as the endpoint: a new
+    // attach is a new endpoint id.
+    const LockstepEndpoint* ep = op_endpoint(rank);
+    *memory_id = ep->endpoint_id;
+    return {ExchangeRankData(rank), layout().total_bytes, transport::MemoryKind::kHost};
+  }
   /// stage_through_mirror: copies every local rank's MirrorInputSpans from its shm area into
   /// its mirror (`in`), or MirrorOutputSpans of each rank whose outcome is OK back.
   void StageMirrors(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots, bool in,

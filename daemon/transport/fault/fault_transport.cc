@@ -312,6 +312,10 @@ class FaultGroupLink final : public GroupLink {
     if (woke && wake_) wake_();
   }
 
+  absl::StatusOr<int> AddSendRegion(const MemoryRegion& region) override {
+    return inner_->AddSendRegion(region);
+  }
+  void RemoveSendRegion(int handle) override { inner_->RemoveSendRegion(handle); }
   void Close() override {
     std::lock_guard<std::mutex> l(mu_);
     if (closed_) return;

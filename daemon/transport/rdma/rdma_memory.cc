@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
+#include "daemon/transport/link_common.h"
 
 #if defined(EPD_HAVE_CUDA)
 #include <cuda.h>  // Driver API types only: entry points are resolved at run time.
@@ -82,9 +83,8 @@ absl::StatusOr<const DmabufOps*> GetDmabufOps() {
 
 const RegisteredRegion* FindRegion(std::span<const RegisteredRegion> regions, const void* src,
                                    uint64_t bytes) {
-  const auto at = reinterpret_cast<uint64_t>(src);
-  for (const RegisteredRegion& r : regions) {
-    if (at >= r.begin && at <= r.end && bytes <= r.end - at) return &r;
+  for (auto r = regions.rbegin(); r != regions.rend(); ++r) {
+    if (RangeHolds(r->begin, r->end, src, bytes)) return &*r;
   }
   return nullptr;
 }

@@ -26,8 +26,9 @@ struct RegisteredRegion {
   uint32_t rkey = 0;
 };
 
-/// The local key of the registered region holding [src, src + bytes) whole, or nullptr when
-/// none does. Linear in `regions` (a link has a handful); allocates nothing.
+/// The last of `regions` holding [src, src + bytes) whole, or nullptr when none does: the
+/// latest registration wins (memory registered anew at an address a stale registration
+/// still covers). Linear in `regions` (a link has a handful); allocates nothing.
 const RegisteredRegion* FindRegion(std::span<const RegisteredRegion> regions, const void* src,
                                    uint64_t bytes);
 

@@ -186,6 +186,8 @@ class RdmaGroupLink final : public GroupLink {
   uint64_t WritesCompleted(int32_t node) const override;
   bool PollImm(int32_t node, uint32_t* imm) override;
   void FailPeer(int32_t node, const absl::Status& cause) override;
+  absl::StatusOr<int> AddSendRegion(const MemoryRegion& region) override;
+  void RemoveSendRegion(int handle) override;
   void Close() override;
 
   // Progress-thread side, under RdmaCore::mu_.
@@ -234,7 +236,10 @@ class RdmaGroupLink final : public GroupLink {
   uint32_t num_qps_ = 1;
   uint64_t stripe_ = rdma::kStripeBytes;
   std::vector<IbvPtr<ibv_mr>> mrs_;  // Declared before peers_: deregistered after the QPs.
-  std::vector<rdma::RegisteredRegion> regions_;
+  std::vector<rdma::RegisteredRegion> regions_;  // [mrs_] Engine thread (PostWrite).
+  /// [mrs_] AddSendRegion's handle of each region; -1 for those of the options.
+  std::vector<int> region_handles_;
+  int next_region_handle_ = 0;                    // Engine thread.
   std::vector<std::unique_ptr<RdmaPeer>> peers_;  // Indexed by node (self's is null).
   std::string descriptor_;
   mutable std::mutex status_mu_;  // Guards RdmaPeer::status.
@@ -421,6 +426,7 @@ absl::Status RdmaGroupLink::Init() {
                         reinterpret_cast<uint64_t>(options_.recv_base) + options_.recv_bytes,
                         mr->lkey, mr->rkey});
     mrs_.push_back(std::move(mr));
+    region_handles_.push_back(-1);
   }
   for (size_t i = 0; i < options_.send_regions.size(); ++i) {
     const MemoryRegion& r = options_.send_regions[i];
@@ -429,6 +435,7 @@ absl::Status RdmaGroupLink::Init() {
     regions_.push_back({reinterpret_cast<uint64_t>(r.base),
                         reinterpret_cast<uint64_t>(r.base) + r.bytes, mr->lkey, mr->rkey});
     mrs_.push_back(std::move(mr));
+    region_handles_.push_back(-1);
   }
 
   // Every peer's completion queue and queue pairs (RESET until Connect).
@@ -631,6 +638,33 @@ absl::Status RdmaGroupLink::Flush(RdmaPeer& p, uint32_t q, uint32_t n) {
       absl::StrCat(PeerName(p), ": queue pair ", q, ": ibv_post_send: ", Errno(rc)));
 }
 
+absl::StatusOr<int> RdmaGroupLink::AddSendRegion(const MemoryRegion& region) {
+  const std::string what = absl::StrCat("group '", options_.group, "': send region added at 0x",
+                                        absl::Hex(reinterpret_cast<uint64_t>(region.base)));
+  if (region.kind == MemoryKind::kCudaDevice && !core_->gpu_direct()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": GPU memory, but this rdma transport has GPUDirect off"));
+  }
+  EPD_ASSIGN_OR_RETURN(auto mr,
+                       rdma::RegisterRegion(device_->pd(), region, IBV_ACCESS_LOCAL_WRITE, what));
+  const auto base = reinterpret_cast<uint64_t>(region.base);
+  regions_.push_back({base, base + region.bytes, mr->lkey, mr->rkey});
+  mrs_.push_back(std::move(mr));
+  const int handle = next_region_handle_++;
+  region_handles_.push_back(handle);
+  return handle;
+}
+
+void RdmaGroupLink::RemoveSendRegion(int handle) {
+  for (size_t i = 0; i < region_handles_.size(); ++i) {
+    if (handle < 0 || region_handles_[i] != handle) continue;
+    region_handles_.erase(region_handles_.begin() + static_cast<ptrdiff_t>(i));
+    regions_.erase(regions_.begin() + static_cast<ptrdiff_t>(i));
+    mrs_.erase(mrs_.begin() + static_cast<ptrdiff_t>(i));  // Deregisters it.
+    return;
+  }
+}
+
 absl::Status RdmaGroupLink::PostWrite(int32_t node, std::span<const WritePiece> pieces,
                                       uint32_t imm) {
   if (!ValidNode(node)) return NotAPeerError(options_, node, "PostWrite");
@@ -643,14 +677,10 @@ absl::Status RdmaGroupLink::PostWrite(int32_t node, std::span<const WritePiece> 
   if (const ptrdiff_t bad = FirstPieceOutside(pieces, p.remote.recv_bytes); bad >= 0) {
     return PieceOutsideError(pieces, bad, p.remote.recv_bytes, PeerName(p));
   }
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    const WritePiece& w = pieces[i];
-    if (w.bytes > 0 && rdma::FindRegion(regions_, w.src, w.bytes) == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          PeerName(p), ": piece ", i, " (", w.bytes,
-          " bytes) has its source outside every registered region of the link (the receive "
-          "region and GroupLinkOptions.send_regions)"));
-    }
+  if (const ptrdiff_t bad =
+          FirstSourceOutside(pieces, std::span<const rdma::RegisteredRegion>(regions_));
+      bad >= 0) {
+    return SourceOutsideError(pieces, bad, PeerName(p));
   }
   rdma::CountWrs(pieces, stripe_, num_qps_, counts_);
   for (uint32_t q = 0; q < num_qps_; ++q) {
