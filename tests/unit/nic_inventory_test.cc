@@ -211,6 +211,19 @@ TEST(NicInventoryTest, HugeAndSpecialFilesAreReadBoundedAndNeverBlock) {
   EXPECT_EQ(ports[0].rate_gbps, 0u);
 }
 
+TEST(NicInventoryTest, RatesThatAreNotFiniteOrInRangeAreUnknown) {
+  for (const std::string rate : {"nan Gb/sec (4X EDR)", "-nan Gb/sec", "inf Gb/sec", "-1 Gb/sec",
+                                 "1e300 Gb/sec", "Gb/sec", "400 Gb/sec (4X NDR)"}) {
+    SCOPED_TRACE(rate);
+    FakeSysfs fs;
+    fs.AddDevice("mlx5_0", "pci0000:00", "0000:1a:00.0");
+    fs.AddPort("mlx5_0", 1, "4: ACTIVE", "InfiniBand", rate);
+    std::vector<RdmaPortInfo> ports = ScanRdmaPorts(fs.root());
+    ASSERT_EQ(ports.size(), 1u);
+    EXPECT_EQ(ports[0].rate_gbps, rate.starts_with("400") ? 400u : 0u);
+  }
+}
+
 TEST(NicInventoryTest, OptionsCarryTheConfig) {
   v1::RdmaConfig config;
   config.set_service_level(3);

@@ -80,7 +80,10 @@ std::string ParseState(const std::string& text) {
 uint32_t ParseRate(const std::string& text) {
   const std::vector<absl::string_view> words = absl::StrSplit(text, ' ', absl::SkipEmpty());
   double gbps = 0;
-  if (words.empty() || !absl::SimpleAtod(words[0], &gbps) || gbps < 0 || gbps > 1e6) return 0;
+  // Written so that NaN ("nan Gb/sec" parses) is refused too: casting it is undefined.
+  if (words.empty() || !absl::SimpleAtod(words[0], &gbps) || !(gbps >= 0 && gbps <= 1e6)) {
+    return 0;
+  }
   return static_cast<uint32_t>(gbps);
 }
 
