@@ -211,6 +211,22 @@ TEST(NicInventoryTest, HugeAndSpecialFilesAreReadBoundedAndNeverBlock) {
   EXPECT_EQ(ports[0].rate_gbps, 0u);
 }
 
+TEST(NicInventoryTest, SymlinkLoopsEndTheScanWithFieldsUnknown) {
+  FakeSysfs fs;
+  const std::filesystem::path dev =
+      std::filesystem::path(fs.root()) / "class" / "infiniband" / "mlx5_0";
+  std::filesystem::create_directories(dev / "ports" / "1");
+  std::filesystem::create_symlink("device", dev / "device");  // Points at itself.
+  std::filesystem::create_symlink("state", dev / "ports" / "1" / "state");
+  std::filesystem::create_symlink("../1", dev / "ports" / "1" / "gids");  // A cycle.
+  std::vector<RdmaPortInfo> ports = ScanRdmaPorts(fs.root());
+  ASSERT_EQ(ports.size(), 1u);
+  EXPECT_EQ(ports[0].state, "UNKNOWN");
+  EXPECT_EQ(ports[0].numa_node, -1);
+  EXPECT_EQ(ports[0].pci_path, "");
+  EXPECT_TRUE(ports[0].gids.empty());
+}
+
 TEST(NicInventoryTest, RatesThatAreNotFiniteOrInRangeAreUnknown) {
   for (const std::string rate : {"nan Gb/sec (4X EDR)", "-nan Gb/sec", "inf Gb/sec", "-1 Gb/sec",
                                  "1e300 Gb/sec", "Gb/sec", "400 Gb/sec (4X NDR)"}) {
