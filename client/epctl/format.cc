@@ -103,6 +103,10 @@ std::string FormatTransports(const v1::GetStatsResponse& s) {
       "transports: ",
       s.transports().empty() ? (s.peer_address().empty() ? "none (peer listener off)" : "none")
                              : absl::StrJoin(s.transports(), ", "),
+      // The one a group whose spec names none uses.
+      s.effective_config().transport().empty()
+          ? ""
+          : absl::StrCat(" (default: ", s.effective_config().transport(), ")"),
       "\n");
   if (s.nics().empty()) {
     absl::StrAppend(&out, "NICs: none\n");

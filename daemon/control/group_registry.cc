@@ -246,6 +246,20 @@ absl::Status GroupRegistry::CheckRankIsOnThisNode(const v1::GroupSpec& spec, int
   return absl::OkStatus();
 }
 
+v1::GroupSpec GroupRegistry::SpecAsLive(const v1::GroupSpec& live,
+                                        const v1::GroupSpec& requested) const {
+  // The transport is compared as this daemon resolves it (as the nodes compare it): ""
+  // and this daemon's default name the same one.
+  if (options_.transports == nullptr || live.transport() == requested.transport() ||
+      options_.transports->Resolve(live.transport()) !=
+          options_.transports->Resolve(requested.transport())) {
+    return requested;
+  }
+  v1::GroupSpec same = requested;
+  same.set_transport(live.transport());
+  return same;
+}
+
 absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest& request) {
   const v1::GroupSpec& spec = request.spec();
   const int32_t rank = request.rank();
@@ -281,7 +295,8 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
     // Before anything of the group is compared or reported: a joiner that may not join
     // learns nothing of its spec, launch mode or ranks.
     EPD_RETURN_IF_ERROR(AuthorizeJoin(group_it->second, rank, joiner, request.join_secret()));
-    EPD_RETURN_IF_ERROR(CheckSameSpec(group_it->second.spec, spec));
+    EPD_RETURN_IF_ERROR(
+        CheckSameSpec(group_it->second.spec, SpecAsLive(group_it->second.spec, spec)));
   }
   EPD_RETURN_IF_ERROR(ValidateRank(spec, rank));
   // The group's launch mode: fixed by its first joiner (UNSPECIFIED = the data plane's

@@ -276,10 +276,13 @@ class GroupRegistry {
   /// Whether `uid` may see `group` (ListGroups): root, the operator uid, its owner, or a
   /// holder of one of its ranks.
   bool VisibleLocked(const Group& group, uint32_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  /// OK when `joiner` may join rank `rank` of the live `group` with `secret`.
   /// A spanning spec's rank must live on this daemon's node (its peer_address is this
   /// mesh's advertised address); FAILED_PRECONDITION without a Peer listener.
   absl::Status CheckRankIsOnThisNode(const v1::GroupSpec& spec, int32_t rank) const;
+  /// `requested` as the live group's spec would read it where both name the same transport
+  /// ("" = this daemon's default), else `requested` unchanged: what CheckSameSpec compares.
+  v1::GroupSpec SpecAsLive(const v1::GroupSpec& live, const v1::GroupSpec& requested) const;
+  /// OK when `joiner` may join rank `rank` of the live `group` with `secret`.
   static absl::Status AuthorizeJoin(const Group& group, int32_t rank, const PeerCredentials& joiner,
                                     const std::string& secret);
   /// OK when a join by `uid` that creates a group (`creates`) and holds `bytes` more

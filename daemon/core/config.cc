@@ -257,9 +257,14 @@ absl::Status CheckRange(absl::string_view field, uint32_t value, uint32_t lo, ui
   return absl::OkStatus();
 }
 
-/// An RDMA device name as ibv_devices prints it (letters, digits, '_', '-', '.').
+/// The longest RDMA device name (the kernel's IB_DEVICE_NAME_MAX is 64 with the NUL).
+constexpr size_t kMaxRdmaDeviceNameBytes = 63;
+/// What IsDeviceName accepts, for error messages.
+constexpr char kDeviceNameRule[] = "letters, digits, '_', '-', '.', 1 to 63 characters";
+
+/// An RDMA device name as ibv_devices prints it (kDeviceNameRule).
 bool IsDeviceName(absl::string_view name) {
-  if (name.empty() || name.size() > 64) return false;
+  if (name.empty() || name.size() > kMaxRdmaDeviceNameBytes) return false;
   for (char c : name) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-' && c != '.') {
       return false;
@@ -275,7 +280,8 @@ absl::Status ValidateRdmaConfig(const v1::RdmaConfig& rdma) {
     if (!IsDeviceName(d.device())) {
       return absl::InvalidArgumentError(
           absl::StrCat("rdma.devices[", i, "].device: \"", absl::CEscape(d.device()),
-                       "\" is not an RDMA device name (e.g. \"mlx5_0\", as ibv_devices lists)"));
+                       "\" is not an RDMA device name (", kDeviceNameRule,
+                       ", e.g. \"mlx5_0\", as ibv_devices lists)"));
     }
     EPD_RETURN_IF_ERROR(
         CheckRange(absl::StrCat("rdma.devices[", i, "].port"), d.port(), 0, kMaxRdmaPort));
@@ -411,7 +417,9 @@ absl::StatusOr<std::vector<v1::RdmaDevicePort>> ParseRdmaDevices(absl::string_vi
     }
     if (!IsDeviceName(name)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          field, ": \"", item, "\" is not device or device:port (\"mlx5_0\", \"mlx5_0:2\")"));
+          field, ": \"", absl::CEscape(item),
+          "\" is not device or device:port (\"mlx5_0\", \"mlx5_0:2\"; a device name has ",
+          kDeviceNameRule, ")"));
     }
     d.set_device(std::string(name));
     d.set_port(port);

@@ -65,6 +65,12 @@ TEST(EpctlStatusTest, NicTableAndPreflight) {
   EXPECT_THAT(out, HasSubstr("preflight: 1 problem(s)\n  RDMA: RLIMIT_MEMLOCK is 4 GiB"));
 }
 
+TEST(EpctlStatusTest, TransportsNameTheDefault) {
+  v1::GetStatsResponse s = FakeStats();
+  s.mutable_effective_config()->set_transport("rdma");
+  EXPECT_THAT(FormatStatus(s, "unix:///x"), HasSubstr("transports: tcp, rdma (default: rdma)\n"));
+}
+
 TEST(EpctlStatusTest, NothingToShow) {
   v1::GetStatsResponse s;
   const std::string out = FormatStatus(s, "unix:///x");

@@ -163,8 +163,11 @@ class FakeHub {
 class FakeLink : public transport::GroupLink {
  public:
   /// `strict_sources`: refuse sources outside the link's regions (RDMA's rule).
-  FakeLink(FakeHub* hub, const transport::GroupLinkOptions& o, bool strict_sources)
-      : hub_(hub), strict_(strict_sources) {
+  /// `descriptor`: what LocalDescriptor answers ("" = "fake:<self_node>", the one peers
+  /// accept).
+  FakeLink(FakeHub* hub, const transport::GroupLinkOptions& o, bool strict_sources,
+           std::string descriptor = "")
+      : hub_(hub), strict_(strict_sources), descriptor_(std::move(descriptor)) {
     state_.options = o;
     const auto add = [this](const void* base, uint64_t bytes) {
       const auto at = reinterpret_cast<uint64_t>(base);
@@ -176,7 +179,7 @@ class FakeLink : public transport::GroupLink {
   }
   ~FakeLink() override { Close(); }
   std::string LocalDescriptor() const override {
-    return absl::StrCat("fake:", state_.options.self_node);
+    return descriptor_.empty() ? absl::StrCat("fake:", state_.options.self_node) : descriptor_;
   }
   absl::Status Connect(int32_t node, std::string_view descriptor) override {
     if (descriptor != absl::StrCat("fake:", node)) {
@@ -253,6 +256,7 @@ class FakeLink : public transport::GroupLink {
   /// The peer's link generation at the last Connect (0: its link was not there yet).
   std::map<int32_t, uint64_t> connected_generation_;
   bool strict_ = true;
+  std::string descriptor_;
   std::vector<Source> sources_;
   int next_handle_ = 0;
   uint64_t refused_sources_ = 0;
@@ -267,12 +271,14 @@ class FakeTransport : public transport::Transport {
   std::string name() const override { return "fake"; }
   absl::StatusOr<std::unique_ptr<transport::GroupLink>> CreateGroupLink(
       const transport::GroupLinkOptions& o) override {
-    auto link = std::make_unique<FakeLink>(hub_, o, strict_);
+    auto link = std::make_unique<FakeLink>(hub_, o, strict_, descriptor);
     last_link_ = link.get();
     return std::unique_ptr<transport::GroupLink>(std::move(link));
   }
   /// The link created last (owned by its caller; valid while it lives).
   FakeLink* last_link() const { return last_link_; }
+  /// Not "": the descriptor links created from now on publish (peers refuse it).
+  std::string descriptor;
   void Shutdown() override {}
 
  private:

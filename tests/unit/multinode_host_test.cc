@@ -62,6 +62,7 @@ class MultinodeHostTest : public ::testing::Test {
     for (size_t n = 0; n < ranks_per_node.size(); ++n) {
       auto node = std::make_unique<Node>();
       node->transport = std::make_unique<testing::FakeTransport>(&hub_);
+      if (n == 1) node->transport->descriptor = node1_descriptor_;
       node->mesh = std::make_unique<testing::FakeMesh>(&hub_, spec_.nodes(n).peer_address());
       HostDataPlaneOptions o;
       o.op_timeout_ms = op_timeout_ms;
@@ -186,6 +187,8 @@ class MultinodeHostTest : public ::testing::Test {
   uint64_t last_seq_ = 0;
   /// HostDataPlaneOptions::on_inputs_checked of node 0 (set before Start).
   std::function<void()> node0_inputs_checked_;
+  /// Not "": the transport descriptor node 1 publishes (one node 0 refuses).
+  std::string node1_descriptor_;
 };
 
 template <typename T>
@@ -761,6 +764,23 @@ TEST_F(MultinodeHostTest, MissingNodeTimesOutNamingIt) {
   // Why the node is missing comes before the transport's "not connected" (the message is cut).
   EXPECT_NE(Message(*c).find("is not connected"), std::string::npos) << Message(*c);
   EXPECT_LT(Message(*c).find("has not joined"), Message(*c).find("is not connected"))
+      << Message(*c);
+}
+
+// A node whose transport descriptor the others refuse (RDMA: another qps_per_peer or link
+// layer): the op times out, and its message says why that node is not connected.
+TEST_F(MultinodeHostTest, RefusedDescriptorIsNamedWhenTheOpTimesOut) {
+  node1_descriptor_ = "other-qps";
+  Start({1, 1}, /*op_timeout_ms=*/300);
+  if (HasFatalFailure()) return;
+  MakeInputs(2);
+  const uint64_t s = rings_[0]->Submit(abi::OpKind::kDispatch, 0, 1);
+  auto c = rings_[0]->Await(s, milliseconds(5000));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kDeadlineExceeded)) << Message(*c);
+  EXPECT_NE(Message(*c).find("node 1 (10.0.0.2:7100, rank 1) is not connected (bad descriptor "
+                             "other-qps)"),
+            std::string::npos)
       << Message(*c);
 }
 

@@ -3,7 +3,14 @@
 // GPUs at different PCIe distances, missing files.
 #include "daemon/transport/rdma/nic_inventory.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <future>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -176,6 +183,61 @@ TEST(NicInventoryTest, MissingFilesLeaveFieldsUnknown) {
   EXPECT_FALSE(plan.nics[0].selected());  // Not ACTIVE.
   EXPECT_TRUE(plan.options.ports.empty());
   EXPECT_TRUE(plan.nics[0].gpu_uuids().empty());
+}
+
+TEST(NicInventoryTest, HugeAndSpecialFilesAreReadBoundedAndNeverBlock) {
+  FakeSysfs fs;
+  fs.AddDevice("mlx5_0", "pci0000:00", "0000:1a:00.0");
+  fs.AddPort("mlx5_0", 1, "4: ACTIVE", "", "");
+  // An 8 MiB link_layer with no newline: at most a page of it is read.
+  {
+    std::ofstream out(fs.PortDir("mlx5_0", 1) / "link_layer");
+    out << std::string(8 << 20, 'E');
+  }
+  // A FIFO for rate that nobody writes: opening it must not wait for a writer.
+  const std::filesystem::path fifo = fs.PortDir("mlx5_0", 1) / "rate";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  auto scan = std::async(std::launch::async, [&] { return ScanRdmaPorts(fs.root()); });
+  if (scan.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    // Let the blocked reader go before failing.
+    const int w = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (w >= 0) ::close(w);
+    ADD_FAILURE() << "ScanRdmaPorts blocked on a FIFO";
+  }
+  std::vector<RdmaPortInfo> ports = scan.get();
+  ASSERT_EQ(ports.size(), 1u);
+  EXPECT_EQ(ports[0].state, "ACTIVE");
+  EXPECT_LE(ports[0].link_layer.size(), 4096u);
+  EXPECT_EQ(ports[0].rate_gbps, 0u);
+}
+
+TEST(NicInventoryTest, SymlinkLoopsEndTheScanWithFieldsUnknown) {
+  FakeSysfs fs;
+  const std::filesystem::path dev =
+      std::filesystem::path(fs.root()) / "class" / "infiniband" / "mlx5_0";
+  std::filesystem::create_directories(dev / "ports" / "1");
+  std::filesystem::create_symlink("device", dev / "device");  // Points at itself.
+  std::filesystem::create_symlink("state", dev / "ports" / "1" / "state");
+  std::filesystem::create_symlink("../1", dev / "ports" / "1" / "gids");  // A cycle.
+  std::vector<RdmaPortInfo> ports = ScanRdmaPorts(fs.root());
+  ASSERT_EQ(ports.size(), 1u);
+  EXPECT_EQ(ports[0].state, "UNKNOWN");
+  EXPECT_EQ(ports[0].numa_node, -1);
+  EXPECT_EQ(ports[0].pci_path, "");
+  EXPECT_TRUE(ports[0].gids.empty());
+}
+
+TEST(NicInventoryTest, RatesThatAreNotFiniteOrInRangeAreUnknown) {
+  for (const std::string rate : {"nan Gb/sec (4X EDR)", "-nan Gb/sec", "inf Gb/sec", "-1 Gb/sec",
+                                 "1e300 Gb/sec", "Gb/sec", "400 Gb/sec (4X NDR)"}) {
+    SCOPED_TRACE(rate);
+    FakeSysfs fs;
+    fs.AddDevice("mlx5_0", "pci0000:00", "0000:1a:00.0");
+    fs.AddPort("mlx5_0", 1, "4: ACTIVE", "InfiniBand", rate);
+    std::vector<RdmaPortInfo> ports = ScanRdmaPorts(fs.root());
+    ASSERT_EQ(ports.size(), 1u);
+    EXPECT_EQ(ports[0].rate_gbps, rate.starts_with("400") ? 400u : 0u);
+  }
 }
 
 TEST(NicInventoryTest, OptionsCarryTheConfig) {

@@ -280,6 +280,10 @@ TEST(RdmaConfigTest, DeviceListForms) {
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(r.status().message(), HasSubstr("--rdma_devices")) << bad;
   }
+  // The longest name the kernel allows, and one beyond it, which the error explains.
+  EXPECT_TRUE(ParseRdmaDevices(std::string(63, 'm'), "--rdma_devices").ok());
+  auto too_long = ParseRdmaDevices(std::string(64, 'm'), "--rdma_devices");
+  EXPECT_THAT(too_long.status().message(), HasSubstr("1 to 63 characters"));
 }
 
 TEST(RdmaConfigTest, FlagsOverrideTheFile) {

@@ -107,6 +107,42 @@ TEST_F(PeerDaemonTest, BadSecretFilesRefuseTheStart) {
   EXPECT_THAT(short_secret.status().message(), HasSubstr("fewer than 16"));
 }
 
+// Ranks of one node whose specs name the daemon's default transport, one by name and one
+// by "", join the same group: the nodes compare transports as each resolves them, and so
+// does the daemon.
+TEST_F(PeerDaemonTest, DefaultTransportByNameOrEmptyJoinsTheSameGroup) {
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(Config(kSecret, 0600), Options());
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string self = (*daemon)->Stats().peer_address();
+  ClientOptions options;
+  options.socket_path = (*daemon)->socket_path();
+  std::vector<std::unique_ptr<Client>> clients;
+  std::vector<std::unique_ptr<Endpoint>> endpoints;
+  for (const std::string transport : {"", "tcp", "rdma"}) {
+    SCOPED_TRACE(transport);
+    auto client = Client::Connect(options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    JoinOptions join;
+    join.spec = testing::MakeSpec("mixed-names", {.num_ranks = 4});
+    SetNodes(&join.spec, {{self, 3}, {"127.0.0.1:1", 1}});
+    join.spec.set_transport(transport);
+    join.rank = static_cast<int32_t>(clients.size());
+    auto endpoint = (*client)->Join(join);
+    if (transport == "rdma") {  // Another transport: still refused.
+      EXPECT_EQ(endpoint.status().code(), absl::StatusCode::kFailedPrecondition)
+          << endpoint.status();
+    } else {
+      ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+      endpoints.push_back(*std::move(endpoint));  // The rank stays joined.
+    }
+    clients.push_back(*std::move(client));
+  }
+  EXPECT_EQ((*daemon)->Stats().num_groups(), 1);
+  endpoints.clear();
+  clients.clear();
+  (*daemon)->Shutdown();
+}
+
 TEST_F(PeerDaemonTest, WithoutRdmaAGroupAskingForItIsRefusedAtJoin) {
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(Config(kSecret, 0600), Options());
   ASSERT_TRUE(daemon.ok()) << daemon.status();

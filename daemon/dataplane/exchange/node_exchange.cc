@@ -189,6 +189,7 @@ absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local
   s.fail_posted.assign(s.num_nodes, 0);
   s.connected.assign(s.num_nodes, 0);
   s.incarnation.assign(s.num_nodes, 0);
+  s.connect_error.assign(s.num_nodes, std::string());
   s.link_base.assign(s.num_nodes, 0);
   s.pending.assign(s.num_nodes, std::nullopt);
   s.got.assign(s.num_nodes, 0);
@@ -255,7 +256,9 @@ bool NodeExchange::PollBackground() {
     // A peer that registered the group anew (restarted) is reconnected, between ops only.
     if (span_.connected[n] && (d->incarnation == span_.incarnation[n] || span_.in_op)) continue;
     absl::Status st = span_.link->Connect(n, d->transport);
+    span_.connect_error[n].clear();
     if (!st.ok()) {
+      span_.connect_error[n] = std::string(st.message());
       host_->ExchangeWarning(
           absl::StrCat("group ", spec().name(), ": connecting to node ", n, ": ", st.message()));
     }
@@ -293,7 +296,8 @@ std::string NodeExchange::NotReadyReason() const {
         &why, why.empty() ? "" : "; ", "node ", n, " (", spec().nodes(n).peer_address(),
         span_.count[n] == 1 ? ", rank " : ", ranks ", span_.first[n],
         span_.count[n] == 1 ? "" : absl::StrCat("-", span_.first[n] + span_.count[n] - 1),
-        ") is not connected");
+        ") is not connected",
+        span_.connect_error[n].empty() ? "" : absl::StrCat(" (", span_.connect_error[n], ")"));
   }
   return why;
 }

@@ -251,8 +251,11 @@ class NodeExchange {
     std::unique_ptr<peer::GroupPeers> peers;
     std::vector<uint8_t> connected;     // [N]
     std::vector<uint64_t> incarnation;  // [N] of the peer connected to.
-    std::vector<uint64_t> link_base;    // [N] this node's seq when the link was (re)built.
-    bool in_op = false;                 // An op is being exchanged.
+    // [N] why the last Connect to each node failed ("" when it did not): told with "not
+    // connected", since the op itself only times out.
+    std::vector<std::string> connect_error;
+    std::vector<uint64_t> link_base;  // [N] this node's seq when the link was (re)built.
+    bool in_op = false;               // An op is being exchanged.
     std::chrono::steady_clock::time_point next_descriptor_check;
     std::vector<std::optional<uint32_t>> pending;  // [N] an immediate not yet used.
     std::vector<uint8_t> got;                      // [N] this op's message is in.

@@ -1,35 +1,50 @@
 #include "daemon/transport/rdma/nic_inventory.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <filesystem>
-#include <fstream>
 #include <limits>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/os/scoped_fd.h"
 
 namespace epd::transport {
 namespace {
 
 namespace fs = std::filesystem;
 
-/// The first line of a small sysfs file, trimmed; "" when it cannot be read.
+/// The most bytes read of one sysfs attribute (the kernel serves at most a page).
+constexpr size_t kMaxAttributeBytes = 4096;
+/// The most entries read of one sysfs directory (devices, ports, GID table).
+constexpr size_t kMaxDirEntries = 4096;
+
+/// The first line of a small sysfs file, trimmed: at most kMaxAttributeBytes are read, and
+/// a FIFO or other special file never blocks (O_NONBLOCK); "" when it cannot be read.
 std::string ReadLine(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in) return "";
-  std::string line;
-  std::getline(in, line);
-  if (in.bad()) return "";
-  return std::string(absl::StripAsciiWhitespace(line));
+  const ScopedFd fd(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
+  if (!fd.valid()) return "";
+  std::array<char, kMaxAttributeBytes> buf{};
+  size_t got = 0;
+  while (got < buf.size()) {
+    const ssize_t n = ::read(fd.get(), buf.data() + got, buf.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  absl::string_view text(buf.data(), got);
+  text = text.substr(0, text.find('\n'));
+  return std::string(absl::StripAsciiWhitespace(text));
 }
 
 /// The resolved path of `path` ("" when it does not resolve).
@@ -39,11 +54,12 @@ std::string RealPath(const fs::path& path) {
   return std::string(buf.data());
 }
 
-/// Sub-directory names of `dir`, sorted; empty when it cannot be listed.
+/// Entry names of `dir` (at most kMaxDirEntries), sorted; empty when it cannot be listed.
 std::vector<std::string> ListDir(const fs::path& dir) {
   std::vector<std::string> names;
   std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end && names.size() < kMaxDirEntries;
+       it.increment(ec)) {
     names.push_back(it->path().filename().string());
   }
   std::sort(names.begin(), names.end());
@@ -64,7 +80,10 @@ std::string ParseState(const std::string& text) {
 uint32_t ParseRate(const std::string& text) {
   const std::vector<absl::string_view> words = absl::StrSplit(text, ' ', absl::SkipEmpty());
   double gbps = 0;
-  if (words.empty() || !absl::SimpleAtod(words[0], &gbps) || gbps < 0 || gbps > 1e6) return 0;
+  // Written so that NaN ("nan Gb/sec" parses) is refused too: casting it is undefined.
+  if (words.empty() || !absl::SimpleAtod(words[0], &gbps) || !(gbps >= 0 && gbps <= 1e6)) {
+    return 0;
+  }
   return static_cast<uint32_t>(gbps);
 }
 
