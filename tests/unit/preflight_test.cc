@@ -46,7 +46,7 @@ struct Outcome {
 };
 
 Outcome Preflight(const FakeSysfs& fs, const v1::DaemonConfig& config, const PreflightFacts& facts,
-              const std::vector<v1::GpuInfo>& gpus = OneGpu()) {
+                  const std::vector<v1::GpuInfo>& gpus = OneGpu()) {
   const std::vector<RdmaPortInfo> ports = ScanRdmaPorts(fs.root());
   Outcome r;
   r.plan = PlanNics(ports, config.rdma(), gpus, fs.root());
