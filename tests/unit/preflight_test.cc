@@ -12,9 +12,11 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::Contains;
+using ::testing::Each;
 using testing::FakeSysfs;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using ::testing::Not;
 
 PreflightFacts GoodFacts() {
   PreflightFacts f;
@@ -77,6 +79,20 @@ TEST(PreflightTest, NoDeviceAndNotBuiltRefuse) {
   EXPECT_THAT(r.result.reason, HasSubstr("-DEPD_WITH_RDMA=ON"));
   EXPECT_FALSE(RdmaPreflightWanted(v1::DaemonConfig(), {}));
   EXPECT_TRUE(RdmaPreflightWanted(RdmaConfig(), {}));
+  // Configured for rdma: tcp is offered as the way out.
+  EXPECT_THAT(r.result.lines, Each(HasSubstr("or use transport \"tcp\"")));
+}
+
+// A daemon on tcp that only lists devices is not told to use tcp, which it does.
+TEST(PreflightTest, OnTcpTheLinesDoNotOfferTcp) {
+  FakeSysfs fs;
+  PreflightFacts facts = GoodFacts();
+  facts.rdma_built = false;
+  v1::DaemonConfig config = RdmaConfig();
+  config.set_transport("tcp");
+  Outcome r = Preflight(fs, config, facts);
+  ASSERT_THAT(r.result.lines, Contains(HasSubstr("no RDMA device found")));
+  EXPECT_THAT(r.result.lines, Each(Not(HasSubstr("use transport"))));
 }
 
 TEST(PreflightTest, ListedPortsMustExistAndBeActive) {

@@ -113,16 +113,21 @@ PreflightResult RunRdmaPreflight(const v1::DaemonConfig& config,
   };
   auto warn = [&r](std::string line) { r.lines.push_back(std::move(line)); };
   const v1::RdmaConfig& rdma = config.rdma();
+  // Only a daemon configured for rdma is told it could use tcp instead (it already does
+  // otherwise).
+  const std::string or_tcp = config.transport() == "rdma" ? ", or use transport \"tcp\"" : "";
 
   if (!facts.rdma_built) {
-    refuse(
+    refuse(absl::StrCat(
         "RDMA: this epd was built without libibverbs/librdmacm; install libibverbs-dev and "
-        "librdmacm-dev and rebuild with -DEPD_WITH_RDMA=ON, or use transport \"tcp\"");
+        "librdmacm-dev and rebuild with -DEPD_WITH_RDMA=ON",
+        or_tcp));
   }
   if (ports.empty()) {
-    refuse(
+    refuse(absl::StrCat(
         "RDMA: no RDMA device found (/sys/class/infiniband is empty or absent); load the NIC's "
-        "RDMA driver (e.g. mlx5_ib) or use transport \"tcp\"");
+        "RDMA driver (e.g. mlx5_ib)",
+        or_tcp));
   }
   // Listed ports: present and active.
   for (const v1::RdmaDevicePort& d : rdma.devices()) {
