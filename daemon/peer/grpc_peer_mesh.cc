@@ -2,9 +2,6 @@
 
 #include <arpa/inet.h>
 #include <netdb.h>
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
 #include <openssl/rand.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -30,6 +27,7 @@
 #include "common/status_macros.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/core/fd_limits.h"
+#include "daemon/core/keyed_mac.h"
 #include "daemon/core/logging.h"
 #include "daemon/server/listener.h"
 #include "epd/v1/peer.grpc.pb.h"
@@ -91,27 +89,14 @@ uint64_t RandomNonZero64() {
   return v;
 }
 
-/// HMAC-SHA256(key, label 0 parts...), each part length-prefixed so that no two inputs
-/// collide.
+/// The Peer service's MACs: labelled HMAC-SHA256 (daemon/core/keyed_mac.h).
 std::string Mac(absl::string_view key, absl::string_view label,
                 std::initializer_list<absl::string_view> parts) {
-  std::string message(label);
-  message.push_back('\0');
-  for (absl::string_view p : parts) {
-    const uint32_t n = static_cast<uint32_t>(p.size());
-    message.append(reinterpret_cast<const char*>(&n), sizeof(n));
-    message.append(p.data(), p.size());
-  }
-  unsigned char out[EVP_MAX_MD_SIZE];
-  unsigned int out_len = 0;
-  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
-       reinterpret_cast<const unsigned char*>(message.data()), message.size(), out, &out_len);
-  return std::string(reinterpret_cast<const char*>(out), out_len);
+  return LabelledHmacSha256(key, label, parts);
 }
 
 bool SameMac(absl::string_view a, absl::string_view b) {
-  return a.size() == kMacBytes && b.size() == kMacBytes &&
-         CRYPTO_memcmp(a.data(), b.data(), kMacBytes) == 0;
+  return a.size() == kMacBytes && ConstantTimeEqual(a, b);
 }
 
 /// The MAC of a request: over the method and the request's deterministic bytes with its

@@ -13,8 +13,6 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
@@ -39,6 +37,7 @@
 #include "absl/strings/str_format.h"
 #include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
+#include "daemon/core/keyed_mac.h"
 #include "daemon/core/logging.h"
 #include "daemon/transport/link_common.h"
 #include "proto/abi/tcp_wire.h"
@@ -136,23 +135,14 @@ std::string SockaddrString(const sockaddr_storage& sa, socklen_t len) {
                                   : absl::StrCat(host, ":", serv);
 }
 
-/// HMAC-SHA256(key, label 0 parts...) cut to a token, each part length-prefixed
-/// (proto/abi/tcp_wire.h).
+/// A labelled HMAC-SHA256 (daemon/core/keyed_mac.h) under a token-sized key, cut to a
+/// token (proto/abi/tcp_wire.h).
 Token TokenMac(const uint8_t* key, absl::string_view label,
                std::initializer_list<absl::string_view> parts) {
-  std::string message(label);
-  message.push_back('\0');
-  for (absl::string_view part : parts) {
-    const auto n = static_cast<uint32_t>(part.size());
-    message.append(reinterpret_cast<const char*>(&n), sizeof n);
-    message.append(part.data(), part.size());
-  }
-  unsigned char out[EVP_MAX_MD_SIZE];
-  unsigned int out_len = 0;
-  HMAC(EVP_sha256(), key, static_cast<int>(abi::kTcpTokenBytes),
-       reinterpret_cast<const unsigned char*>(message.data()), message.size(), out, &out_len);
+  const std::string mac = LabelledHmacSha256(
+      absl::string_view(reinterpret_cast<const char*>(key), abi::kTcpTokenBytes), label, parts);
   Token token{};
-  std::memcpy(token.data(), out, token.size());
+  std::memcpy(token.data(), mac.data(), token.size());
   return token;
 }
 
@@ -174,9 +164,9 @@ Token HandshakeProof(const uint8_t* token, int32_t from_node, int32_t to_node,
 
 /// Compares two tokens in time independent of where they differ.
 bool TokenEqual(const uint8_t* a, const uint8_t* b) {
-  uint8_t diff = 0;
-  for (size_t i = 0; i < abi::kTcpTokenBytes; ++i) diff |= a[i] ^ b[i];
-  return diff == 0;
+  return ConstantTimeEqual(
+      absl::string_view(reinterpret_cast<const char*>(a), abi::kTcpTokenBytes),
+      absl::string_view(reinterpret_cast<const char*>(b), abi::kTcpTokenBytes));
 }
 
 /// What MoveBytes did.
