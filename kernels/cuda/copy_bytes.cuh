@@ -1,7 +1,22 @@
 // A grid-stride byte copy shared by the copy kernels (handoff.cu, mirror_copy.cu).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+
+namespace epd::kernels::cuda {
+
+/// Threads per block of the copy kernels.
+inline constexpr int kCopyThreads = 512;
+
+/// Blocks of a copy kernel moving `bytes` (its largest piece): one per 64 KiB, at least 1,
+/// at most `max_blocks` (copies across PCIe or NVLink want many requests in flight).
+inline uint64_t CopyBlocks(uint64_t bytes, uint64_t max_blocks) {
+  constexpr uint64_t kBytesPerBlock = 64 * 1024;
+  return std::clamp<uint64_t>((bytes + kBytesPerBlock - 1) / kBytesPerBlock, 1, max_blocks);
+}
+
+}  // namespace epd::kernels::cuda
 
 namespace epd::kernels::cuda::device {
 

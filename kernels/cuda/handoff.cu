@@ -131,12 +131,8 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
   p.counter = counter;
   p.started = started;
   p.done_wait = done_wait;
-  // As CopyDeviceAsync: one 512-thread block per 64 KiB of the largest copy, at most 32.
-  constexpr int kThreads = 512;
-  constexpr uint64_t kBytesPerBlock = 64 * 1024;
-  constexpr uint64_t kMaxBlocks = 32;
-  const uint64_t blocks =
-      std::clamp<uint64_t>((largest + kBytesPerBlock - 1) / kBytesPerBlock, 1, kMaxBlocks);
+  // As CopyDeviceAsync: blocks by the largest copy, at most 32.
+  const uint64_t blocks = CopyBlocks(largest, 32);
   if (signal != nullptr && blocks > 1 && counter == nullptr) {
     return absl::InvalidArgumentError(
         "CopyDeviceBatchAsync: a signal after a multi-block copy needs a counter word");
@@ -147,7 +143,7 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
   void* args[] = {&p};
   return EPD_CUDA_STATUS(cudaLaunchKernel(reinterpret_cast<const void*>(&BatchCopySignalKernel),
                                           dim3(static_cast<unsigned>(blocks)),
-                                          dim3(n == 0 ? 32 : kThreads), args, 0, stream));
+                                          dim3(n == 0 ? 32 : kCopyThreads), args, 0, stream));
 }
 
 absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout_ns, uint64_t* seen,

@@ -61,13 +61,8 @@ absl::Status CopySpansAsync(uint8_t* dst, const uint8_t* src, const Region* span
     return absl::InvalidArgumentError("CopySpansAsync: a null destination, source or span table");
   }
   if (num_spans == 0 && signal == nullptr) return absl::OkStatus();
-  // One 512-thread block per 64 KiB, at most 64 (reads or writes across PCIe want many
-  // requests in flight).
-  constexpr int kThreads = 512;
-  constexpr uint64_t kBytesPerBlock = 64 * 1024;
-  constexpr uint64_t kMaxBlocks = 64;
-  const uint64_t blocks =
-      std::clamp<uint64_t>((total_bytes + kBytesPerBlock - 1) / kBytesPerBlock, 1, kMaxBlocks);
+  // At most 64 blocks: reads or writes across PCIe want many requests in flight.
+  const uint64_t blocks = CopyBlocks(total_bytes, 64);
   if (signal != nullptr && blocks > 1 && counter == nullptr) {
     return absl::InvalidArgumentError(
         "CopySpansAsync: a signal after a multi-block copy needs a counter word");
@@ -75,8 +70,8 @@ absl::Status CopySpansAsync(uint8_t* dst, const uint8_t* src, const Region* span
   SpanCopyParams p{dst, src, spans, num_spans, counter, signal, signal_value};
   void* args[] = {&p};
   return EPD_CUDA_STATUS(cudaLaunchKernel(reinterpret_cast<const void*>(&CopySpansKernel),
-                                          dim3(static_cast<unsigned>(blocks)), dim3(kThreads), args,
-                                          0, stream));
+                                          dim3(static_cast<unsigned>(blocks)), dim3(kCopyThreads),
+                                          args, 0, stream));
 }
 
 }  // namespace epd::kernels::cuda
