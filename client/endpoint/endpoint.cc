@@ -97,6 +97,19 @@ const v1::EndpointInfo& Endpoint::info() const { return impl_->info; }
 const v1::GroupSpec& Endpoint::spec() const { return impl_->spec; }
 int32_t Endpoint::rank() const { return impl_->info.rank(); }
 
+absl::StatusOr<RankMask> Endpoint::UpdateRankMask(const std::vector<int32_t>& /*mask*/,
+                                                  const std::vector<int32_t>& /*unmask*/) {
+  return absl::UnimplementedError("rank masking is not built yet");
+}
+
+absl::StatusOr<RankMask> Endpoint::QueryRankMask() {
+  return absl::UnimplementedError("rank masking is not built yet");
+}
+
+absl::StatusOr<RankMask> Endpoint::CleanRankMask() {
+  return absl::UnimplementedError("rank masking is not built yet");
+}
+
 absl::Status Endpoint::Leave() {
   if (impl_->left) return absl::OkStatus();
   impl_->left = true;

@@ -127,7 +127,7 @@ absl::Status RingChannel::WaitCompletion(uint64_t seq, absl::Duration timeout,
   }
   std::memcpy(out, &c, sizeof(c));
   if (out->status_code != 0) {
-    out->message[abi::kMessageBytes - 1] = '\0';
+    out->message[abi::kCompletionMessageBytes - 1] = '\0';
     return absl::Status(static_cast<absl::StatusCode>(out->status_code), out->message);
   }
   return absl::OkStatus();

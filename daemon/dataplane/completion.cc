@@ -14,9 +14,13 @@ void WriteCompletion(LockstepEndpoint& ep, uint64_t seq, const RankOutcome& outc
   c.status_code = static_cast<int32_t>(outcome.status.code());
   c.num_recv_tokens = outcome.num_recv_tokens;
   c.buffer = outcome.buffer;
+  c.reason = 0;
+  c.mask_epoch = 0;
+  c.num_masked = 0;
+  c.dropped_pairs = 0;
   c.reserved = 0;
   const absl::string_view msg = outcome.status.message();  // No copy: this is the hot path.
-  size_t n = std::min(msg.size(), static_cast<size_t>(abi::kMessageBytes - 1));
+  size_t n = std::min(msg.size(), static_cast<size_t>(abi::kCompletionMessageBytes - 1));
   if (n > 0) std::memcpy(c.message, msg.data(), n);  // An OK status's message has no data.
   c.message[n] = '\0';
   abi::Atomic(c.seq).store(seq, std::memory_order_release);

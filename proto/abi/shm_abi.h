@@ -15,13 +15,14 @@
 
 namespace epd::abi {
 
-inline constexpr uint32_t kShmAbiVersion = 8;
-inline constexpr uint32_t kEndpointMagic = 0x45504431;  // "EPD1"
-inline constexpr uint32_t kRequestMagic = 0x52455131;   // "REQ1"
-inline constexpr uint32_t kDoorbellMagic = 0x44424c31;  // "DBL1"
-inline constexpr uint32_t kRingCapacity = 64;           // Request slots (power of two).
-inline constexpr uint32_t kCompletionCapacity = 64;     // Completion records.
-inline constexpr uint32_t kMessageBytes = 232;          // Error text in a completion.
+inline constexpr uint32_t kShmAbiVersion = 9;
+inline constexpr uint32_t kEndpointMagic = 0x45504431;    // "EPD1"
+inline constexpr uint32_t kRequestMagic = 0x52455131;     // "REQ1"
+inline constexpr uint32_t kDoorbellMagic = 0x44424c31;    // "DBL1"
+inline constexpr uint32_t kRingCapacity = 64;             // Request slots (power of two).
+inline constexpr uint32_t kCompletionCapacity = 64;       // Completion records.
+inline constexpr uint32_t kMessageBytes = 232;            // Error text in the endpoint header.
+inline constexpr uint32_t kCompletionMessageBytes = 216;  // Error text in a completion.
 
 /// The first 8 bytes a client sends on a connection to epd's unix socket that is an fd
 /// channel (docs/SECURITY.md "Shared memory the client cannot resize") rather than gRPC
@@ -158,12 +159,21 @@ struct Completion {
   int32_t status_code;      ///< absl::StatusCode.
   int32_t num_recv_tokens;  ///< Dispatch: N rows received; LL combine: this rank's T.
   int32_t buffer;           ///< Low-latency ops: the buffer set (0/1) the op used.
-  uint32_t reserved;
-  char message[kMessageBytes];  ///< NUL-terminated error text ("" when OK).
+  /// The error's catalog reason (proto/epd/v1/errors.proto ErrorReason); 0 when OK or none.
+  uint32_t reason;
+  /// The group's rank mask the op ran with: its epoch (0 = no rank was ever masked) and how
+  /// many ranks it masks; the client reads the ranks with the mask API.
+  uint32_t mask_epoch;
+  uint32_t num_masked;
+  /// This rank's token-expert pairs dropped because their expert's rank was masked.
+  int32_t dropped_pairs;
+  uint32_t reserved;                      ///< 0.
+  char message[kCompletionMessageBytes];  ///< NUL-terminated error text ("" when OK).
 };
 static_assert(std::is_trivially_copyable_v<Completion>);
 static_assert(sizeof(Completion) == 256);
-static_assert(offsetof(Completion, message) == 24);
+static_assert(offsetof(Completion, reason) == 20);
+static_assert(offsetof(Completion, message) == 40);
 
 /// Start of every endpoint region. Counters sit on their own cache lines.
 struct EndpointShmHeader {

@@ -149,6 +149,19 @@ struct Handle {
 
 // ---- op arguments and results ---------------------------------------------------------
 
+/// The rank mask an op ran with (docs/RELIABILITY.md), in every op result.
+struct OpMask {
+  uint32_t epoch = 0;         ///< The group's mask epoch (0 = no rank ever masked).
+  int32_t num_masked = 0;     ///< Ranks masked in that epoch (Endpoint::QueryRankMask).
+  int32_t dropped_pairs = 0;  ///< This rank's token-expert pairs whose expert was masked.
+};
+
+/// A group's rank mask.
+struct RankMask {
+  uint32_t epoch = 0;
+  std::vector<int32_t> masked_ranks;  ///< Ascending.
+};
+
 /// GetDispatchLayout output for topk_idx [T, K] int64 (-1 = none); a repeated expert in a
 /// row counts the token once.
 struct LayoutResult {
@@ -189,6 +202,7 @@ struct DispatchResult {
   /// N (read back by Wait); -1 from Enqueued() of a non-cached Dispatch, whose views then
   /// have the capacity R*M rows, rows [0, recv_count[0]) valid.
   int32_t num_recv_tokens = 0;
+  OpMask mask;  ///< Set by Wait.
 };
 
 /// Normal combine inputs.
@@ -203,6 +217,7 @@ struct CombineArgs {
 struct CombineResult {
   TensorView combined_x;             ///< [T, H] bf16.
   TensorView combined_topk_weights;  ///< [T, K] f32 (when topk_weights was given).
+  OpMask mask;                       ///< Set by Wait.
 };
 
 /// Low-latency dispatch inputs.
@@ -236,6 +251,7 @@ struct LowLatencyDispatchResult {
   TensorView recv_count;     ///< [E/R] int32.
   TensorView recv_src_info;  ///< [E/R, R*Mll] int32: src_rank*Mll + token.
   Handle handle;
+  OpMask mask;  ///< Set by Wait.
 };
 
 /// Low-latency combine inputs.
@@ -249,6 +265,7 @@ struct LowLatencyCombineArgs {
 /// Low-latency combine output. Valid until the low-latency combine after next.
 struct LowLatencyCombineResult {
   TensorView combined_x;  ///< [T, H] bf16.
+  OpMask mask;            ///< Set by Wait.
 };
 
 // ---- graph mode (DESIGN.md §3.2): daemon-launched ops inside CUDA graphs ----------------
@@ -388,6 +405,18 @@ class Endpoint {
   /// waiting instances are released. OK when no program is armed.
   absl::Status UnregisterProgram(absl::Duration timeout = absl::InfiniteDuration());
 
+  // ---- rank masking (docs/RELIABILITY.md) ----
+
+  /// Masks `mask` and unmasks `unmask` (ranks of this group, each in [0, R)), between two
+  /// ops of the group; returns the new mask. Errors: INVALID_ARGUMENT naming the rank,
+  /// FAILED_PRECONDITION (left, or the group's on_rank_failure is not MASK), UNAVAILABLE.
+  absl::StatusOr<RankMask> UpdateRankMask(const std::vector<int32_t>& mask,
+                                          const std::vector<int32_t>& unmask);
+  /// The group's current mask. Errors as UpdateRankMask.
+  absl::StatusOr<RankMask> QueryRankMask();
+  /// Unmasks every rank (those not joined stay masked until they rejoin).
+  absl::StatusOr<RankMask> CleanRankMask();
+
   /// Leaves the group explicitly (the daemon frees the rank). Later ops return
   /// FAILED_PRECONDITION. Idempotent.
   absl::Status Leave();
@@ -463,6 +492,13 @@ class Client {
   /// The groups this process's uid owns or holds a rank of (every group for root and
   /// epd's own uid).
   absl::StatusOr<v1::ListGroupsResponse> ListGroups();
+  /// After the daemon restarted (ops and RPCs return UNAVAILABLE): connects again to the
+  /// same socket, opens a new Session and rejoins every Endpoint this Client made, with its
+  /// JoinOptions; the Endpoint objects stay valid (their pending ops fail with UNAVAILABLE)
+  /// and must be re-set-up by the caller only for graph-mode programs. Waits up to
+  /// `timeout` for the daemon. Errors: UNAVAILABLE (no daemon), the joins' errors naming
+  /// the rank.
+  absl::Status Reconnect(absl::Duration timeout = absl::Seconds(30));
   /// The Session id the daemon assigned.
   const std::string& session_id() const;
 
