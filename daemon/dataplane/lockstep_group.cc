@@ -442,22 +442,22 @@ bool LockstepGroup::RunOp() {
     if (slots[r].op != slots[first].op || !same_flags ||
         (slots[first].op == static_cast<uint32_t>(abi::OpKind::kDispatch) &&
          slots[r].expert_alignment != slots[first].expert_alignment)) {
-      // Name what differs: the op, an option flag, or expert_alignment.
+      // Name what differs: the op, an option flag, or expert_alignment (compactly: the
+      // completion record's text is short).
       auto describe = [](const abi::RequestSlot& x) {
         return absl::StrCat(
-            OpName(x.op), " (fp8 ", (x.flags & abi::kFlagFp8) ? 1 : 0, ", round_scale ",
-            (x.flags & abi::kFlagRoundScale) ? 1 : 0,
-            (x.flags & abi::kFlagUe8m0) ? ", use_ue8m0 1" : "", ", cached handle ",
-            (x.flags & abi::kFlagCachedHandle) ? 1 : 0, ", topk_weights ",
+            OpName(x.op), " (fp8 ", (x.flags & abi::kFlagFp8) ? 1 : 0, ", round ",
+            (x.flags & abi::kFlagRoundScale) ? 1 : 0, (x.flags & abi::kFlagUe8m0) ? ", ue8m0" : "",
+            ", cached ", (x.flags & abi::kFlagCachedHandle) ? 1 : 0, ", weights ",
             (x.flags & (abi::kFlagDispatchWeights | abi::kFlagCombineWeights)) ? 1 : 0,
             x.op == static_cast<uint32_t>(abi::OpKind::kDispatch)
                 ? absl::StrCat(", expert_alignment ", x.expert_alignment)
                 : "",
             ")");
       };
-      FailOp(absl::InvalidArgumentError(absl::StrCat(
-          "op ", current_seq_, " of group ", spec_.name(), ": ranks disagree: rank ", first,
-          " submitted ", describe(slots[first]), ", rank ", r, " submitted ", describe(slots[r]))));
+      FailOp(absl::InvalidArgumentError(
+          absl::StrCat("op ", current_seq_, ": ranks disagree: rank ", first, " submitted ",
+                       describe(slots[first]), ", rank ", r, " submitted ", describe(slots[r]))));
       return true;
     }
   }
