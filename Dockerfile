@@ -33,7 +33,7 @@ COPY deploy/install-deps.sh deploy/install-deps.sh
 RUN bash deploy/install-deps.sh && rm -rf /var/lib/apt/lists/*
 COPY . .
 # CUDA and RDMA ON (not AUTO): an image without the CUDA backend would be a broken image,
-# so a missing toolkit fails the build here. sm_90 SASS + compute_90 PTX (CMakeLists.txt).
+# so a missing toolkit fails the build here. sm_80 and sm_90 SASS + compute_80 PTX (CMakeLists.txt).
 RUN cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DEPD_WITH_CUDA=ON -DEPD_WITH_RDMA=ON -DEPD_BUILD_TESTS=OFF \
       -DCMAKE_CUDA_COMPILER="${CUDA_DIR}/bin/nvcc" \

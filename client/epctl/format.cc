@@ -66,6 +66,13 @@ std::string HumanDurationMs(uint64_t ms) {
   return absl::FormatDuration(absl::Trunc(absl::Milliseconds(ms), absl::Seconds(1)));
 }
 
+namespace {
+
+/// A GPU the daemon marked unsupported (a daemon that predates the mark sets neither field).
+bool Unsupported(const v1::GpuInfo& g) { return !g.supported() && !g.unsupported_reason().empty(); }
+
+}  // namespace
+
 std::string FormatStatus(const v1::GetStatsResponse& s, const std::string& target) {
   std::string out = absl::StrFormat("epd %s  pid %d  %s  %s  up %s\n", s.version(), s.pid(), target,
                                     s.serving_status(), HumanDurationMs(s.uptime_ms()));
@@ -89,10 +96,14 @@ std::string FormatStatus(const v1::GetStatsResponse& s, const std::string& targe
                     absl::StrCat(g.sm_count()),
                     absl::StrCat(HumanBytes(g.free_memory_bytes()), " / ",
                                  HumanBytes(g.total_memory_bytes())),
-                    absl::StrCat(g.compute_capability_major(), ".", g.compute_capability_minor()),
+                    absl::StrCat(g.compute_capability_major(), ".", g.compute_capability_minor(),
+                                 Unsupported(g) ? " (unsupported)" : ""),
                     peers.empty() ? "-" : peers});
     }
     absl::StrAppend(&out, table.Render("  "));
+    for (const v1::GpuInfo& g : s.gpus()) {
+      if (Unsupported(g)) absl::StrAppend(&out, "  ", g.unsupported_reason(), "\n");
+    }
   }
   absl::StrAppend(&out, FormatTransports(s));
   return out;

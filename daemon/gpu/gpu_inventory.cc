@@ -98,6 +98,15 @@ std::string CudaError(const char* call, cudaError_t err) {
 
 }  // namespace
 
+absl::Status CheckComputeCapability(const std::string& what, int major, int minor) {
+  if (major >= kMinComputeCapabilityMajor) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, " has compute capability ", major, ".", minor, " (sm_", major, minor,
+      "); epd's kernels need sm_", kMinComputeCapabilityMajor,
+      "0 or newer (Ampere, Hopper): they are built for compute_", kMinComputeCapabilityMajor,
+      "0 and up and use its bf16 instructions; use a newer GPU or the host backend"));
+}
+
 MpsStatus DetectMps() {
   MpsStatus status;
   const char* env = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
@@ -166,6 +175,10 @@ absl::StatusOr<GpuInventory> GpuInventory::Discover(const std::vector<std::strin
       info.set_total_memory_bytes(prop.totalGlobalMem);
       info.set_compute_capability_major(prop.major);
       info.set_compute_capability_minor(prop.minor);
+      const absl::Status supported = CheckComputeCapability(
+          absl::StrCat("GPU ", dev, " (", prop.name, ")"), prop.major, prop.minor);
+      info.set_supported(supported.ok());
+      info.set_unsupported_reason(std::string(supported.message()));
       for (int peer = 0; peer < count; ++peer) {
         int can = 0;
         if (peer != dev && cudaDeviceCanAccessPeer(&can, dev, peer) != cudaSuccess) can = 0;

@@ -26,12 +26,20 @@ struct MpsStatus {
 /// socket is reported in `detail` but is not active for this daemon.
 MpsStatus DetectMps();
 
+/// The oldest architecture epd's kernels are built for (compute_80 PTX and up: Ampere,
+/// Hopper and newer).
+inline constexpr int kMinComputeCapabilityMajor = 8;
+
+/// OK when epd's kernels run on a GPU of compute capability `major`.`minor`; else
+/// FAILED_PRECONDITION naming the GPU (`what`), its sm_XY and the minimum.
+absl::Status CheckComputeCapability(const std::string& what, int major, int minor);
+
 class GpuInventory {
  public:
-  /// Queries every visible GPU. When `allowed_uuids` is not empty, keeps only those (an
-  /// allowed UUID that is not visible → NOT_FOUND naming it). No GPU is not an error: the
-  /// inventory is empty and reason() says why ("built without CUDA", "no CUDA device:
-  /// cudaGetDeviceCount: ...").
+  /// Queries every visible GPU (each marked supported or not: CheckComputeCapability). When
+  /// `allowed_uuids` is not empty, keeps only those (an allowed UUID that is not visible →
+  /// NOT_FOUND naming it). No GPU is not an error: the inventory is empty and reason() says why
+  /// ("built without CUDA", "no CUDA device: cudaGetDeviceCount: ...").
   static absl::StatusOr<GpuInventory> Discover(const std::vector<std::string>& allowed_uuids);
 
   /// An inventory of given GPUs (tests, fakes).

@@ -50,6 +50,18 @@ v1::GetStatsResponse FakeStats() {
   return s;
 }
 
+TEST(EpctlStatusTest, UnsupportedGpuIsMarkedWithTheReason) {
+  v1::GetStatsResponse s = FakeStats();
+  s.mutable_gpus(0)->set_supported(true);
+  s.mutable_gpus(1)->set_compute_capability_major(7);
+  s.mutable_gpus(1)->set_compute_capability_minor(5);
+  s.mutable_gpus(1)->set_unsupported_reason("GPU 1 (T4) has compute capability 7.5 (sm_75)");
+  const std::string out = FormatStatus(s, "unix:///x");
+  EXPECT_THAT(out, HasSubstr("7.5 (unsupported)"));
+  EXPECT_THAT(out, HasSubstr("  GPU 1 (T4) has compute capability 7.5 (sm_75)\n"));
+  EXPECT_EQ(out.find("0.0 (unsupported)"), std::string::npos);
+}
+
 TEST(EpctlStatusTest, NicTableAndPreflight) {
   const std::string out = FormatStatus(FakeStats(), "unix:///run/epd/epd.sock");
   EXPECT_THAT(out, HasSubstr("transports: tcp, rdma\n"));

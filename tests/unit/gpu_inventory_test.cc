@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -35,6 +36,19 @@ TEST(GpuInventoryTest, FindByUuidOrPciBusId) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(missing.status().message()),
               testing::AllOf(HasSubstr("GPU-cccc"), HasSubstr("GPU-aaaa"), HasSubstr("GPU-bbbb")));
+}
+
+TEST(GpuInventoryTest, ComputeCapabilityBelowAmpereIsUnsupported) {
+  for (auto [major, minor] : {std::pair{8, 0}, {8, 6}, {8, 9}, {9, 0}, {10, 0}, {12, 0}}) {
+    EXPECT_TRUE(CheckComputeCapability("GPU 0", major, minor).ok()) << major << "." << minor;
+  }
+  for (auto [major, minor] : {std::pair{7, 5}, {7, 0}, {6, 1}, {0, 0}}) {
+    const absl::Status st = CheckComputeCapability("GPU 3 (Tesla T4)", major, minor);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(st.message()),
+                testing::AllOf(HasSubstr("GPU 3 (Tesla T4)"),
+                               HasSubstr(absl::StrCat("sm_", major, minor)), HasSubstr("sm_80")));
+  }
 }
 
 TEST(GpuInventoryTest, EmptyInventorySaysWhy) {

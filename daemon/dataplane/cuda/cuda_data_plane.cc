@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/cuda/cuda_check.h"
 #include "common/cuda/device_alloc.h"
 #include "common/status_macros.h"
@@ -80,7 +81,20 @@ absl::Status CudaDataPlaneImpl::Init() {
   log->info("daemon-launched low-latency ops wait for their client's ready flag {}",
             kernel_ready_wait_ ? "in a one-warp kernel (MPS or forced)"
                                : "with cuStreamWaitValue64 (no MPS: contexts time-slice)");
-  for (const v1::GpuInfo& g : inventory.gpus()) uuids_[g.ordinal()] = g.uuid();
+  std::vector<std::string> unsupported;
+  for (const v1::GpuInfo& g : inventory.gpus()) {
+    if (g.supported()) {
+      uuids_[g.ordinal()] = g.uuid();
+    } else {
+      unsupported_[g.uuid()] = g.unsupported_reason();
+      unsupported.push_back(g.unsupported_reason());
+      log->warn("{}: it serves no rank", g.unsupported_reason());
+    }
+  }
+  if (uuids_.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("the CUDA data plane has no supported GPU: ",
+                                                      absl::StrJoin(unsupported, "; ")));
+  }
   // Peer access among every pair of GPUs that supports it.
   for (const auto& [a, ua] : uuids_) {
     for (const auto& [b, ub] : uuids_) {
@@ -123,6 +137,9 @@ absl::StatusOr<int> CudaDataPlaneImpl::DeviceOf(const std::string& gpu_uuid) con
   if (gpu_uuid.empty()) return uuids_.begin()->first;
   for (const auto& [device, uuid] : uuids_) {
     if (uuid == gpu_uuid) return device;
+  }
+  if (auto it = unsupported_.find(gpu_uuid); it != unsupported_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("gpu_uuid: ", it->second));
   }
   return absl::NotFoundError(
       absl::StrCat("gpu_uuid: \"", gpu_uuid, "\" is not a GPU of this CUDA data plane"));

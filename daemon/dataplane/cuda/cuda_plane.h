@@ -90,8 +90,10 @@ class CudaDataPlaneImpl : public DataPlane {
   CudaDataPlaneOptions options_;
   kernels::host::HostWorkerPool kernel_pool_;  // Outlives the engines' groups.
   std::mutex pool_mu_;
-  bool kernel_ready_wait_ = false;     // See kernel_ready_wait().
-  std::map<int, std::string> uuids_;   // ordinal → UUID.
+  bool kernel_ready_wait_ = false;    // See kernel_ready_wait().
+  std::map<int, std::string> uuids_;  // ordinal → UUID.
+  /// GPUs below the oldest supported architecture: UUID → why (they serve no rank).
+  std::map<std::string, std::string> unsupported_;
   std::map<int, std::set<int>> peer_;  // ordinal → peers it can access.
   std::map<int, std::unique_ptr<GpuEngine>> engines_;
   std::mutex claim_mu_;
