@@ -199,6 +199,12 @@ absl::StatusOr<uint64_t> ClientLaunch::RunSpanning(const OpPlan& p) {
   wait.timeout_ns = uint64_t(m_.info.op_timeout_ms()) * 1'000'000ull + kAwaitGraceNs;
   wait.max_total_bytes = wait.mirror_bytes;
   EPD_RETURN_IF_ERROR(kc::SpanAwaitAsync(wait, s));
+  // An engine asleep would see the command at its next 20 ms wake-up; a captured op's
+  // replays get no ring: the engine keeps polling for a while after each command.
+  if (!capturing) {
+    abi::Atomic(control_host_->client_wakes).fetch_add(1, std::memory_order_seq_cst);
+    m_.ring.Wake();
+  }
   m_.parity.Advance(p.op);
   if (p.op == abi::OpKind::kDispatch && rejected) handles_.Forget(handles_.routing_seq());
   if (p.op == abi::OpKind::kLowLatencyDispatch) {

@@ -75,7 +75,10 @@ struct SpanControl {
   uint32_t version;  ///< kSpanControlVersion.
   /// The op number the client's device counter starts from (EndpointInfo.first_seq).
   uint64_t first_seq;
-  uint8_t reserved0[48];
+  /// Bumped by the client's host when it enqueued an op and rang the engine's doorbell:
+  /// the engine then polls the command word for a while (the kernel posts it later).
+  uint64_t client_wakes;
+  uint8_t reserved0[40];
   SpanCommand command;  ///< Client → daemon.
   // ---- daemon → client; written before done_seq ----
   /// The op the answer below is for; stored last (release). The client's kernel waits for
@@ -90,6 +93,7 @@ struct SpanControl {
   SpanResult results[kCompletionCapacity];
 };
 static_assert(std::is_trivially_copyable_v<SpanControl>);
+static_assert(offsetof(SpanControl, client_wakes) == 16);
 static_assert(offsetof(SpanControl, command) == 64);
 static_assert(offsetof(SpanControl, done_seq) == 128);
 static_assert(offsetof(SpanControl, copies) == 192);

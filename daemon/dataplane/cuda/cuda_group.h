@@ -229,7 +229,7 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// Whether a client-launched spanning rank is attached and its last command arrived
   /// within kClientCommandsHot: the engine then keeps polling their command words instead
   /// of sleeping (a command waits at most the engine's 20 ms sleep otherwise).
-  bool ClientCommandsHot() const;
+  bool ClientCommandsHot();
   /// Whether rank r is a client-launched rank of this spanning group (attached).
   bool ClientSpanRank(int32_t r) const {
     return spanning() && ranks_[r] && ranks_[r]->client_launched && ranks_[r]->mirror;

@@ -53,6 +53,8 @@ struct CudaRankMirror {
   abi::SpanControl* control = nullptr;
   /// Client-launched: the copy of the command of the rank's current op (TakeSpanCommand).
   abi::SpanCommand command{};
+  /// Client-launched: the control block's client_wakes last seen (ClientCommandsHot).
+  uint64_t client_wakes = 0;
   PinnedArray<uint8_t> data;               ///< [MirrorBytes(layout)], mapped (daemon-launched).
   PinnedArray<kernels::Region> in_spans;   ///< [kMaxAreaSpans], mapped.
   PinnedArray<kernels::Region> out_spans;  ///< [kMaxAreaSpans], mapped.

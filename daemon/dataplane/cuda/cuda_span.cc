@@ -67,12 +67,20 @@ bool CudaGroup::PopBackendRequest(int32_t rank, uint64_t next_seq, abi::RequestS
   return true;
 }
 
-bool CudaGroup::ClientCommandsHot() const {
-  if (Clock::now() - last_command_ >= kClientCommandsHot) return false;
+bool CudaGroup::ClientCommandsHot() {
+  bool any = false;
   for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
-    if (ClientSpanRank(r)) return true;
+    if (!ClientSpanRank(r) || ranks_[r]->mirror->control == nullptr) continue;
+    any = true;
+    // A client that just enqueued an op says so (its kernel posts the command later).
+    CudaRankMirror& m = *ranks_[r]->mirror;
+    const uint64_t wakes = abi::Atomic(m.control->client_wakes).load(std::memory_order_relaxed);
+    if (wakes != m.client_wakes) {
+      m.client_wakes = wakes;
+      last_command_ = Clock::now();
+    }
   }
-  return false;
+  return any && Clock::now() - last_command_ < kClientCommandsHot;
 }
 
 void CudaGroup::RankOpEnded(int32_t rank, const abi::RequestSlot& slot, const RankOutcome& outcome,
