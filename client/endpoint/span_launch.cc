@@ -175,7 +175,9 @@ kc::SpanPostArgs ClientLaunch::PostArgs(const OpPlan& p, int buffer, bool reject
 absl::StatusOr<uint64_t> ClientLaunch::RunSpanning(const OpPlan& p) {
   absl::Status st = p.status;
   int buffer = p.buffer;
-  if (!CheckHandle(p, &st, &buffer)) return st;
+  // A rejected layout still takes part here: the op is the daemon's lockstep op, which
+  // its peers wait for (one-node client-launched layouts exchange nothing).
+  if (!CheckHandle(p, &st, &buffer) && p.op != abi::OpKind::kGetDispatchLayout) return st;
   EPD_RETURN_IF_ERROR(EnsureSetUp());
   DeviceGuard guard(m_.mapping->device());
   const cudaStream_t s = static_cast<cudaStream_t>(p.stream);

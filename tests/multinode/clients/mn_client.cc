@@ -10,6 +10,12 @@
 //                    LowLatencyCombine. Prints "OK <op>", "MISMATCH <op> <field> ..." or
 //                    "ERROR <op> <CODE>: <message>" per op, then "DONE ok=<n> bad=<n>";
 //                    exit 0 when every op was OK and exact.
+//   --scenario=graph (CUDA, --launch_mode=client) LowLatencyDispatch with T on the device
+//                    and its LowLatencyCombine captured once in a CUDA graph on the rank's
+//                    stream, replayed --graph_rounds times with every rank's T changed
+//                    between replays (T = (tokens + 3 * round) % (Mll + 1): some 0, some
+//                    Mll); each replay's recv_count, recv_x, recv_src_info and combined_x are
+//                    checked. Prints "GRAPH <i> OK" per replay, then "DONE ok=<n> bad=<n>".
 //   --scenario=loop  Rounds of Dispatch + Combine + LowLatencyDispatch + LowLatencyCombine,
 //                    printing "ROUND <i> OK" or "ROUND <i> ERROR <op> <CODE> after <ms> ms:
 //                    <message>" (and MISMATCH lines), until EOF on stdin or --max_seconds;
@@ -67,6 +73,9 @@ ABSL_FLAG(bool, exit_after_recovery, false, "loop: exit 0 after a failed round a
 ABSL_FLAG(int, max_seconds, 60, "loop: stop after this long");
 ABSL_FLAG(int, wait_seconds, 30, "bound of each op's Wait");
 ABSL_FLAG(int, round_pause_ms, 0, "loop: pause between rounds");
+ABSL_FLAG(std::string, launch_mode, "",
+          "client or daemon: the endpoints' launch mode (\"\" = the daemon's default)");
+ABSL_FLAG(int, graph_rounds, 6, "graph: replays of the captured graph");
 ABSL_FLAG(std::string, gpu_uuid, "",
           "the GPU to join on (a CUDA daemon); \"\" on the host backend");
 
@@ -629,6 +638,177 @@ int Loop(Rank& rank) {
   return rank.mismatches() > 0 ? 1 : 0;
 }
 
+#if EPD_MN_CLIENT_CUDA
+/// A device copy of a host buffer, with a DLTensor on it (the same dims and dtype).
+struct DeviceCopy {
+  void* p = nullptr;
+  DLTensor dl{};
+  DeviceCopy() = default;
+  DeviceCopy(const DeviceCopy&) = delete;
+  DeviceCopy& operator=(const DeviceCopy&) = delete;
+  ~DeviceCopy() {
+    if (p != nullptr) cudaFree(p);
+  }
+  template <typename T>
+  absl::Status From(const Buf<T>& b, int device) {
+    const size_t bytes = b.v.size() * sizeof(T);
+    if (cudaMalloc(&p, bytes) != cudaSuccess ||
+        cudaMemcpy(p, b.v.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+      return absl::InternalError("cudaMalloc/cudaMemcpy of a graph input");
+    }
+    dl = b.dl;
+    dl.data = p;
+    dl.device = DLDevice{kDLCUDA, device};
+    return absl::OkStatus();
+  }
+};
+
+/// --scenario=graph (see the file comment). Returns the exit code.
+int Graph(epd::Endpoint& ep, const GroupShape& s, const std::vector<int32_t>& tokens, int targets,
+          int rank) {
+  const int R = s.num_ranks, Mll = s.ll_max_tokens_per_rank, H = s.hidden;
+  const int El = s.num_local_experts();
+  const int64_t rows = s.ll_rows_per_expert();
+  std::vector<RankInputs> in(R);  // Every rank's inputs at capacity (Mll rows).
+  for (int r = 0; r < R; ++r) {
+    MakeInputs(s, absl::GetFlag(FLAGS_seed) + 1000, r, Mll, targets, in[r]);
+  }
+  const RankInputs& mine = in[rank];
+  const int device = ep.LowLatencyCombineInput().dl().device.device_id;
+  cudaSetDevice(device);
+  DeviceCopy x, idx, w, y, T;
+  Buf<int32_t> t_host;
+  t_host.Make({1}, epd::testing::kI32);
+  absl::Status up = x.From(mine.xll, device);
+  if (up.ok()) up = idx.From(mine.idxll, device);
+  if (up.ok()) up = w.From(mine.wll, device);
+  if (up.ok()) up = y.From(mine.yll, device);
+  if (up.ok()) up = T.From(t_host, device);
+  cudaStream_t stream = nullptr;
+  if (up.ok() && cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+    up = absl::InternalError("cudaStreamCreate");
+  }
+  auto fail = [](const std::string& what) {
+    std::printf("ERROR graph %s\n", what.c_str());
+    return 1;
+  };
+  if (!up.ok()) return fail(std::string(up.message()));
+  // Capture: the dispatch (T on the device) and its combine.
+  if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+    return fail("cudaStreamBeginCapture");
+  }
+  epd::LowLatencyDispatchArgs la;
+  la.x = &x.dl;
+  la.topk_idx = &idx.dl;
+  la.num_tokens = &T.dl;
+  la.stream = stream;
+  auto dop = ep.LowLatencyDispatch(la);
+  absl::StatusOr<epd::LowLatencyDispatchResult> d =
+      dop.ok() ? dop->Enqueued() : absl::StatusOr<epd::LowLatencyDispatchResult>(dop.status());
+  absl::StatusOr<epd::PendingOp<epd::LowLatencyCombineResult>> cop = d.status();
+  absl::StatusOr<epd::LowLatencyCombineResult> c = d.status();
+  if (d.ok()) {
+    epd::LowLatencyCombineArgs lc;
+    lc.x = &y.dl;
+    lc.topk_idx = &idx.dl;
+    lc.topk_weights = &w.dl;
+    lc.handle = &d->handle;
+    lc.stream = stream;
+    cop = ep.LowLatencyCombine(lc);
+    if (cop.ok()) c = cop->Enqueued();
+  }
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  if (!c.ok()) return fail(absl::StrCat("capture: ", c.status().ToString()));
+  cudaGraphExec_t exec = nullptr;
+  if (ended != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+    return fail("cudaStreamEndCapture / cudaGraphInstantiate");
+  }
+  int64_t oks = 0, bad = 0;
+  for (int round = 0; round < absl::GetFlag(FLAGS_graph_rounds); ++round) {
+    std::vector<int32_t> Ts(R);
+    for (int r = 0; r < R; ++r) Ts[r] = (tokens[r] + 3 * round) % (Mll + 1);
+    if (cudaMemcpy(T.p, &Ts[rank], 4, cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaGraphLaunch(exec, stream) != cudaSuccess ||
+        cudaStreamSynchronize(stream) != cudaSuccess) {
+      return fail(absl::StrCat("replay ", round, ": CUDA error"));
+    }
+    auto dw = dop->Wait(absl::Seconds(absl::GetFlag(FLAGS_wait_seconds)));
+    auto cw = cop->Wait(absl::Seconds(absl::GetFlag(FLAGS_wait_seconds)));
+    if (!dw.ok() || !cw.ok()) {
+      ++bad;
+      std::printf("GRAPH %d ERROR %s\n", round,
+                  (!dw.ok() ? dw.status() : cw.status()).ToString().c_str());
+      continue;
+    }
+    // The reference of this replay's T.
+    std::vector<epd::testing::LowLatencyRef> ref(R);
+    std::vector<host::LowLatencyDispatchRankArgs> l(R);
+    for (int r = 0; r < R; ++r) {
+      l[r].num_tokens = Ts[r];
+      l[r].x = in[r].xll.data();
+      l[r].topk_idx = in[r].idxll.data();
+      ref[r].Bind(s, false, l[r]);
+    }
+    absl::Status st = host::LowLatencyDispatch(s, {}, std::span(l));
+    std::vector<std::vector<bf16_bits>> combined(R);
+    std::vector<host::LowLatencyCombineRankArgs> lc(R);
+    for (int r = 0; r < R && st.ok(); ++r) {
+      combined[r].assign(std::max<size_t>(size_t(Ts[r]) * H, 1), 0);
+      lc[r].num_tokens = Ts[r];
+      lc[r].topk_idx = in[r].idxll.data();
+      lc[r].topk_weights = in[r].wll.data();
+      lc[r].handle_pos = ref[r].pos.data();
+      lc[r].x = in[r].yll.data();
+      lc[r].combined_x = combined[r].data();
+    }
+    if (st.ok()) st = host::LowLatencyCombine(s, std::span(lc));
+    if (!st.ok()) return fail(absl::StrCat("reference: ", st.ToString()));
+    // The captured views, copied to the host.
+    std::vector<int32_t> count(El);
+    std::vector<int32_t> src(size_t(El) * rows);
+    std::vector<bf16_bits> rx(size_t(El) * rows * H);
+    std::vector<bf16_bits> cx(size_t(std::max(Ts[rank], 1)) * H);
+    bool copied = cudaMemcpy(count.data(), d->recv_count.data(), count.size() * 4,
+                             cudaMemcpyDeviceToHost) == cudaSuccess &&
+                  cudaMemcpy(src.data(), d->recv_src_info.data(), src.size() * 4,
+                             cudaMemcpyDeviceToHost) == cudaSuccess &&
+                  cudaMemcpy(rx.data(), d->recv_x.data(), rx.size() * 2, cudaMemcpyDeviceToHost) ==
+                      cudaSuccess &&
+                  cudaMemcpy(cx.data(), c->combined_x.data(), size_t(Ts[rank]) * H * 2,
+                             cudaMemcpyDeviceToHost) == cudaSuccess;
+    if (!copied) return fail("cudaMemcpy of a view");
+    std::string diff = epd::testing::FirstDifference(count.data(), ref[rank].count.data(), El);
+    for (int j = 0; j < El && diff.empty(); ++j) {
+      const int64_t n = ref[rank].count[j];
+      diff =
+          epd::testing::FirstDifference(src.data() + j * rows, ref[rank].src.data() + j * rows, n);
+      if (diff.empty()) {
+        diff = epd::testing::FirstDifference(
+            rx.data() + j * rows * H,
+            reinterpret_cast<const bf16_bits*>(ref[rank].x.data()) + j * rows * H, n * H);
+      }
+    }
+    if (diff.empty()) {
+      diff = epd::testing::FirstDifference(cx.data(), combined[rank].data(), int64_t(Ts[rank]) * H);
+    }
+    if (!diff.empty()) {
+      ++bad;
+      std::printf("MISMATCH rank %d graph %d (T %d): %s\n", rank, round, Ts[rank], diff.c_str());
+    } else {
+      ++oks;
+      std::printf("GRAPH %d OK (T %d)\n", round, Ts[rank]);
+    }
+    std::fflush(stdout);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  std::printf("DONE ok=%lld bad=%lld\n", static_cast<long long>(oks), static_cast<long long>(bad));
+  return bad == 0 && oks > 0 ? 0 : 1;
+}
+#endif  // EPD_MN_CLIENT_CUDA
+
 int Main() {
   auto nodes = epd::multinode::ParseNodesFlag(absl::GetFlag(FLAGS_nodes));
   if (!nodes.ok()) {
@@ -679,6 +859,9 @@ int Main() {
   join.spec = spec;
   join.rank = rank;
   join.gpu_uuid = absl::GetFlag(FLAGS_gpu_uuid);
+  const std::string launch_mode = absl::GetFlag(FLAGS_launch_mode);
+  if (launch_mode == "client") join.launch_mode = epd::v1::LAUNCH_MODE_CLIENT;
+  if (launch_mode == "daemon") join.launch_mode = epd::v1::LAUNCH_MODE_DAEMON;
   auto ep = (*client)->Join(join);
   if (!ep.ok()) {
     std::printf("JOIN_ERROR %s\n", ep.status().ToString().c_str());
@@ -688,6 +871,14 @@ int Main() {
   std::fflush(stdout);
   Rank runner(**ep, shape, in[rank], (*ref)[rank]);
   if (absl::GetFlag(FLAGS_scenario) == "loop") return Loop(runner);
+  if (absl::GetFlag(FLAGS_scenario) == "graph") {
+#if EPD_MN_CLIENT_CUDA
+    return Graph(**ep, shape, tokens, targets, rank);
+#else
+    std::printf("FLAGS --scenario=graph needs a CUDA build\n");
+    return 2;
+#endif
+  }
   const bool ok = runner.RunAll();
   std::printf("DONE ok=%lld bad=%lld\n", static_cast<long long>(runner.oks()),
               static_cast<long long>(runner.bad()));
