@@ -54,7 +54,7 @@ TEST(SpanCommandsTest, InitLeavesNoOpPostedOrAnswered) {
   EXPECT_EQ(c->done_seq, 4u);
   abi::SpanCommand copy;
   abi::RequestSlot slot;
-  EXPECT_FALSE(TakeSpanCommand(*c, 5, &copy, &slot));
+  EXPECT_FALSE(TakeSpanCommand(*c, 5, 5, &copy, &slot));
 }
 
 TEST(SpanCommandsTest, TakesOnlyTheNextOpAndCopiesIt) {
@@ -62,9 +62,10 @@ TEST(SpanCommandsTest, TakesOnlyTheNextOpAndCopiesIt) {
   Post(*c, 2, abi::OpKind::kDispatch, 9, abi::kFlagFp8, 0, 0);
   abi::SpanCommand copy;
   abi::RequestSlot slot;
-  EXPECT_FALSE(TakeSpanCommand(*c, 1, &copy, &slot));  // A later seq waits.
+  EXPECT_FALSE(TakeSpanCommand(*c, 1, 1, &copy, &slot));  // A later seq than `newest` waits.
   c->command.seq = 1;
-  ASSERT_TRUE(TakeSpanCommand(*c, 1, &copy, &slot));
+  ASSERT_TRUE(TakeSpanCommand(*c, 1, 1, &copy, &slot));
+  EXPECT_FALSE(SpanCommandSkipped(copy));
   c->command.num_tokens = 1000;  // A rewrite after the copy changes nothing.
   EXPECT_EQ(slot.magic, abi::kRequestMagic);
   EXPECT_EQ(slot.seq, 1u);
@@ -74,6 +75,25 @@ TEST(SpanCommandsTest, TakesOnlyTheNextOpAndCopiesIt) {
   EXPECT_EQ(slot.expert_alignment, 1);
   EXPECT_EQ(slot.num_sms, 0);
   EXPECT_EQ(copy.num_tokens, 9);
+}
+
+TEST(SpanCommandsTest, ALaterOpWithinTheGroupsNextStandsForTheSkippedOne) {
+  auto c = NewControl(1);
+  Post(*c, 4, abi::OpKind::kCombine, 3);
+  abi::SpanCommand copy;
+  abi::RequestSlot slot;
+  EXPECT_FALSE(TakeSpanCommand(*c, 2, 3, &copy, &slot));  // Beyond the group's next op.
+  ASSERT_TRUE(TakeSpanCommand(*c, 3, 4, &copy, &slot));
+  EXPECT_TRUE(SpanCommandSkipped(copy));
+  EXPECT_EQ(slot.seq, 3u);
+  const absl::Status st = CheckSpanCommand(copy);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(st.message(), HasSubstr("never posted op 3"));
+  EXPECT_THAT(st.message(), HasSubstr("posted op 4"));
+  // The client's own bytes cannot mark a command skipped.
+  c->command.reserved[0] = copy.reserved[0];
+  ASSERT_TRUE(TakeSpanCommand(*c, 4, 4, &copy, &slot));
+  EXPECT_FALSE(SpanCommandSkipped(copy));
 }
 
 TEST(SpanCommandsTest, BadMagicOrOpBecomesAMalformedOp) {
@@ -226,7 +246,7 @@ class CommandGroup : public LockstepGroup {
   }
   bool BackendRequestSource(int32_t) const override { return true; }
   bool PopBackendRequest(int32_t rank, uint64_t next_seq, abi::RequestSlot* slot) override {
-    return TakeSpanCommand(*controls_[rank], next_seq, &commands_[rank], slot);
+    return TakeSpanCommand(*controls_[rank], next_seq, current_seq() + 1, &commands_[rank], slot);
   }
   absl::Status CheckRequest(int32_t rank, const abi::RequestSlot&) const override {
     return CheckSpanCommand(commands_[rank]);
@@ -333,6 +353,20 @@ TEST_F(CommandGroupTest, ARankThatNeverPostsOrPostsAnotherSeqFailsTheOpAtOpTimeo
   Post(group_->control(1), 1, abi::OpKind::kGetDispatchLayout, 3);
   EXPECT_EQ(Answer(1, 1), kDeadline);
   EXPECT_THAT(group_->control(1).results[1].message, HasSubstr("arrived after op 1"));
+}
+
+TEST_F(CommandGroupTest, ARankWhoseKernelGaveUpOnAnOpCatchesUp) {
+  Open(2, 200);
+  // Rank 1's kernel gave up on op 1 and posted op 2: op 1 fails for both (naming rank 1),
+  // then op 2 runs with both.
+  Post(group_->control(0), 1, abi::OpKind::kGetDispatchLayout, 3);
+  Post(group_->control(1), 2, abi::OpKind::kGetDispatchLayout, 3);
+  EXPECT_EQ(Answer(0, 1), kDeadline);
+  EXPECT_THAT(group_->control(0).results[1].message, HasSubstr("rank 1"));
+  EXPECT_THAT(group_->control(0).results[1].message, HasSubstr("never posted op 1"));
+  Post(group_->control(0), 2, abi::OpKind::kGetDispatchLayout, 3);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(Answer(r, 2), 0) << group_->control(r).results[2].message;
+  EXPECT_EQ(group_->started(), 1);
 }
 
 }  // namespace

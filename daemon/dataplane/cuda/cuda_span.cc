@@ -60,7 +60,8 @@ bool CudaGroup::BackendRequestSource(int32_t rank) const { return ClientSpanRank
 
 bool CudaGroup::PopBackendRequest(int32_t rank, uint64_t next_seq, abi::RequestSlot* slot) {
   CudaRankMirror& m = *ranks_[rank]->mirror;
-  if (m.control == nullptr || !TakeSpanCommand(*m.control, next_seq, &m.command, slot)) {
+  if (m.control == nullptr ||
+      !TakeSpanCommand(*m.control, next_seq, current_seq() + 1, &m.command, slot)) {
     return false;
   }
   last_command_ = Clock::now();

@@ -19,6 +19,9 @@ bool Remap(const kernels::Region& from, const kernels::Region& to, uint64_t offs
   return true;
 }
 
+/// SpanCommand::reserved[0] of a daemon copy that stands for a skipped op.
+constexpr uint64_t kSkippedMarker = 0x534b4950;  // "SKIP"
+
 }  // namespace
 
 static_assert(abi::kMaxSpanCopies == kernels::kMaxAreaSpans);
@@ -47,17 +50,32 @@ abi::RequestSlot SlotFromSpanCommand(const abi::SpanCommand& c) {
   return slot;
 }
 
-bool TakeSpanCommand(const abi::SpanControl& control, uint64_t next_seq, abi::SpanCommand* copy,
-                     abi::RequestSlot* slot) {
-  auto& seq = const_cast<uint64_t&>(control.command.seq);
-  if (abi::Atomic(seq).load(std::memory_order_acquire) != next_seq) return false;
+bool TakeSpanCommand(const abi::SpanControl& control, uint64_t next_seq, uint64_t newest,
+                     abi::SpanCommand* copy, abi::RequestSlot* slot) {
+  auto& word = const_cast<uint64_t&>(control.command.seq);
+  const uint64_t posted = abi::Atomic(word).load(std::memory_order_acquire);
+  if (posted < next_seq || posted > newest) return false;
   std::memcpy(copy, &control.command, sizeof(*copy));
   copy->seq = next_seq;  // The value compared, whatever the client wrote since.
+  copy->reserved[0] = 0;
+  copy->reserved[1] = 0;
+  if (posted != next_seq) {
+    // The daemon's own marker in its private copy: op next_seq was skipped for `posted`.
+    copy->reserved[0] = kSkippedMarker;
+    copy->reserved[1] = posted;
+  }
   *slot = SlotFromSpanCommand(*copy);
   return true;
 }
 
+bool SpanCommandSkipped(const abi::SpanCommand& copy) { return copy.reserved[0] == kSkippedMarker; }
+
 absl::Status CheckSpanCommand(const abi::SpanCommand& c) {
+  if (SpanCommandSkipped(c)) {
+    return absl::DeadlineExceededError(absl::StrCat("its client never posted op ", c.seq,
+                                                    " (its kernel gave up waiting and posted op ",
+                                                    c.reserved[1], ")"));
+  }
   if (c.flags & abi::kFlagStreamOrdered) {
     return absl::InvalidArgumentError(absl::StrCat(
         "command flags 0x", absl::Hex(c.flags),

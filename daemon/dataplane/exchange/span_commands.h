@@ -21,12 +21,19 @@ namespace epd {
 void InitSpanControl(abi::SpanControl& control, uint64_t first_seq);
 
 /// Takes the command of op `next_seq` out of `control` (client-writable): false while its
-/// seq is not `next_seq` (not posted yet; an older or garbage value waits too, so a client
-/// that never posts the op lets it time out). Otherwise the record is copied once into
-/// `*copy` (acquire after the seq, which the client stores last) and only the copy is used:
-/// `*slot` is the request it describes (SlotFromSpanCommand).
-bool TakeSpanCommand(const abi::SpanControl& control, uint64_t next_seq, abi::SpanCommand* copy,
-                     abi::RequestSlot* slot);
+/// seq is older than `next_seq`, or newer than `newest` (not posted yet, or garbage: a
+/// client that never posts the op lets it time out). A seq of `next_seq` is copied once
+/// into `*copy` (acquire after the seq, which the client stores last) and only the copy is
+/// used: `*slot` is the request it describes (SlotFromSpanCommand). A seq in (next_seq,
+/// newest] means the client gave up on op next_seq (its await kernel timed out) and posted a
+/// later op: `*copy` then says so (SpanCommandSkipped) and `*slot` stands for op next_seq,
+/// which CheckSpanCommand fails, so the rank catches up one op per call. `newest` is the op
+/// the group collects next plus one (LockstepGroup's current op + 1).
+bool TakeSpanCommand(const abi::SpanControl& control, uint64_t next_seq, uint64_t newest,
+                     abi::SpanCommand* copy, abi::RequestSlot* slot);
+
+/// Whether a command copy stands for an op its client skipped (TakeSpanCommand).
+bool SpanCommandSkipped(const abi::SpanCommand& copy);
 
 /// The request a command copy describes, for the lockstep's validation: kRequestMagic, its
 /// seq, flags, T, expert_alignment and handle; op 0 (malformed: INVALID_ARGUMENT for the op)
@@ -34,8 +41,9 @@ bool TakeSpanCommand(const abi::SpanControl& control, uint64_t next_seq, abi::Sp
 abi::RequestSlot SlotFromSpanCommand(const abi::SpanCommand& copy);
 
 /// What the lockstep's validation does not see of a command: kFlagStreamOrdered (the client
-/// waits in its own kernel) and, for low-latency ops, client_buffer outside [0, 1].
-/// INVALID_ARGUMENT naming the field and value.
+/// waits in its own kernel) and, for low-latency ops, client_buffer outside [0, 1]
+/// (INVALID_ARGUMENT naming the field and value); an op the client skipped
+/// (DEADLINE_EXCEEDED naming the op it posted instead).
 absl::Status CheckSpanCommand(const abi::SpanCommand& copy);
 
 /// The copies of the answer to op `plan` at a rank: `spans` (MirrorOutputSpans: offsets in
