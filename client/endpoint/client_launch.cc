@@ -354,7 +354,7 @@ absl::StatusOr<OpOutcome> ClientLaunch::Wait(uint64_t seq, abi::OpKind op, absl:
   }
   DeviceGuard guard(m_.mapping->device());
   Readback* rb = &readback(i);
-  if (spanning_ && slot.captured) return SpanOutcome(seq, op, span_readback(kSlots));
+  if (spanning_ && slot.captured) return SpanWaited(seq, op, span_readback(kSlots));
   if (slot.captured) {
     rb = &readback(kSlots);
     cudaStream_t s = m_.aux_stream.get();
@@ -392,7 +392,7 @@ absl::StatusOr<OpOutcome> ClientLaunch::Wait(uint64_t seq, abi::OpKind op, absl:
       slots_[i].deferred = false;  // A second Wait reports the same status.
     }
   }
-  if (spanning_) return SpanOutcome(seq, op, span_readback(i));
+  if (spanning_) return SpanWaited(seq, op, span_readback(i));
   absl::Status st = kc::StatusFromDevice(rb->status, m_.shape, m_.info.rank(), abi::OpKindName(op),
                                          rules::IsLowLatency(op));
   if (!st.ok()) {

@@ -110,6 +110,13 @@ class ClientLaunch final : public OpRunner {
   /// The outcome of a spanning op from its read-back (and the daemon's message).
   absl::StatusOr<OpOutcome> SpanOutcome(uint64_t seq, abi::OpKind op,
                                         const kernels::cuda::SpanReadback& rb) const;
+  /// SpanOutcome, forgetting a handle the op produced when it failed (as Wait does).
+  absl::StatusOr<OpOutcome> SpanWaited(uint64_t seq, abi::OpKind op,
+                                       const kernels::cuda::SpanReadback& rb) {
+    absl::StatusOr<OpOutcome> outcome = SpanOutcome(seq, op, rb);
+    if (!outcome.ok()) handles_.Forget(seq);
+    return outcome;
+  }
   kernels::cuda::SpanReadback& span_readback(uint32_t i) { return span_readback_.get()[i]; }
 
   const bool spanning_;
