@@ -199,7 +199,7 @@ TEST(MultinodeCudaTest, ClientLaunchedGraphReplaysWithChangingTokens) {
   absl::Status done = WaitClients(*clients, absl::Seconds(180));
   EXPECT_TRUE(done.ok()) << done.message() << cluster->Logs();
   for (int r = 0; r < 8 && done.ok(); ++r) {
-    EXPECT_THAT((*clients)[r]->Stdout(), ::testing::HasSubstr("DONE ok=8 bad=0"));
+    EXPECT_THAT((*clients)[r]->Stdout(), ::testing::HasSubstr("DONE ok=9 bad=0"));
   }
 }
 

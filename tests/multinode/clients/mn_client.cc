@@ -12,10 +12,11 @@
 //                    exit 0 when every op was OK and exact.
 //   --scenario=graph (CUDA, --launch_mode=client) LowLatencyDispatch with T on the device
 //                    and its LowLatencyCombine captured once in a CUDA graph on the rank's
-//                    stream, replayed --graph_rounds times with every rank's T changed
-//                    between replays (T = (tokens + 3 * round) % (Mll + 1): some 0, some
-//                    Mll); each replay's recv_count, recv_x, recv_src_info and combined_x are
-//                    checked. Prints "GRAPH <i> OK" per replay, then "DONE ok=<n> bad=<n>".
+//                    stream (after one round of the same ops not captured), replayed
+//                    --graph_rounds times with every rank's T changed between replays
+//                    (T = (tokens + 3 * round) % (Mll + 1): some 0, some Mll); each round's
+//                    recv_count, recv_x, recv_src_info and combined_x are checked. Prints
+//                    "GRAPH <i> OK" per round, then "DONE ok=<n> bad=<n>" (n: rounds + 1).
 //   --scenario=loop  Rounds of Dispatch + Combine + LowLatencyDispatch + LowLatencyCombine,
 //                    printing "ROUND <i> OK" or "ROUND <i> ERROR <op> <CODE> after <ms> ms:
 //                    <message>" (and MISMATCH lines), until EOF on stdin or --max_seconds;
@@ -693,55 +694,38 @@ int Graph(epd::Endpoint& ep, const GroupShape& s, const std::vector<int32_t>& to
     return 1;
   };
   if (!up.ok()) return fail(std::string(up.message()));
-  // Capture: the dispatch (T on the device) and its combine.
-  if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
-    return fail("cudaStreamBeginCapture");
-  }
-  epd::LowLatencyDispatchArgs la;
-  la.x = &x.dl;
-  la.topk_idx = &idx.dl;
-  la.num_tokens = &T.dl;
-  la.stream = stream;
-  auto dop = ep.LowLatencyDispatch(la);
-  absl::StatusOr<epd::LowLatencyDispatchResult> d =
-      dop.ok() ? dop->Enqueued() : absl::StatusOr<epd::LowLatencyDispatchResult>(dop.status());
-  absl::StatusOr<epd::PendingOp<epd::LowLatencyCombineResult>> cop = d.status();
-  absl::StatusOr<epd::LowLatencyCombineResult> c = d.status();
-  if (d.ok()) {
+  // The dispatch (T on the device) and its combine, enqueued on `stream`.
+  struct Ops {
+    absl::StatusOr<epd::PendingOp<epd::LowLatencyDispatchResult>> dop = absl::UnknownError("");
+    absl::StatusOr<epd::PendingOp<epd::LowLatencyCombineResult>> cop = absl::UnknownError("");
+    absl::StatusOr<epd::LowLatencyDispatchResult> d = absl::UnknownError("");
+    absl::StatusOr<epd::LowLatencyCombineResult> c = absl::UnknownError("");
+  };
+  auto enqueue = [&]() {
+    Ops o;
+    epd::LowLatencyDispatchArgs la;
+    la.x = &x.dl;
+    la.topk_idx = &idx.dl;
+    la.num_tokens = &T.dl;
+    la.stream = stream;
+    o.dop = ep.LowLatencyDispatch(la);
+    o.d = o.dop.ok() ? o.dop->Enqueued() : o.dop.status();
+    if (!o.d.ok()) return o;
     epd::LowLatencyCombineArgs lc;
     lc.x = &y.dl;
     lc.topk_idx = &idx.dl;
     lc.topk_weights = &w.dl;
-    lc.handle = &d->handle;
+    lc.handle = &o.d->handle;
     lc.stream = stream;
-    cop = ep.LowLatencyCombine(lc);
-    if (cop.ok()) c = cop->Enqueued();
-  }
-  cudaGraph_t graph = nullptr;
-  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
-  if (!c.ok()) return fail(absl::StrCat("capture: ", c.status().ToString()));
-  cudaGraphExec_t exec = nullptr;
-  if (ended != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
-    return fail("cudaStreamEndCapture / cudaGraphInstantiate");
-  }
+    o.cop = ep.LowLatencyCombine(lc);
+    o.c = o.cop.ok() ? o.cop->Enqueued() : o.cop.status();
+    return o;
+  };
   int64_t oks = 0, bad = 0;
-  for (int round = 0; round < absl::GetFlag(FLAGS_graph_rounds); ++round) {
-    std::vector<int32_t> Ts(R);
-    for (int r = 0; r < R; ++r) Ts[r] = (tokens[r] + 3 * round) % (Mll + 1);
-    if (cudaMemcpy(T.p, &Ts[rank], 4, cudaMemcpyHostToDevice) != cudaSuccess ||
-        cudaGraphLaunch(exec, stream) != cudaSuccess ||
-        cudaStreamSynchronize(stream) != cudaSuccess) {
-      return fail(absl::StrCat("replay ", round, ": CUDA error"));
-    }
-    auto dw = dop->Wait(absl::Seconds(absl::GetFlag(FLAGS_wait_seconds)));
-    auto cw = cop->Wait(absl::Seconds(absl::GetFlag(FLAGS_wait_seconds)));
-    if (!dw.ok() || !cw.ok()) {
-      ++bad;
-      std::printf("GRAPH %d ERROR %s\n", round,
-                  (!dw.ok() ? dw.status() : cw.status()).ToString().c_str());
-      continue;
-    }
-    // The reference of this replay's T.
+  // Round `round`'s outputs (views `dv`, `cv`) against kernels/host with every rank's `Ts`.
+  auto check = [&](int round, const std::vector<int32_t>& Ts,
+                   const epd::LowLatencyDispatchResult& dv,
+                   const epd::LowLatencyCombineResult& cv) -> absl::Status {
     std::vector<epd::testing::LowLatencyRef> ref(R);
     std::vector<host::LowLatencyDispatchRankArgs> l(R);
     for (int r = 0; r < R; ++r) {
@@ -750,10 +734,10 @@ int Graph(epd::Endpoint& ep, const GroupShape& s, const std::vector<int32_t>& to
       l[r].topk_idx = in[r].idxll.data();
       ref[r].Bind(s, false, l[r]);
     }
-    absl::Status st = host::LowLatencyDispatch(s, {}, std::span(l));
+    EPD_RETURN_IF_ERROR(host::LowLatencyDispatch(s, {}, std::span(l)));
     std::vector<std::vector<bf16_bits>> combined(R);
     std::vector<host::LowLatencyCombineRankArgs> lc(R);
-    for (int r = 0; r < R && st.ok(); ++r) {
+    for (int r = 0; r < R; ++r) {
       combined[r].assign(std::max<size_t>(size_t(Ts[r]) * H, 1), 0);
       lc[r].num_tokens = Ts[r];
       lc[r].topk_idx = in[r].idxll.data();
@@ -762,22 +746,20 @@ int Graph(epd::Endpoint& ep, const GroupShape& s, const std::vector<int32_t>& to
       lc[r].x = in[r].yll.data();
       lc[r].combined_x = combined[r].data();
     }
-    if (st.ok()) st = host::LowLatencyCombine(s, std::span(lc));
-    if (!st.ok()) return fail(absl::StrCat("reference: ", st.ToString()));
-    // The captured views, copied to the host.
+    EPD_RETURN_IF_ERROR(host::LowLatencyCombine(s, std::span(lc)));
     std::vector<int32_t> count(El);
     std::vector<int32_t> src(size_t(El) * rows);
     std::vector<bf16_bits> rx(size_t(El) * rows * H);
     std::vector<bf16_bits> cx(size_t(std::max(Ts[rank], 1)) * H);
-    bool copied = cudaMemcpy(count.data(), d->recv_count.data(), count.size() * 4,
-                             cudaMemcpyDeviceToHost) == cudaSuccess &&
-                  cudaMemcpy(src.data(), d->recv_src_info.data(), src.size() * 4,
-                             cudaMemcpyDeviceToHost) == cudaSuccess &&
-                  cudaMemcpy(rx.data(), d->recv_x.data(), rx.size() * 2, cudaMemcpyDeviceToHost) ==
-                      cudaSuccess &&
-                  cudaMemcpy(cx.data(), c->combined_x.data(), size_t(Ts[rank]) * H * 2,
-                             cudaMemcpyDeviceToHost) == cudaSuccess;
-    if (!copied) return fail("cudaMemcpy of a view");
+    const bool copied = cudaMemcpy(count.data(), dv.recv_count.data(), count.size() * 4,
+                                   cudaMemcpyDeviceToHost) == cudaSuccess &&
+                        cudaMemcpy(src.data(), dv.recv_src_info.data(), src.size() * 4,
+                                   cudaMemcpyDeviceToHost) == cudaSuccess &&
+                        cudaMemcpy(rx.data(), dv.recv_x.data(), rx.size() * 2,
+                                   cudaMemcpyDeviceToHost) == cudaSuccess &&
+                        cudaMemcpy(cx.data(), cv.combined_x.data(), size_t(Ts[rank]) * H * 2,
+                                   cudaMemcpyDeviceToHost) == cudaSuccess;
+    if (!copied) return absl::InternalError("cudaMemcpy of a view");
     std::string diff = epd::testing::FirstDifference(count.data(), ref[rank].count.data(), El);
     for (int j = 0; j < El && diff.empty(); ++j) {
       const int64_t n = ref[rank].count[j];
@@ -800,6 +782,58 @@ int Graph(epd::Endpoint& ep, const GroupShape& s, const std::vector<int32_t>& to
       std::printf("GRAPH %d OK (T %d)\n", round, Ts[rank]);
     }
     std::fflush(stdout);
+    return absl::OkStatus();
+  };
+  auto tokens_of = [&](int round) {
+    std::vector<int32_t> Ts(R);
+    for (int r = 0; r < R; ++r) Ts[r] = (tokens[r] + 3 * round) % (Mll + 1);
+    return Ts;
+  };
+  const absl::Duration wait = absl::Seconds(absl::GetFlag(FLAGS_wait_seconds));
+  // Round 0, not captured: the endpoint's first ops (which set it up: not a capture's work).
+  std::vector<int32_t> Ts = tokens_of(0);
+  if (cudaMemcpy(T.p, &Ts[rank], 4, cudaMemcpyHostToDevice) != cudaSuccess) {
+    return fail("cudaMemcpy of T");
+  }
+  {
+    Ops o = enqueue();
+    if (!o.c.ok()) return fail(absl::StrCat("round 0: ", o.c.status().ToString()));
+    auto dw = o.dop->Wait(wait);
+    auto cw = o.cop->Wait(wait);
+    if (!dw.ok() || !cw.ok()) {
+      return fail(absl::StrCat("round 0: ", (!dw.ok() ? dw.status() : cw.status()).ToString()));
+    }
+    if (absl::Status st = check(0, Ts, *dw, *cw); !st.ok()) return fail(st.ToString());
+  }
+  // Rounds 1..: one capture, replayed with new T.
+  if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+    return fail("cudaStreamBeginCapture");
+  }
+  Ops g = enqueue();
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  if (!g.c.ok()) return fail(absl::StrCat("capture: ", g.c.status().ToString()));
+  cudaGraphExec_t exec = nullptr;
+  if (ended != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+    return fail("cudaStreamEndCapture / cudaGraphInstantiate");
+  }
+  for (int round = 1; round <= absl::GetFlag(FLAGS_graph_rounds); ++round) {
+    Ts = tokens_of(round);
+    if (cudaMemcpy(T.p, &Ts[rank], 4, cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaGraphLaunch(exec, stream) != cudaSuccess ||
+        cudaStreamSynchronize(stream) != cudaSuccess) {
+      return fail(absl::StrCat("replay ", round, ": CUDA error"));
+    }
+    auto dw = g.dop->Wait(wait);
+    auto cw = g.cop->Wait(wait);
+    if (!dw.ok() || !cw.ok()) {
+      ++bad;
+      std::printf("GRAPH %d ERROR %s\n", round,
+                  (!dw.ok() ? dw.status() : cw.status()).ToString().c_str());
+      continue;
+    }
+    // The captured views (a replay writes the buffers the capture's views show).
+    if (absl::Status st = check(round, Ts, *g.d, *g.c); !st.ok()) return fail(st.ToString());
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
