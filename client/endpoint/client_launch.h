@@ -48,6 +48,10 @@ class ClientLaunch final : public OpRunner {
   /// captured op is not waited for (see Endpoint docs).
   absl::StatusOr<OpOutcome> Wait(uint64_t seq, abi::OpKind op, absl::Duration timeout) override;
   void ForgetLowLatencyHandles() override;
+  /// Sets up now when that needs no peer (a group across nodes: its mirror, its device
+  /// state), so that no op, captured or not, pays for it; a no-op otherwise (one node: the
+  /// first op maps the peers' areas). Errors as the first op's set-up.
+  absl::Status PrepareWithoutPeers() { return spanning_ ? EnsureSetUp() : absl::OkStatus(); }
 
  private:
   /// Ops whose completion records are kept: Wait works for the latest kSlots ops.

@@ -790,7 +790,7 @@ int Graph(epd::Endpoint& ep, const GroupShape& s, const std::vector<int32_t>& to
     return Ts;
   };
   const absl::Duration wait = absl::Seconds(absl::GetFlag(FLAGS_wait_seconds));
-  // Round 0, not captured: the endpoint's first ops (which set it up: not a capture's work).
+  // Round 0, not captured: the same ops outside a graph.
   std::vector<int32_t> Ts = tokens_of(0);
   if (cudaMemcpy(T.p, &Ts[rank], 4, cudaMemcpyHostToDevice) != cudaSuccess) {
     return fail("cudaMemcpy of T");
