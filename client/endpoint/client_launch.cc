@@ -44,7 +44,9 @@ absl::Status PreloadKernelsOnce(int device) {
 }
 
 ClientLaunch::ClientLaunch(Endpoint::Impl& endpoint, GroupEndpointsFn group_endpoints)
-    : m_(endpoint), group_endpoints_(std::move(group_endpoints)) {}
+    : m_(endpoint),
+      group_endpoints_(std::move(group_endpoints)),
+      spanning_(endpoint.spec.nodes_size() >= 2) {}
 
 bool ClientLaunch::CheckHandle(const OpPlan& p, absl::Status* st, int* buffer) const {
   const int32_t Mll = m_.shape.ll_max_tokens_per_rank;
@@ -77,6 +79,7 @@ bool ClientLaunch::CheckHandle(const OpPlan& p, absl::Status* st, int* buffer) c
 }
 
 absl::StatusOr<uint64_t> ClientLaunch::Run(const OpPlan& p) {
+  if (spanning_) return RunSpanning(p);
   absl::Status st = p.status;
   int buffer = p.buffer;
   if (!CheckHandle(p, &st, &buffer)) return st;
@@ -213,6 +216,11 @@ absl::Status ClientLaunch::Launch(const OpPlan& p, bool rejected, int buffer,
 
 absl::Status ClientLaunch::EnsureSetUp() {
   if (set_up_) return absl::OkStatus();
+  if (spanning_) {
+    EPD_RETURN_IF_ERROR(SetUpSpanning());
+    set_up_ = true;
+    return absl::OkStatus();
+  }
   if (!group_endpoints_) {
     return absl::FailedPreconditionError(
         "client-launched endpoint opened without a control channel (GetGroupEndpoints)");
@@ -321,11 +329,14 @@ absl::Status ClientLaunch::End(uint64_t seq, abi::OpKind op, cudaStream_t stream
   Slot& slot = slots_[i];
   slot.seq = 0;
   const bool low_latency = rules::IsLowLatency(op);
-  slot.deferred = low_latency && !capturing;
+  // A spanning op's await kernel wrote its read-back itself.
+  slot.deferred = low_latency && !capturing && !spanning_;
   slot.stream = stream;
   if (!capturing) {
     Readback& rb = readback(i);
-    if (!low_latency) EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(ctx_, stream, &rb.status));
+    if (!low_latency && !spanning_) {
+      EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(ctx_, stream, &rb.status));
+    }
     EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[i].get(), stream));
   }
   slot.seq = seq;
@@ -343,6 +354,7 @@ absl::StatusOr<OpOutcome> ClientLaunch::Wait(uint64_t seq, abi::OpKind op, absl:
   }
   DeviceGuard guard(m_.mapping->device());
   Readback* rb = &readback(i);
+  if (spanning_ && slot.captured) return SpanWaited(seq, op, span_readback(kSlots));
   if (slot.captured) {
     rb = &readback(kSlots);
     cudaStream_t s = m_.aux_stream.get();
@@ -380,6 +392,7 @@ absl::StatusOr<OpOutcome> ClientLaunch::Wait(uint64_t seq, abi::OpKind op, absl:
       slots_[i].deferred = false;  // A second Wait reports the same status.
     }
   }
+  if (spanning_) return SpanWaited(seq, op, span_readback(i));
   absl::Status st = kc::StatusFromDevice(rb->status, m_.shape, m_.info.rank(), abi::OpKindName(op),
                                          rules::IsLowLatency(op));
   if (!st.ok()) {

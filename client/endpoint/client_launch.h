@@ -22,7 +22,9 @@
 #include "common/cuda/cuda_handles.h"
 #include "common/cuda/device_alloc.h"
 #include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/cuda_span.h"
 #include "epd/kernels/op_rules.h"
+#include "proto/abi/span_abi.h"
 
 namespace epd::internal {
 
@@ -46,6 +48,10 @@ class ClientLaunch final : public OpRunner {
   /// captured op is not waited for (see Endpoint docs).
   absl::StatusOr<OpOutcome> Wait(uint64_t seq, abi::OpKind op, absl::Duration timeout) override;
   void ForgetLowLatencyHandles() override;
+  /// Sets up now when that needs no peer (a group across nodes: its mirror, its device
+  /// state), so that no op, captured or not, pays for it; a no-op otherwise (one node: the
+  /// first op maps the peers' areas). Errors as the first op's set-up.
+  absl::Status PrepareWithoutPeers() { return spanning_ ? EnsureSetUp() : absl::OkStatus(); }
 
  private:
   /// Ops whose completion records are kept: Wait works for the latest kSlots ops.
@@ -90,6 +96,41 @@ class ClientLaunch final : public OpRunner {
   /// read-back: Wait reads the device status itself once the graph's replay is done.
   absl::Status End(uint64_t seq, abi::OpKind op, cudaStream_t stream, bool capturing);
   Readback& readback(uint32_t i) { return readback_memory_.get()[i]; }
+
+  // ---- a group that spans nodes (span_launch.cc, DESIGN.md §5.5 "Client-launched") ----
+  // The daemon runs the exchange; the client's kernels post each op as a command into the
+  // rank's mirror (its endpoint region, mapped here) and copy the answer back. No other
+  // rank's area is mapped.
+  /// Maps the mirror and its command block for the GPU, the device state, the read-backs.
+  /// Errors: FAILED_PRECONDITION (a region without the block, a bad magic or version),
+  /// CUDA errors (INTERNAL).
+  absl::Status SetUpSpanning();
+  /// Run of a spanning group's op: its inputs staged into the GPU area, then the posting
+  /// and the await kernel on the op's stream. A rejected op posts a command with
+  /// kFlagClientError (the daemon fails the op for every rank) and copies nothing.
+  absl::StatusOr<uint64_t> RunSpanning(const OpPlan& p);
+  /// The posting kernel's arguments for `p` (its input ranges, T, the handle).
+  kernels::cuda::SpanPostArgs PostArgs(const OpPlan& p, int buffer, bool rejected) const;
+  /// The outcome of a spanning op from its read-back (and the daemon's message).
+  absl::StatusOr<OpOutcome> SpanOutcome(uint64_t seq, abi::OpKind op,
+                                        const kernels::cuda::SpanReadback& rb) const;
+  /// SpanOutcome, forgetting a handle the op produced when it failed (as Wait does).
+  absl::StatusOr<OpOutcome> SpanWaited(uint64_t seq, abi::OpKind op,
+                                       const kernels::cuda::SpanReadback& rb) {
+    absl::StatusOr<OpOutcome> outcome = SpanOutcome(seq, op, rb);
+    if (!outcome.ok()) handles_.Forget(seq);
+    return outcome;
+  }
+  kernels::cuda::SpanReadback& span_readback(uint32_t i) { return span_readback_.get()[i]; }
+
+  const bool spanning_;
+  abi::SpanControl* control_host_ = nullptr;  ///< In the endpoint region (ring's mapping).
+  HostRegistration mirror_registration_;      ///< The mirror and its block, for the GPU.
+  uint8_t* mirror_device_ = nullptr;
+  abi::SpanControl* control_device_ = nullptr;
+  DeviceMemory span_state_;  ///< kernels::cuda::SpanDeviceState.
+  /// [kSlots + 1], mapped: the await kernel's; the last for captured ops.
+  PinnedArray<kernels::cuda::SpanReadback> span_readback_;
 
   Endpoint::Impl& m_;
   GroupEndpointsFn group_endpoints_;

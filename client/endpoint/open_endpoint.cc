@@ -117,6 +117,11 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
   m->next_seq = info.first_seq();
   m->parity.dispatches = info.first_ll_dispatches();
   m->parity.combines = info.first_ll_combines();
+#if EPD_HAVE_CUDA
+  if (m->client_launched) {
+    EPD_RETURN_IF_ERROR(static_cast<ClientLaunch&>(*m->runner).PrepareWithoutPeers());
+  }
+#endif
   abi::Atomic(m->ring.header().client_pid).store(static_cast<uint32_t>(::getpid()));
   abi::Atomic(m->ring.header().client_mapped).store(1, std::memory_order_release);
   m->session = std::move(session);

@@ -12,6 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "client/session_watch.h"
+#include "common/os/futex.h"
 #include "common/os/shm_region.h"
 #include "proto/abi/shm_abi.h"
 
@@ -37,6 +38,8 @@ class RingChannel {
   /// Publishes `slot` (its seq assigned in order by the caller) at the ring's head and
   /// rings the engine's doorbell. Call after WaitForSpace.
   void Publish(const abi::RequestSlot& slot);
+  /// Rings the engine's doorbell without a slot (a command it polls elsewhere is coming).
+  void Wake() { RingDoorbell(doorbell_); }
 
   /// Waits for the completion of `seq` and copies it into `*out`. Returns the op's status;
   /// DEADLINE_EXCEEDED after `timeout`; UNAVAILABLE when the daemon is gone (session

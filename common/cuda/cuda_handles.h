@@ -35,11 +35,21 @@ struct CudaEventDeleter {
   }
 };
 
+/// cudaHostUnregister, for memory this process mapped itself and registered.
+struct CudaHostUnregisterDeleter {
+  void operator()(uint8_t* p) const {
+    if (p != nullptr) EPD_CUDA_IGNORE(cudaHostUnregister(p));
+  }
+};
+
 /// cudaMalloc'd device memory (on the device current at allocation).
 using DeviceMemory = std::unique_ptr<uint8_t, CudaFreeDeleter>;
 /// cudaHostAlloc'd (pinned) host memory.
 using PinnedMemory = std::unique_ptr<uint8_t, CudaFreeHostDeleter>;
 using StreamHandle = std::unique_ptr<std::remove_pointer_t<cudaStream_t>, CudaStreamDeleter>;
+/// Host memory registered with cudaHostRegister (the mapping stays the caller's: destroy
+/// this before unmapping it).
+using HostRegistration = std::unique_ptr<uint8_t, CudaHostUnregisterDeleter>;
 using EventHandle = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, CudaEventDeleter>;
 
 }  // namespace epd

@@ -32,6 +32,17 @@ absl::StatusOr<PinnedMemory> AllocatePinned(size_t bytes, unsigned int flags) {
   return PinnedMemory(static_cast<uint8_t*>(p));
 }
 
+absl::StatusOr<HostRegistration> RegisterHostMapped(uint8_t* p, size_t bytes,
+                                                    uint8_t** device_ptr) {
+  EPD_CUDA_RETURN_IF_ERROR(
+      cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
+  HostRegistration registration(p);
+  void* d = nullptr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&d, p, 0));
+  *device_ptr = static_cast<uint8_t*>(d);
+  return registration;
+}
+
 absl::StatusOr<StreamHandle> CreateStream(unsigned int flags) {
   cudaStream_t s = nullptr;
   EPD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, flags));

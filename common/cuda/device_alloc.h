@@ -45,6 +45,12 @@ absl::StatusOr<PinnedArray<T>> AllocatePinnedArray(size_t count,
   return PinnedArray<T>(reinterpret_cast<T*>(m->release()));
 }
 
+/// Registers `bytes` of this process's mapped host memory at `p` (e.g. a shared memfd
+/// mapping) as pinned and mapped into every device's address space (cudaHostRegister,
+/// portable | mapped), and sets *device_ptr to its device address. INTERNAL naming the call
+/// on failure.
+absl::StatusOr<HostRegistration> RegisterHostMapped(uint8_t* p, size_t bytes, uint8_t** device_ptr);
+
 /// A stream of the current device (cudaStreamCreateWithFlags; default non-blocking:
 /// no implicit ordering with the legacy default stream). INTERNAL on failure.
 absl::StatusOr<StreamHandle> CreateStream(unsigned int flags = cudaStreamNonBlocking);

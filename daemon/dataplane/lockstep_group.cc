@@ -107,7 +107,7 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   auto ep = std::make_unique<LockstepEndpoint>();
   ep->log_limiter = client.log_budget ? client.log_budget : std::make_shared<LogRateLimiter>();
   EPD_ASSIGN_OR_RETURN(ep->backend, PrepareRank(rank, gpu_uuid, launch_mode, info));
-  const uint64_t shm_data_bytes = ShmDataBytes();
+  const uint64_t shm_data_bytes = ShmDataBytes(*ep->backend);
   // The layout the daemon uses from here on (private; the header gets a copy for the client).
   const abi::EndpointShmLayout shm = abi::ComputeEndpointShmLayout(shm_data_bytes);
   ep->shm_layout = shm;
@@ -180,6 +180,8 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   // The buffer rule's count at first_seq: a running op was counted when it started.
   info->set_first_ll_dispatches(parity_.dispatches);
   info->set_first_ll_combines(parity_.combines);
+  EPD_RETURN_IF_ERROR(RankRegionReady(rank, *ep->backend,
+                                      shm_data_bytes > 0 ? ep->shm_data() : nullptr, first_seq));
   EPD_RETURN_IF_ERROR(RankAttached(rank, ep->backend));
   endpoints_[rank] = std::move(ep);
   departed_.resize(endpoints_.size(), false);
@@ -277,6 +279,7 @@ void LockstepGroup::FailAll(const absl::Status& status) {
     if (ep->request) {
       if (running_ && ep->request->seq == running_->seq) {
         WriteCompletion(*ep, ep->request->seq, {status});  // Launched: the backend ends it.
+        RankOpEnded(r, *ep->request, {status}, nullptr);
       } else {
         CompleteUnrun(r, *ep, *ep->request, status);
       }
@@ -586,6 +589,7 @@ void LockstepGroup::FinishOp() {
     LockstepEndpoint* ep = endpoints_[r].get();
     if (!ep || !ep->request || ep->request->seq != slots[r].seq) continue;
     WriteCompletion(*ep, slots[r].seq, outcomes[r]);
+    RankOpEnded(r, slots[r], outcomes[r], &plan);
     ep->request.reset();
   }
   if (!all_ok) {

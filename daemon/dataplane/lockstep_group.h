@@ -171,9 +171,10 @@ class LockstepGroup : public DataPlaneGroup {
 
  protected:
   // ---- backend hooks ----
-  /// Bytes of the data area placed in the endpoint's shm region (host: the whole layout;
-  /// CUDA: 0, the data area is on the GPU).
-  virtual uint64_t ShmDataBytes() const = 0;
+  /// Bytes of the data area placed in the endpoint's shm region of a rank with resources
+  /// `res` (PrepareRank's) (host: the whole layout; CUDA: 0, the data area is on the GPU,
+  /// except a client-launched rank of a spanning group: its mirror, abi::SpanDataBytes).
+  virtual uint64_t ShmDataBytes(const RankResources& res) const = 0;
   /// Allocates rank `rank`'s backend resources (without mu_: may be slow) and fills the
   /// backend's fields of `info` (backend, gpu_uuid, cuda_ipc_handle, launch_mode). Errors:
   /// INVALID_ARGUMENT (launch mode), RESOURCE_EXHAUSTED, INTERNAL.
@@ -192,6 +193,30 @@ class LockstepGroup : public DataPlaneGroup {
   }
   /// Called under mu_ when rank `rank` is detached.
   virtual void RankDetached(int32_t /*rank*/) {}
+  /// Called under mu_ before RankAttached with the data part of the rank's new endpoint
+  /// region (ShmDataBytes(res) bytes at `shm_data`, zeroed; null when 0) and the rank's
+  /// first op number; an error fails the join.
+  virtual absl::Status RankRegionReady(int32_t /*rank*/, RankResources& /*res*/,
+                                       uint8_t* /*shm_data*/, uint64_t /*first_seq*/) {
+    return absl::OkStatus();
+  }
+  /// Whether rank `rank`'s requests come from the backend (PopBackendRequest) instead of
+  /// its ring: a client-launched endpoint of a spanning CUDA group, whose kernels post
+  /// commands into its mirror (DESIGN.md §5.5). Called under mu_.
+  virtual bool BackendRequestSource(int32_t /*rank*/) const { return false; }
+  /// With BackendRequestSource: copies rank `rank`'s request for op `next_seq` into `*slot`
+  /// when it has been posted (without blocking); false when not yet. The slot is then
+  /// validated like a ring slot. Called under mu_.
+  virtual bool PopBackendRequest(int32_t /*rank*/, uint64_t /*next_seq*/,
+                                 abi::RequestSlot* /*slot*/) {
+    return false;
+  }
+  /// Called under mu_ right after a completion was written for rank `rank`'s request
+  /// `slot` with `outcome` (every path: the op ran, failed before launch, was refused, or
+  /// failed at shutdown). `plan` is the op's plan when the backend ran it, else null. A
+  /// backend whose client does not read the completion ring answers it here.
+  virtual void RankOpEnded(int32_t /*rank*/, const abi::RequestSlot& /*slot*/,
+                           const RankOutcome& /*outcome*/, const OpPlan* /*plan*/) {}
   /// Spanning groups: called under mu_ once, at the first attach, with the node of the
   /// attaching rank, which this daemon is for the group from then on (local_first() and
   /// local_count() are set before the call). An error fails that join; the next join

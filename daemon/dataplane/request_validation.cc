@@ -19,6 +19,7 @@ void LockstepGroup::CompleteUnrun(int32_t rank, LockstepEndpoint& ep, const abi:
                                   const absl::Status& status) {
   WriteCompletion(ep, slot.seq, {status});
   OpEndedWithoutLaunch(rank, slot);
+  RankOpEnded(rank, slot, {status}, nullptr);
 }
 
 absl::Status LockstepGroup::ValidateSlot(int32_t rank, const LockstepEndpoint& ep,
@@ -95,9 +96,11 @@ bool LockstepGroup::PopRequests() {
       continue;
     }
     // At most one ring's worth of slots per poll (see RefuseRequests).
+    const bool from_backend = BackendRequestSource(rank);
     abi::RequestSlot slot;
-    for (uint32_t n = 0; n < abi::kRingCapacity && !ep->request && ep->next_seq <= current_seq_ &&
-                         PopSlot(*ep, &slot);
+    for (uint32_t n = 0;
+         n < abi::kRingCapacity && !ep->request && ep->next_seq <= current_seq_ &&
+         (from_backend ? PopBackendRequest(rank, ep->next_seq, &slot) : PopSlot(*ep, &slot));
          ++n) {
       worked = true;
       if (slot.magic != abi::kRequestMagic || slot.seq != ep->next_seq) {

@@ -6,7 +6,10 @@
 // cached re-dispatch, and LowLatencyDispatch BF16 / FP8 / FP8+round_scale /
 // FP8+round_scale+UE8M0 each with its LowLatencyCombine, and checks every output bit for
 // bit against kernels/host computing the whole group's answer. Then a killed peer daemon:
-// the other node's ops fail within op_timeout, naming the node. Skips without a GPU.
+// the other node's ops fail within op_timeout, naming the node. The same with
+// client-launched endpoints (--launch_mode=client: the client's kernels post each op to its
+// daemon through the rank's mirror), plus a CUDA graph of LowLatencyDispatch (T on the
+// device) + LowLatencyCombine replayed with changing T. Skips without a GPU.
 //
 // Run on a GPU machine: ctest -R MultinodeCudaTest (or epd_gpu_tests
 // --gtest_filter='MultinodeCudaTest.*').
@@ -84,21 +87,21 @@ TEST(MultinodeCudaTest, EveryTokenToTheFirstNode) {
   EXPECT_TRUE(done.ok()) << done.message() << cluster->Logs();
 }
 
-// Node 1's daemon is SIGKILLed while every rank loops Dispatch + Combine + LowLatency
-// Dispatch + LowLatencyCombine (each OK round exact): node 0's ranks fail an op within
-// op_timeout + 1 s naming node 1, and node 0's daemon serves on.
-TEST(MultinodeCudaTest, KilledPeerFailsTheOtherNodesOpsNamingIt) {
-  EPD_REQUIRE_GPU();
+/// Node 1's daemon is SIGKILLed while every rank (`launch_mode`: "daemon" or "client")
+/// loops Dispatch + Combine + LowLatencyDispatch + LowLatencyCombine (each OK round exact):
+/// node 0's ranks fail an op within op_timeout + 1 s naming node 1, and node 0's daemon
+/// serves on.
+void KilledPeerFailsTheOtherNodesOps(const std::string& launch_mode) {
   auto cluster = StartCudaCluster();
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   ClientRun run;
-  run.group = "cuda-dead-peer";
+  run.group = "cuda-dead-peer-" + launch_mode;
   run.scenario = "loop";
   run.tokens = {3, 5, 0, 4, 2, 8, 1, 6};
   auto gpu = FirstGpu(*cluster);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   run.extra_args = {"--max_seconds=60", "--wait_seconds=20", "--round_pause_ms=5",
-                    "--gpu_uuid=" + *gpu};
+                    "--gpu_uuid=" + *gpu, "--launch_mode=" + launch_mode};
   auto clients = StartClients(*cluster, run);
   ASSERT_TRUE(clients.ok()) << clients.status();
   for (int r = 0; r < 8; ++r) {
@@ -132,27 +135,77 @@ TEST(MultinodeCudaTest, KilledPeerFailsTheOtherNodesOpsNamingIt) {
   EXPECT_TRUE(cluster->daemons[0]->Running()) << cluster->daemons[0]->Logs();
 }
 
-// Client-launched endpoints of a spanning group are refused at join, naming launch_mode.
-TEST(MultinodeCudaTest, ClientLaunchedJoinIsRefusedAcrossNodes) {
+TEST(MultinodeCudaTest, KilledPeerFailsTheOtherNodesOpsNamingIt) {
+  EPD_REQUIRE_GPU();
+  KilledPeerFailsTheOtherNodesOps("daemon");
+}
+
+// ---- client-launched endpoints (DESIGN.md §5.5 "Client-launched") ----
+// Each rank's process launches the posting and await kernels itself; the daemons run the
+// exchange. Eight processes on one GPU time-slice (no MPS needed: no kernel waits for
+// another process's kernel, only for its daemon).
+
+TEST(MultinodeCudaTest, ClientLaunchedEveryOpExactAgainstTheHostReference) {
   EPD_REQUIRE_GPU();
   auto cluster = StartCudaCluster();
   ASSERT_TRUE(cluster.ok()) << cluster.status();
-  ClientOptions options;
-  options.socket_path = cluster->daemons[0]->socket_path();
-  auto client = Client::Connect(options);
-  ASSERT_TRUE(client.ok()) << client.status();
   auto gpu = FirstGpu(*cluster);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
-  JoinOptions join;
-  join.spec = DataSpec("cuda-client-launched", cluster->Nodes());
-  join.rank = 0;
-  join.gpu_uuid = *gpu;
-  join.launch_mode = v1::LAUNCH_MODE_CLIENT;
-  auto ep = (*client)->Join(join);
-  ASSERT_FALSE(ep.ok());
-  EXPECT_EQ(ep.status().code(), absl::StatusCode::kFailedPrecondition) << ep.status();
-  EXPECT_THAT(ep.status().message(), ::testing::HasSubstr("launch_mode"));
-  EXPECT_THAT(ep.status().message(), ::testing::HasSubstr("daemon-launched"));
+  ClientRun run =
+      OnGpu({.group = "cuda-span-client", .tokens = {8, 1, 0, 6, 2, 7, 0, 4}, .seed = 9}, *gpu);
+  run.extra_args.push_back("--launch_mode=client");
+  auto clients = StartClients(*cluster, run);
+  ASSERT_TRUE(clients.ok()) << clients.status();
+  absl::Status done = WaitClients(*clients, absl::Seconds(180));
+  EXPECT_TRUE(done.ok()) << done.message() << cluster->Logs();
+}
+
+TEST(MultinodeCudaTest, ClientLaunchedEveryTokenToTheFirstNode) {
+  EPD_REQUIRE_GPU();
+  auto cluster = StartCudaCluster();
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto gpu = FirstGpu(*cluster);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  ClientRun run = OnGpu({.group = "cuda-first-client",
+                         .tokens = {6, 2, 0, 8, 5, 1, 3, 0},
+                         .to_first_node = true,
+                         .seed = 10},
+                        *gpu);
+  run.extra_args.push_back("--launch_mode=client");
+  auto clients = StartClients(*cluster, run);
+  ASSERT_TRUE(clients.ok()) << clients.status();
+  absl::Status done = WaitClients(*clients, absl::Seconds(180));
+  EXPECT_TRUE(done.ok()) << done.message() << cluster->Logs();
+}
+
+// LowLatencyDispatch (T on the device) + LowLatencyCombine captured in one CUDA graph per
+// rank, replayed 8 times with every rank's T changed between replays (0 and Mll among
+// them); every replay's outputs exact against kernels/host.
+TEST(MultinodeCudaTest, ClientLaunchedGraphReplaysWithChangingTokens) {
+  EPD_REQUIRE_GPU();
+  auto cluster = StartCudaCluster();
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto gpu = FirstGpu(*cluster);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  ClientRun run = OnGpu({.group = "cuda-span-graph",
+                         .scenario = "graph",
+                         .tokens = {8, 1, 0, 6, 2, 7, 5, 4},
+                         .seed = 11},
+                        *gpu);
+  run.extra_args.push_back("--launch_mode=client");
+  run.extra_args.push_back("--graph_rounds=8");
+  auto clients = StartClients(*cluster, run);
+  ASSERT_TRUE(clients.ok()) << clients.status();
+  absl::Status done = WaitClients(*clients, absl::Seconds(180));
+  EXPECT_TRUE(done.ok()) << done.message() << cluster->Logs();
+  for (int r = 0; r < 8 && done.ok(); ++r) {
+    EXPECT_THAT((*clients)[r]->Stdout(), ::testing::HasSubstr("DONE ok=9 bad=0"));
+  }
+}
+
+TEST(MultinodeCudaTest, ClientLaunchedKilledPeerFailsTheOtherNodesOpsNamingIt) {
+  EPD_REQUIRE_GPU();
+  KilledPeerFailsTheOtherNodesOps("client");
 }
 
 }  // namespace

@@ -191,7 +191,7 @@ class ProgramGroup : public LockstepGroup {
     o.op_timeout_ms = 2000;
     return o;
   }
-  uint64_t ShmDataBytes() const override { return 0; }
+  uint64_t ShmDataBytes(const RankResources&) const override { return 0; }
   absl::StatusOr<ScopedFd> DoorbellFd(int32_t) const override { return testing::TestDoorbellFd(); }
   absl::StatusOr<std::shared_ptr<RankResources>> PrepareRank(int32_t, const std::string&,
                                                              v1::LaunchMode,

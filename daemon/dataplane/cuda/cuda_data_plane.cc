@@ -63,7 +63,10 @@ uint64_t CudaDataPlaneImpl::GroupPrivateBytes(const v1::GroupSpec& spec) const {
 }
 
 v1::LaunchMode CudaDataPlaneImpl::DefaultLaunchMode(const v1::GroupSpec& spec) const {
-  // Across nodes the exchange runs in the daemon (DESIGN.md §5.5).
+  // Across nodes the exchange runs in the daemon either way (DESIGN.md §5.5); daemon-
+  // launched copies the op's rows in one daemon kernel per rank, while client-launched adds
+  // a spinning kernel per rank on the client's stream and its command round trip: the
+  // default stays daemon-launched, client-launched is for CUDA graphs (asked for by name).
   if (spec.nodes_size() >= 2) return v1::LAUNCH_MODE_DAEMON;
   if (static_cast<size_t>(spec.num_ranks()) <= uuids_.size()) return v1::LAUNCH_MODE_CLIENT;
   return DetectMps().active ? v1::LAUNCH_MODE_CLIENT : v1::LAUNCH_MODE_DAEMON;

@@ -13,6 +13,7 @@
 #include "common/cuda/device_alloc.h"
 #include "common/cuda/stream_memops.h"
 #include "common/status_macros.h"
+#include "daemon/dataplane/exchange/span_commands.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_program.h"
 #include "epd/kernels/layout.h"
@@ -39,6 +40,10 @@ CudaGroup::CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec)
       host_bases_(spec.num_ranks(), nullptr),
       event_errors_(spec.num_ranks(), cudaSuccess),
       span_outcomes_(spec.num_ranks()) {
+  if (spanning()) {
+    answer_spans_.resize(kernels::kMaxAreaSpans);
+    answer_copies_.resize(abi::kMaxSpanCopies);
+  }
   devices_.reserve(spec.num_ranks());
   SizeOp(spare_);
 }
@@ -132,12 +137,6 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
                                                                       const std::string& gpu_uuid,
                                                                       v1::LaunchMode launch_mode,
                                                                       v1::EndpointInfo* info) {
-  if (spanning() && launch_mode == v1::LAUNCH_MODE_CLIENT) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "launch_mode LAUNCH_MODE_CLIENT: group ", spec().name(), " spans ", spec().nodes_size(),
-        " nodes, and across nodes the CUDA backend runs daemon-launched endpoints only for now "
-        "(its exchange runs in the daemon); use LAUNCH_MODE_DAEMON or leave it unspecified"));
-  }
   EPD_ASSIGN_OR_RETURN(int device, plane_->DeviceOf(gpu_uuid));
   // Client-launched endpoints get the same (zeroed) area and IPC handle; the engine
   // refuses their ring slots (AcceptsRequests).
@@ -154,6 +153,8 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
   // block of one SM per rank, which LaunchRank's grids leave free).
   // A spanning op's done comes after the exchange (milliseconds): a stream wait then.
   info->set_kernel_done_wait(!r->client_launched && !spanning() && plane_->kernel_ready_wait());
+  // A client-launched spanning rank's mirror and command block are in its endpoint region
+  // (ShmDataBytes); its client finds them at the region's data offset (span_abi.h).
   return std::shared_ptr<RankResources>(std::move(r));
 }
 
@@ -452,7 +453,9 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
   return false;
 }
 
-absl::Status CudaGroup::CheckRequest(int32_t /*rank*/, const abi::RequestSlot& slot) const {
+absl::Status CudaGroup::CheckRequest(int32_t rank, const abi::RequestSlot& slot) const {
+  // The command behind the slot (PopBackendRequest took it just before).
+  if (ClientSpanRank(rank)) return CheckSpanCommand(ranks_[rank]->mirror->command);
   if (rules::DecodeFlags(slot.flags).stream_ordered) {
     absl::Status mem = StreamMemOpsAvailable();
     if (!mem.ok()) {
@@ -465,7 +468,7 @@ absl::Status CudaGroup::CheckRequest(int32_t /*rank*/, const abi::RequestSlot& s
 
 absl::Status CudaGroup::AcceptsRequests(int32_t rank) const {
   const std::shared_ptr<CudaRank>& cr = ranks_[rank];
-  if (cr && cr->client_launched) {
+  if (cr && cr->client_launched && !ClientSpanRank(rank)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank, " of group ", spec().name(),
         " is client-launched (LAUNCH_MODE_CLIENT): the daemon runs no op for it and refuses "
@@ -690,7 +693,10 @@ void CudaGroup::DisarmProgram(const absl::Status& why) {
 }
 
 bool CudaGroup::PollBackground() {
-  if (spanning()) return exchange_ && exchange_->ready() && exchange_->PollBackground();
+  if (spanning()) {
+    const bool worked = exchange_ && exchange_->ready() && exchange_->PollBackground();
+    return worked || ClientCommandsHot();
+  }
   bool worked = false;
   if (program_tail_ && ProgramTailDone()) worked = true;
   if (!program_) return worked;

@@ -44,13 +44,23 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   void Stop(const absl::Status& status);
 
  protected:
-  uint64_t ShmDataBytes() const override { return 0; }
+  /// 0 (the data area is on the GPU), except for a client-launched rank of a spanning
+  /// group: its mirror and command block (abi::SpanDataBytes).
+  uint64_t ShmDataBytes(const RankResources& res) const override;
   absl::StatusOr<std::shared_ptr<RankResources>> PrepareRank(int32_t rank,
                                                              const std::string& gpu_uuid,
                                                              v1::LaunchMode launch_mode,
                                                              v1::EndpointInfo* info) override;
   absl::Status RankAttached(int32_t rank, const std::shared_ptr<RankResources>& res) override;
   void RankDetached(int32_t rank) override;
+  // A client-launched rank of a spanning group (DESIGN.md §5.5 "Client-launched"): its
+  // mirror in its endpoint region, its requests from its command block, its answers there.
+  absl::Status RankRegionReady(int32_t rank, RankResources& res, uint8_t* shm_data,
+                               uint64_t first_seq) override;
+  bool BackendRequestSource(int32_t rank) const override;
+  bool PopBackendRequest(int32_t rank, uint64_t next_seq, abi::RequestSlot* slot) override;
+  void RankOpEnded(int32_t rank, const abi::RequestSlot& slot, const RankOutcome& outcome,
+                   const OpPlan* plan) override;
   bool ReadyToStart() override;
   bool StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
                    std::span<RankOutcome> outcomes) override;
@@ -92,13 +102,11 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
 
   // NodeExchangeHost: each local rank's pinned mirror.
   // The running op's ranks (it keeps a rank that detached meanwhile alive), else ranks_.
-  uint8_t* ExchangeRankData(int32_t rank) const override {
-    return SpanRank(rank).mirror->data.get();
-  }
+  uint8_t* ExchangeRankData(int32_t rank) const override { return SpanRank(rank).mirror->base; }
   transport::MemoryRegion ExchangeRankRegion(int32_t rank, uint64_t* memory_id) const override {
     const CudaRankMirror& m = *SpanRank(rank).mirror;
     *memory_id = m.memory_id;
-    return {m.data.get(), CudaRankMirror::MirrorBytes(layout()), transport::MemoryKind::kHost};
+    return {m.base, CudaRankMirror::MirrorBytes(layout()), transport::MemoryKind::kHost};
   }
   RankRouting& ExchangeRankRouting(int32_t rank) const override {
     return SpanRank(rank).mirror->routing;
@@ -212,6 +220,20 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   const OpPlan* span_plan_ = nullptr;
   const std::vector<abi::RequestSlot>* span_slots_ = nullptr;
   std::vector<RankOutcome> span_outcomes_;  // [R] the exchange's outcomes.
+  /// Client-launched spanning ranks: scratch of one answer (kMaxAreaSpans each), and when
+  /// the last command arrived (the engine keeps polling for a while after it: the client's
+  /// kernels ring no doorbell).
+  std::vector<kernels::Region> answer_spans_;
+  std::vector<abi::SpanCopy> answer_copies_;
+  Clock::time_point last_command_{};
+  /// Whether a client-launched spanning rank is attached and its last command arrived
+  /// within kClientCommandsHot: the engine then keeps polling their command words instead
+  /// of sleeping (a command waits at most the engine's 20 ms sleep otherwise).
+  bool ClientCommandsHot();
+  /// Whether rank r is a client-launched rank of this spanning group (attached).
+  bool ClientSpanRank(int32_t r) const {
+    return spanning() && ranks_[r] && ranks_[r]->client_launched && ranks_[r]->mirror;
+  }
 };
 
 }  // namespace epd

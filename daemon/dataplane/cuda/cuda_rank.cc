@@ -82,6 +82,10 @@ absl::Status AddCudaRankMirror(CudaRank& rank, const kernels::GroupShape& shape,
     return absl::ResourceExhaustedError(
         absl::StrCat("rank ", rank.rank, ": out of host memory for its routing state"));
   }
+  if (rank.client_launched) {  // The client's kernels copy, into its endpoint region.
+    rank.mirror = std::move(m);
+    return absl::OkStatus();
+  }
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(rank.device)));
   auto pinned = [&](auto& array, size_t count, const char* what) -> absl::Status {
     using T = typename std::remove_reference_t<decltype(array)>::element_type;
@@ -100,6 +104,7 @@ absl::Status AddCudaRankMirror(CudaRank& rank, const kernels::GroupShape& shape,
   EPD_RETURN_IF_ERROR(pinned(m->out_spans, kernels::kMaxAreaSpans, "copy spans"));
   EPD_RETURN_IF_ERROR(pinned(m->staged, 1, "staging flag"));
   EPD_ASSIGN_OR_RETURN(m->counter, AllocateDevice(256, DeviceZero::kYes));
+  m->base = m->data.get();
   rank.mirror = std::move(m);
   return absl::OkStatus();
 }

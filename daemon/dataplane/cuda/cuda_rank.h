@@ -19,6 +19,7 @@
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/layout.h"
 #include "proto/abi/launch_flags.h"
+#include "proto/abi/span_abi.h"
 
 namespace epd {
 
@@ -34,13 +35,27 @@ struct Readback {
 };
 
 /// A rank of a group that spans nodes (DESIGN.md §5.5): the host side of its data area that
-/// the exchange (daemon/dataplane/exchange/) reads and writes. `data` mirrors the GPU area's
+/// the exchange (daemon/dataplane/exchange/) reads and writes. `base` mirrors the GPU area's
 /// EndpointLayout regions up to (not including) ll_routing, at the same offsets; kernels copy
-/// an op's inputs into it and its outputs back (kernels::cuda::CopySpansAsync), so no
-/// device-to-host copy runs on the op path. Daemon-private: clients never map it. Allocated
-/// at join; an op allocates nothing.
+/// an op's inputs into it and its outputs back, so no device-to-host copy runs on the op
+/// path. Daemon-launched: daemon-private pinned memory (`data`), copied by the daemon's
+/// kernels (kernels::cuda::CopySpansAsync). Client-launched: the data part of the rank's
+/// endpoint region (a sealed memfd the client maps too, proto/abi/span_abi.h), copied by
+/// the client's kernels, with the command block `control` after it; client-writable, so
+/// the exchange treats it as it treats the host backend's areas. Allocated at join; an op
+/// allocates nothing.
 struct CudaRankMirror {
-  PinnedArray<uint8_t> data;               ///< [MirrorBytes(layout)], mapped.
+  /// The mirror's first byte: data.get(), or the endpoint region's data part.
+  uint8_t* base = nullptr;
+  /// Client-launched: the command block in the endpoint region (null otherwise). The
+  /// region outlives every op that uses it (LockstepGroup keeps a departed rank's endpoint
+  /// until its running op finished).
+  abi::SpanControl* control = nullptr;
+  /// Client-launched: the copy of the command of the rank's current op (TakeSpanCommand).
+  abi::SpanCommand command{};
+  /// Client-launched: the control block's client_wakes last seen (ClientCommandsHot).
+  uint64_t client_wakes = 0;
+  PinnedArray<uint8_t> data;               ///< [MirrorBytes(layout)], mapped (daemon-launched).
   PinnedArray<kernels::Region> in_spans;   ///< [kMaxAreaSpans], mapped.
   PinnedArray<kernels::Region> out_spans;  ///< [kMaxAreaSpans], mapped.
   /// [1], mapped: the seq of the op whose inputs the copy-in kernel has landed in `data`
@@ -103,7 +118,9 @@ absl::StatusOr<std::shared_ptr<CudaRank>> CreateCudaRank(int device, int32_t ran
                                                          const kernels::EndpointLayout& layout,
                                                          bool client_launched);
 
-/// Gives `rank` (created by CreateCudaRank for a group of `shape`) its CudaRankMirror.
+/// Gives `rank` (created by CreateCudaRank for a group of `shape`) its CudaRankMirror:
+/// daemon-launched, pinned host memory; client-launched, only its routing state (`base`
+/// and `control` are set once the endpoint region exists, CudaGroup::RankRegionReady).
 /// Errors: RESOURCE_EXHAUSTED when pinned host memory runs out, INTERNAL (CUDA).
 absl::Status AddCudaRankMirror(CudaRank& rank, const kernels::GroupShape& shape,
                                const kernels::EndpointLayout& layout);

@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "daemon/dataplane/cuda/cuda_group.h"
 #include "daemon/dataplane/exchange/mirror_spans.h"
+#include "daemon/dataplane/exchange/span_commands.h"
 #include "epd/kernels/layout.h"
 #include "epd/kernels/op_rules.h"
 
@@ -24,8 +25,80 @@ namespace kc = kernels::cuda;
 /// Extra time past op_timeout the engine gives a spanning op's copies on the GPU (and a
 /// stream-ordered op's wait for its client's ready_seq) before it gives up on the op.
 constexpr auto kSpanGpuGrace = std::chrono::seconds(5);
+/// How long after a client-launched rank's last command (or its join) the engine keeps
+/// polling the command words instead of sleeping between doorbells.
+constexpr auto kClientCommandsHot = std::chrono::seconds(1);
 
 }  // namespace
+
+// ---- client-launched ranks (DESIGN.md §5.5 "Client-launched") ----
+
+uint64_t CudaGroup::ShmDataBytes(const RankResources& res) const {
+  const auto& cr = static_cast<const CudaRank&>(res);
+  if (!spanning() || !cr.client_launched) return 0;
+  return abi::SpanDataBytes(CudaRankMirror::MirrorBytes(layout()));
+}
+
+absl::Status CudaGroup::RankRegionReady(int32_t rank, RankResources& res, uint8_t* shm_data,
+                                        uint64_t first_seq) {
+  auto& cr = static_cast<CudaRank&>(res);
+  if (!spanning() || !cr.client_launched) return absl::OkStatus();
+  if (shm_data == nullptr || !cr.mirror) {
+    return absl::InternalError(absl::StrCat("group ", spec().name(), " rank ", rank,
+                                            ": no endpoint region for its client-shared mirror"));
+  }
+  CudaRankMirror& m = *cr.mirror;
+  m.base = shm_data;
+  m.control = reinterpret_cast<abi::SpanControl*>(
+      shm_data + abi::SpanControlOffset(CudaRankMirror::MirrorBytes(layout())));
+  InitSpanControl(*m.control, first_seq);
+  last_command_ = Clock::now();  // A first op right after the join is polled for.
+  return absl::OkStatus();
+}
+
+bool CudaGroup::BackendRequestSource(int32_t rank) const { return ClientSpanRank(rank); }
+
+bool CudaGroup::PopBackendRequest(int32_t rank, uint64_t next_seq, abi::RequestSlot* slot) {
+  CudaRankMirror& m = *ranks_[rank]->mirror;
+  if (m.control == nullptr ||
+      !TakeSpanCommand(*m.control, next_seq, current_seq() + 1, &m.command, slot)) {
+    return false;
+  }
+  last_command_ = Clock::now();
+  return true;
+}
+
+bool CudaGroup::ClientCommandsHot() {
+  bool any = false;
+  for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+    if (!ClientSpanRank(r) || ranks_[r]->mirror->control == nullptr) continue;
+    any = true;
+    // A client that just enqueued an op says so (its kernel posts the command later).
+    CudaRankMirror& m = *ranks_[r]->mirror;
+    const uint64_t wakes = abi::Atomic(m.control->client_wakes).load(std::memory_order_relaxed);
+    if (wakes != m.client_wakes) {
+      m.client_wakes = wakes;
+      last_command_ = Clock::now();
+    }
+  }
+  return any && Clock::now() - last_command_ < kClientCommandsHot;
+}
+
+void CudaGroup::RankOpEnded(int32_t rank, const abi::RequestSlot& slot, const RankOutcome& outcome,
+                            const OpPlan* plan) {
+  if (!ClientSpanRank(rank) || ranks_[rank]->mirror->control == nullptr) return;
+  CudaRankMirror& m = *ranks_[rank]->mirror;
+  int32_t n = 0;
+  if (outcome.status.ok() && plan != nullptr) {
+    uint64_t total = 0;
+    const int32_t spans = MirrorOutputSpans(shape(), layout(), *plan, slot, outcome, m.base,
+                                            answer_spans_.data(), &total);
+    n = SpanAnswerCopies(layout(), *plan, m.command.client_buffer, answer_spans_.data(), spans,
+                         answer_copies_.data());
+  }
+  WriteSpanAnswer(*m.control, slot.seq, outcome.status, outcome.num_recv_tokens,
+                  answer_copies_.data(), n);
+}
 
 absl::Status CudaGroup::NodeChosen(int32_t node) {
   return exchange_->Init(node, local_first(), local_count());
@@ -47,6 +120,7 @@ std::string CudaGroup::NotReadyReason() const {
 absl::Status CudaGroup::StageIn(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
                                 bool* ready_wait) {
   const CudaRank& cr = *ranks_[r];
+  if (cr.client_launched) return absl::OkStatus();  // Its kernel copied before the command.
   CudaRankMirror& m = *cr.mirror;
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
   cudaStream_t s = cr.stream.get();
@@ -60,24 +134,25 @@ absl::Status CudaGroup::StageIn(const OpPlan& plan, const abi::RequestSlot& slot
   const int32_t n = MirrorInputSpans(
       shape(), layout(), plan, slot, r, endpoint(r)->handles.num_recv_tokens(),
       exchange_->LowLatencyCounts(plan.ll_handle_buffer), m.in_spans.get(), &total);
-  return kc::CopySpansAsync(m.data.get(), cr.area.get(), m.in_spans.get(), n, total,
+  return kc::CopySpansAsync(m.base, cr.area.get(), m.in_spans.get(), n, total,
                             reinterpret_cast<uint32_t*>(m.counter.get()), m.staged.get(), plan.seq,
                             s);
 }
 
 absl::Status CudaGroup::StageOut(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
                                  const RankOutcome& outcome) {
-  const CudaRank& cr = SpanRank(r);  // Alive with the op even if it detached since.
+  const CudaRank& cr = SpanRank(r);                 // Alive with the op even if it detached since.
+  if (cr.client_launched) return absl::OkStatus();  // Answered by RankOpEnded.
   CudaRankMirror& m = *cr.mirror;
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
   cudaStream_t s = cr.stream.get();
   absl::Status st = absl::OkStatus();
   if (outcome.status.ok()) {
     uint64_t total = 0;
-    const int32_t n = MirrorOutputSpans(shape(), layout(), plan, slot, outcome, m.data.get(),
+    const int32_t n = MirrorOutputSpans(shape(), layout(), plan, slot, outcome, m.base,
                                         m.out_spans.get(), &total);
-    st = kc::CopySpansAsync(cr.area.get(), m.data.get(), m.out_spans.get(), n, total, nullptr,
-                            nullptr, 0, s);
+    st = kc::CopySpansAsync(cr.area.get(), m.base, m.out_spans.get(), n, total, nullptr, nullptr, 0,
+                            s);
   }
   // done_seq on every path, so that the client's stream is released.
   if (rules::DecodeFlags(slot.flags).stream_ordered) {
@@ -134,6 +209,7 @@ bool CudaGroup::PollSpanning(std::span<RankOutcome> outcomes) {
         continue;
       }
       const CudaRank& cr = *op.ranks[r];
+      if (cr.client_launched) continue;  // Its command came after its kernel's copies.
       // Stored by the copy kernel's last block (release at system scope).
       const uint64_t staged = __atomic_load_n(cr.mirror->staged.get(), __ATOMIC_ACQUIRE);
       if (staged == op.seq) continue;
@@ -184,6 +260,7 @@ bool CudaGroup::PollSpanning(std::span<RankOutcome> outcomes) {
   // kStagingOut: every local rank's outputs back on the GPU (and done_seq written).
   for (int32_t r = first; r < last; ++r) {
     const CudaRank& cr = *op.ranks[r];
+    if (cr.client_launched) continue;  // No copy of the daemon's on its stream.
     cudaSetDevice(cr.device);
     const cudaError_t err = cudaEventQuery(cr.done.get());
     if (err == cudaErrorNotReady) {

@@ -125,7 +125,7 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   }
 
  protected:
-  uint64_t ShmDataBytes() const override { return layout().total_bytes; }
+  uint64_t ShmDataBytes(const RankResources&) const override { return layout().total_bytes; }
   absl::StatusOr<std::shared_ptr<RankResources>> PrepareRank(int32_t rank,
                                                              const std::string& gpu_uuid,
                                                              v1::LaunchMode launch_mode,

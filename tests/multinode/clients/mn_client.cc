@@ -10,6 +10,13 @@
 //                    LowLatencyCombine. Prints "OK <op>", "MISMATCH <op> <field> ..." or
 //                    "ERROR <op> <CODE>: <message>" per op, then "DONE ok=<n> bad=<n>";
 //                    exit 0 when every op was OK and exact.
+//   --scenario=graph (CUDA, --launch_mode=client) LowLatencyDispatch with T on the device
+//                    and its LowLatencyCombine captured once in a CUDA graph on the rank's
+//                    stream (after one round of the same ops not captured), replayed
+//                    --graph_rounds times with every rank's T changed between replays
+//                    (T = (tokens + 3 * round) % (Mll + 1): some 0, some Mll); each round's
+//                    recv_count, recv_x, recv_src_info and combined_x are checked. Prints
+//                    "GRAPH <i> OK" per round, then "DONE ok=<n> bad=<n>" (n: rounds + 1).
 //   --scenario=loop  Rounds of Dispatch + Combine + LowLatencyDispatch + LowLatencyCombine,
 //                    printing "ROUND <i> OK" or "ROUND <i> ERROR <op> <CODE> after <ms> ms:
 //                    <message>" (and MISMATCH lines), until EOF on stdin or --max_seconds;
@@ -67,6 +74,9 @@ ABSL_FLAG(bool, exit_after_recovery, false, "loop: exit 0 after a failed round a
 ABSL_FLAG(int, max_seconds, 60, "loop: stop after this long");
 ABSL_FLAG(int, wait_seconds, 30, "bound of each op's Wait");
 ABSL_FLAG(int, round_pause_ms, 0, "loop: pause between rounds");
+ABSL_FLAG(std::string, launch_mode, "",
+          "client or daemon: the endpoints' launch mode (\"\" = the daemon's default)");
+ABSL_FLAG(int, graph_rounds, 6, "graph: replays of the captured graph");
 ABSL_FLAG(std::string, gpu_uuid, "",
           "the GPU to join on (a CUDA daemon); \"\" on the host backend");
 
@@ -629,6 +639,210 @@ int Loop(Rank& rank) {
   return rank.mismatches() > 0 ? 1 : 0;
 }
 
+#if EPD_MN_CLIENT_CUDA
+/// A device copy of a host buffer, with a DLTensor on it (the same dims and dtype).
+struct DeviceCopy {
+  void* p = nullptr;
+  DLTensor dl{};
+  DeviceCopy() = default;
+  DeviceCopy(const DeviceCopy&) = delete;
+  DeviceCopy& operator=(const DeviceCopy&) = delete;
+  ~DeviceCopy() {
+    if (p != nullptr) cudaFree(p);
+  }
+  template <typename T>
+  absl::Status From(const Buf<T>& b, int device) {
+    const size_t bytes = b.v.size() * sizeof(T);
+    if (cudaMalloc(&p, bytes) != cudaSuccess ||
+        cudaMemcpy(p, b.v.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+      return absl::InternalError("cudaMalloc/cudaMemcpy of a graph input");
+    }
+    dl = b.dl;
+    dl.data = p;
+    dl.device = DLDevice{kDLCUDA, device};
+    return absl::OkStatus();
+  }
+};
+
+/// --scenario=graph (see the file comment). Returns the exit code.
+int Graph(epd::Endpoint& ep, const GroupShape& s, const std::vector<int32_t>& tokens, int targets,
+          int rank) {
+  const int R = s.num_ranks, Mll = s.ll_max_tokens_per_rank, H = s.hidden;
+  const int El = s.num_local_experts();
+  const int64_t rows = s.ll_rows_per_expert();
+  std::vector<RankInputs> in(R);  // Every rank's inputs at capacity (Mll rows).
+  for (int r = 0; r < R; ++r) {
+    MakeInputs(s, absl::GetFlag(FLAGS_seed) + 1000, r, Mll, targets, in[r]);
+  }
+  const RankInputs& mine = in[rank];
+  const int device = ep.LowLatencyCombineInput().dl().device.device_id;
+  cudaSetDevice(device);
+  DeviceCopy x, idx, w, y, T;
+  Buf<int32_t> t_host;
+  t_host.Make({1}, epd::testing::kI32);
+  absl::Status up = x.From(mine.xll, device);
+  if (up.ok()) up = idx.From(mine.idxll, device);
+  if (up.ok()) up = w.From(mine.wll, device);
+  if (up.ok()) up = y.From(mine.yll, device);
+  if (up.ok()) up = T.From(t_host, device);
+  cudaStream_t stream = nullptr;
+  if (up.ok() && cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+    up = absl::InternalError("cudaStreamCreate");
+  }
+  auto fail = [](const std::string& what) {
+    std::printf("ERROR graph %s\n", what.c_str());
+    return 1;
+  };
+  if (!up.ok()) return fail(std::string(up.message()));
+  // The dispatch (T on the device) and its combine, enqueued on `stream`.
+  struct Ops {
+    absl::StatusOr<epd::PendingOp<epd::LowLatencyDispatchResult>> dop = absl::UnknownError("");
+    absl::StatusOr<epd::PendingOp<epd::LowLatencyCombineResult>> cop = absl::UnknownError("");
+    absl::StatusOr<epd::LowLatencyDispatchResult> d = absl::UnknownError("");
+    absl::StatusOr<epd::LowLatencyCombineResult> c = absl::UnknownError("");
+  };
+  auto enqueue = [&]() {
+    Ops o;
+    epd::LowLatencyDispatchArgs la;
+    la.x = &x.dl;
+    la.topk_idx = &idx.dl;
+    la.num_tokens = &T.dl;
+    la.stream = stream;
+    o.dop = ep.LowLatencyDispatch(la);
+    o.d = o.dop.ok() ? o.dop->Enqueued() : o.dop.status();
+    if (!o.d.ok()) return o;
+    epd::LowLatencyCombineArgs lc;
+    lc.x = &y.dl;
+    lc.topk_idx = &idx.dl;
+    lc.topk_weights = &w.dl;
+    lc.handle = &o.d->handle;
+    lc.stream = stream;
+    o.cop = ep.LowLatencyCombine(lc);
+    o.c = o.cop.ok() ? o.cop->Enqueued() : o.cop.status();
+    return o;
+  };
+  int64_t oks = 0, bad = 0;
+  // Round `round`'s outputs (views `dv`, `cv`) against kernels/host with every rank's `Ts`.
+  auto check = [&](int round, const std::vector<int32_t>& Ts,
+                   const epd::LowLatencyDispatchResult& dv,
+                   const epd::LowLatencyCombineResult& cv) -> absl::Status {
+    std::vector<epd::testing::LowLatencyRef> ref(R);
+    std::vector<host::LowLatencyDispatchRankArgs> l(R);
+    for (int r = 0; r < R; ++r) {
+      l[r].num_tokens = Ts[r];
+      l[r].x = in[r].xll.data();
+      l[r].topk_idx = in[r].idxll.data();
+      ref[r].Bind(s, false, l[r]);
+    }
+    EPD_RETURN_IF_ERROR(host::LowLatencyDispatch(s, {}, std::span(l)));
+    std::vector<std::vector<bf16_bits>> combined(R);
+    std::vector<host::LowLatencyCombineRankArgs> lc(R);
+    for (int r = 0; r < R; ++r) {
+      combined[r].assign(std::max<size_t>(size_t(Ts[r]) * H, 1), 0);
+      lc[r].num_tokens = Ts[r];
+      lc[r].topk_idx = in[r].idxll.data();
+      lc[r].topk_weights = in[r].wll.data();
+      lc[r].handle_pos = ref[r].pos.data();
+      lc[r].x = in[r].yll.data();
+      lc[r].combined_x = combined[r].data();
+    }
+    EPD_RETURN_IF_ERROR(host::LowLatencyCombine(s, std::span(lc)));
+    std::vector<int32_t> count(El);
+    std::vector<int32_t> src(size_t(El) * rows);
+    std::vector<bf16_bits> rx(size_t(El) * rows * H);
+    std::vector<bf16_bits> cx(size_t(std::max(Ts[rank], 1)) * H);
+    const bool copied = cudaMemcpy(count.data(), dv.recv_count.data(), count.size() * 4,
+                                   cudaMemcpyDeviceToHost) == cudaSuccess &&
+                        cudaMemcpy(src.data(), dv.recv_src_info.data(), src.size() * 4,
+                                   cudaMemcpyDeviceToHost) == cudaSuccess &&
+                        cudaMemcpy(rx.data(), dv.recv_x.data(), rx.size() * 2,
+                                   cudaMemcpyDeviceToHost) == cudaSuccess &&
+                        cudaMemcpy(cx.data(), cv.combined_x.data(), size_t(Ts[rank]) * H * 2,
+                                   cudaMemcpyDeviceToHost) == cudaSuccess;
+    if (!copied) return absl::InternalError("cudaMemcpy of a view");
+    std::string diff = epd::testing::FirstDifference(count.data(), ref[rank].count.data(), El);
+    for (int j = 0; j < El && diff.empty(); ++j) {
+      const int64_t n = ref[rank].count[j];
+      diff =
+          epd::testing::FirstDifference(src.data() + j * rows, ref[rank].src.data() + j * rows, n);
+      if (diff.empty()) {
+        diff = epd::testing::FirstDifference(
+            rx.data() + j * rows * H,
+            reinterpret_cast<const bf16_bits*>(ref[rank].x.data()) + j * rows * H, n * H);
+      }
+    }
+    if (diff.empty()) {
+      diff = epd::testing::FirstDifference(cx.data(), combined[rank].data(), int64_t(Ts[rank]) * H);
+    }
+    if (!diff.empty()) {
+      ++bad;
+      std::printf("MISMATCH rank %d graph %d (T %d): %s\n", rank, round, Ts[rank], diff.c_str());
+    } else {
+      ++oks;
+      std::printf("GRAPH %d OK (T %d)\n", round, Ts[rank]);
+    }
+    std::fflush(stdout);
+    return absl::OkStatus();
+  };
+  auto tokens_of = [&](int round) {
+    std::vector<int32_t> Ts(R);
+    for (int r = 0; r < R; ++r) Ts[r] = (tokens[r] + 3 * round) % (Mll + 1);
+    return Ts;
+  };
+  const absl::Duration wait = absl::Seconds(absl::GetFlag(FLAGS_wait_seconds));
+  // Round 0, not captured: the same ops outside a graph.
+  std::vector<int32_t> Ts = tokens_of(0);
+  if (cudaMemcpy(T.p, &Ts[rank], 4, cudaMemcpyHostToDevice) != cudaSuccess) {
+    return fail("cudaMemcpy of T");
+  }
+  {
+    Ops o = enqueue();
+    if (!o.c.ok()) return fail(absl::StrCat("round 0: ", o.c.status().ToString()));
+    auto dw = o.dop->Wait(wait);
+    auto cw = o.cop->Wait(wait);
+    if (!dw.ok() || !cw.ok()) {
+      return fail(absl::StrCat("round 0: ", (!dw.ok() ? dw.status() : cw.status()).ToString()));
+    }
+    if (absl::Status st = check(0, Ts, *dw, *cw); !st.ok()) return fail(st.ToString());
+  }
+  // Rounds 1..: one capture, replayed with new T.
+  if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+    return fail("cudaStreamBeginCapture");
+  }
+  Ops g = enqueue();
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  if (!g.c.ok()) return fail(absl::StrCat("capture: ", g.c.status().ToString()));
+  cudaGraphExec_t exec = nullptr;
+  if (ended != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+    return fail("cudaStreamEndCapture / cudaGraphInstantiate");
+  }
+  for (int round = 1; round <= absl::GetFlag(FLAGS_graph_rounds); ++round) {
+    Ts = tokens_of(round);
+    if (cudaMemcpy(T.p, &Ts[rank], 4, cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaGraphLaunch(exec, stream) != cudaSuccess ||
+        cudaStreamSynchronize(stream) != cudaSuccess) {
+      return fail(absl::StrCat("replay ", round, ": CUDA error"));
+    }
+    auto dw = g.dop->Wait(wait);
+    auto cw = g.cop->Wait(wait);
+    if (!dw.ok() || !cw.ok()) {
+      ++bad;
+      std::printf("GRAPH %d ERROR %s\n", round,
+                  (!dw.ok() ? dw.status() : cw.status()).ToString().c_str());
+      continue;
+    }
+    // The captured views (a replay writes the buffers the capture's views show).
+    if (absl::Status st = check(round, Ts, *g.d, *g.c); !st.ok()) return fail(st.ToString());
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  std::printf("DONE ok=%lld bad=%lld\n", static_cast<long long>(oks), static_cast<long long>(bad));
+  return bad == 0 && oks > 0 ? 0 : 1;
+}
+#endif  // EPD_MN_CLIENT_CUDA
+
 int Main() {
   auto nodes = epd::multinode::ParseNodesFlag(absl::GetFlag(FLAGS_nodes));
   if (!nodes.ok()) {
@@ -679,6 +893,9 @@ int Main() {
   join.spec = spec;
   join.rank = rank;
   join.gpu_uuid = absl::GetFlag(FLAGS_gpu_uuid);
+  const std::string launch_mode = absl::GetFlag(FLAGS_launch_mode);
+  if (launch_mode == "client") join.launch_mode = epd::v1::LAUNCH_MODE_CLIENT;
+  if (launch_mode == "daemon") join.launch_mode = epd::v1::LAUNCH_MODE_DAEMON;
   auto ep = (*client)->Join(join);
   if (!ep.ok()) {
     std::printf("JOIN_ERROR %s\n", ep.status().ToString().c_str());
@@ -688,6 +905,14 @@ int Main() {
   std::fflush(stdout);
   Rank runner(**ep, shape, in[rank], (*ref)[rank]);
   if (absl::GetFlag(FLAGS_scenario) == "loop") return Loop(runner);
+  if (absl::GetFlag(FLAGS_scenario) == "graph") {
+#if EPD_MN_CLIENT_CUDA
+    return Graph(**ep, shape, tokens, targets, rank);
+#else
+    std::printf("FLAGS --scenario=graph needs a CUDA build\n");
+    return 2;
+#endif
+  }
   const bool ok = runner.RunAll();
   std::printf("DONE ok=%lld bad=%lld\n", static_cast<long long>(runner.oks()),
               static_cast<long long>(runner.bad()));
