@@ -80,8 +80,11 @@ __global__ void WaitFlagKernel(const uint64_t* flag, uint64_t value, int64_t tim
     if (arrived && seen != nullptr) *reinterpret_cast<volatile uint64_t*>(seen) = v;
   }
   __syncwarp();
-  // The kernel launched after this one with programmatic stream serialization may start.
+  // The kernel launched after this one with programmatic stream serialization may start
+  // (Hopper and newer; on Ampere the dependent kernel starts when this one exits).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 absl::Status PreloadHandoffKernels() {
