@@ -146,10 +146,6 @@ absl::StatusOr<std::unique_ptr<Transports>> StartTransports(const v1::DaemonConf
     out->set.SetUnavailable("rdma", kNoPeerListener);
   }
   if (!options.start) out->set.SetUnavailable("tcp", kNoPeerListener);
-  if (config.transport() == "rdma" && !rdma_refusal.empty()) {
-    out->Shutdown();
-    return RdmaConfiguredButRefused(out->preflight, rdma_refusal);
-  }
   return out;
 }
 
