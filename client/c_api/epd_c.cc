@@ -245,6 +245,14 @@ epd_status_t epd_client_join(epd_client_t* client, const epd_join_options_t* opt
     join.spec.set_ll_max_tokens_per_rank(o.ll_max_tokens_per_rank);
     join.spec.set_use_fp8(o.use_fp8 != 0);
     EPD_RETURN_IF_ERROR(epd::c_api::ReadNodes(o, &join.spec));
+    if (o.transport != nullptr) {
+      // One byte past the longest transport name is enough to refuse a longer one.
+      constexpr size_t kMaxTransportBytes = 16;
+      const absl::string_view transport(o.transport, strnlen(o.transport, kMaxTransportBytes + 1));
+      EPD_RETURN_IF_ERROR(
+          epd::internal::CheckRequestText("options.transport", transport, kMaxTransportBytes));
+      join.spec.set_transport(std::string(transport));
+    }
     join.rank = o.rank;
     if (o.gpu_uuid != nullptr) join.gpu_uuid = o.gpu_uuid;
     if (!epd::v1::LaunchMode_IsValid(o.launch_mode)) {

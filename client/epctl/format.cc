@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -150,7 +151,14 @@ std::string FormatTransports(const v1::GetStatsResponse& s) {
   if (s.preflight().empty()) {
     absl::StrAppend(&out, "preflight: ok\n");
   } else {
-    absl::StrAppend(&out, "preflight: ", s.preflight_size(), " problem(s)\n");
+    // Each line starts with its severity: "refuse:" (RDMA cannot run until it is fixed)
+    // or "warn:" (RDMA runs with it).
+    const auto count = [&s](absl::string_view prefix) {
+      return std::count_if(s.preflight().begin(), s.preflight().end(),
+                           [prefix](const std::string& l) { return absl::StartsWith(l, prefix); });
+    };
+    absl::StrAppend(&out, "preflight: ", s.preflight_size(), " problem(s) (", count("refuse: "),
+                    " refusing rdma, ", count("warn: "), " warning)\n");
     for (const std::string& line : s.preflight()) absl::StrAppend(&out, "  ", line, "\n");
   }
   return out;

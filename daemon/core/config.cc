@@ -654,6 +654,9 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
     config->set_max_connections_per_uid(kDefaultMaxConnectionsPerUid);
   }
   if (!config->has_peer_heartbeat_ms()) config->set_peer_heartbeat_ms(kDefaultPeerHeartbeatMs);
+  // The word-valued transport settings take any case, in the file as on the command line
+  // (ApplyConfigFlags); epd keeps them lower-case.
+  config->set_transport(absl::AsciiStrToLower(config->transport()));
   if (config->transport().empty()) config->set_transport(kDefaultTransport);
   if (!config->has_tcp_connections_per_peer()) {
     config->set_tcp_connections_per_peer(kDefaultTcpConnectionsPerPeer);
@@ -666,6 +669,7 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
   if (!rdma->has_qps_per_peer()) rdma->set_qps_per_peer(kDefaultRdmaQpsPerPeer);
   if (!rdma->has_max_send_wr()) rdma->set_max_send_wr(kDefaultRdmaMaxSendWr);
   if (!rdma->has_cq_depth()) rdma->set_cq_depth(kDefaultRdmaCqDepth);
+  rdma->set_gpudirect(absl::AsciiStrToLower(rdma->gpudirect()));
   if (rdma->gpudirect().empty()) rdma->set_gpudirect("auto");
 }
 

@@ -152,7 +152,8 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
 /// `optional` numbers) by its documented default. host_threads 0, a present
 /// engine_idle_us 0 (sleep at once) and empty socket_group/listen/gpu_uuids are meaningful
 /// and stay; a present op_timeout_ms or max_groups 0 stays for ValidateDaemonConfig to
-/// refuse.
+/// refuse. `transport` and `rdma.gpudirect` are lower-cased (any case is accepted, in the
+/// file as in the flags).
 void FillDaemonConfigDefaults(v1::DaemonConfig* config);
 
 /// Checks every field of a filled config. INVALID_ARGUMENT naming the field and the value

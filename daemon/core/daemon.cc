@@ -278,10 +278,18 @@ absl::Status Daemon::Init() {
     inventory_ = inventory;
   }
 
+  // NICs and preflight before anything is created or bound: a daemon configured for a
+  // transport it cannot run is refused here.
+  const transport::TransportStartOptions transport_options = TransportOptions();
+  EPD_ASSIGN_OR_RETURN(transport::TransportPlan transport_plan,
+                       transport::PlanTransports(config_, transport_options));
   // One epd per socket (its lock file).
   EPD_RETURN_IF_ERROR(PrepareSocketPath());
+  // The transports before the Peer listener: RDMA, when it is configured and fails to
+  // start, refuses the daemon before anything listens.
+  EPD_ASSIGN_OR_RETURN(transports_, transport::StartTransports(config_, std::move(transport_plan),
+                                                               transport_options));
   if (!config_.peer_listen().empty()) EPD_RETURN_IF_ERROR(StartPeerMesh());
-  EPD_RETURN_IF_ERROR(StartTransports());
   if (options_.data_plane_factory) {
     EPD_ASSIGN_OR_RETURN(data_plane_, options_.data_plane_factory(config_, backend_));
   } else {
@@ -493,7 +501,7 @@ absl::Status Daemon::StartPeerMesh() {
 
 peer::PeerMesh* Daemon::peer_mesh() const { return peer_mesh_.get(); }
 
-absl::Status Daemon::StartTransports() {
+transport::TransportStartOptions Daemon::TransportOptions() const {
   transport::TransportStartOptions options;
   options.start = !config_.peer_listen().empty();
   {
@@ -502,8 +510,7 @@ absl::Status Daemon::StartTransports() {
   }
   options.sysfs_root = options_.sysfs_root;
   options.facts = options_.preflight_facts;
-  EPD_ASSIGN_OR_RETURN(transports_, transport::StartTransports(config_, options));
-  return absl::OkStatus();
+  return options;
 }
 
 absl::Status Daemon::ApplySocketPermissions() {

@@ -39,6 +39,7 @@ class PeerMesh;
 namespace transport {
 class TransportSet;
 struct Transports;
+struct TransportStartOptions;
 }  // namespace transport
 
 class ControlService;
@@ -149,9 +150,9 @@ class Daemon {
   absl::Status ApplySocketPermissions();
   /// Starts peer_mesh_ from the peer_* fields (secret and TLS files read here).
   absl::Status StartPeerMesh();
-  /// Runs the NIC inventory and the RDMA preflight, and (with peer_listen) starts the
-  /// transports (transport_factory.h) into transports_.
-  absl::Status StartTransports();
+  /// What PlanTransports/StartTransports (transport_factory.h) are given: start them
+  /// when peer_listen is set, the GPUs, the sysfs root and injected preflight facts.
+  transport::TransportStartOptions TransportOptions() const;
   /// Recomputes health from the state below (starting, draining, GPU lost, listener
   /// stuck) and publishes it to both servers' health services when it changed.
   void PublishServing();

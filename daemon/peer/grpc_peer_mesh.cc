@@ -378,6 +378,26 @@ struct GrpcPeerMesh::State {
       return absl::InvalidArgumentError(
           absl::StrCat("registration names node ", r.node(), ", which is this daemon's own"));
     }
+    // Transport settings every node must share (RDMA: queue pairs per peer, link layer):
+    // refused here rather than at the first Connect. Both nodes are named by number and
+    // address, so the text reads the same at either node.
+    if (g.membership.compare_descriptors) {
+      const std::vector<std::string>& per_node = g.membership.transport_descriptors;
+      const size_t peer = static_cast<size_t>(r.node());
+      const std::string& ours =
+          per_node.size() > peer ? per_node[peer] : g.membership.transport_descriptor;
+      const int32_t self = g.membership.self_node;
+      const std::string our_node =
+          absl::StrCat("node ", self, " (", g.membership.spec.nodes(self).peer_address(), ")");
+      const std::string their_node = absl::StrCat("node ", r.node(), " (", daemon_id, ")");
+      if (absl::Status s = g.membership.compare_descriptors(ours, r.transport_descriptor(),
+                                                            our_node, their_node);
+          !s.ok()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("group \"", g.membership.spec.name(), "\": spec.transport \"",
+                         g.membership.spec.transport(), "\": ", s.message()));
+      }
+    }
     return absl::OkStatus();
   }
 

@@ -33,6 +33,13 @@ struct GroupMembership {
   /// registered the group with a different one is a mismatch (FAILED_PRECONDITION naming
   /// "join_secret"): ranks on two nodes form a group only if they presented the same secret.
   std::string join_secret_digest;
+  /// Compares this node's transport descriptor with a peer node's at rendezvous
+  /// (Transport::CompareDescriptorSettings, the nodes named "node 0 (10.0.0.1:7300)"); an
+  /// error is a mismatch (the group is refused at that peer, FAILED_PRECONDITION). Called
+  /// with the mesh's lock held: cheap, no call back in. Empty = no comparison.
+  std::function<absl::Status(std::string_view ours, std::string_view theirs,
+                             std::string_view our_node, std::string_view their_node)>
+      compare_descriptors;
   /// Called (from a mesh thread) when something changed that the group's engine waits
   /// for: a peer's descriptor arrived, a peer was lost or left. Cheap; no call back in.
   std::function<void()> wake;

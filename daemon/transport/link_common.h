@@ -1,17 +1,22 @@
 // What every GroupLink implementation shares (TCP, RDMA): checks of the link's options, which
 // nodes are peers, how a peer is named in errors, what State/PeerStatus answer for a node that
 // is not a peer, whether a write's pieces fit the peer's receive region, and the per-peer
-// counters of the caller's side (writes completed, immediates delivered and consumed).
+// counters of the caller's side (writes completed, immediates delivered and consumed), and
+// the Shutdown sequence of a transport's core.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "daemon/transport/transport.h"
 
@@ -113,5 +118,37 @@ struct PeerCounters {
     return true;
   }
 };
+
+/// What makes a transport core's Shutdown run once (ShutdownCore).
+struct ShutdownOnce {
+  std::mutex mu;
+  bool done = false;
+};
+
+/// The Shutdown of a transport's core (TCP, RDMA). Once: a later call returns when the first
+/// has finished. Sets `stop`, calls `wake` and joins `thread` (the progress thread); then,
+/// under `links_mu`, detaches every link of `links` with UNAVAILABLE "the `transport`
+/// transport was shut down" (waking their engines: Link::Detach(status, /*wake=*/true)),
+/// clears the list, and calls `release` for what else the core drops under that lock.
+template <typename Link>
+void ShutdownCore(
+    ShutdownOnce& once, std::atomic<bool>& stop, std::thread& thread,
+    absl::FunctionRef<void()> wake, std::mutex& links_mu, std::vector<Link*>& links,
+    absl::string_view transport, absl::FunctionRef<void()> release = [] {}) {
+  std::lock_guard<std::mutex> once_lock(once.mu);
+  if (once.done) return;
+  once.done = true;
+  stop = true;
+  if (thread.joinable()) {
+    wake();
+    thread.join();
+  }
+  std::lock_guard<std::mutex> l(links_mu);
+  const absl::Status cause =
+      absl::UnavailableError(absl::StrCat("the ", transport, " transport was shut down"));
+  for (Link* link : links) link->Detach(cause, /*wake=*/true);
+  links.clear();
+  release();
+}
 
 }  // namespace epd::transport

@@ -176,6 +176,21 @@ class Transport {
   virtual bool Supports(MemoryKind kind) const { return kind == MemoryKind::kHost; }
   virtual absl::StatusOr<std::unique_ptr<GroupLink>> CreateGroupLink(
       const GroupLinkOptions& options) = 0;
+  /// Compares the settings every node of a group must share (RDMA: queue pairs per peer,
+  /// link layer) in this node's descriptor `ours` and a peer's `theirs` (untrusted bytes:
+  /// only what the comparison needs is read; anything malformed is left to Connect).
+  /// The Peer service calls it at rendezvous, so that a group whose nodes differ is
+  /// refused there. FAILED_PRECONDITION naming the setting and each node's value, the
+  /// nodes by `our_node` and `their_node` ("node 0 (10.0.0.1:7300)"). Default: OK.
+  virtual absl::Status CompareDescriptorSettings(std::string_view ours, std::string_view theirs,
+                                                 std::string_view our_node,
+                                                 std::string_view their_node) const {
+    (void)ours;
+    (void)theirs;
+    (void)our_node;
+    (void)their_node;
+    return absl::OkStatus();
+  }
   /// Stops the progress thread and closes every link. Idempotent.
   virtual void Shutdown() = 0;
 };

@@ -49,40 +49,83 @@ void Transports::Shutdown() {
   for (auto it = owned.rbegin(); it != owned.rend(); ++it) (*it)->Shutdown();
 }
 
-absl::StatusOr<std::unique_ptr<Transports>> StartTransports(const v1::DaemonConfig& config,
-                                                            const TransportStartOptions& options) {
-  auto log = GetLogger(kLogTransport);
-  auto out = std::make_unique<Transports>();
-  out->set.set_default_name(config.transport());
+namespace {
 
-  // NICs and preflight (also without the Peer listener: GetStats shows them).
+/// The refusal of a daemon configured for "rdma" that cannot run it, listing `lines` (or
+/// `reason` when there are none).
+absl::Status RdmaConfiguredButRefused(const std::vector<std::string>& lines,
+                                      const std::string& reason) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "transport: \"rdma\" is configured but this daemon cannot run it (no fallback to tcp): ",
+      lines.empty() ? reason : absl::StrJoin(lines, "; ")));
+}
+
+}  // namespace
+
+absl::StatusOr<TransportPlan> PlanTransports(const v1::DaemonConfig& config,
+                                             const TransportStartOptions& options) {
+  auto log = GetLogger(kLogTransport);
   const std::vector<RdmaPortInfo> ports = ScanRdmaPorts(options.sysfs_root);
-  NicPlan plan = PlanNics(ports, config.rdma(), options.gpus, options.sysfs_root);
-  PreflightResult preflight;
+  TransportPlan plan;
+  plan.nics = PlanNics(ports, config.rdma(), options.gpus, options.sysfs_root);
   if (RdmaPreflightWanted(config, ports)) {
     const PreflightFacts facts = options.facts.has_value()
                                      ? *options.facts
                                      : GatherPreflightFacts(options.sysfs_root, options.gpus);
-    preflight = RunRdmaPreflight(config, ports, options.gpus, facts, &plan);
-    for (const std::string& line : preflight.lines) log->warn("preflight: {}", line);
+    plan.preflight = RunRdmaPreflight(config, ports, options.gpus, facts, &plan.nics);
+    for (const std::string& line : plan.preflight.lines) log->warn("preflight: {}", line);
   } else {
-    preflight.reason =
+    plan.preflight.reason =
         "RDMA: no RDMA device found (/sys/class/infiniband is empty or absent); use transport "
         "\"tcp\"";
   }
-  for (const v1::NicInfo& n : plan.nics) {
+  for (const v1::NicInfo& n : plan.nics.nics) {
     log->info(
         "NIC {}:{} {} {} {} Gb/s, NUMA {}, GID index {} {}{}{}", n.device(), n.port(), n.state(),
         n.link_layer(), n.rate_gbps(), n.numa_node(), n.gid_index(), n.gid(),
         n.selected() ? ", selected" : "",
         n.gpu_uuids().empty() ? "" : absl::StrCat(", GPUs ", absl::StrJoin(n.gpu_uuids(), " ")));
   }
-  out->nics = plan.nics;
-  out->preflight = preflight.lines;
+  if (config.transport() == "rdma" && !plan.preflight.rdma_usable) {
+    return RdmaConfiguredButRefused(plan.preflight.lines, plan.preflight.reason);
+  }
+  return plan;
+}
+
+absl::StatusOr<std::unique_ptr<Transports>> StartTransports(const v1::DaemonConfig& config,
+                                                            TransportPlan plan,
+                                                            const TransportStartOptions& options) {
+  auto log = GetLogger(kLogTransport);
+  auto out = std::make_unique<Transports>();
+  out->set.set_default_name(config.transport());
+  out->nics = plan.nics.nics;
+  out->preflight = plan.preflight.lines;
 
   // Why "rdma" cannot run here: the preflight's first refusing line, or its start error.
-  std::string rdma_refusal = preflight.rdma_usable ? "" : preflight.reason;
+  std::string rdma_refusal = plan.preflight.rdma_usable ? "" : plan.preflight.reason;
   if (options.start) {
+    // RDMA first: a daemon configured for it that cannot start it binds nothing. Listed
+    // after tcp.
+    std::unique_ptr<Transport> rdma_started;
+    if (plan.preflight.rdma_usable) {
+      RdmaTransportOptions rdma_options = plan.nics.options;
+      rdma_options.connect_timeout_ms = config.op_timeout_ms();  // As TCP's connect bound.
+      absl::StatusOr<std::unique_ptr<Transport>> rdma = MakeRdmaTransport(rdma_options);
+      if (rdma.ok()) {
+        EPD_ASSIGN_OR_RETURN(std::unique_ptr<Transport> t,
+                             WithFaults(config, "rdma", *std::move(rdma)));
+        log->info("transport rdma: {} port(s), {} queue pair(s) per peer per group",
+                  plan.nics.options.ports.size(), plan.nics.options.qps_per_peer);
+        rdma_started = std::move(t);
+      } else {
+        rdma_refusal = absl::StrCat("RDMA: the transport did not start: ", rdma.status().message());
+        out->preflight.push_back(absl::StrCat(kPreflightRefuse, rdma_refusal));
+        log->warn("preflight: {}", out->preflight.back());
+      }
+    }
+    if (config.transport() == "rdma" && !rdma_refusal.empty()) {
+      return RdmaConfiguredButRefused(out->preflight, rdma_refusal);
+    }
     EPD_ASSIGN_OR_RETURN(std::unique_ptr<Transport> tcp,
                          MakeTcpTransport(TcpOptionsFromConfig(config)));
     out->tcp_listen_address = TcpListenAddress(*tcp);
@@ -91,22 +134,9 @@ absl::StatusOr<std::unique_ptr<Transports>> StartTransports(const v1::DaemonConf
     EPD_ASSIGN_OR_RETURN(tcp, WithFaults(config, "tcp", std::move(tcp)));
     out->set.Add("tcp", tcp.get());
     out->owned.push_back(std::move(tcp));
-    if (preflight.rdma_usable) {
-      RdmaTransportOptions rdma_options = plan.options;
-      rdma_options.connect_timeout_ms = config.op_timeout_ms();  // As TCP's connect bound.
-      absl::StatusOr<std::unique_ptr<Transport>> rdma = MakeRdmaTransport(rdma_options);
-      if (rdma.ok()) {
-        EPD_ASSIGN_OR_RETURN(std::unique_ptr<Transport> t,
-                             WithFaults(config, "rdma", *std::move(rdma)));
-        log->info("transport rdma: {} port(s), {} queue pair(s) per peer per group",
-                  plan.options.ports.size(), plan.options.qps_per_peer);
-        out->set.Add("rdma", t.get());
-        out->owned.push_back(std::move(t));
-      } else {
-        rdma_refusal = absl::StrCat("RDMA: the transport did not start: ", rdma.status().message());
-        out->preflight.push_back(rdma_refusal);
-        log->warn("preflight: {}", rdma_refusal);
-      }
+    if (rdma_started != nullptr) {
+      out->set.Add("rdma", rdma_started.get());
+      out->owned.push_back(std::move(rdma_started));
     }
   }
   constexpr char kNoPeerListener[] = "the Peer listener is off (peer_listen is unset)";
@@ -116,15 +146,6 @@ absl::StatusOr<std::unique_ptr<Transports>> StartTransports(const v1::DaemonConf
     out->set.SetUnavailable("rdma", kNoPeerListener);
   }
   if (!options.start) out->set.SetUnavailable("tcp", kNoPeerListener);
-
-  if (config.transport() == "rdma" && !rdma_refusal.empty()) {
-    std::vector<std::string> lines = out->preflight;
-    if (lines.empty()) lines.push_back(rdma_refusal);
-    out->Shutdown();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "transport: \"rdma\" is configured but this daemon cannot run it (no fallback to tcp): ",
-        absl::StrJoin(lines, "; ")));
-  }
   return out;
 }
 

@@ -44,11 +44,26 @@ struct Transports {
   void Shutdown();
 };
 
-/// Runs the NIC inventory and the preflight, and (with `options.start`) starts "tcp"
-/// and, when usable, "rdma". `config` is filled and valid. FAILED_PRECONDITION when
-/// config.transport is "rdma" and RDMA cannot run here, listing the preflight's lines;
-/// the errors of MakeTcpTransport; INVALID_ARGUMENT for a bad fault plan.
+/// The NIC inventory and the preflight, before anything is started.
+struct TransportPlan {
+  NicPlan nics;               ///< The ports, the GPU -> NIC map and the RDMA options.
+  PreflightResult preflight;  ///< Lines with their severity; whether RDMA can run.
+};
+
+/// Runs the NIC inventory and the preflight; logs the lines and the NICs. Binds and opens
+/// nothing, so a daemon calls it before any listener: FAILED_PRECONDITION when
+/// config.transport is "rdma" and the preflight refuses it, listing the preflight's lines.
+absl::StatusOr<TransportPlan> PlanTransports(const v1::DaemonConfig& config,
+                                             const TransportStartOptions& options);
+
+/// Starts the transports of `plan` (from PlanTransports on the same config and options):
+/// with `options.start`, "rdma" first when the preflight found it usable, then "tcp" (its
+/// data listener), so that a daemon configured for "rdma" whose transport fails to start
+/// is refused before anything is bound. FAILED_PRECONDITION when config.transport is
+/// "rdma" and it cannot run; the errors of MakeTcpTransport; INVALID_ARGUMENT for a bad
+/// fault plan.
 absl::StatusOr<std::unique_ptr<Transports>> StartTransports(const v1::DaemonConfig& config,
+                                                            TransportPlan plan,
                                                             const TransportStartOptions& options);
 
 }  // namespace epd::transport

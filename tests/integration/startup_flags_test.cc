@@ -106,6 +106,34 @@ TEST(StartupFlagsTest, MissingSocketDirectoryIsCreatedAndLogged) {
   std::filesystem::remove_all(dir);
 }
 
+// A daemon configured for rdma that cannot run it (here: a device that does not exist)
+// exits non-zero with the preflight's reason before it creates or binds anything: no
+// socket directory, no socket, no Peer or data listener, no health listener.
+TEST(StartupFlagsTest, RdmaThatCannotRunIsRefusedBeforeAnythingIsCreatedOrBound) {
+  const std::string dir = MakeTempDir("epd_startup_rdma");
+  DaemonProcessOptions options;
+  options.socket_path = dir + "/sub/epd.sock";
+  options.log_level = "info";
+  options.peer = true;
+  options.wait_serving = false;
+  options.extra_args = {"--transport=rdma", "--rdma_devices=epd_no_such_nic0"};
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(options);
+  ASSERT_TRUE(epd.ok()) << epd.status();
+  absl::StatusOr<int> code = (*epd)->WaitExit(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status();
+  const std::string logs = (*epd)->Logs();
+  EXPECT_EQ(*code, 1) << logs;
+  EXPECT_THAT(logs, AllOf(HasSubstr("transport: \"rdma\" is configured but this daemon cannot "
+                                    "run it"),
+                          HasSubstr("refuse: RDMA: rdma.devices names epd_no_such_nic0:1")));
+  // Nothing was created or bound: no directory for the socket, no listener announced.
+  EXPECT_FALSE(std::filesystem::exists(dir + "/sub")) << logs;
+  EXPECT_THAT(logs,
+              AllOf(Not(HasSubstr("Peer service on")), Not(HasSubstr("data listener")),
+                    Not(HasSubstr("TCP listener")), Not(HasSubstr("TCP transport listening"))));
+  std::filesystem::remove_all(dir);
+}
+
 // shm_mode is deprecated: --shm_mode=0777 (or any value, valid or not) still starts, and
 // start-up warns that it is ignored, naming the field and the value.
 TEST(StartupFlagsTest, DeprecatedShmModeStartsAndIsWarnedAboutAsIgnored) {

@@ -52,11 +52,14 @@ def two_nodes(tmp_path):
 def _body(rank, num_ranks, group, nodes):
     sock, _ = nodes[rank // 2]
     os.environ["EPD_SOCKET"] = sock
+    # Rank 0's EPD_TRANSPORT names the group's transport (the others' is not read).
+    os.environ["EPD_TRANSPORT"] = "tcp" if rank == 0 else "rdma"
     import deep_ep
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MLL, H, num_ranks, E)
     buf = deep_ep.Buffer(group, num_nvl_bytes=64 << 20, num_rdma_bytes=hint,
                          low_latency_mode=True, explicitly_destroy=True)
     assert buf._nodes == [(nodes[0][1], 2), (nodes[1][1], 2)], buf._nodes
+    assert buf._transport == "tcp", buf._transport
 
     # Normal mode: layout, dispatch (rows in source rank, token order), combine.
     x, topk_idx, topk_weights = _inputs(rank)
@@ -70,6 +73,7 @@ def _body(rank, num_ranks, group, nodes):
         num_tokens_per_expert=n_expert, topk_idx=topk_idx, topk_weights=topk_weights)
     assert torch.equal(recv_x, torch.stack([r[2] for r in ref]))
     assert recv_idx.tolist() == [r[3] for r in ref]
+    assert buf._normal.ep.spec.transport == "tcp", buf._normal.ep.spec
     comb, _, _ = buf.combine(recv_x, handle)
     fanout = in_rank.sum(1, keepdim=True).float()
     assert torch.equal(comb, (x.float() * fanout).to(torch.bfloat16))

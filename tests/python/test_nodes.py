@@ -19,6 +19,25 @@ def test_group_spec_nodes_default_to_one_node_and_keep_positions():
     assert n.peer_address == "10.0.0.1:7300" and n.num_ranks == 4
 
 
+def test_group_spec_transport_defaults_to_the_daemons_and_reaches_the_daemon(client):
+    assert epd.GroupSpec("g", 2, 128, 2, 4, 8).transport == ""
+    assert epd.GroupSpec("g", 2, 128, 2, 4, 8, transport="rdma").transport == "rdma"
+    # The daemon sees the spec's transport: it refuses one on a group without nodes, and a
+    # name that is no transport (the session daemon has no Peer listener).
+    with pytest.raises(epd.InvalidArgumentError) as e:
+        client.join(T.unique_spec("transport_one_node", transport="rdma"), 0)
+    assert 'spec.transport: "rdma" is set for a group without nodes' in str(e.value)
+    with pytest.raises(epd.InvalidArgumentError) as e:
+        client.join(T.unique_spec("transport_bad", num_ranks=2, transport="udp",
+                                  nodes=[("127.0.0.1:1", 1), ("127.0.0.1:2", 1)]), 0)
+    assert 'spec.transport: "udp" is not a transport' in str(e.value)
+    with pytest.raises(epd.InvalidArgumentError) as e:
+        client.join(T.unique_spec("transport_nul", transport="tc\0p"), 0)
+    assert "spec.transport" in str(e.value)
+    with client.join(T.unique_spec("transport_default", transport=""), 0) as ep:
+        assert ep.spec.transport == ""
+
+
 def test_peer_address_is_empty_without_a_peer_listener(client):
     assert client.peer_address == ""
 

@@ -20,6 +20,8 @@ _Static_assert(offsetof(epd_program_step_t, use_ue8m0) == 24,
                "use_ue8m0 starts at the first version's sizeof(epd_program_step_t)");
 _Static_assert(offsetof(epd_join_options_t, nodes) == 80,
                "nodes starts at the first version's sizeof(epd_join_options_t)");
+_Static_assert(offsetof(epd_join_options_t, transport) == 96,
+               "transport follows num_nodes (and its padding)");
 _Static_assert(sizeof(epd_node_t) == 16, "epd_node_t is a pointer and an int32 (padded)");
 #endif
 _Static_assert(EPD_INVALID_ARGUMENT == 3 && EPD_FAILED_PRECONDITION == 9 && EPD_UNAVAILABLE == 14,

@@ -159,6 +159,38 @@ TEST_F(CApiNodesTest, ACallerBuiltBeforeNodesJoinsAOneNodeGroup) {
   ExpectRefused(j, "epd_join_options_t.struct_size=");
 }
 
+// epd_join_options_t.transport is the spec's transport: the daemon sees it (and refuses it
+// on a group without nodes, or a name that is no transport); a caller built before the
+// field joins with each daemon's default.
+TEST_F(CApiNodesTest, TransportReachesTheSpec) {
+  epd_join_options_t j = Join("transport");
+  j.transport = "rdma";
+  ExpectRefused(j, "spec.transport: \"rdma\" is set for a group without nodes");
+  epd_node_t nodes[2] = {{"127.0.0.1:1", 1}, {"127.0.0.1:2", 1}};
+  j.num_ranks = 2;
+  j.nodes = nodes;
+  j.num_nodes = 2;
+  j.transport = "udp";
+  ExpectRefused(j, "spec.transport: \"udp\" is not a transport");
+  const std::string long_name(40, 't');
+  j.transport = long_name.c_str();
+  ExpectRefused(j, "options.transport");
+  j.transport = "tc\xffp";
+  ExpectRefused(j, "not valid UTF-8");
+  // Before the field: garbage past the older struct_size is not read; "" = the default.
+  epd_join_options_t old = Join("transport-old");
+  old.transport = reinterpret_cast<const char*>(0x1);
+  old.struct_size = offsetof(epd_join_options_t, transport);
+  epd_endpoint_t* ep = nullptr;
+  ASSERT_EQ(epd_client_join(client_, &old, &ep), EPD_OK) << epd_last_error();
+  epd_endpoint_destroy(ep);
+  epd_join_options_t empty = Join("transport-empty");
+  empty.transport = "";
+  ep = nullptr;
+  ASSERT_EQ(epd_client_join(client_, &empty, &ep), EPD_OK) << epd_last_error();
+  epd_endpoint_destroy(ep);
+}
+
 TEST_F(CApiNodesTest, AnEmptyNodeListIsAOneNodeGroup) {
   epd_join_options_t j = Join("no-nodes");
   epd_endpoint_t* ep = nullptr;

@@ -46,7 +46,8 @@ v1::GetStatsResponse FakeStats() {
   b->set_gid_index(-1);
   b->set_numa_node(-1);
   b->add_gpu_uuids("GPU-unknown");
-  s.add_preflight("RDMA: RLIMIT_MEMLOCK is 4 GiB; set LimitMEMLOCK=infinity in the unit");
+  s.add_preflight("warn: RDMA: RLIMIT_MEMLOCK is 4 GiB; set LimitMEMLOCK=infinity in the unit");
+  s.add_preflight("refuse: RDMA: port mlx5_0:2 is DOWN, not ACTIVE; bring its link up");
   return s;
 }
 
@@ -74,7 +75,10 @@ TEST(EpctlStatusTest, NicTableAndPreflight) {
                                     "0000:1a:00.0 +0,1 +yes +yes"));
   EXPECT_THAT(out, ::testing::ContainsRegex(
                        "mlx5_0:2 +DOWN +Ethernet +- +none +- +- +- +GPU-unknown +no +no"));
-  EXPECT_THAT(out, HasSubstr("preflight: 1 problem(s)\n  RDMA: RLIMIT_MEMLOCK is 4 GiB"));
+  EXPECT_THAT(out, HasSubstr("preflight: 2 problem(s) (1 refusing rdma, 1 warning)\n"
+                             "  warn: RDMA: RLIMIT_MEMLOCK is 4 GiB; set LimitMEMLOCK=infinity in "
+                             "the unit\n"
+                             "  refuse: RDMA: port mlx5_0:2 is DOWN"));
 }
 
 TEST(EpctlStatusTest, TransportsNameTheDefault) {

@@ -8,6 +8,7 @@
 // error, never an out-of-bounds access (this file runs under ASan in tests/sanitize.sh).
 // The fake links refuse, as RDMA does, a write whose source lies outside the regions the
 // exchange declared to them: every exchange write passes RDMA's registration rule.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -34,6 +35,8 @@ namespace {
 
 using kernels::bf16_bits;
 using std::chrono::milliseconds;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 
 class MultinodeHostTest : public ::testing::Test {
  protected:
@@ -946,6 +949,46 @@ TEST_F(MultinodeHostTest, GarbageFromAPeerIsAnErrorNotACrash) {
     if (mode < 2) EXPECT_NE(done[0].status_code, 0) << Message(done[0]);
     done = RunOnAll(abi::OpKind::kLowLatencyDispatch, 0, tokens);
     if (mode < 2) EXPECT_NE(done[0].status_code, 0) << Message(done[0]);
+    hub_.Hostile(1, [](uint8_t*, uint64_t, uint64_t) {});
+  }
+}
+
+// Token ids a peer sent that are out of range are the peer's data fault: DATA_LOSS naming
+// its node and address, not INVALID_ARGUMENT naming a rank of this node.
+TEST_F(MultinodeHostTest, APeersBadTokenIdsAreDataLossNamingTheNode) {
+  for (const bool ll : {false, true}) {
+    SCOPED_TRACE(ll ? "low-latency dispatch" : "dispatch");
+    rings_.clear();
+    nodes_.clear();
+    node_of_.clear();
+    spec_.Clear();
+    auto slot = std::make_shared<std::atomic<int64_t>>(-1);
+    hub_.Hostile(1, [this, slot](uint8_t* base, uint64_t offset, uint64_t bytes) {
+      uint32_t magic = 0;
+      if (bytes >= sizeof(abi::ExchangeHeader)) std::memcpy(&magic, base + offset, sizeof magic);
+      if (magic == abi::kExchangeMagic) *slot = static_cast<int64_t>(offset);
+      if (*slot < 0) return;
+      // After every piece of the message (whichever comes last): every row's token id far
+      // beyond the group's tokens per rank.
+      const abi::ExchangeShape xs{
+          shape_.num_ranks, shape_.num_experts,         shape_.hidden,
+          shape_.num_topk,  shape_.max_tokens_per_rank, shape_.ll_max_tokens_per_rank};
+      const abi::ExchangeSlotLayout sl = abi::ExchangeSlotLayout::Compute(xs, 1, 1);
+      uint8_t* blk = base + *slot + sl.payload;
+      for (uint64_t i = 0; i < sl.block_rows; ++i) {
+        const int32_t id = INT32_MAX - static_cast<int32_t>(i);
+        std::memcpy(blk + sl.ids + 4 * i, &id, 4);
+      }
+    });
+    Start({1, 1}, 2000, /*fp8=*/false);
+    if (HasFatalFailure()) return;
+    MakeInputs(11);
+    auto done = ll ? RunOnAll(abi::OpKind::kLowLatencyDispatch, 0, {4, 5})
+                   : RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, {4, 6});
+    EXPECT_EQ(done[0].status_code, static_cast<int>(absl::StatusCode::kDataLoss))
+        << Message(done[0]);
+    EXPECT_THAT(Message(done[0]), AllOf(HasSubstr("node 1 (10.0.0.2:7100) sent token index"),
+                                        HasSubstr("of rank 1, not ascending within [0, ")));
     hub_.Hostile(1, [](uint8_t*, uint64_t, uint64_t) {});
   }
 }

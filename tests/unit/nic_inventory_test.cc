@@ -224,7 +224,39 @@ TEST(NicInventoryTest, SymlinkLoopsEndTheScanWithFieldsUnknown) {
   EXPECT_EQ(ports[0].state, "UNKNOWN");
   EXPECT_EQ(ports[0].numa_node, -1);
   EXPECT_EQ(ports[0].pci_path, "");
+  EXPECT_EQ(ports[0].pci_bus_id, "");  // The loop's name is no PCI id.
   EXPECT_TRUE(ports[0].gids.empty());
+}
+
+TEST(NicInventoryTest, DeviceLinksThatDoNotResolveToAPciFunctionLeaveThePciIdUnknown) {
+  FakeSysfs fs;
+  const std::filesystem::path ib = std::filesystem::path(fs.root()) / "class" / "infiniband";
+  // A loop named like a PCI function, a dangling link named like one, a link to a
+  // directory not named like one; and a good device beside them.
+  std::filesystem::create_directories(ib / "loop" / "ports" / "1");
+  std::filesystem::create_symlink("0000:1b:00.0", ib / "loop" / "0000:1b:00.0");
+  std::filesystem::create_symlink("0000:1b:00.0", ib / "loop" / "device");
+  std::filesystem::create_directories(ib / "dangling" / "ports" / "1");
+  std::filesystem::create_symlink("../../../devices/pci0000:00/0000:1c:00.0",
+                                  ib / "dangling" / "device");
+  std::filesystem::create_directories(ib / "odd" / "ports" / "1");
+  std::filesystem::create_directories(std::filesystem::path(fs.root()) / "devices" / "platform");
+  std::filesystem::create_symlink("../../../devices/platform", ib / "odd" / "device");
+  fs.AddDevice("mlx5_0", "pci0000:00", "0000:1a:00.0");
+  fs.AddPort("mlx5_0", 1, "4: ACTIVE", "InfiniBand");
+  std::vector<RdmaPortInfo> ports = ScanRdmaPorts(fs.root());
+  ASSERT_EQ(ports.size(), 4u);
+  EXPECT_EQ(ports[0].device, "dangling");
+  EXPECT_EQ(ports[0].pci_bus_id, "");
+  EXPECT_EQ(ports[0].pci_path, "");
+  EXPECT_EQ(ports[1].device, "loop");
+  EXPECT_EQ(ports[1].pci_bus_id, "");
+  EXPECT_EQ(ports[1].pci_path, "");
+  EXPECT_EQ(ports[2].device, "mlx5_0");
+  EXPECT_EQ(ports[2].pci_bus_id, "0000:1a:00.0");
+  EXPECT_EQ(ports[3].device, "odd");
+  EXPECT_EQ(ports[3].pci_bus_id, "");
+  EXPECT_NE(ports[3].pci_path, "");
 }
 
 TEST(NicInventoryTest, RatesThatAreNotFiniteOrInRangeAreUnknown) {

@@ -286,6 +286,26 @@ TEST(RdmaConfigTest, DeviceListForms) {
   EXPECT_THAT(too_long.status().message(), HasSubstr("1 to 63 characters"));
 }
 
+// The word-valued settings take any case in the config file, as on the command line, and
+// are kept lower-case.
+TEST(RdmaConfigTest, FileAndFlagsTakeTheSameSpellings) {
+  absl::StatusOr<v1::DaemonConfig> file =
+      ParseDaemonConfig("transport: \"RDMA\" rdma { gpudirect: \"Off\" }", "test");
+  ASSERT_TRUE(file.ok()) << file.status();
+  v1::DaemonConfig config = *file;
+  FillDaemonConfigDefaults(&config);
+  EXPECT_TRUE(ValidateDaemonConfig(config).ok()) << ValidateDaemonConfig(config);
+  EXPECT_EQ(config.transport(), "rdma");
+  EXPECT_EQ(config.rdma().gpudirect(), "off");
+  // A word that is no value is still refused, naming the field.
+  file = ParseDaemonConfig("transport: \"Udp\"", "test");
+  ASSERT_TRUE(file.ok()) << file.status();
+  config = *file;
+  FillDaemonConfigDefaults(&config);
+  EXPECT_THAT(ValidateDaemonConfig(config).message(),
+              AllOf(HasSubstr("transport"), HasSubstr("\"udp\" is not a transport")));
+}
+
 TEST(RdmaConfigTest, FlagsOverrideTheFile) {
   absl::FlagSaver saver;
   absl::StatusOr<v1::DaemonConfig> file = ParseDaemonConfig(

@@ -30,6 +30,7 @@ using ::testing::Contains;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using ::testing::StartsWith;
 
 constexpr char kSecret[] = "0123456789abcdef-daemon";
 
@@ -200,7 +201,7 @@ TEST_F(PeerDaemonTest, DevicesAreShownWithTheReasonRdmaIsNotRunnable) {
   EXPECT_EQ(stats.nics(0).numa_node(), 0);
   EXPECT_EQ(stats.nics(1).state(), "DOWN");
   EXPECT_FALSE(stats.nics(1).selected());
-  EXPECT_THAT(stats.preflight(), Contains(HasSubstr("RLIMIT_MEMLOCK is 8 MiB")));
+  EXPECT_THAT(stats.preflight(), Contains(StartsWith("refuse: RDMA: RLIMIT_MEMLOCK is 8 MiB")));
   (*daemon)->Shutdown();
 }
 
@@ -213,7 +214,8 @@ TEST_F(PeerDaemonTest, ARunnableRdmaThatFailsToStartIsNamedAndRefusesAnRdmaDaemo
   ASSERT_TRUE(tcp.ok()) << tcp.status();
   const v1::GetStatsResponse stats = (*tcp)->Stats();
   EXPECT_THAT(stats.transports(), ElementsAre("tcp"));
-  EXPECT_THAT(stats.preflight(), ElementsAre(HasSubstr("RDMA: the transport did not start")));
+  EXPECT_THAT(stats.preflight(),
+              ElementsAre(StartsWith("refuse: RDMA: the transport did not start")));
   (*tcp)->Shutdown();
   tcp->reset();
   absl::StatusOr<std::unique_ptr<Daemon>> rdma =

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/peer/grpc_peer_mesh.h"
@@ -301,6 +302,55 @@ TEST(PeerMeshTest, JoinSecretMismatchIsFailedPreconditionNamingTheFieldNotTheVal
     EXPECT_FALSE(b.peers->Descriptor(0).has_value());
     EXPECT_EQ(m0->NodeStatuses("g")[1].state(), v1::NODE_STATE_MISMATCH);
   }
+}
+
+// Transport settings the nodes must share (RDMA: queue pairs per peer, link layer) are
+// compared at rendezvous by the membership's comparison: nodes that differ are a mismatch
+// on both sides, naming both nodes and both values, and never get each other's descriptor.
+TEST(PeerMeshTest, DescriptorSettingsMismatchIsRefusedAtRendezvousNamingBothNodes) {
+  auto m0 = StartMesh();
+  auto m1 = StartMesh();
+  ASSERT_TRUE(m0 && m1);
+  v1::GroupSpec spec = Spec({m0.get(), m1.get()});
+  spec.set_transport("rdma");
+  auto register_with = [&](GrpcPeerMesh* mesh, int node, const std::string& descriptor) {
+    Registered r;
+    GroupMembership m;
+    m.spec = spec;
+    m.self_node = node;
+    m.transport_descriptor = descriptor;
+    m.compare_descriptors = [](std::string_view ours, std::string_view theirs,
+                               std::string_view our_node, std::string_view their_node) {
+      if (ours == theirs) return absl::OkStatus();
+      return absl::FailedPreconditionError(
+          absl::StrCat(std::string(our_node), " uses ", std::string(ours), ", ",
+                       std::string(their_node), " uses ", std::string(theirs)));
+    };
+    absl::StatusOr<std::unique_ptr<GroupPeers>> peers = mesh->RegisterGroup(std::move(m));
+    EXPECT_TRUE(peers.ok()) << peers.status();
+    if (peers.ok()) r.peers = *std::move(peers);
+    return r;
+  };
+  Registered a = register_with(m0.get(), 0, "qps_per_peer=2");
+  Registered b = register_with(m1.get(), 1, "qps_per_peer=4");
+  ASSERT_TRUE(a.peers && b.peers);
+  ASSERT_TRUE(WaitFor([&] { return !a.peers->Health().ok() && !b.peers->Health().ok(); }));
+  // Whichever node saw the other's registration first, each names both by number.
+  const std::string node0 = absl::StrCat("node 0 (", m0->advertised_address(), ")");
+  const std::string node1 = absl::StrCat("node 1 (", m1->advertised_address(), ")");
+  for (const Registered* r : {&a, &b}) {
+    EXPECT_EQ(r->peers->Health().code(), absl::StatusCode::kFailedPrecondition);
+    const std::string message(r->peers->Health().message());
+    EXPECT_THAT(message, HasSubstr("group \"g\": spec.transport \"rdma\": "));
+    EXPECT_TRUE(absl::StrContains(
+                    message, node0 + " uses qps_per_peer=2, " + node1 + " uses qps_per_peer=4") ||
+                absl::StrContains(
+                    message, node1 + " uses qps_per_peer=4, " + node0 + " uses qps_per_peer=2"))
+        << message;
+  }
+  EXPECT_FALSE(a.peers->Descriptor(1).has_value());
+  EXPECT_FALSE(b.peers->Descriptor(0).has_value());
+  EXPECT_EQ(m0->NodeStatuses("g")[1].state(), v1::NODE_STATE_MISMATCH);
 }
 
 TEST(PeerMeshTest, SameJoinSecretPairs) {

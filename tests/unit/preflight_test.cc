@@ -13,10 +13,12 @@ namespace {
 using ::testing::AllOf;
 using ::testing::Contains;
 using ::testing::Each;
+using ::testing::ElementsAre;
 using testing::FakeSysfs;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::Not;
+using ::testing::StartsWith;
 
 PreflightFacts GoodFacts() {
   PreflightFacts f;
@@ -81,6 +83,7 @@ TEST(PreflightTest, NoDeviceAndNotBuiltRefuse) {
   EXPECT_TRUE(RdmaPreflightWanted(RdmaConfig(), {}));
   // Configured for rdma: tcp is offered as the way out.
   EXPECT_THAT(r.result.lines, Each(HasSubstr("or use transport \"tcp\"")));
+  EXPECT_THAT(r.result.lines, Each(StartsWith("refuse: RDMA: ")));
 }
 
 // A daemon on tcp that only lists devices is not told to use tcp, which it does.
@@ -172,6 +175,10 @@ TEST(PreflightTest, MemlockRefusesBelowTheMinimumAndWarnsAbove) {
   Outcome big = Preflight(fs, RdmaConfig(), facts);
   EXPECT_TRUE(big.result.rdma_usable);
   EXPECT_THAT(big.result.lines, Contains(HasSubstr("RLIMIT_MEMLOCK is 4 GiB")));
+  // Each line says its severity first: the one RDMA runs with warns, the other refuses.
+  EXPECT_THAT(big.result.lines, ElementsAre(StartsWith("warn: RDMA: RLIMIT_MEMLOCK is 4 GiB")));
+  EXPECT_THAT(small.result.lines, ElementsAre(StartsWith("refuse: RDMA: RLIMIT_MEMLOCK is 8 MiB")));
+  EXPECT_THAT(small.result.reason, StartsWith("RDMA: "));
   facts.memlock_bytes = 8ull << 20;
   facts.cap_ipc_lock = true;  // Root / CAP_IPC_LOCK: no limit applies.
   EXPECT_THAT(Preflight(fs, RdmaConfig(), facts).result.lines, IsEmpty());
@@ -190,6 +197,7 @@ TEST(PreflightTest, GpuDirectFromDmabufOrPeermemAndItsMode) {
   EXPECT_THAT(staged.result.lines,
               Contains(AllOf(HasSubstr("GPUDirect RDMA is not usable"), HasSubstr("nvidia_peermem"),
                              HasSubstr("pinned host memory"))));
+  EXPECT_THAT(staged.result.lines, Each(StartsWith("warn: ")));
   EXPECT_FALSE(staged.plan.nics[0].gpudirect());
   // on: refused.
   v1::DaemonConfig on = RdmaConfig();

@@ -101,6 +101,40 @@ TEST(RdmaDescriptor, RoundTripsForEachPeer) {
   EXPECT_EQ(ib->lid, 7);
 }
 
+// The settings every node must share, compared at rendezvous: queue pairs per peer and
+// link layer differ = FAILED_PRECONDITION naming both values; what is not an RDMA
+// descriptor is left to ParseDescriptor.
+TEST(RdmaDescriptor, SettingsComparedAtRendezvousNameBothValues) {
+  const std::string roce = Encoded();
+  const auto compare = [](const std::string& ours, const std::string& theirs) {
+    return CompareDescriptorSettings(ours, theirs, "node 0 (a:1)", "node 1 (b:2)");
+  };
+  EXPECT_TRUE(compare(roce, Encoded()).ok());
+  LocalEndpoint four = Local();
+  four.num_qps = 4;
+  const std::string four_qps = EncodeDescriptor(four, std::vector<QpEndpoint>(kNodes * 4));
+  absl::Status qps = compare(roce, four_qps);
+  EXPECT_EQ(qps.code(), absl::StatusCode::kFailedPrecondition) << qps;
+  EXPECT_NE(qps.message().find("rdma.qps_per_peer differs: node 0 (a:1) uses 2 queue pairs per "
+                               "peer, node 1 (b:2) uses 4"),
+            std::string::npos)
+      << qps;
+  absl::Status link = compare(roce, Encoded(IBV_LINK_LAYER_INFINIBAND));
+  EXPECT_EQ(link.code(), absl::StatusCode::kFailedPrecondition) << link;
+  EXPECT_NE(link.message().find("node 0 (a:1)'s port is Ethernet (RoCE), node 1 (b:2)'s is "
+                                "InfiniBand"),
+            std::string::npos)
+      << link;
+  // Short, another transport's, another wire version: for Connect to refuse.
+  std::string other_version = Encoded();
+  abi::RdmaDescriptorHeader h = Header(other_version);
+  ++h.version;
+  SetHeader(other_version, h);
+  for (const std::string& theirs : {std::string("fake:1"), std::string(), other_version}) {
+    EXPECT_TRUE(compare(roce, theirs).ok());
+  }
+}
+
 /// One malformed descriptor: what is changed and a word the error must contain.
 struct Malformed {
   const char* name;

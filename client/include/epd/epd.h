@@ -171,6 +171,10 @@ typedef struct epd_join_options_t {
    *  joins its own node's daemon. */
   const epd_node_t* nodes;
   int32_t num_nodes; /**< Entries of nodes, 0 to 4096. */
+  /** The transport between the daemons of a group across nodes (spec.transport): "tcp",
+   *  "rdma", or NULL / "" = each daemon's configured default; read during the call only.
+   *  Set only with nodes. Appended after num_nodes: an older struct_size reads NULL. */
+  const char* transport;
 } epd_join_options_t;
 
 /** Joins a group and maps the endpoint; *out is the endpoint (epd_endpoint_destroy). Errors

@@ -101,8 +101,9 @@ class GroupSpec(
             "max_dispatch_tokens_per_rank",
             "use_fp8",
             "nodes",
+            "transport",
         ],
-        defaults=(0, False, ()),
+        defaults=(0, False, (), ""),
     )
 ):
     """A group's shape (epd.v1.GroupSpec); every rank joins with the same one.
@@ -115,8 +116,11 @@ class GroupSpec(
     ("host:port", num_ranks) pair: node i hosts the num_ranks ranks after nodes 0..i-1's
     (their sum is num_ranks), and each rank joins its own node's daemon. () = every rank on
     this daemon (a one-node group).
+    transport: the transport between the nodes' daemons, "tcp" or "rdma"; "" = each daemon's
+    configured default. Set only with nodes.
 
-        epd.GroupSpec("moe0", num_ranks=8, ..., nodes=[("10.0.0.1:7300", 4), ("10.0.0.2:7300", 4)])
+        epd.GroupSpec("moe0", num_ranks=8, ..., nodes=[("10.0.0.1:7300", 4), ("10.0.0.2:7300", 4)],
+                      transport="rdma")
     """
 
     __slots__ = ()
@@ -281,8 +285,9 @@ class Client:
             mode,
             bytes(join_secret),
             nodes,
+            spec.transport,
         )
-        ep = Endpoint(self, c_ep, fw, tuple(NodeSpec(*n) for n in nodes))
+        ep = Endpoint(self, c_ep, fw, tuple(NodeSpec(*n) for n in nodes), spec.transport or "")
         self._endpoints.add(ep)
         return ep
 
@@ -318,7 +323,7 @@ class Endpoint:
     place. A view keeps the endpoint's memory mapped after close().
     """
 
-    def __init__(self, client, c_ep, fw, nodes=()):
+    def __init__(self, client, c_ep, fw, nodes=(), transport=""):
         self._c = c_ep
         self.client = client
         c_ep.set_converters(fw.to_numpy, fw.to_torch)
@@ -335,6 +340,7 @@ class Endpoint:
             i["ll_max_tokens_per_rank"],
             i["use_fp8"],
             nodes,
+            transport,
         )
         self.info = EndpointInfo(
             i["endpoint_id"],

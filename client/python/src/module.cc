@@ -229,7 +229,8 @@ class Client {
                                  py::handle hidden, py::handle num_topk,
                                  py::handle max_tokens_per_rank, py::handle ll_max_tokens_per_rank,
                                  bool use_fp8, py::handle rank, py::handle gpu_uuid,
-                                 int launch_mode, py::bytes join_secret, py::handle nodes);
+                                 int launch_mode, py::bytes join_secret, py::handle nodes,
+                                 py::handle transport);
 
   /// Drops this object's hold on the C client: it is destroyed once the calls running on
   /// other threads and the endpoints (and their views) are gone. Idempotent.
@@ -655,12 +656,15 @@ std::shared_ptr<Endpoint> Client::Join(py::handle name, py::handle num_ranks,
                                        py::handle num_topk, py::handle max_tokens_per_rank,
                                        py::handle ll_max_tokens_per_rank, bool use_fp8,
                                        py::handle rank, py::handle gpu_uuid, int launch_mode,
-                                       py::bytes join_secret, py::handle nodes) {
+                                       py::bytes join_secret, py::handle nodes,
+                                       py::handle transport) {
   static constexpr const char* kOp = "join";
   const std::shared_ptr<ClientCore> core = Live(kOp);
   const std::string group = ToCString(name, kOp, "spec.name");
   const std::string gpu = gpu_uuid.is_none() ? "" : ToCString(gpu_uuid, kOp, "gpu");
   std::string secret = join_secret;
+  const std::string transport_name =
+      transport.is_none() ? "" : ToCString(transport, kOp, "spec.transport");
   epd_join_options_t o{};
   o.struct_size = sizeof(o);
   o.name = group.c_str();
@@ -697,6 +701,7 @@ std::shared_ptr<Endpoint> Client::Join(py::handle name, py::handle num_ranks,
   }
   o.nodes = node_list.empty() ? nullptr : node_list.data();
   o.num_nodes = static_cast<int32_t>(node_list.size());
+  o.transport = transport_name.empty() ? nullptr : transport_name.c_str();
   epd_endpoint_t* e = nullptr;
   epd_status_t status;
   {

@@ -229,6 +229,13 @@ absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local
     m.transport_descriptors.push_back(n == node ? std::string() : s.link->LocalDescriptorFor(n));
   }
   m.join_secret_digest = options_.join_secret_digest;
+  // The transport outlives the group (options_.transport): settings the nodes must share
+  // are compared at rendezvous.
+  m.compare_descriptors = [t = options_.transport](std::string_view ours, std::string_view theirs,
+                                                   std::string_view our_node,
+                                                   std::string_view their_node) {
+    return t->CompareDescriptorSettings(ours, theirs, our_node, their_node);
+  };
   m.wake = options_.wake;
   absl::StatusOr<std::unique_ptr<peer::GroupPeers>> peers =
       options_.peer_mesh->RegisterGroup(std::move(m));
@@ -921,6 +928,15 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
         int64_t* idx = span_.in_idx.data() + at * gs.num_topk;
         int32_t* pos = span_.in_pos.data() + at * R;
         std::memcpy(ids, blk + sl.ids, sizeof(int32_t) * rows);
+        // A peer's token ids are its data: checked here, so that a bad one is the peer's
+        // fault (DATA_LOSS naming its node), not an argument of this node's ranks.
+        const int64_t capacity = ll ? gs.ll_max_tokens_per_rank : gs.max_tokens_per_rank;
+        for (int32_t row = 0; row < rows; ++row) {
+          if (ids[row] < 0 || ids[row] >= capacity || (row > 0 && ids[row] <= ids[row - 1])) {
+            return malformed(n, absl::StrCat("token index ", ids[row], " in row ", row, " of rank ",
+                                             s, ", not ascending within [0, ", capacity, ")"));
+          }
+        }
         if (cached) {
           std::memcpy(pos, blk + sl.pos, sizeof(int32_t) * static_cast<size_t>(rows) * R);
         } else {

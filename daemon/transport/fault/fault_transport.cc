@@ -384,6 +384,11 @@ class FaultTransportImpl final : public FaultTransport {
   ~FaultTransportImpl() override { Shutdown(); }
 
   std::string name() const override { return absl::StrCat("fault(", inner_->name(), ")"); }
+  absl::Status CompareDescriptorSettings(std::string_view ours, std::string_view theirs,
+                                         std::string_view our_node,
+                                         std::string_view their_node) const override {
+    return inner_->CompareDescriptorSettings(ours, theirs, our_node, their_node);
+  }
 
   absl::StatusOr<std::unique_ptr<GroupLink>> CreateGroupLink(
       const GroupLinkOptions& options) override {

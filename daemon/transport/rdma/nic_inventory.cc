@@ -101,6 +101,22 @@ bool ParseGid(const std::string& text, std::array<uint8_t, 16>* bytes) {
   return true;
 }
 
+/// `name` normalised when it is a PCI function id ("[dddd:]bb:dd.f", hex), else "".
+std::string PciBusIdOrEmpty(const std::string& name) {
+  const std::string id = NormalizePciBusId(name);
+  const std::vector<absl::string_view> parts = absl::StrSplit(id, absl::ByAnyChar(":."));
+  if (parts.size() != 4) return "";
+  const size_t widths[] = {4, 2, 2, 1};
+  for (size_t i = 0; i < 4; ++i) {
+    if (parts[i].size() != widths[i] || !std::all_of(parts[i].begin(), parts[i].end(), [](char c) {
+          return absl::ascii_isxdigit(static_cast<unsigned char>(c));
+        })) {
+      return "";
+    }
+  }
+  return id;
+}
+
 std::vector<GidEntry> ReadGids(const fs::path& port_dir) {
   std::vector<GidEntry> gids;
   for (const std::string& name : ListDir(port_dir / "gids")) {
@@ -133,11 +149,12 @@ std::vector<RdmaPortInfo> ScanRdmaPorts(const std::string& sysfs_root) {
   const fs::path class_dir = fs::path(sysfs_root) / "class" / "infiniband";
   for (const std::string& device : ListDir(class_dir)) {
     const fs::path dev_dir = class_dir / device;
-    std::string pci_path = RealPath(dev_dir / "device");
-    std::string bus_id;
-    std::error_code ec;
-    const fs::path link = fs::read_symlink(dev_dir / "device", ec);
-    if (!ec) bus_id = link.filename().string();
+    const std::string pci_path = RealPath(dev_dir / "device");
+    // The bus id is the name the link resolves to; a link that does not resolve (a loop,
+    // a dangling or unreadable target) or resolves to something not named like a PCI
+    // function leaves it unknown.
+    const std::string bus_id =
+        pci_path.empty() ? "" : PciBusIdOrEmpty(fs::path(pci_path).filename().string());
     int32_t numa = -1;
     if (!absl::SimpleAtoi(ReadLine(dev_dir / "device" / "numa_node"), &numa)) numa = -1;
     for (const std::string& port_name : ListDir(dev_dir / "ports")) {
@@ -151,7 +168,7 @@ std::vector<RdmaPortInfo> ScanRdmaPorts(const std::string& sysfs_root) {
       p.link_layer = ReadLine(port_dir / "link_layer");
       p.rate_gbps = ParseRate(ReadLine(port_dir / "rate"));
       p.numa_node = numa;
-      p.pci_bus_id = bus_id.empty() ? "" : NormalizePciBusId(bus_id);
+      p.pci_bus_id = bus_id;
       p.pci_path = pci_path;
       p.gids = ReadGids(port_dir);
       ports.push_back(std::move(p));

@@ -109,9 +109,9 @@ PreflightResult RunRdmaPreflight(const v1::DaemonConfig& config,
   PreflightResult r;
   auto refuse = [&r](std::string line) {
     if (r.reason.empty()) r.reason = line;
-    r.lines.push_back(std::move(line));
+    r.lines.push_back(absl::StrCat(kPreflightRefuse, line));
   };
-  auto warn = [&r](std::string line) { r.lines.push_back(std::move(line)); };
+  auto warn = [&r](std::string line) { r.lines.push_back(absl::StrCat(kPreflightWarn, line)); };
   const v1::RdmaConfig& rdma = config.rdma();
   // Only a daemon configured for rdma is told it could use tcp instead (it already does
   // otherwise).

@@ -37,13 +37,20 @@ struct PreflightFacts {
 PreflightFacts GatherPreflightFacts(const std::string& sysfs_root,
                                     const std::vector<v1::GpuInfo>& gpus);
 
+/// Prefix of a preflight line whose problem keeps the RDMA transport from running (a
+/// daemon configured for "rdma" does not start; a group asking for "rdma" is refused).
+inline constexpr char kPreflightRefuse[] = "refuse: ";
+/// Prefix of a preflight line whose problem RDMA runs with (slower or riskier).
+inline constexpr char kPreflightWarn[] = "warn: ";
+
 /// What the preflight found.
 struct PreflightResult {
-  /// One line per problem, each starting "RDMA: " and saying what to change. Some only
-  /// warn (a finite memlock limit above the minimum, GPUDirect unusable under "auto").
+  /// One line per problem, each starting with its severity (kPreflightRefuse or
+  /// kPreflightWarn) then "RDMA: ", and saying what to change. Warnings: a finite memlock
+  /// limit above the minimum, GPUDirect unusable under "auto".
   std::vector<std::string> lines;
   /// Whether the RDMA transport can run (every refusing problem absent); when false,
-  /// `reason` is the first refusing line.
+  /// `reason` is the first refusing line without its severity prefix.
   bool rdma_usable = false;
   std::string reason;
   /// Whether GPU memory can be registered with the NIC (dmabuf or nvidia_peermem).

@@ -66,6 +66,39 @@ std::string EncodeDescriptor(const LocalEndpoint& local, std::span<const QpEndpo
   return out;
 }
 
+absl::Status CompareDescriptorSettings(std::string_view ours, std::string_view theirs,
+                                       std::string_view our_node, std::string_view their_node) {
+  const std::string ours_name(our_node), theirs_name(their_node);
+  abi::RdmaDescriptorHeader a{}, b{};
+  if (ours.size() < sizeof a || theirs.size() < sizeof b) return absl::OkStatus();
+  std::memcpy(&a, ours.data(), sizeof a);
+  std::memcpy(&b, theirs.data(), sizeof b);
+  for (const abi::RdmaDescriptorHeader* h : {&a, &b}) {
+    if (h->magic != abi::kRdmaDescriptorMagic || h->version != abi::kRdmaWireVersion) {
+      return absl::OkStatus();
+    }
+  }
+  if (a.num_qps != b.num_qps) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rdma.qps_per_peer differs: ", ours_name, " uses ", a.num_qps,
+                     " queue pairs per peer, ", theirs_name, " uses ", b.num_qps,
+                     "; set rdma.qps_per_peer (--rdma_qps_per_peer) the same on every daemon"));
+  }
+  if (a.link_layer != b.link_layer) {
+    const auto name = [](uint8_t l) {
+      return l == abi::kRdmaLinkEthernet     ? std::string("Ethernet (RoCE)")
+             : l == abi::kRdmaLinkInfiniBand ? std::string("InfiniBand")
+                                             : absl::StrCat("link layer ", l);
+    };
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the RDMA link layer differs: ", ours_name, "'s port is ", name(a.link_layer), ", ",
+        theirs_name, "'s is ", name(b.link_layer),
+        "; select ports of one link layer on every daemon (rdma.devices), or use transport "
+        "\"tcp\""));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<RemoteEndpoint> ParseDescriptor(std::string_view bytes, int32_t from, int32_t self,
                                                int32_t num_nodes, uint32_t num_qps,
                                                uint8_t link_layer) {

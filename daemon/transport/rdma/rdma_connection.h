@@ -57,6 +57,14 @@ struct RemoteEndpoint {
 /// entries of local.node are written as zero). Allocates the string.
 std::string EncodeDescriptor(const LocalEndpoint& local, std::span<const QpEndpoint> qps);
 
+/// Compares the settings every node must share in two descriptors: this node's `ours` and
+/// a peer's `theirs` (untrusted): queue pairs per peer (rdma.qps_per_peer) and link layer.
+/// OK when they agree or when either is too short or not an RDMA descriptor of this wire
+/// version (ParseDescriptor at Connect names that); FAILED_PRECONDITION naming the setting
+/// and each node's value otherwise, the nodes by `our_node` and `their_node`.
+absl::Status CompareDescriptorSettings(std::string_view ours, std::string_view theirs,
+                                       std::string_view our_node, std::string_view their_node);
+
 /// Checks descriptor `bytes` (untrusted: from a peer daemon) published by node `from` for
 /// this node `self` of a group of `num_nodes` whose links use `num_qps` queue pairs per peer
 /// over a port of link layer `link_layer`: size, magic, version, node, node count, queue

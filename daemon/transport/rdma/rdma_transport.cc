@@ -161,8 +161,7 @@ class RdmaCore {
   ScopedFd wake_fd_;
   std::thread thread_;
   std::atomic<bool> stop_{false};
-  std::mutex shutdown_mu_;
-  bool shut_down_ = false;
+  ShutdownOnce shutdown_;
 
   std::mutex mu_;  // Guards links_ and every link's completion queues and queue pair states.
   std::vector<RdmaGroupLink*> links_;
@@ -321,18 +320,8 @@ absl::Status RdmaCore::Start() {
 }
 
 void RdmaCore::Shutdown() {
-  std::lock_guard<std::mutex> sl(shutdown_mu_);
-  if (shut_down_) return;
-  shut_down_ = true;
-  stop_ = true;
-  if (thread_.joinable()) {
-    Wake();
-    thread_.join();
-  }
-  std::lock_guard<std::mutex> l(mu_);
-  const absl::Status cause = absl::UnavailableError("the RDMA transport was shut down");
-  for (RdmaGroupLink* link : links_) link->Detach(cause, /*wake=*/true);
-  links_.clear();
+  ShutdownCore(
+      shutdown_, stop_, thread_, [this] { Wake(); }, mu_, links_, "RDMA");
 }
 
 absl::Status RdmaCore::Register(RdmaGroupLink* link) {
@@ -995,6 +984,11 @@ class RdmaTransport final : public Transport {
   explicit RdmaTransport(std::shared_ptr<RdmaCore> core) : core_(std::move(core)) {}
   ~RdmaTransport() override { Shutdown(); }
   std::string name() const override { return "rdma"; }
+  absl::Status CompareDescriptorSettings(std::string_view ours, std::string_view theirs,
+                                         std::string_view our_node,
+                                         std::string_view their_node) const override {
+    return rdma::CompareDescriptorSettings(ours, theirs, our_node, their_node);
+  }
   bool Supports(MemoryKind kind) const override {
     return kind == MemoryKind::kHost || (kind == MemoryKind::kCudaDevice && core_->gpu_direct());
   }

@@ -352,8 +352,7 @@ class TcpCore {
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::atomic<uint32_t> next_link_id_{1};
-  std::mutex shutdown_mu_;
-  bool shut_down_ = false;
+  ShutdownOnce shutdown_;
 
   std::mutex mu_;  // Guards everything below and every link's connections.
   std::vector<TcpGroupLink*> links_;
@@ -517,20 +516,12 @@ absl::Status TcpCore::Start() {
 }
 
 void TcpCore::Shutdown() {
-  std::lock_guard<std::mutex> sl(shutdown_mu_);
-  if (shut_down_) return;
-  shut_down_ = true;
-  stop_ = true;
-  if (thread_.joinable()) {
-    Wake();
-    thread_.join();
-  }
-  std::lock_guard<std::mutex> l(mu_);
-  const absl::Status cause = absl::UnavailableError("the TCP transport was shut down");
-  for (TcpGroupLink* link : links_) link->Detach(cause, /*wake=*/true);
-  links_.clear();
-  pending_.clear();
-  listen_fd_.Reset();
+  ShutdownCore(
+      shutdown_, stop_, thread_, [this] { Wake(); }, mu_, links_, "TCP",
+      [this] {
+        pending_.clear();
+        listen_fd_.Reset();
+      });
 }
 
 absl::Status TcpCore::EpollAdd(int fd, uint64_t key) {

@@ -243,7 +243,8 @@ class Buffer:
     EPD_LAUNCH_MODE (auto|daemon|client) and EPD_JOIN_SECRET are read too. Ranks whose daemons
     differ (several nodes) form a group across those daemons: each rank's daemon Peer address
     is gathered over `group` here, ranks of one daemon must be contiguous, and every daemon
-    needs its Peer listener (README "Two nodes").
+    needs its Peer listener (README "Two nodes"). Such a group uses rank 0's EPD_TRANSPORT
+    (tcp|rdma; unset = each daemon's configured default) between the daemons.
     """
 
     num_sms: int = 20
@@ -295,7 +296,8 @@ class Buffer:
         except _epd_errors.EpdError as e:
             error = e
         mine = (socket.gethostname(), secrets.token_hex(8), secret or secrets.token_bytes(16),
-                address, None if error is None else str(error))
+                address, None if error is None else str(error),
+                os.environ.get("EPD_TRANSPORT", ""))
         peers = all_gather_object(mine)
         if error is not None:
             raise error
@@ -306,6 +308,8 @@ class Buffer:
         self._nodes = _nodes_of([p[3] for p in peers], [p[0] for p in peers])
         self._name = f"deep_ep-{peers[0][1]}"
         self._secret = peers[0][2]
+        # A one-node group has no transport between daemons (a spec naming one is refused).
+        self._transport = peers[0][5] if self._nodes else ""
         # CUDA tensors, streams and a GPU to join with on epd's CUDA backend; CPU tensors and
         # synchronous ops on its host backend (also where torch sees a GPU).
         self._cuda = self._client.stats_summary()["backend"] == "cuda"
@@ -438,7 +442,7 @@ class Buffer:
             num_topk=shape["num_topk"], num_experts=shape["num_experts"],
             max_tokens_per_rank=shape["max_tokens_per_rank"],
             max_dispatch_tokens_per_rank=shape["ll_max_tokens_per_rank"],
-            use_fp8=shape["use_fp8"], nodes=self._nodes)
+            use_fp8=shape["use_fp8"], nodes=self._nodes, transport=self._transport)
         gpu = torch.cuda.current_device() if self._cuda else None
         ep = self._client.join(spec, self.rank, gpu=gpu, launch_mode=self._launch_mode,
                                join_secret=self._secret)
