@@ -41,6 +41,7 @@ class TransportSet;
 struct Transports;
 }  // namespace transport
 
+class AuditLog;
 class ControlService;
 class FdChannel;
 class GroupRegistry;
@@ -176,6 +177,9 @@ class Daemon {
   /// plane, which uses them.
   std::unique_ptr<transport::Transports> transports_;
   std::unique_ptr<DataPlane> data_plane_;
+  /// DaemonConfig.audit_log (null when off); before the registry and the Control service,
+  /// which write to it.
+  std::unique_ptr<AuditLog> audit_log_;
   std::unique_ptr<GroupRegistry> registry_;
   std::unique_ptr<ControlService> control_;
   /// Answers fd-channel connections of the unix socket (the endpoints' descriptors).
