@@ -53,6 +53,13 @@ bool RdmaRequired(const DoctorFacts& facts) {
   return facts.config.transport() == "rdma" || facts.config.rdma().devices_size() > 0;
 }
 
+/// The RDMA preflight's lines (each says what to change), one warning each.
+void AppendPreflight(const DoctorFacts& facts, std::vector<CheckResult>* out) {
+  for (const std::string& line : facts.preflight) {
+    out->push_back(Warn("rdma.preflight", line, "see the line: it says what to change"));
+  }
+}
+
 }  // namespace
 
 const char* VerdictName(Verdict verdict) {
@@ -135,11 +142,8 @@ CheckResult CheckCudaVersions(const DoctorFacts& facts) {
                                         ", runtime ", CudaVersionText(facts.runtime_version));
   if (facts.driver_version == 0) {
     if (facts.gpus.empty()) {
-      return Warn(
-          name,
-          absl::StrCat("no CUDA driver",
-                       facts.cuda_error.empty() ? "" : absl::StrCat(": ", facts.cuda_error)),
-          "on a GPU node install the NVIDIA driver (libcuda.so.1 must be loadable)");
+      return Warn(name, facts.cuda_error.empty() ? std::string("no CUDA driver") : facts.cuda_error,
+                  "on a GPU node install the NVIDIA driver (libcuda.so.1 must be loadable)");
     }
     return Ok(name, absl::StrCat(text, " (the daemon did not report the driver's version)"));
   }
@@ -291,6 +295,7 @@ std::vector<CheckResult> CheckRdma(const DoctorFacts& facts) {
     } else {
       out.push_back(Ok("rdma.devices", "none (groups across nodes use the tcp transport)"));
     }
+    AppendPreflight(facts, &out);
     return out;
   }
   std::vector<std::string> names;
@@ -376,9 +381,7 @@ std::vector<CheckResult> CheckRdma(const DoctorFacts& facts) {
       out.push_back(Ok("rdma.affinity", text));
     }
   }
-  for (const std::string& line : facts.preflight) {
-    out.push_back(Warn("rdma.preflight", line, "see the line: it says what to change"));
-  }
+  AppendPreflight(facts, &out);
   return out;
 }
 

@@ -146,6 +146,7 @@ TEST_F(AuditVersionTest, JoinLeaveAndARefusedJoinAreLoggedWithTheCallersCredenti
   EXPECT_THAT(text, Not(HasSubstr("not-the-secret")));
   EXPECT_THAT(text, Not(HasSubstr((*owner)->session_id())));
 
+  endpoint->reset();
   owner->reset();
   intruder->reset();
   ASSERT_EQ(*epd_->Stop(), 0);

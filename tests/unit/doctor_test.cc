@@ -9,6 +9,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "client/epctl/doctor_facts.h"
 #include "common/os/scoped_fd.h"
 #include "common/version.h"
