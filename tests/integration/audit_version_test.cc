@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "tests/common/daemon_process.h"
 #include "tests/common/specs.h"
+#include "tests/common/subprocess.h"
 
 namespace epd {
 namespace {
@@ -198,6 +199,43 @@ TEST_F(AuditVersionTest, AClientOfAnIncompatibleVersionIsRefusedNamingBothVersio
   ClientOptions options;
   options.socket_path = epd_->socket_path();
   EXPECT_TRUE(Client::Connect(options).ok());
+}
+
+// `epctl doctor` against this epd: the daemon's rows, one line per check, exit 1 with an
+// unreachable peer (and its next step), JSON that parses; without a daemon, a failing row
+// that points at --standalone.
+TEST_F(AuditVersionTest, EpctlDoctorJudgesTheLiveDaemonAndFailsOnAnUnreachablePeer) {
+  absl::StatusOr<testing::CommandResult> doctor =
+      testing::RunCommand({testing::EpctlBinary(), "--socket=" + epd_->socket_path(), "doctor",
+                           "--peers=127.0.0.1:1", "--peer_timeout=1s"},
+                          absl::Seconds(30));
+  ASSERT_TRUE(doctor.ok()) << doctor.status();
+  EXPECT_EQ(doctor->exit_code, 1) << doctor->stdout_text << doctor->stderr_text;
+  EXPECT_THAT(doctor->stdout_text, HasSubstr("daemon.serving    ok"));
+  EXPECT_THAT(doctor->stdout_text, HasSubstr("daemon.version    ok"));
+  EXPECT_THAT(doctor->stdout_text, HasSubstr("limits.nofile"));
+  EXPECT_THAT(doctor->stdout_text, HasSubstr("peer.reachable    fail    127.0.0.1:1:"));
+  EXPECT_THAT(doctor->stdout_text, HasSubstr("next: is epd running there"));
+
+  absl::StatusOr<testing::CommandResult> json =
+      testing::RunCommand({testing::EpctlBinary(), "--socket=" + epd_->socket_path(), "--json",
+                           "doctor", "--peers=127.0.0.1:1", "--peer_timeout=1s"},
+                          absl::Seconds(30));
+  ASSERT_TRUE(json.ok()) << json.status();
+  EXPECT_EQ(json->exit_code, 1);
+  google::protobuf::Struct parsed;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json->stdout_text, &parsed).ok())
+      << json->stdout_text;
+  EXPECT_GE(parsed.fields().at("fail").number_value(), 1);
+  EXPECT_THAT(parsed.fields().at("source").string_value(), HasSubstr(epd_->socket_path()));
+
+  absl::StatusOr<testing::CommandResult> down = testing::RunCommand(
+      {testing::EpctlBinary(), "--socket=" + dir_ + "/none.sock", "--timeout=1s", "doctor"},
+      absl::Seconds(30));
+  ASSERT_TRUE(down.ok()) << down.status();
+  EXPECT_EQ(down->exit_code, 1);
+  EXPECT_THAT(down->stdout_text, HasSubstr("daemon.reachable  fail"));
+  EXPECT_THAT(down->stdout_text, HasSubstr("epctl doctor --standalone"));
 }
 
 }  // namespace
