@@ -53,6 +53,18 @@ bool RdmaRequired(const DoctorFacts& facts) {
   return facts.config.transport() == "rdma" || facts.config.rdma().devices_size() > 0;
 }
 
+/// "; table: 0 v1, 1 v2, 2 v1 IPv4, 3 v2 IPv4": the port's non-zero GIDs by index, type and
+/// whether IPv4-mapped ("" when the sysfs facts are unknown, as from a live daemon).
+std::string GidTableText(const transport::RdmaPortInfo* port) {
+  if (port == nullptr || port->gids.empty()) return "";
+  std::vector<std::string> entries;
+  for (const transport::GidEntry& gid : port->gids) {
+    std::string type = gid.type == "RoCE v2" ? " v2" : gid.type == "IB/RoCE v1" ? " v1" : "";
+    entries.push_back(absl::StrCat(gid.index, type, gid.ipv4_mapped ? " IPv4" : ""));
+  }
+  return absl::StrCat("; table: ", absl::StrJoin(entries, ", "));
+}
+
 /// The RDMA preflight's lines (each says what to change), one warning each.
 void AppendPreflight(const DoctorFacts& facts, std::vector<CheckResult>* out) {
   for (const std::string& line : facts.preflight) {
@@ -323,6 +335,10 @@ std::vector<CheckResult> CheckRdma(const DoctorFacts& facts) {
     }
     out.push_back(Ok("rdma.port_state", state));
     if (!nic.selected()) continue;
+    const transport::RdmaPortInfo* info = nullptr;
+    for (const transport::RdmaPortInfo& p : facts.ports) {
+      if (p.device == nic.device() && p.port == nic.port()) info = &p;
+    }
     if (nic.gid_index() < 0) {
       out.push_back(Fail("rdma.gid", absl::StrCat(port, ": no usable GID"),
                          nic.link_layer() == "Ethernet"
@@ -330,18 +346,12 @@ std::vector<CheckResult> CheckRdma(const DoctorFacts& facts) {
                                "interface an IPv4 address, or set rdma.gid_index"
                              : "check the port's GID table (`show_gids`) and rdma.gid_index"));
     } else {
-      out.push_back(
-          Ok("rdma.gid", absl::StrCat(port, ": index ", nic.gid_index(), " ", nic.gid())));
+      out.push_back(Ok("rdma.gid", absl::StrCat(port, ": index ", nic.gid_index(), " ", nic.gid(),
+                                                GidTableText(info))));
     }
     if (nic.link_layer() == "Ethernet") {
-      uint32_t mtu = 0;
-      std::string netdev;
-      for (const transport::RdmaPortInfo& p : facts.ports) {
-        if (p.device == nic.device() && p.port == nic.port()) {
-          mtu = p.netdev_mtu;
-          netdev = p.netdev;
-        }
-      }
+      const uint32_t mtu = info != nullptr ? info->netdev_mtu : 0;
+      const std::string netdev = info != nullptr ? info->netdev : "";
       if (mtu == 0) {
         out.push_back(Warn("rdma.mtu", absl::StrCat(port, ": interface MTU unknown"),
                            "check `ip link` of the port's interface (9000 for RoCE)"));

@@ -224,7 +224,7 @@ TEST(DoctorTest, RdmaChecksFromAFakeSysfsTree) {
   };
   EXPECT_EQ(verdict_of("rdma.port_state", "mlx5_0:1"), Verdict::kOk);
   EXPECT_EQ(verdict_of("rdma.port_state", "mlx5_1:1"), Verdict::kOk) << "DOWN but not used";
-  EXPECT_EQ(verdict_of("rdma.gid", "mlx5_0:1"), Verdict::kOk);
+  EXPECT_EQ(verdict_of("rdma.gid", "table: 0 v1, 1 v2, 2 v1 IPv4, 3 v2 IPv4"), Verdict::kOk);
   EXPECT_EQ(verdict_of("rdma.mtu", "MTU 1500"), Verdict::kWarn);
   EXPECT_EQ(verdict_of("rdma.affinity", "across sockets"), Verdict::kWarn);
 
