@@ -18,6 +18,7 @@
 #include "client/fd_channel.h"
 #include "client/request_text.h"
 #include "common/status_macros.h"
+#include "common/version.h"
 #include "epd/v1/control.grpc.pb.h"
 
 namespace epd {
@@ -123,6 +124,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   v1::SessionRequest hello;
   hello.set_client_pid(::getpid());
   hello.set_client_name(options.client_name.empty() ? DefaultClientName() : options.client_name);
+  hello.set_client_version(kEpdVersion);
   if (!impl->stream->Write(hello)) {
     // The server may refuse before the first write lands (e.g. UNIMPLEMENTED from epd's
     // TCP health listener): explained as when the refusal comes after it.

@@ -1,5 +1,5 @@
 // epctl: inspect a running epd. Thin: flags → one RPC → print.
-//   epctl [--socket=/run/epd/epd.sock] [--json] status|groups|health|stats|config
+//   epctl [--socket=/run/epd/epd.sock] [--json] status|groups|health|stats|config|doctor
 // Exit status: 0 on success (for `health`: only when SERVING; `--help`, `--version`), 1
 // when the daemon is down, not serving or answers with an error, 2 on a usage error (an
 // unknown command or flag, a flag value that does not parse).
@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/control_channel.h"
+#include "client/epctl/doctor_command.h"
 #include "client/epctl/format.h"
 #include "client/request_text.h"
 #include "common/version.h"
@@ -44,7 +45,9 @@ constexpr char kUsage[] =
     "           of (every group for root and epd's own uid)\n"
     "  health   grpc.health.v1 status; exit 0 only when SERVING (for HEALTHCHECK)\n"
     "  stats    counters\n"
-    "  config   the daemon's effective DaemonConfig";
+    "  config   the daemon's effective DaemonConfig\n"
+    "  doctor   pre-flight of this node, one line per check (ok/warn/fail and the next\n"
+    "           step); --standalone without a daemon; exit 1 when a check fails";
 
 bool IsEpctlFlag(absl::string_view file) { return absl::StrContains(file, "epctl/"); }
 
@@ -54,6 +57,8 @@ std::string ValueExample(absl::string_view name) {
   if (name == "json") return "true or false (--json alone means true, --nojson false)";
   if (name == "socket") return "/run/epd/epd.sock, unix:///path or host:port";
   if (name == "service") return "epd.v1.Control, or \"\" for the whole daemon";
+  if (name == "peer_timeout") return "a duration such as 1s or 500ms";
+  if (name == "peers") return "host:port,host:port";
   return "what `epctl --help` says";
 }
 
@@ -192,7 +197,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (command != "status" && command != "groups" && command != "health" && command != "stats" &&
-      command != "config") {
+      command != "config" && command != "doctor") {
     std::fprintf(stderr, "epctl: unknown command \"%s\"\nepctl: %s\n", command.c_str(), kUsage);
     return 2;
   }
@@ -201,6 +206,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string target = epd::internal::ChannelTarget(absl::GetFlag(FLAGS_socket));
+  if (command == "doctor") return epd::epctl::RunDoctor(target, json, absl::GetFlag(FLAGS_timeout));
   std::shared_ptr<grpc::Channel> channel = Connect(target);
   if (channel == nullptr) return 1;
 

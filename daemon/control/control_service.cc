@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "common/version.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/core/logging.h"
 #include "daemon/server/peer_credentials.h"
@@ -40,6 +41,14 @@ absl::Status CheckCallerMayUseSession(const GroupRegistry& registry, const std::
                                       const PeerCredentials& caller) {
   absl::Status status = registry.CheckSessionCaller(session_id, caller);
   return status.code() == absl::StatusCode::kPermissionDenied ? status : absl::OkStatus();
+}
+
+/// The daemon's version and the client versions it serves, in the "open" message.
+void SetVersions(v1::SessionResponse* response) {
+  response->set_daemon_version(kEpdVersion);
+  if (absl::StatusOr<Version> version = ParseVersion(kEpdVersion); version.ok()) {
+    response->set_compatible_client_versions(CompatibleClientVersions(*version));
+  }
 }
 
 /// Finishes `reactor` with `status` when it is an error; returns whether it did.
@@ -84,8 +93,21 @@ class ControlService::SessionReactor
                 "pid; epd uses the kernel's",
                 DescribeCredentials(peer), peer_);
       }
+      if (absl::Status version = CheckClientVersion(request_.client_version()); !version.ok()) {
+        GetLogger(kLogControl)
+            ->info("Session from {} ({}) refused: {}", DescribeCredentials(peer), peer_,
+                   EscapeClientText(std::string(version.message())));
+        Audit(service_->registry_->audit_log(),
+              {audit::kSessionOpen, peer, "", -1, version,
+               absl::StrCat("client_version ", request_.client_version())});
+        EndLocked("refused", ToGrpcStatus(version));
+        return;
+      }
       absl::StatusOr<std::string> id =
           service_->registry_->OpenSession(peer, request_.client_name());
+      Audit(service_->registry_->audit_log(),
+            {audit::kSessionOpen, peer, "", -1, id.status(),
+             id.ok() ? absl::StrCat("session ", RedactSessionId(*id)) : std::string()});
       if (!id.ok()) {
         EndLocked("refused", ToGrpcStatus(id.status()));
         return;
@@ -93,6 +115,7 @@ class ControlService::SessionReactor
       session_id_ = *id;
       response_.set_session_id(session_id_);
       response_.set_event("open");
+      SetVersions(&response_);
       writing_ = true;
       StartWrite(&response_);
     }
@@ -143,7 +166,12 @@ class ControlService::SessionReactor
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!session_id_.empty() && !closed_) {
       closed_ = true;
-      service_->registry_->CloseSession(session_id_, absl::StrCat(why, ", peer ", peer_));
+      const int released =
+          service_->registry_->CloseSession(session_id_, absl::StrCat(why, ", peer ", peer_));
+      Audit(service_->registry_->audit_log(),
+            {audit::kSessionClose, credentials_, "", -1, absl::OkStatus(),
+             absl::StrCat("session ", RedactSessionId(session_id_), " ", why, ", released ",
+                          released, " endpoint(s)")});
     }
     if (finished_) return;
     finished_ = true;
@@ -194,6 +222,8 @@ grpc::ServerUnaryReactor* ControlService::JoinGroup(grpc::CallbackServerContext*
                EscapeClientText(request->spec().name()), request->rank(),
                DescribeCredentials(*caller), context->peer(), endpoint.status().ToString());
   }
+  Audit(registry_->audit_log(), {audit::kJoin, *caller, request->spec().name(), request->rank(),
+                                 endpoint.status(), request->gpu_uuid()});
   reactor->Finish(ToGrpcStatus(endpoint.status()));
   return reactor;
 }
@@ -204,11 +234,11 @@ grpc::ServerUnaryReactor* ControlService::LeaveGroup(grpc::CallbackServerContext
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::StatusOr<PeerCredentials> caller = Caller(*context);
   if (FinishIfError(reactor, caller.status())) return reactor;
-  if (FinishIfError(reactor,
-                    CheckCallerMayUseSession(*registry_, request->session_id(), *caller))) {
-    return reactor;
-  }
-  reactor->Finish(ToGrpcStatus(registry_->Leave(*request)));
+  absl::Status left = CheckCallerMayUseSession(*registry_, request->session_id(), *caller);
+  if (left.ok()) left = registry_->Leave(*request);
+  Audit(registry_->audit_log(),
+        {audit::kLeave, *caller, request->group(), request->rank(), left, ""});
+  reactor->Finish(ToGrpcStatus(left));
   return reactor;
 }
 

@@ -28,13 +28,6 @@ std::string NewSessionId() {
   return absl::StrFormat("%08x%08x%08x%08x", device(), device(), device(), device());
 }
 
-/// The part of a session id that ListGroups and error messages show: the whole id is the
-/// session's only credential (LeaveGroup, GetGroupEndpoints check it), so no reply to
-/// another session may carry it.
-std::string RedactSessionId(const std::string& id) {
-  return id.size() <= 8 ? id : id.substr(0, 8) + "...";
-}
-
 /// The answer about a group that does not exist or that `uid` may not see: the same for
 /// both, so that it tells nothing about other users' groups.
 absl::Status NoSuchGroup(const std::string& group, uint32_t uid) {
@@ -390,6 +383,12 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   slot.cuda_ipc_handle = info.cuda_ipc_handle();
   slot.joined = absl::Now();
   info.set_launch_mode(mode);
+  if (created) {
+    Audit(options_.audit_log,
+          {audit::kGroupCreate, joiner, spec.name(), -1, absl::OkStatus(),
+           absl::StrCat(SpecSummary(spec), ", ", bytes_needed, " bytes per rank",
+                        group_it->second.join_secret.set() ? ", join secret set" : "")});
+  }
   session->second.endpoints.emplace(spec.name(), rank);
   NotifyWaitersLocked();
   LogLimited(*GetLogger(kLogRegistry), spdlog::level::info, *ControlLogBudgetLocked(slot.peer.uid),
@@ -436,6 +435,7 @@ void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t ran
   if (session != sessions_.end()) session->second.endpoints.erase({group_name, rank});
   group.data->DetachRank(rank);
   const uint32_t holder_uid = slot->second.peer.uid;
+  const PeerCredentials holder = slot->second.peer;
   group.ranks.erase(slot);
   if (log_release) {
     LogLimited(*GetLogger(kLogRegistry), spdlog::level::info, *ControlLogBudgetLocked(holder_uid),
@@ -446,6 +446,8 @@ void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t ran
     retired_ops_failed_ += group.data->ops_failed();
     uint64_t bytes = group.bytes_per_rank;
     groups_.erase(group_it);  // Destroys the DataPlaneGroup: its memory is freed.
+    Audit(options_.audit_log, {audit::kGroupDestroy, holder, group_name, -1, absl::OkStatus(),
+                               absl::StrCat("no members left (last rank ", rank, ": ", why, ")")});
     GetLogger(kLogRegistry)
         ->info("group \"{}\" destroyed: no members left (freed its buffers, {} bytes per rank)",
                group_name, bytes);

@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/control/audit_log.h"
 #include "daemon/control/join_secret.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/gpu/gpu_inventory.h"
@@ -73,6 +74,9 @@ class GroupRegistry {
     /// spec.transport (or the default) is not among them is FAILED_PRECONDITION. Null =
     /// not checked here. Must outlive the registry.
     const transport::TransportSet* transports = nullptr;
+    /// Where group_create / group_destroy lines go (daemon/control/audit_log.h); null = no
+    /// audit log. Must outlive the registry.
+    AuditLog* audit_log = nullptr;
   };
 
   /// `data_plane` must outlive the registry (ReleaseAll() before destroying it).
@@ -228,6 +232,9 @@ class GroupRegistry {
   /// Lines a second and burst of ControlLogBudget.
   static constexpr double kControlLogPerSecond = 20;
   static constexpr double kControlLogBurst = 200;
+
+  /// The audit log of Options (null when off), for the Control service's lines.
+  AuditLog* audit_log() const { return options_.audit_log; }
 
   /// From now on OpenSession and Join return UNAVAILABLE (shutdown). Idempotent.
   void SetDraining();

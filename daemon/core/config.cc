@@ -194,6 +194,10 @@ ABSL_FLAG(StringFlag, rdma_gpudirect, StringFlag{"auto"},
 ABSL_FLAG(StringFlag, testing_transport_faults, StringFlag{""},
           "testing_transport_faults: for tests only: a fault plan (drop, delay, reset, "
           "partition) wrapped around the transport, e.g. \"delay_ms=5;partition=0|1\".");
+ABSL_FLAG(StringFlag, audit_log, StringFlag{""},
+          "audit_log: one JSON line per control action: an absolute file path (O_APPEND; "
+          "reopened when rotated away), \"journal\" (stderr, prefixed EPD_AUDIT) or \"\" "
+          "(off).");
 
 namespace epd {
 namespace {
@@ -367,6 +371,12 @@ absl::Status ValidatePeerConfig(const v1::DaemonConfig& config) {
         absl::StrCat("transport: \"", config.transport(), "\" is not a transport (tcp or rdma)"));
   }
   EPD_RETURN_IF_ERROR(ValidateRdmaConfig(config.rdma()));
+  if (!config.audit_log().empty() && config.audit_log() != "journal" &&
+      config.audit_log().front() != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("audit_log: \"", config.audit_log(),
+                     "\" is neither an absolute path nor \"journal\" (or \"\" for no audit log)"));
+  }
   if (!config.testing_transport_faults().empty()) {
     absl::StatusOr<transport::FaultPlan> plan =
         transport::ParseFaultPlan(config.testing_transport_faults());
@@ -466,6 +476,7 @@ ConfigFlags ConfigFlagsFromCommandLine() {
   f.rdma_traffic_class = GivenValue(FLAGS_rdma_traffic_class);
   f.rdma_qps_per_peer = GivenValue(FLAGS_rdma_qps_per_peer);
   f.rdma_gpudirect = GivenValue(FLAGS_rdma_gpudirect);
+  f.audit_log = GivenValue(FLAGS_audit_log);
   return f;
 }
 
@@ -597,6 +608,7 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
     config->set_transport(absl::AsciiStrToLower(*flags.transport));
   }
   if (flags.tcp_listen) config->set_tcp_listen(*flags.tcp_listen);
+  if (flags.audit_log) config->set_audit_log(*flags.audit_log);
   if (flags.testing_transport_faults) {
     config->set_testing_transport_faults(*flags.testing_transport_faults);
   }

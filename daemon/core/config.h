@@ -118,6 +118,7 @@ struct ConfigFlags {
   std::optional<uint32_t> rdma_traffic_class;
   std::optional<uint32_t> rdma_qps_per_peer;
   std::optional<std::string> rdma_gpudirect;
+  std::optional<std::string> audit_log;  ///< "" = off, "journal", or an absolute path.
 };
 
 /// Parses an RDMA device list, comma-separated "device" or "device:port" items

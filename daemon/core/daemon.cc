@@ -4,6 +4,7 @@
 #include <grp.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -17,11 +18,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/control/audit_log.h"
 #include "daemon/control/control_service.h"
 #include "daemon/control/group_registry.h"
 #include "daemon/core/config.h"
 #include "daemon/core/fd_limits.h"
 #include "daemon/dataplane/host/host_data_plane.h"
+#include "daemon/gpu/cuda_driver_probe.h"
 #include "daemon/peer/grpc_peer_mesh.h"
 #include "daemon/server/fd_channel.h"
 #include "daemon/server/listener.h"
@@ -39,6 +42,23 @@
 
 namespace epd {
 namespace {
+
+/// GetStats' limits and CUDA versions of this process (what `epctl doctor` checks).
+void FillNodeLimits(v1::GetStatsResponse* stats) {
+  struct rlimit memlock {};
+  if (::getrlimit(RLIMIT_MEMLOCK, &memlock) == 0) {
+    stats->set_memlock_limit_bytes(
+        memlock.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(memlock.rlim_cur));
+  }
+  if (absl::StatusOr<FdLimit> fds = GetFdLimit(); fds.ok()) stats->set_fd_limit(fds->soft);
+  // The versions do not change while epd runs: asked once.
+  static const CudaDriverFacts cuda = ProbeCudaDriver(/*list_gpus=*/false);
+  stats->set_cuda_driver_version(cuda.driver_version);
+  stats->set_cuda_runtime_version(cuda.runtime_version);
+  if (absl::StatusOr<Version> version = ParseVersion(kEpdVersion); version.ok()) {
+    stats->set_compatible_client_versions(CompatibleClientVersions(*version));
+  }
+}
 
 /// Whether the CUDA data plane exists in this build (daemon/dataplane/cuda/, built with CUDA).
 /// Without it, a GPU choice runs the host data plane (and GetStats says so).
@@ -297,7 +317,11 @@ absl::Status Daemon::Init() {
                          MakeDefaultDataPlane(config_, backend_, peer_mesh_.get(),
                                               peer_mesh_ != nullptr ? &transports_->set : nullptr));
   }
+  if (!config_.audit_log().empty()) {
+    EPD_ASSIGN_OR_RETURN(audit_log_, AuditLog::Open(config_.audit_log()));
+  }
   GroupRegistry::Options registry_options;
+  registry_options.audit_log = audit_log_.get();
   registry_options.max_groups = config_.max_groups();
   // GetGroupEndpoints waits at most an op timeout (plus slack) for the ranks to join.
   registry_options.max_endpoints_wait_ms = config_.op_timeout_ms() + 5000;
@@ -687,6 +711,7 @@ v1::GetStatsResponse Daemon::Stats() const {
     }
   }
   stats.set_pid(::getpid());
+  FillNodeLimits(&stats);
   absl::MutexLock lock(&mu_);
   stats.set_mps_active(inventory_.mps().active);
   for (const v1::GpuInfo& g : inventory_.gpus()) *stats.add_gpus() = g;
@@ -711,6 +736,8 @@ void Daemon::Shutdown() {
   }
   PublishServing();
   if (registry_ != nullptr) registry_->SetDraining();
+  Audit(audit_log_.get(), {audit::kDrain, std::nullopt, "", -1, absl::OkStatus(),
+                           "shutdown: health NOT_SERVING, sessions and joins refused"});
   if (server_ != nullptr) {
     absl::SleepFor(options_.drain_grace);
     // Ops still in flight complete with UNAVAILABLE ("epd is shutting down") before the

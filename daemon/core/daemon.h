@@ -42,6 +42,7 @@ struct Transports;
 struct TransportStartOptions;
 }  // namespace transport
 
+class AuditLog;
 class ControlService;
 class FdChannel;
 class GroupRegistry;
@@ -177,6 +178,9 @@ class Daemon {
   /// plane, which uses them.
   std::unique_ptr<transport::Transports> transports_;
   std::unique_ptr<DataPlane> data_plane_;
+  /// DaemonConfig.audit_log (null when off); before the registry and the Control service,
+  /// which write to it.
+  std::unique_ptr<AuditLog> audit_log_;
   std::unique_ptr<GroupRegistry> registry_;
   std::unique_ptr<ControlService> control_;
   /// Answers fd-channel connections of the unix socket (the endpoints' descriptors).

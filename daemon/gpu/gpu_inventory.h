@@ -9,22 +9,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/gpu/mps.h"
 #include "epd/v1/control.pb.h"
 
 namespace epd {
-
-/// Whether CUDA MPS is active for this daemon, and the evidence.
-struct MpsStatus {
-  bool active = false;
-  std::string detail;  ///< e.g. "control socket /tmp/nvidia-mps/control accepts connections".
-};
-
-/// Detects the MPS control daemon for this process: active when the `control` unix socket
-/// in $CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps) accepts a connection (that is how
-/// CUDA joins MPS; with driver 580 it is a SOCK_SEQPACKET socket).
-/// A live nvidia-cuda-mps-* process (from /proc/*/comm, zombies ignored) without that
-/// socket is reported in `detail` but is not active for this daemon.
-MpsStatus DetectMps();
 
 /// The oldest architecture epd's kernels are built for (compute_80 PTX and up: Ampere,
 /// Hopper and newer).

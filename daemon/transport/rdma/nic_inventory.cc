@@ -142,6 +142,27 @@ std::vector<GidEntry> ReadGids(const fs::path& port_dir) {
   return gids;
 }
 
+/// The port's network interface (RoCE; IPoIB on InfiniBand) and its MTU: the interface of
+/// the port's first GID (gid_attrs/ndevs), else the device's first under device/net.
+void ReadNetdev(const std::string& sysfs_root, const fs::path& dev_dir, const fs::path& port_dir,
+                RdmaPortInfo* p) {
+  for (const GidEntry& gid : p->gids) {
+    p->netdev = ReadLine(port_dir / "gid_attrs" / "ndevs" / std::to_string(gid.index));
+    if (!p->netdev.empty()) break;
+  }
+  if (p->netdev.empty()) {
+    std::vector<std::string> nets = ListDir(dev_dir / "device" / "net");
+    if (!nets.empty()) p->netdev = nets.front();
+  }
+  if (p->netdev.empty()) return;
+  uint32_t mtu = 0;
+  if (absl::SimpleAtoi(ReadLine(dev_dir / "device" / "net" / p->netdev / "mtu"), &mtu) ||
+      absl::SimpleAtoi(ReadLine(fs::path(sysfs_root) / "class" / "net" / p->netdev / "mtu"),
+                       &mtu)) {
+    p->netdev_mtu = mtu;
+  }
+}
+
 }  // namespace
 
 std::vector<RdmaPortInfo> ScanRdmaPorts(const std::string& sysfs_root) {
@@ -171,6 +192,7 @@ std::vector<RdmaPortInfo> ScanRdmaPorts(const std::string& sysfs_root) {
       p.pci_bus_id = bus_id;
       p.pci_path = pci_path;
       p.gids = ReadGids(port_dir);
+      ReadNetdev(sysfs_root, dev_dir, port_dir, &p);
       ports.push_back(std::move(p));
     }
   }
@@ -179,6 +201,8 @@ std::vector<RdmaPortInfo> ScanRdmaPorts(const std::string& sysfs_root) {
   });
   return ports;
 }
+
+std::string ReadSysfsLine(const std::string& path) { return ReadLine(path); }
 
 std::string NormalizePciBusId(const std::string& bus_id) {
   std::string id = absl::AsciiStrToLower(absl::StripAsciiWhitespace(bus_id));

@@ -8,7 +8,8 @@
 //   class/infiniband/<dev>/device            -> the device's PCI function (symlink)
 //   class/infiniband/<dev>/device/numa_node  -> "-1" or the node
 //   class/infiniband/<dev>/ports/<p>/state, link_layer, rate
-//   class/infiniband/<dev>/ports/<p>/gids/<i>, gid_attrs/types/<i>
+//   class/infiniband/<dev>/ports/<p>/gids/<i>, gid_attrs/types/<i>, gid_attrs/ndevs/<i>
+//   class/infiniband/<dev>/device/net/<if>/mtu, class/net/<if>/mtu
 //   bus/pci/devices/<bus id>                 -> a GPU's PCI function (symlink)
 #pragma once
 
@@ -43,12 +44,18 @@ struct RdmaPortInfo {
   std::string pci_bus_id;      ///< "0000:1a:00.0"; "" when unknown.
   std::string pci_path;        ///< Resolved sysfs path of the PCI function; "" when unknown.
   std::vector<GidEntry> gids;  ///< Non-zero GIDs, by index.
+  std::string netdev;          ///< Its network interface ("eth2", "ib0"); "" when none.
+  uint32_t netdev_mtu = 0;     ///< That interface's MTU in bytes; 0 when unknown.
 };
 
 /// Reads every port of every device under `sysfs_root`/class/infiniband, sorted by device
 /// then port. No such directory (no RDMA driver loaded) = an empty list. A file that is
 /// missing or unreadable leaves its field unknown; never an error for one bad device.
 std::vector<RdmaPortInfo> ScanRdmaPorts(const std::string& sysfs_root);
+
+/// The first line of a small sysfs (or /proc) file, trimmed; "" when it cannot be read.
+/// Never blocks on a special file and reads at most a few KiB.
+std::string ReadSysfsLine(const std::string& path);
 
 /// Normalises a PCI bus id as sysfs names it: lower case, 4-digit domain
 /// ("00000000:1A:00.0" and "1a:00.0" -> "0000:1a:00.0").

@@ -1,0 +1,144 @@
+// The audit log (daemon/control/audit_log.h): the JSON line, escaping, the file opened for
+// appending and reopened when rotated away, the journal's prefix.
+#include "daemon/control/audit_log.h"
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "daemon/core/config.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+
+namespace epd {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+class AuditLogTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/epd_audit_unit_XXXXXX";
+    ASSERT_NE(::mkdtemp(dir), nullptr);
+    dir_ = dir;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string dir_;
+};
+
+TEST_F(AuditLogTest, ALineIsOneJsonObjectWithTheCredentialsAndTheOutcome) {
+  AuditEvent event{audit::kJoin,
+                   PeerCredentials{4242, 1000, 100},
+                   "moe",
+                   3,
+                   absl::PermissionDeniedError("join_secret: \"bad\"\n"),
+                   "GPU-1"};
+  const std::string line = FormatAuditLine(event, absl::FromUnixMillis(1764658862345));
+  ASSERT_FALSE(line.empty());
+  EXPECT_EQ(line.back(), '\n');
+  EXPECT_EQ(line.find('\n'), line.size() - 1) << "one line, whatever the message holds";
+  google::protobuf::Struct parsed;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(line, &parsed).ok()) << line;
+  const auto& f = parsed.fields();
+  EXPECT_EQ(f.at("time").string_value(), "2025-12-02T07:01:02.345000Z");
+  EXPECT_EQ(f.at("action").string_value(), "join");
+  EXPECT_EQ(f.at("pid").number_value(), 4242);
+  EXPECT_EQ(f.at("uid").number_value(), 1000);
+  EXPECT_EQ(f.at("gid").number_value(), 100);
+  EXPECT_EQ(f.at("group").string_value(), "moe");
+  EXPECT_EQ(f.at("rank").number_value(), 3);
+  EXPECT_EQ(f.at("result").string_value(), "PERMISSION_DENIED");
+  EXPECT_EQ(f.at("message").string_value(), "join_secret: \"bad\"\n");
+  EXPECT_EQ(f.at("detail").string_value(), "GPU-1");
+}
+
+TEST_F(AuditLogTest, EpdsOwnActionsHaveNoCredentialsAndControlBytesAreEscaped) {
+  AuditEvent event{audit::kDrain, std::nullopt, "g\x01\xff", -1, absl::OkStatus(), ""};
+  const std::string line = FormatAuditLine(event, absl::UnixEpoch());
+  EXPECT_THAT(line, Not(HasSubstr("\"pid\"")));
+  EXPECT_THAT(line, Not(HasSubstr("\"rank\"")));
+  EXPECT_THAT(line, Not(HasSubstr("\"detail\"")));
+  EXPECT_THAT(line, HasSubstr("\"group\":\"g\\u0001\\u00ff\""));
+  EXPECT_THAT(line, HasSubstr("\"result\":\"OK\""));
+  AuditEvent long_name{audit::kJoin, std::nullopt, std::string(5000, 'x'), 0, {}, ""};
+  EXPECT_LT(FormatAuditLine(long_name, absl::UnixEpoch()).size(), 1000u);
+}
+
+TEST_F(AuditLogTest, TheFileIsAppendedToAndReopenedWhenRotatedAway) {
+  const std::string path = dir_ + "/audit.log";
+  { std::ofstream(path) << "earlier line\n"; }
+  absl::StatusOr<std::unique_ptr<AuditLog>> log = AuditLog::Open(path);
+  ASSERT_TRUE(log.ok()) << log.status();
+  (*log)->Record({audit::kLeave, PeerCredentials{1, 2, 3}, "g", 0, absl::OkStatus(), ""});
+  EXPECT_THAT(ReadFile(path), HasSubstr("earlier line\n{"));
+  // logrotate: rename, and the next line goes to a new file of the old name.
+  std::filesystem::rename(path, path + ".1");
+  (*log)->Record({audit::kJoin, PeerCredentials{1, 2, 3}, "g", 1, absl::OkStatus(), ""});
+  EXPECT_THAT(ReadFile(path + ".1"), HasSubstr("\"leave\""));
+  EXPECT_THAT(ReadFile(path + ".1"), Not(HasSubstr("\"join\"")));
+  EXPECT_THAT(ReadFile(path), HasSubstr("\"join\""));
+  EXPECT_EQ(std::filesystem::status(path).permissions() & std::filesystem::perms::others_all,
+            std::filesystem::perms::none);
+  EXPECT_EQ((*log)->write_failures(), 0u);
+}
+
+TEST_F(AuditLogTest, AnUnwritablePathOrARelativeOneIsRefusedByName) {
+  absl::StatusOr<std::unique_ptr<AuditLog>> missing = AuditLog::Open(dir_ + "/no/such/dir/a.log");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(missing.status().message(), HasSubstr("no/such/dir/a.log"));
+  EXPECT_EQ(AuditLog::Open("audit.log").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AuditLog::Open("").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(AuditLogTest, TheJournalGetsPrefixedLinesOnStderr) {
+  absl::StatusOr<std::unique_ptr<AuditLog>> log = AuditLog::Open("journal");
+  ASSERT_TRUE(log.ok()) << log.status();
+  ::testing::internal::CaptureStderr();
+  (*log)->Record({audit::kGroupCreate, PeerCredentials{7, 8, 9}, "g", -1, absl::OkStatus(), ""});
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(err, HasSubstr("EPD_AUDIT {\"time\":"));
+  EXPECT_THAT(err, HasSubstr("\"action\":\"group_create\""));
+}
+
+TEST_F(AuditLogTest, ARankMaskEventNamesTheRanksButNoSession) {
+  v1::UpdateRankMaskRequest request;
+  request.set_group("g");
+  request.set_rank(2);
+  request.set_session_id("0123456789abcdef0123456789abcdef");
+  request.add_mask(5);
+  request.add_mask(6);
+  request.add_unmask(1);
+  AuditEvent event = RankMaskEvent(PeerCredentials{1, 2, 3}, request, absl::OkStatus());
+  EXPECT_EQ(event.action, "rank_mask");
+  EXPECT_EQ(event.detail, "mask [5,6] unmask [1]");
+  EXPECT_THAT(FormatAuditLine(event, absl::UnixEpoch()), Not(HasSubstr("0123456789abcdef")));
+  EXPECT_EQ(RedactSessionId("0123456789abcdef"), "01234567...");
+}
+
+TEST(AuditLogConfigTest, TheFlagSetsTheFieldAndOnlyAnAbsolutePathOrJournalIsTaken) {
+  ConfigFlags flags;
+  flags.audit_log = "/var/log/epd/audit.log";
+  absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(flags);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->audit_log(), "/var/log/epd/audit.log");
+  flags.audit_log = "journal";
+  EXPECT_TRUE(ResolveDaemonConfig(flags).ok());
+  flags.audit_log = "audit.log";
+  absl::Status relative = ResolveDaemonConfig(flags).status();
+  EXPECT_EQ(relative.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(relative.message(), HasSubstr("audit_log"));
+  EXPECT_TRUE(ResolveDaemonConfig(ConfigFlags()).ok()) << "off by default";
+}
+
+}  // namespace
+}  // namespace epd
