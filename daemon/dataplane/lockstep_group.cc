@@ -35,6 +35,14 @@ using Clock = std::chrono::steady_clock;
 
 std::atomic<uint64_t> g_next_endpoint_id{1};
 
+/// Whether two ranks' requests are the same op: kind, the agreed flags and a dispatch's
+/// expert_alignment.
+bool SameOp(const abi::RequestSlot& a, const abi::RequestSlot& b) {
+  return a.op == b.op && ((a.flags ^ b.flags) & rules::kAgreedFlags) == 0 &&
+         (a.op != static_cast<uint32_t>(abi::OpKind::kDispatch) ||
+          a.expert_alignment == b.expert_alignment);
+}
+
 }  // namespace
 
 uint64_t NextEndpointId() { return g_next_endpoint_id.fetch_add(1); }
@@ -58,6 +66,7 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
       rank_masked_(spec.num_ranks(), 0),
       pending_unmask_(spec.num_ranks(), 0),
       pending_mask_(spec.num_ranks(), 0),
+      rejoined_(spec.num_ranks(), 0),
       running_slots_(spec.num_ranks()),
       outcomes_(spec.num_ranks()) {
   missing_.reserve(spec.num_ranks());
@@ -483,6 +492,7 @@ bool LockstepGroup::RunOp() {
   const int R = local_first_ + local_count_;  // Every rank, or this node's.
   const int first = LeadRank();  // The first rank taking part (local_first_ unless masked).
   std::vector<abi::RequestSlot>& slots = running_slots_;  // [R], reused.
+  if (masking_ && ReMaskStrayRejoiners()) return true;
   // A rejected slot, or ranks disagreeing on the op, fail the op for every rank.
   for (int r = first; r < R; ++r) {
     if (rank_masked_[r]) continue;
@@ -501,10 +511,7 @@ bool LockstepGroup::RunOp() {
   }
   for (int r = first + 1; r < R; ++r) {
     if (rank_masked_[r]) continue;
-    bool same_flags = ((slots[r].flags ^ slots[first].flags) & rules::kAgreedFlags) == 0;
-    if (slots[r].op != slots[first].op || !same_flags ||
-        (slots[first].op == static_cast<uint32_t>(abi::OpKind::kDispatch) &&
-         slots[r].expert_alignment != slots[first].expert_alignment)) {
+    if (!SameOp(slots[r], slots[first])) {
       // Name what differs: the op, an option flag, or expert_alignment.
       auto describe = [](const abi::RequestSlot& x) {
         return absl::StrCat(
@@ -669,6 +676,11 @@ void LockstepGroup::FinishOp() {
     failed_ops_[plan.seq] = outcomes[first_ok_or_bad].status;
     while (failed_ops_.size() > 2 * abi::kRingCapacity) failed_ops_.erase(failed_ops_.begin());
   }
+  if (all_ok) {
+    for (int r = 0; r < R; ++r) {
+      if (!rank_masked_[r]) rejoined_[r] = 0;  // In step: it took part in an op.
+    }
+  }
   running_.reset();                              // `plan` dies here.
   for (auto& kept : op_departed_) kept.reset();  // Ranks that left during the op.
   (all_ok ? ops_completed_ : ops_failed_).fetch_add(1);
@@ -683,6 +695,39 @@ int32_t LockstepGroup::LeadRank() const {
   int32_t r = local_first_;
   while (r < local_first_ + local_count_ && rank_masked_[r]) ++r;
   return r;
+}
+
+bool LockstepGroup::ReMaskStrayRejoiners() {
+  const int32_t end = local_first_ + local_count_;
+  int32_t ref = -1;  // The first rank taking part that is in step.
+  for (int32_t r = local_first_; r < end && ref < 0; ++r) {
+    if (!rank_masked_[r] && !rejoined_[r] && !endpoints_[r]->slot_error) ref = r;
+  }
+  std::vector<int32_t>& stray = mask_scratch_;
+  stray.clear();
+  for (int32_t r = local_first_; r < end; ++r) {
+    if (rank_masked_[r] || !rejoined_[r]) continue;
+    const LockstepEndpoint& ep = *endpoints_[r];
+    if (ep.slot_error || (ref >= 0 && !SameOp(*ep.request, *endpoints_[ref]->request))) {
+      stray.push_back(r);
+    }
+  }
+  if (stray.empty()) return false;
+  for (int32_t r : stray) {
+    const LockstepEndpoint& ep = *endpoints_[r];
+    LogRankCaused(r, spdlog::level::warn,
+                  "group {}: rank {} (just unmasked) submitted {} for op {}{}; it is masked again "
+                  "and unmasked at the next op",
+                  spec_.name(), r, OpName(ep.request->op), current_seq_,
+                  ep.slot_error ? absl::StrCat(", which was rejected: ", ep.slot_error->message())
+                  : ref >= 0    ? absl::StrCat(", where rank ", ref, " submitted ",
+                                               OpName(endpoints_[ref]->request->op))
+                                : std::string());
+  }
+  std::vector<int32_t> ranks(stray.begin(), stray.end());  // Off the steady state: may allocate.
+  MaskRanksLocked(ranks, "its first op after being unmasked differs from the group's");
+  for (int32_t r : ranks) pending_unmask_[r] = 1;
+  return true;
 }
 
 absl::Status LockstepGroup::MaskedError(int32_t rank, uint64_t seq) const {
@@ -748,6 +793,7 @@ void LockstepGroup::ApplyPendingMaskLocked() {
     if (!changed) ++mask_epoch_;
     changed = true;
     rank_masked_[r] = 0;
+    rejoined_[r] = 1;
     --num_masked_;
     RankMaskChanged(static_cast<int32_t>(r), false);
     EngineLog()->info(

@@ -362,6 +362,11 @@ class LockstepGroup : public DataPlaneGroup {
   /// collected (attached, not yet past it), clearing its pending bit; others stay pending
   /// (attached) or masked (detached). Applies pending_mask_ too. Not while running_.
   void ApplyPendingMaskLocked();
+  /// Masks again every just-unmasked rank (rejoined_) whose request for the collected op
+  /// was rejected or differs from the first in-step rank's, so that the op runs without
+  /// it; it is unmasked again at the next boundary (it then submits the group's next op).
+  /// True when it masked any.
+  bool ReMaskStrayRejoiners();
   /// FAILED_PRECONDITION for a request of masked rank `rank` for op `seq`.
   absl::Status MaskedError(int32_t rank, uint64_t seq) const;
   /// The mask as the RankMask message.
@@ -404,6 +409,10 @@ class LockstepGroup : public DataPlaneGroup {
   uint32_t num_masked_ = 0;
   std::vector<uint8_t> pending_unmask_;
   std::vector<uint8_t> pending_mask_;
+  /// rejoined_[r]: rank r was unmasked and has not yet taken part in a successful op; an op
+  /// it disagrees on (or submits a rejected slot for: e.g. a combine of a dispatch it never
+  /// saw) masks it again instead of failing the group (ReMaskStrayRejoiners).
+  std::vector<uint8_t> rejoined_;
   std::vector<int32_t> mask_scratch_;  ///< Poll: ranks to mask (capacity R).
   uint64_t current_seq_ = 1;           ///< The group op being collected or running.
   std::optional<std::chrono::steady_clock::time_point> op_started_;

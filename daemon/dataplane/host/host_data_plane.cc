@@ -198,18 +198,10 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
     exchange_->SetLocalRanksJoined(bits);
   }
   void WakeEngine() override { plane_->WakeEngine(); }
+  /// A masked rank's stand-in is made by the first op that needs it (Execute), so that
+  /// ranks leaving a group that is being torn down allocate nothing; freed when unmasked.
   void RankMaskChanged(int32_t rank, bool masked) override {
-    masked_areas_[rank].reset();
-    if (!masked) return;
-    try {
-      masked_areas_[rank] = std::make_unique<MaskedRankArea>(shape(), layout().total_bytes);
-    } catch (const std::bad_alloc&) {
-      // Execute fails the group's ops (naming why) until the rank is unmasked.
-      LogClientCaused(spdlog::level::err,
-                      "group {}: out of host memory for masked rank {}'s stand-in area ({} "
-                      "bytes); the group's ops fail until it rejoins or is unmasked",
-                      spec().name(), rank, layout().total_bytes);
-    }
+    if (!masked) masked_areas_[rank].reset();
   }
   /// The plane's one doorbell page serves every rank.
   absl::StatusOr<ScopedFd> DoorbellFd(int32_t /*rank*/) const override {
@@ -401,10 +393,15 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
   for (int r = 0; r < R; ++r) {
     if (!rank_masked()[r]) continue;
     any_masked_ = true;
-    if (!masked_areas_[r]) {
-      return fail_all(absl::ResourceExhaustedError(absl::StrCat(
-          "group ", spec().name(), ": masked rank ", r,
-          " has no stand-in area (out of host memory when it was masked); rejoin or unmask it")));
+    if (masked_areas_[r]) continue;
+    try {  // Once per masking, not per op.
+      masked_areas_[r] = std::make_unique<MaskedRankArea>(gs, L.total_bytes);
+    } catch (const std::bad_alloc&) {
+      return fail_all(absl::ResourceExhaustedError(
+          absl::StrCat("group ", spec().name(), ": out of host memory for masked rank ", r,
+                       "'s stand-in (", L.total_bytes,
+                       " bytes of data area and its routing state); free memory, or rejoin "
+                       "or unmask the rank")));
     }
   }
   switch (op) {
