@@ -355,9 +355,10 @@ class LockstepGroup : public DataPlaneGroup {
   void FinishOp();
   // ---- rank masking (lockstep_group.cc) ----
   /// Masks `ranks` now (mask epoch + 1 when any was not masked), logging each once with
-  /// `why`. A masked rank's request waiting for the op being collected is completed with
-  /// MaskedError. Not while running_ (see pending_mask_).
-  void MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why);
+  /// `why` at `level`. A masked rank's request waiting for the op being collected is
+  /// completed with MaskedError. Not while running_ (see pending_mask_).
+  void MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why,
+                       spdlog::level::level_enum level = spdlog::level::warn);
   /// Unmasks every rank r with pending_unmask_[r] that can take part in the op being
   /// collected (attached, not yet past it), clearing its pending bit; others stay pending
   /// (attached) or masked (detached). Applies pending_mask_ too. Not while running_.
