@@ -104,37 +104,41 @@ class RankMaskTest : public ::testing::Test {
     eps_[r] = std::move(*ep);
   }
 
-  /// One low-latency round of rank r (dispatch, identity experts, combine); compares the
-  /// combine with the reference of `masked` and records both ops' masks.
-  absl::Status Round(int r, const std::vector<uint8_t>& masked, OpMask* dispatch_mask = nullptr,
-                     OpMask* combine_mask = nullptr) {
+  /// Rank r's low-latency dispatch of its inputs.
+  absl::StatusOr<LowLatencyDispatchResult> Dispatch(int r) {
     LlRoundInputs& in = in_[r];
     std::vector<int64_t> xs{in.num_tokens, H}, ks{in.num_tokens, K};
     DLTensor x = MakeDLTensor(in.x.data(), kBf16, xs);
     DLTensor idx = MakeDLTensor(in.topk_idx.data(), kI64, ks);
-    DLTensor w = MakeDLTensor(in.topk_weights.data(), kF32, ks);
-    Endpoint& ep = *eps_[r];
     LowLatencyDispatchArgs d;
     d.x = &x;
     d.topk_idx = &idx;
-    auto dop = ep.LowLatencyDispatch(d);
-    if (!dop.ok()) return dop.status();
-    auto dres = dop->Wait(absl::Seconds(5));
-    if (!dres.ok()) return dres.status();
-    if (dispatch_mask) *dispatch_mask = dres->mask;
-    // Identity experts: the received rows are the combine's input as they are.
+    auto op = eps_[r]->LowLatencyDispatch(d);
+    if (!op.ok()) return op.status();
+    return op->Wait(absl::Seconds(5));
+  }
+
+  /// Rank r's low-latency combine of `dispatched` (identity experts: the received rows are
+  /// its input as they are), compared with the reference of `masked`; its mask in `*mask`.
+  absl::Status Combine(int r, const LowLatencyDispatchResult& dispatched,
+                       const std::vector<uint8_t>& masked, OpMask* mask) {
+    LlRoundInputs& in = in_[r];
+    std::vector<int64_t> ks{in.num_tokens, K};
+    DLTensor idx = MakeDLTensor(in.topk_idx.data(), kI64, ks);
+    DLTensor w = MakeDLTensor(in.topk_weights.data(), kF32, ks);
+    Endpoint& ep = *eps_[r];
     TensorView input = ep.LowLatencyCombineInput();
-    std::memcpy(input.data(), dres->recv_x.data(), dres->recv_x.nbytes());
+    std::memcpy(input.data(), dispatched.recv_x.data(), dispatched.recv_x.nbytes());
     LowLatencyCombineArgs c;
     c.x = &input.dl();
     c.topk_idx = &idx;
     c.topk_weights = &w;
-    c.handle = &dres->handle;
+    c.handle = &dispatched.handle;
     auto cop = ep.LowLatencyCombine(c);
     if (!cop.ok()) return cop.status();
     auto cres = cop->Wait(absl::Seconds(5));
     if (!cres.ok()) return cres.status();
-    if (combine_mask) *combine_mask = cres->mask;
+    if (mask) *mask = cres->mask;
     auto ref = testing::LowLatencyRoundReference(rules::ShapeOf(spec_), in_, masked, masked);
     if (!ref.ok()) return ref.status();
     if (cres->mask.dropped_pairs != ref->dropped_pairs[r]) {
@@ -152,6 +156,13 @@ class RankMaskTest : public ::testing::Test {
     return absl::OkStatus();
   }
 
+  /// One low-latency round of rank r (Dispatch, then Combine checked against `masked`).
+  absl::Status Round(int r, const std::vector<uint8_t>& masked, OpMask* combine_mask = nullptr) {
+    auto d = Dispatch(r);
+    if (!d.ok()) return d.status();
+    return Combine(r, *d, masked, combine_mask);
+  }
+
   /// Round() on every rank of `ranks` at once; the statuses by rank.
   std::vector<absl::Status> Rounds(const std::vector<int>& ranks,
                                    const std::vector<uint8_t>& masked,
@@ -159,7 +170,7 @@ class RankMaskTest : public ::testing::Test {
     std::vector<absl::Status> st(R);
     std::vector<OpMask> m(R);
     std::vector<std::thread> threads;
-    for (int r : ranks) threads.emplace_back([&, r] { st[r] = Round(r, masked, nullptr, &m[r]); });
+    for (int r : ranks) threads.emplace_back([&, r] { st[r] = Round(r, masked, &m[r]); });
     for (auto& t : threads) t.join();
     if (masks) *masks = m;
     return st;
@@ -254,6 +265,38 @@ TEST_F(RankMaskTest, LeavingRankIsMaskedAndARejoinIsInStepAtTheNextOp) {
   for (const absl::Status& st : Rounds({0, 1, 2, 3}, kNone, &masks)) EXPECT_TRUE(st.ok()) << st;
   EXPECT_EQ(masks[3].epoch, 2u);
   EXPECT_EQ(masks[3].num_masked, 0);
+}
+
+TEST_F(RankMaskTest, RejoinBetweenDispatchAndCombineIsMaskedForThatOpOnly) {
+  eps_[3].reset();
+  std::vector<absl::StatusOr<LowLatencyDispatchResult>> dispatched(3, absl::UnknownError(""));
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r) threads.emplace_back([&, r] { dispatched[r] = Dispatch(r); });
+    for (auto& t : threads) t.join();
+  }
+  for (const auto& d : dispatched) ASSERT_TRUE(d.ok()) << d.status();
+  // Rank 3 rejoins while the others are between their dispatch and their combine; its
+  // first op, a dispatch, is not the group's (a combine): the combine runs without it.
+  ASSERT_NO_FATAL_FAILURE(Open(3));
+  std::vector<absl::Status> st(3);
+  std::vector<OpMask> masks(3);
+  absl::StatusOr<LowLatencyDispatchResult> stray = absl::UnknownError("");
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r) {
+      threads.emplace_back([&, r] { st[r] = Combine(r, *dispatched[r], kRank3, &masks[r]); });
+    }
+    threads.emplace_back([&] { stray = Dispatch(3); });
+    for (auto& t : threads) t.join();
+  }
+  for (const absl::Status& s : st) EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(masks[0].num_masked, 1);
+  EXPECT_EQ(stray.status().code(), absl::StatusCode::kFailedPrecondition) << stray.status();
+  // From the next op on it takes part.
+  for (const absl::Status& s : Rounds({0, 1, 2, 3}, kNone, &masks)) EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(masks[3].num_masked, 0);
+  EXPECT_EQ(masks[0].num_masked, 0);
 }
 
 TEST_F(RankMaskTest, RankMissingOpTimeoutIsMaskedAndTheOpCompletesForTheOthers) {
