@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "client/endpoint/endpoint_internal.h"
 #include "client/epctl/format.h"
+#include "daemon/control/group_registry.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/dataplane/host/host_data_plane.h"
 #include "epd/client.h"
@@ -23,6 +24,7 @@
 #include "tests/common/dtypes.h"
 #include "tests/common/mask_reference.h"
 #include "tests/common/specs.h"
+#include "tests/unit/fake_data_plane.h"
 
 namespace epd {
 namespace {
@@ -375,6 +377,69 @@ TEST(RankMaskPolicyTest, SpecChecks) {
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(st.message(), HasSubstr("spans nodes"));
   EXPECT_TRUE(CheckRankFailurePolicy(fail, "cuda").ok());
+}
+
+/// Join and the mask RPCs through the registry (a fake data plane of `backend`).
+class RankMaskRegistryTest : public ::testing::Test {
+ protected:
+  void Start(const std::string& backend) {
+    state_ = std::make_shared<testing::FakeDataPlaneState>();
+    state_->backend = backend;
+    plane_ = std::make_unique<testing::FakeDataPlane>(state_);
+    registry_ =
+        std::make_unique<GroupRegistry>(plane_.get(), testing::OneGpu(), GroupRegistry::Options{});
+  }
+  std::string Session(int64_t pid) {
+    return registry_->OpenSession(PeerCredentials{.pid = pid, .uid = 1000, .gid = 1000}, "t")
+        .value_or("");
+  }
+  absl::StatusOr<v1::EndpointInfo> Join(const std::string& session, int32_t rank,
+                                        const v1::GroupSpec& spec, const std::string& gpu = "") {
+    v1::JoinGroupRequest request;
+    *request.mutable_spec() = spec;
+    request.set_rank(rank);
+    request.set_session_id(session);
+    request.set_gpu_uuid(gpu);
+    return registry_->Join(request);
+  }
+  absl::Status Update(const std::string& session, int32_t rank, std::vector<int32_t> mask) {
+    v1::UpdateRankMaskRequest request;
+    request.set_group("reg");
+    request.set_rank(rank);
+    request.set_session_id(session);
+    for (int32_t m : mask) request.add_mask(m);
+    return registry_->UpdateRankMask(request).status();
+  }
+  std::shared_ptr<testing::FakeDataPlaneState> state_;
+  std::unique_ptr<testing::FakeDataPlane> plane_;
+  std::unique_ptr<GroupRegistry> registry_;
+};
+
+TEST_F(RankMaskRegistryTest, JoinRefusesMaskOnTheCudaBackend) {
+  Start("cuda");
+  absl::StatusOr<v1::EndpointInfo> e = Join(Session(1), 0, MaskSpec("reg"), testing::kGpuA);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+  EXPECT_THAT(e.status().message(), HasSubstr("spec.on_rank_failure"));
+  EXPECT_TRUE(
+      Join(Session(2), 0, MaskSpec("reg", v1::RANK_FAILURE_POLICY_FAIL), testing::kGpuA).ok());
+}
+
+TEST_F(RankMaskRegistryTest, JoinComparesThePolicyAndTheRpcsCheckTheCaller) {
+  Start("host");
+  const std::string a = Session(1), b = Session(2);
+  ASSERT_TRUE(Join(a, 0, MaskSpec("reg")).ok());
+  absl::StatusOr<v1::EndpointInfo> e = Join(b, 1, MaskSpec("reg", v1::RANK_FAILURE_POLICY_FAIL));
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+  EXPECT_THAT(e.status().message(), HasSubstr("on_rank_failure"));
+  ASSERT_TRUE(Join(b, 1, MaskSpec("reg")).ok());
+  // b does not hold rank 0; nobody holds rank 2.
+  EXPECT_EQ(Update(b, 0, {1}).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(Update(b, 2, {1}).code(), absl::StatusCode::kFailedPrecondition);
+  v1::GetRankMaskRequest get;
+  get.set_group("reg");
+  get.set_rank(0);
+  get.set_session_id(b);
+  EXPECT_EQ(registry_->GetRankMask(get).status().code(), absl::StatusCode::kPermissionDenied);
 }
 
 TEST(RankMaskPolicyTest, EpctlGroupsShowsThePolicy) {
