@@ -67,6 +67,7 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
       pending_unmask_(spec.num_ranks(), 0),
       pending_mask_(spec.num_ranks(), 0),
       rejoined_(spec.num_ranks(), 0),
+      masked_at_seq_(spec.num_ranks(), 0),
       running_slots_(spec.num_ranks()),
       outcomes_(spec.num_ranks()) {
   missing_.reserve(spec.num_ranks());
@@ -763,6 +764,7 @@ void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::s
     if (!changed) ++mask_epoch_;
     changed = true;
     rank_masked_[r] = 1;
+    masked_at_seq_[r] = current_seq_;
     ++num_masked_;
     EngineLog()->log(level,
                      "group {}: rank {} masked (mask epoch {}, {} of {} ranks masked): {}; the "
@@ -803,6 +805,8 @@ void LockstepGroup::ApplyPendingMaskLocked() {
     rank_masked_[r] = 0;
     rejoined_[r] = 1;
     --num_masked_;
+    // Ops ran without it: its handles (routing, low-latency buffers) are not the group's.
+    if (current_seq_ > masked_at_seq_[r]) endpoints_[r]->handles = rules::HandleTable();
     RankMaskChanged(static_cast<int32_t>(r), false);
     EngineLog()->info(
         "group {}: rank {} unmasked (mask epoch {}, {} ranks masked): it takes part "

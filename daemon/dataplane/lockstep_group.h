@@ -414,6 +414,9 @@ class LockstepGroup : public DataPlaneGroup {
   /// it disagrees on (or submits a rejected slot for: e.g. a combine of a dispatch it never
   /// saw) masks it again instead of failing the group (ReMaskStrayRejoiners).
   std::vector<uint8_t> rejoined_;
+  /// masked_at_seq_[r]: the op being collected when rank r was masked (an unmask after ops
+  /// ran without it clears its handle table).
+  std::vector<uint64_t> masked_at_seq_;
   std::vector<int32_t> mask_scratch_;  ///< Poll: ranks to mask (capacity R).
   uint64_t current_seq_ = 1;           ///< The group op being collected or running.
   std::optional<std::chrono::steady_clock::time_point> op_started_;
