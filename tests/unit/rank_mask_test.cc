@@ -36,7 +36,7 @@ using ::epd::testing::LlRoundInputs;
 using ::testing::HasSubstr;
 
 constexpr int R = 4, E = 8, H = 128, K = 2, Mll = 8;
-constexpr uint32_t kOpTimeoutMs = 300;
+constexpr uint32_t kOpTimeoutMs = 500;
 
 v1::GroupSpec MaskSpec(const std::string& name,
                        v1::RankFailurePolicy policy = v1::RANK_FAILURE_POLICY_MASK) {
