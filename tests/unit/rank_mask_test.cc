@@ -11,6 +11,7 @@
 #include <functional>
 #include <random>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -106,18 +107,49 @@ class RankMaskTest : public ::testing::Test {
     eps_[r] = std::move(*ep);
   }
 
-  /// Rank r's low-latency dispatch of its inputs.
-  absl::StatusOr<LowLatencyDispatchResult> Dispatch(int r) {
+  /// Rank r's dispatch of its inputs: `Args` is LowLatencyDispatchArgs or DispatchArgs.
+  template <typename Args>
+  auto DispatchOf(int r) {
     LlRoundInputs& in = in_[r];
     std::vector<int64_t> xs{in.num_tokens, H}, ks{in.num_tokens, K};
     DLTensor x = MakeDLTensor(in.x.data(), kBf16, xs);
     DLTensor idx = MakeDLTensor(in.topk_idx.data(), kI64, ks);
-    LowLatencyDispatchArgs d;
+    Args d;
     d.x = &x;
     d.topk_idx = &idx;
-    auto op = eps_[r]->LowLatencyDispatch(d);
-    if (!op.ok()) return op.status();
-    return op->Wait(absl::Seconds(5));
+    auto op = [&] {
+      if constexpr (std::is_same_v<Args, DispatchArgs>) {
+        return eps_[r]->Dispatch(d);
+      } else {
+        return eps_[r]->LowLatencyDispatch(d);
+      }
+    }();
+    using Result = std::decay_t<decltype(op->Wait())>;
+    return op.ok() ? op->Wait(absl::Seconds(5)) : Result(op.status());
+  }
+  absl::StatusOr<LowLatencyDispatchResult> Dispatch(int r) {
+    return DispatchOf<LowLatencyDispatchArgs>(r);
+  }
+  absl::StatusOr<DispatchResult> NormalDispatch(int r) { return DispatchOf<DispatchArgs>(r); }
+
+  /// Whether rank r's combine result (`mask`, `combined_x`) is `ref`'s; the mask in `*out`.
+  static absl::Status MatchesReference(int r, const OpMask& mask, const TensorView& combined_x,
+                                       const absl::StatusOr<testing::LlRoundReference>& ref,
+                                       OpMask* out) {
+    if (out) *out = mask;
+    if (!ref.ok()) return ref.status();
+    if (mask.dropped_pairs != ref->dropped_pairs[r]) {
+      return absl::InternalError(absl::StrCat("rank ", r, ": dropped_pairs ", mask.dropped_pairs,
+                                              ", reference ", ref->dropped_pairs[r]));
+    }
+    const size_t bytes = ref->combined_x[r].size() * sizeof(kernels::bf16_bits);
+    if (combined_x.nbytes() < static_cast<int64_t>(bytes) ||
+        std::memcmp(combined_x.data(), ref->combined_x[r].data(), bytes) != 0) {
+      return absl::InternalError(absl::StrCat("rank ", r,
+                                              ": combined_x differs from the "
+                                              "reference with the masked rank left out"));
+    }
+    return absl::OkStatus();
   }
 
   /// Rank r's low-latency combine of `dispatched` (identity experts: the received rows are
@@ -136,26 +168,13 @@ class RankMaskTest : public ::testing::Test {
     c.topk_idx = &idx;
     c.topk_weights = &w;
     c.handle = &dispatched.handle;
-    auto cop = ep.LowLatencyCombine(c);
-    if (!cop.ok()) return cop.status();
-    auto cres = cop->Wait(absl::Seconds(5));
-    if (!cres.ok()) return cres.status();
-    if (mask) *mask = cres->mask;
-    auto ref = testing::LowLatencyRoundReference(rules::ShapeOf(spec_), in_, masked, masked);
-    if (!ref.ok()) return ref.status();
-    if (cres->mask.dropped_pairs != ref->dropped_pairs[r]) {
-      return absl::InternalError(absl::StrCat("rank ", r, ": dropped_pairs ",
-                                              cres->mask.dropped_pairs, ", reference ",
-                                              ref->dropped_pairs[r]));
-    }
-    const size_t bytes = ref->combined_x[r].size() * sizeof(kernels::bf16_bits);
-    if (cres->combined_x.nbytes() < static_cast<int64_t>(bytes) ||
-        std::memcmp(cres->combined_x.data(), ref->combined_x[r].data(), bytes) != 0) {
-      return absl::InternalError(absl::StrCat("rank ", r,
-                                              ": combined_x differs from the "
-                                              "reference with the masked experts dropped"));
-    }
-    return absl::OkStatus();
+    auto op = ep.LowLatencyCombine(c);
+    if (!op.ok()) return op.status();
+    auto res = op->Wait(absl::Seconds(5));
+    if (!res.ok()) return res.status();
+    return MatchesReference(
+        r, res->mask, res->combined_x,
+        testing::LowLatencyRoundReference(rules::ShapeOf(spec_), in_, masked, masked), mask);
   }
 
   /// One low-latency round of rank r (Dispatch, then Combine checked against `masked`).
@@ -163,6 +182,28 @@ class RankMaskTest : public ::testing::Test {
     auto d = Dispatch(r);
     if (!d.ok()) return d.status();
     return Combine(r, *d, masked, combine_mask);
+  }
+
+  /// Rank r's normal combine of `dispatched` (identity experts), compared with the
+  /// reference of `dispatch_masked` / `combine_masked`; its mask in `*mask`.
+  absl::Status NormalCombine(int r, const DispatchResult& dispatched,
+                             const std::vector<uint8_t>& dispatch_masked,
+                             const std::vector<uint8_t>& combine_masked, OpMask* mask) {
+    std::vector<kernels::bf16_bits> y(size_t(dispatched.num_recv_tokens) * H);
+    std::memcpy(y.data(), dispatched.recv_x.data(), y.size() * sizeof(y[0]));
+    std::vector<int64_t> ys{dispatched.num_recv_tokens, H};
+    DLTensor yt = MakeDLTensor(y.data(), kBf16, ys);
+    CombineArgs c;
+    c.x = &yt;
+    c.handle = &dispatched.handle;
+    auto op = eps_[r]->Combine(c);
+    if (!op.ok()) return op.status();
+    auto res = op->Wait(absl::Seconds(5));
+    if (!res.ok()) return res.status();
+    return MatchesReference(
+        r, res->mask, res->combined_x,
+        testing::NormalRoundReference(rules::ShapeOf(spec_), in_, dispatch_masked, combine_masked),
+        mask);
   }
 
   /// Round() on every rank of `ranks` at once; the statuses by rank.
@@ -299,6 +340,47 @@ TEST_F(RankMaskTest, RejoinBetweenDispatchAndCombineIsMaskedForThatOpOnly) {
   for (const absl::Status& s : Rounds({0, 1, 2, 3}, kNone, &masks)) EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(masks[3].num_masked, 0);
   EXPECT_EQ(masks[0].num_masked, 0);
+}
+
+TEST_F(RankMaskTest, NormalModeUnderAMaskAndADeathBetweenDispatchAndCombine) {
+  // Rank 3 masked for both ops: dispatch and combine equal the reference without it.
+  ASSERT_TRUE(group_->UpdateRankMask(std::vector<int32_t>{3}, {}, false).ok());
+  std::vector<absl::Status> st(3);
+  std::vector<OpMask> masks(3);
+  auto survivors = [&](const std::function<absl::Status(int)>& fn) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r) threads.emplace_back([&, r] { st[r] = fn(r); });
+    for (auto& t : threads) t.join();
+    for (const absl::Status& s : st) EXPECT_TRUE(s.ok()) << s;
+  };
+  std::thread in_step([&] {  // Rank 3 keeps its place: its two ops fail as masked.
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(Layout(3).code(), absl::StatusCode::kFailedPrecondition);
+    }
+  });
+  survivors([&](int r) {
+    auto d = NormalDispatch(r);
+    if (!d.ok()) return d.status();
+    if (d->mask.num_masked != 1) return absl::InternalError("dispatch: num_masked != 1");
+    return NormalCombine(r, *d, kRank3, kRank3, &masks[r]);
+  });
+  in_step.join();
+  EXPECT_EQ(masks[0].dropped_pairs, 0) << "the dispatch routed nothing to rank 3";
+  // Every rank dispatches, then rank 3 leaves before the combine: the others' combine leaves
+  // its rows out (zeros from it) and reports the routes dropped.
+  ASSERT_TRUE(group_->UpdateRankMask({}, {}, true).ok());
+  std::vector<absl::StatusOr<DispatchResult>> d(R, absl::UnknownError(""));
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R; ++r) threads.emplace_back([&, r] { d[r] = NormalDispatch(r); });
+    for (auto& t : threads) t.join();
+  }
+  for (const auto& x : d) ASSERT_TRUE(x.ok()) << x.status();
+  eps_[3].reset();
+  survivors([&](int r) { return NormalCombine(r, *d[r], kNone, kRank3, &masks[r]); });
+  int dropped = 0;
+  for (int r = 0; r < 3; ++r) dropped += masks[r].dropped_pairs;
+  EXPECT_GT(dropped, 0) << "the inputs route some tokens to rank 3";
 }
 
 TEST_F(RankMaskTest, RankMissingOpTimeoutIsMaskedAndTheOpCompletesForTheOthers) {
