@@ -1,6 +1,7 @@
 #include "daemon/control/control_service.h"
 
 #include <optional>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "common/version.h"
@@ -244,18 +245,22 @@ grpc::ServerUnaryReactor* ControlService::LeaveGroup(grpc::CallbackServerContext
 
 namespace {
 
-/// A rank mask RPC: `call(registry, request)` in the name of the caller's session.
+/// A rank mask RPC: `call(registry, request)` in the name of the caller's session; a change
+/// (`audited`) is written to the audit log with its outcome.
 template <typename Request, typename Response, typename Call>
 grpc::ServerUnaryReactor* AnswerRankMask(GroupRegistry& registry,
                                          grpc::CallbackServerContext* context,
-                                         const Request* request, Response* response, Call call) {
+                                         const Request* request, Response* response, Call call,
+                                         bool audited) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::StatusOr<PeerCredentials> caller = Caller(*context);
   if (FinishIfError(reactor, caller.status())) return reactor;
-  if (FinishIfError(reactor, CheckCallerMayUseSession(registry, request->session_id(), *caller))) {
-    return reactor;
+  absl::Status allowed = CheckCallerMayUseSession(registry, request->session_id(), *caller);
+  absl::StatusOr<v1::RankMask> mask =
+      allowed.ok() ? call(registry, *request) : absl::StatusOr<v1::RankMask>(allowed);
+  if constexpr (std::is_same_v<Request, v1::UpdateRankMaskRequest>) {
+    if (audited) Audit(registry.audit_log(), RankMaskEvent(*caller, *request, mask.status()));
   }
-  absl::StatusOr<v1::RankMask> mask = call(registry, *request);
   if (mask.ok()) *response->mutable_mask() = *std::move(mask);
   reactor->Finish(ToGrpcStatus(mask.status()));
   return reactor;
@@ -268,7 +273,8 @@ grpc::ServerUnaryReactor* ControlService::UpdateRankMask(grpc::CallbackServerCon
                                                          v1::UpdateRankMaskResponse* response) {
   return AnswerRankMask(
       *registry_, context, request, response,
-      [](GroupRegistry& r, const v1::UpdateRankMaskRequest& q) { return r.UpdateRankMask(q); });
+      [](GroupRegistry& r, const v1::UpdateRankMaskRequest& q) { return r.UpdateRankMask(q); },
+      /*audited=*/true);
 }
 
 grpc::ServerUnaryReactor* ControlService::GetRankMask(grpc::CallbackServerContext* context,
@@ -276,7 +282,8 @@ grpc::ServerUnaryReactor* ControlService::GetRankMask(grpc::CallbackServerContex
                                                       v1::GetRankMaskResponse* response) {
   return AnswerRankMask(
       *registry_, context, request, response,
-      [](GroupRegistry& r, const v1::GetRankMaskRequest& q) { return r.GetRankMask(q); });
+      [](GroupRegistry& r, const v1::GetRankMaskRequest& q) { return r.GetRankMask(q); },
+      /*audited=*/false);
 }
 
 grpc::ServerUnaryReactor* ControlService::GetGroupEndpoints(
