@@ -136,7 +136,9 @@ bool LockstepGroup::PopRequests() {
       }
       ep->request = slot;
       if (!valid.ok()) ep->slot_error = valid;
-      if (!op_started_) op_started_ = Clock::now();
+      const Clock::time_point now = Clock::now();
+      arrived_[r] = now;
+      if (!op_started_) op_started_ = now;
     }
   }
   LogSuppressed(*engine_log_, spdlog::level::warn, *log_limiter_);

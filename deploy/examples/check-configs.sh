@@ -9,6 +9,7 @@
 # 2. when BUILD_DIR/daemon/epd exists, epd itself loads each file and must accept it:
 #    with `epd --config=FILE --check_config` where epd has that flag, otherwise by starting
 #    epd on a copy of the file without its machine-specific fields (socket_path, listen,
+#    metrics_listen (a fixed port that may be taken here),
 #    backend, socket_group: a group that need not exist here), with a temporary socket and
 #    --backend=host, waiting until it serves (`epctl health`, or the socket appearing),
 #    and stopping it with SIGTERM, which must exit 0. Every other field (modes, timeouts,
@@ -46,7 +47,7 @@ serve_once() {
   # The machine-specific fields are dropped from the copy rather than overridden or
   # cleared by flags (`--listen=` and `--socket_group=` would clear theirs, README
   # "Configuration"): the copy then holds exactly what is checked.
-  grep -v -E '^[[:space:]]*(socket_path|listen|backend|socket_group)[[:space:]]*:' "$1" \
+  grep -v -E '^[[:space:]]*(socket_path|listen|metrics_listen|backend|socket_group)[[:space:]]*:' "$1" \
     >"$tmp/check.textproto"
   "$EPD" --config="$tmp/check.textproto" --socket="$sock" --backend=host >"$log" 2>&1 &
   pid=$!
