@@ -144,7 +144,7 @@ void GroupMetrics::SetRankMasked(int32_t rank, bool masked) {
 
 void GroupMetrics::Collect(SnapshotBuilder& out) const {
   const Labels g = {{"group", group_}};
-  for (int op = 1; op < kNumOps; ++op) {
+  for (int op = 0; op < kNumOps; ++op) {  // 0: "Invalid" (a malformed request).
     const PerOp& p = ops_[op];
     if (p.ops.value() == 0) continue;  // Kinds the group never ran: no series.
     const Labels l = With(g, "op", abi::OpKindName(op));
