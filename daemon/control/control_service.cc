@@ -265,8 +265,8 @@ grpc::ServerUnaryReactor* ControlService::GetStats(grpc::CallbackServerContext* 
   *response = stats_();
   *response->mutable_metrics() = metrics::Default().Collect();
   std::set<std::string> visible;
-  for (const v1::GroupInfo& g : registry_->ListGroups(*caller).groups())
-    visible.insert(g.spec().name());
+  const v1::ListGroupsResponse listed = registry_->ListGroups(*caller);
+  for (const v1::GroupInfo& g : listed.groups()) visible.insert(g.spec().name());
   metrics::KeepGroups(response->mutable_metrics(), visible);
   reactor->Finish(grpc::Status::OK);
   return reactor;

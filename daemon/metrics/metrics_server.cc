@@ -2,6 +2,7 @@
 #include "daemon/metrics/metrics_server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <cstdint>
@@ -41,6 +42,12 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   server.set_read_timeout(kIoTimeoutSeconds, 0);
   server.set_write_timeout(kIoTimeoutSeconds, 0);
   server.set_keep_alive_max_count(5);
+  // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, which would let a second epd
+  // bind the same port and share its scrapes with the first.
+  server.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   server.Get("/metrics",
              [render = std::move(render)](const httplib::Request&, httplib::Response& res) {
                res.set_content(render(), kPrometheusContentType);

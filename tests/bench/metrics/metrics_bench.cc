@@ -80,8 +80,9 @@ int main(int argc, char** argv) {
                   })});
   const std::string per_op = "per op, " + std::to_string(ranks) + " local ranks (all of it)";
   rows.push_back({per_op.c_str(), NsPerCall(std::max(1, iters / ranks), [&](int) {
-                    // What LockstepGroup adds to one op: a clock read per rank's request,
-                    // the straggler, a clock read and RecordOp at completion.
+                    // What LockstepGroup adds to one op at most: a clock read per rank's
+                    // request (one per poll that takes requests: at most R), the
+                    // straggler, a clock read and RecordOp at completion.
                     for (int r = 0; r < ranks; ++r) arrived[r] = Clock::now();
                     int last = 0;
                     for (int r = 1; r < ranks; ++r) {
