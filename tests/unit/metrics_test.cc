@@ -33,7 +33,7 @@ const v1::MetricFamily* FindFamily(const v1::MetricsSnapshot& s, const std::stri
   return nullptr;
 }
 
-TEST(HistogramTest, ObservationsLandInTheirBuckets) {
+TEST(MetricsHistogramTest, ObservationsLandInTheirBuckets) {
   const std::vector<double> bounds = {1e-6, 1e-3, 1.0};
   Histogram h(bounds);
   h.ObserveNs(500);            // 0.5 µs -> le 1e-6
@@ -54,7 +54,7 @@ TEST(HistogramTest, ObservationsLandInTheirBuckets) {
   EXPECT_EQ(h.count(), 5u);
 }
 
-TEST(HistogramTest, QuantilesInterpolateWithinTheBucket) {
+TEST(MetricsHistogramTest, QuantilesInterpolateWithinTheBucket) {
   const std::vector<double> bounds = {1, 2, 4};
   const std::vector<uint64_t> cumulative = {10, 20, 30, 40};
   EXPECT_DOUBLE_EQ(HistogramQuantile(bounds, cumulative, 0.25), 1.0);   // rank 10: end of [0,1]
@@ -69,7 +69,7 @@ TEST(HistogramTest, QuantilesInterpolateWithinTheBucket) {
   EXPECT_EQ(HistogramQuantile(bounds, std::vector<uint64_t>{1, 2}, 0.5), 0.0);
 }
 
-TEST(HistogramTest, ReadFillsP50P95P99) {
+TEST(MetricsHistogramTest, ReadFillsP50P95P99) {
   Histogram h;                                                             // LatencyBuckets
   for (int i = 0; i < 100; ++i) h.ObserveNs(i < 90 ? 20'000 : 4'000'000);  // 20 µs, 4 ms
   v1::HistogramValue v;
@@ -82,7 +82,7 @@ TEST(HistogramTest, ReadFillsP50P95P99) {
   EXPECT_GE(v.p99(), v.p95());
 }
 
-TEST(CounterTest, ConcurrentIncrementsAreAllCounted) {
+TEST(MetricsCounterTest, ConcurrentIncrementsAreAllCounted) {
   Counter c;
   Histogram h;
   constexpr int kThreads = 4, kEach = 100000;
@@ -100,7 +100,7 @@ TEST(CounterTest, ConcurrentIncrementsAreAllCounted) {
   EXPECT_EQ(h.count(), uint64_t{kThreads} * kEach);
 }
 
-TEST(GroupMetricsTest, CollectsOpsFailuresLatencyStragglersExpertsAndMasks) {
+TEST(MetricsGroupMetricsTest, CollectsOpsFailuresLatencyStragglersExpertsAndMasks) {
   Registry registry;
   std::shared_ptr<GroupMetrics> g = registry.AddGroup("g1", 4, 8);
   const uint32_t dispatch = static_cast<uint32_t>(abi::OpKind::kDispatch);
@@ -142,7 +142,7 @@ TEST(GroupMetricsTest, CollectsOpsFailuresLatencyStragglersExpertsAndMasks) {
   EXPECT_THAT(RenderPrometheus(registry.Collect()), Not(HasSubstr("g1")));
 }
 
-TEST(GroupMetricsTest, MaskApiFindsTheLiveGroupInTheDefaultRegistry) {
+TEST(MetricsGroupMetricsTest, MaskApiFindsTheLiveGroupInTheDefaultRegistry) {
   std::shared_ptr<GroupMetrics> g = Default().AddGroup("metrics-test-mask", 2, 2);
   OnRankMasked("metrics-test-mask", 1);
   OnRankRejoined("metrics-test-mask", 1);
@@ -153,7 +153,7 @@ TEST(GroupMetricsTest, MaskApiFindsTheLiveGroupInTheDefaultRegistry) {
   EXPECT_THAT(text, HasSubstr("epd_rank_rejoins_total{group=\"metrics-test-mask\"} 1\n"));
 }
 
-TEST(ExpositionTest, TextFormatWithEscapingAndHistogramLines) {
+TEST(MetricsExpositionTest, TextFormatWithEscapingAndHistogramLines) {
   v1::MetricsSnapshot s;
   SnapshotBuilder b(&s);
   b.AddGauge("epd_x", "Help with \\ and\nnewline.", {{"name", "a\"b\\c\nd"}}, 1.5);
@@ -178,7 +178,7 @@ TEST(ExpositionTest, TextFormatWithEscapingAndHistogramLines) {
             "epd_z_seconds_count{group=\"g\"} 1\n");
 }
 
-TEST(ExpositionTest, KeepGroupsDropsOtherGroupsSeries) {
+TEST(MetricsExpositionTest, KeepGroupsDropsOtherGroupsSeries) {
   v1::MetricsSnapshot s;
   SnapshotBuilder b(&s);
   b.AddCounter("epd_ops_total", "", {{"group", "mine"}}, 1);
@@ -193,7 +193,7 @@ TEST(ExpositionTest, KeepGroupsDropsOtherGroupsSeries) {
   EXPECT_EQ(FindFamily(s, "epd_only_theirs_total"), nullptr);
 }
 
-TEST(RegistryTest, CollectorsAndSourcesStopWithTheirRegistration) {
+TEST(MetricsRegistryTest, CollectorsAndSourcesStopWithTheirRegistration) {
   Registry registry;
   Registration r = registry.AddCollector(
       [](SnapshotBuilder& out) { out.AddGauge("epd_collected", "C.", {}, 7); });
@@ -208,7 +208,7 @@ TEST(RegistryTest, CollectorsAndSourcesStopWithTheirRegistration) {
   EXPECT_THAT(text, Not(HasSubstr("epd_collected")));
 }
 
-TEST(StartCountTest, CountsStartsAndRecoversFromAGarbledFile) {
+TEST(MetricsStartCountTest, CountsStartsAndRecoversFromAGarbledFile) {
   const std::string path = absl::StrCat(::testing::TempDir(), "/epd.starts.", ::getpid());
   std::remove(path.c_str());
   EXPECT_EQ(StartCountPath("", "/run/epd/epd.sock"), "/run/epd/epd.starts");
@@ -232,7 +232,7 @@ TEST(StartCountTest, CountsStartsAndRecoversFromAGarbledFile) {
   std::remove(path.c_str());
 }
 
-TEST(EpctlMetricsTest, TableShowsOpsWithQuantilesAndOtherSeries) {
+TEST(MetricsEpctlMetricsTest, TableShowsOpsWithQuantilesAndOtherSeries) {
   Registry registry;
   std::shared_ptr<GroupMetrics> g = registry.AddGroup("tg", 2, 2);
   const uint32_t combine = static_cast<uint32_t>(abi::OpKind::kCombine);
