@@ -786,6 +786,7 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
       for (int32_t n = 0; n < span_.num_nodes; ++n) {
         if (n == span_.self || span_.got[n] || span_.peers->Descriptor(n)) continue;
         if (span_.link->PeerStatus(n).ok() && now - *span_.lost_seen >= kLostGrace) {
+          if (link_metrics_[n]) link_metrics_[n]->errors.Add();  // Lost by the Peer service.
           return fail(h);
         }
       }
