@@ -24,6 +24,8 @@ PACKAGES=(
   libabsl-dev libspdlog-dev libfmt-dev
   # Peer service: HMAC-SHA256 of the daemons' handshake (libcrypto; libgrpc++-dev pulls it in)
   libssl-dev
+  # metrics listener (--metrics_listen): Prometheus /metrics over HTTP (DESIGN.md §10)
+  libcpp-httplib-dev
   # data plane: RDMA verbs + connection manager, DLPack tensors
   libibverbs-dev librdmacm-dev libdlpack-dev
   # tests

@@ -40,6 +40,12 @@ std::string NodeStateName(v1::NodeState state);
 std::string FormatGroups(const v1::ListGroupsResponse& groups);
 /// `epctl stats`: counters.
 std::string FormatStats(const v1::GetStatsResponse& stats);
+/// `epctl metrics` (metrics_table.cc): one row per group and op kind (ops, failed, bytes,
+/// latency P50/P95/P99 read from its histogram), then one row per other series (metric,
+/// labels, value; histograms as count and quantiles).
+std::string FormatMetrics(const v1::MetricsSnapshot& snapshot);
+/// "12.5us", "3.40ms", "1.20s": a duration in seconds; "0" for 0.
+std::string Seconds(double s);
 /// `epctl config`: the effective DaemonConfig in its text format (every field shown).
 std::string FormatConfig(const v1::DaemonConfig& config);
 

@@ -1,5 +1,5 @@
 // epctl: inspect a running epd. Thin: flags → one RPC → print.
-//   epctl [--socket=/run/epd/epd.sock] [--json] status|groups|health|stats|config|doctor
+//   epctl [--socket=/run/epd/epd.sock] [--json] status|groups|health|stats|metrics|config|doctor
 // Exit status: 0 on success (for `health`: only when SERVING; `--help`, `--version`), 1
 // when the daemon is down, not serving or answers with an error, 2 on a usage error (an
 // unknown command or flag, a flag value that does not parse).
@@ -45,6 +45,8 @@ constexpr char kUsage[] =
     "           of (every group for root and epd's own uid)\n"
     "  health   grpc.health.v1 status; exit 0 only when SERVING (for HEALTHCHECK)\n"
     "  stats    counters\n"
+    "  metrics  the metrics registry: ops, latency P50/P95/P99, stragglers, experts, ...\n"
+    "           (groups your uid may list; what --metrics_listen serves for all)\n"
     "  config   the daemon's effective DaemonConfig\n"
     "  doctor   pre-flight of this node, one line per check (ok/warn/fail and the next\n"
     "           step); --standalone without a daemon; exit 1 when a check fails";
@@ -197,7 +199,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (command != "status" && command != "groups" && command != "health" && command != "stats" &&
-      command != "config" && command != "doctor") {
+      command != "metrics" && command != "config" && command != "doctor") {
     std::fprintf(stderr, "epctl: unknown command \"%s\"\nepctl: %s\n", command.c_str(), kUsage);
     return 2;
   }
@@ -244,6 +246,12 @@ int main(int argc, char** argv) {
   epd::v1::GetStatsResponse stats;
   grpc::Status status = stub->GetStats(&context, epd::v1::GetStatsRequest(), &stats);
   if (!status.ok()) return RpcFailed(status, target);
+  if (command == "metrics") {
+    Print(json ? epd::epctl::JsonOutput(stats.metrics())
+               : epd::epctl::FormatMetrics(stats.metrics()));
+    return 0;
+  }
+  stats.clear_metrics();  // `epctl metrics` shows them.
   if (command == "status") {
     Print(json ? epd::epctl::JsonOutput(stats) : epd::epctl::FormatStatus(stats, target));
   } else if (command == "stats") {

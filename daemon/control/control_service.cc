@@ -2,11 +2,15 @@
 
 #include <optional>
 #include <type_traits>
+#include <set>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/version.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/core/logging.h"
+#include "daemon/metrics/exposition.h"
+#include "daemon/metrics/metrics.h"
 #include "daemon/server/peer_credentials.h"
 
 namespace epd {
@@ -328,10 +332,16 @@ grpc::ServerUnaryReactor* ControlService::GetStats(grpc::CallbackServerContext* 
                                                    const v1::GetStatsRequest* /*request*/,
                                                    v1::GetStatsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (FinishIfError(reactor, Caller(*context).status())) return reactor;
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
   // Whole-daemon counts, the GPUs and the config, but no group's name or spec: the same
-  // for every caller.
+  // for every caller. The metrics keep the series of the groups the caller may list.
   *response = stats_();
+  *response->mutable_metrics() = metrics::Default().Collect();
+  std::set<std::string> visible;
+  const v1::ListGroupsResponse listed = registry_->ListGroups(*caller);
+  for (const v1::GroupInfo& g : listed.groups()) visible.insert(g.spec().name());
+  metrics::KeepGroups(response->mutable_metrics(), visible);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

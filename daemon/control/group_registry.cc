@@ -668,6 +668,7 @@ GroupRegistry::Counters GroupRegistry::counters() const {
   for (const auto& [name, group] : groups_) {
     c.ops_completed += group.data->ops_completed();
     c.ops_failed += group.data->ops_failed();
+    c.num_endpoints += static_cast<int32_t>(group.ranks.size());
   }
   return c;
 }

@@ -222,6 +222,7 @@ class GroupRegistry {
   struct Counters {
     int32_t num_groups = 0;
     int32_t num_sessions = 0;
+    int32_t num_endpoints = 0;   ///< Ranks joined, over every live group.
     uint64_t ops_completed = 0;  ///< Live groups plus groups already destroyed.
     uint64_t ops_failed = 0;
   };

@@ -191,6 +191,13 @@ ABSL_FLAG(Uint32Flag, rdma_qps_per_peer, Uint32Flag{epd::kDefaultRdmaQpsPerPeer}
           "rdma.qps_per_peer: RDMA queue pairs per peer node per group, 1 to 16.");
 ABSL_FLAG(StringFlag, rdma_gpudirect, StringFlag{"auto"},
           "rdma.gpudirect: register GPU memory with the NIC (dmabuf): auto, on or off.");
+ABSL_FLAG(StringFlag, metrics_listen, StringFlag{""},
+          "metrics_listen: HTTP listener host:port serving Prometheus metrics at /metrics, "
+          "e.g. 127.0.0.1:9464; \"\" or \"off\" = none (the default), also turning off one "
+          "the config file sets.");
+ABSL_FLAG(StringFlag, metrics_state_file, StringFlag{""},
+          "metrics_state_file: file counting epd's starts for epd_restarts_total (\"\" = "
+          "epd.starts beside the socket; \"off\" = none).");
 ABSL_FLAG(StringFlag, testing_transport_faults, StringFlag{""},
           "testing_transport_faults: for tests only: a fault plan (drop, delay, reset, "
           "partition) wrapped around the transport, e.g. \"delay_ms=5;partition=0|1\".");
@@ -470,6 +477,8 @@ ConfigFlags ConfigFlagsFromCommandLine() {
   f.tcp_listen = GivenValue(FLAGS_tcp_listen);
   f.tcp_connections_per_peer = GivenValue(FLAGS_tcp_connections_per_peer);
   f.testing_transport_faults = GivenValue(FLAGS_testing_transport_faults);
+  f.metrics_listen = GivenValue(FLAGS_metrics_listen);
+  f.metrics_state_file = GivenValue(FLAGS_metrics_state_file);
   f.rdma_devices = GivenValue(FLAGS_rdma_devices);
   f.rdma_gid_index = GivenValue(FLAGS_rdma_gid_index);
   f.rdma_service_level = GivenValue(FLAGS_rdma_service_level);
@@ -612,6 +621,11 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
   if (flags.testing_transport_faults) {
     config->set_testing_transport_faults(*flags.testing_transport_faults);
   }
+  // "--metrics_listen=" and "--metrics_listen=off" turn off a listener the file sets.
+  if (flags.metrics_listen) {
+    config->set_metrics_listen(*flags.metrics_listen == "off" ? "" : *flags.metrics_listen);
+  }
+  if (flags.metrics_state_file) config->set_metrics_state_file(*flags.metrics_state_file);
   if (flags.tcp_connections_per_peer) {
     config->set_tcp_connections_per_peer(*flags.tcp_connections_per_peer);
   }
@@ -714,6 +728,7 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
     }
   }
   EPD_RETURN_IF_ERROR(CheckListen(config.listen()));
+  EPD_RETURN_IF_ERROR(CheckListen(config.metrics_listen(), "metrics_listen"));
   if (!v1::Backend_IsValid(config.backend())) {
     return absl::InvalidArgumentError(
         absl::StrCat("backend: ", static_cast<int>(config.backend()), " is not a Backend"));

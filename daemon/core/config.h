@@ -112,6 +112,8 @@ struct ConfigFlags {
   std::optional<std::string> tcp_listen;
   std::optional<uint32_t> tcp_connections_per_peer;
   std::optional<std::string> testing_transport_faults;
+  std::optional<std::string> metrics_listen;  ///< "" or "off" = no metrics listener.
+  std::optional<std::string> metrics_state_file;
   std::optional<std::string> rdma_devices;  ///< "mlx5_0,mlx5_1:2"; "" = every active port.
   std::optional<uint32_t> rdma_gid_index;
   std::optional<uint32_t> rdma_service_level;

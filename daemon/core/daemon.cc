@@ -25,6 +25,9 @@
 #include "daemon/core/fd_limits.h"
 #include "daemon/dataplane/host/host_data_plane.h"
 #include "daemon/gpu/cuda_driver_probe.h"
+#include "daemon/metrics/exposition.h"
+#include "daemon/metrics/metrics_server.h"
+#include "daemon/metrics/start_count.h"
 #include "daemon/peer/grpc_peer_mesh.h"
 #include "daemon/server/fd_channel.h"
 #include "daemon/server/listener.h"
@@ -405,6 +408,7 @@ absl::Status Daemon::Init() {
     return absl::UnavailableError("cannot start the gRPC server of the unix socket");
   }
   PublishServing();  // NOT_SERVING (starting) until start-up is done.
+  EPD_RETURN_IF_ERROR(StartMetrics());
   listener_->Start(server_.get());
   EPD_RETURN_IF_ERROR(ApplySocketPermissions());
   if (!config_.listen().empty()) {
@@ -688,6 +692,69 @@ void Daemon::WatchHealth() {
   }
 }
 
+absl::Status Daemon::StartMetrics() {
+  auto log = GetLogger(kLogDaemon);
+  const std::string state = metrics::StartCountPath(config_.metrics_state_file(), socket_path_);
+  if (!state.empty()) {
+    absl::StatusOr<uint64_t> before = metrics::RecordStart(state);
+    if (before.ok()) {
+      restarts_ = static_cast<int64_t>(*before);
+    } else {
+      // A garbled file was rewritten: this start counts from 0. I/O errors leave it unknown.
+      restarts_ = before.status().code() == absl::StatusCode::kInvalidArgument ? 0 : -1;
+      log->warn("{}; epd_restarts_total {}", before.status().message(),
+                restarts_ < 0 ? "is not exported" : "starts at 0");
+    }
+  }
+  metrics_collector_ = metrics::Default().AddCollector(
+      [this](metrics::SnapshotBuilder& out) { CollectMetrics(out); });
+  if (config_.metrics_listen().empty()) return absl::OkStatus();
+  EPD_ASSIGN_OR_RETURN(metrics_server_, metrics::MetricsServer::Start(config_.metrics_listen(), [] {
+                         return metrics::RenderPrometheus(metrics::Default().Collect());
+                       }));
+  log->info("metrics listener {} (port {}): Prometheus text format at /metrics",
+            config_.metrics_listen(), metrics_server_->port());
+  return absl::OkStatus();
+}
+
+int Daemon::metrics_port() const {
+  return metrics_server_ != nullptr ? metrics_server_->port() : 0;
+}
+
+void Daemon::CollectMetrics(metrics::SnapshotBuilder& out) const {
+  const v1::GetStatsResponse stats = Stats();
+  out.AddGauge("epd_build_info", "Constant 1, labelled with epd's version and backend.",
+               {{"backend", stats.backend()}, {"version", stats.version()}}, 1);
+  out.AddGauge("process_start_time_seconds", "When epd started, in seconds since the epoch.", {},
+               absl::ToDoubleSeconds(started_ - absl::UnixEpoch()));
+  out.AddGauge("epd_uptime_seconds", "Seconds since epd started.", {},
+               static_cast<double>(stats.uptime_ms()) / 1000.0);
+  if (restarts_ >= 0) {
+    out.AddCounter("epd_restarts_total",
+                   "Starts of epd before this one, as counted in metrics_state_file (since "
+                   "that file was created: boot, or the pod's start).",
+                   {}, static_cast<double>(restarts_));
+  }
+  out.AddGauge("epd_serving",
+               "1 when health is SERVING, 0 when NOT_SERVING (starting, draining, a GPU lost, "
+               "a listener stuck).",
+               {}, stats.serving_status() == "SERVING" ? 1 : 0);
+  out.AddGauge("epd_sessions", "Open client sessions.", {}, stats.num_sessions());
+  out.AddGauge("epd_groups", "Live groups.", {}, stats.num_groups());
+  if (registry_ != nullptr) {
+    out.AddGauge("epd_endpoints", "Joined ranks (endpoints), over every group.", {},
+                 registry_->counters().num_endpoints);
+  }
+  for (const v1::GpuInfo& g : stats.gpus()) {
+    const metrics::Labels l = {{"gpu", absl::StrCat(g.ordinal())}, {"uuid", g.uuid()}};
+    out.AddGauge("epd_gpu_memory_total_bytes", "GPU memory, total.", l,
+                 static_cast<double>(g.total_memory_bytes()));
+    out.AddGauge("epd_gpu_memory_free_bytes",
+                 "GPU memory free (read every gpu poll interval, 2 s).", l,
+                 static_cast<double>(g.free_memory_bytes()));
+  }
+}
+
 v1::GetStatsResponse Daemon::Stats() const {
   v1::GetStatsResponse stats;
   stats.set_version(kEpdVersion);
@@ -756,6 +823,10 @@ void Daemon::Shutdown() {
   if (gpu_monitor_.joinable()) gpu_monitor_.join();
   if (health_watcher_.joinable()) health_watcher_.join();
   if (listener_ != nullptr) listener_->Stop();
+  // Scrapes end before what they read goes.
+  if (metrics_server_ != nullptr) metrics_server_->Stop();
+  metrics_server_.reset();
+  metrics_collector_.Reset();
   server_.reset();
   listener_.reset();
   tcp_server_.reset();

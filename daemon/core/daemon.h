@@ -22,6 +22,7 @@
 #include "common/version.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/gpu/gpu_inventory.h"
+#include "daemon/metrics/metrics.h"
 #include "daemon/transport/rdma/preflight.h"
 #include "epd/v1/config.pb.h"
 #include "epd/v1/control.grpc.pb.h"
@@ -43,6 +44,10 @@ struct TransportStartOptions;
 }  // namespace transport
 
 class AuditLog;
+namespace metrics {
+class MetricsServer;
+}  // namespace metrics
+
 class ControlService;
 class FdChannel;
 class GroupRegistry;
@@ -138,6 +143,8 @@ class Daemon {
   int tcp_port() const { return tcp_port_; }
   const v1::DaemonConfig& config() const { return config_; }
   const BackendChoice& backend() const { return backend_; }
+  /// Bound port of --metrics_listen (the real one for "host:0"); 0 when there is none.
+  int metrics_port() const;
   /// The Peer mesh (peer_listen set), else null. Lives until Shutdown() returns.
   peer::PeerMesh* peer_mesh() const;
 
@@ -160,6 +167,12 @@ class Daemon {
   /// Why epd is not serving now ("" when it is). Call with mu_ held.
   std::string NotServingReasonLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MonitorGpus();
+  /// The daemon's scrape-time samples (process, health, sessions, groups, endpoints, GPU
+  /// memory) into `out`: the collector registered with metrics::Default().
+  void CollectMetrics(metrics::SnapshotBuilder& out) const;
+  /// Counts this start (metrics_state_file), registers CollectMetrics and starts the
+  /// --metrics_listen server.
+  absl::Status StartMetrics();
   /// The health updater: listener health and unmapped-endpoint expiry, every
   /// health_interval until shutdown.
   void WatchHealth();
@@ -193,6 +206,10 @@ class Daemon {
   /// on the TCP server so that it is a synchronous server (gRPC then polls its default
   /// health service), while Control calls over TCP are refused.
   std::unique_ptr<v1::Control::Service> tcp_control_refusal_;
+  /// Restarts before this start (metrics_state_file); -1 when unknown.
+  int64_t restarts_ = -1;
+  metrics::Registration metrics_collector_;
+  std::unique_ptr<metrics::MetricsServer> metrics_server_;
   std::thread gpu_monitor_;
   std::thread health_watcher_;
 

@@ -17,7 +17,14 @@ Engine::Engine(abi::DoorbellPage* doorbell, uint32_t idle_us, uint32_t max_sleep
 
 Engine::~Engine() { Stop(); }
 
+namespace {
+std::atomic<uint64_t> g_engines_started{0};
+}  // namespace
+
 void Engine::Start() {
+  started_ = std::chrono::steady_clock::now();
+  name_ = std::to_string(g_engines_started.fetch_add(1));
+  registration_ = metrics::Default().Add(this);
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -25,6 +32,19 @@ void Engine::Stop() {
   stop_.store(true);
   Wake();
   if (thread_.joinable()) thread_.join();
+  registration_.Reset();
+}
+
+void Engine::Collect(metrics::SnapshotBuilder& out) const {
+  const metrics::Labels l = {{"engine", name_}};
+  const double busy = static_cast<double>(busy_ns()) * 1e-9;
+  const double wall =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+  out.AddCounter("epd_engine_busy_seconds_total",
+                 "Time the engine thread spent in polls that did work (rate() = utilisation).", l,
+                 busy);
+  out.AddGauge("epd_engine_utilization", "Engine busy time / wall time since it started.", l,
+               wall > 0 ? busy / wall : 0);
 }
 
 void Engine::Wake() {
@@ -37,8 +57,12 @@ void Engine::Run() {
   if (on_start_) on_start_();
   auto last_work = Clock::now();
   while (!stop_.load(std::memory_order_relaxed)) {
+    const auto poll_start = Clock::now();
     if (poll_()) {
       last_work = Clock::now();
+      busy_ns_.fetch_add(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(last_work - poll_start).count(),
+          std::memory_order_relaxed);
       continue;
     }
     auto idle = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - last_work);

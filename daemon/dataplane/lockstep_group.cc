@@ -69,7 +69,9 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
       rejoined_(spec.num_ranks(), 0),
       masked_at_seq_(spec.num_ranks(), 0),
       running_slots_(spec.num_ranks()),
-      outcomes_(spec.num_ranks()) {
+      outcomes_(spec.num_ranks()),
+      arrived_(spec.num_ranks()),
+      metrics_(metrics::Default().AddGroup(spec.name(), spec.num_ranks(), spec.num_experts())) {
   missing_.reserve(spec.num_ranks());
   gone_.reserve(spec.num_ranks());
   mask_scratch_.reserve(spec.num_ranks());
@@ -360,18 +362,49 @@ void LockstepGroup::CountOp(uint32_t op) {
   parity_.Advance(kind);
 }
 
-void LockstepGroup::FailOp(const absl::Status& status) {
-  ops_failed_.fetch_add(1);
-  if (spanning_) {
-    uint32_t op = 0;
-    for (const auto& ep : endpoints_) {
-      if (ep && ep->request) {
-        op = ep->request->op;
-        break;
+void LockstepGroup::RecordOpMetrics(uint32_t op, absl::StatusCode code, uint32_t flags,
+                                    const std::vector<abi::RequestSlot>* slots,
+                                    const std::vector<RankOutcome>* outcomes) {
+  uint64_t latency_ns = 0;
+  uint64_t bytes = 0;
+  if (code == absl::StatusCode::kOk && op_started_) {
+    latency_ns = static_cast<uint64_t>(std::max<int64_t>(
+        0,
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - *op_started_).count()));
+  }
+  if (code == absl::StatusCode::kOk && slots != nullptr && outcomes != nullptr) {
+    const uint64_t hidden = static_cast<uint64_t>(shape_.hidden);
+    const bool fp8 = (flags & abi::kFlagFp8) != 0;
+    // A row as the op moves it: bf16, or e4m3 with an f32 scale per 128 channels.
+    const uint64_t row = fp8 ? hidden + (hidden + 127) / 128 * 4 : hidden * 2;
+    for (int32_t r = local_first_; r < local_first_ + local_count_; ++r) {
+      switch (static_cast<abi::OpKind>(op)) {
+        case abi::OpKind::kDispatch:
+          bytes += static_cast<uint64_t>(std::max((*outcomes)[r].num_recv_tokens, 0)) * row;
+          break;
+        case abi::OpKind::kCombine:
+        case abi::OpKind::kLowLatencyCombine:
+          bytes += static_cast<uint64_t>(std::max((*slots)[r].num_tokens, 0)) * hidden * 2;
+          break;
+        default:  // LowLatencyDispatch: the backend counts its rows (AddOpBytes).
+          break;
       }
     }
-    OpFailedHere(current_seq_, op, status);
   }
+  metrics_->RecordOp(op, code, latency_ns, bytes);
+}
+
+void LockstepGroup::FailOp(const absl::Status& status) {
+  ops_failed_.fetch_add(1);
+  uint32_t op = 0;
+  for (const auto& ep : endpoints_) {
+    if (ep && ep->request) {
+      op = ep->request->op;
+      break;
+    }
+  }
+  RecordOpMetrics(op, status.code(), 0, nullptr, nullptr);
+  if (spanning_) OpFailedHere(current_seq_, op, status);
   // The op counts for the buffer rule as the ranks submitted it (they agree, or it fails).
   for (const auto& ep : endpoints_) {
     if (ep && ep->request) {
@@ -590,6 +623,18 @@ bool LockstepGroup::RunOp() {
   plan.ll_buffer = parity_.DispatchBuffer();
   plan.ll_out_buffer = parity_.CombineOutBuffer();
   if (!ReadyToStart()) return false;
+  if (R - first >= 2 && op_started_) {
+    // Every local rank arrived: which one came last, and how long after the first.
+    int32_t last = first;
+    for (int r = first + 1; r < R; ++r) {
+      if (arrived_[r] > arrived_[last]) last = r;
+    }
+    metrics_->RecordStraggler(
+        last,
+        static_cast<uint64_t>(std::max<int64_t>(
+            0, std::chrono::duration_cast<std::chrono::nanoseconds>(arrived_[last] - *op_started_)
+                   .count())));
+  }
   CountOp(slots[first].op);
   running_ = std::move(plan);
   for (RankOutcome& o : outcomes_) o = RankOutcome{};
@@ -692,6 +737,9 @@ void LockstepGroup::FinishOp() {
       if (!rank_masked_[r]) rejoined_[r] = 0;  // In step: it took part in an op.
     }
   }
+  RecordOpMetrics(static_cast<uint32_t>(plan.op),
+                  all_ok ? absl::StatusCode::kOk : outcomes[local_first_].status.code(), plan.flags,
+                  &slots, &outcomes);
   running_.reset();                              // `plan` dies here.
   for (auto& kept : op_departed_) kept.reset();  // Ranks that left during the op.
   (all_ok ? ops_completed_ : ops_failed_).fetch_add(1);

@@ -18,6 +18,7 @@
 #include "common/os/shm_region.h"
 #include "daemon/core/logging.h"
 #include "daemon/dataplane/data_plane.h"
+#include "daemon/metrics/metrics.h"
 #include "epd/kernels/layout.h"
 #include "epd/kernels/op_rules.h"
 #include "epd/v1/control.pb.h"
@@ -177,6 +178,9 @@ class LockstepGroup : public DataPlaneGroup {
   int32_t local_count() const { return local_count_; }
   const kernels::GroupShape& shape() const { return shape_; }
   const kernels::EndpointLayout& layout() const { return layout_; }
+  /// The group's metrics (metrics::Default(), label group = the spec's name), registered
+  /// while the group lives. Updated by the engine thread without a lock.
+  metrics::GroupMetrics& metrics() const { return *metrics_; }
 
  protected:
   // ---- backend hooks ----
@@ -399,6 +403,11 @@ class LockstepGroup : public DataPlaneGroup {
   v1::RankMask MaskMessageLocked() const;
   /// The first local rank that is not masked (local_first_ + local_count_ when none).
   int32_t LeadRank() const;
+  /// Records the op that ends now in the group's metrics: kind `op`, `code`; an OK op's
+  /// latency (from op_started_) and the bytes of rows it delivered (from `slots`/`outcomes`).
+  void RecordOpMetrics(uint32_t op, absl::StatusCode code, uint32_t flags,
+                       const std::vector<abi::RequestSlot>* slots,
+                       const std::vector<RankOutcome>* outcomes);
   /// Counts op current_seq_ of kind `op` in parity_ (started or failed, once per op); a
   /// low-latency dispatch takes its buffer from every handle that owned it.
   void CountOp(uint32_t op);
@@ -445,6 +454,10 @@ class LockstepGroup : public DataPlaneGroup {
   std::vector<int32_t> mask_scratch_;  ///< Poll: ranks to mask (capacity R).
   uint64_t current_seq_ = 1;           ///< The group op being collected or running.
   std::optional<std::chrono::steady_clock::time_point> op_started_;
+  /// [R] when each rank's request for the op being collected was picked up (metrics: the
+  /// straggler). Sized R at construction.
+  std::vector<std::chrono::steady_clock::time_point> arrived_;
+  std::shared_ptr<metrics::GroupMetrics> metrics_;
   std::optional<OpPlan> running_;  ///< The op the backend is running.
   // Per-op state sized R at construction and reused, so that an op allocates nothing
   // (README "Hot path"; tests/unit/hot_path_alloc_test.cc).

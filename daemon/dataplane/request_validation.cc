@@ -4,6 +4,7 @@
 // lockstep op, or refused with a completion naming why. docs/SECURITY.md, DESIGN.md §8.3.
 #include <chrono>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -89,6 +90,7 @@ bool LockstepGroup::RefuseRequests(int32_t rank, LockstepEndpoint& ep, const abs
 
 bool LockstepGroup::PopRequests() {
   bool worked = false;
+  std::optional<Clock::time_point> popped_at;
   for (size_t r = 0; r < endpoints_.size(); ++r) {
     LockstepEndpoint* ep = endpoints_[r].get();
     if (!ep) continue;
@@ -153,7 +155,11 @@ bool LockstepGroup::PopRequests() {
       }
       ep->request = slot;
       if (!valid.ok()) ep->slot_error = valid;
-      if (!op_started_) op_started_ = Clock::now();
+      // One clock read per poll that takes requests: ranks picked up in one poll arrived
+      // together (the straggler's resolution is one engine poll).
+      if (!popped_at) popped_at = Clock::now();
+      arrived_[r] = *popped_at;
+      if (!op_started_) op_started_ = *popped_at;
     }
   }
   LogSuppressed(*engine_log_, spdlog::level::warn, *log_limiter_);

@@ -9,7 +9,7 @@
 # 2. when BUILD_DIR/daemon/epd exists, epd itself loads each file and must accept it:
 #    with `epd --config=FILE --check_config` where epd has that flag, otherwise by starting
 #    epd on a copy of the file without its machine-specific fields (socket_path, listen,
-#    backend, socket_group: a group that need not exist here; peer_listen, peer_advertise,
+#    metrics_listen (a fixed port that may be taken here), backend, socket_group: a group that need not exist here; peer_listen, peer_advertise,
 #    peer_secret_file, tcp_listen: another machine's addresses and secret; transport: rdma
 #    needs a device here, while its rdma { } settings are still checked as written), with
 #    a temporary socket and
@@ -49,7 +49,7 @@ serve_once() {
   # The machine-specific fields are dropped from the copy rather than overridden or
   # cleared by flags (`--listen=` and `--socket_group=` would clear theirs, README
   # "Configuration"): the copy then holds exactly what is checked.
-  grep -v -E '^[[:space:]]*(socket_path|listen|backend|socket_group|peer_listen|peer_advertise|peer_secret_file|tcp_listen|transport)[[:space:]]*:' "$1" \
+  grep -v -E '^[[:space:]]*(socket_path|listen|backend|socket_group|peer_listen|peer_advertise|peer_secret_file|tcp_listen|transport|metrics_listen)[[:space:]]*:' "$1" \
     >"$tmp/check.textproto"
   "$EPD" --config="$tmp/check.textproto" --socket="$sock" --backend=host >"$log" 2>&1 &
   pid=$!

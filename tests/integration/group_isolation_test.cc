@@ -174,5 +174,29 @@ TEST_F(GroupIsolationTest, PerUidGroupQuotaStopsOneUidNotAnother) {
   EXPECT_NE(other, nullptr);
 }
 
+// `epctl metrics` (GetStats.metrics) keeps the series of the groups the caller may list:
+// the owner sees its group's, another user none of them (and no name of the group).
+TEST_F(GroupIsolationTest, EpctlMetricsShowsOnlyTheCallersGroups) {
+  ASSERT_NO_FATAL_FAILURE(StartOpenEpd());
+  std::unique_ptr<Subprocess> owner = Holder(kOwnerUid, kSecret, "victim", 0);
+  ASSERT_NE(owner, nullptr);
+  auto metrics_as = [&](uint32_t uid) {
+    absl::StatusOr<CommandResult> r = RunCommand(
+        AsUserWithSecret(uid, "",
+                         {EpctlBinary(), "--socket=" + epd_->socket_path(), "--json", "metrics"}),
+        absl::Seconds(30));
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return std::string();
+    EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
+    return r->stdout_text;
+  };
+  const std::string mine = metrics_as(kOwnerUid);
+  EXPECT_THAT(mine, HasSubstr("\"victim\""));
+  EXPECT_THAT(mine, HasSubstr("epd_masked_ranks"));
+  const std::string theirs = metrics_as(kOtherUid);
+  EXPECT_THAT(theirs, Not(HasSubstr("victim")));
+  EXPECT_THAT(theirs, HasSubstr("epd_sessions"));  // Daemon-wide series stay.
+}
+
 }  // namespace
 }  // namespace epd::testing

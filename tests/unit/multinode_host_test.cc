@@ -22,6 +22,8 @@
 #include <vector>
 
 #include "daemon/dataplane/host/host_data_plane.h"
+#include "daemon/metrics/exposition.h"
+#include "daemon/metrics/metrics.h"
 #include "daemon/transport/transport_set.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
@@ -675,6 +677,39 @@ TEST_F(MultinodeHostTest, LostPeerFailsTheOpNamingTheNode) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(800 + 1000));
   EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kUnavailable)) << Message(*c);
   EXPECT_NE(Message(*c).find("node 1"), std::string::npos) << Message(*c);
+}
+
+// The exchange's per-peer counters (metrics::Default(), docs/OPERATIONS.md): the writes and
+// bytes node 0 sent node 1, and node 1 lost counted as an error with it.
+TEST_F(MultinodeHostTest, TransportMetricsCountWritesBytesAndALostPeer) {
+  Start({1, 1}, /*op_timeout_ms=*/800);
+  if (HasFatalFailure()) return;
+  MakeInputs(5);
+  // The value of node 0's series `name` for its peer node 1 (-1 when there is none).
+  auto to_node1 = [](const std::string& name) {
+    const std::string text = metrics::RenderPrometheus(metrics::Default().Collect());
+    const std::string prefix = name + "{group=\"mn\",peer=\"10.0.0.2:7100\",transport=";
+    for (size_t at = text.find(prefix); at != std::string::npos; at = text.find(prefix, at + 1)) {
+      const size_t end = text.find('\n', at);
+      const size_t space = text.rfind(' ', end);
+      return std::stod(text.substr(space + 1, end - space - 1));
+    }
+    return -1.0;
+  };
+  for (int i = 0; i < 2; ++i) {
+    auto done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
+    for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+  }
+  EXPECT_GE(to_node1("epd_transport_writes_total"), 2);
+  EXPECT_GT(to_node1("epd_transport_sent_bytes_total"), 0);
+  EXPECT_EQ(to_node1("epd_transport_errors_total"), 0);
+  const uint64_t s = rings_[0]->Submit(abi::OpKind::kDispatch, 0, 2);
+  std::this_thread::sleep_for(milliseconds(100));
+  hub_.Kill(1);
+  auto c = rings_[0]->Await(s, milliseconds(5000));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_NE(c->status_code, 0);
+  EXPECT_GE(to_node1("epd_transport_errors_total") + to_node1("epd_transport_timeouts_total"), 1);
 }
 
 // A node's daemon restarts (its group torn down, registered anew: a new incarnation, its

@@ -242,6 +242,12 @@ absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local
   if (!peers.ok()) return peers.status();
   s.peers = *std::move(peers);
   span_ = std::move(s);
+  link_metrics_.assign(span_.num_nodes, nullptr);
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    if (n == node) continue;
+    link_metrics_[n] =
+        metrics::Default().AddLink(sp.name(), options_.transport_name, sp.nodes(n).peer_address());
+  }
   return absl::OkStatus();
 }
 
@@ -367,6 +373,16 @@ absl::Status NodeExchange::PostToNode(int32_t n, uint64_t seq,
   absl::Status st =
       span_.link->PostWrite(n, pieces, abi::ExchangeImm(LinkSeq(n, seq), abi::kExchangePhaseOp));
   if (st.ok()) ++span_.posted[n];
+  if (metrics::LinkMetrics* m = link_metrics_[n].get()) {
+    if (st.ok()) {
+      uint64_t bytes = 0;
+      for (const transport::WritePiece& p : pieces) bytes += p.bytes;
+      m->writes.Add();
+      m->bytes_sent.Add(bytes);
+    } else {
+      m->errors.Add();
+    }
+  }
   return st;
 }
 
@@ -744,7 +760,10 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
     if (!in) {
       if (absl::Status st = span_.link->PeerStatus(n); !st.ok()) {
         in = ImmFor(n, plan.seq);
-        if (!in) return fail(st);
+        if (!in) {
+          if (link_metrics_[n]) link_metrics_[n]->errors.Add();
+          return fail(st);
+        }
       }
     }
     if (in) {
@@ -774,6 +793,7 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
       for (int32_t n = 0; n < span_.num_nodes; ++n) {
         if (n == span_.self || span_.got[n] || span_.peers->Descriptor(n)) continue;
         if (span_.link->PeerStatus(n).ok() && now - *span_.lost_seen >= kLostGrace) {
+          if (link_metrics_[n]) link_metrics_[n]->errors.Add();  // Lost by the Peer service.
           return fail(h);
         }
       }
@@ -789,6 +809,7 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
       std::string who;
       for (int32_t n = 0; n < span_.num_nodes; ++n) {
         if (n == span_.self || span_.got[n]) continue;
+        if (link_metrics_[n]) link_metrics_[n]->timeouts.Add();
         absl::StrAppend(&who, who.empty() ? "" : ", ", "node ", n, " (",
                         spec().nodes(n).peer_address(), ", ranks ", span_.first[n], "-",
                         span_.first[n] + span_.count[n] - 1, ")");

@@ -284,6 +284,9 @@ class NodeExchange {
   NodeExchangeOptions options_;
   int32_t local_first_ = 0, local_count_ = 0;
   Span span_;
+  /// [nodes] each peer node's counters in metrics::Default() (null for this node), made
+  /// at Init.
+  std::vector<std::shared_ptr<metrics::LinkMetrics>> link_metrics_;
   // Each op kind's kernel arguments, [R], filled in per op (sized once: README "Hot path").
   std::vector<kernels::host::DispatchRankArgs> dispatch_args_;
   std::vector<kernels::host::CombineRankArgs> combine_args_;

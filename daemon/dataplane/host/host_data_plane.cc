@@ -300,12 +300,36 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
     PublishRouting(Area(rank), src, rows, row_elems, dst);
   }
 
+  /// Adds the tokens rank `rank` received per local expert in a normal dispatch to the
+  /// group's metrics: from its recv_topk_idx [rows, K] (local ids, -1 elsewhere; an id
+  /// twice in a row counts once). Allocates nothing (expert_scratch_).
+  void CountExpertTokens(int32_t rank, const int64_t* recv_topk_idx, int32_t rows) {
+    const int32_t El = shape().num_local_experts();
+    const int32_t K = shape().num_topk;
+    std::fill(expert_scratch_.begin(), expert_scratch_.end(), 0);
+    for (int32_t i = 0; i < rows; ++i) {
+      const int64_t* row = recv_topk_idx + static_cast<int64_t>(i) * K;
+      for (int32_t k = 0; k < K; ++k) {
+        const int64_t e = row[k];
+        if (e < 0 || e >= El) continue;
+        bool seen = false;
+        for (int32_t j = 0; j < k && !seen; ++j) seen = row[j] == e;
+        if (!seen) ++expert_scratch_[e];
+      }
+    }
+    for (int32_t e = 0; e < El; ++e) {
+      if (expert_scratch_[e] != 0) metrics().AddExpertTokens(rank * El + e, expert_scratch_[e]);
+    }
+  }
+
   HostDataPlaneImpl* plane_;
   /// [R] each masked rank's stand-in (RankMaskChanged); null for the others.
   std::vector<std::unique_ptr<MaskedRankArea>> masked_areas_;
-  bool any_masked_ = false;                 ///< Execute: whether the running op masks any rank.
-  std::unique_ptr<NodeExchange> exchange_;  ///< A spanning group's; null otherwise.
-  const OpPlan* span_plan_ = nullptr;       ///< The running spanning op.
+  bool any_masked_ = false;  ///< Execute: whether the running op masks any rank.
+  std::vector<uint64_t> expert_scratch_ =
+      std::vector<uint64_t>(shape().num_local_experts());  ///< [El] CountExpertTokens's.
+  std::unique_ptr<NodeExchange> exchange_;                 ///< A spanning group's; null otherwise.
+  const OpPlan* span_plan_ = nullptr;                      ///< The running spanning op.
   const std::vector<abi::RequestSlot>* span_slots_ = nullptr;
   std::vector<kernels::Region> spans_ =
       std::vector<kernels::Region>(kernels::kMaxAreaSpans);  ///< stage_through_mirror's.
@@ -458,6 +482,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
       }
       if (!st.ok()) return fail_all(st);
       for (int r = 0; r < R; ++r) {
+        CountExpertTokens(r, Ptr<const int64_t>(r, L.recv_topk_idx), args[r].num_recv_tokens);
         *Ptr<int32_t>(r, L.recv_count) = args[r].num_recv_tokens;
         out[r].num_recv_tokens = args[r].num_recv_tokens;
         Publish(r, Private(r).send_pos, args[r].num_tokens, R, L.send_pos);
@@ -518,9 +543,21 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         st = kernels::host::LowLatencyDispatch(gs, opt, args, exec);
       }
       if (!st.ok()) return fail_all(st);
+      const uint64_t H = static_cast<uint64_t>(gs.hidden);
+      const uint64_t row = flags.use_fp8 ? H + static_cast<uint64_t>(gs.num_scales()) * 4 : H * 2;
       for (int r = 0; r < R; ++r) {
         Publish(r, Private(r).ll_handle_pos[b], args[r].num_tokens, gs.num_topk,
                 L.ll_handle_pos[b]);
+        // recv_count [El] as the kernels wrote it (DeepEP's cumulative expert stats).
+        const int32_t* recv_count = Ptr<const int32_t>(r, L.ll_recv_count[b]);
+        const int32_t El = gs.num_local_experts();
+        uint64_t rows = 0;
+        for (int32_t e = 0; e < El; ++e) {
+          const uint64_t n = static_cast<uint64_t>(std::max(recv_count[e], 0));
+          metrics().AddExpertTokens(r * El + e, n);
+          rows += n;
+        }
+        metrics().AddOpBytes(static_cast<uint32_t>(op), rows * row);
       }
       return;
     }
