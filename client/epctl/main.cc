@@ -1,5 +1,6 @@
 // epctl: inspect a running epd. Thin: flags → one RPC → print.
 //   epctl [--socket=/run/epd/epd.sock] [--json] status|groups|health|stats|config
+//   epctl [--json] explain EPD-2003|NAME|--list   (offline: the error catalog)
 // Exit status: 0 on success (for `health`: only when SERVING; `--help`, `--version`), 1
 // when the daemon is down, not serving or answers with an error, 2 on a usage error (an
 // unknown command or flag, a flag value that does not parse).
@@ -20,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/control_channel.h"
+#include "client/epctl/explain.h"
 #include "client/epctl/format.h"
 #include "client/request_text.h"
 #include "common/version.h"
@@ -32,6 +34,7 @@ ABSL_FLAG(bool, json, false, "Print JSON (protobuf JSON mapping) instead of tabl
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "Deadline of the RPC, connect included.");
 ABSL_FLAG(std::string, service, "",
           "health: the service to check (\"\" = the whole daemon, or epd.v1.Control).");
+ABSL_FLAG(bool, list, false, "explain: list every reason of the error catalog.");
 
 namespace {
 
@@ -44,7 +47,9 @@ constexpr char kUsage[] =
     "           of (every group for root and epd's own uid)\n"
     "  health   grpc.health.v1 status; exit 0 only when SERVING (for HEALTHCHECK)\n"
     "  stats    counters\n"
-    "  config   the daemon's effective DaemonConfig";
+    "  config   the daemon's effective DaemonConfig\n"
+    "  explain EPD-2003|NAME|--list\n"
+    "           an error reason's cause and next step (docs/ERRORS.md); needs no daemon";
 
 bool IsEpctlFlag(absl::string_view file) { return absl::StrContains(file, "epctl/"); }
 
@@ -53,6 +58,7 @@ std::string ValueExample(absl::string_view name) {
   if (name == "timeout") return "a duration such as 5s, 500ms or 1m30s";
   if (name == "json") return "true or false (--json alone means true, --nojson false)";
   if (name == "socket") return "/run/epd/epd.sock, unix:///path or host:port";
+  if (name == "list") return "true or false (--list alone means true)";
   if (name == "service") return "epd.v1.Control, or \"\" for the whole daemon";
   return "what `epctl --help` says";
 }
@@ -179,6 +185,14 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage);
   if (const int exit_code = CheckFlags(argc, argv); exit_code >= 0) return exit_code;
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() >= 2 && absl::string_view(args[1]) == "explain") {
+    const bool list = absl::GetFlag(FLAGS_list);
+    if (args.size() != (list ? 2u : 3u)) {
+      std::fprintf(stderr, "epctl: explain takes one reason (EPD-2003 or its name) or --list\n");
+      return 2;
+    }
+    return epd::epctl::RunExplain(list ? "" : args[2], list, absl::GetFlag(FLAGS_json));
+  }
   if (args.size() != 2) {
     if (args.size() > 2) std::fprintf(stderr, "epctl: unexpected argument \"%s\"\n", args[2]);
     std::fprintf(stderr, "epctl: %s\n", kUsage);

@@ -3,26 +3,27 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "common/errors/grpc_status.h"
+#include "common/errors/reason.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/core/logging.h"
 #include "daemon/server/peer_credentials.h"
 
 namespace epd {
 
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
+grpc::Status ToGrpcStatus(const absl::Status& status) { return errors::ToGrpcStatus(status); }
 
 namespace {
 
 /// UNAUTHENTICATED for a call that did not come through epd's own unix listener, which
 /// alone records a connection's SO_PEERCRED: epd knows a client by nothing else.
 absl::Status NoCredentials(const std::string& peer) {
-  return absl::UnauthenticatedError(
-      absl::StrCat("epd knows a client by the kernel's credentials of its connection to epd's unix "
-                   "socket (SO_PEERCRED), and this call (peer \"",
-                   EscapeClientText(peer), "\") has none; connect to the unix socket"));
+  return errors::WithReason(
+      absl::UnauthenticatedError(absl::StrCat(
+          "epd knows a client by the kernel's credentials of its connection to epd's unix "
+          "socket (SO_PEERCRED), and this call (peer \"",
+          EscapeClientText(peer), "\") has none; connect to the unix socket")),
+      errors::Reason::kNoCredentials);
 }
 
 /// The caller of a Control RPC as the kernel knows it: SO_PEERCRED of its connection to
@@ -134,7 +135,8 @@ class ControlService::SessionReactor
       StartWrite(&response_);
     }
     EndLocked("daemon shutting down",
-              grpc::Status(grpc::StatusCode::UNAVAILABLE, "epd is shutting down"));
+              ToGrpcStatus(errors::WithReason(absl::UnavailableError("epd is shutting down"),
+                                              errors::Reason::kDaemonDraining)));
   }
 
  private:

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "daemon/core/logging.h"
 #include "daemon/transport/fault/fault_transport.h"
@@ -121,9 +122,11 @@ absl::StatusOr<std::unique_ptr<Transports>> StartTransports(const v1::DaemonConf
     std::vector<std::string> lines = out->preflight;
     if (lines.empty()) lines.push_back(rdma_refusal);
     out->Shutdown();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "transport: \"rdma\" is configured but this daemon cannot run it (no fallback to tcp): ",
-        absl::StrJoin(lines, "; ")));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat("transport: \"rdma\" is configured but this "
+                                                   "daemon cannot run it (no fallback to tcp): ",
+                                                   absl::StrJoin(lines, "; "))),
+        errors::Reason::kRdmaUnavailable);
   }
   return out;
 }

@@ -29,23 +29,30 @@ __all__ = [
 
 class EpdError(RuntimeError):
     """An epd call failed. code: the absl status code (int); code_name: its name
-    ("INVALID_ARGUMENT"); message: epd's message, naming the field and value at fault."""
+    ("INVALID_ARGUMENT"); message: epd's message, naming the field and value at fault;
+    reason: the error catalog's code ("EPD-2003", docs/ERRORS.md; `epctl explain` prints its
+    cause and next step) and reason_name its name ("CUDA_DRIVER_TOO_OLD"); "" when the
+    exception was not raised by epd."""
 
-    def __init__(self, code, code_name, message):
+    def __init__(self, code, code_name, message, reason="", reason_name=""):
         RuntimeError.__init__(self, code, code_name, message)
         self.code = code
         self.code_name = code_name
         self.message = message
+        self.reason = reason
+        self.reason_name = reason_name
         if isinstance(self, OSError):  # errno/strerror of an OSError base mean nothing here
             self.errno = None
             self.strerror = message
             self.filename = None
 
     def __str__(self):
-        return "%s: %s" % (self.code_name, self.message)
+        if not self.reason:
+            return "%s: %s" % (self.code_name, self.message)
+        return "%s: %s [%s %s]" % (self.code_name, self.message, self.reason, self.reason_name)
 
     def __reduce__(self):
-        return (type(self), (self.code, self.code_name, self.message))
+        return (type(self), (self.code, self.code_name, self.message, self.reason, self.reason_name))
 
 
 class CancelledError(EpdError):

@@ -644,8 +644,9 @@ py::object Endpoint::Submit(const char* op_name, const Inputs& in, bool torch_mo
   }
   if (status != EPD_OK) {
     std::string message = epd_last_error();
+    const int32_t reason = epd_last_error_reason();
     ReturnOp(std::move(op));
-    RaiseStatus(status, message);
+    RaiseStatus(status, message, reason);
   }
   return py::cast(PendingOp(shared_from_this(), std::move(op), in.Keep(), torch_mode));
 }
