@@ -134,6 +134,10 @@ absl::Status WithDefaultReason(absl::Status status, Reason reason) {
   return WithReason(std::move(status), reason);
 }
 
+absl::Status CopyReason(const absl::Status& from, absl::Status to) {
+  return HasReason(from) ? WithReason(std::move(to), ReasonOf(from)) : to;
+}
+
 bool HasReason(const absl::Status& status) {
   return !status.ok() && status.GetPayload(kErrorInfoTypeUrl).has_value();
 }

@@ -63,6 +63,10 @@ absl::Status WithReason(absl::Status status, Reason reason);
 /// calls inside.
 absl::Status WithDefaultReason(absl::Status status, Reason reason);
 
+/// `to` with the reason `from` carries, if it carries one: for a status rebuilt from another
+/// (its message prefixed) that must keep the original's reason.
+absl::Status CopyReason(const absl::Status& from, absl::Status to);
+
 /// True when `status` carries a reason payload.
 bool HasReason(const absl::Status& status);
 

@@ -454,7 +454,8 @@ bool LockstepGroup::RunOp() {
   for (int r = first; r < R; ++r) {
     if (endpoints_[r]->slot_error) {
       const absl::Status& e = *endpoints_[r]->slot_error;
-      FailOp(absl::Status(e.code(), absl::StrCat("rank ", r, ": ", e.message())));
+      FailOp(errors::CopyReason(
+          e, absl::Status(e.code(), absl::StrCat("rank ", r, ": ", e.message()))));
       return true;
     }
     slots[r] = *endpoints_[r]->request;
@@ -562,8 +563,8 @@ void LockstepGroup::FinishOp() {
       const absl::Status& e = outcomes[first_bad].status;
       for (int r = 0; r < R; ++r) {
         if (outcomes[r].status.ok()) {
-          outcomes[r].status =
-              absl::Status(e.code(), absl::StrCat("rank ", first_bad, ": ", e.message()));
+          outcomes[r].status = errors::CopyReason(
+              e, absl::Status(e.code(), absl::StrCat("rank ", first_bad, ": ", e.message())));
         }
       }
     }
