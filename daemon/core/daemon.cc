@@ -94,6 +94,16 @@ std::string DescribeLiveServer(const std::string& path) {
                       response.serving_status(), ")");
 }
 
+/// FAILED_PRECONDITION: another server answers on `socket_path`.
+absl::Status SocketInUse(const std::string& socket_path) {
+  return errors::WithReason(
+      absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: ", socket_path, " is in use by a live ", DescribeLiveServer(socket_path),
+          "; refusing to start a second epd on it (stop the other one or choose another "
+          "--socket)")),
+      errors::Reason::kSocketUnsafe);
+}
+
 /// The gid of the socket_group `name` (which owns the socket).
 /// NOT_FOUND naming the field, its flag and the value when the machine has no such group.
 absl::StatusOr<gid_t> LookUpSocketGroup(const std::string& name) {
@@ -430,13 +440,7 @@ absl::Status Daemon::PrepareSocketPath() {
     const pid_t holder = attempt.holder;
     int probe_err = 0;
     if (ProbeUnixSocket(socket_path_, &probe_err) == SocketProbe::kLive) {
-      return errors::WithReason(
-          absl::FailedPreconditionError(absl::StrCat(
-              "socket_path: ", socket_path_, " is in use by a live ",
-              DescribeLiveServer(socket_path_),
-              "; refusing to start a second epd on it (stop the other one or choose another "
-              "--socket)")),
-          errors::Reason::kSocketUnsafe);
+      return SocketInUse(socket_path_);
     }
     if (holder != 0) {
       // A running epd that does not answer on the socket: still starting, or its socket
@@ -467,13 +471,7 @@ absl::Status Daemon::PrepareSocketPath() {
   int err = 0;
   switch (ProbeUnixSocket(socket_path_, &err)) {
     case SocketProbe::kLive:
-      return errors::WithReason(
-          absl::FailedPreconditionError(absl::StrCat(
-              "socket_path: ", socket_path_, " is in use by a live ",
-              DescribeLiveServer(socket_path_),
-              "; refusing to start a second epd on it (stop the other one or choose another "
-              "--socket)")),
-          errors::Reason::kSocketUnsafe);
+      return SocketInUse(socket_path_);
     case SocketProbe::kStale:
       log->warn("replacing stale socket file {} (nothing listens on it)", socket_path_);
       if (::unlink(socket_path_.c_str()) != 0 && errno != ENOENT) {

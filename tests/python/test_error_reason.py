@@ -1,7 +1,8 @@
-"""The error catalog in Python (docs/ERRORS.md): every EpdError raised by epd carries
-`reason` ("EPD-1001") and `reason_name` ("SPEC_INVALID"): errors the daemon sends over gRPC
-(a bad spec, a wrong join secret, a rank already held), errors of the binding's own checks
-(the generic reason of their code), str() naming the reason, and pickling keeping it."""
+"""The error catalog in Python (docs/ERRORS.md): every EpdError carries `reason`
+("EPD-1001") and `reason_name` ("SPEC_INVALID"): errors the daemon sends over gRPC (a bad
+spec, a wrong join secret, a rank already held), errors of the binding's and the package's
+own checks (the unclassified reason of their code), str() naming a specific reason, and
+pickling keeping it."""
 
 import pickle
 
@@ -34,14 +35,21 @@ def test_binding_errors_get_the_generic_reason_of_their_code(client):
     with pytest.raises(epd.InvalidArgumentError) as e:
         client.join(T.unique_spec("generic"), 0, gpu=1.5)
     assert (e.value.reason, e.value.reason_name) == ("EPD-9003", "INVALID_ARGUMENT")
+    assert str(e.value).startswith("INVALID_ARGUMENT: ") and "EPD-9003" not in str(e.value)
+    with pytest.raises(epd.InvalidArgumentError) as e:  # The package's own check.
+        client.join(T.unique_spec("generic")._replace(nodes="not a list"), 0)
+    assert (e.value.reason, e.value.reason_name) == ("EPD-9003", "INVALID_ARGUMENT")
 
 
-def test_reason_pickles_and_defaults_to_empty():
+def test_reason_pickles_and_defaults_to_the_unclassified_one():
     e = epd.PermissionDeniedError(7, "PERMISSION_DENIED", "join_secret: wrong", "EPD-4001",
                                   "JOIN_SECRET_MISMATCH")
     back = pickle.loads(pickle.dumps(e))
     assert type(back) is epd.PermissionDeniedError
     assert (back.reason, back.reason_name) == ("EPD-4001", "JOIN_SECRET_MISMATCH")
     assert str(back) == "PERMISSION_DENIED: join_secret: wrong [EPD-4001 JOIN_SECRET_MISMATCH]"
-    plain = epd.EpdError(2, "UNKNOWN", "made by hand")
-    assert plain.reason == "" and plain.reason_name == "" and str(plain) == "UNKNOWN: made by hand"
+    # Built without a reason (by hand, or by the package's own checks): the unclassified one.
+    plain = epd.InternalError(13, "INTERNAL", "made by hand")
+    assert (plain.reason, plain.reason_name) == ("EPD-9013", "INTERNAL_UNCLASSIFIED")
+    assert str(plain) == "INTERNAL: made by hand"
+

@@ -738,6 +738,9 @@ PYBIND11_MODULE(_C, m) {
       "version", [] { return std::string(epd_version_string()); }, "epd's version string.");
   m.def("abi_version", &epd_abi_version, "The library's C ABI version.");
   m.def("status_name", [](int code) { return std::string(epd_status_name(code)); });
+  m.def(
+      "reason_name", [](int32_t reason) { return std::string(epd_reason_name(reason)); },
+      "The error catalog's name of a reason number (docs/ERRORS.md).");
 
   BindDlpack(m);
   g_results.layout =
