@@ -83,10 +83,11 @@ bool SameType(DLDataType a, DLDataType b) {
 
 absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTensor* t,
                          std::initializer_list<DLDataType> dtypes, std::span<int64_t> shape) {
-  if (t == nullptr)
+  if (t == nullptr) {
     return errors::WithReason(
         absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is required")),
         errors::Reason::kOpInputInvalid);
+  }
   if (t->ndim < 0 || t->ndim > 8 || (t->ndim > 0 && t->shape == nullptr)) {
     return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
                                   op, ": ", name, " is a malformed DLTensor: ndim = ", t->ndim,
@@ -146,10 +147,11 @@ absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTe
   if (t->data == nullptr) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
-    if (n > 0)
+    if (n > 0) {
       return errors::WithReason(
           absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has no data")),
           errors::Reason::kOpInputInvalid);
+    }
   }
   EPD_RETURN_IF_ERROR(CheckTensorAlignment(op, name, t));
   return CheckTensorExtent(op, name, t);

@@ -531,9 +531,10 @@ absl::StatusOr<v1::DaemonConfig> LoadDaemonConfigFile(const std::string& path) {
     int err = errno;
     std::string message =
         absl::StrCat("--config: cannot read \"", path, "\": ", std::strerror(err));
-    if (err == EACCES)
+    if (err == EACCES) {
       return errors::WithReason(absl::PermissionDeniedError(message),
                                 errors::Reason::kConfigInvalid);
+    }
     return errors::WithReason(absl::NotFoundError(message), errors::Reason::kConfigInvalid);
   }
   std::stringstream buffer;
@@ -799,9 +800,10 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
                               errors::Reason::kConfigInvalid);
   }
   for (const std::string& uuid : config.gpu_uuids()) {
-    if (uuid.empty())
+    if (uuid.empty()) {
       return errors::WithReason(absl::InvalidArgumentError("gpu_uuids: an entry is empty"),
                                 errors::Reason::kConfigInvalid);
+    }
   }
   return ValidatePeerConfig(config);
 }
@@ -815,11 +817,13 @@ absl::StatusOr<std::string> ReadSmallFile(absl::string_view field, const std::st
   if (!fd.valid()) {
     const int err = errno;
     std::string message = absl::StrCat(field, ": cannot read \"", path, "\": ", std::strerror(err));
-    if (err == EACCES || err == EPERM)
+    if (err == EACCES || err == EPERM) {
       return errors::WithReason(absl::PermissionDeniedError(message),
                                 errors::Reason::kConfigInvalid);
-    if (err == ENOENT)
+    }
+    if (err == ENOENT) {
       return errors::WithReason(absl::NotFoundError(message), errors::Reason::kConfigInvalid);
+    }
     return errors::WithReason(absl::FailedPreconditionError(message),
                               errors::Reason::kConfigInvalid);
   }

@@ -171,9 +171,10 @@ absl::Status ProbeGrpcListener(const std::string& host, int port, absl::Duration
       "the Peer listener at ", where, " took no connection within ", MsText(timeout),
       " (its accept loop may have stopped, e.g. after the daemon ran out of file descriptors; "
       "restart epd if this persists)");
-  if (wait(POLLOUT) == 0)
+  if (wait(POLLOUT) == 0) {
     return errors::WithReason(absl::DeadlineExceededError(stalled),
                               errors::Reason::kPeerUnreachable);
+  }
   int err = 0;
   socklen_t len = sizeof(err);
   if (::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
@@ -192,9 +193,10 @@ absl::Status ProbeGrpcListener(const std::string& host, int port, absl::Duration
         absl::UnavailableError(absl::StrCat("probe of ", where, ": send: ", std::strerror(e))),
         errors::Reason::kPeerUnreachable);
   }
-  if (wait(POLLIN) == 0)
+  if (wait(POLLIN) == 0) {
     return errors::WithReason(absl::DeadlineExceededError(stalled),
                               errors::Reason::kPeerUnreachable);
+  }
   return absl::OkStatus();
 }
 
@@ -1147,9 +1149,10 @@ class GroupPeersImpl final : public GroupPeers {
                 absl::StrCat("group \"", name, "\": ", NodeText(*g_, i), " is lost: ", n.reason)),
             errors::Reason::kPeerUnreachable);
       }
-      if (n.state == NodeState::kMismatch)
+      if (n.state == NodeState::kMismatch) {
         return errors::WithReason(absl::FailedPreconditionError(n.reason),
                                   errors::Reason::kSpecMismatch);
+      }
     }
     return absl::OkStatus();
   }
@@ -1207,9 +1210,10 @@ bool IsWildcardHost(absl::string_view listen) {
 // GrpcPeerMesh.
 
 absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> GrpcPeerMesh::Start(PeerMeshOptions options) {
-  if (options.listen.empty())
+  if (options.listen.empty()) {
     return errors::WithReason(absl::InvalidArgumentError("peer_listen: empty"),
                               errors::Reason::kConfigInvalid);
+  }
   if (options.secret.size() < kMinPeerSecretBytes) {
     return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
                                   "peer_secret_file: the secret has ", options.secret.size(),
@@ -1390,9 +1394,10 @@ absl::StatusOr<std::unique_ptr<GroupPeers>> GrpcPeerMesh::RegisterGroup(
     }
   } retired;
   absl::MutexLock lock(&state_->mu);
-  if (state_->stopping)
+  if (state_->stopping) {
     return errors::WithReason(absl::UnavailableError("the Peer mesh is shutting down"),
                               errors::Reason::kPeerUnreachable);
+  }
   for (auto it = state_->peers.begin(); it != state_->peers.end();) {
     if (it->second->retired) {
       retired.conns.push_back(std::move(it->second));

@@ -251,9 +251,10 @@ class FaultGroupLink final : public GroupLink {
     if (!Valid(node)) return inner_->PostWrite(node, pieces, imm);
     Peer& p = peers_[static_cast<size_t>(node)];
     if (!p.failed.ok()) return p.failed;
-    if (p.partitioned_since)
+    if (p.partitioned_since) {
       return errors::WithReason(absl::UnavailableError(PartitionMessage(node)),
                                 errors::Reason::kTransportFailed);
+    }
     const PeerFaults f = plan_.For(node);
     if (f.reset_after_writes && p.posted >= static_cast<uint64_t>(*f.reset_after_writes)) {
       // The engine learns it from the answer: no wake from inside its own call.
