@@ -61,8 +61,10 @@ namespace {
 absl::Status CopyOutString(const std::string& text, char* buf, size_t capacity, size_t* length) {
   if (length != nullptr) *length = text.size();
   if (capacity < text.size() + 1) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "capacity=", capacity, " is too small: ", text.size() + 1, " bytes are needed"));
+    return errors::WithReason(
+        absl::OutOfRangeError(absl::StrCat(
+            "capacity=", capacity, " is too small: ", text.size() + 1, " bytes are needed")),
+        errors::Reason::kBufferTooSmall);
   }
   EPD_RETURN_IF_ERROR(NotNull(buf, "buf"));
   std::memcpy(buf, text.data(), text.size());

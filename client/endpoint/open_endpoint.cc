@@ -37,7 +37,7 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
     return errors::WithReason(
         absl::FailedPreconditionError(absl::StrCat("epd speaks shm ABI ", info.abi_version(),
                                                    ", this client ", abi::kShmAbiVersion)),
-        errors::Reason::kRequestMalformed);
+        errors::Reason::kVersionIncompatible);
   }
   if (info.backend() == "cuda") {
 #if EPD_HAVE_CUDA

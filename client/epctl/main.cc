@@ -24,6 +24,7 @@
 #include "client/epctl/explain.h"
 #include "client/epctl/format.h"
 #include "client/request_text.h"
+#include "common/errors/reason.h"
 #include "common/version.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -164,8 +165,8 @@ std::shared_ptr<grpc::Channel> Connect(const std::string& target) {
 }
 
 int RpcFailed(const grpc::Status& status, const std::string& target) {
-  return Fail(
-      epd::internal::ExplainControlError(epd::internal::FromGrpcStatus(status), target).ToString());
+  return Fail(epd::errors::StatusText(
+      epd::internal::ExplainControlError(epd::internal::FromGrpcStatus(status), target)));
 }
 
 void Print(const std::string& text) { std::fwrite(text.data(), 1, text.size(), stdout); }

@@ -134,6 +134,16 @@ absl::Status WithDefaultReason(absl::Status status, Reason reason) {
   return WithReason(std::move(status), reason);
 }
 
+std::string StatusText(const absl::Status& status) {
+  if (status.ok()) return "OK";
+  std::string text = absl::StrCat(absl::StatusCodeToString(status.code()), ": ", status.message());
+  const Reason reason = ReasonOf(status);
+  if (HasReason(status) && static_cast<int32_t>(reason) < 9000) {
+    absl::StrAppend(&text, " [", ReasonCode(reason), " ", ReasonName(reason), "]");
+  }
+  return text;
+}
+
 absl::Status CopyReason(const absl::Status& from, absl::Status to) {
   return HasReason(from) ? WithReason(std::move(to), ReasonOf(from)) : to;
 }

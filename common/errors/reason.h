@@ -74,6 +74,11 @@ bool HasReason(const absl::Status& status);
 /// one); kUnspecified for OK.
 Reason ReasonOf(const absl::Status& status);
 
+/// "CODE: message", followed by " [EPD-1006 OP_INPUT_INVALID]" when `status` carries a
+/// specific (not unclassified) reason: absl's ToString without the payload's raw bytes, for
+/// logs and messages people read. "OK" for OK.
+std::string StatusText(const absl::Status& status);
+
 /// The payload's bytes for `reason` (ErrorInfo{reason}) and their parse. Parse gives false
 /// for bytes that are not an ErrorInfo; a missing reason field parses as kUnspecified.
 std::string EncodeErrorInfo(Reason reason);

@@ -190,11 +190,11 @@ grpc::ServerUnaryReactor* ControlService::JoinGroup(grpc::CallbackServerContext*
   } else {
     // The name is the client's, unvalidated: escaped and capped (a '\n' would forge a line).
     // The join secret is never logged (nor is it in any error message).
-    LogLimited(*GetLogger(kLogControl), spdlog::level::info,
-               *registry_->ControlLogBudget(caller->uid), "its refused joins",
-               "JoinGroup group \"{}\" rank {} from {} ({}) refused: {}",
-               EscapeClientText(request->spec().name()), request->rank(),
-               DescribeCredentials(*caller), context->peer(), endpoint.status().ToString());
+    LogLimited(
+        *GetLogger(kLogControl), spdlog::level::info, *registry_->ControlLogBudget(caller->uid),
+        "its refused joins", "JoinGroup group \"{}\" rank {} from {} ({}) refused: {}",
+        EscapeClientText(request->spec().name()), request->rank(), DescribeCredentials(*caller),
+        context->peer(), errors::StatusText(endpoint.status()));
   }
   reactor->Finish(ToGrpcStatus(endpoint.status()));
   return reactor;
@@ -234,7 +234,7 @@ grpc::ServerUnaryReactor* ControlService::GetGroupEndpoints(
         } else {
           LogLimited(*GetLogger(kLogControl), spdlog::level::info, *budget,
                      "its GetGroupEndpoints calls", "GetGroupEndpoints group \"{}\" rank {}: {}",
-                     group, rank, endpoints.status().ToString());
+                     group, rank, errors::StatusText(endpoints.status()));
         }
         reactor->Finish(ToGrpcStatus(endpoints.status()));
       });

@@ -216,7 +216,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(v1::DaemonConfig config,
   std::unique_ptr<Daemon> daemon(new Daemon(std::move(config), std::move(options)));
   absl::Status status = daemon->Init();
   if (!status.ok()) {
-    GetLogger(kLogDaemon)->error("epd failed to start: {}", status.ToString());
+    GetLogger(kLogDaemon)->error("epd failed to start: {}", errors::StatusText(status));
     return status;
   }
   return daemon;

@@ -979,7 +979,7 @@ class Worker {
   }
 
   void NoteError(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st_->mu) {
-    std::string text = s.ToString();
+    std::string text = errors::StatusText(s);
     if (text != pc_->last_error) {
       GetLogger(kLogPeer)->info("Peer {}: {}", pc_->address, text);
       pc_->last_error = std::move(text);

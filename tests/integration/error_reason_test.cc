@@ -4,8 +4,8 @@
 //   a rank already held (RANK_TAKEN), a spec differing from the live group (SPEC_MISMATCH);
 // - the shm completion record: ranks that disagree on an op's options fail it in the daemon
 //   (OP_INPUT_INVALID) and the client reads the reason back from Completion.reason;
-// - the C ABI: epd_last_error_reason() and epd_reason_name() for the same errors, and 0
-//   after a call that succeeded;
+// - the C ABI: epd_last_error_reason() and epd_reason_name() for the same errors, a buffer
+//   too small (BUFFER_TOO_SMALL), and 0 after a call that succeeded;
 // - `epctl explain` by code, by name, --list and --json, and an unknown reason.
 #include <cstdint>
 #include <cstring>
@@ -205,6 +205,13 @@ TEST_F(ErrorReasonTest, CAbiReportsTheLastErrorsReason) {
   EXPECT_STREQ(epd_reason_name(1006), "OP_INPUT_INVALID");
   EXPECT_STREQ(epd_reason_name(0), "UNSPECIFIED");
   EXPECT_STREQ(epd_reason_name(1), "UNKNOWN_REASON");
+
+  // A caller's buffer too small.
+  char small[2];
+  size_t needed = 0;
+  EXPECT_EQ(epd_client_stats_json(client, small, sizeof small, &needed), EPD_OUT_OF_RANGE);
+  EXPECT_EQ(epd_last_error_reason(), 1010) << epd_last_error();
+  EXPECT_STREQ(epd_reason_name(1010), "BUFFER_TOO_SMALL");
 
   // An error of the library itself gets the generic reason of its code.
   EXPECT_EQ(epd_client_join(nullptr, nullptr, nullptr), EPD_INVALID_ARGUMENT);

@@ -113,6 +113,25 @@ TEST(ErrorReasonTest, CatalogMatchesTheProtoEnum) {
   EXPECT_EQ(ReasonCode(Reason::kCudaDriverTooOld), "EPD-2003");
 }
 
+TEST(ErrorReasonTest, StatusTextNamesSpecificReasonsWithoutRawPayload) {
+  EXPECT_EQ(StatusText(absl::OkStatus()), "OK");
+  EXPECT_EQ(StatusText(absl::NotFoundError("gpu")), "NOT_FOUND: gpu");
+  EXPECT_EQ(StatusText(WithReason(absl::NotFoundError("gpu"), Reason::kGpuNotFound)),
+            "NOT_FOUND: gpu [EPD-1011 GPU_NOT_FOUND]");
+  // An explicit unclassified reason says nothing the code does not.
+  EXPECT_EQ(StatusText(WithReason(absl::NotFoundError("x"), Reason::kNotFound)), "NOT_FOUND: x");
+  // absl's ToString shows the payload's bytes; StatusText does not.
+  const absl::Status s = WithReason(absl::InternalError("x"), Reason::kCudaError);
+  EXPECT_NE(s.ToString().find(std::string(kErrorInfoTypeUrl)), std::string::npos);
+  EXPECT_EQ(StatusText(s).find("type.googleapis.com"), std::string::npos);
+}
+
+TEST(ErrorReasonTest, CopyReasonKeepsTheOriginalsReasonOnly) {
+  const absl::Status from = WithReason(absl::InternalError("a"), Reason::kGpuKernelFault);
+  EXPECT_EQ(ReasonOf(CopyReason(from, absl::InternalError("rank 1: a"))), Reason::kGpuKernelFault);
+  EXPECT_FALSE(HasReason(CopyReason(absl::InternalError("a"), absl::InternalError("b"))));
+}
+
 TEST(ErrorReasonTest, LookupByCodeNumberOrName) {
   for (const char* text : {"EPD-2003", "epd-2003", "2003", "CUDA_DRIVER_TOO_OLD",
                            "cuda_driver_too_old", "ERROR_REASON_CUDA_DRIVER_TOO_OLD", " 2003 "}) {

@@ -320,6 +320,7 @@ abi::ExchangeHeader& NodeExchange::StageHeader(int32_t n, uint64_t seq, uint32_t
   h.num_ranks = span_.count[span_.self];
   h.handle_seq = handle_age;
   h.status_code = static_cast<int32_t>(status.code());
+  h.reason = status.ok() ? 0 : static_cast<uint32_t>(errors::ReasonOf(status));
   const size_t len = std::min<size_t>(status.message().size(), abi::kExchangeMessageBytes);
   if (len > 0) std::memcpy(h.message, status.message().data(), len);
   h.message_bytes = static_cast<uint32_t>(len);
@@ -446,7 +447,8 @@ absl::Status NodeExchange::CheckHeader(int32_t n, uint64_t seq) {
         absl::StrAppend(&text, "\\x", absl::Hex(u, absl::kZeroPad2));
       }
     }
-    return absl::Status(static_cast<absl::StatusCode>(code), text);
+    return errors::WithReason(absl::Status(static_cast<absl::StatusCode>(code), text),
+                              static_cast<errors::Reason>(h.reason));  // 0: none.
   }
   return absl::OkStatus();
 }
@@ -606,6 +608,7 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
     pieces.clear();
     if (header_only) {
       h.status_code = static_cast<int32_t>(local.code());
+      h.reason = static_cast<uint32_t>(errors::ReasonOf(local));
       const size_t len = std::min<size_t>(local.message().size(), abi::kExchangeMessageBytes);
       if (len > 0) std::memcpy(h.message, local.message().data(), len);
       h.message_bytes = static_cast<uint32_t>(len);
