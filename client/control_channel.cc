@@ -61,7 +61,14 @@ std::shared_ptr<grpc::Channel> MakeControlChannel(const std::string& target) {
   return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
 }
 
-absl::Status FromGrpcStatus(const grpc::Status& status) { return errors::FromGrpcStatus(status); }
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  absl::Status st = errors::FromGrpcStatus(status);
+  // gRPC's own UNAVAILABLE (no reason from epd): nothing answers on the socket.
+  if (absl::IsUnavailable(st)) {
+    st = errors::WithDefaultReason(std::move(st), errors::Reason::kDaemonUnavailable);
+  }
+  return st;
+}
 
 absl::Status AnnotateUnavailable(const absl::Status& status, const std::string& target) {
   if (status.code() != absl::StatusCode::kUnavailable) return status;

@@ -114,7 +114,14 @@ std::string Hex(absl::string_view bytes) { return absl::BytesToHexString(bytes);
 
 std::string MsText(absl::Duration d) { return absl::StrCat(absl::ToInt64Milliseconds(d), " ms"); }
 
-absl::Status FromGrpc(const grpc::Status& s) { return errors::FromGrpcStatus(s); }
+absl::Status FromGrpc(const grpc::Status& s) {
+  absl::Status st = errors::FromGrpcStatus(s);
+  // gRPC's own failures carry no reason: the peer could not be reached (in time).
+  if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st)) {
+    st = errors::WithDefaultReason(std::move(st), errors::Reason::kPeerUnreachable);
+  }
+  return st;
+}
 
 }  // namespace
 

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "client/control_channel.h"
 #include "client/epctl/explain.h"
 #include "common/errors/grpc_status.h"
 #include "common/errors/reason.h"
@@ -182,6 +183,17 @@ TEST(ErrorReasonGrpcTest, UnclassifiedAndForeignDetails) {
       FromGrpcStatus(grpc::Status(grpc::StatusCode::INTERNAL, "x", std::string("\xff\xff", 2)));
   EXPECT_EQ(junk.code(), absl::StatusCode::kInternal);
   EXPECT_EQ(ReasonOf(junk), Reason::kInternalUnclassified);
+}
+
+TEST(ErrorReasonGrpcTest, ClientNamesAGrpcUnavailableTheDaemonsAbsence) {
+  // gRPC's own UNAVAILABLE (nothing answers): DAEMON_UNAVAILABLE; epd's own reason is kept.
+  EXPECT_EQ(ReasonOf(internal::FromGrpcStatus(grpc::Status(grpc::StatusCode::UNAVAILABLE, "x"))),
+            Reason::kDaemonUnavailable);
+  EXPECT_EQ(ReasonOf(internal::FromGrpcStatus(ToGrpcStatus(
+                WithReason(absl::UnavailableError("draining"), Reason::kDaemonDraining)))),
+            Reason::kDaemonDraining);
+  EXPECT_EQ(ReasonOf(internal::FromGrpcStatus(grpc::Status(grpc::StatusCode::INTERNAL, "x"))),
+            Reason::kInternalUnclassified);
 }
 
 TEST(EpctlExplainTest, OneReasonAndTheList) {
