@@ -17,6 +17,7 @@
 #include "client/endpoint/endpoint_internal.h"
 #include "client/fd_channel.h"
 #include "client/request_text.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "common/version.h"
 #include "epd/v1/control.grpc.pb.h"
@@ -81,15 +82,18 @@ struct Client::Impl {
     session_watch->MarkLost();
     absl::MutexLock lock(&mu);
     ended = true;
-    end_status = status.ok() ? absl::UnavailableError("epd ended the session")
+    end_status = status.ok() ? errors::WithReason(absl::UnavailableError("epd ended the session"),
+                                                  errors::Reason::kDaemonUnavailable)
                              : internal::FromGrpcStatus(status);
   }
 
   absl::Status SessionAlive() {
     absl::MutexLock lock(&mu);
     if (!ended) return absl::OkStatus();
-    return absl::UnavailableError(absl::StrCat("the session with epd on ", control->target,
-                                               " ended: ", end_status.message()));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat("the session with epd on ", control->target,
+                                            " ended: ", end_status.message())),
+        errors::Reason::kDaemonUnavailable);
   }
 
   ~Impl() {
@@ -116,9 +120,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   EPD_RETURN_IF_ERROR(internal::CheckUnixSocket(control->target, "ClientOptions::socket_path"));
   const absl::Time deadline = absl::Now() + options.connect_timeout;
   if (!control->channel->WaitForConnected(absl::ToChronoTime(deadline))) {
-    return absl::UnavailableError(absl::StrCat(
-        "no epd daemon answers on ", control->target, " within ",
-        absl::FormatDuration(options.connect_timeout), " (is epd running on that socket?)"));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat(
+            "no epd daemon answers on ", control->target, " within ",
+            absl::FormatDuration(options.connect_timeout), " (is epd running on that socket?)")),
+        errors::Reason::kDaemonUnavailable);
   }
   impl->stream = control->stub->Session(&impl->session_context);
   v1::SessionRequest hello;
@@ -129,10 +135,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     // The server may refuse before the first write lands (e.g. UNIMPLEMENTED from epd's
     // TCP health listener): explained as when the refusal comes after it.
     grpc::Status status = impl->stream->Finish();
-    return internal::ExplainControlError(status.ok()
-                                             ? absl::UnavailableError("Session stream closed")
-                                             : internal::FromGrpcStatus(status),
-                                         control->target);
+    return internal::ExplainControlError(
+        status.ok() ? errors::WithReason(absl::UnavailableError("Session stream closed"),
+                                         errors::Reason::kDaemonUnavailable)
+                    : internal::FromGrpcStatus(status),
+        control->target);
   }
   Impl* raw = impl.get();
   impl->reader = std::thread([raw] { raw->ReadSession(); });
@@ -143,9 +150,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     };
     if (!impl->mu.AwaitWithDeadline(absl::Condition(&answered), deadline)) {
       impl->session_context.TryCancel();  // The reader ends; ~Impl joins it.
-      return absl::UnavailableError(absl::StrCat("epd on ", control->target,
-                                                 " did not open a Session within ",
-                                                 absl::FormatDuration(options.connect_timeout)));
+      return errors::WithReason(absl::UnavailableError(absl::StrCat(
+                                    "epd on ", control->target, " did not open a Session within ",
+                                    absl::FormatDuration(options.connect_timeout))),
+                                errors::Reason::kDaemonUnavailable);
     }
     if (impl->session_id.empty()) {
       return internal::ExplainControlError(impl->end_status, control->target);
@@ -171,9 +179,10 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Client::Join(const JoinOptions& option
         options.spec.nodes(i).peer_address(), internal::kMaxPeerAddressBytes));
   }
   if (options.join_secret.size() > internal::kMaxJoinSecretBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("JoinOptions::join_secret is ",
-                                                   options.join_secret.size(), " bytes; at most ",
-                                                   internal::kMaxJoinSecretBytes, " are taken"));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  "JoinOptions::join_secret is ", options.join_secret.size(),
+                                  " bytes; at most ", internal::kMaxJoinSecretBytes, " are taken")),
+                              errors::Reason::kInvalidArgument);
   }
   std::shared_ptr<ControlHandle> control = impl_->control;
   v1::JoinGroupRequest request;
@@ -310,10 +319,12 @@ absl::StatusOr<std::vector<GroupNode>> NodesFromRankAddresses(
     }
     for (const GroupNode& node : nodes) {
       if (node.peer_address == address) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("rank ", r, "'s daemon \"", absl::CHexEscape(address),
-                         "\" also hosts earlier ranks, but not rank ", r - 1,
-                         ": a node's ranks must be contiguous (order the ranks by node)"));
+        return errors::WithReason(
+            absl::InvalidArgumentError(
+                absl::StrCat("rank ", r, "'s daemon \"", absl::CHexEscape(address),
+                             "\" also hosts earlier ranks, but not rank ", r - 1,
+                             ": a node's ranks must be contiguous (order the ranks by node)")),
+            errors::Reason::kNodesInvalid);
       }
     }
     nodes.push_back({address, 1});
@@ -321,10 +332,12 @@ absl::StatusOr<std::vector<GroupNode>> NodesFromRankAddresses(
   if (nodes.size() <= 1) return std::vector<GroupNode>{};
   for (size_t i = 0, first = 0; i < nodes.size(); first += nodes[i].num_ranks, ++i) {
     if (nodes[i].peer_address.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ranks ", first, "..", first + nodes[i].num_ranks - 1,
-          " have a daemon without a Peer address (its peer_listen is off) while other ranks' "
-          "daemons have one: a group across daemons needs peer_listen on every daemon"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat(
+              "ranks ", first, "..", first + nodes[i].num_ranks - 1,
+              " have a daemon without a Peer address (its peer_listen is off) while other ranks' "
+              "daemons have one: a group across daemons needs peer_listen on every daemon")),
+          errors::Reason::kNodesInvalid);
     }
   }
   return nodes;

@@ -15,6 +15,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/errors/grpc_status.h"
+#include "common/errors/reason.h"
 
 namespace epd::internal {
 
@@ -60,22 +62,31 @@ std::shared_ptr<grpc::Channel> MakeControlChannel(const std::string& target) {
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  absl::Status st = errors::FromGrpcStatus(status);
+  // gRPC's own UNAVAILABLE (no reason from epd): nothing answers on the socket.
+  if (absl::IsUnavailable(st)) {
+    st = errors::WithDefaultReason(std::move(st), errors::Reason::kDaemonUnavailable);
+  }
+  return st;
 }
 
 absl::Status AnnotateUnavailable(const absl::Status& status, const std::string& target) {
   if (status.code() != absl::StatusCode::kUnavailable) return status;
-  return absl::UnavailableError(absl::StrCat("no epd daemon answers on ", target, ": ",
-                                             status.message(), " (is epd running?)"));
+  // The daemon's own reason (e.g. DAEMON_DRAINING) is kept.
+  return errors::WithReason(
+      absl::UnavailableError(absl::StrCat("no epd daemon answers on ", target, ": ",
+                                          status.message(), " (is epd running?)")),
+      errors::HasReason(status) ? errors::ReasonOf(status) : errors::Reason::kDaemonUnavailable);
 }
 
 absl::Status ExplainControlError(const absl::Status& status, const std::string& target) {
   if (absl::IsUnimplemented(status)) {
-    return absl::UnavailableError(absl::StrCat(
-        target,
-        " does not serve epd's Control service (an epd TCP listener answers grpc.health.v1 "
-        "probes only): connect to epd's unix socket"));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat(
+            target,
+            " does not serve epd's Control service (an epd TCP listener answers grpc.health.v1 "
+            "probes only): connect to epd's unix socket")),
+        errors::Reason::kDaemonUnavailable);
   }
   return AnnotateUnavailable(status, target);
 }
@@ -99,32 +110,39 @@ absl::Status ClassifyUnixSocketProbe(const std::string& path, absl::string_view 
   const bool denied = probe.stat_errno == EACCES || probe.stat_errno == EPERM;
   if (denied) {
     // stat() needs only search (x) permission on the directories above the socket.
-    return absl::PermissionDeniedError(absl::StrCat(
-        "cannot reach socket ", path, " (", option, "): ", std::strerror(probe.stat_errno),
-        ": a directory above it is not searchable by ", UserText(probe),
-        "; epd may well be running: have the operator let the clients' group search that "
-        "directory (e.g. chmod 0750 and chgrp it to epd's socket_group), or give epd a "
-        "socket_path in a directory the clients can reach"));
+    return errors::WithReason(
+        absl::PermissionDeniedError(absl::StrCat(
+            "cannot reach socket ", path, " (", option, "): ", std::strerror(probe.stat_errno),
+            ": a directory above it is not searchable by ", UserText(probe),
+            "; epd may well be running: have the operator let the clients' group search that "
+            "directory (e.g. chmod 0750 and chgrp it to epd's socket_group), or give epd a "
+            "socket_path in a directory the clients can reach")),
+        errors::Reason::kNoCredentials);
   }
   if (probe.stat_errno == ENOENT || probe.stat_errno == ENOTDIR) {
-    return absl::UnavailableError(absl::StrCat("no epd daemon: socket ", path,
-                                               " does not exist (is epd running? is ", option,
-                                               " right?)"));
+    return errors::WithReason(absl::UnavailableError(absl::StrCat(
+                                  "no epd daemon: socket ", path,
+                                  " does not exist (is epd running? is ", option, " right?)")),
+                              errors::Reason::kDaemonUnavailable);
   }
   if (probe.stat_errno != 0) {
-    return absl::UnavailableError(absl::StrCat("cannot stat socket ", path, " (", option,
-                                               "): ", std::strerror(probe.stat_errno)));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat("cannot stat socket ", path, " (", option,
+                                            "): ", std::strerror(probe.stat_errno))),
+        errors::Reason::kDaemonUnavailable);
   }
   if (!S_ISSOCK(probe.mode)) {
     return absl::FailedPreconditionError(
         absl::StrCat(option, ": ", path, " is not a unix socket (is ", option, " right?)"));
   }
   if (probe.connect_errno == ECONNREFUSED) {
-    return absl::UnavailableError(absl::StrCat(
-        "no epd daemon: nothing listens on socket ", path,
-        " (connection refused: a socket file left by an epd that was killed? is epd running? "
-        "is ",
-        option, " right?)"));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat(
+            "no epd daemon: nothing listens on socket ", path,
+            " (connection refused: a socket file left by an epd that was killed? is epd running? "
+            "is ",
+            option, " right?)")),
+        errors::Reason::kDaemonUnavailable);
   }
   if (probe.connect_errno == EACCES || probe.connect_errno == EPERM) {
     const std::string denied = absl::StrFormat(
@@ -133,23 +151,28 @@ absl::Status ClassifyUnixSocketProbe(const std::string& path, absl::string_view 
         path, option, probe.mode & 07777, GroupText(probe), UserText(probe));
     if (probe.gid == 0) {
       // Group root gives far more than this socket: never the advice.
-      return absl::PermissionDeniedError(absl::StrCat(
-          denied,
-          "epd runs without a dedicated socket group, so only root may connect. Have the "
-          "operator give the socket a group of its own (e.g. `groupadd epd`; the systemd "
-          "unit's Group=epd and deploy/systemd/epd.sysusers make one) by setting epd's "
-          "socket_group to it and socket_mode to \"0660\", then add this user to that group"));
+      return errors::WithReason(
+          absl::PermissionDeniedError(absl::StrCat(
+              denied,
+              "epd runs without a dedicated socket group, so only root may connect. Have the "
+              "operator give the socket a group of its own (e.g. `groupadd epd`; the systemd "
+              "unit's Group=epd and deploy/systemd/epd.sysusers make one) by setting epd's "
+              "socket_group to it and socket_mode to \"0660\", then add this user to that group")),
+          errors::Reason::kNoCredentials);
     }
-    return absl::PermissionDeniedError(absl::StrCat(
-        denied, "add this user to group ",
-        probe.group_name.empty() ? absl::StrCat(probe.gid) : probe.group_name,
-        " (then log in again), or have the operator set epd's socket_group to a group of this "
-        "user and socket_mode to \"0660\""));
+    return errors::WithReason(
+        absl::PermissionDeniedError(absl::StrCat(
+            denied, "add this user to group ",
+            probe.group_name.empty() ? absl::StrCat(probe.gid) : probe.group_name,
+            " (then log in again), or have the operator set epd's socket_group to a group of this "
+            "user and socket_mode to \"0660\"")),
+        errors::Reason::kNoCredentials);
   }
   if (probe.connect_errno == ENOENT) {  // Removed between stat and connect.
-    return absl::UnavailableError(absl::StrCat("no epd daemon: socket ", path,
-                                               " does not exist (is epd running? is ", option,
-                                               " right?)"));
+    return errors::WithReason(absl::UnavailableError(absl::StrCat(
+                                  "no epd daemon: socket ", path,
+                                  " does not exist (is epd running? is ", option, " right?)")),
+                              errors::Reason::kDaemonUnavailable);
   }
   return absl::OkStatus();
 }

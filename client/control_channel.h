@@ -23,7 +23,8 @@ std::string ChannelTarget(absl::string_view socket);
 /// reconnect back-off, so a freshly started daemon is found at once.
 std::shared_ptr<grpc::Channel> MakeControlChannel(const std::string& target);
 
-/// grpc::Status → absl::Status (same code and message).
+/// grpc::Status → absl::Status (same code and message) with epd's error reason
+/// (common/errors/grpc_status.h); gRPC's own UNAVAILABLE gets DAEMON_UNAVAILABLE.
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
 /// Adds "; is epd running? (no daemon answers on <target>)" context to UNAVAILABLE errors.

@@ -15,6 +15,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
+#include "common/errors/reason.h"
 #include "daemon/core/config.h"
 #include "daemon/core/daemon.h"
 #include "daemon/core/fatal_signals.h"
@@ -53,7 +54,8 @@ int main(int argc, char** argv) {
   const epd::ConfigFlags flags = epd::ConfigFlagsFromCommandLine();
   absl::StatusOr<epd::v1::DaemonConfig> config = epd::ResolveDaemonConfig(flags);
   if (!config.ok()) {
-    std::fprintf(stderr, "epd: bad configuration: %s\n", config.status().ToString().c_str());
+    std::fprintf(stderr, "epd: bad configuration: %s\n",
+                 epd::errors::StatusText(config.status()).c_str());
     return 2;
   }
 
@@ -109,7 +111,8 @@ int main(int argc, char** argv) {
     // Start logged the reason, unless the log level hides errors (off, critical): then
     // stderr gets it, so that a failed start is never silent.
     if (!epd::GetLogger(epd::kLogDaemon)->should_log(spdlog::level::err)) {
-      std::fprintf(stderr, "epd: failed to start: %s\n", daemon.status().ToString().c_str());
+      std::fprintf(stderr, "epd: failed to start: %s\n",
+                   epd::errors::StatusText(daemon.status()).c_str());
     }
     return 1;
   }

@@ -13,6 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "client/c_api/c_api_internal.h"
 #include "client/request_text.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "common/version.h"
 #include "epd/client.h"
@@ -31,15 +32,18 @@ static_assert(static_cast<int>(EPD_LAUNCH_MODE_DAEMON) == v1::LAUNCH_MODE_DAEMON
 static_assert(EPD_DL_FLOAT8_E4M3FN == kDLFloat8E4m3fnCode);
 
 thread_local std::string last_error;
+thread_local int32_t last_error_reason = 0;
 
 }  // namespace
 
 epd_status_t Report(const absl::Status& status) {
   if (status.ok()) {
     last_error.clear();
+    last_error_reason = 0;
     return EPD_OK;
   }
   last_error = std::string(status.message());
+  last_error_reason = static_cast<int32_t>(errors::ReasonOf(status));
   return static_cast<epd_status_t>(status.code());
 }
 
@@ -57,8 +61,10 @@ namespace {
 absl::Status CopyOutString(const std::string& text, char* buf, size_t capacity, size_t* length) {
   if (length != nullptr) *length = text.size();
   if (capacity < text.size() + 1) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "capacity=", capacity, " is too small: ", text.size() + 1, " bytes are needed"));
+    return errors::WithReason(
+        absl::OutOfRangeError(absl::StrCat(
+            "capacity=", capacity, " is too small: ", text.size() + 1, " bytes are needed")),
+        errors::Reason::kBufferTooSmall);
   }
   EPD_RETURN_IF_ERROR(NotNull(buf, "buf"));
   std::memcpy(buf, text.data(), text.size());
@@ -136,6 +142,11 @@ const char* epd_status_name(int status) {
 }
 
 const char* epd_last_error(void) { return epd::c_api::last_error.c_str(); }
+int32_t epd_last_error_reason(void) { return epd::c_api::last_error_reason; }
+const char* epd_reason_name(int32_t reason) {
+  // Catalog names are string literals: NUL-terminated, static storage.
+  return epd::errors::ReasonName(static_cast<epd::errors::Reason>(reason)).data();
+}
 
 // ---- client ----------------------------------------------------------------------------
 

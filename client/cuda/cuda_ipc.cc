@@ -1,6 +1,7 @@
 // CUDA IPC mapping of CUDA-backend endpoints (see cuda_ipc.h). Empty without CUDA.
 #include "client/cuda/cuda_ipc.h"
 
+#include "common/errors/reason.h"
 #include "common/gpu_uuid.h"
 
 #if EPD_HAVE_CUDA
@@ -46,9 +47,11 @@ absl::StatusOr<int> DeviceOfUuid(const std::string& gpu_uuid) {
     if (uuid == gpu_uuid) return d;
     absl::StrAppend(&seen, seen.empty() ? "" : ", ", uuid);
   }
-  return absl::NotFoundError(absl::StrCat("the endpoint's GPU ", gpu_uuid,
-                                          " is not visible to this process (it sees: ", seen,
-                                          "); check CUDA_VISIBLE_DEVICES"));
+  return errors::WithReason(
+      absl::NotFoundError(absl::StrCat("the endpoint's GPU ", gpu_uuid,
+                                       " is not visible to this process (it sees: ", seen,
+                                       "); check CUDA_VISIBLE_DEVICES")),
+      errors::Reason::kCudaIpcFailed);
 }
 
 absl::StatusOr<CudaAreaMapping> CudaAreaMapping::Open(const std::string& ipc_handle,

@@ -16,6 +16,7 @@
 #include "client/endpoint/endpoint_state.h"
 #include "client/endpoint/tensor_checks.h"
 #include "common/cuda/cuda_check.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/rank_context.h"
@@ -264,9 +265,11 @@ absl::Status ClientLaunch::EnsureSetUp() {
         int can = 0;
         EPD_CUDA_RETURN_IF_ERROR(cudaDeviceCanAccessPeer(&can, own_device, area->device()));
         if (!can) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("rank ", r, "'s GPU ", e.gpu_uuid(), " cannot be reached from GPU ",
-                           m_.info.gpu_uuid(), " of rank ", rank, " (no peer access)"));
+          return errors::WithReason(
+              absl::FailedPreconditionError(
+                  absl::StrCat("rank ", r, "'s GPU ", e.gpu_uuid(), " cannot be reached from GPU ",
+                               m_.info.gpu_uuid(), " of rank ", rank, " (no peer access)")),
+              errors::Reason::kCudaIpcFailed);
         }
         cudaError_t err = cudaDeviceEnablePeerAccess(area->device(), 0);
         if (err == cudaErrorPeerAccessAlreadyEnabled) {
@@ -315,9 +318,11 @@ absl::StatusOr<uint64_t> ClientLaunch::Begin(cudaStream_t stream, bool* capturin
     int stream_device = -1;
     EPD_CUDA_RETURN_IF_ERROR(cudaStreamGetDevice(stream, &stream_device));
     if (stream_device != m_.mapping->device()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the op's stream belongs to CUDA device ", stream_device, ", the endpoint's GPU ",
-          m_.info.gpu_uuid(), " is device ", m_.mapping->device(), " in this process"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat(
+              "the op's stream belongs to CUDA device ", stream_device, ", the endpoint's GPU ",
+              m_.info.gpu_uuid(), " is device ", m_.mapping->device(), " in this process")),
+          errors::Reason::kOpInputInvalid);
     }
   }
   *capturing = capture == cudaStreamCaptureStatusActive;
@@ -371,15 +376,18 @@ absl::StatusOr<OpOutcome> ClientLaunch::Wait(uint64_t seq, abi::OpKind op, absl:
       if (err != cudaErrorNotReady) EPD_CUDA_RETURN_IF_ERROR(err);
       const auto now = std::chrono::steady_clock::now();
       if (now >= limit) {
-        return absl::DeadlineExceededError(absl::StrCat(abi::OpKindName(op), " op ", seq,
-                                                        " not complete after ",
-                                                        absl::FormatDuration(timeout)));
+        return errors::WithReason(absl::DeadlineExceededError(absl::StrCat(
+                                      abi::OpKindName(op), " op ", seq, " not complete after ",
+                                      absl::FormatDuration(timeout))),
+                                  errors::Reason::kOpTimeout);
       }
       if (now >= stuck) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            abi::OpKindName(op), " op ", seq,
-            ": its stream did not pass the op within op_timeout + 5 s (is earlier work on "
-            "the stream stuck?); the op is still pending"));
+        return errors::WithReason(
+            absl::DeadlineExceededError(absl::StrCat(
+                abi::OpKindName(op), " op ", seq,
+                ": its stream did not pass the op within op_timeout + 5 s (is earlier work on "
+                "the stream stuck?); the op is still pending")),
+            errors::Reason::kOpTimeout);
       }
       if (now >= spin_until) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/endpoint/endpoint_state.h"
 #include "client/endpoint/tensor_checks.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "epd/kernels/op_rules.h"
 
@@ -33,23 +34,29 @@ Endpoint::Impl::~Impl() {
 
 absl::Status Endpoint::Impl::CheckUsable() const {
   if (left) {
-    return absl::FailedPreconditionError(absl::StrCat("endpoint of group ", spec.name(), " rank ",
-                                                      info.rank(), " has left its group"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat("endpoint of group ", spec.name(), " rank ",
+                                                   info.rank(), " has left its group")),
+        errors::Reason::kEndpointClosed);
   }
   EPD_RETURN_IF_ERROR(ring.ClosedStatus(""));
   if (session != nullptr && session->lost()) {
-    return absl::UnavailableError(
-        "the Session with epd ended (the daemon died or restarted): this endpoint is gone");
+    return errors::WithReason(
+        absl::UnavailableError(
+            "the Session with epd ended (the daemon died or restarted): this endpoint is gone"),
+        errors::Reason::kDaemonUnavailable);
   }
   return absl::OkStatus();
 }
 
 absl::Status Endpoint::Impl::CheckNoProgram() const {
   if (program.empty()) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat("endpoint of group ", spec.name(), " rank ", info.rank(),
-                   " has a graph-mode program armed, which alone runs on its buffers; use "
-                   "RunProgramDispatch/RunProgramCombine, or UnregisterProgram first"));
+  return errors::WithReason(
+      absl::FailedPreconditionError(
+          absl::StrCat("endpoint of group ", spec.name(), " rank ", info.rank(),
+                       " has a graph-mode program armed, which alone runs on its buffers; use "
+                       "RunProgramDispatch/RunProgramCombine, or UnregisterProgram first")),
+      errors::Reason::kHandleInvalid);
 }
 
 absl::StatusOr<internal::OpPlan> Endpoint::Impl::BeginOp(abi::OpKind op, const char* name,
@@ -167,8 +174,10 @@ absl::StatusOr<PendingOp<LayoutResult>> Endpoint::GetDispatchLayout(const DLTens
   std::array<int64_t, 2> shape{-1, m.shape.num_topk};
   p.status = CheckTensor(m.cuda, p.name, "topk_idx", &topk_idx, {kI64}, shape);
   if (p.status.ok() && shape[0] > m.shape.max_tokens_per_rank) {
-    p.status = absl::InvalidArgumentError(absl::StrCat(
-        p.name, ": num_tokens ", shape[0], " > max_tokens_per_rank ", m.shape.max_tokens_per_rank));
+    p.status = errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                      p.name, ": num_tokens ", shape[0], " > max_tokens_per_rank ",
+                                      m.shape.max_tokens_per_rank)),
+                                  errors::Reason::kTokensOverCapacity);
   }
   p.num_tokens = p.status.ok() ? static_cast<int32_t>(shape[0]) : 0;
   p.Add("topk_idx", &topk_idx, m.layout.in_topk_idx, /*by_pointer=*/true, alignof(int64_t));
@@ -190,34 +199,47 @@ absl::StatusOr<PendingOp<DispatchResult>> Endpoint::Dispatch(const DispatchArgs&
   const bool fp8 = st.ok() && SameType(args.x->dtype, kE4m3);
   const int64_t T = st.ok() ? xs[0] : 0;
   if (st.ok() && T > m.shape.max_tokens_per_rank) {
-    st = absl::InvalidArgumentError(absl::StrCat(
-        kOp, ": x has ", T, " tokens > max_tokens_per_rank ", m.shape.max_tokens_per_rank));
+    st = errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            kOp, ": x has ", T, " tokens > max_tokens_per_rank ", m.shape.max_tokens_per_rank)),
+        errors::Reason::kTokensOverCapacity);
   }
   if (st.ok() && fp8 && !rules::Fp8Allowed(p.op, m.shape)) {
-    st = absl::InvalidArgumentError(absl::StrCat(kOp, ": x is float8_e4m3fn but group ",
-                                                 m.spec.name(), " has use_fp8 = false"));
+    st = errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(kOp, ": x is float8_e4m3fn but group ",
+                                                m.spec.name(), " has use_fp8 = false")),
+        errors::Reason::kOpInputInvalid);
   }
   if (st.ok() && fp8) {
     std::array<int64_t, 2> ss{T, m.shape.num_scales()};
     st = CheckTensor(m.cuda, kOp, "x_scales", args.x_scales, {kF32}, ss);
   }
   if (st.ok() && args.expert_alignment < 1) {
-    st = absl::InvalidArgumentError(
-        absl::StrCat(kOp, ": expert_alignment ", args.expert_alignment, " must be >= 1"));
+    st =
+        errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                               kOp, ": expert_alignment ", args.expert_alignment, " must be >= 1")),
+                           errors::Reason::kOpInputInvalid);
   }
   const Handle* cached = args.cached ? &*args.cached : nullptr;
   if (st.ok() && cached) {
     if (cached->endpoint_id != m.info.endpoint_id() || cached->low_latency) {
-      st = absl::FailedPreconditionError(absl::StrCat(
-          kOp, ": cached handle comes from another endpoint or from a low-latency dispatch"));
+      st = errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat(
+              kOp, ": cached handle comes from another endpoint or from a low-latency dispatch")),
+          errors::Reason::kHandleInvalid);
     } else if (cached->num_tokens != T) {
-      st = absl::InvalidArgumentError(absl::StrCat(
-          kOp, ": x has ", T, " tokens but the cached handle's dispatch had ", cached->num_tokens));
+      st = errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat(kOp, ": x has ", T,
+                                                  " tokens but the cached handle's dispatch had ",
+                                                  cached->num_tokens)),
+          errors::Reason::kOpInputInvalid);
     } else if (cached->num_recv_tokens < 0) {
-      st = absl::FailedPreconditionError(absl::StrCat(
-          kOp,
-          ": the cached handle comes from Enqueued() of a Dispatch, whose N is known only on "
-          "the device; Wait for that Dispatch and use the handle Wait returns"));
+      st = errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat(
+              kOp,
+              ": the cached handle comes from Enqueued() of a Dispatch, whose N is known only on "
+              "the device; Wait for that Dispatch and use the handle Wait returns")),
+          errors::Reason::kHandleInvalid);
     }
   }
   if (st.ok() && !cached) {
@@ -258,17 +280,22 @@ absl::StatusOr<PendingOp<CombineResult>> Endpoint::Combine(const CombineArgs& ar
   const char* const kOp = p.name;
   absl::Status& st = p.status;
   if (args.handle == nullptr) {
-    st = absl::InvalidArgumentError(absl::StrCat(kOp, ": handle is required"));
+    st = errors::WithReason(absl::InvalidArgumentError(absl::StrCat(kOp, ": handle is required")),
+                            errors::Reason::kOpInputInvalid);
   } else if (args.handle->endpoint_id != m.info.endpoint_id() || args.handle->low_latency) {
-    st = absl::FailedPreconditionError(absl::StrCat(
-        kOp,
-        ": the handle comes from another endpoint (group or rank) or from a low-latency "
-        "dispatch"));
+    st = errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            kOp,
+            ": the handle comes from another endpoint (group or rank) or from a low-latency "
+            "dispatch")),
+        errors::Reason::kHandleInvalid);
   } else if (args.handle->num_recv_tokens < 0) {
-    st = absl::FailedPreconditionError(absl::StrCat(
-        kOp,
-        ": the handle comes from Enqueued() of a Dispatch, whose N is known only on the "
-        "device; Wait for that Dispatch and use the handle Wait returns"));
+    st = errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            kOp,
+            ": the handle comes from Enqueued() of a Dispatch, whose N is known only on the "
+            "device; Wait for that Dispatch and use the handle Wait returns")),
+        errors::Reason::kHandleInvalid);
   }
   const int64_t N = args.handle ? args.handle->num_recv_tokens : 0;
   if (st.ok()) {
@@ -306,20 +333,26 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
   const int32_t Mll = m.shape.ll_max_tokens_per_rank;
   absl::Status& st = p.status;
   if (Mll == 0) {
-    st = absl::FailedPreconditionError(absl::StrCat(
-        kOp, ": group ", m.spec.name(), " has ll_max_tokens_per_rank = 0 (low-latency disabled)"));
+    st = errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                kOp, ": group ", m.spec.name(),
+                                " has ll_max_tokens_per_rank = 0 (low-latency disabled)")),
+                            errors::Reason::kSpecInvalid);
   } else if (args.max_dispatch_tokens_per_rank != 0 && args.max_dispatch_tokens_per_rank != Mll) {
-    st = absl::InvalidArgumentError(absl::StrCat(kOp, ": max_dispatch_tokens_per_rank ",
-                                                 args.max_dispatch_tokens_per_rank,
-                                                 " != the group's ll_max_tokens_per_rank ", Mll));
+    st = errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(kOp, ": max_dispatch_tokens_per_rank ",
+                                                args.max_dispatch_tokens_per_rank,
+                                                " != the group's ll_max_tokens_per_rank ", Mll)),
+        errors::Reason::kOpInputInvalid);
   }
   std::array<int64_t, 2> xs{-1, m.shape.hidden};
   if (st.ok()) st = CheckTensor(m.cuda, kOp, "x", args.x, {kBf16}, xs);
   // T, or with a device num_tokens the capacity of x and topk_idx (the kernel reads T).
   const int64_t T = st.ok() ? xs[0] : 0;
   if (st.ok() && T > Mll) {
-    st = absl::InvalidArgumentError(
-        absl::StrCat(kOp, ": x has ", T, " tokens > max_dispatch_tokens_per_rank ", Mll));
+    st =
+        errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                               kOp, ": x has ", T, " tokens > max_dispatch_tokens_per_rank ", Mll)),
+                           errors::Reason::kTokensOverCapacity);
   }
   const bool use_fp8 = args.use_fp8;
   if (st.ok()) {
@@ -333,21 +366,25 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
   if (st.ok() && args.num_tokens != nullptr) {
     std::array<int64_t, 1> ns{1};
     if (!m.client_launched) {
-      st = absl::InvalidArgumentError(absl::StrCat(
-          kOp,
-          ": num_tokens (T on the device) needs a client-launched endpoint; pass x with T "
-          "rows instead"));
+      st = errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat(
+              kOp,
+              ": num_tokens (T on the device) needs a client-launched endpoint; pass x with T "
+              "rows instead")),
+          errors::Reason::kOpInputInvalid);
     } else {
       st = CheckTensor(m.cuda, kOp, "num_tokens", args.num_tokens, {kI32}, ns);
     }
 #if EPD_HAVE_CUDA
     if (st.ok() &&
         !internal::ReadableInPlace(args.num_tokens, m.mapping->device(), alignof(int32_t))) {
-      st = absl::InvalidArgumentError(absl::StrCat(
-          kOp,
-          ": num_tokens must be a 4-byte aligned int32 in the memory of the endpoint's GPU "
-          "(kDLCUDA device ",
-          m.mapping->device(), ")"));
+      st = errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat(
+              kOp,
+              ": num_tokens must be a 4-byte aligned int32 in the memory of the endpoint's GPU "
+              "(kDLCUDA device ",
+              m.mapping->device(), ")")),
+          errors::Reason::kOpInputInvalid);
     }
 #endif
   }
@@ -382,12 +419,15 @@ absl::StatusOr<PendingOp<LowLatencyCombineResult>> Endpoint::LowLatencyCombine(
   const int64_t rows = m.shape.ll_rows_per_expert();
   absl::Status& st = p.status;
   if (args.handle == nullptr) {
-    st = absl::InvalidArgumentError(absl::StrCat(kOp, ": handle is required"));
+    st = errors::WithReason(absl::InvalidArgumentError(absl::StrCat(kOp, ": handle is required")),
+                            errors::Reason::kOpInputInvalid);
   } else if (args.handle->endpoint_id != m.info.endpoint_id() || !args.handle->low_latency) {
-    st = absl::FailedPreconditionError(
-        absl::StrCat(kOp,
-                     ": the handle comes from another endpoint (group or rank) or from a normal "
-                     "dispatch"));
+    st = errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            kOp,
+            ": the handle comes from another endpoint (group or rank) or from a normal "
+            "dispatch")),
+        errors::Reason::kHandleInvalid);
   }
   const int64_t T = args.handle ? args.handle->num_tokens : 0;
   if (st.ok()) {

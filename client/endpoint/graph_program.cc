@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/endpoint/endpoint_state.h"
 #include "client/endpoint/tensor_checks.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "epd/kernels/op_rules.h"
 
@@ -42,12 +43,16 @@ absl::Status Endpoint::RegisterProgram(const std::vector<ProgramStep>& steps,
   Impl& m = *impl_;
   EPD_RETURN_IF_ERROR(m.CheckUsable());
   if (steps.empty() || steps.size() > abi::kMaxProgramSteps) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "RegisterProgram: ", steps.size(), " steps, outside [1, ", abi::kMaxProgramSteps, "]"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "RegisterProgram: ", steps.size(), " steps, outside [1, ", abi::kMaxProgramSteps, "]")),
+        errors::Reason::kProgramInvalid);
   }
   if (!m.program.empty()) {
-    return absl::FailedPreconditionError(
-        "RegisterProgram: this endpoint already has a program; UnregisterProgram first");
+    return errors::WithReason(
+        absl::FailedPreconditionError(
+            "RegisterProgram: this endpoint already has a program; UnregisterProgram first"),
+        errors::Reason::kProgramInvalid);
   }
   abi::RequestSlot program{};
   program.program_num_steps = steps.size();
@@ -112,16 +117,19 @@ absl::Status Endpoint::UnregisterProgram(absl::Duration timeout) {
 static absl::Status CheckProgramStep(Endpoint::Impl& m, ProgramStep::Op want, const char* op) {
   EPD_RETURN_IF_ERROR(m.CheckUsable());
   if (m.program.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(op, ": no graph-mode program is registered on this endpoint"));
+    return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                  op, ": no graph-mode program is registered on this endpoint")),
+                              errors::Reason::kProgramInvalid);
   }
   const ProgramStep& next = m.program[m.program_next];
   if (next.op != want) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(op, ": the program's next step (", m.program_next, ") is ",
-                     next.op == ProgramStep::Op::kLowLatencyDispatch ? "LowLatencyDispatch"
-                                                                     : "LowLatencyCombine",
-                     "; steps run in program order"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(
+            absl::StrCat(op, ": the program's next step (", m.program_next, ") is ",
+                         next.op == ProgramStep::Op::kLowLatencyDispatch ? "LowLatencyDispatch"
+                                                                         : "LowLatencyCombine",
+                         "; steps run in program order")),
+        errors::Reason::kProgramInvalid);
   }
   return absl::OkStatus();
 }
@@ -156,8 +164,9 @@ absl::StatusOr<LowLatencyDispatchResult> Endpoint::RunProgramDispatch(
   EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "x", args.x, {kBf16}, xs, device));
   const int64_t C = xs[0];
   if (C > Mll) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kOp, ": x has ", C, " rows > ll_max_tokens_per_rank ", Mll));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  kOp, ": x has ", C, " rows > ll_max_tokens_per_rank ", Mll)),
+                              errors::Reason::kProgramInvalid);
   }
   std::array<int64_t, 2> ts{C, m.shape.num_topk};
   EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "topk_idx", args.topk_idx, {kI64}, ts, device));
@@ -192,7 +201,8 @@ absl::StatusOr<LowLatencyDispatchResult> Endpoint::RunProgramDispatch(
   return r;
 #else
   (void)args;
-  return absl::FailedPreconditionError("RunProgramDispatch: built without CUDA");
+  return errors::WithReason(absl::FailedPreconditionError("RunProgramDispatch: built without CUDA"),
+                            errors::Reason::kProgramInvalid);
 #endif
 }
 
@@ -210,9 +220,10 @@ absl::StatusOr<LowLatencyCombineResult> Endpoint::RunProgramCombine(
   EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "topk_idx", args.topk_idx, {kI64}, ts, device));
   const int64_t C = ts[0];
   if (C > m.shape.ll_max_tokens_per_rank) {
-    return absl::InvalidArgumentError(absl::StrCat(kOp, ": topk_idx has ", C,
-                                                   " rows > ll_max_tokens_per_rank ",
-                                                   m.shape.ll_max_tokens_per_rank));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  kOp, ": topk_idx has ", C, " rows > ll_max_tokens_per_rank ",
+                                  m.shape.ll_max_tokens_per_rank)),
+                              errors::Reason::kProgramInvalid);
   }
   std::array<int64_t, 2> ws{C, m.shape.num_topk};
   EPD_RETURN_IF_ERROR(CheckStepTensor(kOp, "topk_weights", args.topk_weights, {kF32}, ws, device));
@@ -233,7 +244,8 @@ absl::StatusOr<LowLatencyCombineResult> Endpoint::RunProgramCombine(
   return r;
 #else
   (void)args;
-  return absl::FailedPreconditionError("RunProgramCombine: built without CUDA");
+  return errors::WithReason(absl::FailedPreconditionError("RunProgramCombine: built without CUDA"),
+                            errors::Reason::kProgramInvalid);
 #endif
 }
 
@@ -260,9 +272,10 @@ absl::Status Endpoint::ProgramStatus() {
   while (abi::Atomic(h->program_checked).load(std::memory_order_acquire) < instance) {
     EPD_RETURN_IF_ERROR(m.CheckUsable());
     if (std::chrono::steady_clock::now() > deadline) {
-      return absl::UnavailableError(
-          absl::StrCat("ProgramStatus: epd did not check program instance ", instance,
-                       " within op_timeout + 5 s; the daemon is gone or stuck"));
+      return errors::WithReason(absl::UnavailableError(absl::StrCat(
+                                    "ProgramStatus: epd did not check program instance ", instance,
+                                    " within op_timeout + 5 s; the daemon is gone or stuck")),
+                                errors::Reason::kDaemonUnavailable);
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
@@ -279,9 +292,11 @@ absl::Status Endpoint::ProgramStatus() {
     return absl::Status(static_cast<absl::StatusCode>(code), msg);
   }
   if (!m.program.empty() && abi::Atomic(h->program_armed).load(std::memory_order_acquire) == 0) {
-    return absl::FailedPreconditionError(
-        "ProgramStatus: the daemon disarmed this endpoint's program (see the error it "
-        "reported); UnregisterProgram, then register it again");
+    return errors::WithReason(
+        absl::FailedPreconditionError(
+            "ProgramStatus: the daemon disarmed this endpoint's program (see the error it "
+            "reported); UnregisterProgram, then register it again"),
+        errors::Reason::kProgramInvalid);
   }
   return absl::OkStatus();
 }

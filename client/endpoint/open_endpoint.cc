@@ -11,6 +11,7 @@
 #include "client/endpoint/daemon_launch.h"
 #include "client/endpoint/endpoint_internal.h"
 #include "client/endpoint/endpoint_state.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "epd/kernels/op_rules.h"
 
@@ -35,21 +36,27 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
   m->shape = rules::ShapeOf(spec);
   m->layout = kernels::EndpointLayout::Compute(m->shape);
   if (info.abi_version() != abi::kShmAbiVersion) {
-    return absl::FailedPreconditionError(absl::StrCat("epd speaks shm ABI ", info.abi_version(),
-                                                      ", this client ", abi::kShmAbiVersion));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat("epd speaks shm ABI ", info.abi_version(),
+                                                   ", this client ", abi::kShmAbiVersion)),
+        errors::Reason::kVersionIncompatible);
   }
   if (info.backend() == "cuda") {
 #if EPD_HAVE_CUDA
     m->cuda = true;
 #else
-    return absl::UnimplementedError(
-        "the daemon offers a CUDA-backend endpoint but this libepdclient was built without "
-        "CUDA");
+    return errors::WithReason(
+        absl::UnimplementedError(
+            "the daemon offers a CUDA-backend endpoint but this libepdclient was built without "
+            "CUDA"),
+        errors::Reason::kUnsupported);
 #endif
   } else if (info.backend() != "host") {
-    return absl::UnimplementedError(
-        absl::StrCat("this libepdclient maps 'host' and 'cuda' endpoints; the daemon offers '",
-                     info.backend(), "'"));
+    return errors::WithReason(
+        absl::UnimplementedError(
+            absl::StrCat("this libepdclient maps 'host' and 'cuda' endpoints; the daemon offers '",
+                         info.backend(), "'")),
+        errors::Reason::kUnsupported);
   }
   if (info.launch_mode() == v1::LAUNCH_MODE_CLIENT && !m->cuda) {
     return absl::FailedPreconditionError(

@@ -3,6 +3,7 @@
 
 #include "client/endpoint/endpoint_state.h"
 #include "client/endpoint/tensor_checks.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 
 namespace epd {
@@ -75,10 +76,12 @@ constexpr abi::OpKind OpKindOf() {
 
 /// FAILED_PRECONDITION for an op whose Endpoint was destroyed (`what`: "Wait", "Enqueued").
 absl::Status EndpointDestroyed(const char* what, uint64_t seq) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      what, ": op ", seq,
-      ": endpoint destroyed (its buffers, which held the op's outputs, are unmapped); Wait for "
-      "an op before destroying its Endpoint"));
+  return errors::WithReason(
+      absl::FailedPreconditionError(absl::StrCat(
+          what, ": op ", seq,
+          ": endpoint destroyed (its buffers, which held the op's outputs, are unmapped); Wait for "
+          "an op before destroying its Endpoint")),
+      errors::Reason::kFailedPrecondition);
 }
 
 }  // namespace
@@ -112,13 +115,17 @@ absl::StatusOr<Result> PendingOp<Result>::Enqueued() const {
   if (endpoint == nullptr) return EndpointDestroyed("Enqueued", seq_);
   const Endpoint::Impl& m = *endpoint;
   if (!m.cuda) {
-    return absl::FailedPreconditionError(
-        "Enqueued: ops of the host backend are not stream-ordered; use Wait");
+    return errors::WithReason(
+        absl::FailedPreconditionError(
+            "Enqueued: ops of the host backend are not stream-ordered; use Wait"),
+        errors::Reason::kFailedPrecondition);
   }
   if (m.unordered_ops[seq_ % m.unordered_ops.size()] == seq_) {
-    return absl::FailedPreconditionError(
-        "Enqueued: the op was given no stream (its args' stream is null), so it is ordered "
-        "before no work of the caller; its results are valid once Wait returns");
+    return errors::WithReason(
+        absl::FailedPreconditionError(
+            "Enqueued: the op was given no stream (its args' stream is null), so it is ordered "
+            "before no work of the caller; its results are valid once Wait returns"),
+        errors::Reason::kFailedPrecondition);
   }
   if constexpr (std::is_same_v<Result, DispatchResult>) {
     if (partial_.recv_x.data() == nullptr) {

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/endpoint/deadline.h"
+#include "common/errors/reason.h"
 #include "common/os/futex.h"
 
 namespace epd::internal {
@@ -67,13 +68,16 @@ absl::Status RingChannel::ClosedStatus(absl::string_view prefix) const {
   const uint32_t closed = abi::Atomic(header_->daemon_closed).load(std::memory_order_acquire);
   if (closed == 0) return absl::OkStatus();
   if (closed == abi::kClosedRankRemoved) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        prefix, "rank ", rank_, " of group ", group_,
-        " was removed from its group by epd (a LeaveGroup in this session's name, or the "
-        "session ended); Join again"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            prefix, "rank ", rank_, " of group ", group_,
+            " was removed from its group by epd (a LeaveGroup in this session's name, or the "
+            "session ended); Join again")),
+        errors::Reason::kEndpointClosed);
   }
-  return absl::UnavailableError(
-      absl::StrCat(prefix, "epd is shutting down: it closed this endpoint"));
+  return errors::WithReason(
+      absl::UnavailableError(absl::StrCat(prefix, "epd is shutting down: it closed this endpoint")),
+      errors::Reason::kDaemonDraining);
 }
 
 absl::Status RingChannel::WaitCompletion(uint64_t seq, absl::Duration timeout,
@@ -99,23 +103,28 @@ absl::Status RingChannel::WaitCompletion(uint64_t seq, absl::Duration timeout,
     }
     auto now = std::chrono::steady_clock::now();
     if (now >= limit) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("op ", seq, " not complete after ", absl::FormatDuration(timeout)));
+      return errors::WithReason(
+          absl::DeadlineExceededError(
+              absl::StrCat("op ", seq, " not complete after ", absl::FormatDuration(timeout))),
+          errors::Reason::kOpTimeout);
     }
     if (session_ != nullptr && session_->lost() &&
         abi::Atomic(c.seq).load(std::memory_order_acquire) != seq) {
-      return absl::UnavailableError(
-          absl::StrCat("op ", seq, ": the Session with epd ended (the daemon died or restarted)"));
+      return errors::WithReason(
+          absl::UnavailableError(absl::StrCat(
+              "op ", seq, ": the Session with epd ended (the daemon died or restarted)")),
+          errors::Reason::kDaemonUnavailable);
     }
     if (abi::Atomic(header->daemon_closed).load(std::memory_order_acquire) != 0 &&
         abi::Atomic(c.seq).load(std::memory_order_acquire) != seq) {
       return ClosedStatus(absl::StrCat("op ", seq, ": "));
     }
     if (now >= daemon_gone) {
-      return absl::UnavailableError(
-          absl::StrCat("op ", seq,
-                       ": no completion from epd within op_timeout + 5 s; the daemon is gone "
-                       "or stuck"));
+      return errors::WithReason(
+          absl::UnavailableError(absl::StrCat(
+              "op ", seq,
+              ": no completion from epd within op_timeout + 5 s; the daemon is gone or stuck")),
+          errors::Reason::kDaemonUnavailable);
     }
     if (now < spin_until) continue;
     uint32_t word = abi::Atomic(header->completion_futex).load(std::memory_order_seq_cst);
@@ -128,7 +137,10 @@ absl::Status RingChannel::WaitCompletion(uint64_t seq, absl::Duration timeout,
   std::memcpy(out, &c, sizeof(c));
   if (out->status_code != 0) {
     out->message[abi::kCompletionMessageBytes - 1] = '\0';
-    return absl::Status(static_cast<absl::StatusCode>(out->status_code), out->message);
+    // The daemon's catalog reason (0 from none: the generic reason of the code).
+    return errors::WithReason(
+        absl::Status(static_cast<absl::StatusCode>(out->status_code), out->message),
+        static_cast<errors::Reason>(out->reason));
   }
   return absl::OkStatus();
 }

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/endpoint/endpoint_state.h"
 #include "client/endpoint/tensor_checks.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 
 #if EPD_HAVE_CUDA
@@ -42,8 +43,10 @@ absl::Status Endpoint::Impl::Stage(const char* op, const char* name, const DLTen
                                    const kernels::Region& r, void* stream, bool for_submit) {
   int64_t n = TensorNbytes(t);
   if (static_cast<uint64_t>(n) > r.bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        op, ": ", name, " has ", n, " bytes, more than its staging area (", r.bytes, " bytes)"));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  op, ": ", name, " has ", n,
+                                  " bytes, more than its staging area (", r.bytes, " bytes)")),
+                              errors::Reason::kOpInputInvalid);
   }
   const uint8_t* src = TensorBytes(t);
   if (src == At(r) || n <= 0) return absl::OkStatus();

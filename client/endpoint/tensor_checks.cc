@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 
 namespace epd::internal {
@@ -35,11 +36,13 @@ absl::Status CheckTensorAlignment(const char* op, const char* name, const DLTens
   if (t->data == nullptr || alignment <= 1) return absl::OkStatus();
   const uintptr_t address = reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
   if (address % alignment == 0) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat(op, ": ", name, " starts at address 0x", absl::Hex(address), " (data 0x",
-                   absl::Hex(reinterpret_cast<uintptr_t>(t->data)), " + byte_offset ",
-                   t->byte_offset, "), which is not aligned to ", alignment, " bytes as its dtype ",
-                   TypeName(t->dtype), " requires"));
+  return errors::WithReason(
+      absl::InvalidArgumentError(
+          absl::StrCat(op, ": ", name, " starts at address 0x", absl::Hex(address), " (data 0x",
+                       absl::Hex(reinterpret_cast<uintptr_t>(t->data)), " + byte_offset ",
+                       t->byte_offset, "), which is not aligned to ", alignment,
+                       " bytes as its dtype ", TypeName(t->dtype), " requires")),
+      errors::Reason::kOpInputInvalid);
 }
 
 /// Checks that byte_offset is a whole number of elements and that the tensor's bytes,
@@ -48,9 +51,11 @@ absl::Status CheckTensorAlignment(const char* op, const char* name, const DLTens
 absl::Status CheckTensorExtent(const char* op, const char* name, const DLTensor* t) {
   const uint64_t element = (t->dtype.bits + 7u) / 8u;
   if (element > 1 && t->byte_offset % element != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, ".byte_offset=", t->byte_offset,
-                                                   " is not a multiple of its dtype ",
-                                                   TypeName(t->dtype), "'s ", element, " bytes"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(op, ": ", name, ".byte_offset=", t->byte_offset,
+                                                " is not a multiple of its dtype ",
+                                                TypeName(t->dtype), "'s ", element, " bytes")),
+        errors::Reason::kOpInputInvalid);
   }
   if (t->data == nullptr) return absl::OkStatus();
   const uintptr_t data = reinterpret_cast<uintptr_t>(t->data);
@@ -63,10 +68,11 @@ absl::Status CheckTensorExtent(const char* op, const char* name, const DLTensor*
   overflow |= __builtin_add_overflow(data, t->byte_offset, &end);
   overflow |= __builtin_add_overflow(end, nbytes, &end);
   if (!overflow) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat(op, ": ", name, ".byte_offset=", t->byte_offset, " with data 0x",
-                   absl::Hex(data), " and shape ", ShapeString(t->shape, t->ndim),
-                   " runs past the end of the address space (a negative offset?)"));
+  return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                op, ": ", name, ".byte_offset=", t->byte_offset, " with data 0x",
+                                absl::Hex(data), " and shape ", ShapeString(t->shape, t->ndim),
+                                " runs past the end of the address space (a negative offset?)")),
+                            errors::Reason::kOpInputInvalid);
 }
 
 }  // namespace
@@ -77,41 +83,53 @@ bool SameType(DLDataType a, DLDataType b) {
 
 absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTensor* t,
                          std::initializer_list<DLDataType> dtypes, std::span<int64_t> shape) {
-  if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is required"));
+  if (t == nullptr) {
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is required")),
+        errors::Reason::kOpInputInvalid);
+  }
   if (t->ndim < 0 || t->ndim > 8 || (t->ndim > 0 && t->shape == nullptr)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        op, ": ", name, " is a malformed DLTensor: ndim = ", t->ndim,
-        t->ndim > 0 && t->shape == nullptr ? " with a null shape array" : " (expected 0 to 8)"));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  op, ": ", name, " is a malformed DLTensor: ndim = ", t->ndim,
+                                  t->ndim > 0 && t->shape == nullptr ? " with a null shape array"
+                                                                     : " (expected 0 to 8)")),
+                              errors::Reason::kOpInputInvalid);
   }
   const bool device_ok = t->device.device_type == kDLCPU || t->device.device_type == kDLCUDAHost ||
                          (cuda && t->device.device_type == kDLCUDA);
   if (!device_ok) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": ", name, " is on device type ", t->device.device_type,
-                     cuda ? "; the CUDA backend takes kDLCUDA, kDLCPU or kDLCUDAHost tensors"
-                          : "; the host backend takes kDLCPU tensors"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(
+            absl::StrCat(op, ": ", name, " is on device type ", t->device.device_type,
+                         cuda ? "; the CUDA backend takes kDLCUDA, kDLCPU or kDLCUDAHost tensors"
+                              : "; the host backend takes kDLCPU tensors")),
+        errors::Reason::kOpInputInvalid);
   }
   bool dtype_ok = false;
   for (DLDataType d : dtypes) dtype_ok |= SameType(t->dtype, d);
   if (!dtype_ok) {
     std::vector<std::string> want;
     for (DLDataType d : dtypes) want.push_back(TypeName(d));
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has dtype ",
-                                                   TypeName(t->dtype), ", expected ",
-                                                   absl::StrJoin(want, " or ")));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has dtype ", TypeName(t->dtype),
+                                                ", expected ", absl::StrJoin(want, " or "))),
+        errors::Reason::kOpInputInvalid);
   }
   if (t->ndim != static_cast<int>(shape.size())) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has ", t->ndim, " dimensions ",
-                                                   ShapeString(t->shape, t->ndim), ", expected ",
-                                                   shape.size()));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  op, ": ", name, " has ", t->ndim, " dimensions ",
+                                  ShapeString(t->shape, t->ndim), ", expected ", shape.size())),
+                              errors::Reason::kOpInputInvalid);
   }
   for (int i = 0; i < t->ndim; ++i) {
     if (t->shape[i] < 0 || (shape[i] >= 0 && t->shape[i] != shape[i])) {
       std::vector<std::string> want;
       for (int64_t d : shape) want.push_back(d < 0 ? "*" : absl::StrCat(d));
-      return absl::InvalidArgumentError(absl::StrCat(
-          op, ": ", name, " has shape ", ShapeString(t->shape, t->ndim), ", expected [",
-          absl::StrJoin(want, ", "), "] (dimension ", i, " is ", t->shape[i], ")"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat(
+              op, ": ", name, " has shape ", ShapeString(t->shape, t->ndim), ", expected [",
+              absl::StrJoin(want, ", "), "] (dimension ", i, " is ", t->shape[i], ")")),
+          errors::Reason::kOpInputInvalid);
     }
     shape[i] = t->shape[i];
   }
@@ -119,8 +137,9 @@ absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTe
     int64_t expect = 1;
     for (int i = t->ndim - 1; i >= 0; --i) {
       if (t->shape[i] != 1 && t->strides[i] != expect) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(op, ": ", name, " is not contiguous (row-major)"));
+        return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                      op, ": ", name, " is not contiguous (row-major)")),
+                                  errors::Reason::kOpInputInvalid);
       }
       expect *= t->shape[i];
     }
@@ -128,7 +147,11 @@ absl::Status CheckTensor(bool cuda, const char* op, const char* name, const DLTe
   if (t->data == nullptr) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
-    if (n > 0) return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has no data"));
+    if (n > 0) {
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has no data")),
+          errors::Reason::kOpInputInvalid);
+    }
   }
   EPD_RETURN_IF_ERROR(CheckTensorAlignment(op, name, t));
   return CheckTensorExtent(op, name, t);
@@ -142,9 +165,11 @@ absl::Status CheckStepTensor(const char* op, const char* name, const DLTensor* t
   if (t->device.device_type == kDLCUDA && t->device.device_id == device) {
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat(op, ": ", name, " must be kDLCUDA memory of the endpoint's GPU (device ", device,
-                   ") so a captured step reads it at run time"));
+  return errors::WithReason(
+      absl::InvalidArgumentError(
+          absl::StrCat(op, ": ", name, " must be kDLCUDA memory of the endpoint's GPU (device ",
+                       device, ") so a captured step reads it at run time")),
+      errors::Reason::kOpInputInvalid);
 }
 
 bool ReadableInPlace(const DLTensor* t, int device, uintptr_t alignment) {

@@ -1,5 +1,6 @@
 // epctl: inspect a running epd. Thin: flags → one RPC → print.
 //   epctl [--socket=/run/epd/epd.sock] [--json] status|groups|health|stats|metrics|config|doctor
+//   epctl [--json] explain EPD-2003|NAME|--list   (offline: the error catalog)
 // Exit status: 0 on success (for `health`: only when SERVING; `--help`, `--version`), 1
 // when the daemon is down, not serving or answers with an error, 2 on a usage error (an
 // unknown command or flag, a flag value that does not parse).
@@ -21,8 +22,10 @@
 #include "absl/time/time.h"
 #include "client/control_channel.h"
 #include "client/epctl/doctor_command.h"
+#include "client/epctl/explain.h"
 #include "client/epctl/format.h"
 #include "client/request_text.h"
+#include "common/errors/reason.h"
 #include "common/version.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -33,6 +36,7 @@ ABSL_FLAG(bool, json, false, "Print JSON (protobuf JSON mapping) instead of tabl
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "Deadline of the RPC, connect included.");
 ABSL_FLAG(std::string, service, "",
           "health: the service to check (\"\" = the whole daemon, or epd.v1.Control).");
+ABSL_FLAG(bool, list, false, "explain: list every reason of the error catalog.");
 
 namespace {
 
@@ -49,7 +53,9 @@ constexpr char kUsage[] =
     "           (groups your uid may list; what --metrics_listen serves for all)\n"
     "  config   the daemon's effective DaemonConfig\n"
     "  doctor   pre-flight of this node, one line per check (ok/warn/fail and the next\n"
-    "           step); --standalone without a daemon; exit 1 when a check fails";
+    "           step); --standalone without a daemon; exit 1 when a check fails"
+    "  explain EPD-2003|NAME|--list\n"
+    "           an error reason's cause and next step (docs/ERRORS.md); needs no daemon";
 
 bool IsEpctlFlag(absl::string_view file) { return absl::StrContains(file, "epctl/"); }
 
@@ -58,6 +64,7 @@ std::string ValueExample(absl::string_view name) {
   if (name == "timeout") return "a duration such as 5s, 500ms or 1m30s";
   if (name == "json") return "true or false (--json alone means true, --nojson false)";
   if (name == "socket") return "/run/epd/epd.sock, unix:///path or host:port";
+  if (name == "list") return "true or false (--list alone means true)";
   if (name == "service") return "epd.v1.Control, or \"\" for the whole daemon";
   if (name == "peer_timeout") return "a duration such as 1s or 500ms";
   if (name == "peers") return "host:port,host:port";
@@ -165,8 +172,8 @@ std::shared_ptr<grpc::Channel> Connect(const std::string& target) {
 }
 
 int RpcFailed(const grpc::Status& status, const std::string& target) {
-  return Fail(
-      epd::internal::ExplainControlError(epd::internal::FromGrpcStatus(status), target).ToString());
+  return Fail(epd::errors::StatusText(
+      epd::internal::ExplainControlError(epd::internal::FromGrpcStatus(status), target)));
 }
 
 void Print(const std::string& text) { std::fwrite(text.data(), 1, text.size(), stdout); }
@@ -186,6 +193,14 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage);
   if (const int exit_code = CheckFlags(argc, argv); exit_code >= 0) return exit_code;
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() >= 2 && absl::string_view(args[1]) == "explain") {
+    const bool list = absl::GetFlag(FLAGS_list);
+    if (args.size() != (list ? 2u : 3u)) {
+      std::fprintf(stderr, "epctl: explain takes one reason (EPD-2003 or its name) or --list\n");
+      return 2;
+    }
+    return epd::epctl::RunExplain(list ? "" : args[2], list, absl::GetFlag(FLAGS_json));
+  }
   if (args.size() != 2) {
     if (args.size() > 2) std::fprintf(stderr, "epctl: unexpected argument \"%s\"\n", args[2]);
     std::fprintf(stderr, "epctl: %s\n", kUsage);

@@ -9,7 +9,10 @@
 
 namespace epd {
 
-/// OK for cudaSuccess; otherwise INTERNAL "<call> failed at <file>:<line>: <name>: <string>".
+/// OK for cudaSuccess; otherwise "<call> failed at <file>:<line>: <name>: <string>" with the
+/// error catalog's reason of the CUDA error (common/errors/reason.h: CUDA_DRIVER_TOO_OLD,
+/// GPU_ARCH_UNSUPPORTED, GPU_OUT_OF_MEMORY, ..., else CUDA_ERROR) and that reason's status
+/// code (INTERNAL for CUDA_ERROR).
 /// Also clears a non-sticky error (cudaGetLastError) so a later check does not report it
 /// again (NCCL's CUDACHECK habit).
 absl::Status CudaErrorToStatus(cudaError_t err, const char* call, const char* file, int line);

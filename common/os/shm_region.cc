@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/errors/reason.h"
 
 namespace epd {
 namespace {
@@ -26,9 +27,9 @@ absl::Status Errno(const std::string& what, int err) {
     case ENOMEM:
     case EMFILE:
     case ENFILE:
-      return absl::ResourceExhaustedError(msg);
+      return errors::WithReason(absl::ResourceExhaustedError(msg), errors::Reason::kShmFailed);
     default:
-      return absl::InternalError(msg);
+      return errors::WithReason(absl::InternalError(msg), errors::Reason::kShmFailed);
   }
 }
 

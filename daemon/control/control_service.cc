@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/version.h"
+#include "common/errors/grpc_status.h"
+#include "common/errors/reason.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/core/logging.h"
 #include "daemon/metrics/exposition.h"
@@ -15,20 +17,19 @@
 
 namespace epd {
 
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
+grpc::Status ToGrpcStatus(const absl::Status& status) { return errors::ToGrpcStatus(status); }
 
 namespace {
 
 /// UNAUTHENTICATED for a call that did not come through epd's own unix listener, which
 /// alone records a connection's SO_PEERCRED: epd knows a client by nothing else.
 absl::Status NoCredentials(const std::string& peer) {
-  return absl::UnauthenticatedError(
-      absl::StrCat("epd knows a client by the kernel's credentials of its connection to epd's unix "
-                   "socket (SO_PEERCRED), and this call (peer \"",
-                   EscapeClientText(peer), "\") has none; connect to the unix socket"));
+  return errors::WithReason(
+      absl::UnauthenticatedError(absl::StrCat(
+          "epd knows a client by the kernel's credentials of its connection to epd's unix "
+          "socket (SO_PEERCRED), and this call (peer \"",
+          EscapeClientText(peer), "\") has none; connect to the unix socket")),
+      errors::Reason::kNoCredentials);
 }
 
 /// The caller of a Control RPC as the kernel knows it: SO_PEERCRED of its connection to
@@ -162,7 +163,8 @@ class ControlService::SessionReactor
       StartWrite(&response_);
     }
     EndLocked("daemon shutting down",
-              grpc::Status(grpc::StatusCode::UNAVAILABLE, "epd is shutting down"));
+              ToGrpcStatus(errors::WithReason(absl::UnavailableError("epd is shutting down"),
+                                              errors::Reason::kDaemonDraining)));
   }
 
  private:
@@ -221,11 +223,11 @@ grpc::ServerUnaryReactor* ControlService::JoinGroup(grpc::CallbackServerContext*
   } else {
     // The name is the client's, unvalidated: escaped and capped (a '\n' would forge a line).
     // The join secret is never logged (nor is it in any error message).
-    LogLimited(*GetLogger(kLogControl), spdlog::level::info,
-               *registry_->ControlLogBudget(caller->uid), "its refused joins",
-               "JoinGroup group \"{}\" rank {} from {} ({}) refused: {}",
-               EscapeClientText(request->spec().name()), request->rank(),
-               DescribeCredentials(*caller), context->peer(), endpoint.status().ToString());
+    LogLimited(
+        *GetLogger(kLogControl), spdlog::level::info, *registry_->ControlLogBudget(caller->uid),
+        "its refused joins", "JoinGroup group \"{}\" rank {} from {} ({}) refused: {}",
+        EscapeClientText(request->spec().name()), request->rank(), DescribeCredentials(*caller),
+        context->peer(), errors::StatusText(endpoint.status()));
   }
   Audit(registry_->audit_log(), {audit::kJoin, *caller, request->spec().name(), request->rank(),
                                  endpoint.status(), request->gpu_uuid()});
@@ -310,7 +312,7 @@ grpc::ServerUnaryReactor* ControlService::GetGroupEndpoints(
         } else {
           LogLimited(*GetLogger(kLogControl), spdlog::level::info, *budget,
                      "its GetGroupEndpoints calls", "GetGroupEndpoints group \"{}\" rank {}: {}",
-                     group, rank, endpoints.status().ToString());
+                     group, rank, errors::StatusText(endpoints.status()));
         }
         reactor->Finish(ToGrpcStatus(endpoints.status()));
       });

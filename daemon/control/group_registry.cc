@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/core/fd_limits.h"
@@ -32,14 +33,23 @@ std::string NewSessionId() {
 /// The answer about a group that does not exist or that `uid` may not see: the same for
 /// both, so that it tells nothing about other users' groups.
 absl::Status NoSuchGroup(const std::string& group, uint32_t uid) {
-  return absl::NotFoundError(absl::StrCat("group: \"", EscapeClientText(group),
-                                          "\" does not exist among the groups uid ", uid,
-                                          " may see (its own and those it holds a rank of)"));
+  return errors::WithReason(
+      absl::NotFoundError(absl::StrCat("group: \"", EscapeClientText(group),
+                                       "\" does not exist among the groups uid ", uid,
+                                       " may see (its own and those it holds a rank of)")),
+      errors::Reason::kGroupNotFound);
+}
+
+/// UNAVAILABLE while epd shuts down.
+absl::Status Draining(absl::string_view message) {
+  return errors::WithReason(absl::UnavailableError(message), errors::Reason::kDaemonDraining);
 }
 
 absl::Status NotAnOpenSession(const std::string& session_id) {
-  return absl::FailedPreconditionError(absl::StrCat("session_id: \"", EscapeClientText(session_id),
-                                                    "\" is not an open session of this daemon"));
+  return errors::WithReason(
+      absl::FailedPreconditionError(absl::StrCat("session_id: \"", EscapeClientText(session_id),
+                                                 "\" is not an open session of this daemon")),
+      errors::Reason::kSessionInvalid);
 }
 
 }  // namespace
@@ -60,21 +70,23 @@ GroupRegistry::~GroupRegistry() {
     absl::MutexLock lock(&mu_);
     left.swap(waiters_);
   }
-  for (EndpointsWaiter& w : left) w.done(absl::UnavailableError("epd is shutting down"));
+  for (EndpointsWaiter& w : left) w.done(Draining("epd is shutting down"));
 }
 
 absl::StatusOr<std::string> GroupRegistry::OpenSession(const PeerCredentials& peer,
                                                        const std::string& client_name) {
   absl::MutexLock lock(&mu_);
-  if (draining_) return absl::UnavailableError("epd is shutting down; no new sessions");
+  if (draining_) return Draining("epd is shutting down; no new sessions");
   if (options_.max_sessions_per_uid != 0) {
     const Usage usage = UsageOfLocked(peer.uid);
     if (usage.sessions >= options_.max_sessions_per_uid) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "max_sessions_per_uid: uid ", peer.uid, " has ", usage.sessions,
-          " open sessions, the quota is ", options_.max_sessions_per_uid,
-          "; a new session would be one more (end other sessions of this uid first, or raise "
-          "the quota in the DaemonConfig)"));
+      return errors::WithReason(
+          absl::ResourceExhaustedError(absl::StrCat(
+              "max_sessions_per_uid: uid ", peer.uid, " has ", usage.sessions,
+              " open sessions, the quota is ", options_.max_sessions_per_uid,
+              "; a new session would be one more (end other sessions of this uid first, or raise "
+              "the quota in the DaemonConfig)")),
+          errors::Reason::kQuotaExceeded);
     }
   }
   std::string id = NewSessionId();
@@ -109,10 +121,12 @@ absl::Status GroupRegistry::CheckSessionCallerLocked(const std::string& session_
   auto session = sessions_.find(session_id);
   if (session == sessions_.end()) return NotAnOpenSession(session_id);
   if (session->second.peer.uid != caller.uid) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("session_id: session ", RedactSessionId(session_id), " was opened by uid ",
-                     session->second.peer.uid, ", not by the caller's uid ", caller.uid,
-                     " (a session acts only for the user that opened it)"));
+    return errors::WithReason(
+        absl::PermissionDeniedError(
+            absl::StrCat("session_id: session ", RedactSessionId(session_id), " was opened by uid ",
+                         session->second.peer.uid, ", not by the caller's uid ", caller.uid,
+                         " (a session acts only for the user that opened it)")),
+        errors::Reason::kNotGroupOwner);
   }
   return absl::OkStatus();
 }
@@ -129,9 +143,10 @@ absl::StatusOr<uint64_t> GroupRegistry::AuthorizeEndpoint(const std::string& ses
       return slot->second.endpoint_id;
     }
   }
-  return absl::PermissionDeniedError(absl::StrCat("session ", RedactSessionId(session_id),
-                                                  " does not hold rank ", rank, " of group \"",
-                                                  EscapeClientText(group), "\""));
+  return errors::WithReason(absl::PermissionDeniedError(absl::StrCat(
+                                "session ", RedactSessionId(session_id), " does not hold rank ",
+                                rank, " of group \"", EscapeClientText(group), "\"")),
+                            errors::Reason::kNotGroupOwner);
 }
 
 absl::StatusOr<EndpointFds> GroupRegistry::TakeEndpointFds(const std::string& session_id,
@@ -140,7 +155,7 @@ absl::StatusOr<EndpointFds> GroupRegistry::TakeEndpointFds(const std::string& se
   EPD_ASSIGN_OR_RETURN(const uint64_t endpoint_id,
                        AuthorizeEndpoint(session_id, group, rank, peer));
   absl::MutexLock lock(&mu_);
-  if (draining_) return absl::UnavailableError("epd is shutting down");
+  if (draining_) return Draining("epd is shutting down");
   // The rank may have been released, or released and joined again, since the check.
   auto group_it = groups_.find(group);
   RankSlot* slot = nullptr;
@@ -149,9 +164,10 @@ absl::StatusOr<EndpointFds> GroupRegistry::TakeEndpointFds(const std::string& se
     if (it != group_it->second.ranks.end()) slot = &it->second;
   }
   if (slot == nullptr || slot->session_id != session_id || slot->endpoint_id != endpoint_id) {
-    return absl::NotFoundError(
-        absl::StrCat("rank ", rank, " of group \"", EscapeClientText(group),
-                     "\" was released while its descriptors were asked for"));
+    return errors::WithReason(
+        absl::NotFoundError(absl::StrCat("rank ", rank, " of group \"", EscapeClientText(group),
+                                         "\" was released while its descriptors were asked for")),
+        errors::Reason::kGroupNotFound);
   }
   EPD_ASSIGN_OR_RETURN(EndpointFds fds, group_it->second.data->TakeEndpointFds(rank));
   if (fds.endpoint_id != endpoint_id) {
@@ -188,18 +204,22 @@ int GroupRegistry::CloseSession(const std::string& session_id, absl::string_view
 absl::StatusOr<std::string> GroupRegistry::ResolveGpu(const std::string& gpu_uuid) const {
   if (gpu_uuid.empty()) {
     if (data_plane_->backend_name() == "host") return std::string();
-    return absl::InvalidArgumentError(
-        absl::StrCat("gpu_uuid: \"\" but the ", data_plane_->backend_name(),
-                     " backend needs the GPU's UUID or PCI bus id (e.g. from nvidia-smi -L)"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(
+            absl::StrCat("gpu_uuid: \"\" but the ", data_plane_->backend_name(),
+                         " backend needs the GPU's UUID or PCI bus id (e.g. from nvidia-smi -L)")),
+        errors::Reason::kGpuNotFound);
   }
   // The inventory's error echoes the id: refuse one that is no id at all first, with the
   // id escaped and capped (UUIDs are 40 bytes, MIG UUIDs about 60, PCI bus ids 16).
   if (gpu_uuid.size() > kMaxEchoedClientBytes ||
       !std::all_of(gpu_uuid.begin(), gpu_uuid.end(),
                    [](char c) { return c > ' ' && c < 0x7f && c != '"' && c != '\\'; })) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "gpu_uuid: \"", EscapeClientText(gpu_uuid), "\" (", gpu_uuid.size(),
-        " bytes) is not a GPU UUID or PCI bus id (e.g. GPU-<uuid> from nvidia-smi -L)"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "gpu_uuid: \"", EscapeClientText(gpu_uuid), "\" (", gpu_uuid.size(),
+            " bytes) is not a GPU UUID or PCI bus id (e.g. GPU-<uuid> from nvidia-smi -L)")),
+        errors::Reason::kGpuNotFound);
   }
   EPD_ASSIGN_OR_RETURN(v1::GpuInfo gpu, inventory_.Find(gpu_uuid));
   return gpu.uuid();
@@ -217,10 +237,12 @@ uint64_t SaturatingAdd(uint64_t a, uint64_t b) {
 absl::Status GroupRegistry::CheckRankIsOnThisNode(const v1::GroupSpec& spec, int32_t rank) const {
   if (!SpansNodes(spec)) return absl::OkStatus();
   if (options_.peer_mesh == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group \"", spec.name(), "\" spans ", spec.nodes_size(),
-        " nodes, but this epd has no Peer listener (peer_listen is not set): start every "
-        "node's epd with --peer_listen=host:port and --peer_secret_file (docs/MULTINODE.md)"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "group \"", spec.name(), "\" spans ", spec.nodes_size(),
+            " nodes, but this epd has no Peer listener (peer_listen is not set): start every "
+            "node's epd with --peer_listen=host:port and --peer_secret_file (docs/MULTINODE.md)")),
+        errors::Reason::kNodesInvalid);
   }
   EPD_RETURN_IF_ERROR(ValidateRank(spec, rank));
   int32_t first = 0;
@@ -228,11 +250,14 @@ absl::Status GroupRegistry::CheckRankIsOnThisNode(const v1::GroupSpec& spec, int
   const std::string self = options_.peer_mesh->advertised_address();
   const std::string& address = spec.nodes(node).peer_address();
   if (address != self) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rank ", rank, " of group \"", spec.name(), "\" lives on node ", node, " (", address, ", ",
-        peer::RankRangeText(first, spec.nodes(node).num_ranks()), "), not on this daemon (", self,
-        "): join it at that node's epd, or fix spec.nodes (each node's peer_address as its "
-        "epd advertises it, GetStats.peer_address)"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "rank ", rank, " of group \"", spec.name(), "\" lives on node ", node, " (", address,
+            ", ", peer::RankRangeText(first, spec.nodes(node).num_ranks()),
+            "), not on this daemon (", self,
+            "): join it at that node's epd, or fix spec.nodes (each node's peer_address as its "
+            "epd advertises it, GetStats.peer_address)")),
+        errors::Reason::kRankInvalid);
   }
   if (options_.transports != nullptr) {
     EPD_RETURN_IF_ERROR(options_.transports->Find(spec.transport(), spec.name()).status());
@@ -262,8 +287,9 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   EPD_RETURN_IF_ERROR(CheckRankFailurePolicy(spec, data_plane_->backend_name()));
   EPD_RETURN_IF_ERROR(CheckRankIsOnThisNode(spec, rank));
   if (!v1::LaunchMode_IsValid(request.launch_mode())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("launch_mode: ", request.launch_mode(), " is not a LaunchMode"));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  "launch_mode: ", request.launch_mode(), " is not a LaunchMode")),
+                              errors::Reason::kInvalidArgument);
   }
   if (request.session_id().empty()) {
     return absl::InvalidArgumentError(
@@ -279,7 +305,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   EPD_RETURN_IF_ERROR(CheckFreeFds(options_.min_free_fds, "JoinGroup"));
 
   absl::MutexLock lock(&mu_);
-  if (draining_) return absl::UnavailableError("epd is shutting down; joins are refused");
+  if (draining_) return Draining("epd is shutting down; joins are refused");
   auto session = sessions_.find(request.session_id());
   if (session == sessions_.end()) {
     return NotAnOpenSession(request.session_id());
@@ -302,24 +328,30 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   if (group_it != groups_.end()) {
     const v1::LaunchMode live = group_it->second.launch_mode;
     if (requested != v1::LAUNCH_MODE_UNSPECIFIED && requested != live) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "launch_mode: rank ", rank, " asks for ", v1::LaunchMode_Name(requested), " but group \"",
-          spec.name(), "\" runs ", v1::LaunchMode_Name(live),
-          " (fixed by its first joiner; every rank of a group uses the same launch mode)"));
+      return errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat(
+              "launch_mode: rank ", rank, " asks for ", v1::LaunchMode_Name(requested),
+              " but group \"", spec.name(), "\" runs ", v1::LaunchMode_Name(live),
+              " (fixed by its first joiner; every rank of a group uses the same launch mode)")),
+          errors::Reason::kSpecMismatch);
     }
     mode = live;
   }
   if (mode == v1::LAUNCH_MODE_CLIENT && data_plane_->backend_name() == "host") {
-    return absl::FailedPreconditionError(
-        "launch_mode: LAUNCH_MODE_CLIENT: client-launched mode needs the CUDA backend; this "
-        "epd runs the host backend (use LAUNCH_MODE_DAEMON or leave it unspecified)");
+    return errors::WithReason(
+        absl::FailedPreconditionError(
+            "launch_mode: LAUNCH_MODE_CLIENT: client-launched mode needs the CUDA backend; this "
+            "epd runs the host backend (use LAUNCH_MODE_DAEMON or leave it unspecified)"),
+        errors::Reason::kUnsupported);
   }
   if (group_it != groups_.end()) {
     auto held = group_it->second.ranks.find(rank);
     if (held != group_it->second.ranks.end()) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "rank ", rank, " of group \"", spec.name(), "\" is held by session ",
-          RedactSessionId(held->second.session_id), " (pid ", held->second.peer.pid, ")"));
+      return errors::WithReason(
+          absl::AlreadyExistsError(absl::StrCat(
+              "rank ", rank, " of group \"", spec.name(), "\" is held by session ",
+              RedactSessionId(held->second.session_id), " (pid ", held->second.peer.pid, ")")),
+          errors::Reason::kRankTaken);
     }
   }
   const bool creates = group_it == groups_.end();
@@ -329,19 +361,23 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   EPD_RETURN_IF_ERROR(CheckQuotasLocked(joiner.uid, spec.name(), rank, creates,
                                         SaturatingAdd(bytes_needed, group_bytes)));
   if (creates && groups_.size() >= options_.max_groups) {
-    return absl::ResourceExhaustedError(absl::StrCat("max_groups: ", options_.max_groups,
-                                                     " groups are live; group \"", spec.name(),
-                                                     "\" cannot be created"));
+    return errors::WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                                  "max_groups: ", options_.max_groups, " groups are live; group \"",
+                                  spec.name(), "\" cannot be created")),
+                              errors::Reason::kQuotaExceeded);
   }
 
   EPD_ASSIGN_OR_RETURN(uint64_t bytes_free, data_plane_->FreeBytes(gpu_uuid));
   if (group_bytes > bytes_free || bytes_needed > bytes_free - group_bytes) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "group \"%s\" needs %d bytes of epd's private memory (kernel scratch and routing "
-        "state for %d ranks) plus %d bytes for rank %d's endpoint, but %s has %d bytes free; "
-        "lower num_ranks, max_tokens_per_rank, ll_max_tokens_per_rank or hidden, or free memory",
-        spec.name(), group_bytes, spec.num_ranks(), bytes_needed, rank,
-        gpu_uuid.empty() ? std::string("host memory (host backend)") : gpu_uuid, bytes_free));
+    return errors::WithReason(
+        absl::ResourceExhaustedError(absl::StrFormat(
+            "group \"%s\" needs %d bytes of epd's private memory (kernel scratch and routing "
+            "state for %d ranks) plus %d bytes for rank %d's endpoint, but %s has %d bytes free; "
+            "lower num_ranks, max_tokens_per_rank, ll_max_tokens_per_rank or hidden, or free "
+            "memory",
+            spec.name(), group_bytes, spec.num_ranks(), bytes_needed, rank,
+            gpu_uuid.empty() ? std::string("host memory (host backend)") : gpu_uuid, bytes_free)),
+        errors::Reason::kGpuOutOfMemory);
   }
   EPD_RETURN_IF_ERROR(
       CheckBuffersFit(spec, bytes_needed, bytes_free,
@@ -411,14 +447,18 @@ absl::Status GroupRegistry::Leave(const v1::LeaveGroupRequest& request) {
   }
   auto slot = group_it->second.ranks.find(request.rank());
   if (slot == group_it->second.ranks.end()) {
-    return absl::NotFoundError(absl::StrCat("rank: ", request.rank(), " of group \"",
-                                            request.group(), "\" is not joined"));
+    return errors::WithReason(
+        absl::NotFoundError(absl::StrCat("rank: ", request.rank(), " of group \"", request.group(),
+                                         "\" is not joined")),
+        errors::Reason::kGroupNotFound);
   }
   if (slot->second.session_id != request.session_id()) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("session_id: \"", EscapeClientText(request.session_id()),
-                     "\" does not hold rank ", request.rank(), " of group \"", request.group(),
-                     "\" (session ", RedactSessionId(slot->second.session_id), " does)"));
+    return errors::WithReason(
+        absl::PermissionDeniedError(
+            absl::StrCat("session_id: \"", EscapeClientText(request.session_id()),
+                         "\" does not hold rank ", request.rank(), " of group \"", request.group(),
+                         "\" (session ", RedactSessionId(slot->second.session_id), " does)")),
+        errors::Reason::kNotGroupOwner);
   }
   session->second.endpoints.erase({request.group(), request.rank()});
   ReleaseRankLocked(request.group(), request.rank(), "LeaveGroup");
@@ -585,24 +625,31 @@ absl::Status GroupRegistry::AuthorizeJoin(const Group& group, int32_t rank,
   const std::string& name = group.spec.name();
   if (group.join_secret.set()) {
     if (group.join_secret.Matches(secret)) return absl::OkStatus();
-    return absl::PermissionDeniedError(absl::StrCat(
-        "join_secret: rank ", rank, " of group \"", name, "\" (uid ", joiner.uid,
-        "): ", secret.empty() ? "none presented" : "the one presented is not the group's",
-        "; every rank presents the join secret its first joiner set "
-        "(JoinOptions.join_secret, e.g. from EPD_JOIN_SECRET)"));
+    return errors::WithReason(
+        absl::PermissionDeniedError(absl::StrCat(
+            "join_secret: rank ", rank, " of group \"", name, "\" (uid ", joiner.uid,
+            "): ", secret.empty() ? "none presented" : "the one presented is not the group's",
+            "; every rank presents the join secret its first joiner set "
+            "(JoinOptions.join_secret, e.g. from EPD_JOIN_SECRET)")),
+        errors::Reason::kJoinSecretMismatch);
   }
   if (!secret.empty()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "join_secret: rank ", rank, " of group \"", name, "\" (uid ", joiner.uid,
-        "): a secret is presented but the group was created without one (its first joiner "
-        "presented none); every rank presents the same join secret, or none"));
+    return errors::WithReason(
+        absl::PermissionDeniedError(absl::StrCat(
+            "join_secret: rank ", rank, " of group \"", name, "\" (uid ", joiner.uid,
+            "): a secret is presented but the group was created without one (its first joiner "
+            "presented none); every rank presents the same join secret, or none")),
+        errors::Reason::kJoinSecretMismatch);
   }
   if (joiner.uid != group.owner_uid) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "rank ", rank, " of group \"", name, "\": uid ", joiner.uid,
-        " may not join: the group has no join secret, so only its owner's uid (", group.owner_uid,
-        ") may join it (ranks of several uids need a join secret set by the first joiner: "
-        "JoinOptions.join_secret)"));
+    return errors::WithReason(
+        absl::PermissionDeniedError(absl::StrCat(
+            "rank ", rank, " of group \"", name, "\": uid ", joiner.uid,
+            " may not join: the group has no join secret, so only its owner's uid (",
+            group.owner_uid,
+            ") may join it (ranks of several uids need a join secret set by the first joiner: "
+            "JoinOptions.join_secret)")),
+        errors::Reason::kNotGroupOwner);
   }
   return absl::OkStatus();
 }
@@ -638,22 +685,28 @@ absl::Status GroupRegistry::CheckQuotasLocked(uint32_t uid, const std::string& g
   const char* next = " (leave ranks or groups first, or raise the quota in the DaemonConfig)";
   if (creates && options_.max_groups_per_uid != 0 &&
       usage.groups_owned >= options_.max_groups_per_uid) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "max_groups_per_uid: uid ", uid, " owns ", usage.groups_owned, " groups, the quota is ",
-        options_.max_groups_per_uid, "; ", what, " would create another", next));
+    return errors::WithReason(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "max_groups_per_uid: uid ", uid, " owns ", usage.groups_owned, " groups, the quota is ",
+            options_.max_groups_per_uid, "; ", what, " would create another", next)),
+        errors::Reason::kQuotaExceeded);
   }
   if (options_.max_endpoints_per_uid != 0 && usage.endpoints >= options_.max_endpoints_per_uid) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "max_endpoints_per_uid: uid ", uid, " holds ", usage.endpoints, " endpoints, the quota is ",
-        options_.max_endpoints_per_uid, "; ", what, " would be one more", next));
+    return errors::WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                                  "max_endpoints_per_uid: uid ", uid, " holds ", usage.endpoints,
+                                  " endpoints, the quota is ", options_.max_endpoints_per_uid, "; ",
+                                  what, " would be one more", next)),
+                              errors::Reason::kQuotaExceeded);
   }
   if (options_.max_endpoint_bytes_per_uid != 0 &&
       (bytes > options_.max_endpoint_bytes_per_uid ||
        usage.endpoint_bytes > options_.max_endpoint_bytes_per_uid - bytes)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "max_endpoint_bytes_per_uid: uid ", uid, " holds ", usage.endpoint_bytes,
-        " bytes of endpoint buffers and group memory, the quota is ",
-        options_.max_endpoint_bytes_per_uid, "; ", what, " needs ", bytes, " more", next));
+    return errors::WithReason(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "max_endpoint_bytes_per_uid: uid ", uid, " holds ", usage.endpoint_bytes,
+            " bytes of endpoint buffers and group memory, the quota is ",
+            options_.max_endpoint_bytes_per_uid, "; ", what, " needs ", bytes, " more", next)),
+        errors::Reason::kQuotaExceeded);
   }
   return absl::OkStatus();
 }
@@ -737,7 +790,7 @@ void GroupRegistry::NotifyWaitersLocked() {
 std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> GroupRegistry::EvaluateEndpointsLocked(
     const EndpointsWaiter& waiter, absl::Time now) const {
   const v1::GetGroupEndpointsRequest& request = waiter.request;
-  if (draining_) return absl::UnavailableError("epd is shutting down");
+  if (draining_) return Draining("epd is shutting down");
   auto session = sessions_.find(request.session_id());
   if (session == sessions_.end()) return NotAnOpenSession(request.session_id());
   const uint32_t uid = session->second.peer.uid;
@@ -748,15 +801,18 @@ std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> GroupRegistry::Eval
   const Group& group = group_it->second;
   auto held = group.ranks.find(request.rank());
   if (held == group.ranks.end()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("rank: ", request.rank(), " of group \"", request.group(),
-                     "\" is not joined; JoinGroup it before GetGroupEndpoints"));
+    return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                  "rank: ", request.rank(), " of group \"", request.group(),
+                                  "\" is not joined; JoinGroup it before GetGroupEndpoints")),
+                              errors::Reason::kGroupNotFound);
   }
   if (held->second.session_id != request.session_id()) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("session_id: \"", EscapeClientText(request.session_id()),
-                     "\" does not hold rank ", request.rank(), " of group \"", request.group(),
-                     "\" (session ", RedactSessionId(held->second.session_id), " does)"));
+    return errors::WithReason(
+        absl::PermissionDeniedError(
+            absl::StrCat("session_id: \"", EscapeClientText(request.session_id()),
+                         "\" does not hold rank ", request.rank(), " of group \"", request.group(),
+                         "\" (session ", RedactSessionId(held->second.session_id), " does)")),
+        errors::Reason::kNotGroupOwner);
   }
   std::vector<int32_t> missing;
   for (int32_t r = 0; r < group.spec.num_ranks(); ++r) {
@@ -764,10 +820,11 @@ std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> GroupRegistry::Eval
   }
   if (!missing.empty()) {
     if (now < waiter.deadline) return std::nullopt;
-    return absl::DeadlineExceededError(
-        absl::StrCat("GetGroupEndpoints: group \"", request.group(), "\": rank(s) ",
-                     absl::StrJoin(missing, ", "), " of ", group.spec.num_ranks(),
-                     " have not joined within wait_ms = ", waiter.wait_ms, " ms"));
+    return errors::WithReason(absl::DeadlineExceededError(absl::StrCat(
+                                  "GetGroupEndpoints: group \"", request.group(), "\": rank(s) ",
+                                  absl::StrJoin(missing, ", "), " of ", group.spec.num_ranks(),
+                                  " have not joined within wait_ms = ", waiter.wait_ms, " ms")),
+                              errors::Reason::kOpTimeout);
   }
   v1::GetGroupEndpointsResponse response;
   for (const auto& [rank, slot] : group.ranks) {  // std::map: ordered by rank.
@@ -784,10 +841,11 @@ std::optional<absl::StatusOr<v1::GetGroupEndpointsResponse>> GroupRegistry::Eval
 std::optional<absl::Status> GroupRegistry::CheckWaitersLocked(const std::string& session_id) const {
   const uint32_t total = options_.max_endpoints_waiters;
   if (total != 0 && waiters_.size() >= total) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("GetGroupEndpoints: ", waiters_.size(),
-                     " calls are already waiting for ranks, epd's limit is ", total,
-                     "; retry later, or call with wait_ms = 0"));
+    return errors::WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                                  "GetGroupEndpoints: ", waiters_.size(),
+                                  " calls are already waiting for ranks, epd's limit is ", total,
+                                  "; retry later, or call with wait_ms = 0")),
+                              errors::Reason::kQuotaExceeded);
   }
   const uint32_t per_session = options_.max_endpoints_waiters_per_session;
   if (per_session == 0) return std::nullopt;
@@ -795,10 +853,11 @@ std::optional<absl::Status> GroupRegistry::CheckWaitersLocked(const std::string&
     return w.request.session_id() == session_id;
   });
   if (mine < per_session) return std::nullopt;
-  return absl::ResourceExhaustedError(
-      absl::StrCat("GetGroupEndpoints: this session already has ", mine,
-                   " calls waiting for ranks, the limit per session is ", per_session,
-                   "; wait for one to return first"));
+  return errors::WithReason(absl::ResourceExhaustedError(
+                                absl::StrCat("GetGroupEndpoints: this session already has ", mine,
+                                             " calls waiting for ranks, the limit per session is ",
+                                             per_session, "; wait for one to return first")),
+                            errors::Reason::kQuotaExceeded);
 }
 
 void GroupRegistry::GetGroupEndpoints(const v1::GetGroupEndpointsRequest& request,

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/errors/reason.h"
 #include "daemon/dataplane/lockstep_group.h"
 #include "epd/kernels/cuda_limits.h"
 #include "google/protobuf/descriptor.h"
@@ -21,7 +22,9 @@ namespace {
 constexpr int kMaxReportedElementDiffs = 8;
 
 absl::Status Invalid(absl::string_view field, int64_t value, absl::string_view rule) {
-  return absl::InvalidArgumentError(absl::StrCat("spec.", field, ": ", value, " ", rule));
+  return errors::WithReason(
+      absl::InvalidArgumentError(absl::StrCat("spec.", field, ": ", value, " ", rule)),
+      errors::Reason::kSpecInvalid);
 }
 
 bool IsNameChar(char c) {
@@ -138,7 +141,9 @@ std::string EscapeClientText(absl::string_view text, size_t max_bytes) {
   return absl::StrCat(absl::CHexEscape(text.substr(0, max_bytes)), "...(", text.size(), " bytes)");
 }
 
-absl::Status ValidateGroupSpec(const v1::GroupSpec& spec) {
+namespace {
+
+absl::Status ValidateSpecFields(const v1::GroupSpec& spec) {
   const std::string& name = spec.name();
   if (name.empty() || name.size() > kMaxGroupNameBytes) {
     return absl::InvalidArgumentError(absl::StrCat("spec.name: \"", EscapeClientText(name),
@@ -188,7 +193,13 @@ absl::Status ValidateGroupSpec(const v1::GroupSpec& spec) {
     return Invalid("on_rank_failure", spec.on_rank_failure(),
                    "is not a RankFailurePolicy (0 = unspecified, as FAIL; 1 = FAIL; 2 = MASK)");
   }
-  return ValidateNodes(spec);
+  return errors::WithDefaultReason(ValidateNodes(spec), errors::Reason::kNodesInvalid);
+}
+
+}  // namespace
+
+absl::Status ValidateGroupSpec(const v1::GroupSpec& spec) {
+  return errors::WithDefaultReason(ValidateSpecFields(spec), errors::Reason::kSpecInvalid);
 }
 
 bool PeerAddressIsWellFormed(absl::string_view address) {
@@ -249,13 +260,16 @@ absl::Status ValidateGroupSpecForBackend(const v1::GroupSpec& spec, absl::string
   if (backend != "cuda") return absl::OkStatus();
   // A group across nodes runs on the CUDA backend too (DESIGN.md §5.5), within the same
   // kernel limits (its ranks' areas are the same).
-  return kernels::cuda::CheckCudaShape(ShapeOf(spec));
+  return errors::WithDefaultReason(kernels::cuda::CheckCudaShape(ShapeOf(spec)),
+                                   errors::Reason::kSpecInvalid);
 }
 
 absl::Status ValidateRank(const v1::GroupSpec& spec, int32_t rank) {
   if (rank < 0 || rank >= spec.num_ranks()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rank: ", rank, " is outside [0, ", spec.num_ranks(), ") of group \"", spec.name(), "\""));
+    return errors::WithReason(absl::InvalidArgumentError(
+                                  absl::StrCat("rank: ", rank, " is outside [0, ", spec.num_ranks(),
+                                               ") of group \"", spec.name(), "\"")),
+                              errors::Reason::kRankInvalid);
   }
   return absl::OkStatus();
 }
@@ -263,11 +277,13 @@ absl::Status ValidateRank(const v1::GroupSpec& spec, int32_t rank) {
 absl::Status CheckBuffersFit(const v1::GroupSpec& spec, uint64_t bytes_needed, uint64_t bytes_free,
                              const std::string& where) {
   if (bytes_needed <= bytes_free) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrFormat(
-      "group \"%s\" needs %d bytes per rank (%.2f GiB) but %s has %d bytes free (%.2f GiB); "
-      "lower max_tokens_per_rank, ll_max_tokens_per_rank or hidden, or free memory",
-      spec.name(), bytes_needed, bytes_needed / double(1ull << 30), where, bytes_free,
-      bytes_free / double(1ull << 30)));
+  return errors::WithReason(
+      absl::ResourceExhaustedError(absl::StrFormat(
+          "group \"%s\" needs %d bytes per rank (%.2f GiB) but %s has %d bytes free (%.2f GiB); "
+          "lower max_tokens_per_rank, ll_max_tokens_per_rank or hidden, or free memory",
+          spec.name(), bytes_needed, bytes_needed / double(1ull << 30), where, bytes_free,
+          bytes_free / double(1ull << 30))),
+      errors::Reason::kGpuOutOfMemory);
 }
 
 std::vector<std::string> DiffGroupSpecs(const v1::GroupSpec& live_spec,
@@ -300,9 +316,10 @@ std::vector<std::string> DiffGroupSpecs(const v1::GroupSpec& live_spec,
 absl::Status CheckSameSpec(const v1::GroupSpec& live, const v1::GroupSpec& requested) {
   std::vector<std::string> diffs = DiffGroupSpecs(live, requested);
   if (diffs.empty()) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat("spec differs from live group \"", live.name(),
-                                                    "\" in ", diffs.size(),
-                                                    " field(s): ", absl::StrJoin(diffs, "; ")));
+  return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                "spec differs from live group \"", live.name(), "\" in ",
+                                diffs.size(), " field(s): ", absl::StrJoin(diffs, "; "))),
+                            errors::Reason::kSpecMismatch);
 }
 
 std::string SpecSummary(const v1::GroupSpec& spec) {

@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/errors/reason.h"
 #include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
 #include "daemon/control/spec_validation.h"
@@ -248,9 +249,11 @@ absl::Status CheckListen(absl::string_view listen, absl::string_view field = "li
   uint32_t port = 0;
   if (colon == absl::string_view::npos || colon == 0 ||
       !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": \"", listen,
-                                                   "\" is not host:port (e.g. \"0.0.0.0:50051\", "
-                                                   "\"[::1]:0\")"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(field, ": \"", listen,
+                                                "\" is not host:port (e.g. \"0.0.0.0:50051\", "
+                                                "\"[::1]:0\")")),
+        errors::Reason::kConfigInvalid);
   }
   return absl::OkStatus();
 }
@@ -262,8 +265,9 @@ bool IsWildcardListen(absl::string_view listen) {
 
 absl::Status CheckRange(absl::string_view field, uint32_t value, uint32_t lo, uint32_t hi) {
   if (value < lo || value > hi) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": ", value, " is outside [", lo, ", ", hi, "]"));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  field, ": ", value, " is outside [", lo, ", ", hi, "]")),
+                              errors::Reason::kConfigInvalid);
   }
   return absl::OkStatus();
 }
@@ -289,19 +293,22 @@ absl::Status ValidateRdmaConfig(const v1::RdmaConfig& rdma) {
   for (int i = 0; i < rdma.devices_size(); ++i) {
     const v1::RdmaDevicePort& d = rdma.devices(i);
     if (!IsDeviceName(d.device())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("rdma.devices[", i, "].device: \"", absl::CEscape(d.device()),
-                       "\" is not an RDMA device name (", kDeviceNameRule,
-                       ", e.g. \"mlx5_0\", as ibv_devices lists)"));
+      return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                    "rdma.devices[", i, "].device: \"", absl::CEscape(d.device()),
+                                    "\" is not an RDMA device name (", kDeviceNameRule,
+                                    ", e.g. \"mlx5_0\", as ibv_devices lists)")),
+                                errors::Reason::kConfigInvalid);
     }
     EPD_RETURN_IF_ERROR(
         CheckRange(absl::StrCat("rdma.devices[", i, "].port"), d.port(), 0, kMaxRdmaPort));
     for (int j = 0; j < i; ++j) {
       const v1::RdmaDevicePort& e = rdma.devices(j);
       if (e.device() == d.device() && std::max(e.port(), 1u) == std::max(d.port(), 1u)) {
-        return absl::InvalidArgumentError(absl::StrCat("rdma.devices[", i, "]: ", d.device(), ":",
-                                                       std::max(d.port(), 1u),
-                                                       " is listed twice (also at [", j, "])"));
+        return errors::WithReason(
+            absl::InvalidArgumentError(absl::StrCat("rdma.devices[", i, "]: ", d.device(), ":",
+                                                    std::max(d.port(), 1u),
+                                                    " is listed twice (also at [", j, "])")),
+            errors::Reason::kConfigInvalid);
       }
     }
   }
@@ -321,15 +328,19 @@ absl::Status ValidateRdmaConfig(const v1::RdmaConfig& rdma) {
   if (rdma.has_mtu()) {
     const uint32_t m = rdma.mtu();
     if (m != 256 && m != 512 && m != 1024 && m != 2048 && m != 4096) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("rdma.mtu: ", m,
-                       " is not a path MTU (256, 512, 1024, 2048 or 4096; absent = the "
-                       "port's active MTU)"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(
+              absl::StrCat("rdma.mtu: ", m,
+                           " is not a path MTU (256, 512, 1024, 2048 or 4096; absent = the "
+                           "port's active MTU)")),
+          errors::Reason::kConfigInvalid);
     }
   }
   if (rdma.gpudirect() != "auto" && rdma.gpudirect() != "on" && rdma.gpudirect() != "off") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rdma.gpudirect: \"", absl::CEscape(rdma.gpudirect()), "\" is not auto, on or off"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "rdma.gpudirect: \"", absl::CEscape(rdma.gpudirect()), "\" is not auto, on or off")),
+        errors::Reason::kConfigInvalid);
   }
   return absl::OkStatus();
 }
@@ -341,41 +352,55 @@ absl::Status ValidatePeerConfig(const v1::DaemonConfig& config) {
   const bool on = !config.peer_listen().empty();
   if (!config.peer_advertise().empty()) {
     if (!on) {
-      return absl::InvalidArgumentError(absl::StrCat("peer_advertise: \"", config.peer_advertise(),
-                                                     "\" is set but peer_listen is not"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat("peer_advertise: \"", config.peer_advertise(),
+                                                  "\" is set but peer_listen is not")),
+          errors::Reason::kConfigInvalid);
     }
     if (!PeerAddressIsWellFormed(config.peer_advertise()) ||
         IsWildcardListen(config.peer_advertise())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "peer_advertise: \"", config.peer_advertise(),
-          "\" is not a host:port other daemons can reach (a name or address, port 1-65535)"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat(
+              "peer_advertise: \"", config.peer_advertise(),
+              "\" is not a host:port other daemons can reach (a name or address, port 1-65535)")),
+          errors::Reason::kConfigInvalid);
     }
   }
   if (on && config.peer_advertise().empty() && IsWildcardListen(config.peer_listen())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "peer_listen: \"", config.peer_listen(),
-        "\" is a wildcard address, which other daemons cannot reach: set peer_advertise to "
-        "this node's address (e.g. \"10.0.0.2:7100\")"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "peer_listen: \"", config.peer_listen(),
+            "\" is a wildcard address, which other daemons cannot reach: set peer_advertise to "
+            "this node's address (e.g. \"10.0.0.2:7100\")")),
+        errors::Reason::kConfigInvalid);
   }
   if (on && config.peer_secret_file().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("peer_secret_file: required with peer_listen \"", config.peer_listen(),
-                     "\" (the shared secret every daemon of the cluster presents)"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(
+            absl::StrCat("peer_secret_file: required with peer_listen \"", config.peer_listen(),
+                         "\" (the shared secret every daemon of the cluster presents)")),
+        errors::Reason::kConfigInvalid);
   }
   const int tls = !config.peer_tls_cert_file().empty() + !config.peer_tls_key_file().empty() +
                   !config.peer_tls_ca_file().empty();
   if (tls != 0 && tls != 3) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "peer_tls_cert_file, peer_tls_key_file, peer_tls_ca_file: give all three or none (", tls,
-        " given)"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "peer_tls_cert_file, peer_tls_key_file, peer_tls_ca_file: give all three or none (",
+            tls, " given)")),
+        errors::Reason::kConfigInvalid);
   }
   if (config.peer_heartbeat_ms() < kMinPeerHeartbeatMs) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "peer_heartbeat_ms: ", config.peer_heartbeat_ms(), " is below ", kMinPeerHeartbeatMs));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat("peer_heartbeat_ms: ", config.peer_heartbeat_ms(),
+                                                " is below ", kMinPeerHeartbeatMs)),
+        errors::Reason::kConfigInvalid);
   }
   if (config.transport() != "tcp" && config.transport() != "rdma") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("transport: \"", config.transport(), "\" is not a transport (tcp or rdma)"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat("transport: \"", config.transport(),
+                                                "\" is not a transport (tcp or rdma)")),
+        errors::Reason::kConfigInvalid);
   }
   EPD_RETURN_IF_ERROR(ValidateRdmaConfig(config.rdma()));
   if (!config.audit_log().empty() && config.audit_log() != "journal" &&
@@ -388,16 +413,19 @@ absl::Status ValidatePeerConfig(const v1::DaemonConfig& config) {
     absl::StatusOr<transport::FaultPlan> plan =
         transport::ParseFaultPlan(config.testing_transport_faults());
     if (!plan.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("testing_transport_faults: \"",
-                                                     config.testing_transport_faults(),
-                                                     "\": ", plan.status().message()));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat("testing_transport_faults: \"",
+                                                  config.testing_transport_faults(),
+                                                  "\": ", plan.status().message())),
+          errors::Reason::kConfigInvalid);
     }
   }
   if (config.tcp_connections_per_peer() < 1 ||
       config.tcp_connections_per_peer() > kMaxTcpConnectionsPerPeer) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tcp_connections_per_peer: ", config.tcp_connections_per_peer(),
-                     " is outside [1, ", kMaxTcpConnectionsPerPeer, "]"));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  "tcp_connections_per_peer: ", config.tcp_connections_per_peer(),
+                                  " is outside [1, ", kMaxTcpConnectionsPerPeer, "]")),
+                              errors::Reason::kConfigInvalid);
   }
   return absl::OkStatus();
 }
@@ -428,15 +456,18 @@ absl::StatusOr<std::vector<v1::RdmaDevicePort>> ParseRdmaDevices(absl::string_vi
     uint32_t port = 1;
     if (colon != absl::string_view::npos &&
         (!absl::SimpleAtoi(item.substr(colon + 1), &port) || port == 0 || port > kMaxRdmaPort)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": \"", item, "\": the port after ':' must be 1 to ", kMaxRdmaPort,
-                       " (\"mlx5_0\" or \"mlx5_0:2\")"));
+      return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                    field, ": \"", item, "\": the port after ':' must be 1 to ",
+                                    kMaxRdmaPort, " (\"mlx5_0\" or \"mlx5_0:2\")")),
+                                errors::Reason::kConfigInvalid);
     }
     if (!IsDeviceName(name)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ": \"", absl::CEscape(item),
-          "\" is not device or device:port (\"mlx5_0\", \"mlx5_0:2\"; a device name has ",
-          kDeviceNameRule, ")"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat(
+              field, ": \"", absl::CEscape(item),
+              "\" is not device or device:port (\"mlx5_0\", \"mlx5_0:2\"; a device name has ",
+              kDeviceNameRule, ")")),
+          errors::Reason::kConfigInvalid);
     }
     d.set_device(std::string(name));
     d.set_port(port);
@@ -502,7 +533,7 @@ absl::StatusOr<v1::DaemonConfig> ParseDaemonConfig(absl::string_view text,
     std::string message = collector.errors().empty()
                               ? absl::StrCat(source, ": not a text-format epd.v1.DaemonConfig")
                               : absl::StrJoin(collector.errors(), "; ");
-    return absl::InvalidArgumentError(message);
+    return errors::WithReason(absl::InvalidArgumentError(message), errors::Reason::kConfigInvalid);
   }
   return config;
 }
@@ -510,16 +541,21 @@ absl::StatusOr<v1::DaemonConfig> ParseDaemonConfig(absl::string_view text,
 absl::StatusOr<v1::DaemonConfig> LoadDaemonConfigFile(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--config: \"", path, "\" is not a regular file (a text-format DaemonConfig)"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "--config: \"", path, "\" is not a regular file (a text-format DaemonConfig)")),
+        errors::Reason::kConfigInvalid);
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     int err = errno;
     std::string message =
         absl::StrCat("--config: cannot read \"", path, "\": ", std::strerror(err));
-    if (err == EACCES) return absl::PermissionDeniedError(message);
-    return absl::NotFoundError(message);
+    if (err == EACCES) {
+      return errors::WithReason(absl::PermissionDeniedError(message),
+                                errors::Reason::kConfigInvalid);
+    }
+    return errors::WithReason(absl::NotFoundError(message), errors::Reason::kConfigInvalid);
   }
   std::stringstream buffer;
   buffer << in.rdbuf();
@@ -536,11 +572,12 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
         {"socket_mode", "socket_mode", &flags.socket_mode, kDefaultSocketMode},
         {"log_level", "log_level", &flags.log_level, kDefaultLogLevel}}) {
     if (value->has_value() && (*value)->empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", name,
-                       ": \"\" (given empty) is not a value; give one, or leave "
-                       "the flag out for the config file's ",
-                       field, " or the default \"", default_value, "\""));
+      return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                    "--", name,
+                                    ": \"\" (given empty) is not a value; give one, or leave "
+                                    "the flag out for the config file's ",
+                                    field, " or the default \"", default_value, "\"")),
+                                errors::Reason::kConfigInvalid);
     }
   }
   if (flags.socket) config->set_socket_path(*flags.socket);
@@ -557,22 +594,26 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
     } else if (b == "host") {
       config->set_backend(v1::BACKEND_HOST);
     } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--backend: \"", *flags.backend, "\" is not one of auto, cuda, host"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(
+              absl::StrCat("--backend: \"", *flags.backend, "\" is not one of auto, cuda, host")),
+          errors::Reason::kConfigInvalid);
     }
   }
   if (flags.log_level) config->set_log_level(*flags.log_level);
   if (flags.op_timeout) {
     int64_t ms = absl::ToInt64Milliseconds(*flags.op_timeout);
     if (ms < 1 || ms > UINT32_MAX) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--op_timeout: ", absl::FormatDuration(*flags.op_timeout),
-                       " is out of range [1ms, ", UINT32_MAX, "ms]"));
+      return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                    "--op_timeout: ", absl::FormatDuration(*flags.op_timeout),
+                                    " is out of range [1ms, ", UINT32_MAX, "ms]")),
+                                errors::Reason::kConfigInvalid);
     }
     if (*flags.op_timeout != absl::Milliseconds(ms)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--op_timeout: ", absl::FormatDuration(*flags.op_timeout),
-                       " is not a whole number of milliseconds (the config's unit)"));
+      return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                    "--op_timeout: ", absl::FormatDuration(*flags.op_timeout),
+                                    " is not a whole number of milliseconds (the config's unit)")),
+                                errors::Reason::kConfigInvalid);
     }
     config->set_op_timeout_ms(static_cast<uint32_t>(ms));
   }
@@ -583,7 +624,9 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
   if (flags.max_groups) {
     // Checked here: a 0 in the config would read as "absent" and take the default.
     if (*flags.max_groups == 0) {
-      return absl::InvalidArgumentError("--max_groups: 0 (at least 1 group must be allowed)");
+      return errors::WithReason(
+          absl::InvalidArgumentError("--max_groups: 0 (at least 1 group must be allowed)"),
+          errors::Reason::kConfigInvalid);
     }
     config->set_max_groups(*flags.max_groups);
   }
@@ -610,9 +653,11 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
   if (flags.peer_heartbeat_ms) config->set_peer_heartbeat_ms(*flags.peer_heartbeat_ms);
   if (flags.transport) {
     if (flags.transport->empty()) {
-      return absl::InvalidArgumentError(
-          "--transport: \"\" (given empty) is not a value; give one, or leave the flag out for "
-          "the config file's transport or the default \"tcp\"");
+      return errors::WithReason(
+          absl::InvalidArgumentError(
+              "--transport: \"\" (given empty) is not a value; give one, or leave the flag out for "
+              "the config file's transport or the default \"tcp\""),
+          errors::Reason::kConfigInvalid);
     }
     config->set_transport(absl::AsciiStrToLower(*flags.transport));
   }
@@ -702,72 +747,94 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
 absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
   std::string path = SocketFilePath(config.socket_path());
   if (path.empty() || path[0] != '/') {
-    return absl::InvalidArgumentError(
-        absl::StrCat("socket_path: \"", config.socket_path(),
-                     "\" must be an absolute path (\"/run/epd/epd.sock\")"));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  "socket_path: \"", config.socket_path(),
+                                  "\" must be an absolute path (\"/run/epd/epd.sock\")")),
+                              errors::Reason::kConfigInvalid);
   }
   if (path.size() > kMaxSocketPathBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "socket_path: \"", config.socket_path(), "\" is ", path.size(),
-        " bytes long; the most epd can listen on is ", kMaxSocketPathBytes,
-        " bytes (the unix socket limit of 107, less the two that gRPC adds to the "
-        "\"unix:///path\" it listens on); use a shorter path, e.g. /run/epd/epd.sock"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "socket_path: \"", config.socket_path(), "\" is ", path.size(),
+            " bytes long; the most epd can listen on is ", kMaxSocketPathBytes,
+            " bytes (the unix socket limit of 107, less the two that gRPC adds to the "
+            "\"unix:///path\" it listens on); use a shorter path, e.g. /run/epd/epd.sock")),
+        errors::Reason::kConfigInvalid);
   }
   {
     EPD_ASSIGN_OR_RETURN(uint32_t mode, ParseFileMode("socket_mode", config.socket_mode()));
     if (mode & ~0777u) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("socket_mode: \"", config.socket_mode(),
-                       "\" sets setuid, setgid or sticky bits; give permissions only "
-                       "(e.g. \"0660\")"));
+      return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                    "socket_mode: \"", config.socket_mode(),
+                                    "\" sets setuid, setgid or sticky bits; give permissions only "
+                                    "(e.g. \"0660\")")),
+                                errors::Reason::kConfigInvalid);
     }
     if ((mode & 0600u) != 0600u) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("socket_mode: \"", config.socket_mode(),
-                       "\" does not let the owner read and write (needs 0600)"));
+      return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                    "socket_mode: \"", config.socket_mode(),
+                                    "\" does not let the owner read and write (needs 0600)")),
+                                errors::Reason::kConfigInvalid);
     }
   }
   EPD_RETURN_IF_ERROR(CheckListen(config.listen()));
   EPD_RETURN_IF_ERROR(CheckListen(config.metrics_listen(), "metrics_listen"));
   if (!v1::Backend_IsValid(config.backend())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("backend: ", static_cast<int>(config.backend()), " is not a Backend"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(
+            absl::StrCat("backend: ", static_cast<int>(config.backend()), " is not a Backend")),
+        errors::Reason::kConfigInvalid);
   }
   EPD_RETURN_IF_ERROR(ParseLogLevels(config.log_level()).status());
   if (config.op_timeout_ms() == 0) {
-    return absl::InvalidArgumentError("op_timeout_ms: 0 is not a timeout (>= 1 ms)");
+    return errors::WithReason(
+        absl::InvalidArgumentError("op_timeout_ms: 0 is not a timeout (>= 1 ms)"),
+        errors::Reason::kConfigInvalid);
   }
   if (config.max_request_bytes() < kMinMaxRequestBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_request_bytes: ", config.max_request_bytes(), " is below the minimum ",
-                     kMinMaxRequestBytes));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat("max_request_bytes: ", config.max_request_bytes(),
+                                                " is below the minimum ", kMinMaxRequestBytes)),
+        errors::Reason::kConfigInvalid);
   }
   if (config.max_request_bytes() > kMaxMaxRequestBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_request_bytes: ", config.max_request_bytes(), " is above the maximum ",
-                     kMaxMaxRequestBytes, " (gRPC takes the message size limit as an int)"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat("max_request_bytes: ", config.max_request_bytes(),
+                                                " is above the maximum ", kMaxMaxRequestBytes,
+                                                " (gRPC takes the message size limit as an int)")),
+        errors::Reason::kConfigInvalid);
   }
   if (config.max_groups() == 0) {
-    return absl::InvalidArgumentError("max_groups: 0 (at least 1 group must be allowed)");
+    return errors::WithReason(
+        absl::InvalidArgumentError("max_groups: 0 (at least 1 group must be allowed)"),
+        errors::Reason::kConfigInvalid);
   }
   if (config.min_free_fds() > kMaxMinFreeFds) {
-    return absl::InvalidArgumentError(absl::StrCat("min_free_fds: ", config.min_free_fds(),
-                                                   " is above the maximum ", kMaxMinFreeFds));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat("min_free_fds: ", config.min_free_fds(),
+                                                " is above the maximum ", kMaxMinFreeFds)),
+        errors::Reason::kConfigInvalid);
   }
   if (config.unmapped_endpoint_timeout_ms() < kMinUnmappedEndpointTimeoutMs ||
       config.unmapped_endpoint_timeout_ms() > kMaxUnmappedEndpointTimeoutMs) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unmapped_endpoint_timeout_ms: ", config.unmapped_endpoint_timeout_ms(), " is outside [",
-        kMinUnmappedEndpointTimeoutMs, ", ", kMaxUnmappedEndpointTimeoutMs,
-        "] (milliseconds a client has to map an endpoint it joined)"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "unmapped_endpoint_timeout_ms: ", config.unmapped_endpoint_timeout_ms(),
+            " is outside [", kMinUnmappedEndpointTimeoutMs, ", ", kMaxUnmappedEndpointTimeoutMs,
+            "] (milliseconds a client has to map an endpoint it joined)")),
+        errors::Reason::kConfigInvalid);
   }
   if (config.host_threads() > kMaxHostThreads) {
-    return absl::InvalidArgumentError(absl::StrCat("host_threads: ", config.host_threads(),
-                                                   " is above the maximum ", kMaxHostThreads,
-                                                   " (0 = the hardware concurrency)"));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  "host_threads: ", config.host_threads(), " is above the maximum ",
+                                  kMaxHostThreads, " (0 = the hardware concurrency)")),
+                              errors::Reason::kConfigInvalid);
   }
   for (const std::string& uuid : config.gpu_uuids()) {
-    if (uuid.empty()) return absl::InvalidArgumentError("gpu_uuids: an entry is empty");
+    if (uuid.empty()) {
+      return errors::WithReason(absl::InvalidArgumentError("gpu_uuids: an entry is empty"),
+                                errors::Reason::kConfigInvalid);
+    }
   }
   return ValidatePeerConfig(config);
 }
@@ -781,17 +848,26 @@ absl::StatusOr<std::string> ReadSmallFile(absl::string_view field, const std::st
   if (!fd.valid()) {
     const int err = errno;
     std::string message = absl::StrCat(field, ": cannot read \"", path, "\": ", std::strerror(err));
-    if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(message);
-    if (err == ENOENT) return absl::NotFoundError(message);
-    return absl::FailedPreconditionError(message);
+    if (err == EACCES || err == EPERM) {
+      return errors::WithReason(absl::PermissionDeniedError(message),
+                                errors::Reason::kConfigInvalid);
+    }
+    if (err == ENOENT) {
+      return errors::WithReason(absl::NotFoundError(message), errors::Reason::kConfigInvalid);
+    }
+    return errors::WithReason(absl::FailedPreconditionError(message),
+                              errors::Reason::kConfigInvalid);
   }
   if (::fstat(fd.get(), st) != 0 || !S_ISREG(st->st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(field, ": \"", path, "\" is not a regular file"));
+    return errors::WithReason(absl::FailedPreconditionError(
+                                  absl::StrCat(field, ": \"", path, "\" is not a regular file")),
+                              errors::Reason::kConfigInvalid);
   }
   if (static_cast<uint64_t>(st->st_size) > max_bytes) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(field, ": \"", path, "\" has ", st->st_size, " bytes, more than ", max_bytes));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(field, ": \"", path, "\" has ", st->st_size,
+                                                   " bytes, more than ", max_bytes)),
+        errors::Reason::kConfigInvalid);
   }
   std::string data(static_cast<size_t>(st->st_size), '\0');
   size_t got = 0;
@@ -799,7 +875,9 @@ absl::StatusOr<std::string> ReadSmallFile(absl::string_view field, const std::st
     const ssize_t n = ::read(fd.get(), data.data() + got, data.size() - got);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
-      return absl::FailedPreconditionError(absl::StrCat(field, ": reading \"", path, "\" failed"));
+      return errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat(field, ": reading \"", path, "\" failed")),
+          errors::Reason::kConfigInvalid);
     }
     got += static_cast<size_t>(n);
   }
@@ -813,10 +891,12 @@ absl::StatusOr<std::string> ReadPeerSecretFile(const std::string& path) {
   EPD_ASSIGN_OR_RETURN(std::string secret,
                        ReadSmallFile("peer_secret_file", path, kMaxPeerSecretBytes, &st));
   if ((st.st_mode & 077) != 0) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "peer_secret_file: \"%s\" has mode %04o: group or others may read or write it; "
-        "chmod 600 it (the secret admits a daemon to the cluster)",
-        path, st.st_mode & 07777));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrFormat(
+            "peer_secret_file: \"%s\" has mode %04o: group or others may read or write it; "
+            "chmod 600 it (the secret admits a daemon to the cluster)",
+            path, st.st_mode & 07777)),
+        errors::Reason::kConfigInvalid);
   }
   if (absl::EndsWith(secret, "\r\n")) {
     secret.resize(secret.size() - 2);
@@ -824,9 +904,11 @@ absl::StatusOr<std::string> ReadPeerSecretFile(const std::string& path) {
     secret.resize(secret.size() - 1);
   }
   if (secret.size() < kMinPeerSecretBytes) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "peer_secret_file: \"", path, "\" holds ", secret.size(), " bytes, fewer than ",
-        kMinPeerSecretBytes, " (e.g. `head -c 32 /dev/urandom | base64 > file`)"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "peer_secret_file: \"", path, "\" holds ", secret.size(), " bytes, fewer than ",
+            kMinPeerSecretBytes, " (e.g. `head -c 32 /dev/urandom | base64 > file`)")),
+        errors::Reason::kConfigInvalid);
   }
   return secret;
 }
@@ -835,7 +917,9 @@ absl::StatusOr<std::string> ReadPemFile(absl::string_view field, const std::stri
   struct stat st {};
   EPD_ASSIGN_OR_RETURN(std::string pem, ReadSmallFile(field, path, 1 << 20, &st));
   if (pem.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(field, ": \"", path, "\" is empty"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(field, ": \"", path, "\" is empty")),
+        errors::Reason::kConfigInvalid);
   }
   return pem;
 }
@@ -875,8 +959,10 @@ absl::StatusOr<v1::DaemonConfig> ResolveDaemonConfig(const ConfigFlags& flags) {
 
 absl::StatusOr<uint32_t> ParseFileMode(absl::string_view field, absl::string_view value) {
   auto bad = [&] {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": \"", value, "\" is not an octal file mode (e.g. \"0660\")"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(
+            absl::StrCat(field, ": \"", value, "\" is not an octal file mode (e.g. \"0660\")")),
+        errors::Reason::kConfigInvalid);
   };
   if (value.empty() || value.size() > 5) return bad();
   uint32_t mode = 0;

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/control/audit_log.h"
+#include "common/errors/reason.h"
 #include "daemon/control/control_service.h"
 #include "daemon/control/group_registry.h"
 #include "daemon/core/config.h"
@@ -116,6 +117,16 @@ std::string DescribeLiveServer(const std::string& path) {
                       response.serving_status(), ")");
 }
 
+/// FAILED_PRECONDITION: another server answers on `socket_path`.
+absl::Status SocketInUse(const std::string& socket_path) {
+  return errors::WithReason(
+      absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: ", socket_path, " is in use by a live ", DescribeLiveServer(socket_path),
+          "; refusing to start a second epd on it (stop the other one or choose another "
+          "--socket)")),
+      errors::Reason::kSocketUnsafe);
+}
+
 /// The gid of the socket_group `name` (which owns the socket).
 /// NOT_FOUND naming the field, its flag and the value when the machine has no such group.
 absl::StatusOr<gid_t> LookUpSocketGroup(const std::string& name) {
@@ -129,10 +140,12 @@ absl::StatusOr<gid_t> LookUpSocketGroup(const std::string& name) {
     buffer.resize(buffer.size() * 2);
   }
   if (rc != 0 || result == nullptr) {
-    return absl::NotFoundError(absl::StrCat(
-        "socket_group (--socket_group or the config file's socket_group): \"", name,
-        "\" is not a group on this machine", rc != 0 ? absl::StrCat(" (", Errno(rc), ")") : "",
-        "; it must name an existing group (see `getent group`), which then owns the socket"));
+    return errors::WithReason(
+        absl::NotFoundError(absl::StrCat(
+            "socket_group (--socket_group or the config file's socket_group): \"", name,
+            "\" is not a group on this machine", rc != 0 ? absl::StrCat(" (", Errno(rc), ")") : "",
+            "; it must name an existing group (see `getent group`), which then owns the socket")),
+        errors::Reason::kConfigInvalid);
   }
   return result->gr_gid;
 }
@@ -152,9 +165,11 @@ absl::StatusOr<BackendChoice> ChooseBackendRequestedBy(v1::Backend requested,
       return BackendChoice{"host", absl::StrCat("requested by ", requested_by)};
     case v1::BACKEND_CUDA:
       if (inventory.empty()) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("backend: cuda requested by ", requested_by, " but no GPU is usable: ",
-                         inventory.reason(), "; use --backend=auto or --backend=host"));
+        return errors::WithReason(absl::FailedPreconditionError(
+                                      absl::StrCat("backend: cuda requested by ", requested_by,
+                                                   " but no GPU is usable: ", inventory.reason(),
+                                                   "; use --backend=auto or --backend=host")),
+                                  errors::Reason::kCudaNoDevice);
       }
       if (!cuda_data_plane_built) {
         return BackendChoice{"host", absl::StrCat("cuda requested by ", requested_by, " with ",
@@ -224,7 +239,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(v1::DaemonConfig config,
   std::unique_ptr<Daemon> daemon(new Daemon(std::move(config), std::move(options)));
   absl::Status status = daemon->Init();
   if (!status.ok()) {
-    GetLogger(kLogDaemon)->error("epd failed to start: {}", status.ToString());
+    GetLogger(kLogDaemon)->error("epd failed to start: {}", errors::StatusText(status));
     return status;
   }
   return daemon;
@@ -461,51 +476,54 @@ absl::Status Daemon::PrepareSocketPath() {
     const pid_t holder = attempt.holder;
     int probe_err = 0;
     if (ProbeUnixSocket(socket_path_, &probe_err) == SocketProbe::kLive) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "socket_path: ", socket_path_, " is in use by a live ", DescribeLiveServer(socket_path_),
-          "; refusing to start a second epd on it (stop the other one or choose another "
-          "--socket)"));
+      return SocketInUse(socket_path_);
     }
     if (holder != 0) {
       // A running epd that does not answer on the socket: still starting, or its socket
       // file was deleted or replaced (it then serves nobody, and only stopping it helps).
-      return absl::FailedPreconditionError(absl::StrCat(
-          "socket_path: ", socket_path_, " is held by epd pid ", holder, " (", lock_path,
-          " is locked), which does not answer on it: it is still starting, or its socket "
-          "file was deleted (then stop it, e.g. kill ",
-          holder, ", and start again); refusing to start a second epd on it"));
+      return errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat(
+              "socket_path: ", socket_path_, " is held by epd pid ", holder, " (", lock_path,
+              " is locked), which does not answer on it: it is still starting, or its socket "
+              "file was deleted (then stop it, e.g. kill ",
+              holder, ", and start again); refusing to start a second epd on it")),
+          errors::Reason::kSocketUnsafe);
     }
-    return absl::FailedPreconditionError(absl::StrCat(
-        "socket_path: ", socket_path_, " is held by another epd that is starting (", lock_path,
-        " is locked: ", Errno(err), "); refusing to start a second epd on it"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "socket_path: ", socket_path_, " is held by another epd that is starting (", lock_path,
+            " is locked: ", Errno(err), "); refusing to start a second epd on it")),
+        errors::Reason::kSocketUnsafe);
   }
   socket_lock_ = std::move(attempt.lock);
   struct stat st {};
   if (::lstat(socket_path_.c_str(), &st) != 0) {
     if (errno == ENOENT) return absl::OkStatus();
-    return absl::FailedPreconditionError(
-        absl::StrCat("socket_path: cannot stat ", socket_path_, ": ", Errno(errno)));
+    return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                  "socket_path: cannot stat ", socket_path_, ": ", Errno(errno))),
+                              errors::Reason::kSocketUnsafe);
   }
   if (!S_ISSOCK(st.st_mode)) return CheckSocketPathIsFreeOrASocket(socket_path_);
   int err = 0;
   switch (ProbeUnixSocket(socket_path_, &err)) {
     case SocketProbe::kLive:
-      return absl::FailedPreconditionError(absl::StrCat(
-          "socket_path: ", socket_path_, " is in use by a live ", DescribeLiveServer(socket_path_),
-          "; refusing to start a second epd on it (stop the other one or choose another "
-          "--socket)"));
+      return SocketInUse(socket_path_);
     case SocketProbe::kStale:
       log->warn("replacing stale socket file {} (nothing listens on it)", socket_path_);
       if (::unlink(socket_path_.c_str()) != 0 && errno != ENOENT) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "socket_path: cannot remove stale socket ", socket_path_, ": ", Errno(errno)));
+        return errors::WithReason(
+            absl::FailedPreconditionError(absl::StrCat("socket_path: cannot remove stale socket ",
+                                                       socket_path_, ": ", Errno(errno))),
+            errors::Reason::kSocketUnsafe);
       }
       return absl::OkStatus();
     case SocketProbe::kError:
       break;
   }
-  return absl::FailedPreconditionError(
-      absl::StrCat("socket_path: cannot probe existing socket ", socket_path_, ": ", Errno(err)));
+  return errors::WithReason(
+      absl::FailedPreconditionError(absl::StrCat("socket_path: cannot probe existing socket ",
+                                                 socket_path_, ": ", Errno(err))),
+      errors::Reason::kSocketUnsafe);
 }
 
 absl::Status Daemon::StartPeerMesh() {
@@ -547,25 +565,29 @@ absl::Status Daemon::ApplySocketPermissions() {
     EPD_ASSIGN_OR_RETURN(gid_t gid, LookUpSocketGroup(config_.socket_group()));
     if (::chown(socket_path_.c_str(), static_cast<uid_t>(-1), gid) != 0) {
       const int err = errno;
-      return absl::PermissionDeniedError(absl::StrCat(
-          "socket_group: cannot give ", socket_path_, " to group \"", config_.socket_group(),
-          "\" (gid ", gid, "): ", Errno(err),
-          err == EPERM
-              ? absl::StrCat("; epd's user (uid ", ::geteuid(), ") must be a member of group \"",
-                             config_.socket_group(), "\" (socket_group)",
-                             // Never advise joining group root: it gives far more than this.
-                             gid == 0 ? ": set socket_group to a dedicated group instead of "
-                                        "root (e.g. epd, which deploy/systemd/epd.sysusers "
-                                        "creates) that epd's user is a member of"
-                                      : "",
-                             ", or run epd as root")
-              : ""));
+      return errors::WithReason(
+          absl::PermissionDeniedError(absl::StrCat(
+              "socket_group: cannot give ", socket_path_, " to group \"", config_.socket_group(),
+              "\" (gid ", gid, "): ", Errno(err),
+              err == EPERM
+                  ? absl::StrCat("; epd's user (uid ", ::geteuid(),
+                                 ") must be a member of group \"", config_.socket_group(),
+                                 "\" (socket_group)",
+                                 // Never advise joining group root: it gives far more than this.
+                                 gid == 0 ? ": set socket_group to a dedicated group instead of "
+                                            "root (e.g. epd, which deploy/systemd/epd.sysusers "
+                                            "creates) that epd's user is a member of"
+                                          : "",
+                                 ", or run epd as root")
+                  : "")),
+          errors::Reason::kSocketUnsafe);
     }
   }
   if (::chmod(socket_path_.c_str(), static_cast<mode_t>(mode)) != 0) {
-    return absl::PermissionDeniedError(absl::StrCat("socket_mode: cannot chmod ", socket_path_,
-                                                    " to ", config_.socket_mode(), ": ",
-                                                    Errno(errno)));
+    return errors::WithReason(
+        absl::PermissionDeniedError(absl::StrCat("socket_mode: cannot chmod ", socket_path_, " to ",
+                                                 config_.socket_mode(), ": ", Errno(errno))),
+        errors::Reason::kSocketUnsafe);
   }
   return absl::OkStatus();
 }

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/errors/reason.h"
 
 namespace epd {
 
@@ -44,8 +45,9 @@ absl::StatusOr<uint64_t> CountOpenFds() {
   if (dir == nullptr) {
     const int err = errno;
     if (err == EMFILE || err == ENFILE) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cannot open /proc/self/fd: ", std::strerror(err)));
+      return errors::WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                                    "cannot open /proc/self/fd: ", std::strerror(err))),
+                                errors::Reason::kQuotaExceeded);
     }
     return absl::InternalError(absl::StrCat("cannot open /proc/self/fd: ", std::strerror(err)));
   }
@@ -67,14 +69,16 @@ absl::Status CheckFreeFds(uint32_t min_free, absl::string_view what) {
   const std::string in_use =
       open.ok() ? absl::StrCat(*open, " of its ", limit->soft)
                 : absl::StrCat("all of its ", limit->soft, " (", open.status().message(), ")");
-  return absl::ResourceExhaustedError(absl::StrCat(
-      what, ": file descriptors: epd has ", in_use,
-      " file descriptors open (RLIMIT_NOFILE, hard limit ", limit->hard,
-      ") and keeps min_free_fds = ", min_free,
-      " free for its listener, so it refuses new joins until descriptors are freed. Each "
-      "endpoint joined but not yet mapped holds one: map the endpoints you join "
-      "(Client::Join does) or leave them, end sessions holding endpoints they do not use; an "
-      "operator may raise epd's hard limit (LimitNOFILE= in epd.service)"));
+  return errors::WithReason(
+      absl::ResourceExhaustedError(absl::StrCat(
+          what, ": file descriptors: epd has ", in_use,
+          " file descriptors open (RLIMIT_NOFILE, hard limit ", limit->hard,
+          ") and keeps min_free_fds = ", min_free,
+          " free for its listener, so it refuses new joins until descriptors are freed. Each "
+          "endpoint joined but not yet mapped holds one: map the endpoints you join "
+          "(Client::Join does) or leave them, end sessions holding endpoints they do not use; an "
+          "operator may raise epd's hard limit (LimitNOFILE= in epd.service)")),
+      errors::Reason::kQuotaExceeded);
 }
 
 }  // namespace epd

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/errors/reason.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 
 namespace epd {
@@ -53,9 +54,11 @@ absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view level)
   for (const auto& [name, value] : kLevels) {
     if (name == level) return value;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("log_level: \"", level,
-                   "\" is not a level (trace, debug, info, warn, error, critical, off)"));
+  return errors::WithReason(
+      absl::InvalidArgumentError(
+          absl::StrCat("log_level: \"", level,
+                       "\" is not a level (trace, debug, info, warn, error, critical, off)")),
+      errors::Reason::kConfigInvalid);
 }
 
 absl::Span<const char* const> SubsystemLoggerNames() {
@@ -78,13 +81,16 @@ absl::StatusOr<LogLevels> ParseLogLevels(absl::string_view spec) {
     const size_t eq = item.find('=');
     if (eq == absl::string_view::npos) {
       if (item.empty() && spec.find(',') != absl::string_view::npos) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("log_level: \"", spec, "\" has an empty item"));
+        return errors::WithReason(
+            absl::InvalidArgumentError(absl::StrCat("log_level: \"", spec, "\" has an empty item")),
+            errors::Reason::kConfigInvalid);
       }
       if (default_given) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("log_level: \"", spec, "\" gives the level of every logger twice (\"",
-                         item, "\"); give one level, then LOGGER=LEVEL items"));
+        return errors::WithReason(
+            absl::InvalidArgumentError(
+                absl::StrCat("log_level: \"", spec, "\" gives the level of every logger twice (\"",
+                             item, "\"); give one level, then LOGGER=LEVEL items")),
+            errors::Reason::kConfigInvalid);
       }
       absl::StatusOr<spdlog::level::level_enum> parsed = ParseLogLevel(item);
       if (!parsed.ok()) return parsed.status();
@@ -95,19 +101,24 @@ absl::StatusOr<LogLevels> ParseLogLevels(absl::string_view spec) {
     const absl::string_view name = item.substr(0, eq);
     const absl::StatusOr<spdlog::level::level_enum> parsed = ParseLogLevel(item.substr(eq + 1));
     if (!parsed.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("log_level: \"", item, "\" in \"", spec, "\": ", parsed.status().message()));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat("log_level: \"", item, "\" in \"", spec,
+                                                  "\": ", parsed.status().message())),
+          errors::Reason::kConfigInvalid);
     }
     const absl::Span<const char* const> known = SubsystemLoggerNames();
     if (std::find(known.begin(), known.end(), name) == known.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("log_level: \"", name, "\" (in \"", spec,
-                                                     "\") is not a logger name (",
-                                                     absl::StrJoin(known, ", "), ")"));
+      return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                    "log_level: \"", name, "\" (in \"", spec,
+                                    "\") is not a logger name (", absl::StrJoin(known, ", "), ")")),
+                                errors::Reason::kConfigInvalid);
     }
     for (const auto& [logger, unused] : levels.loggers) {
       if (logger == name) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("log_level: \"", spec, "\" gives the level of ", name, " twice"));
+        return errors::WithReason(
+            absl::InvalidArgumentError(
+                absl::StrCat("log_level: \"", spec, "\" gives the level of ", name, " twice")),
+            errors::Reason::kConfigInvalid);
       }
     }
     levels.loggers.emplace_back(std::string(name), *parsed);

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "daemon/server/socket_path_checks.h"
 
@@ -56,39 +57,52 @@ absl::StatusOr<ScopedFd> OpenSocketLockFile(const std::string& lock_path) {
     const int err = errno;
     struct stat st {};
     if (::lstat(lock_path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "socket_path: the lock file ", lock_path,
-          " is a symbolic link; epd does not follow it (it would truncate the file it points to)",
-          remedy));
+      return errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat("socket_path: the lock file ", lock_path,
+                                                     " is a symbolic link; epd does not follow it "
+                                                     "(it would truncate the file it points to)",
+                                                     remedy)),
+          errors::Reason::kSocketUnsafe);
     }
     if (err == EISDIR) {
-      return absl::FailedPreconditionError(absl::StrCat("socket_path: the lock file ", lock_path,
-                                                        " is not a regular file (a directory)",
-                                                        remedy));
+      return errors::WithReason(absl::FailedPreconditionError(
+                                    absl::StrCat("socket_path: the lock file ", lock_path,
+                                                 " is not a regular file (a directory)", remedy)),
+                                errors::Reason::kSocketUnsafe);
     }
-    return absl::FailedPreconditionError(absl::StrCat("socket_path: cannot open the lock file ",
-                                                      lock_path, ": ", std::strerror(err)));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat("socket_path: cannot open the lock file ",
+                                                   lock_path, ": ", std::strerror(err))),
+        errors::Reason::kSocketUnsafe);
   }
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat("socket_path: cannot stat the lock file ",
-                                                      lock_path, ": ", std::strerror(errno)));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat("socket_path: cannot stat the lock file ",
+                                                   lock_path, ": ", std::strerror(errno))),
+        errors::Reason::kSocketUnsafe);
   }
   if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat("socket_path: the lock file ", lock_path,
-                                                      " is not a regular file (",
-                                                      FileTypeName(st.st_mode), ")", remedy));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat("socket_path: the lock file ", lock_path,
+                                                   " is not a regular file (",
+                                                   FileTypeName(st.st_mode), ")", remedy)),
+        errors::Reason::kSocketUnsafe);
   }
   if (st.st_nlink != 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "socket_path: the lock file ", lock_path, " has ", st.st_nlink,
-        " names (hard links): it is another file's name too, which epd would truncate", remedy));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "socket_path: the lock file ", lock_path, " has ", st.st_nlink,
+            " names (hard links): it is another file's name too, which epd would truncate",
+            remedy)),
+        errors::Reason::kSocketUnsafe);
   }
   if (st.st_uid != ::geteuid()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("socket_path: the lock file ", lock_path, " belongs to uid ", st.st_uid,
-                     ", not to epd's user (uid ", ::geteuid(),
-                     "): epd did not create it, and would truncate it", not_ours));
+    return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                  "socket_path: the lock file ", lock_path, " belongs to uid ",
+                                  st.st_uid, ", not to epd's user (uid ", ::geteuid(),
+                                  "): epd did not create it, and would truncate it", not_ours)),
+                              errors::Reason::kSocketUnsafe);
   }
   // What WriteLockHolder leaves there: a pid and a newline (nothing before the first write).
   char text[34] = {};
@@ -97,11 +111,13 @@ absl::StatusOr<ScopedFd> OpenSocketLockFile(const std::string& lock_path) {
   if (n < 0 || st.st_size > 32 ||
       (n > 0 && !(digits == static_cast<size_t>(n) ||
                   (digits + 1 == static_cast<size_t>(n) && text[digits] == '\n')))) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("socket_path: the lock file ", lock_path, " (", st.st_size,
-                     " bytes) does not hold what epd writes there (a process id): it is "
-                     "another program's file, which epd would truncate",
-                     not_ours));
+    return errors::WithReason(
+        absl::FailedPreconditionError(
+            absl::StrCat("socket_path: the lock file ", lock_path, " (", st.st_size,
+                         " bytes) does not hold what epd writes there (a process id): it is "
+                         "another program's file, which epd would truncate",
+                         not_ours)),
+        errors::Reason::kSocketUnsafe);
   }
   return fd;
 }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/errors/reason.h"
 #include "common/os/futex.h"
 #include "proto/abi/shm_abi.h"
 
@@ -14,7 +15,9 @@ void WriteCompletion(LockstepEndpoint& ep, uint64_t seq, const RankOutcome& outc
   c.status_code = static_cast<int32_t>(outcome.status.code());
   c.num_recv_tokens = outcome.num_recv_tokens;
   c.buffer = outcome.buffer;
-  c.reason = 0;
+  c.reason = outcome.status.ok()
+                 ? 0
+                 : static_cast<uint32_t>(errors::ReasonOf(outcome.status));  // Error path only.
   c.mask_epoch = outcome.mask_epoch;
   c.num_masked = outcome.num_masked;
   c.dropped_pairs = outcome.dropped_pairs;

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/errors/reason.h"
 #include "common/os/futex.h"
 #include "common/status_macros.h"
 #include "daemon/dataplane/completion.h"
@@ -82,8 +83,10 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
 
 bool LockstepGroup::PollOpInto(std::span<RankOutcome> outcomes) {
   for (RankOutcome& o : outcomes) {
-    o.status = absl::InternalError(
-        "this backend left an op running but implements no LockstepGroup::PollOpInto");
+    o.status = errors::WithReason(
+        absl::InternalError(
+            "this backend left an op running but implements no LockstepGroup::PollOpInto"),
+        errors::Reason::kInternal);
   }
   return true;
 }
@@ -106,19 +109,22 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
                                        v1::LaunchMode launch_mode, const RankClient& client,
                                        v1::EndpointInfo* info) {
   if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", rank, " outside [0, ", endpoints_.size(), ")"));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  "rank ", rank, " outside [0, ", endpoints_.size(), ")")),
+                              errors::Reason::kRankInvalid);
   }
   int32_t node_first = 0, node_count = 0;
   const int32_t node = spanning_ ? NodeOfRank(spec_, rank, &node_first, &node_count) : 0;
   if (spanning_) {
     std::lock_guard<std::mutex> lock(mu_);
     if (node < 0 || (self_node_ >= 0 && node != self_node_)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "group ", spec_.name(), ": rank ", rank, " lives on node ", node, " (",
-          node >= 0 ? spec_.nodes(node).peer_address() : std::string("none"),
-          "); this daemon is node ", self_node_, " of the group and hosts ranks ", local_first_,
-          "-", local_first_ + local_count_ - 1, ": join that node's daemon"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat(
+              "group ", spec_.name(), ": rank ", rank, " lives on node ", node, " (",
+              node >= 0 ? spec_.nodes(node).peer_address() : std::string("none"),
+              "); this daemon is node ", self_node_, " of the group and hosts ranks ", local_first_,
+              "-", local_first_ + local_count_ - 1, ": join that node's daemon")),
+          errors::Reason::kRankInvalid);
     }
   }
   auto ep = std::make_unique<LockstepEndpoint>();
@@ -130,8 +136,10 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   ep->shm_layout = shm;
   EPD_ASSIGN_OR_RETURN(ep->region, ShmRegion::Create("epd-ep", shm.total_bytes));
   if (ep->region.size() < shm.total_bytes) {
-    return absl::InternalError(absl::StrCat("endpoint region has ", ep->region.size(),
-                                            " bytes, the layout needs ", shm.total_bytes));
+    return errors::WithReason(
+        absl::InternalError(absl::StrCat("endpoint region has ", ep->region.size(),
+                                         " bytes, the layout needs ", shm.total_bytes)),
+        errors::Reason::kInternal);
   }
   ep->header = reinterpret_cast<abi::EndpointShmHeader*>(ep->region.data());
   abi::EndpointShmHeader& h = *ep->header;
@@ -150,7 +158,9 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
 
   std::lock_guard<std::mutex> lock(mu_);
   if (endpoints_[rank]) {
-    return absl::AlreadyExistsError(absl::StrCat("rank ", rank, " is already attached"));
+    return errors::WithReason(
+        absl::AlreadyExistsError(absl::StrCat("rank ", rank, " is already attached")),
+        errors::Reason::kRankTaken);
   }
   if (spanning_ && self_node_ < 0) {
     self_node_ = node;
@@ -162,9 +172,10 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
       return st;
     }
   } else if (spanning_ && node != self_node_) {
-    return absl::InvalidArgumentError(absl::StrCat("group ", spec_.name(), ": rank ", rank,
-                                                   " lives on node ", node,
-                                                   ", this daemon is node ", self_node_));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  "group ", spec_.name(), ": rank ", rank, " lives on node ", node,
+                                  ", this daemon is node ", self_node_)),
+                              errors::Reason::kRankInvalid);
   }
   // A rank rejoining while an op of the group still runs in the backend continues after it;
   // so does one rejoining a masked slot while an op is being collected (the op runs
@@ -238,8 +249,9 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
 absl::StatusOr<EndpointFds> LockstepGroup::TakeEndpointFds(int32_t rank) {
   std::lock_guard<std::mutex> lock(mu_);
   if (rank < 0 || rank >= static_cast<int32_t>(endpoints_.size()) || !endpoints_[rank]) {
-    return absl::NotFoundError(
-        absl::StrCat("group ", spec_.name(), ": rank ", rank, " has no endpoint"));
+    return errors::WithReason(absl::NotFoundError(absl::StrCat("group ", spec_.name(), ": rank ",
+                                                               rank, " has no endpoint")),
+                              errors::Reason::kGroupNotFound);
   }
   LockstepEndpoint& ep = *endpoints_[rank];
   if (ep.region.fd() < 0) {
@@ -288,9 +300,10 @@ void LockstepGroup::DetachRank(int32_t rank) {
                         spdlog::level::info);
       }
     } else if (op_started_ && !running_ && !ep->request.has_value()) {
-      FailOp(absl::DeadlineExceededError(absl::StrCat("op ", current_seq_, " of group ",
-                                                      spec_.name(), ": rank ", rank,
-                                                      " left the group before arriving")));
+      FailOp(errors::WithReason(absl::DeadlineExceededError(absl::StrCat(
+                                    "op ", current_seq_, " of group ", spec_.name(), ": rank ",
+                                    rank, " left the group before arriving")),
+                                errors::Reason::kRankLeft));
     } else {
       departed_[rank] = true;
     }
@@ -447,11 +460,13 @@ bool LockstepGroup::Poll() {
           ep->request->op == static_cast<uint32_t>(abi::OpKind::kUnregisterProgram)) {
         continue;
       }
-      const absl::Status st = absl::FailedPreconditionError(
-          absl::StrCat(OpName(ep->request->op), " (op ", current_seq_, ", rank ", r,
-                       ") refused: group ", spec_.name(),
-                       " has a graph-mode program armed, which alone runs on its buffers; call "
-                       "UnregisterProgram on every rank first"));
+      const absl::Status st = errors::WithReason(
+          absl::FailedPreconditionError(
+              absl::StrCat(OpName(ep->request->op), " (op ", current_seq_, ", rank ", r,
+                           ") refused: group ", spec_.name(),
+                           " has a graph-mode program armed, which alone runs on its buffers; call "
+                           "UnregisterProgram on every rank first")),
+          errors::Reason::kProgramInvalid);
       FailOp(st);
       return true;
     }
@@ -488,9 +503,12 @@ bool LockstepGroup::Poll() {
   }
   if (!gone.empty()) {
     for (int32_t r : gone) departed_[r] = false;
-    absl::Status st = absl::DeadlineExceededError(absl::StrCat(
-        "op ", current_seq_, " of group ", spec_.name(), ": rank(s) ", absl::StrJoin(gone, ", "),
-        " left the group (their client left or died) and did not rejoin"));
+    absl::Status st =
+        errors::WithReason(absl::DeadlineExceededError(absl::StrCat(
+                               "op ", current_seq_, " of group ", spec_.name(), ": rank(s) ",
+                               absl::StrJoin(gone, ", "),
+                               " left the group (their client left or died) and did not rejoin")),
+                           errors::Reason::kRankLeft);
     LogClientCaused(spdlog::level::warn, "{}", st.message());
     FailOp(st);
     return true;
@@ -509,17 +527,21 @@ bool LockstepGroup::Poll() {
     return true;  // The next Poll runs the op.
   }
   if (waited.count() >= options_.op_timeout_ms) {
-    absl::Status st = missing.empty()
-                          ? absl::DeadlineExceededError(absl::StrCat(
-                                "op ", current_seq_, " of group ", spec_.name(),
-                                spec_.nodes_size() >= 2 ? ": every rank of this node arrived"
-                                                        : ": every rank arrived",
-                                " but the backend could not start it within op_timeout ",
-                                options_.op_timeout_ms, " ms (", NotReadyReason(), ")"))
-                          : absl::DeadlineExceededError(absl::StrCat(
-                                "op ", current_seq_, " of group ", spec_.name(), ": rank(s) ",
-                                absl::StrJoin(missing, ", "), " did not arrive within op_timeout ",
-                                options_.op_timeout_ms, " ms"));
+    absl::Status st =
+        missing.empty()
+            ? errors::WithReason(absl::DeadlineExceededError(absl::StrCat(
+                                     "op ", current_seq_, " of group ", spec_.name(),
+                                     spec_.nodes_size() >= 2 ? ": every rank of this node arrived"
+                                                             : ": every rank arrived",
+                                     " but the backend could not start it within op_timeout ",
+                                     options_.op_timeout_ms, " ms (", NotReadyReason(), ")")),
+                                 errors::Reason::kOpTimeout)
+            : errors::WithReason(
+                  absl::DeadlineExceededError(absl::StrCat(
+                      "op ", current_seq_, " of group ", spec_.name(), ": rank(s) ",
+                      absl::StrJoin(missing, ", "), " did not arrive within op_timeout ",
+                      options_.op_timeout_ms, " ms")),
+                  errors::Reason::kOpTimeout);
     LogClientCaused(spdlog::level::warn, "{}", st.message());
     FailOp(st);
     return true;
@@ -537,7 +559,8 @@ bool LockstepGroup::RunOp() {
     if (rank_masked_[r]) continue;
     if (endpoints_[r]->slot_error) {
       const absl::Status& e = *endpoints_[r]->slot_error;
-      FailOp(absl::Status(e.code(), absl::StrCat("rank ", r, ": ", e.message())));
+      FailOp(errors::CopyReason(
+          e, absl::Status(e.code(), absl::StrCat("rank ", r, ": ", e.message()))));
       return true;
     }
     slots[r] = *endpoints_[r]->request;
@@ -568,9 +591,11 @@ bool LockstepGroup::RunOp() {
         return set.empty() ? std::string(OpName(x.op))
                            : absl::StrCat(OpName(x.op), " (", absl::StrJoin(set, ", "), ")");
       };
-      FailOp(absl::InvalidArgumentError(
-          absl::StrCat("op ", current_seq_, ": ranks disagree: rank ", first, " submitted ",
-                       describe(slots[first]), ", rank ", r, " submitted ", describe(slots[r]))));
+      FailOp(errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat("op ", current_seq_, ": ranks disagree: rank ",
+                                                  first, " submitted ", describe(slots[first]),
+                                                  ", rank ", r, " submitted ", describe(slots[r]))),
+          errors::Reason::kOpInputInvalid));
       return true;
     }
   }
@@ -580,9 +605,10 @@ bool LockstepGroup::RunOp() {
   plan.flags = slots[first].flags;
   if (plan.op == abi::OpKind::kRegisterProgram) {
     if (program_armed_) {
-      FailOp(absl::FailedPreconditionError(
-          absl::StrCat("RegisterProgram: group ", spec_.name(),
-                       " already has a program armed; UnregisterProgram first")));
+      FailOp(errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                    "RegisterProgram: group ", spec_.name(),
+                                    " already has a program armed; UnregisterProgram first")),
+                                errors::Reason::kProgramInvalid));
       return true;
     }
     // Validated at pop time, so every rank's program decodes.
@@ -597,10 +623,12 @@ bool LockstepGroup::RunOp() {
                                            : std::string("(no step)");
         };
         if (name(first) != name(r)) {
-          FailOp(absl::FailedPreconditionError(
-              absl::StrCat("RegisterProgram: ranks disagree on the program of group ", spec_.name(),
-                           ": step ", i, " is ", name(first), " at rank ", first, " but ", name(r),
-                           " at rank ", r, " (every rank must register the same program)")));
+          FailOp(errors::WithReason(
+              absl::FailedPreconditionError(absl::StrCat(
+                  "RegisterProgram: ranks disagree on the program of group ", spec_.name(),
+                  ": step ", i, " is ", name(first), " at rank ", first, " but ", name(r),
+                  " at rank ", r, " (every rank must register the same program)")),
+              errors::Reason::kProgramInvalid));
           return true;
         }
       }
@@ -610,9 +638,11 @@ bool LockstepGroup::RunOp() {
   if (plan.op == abi::OpKind::kLowLatencyCombine) {
     for (int r = first + 1; r < R; ++r) {
       if (!rank_masked_[r] && slots[r].handle_seq != slots[first].handle_seq) {
-        FailOp(absl::InvalidArgumentError(absl::StrCat(
-            "LowLatencyCombine: ranks disagree on the dispatch: rank ", first, " uses op ",
-            slots[first].handle_seq, ", rank ", r, " uses op ", slots[r].handle_seq)));
+        FailOp(errors::WithReason(
+            absl::InvalidArgumentError(absl::StrCat(
+                "LowLatencyCombine: ranks disagree on the dispatch: rank ", first, " uses op ",
+                slots[first].handle_seq, ", rank ", r, " uses op ", slots[r].handle_seq)),
+            errors::Reason::kHandleInvalid));
         return true;
       }
     }
@@ -666,8 +696,8 @@ void LockstepGroup::FinishOp() {
       const absl::Status& e = outcomes[first_bad].status;
       for (int r = 0; r < R; ++r) {
         if (outcomes[r].status.ok()) {
-          outcomes[r].status =
-              absl::Status(e.code(), absl::StrCat("rank ", first_bad, ": ", e.message()));
+          outcomes[r].status = errors::CopyReason(
+              e, absl::Status(e.code(), absl::StrCat("rank ", first_bad, ": ", e.message())));
         }
       }
     }

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "daemon/dataplane/completion.h"
 #include "daemon/dataplane/lockstep_group.h"
@@ -30,15 +31,20 @@ absl::Status LockstepGroup::ValidateSlot(int32_t rank, const LockstepEndpoint& e
                                          const abi::RequestSlot& slot) const {
   // magic and seq were checked when the slot was popped.
   if (slot.op == 0 || slot.op > abi::kMaxOpKind) {
-    return absl::InvalidArgumentError(absl::StrCat("malformed request slot: op ", slot.op));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat("malformed request slot: op ", slot.op)),
+        errors::Reason::kRequestMalformed);
   }
   if ((slot.flags & ~abi::kAllRequestFlags) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("malformed request slot: flags 0x", absl::Hex(slot.flags)));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  "malformed request slot: flags 0x", absl::Hex(slot.flags))),
+                              errors::Reason::kRequestMalformed);
   }
   EPD_RETURN_IF_ERROR(CheckRequest(rank, slot));
   if (slot.flags & abi::kFlagClientError) {
-    return absl::InvalidArgumentError("the client rejected its own inputs for this op");
+    return errors::WithReason(
+        absl::InvalidArgumentError("the client rejected its own inputs for this op"),
+        errors::Reason::kOpInputInvalid);
   }
   const auto op = static_cast<abi::OpKind>(slot.op);
   if (op == abi::OpKind::kRegisterProgram || op == abi::OpKind::kUnregisterProgram) {
@@ -135,15 +141,19 @@ bool LockstepGroup::PopRequests() {
         auto it = failed_ops_.find(seq);
         absl::Status st =
             it != failed_ops_.end()
-                ? absl::Status(it->second.code(),
-                               absl::StrCat("rank ", rank, " arrived after op ", seq,
-                                            " had failed for the group: ", it->second.message()))
+                ? errors::WithReason(absl::Status(it->second.code(),
+                                                  absl::StrCat("rank ", rank, " arrived after op ",
+                                                               seq, " had failed for the group: ",
+                                                               it->second.message())),
+                                     errors::ReasonOf(it->second))
             : masking_
                 ? absl::FailedPreconditionError(absl::StrCat(
                       "op ", seq, " of group ", spec_.name(), " ran without rank ", rank,
                       ", which was masked (mask epoch ", mask_epoch_, ") before it arrived"))
-                : absl::DeadlineExceededError(absl::StrCat("op ", seq, " of group ", spec_.name(),
-                                                           " failed before this rank arrived"));
+                : errors::WithReason(absl::DeadlineExceededError(
+                                         absl::StrCat("op ", seq, " of group ", spec_.name(),
+                                                      " failed before this rank arrived")),
+                                     errors::Reason::kOpTimeout);
         CompleteUnrun(rank, *ep, slot, st);
         continue;
       }

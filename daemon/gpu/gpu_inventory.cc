@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/errors/reason.h"
 #include "common/gpu_uuid.h"
 #include "common/status_macros.h"
 
@@ -79,8 +80,10 @@ absl::StatusOr<GpuInventory> GpuInventory::Discover(const std::vector<std::strin
     for (int dev = 0; dev < count; ++dev) {
       cudaDeviceProp prop{};
       if ((err = cudaGetDeviceProperties(&prop, dev)) != cudaSuccess) {
-        return absl::UnavailableError(
-            absl::StrCat("GPU ordinal ", dev, ": ", CudaError("cudaGetDeviceProperties", err)));
+        return errors::WithReason(
+            absl::UnavailableError(
+                absl::StrCat("GPU ordinal ", dev, ": ", CudaError("cudaGetDeviceProperties", err))),
+            errors::Reason::kGpuUnavailable);
       }
       v1::GpuInfo info;
       info.set_ordinal(dev);
@@ -111,9 +114,10 @@ absl::StatusOr<GpuInventory> GpuInventory::Discover(const std::vector<std::strin
       if (!known) {
         std::vector<std::string> uuids;
         for (const v1::GpuInfo& g : all) uuids.push_back(g.uuid());
-        return absl::NotFoundError(
-            absl::StrCat("gpu_uuids: \"", uuid,
-                         "\" is not a visible GPU (visible: ", absl::StrJoin(uuids, ", "), ")"));
+        return errors::WithReason(absl::NotFoundError(absl::StrCat(
+                                      "gpu_uuids: \"", uuid, "\" is not a visible GPU (visible: ",
+                                      absl::StrJoin(uuids, ", "), ")")),
+                                  errors::Reason::kGpuNotFound);
       }
     }
     for (v1::GpuInfo& g : all) {
@@ -131,8 +135,10 @@ absl::StatusOr<GpuInventory> GpuInventory::Discover(const std::vector<std::strin
   }
 #else
   if (!allowed_uuids.empty()) {
-    return absl::NotFoundError(absl::StrCat("gpu_uuids: \"", allowed_uuids.front(),
-                                            "\" cannot be used: epd was built without CUDA"));
+    return errors::WithReason(
+        absl::NotFoundError(absl::StrCat("gpu_uuids: \"", allowed_uuids.front(),
+                                         "\" cannot be used: epd was built without CUDA")),
+        errors::Reason::kGpuNotFound);
   }
   inventory.reason_ = "epd was built without CUDA (EPD_WITH_CUDA=OFF or no nvcc)";
 #endif
@@ -149,9 +155,11 @@ absl::StatusOr<v1::GpuInfo> GpuInventory::Find(const std::string& id) const {
   std::vector<std::string> known;
   for (const v1::GpuInfo& g : gpus_)
     known.push_back(absl::StrCat(g.uuid(), " (", g.pci_bus_id(), ")"));
-  return absl::NotFoundError(absl::StrCat(
-      "gpu_uuid: \"", id, "\" is not a GPU of this daemon (known: ",
-      known.empty() ? std::string("none, ") + reason_ : absl::StrJoin(known, ", "), ")"));
+  return errors::WithReason(
+      absl::NotFoundError(absl::StrCat(
+          "gpu_uuid: \"", id, "\" is not a GPU of this daemon (known: ",
+          known.empty() ? std::string("none, ") + reason_ : absl::StrJoin(known, ", "), ")")),
+      errors::Reason::kGpuNotFound);
 }
 
 absl::Status GpuInventory::Refresh() {
@@ -162,8 +170,10 @@ absl::Status GpuInventory::Refresh() {
     if (err == cudaSuccess) err = cudaMemGetInfo(&free_bytes, &total_bytes);
     if (err != cudaSuccess) {
       cudaGetLastError();
-      return absl::UnavailableError(absl::StrCat("GPU ", g.uuid(), " (ordinal ", g.ordinal(),
-                                                 ") lost: ", CudaError("cudaMemGetInfo", err)));
+      return errors::WithReason(
+          absl::UnavailableError(absl::StrCat("GPU ", g.uuid(), " (ordinal ", g.ordinal(),
+                                              ") lost: ", CudaError("cudaMemGetInfo", err))),
+          errors::Reason::kGpuUnavailable);
     }
     g.set_free_memory_bytes(free_bytes);
   }

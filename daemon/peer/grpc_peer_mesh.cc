@@ -23,6 +23,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "common/errors/grpc_status.h"
+#include "common/errors/reason.h"
 #include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
 #include "daemon/control/spec_validation.h"
@@ -113,7 +115,12 @@ std::string Hex(absl::string_view bytes) { return absl::BytesToHexString(bytes);
 std::string MsText(absl::Duration d) { return absl::StrCat(absl::ToInt64Milliseconds(d), " ms"); }
 
 absl::Status FromGrpc(const grpc::Status& s) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  absl::Status st = errors::FromGrpcStatus(s);
+  // gRPC's own failures carry no reason: the peer could not be reached (in time).
+  if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st)) {
+    st = errors::WithDefaultReason(std::move(st), errors::Reason::kPeerUnreachable);
+  }
+  return st;
 }
 
 }  // namespace
@@ -136,20 +143,25 @@ absl::Status ProbeGrpcListener(const std::string& host, int port, absl::Duration
   }
   if (int rc = ::getaddrinfo(bare.c_str(), std::to_string(port).c_str(), &hints, &found);
       rc != 0 || found == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("probe of ", where, ": cannot resolve the host: ", ::gai_strerror(rc)));
+    return errors::WithReason(
+        absl::UnavailableError(
+            absl::StrCat("probe of ", where, ": cannot resolve the host: ", ::gai_strerror(rc))),
+        errors::Reason::kPeerUnreachable);
   }
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> hold(found, &::freeaddrinfo);
   ScopedFd fd(::socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!fd.valid()) {
     const int err = errno;
-    return absl::UnavailableError(
-        absl::StrCat("probe of ", where, ": cannot make a socket: ", std::strerror(err)));
+    return errors::WithReason(
+        absl::UnavailableError(
+            absl::StrCat("probe of ", where, ": cannot make a socket: ", std::strerror(err))),
+        errors::Reason::kPeerUnreachable);
   }
   if (::connect(fd.get(), found->ai_addr, found->ai_addrlen) != 0 && errno != EINPROGRESS) {
     const int err = errno;
-    return absl::UnavailableError(
-        absl::StrCat("probe of ", where, ": connect: ", std::strerror(err)));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat("probe of ", where, ": connect: ", std::strerror(err))),
+        errors::Reason::kPeerUnreachable);
   }
   // Waits for `events` until `until`; the revents, or 0 at the deadline.
   auto wait = [&](short events) -> short {
@@ -166,12 +178,16 @@ absl::Status ProbeGrpcListener(const std::string& host, int port, absl::Duration
       "the Peer listener at ", where, " took no connection within ", MsText(timeout),
       " (its accept loop may have stopped, e.g. after the daemon ran out of file descriptors; "
       "restart epd if this persists)");
-  if (wait(POLLOUT) == 0) return absl::DeadlineExceededError(stalled);
+  if (wait(POLLOUT) == 0) {
+    return errors::WithReason(absl::DeadlineExceededError(stalled),
+                              errors::Reason::kPeerUnreachable);
+  }
   int err = 0;
   socklen_t len = sizeof(err);
   if (::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("probe of ", where, ": connect: ", std::strerror(err)));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat("probe of ", where, ": connect: ", std::strerror(err))),
+        errors::Reason::kPeerUnreachable);
   }
   // The HTTP/2 preface and an empty SETTINGS frame. A server that took the connection
   // answers (its SETTINGS, or a close when it speaks TLS); one whose accept loop is gone
@@ -180,9 +196,14 @@ absl::Status ProbeGrpcListener(const std::string& host, int port, absl::Duration
       "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
   if (::send(fd.get(), kHello, sizeof(kHello) - 1, MSG_NOSIGNAL) < 0 && errno != EAGAIN) {
     const int e = errno;
-    return absl::UnavailableError(absl::StrCat("probe of ", where, ": send: ", std::strerror(e)));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat("probe of ", where, ": send: ", std::strerror(e))),
+        errors::Reason::kPeerUnreachable);
   }
-  if (wait(POLLIN) == 0) return absl::DeadlineExceededError(stalled);
+  if (wait(POLLIN) == 0) {
+    return errors::WithReason(absl::DeadlineExceededError(stalled),
+                              errors::Reason::kPeerUnreachable);
+  }
   return absl::OkStatus();
 }
 
@@ -359,24 +380,31 @@ struct GrpcPeerMesh::State {
   static absl::Status CheckRegistration(const GroupEntry& g, const v1::GroupRegistration& r,
                                         absl::string_view daemon_id) {
     if (absl::Status s = CheckSameSpec(g.membership.spec, r.spec()); !s.ok()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("group \"", g.membership.spec.name(), "\": node ", r.node(), " (", daemon_id,
-                       ") registered it with a different spec: ", s.message()));
+      return errors::WithReason(
+          absl::FailedPreconditionError(
+              absl::StrCat("group \"", g.membership.spec.name(), "\": node ", r.node(), " (",
+                           daemon_id, ") registered it with a different spec: ", s.message())),
+          errors::Reason::kSpecMismatch);
     }
     // In time independent of where they differ; neither digest nor secret is named.
     const std::string& ours = g.membership.join_secret_digest;
     const std::string& theirs = r.join_secret_digest();
     if (ours.size() != theirs.size() ||
         CRYPTO_memcmp(ours.data(), theirs.data(), ours.size()) != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "group \"", g.membership.spec.name(), "\": node ", r.node(), " (", daemon_id,
-          ") registered it with a different join_secret (its ranks presented another "
-          "JoinOptions.join_secret, or none, than this node's); every node's ranks must present "
-          "the same one"));
+      return errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat(
+              "group \"", g.membership.spec.name(), "\": node ", r.node(), " (", daemon_id,
+              ") registered it with a different join_secret (its ranks presented another "
+              "JoinOptions.join_secret, or none, than this node's); every node's ranks must "
+              "present "
+              "the same one")),
+          errors::Reason::kSpecMismatch);
     }
     if (r.node() == g.membership.self_node) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("registration names node ", r.node(), ", which is this daemon's own"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(
+              absl::StrCat("registration names node ", r.node(), ", which is this daemon's own")),
+          errors::Reason::kPeerProtocol);
     }
     // Transport settings every node must share (RDMA: queue pairs per peer, link layer):
     // refused here rather than at the first Connect. Both nodes are named by number and
@@ -552,8 +580,10 @@ struct GrpcPeerMesh::State {
   }
 
   static absl::Status UnknownSession() {
-    return absl::UnauthenticatedError(
-        "unknown Peer session (the callee restarted or forgot it): handshake again");
+    return errors::WithReason(
+        absl::UnauthenticatedError(
+            "unknown Peer session (the callee restarted or forgot it): handshake again"),
+        errors::Reason::kPeerAuthFailed);
   }
 
   /// The caller's daemon id when `auth` is a valid MAC of `request` in a live session and
@@ -570,7 +600,8 @@ struct GrpcPeerMesh::State {
       key = it->second.key;
     }
     if (!SameMac(request.auth().mac(), RequestMac(key, method, request))) {
-      return absl::UnauthenticatedError("bad Peer request MAC");
+      return errors::WithReason(absl::UnauthenticatedError("bad Peer request MAC"),
+                                errors::Reason::kPeerAuthFailed);
     }
     absl::MutexLock lock(&auth_mu);
     auto it = sessions.find(id);
@@ -580,15 +611,19 @@ struct GrpcPeerMesh::State {
     if (now - session.opened > options.session_lifetime) {
       const std::string who = session.daemon_id;
       sessions.erase(it);
-      return absl::UnauthenticatedError(absl::StrCat(
-          "Peer session ", Hex(id), " of ", EscapeClientText(who), " expired (it lives ",
-          absl::FormatDuration(options.session_lifetime), "): handshake again"));
+      return errors::WithReason(
+          absl::UnauthenticatedError(absl::StrCat(
+              "Peer session ", Hex(id), " of ", EscapeClientText(who), " expired (it lives ",
+              absl::FormatDuration(options.session_lifetime), "): handshake again")),
+          errors::Reason::kPeerAuthFailed);
     }
     if (counter <= session.counter) {
-      return absl::UnauthenticatedError(
-          absl::StrCat("Peer session ", Hex(id), " of ", EscapeClientText(session.daemon_id),
-                       ": call counter ", counter, " is not above the last accepted ",
-                       session.counter, " (a replayed or reordered call)"));
+      return errors::WithReason(
+          absl::UnauthenticatedError(
+              absl::StrCat("Peer session ", Hex(id), " of ", EscapeClientText(session.daemon_id),
+                           ": call counter ", counter, " is not above the last accepted ",
+                           session.counter, " (a replayed or reordered call)")),
+          errors::Reason::kPeerAuthFailed);
     }
     session.counter = counter;
     session.last_used = now;
@@ -600,9 +635,7 @@ namespace {
 
 using State = GrpcPeerMesh::State;
 
-grpc::Status ToGrpc(const absl::Status& s) {
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
+grpc::Status ToGrpc(const absl::Status& s) { return errors::ToGrpcStatus(s); }
 
 std::string CallerOf(grpc::ServerContext* context) { return EscapeClientText(context->peer()); }
 
@@ -631,19 +664,25 @@ class PeerService final : public v1::Peer::Service {
     if (request->daemon_id().empty() || request->daemon_id().size() > kMaxDaemonIdBytes ||
         request->client_nonce().size() != kNonceBytes ||
         request->server_nonce().size() != kNonceBytes || request->proof().size() != kMacBytes) {
-      return Refuse(context, absl::InvalidArgumentError("malformed Peer handshake"));
+      return Refuse(context,
+                    errors::WithReason(absl::InvalidArgumentError("malformed Peer handshake"),
+                                       errors::Reason::kPeerProtocol));
     }
     if (!state_->TakeNonce(request->server_nonce())) {
-      return Refuse(context, absl::UnauthenticatedError("unknown or expired handshake nonce"));
+      return Refuse(context, errors::WithReason(
+                                 absl::UnauthenticatedError("unknown or expired handshake nonce"),
+                                 errors::Reason::kPeerAuthFailed));
     }
     const std::string& secret = state_->options.secret;
     const std::string expected =
         HelloProof(secret, request->server_nonce(), request->client_nonce(), request->daemon_id());
     if (!SameMac(request->proof(), expected)) {
-      return Refuse(context, absl::UnauthenticatedError(absl::StrCat(
-                                 "daemon \"", EscapeClientText(request->daemon_id()),
-                                 "\" does not know the shared secret (peer_secret_file "
-                                 "differs between the daemons)")));
+      return Refuse(context,
+                    errors::WithReason(absl::UnauthenticatedError(absl::StrCat(
+                                           "daemon \"", EscapeClientText(request->daemon_id()),
+                                           "\" does not know the shared secret (peer_secret_file "
+                                           "differs between the daemons)")),
+                                       errors::Reason::kPeerAuthFailed));
     }
     if (!state_->options.tls_ca_pem.empty()) {
       // Mutual TLS: the caller's certificate (verified against the CA by the TLS layer)
@@ -706,7 +745,9 @@ class PeerService final : public v1::Peer::Service {
     absl::StatusOr<std::string> caller = state_->Authenticate("Heartbeat", *request);
     if (!caller.ok()) return Refuse(context, caller.status());
     if (request->held().groups_size() > kMaxHeldGroups) {
-      return Refuse(context, absl::InvalidArgumentError("heartbeat lists too many groups"));
+      return Refuse(
+          context, errors::WithReason(absl::InvalidArgumentError("heartbeat lists too many groups"),
+                                      errors::Reason::kPeerProtocol));
     }
     absl::MutexLock lock(&state_->mu);
     state_->ApplyHeld(*caller, request->held());
@@ -733,34 +774,44 @@ class PeerService final : public v1::Peer::Service {
  private:
   static absl::Status CheckVersion(uint32_t theirs) {
     if (theirs == kPeerProtocolVersion) return absl::OkStatus();
-    return absl::FailedPreconditionError(
-        absl::StrCat("Peer protocol version mismatch: the caller speaks version ", theirs,
-                     ", this daemon speaks version ", kPeerProtocolVersion,
-                     " (run the same epd version on every node of a group)"));
+    return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                  "Peer protocol version mismatch: the caller speaks version ",
+                                  theirs, ", this daemon speaks version ", kPeerProtocolVersion,
+                                  " (run the same epd version on every node of a group)")),
+                              errors::Reason::kPeerProtocol);
   }
 
   /// A registration from `caller`, checked before anything of it is used.
   static absl::Status CheckIncoming(const v1::GroupRegistration& r, absl::string_view caller) {
     EPD_RETURN_IF_ERROR(ValidateGroupSpec(r.spec()));
     if (!SpansNodes(r.spec())) {
-      return absl::InvalidArgumentError("registration of a group that does not span nodes");
+      return errors::WithReason(
+          absl::InvalidArgumentError("registration of a group that does not span nodes"),
+          errors::Reason::kPeerProtocol);
     }
     if (r.node() < 0 || r.node() >= r.spec().nodes_size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "registration.node: ", r.node(), " is outside [0, ", r.spec().nodes_size(), ")"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat("registration.node: ", r.node(),
+                                                  " is outside [0, ", r.spec().nodes_size(), ")")),
+          errors::Reason::kPeerProtocol);
     }
     if (r.spec().nodes(r.node()).peer_address() != caller) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "registration.node: ", r.node(), " is ", r.spec().nodes(r.node()).peer_address(),
-          " in the spec, not the caller ", EscapeClientText(caller)));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat(
+              "registration.node: ", r.node(), " is ", r.spec().nodes(r.node()).peer_address(),
+              " in the spec, not the caller ", EscapeClientText(caller))),
+          errors::Reason::kPeerProtocol);
     }
     if (r.incarnation() == 0) {
-      return absl::InvalidArgumentError("registration.incarnation: 0");
+      return errors::WithReason(absl::InvalidArgumentError("registration.incarnation: 0"),
+                                errors::Reason::kPeerProtocol);
     }
     if (r.transport_descriptor().size() > kMaxTransportDescriptorBytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("registration.transport_descriptor: ", r.transport_descriptor().size(),
-                       " bytes, more than ", kMaxTransportDescriptorBytes));
+      return errors::WithReason(
+          absl::InvalidArgumentError(
+              absl::StrCat("registration.transport_descriptor: ", r.transport_descriptor().size(),
+                           " bytes, more than ", kMaxTransportDescriptorBytes)),
+          errors::Reason::kPeerProtocol);
     }
     return absl::OkStatus();
   }
@@ -789,12 +840,15 @@ absl::Status Handshake(State* st, PeerConn* pc, std::string* session_id, std::st
   v1::ChallengeResponse nonce;
   if (grpc::Status s = pc->stub->Challenge(&c1, challenge, &nonce); !s.ok()) return FromGrpc(s);
   if (nonce.protocol_version() != kPeerProtocolVersion) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "Peer protocol version mismatch: ", pc->address, " speaks version ",
-        nonce.protocol_version(), ", this daemon speaks version ", kPeerProtocolVersion));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "Peer protocol version mismatch: ", pc->address, " speaks version ",
+            nonce.protocol_version(), ", this daemon speaks version ", kPeerProtocolVersion)),
+        errors::Reason::kPeerProtocol);
   }
   if (nonce.server_nonce().size() != kNonceBytes) {
-    return absl::InvalidArgumentError("malformed handshake nonce");
+    return errors::WithReason(absl::InvalidArgumentError("malformed handshake nonce"),
+                              errors::Reason::kPeerProtocol);
   }
   v1::HelloRequest hello;
   hello.set_protocol_version(kPeerProtocolVersion);
@@ -808,19 +862,24 @@ absl::Status Handshake(State* st, PeerConn* pc, std::string* session_id, std::st
   v1::HelloResponse welcome;
   if (grpc::Status s = pc->stub->Hello(&c2, hello, &welcome); !s.ok()) return FromGrpc(s);
   if (welcome.daemon_id() != pc->address) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the daemon at ", pc->address, " advertises itself as \"",
-                     EscapeClientText(welcome.daemon_id()),
-                     "\"; a spec must name every daemon by its advertised peer address"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(
+            absl::StrCat("the daemon at ", pc->address, " advertises itself as \"",
+                         EscapeClientText(welcome.daemon_id()),
+                         "\"; a spec must name every daemon by its advertised peer address")),
+        errors::Reason::kNodesInvalid);
   }
   if (!SameMac(welcome.proof(), Mac(st->options.secret, kWelcomeLabel,
                                     {hello.client_nonce(), hello.server_nonce(), pc->address}))) {
-    return absl::UnauthenticatedError(absl::StrCat(
-        "the daemon at ", pc->address,
-        " does not know the shared secret (peer_secret_file differs between the daemons)"));
+    return errors::WithReason(
+        absl::UnauthenticatedError(absl::StrCat(
+            "the daemon at ", pc->address,
+            " does not know the shared secret (peer_secret_file differs between the daemons)")),
+        errors::Reason::kPeerAuthFailed);
   }
   if (welcome.session_id().size() != kSessionIdBytes) {
-    return absl::InvalidArgumentError("malformed session id");
+    return errors::WithReason(absl::InvalidArgumentError("malformed session id"),
+                              errors::Reason::kPeerProtocol);
   }
   *session_id = welcome.session_id();
   *key = SessionKey(st->options.secret, hello.server_nonce(), hello.client_nonce(), st->advertised);
@@ -831,11 +890,15 @@ absl::Status Handshake(State* st, PeerConn* pc, std::string* session_id, std::st
 absl::Status CheckAnswered(const GroupEntry& g, int32_t node, const v1::GroupRegistration& r) {
   EPD_RETURN_IF_ERROR(ValidateGroupSpec(r.spec()));
   if (r.node() != node) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("answered the registration of node ", r.node(), ", not of node ", node));
+    return errors::WithReason(
+        absl::InvalidArgumentError(
+            absl::StrCat("answered the registration of node ", r.node(), ", not of node ", node)),
+        errors::Reason::kPeerProtocol);
   }
   if (r.incarnation() == 0 || r.transport_descriptor().size() > kMaxTransportDescriptorBytes) {
-    return absl::InvalidArgumentError("malformed registration (incarnation or descriptor)");
+    return errors::WithReason(
+        absl::InvalidArgumentError("malformed registration (incarnation or descriptor)"),
+        errors::Reason::kPeerProtocol);
   }
   return State::CheckRegistration(g, r, g.nodes[node].address);
 }
@@ -943,7 +1006,7 @@ class Worker {
   }
 
   void NoteError(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st_->mu) {
-    std::string text = s.ToString();
+    std::string text = errors::StatusText(s);
     if (text != pc_->last_error) {
       GetLogger(kLogPeer)->info("Peer {}: {}", pc_->address, text);
       pc_->last_error = std::move(text);
@@ -1016,7 +1079,9 @@ class Worker {
       return;
     }
     if (response.held().groups_size() > kMaxHeldGroups) {
-      NoteError(absl::InvalidArgumentError("heartbeat answer lists too many groups"));
+      NoteError(
+          errors::WithReason(absl::InvalidArgumentError("heartbeat answer lists too many groups"),
+                             errors::Reason::kPeerProtocol));
       return;
     }
     st_->ApplyHeld(pc_->address, response.held());
@@ -1099,16 +1164,22 @@ class GroupPeersImpl final : public GroupPeers {
     absl::MutexLock lock(&st_->mu);
     const std::string& name = g_->membership.spec.name();
     if (st_->stopping) {
-      return absl::UnavailableError(
-          absl::StrCat("group \"", name, "\": epd's Peer service is shutting down"));
+      return errors::WithReason(absl::UnavailableError(absl::StrCat(
+                                    "group \"", name, "\": epd's Peer service is shutting down")),
+                                errors::Reason::kPeerUnreachable);
     }
     for (int32_t i = 0; i < static_cast<int32_t>(g_->nodes.size()); ++i) {
       const NodeEntry& n = g_->nodes[i];
       if (n.state == NodeState::kLost) {
-        return absl::UnavailableError(
-            absl::StrCat("group \"", name, "\": ", NodeText(*g_, i), " is lost: ", n.reason));
+        return errors::WithReason(
+            absl::UnavailableError(
+                absl::StrCat("group \"", name, "\": ", NodeText(*g_, i), " is lost: ", n.reason)),
+            errors::Reason::kPeerUnreachable);
       }
-      if (n.state == NodeState::kMismatch) return absl::FailedPreconditionError(n.reason);
+      if (n.state == NodeState::kMismatch) {
+        return errors::WithReason(absl::FailedPreconditionError(n.reason),
+                                  errors::Reason::kSpecMismatch);
+      }
     }
     return absl::OkStatus();
   }
@@ -1166,29 +1237,40 @@ bool IsWildcardHost(absl::string_view listen) {
 // GrpcPeerMesh.
 
 absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> GrpcPeerMesh::Start(PeerMeshOptions options) {
-  if (options.listen.empty()) return absl::InvalidArgumentError("peer_listen: empty");
+  if (options.listen.empty()) {
+    return errors::WithReason(absl::InvalidArgumentError("peer_listen: empty"),
+                              errors::Reason::kConfigInvalid);
+  }
   if (options.secret.size() < kMinPeerSecretBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("peer_secret_file: the secret has ",
-                                                   options.secret.size(), " bytes, fewer than ",
-                                                   kMinPeerSecretBytes));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  "peer_secret_file: the secret has ", options.secret.size(),
+                                  " bytes, fewer than ", kMinPeerSecretBytes)),
+                              errors::Reason::kConfigInvalid);
   }
   const int tls_parts =
       !options.tls_cert_pem.empty() + !options.tls_key_pem.empty() + !options.tls_ca_pem.empty();
   if (tls_parts != 0 && tls_parts != 3) {
-    return absl::InvalidArgumentError(
-        "peer_tls_cert_file, peer_tls_key_file, peer_tls_ca_file: give all three or none");
+    return errors::WithReason(
+        absl::InvalidArgumentError(
+            "peer_tls_cert_file, peer_tls_key_file, peer_tls_ca_file: give all three or none"),
+        errors::Reason::kConfigInvalid);
   }
   if (options.heartbeat_interval < absl::Milliseconds(10)) {
-    return absl::InvalidArgumentError("peer_heartbeat_ms: below 10");
+    return errors::WithReason(absl::InvalidArgumentError("peer_heartbeat_ms: below 10"),
+                              errors::Reason::kConfigInvalid);
   }
   if (options.session_lifetime < absl::Milliseconds(100)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "session_lifetime: ", absl::FormatDuration(options.session_lifetime), ", below 100ms"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "session_lifetime: ", absl::FormatDuration(options.session_lifetime), ", below 100ms")),
+        errors::Reason::kConfigInvalid);
   }
   if (options.advertise.empty() && IsWildcardHost(options.listen)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "peer_listen: \"", options.listen,
-        "\" is a wildcard address, which other daemons cannot reach: set peer_advertise"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "peer_listen: \"", options.listen,
+            "\" is a wildcard address, which other daemons cannot reach: set peer_advertise")),
+        errors::Reason::kConfigInvalid);
   }
   auto st = std::make_shared<State>();
   st->options = std::move(options);
@@ -1228,7 +1310,9 @@ absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> GrpcPeerMesh::Start(PeerMeshOption
     absl::StatusOr<std::unique_ptr<UnixListener>> listener =
         UnixListener::BindTcp(std::move(listener_options), st->options.listen);
     if (!listener.ok()) {
-      return absl::UnavailableError(absl::StrCat("peer_listen: ", listener.status().message()));
+      return errors::WithReason(
+          absl::UnavailableError(absl::StrCat("peer_listen: ", listener.status().message())),
+          errors::Reason::kPeerUnreachable);
     }
     st->listener = *std::move(listener);
     st->port = st->listener->port();
@@ -1246,9 +1330,10 @@ absl::StatusOr<std::unique_ptr<GrpcPeerMesh>> GrpcPeerMesh::Start(PeerMeshOption
   st->server = builder.BuildAndStart();
   if (st->server != nullptr && st->listener != nullptr) st->listener->Start(st->server.get());
   if (st->server == nullptr || st->port == 0) {
-    return absl::UnavailableError(absl::StrCat("peer_listen: cannot listen on \"",
-                                               st->options.listen,
-                                               "\" (in use, or not an address of this host)"));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat("peer_listen: cannot listen on \"", st->options.listen,
+                                            "\" (in use, or not an address of this host)")),
+        errors::Reason::kPeerUnreachable);
   }
   if (!st->options.advertise.empty()) {
     st->advertised = st->options.advertise;
@@ -1287,38 +1372,46 @@ absl::StatusOr<std::unique_ptr<GroupPeers>> GrpcPeerMesh::RegisterGroup(
   const v1::GroupSpec& spec = membership.spec;
   EPD_RETURN_IF_ERROR(ValidateGroupSpec(spec));
   if (!SpansNodes(spec)) {
-    return absl::InvalidArgumentError(absl::StrCat("group \"", spec.name(), "\" lists ",
-                                                   spec.nodes_size(),
-                                                   " nodes; only a group across 2 or more "
-                                                   "nodes registers with the Peer mesh"));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  "group \"", spec.name(), "\" lists ", spec.nodes_size(),
+                                  " nodes; only a group across 2 or more "
+                                  "nodes registers with the Peer mesh")),
+                              errors::Reason::kNodesInvalid);
   }
   if (membership.self_node < 0 || membership.self_node >= spec.nodes_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("self_node: ", membership.self_node,
-                                                   " is outside [0, ", spec.nodes_size(), ")"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat("self_node: ", membership.self_node,
+                                                " is outside [0, ", spec.nodes_size(), ")")),
+        errors::Reason::kNodesInvalid);
   }
   if (spec.nodes(membership.self_node).peer_address() != state_->advertised) {
-    return absl::InvalidArgumentError(absl::StrCat("group \"", spec.name(), "\": node ",
-                                                   membership.self_node, " is ",
-                                                   spec.nodes(membership.self_node).peer_address(),
-                                                   ", not this daemon (", state_->advertised, ")"));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  "group \"", spec.name(), "\": node ", membership.self_node,
+                                  " is ", spec.nodes(membership.self_node).peer_address(),
+                                  ", not this daemon (", state_->advertised, ")")),
+                              errors::Reason::kNodesInvalid);
   }
   if (!membership.transport_descriptors.empty() &&
       membership.transport_descriptors.size() != static_cast<size_t>(spec.nodes_size())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("transport_descriptors: ", membership.transport_descriptors.size(),
-                     " entries for ", spec.nodes_size(), " nodes"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(
+            absl::StrCat("transport_descriptors: ", membership.transport_descriptors.size(),
+                         " entries for ", spec.nodes_size(), " nodes")),
+        errors::Reason::kNodesInvalid);
   }
   for (const std::string& d : membership.transport_descriptors) {
     if (d.size() > kMaxTransportDescriptorBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("transport_descriptors: an entry of ",
-                                                     d.size(), " bytes, more than ",
-                                                     kMaxTransportDescriptorBytes));
+      return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                    "transport_descriptors: an entry of ", d.size(),
+                                    " bytes, more than ", kMaxTransportDescriptorBytes)),
+                                errors::Reason::kNodesInvalid);
     }
   }
   if (membership.transport_descriptor.size() > kMaxTransportDescriptorBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("transport_descriptor: ", membership.transport_descriptor.size(),
-                     " bytes, more than ", kMaxTransportDescriptorBytes));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  "transport_descriptor: ", membership.transport_descriptor.size(),
+                                  " bytes, more than ", kMaxTransportDescriptorBytes)),
+                              errors::Reason::kNodesInvalid);
   }
   // Peers whose workers retired: dropped under the lock, their threads joined after it.
   struct Retired {
@@ -1328,7 +1421,10 @@ absl::StatusOr<std::unique_ptr<GroupPeers>> GrpcPeerMesh::RegisterGroup(
     }
   } retired;
   absl::MutexLock lock(&state_->mu);
-  if (state_->stopping) return absl::UnavailableError("the Peer mesh is shutting down");
+  if (state_->stopping) {
+    return errors::WithReason(absl::UnavailableError("the Peer mesh is shutting down"),
+                              errors::Reason::kPeerUnreachable);
+  }
   for (auto it = state_->peers.begin(); it != state_->peers.end();) {
     if (it->second->retired) {
       retired.conns.push_back(std::move(it->second));

@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/errors/reason.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/core/keyed_mac.h"
 #include "google/protobuf/io/coded_stream.h"
@@ -65,13 +66,15 @@ absl::Status CheckPeerCertificateNames(absl::string_view daemon_id,
   }
   std::vector<std::string> shown;
   for (const std::string& name : names) shown.push_back(EscapeClientText(name));
-  return absl::PermissionDeniedError(absl::StrCat(
-      "daemon id \"", EscapeClientText(daemon_id), "\" names host \"", EscapeClientText(host),
-      "\", but the caller's TLS certificate is for ",
-      names.empty() ? std::string("no name")
-                    : absl::StrCat(sans.empty() ? "common name " : "subject alternative names ",
-                                   absl::StrJoin(shown, ", ")),
-      " (a daemon must advertise a host its certificate names)"));
+  return errors::WithReason(
+      absl::PermissionDeniedError(absl::StrCat(
+          "daemon id \"", EscapeClientText(daemon_id), "\" names host \"", EscapeClientText(host),
+          "\", but the caller's TLS certificate is for ",
+          names.empty() ? std::string("no name")
+                        : absl::StrCat(sans.empty() ? "common name " : "subject alternative names ",
+                                       absl::StrJoin(shown, ", ")),
+          " (a daemon must advertise a host its certificate names)")),
+      errors::Reason::kPeerAuthFailed);
 }
 
 std::string HelloProof(absl::string_view secret, absl::string_view server_nonce,

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/errors/reason.h"
 #include "daemon/core/logging.h"
 
 namespace epd {
@@ -38,7 +39,7 @@ class RefusalLog {
     ++in_window_;
     const uint64_t dropped = std::exchange(dropped_, 0);
     GetLogger(kLogControl)
-        ->info("fd channel: refused {}: {}{}", DescribeCredentials(peer), why.ToString(),
+        ->info("fd channel: refused {}: {}{}", DescribeCredentials(peer), errors::StatusText(why),
                dropped == 0 ? std::string()
                             : absl::StrCat(" (", dropped, " earlier refusal(s) not logged)"));
   }

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/errors/reason.h"
 
 namespace epd {
 namespace {
@@ -64,29 +65,34 @@ absl::Status ClassifySocketDirectory(const std::string& socket_path, const Direc
                                                 owner, group, dir.mode & 07777);
   const std::string prefix = absl::StrCat("socket_path: ", socket_path, ": ");
   if (!S_ISDIR(dir.mode)) {
-    return absl::FailedPreconditionError(absl::StrCat(prefix, dir.path, " is not a directory (",
-                                                      FileTypeName(dir.mode),
-                                                      "); choose another --socket"));
+    return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                  prefix, dir.path, " is not a directory (", FileTypeName(dir.mode),
+                                  "); choose another --socket")),
+                              errors::Reason::kSocketUnsafe);
   }
   if (dir.uid != 0 && dir.uid != daemon_uid) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        prefix, "the directory ", described, " belongs to another user than root and epd's (uid ",
-        daemon_uid,
-        "), who can remove or replace epd's socket and lock file there; put the socket in a "
-        "directory that root or epd's user owns and only its owner can write (e.g. /run/epd, "
-        "which the systemd unit's RuntimeDirectory= creates), or give ",
-        dir.path, " to one of them (chown)"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            prefix, "the directory ", described,
+            " belongs to another user than root and epd's (uid ", daemon_uid,
+            "), who can remove or replace epd's socket and lock file there; put the socket in a "
+            "directory that root or epd's user owns and only its owner can write (e.g. /run/epd, "
+            "which the systemd unit's RuntimeDirectory= creates), or give ",
+            dir.path, " to one of them (chown)")),
+        errors::Reason::kSocketUnsafe);
   }
   if ((dir.mode & (S_IWGRP | S_IWOTH)) != 0 && (dir.mode & S_ISVTX) == 0) {
     const std::string who = (dir.mode & S_IWOTH) != 0
                                 ? std::string("every user")
                                 : absl::StrCat("every member of group ", group);
-    return absl::FailedPreconditionError(absl::StrCat(
-        prefix, "the directory ", described, " is writable by ", who,
-        " and has no sticky bit, so any of them can remove or replace epd's socket and lock "
-        "file there; make it writable by its owner alone (chmod go-w ",
-        dir.path, "), or set its sticky bit (chmod +t ", dir.path,
-        ", as /tmp has), or choose a --socket in another directory (e.g. /run/epd)"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            prefix, "the directory ", described, " is writable by ", who,
+            " and has no sticky bit, so any of them can remove or replace epd's socket and lock "
+            "file there; make it writable by its owner alone (chmod go-w ",
+            dir.path, "), or set its sticky bit (chmod +t ", dir.path,
+            ", as /tmp has), or choose a --socket in another directory (e.g. /run/epd)")),
+        errors::Reason::kSocketUnsafe);
   }
   return absl::OkStatus();
 }
@@ -98,8 +104,10 @@ absl::Status StatEntry(const std::string& socket_path, const std::string& path,
                        DirectoryStat* entry) {
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("socket_path: ", socket_path, ": cannot stat ", path, ": ", Errno(errno)));
+    return errors::WithReason(
+        absl::FailedPreconditionError(
+            absl::StrCat("socket_path: ", socket_path, ": cannot stat ", path, ": ", Errno(errno))),
+        errors::Reason::kSocketUnsafe);
   }
   *entry = DirectoryStat{path,       st.st_uid,           st.st_gid,
                          st.st_mode, UserName(st.st_uid), GroupName(st.st_gid)};
@@ -137,8 +145,10 @@ absl::Status WalkSocketPath(const std::string& socket_path, uid_t daemon_uid) {
     std::error_code error;
     const fs::path cwd = fs::current_path(error);
     if (error) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "socket_path: ", socket_path, ": cannot read the working directory: ", error.message()));
+      return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                    "socket_path: ", socket_path,
+                                    ": cannot read the working directory: ", error.message())),
+                                errors::Reason::kSocketUnsafe);
     }
     dir = cwd / dir;
   }
@@ -162,8 +172,10 @@ absl::Status WalkSocketPath(const std::string& socket_path, uid_t daemon_uid) {
     struct stat st {};
     if (::lstat(next.c_str(), &st) != 0) {
       if (errno == ENOENT) return absl::OkStatus();
-      return absl::FailedPreconditionError(absl::StrCat(
-          "socket_path: ", socket_path, ": cannot stat ", next.string(), ": ", Errno(errno)));
+      return errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat("socket_path: ", socket_path, ": cannot stat ",
+                                                     next.string(), ": ", Errno(errno))),
+          errors::Reason::kSocketUnsafe);
     }
     if (!S_ISLNK(st.st_mode)) {
       resolved = next;
@@ -172,14 +184,16 @@ absl::Status WalkSocketPath(const std::string& socket_path, uid_t daemon_uid) {
     std::error_code error;
     const fs::path target = fs::read_symlink(next, error);
     if (error) {
-      return absl::FailedPreconditionError(absl::StrCat("socket_path: ", socket_path,
-                                                        ": cannot read the link ", next.string(),
-                                                        ": ", error.message()));
+      return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                    "socket_path: ", socket_path, ": cannot read the link ",
+                                    next.string(), ": ", error.message())),
+                                errors::Reason::kSocketUnsafe);
     }
     if (++links > kMaxLinks) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("socket_path: ", socket_path, ": more than ", kMaxLinks,
-                       " symbolic links on the way to its directory"));
+      return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                    "socket_path: ", socket_path, ": more than ", kMaxLinks,
+                                    " symbolic links on the way to its directory")),
+                                errors::Reason::kSocketUnsafe);
     }
     const DirectoryStat link{next.string(), st.st_uid,           st.st_gid,
                              st.st_mode,    UserName(st.st_uid), GroupName(st.st_gid)};
@@ -199,15 +213,17 @@ absl::Status WalkSocketPath(const std::string& socket_path, uid_t daemon_uid) {
 absl::Status ClassifySocketPathLink(const std::string& socket_path, const DirectoryStat& link,
                                     const std::string& target, uid_t daemon_uid) {
   if (!S_ISLNK(link.mode) || link.uid == 0 || link.uid == daemon_uid) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "socket_path: ", socket_path, ": the symbolic link ", link.path, " -> ", target,
-      " on the way to the socket belongs to ", Named(link.owner_name, "uid", link.uid),
-      ", another user than root and epd's (uid ", daemon_uid,
-      "), who can point it at a directory of theirs at any time, where clients would "
-      "connect to their socket instead of epd's; give --socket a path without that link "
-      "(e.g. its target, `realpath ",
-      link.path, "`, or /run/epd), or give the link to root or epd's user (chown -h root ",
-      link.path, ")"));
+  return errors::WithReason(
+      absl::FailedPreconditionError(absl::StrCat(
+          "socket_path: ", socket_path, ": the symbolic link ", link.path, " -> ", target,
+          " on the way to the socket belongs to ", Named(link.owner_name, "uid", link.uid),
+          ", another user than root and epd's (uid ", daemon_uid,
+          "), who can point it at a directory of theirs at any time, where clients would "
+          "connect to their socket instead of epd's; give --socket a path without that link "
+          "(e.g. its target, `realpath ",
+          link.path, "`, or /run/epd), or give the link to root or epd's user (chown -h root ",
+          link.path, ")")),
+      errors::Reason::kSocketUnsafe);
 }
 
 absl::Status CheckSocketDirectories(const std::string& socket_path, uid_t daemon_uid) {
@@ -221,9 +237,10 @@ absl::Status CheckSocketDirectories(const std::string& socket_path, uid_t daemon
   }
   std::unique_ptr<char, decltype(&std::free)> real(::realpath(dir.c_str(), nullptr), &std::free);
   if (real == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat("socket_path: ", socket_path,
-                                                      ": cannot resolve the directory ",
-                                                      dir.string(), ": ", Errno(errno)));
+    return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                  "socket_path: ", socket_path, ": cannot resolve the directory ",
+                                  dir.string(), ": ", Errno(errno))),
+                              errors::Reason::kSocketUnsafe);
   }
   for (std::filesystem::path p(real.get());; p = p.parent_path()) {
     if (absl::Status status = CheckOneDirectory(socket_path, p.string(), daemon_uid);
@@ -247,9 +264,11 @@ absl::Status CreateSocketDirectories(const std::string& socket_path, std::string
   }
   for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
     if (::mkdir(it->c_str(), 0755) != 0 && errno != EEXIST) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("socket_path: cannot create directory ", it->string(), ": ", Errno(errno),
-                       " (run epd with a RuntimeDirectory, or choose another --socket)"));
+      return errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat(
+              "socket_path: cannot create directory ", it->string(), ": ", Errno(errno),
+              " (run epd with a RuntimeDirectory, or choose another --socket)")),
+          errors::Reason::kSocketUnsafe);
     }
   }
   if (!missing.empty()) *created_top = missing.back().string();
@@ -260,14 +279,18 @@ absl::Status CheckSocketPathIsFreeOrASocket(const std::string& socket_path) {
   struct stat st {};
   if (::lstat(socket_path.c_str(), &st) != 0) {
     if (errno == ENOENT) return absl::OkStatus();
-    return absl::FailedPreconditionError(
-        absl::StrCat("socket_path: cannot stat ", socket_path, ": ", Errno(errno)));
+    return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                  "socket_path: cannot stat ", socket_path, ": ", Errno(errno))),
+                              errors::Reason::kSocketUnsafe);
   }
   if (S_ISSOCK(st.st_mode)) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "socket_path: ", socket_path, " exists and is not a socket (it is ", FileTypeName(st.st_mode),
-      "); epd leaves it as it is and creates nothing beside it: choose another "
-      "--socket, or remove it if it is a leftover of yours"));
+  return errors::WithReason(
+      absl::FailedPreconditionError(
+          absl::StrCat("socket_path: ", socket_path, " exists and is not a socket (it is ",
+                       FileTypeName(st.st_mode),
+                       "); epd leaves it as it is and creates nothing beside it: choose another "
+                       "--socket, or remove it if it is a leftover of yours")),
+      errors::Reason::kSocketUnsafe);
 }
 
 }  // namespace epd

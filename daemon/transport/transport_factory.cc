@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "daemon/core/logging.h"
 #include "daemon/transport/fault/fault_transport.h"
@@ -55,9 +56,11 @@ namespace {
 /// `reason` when there are none).
 absl::Status RdmaConfiguredButRefused(const std::vector<std::string>& lines,
                                       const std::string& reason) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "transport: \"rdma\" is configured but this daemon cannot run it (no fallback to tcp): ",
-      lines.empty() ? reason : absl::StrJoin(lines, "; ")));
+  return errors::WithReason(
+      absl::FailedPreconditionError(absl::StrCat(
+          "transport: \"rdma\" is configured but this daemon cannot run it (no fallback to tcp): ",
+          lines.empty() ? reason : absl::StrJoin(lines, "; "))),
+      errors::Reason::kRdmaUnavailable);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/errors/reason.h"
 
 namespace epd::transport {
 
@@ -38,9 +39,11 @@ absl::StatusOr<Transport*> TransportSet::Find(absl::string_view requested,
       requested.empty()
           ? absl::StrCat("spec.transport: \"\" (this daemon's default \"", name, "\")")
           : absl::StrCat("spec.transport: \"", name, "\"");
-  return absl::FailedPreconditionError(absl::StrCat(
-      which, ": group \"", group_name, "\" needs a transport this daemon cannot run (it runs: ",
-      transports_.empty() ? "none" : absl::StrJoin(names(), ", "), "): ", why));
+  return errors::WithReason(
+      absl::FailedPreconditionError(absl::StrCat(
+          which, ": group \"", group_name, "\" needs a transport this daemon cannot run (it runs: ",
+          transports_.empty() ? "none" : absl::StrJoin(names(), ", "), "): ", why)),
+      errors::Reason::kTransportMismatch);
 }
 
 }  // namespace epd::transport

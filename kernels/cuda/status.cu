@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/cuda/cuda_check.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "kernels/cuda/common.cuh"
@@ -127,11 +128,12 @@ absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shap
         absl::StrCat(op, ": rank ", rank, ": peer rank(s) [", absl::StrJoin(missing, ", "),
                      "] did not arrive before the op timeout");
     if (!findings.empty()) absl::StrAppend(&msg, "; also: ", absl::StrJoin(findings, "; "));
-    return absl::DeadlineExceededError(msg);
+    return errors::WithReason(absl::DeadlineExceededError(msg), errors::Reason::kGpuTimeout);
   }
   if (!findings.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": rank ", rank, ": ", absl::StrJoin(findings, "; ")));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  op, ": rank ", rank, ": ", absl::StrJoin(findings, "; "))),
+                              errors::Reason::kOpInputInvalid);
   }
   return absl::OkStatus();
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "epd/kernels/host_ops.h"
 #include "kernels/host/internal.h"
@@ -30,8 +31,10 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
   EPD_RETURN_IF_ERROR(internal::CheckGroupShape(shape));
   EPD_RETURN_IF_ERROR(internal::CheckNumRankArgs(shape, args.size(), kOp));
   if (options.expert_alignment < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kOp, ": expert_alignment = ", options.expert_alignment, " must be >= 1"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(
+            absl::StrCat(kOp, ": expert_alignment = ", options.expert_alignment, " must be >= 1")),
+        errors::Reason::kOpInputInvalid);
   }
   EPD_RETURN_IF_ERROR(internal::CheckFp8Hidden(shape, options.fp8, kOp));
   const int32_t num_ranks = shape.num_ranks;
@@ -65,9 +68,11 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
                                        "cached_send_pos (other ranks re-dispatch from a "
                                        "cached handle)"));
       if (a.cached_num_recv_tokens < 0 || a.cached_num_recv_tokens > a.recv_capacity) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(kOp, ": rank ", s, ": cached_num_recv_tokens = ", a.cached_num_recv_tokens,
-                         " is outside [0, recv_capacity = ", a.recv_capacity, "]"));
+        return errors::WithReason(
+            absl::InvalidArgumentError(absl::StrCat(
+                kOp, ": rank ", s, ": cached_num_recv_tokens = ", a.cached_num_recv_tokens,
+                " is outside [0, recv_capacity = ", a.recv_capacity, "]")),
+            errors::Reason::kOpInputInvalid);
       }
     } else {
       EPD_RETURN_IF_ERROR(CheckTopkIdx(shape, s, a.num_tokens, a.topk_idx));
@@ -124,10 +129,12 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
           const int32_t row = a.cached_send_pos[static_cast<int64_t>(t) * num_ranks + r];
           if (row == -1) continue;
           if (row < 0 || row >= args[r].cached_num_recv_tokens) {
-            return absl::InvalidArgumentError(
-                absl::StrCat(kOp, ": cached_send_pos of rank ", s, " at token ", t, ", rank ", r,
-                             " = ", row, " is outside [-1, cached_num_recv_tokens of rank ", r,
-                             " = ", args[r].cached_num_recv_tokens, ")"));
+            return errors::WithReason(
+                absl::InvalidArgumentError(
+                    absl::StrCat(kOp, ": cached_send_pos of rank ", s, " at token ", t, ", rank ",
+                                 r, " = ", row, " is outside [-1, cached_num_recv_tokens of rank ",
+                                 r, " = ", args[r].cached_num_recv_tokens, ")")),
+                errors::Reason::kOpInputInvalid);
           }
           ++to_rank[r];
         }
@@ -143,18 +150,22 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
           const int32_t row = args[s].cached_send_pos[static_cast<int64_t>(t) * num_ranks + r];
           if (row < 0) continue;
           if (seen[row]) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                kOp, ": cached handle sends two tokens to row ", row, " of rank ", r,
-                " (second: rank ", s, " token ", t, "): not a handle of one dispatch"));
+            return errors::WithReason(
+                absl::InvalidArgumentError(absl::StrCat(
+                    kOp, ": cached handle sends two tokens to row ", row, " of rank ", r,
+                    " (second: rank ", s, " token ", t, "): not a handle of one dispatch")),
+                errors::Reason::kOpInputInvalid);
           }
           seen[row] = 1;
           ++filled;
         }
       }
       if (filled != args[r].cached_num_recv_tokens) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(kOp, ": cached handle fills ", filled, " rows of rank ", r,
-                         ", cached_num_recv_tokens = ", args[r].cached_num_recv_tokens));
+        return errors::WithReason(
+            absl::InvalidArgumentError(
+                absl::StrCat(kOp, ": cached handle fills ", filled, " rows of rank ", r,
+                             ", cached_num_recv_tokens = ", args[r].cached_num_recv_tokens)),
+            errors::Reason::kOpInputInvalid);
       }
     }
   }
@@ -184,9 +195,11 @@ absl::Status Dispatch(const GroupShape& shape, const DispatchOptions& options,
                                    static_cast<size_t>(r) * experts_per_rank + j];
         }
         if (AlignUp(count, options.expert_alignment) > INT32_MAX) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              kOp, ": expert_alignment = ", options.expert_alignment,
-              " makes the aligned count of local expert ", j, " of rank ", r, " overflow int32"));
+          return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                        kOp, ": expert_alignment = ", options.expert_alignment,
+                                        " makes the aligned count of local expert ", j, " of rank ",
+                                        r, " overflow int32")),
+                                    errors::Reason::kOpInputInvalid);
         }
       }
     }

@@ -1,5 +1,6 @@
 // The handle table: which dispatches' routing and low-latency buffers are current.
 #include "absl/strings/str_cat.h"
+#include "common/errors/reason.h"
 #include "epd/kernels/op_rules.h"
 
 namespace epd::rules {
@@ -14,27 +15,35 @@ absl::Status HandleTable::Check(abi::OpKind op, uint32_t flags, uint64_t handle_
   const char* name = Describe(op).name;
   if (UsesRouting(op, flags)) {
     if (routing_seq_ == 0 || handle_seq < routing_seq_ || handle_seq > last_dispatch_seq_) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          name, ": handle of op ", handle_seq,
-          " is not the current dispatch routing of this endpoint (valid: ops ", routing_seq_, "..",
-          last_dispatch_seq_, "); a handle is invalidated by the next Dispatch"));
+      return errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat(
+              name, ": handle of op ", handle_seq,
+              " is not the current dispatch routing of this endpoint (valid: ops ", routing_seq_,
+              "..", last_dispatch_seq_, "); a handle is invalidated by the next Dispatch")),
+          errors::Reason::kHandleInvalid);
     }
     if (num_tokens != routing_tokens_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, ": num_tokens ", num_tokens, " != the handle's ", routing_tokens_));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat(name, ": num_tokens ", num_tokens,
+                                                  " != the handle's ", routing_tokens_)),
+          errors::Reason::kOpInputInvalid);
     }
   }
   if (op == abi::OpKind::kLowLatencyCombine) {
     const int b = LowLatencyBufferOf(handle_seq);
     if (b < 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "LowLatencyCombine: handle of op ", handle_seq,
-          " is not one of this endpoint's last two low-latency dispatches (its buffers were "
-          "reused, or it comes from another endpoint)"));
+      return errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat(
+              "LowLatencyCombine: handle of op ", handle_seq,
+              " is not one of this endpoint's last two low-latency dispatches (its buffers were "
+              "reused, or it comes from another endpoint)")),
+          errors::Reason::kHandleInvalid);
     }
     if (num_tokens != ll_tokens_[b]) {
-      return absl::InvalidArgumentError(absl::StrCat("LowLatencyCombine: num_tokens ", num_tokens,
-                                                     " != the handle's ", ll_tokens_[b]));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat("LowLatencyCombine: num_tokens ", num_tokens,
+                                                  " != the handle's ", ll_tokens_[b])),
+          errors::Reason::kOpInputInvalid);
     }
   }
   return absl::OkStatus();

@@ -1,5 +1,6 @@
 // The op descriptor table, request flags and the spec/FP8/limit rules (op_rules.h).
 #include "absl/strings/str_cat.h"
+#include "common/errors/reason.h"
 #include "epd/kernels/op_rules.h"
 
 namespace epd::rules {
@@ -51,12 +52,15 @@ uint32_t EncodeFlags(const RequestOptions& o) {
 absl::Status CheckFp8(abi::OpKind op, absl::string_view what, const kernels::GroupShape& shape,
                       absl::string_view group) {
   if (op == OpKind::kLowLatencyDispatch && shape.hidden % kernels::kFp8BlockChannels != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": use_fp8 needs hidden % 128 == 0, hidden = ", shape.hidden));
+    return errors::WithReason(
+        absl::InvalidArgumentError(
+            absl::StrCat(what, ": use_fp8 needs hidden % 128 == 0, hidden = ", shape.hidden)),
+        errors::Reason::kOpInputInvalid);
   }
   if (!shape.use_fp8) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": use_fp8 but group ", group, " has use_fp8 = false"));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  what, ": use_fp8 but group ", group, " has use_fp8 = false")),
+                              errors::Reason::kOpInputInvalid);
   }
   return absl::OkStatus();
 }
@@ -70,16 +74,21 @@ absl::Status CheckScaleFormat(absl::string_view what, bool use_fp8, bool round_s
                               bool use_ue8m0, const kernels::GroupShape& shape) {
   if (!use_ue8m0) return absl::OkStatus();
   if (!use_fp8) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": use_ue8m0 needs use_fp8"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(what, ": use_ue8m0 needs use_fp8")),
+        errors::Reason::kOpInputInvalid);
   }
   if (!round_scale) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": use_ue8m0 needs round_scale (UE8M0 holds powers of two only)"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(
+            absl::StrCat(what, ": use_ue8m0 needs round_scale (UE8M0 holds powers of two only)")),
+        errors::Reason::kOpInputInvalid);
   }
   if (shape.hidden % kernels::kUe8m0WordChannels != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": use_ue8m0 needs hidden % ",
-                                                   kernels::kUe8m0WordChannels,
-                                                   " == 0, hidden = ", shape.hidden));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  what, ": use_ue8m0 needs hidden % ", kernels::kUe8m0WordChannels,
+                                  " == 0, hidden = ", shape.hidden)),
+                              errors::Reason::kOpInputInvalid);
   }
   return absl::OkStatus();
 }
@@ -93,26 +102,35 @@ absl::Status CheckRequestShape(abi::OpKind op, const RequestOptions& options, in
                                const kernels::GroupShape& shape, absl::string_view group) {
   const OpDescriptor& d = Describe(op);
   if (d.low_latency && shape.ll_max_tokens_per_rank == 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(d.name, " needs spec.ll_max_tokens_per_rank > 0 (group ", group, ")"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(
+            absl::StrCat(d.name, " needs spec.ll_max_tokens_per_rank > 0 (group ", group, ")")),
+        errors::Reason::kSpecInvalid);
   }
   const int32_t max_tokens = MaxTokens(op, shape);
   if (num_tokens < 0 || num_tokens > max_tokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(d.name, ": num_tokens ", num_tokens, " outside [0, ", max_tokens, "] (",
-                     d.low_latency ? "ll_" : "", "max_tokens_per_rank)"));
+    return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                  d.name, ": num_tokens ", num_tokens, " outside [0, ", max_tokens,
+                                  "] (", d.low_latency ? "ll_" : "", "max_tokens_per_rank)")),
+                              errors::Reason::kTokensOverCapacity);
   }
   if (num_sms < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(d.name, ": num_sms ", num_sms, " < 0"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(d.name, ": num_sms ", num_sms, " < 0")),
+        errors::Reason::kOpInputInvalid);
   }
   if (op == OpKind::kDispatch) {
     if (expert_alignment < 1 || expert_alignment > (1 << 20)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("Dispatch: expert_alignment ", expert_alignment, " outside [1, 2^20]"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(
+              absl::StrCat("Dispatch: expert_alignment ", expert_alignment, " outside [1, 2^20]")),
+          errors::Reason::kOpInputInvalid);
     }
     if (options.use_fp8 && !shape.use_fp8) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("Dispatch: FP8 input but group ", group, " has use_fp8 = false"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(
+              absl::StrCat("Dispatch: FP8 input but group ", group, " has use_fp8 = false")),
+          errors::Reason::kOpInputInvalid);
     }
   }
   if (op == OpKind::kLowLatencyDispatch) {

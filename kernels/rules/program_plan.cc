@@ -1,5 +1,6 @@
 // The graph-program plan: decoding, validation and the fixed buffers of each step.
 #include "absl/strings/str_cat.h"
+#include "common/errors/reason.h"
 #include "epd/kernels/op_rules.h"
 
 namespace epd::rules {
@@ -27,13 +28,17 @@ void AssignProgramBuffers(std::vector<ProgramStepPlan>& steps) {
 absl::StatusOr<std::vector<ProgramStepPlan>> PlanProgram(const abi::RequestSlot& slot,
                                                          const kernels::GroupShape& shape) {
   if (shape.ll_max_tokens_per_rank == 0) {
-    return absl::FailedPreconditionError(
-        "RegisterProgram: the group has no low-latency mode (spec.ll_max_tokens_per_rank = 0)");
+    return errors::WithReason(
+        absl::FailedPreconditionError(
+            "RegisterProgram: the group has no low-latency mode (spec.ll_max_tokens_per_rank = 0)"),
+        errors::Reason::kProgramInvalid);
   }
   const uint64_t n = slot.program_num_steps;
   if (n < 1 || n > abi::kMaxProgramSteps) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("RegisterProgram: ", n, " steps, outside [1, ", abi::kMaxProgramSteps, "]"));
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat("RegisterProgram: ", n, " steps, outside [1, ",
+                                                abi::kMaxProgramSteps, "]")),
+        errors::Reason::kProgramInvalid);
   }
   std::vector<ProgramStepPlan> steps(n);
   bool any_dispatch = false, any_combine = false;
@@ -46,18 +51,24 @@ absl::StatusOr<std::vector<ProgramStepPlan>> PlanProgram(const abi::RequestSlot&
     st.use_ue8m0 = b & abi::kProgramStepUe8m0;
     const bool dispatch = st.op == abi::OpKind::kLowLatencyDispatch;
     if ((b & 0x80) != 0 || (!dispatch && st.op != abi::OpKind::kLowLatencyCombine)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "RegisterProgram: step ", i, " (byte 0x", absl::Hex(b), ") is ", abi::OpKindName(b & 0xf),
-          "; a program step must be LowLatencyDispatch or LowLatencyCombine"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(
+              absl::StrCat("RegisterProgram: step ", i, " (byte 0x", absl::Hex(b), ") is ",
+                           abi::OpKindName(b & 0xf),
+                           "; a program step must be LowLatencyDispatch or LowLatencyCombine")),
+          errors::Reason::kProgramInvalid);
     }
     if (!dispatch && (st.use_fp8 || st.round_scale || st.use_ue8m0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("RegisterProgram: step ", i,
-                       " (LowLatencyCombine) has use_fp8/round_scale/use_ue8m0 set"));
+      return errors::WithReason(absl::InvalidArgumentError(absl::StrCat(
+                                    "RegisterProgram: step ", i,
+                                    " (LowLatencyCombine) has use_fp8/round_scale/use_ue8m0 set")),
+                                errors::Reason::kProgramInvalid);
     }
     if (st.round_scale && !st.use_fp8) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("RegisterProgram: step ", i, " has round_scale without use_fp8"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(
+              absl::StrCat("RegisterProgram: step ", i, " has round_scale without use_fp8")),
+          errors::Reason::kProgramInvalid);
     }
     if (absl::Status format = CheckScaleFormat(absl::StrCat("RegisterProgram: step ", i),
                                                st.use_fp8, st.round_scale, st.use_ue8m0, shape);
@@ -65,20 +76,26 @@ absl::StatusOr<std::vector<ProgramStepPlan>> PlanProgram(const abi::RequestSlot&
       return format;
     }
     if (st.use_fp8 && !shape.use_fp8) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("RegisterProgram: step ", i, " uses FP8 but the group has use_fp8 = false"));
+      return errors::WithReason(
+          absl::InvalidArgumentError(absl::StrCat("RegisterProgram: step ", i,
+                                                  " uses FP8 but the group has use_fp8 = false")),
+          errors::Reason::kProgramInvalid);
     }
     if (st.use_fp8 && shape.hidden % kernels::kFp8BlockChannels != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("RegisterProgram: step ", i,
-                       " uses FP8, which needs hidden % 128 == 0, hidden = ", shape.hidden));
+      return errors::WithReason(
+          absl::InvalidArgumentError(
+              absl::StrCat("RegisterProgram: step ", i,
+                           " uses FP8, which needs hidden % 128 == 0, hidden = ", shape.hidden)),
+          errors::Reason::kProgramInvalid);
     }
     any_dispatch |= dispatch;
     any_combine |= !dispatch;
   }
   if (any_combine && !any_dispatch) {
-    return absl::InvalidArgumentError(
-        "RegisterProgram: the program has a LowLatencyCombine but no LowLatencyDispatch");
+    return errors::WithReason(
+        absl::InvalidArgumentError(
+            "RegisterProgram: the program has a LowLatencyCombine but no LowLatencyDispatch"),
+        errors::Reason::kProgramInvalid);
   }
   AssignProgramBuffers(steps);
   return steps;

@@ -50,7 +50,9 @@ struct ExchangeHeader {
   int32_t status_code = 0;     ///< absl::StatusCode; 0 = OK.
   int32_t status_rank = -1;    ///< The rank the error is of, or -1 (the node's).
   uint32_t message_bytes = 0;  ///< <= kExchangeMessageBytes.
-  uint32_t reserved = 0;
+  /// The error's catalog reason (proto/epd/v1/errors.proto ErrorReason); 0 when OK or none.
+  /// Untrusted like the rest: an unknown number is carried and printed as UNKNOWN_REASON.
+  uint32_t reason = 0;
   char message[kExchangeMessageBytes] = {};
 };
 static_assert(std::is_trivially_copyable_v<ExchangeHeader>);

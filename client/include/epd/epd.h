@@ -85,6 +85,13 @@ EPD_API const char* epd_status_name(int status);
 /** The message of the latest call on this thread that failed, "" after one that succeeded.
  *  Valid until the next epd_* call on this thread. */
 EPD_API const char* epd_last_error(void);
+/** The error catalog reason (docs/ERRORS.md) of the latest call on this thread that failed:
+ *  its number, e.g. 2003 for EPD-2003 CUDA_DRIVER_TOO_OLD; 0 after a call that succeeded.
+ *  Every failure has one (9000 + the status code where epd has no specific reason). */
+EPD_API int32_t epd_last_error_reason(void);
+/** The name of a reason number ("CUDA_DRIVER_TOO_OLD"); static storage; "UNSPECIFIED" for 0,
+ *  "UNKNOWN_REASON" for a number this library does not know (from a newer daemon). */
+EPD_API const char* epd_reason_name(int32_t reason);
 
 /* ---- client -------------------------------------------------------------------------- */
 

@@ -27,25 +27,43 @@ __all__ = [
 ]
 
 
+def _reason_name(number, fallback):
+    """The catalog's name of a reason number, from the C ABI (fallback before it loads)."""
+    try:
+        from . import _C
+    except ImportError:
+        return fallback
+    return _C.reason_name(number)
+
+
 class EpdError(RuntimeError):
     """An epd call failed. code: the absl status code (int); code_name: its name
-    ("INVALID_ARGUMENT"); message: epd's message, naming the field and value at fault."""
+    ("INVALID_ARGUMENT"); message: epd's message, naming the field and value at fault;
+    reason: the error catalog's code ("EPD-2003", docs/ERRORS.md; `epctl explain` prints its
+    cause and next step) and reason_name its name ("CUDA_DRIVER_TOO_OLD"); left out, the
+    unclassified reason of the code (9000 + code: "EPD-9003", "INVALID_ARGUMENT")."""
 
-    def __init__(self, code, code_name, message):
+    def __init__(self, code, code_name, message, reason=None, reason_name=None):
         RuntimeError.__init__(self, code, code_name, message)
         self.code = code
         self.code_name = code_name
         self.message = message
+        if reason is None:
+            reason, reason_name = "EPD-%d" % (9000 + code), _reason_name(9000 + code, code_name)
+        self.reason = reason
+        self.reason_name = reason_name
         if isinstance(self, OSError):  # errno/strerror of an OSError base mean nothing here
             self.errno = None
             self.strerror = message
             self.filename = None
 
     def __str__(self):
-        return "%s: %s" % (self.code_name, self.message)
+        if not self.reason or self.reason.startswith("EPD-9"):  # Unclassified: the code says it.
+            return "%s: %s" % (self.code_name, self.message)
+        return "%s: %s [%s %s]" % (self.code_name, self.message, self.reason, self.reason_name)
 
     def __reduce__(self):
-        return (type(self), (self.code, self.code_name, self.message))
+        return (type(self), (self.code, self.code_name, self.message, self.reason, self.reason_name))
 
 
 class CancelledError(EpdError):

@@ -85,12 +85,15 @@ const DLTensor* CapsuleTensor(PyObject* capsule, const char* op, const char* fie
 
 }  // namespace
 
-[[noreturn]] void RaiseStatus(int code, const std::string& message) {
+[[noreturn]] void RaiseStatus(int code, const std::string& message, int32_t reason) {
   PyObject* cls = PyExc_RuntimeError;
   if (g_error_types != nullptr && code >= 0 && code < PyList_GET_SIZE(g_error_types)) {
     cls = PyList_GET_ITEM(g_error_types, code);
   }
-  py::object exc = py::reinterpret_borrow<py::object>(cls)(code, epd_status_name(code), message);
+  if (reason == 0) reason = 9000 + code;  // The catalog's unclassified reason of the code.
+  py::object exc = py::reinterpret_borrow<py::object>(cls)(code, epd_status_name(code), message,
+                                                           "EPD-" + std::to_string(reason),
+                                                           epd_reason_name(reason));
   PyErr_SetObject(cls, exc.ptr());
   throw py::error_already_set();
 }

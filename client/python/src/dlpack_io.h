@@ -39,11 +39,12 @@ struct EndpointCore {
 };
 
 /// Raises the epd.EpdError subclass registered for `code` (epd._C._set_error_types) with
-/// `message`; falls back to RuntimeError before registration.
-[[noreturn]] void RaiseStatus(int code, const std::string& message);
-/// RaiseStatus(status, epd_last_error()) unless status is EPD_OK.
+/// `message` and the catalog `reason` (docs/ERRORS.md; 0: the generic one of `code`, as for
+/// the binding's own checks); falls back to RuntimeError before registration.
+[[noreturn]] void RaiseStatus(int code, const std::string& message, int32_t reason = 0);
+/// RaiseStatus(status, epd_last_error(), epd_last_error_reason()) unless status is EPD_OK.
 inline void Check(epd_status_t status) {
-  if (status != EPD_OK) RaiseStatus(status, epd_last_error());
+  if (status != EPD_OK) RaiseStatus(status, epd_last_error(), epd_last_error_reason());
 }
 
 /// How a tensor argument's dtype may be relabelled before epd checks it: numpy has no

@@ -645,8 +645,9 @@ py::object Endpoint::Submit(const char* op_name, const Inputs& in, bool torch_mo
   }
   if (status != EPD_OK) {
     std::string message = epd_last_error();
+    const int32_t reason = epd_last_error_reason();
     ReturnOp(std::move(op));
-    RaiseStatus(status, message);
+    RaiseStatus(status, message, reason);
   }
   return py::cast(PendingOp(shared_from_this(), std::move(op), in.Keep(), torch_mode));
 }
@@ -742,6 +743,9 @@ PYBIND11_MODULE(_C, m) {
       "version", [] { return std::string(epd_version_string()); }, "epd's version string.");
   m.def("abi_version", &epd_abi_version, "The library's C ABI version.");
   m.def("status_name", [](int code) { return std::string(epd_status_name(code)); });
+  m.def(
+      "reason_name", [](int32_t reason) { return std::string(epd_reason_name(reason)); },
+      "The error catalog's name of a reason number (docs/ERRORS.md).");
 
   BindDlpack(m);
   g_results.layout =

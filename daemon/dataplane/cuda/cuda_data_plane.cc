@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "common/cuda/cuda_check.h"
 #include "common/cuda/device_alloc.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/dataplane/cuda/cuda_group.h"
@@ -76,8 +77,9 @@ absl::Status CudaDataPlaneImpl::Init() {
   (void)kCudaEnvironmentSet;
   EPD_ASSIGN_OR_RETURN(GpuInventory inventory, GpuInventory::Discover(options_.gpu_uuids));
   if (inventory.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the CUDA data plane needs a GPU: ", inventory.reason()));
+    return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                  "the CUDA data plane needs a GPU: ", inventory.reason())),
+                              errors::Reason::kCudaNoDevice);
   }
   auto log = EngineLog();
   kernel_ready_wait_ = options_.kernel_ready_wait.value_or(inventory.mps().active);
@@ -142,10 +144,13 @@ absl::StatusOr<int> CudaDataPlaneImpl::DeviceOf(const std::string& gpu_uuid) con
     if (uuid == gpu_uuid) return device;
   }
   if (auto it = unsupported_.find(gpu_uuid); it != unsupported_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat("gpu_uuid: ", it->second));
+    return errors::WithReason(absl::FailedPreconditionError(absl::StrCat("gpu_uuid: ", it->second)),
+                              errors::Reason::kGpuArchUnsupported);
   }
-  return absl::NotFoundError(
-      absl::StrCat("gpu_uuid: \"", gpu_uuid, "\" is not a GPU of this CUDA data plane"));
+  return errors::WithReason(
+      absl::NotFoundError(
+          absl::StrCat("gpu_uuid: \"", gpu_uuid, "\" is not a GPU of this CUDA data plane")),
+      errors::Reason::kGpuNotFound);
 }
 
 absl::StatusOr<uint64_t> CudaDataPlaneImpl::FreeBytes(const std::string& gpu_uuid) const {
@@ -158,7 +163,10 @@ absl::StatusOr<uint64_t> CudaDataPlaneImpl::FreeBytes(const std::string& gpu_uui
 
 absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CudaDataPlaneImpl::CreateGroup(
     const v1::GroupSpec& spec, const GroupCreateOptions& options) {
-  if (shut_down_.load()) return absl::UnavailableError("epd is shutting down");
+  if (shut_down_.load()) {
+    return errors::WithReason(absl::UnavailableError("epd is shutting down"),
+                              errors::Reason::kDaemonDraining);
+  }
   // The registry checked already (Join); a group past a kernel limit must never exist.
   EPD_RETURN_IF_ERROR(ValidateGroupSpecForBackend(spec, backend_name()));
   const bool spans = spec.nodes_size() >= 2;

@@ -12,6 +12,7 @@
 #include "common/cuda/cuda_check.h"
 #include "common/cuda/device_alloc.h"
 #include "common/cuda/stream_memops.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "daemon/dataplane/exchange/span_commands.h"
 #include "epd/kernels/cuda_normal.h"
@@ -171,10 +172,12 @@ absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankRes
   auto r = std::static_pointer_cast<CudaRank>(res);
   for (int d : devices_) {
     if (!plane_->PeerAccess(r->device, d) || !plane_->PeerAccess(d, r->device)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("rank ", rank, " on GPU ", plane_->UuidOf(r->device), " cannot reach GPU ",
-                       plane_->UuidOf(d), " of another rank of group ", spec().name(),
-                       " (no peer access between them)"));
+      return errors::WithReason(
+          absl::FailedPreconditionError(
+              absl::StrCat("rank ", rank, " on GPU ", plane_->UuidOf(r->device),
+                           " cannot reach GPU ", plane_->UuidOf(d), " of another rank of group ",
+                           spec().name(), " (no peer access between them)")),
+          errors::Reason::kCudaIpcFailed);
     }
   }
   std::vector<uint8_t*> bases = host_bases_;
@@ -459,8 +462,11 @@ absl::Status CudaGroup::CheckRequest(int32_t rank, const abi::RequestSlot& slot)
   if (rules::DecodeFlags(slot.flags).stream_ordered) {
     absl::Status mem = StreamMemOpsAvailable();
     if (!mem.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          OpName(slot.op), ": kFlagStreamOrdered cannot be served by this epd: ", mem.message()));
+      return errors::WithReason(
+          absl::FailedPreconditionError(
+              absl::StrCat(OpName(slot.op),
+                           ": kFlagStreamOrdered cannot be served by this epd: ", mem.message())),
+          errors::Reason::kUnsupported);
     }
   }
   return absl::OkStatus();
@@ -555,10 +561,12 @@ bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
     // The kernels bound their own waits by op_timeout; past that and a grace period the
     // op is given up on. Its resources stay held until the GPU is done with them, and the
     // group's next op waits for that (ReadyToStart, which recycles it into spare_).
-    absl::Status st = absl::DeadlineExceededError(
-        absl::StrCat(OpName(static_cast<uint32_t>(op.op)), " of group ", spec().name(),
-                     ": the GPU did not finish the op within op_timeout ", options().op_timeout_ms,
-                     " ms + 5 s; check the GPU (nvidia-smi) and the daemon log"));
+    absl::Status st = errors::WithReason(
+        absl::DeadlineExceededError(absl::StrCat(
+            OpName(static_cast<uint32_t>(op.op)), " of group ", spec().name(),
+            ": the GPU did not finish the op within op_timeout ", options().op_timeout_ms,
+            " ms + 5 s; check the GPU (nvidia-smi) and the daemon log")),
+        errors::Reason::kGpuTimeout);
     LogClientCaused(spdlog::level::err, "{}", st.message());
     for (RankOutcome& o : outcomes) o.status = st;
     ReleaseReadyWaits(op);
@@ -623,8 +631,10 @@ absl::Status CudaGroup::CheckProgram(int32_t rank) const {
   }
   absl::Status mem = StreamMemOpsAvailable();
   if (!mem.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("graph-mode programs need stream memory operations: ", mem.message()));
+    return errors::WithReason(
+        absl::FailedPreconditionError(
+            absl::StrCat("graph-mode programs need stream memory operations: ", mem.message())),
+        errors::Reason::kUnsupported);
   }
   return absl::OkStatus();
 }

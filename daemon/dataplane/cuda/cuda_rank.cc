@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_check.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "daemon/dataplane/cuda/cuda_data_plane.h"
 
@@ -113,7 +114,9 @@ absl::StatusOr<void*> FindInProcessCudaArea(const std::string& cuda_ipc_handle) 
   std::lock_guard<std::mutex> lock(RegistryMutex());
   auto it = Registry().find(cuda_ipc_handle);
   if (it == Registry().end()) {
-    return absl::NotFoundError("no endpoint of this process exported that CUDA IPC handle");
+    return errors::WithReason(
+        absl::NotFoundError("no endpoint of this process exported that CUDA IPC handle"),
+        errors::Reason::kCudaIpcFailed);
   }
   return it->second;
 }

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_check.h"
 #include "common/cuda/stream_memops.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "daemon/dataplane/cuda/cuda_group.h"
 #include "daemon/dataplane/exchange/mirror_spans.h"
@@ -224,11 +225,13 @@ bool CudaGroup::PollSpanning(std::span<RankOutcome> outcomes) {
     }
     if (failed.ok() && !all) {
       if (waited < bound) return false;
-      failed = absl::DeadlineExceededError(absl::StrCat(
-          OpName(static_cast<uint32_t>(op.op)), " (op ", op.seq, ") of group ", spec().name(),
-          ": the inputs of its local ranks were not copied to the host within op_timeout ",
-          options().op_timeout_ms,
-          " ms + 5 s (a stream-ordered client that never wrote ready_seq, or a stuck GPU)"));
+      failed = errors::WithReason(
+          absl::DeadlineExceededError(absl::StrCat(
+              OpName(static_cast<uint32_t>(op.op)), " (op ", op.seq, ") of group ", spec().name(),
+              ": the inputs of its local ranks were not copied to the host within op_timeout ",
+              options().op_timeout_ms,
+              " ms + 5 s (a stream-ordered client that never wrote ready_seq, or a stuck GPU)")),
+          errors::Reason::kGpuTimeout);
       LogClientCaused(spdlog::level::err, "{}", failed.message());
     }
     if (!failed.ok()) {
@@ -265,10 +268,13 @@ bool CudaGroup::PollSpanning(std::span<RankOutcome> outcomes) {
     const cudaError_t err = cudaEventQuery(cr.done.get());
     if (err == cudaErrorNotReady) {
       if (waited < 2 * bound) return false;
-      absl::Status st = absl::DeadlineExceededError(absl::StrCat(
-          OpName(static_cast<uint32_t>(op.op)), " of group ", spec().name(),
-          ": the GPU did not take the op's outputs back within 2 * (op_timeout ",
-          options().op_timeout_ms, " ms + 5 s); check the GPU (nvidia-smi) and the daemon log"));
+      absl::Status st = errors::WithReason(
+          absl::DeadlineExceededError(
+              absl::StrCat(OpName(static_cast<uint32_t>(op.op)), " of group ", spec().name(),
+                           ": the GPU did not take the op's outputs back within 2 * (op_timeout ",
+                           options().op_timeout_ms,
+                           " ms + 5 s); check the GPU (nvidia-smi) and the daemon log")),
+          errors::Reason::kGpuTimeout);
       LogClientCaused(spdlog::level::err, "{}", st.message());
       for (int32_t q = first; q < last; ++q) outcomes[q].status = st;
       ReleaseReadyWaits(op);

@@ -10,6 +10,7 @@
 #include "common/cuda/cuda_check.h"
 #include "common/cuda/device_alloc.h"
 #include "common/cuda/stream_memops.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "daemon/dataplane/cuda/cuda_plane.h"
 #include "epd/kernels/cuda_program.h"
@@ -302,9 +303,10 @@ absl::Status GraphProgram::Poll() {
       if (!st.ok()) {
         disarm =
             !in.launch[r].ok() || event_failed || st.code() == absl::StatusCode::kDeadlineExceeded;
-        bad = absl::Status(st.code(),
-                           absl::StrCat("program instance ", in.k, " step ", in.step, " (",
-                                        ProgramStepName(step), "): rank ", r, ": ", st.message()));
+        bad = errors::CopyReason(
+            st, absl::Status(st.code(), absl::StrCat("program instance ", in.k, " step ", in.step,
+                                                     " (", ProgramStepName(step), "): rank ", r,
+                                                     ": ", st.message())));
       }
     }
     const uint64_t k = in.k;
@@ -318,9 +320,10 @@ absl::Status GraphProgram::Poll() {
     PublishChecked(k);
     if (disarm) {
       // The ranks' kernel counters may be out of step: later instances could not pair up.
-      return absl::Status(bad.code(), absl::StrCat(bad.message(),
-                                                   "; the program was disarmed: "
-                                                   "register it again"));
+      return errors::CopyReason(bad,
+                                absl::Status(bad.code(), absl::StrCat(bad.message(),
+                                                                      "; the program was disarmed: "
+                                                                      "register it again")));
     }
   }
   while (inflight_ < kProgramDepth) EnqueueInstance();

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "epd/kernels/op_rules.h"
 
@@ -67,11 +68,13 @@ absl::StatusOr<SpanTransport> TransportForSpan(const v1::GroupSpec& spec,
                                                const transport::TransportSet* transports) {
   if (spec.nodes_size() < 2) return SpanTransport{};
   if (peer_mesh == nullptr || transports == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group \"", spec.name(), "\" spans ", spec.nodes_size(),
-        " nodes, but this daemon has no Peer listener (peer_listen is unset in its config), so "
-        "it cannot reach the other nodes; set peer_listen (and peer_secret_file) on every "
-        "daemon"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "group \"", spec.name(), "\" spans ", spec.nodes_size(),
+            " nodes, but this daemon has no Peer listener (peer_listen is unset in its config), so "
+            "it cannot reach the other nodes; set peer_listen (and peer_secret_file) on every "
+            "daemon")),
+        errors::Reason::kNodesInvalid);
   }
   SpanTransport t;
   EPD_ASSIGN_OR_RETURN(t.transport, transports->Find(spec.transport(), spec.name()));
@@ -330,6 +333,7 @@ abi::ExchangeHeader& NodeExchange::StageHeader(int32_t n, uint64_t seq, uint32_t
   h.num_ranks = span_.count[span_.self];
   h.handle_seq = handle_age;
   h.status_code = static_cast<int32_t>(status.code());
+  h.reason = status.ok() ? 0 : static_cast<uint32_t>(errors::ReasonOf(status));
   const size_t len = std::min<size_t>(status.message().size(), abi::kExchangeMessageBytes);
   if (len > 0) std::memcpy(h.message, status.message().data(), len);
   h.message_bytes = static_cast<uint32_t>(len);
@@ -445,11 +449,13 @@ absl::Status NodeExchange::CheckHeader(int32_t n, uint64_t seq) {
   if (h.magic != abi::kExchangeMagic || h.version != abi::kExchangeAbiVersion ||
       h.seq != LinkSeq(n, seq) || h.source_node != n || h.first_rank != span_.first[n] ||
       h.num_ranks != span_.count[n] || h.message_bytes > abi::kExchangeMessageBytes) {
-    return absl::DataLossError(
-        absl::StrCat("op ", seq, " of group ", spec().name(), ": node ", n, " (",
-                     spec().nodes(n).peer_address(), ") sent a malformed exchange header (magic 0x",
-                     absl::Hex(h.magic), ", version ", h.version, ", seq ", h.seq, ", node ",
-                     h.source_node, ", ranks ", h.first_rank, "+", h.num_ranks, ")"));
+    return errors::WithReason(
+        absl::DataLossError(absl::StrCat(
+            "op ", seq, " of group ", spec().name(), ": node ", n, " (",
+            spec().nodes(n).peer_address(), ") sent a malformed exchange header (magic 0x",
+            absl::Hex(h.magic), ", version ", h.version, ", seq ", h.seq, ", node ", h.source_node,
+            ", ranks ", h.first_rank, "+", h.num_ranks, ")")),
+        errors::Reason::kPeerProtocol);
   }
   if (h.status_code != 0) {
     const int code = h.status_code > 0 && h.status_code <= 16 ? h.status_code : 2;
@@ -464,7 +470,8 @@ absl::Status NodeExchange::CheckHeader(int32_t n, uint64_t seq) {
         absl::StrAppend(&text, "\\x", absl::Hex(u, absl::kZeroPad2));
       }
     }
-    return absl::Status(static_cast<absl::StatusCode>(code), text);
+    return errors::WithReason(absl::Status(static_cast<absl::StatusCode>(code), text),
+                              static_cast<errors::Reason>(h.reason));  // 0: none.
   }
   return absl::OkStatus();
 }
@@ -571,10 +578,12 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
   if (plan.op == abi::OpKind::kLowLatencyCombine) {
     for (int32_t n = 0; n < span_.num_nodes && local.ok(); ++n) {
       if (n != span_.self && slots[first].handle_seq < span_.link_base[n]) {
-        local = absl::InvalidArgumentError(absl::StrCat(
-            "LowLatencyCombine (op ", plan.seq, " of group ", spec().name(), "): its dispatch (op ",
-            slots[first].handle_seq, ") ran before node ", n, " (", spec().nodes(n).peer_address(),
-            ") rejoined the group; dispatch again"));
+        local = errors::WithReason(
+            absl::InvalidArgumentError(absl::StrCat(
+                "LowLatencyCombine (op ", plan.seq, " of group ", spec().name(),
+                "): its dispatch (op ", slots[first].handle_seq, ") ran before node ", n, " (",
+                spec().nodes(n).peer_address(), ") rejoined the group; dispatch again")),
+            errors::Reason::kHandleInvalid);
       }
     }
   }
@@ -622,6 +631,7 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
     pieces.clear();
     if (header_only) {
       h.status_code = static_cast<int32_t>(local.code());
+      h.reason = static_cast<uint32_t>(errors::ReasonOf(local));
       const size_t len = std::min<size_t>(local.message().size(), abi::kExchangeMessageBytes);
       if (len > 0) std::memcpy(h.message, local.message().data(), len);
       h.message_bytes = static_cast<uint32_t>(len);
@@ -815,13 +825,16 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
                         span_.first[n] + span_.count[n] - 1, ")");
       }
       const std::string missing = span_.peers->DescribeMissing();
-      return fail(absl::DeadlineExceededError(absl::StrCat(
-          "op ", plan.seq, " of group ", spec().name(), ": ",
-          who.empty() ? std::string("the writes to the peers did not complete")
-                      : absl::StrCat(who, " sent nothing"),
-          " within op_timeout ", options_.op_timeout_ms, " ms",
-          alive ? absl::StrCat(" (+ ", grace.count(), " ms grace for a live peer)") : std::string(),
-          missing.empty() ? "" : "; ", missing)));
+      return fail(errors::WithReason(
+          absl::DeadlineExceededError(
+              absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ",
+                           who.empty() ? std::string("the writes to the peers did not complete")
+                                       : absl::StrCat(who, " sent nothing"),
+                           " within op_timeout ", options_.op_timeout_ms, " ms",
+                           alive ? absl::StrCat(" (+ ", grace.count(), " ms grace for a live peer)")
+                                 : std::string(),
+                           missing.empty() ? "" : "; ", missing)),
+          errors::Reason::kOpTimeout));
     }
     return false;
   }
@@ -874,10 +887,13 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
         return absl::StrCat(OpName(x.op), " (flags 0x", absl::Hex(x.flags), ", expert_alignment ",
                             x.expert_alignment, ", dispatch ", x.handle_seq, " ops before)");
       };
-      return absl::InvalidArgumentError(absl::StrCat(
-          "op ", plan.seq, " of group ", spec().name(), ": nodes disagree: node 0 (ranks 0-",
-          span_.count[0] - 1, ") submitted ", describe(h0), ", node ", n, " (ranks ",
-          span_.first[n], "-", span_.first[n] + span_.count[n] - 1, ") submitted ", describe(h)));
+      return errors::WithReason(
+          absl::InvalidArgumentError(
+              absl::StrCat("op ", plan.seq, " of group ", spec().name(),
+                           ": nodes disagree: node 0 (ranks 0-", span_.count[0] - 1, ") submitted ",
+                           describe(h0), ", node ", n, " (ranks ", span_.first[n], "-",
+                           span_.first[n] + span_.count[n] - 1, ") submitted ", describe(h))),
+          errors::Reason::kOpInputInvalid);
     }
   }
   // Node n's rows per block (each read once, into a local, and checked there).
@@ -885,9 +901,10 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
     return reinterpret_cast<const int32_t*>(RecvSlot(n, plan.seq) + span_.in_layout[n].rows);
   };
   auto malformed = [&](int32_t n, const std::string& what) {
-    return absl::DataLossError(absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": node ",
-                                            n, " (", spec().nodes(n).peer_address(), ") sent ",
-                                            what));
+    return errors::WithReason(
+        absl::DataLossError(absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": node ", n,
+                                         " (", spec().nodes(n).peer_address(), ") sent ", what)),
+        errors::Reason::kPeerProtocol);
   };
   switch (plan.op) {
     case abi::OpKind::kGetDispatchLayout: {
@@ -1049,10 +1066,12 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
       const std::vector<int32_t>& dc = span_.dispatch_counts;
       const abi::ExchangeCombineLayout& cl = span_.combine_layout[span_.self];
       if (static_cast<uint64_t>(CombineOffsets(span_.self, dc, R)) > cl.rows) {
-        return absl::DataLossError(absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ",
-                                                span_.combine_off[R],
-                                                " combine rows come back here, more than ", cl.rows,
-                                                ": the dispatch's counts were wrong"));
+        return errors::WithReason(
+            absl::DataLossError(absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ",
+                                             span_.combine_off[R],
+                                             " combine rows come back here, more than ", cl.rows,
+                                             ": the dispatch's counts were wrong")),
+            errors::Reason::kPeerProtocol);
       }
       for (int32_t r = 0; r < R; ++r) {
         auto& a = combine_args_[r];
@@ -1094,10 +1113,12 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
       const std::vector<int32_t>& c = span_.ll_counts[plan.ll_handle_buffer];
       const abi::ExchangeCombineLayout& cl = span_.combine_layout[span_.self];
       if (static_cast<uint64_t>(CombineOffsets(span_.self, c, E)) > cl.ll_rows) {
-        return absl::DataLossError(
-            absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ", span_.combine_off[E],
-                         " low-latency combine rows come back here, more than ", cl.ll_rows,
-                         ": the dispatch's counts were wrong"));
+        return errors::WithReason(
+            absl::DataLossError(absl::StrCat("op ", plan.seq, " of group ", spec().name(), ": ",
+                                             span_.combine_off[E],
+                                             " low-latency combine rows come back here, more than ",
+                                             cl.ll_rows, ": the dispatch's counts were wrong")),
+            errors::Reason::kPeerProtocol);
       }
       for (int32_t r = 0; r < R; ++r) {
         auto& a = ll_combine_args_[r];
@@ -1134,8 +1155,10 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
       return kernels::host::LowLatencyCombine(gs, ll_combine_args_, exec);
     }
     default:
-      return absl::UnimplementedError(absl::StrCat(OpName(static_cast<uint32_t>(plan.op)),
-                                                   " is not run by a group that spans nodes"));
+      return errors::WithReason(
+          absl::UnimplementedError(absl::StrCat(OpName(static_cast<uint32_t>(plan.op)),
+                                                " is not run by a group that spans nodes")),
+          errors::Reason::kUnsupported);
   }
 }
 

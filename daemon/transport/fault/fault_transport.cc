@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "daemon/core/logging.h"
 #include "daemon/transport/tcp/tcp_transport.h"
@@ -250,7 +251,10 @@ class FaultGroupLink final : public GroupLink {
     if (!Valid(node)) return inner_->PostWrite(node, pieces, imm);
     Peer& p = peers_[static_cast<size_t>(node)];
     if (!p.failed.ok()) return p.failed;
-    if (p.partitioned_since) return absl::UnavailableError(PartitionMessage(node));
+    if (p.partitioned_since) {
+      return errors::WithReason(absl::UnavailableError(PartitionMessage(node)),
+                                errors::Reason::kTransportFailed);
+    }
     const PeerFaults f = plan_.For(node);
     if (f.reset_after_writes && p.posted >= static_cast<uint64_t>(*f.reset_after_writes)) {
       // The engine learns it from the answer: no wake from inside its own call.
@@ -352,11 +356,13 @@ class FaultGroupLink final : public GroupLink {
     p.delayed.clear();
     // The wrapped link's status names the peer's address too; the wrapper's own when that
     // link has no FailPeer.
-    inner_->FailPeer(node, absl::UnavailableError(why));
+    inner_->FailPeer(
+        node, errors::WithReason(absl::UnavailableError(why), errors::Reason::kTransportFailed));
     p.failed = inner_->PeerStatus(node);
     if (p.failed.ok()) {
-      p.failed =
-          absl::UnavailableError(absl::StrCat("group '", group_, "': node ", node, ": ", why));
+      p.failed = errors::WithReason(
+          absl::UnavailableError(absl::StrCat("group '", group_, "': node ", node, ": ", why)),
+          errors::Reason::kTransportFailed);
       GetLogger(kLogTransport)->warn("{}", p.failed.message());
     }
     return true;

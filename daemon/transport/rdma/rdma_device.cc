@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/errors/reason.h"
 
 namespace epd::transport::rdma {
 namespace {
@@ -89,11 +90,13 @@ absl::StatusOr<QueuePlan> PlanQueues(const RdmaTransportOptions& o, const Device
   // Each queue pair brings send_wr signalled completions at most and recv_wr receive ones.
   per_queue = std::min<uint64_t>(per_queue, plan.cq_depth / (2ull * qps));
   if (per_queue < 2) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("rdma: queues too small: max_send_wr ", o.max_send_wr, " (device max_qp_wr ",
-                     caps.max_qp_wr, "), cq_depth ", o.cq_depth, " (device max_cqe ", caps.max_cqe,
-                     ") for ", qps, " queue pairs per peer leave ", per_queue,
-                     " work requests per queue; raise cq_depth or lower qps_per_peer"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "rdma: queues too small: max_send_wr ", o.max_send_wr, " (device max_qp_wr ",
+            caps.max_qp_wr, "), cq_depth ", o.cq_depth, " (device max_cqe ", caps.max_cqe, ") for ",
+            qps, " queue pairs per peer leave ", per_queue,
+            " work requests per queue; raise cq_depth or lower qps_per_peer")),
+        errors::Reason::kRdmaUnavailable);
   }
   plan.send_wr = per_queue;
   plan.recv_wr = per_queue;
@@ -140,10 +143,12 @@ absl::StatusOr<std::unique_ptr<RdmaDevice>> OpenRdmaDevice(const std::string& na
   if (list == nullptr || num == 0) {
     const int err = errno;
     if (list != nullptr) ibv_free_device_list(list);
-    return absl::UnavailableError(absl::StrCat(
-        "rdma device '", name, "': no RDMA device: ibv_get_device_list returned 0 devices",
-        list == nullptr ? absl::StrCat(" (", Errno(err), ")") : std::string(),
-        "; use transport \"tcp\" on this machine"));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat(
+            "rdma device '", name, "': no RDMA device: ibv_get_device_list returned 0 devices",
+            list == nullptr ? absl::StrCat(" (", Errno(err), ")") : std::string(),
+            "; use transport \"tcp\" on this machine")),
+        errors::Reason::kRdmaUnavailable);
   }
   std::vector<std::string> found;
   ibv_device* match = nullptr;
@@ -158,12 +163,15 @@ absl::StatusOr<std::unique_ptr<RdmaDevice>> OpenRdmaDevice(const std::string& na
   const int open_err = errno;
   ibv_free_device_list(list);
   if (match == nullptr) {
-    return absl::UnavailableError(absl::StrCat(
-        "rdma device '", name, "' not found; devices here: ", absl::StrJoin(found, ", ")));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat(
+            "rdma device '", name, "' not found; devices here: ", absl::StrJoin(found, ", "))),
+        errors::Reason::kRdmaUnavailable);
   }
   if (dev->context_ == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("rdma device '", name, "': ibv_open_device: ", Errno(open_err)));
+    return errors::WithReason(absl::UnavailableError(absl::StrCat(
+                                  "rdma device '", name, "': ibv_open_device: ", Errno(open_err))),
+                              errors::Reason::kRdmaUnavailable);
   }
   ibv_device_attr attr{};
   if (const int rc = ibv_query_device(dev->context(), &attr); rc != 0) {
@@ -198,16 +206,20 @@ absl::StatusOr<PortInfo> QueryPort(const RdmaDevice& device, uint32_t port, int3
   ibv_port_attr attr{};
   if (port < 1 || port > 255 ||
       ibv_query_port(device.context(), static_cast<uint8_t>(port), &attr) != 0) {
-    return absl::UnavailableError(absl::StrCat(where, ": no such port"));
+    return errors::WithReason(absl::UnavailableError(absl::StrCat(where, ": no such port")),
+                              errors::Reason::kRdmaUnavailable);
   }
   if (attr.state != IBV_PORT_ACTIVE) {
-    return absl::UnavailableError(absl::StrCat(where, ": not active (state ",
-                                               ibv_port_state_str(attr.state),
-                                               "): check the cable, the switch and the link"));
+    return errors::WithReason(absl::UnavailableError(absl::StrCat(
+                                  where, ": not active (state ", ibv_port_state_str(attr.state),
+                                  "): check the cable, the switch and the link")),
+                              errors::Reason::kRdmaUnavailable);
   }
   if (gid_index < 0 || gid_index >= attr.gid_tbl_len) {
-    return absl::UnavailableError(absl::StrCat(where, ": gid_index ", gid_index,
-                                               " outside its GID table of ", attr.gid_tbl_len));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat(where, ": gid_index ", gid_index,
+                                            " outside its GID table of ", attr.gid_tbl_len)),
+        errors::Reason::kRdmaUnavailable);
   }
   PortInfo info;
   info.port = port;
@@ -218,18 +230,22 @@ absl::StatusOr<PortInfo> QueryPort(const RdmaDevice& device, uint32_t port, int3
   info.max_msg_sz = attr.max_msg_sz;
   ibv_gid gid{};
   if (ibv_query_gid(device.context(), static_cast<uint8_t>(port), gid_index, &gid) != 0) {
-    return absl::UnavailableError(
-        absl::StrCat(where, ": ibv_query_gid(", gid_index, "): ", Errno(errno)));
+    return errors::WithReason(absl::UnavailableError(absl::StrCat(where, ": ibv_query_gid(",
+                                                                  gid_index, "): ", Errno(errno))),
+                              errors::Reason::kRdmaUnavailable);
   }
   std::memcpy(info.gid.data(), gid.raw, info.gid.size());
   const bool zero = std::all_of(info.gid.begin(), info.gid.end(), [](uint8_t b) { return b == 0; });
   if (info.link_layer == IBV_LINK_LAYER_ETHERNET && zero) {
-    return absl::UnavailableError(absl::StrCat(
-        where, ": GID ", gid_index, " is empty (no address on the interface for that index?)"));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat(
+            where, ": GID ", gid_index, " is empty (no address on the interface for that index?)")),
+        errors::Reason::kRdmaUnavailable);
   }
   if (info.link_layer != IBV_LINK_LAYER_ETHERNET && info.lid == 0) {
-    return absl::UnavailableError(
-        absl::StrCat(where, ": InfiniBand port without a LID (no subnet manager?)"));
+    return errors::WithReason(absl::UnavailableError(absl::StrCat(
+                                  where, ": InfiniBand port without a LID (no subnet manager?)")),
+                              errors::Reason::kRdmaUnavailable);
   }
   absl::StatusOr<ibv_mtu> mtu = ChooseMtu(mtu_bytes, attr.active_mtu, where);
   if (!mtu.ok()) return mtu.status();

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/errors/reason.h"
 #include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
 #include "daemon/transport/link_common.h"
@@ -25,10 +26,11 @@ std::string Errno(int err) { return absl::StrCat(std::strerror(err), " (errno ",
 /// can fix.
 absl::Status RegistrationError(const std::string& what, const char* call, int err, uint64_t bytes) {
   if (err == ENOMEM || err == EPERM) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(what, ": ", call, " of ", bytes, " bytes: ", Errno(err),
-                     ": raise the locked-memory limit (ulimit -l unlimited, systemd "
-                     "LimitMEMLOCK=infinity, docker --ulimit memlock=-1)"));
+    return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                  what, ": ", call, " of ", bytes, " bytes: ", Errno(err),
+                                  ": raise the locked-memory limit (ulimit -l unlimited, systemd "
+                                  "LimitMEMLOCK=infinity, docker --ulimit memlock=-1)")),
+                              errors::Reason::kRdmaUnavailable);
   }
   return absl::InternalError(absl::StrCat(what, ": ", call, " of ", bytes, " bytes: ", Errno(err)));
 }
@@ -52,9 +54,11 @@ absl::StatusOr<const DmabufOps*> GetDmabufOps() {
           cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &q);
       if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || *fn == nullptr) {
         (void)cudaGetLastError();
-        return absl::FailedPreconditionError(
-            absl::StrCat("the CUDA driver has no entry point ", name, " (", cudaGetErrorString(e),
-                         "); GPU memory over RDMA needs a driver of CUDA 12 or later"));
+        return errors::WithReason(
+            absl::FailedPreconditionError(absl::StrCat(
+                "the CUDA driver has no entry point ", name, " (", cudaGetErrorString(e),
+                "); GPU memory over RDMA needs a driver of CUDA 12 or later")),
+            errors::Reason::kRdmaUnavailable);
       }
       return absl::OkStatus();
     };
@@ -99,8 +103,9 @@ absl::Status CudaDmabufUsable(std::span<const int> cuda_devices) {
   int count = 0;
   if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) {
     (void)cudaGetLastError();
-    return absl::FailedPreconditionError(
-        absl::StrCat("no CUDA device to register: ", cudaGetErrorString(e)));
+    return errors::WithReason(absl::FailedPreconditionError(absl::StrCat(
+                                  "no CUDA device to register: ", cudaGetErrorString(e))),
+                              errors::Reason::kRdmaUnavailable);
   }
   for (int d : ordinals) {
     int supported = 0;
@@ -108,21 +113,27 @@ absl::Status CudaDmabufUsable(std::span<const int> cuda_devices) {
     if (d >= count || (*ops)->device_get(&dev, d) != CUDA_SUCCESS ||
         (*ops)->device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, dev) !=
             CUDA_SUCCESS) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "CUDA device ", d, ": cannot query dmabuf support (", count, " devices here)"));
+      return errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat(
+              "CUDA device ", d, ": cannot query dmabuf support (", count, " devices here)")),
+          errors::Reason::kRdmaUnavailable);
     }
     if (supported == 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "CUDA device ", d,
-          " does not support dmabuf export (needs the open GPU kernel modules and a kernel "
-          "with dmabuf; set rdma gpudirect to off to stage through host memory)"));
+      return errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat(
+              "CUDA device ", d,
+              " does not support dmabuf export (needs the open GPU kernel modules and a kernel "
+              "with dmabuf; set rdma gpudirect to off to stage through host memory)")),
+          errors::Reason::kRdmaUnavailable);
     }
   }
   return absl::OkStatus();
 #else
   (void)cuda_devices;
-  return absl::FailedPreconditionError(
-      "epd was built without CUDA: GPU memory cannot be registered with the NIC");
+  return errors::WithReason(
+      absl::FailedPreconditionError(
+          "epd was built without CUDA: GPU memory cannot be registered with the NIC"),
+      errors::Reason::kRdmaUnavailable);
 #endif
 }
 
@@ -165,10 +176,12 @@ absl::StatusOr<DmabufRange> ExportCudaDmabuf(const MemoryRegion& region, const s
   if (r != CUDA_SUCCESS) {
     const char* msg = nullptr;
     (*ops)->get_error_string(r, &msg);
-    return absl::FailedPreconditionError(absl::StrCat(
-        what, ": cuMemGetHandleForAddressRange (dmabuf) of CUDA device ", region.cuda_device,
-        " memory failed: CUresult ", static_cast<int>(r), ": ", msg != nullptr ? msg : "?",
-        " (set rdma gpudirect to off to stage through host memory)"));
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            what, ": cuMemGetHandleForAddressRange (dmabuf) of CUDA device ", region.cuda_device,
+            " memory failed: CUresult ", static_cast<int>(r), ": ", msg != nullptr ? msg : "?",
+            " (set rdma gpudirect to off to stage through host memory)")),
+        errors::Reason::kRdmaUnavailable);
   }
   DmabufRange out;
   out.fd.Reset(fd);
@@ -176,8 +189,11 @@ absl::StatusOr<DmabufRange> ExportCudaDmabuf(const MemoryRegion& region, const s
   out.bytes = region.bytes;
   return out;
 #else
-  return absl::FailedPreconditionError(absl::StrCat(
-      what, ": CUDA device memory, but epd was built without CUDA (stage through host memory)"));
+  return errors::WithReason(
+      absl::FailedPreconditionError(absl::StrCat(
+          what,
+          ": CUDA device memory, but epd was built without CUDA (stage through host memory)")),
+      errors::Reason::kRdmaUnavailable);
 #endif
 }
 

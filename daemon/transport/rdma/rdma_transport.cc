@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/errors/reason.h"
 #include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
 #include "daemon/core/logging.h"
@@ -211,7 +212,8 @@ class RdmaGroupLink final : public GroupLink {
   /// with `status` (the first cause wins). Under RdmaCore::mu_.
   void Fail(RdmaPeer& p, absl::Status status, FailedBy by = FailedBy::kProgress);
   absl::Status PeerError(const RdmaPeer& p, absl::string_view why) const {
-    return absl::UnavailableError(absl::StrCat(PeerName(p), ": ", why));
+    return errors::WithReason(absl::UnavailableError(absl::StrCat(PeerName(p), ": ", why)),
+                              errors::Reason::kTransportFailed);
   }
   /// Brings queue pair `q` of `p` from RESET to RTS towards the peer's, posts its receives
   /// and, on the initiator, the probe (PeerLinkMachine). Under RdmaCore::mu_.
@@ -335,7 +337,9 @@ void RdmaCore::Unregister(RdmaGroupLink* link) {
   std::lock_guard<std::mutex> l(mu_);
   auto it = std::find(links_.begin(), links_.end(), link);
   if (it != links_.end()) links_.erase(it);
-  link->Detach(absl::UnavailableError("the link was closed"), /*wake=*/false);
+  link->Detach(errors::WithReason(absl::UnavailableError("the link was closed"),
+                                  errors::Reason::kTransportFailed),
+               /*wake=*/false);
 }
 
 void RdmaCore::DrainChannels() {
@@ -596,7 +600,10 @@ absl::Status RdmaGroupLink::Connect(int32_t node, std::string_view descriptor) {
   p.state.store(PeerState::kConnecting, std::memory_order_release);
   for (uint32_t q = 0; q < p.num_qps; ++q) {
     if (const absl::Status s = BringUp(p, q); !s.ok()) {
-      Fail(p, absl::UnavailableError(s.message()), FailedBy::kEngine);
+      Fail(
+          p,
+          errors::WithReason(absl::UnavailableError(s.message()), errors::Reason::kTransportFailed),
+          FailedBy::kEngine);
       break;
     }
   }
@@ -661,7 +668,9 @@ absl::Status RdmaGroupLink::PostWrite(int32_t node, std::span<const WritePiece> 
   const PeerState state = p.state.load(std::memory_order_acquire);
   if (state != PeerState::kReady) {
     if (state == PeerState::kFailed) return PeerStatus(node);
-    return absl::UnavailableError(absl::StrCat(PeerName(p), " is not connected yet"));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat(PeerName(p), " is not connected yet")),
+        errors::Reason::kTransportFailed);
   }
   if (const ptrdiff_t bad = FirstPieceOutside(pieces, p.remote.recv_bytes); bad >= 0) {
     return PieceOutsideError(pieces, bad, p.remote.recv_bytes, PeerName(p));
@@ -722,7 +731,10 @@ absl::Status RdmaGroupLink::PostWrite(int32_t node, std::span<const WritePiece> 
     if (!posted.ok()) {
       // Part of the write may be on the wire: the peer cannot be trusted to see it whole.
       std::lock_guard<std::mutex> l(core_->mu());
-      Fail(p, absl::UnavailableError(posted.message()), FailedBy::kEngine);
+      Fail(p,
+           errors::WithReason(absl::UnavailableError(posted.message()),
+                              errors::Reason::kTransportFailed),
+           FailedBy::kEngine);
       return PeerStatus(node);
     }
   }
@@ -832,7 +844,8 @@ void RdmaGroupLink::HandleCompletion(RdmaPeer& p, const ibv_wc& wc, Clock::time_
           // The peer's queue pair was not up (its daemon has not connected yet): reset this
           // one; Progress brings it up and probes again after kReprobeInterval.
           if (const absl::Status st = ResetQp(p, q); !st.ok()) {
-            Fail(p, absl::UnavailableError(st.message()));
+            Fail(p, errors::WithReason(absl::UnavailableError(st.message()),
+                                       errors::Reason::kTransportFailed));
             break;
           }
           s.reprobe = true;
@@ -871,16 +884,19 @@ void RdmaGroupLink::HandleCompletion(RdmaPeer& p, const ibv_wc& wc, Clock::time_
         s.probe_recvs.fetch_add(1, std::memory_order_release);
         if (p.machine.OnPeerProbe(q) == PeerLinkMachine::Action::kSendProbe) {
           if (const absl::Status st = PostProbe(p, q); !st.ok()) {
-            Fail(p, absl::UnavailableError(st.message()));
+            Fail(p, errors::WithReason(absl::UnavailableError(st.message()),
+                                       errors::Reason::kTransportFailed));
           }
         }
         return;
       }
       if (wc.opcode != IBV_WC_RECV_RDMA_WITH_IMM || (wc.wc_flags & IBV_WC_WITH_IMM) == 0) {
-        Fail(p, absl::DataLossError(absl::StrCat(PeerName(p), ": queue pair ", q,
-                                                 ": a receive that is not an RDMA write with "
-                                                 "immediate (opcode ",
-                                                 static_cast<int>(wc.opcode), ")")));
+        Fail(p, errors::WithReason(
+                    absl::DataLossError(absl::StrCat(PeerName(p), ": queue pair ", q,
+                                                     ": a receive that is not an RDMA write with "
+                                                     "immediate (opcode ",
+                                                     static_cast<int>(wc.opcode), ")")),
+                    errors::Reason::kPeerProtocol));
         return;
       }
       const uint32_t imm = ntohl(wc.imm_data);
@@ -888,9 +904,10 @@ void RdmaGroupLink::HandleCompletion(RdmaPeer& p, const ibv_wc& wc, Clock::time_
       if (s.got < p.got_max) {
         // Another queue pair delivered this write's immediate already: they must agree.
         if (slot != imm) {
-          Fail(p, absl::DataLossError(absl::StrCat(PeerName(p), ": write ", s.got,
-                                                   " carries immediate ", imm, " on queue pair ", q,
-                                                   " and ", slot, " on another")));
+          Fail(p, errors::WithReason(absl::DataLossError(absl::StrCat(
+                                         PeerName(p), ": write ", s.got, " carries immediate ", imm,
+                                         " on queue pair ", q, " and ", slot, " on another")),
+                                     errors::Reason::kPeerProtocol));
           return;
         }
       } else {
@@ -940,7 +957,8 @@ bool RdmaGroupLink::Progress(Clock::time_point now) {
         if (!s.reprobe || now < s.reprobe_at) continue;
         s.reprobe = false;
         if (const absl::Status st = BringUp(p, q); !st.ok()) {
-          Fail(p, absl::UnavailableError(st.message()));
+          Fail(p, errors::WithReason(absl::UnavailableError(st.message()),
+                                     errors::Reason::kTransportFailed));
           break;
         }
       }

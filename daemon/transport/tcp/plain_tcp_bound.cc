@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/errors/reason.h"
 #include "common/os/scoped_fd.h"
 #include "daemon/transport/tcp/tcp_transport.h"
 #include "proto/abi/tcp_wire.h"
@@ -24,8 +25,10 @@ namespace {
 constexpr size_t kCallBytes = 1 << 20;
 
 absl::Status SocketError(const char* call) {
-  return absl::UnavailableError(absl::StrCat("plain TCP measurement: ", call, ": ",
-                                             std::strerror(errno), " (errno ", errno, ")"));
+  return errors::WithReason(
+      absl::UnavailableError(absl::StrCat("plain TCP measurement: ", call, ": ",
+                                          std::strerror(errno), " (errno ", errno, ")")),
+      errors::Reason::kTransportFailed);
 }
 
 void Configure(int fd) {

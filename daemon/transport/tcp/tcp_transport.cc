@@ -35,6 +35,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/errors/reason.h"
 #include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
 #include "daemon/core/keyed_mac.h"
@@ -115,8 +116,9 @@ absl::Status Resolve(const std::string& host, uint16_t port, bool passive, socka
   const char* node = (passive && IsWildcard(host)) ? nullptr : host.c_str();
   const int rc = ::getaddrinfo(node, port_str.c_str(), &hints, &res);
   if (rc != 0 || res == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot resolve '", host, ":", port, "': ", ::gai_strerror(rc)));
+    return errors::WithReason(absl::UnavailableError(absl::StrCat("cannot resolve '", host, ":",
+                                                                  port, "': ", ::gai_strerror(rc))),
+                              errors::Reason::kTransportFailed);
   }
   std::memcpy(out, res->ai_addr, res->ai_addrlen);
   *out_len = res->ai_addrlen;
@@ -475,8 +477,10 @@ absl::Status TcpCore::Start() {
   ::setsockopt(listen_fd_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   if (::bind(listen_fd_.get(), reinterpret_cast<sockaddr*>(&sa), sa_len) != 0 ||
       ::listen(listen_fd_.get(), 512) != 0) {
-    return absl::UnavailableError(absl::StrCat("tcp listen address '", options_.listen_address,
-                                               "': cannot listen: ", Errno(errno)));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat("tcp listen address '", options_.listen_address,
+                                            "': cannot listen: ", Errno(errno))),
+        errors::Reason::kTransportFailed);
   }
   sockaddr_storage bound{};
   socklen_t bound_len = sizeof bound;
@@ -552,7 +556,9 @@ void TcpCore::Unregister(TcpGroupLink* link) {
   std::lock_guard<std::mutex> l(mu_);
   auto it = std::find(links_.begin(), links_.end(), link);
   if (it != links_.end()) links_.erase(it);
-  link->Detach(absl::UnavailableError("the link was closed"), /*wake=*/false);
+  link->Detach(errors::WithReason(absl::UnavailableError("the link was closed"),
+                                  errors::Reason::kTransportFailed),
+               /*wake=*/false);
 }
 
 TcpGroupLink* TcpCore::FindLink(uint32_t id) {
@@ -903,7 +909,9 @@ absl::Status TcpGroupLink::PostWrite(int32_t node, std::span<const WritePiece> p
   const PeerState state = p.state.load(std::memory_order_acquire);
   if (state != PeerState::kReady) {
     if (state == PeerState::kFailed) return PeerStatus(node);
-    return absl::UnavailableError(absl::StrCat(PeerName(p), " is not connected yet"));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat(PeerName(p), " is not connected yet")),
+        errors::Reason::kTransportFailed);
   }
   const uint64_t max_pieces = p.pieces.size();
   if (pieces.size() > max_pieces) {
@@ -979,7 +987,9 @@ void TcpGroupLink::Fail(Peer& p, absl::string_view why, FailedBy by) {
     for (ScopedFd& fd : p.parked) fd.Reset();
   }
   if (p.state.load() == PeerState::kFailed) return;
-  absl::Status status = absl::UnavailableError(absl::StrCat(PeerNameLocked(p), ": ", why));
+  absl::Status status =
+      errors::WithReason(absl::UnavailableError(absl::StrCat(PeerNameLocked(p), ": ", why)),
+                         errors::Reason::kTransportFailed);
   if (by != FailedBy::kClose) Log()->warn("{}", status.message());
   {
     std::lock_guard<std::mutex> l(status_mu_);
@@ -1084,7 +1094,9 @@ absl::Status TcpGroupLink::AttachInbound(ScopedFd& fd, const TcpHandshake& hs,
   ack.connection = hs.connection;
   if (::send(fd.get(), &ack, sizeof ack, MSG_NOSIGNAL | MSG_DONTWAIT) !=
       static_cast<ssize_t>(sizeof ack)) {
-    return absl::UnavailableError(absl::StrCat(who, "could not be acknowledged: ", Errno(errno)));
+    return errors::WithReason(
+        absl::UnavailableError(absl::StrCat(who, "could not be acknowledged: ", Errno(errno))),
+        errors::Reason::kTransportFailed);
   }
   core_->EpollMod(fd.get(), ConnKey(id_, hs.from_node, true, hs.connection));
   if (park) {
@@ -1324,19 +1336,25 @@ bool TcpGroupLink::ProgressSend(Peer& p, Conn& c) {
 absl::Status TcpGroupLink::ParseFrame(Conn& c) {
   const TcpFrameHeader& h = c.rhdr;
   if (h.magic != abi::kTcpFrameMagic || h.version != abi::kTcpWireVersion || h.reserved != 0) {
-    return absl::DataLossError(absl::StrFormat(
-        "connection %u: bad frame (magic 0x%08x, version %u)", c.index, h.magic, h.version));
+    return errors::WithReason(
+        absl::DataLossError(absl::StrFormat("connection %u: bad frame (magic 0x%08x, version %u)",
+                                            c.index, h.magic, h.version)),
+        errors::Reason::kPeerProtocol);
   }
   if (h.seq != c.dones) {
-    return absl::DataLossError(absl::StrCat("connection ", c.index, ": frame of write ", h.seq,
-                                            ", expected write ", c.dones));
+    return errors::WithReason(
+        absl::DataLossError(absl::StrCat("connection ", c.index, ": frame of write ", h.seq,
+                                         ", expected write ", c.dones)),
+        errors::Reason::kPeerProtocol);
   }
   if (h.kind == static_cast<uint16_t>(TcpFrameKind::kPiece)) {
     const uint64_t region = options_.recv_bytes;
     if (h.imm != 0 || h.bytes > region || h.offset > region - h.bytes) {
-      return absl::DataLossError(
-          absl::StrCat("connection ", c.index, ": piece at offset ", h.offset, " of ", h.bytes,
-                       " bytes is outside this node's receive region of ", region, " bytes"));
+      return errors::WithReason(
+          absl::DataLossError(
+              absl::StrCat("connection ", c.index, ": piece at offset ", h.offset, " of ", h.bytes,
+                           " bytes is outside this node's receive region of ", region, " bytes")),
+          errors::Reason::kPeerProtocol);
     }
     c.dst = static_cast<uint8_t*>(options_.recv_base) + h.offset;
     c.dst_left = h.bytes;
@@ -1347,7 +1365,9 @@ absl::Status TcpGroupLink::ParseFrame(Conn& c) {
     c.rstate = Conn::Recv::kDonePending;
     return absl::OkStatus();
   }
-  return absl::DataLossError(absl::StrCat("connection ", c.index, ": bad frame kind ", h.kind));
+  return errors::WithReason(
+      absl::DataLossError(absl::StrCat("connection ", c.index, ": bad frame kind ", h.kind)),
+      errors::Reason::kPeerProtocol);
 }
 
 bool TcpGroupLink::TryDone(Peer& p, Conn& c) {
