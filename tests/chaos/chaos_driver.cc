@@ -79,6 +79,8 @@ ABSL_FLAG(std::string, faults, "", "only these fault kinds, comma-separated (\"\
 ABSL_FLAG(int, op_timeout_ms, 2000, "the daemons' --op_timeout");
 ABSL_FLAG(int, rss_growth_mib, 64, "bound of a daemon's RSS growth over its baseline");
 ABSL_FLAG(bool, multinode, true, "run the faults across nodes (two daemons)");
+ABSL_FLAG(bool, self_check, false,
+          "instead: show that a client with wrong results is caught (exit 0 when it is)");
 
 namespace epd::chaos {
 namespace {
@@ -269,6 +271,9 @@ struct GroupConfig {
   int probe_rank = 0;
   std::string dir;
   int starts = 0;
+  /// For --self_check: this rank's client gets another input seed, so its reference of the
+  /// group's inputs is wrong and its results must be reported as mismatches (-1: none).
+  int miswired_rank = -1;
 };
 
 /// A group's client processes (mn_client), one per rank.
@@ -291,7 +296,7 @@ struct Group : GroupConfig {
         "--nodes=" + nodes_flag,
         absl::StrCat("--rank=", rank),
         "--scenario=" + scenario,
-        absl::StrCat("--seed=", seed),
+        absl::StrCat("--seed=", rank == miswired_rank ? seed + 1 : seed),
         "--tokens=" + absl::StrJoin(tokens, ","),
         "--skew=" + skew,
         absl::StrCat("--skew_target=", skew_target),
@@ -398,6 +403,33 @@ class Chaos {
   ~Chaos() {
     std::error_code ec;
     if (!keep_dir_) std::filesystem::remove_all(dir_, ec);
+  }
+
+  /// Shows that the invariants can fail: a clean group with one miswired client (its inputs
+  /// from another seed) must be caught as wrong results. 0 when it was.
+  int SelfCheck() {
+    if (absl::Status st = StartNode(); !st.ok()) {
+      std::printf("[chaos] self-check: epd did not start: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    Group g = MakeGroup("self-check", 2);
+    g.tokens = {4, 4};
+    g.miswired_rank = 1;
+    Cleanup cleanup{[&] { g.KillAll(); }};
+    if (absl::Status st = g.StartAll(); !st.ok()) {
+      std::printf("[chaos] self-check: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    absl::SleepFor(absl::Seconds(1));
+    std::optional<Failure> f = Finish(g, /*clean=*/true, false);
+    if (f && (absl::StartsWith(f->step, "results of") || absl::StartsWith(f->step, "exit of"))) {
+      std::printf("[chaos] self-check passed: a miswired client's results were caught (%s)\n",
+                  f->step.c_str());
+      return 0;
+    }
+    std::printf("[chaos] self-check FAILED: %s\n",
+                f ? (f->step + ": " + f->detail).c_str() : "wrong results went unnoticed");
+    return 1;
   }
 
   int Run(absl::Duration budget, int max_cycles) {
@@ -1034,6 +1066,7 @@ int Main() {
     return 2;
   }
   Chaos chaos(seed, faults);
+  if (absl::GetFlag(FLAGS_self_check)) return chaos.SelfCheck();
   return chaos.Run(absl::Seconds(seconds), absl::GetFlag(FLAGS_cycles));
 }
 
