@@ -546,6 +546,12 @@ class Chaos {
     }
     const int skew = Pick(0, 3);
     g.skew = skew == 1 ? "expert" : skew == 2 ? "rank" : "none";
+    if (Pick(0, 5) == 0) {
+      // Full: T = M everywhere, every token to one expert, whose receive buffers (R * M rows
+      // of the low-latency layout) are then filled exactly.
+      g.tokens.assign(num_ranks, multinode::kMaxTokens);
+      g.skew = "expert";
+    }
     g.skew_target = g.skew == "expert" ? Pick(0, num_ranks * multinode::kExpertsPerRank - 1)
                                        : Pick(0, num_ranks - 1);
     g.seed = rng_() % 100000 + 1;
@@ -732,7 +738,11 @@ class Chaos {
     for (int r = 0; r < v.num_ranks(); ++r) {
       if (r != victim) others.push_back(r);
     }
-    absl::StrAppend(what, " victim=", victim);
+    if (fault == Fault::kProbes) {
+      absl::StrAppend(what, " bad input from rank ", v.probe_rank);
+    } else if (fault != Fault::kClean && fault != Fault::kOps && fault != Fault::kRestart) {
+      absl::StrAppend(what, " victim=rank ", victim);
+    }
     std::set<const Subprocess*> exempt;
 
     if (fault == Fault::kOps || fault == Fault::kProbes) {
