@@ -24,7 +24,8 @@
 // across a restart): a fault in one group never reaches another. Invariants checked after
 // every cycle: no client saw a wrong OK result; no op took longer than op_timeout + 1 s
 // (op_timeout + 2 s across nodes, where a node waits a grace of min(1 s, op_timeout) for its
-// peer's error); every daemon answers grpc.health.v1 SERVING; every daemon's fds
+// peer's error); every daemon answers grpc.health.v1 SERVING and `epctl groups` lists no
+// group of the cycle; every daemon's fds
 // (/proc/PID/fd) and own threads (/proc/PID/task; gRPC's pools, which size themselves, only
 // under a bound) are back to their count after the first cycle that used it, /dev/shm holds
 // no new entry, and its RSS is within --rss_growth_mib of that baseline.
@@ -949,6 +950,26 @@ class Chaos {
     return f;
   }
 
+  /// `epctl groups` on `w` answers (exit 0) and lists no group, within 5 s.
+  std::optional<Failure> NoGroupsLeft(const Watched& w) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (true) {
+      auto out = testing::RunCommand(
+          {testing::EpctlBinary(), "--socket=" + w.daemon->socket_path(), "--json", "groups"},
+          absl::Seconds(10));
+      if (!out.ok() || out->exit_code != 0) {
+        return Failure{"epctl groups on " + w.label,
+                       out.ok() ? absl::StrCat("exit ", out->exit_code, ": ", out->stderr_text)
+                                : out.status().ToString()};
+      }
+      if (!absl::StrContains(out->stdout_text, "\"name\"")) return std::nullopt;
+      if (absl::Now() > deadline) {
+        return Failure{"groups left on " + w.label, out->stdout_text};
+      }
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+  }
+
   /// After every cycle: every watched daemon SERVING, and back to its baseline.
   std::optional<Failure> CheckInvariants() {
     for (Watched& w : watched_) {
@@ -987,6 +1008,8 @@ class Chaos {
                                     "; fds:", FdTargets(pid), "\nthreads:", ThreadNames(pid),
                                     "\nbaseline threads:", w.baseline_threads)};
       }
+      // Every group of the cycle is gone (epctl, as an operator sees it).
+      if (auto f = NoGroupsLeft(w)) return f;
       const int64_t growth_kib = now.rss_kib - w.baseline->rss_kib;
       if (growth_kib > int64_t(absl::GetFlag(FLAGS_rss_growth_mib)) * 1024) {
         return Failure{"RSS of " + w.label,
