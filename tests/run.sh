@@ -64,7 +64,7 @@ step "3/7 build everything (ninja -j$JOBS)"
 # Ninja prints [done/total] per edge; NINJA_STATUS adds the elapsed time.
 NINJA_STATUS="[%f/%t %es] " cmake --build "$BUILD_DIR" -j "$JOBS" || fail "build"
 
-step "4/7 ctest (unit, integration, fuzz, security, install, python)"
+step "4/7 ctest (unit, integration, multinode, chaos, fuzz, security, install, python)"
 ctest --test-dir "$BUILD_DIR" --print-labels | sed 's/^/  /'
 # --timeout is the default for tests that set none (integration and fuzz set their own).
 # ctest's own summary line ("100% tests passed, 0 tests failed out of N") of every run is
@@ -75,7 +75,7 @@ ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 -LE gpu \
   --parallel "${CTEST_PARALLEL_LEVEL:-1}" "$@" 2>&1 | tee "$ctest_log"
 rc=${PIPESTATUS[0]}
 set -e
-grep -E 'tests passed|tests failed out of' "$ctest_log" | sed 's/^/  step 4 (unit, integration, fuzz, security, install, python): /' >>"$SUMMARY" || true
+grep -E 'tests passed|tests failed out of' "$ctest_log" | sed 's/^/  step 4 (unit, integration, multinode, chaos, fuzz, security, install, python): /' >>"$SUMMARY" || true
 rm -f "$ctest_log"
 ((rc == 0)) || fail "ctest (see the output above)"
 
