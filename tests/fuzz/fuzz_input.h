@@ -20,8 +20,8 @@ namespace epd::fuzz {
 inline void Quiet() {
   spdlog::set_level(spdlog::level::off);
   (void)SetLogLevel("off");
-  google::protobuf::SetLogHandler([](google::protobuf::LogLevel, const char*, int,
-                                     const std::string&) {});
+  google::protobuf::SetLogHandler(
+      [](google::protobuf::LogLevel, const char*, int, const std::string&) {});
 }
 
 class FuzzInput {
