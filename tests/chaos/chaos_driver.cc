@@ -421,9 +421,21 @@ class Chaos {
       std::printf("[chaos] self-check: %s\n", st.ToString().c_str());
       return 1;
     }
-    absl::SleepFor(absl::Seconds(1));
+    // Bounded: until a round ran (rank 1's reference of rank 0's inputs is wrong, and rank
+    // 0's of rank 1's), then every process stops.
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    auto ran = [&] {
+      for (const auto& p : g.procs) {
+        const std::string out = p->Stdout();
+        if (absl::StrContains(out, "MISMATCH") || absl::StrContains(out, " OK\n")) return true;
+      }
+      return false;
+    };
+    while (!ran() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
     std::optional<Failure> f = Finish(g, /*clean=*/true, false);
-    if (f && (absl::StartsWith(f->step, "results of") || absl::StartsWith(f->step, "exit of"))) {
+    // The cycle failed (at its first finding, in rank order) and the outputs it reports show
+    // the wrong results.
+    if (f && absl::StrContains(f->detail, "MISMATCH")) {
       std::printf("[chaos] self-check passed: a miswired client's results were caught (%s)\n",
                   f->step.c_str());
       return 0;
