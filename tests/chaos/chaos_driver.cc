@@ -275,6 +275,8 @@ struct GroupConfig {
   /// For --self_check: this rank's client gets another input seed, so its reference of the
   /// group's inputs is wrong and its results must be reported as mismatches (-1: none).
   int miswired_rank = -1;
+  /// Clients print a SLOW line for each op slower than this (the op time bound).
+  int64_t report_slow_ms = 0;
 };
 
 /// A group's client processes (mn_client), one per rank.
@@ -305,6 +307,7 @@ struct Group : GroupConfig {
         "--max_seconds=120",
         "--wait_seconds=20",
         "--round_pause_ms=2",
+        absl::StrCat("--report_slow_ms=", report_slow_ms),
     };
     const std::string base = absl::StrCat(dir, "/", name, ".rank", rank, ".", ++starts);
     testing::SubprocessOptions options;
@@ -540,12 +543,13 @@ class Chaos {
 
   int Pick(int lo, int hi) { return lo + static_cast<int>(rng_() % uint64_t(hi - lo + 1)); }
 
-  /// A group of `num_ranks` on one node (the chaos daemon): random T (0 and M = 8 often),
-  /// skew and input seed.
+  /// A group of `num_ranks` on one node (the chaos daemon): random T (0 and M = 8 often,
+  /// sometimes M on every rank with every token to one expert), skew and input seed.
   Group MakeGroup(const std::string& name, int num_ranks) {
     Group g;
     g.name = name;
     g.dir = dir_;
+    g.report_slow_ms = absl::ToInt64Milliseconds(OpBound(false));
     g.sockets.assign(num_ranks, node_->socket_path());
     g.nodes_flag = absl::StrCat("local=", num_ranks);
     Randomize(g, num_ranks);
@@ -575,6 +579,7 @@ class Chaos {
     Group g;
     g.name = name;
     g.dir = dir_;
+    g.report_slow_ms = absl::ToInt64Milliseconds(OpBound(true));
     std::vector<GroupNode> nodes;
     for (size_t i = 0; i < per_node.size(); ++i) {
       nodes.push_back({cluster.daemons[i]->peer_address(), per_node[i]});

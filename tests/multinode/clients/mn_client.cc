@@ -21,7 +21,8 @@
 //                    every rank expects INVALID_ARGUMENT ("PROBE <name> OK" or "PROBE
 //                    <name> BAD <what>"), then one pass of every op must be exact.
 // Every scenario ends with "max_op_ms=<n>" on its DONE / STOPPED line: the longest any op
-// of this process took from submit to result (errors included).
+// of this process took from submit to result (errors included); --report_slow_ms prints a
+// "SLOW" line for each op slower than that.
 // Exit 2: connect or join failed (the line says why).
 // Against a CUDA daemon (tests/gpu/multinode_cuda_test.cc) the results live in device
 // memory: each op's views are copied to host memory (cudaMemcpy) before they are checked.
@@ -72,6 +73,7 @@ ABSL_FLAG(std::string, skew, "none",
           "experts of rank --skew_target only");
 ABSL_FLAG(int, skew_target, 0, "the expert or rank of --skew");
 ABSL_FLAG(int, probe_rank, 0, "probes: the rank that passes the bad input");
+ABSL_FLAG(int, report_slow_ms, 0, "print a SLOW line for each op slower than this (0: none)");
 ABSL_FLAG(uint64_t, seed, 1, "input seed (every rank of a group uses the same)");
 ABSL_FLAG(std::string, scenario, "ops", "ops or loop");
 ABSL_FLAG(std::string, transport, "", "spec.transport (\"\" = the daemons' default)");
@@ -442,7 +444,14 @@ class Rank {
   absl::StatusOr<Result> Finish(absl::StatusOr<epd::PendingOp<Result>> op) {
     if (!op.ok()) return op.status();
     absl::StatusOr<Result> result = op->Wait(absl::Seconds(absl::GetFlag(FLAGS_wait_seconds)));
-    max_ms_ = std::max(max_ms_, ElapsedMs());
+    const int64_t ms = ElapsedMs();
+    max_ms_ = std::max(max_ms_, ms);
+    if (const int slow = absl::GetFlag(FLAGS_report_slow_ms); slow > 0 && ms > slow) {
+      std::printf("SLOW op %d of this process took %lld ms (%s)\n", ops_,
+                  static_cast<long long>(ms),
+                  result.ok() ? "OK" : result.status().ToString().c_str());
+    }
+    ++ops_;
     if (result.ok()) EPD_RETURN_IF_ERROR(host_views_.ToHost(*result));
     return result;
   }
@@ -681,6 +690,7 @@ class Rank {
   std::chrono::steady_clock::time_point start_;
   bool op_mismatch_ = false;
   int64_t oks_ = 0, bad_ = 0, mismatches_ = 0, max_ms_ = 0;
+  int ops_ = 0;
   std::string last_error_;
   HostViews host_views_;
 };
