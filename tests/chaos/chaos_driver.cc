@@ -491,6 +491,11 @@ class Chaos {
             failure->detail.c_str(), static_cast<unsigned long long>(seed_), cycle + 1,
             dir_.c_str());
         keep_dir_ = true;
+        for (const Watched& w : watched_) {
+          std::string log = w.daemon->Logs();
+          if (log.size() > 12000) log = "..." + log.substr(log.size() - 12000);
+          std::printf("---- the end of %s's log:\n%s\n", w.label.c_str(), log.c_str());
+        }
         Summary(absl::Now() - start);
         return 1;
       }
