@@ -8,13 +8,15 @@
 # 2. configures build/ with CMake + Ninja (CUDA and RDMA on AUTO: the CUDA code is
 #    compiled whenever nvcc exists, at /usr/local/cuda on CI, even without a GPU);
 # 3. builds every target (tests included) with Ninja's [n/N] progress;
-# 4. runs every CTest test but the GPU ones (labels unit, integration, fuzz, security,
-#    install, python) with --output-on-failure; python (tests/python/run_pytest.sh) pip
+# 4. runs every CTest test but the GPU ones (labels unit, integration, multinode, fuzz,
+#    security, install, python, and chaos: tests/chaos, about 2 minutes of seeded faults
+#    whose seed it prints) with --output-on-failure; python (tests/python/run_pytest.sh) pip
 #    installs client/python into a venv under the build directory and runs the pytest
 #    suites against a real epd (EPD_SKIP_PYTHON_TESTS=1 skips it, reported as skipped);
 # 5. builds epd and its tests again under AddressSanitizer (build-asan) and
 #    UndefinedBehaviorSanitizer (build-ubsan) with clang, host backend only, and runs the
-#    security, unit and integration tests in each (tests/sanitize.sh); set
+#    security, unit and integration tests in each, and in build-asan every fuzz target
+#    against libFuzzer for 10 s (label libfuzzer; tests/sanitize.sh); set
 #    EPD_SKIP_SANITIZERS=1 to skip it (a quick local run);
 # 6. runs the GPU tests (tests/gpu, CTest label gpu, one process each): without an NVIDIA
 #    GPU (CI) each reports skipped with its reason; with one, an epd --backend=cuda runs on
@@ -62,7 +64,7 @@ step "3/7 build everything (ninja -j$JOBS)"
 # Ninja prints [done/total] per edge; NINJA_STATUS adds the elapsed time.
 NINJA_STATUS="[%f/%t %es] " cmake --build "$BUILD_DIR" -j "$JOBS" || fail "build"
 
-step "4/7 ctest (unit, integration, fuzz, security, install, python)"
+step "4/7 ctest (unit, integration, multinode, chaos, fuzz, security, install, python)"
 ctest --test-dir "$BUILD_DIR" --print-labels | sed 's/^/  /'
 # --timeout is the default for tests that set none (integration and fuzz set their own).
 # ctest's own summary line ("100% tests passed, 0 tests failed out of N") of every run is
@@ -73,7 +75,7 @@ ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 -LE gpu \
   --parallel "${CTEST_PARALLEL_LEVEL:-1}" "$@" 2>&1 | tee "$ctest_log"
 rc=${PIPESTATUS[0]}
 set -e
-grep -E 'tests passed|tests failed out of' "$ctest_log" | sed 's/^/  step 4 (unit, integration, fuzz, security, install, python): /' >>"$SUMMARY" || true
+grep -E 'tests passed|tests failed out of' "$ctest_log" | sed 's/^/  step 4 (unit, integration, multinode, chaos, fuzz, security, install, python): /' >>"$SUMMARY" || true
 rm -f "$ctest_log"
 ((rc == 0)) || fail "ctest (see the output above)"
 

@@ -10,7 +10,9 @@
 # (presets asan and ubsan configure the same directories). Only epd's own code is
 # instrumented: gRPC, protobuf and abseil are Debian's, which ASan and UBSan allow.
 # Both run the CTest labels security, unit and integration: real epd and client processes,
-# every one of them instrumented. A finding fails the test that made it: ASan and UBSan
+# every one of them instrumented. The ASan build also builds every fuzz target against
+# clang's libFuzzer (EPD_LIBFUZZER; epd's code gets libFuzzer's edge counters) and runs
+# each for 10 s from its seed corpus, tests/fuzz/corpus/<target>/ (label libfuzzer). A finding fails the test that made it: ASan and UBSan
 # abort the process at the first error (-fno-sanitize-recover=all for UBSan), and
 # LeakSanitizer makes a leaking process exit non-zero when it exits; every test checks
 # exit codes. No suppressions are needed: gRPC, protobuf and abseil keep what they hold
@@ -53,10 +55,13 @@ if [[ -x "$symbolizer" ]]; then export ASAN_SYMBOLIZER_PATH="$symbolizer"; fi
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:check_initialization_order=1:strict_init_order=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 
-labels='security|unit|integration'
 for kind in "${kinds[@]}"; do
+  labels='security|unit|integration'
+  libfuzzer=OFF
   case "$kind" in
-    address) dir=$ROOT/build-asan ;;
+    # The ASan build also builds every fuzz target against libFuzzer and runs each for
+    # EPD_LIBFUZZER_SECONDS (10) from its seed corpus (CTest label libfuzzer).
+    address) dir=$ROOT/build-asan; libfuzzer=ON; labels="$labels|libfuzzer" ;;
     undefined) dir=$ROOT/build-ubsan ;;
   esac
   begin=$(date +%s)
@@ -64,7 +69,8 @@ for kind in "${kinds[@]}"; do
   cmake -S "$ROOT" -B "$dir" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_C_COMPILER="$CC_BIN" -DCMAKE_CXX_COMPILER="$CXX_BIN" \
-    -DEPD_WITH_CUDA=OFF -DEPD_SANITIZE="$kind" -DEPD_BUILD_TESTS=ON >/dev/null
+    -DEPD_WITH_CUDA=OFF -DEPD_SANITIZE="$kind" -DEPD_LIBFUZZER="$libfuzzer" \
+    -DEPD_BUILD_TESTS=ON >/dev/null
   echo "==> [sanitize.sh] $kind: build (ninja -j$JOBS)"
   NINJA_STATUS="[%f/%t %es] " cmake --build "$dir" -j "$JOBS"
   built=$(date +%s)

@@ -22,6 +22,14 @@
 //                    <message>" (and MISMATCH lines), until EOF on stdin or --max_seconds;
 //                    with --exit_after_recovery it exits 0 once a failed round was followed
 //                    by 3 OK ones. Exit 1 when an OK result was wrong.
+//   --scenario=probes Bad input in step on every rank (tests/chaos): rank --probe_rank
+//                    passes an expert id >= E, then -2, T = M + 1 to Dispatch and
+//                    LowLatencyDispatch, an x of dtype float32 and one of hidden H + 1;
+//                    every rank expects INVALID_ARGUMENT ("PROBE <name> OK" or "PROBE
+//                    <name> BAD <what>"), then one pass of every op must be exact.
+// Every scenario ends with "max_op_ms=<n>" on its DONE / STOPPED line: the longest any op
+// of this process took from submit to result (errors included); --report_slow_ms prints a
+// "SLOW" line for each op slower than that.
 // Exit 2: connect or join failed (the line says why).
 // Against a CUDA daemon (tests/gpu/multinode_cuda_test.cc) the results live in device
 // memory: each op's views are copied to host memory (cudaMemcpy) before they are checked.
@@ -67,6 +75,12 @@ ABSL_FLAG(std::string, nodes, "", "the group's nodes: ADDRESS=RANKS,...");
 ABSL_FLAG(int, rank, 0, "this process's rank");
 ABSL_FLAG(std::string, tokens, "", "T of every rank, comma-separated (default: 5 each)");
 ABSL_FLAG(bool, to_first_node, false, "route every token to experts of node 0's ranks");
+ABSL_FLAG(std::string, skew, "none",
+          "none; expert: every token to expert --skew_target only; rank: every token to "
+          "experts of rank --skew_target only");
+ABSL_FLAG(int, skew_target, 0, "the expert or rank of --skew");
+ABSL_FLAG(int, probe_rank, 0, "probes: the rank that passes the bad input");
+ABSL_FLAG(int, report_slow_ms, 0, "print a SLOW line for each op slower than this (0: none)");
 ABSL_FLAG(uint64_t, seed, 1, "input seed (every rank of a group uses the same)");
 ABSL_FLAG(std::string, scenario, "ops", "ops or loop");
 ABSL_FLAG(std::string, transport, "", "spec.transport (\"\" = the daemons' default)");
@@ -123,9 +137,9 @@ struct RankInputs {
 };
 
 /// Rank `rank`'s inputs: values exact in bf16, distinct experts per row (some k masked
-/// with -1), drawn from [0, num_target_experts).
-void MakeInputs(const GroupShape& s, uint64_t seed, int rank, int32_t T, int num_target_experts,
-                RankInputs& in) {
+/// with -1), drawn from [first_target, first_target + num_target_experts).
+void MakeInputs(const GroupShape& s, uint64_t seed, int rank, int32_t T, int first_target,
+                int num_target_experts, RankInputs& in) {
   std::mt19937_64 rng(seed * 1000003ull + static_cast<uint64_t>(rank) * 104729ull);
   const int H = s.hidden, K = s.num_topk;
   auto value = [&] { return epd::kernels::FloatToBf16(float(int(rng() % 255) - 127) / 32.f); };
@@ -138,7 +152,7 @@ void MakeInputs(const GroupShape& s, uint64_t seed, int rank, int32_t T, int num
         int64_t e = -1;
         if ((k == 0 || rng() % 4 != 0) && k < num_target_experts) {
           do {
-            e = static_cast<int64_t>(rng() % num_target_experts);
+            e = first_target + static_cast<int64_t>(rng() % num_target_experts);
           } while (std::find(row, row + k, e) != row + k);
         }
         row[k] = e;
@@ -375,6 +389,61 @@ class Rank {
   /// Dispatch + Combine + LowLatencyDispatch + LowLatencyCombine (the loop's round).
   bool RunRound() { return NormalOps(/*all=*/false) && LowLatency(0); }
 
+  /// The probes of --scenario=probes (rank `culprit` passes the bad input), then one pass
+  /// of every op; false when a probe did not fail as documented or an op was not exact.
+  bool Probes(int culprit) {
+    const bool me = ep_.rank() == culprit;
+    const int H = s_.hidden, K = s_.num_topk;
+    const int32_t M = s_.max_tokens_per_rank, Mll = s_.ll_max_tokens_per_rank;
+    bool ok = true;
+    // Every rank's inputs: one token to expert 0, or the culprit's bad ones.
+    auto dispatch = [&](const char* name, int32_t rows, DLDataType dtype, int64_t hidden,
+                        int64_t bad_id) {
+      Buf<bf16_bits> x;
+      Buf<float> xf;
+      Buf<int64_t> idx;
+      idx.Make({rows, K}, kI64);
+      std::fill(idx.v.begin(), idx.v.end(), -1);
+      for (int32_t t = 0; t < rows; ++t) idx.data()[int64_t(t) * K] = 0;
+      if (bad_id != -1) idx.data()[K - 1] = bad_id;
+      const DLTensor* xt = nullptr;
+      if (dtype.code == kF32.code && dtype.bits == 32) {
+        xf.Make({rows, hidden}, kF32);
+        xt = &xf.dl;
+      } else {
+        x.Make({rows, hidden}, kBf16);
+        xt = &x.dl;
+      }
+      Begin();
+      epd::DispatchArgs args;
+      args.x = xt;
+      args.topk_idx = &idx.dl;
+      args.expert_alignment = kAlignment;
+      ok &= Expect(name, Finish(ep_.Dispatch(args)).status());
+    };
+    dispatch("expert_id_E", 1, kBf16, H, me ? s_.num_experts : -1);
+    dispatch("expert_id_-2", 1, kBf16, H, me ? -2 : -1);
+    dispatch("T_over_M", me ? M + 1 : 1, kBf16, H, -1);
+    dispatch("dtype_float32", 1, me ? kF32 : kBf16, H, -1);
+    dispatch("hidden_H+1", 1, kBf16, me ? H + 1 : H, -1);
+    {
+      const int32_t rows = me ? Mll + 1 : 1;
+      Buf<bf16_bits> x;
+      Buf<int64_t> idx;
+      x.Make({rows, H}, kBf16);
+      idx.Make({rows, K}, kI64);
+      std::fill(idx.v.begin(), idx.v.end(), -1);
+      Begin();
+      epd::LowLatencyDispatchArgs la;
+      la.x = &x.dl;
+      la.topk_idx = &idx.dl;
+      ok &= Expect("low_latency_T_over_Mll", Finish(ep_.LowLatencyDispatch(la)).status());
+    }
+    // The group is whole again: every op and option, exact.
+    return RunAll() && ok;
+  }
+
+  int64_t max_ms() const { return max_ms_; }
   int64_t oks() const { return oks_; }
   int64_t bad() const { return bad_; }
   int64_t mismatches() const { return mismatches_; }
@@ -385,23 +454,46 @@ class Rank {
   absl::StatusOr<Result> Finish(absl::StatusOr<epd::PendingOp<Result>> op) {
     if (!op.ok()) return op.status();
     absl::StatusOr<Result> result = op->Wait(absl::Seconds(absl::GetFlag(FLAGS_wait_seconds)));
+    const int64_t ms = ElapsedMs();
+    max_ms_ = std::max(max_ms_, ms);
+    if (const int slow = absl::GetFlag(FLAGS_report_slow_ms); slow > 0 && ms > slow) {
+      std::printf("SLOW op %d of this process took %lld ms (%s)\n", ops_,
+                  static_cast<long long>(ms),
+                  result.ok() ? "OK" : result.status().ToString().c_str());
+    }
+    ++ops_;
     if (result.ok()) EPD_RETURN_IF_ERROR(host_views_.ToHost(*result));
     return result;
   }
 
   /// Records an op's outcome: its error, or the mismatches Check found since Begin.
+  int64_t ElapsedMs() const {
+    return static_cast<int64_t>(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_)
+            .count());
+  }
+
+  /// A probe's outcome: INVALID_ARGUMENT is what the API documents for bad input.
+  bool Expect(const char* probe, const absl::Status& status) {
+    if (status.code() == absl::StatusCode::kInvalidArgument) {
+      std::printf("PROBE %s OK after %lld ms\n", probe, static_cast<long long>(ElapsedMs()));
+      return true;
+    }
+    ++bad_;
+    std::printf("PROBE %s BAD after %lld ms: want INVALID_ARGUMENT, got %s\n", probe,
+                static_cast<long long>(ElapsedMs()), status.ToString().c_str());
+    return false;
+  }
+
   template <typename Result>
   bool Done(const char* op, const absl::StatusOr<Result>& result) {
     if (!result.ok()) {
       ++bad_;
-      const double ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_)
-              .count();
       last_error_ =
           absl::StrCat("ERROR ", op, " ", absl::StatusCodeToString(result.status().code()),
-                       " after ", static_cast<int64_t>(ms), " ms: ", result.status().message());
+                       " after ", ElapsedMs(), " ms: ", result.status().message());
       // The loop prints it in its ROUND line.
-      if (absl::GetFlag(FLAGS_scenario) == "ops") std::printf("%s\n", last_error_.c_str());
+      if (absl::GetFlag(FLAGS_scenario) != "loop") std::printf("%s\n", last_error_.c_str());
       return false;
     }
     return true;
@@ -417,7 +509,7 @@ class Rank {
       return false;
     }
     ++oks_;
-    if (absl::GetFlag(FLAGS_scenario) == "ops") std::printf("OK %s\n", op);
+    if (absl::GetFlag(FLAGS_scenario) != "loop") std::printf("OK %s\n", op);
     return true;
   }
 
@@ -607,7 +699,8 @@ class Rank {
   RankRef& ref_;
   std::chrono::steady_clock::time_point start_;
   bool op_mismatch_ = false;
-  int64_t oks_ = 0, bad_ = 0, mismatches_ = 0;
+  int64_t oks_ = 0, bad_ = 0, mismatches_ = 0, max_ms_ = 0;
+  int ops_ = 0;
   std::string last_error_;
   HostViews host_views_;
 };
@@ -622,7 +715,7 @@ int Loop(Rank& rank) {
     if (rank.RunRound()) {
       std::printf("ROUND %lld OK\n", static_cast<long long>(i));
       if (failed && ++oks_after >= 3 && absl::GetFlag(FLAGS_exit_after_recovery)) {
-        std::printf("RECOVERED\n");
+        std::printf("RECOVERED max_op_ms=%lld\n", static_cast<long long>(rank.max_ms()));
         return rank.mismatches() > 0 ? 1 : 0;
       }
     } else {
@@ -635,7 +728,8 @@ int Loop(Rank& rank) {
     std::fflush(stdout);
     std::this_thread::sleep_for(std::chrono::milliseconds(absl::GetFlag(FLAGS_round_pause_ms)));
   }
-  std::printf("STOPPED mismatches=%lld\n", static_cast<long long>(rank.mismatches()));
+  std::printf("STOPPED mismatches=%lld max_op_ms=%lld\n", static_cast<long long>(rank.mismatches()),
+              static_cast<long long>(rank.max_ms()));
   return rank.mismatches() > 0 ? 1 : 0;
 }
 
@@ -868,12 +962,27 @@ int Main() {
       }
     }
   }
-  const int targets = absl::GetFlag(FLAGS_to_first_node) && !nodes->empty()
-                          ? (*nodes)[0].num_ranks * epd::multinode::kExpertsPerRank
-                          : shape.num_experts;
+  int first = 0;
+  int targets = absl::GetFlag(FLAGS_to_first_node) && !nodes->empty()
+                    ? (*nodes)[0].num_ranks * epd::multinode::kExpertsPerRank
+                    : shape.num_experts;
+  const std::string skew = absl::GetFlag(FLAGS_skew);
+  const int skew_target = absl::GetFlag(FLAGS_skew_target);
+  if (skew == "expert" || skew == "rank") {
+    targets = skew == "expert" ? 1 : epd::multinode::kExpertsPerRank;
+    first = skew_target * targets;
+    if (first < 0 || first + targets > shape.num_experts) {
+      std::printf("FLAGS --skew_target=%d is out of range for --skew=%s\n", skew_target,
+                  skew.c_str());
+      return 2;
+    }
+  } else if (skew != "none") {
+    std::printf("FLAGS --skew=%s is not none, expert or rank\n", skew.c_str());
+    return 2;
+  }
   std::vector<RankInputs> in(R);
   for (int r = 0; r < R; ++r) {
-    MakeInputs(shape, absl::GetFlag(FLAGS_seed), r, tokens[r], targets, in[r]);
+    MakeInputs(shape, absl::GetFlag(FLAGS_seed), r, tokens[r], first, targets, in[r]);
   }
   auto ref = Reference(shape, in);
   if (!ref.ok()) {
@@ -913,9 +1022,11 @@ int Main() {
     return 2;
 #endif
   }
-  const bool ok = runner.RunAll();
-  std::printf("DONE ok=%lld bad=%lld\n", static_cast<long long>(runner.oks()),
-              static_cast<long long>(runner.bad()));
+  const bool ok = absl::GetFlag(FLAGS_scenario) == "probes"
+                      ? runner.Probes(absl::GetFlag(FLAGS_probe_rank))
+                      : runner.RunAll();
+  std::printf("DONE ok=%lld bad=%lld max_op_ms=%lld\n", static_cast<long long>(runner.oks()),
+              static_cast<long long>(runner.bad()), static_cast<long long>(runner.max_ms()));
   return ok && runner.bad() == 0 ? 0 : 1;
 }
 

@@ -1,0 +1,1142 @@
+// epd_chaos: the chaos suite (CTest label chaos). A real `epd --backend=host`, many groups of
+// real client processes (tests/multinode/clients/mn_client.cc, one per rank, each checking
+// every OK result bit for bit against kernels/host over the whole group's inputs), and a
+// seeded schedule of faults, one per cycle:
+//
+//   clean      a loop of Dispatch/Combine/LowLatency rounds: ranks with zero tokens, T = M,
+//              extreme skew (every token to one expert, or to one rank's experts)
+//   ops        one pass of every op and option (FP8, round_scale, UE8M0, cached dispatch)
+//   probes     bad input on one rank: expert ids >= E and -2, T > M (capacity overflow),
+//              T > M_ll, x of dtype float32, x of hidden H + 1: INVALID_ARGUMENT on every
+//              rank, then every op exact again
+//   kill9      kill -9 of a client mid-loop: the others fail (bounded) and stay exact
+//   kill9_rejoin  kill -9, then a new process joins the dead rank: the group is in step
+//   leave_join a client leaves (exits cleanly) mid-loop and a new one joins its rank
+//   stop_cont  SIGSTOP a client past op_timeout, then SIGCONT: errors, then in step again
+//   restart    the daemon is killed (SIGKILL or SIGTERM) mid-loop and restarted; clients
+//              get errors, then the group re-forms (RejoinAfterRestart)
+//   peer_death (two daemons as nodes) node 1's daemon is killed mid-loop and restarted;
+//              node 0's ranks fail, then are in step with node 1's new ranks
+//   net_fault  (two daemons started with --testing_transport_faults) a partition, a link
+//              reset, dropped writes, or delayed writes (the last: every result exact)
+//
+// Every cycle runs a second, clean group beside the faulty one (a "bystander", except
+// across a restart): a fault in one group never reaches another. Invariants checked after
+// every cycle: no client saw a wrong OK result; no op took longer than op_timeout + 1 s
+// (op_timeout + 2 s across nodes, where a node waits a grace of min(1 s, op_timeout) for its
+// peer's error); every daemon answers grpc.health.v1 SERVING and `epctl groups` lists no
+// group of the cycle; every daemon's fds
+// (/proc/PID/fd) and own threads (/proc/PID/task; gRPC's pools, which size themselves, only
+// under a bound) are back to their count after the first cycle that used it, /dev/shm holds
+// no new entry, and its RSS is within --rss_growth_mib of that baseline.
+//
+//   epd_chaos [--seed=N] [--seconds=S] [--cycles=N] [--faults=kill9,restart,...]
+//
+// The seed (printed; default: from the clock, or EPD_CHAOS_SEED) fixes the schedule: the
+// same seed gives the same cycles. EPD_CHAOS_SECONDS overrides --seconds (an hour: 3600).
+// Exit 0 after the summary table; 1 with "FAILED seed=<n> cycle=<i> fault=<f> step=<s>"
+// and the outputs of the processes involved.
+#include <signal.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "tests/common/daemon_process.h"
+#include "tests/common/subprocess.h"
+#include "tests/multinode/data_cluster.h"
+
+ABSL_FLAG(uint64_t, seed, 0, "schedule seed (0: EPD_CHAOS_SEED, else from the clock)");
+ABSL_FLAG(int, seconds, 120, "run cycles until this many seconds passed (EPD_CHAOS_SECONDS)");
+ABSL_FLAG(int, cycles, 0, "stop after this many cycles (0: --seconds decides)");
+ABSL_FLAG(std::string, faults, "", "only these fault kinds, comma-separated (\"\": all)");
+ABSL_FLAG(int, op_timeout_ms, 2000, "the daemons' --op_timeout");
+ABSL_FLAG(int, rss_growth_mib, 64, "bound of a daemon's RSS growth over its baseline");
+ABSL_FLAG(bool, multinode, true, "run the faults across nodes (two daemons)");
+ABSL_FLAG(bool, self_check, false,
+          "instead: show that a client with wrong results is caught (exit 0 when it is)");
+
+namespace epd::chaos {
+namespace {
+
+using multinode::ErrorMillis;
+using testing::DaemonProcess;
+using testing::DaemonProcessOptions;
+using testing::Subprocess;
+
+#ifndef EPD_MN_CLIENT_BINARY
+#define EPD_MN_CLIENT_BINARY "epd_mn_client"
+#endif
+
+enum class Fault {
+  kClean,
+  kOps,
+  kProbes,
+  kKill9,
+  kKill9Rejoin,
+  kLeaveJoin,
+  kStopCont,
+  kRestart,
+  kPeerDeath,
+  kNetFault,
+};
+constexpr Fault kAllFaults[] = {
+    Fault::kClean,     Fault::kOps,      Fault::kProbes,  Fault::kKill9,     Fault::kKill9Rejoin,
+    Fault::kLeaveJoin, Fault::kStopCont, Fault::kRestart, Fault::kPeerDeath, Fault::kNetFault};
+
+const char* Name(Fault f) {
+  switch (f) {
+    case Fault::kClean:
+      return "clean";
+    case Fault::kOps:
+      return "ops";
+    case Fault::kProbes:
+      return "probes";
+    case Fault::kKill9:
+      return "kill9";
+    case Fault::kKill9Rejoin:
+      return "kill9_rejoin";
+    case Fault::kLeaveJoin:
+      return "leave_join";
+    case Fault::kStopCont:
+      return "stop_cont";
+    case Fault::kRestart:
+      return "restart";
+    case Fault::kPeerDeath:
+      return "peer_death";
+    case Fault::kNetFault:
+      return "net_fault";
+  }
+  return "?";
+}
+
+bool AcrossNodes(Fault f) { return f == Fault::kPeerDeath || f == Fault::kNetFault; }
+
+/// Extension point for rank masking (GroupSpec.on_rank_failure = MASK): the cycles that
+/// need a daemon serving it — a client killed or stopped under MASK with the survivors'
+/// ops still OK (tokens to the masked rank dropped, OpMask reported), a client masking and
+/// unmasking a rank itself, a new process rejoining into a masked slot and unmasked at the
+/// next op boundary — are added to Fault, to this list and to RunCycle's switch. Empty
+/// until the daemon serves masking: no cycle pretends to cover it.
+std::vector<Fault> MaskingFaults() { return {}; }
+
+/// A step of a cycle failed: the cycle stops and the run fails with it.
+struct Failure {
+  std::string step;
+  std::string detail;
+};
+
+// ---- a daemon's resources ------------------------------------------------------------
+
+/// A daemon's fds, its own threads, gRPC's threads and its RSS. gRPC's pools (the sync
+/// server's, the executor's, the event engine's) grow and shrink with load on their own:
+/// they are only held to a bound (kMaxGrpcThreads); every other thread is epd's.
+struct Resources {
+  int fds = 0, threads = 0, grpc_threads = 0;
+  int64_t rss_kib = 0;
+  std::string ToString() const {
+    return absl::StrCat("fds=", fds, " threads=", threads, "+", grpc_threads,
+                        "(grpc) rss=", rss_kib / 1024, "MiB");
+  }
+};
+constexpr int kMaxGrpcThreads = 64;
+
+/// Thread names (comm, 15 characters) of gRPC's own pools.
+bool IsGrpcThread(const std::string& comm) {
+  for (const char* prefix : {"default-executo", "event_engine", "grpc", "nexting_thread",
+                             "resolver-execut", "timer_manager"}) {
+    if (absl::StartsWith(comm, prefix)) return true;
+  }
+  return false;
+}
+
+/// Calls `fn` with each entry of directory `dir` (none when it cannot be read).
+void ForEachEntry(const std::string& dir,
+                  const std::function<void(const std::filesystem::path&)>& fn) {
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator(dir, ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    fn(it->path());
+  }
+}
+
+/// The first line of a file ("" when it cannot be read).
+std::string FirstLine(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+/// " <key> x<count>;" for each key `key_of` gives the entries of `dir`, for a leak's message.
+std::string Census(const std::string& dir,
+                   const std::function<std::string(const std::filesystem::path&)>& key_of) {
+  std::map<std::string, int> count;
+  ForEachEntry(dir, [&](const std::filesystem::path& p) { ++count[key_of(p)]; });
+  std::string out;
+  for (const auto& [key, n] : count) absl::StrAppend(&out, " ", key, " x", n, ";");
+  return out;
+}
+
+/// Targets of a process's fds ("socket", "/memfd:...").
+std::string FdTargets(pid_t pid) {
+  return Census(absl::StrCat("/proc/", pid, "/fd"), [](const std::filesystem::path& p) {
+    std::error_code ec;
+    std::string target = std::filesystem::read_symlink(p, ec).string();
+    if (absl::StartsWith(target, "socket:")) target = "socket";
+    if (absl::StartsWith(target, "anon_inode:")) target = target.substr(0, target.find(' '));
+    return target;
+  });
+}
+
+/// Names of a process's threads (/proc/PID/task/TID/comm).
+std::string ThreadNames(pid_t pid) {
+  return Census(absl::StrCat("/proc/", pid, "/task"),
+                [](const std::filesystem::path& p) { return FirstLine(p / "comm"); });
+}
+
+Resources Measure(pid_t pid) {
+  Resources r;
+  ForEachEntry(absl::StrCat("/proc/", pid, "/fd"), [&](const std::filesystem::path&) { ++r.fds; });
+  ForEachEntry(absl::StrCat("/proc/", pid, "/task"), [&](const std::filesystem::path& p) {
+    ++(IsGrpcThread(FirstLine(p / "comm")) ? r.grpc_threads : r.threads);
+  });
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (absl::StartsWith(line, "VmRSS:")) {
+      (void)absl::SimpleAtoi(absl::StripAsciiWhitespace(line.substr(6, line.size() - 9)),
+                             &r.rss_kib);
+    }
+  }
+  return r;
+}
+
+/// /dev/shm entries whose name mentions epd (epd's regions are memfds: there should be none).
+std::set<std::string> ShmEntries() {
+  std::set<std::string> out;
+  ForEachEntry("/dev/shm", [&](const std::filesystem::path& p) {
+    if (absl::StrContains(p.filename().string(), "epd")) out.insert(p.filename().string());
+  });
+  return out;
+}
+
+/// A daemon watched for leaks: its resources once the first cycle is over are the baseline.
+struct Watched {
+  DaemonProcess* daemon = nullptr;
+  std::string label;
+  std::optional<Resources> baseline;
+  bool used = false;  ///< A group ran on it since it started.
+  std::string baseline_threads;
+};
+
+// ---- client processes of one group ----------------------------------------------------
+
+/// What a group's client processes are started with.
+struct GroupConfig {
+  std::string name;
+  std::vector<std::string> sockets;  ///< Per rank: its node's daemon socket.
+  std::string nodes_flag;            ///< "ADDRESS=RANKS,..." (one node: "local=R").
+  std::vector<int> tokens;
+  std::string skew = "none";
+  int skew_target = 0;
+  uint64_t seed = 1;
+  std::string scenario = "loop";
+  int probe_rank = 0;
+  std::string dir;
+  int starts = 0;
+  /// For --self_check: this rank's client gets another input seed, so its reference of the
+  /// group's inputs is wrong and its results must be reported as mismatches (-1: none).
+  int miswired_rank = -1;
+  /// Clients print a SLOW line for each op slower than this (the op time bound).
+  int64_t report_slow_ms = 0;
+};
+
+/// A group's client processes (mn_client), one per rank.
+struct Group : GroupConfig {
+  std::vector<std::unique_ptr<Subprocess>> procs;  ///< Per rank, the current process.
+  std::vector<std::unique_ptr<Subprocess>> retired;
+
+  int num_ranks() const { return static_cast<int>(sockets.size()); }
+  std::string Describe() const {
+    return absl::StrCat(name, " R=", num_ranks(), " T=", absl::StrJoin(tokens, ","), " skew=", skew,
+                        skew == "none" ? "" : absl::StrCat(":", skew_target));
+  }
+
+  absl::Status Start(int rank) {
+    const char* env = std::getenv("EPD_MN_CLIENT_BINARY");
+    std::vector<std::string> argv = {
+        env != nullptr && *env != '\0' ? env : EPD_MN_CLIENT_BINARY,
+        "--socket=" + sockets[rank],
+        "--group=" + name,
+        "--nodes=" + nodes_flag,
+        absl::StrCat("--rank=", rank),
+        "--scenario=" + scenario,
+        absl::StrCat("--seed=", rank == miswired_rank ? seed + 1 : seed),
+        "--tokens=" + absl::StrJoin(tokens, ","),
+        "--skew=" + skew,
+        absl::StrCat("--skew_target=", skew_target),
+        absl::StrCat("--probe_rank=", probe_rank),
+        "--max_seconds=120",
+        "--wait_seconds=20",
+        "--round_pause_ms=2",
+        absl::StrCat("--report_slow_ms=", report_slow_ms),
+    };
+    const std::string base = absl::StrCat(dir, "/", name, ".rank", rank, ".", ++starts);
+    testing::SubprocessOptions options;
+    options.stdout_path = base + ".stdout";
+    options.stderr_path = base + ".stderr";
+    options.pipe_stdin = true;
+    auto proc = Subprocess::Spawn(argv, options);
+    if (!proc.ok()) return proc.status();
+    if (procs.size() < sockets.size()) procs.resize(sockets.size());
+    if (procs[rank] != nullptr) retired.push_back(std::move(procs[rank]));
+    procs[rank] = *std::move(proc);
+    return absl::OkStatus();
+  }
+  absl::Status StartAll() {
+    for (int r = 0; r < num_ranks(); ++r) {
+      if (absl::Status st = Start(r); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+  void CloseAll() {
+    for (auto& p : procs) {
+      if (p != nullptr) p->CloseStdin();
+    }
+  }
+  void KillAll() {
+    for (auto* list : {&procs, &retired}) {
+      for (auto& p : *list) {
+        if (p != nullptr && p->Running()) {
+          p->Signal(SIGCONT);
+          p->Signal(SIGKILL);
+          (void)p->Wait(absl::Seconds(5));
+        }
+      }
+    }
+  }
+  /// Every process's output (current and retired), for a failure's message.
+  std::string Outputs() const {
+    std::string out;
+    auto one = [&](const Subprocess& p, const std::string& what) {
+      std::string text = p.Stdout() + p.Stderr();
+      if (text.size() > 4000) text = "..." + text.substr(text.size() - 4000);
+      absl::StrAppend(&out, "---- ", name, " ", what, " (pid ", p.pid(), "):\n", text);
+    };
+    for (size_t r = 0; r < procs.size(); ++r) {
+      if (procs[r] != nullptr) one(*procs[r], absl::StrCat("rank ", r));
+    }
+    for (const auto& p : retired) one(*p, "earlier process");
+    return out;
+  }
+};
+
+/// The longest op any line of `output` reports ("after <ms> ms", "max_op_ms=<n>").
+int64_t LongestOp(const std::string& output) {
+  int64_t longest = 0;
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    longest = std::max(longest, ErrorMillis(std::string(line)));
+    const size_t at = line.find("max_op_ms=");
+    int64_t ms = 0;
+    if (at != absl::string_view::npos && absl::SimpleAtoi(line.substr(at + 10), &ms)) {
+      longest = std::max(longest, ms);
+    }
+  }
+  return longest;
+}
+
+/// Lines "ROUND <i> OK" after the last error line of `output` past `skip` bytes.
+int OkRoundsSinceLastError(const std::string& output, size_t skip) {
+  if (skip > output.size()) return 0;
+  int oks = 0;
+  for (absl::string_view line : absl::StrSplit(absl::string_view(output).substr(skip), '\n')) {
+    if (!absl::StartsWith(line, "ROUND ")) continue;
+    if (absl::StrContains(line, " ERROR ")) oks = 0;
+    if (absl::EndsWith(line, " OK")) ++oks;
+  }
+  return oks;
+}
+
+bool HasError(const std::string& output, size_t skip = 0) {
+  return !multinode::FirstErrorLine(output, skip).empty();
+}
+
+// ---- the run ---------------------------------------------------------------------------
+
+struct Stats {
+  int cycles = 0, passed = 0;
+  double seconds = 0;
+  int64_t longest_op_ms = 0;
+};
+
+class Chaos {
+ public:
+  Chaos(uint64_t seed, std::vector<Fault> faults)
+      : seed_(seed), rng_(seed), faults_(std::move(faults)) {
+    op_timeout_ = absl::Milliseconds(absl::GetFlag(FLAGS_op_timeout_ms));
+    dir_ = testing::MakeTempDir("epd-chaos-");
+  }
+  ~Chaos() {
+    std::error_code ec;
+    if (!keep_dir_) std::filesystem::remove_all(dir_, ec);
+  }
+
+  /// Shows that the invariants can fail: a clean group with one miswired client (its inputs
+  /// from another seed) must be caught as wrong results. 0 when it was.
+  int SelfCheck() {
+    if (absl::Status st = StartNode(); !st.ok()) {
+      std::printf("[chaos] self-check: epd did not start: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    Group g = MakeGroup("self-check", 2);
+    g.tokens = {4, 4};
+    g.miswired_rank = 1;
+    Cleanup cleanup{[&] { g.KillAll(); }};
+    if (absl::Status st = g.StartAll(); !st.ok()) {
+      std::printf("[chaos] self-check: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    // Bounded: until a round ran (rank 1's reference of rank 0's inputs is wrong, and rank
+    // 0's of rank 1's), then every process stops.
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    auto ran = [&] {
+      for (const auto& p : g.procs) {
+        const std::string out = p->Stdout();
+        if (absl::StrContains(out, "MISMATCH") || absl::StrContains(out, " OK\n")) return true;
+      }
+      return false;
+    };
+    while (!ran() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+    std::optional<Failure> f = Finish(g, /*clean=*/true, false);
+    // The cycle failed (at its first finding, in rank order) and the outputs it reports show
+    // the wrong results.
+    if (f && absl::StrContains(f->detail, "MISMATCH")) {
+      std::printf("[chaos] self-check passed: a miswired client's results were caught (%s)\n",
+                  f->step.c_str());
+      return 0;
+    }
+    std::printf("[chaos] self-check FAILED: %s\n",
+                f ? (f->step + ": " + f->detail).c_str() : "wrong results went unnoticed");
+    return 1;
+  }
+
+  int Run(absl::Duration budget, int max_cycles) {
+    std::printf(
+        "[chaos] seed=%llu budget=%llds op_timeout=%lldms faults=%s\n",
+        static_cast<unsigned long long>(seed_),
+        static_cast<long long>(absl::ToInt64Seconds(budget)),
+        static_cast<long long>(absl::ToInt64Milliseconds(op_timeout_)),
+        absl::StrJoin(faults_, ",", [](std::string* o, Fault f) { o->append(Name(f)); }).c_str());
+    std::printf("[chaos] reproduce: epd_chaos --seed=%llu\n",
+                static_cast<unsigned long long>(seed_));
+    std::fflush(stdout);
+    const absl::Time start = absl::Now();
+    if (absl::Status st = StartNode(); !st.ok()) {
+      std::printf("[chaos] FAILED seed=%llu: epd did not start: %s\n",
+                  static_cast<unsigned long long>(seed_), st.ToString().c_str());
+      return 1;
+    }
+    // The schedule: every kind once (shuffled), then kinds drawn at random.
+    std::vector<Fault> first = faults_;
+    std::shuffle(first.begin(), first.end(), rng_);
+    for (int cycle = 0;; ++cycle) {
+      if (max_cycles > 0 && cycle >= max_cycles) break;
+      if (max_cycles == 0 && absl::Now() - start >= budget && cycle >= 1) break;
+      const Fault fault =
+          cycle < static_cast<int>(first.size()) ? first[cycle] : faults_[rng_() % faults_.size()];
+      const absl::Time begin = absl::Now();
+      std::string what;
+      std::optional<Failure> failure = RunCycle(cycle, fault, &what);
+      if (!failure) failure = CheckInvariants();
+      const double secs = absl::ToDoubleSeconds(absl::Now() - begin);
+      Stats& s = stats_[fault];
+      ++s.cycles;
+      s.seconds += secs;
+      s.longest_op_ms = std::max(s.longest_op_ms, cycle_longest_ms_);
+      if (failure) {
+        std::printf("[chaos] cycle %d %-12s %s -> FAILED (%.1f s)\n", cycle, Name(fault),
+                    what.c_str(), secs);
+        std::printf(
+            "[chaos] FAILED seed=%llu cycle=%d fault=%s step=%s\n%s\n"
+            "[chaos] reproduce: epd_chaos --seed=%llu --cycles=%d (outputs kept in %s)\n",
+            static_cast<unsigned long long>(seed_), cycle, Name(fault), failure->step.c_str(),
+            failure->detail.c_str(), static_cast<unsigned long long>(seed_), cycle + 1,
+            dir_.c_str());
+        keep_dir_ = true;
+        for (const Watched& w : watched_) {
+          std::string log = w.daemon->Logs();
+          if (log.size() > 12000) log = "..." + log.substr(log.size() - 12000);
+          std::printf("---- the end of %s's log:\n%s\n", w.label.c_str(), log.c_str());
+        }
+        Summary(absl::Now() - start);
+        return 1;
+      }
+      ++s.passed;
+      // A passed cycle's client outputs are not needed (an hour's run would fill /tmp).
+      ForEachEntry(dir_, [](const std::filesystem::path& p) {
+        std::error_code ec;
+        std::filesystem::remove(p, ec);
+      });
+      std::printf("[chaos] cycle %d %-12s %s -> PASS (%.1f s, longest op %lld ms) %s\n", cycle,
+                  Name(fault), what.c_str(), secs, static_cast<long long>(cycle_longest_ms_),
+                  Measure(node_->pid()).ToString().c_str());
+      std::fflush(stdout);
+    }
+    Summary(absl::Now() - start);
+    return 0;
+  }
+
+ private:
+  absl::Status StartNode() {
+    DaemonProcessOptions options;
+    options.tcp = false;
+    options.log_level = "info";
+    options.extra_args = {
+        absl::StrCat("--op_timeout=", absl::ToInt64Milliseconds(op_timeout_), "ms")};
+    auto daemon = DaemonProcess::Start(options);
+    if (!daemon.ok()) return daemon.status();
+    node_ = *std::move(daemon);
+    watched_.push_back({node_.get(), "epd", std::nullopt});
+    return absl::OkStatus();
+  }
+
+  /// The two daemons of the faults across nodes, started at the first such cycle.
+  absl::Status StartCluster() {
+    if (cluster_.has_value()) return absl::OkStatus();
+    auto cluster = multinode::StartCluster({2, 2}, op_timeout_);
+    if (!cluster.ok()) return cluster.status();
+    cluster_ = *std::move(cluster);
+    for (size_t i = 0; i < cluster_->daemons.size(); ++i) {
+      watched_.push_back({cluster_->daemons[i].get(), absl::StrCat("node ", i), std::nullopt});
+    }
+    return absl::OkStatus();
+  }
+
+  void MarkUsed(DaemonProcess* daemon) {
+    for (Watched& w : watched_) {
+      if (w.daemon == daemon) w.used = true;
+    }
+  }
+
+  int Pick(int lo, int hi) { return lo + static_cast<int>(rng_() % uint64_t(hi - lo + 1)); }
+
+  /// A group of `num_ranks` on one node (the chaos daemon): random T (0 and M = 8 often,
+  /// sometimes M on every rank with every token to one expert), skew and input seed.
+  Group MakeGroup(const std::string& name, int num_ranks) {
+    Group g;
+    g.name = name;
+    g.dir = dir_;
+    g.report_slow_ms = absl::ToInt64Milliseconds(OpBound(false));
+    g.sockets.assign(num_ranks, node_->socket_path());
+    g.nodes_flag = absl::StrCat("local=", num_ranks);
+    Randomize(g, num_ranks);
+    return g;
+  }
+  void Randomize(Group& g, int num_ranks) {
+    g.tokens.clear();
+    for (int r = 0; r < num_ranks; ++r) {
+      const int kind = Pick(0, 4);
+      g.tokens.push_back(kind == 0 ? 0 : kind == 1 ? multinode::kMaxTokens : Pick(1, 7));
+    }
+    const int skew = Pick(0, 3);
+    g.skew = skew == 1 ? "expert" : skew == 2 ? "rank" : "none";
+    if (Pick(0, 5) == 0) {
+      // Full: T = M everywhere, every token to one expert, whose receive buffers (R * M rows
+      // of the low-latency layout) are then filled exactly.
+      g.tokens.assign(num_ranks, multinode::kMaxTokens);
+      g.skew = "expert";
+    }
+    g.skew_target = g.skew == "expert" ? Pick(0, num_ranks * multinode::kExpertsPerRank - 1)
+                                       : Pick(0, num_ranks - 1);
+    g.seed = rng_() % 100000 + 1;
+  }
+  /// A group across the cluster's two nodes: 1 or 2 ranks on each.
+  Group MakeNodesGroup(const std::string& name, std::vector<int> per_node,
+                       const multinode::Cluster& cluster) {
+    Group g;
+    g.name = name;
+    g.dir = dir_;
+    g.report_slow_ms = absl::ToInt64Milliseconds(OpBound(true));
+    std::vector<GroupNode> nodes;
+    for (size_t i = 0; i < per_node.size(); ++i) {
+      nodes.push_back({cluster.daemons[i]->peer_address(), per_node[i]});
+      for (int r = 0; r < per_node[i]; ++r) g.sockets.push_back(cluster.daemons[i]->socket_path());
+    }
+    g.nodes_flag = multinode::NodesFlag(nodes);
+    Randomize(g, static_cast<int>(g.sockets.size()));
+    return g;
+  }
+
+  absl::Duration OpBound(bool across_nodes) const {
+    return op_timeout_ + absl::Seconds(across_nodes ? 2 : 1);
+  }
+
+  /// Waits until every listed rank of `g` printed an OK round (joined, ops flowing).
+  std::optional<Failure> WaitFlowing(Group& g, const std::vector<int>& ranks) {
+    for (int r : ranks) {
+      absl::Status st = g.procs[r]->WaitForOutput(" OK\n", absl::Seconds(20));
+      if (!st.ok()) {
+        return Failure{absl::StrCat("wait for an OK round of ", g.name, " rank ", r),
+                       absl::StrCat(st.message(), "\n", g.Outputs())};
+      }
+    }
+    return std::nullopt;
+  }
+  std::vector<int> AllRanks(const Group& g) {
+    std::vector<int> all(g.num_ranks());
+    for (int r = 0; r < g.num_ranks(); ++r) all[r] = r;
+    return all;
+  }
+
+  /// Waits until each listed rank has `oks` OK rounds after its last error (past the
+  /// offsets in `since`): in step again.
+  std::optional<Failure> WaitInStep(Group& g, const std::vector<int>& ranks,
+                                    const std::vector<size_t>& since, const std::string& step) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    for (int r : ranks) {
+      while (OkRoundsSinceLastError(g.procs[r]->Stdout(), since[r]) < 3) {
+        if (absl::Now() > deadline || !g.procs[r]->Running()) {
+          return Failure{step, absl::StrCat(g.name, " rank ", r,
+                                            " is not in step again (3 OK rounds after its last "
+                                            "error) within 30 s\n",
+                                            g.Outputs())};
+        }
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+    }
+    return std::nullopt;
+  }
+
+  /// Waits for an error line from each listed rank after `since` (the fault reached it).
+  std::optional<Failure> WaitErrors(Group& g, const std::vector<int>& ranks,
+                                    const std::vector<size_t>& since, bool across_nodes,
+                                    const std::string& step) {
+    for (int r : ranks) {
+      const std::string line =
+          multinode::WaitErrorLine(*g.procs[r], since[r], OpBound(across_nodes) + absl::Seconds(5));
+      if (line.empty()) {
+        return Failure{
+            step, absl::StrCat(g.name, " rank ", r, " saw no error within ",
+                               absl::FormatDuration(OpBound(across_nodes) + absl::Seconds(5)), "\n",
+                               g.Outputs())};
+      }
+    }
+    return std::nullopt;
+  }
+
+  std::vector<size_t> Offsets(const Group& g) {
+    std::vector<size_t> out;
+    for (const auto& p : g.procs) out.push_back(p == nullptr ? 0 : p->Stdout().size());
+    return out;
+  }
+
+  /// Closes every stdin, waits for the exits and checks each process: exit 0 (no wrong OK
+  /// result; ops/probes: every op exact), or -9 for those the cycle killed; no op longer
+  /// than the bound (but for `exempt` ranks: a stopped process's own clock ran on); with
+  /// `clean`, no error line and at least one OK round.
+  std::optional<Failure> Finish(Group& g, bool clean, bool across_nodes,
+                                const std::set<const Subprocess*>& exempt = {}) {
+    // Ranks stop at different rounds: a rank still in an op when another stopped fails it
+    // (bounded). "clean" holds for what they printed before the stop.
+    std::map<const Subprocess*, size_t> before_stop;
+    for (const auto& p : g.procs) {
+      if (p != nullptr) before_stop[p.get()] = p->Stdout().size();
+    }
+    g.CloseAll();
+    const absl::Time deadline = absl::Now() + OpBound(across_nodes) + absl::Seconds(25);
+    std::optional<Failure> failure;
+    auto check = [&](Subprocess& p, const std::string& who) {
+      absl::StatusOr<int> code = p.Wait(std::max(deadline - absl::Now(), absl::ZeroDuration()));
+      if (!code.ok()) {
+        p.Signal(SIGKILL);
+        (void)p.Wait(absl::Seconds(5));
+        if (!failure) failure = Failure{"stop " + who, "did not exit within its bound"};
+        return;
+      }
+      const std::string out = p.Stdout();
+      const bool killed = *code == -SIGKILL && exempt.count(&p) > 0;
+      if (*code != 0 && !killed && !failure) {
+        failure = Failure{"exit of " + who,
+                          absl::StrCat("exit code ", *code, *code == 1 ? " (a wrong result)" : "")};
+      }
+      if (absl::StrContains(out, "MISMATCH") && !failure) {
+        failure = Failure{"results of " + who, "an OK result differs from the reference"};
+      }
+      if (absl::StrContains(out, "PROBE ") && absl::StrContains(out, " BAD ") && !failure) {
+        failure = Failure{"probes of " + who, "bad input did not fail as documented"};
+      }
+      if (exempt.count(&p) == 0) {
+        const int64_t longest = LongestOp(out);
+        cycle_longest_ms_ = std::max(cycle_longest_ms_, longest);
+        if (longest > absl::ToInt64Milliseconds(OpBound(across_nodes)) && !failure) {
+          failure = Failure{"op time of " + who,
+                            absl::StrCat("an op took ", longest, " ms > op_timeout + ",
+                                         across_nodes ? 2 : 1, " s")};
+        }
+      }
+      if (clean && !failure) {
+        const std::string ran =
+            g.scenario == "loop" ? out.substr(0, std::min(out.size(), before_stop[&p])) : out;
+        if (HasError(ran) || absl::StrContains(ran, "ERROR ")) {
+          failure = Failure{"clean run of " + who, "an op failed"};
+        }
+        if (g.scenario == "loop" && !absl::StrContains(ran, " OK\n")) {
+          failure = Failure{"clean run of " + who, "no OK round"};
+        }
+      }
+    };
+    for (size_t r = 0; r < g.procs.size(); ++r) {
+      if (g.procs[r] != nullptr) check(*g.procs[r], absl::StrCat(g.name, " rank ", r));
+    }
+    for (auto& p : g.retired) check(*p, absl::StrCat(g.name, " earlier process"));
+    if (failure) absl::StrAppend(&failure->detail, "\n", g.Outputs());
+    return failure;
+  }
+
+  /// Exits of one-shot scenarios (ops, probes): every process exits by itself.
+  std::optional<Failure> WaitOneShot(Group& g) {
+    for (size_t r = 0; r < g.procs.size(); ++r) {
+      absl::StatusOr<int> code = g.procs[r]->Wait(absl::Seconds(60));
+      if (!code.ok()) {
+        return Failure{absl::StrCat(g.name, " rank ", r, " ", g.scenario),
+                       "did not finish within 60 s\n" + g.Outputs()};
+      }
+    }
+    return Finish(g, /*clean=*/g.scenario == "ops", false);
+  }
+
+  std::optional<Failure> RunCycle(int cycle, Fault fault, std::string* what) {
+    cycle_longest_ms_ = 0;
+    const std::string prefix = absl::StrCat("c", cycle);
+    if (AcrossNodes(fault)) return RunNodesCycle(prefix, fault, what);
+    MarkUsed(node_.get());
+
+    Group v = MakeGroup(prefix + "-v", Pick(2, 4));
+    // A clean group beside the faulty one (but across a restart, which ends every group).
+    std::optional<Group> bystander;
+    if (fault != Fault::kRestart) bystander = MakeGroup(prefix + "-b", 2);
+    if (fault == Fault::kOps || fault == Fault::kProbes) v.scenario = Name(fault);
+    v.probe_rank = Pick(0, v.num_ranks() - 1);
+    *what = v.Describe();
+    Cleanup cleanup{[&] {
+      v.KillAll();
+      if (bystander) bystander->KillAll();
+    }};
+    if (bystander) {
+      if (absl::Status st = bystander->StartAll(); !st.ok()) return Failure{"spawn", st.ToString()};
+    }
+    if (absl::Status st = v.StartAll(); !st.ok()) return Failure{"spawn", st.ToString()};
+
+    std::optional<Failure> failure;
+    const int victim = Pick(0, v.num_ranks() - 1);
+    std::vector<int> others;
+    for (int r = 0; r < v.num_ranks(); ++r) {
+      if (r != victim) others.push_back(r);
+    }
+    if (fault == Fault::kProbes) {
+      absl::StrAppend(what, " bad input from rank ", v.probe_rank);
+    } else if (fault != Fault::kClean && fault != Fault::kOps && fault != Fault::kRestart) {
+      absl::StrAppend(what, " victim=rank ", victim);
+    }
+    std::set<const Subprocess*> exempt;
+
+    if (fault == Fault::kOps || fault == Fault::kProbes) {
+      failure = WaitOneShot(v);
+    } else {
+      failure = WaitFlowing(v, AllRanks(v));
+      if (!failure) absl::SleepFor(absl::Milliseconds(Pick(50, 400)));  // Mid-loop.
+      std::vector<size_t> since = Offsets(v);
+      switch (fault) {
+        case Fault::kClean:
+          if (!failure) absl::SleepFor(absl::Milliseconds(Pick(200, 800)));
+          break;
+        case Fault::kKill9:
+        case Fault::kKill9Rejoin:
+          if (failure) break;
+          exempt.insert(v.procs[victim].get());
+          v.procs[victim]->Signal(SIGKILL);
+          failure = WaitErrors(v, others, since, false, "survivors see the kill");
+          if (failure || fault == Fault::kKill9) break;
+          since = Offsets(v);
+          if (absl::Status st = v.Start(victim); !st.ok()) return Failure{"rejoin", st.ToString()};
+          since[victim] = 0;
+          failure = WaitInStep(v, AllRanks(v), since, "in step after the rejoin");
+          break;
+        case Fault::kLeaveJoin: {
+          if (failure) break;
+          v.procs[victim]->CloseStdin();
+          absl::StatusOr<int> code = v.procs[victim]->Wait(OpBound(false) + absl::Seconds(5));
+          if (!code.ok() || *code != 0) {
+            failure = Failure{"leave", absl::StrCat("the leaving rank did not exit 0: ",
+                                                    code.ok() ? absl::StrCat(*code) : "running",
+                                                    "\n", v.Outputs())};
+            break;
+          }
+          if (absl::Status st = v.Start(victim); !st.ok()) return Failure{"rejoin", st.ToString()};
+          since = Offsets(v);
+          since[victim] = 0;
+          failure = WaitInStep(v, AllRanks(v), since, "in step after leave and join");
+          break;
+        }
+        case Fault::kStopCont: {
+          if (failure) break;
+          exempt.insert(v.procs[victim].get());
+          v.procs[victim]->Signal(SIGSTOP);
+          failure = WaitErrors(v, others, since, false, "others see the stopped rank");
+          const absl::Duration stopped = op_timeout_ + absl::Milliseconds(Pick(100, 600));
+          absl::SleepFor(stopped);
+          v.procs[victim]->Signal(SIGCONT);
+          if (failure) break;
+          since = Offsets(v);
+          failure = WaitInStep(v, AllRanks(v), since, "in step after SIGCONT");
+          break;
+        }
+        case Fault::kRestart:
+          if (failure) break;
+          failure = Restart(v);
+          break;
+        default:
+          break;
+      }
+      if (!failure) failure = Finish(v, fault == Fault::kClean, false, exempt);
+    }
+    if (bystander && !failure) failure = WaitFlowing(*bystander, AllRanks(*bystander));
+    if (bystander && !failure) failure = Finish(*bystander, /*clean=*/true, false);
+    if (bystander && failure) absl::StrAppend(&failure->detail, "\n", bystander->Outputs());
+    return failure;
+  }
+
+  /// The daemon dies mid-loop (SIGKILL or SIGTERM), every client gets an error, and after the
+  /// restart the group re-forms (RejoinAfterRestart).
+  std::optional<Failure> Restart(Group& v) {
+    std::vector<size_t> since = Offsets(v);
+    const bool kill = Pick(0, 1) == 0;
+    if (kill) {
+      node_->Kill();
+    } else {
+      absl::StatusOr<int> code = node_->Stop(absl::Seconds(10));
+      if (!code.ok() || *code != 0) {
+        return Failure{"SIGTERM of epd",
+                       absl::StrCat("epd did not exit 0: ",
+                                    code.ok() ? absl::StrCat(*code) : code.status().ToString(),
+                                    "\n", node_->Logs())};
+      }
+    }
+    if (auto f = WaitErrors(v, AllRanks(v), since, false,
+                            kill ? "clients see epd killed" : "clients see epd stop")) {
+      return f;
+    }
+    if (auto f = Finish(v, false, false)) return f;
+    if (absl::Status st = node_->Restart(); !st.ok()) {
+      return Failure{"restart epd", st.ToString() + "\n" + node_->Logs()};
+    }
+    for (Watched& w : watched_) {
+      if (w.daemon == node_.get()) w.baseline.reset();  // A new process: a new baseline.
+    }
+    return RejoinAfterRestart(v);
+  }
+
+  /// How a group comes back after its daemon restarted. Today the clients are new processes
+  /// (each Client dies with its daemon's session). Extension point for Client::Reconnect:
+  /// once it is served, run the same processes on (mn_client reconnecting in-process when an
+  /// op answers UNAVAILABLE) and check them here instead.
+  std::optional<Failure> RejoinAfterRestart(Group& v) {
+    Group again;  // Same name, spec and inputs: the group re-forms.
+    static_cast<GroupConfig&>(again) = v;
+    again.scenario = "ops";
+    if (absl::Status st = again.StartAll(); !st.ok()) return Failure{"rejoin", st.ToString()};
+    std::optional<Failure> f = WaitOneShot(again);
+    again.KillAll();
+    return f;
+  }
+
+  std::optional<Failure> RunNodesCycle(const std::string& prefix, Fault fault, std::string* what) {
+    std::vector<int> per_node = {Pick(1, 2), Pick(1, 2)};
+    if (fault == Fault::kPeerDeath) {
+      if (absl::Status st = StartCluster(); !st.ok()) return Failure{"start nodes", st.ToString()};
+      for (auto& d : cluster_->daemons) MarkUsed(d.get());
+      Group g = MakeNodesGroup(prefix + "-n", per_node, *cluster_);
+      *what = g.Describe() + absl::StrCat(" nodes=", per_node[0], "+", per_node[1]);
+      Cleanup cleanup{[&] { g.KillAll(); }};
+      if (absl::Status st = g.StartAll(); !st.ok()) return Failure{"spawn", st.ToString()};
+      if (auto f = WaitFlowing(g, AllRanks(g))) return f;
+      absl::SleepFor(absl::Milliseconds(Pick(50, 300)));
+      std::vector<size_t> since = Offsets(g);
+      cluster_->daemons[1]->Kill();
+      std::vector<int> node0, node1;
+      for (int r = 0; r < g.num_ranks(); ++r) (r < per_node[0] ? node0 : node1).push_back(r);
+      if (auto f = WaitErrors(g, node0, since, true, "node 0 sees node 1 die")) return f;
+      // Node 1's clients lost their daemon: they stop; new ones join the restarted node.
+      std::set<const Subprocess*> exempt;
+      for (int r : node1) {
+        g.procs[r]->CloseStdin();
+        absl::StatusOr<int> code = g.procs[r]->Wait(absl::Seconds(10));
+        if (!code.ok() || *code != 0) {
+          return Failure{"node 1's clients stop",
+                         absl::StrCat("rank ", r, " did not exit 0\n", g.Outputs())};
+        }
+      }
+      if (absl::Status st = cluster_->daemons[1]->Restart(); !st.ok()) {
+        return Failure{"restart node 1", st.ToString()};
+      }
+      for (Watched& w : watched_) {
+        if (w.daemon == cluster_->daemons[1].get()) w.baseline.reset();
+      }
+      since = Offsets(g);
+      for (int r : node1) {
+        if (absl::Status st = g.Start(r); !st.ok()) return Failure{"rejoin", st.ToString()};
+        since[r] = 0;
+      }
+      if (auto f = WaitInStep(g, AllRanks(g), since, "in step with node 1's new ranks")) {
+        return Failure{f->step, f->detail + cluster_->Logs()};
+      }
+      return Finish(g, false, true, exempt);
+    }
+    // net_fault: a cluster of its own whose transports inject the plan.
+    const int kind = Pick(0, 3);
+    std::string plan;
+    switch (kind) {
+      case 0:
+        plan = "partition=0|1";
+        break;
+      case 1:
+        plan = absl::StrCat("reset_after_writes=", Pick(0, 60), ":node=", Pick(0, 1));
+        break;
+      case 2:
+        plan = absl::StrCat("drop_after_writes=", Pick(0, 60));
+        break;
+      default:
+        plan = absl::StrCat("delay_ms=", Pick(1, 20));
+        break;
+    }
+    auto cluster =
+        multinode::StartCluster({2, 2}, op_timeout_, true, {"--testing_transport_faults=" + plan});
+    if (!cluster.ok()) return Failure{"start nodes with " + plan, cluster.status().ToString()};
+    Group g = MakeNodesGroup(prefix + "-f", per_node, *cluster);
+    *what = g.Describe() + absl::StrCat(" nodes=", per_node[0], "+", per_node[1], " ", plan);
+    Cleanup cleanup{[&] { g.KillAll(); }};
+    if (absl::Status st = g.StartAll(); !st.ok()) return Failure{"spawn", st.ToString()};
+    std::optional<Failure> f;
+    if (kind == 3) {
+      f = WaitFlowing(g, AllRanks(g));
+      if (!f) absl::SleepFor(absl::Milliseconds(Pick(300, 800)));
+      if (!f) f = Finish(g, /*clean=*/true, true);
+    } else {
+      // Joining takes well under a second; then every rank's op fails, bounded.
+      f = WaitErrors(g, AllRanks(g), std::vector<size_t>(g.num_ranks(), 0), true,
+                     "every rank sees " + plan);
+      if (!f) f = Finish(g, false, true);
+    }
+    for (size_t i = 0; !f && i < cluster->daemons.size(); ++i) {
+      auto& d = cluster->daemons[i];
+      auto health = d->CheckHealth();
+      if (!health.ok() || *health != grpc::health::v1::HealthCheckResponse::SERVING) {
+        f = Failure{absl::StrCat("health of node ", i, " under ", plan), d->Logs()};
+        break;
+      }
+      absl::StatusOr<int> code = d->Stop(absl::Seconds(10));
+      if (!code.ok() || *code != 0) {
+        f = Failure{absl::StrCat("SIGTERM of node ", i, " under ", plan),
+                    absl::StrCat("did not exit 0\n", d->Logs())};
+      }
+    }
+    if (f) absl::StrAppend(&f->detail, "\n", cluster->Logs());
+    return f;
+  }
+
+  /// `epctl groups` on `w` answers (exit 0) and lists no group, within 5 s.
+  std::optional<Failure> NoGroupsLeft(const Watched& w) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (true) {
+      auto out = testing::RunCommand(
+          {testing::EpctlBinary(), "--socket=" + w.daemon->socket_path(), "--json", "groups"},
+          absl::Seconds(10));
+      if (!out.ok() || out->exit_code != 0) {
+        return Failure{"epctl groups on " + w.label,
+                       out.ok() ? absl::StrCat("exit ", out->exit_code, ": ", out->stderr_text)
+                                : out.status().ToString()};
+      }
+      if (!absl::StrContains(out->stdout_text, "\"name\"")) return std::nullopt;
+      if (absl::Now() > deadline) {
+        return Failure{"groups left on " + w.label, out->stdout_text};
+      }
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+  }
+
+  /// After every cycle: every watched daemon SERVING, and back to its baseline.
+  std::optional<Failure> CheckInvariants() {
+    for (Watched& w : watched_) {
+      auto health = w.daemon->CheckHealth();
+      if (!health.ok() || *health != grpc::health::v1::HealthCheckResponse::SERVING) {
+        return Failure{"health of " + w.label,
+                       absl::StrCat(health.ok() ? "not SERVING" : health.status().ToString(), "\n",
+                                    w.daemon->Logs())};
+      }
+      const pid_t pid = w.daemon->pid();
+      if (!w.baseline) {
+        // Threads and fds some daemons start at their first group are part of the baseline.
+        if (!w.used) continue;
+        // The first cycle's end (or a restart's): let groups go, then take the baseline.
+        absl::SleepFor(absl::Milliseconds(300));
+        w.baseline = Measure(pid);
+        w.baseline_threads = ThreadNames(pid);
+        std::printf("[chaos] baseline of %s (pid %d): %s\n", w.label.c_str(), pid,
+                    w.baseline->ToString().c_str());
+        continue;
+      }
+      // Groups of the cycle are destroyed when their last rank's session ends: wait for it.
+      const absl::Time deadline = absl::Now() + absl::Seconds(10);
+      Resources now = Measure(pid);
+      auto leaked = [&] {
+        return now.fds > w.baseline->fds || now.threads > w.baseline->threads ||
+               now.grpc_threads > kMaxGrpcThreads;
+      };
+      while (leaked() && absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(50));
+        now = Measure(pid);
+      }
+      if (leaked()) {
+        return Failure{"leak check of " + w.label,
+                       absl::StrCat("now ", now.ToString(), ", baseline ", w.baseline->ToString(),
+                                    "; fds:", FdTargets(pid), "\nthreads:", ThreadNames(pid),
+                                    "\nbaseline threads:", w.baseline_threads)};
+      }
+      // Every group of the cycle is gone (epctl, as an operator sees it).
+      if (auto f = NoGroupsLeft(w)) return f;
+      const int64_t growth_kib = now.rss_kib - w.baseline->rss_kib;
+      if (growth_kib > int64_t(absl::GetFlag(FLAGS_rss_growth_mib)) * 1024) {
+        return Failure{"RSS of " + w.label,
+                       absl::StrCat("grew by ", growth_kib / 1024, " MiB > ",
+                                    absl::GetFlag(FLAGS_rss_growth_mib), " MiB")};
+      }
+    }
+    if (std::set<std::string> shm = ShmEntries(); shm != shm_baseline_) {
+      std::set<std::string> added;
+      for (const std::string& e : shm) {
+        if (shm_baseline_.count(e) == 0) added.insert(e);
+      }
+      if (!added.empty()) {
+        return Failure{"/dev/shm", "new entries: " + absl::StrJoin(added, " ")};
+      }
+    }
+    return std::nullopt;
+  }
+
+  void Summary(absl::Duration elapsed) {
+    std::printf("\n[chaos] summary (seed=%llu, %.0f s):\n", static_cast<unsigned long long>(seed_),
+                absl::ToDoubleSeconds(elapsed));
+    std::printf("  %-14s %7s %7s %9s %14s\n", "fault", "cycles", "passed", "seconds",
+                "longest op ms");
+    int cycles = 0, passed = 0;
+    for (const auto& [fault, s] : stats_) {
+      std::printf("  %-14s %7d %7d %9.1f %14lld\n", Name(fault), s.cycles, s.passed, s.seconds,
+                  static_cast<long long>(s.longest_op_ms));
+      cycles += s.cycles;
+      passed += s.passed;
+    }
+    std::printf("  %-14s %7d %7d\n", "total", cycles, passed);
+    for (const Watched& w : watched_) {
+      if (w.baseline) {
+        std::printf("  %s: baseline %s, now %s\n", w.label.c_str(), w.baseline->ToString().c_str(),
+                    Measure(w.daemon->pid()).ToString().c_str());
+      }
+    }
+    std::fflush(stdout);
+  }
+
+  /// Runs `fn` at scope exit.
+  struct Cleanup {
+    std::function<void()> fn;
+    ~Cleanup() { fn(); }
+  };
+
+  uint64_t seed_;
+  std::mt19937_64 rng_;
+  std::vector<Fault> faults_;
+  absl::Duration op_timeout_;
+  std::string dir_;
+  bool keep_dir_ = false;
+  std::unique_ptr<DaemonProcess> node_;
+  std::optional<multinode::Cluster> cluster_;
+  std::vector<Watched> watched_;
+  std::set<std::string> shm_baseline_ = ShmEntries();
+  std::map<Fault, Stats> stats_;
+  int64_t cycle_longest_ms_ = 0;
+};
+
+int Main() {
+  uint64_t seed = absl::GetFlag(FLAGS_seed);
+  if (const char* env = std::getenv("EPD_CHAOS_SEED"); seed == 0 && env != nullptr && *env) {
+    if (!absl::SimpleAtoi(env, &seed)) {
+      std::fprintf(stderr, "EPD_CHAOS_SEED=%s is not a number\n", env);
+      return 2;
+    }
+  }
+  if (seed == 0) {
+    seed = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now())) % 1000000000ull + 1;
+  }
+  int seconds = absl::GetFlag(FLAGS_seconds);
+  if (const char* env = std::getenv("EPD_CHAOS_SECONDS"); env != nullptr && *env) {
+    if (!absl::SimpleAtoi(env, &seconds)) {
+      std::fprintf(stderr, "EPD_CHAOS_SECONDS=%s is not a number\n", env);
+      return 2;
+    }
+  }
+  std::vector<Fault> faults;
+  const std::string only = absl::GetFlag(FLAGS_faults);
+  const std::vector<std::string> wanted = absl::StrSplit(only, ',', absl::SkipEmpty());
+  for (Fault f : kAllFaults) {
+    if (AcrossNodes(f) && !absl::GetFlag(FLAGS_multinode)) continue;
+    if (wanted.empty() || std::find(wanted.begin(), wanted.end(), Name(f)) != wanted.end()) {
+      faults.push_back(f);
+    }
+  }
+  for (Fault f : MaskingFaults()) faults.push_back(f);
+  if (faults.empty()) {
+    std::fprintf(stderr, "--faults=%s names no fault kind\n", only.c_str());
+    return 2;
+  }
+  Chaos chaos(seed, faults);
+  if (absl::GetFlag(FLAGS_self_check)) return chaos.SelfCheck();
+  return chaos.Run(absl::Seconds(seconds), absl::GetFlag(FLAGS_cycles));
+}
+
+}  // namespace
+}  // namespace epd::chaos
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  // A client killed mid-write must not take the driver with it.
+  std::signal(SIGPIPE, SIG_IGN);
+  return epd::chaos::Main();
+}
