@@ -190,6 +190,7 @@ typedef struct epd_join_options_t {
    *  joins its own node's daemon. */
   const epd_node_t* nodes;
   int32_t num_nodes; /**< Entries of nodes, 0 to 4096. */
+  int32_t reserved0; /**< The tail padding of the version that added nodes; ignored. */
   /** An epd_rank_failure_t: the group's answer to a failed rank (every joiner passes the
    *  same). Added after nodes: a shorter struct_size reads 0 (DEFAULT). */
   int32_t on_rank_failure;
