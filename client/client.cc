@@ -301,6 +301,32 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Client::Impl::JoinOnce(const JoinOptio
         control->target));
     return response;
   };
+  // Rank masking: UpdateRankMask / GetRankMask of this rank's group.
+  auto rank_mask = [control, group, rank, session_id](
+                       const v1::UpdateRankMaskRequest* update) -> absl::StatusOr<v1::RankMask> {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+    auto call = [&](auto request, auto response, auto rpc) -> absl::StatusOr<v1::RankMask> {
+      request.set_group(group);
+      request.set_rank(rank);
+      request.set_session_id(session_id);
+      EPD_RETURN_IF_ERROR(internal::AnnotateUnavailable(
+          internal::FromGrpcStatus(((*control->stub).*rpc)(&context, request, &response)),
+          control->target));
+      return response.mask();
+    };
+    using Stub = v1::Control::Stub;
+    if (update == nullptr) {
+      return call(
+          v1::GetRankMaskRequest(), v1::GetRankMaskResponse(),
+          static_cast<grpc::Status (Stub::*)(grpc::ClientContext*, const v1::GetRankMaskRequest&,
+                                             v1::GetRankMaskResponse*)>(&Stub::GetRankMask));
+    }
+    return call(
+        *update, v1::UpdateRankMaskResponse(),
+        static_cast<grpc::Status (Stub::*)(grpc::ClientContext*, const v1::UpdateRankMaskRequest&,
+                                           v1::UpdateRankMaskResponse*)>(&Stub::UpdateRankMask));
+  };
   // The endpoint's memory: sealed memfds handed over on the fd channel, once per join.
   absl::StatusOr<std::unique_ptr<Endpoint>> endpoint =
       [&]() -> absl::StatusOr<std::unique_ptr<Endpoint>> {
@@ -308,7 +334,7 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Client::Impl::JoinOnce(const JoinOptio
     EPD_ASSIGN_OR_RETURN(EndpointFds fds, internal::FetchEndpointFds(socket_path, session_id, group,
                                                                      rank, kFdChannelTimeout));
     return internal::OpenEndpoint(response.endpoint(), options.spec, std::move(fds), leave,
-                                  now.session->watch, group_endpoints);
+                                  now.session->watch, group_endpoints, rank_mask);
   }();
   if (!endpoint.ok()) {
     leave().IgnoreError();  // Give the rank back: this process cannot use it.

@@ -61,6 +61,9 @@ absl::StatusOr<OpOutcome> DaemonLaunch::Wait(uint64_t seq, abi::OpKind /*op*/,
   outcome.num_recv_tokens = c.num_recv_tokens;
   outcome.buffer = static_cast<int>(c.buffer & 1);
   outcome.replaces_views = true;
+  outcome.mask.epoch = c.mask_epoch;
+  outcome.mask.num_masked = static_cast<int32_t>(c.num_masked);
+  outcome.mask.dropped_pairs = c.dropped_pairs;
   return outcome;
 }
 

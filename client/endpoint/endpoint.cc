@@ -129,17 +129,45 @@ const v1::EndpointInfo& Endpoint::info() const { return impl_->info; }
 const v1::GroupSpec& Endpoint::spec() const { return impl_->spec; }
 int32_t Endpoint::rank() const { return impl_->info.rank(); }
 
-absl::StatusOr<RankMask> Endpoint::UpdateRankMask(const std::vector<int32_t>& /*mask*/,
-                                                  const std::vector<int32_t>& /*unmask*/) {
-  return absl::UnimplementedError("rank masking is not built yet");
+namespace {
+
+RankMask FromProto(const v1::RankMask& m) {
+  RankMask mask;
+  mask.epoch = m.epoch();
+  mask.masked_ranks.assign(m.masked_ranks().begin(), m.masked_ranks().end());
+  return mask;
 }
 
-absl::StatusOr<RankMask> Endpoint::QueryRankMask() {
-  return absl::UnimplementedError("rank masking is not built yet");
+}  // namespace
+
+absl::StatusOr<RankMask> Endpoint::Impl::CallRankMask(const v1::UpdateRankMaskRequest* update) {
+  if (left) {
+    return absl::FailedPreconditionError(absl::StrCat("endpoint of group ", spec.name(), " rank ",
+                                                      info.rank(), " has left its group"));
+  }
+  if (!rank_mask) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("endpoint of group ", spec.name(), " rank ", info.rank(),
+                     " was opened without a control channel: it cannot ask for the rank mask"));
+  }
+  EPD_ASSIGN_OR_RETURN(v1::RankMask mask, rank_mask(update));
+  return FromProto(mask);
 }
+
+absl::StatusOr<RankMask> Endpoint::UpdateRankMask(const std::vector<int32_t>& mask,
+                                                  const std::vector<int32_t>& unmask) {
+  v1::UpdateRankMaskRequest update;
+  update.mutable_mask()->Add(mask.begin(), mask.end());
+  update.mutable_unmask()->Add(unmask.begin(), unmask.end());
+  return impl_->CallRankMask(&update);
+}
+
+absl::StatusOr<RankMask> Endpoint::QueryRankMask() { return impl_->CallRankMask(nullptr); }
 
 absl::StatusOr<RankMask> Endpoint::CleanRankMask() {
-  return absl::UnimplementedError("rank masking is not built yet");
+  v1::UpdateRankMaskRequest update;
+  update.set_clean(true);
+  return impl_->CallRankMask(&update);
 }
 
 absl::Status Endpoint::Leave() {

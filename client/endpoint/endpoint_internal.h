@@ -19,6 +19,12 @@ namespace epd::internal {
 using GroupEndpointsFn =
     std::function<absl::StatusOr<v1::GetGroupEndpointsResponse>(uint32_t wait_ms)>;
 
+/// Asks the daemon for the caller's group's rank mask: UpdateRankMask with `update`'s
+/// mask, unmask and clean (group, rank and session filled in by the function), or
+/// GetRankMask when `update` is null.
+using RankMaskFn =
+    std::function<absl::StatusOr<v1::RankMask>(const v1::UpdateRankMaskRequest* update)>;
+
 /// Maps the endpoint `info` describes: its region and doorbell from `fds` (as the fd
 /// channel handed them: client/fd_channel.h; both are closed once mapped) and, on the CUDA
 /// backend, its data area; checks the seals and sizes (ShmRegion::Map) and the shm ABI
@@ -29,11 +35,13 @@ using GroupEndpointsFn =
 /// stream left waiting for the daemon is released.
 /// `group_endpoints` is needed for client-launched endpoints (info.launch_mode =
 /// LAUNCH_MODE_CLIENT); their first op fails with FAILED_PRECONDITION without it.
+/// `rank_mask` serves Endpoint::UpdateRankMask/QueryRankMask/CleanRankMask (they are
+/// FAILED_PRECONDITION without it).
 /// Errors: FAILED_PRECONDITION on an ABI mismatch, a descriptor that is not a sealed memfd
 /// of the expected size, or fds of another endpoint; INTERNAL on mmap failure.
 absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(
     const v1::EndpointInfo& info, const v1::GroupSpec& spec, EndpointFds fds,
     std::function<absl::Status()> leave, std::shared_ptr<SessionWatch> session = nullptr,
-    GroupEndpointsFn group_endpoints = nullptr);
+    GroupEndpointsFn group_endpoints = nullptr, RankMaskFn rank_mask = nullptr);
 
 }  // namespace epd::internal

@@ -50,6 +50,8 @@ struct Endpoint::Impl {
   std::shared_ptr<internal::SessionWatch> session;  ///< See OpenEndpoint.
   uint64_t session_hook = 0;                        ///< Our hook in `session` (0 = none).
   std::function<absl::Status()> leave;
+  /// See OpenEndpoint (internal::RankMaskFn).
+  std::function<absl::StatusOr<v1::RankMask>(const v1::UpdateRankMaskRequest*)> rank_mask;
   bool left = false;
   std::unique_ptr<internal::OpRunner> runner;
   /// The Client's record of its endpoints (Leave removes this one); null for an endpoint
@@ -109,6 +111,9 @@ struct Endpoint::Impl {
   /// OK while the endpoint can run ops: not left, not closed by the daemon, its Session
   /// not lost (FAILED_PRECONDITION / UNAVAILABLE otherwise).
   absl::Status CheckUsable() const;
+  /// The rank mask RPC (`rank_mask`): UpdateRankMask with `update`, or GetRankMask when
+  /// null. FAILED_PRECONDITION when left or without a control channel.
+  absl::StatusOr<RankMask> CallRankMask(const v1::UpdateRankMaskRequest* update);
   /// Ring ops of an endpoint with a registered graph-mode program are refused here, before
   /// any stream work or ring slot (the daemon refuses them too, for every rank).
   absl::Status CheckNoProgram() const;

@@ -63,6 +63,8 @@ struct OpOutcome {
   int buffer = -1;
   /// Dispatch: the views are rebuilt from num_recv_tokens even when the op built them.
   bool replaces_views = false;
+  /// The rank mask the op ran with (the completion's; zeros when not reported).
+  OpMask mask;
 };
 
 /// Runs validated ops of one endpoint. Not thread-safe (an endpoint is driven by one

@@ -25,11 +25,13 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
                                                        const v1::GroupSpec& spec, EndpointFds fds,
                                                        std::function<absl::Status()> leave,
                                                        std::shared_ptr<SessionWatch> session,
-                                                       GroupEndpointsFn group_endpoints) {
+                                                       GroupEndpointsFn group_endpoints,
+                                                       RankMaskFn rank_mask) {
   auto m = std::make_unique<Endpoint::Impl>();
   m->info = info;
   m->spec = spec;
   m->leave = std::move(leave);
+  m->rank_mask = std::move(rank_mask);
   m->shape = rules::ShapeOf(spec);
   m->layout = kernels::EndpointLayout::Compute(m->shape);
   if (info.abi_version() != abi::kShmAbiVersion) {

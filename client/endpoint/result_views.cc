@@ -92,6 +92,7 @@ absl::StatusOr<Result> PendingOp<Result>::Wait(absl::Duration timeout) {
   constexpr abi::OpKind kOp = OpKindOf<Result>();
   Result r = partial_;
   EPD_ASSIGN_OR_RETURN(const internal::OpOutcome o, m.runner->Wait(seq_, kOp, timeout));
+  if constexpr (requires { r.mask; }) r.mask = o.mask;
   if constexpr (std::is_same_v<Result, DispatchResult>) {
     // N is known now (the views of a cached re-dispatch were built by the op).
     if (o.replaces_views || r.recv_x.data() == nullptr) m.DispatchViews(r, o.num_recv_tokens);

@@ -165,7 +165,8 @@ std::string NodeStateName(v1::NodeState state) {
 std::string FormatGroups(const v1::ListGroupsResponse& groups) {
   if (groups.groups().empty()) return "no groups\n";
   Table table({"GROUP", "OWNER", "SECRET", "RANKS", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS",
-               "LL_MAX_TOKENS", "FP8", "LAUNCH", "BYTES/RANK", "OPS OK", "OPS FAILED"});
+               "LL_MAX_TOKENS", "FP8", "LAUNCH", "ON_RANK_FAILURE", "BYTES/RANK", "OPS OK",
+               "OPS FAILED"});
   Table ranks({"GROUP", "RANK", "PID", "UID", "GPU", "SESSION", "OPS OK"});
   Table nodes(
       {"GROUP", "NODE", "PEER ADDRESS", "RANKS", "STATE", "JOINED", "INCARNATION", "REASON"});
@@ -180,6 +181,7 @@ std::string FormatGroups(const v1::ListGroupsResponse& groups) {
                   g.launch_mode() == v1::LAUNCH_MODE_CLIENT   ? "client"
                   : g.launch_mode() == v1::LAUNCH_MODE_DAEMON ? "daemon"
                                                               : "-",
+                  spec.on_rank_failure() == v1::RANK_FAILURE_POLICY_MASK ? "mask" : "fail",
                   HumanBytes(g.buffer_bytes_per_rank()), absl::StrCat(g.ops_completed()),
                   absl::StrCat(g.ops_failed())});
     for (const v1::RankInfo& r : g.ranks()) {

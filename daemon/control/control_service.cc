@@ -212,6 +212,43 @@ grpc::ServerUnaryReactor* ControlService::LeaveGroup(grpc::CallbackServerContext
   return reactor;
 }
 
+namespace {
+
+/// A rank mask RPC: `call(registry, request)` in the name of the caller's session.
+template <typename Request, typename Response, typename Call>
+grpc::ServerUnaryReactor* AnswerRankMask(GroupRegistry& registry,
+                                         grpc::CallbackServerContext* context,
+                                         const Request* request, Response* response, Call call) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  if (FinishIfError(reactor, CheckCallerMayUseSession(registry, request->session_id(), *caller))) {
+    return reactor;
+  }
+  absl::StatusOr<v1::RankMask> mask = call(registry, *request);
+  if (mask.ok()) *response->mutable_mask() = *std::move(mask);
+  reactor->Finish(ToGrpcStatus(mask.status()));
+  return reactor;
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* ControlService::UpdateRankMask(grpc::CallbackServerContext* context,
+                                                         const v1::UpdateRankMaskRequest* request,
+                                                         v1::UpdateRankMaskResponse* response) {
+  return AnswerRankMask(
+      *registry_, context, request, response,
+      [](GroupRegistry& r, const v1::UpdateRankMaskRequest& q) { return r.UpdateRankMask(q); });
+}
+
+grpc::ServerUnaryReactor* ControlService::GetRankMask(grpc::CallbackServerContext* context,
+                                                      const v1::GetRankMaskRequest* request,
+                                                      v1::GetRankMaskResponse* response) {
+  return AnswerRankMask(
+      *registry_, context, request, response,
+      [](GroupRegistry& r, const v1::GetRankMaskRequest& q) { return r.GetRankMask(q); });
+}
+
 grpc::ServerUnaryReactor* ControlService::GetGroupEndpoints(
     grpc::CallbackServerContext* context, const v1::GetGroupEndpointsRequest* request,
     v1::GetGroupEndpointsResponse* response) {

@@ -38,6 +38,14 @@ class ControlService final : public v1::Control::CallbackService {
   grpc::ServerUnaryReactor* GetGroupEndpoints(grpc::CallbackServerContext* context,
                                               const v1::GetGroupEndpointsRequest* request,
                                               v1::GetGroupEndpointsResponse* response) override;
+  /// Rank masking (GroupRegistry::UpdateRankMask, GetRankMask): the caller's session must
+  /// hold request.rank of the group.
+  grpc::ServerUnaryReactor* UpdateRankMask(grpc::CallbackServerContext* context,
+                                           const v1::UpdateRankMaskRequest* request,
+                                           v1::UpdateRankMaskResponse* response) override;
+  grpc::ServerUnaryReactor* GetRankMask(grpc::CallbackServerContext* context,
+                                        const v1::GetRankMaskRequest* request,
+                                        v1::GetRankMaskResponse* response) override;
   grpc::ServerUnaryReactor* ListGroups(grpc::CallbackServerContext* context,
                                        const v1::ListGroupsRequest* request,
                                        v1::ListGroupsResponse* response) override;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <mutex>
 #include <random>
+#include <span>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -265,6 +266,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   const int32_t rank = request.rank();
   EPD_RETURN_IF_ERROR(ValidateGroupSpec(spec));
   EPD_RETURN_IF_ERROR(ValidateGroupSpecForBackend(spec, data_plane_->backend_name()));
+  EPD_RETURN_IF_ERROR(CheckRankFailurePolicy(spec, data_plane_->backend_name()));
   EPD_RETURN_IF_ERROR(CheckRankIsOnThisNode(spec, rank));
   if (!v1::LaunchMode_IsValid(request.launch_mode())) {
     return absl::InvalidArgumentError(
@@ -423,6 +425,47 @@ absl::Status GroupRegistry::Leave(const v1::LeaveGroupRequest& request) {
   ReleaseRankLocked(request.group(), request.rank(), "LeaveGroup");
   NotifyWaitersLocked();
   return absl::OkStatus();
+}
+
+absl::StatusOr<DataPlaneGroup*> GroupRegistry::HeldGroupLocked(const std::string& session_id,
+                                                               const std::string& group,
+                                                               int32_t rank) const {
+  auto session = sessions_.find(session_id);
+  if (session == sessions_.end()) return NotAnOpenSession(session_id);
+  const uint32_t uid = session->second.peer.uid;
+  auto group_it = groups_.find(group);
+  if (group_it == groups_.end() || !VisibleLocked(group_it->second, uid)) {
+    return NoSuchGroup(group, uid);
+  }
+  auto slot = group_it->second.ranks.find(rank);
+  if (slot == group_it->second.ranks.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank: ", rank, " of group \"", group, "\" is not joined"));
+  }
+  if (slot->second.session_id != session_id) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "session_id: \"", EscapeClientText(session_id), "\" does not hold rank ", rank,
+        " of group \"", group, "\" (session ", RedactSessionId(slot->second.session_id), " does)"));
+  }
+  return group_it->second.data.get();
+}
+
+absl::StatusOr<v1::RankMask> GroupRegistry::UpdateRankMask(
+    const v1::UpdateRankMaskRequest& request) {
+  absl::MutexLock lock(&mu_);
+  EPD_ASSIGN_OR_RETURN(DataPlaneGroup * group,
+                       HeldGroupLocked(request.session_id(), request.group(), request.rank()));
+  return group->UpdateRankMask(
+      std::span<const int32_t>(request.mask().data(), static_cast<size_t>(request.mask_size())),
+      std::span<const int32_t>(request.unmask().data(), static_cast<size_t>(request.unmask_size())),
+      request.clean());
+}
+
+absl::StatusOr<v1::RankMask> GroupRegistry::GetRankMask(const v1::GetRankMaskRequest& request) {
+  absl::MutexLock lock(&mu_);
+  EPD_ASSIGN_OR_RETURN(DataPlaneGroup * group,
+                       HeldGroupLocked(request.session_id(), request.group(), request.rank()));
+  return group->GetRankMask();
 }
 
 void GroupRegistry::ReleaseRankLocked(const std::string& group_name, int32_t rank,

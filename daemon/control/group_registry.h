@@ -186,6 +186,14 @@ class GroupRegistry {
   /// see, or rank not joined), PERMISSION_DENIED (the rank belongs to another session).
   absl::Status Leave(const v1::LeaveGroupRequest& request);
 
+  /// UpdateRankMask / GetRankMask (DataPlaneGroup::UpdateRankMask, GetRankMask) of the
+  /// group rank request.rank of which the session holds. Errors besides the data plane's:
+  /// FAILED_PRECONDITION (not an open session, or the rank is not joined), NOT_FOUND (no
+  /// such group that the session's uid may see), PERMISSION_DENIED (another session holds
+  /// the rank).
+  absl::StatusOr<v1::RankMask> UpdateRankMask(const v1::UpdateRankMaskRequest& request);
+  absl::StatusOr<v1::RankMask> GetRankMask(const v1::GetRankMaskRequest& request);
+
   /// Detaches every rank whose endpoint its client has not mapped
   /// (DataPlaneGroup::RankMapped) within Options::unmapped_endpoint_timeout of its join, as
   /// if its session had left it; groups left empty are destroyed. Logs what expired (how
@@ -309,6 +317,11 @@ class GroupRegistry {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Wakes the waiter thread after a change of the groups, sessions or draining.
   void NotifyWaitersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// The data plane group of `group` whose rank `rank` `session_id` holds (the checks of
+  /// UpdateRankMask).
+  absl::StatusOr<DataPlaneGroup*> HeldGroupLocked(const std::string& session_id,
+                                                  const std::string& group, int32_t rank) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Detaches `rank` of `group_name` (which must be held) and destroys the group when
   /// it becomes empty.
   /// `log_release` = false: the caller logs a summary instead of a line per rank.

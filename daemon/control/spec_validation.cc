@@ -184,6 +184,10 @@ absl::Status ValidateGroupSpec(const v1::GroupSpec& spec) {
     return Invalid("ll_max_tokens_per_rank", spec.ll_max_tokens_per_rank(),
                    absl::StrCat("is outside [0, ", kMaxTokensPerRank, "] (0 = low-latency off)"));
   }
+  if (!v1::RankFailurePolicy_IsValid(spec.on_rank_failure())) {
+    return Invalid("on_rank_failure", spec.on_rank_failure(),
+                   "is not a RankFailurePolicy (0 = unspecified, as FAIL; 1 = FAIL; 2 = MASK)");
+  }
   return ValidateNodes(spec);
 }
 
@@ -223,6 +227,24 @@ int32_t NodeOfRank(const v1::GroupSpec& spec, int32_t rank, int32_t* first_rank)
   return -1;
 }
 
+absl::Status CheckRankFailurePolicy(const v1::GroupSpec& spec, absl::string_view backend) {
+  if (spec.on_rank_failure() != v1::RANK_FAILURE_POLICY_MASK) return absl::OkStatus();
+  if (SpansNodes(spec)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "spec.on_rank_failure: RANK_FAILURE_POLICY_MASK is not supported for a group that spans "
+        "nodes (",
+        spec.nodes_size(),
+        " nodes): the nodes do not agree on a mask yet; use RANK_FAILURE_POLICY_FAIL"));
+  }
+  if (backend != "host") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "spec.on_rank_failure: RANK_FAILURE_POLICY_MASK is not supported on the ", backend,
+        " backend yet (its kernels do not skip masked ranks); use RANK_FAILURE_POLICY_FAIL, or "
+        "a daemon with --backend=host"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateGroupSpecForBackend(const v1::GroupSpec& spec, absl::string_view backend) {
   if (backend != "cuda") return absl::OkStatus();
   // A group across nodes runs on the CUDA backend too (DESIGN.md §5.5), within the same
@@ -248,7 +270,18 @@ absl::Status CheckBuffersFit(const v1::GroupSpec& spec, uint64_t bytes_needed, u
       bytes_free / double(1ull << 30)));
 }
 
-std::vector<std::string> DiffGroupSpecs(const v1::GroupSpec& live, const v1::GroupSpec& requested) {
+std::vector<std::string> DiffGroupSpecs(const v1::GroupSpec& live_spec,
+                                        const v1::GroupSpec& requested_spec) {
+  // on_rank_failure: unspecified reads as FAIL.
+  auto normalized = [](const v1::GroupSpec& spec) {
+    v1::GroupSpec n = spec;
+    if (n.on_rank_failure() == v1::RANK_FAILURE_POLICY_UNSPECIFIED) {
+      n.set_on_rank_failure(v1::RANK_FAILURE_POLICY_FAIL);
+    }
+    return n;
+  };
+  const v1::GroupSpec live = normalized(live_spec);
+  const v1::GroupSpec requested = normalized(requested_spec);
   std::vector<std::string> diffs;
   const google::protobuf::Descriptor* descriptor = v1::GroupSpec::descriptor();
   for (int i = 0; i < descriptor->field_count(); ++i) {

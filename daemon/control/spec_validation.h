@@ -46,6 +46,7 @@ inline constexpr int32_t kFp8HiddenMultiple = 128;
 ///   num_topk           1 <= K <= E (no other cap: K = 128 and more are allowed)
 ///   max_tokens_per_rank 1 <= M <= kMaxTokensPerRank
 ///   ll_max_tokens_per_rank 0 <= Mll <= kMaxTokensPerRank (0 = low-latency disabled)
+///   on_rank_failure    a RankFailurePolicy value
 ///   nodes              empty (a one-node group), or 1 to kMaxNodes entries, each with a
 ///                      well-formed peer_address (PeerAddressIsWellFormed), all distinct,
 ///                      and num_ranks >= 1 summing to num_ranks. One entry is allowed and
@@ -78,6 +79,11 @@ int32_t NodeOfRank(const v1::GroupSpec& spec, int32_t rank, int32_t* first_rank 
 /// works there.
 absl::Status ValidateGroupSpecForBackend(const v1::GroupSpec& spec, absl::string_view backend);
 
+/// Whether `backend` ("host" or "cuda") runs spec.on_rank_failure: MASK needs the host
+/// backend and a one-node group. FAILED_PRECONDITION naming on_rank_failure and the reason;
+/// OK for FAIL (or unspecified).
+absl::Status CheckRankFailurePolicy(const v1::GroupSpec& spec, absl::string_view backend);
+
 /// Checks 0 <= rank < spec.num_ranks. INVALID_ARGUMENT naming the rank and the range.
 absl::Status ValidateRank(const v1::GroupSpec& spec, int32_t rank);
 
@@ -87,7 +93,8 @@ absl::Status CheckBuffersFit(const v1::GroupSpec& spec, uint64_t bytes_needed, u
                              const std::string& where);
 
 /// The fields whose values differ between `live` and `requested`, each as
-/// "field: live=<v> requested=<v>", in field-number order. Empty when equal.
+/// "field: live=<v> requested=<v>", in field-number order (on_rank_failure unspecified
+/// compares equal to FAIL). Empty when equal.
 std::vector<std::string> DiffGroupSpecs(const v1::GroupSpec& live, const v1::GroupSpec& requested);
 
 /// FAILED_PRECONDITION listing every differing field (DiffGroupSpecs), or OK when equal.

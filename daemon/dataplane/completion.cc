@@ -15,9 +15,9 @@ void WriteCompletion(LockstepEndpoint& ep, uint64_t seq, const RankOutcome& outc
   c.num_recv_tokens = outcome.num_recv_tokens;
   c.buffer = outcome.buffer;
   c.reason = 0;
-  c.mask_epoch = 0;
-  c.num_masked = 0;
-  c.dropped_pairs = 0;
+  c.mask_epoch = outcome.mask_epoch;
+  c.num_masked = outcome.num_masked;
+  c.dropped_pairs = outcome.dropped_pairs;
   c.reserved = 0;
   const absl::string_view msg = outcome.status.message();  // No copy: this is the hot path.
   size_t n = std::min(msg.size(), static_cast<size_t>(abi::kCompletionMessageBytes - 1));

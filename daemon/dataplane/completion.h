@@ -8,8 +8,8 @@
 namespace epd {
 
 /// Writes `outcome` as the completion of op `seq` into `ep`'s completion ring (status code,
-/// N, buffer, message truncated to abi::kMessageBytes - 1), publishes it and wakes a waiting
-/// client. Engine thread only; allocates nothing.
+/// N, buffer, the mask fields, message truncated to abi::kCompletionMessageBytes - 1), publishes it
+/// and wakes a waiting client. Engine thread only; allocates nothing.
 void WriteCompletion(LockstepEndpoint& ep, uint64_t seq, const RankOutcome& outcome);
 
 }  // namespace epd

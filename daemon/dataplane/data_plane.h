@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -64,6 +65,24 @@ class DataPlaneGroup {
   /// expires a rank for which this stays false for unmapped_endpoint_timeout_ms after its
   /// join (GroupRegistry::ExpireUnmappedEndpoints). Default: true (never expires).
   virtual bool RankMapped(int32_t /*rank*/) const { return true; }
+
+  /// Rank masking (GroupSpec.on_rank_failure = MASK, docs/RELIABILITY.md): masks the
+  /// ranks in `mask` and unmasks those in `unmask` (every rank in [0, R); `clean` unmasks
+  /// every joined rank), applied together between two ops of the group (mask epoch + 1 when
+  /// anything changed); returns the mask as it is after the change. A rank that is joined
+  /// and unmasked while an op is being collected takes part from the next op on. Errors:
+  /// INVALID_ARGUMENT (a rank out of range, or in both lists, named), FAILED_PRECONDITION
+  /// (unmask of a rank that is not joined: it is unmasked when it rejoins; a group whose
+  /// policy is not MASK). Default: FAILED_PRECONDITION (a data plane without masking).
+  virtual absl::StatusOr<v1::RankMask> UpdateRankMask(std::span<const int32_t> /*mask*/,
+                                                      std::span<const int32_t> /*unmask*/,
+                                                      bool /*clean*/) {
+    return absl::FailedPreconditionError("this data plane does not mask ranks");
+  }
+  /// The group's current rank mask (epoch 0 and no ranks when never masked).
+  virtual absl::StatusOr<v1::RankMask> GetRankMask() const {
+    return absl::FailedPreconditionError("this data plane does not mask ranks");
+  }
 
   /// Ops completed / failed by this group (for ListGroups and GetStats).
   virtual uint64_t ops_completed() const = 0;

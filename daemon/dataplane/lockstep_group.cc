@@ -35,6 +35,14 @@ using Clock = std::chrono::steady_clock;
 
 std::atomic<uint64_t> g_next_endpoint_id{1};
 
+/// Whether two ranks' requests are the same op: kind, the agreed flags and a dispatch's
+/// expert_alignment.
+bool SameOp(const abi::RequestSlot& a, const abi::RequestSlot& b) {
+  return a.op == b.op && ((a.flags ^ b.flags) & rules::kAgreedFlags) == 0 &&
+         (a.op != static_cast<uint32_t>(abi::OpKind::kDispatch) ||
+          a.expert_alignment == b.expert_alignment);
+}
+
 }  // namespace
 
 uint64_t NextEndpointId() { return g_next_endpoint_id.fetch_add(1); }
@@ -54,10 +62,16 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
       endpoints_(spec.num_ranks()),
       op_departed_(spec.num_ranks()),
       departed_(spec.num_ranks(), false),
+      masking_(spec.on_rank_failure() == v1::RANK_FAILURE_POLICY_MASK),
+      rank_masked_(spec.num_ranks(), 0),
+      pending_unmask_(spec.num_ranks(), 0),
+      pending_mask_(spec.num_ranks(), 0),
+      rejoined_(spec.num_ranks(), 0),
       running_slots_(spec.num_ranks()),
       outcomes_(spec.num_ranks()) {
   missing_.reserve(spec.num_ranks());
   gone_.reserve(spec.num_ranks());
+  mask_scratch_.reserve(spec.num_ranks());
   spanning_ = spec.nodes_size() >= 2;
   self_node_ = spanning_ ? -1 : 0;
   local_count_ = spanning_ ? 0 : spec.num_ranks();
@@ -149,8 +163,12 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
                                                    " lives on node ", node,
                                                    ", this daemon is node ", self_node_));
   }
-  // A rank rejoining while an op of the group still runs in the backend continues after it.
-  const uint64_t first_seq = current_seq_ + (running_ ? 1 : 0);
+  // A rank rejoining while an op of the group still runs in the backend continues after it;
+  // so does one rejoining a masked slot while an op is being collected (the op runs
+  // without it; it is unmasked at the boundary after it, ApplyPendingMaskLocked).
+  const bool into_masked = masking_ && rank_masked_[rank] != 0;
+  const bool after_collected = into_masked && op_started_.has_value() && !running_;
+  const uint64_t first_seq = current_seq_ + ((running_ || after_collected) ? 1 : 0);
   ep->next_seq = first_seq;
   // The ring's head/tail count slots; start them at the first seq - 1 so slot i holds
   // seq i (the client writes slot (head + 1) % capacity, see client/endpoint/ring_channel.cc).
@@ -177,13 +195,29 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   info->set_abi_version(abi::kShmAbiVersion);
   info->set_op_timeout_ms(options_.op_timeout_ms);
   info->set_first_seq(first_seq);
-  // The buffer rule's count at first_seq: a running op was counted when it started.
-  info->set_first_ll_dispatches(parity_.dispatches);
-  info->set_first_ll_combines(parity_.combines);
+  // The buffer rule's count at first_seq: a running op was counted when it started; one
+  // being collected counts as the ranks that arrived submitted it (they agree, or it fails).
+  rules::LowLatencyParity parity = parity_;
+  if (after_collected) {
+    for (const auto& other : endpoints_) {
+      if (other && other->request) {
+        parity.Advance(static_cast<abi::OpKind>(rules::Describe(other->request->op).op));
+        break;
+      }
+    }
+  }
+  info->set_first_ll_dispatches(parity.dispatches);
+  info->set_first_ll_combines(parity.combines);
   EPD_RETURN_IF_ERROR(RankAttached(rank, ep->backend));
   endpoints_[rank] = std::move(ep);
   departed_.resize(endpoints_.size(), false);
   departed_[rank] = false;
+  if (into_masked) {
+    // Hot re-attach: in step from first_seq on, unmasked at the first boundary it can
+    // take part in (now, when no op is being collected).
+    pending_unmask_[rank] = 1;
+    if (!running_) ApplyPendingMaskLocked();
+  }
   if (!log_limiter_is_owners_ && client.log_budget) {
     // What the group's ops cause is charged to its owner (the first joiner): a client
     // cannot multiply its budget by creating groups.
@@ -236,14 +270,24 @@ void LockstepGroup::DetachRank(int32_t rank) {
     // A rank that already arrived at a running op stays part of it (its resources live
     // on in the backend's running op); one that never arrived fails the op. Otherwise the
     // group's next op that waits for it fails at once (departed_).
-    if (op_started_ && !running_ && !ep->request.has_value()) {
+    const bool in_op = running_ && ep->request && ep->request->seq == running_->seq;
+    if (masking_) {
+      // Masked instead: the op being collected and later ones run without it.
+      pending_unmask_[rank] = 0;
+      if (in_op) {
+        pending_mask_[rank] = 1;  // Part of the running op: masked at its end.
+      } else {
+        const int32_t ranks[1] = {rank};
+        MaskRanksLocked(ranks, "it left the group (LeaveGroup, or its client's Session ended)");
+      }
+    } else if (op_started_ && !running_ && !ep->request.has_value()) {
       FailOp(absl::DeadlineExceededError(absl::StrCat("op ", current_seq_, " of group ",
                                                       spec_.name(), ": rank ", rank,
                                                       " left the group before arriving")));
     } else {
       departed_[rank] = true;
     }
-    const bool in_running_op = running_ && ep->request && ep->request->seq == running_->seq;
+    const bool in_running_op = in_op;
     if (ep->request && !in_running_op) {
       OpEndedWithoutLaunch(rank, *ep->request);  // Its client is gone: no completion.
     }
@@ -341,6 +385,7 @@ void LockstepGroup::FailOp(const absl::Status& status) {
   while (failed_ops_.size() > 2 * abi::kRingCapacity) failed_ops_.erase(failed_ops_.begin());
   ++current_seq_;
   op_started_.reset();
+  if (masking_) ApplyPendingMaskLocked();
 }
 
 bool LockstepGroup::Poll() {
@@ -381,8 +426,19 @@ bool LockstepGroup::Poll() {
   }
   std::vector<int32_t>& missing = missing_;  // Capacity R: no allocation.
   missing.clear();
+  bool any_arrived = false;
   for (size_t r = local_first_; r < static_cast<size_t>(local_first_ + local_count_); ++r) {
-    if (!endpoints_[r] || !endpoints_[r]->request) missing.push_back(static_cast<int32_t>(r));
+    if (rank_masked_[r]) continue;  // Not waited for.
+    if (!endpoints_[r] || !endpoints_[r]->request) {
+      missing.push_back(static_cast<int32_t>(r));
+    } else {
+      any_arrived = true;
+    }
+  }
+  if (masking_ && !any_arrived) {
+    // Every rank that had arrived was masked since: nothing is being collected.
+    op_started_.reset();
+    return worked;
   }
   // A rank that left or died since the last op cannot arrive unless it rejoins: fail the op
   // at once instead of after op_timeout (once per departure; see departed_).
@@ -405,6 +461,14 @@ bool LockstepGroup::Poll() {
     worked = true;  // Waiting for the backend: keep polling.
   }
   auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - *op_started_);
+  if (waited.count() >= options_.op_timeout_ms && masking_ && !missing.empty()) {
+    // The ranks that did not arrive are masked; the op runs for the others.
+    std::vector<int32_t>& late = mask_scratch_;
+    late.assign(missing.begin(), missing.end());
+    MaskRanksLocked(late, absl::StrCat("it did not submit op ", current_seq_, " within op_timeout ",
+                                       options_.op_timeout_ms, " ms while other ranks did"));
+    return true;  // The next Poll runs the op.
+  }
   if (waited.count() >= options_.op_timeout_ms) {
     absl::Status st = missing.empty()
                           ? absl::DeadlineExceededError(absl::StrCat(
@@ -426,10 +490,12 @@ bool LockstepGroup::Poll() {
 
 bool LockstepGroup::RunOp() {
   const int R = local_first_ + local_count_;  // Every rank, or this node's.
-  const int first = local_first_;
+  const int first = LeadRank();  // The first rank taking part (local_first_ unless masked).
   std::vector<abi::RequestSlot>& slots = running_slots_;  // [R], reused.
+  if (masking_ && ReMaskStrayRejoiners()) return true;
   // A rejected slot, or ranks disagreeing on the op, fail the op for every rank.
   for (int r = first; r < R; ++r) {
+    if (rank_masked_[r]) continue;
     if (endpoints_[r]->slot_error) {
       const absl::Status& e = *endpoints_[r]->slot_error;
       FailOp(absl::Status(e.code(), absl::StrCat("rank ", r, ": ", e.message())));
@@ -437,11 +503,15 @@ bool LockstepGroup::RunOp() {
     }
     slots[r] = *endpoints_[r]->request;
   }
+  // A masked rank takes part as one without tokens (rank_masked()).
+  for (int r = local_first_; r < R; ++r) {
+    if (!rank_masked_[r]) continue;
+    slots[r] = slots[first];
+    slots[r].num_tokens = 0;
+  }
   for (int r = first + 1; r < R; ++r) {
-    bool same_flags = ((slots[r].flags ^ slots[first].flags) & rules::kAgreedFlags) == 0;
-    if (slots[r].op != slots[first].op || !same_flags ||
-        (slots[first].op == static_cast<uint32_t>(abi::OpKind::kDispatch) &&
-         slots[r].expert_alignment != slots[first].expert_alignment)) {
+    if (rank_masked_[r]) continue;
+    if (!SameOp(slots[r], slots[first])) {
       // Name what differs: the op, an option flag, or expert_alignment.
       auto describe = [](const abi::RequestSlot& x) {
         return absl::StrCat(
@@ -476,17 +546,18 @@ bool LockstepGroup::RunOp() {
     std::vector<std::vector<ProgramStepPlan>> programs(R);
     for (int r = first; r < R; ++r) programs[r] = *DecodeProgram(slots[r], shape_);
     for (int r = first + 1; r < R; ++r) {
-      const size_t n = std::max(programs[0].size(), programs[r].size());
+      if (rank_masked_[r]) continue;
+      const size_t n = std::max(programs[first].size(), programs[r].size());
       for (size_t i = 0; i < n; ++i) {
         auto name = [&](int rank) {
           return i < programs[rank].size() ? ProgramStepName(programs[rank][i])
                                            : std::string("(no step)");
         };
-        if (name(0) != name(r)) {
+        if (name(first) != name(r)) {
           FailOp(absl::FailedPreconditionError(
               absl::StrCat("RegisterProgram: ranks disagree on the program of group ", spec_.name(),
-                           ": step ", i, " is ", name(0), " at rank 0 but ", name(r), " at rank ",
-                           r, " (every rank must register the same program)")));
+                           ": step ", i, " is ", name(first), " at rank ", first, " but ", name(r),
+                           " at rank ", r, " (every rank must register the same program)")));
           return true;
         }
       }
@@ -495,7 +566,7 @@ bool LockstepGroup::RunOp() {
   }
   if (plan.op == abi::OpKind::kLowLatencyCombine) {
     for (int r = first + 1; r < R; ++r) {
-      if (slots[r].handle_seq != slots[first].handle_seq) {
+      if (!rank_masked_[r] && slots[r].handle_seq != slots[first].handle_seq) {
         FailOp(absl::InvalidArgumentError(absl::StrCat(
             "LowLatencyCombine: ranks disagree on the dispatch: rank ", first, " uses op ",
             slots[first].handle_seq, ", rank ", r, " uses op ", slots[r].handle_seq)));
@@ -512,6 +583,10 @@ bool LockstepGroup::RunOp() {
   CountOp(slots[first].op);
   running_ = std::move(plan);
   for (RankOutcome& o : outcomes_) o = RankOutcome{};
+  for (RankOutcome& o : outcomes_) {
+    o.mask_epoch = mask_epoch_;
+    o.num_masked = num_masked_;
+  }
   if (StartOpInto(*running_, running_slots_, outcomes_)) FinishOp();
   return true;
 }
@@ -521,12 +596,16 @@ void LockstepGroup::FinishOp() {
   const std::vector<abi::RequestSlot>& slots = running_slots_;
   std::vector<RankOutcome>& outcomes = outcomes_;
   const int R = static_cast<int>(slots.size());
+  for (RankOutcome& o : outcomes) {
+    o.mask_epoch = mask_epoch_;
+    o.num_masked = num_masked_;
+  }
   // One rank's error (e.g. its bad expert ids) in an op that exchanges data makes every
   // rank's output undefined, so every rank gets it.
   if (rules::Describe(plan.op).exchanges_data) {
     int first_bad = -1;
     for (int r = 0; r < R && first_bad < 0; ++r) {
-      if (!outcomes[r].status.ok()) first_bad = r;
+      if (!outcomes[r].status.ok() && !rank_masked_[r]) first_bad = r;
     }
     if (first_bad >= 0) {
       const absl::Status& e = outcomes[first_bad].status;
@@ -539,13 +618,18 @@ void LockstepGroup::FinishOp() {
     }
   }
   bool all_ok = true;
-  for (const RankOutcome& o : outcomes) all_ok &= o.status.ok();
+  int first_ok_or_bad = local_first_;  // The rank whose outcome a late rank is told.
+  for (int r = 0; r < R; ++r) {
+    if (rank_masked_[r]) continue;
+    all_ok &= outcomes[r].status.ok();
+    if (r >= local_first_ && rank_masked_[first_ok_or_bad]) first_ok_or_bad = r;
+  }
   if (all_ok) {
     switch (plan.op) {
       case abi::OpKind::kDispatch:
         for (int r = 0; r < R; ++r) {
           LockstepEndpoint* ep = endpoints_[r].get();
-          if (!ep) continue;
+          if (!ep || rank_masked_[r]) continue;
           ep->handles.DispatchDone(slots[r].seq, plan.flags & abi::kFlagCachedHandle,
                                    slots[r].num_tokens, outcomes[r].num_recv_tokens,
                                    plan.flags & abi::kFlagFp8);
@@ -555,7 +639,7 @@ void LockstepGroup::FinishOp() {
         ll_dispatch_seq_[plan.ll_buffer] = plan.seq;
         for (int r = 0; r < R; ++r) {
           outcomes[r].buffer = plan.ll_buffer;
-          if (LockstepEndpoint* ep = endpoints_[r].get()) {
+          if (LockstepEndpoint* ep = rank_masked_[r] ? nullptr : endpoints_[r].get()) {
             ep->handles.LowLatencyDispatchEnded(slots[r].seq, plan.ll_buffer, slots[r].num_tokens,
                                                 /*ok=*/true);
           }
@@ -589,14 +673,196 @@ void LockstepGroup::FinishOp() {
     ep->request.reset();
   }
   if (!all_ok) {
-    failed_ops_[plan.seq] = outcomes[local_first_].status;
+    failed_ops_[plan.seq] = outcomes[first_ok_or_bad].status;
     while (failed_ops_.size() > 2 * abi::kRingCapacity) failed_ops_.erase(failed_ops_.begin());
+  }
+  if (all_ok) {
+    for (int r = 0; r < R; ++r) {
+      if (!rank_masked_[r]) rejoined_[r] = 0;  // In step: it took part in an op.
+    }
   }
   running_.reset();                              // `plan` dies here.
   for (auto& kept : op_departed_) kept.reset();  // Ranks that left during the op.
   (all_ok ? ops_completed_ : ops_failed_).fetch_add(1);
   ++current_seq_;
   op_started_.reset();
+  if (masking_) ApplyPendingMaskLocked();
+}
+
+// ---- rank masking ----------------------------------------------------------------------
+
+int32_t LockstepGroup::LeadRank() const {
+  int32_t r = local_first_;
+  while (r < local_first_ + local_count_ && rank_masked_[r]) ++r;
+  return r;
+}
+
+bool LockstepGroup::ReMaskStrayRejoiners() {
+  const int32_t end = local_first_ + local_count_;
+  int32_t ref = -1;  // The first rank taking part that is in step.
+  for (int32_t r = local_first_; r < end && ref < 0; ++r) {
+    if (!rank_masked_[r] && !rejoined_[r] && !endpoints_[r]->slot_error) ref = r;
+  }
+  std::vector<int32_t>& stray = mask_scratch_;
+  stray.clear();
+  for (int32_t r = local_first_; r < end; ++r) {
+    if (rank_masked_[r] || !rejoined_[r]) continue;
+    const LockstepEndpoint& ep = *endpoints_[r];
+    if (ep.slot_error || (ref >= 0 && !SameOp(*ep.request, *endpoints_[ref]->request))) {
+      stray.push_back(r);
+    }
+  }
+  if (stray.empty()) return false;
+  for (int32_t r : stray) {
+    const LockstepEndpoint& ep = *endpoints_[r];
+    LogRankCaused(r, spdlog::level::warn,
+                  "group {}: rank {} (just unmasked) submitted {} for op {}{}; it is masked again "
+                  "and unmasked at the next op",
+                  spec_.name(), r, OpName(ep.request->op), current_seq_,
+                  ep.slot_error ? absl::StrCat(", which was rejected: ", ep.slot_error->message())
+                  : ref >= 0    ? absl::StrCat(", where rank ", ref, " submitted ",
+                                               OpName(endpoints_[ref]->request->op))
+                                : std::string());
+  }
+  std::vector<int32_t> ranks(stray.begin(), stray.end());  // Off the steady state: may allocate.
+  MaskRanksLocked(ranks, "its first op after being unmasked differs from the group's");
+  for (int32_t r : ranks) pending_unmask_[r] = 1;
+  return true;
+}
+
+absl::Status LockstepGroup::MaskedError(int32_t rank, uint64_t seq) const {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "op ", seq, " of group ", spec_.name(), " runs without rank ", rank,
+      ": the rank is masked (mask epoch ", mask_epoch_,
+      "); unmask it (UpdateRankMask, CleanRankMask) or rejoin its slot from a new process"));
+}
+
+v1::RankMask LockstepGroup::MaskMessageLocked() const {
+  v1::RankMask m;
+  m.set_epoch(mask_epoch_);
+  for (size_t r = 0; r < rank_masked_.size(); ++r) {
+    if (rank_masked_[r]) m.add_masked_ranks(static_cast<int32_t>(r));
+  }
+  return m;
+}
+
+void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why) {
+  bool changed = false;
+  for (int32_t r : ranks) {
+    pending_mask_[r] = 0;
+    pending_unmask_[r] = 0;
+    if (rank_masked_[r]) continue;
+    if (!changed) ++mask_epoch_;
+    changed = true;
+    rank_masked_[r] = 1;
+    ++num_masked_;
+    EngineLog()->warn(
+        "group {}: rank {} masked (mask epoch {}, {} of {} ranks masked): {}; the group's ops "
+        "run without it until it rejoins or is unmasked",
+        spec_.name(), r, mask_epoch_, num_masked_, rank_masked_.size(), why);
+    RankMaskChanged(r, true);
+    LockstepEndpoint* ep = endpoints_[r].get();
+    if (ep && ep->request) {
+      // It had arrived at the op being collected, which now runs without it.
+      CompleteUnrun(r, *ep, *ep->request, MaskedError(r, ep->request->seq));
+      ep->request.reset();
+      ep->slot_error.reset();
+    }
+  }
+}
+
+void LockstepGroup::ApplyPendingMaskLocked() {
+  std::vector<int32_t>& to_mask = mask_scratch_;
+  to_mask.clear();
+  for (size_t r = 0; r < pending_mask_.size(); ++r) {
+    if (pending_mask_[r]) to_mask.push_back(static_cast<int32_t>(r));
+  }
+  if (!to_mask.empty()) MaskRanksLocked(to_mask, "asked while an op ran (UpdateRankMask or left)");
+  bool changed = false;
+  for (size_t r = 0; r < pending_unmask_.size(); ++r) {
+    if (!pending_unmask_[r]) continue;
+    const LockstepEndpoint* ep = endpoints_[r].get();
+    if (!ep) {
+      pending_unmask_[r] = 0;  // Detached: unmasked when it rejoins.
+      continue;
+    }
+    // One that already passed the op being collected (refused as masked) waits for the next.
+    if (ep->next_seq > current_seq_) continue;
+    pending_unmask_[r] = 0;
+    if (!rank_masked_[r]) continue;
+    if (!changed) ++mask_epoch_;
+    changed = true;
+    rank_masked_[r] = 0;
+    rejoined_[r] = 1;
+    --num_masked_;
+    RankMaskChanged(static_cast<int32_t>(r), false);
+    EngineLog()->info(
+        "group {}: rank {} unmasked (mask epoch {}, {} ranks masked): it takes part "
+        "from op {} on",
+        spec_.name(), r, mask_epoch_, num_masked_, current_seq_);
+  }
+}
+
+absl::StatusOr<v1::RankMask> LockstepGroup::UpdateRankMask(std::span<const int32_t> mask,
+                                                           std::span<const int32_t> unmask,
+                                                           bool clean) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!masking_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", spec_.name(), ": on_rank_failure is ",
+        v1::RankFailurePolicy_Name(spec_.on_rank_failure()),
+        ", not RANK_FAILURE_POLICY_MASK: its ranks cannot be masked (the policy is part of the "
+        "spec every rank joins with)"));
+  }
+  const int32_t R = static_cast<int32_t>(rank_masked_.size());
+  for (int32_t r : mask) {
+    if (r < 0 || r >= R) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("mask: rank ", r, " is outside [0, ", R, ") of group ", spec_.name()));
+    }
+  }
+  for (int32_t r : unmask) {
+    if (r < 0 || r >= R) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unmask: rank ", r, " is outside [0, ", R, ") of group ", spec_.name()));
+    }
+    if (std::find(mask.begin(), mask.end(), r) != mask.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unmask: rank ", r, " is also in mask; name each rank of group ", spec_.name(), " once"));
+    }
+    if (!endpoints_[r] && rank_masked_[r]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("unmask: rank ", r, " of group ", spec_.name(),
+                       " is not joined; it is unmasked when a process joins its slot"));
+    }
+  }
+  if (running_) {
+    // Between ops: after the one the backend runs (FinishOp applies it).
+    for (int32_t r : mask) pending_mask_[r] = 1;
+  } else {
+    std::vector<int32_t> ranks(mask.begin(), mask.end());  // An RPC, not an op: may allocate.
+    MaskRanksLocked(ranks, "masked by a client (UpdateRankMask)");
+  }
+  for (int32_t r : unmask) pending_unmask_[r] = 1;
+  if (clean) {
+    for (int32_t r = 0; r < R; ++r) {
+      if (endpoints_[r]) pending_unmask_[r] = 1;
+    }
+  }
+  if (!running_) ApplyPendingMaskLocked();
+  WakeEngine();
+  return MaskMessageLocked();
+}
+
+absl::StatusOr<v1::RankMask> LockstepGroup::GetRankMask() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!masking_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", spec_.name(), ": on_rank_failure is ",
+                     v1::RankFailurePolicy_Name(spec_.on_rank_failure()),
+                     ", not RANK_FAILURE_POLICY_MASK: the group masks no ranks"));
+  }
+  return MaskMessageLocked();
 }
 
 }  // namespace epd

@@ -93,6 +93,12 @@ struct RankOutcome {
   absl::Status status;
   int32_t num_recv_tokens = 0;  ///< Dispatch: N received by the rank.
   int32_t buffer = 0;           ///< Low-latency ops: filled in by LockstepGroup.
+  /// The rank mask the op ran with (filled in by LockstepGroup) and, written by the
+  /// backend, how many of this rank's token-expert pairs (normal combine: token-rank
+  /// routes) it dropped because their rank was masked.
+  uint32_t mask_epoch = 0;
+  uint32_t num_masked = 0;
+  int32_t dropped_pairs = 0;
 };
 
 /// One step of a graph-mode program with its fixed low-latency buffers (op_rules.h).
@@ -144,6 +150,9 @@ class LockstepGroup : public DataPlaneGroup {
                           const RankClient& client, v1::EndpointInfo* info) final;
   void DetachRank(int32_t rank) final;
   absl::StatusOr<EndpointFds> TakeEndpointFds(int32_t rank) final;
+  absl::StatusOr<v1::RankMask> UpdateRankMask(std::span<const int32_t> mask,
+                                              std::span<const int32_t> unmask, bool clean) final;
+  absl::StatusOr<v1::RankMask> GetRankMask() const final;
   uint64_t ops_completed() const final { return ops_completed_.load(); }
   uint64_t ops_failed() const final { return ops_failed_.load(); }
   uint64_t rank_ops_completed(int32_t rank) const final;
@@ -258,6 +267,18 @@ class LockstepGroup : public DataPlaneGroup {
         "graph-mode programs (RegisterProgram) need the CUDA backend with a daemon-launched "
         "endpoint; this backend runs every op from its ring");
   }
+  /// Called under mu_ when rank `rank` becomes masked (true) or unmasked (false), between
+  /// two ops: the backend prepares what a masked rank's part of an op needs (its endpoint
+  /// may be gone), or drops it.
+  virtual void RankMaskChanged(int32_t /*rank*/, bool /*masked*/) {}
+  /// Whether the group masks failed ranks (GroupSpec.on_rank_failure = MASK).
+  bool masking() const { return masking_; }
+  /// [R] the mask of the op being collected or running: nonzero = rank r is masked (it
+  /// takes no part: it sends nothing, its experts receive nothing, the op does not wait for
+  /// it; its endpoint may be detached). StartOpInto's slots[r] of a masked rank is a copy
+  /// of a taking-part rank's slot with num_tokens 0, and its outcome must be left OK.
+  /// Call with mu_ held.
+  const std::vector<uint8_t>& rank_masked() const { return rank_masked_; }
   /// Called under mu_ at the start of every Poll: background work of the backend (the CUDA
   /// backend runs an armed program's instances here). True if it did work or must keep
   /// the engine polling.
@@ -332,6 +353,26 @@ class LockstepGroup : public DataPlaneGroup {
   bool RunOp();
   /// Completes the running op (running_, running_slots_) with outcomes_ for every rank.
   void FinishOp();
+  // ---- rank masking (lockstep_group.cc) ----
+  /// Masks `ranks` now (mask epoch + 1 when any was not masked), logging each once with
+  /// `why`. A masked rank's request waiting for the op being collected is completed with
+  /// MaskedError. Not while running_ (see pending_mask_).
+  void MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why);
+  /// Unmasks every rank r with pending_unmask_[r] that can take part in the op being
+  /// collected (attached, not yet past it), clearing its pending bit; others stay pending
+  /// (attached) or masked (detached). Applies pending_mask_ too. Not while running_.
+  void ApplyPendingMaskLocked();
+  /// Masks again every just-unmasked rank (rejoined_) whose request for the collected op
+  /// was rejected or differs from the first in-step rank's, so that the op runs without
+  /// it; it is unmasked again at the next boundary (it then submits the group's next op).
+  /// True when it masked any.
+  bool ReMaskStrayRejoiners();
+  /// FAILED_PRECONDITION for a request of masked rank `rank` for op `seq`.
+  absl::Status MaskedError(int32_t rank, uint64_t seq) const;
+  /// The mask as the RankMask message.
+  v1::RankMask MaskMessageLocked() const;
+  /// The first local rank that is not masked (local_first_ + local_count_ when none).
+  int32_t LeadRank() const;
   /// Counts op current_seq_ of kind `op` in parity_ (started or failed, once per op); a
   /// low-latency dispatch takes its buffer from every handle that owned it.
   void CountOp(uint32_t op);
@@ -358,7 +399,22 @@ class LockstepGroup : public DataPlaneGroup {
   /// has not rejoined; the group's next op that waits for it fails at once (once: later
   /// ops wait op_timeout for a rejoin again, a natural back-off for retrying peers).
   std::vector<bool> departed_;
-  uint64_t current_seq_ = 1;  ///< The group op being collected or running.
+  /// Rank masking: whether the spec asks for it, the mask (rank_masked()), its epoch (+1
+  /// per change) and count, and changes waiting for the next op boundary: an unmask of a
+  /// rank that already passed the op being collected (a rejoin while an op is collected,
+  /// or a masked rank refused for it), and masks asked while an op runs in the backend.
+  bool masking_ = false;
+  std::vector<uint8_t> rank_masked_;
+  uint32_t mask_epoch_ = 0;
+  uint32_t num_masked_ = 0;
+  std::vector<uint8_t> pending_unmask_;
+  std::vector<uint8_t> pending_mask_;
+  /// rejoined_[r]: rank r was unmasked and has not yet taken part in a successful op; an op
+  /// it disagrees on (or submits a rejected slot for: e.g. a combine of a dispatch it never
+  /// saw) masks it again instead of failing the group (ReMaskStrayRejoiners).
+  std::vector<uint8_t> rejoined_;
+  std::vector<int32_t> mask_scratch_;  ///< Poll: ranks to mask (capacity R).
+  uint64_t current_seq_ = 1;           ///< The group op being collected or running.
   std::optional<std::chrono::steady_clock::time_point> op_started_;
   std::optional<OpPlan> running_;  ///< The op the backend is running.
   // Per-op state sized R at construction and reused, so that an op allocates nothing

@@ -17,7 +17,10 @@ using Clock = std::chrono::steady_clock;
 
 void LockstepGroup::CompleteUnrun(int32_t rank, LockstepEndpoint& ep, const abi::RequestSlot& slot,
                                   const absl::Status& status) {
-  WriteCompletion(ep, slot.seq, {status});
+  RankOutcome outcome{status};
+  outcome.mask_epoch = mask_epoch_;
+  outcome.num_masked = num_masked_;
+  WriteCompletion(ep, slot.seq, outcome);
   OpEndedWithoutLaunch(rank, slot);
 }
 
@@ -122,16 +125,27 @@ bool LockstepGroup::PopRequests() {
         }
       }
       if (seq < current_seq_) {
-        // This op already failed (timeout) before the rank arrived.
+        // This op already failed (timeout) before the rank arrived, or, under masking, ran
+        // without it.
         auto it = failed_ops_.find(seq);
         absl::Status st =
             it != failed_ops_.end()
                 ? absl::Status(it->second.code(),
                                absl::StrCat("rank ", rank, " arrived after op ", seq,
                                             " had failed for the group: ", it->second.message()))
+            : masking_
+                ? absl::FailedPreconditionError(absl::StrCat(
+                      "op ", seq, " of group ", spec_.name(), " ran without rank ", rank,
+                      ", which was masked (mask epoch ", mask_epoch_, ") before it arrived"))
                 : absl::DeadlineExceededError(absl::StrCat("op ", seq, " of group ", spec_.name(),
                                                            " failed before this rank arrived"));
         CompleteUnrun(rank, *ep, slot, st);
+        continue;
+      }
+      if (rank_masked_[r]) {
+        // Masked: the op is not waited for nor run with this rank. Unmasking it waits for
+        // the next op (ApplyPendingMaskLocked).
+        CompleteUnrun(rank, *ep, slot, MaskedError(rank, seq));
         continue;
       }
       ep->request = slot;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,27 @@ int RunHostBench();
 /// the bytes that cross nodes, the one-node group's time and (CUDA) the host copies of
 /// those bytes (tests/bench/bench_internode.cc).
 int RunInternodeBench(const std::string& backend);
+
+/// Host backend, rank masking through a real epd (tests/bench/bench_mask.cc): the time from
+/// kill -9 of a rank's process to the first op without it, and from a rejoin to the first op
+/// with it, beside the goal (< 100 ms). Called by RunHostBench; --mask_trials=0 skips it.
+int RunMaskBench(bool json);
+/// With --mask_victim: runs as the bench's masked rank (a re-run of this binary) and never
+/// returns but with an error; -1 without the flag.
+int MaybeRunMaskVictim();
+
+/// The `epd` next to this binary, else the build tree's (tests/bench/epd_bench →
+/// daemon/epd), else "epd" (from PATH).
+inline std::string SiblingEpdPath() {
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return "epd";
+  for (const std::filesystem::path& p :
+       {self.parent_path() / "epd", self.parent_path() / ".." / ".." / "daemon" / "epd"}) {
+    if (std::filesystem::exists(p, ec)) return p.lexically_normal().string();
+  }
+  return "epd";
+}
 
 /// Latency percentiles of a sample, in the sample's unit.
 struct Percentiles {

@@ -306,7 +306,8 @@ int RunHostBench() {
     std::printf("(wake-up cost = asleep - awake; the engine sleeps after %u us idle)\n",
                 o.engine_idle_us);
   }
-  return 0;
+  std::fflush(stdout);
+  return RunMaskBench(json);
 }
 
 }  // namespace epd::bench

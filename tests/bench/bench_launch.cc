@@ -89,15 +89,7 @@ constexpr absl::Duration kWaitTimeout = absl::Seconds(30);
 /// (tests/bench/epd_bench → daemon/epd).
 std::string EpdPath() {
   const std::string flag = absl::GetFlag(FLAGS_epd);
-  if (!flag.empty()) return flag;
-  std::error_code ec;
-  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) return "epd";
-  for (const std::filesystem::path& p :
-       {self.parent_path() / "epd", self.parent_path() / ".." / ".." / "daemon" / "epd"}) {
-    if (std::filesystem::exists(p, ec)) return p.lexically_normal().string();
-  }
-  return "epd";
+  return flag.empty() ? SiblingEpdPath() : flag;
 }
 
 DLTensor CudaTensor(void* data, DLDataType dtype, std::vector<int64_t>& shape) {

@@ -6,7 +6,9 @@
 //                                             beside NCCL all-to-all (skips on one GPU)
 //   epd_bench --backend=cuda --mode=launch [--epd=PATH | --socket=PATH]   launch modes
 //                                             through a real epd (client-, daemon-launched)
-//   epd_bench --backend=host                  host backend (daemon + clients over shm)
+//   epd_bench --backend=host                  host backend (daemon + clients over shm), then
+//                                             rank masking through a real epd (kill -9,
+//                                             rejoin; --mask_trials=0 skips it)
 //   epd_bench --backend=host --nodes=2 --ranks_per_node=2   a group across 2 real daemons,
 //                                             beside plain TCP and the one-node group
 //   epd_bench --backend=cuda --nodes=2 --ranks_per_node=4   the same on the CUDA backend
@@ -32,6 +34,7 @@ int main(int argc, char** argv) {
       "and bandwidth "
       "of the epd data plane beside same-run bounds");
   absl::ParseCommandLine(argc, argv);
+  if (const int victim = epd::bench::MaybeRunMaskVictim(); victim >= 0) return victim;
   const std::string backend = absl::GetFlag(FLAGS_backend);
   const std::string mode = absl::GetFlag(FLAGS_mode);
   if (backend != "cuda" && backend != "host") {

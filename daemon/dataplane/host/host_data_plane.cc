@@ -49,6 +49,16 @@ struct HostRank : RankResources {
   explicit HostRank(const kernels::GroupShape& s) : routing(s) {}
 };
 
+/// What a masked rank's part of an op works on in place of its endpoint (which may be
+/// gone): a data area and routing state of its own, written with the rank's empty outputs
+/// and never read by the others (no pair is routed to a masked rank). Made when the rank is
+/// masked, freed when it is unmasked.
+struct MaskedRankArea {
+  RankRouting routing;
+  std::vector<uint8_t> area;
+  MaskedRankArea(const kernels::GroupShape& s, uint64_t bytes) : routing(s), area(bytes, 0) {}
+};
+
 class HostDataPlaneImpl : public DataPlane {
  public:
   explicit HostDataPlaneImpl(const HostDataPlaneOptions& options);
@@ -96,6 +106,7 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   HostGroup(HostDataPlaneImpl* plane, const v1::GroupSpec& spec)
       : LockstepGroup(spec, LockstepOptionsOf(plane->options())),
         plane_(plane),
+        masked_areas_(spec.num_ranks()),
         dispatch_args_(spec.num_ranks()),
         combine_args_(spec.num_ranks()),
         ll_dispatch_args_(spec.num_ranks()),
@@ -187,6 +198,11 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
     exchange_->SetLocalRanksJoined(bits);
   }
   void WakeEngine() override { plane_->WakeEngine(); }
+  /// A masked rank's stand-in is made by the first op that needs it (Execute), so that
+  /// ranks leaving a group that is being torn down allocate nothing; freed when unmasked.
+  void RankMaskChanged(int32_t rank, bool masked) override {
+    if (!masked) masked_areas_[rank].reset();
+  }
   /// The plane's one doorbell page serves every rank.
   absl::StatusOr<ScopedFd> DoorbellFd(int32_t /*rank*/) const override {
     return plane_->doorbell().DupFd();
@@ -257,22 +273,37 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   /// and inputs read as values only).
   template <typename T>
   T* Ptr(int rank, const kernels::Region& r) const {
-    return RegionPtr<T>(endpoint(rank)->shm_data(), r);
+    return RegionPtr<T>(Area(rank), r);
   }
-  /// Rank `rank`'s private routing state.
+  /// Rank `rank`'s data area: its shm region's, or a masked rank's stand-in.
+  uint8_t* Area(int rank) const {
+    return rank_masked()[rank] ? masked_areas_[rank]->area.data() : endpoint(rank)->shm_data();
+  }
+  /// Rank `rank`'s private routing state (a masked rank's stand-in's).
   RankRouting& Private(int rank) const {
+    if (rank_masked()[rank]) return masked_areas_[rank]->routing;
     return static_cast<HostRank&>(*op_endpoint(rank)->backend).routing;
   }
-  absl::StatusOr<const int64_t*> TakeTopkIdx(int rank, int32_t num_tokens) const {
-    return epd::TakeTopkIdx(shape(), layout(), endpoint(rank)->shm_data(), Private(rank), rank,
-                            num_tokens);
+  /// The checked copy of rank `rank`'s topk_idx, with the pairs of masked ranks' experts
+  /// dropped (counted in `*dropped`).
+  absl::StatusOr<const int64_t*> TakeTopkIdx(int rank, int32_t num_tokens, int32_t* dropped) const {
+    absl::StatusOr<const int64_t*> idx =
+        epd::TakeTopkIdx(shape(), layout(), Area(rank), Private(rank), rank, num_tokens);
+    if (idx.ok() && any_masked_) {
+      *dropped = kernels::host::DropMaskedExperts(shape(), rank_masked(), num_tokens,
+                                                  Private(rank).topk_idx.data());
+    }
+    return idx;
   }
   void Publish(int rank, const std::vector<int32_t>& src, int64_t rows, int64_t row_elems,
                const kernels::Region& dst) const {
-    PublishRouting(endpoint(rank)->shm_data(), src, rows, row_elems, dst);
+    PublishRouting(Area(rank), src, rows, row_elems, dst);
   }
 
   HostDataPlaneImpl* plane_;
+  /// [R] each masked rank's stand-in (RankMaskChanged); null for the others.
+  std::vector<std::unique_ptr<MaskedRankArea>> masked_areas_;
+  bool any_masked_ = false;                 ///< Execute: whether the running op masks any rank.
   std::unique_ptr<NodeExchange> exchange_;  ///< A spanning group's; null otherwise.
   const OpPlan* span_plan_ = nullptr;       ///< The running spanning op.
   const std::vector<abi::RequestSlot>* span_slots_ = nullptr;
@@ -353,13 +384,31 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
   const kernels::GroupShape& gs = shape();
   const kernels::host::HostExecution exec = Execution();
   auto fail_all = [&](const absl::Status& st) {
-    for (auto& o : out) o.status = st;
+    for (int r = 0; r < R; ++r) {
+      if (!rank_masked()[r]) out[r].status = st;
+    }
   };
   const EndpointLayout& L = layout();
+  any_masked_ = false;
+  for (int r = 0; r < R; ++r) {
+    if (!rank_masked()[r]) continue;
+    any_masked_ = true;
+    if (masked_areas_[r]) continue;
+    try {  // Once per masking, not per op.
+      masked_areas_[r] = std::make_unique<MaskedRankArea>(gs, L.total_bytes);
+    } catch (const std::bad_alloc&) {
+      return fail_all(absl::ResourceExhaustedError(
+          absl::StrCat("group ", spec().name(), ": out of host memory for masked rank ", r,
+                       "'s stand-in (", L.total_bytes,
+                       " bytes of data area and its routing state); free memory, or rejoin "
+                       "or unmask the rank")));
+    }
+  }
   switch (op) {
     case abi::OpKind::kGetDispatchLayout: {
       for (int r = 0; r < R; ++r) {
-        out[r].status = RunLayoutOp(gs, L, endpoint(r)->shm_data(), Private(r), r, slots[r], exec,
+        if (rank_masked()[r]) continue;
+        out[r].status = RunLayoutOp(gs, L, Area(r), Private(r), r, slots[r], exec,
                                     &plane_->options().on_kernels);
       }
       return;
@@ -371,7 +420,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
       for (int r = 0; r < R; ++r) {
         auto& a = args[r];
         a = {};
-        const LockstepEndpoint& ep = *endpoint(r);
+        const bool masked = rank_masked()[r] != 0;
         a.num_tokens = slots[r].num_tokens;
         a.x = Ptr<const void>(r, L.in_x);
         a.x_scales = fp8 ? Ptr<const float>(r, L.in_scales) : nullptr;
@@ -379,9 +428,13 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         RankRouting& hr = Private(r);
         if (cached) {
           a.cached_send_pos = hr.send_pos.data();  // Rewritten in place (memmove).
-          a.cached_num_recv_tokens = ep.handles.num_recv_tokens();
+          a.cached_num_recv_tokens = masked ? 0 : endpoint(r)->handles.num_recv_tokens();
+          if (any_masked_) {
+            out[r].dropped_pairs = kernels::host::DropMaskedRoutes(gs, rank_masked(), a.num_tokens,
+                                                                   hr.send_pos.data());
+          }
         } else {
-          absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens);
+          absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens, &out[r].dropped_pairs);
           if (!idx.ok()) return fail_all(idx.status());
           a.topk_idx = *idx;
         }
@@ -417,10 +470,14 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
       for (int r = 0; r < R; ++r) {
         auto& a = args[r];
         a = {};
-        const LockstepEndpoint& ep = *endpoint(r);
-        a.num_tokens = ep.handles.routing_tokens();
+        const LockstepEndpoint* ep = rank_masked()[r] ? nullptr : endpoint(r);
+        a.num_tokens = ep ? ep->handles.routing_tokens() : 0;
         a.send_pos = Private(r).send_pos.data();
-        a.num_recv_tokens = ep.handles.num_recv_tokens();
+        a.num_recv_tokens = ep ? ep->handles.num_recv_tokens() : 0;
+        if (any_masked_) {
+          out[r].dropped_pairs = kernels::host::DropMaskedRoutes(gs, rank_masked(), a.num_tokens,
+                                                                 Private(r).send_pos.data());
+        }
         a.x = Ptr<const kernels::bf16_bits>(r, L.in_combine_x);
         a.topk_weights = weights ? Ptr<const float>(r, L.in_combine_weights) : nullptr;
         a.combined_x = Ptr<kernels::bf16_bits>(r, L.combined_x);
@@ -447,7 +504,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         a.recv_count = Ptr<int32_t>(r, L.ll_recv_count[b]);
         a.recv_src_info = Ptr<int32_t>(r, L.ll_recv_src_info[b]);
         a.handle_pos = Private(r).ll_handle_pos[b].data();
-        absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens);
+        absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens, &out[r].dropped_pairs);
         if (!idx.ok()) return fail_all(idx.status());
         a.topk_idx = *idx;
       }
@@ -479,7 +536,7 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
         a.handle_pos = Private(r).ll_handle_pos[hb].data();
         a.x = Ptr<const kernels::bf16_bits>(r, L.in_ll_combine_x);
         a.combined_x = Ptr<kernels::bf16_bits>(r, L.ll_combined_x[ob]);
-        absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens);
+        absl::StatusOr<const int64_t*> idx = TakeTopkIdx(r, a.num_tokens, &out[r].dropped_pairs);
         if (!idx.ok()) return fail_all(idx.status());
         a.topk_idx = *idx;
       }

@@ -272,6 +272,21 @@ absl::Status LowLatencyCombine(const GroupShape& shape, std::span<LowLatencyComb
 void QuantizeRowFp8(const bf16_bits* x, int32_t hidden, bool round_scale, e4m3_bits* out,
                     float* scales);
 
+// ---- rank masking ----------------------------------------------------------------------
+
+/// Drops the token-expert pairs of topk_idx [T, K] whose expert lives on a masked rank
+/// (expert e on rank e / (E / R)): sets each such id to -1, so that every op then treats it
+/// as no expert (nothing sent, zeros in combine). `rank_masked` [R]: nonzero = masked. Ids
+/// outside [0, E) are left as they are (CheckTopkIdx reports them). Returns how many ids it
+/// set to -1. Allocates nothing.
+int32_t DropMaskedExperts(const GroupShape& shape, std::span<const uint8_t> rank_masked,
+                          int32_t num_tokens, int64_t* topk_idx);
+
+/// The same for a normal dispatch's handle send_pos [T, R]: the row sent to each masked
+/// rank becomes -1 (combine then takes nothing from it). Returns how many it set to -1.
+int32_t DropMaskedRoutes(const GroupShape& shape, std::span<const uint8_t> rank_masked,
+                         int32_t num_tokens, int32_t* send_pos);
+
 /// Checks every id of topk_idx [T, K] is in [-1, E); else INVALID_ARGUMENT naming the
 /// rank, token, k and value.
 absl::Status CheckTopkIdx(const GroupShape& shape, int32_t rank, int32_t num_tokens,
