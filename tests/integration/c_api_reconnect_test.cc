@@ -142,11 +142,7 @@ std::string RunRound(epd_endpoint_t* ep, int rank, int round) {
 class CApiReconnectTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    DaemonProcessOptions o;
-    o.tcp = false;
-    o.log_level = "info";
-    o.extra_args = {"--op_timeout=10s"};
-    auto epd = DaemonProcess::Start(o);
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(UnixSocketOnly());
     ASSERT_TRUE(epd.ok()) << epd.status();
     epd_ = *std::move(epd);
     epd_client_options_t co{};

@@ -36,11 +36,7 @@ enum class Fault { kSigterm, kSigkill };
 class ReconnectTest : public ::testing::TestWithParam<Fault> {
  protected:
   void SetUp() override {
-    DaemonProcessOptions options;
-    options.tcp = false;
-    options.log_level = "info";
-    options.extra_args = {"--op_timeout=10s"};
-    absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(options);
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(UnixSocketOnly());
     ASSERT_TRUE(epd.ok()) << epd.status();
     epd_ = std::move(*epd);
     for (int rank = 0; rank < 2; ++rank) {
