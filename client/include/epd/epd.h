@@ -110,7 +110,8 @@ EPD_API epd_status_t epd_client_connect(const epd_client_options_t* options, epd
 /** Closes the Session (the daemon releases its ranks). Destroy its endpoints first. NULL is a
  *  no-op. */
 EPD_API void epd_client_destroy(epd_client_t* client);
-/** The Session id (valid while the client lives), or NULL for a NULL client. */
+/** The Session id (valid while the client lives, until epd_client_reconnect opens a new
+ *  Session), or NULL for a NULL client. */
 EPD_API const char* epd_client_session_id(const epd_client_t* client);
 
 /** After the daemon restarted (calls give UNAVAILABLE): Client::Reconnect. Opens a new
