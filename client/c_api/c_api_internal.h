@@ -25,11 +25,12 @@ struct epd_client {
 
 struct epd_endpoint {
   std::unique_ptr<epd::Endpoint> endpoint;
-  /// The low-latency input regions, taken for endpoint `regions_of` (a reconnect re-binds
-  /// the endpoint: epd_low_latency_*_input take them again).
+  /// The low-latency input regions, taken for the binding `regions_of` (the endpoint's
+  /// Impl: a reconnect re-binds the endpoint to a new one, and epd_low_latency_*_input take
+  /// them again; endpoint ids of a restarted daemon may repeat).
   epd::TensorView ll_combine_input;
   epd::TensorView ll_dispatch_input;
-  uint64_t regions_of = 0;
+  const void* regions_of = nullptr;
   // Graph-mode step results: two of each, so a view's shape outlives the next call.
   std::array<epd::LowLatencyDispatchResult, 2> program_dispatch;
   std::array<epd::LowLatencyCombineResult, 2> program_combine;

@@ -54,7 +54,7 @@ std::unique_ptr<epd_endpoint> MakeEndpointHandle(std::unique_ptr<Endpoint> endpo
 void RefreshRegions(epd_endpoint& handle) {
   handle.ll_combine_input = handle.endpoint->LowLatencyCombineInput();
   handle.ll_dispatch_input = handle.endpoint->LowLatencyDispatchInput();
-  handle.regions_of = handle.endpoint->info().endpoint_id();
+  handle.regions_of = &handle.endpoint->impl();
 }
 
 namespace {
@@ -365,7 +365,7 @@ static epd_status_t RegionView(const char* function, const epd_endpoint_t* endpo
     EPD_RETURN_IF_ERROR(epd::c_api::NotNull(out, "out"));
     // An endpoint is driven by one thread at a time: the refresh after a reconnect is too.
     epd_endpoint& handle = const_cast<epd_endpoint&>(*endpoint);
-    if (handle.regions_of != handle.endpoint->info().endpoint_id()) {
+    if (handle.regions_of != &handle.endpoint->impl()) {
       epd::c_api::RefreshRegions(handle);
     }
     *out = (endpoint->*view).dl();

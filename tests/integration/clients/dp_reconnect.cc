@@ -5,7 +5,8 @@
 //                 checked against what this rank computes alone (inputs are a pure
 //                 function of rank and round): "ROUND <n> OK", "ROUND <n> MISMATCH <what>"
 //                 or "ROUND <n> ERROR <op> <CODE>: <message>".
-//   probe         A GetDispatchLayout: "PROBE <CODE>" (OK, or its error's code).
+//   probe         A GetDispatchLayout, waited for up to 5 s: "PROBE <CODE>" (OK, or its
+//                 error's code).
 //   submit        Submits a Dispatch and keeps it pending: "SUBMITTED <seq>" or "SUBMIT <CODE>".
 //   wait_pending  Waits (up to 5 s) for the kept op: "PENDING <CODE>".
 //   reconnect     Client::Reconnect(20 s): "RECONNECT OK <session id> <endpoint id>" or
@@ -108,8 +109,10 @@ class Rank {
     std::vector<int64_t> ks{kT, kK};
     std::vector<int64_t> idx(size_t(kT) * kK, 0);
     DLTensor t = epd::MakeDLTensor(idx.data(), kI64, ks);
-    absl::Status status = endpoint_->GetDispatchLayout(t).status();
-    Print("PROBE", status);
+    // Submitted, then waited for: a submission can land before this process has seen the
+    // Session end; the wait cannot.
+    auto op = endpoint_->GetDispatchLayout(t);
+    Print("PROBE", op.ok() ? op->Wait(absl::Seconds(5)).status() : op.status());
   }
 
   void Submit() {
