@@ -69,8 +69,10 @@ class DataPlaneGroup {
   /// Rank masking (GroupSpec.on_rank_failure = MASK, docs/RELIABILITY.md): masks the
   /// ranks in `mask` and unmasks those in `unmask` (every rank in [0, R); `clean` unmasks
   /// every joined rank), applied together between two ops of the group (mask epoch + 1 when
-  /// anything changed); returns the mask as it is after the change. A rank that is joined
-  /// and unmasked while an op is being collected takes part from the next op on. Errors:
+  /// anything changed); returns the mask as it is then. A joined rank that is unmasked after
+  /// it already submitted the op being collected (it was refused as masked) is unmasked at
+  /// the end of that op, as is every change asked while the backend runs an op: the mask
+  /// returned does not show those yet. Errors:
   /// INVALID_ARGUMENT (a rank out of range, or in both lists, named), FAILED_PRECONDITION
   /// (unmask of a rank that is not joined: it is unmasked when it rejoins; a group whose
   /// policy is not MASK). Default: FAILED_PRECONDITION (a data plane without masking).

@@ -67,6 +67,7 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
       pending_unmask_(spec.num_ranks(), 0),
       pending_mask_(spec.num_ranks(), 0),
       rejoined_(spec.num_ranks(), 0),
+      masked_at_seq_(spec.num_ranks(), 0),
       running_slots_(spec.num_ranks()),
       outcomes_(spec.num_ranks()) {
   missing_.reserve(spec.num_ranks());
@@ -278,7 +279,9 @@ void LockstepGroup::DetachRank(int32_t rank) {
         pending_mask_[rank] = 1;  // Part of the running op: masked at its end.
       } else {
         const int32_t ranks[1] = {rank};
-        MaskRanksLocked(ranks, "it left the group (LeaveGroup, or its client's Session ended)");
+        // Info: every rank of a job that ends leaves so (a crash is the same event here).
+        MaskRanksLocked(ranks, "it left the group (LeaveGroup, or its client's Session ended)",
+                        spdlog::level::info);
       }
     } else if (op_started_ && !running_ && !ep->request.has_value()) {
       FailOp(absl::DeadlineExceededError(absl::StrCat("op ", current_seq_, " of group ",
@@ -513,17 +516,22 @@ bool LockstepGroup::RunOp() {
     if (rank_masked_[r]) continue;
     if (!SameOp(slots[r], slots[first])) {
       // Name what differs: the op, an option flag, or expert_alignment.
+      // Name what differs: the op, the option flags set, or expert_alignment (short: a
+      // completion's message holds abi::kCompletionMessageBytes).
       auto describe = [](const abi::RequestSlot& x) {
-        return absl::StrCat(
-            OpName(x.op), " (fp8 ", (x.flags & abi::kFlagFp8) ? 1 : 0, ", round_scale ",
-            (x.flags & abi::kFlagRoundScale) ? 1 : 0,
-            (x.flags & abi::kFlagUe8m0) ? ", use_ue8m0 1" : "", ", cached handle ",
-            (x.flags & abi::kFlagCachedHandle) ? 1 : 0, ", topk_weights ",
-            (x.flags & (abi::kFlagDispatchWeights | abi::kFlagCombineWeights)) ? 1 : 0,
-            x.op == static_cast<uint32_t>(abi::OpKind::kDispatch)
-                ? absl::StrCat(", expert_alignment ", x.expert_alignment)
-                : "",
-            ")");
+        std::vector<std::string> set;
+        if (x.flags & abi::kFlagFp8) set.push_back("fp8");
+        if (x.flags & abi::kFlagRoundScale) set.push_back("round_scale");
+        if (x.flags & abi::kFlagUe8m0) set.push_back("use_ue8m0");
+        if (x.flags & abi::kFlagCachedHandle) set.push_back("cached handle");
+        if (x.flags & (abi::kFlagDispatchWeights | abi::kFlagCombineWeights)) {
+          set.push_back("topk_weights");
+        }
+        if (x.op == static_cast<uint32_t>(abi::OpKind::kDispatch)) {
+          set.push_back(absl::StrCat("expert_alignment ", x.expert_alignment));
+        }
+        return set.empty() ? std::string(OpName(x.op))
+                           : absl::StrCat(OpName(x.op), " (", absl::StrJoin(set, ", "), ")");
       };
       FailOp(absl::InvalidArgumentError(absl::StrCat(
           "op ", current_seq_, " of group ", spec_.name(), ": ranks disagree: rank ", first,
@@ -746,7 +754,8 @@ v1::RankMask LockstepGroup::MaskMessageLocked() const {
   return m;
 }
 
-void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why) {
+void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why,
+                                    spdlog::level::level_enum level) {
   bool changed = false;
   for (int32_t r : ranks) {
     pending_mask_[r] = 0;
@@ -755,11 +764,12 @@ void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::s
     if (!changed) ++mask_epoch_;
     changed = true;
     rank_masked_[r] = 1;
+    masked_at_seq_[r] = current_seq_;
     ++num_masked_;
-    EngineLog()->warn(
-        "group {}: rank {} masked (mask epoch {}, {} of {} ranks masked): {}; the group's ops "
-        "run without it until it rejoins or is unmasked",
-        spec_.name(), r, mask_epoch_, num_masked_, rank_masked_.size(), why);
+    EngineLog()->log(level,
+                     "group {}: rank {} masked (mask epoch {}, {} of {} ranks masked): {}; the "
+                     "group's ops run without it until it rejoins or is unmasked",
+                     spec_.name(), r, mask_epoch_, num_masked_, rank_masked_.size(), why);
     RankMaskChanged(r, true);
     LockstepEndpoint* ep = endpoints_[r].get();
     if (ep && ep->request) {
@@ -795,6 +805,8 @@ void LockstepGroup::ApplyPendingMaskLocked() {
     rank_masked_[r] = 0;
     rejoined_[r] = 1;
     --num_masked_;
+    // Ops ran without it: its handles (routing, low-latency buffers) are not the group's.
+    if (current_seq_ > masked_at_seq_[r]) endpoints_[r]->handles = rules::HandleTable();
     RankMaskChanged(static_cast<int32_t>(r), false);
     EngineLog()->info(
         "group {}: rank {} unmasked (mask epoch {}, {} ranks masked): it takes part "

@@ -355,9 +355,10 @@ class LockstepGroup : public DataPlaneGroup {
   void FinishOp();
   // ---- rank masking (lockstep_group.cc) ----
   /// Masks `ranks` now (mask epoch + 1 when any was not masked), logging each once with
-  /// `why`. A masked rank's request waiting for the op being collected is completed with
-  /// MaskedError. Not while running_ (see pending_mask_).
-  void MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why);
+  /// `why` at `level`. A masked rank's request waiting for the op being collected is
+  /// completed with MaskedError. Not while running_ (see pending_mask_).
+  void MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why,
+                       spdlog::level::level_enum level = spdlog::level::warn);
   /// Unmasks every rank r with pending_unmask_[r] that can take part in the op being
   /// collected (attached, not yet past it), clearing its pending bit; others stay pending
   /// (attached) or masked (detached). Applies pending_mask_ too. Not while running_.
@@ -413,6 +414,9 @@ class LockstepGroup : public DataPlaneGroup {
   /// it disagrees on (or submits a rejected slot for: e.g. a combine of a dispatch it never
   /// saw) masks it again instead of failing the group (ReMaskStrayRejoiners).
   std::vector<uint8_t> rejoined_;
+  /// masked_at_seq_[r]: the op being collected when rank r was masked (an unmask after ops
+  /// ran without it clears its handle table).
+  std::vector<uint64_t> masked_at_seq_;
   std::vector<int32_t> mask_scratch_;  ///< Poll: ranks to mask (capacity R).
   uint64_t current_seq_ = 1;           ///< The group op being collected or running.
   std::optional<std::chrono::steady_clock::time_point> op_started_;

@@ -11,11 +11,13 @@
 #include <functional>
 #include <random>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "client/endpoint/endpoint_internal.h"
 #include "client/epctl/format.h"
+#include "daemon/control/group_registry.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/dataplane/host/host_data_plane.h"
 #include "epd/client.h"
@@ -23,6 +25,7 @@
 #include "tests/common/dtypes.h"
 #include "tests/common/mask_reference.h"
 #include "tests/common/specs.h"
+#include "tests/unit/fake_data_plane.h"
 
 namespace epd {
 namespace {
@@ -34,7 +37,7 @@ using ::epd::testing::LlRoundInputs;
 using ::testing::HasSubstr;
 
 constexpr int R = 4, E = 8, H = 128, K = 2, Mll = 8;
-constexpr uint32_t kOpTimeoutMs = 300;
+constexpr uint32_t kOpTimeoutMs = 500;
 
 v1::GroupSpec MaskSpec(const std::string& name,
                        v1::RankFailurePolicy policy = v1::RANK_FAILURE_POLICY_MASK) {
@@ -104,52 +107,103 @@ class RankMaskTest : public ::testing::Test {
     eps_[r] = std::move(*ep);
   }
 
-  /// One low-latency round of rank r (dispatch, identity experts, combine); compares the
-  /// combine with the reference of `masked` and records both ops' masks.
-  absl::Status Round(int r, const std::vector<uint8_t>& masked, OpMask* dispatch_mask = nullptr,
-                     OpMask* combine_mask = nullptr) {
+  /// Rank r's dispatch of its inputs: `Args` is LowLatencyDispatchArgs or DispatchArgs.
+  template <typename Args>
+  auto DispatchOf(int r) {
     LlRoundInputs& in = in_[r];
     std::vector<int64_t> xs{in.num_tokens, H}, ks{in.num_tokens, K};
     DLTensor x = MakeDLTensor(in.x.data(), kBf16, xs);
     DLTensor idx = MakeDLTensor(in.topk_idx.data(), kI64, ks);
-    DLTensor w = MakeDLTensor(in.topk_weights.data(), kF32, ks);
-    Endpoint& ep = *eps_[r];
-    LowLatencyDispatchArgs d;
+    Args d;
     d.x = &x;
     d.topk_idx = &idx;
-    auto dop = ep.LowLatencyDispatch(d);
-    if (!dop.ok()) return dop.status();
-    auto dres = dop->Wait(absl::Seconds(5));
-    if (!dres.ok()) return dres.status();
-    if (dispatch_mask) *dispatch_mask = dres->mask;
-    // Identity experts: the received rows are the combine's input as they are.
+    auto op = [&] {
+      if constexpr (std::is_same_v<Args, DispatchArgs>) {
+        return eps_[r]->Dispatch(d);
+      } else {
+        return eps_[r]->LowLatencyDispatch(d);
+      }
+    }();
+    using Result = std::decay_t<decltype(op->Wait())>;
+    return op.ok() ? op->Wait(absl::Seconds(5)) : Result(op.status());
+  }
+  absl::StatusOr<LowLatencyDispatchResult> Dispatch(int r) {
+    return DispatchOf<LowLatencyDispatchArgs>(r);
+  }
+  absl::StatusOr<DispatchResult> NormalDispatch(int r) { return DispatchOf<DispatchArgs>(r); }
+
+  /// Whether rank r's combine result (`mask`, `combined_x`) is `ref`'s; the mask in `*out`.
+  static absl::Status MatchesReference(int r, const OpMask& mask, const TensorView& combined_x,
+                                       const absl::StatusOr<testing::LlRoundReference>& ref,
+                                       OpMask* out) {
+    if (out) *out = mask;
+    if (!ref.ok()) return ref.status();
+    if (mask.dropped_pairs != ref->dropped_pairs[r]) {
+      return absl::InternalError(absl::StrCat("rank ", r, ": dropped_pairs ", mask.dropped_pairs,
+                                              ", reference ", ref->dropped_pairs[r]));
+    }
+    const size_t bytes = ref->combined_x[r].size() * sizeof(kernels::bf16_bits);
+    if (combined_x.nbytes() < static_cast<int64_t>(bytes) ||
+        std::memcmp(combined_x.data(), ref->combined_x[r].data(), bytes) != 0) {
+      return absl::InternalError(absl::StrCat("rank ", r,
+                                              ": combined_x differs from the "
+                                              "reference with the masked rank left out"));
+    }
+    return absl::OkStatus();
+  }
+
+  /// Rank r's low-latency combine of `dispatched` (identity experts: the received rows are
+  /// its input as they are), compared with the reference of `masked`; its mask in `*mask`.
+  absl::Status Combine(int r, const LowLatencyDispatchResult& dispatched,
+                       const std::vector<uint8_t>& masked, OpMask* mask) {
+    LlRoundInputs& in = in_[r];
+    std::vector<int64_t> ks{in.num_tokens, K};
+    DLTensor idx = MakeDLTensor(in.topk_idx.data(), kI64, ks);
+    DLTensor w = MakeDLTensor(in.topk_weights.data(), kF32, ks);
+    Endpoint& ep = *eps_[r];
     TensorView input = ep.LowLatencyCombineInput();
-    std::memcpy(input.data(), dres->recv_x.data(), dres->recv_x.nbytes());
+    std::memcpy(input.data(), dispatched.recv_x.data(), dispatched.recv_x.nbytes());
     LowLatencyCombineArgs c;
     c.x = &input.dl();
     c.topk_idx = &idx;
     c.topk_weights = &w;
-    c.handle = &dres->handle;
-    auto cop = ep.LowLatencyCombine(c);
-    if (!cop.ok()) return cop.status();
-    auto cres = cop->Wait(absl::Seconds(5));
-    if (!cres.ok()) return cres.status();
-    if (combine_mask) *combine_mask = cres->mask;
-    auto ref = testing::LowLatencyRoundReference(rules::ShapeOf(spec_), in_, masked, masked);
-    if (!ref.ok()) return ref.status();
-    if (cres->mask.dropped_pairs != ref->dropped_pairs[r]) {
-      return absl::InternalError(absl::StrCat("rank ", r, ": dropped_pairs ",
-                                              cres->mask.dropped_pairs, ", reference ",
-                                              ref->dropped_pairs[r]));
-    }
-    const size_t bytes = ref->combined_x[r].size() * sizeof(kernels::bf16_bits);
-    if (cres->combined_x.nbytes() < static_cast<int64_t>(bytes) ||
-        std::memcmp(cres->combined_x.data(), ref->combined_x[r].data(), bytes) != 0) {
-      return absl::InternalError(absl::StrCat("rank ", r,
-                                              ": combined_x differs from the "
-                                              "reference with the masked experts dropped"));
-    }
-    return absl::OkStatus();
+    c.handle = &dispatched.handle;
+    auto op = ep.LowLatencyCombine(c);
+    if (!op.ok()) return op.status();
+    auto res = op->Wait(absl::Seconds(5));
+    if (!res.ok()) return res.status();
+    return MatchesReference(
+        r, res->mask, res->combined_x,
+        testing::LowLatencyRoundReference(rules::ShapeOf(spec_), in_, masked, masked), mask);
+  }
+
+  /// One low-latency round of rank r (Dispatch, then Combine checked against `masked`).
+  absl::Status Round(int r, const std::vector<uint8_t>& masked, OpMask* combine_mask = nullptr) {
+    auto d = Dispatch(r);
+    if (!d.ok()) return d.status();
+    return Combine(r, *d, masked, combine_mask);
+  }
+
+  /// Rank r's normal combine of `dispatched` (identity experts), compared with the
+  /// reference of `dispatch_masked` / `combine_masked`; its mask in `*mask`.
+  absl::Status NormalCombine(int r, const DispatchResult& dispatched,
+                             const std::vector<uint8_t>& dispatch_masked,
+                             const std::vector<uint8_t>& combine_masked, OpMask* mask) {
+    std::vector<kernels::bf16_bits> y(size_t(dispatched.num_recv_tokens) * H);
+    std::memcpy(y.data(), dispatched.recv_x.data(), y.size() * sizeof(y[0]));
+    std::vector<int64_t> ys{dispatched.num_recv_tokens, H};
+    DLTensor yt = MakeDLTensor(y.data(), kBf16, ys);
+    CombineArgs c;
+    c.x = &yt;
+    c.handle = &dispatched.handle;
+    auto op = eps_[r]->Combine(c);
+    if (!op.ok()) return op.status();
+    auto res = op->Wait(absl::Seconds(5));
+    if (!res.ok()) return res.status();
+    return MatchesReference(
+        r, res->mask, res->combined_x,
+        testing::NormalRoundReference(rules::ShapeOf(spec_), in_, dispatch_masked, combine_masked),
+        mask);
   }
 
   /// Round() on every rank of `ranks` at once; the statuses by rank.
@@ -159,7 +213,7 @@ class RankMaskTest : public ::testing::Test {
     std::vector<absl::Status> st(R);
     std::vector<OpMask> m(R);
     std::vector<std::thread> threads;
-    for (int r : ranks) threads.emplace_back([&, r] { st[r] = Round(r, masked, nullptr, &m[r]); });
+    for (int r : ranks) threads.emplace_back([&, r] { st[r] = Round(r, masked, &m[r]); });
     for (auto& t : threads) t.join();
     if (masks) *masks = m;
     return st;
@@ -256,6 +310,79 @@ TEST_F(RankMaskTest, LeavingRankIsMaskedAndARejoinIsInStepAtTheNextOp) {
   EXPECT_EQ(masks[3].num_masked, 0);
 }
 
+TEST_F(RankMaskTest, RejoinBetweenDispatchAndCombineIsMaskedForThatOpOnly) {
+  eps_[3].reset();
+  std::vector<absl::StatusOr<LowLatencyDispatchResult>> dispatched(3, absl::UnknownError(""));
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r) threads.emplace_back([&, r] { dispatched[r] = Dispatch(r); });
+    for (auto& t : threads) t.join();
+  }
+  for (const auto& d : dispatched) ASSERT_TRUE(d.ok()) << d.status();
+  // Rank 3 rejoins while the others are between their dispatch and their combine; its
+  // first op, a dispatch, is not the group's (a combine): the combine runs without it.
+  ASSERT_NO_FATAL_FAILURE(Open(3));
+  std::vector<absl::Status> st(3);
+  std::vector<OpMask> masks(3);
+  absl::StatusOr<LowLatencyDispatchResult> stray = absl::UnknownError("");
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r) {
+      threads.emplace_back([&, r] { st[r] = Combine(r, *dispatched[r], kRank3, &masks[r]); });
+    }
+    threads.emplace_back([&] { stray = Dispatch(3); });
+    for (auto& t : threads) t.join();
+  }
+  for (const absl::Status& s : st) EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(masks[0].num_masked, 1);
+  EXPECT_EQ(stray.status().code(), absl::StatusCode::kFailedPrecondition) << stray.status();
+  // From the next op on it takes part.
+  for (const absl::Status& s : Rounds({0, 1, 2, 3}, kNone, &masks)) EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(masks[3].num_masked, 0);
+  EXPECT_EQ(masks[0].num_masked, 0);
+}
+
+TEST_F(RankMaskTest, NormalModeUnderAMaskAndADeathBetweenDispatchAndCombine) {
+  // Rank 3 masked for both ops: dispatch and combine equal the reference without it.
+  ASSERT_TRUE(group_->UpdateRankMask(std::vector<int32_t>{3}, {}, false).ok());
+  std::vector<absl::Status> st(3);
+  std::vector<OpMask> masks(3);
+  auto survivors = [&](const std::function<absl::Status(int)>& fn) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r) threads.emplace_back([&, r] { st[r] = fn(r); });
+    for (auto& t : threads) t.join();
+    for (const absl::Status& s : st) EXPECT_TRUE(s.ok()) << s;
+  };
+  std::thread in_step([&] {  // Rank 3 keeps its place: its two ops fail as masked.
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(Layout(3).code(), absl::StatusCode::kFailedPrecondition);
+    }
+  });
+  survivors([&](int r) {
+    auto d = NormalDispatch(r);
+    if (!d.ok()) return d.status();
+    if (d->mask.num_masked != 1) return absl::InternalError("dispatch: num_masked != 1");
+    return NormalCombine(r, *d, kRank3, kRank3, &masks[r]);
+  });
+  in_step.join();
+  EXPECT_EQ(masks[0].dropped_pairs, 0) << "the dispatch routed nothing to rank 3";
+  // Every rank dispatches, then rank 3 leaves before the combine: the others' combine leaves
+  // its rows out (zeros from it) and reports the routes dropped.
+  ASSERT_TRUE(group_->UpdateRankMask({}, {}, true).ok());
+  std::vector<absl::StatusOr<DispatchResult>> d(R, absl::UnknownError(""));
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R; ++r) threads.emplace_back([&, r] { d[r] = NormalDispatch(r); });
+    for (auto& t : threads) t.join();
+  }
+  for (const auto& x : d) ASSERT_TRUE(x.ok()) << x.status();
+  eps_[3].reset();
+  survivors([&](int r) { return NormalCombine(r, *d[r], kNone, kRank3, &masks[r]); });
+  int dropped = 0;
+  for (int r = 0; r < 3; ++r) dropped += masks[r].dropped_pairs;
+  EXPECT_GT(dropped, 0) << "the inputs route some tokens to rank 3";
+}
+
 TEST_F(RankMaskTest, RankMissingOpTimeoutIsMaskedAndTheOpCompletesForTheOthers) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<OpMask> masks;
@@ -332,6 +459,69 @@ TEST(RankMaskPolicyTest, SpecChecks) {
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(st.message(), HasSubstr("spans nodes"));
   EXPECT_TRUE(CheckRankFailurePolicy(fail, "cuda").ok());
+}
+
+/// Join and the mask RPCs through the registry (a fake data plane of `backend`).
+class RankMaskRegistryTest : public ::testing::Test {
+ protected:
+  void Start(const std::string& backend) {
+    state_ = std::make_shared<testing::FakeDataPlaneState>();
+    state_->backend = backend;
+    plane_ = std::make_unique<testing::FakeDataPlane>(state_);
+    registry_ =
+        std::make_unique<GroupRegistry>(plane_.get(), testing::OneGpu(), GroupRegistry::Options{});
+  }
+  std::string Session(int64_t pid) {
+    return registry_->OpenSession(PeerCredentials{.pid = pid, .uid = 1000, .gid = 1000}, "t")
+        .value_or("");
+  }
+  absl::StatusOr<v1::EndpointInfo> Join(const std::string& session, int32_t rank,
+                                        const v1::GroupSpec& spec, const std::string& gpu = "") {
+    v1::JoinGroupRequest request;
+    *request.mutable_spec() = spec;
+    request.set_rank(rank);
+    request.set_session_id(session);
+    request.set_gpu_uuid(gpu);
+    return registry_->Join(request);
+  }
+  absl::Status Update(const std::string& session, int32_t rank, std::vector<int32_t> mask) {
+    v1::UpdateRankMaskRequest request;
+    request.set_group("reg");
+    request.set_rank(rank);
+    request.set_session_id(session);
+    for (int32_t m : mask) request.add_mask(m);
+    return registry_->UpdateRankMask(request).status();
+  }
+  std::shared_ptr<testing::FakeDataPlaneState> state_;
+  std::unique_ptr<testing::FakeDataPlane> plane_;
+  std::unique_ptr<GroupRegistry> registry_;
+};
+
+TEST_F(RankMaskRegistryTest, JoinRefusesMaskOnTheCudaBackend) {
+  Start("cuda");
+  absl::StatusOr<v1::EndpointInfo> e = Join(Session(1), 0, MaskSpec("reg"), testing::kGpuA);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+  EXPECT_THAT(e.status().message(), HasSubstr("spec.on_rank_failure"));
+  EXPECT_TRUE(
+      Join(Session(2), 0, MaskSpec("reg", v1::RANK_FAILURE_POLICY_FAIL), testing::kGpuA).ok());
+}
+
+TEST_F(RankMaskRegistryTest, JoinComparesThePolicyAndTheRpcsCheckTheCaller) {
+  Start("host");
+  const std::string a = Session(1), b = Session(2);
+  ASSERT_TRUE(Join(a, 0, MaskSpec("reg")).ok());
+  absl::StatusOr<v1::EndpointInfo> e = Join(b, 1, MaskSpec("reg", v1::RANK_FAILURE_POLICY_FAIL));
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+  EXPECT_THAT(e.status().message(), HasSubstr("on_rank_failure"));
+  ASSERT_TRUE(Join(b, 1, MaskSpec("reg")).ok());
+  // b does not hold rank 0; nobody holds rank 2.
+  EXPECT_EQ(Update(b, 0, {1}).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(Update(b, 2, {1}).code(), absl::StatusCode::kFailedPrecondition);
+  v1::GetRankMaskRequest get;
+  get.set_group("reg");
+  get.set_rank(0);
+  get.set_session_id(b);
+  EXPECT_EQ(registry_->GetRankMask(get).status().code(), absl::StatusCode::kPermissionDenied);
 }
 
 TEST(RankMaskPolicyTest, EpctlGroupsShowsThePolicy) {

@@ -142,7 +142,8 @@ int main(int argc, char** argv) {
       return op.ok() ? op->Wait(absl::Seconds(30))
                      : absl::StatusOr<epd::LowLatencyDispatchResult>(op.status());
     }();
-    absl::StatusOr<epd::LowLatencyCombineResult> cres = dres.status();
+    absl::StatusOr<epd::LowLatencyCombineResult> cres = absl::UnknownError("not run");
+    if (!dres.ok()) cres = dres.status();
     if (dres.ok()) {
       epd::TensorView input = (*ep)->LowLatencyCombineInput();
       std::memcpy(input.data(), dres->recv_x.data(), dres->recv_x.nbytes());
