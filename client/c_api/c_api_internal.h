@@ -25,8 +25,12 @@ struct epd_client {
 
 struct epd_endpoint {
   std::unique_ptr<epd::Endpoint> endpoint;
+  /// The low-latency input regions, taken for the binding `regions_of` (the endpoint's
+  /// Impl: a reconnect re-binds the endpoint to a new one, and epd_low_latency_*_input take
+  /// them again; endpoint ids of a restarted daemon may repeat).
   epd::TensorView ll_combine_input;
   epd::TensorView ll_dispatch_input;
+  const void* regions_of = nullptr;
   // Graph-mode step results: two of each, so a view's shape outlives the next call.
   std::array<epd::LowLatencyDispatchResult, 2> program_dispatch;
   std::array<epd::LowLatencyCombineResult, 2> program_combine;
@@ -49,6 +53,8 @@ namespace epd::c_api {
 
 /// The C handle of an endpoint (its low-latency region views taken once).
 std::unique_ptr<epd_endpoint> MakeEndpointHandle(std::unique_ptr<Endpoint> endpoint);
+/// Takes the endpoint's low-latency region views (again, after a reconnect re-bound it).
+void RefreshRegions(epd_endpoint& handle);
 
 /// Sets the calling thread's last error from `status` (cleared on OK) and returns its code.
 epd_status_t Report(const absl::Status& status);
@@ -90,21 +96,22 @@ struct StructName;
   }
 EPD_C_STRUCT(epd_client_options_t);
 EPD_C_STRUCT(epd_stats_t);
-EPD_C_STRUCT_GREW(epd_join_options_t, nodes);
+EPD_C_STRUCT_GREW(epd_join_options_t, nodes);  // then on_rank_failure
 EPD_C_STRUCT(epd_endpoint_info_t);
 EPD_C_STRUCT(epd_layout_args_t);
 EPD_C_STRUCT(epd_layout_result_t);
 EPD_C_STRUCT(epd_dispatch_args_t);
-EPD_C_STRUCT(epd_dispatch_result_t);
+EPD_C_STRUCT_GREW(epd_dispatch_result_t, mask);
 EPD_C_STRUCT(epd_combine_args_t);
-EPD_C_STRUCT(epd_combine_result_t);
+EPD_C_STRUCT_GREW(epd_combine_result_t, mask);
 EPD_C_STRUCT_GREW(epd_ll_dispatch_args_t, use_ue8m0);
-EPD_C_STRUCT(epd_ll_dispatch_result_t);
+EPD_C_STRUCT_GREW(epd_ll_dispatch_result_t, mask);
 EPD_C_STRUCT(epd_ll_combine_args_t);
-EPD_C_STRUCT(epd_ll_combine_result_t);
+EPD_C_STRUCT_GREW(epd_ll_combine_result_t, mask);
 EPD_C_STRUCT_GREW(epd_program_step_t, use_ue8m0);
 EPD_C_STRUCT(epd_program_dispatch_args_t);
 EPD_C_STRUCT(epd_program_combine_args_t);
+EPD_C_STRUCT(epd_rank_mask_t);
 #undef EPD_C_STRUCT
 #undef EPD_C_STRUCT_GREW
 

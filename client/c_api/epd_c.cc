@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -49,10 +50,15 @@ epd_status_t Report(const absl::Status& status) {
 
 std::unique_ptr<epd_endpoint> MakeEndpointHandle(std::unique_ptr<Endpoint> endpoint) {
   auto handle = std::make_unique<epd_endpoint>();
-  handle->ll_combine_input = endpoint->LowLatencyCombineInput();
-  handle->ll_dispatch_input = endpoint->LowLatencyDispatchInput();
   handle->endpoint = std::move(endpoint);
+  RefreshRegions(*handle);
   return handle;
+}
+
+void RefreshRegions(epd_endpoint& handle) {
+  handle.ll_combine_input = handle.endpoint->LowLatencyCombineInput();
+  handle.ll_dispatch_input = handle.endpoint->LowLatencyDispatchInput();
+  handle.regions_of = &handle.endpoint->impl();
 }
 
 namespace {
@@ -110,6 +116,43 @@ absl::Status ReadNodes(const epd_join_options_t& o, v1::GroupSpec* spec) {
     v1::NodeSpec* node = spec->add_nodes();
     node->set_peer_address(std::string(text));
     node->set_num_ranks(o.nodes[i].num_ranks);
+  }
+  return absl::OkStatus();
+}
+
+/// Most ranks one epd_endpoint_update_rank_mask call takes in each list.
+constexpr size_t kMaxMaskRanks = 1 << 20;
+
+/// A caller's list of `count` ranks at `ranks` (argument names `arg` / `count_arg`).
+absl::StatusOr<std::vector<int32_t>> ReadRanks(const int32_t* ranks, size_t count, const char* arg,
+                                               const char* count_arg) {
+  if (count > kMaxMaskRanks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(count_arg, "=", count, " is more than ", kMaxMaskRanks));
+  }
+  if (count > 0) EPD_RETURN_IF_ERROR(NotNull(ranks, arg));
+  return count == 0 ? std::vector<int32_t>{} : std::vector<int32_t>(ranks, ranks + count);
+}
+
+/// A mask call's reply into *out (when not NULL): OUT_OF_RANGE naming the entries needed
+/// when the caller's array is too small (epoch and num_masked are still written).
+absl::Status RankMaskOut(absl::StatusOr<RankMask> reply, epd_rank_mask_t* out) {
+  if (!reply.ok()) return reply.status();
+  if (out == nullptr) return absl::OkStatus();
+  epd_rank_mask_t c{};
+  const size_t size = std::min(out->struct_size, sizeof(c));
+  std::memcpy(static_cast<void*>(&c), out, size);  // The caller's array and capacity.
+  c.epoch = reply->epoch;
+  c.num_masked = static_cast<int32_t>(reply->masked_ranks.size());
+  const int32_t capacity = std::max<int32_t>(c.masked_ranks_capacity, 0);
+  const bool fits = c.num_masked <= capacity;
+  if (c.num_masked > 0 && fits) EPD_RETURN_IF_ERROR(NotNull(c.masked_ranks, "out.masked_ranks"));
+  if (fits) std::copy(reply->masked_ranks.begin(), reply->masked_ranks.end(), c.masked_ranks);
+  WriteOut(c, out);
+  if (!fits) {
+    return absl::OutOfRangeError(absl::StrCat("out.masked_ranks_capacity=", c.masked_ranks_capacity,
+                                              " is too small: ", c.num_masked,
+                                              " ranks are masked"));
   }
   return absl::OkStatus();
 }
@@ -178,6 +221,13 @@ void epd_client_destroy(epd_client_t* client) {
 
 const char* epd_client_session_id(const epd_client_t* client) {
   return client == nullptr ? nullptr : client->client->session_id().c_str();
+}
+
+epd_status_t epd_client_reconnect(epd_client_t* client, int64_t timeout_ms) {
+  return Guard(__func__, [&]() -> absl::Status {
+    EPD_RETURN_IF_ERROR(epd::c_api::NotNull(client, "client"));
+    return client->client->Reconnect(epd::c_api::Timeout(timeout_ms));
+  });
 }
 
 epd_status_t epd_client_stats(epd_client_t* client, epd_stats_t* out) {
@@ -255,6 +305,11 @@ epd_status_t epd_client_join(epd_client_t* client, const epd_join_options_t* opt
     join.spec.set_max_tokens_per_rank(o.max_tokens_per_rank);
     join.spec.set_ll_max_tokens_per_rank(o.ll_max_tokens_per_rank);
     join.spec.set_use_fp8(o.use_fp8 != 0);
+    if (!epd::v1::RankFailurePolicy_IsValid(o.on_rank_failure)) {
+      return absl::InvalidArgumentError(absl::StrCat("options.on_rank_failure=", o.on_rank_failure,
+                                                     " is not an epd_rank_failure_t"));
+    }
+    join.spec.set_on_rank_failure(static_cast<epd::v1::RankFailurePolicy>(o.on_rank_failure));
     EPD_RETURN_IF_ERROR(epd::c_api::ReadNodes(o, &join.spec));
     if (o.transport != nullptr) {
       // One byte past the longest transport name is enough to refuse a longer one.
@@ -327,6 +382,11 @@ static epd_status_t RegionView(const char* function, const epd_endpoint_t* endpo
   return Guard(function, [&]() -> absl::Status {
     EPD_RETURN_IF_ERROR(epd::c_api::NotNull(endpoint, "endpoint"));
     EPD_RETURN_IF_ERROR(epd::c_api::NotNull(out, "out"));
+    // An endpoint is driven by one thread at a time: the refresh after a reconnect is too.
+    epd_endpoint& handle = const_cast<epd_endpoint&>(*endpoint);
+    if (handle.regions_of != &handle.endpoint->impl()) {
+      epd::c_api::RefreshRegions(handle);
+    }
     *out = (endpoint->*view).dl();
     return absl::OkStatus();
   });
@@ -338,6 +398,38 @@ epd_status_t epd_low_latency_combine_input(const epd_endpoint_t* endpoint, DLTen
 
 epd_status_t epd_low_latency_dispatch_input(const epd_endpoint_t* endpoint, DLTensor* out) {
   return RegionView(__func__, endpoint, &epd_endpoint::ll_dispatch_input, out);
+}
+
+// ---- rank masking ----------------------------------------------------------------------
+
+epd_status_t epd_endpoint_update_rank_mask(epd_endpoint_t* endpoint, const int32_t* mask,
+                                           size_t num_mask, const int32_t* unmask,
+                                           size_t num_unmask, epd_rank_mask_t* out) {
+  return Guard(__func__, [&]() -> absl::Status {
+    EPD_RETURN_IF_ERROR(epd::c_api::NotNull(endpoint, "endpoint"));
+    if (out != nullptr) EPD_RETURN_IF_ERROR(epd::c_api::CheckOut(out, "out"));
+    EPD_ASSIGN_OR_RETURN(std::vector<int32_t> masked,
+                         epd::c_api::ReadRanks(mask, num_mask, "mask", "num_mask"));
+    EPD_ASSIGN_OR_RETURN(std::vector<int32_t> unmasked,
+                         epd::c_api::ReadRanks(unmask, num_unmask, "unmask", "num_unmask"));
+    return epd::c_api::RankMaskOut(endpoint->endpoint->UpdateRankMask(masked, unmasked), out);
+  });
+}
+
+epd_status_t epd_endpoint_query_rank_mask(epd_endpoint_t* endpoint, epd_rank_mask_t* out) {
+  return Guard(__func__, [&]() -> absl::Status {
+    EPD_RETURN_IF_ERROR(epd::c_api::NotNull(endpoint, "endpoint"));
+    EPD_RETURN_IF_ERROR(epd::c_api::CheckOut(out, "out"));
+    return epd::c_api::RankMaskOut(endpoint->endpoint->QueryRankMask(), out);
+  });
+}
+
+epd_status_t epd_endpoint_clean_rank_mask(epd_endpoint_t* endpoint, epd_rank_mask_t* out) {
+  return Guard(__func__, [&]() -> absl::Status {
+    EPD_RETURN_IF_ERROR(epd::c_api::NotNull(endpoint, "endpoint"));
+    if (out != nullptr) EPD_RETURN_IF_ERROR(epd::c_api::CheckOut(out, "out"));
+    return epd::c_api::RankMaskOut(endpoint->endpoint->CleanRankMask(), out);
+  });
 }
 
 }  // extern "C"

@@ -68,6 +68,14 @@ absl::StatusOr<Handle> FromC(const epd_handle_t* c, const char* arg) {
   return FromC(*c, arg);
 }
 
+epd_op_mask_t ToC(const OpMask& m) {
+  epd_op_mask_t c{};
+  c.epoch = m.epoch;
+  c.num_masked = m.num_masked;
+  c.dropped_pairs = m.dropped_pairs;
+  return c;
+}
+
 // The C result of each C++ result; DLTensors point at the C++ views' shapes.
 epd_layout_result_t ToC(const LayoutResult& r) {
   epd_layout_result_t c{};
@@ -87,12 +95,14 @@ epd_dispatch_result_t ToC(const DispatchResult& r) {
   c.recv_count = r.recv_count.dl();
   c.handle = ToC(r.handle);
   c.num_recv_tokens = r.num_recv_tokens;
+  c.mask = ToC(r.mask);
   return c;
 }
 epd_combine_result_t ToC(const CombineResult& r) {
   epd_combine_result_t c{};
   c.combined_x = r.combined_x.dl();
   c.combined_topk_weights = r.combined_topk_weights.dl();
+  c.mask = ToC(r.mask);
   return c;
 }
 epd_ll_dispatch_result_t ToC(const LowLatencyDispatchResult& r) {
@@ -102,11 +112,13 @@ epd_ll_dispatch_result_t ToC(const LowLatencyDispatchResult& r) {
   c.recv_count = r.recv_count.dl();
   c.recv_src_info = r.recv_src_info.dl();
   c.handle = ToC(r.handle);
+  c.mask = ToC(r.mask);
   return c;
 }
 epd_ll_combine_result_t ToC(const LowLatencyCombineResult& r) {
   epd_ll_combine_result_t c{};
   c.combined_x = r.combined_x.dl();
+  c.mask = ToC(r.mask);
   return c;
 }
 

@@ -98,8 +98,40 @@ absl::StatusOr<uint64_t> Endpoint::Impl::SubmitUnordered(abi::OpKind op,
   return seq;
 }
 
+void Endpoint::Impl::Retire() {
+  retired = true;
+  left = true;
+  joined.reset();
+  if (session != nullptr && session_hook != 0) session->RemoveHook(session_hook);
+  session_hook = 0;
+  if (runner != nullptr) runner->ReleaseStreams();
+  runner.reset();
+  program.clear();
+#if EPD_HAVE_CUDA
+  mapping.reset();
+#endif
+}
+
+absl::Status Endpoint::Impl::CheckNotRetired(const char* what, uint64_t seq) const {
+  if (!retired) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(
+      what, ": op ", seq, " of group ", spec.name(), " rank ", info.rank(),
+      " was submitted to an epd that is gone (Client::Reconnect has re-bound the endpoint): "
+      "the op is lost; submit it again"));
+}
+
 Endpoint::Endpoint(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Endpoint::~Endpoint() { (void)Leave(); }
+Endpoint::~Endpoint() {
+  if (impl_ != nullptr) (void)Leave();
+}
+
+void Endpoint::Rebind(Endpoint& fresh) {
+  std::shared_ptr<Impl> old = std::move(impl_);
+  impl_ = std::move(fresh.impl_);
+  impl_->joined = old->joined;
+  old->Retire();
+  impl_->previous = std::move(old);
+}
 const v1::EndpointInfo& Endpoint::info() const { return impl_->info; }
 const v1::GroupSpec& Endpoint::spec() const { return impl_->spec; }
 int32_t Endpoint::rank() const { return impl_->info.rank(); }
@@ -146,6 +178,10 @@ absl::StatusOr<RankMask> Endpoint::CleanRankMask() {
 }
 
 absl::Status Endpoint::Leave() {
+  if (impl_->joined != nullptr) {
+    impl_->joined->Remove(this);  // Not rejoined by a later Client::Reconnect.
+    impl_->joined.reset();
+  }
   if (impl_->left) return absl::OkStatus();
   impl_->left = true;
   return impl_->leave ? impl_->leave() : absl::OkStatus();

@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/endpoint/joined_endpoints.h"
 #include "client/endpoint/op_runner.h"
 #include "client/endpoint/ring_channel.h"
 #include "client/session_watch.h"
@@ -53,6 +54,15 @@ struct Endpoint::Impl {
   std::function<absl::StatusOr<v1::RankMask>(const v1::UpdateRankMaskRequest*)> rank_mask;
   bool left = false;
   std::unique_ptr<internal::OpRunner> runner;
+  /// The Client's record of its endpoints (Leave removes this one); null for an endpoint
+  /// Client::Join did not record.
+  std::shared_ptr<internal::JoinedEndpoints> joined;
+  /// Set by Retire: Client::Reconnect re-bound the Endpoint, so ops of this binding fail
+  /// with UNAVAILABLE.
+  bool retired = false;
+  /// The binding Client::Reconnect replaced (retired), kept while the Endpoint lives for
+  /// its pending ops and, on the host backend, the buffers stale views point into.
+  std::shared_ptr<Impl> previous;
 
   /// The low-latency buffers of the group's next ops (rules::LowLatencyParity), counted from
   /// EndpointInfo's first_ll_* on: every low-latency op the runners hand over, failed ones
@@ -88,6 +98,13 @@ struct Endpoint::Impl {
 #endif
 
   ~Impl();
+
+  /// Retires this binding (Endpoint::Rebind): marks it left and retired (no LeaveGroup is
+  /// sent: the daemon that granted it is gone), releases streams still waiting for it,
+  /// drops its runner and, on CUDA, its device mapping; the host region stays mapped.
+  void Retire();
+  /// UNAVAILABLE naming op `seq` when this binding is retired, else OK (`what`: the call).
+  absl::Status CheckNotRetired(const char* what, uint64_t seq) const;
 
   uint8_t* At(const kernels::Region& r) const { return data + r.offset; }
 

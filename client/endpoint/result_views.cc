@@ -91,6 +91,7 @@ absl::StatusOr<Result> PendingOp<Result>::Wait(absl::Duration timeout) {
   const std::shared_ptr<Endpoint::Impl> endpoint = endpoint_.lock();
   if (endpoint == nullptr) return EndpointDestroyed("Wait", seq_);
   Endpoint::Impl& m = *endpoint;
+  EPD_RETURN_IF_ERROR(m.CheckNotRetired("Wait", seq_));
   constexpr abi::OpKind kOp = OpKindOf<Result>();
   Result r = partial_;
   EPD_ASSIGN_OR_RETURN(const internal::OpOutcome o, m.runner->Wait(seq_, kOp, timeout));
@@ -114,6 +115,7 @@ absl::StatusOr<Result> PendingOp<Result>::Enqueued() const {
   const std::shared_ptr<const Endpoint::Impl> endpoint = endpoint_.lock();
   if (endpoint == nullptr) return EndpointDestroyed("Enqueued", seq_);
   const Endpoint::Impl& m = *endpoint;
+  EPD_RETURN_IF_ERROR(m.CheckNotRetired("Enqueued", seq_));
   if (!m.cuda) {
     return errors::WithReason(
         absl::FailedPreconditionError(

@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/errors/reason.h"
 #include "daemon/transport/transport.h"
 
 namespace epd::transport {
@@ -145,7 +146,8 @@ void ShutdownCore(
   }
   std::lock_guard<std::mutex> l(links_mu);
   const absl::Status cause =
-      absl::UnavailableError(absl::StrCat("the ", transport, " transport was shut down"));
+      errors::WithReason(absl::UnavailableError(absl::StrCat("the ", transport, " transport was shut down")),
+                         errors::Reason::kTransportFailed);
   for (Link* link : links) link->Detach(cause, /*wake=*/true);
   links.clear();
   release();

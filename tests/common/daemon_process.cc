@@ -50,6 +50,14 @@ std::string FromEnvOr(const char* name, const char* fallback) {
 #define EPD_TEST_CLIENT_BINARY "epd_test_client"
 #endif
 
+DaemonProcessOptions UnixSocketOnly(const std::string& op_timeout) {
+  DaemonProcessOptions options;
+  options.tcp = false;
+  options.log_level = "info";
+  options.extra_args = {"--op_timeout=" + op_timeout};
+  return options;
+}
+
 std::string EpdBinary() { return FromEnvOr("EPD_BINARY", EPD_BINARY); }
 std::string EpctlBinary() { return FromEnvOr("EPCTL_BINARY", EPCTL_BINARY); }
 std::string TestClientBinary() {

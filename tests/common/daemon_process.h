@@ -55,6 +55,10 @@ struct DaemonProcessOptions {
   absl::Duration start_timeout = absl::Seconds(20);
 };
 
+/// The options of a test that talks to epd over its unix socket only: no TCP listener, log
+/// level info, --op_timeout=`op_timeout` (e.g. "10s").
+DaemonProcessOptions UnixSocketOnly(const std::string& op_timeout = "10s");
+
 class DaemonProcess {
  public:
   /// Spawns epd. With wait_serving, UNAVAILABLE (with epd's log) when it does not become

@@ -63,11 +63,23 @@ class Daemon:
         self.socket = os.path.join(self.dir, "epd.sock")
         self.log_path = os.path.join(self.dir, "epd.log")
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [binary, "--socket=" + self.socket, "--op_timeout=%ds" % (20 if CUDA else 5),
-             *(["--backend=cuda"] if CUDA else ["--backend=host", "--host_threads=1"]),
-             *extra_args],
-            stdout=self._log, stderr=subprocess.STDOUT)
+        self.argv = [binary, "--socket=" + self.socket, "--op_timeout=%ds" % (20 if CUDA else 5),
+                     *(["--backend=cuda"] if CUDA else ["--backend=host", "--host_threads=1"]),
+                     *extra_args]
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait_serving()
+
+    def kill(self):
+        """SIGKILLs the daemon (a crash) and reaps it."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def restart(self):
+        """Starts the daemon again with the same arguments (socket included), after kill(),
+        and waits until it serves."""
+        if self.proc.poll() is None:
+            self.kill()
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
         self._wait_serving()
 
     def _wait_serving(self):

@@ -186,8 +186,8 @@ def _ll_body(rank, num_ranks, group):
                  match="round_scale")
     expect_error(ValueError, buf.low_latency_combine, recv, topk_idx, weights, (1, 2, 3, 4, 5))
     expect_error(ValueError, buf.clean_low_latency_buffer, MLL, H, E * 2)
-    expect_error(NotImplementedError, buf.low_latency_query_mask_buffer,
-                 torch.zeros(num_ranks, dtype=torch.int32))
+    expect_error(epd.FailedPreconditionError, buf.low_latency_query_mask_buffer,
+                 torch.zeros(num_ranks, dtype=torch.int32), match="enable_shrink")
     expect_error(ValueError, buf.low_latency_dispatch, x.float(), topk_idx, MLL, E)
     expect_error(ValueError, buf.low_latency_dispatch, torch.zeros((MLL + 1, H), dtype=torch.bfloat16),
                  torch.full((MLL + 1, K), -1, dtype=torch.int64), MLL, E)

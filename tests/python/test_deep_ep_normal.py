@@ -230,7 +230,6 @@ def test_normal_mode(epd_socket):
 def _options_body(rank, num_ranks, group):
     import deep_ep
     for kwargs, option in ((dict(allow_mnnvl=True), "allow_mnnvl"),
-                           (dict(enable_shrink=True), "enable_shrink"),
                            (dict(allow_nvlink_for_low_latency_mode=False), "allow_nvlink")):
         e = expect_error(NotImplementedError, deep_ep.Buffer, group, 1 << 20, **kwargs)
         assert isinstance(e, epd.UnimplementedError) and option in str(e)

@@ -22,6 +22,12 @@ _Static_assert(offsetof(epd_join_options_t, nodes) == 80,
                "nodes starts at the first version's sizeof(epd_join_options_t)");
 _Static_assert(offsetof(epd_join_options_t, transport) == 96,
                "transport follows num_nodes (and its padding)");
+_Static_assert(offsetof(epd_join_options_t, on_rank_failure) == 104,
+               "on_rank_failure follows transport");
+_Static_assert(offsetof(epd_ll_dispatch_result_t, mask) + sizeof(epd_op_mask_t) ==
+                   sizeof(epd_ll_dispatch_result_t),
+               "mask ends the struct");
+_Static_assert(sizeof(epd_op_mask_t) == 16, "epd_op_mask_t is four 32-bit words");
 _Static_assert(sizeof(epd_node_t) == 16, "epd_node_t is a pointer and an int32 (padded)");
 #endif
 _Static_assert(EPD_INVALID_ARGUMENT == 3 && EPD_FAILED_PRECONDITION == 9 && EPD_UNAVAILABLE == 14,
@@ -77,6 +83,16 @@ int main(void) {
   join.num_nodes = 2;
   epd_endpoint_t* endpoint = NULL;
   Check(epd_client_join(NULL, &join, &endpoint) == EPD_INVALID_ARGUMENT, "join(NULL client)");
+
+  /* Reconnect and rank masks of no client / endpoint: refused, naming them. */
+  Check(epd_client_reconnect(NULL, 100) == EPD_INVALID_ARGUMENT, "reconnect(NULL client)");
+  Check(strstr(epd_last_error(), "client is NULL") != NULL, "the message names client");
+  epd_rank_mask_t mask;
+  memset(&mask, 0, sizeof(mask));
+  mask.struct_size = sizeof(mask);
+  join.on_rank_failure = EPD_RANK_FAILURE_MASK;
+  Check(epd_endpoint_query_rank_mask(NULL, &mask) == EPD_INVALID_ARGUMENT, "query_rank_mask(NULL)");
+  Check(strstr(epd_last_error(), "endpoint is NULL") != NULL, "the message names endpoint");
 
   /* An empty op holder. */
   epd_op_t* op = NULL;

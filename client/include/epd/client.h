@@ -425,6 +425,10 @@ class Endpoint {
   struct Impl;
   explicit Endpoint(std::unique_ptr<Impl> impl);
   Impl& impl() { return *impl_; }
+  /// Internal (Client::Reconnect): takes over `fresh`'s binding (a new join of this rank),
+  /// leaving `fresh` empty; this endpoint's earlier binding is retired (its pending ops
+  /// fail with UNAVAILABLE).
+  void Rebind(Endpoint& fresh);
 
  private:
   /// Shared only with weak_ptrs (PendingOp): destroyed with the Endpoint.
@@ -493,13 +497,25 @@ class Client {
   /// epd's own uid).
   absl::StatusOr<v1::ListGroupsResponse> ListGroups();
   /// After the daemon restarted (ops and RPCs return UNAVAILABLE): connects again to the
-  /// same socket, opens a new Session and rejoins every Endpoint this Client made, with its
-  /// JoinOptions; the Endpoint objects stay valid (their pending ops fail with UNAVAILABLE)
-  /// and must be re-set-up by the caller only for graph-mode programs. Waits up to
-  /// `timeout` for the daemon. Errors: UNAVAILABLE (no daemon), the joins' errors naming
-  /// the rank.
+  /// same socket, opens a new Session and rejoins every Endpoint this Client made (and has
+  /// not left), with its JoinOptions; the Endpoint objects stay valid, bound to their new
+  /// endpoints (new buffers, ring and endpoint_id). Their ops submitted before, pending
+  /// or not, fail with UNAVAILABLE; results, views and handles from before are void (on
+  /// the host backend the old buffers stay mapped, so a stale view reads stale data, until
+  /// the Endpoint is destroyed); a graph-mode program must be registered again. Every rank
+  /// of a group must rejoin (each calls Reconnect) before the group's next op completes.
+  /// With the Session still open it opens none and only rejoins endpoints a failed
+  /// Reconnect left unbound (OK when there are none): a failed Reconnect may be retried.
+  /// Waits up to `timeout` for the daemon to answer (retrying while it restarts).
+  /// Errors: UNAVAILABLE (no daemon answered within `timeout`), PERMISSION_DENIED (the
+  /// socket), the rejoins' errors naming the group and rank (the first one; the other
+  /// endpoints are still rejoined).
+  /// Threads: one Reconnect at a time; Join and the RPCs may run on other threads (a Join
+  /// waits for the rejoins). While it runs, none of this Client's Endpoints may be used,
+  /// destroyed or left, and session_id()'s reference is invalidated.
   absl::Status Reconnect(absl::Duration timeout = absl::Seconds(30));
-  /// The Session id the daemon assigned.
+  /// The Session id the daemon assigned (a new one after Reconnect, which invalidates the
+  /// reference).
   const std::string& session_id() const;
 
   struct Impl;

@@ -54,6 +54,13 @@ typedef enum epd_launch_mode_t {
   EPD_LAUNCH_MODE_CLIENT = 2   /**< This library launches them on the caller's stream. */
 } epd_launch_mode_t;
 
+/** A group's answer to a failed rank (GroupSpec.on_rank_failure; docs/RELIABILITY.md). */
+typedef enum epd_rank_failure_t {
+  EPD_RANK_FAILURE_DEFAULT = 0, /**< As FAIL. */
+  EPD_RANK_FAILURE_FAIL = 1,    /**< The op fails on every rank, naming the rank. */
+  EPD_RANK_FAILURE_MASK = 2     /**< The rank is masked; the op completes for the others. */
+} epd_rank_failure_t;
+
 /** The kind of a submitted op. */
 typedef enum epd_op_kind_t {
   EPD_OP_NONE = 0, /**< An op object that holds no op yet. */
@@ -110,8 +117,21 @@ EPD_API epd_status_t epd_client_connect(const epd_client_options_t* options, epd
 /** Closes the Session (the daemon releases its ranks). Destroy its endpoints first. NULL is a
  *  no-op. */
 EPD_API void epd_client_destroy(epd_client_t* client);
-/** The Session id (valid while the client lives), or NULL for a NULL client. */
+/** The Session id (valid while the client lives, until epd_client_reconnect opens a new
+ *  Session), or NULL for a NULL client. */
 EPD_API const char* epd_client_session_id(const epd_client_t* client);
+
+/** After the daemon restarted (calls give UNAVAILABLE): Client::Reconnect. Opens a new
+ *  Session on the same socket (retrying while the daemon restarts, up to timeout_ms;
+ *  negative = no limit) and rejoins every endpoint of this client that has not left, with
+ *  the options it joined with: the epd_endpoint_t handles stay valid, bound to their new
+ *  endpoints. Ops submitted before fail with UNAVAILABLE; result views, handles and
+ *  epd_low_latency_*_input views taken before are void (take them again). With the Session
+ *  still open it only rejoins endpoints a failed reconnect left unbound (OK when none).
+ *  Errors: UNAVAILABLE (no daemon within timeout_ms), PERMISSION_DENIED, a rejoin's error
+ *  naming the group and rank (the others are still rejoined; the call may be retried).
+ *  Threads: no call on this client's endpoints or their op holders while it runs. */
+EPD_API epd_status_t epd_client_reconnect(epd_client_t* client, int64_t timeout_ms);
 
 /** The main figures of the daemon's GetStats. */
 typedef struct epd_stats_t {
@@ -178,10 +198,14 @@ typedef struct epd_join_options_t {
    *  joins its own node's daemon. */
   const epd_node_t* nodes;
   int32_t num_nodes; /**< Entries of nodes, 0 to 4096. */
+  int32_t reserved0; /**< The tail padding of the version that added nodes; ignored. */
   /** The transport between the daemons of a group across nodes (spec.transport): "tcp",
    *  "rdma", or NULL / "" = each daemon's configured default; read during the call only.
    *  Set only with nodes. Appended after num_nodes: an older struct_size reads NULL. */
   const char* transport;
+  /** An epd_rank_failure_t: the group's answer to a failed rank (every joiner passes the
+   *  same). Added after transport: a shorter struct_size reads 0 (DEFAULT). */
+  int32_t on_rank_failure;
 } epd_join_options_t;
 
 /** Joins a group and maps the endpoint; *out is the endpoint (epd_endpoint_destroy). Errors
@@ -221,6 +245,41 @@ EPD_API void epd_endpoint_destroy(epd_endpoint_t* endpoint);
  *  ndim 0 without low-latency mode. When to write them: docs/CLIENT_API.md §9. */
 EPD_API epd_status_t epd_low_latency_combine_input(const epd_endpoint_t* endpoint, DLTensor* out);
 EPD_API epd_status_t epd_low_latency_dispatch_input(const epd_endpoint_t* endpoint, DLTensor* out);
+
+/* ---- rank masking (docs/RELIABILITY.md) ------------------------------------------------- */
+
+/** A group's rank mask. The caller provides the array: masked_ranks (capacity
+ *  masked_ranks_capacity entries, may be NULL with 0) receives the masked ranks, ascending. */
+typedef struct epd_rank_mask_t {
+  size_t struct_size;            /**< sizeof(epd_rank_mask_t). */
+  uint32_t epoch;                /**< The group's mask epoch (0 = no rank ever masked). */
+  int32_t num_masked;            /**< Ranks masked (set even when they do not fit). */
+  int32_t* masked_ranks;         /**< The caller's array, or NULL. */
+  int32_t masked_ranks_capacity; /**< Its entries. */
+} epd_rank_mask_t;
+
+/** Masks num_mask ranks of `mask` and unmasks num_unmask of `unmask` (each in [0, R); either
+ *  array may be NULL with 0) between two ops of the group: Endpoint::UpdateRankMask. The new
+ *  mask goes to *out when out is not NULL. Errors: INVALID_ARGUMENT naming the rank,
+ *  FAILED_PRECONDITION (left endpoint, or the group's on_rank_failure is not MASK),
+ *  UNAVAILABLE; OUT_OF_RANGE when out->masked_ranks_capacity < num_masked (the update is
+ *  done; out->num_masked says how many entries are needed). */
+EPD_API epd_status_t epd_endpoint_update_rank_mask(epd_endpoint_t* endpoint, const int32_t* mask,
+                                                   size_t num_mask, const int32_t* unmask,
+                                                   size_t num_unmask, epd_rank_mask_t* out);
+/** The group's current mask into *out (required). Errors as epd_endpoint_update_rank_mask. */
+EPD_API epd_status_t epd_endpoint_query_rank_mask(epd_endpoint_t* endpoint, epd_rank_mask_t* out);
+/** Unmasks every rank (those not joined stay masked until they rejoin); the new mask to *out
+ *  when not NULL. Errors as epd_endpoint_update_rank_mask. */
+EPD_API epd_status_t epd_endpoint_clean_rank_mask(epd_endpoint_t* endpoint, epd_rank_mask_t* out);
+
+/** The rank mask an op ran with (the C++ epd::OpMask), in every op result but the layout's. */
+typedef struct epd_op_mask_t {
+  uint32_t epoch;        /**< The group's mask epoch (0 = no rank ever masked). */
+  int32_t num_masked;    /**< Ranks masked in that epoch. */
+  int32_t dropped_pairs; /**< This rank's token-expert pairs whose expert was masked. */
+  int32_t reserved;      /**< Zero. */
+} epd_op_mask_t;
 
 /* ---- ops ----------------------------------------------------------------------------- */
 
@@ -296,6 +355,9 @@ typedef struct epd_dispatch_result_t {
   DLTensor recv_count;                 /**< [1] int32: N, in the endpoint's memory. */
   epd_handle_t handle;
   int32_t num_recv_tokens; /**< N; -1 from enqueued (views of R*M rows). */
+  /** The mask the op ran with (set by epd_op_wait; zero from enqueued). Added after the first
+   *  version: a shorter struct_size does not receive it. */
+  epd_op_mask_t mask;
 } epd_dispatch_result_t;
 
 /** Arguments of epd_combine (normal mode). */
@@ -312,6 +374,7 @@ typedef struct epd_combine_result_t {
   size_t struct_size;
   DLTensor combined_x;            /**< [T, H] bf16. */
   DLTensor combined_topk_weights; /**< [T, K] f32 (with topk_weights; else ndim 0). */
+  epd_op_mask_t mask;             /**< As epd_dispatch_result_t.mask (added later too). */
 } epd_combine_result_t;
 
 /** Arguments of epd_low_latency_dispatch. */
@@ -341,6 +404,7 @@ typedef struct epd_ll_dispatch_result_t {
   DLTensor recv_count;    /**< [E/R] int32. */
   DLTensor recv_src_info; /**< [E/R, R*Mll] int32: src_rank * Mll + token. */
   epd_handle_t handle;
+  epd_op_mask_t mask; /**< As epd_dispatch_result_t.mask (added later too). */
 } epd_ll_dispatch_result_t;
 
 /** Arguments of epd_low_latency_combine. */
@@ -357,6 +421,7 @@ typedef struct epd_ll_combine_args_t {
 typedef struct epd_ll_combine_result_t {
   size_t struct_size;
   DLTensor combined_x; /**< [T, H] bf16 ([C, H] in a program, rows [0, T) written). */
+  epd_op_mask_t mask;  /**< As epd_dispatch_result_t.mask (added later too). */
 } epd_ll_combine_result_t;
 
 /** Submit an op into `op` (an epd_op_create holder); its result comes from epd_op_wait or

@@ -19,6 +19,7 @@ from ._core import (
     EndpointInfo,
     GroupSpec,
     NodeSpec,
+    RankMask,
     version,
 )
 from ._errors import *  # noqa: F401,F403 (the exception classes)
@@ -32,6 +33,7 @@ DispatchResult = _C.DispatchResult
 CombineResult = _C.CombineResult
 LowLatencyDispatchResult = _C.LowLatencyDispatchResult
 LowLatencyCombineResult = _C.LowLatencyCombineResult
+OpMask = _C.OpMask
 
 __version__ = _C.version()
 
@@ -41,6 +43,8 @@ __all__ = [
     "EndpointInfo",
     "GroupSpec",
     "NodeSpec",
+    "RankMask",
+    "OpMask",
     "DLView",
     "Handle",
     "PendingOp",

@@ -21,6 +21,7 @@ _KDL_CUDA_HOST = 3
 _LAUNCH_MODES = {"auto": 0, "default": 0, "daemon": 1, "client": 2}
 _LAUNCH_MODE_NAMES = {0: "default", 1: "daemon", 2: "client"}
 _REGION_KINDS = {"numpy": 0, "torch": 1, "dlpack": 2}
+_RANK_FAILURE = {None: 0, "default": 0, "fail": 1, "mask": 2}
 
 # Set up once, at the first join: torch (when importable) and numpy converters.
 _frameworks = None
@@ -102,8 +103,9 @@ class GroupSpec(
             "use_fp8",
             "nodes",
             "transport",
+            "on_rank_failure",
         ],
-        defaults=(0, False, (), ""),
+        defaults=(0, False, (), "", None),
     )
 ):
     """A group's shape (epd.v1.GroupSpec); every rank joins with the same one.
@@ -118,6 +120,9 @@ class GroupSpec(
     this daemon (a one-node group).
     transport: the transport between the nodes' daemons, "tcp" or "rdma"; "" = each daemon's
     configured default. Set only with nodes.
+    on_rank_failure: the group's answer to a failed rank (docs/RELIABILITY.md): None (the
+    daemon's default, "fail"), "fail" (the op fails on every rank) or "mask" (the rank is
+    masked and the op completes for the others).
 
         epd.GroupSpec("moe0", num_ranks=8, ..., nodes=[("10.0.0.1:7300", 4), ("10.0.0.2:7300", 4)],
                       transport="rdma")
@@ -149,6 +154,13 @@ def _node_list(nodes):
                 "(peer_address, num_ranks) pair" % (i, node))
         out.append((node[0], node[1]))
     return out
+
+
+class RankMask(collections.namedtuple("RankMask", ["epoch", "masked_ranks"])):
+    """A group's rank mask: epoch (int, 0 = no rank ever masked) and masked_ranks (a tuple
+    of ints, ascending)."""
+
+    __slots__ = ()
 
 
 EndpointInfo = collections.namedtuple(
@@ -269,6 +281,12 @@ class Client:
                 "join: launch_mode=%r, expected one of %s" % (launch_mode, sorted(_LAUNCH_MODES)))
         if isinstance(join_secret, str):
             join_secret = join_secret.encode()
+        policy = _RANK_FAILURE.get(spec.on_rank_failure) if isinstance(
+            spec.on_rank_failure, (str, type(None))) else None
+        if policy is None:
+            raise InvalidArgumentError(
+                3, "INVALID_ARGUMENT", "join: spec.on_rank_failure=%r, expected None, 'fail' or "
+                "'mask'" % (spec.on_rank_failure,))
         fw = _setup_frameworks()
         nodes = _node_list(spec.nodes)
         c_ep = self._c.join(
@@ -286,10 +304,31 @@ class Client:
             bytes(join_secret),
             nodes,
             spec.transport,
+            policy,
         )
-        ep = Endpoint(self, c_ep, fw, tuple(NodeSpec(*n) for n in nodes), spec.transport or "")
+        ep = Endpoint(self, c_ep, fw, tuple(NodeSpec(*n) for n in nodes), spec.transport or "",
+                      spec.on_rank_failure)
         self._endpoints.add(ep)
         return ep
+
+    def reconnect(self, timeout=30.0):
+        """After the daemon restarted (calls raise UnavailableError): opens a new Session on the
+        same socket (retrying while the daemon restarts, up to `timeout` seconds; None: 30 s,
+        inf: no limit) and rejoins every endpoint of this client that was not left or
+        closed, with the spec and rank it joined with. The Endpoint objects stay valid, bound
+        to new buffers: ops (PendingOps) from before raise UnavailableError, and results,
+        views and handles from before are stale (views still read, old data); a new
+        session_id and endpoint_id. With the Session still open it only rejoins endpoints a
+        failed reconnect left behind. Every rank of a group must reconnect. Raises
+        UnavailableError (no daemon within timeout), PermissionDeniedError, or a rejoin's
+        error (its code, naming the group and rank; the others are still rejoined and
+        reconnect may be called again). Do not use this client's endpoints from other
+        threads while it runs."""
+        try:
+            self._c.reconnect(timeout)
+        finally:
+            for ep in list(self._endpoints):
+                ep._rebound()
 
     def close(self):
         """Leaves every endpoint of this client and releases the connection. Idempotent."""
@@ -323,12 +362,24 @@ class Endpoint:
     place. A view keeps the endpoint's memory mapped after close().
     """
 
-    def __init__(self, client, c_ep, fw, nodes=(), transport=""):
+    def __init__(self, client, c_ep, fw, nodes=(), transport="", on_rank_failure=None):
         self._c = c_ep
         self.client = client
         c_ep.set_converters(fw.to_numpy, fw.to_torch)
         self._fw = fw
-        i = c_ep.info()
+        self._nodes = nodes
+        self._transport = transport
+        self._on_rank_failure = on_rank_failure
+        self._read_info()
+        # Bound methods of the binding, looked up once.
+        self._layout = c_ep.layout
+        self._dispatch = c_ep.dispatch
+        self._combine = c_ep.combine
+        self._ll_dispatch = c_ep.ll_dispatch
+        self._ll_combine = c_ep.ll_combine
+
+    def _read_info(self):
+        i = self._c.info()
         self.rank = i["rank"]
         self.spec = GroupSpec(
             i["group"],
@@ -339,8 +390,9 @@ class Endpoint:
             i["max_tokens_per_rank"],
             i["ll_max_tokens_per_rank"],
             i["use_fp8"],
-            nodes,
-            transport,
+            self._nodes,
+            self._transport,
+            self._on_rank_failure,
         )
         self.info = EndpointInfo(
             i["endpoint_id"],
@@ -351,12 +403,13 @@ class Endpoint:
             i["cuda"],
             i["gpu_uuid"],
         )
-        # Bound methods of the binding, looked up once.
-        self._layout = c_ep.layout
-        self._dispatch = c_ep.dispatch
-        self._combine = c_ep.combine
-        self._ll_dispatch = c_ep.ll_dispatch
-        self._ll_combine = c_ep.ll_combine
+
+    def _rebound(self):
+        """Client.reconnect re-bound the C endpoint: new endpoint_id, new buffers."""
+        if self._c.closed:
+            return
+        self._c.rebound()
+        self._read_info()
 
     def __repr__(self):
         return "epd.Endpoint(group=%r, rank=%d, endpoint_id=%d%s)" % (
@@ -386,6 +439,29 @@ class Endpoint:
 
     def __exit__(self, *exc):
         self.close()
+
+    # ---- rank masking (docs/RELIABILITY.md) ----------------------------------------------
+
+    def update_rank_mask(self, mask=(), unmask=()):
+        """Masks the ranks in `mask` and unmasks those in `unmask` (ints in [0, R)) between
+        two ops of the group; returns the new RankMask. Raises InvalidArgumentError naming a
+        bad rank, FailedPreconditionError (left, or the group's on_rank_failure is not
+        "mask"), UnavailableError."""
+        return RankMask(*self._mask_reply(self._c.rank_mask(0, mask, unmask)))
+
+    def query_rank_mask(self):
+        """The group's current RankMask (errors as update_rank_mask)."""
+        return RankMask(*self._mask_reply(self._c.rank_mask(1)))
+
+    def clean_rank_mask(self):
+        """Unmasks every rank (those not joined stay masked until they rejoin); returns the
+        new RankMask (errors as update_rank_mask)."""
+        return RankMask(*self._mask_reply(self._c.rank_mask(2)))
+
+    @staticmethod
+    def _mask_reply(reply):
+        epoch, ranks = reply
+        return epoch, tuple(ranks)
 
     # ---- ops -----------------------------------------------------------------------------
 

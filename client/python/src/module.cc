@@ -35,6 +35,7 @@ std::string CString(const char* s, size_t capacity) { return std::string(s, strn
 
 // Struct sequences (named tuples implemented in C): cheap to build, indexable, unpackable.
 struct ResultTypes {
+  PyTypeObject* op_mask = nullptr;
   PyTypeObject* layout = nullptr;
   PyTypeObject* dispatch = nullptr;
   PyTypeObject* combine = nullptr;
@@ -42,6 +43,10 @@ struct ResultTypes {
   PyTypeObject* ll_combine = nullptr;
 };
 ResultTypes g_results;
+
+// The rank mask an op ran with: a named field of each op result (not part of its tuple, so
+// results unpack as before).
+constexpr const char* kMaskDoc = "epd.OpMask (epoch, num_masked, dropped_pairs) the op ran with.";
 
 PyStructSequence_Field kLayoutFields[] = {
     {"num_tokens_per_rank", "[R] int32: tokens with an expert on each rank."},
@@ -58,10 +63,12 @@ PyStructSequence_Field kDispatchFields[] = {
     {"recv_count", "[1] int32: N, in the endpoint's memory."},
     {"handle", "epd.Handle for combine and cached re-dispatch."},
     {"num_recv_tokens", "N (int); -1 from enqueued()."},
+    {"mask", kMaskDoc},
     {nullptr, nullptr}};
 PyStructSequence_Field kCombineFields[] = {
     {"combined_x", "[T, H] bfloat16."},
     {"combined_topk_weights", "[T, K] float32 when topk_weights was given; else None."},
+    {"mask", kMaskDoc},
     {nullptr, nullptr}};
 PyStructSequence_Field kLlDispatchFields[] = {
     {"recv_x", "[E/R, R*Mll, H] bfloat16 or float8_e4m3fn."},
@@ -72,17 +79,25 @@ PyStructSequence_Field kLlDispatchFields[] = {
     {"recv_count", "[E/R] int32."},
     {"recv_src_info", "[E/R, R*Mll] int32: src_rank * Mll + token."},
     {"handle", "epd.Handle for the matching low-latency combine."},
+    {"mask", kMaskDoc},
     {nullptr, nullptr}};
-PyStructSequence_Field kLlCombineFields[] = {{"combined_x", "[T, H] bfloat16."},
-                                             {nullptr, nullptr}};
+PyStructSequence_Field kLlCombineFields[] = {
+    {"combined_x", "[T, H] bfloat16."}, {"mask", kMaskDoc}, {nullptr, nullptr}};
+PyStructSequence_Field kOpMaskFields[] = {
+    {"epoch", "The group's mask epoch (0 = no rank ever masked)."},
+    {"num_masked", "Ranks masked in that epoch."},
+    {"dropped_pairs", "This rank's token-expert pairs whose expert was masked."},
+    {nullptr, nullptr}};
 
+/// A struct sequence type; its last `named_only` fields are read by name only (not in the
+/// tuple: unpacking and len() see the others).
 PyTypeObject* MakeResultType(py::module_& m, const char* name, const char* doc,
-                             PyStructSequence_Field* fields) {
+                             PyStructSequence_Field* fields, int named_only = 0) {
   int n = 0;
   while (fields[n].name != nullptr) ++n;
   static std::vector<std::unique_ptr<PyStructSequence_Desc>> descs;
-  descs.push_back(
-      std::make_unique<PyStructSequence_Desc>(PyStructSequence_Desc{name, doc, fields, n}));
+  descs.push_back(std::make_unique<PyStructSequence_Desc>(
+      PyStructSequence_Desc{name, doc, fields, n - named_only}));
   PyTypeObject* type = PyStructSequence_NewType(descs.back().get());
   if (type == nullptr) throw py::error_already_set();
   const char* dot = std::strrchr(name, '.');
@@ -99,6 +114,24 @@ py::object MakeResult(PyTypeObject* type, Items... items) {
   Py_ssize_t i = 0;
   (PyStructSequence_SetItem(r, i++, py::object(std::move(items)).release().ptr()), ...);
   return py::reinterpret_steal<py::object>(r);
+}
+
+/// An op's mask as an epd.OpMask; the all-zero one (no rank ever masked) is shared.
+py::object MakeOpMask(const epd_op_mask_t& mask) {
+  static PyObject* zero = nullptr;
+  const bool is_zero = mask.epoch == 0 && mask.num_masked == 0 && mask.dropped_pairs == 0;
+  if (is_zero && zero != nullptr) return py::reinterpret_borrow<py::object>(zero);
+  py::object r = MakeResult(g_results.op_mask, py::int_(mask.epoch), py::int_(mask.num_masked),
+                            py::int_(mask.dropped_pairs));
+  if (is_zero) zero = py::object(r).release().ptr();  // Kept for the process's lifetime.
+  return r;
+}
+
+/// A mask reply (epd_rank_mask_t, its ranks in `ranks`) as (epoch, [ranks]).
+py::tuple RankMaskTuple(const epd_rank_mask_t& out, const std::vector<int32_t>& ranks) {
+  py::list list(out.num_masked);
+  for (int32_t i = 0; i < out.num_masked; ++i) list[i] = py::int_(ranks[i]);
+  return py::make_tuple(py::int_(out.epoch), std::move(list));
 }
 
 /// The result of kind R that `op` holds, read by `read` (an epd_op_*_result function).
@@ -132,6 +165,23 @@ const epd_handle_t* ReadHandle(py::handle obj, const char* op, const char* field
                                           ", expected an epd.Handle from a dispatch");
   }
   return &obj.cast<const Handle&>().h;
+}
+
+/// A sequence of ranks (ints; None = none) as int32s, INVALID_ARGUMENT naming op and field.
+std::vector<int32_t> ToRanks(py::handle obj, const char* op, const char* field) {
+  std::vector<int32_t> out;
+  if (obj.is_none()) return out;
+  if (PyLong_Check(obj.ptr()) || !PySequence_Check(obj.ptr()) || PyUnicode_Check(obj.ptr())) {
+    RaiseStatus(EPD_INVALID_ARGUMENT, std::string(op) + ": " + field + "=" + ShortRepr(obj) +
+                                          " is not a sequence of ranks (ints)");
+  }
+  const py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
+  out.reserve(seq.size());
+  for (size_t i = 0; i < seq.size(); ++i) {
+    out.push_back(
+        ToInt32(seq[i], op, (std::string(field) + "[" + std::to_string(i) + "]").c_str()));
+  }
+  return out;
 }
 
 // ---- client ---------------------------------------------------------------------------
@@ -230,7 +280,21 @@ class Client {
                                  py::handle max_tokens_per_rank, py::handle ll_max_tokens_per_rank,
                                  bool use_fp8, py::handle rank, py::handle gpu_uuid,
                                  int launch_mode, py::bytes join_secret, py::handle nodes,
-                                 py::handle transport);
+                                 py::handle transport, int on_rank_failure = 0);
+
+  /// epd_client_reconnect; timeout: seconds (None: 30 s; inf: no limit). The caller (the
+  /// epd package) re-reads its endpoints afterwards (Endpoint::Rebound).
+  void Reconnect(py::handle timeout) {
+    static constexpr const char* kOp = "reconnect";
+    const int64_t timeout_ms = TimeoutMs(timeout, kOp, 30000, EPD_TIMEOUT_INFINITE, "30 s");
+    const std::shared_ptr<ClientCore> core = Live(kOp);
+    epd_status_t status;
+    {
+      py::gil_scoped_release release;
+      status = epd_client_reconnect(core->client, timeout_ms);
+    }
+    Check(status);
+  }
 
   /// Drops this object's hold on the C client: it is destroyed once the calls running on
   /// other threads and the endpoints (and their views) are gone. Idempotent.
@@ -401,6 +465,45 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
 
   size_t CacheSize() const { return caches_[0].size() + caches_[1].size() + caches_[2].size(); }
 
+  /// After a reconnect re-bound the C endpoint to new buffers: drops the cached views (of
+  /// the old buffers; views the caller holds stay valid memory, with stale data).
+  void Rebound() {
+    for (ViewCache& cache : caches_) cache.Clear();
+  }
+
+  /// update_rank_mask / query / clean as (epoch, [masked ranks]). `kind`: 0 update, 1
+  /// query, 2 clean.
+  py::tuple RankMaskCall(int kind, py::handle mask, py::handle unmask) {
+    const char* op = kind == 0   ? "update_rank_mask"
+                     : kind == 1 ? "query_rank_mask"
+                                 : "clean_rank_mask";
+    std::vector<int32_t> masked, unmasked;
+    if (kind == 0) {
+      masked = ToRanks(mask, op, "mask");
+      unmasked = ToRanks(unmask, op, "unmask");
+    }
+    Call call(*this, op);
+    std::vector<int32_t> ranks(static_cast<size_t>(Info()["num_ranks"].cast<int32_t>()));
+    epd_rank_mask_t out{};
+    out.struct_size = sizeof(out);
+    out.masked_ranks = ranks.data();
+    out.masked_ranks_capacity = static_cast<int32_t>(ranks.size());
+    epd_status_t status;
+    {
+      py::gil_scoped_release release;
+      if (kind == 0) {
+        status = epd_endpoint_update_rank_mask(call.endpoint(), masked.data(), masked.size(),
+                                               unmasked.data(), unmasked.size(), &out);
+      } else if (kind == 1) {
+        status = epd_endpoint_query_rank_mask(call.endpoint(), &out);
+      } else {
+        status = epd_endpoint_clean_rank_mask(call.endpoint(), &out);
+      }
+    }
+    Check(status);
+    return RankMaskTuple(out, ranks);
+  }
+
   // The five ops. Each reads its tensors, submits into the endpoint's reusable holder
   // (wait=True: waits with the GIL released and returns the result) or into a holder of its
   // own (wait=False: returns a PendingOp).
@@ -516,27 +619,28 @@ class Endpoint : public std::enable_shared_from_this<Endpoint> {
       }
       case EPD_OP_DISPATCH: {
         const epd_dispatch_result_t r = ReadOpResult(op, &epd_op_dispatch_result);
-        return MakeResult(g_results.dispatch, View(r.recv_x, torch_mode),
-                          View(r.recv_scales, torch_mode), View(r.recv_topk_idx, torch_mode),
-                          View(r.recv_topk_weights, torch_mode),
-                          View(r.num_recv_tokens_per_expert, torch_mode),
-                          View(r.recv_src_info, torch_mode), View(r.recv_count, torch_mode),
-                          py::cast(Handle{r.handle}), py::int_(r.num_recv_tokens));
+        return MakeResult(
+            g_results.dispatch, View(r.recv_x, torch_mode), View(r.recv_scales, torch_mode),
+            View(r.recv_topk_idx, torch_mode), View(r.recv_topk_weights, torch_mode),
+            View(r.num_recv_tokens_per_expert, torch_mode), View(r.recv_src_info, torch_mode),
+            View(r.recv_count, torch_mode), py::cast(Handle{r.handle}), py::int_(r.num_recv_tokens),
+            MakeOpMask(r.mask));
       }
       case EPD_OP_COMBINE: {
         const epd_combine_result_t r = ReadOpResult(op, &epd_op_combine_result);
         return MakeResult(g_results.combine, View(r.combined_x, torch_mode),
-                          View(r.combined_topk_weights, torch_mode));
+                          View(r.combined_topk_weights, torch_mode), MakeOpMask(r.mask));
       }
       case EPD_OP_LOW_LATENCY_DISPATCH: {
         const epd_ll_dispatch_result_t r = ReadOpResult(op, &epd_op_ll_dispatch_result);
         return MakeResult(g_results.ll_dispatch, View(r.recv_x, torch_mode),
                           View(r.recv_scales, torch_mode), View(r.recv_count, torch_mode),
-                          View(r.recv_src_info, torch_mode), py::cast(Handle{r.handle}));
+                          View(r.recv_src_info, torch_mode), py::cast(Handle{r.handle}),
+                          MakeOpMask(r.mask));
       }
       case EPD_OP_LOW_LATENCY_COMBINE: {
         const epd_ll_combine_result_t r = ReadOpResult(op, &epd_op_ll_combine_result);
-        return MakeResult(g_results.ll_combine, View(r.combined_x, torch_mode));
+        return MakeResult(g_results.ll_combine, View(r.combined_x, torch_mode), MakeOpMask(r.mask));
       }
       case EPD_OP_NONE:
         break;
@@ -658,7 +762,7 @@ std::shared_ptr<Endpoint> Client::Join(py::handle name, py::handle num_ranks,
                                        py::handle ll_max_tokens_per_rank, bool use_fp8,
                                        py::handle rank, py::handle gpu_uuid, int launch_mode,
                                        py::bytes join_secret, py::handle nodes,
-                                       py::handle transport) {
+                                       py::handle transport, int on_rank_failure) {
   static constexpr const char* kOp = "join";
   const std::shared_ptr<ClientCore> core = Live(kOp);
   const std::string group = ToCString(name, kOp, "spec.name");
@@ -682,6 +786,7 @@ std::shared_ptr<Endpoint> Client::Join(py::handle name, py::handle num_ranks,
   o.launch_mode = launch_mode;
   o.join_secret = secret.empty() ? nullptr : secret.data();
   o.join_secret_len = secret.size();
+  o.on_rank_failure = on_rank_failure;
   // The node list: (peer_address, num_ranks) pairs; the strings live until the call returns.
   std::vector<std::string> addresses;
   std::vector<epd_node_t> node_list;
@@ -748,16 +853,20 @@ PYBIND11_MODULE(_C, m) {
       "The error catalog's name of a reason number (docs/ERRORS.md).");
 
   BindDlpack(m);
+  g_results.op_mask =
+      MakeResultType(m, "epd.OpMask", "The rank mask an op ran with.", kOpMaskFields);
   g_results.layout =
       MakeResultType(m, "epd.LayoutResult", "Result of get_dispatch_layout.", kLayoutFields);
-  g_results.dispatch =
-      MakeResultType(m, "epd.DispatchResult", "Result of a normal dispatch.", kDispatchFields);
-  g_results.combine =
-      MakeResultType(m, "epd.CombineResult", "Result of a normal combine.", kCombineFields);
-  g_results.ll_dispatch = MakeResultType(m, "epd.LowLatencyDispatchResult",
-                                         "Result of a low-latency dispatch.", kLlDispatchFields);
-  g_results.ll_combine = MakeResultType(m, "epd.LowLatencyCombineResult",
-                                        "Result of a low-latency combine.", kLlCombineFields);
+  g_results.dispatch = MakeResultType(m, "epd.DispatchResult", "Result of a normal dispatch.",
+                                      kDispatchFields, /*named_only=*/1);
+  g_results.combine = MakeResultType(m, "epd.CombineResult", "Result of a normal combine.",
+                                     kCombineFields, /*named_only=*/1);
+  g_results.ll_dispatch =
+      MakeResultType(m, "epd.LowLatencyDispatchResult", "Result of a low-latency dispatch.",
+                     kLlDispatchFields, /*named_only=*/1);
+  g_results.ll_combine =
+      MakeResultType(m, "epd.LowLatencyCombineResult", "Result of a low-latency combine.",
+                     kLlCombineFields, /*named_only=*/1);
 
   py::class_<Handle>(m, "Handle",
                      "The routing of a dispatch, for combine and cached re-dispatch: a value, "
@@ -802,6 +911,9 @@ PYBIND11_MODULE(_C, m) {
       .def("input_region", &Endpoint::InputRegion)
       .def("set_converters", &Endpoint::SetConverters)
       .def("cache_size", &Endpoint::CacheSize)
+      .def("rebound", &Endpoint::Rebound)
+      .def("rank_mask", &Endpoint::RankMaskCall, py::arg("kind"), py::arg("mask") = py::none(),
+           py::arg("unmask") = py::none())
       .def("layout", &Endpoint::Layout)
       .def("dispatch", &Endpoint::Dispatch)
       .def("combine", &Endpoint::Combine)
@@ -818,6 +930,7 @@ PYBIND11_MODULE(_C, m) {
       .def("peer_address", &Client::Json<&epd_client_peer_address>,
            py::arg("what") = "peer_address")
       .def("join", &Client::Join)
+      .def("reconnect", &Client::Reconnect, py::arg("timeout") = py::none())
       .def("close", &Client::Close)
       .def_property_readonly("closed", &Client::closed);
 }

@@ -238,8 +238,11 @@ class Buffer:
     used of it (NCCL or gloo). num_nvl_bytes bounds the normal-mode epd group, num_rdma_bytes
     the low-latency one (each created at its first op; an op that does not fit raises
     BufferTooSmallError naming the bytes it needs). num_qps_per_rank is accepted and unused.
-    Not supported (UnimplementedError naming the option): allow_nvlink_for_low_latency_mode
-    =False, allow_mnnvl=True, enable_shrink=True. The epd daemon is $EPD_SOCKET;
+    enable_shrink=True makes the low-latency group mask a failed rank instead of failing
+    every op (its on_rank_failure "mask", docs/RELIABILITY.md); low_latency_update_mask_buffer
+    and its siblings mask ranks by hand. Not supported (UnimplementedError naming the
+    option): allow_nvlink_for_low_latency_mode=False, allow_mnnvl=True. The epd daemon is
+    $EPD_SOCKET;
     EPD_LAUNCH_MODE (auto|daemon|client) and EPD_JOIN_SECRET are read too. Ranks whose daemons
     differ (several nodes) form a group across those daemons: each rank's daemon Peer address
     is gathered over `group` here, ranks of one daemon must be contiguous, and every daemon
@@ -260,8 +263,6 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         if allow_mnnvl:
             raise unsupported("allow_mnnvl=True", "epd serves the GPUs of one node")
-        if enable_shrink:
-            raise unsupported("enable_shrink=True", "epd has no rank masking")
         if not allow_nvlink_for_low_latency_mode:
             raise unsupported("allow_nvlink_for_low_latency_mode=False",
                               "epd moves low-latency data over the node's own GPU links")
@@ -414,14 +415,62 @@ class Buffer:
                           "epd exposes typed regions (get_next_low_latency_combine_buffer), "
                           "not a raw buffer")
 
+    # ---- rank masking (low-latency group; docs/RELIABILITY.md) ------------------------------
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
-        raise unsupported("low_latency_update_mask_buffer", "epd has no rank masking")
+        """Masks (mask=True) or unmasks (mask=False) rank_to_mask in the low-latency group:
+        a masked rank is neither sent to nor received from; tokens routed to its experts are
+        dropped and combine to zeros. Needs enable_shrink=True and the low-latency group, set
+        up by the first low_latency_dispatch (FailedPreconditionError otherwise).
+        InvalidArgumentError for a rank outside [0, group size)."""
+        op = "low_latency_update_mask_buffer"
+        self._shrinkable(op)
+        rank = _non_negative_int(op, "rank_to_mask", rank_to_mask)
+        if rank >= self.group_size:
+            raise invalid(f"{op}: rank_to_mask {rank} is not a rank of the {self.group_size}-rank "
+                          "group")
+        g = self._mask_group(op)
+        if mask:
+            g.ep.update_rank_mask(mask=[rank])
+        else:
+            g.ep.update_rank_mask(unmask=[rank])
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
-        raise unsupported("low_latency_query_mask_buffer", "epd has no rank masking")
+        """Writes the low-latency group's mask into mask_status, a [group size] torch.int
+        tensor: 1 for a masked rank, 0 otherwise (all 0 before the first low-latency op).
+        Needs enable_shrink=True (FailedPreconditionError otherwise)."""
+        op = "low_latency_query_mask_buffer"
+        self._shrinkable(op)
+        _check_tensor(mask_status, "mask_status", op, 1, torch.int32)
+        if mask_status.size(0) != self.group_size:
+            raise invalid(f"{op}: mask_status has {mask_status.size(0)} entries; the group has "
+                          f"{self.group_size} ranks")
+        masked = () if self._ll is None else self._ll.ep.query_rank_mask().masked_ranks
+        status = torch.zeros(self.group_size, dtype=torch.int32)
+        if masked:
+            status[list(masked)] = 1
+        mask_status.copy_(status)
 
     def low_latency_clean_mask_buffer(self):
-        raise unsupported("low_latency_clean_mask_buffer", "epd has no rank masking")
+        """Unmasks every rank of the low-latency group (a rank that left stays masked until
+        a process rejoins it). A no-op before the first low-latency op. Needs
+        enable_shrink=True (FailedPreconditionError otherwise)."""
+        op = "low_latency_clean_mask_buffer"
+        self._shrinkable(op)
+        if self._ll is not None:
+            self._ll.ep.clean_rank_mask()
+
+    def _shrinkable(self, op: str) -> None:
+        self._live(op)
+        if not self.enable_shrink:
+            raise precondition(f"{op}: the Buffer was created with enable_shrink=False (rank "
+                               "masking needs enable_shrink=True)")
+
+    def _mask_group(self, op: str) -> "_Group":
+        if self._ll is None:
+            raise precondition(f"{op}: the low-latency group is set up by the first "
+                               "low_latency_dispatch; mask ranks after it")
+        return self._ll
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -434,7 +483,7 @@ class Buffer:
     def _event(self, async_finish: bool) -> EventOverlap:
         return EventOverlap(EventHandle()) if async_finish else EventOverlap()
 
-    def _join(self, suffix: str, shape: dict) -> _Group:
+    def _join(self, suffix: str, shape: dict, on_rank_failure=None) -> _Group:
         """Joins the epd group of `shape` (_sizes.endpoint_bytes' keywords; num_ranks is the
         Buffer's group size)."""
         spec = _epd_core.GroupSpec(
@@ -442,7 +491,8 @@ class Buffer:
             num_topk=shape["num_topk"], num_experts=shape["num_experts"],
             max_tokens_per_rank=shape["max_tokens_per_rank"],
             max_dispatch_tokens_per_rank=shape["ll_max_tokens_per_rank"],
-            use_fp8=shape["use_fp8"], nodes=self._nodes, transport=self._transport)
+            use_fp8=shape["use_fp8"], nodes=self._nodes, transport=self._transport,
+            on_rank_failure=on_rank_failure)
         gpu = torch.cuda.current_device() if self._cuda else None
         ep = self._client.join(spec, self.rank, gpu=gpu, launch_mode=self._launch_mode,
                                join_secret=self._secret)
@@ -757,7 +807,7 @@ class Buffer:
             raise too_small("num_rdma_bytes", needed, self.num_rdma_bytes,
                             f"{op} of up to {mll} tokens x {hidden} channels, top-k {num_topk}, "
                             f"{num_experts} experts over {self.group_size} ranks")
-        self._ll = g = self._join("ll", shape)
+        self._ll = g = self._join("ll", shape, "mask" if self.enable_shrink else None)
         return g
 
     def _ll_submit(self, g: _Group, submit: Callable, hook_wanted: bool):
