@@ -123,8 +123,8 @@ absl::StatusOr<std::shared_ptr<Session>> OpenSession(ControlHandle& control,
                                                      absl::Time deadline, absl::Duration timeout) {
   if (!control.channel->WaitForConnected(absl::ToChronoTime(deadline))) {
     return errors::WithReason(
-        absl::UnavailableError(absl::StrCat("no epd daemon answers on ", control.target,
-                                            " within ", absl::FormatDuration(timeout),
+        absl::UnavailableError(absl::StrCat("no epd daemon answers on ", control.target, " within ",
+                                            absl::FormatDuration(timeout),
                                             " (is epd running on that socket?)")),
         errors::Reason::kDaemonUnavailable);
   }
@@ -153,9 +153,9 @@ absl::StatusOr<std::shared_ptr<Session>> OpenSession(ControlHandle& control,
   };
   if (!session->mu.AwaitWithDeadline(absl::Condition(&answered), deadline)) {
     session->context.TryCancel();  // The reader ends; ~Session joins it.
-    return errors::WithReason(absl::UnavailableError(absl::StrCat(
-                                  "epd on ", control.target, " did not open a Session within ",
-                                  absl::FormatDuration(timeout))),
+    return errors::WithReason(absl::UnavailableError(absl::StrCat("epd on ", control.target,
+                                                                  " did not open a Session within ",
+                                                                  absl::FormatDuration(timeout))),
                               errors::Reason::kDaemonUnavailable);
   }
   if (session->session_id.empty()) {

@@ -6,6 +6,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/errors/reason.h"
 
 namespace epd {
 
@@ -47,13 +48,15 @@ absl::Status CheckClientVersion(absl::string_view client_version,
         absl::StrCat("SessionRequest.client_version: ", client.status().message()));
   }
   if (ClientVersionCompatible(*client, *daemon)) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat("client version ", client_version, " is not served by epd ", daemon_version,
-                   ", which serves clients ", CompatibleClientVersions(*daemon), "; ",
-                   client->major != daemon->major || client->minor > daemon->minor
-                       ? "upgrade epd on this node or run the client release that matches it"
-                       : "upgrade the client (libepdclient / the epd Python package)",
-                   " (docs/DEPLOYMENT.md \"Versions and upgrades\")"));
+  return errors::WithReason(
+      absl::FailedPreconditionError(
+          absl::StrCat("client version ", client_version, " is not served by epd ", daemon_version,
+                       ", which serves clients ", CompatibleClientVersions(*daemon), "; ",
+                       client->major != daemon->major || client->minor > daemon->minor
+                           ? "upgrade epd on this node or run the client release that matches it"
+                           : "upgrade the client (libepdclient / the epd Python package)",
+                       " (docs/DEPLOYMENT.md \"Versions and upgrades\")")),
+      errors::Reason::kVersionIncompatible);
 }
 
 }  // namespace epd

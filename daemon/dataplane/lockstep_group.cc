@@ -852,6 +852,7 @@ void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::s
                      "group's ops run without it until it rejoins or is unmasked",
                      spec_.name(), r, mask_epoch_, num_masked_, rank_masked_.size(), why);
     RankMaskChanged(r, true);
+    metrics_->SetRankMasked(r, true);
     LockstepEndpoint* ep = endpoints_[r].get();
     if (ep && ep->request) {
       // It had arrived at the op being collected, which now runs without it.
@@ -889,6 +890,7 @@ void LockstepGroup::ApplyPendingMaskLocked() {
     // Ops ran without it: its handles (routing, low-latency buffers) are not the group's.
     if (current_seq_ > masked_at_seq_[r]) endpoints_[r]->handles = rules::HandleTable();
     RankMaskChanged(static_cast<int32_t>(r), false);
+    metrics_->SetRankMasked(static_cast<int32_t>(r), false);
     EngineLog()->info(
         "group {}: rank {} unmasked (mask epoch {}, {} ranks masked): it takes part "
         "from op {} on",
