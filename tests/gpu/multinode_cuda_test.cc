@@ -27,7 +27,9 @@
 namespace epd::multinode {
 namespace {
 
-constexpr absl::Duration kOpTimeout = absl::Seconds(3);
+/// Long enough for the first op: without MPS, eight client processes creating their CUDA
+/// contexts (and, client-launched, capturing graphs) on one GPU reach it seconds apart.
+constexpr absl::Duration kOpTimeout = absl::Seconds(10);
 
 /// Two CUDA daemons of 4 ranks each.
 absl::StatusOr<Cluster> StartCudaCluster() {
