@@ -87,7 +87,9 @@ __global__ void spinner_kernel(const unsigned long long* flag, unsigned long lon
     }
   }
   __syncthreads();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (trigger) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 __global__ void bounded_spinner(const unsigned long long* flag, unsigned long long v,
                                 long long ns) {
