@@ -766,7 +766,7 @@ int Graph(epd::Endpoint& ep, const GroupShape& s, const std::vector<int32_t>& to
   const int64_t rows = s.ll_rows_per_expert();
   std::vector<RankInputs> in(R);  // Every rank's inputs at capacity (Mll rows).
   for (int r = 0; r < R; ++r) {
-    MakeInputs(s, absl::GetFlag(FLAGS_seed) + 1000, r, Mll, targets, in[r]);
+    MakeInputs(s, absl::GetFlag(FLAGS_seed) + 1000, r, Mll, /*first_target=*/0, targets, in[r]);
   }
   const RankInputs& mine = in[rank];
   const int device = ep.LowLatencyCombineInput().dl().device.device_id;
