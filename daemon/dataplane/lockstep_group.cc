@@ -130,6 +130,8 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   auto ep = std::make_unique<LockstepEndpoint>();
   ep->log_limiter = client.log_budget ? client.log_budget : std::make_shared<LogRateLimiter>();
   EPD_ASSIGN_OR_RETURN(ep->backend, PrepareRank(rank, gpu_uuid, launch_mode, info));
+  // A backend with nothing per rank may return none: the hooks still get a (empty) one.
+  if (!ep->backend) ep->backend = std::make_shared<RankResources>();
   const uint64_t shm_data_bytes = ShmDataBytes(*ep->backend);
   // The layout the daemon uses from here on (private; the header gets a copy for the client).
   const abi::EndpointShmLayout shm = abi::ComputeEndpointShmLayout(shm_data_bytes);
