@@ -1,14 +1,14 @@
 #include "daemon/control/control_service.h"
 
 #include <optional>
-#include <type_traits>
 #include <set>
 #include <string>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
-#include "common/version.h"
 #include "common/errors/grpc_status.h"
 #include "common/errors/reason.h"
+#include "common/version.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/core/logging.h"
 #include "daemon/metrics/exposition.h"

@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/control/audit_log.h"
 #include "common/errors/reason.h"
+#include "daemon/control/audit_log.h"
 #include "daemon/control/control_service.h"
 #include "daemon/control/group_registry.h"
 #include "daemon/core/config.h"

@@ -146,14 +146,13 @@ bool LockstepGroup::PopRequests() {
                                                                seq, " had failed for the group: ",
                                                                it->second.message())),
                                      errors::ReasonOf(it->second))
-            : masking_
-                ? absl::FailedPreconditionError(absl::StrCat(
-                      "op ", seq, " of group ", spec_.name(), " ran without rank ", rank,
-                      ", which was masked (mask epoch ", mask_epoch_, ") before it arrived"))
-                : errors::WithReason(absl::DeadlineExceededError(
-                                         absl::StrCat("op ", seq, " of group ", spec_.name(),
-                                                      " failed before this rank arrived")),
-                                     errors::Reason::kOpTimeout);
+            : masking_ ? absl::FailedPreconditionError(absl::StrCat(
+                             "op ", seq, " of group ", spec_.name(), " ran without rank ", rank,
+                             ", which was masked (mask epoch ", mask_epoch_, ") before it arrived"))
+                       : errors::WithReason(absl::DeadlineExceededError(
+                                                absl::StrCat("op ", seq, " of group ", spec_.name(),
+                                                             " failed before this rank arrived")),
+                                            errors::Reason::kOpTimeout);
         CompleteUnrun(rank, *ep, slot, st);
         continue;
       }

@@ -145,9 +145,9 @@ void ShutdownCore(
     thread.join();
   }
   std::lock_guard<std::mutex> l(links_mu);
-  const absl::Status cause =
-      errors::WithReason(absl::UnavailableError(absl::StrCat("the ", transport, " transport was shut down")),
-                         errors::Reason::kTransportFailed);
+  const absl::Status cause = errors::WithReason(
+      absl::UnavailableError(absl::StrCat("the ", transport, " transport was shut down")),
+      errors::Reason::kTransportFailed);
   for (Link* link : links) link->Detach(cause, /*wake=*/true);
   links.clear();
   release();
