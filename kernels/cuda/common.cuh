@@ -46,6 +46,17 @@ __device__ __forceinline__ void StRelaxedSys(int32_t* p, int32_t v) {
   asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+/// 64-bit words shared with the CPU (host-mapped memory), acquire / release at system scope.
+__device__ __forceinline__ uint64_t LdAcquireSys64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StReleaseSys64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 /// 64-bit acquire load / release store at GPU scope: the stream-ordered hand-off words
 /// (layout.h launch_flags), all in memory of the endpoint's GPU and touched only on it; why
 /// .gpu suffices across processes: docs/CUDA_BACKEND.md "Memory scope of the flags". Words

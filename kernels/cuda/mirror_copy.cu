@@ -44,8 +44,7 @@ __global__ void CopySpansKernel(const SpanCopyParams p) {
     __threadfence_system();
     *p.counter = 0;
   }
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p.signal), "l"(p.signal_value)
-               : "memory");
+  device::StReleaseSys64(p.signal, p.signal_value);
 }
 
 }  // namespace

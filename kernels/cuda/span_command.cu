@@ -19,16 +19,6 @@ constexpr uint64_t kMaxPostBlocks = 32;
 constexpr uint64_t kMaxAwaitBlocks = 16;
 constexpr int32_t kDeadlineExceeded = 4;  // absl::StatusCode::kDeadlineExceeded.
 
-__device__ __forceinline__ uint64_t LdAcquireSys64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void StReleaseSys64(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
 /// The bytes span `s` covers now (its rows read on the device when it has rows_ptr).
 __device__ __forceinline__ uint64_t SpanBytes(const PostSpan& s) {
   int64_t rows =
@@ -82,7 +72,7 @@ __global__ void SpanPostKernel(const SpanPostArgs a) {
   c->client_buffer = a.client_buffer;
   c->handle_seq = handle_seq;
   __threadfence_system();
-  StReleaseSys64(const_cast<uint64_t*>(&c->seq), seq);
+  device::StReleaseSys64(const_cast<uint64_t*>(&c->seq), seq);
 }
 
 __global__ void SpanAwaitKernel(const SpanAwaitArgs a) {
@@ -94,7 +84,7 @@ __global__ void SpanAwaitKernel(const SpanAwaitArgs a) {
     const uint64_t deadline = device::GlobalTimerNs() + a.timeout_ns;
     uint32_t arrived = 0;
     for (;;) {
-      if (LdAcquireSys64(&a.control->done_seq) == seq) {
+      if (device::LdAcquireSys64(&a.control->done_seq) == seq) {
         arrived = 1;
         break;
       }
