@@ -132,6 +132,13 @@ absl::StatusOr<uint64_t> ClientLaunch::Run(const OpPlan& p) {
     recv_count_out = &readback(capturing ? kSlots : static_cast<uint32_t>(seq % kSlots)).recv_count;
   }
   EPD_RETURN_IF_ERROR(Launch(p, rejected, buffer, in_place, recv_count_out, s));
+  EPD_RETURN_IF_ERROR(Record(p, seq, buffer, rejected, runtime_tokens, st, s, capturing));
+  return seq;
+}
+
+absl::Status ClientLaunch::Record(const OpPlan& p, uint64_t seq, int buffer, bool rejected,
+                                  bool runtime_tokens, const absl::Status& st, cudaStream_t s,
+                                  bool capturing) {
   m_.parity.Advance(p.op);
   // The routing a rejected dispatch leaves is not usable; a low-latency dispatch owns its
   // buffer only once its op is recorded.
@@ -150,7 +157,7 @@ absl::StatusOr<uint64_t> ClientLaunch::Run(const OpPlan& p) {
     handles_.LowLatencyDispatchEnded(seq, buffer, p.num_tokens, /*ok=*/true);
     ll_runtime_tokens_[buffer] = runtime_tokens;
   }
-  return seq;
+  return absl::OkStatus();
 }
 
 absl::Status ClientLaunch::Launch(const OpPlan& p, bool rejected, int buffer,

@@ -95,6 +95,10 @@ class ClientLaunch final : public OpRunner {
   /// no read-back here: Wait enqueues it on the op's stream. A captured op gets no
   /// read-back: Wait reads the device status itself once the graph's replay is done.
   absl::Status End(uint64_t seq, abi::OpKind op, cudaStream_t stream, bool capturing);
+  /// After an op's kernels were enqueued (or refused with `st`): advances the buffer rule,
+  /// updates the handle table, then End. Returns `st` or End's error.
+  absl::Status Record(const OpPlan& p, uint64_t seq, int buffer, bool rejected, bool runtime_tokens,
+                      const absl::Status& st, cudaStream_t s, bool capturing);
   Readback& readback(uint32_t i) { return readback_memory_.get()[i]; }
 
   // ---- a group that spans nodes (span_launch.cc, DESIGN.md §5.5 "Client-launched") ----

@@ -207,21 +207,8 @@ absl::StatusOr<uint64_t> ClientLaunch::RunSpanning(const OpPlan& p) {
     abi::Atomic(control_host_->client_wakes).fetch_add(1, std::memory_order_seq_cst);
     m_.ring.Wake();
   }
-  m_.parity.Advance(p.op);
-  if (p.op == abi::OpKind::kDispatch && rejected) handles_.Forget(handles_.routing_seq());
-  if (p.op == abi::OpKind::kLowLatencyDispatch) {
-    handles_.LowLatencyDispatchEnded(seq, buffer, p.num_tokens, /*ok=*/false);
-  }
-  EPD_RETURN_IF_ERROR(st);
-  EPD_RETURN_IF_ERROR(End(seq, p.op, s, capturing));
-  if (p.op == abi::OpKind::kDispatch) {
-    handles_.DispatchDone(seq, (p.flags & abi::kFlagCachedHandle) != 0, p.num_tokens,
-                          /*num_recv_tokens=*/-1, (p.flags & abi::kFlagFp8) != 0);
-  }
-  if (p.op == abi::OpKind::kLowLatencyDispatch) {
-    handles_.LowLatencyDispatchEnded(seq, buffer, p.num_tokens, /*ok=*/true);
-    ll_runtime_tokens_[buffer] = p.device_num_tokens != nullptr;
-  }
+  EPD_RETURN_IF_ERROR(
+      Record(p, seq, buffer, rejected, p.device_num_tokens != nullptr, st, s, capturing));
   return seq;
 }
 
