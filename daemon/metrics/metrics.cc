@@ -124,10 +124,45 @@ void SnapshotBuilder::AddHistogram(std::string_view name, std::string_view help,
   h.Read(s->mutable_histogram());
 }
 
+// ---- NodeOpTotals ------------------------------------------------------------------------
+
+uint64_t NodeOpTotals::failures(uint32_t op, absl::StatusCode code) const {
+  const int c = static_cast<int>(code);
+  if (c <= 0 || c >= kNumCodes) return 0;
+  return ops_[op < kNumOps ? op : 0].failures[c].value();
+}
+
+void NodeOpTotals::Collect(SnapshotBuilder& out) const {
+  for (int op = 0; op < kNumOps; ++op) {
+    const PerOp& p = ops_[op];
+    if (p.ops.value() == 0) continue;
+    const Labels l = {{"op", abi::OpKindName(op)}};
+    out.AddCounter("epd_node_ops_total",
+                   "Ops ended on this node (OK or not), every group, per op kind; kept when a "
+                   "group ends.",
+                   l, static_cast<double>(p.ops.value()));
+    for (int c = 1; c < kNumCodes; ++c) {
+      if (p.failures[c].value() == 0) continue;
+      out.AddCounter("epd_node_op_failures_total",
+                     "Ops that ended with an error, every group, per op kind and status code.",
+                     With(l, "code", CodeName(c)), static_cast<double>(p.failures[c].value()));
+    }
+    out.AddCounter("epd_node_op_bytes_total",
+                   "Bytes of token rows OK ops delivered to this node's ranks, every group.", l,
+                   static_cast<double>(p.bytes.value()));
+    out.AddHistogram("epd_node_op_latency_seconds",
+                     "OK ops of every group: the first local rank's request picked up until "
+                     "every completion is written.",
+                     l, p.latency);
+  }
+}
+
 // ---- GroupMetrics -----------------------------------------------------------------------
 
-GroupMetrics::GroupMetrics(std::string group, int32_t num_ranks, int32_t num_experts)
+GroupMetrics::GroupMetrics(std::string group, int32_t num_ranks, int32_t num_experts,
+                           NodeOpTotals* node)
     : group_(std::move(group)),
+      node_(node),
       num_ranks_(std::max(num_ranks, 0)),
       num_experts_(std::max(num_experts, 0)),
       last_arrivals_(std::make_unique<Counter[]>(num_ranks_)),
@@ -217,7 +252,7 @@ void Registration::Reset() {
 
 std::shared_ptr<GroupMetrics> Registry::AddGroup(const std::string& group, int32_t num_ranks,
                                                  int32_t num_experts) {
-  auto m = std::make_shared<GroupMetrics>(group, num_ranks, num_experts);
+  auto m = std::make_shared<GroupMetrics>(group, num_ranks, num_experts, &node_totals_);
   std::lock_guard<std::mutex> lock(mu_);
   std::erase_if(groups_, [](const std::weak_ptr<GroupMetrics>& w) { return w.expired(); });
   groups_.push_back(m);
@@ -319,6 +354,7 @@ v1::MetricsSnapshot Registry::Collect() const {
       if (std::shared_ptr<LinkMetrics> m = e.link.lock()) links.emplace_back(e, std::move(m));
     }
   }
+  node_totals_.Collect(out);
   for (const auto* collect : collectors) (*collect)(out);
   for (const Source* source : sources) source->Collect(out);
   for (const auto& g : groups) g->Collect(out);

@@ -131,6 +131,43 @@ class Registration {
   uint64_t id_ = 0;
 };
 
+/// Ops of every group on this node by kind, kept for the process's life: the series an
+/// operator's alerts read (error rate, P99), which do not vanish with a short-lived group
+/// between two scrapes. Relaxed atomics, no lock, no allocation.
+class NodeOpTotals {
+ public:
+  static constexpr int kNumCodes = 17;  ///< absl::StatusCode values 0..16.
+  static constexpr int kNumOps = static_cast<int>(abi::kMaxOpKind) + 1;
+
+  /// An op of kind `op` ended with `code` (see GroupMetrics::RecordOp).
+  void RecordOp(uint32_t op, absl::StatusCode code, uint64_t latency_ns, uint64_t bytes) {
+    PerOp& p = ops_[op < kNumOps ? op : 0];
+    p.ops.Add();
+    const int c = static_cast<int>(code);
+    if (c != 0) {
+      p.failures[c > 0 && c < kNumCodes ? c : 2].Add();  // 2 = UNKNOWN.
+    } else {
+      p.latency.ObserveNs(latency_ns);
+      p.bytes.Add(bytes);
+    }
+  }
+  void AddOpBytes(uint32_t op, uint64_t bytes) { ops_[op < kNumOps ? op : 0].bytes.Add(bytes); }
+  /// For tests: ops of kind `op` ended, and those that failed with `code`.
+  uint64_t ops(uint32_t op) const { return ops_[op < kNumOps ? op : 0].ops.value(); }
+  uint64_t failures(uint32_t op, absl::StatusCode code) const;
+  /// The epd_node_* families (kinds never run: no series; codes never seen: no series).
+  void Collect(SnapshotBuilder& out) const;
+
+ private:
+  struct PerOp {
+    Counter ops;
+    Counter bytes;
+    std::array<Counter, kNumCodes> failures;
+    Histogram latency;
+  };
+  std::array<PerOp, kNumOps> ops_;
+};
+
 /// The metrics of one data-plane group on this node, sized at group creation (R ranks, E
 /// experts), updated by the engine thread that polls the group (relaxed atomics, no
 /// allocation) and read at scrape time. Label `group` = the group's name.
@@ -140,12 +177,16 @@ class GroupMetrics : public Source {
   static constexpr int kNumCodes = 17;
   static constexpr int kNumOps = static_cast<int>(abi::kMaxOpKind) + 1;
 
-  GroupMetrics(std::string group, int32_t num_ranks, int32_t num_experts);
+  /// `node` (may be null; else it outlives this): the node-wide totals RecordOp and
+  /// AddOpBytes also count into.
+  GroupMetrics(std::string group, int32_t num_ranks, int32_t num_experts,
+               NodeOpTotals* node = nullptr);
 
   /// An op of kind `op` (abi::OpKind) ended on this node with `code`; for an OK op its
   /// latency (the first local rank's request picked up → completions written) and the
   /// bytes of token rows it delivered to this node's ranks.
   void RecordOp(uint32_t op, absl::StatusCode code, uint64_t latency_ns, uint64_t bytes) {
+    if (node_ != nullptr) node_->RecordOp(op, code, latency_ns, bytes);
     PerOp& p = ops_[op < kNumOps ? op : 0];
     p.ops.Add();
     const int c = static_cast<int>(code);
@@ -157,7 +198,10 @@ class GroupMetrics : public Source {
   }
   /// `bytes` more bytes of token rows an OK op of kind `op` delivered (for the kinds whose
   /// rows only the backend knows: the low-latency dispatch).
-  void AddOpBytes(uint32_t op, uint64_t bytes) { ops_[op < kNumOps ? op : 0].bytes.Add(bytes); }
+  void AddOpBytes(uint32_t op, uint64_t bytes) {
+    if (node_ != nullptr) node_->AddOpBytes(op, bytes);
+    ops_[op < kNumOps ? op : 0].bytes.Add(bytes);
+  }
   /// GPU time of an OK op of kind `op` (CUDA events around its kernels).
   void RecordGpuTime(uint32_t op, uint64_t ns) { ops_[op < kNumOps ? op : 0].gpu.ObserveNs(ns); }
   /// Every local rank arrived at an op; `last_rank` arrived last, `lag_ns` after the first.
@@ -190,6 +234,7 @@ class GroupMetrics : public Source {
     Histogram gpu;
   };
   const std::string group_;
+  NodeOpTotals* const node_;
   const int32_t num_ranks_;
   const int32_t num_experts_;
   std::array<PerOp, kNumOps> ops_;
@@ -240,6 +285,8 @@ class Registry {
   Registration Add(const Source* source);
   /// Registers a function that writes samples at scrape time.
   Registration AddCollector(std::function<void(SnapshotBuilder&)> collect);
+  /// The node-wide op totals every group added here counts into.
+  const NodeOpTotals& node_totals() const { return node_totals_; }
 
   /// Everything now.
   v1::MetricsSnapshot Collect() const;
@@ -267,6 +314,7 @@ class Registry {
   std::vector<std::weak_ptr<GroupMetrics>> groups_;
   std::vector<LinkEntry> links_;
   std::vector<Fixed> fixed_;
+  NodeOpTotals node_totals_;
 
   /// GetCounter / GetGauge: the Fixed entry of `name` and `labels` holding `member`.
   template <typename Metric>

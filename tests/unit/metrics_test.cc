@@ -142,6 +142,34 @@ TEST(MetricsGroupMetricsTest, CollectsOpsFailuresLatencyStragglersExpertsAndMask
   EXPECT_THAT(RenderPrometheus(registry.Collect()), Not(HasSubstr("g1")));
 }
 
+TEST(MetricsNodeOpTotalsTest, CountEveryGroupAndOutliveThem) {
+  Registry registry;
+  const uint32_t dispatch = static_cast<uint32_t>(abi::OpKind::kDispatch);
+  const uint32_t combine = static_cast<uint32_t>(abi::OpKind::kCombine);
+  {
+    std::shared_ptr<GroupMetrics> a = registry.AddGroup("a", 2, 4);
+    std::shared_ptr<GroupMetrics> b = registry.AddGroup("b", 2, 4);
+    a->RecordOp(dispatch, absl::StatusCode::kOk, 10'000, 100);
+    b->RecordOp(dispatch, absl::StatusCode::kOk, 20'000, 50);
+    b->RecordOp(dispatch, absl::StatusCode::kUnavailable, 0, 0);
+    b->AddOpBytes(dispatch, 7);
+    a->RecordOp(combine, static_cast<absl::StatusCode>(99), 0, 0);  // Out of range: UNKNOWN.
+  }
+  // Both groups are gone: their own series went with them, the node's totals stay.
+  EXPECT_EQ(registry.node_totals().ops(dispatch), 3u);
+  EXPECT_EQ(registry.node_totals().failures(dispatch, absl::StatusCode::kUnavailable), 1u);
+  EXPECT_EQ(registry.node_totals().failures(combine, absl::StatusCode::kUnknown), 1u);
+  const std::string text = RenderPrometheus(registry.Collect());
+  EXPECT_THAT(text, Not(HasSubstr("group=")));
+  EXPECT_THAT(text, HasSubstr("epd_node_ops_total{op=\"Dispatch\"} 3\n"));
+  EXPECT_THAT(text,
+              HasSubstr("epd_node_op_failures_total{code=\"UNAVAILABLE\",op=\"Dispatch\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("epd_node_op_failures_total{code=\"UNKNOWN\",op=\"Combine\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("epd_node_op_bytes_total{op=\"Dispatch\"} 157\n"));
+  EXPECT_THAT(text, HasSubstr("epd_node_op_latency_seconds_count{op=\"Dispatch\"} 2\n"));
+  EXPECT_THAT(text, Not(HasSubstr("op=\"LowLatencyDispatch\"")));
+}
+
 TEST(MetricsGroupMetricsTest, MaskApiFindsTheLiveGroupInTheDefaultRegistry) {
   std::shared_ptr<GroupMetrics> g = Default().AddGroup("metrics-test-mask", 2, 2);
   OnRankMasked("metrics-test-mask", 1);
