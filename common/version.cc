@@ -6,6 +6,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/client_text.h"
 #include "common/errors/reason.h"
 
 namespace epd {
@@ -21,8 +22,9 @@ absl::StatusOr<Version> ParseVersion(absl::string_view text) {
          absl::SimpleAtoi(parts[i], fields[i]);
   }
   if (!ok) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("version \"", text.substr(0, 64), "\" is not MAJOR.MINOR.PATCH (e.g. 0.1.0)"));
+    return absl::InvalidArgumentError(absl::StrCat("version \"",
+                                                   EscapeClientText(text, kMaxEchoedVersionBytes),
+                                                   "\" is not MAJOR.MINOR.PATCH (e.g. 0.1.0)"));
   }
   return version;
 }
@@ -50,8 +52,9 @@ absl::Status CheckClientVersion(absl::string_view client_version,
   if (ClientVersionCompatible(*client, *daemon)) return absl::OkStatus();
   return errors::WithReason(
       absl::FailedPreconditionError(
-          absl::StrCat("client version ", client_version, " is not served by epd ", daemon_version,
-                       ", which serves clients ", CompatibleClientVersions(*daemon), "; ",
+          absl::StrCat("client version ", EscapeClientText(client_version, kMaxEchoedVersionBytes),
+                       " is not served by epd ", daemon_version, ", which serves clients ",
+                       CompatibleClientVersions(*daemon), "; ",
                        client->major != daemon->major || client->minor > daemon->minor
                            ? "upgrade epd on this node or run the client release that matches it"
                            : "upgrade the client (libepdclient / the epd Python package)",

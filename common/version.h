@@ -2,6 +2,7 @@
 // the rule for which client versions a daemon serves (checked at Session open).
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 #include "absl/status/status.h"
@@ -19,6 +20,10 @@ inline constexpr char kEpdVersion[] = "0.1.0";
 /// upgraded first and its clients follow within that many releases.
 inline constexpr int kClientMinorsBehind = 2;
 
+/// Most bytes of a version string that an error message, a log line or the audit log
+/// echoes (escaped: EscapeClientText, common/client_text.h).
+inline constexpr size_t kMaxEchoedVersionBytes = 64;
+
 /// A parsed "MAJOR.MINOR.PATCH" (a pre-release or build suffix after '-' or '+' ignored).
 struct Version {
   int major = 0;
@@ -26,8 +31,9 @@ struct Version {
   int patch = 0;
 };
 
-/// Parses "1.2.3" (also "1.2.3-rc1", "1.2.3+abc"). INVALID_ARGUMENT naming `text` when it
-/// is not three non-negative decimal numbers separated by dots.
+/// Parses "1.2.3" (also "1.2.3-rc1", "1.2.3+abc"). INVALID_ARGUMENT naming `text` (its
+/// first 64 bytes, escaped) when it is not three non-negative decimal numbers separated
+/// by dots.
 absl::StatusOr<Version> ParseVersion(absl::string_view text);
 
 /// The client versions a daemon of `daemon` serves, as text: "0.0.x to 0.1.x".
@@ -42,7 +48,8 @@ bool ClientVersionCompatible(const Version& client, const Version& daemon);
 /// CheckClientVersion at Session open: OK for a compatible `client_version`, and for ""
 /// (a client from before versions were exchanged). FAILED_PRECONDITION naming both
 /// versions and the compatible range otherwise, or INVALID_ARGUMENT when
-/// `client_version` does not parse (named, escaped by the caller if it logs it).
+/// `client_version` does not parse. Either names `client_version` by at most its first 64
+/// bytes, escaped (EscapeClientText): the message is safe to log and to send back.
 absl::Status CheckClientVersion(absl::string_view client_version,
                                 absl::string_view daemon_version = kEpdVersion);
 

@@ -24,12 +24,10 @@ PACKAGES=(
   libabsl-dev libspdlog-dev libfmt-dev
   # Peer service: HMAC-SHA256 of the daemons' handshake (libcrypto; libgrpc++-dev pulls it in)
   libssl-dev
-  # metrics listener (--metrics_listen): Prometheus /metrics over HTTP (DESIGN.md §10)
-  libcpp-httplib-dev
   # data plane: RDMA verbs + connection manager, DLPack tensors
   libibverbs-dev librdmacm-dev libdlpack-dev
-  # tests
-  libgtest-dev libgmock-dev
+  # tests (cpp-httplib: the metrics tests' HTTP client; epd's listener is its own, DESIGN.md §10)
+  libgtest-dev libgmock-dev libcpp-httplib-dev
   # Python package (client/python) and its tests (tests/python): pybind11 headers, a venv
   # with pip/setuptools/wheel, and torch (CPU), numpy, pytest for the suites
   pybind11-dev python3 python3-dev python3-venv python3-pip python3-setuptools python3-wheel

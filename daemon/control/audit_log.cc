@@ -9,7 +9,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "daemon/core/logging.h"
 
@@ -17,6 +16,8 @@ namespace epd {
 namespace {
 
 constexpr size_t kMaxFieldBytes = 512;
+/// Ranks of each list an UpdateRankMask line names (RankMaskEvent).
+constexpr size_t kMaxAuditedRanks = 64;
 constexpr char kJournalPrefix[] = "EPD_AUDIT ";
 
 /// `text` as a JSON string literal, quotes included.
@@ -80,11 +81,33 @@ absl::StatusOr<std::unique_ptr<AuditLog>> AuditLog::Open(const std::string& targ
 
 absl::Status AuditLog::EnsureOpenLocked() {
   if (fd_.valid() && SameFile(fd_.get(), path_)) return absl::OkStatus();
-  ScopedFd fd(::open(path_.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY, 0640));
+  // O_NOFOLLOW: a symlink planted at the path cannot point the lines elsewhere.
+  // O_NONBLOCK: a FIFO planted there cannot block epd (no reader: ENXIO; else refused
+  // below); on a regular file it changes nothing.
+  ScopedFd fd(::open(path_.c_str(),
+                     O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY | O_NOFOLLOW | O_NONBLOCK,
+                     0640));
   if (!fd.valid()) {
+    const int error = errno;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "audit_log: cannot open \"", path_, "\" for appending: ", std::strerror(error),
+        error == ELOOP ? " (it is a symbolic link: name the regular file itself)"
+        : error == ENXIO
+            ? " (it is a FIFO or socket, not a regular file: remove it or name another path)"
+            : " (does its directory exist, and may epd's user write there?)"));
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) {
     return absl::FailedPreconditionError(
-        absl::StrCat("audit_log: cannot open \"", path_, "\" for appending: ", std::strerror(errno),
-                     " (does its directory exist, and may epd's user write there?)"));
+        absl::StrCat("audit_log: fstat of \"", path_, "\": ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "audit_log: \"", path_, "\" is not a regular file (",
+        S_ISFIFO(st.st_mode)  ? "a FIFO"
+        : S_ISCHR(st.st_mode) ? "a character device"
+                              : "not a file",
+        "): epd appends its audit log only to a regular file; remove it or name another path"));
   }
   fd_ = std::move(fd);
   return absl::OkStatus();
@@ -132,9 +155,12 @@ AuditEvent RankMaskEvent(const PeerCredentials& caller, const v1::UpdateRankMask
   event.group = request.group();
   event.rank = request.rank();
   event.result = result;
-  event.detail =
-      absl::StrCat("mask [", absl::StrJoin(request.mask(), ","), "] unmask [",
-                   absl::StrJoin(request.unmask(), ","), "]", request.clean() ? " clean" : "");
+  // The lists are the client's and may be long (refused past the group's num_ranks, but
+  // audited all the same): each named up to kMaxAuditedRanks.
+  event.detail = absl::StrCat(
+      "mask [", BoundedRankList(absl::MakeConstSpan(request.mask()), kMaxAuditedRanks, ","),
+      "] unmask [", BoundedRankList(absl::MakeConstSpan(request.unmask()), kMaxAuditedRanks, ","),
+      "]", request.clean() ? " clean" : "");
   return event;
 }
 

@@ -4,13 +4,14 @@
 // never by anything in the request, and the outcome. docs/DEPLOYMENT.md "Audit log" shows
 // the format. Never a join secret or a session id in full.
 //
-// Where the lines go (DaemonConfig.audit_log): a file, opened O_WRONLY|O_APPEND|O_CREAT
-// (mode 0640); before each line the path is compared with the open file (stat vs fstat)
-// and reopened when it was renamed or removed, so logrotate's rename-and-create works
-// without a signal and copytruncate works because of O_APPEND. Or "journal": stderr, each
-// line prefixed "EPD_AUDIT " (journald stores stderr of a unit; `journalctl -u epd | grep
-// EPD_AUDIT`). A line that cannot be written is counted and warned about (at most every
-// 10 s) but never refuses the action.
+// Where the lines go (DaemonConfig.audit_log): a regular file, opened
+// O_WRONLY|O_APPEND|O_CREAT|O_NOFOLLOW|O_NONBLOCK (mode 0640) and checked with fstat, so a
+// symlink or a FIFO planted at the path is refused, never followed or blocked on; before each line
+// the path is compared with the open file (stat vs fstat) and reopened when it was renamed or
+// removed, so logrotate's rename-and-create works without a signal and copytruncate works because
+// of O_APPEND. Or "journal": stderr, each line prefixed "EPD_AUDIT " (journald stores stderr of a
+// unit; `journalctl -u epd | grep EPD_AUDIT`). A line that cannot be written is counted and warned
+// about (at most every 10 s) but never refuses the action.
 #pragma once
 
 #include <cstdint>
@@ -65,7 +66,8 @@ class AuditLog {
  public:
   /// Opens the audit log `target` (DaemonConfig.audit_log): "journal" or an absolute path.
   /// FAILED_PRECONDITION naming the path and errno when the file cannot be opened for
-  /// appending; INVALID_ARGUMENT for "" or a relative path.
+  /// appending, and naming the path when it is a symbolic link or not a regular file (a
+  /// FIFO, a device); INVALID_ARGUMENT for "" or a relative path.
   static absl::StatusOr<std::unique_ptr<AuditLog>> Open(const std::string& target);
 
   /// Appends one line (FormatAuditLine at now). Thread-safe; one write(2) per line.
@@ -92,7 +94,8 @@ class AuditLog {
 std::string RedactSessionId(const std::string& id);
 
 /// The event of an UpdateRankMask call by `caller` (its SO_PEERCRED) that ended with
-/// `result`: group, the caller's rank, and "mask [..] unmask [..] clean" as the detail.
+/// `result`: group, the caller's rank, and "mask [..] unmask [..] clean" as the detail,
+/// each list naming at most 64 ranks, then "and N more".
 AuditEvent RankMaskEvent(const PeerCredentials& caller, const v1::UpdateRankMaskRequest& request,
                          const absl::Status& result);
 

@@ -100,12 +100,16 @@ class ControlService::SessionReactor
                 DescribeCredentials(peer), peer_);
       }
       if (absl::Status version = CheckClientVersion(request_.client_version()); !version.ok()) {
-        GetLogger(kLogControl)
-            ->info("Session from {} ({}) refused: {}", DescribeCredentials(peer), peer_,
-                   EscapeClientText(std::string(version.message())));
+        // The message names the client's version escaped and cut (CheckClientVersion); a
+        // client reconnecting in a loop spends its uid's budget, not the log.
+        LogLimited(*GetLogger(kLogControl), spdlog::level::info,
+                   *service_->registry_->ControlLogBudget(peer.uid), "its refused sessions",
+                   "Session from {} ({}) refused: {}", DescribeCredentials(peer), peer_,
+                   version.message());
         Audit(service_->registry_->audit_log(),
               {audit::kSessionOpen, peer, "", -1, version,
-               absl::StrCat("client_version ", request_.client_version())});
+               absl::StrCat("client_version ",
+                            EscapeClientText(request_.client_version(), kMaxEchoedVersionBytes))});
         EndLocked("refused", ToGrpcStatus(version));
         return;
       }

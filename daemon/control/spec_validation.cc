@@ -136,11 +136,6 @@ void AppendRepeatedDiff(const google::protobuf::Message& live,
 
 }  // namespace
 
-std::string EscapeClientText(absl::string_view text, size_t max_bytes) {
-  if (text.size() <= max_bytes) return absl::CHexEscape(text);
-  return absl::StrCat(absl::CHexEscape(text.substr(0, max_bytes)), "...(", text.size(), " bytes)");
-}
-
 namespace {
 
 absl::Status ValidateSpecFields(const v1::GroupSpec& spec) {

@@ -9,23 +9,10 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "common/client_text.h"
 #include "epd/v1/control.pb.h"
 
 namespace epd {
-
-/// Most bytes of one client-supplied string that a log line or an error message echoes
-/// (EscapeClientText): a group name is at most 64 bytes when valid, and a client may send
-/// up to max_request_bytes (4 MiB by default).
-inline constexpr size_t kMaxEchoedClientBytes = 128;
-
-/// A client-supplied string (group name, client_name, session id, gpu_uuid) made safe to
-/// write into a log line or echo in an error message: the first `max_bytes` bytes with
-/// every control, non-ASCII, quote and backslash byte escaped C-style ("\n", "\x1b",
-/// "\\", "\""), so no raw newline, escape sequence or quote-closing byte gets through;
-/// a longer string is cut there and gets "...(N bytes)" with its full length. The result
-/// is printable ASCII, at most 4 * max_bytes + 32 bytes long. Every log line and error
-/// message that names a client string not yet validated goes through this.
-std::string EscapeClientText(absl::string_view text, size_t max_bytes = kMaxEchoedClientBytes);
 
 /// Upper bounds that keep every buffer size computed from a spec (EndpointLayout, 64-bit
 /// bytes) far from overflow: the largest region, El·R·Mll·H·2 bytes, stays below 2^54.

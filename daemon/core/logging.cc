@@ -61,6 +61,13 @@ absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view level)
       errors::Reason::kConfigInvalid);
 }
 
+std::string BoundedRankList(absl::Span<const int32_t> ranks, size_t max_named,
+                            absl::string_view separator) {
+  if (ranks.size() <= max_named) return absl::StrJoin(ranks, separator);
+  return absl::StrCat(absl::StrJoin(ranks.subspan(0, max_named), separator), " and ",
+                      ranks.size() - max_named, " more");
+}
+
 absl::Span<const char* const> SubsystemLoggerNames() {
   static constexpr const char* kNames[] = {kLogControl, kLogRegistry, kLogEngine, kLogGpu,
                                            kLogDaemon,  kLogConfig,   kLogPeer,   kLogTransport};

@@ -64,6 +64,12 @@ absl::StatusOr<LogLevels> ParseLogLevels(absl::string_view spec);
 /// (ParseLogLevels). Errors as ParseLogLevels (nothing changes then).
 absl::Status SetLogLevel(absl::string_view spec);
 
+/// `ranks` as a log or audit line names them: the first `max_named` joined by `separator`,
+/// then " and N more" for the rest ("1, 2, 3, 4 and 60 more"), so a change naming thousands
+/// of ranks stays one short line.
+std::string BoundedRankList(absl::Span<const int32_t> ranks, size_t max_named,
+                            absl::string_view separator = ", ");
+
 /// A token bucket for the log lines one client can cause (docs/SECURITY.md, "Client-caused
 /// log lines are rate-limited"): up to `burst` lines at once, then `per_second` lines a
 /// second. Lines over that are counted instead of logged, with the source of the last of

@@ -44,6 +44,9 @@ bool SameOp(const abi::RequestSlot& a, const abi::RequestSlot& b) {
           a.expert_alignment == b.expert_alignment);
 }
 
+/// Ranks a mask change's log line names; the rest are counted ("and N more").
+constexpr size_t kMaxRanksLogged = 4;
+
 }  // namespace
 
 uint64_t NextEndpointId() { return g_next_endpoint_id.fetch_add(1); }
@@ -76,6 +79,7 @@ LockstepGroup::LockstepGroup(const v1::GroupSpec& spec, LockstepOptions options)
   missing_.reserve(spec.num_ranks());
   gone_.reserve(spec.num_ranks());
   mask_scratch_.reserve(spec.num_ranks());
+  changed_scratch_.reserve(spec.num_ranks());
   spanning_ = spec.nodes_size() >= 2;
   self_node_ = spanning_ ? -1 : 0;
   local_count_ = spanning_ ? 0 : spec.num_ranks();
@@ -839,20 +843,17 @@ v1::RankMask LockstepGroup::MaskMessageLocked() const {
 
 void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why,
                                     spdlog::level::level_enum level) {
-  bool changed = false;
+  std::vector<int32_t>& masked = changed_scratch_;
+  masked.clear();
   for (int32_t r : ranks) {
     pending_mask_[r] = 0;
     pending_unmask_[r] = 0;
     if (rank_masked_[r]) continue;
-    if (!changed) ++mask_epoch_;
-    changed = true;
+    if (masked.empty()) ++mask_epoch_;
+    masked.push_back(r);
     rank_masked_[r] = 1;
     masked_at_seq_[r] = current_seq_;
     ++num_masked_;
-    EngineLog()->log(level,
-                     "group {}: rank {} masked (mask epoch {}, {} of {} ranks masked): {}; the "
-                     "group's ops run without it until it rejoins or is unmasked",
-                     spec_.name(), r, mask_epoch_, num_masked_, rank_masked_.size(), why);
     RankMaskChanged(r, true);
     metrics_->SetRankMasked(r, true);
     LockstepEndpoint* ep = endpoints_[r].get();
@@ -863,6 +864,14 @@ void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::s
       ep->slot_error.reset();
     }
   }
+  if (masked.empty()) return;
+  EngineLog()->log(level,
+                   "group {}: {} {} masked (mask epoch {}, {} of {} ranks masked): {}; the "
+                   "group's ops run without {} until {} rejoins or is unmasked",
+                   spec_.name(), masked.size() == 1 ? "rank" : "ranks",
+                   BoundedRankList(masked, kMaxRanksLogged), mask_epoch_, num_masked_,
+                   rank_masked_.size(), why, masked.size() == 1 ? "it" : "them",
+                   masked.size() == 1 ? "it" : "each");
 }
 
 void LockstepGroup::ApplyPendingMaskLocked() {
@@ -872,7 +881,8 @@ void LockstepGroup::ApplyPendingMaskLocked() {
     if (pending_mask_[r]) to_mask.push_back(static_cast<int32_t>(r));
   }
   if (!to_mask.empty()) MaskRanksLocked(to_mask, "asked while an op ran (UpdateRankMask or left)");
-  bool changed = false;
+  std::vector<int32_t>& unmasked = changed_scratch_;
+  unmasked.clear();
   for (size_t r = 0; r < pending_unmask_.size(); ++r) {
     if (!pending_unmask_[r]) continue;
     const LockstepEndpoint* ep = endpoints_[r].get();
@@ -884,8 +894,8 @@ void LockstepGroup::ApplyPendingMaskLocked() {
     if (ep->next_seq > current_seq_) continue;
     pending_unmask_[r] = 0;
     if (!rank_masked_[r]) continue;
-    if (!changed) ++mask_epoch_;
-    changed = true;
+    if (unmasked.empty()) ++mask_epoch_;
+    unmasked.push_back(static_cast<int32_t>(r));
     rank_masked_[r] = 0;
     rejoined_[r] = 1;
     --num_masked_;
@@ -893,11 +903,13 @@ void LockstepGroup::ApplyPendingMaskLocked() {
     if (current_seq_ > masked_at_seq_[r]) endpoints_[r]->handles = rules::HandleTable();
     RankMaskChanged(static_cast<int32_t>(r), false);
     metrics_->SetRankMasked(static_cast<int32_t>(r), false);
-    EngineLog()->info(
-        "group {}: rank {} unmasked (mask epoch {}, {} ranks masked): it takes part "
-        "from op {} on",
-        spec_.name(), r, mask_epoch_, num_masked_, current_seq_);
   }
+  if (unmasked.empty()) return;
+  EngineLog()->info(
+      "group {}: {} {} unmasked (mask epoch {}, {} ranks masked): {} part from op {} on",
+      spec_.name(), unmasked.size() == 1 ? "rank" : "ranks",
+      BoundedRankList(unmasked, kMaxRanksLogged), mask_epoch_, num_masked_,
+      unmasked.size() == 1 ? "it takes" : "they take", current_seq_);
 }
 
 absl::StatusOr<v1::RankMask> LockstepGroup::UpdateRankMask(std::span<const int32_t> mask,
@@ -912,21 +924,38 @@ absl::StatusOr<v1::RankMask> LockstepGroup::UpdateRankMask(std::span<const int32
         "spec every rank joins with)"));
   }
   const int32_t R = static_cast<int32_t>(rank_masked_.size());
+  // Each rank at most once in both lists together, so neither may be longer than R; then
+  // one pass over each with a bitmap (the caller holds the registry's lock).
+  for (const auto& [field, list] : {std::pair{"mask", mask}, std::pair{"unmask", unmask}}) {
+    if (list.size() > static_cast<size_t>(R)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": ", list.size(),
+                                                     " ranks listed, more than the ", R,
+                                                     " ranks of group ", spec_.name()));
+    }
+  }
+  std::vector<uint8_t> listed(static_cast<size_t>(R), 0);  // 1 = in mask, 2 = in unmask.
   for (int32_t r : mask) {
     if (r < 0 || r >= R) {
       return absl::InvalidArgumentError(
           absl::StrCat("mask: rank ", r, " is outside [0, ", R, ") of group ", spec_.name()));
     }
+    if (listed[r] != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mask: rank ", r, " is listed twice; name each rank of group ", spec_.name(), " once"));
+    }
+    listed[r] = 1;
   }
   for (int32_t r : unmask) {
     if (r < 0 || r >= R) {
       return absl::InvalidArgumentError(
           absl::StrCat("unmask: rank ", r, " is outside [0, ", R, ") of group ", spec_.name()));
     }
-    if (std::find(mask.begin(), mask.end(), r) != mask.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unmask: rank ", r, " is also in mask; name each rank of group ", spec_.name(), " once"));
+    if (listed[r] != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unmask: rank ", r, listed[r] == 1 ? " is also in mask" : " is listed twice",
+                       "; name each rank of group ", spec_.name(), " once"));
     }
+    listed[r] = 2;
     if (!endpoints_[r] && rank_masked_[r]) {
       return absl::FailedPreconditionError(
           absl::StrCat("unmask: rank ", r, " of group ", spec_.name(),

@@ -383,9 +383,10 @@ class LockstepGroup : public DataPlaneGroup {
   /// Completes the running op (running_, running_slots_) with outcomes_ for every rank.
   void FinishOp();
   // ---- rank masking (lockstep_group.cc) ----
-  /// Masks `ranks` now (mask epoch + 1 when any was not masked), logging each once with
-  /// `why` at `level`. A masked rank's request waiting for the op being collected is
-  /// completed with MaskedError. Not while running_ (see pending_mask_).
+  /// Masks `ranks` now (mask epoch + 1 when any was not masked), logging one line with
+  /// `why` at `level` that names at most 4 of the ranks it masked, then "and N more". A masked
+  /// rank's request waiting for the op being collected is completed with MaskedError. Not while
+  /// running_ (see pending_mask_).
   void MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why,
                        spdlog::level::level_enum level = spdlog::level::warn);
   /// Unmasks every rank r with pending_unmask_[r] that can take part in the op being
@@ -452,7 +453,9 @@ class LockstepGroup : public DataPlaneGroup {
   /// ran without it clears its handle table).
   std::vector<uint64_t> masked_at_seq_;
   std::vector<int32_t> mask_scratch_;  ///< Poll: ranks to mask (capacity R).
-  uint64_t current_seq_ = 1;           ///< The group op being collected or running.
+  /// The ranks one mask change masked or unmasked, for its log line (capacity R).
+  std::vector<int32_t> changed_scratch_;
+  uint64_t current_seq_ = 1;  ///< The group op being collected or running.
   std::optional<std::chrono::steady_clock::time_point> op_started_;
   /// [R] when each rank's request for the op being collected was picked up (metrics: the
   /// straggler). Sized R at construction.

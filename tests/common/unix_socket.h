@@ -1,5 +1,5 @@
 // Raw unix-socket clients for tests of epd's listener: connect, and wait for the other
-// side to close.
+// side to close (any stream socket).
 #pragma once
 
 #include <poll.h>
@@ -28,18 +28,34 @@ inline ScopedFd ConnectUnix(const std::string& path) {
   return fd;
 }
 
-/// True when the peer closes `fd` (EOF or reset) within `timeout`; data it sends first
-/// (e.g. gRPC's HTTP/2 SETTINGS) is read and dropped.
-inline bool ClosedByPeer(int fd, absl::Duration timeout) {
+/// What the peer sent on `fd` until it closed it or `timeout` passed.
+struct Reply {
+  std::string bytes;
+  bool closed = false;  ///< The peer closed (EOF or reset) within the timeout.
+};
+
+inline Reply ReadUntilClosed(int fd, absl::Duration timeout) {
+  Reply reply;
   const absl::Time deadline = absl::Now() + timeout;
   char buffer[4096];
   while (true) {
     const int64_t left = absl::ToInt64Milliseconds(deadline - absl::Now());
     pollfd p{fd, POLLIN, 0};
-    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) <= 0) return false;
+    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) <= 0) return reply;
     const ssize_t n = ::recv(fd, buffer, sizeof(buffer), MSG_DONTWAIT);
-    if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
+    if (n > 0) {
+      reply.bytes.append(buffer, static_cast<size_t>(n));
+    } else if (n == 0 || errno != EAGAIN) {
+      reply.closed = true;
+      return reply;
+    }
   }
+}
+
+/// True when the peer closes `fd` (EOF or reset) within `timeout`; data it sends first
+/// (e.g. gRPC's HTTP/2 SETTINGS) is read and dropped.
+inline bool ClosedByPeer(int fd, absl::Duration timeout) {
+  return ReadUntilClosed(fd, timeout).closed;
 }
 
 }  // namespace epd::testing

@@ -10,6 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "common/version.h"
 #include "epd/client.h"
 #include "epd/v1/control.grpc.pb.h"
@@ -199,6 +203,58 @@ TEST_F(AuditVersionTest, AClientOfAnIncompatibleVersionIsRefusedNamingBothVersio
   ClientOptions options;
   options.socket_path = epd_->socket_path();
   EXPECT_TRUE(Client::Connect(options).ok());
+}
+
+// A hostile client_version (64 KiB, with a newline and a forged line) from a client that
+// reconnects in a loop: every error and audit line names at most its first 64 bytes,
+// escaped; the log never gets a raw newline from it, and its "refused" lines are held to
+// the uid's control-log budget (a burst, then a steady rate).
+TEST_F(AuditVersionTest, AHostileClientVersionIsEchoedCutAndItsLogLinesAreBudgeted) {
+  auto stub = v1::Control::NewStub(
+      grpc::CreateChannel(epd_->unix_target(), grpc::InsecureChannelCredentials()));
+  const std::string version =
+      absl::StrCat("9.0.0-\n[2026-12-02 12:00:00.000] [epd.daemon] [error] FORGED ",
+                   std::string(64 * 1024, 'v'));
+  auto open_refused = [&] {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    auto stream = stub->Session(&context);
+    v1::SessionRequest hello;
+    hello.set_client_pid(::getpid());
+    hello.set_client_version(version);
+    stream->Write(hello);
+    v1::SessionResponse response;
+    EXPECT_FALSE(stream->Read(&response));
+    return stream->Finish();
+  };
+  const grpc::Status first = open_refused();
+  EXPECT_EQ(first.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << first.error_message();
+  EXPECT_LT(first.error_message().size(), 640u);
+  EXPECT_THAT(first.error_message(), HasSubstr("9.0.0-\\n[2026-12-02"));
+  EXPECT_THAT(first.error_message(), Not(HasSubstr("\n")));
+  // Past the budget's burst (GroupRegistry::kControlLogBurst, 200 lines).
+  constexpr int kMoreSessions = 400;
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < kMoreSessions; ++i) {
+    EXPECT_EQ(open_refused().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  ASSERT_EQ(*epd_->Stop(), 0);
+  int refused_lines = 0;
+  for (absl::string_view line : absl::StrSplit(epd_->Logs(), '\n')) {
+    EXPECT_FALSE(absl::StrContains(line, "FORGED") && !absl::StrContains(line, "refused"))
+        << "a line forged by the client: " << line;
+    EXPECT_LT(line.size(), 1024u);
+    if (absl::StrContains(line, "refused: client version")) ++refused_lines;
+  }
+  EXPECT_LE(refused_lines, 200 + static_cast<int>(20 * seconds) + 1)
+      << kMoreSessions + 1 << " refused sessions in " << seconds << " s";
+  auto audited = Find("session_open", "FAILED_PRECONDITION");
+  EXPECT_EQ(audited.size(), static_cast<size_t>(kMoreSessions + 1)) << "every one is audited";
+  for (const google::protobuf::Struct& line : audited) {
+    EXPECT_LT(Str(line, "detail").size(), 128u);
+    EXPECT_LT(Str(line, "message").size(), 640u);
+  }
 }
 
 // `epctl doctor` against this epd: the daemon's rows, one line per check, exit 1 with an

@@ -1,12 +1,18 @@
 // The audit log (daemon/control/audit_log.h): the JSON line, escaping, the file opened for
-// appending and reopened when rotated away, the journal's prefix.
+// appending and reopened when rotated away, a symlink or FIFO planted at the path refused
+// (never followed, never blocked on), the journal's prefix.
 #include "daemon/control/audit_log.h"
 
+#include <fcntl.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "daemon/core/config.h"
 #include "gmock/gmock.h"
@@ -100,6 +106,58 @@ TEST_F(AuditLogTest, AnUnwritablePathOrARelativeOneIsRefusedByName) {
   EXPECT_EQ(AuditLog::Open("").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(AuditLogTest, ASymlinkAtThePathIsRefusedNotFollowed) {
+  const std::string target = dir_ + "/elsewhere";
+  { std::ofstream(target) << "precious\n"; }
+  const std::string path = dir_ + "/audit.log";
+  std::filesystem::create_symlink(target, path);
+  absl::StatusOr<std::unique_ptr<AuditLog>> refused = AuditLog::Open(path);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr(path));
+  EXPECT_THAT(refused.status().message(), HasSubstr("symbolic link"));
+  // Planted after a rotation, while epd runs: the next line is not written through it.
+  std::filesystem::remove(path);
+  absl::StatusOr<std::unique_ptr<AuditLog>> log = AuditLog::Open(path);
+  ASSERT_TRUE(log.ok()) << log.status();
+  std::filesystem::rename(path, path + ".1");
+  std::filesystem::create_symlink(target, path);
+  (*log)->Record({audit::kJoin, PeerCredentials{1, 2, 3}, "g", 1, absl::OkStatus(), ""});
+  EXPECT_EQ(ReadFile(target), "precious\n");
+  EXPECT_EQ((*log)->write_failures(), 1u);
+}
+
+TEST_F(AuditLogTest, AFifoAtThePathIsRefusedWithoutBlocking) {
+  const std::string path = dir_ + "/audit.fifo";
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  // No reader: a blocking open would wait for one forever. After 3 s a watchdog opens one,
+  // so the test ends either way; it must not have been needed.
+  std::atomic<bool> done{false};
+  std::atomic<bool> watchdog_opened{false};
+  std::thread watchdog([&] {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    while (!done.load() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (done.load()) return;
+    watchdog_opened.store(true);
+    ScopedFd reader(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+    while (!done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  });
+  absl::StatusOr<std::unique_ptr<AuditLog>> no_reader = AuditLog::Open(path);
+  done.store(true);
+  watchdog.join();
+  EXPECT_FALSE(watchdog_opened.load()) << "AuditLog::Open blocked on a FIFO without a reader";
+  EXPECT_EQ(no_reader.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(no_reader.status().message(), HasSubstr(path));
+  // With a reader the open succeeds; fstat refuses it as not a regular file.
+  ScopedFd reader(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+  ASSERT_TRUE(reader.valid());
+  absl::StatusOr<std::unique_ptr<AuditLog>> with_reader = AuditLog::Open(path);
+  EXPECT_EQ(with_reader.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(with_reader.status().message(), HasSubstr(path));
+  EXPECT_THAT(with_reader.status().message(), HasSubstr("not a regular file"));
+}
+
 TEST_F(AuditLogTest, TheJournalGetsPrefixedLinesOnStderr) {
   absl::StatusOr<std::unique_ptr<AuditLog>> log = AuditLog::Open("journal");
   ASSERT_TRUE(log.ok()) << log.status();
@@ -123,6 +181,16 @@ TEST_F(AuditLogTest, ARankMaskEventNamesTheRanksButNoSession) {
   EXPECT_EQ(event.detail, "mask [5,6] unmask [1]");
   EXPECT_THAT(FormatAuditLine(event, absl::UnixEpoch()), Not(HasSubstr("0123456789abcdef")));
   EXPECT_EQ(RedactSessionId("0123456789abcdef"), "01234567...");
+}
+
+TEST_F(AuditLogTest, ARankMaskEventNamesAtMost64RanksOfEachList) {
+  v1::UpdateRankMaskRequest request;
+  request.set_group("g");
+  for (int32_t r = 0; r < 100'000; ++r) request.add_mask(r);
+  request.add_unmask(7);
+  AuditEvent event = RankMaskEvent(PeerCredentials{1, 2, 3}, request, absl::OkStatus());
+  EXPECT_THAT(event.detail, ::testing::StartsWith("mask [0,1,2,"));
+  EXPECT_THAT(event.detail, ::testing::EndsWith(",62,63 and 99936 more] unmask [7]"));
 }
 
 TEST(AuditLogConfigTest, TheFlagSetsTheFieldAndOnlyAnAbsolutePathOrJournalIsTaken) {

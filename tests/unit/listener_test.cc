@@ -35,6 +35,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "proto/abi/shm_abi.h"
+#include "tests/common/raw_http.h"
 #include "tests/common/unix_socket.h"
 
 namespace epd {
@@ -43,6 +44,7 @@ namespace {
 using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
 using testing::ClosedByPeer;
+using testing::ConnectTcp;
 using testing::ConnectUnix;
 using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
@@ -495,19 +497,6 @@ TEST_F(ListenerTest, HeartbeatStopsWhileTheLoopIsStalledAndStopIsPrompt) {
   listener_->Stop();
   EXPECT_LT(absl::Now() - begin, absl::Milliseconds(500));
   EXPECT_FALSE(ConnectUnix(socket_).valid());
-}
-
-/// A TCP connection to 127.0.0.1:`port` (blocking), or an invalid fd.
-ScopedFd ConnectTcp(int port) {
-  ScopedFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (!fd.valid() || ::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return ScopedFd();
-  }
-  return fd;
 }
 
 /// A gRPC server fed by a TCP listener on 127.0.0.1 (a free port).

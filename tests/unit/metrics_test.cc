@@ -1,11 +1,13 @@
 // The metrics registry (daemon/metrics/): histogram buckets and quantiles, concurrent
 // increments, a group's series, the Prometheus text format, the GetStats filter, the start
-// counter, epctl's table and the HTTP listener (a real HTTP client).
+// counter, epctl's table and the HTTP listener (a real HTTP client, and hostile raw ones:
+// a flood of header lines, a head sent byte by byte, idle connections past the cap).
 #include "daemon/metrics/metrics.h"
 
 #include <httplib.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -19,6 +21,7 @@
 #include "daemon/metrics/start_count.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/common/raw_http.h"
 
 namespace epd::metrics {
 namespace {
@@ -308,6 +311,96 @@ TEST(MetricsServerTest, ServesMetricsOnlyAtSlashMetrics) {
             absl::StatusCode::kInvalidArgument);
   (*server)->Stop();
   (*server)->Stop();  // Idempotent.
+}
+
+/// Short bounds, so the hostile-client tests take about a second each.
+MetricsServer::Limits FastLimits() {
+  MetricsServer::Limits limits;
+  limits.head_timeout = std::chrono::milliseconds(1000);
+  limits.write_timeout = std::chrono::milliseconds(1000);
+  limits.max_connections = 4;
+  return limits;
+}
+
+std::unique_ptr<MetricsServer> StartUp(MetricsServer::Limits limits = {}) {
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server = MetricsServer::Start(
+      "127.0.0.1:0", [] { return std::string("epd_up 1\n"); }, limits);
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? *std::move(server) : nullptr;
+}
+
+TEST(MetricsServerTest, HeaderLineFloodIsRefusedPastTheHeadBound) {
+  std::unique_ptr<MetricsServer> server = StartUp();
+  ASSERT_NE(server, nullptr);
+  // Short header lines, never the empty line: the listener refuses once the head passes
+  // 8 KiB (431, then it closes), long before the 8 MiB are sent.
+  constexpr size_t kFlood = size_t{8} << 20;
+  testing::FloodResult flood = testing::FloodHeaderLines(server->port(), kFlood);
+  EXPECT_TRUE(flood.refused || flood.reply.closed);
+  EXPECT_LT(flood.sent, kFlood);
+  if (!flood.reply.bytes.empty()) {
+    EXPECT_THAT(flood.reply.bytes, ::testing::StartsWith("HTTP/1.1 431 "));
+  }
+  // A head just within the bound is still answered.
+  std::string head = "GET /metrics HTTP/1.1\r\n";
+  while (head.size() < 8 * 1024 - 64) head += "X-Pad: 0123456789abcdef0123456789abcdef\r\n";
+  head += "\r\n";
+  ScopedFd fd = testing::ConnectTcp(server->port());
+  ASSERT_TRUE(fd.valid());
+  ASSERT_EQ(::send(fd.get(), head.data(), head.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(head.size()));
+  EXPECT_THAT(testing::ReadUntilClosed(fd.get(), absl::Seconds(5)).bytes,
+              ::testing::AllOf(::testing::StartsWith("HTTP/1.1 200 "), HasSubstr("epd_up 1")));
+}
+
+TEST(MetricsServerTest, SlowHeadIsClosedAtTheHeadTimeout) {
+  std::unique_ptr<MetricsServer> server = StartUp(FastLimits());
+  ASSERT_NE(server, nullptr);
+  // One byte every 100 ms: each read is quick, the head never completes; closed at 1 s.
+  const absl::Duration held =
+      testing::SlowHeadHeldFor(server->port(), absl::Milliseconds(100), absl::Seconds(6));
+  EXPECT_GE(held, absl::Milliseconds(900));
+  EXPECT_LT(held, absl::Milliseconds(2500));
+}
+
+TEST(MetricsServerTest, IdleConnectionsDoNotHoldOffAScrapePastOneHeadTimeout) {
+  std::unique_ptr<MetricsServer> server = StartUp(FastLimits());
+  ASSERT_NE(server, nullptr);
+  {
+    // Below the cap, idle connections cost no worker: a scrape is answered at once.
+    std::vector<ScopedFd> idle = testing::OpenIdleConnections(server->port(), 3);
+    const absl::Time start = absl::Now();
+    EXPECT_THAT(testing::RawGet(server->port(), "/metrics"), HasSubstr("epd_up 1"));
+    EXPECT_LT(absl::Now() - start, absl::Milliseconds(500));
+  }
+  // One past the cap (4): the scrape waits in the listen queue until the head timeout
+  // (1 s) closes the idle ones, then is answered.
+  std::vector<ScopedFd> idle = testing::OpenIdleConnections(server->port(), 5);
+  const absl::Time start = absl::Now();
+  EXPECT_THAT(testing::RawGet(server->port(), "/metrics"), HasSubstr("epd_up 1"));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(2500));
+  // Each idle one was closed unanswered.
+  for (ScopedFd& fd : idle) {
+    testing::Reply reply = testing::ReadUntilClosed(fd.get(), absl::Seconds(3));
+    EXPECT_TRUE(reply.closed);
+    EXPECT_EQ(reply.bytes, "");
+  }
+}
+
+TEST(MetricsServerTest, AnswersMalformedHeadsAndOtherMethods) {
+  std::unique_ptr<MetricsServer> server = StartUp();
+  ASSERT_NE(server, nullptr);
+  auto ask = [&](const std::string& head) {
+    ScopedFd fd = testing::ConnectTcp(server->port());
+    EXPECT_EQ(::send(fd.get(), head.data(), head.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(head.size()));
+    return testing::ReadUntilClosed(fd.get(), absl::Seconds(5)).bytes;
+  };
+  EXPECT_THAT(ask("nonsense\r\n\r\n"), ::testing::StartsWith("HTTP/1.1 400 "));
+  EXPECT_THAT(ask("DELETE /metrics HTTP/1.1\r\n\r\n"),
+              ::testing::AllOf(::testing::StartsWith("HTTP/1.1 405 "), HasSubstr("Allow: GET")));
+  EXPECT_THAT(ask("GET /metrics?x=1 HTTP/1.0\n\n"), HasSubstr("epd_up 1"));
+  EXPECT_THAT(ask("GET /other HTTP/1.1\r\n\r\n"), ::testing::StartsWith("HTTP/1.1 404 "));
 }
 
 }  // namespace

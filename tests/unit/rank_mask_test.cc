@@ -15,10 +15,12 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "client/endpoint/endpoint_internal.h"
 #include "client/epctl/format.h"
 #include "daemon/control/group_registry.h"
 #include "daemon/control/spec_validation.h"
+#include "daemon/core/logging.h"
 #include "daemon/dataplane/host/host_data_plane.h"
 #include "epd/client.h"
 #include "epd/kernels/op_rules.h"
@@ -417,6 +419,21 @@ TEST_F(RankMaskTest, UpdateRankMaskChecksRanks) {
   EXPECT_THAT(bad.status().message(), HasSubstr("rank -1"));
   bad = group_->UpdateRankMask(std::vector<int32_t>{1}, std::vector<int32_t>{1}, false);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("unmask: rank 1 is also in mask"));
+  // A list longer than num_ranks is refused by its length, before any rank is looked at.
+  bad = group_->UpdateRankMask(std::vector<int32_t>{0, 1, 2, 3, 0}, {}, false);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("mask: 5 ranks listed, more than the 4 ranks"));
+  bad = group_->UpdateRankMask({}, std::vector<int32_t>(1'000'000, 1), false);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("unmask: 1000000 ranks listed"));
+  // Each rank once in both lists together.
+  bad = group_->UpdateRankMask(std::vector<int32_t>{2, 2}, {}, false);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("mask: rank 2 is listed twice"));
+  bad = group_->UpdateRankMask({}, std::vector<int32_t>{1, 1}, false);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("unmask: rank 1 is listed twice"));
   auto mask = group_->GetRankMask();
   ASSERT_TRUE(mask.ok());
   EXPECT_EQ(mask->epoch(), 0u) << "a refused update changes nothing";
@@ -431,6 +448,38 @@ TEST(RankMaskPolicyTest, FailGroupRefusesMasks) {
   EXPECT_EQ(m.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(m.status().message(), HasSubstr("on_rank_failure"));
   EXPECT_EQ((*g)->GetRankMask().status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(RankMaskPolicyTest, AMaskChangeOfManyRanksIsOneLogLineNamingFour) {
+  auto plane = MakeHostDataPlane({});
+  ASSERT_TRUE(plane.ok());
+  constexpr int kWide = 64;
+  v1::GroupSpec spec = testing::MakeSpec("wide", {.num_ranks = kWide,
+                                                  .num_experts = kWide,
+                                                  .hidden = H,
+                                                  .num_topk = K,
+                                                  .max_tokens_per_rank = Mll,
+                                                  .ll_max_tokens_per_rank = Mll});
+  spec.set_on_rank_failure(v1::RANK_FAILURE_POLICY_MASK);
+  auto g = (*plane)->CreateGroup(spec);
+  ASSERT_TRUE(g.ok()) << g.status();
+  std::vector<int32_t> all(kWide);
+  for (int32_t r = 0; r < kWide; ++r) all[r] = r;
+  ::testing::internal::CaptureStderr();
+  auto m = (*g)->UpdateRankMask(all, {}, false);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->masked_ranks_size(), kWide);
+  std::vector<std::string> lines;
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    if (absl::StrContains(line, "masked (mask epoch")) lines.emplace_back(line);
+  }
+  ASSERT_EQ(lines.size(), 1u) << log;
+  EXPECT_THAT(lines[0], HasSubstr("group wide: ranks 0, 1, 2, 3 and 60 more masked (mask epoch 1, "
+                                  "64 of 64 ranks masked)"));
+  EXPECT_EQ(BoundedRankList(std::vector<int32_t>{5}, 4), "5");
+  EXPECT_EQ(BoundedRankList(std::vector<int32_t>{1, 2, 3, 4}, 4), "1, 2, 3, 4");
+  EXPECT_EQ(BoundedRankList(std::vector<int32_t>{1, 2, 3, 4, 5}, 4, ","), "1,2,3,4 and 1 more");
 }
 
 TEST(RankMaskPolicyTest, SpecChecks) {

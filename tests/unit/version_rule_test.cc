@@ -53,5 +53,24 @@ TEST(VersionRuleTest, AnIncompatibleClientIsAFailedPreconditionNamingBothVersion
   EXPECT_THAT(garbage.message(), HasSubstr("client_version"));
 }
 
+TEST(VersionRuleTest, AClientVersionIsEchoedCutTo64BytesAndEscaped) {
+  const std::string junk(1 << 20, 'x');
+  // Parses (the suffix after '-' is ignored), is not served: FAILED_PRECONDITION.
+  absl::Status far = CheckClientVersion("9.0.0-\n\x1b[31mFORGED" + junk, "1.5.3");
+  EXPECT_EQ(far.code(), absl::StatusCode::kFailedPrecondition);
+  // Does not parse: INVALID_ARGUMENT.
+  absl::Status garbage = CheckClientVersion("x\n\x1b[31mFORGED" + junk, "1.5.3");
+  EXPECT_EQ(garbage.code(), absl::StatusCode::kInvalidArgument);
+  for (const absl::Status& st : {far, garbage}) {
+    const std::string message(st.message());
+    EXPECT_LT(message.size(), 640u) << message.substr(0, 200);
+    EXPECT_THAT(message, HasSubstr("\\n\\x1b[31mFORGED"));
+    EXPECT_THAT(message, ::testing::ContainsRegex("\\.\\.\\.\\(10485[0-9][0-9] bytes\\)"));
+    for (char c : message) {
+      EXPECT_TRUE(c >= 0x20 && c < 0x7f) << "a raw byte " << int(c) << " is echoed";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace epd
