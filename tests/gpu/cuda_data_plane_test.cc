@@ -1180,7 +1180,8 @@ TEST_F(CudaMaskTest, DepartureBetweenDispatchAndCombineDropsItsRows) {
       RankInputs& ri = in_.ranks[r];
       xs[r] = {ri.T, H};
       ks[r] = {ri.T, K};
-      x[r] = Tensor(ri.dx.get(), kBf16, xs[r], true);
+      x[r] = Tensor(g->cuda ? static_cast<const void*>(ri.dx.get()) : ri.x.data(), kBf16, xs[r],
+                    g->cuda);
       idx[r] = Tensor(ri.idx.data(), kI64, ks[r], false);
       w[r] = Tensor(ri.w.data(), kF32, ks[r], false);
     }
