@@ -194,45 +194,19 @@ absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankRes
           errors::Reason::kCudaIpcFailed);
     }
   }
-  if (standins_[rank]) {
-    // The rank's masked part may be running on the stand-in's area, which the peers' kernels
-    // address through the arrays rewritten below: let the GPU finish first (bounded: every
-    // kernel wait is).
-    for (const std::optional<GpuOp>* op : {&gpu_op_, &abandoned_}) {
-      if (!op->has_value()) continue;
-      for (const auto& cr : (*op)->ranks) {
-        if (!cr) continue;
-        EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr->device)));
-        EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(cr->stream.get())));
-      }
-    }
-  }
   std::vector<uint8_t*> bases = host_bases_;
   bases[rank] = r->area.get();
-  std::set<int> devices(devices_.begin(), devices_.end());
-  devices.insert(r->device);
-  // Every GPU of the group gets the new [R] array of bases, copied on a stream of that GPU
-  // (the new rank's, or an attached rank's) and waited for, so no kernel sees a stale array.
-  for (int d : devices) {
-    cudaStream_t stream = r->device == d ? r->stream.get() : nullptr;
-    for (const auto& other : ranks_) {
-      if (stream == nullptr && other && other->device == d) stream = other->stream.get();
-    }
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(d)));
-    auto it = peer_bases_.find(d);
-    if (it == peer_bases_.end()) {
-      EPD_ASSIGN_OR_RETURN(DeviceMemory p,
-                           AllocateDevice(sizeof(uint8_t*) * bases.size(), DeviceZero::kNo));
-      it = peer_bases_.emplace(d, std::move(p)).first;
-    }
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaMemcpyAsync(it->second.get(), bases.data(),
-                                                        sizeof(uint8_t*) * bases.size(),
-                                                        cudaMemcpyHostToDevice, stream)));
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(stream)));
+  if (standins_[rank]) {
+    // A rejoin into a masked slot: the rank's masked part may still run on the stand-in's
+    // area, which the peers' kernels address through the peer arrays. They get the new
+    // area before the next op's launches, the group's GPUs idle (UploadPeerBases); the
+    // stand-in lives until then.
+    bases_dirty_ = true;
+  } else {
+    EPD_RETURN_IF_ERROR(CopyPeerBases(bases, r.get()));
   }
   host_bases_ = std::move(bases);
   ranks_[rank] = std::move(r);
-  standins_[rank].reset();  // The new area replaces the stand-in in every peer array.
   UpdateDevices();
   mask_dirty_ = true;  // Its GPU may have no mask array yet.
   // The new area's sync state is zero, the others' counters are not: zero them all
@@ -287,7 +261,42 @@ void CudaGroup::RankMaskChanged(int32_t rank, bool masked) {
         " was masked: its graph-mode program was disarmed; register it again once every rank "
         "takes part")));
   }
-  if (!masked && ranks_[rank]) standins_[rank].reset();
+}
+
+absl::Status CudaGroup::CopyPeerBases(const std::vector<uint8_t*>& bases, const CudaRank* fresh) {
+  std::set<int> devices(devices_.begin(), devices_.end());
+  if (fresh != nullptr) devices.insert(fresh->device);
+  // Every GPU of the group gets the new [R] array of bases, copied on a stream of that GPU
+  // (the new rank's, or an attached rank's) and waited for, so no kernel sees a stale array.
+  for (int d : devices) {
+    cudaStream_t stream = fresh != nullptr && fresh->device == d ? fresh->stream.get() : nullptr;
+    for (const auto& other : ranks_) {
+      if (stream == nullptr && other && other->device == d) stream = other->stream.get();
+    }
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(d)));
+    auto it = peer_bases_.find(d);
+    if (it == peer_bases_.end()) {
+      EPD_ASSIGN_OR_RETURN(DeviceMemory p,
+                           AllocateDevice(sizeof(uint8_t*) * bases.size(), DeviceZero::kNo));
+      it = peer_bases_.emplace(d, std::move(p)).first;
+    }
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaMemcpyAsync(it->second.get(), bases.data(),
+                                                        sizeof(uint8_t*) * bases.size(),
+                                                        cudaMemcpyHostToDevice, stream)));
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(stream)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaGroup::UploadPeerBases() {
+  if (!bases_dirty_) return absl::OkStatus();
+  EPD_RETURN_IF_ERROR(CopyPeerBases(host_bases_, nullptr));
+  // Every peer array now names the rejoined ranks' areas: their stand-ins go.
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    if (ranks_[r]) standins_[r].reset();
+  }
+  bases_dirty_ = false;
+  return absl::OkStatus();
 }
 
 absl::Status CudaGroup::UploadMask() {
@@ -498,6 +507,9 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
     }
     return true;
   };
+  if (absl::Status st = UploadPeerBases(); !st.ok()) {
+    return fail_unlaunched("copying the ranks' areas to the GPUs' peer arrays", st);
+  }
   // Not while a program is armed: the ranks' streams are held by its waits (the only op
   // then is UnregisterProgram, whose disarm sets the reset for the op after it).
   if (needs_sync_reset_ && !program_) {

@@ -177,6 +177,14 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   const std::shared_ptr<CudaRank>& OpRank(int32_t r) const {
     return ranks_[r] ? ranks_[r] : standins_[r];
   }
+  /// Copies `bases` [R] into the peer array of every GPU of the group (devices_, and
+  /// `fresh`'s when not null: a rank being attached, whose stream may be used), allocating
+  /// a GPU's array at its first rank. Synchronous. Errors: CUDA.
+  absl::Status CopyPeerBases(const std::vector<uint8_t*>& bases, const CudaRank* fresh);
+  /// When a rank rejoined a masked slot (bases_dirty_): copies host_bases_ to every GPU's
+  /// peer array before an op's launches (the group's GPUs claimed and idle), then drops the
+  /// stand-ins of attached ranks. Errors: CUDA.
+  absl::Status UploadPeerBases();
   /// Copies rank_masked() to every GPU's mask array (mask_arrays_) when it changed
   /// (mask_dirty_), synchronously, before an op's launches (the GPUs are claimed and idle).
   /// Errors: CUDA (INTERNAL, RESOURCE_EXHAUSTED).
@@ -227,8 +235,9 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// GPU -> device array [R] of uint8, the rank mask the kernels read
   /// (CudaRankContext::rank_masked); allocated at the first mask.
   std::map<int, DeviceMemory> mask_arrays_;
-  bool mask_dirty_ = false;  ///< rank_masked() changed since the last UploadMask.
-  bool any_masked_ = false;  ///< The uploaded mask has a masked rank (else null in contexts).
+  bool mask_dirty_ = false;   ///< rank_masked() changed since the last UploadMask.
+  bool bases_dirty_ = false;  ///< host_bases_ changed since the last UploadPeerBases.
+  bool any_masked_ = false;   ///< The uploaded mask has a masked rank (else null in contexts).
   std::vector<uint8_t*> host_bases_;        // [R] data-area bases.
   std::map<int, DeviceMemory> peer_bases_;  // GPU → device array [R].
   /// The distinct GPUs of the attached ranks, ascending (capacity R): what an op claims.
