@@ -1042,6 +1042,14 @@ class CudaMaskTest : public CudaDataPlaneTest {
     ASSERT_NO_FATAL_FAILURE(cuda_group_.Open(cuda_.get(), spec_));
     in_.Make(spec_, {64, 0, 1, 33, 64, 17, 5, 40}, {.masked_fraction = 0.1}, 77);
   }
+  void TearDown() override {
+    // Endpoints before their groups, both before the base clears the in-process resolver.
+    for (PlaneGroup* g : {&host_group_, &cuda_group_}) {
+      g->eps.clear();
+      g->group.reset();
+    }
+    CudaDataPlaneTest::TearDown();
+  }
 
   /// The same UpdateRankMask on both planes; their answers agree.
   void Mask(std::vector<int32_t> mask, bool clean = false) {
