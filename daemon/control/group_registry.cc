@@ -284,6 +284,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
   const int32_t rank = request.rank();
   EPD_RETURN_IF_ERROR(ValidateGroupSpec(spec));
   EPD_RETURN_IF_ERROR(ValidateGroupSpecForBackend(spec, data_plane_->backend_name()));
+  // The launch mode's part of the policy check follows, once the group's mode is known.
   EPD_RETURN_IF_ERROR(CheckRankFailurePolicy(spec, data_plane_->backend_name()));
   EPD_RETURN_IF_ERROR(CheckRankIsOnThisNode(spec, rank));
   if (!v1::LaunchMode_IsValid(request.launch_mode())) {
@@ -337,6 +338,7 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
     }
     mode = live;
   }
+  EPD_RETURN_IF_ERROR(CheckRankFailurePolicy(spec, data_plane_->backend_name(), mode));
   if (mode == v1::LAUNCH_MODE_CLIENT && data_plane_->backend_name() == "host") {
     return errors::WithReason(
         absl::FailedPreconditionError(

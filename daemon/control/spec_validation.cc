@@ -233,7 +233,8 @@ int32_t NodeOfRank(const v1::GroupSpec& spec, int32_t rank, int32_t* first_rank)
   return -1;
 }
 
-absl::Status CheckRankFailurePolicy(const v1::GroupSpec& spec, absl::string_view backend) {
+absl::Status CheckRankFailurePolicy(const v1::GroupSpec& spec, absl::string_view backend,
+                                    v1::LaunchMode launch_mode) {
   if (spec.on_rank_failure() != v1::RANK_FAILURE_POLICY_MASK) return absl::OkStatus();
   if (SpansNodes(spec)) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -242,11 +243,17 @@ absl::Status CheckRankFailurePolicy(const v1::GroupSpec& spec, absl::string_view
         spec.nodes_size(),
         " nodes): the nodes do not agree on a mask yet; use RANK_FAILURE_POLICY_FAIL"));
   }
-  if (backend != "host") {
+  if (backend == "cuda" && launch_mode == v1::LAUNCH_MODE_CLIENT) {
+    return absl::FailedPreconditionError(
+        "spec.on_rank_failure: RANK_FAILURE_POLICY_MASK is not supported with launch_mode "
+        "LAUNCH_MODE_CLIENT: a masked rank's kernels must still run for the others' to "
+        "complete, and no one launches a dead client's; use LAUNCH_MODE_DAEMON (or leave "
+        "launch_mode unspecified), or RANK_FAILURE_POLICY_FAIL");
+  }
+  if (backend != "host" && backend != "cuda") {
     return absl::FailedPreconditionError(absl::StrCat(
         "spec.on_rank_failure: RANK_FAILURE_POLICY_MASK is not supported on the ", backend,
-        " backend yet (its kernels do not skip masked ranks); use RANK_FAILURE_POLICY_FAIL, or "
-        "a daemon with --backend=host"));
+        " backend; use RANK_FAILURE_POLICY_FAIL, or a daemon with --backend=host or cuda"));
   }
   return absl::OkStatus();
 }

@@ -66,10 +66,13 @@ int32_t NodeOfRank(const v1::GroupSpec& spec, int32_t rank, int32_t* first_rank 
 /// works there.
 absl::Status ValidateGroupSpecForBackend(const v1::GroupSpec& spec, absl::string_view backend);
 
-/// Whether `backend` ("host" or "cuda") runs spec.on_rank_failure: MASK needs the host
-/// backend and a one-node group. FAILED_PRECONDITION naming on_rank_failure and the reason;
-/// OK for FAIL (or unspecified).
-absl::Status CheckRankFailurePolicy(const v1::GroupSpec& spec, absl::string_view backend);
+/// Whether `backend` ("host" or "cuda") runs spec.on_rank_failure for a group of
+/// `launch_mode` (the group's, resolved): MASK needs a one-node group, on the host backend,
+/// or on the CUDA backend daemon-launched (a masked rank's kernels must still run, and no
+/// one launches a dead client's). FAILED_PRECONDITION naming on_rank_failure (and
+/// launch_mode) and the reason; OK for FAIL (or unspecified).
+absl::Status CheckRankFailurePolicy(const v1::GroupSpec& spec, absl::string_view backend,
+                                    v1::LaunchMode launch_mode = v1::LAUNCH_MODE_DAEMON);
 
 /// Checks 0 <= rank < spec.num_ranks. INVALID_ARGUMENT naming the rank and the range.
 absl::Status ValidateRank(const v1::GroupSpec& spec, int32_t rank);

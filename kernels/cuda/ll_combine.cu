@@ -30,6 +30,7 @@ struct CombineParams {
   uint8_t* const* peer_bases;
   uint8_t* own_base;
   const int64_t* topk_idx;
+  const uint8_t* rank_masked;  // [R] nonzero = masked (CudaRankContext::rank_masked), or null
   const float* topk_weights;
   const int32_t* handle_pos;  // own ll_handle_pos[b]
   bf16_bits* combined_x;
@@ -46,7 +47,8 @@ struct CombineParams {
   int32_t num_topk;
   int32_t max_tokens;
   int32_t buffer;
-  bool gpu_scope;  // every rank on this GPU: flags at .gpu scope (common.cuh LdAcquire)
+  int32_t num_tokens_value;  // >= 0: at most this T (LowLatencyCombineArgs::num_tokens_value)
+  bool gpu_scope;            // every rank on this GPU: flags at .gpu scope (common.cuh LdAcquire)
 };
 
 __device__ __forceinline__ uint32_t* CombineFlag(uint8_t* base, const CombineParams& p,
@@ -95,7 +97,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     device::WaitReady(p.handoff, deadline, status, p.rank);
     s_seq = *reinterpret_cast<volatile uint32_t*>(&state->combine_seq) + 1;
     int32_t t = *reinterpret_cast<volatile int32_t*>(&state->dispatch_num_tokens[p.buffer]);
-    s_num_tokens = (t < 0 || t > p.max_tokens) ? 0 : t;  // written sanitised by the dispatch
+    t = (t < 0 || t > p.max_tokens) ? 0 : t;  // written sanitised by the dispatch
+    s_num_tokens = p.num_tokens_value >= 0 ? min(t, p.num_tokens_value) : t;
   }
   for (int32_t q = threadIdx.x; q < num_ranks; q += blockDim.x) s_peer[q] = p.peer_bases[q];
   __syncthreads();
@@ -121,7 +124,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     // Slot k = kb + lane of token t: the id and its row, each read once from
     // client-writable memory into a register, checked, and only then used; a bad one is
     // counted (once per slot: when `count`, in the token's first chunk) and contributes
-    // nothing. Lanes past K stage nothing.
+    // nothing; so does a slot whose expert is a masked rank's (counted as dropped, its row
+    // not read: the dispatch left it -1). Lanes past K stage nothing.
     auto stage_slot = [&](int32_t t, int32_t kb, bool count) {
       const int32_t k = kb + lane;
       if (k >= num_topk) return;
@@ -130,14 +134,17 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
       const int32_t row = p.handle_pos[i];
       const uint8_t* src = nullptr;
       const bool bad_id = e < -1 || e >= p.num_experts;
-      const bool bad_row = e >= 0 && !bad_id && (row < 0 || row >= p.rows_per_expert);
-      if (e >= 0 && !bad_id && !bad_row) {
+      const bool masked = e >= 0 && !bad_id && p.rank_masked != nullptr &&
+                          p.rank_masked[e / p.experts_per_rank] != 0;
+      const bool bad_row = e >= 0 && !bad_id && !masked && (row < 0 || row >= p.rows_per_expert);
+      if (e >= 0 && !bad_id && !masked && !bad_row) {
         const int32_t owner = static_cast<int32_t>(e) / p.experts_per_rank;
         const int64_t local = e - static_cast<int64_t>(owner) * p.experts_per_rank;
         src = s_peer[owner] + p.x_offset + (local * p.rows_per_expert + row) * hidden * 2;
       }
       if (count && bad_id) atomicAdd(&status->bad_expert_ids, 1u);
       if (count && bad_row) atomicAdd(&status->bad_routing, 1u);
+      if (count && masked) atomicAdd(&status->dropped_pairs, 1u);
       s_src[warp][lane] = src;
       s_w[warp][lane] = p.topk_weights[i];
     };
@@ -290,6 +297,7 @@ absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombi
   p.topk_idx = args.topk_idx != nullptr
                    ? args.topk_idx
                    : reinterpret_cast<const int64_t*>(ctx.own_base + l.in_topk_idx.offset);
+  p.rank_masked = ctx.rank_masked;
   p.topk_weights = args.topk_weights != nullptr
                        ? args.topk_weights
                        : reinterpret_cast<const float*>(ctx.own_base + l.in_topk_weights.offset);
@@ -310,6 +318,7 @@ absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombi
   p.num_topk = s.num_topk;
   p.max_tokens = s.ll_max_tokens_per_rank;
   p.buffer = b;
+  p.num_tokens_value = args.num_tokens_value;
   p.gpu_scope = ctx.all_ranks_on_device;
   int32_t num_blocks = 0;
   EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &num_blocks));

@@ -34,8 +34,9 @@ struct DispatchParams {
   int32_t num_tokens_value;  // >= 0: T by value (num_tokens unused)
   const bf16_bits* x;
   const int64_t* topk_idx;
-  int32_t* recv_count;  // own ll_recv_count[b]
-  int32_t* handle_pos;  // own ll_handle_pos[b]
+  const uint8_t* rank_masked;  // [R] nonzero = masked (CudaRankContext::rank_masked), or null
+  int32_t* recv_count;         // own ll_recv_count[b]
+  int32_t* handle_pos;         // own ll_handle_pos[b]
   uint64_t sync_offset;
   uint64_t recv_x_offset;         // ll_recv_x[b], same at every rank
   uint64_t recv_scales_offset;    // ll_recv_scales[b] (layout.h LowLatencyScaleOffset)
@@ -133,6 +134,12 @@ constexpr int32_t kDestinationBatch = 32;
 constexpr int32_t kRouteNone = -1;
 constexpr int32_t kRouteDuplicateBase = -2;
 
+/// Whether expert `e` (in [0, E)) belongs to a masked rank: its pairs are then dropped
+/// (taken as -1) and counted in DeviceStatus::dropped_pairs.
+__device__ __forceinline__ bool ExpertMasked(const DispatchParams& p, int64_t e) {
+  return p.rank_masked != nullptr && p.rank_masked[e / p.experts_per_rank] != 0;
+}
+
 /// The expert of a route code (any int32, the scratch being client-writable), or -1.
 __device__ __forceinline__ int64_t RouteExpert(int32_t code) {
   if (code >= 0) return code;
@@ -142,7 +149,8 @@ __device__ __forceinline__ int64_t RouteExpert(int32_t code) {
 // Large path, step 1, by every thread of block 0: the routing of this rank's `num_tokens`
 // tokens, tile by tile (p.tile_groups groups of 32 tokens), into p.routing. Per tile: each
 // slot's id is read once from topk_idx (an id outside [-1, E) is counted in DeviceStatus
-// and taken as -1); a slot with expert e sets its token's bit of s_ballot[group, e]
+// and taken as -1, as is one of a masked rank's experts, counted as dropped); a slot with
+// expert e sets its token's bit of s_ballot[group, e]
 // (atomicOr, whose old value tells a later k of the same row with the same expert: code
 // kRouteDuplicateBase - e, which sends nothing); then, per expert, the running count
 // s_count[e] gives each group's first index (s_prefix), and each slot's position is that
@@ -164,7 +172,9 @@ __device__ void RouteTiles(const DispatchParams& p, int32_t num_tokens, int32_t*
     for (int64_t i = threadIdx.x; i < tile_slots; i += blockDim.x) {
       const int64_t e = p.topk_idx[first + i];
       int32_t code = kRouteNone;
-      if (e >= 0 && e < num_experts) {
+      if (e >= 0 && e < num_experts && ExpertMasked(p, e)) {
+        atomicAdd(&status->dropped_pairs, 1u);
+      } else if (e >= 0 && e < num_experts) {
         const int32_t t = static_cast<int32_t>(i / num_topk);
         const uint32_t bit = 1u << (t & 31);
         const uint32_t old = atomicOr(&s_ballot[(t >> 5) * num_experts + e], bit);
@@ -269,8 +279,12 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     __syncthreads();
     for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
       const int64_t e = p.topk_idx[i];
-      const bool in_range = e >= 0 && e < num_experts;
+      bool in_range = e >= 0 && e < num_experts;
       if (blockIdx.x == 0 && (e < -1 || e >= num_experts)) atomicAdd(&status->bad_expert_ids, 1u);
+      if (in_range && ExpertMasked(p, e)) {  // Dropped: as -1.
+        if (blockIdx.x == 0) atomicAdd(&status->dropped_pairs, 1u);
+        in_range = false;
+      }
       s_expert[i] = in_range ? static_cast<int32_t>(e) : -1;
       if (in_range) {
         atomicOr(&s_mask[(i / num_topk) * p.mask_stride + (e >> 5)], 1u << (e & 31));
@@ -727,6 +741,7 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
   p.topk_idx = args.topk_idx != nullptr
                    ? args.topk_idx
                    : reinterpret_cast<const int64_t*>(ctx.own_base + l.in_topk_idx.offset);
+  p.rank_masked = ctx.rank_masked;
   p.recv_count = reinterpret_cast<int32_t*>(ctx.own_base + l.ll_recv_count[b].offset);
   p.handle_pos = reinterpret_cast<int32_t*>(ctx.own_base + l.ll_handle_pos[b].offset);
   p.sync_offset = l.sync.offset;

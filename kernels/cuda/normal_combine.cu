@@ -59,14 +59,15 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
   bf16_bits* combined_x = Region<bf16_bits>(own, p.layout.combined_x);
   float* combined_w = Region<float>(own, p.layout.combined_topk_weights);
   TokenRanks ranks;
-  ranks.LoadBases(p.peer_bases, num_ranks, lane);
+  ranks.LoadBases(p.peer_bases, num_ranks, lane, p.rank_masked);
   const int64_t capacity = p.shape.max_recv_tokens();
   unsigned int bad_routing = 0;
+  unsigned int dropped = 0;  // Routes to masked ranks: their rows are left out of the sum.
 
   for (int t = blockIdx.x * warps_per_block + (threadIdx.x >> 5); t < num_tokens;
        t += gridDim.x * warps_per_block) {
     ranks.LoadRow(send_pos + static_cast<int64_t>(t) * num_ranks, num_ranks, lane, capacity,
-                  &bad_routing);
+                  &bad_routing, &dropped);
     const uint64_t mask = ranks.mask;
     bf16_bits* out = combined_x + t * hidden;
 
@@ -135,6 +136,7 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
     }
   }
   RecordBadRouting(p, bad_routing);
+  RecordDropped(p, dropped);
   FinishOp(p, seq);
 }
 

@@ -33,6 +33,8 @@ struct NormalParams {
   int32_t* recv_count_out = nullptr;
   /// Overrides of the default input regions (GetDispatchLayout only), may be null.
   const int64_t* topk_idx = nullptr;
+  /// CudaRankContext::rank_masked: device [R], nonzero = masked; null = none masked.
+  const uint8_t* rank_masked = nullptr;
 };
 
 // ---- addressing ---------------------------------------------------------------------------
@@ -60,9 +62,12 @@ using device::StReleaseSys;
 /// Scans one token's top-k row: returns the mask of ranks it has an expert on; adds 1 to
 /// expert_count[e] (shared memory) for each expert once (a duplicate in the row counted
 /// once) when expert_count is not null; counts ids outside [-1, E) into *bad (skipped).
+/// With `masked` ([R], nonzero = masked), an expert of a masked rank is taken as -1 and
+/// counted into *dropped.
 __device__ __forceinline__ uint64_t ScanTopkRow(const int64_t* row, int num_topk, int num_experts,
                                                 int experts_per_rank, int32_t* expert_count,
-                                                unsigned int* bad) {
+                                                unsigned int* bad, const uint8_t* masked = nullptr,
+                                                unsigned int* dropped = nullptr) {
   uint64_t mask = 0;
   for (int k = 0; k < num_topk; ++k) {
     const int64_t e = row[k];
@@ -71,6 +76,10 @@ __device__ __forceinline__ uint64_t ScanTopkRow(const int64_t* row, int num_topk
       continue;
     }
     if (e < 0) continue;
+    if (masked != nullptr && masked[e / experts_per_rank] != 0) {
+      if (dropped != nullptr) ++*dropped;
+      continue;
+    }
     if (expert_count != nullptr) {
       bool duplicate = false;
       for (int j = 0; j < k; ++j) duplicate |= row[j] == e;
@@ -83,26 +92,33 @@ __device__ __forceinline__ uint64_t ScanTopkRow(const int64_t* row, int num_topk
 
 /// The ranks one token goes to (or comes back from), held by one warp: lane l keeps the
 /// send_pos row entries and data-area bases of ranks l and l + 32 (R <= 64); `mask` has
-/// bit r set when send_pos[t, r] is a row. Row(r) / Base(r) are warp-collective (r uniform).
-/// send_pos lives in the endpoint's memory, which its client can rewrite (CUDA IPC): each
-/// entry is read once into a register and checked against the receive capacity there;
-/// only the checked value is used.
+/// bit r set when send_pos[t, r] is a row and rank r is not masked (LoadBases' `masked`). Row(r) /
+/// Base(r) are warp-collective (r uniform). send_pos lives in the endpoint's memory, which its
+/// client can rewrite (CUDA IPC): each entry is read once into a register and checked against the
+/// receive capacity there; only the checked value is used.
 struct TokenRanks {
   int32_t pos_lo, pos_hi;
   unsigned long long base_lo, base_hi;
+  bool masked_lo, masked_hi;  ///< Ranks lane and lane + 32 are masked: their routes dropped.
   uint64_t mask;
 
-  /// Lane-local part of the rank bases; call once per kernel.
-  __device__ __forceinline__ void LoadBases(uint8_t* const* peer_bases, int num_ranks, int lane) {
+  /// Lane-local part of the rank bases and of the rank mask (`masked`: [R], nonzero =
+  /// masked, or null); call once per kernel.
+  __device__ __forceinline__ void LoadBases(uint8_t* const* peer_bases, int num_ranks, int lane,
+                                            const uint8_t* masked = nullptr) {
     base_lo = reinterpret_cast<unsigned long long>(lane < num_ranks ? peer_bases[lane] : nullptr);
     base_hi = reinterpret_cast<unsigned long long>(lane + 32 < num_ranks ? peer_bases[lane + 32]
                                                                          : nullptr);
+    masked_lo = masked != nullptr && lane < num_ranks && masked[lane] != 0;
+    masked_hi = masked != nullptr && lane + 32 < num_ranks && masked[lane + 32] != 0;
   }
   /// Loads send_pos[t, :] (row `pos_row`) and builds the mask. Warp-collective. An entry
   /// outside [-1, capacity) (capacity = R * M, the rows of every receive / combine-input
-  /// region) is counted into *bad and taken as -1.
+  /// region) is counted into *bad and taken as -1; a row of a masked rank is counted into
+  /// *dropped and taken as -1.
   __device__ __forceinline__ void LoadRow(const int32_t* pos_row, int num_ranks, int lane,
-                                          int64_t capacity, unsigned int* bad) {
+                                          int64_t capacity, unsigned int* bad,
+                                          unsigned int* dropped) {
     pos_lo = lane < num_ranks ? pos_row[lane] : -1;
     pos_hi = lane + 32 < num_ranks ? pos_row[lane + 32] : -1;
     if (pos_lo < -1 || pos_lo >= capacity) {
@@ -111,6 +127,14 @@ struct TokenRanks {
     }
     if (pos_hi < -1 || pos_hi >= capacity) {
       ++*bad;
+      pos_hi = -1;
+    }
+    if (masked_lo && pos_lo >= 0) {
+      ++*dropped;
+      pos_lo = -1;
+    }
+    if (masked_hi && pos_hi >= 0) {
+      ++*dropped;
       pos_hi = -1;
     }
     mask = static_cast<uint64_t>(__ballot_sync(0xffffffffu, pos_lo >= 0)) |
@@ -139,6 +163,11 @@ __device__ __forceinline__ int LowestRank(uint64_t m) {
 /// status word (one atomic per thread that saw any).
 __device__ __forceinline__ void RecordBadRouting(const NormalParams& p, unsigned int bad) {
   if (bad != 0) atomicAdd(&OwnStatus(p)->bad_routing, bad);
+}
+
+/// Adds a thread's count of pairs or routes dropped for a masked rank to the status word.
+__device__ __forceinline__ void RecordDropped(const NormalParams& p, unsigned int dropped) {
+  if (dropped != 0) atomicAdd(&OwnStatus(p)->dropped_pairs, dropped);
 }
 
 /// Reads the run-time T, recording a value outside [0, M] in the status word (the op then

@@ -87,18 +87,21 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
   // ---- pass 1: counts.
   if (notify) {
     unsigned int bad = 0;
+    unsigned int dropped = 0;  // Pairs to masked ranks' experts.
     for (int base = 0; base < num_tokens; base += blockDim.x) {
       const int t = base + tid;
       const uint64_t mask =
-          t < num_tokens ? ScanTopkRow(topk_idx + static_cast<int64_t>(t) * num_topk, num_topk,
-                                       num_experts, experts_per_rank, s_expert_count, &bad)
-                         : 0;
+          t < num_tokens
+              ? ScanTopkRow(topk_idx + static_cast<int64_t>(t) * num_topk, num_topk, num_experts,
+                            experts_per_rank, s_expert_count, &bad, p.rank_masked, &dropped)
+              : 0;
       for (int r = 0; r < num_ranks; ++r) {
         const unsigned int b = __ballot_sync(0xffffffffu, (mask >> r) & 1ull);
         if (lane == 0 && b != 0) atomicAdd(&s_rank_count[r], __popc(b));
       }
     }
     if (bad != 0) atomicAdd(&s_bad, bad);
+    RecordDropped(p, dropped);
     __syncthreads();
     if (tid == 0 && s_bad != 0) atomicAdd(&OwnStatus(p)->bad_expert_ids, s_bad);
   }
@@ -168,10 +171,11 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
   for (int base = 0; base < num_tokens; base += blockDim.x) {
     const int t = base + tid;
     unsigned int ignored_bad = 0;  // Counted in pass 1.
-    const uint64_t mask = t < num_tokens
-                              ? ScanTopkRow(topk_idx + static_cast<int64_t>(t) * num_topk, num_topk,
-                                            num_experts, experts_per_rank, nullptr, &ignored_bad)
-                              : 0;
+    const uint64_t mask =
+        t < num_tokens
+            ? ScanTopkRow(topk_idx + static_cast<int64_t>(t) * num_topk, num_topk, num_experts,
+                          experts_per_rank, nullptr, &ignored_bad, p.rank_masked, nullptr)
+            : 0;
     for (int r = 0; r < num_ranks; ++r) {
       const unsigned int b = __ballot_sync(0xffffffffu, (mask >> r) & 1ull);
       if (lane == 0) s_warp_offset[warp][r] = __popc(b);
@@ -241,15 +245,18 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
   const int64_t* topk_idx = Region<const int64_t>(own, p.layout.in_topk_idx);
   const float* topk_weights = Region<const float>(own, p.layout.in_topk_weights);
   TokenRanks ranks;
-  ranks.LoadBases(p.peer_bases, num_ranks, lane);
+  ranks.LoadBases(p.peer_bases, num_ranks, lane, p.rank_masked);
   const int64_t capacity = p.shape.max_recv_tokens();
   unsigned int bad_routing = 0;
+  // Routes to masked ranks: counted for a cached dispatch (its send_pos predates the mask);
+  // a new dispatch's send_pos has none (its pairs were dropped and counted by the notify).
+  unsigned int dropped = 0;
   const int64_t src_info_base = static_cast<int64_t>(p.rank) * p.shape.max_tokens_per_rank;
 
   for (int t = blockIdx.x * warps_per_block + (threadIdx.x >> 5); t < num_tokens;
        t += gridDim.x * warps_per_block) {
     ranks.LoadRow(send_pos + static_cast<int64_t>(t) * num_ranks, num_ranks, lane, capacity,
-                  &bad_routing);
+                  &bad_routing, &dropped);
     const uint64_t mask = ranks.mask;
     if (mask == 0) continue;
 
@@ -303,6 +310,7 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
     }
   }
   RecordBadRouting(p, bad_routing);
+  if (p.cached) RecordDropped(p, dropped);
   FinishOp(p, seq);
 }
 

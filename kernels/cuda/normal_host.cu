@@ -118,6 +118,7 @@ absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tok
   p.num_tokens = num_tokens != nullptr ? num_tokens : NormalNumTokensSlot(ctx);
   p.timeout_ns = ctx.timeout_ns;
   p.sync_map = SyncMap(ctx.shape);
+  p.rank_masked = ctx.rank_masked;
   return absl::OkStatus();
 }
 

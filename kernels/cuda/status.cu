@@ -172,11 +172,16 @@ absl::Status ReadAndClearStatus(const CudaRankContext& ctx, cudaStream_t stream,
 
 absl::Status ResetLowLatencySync(const CudaRankContext& ctx, cudaStream_t stream) {
   uint8_t* sync = ctx.own_base + ctx.layout.sync.offset;
-  // Keep the token-count slot: it is an input the host may have written already.
+  // Keep the token-count slot (an input the host may have written already) and each
+  // buffer's dispatch T (dispatch_num_tokens, after it): a combine enqueued after a reset
+  // (a rank joined between a dispatch and its combine) still reads its dispatch's T.
+  static_assert(offsetof(device::LowLatencyState, dispatch_num_tokens) ==
+                    offsetof(device::LowLatencyState, num_tokens) + sizeof(int32_t),
+                "the kept words must be contiguous");
   const uint64_t begin = kSyncLowLatencyStateOffset;
   const uint64_t slot = offsetof(device::LowLatencyState, num_tokens);
   EPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sync + begin, 0, slot, stream));
-  const uint64_t after_slot = begin + slot + sizeof(int32_t);
+  const uint64_t after_slot = begin + sizeof(device::LowLatencyState);
   EPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
       sync + after_slot, 0,
       kSyncLowLatencyExchangeOffset + kSyncLowLatencyExchangeBytes - after_slot, stream));

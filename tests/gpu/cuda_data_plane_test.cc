@@ -140,26 +140,32 @@ struct PlaneGroup {
     auto g = plane->CreateGroup(s);
     ASSERT_TRUE(g.ok()) << g.status();
     group = std::move(*g);
+    eps.resize(s.num_ranks());
     for (int r = 0; r < s.num_ranks(); ++r) {
-      v1::EndpointInfo info;
-      const std::string uuid = cuda && !gpu_uuids.empty() ? gpu_uuids[r] : "";
-      absl::Status st = group->AttachRank(r, uuid, v1::LAUNCH_MODE_UNSPECIFIED, {}, &info);
-      ASSERT_TRUE(st.ok()) << st;
-      EXPECT_EQ(info.backend(), cuda ? "cuda" : "host");
-      if (cuda) {
-        EXPECT_EQ(info.data_offset(), 0u);
-        EXPECT_EQ(info.cuda_ipc_handle().size(), sizeof(cudaIpcMemHandle_t));
-      }
-      DataPlaneGroup* gp = group.get();
-      absl::StatusOr<EndpointFds> fds = gp->TakeEndpointFds(r);
-      ASSERT_TRUE(fds.ok()) << fds.status();
-      auto ep = internal::OpenEndpoint(info, s, *std::move(fds), [gp, r] {
-        gp->DetachRank(r);
-        return absl::OkStatus();
-      });
-      ASSERT_TRUE(ep.ok()) << ep.status();
-      eps.push_back(std::move(*ep));
+      ASSERT_NO_FATAL_FAILURE(OpenRank(r, cuda && !gpu_uuids.empty() ? gpu_uuids[r] : ""));
     }
+  }
+
+  /// Attaches rank r and opens its endpoint into eps[r] (also: a new process joining the
+  /// slot of a rank that left).
+  void OpenRank(int r, const std::string& uuid = "") {
+    v1::EndpointInfo info;
+    absl::Status st = group->AttachRank(r, uuid, v1::LAUNCH_MODE_UNSPECIFIED, {}, &info);
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_EQ(info.backend(), cuda ? "cuda" : "host");
+    if (cuda) {
+      EXPECT_EQ(info.data_offset(), 0u);
+      EXPECT_EQ(info.cuda_ipc_handle().size(), sizeof(cudaIpcMemHandle_t));
+    }
+    DataPlaneGroup* gp = group.get();
+    absl::StatusOr<EndpointFds> fds = gp->TakeEndpointFds(r);
+    ASSERT_TRUE(fds.ok()) << fds.status();
+    auto ep = internal::OpenEndpoint(info, spec, *std::move(fds), [gp, r] {
+      gp->DetachRank(r);
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(ep.ok()) << ep.status();
+    eps[r] = std::move(*ep);
   }
 
   /// Joins every rank of `s` through a real daemon (one client process holding all R
@@ -189,10 +195,12 @@ struct PlaneGroup {
   }
 };
 
-/// Outputs of one op at one rank: named byte blobs, and the op's status.
+/// Outputs of one op at one rank: named byte blobs, the op's status, and each op's OpMask
+/// (rank masking: epoch, num_masked, this rank's dropped pairs).
 struct RankResult {
   absl::Status status;
   std::vector<std::pair<std::string, std::vector<uint8_t>>> blobs;
+  std::vector<OpMask> masks;
 };
 using GroupResult = std::vector<RankResult>;
 
@@ -211,70 +219,85 @@ void ExpectSame(const GroupResult& want, const GroupResult& got, const std::stri
                                 absl::StrCat(what, " rank ", r, " ", name));
       EXPECT_TRUE(cmp.ok()) << cmp;
     }
+    ASSERT_EQ(want[r].masks.size(), got[r].masks.size()) << what << " rank " << r;
+    for (size_t i = 0; i < want[r].masks.size(); ++i) {
+      const OpMask& w = want[r].masks[i];
+      const OpMask& g = got[r].masks[i];
+      EXPECT_EQ(w.epoch, g.epoch) << what << " rank " << r << " op " << i;
+      EXPECT_EQ(w.num_masked, g.num_masked) << what << " rank " << r << " op " << i;
+      EXPECT_EQ(w.dropped_pairs, g.dropped_pairs) << what << " rank " << r << " op " << i;
+    }
   }
 }
 
 /// Normal mode: GetDispatchLayout, Dispatch (weights, alignment 4), Combine of the received
-/// rows (identity experts, with weights), then a cached re-dispatch.
-GroupResult RunNormal(PlaneGroup& g, Inputs& in) {
+/// rows (identity experts, with weights), then a cached re-dispatch; on every rank but
+/// `skip`.
+GroupResult RunNormal(PlaneGroup& g, Inputs& in, int skip = -1) {
   const int R = g.spec.num_ranks(), H = g.spec.hidden(), K = g.spec.num_topk();
   GroupResult out(R);
-  g.OnEveryRank([&](int r) {
-    RankInputs& ri = in.ranks[r];
-    RankResult& res = out[r];
-    std::vector<int64_t> xs{ri.T, H}, ks{ri.T, K};
-    // x from the GPU on the CUDA plane (device-to-device staging); idx/weights from the host.
-    DLTensor x =
-        Tensor(g.cuda ? static_cast<const void*>(ri.dx.get()) : ri.x.data(), kBf16, xs, g.cuda);
-    DLTensor idx = Tensor(ri.idx.data(), kI64, ks, false);
-    DLTensor w = Tensor(ri.w.data(), kF32, ks, false);
+  g.OnEveryRank(
+      [&](int r) {
+        RankInputs& ri = in.ranks[r];
+        RankResult& res = out[r];
+        std::vector<int64_t> xs{ri.T, H}, ks{ri.T, K};
+        // x from the GPU on the CUDA plane (device-to-device staging); idx/weights from the host.
+        DLTensor x =
+            Tensor(g.cuda ? static_cast<const void*>(ri.dx.get()) : ri.x.data(), kBf16, xs, g.cuda);
+        DLTensor idx = Tensor(ri.idx.data(), kI64, ks, false);
+        DLTensor w = Tensor(ri.w.data(), kF32, ks, false);
 
-    auto lop = g.eps[r]->GetDispatchLayout(idx);
-    ASSERT_TRUE(lop.ok()) << lop.status();
-    auto layout = lop->Wait(absl::Seconds(20));
-    ASSERT_TRUE(layout.ok()) << "rank " << r << ": " << layout.status();
-    res.blobs.push_back({"num_tokens_per_rank", FetchAll(layout->num_tokens_per_rank)});
-    res.blobs.push_back({"num_tokens_per_expert", FetchAll(layout->num_tokens_per_expert)});
-    res.blobs.push_back({"is_token_in_rank", FetchAll(layout->is_token_in_rank)});
+        auto lop = g.eps[r]->GetDispatchLayout(idx);
+        ASSERT_TRUE(lop.ok()) << lop.status();
+        auto layout = lop->Wait(absl::Seconds(20));
+        ASSERT_TRUE(layout.ok()) << "rank " << r << ": " << layout.status();
+        res.blobs.push_back({"num_tokens_per_rank", FetchAll(layout->num_tokens_per_rank)});
+        res.blobs.push_back({"num_tokens_per_expert", FetchAll(layout->num_tokens_per_expert)});
+        res.blobs.push_back({"is_token_in_rank", FetchAll(layout->is_token_in_rank)});
 
-    DispatchArgs da;
-    da.x = &x;
-    da.topk_idx = &idx;
-    da.topk_weights = &w;
-    da.expert_alignment = 4;
-    auto dop = g.eps[r]->Dispatch(da);
-    ASSERT_TRUE(dop.ok()) << dop.status();
-    auto d = dop->Wait(absl::Seconds(20));
-    ASSERT_TRUE(d.ok()) << "rank " << r << ": " << d.status();
-    res.blobs.push_back(
-        {"N", std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&d->num_recv_tokens),
-                                   reinterpret_cast<uint8_t*>(&d->num_recv_tokens) + 4)});
-    res.blobs.push_back({"recv_x", FetchAll(d->recv_x)});
-    res.blobs.push_back({"recv_topk_idx", FetchAll(d->recv_topk_idx)});
-    res.blobs.push_back({"recv_topk_weights", FetchAll(d->recv_topk_weights)});
-    res.blobs.push_back({"num_recv_tokens_per_expert", FetchAll(d->num_recv_tokens_per_expert)});
-    res.blobs.push_back({"recv_src_info", FetchAll(d->recv_src_info)});
+        DispatchArgs da;
+        da.x = &x;
+        da.topk_idx = &idx;
+        da.topk_weights = &w;
+        da.expert_alignment = 4;
+        auto dop = g.eps[r]->Dispatch(da);
+        ASSERT_TRUE(dop.ok()) << dop.status();
+        auto d = dop->Wait(absl::Seconds(20));
+        ASSERT_TRUE(d.ok()) << "rank " << r << ": " << d.status();
+        res.masks.push_back(d->mask);
+        res.blobs.push_back(
+            {"N", std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&d->num_recv_tokens),
+                                       reinterpret_cast<uint8_t*>(&d->num_recv_tokens) + 4)});
+        res.blobs.push_back({"recv_x", FetchAll(d->recv_x)});
+        res.blobs.push_back({"recv_topk_idx", FetchAll(d->recv_topk_idx)});
+        res.blobs.push_back({"recv_topk_weights", FetchAll(d->recv_topk_weights)});
+        res.blobs.push_back(
+            {"num_recv_tokens_per_expert", FetchAll(d->num_recv_tokens_per_expert)});
+        res.blobs.push_back({"recv_src_info", FetchAll(d->recv_src_info)});
 
-    CombineArgs ca;
-    ca.x = &d->recv_x.dl();  // Identity experts: the received rows.
-    ca.topk_weights = &d->recv_topk_weights.dl();
-    ca.handle = &d->handle;
-    auto cop = g.eps[r]->Combine(ca);
-    ASSERT_TRUE(cop.ok()) << cop.status();
-    auto c = cop->Wait(absl::Seconds(20));
-    ASSERT_TRUE(c.ok()) << "rank " << r << ": " << c.status();
-    res.blobs.push_back({"combined_x", FetchAll(c->combined_x)});
-    res.blobs.push_back({"combined_topk_weights", FetchAll(c->combined_topk_weights)});
+        CombineArgs ca;
+        ca.x = &d->recv_x.dl();  // Identity experts: the received rows.
+        ca.topk_weights = &d->recv_topk_weights.dl();
+        ca.handle = &d->handle;
+        auto cop = g.eps[r]->Combine(ca);
+        ASSERT_TRUE(cop.ok()) << cop.status();
+        auto c = cop->Wait(absl::Seconds(20));
+        ASSERT_TRUE(c.ok()) << "rank " << r << ": " << c.status();
+        res.masks.push_back(c->mask);
+        res.blobs.push_back({"combined_x", FetchAll(c->combined_x)});
+        res.blobs.push_back({"combined_topk_weights", FetchAll(c->combined_topk_weights)});
 
-    DispatchArgs again;
-    again.x = &x;
-    again.cached = d->handle;
-    auto aop = g.eps[r]->Dispatch(again);
-    ASSERT_TRUE(aop.ok()) << aop.status();
-    auto a = aop->Wait(absl::Seconds(20));
-    ASSERT_TRUE(a.ok()) << "rank " << r << ": " << a.status();
-    res.blobs.push_back({"cached recv_x", FetchAll(a->recv_x)});
-  });
+        DispatchArgs again;
+        again.x = &x;
+        again.cached = d->handle;
+        auto aop = g.eps[r]->Dispatch(again);
+        ASSERT_TRUE(aop.ok()) << aop.status();
+        auto a = aop->Wait(absl::Seconds(20));
+        ASSERT_TRUE(a.ok()) << "rank " << r << ": " << a.status();
+        res.masks.push_back(a->mask);
+        res.blobs.push_back({"cached recv_x", FetchAll(a->recv_x)});
+      },
+      skip);
   return out;
 }
 
@@ -310,6 +333,7 @@ GroupResult RunLowLatency(PlaneGroup& g, Inputs& in, bool fp8, bool round_scale,
         auto d = dop->Wait(absl::Seconds(20));
         res.status = d.status();
         if (!d.ok()) return;
+        res.masks.push_back(d->mask);
         std::vector<uint8_t> count_bytes = FetchAll(d->recv_count);
         res.blobs.push_back({"recv_count", count_bytes});
         const auto* count = reinterpret_cast<const int32_t*>(count_bytes.data());
@@ -338,6 +362,7 @@ GroupResult RunLowLatency(PlaneGroup& g, Inputs& in, bool fp8, bool round_scale,
         ASSERT_TRUE(cop.ok()) << cop.status();
         auto c = cop->Wait(absl::Seconds(20));
         ASSERT_TRUE(c.ok()) << "rank " << r << ": " << c.status();
+        res.masks.push_back(c->mask);
         res.blobs.push_back({"combined_x", FetchAll(c->combined_x)});
       },
       skip);
@@ -996,6 +1021,241 @@ TEST_F(CudaDataPlaneTest, ClientLaunchedEndpointGetsAZeroedAreaAndItsRingIsRefus
   EXPECT_EQ(abi::Atomic(ranks[0].ring->header()->rejected_requests).load(), 2u);
   // Nothing ran on rank 1's area either.
   EXPECT_EQ(ReadU64(FlagsOf(ranks[1], L).done), 0u);
+}
+
+// ---- rank masking (GroupSpec.on_rank_failure = MASK, docs/RELIABILITY.md) ----------------
+//
+// The same ops, masks and departures on the host data plane (kernels/host: the masked
+// reference) and the CUDA data plane (8 virtual ranks on one GPU, daemon-launched): every
+// rank that takes part gets the host's bytes and the host's OpMask (epoch, num_masked,
+// dropped pairs).
+
+/// A MASK group of 8 ranks on both planes, with inputs that route pairs to every rank.
+class CudaMaskTest : public CudaDataPlaneTest {
+ protected:
+  void SetUp() override {
+    CudaDataPlaneTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    spec_ = Spec("masked8", 8, 32, 1024, 4, 64, 64);
+    spec_.set_on_rank_failure(v1::RANK_FAILURE_POLICY_MASK);
+    ASSERT_NO_FATAL_FAILURE(host_group_.Open(host_.get(), spec_));
+    ASSERT_NO_FATAL_FAILURE(cuda_group_.Open(cuda_.get(), spec_));
+    in_.Make(spec_, {64, 0, 1, 33, 64, 17, 5, 40}, {.masked_fraction = 0.1}, 77);
+  }
+  void TearDown() override {
+    // Endpoints before their groups, both before the base clears the in-process resolver.
+    for (PlaneGroup* g : {&host_group_, &cuda_group_}) {
+      g->eps.clear();
+      g->group.reset();
+    }
+    CudaDataPlaneTest::TearDown();
+  }
+
+  /// The same UpdateRankMask on both planes; their answers agree.
+  void Mask(std::vector<int32_t> mask, bool clean = false) {
+    auto h = host_group_.group->UpdateRankMask(mask, {}, clean);
+    auto c = cuda_group_.group->UpdateRankMask(mask, {}, clean);
+    ASSERT_TRUE(h.ok()) << h.status();
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(h->epoch(), c->epoch());
+    EXPECT_EQ(h->masked_ranks_size(), c->masked_ranks_size());
+  }
+
+  /// `round` on both planes while masked rank `masked` (alive) keeps its place in each
+  /// group's sequence by submitting `ops` GetDispatchLayout requests, each failing at once
+  /// as masked; the survivors' results compared.
+  void CompareWhileMasked(const std::function<GroupResult(PlaneGroup&)>& round, int masked, int ops,
+                          const std::string& what) {
+    for (PlaneGroup* g : {&host_group_, &cuda_group_}) {
+      std::thread in_step([&] {
+        RankInputs& ri = in_.ranks[masked];
+        std::vector<int64_t> ks{ri.T, spec_.num_topk()};
+        DLTensor idx = Tensor(ri.idx.data(), kI64, ks, false);
+        for (int i = 0; i < ops; ++i) {
+          auto op = g->eps[masked]->GetDispatchLayout(idx);
+          ASSERT_TRUE(op.ok()) << op.status();
+          absl::Status st = op->Wait(absl::Seconds(20)).status();
+          EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+        }
+      });
+      (g == &host_group_ ? want_ : got_) = round(*g);
+      in_step.join();
+    }
+    ExpectSame(want_, got_, what);
+  }
+
+  /// `round` on both planes, compared.
+  void Compare(const std::function<GroupResult(PlaneGroup&)>& round, const std::string& what) {
+    want_ = round(host_group_);
+    got_ = round(cuda_group_);
+    ExpectSame(want_, got_, what);
+  }
+
+  /// Sum over the CUDA plane's ranks of op `op`'s dropped pairs; every rank but `skip`
+  /// reports `epoch` and `num_masked` there.
+  int DroppedAt(size_t op, uint32_t epoch, int32_t num_masked, int skip = -1) const {
+    int dropped = 0;
+    for (int r = 0; r < spec_.num_ranks(); ++r) {
+      if (r == skip) continue;
+      EXPECT_GT(got_[r].masks.size(), op) << "rank " << r;
+      if (got_[r].masks.size() <= op) continue;
+      EXPECT_EQ(got_[r].masks[op].epoch, epoch) << "rank " << r << " op " << op;
+      EXPECT_EQ(got_[r].masks[op].num_masked, num_masked) << "rank " << r << " op " << op;
+      dropped += got_[r].masks[op].dropped_pairs;
+    }
+    return dropped;
+  }
+
+  v1::GroupSpec spec_;
+  PlaneGroup host_group_, cuda_group_;
+  Inputs in_;
+  GroupResult want_, got_;
+};
+
+// A client masks rank 3; low-latency rounds (BF16, FP8, FP8 with round_scale) run without it
+// and equal the host's with rank 3's experts dropped; clean brings it back, exact again.
+TEST_F(CudaMaskTest, LowLatencyUnderAClientsMaskMatchesHostThenCleanIsExact) {
+  auto ll = [&](bool fp8, bool round_scale, int skip) {
+    return [&, fp8, round_scale, skip](PlaneGroup& g) {
+      return RunLowLatency(g, in_, fp8, round_scale, skip);
+    };
+  };
+  Compare(ll(false, false, -1), "ll before the mask");
+  EXPECT_EQ(DroppedAt(1, 0, 0), 0);
+  ASSERT_NO_FATAL_FAILURE(Mask({3}));
+  const struct { bool fp8, round_scale; } options[] = {{false, false}, {true, false}, {true, true}};
+  for (const auto& o : options) {
+    const std::string what =
+        absl::StrCat("ll masked", o.fp8 ? " fp8" : " bf16", o.round_scale ? " round_scale" : "");
+    CompareWhileMasked(ll(o.fp8, o.round_scale, 3), 3, 2, what);
+    EXPECT_GT(DroppedAt(0, 1, 1, 3), 0) << what << ": the dispatch routes pairs to rank 3";
+    EXPECT_GT(DroppedAt(1, 1, 1, 3), 0) << what << ": the combine drops them too";
+  }
+  ASSERT_NO_FATAL_FAILURE(Mask({}, /*clean=*/true));
+  Compare(ll(true, true, -1), "ll after clean");
+  EXPECT_EQ(DroppedAt(1, 2, 0), 0);
+}
+
+// Normal ops (layout, dispatch with weights, combine, cached re-dispatch) under a client's
+// mask of rank 6, then clean.
+TEST_F(CudaMaskTest, NormalOpsUnderAClientsMaskMatchHostThenCleanIsExact) {
+  ASSERT_NO_FATAL_FAILURE(Mask({6}));
+  CompareWhileMasked([&](PlaneGroup& g) { return RunNormal(g, in_, 6); }, 6, 4, "normal masked");
+  EXPECT_GT(DroppedAt(0, 1, 1, 6), 0) << "the dispatch routes pairs to rank 6";
+  EXPECT_EQ(DroppedAt(1, 1, 1, 6), 0) << "the combine's routes are the masked dispatch's";
+  ASSERT_NO_FATAL_FAILURE(Mask({}, /*clean=*/true));
+  Compare([&](PlaneGroup& g) { return RunNormal(g, in_); }, "normal after clean");
+}
+
+// A rank whose client is gone (its endpoint closed: DetachRank, as when its Session ends)
+// is masked: low-latency and normal rounds run without it (its part played on the area it
+// left); a new process joins its slot and the next rounds include it, exact.
+TEST_F(CudaMaskTest, DepartedRankIsMaskedThenARejoinIsExact) {
+  Compare([&](PlaneGroup& g) { return RunLowLatency(g, in_, false, false); }, "ll whole");
+  host_group_.eps[5].reset();
+  cuda_group_.eps[5].reset();
+  auto mask = cuda_group_.group->GetRankMask();
+  ASSERT_TRUE(mask.ok()) << mask.status();
+  EXPECT_EQ(mask->epoch(), 1u);
+  const auto start = std::chrono::steady_clock::now();
+  Compare([&](PlaneGroup& g) { return RunLowLatency(g, in_, true, false, 5); }, "ll departed");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(1000))
+      << "the survivors waited for the departed rank";
+  EXPECT_GT(DroppedAt(0, 1, 1, 5), 0);
+  Compare([&](PlaneGroup& g) { return RunNormal(g, in_, 5); }, "normal departed");
+  EXPECT_GT(DroppedAt(0, 1, 1, 5), 0);
+  ASSERT_NO_FATAL_FAILURE(host_group_.OpenRank(5));
+  ASSERT_NO_FATAL_FAILURE(cuda_group_.OpenRank(5));
+  Compare([&](PlaneGroup& g) { return RunLowLatency(g, in_, false, false); }, "ll rejoined");
+  EXPECT_EQ(DroppedAt(1, 2, 0), 0);
+  Compare([&](PlaneGroup& g) { return RunNormal(g, in_); }, "normal rejoined");
+  EXPECT_EQ(DroppedAt(1, 2, 0), 0);
+}
+
+// Every rank dispatches; rank 2 leaves before the combine. The others' combines (normal:
+// its rows left out of the sum; low-latency: its experts' terms left out) equal the host's
+// and report the routes / pairs dropped.
+TEST_F(CudaMaskTest, DepartureBetweenDispatchAndCombineDropsItsRows) {
+  const int R = spec_.num_ranks(), H = spec_.hidden(), K = spec_.num_topk();
+  for (PlaneGroup* g : {&host_group_, &cuda_group_}) {
+    GroupResult& out = g == &host_group_ ? want_ : got_;
+    out.assign(R, RankResult{});
+    std::vector<absl::StatusOr<DispatchResult>> normal(R, absl::UnknownError(""));
+    std::vector<absl::StatusOr<LowLatencyDispatchResult>> ll(R, absl::UnknownError(""));
+    std::vector<std::vector<int64_t>> xs(R), ks(R);
+    std::vector<DLTensor> x(R), idx(R), w(R);
+    for (int r = 0; r < R; ++r) {
+      RankInputs& ri = in_.ranks[r];
+      xs[r] = {ri.T, H};
+      ks[r] = {ri.T, K};
+      x[r] = Tensor(g->cuda ? static_cast<const void*>(ri.dx.get()) : ri.x.data(), kBf16, xs[r],
+                    g->cuda);
+      idx[r] = Tensor(ri.idx.data(), kI64, ks[r], false);
+      w[r] = Tensor(ri.w.data(), kF32, ks[r], false);
+    }
+    g->OnEveryRank([&](int r) {
+      DispatchArgs da;
+      da.x = &x[r];
+      da.topk_idx = &idx[r];
+      da.topk_weights = &w[r];
+      auto op = g->eps[r]->Dispatch(da);
+      ASSERT_TRUE(op.ok()) << op.status();
+      normal[r] = op->Wait(absl::Seconds(20));
+      ASSERT_TRUE(normal[r].ok()) << normal[r].status();
+      LowLatencyDispatchArgs la;
+      la.x = &x[r];
+      la.topk_idx = &idx[r];
+      auto lop = g->eps[r]->LowLatencyDispatch(la);
+      ASSERT_TRUE(lop.ok()) << lop.status();
+      ll[r] = lop->Wait(absl::Seconds(20));
+      ASSERT_TRUE(ll[r].ok()) << ll[r].status();
+    });
+    g->eps[2].reset();
+    g->OnEveryRank(
+        [&](int r) {
+          CombineArgs ca;
+          ca.x = &normal[r]->recv_x.dl();
+          ca.topk_weights = &normal[r]->recv_topk_weights.dl();
+          ca.handle = &normal[r]->handle;
+          auto op = g->eps[r]->Combine(ca);
+          ASSERT_TRUE(op.ok()) << op.status();
+          auto c = op->Wait(absl::Seconds(20));
+          ASSERT_TRUE(c.ok()) << "rank " << r << ": " << c.status();
+          out[r].masks.push_back(c->mask);
+          out[r].blobs.push_back({"combined_x", FetchAll(c->combined_x)});
+          out[r].blobs.push_back({"combined_topk_weights", FetchAll(c->combined_topk_weights)});
+          LowLatencyCombineArgs lc;
+          lc.x = &ll[r]->recv_x.dl();  // Identity experts: the received rows.
+          lc.topk_idx = &idx[r];
+          lc.topk_weights = &w[r];
+          lc.handle = &ll[r]->handle;
+          auto lop = g->eps[r]->LowLatencyCombine(lc);
+          ASSERT_TRUE(lop.ok()) << lop.status();
+          auto l = lop->Wait(absl::Seconds(20));
+          ASSERT_TRUE(l.ok()) << "rank " << r << ": " << l.status();
+          out[r].masks.push_back(l->mask);
+          out[r].blobs.push_back({"ll combined_x", FetchAll(l->combined_x)});
+        },
+        /*skip=*/2);
+  }
+  ExpectSame(want_, got_, "departure between dispatch and combine");
+  EXPECT_GT(DroppedAt(0, 1, 1, 2), 0) << "normal combine: routes to rank 2 dropped";
+  EXPECT_GT(DroppedAt(1, 1, 1, 2), 0) << "low-latency combine: pairs to rank 2 dropped";
+}
+
+// Client-launched endpoints cannot mask (no one would launch a dead client's kernels):
+// refused at attach, naming the fields.
+TEST_F(CudaMaskTest, ClientLaunchedRankOfAMaskingGroupIsRefused) {
+  v1::GroupSpec spec = spec_;
+  spec.set_name("masked_client");
+  auto g = cuda_->CreateGroup(spec);
+  ASSERT_TRUE(g.ok()) << g.status();
+  v1::EndpointInfo info;
+  absl::Status st = (*g)->AttachRank(0, "", v1::LAUNCH_MODE_CLIENT, {}, &info);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("launch_mode"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("on_rank_failure"), std::string::npos) << st;
+  EXPECT_EQ(cuda_->DefaultLaunchMode(spec), v1::LAUNCH_MODE_DAEMON);
 }
 
 // The whole path through a real epd process (started by the caller with --backend=auto

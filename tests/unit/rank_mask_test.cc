@@ -496,11 +496,15 @@ TEST(RankMaskPolicyTest, SpecChecks) {
   st = CheckSameSpec(fail, MaskSpec("s"));
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(st.message(), HasSubstr("on_rank_failure"));
-  // MASK runs on the host backend, one node; elsewhere Join refuses it, naming why.
+  // MASK runs on one node: on the host backend, and on the CUDA backend daemon-launched;
+  // elsewhere Join refuses it, naming the fields and why.
   EXPECT_TRUE(CheckRankFailurePolicy(MaskSpec("s"), "host").ok());
-  st = CheckRankFailurePolicy(MaskSpec("s"), "cuda");
+  EXPECT_TRUE(CheckRankFailurePolicy(MaskSpec("s"), "cuda", v1::LAUNCH_MODE_DAEMON).ok());
+  st = CheckRankFailurePolicy(MaskSpec("s"), "cuda", v1::LAUNCH_MODE_CLIENT);
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(st.message(), HasSubstr("on_rank_failure"));
+  EXPECT_THAT(st.message(), HasSubstr("spec.on_rank_failure"));
+  EXPECT_THAT(st.message(), HasSubstr("launch_mode LAUNCH_MODE_CLIENT"));
+  EXPECT_TRUE(CheckRankFailurePolicy(fail, "cuda", v1::LAUNCH_MODE_CLIENT).ok());
   v1::GroupSpec spanning = MaskSpec("s");
   spanning.add_nodes()->set_num_ranks(2);
   spanning.add_nodes()->set_num_ranks(2);
@@ -546,13 +550,39 @@ class RankMaskRegistryTest : public ::testing::Test {
   std::unique_ptr<GroupRegistry> registry_;
 };
 
-TEST_F(RankMaskRegistryTest, JoinRefusesMaskOnTheCudaBackend) {
+TEST_F(RankMaskRegistryTest, JoinTakesMaskOnTheCudaBackendDaemonLaunchedOnly) {
   Start("cuda");
-  absl::StatusOr<v1::EndpointInfo> e = Join(Session(1), 0, MaskSpec("reg"), testing::kGpuA);
+  // Client-launched, asked for by name or as the data plane's default: refused, naming both
+  // fields.
+  auto join_client = [&](const std::string& session, int rank, const v1::GroupSpec& spec,
+                         v1::LaunchMode mode) {
+    v1::JoinGroupRequest request;
+    *request.mutable_spec() = spec;
+    request.set_rank(rank);
+    request.set_session_id(session);
+    request.set_gpu_uuid(testing::kGpuA);
+    request.set_launch_mode(mode);
+    return registry_->Join(request);
+  };
+  absl::StatusOr<v1::EndpointInfo> e =
+      join_client(Session(1), 0, MaskSpec("reg"), v1::LAUNCH_MODE_CLIENT);
   EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
   EXPECT_THAT(e.status().message(), HasSubstr("spec.on_rank_failure"));
-  EXPECT_TRUE(
-      Join(Session(2), 0, MaskSpec("reg", v1::RANK_FAILURE_POLICY_FAIL), testing::kGpuA).ok());
+  EXPECT_THAT(e.status().message(), HasSubstr("launch_mode"));
+  state_->default_launch_mode = v1::LAUNCH_MODE_CLIENT;
+  e = join_client(Session(1), 0, MaskSpec("reg"), v1::LAUNCH_MODE_UNSPECIFIED);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+  EXPECT_THAT(e.status().message(), HasSubstr("LAUNCH_MODE_CLIENT"));
+  // Daemon-launched: taken; a FAIL group may still be client-launched.
+  e = join_client(Session(2), 0, MaskSpec("reg"), v1::LAUNCH_MODE_DAEMON);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->launch_mode(), v1::LAUNCH_MODE_DAEMON);
+  e = join_client(Session(3), 1, MaskSpec("reg"), v1::LAUNCH_MODE_UNSPECIFIED);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->launch_mode(), v1::LAUNCH_MODE_DAEMON);
+  EXPECT_TRUE(join_client(Session(4), 0, MaskSpec("other", v1::RANK_FAILURE_POLICY_FAIL),
+                          v1::LAUNCH_MODE_CLIENT)
+                  .ok());
 }
 
 TEST_F(RankMaskRegistryTest, JoinComparesThePolicyAndTheRpcsCheckTheCaller) {

@@ -69,6 +69,9 @@ v1::LaunchMode CudaDataPlaneImpl::DefaultLaunchMode(const v1::GroupSpec& spec) c
   // a spinning kernel per rank on the client's stream and its command round trip: the
   // default stays daemon-launched, client-launched is for CUDA graphs (asked for by name).
   if (spec.nodes_size() >= 2) return v1::LAUNCH_MODE_DAEMON;
+  // Rank masking needs the daemon to run a masked rank's part of each op (its client may be
+  // dead): only daemon-launched groups mask (GroupRegistry::Join refuses client-launched).
+  if (spec.on_rank_failure() == v1::RANK_FAILURE_POLICY_MASK) return v1::LAUNCH_MODE_DAEMON;
   if (static_cast<size_t>(spec.num_ranks()) <= uuids_.size()) return v1::LAUNCH_MODE_CLIENT;
   return DetectMps().active ? v1::LAUNCH_MODE_CLIENT : v1::LAUNCH_MODE_DAEMON;
 }

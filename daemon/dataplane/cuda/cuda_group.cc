@@ -38,6 +38,7 @@ CudaGroup::CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec)
     : LockstepGroup(spec, LockstepOptionsOf(plane->options())),
       plane_(plane),
       ranks_(spec.num_ranks()),
+      standins_(spec.num_ranks()),
       host_bases_(spec.num_ranks(), nullptr),
       event_errors_(spec.num_ranks(), cudaSuccess),
       span_outcomes_(spec.num_ranks()) {
@@ -92,6 +93,8 @@ void CudaGroup::SizeOp(GpuOp& op) const {
   op.launch.resize(R);
   op.stream_ordered.resize(R);
   op.ready_wait.resize(R);
+  op.max_dropped.resize(R);
+  op.left_unstaged.resize(R);
 }
 
 bool CudaGroup::KernelHandsOff(const GpuOp& op, size_t r) {
@@ -139,6 +142,16 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
                                                                       v1::LaunchMode launch_mode,
                                                                       v1::EndpointInfo* info) {
   EPD_ASSIGN_OR_RETURN(int device, plane_->DeviceOf(gpu_uuid));
+  if (masking() && launch_mode == v1::LAUNCH_MODE_CLIENT) {
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "launch_mode: LAUNCH_MODE_CLIENT with spec.on_rank_failure = "
+            "RANK_FAILURE_POLICY_MASK (group ",
+            spec().name(),
+            "): a masked rank's kernels must still run, and no one launches a dead client's; "
+            "use LAUNCH_MODE_DAEMON")),
+        errors::Reason::kUnsupported);
+  }
   // Client-launched endpoints get the same (zeroed) area and IPC handle; the engine
   // refuses their ring slots (AcceptsRequests).
   EPD_ASSIGN_OR_RETURN(
@@ -161,7 +174,8 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
 
 void CudaGroup::UpdateDevices() {
   devices_.clear();
-  for (const auto& r : ranks_) {
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    const std::shared_ptr<CudaRank>& r = OpRank(static_cast<int32_t>(i));
     if (!r) continue;
     auto it = std::lower_bound(devices_.begin(), devices_.end(), r->device);
     if (it == devices_.end() || *it != r->device) devices_.insert(it, r->device);
@@ -182,30 +196,19 @@ absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankRes
   }
   std::vector<uint8_t*> bases = host_bases_;
   bases[rank] = r->area.get();
-  std::set<int> devices(devices_.begin(), devices_.end());
-  devices.insert(r->device);
-  // Every GPU of the group gets the new [R] array of bases, copied on a stream of that GPU
-  // (the new rank's, or an attached rank's) and waited for, so no kernel sees a stale array.
-  for (int d : devices) {
-    cudaStream_t stream = r->device == d ? r->stream.get() : nullptr;
-    for (const auto& other : ranks_) {
-      if (stream == nullptr && other && other->device == d) stream = other->stream.get();
-    }
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(d)));
-    auto it = peer_bases_.find(d);
-    if (it == peer_bases_.end()) {
-      EPD_ASSIGN_OR_RETURN(DeviceMemory p,
-                           AllocateDevice(sizeof(uint8_t*) * bases.size(), DeviceZero::kNo));
-      it = peer_bases_.emplace(d, std::move(p)).first;
-    }
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaMemcpyAsync(it->second.get(), bases.data(),
-                                                        sizeof(uint8_t*) * bases.size(),
-                                                        cudaMemcpyHostToDevice, stream)));
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(stream)));
+  if (standins_[rank]) {
+    // A rejoin into a masked slot: the rank's masked part may still run on the stand-in's
+    // area, which the peers' kernels address through the peer arrays. They get the new
+    // area before the next op's launches, the group's GPUs idle (UploadPeerBases); the
+    // stand-in lives until then.
+    bases_dirty_ = true;
+  } else {
+    EPD_RETURN_IF_ERROR(CopyPeerBases(bases, r.get()));
   }
   host_bases_ = std::move(bases);
   ranks_[rank] = std::move(r);
   UpdateDevices();
+  mask_dirty_ = true;  // Its GPU may have no mask array yet.
   // The new area's sync state is zero, the others' counters are not: zero them all
   // before the next op.
   needs_sync_reset_ = true;
@@ -229,21 +232,114 @@ void CudaGroup::RankDetached(int32_t rank) {
         absl::StrCat("rank ", rank, " left group ", spec().name(),
                      ": its graph-mode program was disarmed; rejoin and register it again")));
   }
+  if (masking()) {
+    // Part of the op on the GPU, its client gone before its stream staged the inputs: its
+    // kernels would wait for ready_seq, and the others' for them, until the engine gives up
+    // (op_timeout + 5 s). Released now; the op then fails for every rank (PollOpInto), as
+    // it ran on inputs the client never finished staging.
+    if (gpu_op_ && gpu_op_->ranks[rank] && gpu_op_->ranks[rank] == ranks_[rank] &&
+        ReleaseReadyWait(*gpu_op_, static_cast<size_t>(rank))) {
+      gpu_op_->left_unstaged[rank] = true;
+    }
+    cudaGetLastError();
+    // The rank is masked (now, or when the running op ends): its area stays in every peer
+    // array as its stand-in, in step with the others' sync state, until a process rejoins.
+    standins_[rank] = std::move(ranks_[rank]);
+    return;
+  }
   ranks_[rank].reset();
   host_bases_[rank] = nullptr;
   UpdateDevices();
   PublishJoined(rank, false);
 }
 
+void CudaGroup::RankMaskChanged(int32_t rank, bool masked) {
+  mask_dirty_ = true;
+  if (masked && program_) {
+    DisarmProgram(absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " of group ", spec().name(),
+        " was masked: its graph-mode program was disarmed; register it again once every rank "
+        "takes part")));
+  }
+}
+
+absl::Status CudaGroup::CopyPeerBases(const std::vector<uint8_t*>& bases, const CudaRank* fresh) {
+  std::set<int> devices(devices_.begin(), devices_.end());
+  if (fresh != nullptr) devices.insert(fresh->device);
+  // Every GPU of the group gets the new [R] array of bases, copied on a stream of that GPU
+  // (the new rank's, or an attached rank's) and waited for, so no kernel sees a stale array.
+  for (int d : devices) {
+    cudaStream_t stream = fresh != nullptr && fresh->device == d ? fresh->stream.get() : nullptr;
+    for (const auto& other : ranks_) {
+      if (stream == nullptr && other && other->device == d) stream = other->stream.get();
+    }
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(d)));
+    auto it = peer_bases_.find(d);
+    if (it == peer_bases_.end()) {
+      EPD_ASSIGN_OR_RETURN(DeviceMemory p,
+                           AllocateDevice(sizeof(uint8_t*) * bases.size(), DeviceZero::kNo));
+      it = peer_bases_.emplace(d, std::move(p)).first;
+    }
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaMemcpyAsync(it->second.get(), bases.data(),
+                                                        sizeof(uint8_t*) * bases.size(),
+                                                        cudaMemcpyHostToDevice, stream)));
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(stream)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaGroup::UploadPeerBases() {
+  if (!bases_dirty_) return absl::OkStatus();
+  EPD_RETURN_IF_ERROR(CopyPeerBases(host_bases_, nullptr));
+  // Every peer array now names the rejoined ranks' areas: their stand-ins go.
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    if (ranks_[r]) standins_[r].reset();
+  }
+  bases_dirty_ = false;
+  return absl::OkStatus();
+}
+
+absl::Status CudaGroup::UploadMask() {
+  if (!mask_dirty_) return absl::OkStatus();
+  const std::vector<uint8_t>& mask = rank_masked();
+  any_masked_ = std::any_of(mask.begin(), mask.end(), [](uint8_t m) { return m != 0; });
+  for (int d : devices_) {
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(d)));
+    auto it = mask_arrays_.find(d);
+    if (it == mask_arrays_.end()) {
+      if (!any_masked_) continue;  // Nothing to tell this GPU's kernels (they get null).
+      EPD_ASSIGN_OR_RETURN(DeviceMemory m, AllocateDevice(mask.size(), DeviceZero::kNo));
+      it = mask_arrays_.emplace(d, std::move(m)).first;
+    }
+    // Waited for: every kernel of the group is off the GPU (claimed, idle), and the next
+    // op's kernels, on any of the ranks' streams, must see the new mask. On the engine's
+    // aux stream, which no rank's waits hold.
+    cudaStream_t aux = plane_->EngineOf(d)->aux.get();
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(
+        cudaMemcpyAsync(it->second.get(), mask.data(), mask.size(), cudaMemcpyHostToDevice, aux)));
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(aux)));
+  }
+  mask_dirty_ = false;
+  return absl::OkStatus();
+}
+
 kc::CudaRankContext CudaGroup::Context(int32_t r, int32_t num_sms) const {
-  const CudaRank& cr = *ranks_[r];
+  const CudaRank& cr = *OpRank(r);
   kc::RankPlacement at;
   at.rank = r;
   at.peer_bases = reinterpret_cast<uint8_t* const*>(peer_bases_.at(cr.device).get());
   at.own_base = cr.area.get();
-  for (const auto& other : ranks_) at.ranks_on_device += other && other->device == cr.device;
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    const std::shared_ptr<CudaRank>& other = OpRank(static_cast<int32_t>(i));
+    at.ranks_on_device += other && other->device == cr.device;
+  }
   at.op_timeout_ms = options().op_timeout_ms;
-  return kc::MakeRankContext(shape(), layout(), at, num_sms);
+  kc::CudaRankContext ctx = kc::MakeRankContext(shape(), layout(), at, num_sms);
+  if (any_masked_) {
+    auto it = mask_arrays_.find(cr.device);
+    if (it != mask_arrays_.end()) ctx.rank_masked = it->second.get();
+  }
+  return ctx;
 }
 
 bool CudaGroup::ReadyToStart() {
@@ -264,18 +360,20 @@ bool CudaGroup::ReadyToStart() {
 
 absl::Status CudaGroup::ResetSync() {
   for (size_t r = 0; r < ranks_.size(); ++r) {
+    const CudaRank& cr = *OpRank(static_cast<int32_t>(r));
     kc::CudaRankContext ctx = Context(static_cast<int32_t>(r), 0);
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(ranks_[r]->device)));
-    cudaStream_t s = ranks_[r]->stream.get();
+    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
+    cudaStream_t s = cr.stream.get();
     if (shape().ll_max_tokens_per_rank > 0) EPD_RETURN_IF_ERROR(kc::ResetLowLatencySync(ctx, s));
     if (shape().num_ranks <= kc::kNormalMaxRanks) {  // Else normal ops are refused anyway.
       EPD_RETURN_IF_ERROR(kc::ResetNormalSync(ctx, s));
     }
-    EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(ctx, s, &ranks_[r]->readback->status));
+    EPD_RETURN_IF_ERROR(kc::EnqueueStatusReadback(ctx, s, &cr.readback->status));
   }
   // Every rank's reset must be complete before any rank's next kernel writes a peer's flags.
-  for (const auto& r : ranks_) {
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(r->stream.get())));
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    EPD_RETURN_IF_ERROR(
+        EPD_CUDA_STATUS(cudaStreamSynchronize(OpRank(static_cast<int32_t>(r))->stream.get())));
   }
   needs_sync_reset_ = false;
   return absl::OkStatus();
@@ -283,14 +381,17 @@ absl::Status CudaGroup::ResetSync() {
 
 absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
                                    bool* ready_wait) {
-  const CudaRank& cr = *ranks_[r];
+  const CudaRank& cr = *OpRank(r);
   const EndpointLayout& L = layout();
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
   cudaStream_t s = cr.stream.get();
   const bool low_latency = rules::IsLowLatency(plan.op);
-  // The op's flags (agreed by every rank) and this rank's stream ordering, decoded once.
+  // The op's flags (agreed by every rank) and this rank's stream ordering, decoded once. A
+  // masked rank's part (rank_masked(): T = 0, a copy of another rank's slot) is the
+  // daemon's alone: no client stream waits for it, nor does it wait for a client.
+  const bool masked = rank_masked()[r] != 0;
   const rules::RequestOptions op_flags = rules::DecodeFlags(plan.flags);
-  const bool stream_ordered = rules::DecodeFlags(slot.flags).stream_ordered;
+  const bool stream_ordered = !masked && rules::DecodeFlags(slot.flags).stream_ordered;
   // A client's SM budget applies to normal ops only: low-latency kernels spin on each
   // other, so their grids keep the default that makes every rank resident.
   const int32_t num_sms = low_latency
@@ -381,6 +482,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
       a.combined_x = reinterpret_cast<kernels::bf16_bits*>(
           cr.area.get() + L.ll_combined_x[plan.ll_out_buffer].offset);
       a.handoff = handoff;
+      if (masked) a.num_tokens_value = 0;  // Its dispatch's tokens are not combined.
       EPD_RETURN_IF_ERROR(kc::LowLatencyCombine(ctx, a, s));
       break;
     }
@@ -394,20 +496,29 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
                             std::span<RankOutcome> outcomes) {
   if (spanning()) return StartSpanning(plan, slots);
   const int R = static_cast<int>(slots.size());
+  // A failure before any launch: no kernel runs, so the clients' streams are released.
+  auto fail_unlaunched = [&](const char* what, const absl::Status& st) {
+    EngineLog()->error("group {}: {} failed: {}", spec().name(), what, st.ToString());
+    plane_->ReleaseGpus(this);
+    for (int r = 0; r < R; ++r) {
+      if (rank_masked()[r]) continue;  // Its outcome stays OK; its slot is another's copy.
+      outcomes[r].status = st;
+      OpEndedWithoutLaunch(r, slots[r]);
+    }
+    return true;
+  };
+  if (absl::Status st = UploadPeerBases(); !st.ok()) {
+    return fail_unlaunched("copying the ranks' areas to the GPUs' peer arrays", st);
+  }
   // Not while a program is armed: the ranks' streams are held by its waits (the only op
   // then is UnregisterProgram, whose disarm sets the reset for the op after it).
   if (needs_sync_reset_ && !program_) {
-    absl::Status st = ResetSync();
-    if (!st.ok()) {
-      EngineLog()->error("group {}: resetting the kernels' sync state failed: {}", spec().name(),
-                         st.ToString());
-      plane_->ReleaseGpus(this);
-      for (int r = 0; r < R; ++r) {
-        outcomes[r].status = st;
-        OpEndedWithoutLaunch(r, slots[r]);  // No kernel runs: release the client's stream.
-      }
-      return true;
+    if (absl::Status st = ResetSync(); !st.ok()) {
+      return fail_unlaunched("resetting the kernels' sync state", st);
     }
+  }
+  if (absl::Status st = UploadMask(); !st.ok()) {
+    return fail_unlaunched("copying the rank mask to the GPUs", st);
   }
   if (plan.op == abi::OpKind::kRegisterProgram || plan.op == abi::OpKind::kUnregisterProgram) {
     ProgramOp(plan, outcomes);
@@ -420,11 +531,19 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
   op.op = plan.op;
   op.seq = plan.seq;
   op.started = Clock::now();
+  // The most a rank's op can drop: its pairs (T * K), or its routes (T * R) when the op
+  // drops send_pos entries (normal combine, cached normal dispatch).
+  const bool drops_routes =
+      plan.op == abi::OpKind::kCombine ||
+      (plan.op == abi::OpKind::kDispatch && rules::DecodeFlags(plan.flags).cached_handle);
+  const int64_t per_token = drops_routes ? shape().num_ranks : shape().num_topk;
   for (int r = 0; r < R; ++r) {
-    op.ranks[r] = ranks_[r];
+    op.ranks[r] = OpRank(r);
     op.launch[r] = absl::OkStatus();
-    op.stream_ordered[r] = rules::DecodeFlags(slots[r].flags).stream_ordered;
+    op.stream_ordered[r] = !rank_masked()[r] && rules::DecodeFlags(slots[r].flags).stream_ordered;
     op.ready_wait[r] = false;
+    op.left_unstaged[r] = false;
+    op.max_dropped[r] = int64_t{std::max(slots[r].num_tokens, 0)} * per_token;
   }
   // Every rank's kernel is enqueued before any is waited for; a launch error on one rank
   // still launches the others, whose waits then end at the kernel timeout.
@@ -434,7 +553,7 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
     op.ready_wait[r] = ready_wait;
   }
   for (int r = 0; r < R; ++r) {
-    const CudaRank& cr = *ranks_[r];
+    const CudaRank& cr = *OpRank(r);
     cudaSetDevice(cr.device);
     // A launched low-latency kernel that hands off wrote done and its status itself
     // (KernelHandoff::status_out); every other path gets the read-back kernel and, when
@@ -514,29 +633,32 @@ void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot)
 }
 
 void CudaGroup::ReleaseReadyWaits(const GpuOp& op) const {
-  for (size_t r = 0; r < op.ranks.size() && r < op.ready_wait.size(); ++r) {
-    const bool spins = SpinsForReady(op, r);
-    if (!(op.ready_wait[r] || spins) || !op.ranks[r]) continue;
-    const CudaRank& cr = *op.ranks[r];
-    cudaSetDevice(cr.device);
-    if (spins) {
-      // Written by the rank's WaitFlagAsync once its wait passed (pinned host memory).
-      const uint64_t seen = *reinterpret_cast<const volatile uint64_t*>(&cr.readback->ready_seen);
-      if (seen >= op.seq) continue;
-    } else if (cudaEventQuery(cr.waited.get()) != cudaErrorNotReady) {
-      continue;
-    }
-    // The stream is still at the ready wait, so its client has not written ready_seq =
-    // seq (nor anything later): writing seq cannot hide a newer value.
-    const uint64_t seq = op.seq;
-    cudaError_t err = cudaMemcpy(reinterpret_cast<void*>(cr.ready_flag()), &seq, sizeof(seq),
-                                 cudaMemcpyHostToDevice);
-    LogRankCaused(static_cast<int32_t>(r), spdlog::level::warn,
-                  "group {} rank {}: its client never wrote ready_seq = {}; released the stream "
-                  "from the host ({})",
-                  spec().name(), r, seq, cudaGetErrorString(err));
-  }
+  for (size_t r = 0; r < op.ranks.size() && r < op.ready_wait.size(); ++r) ReleaseReadyWait(op, r);
   cudaGetLastError();
+}
+
+bool CudaGroup::ReleaseReadyWait(const GpuOp& op, size_t r) const {
+  const bool spins = SpinsForReady(op, r);
+  if (!(op.ready_wait[r] || spins) || !op.ranks[r]) return false;
+  const CudaRank& cr = *op.ranks[r];
+  cudaSetDevice(cr.device);
+  if (spins) {
+    // Written by the rank's WaitFlagAsync once its wait passed (pinned host memory).
+    const uint64_t seen = *reinterpret_cast<const volatile uint64_t*>(&cr.readback->ready_seen);
+    if (seen >= op.seq) return false;
+  } else if (cudaEventQuery(cr.waited.get()) != cudaErrorNotReady) {
+    return false;
+  }
+  // The stream is still at the ready wait, so its client has not written ready_seq =
+  // seq (nor anything later): writing seq cannot hide a newer value.
+  const uint64_t seq = op.seq;
+  cudaError_t err = cudaMemcpy(reinterpret_cast<void*>(cr.ready_flag()), &seq, sizeof(seq),
+                               cudaMemcpyHostToDevice);
+  LogRankCaused(static_cast<int32_t>(r), spdlog::level::warn,
+                "group {} rank {}: its client never wrote ready_seq = {}; released the stream "
+                "from the host ({})",
+                spec().name(), r, seq, cudaGetErrorString(err));
+  return true;
 }
 
 bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
@@ -568,7 +690,9 @@ bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
             " ms + 5 s; check the GPU (nvidia-smi) and the daemon log")),
         errors::Reason::kGpuTimeout);
     LogClientCaused(spdlog::level::err, "{}", st.message());
-    for (RankOutcome& o : outcomes) o.status = st;
+    for (int r = 0; r < R; ++r) {
+      if (!rank_masked()[r]) outcomes[r].status = st;  // A masked rank's stays OK.
+    }
     ReleaseReadyWaits(op);
     abandoned_ = std::move(gpu_op_);
     gpu_op_.reset();
@@ -588,6 +712,16 @@ bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
     } else {
       // OK allocates nothing (a DeviceStatus without findings).
       out.status = kc::StatusFromDevice(rb.status, shape(), r, name, low_latency);
+      // Read back from the rank's area (client-writable): checked before use.
+      const uint32_t dropped = rb.status.dropped_pairs;
+      if (dropped <= op.max_dropped[r]) {
+        out.dropped_pairs = static_cast<int32_t>(dropped);
+      } else if (out.status.ok()) {
+        out.status = absl::InvalidArgumentError(absl::StrCat(
+            name, ": rank ", r, ": the dropped-pairs count read back from the endpoint's memory, ",
+            dropped, ", is above the op's ", op.max_dropped[r],
+            ": the endpoint's memory was overwritten during the op"));
+      }
       if (op.op == abi::OpKind::kDispatch) {
         // Read back from the rank's area, which its client can write: checked before use.
         const int32_t n = rb.recv_count;
@@ -607,6 +741,28 @@ bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
         event_failed) {
       needs_sync_reset_ = true;
     }
+    // A masked rank's part is the daemon's: its outcome stays OK (LockstepGroup), whatever
+    // its kernels found (a timeout of theirs is the survivors' too, and reset above).
+    if (rank_masked()[r]) {
+      out.status = absl::OkStatus();
+      out.num_recv_tokens = 0;
+      out.dropped_pairs = 0;
+    }
+  }
+  for (int q = 0; q < R; ++q) {
+    if (!op.left_unstaged[q]) continue;
+    const absl::Status st = errors::WithReason(
+        absl::DeadlineExceededError(
+            absl::StrCat(OpName(static_cast<uint32_t>(op.op)), " (op ", op.seq, ") of group ",
+                         spec().name(), ": rank ", q,
+                         " left during the op before its inputs were staged (it is masked from "
+                         "the next op on)")),
+        errors::Reason::kRankLeft);
+    for (int r = 0; r < R; ++r) {
+      if (!rank_masked()[r]) outcomes[r].status = st;
+    }
+    needs_sync_reset_ = true;  // Its kernels ran on a released wait: start the next op clean.
+    break;
   }
   RecycleOp(gpu_op_);
   plane_->ReleaseGpus(this);
@@ -616,6 +772,13 @@ bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
 // ---- graph mode -------------------------------------------------------------------------
 
 absl::Status CudaGroup::CheckProgram(int32_t rank) const {
+  const std::vector<uint8_t>& masked = rank_masked();
+  if (masking() && std::any_of(masked.begin(), masked.end(), [](uint8_t m) { return m != 0; })) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", spec().name(),
+        " has masked ranks (Endpoint::QueryRankMask): a graph-mode program needs every rank; "
+        "rejoin or unmask them first"));
+  }
   if (spanning()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "group ", spec().name(), " spans ", spec().nodes_size(),

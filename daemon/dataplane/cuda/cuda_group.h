@@ -73,6 +73,10 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   void OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) override;
   absl::Status CheckProgram(int32_t rank) const override;
   bool PollBackground() override;
+  /// Rank masking (one-node, daemon-launched groups): a masked rank's part of each op runs
+  /// on its own area, or, once it detached, on the area it left (kept as its stand-in),
+  /// with T = 0; the mask reaches the kernels through mask_arrays_ (UploadMask).
+  void RankMaskChanged(int32_t rank, bool masked) override;
   // Spanning groups (DESIGN.md §5.5): the exchange's hooks.
   absl::Status NodeChosen(int32_t node) override;
   void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) override;
@@ -97,6 +101,12 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     std::vector<absl::Status> launch;
     std::vector<bool> stream_ordered;
     std::vector<bool> ready_wait;  ///< The rank's stream got the ready_seq stream wait.
+    /// The most pairs (or routes) the rank's op can drop: DeviceStatus::dropped_pairs, read
+    /// back from its area (client-writable), is checked against it.
+    std::vector<int64_t> max_dropped;
+    /// A masking group's rank that left during the op before its stream staged the inputs
+    /// (its ready wait released by RankDetached): the op fails for every rank.
+    std::vector<bool> left_unstaged;
     Clock::time_point started;
   };
 
@@ -160,8 +170,25 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// True once the disarmed program's tail has left the GPU (then releases it).
   bool ProgramTailDone();
 
-  /// Recomputes devices_ from ranks_ (capacity R: allocates nothing).
+  /// Recomputes devices_ from ranks_ and standins_ (capacity R: allocates nothing).
   void UpdateDevices();
+  /// Rank r's resources in the next op: its attached rank, else its masked stand-in (null
+  /// when neither).
+  const std::shared_ptr<CudaRank>& OpRank(int32_t r) const {
+    return ranks_[r] ? ranks_[r] : standins_[r];
+  }
+  /// Copies `bases` [R] into the peer array of every GPU of the group (devices_, and
+  /// `fresh`'s when not null: a rank being attached, whose stream may be used), allocating
+  /// a GPU's array at its first rank. Synchronous. Errors: CUDA.
+  absl::Status CopyPeerBases(const std::vector<uint8_t*>& bases, const CudaRank* fresh);
+  /// When a rank rejoined a masked slot (bases_dirty_): copies host_bases_ to every GPU's
+  /// peer array before an op's launches (the group's GPUs claimed and idle), then drops the
+  /// stand-ins of attached ranks. Errors: CUDA.
+  absl::Status UploadPeerBases();
+  /// Copies rank_masked() to every GPU's mask array (mask_arrays_) when it changed
+  /// (mask_dirty_), synchronously, before an op's launches (the GPUs are claimed and idle).
+  /// Errors: CUDA (INTERNAL, RESOURCE_EXHAUSTED).
+  absl::Status UploadMask();
   /// Rank r's kernel context (kernels::cuda::MakeRankContext) with `num_sms` blocks.
   kernels::cuda::CudaRankContext Context(int32_t r, int32_t num_sms) const;
   /// Enqueues rank r's part of `plan` on its stream: for a stream-ordered slot first the
@@ -192,14 +219,27 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// and the op's kernels (bounded by op_timeout) can end. Used when the op is given up
   /// on and before the group's memory is freed.
   void ReleaseReadyWaits(const GpuOp& op) const;
+  /// ReleaseReadyWaits for rank r of `op` alone; true when it wrote ready_seq (the rank's
+  /// stream was still waiting for its client).
+  bool ReleaseReadyWait(const GpuOp& op, size_t r) const;
 
   CudaDataPlaneImpl* plane_;
   std::atomic<GpuEngine*> engine_{nullptr};
   std::mutex engine_mu_;  // Serialises AdoptEngine.
   // Guarded by LockstepGroup::mu_:
   std::vector<std::shared_ptr<CudaRank>> ranks_;  // Attached ranks.
-  std::vector<uint8_t*> host_bases_;              // [R] data-area bases.
-  std::map<int, DeviceMemory> peer_bases_;        // GPU → device array [R].
+  /// [R] a rank that detached from a masking group: its resources, kept as its masked
+  /// stand-in (its area's sync state stays in step with the others', so no reset) until a
+  /// process rejoins the slot. Null otherwise.
+  std::vector<std::shared_ptr<CudaRank>> standins_;
+  /// GPU -> device array [R] of uint8, the rank mask the kernels read
+  /// (CudaRankContext::rank_masked); allocated at the first mask.
+  std::map<int, DeviceMemory> mask_arrays_;
+  bool mask_dirty_ = false;   ///< rank_masked() changed since the last UploadMask.
+  bool bases_dirty_ = false;  ///< host_bases_ changed since the last UploadPeerBases.
+  bool any_masked_ = false;   ///< The uploaded mask has a masked rank (else null in contexts).
+  std::vector<uint8_t*> host_bases_;        // [R] data-area bases.
+  std::map<int, DeviceMemory> peer_bases_;  // GPU → device array [R].
   /// The distinct GPUs of the attached ranks, ascending (capacity R): what an op claims.
   std::vector<int> devices_;
   bool needs_sync_reset_ = false;  // Kernel sync state must be zeroed.

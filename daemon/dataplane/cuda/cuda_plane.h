@@ -56,10 +56,11 @@ class CudaDataPlaneImpl : public DataPlane {
   absl::StatusOr<std::unique_ptr<DataPlaneGroup>> CreateGroup(
       const v1::GroupSpec& spec, const GroupCreateOptions& options) override;
   /// A group that spans nodes: daemon-launched (the only mode it has for now, DESIGN.md
-  /// §5.5). Otherwise client-launched when the group's kernels can run side by side: MPS is
-  /// active, or the daemon has a GPU for every rank (one rank per GPU). Otherwise
-  /// daemon-launched: ranks of several client processes on one GPU without MPS would
-  /// time-slice (DESIGN.md §3.2), while the daemon runs every rank's kernels from its one
+  /// §5.5). A group that masks failed ranks (on_rank_failure MASK): daemon-launched (the
+  /// daemon runs a masked rank's part of each op). Otherwise client-launched when the group's
+  /// kernels can run side by side: MPS is active, or the daemon has a GPU for every rank (one rank
+  /// per GPU). Otherwise daemon-launched: ranks of several client processes on one GPU without MPS
+  /// would time-slice (DESIGN.md §3.2), while the daemon runs every rank's kernels from its one
   /// context.
   v1::LaunchMode DefaultLaunchMode(const v1::GroupSpec& spec) const override;
   void Shutdown() override;

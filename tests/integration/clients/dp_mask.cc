@@ -13,6 +13,12 @@
 //                                               exits 1)
 // --api_checks: first checks UpdateRankMask's bad-rank errors and QueryRankMask, printing
 // "api_checks OK" or "api_checks FAILED: ...".
+// Against a CUDA daemon (tests/gpu/mask_process_test.cc; built with EPD_DP_MASK_CUDA) the
+// views are device memory: the combine input is copied on the GPU and combined_x to the host.
+#if EPD_DP_MASK_CUDA
+#include <cuda_runtime.h>
+#endif
+
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -67,6 +73,22 @@ LlRoundInputs InputsOf(int r, int num_experts) {
     in.topk_weights.push_back(0.5f);
   }
   return in;
+}
+
+bool OnGpu(const epd::TensorView& v) { return v.dl().device.device_type == kDLCUDA; }
+
+/// Copies `bytes` bytes between two views of this process (host, or device memory of a CUDA
+/// endpoint). False on a CUDA error, or device memory without CUDA support.
+bool CopyBytes(void* dst, const void* src, size_t bytes, bool gpu) {
+  if (!gpu) {
+    std::memcpy(dst, src, bytes);
+    return true;
+  }
+#if EPD_DP_MASK_CUDA
+  return cudaMemcpy(dst, src, bytes, cudaMemcpyDefault) == cudaSuccess;
+#else
+  return false;
+#endif
 }
 
 int ApiChecks(epd::Endpoint& ep, int num_ranks) {
@@ -146,7 +168,10 @@ int main(int argc, char** argv) {
     if (!dres.ok()) cres = dres.status();
     if (dres.ok()) {
       epd::TensorView input = (*ep)->LowLatencyCombineInput();
-      std::memcpy(input.data(), dres->recv_x.data(), dres->recv_x.nbytes());
+      if (!CopyBytes(input.data(), dres->recv_x.data(), dres->recv_x.nbytes(), OnGpu(input))) {
+        std::printf("MISMATCH round %d: copying the combine input failed\n", i);
+        return 1;
+      }
       epd::LowLatencyCombineArgs c;
       c.x = &input.dl();
       c.topk_idx = &idx;
@@ -180,10 +205,12 @@ int main(int argc, char** argv) {
           return 1;
         }
         const size_t bytes = ref->combined_x[rank].size() * 2;
+        std::vector<uint8_t> got(bytes);
         if (static_cast<int>(known.masked_ranks.size()) != m.num_masked ||
             ref->dropped_pairs[rank] != m.dropped_pairs ||
             cres->combined_x.nbytes() < static_cast<int64_t>(bytes) ||
-            std::memcmp(cres->combined_x.data(), ref->combined_x[rank].data(), bytes) != 0) {
+            !CopyBytes(got.data(), cres->combined_x.data(), bytes, OnGpu(cres->combined_x)) ||
+            std::memcmp(got.data(), ref->combined_x[rank].data(), bytes) != 0) {
           std::printf("MISMATCH round %d: epoch %u, %d masked (query: %zu), dropped %d (ref %d)\n",
                       i, m.epoch, m.num_masked, known.masked_ranks.size(), m.dropped_pairs,
                       ref->dropped_pairs[rank]);

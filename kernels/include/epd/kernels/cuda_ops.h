@@ -31,7 +31,11 @@ struct DeviceStatus {
   /// positions, rows computed from the exchanged counts) outside their region: the kernels
   /// skip them (an endpoint's memory is client-writable through its CUDA IPC mapping).
   uint32_t bad_routing;
-  uint32_t reserved[64 - 5 - kMaxStatusRanks / 32];
+  /// Rank masking (CudaRankContext::rank_masked): how many of this rank's token-expert
+  /// pairs (low-latency ops, normal dispatch) or token-rank routes (cached normal dispatch,
+  /// normal combine) the op dropped because their rank is masked. Not an error.
+  uint32_t dropped_pairs;
+  uint32_t reserved[64 - 6 - kMaxStatusRanks / 32];
 };
 static_assert(sizeof(DeviceStatus) == 256, "DeviceStatus must fill [0, 256) of sync");
 
@@ -69,6 +73,14 @@ struct CudaRankContext {
   /// Bound of every spin wait, in nanoseconds of %globaltimer. On expiry the op records a
   /// timeout (DEADLINE_EXCEEDED) in DeviceStatus and returns without deadlocking.
   int64_t timeout_ns = 10'000'000'000;
+  /// Rank masking (docs/RELIABILITY.md "Rank masking"): device array [R] of this GPU, one
+  /// byte per rank, nonzero = masked; null = no rank masked. The ops treat every expert of
+  /// a masked rank as -1 (low-latency ops and normal dispatch: the pair is dropped; cached
+  /// normal dispatch and normal combine: the route to that rank is dropped) and count each
+  /// drop in DeviceStatus::dropped_pairs. A masked rank itself still launches its part of
+  /// every op (with T = 0, so it sends nothing): the ranks' waits stay paired. Must not
+  /// change while an op of the group runs. GetDispatchLayout ignores it.
+  const uint8_t* rank_masked = nullptr;
 };
 
 /// Checks the context: 0 <= rank < R, peer_bases and own_base set, R <= kMaxStatusRanks,
@@ -240,11 +252,12 @@ struct KernelHandoff {
 absl::Status ReadAndClearStatus(const CudaRankContext& ctx, cudaStream_t stream, const char* op);
 
 /// Zeroes this rank's low-latency sync state (counters, flags, count exchange) on
-/// `stream`. After a DEADLINE_EXCEEDED where a rank never arrived at all, the ranks'
-/// op counters disagree; call this for every rank of the group, once every rank's stream
-/// is idle (no op in flight anywhere in the group), before the next low-latency op.
-/// A rank that was merely late needs no reset (its late op pairs with the others' timed-
-/// out op, so the counters stay in step). Errors: CUDA launch errors.
+/// `stream`; keeps the token-count slot and each buffer's dispatch T, so a combine after
+/// the reset still runs on its dispatch's tokens. After a DEADLINE_EXCEEDED where a rank never
+/// arrived at all, the ranks' op counters disagree; call this for every rank of the group, once
+/// every rank's stream is idle (no op in flight anywhere in the group), before the next low-latency
+/// op. A rank that was merely late needs no reset (its late op pairs with the others' timed- out
+/// op, so the counters stay in step). Errors: CUDA launch errors.
 absl::Status ResetLowLatencySync(const CudaRankContext& ctx, cudaStream_t stream);
 
 /// Calls cudaFuncGetAttributes on every kernel of this library (low-latency, normal,
@@ -365,6 +378,9 @@ struct LowLatencyCombineArgs {
   bf16_bits* combined_x = nullptr;
   /// Daemon-launched stream-ordered hand-off (KernelHandoff); default none.
   KernelHandoff handoff;
+  /// >= 0: the T this rank combines instead of its dispatch's (at most that T; 0 for a
+  /// masked rank's part, which then reads and writes no row). -1 = the dispatch's T.
+  int32_t num_tokens_value = -1;
 };
 
 /// Enqueues one rank's low-latency combine on `stream`. Errors: INVALID_ARGUMENT for a bad
