@@ -6,6 +6,7 @@
 // a new process rejoining the slot is included again.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,6 +19,12 @@
 
 namespace epd::testing {
 namespace {
+
+/// epd_dp_mask: $EPD_DP_MASK_BINARY (a GPU machine running a bundle), else the build's.
+std::string DpMaskBinary() {
+  const char* env = std::getenv("EPD_DP_MASK_BINARY");
+  return env != nullptr && *env != '\0' ? env : EPD_DP_MASK_BINARY;
+}
 
 constexpr int kOpTimeoutMs = 2000;
 
@@ -35,7 +42,7 @@ TEST(CudaMaskProcessTest, KilledRankIsMaskedThenARejoinIsIncluded) {
   DaemonProcess& daemon = **epd;
   auto spawn = [&](int rank, const std::string& name, std::vector<std::string> flags) {
     std::vector<std::string> argv = {
-        EPD_DP_MASK_BINARY, "--socket=" + daemon.socket_path(), "--group=masked_cuda",
+        DpMaskBinary(), "--socket=" + daemon.socket_path(), "--group=masked_cuda",
         absl::StrCat("--num_ranks=", kMaskScenarioRanks), absl::StrCat("--rank=", rank)};
     argv.insert(argv.end(), flags.begin(), flags.end());
     SubprocessOptions so;
