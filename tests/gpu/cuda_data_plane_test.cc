@@ -138,8 +138,10 @@ struct PlaneGroup {
   std::vector<std::unique_ptr<Endpoint>> eps;
 
   /// `gpu_uuids[r]`: rank r's GPU on the CUDA plane (empty: every rank on the first GPU).
+  /// `mode`: every rank's launch mode (unspecified: the plane's default).
   void Open(DataPlane* plane, const v1::GroupSpec& s,
-            const std::vector<std::string>& gpu_uuids = {}) {
+            const std::vector<std::string>& gpu_uuids = {},
+            v1::LaunchMode mode = v1::LAUNCH_MODE_UNSPECIFIED) {
     spec = s;
     cuda = plane->backend_name() == "cuda";
     auto g = plane->CreateGroup(s);
@@ -148,7 +150,7 @@ struct PlaneGroup {
     for (int r = 0; r < s.num_ranks(); ++r) {
       v1::EndpointInfo info;
       const std::string uuid = cuda && !gpu_uuids.empty() ? gpu_uuids[r] : "";
-      absl::Status st = group->AttachRank(r, uuid, v1::LAUNCH_MODE_UNSPECIFIED, {}, &info);
+      absl::Status st = group->AttachRank(r, uuid, mode, {}, &info);
       ASSERT_TRUE(st.ok()) << st;
       EXPECT_EQ(info.backend(), cuda ? "cuda" : "host");
       if (cuda) {
@@ -442,7 +444,7 @@ TEST_F(CudaDataPlaneTest, OpGpuTimeAndExpertTokensAreRecordedPerOp) {
   host_spec.set_name("gpumet8-host");
   PlaneGroup host, cuda;
   host.Open(host_.get(), host_spec);
-  cuda.Open(cuda_.get(), spec);
+  cuda.Open(cuda_.get(), spec, {}, v1::LAUNCH_MODE_DAEMON);  // Client-launched: not measured.
   std::shared_ptr<metrics::GroupMetrics> gm = metrics::Default().FindGroup("gpumet8");
   std::shared_ptr<metrics::GroupMetrics> hm = metrics::Default().FindGroup("gpumet8-host");
   ASSERT_TRUE(gm && hm);
@@ -481,7 +483,7 @@ TEST_F(CudaDataPlaneTest, OpGpuTimeAndExpertTokensAreRecordedPerOp) {
         << abi::OpKindName(op);
   }
   std::cout << "GPU time sum (s) by op:\n";
-  for (const std::string& line : absl::StrSplit(text, '\n')) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
     if (absl::StartsWith(line, "epd_op_gpu_seconds_sum{group=\"gpumet8\"")) {
       std::cout << "  " << line << "\n";
     }
