@@ -187,7 +187,9 @@ void GroupMetrics::Collect(SnapshotBuilder& out) const {
                      "every completion is written.",
                      l, p.latency);
     if (p.gpu.count() > 0) {
-      out.AddHistogram("epd_op_gpu_seconds", "OK ops: GPU time of the op's kernels (CUDA events).",
+      out.AddHistogram("epd_op_gpu_seconds",
+                       "OK ops: GPU time from CUDA events around the op's kernels on each rank's "
+                       "stream, the longest rank's (daemon-launched ranks of the CUDA backend).",
                        l, p.gpu);
     }
   }

@@ -159,7 +159,7 @@ class GroupMetrics : public Source {
   /// `bytes` more bytes of token rows an OK op of kind `op` delivered (for the kinds whose
   /// rows only the backend knows: the low-latency dispatch).
   void AddOpBytes(uint32_t op, uint64_t bytes) { ops_[op < kNumOps ? op : 0].bytes.Add(bytes); }
-  /// GPU time of an OK op of kind `op` (CUDA events around its kernels).
+  /// GPU time of an OK op of kind `op` (CUDA events around its kernels: OpGpuTimer).
   void RecordGpuTime(uint32_t op, uint64_t ns) { ops_[op < kNumOps ? op : 0].gpu.ObserveNs(ns); }
   /// Every local rank arrived at an op; `last_rank` arrived last, `lag_ns` after the first.
   void RecordStraggler(int32_t last_rank, uint64_t lag_ns) {
