@@ -135,9 +135,11 @@ absl::StatusOr<std::shared_ptr<CudaRank>> CreateCudaRank(int device, int32_t ran
                                                          const kernels::EndpointLayout& layout,
                                                          bool client_launched);
 
-/// Gives `rank` its per-expert received-token totals ([experts_per_rank] on its GPU, zeroed,
-/// and their mapped host copy) and enters the copy into `tally` until the rank is destroyed.
-/// Errors: RESOURCE_EXHAUSTED (GPU or pinned memory full), INTERNAL (CUDA).
+/// Gives `rank` its per-expert received-token totals (CudaRank::expert_totals: 2 *
+/// `experts_per_rank` uint64 on its GPU, zeroed, and the totals' mapped host copy) and
+/// enters the copy into `tally` until the rank is destroyed. No-op when `experts_per_rank`
+/// is 0 or `tally` null. Errors: RESOURCE_EXHAUSTED (GPU full), INTERNAL (pinned memory,
+/// CUDA).
 absl::Status AddCudaRankExpertStats(CudaRank& rank, int32_t experts_per_rank,
                                     std::shared_ptr<metrics::ExpertTokenTally> tally);
 
