@@ -169,6 +169,28 @@ GroupMetrics::GroupMetrics(std::string group, int32_t num_ranks, int32_t num_exp
       expert_tokens_(std::make_unique<Counter[]>(num_experts_)),
       masked_(std::make_unique<Gauge[]>(num_ranks_)) {}
 
+void GroupMetrics::SetExpertTokenTally(std::shared_ptr<const ExpertTokenTally> tally) {
+  std::lock_guard<std::mutex> lock(tally_mu_);
+  tally_ = std::move(tally);
+}
+
+std::vector<uint64_t> GroupMetrics::ExpertTotals() const {
+  std::vector<uint64_t> totals(num_experts_);
+  for (int32_t e = 0; e < num_experts_; ++e) totals[e] = expert_tokens_[e].value();
+  std::shared_ptr<const ExpertTokenTally> tally;
+  {
+    std::lock_guard<std::mutex> lock(tally_mu_);
+    tally = tally_;
+  }
+  if (tally) tally->AddTo(totals);
+  return totals;
+}
+
+uint64_t GroupMetrics::expert_tokens(int32_t expert) const {
+  if (expert < 0 || expert >= num_experts_) return 0;
+  return ExpertTotals()[expert];
+}
+
 void GroupMetrics::SetRankMasked(int32_t rank, bool masked) {
   if (rank < 0 || rank >= num_ranks_) return;
   const int64_t was = masked_[rank].value();
@@ -200,7 +222,9 @@ void GroupMetrics::Collect(SnapshotBuilder& out) const {
                      "every completion is written.",
                      l, p.latency);
     if (p.gpu.count() > 0) {
-      out.AddHistogram("epd_op_gpu_seconds", "OK ops: GPU time of the op's kernels (CUDA events).",
+      out.AddHistogram("epd_op_gpu_seconds",
+                       "OK ops: GPU time from CUDA events around the op's kernels on each rank's "
+                       "stream, the longest rank's (daemon-launched ranks of the CUDA backend).",
                        l, p.gpu);
     }
   }
@@ -215,8 +239,9 @@ void GroupMetrics::Collect(SnapshotBuilder& out) const {
                      static_cast<double>(last_arrivals_[r].value()));
     }
   }
+  const std::vector<uint64_t> expert_totals = ExpertTotals();
   for (int32_t e = 0; e < num_experts_; ++e) {
-    const uint64_t n = expert_tokens_[e].value();
+    const uint64_t n = expert_totals[e];
     if (n == 0) continue;
     out.AddCounter("epd_expert_received_tokens_total",
                    "Tokens each expert received by dispatches on this node (cumulative, as "
@@ -231,6 +256,18 @@ void GroupMetrics::Collect(SnapshotBuilder& out) const {
                  static_cast<double>(masks_.value()));
   out.AddCounter("epd_rank_rejoins_total", "Times a masked rank of the group came back.", g,
                  static_cast<double>(rejoins_.value()));
+}
+
+// ---- LinkMetrics ------------------------------------------------------------------------
+
+void LinkMetrics::SetTransportProbe(std::function<TransportCounts()> probe) {
+  std::lock_guard<std::mutex> lock(probe_mu_);
+  probe_ = std::move(probe);
+}
+
+TransportCounts LinkMetrics::ReadTransport() const {
+  std::lock_guard<std::mutex> lock(probe_mu_);
+  return probe_ ? probe_() : TransportCounts{};
 }
 
 // ---- Registration and Registry ----------------------------------------------------------
@@ -370,6 +407,19 @@ v1::MetricsSnapshot Registry::Collect() const {
                    static_cast<double>(m->errors.value()));
     out.AddCounter("epd_transport_timeouts_total", "Ops that timed out waiting for the peer node.",
                    l, static_cast<double>(m->timeouts.value()));
+    const TransportCounts t = m->ReadTransport();
+    if (t.retransmits >= 0) {
+      out.AddCounter("epd_transport_retransmits_total",
+                     "Segments this node re-sent to the peer (TCP: tcpi_total_retrans of the "
+                     "link's connections, closed ones included).",
+                     l, static_cast<double>(t.retransmits));
+    }
+    if (t.error_completions >= 0) {
+      out.AddCounter("epd_transport_error_completions_total",
+                     "Work completions with an error status on the link's queue pairs (RDMA; "
+                     "flushes not counted).",
+                     l, static_cast<double>(t.error_completions));
+    }
   }
   return snapshot;
 }

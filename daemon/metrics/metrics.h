@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "daemon/metrics/expert_tally.h"
 #include "epd/v1/metrics.pb.h"
 #include "proto/abi/shm_abi.h"
 
@@ -202,7 +203,7 @@ class GroupMetrics : public Source {
     if (node_ != nullptr) node_->AddOpBytes(op, bytes);
     ops_[op < kNumOps ? op : 0].bytes.Add(bytes);
   }
-  /// GPU time of an OK op of kind `op` (CUDA events around its kernels).
+  /// GPU time of an OK op of kind `op` (CUDA events around its kernels: OpGpuTimer).
   void RecordGpuTime(uint32_t op, uint64_t ns) { ops_[op < kNumOps ? op : 0].gpu.ObserveNs(ns); }
   /// Every local rank arrived at an op; `last_rank` arrived last, `lag_ns` after the first.
   void RecordStraggler(int32_t last_rank, uint64_t lag_ns) {
@@ -213,6 +214,10 @@ class GroupMetrics : public Source {
   void AddExpertTokens(int32_t expert, uint64_t tokens) {
     if (expert >= 0 && expert < num_experts_) expert_tokens_[expert].Add(tokens);
   }
+  /// Per-expert totals the backend keeps itself (the CUDA backend's kernels), read at
+  /// scrape time and added to those of AddExpertTokens. Shared: the tally lives as long as
+  /// the last of the group's backend and these metrics. Null: none. Any thread.
+  void SetExpertTokenTally(std::shared_ptr<const ExpertTokenTally> tally);
   /// Rank `rank` masked (true) or back (false): the masked gauge, and a counter of each.
   void SetRankMasked(int32_t rank, bool masked);
 
@@ -221,7 +226,11 @@ class GroupMetrics : public Source {
   int32_t num_experts() const { return num_experts_; }
   /// For tests and epctl: ops of kind `op` ended (OK or not), and failed with `code`.
   uint64_t ops(uint32_t op) const { return ops_[op < kNumOps ? op : 0].ops.value(); }
-  uint64_t expert_tokens(int32_t expert) const { return expert_tokens_[expert].value(); }
+  /// Tokens global expert `expert` received: AddExpertTokens's and the tally's (0 out of
+  /// range). Reads the whole tally: for tests and epctl, not the data path.
+  uint64_t expert_tokens(int32_t expert) const;
+  /// OK ops of kind `op` whose GPU time was recorded (RecordGpuTime).
+  uint64_t gpu_timed_ops(uint32_t op) const { return ops_[op < kNumOps ? op : 0].gpu.count(); }
 
   void Collect(SnapshotBuilder& out) const override;
 
@@ -242,8 +251,19 @@ class GroupMetrics : public Source {
   std::unique_ptr<Counter[]> last_arrivals_;  ///< [R]
   std::unique_ptr<Counter[]> expert_tokens_;  ///< [E]
   std::unique_ptr<Gauge[]> masked_;           ///< [R] 0/1
+  mutable std::mutex tally_mu_;               ///< Guards tally_ (the pointer).
+  std::shared_ptr<const ExpertTokenTally> tally_;
+  /// Every global expert's total now: the counters plus the tally's. [E]; allocates.
+  std::vector<uint64_t> ExpertTotals() const;
   Counter masks_;
   Counter rejoins_;
+};
+
+/// What the transport itself counts for a link to a peer, read at scrape time; -1 = the
+/// transport does not know it (transport::LinkCounters).
+struct TransportCounts {
+  int64_t retransmits = -1;        ///< Segments re-sent to the peer (TCP).
+  int64_t error_completions = -1;  ///< Work completions with an error status (RDMA).
 };
 
 /// A per-peer link's counters (one group, one peer node, one transport), updated by the
@@ -253,6 +273,17 @@ struct LinkMetrics {
   Counter writes;
   Counter errors;    ///< Writes refused and peers lost.
   Counter timeouts;  ///< Ops that timed out waiting for this peer.
+
+  /// What reads the transport's counts of the link (TransportCounts) at scrape time: set
+  /// by the link's owner while the link lives, cleared (an empty function) before the
+  /// link goes; returns once no scrape is inside the old probe. Control path.
+  void SetTransportProbe(std::function<TransportCounts()> probe);
+  /// The probe's answer now (all -1 without a probe). Scrape time.
+  TransportCounts ReadTransport() const;
+
+ private:
+  mutable std::mutex probe_mu_;  ///< Held while the probe runs.
+  std::function<TransportCounts()> probe_;
 };
 
 /// The process's registry. Thread-safe; registration and Collect lock a mutex (control

@@ -76,6 +76,17 @@ struct GroupLinkOptions {
   std::vector<std::string> node_labels;
 };
 
+/// What a transport counts about the link to one peer node, for the metrics scrape
+/// (epd_transport_retransmits_total, epd_transport_error_completions_total). -1: the
+/// transport does not know it.
+struct LinkCounters {
+  /// Segments this node re-sent to the peer (TCP: tcpi_total_retrans of the link's
+  /// outbound connections since the link began, closed ones included).
+  int64_t retransmits = -1;
+  /// Work completions with an error status, flushes not counted (RDMA).
+  int64_t error_completions = -1;
+};
+
 /// State of the link to one peer node.
 enum class PeerState {
   kIdle,        ///< Connect not called yet.
@@ -157,6 +168,14 @@ class GroupLink {
   /// from it may still be in flight (WritesCompleted has counted every one). An unknown
   /// handle is ignored. Default: nothing.
   virtual void RemoveSendRegion(int handle) { (void)handle; }
+
+  /// The link's counters for node `node`. Unlike the caller's side above, any thread may
+  /// call it (the metrics scrape) while the link lives; it takes the transport's lock
+  /// briefly and allocates nothing. Default: nothing known.
+  virtual LinkCounters Counters(int32_t node) const {
+    (void)node;
+    return {};
+  }
 
   /// Closes every connection of the link (peers see it as a failure). Idempotent; the
   /// destructor calls it.

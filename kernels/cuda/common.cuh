@@ -234,6 +234,15 @@ __device__ __forceinline__ uint16_t FloatsToE4m3x2(float lo, float hi) {
 __device__ __forceinline__ int LaneId() { return static_cast<int>(threadIdx.x & 31u); }
 __device__ __forceinline__ int WarpId() { return static_cast<int>(threadIdx.x >> 5); }
 
+/// Adds `count` to entry `j` of `stats` and publishes the new total (one thread per j).
+__device__ __forceinline__ void AddExpertTokens(const ExpertTokenStats& stats, int32_t j,
+                                                int64_t count) {
+  if (stats.totals == nullptr || count <= 0) return;
+  const uint64_t total = stats.totals[j] + static_cast<uint64_t>(count);
+  stats.totals[j] = total;
+  if (stats.mirror != nullptr) *reinterpret_cast<volatile uint64_t*>(stats.mirror + j) = total;
+}
+
 // ---- the low-latency part of the sync region -------------------------------------------
 
 /// Per-rank low-latency counters, at sync + kSyncLowLatencyStateOffset. Written only by the

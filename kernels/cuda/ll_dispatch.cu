@@ -43,7 +43,8 @@ struct DispatchParams {
   uint64_t recv_src_info_offset;  // ll_recv_src_info[b]
   int64_t rows_per_expert;        // R * Mll
   int64_t timeout_ns;
-  KernelHandoff handoff;  // Daemon-launched stream-ordered hand-off (null flags = none).
+  KernelHandoff handoff;          // Daemon-launched stream-ordered hand-off (null flags = none).
+  ExpertTokenStats expert_stats;  // Cumulative per-expert counts (null totals = off).
   int32_t rank;
   int32_t num_ranks;
   int32_t num_experts;
@@ -575,6 +576,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
           total += LdRelaxed(CountsAt(p.own_base, p, parity, q) + first + j, p.gpu_scope);
         }
         p.recv_count[j] = total;
+        device::AddExpertTokens(p.expert_stats, j, total);
       }
       if (threadIdx.x == 0) state->dispatch_num_tokens[p.buffer] = num_tokens;
       if constexpr (kTiled) {
@@ -751,6 +753,7 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
   p.rows_per_expert = s.ll_rows_per_expert();
   p.timeout_ns = ctx.timeout_ns;
   p.handoff = args.handoff;
+  p.expert_stats = args.expert_stats;
   p.rank = ctx.rank;
   p.num_ranks = s.num_ranks;
   p.num_experts = s.num_experts;

@@ -31,6 +31,8 @@ struct NormalParams {
   int32_t cached = 0;
   /// NormalDispatchArgs::recv_count_out (host-mapped pinned), may be null.
   int32_t* recv_count_out = nullptr;
+  /// NormalDispatchArgs::expert_stats (null totals = off).
+  ExpertTokenStats expert_stats;
   /// Overrides of the default input regions (GetDispatchLayout only), may be null.
   const int64_t* topk_idx = nullptr;
   /// CudaRankContext::rank_masked: device [R], nonzero = masked; null = none masked.

@@ -128,6 +128,12 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
   }
   __syncthreads();
   if (s_failed || !notify) {
+    if (!s_failed && p.cached && p.expert_stats.last_normal != nullptr) {
+      for (int j = tid; j < experts_per_rank; j += blockDim.x) {
+        device::AddExpertTokens(p.expert_stats, j,
+                                static_cast<int64_t>(p.expert_stats.last_normal[j]));
+      }
+    }
     if (tid == 0) {
       if (s_failed) {
         *reinterpret_cast<volatile uint32_t*>(own_sync + NormalSyncLayout::kFailedSeq) = seq;
@@ -159,6 +165,10 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
   for (int j = tid; j < experts_per_rank; j += blockDim.x) {
     int64_t count = 0;
     for (int s = 0; s < num_ranks; ++s) count += expert[s * experts_per_rank + j];
+    device::AddExpertTokens(p.expert_stats, j, count);
+    if (p.expert_stats.last_normal != nullptr) {
+      p.expert_stats.last_normal[j] = static_cast<uint64_t>(count);
+    }
     const int64_t a = p.expert_alignment;
     Region<int32_t>(own, p.layout.recv_tokens_per_expert)[j] =
         static_cast<int32_t>((count + a - 1) / a * a);
@@ -356,6 +366,7 @@ absl::Status NormalDispatch(const CudaRankContext& ctx, const NormalDispatchArgs
   p.with_weights = args.with_weights ? 1 : 0;
   p.cached = args.cached ? 1 : 0;
   p.recv_count_out = args.recv_count_out;
+  p.expert_stats = args.expert_stats;
 
   EPD_RETURN_IF_ERROR(normal::LaunchNotify(p, !args.cached, stream));
   const int64_t row_bytes = args.fp8 ? ctx.shape.hidden : 2 * int64_t{ctx.shape.hidden};

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <random>
@@ -25,12 +26,16 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/cuda/cuda_ipc.h"
 #include "client/endpoint/endpoint_internal.h"
 #include "daemon/dataplane/host/host_data_plane.h"
 #include "daemon/dataplane/lockstep_group.h"
 #include "daemon/gpu/gpu_inventory.h"
+#include "daemon/metrics/exposition.h"
+#include "daemon/metrics/metrics.h"
 #include "epd/client.h"
 #include "proto/abi/launch_flags.h"
 #include "proto/abi/shm_abi.h"
@@ -133,8 +138,10 @@ struct PlaneGroup {
   std::vector<std::unique_ptr<Endpoint>> eps;
 
   /// `gpu_uuids[r]`: rank r's GPU on the CUDA plane (empty: every rank on the first GPU).
+  /// `mode`: every rank's launch mode (unspecified: the plane's default).
   void Open(DataPlane* plane, const v1::GroupSpec& s,
-            const std::vector<std::string>& gpu_uuids = {}) {
+            const std::vector<std::string>& gpu_uuids = {},
+            v1::LaunchMode mode = v1::LAUNCH_MODE_UNSPECIFIED) {
     spec = s;
     cuda = plane->backend_name() == "cuda";
     auto g = plane->CreateGroup(s);
@@ -142,15 +149,16 @@ struct PlaneGroup {
     group = std::move(*g);
     eps.resize(s.num_ranks());
     for (int r = 0; r < s.num_ranks(); ++r) {
-      ASSERT_NO_FATAL_FAILURE(OpenRank(r, cuda && !gpu_uuids.empty() ? gpu_uuids[r] : ""));
+      ASSERT_NO_FATAL_FAILURE(OpenRank(r, cuda && !gpu_uuids.empty() ? gpu_uuids[r] : "", mode));
     }
   }
 
   /// Attaches rank r and opens its endpoint into eps[r] (also: a new process joining the
-  /// slot of a rank that left).
-  void OpenRank(int r, const std::string& uuid = "") {
+  /// slot of a rank that left), in launch mode `mode` (unspecified: the plane's default).
+  void OpenRank(int r, const std::string& uuid = "",
+                v1::LaunchMode mode = v1::LAUNCH_MODE_UNSPECIFIED) {
     v1::EndpointInfo info;
-    absl::Status st = group->AttachRank(r, uuid, v1::LAUNCH_MODE_UNSPECIFIED, {}, &info);
+    absl::Status st = group->AttachRank(r, uuid, mode, {}, &info);
     ASSERT_TRUE(st.ok()) << st;
     EXPECT_EQ(info.backend(), cuda ? "cuda" : "host");
     if (cuda) {
@@ -433,6 +441,78 @@ TEST_F(CudaDataPlaneTest, LowLatencyMatchesHostWithEightVirtualRanks) {
                absl::StrCat("low-latency round ", i, round.fp8 ? " fp8" : " bf16",
                             round.ue8m0 ? " ue8m0" : ""));
     ++i;
+  }
+}
+
+/// Tokens each global expert receives from `in`'s routing: a token once per distinct
+/// expert >= 0 of its row (epd_expert_received_tokens_total's reference), added to `want`.
+void AddReferenceExpertTokens(const v1::GroupSpec& s, const Inputs& in,
+                              std::vector<uint64_t>& want) {
+  const int K = s.num_topk();
+  for (const RankInputs& ri : in.ranks) {
+    for (int t = 0; t < ri.T; ++t) {
+      const int64_t* row = ri.idx.data() + static_cast<size_t>(t) * K;
+      for (int k = 0; k < K; ++k) {
+        if (row[k] < 0 || std::find(row, row + k, row[k]) != row + k) continue;
+        ++want[static_cast<size_t>(row[k])];
+      }
+    }
+  }
+}
+
+// epd_op_gpu_seconds and epd_expert_received_tokens_total on the CUDA backend, daemon-
+// launched: every OK op of every kind gets one GPU time (count == ops), and each expert's
+// total equals the count from topk_idx and the host backend's for the same ops (normal
+// dispatch, its cached repeat, low-latency dispatch; duplicates in a row count once).
+TEST_F(CudaDataPlaneTest, OpGpuTimeAndExpertTokensAreRecordedPerOp) {
+  const v1::GroupSpec spec = Spec("gpumet8", 8, 32, 1024, 4, 64, 64);
+  v1::GroupSpec host_spec = spec;
+  host_spec.set_name("gpumet8-host");
+  PlaneGroup host, cuda;
+  host.Open(host_.get(), host_spec);
+  cuda.Open(cuda_.get(), spec, {}, v1::LAUNCH_MODE_DAEMON);  // Client-launched: not measured.
+  std::shared_ptr<metrics::GroupMetrics> gm = metrics::Default().FindGroup("gpumet8");
+  std::shared_ptr<metrics::GroupMetrics> hm = metrics::Default().FindGroup("gpumet8-host");
+  ASSERT_TRUE(gm && hm);
+  std::vector<uint64_t> want(static_cast<size_t>(spec.num_experts()), 0);
+  constexpr int kRounds = 3;
+  for (int i = 0; i < kRounds; ++i) {
+    Inputs in;
+    in.Make(spec, {64, 0, 1, 33, 64, 17, 64, 5},
+            {.masked_fraction = 0.2, .duplicate_fraction = i == 1 ? 0.3 : 0.0}, 900 + i);
+    ExpectSame(RunNormal(host, in), RunNormal(cuda, in), absl::StrCat("normal round ", i));
+    // Dispatch and its cached repeat: the same tokens twice.
+    AddReferenceExpertTokens(spec, in, want);
+    AddReferenceExpertTokens(spec, in, want);
+    ExpectSame(RunLowLatency(host, in, i == 2, false), RunLowLatency(cuda, in, i == 2, false),
+               absl::StrCat("low-latency round ", i));
+    AddReferenceExpertTokens(spec, in, want);
+  }
+  for (int e = 0; e < spec.num_experts(); ++e) {
+    EXPECT_EQ(gm->expert_tokens(e), want[static_cast<size_t>(e)]) << "expert " << e;
+    EXPECT_EQ(hm->expert_tokens(e), want[static_cast<size_t>(e)]) << "host, expert " << e;
+  }
+  const std::pair<abi::OpKind, uint64_t> kinds[] = {{abi::OpKind::kGetDispatchLayout, kRounds},
+                                                    {abi::OpKind::kDispatch, 2 * kRounds},
+                                                    {abi::OpKind::kCombine, kRounds},
+                                                    {abi::OpKind::kLowLatencyDispatch, kRounds},
+                                                    {abi::OpKind::kLowLatencyCombine, kRounds}};
+  const std::string text = metrics::RenderPrometheus(metrics::Default().Collect());
+  for (const auto& [kind, n] : kinds) {
+    const uint32_t op = static_cast<uint32_t>(kind);
+    EXPECT_EQ(gm->ops(op), n) << abi::OpKindName(op);
+    EXPECT_EQ(gm->gpu_timed_ops(op), n) << abi::OpKindName(op);
+    EXPECT_EQ(hm->gpu_timed_ops(op), 0u) << "the host backend has no GPU time";
+    EXPECT_NE(text.find(absl::StrCat("epd_op_gpu_seconds_count{group=\"gpumet8\",op=\"",
+                                     abi::OpKindName(op), "\"} ", n, "\n")),
+              std::string::npos)
+        << abi::OpKindName(op);
+  }
+  std::cout << "GPU time sum (s) by op:\n";
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StartsWith(line, "epd_op_gpu_seconds_sum{group=\"gpumet8\"")) {
+      std::cout << "  " << line << "\n";
+    }
   }
 }
 

@@ -223,6 +223,10 @@ class FakeLink : public transport::GroupLink {
     return hub_->Completed(const_cast<FakeHub::LinkState*>(&state_), node);
   }
   bool PollImm(int32_t node, uint32_t* imm) override { return hub_->Pop(&state_, node, imm); }
+  /// Fixed counts, so that tests see them reach the scrape: 10 + node retransmits.
+  transport::LinkCounters Counters(int32_t node) const override {
+    return {.retransmits = 10 + node, .error_completions = -1};
+  }
   absl::StatusOr<int> AddSendRegion(const transport::MemoryRegion& region) override {
     if (!add_region_error.ok()) return add_region_error;
     if (region.base == nullptr || region.bytes == 0) {

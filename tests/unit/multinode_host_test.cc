@@ -680,7 +680,7 @@ TEST_F(MultinodeHostTest, LostPeerFailsTheOpNamingTheNode) {
 }
 
 // The exchange's per-peer counters (metrics::Default(), docs/OPERATIONS.md): the writes and
-// bytes node 0 sent node 1, and node 1 lost counted as an error with it.
+// bytes node 0 sent node 1, the link's retransmits, and node 1 lost counted as an error.
 TEST_F(MultinodeHostTest, TransportMetricsCountWritesBytesAndALostPeer) {
   Start({1, 1}, /*op_timeout_ms=*/800);
   if (HasFatalFailure()) return;
@@ -703,6 +703,10 @@ TEST_F(MultinodeHostTest, TransportMetricsCountWritesBytesAndALostPeer) {
   EXPECT_GE(to_node1("epd_transport_writes_total"), 2);
   EXPECT_GT(to_node1("epd_transport_sent_bytes_total"), 0);
   EXPECT_EQ(to_node1("epd_transport_errors_total"), 0);
+  // The link's own counts, read through the exchange's probe at scrape time (FakeLink: 10 +
+  // node); what it does not know has no series.
+  EXPECT_EQ(to_node1("epd_transport_retransmits_total"), 11);
+  EXPECT_EQ(to_node1("epd_transport_error_completions_total"), -1);
   const uint64_t s = rings_[0]->Submit(abi::OpKind::kDispatch, 0, 2);
   std::this_thread::sleep_for(milliseconds(100));
   hub_.Kill(1);

@@ -194,6 +194,15 @@ RdmaTransportOptions ValidOptions() {
   return o;
 }
 
+TEST(RdmaCompletion, ErrorCompletionsCountEveryErrorButFlushes) {
+  EXPECT_FALSE(CountsAsErrorCompletion(IBV_WC_SUCCESS));
+  EXPECT_FALSE(CountsAsErrorCompletion(IBV_WC_WR_FLUSH_ERR));  // Follows the error counted.
+  for (ibv_wc_status s : {IBV_WC_RETRY_EXC_ERR, IBV_WC_RNR_RETRY_EXC_ERR, IBV_WC_REM_ACCESS_ERR,
+                          IBV_WC_LOC_PROT_ERR, IBV_WC_REM_ABORT_ERR, IBV_WC_RESP_TIMEOUT_ERR}) {
+    EXPECT_TRUE(CountsAsErrorCompletion(s)) << ibv_wc_status_str(s);
+  }
+}
+
 TEST(RdmaOptions, DefaultsWithAPortAreValid) {
   EXPECT_TRUE(ValidateRdmaOptions(ValidOptions()).ok());
   RdmaTransportOptions o = ValidOptions();

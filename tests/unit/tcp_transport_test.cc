@@ -995,6 +995,53 @@ TEST(TcpTransport, SteadyStateAllocatesNothing) {
 
 // The plain-TCP yardstick moves the bytes and says how fast; the transport's rate for the
 // same bytes is printed beside it (not compared: CI machines are noisy).
+TEST(TcpTransport, RetransmitsAreReadFromTcpInfoOfARealSocket) {
+  auto pairs = ConnectPlainTcpPairs(1, "127.0.0.1");
+  ASSERT_TRUE(pairs.ok()) << pairs.status();
+  // Some traffic first (well inside the socket buffers: one thread sends, then reads).
+  const std::vector<uint8_t> bytes = RandomBytes(16 << 10, 3);
+  ASSERT_EQ(::send((*pairs)[0].sender.get(), bytes.data(), bytes.size(), 0),
+            static_cast<ssize_t>(bytes.size()))
+      << std::strerror(errno);
+  std::vector<uint8_t> sink(bytes.size());
+  size_t got = 0;
+  while (got < sink.size()) {
+    const ssize_t n = ::recv((*pairs)[0].receiver.get(), sink.data() + got, sink.size() - got, 0);
+    ASSERT_GT(n, 0) << std::strerror(errno);
+    got += static_cast<size_t>(n);
+  }
+  for (const ScopedFd* fd : {&(*pairs)[0].sender, &(*pairs)[0].receiver}) {
+    absl::StatusOr<uint64_t> n = TcpTotalRetransmits(fd->get());
+    ASSERT_TRUE(n.ok()) << n.status();
+    EXPECT_EQ(*n, 0u);  // Loopback loses nothing.
+  }
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  ScopedFd rd(pipe_fds[0]), wr(pipe_fds[1]);
+  absl::StatusOr<uint64_t> not_tcp = TcpTotalRetransmits(rd.get());
+  EXPECT_TRUE(absl::IsInvalidArgument(not_tcp.status())) << not_tcp.status();
+  EXPECT_NE(not_tcp.status().message().find("TCP_INFO"), std::string::npos);
+}
+
+TEST(TcpTransport, LinkCountersReportRetransmitsPerPeerAcrossAFailure) {
+  Connected c(TcpTransportOptions{}, 2, 3, 1 << 16);
+  const std::vector<uint8_t> src = RandomBytes(1 << 16, 4);
+  const WritePiece piece{src.data(), src.size(), 0};
+  ASSERT_TRUE(PostWriteRetrying(*c.nodes[0].link, 1, {&piece, 1}, 7).ok());
+  uint32_t imm = 0;
+  ASSERT_TRUE(PollImmWaiting(*c.nodes[1].link, 0, &imm));
+  for (int32_t peer : {1, 2}) {
+    const LinkCounters k = c.nodes[0].link->Counters(peer);
+    EXPECT_EQ(k.retransmits, 0) << "peer " << peer;  // Known (TCP_INFO), none on loopback.
+    EXPECT_EQ(k.error_completions, -1);              // Not a TCP notion.
+  }
+  EXPECT_EQ(c.nodes[0].link->Counters(0).retransmits, -1);   // Itself: no link.
+  EXPECT_EQ(c.nodes[0].link->Counters(99).retransmits, -1);  // Not a node.
+  // Its connections closed, the peer's count is kept.
+  c.nodes[0].link->FailPeer(1, absl::UnavailableError("test"));
+  EXPECT_EQ(c.nodes[0].link->Counters(1).retransmits, 0);
+}
+
 TEST(TcpTransport, PlainTcpBound) {
   EXPECT_TRUE(absl::IsInvalidArgument(MeasurePlainTcp(0, 2).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(MeasurePlainTcp(1, 0).status()));

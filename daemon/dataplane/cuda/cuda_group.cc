@@ -34,6 +34,27 @@ constexpr auto kGpuGrace = std::chrono::seconds(5);
 
 }  // namespace
 
+bool CudaTimingEvents::Record(void* event, void* stream) {
+  const cudaError_t err =
+      cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) cudaGetLastError();
+  return err == cudaSuccess;
+}
+
+TimingEvents::State CudaTimingEvents::Query(void* event) {
+  const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (err == cudaSuccess) return State::kComplete;
+  cudaGetLastError();
+  return err == cudaErrorNotReady ? State::kPending : State::kFailed;
+}
+
+bool CudaTimingEvents::ElapsedMs(void* begin, void* end, float* ms) {
+  const cudaError_t err =
+      cudaEventElapsedTime(ms, static_cast<cudaEvent_t>(begin), static_cast<cudaEvent_t>(end));
+  if (err != cudaSuccess) cudaGetLastError();
+  return err == cudaSuccess;
+}
+
 CudaGroup::CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec)
     : LockstepGroup(spec, LockstepOptionsOf(plane->options())),
       plane_(plane),
@@ -41,10 +62,16 @@ CudaGroup::CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec)
       standins_(spec.num_ranks()),
       host_bases_(spec.num_ranks(), nullptr),
       event_errors_(spec.num_ranks(), cudaSuccess),
+      gpu_timer_(&timing_events_, spec.num_ranks()),
       span_outcomes_(spec.num_ranks()) {
   if (spanning()) {
     answer_spans_.resize(kernels::kMaxAreaSpans);
     answer_copies_.resize(abi::kMaxSpanCopies);
+  } else {
+    // The exchange of a spanning group runs on the host: its kernels count nothing.
+    expert_tally_ =
+        std::make_shared<metrics::ExpertTokenTally>(spec.num_ranks(), shape().num_local_experts());
+    metrics().SetExpertTokenTally(expert_tally_);
   }
   devices_.reserve(spec.num_ranks());
   SizeOp(spare_);
@@ -158,6 +185,9 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
       std::shared_ptr<CudaRank> r,
       CreateCudaRank(device, rank, layout(), launch_mode == v1::LAUNCH_MODE_CLIENT));
   if (spanning()) EPD_RETURN_IF_ERROR(AddCudaRankMirror(*r, shape(), layout()));
+  if (!r->client_launched) {  // The client's own launches count nothing here.
+    EPD_RETURN_IF_ERROR(AddCudaRankExpertStats(*r, shape().num_local_experts(), expert_tally_));
+  }
   AdoptEngine(device);
   info->set_backend("cuda");
   info->set_gpu_uuid(plane_->UuidOf(device));
@@ -429,6 +459,10 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
     // resident, so that kernel ends whatever SMs the op's grid then takes
     // (docs/CUDA_BACKEND.md "Launch modes").
     const auto bound = std::chrono::milliseconds(options().op_timeout_ms) + 2 * kGpuGrace;
+    // The op's GPU time starts before the wait: nothing may come between the wait kernel
+    // and the programmatic launch behind it (it would end their overlap). It then includes
+    // the wait for the client's staging kernel to start (docs/OPERATIONS.md).
+    gpu_timer_.Begin(r, cr.op_begin.get(), s);
     EPD_RETURN_IF_ERROR(kc::WaitFlagAsync(
         reinterpret_cast<const uint64_t*>(cr.staging_flag()), slot.seq,
         std::chrono::duration_cast<std::chrono::nanoseconds>(bound).count(),
@@ -440,6 +474,9 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
     EPD_RETURN_IF_ERROR(StreamWaitValue64Geq(s, cr.ready_flag(), slot.seq));
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventRecord(cr.waited.get(), s)));
     *ready_wait = true;
+    gpu_timer_.Begin(r, cr.op_begin.get(), s);  // After the wait: the op's kernels only.
+  } else {
+    gpu_timer_.Begin(r, cr.op_begin.get(), s);
   }
   switch (plan.op) {
     case abi::OpKind::kGetDispatchLayout:
@@ -453,6 +490,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
       a.with_weights = op_flags.dispatch_weights;
       a.cached = op_flags.cached_handle;
       a.recv_count_out = &cr.readback->recv_count;  // Mapped: the kernel writes N there.
+      a.expert_stats = cr.expert_stats();
       EPD_RETURN_IF_ERROR(kc::SetNormalNumTokensAsync(ctx, slot.num_tokens, s));
       EPD_RETURN_IF_ERROR(kc::NormalDispatch(ctx, a, s));
       break;
@@ -473,6 +511,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
       a.use_ue8m0 = op_flags.use_ue8m0;
       a.num_tokens_value = slot.num_tokens;  // By value: no slot write to enqueue.
       a.handoff = handoff;
+      a.expert_stats = cr.expert_stats();
       EPD_RETURN_IF_ERROR(kc::LowLatencyDispatch(ctx, a, s));
       break;
     }
@@ -537,6 +576,7 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
       plan.op == abi::OpKind::kCombine ||
       (plan.op == abi::OpKind::kDispatch && rules::DecodeFlags(plan.flags).cached_handle);
   const int64_t per_token = drops_routes ? shape().num_ranks : shape().num_topk;
+  gpu_timer_.Start();
   for (int r = 0; r < R; ++r) {
     op.ranks[r] = OpRank(r);
     op.launch[r] = absl::OkStatus();
@@ -568,6 +608,7 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
       if (st.ok()) st = done;
     }
     absl::Status recorded = EPD_CUDA_STATUS(cudaEventRecord(cr.done.get(), cr.stream.get()));
+    if (recorded.ok()) gpu_timer_.SetEnd(r, cr.done.get());
     if (st.ok()) st = recorded;
     if (!st.ok() && op.launch[r].ok()) op.launch[r] = st;
   }
@@ -700,6 +741,7 @@ bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
   }
   const char* name = OpName(static_cast<uint32_t>(op.op));
   const bool low_latency = rules::IsLowLatency(op.op);
+  bool all_ok = true;
   for (int r = 0; r < R; ++r) {
     const Readback& rb = *op.ranks[r]->readback;
     RankOutcome& out = outcomes[r];
@@ -763,6 +805,13 @@ bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
     }
     needs_sync_reset_ = true;  // Its kernels ran on a released wait: start the next op clean.
     break;
+  }
+  for (int r = 0; r < R; ++r) all_ok = all_ok && outcomes[r].status.ok();
+  // Every done event is complete (seen above): reading the times waits for nothing.
+  if (all_ok) {
+    if (std::optional<uint64_t> ns = gpu_timer_.Finish()) {
+      metrics().RecordGpuTime(static_cast<uint32_t>(op.op), *ns);
+    }
   }
   RecycleOp(gpu_op_);
   plane_->ReleaseGpus(this);

@@ -21,11 +21,22 @@
 #include "daemon/dataplane/cuda/graph_program.h"
 #include "daemon/dataplane/exchange/node_exchange.h"
 #include "daemon/dataplane/lockstep_group.h"
+#include "daemon/dataplane/op_gpu_timer.h"
+#include "daemon/metrics/expert_tally.h"
 #include "epd/kernels/cuda_mirror.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"
 
 namespace epd {
+
+/// TimingEvents on CUDA events (cudaEventRecord / Query / ElapsedTime); a failed call's
+/// error is cleared (not sticky), and the op is then not timed.
+class CudaTimingEvents final : public TimingEvents {
+ public:
+  bool Record(void* event, void* stream) override;
+  State Query(void* event) override;
+  bool ElapsedMs(void* begin, void* end, float* ms) override;
+};
 
 /// One group on the CUDA backend. Served by the engine of its first attached rank's GPU;
 /// one group op per GPU at a time (CudaDataPlaneImpl::TryClaimGpus). A group that spans
@@ -251,6 +262,13 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   std::optional<GpuOp> abandoned_;  // An op given up on, still on the GPU.
   /// [R] scratch of one poll (PollOpInto): each rank's cudaEventQuery.
   std::vector<cudaError_t> event_errors_;
+  /// The running op's GPU time: each rank's op_begin → done (epd_op_gpu_seconds).
+  CudaTimingEvents timing_events_;
+  OpGpuTimer gpu_timer_;
+  /// Per-expert received-token totals of the ranks' dispatch kernels, read at scrape time
+  /// (epd_expert_received_tokens_total); shared with the ranks and the group's metrics.
+  /// Null for a spanning group.
+  std::shared_ptr<metrics::ExpertTokenTally> expert_tally_;
   std::unique_ptr<GraphProgram> program_;  // The armed graph-mode program.
   std::optional<GpuOp> program_tail_;      // A disarmed program still on the GPU.
   // A spanning group's (null / unused otherwise); the op's state lives in gpu_op_.

@@ -38,6 +38,8 @@ CudaRank::~CudaRank() {
     cudaSetDevice(device);
     cudaStreamSynchronize(stream.get());  // Bounded: every kernel wait is bounded.
   }
+  // No kernel writes the totals any more: the tally keeps them before the copy is freed.
+  if (expert_tally && expert_mirror) expert_tally->Retire(rank, expert_mirror.get());
   area.reset();
   cudaGetLastError();
 }
@@ -54,8 +56,10 @@ absl::StatusOr<std::shared_ptr<CudaRank>> CreateCudaRank(int device, int32_t ran
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(device)));
   EPD_ASSIGN_OR_RETURN(r->stream, CreateStream());
   const cudaStream_t stream = r->stream.get();
-  EPD_ASSIGN_OR_RETURN(r->done, CreateEvent());
+  // done and op_begin keep timestamps: the op's GPU time is op_begin → done (OpGpuTimer).
+  EPD_ASSIGN_OR_RETURN(r->done, CreateEvent(cudaEventDefault));
   EPD_ASSIGN_OR_RETURN(r->waited, CreateEvent());
+  EPD_ASSIGN_OR_RETURN(r->op_begin, CreateEvent(cudaEventDefault));
   // Mapped: kernels write the status, N and ready_seen straight into it.
   EPD_ASSIGN_OR_RETURN(
       r->readback, AllocatePinnedArray<Readback>(1, cudaHostAllocPortable | cudaHostAllocMapped));
@@ -70,6 +74,21 @@ absl::StatusOr<std::shared_ptr<CudaRank>> CreateCudaRank(int device, int32_t ran
     Registry()[r->ipc_handle] = r->area.get();
   }
   return r;
+}
+
+absl::Status AddCudaRankExpertStats(CudaRank& rank, int32_t experts_per_rank,
+                                    std::shared_ptr<metrics::ExpertTokenTally> tally) {
+  if (experts_per_rank <= 0 || !tally) return absl::OkStatus();
+  const size_t bytes = 2 * sizeof(uint64_t) * static_cast<size_t>(experts_per_rank);
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(rank.device)));
+  EPD_ASSIGN_OR_RETURN(rank.expert_totals, AllocateDevice(bytes, DeviceZero::kYes));
+  rank.experts_per_rank = experts_per_rank;
+  EPD_ASSIGN_OR_RETURN(
+      rank.expert_mirror,
+      AllocatePinnedArray<uint64_t>(experts_per_rank, cudaHostAllocPortable | cudaHostAllocMapped));
+  tally->Attach(rank.rank, rank.expert_mirror.get());
+  rank.expert_tally = std::move(tally);
+  return absl::OkStatus();
 }
 
 absl::Status AddCudaRankMirror(CudaRank& rank, const kernels::GroupShape& shape,

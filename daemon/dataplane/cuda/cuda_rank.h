@@ -15,6 +15,7 @@
 #include "common/cuda/device_alloc.h"
 #include "daemon/dataplane/exchange/rank_routing.h"
 #include "daemon/dataplane/lockstep_group.h"
+#include "daemon/metrics/expert_tally.h"
 #include "epd/kernels/cuda_mirror.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/layout.h"
@@ -94,13 +95,29 @@ struct CudaRank : RankResources {
   bool client_launched = false;      ///< LAUNCH_MODE_CLIENT: the engine runs nothing.
   std::string ipc_handle;            ///< cudaIpcMemHandle_t bytes of `area`.
   StreamHandle stream;               // Declared before area: destroyed after it is synchronised.
+  /// Recorded after each daemon-launched op (timing enabled: the op's GPU time ends here).
   EventHandle done;
   EventHandle waited;              ///< Recorded once a stream-ordered op's ready wait has passed.
+  EventHandle op_begin;            ///< Recorded before each daemon-launched op's kernels (timing).
   PinnedArray<Readback> readback;  ///< [1], mapped.
   DeviceMemory area;
   std::unique_ptr<CudaRankMirror> mirror;  ///< A spanning group's rank; null otherwise.
+  /// The rank's per-local-expert received-token totals (kernels::cuda::ExpertTokenStats):
+  /// [2 * El] uint64 on the GPU, zeroed (the totals, then the last normal dispatch's
+  /// counts), and the totals' host-mapped copy [El], counted by the group's tally from
+  /// AddCudaRankExpertStats until this rank is destroyed. Empty when not kept.
+  DeviceMemory expert_totals;
+  int32_t experts_per_rank = 0;
+  PinnedArray<uint64_t> expert_mirror;
+  std::shared_ptr<metrics::ExpertTokenTally> expert_tally;
 
   ~CudaRank() override;
+
+  /// What the rank's dispatch kernels add their per-expert counts to (off when not kept).
+  kernels::cuda::ExpertTokenStats expert_stats() const {
+    auto* totals = reinterpret_cast<uint64_t*>(expert_totals.get());
+    return {totals, totals != nullptr ? totals + experts_per_rank : nullptr, expert_mirror.get()};
+  }
 
   /// launch_flags.ready_seq / done_seq / staging_seq in the rank's area (layout.h).
   uint8_t* ready_flag() const { return flag(abi::kReadyFlagOffset); }
@@ -117,6 +134,14 @@ struct CudaRank : RankResources {
 absl::StatusOr<std::shared_ptr<CudaRank>> CreateCudaRank(int device, int32_t rank,
                                                          const kernels::EndpointLayout& layout,
                                                          bool client_launched);
+
+/// Gives `rank` its per-expert received-token totals (CudaRank::expert_totals: 2 *
+/// `experts_per_rank` uint64 on its GPU, zeroed, and the totals' mapped host copy) and
+/// enters the copy into `tally` until the rank is destroyed. No-op when `experts_per_rank`
+/// is 0 or `tally` null. Errors: RESOURCE_EXHAUSTED (GPU full), INTERNAL (pinned memory,
+/// CUDA).
+absl::Status AddCudaRankExpertStats(CudaRank& rank, int32_t experts_per_rank,
+                                    std::shared_ptr<metrics::ExpertTokenTally> tally);
 
 /// Gives `rank` (created by CreateCudaRank for a group of `shape`) its CudaRankMirror:
 /// daemon-launched, pinned host memory; client-launched, only its routing state (`base`

@@ -103,6 +103,7 @@ absl::Status GraphProgram::LaunchStep(const ProgramStepPlan& st, int32_t r, uint
     a.use_ue8m0 = st.use_ue8m0;
     a.num_tokens_value = -1;  // T from the rank's token-count slot, staged by the client.
     a.handoff = handoff;
+    a.expert_stats = cr.expert_stats();
     return kc::LowLatencyDispatch(ctx, a, s);
   }
   kc::LowLatencyCombineArgs a;

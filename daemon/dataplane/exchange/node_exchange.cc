@@ -97,7 +97,12 @@ NodeExchange::NodeExchange(const v1::GroupSpec& spec, const kernels::GroupShape&
       recv_tokens_(shape.num_ranks),
       routing_tokens_(shape.num_ranks) {}
 
-NodeExchange::~NodeExchange() = default;
+NodeExchange::~NodeExchange() {
+  // A scrape may hold a link's metrics past this point: it must no longer reach the link.
+  for (const auto& m : link_metrics_) {
+    if (m) m->SetTransportProbe({});
+  }
+}
 
 void NodeExchange::SetLocalRanksJoined(const std::vector<bool>& bits) {
   if (span_.peers) span_.peers->SetLocalRanksJoined(bits);
@@ -250,6 +255,10 @@ absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local
     if (n == node) continue;
     link_metrics_[n] =
         metrics::Default().AddLink(sp.name(), options_.transport_name, sp.nodes(n).peer_address());
+    link_metrics_[n]->SetTransportProbe([link = span_.link.get(), n] {
+      const transport::LinkCounters c = link->Counters(n);
+      return metrics::TransportCounts{c.retransmits, c.error_completions};
+    });
   }
   return absl::OkStatus();
 }

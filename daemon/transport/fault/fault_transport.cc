@@ -320,6 +320,7 @@ class FaultGroupLink final : public GroupLink {
     return inner_->AddSendRegion(region);
   }
   void RemoveSendRegion(int handle) override { inner_->RemoveSendRegion(handle); }
+  LinkCounters Counters(int32_t node) const override { return inner_->Counters(node); }
   void Close() override {
     std::lock_guard<std::mutex> l(mu_);
     if (closed_) return;

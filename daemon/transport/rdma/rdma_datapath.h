@@ -92,6 +92,13 @@ inline bool Signalled(uint64_t ordinal, uint32_t signal_every, bool with_imm) {
   return with_imm || (ordinal + 1) % signal_every == 0;
 }
 
+/// Whether a completion on a connected peer's queue pair counts in
+/// LinkCounters::error_completions: every error status except IBV_WC_WR_FLUSH_ERR (the
+/// flushes that follow the error which moved the queue pair to ERROR).
+inline bool CountsAsErrorCompletion(ibv_wc_status status) {
+  return status != IBV_WC_SUCCESS && status != IBV_WC_WR_FLUSH_ERR;
+}
+
 /// What error completion `status` (with the NIC's `vendor_err`) on queue pair `qp` of the
 /// peer named `peer` ("group 'g': node 1 (...)") means: UNAVAILABLE when the peer is gone or
 /// unreachable (retry or RNR retry exceeded, flushed after an earlier error, remote abort),

@@ -108,7 +108,8 @@ struct RdmaPeer : PeerCounters {
   std::unique_ptr<QpSlot[]> qps;
   uint32_t num_qps = 0;
   // imm_slots: a ring of recv_wr, indexed by write seq.
-  uint64_t got_max = 0;  // Progress thread: the most any queue pair got.
+  uint64_t got_max = 0;                        // Progress thread: the most any queue pair got.
+  std::atomic<uint64_t> error_completions{0};  // rdma::CountsAsErrorCompletion, once kReady.
 };
 
 class RdmaGroupLink;
@@ -188,6 +189,7 @@ class RdmaGroupLink final : public GroupLink {
   void FailPeer(int32_t node, const absl::Status& cause) override;
   absl::StatusOr<int> AddSendRegion(const MemoryRegion& region) override;
   void RemoveSendRegion(int handle) override;
+  LinkCounters Counters(int32_t node) const override;
   void Close() override;
 
   // Progress-thread side, under RdmaCore::mu_.
@@ -742,6 +744,14 @@ absl::Status RdmaGroupLink::PostWrite(int32_t node, std::span<const WritePiece> 
   return absl::OkStatus();
 }
 
+LinkCounters RdmaGroupLink::Counters(int32_t node) const {
+  LinkCounters out;  // Verbs shows no retransmits per queue pair (the NIC's hw_counters do).
+  if (!ValidNode(node)) return out;
+  out.error_completions = static_cast<int64_t>(
+      peers_[static_cast<size_t>(node)]->error_completions.load(std::memory_order_relaxed));
+  return out;
+}
+
 uint64_t RdmaGroupLink::WritesCompleted(int32_t node) const {
   if (!ValidNode(node)) return 0;
   // kFailed is stored after the peer's queue pairs moved to ERROR: the NIC reads no source
@@ -829,6 +839,9 @@ void RdmaGroupLink::HandleCompletion(RdmaPeer& p, const ibv_wc& wc, Clock::time_
   if (q >= p.num_qps || epoch != p.qps[q].epoch) return;  // Of an earlier life.
   const PeerState state = p.state.load(std::memory_order_relaxed);
   if (state == PeerState::kFailed || state == PeerState::kIdle) return;
+  if (state == PeerState::kReady && rdma::CountsAsErrorCompletion(wc.status)) {
+    p.error_completions.fetch_add(1, std::memory_order_relaxed);
+  }
   QpSlot& s = p.qps[q];
   switch (kind) {
     case kWrProbe: {

@@ -206,6 +206,13 @@ uint64_t PendingKey(uint64_t id) {
   return (uint64_t{kKeyPending} << 62) | (id & ((1ull << 62) - 1));
 }
 
+/// TcpTotalRetransmits, 0 when unknown (a closed or not yet connected socket).
+uint64_t RetransmitsOrZero(int fd) {
+  if (fd < 0) return 0;
+  absl::StatusOr<uint64_t> n = TcpTotalRetransmits(fd);
+  return n.ok() ? *n : 0;
+}
+
 void SetNoDelay(int fd) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -274,6 +281,7 @@ struct Peer : PeerCounters {
 
   // Outbound (under TcpCore::mu_ except the atomics and the rings' owned halves).
   std::vector<Conn> out;
+  uint64_t retransmits_closed = 0;  // Of outbound connections closed (CloseOut).
   size_t ready_out = 0;
   std::vector<WriteEntry> writes;  // Ring of max_writes_in_flight.
   std::vector<WritePiece> pieces;  // Ring of max_pieces_in_flight.
@@ -382,6 +390,7 @@ class TcpGroupLink final : public GroupLink {
   uint64_t WritesCompleted(int32_t node) const override;
   bool PollImm(int32_t node, uint32_t* imm) override;
   void FailPeer(int32_t node, const absl::Status& cause) override;
+  LinkCounters Counters(int32_t node) const override;
   void Close() override;
 
   // Progress-thread side, all under TcpCore::mu_.
@@ -437,6 +446,11 @@ class TcpGroupLink final : public GroupLink {
   void AdoptParked(Peer& p);
   /// The descriptor for `node` (-1: none; its token then admits no one).
   std::string Descriptor(int32_t node) const;
+  /// Closes outbound connection `c` of `p`, keeping its retransmit count (Counters).
+  static void CloseOut(Peer& p, Conn& c) {
+    p.retransmits_closed += RetransmitsOrZero(c.fd.get());
+    c.fd.Reset();
+  }
   /// Opens outbound connection `c` of `p` (non-blocking connect to p.sa); false after
   /// failing `p`, naming the cause.
   bool OpenConn(Peer& p, Conn& c, FailedBy by);
@@ -872,7 +886,7 @@ bool TcpGroupLink::OpenConn(Peer& p, Conn& c, FailedBy by) {
 }
 
 void TcpGroupLink::RetryConn(Peer& p, Conn& c, const std::string& why, Clock::time_point now) {
-  c.fd.Reset();
+  CloseOut(p, c);
   c.phase = Conn::Phase::kRetry;
   c.retry_at = now + c.backoff;
   c.backoff = std::min(c.backoff * 2, kMaxRetryBackoff);
@@ -937,6 +951,18 @@ absl::Status TcpGroupLink::PostWrite(int32_t node, std::span<const WritePiece> p
   return absl::OkStatus();
 }
 
+LinkCounters TcpGroupLink::Counters(int32_t node) const {
+  LinkCounters out;
+  if (!ValidNode(node)) return out;
+  // The connections are the progress thread's: read under its lock, one syscall each.
+  std::lock_guard<std::mutex> l(core_->mu());
+  const Peer& p = *peers_[static_cast<size_t>(node)];
+  uint64_t n = p.retransmits_closed;
+  for (const Conn& c : p.out) n += RetransmitsOrZero(c.fd.get());
+  out.retransmits = static_cast<int64_t>(n);
+  return out;
+}
+
 uint64_t TcpGroupLink::WritesCompleted(int32_t node) const {
   if (!ValidNode(node)) return 0;
   // kFailed is stored under TcpCore::mu_ after the peer's sockets closed; the progress
@@ -981,7 +1007,7 @@ void TcpGroupLink::Detach(const absl::Status& cause, bool wake) {
 // TcpGroupLink: the progress side (under TcpCore::mu_)
 
 void TcpGroupLink::Fail(Peer& p, absl::string_view why, FailedBy by) {
-  for (Conn& c : p.out) c.fd.Reset();
+  for (Conn& c : p.out) CloseOut(p, c);
   for (Conn& c : p.in) c.fd.Reset();
   if (by == FailedBy::kClose) {
     for (ScopedFd& fd : p.parked) fd.Reset();
@@ -1000,7 +1026,7 @@ void TcpGroupLink::Fail(Peer& p, absl::string_view why, FailedBy by) {
 }
 
 void TcpGroupLink::Reset(Peer& p) {
-  for (Conn& c : p.out) c.fd.Reset();
+  for (Conn& c : p.out) CloseOut(p, c);
   p.out.clear();
   p.ready_out = 0;
   p.writes_posted.store(0, std::memory_order_relaxed);
@@ -1241,7 +1267,7 @@ void TcpGroupLink::CheckOutboundEof(Peer& p, Conn& c) {
       return;
     }
     if (r == 0) {
-      c.fd.Reset();
+      CloseOut(p, c);
       return PeerClosing(p, absl::StrCat("connection ", c.index, " was closed by the peer"));
     }
     return Fail(p, r > 0 ? absl::StrCat("sent bytes on send-only connection ", c.index)
@@ -1516,6 +1542,16 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTcpTransport(const TcpTransportOp
   auto core = std::make_shared<TcpCore>(options);
   EPD_RETURN_IF_ERROR(core->Start());
   return std::unique_ptr<Transport>(std::make_unique<TcpTransport>(std::move(core)));
+}
+
+absl::StatusOr<uint64_t> TcpTotalRetransmits(int fd) {
+  tcp_info info{};
+  socklen_t len = sizeof info;
+  if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("getsockopt(TCP_INFO) on fd ", fd, ": ", Errno(errno)));
+  }
+  return static_cast<uint64_t>(info.tcpi_total_retrans);
 }
 
 std::string TcpListenAddress(const Transport& transport) {

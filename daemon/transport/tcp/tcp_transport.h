@@ -67,6 +67,11 @@ abi::TcpHandshake MakeTcpHandshake(const abi::TcpDescriptor& target, int32_t fro
 /// logs and tests; "" when `transport` is not a TCP transport.
 std::string TcpListenAddress(const Transport& transport);
 
+/// Segments the kernel re-sent on TCP socket `fd` since it was opened (TCP_INFO's
+/// tcpi_total_retrans). Errors: INVALID_ARGUMENT when `fd` is not a TCP socket (naming
+/// errno). A syscall; allocates nothing on success.
+absl::StatusOr<uint64_t> TcpTotalRetransmits(int fd);
+
 /// Two ends of one plain TCP connection in this process.
 struct PlainTcpPair {
   ScopedFd sender;    ///< The connecting end.

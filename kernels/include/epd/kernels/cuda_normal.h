@@ -88,6 +88,9 @@ struct NormalDispatchArgs {
   /// op's event without a device-to-host copy (no copy engine on the op path). A cached
   /// dispatch writes the recv_count left in the area. Null = not written.
   int32_t* recv_count_out = nullptr;
+  /// Per-expert received-token totals the notify kernel adds this dispatch's counts to
+  /// (unaligned; a cached dispatch those of the dispatch it repeats); default off.
+  ExpertTokenStats expert_stats;
 };
 
 /// Enqueues one rank's normal dispatch on `stream`. Errors: INVALID_ARGUMENT for a bad

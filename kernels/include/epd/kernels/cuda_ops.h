@@ -246,6 +246,24 @@ struct KernelHandoff {
   DeviceStatus* status_out = nullptr;
 };
 
+/// Cumulative per-expert received-token counters that a dispatch kernel adds to (as
+/// DeepEP's cumulative_local_expert_recv_stats): entry j (a local expert of this rank,
+/// [0, El)) grows by the tokens that expert received in the op: the low-latency dispatch's
+/// recv_count[j], a normal dispatch's unaligned count (a duplicate expert in a token's row
+/// once; a cached dispatch re-sends the previous dispatch's tokens and adds its counts
+/// again, as the host backend does). One thread of the kernel writes each entry, so no
+/// atomics: one op of the rank at a time. Null `totals` = off (the client's launches).
+struct ExpertTokenStats {
+  /// [El] uint64 device memory on the rank's GPU, zeroed by its owner: the running totals.
+  uint64_t* totals = nullptr;
+  /// [El] uint64 device memory: the last normal dispatch's counts (what a cached dispatch
+  /// adds). Null: cached dispatches add nothing.
+  uint64_t* last_normal = nullptr;
+  /// [El] uint64 host-mapped pinned memory (may be null): each new total is stored there
+  /// too (a store over the bus, no read), so the host reads the totals without a copy.
+  uint64_t* mirror = nullptr;
+};
+
 /// Synchronizes `stream`, reads and clears the rank's DeviceStatus and converts it with
 /// StatusFromDevice(op). For tests and slow paths (it blocks the CPU). A CUDA error of the
 /// stream itself is returned as INTERNAL.
@@ -343,6 +361,8 @@ struct LowLatencyDispatchArgs {
   /// Route through the large path (cuda_limits.h LowLatencyRoutingPlan) even where the
   /// small one fits, e.g. to test it at small capacities. Outputs are the same.
   bool large_path = false;
+  /// Per-expert received-token totals to add this op's recv_count to; default off.
+  ExpertTokenStats expert_stats;
 };
 
 /// Enqueues one rank's low-latency dispatch on `stream`. Any Mll and K: the routing of a
