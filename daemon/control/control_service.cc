@@ -57,6 +57,20 @@ void SetVersions(v1::SessionResponse* response) {
   }
 }
 
+/// OK when `caller` may act as the daemon's operator; else PERMISSION_DENIED naming the
+/// action and the uid, audited as `audit_action`.
+absl::Status CheckOperator(const GroupRegistry& registry, const PeerCredentials& caller,
+                           absl::string_view what, const char* audit_action) {
+  if (registry.IsOperator(caller.uid)) return absl::OkStatus();
+  absl::Status refused = errors::WithReason(
+      absl::PermissionDeniedError(absl::StrCat(
+          what, " is an operator action: uid ", caller.uid,
+          " is neither root nor the uid epd runs as; run it as root (sudo) or as epd's user")),
+      errors::Reason::kNotOperator);
+  Audit(registry.audit_log(), {audit_action, caller, "", -1, refused, ""});
+  return refused;
+}
+
 /// Finishes `reactor` with `status` when it is an error; returns whether it did.
 bool FinishIfError(grpc::ServerUnaryReactor* reactor, const absl::Status& status) {
   if (status.ok()) return false;
@@ -204,8 +218,9 @@ class ControlService::SessionReactor
   grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
 };
 
-ControlService::ControlService(GroupRegistry* registry, std::function<v1::GetStatsResponse()> stats)
-    : registry_(registry), stats_(std::move(stats)) {}
+ControlService::ControlService(GroupRegistry* registry, std::function<v1::GetStatsResponse()> stats,
+                               OperatorActions actions)
+    : registry_(registry), stats_(std::move(stats)), actions_(std::move(actions)) {}
 
 ControlService::~ControlService() = default;
 
@@ -345,6 +360,46 @@ grpc::ServerUnaryReactor* ControlService::GetStats(grpc::CallbackServerContext* 
   for (const v1::GroupInfo& g : listed.groups()) visible.insert(g.spec().name());
   metrics::KeepGroups(response->mutable_metrics(), visible);
   reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ControlService::Drain(grpc::CallbackServerContext* context,
+                                                const v1::DrainRequest* request,
+                                                v1::DrainResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  if (FinishIfError(reactor,
+                    CheckOperator(*registry_, *caller, request->drain() ? "drain" : "undrain",
+                                  request->drain() ? audit::kDrain : audit::kUndrain))) {
+    return reactor;
+  }
+  if (!actions_.drain) {
+    reactor->Finish(ToGrpcStatus(absl::UnimplementedError("Drain is not served here")));
+    return reactor;
+  }
+  response->set_was_draining(actions_.drain(request->drain(), *caller));
+  response->set_draining(registry_->drained());
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ControlService::ReloadConfig(grpc::CallbackServerContext* context,
+                                                       const v1::ReloadConfigRequest* /*request*/,
+                                                       v1::ReloadConfigResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<PeerCredentials> caller = Caller(*context);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  if (FinishIfError(reactor, CheckOperator(*registry_, *caller, "reload", audit::kConfigReload))) {
+    return reactor;
+  }
+  if (!actions_.reload) {
+    reactor->Finish(ToGrpcStatus(absl::UnimplementedError("ReloadConfig is not served here")));
+    return reactor;
+  }
+  absl::StatusOr<v1::ReloadConfigResponse> reloaded = actions_.reload(*caller);
+  if (reloaded.ok()) *response = *std::move(reloaded);
+  reactor->Finish(ToGrpcStatus(reloaded.status()));
   return reactor;
 }
 
