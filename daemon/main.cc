@@ -1,5 +1,7 @@
 // epd: the expert-parallel daemon. Thin by design: flags → config → Daemon → wait for
 // SIGTERM/SIGINT → Daemon::Shutdown → exit 0 (daemon/core/daemon.h; docs/DEPLOYMENT.md §5).
+// SIGHUP reloads the configuration from the same --config file and flags
+// (Daemon::ReloadConfig; docs/OPERATIONS.md "Reloading the configuration").
 // A fatal signal logs a stack trace before epd dies of it (daemon/core/fatal_signals.h).
 #include <pthread.h>
 #include <signal.h>
@@ -7,6 +9,7 @@
 
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -14,6 +17,8 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/errors/reason.h"
 #include "daemon/core/config.h"
@@ -62,16 +67,24 @@ int main(int argc, char** argv) {
   // Every thread inherits this mask: SIGTERM/SIGINT are only ever taken by the waiter below,
   // which also ends a start-up that hangs (e.g. in CUDA initialisation) instead of leaving the
   // signal pending.
-  // SIGHUP, SIGUSR1 and SIGUSR2, whose default action would kill epd without a drain or a
-  // log line, are taken too: logged and otherwise ignored (epd does not reload its
-  // configuration; restart it to change it).
+  // SIGHUP asks for a config reload, which this thread (main) runs once the daemon is up
+  // (several SIGHUPs before it gets to them make one reload). SIGUSR1 and SIGUSR2, whose
+  // default action would kill epd without a drain or a log line, are taken too: logged and
+  // otherwise ignored.
   // The waiter thread is detached and may outlive main's frame (a failed start returns at
   // once), so what it reads and writes lives in a block it shares.
   struct StopState {
     sigset_t signals;
-    absl::Notification stop_requested;
+    absl::Mutex mu;
+    bool stop_requested ABSL_GUARDED_BY(mu) = false;
+    uint64_t reloads_requested ABSL_GUARDED_BY(mu) = 0;
+    uint64_t reloads_done ABSL_GUARDED_BY(mu) = 0;
     absl::Notification started;
     int signal_number = 0;
+    /// Whether main has something to do: stop, or a reload not yet run.
+    bool Pending() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      return stop_requested || reloads_requested != reloads_done;
+    }
   };
   auto stop = std::make_shared<StopState>();
   sigemptyset(&stop->signals);
@@ -87,16 +100,20 @@ int main(int argc, char** argv) {
     while (true) {
       sigwait(&stop->signals, &signal_number);
       if (signal_number == SIGTERM || signal_number == SIGINT) break;
+      if (signal_number == SIGHUP) {
+        absl::MutexLock lock(&stop->mu);
+        ++stop->reloads_requested;
+        continue;
+      }
       epd::GetLogger(epd::kLogDaemon)
-          ->warn(
-              "received {}: ignored (epd does not reload its configuration; restart it to "
-              "change it; SIGTERM stops it)",
-              signal_number == SIGHUP    ? "SIGHUP"
-              : signal_number == SIGUSR1 ? "SIGUSR1"
-                                         : "SIGUSR2");
+          ->warn("received {}: ignored (SIGHUP reloads the configuration, SIGTERM stops epd)",
+                 signal_number == SIGUSR1 ? "SIGUSR1" : "SIGUSR2");
     }
     stop->signal_number = signal_number;
-    stop->stop_requested.Notify();
+    {
+      absl::MutexLock lock(&stop->mu);
+      stop->stop_requested = true;
+    }
     if (!stop->started.WaitForNotificationWithTimeout(absl::Seconds(4))) {
       epd::GetLogger(epd::kLogDaemon)
           ->critical("stop signal during start-up, which did not finish within 4 s; exiting");
@@ -106,6 +123,7 @@ int main(int argc, char** argv) {
 
   epd::DaemonOptions options;
   options.backend_source = epd::BackendSource(*config, flags);
+  options.config_source = [flags] { return epd::ResolveDaemonConfig(flags); };
   absl::StatusOr<std::unique_ptr<epd::Daemon>> daemon = epd::Daemon::Start(*config, options);
   if (!daemon.ok()) {
     // Start logged the reason, unless the log level hides errors (off, critical): then
@@ -118,7 +136,21 @@ int main(int argc, char** argv) {
   }
   stop->started.Notify();
 
-  stop->stop_requested.WaitForNotification();
+  while (true) {
+    {
+      absl::MutexLock lock(&stop->mu);
+      stop->mu.Await(absl::Condition(stop.get(), &StopState::Pending));
+      if (stop->stop_requested) break;
+      stop->reloads_done = stop->reloads_requested;
+    }
+    epd::GetLogger(epd::kLogDaemon)
+        ->info("received SIGHUP: reloading the configuration from {}",
+               flags.config_path && !flags.config_path->empty()
+                   ? absl::StrCat(*flags.config_path, " and the command line")
+                   : std::string("the command line (no --config file)"));
+    // Logged, audited and counted by the daemon; epd runs on whatever the outcome.
+    (void)(*daemon)->ReloadConfig(std::nullopt);
+  }
   epd::GetLogger(epd::kLogDaemon)
       ->info("received {}: shutting down", stop->signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
   // The drain is bounded (~1.5 s); should anything still hang, do not outlive 5 s.

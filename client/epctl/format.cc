@@ -77,6 +77,11 @@ bool Unsupported(const v1::GpuInfo& g) { return !g.supported() && !g.unsupported
 std::string FormatStatus(const v1::GetStatsResponse& s, const std::string& target) {
   std::string out = absl::StrFormat("epd %s  pid %d  %s  %s  up %s\n", s.version(), s.pid(), target,
                                     s.serving_status(), HumanDurationMs(s.uptime_ms()));
+  if (s.draining()) {
+    absl::StrAppend(&out,
+                    "drained: yes (`epctl drain`): live groups are served, new groups are "
+                    "refused; `epctl undrain` serves new groups again\n");
+  }
   absl::StrAppend(&out, "backend: ", s.backend(), " (", s.backend_reason(), ")\n");
   absl::StrAppend(&out, "MPS: ", s.mps_active() ? "active" : "not active", "\n");
   absl::StrAppend(&out, "peer: ", s.peer_address().empty() ? "off" : s.peer_address(), "\n");
@@ -224,9 +229,32 @@ std::string FormatGroups(const v1::ListGroupsResponse& groups) {
   return absl::StrCat(table.Render(), "\n", ranks.Render());
 }
 
+std::string FormatDrain(const v1::DrainResponse& r) {
+  if (r.draining()) {
+    return absl::StrCat(r.was_draining() ? "already drained" : "drained",
+                        ": live groups are served, new groups are refused, health is "
+                        "NOT_SERVING (`epctl undrain` serves new groups again)\n");
+  }
+  return absl::StrCat(r.was_draining() ? "undrained" : "not drained",
+                      ": new groups are accepted (health is SERVING unless `epctl status` "
+                      "says otherwise)\n");
+}
+
+std::string FormatReload(const v1::ReloadConfigResponse& r) {
+  std::string out = absl::StrCat("reload: ", r.result(), "\n");
+  absl::StrAppend(&out, "applied: ",
+                  r.applied().empty() ? "nothing changed" : absl::StrJoin(r.applied(), ", "), "\n");
+  if (!r.refused().empty()) {
+    absl::StrAppend(&out, "refused (restart epd to apply): ", absl::StrJoin(r.refused(), ", "),
+                    "\n");
+  }
+  return out;
+}
+
 std::string FormatStats(const v1::GetStatsResponse& s) {
   Table table({"FIELD", "VALUE"});
   table.AddRow({"serving_status", s.serving_status()});
+  table.AddRow({"draining", s.draining() ? "true" : "false"});
   table.AddRow({"version", s.version()});
   table.AddRow({"pid", absl::StrCat(s.pid())});
   table.AddRow({"uptime", HumanDurationMs(s.uptime_ms())});

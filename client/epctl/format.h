@@ -49,6 +49,11 @@ std::string Seconds(double s);
 /// `epctl config`: the effective DaemonConfig in its text format (every field shown).
 std::string FormatConfig(const v1::DaemonConfig& config);
 
+/// `epctl drain` / `undrain`: the state now and what it means.
+std::string FormatDrain(const v1::DrainResponse& response);
+/// `epctl reload`: the result, the fields applied and those that need a restart.
+std::string FormatReload(const v1::ReloadConfigResponse& response);
+
 /// "1000 (alice)": a uid and its user name on this machine, or the uid alone.
 std::string UidAndName(uint32_t uid);
 /// "12.3 GiB" style byte counts; "1h2m3s" style durations from milliseconds.

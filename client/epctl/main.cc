@@ -1,5 +1,6 @@
 // epctl: inspect a running epd. Thin: flags → one RPC → print.
 //   epctl [--socket=/run/epd/epd.sock] [--json] status|groups|health|stats|metrics|config|doctor
+//   epctl [--socket=...] drain [--undo] | undrain | reload      (operator actions)
 //   epctl [--json] explain EPD-2003|NAME|--list   (offline: the error catalog)
 // Exit status: 0 on success (for `health`: only when SERVING; `--help`, `--version`), 1
 // when the daemon is down, not serving or answers with an error, 2 on a usage error (an
@@ -37,6 +38,7 @@ ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "Deadline of the RPC, conne
 ABSL_FLAG(std::string, service, "",
           "health: the service to check (\"\" = the whole daemon, or epd.v1.Control).");
 ABSL_FLAG(bool, list, false, "explain: list every reason of the error catalog.");
+ABSL_FLAG(bool, undo, false, "drain: undo a drain (the same as `epctl undrain`).");
 
 namespace {
 
@@ -53,7 +55,12 @@ constexpr char kUsage[] =
     "           (groups your uid may list; what --metrics_listen serves for all)\n"
     "  config   the daemon's effective DaemonConfig\n"
     "  doctor   pre-flight of this node, one line per check (ok/warn/fail and the next\n"
-    "           step); --standalone without a daemon; exit 1 when a check fails"
+    "           step); --standalone without a daemon; exit 1 when a check fails\n"
+    "  drain    stop creating new groups (live ones are served) and turn health NOT_SERVING,\n"
+    "           for maintenance; as root or epd's user\n"
+    "  undrain  (or drain --undo) serve new groups again\n"
+    "  reload   re-read the configuration (as SIGHUP does): apply the fields that change\n"
+    "           live, name those that need a restart; exit 1 unless all applied\n"
     "  explain EPD-2003|NAME|--list\n"
     "           an error reason's cause and next step (docs/ERRORS.md); needs no daemon";
 
@@ -65,6 +72,7 @@ std::string ValueExample(absl::string_view name) {
   if (name == "json") return "true or false (--json alone means true, --nojson false)";
   if (name == "socket") return "/run/epd/epd.sock, unix:///path or host:port";
   if (name == "list") return "true or false (--list alone means true)";
+  if (name == "undo") return "true or false (--undo alone means true)";
   if (name == "service") return "epd.v1.Control, or \"\" for the whole daemon";
   if (name == "peer_timeout") return "a duration such as 1s or 500ms";
   if (name == "peers") return "host:port,host:port";
@@ -214,7 +222,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (command != "status" && command != "groups" && command != "health" && command != "stats" &&
-      command != "metrics" && command != "config" && command != "doctor") {
+      command != "metrics" && command != "config" && command != "doctor" && command != "drain" &&
+      command != "undrain" && command != "reload") {
     std::fprintf(stderr, "epctl: unknown command \"%s\"\nepctl: %s\n", command.c_str(), kUsage);
     return 2;
   }
@@ -251,6 +260,22 @@ int main(int argc, char** argv) {
   auto stub = epd::v1::Control::NewStub(channel);
   grpc::ClientContext context;
   context.set_deadline(Deadline());
+  if (command == "drain" || command == "undrain") {
+    epd::v1::DrainRequest request;
+    request.set_drain(command == "drain" && !absl::GetFlag(FLAGS_undo));
+    epd::v1::DrainResponse response;
+    grpc::Status status = stub->Drain(&context, request, &response);
+    if (!status.ok()) return RpcFailed(status, target);
+    Print(json ? epd::epctl::JsonOutput(response) : epd::epctl::FormatDrain(response));
+    return 0;
+  }
+  if (command == "reload") {
+    epd::v1::ReloadConfigResponse response;
+    grpc::Status status = stub->ReloadConfig(&context, epd::v1::ReloadConfigRequest(), &response);
+    if (!status.ok()) return RpcFailed(status, target);
+    Print(json ? epd::epctl::JsonOutput(response) : epd::epctl::FormatReload(response));
+    return response.result() == "ok" ? 0 : 1;
+  }
   if (command == "groups") {
     epd::v1::ListGroupsResponse groups;
     grpc::Status status = stub->ListGroups(&context, epd::v1::ListGroupsRequest(), &groups);

@@ -41,6 +41,7 @@ inline constexpr char kGroupDestroy[] = "group_destroy";
 inline constexpr char kRankMask[] = "rank_mask";
 inline constexpr char kConfigReload[] = "config_reload";
 inline constexpr char kDrain[] = "drain";
+inline constexpr char kUndrain[] = "undrain";
 }  // namespace audit
 
 /// One control action.

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/errors/grpc_status.h"
 #include "common/errors/reason.h"
+#include "common/status_macros.h"
 #include "common/version.h"
 #include "daemon/control/spec_validation.h"
 #include "daemon/core/logging.h"
@@ -55,6 +56,28 @@ void SetVersions(v1::SessionResponse* response) {
   if (absl::StatusOr<Version> version = ParseVersion(kEpdVersion); version.ok()) {
     response->set_compatible_client_versions(CompatibleClientVersions(*version));
   }
+}
+
+/// The caller of an operator action `what` (Drain, ReloadConfig) when it may act as the
+/// daemon's operator (GroupRegistry::IsOperator) and the action is `served`: else
+/// UNAUTHENTICATED (Caller), PERMISSION_DENIED naming the action and the uid (audited as
+/// `audit_action`), or UNIMPLEMENTED.
+absl::StatusOr<PeerCredentials> OperatorCaller(const grpc::CallbackServerContext& context,
+                                               const GroupRegistry& registry,
+                                               absl::string_view what, const char* audit_action,
+                                               bool served) {
+  EPD_ASSIGN_OR_RETURN(PeerCredentials caller, Caller(context));
+  if (!registry.IsOperator(caller.uid)) {
+    absl::Status refused = errors::WithReason(
+        absl::PermissionDeniedError(absl::StrCat(
+            what, " is an operator action: uid ", caller.uid,
+            " is neither root nor the uid epd runs as; run it as root (sudo) or as epd's user")),
+        errors::Reason::kNotOperator);
+    Audit(registry.audit_log(), {audit_action, caller, "", -1, refused, ""});
+    return refused;
+  }
+  if (!served) return absl::UnimplementedError(absl::StrCat(what, " is not served here"));
+  return caller;
 }
 
 /// Finishes `reactor` with `status` when it is an error; returns whether it did.
@@ -208,8 +231,9 @@ class ControlService::SessionReactor
   grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
 };
 
-ControlService::ControlService(GroupRegistry* registry, std::function<v1::GetStatsResponse()> stats)
-    : registry_(registry), stats_(std::move(stats)) {}
+ControlService::ControlService(GroupRegistry* registry, std::function<v1::GetStatsResponse()> stats,
+                               OperatorActions actions)
+    : registry_(registry), stats_(std::move(stats)), actions_(std::move(actions)) {}
 
 ControlService::~ControlService() = default;
 
@@ -349,6 +373,33 @@ grpc::ServerUnaryReactor* ControlService::GetStats(grpc::CallbackServerContext* 
   for (const v1::GroupInfo& g : listed.groups()) visible.insert(g.spec().name());
   metrics::KeepGroups(response->mutable_metrics(), visible);
   reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ControlService::Drain(grpc::CallbackServerContext* context,
+                                                const v1::DrainRequest* request,
+                                                v1::DrainResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<PeerCredentials> caller =
+      OperatorCaller(*context, *registry_, request->drain() ? "drain" : "undrain",
+                     request->drain() ? audit::kDrain : audit::kUndrain, actions_.drain != nullptr);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  response->set_was_draining(actions_.drain(request->drain(), *caller));
+  response->set_draining(registry_->drained());
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ControlService::ReloadConfig(grpc::CallbackServerContext* context,
+                                                       const v1::ReloadConfigRequest* /*request*/,
+                                                       v1::ReloadConfigResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<PeerCredentials> caller = OperatorCaller(
+      *context, *registry_, "reload", audit::kConfigReload, actions_.reload != nullptr);
+  if (FinishIfError(reactor, caller.status())) return reactor;
+  absl::StatusOr<v1::ReloadConfigResponse> reloaded = actions_.reload(*caller);
+  if (reloaded.ok()) *response = *std::move(reloaded);
+  reactor->Finish(ToGrpcStatus(reloaded.status()));
   return reactor;
 }
 

@@ -17,14 +17,25 @@ namespace epd {
 /// absl::Status → grpc::Status (codes are numerically identical).
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
+/// The daemon's side of the operator RPCs (Drain, ReloadConfig), called after the caller was
+/// found to be an operator (GroupRegistry::IsOperator). A null one answers UNIMPLEMENTED.
+struct OperatorActions {
+  /// Drains (true) or undrains; returns the state before. Logs and audits.
+  std::function<bool(bool drain, const PeerCredentials& caller)> drain;
+  /// Reloads the configuration (Daemon::ReloadConfig). Logs and audits.
+  std::function<absl::StatusOr<v1::ReloadConfigResponse>(const PeerCredentials& caller)> reload;
+};
+
 /// Every Control RPC acts for the caller's SO_PEERCRED (daemon/server/peer_credentials.h),
 /// recorded by epd's unix listener; a call without it is refused with UNAUTHENTICATED. A
 /// call that quotes a session id must come from the uid that opened that session
 /// (PERMISSION_DENIED otherwise). ListGroups lists what the caller's uid may see.
 class ControlService final : public v1::Control::CallbackService {
  public:
-  /// `registry` must outlive the service; `stats` fills GetStats (called per RPC).
-  ControlService(GroupRegistry* registry, std::function<v1::GetStatsResponse()> stats);
+  /// `registry` must outlive the service; `stats` fills GetStats (called per RPC);
+  /// `actions` answer Drain and ReloadConfig.
+  ControlService(GroupRegistry* registry, std::function<v1::GetStatsResponse()> stats,
+                 OperatorActions actions = {});
   ~ControlService() override;
 
   grpc::ServerUnaryReactor* JoinGroup(grpc::CallbackServerContext* context,
@@ -56,6 +67,15 @@ class ControlService final : public v1::Control::CallbackService {
   /// SO_PEERCRED; SessionRequest.client_pid is never used) and is answered
   /// with {session_id, "open"}. When the stream ends for any reason (client exit or crash,
   /// cancellation, shutdown) the session is closed and its endpoints released.
+  /// Operator actions: PERMISSION_DENIED (NOT_OPERATOR) unless the caller's uid is root or
+  /// epd's own (GroupRegistry::IsOperator); a refused call is audited here, a granted one
+  /// by the action.
+  grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* context,
+                                  const v1::DrainRequest* request,
+                                  v1::DrainResponse* response) override;
+  grpc::ServerUnaryReactor* ReloadConfig(grpc::CallbackServerContext* context,
+                                         const v1::ReloadConfigRequest* request,
+                                         v1::ReloadConfigResponse* response) override;
   grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* Session(
       grpc::CallbackServerContext* context) override;
 
@@ -71,6 +91,7 @@ class ControlService final : public v1::Control::CallbackService {
 
   GroupRegistry* const registry_;
   const std::function<v1::GetStatsResponse()> stats_;
+  const OperatorActions actions_;
   absl::Mutex mu_;
   std::set<SessionReactor*> sessions_ ABSL_GUARDED_BY(mu_);
 };

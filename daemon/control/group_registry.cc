@@ -55,7 +55,11 @@ absl::Status NotAnOpenSession(const std::string& session_id) {
 }  // namespace
 
 GroupRegistry::GroupRegistry(DataPlane* data_plane, GpuInventory inventory, Options options)
-    : data_plane_(data_plane), inventory_(std::move(inventory)), options_(options) {}
+    : data_plane_(data_plane),
+      inventory_(std::move(inventory)),
+      options_(options),
+      quotas_{options.max_groups, options.max_groups_per_uid, options.max_endpoints_per_uid,
+              options.max_endpoint_bytes_per_uid, options.max_sessions_per_uid} {}
 
 GroupRegistry::~GroupRegistry() {
   ReleaseAll();
@@ -77,13 +81,13 @@ absl::StatusOr<std::string> GroupRegistry::OpenSession(const PeerCredentials& pe
                                                        const std::string& client_name) {
   absl::MutexLock lock(&mu_);
   if (draining_) return Draining("epd is shutting down; no new sessions");
-  if (options_.max_sessions_per_uid != 0) {
+  if (quotas_.max_sessions_per_uid != 0) {
     const Usage usage = UsageOfLocked(peer.uid);
-    if (usage.sessions >= options_.max_sessions_per_uid) {
+    if (usage.sessions >= quotas_.max_sessions_per_uid) {
       return errors::WithReason(
           absl::ResourceExhaustedError(absl::StrCat(
               "max_sessions_per_uid: uid ", peer.uid, " has ", usage.sessions,
-              " open sessions, the quota is ", options_.max_sessions_per_uid,
+              " open sessions, the quota is ", quotas_.max_sessions_per_uid,
               "; a new session would be one more (end other sessions of this uid first, or raise "
               "the quota in the DaemonConfig)")),
           errors::Reason::kQuotaExceeded);
@@ -357,14 +361,23 @@ absl::StatusOr<v1::EndpointInfo> GroupRegistry::Join(const v1::JoinGroupRequest&
     }
   }
   const bool creates = group_it == groups_.end();
+  if (creates && drained_) {
+    return errors::WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "group: \"", EscapeClientText(spec.name()),
+            "\" would be a new group, and this epd is drained (`epctl drain`): it serves its "
+            "live groups but creates none; start the group on another node, or wait for "
+            "`epctl undrain`")),
+        errors::Reason::kDaemonDrained);
+  }
   const uint64_t bytes_needed = data_plane_->BytesPerRank(spec);
   // A join that creates the group is charged the group's private memory too.
   const uint64_t group_bytes = creates ? data_plane_->GroupPrivateBytes(spec) : 0;
   EPD_RETURN_IF_ERROR(CheckQuotasLocked(joiner.uid, spec.name(), rank, creates,
                                         SaturatingAdd(bytes_needed, group_bytes)));
-  if (creates && groups_.size() >= options_.max_groups) {
+  if (creates && groups_.size() >= quotas_.max_groups) {
     return errors::WithReason(absl::ResourceExhaustedError(absl::StrCat(
-                                  "max_groups: ", options_.max_groups, " groups are live; group \"",
+                                  "max_groups: ", quotas_.max_groups, " groups are live; group \"",
                                   spec.name(), "\" cannot be created")),
                               errors::Reason::kQuotaExceeded);
   }
@@ -685,29 +698,29 @@ absl::Status GroupRegistry::CheckQuotasLocked(uint32_t uid, const std::string& g
   const Usage usage = UsageOfLocked(uid);
   const std::string what = absl::StrCat("rank ", rank, " of group \"", group, "\"");
   const char* next = " (leave ranks or groups first, or raise the quota in the DaemonConfig)";
-  if (creates && options_.max_groups_per_uid != 0 &&
-      usage.groups_owned >= options_.max_groups_per_uid) {
+  if (creates && quotas_.max_groups_per_uid != 0 &&
+      usage.groups_owned >= quotas_.max_groups_per_uid) {
     return errors::WithReason(
         absl::ResourceExhaustedError(absl::StrCat(
             "max_groups_per_uid: uid ", uid, " owns ", usage.groups_owned, " groups, the quota is ",
-            options_.max_groups_per_uid, "; ", what, " would create another", next)),
+            quotas_.max_groups_per_uid, "; ", what, " would create another", next)),
         errors::Reason::kQuotaExceeded);
   }
-  if (options_.max_endpoints_per_uid != 0 && usage.endpoints >= options_.max_endpoints_per_uid) {
+  if (quotas_.max_endpoints_per_uid != 0 && usage.endpoints >= quotas_.max_endpoints_per_uid) {
     return errors::WithReason(absl::ResourceExhaustedError(absl::StrCat(
                                   "max_endpoints_per_uid: uid ", uid, " holds ", usage.endpoints,
-                                  " endpoints, the quota is ", options_.max_endpoints_per_uid, "; ",
+                                  " endpoints, the quota is ", quotas_.max_endpoints_per_uid, "; ",
                                   what, " would be one more", next)),
                               errors::Reason::kQuotaExceeded);
   }
-  if (options_.max_endpoint_bytes_per_uid != 0 &&
-      (bytes > options_.max_endpoint_bytes_per_uid ||
-       usage.endpoint_bytes > options_.max_endpoint_bytes_per_uid - bytes)) {
+  if (quotas_.max_endpoint_bytes_per_uid != 0 &&
+      (bytes > quotas_.max_endpoint_bytes_per_uid ||
+       usage.endpoint_bytes > quotas_.max_endpoint_bytes_per_uid - bytes)) {
     return errors::WithReason(
         absl::ResourceExhaustedError(absl::StrCat(
             "max_endpoint_bytes_per_uid: uid ", uid, " holds ", usage.endpoint_bytes,
             " bytes of endpoint buffers and group memory, the quota is ",
-            options_.max_endpoint_bytes_per_uid, "; ", what, " needs ", bytes, " more", next)),
+            quotas_.max_endpoint_bytes_per_uid, "; ", what, " needs ", bytes, " more", next)),
         errors::Reason::kQuotaExceeded);
   }
   return absl::OkStatus();
@@ -732,6 +745,28 @@ void GroupRegistry::SetDraining() {
   absl::MutexLock lock(&mu_);
   draining_ = true;
   NotifyWaitersLocked();
+}
+
+bool GroupRegistry::SetDrained(bool drained) {
+  absl::MutexLock lock(&mu_);
+  const bool before = drained_;
+  drained_ = drained;
+  return before;
+}
+
+bool GroupRegistry::drained() const {
+  absl::MutexLock lock(&mu_);
+  return drained_;
+}
+
+void GroupRegistry::SetQuotas(const Quotas& quotas) {
+  absl::MutexLock lock(&mu_);
+  quotas_ = quotas;
+}
+
+GroupRegistry::Quotas GroupRegistry::quotas() const {
+  absl::MutexLock lock(&mu_);
+  return quotas_;
 }
 
 void GroupRegistry::ReleaseAll() {

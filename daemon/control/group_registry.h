@@ -139,6 +139,8 @@ class GroupRegistry {
   /// uid. Root is not exempt. Errors, each naming the field and the value (never the
   /// secret):
   ///   UNAVAILABLE          draining (SIGTERM);
+  ///   FAILED_PRECONDITION  drained by the operator (SetDrained) and the join would
+  ///                        create the group;
   ///   INVALID_ARGUMENT     a spec field (ValidateGroupSpec), rank out of range, empty
   ///                        session_id, bad launch_mode, gpu_uuid "" on the cuda backend,
   ///                        join_secret longer than kMaxJoinSecretBytes;
@@ -248,6 +250,31 @@ class GroupRegistry {
   /// From now on OpenSession and Join return UNAVAILABLE (shutdown). Idempotent.
   void SetDraining();
 
+  /// The operator's drain (`epctl drain`, Control.Drain): while set, a Join that would
+  /// create a group is refused with FAILED_PRECONDITION (reason DAEMON_DRAINED); joins of
+  /// a live group's ranks, sessions and every call on existing groups go on. Returns the
+  /// previous value.
+  bool SetDrained(bool drained);
+  bool drained() const;
+
+  /// The quotas a config reload may change (the DaemonConfig fields of the same names;
+  /// 0 = no limit, except max_groups, at least 1).
+  struct Quotas {
+    uint32_t max_groups = 64;
+    uint32_t max_groups_per_uid = 64;
+    uint32_t max_endpoints_per_uid = 256;
+    uint64_t max_endpoint_bytes_per_uid = 0;
+    uint32_t max_sessions_per_uid = 256;
+  };
+  /// Replaces the quotas (Options' values at construction). What is held already stays
+  /// held; the new values apply to the next OpenSession and Join.
+  void SetQuotas(const Quotas& quotas);
+  Quotas quotas() const;
+
+  /// Whether `uid` is an operator of this daemon: root or Options::operator_uid (epd's
+  /// own uid). Operators see every group and may drain and reload the daemon.
+  bool IsOperator(uint32_t uid) const { return uid == 0 || uid == options_.operator_uid; }
+
   /// Releases every endpoint and group and forgets every session, and reports what the
   /// log budgets still hold (shutdown). Idempotent.
   void ReleaseAll();
@@ -342,6 +369,8 @@ class GroupRegistry {
 
   mutable absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  bool drained_ ABSL_GUARDED_BY(mu_) = false;
+  Quotas quotas_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Group> groups_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t retired_ops_completed_ ABSL_GUARDED_BY(mu_) = 0;

@@ -18,11 +18,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/errors/reason.h"
 #include "daemon/control/audit_log.h"
 #include "daemon/control/control_service.h"
 #include "daemon/control/group_registry.h"
 #include "daemon/core/config.h"
+#include "daemon/core/config_reload.h"
 #include "daemon/core/fd_limits.h"
 #include "daemon/dataplane/host/host_data_plane.h"
 #include "daemon/gpu/cuda_driver_probe.h"
@@ -192,6 +194,33 @@ absl::StatusOr<BackendChoice> ChooseBackendRequestedBy(v1::Backend requested,
 
 }  // namespace
 
+namespace {
+
+/// Results of a config reload, as epd_config_reloads_total labels them (Daemon::reloads_).
+constexpr const char* kReloadResults[] = {"ok", "refused", "failed"};
+
+/// The --metrics_listen server on `listen`, serving the default registry; logged.
+absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> StartMetricsServer(
+    const std::string& listen) {
+  EPD_ASSIGN_OR_RETURN(std::unique_ptr<metrics::MetricsServer> server,
+                       metrics::MetricsServer::Start(listen, [] {
+                         return metrics::RenderPrometheus(metrics::Default().Collect());
+                       }));
+  GetLogger(kLogDaemon)
+      ->info("metrics listener {} (port {}): Prometheus text format at /metrics", listen,
+             server->port());
+  return server;
+}
+
+/// Who asked for an operator action, for its log and audit lines: "`rpc` from uid 0 (pid
+/// 12, ...)", or `own` when epd acts on its own (a signal, a call inside the process).
+std::string Asker(const std::optional<PeerCredentials>& caller, absl::string_view rpc,
+                  absl::string_view own) {
+  return caller ? absl::StrCat(rpc, " from ", DescribeCredentials(*caller)) : std::string(own);
+}
+
+}  // namespace
+
 absl::StatusOr<BackendChoice> ChooseBackend(v1::Backend requested, const GpuInventory& inventory,
                                             bool cuda_data_plane_built) {
   return ChooseBackendRequestedBy(requested, "--backend=" + BackendFlagName(requested), inventory,
@@ -354,7 +383,13 @@ absl::Status Daemon::Init() {
   registry_options.peer_mesh = peer_mesh_.get();
   registry_options.transports = peer_mesh_ != nullptr ? &transports_->set : nullptr;
   registry_ = std::make_unique<GroupRegistry>(data_plane_.get(), inventory, registry_options);
-  control_ = std::make_unique<ControlService>(registry_.get(), [this] { return Stats(); });
+  OperatorActions actions;
+  actions.drain = [this](bool drain, const PeerCredentials& caller) {
+    return SetDrained(drain, caller);
+  };
+  actions.reload = [this](const PeerCredentials& caller) { return ReloadConfig(caller); };
+  control_ = std::make_unique<ControlService>(
+      registry_.get(), [this] { return Stats(); }, std::move(actions));
   EPD_ASSIGN_OR_RETURN(fd_channel_, FdChannel::Start([registry = registry_.get()](
                                                          const v1::FdChannelRequest& request,
                                                          const PeerCredentials& peer) {
@@ -595,6 +630,7 @@ absl::Status Daemon::ApplySocketPermissions() {
 std::string Daemon::NotServingReasonLocked() const {
   if (shutting_down_) return "draining: shutting down";
   if (!start_up_done_) return "starting";
+  if (drained_) return "drained by the operator (`epctl undrain` serves again)";
   if (!gpu_lost_.empty()) return gpu_lost_;
   if (!listener_stuck_.empty()) return listener_stuck_;
   return peer_listener_stuck_;
@@ -731,16 +767,47 @@ absl::Status Daemon::StartMetrics() {
   metrics_collector_ = metrics::Default().AddCollector(
       [this](metrics::SnapshotBuilder& out) { CollectMetrics(out); });
   if (config_.metrics_listen().empty()) return absl::OkStatus();
-  EPD_ASSIGN_OR_RETURN(metrics_server_, metrics::MetricsServer::Start(config_.metrics_listen(), [] {
-                         return metrics::RenderPrometheus(metrics::Default().Collect());
-                       }));
-  log->info("metrics listener {} (port {}): Prometheus text format at /metrics",
-            config_.metrics_listen(), metrics_server_->port());
+  absl::MutexLock lock(&operator_mu_);
+  EPD_ASSIGN_OR_RETURN(metrics_server_, StartMetricsServer(config_.metrics_listen()));
   return absl::OkStatus();
 }
 
 int Daemon::metrics_port() const {
+  absl::MutexLock lock(&operator_mu_);
   return metrics_server_ != nullptr ? metrics_server_->port() : 0;
+}
+
+absl::Status Daemon::MoveMetricsListener(const std::string& from, const std::string& to) {
+  auto log = GetLogger(kLogDaemon);
+  if (to.empty()) {
+    if (metrics_server_ != nullptr) metrics_server_->Stop();
+    metrics_server_.reset();
+    log->info("metrics listener {} stopped (metrics_listen is now off)", from);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> next = StartMetricsServer(to);
+  if (!next.ok() && metrics_server_ != nullptr) {
+    // The new address may overlap the old one (the same port on another host): free it.
+    metrics_server_->Stop();
+    metrics_server_.reset();
+    next = StartMetricsServer(to);
+    if (!next.ok()) {
+      absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> back = StartMetricsServer(from);
+      if (back.ok()) {
+        metrics_server_ = *std::move(back);
+      } else {
+        log->error(
+            "metrics listener: could not listen on {} again either ({}); metrics are not "
+            "served until a reload that succeeds",
+            from, back.status().message());
+      }
+    }
+  }
+  if (!next.ok()) return next.status();
+  if (metrics_server_ != nullptr) metrics_server_->Stop();
+  metrics_server_ = *std::move(next);
+  if (!from.empty()) log->info("metrics listener {} stopped", from);
+  return absl::OkStatus();
 }
 
 void Daemon::CollectMetrics(metrics::SnapshotBuilder& out) const {
@@ -761,6 +828,18 @@ void Daemon::CollectMetrics(metrics::SnapshotBuilder& out) const {
                "1 when health is SERVING, 0 when NOT_SERVING (starting, draining, a GPU lost, "
                "a listener stuck).",
                {}, stats.serving_status() == "SERVING" ? 1 : 0);
+  out.AddGauge("epd_draining",
+               "1 while drained by the operator (`epctl drain`: no new groups, health "
+               "NOT_SERVING), else 0.",
+               {}, stats.draining() ? 1 : 0);
+  for (int i = 0; i < 3; ++i) {
+    out.AddCounter("epd_config_reloads_total",
+                   "Config reloads (SIGHUP, `epctl reload`) by result: ok (every change "
+                   "applied), refused (some fields need a restart; the live ones applied), "
+                   "failed (nothing applied: the config did not parse or validate).",
+                   {{"result", kReloadResults[i]}},
+                   static_cast<double>(reloads_[i].load(std::memory_order_relaxed)));
+  }
   out.AddGauge("epd_sessions", "Open client sessions.", {}, stats.num_sessions());
   out.AddGauge("epd_groups", "Live groups.", {}, stats.num_groups());
   if (registry_ != nullptr) {
@@ -790,7 +869,7 @@ v1::GetStatsResponse Daemon::Stats() const {
     stats.set_ops_completed(c.ops_completed);
     stats.set_ops_failed(c.ops_failed);
   }
-  *stats.mutable_effective_config() = config_;
+  *stats.mutable_effective_config() = config();
   if (peer_mesh_ != nullptr) stats.set_peer_address(peer_mesh_->advertised_address());
   if (transports_ != nullptr) {
     for (const v1::NicInfo& n : transports_->nics) *stats.add_nics() = n;
@@ -804,10 +883,156 @@ v1::GetStatsResponse Daemon::Stats() const {
   absl::MutexLock lock(&mu_);
   stats.set_mps_active(inventory_.mps().active);
   for (const v1::GpuInfo& g : inventory_.gpus()) *stats.add_gpus() = g;
+  stats.set_draining(drained_);
   const std::string not_serving = NotServingReasonLocked();
   stats.set_serving_status(not_serving.empty() ? "SERVING"
                                                : absl::StrCat("NOT_SERVING (", not_serving, ")"));
   return stats;
+}
+
+v1::DaemonConfig Daemon::config() const {
+  absl::MutexLock lock(&config_mu_);
+  return config_;
+}
+
+absl::StatusOr<v1::ReloadConfigResponse> Daemon::ReloadConfig(
+    const std::optional<PeerCredentials>& caller) {
+  absl::StatusOr<v1::DaemonConfig> next =
+      options_.config_source
+          ? options_.config_source()
+          : errors::WithReason(absl::FailedPreconditionError(
+                                   "this epd has no configuration source to read again (it "
+                                   "runs inside another process, not as the epd binary)"),
+                               errors::Reason::kConfigInvalid);
+  if (!next.ok()) {
+    RecordReload(Asker(caller, "Control.ReloadConfig", "SIGHUP"), caller, next.status(), {});
+    return next.status();
+  }
+  return ApplyConfig(*std::move(next), caller);
+}
+
+absl::StatusOr<v1::ReloadConfigResponse> Daemon::ApplyConfig(
+    v1::DaemonConfig next, const std::optional<PeerCredentials>& caller) {
+  const std::string asker = Asker(caller, "Control.ReloadConfig", "SIGHUP");
+  auto fail = [&](const absl::Status& status) {
+    RecordReload(asker, caller, status, {});
+    return status;
+  };
+  FillDaemonConfigDefaults(&next);
+  if (absl::Status valid = ValidateDaemonConfig(next); !valid.ok()) return fail(valid);
+  absl::MutexLock serialise(&operator_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutting_down_ || shut_down_) {
+      return fail(errors::WithReason(absl::UnavailableError("epd is shutting down"),
+                                     errors::Reason::kDaemonDraining));
+    }
+  }
+  const v1::DaemonConfig running = config();
+  const ConfigDiff diff = DiffDaemonConfig(running, next);
+  auto log = GetLogger(kLogConfig);
+  for (const std::string& field : diff.refused) {
+    log->warn(
+        "config reload: {} changed ({} -> {}) but only a restart applies it; epd keeps {} "
+        "(restart epd to apply it, or put the running value back)",
+        field, ConfigFieldText(running, field), ConfigFieldText(next, field),
+        ConfigFieldText(running, field));
+  }
+  // The one live change that can fail first: then nothing is applied.
+  if (running.metrics_listen() != next.metrics_listen()) {
+    if (absl::Status moved = MoveMetricsListener(running.metrics_listen(), next.metrics_listen());
+        !moved.ok()) {
+      return fail(moved);
+    }
+  }
+  registry_->SetQuotas({next.max_groups(), next.max_groups_per_uid(), next.max_endpoints_per_uid(),
+                        next.max_endpoint_bytes_per_uid(), next.max_sessions_per_uid()});
+  listener_->SetMaxConnectionsPerUid(next.max_connections_per_uid());
+  // Validated above: cannot fail.
+  if (absl::Status levels = SetLogLevel(next.log_level()); !levels.ok()) return fail(levels);
+  for (const std::string& field : diff.live) {
+    log->info("config reload: {} -> {}", ConfigFieldText(running, field),
+              ConfigFieldText(next, field));
+  }
+  {
+    absl::MutexLock lock(&config_mu_);
+    config_ = WithLiveFields(running, next);
+  }
+  v1::ReloadConfigResponse response;
+  response.set_result(diff.refused.empty() ? "ok" : "refused");
+  for (const std::string& field : diff.live) response.add_applied(field);
+  for (const std::string& field : diff.refused) response.add_refused(field);
+  RecordReload(asker, caller, absl::OkStatus(), response);
+  return response;
+}
+
+void Daemon::RecordReload(const std::string& trigger, const std::optional<PeerCredentials>& caller,
+                          const absl::Status& status, const v1::ReloadConfigResponse& response) {
+  auto log = GetLogger(kLogConfig);
+  std::string detail;
+  absl::Status audited = status;
+  int result = 2;
+  if (!status.ok()) {
+    detail = absl::StrCat(trigger, ": nothing applied");
+    log->error(
+        "config reload ({}) failed: {}; nothing was applied, epd runs on as before (fix the "
+        "configuration and reload again)",
+        trigger, errors::StatusText(status));
+  } else {
+    result = response.refused().empty() ? 0 : 1;
+    const std::string applied =
+        response.applied().empty() ? "nothing changed" : absl::StrJoin(response.applied(), ", ");
+    detail = absl::StrCat(trigger, ": applied: ", applied);
+    if (result == 1) {
+      const std::string refused = absl::StrJoin(response.refused(), ", ");
+      absl::StrAppend(&detail, "; refused (restart needed): ", refused);
+      audited = absl::FailedPreconditionError(absl::StrCat("needs a restart: ", refused));
+      log->warn("config reload ({}): applied: {}; refused, needs a restart: {}", trigger, applied,
+                refused);
+    } else {
+      log->info("config reload ({}): applied: {}", trigger, applied);
+    }
+  }
+  reloads_[result].fetch_add(1, std::memory_order_relaxed);
+  Audit(audit_log_.get(), {audit::kConfigReload, caller, "", -1, audited, detail});
+}
+
+bool Daemon::SetDrained(bool drain, const std::optional<PeerCredentials>& caller) {
+  absl::MutexLock serialise(&operator_mu_);
+  bool before = false;
+  {
+    absl::MutexLock lock(&mu_);
+    before = drained_;
+    if (shutting_down_ || shut_down_) return before;
+    drained_ = drain;
+  }
+  registry_->SetDrained(drain);
+  PublishServing();
+  const std::string asker = Asker(caller, "Control.Drain", "in-process call");
+  auto log = GetLogger(kLogDaemon);
+  if (before == drain) {
+    log->info("{} ({}): already {}", drain ? "drain" : "undrain", asker,
+              drain ? "drained" : "serving new groups");
+  } else if (drain) {
+    log->warn(
+        "drained ({}): health NOT_SERVING, joins that would create a group are refused; live "
+        "groups are served. `epctl undrain` serves new groups again",
+        asker);
+  } else {
+    log->info("undrained ({}): new groups are accepted again", asker);
+  }
+  Audit(audit_log_.get(),
+        {drain ? audit::kDrain : audit::kUndrain, caller, "", -1, absl::OkStatus(),
+         drain ? absl::StrCat("operator drain", before ? " (already drained)" : "",
+                              ": new groups refused, health NOT_SERVING")
+               : absl::StrCat("operator undrain", before ? "" : " (was not drained)",
+                              ": new groups accepted")});
+  return before;
+}
+
+bool Daemon::drained() const {
+  absl::MutexLock lock(&mu_);
+  return drained_;
 }
 
 void Daemon::Shutdown() {
@@ -823,6 +1048,8 @@ void Daemon::Shutdown() {
     absl::MutexLock lock(&mu_);
     shutting_down_ = true;  // Also stops the GPU monitor and the health updater.
   }
+  // An operator action in progress ends first; later ones see shutting_down_.
+  { absl::MutexLock barrier(&operator_mu_); }
   PublishServing();
   if (registry_ != nullptr) registry_->SetDraining();
   Audit(audit_log_.get(), {audit::kDrain, std::nullopt, "", -1, absl::OkStatus(),
@@ -846,8 +1073,11 @@ void Daemon::Shutdown() {
   if (health_watcher_.joinable()) health_watcher_.join();
   if (listener_ != nullptr) listener_->Stop();
   // Scrapes end before what they read goes.
-  if (metrics_server_ != nullptr) metrics_server_->Stop();
-  metrics_server_.reset();
+  {
+    absl::MutexLock lock(&operator_mu_);
+    if (metrics_server_ != nullptr) metrics_server_->Stop();
+    metrics_server_.reset();
+  }
   metrics_collector_.Reset();
   server_.reset();
   listener_.reset();

@@ -6,6 +6,7 @@
 // of start and shutdown: docs/DEPLOYMENT.md §5 "Start, health and shutdown".
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -23,6 +24,7 @@
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/gpu/gpu_inventory.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/server/peer_credentials.h"
 #include "daemon/transport/rdma/preflight.h"
 #include "epd/v1/config.pb.h"
 #include "epd/v1/control.grpc.pb.h"
@@ -115,6 +117,10 @@ struct DaemonOptions {
   /// RDMA preflight facts; nullopt = read from this process and machine (tests inject
   /// them).
   std::optional<transport::PreflightFacts> preflight_facts;
+  /// Reads the configuration again for a reload (SIGHUP, Control.ReloadConfig): main.cc
+  /// resolves the same --config file and command line (ResolveDaemonConfig). Null = this
+  /// daemon has nothing to re-read (ReloadConfig answers FAILED_PRECONDITION).
+  std::function<absl::StatusOr<v1::DaemonConfig>()> config_source;
 };
 
 class Daemon {
@@ -141,7 +147,9 @@ class Daemon {
   std::string unix_target() const { return "unix://" + socket_path_; }
   /// Bound TCP port of --listen (the real one for "host:0"); 0 when there is none.
   int tcp_port() const { return tcp_port_; }
-  const v1::DaemonConfig& config() const { return config_; }
+  /// The configuration in effect: the one started with, with the live fields of every
+  /// reload since (ApplyConfig).
+  v1::DaemonConfig config() const;
   const BackendChoice& backend() const { return backend_; }
   /// Bound port of --metrics_listen (the real one for "host:0"); 0 when there is none.
   int metrics_port() const;
@@ -150,6 +158,32 @@ class Daemon {
 
   /// What GetStats answers.
   v1::GetStatsResponse Stats() const;
+
+  /// A config reload (SIGHUP; Control.ReloadConfig by `caller`): reads the configuration
+  /// again through DaemonOptions::config_source and ApplyConfig's it. Errors (nothing is
+  /// applied, the running configuration stays; logged, audited, counted as "failed"): the
+  /// source's (a file that does not parse, a field that does not validate: the message
+  /// names it), FAILED_PRECONDITION without a config_source, ApplyConfig's.
+  absl::StatusOr<v1::ReloadConfigResponse> ReloadConfig(
+      const std::optional<PeerCredentials>& caller);
+  /// Applies `next` (completed with FillDaemonConfigDefaults and validated first) as a
+  /// reload: every field that differs from the running config and is live
+  /// (config_reload.h LiveConfigFields: log_level, the quotas, metrics_listen) takes
+  /// effect; every other one that differs is refused by name (one warning each: it needs a
+  /// restart) and keeps its running value. Result "ok" or "refused"
+  /// (ReloadConfigResponse). Errors, with nothing applied: INVALID_ARGUMENT for an invalid
+  /// `next` (naming the field), UNAVAILABLE when the new metrics_listen cannot be bound
+  /// (the old listener keeps serving) or epd is shutting down. Each call is logged, written
+  /// to the audit log (config_reload) and counted in epd_config_reloads_total{result}.
+  absl::StatusOr<v1::ReloadConfigResponse> ApplyConfig(
+      v1::DaemonConfig next, const std::optional<PeerCredentials>& caller = std::nullopt);
+
+  /// The operator's drain (Control.Drain by `caller`; `epctl drain`/`undrain`): while
+  /// drained, a join that would create a group is refused (DAEMON_DRAINED), live groups
+  /// keep working (their ranks may join), health is NOT_SERVING, GetStats.draining and
+  /// epd_draining are set. Logged and audited (drain / undrain). Returns the state before.
+  bool SetDrained(bool drain, const std::optional<PeerCredentials>& caller = std::nullopt);
+  bool drained() const;
 
  private:
   Daemon(v1::DaemonConfig config, DaemonOptions options);
@@ -173,11 +207,23 @@ class Daemon {
   /// Counts this start (metrics_state_file), registers CollectMetrics and starts the
   /// --metrics_listen server.
   absl::Status StartMetrics();
+  /// Moves the metrics listener from `from` to `to` ("" = none) for a reload: the new one
+  /// is bound before the old one stops (or, when that fails, right after it stopped, for a
+  /// move that keeps the port); when `to` cannot be bound the old one serves on.
+  absl::Status MoveMetricsListener(const std::string& from, const std::string& to)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(operator_mu_);
+  /// Logs, audits and counts a reload that ended with `result` ("ok", "refused",
+  /// "failed"); `status` is the error of a failed one.
+  void RecordReload(const std::string& trigger, const std::optional<PeerCredentials>& caller,
+                    const absl::Status& status, const v1::ReloadConfigResponse& response);
   /// The health updater: listener health and unmapped-endpoint expiry, every
   /// health_interval until shutdown.
   void WatchHealth();
 
-  const v1::DaemonConfig config_;
+  /// The configuration in effect. Written (by ApplyConfig) under operator_mu_ and
+  /// config_mu_; read under either (Init, before any reload, reads it freely).
+  v1::DaemonConfig config_;
+  mutable absl::Mutex config_mu_;
   DaemonOptions options_;
   const std::string socket_path_;
   const absl::Time started_;
@@ -209,7 +255,9 @@ class Daemon {
   /// Restarts before this start (metrics_state_file); -1 when unknown.
   int64_t restarts_ = -1;
   metrics::Registration metrics_collector_;
-  std::unique_ptr<metrics::MetricsServer> metrics_server_;
+  std::unique_ptr<metrics::MetricsServer> metrics_server_ ABSL_GUARDED_BY(operator_mu_);
+  /// Config reloads by result: ok, refused, failed (epd_config_reloads_total).
+  std::atomic<uint64_t> reloads_[3] = {};
   std::thread gpu_monitor_;
   std::thread health_watcher_;
 
@@ -220,9 +268,13 @@ class Daemon {
   std::string gpu_lost_ ABSL_GUARDED_BY(mu_);             ///< Why a GPU is lost ("" = none).
   std::string listener_stuck_ ABSL_GUARDED_BY(mu_);       ///< Why the listener is stuck ("").
   std::string peer_listener_stuck_ ABSL_GUARDED_BY(mu_);  ///< Why the Peer listener is ("").
+  bool drained_ ABSL_GUARDED_BY(mu_) = false;  ///< SetDrained (the registry has its own).
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::Mutex shutdown_mu_;  ///< Serialises Shutdown().
+  /// Serialises the operator's actions (reloads, drains) and the metrics listener's moves;
+  /// Shutdown waits for one in progress, and later ones find shutting_down_ set.
+  mutable absl::Mutex operator_mu_;
 };
 
 }  // namespace epd

@@ -251,6 +251,7 @@ UnixListener::UnixListener(Options options, ScopedFd listen_fd, ScopedFd wake_fd
       listen_fd_(std::move(listen_fd)),
       wake_fd_(std::move(wake_fd)),
       reserve_fd_(std::move(reserve_fd)),
+      max_connections_per_uid_(options_.max_connections_per_uid),
       connections_(ConnectionCounter::Limits{options_.max_connections_per_uid,
                                              options_.max_connections, options_.exempt_uids}) {}
 
@@ -419,6 +420,7 @@ void UnixListener::AcceptReady(absl::Time now) {
       continue;
     }
     RecordSuccess();
+    connections_.SetPerUidLimit(max_connections_per_uid_.load(std::memory_order_relaxed));
     const ConnectionCounter::Admission admission = connections_.Admit(fd.get(), peer->uid);
     if (admission != ConnectionCounter::Admission::kAdmitted) {
       {
@@ -443,8 +445,7 @@ void UnixListener::AcceptReady(absl::Time now) {
                 per_uid ? absl::StrCat("uid ", peer->uid, " holds ", connections_.live(peer->uid),
                                        " connections")
                         : std::string("epd holds as many connections as it allows"),
-                options_.max_connections_per_uid, connections_.live_total(),
-                options_.max_connections);
+                connections_.per_uid_limit(), connections_.live_total(), options_.max_connections);
       }
       fd = ScopedFd();
       continue;

@@ -97,6 +97,10 @@ class ConnectionCounter {
   /// and releases the connections gone; returns their descriptor numbers.
   std::vector<int> Sweep();
 
+  /// Replaces Limits::per_uid (a config reload): connections already admitted stay.
+  void SetPerUidLimit(uint32_t per_uid) { limits_.per_uid = per_uid; }
+  uint32_t per_uid_limit() const { return limits_.per_uid; }
+
   uint32_t live(uint32_t uid) const;                   ///< Live connections of `uid`.
   uint64_t live_total() const { return live_total_; }  ///< Of every uid, exempt included.
   size_t tracked() const { return tracked_.size(); }   ///< Handed over, not yet swept.
@@ -110,7 +114,7 @@ class ConnectionCounter {
   bool Exempt(uint32_t uid) const;
   void Forget(int fd);
 
-  const Limits limits_;
+  Limits limits_;
   std::unordered_map<uint32_t, uint32_t> per_uid_;
   std::unordered_map<int, Tracked> tracked_;
   uint64_t live_total_ = 0;
@@ -188,6 +192,12 @@ class UnixListener {
   /// The accept loop's heartbeat, failures and counters. Thread-safe.
   ListenerStatus status() const;
 
+  /// Replaces Options::max_connections_per_uid (a config reload; 0 = no limit): from the
+  /// next accepted connection on; live connections are never closed for it. Thread-safe.
+  void SetMaxConnectionsPerUid(uint32_t max_connections_per_uid) {
+    max_connections_per_uid_.store(max_connections_per_uid, std::memory_order_relaxed);
+  }
+
  private:
   struct Pending {
     ScopedFd fd;
@@ -236,6 +246,8 @@ class UnixListener {
   std::thread loop_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> heartbeat_ns_{0};  ///< absl::ToUnixNanos of the last round; 0 = none.
+  /// SetMaxConnectionsPerUid's value, applied to connections_ by the accept loop.
+  std::atomic<uint32_t> max_connections_per_uid_;
 
   // Accept loop state (the loop thread only).
   std::vector<Pending> pending_;

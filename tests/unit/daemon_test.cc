@@ -12,11 +12,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/core/config.h"
+#include "daemon/core/logging.h"
+#include "daemon/metrics/metrics.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -254,6 +257,120 @@ TEST_F(DaemonTest, StuckListenerTurnsHealthNotServingUntilItRecovers) {
   EXPECT_EQ(wait_for("SERVING"), "SERVING");
   EXPECT_EQ(check(tcp_channel), HealthCheckResponse::SERVING);
   EXPECT_EQ(Health(""), HealthCheckResponse::SERVING);  // A new connection is accepted.
+  (*daemon)->Shutdown();
+}
+
+TEST_F(DaemonTest, ApplyConfigAppliesLiveFieldsAndRefusesTheRest) {
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(Config(), Options());
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  v1::DaemonConfig next = Config();
+  next.set_log_level("error,epd.config=info");
+  next.set_max_sessions_per_uid(3);
+  next.set_metrics_listen("127.0.0.1:0");
+  next.set_socket_mode("0660");  // Needs a restart.
+  absl::StatusOr<v1::ReloadConfigResponse> reloaded = (*daemon)->ApplyConfig(next);
+  ASSERT_TRUE(reloaded.ok()) << reloaded.status();
+  EXPECT_EQ(reloaded->result(), "refused");
+  EXPECT_THAT(reloaded->applied(),
+              ::testing::ElementsAre("log_level", "max_sessions_per_uid", "metrics_listen"));
+  EXPECT_THAT(reloaded->refused(), ::testing::ElementsAre("socket_mode"));
+  const v1::DaemonConfig now = (*daemon)->config();
+  EXPECT_EQ(now.log_level(), "error,epd.config=info");
+  EXPECT_EQ(now.max_sessions_per_uid(), 3u);
+  EXPECT_EQ(now.socket_mode(), "0600");
+  EXPECT_EQ((*daemon)->Stats().effective_config().max_sessions_per_uid(), 3u);
+  EXPECT_EQ(GetLogger(kLogDaemon)->level(), spdlog::level::err);
+  EXPECT_EQ(GetLogger(kLogConfig)->level(), spdlog::level::info);
+  EXPECT_GT((*daemon)->metrics_port(), 0);
+
+  // The same again: nothing left to apply but the refused field.
+  reloaded = (*daemon)->ApplyConfig(next);
+  ASSERT_TRUE(reloaded.ok()) << reloaded.status();
+  EXPECT_THAT(reloaded->applied(), ::testing::IsEmpty());
+
+  // Invalid: nothing changes.
+  v1::DaemonConfig bad = Config();
+  bad.set_log_level("loud");
+  bad.set_max_sessions_per_uid(9);
+  reloaded = (*daemon)->ApplyConfig(bad);
+  EXPECT_EQ(reloaded.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(reloaded.status().message()), HasSubstr("log_level"));
+  EXPECT_EQ((*daemon)->config().max_sessions_per_uid(), 3u);
+  EXPECT_GT((*daemon)->metrics_port(), 0);
+
+  // Back to the start: the metrics listener stops.
+  reloaded = (*daemon)->ApplyConfig(Config());
+  ASSERT_TRUE(reloaded.ok()) << reloaded.status();
+  EXPECT_EQ(reloaded->result(), "ok");
+  EXPECT_EQ((*daemon)->metrics_port(), 0);
+  EXPECT_EQ(GetLogger(kLogDaemon)->level(), spdlog::level::warn);
+
+  v1::MetricsSnapshot metrics = metrics::Default().Collect();
+  std::map<std::string, double> reloads;
+  for (const v1::MetricFamily& f : metrics.families()) {
+    if (f.name() != "epd_config_reloads_total") continue;
+    for (const v1::MetricSample& m : f.samples()) reloads[m.labels(0).value()] = m.value();
+  }
+  EXPECT_EQ(reloads["ok"], 1);
+  EXPECT_EQ(reloads["refused"], 2);
+  EXPECT_EQ(reloads["failed"], 1);
+  (*daemon)->Shutdown();
+}
+
+TEST_F(DaemonTest, ReloadReadsTheConfigSourceAgain) {
+  DaemonOptions options = Options();
+  v1::DaemonConfig source = Config();
+  options.config_source = [&source]() -> absl::StatusOr<v1::DaemonConfig> { return source; };
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(Config(), std::move(options));
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  source.set_max_groups(5);
+  absl::StatusOr<v1::ReloadConfigResponse> reloaded = (*daemon)->ReloadConfig(std::nullopt);
+  ASSERT_TRUE(reloaded.ok()) << reloaded.status();
+  EXPECT_EQ(reloaded->result(), "ok");
+  EXPECT_EQ((*daemon)->config().max_groups(), 5u);
+  (*daemon)->Shutdown();
+  EXPECT_EQ((*daemon)->ReloadConfig(std::nullopt).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(DaemonTest, ReloadWithoutAConfigSourceIsRefused) {
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(Config(), Options());
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  EXPECT_EQ((*daemon)->ReloadConfig(std::nullopt).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  (*daemon)->Shutdown();
+}
+
+TEST_F(DaemonTest, DrainTurnsHealthNotServingUntilUndrained) {
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(Config(), Options());
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  auto channel = grpc::CreateChannel("unix://" + socket_, grpc::InsecureChannelCredentials());
+  auto stub = v1::Control::NewStub(channel);
+  auto drain = [&](bool on) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::DrainRequest request;
+    request.set_drain(on);
+    v1::DrainResponse response;
+    grpc::Status status = stub->Drain(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();  // This process runs as epd's uid.
+    return response;
+  };
+  v1::DrainResponse response = drain(true);
+  EXPECT_TRUE(response.draining());
+  EXPECT_FALSE(response.was_draining());
+  EXPECT_TRUE((*daemon)->drained());
+  EXPECT_EQ(Health(""), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(Health(kControlServiceName), HealthCheckResponse::NOT_SERVING);
+  const v1::GetStatsResponse stats = (*daemon)->Stats();
+  EXPECT_TRUE(stats.draining());
+  EXPECT_THAT(stats.serving_status(), HasSubstr("NOT_SERVING (drained by the operator"));
+
+  EXPECT_TRUE(drain(true).was_draining());
+  response = drain(false);
+  EXPECT_FALSE(response.draining());
+  EXPECT_TRUE(response.was_draining());
+  EXPECT_EQ(Health(""), HealthCheckResponse::SERVING);
+  EXPECT_FALSE((*daemon)->Stats().draining());
   (*daemon)->Shutdown();
 }
 
