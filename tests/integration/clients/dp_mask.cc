@@ -42,6 +42,8 @@ ABSL_FLAG(int, rank, 0, "rank");
 ABSL_FLAG(int, num_ranks, 4, "ranks");
 ABSL_FLAG(int, max_rounds, 0, "stop after this many rounds (0 = forever)");
 ABSL_FLAG(bool, api_checks, false, "check the mask API's errors first");
+ABSL_FLAG(std::string, gpu_uuid, "",
+          "the GPU to join on (cuda backend; \"\": the daemon's first GPU, from GetStats)");
 
 namespace {
 
@@ -137,6 +139,18 @@ int main(int argc, char** argv) {
                                                                .ll_max_tokens_per_rank = kMll});
   j.spec.set_on_rank_failure(epd::v1::RANK_FAILURE_POLICY_MASK);
   j.rank = rank;
+  j.gpu_uuid = absl::GetFlag(FLAGS_gpu_uuid);
+#if EPD_DP_MASK_CUDA
+  if (j.gpu_uuid.empty()) {
+    auto stats = (*client)->GetStats();
+    if (!stats.ok() || stats->gpus_size() == 0) {
+      std::printf("join: no GPU to join on: %s\n",
+                  stats.ok() ? "the daemon lists none" : stats.status().ToString().c_str());
+      return 2;
+    }
+    j.gpu_uuid = stats->gpus(0).uuid();
+  }
+#endif
   auto ep = (*client)->Join(j);
   if (!ep.ok()) {
     std::printf("join: %s\n", ep.status().ToString().c_str());
