@@ -44,7 +44,7 @@ absl::StatusOr<uint64_t> RecordStart(const std::string& path) {
   }
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
   {
-    ScopedFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    ScopedFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644));
     if (fd.get() < 0) {
       return absl::UnavailableError(absl::StrCat("metrics_state_file ", path, ": cannot write ",
                                                  tmp, ": ", std::strerror(errno)));

@@ -7,9 +7,12 @@
 #include <httplib.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -260,6 +263,26 @@ TEST(MetricsStartCountTest, CountsStartsAndRecoversFromAGarbledFile) {
   EXPECT_EQ(*after, 1u);
   EXPECT_EQ(RecordStart("/nonexistent-dir/epd.starts").status().code(),
             absl::StatusCode::kUnavailable);
+  std::remove(path.c_str());
+}
+
+// A symbolic link planted where RecordStart writes its temporary file (the path, ".tmp.",
+// epd's pid: predictable) must not make epd truncate and write the file it points to.
+TEST(MetricsStartCountTest, DoesNotWriteThroughAPlantedTemporaryLink) {
+  const std::string dir = ::testing::TempDir();
+  const std::string path = absl::StrCat(dir, "/epd.starts.link.", ::getpid());
+  const std::string victim = absl::StrCat(dir, "/epd.victim.", ::getpid());
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+  std::remove(path.c_str());
+  std::remove(tmp.c_str());
+  std::ofstream(victim) << "precious";
+  ASSERT_EQ(::symlink(victim.c_str(), tmp.c_str()), 0) << std::strerror(errno);
+  EXPECT_EQ(RecordStart(path).status().code(), absl::StatusCode::kUnavailable);
+  std::ifstream in(victim);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "precious");
+  std::remove(tmp.c_str());
+  std::remove(victim.c_str());
   std::remove(path.c_str());
 }
 
