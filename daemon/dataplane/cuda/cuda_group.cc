@@ -164,10 +164,22 @@ void CudaGroup::AdoptEngine(int device) {
   engine_.store(e);
 }
 
+void CudaGroup::ReleaseRetired() {
+  std::vector<std::shared_ptr<CudaRank>> gone;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    gone.swap(retired_);
+  }
+  // Freed here, outside the lock: the engine runs on while the frees wait for the device.
+}
+
 absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t rank,
                                                                       const std::string& gpu_uuid,
                                                                       v1::LaunchMode launch_mode,
                                                                       v1::EndpointInfo* info) {
+  // On the control path without the lock (LockstepGroup::AttachRank), as the allocations
+  // below: the earlier rejoins' stand-ins are freed here.
+  ReleaseRetired();
   EPD_ASSIGN_OR_RETURN(int device, plane_->DeviceOf(gpu_uuid));
   if (masking() && launch_mode == v1::LAUNCH_MODE_CLIENT) {
     return errors::WithReason(
@@ -321,9 +333,10 @@ absl::Status CudaGroup::CopyPeerBases(const std::vector<uint8_t*>& bases, const 
 absl::Status CudaGroup::UploadPeerBases() {
   if (!bases_dirty_) return absl::OkStatus();
   EPD_RETURN_IF_ERROR(CopyPeerBases(host_bases_, nullptr));
-  // Every peer array now names the rejoined ranks' areas: their stand-ins go.
+  // Every peer array now names the rejoined ranks' areas: their stand-ins go, unfreed
+  // (retired_): the clients' streams may already wait for this op's done_seq.
   for (size_t r = 0; r < ranks_.size(); ++r) {
-    if (ranks_[r]) standins_[r].reset();
+    if (ranks_[r] && standins_[r]) retired_.push_back(std::move(standins_[r]));
   }
   bases_dirty_ = false;
   return absl::OkStatus();

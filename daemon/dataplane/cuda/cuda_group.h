@@ -193,9 +193,12 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// a GPU's array at its first rank. Synchronous. Errors: CUDA.
   absl::Status CopyPeerBases(const std::vector<uint8_t*>& bases, const CudaRank* fresh);
   /// When a rank rejoined a masked slot (bases_dirty_): copies host_bases_ to every GPU's
-  /// peer array before an op's launches (the group's GPUs claimed and idle), then drops the
-  /// stand-ins of attached ranks. Errors: CUDA.
+  /// peer array before an op's launches (the group's GPUs claimed and idle), then moves the
+  /// stand-ins of attached ranks to retired_ (not freed here: see retired_). Errors: CUDA.
   absl::Status UploadPeerBases();
+  /// Frees the stand-ins UploadPeerBases retired (retired_). Takes mu_ to take them, frees
+  /// them after releasing it: call without mu_ held, never on the engine thread.
+  void ReleaseRetired();
   /// Copies rank_masked() to every GPU's mask array (mask_arrays_) when it changed
   /// (mask_dirty_), synchronously, before an op's launches (the GPUs are claimed and idle).
   /// Errors: CUDA (INTERNAL, RESOURCE_EXHAUSTED).
@@ -243,6 +246,13 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// stand-in (its area's sync state stays in step with the others', so no reset) until a
   /// process rejoins the slot. Null otherwise.
   std::vector<std::shared_ptr<CudaRank>> standins_;
+  /// Stand-ins that every peer array has stopped naming (UploadPeerBases), not yet freed.
+  /// Freeing device or pinned memory (cudaFree, cudaFreeHost) waits for all work of the
+  /// device: on the engine thread, between the ranks' submissions and the op's launches,
+  /// that is the clients' staging kernels and stream waits for this op's done_seq, which
+  /// only the op's kernels write (a hang until their bounds). Freed on the control path
+  /// instead, outside the lock (PrepareRank, ReleaseRetired), or with the group.
+  std::vector<std::shared_ptr<CudaRank>> retired_;
   /// GPU -> device array [R] of uint8, the rank mask the kernels read
   /// (CudaRankContext::rank_masked); allocated at the first mask.
   std::map<int, DeviceMemory> mask_arrays_;
