@@ -28,6 +28,17 @@
 
 int main(int argc, char** argv) {
   epd::InstallFatalSignalHandler(argv[0]);
+  // SIGHUP (a reload) and SIGUSR1/2 are blocked from the start: their default action would
+  // end epd when one comes before the signal thread below takes them (they stay pending
+  // until then). SIGTERM/SIGINT keep theirs until then: a stop before start-up is a stop.
+  {
+    sigset_t early;
+    sigemptyset(&early);
+    sigaddset(&early, SIGHUP);
+    sigaddset(&early, SIGUSR1);
+    sigaddset(&early, SIGUSR2);
+    pthread_sigmask(SIG_BLOCK, &early, nullptr);
+  }
   absl::SetProgramUsageMessage(
       "the expert-parallel daemon (MoE dispatch/combine for every process on the "
       "node).\nUsage: epd [--config=/etc/epd/epd.textproto] [--socket=/run/epd/epd.sock] "

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -415,6 +416,11 @@ std::vector<CheckResult> CheckDaemon(const DoctorFacts& facts) {
   if (facts.serving_status == "SERVING") {
     out.push_back(
         Ok("daemon.serving", absl::StrCat(facts.source, ": SERVING, backend ", facts.backend)));
+  } else if (facts.draining && absl::StrContains(facts.serving_status, "drained by the operator")) {
+    // Drained on purpose, and nothing else wrong (a fault would be the status's reason).
+    out.push_back(Warn("daemon.serving",
+                       absl::StrCat(facts.source, ": drained by an operator (no new groups)"),
+                       "`epctl undrain` when the maintenance is over"));
   } else {
     out.push_back(Fail("daemon.serving", absl::StrCat(facts.source, ": ", facts.serving_status),
                        "the reason in parentheses says what is wrong; `journalctl -u epd`"));
@@ -491,6 +497,7 @@ DoctorFacts FactsFromStats(const v1::GetStatsResponse& stats, const std::string&
   f.source = absl::StrCat("epd ", stats.version(), " (pid ", stats.pid(), ") on ", target);
   f.daemon_version = stats.version();
   f.serving_status = stats.serving_status();
+  f.draining = stats.draining();
   f.backend = stats.backend();
   f.backend_reason = stats.backend_reason();
   f.gpus.assign(stats.gpus().begin(), stats.gpus().end());

@@ -33,6 +33,7 @@ struct DoctorFacts {
   // A live daemon only.
   std::string daemon_version;
   std::string serving_status;
+  bool draining = false;  ///< Drained by an operator (`epctl drain`).
   std::string backend;
   std::string backend_reason;
 

@@ -109,6 +109,19 @@ absl::Status AuditLog::EnsureOpenLocked() {
                               : "not a file",
         "): epd appends its audit log only to a regular file; remove it or name another path"));
   }
+  // Only epd's user (or root) may own it, and nobody else may write it: another user who
+  // can would forge or erase the record of what was done.
+  if (st.st_uid != ::geteuid() && st.st_uid != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "audit_log: \"", path_, "\" is owned by uid ", st.st_uid, ", not epd's (", ::geteuid(),
+        ") nor root: another user could forge or erase its lines; remove it or name another "
+        "path"));
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "audit_log: \"", path_, "\" has mode ", absl::StrFormat("%04o", st.st_mode & 07777),
+        ": its group or others may write it and forge or erase its lines; chmod go-w it"));
+  }
   fd_ = std::move(fd);
   return absl::OkStatus();
 }

@@ -627,26 +627,38 @@ absl::Status Daemon::ApplySocketPermissions() {
   return absl::OkStatus();
 }
 
-std::string Daemon::NotServingReasonLocked() const {
+std::string Daemon::NotServingReasonLocked(bool count_drain) const {
   if (shutting_down_) return "draining: shutting down";
   if (!start_up_done_) return "starting";
-  if (drained_) return "drained by the operator (`epctl undrain` serves again)";
   if (!gpu_lost_.empty()) return gpu_lost_;
   if (!listener_stuck_.empty()) return listener_stuck_;
-  return peer_listener_stuck_;
+  if (!peer_listener_stuck_.empty()) return peer_listener_stuck_;
+  // Last: a fault above is what an operator must see first on a drained node.
+  if (count_drain && drained_) return "drained by the operator: `epctl undrain` serves again";
+  return "";
+}
+
+bool Daemon::ProcessServing() const {
+  absl::MutexLock lock(&mu_);
+  return NotServingReasonLocked(/*count_drain=*/false).empty();
 }
 
 void Daemon::PublishServing() {
   absl::MutexLock publish(&publish_mu_);
-  bool serving = false;
+  bool control_serving = false;
+  bool process_serving = false;
   {
     absl::MutexLock lock(&mu_);
-    serving = NotServingReasonLocked().empty();
+    control_serving = NotServingReasonLocked().empty();
+    // A drain is the operator's, on purpose: the Control service (what readiness and load
+    // balancers ask) stops serving, the process's own health ("", what liveness asks) does
+    // not, or a liveness probe would restart epd and end every group on the node.
+    process_serving = NotServingReasonLocked(/*count_drain=*/false).empty();
   }
   for (grpc::Server* server : {server_.get(), tcp_server_.get()}) {
     if (server != nullptr && server->GetHealthCheckService() != nullptr) {
-      server->GetHealthCheckService()->SetServingStatus("", serving);
-      server->GetHealthCheckService()->SetServingStatus(kControlServiceName, serving);
+      server->GetHealthCheckService()->SetServingStatus("", process_serving);
+      server->GetHealthCheckService()->SetServingStatus(kControlServiceName, control_serving);
     }
   }
 }
@@ -825,9 +837,9 @@ void Daemon::CollectMetrics(metrics::SnapshotBuilder& out) const {
                    {}, static_cast<double>(restarts_));
   }
   out.AddGauge("epd_serving",
-               "1 when health is SERVING, 0 when NOT_SERVING (starting, draining, a GPU lost, "
-               "a listener stuck).",
-               {}, stats.serving_status() == "SERVING" ? 1 : 0);
+               "1 when the process's health is SERVING, 0 when NOT_SERVING (starting, shutting "
+               "down, a GPU lost, a listener stuck; not an operator's drain: epd_draining).",
+               {}, ProcessServing() ? 1 : 0);
   out.AddGauge("epd_draining",
                "1 while drained by the operator (`epctl drain`: no new groups, health "
                "NOT_SERVING), else 0.",

@@ -198,8 +198,12 @@ class Daemon {
   /// Recomputes health from the state below (starting, draining, GPU lost, listener
   /// stuck) and publishes it to both servers' health services when it changed.
   void PublishServing();
-  /// Why epd is not serving now ("" when it is). Call with mu_ held.
-  std::string NotServingReasonLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Why health is NOT_SERVING ("" when serving); `count_drain` false: leaving out an
+  /// operator's drain (the process's own health, "", which liveness asks).
+  std::string NotServingReasonLocked(bool count_drain = true) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// The process's own health: serving but for an operator's drain (epd_serving).
+  bool ProcessServing() const ABSL_LOCKS_EXCLUDED(mu_);
   void MonitorGpus();
   /// The daemon's scrape-time samples (process, health, sessions, groups, endpoints, GPU
   /// memory) into `out`: the collector registered with metrics::Default().

@@ -2,15 +2,14 @@
 #include "daemon/metrics/start_count.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <sstream>
+#include <string_view>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/os/scoped_fd.h"
@@ -29,15 +28,29 @@ absl::StatusOr<uint64_t> RecordStart(const std::string& path) {
   uint64_t before = 0;
   absl::Status bad;
   {
-    std::ifstream in(path);
-    if (in) {
-      std::stringstream text;
-      text << in.rdbuf();
-      const std::string s(absl::StripAsciiWhitespace(text.str()));
+    // The count is a few digits: a regular file, not followed through a link, read at most
+    // 64 bytes, never blocking (a FIFO or a device planted at the path is refused).
+    ScopedFd in(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    if (in.get() < 0 && errno != ENOENT) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("metrics_state_file ", path, ": cannot open it: ", std::strerror(errno),
+                       errno == ELOOP ? " (a symbolic link: not followed)" : ""));
+    }
+    if (in.get() >= 0) {
+      struct stat st {};
+      if (::fstat(in.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("metrics_state_file ", path, ": not a regular file; counting no starts"));
+      }
+      char buf[64];
+      const ssize_t n = ::read(in.get(), buf, sizeof(buf));
+      const std::string s(
+          absl::StripAsciiWhitespace(absl::string_view(buf, n > 0 ? static_cast<size_t>(n) : 0)));
       if (!absl::SimpleAtoi(s, &before)) {
         bad = absl::InvalidArgumentError(
-            absl::StrCat("metrics_state_file ", path, ": holds \"", absl::CEscape(s.substr(0, 32)),
-                         "\", not a count of starts; counting from this start"));
+            absl::StrCat("metrics_state_file ", path, ": does not hold a count of starts (",
+                         n < 0 ? std::strerror(errno) : absl::StrCat(s.size(), " bytes"),
+                         "); counting from this start"));
         before = 0;
       }
     }

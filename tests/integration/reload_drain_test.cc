@@ -283,23 +283,31 @@ TEST_F(ReloadDrainTest, DrainRefusesNewGroupsKeepsTheLiveOneAndUndrainRestores) 
   }
   for (auto& op : ops) EXPECT_TRUE(op.Wait(absl::Seconds(10)).ok());
 
-  // Health, both listeners; GetStats, `epctl status`, the gauge.
-  EXPECT_EQ(*epd_->CheckHealth(), HealthCheckResponse::NOT_SERVING);
-  EXPECT_EQ(*epd_->CheckHealth("", epd_->tcp_target()), HealthCheckResponse::NOT_SERVING);
+  // Health, both listeners: the Control service (readiness, load balancers) is not
+  // serving, the process ("", liveness) is: a liveness probe must not restart a drained
+  // epd. GetStats, `epctl status`, the gauges.
+  EXPECT_EQ(*epd_->CheckHealth("epd.v1.Control"), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(*epd_->CheckHealth("epd.v1.Control", epd_->tcp_target()),
+            HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(*epd_->CheckHealth(), HealthCheckResponse::SERVING);
+  EXPECT_EQ(*epd_->CheckHealth("", epd_->tcp_target()), HealthCheckResponse::SERVING);
   v1::GetStatsResponse stats = Stats();
   EXPECT_TRUE(stats.draining());
   EXPECT_THAT(stats.serving_status(), HasSubstr("drained by the operator"));
   EXPECT_EQ(MetricValue(stats.metrics(), "epd_draining"), 1);
+  EXPECT_EQ(MetricValue(stats.metrics(), "epd_serving"), 1);
   r = Epctl({"status"});
   EXPECT_THAT(r.stdout_text, HasSubstr("drained: yes"));
-  r = Epctl({"health"});
+  r = Epctl({"health", "--service=epd.v1.Control"});
   EXPECT_EQ(r.exit_code, 1);
+  r = Epctl({"health"});
+  EXPECT_EQ(r.exit_code, 0) << r.stdout_text << r.stderr_text;
 
   r = Epctl({"drain", "--undo"});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_THAT(r.stdout_text, HasSubstr("undrained"));
-  EXPECT_EQ(*epd_->CheckHealth(), HealthCheckResponse::SERVING);
-  EXPECT_EQ(*epd_->CheckHealth("", epd_->tcp_target()), HealthCheckResponse::SERVING);
+  EXPECT_EQ(*epd_->CheckHealth("epd.v1.Control"), HealthCheckResponse::SERVING);
+  EXPECT_EQ(*epd_->CheckHealth("epd.v1.Control", epd_->tcp_target()), HealthCheckResponse::SERVING);
   stats = Stats();
   EXPECT_FALSE(stats.draining());
   EXPECT_EQ(MetricValue(stats.metrics(), "epd_draining"), 0);

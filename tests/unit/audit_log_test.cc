@@ -126,6 +126,23 @@ TEST_F(AuditLogTest, ASymlinkAtThePathIsRefusedNotFollowed) {
   EXPECT_EQ((*log)->write_failures(), 1u);
 }
 
+TEST_F(AuditLogTest, AFileOthersMayWriteOrAnotherUserOwnsIsRefused) {
+  const std::string path = dir_ + "/audit.log";
+  { std::ofstream(path) << "{\"forged\":1}\n"; }
+  ASSERT_EQ(::chmod(path.c_str(), 0666), 0);
+  absl::StatusOr<std::unique_ptr<AuditLog>> writable = AuditLog::Open(path);
+  EXPECT_EQ(writable.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(writable.status().message(), HasSubstr("0666"));
+  ASSERT_EQ(::chmod(path.c_str(), 0640), 0);
+  EXPECT_TRUE(AuditLog::Open(path).ok());
+  if (::geteuid() == 0) {  // Only root can give the file away.
+    ASSERT_EQ(::chown(path.c_str(), 65534, 65534), 0);
+    absl::StatusOr<std::unique_ptr<AuditLog>> owned = AuditLog::Open(path);
+    EXPECT_EQ(owned.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(owned.status().message(), HasSubstr("owned by uid 65534"));
+  }
+}
+
 TEST_F(AuditLogTest, AFifoAtThePathIsRefusedWithoutBlocking) {
   const std::string path = dir_ + "/audit.fifo";
   ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);

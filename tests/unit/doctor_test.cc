@@ -291,6 +291,13 @@ TEST(DoctorTest, LiveFactsComeFromGetStatsAndTheDaemonsVersionIsChecked) {
   f.daemon_version = "99.0.0";
   daemon = CheckDaemon(f);
   EXPECT_EQ(Only(daemon, "daemon.serving"), Verdict::kFail);
+  // Drained on purpose: a warning naming the way back; drained with a fault: the fault.
+  f.draining = true;
+  f.serving_status = "NOT_SERVING (drained by the operator: `epctl undrain` serves again)";
+  EXPECT_EQ(Only(CheckDaemon(f), "daemon.serving"), Verdict::kWarn);
+  f.serving_status = "NOT_SERVING (GPU 0 lost)";
+  EXPECT_EQ(Only(CheckDaemon(f), "daemon.serving"), Verdict::kFail);
+  f.draining = false;
   EXPECT_EQ(Only(daemon, "daemon.version"), Verdict::kFail);
   EXPECT_TRUE(AnyFailed(daemon));
 }

@@ -5,6 +5,7 @@
 #include "daemon/metrics/metrics.h"
 
 #include <httplib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -284,6 +285,26 @@ TEST(MetricsStartCountTest, DoesNotWriteThroughAPlantedTemporaryLink) {
   std::remove(tmp.c_str());
   std::remove(victim.c_str());
   std::remove(path.c_str());
+}
+
+// What is planted at the path itself: a link is not followed (nor its target's bytes
+// echoed), a FIFO does not block, a device is not read without end.
+TEST(MetricsStartCountTest, RefusesALinkAFifoAndADeviceAtThePath) {
+  const std::string dir = ::testing::TempDir();
+  const std::string path = absl::StrCat(dir, "/epd.starts.planted.", ::getpid());
+  const std::string secret = absl::StrCat(dir, "/epd.secret.", ::getpid());
+  std::remove(path.c_str());
+  std::ofstream(secret) << "root:secret-hash\n";
+  ASSERT_EQ(::symlink(secret.c_str(), path.c_str()), 0) << std::strerror(errno);
+  absl::StatusOr<uint64_t> linked = RecordStart(path);
+  EXPECT_EQ(linked.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(linked.status().message()), Not(HasSubstr("secret")));
+  std::remove(path.c_str());
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  EXPECT_EQ(RecordStart(path).status().code(), absl::StatusCode::kFailedPrecondition);
+  std::remove(path.c_str());
+  EXPECT_EQ(RecordStart("/dev/zero").status().code(), absl::StatusCode::kFailedPrecondition);
+  std::remove(secret.c_str());
 }
 
 TEST(MetricsEpctlMetricsTest, TableShowsOpsWithQuantilesAndOtherSeries) {
