@@ -340,7 +340,7 @@ TEST_F(DaemonTest, ReloadWithoutAConfigSourceIsRefused) {
   (*daemon)->Shutdown();
 }
 
-TEST_F(DaemonTest, DrainTurnsHealthNotServingUntilUndrained) {
+TEST_F(DaemonTest, DrainTurnsControlHealthNotServingUntilUndrainedButNotTheProcesss) {
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(Config(), Options());
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   auto channel = grpc::CreateChannel("unix://" + socket_, grpc::InsecureChannelCredentials());
@@ -359,7 +359,9 @@ TEST_F(DaemonTest, DrainTurnsHealthNotServingUntilUndrained) {
   EXPECT_TRUE(response.draining());
   EXPECT_FALSE(response.was_draining());
   EXPECT_TRUE((*daemon)->drained());
-  EXPECT_EQ(Health(""), HealthCheckResponse::NOT_SERVING);
+  // Readiness (the Control service) says no; liveness ("") stays SERVING: a drain must
+  // not get epd restarted.
+  EXPECT_EQ(Health(""), HealthCheckResponse::SERVING);
   EXPECT_EQ(Health(kControlServiceName), HealthCheckResponse::NOT_SERVING);
   const v1::GetStatsResponse stats = (*daemon)->Stats();
   EXPECT_TRUE(stats.draining());
@@ -370,6 +372,7 @@ TEST_F(DaemonTest, DrainTurnsHealthNotServingUntilUndrained) {
   EXPECT_FALSE(response.draining());
   EXPECT_TRUE(response.was_draining());
   EXPECT_EQ(Health(""), HealthCheckResponse::SERVING);
+  EXPECT_EQ(Health(kControlServiceName), HealthCheckResponse::SERVING);
   EXPECT_FALSE((*daemon)->Stats().draining());
   (*daemon)->Shutdown();
 }
