@@ -23,6 +23,9 @@ namespace epd::bench {
 int RunLowLatencyBench();
 /// CUDA normal-mode dispatch/combine (tests/bench/bench_normal.cu). Needs CUDA.
 int RunNormalBench();
+/// Profiling workloads: each op on every rank captured into one CUDA graph and replayed
+/// (for Nsight Compute's --graph-profiling graph; tests/bench/bench_profile.cu). Needs CUDA.
+int RunProfileWorkloads();
 /// CUDA normal-mode dispatch/combine with one rank per GPU (--gpus), beside NCCL
 /// all-to-all of the same bytes (tests/bench/bench_multigpu.cu). Needs CUDA; prints a skip
 /// and returns 0 with fewer than 2 GPUs.

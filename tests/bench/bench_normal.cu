@@ -1,9 +1,12 @@
 // Normal-mode (high-throughput) CUDA kernels on R = 8 virtual ranks of one GPU
 // (epd_bench --backend=cuda --mode=normal): FP8 dispatch, BF16 dispatch and BF16 combine
 // at T=4096 H=7168 K=8 E=256 over an SM sweep {8, 16, 24, 32} blocks per rank, each beside
-// a device-to-device cudaMemcpy of the same total bytes measured in the same run.
-// Bytes (DeepEP's logical bandwidth), op time and the bound: docs/BENCHMARKS.md
-// "Normal-mode kernels".
+// a device-to-device cudaMemcpy of the same total bytes measured in the same run. Two
+// figures per op: DeepEP's logical bandwidth (the rows sent, one copy per destination) over
+// the memcpy's, and the HBM bytes the op must read and write (every input byte read once,
+// every output byte written once, counted from the routing) per second over the memcpy's
+// HBM rate (2 bytes of traffic per byte copied), with the goal (>= 85%) and its verdict at
+// the default SM budget. docs/BENCHMARKS.md "Normal-mode kernels".
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -96,7 +99,17 @@ struct Row {
   double bytes_per_rank = 0;  // mean over ranks
   double op_us = 0;
   double memcpy_us = 0;
+  double memcpy_bytes = 0;  // the bytes the bound's memcpy copied (all ranks)
+  double hbm_bytes = 0;     // HBM bytes the op reads + writes (all ranks)
 };
+
+/// HBM rate of the op over the memcpy's (read + write of every byte), in [0, ...).
+double HbmOverCopy(const Row& r) {
+  return (r.hbm_bytes / r.op_us) / (2.0 * r.memcpy_bytes / r.memcpy_us);
+}
+
+/// The goal of the normal kernels: HBM bytes per second >= 85% of the device copy's.
+constexpr double kHbmGoal = 0.85;
 
 absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_sms) {
   cudaDeviceProp prop{};
@@ -141,6 +154,22 @@ absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_s
   const double fp8_row = kHidden + 4.0 * shape.num_scales();
   const double bf16_total = static_cast<double>(sent_rows_total) * bf16_row;
   const double fp8_total = static_cast<double>(sent_rows_total) * fp8_row;
+  // HBM bytes each op must move at least, all ranks: the least any kernel can read and
+  // write (each input byte read once, each output byte written once).
+  //   dispatch: reads x [T, row], topk_idx [T, K] int64, topk_weights [T, K] f32; writes,
+  //     per (token, destination rank) sent, recv_x row, recv_topk_idx [K] int64,
+  //     recv_topk_weights [K] f32, recv_src_info int32; and send_pos [T, R] int32.
+  //   combine (with weights): reads each sent row [2H] and its recv_topk_weights [K] f32,
+  //     send_pos [T, R]; writes combined_x [T, 2H] and combined weights [T, K] f32.
+  const double all_tokens = static_cast<double>(kTokens) * kRanks;
+  const double sent = static_cast<double>(sent_rows_total);
+  const double meta_in = kTopk * 12.0;
+  const double send_pos_bytes = all_tokens * kRanks * 4.0;
+  auto dispatch_hbm = [&](double row) {
+    return all_tokens * (row + meta_in) + sent * (row + meta_in + 4.0) + send_pos_bytes;
+  };
+  const double combine_hbm =
+      sent * (bf16_row + kTopk * 4.0) + send_pos_bytes + all_tokens * (bf16_row + kTopk * 4.0);
   EPD_ASSIGN_OR_RETURN(const double memcpy_bf16_us,
                        TimeMemcpy(static_cast<size_t>(bf16_total), kBatch));
   EPD_ASSIGN_OR_RETURN(const double memcpy_fp8_us,
@@ -171,17 +200,22 @@ absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_s
       std::function<absl::Status(int32_t, cudaStream_t)> launch;
       double row_bytes;
       double memcpy_us;
+      double memcpy_bytes;
+      double hbm_bytes;
     };
-    const Op ops[] = {{"dispatch fp8", dispatch(true), fp8_row, memcpy_fp8_us},
-                      {"dispatch bf16", dispatch(false), bf16_row, memcpy_bf16_us},
-                      {"combine bf16", combine, bf16_row, memcpy_bf16_us}};
+    const Op ops[] = {
+        {"dispatch fp8", dispatch(true), fp8_row, memcpy_fp8_us, fp8_total, dispatch_hbm(fp8_row)},
+        {"dispatch bf16", dispatch(false), bf16_row, memcpy_bf16_us, bf16_total,
+         dispatch_hbm(bf16_row)},
+        {"combine bf16", combine, bf16_row, memcpy_bf16_us, bf16_total, combine_hbm}};
     for (const Op& op : ops) {
       EPD_RETURN_IF_ERROR(TimeRounds(*g, kWarmup, op.launch).status());
       EPD_ASSIGN_OR_RETURN(const double us, TimeRounds(*g, kBatch, op.launch));
       for (int32_t r = 0; r < kRanks; ++r) {
         EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(ctx[r], g->stream(r), op.name));
       }
-      rows->push_back({op.name, sms, over, rows_per_rank * op.row_bytes, us, op.memcpy_us});
+      rows->push_back({op.name, sms, over, rows_per_rank * op.row_bytes, us, op.memcpy_us,
+                       op.memcpy_bytes, op.hbm_bytes});
     }
   }
   return absl::OkStatus();
@@ -202,8 +236,9 @@ int RunNormalBench() {
         "shape: T=%d H=%d K=%d E=%d R=%d; uniform top-%d routing; %d rounds after %d "
         "warm-up\n",
         kTokens, kHidden, kTopk, kExperts, kRanks, kTopk, kBatch, kWarmup);
-    std::printf("%-14s %5s %13s %10s %14s %14s %13s %10s\n", "op", "sms", "MB/rank", "us/op",
-                "rank GB/s", "aggregate GB/s", "memcpy GB/s", "agg/memcpy");
+    std::printf("%-14s %5s %13s %10s %14s %14s %13s %10s %9s %9s\n", "op", "sms", "MB/rank",
+                "us/op", "rank GB/s", "aggregate GB/s", "memcpy GB/s", "agg/memcpy", "HBM TB/s",
+                "HBM/copy");
   }
   for (const Row& r : rows) {
     const double rank_gbs = r.bytes_per_rank / r.op_us / 1e3;
@@ -213,13 +248,17 @@ int RunNormalBench() {
       std::printf(
           "{\"figure\":\"normal %s\",\"device\":\"%s\",\"sms_per_rank\":%d,"
           "\"oversubscribed\":%s,\"bytes_per_rank\":%.0f,\"op_us\":%.2f,\"rank_gbps\":%.1f,"
-          "\"aggregate_gbps\":%.1f,\"memcpy_us\":%.2f,\"memcpy_gbps\":%.1f}\n",
+          "\"aggregate_gbps\":%.1f,\"memcpy_us\":%.2f,\"memcpy_gbps\":%.1f,"
+          "\"hbm_bytes\":%.0f,\"hbm_tbps\":%.3f,\"copy_hbm_tbps\":%.3f,"
+          "\"hbm_over_copy\":%.3f}\n",
           r.op.c_str(), device.c_str(), r.sms, r.oversubscribed ? "true" : "false",
-          r.bytes_per_rank, r.op_us, rank_gbs, agg_gbs, r.memcpy_us, memcpy_gbs);
+          r.bytes_per_rank, r.op_us, rank_gbs, agg_gbs, r.memcpy_us, memcpy_gbs, r.hbm_bytes,
+          r.hbm_bytes / r.op_us / 1e6, 2.0 * r.memcpy_bytes / r.memcpy_us / 1e6, HbmOverCopy(r));
     } else {
-      std::printf("%-14s %5d%s %12.1f %10.1f %14.1f %14.1f %13.1f %9.0f%%\n", r.op.c_str(), r.sms,
-                  r.oversubscribed ? "*" : " ", r.bytes_per_rank / 1e6, r.op_us, rank_gbs, agg_gbs,
-                  memcpy_gbs, 100.0 * agg_gbs / memcpy_gbs);
+      std::printf("%-14s %5d%s %12.1f %10.1f %14.1f %14.1f %13.1f %9.0f%% %9.2f %8.0f%%\n",
+                  r.op.c_str(), r.sms, r.oversubscribed ? "*" : " ", r.bytes_per_rank / 1e6,
+                  r.op_us, rank_gbs, agg_gbs, memcpy_gbs, 100.0 * agg_gbs / memcpy_gbs,
+                  r.hbm_bytes / r.op_us / 1e6, 100.0 * HbmOverCopy(r));
     }
   }
   if (!json) {
@@ -227,6 +266,16 @@ int RunNormalBench() {
         "* %d ranks x sms > %d SMs: blocks of different ranks time-share SMs "
         "(only one block per rank spins, so it runs, but the budget is not real)\n",
         kRanks, sms);
+    // The goal at the default budget: floor(SMs / ranks) blocks per rank.
+    const int32_t default_sms = sms / kRanks;
+    for (const Row& r : rows) {
+      if (r.sms != default_sms) continue;
+      std::printf(
+          "goal: %s at %d SMs/rank, HBM bytes/s >= %.0f%% of the same-run copy's: "
+          "%.0f%% (%s)\n",
+          r.op.c_str(), r.sms, 100.0 * kHbmGoal, 100.0 * HbmOverCopy(r),
+          HbmOverCopy(r) >= kHbmGoal ? "met" : "NOT met");
+    }
   }
   if (!st.ok()) {
     std::fprintf(stderr, "normal bench failed: %s\n", st.ToString().c_str());

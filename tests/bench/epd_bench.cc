@@ -6,6 +6,8 @@
 //                                             beside NCCL all-to-all (skips on one GPU)
 //   epd_bench --backend=cuda --mode=launch [--epd=PATH | --socket=PATH]   launch modes
 //                                             through a real epd (client-, daemon-launched)
+//   epd_bench --backend=cuda --mode=profile [--profile_ops=ll,normal]   each op of all
+//                                             ranks in one CUDA graph, for Nsight Compute
 //   epd_bench --backend=host                  host backend (daemon + clients over shm), then
 //                                             rank masking through a real epd (kill -9,
 //                                             rejoin; --mask_trials=0 skips it)
@@ -24,12 +26,13 @@
 
 ABSL_FLAG(std::string, backend, "cuda", "cuda or host");
 ABSL_FLAG(std::string, mode, "all",
-          "ll, normal, all (= ll and normal), multigpu or launch (CUDA backend)");
+          "ll, normal, all (= ll and normal), multigpu, launch or profile (CUDA backend)");
 ABSL_FLAG(bool, json, false, "print one JSON object per figure instead of tables");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "epd_bench --backend=cuda|host [--mode=ll|normal|all|multigpu|launch] [--nodes=N] [--json]: "
+      "epd_bench --backend=cuda|host [--mode=ll|normal|all|multigpu|launch|profile] [--nodes=N] "
+      "[--json]: "
       "latency "
       "and bandwidth "
       "of the epd data plane beside same-run bounds");
@@ -43,9 +46,10 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_nodes) >= 2) return epd::bench::RunInternodeBench(backend);
   if (backend == "host") return epd::bench::RunHostBench();
-  if (mode != "ll" && mode != "normal" && mode != "all" && mode != "multigpu" && mode != "launch") {
+  if (mode != "ll" && mode != "normal" && mode != "all" && mode != "multigpu" && mode != "launch" &&
+      mode != "profile") {
     std::cerr << "epd_bench: --mode=" << mode
-              << " is not one of ll, normal, all, multigpu, launch\n";
+              << " is not one of ll, normal, all, multigpu, launch, profile\n";
     return 2;
   }
 #if defined(EPD_HAVE_CUDA)
@@ -54,6 +58,7 @@ int main(int argc, char** argv) {
   if (mode == "normal" || mode == "all") rc |= epd::bench::RunNormalBench();
   if (mode == "multigpu") rc |= epd::bench::RunMultiGpuBench();
   if (mode == "launch") rc |= epd::bench::RunLaunchBench();
+  if (mode == "profile") rc |= epd::bench::RunProfileWorkloads();
   return rc;
 #else
   std::cerr << "epd_bench: built without CUDA; only --backend=host is available\n";
