@@ -31,11 +31,35 @@
 // no new entry, and its RSS is within --rss_growth_mib of that baseline.
 //
 //   epd_chaos [--seed=N] [--seconds=S] [--cycles=N] [--faults=kill9,restart,...]
+//             [--backend=host|cuda] [--launch_mode=daemon|client]
+//
+// --backend=cuda (the GPU machine; CTest chaos.cuda, label gpu): every daemon runs
+// `epd --backend=cuda`, every client joins on the daemon's first GPU (--gpu_uuid: all ranks
+// are virtual ranks of one GPU, daemon-launched unless --launch_mode=client) and copies its
+// results to the host before checking them. op_timeout defaults to 5 s there (2 s on host).
+// Fault kinds the CUDA backend does not serve that way are left out of the schedule with a
+// printed reason (WhyLeftOut). One more kind runs there only:
+//
+//   graph_replay  client-launched ranks capture LowLatencyDispatch (T on the device) and its
+//              LowLatencyCombine in a CUDA graph and replay it 4-12 times with every rank's
+//              T changed between replays (mn_client --scenario=graph), every round exact,
+//              beside a bystander group on the same daemon. Without MPS (client-launched
+//              kernels of several processes on one GPU only run side by side under MPS) the
+//              group spans the two CUDA daemons, whose exchange runs in the daemons.
+//
+// and one more invariant: each daemon's GPU memory comes back within --gpu_growth_mib of its
+// baseline after every cycle, read per process (nvidia-smi --query-compute-apps, when it
+// lists the daemon's pid) or else for the whole GPU (nvidia-smi --query-gpu=memory.used, or
+// GetStats' free_memory_bytes without nvidia-smi; under MPS the daemon's memory is the MPS
+// server's, and in a PID namespace nvidia-smi shows other pids): the source is printed.
+// Without a usable GPU it exits 77 at once (CTest: skipped) saying why.
 //
 // The seed (printed; default: from the clock, or EPD_CHAOS_SEED) fixes the schedule: the
 // same seed gives the same cycles. EPD_CHAOS_SECONDS overrides --seconds (an hour: 3600).
 // Exit 0 after the summary table; 1 with "FAILED seed=<n> cycle=<i> fault=<f> step=<s>"
-// and the outputs of the processes involved.
+// and the outputs of the processes involved; 77 when --backend=cuda finds no usable GPU.
+// Binaries: EPD_BINARY, EPCTL_BINARY and EPD_MN_CLIENT_BINARY when set (a bundle run on
+// another machine), else the build's.
 #include <signal.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -69,6 +93,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "epd/client.h"
 #include "tests/common/daemon_process.h"
 #include "tests/common/subprocess.h"
 #include "tests/multinode/data_cluster.h"
@@ -77,9 +102,14 @@ ABSL_FLAG(uint64_t, seed, 0, "schedule seed (0: EPD_CHAOS_SEED, else from the cl
 ABSL_FLAG(int, seconds, 120, "run cycles until this many seconds passed (EPD_CHAOS_SECONDS)");
 ABSL_FLAG(int, cycles, 0, "stop after this many cycles (0: --seconds decides)");
 ABSL_FLAG(std::string, faults, "", "only these fault kinds, comma-separated (\"\": all)");
-ABSL_FLAG(int, op_timeout_ms, 2000, "the daemons' --op_timeout");
+ABSL_FLAG(int, op_timeout_ms, 0, "the daemons' --op_timeout (0: 2000 on host, 5000 on cuda)");
 ABSL_FLAG(int, rss_growth_mib, 64, "bound of a daemon's RSS growth over its baseline");
 ABSL_FLAG(bool, multinode, true, "run the faults across nodes (two daemons)");
+ABSL_FLAG(std::string, backend, "host",
+          "the daemons' --backend: host, or cuda (the GPU machine; exit 77 without a GPU)");
+ABSL_FLAG(std::string, launch_mode, "daemon",
+          "cuda: the groups' launch mode, daemon or client (graph_replay is always client)");
+ABSL_FLAG(int, gpu_growth_mib, 32, "cuda: bound of a daemon's GPU memory growth over its baseline");
 ABSL_FLAG(bool, self_check, false,
           "instead: show that a client with wrong results is caught (exit 0 when it is)");
 
@@ -106,6 +136,7 @@ enum class Fault {
   kRestart,
   kPeerDeath,
   kNetFault,
+  kGraphReplay,  ///< CUDA only (CudaOnlyFaults).
 };
 constexpr Fault kAllFaults[] = {
     Fault::kClean,     Fault::kOps,      Fault::kProbes,  Fault::kKill9,     Fault::kKill9Rejoin,
@@ -133,6 +164,8 @@ const char* Name(Fault f) {
       return "peer_death";
     case Fault::kNetFault:
       return "net_fault";
+    case Fault::kGraphReplay:
+      return "graph_replay";
   }
   return "?";
 }
@@ -146,6 +179,37 @@ bool AcrossNodes(Fault f) { return f == Fault::kPeerDeath || f == Fault::kNetFau
 /// next op boundary — are added to Fault, to this list and to RunCycle's switch. Empty
 /// until the daemon serves masking: no cycle pretends to cover it.
 std::vector<Fault> MaskingFaults() { return {}; }
+
+/// Fault kinds that only run with --backend=cuda.
+std::vector<Fault> CudaOnlyFaults() { return {Fault::kGraphReplay}; }
+
+/// What the CUDA daemon and its clients are run with (--backend=cuda), as the driver found it.
+struct CudaSetup {
+  std::string launch_mode = "daemon";  ///< --launch_mode: of every group but graph_replay's.
+  bool mps_active = false;             ///< GetStats.mps_active of the chaos daemon.
+  bool multinode = true;               ///< --multinode.
+};
+
+/// Why `f` is left out of a --backend=cuda schedule ("" when it runs): the daemon refuses its
+/// groups at Join, or it would check what the CUDA backend documents otherwise.
+std::string WhyLeftOut(Fault f, const CudaSetup& cuda) {
+  const std::vector<Fault> masking_faults = MaskingFaults();
+  const bool masking =
+      std::find(masking_faults.begin(), masking_faults.end(), f) != masking_faults.end();
+  if (masking && cuda.launch_mode == "client") {
+    return "refused at Join: spec.on_rank_failure = MASK needs daemon-launched ranks on the "
+           "CUDA backend (a dead client's kernels are launched by no one)";
+  }
+  if (f == Fault::kProbes && cuda.launch_mode == "client") {
+    return "client-launched, a bad input found by the client fails that rank's op only (the "
+           "others run on); the probes cycle checks INVALID_ARGUMENT on every rank";
+  }
+  if (f == Fault::kGraphReplay && !cuda.mps_active && !cuda.multinode) {
+    return "without MPS the graph's client-launched ranks span the two CUDA daemons (on one "
+           "node their kernels would time-slice), and --multinode=false starts none";
+  }
+  return "";
+}
 
 /// A step of a cycle failed: the cycle stops and the run fails with it.
 struct Failure {
@@ -248,6 +312,79 @@ std::set<std::string> ShmEntries() {
   return out;
 }
 
+// ---- GPU memory (--backend=cuda) -------------------------------------------------------
+
+/// The path of executable `name` in a directory of $PATH ("" when there is none).
+std::string FindOnPath(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  for (absl::string_view dir :
+       absl::StrSplit(path != nullptr ? path : "", ':', absl::SkipEmpty())) {
+    const std::string candidate = absl::StrCat(dir, "/", name);
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+  }
+  return "";
+}
+
+/// The lines `smi` (nvidia-smi) prints for `query` in CSV without header or units; empty when
+/// it fails.
+std::vector<std::string> NvidiaSmiLines(const std::string& smi, const std::string& query) {
+  auto out = testing::RunCommand({smi, query, "--format=csv,noheader,nounits"}, absl::Seconds(20));
+  if (!out.ok() || out->exit_code != 0) return {};
+  return absl::StrSplit(out->stdout_text, '\n', absl::SkipWhitespace());
+}
+
+/// nvidia-smi's GPU memory (MiB) of each compute process it lists by pid (a process whose
+/// used_memory is "[N/A]" is left out).
+std::map<pid_t, int64_t> ComputeAppsMib(const std::string& smi) {
+  std::map<pid_t, int64_t> out;
+  for (const std::string& line : NvidiaSmiLines(smi, "--query-compute-apps=pid,used_memory")) {
+    std::vector<std::string> f = absl::StrSplit(line, ',');
+    int64_t pid = 0, mib = 0;
+    if (f.size() == 2 && absl::SimpleAtoi(absl::StripAsciiWhitespace(f[0]), &pid) &&
+        absl::SimpleAtoi(absl::StripAsciiWhitespace(f[1]), &mib)) {
+      out[static_cast<pid_t>(pid)] += mib;  // One line per GPU the process uses.
+    }
+  }
+  return out;
+}
+
+/// One reading of GPU memory in use, in MiB (-1: unknown), and where it came from.
+struct GpuReading {
+  int64_t mib = -1;
+  std::string source;
+};
+
+/// Memory in use on the whole GPU `uuid`: nvidia-smi's memory.used when `smi` is set, else the
+/// GetStats of the daemon on `socket` (total - free, refreshed by it every 2 s).
+GpuReading DeviceUsedMib(const std::string& smi, const std::string& uuid,
+                         const std::string& socket) {
+  if (!smi.empty()) {
+    for (const std::string& line : NvidiaSmiLines(smi, "--query-gpu=uuid,memory.used")) {
+      std::vector<std::string> f = absl::StrSplit(line, ',');
+      int64_t mib = 0;
+      if (f.size() == 2 && absl::StripAsciiWhitespace(f[0]) == uuid &&
+          absl::SimpleAtoi(absl::StripAsciiWhitespace(f[1]), &mib)) {
+        return {mib, "device-wide, nvidia-smi --query-gpu=memory.used"};
+      }
+    }
+    return {-1, "nvidia-smi --query-gpu=uuid,memory.used lists no " + uuid};
+  }
+  ClientOptions options;
+  options.socket_path = socket;
+  options.client_name = "epd_chaos";
+  auto client = Client::Connect(options);
+  if (!client.ok()) return {-1, "no nvidia-smi, and GetStats: " + client.status().ToString()};
+  auto stats = (*client)->GetStats();
+  if (!stats.ok()) return {-1, "no nvidia-smi, and GetStats: " + stats.status().ToString()};
+  for (const v1::GpuInfo& g : stats->gpus()) {
+    if (g.uuid() == uuid) {
+      return {static_cast<int64_t>((g.total_memory_bytes() - g.free_memory_bytes()) >> 20),
+              "device-wide, GetStats total - free (no nvidia-smi on PATH; refreshed every 2 s)"};
+    }
+  }
+  return {-1, "no nvidia-smi, and GetStats lists no " + uuid};
+}
+
 /// A daemon watched for leaks: its resources once the first cycle is over are the baseline.
 struct Watched {
   DaemonProcess* daemon = nullptr;
@@ -277,6 +414,10 @@ struct GroupConfig {
   int miswired_rank = -1;
   /// Clients print a SLOW line for each op slower than this (the op time bound).
   int64_t report_slow_ms = 0;
+  /// The CUDA backend: the GPU every rank joins on, and the launch mode ("": not passed).
+  std::string gpu_uuid;
+  std::string launch_mode;
+  int graph_rounds = 0;  ///< --scenario=graph: replays of the captured graph.
 };
 
 /// A group's client processes (mn_client), one per rank.
@@ -287,7 +428,8 @@ struct Group : GroupConfig {
   int num_ranks() const { return static_cast<int>(sockets.size()); }
   std::string Describe() const {
     return absl::StrCat(name, " R=", num_ranks(), " T=", absl::StrJoin(tokens, ","), " skew=", skew,
-                        skew == "none" ? "" : absl::StrCat(":", skew_target));
+                        skew == "none" ? "" : absl::StrCat(":", skew_target),
+                        launch_mode.empty() ? "" : " launch=" + launch_mode);
   }
 
   absl::Status Start(int rank) {
@@ -309,6 +451,9 @@ struct Group : GroupConfig {
         "--round_pause_ms=2",
         absl::StrCat("--report_slow_ms=", report_slow_ms),
     };
+    if (!gpu_uuid.empty()) argv.push_back("--gpu_uuid=" + gpu_uuid);
+    if (!launch_mode.empty()) argv.push_back("--launch_mode=" + launch_mode);
+    if (graph_rounds > 0) argv.push_back(absl::StrCat("--graph_rounds=", graph_rounds));
     const std::string base = absl::StrCat(dir, "/", name, ".rank", rank, ".", ++starts);
     testing::SubprocessOptions options;
     options.stdout_path = base + ".stdout";
@@ -401,7 +546,13 @@ class Chaos {
  public:
   Chaos(uint64_t seed, std::vector<Fault> faults)
       : seed_(seed), rng_(seed), faults_(std::move(faults)) {
-    op_timeout_ = absl::Milliseconds(absl::GetFlag(FLAGS_op_timeout_ms));
+    backend_ = absl::GetFlag(FLAGS_backend);
+    cuda_.launch_mode = absl::GetFlag(FLAGS_launch_mode);
+    cuda_.multinode = absl::GetFlag(FLAGS_multinode);
+    const int op_timeout_ms = absl::GetFlag(FLAGS_op_timeout_ms);
+    op_timeout_ = absl::Milliseconds(op_timeout_ms > 0    ? op_timeout_ms
+                                     : backend_ == "cuda" ? 5000
+                                                          : 2000);
     dir_ = testing::MakeTempDir("epd-chaos-");
   }
   ~Chaos() {
@@ -413,6 +564,7 @@ class Chaos {
   /// from another seed) must be caught as wrong results. 0 when it was.
   int SelfCheck() {
     if (absl::Status st = StartNode(); !st.ok()) {
+      if (!skip_reason_.empty()) return Skipped();
       std::printf("[chaos] self-check: epd did not start: %s\n", st.ToString().c_str());
       return 1;
     }
@@ -460,10 +612,12 @@ class Chaos {
     std::fflush(stdout);
     const absl::Time start = absl::Now();
     if (absl::Status st = StartNode(); !st.ok()) {
+      if (!skip_reason_.empty()) return Skipped();
       std::printf("[chaos] FAILED seed=%llu: epd did not start: %s\n",
                   static_cast<unsigned long long>(seed_), st.ToString().c_str());
       return 1;
     }
+    if (backend_ == "cuda" && !ScheduleForCuda()) return 2;
     // The schedule: every kind once (shuffled), then kinds drawn at random.
     std::vector<Fault> first = faults_;
     std::shuffle(first.begin(), first.end(), rng_);
@@ -505,9 +659,9 @@ class Chaos {
         std::error_code ec;
         std::filesystem::remove(p, ec);
       });
-      std::printf("[chaos] cycle %d %-12s %s -> PASS (%.1f s, longest op %lld ms) %s\n", cycle,
+      std::printf("[chaos] cycle %d %-12s %s -> PASS (%.1f s, longest op %lld ms) %s%s\n", cycle,
                   Name(fault), what.c_str(), secs, static_cast<long long>(cycle_longest_ms_),
-                  Measure(node_->pid()).ToString().c_str());
+                  Measure(node_->pid()).ToString().c_str(), gpu_note_.c_str());
       std::fflush(stdout);
     }
     Summary(absl::Now() - start);
@@ -521,17 +675,110 @@ class Chaos {
     options.log_level = "info";
     options.extra_args = {
         absl::StrCat("--op_timeout=", absl::ToInt64Milliseconds(op_timeout_), "ms")};
+    options.backend = backend_;
+    if (backend_ == "cuda") options.start_timeout = absl::Seconds(60);  // Kernels load first.
     auto daemon = DaemonProcess::Start(options);
-    if (!daemon.ok()) return daemon.status();
+    if (!daemon.ok()) {
+      if (backend_ == "cuda") skip_reason_ = NoGpuReason(daemon.status());
+      return daemon.status();
+    }
     node_ = *std::move(daemon);
     watched_.push_back({node_.get(), "epd", std::nullopt});
+    if (backend_ == "cuda") return ReadCudaFacts();
     return absl::OkStatus();
+  }
+
+  // ---- --backend=cuda ---------------------------------------------------------------------
+
+  /// Why `epd --backend=cuda` did not start, when it is that no GPU is usable here (its
+  /// CUDA_NO_DEVICE line, or no supported GPU); "" for any other failure.
+  static std::string NoGpuReason(const absl::Status& start) {
+    const std::string text(start.message());
+    if (!absl::StrContains(text, "CUDA_NO_DEVICE") &&
+        !absl::StrContains(text, "has no supported GPU")) {
+      return "";
+    }
+    for (absl::string_view line : absl::StrSplit(text, '\n')) {
+      if (absl::StrContains(line, "failed to start")) return std::string(line);
+    }
+    return text.substr(0, 600);
+  }
+
+  /// Exit code 77 (CTest SKIP_RETURN_CODE) with the reason.
+  int Skipped() {
+    std::printf("[chaos] SKIPPED: --backend=cuda needs a usable GPU: %s\n", skip_reason_.c_str());
+    return 77;
+  }
+
+  /// After the chaos daemon started with --backend=cuda: the GPU every rank joins on and
+  /// whether MPS is active (GetStats). A daemon that serves another backend (a build without
+  /// the CUDA data plane) or lists no supported GPU sets skip_reason_.
+  absl::Status ReadCudaFacts() {
+    ClientOptions options;
+    options.socket_path = node_->socket_path();
+    options.client_name = "epd_chaos";
+    auto client = Client::Connect(options);
+    if (!client.ok()) return client.status();
+    auto stats = (*client)->GetStats();
+    if (!stats.ok()) return stats.status();
+    if (stats->backend() != "cuda") {
+      skip_reason_ = absl::StrCat("epd --backend=cuda serves the ", stats->backend(),
+                                  " backend: ", stats->backend_reason());
+      return absl::FailedPreconditionError(skip_reason_);
+    }
+    for (const v1::GpuInfo& g : stats->gpus()) {
+      if (g.supported() && gpu_uuid_.empty()) gpu_uuid_ = g.uuid();
+    }
+    if (gpu_uuid_.empty()) {
+      skip_reason_ = "epd --backend=cuda lists no supported GPU";
+      return absl::FailedPreconditionError(skip_reason_);
+    }
+    cuda_.mps_active = stats->mps_active();
+    nvidia_smi_ = FindOnPath("nvidia-smi");
+    std::printf(
+        "[chaos] cuda: every rank on GPU %s, launch mode %s (graph_replay: client), MPS %s, "
+        "op_timeout %lld ms; GPU memory from %s\n",
+        gpu_uuid_.c_str(), cuda_.launch_mode.c_str(), cuda_.mps_active ? "active" : "not active",
+        static_cast<long long>(absl::ToInt64Milliseconds(op_timeout_)),
+        nvidia_smi_.empty() ? "GetStats (no nvidia-smi on PATH)" : nvidia_smi_.c_str());
+    if (cuda_.launch_mode == "client" && !cuda_.mps_active) {
+      std::printf(
+          "[chaos] warning: --launch_mode=client without MPS: the ranks' kernels (several "
+          "processes on one GPU) time-slice, and each op is slow\n");
+    }
+    return absl::OkStatus();
+  }
+
+  /// Leaves out of faults_ the kinds WhyLeftOut names, printing each with its reason. False
+  /// (with a message) when none is left.
+  bool ScheduleForCuda() {
+    std::vector<Fault> kept;
+    for (Fault f : faults_) {
+      const std::string why = WhyLeftOut(f, cuda_);
+      if (why.empty()) {
+        kept.push_back(f);
+      } else {
+        std::printf("[chaos] left out on cuda (not run, not counted): %s: %s\n", Name(f),
+                    why.c_str());
+        left_out_.emplace_back(Name(f), why);
+      }
+    }
+    faults_ = std::move(kept);
+    if (faults_.empty()) std::printf("[chaos] no fault kind is left to run on cuda\n");
+    return !faults_.empty();
+  }
+
+  /// The CUDA backend's flags of a new group (nothing on host).
+  void ForBackend(Group& g) const {
+    if (backend_ != "cuda") return;
+    g.gpu_uuid = gpu_uuid_;
+    g.launch_mode = cuda_.launch_mode;
   }
 
   /// The two daemons of the faults across nodes, started at the first such cycle.
   absl::Status StartCluster() {
     if (cluster_.has_value()) return absl::OkStatus();
-    auto cluster = multinode::StartCluster({2, 2}, op_timeout_);
+    auto cluster = multinode::StartCluster({2, 2}, op_timeout_, true, {}, backend_);
     if (!cluster.ok()) return cluster.status();
     cluster_ = *std::move(cluster);
     for (size_t i = 0; i < cluster_->daemons.size(); ++i) {
@@ -558,6 +805,7 @@ class Chaos {
     g.sockets.assign(num_ranks, node_->socket_path());
     g.nodes_flag = absl::StrCat("local=", num_ranks);
     Randomize(g, num_ranks);
+    ForBackend(g);
     return g;
   }
   void Randomize(Group& g, int num_ranks) {
@@ -592,6 +840,7 @@ class Chaos {
     }
     g.nodes_flag = multinode::NodesFlag(nodes);
     Randomize(g, static_cast<int>(g.sockets.size()));
+    ForBackend(g);
     return g;
   }
 
@@ -736,6 +985,7 @@ class Chaos {
   std::optional<Failure> RunCycle(int cycle, Fault fault, std::string* what) {
     cycle_longest_ms_ = 0;
     const std::string prefix = absl::StrCat("c", cycle);
+    if (fault == Fault::kGraphReplay) return RunGraphCycle(prefix, what);
     if (AcrossNodes(fault)) return RunNodesCycle(prefix, fault, what);
     MarkUsed(node_.get());
 
@@ -937,8 +1187,8 @@ class Chaos {
         plan = absl::StrCat("delay_ms=", Pick(1, 20));
         break;
     }
-    auto cluster =
-        multinode::StartCluster({2, 2}, op_timeout_, true, {"--testing_transport_faults=" + plan});
+    auto cluster = multinode::StartCluster({2, 2}, op_timeout_, true,
+                                           {"--testing_transport_faults=" + plan}, backend_);
     if (!cluster.ok()) return Failure{"start nodes with " + plan, cluster.status().ToString()};
     Group g = MakeNodesGroup(prefix + "-f", per_node, *cluster);
     *what = g.Describe() + absl::StrCat(" nodes=", per_node[0], "+", per_node[1], " ", plan);
@@ -970,6 +1220,142 @@ class Chaos {
     }
     if (f) absl::StrAppend(&f->detail, "\n", cluster->Logs());
     return f;
+  }
+
+  /// graph_replay (CUDA): client-launched ranks each capture LowLatencyDispatch (T on the
+  /// device) + LowLatencyCombine in a CUDA graph once and replay it with every rank's T
+  /// changed between replays (mn_client --scenario=graph); every process exits 0 with every
+  /// round exact ("DONE ok=<rounds + 1> bad=0"), while a clean bystander group loops on the
+  /// same daemon. Without MPS the group spans the two CUDA daemons (one node's
+  /// client-launched ranks would wait on each other's time-sliced kernels).
+  std::optional<Failure> RunGraphCycle(const std::string& prefix, std::string* what) {
+    const bool across = Pick(0, 1) == 0 || !cuda_.mps_active;
+    const int rounds = Pick(4, 12);
+    Group g, b;
+    std::string nodes;
+    if (across) {
+      if (absl::Status st = StartCluster(); !st.ok()) return Failure{"start nodes", st.ToString()};
+      for (auto& d : cluster_->daemons) MarkUsed(d.get());
+      const std::vector<int> per_node = {Pick(1, 2), Pick(1, 2)};
+      g = MakeNodesGroup(prefix + "-g", per_node, *cluster_);
+      nodes = absl::StrCat(" nodes=", per_node[0], "+", per_node[1]);
+      b = MakeGroup(prefix + "-b", 2);
+      b.sockets.assign(2, cluster_->daemons[0]->socket_path());  // Beside node 0's ranks.
+    } else {
+      MarkUsed(node_.get());
+      g = MakeGroup(prefix + "-g", Pick(2, 4));
+      b = MakeGroup(prefix + "-b", 2);
+    }
+    g.scenario = "graph";
+    g.launch_mode = "client";
+    g.graph_rounds = rounds;
+    *what = absl::StrCat(g.Describe(), nodes, " rounds=", rounds);
+    Cleanup cleanup{[&] {
+      g.KillAll();
+      b.KillAll();
+    }};
+    if (absl::Status st = b.StartAll(); !st.ok()) return Failure{"spawn", st.ToString()};
+    if (absl::Status st = g.StartAll(); !st.ok()) return Failure{"spawn", st.ToString()};
+    std::optional<Failure> f = WaitFlowing(b, AllRanks(b));
+    for (int r = 0; !f && r < g.num_ranks(); ++r) {
+      // Join, one round outside the graph, the capture and the replays: seconds.
+      if (!g.procs[r]->Wait(absl::Seconds(90)).ok()) {
+        f = Failure{absl::StrCat("graph replays of ", g.name, " rank ", r),
+                    "did not finish within 90 s\n" + g.Outputs()};
+      }
+    }
+    if (!f) f = Finish(g, /*clean=*/true, across);
+    const std::string done = absl::StrCat("DONE ok=", rounds + 1, " bad=0");
+    for (int r = 0; !f && r < g.num_ranks(); ++r) {
+      if (!absl::StrContains(g.procs[r]->Stdout(), done)) {
+        f = Failure{absl::StrCat("graph replays of ", g.name, " rank ", r),
+                    absl::StrCat("no \"", done, "\" (every round OK and exact)\n", g.Outputs())};
+      }
+    }
+    if (!f) f = Finish(b, /*clean=*/true, false);
+    if (f) absl::StrAppend(&f->detail, "\n", b.Outputs(), across ? cluster_->Logs() : "");
+    return f;
+  }
+
+  /// After every cycle (--backend=cuda): each watched daemon's GPU memory is back within
+  /// --gpu_growth_mib of its baseline (taken with its other resources' baseline), polled
+  /// for up to 15 s while the cycle's client contexts go. Per process when nvidia-smi lists
+  /// every such daemon's pid; otherwise for the whole GPU, whose baseline is retaken when the
+  /// set of running daemons changes. Sets gpu_note_ (the cycle line's GPU part).
+  std::optional<Failure> CheckGpuMemory() {
+    if (backend_ != "cuda") return std::nullopt;
+    std::vector<const Watched*> ready;
+    std::vector<pid_t> running;
+    for (const Watched& w : watched_) {
+      if (!w.daemon->Running()) continue;
+      running.push_back(w.daemon->pid());
+      if (w.baseline) ready.push_back(&w);
+    }
+    if (ready.empty()) return std::nullopt;
+    const int64_t bound = absl::GetFlag(FLAGS_gpu_growth_mib);
+    const absl::Time deadline = absl::Now() + absl::Seconds(15);
+    while (true) {
+      std::map<pid_t, int64_t> apps;
+      if (!nvidia_smi_.empty()) apps = ComputeAppsMib(nvidia_smi_);
+      bool per_process = !apps.empty();
+      for (const Watched* w : ready) per_process = per_process && apps.count(w->daemon->pid()) > 0;
+      std::string over, now;
+      if (per_process) {
+        for (const Watched* w : ready) {
+          const pid_t pid = w->daemon->pid();
+          auto [base, added] = gpu_pid_baseline_.emplace(pid, apps[pid]);
+          if (added) {
+            std::printf(
+                "[chaos] GPU memory baseline of %s (pid %d): %lld MiB (per process, nvidia-smi "
+                "--query-compute-apps)\n",
+                w->label.c_str(), pid, static_cast<long long>(apps[pid]));
+          }
+          absl::StrAppend(&now, " ", w->label, "=", apps[pid], "MiB");
+          if (apps[pid] - base->second > bound) {
+            absl::StrAppend(&over, w->label, " (pid ", pid, ") uses ", apps[pid],
+                            " MiB of GPU memory, baseline ", base->second, " MiB; ");
+          }
+        }
+        gpu_note_ = absl::StrCat(" gpu(per process):", now);
+      } else {
+        const GpuReading used = DeviceUsedMib(nvidia_smi_, gpu_uuid_, node_->socket_path());
+        if (used.mib < 0) {
+          gpu_note_ = " gpu=unknown";
+          if (!gpu_unknown_reported_) {
+            std::printf("[chaos] GPU memory NOT CHECKED: %s\n", used.source.c_str());
+            gpu_unknown_reported_ = true;
+          }
+          return std::nullopt;
+        }
+        if (running != gpu_device_key_) {
+          gpu_device_key_ = running;
+          gpu_device_baseline_ = used.mib;
+          std::printf(
+              "[chaos] GPU memory baseline of %s with daemons (pids %s) running: %lld MiB (%s; "
+              "%s)\n",
+              gpu_uuid_.c_str(), absl::StrJoin(running, ",").c_str(),
+              static_cast<long long>(used.mib), used.source.c_str(),
+              nvidia_smi_.empty() ? "no per-process figures"
+                                  : "nvidia-smi lists no daemon pid per process: MPS, or a PID "
+                                    "namespace");
+        }
+        gpu_note_ = absl::StrCat(" gpu(device-wide)=", used.mib, "MiB");
+        if (used.mib - gpu_device_baseline_ > bound) {
+          over = absl::StrCat("GPU ", gpu_uuid_, " has ", used.mib, " MiB in use, baseline ",
+                              gpu_device_baseline_, " MiB (", used.source, "); ");
+        }
+      }
+      if (over.empty()) return std::nullopt;
+      if (absl::Now() > deadline) {
+        std::string listed;
+        for (const auto& [pid, mib] : apps) absl::StrAppend(&listed, " pid ", pid, "=", mib, "MiB");
+        return Failure{"GPU memory",
+                       absl::StrCat(over, "more than --gpu_growth_mib=", bound,
+                                    " over it 15 s after the cycle; nvidia-smi compute apps:",
+                                    listed.empty() ? " none" : listed)};
+      }
+      absl::SleepFor(absl::Milliseconds(250));
+    }
   }
 
   /// `epctl groups` on `w` answers (exit 0) and lists no group, within 5 s.
@@ -1039,6 +1425,7 @@ class Chaos {
                                     absl::GetFlag(FLAGS_rss_growth_mib), " MiB")};
       }
     }
+    if (auto f = CheckGpuMemory()) return f;
     if (std::set<std::string> shm = ShmEntries(); shm != shm_baseline_) {
       std::set<std::string> added;
       for (const std::string& e : shm) {
@@ -1070,6 +1457,14 @@ class Chaos {
                     Measure(w.daemon->pid()).ToString().c_str());
       }
     }
+    for (const auto& [name, why] : left_out_) {
+      std::printf("  %-14s left out on cuda: %s\n", name.c_str(), why.c_str());
+    }
+    if (backend_ == "cuda") {
+      std::printf("  GPU memory (--gpu_growth_mib=%d) at the last check:%s\n",
+                  absl::GetFlag(FLAGS_gpu_growth_mib),
+                  gpu_note_.empty() ? " not read" : gpu_note_.c_str());
+    }
     std::fflush(stdout);
   }
 
@@ -1091,7 +1486,41 @@ class Chaos {
   std::set<std::string> shm_baseline_ = ShmEntries();
   std::map<Fault, Stats> stats_;
   int64_t cycle_longest_ms_ = 0;
+  // --backend=cuda.
+  std::string backend_ = "host";
+  CudaSetup cuda_;
+  std::string gpu_uuid_;     ///< Every rank's GPU (the chaos daemon's first).
+  std::string skip_reason_;  ///< Why the run is skipped (no usable GPU); "" otherwise.
+  std::string nvidia_smi_;   ///< Its path; "" when not on PATH.
+  std::map<pid_t, int64_t> gpu_pid_baseline_;  ///< MiB per daemon pid (per-process source).
+  std::vector<pid_t> gpu_device_key_;          ///< Daemons running at the device baseline.
+  int64_t gpu_device_baseline_ = -1;           ///< MiB in use on the GPU (device-wide source).
+  bool gpu_unknown_reported_ = false;
+  std::string gpu_note_;  ///< The last reading, for the cycle line.
+  std::vector<std::pair<std::string, std::string>> left_out_;  ///< Kinds not run, and why.
 };
+
+/// Checks --backend and --launch_mode; with --backend=cuda adds the CUDA-only kinds `wanted`
+/// names (all when it is empty) to `faults`. On host a CUDA-only kind asked for by name is
+/// left out, saying so. INVALID_ARGUMENT naming the flag for a bad value.
+absl::Status AddCudaFaults(const std::vector<std::string>& wanted, std::vector<Fault>& faults) {
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  const std::string launch_mode = absl::GetFlag(FLAGS_launch_mode);
+  if (backend != "host" && backend != "cuda") {
+    return absl::InvalidArgumentError("--backend=" + backend + " is not host or cuda");
+  }
+  if (launch_mode != "daemon" && launch_mode != "client") {
+    return absl::InvalidArgumentError("--launch_mode=" + launch_mode + " is not daemon or client");
+  }
+  for (Fault f : CudaOnlyFaults()) {
+    const bool named = std::find(wanted.begin(), wanted.end(), Name(f)) != wanted.end();
+    if (backend == "cuda" && (wanted.empty() || named)) faults.push_back(f);
+    if (backend != "cuda" && named) {
+      std::fprintf(stderr, "--faults: %s runs with --backend=cuda only; left out\n", Name(f));
+    }
+  }
+  return absl::OkStatus();
+}
 
 int Main() {
   uint64_t seed = absl::GetFlag(FLAGS_seed);
@@ -1121,6 +1550,10 @@ int Main() {
     }
   }
   for (Fault f : MaskingFaults()) faults.push_back(f);
+  if (absl::Status st = AddCudaFaults(wanted, faults); !st.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(st.message()).c_str());
+    return 2;
+  }
   if (faults.empty()) {
     std::fprintf(stderr, "--faults=%s names no fault kind\n", only.c_str());
     return 2;
