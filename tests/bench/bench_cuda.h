@@ -40,6 +40,21 @@ inline kernels::GroupShape NormalBenchShape(int32_t ranks) {
   return shape;
 }
 
+/// The low-latency benchmark shape (DeepSeek-V3 decode): T=128 tokens per rank (the LL
+/// capacity), H=7168, K=8, E=256, FP8 enabled, with `ranks` ranks.
+inline constexpr int32_t kLowLatencyBenchTokens = 128;
+inline kernels::GroupShape LowLatencyBenchShape(int32_t ranks) {
+  kernels::GroupShape s;
+  s.num_ranks = ranks;
+  s.num_experts = 256;
+  s.hidden = 7168;
+  s.num_topk = 8;
+  s.max_tokens_per_rank = 1;
+  s.ll_max_tokens_per_rank = kLowLatencyBenchTokens;
+  s.use_fp8 = true;
+  return s;
+}
+
 /// Enqueues on `stream` a fill of `bytes` (a multiple of 4) at device address `dst` with a
 /// hash of each 32-bit word's index and `seed`, every bf16 half (and f32 word) finite
 /// (bandwidth does not depend on the values; a kernel is faster than uploading GBs).

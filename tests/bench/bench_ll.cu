@@ -54,15 +54,8 @@ std::vector<cudaStream_t> Streams(const VirtualRankGroup& g) {
 
 absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
                                         std::string* device_name, int32_t num_ranks) {
-  kernels::GroupShape s;
-  s.num_ranks = num_ranks;
-  s.num_experts = 256;
-  s.hidden = 7168;
-  s.num_topk = 8;
-  s.max_tokens_per_rank = 1;
-  s.ll_max_tokens_per_rank = 128;
-  s.use_fp8 = true;
-  const int32_t kTokens = 128;
+  const kernels::GroupShape s = LowLatencyBenchShape(num_ranks);
+  const int32_t kTokens = kLowLatencyBenchTokens;
 
   cudaDeviceProp prop;
   EPD_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, 0));

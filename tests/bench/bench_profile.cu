@@ -144,15 +144,8 @@ absl::Status ReplayAndReport(VirtualRankGroup& g, std::vector<OpGraph>& graphs, 
 }
 
 absl::Status ProfileLowLatency(int32_t ranks, int iters) {
-  kernels::GroupShape s;
-  s.num_ranks = ranks;
-  s.num_experts = 256;
-  s.hidden = 7168;
-  s.num_topk = 8;
-  s.max_tokens_per_rank = 1;
-  s.ll_max_tokens_per_rank = 128;
-  s.use_fp8 = true;
-  constexpr int32_t kTokens = 128;
+  const kernels::GroupShape s = LowLatencyBenchShape(ranks);
+  constexpr int32_t kTokens = kLowLatencyBenchTokens;
   EPD_ASSIGN_OR_RETURN(auto group, VirtualRankGroup::Create(s, 10'000'000'000));
   VirtualRankGroup& g = *group;
   g.set_all_ranks_on_device(true);
