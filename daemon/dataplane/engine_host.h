@@ -7,11 +7,13 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/os/shm_region.h"
+#include "daemon/dataplane/deferred_release.h"
 #include "daemon/dataplane/engine.h"
 
 namespace epd {
@@ -48,6 +50,24 @@ class EngineHost {
     engine_->Start();
     return absl::OkStatus();
   }
+  /// Before Start: each round of polls holds `release`'s PollScope, and after the round the
+  /// engine thread calls release->MaybeRelease(all_quiescent) (deferred_release.h). Both
+  /// outlive the engine.
+  void SetDeferredRelease(DeferredRelease* release, std::function<bool()> all_quiescent) {
+    release_ = release;
+    all_quiescent_ = std::move(all_quiescent);
+  }
+  /// Whether every group reports Quiescent() (a group type without it counts as quiescent).
+  /// Takes the group list's lock: not from inside a round of polls.
+  bool AllQuiescent() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Group* g : groups_) {
+      if constexpr (requires { g->Quiescent(); }) {
+        if (!g->Quiescent()) return false;
+      }
+    }
+    return true;
+  }
   /// Joins the engine thread. Idempotent; a host never started stops at once.
   void Stop() {
     if (engine_) engine_->Stop();
@@ -80,14 +100,21 @@ class EngineHost {
 
   bool PollAll() {
     if (before_poll_) before_poll_();
-    std::lock_guard<std::mutex> lock(mu_);
     bool worked = false;
-    for (Group* g : groups_) worked |= g->Poll();
+    {
+      std::shared_lock<std::shared_mutex> scope;
+      if (release_ != nullptr) scope = release_->PollScope();
+      std::lock_guard<std::mutex> lock(mu_);
+      for (Group* g : groups_) worked |= g->Poll();
+    }
+    if (release_ != nullptr) worked |= release_->MaybeRelease(all_quiescent_) > 0;
     return worked;
   }
 
   ShmRegion doorbell_;
   std::function<void()> before_poll_;
+  DeferredRelease* release_ = nullptr;  // Not owned; null: nothing deferred.
+  std::function<bool()> all_quiescent_;
   std::mutex mu_;  // Guards groups_.
   std::vector<Group*> groups_;
   std::unique_ptr<Engine> engine_;  // Last: stopped (destroyed) before the rest.

@@ -74,6 +74,83 @@ TEST(EngineHostTest, PollsAddedGroupsUntilRemovedAndRunsBeforePollOnTheEngineThr
   host.Stop();  // Idempotent.
 }
 
+/// A group whose quiescence the test sets, and which records whether a release ran while
+/// one of its polls was in progress.
+struct BusyGroup {
+  std::atomic<bool> quiescent{false};
+  std::atomic<bool> in_poll{false};
+  std::atomic<int> polls{0};
+  bool Poll() {
+    in_poll = true;
+    polls.fetch_add(1);
+    std::this_thread::sleep_for(100us);
+    in_poll = false;
+    return false;
+  }
+  bool Quiescent() const { return quiescent.load(); }
+};
+
+/// Records the thread that drops it and whether a group's poll was running then.
+struct ReleaseProbe {
+  std::atomic<bool>* released;
+  std::atomic<bool>* during_poll;
+  const BusyGroup* group;
+  std::thread::id* thread;
+  ~ReleaseProbe() {
+    *during_poll = group->in_poll.load();
+    *thread = std::this_thread::get_id();
+    *released = true;
+  }
+};
+
+TEST(EngineHostTest, DeferredMemoryIsDroppedOnTheEngineThreadOnlyOnceEveryGroupIsQuiescent) {
+  DeferredRelease release;
+  EngineHost<BusyGroup> host;
+  host.SetDeferredRelease(&release, [&host] { return host.AllQuiescent(); });
+  std::thread::id engine_thread;
+  ASSERT_TRUE(host.Start(100, [&] { engine_thread = std::this_thread::get_id(); }).ok());
+  BusyGroup g;
+  host.Add(&g);
+  std::atomic<bool> released{false}, during_poll{false};
+  std::thread::id dropped_on;
+  release.Add(std::make_shared<ReleaseProbe>(&released, &during_poll, &g, &dropped_on));
+  EXPECT_EQ(release.pending(), 1u);
+  // While the group has work on the device, nothing is dropped, however many rounds run.
+  const int polls = g.polls.load();
+  host.Wake();
+  ASSERT_TRUE(WaitFor([&] { return g.polls.load() > polls + 20; }));
+  EXPECT_FALSE(released.load());
+  EXPECT_EQ(release.pending(), 1u);
+  g.quiescent = true;
+  host.Wake();
+  ASSERT_TRUE(WaitFor([&] { return released.load(); }));
+  EXPECT_EQ(release.pending(), 0u);
+  EXPECT_EQ(dropped_on, engine_thread);
+  EXPECT_FALSE(during_poll.load());
+  host.Stop();
+}
+
+TEST(EngineHostTest, DeferredReleaseWaitsForEveryEngineToLeaveItsRound) {
+  DeferredRelease release;
+  // Another engine inside a round of polls (its PollScope held): no release.
+  auto scope = release.PollScope();
+  std::atomic<bool> released{false}, during_poll{false};
+  std::thread::id dropped_on;
+  BusyGroup g;
+  release.Add(std::make_shared<ReleaseProbe>(&released, &during_poll, &g, &dropped_on));
+  size_t dropped = 0;
+  std::thread other([&] { dropped = release.MaybeRelease([] { return true; }); });
+  other.join();
+  EXPECT_EQ(dropped, 0u);
+  EXPECT_FALSE(released.load());
+  scope.unlock();
+  EXPECT_EQ(release.MaybeRelease([] { return false; }), 0u);  // Not quiescent: kept.
+  EXPECT_EQ(release.MaybeRelease([] { return true; }), 1u);
+  EXPECT_TRUE(released.load());
+  release.Add(nullptr);  // Ignored.
+  EXPECT_EQ(release.pending(), 0u);
+}
+
 TEST(EngineHostTest, StopWithoutStartIsANoOp) {
   EngineHost<CountingGroup> host;
   host.Stop();

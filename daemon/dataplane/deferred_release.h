@@ -1,0 +1,89 @@
+// DeferredRelease: GPU memory whose release waits for a moment when no engine has work of
+// the daemon's on a device. docs/DESIGN.md §8.2 ("Freeing GPU memory").
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <vector>
+
+namespace epd {
+
+/// Holds what owns device or pinned host memory (a CudaRank, a group's peer arrays) until
+/// it can be dropped without stalling an op.
+///
+/// Why: cudaFree and cudaFreeHost wait until the device is idle and, while they wait, hold
+/// back every other thread's kernel launches and copies (measured on the H200: a launch
+/// from a second thread returned only when the free did). Called beside an op whose ranks'
+/// kernels are not all launched yet, the free waits for kernels that spin for the launches
+/// it holds back, until their bounded waits fail the op (op_timeout). So memory is never
+/// freed on a control thread while engines run: it is handed here, and dropped by an engine
+/// thread between two rounds of polls, with every engine's polls held off (`PollScope`) and
+/// every group quiescent (no work of the daemon's on a device).
+///
+/// Thread-safety: every method is thread-safe.
+class DeferredRelease {
+ public:
+  DeferredRelease() = default;
+  DeferredRelease(const DeferredRelease&) = delete;
+  DeferredRelease& operator=(const DeferredRelease&) = delete;
+  /// Drops what is left (the engines are stopped by then).
+  ~DeferredRelease() { ReleaseAll(); }
+
+  /// Keeps `item` until a later MaybeRelease or ReleaseAll drops it. Null is ignored.
+  void Add(std::shared_ptr<void> item) {
+    if (item == nullptr) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    items_.push_back(std::move(item));
+  }
+
+  /// Held (shared) by an engine for a round of polls: no release runs during it.
+  std::shared_lock<std::shared_mutex> PollScope() {
+    return std::shared_lock<std::shared_mutex>(gate_);
+  }
+
+  /// Called by an engine thread after a round of polls, holding no PollScope. When items
+  /// wait, no engine is inside a round (else it returns at once: the next round retries)
+  /// and `all_quiescent()` (called with every round held off) is true, drops every item on
+  /// this thread before the engines go on. Returns the number dropped.
+  size_t MaybeRelease(const std::function<bool()>& all_quiescent) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (items_.empty()) return 0;
+    }
+    std::unique_lock<std::shared_mutex> exclusive(gate_, std::try_to_lock);
+    if (!exclusive.owns_lock() || !all_quiescent()) return 0;
+    std::vector<std::shared_ptr<void>> items;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      items.swap(items_);
+    }
+    const size_t n = items.size();
+    items.clear();  // The frees, with the engines held off.
+    return n;
+  }
+
+  /// Drops every item now (shutdown: no engine runs).
+  void ReleaseAll() {
+    std::vector<std::shared_ptr<void>> items;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      items.swap(items_);
+    }
+  }
+
+  /// Items waiting.
+  size_t pending() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return items_.size();
+  }
+
+ private:
+  mutable std::mutex mu_;  // Guards items_.
+  std::vector<std::shared_ptr<void>> items_;
+  std::shared_mutex gate_;
+};
+
+}  // namespace epd
