@@ -14,11 +14,19 @@
 //   leave_join a client leaves (exits cleanly) mid-loop and a new one joins its rank
 //   stop_cont  SIGSTOP a client past op_timeout, then SIGCONT: errors, then in step again
 //   restart    the daemon is killed (SIGKILL or SIGTERM) mid-loop and restarted; clients
-//              get errors, then the group re-forms (RejoinAfterRestart)
+//              get errors, then the group re-forms (RejoinAfterRestart): in a seeded half of
+//              the cycles the same processes call Client::Reconnect, else new ones join
 //   peer_death (two daemons as nodes) node 1's daemon is killed mid-loop and restarted;
 //              node 0's ranks fail, then are in step with node 1's new ranks
 //   net_fault  (two daemons started with --testing_transport_faults) a partition, a link
 //              reset, dropped writes, or delayed writes (the last: every result exact)
+//   mask_kill9, mask_stop, mask_rejoin, mask_self  (rank masking, MaskingFaults: the group
+//              is on_rank_failure = MASK and its clients check every OK result against
+//              kernels/host under the mask it ran with) kill -9 or SIGSTOP of a client: the
+//              survivors' ops never fail and run with it masked within op_timeout + 1 s; a
+//              continued one is refused as masked until it unmasks itself; a new process
+//              joins a dead one's masked slot; a client masks and later unmasks another
+//              rank. Every rank then reports the same mask epoch.
 //
 // Every cycle runs a second, clean group beside the faulty one (a "bystander", except
 // across a restart): a fault in one group never reaches another. Invariants checked after
