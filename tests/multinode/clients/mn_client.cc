@@ -717,56 +717,70 @@ class Rank {
 
   /// Checks an OK result: `check` compares it with a RankRef. Without masking, with ref_.
   /// Under MASK, with the reference of the masks it ran with: its own (from m.epoch, see
-  /// MaskTracker::Candidates; when several sets are possible, the first the result matches
-  /// silently) and, for a combine, its dispatch's `dispatch_set`. Also checks `m`:
-  /// dropped_pairs (RankRef::*dropped), num_masked, and that epochs never go back. Sets cur_
-  /// and cur_set_ to the reference and set taken.
-  void Verify(const char* op, const epd::OpMask& m, std::optional<RankSet> dispatch_set,
+  /// MaskTracker::Candidates) and, for a combine, its dispatch's (`dispatch_sets`: the sets
+  /// its dispatch's result matched; null for a dispatch, which uses its own). When several
+  /// pairs are possible, each is tried silently and the first the result matches is taken
+  /// (the others that match too are kept in matched_sets_). Also checks `m`: dropped_pairs
+  /// (RankRef::*dropped), num_masked, and that epochs never go back. Sets cur_ and cur_set_
+  /// to the reference and set taken.
+  void Verify(const char* op, const epd::OpMask& m, const std::vector<RankSet>* dispatch_sets,
               int32_t RankRef::*dropped, const std::function<void(const RankRef&)>& check) {
     cur_ = &ref_;
     cur_set_ = 0;
+    matched_sets_ = {0};
     if (mask_ == nullptr) return check(ref_);
     last_mask_ = m;
-    const std::vector<RankSet> sets = mask_->Candidates(m);
-    if (sets.empty()) {
+    // (dispatch mask, this op's mask) pairs it may have run with.
+    std::vector<std::pair<RankSet, RankSet>> pairs;
+    for (RankSet set : mask_->Candidates(m)) {
+      for (RankSet d : dispatch_sets != nullptr ? *dispatch_sets : std::vector<RankSet>{set}) {
+        pairs.emplace_back(d, set);
+      }
+    }
+    if (pairs.empty()) {
       return Mismatch(op, "mask",
                       absl::StrCat("num_masked ", m.num_masked, " of ", s_.num_ranks,
                                    " ranks, this one not masked"));
     }
-    auto ref_of = [&](RankSet set) -> const RankRef* {
-      absl::StatusOr<const RankRef*> ref = mask_->Ref(dispatch_set.value_or(set), set);
+    auto ref_of = [&](std::pair<RankSet, RankSet> p) -> const RankRef* {
+      absl::StatusOr<const RankRef*> ref = mask_->Ref(p.first, p.second);
       if (!ref.ok()) Mismatch(op, "reference", ref.status().ToString());
       return ref.ok() ? *ref : nullptr;
     };
-    RankSet set = sets[0];
-    for (size_t i = 0; sets.size() > 1 && i < sets.size(); ++i) {
+    std::pair<RankSet, RankSet> taken = pairs[0];
+    matched_sets_.clear();
+    for (size_t i = 0; pairs.size() > 1 && i < pairs.size(); ++i) {
       quiet_ = true;
-      const RankRef* ref = ref_of(sets[i]);
+      const RankRef* ref = ref_of(pairs[i]);
       if (ref != nullptr) {
         check(*ref);
         if (ref->*dropped != m.dropped_pairs) op_mismatch_ = true;
       }
       quiet_ = false;
-      const bool matched = ref != nullptr && !op_mismatch_;
-      op_mismatch_ = false;
-      if (matched) {
-        set = sets[i];
-        break;
+      if (ref != nullptr && !op_mismatch_) {
+        if (matched_sets_.empty()) taken = pairs[i];
+        if (std::find(matched_sets_.begin(), matched_sets_.end(), pairs[i].second) ==
+            matched_sets_.end()) {
+          matched_sets_.push_back(pairs[i].second);
+        }
       }
+      op_mismatch_ = false;
     }
-    const RankRef* ref = ref_of(set);
+    if (matched_sets_.empty()) matched_sets_ = {taken.second};
+    const RankRef* ref = ref_of(taken);
     if (ref == nullptr) return;
     cur_ = ref;
-    cur_set_ = set;
+    cur_set_ = taken.second;
     check(*ref);
     const std::string masks = absl::StrCat(
-        "(epoch ", m.epoch, ", masked ranks ", SetString(set),
-        dispatch_set ? absl::StrCat(", at its dispatch ", SetString(*dispatch_set)) : "", ")");
+        "(epoch ", m.epoch, ", masked ranks ", SetString(taken.second),
+        dispatch_sets != nullptr ? absl::StrCat(", at its dispatch ", SetString(taken.first)) : "",
+        ")");
     if (ref->*dropped != m.dropped_pairs) {
       Mismatch(op, "dropped_pairs",
                absl::StrCat("got ", m.dropped_pairs, ", want ", ref->*dropped, " ", masks));
     }
-    if (std::popcount(set) != m.num_masked || ((set >> ep_.rank()) & 1u)) {
+    if (std::popcount(taken.second) != m.num_masked || ((taken.second >> ep_.rank()) & 1u)) {
       Mismatch(op, "num_masked", absl::StrCat("got ", m.num_masked, " ", masks));
     }
     if (m.epoch < mask_->floor_epoch()) {
@@ -822,7 +836,7 @@ class Rank {
     if (!routed.has_value()) return false;
     const epd::Handle handle = *routed;
     const DispatchRef& dispatched = cur_->dispatch;  // Under the mask the dispatch ran with.
-    const RankSet dispatch_set = cur_set_;
+    const std::vector<RankSet> dispatch_sets = matched_sets_;
 
     // Identity experts: the combine's x is the reference's received rows.
     Buf<bf16_bits> cx;
@@ -839,7 +853,7 @@ class Rank {
     ca.handle = &handle;
     auto c = Finish(ep_.Combine(ca));
     if (!Done(op, c)) return false;
-    Verify(op, c->mask, dispatch_set, &RankRef::dropped_combine, [&](const RankRef& ref) {
+    Verify(op, c->mask, &dispatch_sets, &RankRef::dropped_combine, [&](const RankRef& ref) {
       Check(op, "combined_x", c->combined_x.data(), ref.combined.data(), int64_t(in_.T) * H);
       Check(op, "combined_topk_weights", c->combined_topk_weights.data(), ref.combined_w.data(),
             int64_t(in_.T) * K);
@@ -892,7 +906,7 @@ class Rank {
     args.expert_alignment = kAlignment;
     auto d = Finish(ep_.Dispatch(args));
     if (!Done(op, d)) return std::nullopt;
-    Verify(op, d->mask, std::nullopt, &RankRef::dropped_dispatch, [&](const RankRef& ref) {
+    Verify(op, d->mask, nullptr, &RankRef::dropped_dispatch, [&](const RankRef& ref) {
       CheckDispatch(op, *d, ref.*field, /*routing=*/true, /*fp8=*/x_scales != nullptr);
     });
     if (!End(op)) return std::nullopt;
@@ -916,7 +930,7 @@ class Rank {
     const int64_t rows = s_.ll_rows_per_expert();
     // Scale columns as stored: f32 per 128 channels, or int32 words of four UE8M0 bytes.
     const int S = variant.options.use_ue8m0 ? s_.num_scales() / 4 : s_.num_scales();
-    Verify(op, l->mask, std::nullopt, &RankRef::dropped_ll, [&](const RankRef& rank_ref) {
+    Verify(op, l->mask, nullptr, &RankRef::dropped_ll, [&](const RankRef& rank_ref) {
       const LowLatencyRef& ref = rank_ref.ll[v];
       Check(op, "recv_count", l->recv_count.data(), ref.count.data(), El);
       const auto* count = l->recv_count.as<const int32_t>();
@@ -937,7 +951,7 @@ class Rank {
         }
       }
     });
-    const RankSet dispatch_set = cur_set_;
+    const std::vector<RankSet> dispatch_sets = matched_sets_;
     if (!End(op)) return false;
 
     const std::string combine_op = absl::StrCat("LowLatencyCombine after ", variant.name);
@@ -950,7 +964,7 @@ class Rank {
     lc.handle = &handle;
     auto c = Finish(ep_.LowLatencyCombine(lc));
     if (!Done(combine_op.c_str(), c)) return false;
-    Verify(combine_op.c_str(), c->mask, dispatch_set, &RankRef::dropped_ll_combine,
+    Verify(combine_op.c_str(), c->mask, &dispatch_sets, &RankRef::dropped_ll_combine,
            [&](const RankRef& ref) {
              Check(combine_op.c_str(), "combined_x", c->combined_x.data(), ref.ll_combined.data(),
                    int64_t(in_.Tll) * H);
@@ -966,6 +980,8 @@ class Rank {
   /// The reference the last OK op was checked against, and the masked ranks it ran with.
   const RankRef* cur_ = &ref_;
   RankSet cur_set_ = 0;
+  /// The sets the last op's result matched (a combine tries each as its dispatch's).
+  std::vector<RankSet> matched_sets_ = {0};
   epd::OpMask last_mask_;
   /// Verify tries a possible mask: mismatches are noted in op_mismatch_ only.
   bool quiet_ = false;
