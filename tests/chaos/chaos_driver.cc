@@ -15,7 +15,8 @@
 //   stop_cont  SIGSTOP a client past op_timeout, then SIGCONT: errors, then in step again
 //   restart    the daemon is killed (SIGKILL or SIGTERM) mid-loop and restarted; clients
 //              get errors, then the group re-forms (RejoinAfterRestart): in a seeded half of
-//              the cycles the same processes call Client::Reconnect, else new ones join
+//              the cycles the same processes call Client::Reconnect (half of those in a
+//              MASK group), else new ones join
 //   peer_death (two daemons as nodes) node 1's daemon is killed mid-loop and restarted;
 //              node 0's ranks fail, then are in step with node 1's new ranks
 //   net_fault  (two daemons started with --testing_transport_faults) a partition, a link
@@ -333,7 +334,8 @@ struct Group : GroupConfig {
   int num_ranks() const { return static_cast<int>(sockets.size()); }
   std::string Describe() const {
     return absl::StrCat(name, " R=", num_ranks(), " T=", absl::StrJoin(tokens, ","), " skew=", skew,
-                        skew == "none" ? "" : absl::StrCat(":", skew_target));
+                        skew == "none" ? "" : absl::StrCat(":", skew_target),
+                        on_rank_failure.empty() ? "" : " on_rank_failure=" + on_rank_failure);
   }
 
   absl::Status Start(int rank) {
@@ -869,6 +871,8 @@ class Chaos {
     if (IsMasking(fault)) ConfigureMasking(v, fault);
     // Some restarts: the same processes reconnect (Client::Reconnect) instead of new ones.
     if (fault == Fault::kRestart) v.reconnect = Pick(0, 1) == 0;
+    // Half of those are MASK groups: their clients start their mask epochs again.
+    if (v.reconnect && Pick(0, 1) == 0) ConfigureMasking(v, fault);
     *what = v.Describe();
     Cleanup cleanup{[&] {
       v.KillAll();
@@ -1007,7 +1011,8 @@ class Chaos {
   /// UNAVAILABLE (mn_client --reconnect): each must print RECONNECTED, and every rank must
   /// be in step again (3 OK rounds after its last error past `since`, the offsets before
   /// the daemon died). Otherwise new processes join the same group (name, spec, inputs) and
-  /// run one pass of every op, exact.
+  /// run one pass of every op, exact. Half of the Reconnect cycles are MASK groups, whose
+  /// ranks must then report one mask epoch of the new group and no rank masked.
   std::optional<Failure> RejoinAfterRestart(Group& v, const std::vector<size_t>& since) {
     if (v.reconnect) {
       for (int r = 0; r < v.num_ranks(); ++r) {
@@ -1017,7 +1022,9 @@ class Chaos {
                          absl::StrCat(st.message(), "\n", v.Outputs(), node_->Logs())};
         }
       }
-      return WaitInStep(v, AllRanks(v), since, "in step after Reconnect");
+      if (auto f = WaitInStep(v, AllRanks(v), since, "in step after Reconnect")) return f;
+      // A MASK group's epochs start again with the new group: one epoch, no rank masked.
+      return v.on_rank_failure == "mask" ? EpochsAgree(v, AllRanks(v), {}) : std::nullopt;
     }
     Group again;  // Same name, spec and inputs: the group re-forms.
     static_cast<GroupConfig&>(again) = v;
