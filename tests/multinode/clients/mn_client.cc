@@ -481,11 +481,12 @@ absl::StatusOr<std::vector<RankRef>> Reference(const GroupShape& s, std::vector<
 /// of masks a dispatch and its combine ran with (computed once each).
 class MaskTracker {
  public:
+  /// `unmasked`: this rank's reference without a mask (Reference's), kept by the caller.
   /// `ignore_mask` (--testing_ignore_mask, for epd_chaos --self_check): every reference is
   /// the unmasked one, so that results under a mask must be reported as mismatches.
   MaskTracker(epd::Endpoint& ep, const GroupShape& shape, std::vector<RankInputs>& in,
-              bool ignore_mask)
-      : ep_(ep), s_(shape), in_(in), ignore_mask_(ignore_mask) {
+              const RankRef* unmasked, bool ignore_mask)
+      : ep_(ep), s_(shape), in_(in), unmasked_(unmasked), ignore_mask_(ignore_mask) {
     Reset();
   }
 
@@ -514,7 +515,7 @@ class MaskTracker {
   /// This rank's reference for a dispatch under `dispatch_masked` and its combine under
   /// `combine_masked`.
   absl::StatusOr<const RankRef*> Ref(RankSet dispatch_masked, RankSet combine_masked) {
-    if (ignore_mask_) dispatch_masked = combine_masked = 0;
+    if (ignore_mask_ || (dispatch_masked == 0 && combine_masked == 0)) return unmasked_;
     const auto key = std::make_pair(dispatch_masked, combine_masked);
     auto it = refs_.find(key);
     if (it == refs_.end()) {
@@ -539,6 +540,7 @@ class MaskTracker {
   epd::Endpoint& ep_;
   const GroupShape& s_;
   std::vector<RankInputs>& in_;
+  const RankRef* unmasked_;
   const bool ignore_mask_;
   std::map<uint32_t, RankSet> sets_;
   std::map<std::pair<RankSet, RankSet>, std::vector<RankRef>> refs_;
@@ -1397,7 +1399,7 @@ int Main() {
   loop.reconnect = absl::GetFlag(FLAGS_reconnect);
   std::optional<MaskTracker> tracker;
   if (masking) {
-    tracker.emplace(**ep, shape, in, absl::GetFlag(FLAGS_testing_ignore_mask));
+    tracker.emplace(**ep, shape, in, &(*ref)[rank], absl::GetFlag(FLAGS_testing_ignore_mask));
     runner.SetMasking(&*tracker);
     loop.mask = &*tracker;
     loop.unmask_self = absl::GetFlag(FLAGS_unmask_self);
