@@ -14,11 +14,20 @@
 //   leave_join a client leaves (exits cleanly) mid-loop and a new one joins its rank
 //   stop_cont  SIGSTOP a client past op_timeout, then SIGCONT: errors, then in step again
 //   restart    the daemon is killed (SIGKILL or SIGTERM) mid-loop and restarted; clients
-//              get errors, then the group re-forms (RejoinAfterRestart)
+//              get errors, then the group re-forms (RejoinAfterRestart): in a seeded half of
+//              the cycles the same processes call Client::Reconnect (half of those in a
+//              MASK group), else new ones join
 //   peer_death (two daemons as nodes) node 1's daemon is killed mid-loop and restarted;
 //              node 0's ranks fail, then are in step with node 1's new ranks
 //   net_fault  (two daemons started with --testing_transport_faults) a partition, a link
 //              reset, dropped writes, or delayed writes (the last: every result exact)
+//   mask_kill9, mask_stop, mask_rejoin, mask_self  (rank masking, MaskingFaults: the group
+//              is on_rank_failure = MASK and its clients check every OK result against
+//              kernels/host under the mask it ran with) kill -9 or SIGSTOP of a client: the
+//              survivors' ops never fail and run with it masked within op_timeout + 1 s; a
+//              continued one is refused as masked until it unmasks itself; a new process
+//              joins a dead one's masked slot; a client masks and later unmasks another
+//              rank. Every rank then reports the same mask epoch.
 //
 // Every cycle runs a second, clean group beside the faulty one (a "bystander", except
 // across a restart): a fault in one group never reaches another. Invariants checked after
@@ -137,6 +146,11 @@ enum class Fault {
   kPeerDeath,
   kNetFault,
   kGraphReplay,  ///< CUDA only (CudaOnlyFaults).
+  // Rank masking (MaskingFaults): the group's spec has on_rank_failure = MASK.
+  kMaskKill9,
+  kMaskStop,
+  kMaskRejoin,
+  kMaskSelf,
 };
 constexpr Fault kAllFaults[] = {
     Fault::kClean,     Fault::kOps,      Fault::kProbes,  Fault::kKill9,     Fault::kKill9Rejoin,
@@ -166,19 +180,42 @@ const char* Name(Fault f) {
       return "net_fault";
     case Fault::kGraphReplay:
       return "graph_replay";
+    case Fault::kMaskKill9:
+      return "mask_kill9";
+    case Fault::kMaskStop:
+      return "mask_stop";
+    case Fault::kMaskRejoin:
+      return "mask_rejoin";
+    case Fault::kMaskSelf:
+      return "mask_self";
   }
   return "?";
 }
 
 bool AcrossNodes(Fault f) { return f == Fault::kPeerDeath || f == Fault::kNetFault; }
 
-/// Extension point for rank masking (GroupSpec.on_rank_failure = MASK): the cycles that
-/// need a daemon serving it — a client killed or stopped under MASK with the survivors'
-/// ops still OK (tokens to the masked rank dropped, OpMask reported), a client masking and
-/// unmasking a rank itself, a new process rejoining into a masked slot and unmasked at the
-/// next op boundary — are added to Fault, to this list and to RunCycle's switch. Empty
-/// until the daemon serves masking: no cycle pretends to cover it.
-std::vector<Fault> MaskingFaults() { return {}; }
+/// The faults of rank masking (GroupSpec.on_rank_failure = MASK, one node, host backend;
+/// Chaos::MaskCycle runs them): the group's clients check every OK result against
+/// kernels/host with the masked ranks' experts dropped (mn_client --on_rank_failure=mask).
+///   mask_kill9   kill -9 of a client: within op_timeout + 1 s every survivor runs rounds
+///                with it masked, and no survivor's op fails
+///   mask_stop    SIGSTOP of a client: after op_timeout it is masked for being late and the
+///                survivors' ops complete; after SIGCONT its ops are refused
+///                (FAILED_PRECONDITION, masked) until it unmasks itself (UpdateRankMask),
+///                then it is in step again
+///   mask_rejoin  kill -9, then a new process joins the masked slot: unmasked at an op
+///                boundary, every rank in step
+///   mask_self    one client masks another rank (UpdateRankMask) and unmasks it rounds later:
+///                every other rank ran rounds with it masked, it is in step again after
+/// In each, the survivors' ops never fail, and at the end every rank's last round reports
+/// the same mask epoch and masked ranks.
+std::vector<Fault> MaskingFaults() {
+  return {Fault::kMaskKill9, Fault::kMaskStop, Fault::kMaskRejoin, Fault::kMaskSelf};
+}
+bool IsMasking(Fault f) {
+  const std::vector<Fault> masking = MaskingFaults();
+  return std::find(masking.begin(), masking.end(), f) != masking.end();
+}
 
 /// Fault kinds that only run with --backend=cuda.
 std::vector<Fault> CudaOnlyFaults() { return {Fault::kGraphReplay}; }
@@ -418,6 +455,16 @@ struct GroupConfig {
   std::string gpu_uuid;
   std::string launch_mode;
   int graph_rounds = 0;  ///< --scenario=graph: replays of the captured graph.
+  /// mn_client --on_rank_failure ("": the spec leaves it unspecified, FAIL).
+  std::string on_rank_failure;
+  /// mn_client --reconnect: after UNAVAILABLE (a daemon restart) the same processes call
+  /// Client::Reconnect and go on.
+  bool reconnect = false;
+  /// More flags of one rank's clients (e.g. --mask_self of the rank that masks another).
+  std::map<int, std::vector<std::string>> rank_flags;
+  /// mask_self: the rank masked, the rank whose client masks it, and the rounds (the
+  /// masker's) after which it masks and unmasks it.
+  int mask_target = -1, masker = -1, mask_round = 0, unmask_round = 0;
 };
 
 /// A group's client processes (mn_client), one per rank.
@@ -429,7 +476,8 @@ struct Group : GroupConfig {
   std::string Describe() const {
     return absl::StrCat(name, " R=", num_ranks(), " T=", absl::StrJoin(tokens, ","), " skew=", skew,
                         skew == "none" ? "" : absl::StrCat(":", skew_target),
-                        launch_mode.empty() ? "" : " launch=" + launch_mode);
+                        launch_mode.empty() ? "" : " launch=" + launch_mode,
+                        on_rank_failure.empty() ? "" : " on_rank_failure=" + on_rank_failure);
   }
 
   absl::Status Start(int rank) {
@@ -454,6 +502,11 @@ struct Group : GroupConfig {
     if (!gpu_uuid.empty()) argv.push_back("--gpu_uuid=" + gpu_uuid);
     if (!launch_mode.empty()) argv.push_back("--launch_mode=" + launch_mode);
     if (graph_rounds > 0) argv.push_back(absl::StrCat("--graph_rounds=", graph_rounds));
+    if (!on_rank_failure.empty()) argv.push_back("--on_rank_failure=" + on_rank_failure);
+    if (reconnect) argv.push_back("--reconnect");
+    if (auto it = rank_flags.find(rank); it != rank_flags.end()) {
+      argv.insert(argv.end(), it->second.begin(), it->second.end());
+    }
     const std::string base = absl::StrCat(dir, "/", name, ".rank", rank, ".", ++starts);
     testing::SubprocessOptions options;
     options.stdout_path = base + ".stdout";
@@ -534,6 +587,41 @@ bool HasError(const std::string& output, size_t skip = 0) {
   return !multinode::FirstErrorLine(output, skip).empty();
 }
 
+/// A round's mask as a client under MASK prints it: "MASK <i> epoch=<e> masked=<r,..|->".
+struct MaskLine {
+  uint32_t epoch = 0;
+  std::set<int> masked;
+  std::string text;
+};
+/// The MASK lines of `output` past `skip` bytes.
+std::vector<MaskLine> MaskLines(const std::string& output, size_t skip) {
+  std::vector<MaskLine> out;
+  if (skip > output.size()) return out;
+  for (absl::string_view line : absl::StrSplit(absl::string_view(output).substr(skip), '\n')) {
+    if (!absl::StartsWith(line, "MASK ")) continue;
+    const size_t e = line.find(" epoch="), m = line.find(" masked=");
+    MaskLine ml;
+    ml.text = std::string(line);
+    if (e == absl::string_view::npos || m == absl::string_view::npos ||
+        !absl::SimpleAtoi(line.substr(e + 7, m - e - 7), &ml.epoch)) {
+      continue;
+    }
+    for (absl::string_view r : absl::StrSplit(line.substr(m + 8), ',', absl::SkipEmpty())) {
+      int rank = 0;
+      if (absl::SimpleAtoi(r, &rank)) ml.masked.insert(rank);
+    }
+    out.push_back(std::move(ml));
+  }
+  return out;
+}
+
+/// Whether an error line is an op refused because the rank itself is masked (the documented
+/// FAILED_PRECONDITION "... the rank is masked ..." / "... which was masked ...").
+bool IsMaskedRefusal(absl::string_view line) {
+  return absl::StrContains(line, " FAILED_PRECONDITION ") &&
+         (absl::StrContains(line, "the rank is masked") || absl::StrContains(line, "was masked"));
+}
+
 // ---- the run ---------------------------------------------------------------------------
 
 struct Stats {
@@ -593,10 +681,45 @@ class Chaos {
     if (f && absl::StrContains(f->detail, "MISMATCH")) {
       std::printf("[chaos] self-check passed: a miswired client's results were caught (%s)\n",
                   f->step.c_str());
-      return 0;
+      return SelfCheckMask();
     }
     std::printf("[chaos] self-check FAILED: %s\n",
                 f ? (f->step + ": " + f->detail).c_str() : "wrong results went unnoticed");
+    return 1;
+  }
+
+  /// Shows that results under a mask are checked against the masked reference: in a MASK
+  /// group of 2 whose rank 0 routes every token to rank 1's experts, rank 1 is killed; rank
+  /// 0's client checks against the unmasked reference (--testing_ignore_mask), so its
+  /// results (every pair dropped) must be reported as mismatches. 0 when they were.
+  int SelfCheckMask() {
+    Group g = MakeGroup("self-check-mask", 2);
+    g.tokens = {4, 4};
+    g.skew = "rank";
+    g.skew_target = 1;
+    g.on_rank_failure = "mask";
+    g.rank_flags[0] = {"--testing_ignore_mask"};
+    Cleanup cleanup{[&] { g.KillAll(); }};
+    if (absl::Status st = g.StartAll(); !st.ok()) {
+      std::printf("[chaos] self-check (mask): %s\n", st.ToString().c_str());
+      return 1;
+    }
+    if (auto f = WaitFlowing(g, AllRanks(g))) {
+      std::printf("[chaos] self-check (mask) FAILED: %s: %s\n", f->step.c_str(), f->detail.c_str());
+      return 1;
+    }
+    g.procs[1]->Signal(SIGKILL);
+    const absl::Status caught = g.procs[0]->WaitForOutput("MISMATCH", absl::Seconds(20));
+    std::optional<Failure> f = Finish(g, /*clean=*/false, false, {g.procs[1].get()});
+    if (caught.ok() && f && absl::StrContains(f->detail, "MISMATCH")) {
+      std::printf(
+          "[chaos] self-check passed: results under a mask checked against the unmasked "
+          "reference were caught (%s)\n",
+          f->step.c_str());
+      return 0;
+    }
+    std::printf("[chaos] self-check (mask) FAILED: %s\n",
+                f ? (f->step + ": " + f->detail).c_str() : "wrong masked results went unnoticed");
     return 1;
   }
 
@@ -995,6 +1118,11 @@ class Chaos {
     if (fault != Fault::kRestart) bystander = MakeGroup(prefix + "-b", 2);
     if (fault == Fault::kOps || fault == Fault::kProbes) v.scenario = Name(fault);
     v.probe_rank = Pick(0, v.num_ranks() - 1);
+    if (IsMasking(fault)) ConfigureMasking(v, fault);
+    // Some restarts: the same processes reconnect (Client::Reconnect) instead of new ones.
+    if (fault == Fault::kRestart) v.reconnect = Pick(0, 1) == 0;
+    // Half of those are MASK groups: their clients start their mask epochs again.
+    if (v.reconnect && Pick(0, 1) == 0) ConfigureMasking(v, fault);
     *what = v.Describe();
     Cleanup cleanup{[&] {
       v.KillAll();
@@ -1013,7 +1141,12 @@ class Chaos {
     }
     if (fault == Fault::kProbes) {
       absl::StrAppend(what, " bad input from rank ", v.probe_rank);
-    } else if (fault != Fault::kClean && fault != Fault::kOps && fault != Fault::kRestart) {
+    } else if (fault == Fault::kMaskSelf) {
+      absl::StrAppend(what, " rank ", v.masker, " masks rank ", v.mask_target, " rounds ",
+                      v.mask_round, "-", v.unmask_round);
+    } else if (fault == Fault::kRestart) {
+      absl::StrAppend(what, v.reconnect ? " (Reconnect)" : " (new processes)");
+    } else if (fault != Fault::kClean && fault != Fault::kOps) {
       absl::StrAppend(what, " victim=rank ", victim);
     }
     std::set<const Subprocess*> exempt;
@@ -1073,6 +1206,13 @@ class Chaos {
           if (failure) break;
           failure = Restart(v);
           break;
+        case Fault::kMaskKill9:
+        case Fault::kMaskStop:
+        case Fault::kMaskRejoin:
+        case Fault::kMaskSelf:
+          if (failure) break;
+          failure = MaskCycle(v, fault, victim, since, &exempt, what);
+          break;
         default:
           break;
       }
@@ -1104,21 +1244,38 @@ class Chaos {
                             kill ? "clients see epd killed" : "clients see epd stop")) {
       return f;
     }
-    if (auto f = Finish(v, false, false)) return f;
+    if (!v.reconnect) {
+      if (auto f = Finish(v, false, false)) return f;
+    }
     if (absl::Status st = node_->Restart(); !st.ok()) {
       return Failure{"restart epd", st.ToString() + "\n" + node_->Logs()};
     }
     for (Watched& w : watched_) {
       if (w.daemon == node_.get()) w.baseline.reset();  // A new process: a new baseline.
     }
-    return RejoinAfterRestart(v);
+    return RejoinAfterRestart(v, since);
   }
 
-  /// How a group comes back after its daemon restarted. Today the clients are new processes
-  /// (each Client dies with its daemon's session). Extension point for Client::Reconnect:
-  /// once it is served, run the same processes on (mn_client reconnecting in-process when an
-  /// op answers UNAVAILABLE) and check them here instead.
-  std::optional<Failure> RejoinAfterRestart(Group& v) {
+  /// How a group comes back after its daemon restarted. With v.reconnect (a seeded half of
+  /// the restarts) the same client processes call Client::Reconnect when an op answers
+  /// UNAVAILABLE (mn_client --reconnect): each must print RECONNECTED, and every rank must
+  /// be in step again (3 OK rounds after its last error past `since`, the offsets before
+  /// the daemon died). Otherwise new processes join the same group (name, spec, inputs) and
+  /// run one pass of every op, exact. Half of the Reconnect cycles are MASK groups, whose
+  /// ranks must then report one mask epoch of the new group and no rank masked.
+  std::optional<Failure> RejoinAfterRestart(Group& v, const std::vector<size_t>& since) {
+    if (v.reconnect) {
+      for (int r = 0; r < v.num_ranks(); ++r) {
+        if (absl::Status st = v.procs[r]->WaitForOutput("RECONNECTED", absl::Seconds(35));
+            !st.ok()) {
+          return Failure{absl::StrCat("Reconnect of ", v.name, " rank ", r),
+                         absl::StrCat(st.message(), "\n", v.Outputs(), node_->Logs())};
+        }
+      }
+      if (auto f = WaitInStep(v, AllRanks(v), since, "in step after Reconnect")) return f;
+      // A MASK group's epochs start again with the new group: one epoch, no rank masked.
+      return v.on_rank_failure == "mask" ? EpochsAgree(v, AllRanks(v), {}) : std::nullopt;
+    }
     Group again;  // Same name, spec and inputs: the group re-forms.
     static_cast<GroupConfig&>(again) = v;
     again.scenario = "ops";
@@ -1126,6 +1283,213 @@ class Chaos {
     std::optional<Failure> f = WaitOneShot(again);
     again.KillAll();
     return f;
+  }
+
+  // ---- rank masking (MaskingFaults) ----
+
+  /// Before the group starts: MASK in its spec, and each rank's clients unmask their own
+  /// rank when it is refused as masked (a late rank under load, the stopped one after
+  /// SIGCONT), except mask_self's target, whose mask only its masker lifts.
+  void ConfigureMasking(Group& v, Fault fault) {
+    v.on_rank_failure = "mask";
+    if (fault == Fault::kMaskSelf) {
+      v.mask_target = Pick(0, v.num_ranks() - 1);
+      v.masker = (v.mask_target + Pick(1, v.num_ranks() - 1)) % v.num_ranks();
+      v.mask_round = Pick(5, 40);
+      v.unmask_round = v.mask_round + Pick(5, 40);
+      v.rank_flags[v.masker].push_back(
+          absl::StrCat("--mask_self=", v.mask_target, ":", v.mask_round, ":", v.unmask_round));
+    }
+    for (int r = 0; r < v.num_ranks(); ++r) {
+      if (r != v.mask_target) v.rank_flags[r].push_back("--unmask_self");
+    }
+  }
+
+  /// One masking fault on `v` (flowing; `since`: its outputs' offsets now). `victim` is the
+  /// rank killed or stopped (mask_self: v.mask_target). Killed and stopped processes are
+  /// added to `exempt` (their own clocks are not held to the op bound).
+  std::optional<Failure> MaskCycle(Group& v, Fault fault, int victim, std::vector<size_t> since,
+                                   std::set<const Subprocess*>* exempt, std::string* what) {
+    if (fault == Fault::kMaskSelf) {
+      victim = v.mask_target;
+      since.assign(v.num_ranks(), 0);  // The mask may come before the loop flowed here.
+    }
+    std::vector<int> others;
+    for (int r = 0; r < v.num_ranks(); ++r) {
+      if (r != victim) others.push_back(r);
+    }
+    std::set<int> masked_at_end;  // What every rank's last round must report.
+    switch (fault) {
+      case Fault::kMaskKill9:
+      case Fault::kMaskRejoin:
+      case Fault::kMaskStop: {
+        exempt->insert(v.procs[victim].get());
+        const absl::Time t0 = absl::Now();
+        v.procs[victim]->Signal(fault == Fault::kMaskStop ? SIGSTOP : SIGKILL);
+        if (auto f = WaitMasked(v, others, since, victim, t0, what)) {
+          if (fault == Fault::kMaskStop) v.procs[victim]->Signal(SIGCONT);
+          return f;
+        }
+        if (fault == Fault::kMaskKill9) {
+          absl::SleepFor(absl::Milliseconds(Pick(100, 400)));  // Rounds without it.
+          if (auto f = WaitInStep(v, others, since, "survivors run on with the dead rank masked")) {
+            return f;
+          }
+          masked_at_end = {victim};
+          break;
+        }
+        if (fault == Fault::kMaskStop) {
+          // Stopped past op_timeout, then continued: its ops are refused as masked until it
+          // unmasks itself (--unmask_self), then it is in step again.
+          const absl::Time until = t0 + op_timeout_ + absl::Milliseconds(Pick(100, 600));
+          absl::SleepFor(std::max(until - absl::Now(), absl::ZeroDuration()));
+          std::vector<size_t> cont = Offsets(v);
+          v.procs[victim]->Signal(SIGCONT);
+          if (auto f = WaitInStep(v, AllRanks(v), cont, "in step after SIGCONT")) return f;
+          const std::string out = v.procs[victim]->Stdout();
+          for (absl::string_view line : absl::StrSplit(out.substr(cont[victim]), '\n')) {
+            if (absl::StartsWith(line, "ROUND ") && absl::StrContains(line, " ERROR ") &&
+                !IsMaskedRefusal(line)) {
+              return Failure{
+                  "the continued rank's errors",
+                  absl::StrCat("rank ", victim, ": want FAILED_PRECONDITION (masked), got: ", line,
+                               "\n", v.Outputs())};
+            }
+          }
+          if (!absl::StrContains(out.substr(cont[victim]), "UNMASK_SELF epoch=")) {
+            return Failure{"the continued rank unmasks itself",
+                           absl::StrCat("rank ", victim, " printed no UNMASK_SELF\n", v.Outputs())};
+          }
+        } else {
+          std::vector<size_t> rejoin = Offsets(v);
+          if (absl::Status st = v.Start(victim); !st.ok()) return Failure{"rejoin", st.ToString()};
+          rejoin[victim] = 0;
+          if (auto f = WaitInStep(v, AllRanks(v), rejoin, "in step after the rejoin")) return f;
+        }
+        break;
+      }
+      case Fault::kMaskSelf: {
+        const std::string unmasked = absl::StrCat("SELFMASK unmask rank ", victim);
+        if (absl::Status st = v.procs[v.masker]->WaitForOutput(unmasked, absl::Seconds(30));
+            !st.ok()) {
+          return Failure{"rank " + std::to_string(v.masker) + " masks and unmasks",
+                         absl::StrCat(st.message(), "\n", v.Outputs())};
+        }
+        if (auto f = WaitInStep(v, AllRanks(v), since, "in step after the unmask")) return f;
+        // Every other rank ran rounds with the target masked (the epoch on every rank).
+        for (int r : others) {
+          bool seen = false;
+          for (const MaskLine& m : MaskLines(v.procs[r]->Stdout(), 0))
+            seen |= m.masked.count(victim);
+          if (!seen) {
+            return Failure{"rounds with the target masked",
+                           absl::StrCat("rank ", r, " reported no round with rank ", victim,
+                                        " masked\n", v.Outputs())};
+          }
+        }
+        for (absl::string_view line : absl::StrSplit(v.procs[victim]->Stdout(), '\n')) {
+          if (absl::StartsWith(line, "ROUND ") && absl::StrContains(line, " ERROR ") &&
+              !IsMaskedRefusal(line)) {
+            return Failure{
+                "the masked rank's errors",
+                absl::StrCat("want FAILED_PRECONDITION (masked), got: ", line, "\n", v.Outputs())};
+          }
+        }
+        break;
+      }
+      default:
+        return Failure{"mask cycle", absl::StrCat(Name(fault), " is not a masking fault")};
+    }
+    if (auto f = SurvivorsNeverFailed(v, others, since)) return f;
+    return EpochsAgree(v, fault == Fault::kMaskKill9 ? others : AllRanks(v), masked_at_end);
+  }
+
+  /// Waits until each of `ranks` printed a round that ran with `victim` masked (after
+  /// `since`), and checks that it came within the op bound of `t0` (the kill or stop). Adds
+  /// the slowest to `what`.
+  std::optional<Failure> WaitMasked(Group& v, const std::vector<int>& ranks,
+                                    const std::vector<size_t>& since, int victim, absl::Time t0,
+                                    std::string* what) {
+    const absl::Duration bound = OpBound(false);
+    absl::Duration slowest;
+    for (int r : ranks) {
+      while (true) {
+        bool masked = false;
+        for (const MaskLine& m : MaskLines(v.procs[r]->Stdout(), since[r])) {
+          masked |= m.masked.count(victim) > 0;
+        }
+        const absl::Duration took = absl::Now() - t0;
+        if (masked) {
+          slowest = std::max(slowest, took);
+          break;
+        }
+        if (took > bound + absl::Seconds(5) || !v.procs[r]->Running()) {
+          return Failure{"survivors run with the rank masked",
+                         absl::StrCat(v.name, " rank ", r, " ran no round with rank ", victim,
+                                      " masked within ", absl::FormatDuration(took), "\n",
+                                      v.Outputs(), node_->Logs())};
+        }
+        absl::SleepFor(absl::Milliseconds(10));
+      }
+    }
+    absl::StrAppend(what, " masked after ", absl::ToInt64Milliseconds(slowest), " ms");
+    if (slowest > bound) {
+      return Failure{"survivors run with the rank masked",
+                     absl::StrCat("the last survivor's first round with rank ", victim,
+                                  " masked came ", absl::FormatDuration(slowest),
+                                  " after the fault, more than op_timeout + 1 s\n", v.Outputs())};
+    }
+    return std::nullopt;
+  }
+
+  /// Under MASK no survivor's op fails: no error line after `since`, but ops refused because
+  /// that rank was itself masked for being late (documented; it then unmasks itself).
+  std::optional<Failure> SurvivorsNeverFailed(Group& v, const std::vector<int>& ranks,
+                                              const std::vector<size_t>& since) {
+    for (int r : ranks) {
+      const std::string out = v.procs[r]->Stdout();
+      for (absl::string_view line :
+           absl::StrSplit(out.substr(std::min(since[r], out.size())), '\n')) {
+        if (absl::StartsWith(line, "ROUND ") && absl::StrContains(line, " ERROR ") &&
+            !IsMaskedRefusal(line)) {
+          return Failure{"survivors' ops under MASK",
+                         absl::StrCat(v.name, " rank ", r, ": ", line, "\n", v.Outputs())};
+        }
+      }
+    }
+    return std::nullopt;
+  }
+
+  /// Every listed rank's last round reports the same mask epoch, and the masked ranks
+  /// `masked` (within 5 s: a change may be on its way to some of them).
+  std::optional<Failure> EpochsAgree(Group& v, const std::vector<int>& ranks,
+                                     const std::set<int>& masked) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (true) {
+      std::string lines;
+      bool agree = true;
+      std::optional<uint32_t> epoch;
+      for (int r : ranks) {
+        std::vector<MaskLine> all = MaskLines(v.procs[r]->Stdout(), 0);
+        if (all.empty()) {
+          agree = false;
+          absl::StrAppend(&lines, " rank ", r, ": none;");
+          continue;
+        }
+        const MaskLine& last = all.back();
+        absl::StrAppend(&lines, " rank ", r, ": ", last.text, ";");
+        agree &= last.masked == masked && (!epoch || *epoch == last.epoch);
+        epoch = last.epoch;
+      }
+      if (agree) return std::nullopt;
+      if (absl::Now() > deadline) {
+        return Failure{
+            "mask epochs agree",
+            absl::StrCat("want masked ranks {", absl::StrJoin(masked, ","),
+                         "} and one epoch on every rank; last rounds:", lines, "\n", v.Outputs())};
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+    }
   }
 
   std::optional<Failure> RunNodesCycle(const std::string& prefix, Fault fault, std::string* what) {
@@ -1549,7 +1913,11 @@ int Main() {
       faults.push_back(f);
     }
   }
-  for (Fault f : MaskingFaults()) faults.push_back(f);
+  for (Fault f : MaskingFaults()) {
+    if (wanted.empty() || std::find(wanted.begin(), wanted.end(), Name(f)) != wanted.end()) {
+      faults.push_back(f);
+    }
+  }
   if (absl::Status st = AddCudaFaults(wanted, faults); !st.ok()) {
     std::fprintf(stderr, "%s\n", std::string(st.message()).c_str());
     return 2;

@@ -31,14 +31,21 @@ struct LlRoundReference {
   std::vector<int32_t> dropped_pairs;                       ///< [R] pairs dropped at combine.
 };
 
-/// Rank `r`'s T and topk_idx (into `*idx`) as it sends them under `masked`: nothing when
-/// masked itself, else its ids with the masked ranks' experts dropped (returns the count).
+/// Rank `r`'s T and topk_idx (into `*idx`) as it sends them under `masked` [R] (nonzero =
+/// masked), from its own T `tokens` and ids `topk_idx` [tokens, K]: nothing when masked
+/// itself, else its ids with the masked ranks' experts dropped (returns the count).
+inline int32_t MaskedIds(const kernels::GroupShape& shape, int32_t tokens, const int64_t* topk_idx,
+                         int r, std::span<const uint8_t> masked, std::vector<int64_t>* idx,
+                         int32_t* num_tokens) {
+  *num_tokens = masked[r] ? 0 : tokens;
+  idx->assign(topk_idx, topk_idx + int64_t{*num_tokens} * shape.num_topk);
+  return kernels::host::DropMaskedExperts(shape, masked, *num_tokens, idx->data());
+}
+/// The same for a low-latency round's inputs `in` of rank `r`.
 inline int32_t MaskedIds(const kernels::GroupShape& shape, const LlRoundInputs& in, int r,
                          std::span<const uint8_t> masked, std::vector<int64_t>* idx,
                          int32_t* num_tokens) {
-  *num_tokens = masked[r] ? 0 : in.num_tokens;
-  idx->assign(in.topk_idx.begin(), in.topk_idx.begin() + *num_tokens * shape.num_topk);
-  return kernels::host::DropMaskedExperts(shape, masked, *num_tokens, idx->data());
+  return MaskedIds(shape, in.num_tokens, in.topk_idx.data(), r, masked, idx, num_tokens);
 }
 
 /// kernels/host's LowLatencyDispatch + LowLatencyCombine (identity experts: each rank's

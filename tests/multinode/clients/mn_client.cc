@@ -27,6 +27,21 @@
 //                    LowLatencyDispatch, an x of dtype float32 and one of hidden H + 1;
 //                    every rank expects INVALID_ARGUMENT ("PROBE <name> OK" or "PROBE
 //                    <name> BAD <what>"), then one pass of every op must be exact.
+//   --on_rank_failure=mask (loop) The group masks failed ranks (docs/RELIABILITY.md "Rank
+//                    masking and re-attach"). Each OK result is checked against kernels/host
+//                    run with the masks the op ran with: the ranks its OpMask epoch masked
+//                    (QueryRankMask; when the mask changed again before the query, each set
+//                    of num_masked other ranks is tried and the result must equal one), and
+//                    for a combine those its dispatch ran with; masked ranks send nothing and
+//                    their experts' pairs are dropped. OpMask's dropped_pairs and num_masked
+//                    are checked too, and epochs never go back. Each OK round first prints
+//                    "MASK <i> epoch=<e> masked=<ranks|->" (its last op's). --unmask_self
+//                    unmasks this rank when an op is refused as masked ("UNMASK_SELF ...");
+//                    --mask_self=V:A:B masks rank V after round A and unmasks it after round
+//                    B ("SELFMASK mask|unmask rank V epoch=<e> masked=<ranks>").
+//   --reconnect      (loop) After an op answered UNAVAILABLE (the daemon restarted):
+//                    Client::Reconnect, "RECONNECTED session <id>" (or "RECONNECT FAILED"),
+//                    and the loop goes on with the same Endpoint.
 // Every scenario ends with "max_op_ms=<n>" on its DONE / STOPPED line: the longest any op
 // of this process took from submit to result (errors included); --report_slow_ms prints a
 // "SLOW" line for each op slower than that.
@@ -38,11 +53,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <functional>
+#include <map>
 #include <optional>
 #include <random>
 #include <span>
@@ -52,6 +70,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -61,6 +80,7 @@
 #include "epd/kernels/op_rules.h"
 #include "epd/kernels/types.h"
 #include "tests/common/dtypes.h"
+#include "tests/common/mask_reference.h"
 #include "tests/common/op_reference.h"
 #include "tests/common/stdin_eof.h"
 #include "tests/multinode/data_spec.h"
@@ -93,6 +113,19 @@ ABSL_FLAG(std::string, launch_mode, "",
 ABSL_FLAG(int, graph_rounds, 6, "graph: replays of the captured graph");
 ABSL_FLAG(std::string, gpu_uuid, "",
           "the GPU to join on (a CUDA daemon); \"\" on the host backend");
+ABSL_FLAG(std::string, on_rank_failure, "",
+          "spec.on_rank_failure: \"\" (unspecified), fail or mask (mask: --scenario=loop)");
+ABSL_FLAG(std::string, mask_self, "",
+          "V:A:B (mask): after its round A this process masks rank V (UpdateRankMask), after "
+          "round B it unmasks it");
+ABSL_FLAG(bool, unmask_self, false,
+          "mask: when an op is refused because this rank is masked, unmask it (UpdateRankMask)");
+ABSL_FLAG(
+    bool, reconnect, false,
+    "loop: when an op answers UNAVAILABLE (the daemon restarted), Client::Reconnect and go on");
+ABSL_FLAG(bool, testing_ignore_mask, false,
+          "mask: check results against the unmasked reference (epd_chaos --self_check: a wrong "
+          "reference under a mask must be caught)");
 
 namespace {
 
@@ -272,20 +305,61 @@ struct RankRef {
   std::vector<float> combined_w;
   LowLatencyRef ll[kNumLowLatencyVariants];
   std::vector<bf16_bits> ll_combined;
+  /// OpMask::dropped_pairs of this rank's Dispatch (pairs), Combine (routes),
+  /// LowLatencyDispatch and LowLatencyCombine (pairs) under the reference's masks.
+  int32_t dropped_dispatch = 0, dropped_combine = 0, dropped_ll = 0, dropped_ll_combine = 0;
+};
+
+/// A set of ranks (bit r: rank r), e.g. the ranks an op ran with masked.
+using RankSet = uint32_t;
+
+/// `set` as [R] flags (nonzero = in the set), as kernels/host's mask functions take it.
+std::vector<uint8_t> Flags(RankSet set, int R) {
+  std::vector<uint8_t> out(R, 0);
+  for (int r = 0; r < R; ++r) out[r] = (set >> r) & 1u;
+  return out;
+}
+
+/// "a,b" ("-" for none).
+std::string SetString(RankSet set) {
+  std::string out;
+  for (int r = 0; r < 32; ++r) {
+    if ((set >> r) & 1u) absl::StrAppend(&out, out.empty() ? "" : ",", r);
+  }
+  return out.empty() ? "-" : out;
+}
+
+/// What each rank sends to a Dispatch (normal) or LowLatencyDispatch (`ll`): its T and
+/// topk_idx, with the experts of the ranks masked at the dispatch dropped (and nothing
+/// from a masked rank itself); dropped[r]: the pairs rank r's OpMask reports dropped.
+struct Routing {
+  std::vector<int32_t> T, dropped;
+  std::vector<std::vector<int64_t>> idx;
+  Routing(const GroupShape& s, const std::vector<RankInputs>& in,
+          std::span<const uint8_t> dispatch_masked, bool ll)
+      : T(s.num_ranks), dropped(s.num_ranks), idx(s.num_ranks) {
+    for (int r = 0; r < s.num_ranks; ++r) {
+      const RankInputs& i = in[r];
+      dropped[r] =
+          epd::testing::MaskedIds(s, ll ? i.Tll : i.T, ll ? i.idxll.v.data() : i.idx.v.data(), r,
+                                  dispatch_masked, &idx[r], &T[r]);
+      idx[r].push_back(-1);  // Never empty: a [0, K] tensor still has a data pointer.
+    }
+  }
 };
 
 /// Runs host::Dispatch for every rank: `mode` 0 = BF16 with weights, 1 = cached re-dispatch
-/// of x2 on mode 0's routing, 2 = FP8 without weights.
+/// of x2 on mode 0's routing, 2 = FP8 without weights; `route` gives each rank's T and ids.
 absl::Status ReferenceDispatch(const GroupShape& s, std::vector<RankInputs>& in,
-                               std::vector<RankRef>& ref, int mode) {
+                               const Routing& route, std::vector<RankRef>& ref, int mode) {
   const int R = s.num_ranks;
   std::vector<host::DispatchRankArgs> d(R);
   for (int r = 0; r < R; ++r) {
-    d[r].num_tokens = in[r].T;
+    d[r].num_tokens = route.T[r];
     DispatchRef* out = &ref[r].dispatch;
     if (mode == 0) {
       d[r].x = in[r].x.data();
-      d[r].topk_idx = in[r].idx.data();
+      d[r].topk_idx = route.idx[r].data();
       d[r].topk_weights = in[r].w.data();
     } else if (mode == 1) {
       out = &ref[r].cached;
@@ -296,7 +370,7 @@ absl::Status ReferenceDispatch(const GroupShape& s, std::vector<RankInputs>& in,
       out = &ref[r].fp8;
       d[r].x = in[r].x8.data();
       d[r].x_scales = in[r].x8_scales.data();
-      d[r].topk_idx = in[r].idx.data();
+      d[r].topk_idx = route.idx[r].data();
     }
     out->Bind(s, d[r], /*fp8=*/mode == 2);
   }
@@ -310,11 +384,22 @@ absl::Status ReferenceDispatch(const GroupShape& s, std::vector<RankInputs>& in,
   return absl::OkStatus();
 }
 
-/// Every rank's expected results, computed with kernels/host over the whole group.
-absl::StatusOr<std::vector<RankRef>> Reference(const GroupShape& s, std::vector<RankInputs>& in) {
+/// Every rank's expected results, computed with kernels/host over the whole group, for ops
+/// that ran with the ranks of `dispatch_masked` masked at the dispatch and those of
+/// `combine_masked` at the combine (docs/RELIABILITY.md "What masking does": a masked rank
+/// sends nothing, the pairs routed to its experts are dropped, and a combine leaves out what
+/// a rank masked at it would have sent back). Under a mask only the loop's round is
+/// computed: Dispatch BF16 with weights, Combine with weights, LowLatencyDispatch BF16 and
+/// its LowLatencyCombine.
+absl::StatusOr<std::vector<RankRef>> Reference(const GroupShape& s, std::vector<RankInputs>& in,
+                                               RankSet dispatch_masked = 0,
+                                               RankSet combine_masked = 0) {
   const int R = s.num_ranks, H = s.hidden, K = s.num_topk;
+  const bool masked = dispatch_masked != 0 || combine_masked != 0;
+  const std::vector<uint8_t> dm = Flags(dispatch_masked, R), cm = Flags(combine_masked, R);
+  const Routing route(s, in, dm, /*ll=*/false), route_ll(s, in, dm, /*ll=*/true);
   std::vector<RankRef> ref(R);
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < R && !masked; ++r) {
     RankRef& o = ref[r];
     o.tokens_per_rank.assign(R, 0);
     o.tokens_per_expert.assign(s.num_experts, 0);
@@ -323,20 +408,30 @@ absl::StatusOr<std::vector<RankRef>> Reference(const GroupShape& s, std::vector<
                            o.tokens_per_expert.data(), o.in_rank.data()};
     EPD_RETURN_IF_ERROR(host::GetDispatchLayout(s, a));
   }
-  EPD_RETURN_IF_ERROR(ReferenceDispatch(s, in, ref, 0));
-  EPD_RETURN_IF_ERROR(ReferenceDispatch(s, in, ref, 1));
-  EPD_RETURN_IF_ERROR(ReferenceDispatch(s, in, ref, 2));
+  EPD_RETURN_IF_ERROR(ReferenceDispatch(s, in, route, ref, 0));
+  if (!masked) {
+    EPD_RETURN_IF_ERROR(ReferenceDispatch(s, in, route, ref, 1));
+    EPD_RETURN_IF_ERROR(ReferenceDispatch(s, in, route, ref, 2));
+  }
   // Combine with weights (of the first dispatch's rows), then without (the cached rows).
+  std::vector<std::vector<int32_t>> send_pos(R);
   for (bool weights : {true, false}) {
+    if (!weights && masked) break;
     std::vector<host::CombineRankArgs> c(R);
     for (int r = 0; r < R; ++r) {
       RankRef& o = ref[r];
       const DispatchRef& d = weights ? o.dispatch : o.cached;
       std::vector<bf16_bits>& out = weights ? o.combined : o.combined_cached;
+      // A rank masked at the combine sends nothing back; the routes to it are dropped.
+      const bool out_of_it = dm[r] != 0 || cm[r] != 0;
+      send_pos[r] = d.send_pos;
       out.assign(std::max<size_t>(size_t(in[r].T) * H, 1), 0);
-      c[r].num_tokens = in[r].T;
-      c[r].send_pos = d.send_pos.data();
-      c[r].num_recv_tokens = d.N;
+      c[r].num_tokens = out_of_it ? 0 : in[r].T;
+      if (weights) {
+        o.dropped_combine = host::DropMaskedRoutes(s, cm, c[r].num_tokens, send_pos[r].data());
+      }
+      c[r].send_pos = send_pos[r].data();
+      c[r].num_recv_tokens = out_of_it ? 0 : d.N;
       c[r].x = d.bf16();
       c[r].combined_x = out.data();
       if (weights) {
@@ -347,23 +442,31 @@ absl::StatusOr<std::vector<RankRef>> Reference(const GroupShape& s, std::vector<
     }
     EPD_RETURN_IF_ERROR(host::Combine(s, std::span(c)));
   }
-  for (int v = 0; v < kNumLowLatencyVariants; ++v) {
+  for (int v = 0; v < (masked ? 1 : kNumLowLatencyVariants); ++v) {
     std::vector<host::LowLatencyDispatchRankArgs> l(R);
     for (int r = 0; r < R; ++r) {
-      l[r].num_tokens = in[r].Tll;
+      l[r].num_tokens = route_ll.T[r];
       l[r].x = in[r].xll.data();
-      l[r].topk_idx = in[r].idxll.data();
+      l[r].topk_idx = route_ll.idx[r].data();
       ref[r].ll[v].Bind(s, kLowLatencyVariants[v].options.use_fp8, l[r]);
     }
     EPD_RETURN_IF_ERROR(host::LowLatencyDispatch(s, kLowLatencyVariants[v].options, std::span(l)));
   }
-  // Every variant routes the same tokens: one combine answer.
+  // Every variant routes the same tokens: one combine answer. Its pairs to ranks masked at
+  // the combine are dropped (counted) as are those the dispatch dropped.
   std::vector<host::LowLatencyCombineRankArgs> lc(R);
+  std::vector<std::vector<int64_t>> combine_idx(R);
   for (int r = 0; r < R; ++r) {
     RankRef& o = ref[r];
+    const int32_t T = dm[r] != 0 || cm[r] != 0 ? 0 : in[r].Tll;
+    combine_idx[r].assign(in[r].idxll.v.begin(), in[r].idxll.v.end());
+    o.dropped_ll = route_ll.dropped[r];
+    o.dropped_ll_combine = host::DropMaskedExperts(s, cm, T, combine_idx[r].data());
+    host::DropMaskedExperts(s, dm, T, combine_idx[r].data());
+    o.dropped_dispatch = route.dropped[r];
     o.ll_combined.assign(std::max<size_t>(size_t(in[r].Tll) * H, 1), 0);
-    lc[r].num_tokens = in[r].Tll;
-    lc[r].topk_idx = in[r].idxll.data();
+    lc[r].num_tokens = T;
+    lc[r].topk_idx = combine_idx[r].data();
     lc[r].topk_weights = in[r].wll.data();
     lc[r].handle_pos = o.ll[0].pos.data();
     lc[r].x = in[r].yll.data();
@@ -373,11 +476,85 @@ absl::StatusOr<std::vector<RankRef>> Reference(const GroupShape& s, std::vector<
   return ref;
 }
 
+/// Under on_rank_failure = MASK: the set of ranks each mask epoch masked (from QueryRankMask
+/// and this process's own UpdateRankMask calls) and kernels/host's reference for each pair
+/// of masks a dispatch and its combine ran with (computed once each).
+class MaskTracker {
+ public:
+  /// `unmasked`: this rank's reference without a mask (Reference's), kept by the caller.
+  /// `ignore_mask` (--testing_ignore_mask, for epd_chaos --self_check): every reference is
+  /// the unmasked one, so that results under a mask must be reported as mismatches.
+  MaskTracker(epd::Endpoint& ep, const GroupShape& shape, std::vector<RankInputs>& in,
+              const RankRef* unmasked, bool ignore_mask)
+      : ep_(ep), s_(shape), in_(in), unmasked_(unmasked), ignore_mask_(ignore_mask) {
+    Reset();
+  }
+
+  /// The sets of masked ranks an op whose result reports `m` may have run with: the set of
+  /// its epoch when known (asked with QueryRankMask when not yet); else, when the mask
+  /// changed again before the query answered, every set of m.num_masked ranks without this
+  /// rank (which took part), to be told apart by the results (counted in inferred()).
+  std::vector<RankSet> Candidates(const epd::OpMask& m) {
+    if (m.num_masked == 0) return {0};
+    if (auto it = sets_.find(m.epoch); it != sets_.end()) return {it->second};
+    if (auto q = ep_.QueryRankMask(); q.ok()) Learn(*q);
+    if (auto it = sets_.find(m.epoch); it != sets_.end()) return {it->second};
+    ++inferred_;
+    std::vector<RankSet> out;
+    for (RankSet set = 0; set < (RankSet{1} << s_.num_ranks); ++set) {
+      if (!((set >> ep_.rank()) & 1u) && std::popcount(set) == m.num_masked) out.push_back(set);
+    }
+    return out;
+  }
+  /// Records the set of `m`'s epoch.
+  void Learn(const epd::RankMask& m) {
+    RankSet set = 0;
+    for (int32_t r : m.masked_ranks) set |= RankSet{1} << r;
+    sets_[m.epoch] = set;
+  }
+  /// This rank's reference for a dispatch under `dispatch_masked` and its combine under
+  /// `combine_masked`.
+  absl::StatusOr<const RankRef*> Ref(RankSet dispatch_masked, RankSet combine_masked) {
+    if (ignore_mask_ || (dispatch_masked == 0 && combine_masked == 0)) return unmasked_;
+    const auto key = std::make_pair(dispatch_masked, combine_masked);
+    auto it = refs_.find(key);
+    if (it == refs_.end()) {
+      EPD_ASSIGN_OR_RETURN(std::vector<RankRef> ref,
+                           Reference(s_, in_, dispatch_masked, combine_masked));
+      it = refs_.emplace(key, std::move(ref)).first;
+    }
+    return &it->second[ep_.rank()];
+  }
+  /// After Client::Reconnect: a new group, whose mask epochs start again at 0.
+  void Reset() {
+    sets_.clear();
+    sets_[0] = 0;
+    floor_epoch_ = 0;
+  }
+  /// The least epoch this process's next op may run with: epochs never go back, and a mask
+  /// this process asked for (UpdateRankMask) applies from its next op on.
+  uint32_t& floor_epoch() { return floor_epoch_; }
+  int64_t inferred() const { return inferred_; }
+
+ private:
+  epd::Endpoint& ep_;
+  const GroupShape& s_;
+  std::vector<RankInputs>& in_;
+  const RankRef* unmasked_;
+  const bool ignore_mask_;
+  std::map<uint32_t, RankSet> sets_;
+  std::map<std::pair<RankSet, RankSet>, std::vector<RankRef>> refs_;
+  uint32_t floor_epoch_ = 0;
+  int64_t inferred_ = 0;
+};
+
 /// Runs this rank's ops and checks each result against the reference.
 class Rank {
  public:
   Rank(epd::Endpoint& ep, const GroupShape& shape, RankInputs& in, RankRef& ref)
       : ep_(ep), s_(shape), in_(in), ref_(ref) {}
+  /// Under MASK: each result is checked against the reference of the mask it ran with.
+  void SetMasking(MaskTracker* mask) { mask_ = mask; }
 
   /// One pass of every op; false when one failed or mismatched.
   bool RunAll() {
@@ -387,7 +564,11 @@ class Rank {
     return ok;
   }
   /// Dispatch + Combine + LowLatencyDispatch + LowLatencyCombine (the loop's round).
-  bool RunRound() { return NormalOps(/*all=*/false) && LowLatency(0); }
+  bool RunRound() {
+    last_error_.clear();
+    last_code_ = absl::StatusCode::kOk;
+    return NormalOps(/*all=*/false) && LowLatency(0);
+  }
 
   /// The probes of --scenario=probes (rank `culprit` passes the bad input), then one pass
   /// of every op; false when a probe did not fail as documented or an op was not exact.
@@ -448,6 +629,15 @@ class Rank {
   int64_t bad() const { return bad_; }
   int64_t mismatches() const { return mismatches_; }
   const std::string& last_error() const { return last_error_; }
+  absl::StatusCode last_code() const { return last_code_; }
+  /// The OpMask of the last OK op and the masked ranks it ran with (MASK).
+  const epd::OpMask& last_mask() const { return last_mask_; }
+  RankSet last_set() const { return cur_set_; }
+  /// A wrong answer of something other than an op (the mask API): fails the process.
+  void Wrong(const std::string& what) {
+    ++mismatches_;
+    std::printf("MISMATCH rank %d %s\n", ep_.rank(), what.c_str());
+  }
 
  private:
   template <typename Result>
@@ -489,6 +679,7 @@ class Rank {
   bool Done(const char* op, const absl::StatusOr<Result>& result) {
     if (!result.ok()) {
       ++bad_;
+      last_code_ = result.status().code();
       last_error_ =
           absl::StrCat("ERROR ", op, " ", absl::StatusCodeToString(result.status().code()),
                        " after ", ElapsedMs(), " ms: ", result.status().message());
@@ -521,8 +712,85 @@ class Rank {
   }
   void Mismatch(const char* op, const char* field, const std::string& detail) {
     op_mismatch_ = true;
+    if (quiet_) return;
     ++mismatches_;
     std::printf("MISMATCH rank %d %s %s %s\n", ep_.rank(), op, field, detail.c_str());
+  }
+
+  /// Checks an OK result: `check` compares it with a RankRef. Without masking, with ref_.
+  /// Under MASK, with the reference of the masks it ran with: its own (from m.epoch, see
+  /// MaskTracker::Candidates) and, for a combine, its dispatch's (`dispatch_sets`: the sets
+  /// its dispatch's result matched; null for a dispatch, which uses its own). When several
+  /// pairs are possible, each is tried silently and the first the result matches is taken
+  /// (the others that match too are kept in matched_sets_). Also checks `m`: dropped_pairs
+  /// (RankRef::*dropped), num_masked, and that epochs never go back. Sets cur_ and cur_set_
+  /// to the reference and set taken.
+  void Verify(const char* op, const epd::OpMask& m, const std::vector<RankSet>* dispatch_sets,
+              int32_t RankRef::*dropped, const std::function<void(const RankRef&)>& check) {
+    cur_ = &ref_;
+    cur_set_ = 0;
+    matched_sets_ = {0};
+    if (mask_ == nullptr) return check(ref_);
+    last_mask_ = m;
+    // (dispatch mask, this op's mask) pairs it may have run with.
+    std::vector<std::pair<RankSet, RankSet>> pairs;
+    for (RankSet set : mask_->Candidates(m)) {
+      for (RankSet d : dispatch_sets != nullptr ? *dispatch_sets : std::vector<RankSet>{set}) {
+        pairs.emplace_back(d, set);
+      }
+    }
+    if (pairs.empty()) {
+      return Mismatch(op, "mask",
+                      absl::StrCat("num_masked ", m.num_masked, " of ", s_.num_ranks,
+                                   " ranks, this one not masked"));
+    }
+    auto ref_of = [&](std::pair<RankSet, RankSet> p) -> const RankRef* {
+      absl::StatusOr<const RankRef*> ref = mask_->Ref(p.first, p.second);
+      if (!ref.ok()) Mismatch(op, "reference", ref.status().ToString());
+      return ref.ok() ? *ref : nullptr;
+    };
+    std::pair<RankSet, RankSet> taken = pairs[0];
+    matched_sets_.clear();
+    for (size_t i = 0; pairs.size() > 1 && i < pairs.size(); ++i) {
+      quiet_ = true;
+      const RankRef* ref = ref_of(pairs[i]);
+      if (ref != nullptr) {
+        check(*ref);
+        if (ref->*dropped != m.dropped_pairs) op_mismatch_ = true;
+      }
+      quiet_ = false;
+      if (ref != nullptr && !op_mismatch_) {
+        if (matched_sets_.empty()) taken = pairs[i];
+        if (std::find(matched_sets_.begin(), matched_sets_.end(), pairs[i].second) ==
+            matched_sets_.end()) {
+          matched_sets_.push_back(pairs[i].second);
+        }
+      }
+      op_mismatch_ = false;
+    }
+    if (matched_sets_.empty()) matched_sets_ = {taken.second};
+    const RankRef* ref = ref_of(taken);
+    if (ref == nullptr) return;
+    cur_ = ref;
+    cur_set_ = taken.second;
+    check(*ref);
+    const std::string masks = absl::StrCat(
+        "(epoch ", m.epoch, ", masked ranks ", SetString(taken.second),
+        dispatch_sets != nullptr ? absl::StrCat(", at its dispatch ", SetString(taken.first)) : "",
+        ")");
+    if (ref->*dropped != m.dropped_pairs) {
+      Mismatch(op, "dropped_pairs",
+               absl::StrCat("got ", m.dropped_pairs, ", want ", ref->*dropped, " ", masks));
+    }
+    if (std::popcount(taken.second) != m.num_masked || ((taken.second >> ep_.rank()) & 1u)) {
+      Mismatch(op, "num_masked", absl::StrCat("got ", m.num_masked, " ", masks));
+    }
+    if (m.epoch < mask_->floor_epoch()) {
+      Mismatch(op, "mask epoch",
+               absl::StrCat("got ", m.epoch, ", older than ", mask_->floor_epoch(),
+                            " (an earlier op's, or what UpdateRankMask returned)"));
+    }
+    mask_->floor_epoch() = std::max(mask_->floor_epoch(), m.epoch);
   }
 
   bool Layout() {
@@ -566,17 +834,19 @@ class Rank {
   bool NormalOps(bool all) {
     const int H = s_.hidden, K = s_.num_topk;
     std::optional<epd::Handle> routed =
-        RoutedDispatch("Dispatch(bf16,weights)", in_.x.dl, nullptr, &in_.w.dl, ref_.dispatch);
+        RoutedDispatch("Dispatch(bf16,weights)", in_.x.dl, nullptr, &in_.w.dl, &RankRef::dispatch);
     if (!routed.has_value()) return false;
     const epd::Handle handle = *routed;
+    const DispatchRef& dispatched = cur_->dispatch;  // Under the mask the dispatch ran with.
+    const std::vector<RankSet> dispatch_sets = matched_sets_;
 
     // Identity experts: the combine's x is the reference's received rows.
     Buf<bf16_bits> cx;
     Buf<float> cw;
-    cx.Make({ref_.dispatch.N, H}, kBf16);
-    cw.Make({ref_.dispatch.N, K}, kF32);
-    std::memcpy(cx.data(), ref_.dispatch.recv_x.data(), size_t(ref_.dispatch.N) * H * 2);
-    std::memcpy(cw.data(), ref_.dispatch.recv_w.data(), size_t(ref_.dispatch.N) * K * 4);
+    cx.Make({dispatched.N, H}, kBf16);
+    cw.Make({dispatched.N, K}, kF32);
+    std::memcpy(cx.data(), dispatched.recv_x.data(), size_t(dispatched.N) * H * 2);
+    std::memcpy(cw.data(), dispatched.recv_w.data(), size_t(dispatched.N) * K * 4);
     const char* op = "Combine(weights)";
     Begin();
     epd::CombineArgs ca;
@@ -585,9 +855,11 @@ class Rank {
     ca.handle = &handle;
     auto c = Finish(ep_.Combine(ca));
     if (!Done(op, c)) return false;
-    Check(op, "combined_x", c->combined_x.data(), ref_.combined.data(), int64_t(in_.T) * H);
-    Check(op, "combined_topk_weights", c->combined_topk_weights.data(), ref_.combined_w.data(),
-          int64_t(in_.T) * K);
+    Verify(op, c->mask, &dispatch_sets, &RankRef::dropped_combine, [&](const RankRef& ref) {
+      Check(op, "combined_x", c->combined_x.data(), ref.combined.data(), int64_t(in_.T) * H);
+      Check(op, "combined_topk_weights", c->combined_topk_weights.data(), ref.combined_w.data(),
+            int64_t(in_.T) * K);
+    });
     if (!End(op)) return false;
     if (!all) return true;
 
@@ -617,15 +889,16 @@ class Rank {
     if (!End(op)) return false;
 
     return RoutedDispatch("Dispatch(fp8,no weights)", in_.x8.dl, &in_.x8_scales.dl, nullptr,
-                          ref_.fp8)
+                          &RankRef::fp8)
         .has_value();
   }
 
   /// A Dispatch of `x` (e4m3 with `x_scales`) routed by this rank's topk_idx, with
-  /// `weights` or none, checked against `ref`: its handle, or nullopt when it failed.
+  /// `weights` or none, checked against the reference's `field`: its handle, or nullopt
+  /// when it failed.
   std::optional<epd::Handle> RoutedDispatch(const char* op, const DLTensor& x,
                                             const DLTensor* x_scales, const DLTensor* weights,
-                                            const DispatchRef& ref) {
+                                            DispatchRef RankRef::*field) {
     Begin();
     epd::DispatchArgs args;
     args.x = &x;
@@ -635,7 +908,9 @@ class Rank {
     args.expert_alignment = kAlignment;
     auto d = Finish(ep_.Dispatch(args));
     if (!Done(op, d)) return std::nullopt;
-    CheckDispatch(op, *d, ref, /*routing=*/true, /*fp8=*/x_scales != nullptr);
+    Verify(op, d->mask, nullptr, &RankRef::dropped_dispatch, [&](const RankRef& ref) {
+      CheckDispatch(op, *d, ref.*field, /*routing=*/true, /*fp8=*/x_scales != nullptr);
+    });
     if (!End(op)) return std::nullopt;
     return d->handle;
   }
@@ -643,7 +918,6 @@ class Rank {
   /// LowLatencyDispatch of variant `v`, then its LowLatencyCombine.
   bool LowLatency(int v) {
     const LowLatencyVariant& variant = kLowLatencyVariants[v];
-    const LowLatencyRef& ref = ref_.ll[v];
     const char* op = variant.name;
     Begin();
     epd::LowLatencyDispatchArgs la;
@@ -658,24 +932,28 @@ class Rank {
     const int64_t rows = s_.ll_rows_per_expert();
     // Scale columns as stored: f32 per 128 channels, or int32 words of four UE8M0 bytes.
     const int S = variant.options.use_ue8m0 ? s_.num_scales() / 4 : s_.num_scales();
-    Check(op, "recv_count", l->recv_count.data(), ref.count.data(), El);
-    const auto* count = l->recv_count.as<const int32_t>();
-    for (int j = 0; count != nullptr && j < El && !op_mismatch_; ++j) {
-      const int64_t n = ref.count[j];
-      Check(op, "recv_src_info", l->recv_src_info.as<const int32_t>() + j * rows,
-            ref.src.data() + j * rows, n);
-      if (variant.options.use_fp8) {
-        Check(op, "recv_x", l->recv_x.as<const e4m3_bits>() + j * rows * H,
-              ref.x.data() + j * rows * H, n * H);
-        for (int g = 0; g < S; ++g) {
-          Check(op, "recv_scales", l->recv_scales.as<const uint32_t>() + (j * S + g) * rows,
-                reinterpret_cast<const uint32_t*>(ref.scales.data()) + (j * S + g) * rows, n);
+    Verify(op, l->mask, nullptr, &RankRef::dropped_ll, [&](const RankRef& rank_ref) {
+      const LowLatencyRef& ref = rank_ref.ll[v];
+      Check(op, "recv_count", l->recv_count.data(), ref.count.data(), El);
+      const auto* count = l->recv_count.as<const int32_t>();
+      for (int j = 0; count != nullptr && j < El && !op_mismatch_; ++j) {
+        const int64_t n = ref.count[j];
+        Check(op, "recv_src_info", l->recv_src_info.as<const int32_t>() + j * rows,
+              ref.src.data() + j * rows, n);
+        if (variant.options.use_fp8) {
+          Check(op, "recv_x", l->recv_x.as<const e4m3_bits>() + j * rows * H,
+                ref.x.data() + j * rows * H, n * H);
+          for (int g = 0; g < S; ++g) {
+            Check(op, "recv_scales", l->recv_scales.as<const uint32_t>() + (j * S + g) * rows,
+                  reinterpret_cast<const uint32_t*>(ref.scales.data()) + (j * S + g) * rows, n);
+          }
+        } else {
+          Check(op, "recv_x", l->recv_x.as<const bf16_bits>() + j * rows * H,
+                reinterpret_cast<const bf16_bits*>(ref.x.data()) + j * rows * H, n * H);
         }
-      } else {
-        Check(op, "recv_x", l->recv_x.as<const bf16_bits>() + j * rows * H,
-              reinterpret_cast<const bf16_bits*>(ref.x.data()) + j * rows * H, n * H);
       }
-    }
+    });
+    const std::vector<RankSet> dispatch_sets = matched_sets_;
     if (!End(op)) return false;
 
     const std::string combine_op = absl::StrCat("LowLatencyCombine after ", variant.name);
@@ -688,8 +966,11 @@ class Rank {
     lc.handle = &handle;
     auto c = Finish(ep_.LowLatencyCombine(lc));
     if (!Done(combine_op.c_str(), c)) return false;
-    Check(combine_op.c_str(), "combined_x", c->combined_x.data(), ref_.ll_combined.data(),
-          int64_t(in_.Tll) * H);
+    Verify(combine_op.c_str(), c->mask, &dispatch_sets, &RankRef::dropped_ll_combine,
+           [&](const RankRef& ref) {
+             Check(combine_op.c_str(), "combined_x", c->combined_x.data(), ref.ll_combined.data(),
+                   int64_t(in_.Tll) * H);
+           });
     return End(combine_op.c_str());
   }
 
@@ -697,6 +978,16 @@ class Rank {
   const GroupShape& s_;
   RankInputs& in_;
   RankRef& ref_;
+  MaskTracker* mask_ = nullptr;
+  /// The reference the last OK op was checked against, and the masked ranks it ran with.
+  const RankRef* cur_ = &ref_;
+  RankSet cur_set_ = 0;
+  /// The sets the last op's result matched (a combine tries each as its dispatch's).
+  std::vector<RankSet> matched_sets_ = {0};
+  epd::OpMask last_mask_;
+  /// Verify tries a possible mask: mismatches are noted in op_mismatch_ only.
+  bool quiet_ = false;
+  absl::StatusCode last_code_ = absl::StatusCode::kOk;
   std::chrono::steady_clock::time_point start_;
   bool op_mismatch_ = false;
   int64_t oks_ = 0, bad_ = 0, mismatches_ = 0, max_ms_ = 0;
@@ -705,7 +996,65 @@ class Rank {
   HostViews host_views_;
 };
 
-int Loop(Rank& rank) {
+/// What the loop does besides its rounds (flags --reconnect, --unmask_self, --mask_self).
+struct LoopOptions {
+  epd::Client* client = nullptr;
+  epd::Endpoint* endpoint = nullptr;
+  MaskTracker* mask = nullptr;  ///< Under MASK.
+  bool reconnect = false;
+  bool unmask_self = false;
+  int self_mask_rank = -1, self_mask_round = -1, self_unmask_round = -1;
+};
+
+/// --mask_self: this process masks (or unmasks) rank `target` with UpdateRankMask, printing
+/// "SELFMASK mask|unmask rank <r> epoch=<e> masked=<ranks>". A mask it asked for must be in
+/// the answer, and this process's later ops run with that epoch or a later one.
+void SelfMask(Rank& rank, const LoopOptions& o, int target, bool mask) {
+  const char* what = mask ? "mask" : "unmask";
+  absl::StatusOr<epd::RankMask> m =
+      mask ? o.endpoint->UpdateRankMask({target}, {}) : o.endpoint->UpdateRankMask({}, {target});
+  if (!m.ok()) {
+    return rank.Wrong(
+        absl::StrCat("UpdateRankMask (", what, " rank ", target, "): ", m.status().ToString()));
+  }
+  o.mask->Learn(*m);
+  // Applied at once: this process's next op (not yet submitted) runs with it or a later one.
+  if (mask) o.mask->floor_epoch() = std::max(o.mask->floor_epoch(), m->epoch);
+  RankSet set = 0;
+  for (int32_t r : m->masked_ranks) set |= RankSet{1} << r;
+  std::printf("SELFMASK %s rank %d epoch=%u masked=%s\n", what, target, m->epoch,
+              SetString(set).c_str());
+  if (mask && !((set >> target) & 1u)) {
+    rank.Wrong(absl::StrCat("UpdateRankMask (mask rank ", target, ") answered masked ranks ",
+                            SetString(set)));
+  }
+}
+
+/// After a failed round: --reconnect on UNAVAILABLE (the daemon restarted) calls
+/// Client::Reconnect; --unmask_self, when this rank was refused as masked, unmasks it.
+void AfterError(Rank& rank, const LoopOptions& o) {
+  if (o.reconnect && rank.last_code() == absl::StatusCode::kUnavailable) {
+    const absl::Status st = o.client->Reconnect(absl::Seconds(30));
+    if (st.ok()) {
+      if (o.mask != nullptr) o.mask->Reset();
+      std::printf("RECONNECTED session %s\n", o.client->session_id().c_str());
+    } else {
+      std::printf("RECONNECT FAILED %s\n", st.ToString().c_str());
+    }
+  }
+  if (o.unmask_self && rank.last_code() == absl::StatusCode::kFailedPrecondition &&
+      absl::StrContains(rank.last_error(), "the rank is masked")) {
+    absl::StatusOr<epd::RankMask> m = o.endpoint->UpdateRankMask({}, {o.endpoint->rank()});
+    if (m.ok()) {
+      o.mask->Learn(*m);
+      std::printf("UNMASK_SELF epoch=%u\n", m->epoch);
+    } else {
+      std::printf("UNMASK_SELF FAILED %s\n", m.status().ToString().c_str());
+    }
+  }
+}
+
+int Loop(Rank& rank, const LoopOptions& o) {
   const auto end =
       std::chrono::steady_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_max_seconds));
   bool failed = false;
@@ -713,6 +1062,11 @@ int Loop(Rank& rank) {
   for (int64_t i = 0; !g_stop.load() && std::chrono::steady_clock::now() < end; ++i) {
     const int64_t mismatches = rank.mismatches();
     if (rank.RunRound()) {
+      if (o.mask != nullptr) {
+        // The mask the round's last op ran with (every op's was checked).
+        std::printf("MASK %lld epoch=%u masked=%s\n", static_cast<long long>(i),
+                    rank.last_mask().epoch, SetString(rank.last_set()).c_str());
+      }
       std::printf("ROUND %lld OK\n", static_cast<long long>(i));
       if (failed && ++oks_after >= 3 && absl::GetFlag(FLAGS_exit_after_recovery)) {
         std::printf("RECOVERED max_op_ms=%lld\n", static_cast<long long>(rank.max_ms()));
@@ -724,12 +1078,24 @@ int Loop(Rank& rank) {
       }
       failed = true;
       oks_after = 0;
+      AfterError(rank, o);
     }
+    if (i == o.self_mask_round) SelfMask(rank, o, o.self_mask_rank, /*mask=*/true);
+    if (i == o.self_unmask_round) SelfMask(rank, o, o.self_mask_rank, /*mask=*/false);
     std::fflush(stdout);
-    std::this_thread::sleep_for(std::chrono::milliseconds(absl::GetFlag(FLAGS_round_pause_ms)));
+    // A rank masked for being late is behind the group: each request of an op that ran
+    // without it fails at once and moves it one op on, so it catches up only without a pause.
+    const bool behind = o.mask != nullptr && !rank.last_error().empty() &&
+                        rank.last_code() == absl::StatusCode::kFailedPrecondition &&
+                        absl::StrContains(rank.last_error(), "which was masked");
+    if (!behind) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(absl::GetFlag(FLAGS_round_pause_ms)));
+    }
   }
-  std::printf("STOPPED mismatches=%lld max_op_ms=%lld\n", static_cast<long long>(rank.mismatches()),
-              static_cast<long long>(rank.max_ms()));
+  std::printf(
+      "STOPPED mismatches=%lld %smax_op_ms=%lld\n", static_cast<long long>(rank.mismatches()),
+      o.mask != nullptr ? absl::StrCat("mask_sets_inferred=", o.mask->inferred(), " ").c_str() : "",
+      static_cast<long long>(rank.max_ms()));
   return rank.mismatches() > 0 ? 1 : 0;
 }
 
@@ -945,6 +1311,20 @@ int Main() {
   }
   epd::v1::GroupSpec spec = epd::multinode::DataSpec(absl::GetFlag(FLAGS_group), *nodes);
   spec.set_transport(absl::GetFlag(FLAGS_transport));
+  const std::string policy = absl::GetFlag(FLAGS_on_rank_failure);
+  const bool masking = policy == "mask";
+  if (masking) {
+    spec.set_on_rank_failure(epd::v1::RANK_FAILURE_POLICY_MASK);
+  } else if (policy == "fail") {
+    spec.set_on_rank_failure(epd::v1::RANK_FAILURE_POLICY_FAIL);
+  } else if (!policy.empty()) {
+    std::printf("FLAGS --on_rank_failure=%s is not fail or mask\n", policy.c_str());
+    return 2;
+  }
+  if (masking && absl::GetFlag(FLAGS_scenario) != "loop") {
+    std::printf("FLAGS --on_rank_failure=mask checks --scenario=loop only\n");
+    return 2;
+  }
   const GroupShape shape = epd::rules::ShapeOf(spec);
   const int R = shape.num_ranks, rank = absl::GetFlag(FLAGS_rank);
   std::vector<int32_t> tokens(R, 5);
@@ -1013,7 +1393,27 @@ int Main() {
   std::printf("JOINED rank %d of %d\n", rank, R);
   std::fflush(stdout);
   Rank runner(**ep, shape, in[rank], (*ref)[rank]);
-  if (absl::GetFlag(FLAGS_scenario) == "loop") return Loop(runner);
+  LoopOptions loop;
+  loop.client = client->get();
+  loop.endpoint = ep->get();
+  loop.reconnect = absl::GetFlag(FLAGS_reconnect);
+  std::optional<MaskTracker> tracker;
+  if (masking) {
+    tracker.emplace(**ep, shape, in, &(*ref)[rank], absl::GetFlag(FLAGS_testing_ignore_mask));
+    runner.SetMasking(&*tracker);
+    loop.mask = &*tracker;
+    loop.unmask_self = absl::GetFlag(FLAGS_unmask_self);
+    if (const std::string m = absl::GetFlag(FLAGS_mask_self); !m.empty()) {
+      std::vector<std::string> parts = absl::StrSplit(m, ':');
+      if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &loop.self_mask_rank) ||
+          !absl::SimpleAtoi(parts[1], &loop.self_mask_round) ||
+          !absl::SimpleAtoi(parts[2], &loop.self_unmask_round)) {
+        std::printf("FLAGS --mask_self=%s is not RANK:ROUND:ROUND\n", m.c_str());
+        return 2;
+      }
+    }
+  }
+  if (absl::GetFlag(FLAGS_scenario) == "loop") return Loop(runner, loop);
   if (absl::GetFlag(FLAGS_scenario) == "graph") {
 #if EPD_MN_CLIENT_CUDA
     return Graph(**ep, shape, tokens, targets, rank);
