@@ -181,17 +181,11 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// True once the disarmed program's tail has left the GPU (then releases it).
   bool ProgramTailDone();
 
-  /// Recomputes devices_ from ranks_ and standins_ (capacity R: allocates nothing).
-  void UpdateDevices();
-  /// Rank r's resources in the next op: its attached rank, else its masked stand-in (null
-  /// when neither).
-  const std::shared_ptr<CudaRank>& OpRank(int32_t r) const {
-    return ranks_[r] ? ranks_[r] : standins_[r];
-  }
-  /// Copies `bases` [R] into the peer array of every GPU of the group (devices_, and
-  /// `fresh`'s when not null: a rank being attached, whose stream may be used), allocating
-  /// a GPU's array at its first rank. Synchronous. Errors: CUDA.
-  absl::Status CopyPeerBases(const std::vector<uint8_t*>& bases, const CudaRank* fresh);
+  // ---- rank masking (cuda_group_mask.cc) ----
+  /// RankDetached of a masking group: rank `rank` stays in every op as a masked rank, played
+  /// on the area it left (standins_); a running op it left before staging its inputs is
+  /// released from the host and fails (GpuOp::left_unstaged).
+  void KeepAsStandIn(int32_t rank);
   /// When a rank rejoined a masked slot (bases_dirty_): copies host_bases_ to every GPU's
   /// peer array before an op's launches (the group's GPUs claimed and idle), then moves the
   /// stand-ins of attached ranks to retired_ (not freed here: see retired_). Errors: CUDA.
@@ -203,6 +197,18 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// (mask_dirty_), synchronously, before an op's launches (the GPUs are claimed and idle).
   /// Errors: CUDA (INTERNAL, RESOURCE_EXHAUSTED).
   absl::Status UploadMask();
+
+  /// Recomputes devices_ from ranks_ and standins_ (capacity R: allocates nothing).
+  void UpdateDevices();
+  /// Rank r's resources in the next op: its attached rank, else its masked stand-in (null
+  /// when neither).
+  const std::shared_ptr<CudaRank>& OpRank(int32_t r) const {
+    return ranks_[r] ? ranks_[r] : standins_[r];
+  }
+  /// Copies `bases` [R] into the peer array of every GPU of the group (devices_, and
+  /// `fresh`'s when not null: a rank being attached, whose stream may be used), allocating
+  /// a GPU's array at its first rank. Synchronous. Errors: CUDA.
+  absl::Status CopyPeerBases(const std::vector<uint8_t*>& bases, const CudaRank* fresh);
   /// Rank r's kernel context (kernels::cuda::MakeRankContext) with `num_sms` blocks.
   kernels::cuda::CudaRankContext Context(int32_t r, int32_t num_sms) const;
   /// Enqueues rank r's part of `plan` on its stream: for a stream-ordered slot first the
