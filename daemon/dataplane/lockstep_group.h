@@ -382,7 +382,19 @@ class LockstepGroup : public DataPlaneGroup {
   bool RunOp();
   /// Completes the running op (running_, running_slots_) with outcomes_ for every rank.
   void FinishOp();
-  // ---- rank masking (lockstep_group.cc) ----
+  /// Records the op that ends now in the group's metrics: kind `op`, `code`; an OK op's
+  /// latency (from op_started_) and the bytes of rows it delivered (from `slots`/`outcomes`).
+  void RecordOpMetrics(uint32_t op, absl::StatusCode code, uint32_t flags,
+                       const std::vector<abi::RequestSlot>* slots,
+                       const std::vector<RankOutcome>* outcomes);
+  /// Counts op current_seq_ of kind `op` in parity_ (started or failed, once per op); a
+  /// low-latency dispatch takes its buffer from every handle that owned it.
+  void CountOp(uint32_t op);
+  /// Whether two ranks' requests are the same op: kind, the agreed flags and a dispatch's
+  /// expert_alignment.
+  static bool SameOp(const abi::RequestSlot& a, const abi::RequestSlot& b);
+
+  // ---- rank masking (lockstep_mask.cc) ----
   /// Masks `ranks` now (mask epoch + 1 when any was not masked), logging one line with
   /// `why` at `level` that names at most 4 of the ranks it masked, then "and N more". A masked
   /// rank's request waiting for the op being collected is completed with MaskedError. Not while
@@ -404,14 +416,6 @@ class LockstepGroup : public DataPlaneGroup {
   v1::RankMask MaskMessageLocked() const;
   /// The first local rank that is not masked (local_first_ + local_count_ when none).
   int32_t LeadRank() const;
-  /// Records the op that ends now in the group's metrics: kind `op`, `code`; an OK op's
-  /// latency (from op_started_) and the bytes of rows it delivered (from `slots`/`outcomes`).
-  void RecordOpMetrics(uint32_t op, absl::StatusCode code, uint32_t flags,
-                       const std::vector<abi::RequestSlot>* slots,
-                       const std::vector<RankOutcome>* outcomes);
-  /// Counts op current_seq_ of kind `op` in parity_ (started or failed, once per op); a
-  /// low-latency dispatch takes its buffer from every handle that owned it.
-  void CountOp(uint32_t op);
 
   v1::GroupSpec spec_;
   bool spanning_ = false;
