@@ -76,6 +76,7 @@ CudaGroup::CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec)
     metrics().SetExpertTokenTally(expert_tally_);
   }
   devices_.reserve(spec.num_ranks());
+  retired_.reserve(2 * static_cast<size_t>(spec.num_ranks()));
   SizeOp(spare_);
 }
 
@@ -133,7 +134,33 @@ bool CudaGroup::KernelHandsOff(const GpuOp& op, size_t r) {
 void CudaGroup::RecycleOp(std::optional<GpuOp>& op) {
   spare_ = std::move(*op);
   op.reset();
-  for (auto& r : spare_.ranks) r.reset();
+  DropOpRanks(spare_);
+}
+
+void CudaGroup::DropOpRanks(GpuOp& op) {
+  for (size_t i = 0; i < op.ranks.size(); ++i) {
+    std::shared_ptr<CudaRank>& r = op.ranks[i];
+    // Still the rank's (attached or its stand-in): that reference outlives this one.
+    if (r && r != ranks_[i] && r != standins_[i]) {
+      Retire(r);
+    } else {
+      r.reset();
+    }
+  }
+}
+
+void CudaGroup::Retire(std::shared_ptr<CudaRank>& r) {
+  if (r) retired_.push_back(std::move(r));
+  r.reset();
+}
+
+void CudaGroup::ReleaseRetired() {
+  std::vector<std::shared_ptr<CudaRank>> gone;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    gone.swap(retired_);
+  }
+  // Freed here, outside the lock: the engine runs on while the frees wait for the device.
 }
 
 CudaGroup::~CudaGroup() {
@@ -271,7 +298,7 @@ void CudaGroup::RankDetached(int32_t rank) {
     KeepAsStandIn(rank);
     return;
   }
-  ranks_[rank].reset();
+  Retire(ranks_[rank]);  // Freed outside the lock, at DetachRank's end (ReleaseRetired).
   host_bases_[rank] = nullptr;
   UpdateDevices();
   PublishJoined(rank, false);
@@ -830,6 +857,7 @@ bool CudaGroup::ProgramTailDone() {
     if (cudaEventQuery(r->done.get()) == cudaErrorNotReady) return false;
   }
   cudaGetLastError();
+  DropOpRanks(*program_tail_);
   program_tail_.reset();
   if (!gpu_op_ && !abandoned_) plane_->ReleaseGpus(this);
   return true;

@@ -27,6 +27,9 @@ void CudaGroup::KeepAsStandIn(int32_t rank) {
   cudaGetLastError();
   // The rank is masked (now, or when the running op ends): its area stays in every peer
   // array as its stand-in, in step with the others' sync state, until a process rejoins.
+  // A stand-in it replaces (a rejoin that left before any op re-pointed the peer arrays)
+  // is retired, not freed here under the lock.
+  Retire(standins_[rank]);
   standins_[rank] = std::move(ranks_[rank]);
 }
 
@@ -46,7 +49,7 @@ absl::Status CudaGroup::UploadPeerBases() {
   // Every peer array now names the rejoined ranks' areas: their stand-ins go, unfreed
   // (retired_): the clients' streams may already wait for this op's done_seq.
   for (size_t r = 0; r < ranks_.size(); ++r) {
-    if (ranks_[r] && standins_[r]) retired_.push_back(std::move(standins_[r]));
+    if (ranks_[r] && standins_[r]) Retire(standins_[r]);
   }
   bases_dirty_ = false;
   return absl::OkStatus();
@@ -74,15 +77,6 @@ absl::Status CudaGroup::UploadMask() {
   }
   mask_dirty_ = false;
   return absl::OkStatus();
-}
-
-void CudaGroup::ReleaseRetired() {
-  std::vector<std::shared_ptr<CudaRank>> gone;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    gone.swap(retired_);
-  }
-  // Freed here, outside the lock: the engine runs on while the frees wait for the device.
 }
 
 }  // namespace epd
