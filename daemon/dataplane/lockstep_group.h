@@ -206,6 +206,11 @@ class LockstepGroup : public DataPlaneGroup {
   }
   /// Called under mu_ when rank `rank` is detached.
   virtual void RankDetached(int32_t /*rank*/) {}
+  /// Called without mu_ on the control path at the end of DetachRank: the backend releases
+  /// here what it set aside under mu_ or on the engine thread because releasing it there
+  /// could stall them (the CUDA backend's ranks: freeing GPU or pinned memory waits for the
+  /// device, and so for work that may wait on an op only the engine can launch).
+  virtual void ReleaseRetired() {}
   /// Called under mu_ before RankAttached with the data part of the rank's new endpoint
   /// region (ShmDataBytes(res) bytes at `shm_data`, zeroed; null when 0) and the rank's
   /// first op number; an error fails the join.
@@ -382,7 +387,19 @@ class LockstepGroup : public DataPlaneGroup {
   bool RunOp();
   /// Completes the running op (running_, running_slots_) with outcomes_ for every rank.
   void FinishOp();
-  // ---- rank masking (lockstep_group.cc) ----
+  /// Records the op that ends now in the group's metrics: kind `op`, `code`; an OK op's
+  /// latency (from op_started_) and the bytes of rows it delivered (from `slots`/`outcomes`).
+  void RecordOpMetrics(uint32_t op, absl::StatusCode code, uint32_t flags,
+                       const std::vector<abi::RequestSlot>* slots,
+                       const std::vector<RankOutcome>* outcomes);
+  /// Counts op current_seq_ of kind `op` in parity_ (started or failed, once per op); a
+  /// low-latency dispatch takes its buffer from every handle that owned it.
+  void CountOp(uint32_t op);
+  /// Whether two ranks' requests are the same op: kind, the agreed flags and a dispatch's
+  /// expert_alignment.
+  static bool SameOp(const abi::RequestSlot& a, const abi::RequestSlot& b);
+
+  // ---- rank masking (lockstep_mask.cc) ----
   /// Masks `ranks` now (mask epoch + 1 when any was not masked), logging one line with
   /// `why` at `level` that names at most 4 of the ranks it masked, then "and N more". A masked
   /// rank's request waiting for the op being collected is completed with MaskedError. Not while
@@ -404,14 +421,6 @@ class LockstepGroup : public DataPlaneGroup {
   v1::RankMask MaskMessageLocked() const;
   /// The first local rank that is not masked (local_first_ + local_count_ when none).
   int32_t LeadRank() const;
-  /// Records the op that ends now in the group's metrics: kind `op`, `code`; an OK op's
-  /// latency (from op_started_) and the bytes of rows it delivered (from `slots`/`outcomes`).
-  void RecordOpMetrics(uint32_t op, absl::StatusCode code, uint32_t flags,
-                       const std::vector<abi::RequestSlot>* slots,
-                       const std::vector<RankOutcome>* outcomes);
-  /// Counts op current_seq_ of kind `op` in parity_ (started or failed, once per op); a
-  /// low-latency dispatch takes its buffer from every handle that owned it.
-  void CountOp(uint32_t op);
 
   v1::GroupSpec spec_;
   bool spanning_ = false;

@@ -124,43 +124,69 @@ void SnapshotBuilder::AddHistogram(std::string_view name, std::string_view help,
   h.Read(s->mutable_histogram());
 }
 
-// ---- NodeOpTotals ------------------------------------------------------------------------
+// ---- OpTotals ----------------------------------------------------------------------------
 
-uint64_t NodeOpTotals::failures(uint32_t op, absl::StatusCode code) const {
+namespace {
+
+constexpr OpFamilies kNodeOpFamilies = {
+    "epd_node_ops_total",
+    "Ops ended on this node (OK or not), every group, per op kind; kept when a group ends.",
+    "epd_node_op_failures_total",
+    "Ops that ended with an error, every group, per op kind and status code.",
+    "epd_node_op_bytes_total",
+    "Bytes of token rows OK ops delivered to this node's ranks, every group.",
+    "epd_node_op_latency_seconds",
+    "OK ops of every group: the first local rank's request picked up until every completion "
+    "is written.",
+};
+
+constexpr OpFamilies kGroupOpFamilies = {
+    "epd_ops_total",
+    "Ops ended on this node (OK or not), per group and op kind.",
+    "epd_op_failures_total",
+    "Ops that ended with an error, per group, op kind and status code.",
+    "epd_op_bytes_total",
+    "Bytes of token rows OK ops delivered to this node's ranks (dispatch: rows received; "
+    "combine: rows combined).",
+    "epd_op_latency_seconds",
+    "OK ops: the first local rank's request picked up from its ring until every completion is "
+    "written.",
+};
+
+}  // namespace
+
+uint64_t OpTotals::failures(uint32_t op, absl::StatusCode code) const {
   const int c = static_cast<int>(code);
   if (c <= 0 || c >= kNumCodes) return 0;
-  return ops_[op < kNumOps ? op : 0].failures[c].value();
+  return ops_[Index(op)].failures[c].value();
 }
 
-void NodeOpTotals::Collect(SnapshotBuilder& out) const {
-  for (int op = 0; op < kNumOps; ++op) {
-    const PerOp& p = ops_[op];
-    if (p.ops.value() == 0) continue;
-    const Labels l = {{"op", abi::OpKindName(op)}};
-    out.AddCounter("epd_node_ops_total",
-                   "Ops ended on this node (OK or not), every group, per op kind; kept when a "
-                   "group ends.",
-                   l, static_cast<double>(p.ops.value()));
-    for (int c = 1; c < kNumCodes; ++c) {
-      if (p.failures[c].value() == 0) continue;
-      out.AddCounter("epd_node_op_failures_total",
-                     "Ops that ended with an error, every group, per op kind and status code.",
-                     With(l, "code", CodeName(c)), static_cast<double>(p.failures[c].value()));
-    }
-    out.AddCounter("epd_node_op_bytes_total",
-                   "Bytes of token rows OK ops delivered to this node's ranks, every group.", l,
-                   static_cast<double>(p.bytes.value()));
-    out.AddHistogram("epd_node_op_latency_seconds",
-                     "OK ops of every group: the first local rank's request picked up until "
-                     "every completion is written.",
-                     l, p.latency);
+bool OpTotals::CollectOp(SnapshotBuilder& out, int op, const Labels& labels,
+                         const OpFamilies& families) const {
+  if (op < 0 || op >= kNumOps) return false;
+  const PerOp& p = ops_[op];
+  if (p.ops.value() == 0) return false;  // Kinds never run: no series.
+  const Labels l = With(labels, "op", abi::OpKindName(op));
+  out.AddCounter(families.ops, families.ops_help, l, static_cast<double>(p.ops.value()));
+  for (int c = 1; c < kNumCodes; ++c) {
+    if (p.failures[c].value() == 0) continue;
+    out.AddCounter(families.failures, families.failures_help, With(l, "code", CodeName(c)),
+                   static_cast<double>(p.failures[c].value()));
   }
+  out.AddCounter(families.bytes, families.bytes_help, l, static_cast<double>(p.bytes.value()));
+  out.AddHistogram(families.latency, families.latency_help, l, p.latency);
+  return true;
+}
+
+void OpTotals::Collect(SnapshotBuilder& out, const Labels& labels,
+                       const OpFamilies& families) const {
+  for (int op = 0; op < kNumOps; ++op) CollectOp(out, op, labels, families);
 }
 
 // ---- GroupMetrics -----------------------------------------------------------------------
 
 GroupMetrics::GroupMetrics(std::string group, int32_t num_ranks, int32_t num_experts,
-                           NodeOpTotals* node)
+                           OpTotals* node)
     : group_(std::move(group)),
       node_(node),
       num_ranks_(std::max(num_ranks, 0)),
@@ -202,30 +228,12 @@ void GroupMetrics::SetRankMasked(int32_t rank, bool masked) {
 void GroupMetrics::Collect(SnapshotBuilder& out) const {
   const Labels g = {{"group", group_}};
   for (int op = 0; op < kNumOps; ++op) {  // 0: "Invalid" (a malformed request).
-    const PerOp& p = ops_[op];
-    if (p.ops.value() == 0) continue;  // Kinds the group never ran: no series.
-    const Labels l = With(g, "op", abi::OpKindName(op));
-    out.AddCounter("epd_ops_total", "Ops ended on this node (OK or not), per group and op kind.", l,
-                   static_cast<double>(p.ops.value()));
-    for (int c = 1; c < kNumCodes; ++c) {
-      if (p.failures[c].value() == 0) continue;
-      out.AddCounter("epd_op_failures_total",
-                     "Ops that ended with an error, per group, op kind and status code.",
-                     With(l, "code", CodeName(c)), static_cast<double>(p.failures[c].value()));
-    }
-    out.AddCounter("epd_op_bytes_total",
-                   "Bytes of token rows OK ops delivered to this node's ranks (dispatch: rows "
-                   "received; combine: rows combined).",
-                   l, static_cast<double>(p.bytes.value()));
-    out.AddHistogram("epd_op_latency_seconds",
-                     "OK ops: the first local rank's request picked up from its ring until "
-                     "every completion is written.",
-                     l, p.latency);
-    if (p.gpu.count() > 0) {
+    if (!ops_.CollectOp(out, op, g, kGroupOpFamilies)) continue;
+    if (gpu_[op].count() > 0) {
       out.AddHistogram("epd_op_gpu_seconds",
                        "OK ops: GPU time from CUDA events around the op's kernels on each rank's "
                        "stream, the longest rank's (daemon-launched ranks of the CUDA backend).",
-                       l, p.gpu);
+                       With(g, "op", abi::OpKindName(op)), gpu_[op]);
     }
   }
   if (straggler_lag_.count() > 0) {
@@ -391,7 +399,7 @@ v1::MetricsSnapshot Registry::Collect() const {
       if (std::shared_ptr<LinkMetrics> m = e.link.lock()) links.emplace_back(e, std::move(m));
     }
   }
-  node_totals_.Collect(out);
+  node_totals_.Collect(out, {}, kNodeOpFamilies);
   for (const auto* collect : collectors) (*collect)(out);
   for (const Source* source : sources) source->Collect(out);
   for (const auto& g : groups) g->Collect(out);

@@ -132,17 +132,30 @@ class Registration {
   uint64_t id_ = 0;
 };
 
-/// Ops of every group on this node by kind, kept for the process's life: the series an
+/// The four metric families an OpTotals writes: each family's name and help text.
+struct OpFamilies {
+  std::string_view ops, ops_help;            ///< Counter: ops ended (OK or not).
+  std::string_view failures, failures_help;  ///< Counter: ops failed, label `code` added.
+  std::string_view bytes, bytes_help;        ///< Counter: bytes of token rows OK ops delivered.
+  std::string_view latency, latency_help;    ///< Histogram: OK ops' latency (seconds).
+};
+
+/// Ops by kind (abi::OpKind): how many ended, how many failed with each status code, the
+/// bytes and the latency of the OK ones. A group's own (GroupMetrics), and the node's over
+/// every group, kept for the process's life (Registry::node_totals): the series an
 /// operator's alerts read (error rate, P99), which do not vanish with a short-lived group
 /// between two scrapes. Relaxed atomics, no lock, no allocation.
-class NodeOpTotals {
+class OpTotals {
  public:
   static constexpr int kNumCodes = 17;  ///< absl::StatusCode values 0..16.
   static constexpr int kNumOps = static_cast<int>(abi::kMaxOpKind) + 1;
 
-  /// An op of kind `op` ended with `code` (see GroupMetrics::RecordOp).
+  /// An op of kind `op` (abi::OpKind; out of range: 0, "Invalid") ended on this node with
+  /// `code` (out of range: UNKNOWN); for an OK op its latency (the first local rank's
+  /// request picked up → completions written) and the bytes of token rows it delivered to
+  /// this node's ranks.
   void RecordOp(uint32_t op, absl::StatusCode code, uint64_t latency_ns, uint64_t bytes) {
-    PerOp& p = ops_[op < kNumOps ? op : 0];
+    PerOp& p = ops_[Index(op)];
     p.ops.Add();
     const int c = static_cast<int>(code);
     if (c != 0) {
@@ -152,12 +165,22 @@ class NodeOpTotals {
       p.bytes.Add(bytes);
     }
   }
-  void AddOpBytes(uint32_t op, uint64_t bytes) { ops_[op < kNumOps ? op : 0].bytes.Add(bytes); }
-  /// For tests: ops of kind `op` ended, and those that failed with `code`.
-  uint64_t ops(uint32_t op) const { return ops_[op < kNumOps ? op : 0].ops.value(); }
+  /// `bytes` more bytes of token rows an OK op of kind `op` delivered.
+  void AddOpBytes(uint32_t op, uint64_t bytes) { ops_[Index(op)].bytes.Add(bytes); }
+  /// Ops of kind `op` ended (OK or not), and those that failed with `code` (0 for OK).
+  uint64_t ops(uint32_t op) const { return ops_[Index(op)].ops.value(); }
   uint64_t failures(uint32_t op, absl::StatusCode code) const;
-  /// The epd_node_* families (kinds never run: no series; codes never seen: no series).
-  void Collect(SnapshotBuilder& out) const;
+
+  /// Writes kind `op`'s samples into `families`, labelled `labels` plus `op` (plus `code`
+  /// for failures): none for a kind never run, none for a code never seen. Returns whether
+  /// the kind ran.
+  bool CollectOp(SnapshotBuilder& out, int op, const Labels& labels,
+                 const OpFamilies& families) const;
+  /// CollectOp for every kind.
+  void Collect(SnapshotBuilder& out, const Labels& labels, const OpFamilies& families) const;
+
+  /// The slot of kind `op`: `op`, or 0 out of range.
+  static int Index(uint32_t op) { return op < kNumOps ? static_cast<int>(op) : 0; }
 
  private:
   struct PerOp {
@@ -174,37 +197,26 @@ class NodeOpTotals {
 /// allocation) and read at scrape time. Label `group` = the group's name.
 class GroupMetrics : public Source {
  public:
-  /// absl::StatusCode values 0..16.
-  static constexpr int kNumCodes = 17;
-  static constexpr int kNumOps = static_cast<int>(abi::kMaxOpKind) + 1;
+  static constexpr int kNumCodes = OpTotals::kNumCodes;
+  static constexpr int kNumOps = OpTotals::kNumOps;
 
   /// `node` (may be null; else it outlives this): the node-wide totals RecordOp and
   /// AddOpBytes also count into.
-  GroupMetrics(std::string group, int32_t num_ranks, int32_t num_experts,
-               NodeOpTotals* node = nullptr);
+  GroupMetrics(std::string group, int32_t num_ranks, int32_t num_experts, OpTotals* node = nullptr);
 
-  /// An op of kind `op` (abi::OpKind) ended on this node with `code`; for an OK op its
-  /// latency (the first local rank's request picked up → completions written) and the
-  /// bytes of token rows it delivered to this node's ranks.
+  /// An op of kind `op` (abi::OpKind) ended on this node with `code` (OpTotals::RecordOp).
   void RecordOp(uint32_t op, absl::StatusCode code, uint64_t latency_ns, uint64_t bytes) {
     if (node_ != nullptr) node_->RecordOp(op, code, latency_ns, bytes);
-    PerOp& p = ops_[op < kNumOps ? op : 0];
-    p.ops.Add();
-    const int c = static_cast<int>(code);
-    if (c != 0) p.failures[c >= 0 && c < kNumCodes ? c : 2].Add();  // 2 = UNKNOWN.
-    if (c == 0) {
-      p.latency.ObserveNs(latency_ns);
-      p.bytes.Add(bytes);
-    }
+    ops_.RecordOp(op, code, latency_ns, bytes);
   }
   /// `bytes` more bytes of token rows an OK op of kind `op` delivered (for the kinds whose
   /// rows only the backend knows: the low-latency dispatch).
   void AddOpBytes(uint32_t op, uint64_t bytes) {
     if (node_ != nullptr) node_->AddOpBytes(op, bytes);
-    ops_[op < kNumOps ? op : 0].bytes.Add(bytes);
+    ops_.AddOpBytes(op, bytes);
   }
   /// GPU time of an OK op of kind `op` (CUDA events around its kernels: OpGpuTimer).
-  void RecordGpuTime(uint32_t op, uint64_t ns) { ops_[op < kNumOps ? op : 0].gpu.ObserveNs(ns); }
+  void RecordGpuTime(uint32_t op, uint64_t ns) { gpu_[OpTotals::Index(op)].ObserveNs(ns); }
   /// Every local rank arrived at an op; `last_rank` arrived last, `lag_ns` after the first.
   void RecordStraggler(int32_t last_rank, uint64_t lag_ns) {
     straggler_lag_.ObserveNs(lag_ns);
@@ -225,28 +237,22 @@ class GroupMetrics : public Source {
   int32_t num_ranks() const { return num_ranks_; }
   int32_t num_experts() const { return num_experts_; }
   /// For tests and epctl: ops of kind `op` ended (OK or not), and failed with `code`.
-  uint64_t ops(uint32_t op) const { return ops_[op < kNumOps ? op : 0].ops.value(); }
+  uint64_t ops(uint32_t op) const { return ops_.ops(op); }
   /// Tokens global expert `expert` received: AddExpertTokens's and the tally's (0 out of
   /// range). Reads the whole tally: for tests and epctl, not the data path.
   uint64_t expert_tokens(int32_t expert) const;
   /// OK ops of kind `op` whose GPU time was recorded (RecordGpuTime).
-  uint64_t gpu_timed_ops(uint32_t op) const { return ops_[op < kNumOps ? op : 0].gpu.count(); }
+  uint64_t gpu_timed_ops(uint32_t op) const { return gpu_[OpTotals::Index(op)].count(); }
 
   void Collect(SnapshotBuilder& out) const override;
 
  private:
-  struct PerOp {
-    Counter ops;
-    Counter bytes;
-    std::array<Counter, kNumCodes> failures;
-    Histogram latency;
-    Histogram gpu;
-  };
   const std::string group_;
-  NodeOpTotals* const node_;
+  OpTotals* const node_;
   const int32_t num_ranks_;
   const int32_t num_experts_;
-  std::array<PerOp, kNumOps> ops_;
+  OpTotals ops_;
+  std::array<Histogram, kNumOps> gpu_;  ///< Per op kind: RecordGpuTime.
   Histogram straggler_lag_;
   std::unique_ptr<Counter[]> last_arrivals_;  ///< [R]
   std::unique_ptr<Counter[]> expert_tokens_;  ///< [E]
@@ -317,7 +323,7 @@ class Registry {
   /// Registers a function that writes samples at scrape time.
   Registration AddCollector(std::function<void(SnapshotBuilder&)> collect);
   /// The node-wide op totals every group added here counts into.
-  const NodeOpTotals& node_totals() const { return node_totals_; }
+  const OpTotals& node_totals() const { return node_totals_; }
 
   /// Everything now.
   v1::MetricsSnapshot Collect() const;
@@ -345,7 +351,7 @@ class Registry {
   std::vector<std::weak_ptr<GroupMetrics>> groups_;
   std::vector<LinkEntry> links_;
   std::vector<Fixed> fixed_;
-  NodeOpTotals node_totals_;
+  OpTotals node_totals_;
 
   /// GetCounter / GetGauge: the Fixed entry of `name` and `labels` holding `member`.
   template <typename Metric>

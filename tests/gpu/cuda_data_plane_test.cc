@@ -1066,6 +1066,56 @@ TEST_P(CudaDataPlaneOrderedTest, ReadyNeverWrittenIsGivenUpThenTheGroupRecovers)
   RunOrderedDispatchAndCheckCounts(ranks, L, spec, idx, T, "after the give-up");
 }
 
+// A rank of a FAIL-policy group that leaves while an op holds it: its resources must not be
+// freed when the op ends (on the engine thread, under the group's lock: freeing GPU or
+// pinned memory waits for the device, and so for client streams that wait on an op only
+// the engine can launch) but on the control path, at the group's next attach or detach.
+// Seen through this process's registry of exported areas, which a rank leaves as its
+// resources are destroyed (FindInProcessCudaArea).
+TEST_F(CudaDataPlaneTest, RankThatLeftDuringAnOpIsFreedOnTheControlPathNotByTheEngine) {
+  const int R = 2, E = 8, K = 2, T = 4;
+  v1::GroupSpec spec = Spec("left-in-op", R, E, 256, K, 16, 16);
+  spec.set_on_rank_failure(v1::RANK_FAILURE_POLICY_FAIL);
+  const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(ShapeOf(spec));
+  auto group = cuda_->CreateGroup(spec);
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::vector<RawRank> ranks = AttachRaw(**group, R, v1::LAUNCH_MODE_DAEMON);
+  ASSERT_EQ(ranks.size(), static_cast<size_t>(R));
+  const std::string left_handle = ranks[1].info.cuda_ipc_handle();
+  std::vector<int64_t> idx(T * K);
+  for (int t = 0; t < T; ++t) {
+    idx[t * K] = t % E;
+    idx[t * K + 1] = (t + 3) % E;
+  }
+  for (int r = 0; r < R; ++r) Upload(ranks[r].area + L.in_topk_idx.offset, idx);
+  // Both ranks submit a stream-ordered op; only rank 0's client writes ready_seq, so the op
+  // stays on the GPU, holding rank 1, while rank 1 leaves.
+  uint64_t seq = 0;
+  for (int r = 0; r < R; ++r) {
+    seq = ranks[r].ring->Submit(abi::OpKind::kGetDispatchLayout, abi::kFlagStreamOrdered, T);
+  }
+  WriteU64(FlagsOf(ranks[0], L).ready, seq);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_FALSE(ranks[0].ring->Completion(seq).has_value()) << "the op did not wait for rank 1";
+  (*group)->DetachRank(1);
+  EXPECT_TRUE(FindInProcessCudaArea(left_handle).ok()) << "freed while the op held it";
+  // The op now ends (its stream released as a client's would), on the engine thread.
+  WriteU64(ranks[1].area + L.launch_flags.offset + abi::kReadyFlagOffset, seq);
+  auto c = ranks[0].ring->Await(seq, std::chrono::milliseconds(5000));
+  ASSERT_TRUE(c.has_value()) << "rank 0 got no completion";
+  EXPECT_EQ(AwaitDone(FlagsOf(ranks[0], L), seq, std::chrono::milliseconds(2000)), seq);
+  // The engine writes the completion and drops the op's references in one Poll (under the
+  // group's lock): wait until it is past it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_TRUE(FindInProcessCudaArea(left_handle).ok())
+      << "rank 1's resources were freed by the engine thread as the op ended";
+  // The next control-path call of the group frees them.
+  (*group)->DetachRank(0);
+  EXPECT_FALSE(FindInProcessCudaArea(left_handle).ok())
+      << "rank 1's resources outlived the group's next detach";
+  EXPECT_FALSE(FindInProcessCudaArea(ranks[0].info.cuda_ipc_handle()).ok());
+}
+
 TEST_F(CudaDataPlaneTest, ClientLaunchedEndpointGetsAZeroedAreaAndItsRingIsRefused) {
   const int R = 2;
   const v1::GroupSpec spec = Spec("client-mode", R, 8, 256, 2, 16, 16);

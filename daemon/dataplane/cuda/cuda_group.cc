@@ -1,5 +1,7 @@
 // A group on the CUDA backend (see cuda_group.h): rank attach, lockstep launch on every
 // rank's stream, start/poll, the stream-release protocol, and the graph-mode program's owner.
+// Rank masking and the masked ranks' stand-ins: cuda_group_mask.cc; spanning groups:
+// cuda_span.cc.
 #include "daemon/dataplane/cuda/cuda_group.h"
 
 #include <algorithm>
@@ -74,6 +76,7 @@ CudaGroup::CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec)
     metrics().SetExpertTokenTally(expert_tally_);
   }
   devices_.reserve(spec.num_ranks());
+  retired_.reserve(2 * static_cast<size_t>(spec.num_ranks()));
   SizeOp(spare_);
 }
 
@@ -131,7 +134,33 @@ bool CudaGroup::KernelHandsOff(const GpuOp& op, size_t r) {
 void CudaGroup::RecycleOp(std::optional<GpuOp>& op) {
   spare_ = std::move(*op);
   op.reset();
-  for (auto& r : spare_.ranks) r.reset();
+  DropOpRanks(spare_);
+}
+
+void CudaGroup::DropOpRanks(GpuOp& op) {
+  for (size_t i = 0; i < op.ranks.size(); ++i) {
+    std::shared_ptr<CudaRank>& r = op.ranks[i];
+    // Still the rank's (attached or its stand-in): that reference outlives this one.
+    if (r && r != ranks_[i] && r != standins_[i]) {
+      Retire(r);
+    } else {
+      r.reset();
+    }
+  }
+}
+
+void CudaGroup::Retire(std::shared_ptr<CudaRank>& r) {
+  if (r) retired_.push_back(std::move(r));
+  r.reset();
+}
+
+void CudaGroup::ReleaseRetired() {
+  std::vector<std::shared_ptr<CudaRank>> gone;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    gone.swap(retired_);
+  }
+  // Freed here, outside the lock: the engine runs on while the frees wait for the device.
 }
 
 CudaGroup::~CudaGroup() {
@@ -162,15 +191,6 @@ void CudaGroup::AdoptEngine(int device) {
   GpuEngine* e = plane_->EngineOf(device);
   e->host.Add(this);
   engine_.store(e);
-}
-
-void CudaGroup::ReleaseRetired() {
-  std::vector<std::shared_ptr<CudaRank>> gone;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    gone.swap(retired_);
-  }
-  // Freed here, outside the lock: the engine runs on while the frees wait for the device.
 }
 
 absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t rank,
@@ -275,34 +295,13 @@ void CudaGroup::RankDetached(int32_t rank) {
                      ": its graph-mode program was disarmed; rejoin and register it again")));
   }
   if (masking()) {
-    // Part of the op on the GPU, its client gone before its stream staged the inputs: its
-    // kernels would wait for ready_seq, and the others' for them, until the engine gives up
-    // (op_timeout + 5 s). Released now; the op then fails for every rank (PollOpInto), as
-    // it ran on inputs the client never finished staging.
-    if (gpu_op_ && gpu_op_->ranks[rank] && gpu_op_->ranks[rank] == ranks_[rank] &&
-        ReleaseReadyWait(*gpu_op_, static_cast<size_t>(rank))) {
-      gpu_op_->left_unstaged[rank] = true;
-    }
-    cudaGetLastError();
-    // The rank is masked (now, or when the running op ends): its area stays in every peer
-    // array as its stand-in, in step with the others' sync state, until a process rejoins.
-    standins_[rank] = std::move(ranks_[rank]);
+    KeepAsStandIn(rank);
     return;
   }
-  ranks_[rank].reset();
+  Retire(ranks_[rank]);  // Freed outside the lock, at DetachRank's end (ReleaseRetired).
   host_bases_[rank] = nullptr;
   UpdateDevices();
   PublishJoined(rank, false);
-}
-
-void CudaGroup::RankMaskChanged(int32_t rank, bool masked) {
-  mask_dirty_ = true;
-  if (masked && program_) {
-    DisarmProgram(absl::FailedPreconditionError(absl::StrCat(
-        "rank ", rank, " of group ", spec().name(),
-        " was masked: its graph-mode program was disarmed; register it again once every rank "
-        "takes part")));
-  }
 }
 
 absl::Status CudaGroup::CopyPeerBases(const std::vector<uint8_t*>& bases, const CudaRank* fresh) {
@@ -327,42 +326,6 @@ absl::Status CudaGroup::CopyPeerBases(const std::vector<uint8_t*>& bases, const 
                                                         cudaMemcpyHostToDevice, stream)));
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(stream)));
   }
-  return absl::OkStatus();
-}
-
-absl::Status CudaGroup::UploadPeerBases() {
-  if (!bases_dirty_) return absl::OkStatus();
-  EPD_RETURN_IF_ERROR(CopyPeerBases(host_bases_, nullptr));
-  // Every peer array now names the rejoined ranks' areas: their stand-ins go, unfreed
-  // (retired_): the clients' streams may already wait for this op's done_seq.
-  for (size_t r = 0; r < ranks_.size(); ++r) {
-    if (ranks_[r] && standins_[r]) retired_.push_back(std::move(standins_[r]));
-  }
-  bases_dirty_ = false;
-  return absl::OkStatus();
-}
-
-absl::Status CudaGroup::UploadMask() {
-  if (!mask_dirty_) return absl::OkStatus();
-  const std::vector<uint8_t>& mask = rank_masked();
-  any_masked_ = std::any_of(mask.begin(), mask.end(), [](uint8_t m) { return m != 0; });
-  for (int d : devices_) {
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(d)));
-    auto it = mask_arrays_.find(d);
-    if (it == mask_arrays_.end()) {
-      if (!any_masked_) continue;  // Nothing to tell this GPU's kernels (they get null).
-      EPD_ASSIGN_OR_RETURN(DeviceMemory m, AllocateDevice(mask.size(), DeviceZero::kNo));
-      it = mask_arrays_.emplace(d, std::move(m)).first;
-    }
-    // Waited for: every kernel of the group is off the GPU (claimed, idle), and the next
-    // op's kernels, on any of the ranks' streams, must see the new mask. On the engine's
-    // aux stream, which no rank's waits hold.
-    cudaStream_t aux = plane_->EngineOf(d)->aux.get();
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(
-        cudaMemcpyAsync(it->second.get(), mask.data(), mask.size(), cudaMemcpyHostToDevice, aux)));
-    EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaStreamSynchronize(aux)));
-  }
-  mask_dirty_ = false;
   return absl::OkStatus();
 }
 
@@ -894,6 +857,7 @@ bool CudaGroup::ProgramTailDone() {
     if (cudaEventQuery(r->done.get()) == cudaErrorNotReady) return false;
   }
   cudaGetLastError();
+  DropOpRanks(*program_tail_);
   program_tail_.reset();
   if (!gpu_op_ && !abandoned_) plane_->ReleaseGpus(this);
   return true;

@@ -63,7 +63,12 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
                                                              v1::LaunchMode launch_mode,
                                                              v1::EndpointInfo* info) override;
   absl::Status RankAttached(int32_t rank, const std::shared_ptr<RankResources>& res) override;
+  /// A FAIL-policy group's rank: dropped from the next ops, its resources retired (freed on
+  /// the control path, ReleaseRetired); a masking group's: KeepAsStandIn.
   void RankDetached(int32_t rank) override;
+  /// Frees the ranks retired (retired_): takes them under mu_, frees them after releasing
+  /// it. Control path only (PrepareRank, and DetachRank's end), never the engine thread.
+  void ReleaseRetired() override;
   // A client-launched rank of a spanning group (DESIGN.md §5.5 "Client-launched"): its
   // mirror in its endpoint region, its requests from its command block, its answers there.
   absl::Status RankRegionReady(int32_t rank, RankResources& res, uint8_t* shm_data,
@@ -181,6 +186,20 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// True once the disarmed program's tail has left the GPU (then releases it).
   bool ProgramTailDone();
 
+  // ---- rank masking (cuda_group_mask.cc) ----
+  /// RankDetached of a masking group: rank `rank` stays in every op as a masked rank, played
+  /// on the area it left (standins_); a running op it left before staging its inputs is
+  /// released from the host and fails (GpuOp::left_unstaged).
+  void KeepAsStandIn(int32_t rank);
+  /// When a rank rejoined a masked slot (bases_dirty_): copies host_bases_ to every GPU's
+  /// peer array before an op's launches (the group's GPUs claimed and idle), then moves the
+  /// stand-ins of attached ranks to retired_ (Retire). Errors: CUDA.
+  absl::Status UploadPeerBases();
+  /// Copies rank_masked() to every GPU's mask array (mask_arrays_) when it changed
+  /// (mask_dirty_), synchronously, before an op's launches (the GPUs are claimed and idle).
+  /// Errors: CUDA (INTERNAL, RESOURCE_EXHAUSTED).
+  absl::Status UploadMask();
+
   /// Recomputes devices_ from ranks_ and standins_ (capacity R: allocates nothing).
   void UpdateDevices();
   /// Rank r's resources in the next op: its attached rank, else its masked stand-in (null
@@ -192,17 +211,6 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// `fresh`'s when not null: a rank being attached, whose stream may be used), allocating
   /// a GPU's array at its first rank. Synchronous. Errors: CUDA.
   absl::Status CopyPeerBases(const std::vector<uint8_t*>& bases, const CudaRank* fresh);
-  /// When a rank rejoined a masked slot (bases_dirty_): copies host_bases_ to every GPU's
-  /// peer array before an op's launches (the group's GPUs claimed and idle), then moves the
-  /// stand-ins of attached ranks to retired_ (not freed here: see retired_). Errors: CUDA.
-  absl::Status UploadPeerBases();
-  /// Frees the stand-ins UploadPeerBases retired (retired_). Takes mu_ to take them, frees
-  /// them after releasing it: call without mu_ held, never on the engine thread.
-  void ReleaseRetired();
-  /// Copies rank_masked() to every GPU's mask array (mask_arrays_) when it changed
-  /// (mask_dirty_), synchronously, before an op's launches (the GPUs are claimed and idle).
-  /// Errors: CUDA (INTERNAL, RESOURCE_EXHAUSTED).
-  absl::Status UploadMask();
   /// Rank r's kernel context (kernels::cuda::MakeRankContext) with `num_sms` blocks.
   kernels::cuda::CudaRankContext Context(int32_t r, int32_t num_sms) const;
   /// Enqueues rank r's part of `plan` on its stream: for a stream-ordered slot first the
@@ -224,8 +232,14 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     return !spanning() && KernelHandsOff(op, r) && plane_->kernel_ready_wait();
   }
   /// Moves a finished op's vectors back into spare_ for the next op, dropping its rank
-  /// references (a rank that left during the op is freed here, not kept by the spare).
+  /// references (DropOpRanks: a rank that left during the op is retired, not kept by the
+  /// spare, nor freed here on the engine thread).
   void RecycleOp(std::optional<GpuOp>& op);
+  /// Drops every rank reference of `op` (one that left the group since: Retire).
+  void DropOpRanks(GpuOp& op);
+  /// Keeps `r` (when not null) in retired_ and nulls it: where a rank reference may be the
+  /// last (the rank left), it is dropped so, under mu_, never freed there (see retired_).
+  void Retire(std::shared_ptr<CudaRank>& r);
   /// Enqueues done_seq = seq on rank `cr`'s stream (after everything already on it).
   absl::Status WriteDone(const CudaRank& cr, uint64_t seq) const;
   /// For every stream-ordered rank of `op` whose stream still waits for ready_seq (its
@@ -246,12 +260,18 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// stand-in (its area's sync state stays in step with the others', so no reset) until a
   /// process rejoins the slot. Null otherwise.
   std::vector<std::shared_ptr<CudaRank>> standins_;
-  /// Stand-ins that every peer array has stopped naming (UploadPeerBases), not yet freed.
-  /// Freeing device or pinned memory (cudaFree, cudaFreeHost) waits for all work of the
-  /// device: on the engine thread, between the ranks' submissions and the op's launches,
-  /// that is the clients' staging kernels and stream waits for this op's done_seq, which
-  /// only the op's kernels write (a hang until their bounds). Freed on the control path
-  /// instead, outside the lock (PrepareRank, ReleaseRetired), or with the group.
+  /// Rank references dropped under mu_ that may be a rank's last (Retire): a rank that
+  /// left (RankDetached), an op's reference to it (DropOpRanks: an op that ended, was
+  /// abandoned, or a disarmed program's tail), a stand-in that every peer array has stopped
+  /// naming (UploadPeerBases) or that a second departure replaced (KeepAsStandIn). Not
+  /// freed there: freeing device or pinned memory (cudaFree, cudaFreeHost) waits for all
+  /// work of the device; on the engine thread, between the ranks' submissions and the op's
+  /// launches, that is the clients' staging kernels and stream waits for this op's
+  /// done_seq, which only the op's kernels write (a hang until their bounds); under mu_ it
+  /// stalls the engine's next Poll the same way. Freed on the control path instead,
+  /// outside the lock (ReleaseRetired: PrepareRank, DetachRank), or with the group. Bounded:
+  /// each control-path call empties it, and between two a few references (a rank's, its
+  /// stand-in's, those of the ops still holding it) of each rank that left with the first.
   std::vector<std::shared_ptr<CudaRank>> retired_;
   /// GPU -> device array [R] of uint8, the rank mask the kernels read
   /// (CudaRankContext::rank_masked); allocated at the first mask.

@@ -1,0 +1,227 @@
+// Rank masking of a lockstep group (lockstep_group.h; docs/RELIABILITY.md): which ranks an op
+// runs without, changes applied between two ops (a rank that left, one that did not arrive
+// within op_timeout, a client's UpdateRankMask, a rejoin into a masked slot), the mask epoch,
+// and a just-unmasked rank that disagrees with the group masked again.
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/dataplane/completion.h"
+#include "daemon/dataplane/lockstep_group.h"
+#include "spdlog/spdlog.h"
+
+namespace epd {
+namespace {
+
+/// Ranks a mask change's log line names; the rest are counted ("and N more").
+constexpr size_t kMaxRanksLogged = 4;
+
+}  // namespace
+
+int32_t LockstepGroup::LeadRank() const {
+  int32_t r = local_first_;
+  while (r < local_first_ + local_count_ && rank_masked_[r]) ++r;
+  return r;
+}
+
+bool LockstepGroup::ReMaskStrayRejoiners() {
+  const int32_t end = local_first_ + local_count_;
+  int32_t ref = -1;  // The first rank taking part that is in step.
+  for (int32_t r = local_first_; r < end && ref < 0; ++r) {
+    if (!rank_masked_[r] && !rejoined_[r] && !endpoints_[r]->slot_error) ref = r;
+  }
+  std::vector<int32_t>& stray = mask_scratch_;
+  stray.clear();
+  for (int32_t r = local_first_; r < end; ++r) {
+    if (rank_masked_[r] || !rejoined_[r]) continue;
+    const LockstepEndpoint& ep = *endpoints_[r];
+    if (ep.slot_error || (ref >= 0 && !SameOp(*ep.request, *endpoints_[ref]->request))) {
+      stray.push_back(r);
+    }
+  }
+  if (stray.empty()) return false;
+  for (int32_t r : stray) {
+    const LockstepEndpoint& ep = *endpoints_[r];
+    LogRankCaused(r, spdlog::level::warn,
+                  "group {}: rank {} (just unmasked) submitted {} for op {}{}; it is masked again "
+                  "and unmasked at the next op",
+                  spec_.name(), r, OpName(ep.request->op), current_seq_,
+                  ep.slot_error ? absl::StrCat(", which was rejected: ", ep.slot_error->message())
+                  : ref >= 0    ? absl::StrCat(", where rank ", ref, " submitted ",
+                                               OpName(endpoints_[ref]->request->op))
+                                : std::string());
+  }
+  std::vector<int32_t> ranks(stray.begin(), stray.end());  // Off the steady state: may allocate.
+  MaskRanksLocked(ranks, "its first op after being unmasked differs from the group's");
+  for (int32_t r : ranks) pending_unmask_[r] = 1;
+  return true;
+}
+
+absl::Status LockstepGroup::MaskedError(int32_t rank, uint64_t seq) const {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "op ", seq, " of group ", spec_.name(), " runs without rank ", rank,
+      ": the rank is masked (mask epoch ", mask_epoch_,
+      "); unmask it (UpdateRankMask, CleanRankMask) or rejoin its slot from a new process"));
+}
+
+v1::RankMask LockstepGroup::MaskMessageLocked() const {
+  v1::RankMask m;
+  m.set_epoch(mask_epoch_);
+  for (size_t r = 0; r < rank_masked_.size(); ++r) {
+    if (rank_masked_[r]) m.add_masked_ranks(static_cast<int32_t>(r));
+  }
+  return m;
+}
+
+void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why,
+                                    spdlog::level::level_enum level) {
+  std::vector<int32_t>& masked = changed_scratch_;
+  masked.clear();
+  for (int32_t r : ranks) {
+    pending_mask_[r] = 0;
+    pending_unmask_[r] = 0;
+    if (rank_masked_[r]) continue;
+    if (masked.empty()) ++mask_epoch_;
+    masked.push_back(r);
+    rank_masked_[r] = 1;
+    masked_at_seq_[r] = current_seq_;
+    ++num_masked_;
+    RankMaskChanged(r, true);
+    metrics_->SetRankMasked(r, true);
+    LockstepEndpoint* ep = endpoints_[r].get();
+    if (ep && ep->request) {
+      // It had arrived at the op being collected, which now runs without it.
+      CompleteUnrun(r, *ep, *ep->request, MaskedError(r, ep->request->seq));
+      ep->request.reset();
+      ep->slot_error.reset();
+    }
+  }
+  if (masked.empty()) return;
+  EngineLog()->log(level,
+                   "group {}: {} {} masked (mask epoch {}, {} of {} ranks masked): {}; the "
+                   "group's ops run without {} until {} rejoins or is unmasked",
+                   spec_.name(), masked.size() == 1 ? "rank" : "ranks",
+                   BoundedRankList(masked, kMaxRanksLogged), mask_epoch_, num_masked_,
+                   rank_masked_.size(), why, masked.size() == 1 ? "it" : "them",
+                   masked.size() == 1 ? "it" : "each");
+}
+
+void LockstepGroup::ApplyPendingMaskLocked() {
+  std::vector<int32_t>& to_mask = mask_scratch_;
+  to_mask.clear();
+  for (size_t r = 0; r < pending_mask_.size(); ++r) {
+    if (pending_mask_[r]) to_mask.push_back(static_cast<int32_t>(r));
+  }
+  if (!to_mask.empty()) MaskRanksLocked(to_mask, "asked while an op ran (UpdateRankMask or left)");
+  std::vector<int32_t>& unmasked = changed_scratch_;
+  unmasked.clear();
+  for (size_t r = 0; r < pending_unmask_.size(); ++r) {
+    if (!pending_unmask_[r]) continue;
+    const LockstepEndpoint* ep = endpoints_[r].get();
+    if (!ep) {
+      pending_unmask_[r] = 0;  // Detached: unmasked when it rejoins.
+      continue;
+    }
+    // One that already passed the op being collected (refused as masked) waits for the next.
+    if (ep->next_seq > current_seq_) continue;
+    pending_unmask_[r] = 0;
+    if (!rank_masked_[r]) continue;
+    if (unmasked.empty()) ++mask_epoch_;
+    unmasked.push_back(static_cast<int32_t>(r));
+    rank_masked_[r] = 0;
+    rejoined_[r] = 1;
+    --num_masked_;
+    // Ops ran without it: its handles (routing, low-latency buffers) are not the group's.
+    if (current_seq_ > masked_at_seq_[r]) endpoints_[r]->handles = rules::HandleTable();
+    RankMaskChanged(static_cast<int32_t>(r), false);
+    metrics_->SetRankMasked(static_cast<int32_t>(r), false);
+  }
+  if (unmasked.empty()) return;
+  EngineLog()->info(
+      "group {}: {} {} unmasked (mask epoch {}, {} ranks masked): {} part from op {} on",
+      spec_.name(), unmasked.size() == 1 ? "rank" : "ranks",
+      BoundedRankList(unmasked, kMaxRanksLogged), mask_epoch_, num_masked_,
+      unmasked.size() == 1 ? "it takes" : "they take", current_seq_);
+}
+
+absl::StatusOr<v1::RankMask> LockstepGroup::UpdateRankMask(std::span<const int32_t> mask,
+                                                           std::span<const int32_t> unmask,
+                                                           bool clean) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!masking_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", spec_.name(), ": on_rank_failure is ",
+        v1::RankFailurePolicy_Name(spec_.on_rank_failure()),
+        ", not RANK_FAILURE_POLICY_MASK: its ranks cannot be masked (the policy is part of the "
+        "spec every rank joins with)"));
+  }
+  const int32_t R = static_cast<int32_t>(rank_masked_.size());
+  // Each rank at most once in both lists together, so neither may be longer than R; then
+  // one pass over each with a bitmap (the caller holds the registry's lock).
+  for (const auto& [field, list] : {std::pair{"mask", mask}, std::pair{"unmask", unmask}}) {
+    if (list.size() > static_cast<size_t>(R)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": ", list.size(),
+                                                     " ranks listed, more than the ", R,
+                                                     " ranks of group ", spec_.name()));
+    }
+  }
+  std::vector<uint8_t> listed(static_cast<size_t>(R), 0);  // 1 = in mask, 2 = in unmask.
+  for (int32_t r : mask) {
+    if (r < 0 || r >= R) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("mask: rank ", r, " is outside [0, ", R, ") of group ", spec_.name()));
+    }
+    if (listed[r] != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mask: rank ", r, " is listed twice; name each rank of group ", spec_.name(), " once"));
+    }
+    listed[r] = 1;
+  }
+  for (int32_t r : unmask) {
+    if (r < 0 || r >= R) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unmask: rank ", r, " is outside [0, ", R, ") of group ", spec_.name()));
+    }
+    if (listed[r] != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unmask: rank ", r, listed[r] == 1 ? " is also in mask" : " is listed twice",
+                       "; name each rank of group ", spec_.name(), " once"));
+    }
+    listed[r] = 2;
+    if (!endpoints_[r] && rank_masked_[r]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("unmask: rank ", r, " of group ", spec_.name(),
+                       " is not joined; it is unmasked when a process joins its slot"));
+    }
+  }
+  if (running_) {
+    // Between ops: after the one the backend runs (FinishOp applies it).
+    for (int32_t r : mask) pending_mask_[r] = 1;
+  } else {
+    std::vector<int32_t> ranks(mask.begin(), mask.end());  // An RPC, not an op: may allocate.
+    MaskRanksLocked(ranks, "masked by a client (UpdateRankMask)");
+  }
+  for (int32_t r : unmask) pending_unmask_[r] = 1;
+  if (clean) {
+    for (int32_t r = 0; r < R; ++r) {
+      if (endpoints_[r]) pending_unmask_[r] = 1;
+    }
+  }
+  if (!running_) ApplyPendingMaskLocked();
+  WakeEngine();
+  return MaskMessageLocked();
+}
+
+absl::StatusOr<v1::RankMask> LockstepGroup::GetRankMask() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!masking_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", spec_.name(), ": on_rank_failure is ",
+                     v1::RankFailurePolicy_Name(spec_.on_rank_failure()),
+                     ", not RANK_FAILURE_POLICY_MASK: the group masks no ranks"));
+  }
+  return MaskMessageLocked();
+}
+
+}  // namespace epd
