@@ -1066,13 +1066,15 @@ TEST_P(CudaDataPlaneOrderedTest, ReadyNeverWrittenIsGivenUpThenTheGroupRecovers)
   RunOrderedDispatchAndCheckCounts(ranks, L, spec, idx, T, "after the give-up");
 }
 
-// A rank of a FAIL-policy group that leaves while an op holds it: its resources must not be
-// freed when the op ends (on the engine thread, under the group's lock: freeing GPU or
-// pinned memory waits for the device, and so for client streams that wait on an op only
-// the engine can launch) but on the control path, at the group's next attach or detach.
-// Seen through this process's registry of exported areas, which a rank leaves as its
-// resources are destroyed (FindInProcessCudaArea).
-TEST_F(CudaDataPlaneTest, RankThatLeftDuringAnOpIsFreedOnTheControlPathNotByTheEngine) {
+// The memory of a rank that left, or of a group that ended, is freed only when no group has
+// work on the GPU: cudaFree and cudaFreeHost wait for the whole device and hold back the
+// engine's launches meanwhile, so a free beside another op whose ranks are not all launched
+// would stall it until its kernels' bounds (DeferredRelease). Here a FAIL-policy group's op
+// is held on the GPU (rank 1's client never writes ready_seq) while rank 1 leaves, and a
+// second group is created and ends: neither's memory is freed until that op has ended; then
+// both are, by the engine, with no further call. Seen through this process's registry of
+// exported areas, which a rank leaves as its resources are destroyed (FindInProcessCudaArea).
+TEST_F(CudaDataPlaneTest, MemoryOfRanksThatLeftIsFreedOnlyWhenNoGroupHasWorkOnTheGpu) {
   const int R = 2, E = 8, K = 2, T = 4;
   v1::GroupSpec spec = Spec("left-in-op", R, E, 256, K, 16, 16);
   spec.set_on_rank_failure(v1::RANK_FAILURE_POLICY_FAIL);
@@ -1098,22 +1100,34 @@ TEST_F(CudaDataPlaneTest, RankThatLeftDuringAnOpIsFreedOnTheControlPathNotByTheE
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   ASSERT_FALSE(ranks[0].ring->Completion(seq).has_value()) << "the op did not wait for rank 1";
   (*group)->DetachRank(1);
-  EXPECT_TRUE(FindInProcessCudaArea(left_handle).ok()) << "freed while the op held it";
-  // The op now ends (its stream released as a client's would), on the engine thread.
+  // A second group on the same GPU, created and ended while that op is on the GPU.
+  std::string other_handle;
+  {
+    auto other = cuda_->CreateGroup(Spec("ends-beside-op", R, E, 256, K, 16, 16));
+    ASSERT_TRUE(other.ok()) << other.status();
+    std::vector<RawRank> other_ranks = AttachRaw(**other, R, v1::LAUNCH_MODE_DAEMON);
+    ASSERT_EQ(other_ranks.size(), static_cast<size_t>(R));
+    other_handle = other_ranks[0].info.cuda_ipc_handle();
+    for (int r = 0; r < R; ++r) (*other)->DetachRank(r);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // Many engine rounds.
+  EXPECT_TRUE(FindInProcessCudaArea(left_handle).ok()) << "freed while an op held the GPU";
+  EXPECT_TRUE(FindInProcessCudaArea(other_handle).ok())
+      << "an ended group's memory was freed while another group's op was on the GPU";
+  // The op now ends (its stream released as a client's would).
   WriteU64(ranks[1].area + L.launch_flags.offset + abi::kReadyFlagOffset, seq);
   auto c = ranks[0].ring->Await(seq, std::chrono::milliseconds(5000));
   ASSERT_TRUE(c.has_value()) << "rank 0 got no completion";
   EXPECT_EQ(AwaitDone(FlagsOf(ranks[0], L), seq, std::chrono::milliseconds(2000)), seq);
-  // The engine writes the completion and drops the op's references in one Poll (under the
-  // group's lock): wait until it is past it.
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  EXPECT_TRUE(FindInProcessCudaArea(left_handle).ok())
-      << "rank 1's resources were freed by the engine thread as the op ended";
-  // The next control-path call of the group frees them.
+  // No group has work on the GPU now: the engine frees both between two rounds.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while ((FindInProcessCudaArea(left_handle).ok() || FindInProcessCudaArea(other_handle).ok()) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_FALSE(FindInProcessCudaArea(left_handle).ok()) << "rank 1's memory was never freed";
+  EXPECT_FALSE(FindInProcessCudaArea(other_handle).ok()) << "the ended group's memory stayed";
   (*group)->DetachRank(0);
-  EXPECT_FALSE(FindInProcessCudaArea(left_handle).ok())
-      << "rank 1's resources outlived the group's next detach";
-  EXPECT_FALSE(FindInProcessCudaArea(ranks[0].info.cuda_ipc_handle()).ok());
 }
 
 TEST_F(CudaDataPlaneTest, ClientLaunchedEndpointGetsAZeroedAreaAndItsRingIsRefused) {

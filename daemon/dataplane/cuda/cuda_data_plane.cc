@@ -133,6 +133,7 @@ absl::Status CudaDataPlaneImpl::Init() {
     engine->device = device;
     EPD_ASSIGN_OR_RETURN(engine->aux, CreateStream());
     GpuEngine* e = engine.get();
+    e->host.SetDeferredRelease(&deferred_release_, [this] { return AllEnginesQuiescent(); });
     EPD_RETURN_IF_ERROR(e->host.Start(options_.engine_idle_us, options_.on_engine_start,
                                       [e] { cudaSetDevice(e->device); }));
     engines_[device] = std::move(engine);
@@ -206,6 +207,13 @@ void CudaDataPlaneImpl::ReleaseGpus(const CudaGroup* group) {
   for (const CudaGroup*& holder : gpu_holder_) {
     if (holder == group) holder = nullptr;
   }
+}
+
+bool CudaDataPlaneImpl::AllEnginesQuiescent() {
+  for (auto& [device, e] : engines_) {
+    if (!e->host.AllQuiescent()) return false;
+  }
+  return true;
 }
 
 void CudaDataPlaneImpl::Shutdown() {

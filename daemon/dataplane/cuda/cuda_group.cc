@@ -160,7 +160,13 @@ void CudaGroup::ReleaseRetired() {
     std::lock_guard<std::mutex> lock(mu_);
     gone.swap(retired_);
   }
-  // Freed here, outside the lock: the engine runs on while the frees wait for the device.
+  // Dropped here, outside the lock: a rank's last reference hands it to the plane's
+  // DeferredRelease, which frees it between engine rounds.
+}
+
+bool CudaGroup::Quiescent() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !gpu_op_ && !abandoned_ && !program_ && !program_tail_;
 }
 
 CudaGroup::~CudaGroup() {
@@ -183,6 +189,15 @@ CudaGroup::~CudaGroup() {
   abandoned_.reset();
   program_tail_.reset();
   plane_->ReleaseGpus(this);
+  // The group's own device arrays go the ranks' way (CreateCudaRank): freed between engine
+  // rounds, never here beside another group's half-launched op.
+  struct Arrays {
+    std::map<int, DeviceMemory> peer_bases, mask_arrays;
+  };
+  auto arrays = std::make_shared<Arrays>();
+  arrays->peer_bases.swap(peer_bases_);
+  arrays->mask_arrays.swap(mask_arrays_);
+  plane_->deferred_release().Add(std::move(arrays));
 }
 
 void CudaGroup::AdoptEngine(int device) {
@@ -213,9 +228,9 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
   }
   // Client-launched endpoints get the same (zeroed) area and IPC handle; the engine
   // refuses their ring slots (AcceptsRequests).
-  EPD_ASSIGN_OR_RETURN(
-      std::shared_ptr<CudaRank> r,
-      CreateCudaRank(device, rank, layout(), launch_mode == v1::LAUNCH_MODE_CLIENT));
+  EPD_ASSIGN_OR_RETURN(std::shared_ptr<CudaRank> r,
+                       CreateCudaRank(device, rank, layout(), launch_mode == v1::LAUNCH_MODE_CLIENT,
+                                      &plane_->deferred_release()));
   if (spanning()) EPD_RETURN_IF_ERROR(AddCudaRankMirror(*r, shape(), layout()));
   if (!r->client_launched) {  // The client's own launches count nothing here.
     EPD_RETURN_IF_ERROR(AddCudaRankExpertStats(*r, shape().num_local_experts(), expert_tally_));

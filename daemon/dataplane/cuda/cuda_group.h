@@ -66,9 +66,13 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// A FAIL-policy group's rank: dropped from the next ops, its resources retired (freed on
   /// the control path, ReleaseRetired); a masking group's: KeepAsStandIn.
   void RankDetached(int32_t rank) override;
-  /// Frees the ranks retired (retired_): takes them under mu_, frees them after releasing
-  /// it. Control path only (PrepareRank, and DetachRank's end), never the engine thread.
+  /// Drops the ranks retired (retired_): takes them under mu_, drops them after releasing
+  /// it (a last reference hands the rank to the plane's DeferredRelease). Control path only
+  /// (PrepareRank, and DetachRank's end), never the engine thread.
   void ReleaseRetired() override;
+  /// No work of this group's on a GPU: no op running or abandoned, no graph-mode program
+  /// armed or still draining. Takes mu_ (EngineHost::AllQuiescent, between rounds).
+  bool Quiescent();
   // A client-launched rank of a spanning group (DESIGN.md §5.5 "Client-launched"): its
   // mirror in its endpoint region, its requests from its command block, its answers there.
   absl::Status RankRegionReady(int32_t rank, RankResources& res, uint8_t* shm_data,
@@ -263,15 +267,14 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// Rank references dropped under mu_ that may be a rank's last (Retire): a rank that
   /// left (RankDetached), an op's reference to it (DropOpRanks: an op that ended, was
   /// abandoned, or a disarmed program's tail), a stand-in that every peer array has stopped
-  /// naming (UploadPeerBases) or that a second departure replaced (KeepAsStandIn). Not
-  /// freed there: freeing device or pinned memory (cudaFree, cudaFreeHost) waits for all
-  /// work of the device; on the engine thread, between the ranks' submissions and the op's
-  /// launches, that is the clients' staging kernels and stream waits for this op's
-  /// done_seq, which only the op's kernels write (a hang until their bounds); under mu_ it
-  /// stalls the engine's next Poll the same way. Freed on the control path instead,
-  /// outside the lock (ReleaseRetired: PrepareRank, DetachRank), or with the group. Bounded:
-  /// each control-path call empties it, and between two a few references (a rank's, its
-  /// stand-in's, those of the ops still holding it) of each rank that left with the first.
+  /// naming (UploadPeerBases) or that a second departure replaced (KeepAsStandIn). Dropped
+  /// on the control path, outside the lock (ReleaseRetired: PrepareRank, DetachRank), or
+  /// with the group. A CudaRank's last reference never frees its memory where it is
+  /// dropped: it hands the rank to the plane's DeferredRelease (CreateCudaRank), because
+  /// cudaFree and cudaFreeHost wait for the whole device and hold back the engine's
+  /// launches meanwhile. Bounded: each control-path call empties it, and between two a few
+  /// references (a rank's, its stand-in's, those of the ops still holding it) of each rank
+  /// that left with the first.
   std::vector<std::shared_ptr<CudaRank>> retired_;
   /// GPU -> device array [R] of uint8, the rank mask the kernels read
   /// (CudaRankContext::rank_masked); allocated at the first mask.

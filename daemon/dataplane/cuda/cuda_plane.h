@@ -86,6 +86,10 @@ class CudaDataPlaneImpl : public DataPlane {
   kernels::host::HostWorkerPool& kernel_pool() { return kernel_pool_; }
   /// Serialises the engines' use of kernel_pool() (one engine per GPU).
   std::mutex& pool_mu() { return pool_mu_; }
+  /// Where the groups' ranks and arrays go to be freed: dropped by an engine thread between
+  /// rounds, with every engine's round held off and every group quiescent (never beside a
+  /// half-launched op: deferred_release.h).
+  DeferredRelease& deferred_release() { return deferred_release_; }
 
  private:
   CudaDataPlaneOptions options_;
@@ -96,6 +100,9 @@ class CudaDataPlaneImpl : public DataPlane {
   /// GPUs below the oldest supported architecture: UUID → why (they serve no rank).
   std::map<std::string, std::string> unsupported_;
   std::map<int, std::set<int>> peer_;  // ordinal → peers it can access.
+  /// Whether every engine's groups are quiescent (DeferredRelease::MaybeRelease's test).
+  bool AllEnginesQuiescent();
+  DeferredRelease deferred_release_;  // Outlives the engines (declared before them).
   std::map<int, std::unique_ptr<GpuEngine>> engines_;
   std::mutex claim_mu_;
   /// [max ordinal + 1], indexed by ordinal: the group whose op runs on the GPU, or null.

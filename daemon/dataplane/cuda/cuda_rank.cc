@@ -46,8 +46,19 @@ CudaRank::~CudaRank() {
 
 absl::StatusOr<std::shared_ptr<CudaRank>> CreateCudaRank(int device, int32_t rank,
                                                          const kernels::EndpointLayout& layout,
-                                                         bool client_launched) {
-  auto r = std::make_shared<CudaRank>();
+                                                         bool client_launched,
+                                                         DeferredRelease* release) {
+  std::shared_ptr<CudaRank> r;
+  if (release == nullptr) {
+    r = std::make_shared<CudaRank>();
+  } else {
+    // The last reference's drop hands the rank to `release` (whose own reference then
+    // destroys it, between engine rounds) instead of destroying it there.
+    auto owned = std::make_unique<CudaRank>();
+    r = std::shared_ptr<CudaRank>(owned.release(), [release](CudaRank* p) {
+      release->Add(std::shared_ptr<CudaRank>(std::unique_ptr<CudaRank>(p)));
+    });
+  }
   r->device = device;
   r->rank = rank;
   r->bytes = layout.total_bytes;

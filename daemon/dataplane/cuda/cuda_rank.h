@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "common/cuda/cuda_handles.h"
 #include "common/cuda/device_alloc.h"
+#include "daemon/dataplane/deferred_release.h"
 #include "daemon/dataplane/exchange/rank_routing.h"
 #include "daemon/dataplane/lockstep_group.h"
 #include "daemon/metrics/expert_tally.h"
@@ -129,11 +130,14 @@ struct CudaRank : RankResources {
 
 /// Creates rank `rank`'s resources on `device`: a stream, its events, the pinned read-back
 /// and a zeroed data area of layout.total_bytes, exported by CUDA IPC and registered for
-/// FindInProcessCudaArea. Errors: RESOURCE_EXHAUSTED (GPU full), INTERNAL (CUDA, naming the
-/// call).
+/// FindInProcessCudaArea. With `release`, the CudaRank is not destroyed where its last
+/// reference is dropped but handed to `release` (which must outlive it), so its memory is
+/// freed only between engine rounds (deferred_release.h); null: destroyed in place. Errors:
+/// RESOURCE_EXHAUSTED (GPU full), INTERNAL (CUDA, naming the call).
 absl::StatusOr<std::shared_ptr<CudaRank>> CreateCudaRank(int device, int32_t rank,
                                                          const kernels::EndpointLayout& layout,
-                                                         bool client_launched);
+                                                         bool client_launched,
+                                                         DeferredRelease* release = nullptr);
 
 /// Gives `rank` its per-expert received-token totals (CudaRank::expert_totals: 2 *
 /// `experts_per_rank` uint64 on its GPU, zeroed, and the totals' mapped host copy) and
