@@ -24,8 +24,8 @@ namespace epd {
 absl::StatusOr<ShmRegion> CreateDoorbellPage();
 
 /// One engine thread, its doorbell page and the groups it polls. `Group` has
-/// `bool Poll()` (LockstepGroup). Thread-safety: Add/Remove/ForEach lock the group list,
-/// which the engine thread holds while it polls.
+/// `bool Poll()` and `bool Quiescent()` (LockstepGroup). Thread-safety: Add/Remove/ForEach lock the
+/// group list, which the engine thread holds while it polls.
 template <typename Group>
 class EngineHost {
  public:
@@ -57,14 +57,12 @@ class EngineHost {
     release_ = release;
     all_quiescent_ = std::move(all_quiescent);
   }
-  /// Whether every group reports Quiescent() (a group type without it counts as quiescent).
-  /// Takes the group list's lock: not from inside a round of polls.
+  /// Whether every group reports Quiescent(). Takes the group list's lock: not from inside
+  /// a round of polls.
   bool AllQuiescent() {
     std::lock_guard<std::mutex> lock(mu_);
     for (Group* g : groups_) {
-      if constexpr (requires { g->Quiescent(); }) {
-        if (!g->Quiescent()) return false;
-      }
+      if (!g->Quiescent()) return false;
     }
     return true;
   }

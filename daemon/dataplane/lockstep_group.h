@@ -163,6 +163,9 @@ class LockstepGroup : public DataPlaneGroup {
   /// Engine thread: pops requests, starts, finishes or times out the current op. True if
   /// it did work.
   bool Poll();
+  /// No work of the group's on a device (DeferredRelease frees memory only when every
+  /// group of every engine says so). The host backend has none: true.
+  virtual bool Quiescent() { return true; }
   /// Completes everything pending with `status` (shutdown). An op still running in the
   /// backend is completed too; the backend's resources outlive it.
   void FailAll(const absl::Status& status);

@@ -21,6 +21,7 @@ struct CountingGroup {
     polls.fetch_add(1);
     return false;
   }
+  bool Quiescent() { return true; }
 };
 
 /// Waits up to 5 s for `pred`.
@@ -87,7 +88,7 @@ struct BusyGroup {
     in_poll = false;
     return false;
   }
-  bool Quiescent() const { return quiescent.load(); }
+  bool Quiescent() { return quiescent.load(); }
 };
 
 /// Records the thread that drops it and whether a group's poll was running then.

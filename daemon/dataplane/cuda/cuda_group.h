@@ -47,6 +47,9 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
  public:
   CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec);
   ~CudaGroup() override;
+  /// No work of this group's on a GPU: no op running or abandoned, no graph-mode program
+  /// armed or still draining. Takes mu_ (EngineHost::AllQuiescent, between rounds).
+  bool Quiescent() override;
   /// A group that spans nodes (DESIGN.md §5.5): its exchange, made before the first rank
   /// attaches (`join_secret_digest` goes into its Peer mesh registration).
   void MakeExchange(std::string join_secret_digest, SpanTransport span_transport);
@@ -70,9 +73,6 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// it (a last reference hands the rank to the plane's DeferredRelease). Control path only
   /// (PrepareRank, and DetachRank's end), never the engine thread.
   void ReleaseRetired() override;
-  /// No work of this group's on a GPU: no op running or abandoned, no graph-mode program
-  /// armed or still draining. Takes mu_ (EngineHost::AllQuiescent, between rounds).
-  bool Quiescent();
   // A client-launched rank of a spanning group (DESIGN.md §5.5 "Client-launched"): its
   // mirror in its endpoint region, its requests from its command block, its answers there.
   absl::Status RankRegionReady(int32_t rank, RankResources& res, uint8_t* shm_data,
