@@ -3,7 +3,8 @@
 // inventory, the data plane (host or CUDA), the group registry, epd's own listener on the
 // unix socket (Control and grpc.health.v1) and the optional TCP listener (health only);
 // Shutdown() drains and releases everything. What health reports and when, and the order
-// of start and shutdown: docs/DEPLOYMENT.md §5 "Start, health and shutdown".
+// of start and shutdown: docs/DEPLOYMENT.md §5 "Start, health and shutdown". daemon.cc has
+// start-up and shutdown; daemon_ops.cc health, metrics, config reload and drain.
 #pragma once
 
 #include <atomic>
