@@ -699,6 +699,10 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
 }
 
 void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
+  // "off" turns a listener off in the file as on the command line (ApplyConfigFlags).
+  if (config->listen() == "off") config->clear_listen();
+  if (config->peer_listen() == "off") config->clear_peer_listen();
+  if (config->metrics_listen() == "off") config->clear_metrics_listen();
   if (config->socket_path().empty()) config->set_socket_path(kDefaultSocketPath);
   if (config->socket_mode().empty()) config->set_socket_mode(kDefaultSocketMode);
   if (config->backend() == v1::BACKEND_UNSPECIFIED) config->set_backend(v1::BACKEND_AUTO);

@@ -152,7 +152,8 @@ absl::StatusOr<v1::DaemonConfig> LoadDaemonConfigFile(const std::string& path);
 absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config);
 
 /// Replaces every absent field (proto3 default: "" or BACKEND_UNSPECIFIED; not set for the
-/// `optional` numbers) by its documented default. host_threads 0, a present
+/// `optional` numbers) by its documented default; a listen, peer_listen or metrics_listen
+/// of "off" becomes "" (off), as the flags take it. host_threads 0, a present
 /// engine_idle_us 0 (sleep at once) and empty socket_group/listen/gpu_uuids are meaningful
 /// and stay; a present op_timeout_ms or max_groups 0 stays for ValidateDaemonConfig to
 /// refuse. `transport` and `rdma.gpudirect` are lower-cased (any case is accepted, in the

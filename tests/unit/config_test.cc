@@ -308,6 +308,26 @@ TEST(ResolveDaemonConfigTest, ListenOffClearsTheFilesListener) {
   EXPECT_EQ(config->listen(), "");
 }
 
+// "off" in the config file turns a listener off exactly as the flag does (a reload reads
+// the file through the same code): it was refused as "not host:port".
+TEST(ResolveDaemonConfigTest, OffInTheFileTurnsAListenerOff) {
+  std::string path = WriteTempFile(
+      "metrics_listen: \"off\"\nlisten: \"off\"\npeer_listen: \"off\"\nbackend: BACKEND_HOST\n");
+  ConfigFlags flags;
+  flags.config_path = path;
+  absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(flags);
+  ::unlink(path.c_str());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->metrics_listen(), "");
+  EXPECT_EQ(config->listen(), "");
+  EXPECT_EQ(config->peer_listen(), "");
+  v1::DaemonConfig filled;
+  filled.set_metrics_listen("off");
+  FillDaemonConfigDefaults(&filled);
+  EXPECT_EQ(filled.metrics_listen(), "");
+  EXPECT_TRUE(ValidateDaemonConfig(filled).ok());
+}
+
 TEST(ResolveDaemonConfigTest, RealFlagsOverrideTheFile) {
   std::string path = WriteTempFile(kGoodConfig);
   ConfigFlags flags;

@@ -332,6 +332,23 @@ TEST_F(DaemonTest, ReloadReadsTheConfigSourceAgain) {
   EXPECT_EQ((*daemon)->ReloadConfig(std::nullopt).status().code(), absl::StatusCode::kUnavailable);
 }
 
+// metrics_listen "off" in a reloaded config stops the listener (as --metrics_listen=off).
+TEST_F(DaemonTest, ReloadWithMetricsListenOffStopsTheListener) {
+  v1::DaemonConfig start = Config();
+  start.set_metrics_listen("127.0.0.1:0");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(start, Options());
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  EXPECT_GT((*daemon)->metrics_port(), 0);
+  v1::DaemonConfig next = Config();
+  next.set_metrics_listen("off");
+  absl::StatusOr<v1::ReloadConfigResponse> reloaded = (*daemon)->ApplyConfig(next);
+  ASSERT_TRUE(reloaded.ok()) << reloaded.status();
+  EXPECT_THAT(reloaded->applied(), ::testing::ElementsAre("metrics_listen"));
+  EXPECT_EQ((*daemon)->metrics_port(), 0);
+  EXPECT_EQ((*daemon)->config().metrics_listen(), "");
+  (*daemon)->Shutdown();
+}
+
 TEST_F(DaemonTest, ReloadWithoutAConfigSourceIsRefused) {
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(Config(), Options());
   ASSERT_TRUE(daemon.ok()) << daemon.status();
