@@ -254,6 +254,9 @@ absl::Status Daemon::Init() {
   for (const std::string& warning : DaemonConfigWarnings(config_)) {
     GetLogger(kLogConfig)->warn("{}", warning);
   }
+  for (const ConfigFlagOverride& o : options_.flag_overrides) {
+    GetLogger(kLogConfig)->info("{}", ConfigFlagOverrideText(o));
+  }
   // Every connection, endpoint and doorbell holds a descriptor: take all the kernel allows.
   if (absl::StatusOr<FdLimitChange> fds = RaiseFdLimitToHard(); fds.ok()) {
     log->info(

@@ -299,7 +299,7 @@ void Daemon::CollectMetrics(metrics::SnapshotBuilder& out) const {
 
 absl::StatusOr<v1::ReloadConfigResponse> Daemon::ReloadConfig(
     const std::optional<PeerCredentials>& caller) {
-  absl::StatusOr<v1::DaemonConfig> next =
+  absl::StatusOr<ResolvedDaemonConfig> next =
       options_.config_source
           ? options_.config_source()
           : errors::WithReason(absl::FailedPreconditionError(
@@ -310,11 +310,12 @@ absl::StatusOr<v1::ReloadConfigResponse> Daemon::ReloadConfig(
     RecordReload(Asker(caller, "Control.ReloadConfig", "SIGHUP"), caller, next.status(), {});
     return next.status();
   }
-  return ApplyConfig(*std::move(next), caller);
+  return ApplyConfig(std::move(next->config), caller, next->overridden);
 }
 
 absl::StatusOr<v1::ReloadConfigResponse> Daemon::ApplyConfig(
-    v1::DaemonConfig next, const std::optional<PeerCredentials>& caller) {
+    v1::DaemonConfig next, const std::optional<PeerCredentials>& caller,
+    const std::vector<ConfigFlagOverride>& overridden) {
   const std::string asker = Asker(caller, "Control.ReloadConfig", "SIGHUP");
   auto fail = [&](const absl::Status& status) {
     RecordReload(asker, caller, status, {});
@@ -356,6 +357,12 @@ absl::StatusOr<v1::ReloadConfigResponse> Daemon::ApplyConfig(
     log->info("config reload: {} -> {}", ConfigFieldText(running, field),
               ConfigFieldText(next, field));
   }
+  for (const ConfigFlagOverride& o : overridden) {
+    log->warn(
+        "config reload: {} (the flag wins at a reload as at start-up: remove {} from epd's "
+        "command line and restart epd for the file to set {})",
+        ConfigFlagOverrideText(o), o.flag, o.field);
+  }
   {
     absl::MutexLock lock(&config_mu_);
     config_ = WithLiveFields(running, next);
@@ -364,6 +371,11 @@ absl::StatusOr<v1::ReloadConfigResponse> Daemon::ApplyConfig(
   response.set_result(diff.refused.empty() ? "ok" : "refused");
   for (const std::string& field : diff.live) response.add_applied(field);
   for (const std::string& field : diff.refused) response.add_refused(field);
+  for (const ConfigFlagOverride& o : overridden) {
+    v1::FlagOverride* out = response.add_overridden();
+    out->set_field(o.field);
+    out->set_flag(o.flag);
+  }
   RecordReload(asker, caller, absl::OkStatus(), response);
   return response;
 }
@@ -384,13 +396,27 @@ void Daemon::RecordReload(const std::string& trigger, const std::optional<PeerCr
     result = response.refused().empty() ? 0 : 1;
     const std::string applied =
         response.applied().empty() ? "nothing changed" : absl::StrJoin(response.applied(), ", ");
-    detail = absl::StrCat(trigger, ": applied: ", applied);
+    // The fields a flag holds: the file's value for them was not applied.
+    std::string overridden;
+    for (const v1::FlagOverride& o : response.overridden()) {
+      absl::StrAppend(&overridden, overridden.empty() ? "" : ", ", o.field(), ": set by ",
+                      o.flag());
+    }
+    if (!overridden.empty()) {
+      overridden = absl::StrCat(
+          "; overridden by the command line, the file's value is not "
+          "applied: ",
+          overridden);
+    }
+    detail = absl::StrCat(trigger, ": applied: ", applied, overridden);
     if (result == 1) {
       const std::string refused = absl::StrJoin(response.refused(), ", ");
       absl::StrAppend(&detail, "; refused (restart needed): ", refused);
       audited = absl::FailedPreconditionError(absl::StrCat("needs a restart: ", refused));
-      log->warn("config reload ({}): applied: {}; refused, needs a restart: {}", trigger, applied,
-                refused);
+      log->warn("config reload ({}): applied: {}{}; refused, needs a restart: {}", trigger, applied,
+                overridden, refused);
+    } else if (!overridden.empty()) {
+      log->warn("config reload ({}): applied: {}{}", trigger, applied, overridden);
     } else {
       log->info("config reload ({}): applied: {}", trigger, applied);
     }

@@ -234,6 +234,35 @@ TEST_F(ReloadDrainTest, ReloadStartsAScrapeableMetricsListenerAndStopsIt) {
   EXPECT_EQ(*epd_->Stop(), 0);
 }
 
+// A field the file sets that a flag of epd's sets too (here --op_timeout, which StartEpd
+// passes): the flag wins at start-up and at every reload, and both say so, naming the field
+// and the flag; a reload said nothing, so an edit of the file seemed ignored.
+TEST_F(ReloadDrainTest, AFlagOverridingTheFilesValueIsNamedAtStartAndAtReload) {
+  StartEpd("log_level: \"info\"\nop_timeout_ms: 5000\n");
+  EXPECT_THAT(epd_->Logs(),
+              HasSubstr("op_timeout_ms: set by --op_timeout on the command line (op_timeout_ms: "
+                        "10000); the config file's value (op_timeout_ms: 5000) is not applied"));
+  WriteConfig("log_level: \"info\"\nop_timeout_ms: 7000\n");
+  CommandResult r = Epctl({"reload"});
+  EXPECT_EQ(r.exit_code, 0) << r.stdout_text << r.stderr_text;
+  EXPECT_THAT(r.stdout_text,
+              HasSubstr("reload: ok\napplied: nothing changed\noverridden: op_timeout_ms: set by "
+                        "--op_timeout on epd's command line, the file's value is not applied\n"));
+  const std::string summary =
+      "applied: nothing changed; overridden by the command line, the file's value is not "
+      "applied: op_timeout_ms: set by --op_timeout";
+  WaitForLog(summary);
+  EXPECT_THAT(epd_->Logs(), HasSubstr("the config file's value (op_timeout_ms: 7000) is not "
+                                      "applied (the flag wins at a reload as at start-up"));
+  r = Epctl({"--json", "reload"});
+  EXPECT_THAT(r.stdout_text, HasSubstr("\"flag\": \"--op_timeout\""));
+  SighupAndWait();
+  WaitForLog(summary, 3);
+  EXPECT_EQ(Stats().effective_config().op_timeout_ms(), 10000u);
+  EXPECT_THAT(AuditText(), HasSubstr("overridden by the command line"));
+  EXPECT_EQ(*epd_->Stop(), 0);
+}
+
 TEST_F(ReloadDrainTest, DrainRefusesNewGroupsKeepsTheLiveOneAndUndrainRestores) {
   StartEpd("log_level: \"info\"\n", /*tcp=*/true);
   ClientOptions client_options;
