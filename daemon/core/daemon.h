@@ -182,9 +182,10 @@ class Daemon {
   /// effect; every other one that differs is refused by name (one warning each: it needs a
   /// restart) and keeps its running value. Result "ok" or "refused"
   /// (ReloadConfigResponse). Errors, with nothing applied: INVALID_ARGUMENT for an invalid
-  /// `next` (naming the field), UNAVAILABLE when the new metrics_listen cannot be bound
-  /// (the old listener keeps serving) or epd is shutting down. Each call is logged, written
-  /// to the audit log (config_reload) and counted in epd_config_reloads_total{result}.
+  /// `next` (naming the field), UNAVAILABLE with reason CONFIG_INVALID when the new
+  /// metrics_listen cannot be bound (the old listener keeps serving) or epd is shutting down. Each
+  /// call is logged, written to the audit log (config_reload) and counted in
+  /// epd_config_reloads_total{result}.
   absl::StatusOr<v1::ReloadConfigResponse> ApplyConfig(
       v1::DaemonConfig next, const std::optional<PeerCredentials>& caller = std::nullopt,
       const std::vector<ConfigFlagOverride>& overridden = {});

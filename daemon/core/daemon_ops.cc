@@ -345,7 +345,15 @@ absl::StatusOr<v1::ReloadConfigResponse> Daemon::ApplyConfig(
   if (running.metrics_listen() != next.metrics_listen()) {
     if (absl::Status moved = MoveMetricsListener(running.metrics_listen(), next.metrics_listen());
         !moved.ok()) {
-      return fail(moved);
+      // The daemon's error, with its reason: the address is the config's to fix (`epctl
+      // reload` shows it as such, not as a daemon that does not answer).
+      return fail(errors::WithDefaultReason(
+          absl::Status(moved.code(),
+                       absl::StrCat(moved.message(),
+                                    "; the reload changed nothing (choose a free "
+                                    "metrics_listen address of this host, or stop what holds "
+                                    "it, then reload again)")),
+          errors::Reason::kConfigInvalid));
     }
   }
   registry_->SetQuotas({next.max_groups(), next.max_groups_per_uid(), next.max_endpoints_per_uid(),
