@@ -72,11 +72,16 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 
 absl::Status AnnotateUnavailable(const absl::Status& status, const std::string& target) {
   if (status.code() != absl::StatusCode::kUnavailable) return status;
-  // The daemon's own reason (e.g. DAEMON_DRAINING) is kept.
+  // An UNAVAILABLE epd answered with (any reason but DAEMON_UNAVAILABLE, which only gRPC's
+  // own failures get: FromGrpcStatus): the daemon's error, as it is (e.g. DAEMON_DRAINING,
+  // or a reload's metrics_listen that cannot be bound).
+  if (errors::HasReason(status) && errors::ReasonOf(status) != errors::Reason::kDaemonUnavailable) {
+    return status;
+  }
   return errors::WithReason(
       absl::UnavailableError(absl::StrCat("no epd daemon answers on ", target, ": ",
                                           status.message(), " (is epd running?)")),
-      errors::HasReason(status) ? errors::ReasonOf(status) : errors::Reason::kDaemonUnavailable);
+      errors::Reason::kDaemonUnavailable);
 }
 
 absl::Status ExplainControlError(const absl::Status& status, const std::string& target) {

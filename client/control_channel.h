@@ -27,7 +27,10 @@ std::shared_ptr<grpc::Channel> MakeControlChannel(const std::string& target);
 /// (common/errors/grpc_status.h); gRPC's own UNAVAILABLE gets DAEMON_UNAVAILABLE.
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
-/// Adds "; is epd running? (no daemon answers on <target>)" context to UNAVAILABLE errors.
+/// Adds "no epd daemon answers on <target>: ... (is epd running?)" context to an UNAVAILABLE
+/// error of gRPC's own (no reason, or DAEMON_UNAVAILABLE); an UNAVAILABLE the daemon
+/// answered with (any other reason: DAEMON_DRAINING, CONFIG_INVALID, ...) is returned as
+/// it is.
 absl::Status AnnotateUnavailable(const absl::Status& status, const std::string& target);
 
 /// An error of a Control RPC on `target`, explained: UNIMPLEMENTED (an epd TCP listener,

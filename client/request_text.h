@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "common/client_text.h"
 
 namespace epd::internal {
 
@@ -20,9 +21,9 @@ inline constexpr size_t kMaxPeerAddressBytes = 255;
 /// Longest join secret, in bytes (docs/SECURITY.md "Groups, owners, secrets, quotas").
 inline constexpr size_t kMaxJoinSecretBytes = 256;
 
-/// The length of the longest prefix of `text` that is well-formed UTF-8 (no overlong forms,
-/// surrogates or code points past U+10FFFF): text.size() when all of it is.
-size_t ValidUtf8Prefix(absl::string_view text);
+/// The length of the longest prefix of `text` that is well-formed UTF-8 (common/client_text.h,
+/// shared with the daemon's checks).
+using ::epd::ValidUtf8Prefix;
 
 /// INVALID_ARGUMENT naming `field` (and the text, escaped) unless `text` is UTF-8 with no NUL
 /// byte and at most `max_bytes` bytes long.

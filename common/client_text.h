@@ -24,4 +24,13 @@ inline constexpr size_t kMaxEchoedClientBytes = 128;
 /// message that names a client string not yet validated goes through this.
 std::string EscapeClientText(absl::string_view text, size_t max_bytes = kMaxEchoedClientBytes);
 
+/// The length of the well-formed UTF-8 sequence at the start of `text` (non-empty), or 0
+/// when it starts with a byte that does not begin one (no overlong forms, surrogates or
+/// code points past U+10FFFF).
+size_t Utf8SequenceLength(absl::string_view text);
+
+/// The length of the longest prefix of `text` that is well-formed UTF-8 (as
+/// Utf8SequenceLength): text.size() when all of it is.
+size_t ValidUtf8Prefix(absl::string_view text);
+
 }  // namespace epd

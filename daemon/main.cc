@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/parse.h"
@@ -68,7 +69,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const epd::ConfigFlags flags = epd::ConfigFlagsFromCommandLine();
-  absl::StatusOr<epd::v1::DaemonConfig> config = epd::ResolveDaemonConfig(flags);
+  absl::StatusOr<epd::ResolvedDaemonConfig> config = epd::ResolveDaemonConfigWithOverrides(flags);
   if (!config.ok()) {
     std::fprintf(stderr, "epd: bad configuration: %s\n",
                  epd::errors::StatusText(config.status()).c_str());
@@ -133,9 +134,11 @@ int main(int argc, char** argv) {
   }).detach();
 
   epd::DaemonOptions options;
-  options.backend_source = epd::BackendSource(*config, flags);
-  options.config_source = [flags] { return epd::ResolveDaemonConfig(flags); };
-  absl::StatusOr<std::unique_ptr<epd::Daemon>> daemon = epd::Daemon::Start(*config, options);
+  options.backend_source = epd::BackendSource(config->config, flags);
+  options.flag_overrides = config->overridden;
+  options.config_source = [flags] { return epd::ResolveDaemonConfigWithOverrides(flags); };
+  absl::StatusOr<std::unique_ptr<epd::Daemon>> daemon =
+      epd::Daemon::Start(std::move(config->config), options);
   if (!daemon.ok()) {
     // Start logged the reason, unless the log level hides errors (off, critical): then
     // stderr gets it, so that a failed start is never silent.

@@ -3,10 +3,16 @@
 // and prints them. Exit 1 when any check fails.
 #include "client/epctl/doctor_command.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <set>
+#include <string>
+#include <utility>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/control_channel.h"
@@ -41,7 +47,55 @@ std::vector<CheckResult> DaemonDown(const std::string& why) {
            "to check the node without it"}};
 }
 
+/// Refuses a bad doctor argument: prints "epctl: <message>" on stderr, returns 2.
+int Refuse(const std::string& message) {
+  std::fprintf(stderr, "epctl: %s\n", message.c_str());
+  return 2;
+}
+
 }  // namespace
+
+int CheckDoctorArguments(absl::string_view command, const std::set<std::string>& given) {
+  const auto is_given = [&given](const char* name) { return given.count(name) > 0; };
+  constexpr const char* kDoctorFlags[] = {"standalone", "peers", "peer_timeout", "daemon_config",
+                                          "sysfs_root"};
+  if (command != "doctor") {
+    for (const char* name : kDoctorFlags) {
+      if (is_given(name)) {
+        return Refuse(absl::StrCat("--", name, " is an option of `epctl doctor`, not of `epctl ",
+                                   command, "` (epctl --help)"));
+      }
+    }
+    return -1;
+  }
+  if (is_given("daemon_config") && !absl::GetFlag(FLAGS_standalone)) {
+    return Refuse(
+        "--daemon_config is read only with --standalone (a running epd reports its own "
+        "configuration): add --standalone, or leave --daemon_config out");
+  }
+  if (const absl::Duration t = absl::GetFlag(FLAGS_peer_timeout);
+      t <= absl::ZeroDuration() || t > absl::Minutes(1)) {
+    return Refuse(absl::StrCat("--peer_timeout=", absl::FormatDuration(t),
+                               " must be more than 0 and at most 1m (e.g. 1s or 500ms)"));
+  }
+  const std::string peers = absl::GetFlag(FLAGS_peers);
+  if (is_given("peers") && absl::StripAsciiWhitespace(peers).empty()) {
+    return Refuse("--peers is empty; give host:port,host:port or leave it out");
+  }
+  for (absl::string_view peer : absl::StrSplit(peers, ',', absl::SkipWhitespace())) {
+    absl::StatusOr<std::pair<std::string, std::string>> hp =
+        SplitHostPort(std::string(absl::StripAsciiWhitespace(peer)));
+    if (!hp.ok()) return Refuse(absl::StrCat("--peers: ", hp.status().message()));
+  }
+  const std::string sysfs = absl::GetFlag(FLAGS_sysfs_root);
+  struct stat st {};
+  if (sysfs.empty() || ::stat(sysfs.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return Refuse(absl::StrCat("--sysfs_root=", sysfs,
+                               " is not a directory (sysfs: /sys, or where a container mounts "
+                               "the host's, e.g. /host/sys)"));
+  }
+  return -1;
+}
 
 int RunDoctor(const std::string& target, bool json, absl::Duration timeout) {
   NodePaths paths;

@@ -248,6 +248,10 @@ std::string FormatReload(const v1::ReloadConfigResponse& r) {
     absl::StrAppend(&out, "refused (restart epd to apply): ", absl::StrJoin(r.refused(), ", "),
                     "\n");
   }
+  for (const v1::FlagOverride& o : r.overridden()) {
+    absl::StrAppend(&out, "overridden: ", o.field(), ": set by ", o.flag(),
+                    " on epd's command line, the file's value is not applied\n");
+  }
   return out;
 }
 

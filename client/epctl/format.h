@@ -51,7 +51,8 @@ std::string FormatConfig(const v1::DaemonConfig& config);
 
 /// `epctl drain` / `undrain`: the state now and what it means.
 std::string FormatDrain(const v1::DrainResponse& response);
-/// `epctl reload`: the result, the fields applied and those that need a restart.
+/// `epctl reload`: the result, the fields applied, those that need a restart and those a
+/// flag of epd's overrides (the file's value not applied), one line each.
 std::string FormatReload(const v1::ReloadConfigResponse& response);
 
 /// "1000 (alice)": a uid and its user name on this machine, or the uid alone.

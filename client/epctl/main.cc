@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <limits>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -102,8 +103,9 @@ void PrintHelp() {
 /// Looks at the flags before absl::ParseCommandLine does, because absl exits with code 1
 /// both for --help and for a flag it cannot parse. Returns the exit code when epctl must
 /// exit now (0 after --help; 2 for an unknown flag or a bad value, with a message naming
-/// the flag and what a value looks like), or -1 to go on.
-int CheckFlags(int argc, char** argv) {
+/// the flag and what a value looks like), or -1 to go on. The names of the flags given go
+/// into `given`.
+int CheckFlags(int argc, char** argv, std::set<std::string>* given) {
   for (int i = 1; i < argc; ++i) {
     absl::string_view arg = argv[i];
     if (arg == "--") break;
@@ -127,13 +129,17 @@ int CheckFlags(int argc, char** argv) {
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     if (flag == nullptr && absl::StartsWith(name, "no") && !has_value) {
       absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name.substr(2));
-      if (negated != nullptr && negated->IsOfType<bool>()) continue;  // --nojson
+      if (negated != nullptr && negated->IsOfType<bool>()) {  // --nojson
+        given->insert(std::string(negated->Name()));
+        continue;
+      }
     }
     if (flag == nullptr || flag->IsRetired()) {
       std::fprintf(stderr, "epctl: unknown flag --%s (epctl --help lists the flags)\n",
                    std::string(name).c_str());
       return 2;
     }
+    given->insert(std::string(flag->Name()));
     if (flag->IsOfType<bool>() && !has_value) continue;  // --json
     if (!has_value) {
       if (i + 1 >= argc) {
@@ -199,9 +205,13 @@ int main(int argc, char** argv) {
     return std::string(at == absl::string_view::npos ? file : file.substr(at));
   };
   absl::SetFlagsUsageConfig(usage);
-  if (const int exit_code = CheckFlags(argc, argv); exit_code >= 0) return exit_code;
+  std::set<std::string> given;  // The flags the command line names.
+  if (const int exit_code = CheckFlags(argc, argv, &given); exit_code >= 0) return exit_code;
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() >= 2 && absl::string_view(args[1]) == "explain") {
+    if (const int exit_code = epd::epctl::CheckDoctorArguments("explain", given); exit_code >= 0) {
+      return exit_code;
+    }
     const bool list = absl::GetFlag(FLAGS_list);
     if (args.size() != (list ? 2u : 3u)) {
       std::fprintf(stderr, "epctl: explain takes one reason (EPD-2003 or its name) or --list\n");
@@ -230,6 +240,9 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_socket).empty()) {
     std::fprintf(stderr, "epctl: --socket is empty; give epd's socket path or host:port\n");
     return 2;
+  }
+  if (const int exit_code = epd::epctl::CheckDoctorArguments(command, given); exit_code >= 0) {
+    return exit_code;
   }
   const std::string target = epd::internal::ChannelTarget(absl::GetFlag(FLAGS_socket));
   if (command == "doctor") return epd::epctl::RunDoctor(target, json, absl::GetFlag(FLAGS_timeout));

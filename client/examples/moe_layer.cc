@@ -31,6 +31,9 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+// StatusText: "CODE: message [EPD-4004 QUOTA_EXCEEDED]", not absl's ToString, which
+// appends the reason payload's raw bytes.
+#include "common/errors/reason.h"
 #include "epd/client.h"
 #include "epd/kernels/types.h"
 
@@ -187,7 +190,7 @@ int RunRank(int rank) {
   auto client = epd::Client::Connect(copt);
   if (!client.ok()) {
     std::fprintf(stderr, "rank %d: connect: %s\n", rank,
-                 std::string(client.status().message()).c_str());
+                 epd::errors::StatusText(client.status()).c_str());
     return 2;
   }
   epd::JoinOptions jopt;
@@ -215,7 +218,8 @@ int RunRank(int rank) {
   }
   auto ep_or = (*client)->Join(jopt);
   if (!ep_or.ok()) {
-    std::fprintf(stderr, "rank %d: join: %s\n", rank, ep_or.status().ToString().c_str());
+    std::fprintf(stderr, "rank %d: join: %s\n", rank,
+                 epd::errors::StatusText(ep_or.status()).c_str());
     return 2;
   }
   epd::Endpoint& ep = **ep_or;
@@ -223,7 +227,7 @@ int RunRank(int rank) {
   double tol = absl::GetFlag(FLAGS_tolerance);
   double worst_normal = 0, worst_ll = 0;
   auto fail = [&](const char* what, const absl::Status& st) {
-    std::fprintf(stderr, "rank %d: %s: %s\n", rank, what, st.ToString().c_str());
+    std::fprintf(stderr, "rank %d: %s: %s\n", rank, what, epd::errors::StatusText(st).c_str());
     return 1;
   };
   const auto start = std::chrono::steady_clock::now();

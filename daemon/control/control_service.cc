@@ -3,9 +3,11 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "common/client_text.h"
 #include "common/errors/grpc_status.h"
 #include "common/errors/reason.h"
 #include "common/status_macros.h"
@@ -58,6 +60,35 @@ void SetVersions(v1::SessionResponse* response) {
   }
 }
 
+/// INVALID_ARGUMENT (REQUEST_MALFORMED): a Session stream that ended before its first
+/// SessionRequest, or whose first message did not parse.
+absl::Status NoSessionRequest() {
+  return errors::WithReason(
+      absl::InvalidArgumentError(
+          "Session: the stream ended before a SessionRequest epd could read (none was sent, "
+          "or it is not an epd.v1.SessionRequest); no session was opened"),
+      errors::Reason::kRequestMalformed);
+}
+
+/// INVALID_ARGUMENT (REQUEST_MALFORMED) naming the field when a SessionRequest's
+/// client_name or client_version is not UTF-8 (they are `bytes` on the wire so that such a
+/// message still parses and gets this answer); the text is echoed escaped and cut.
+absl::Status CheckSessionText(const v1::SessionRequest& request) {
+  for (const auto& [field, text, shown] :
+       {std::tuple<const char*, const std::string*, size_t>{"client_name", &request.client_name(),
+                                                            kMaxEchoedClientBytes},
+        {"client_version", &request.client_version(), kMaxEchoedVersionBytes}}) {
+    if (const size_t valid = ValidUtf8Prefix(*text); valid != text->size()) {
+      return errors::WithReason(
+          absl::InvalidArgumentError(
+              absl::StrCat("SessionRequest.", field, ": \"", EscapeClientText(*text, shown),
+                           "\" is not valid UTF-8 (at byte ", valid, "); send UTF-8 text")),
+          errors::Reason::kRequestMalformed);
+    }
+  }
+  return absl::OkStatus();
+}
+
 /// The caller of an operator action `what` (Drain, ReloadConfig) when it may act as the
 /// daemon's operator (GroupRegistry::IsOperator) and the action is `served`: else
 /// UNAUTHENTICATED (Caller), PERMISSION_DENIED naming the action and the uid (audited as
@@ -105,7 +136,11 @@ class ControlService::SessionReactor
     absl::MutexLock lock(&mu_);
     if (finished_) return;
     if (!ok) {
-      EndLocked("stream closed by the client", grpc::Status::OK);
+      // Before the first message: the client ended the stream without one, or its message
+      // did not parse (gRPC gives a parse failure as the stream's end, which must not read
+      // as an OK session).
+      EndLocked("stream closed by the client",
+                session_id_.empty() ? ToGrpcStatus(NoSessionRequest()) : grpc::Status::OK);
       return;
     }
     if (session_id_.empty()) {
@@ -122,9 +157,12 @@ class ControlService::SessionReactor
                 "pid; epd uses the kernel's",
                 DescribeCredentials(peer), peer_);
       }
-      if (absl::Status version = CheckClientVersion(request_.client_version()); !version.ok()) {
-        // The message names the client's version escaped and cut (CheckClientVersion); a
-        // client reconnecting in a loop spends its uid's budget, not the log.
+      absl::Status version = CheckSessionText(request_);
+      if (version.ok()) version = CheckClientVersion(request_.client_version());
+      if (!version.ok()) {
+        // The message names the client's text escaped and cut (CheckSessionText,
+        // CheckClientVersion); a client reconnecting in a loop spends its uid's budget, not
+        // the log.
         LogLimited(*GetLogger(kLogControl), spdlog::level::info,
                    *service_->registry_->ControlLogBudget(peer.uid), "its refused sessions",
                    "Session from {} ({}) refused: {}", DescribeCredentials(peer), peer_,

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/marshalling.h"
@@ -22,10 +23,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "common/errors/reason.h"
 #include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
 #include "daemon/control/spec_validation.h"
+#include "daemon/core/config_reload.h"
 #include "daemon/core/logging.h"
 #include "daemon/transport/fault/fault_transport.h"
 #include "google/protobuf/io/tokenizer.h"
@@ -699,6 +702,10 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
 }
 
 void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
+  // "off" turns a listener off in the file as on the command line (ApplyConfigFlags).
+  if (config->listen() == "off") config->clear_listen();
+  if (config->peer_listen() == "off") config->clear_peer_listen();
+  if (config->metrics_listen() == "off") config->clear_metrics_listen();
   if (config->socket_path().empty()) config->set_socket_path(kDefaultSocketPath);
   if (config->socket_mode().empty()) config->set_socket_mode(kDefaultSocketMode);
   if (config->backend() == v1::BACKEND_UNSPECIFIED) config->set_backend(v1::BACKEND_AUTO);
@@ -947,14 +954,49 @@ std::vector<std::string> DaemonConfigWarnings(const v1::DaemonConfig& config) {
 }
 
 absl::StatusOr<v1::DaemonConfig> ResolveDaemonConfig(const ConfigFlags& flags) {
-  v1::DaemonConfig config;
+  EPD_ASSIGN_OR_RETURN(ResolvedDaemonConfig resolved, ResolveDaemonConfigWithOverrides(flags));
+  return std::move(resolved.config);
+}
+
+absl::StatusOr<ResolvedDaemonConfig> ResolveDaemonConfigWithOverrides(const ConfigFlags& flags) {
+  v1::DaemonConfig file;
   if (flags.config_path && !flags.config_path->empty()) {
-    EPD_ASSIGN_OR_RETURN(config, LoadDaemonConfigFile(*flags.config_path));
+    EPD_ASSIGN_OR_RETURN(file, LoadDaemonConfigFile(*flags.config_path));
   }
-  EPD_RETURN_IF_ERROR(ApplyConfigFlags(flags, &config));
-  FillDaemonConfigDefaults(&config);
-  EPD_RETURN_IF_ERROR(ValidateDaemonConfig(config));
-  return config;
+  ResolvedDaemonConfig resolved;
+  resolved.config = file;
+  EPD_RETURN_IF_ERROR(ApplyConfigFlags(flags, &resolved.config));
+  FillDaemonConfigDefaults(&resolved.config);
+  EPD_RETURN_IF_ERROR(ValidateDaemonConfig(resolved.config));
+  // The fields the file sets whose value the flags replaced. Both sides filled, so that
+  // equal values spelt differently ("off" and "", "TCP" and "tcp") are not an override.
+  const std::vector<std::string> set_by_file = DifferingConfigFields(v1::DaemonConfig(), file);
+  v1::DaemonConfig file_filled = file;
+  FillDaemonConfigDefaults(&file_filled);
+  for (std::string& field : DifferingConfigFields(file_filled, resolved.config)) {
+    if (std::find(set_by_file.begin(), set_by_file.end(), field) == set_by_file.end()) continue;
+    ConfigFlagOverride override_;
+    override_.flag = FlagOfConfigField(field);
+    override_.file_value = ConfigFieldText(file_filled, field);
+    override_.value = ConfigFieldText(resolved.config, field);
+    override_.field = std::move(field);
+    resolved.overridden.push_back(std::move(override_));
+  }
+  return resolved;
+}
+
+std::string FlagOfConfigField(absl::string_view field) {
+  if (field == "socket_path") return "--socket";
+  if (field == "op_timeout_ms") return "--op_timeout";
+  absl::string_view rdma = field;
+  if (absl::ConsumePrefix(&rdma, "rdma.")) return absl::StrCat("--rdma_", rdma);
+  return absl::StrCat("--", field);
+}
+
+std::string ConfigFlagOverrideText(const ConfigFlagOverride& override_) {
+  return absl::StrCat(override_.field, ": set by ", override_.flag, " on the command line (",
+                      override_.value, "); the config file's value (", override_.file_value,
+                      ") is not applied");
 }
 
 absl::StatusOr<uint32_t> ParseFileMode(absl::string_view field, absl::string_view value) {

@@ -152,7 +152,8 @@ absl::StatusOr<v1::DaemonConfig> LoadDaemonConfigFile(const std::string& path);
 absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config);
 
 /// Replaces every absent field (proto3 default: "" or BACKEND_UNSPECIFIED; not set for the
-/// `optional` numbers) by its documented default. host_threads 0, a present
+/// `optional` numbers) by its documented default; a listen, peer_listen or metrics_listen
+/// of "off" becomes "" (off), as the flags take it. host_threads 0, a present
 /// engine_idle_us 0 (sleep at once) and empty socket_group/listen/gpu_uuids are meaningful
 /// and stay; a present op_timeout_ms or max_groups 0 stays for ValidateDaemonConfig to
 /// refuse. `transport` and `rdma.gpudirect` are lower-cased (any case is accepted, in the
@@ -182,6 +183,37 @@ absl::StatusOr<std::string> ReadPemFile(absl::string_view field, const std::stri
 
 /// The effective config: --config file (if given), then flags, then defaults, validated.
 absl::StatusOr<v1::DaemonConfig> ResolveDaemonConfig(const ConfigFlags& flags);
+
+/// A field the --config file sets to another value than a command-line flag gives it: the
+/// flag wins (at start-up and at every reload), the file's value is not applied.
+struct ConfigFlagOverride {
+  std::string field;       ///< As ConfigDiff names it: "log_level", "rdma.qps_per_peer".
+  std::string flag;        ///< The flag that sets it: "--log_level".
+  std::string file_value;  ///< The file's, ConfigFieldText: `log_level: "debug"`.
+  std::string value;       ///< The one in effect (the flag's), the same way.
+};
+
+/// ResolveDaemonConfig's config, and the fields whose flag overrides the file's value (in
+/// config.proto's field order; none without a --config file). Values are compared after
+/// FillDaemonConfigDefaults, so a flag giving the file's own value (or "off" for "") is no
+/// override.
+struct ResolvedDaemonConfig {
+  v1::DaemonConfig config;
+  std::vector<ConfigFlagOverride> overridden;
+};
+
+/// ResolveDaemonConfig, with the fields a flag overrides the file for. Errors as
+/// ResolveDaemonConfig.
+absl::StatusOr<ResolvedDaemonConfig> ResolveDaemonConfigWithOverrides(const ConfigFlags& flags);
+
+/// The command-line flag that sets DaemonConfig field `field` (a ConfigDiff name):
+/// "--socket" for socket_path, "--op_timeout" for op_timeout_ms, "--rdma_devices" for
+/// rdma.devices, else "--" and the field's name ("--log_level").
+std::string FlagOfConfigField(absl::string_view field);
+
+/// "log_level: set by --log_level on the command line (log_level: \"info\"); the config
+/// file's value (log_level: \"debug\") is not applied": for log lines.
+std::string ConfigFlagOverrideText(const ConfigFlagOverride& override_);
 
 /// Parses an octal file mode ("0660", "660", "0o660" is rejected) into its bits (<= 07777).
 /// INVALID_ARGUMENT naming `field` and the value otherwise.

@@ -75,11 +75,16 @@ bool IsLiveConfigField(absl::string_view field) {
                      [field](const char* live) { return field == live; });
 }
 
-ConfigDiff DiffDaemonConfig(const v1::DaemonConfig& running, const v1::DaemonConfig& next) {
+std::vector<std::string> DifferingConfigFields(const v1::DaemonConfig& a,
+                                               const v1::DaemonConfig& b) {
   std::vector<std::string> changed;
-  DiffFields(running, next, "", &changed);
+  DiffFields(a, b, "", &changed);
+  return changed;
+}
+
+ConfigDiff DiffDaemonConfig(const v1::DaemonConfig& running, const v1::DaemonConfig& next) {
   ConfigDiff diff;
-  for (std::string& name : changed) {
+  for (std::string& name : DifferingConfigFields(running, next)) {
     (IsLiveConfigField(name) ? diff.live : diff.refused).push_back(std::move(name));
   }
   return diff;

@@ -30,6 +30,11 @@ struct ConfigDiff {
   bool empty() const { return live.empty() && refused.empty(); }
 };
 
+/// The names (as ConfigDiff lists them) of the fields that differ between `a` and `b`, live
+/// or not, in config.proto's field order; compared as DiffDaemonConfig compares.
+std::vector<std::string> DifferingConfigFields(const v1::DaemonConfig& a,
+                                               const v1::DaemonConfig& b);
+
 /// Compares `running` with `next` (both filled by ResolveDaemonConfig), field by field
 /// through the proto's descriptor: a field present in one and absent in the other differs;
 /// repeated fields differ when any element or the count does.

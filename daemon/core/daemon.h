@@ -3,7 +3,8 @@
 // inventory, the data plane (host or CUDA), the group registry, epd's own listener on the
 // unix socket (Control and grpc.health.v1) and the optional TCP listener (health only);
 // Shutdown() drains and releases everything. What health reports and when, and the order
-// of start and shutdown: docs/DEPLOYMENT.md §5 "Start, health and shutdown".
+// of start and shutdown: docs/DEPLOYMENT.md §5 "Start, health and shutdown". daemon.cc has
+// start-up and shutdown; daemon_ops.cc health, metrics, config reload and drain.
 #pragma once
 
 #include <atomic>
@@ -13,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -21,6 +23,7 @@
 #include "absl/time/time.h"
 #include "common/os/shm_region.h"
 #include "common/version.h"
+#include "daemon/core/config.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/gpu/gpu_inventory.h"
 #include "daemon/metrics/metrics.h"
@@ -118,9 +121,13 @@ struct DaemonOptions {
   /// them).
   std::optional<transport::PreflightFacts> preflight_facts;
   /// Reads the configuration again for a reload (SIGHUP, Control.ReloadConfig): main.cc
-  /// resolves the same --config file and command line (ResolveDaemonConfig). Null = this
-  /// daemon has nothing to re-read (ReloadConfig answers FAILED_PRECONDITION).
-  std::function<absl::StatusOr<v1::DaemonConfig>()> config_source;
+  /// resolves the same --config file and command line (ResolveDaemonConfigWithOverrides),
+  /// with the fields a flag overrides the file for. Null = this daemon has nothing to
+  /// re-read (ReloadConfig answers FAILED_PRECONDITION).
+  std::function<absl::StatusOr<ResolvedDaemonConfig>()> config_source;
+  /// The fields of the config started with whose command-line flag overrides the --config
+  /// file's value (ResolvedDaemonConfig::overridden): each is logged at start-up.
+  std::vector<ConfigFlagOverride> flag_overrides;
 };
 
 class Daemon {
@@ -167,16 +174,21 @@ class Daemon {
   absl::StatusOr<v1::ReloadConfigResponse> ReloadConfig(
       const std::optional<PeerCredentials>& caller);
   /// Applies `next` (completed with FillDaemonConfigDefaults and validated first) as a
-  /// reload: every field that differs from the running config and is live
+  /// reload; `overridden` are the fields whose flag overrode the file's value in `next`
+  /// (ReloadConfig's source says), each logged at warning level and named in the response
+  /// (ReloadConfigResponse.overridden) and the reload's log line. Every field that differs
+  /// from the running config and is live
   /// (config_reload.h LiveConfigFields: log_level, the quotas, metrics_listen) takes
   /// effect; every other one that differs is refused by name (one warning each: it needs a
   /// restart) and keeps its running value. Result "ok" or "refused"
   /// (ReloadConfigResponse). Errors, with nothing applied: INVALID_ARGUMENT for an invalid
-  /// `next` (naming the field), UNAVAILABLE when the new metrics_listen cannot be bound
-  /// (the old listener keeps serving) or epd is shutting down. Each call is logged, written
-  /// to the audit log (config_reload) and counted in epd_config_reloads_total{result}.
+  /// `next` (naming the field), UNAVAILABLE with reason CONFIG_INVALID when the new
+  /// metrics_listen cannot be bound (the old listener keeps serving) or epd is shutting down. Each
+  /// call is logged, written to the audit log (config_reload) and counted in
+  /// epd_config_reloads_total{result}.
   absl::StatusOr<v1::ReloadConfigResponse> ApplyConfig(
-      v1::DaemonConfig next, const std::optional<PeerCredentials>& caller = std::nullopt);
+      v1::DaemonConfig next, const std::optional<PeerCredentials>& caller = std::nullopt,
+      const std::vector<ConfigFlagOverride>& overridden = {});
 
   /// The operator's drain (Control.Drain by `caller`; `epctl drain`/`undrain`): while
   /// drained, a join that would create a group is refused (DAEMON_DRAINED), live groups

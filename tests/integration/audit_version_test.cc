@@ -29,6 +29,7 @@
 namespace epd {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -203,6 +204,57 @@ TEST_F(AuditVersionTest, AClientOfAnIncompatibleVersionIsRefusedNamingBothVersio
   ClientOptions options;
   options.socket_path = epd_->socket_path();
   EXPECT_TRUE(Client::Connect(options).ok());
+}
+
+// A SessionRequest whose client_version or client_name is not UTF-8 is refused with
+// INVALID_ARGUMENT naming the field, its bytes escaped (as a `string` it failed to parse,
+// which ended the stream OK with no session); a stream closed before its first message is
+// INVALID_ARGUMENT too, not an OK end.
+TEST_F(AuditVersionTest, ASessionRequestThatIsNotUtf8IsRefusedNamingTheField) {
+  auto stub = v1::Control::NewStub(
+      grpc::CreateChannel(epd_->unix_target(), grpc::InsecureChannelCredentials()));
+  auto open = [&](const std::string& name, const std::string& version, bool send) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    auto stream = stub->Session(&context);
+    if (send) {
+      v1::SessionRequest hello;
+      hello.set_client_pid(::getpid());
+      hello.set_client_name(name);
+      hello.set_client_version(version);
+      stream->Write(hello);
+    }
+    stream->WritesDone();
+    v1::SessionResponse response;
+    EXPECT_FALSE(stream->Read(&response)) << "a session was opened: " << response.session_id();
+    return stream->Finish();
+  };
+  grpc::Status status = open("utf8", absl::StrCat(kEpdVersion, "\xff"), true);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(),
+              AllOf(HasSubstr("SessionRequest.client_version"),
+                    HasSubstr(absl::StrCat(kEpdVersion, "\\xff")), HasSubstr("not valid UTF-8")));
+  status = open("bad \xc3(", kEpdVersion, true);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(),
+              AllOf(HasSubstr("SessionRequest.client_name"), HasSubstr("bad \\xc3(")));
+  status = open("", "", false);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("ended before a SessionRequest"));
+  EXPECT_EQ(Find("session_open", "INVALID_ARGUMENT").size(), 2u) << Text();
+  // Valid UTF-8 (not ASCII) is served.
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  auto stream = stub->Session(&context);
+  v1::SessionRequest hello;
+  hello.set_client_name("r\xc3\xa9sum\xc3\xa9");
+  hello.set_client_version(kEpdVersion);
+  ASSERT_TRUE(stream->Write(hello));
+  v1::SessionResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.event(), "open");
+  context.TryCancel();
+  stream->Finish().IgnoreError();
 }
 
 // A hostile client_version (64 KiB, with a newline and a forged line) from a client that

@@ -786,6 +786,38 @@ TEST(EpctlFlagsTest, HelpIsZeroAndBadFlagsAreUsageErrors) {
   }
 }
 
+// `epctl doctor`'s own arguments: a doctor flag given to another command, --daemon_config
+// without --standalone, a --peer_timeout that is not positive, a --peers entry that is not
+// host:port and a --sysfs_root that is no directory are usage errors (2) naming the flag,
+// before anything runs (they were taken silently).
+TEST(EpctlFlagsTest, DoctorRefusesBadArguments) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"status", "--standalone"},
+       "--standalone is an option of `epctl doctor`, not of `epctl status`"},
+      {{"reload", "--peers=10.0.0.2:7100"}, "--peers is an option of `epctl doctor`"},
+      {{"explain", "--list", "--sysfs_root=/sys"}, "--sysfs_root is an option of `epctl doctor`"},
+      {{"doctor", "--daemon_config=/etc/epd/epd.textproto"},
+       "--daemon_config is read only with --standalone"},
+      {{"doctor", "--peer_timeout=0s"}, "--peer_timeout=0 must be more than 0"},
+      {{"doctor", "--peer_timeout=-1s"}, "--peer_timeout=-1s must be more than 0"},
+      {{"doctor", "--peers=10.0.0.2"}, "--peers: peer address \"10.0.0.2\" is not host:port"},
+      {{"doctor", "--peers=10.0.0.2:7100,node3:0"}, "--peers: peer address \"node3:0\""},
+      {{"doctor", "--peers="}, "--peers is empty"},
+      {{"doctor", "--standalone", "--sysfs_root=/nonexistent-sysfs"},
+       "--sysfs_root=/nonexistent-sysfs is not a directory"},
+  };
+  for (const auto& [args, message] : cases) {
+    std::vector<std::string> argv = {EpctlBinary(), "--socket=/tmp/epd-no-daemon-here.sock"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    absl::StatusOr<CommandResult> result = RunCommand(argv, absl::Seconds(20));
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->exit_code, 2)
+        << args[1] << ": " << result->stdout_text << result->stderr_text;
+    EXPECT_THAT(result->stderr_text, HasSubstr(message)) << args[1];
+    EXPECT_EQ(result->stdout_text, "") << args[1];
+  }
+}
+
 // A relative --socket that does not exist is reported at once, naming the file (it was
 // waited on for the whole --timeout, then "no epd daemon answers").
 TEST(EpctlFlagsTest, MissingRelativeSocketIsReportedAtOnce) {

@@ -163,6 +163,34 @@ TEST_F(MoeLayerProcessTest, ARankKilledBySignalIsNamedInTheSummary) {
   EXPECT_EQ(killed_lines, 1) << out;
 }
 
+// A rank's error is printed as StatusText ("CODE: message [EPD-4004 QUOTA_EXCEEDED]"), not
+// absl's ToString, which appended the reason payload's raw bytes
+// ("[type.googleapis.com/epd.v1.ErrorInfo='...']"). Here the daemon lets a uid hold one
+// endpoint, so one rank's join is refused.
+TEST(MoeLayerErrorTextTest, ARanksErrorNamesItsReasonNotThePayloadBytes) {
+  DaemonProcessOptions o;
+  o.tcp = false;
+  o.log_level = "info";
+  o.extra_args = {"--op_timeout=2s", "--max_endpoints_per_uid=1"};
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> epd = DaemonProcess::Start(o);
+  ASSERT_TRUE(epd.ok()) << epd.status();
+  SubprocessOptions so;
+  so.stdout_path = (*epd)->dir() + "/moe.out";
+  so.stderr_path = (*epd)->dir() + "/moe.err";
+  auto p =
+      Subprocess::Spawn({MoeLayerBinary(), "--socket=" + (*epd)->socket_path(), "--num_ranks=2",
+                         "--num_experts=4", "--hidden=128", "--topk=2", "--tokens=8", "--iters=1"},
+                        so);
+  ASSERT_TRUE(p.ok()) << p.status();
+  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(120));
+  ASSERT_TRUE(rc.ok()) << rc.status();
+  EXPECT_EQ(*rc, 1) << (*p)->Stdout() << (*p)->Stderr();
+  const std::string err = (*p)->Stderr();
+  EXPECT_THAT(err, HasSubstr(": join: RESOURCE_EXHAUSTED: ")) << err;
+  EXPECT_THAT(err, HasSubstr("[EPD-4004 QUOTA_EXCEEDED]")) << err;
+  EXPECT_THAT(err, ::testing::Not(HasSubstr("type.googleapis.com"))) << err;
+}
+
 TEST_F(MoeLayerProcessTest, RankProcessesDieWithAKilledParent) {
   ASSERT_NO_FATAL_FAILURE(StartMoeLayerAndFindRanks());
   moe_->Signal(SIGKILL);

@@ -6,8 +6,11 @@
 // DAEMON_DRAINED while the live group keeps joining ranks and running ops, health turns
 // NOT_SERVING, GetStats and epd_draining say so, and `epctl undrain` restores it all; a
 // caller who is not root nor epd's uid may do neither.
+#include <arpa/inet.h>
 #include <httplib.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/errors/reason.h"
+#include "common/os/scoped_fd.h"
 #include "epd/client.h"
 #include "epd/v1/control.grpc.pb.h"
 #include "gmock/gmock.h"
@@ -231,6 +235,63 @@ TEST_F(ReloadDrainTest, ReloadStartsAScrapeableMetricsListenerAndStopsIt) {
   gone.set_connection_timeout(1, 0);
   EXPECT_FALSE(gone.Get("/metrics"));
   EXPECT_THAT(AuditText(), HasSubstr("Control.ReloadConfig from"));
+  EXPECT_EQ(*epd_->Stop(), 0);
+}
+
+// A field the file sets that a flag of epd's sets too (here --op_timeout, which StartEpd
+// passes): the flag wins at start-up and at every reload, and both say so, naming the field
+// and the flag; a reload said nothing, so an edit of the file seemed ignored.
+TEST_F(ReloadDrainTest, AFlagOverridingTheFilesValueIsNamedAtStartAndAtReload) {
+  StartEpd("log_level: \"info\"\nop_timeout_ms: 5000\n");
+  EXPECT_THAT(epd_->Logs(),
+              HasSubstr("op_timeout_ms: set by --op_timeout on the command line (op_timeout_ms: "
+                        "10000); the config file's value (op_timeout_ms: 5000) is not applied"));
+  WriteConfig("log_level: \"info\"\nop_timeout_ms: 7000\n");
+  CommandResult r = Epctl({"reload"});
+  EXPECT_EQ(r.exit_code, 0) << r.stdout_text << r.stderr_text;
+  EXPECT_THAT(r.stdout_text,
+              HasSubstr("reload: ok\napplied: nothing changed\noverridden: op_timeout_ms: set by "
+                        "--op_timeout on epd's command line, the file's value is not applied\n"));
+  const std::string summary =
+      "applied: nothing changed; overridden by the command line, the file's value is not "
+      "applied: op_timeout_ms: set by --op_timeout";
+  WaitForLog(summary);
+  EXPECT_THAT(epd_->Logs(), HasSubstr("the config file's value (op_timeout_ms: 7000) is not "
+                                      "applied (the flag wins at a reload as at start-up"));
+  r = Epctl({"--json", "reload"});
+  EXPECT_THAT(r.stdout_text, HasSubstr("\"flag\": \"--op_timeout\""));
+  SighupAndWait();
+  WaitForLog(summary, 3);
+  EXPECT_EQ(Stats().effective_config().op_timeout_ms(), 10000u);
+  EXPECT_THAT(AuditText(), HasSubstr("overridden by the command line"));
+  EXPECT_EQ(*epd_->Stop(), 0);
+}
+
+// A new metrics_listen that cannot be bound: `epctl reload` prints the daemon's error (code,
+// message, reason), not "no epd daemon answers", and exits 1; the running config stays.
+TEST_F(ReloadDrainTest, EpctlReloadShowsTheDaemonsErrorWhenMetricsListenCannotBeBound) {
+  StartEpd("log_level: \"info\"\n");
+  ScopedFd holder(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_TRUE(holder.valid());
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  ASSERT_EQ(::bind(holder.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(::listen(holder.get(), 1), 0);
+  ASSERT_EQ(::getsockname(holder.get(), reinterpret_cast<sockaddr*>(&address), &length), 0);
+  const int port = ntohs(address.sin_port);
+  WriteConfig(absl::StrCat("log_level: \"info\"\nmetrics_listen: \"127.0.0.1:", port, "\"\n"));
+  CommandResult r = Epctl({"reload"});
+  EXPECT_EQ(r.exit_code, 1) << r.stdout_text << r.stderr_text;
+  EXPECT_THAT(r.stderr_text,
+              HasSubstr(absl::StrCat("epctl: UNAVAILABLE: metrics_listen: cannot listen on "
+                                     "127.0.0.1:",
+                                     port)));
+  EXPECT_THAT(r.stderr_text, HasSubstr("the reload changed nothing"));
+  EXPECT_THAT(r.stderr_text, HasSubstr("[EPD-4007 CONFIG_INVALID]"));
+  EXPECT_THAT(r.stderr_text, Not(HasSubstr("no epd daemon answers")));
+  EXPECT_EQ(Stats().effective_config().metrics_listen(), "");
   EXPECT_EQ(*epd_->Stop(), 0);
 }
 

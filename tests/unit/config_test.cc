@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/reflection.h"
@@ -306,6 +307,76 @@ TEST(ResolveDaemonConfigTest, ListenOffClearsTheFilesListener) {
   ::unlink(path.c_str());
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->listen(), "");
+}
+
+// "off" in the config file turns a listener off exactly as the flag does (a reload reads
+// the file through the same code): it was refused as "not host:port".
+TEST(ResolveDaemonConfigTest, OffInTheFileTurnsAListenerOff) {
+  std::string path = WriteTempFile(
+      "metrics_listen: \"off\"\nlisten: \"off\"\npeer_listen: \"off\"\nbackend: BACKEND_HOST\n");
+  ConfigFlags flags;
+  flags.config_path = path;
+  absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(flags);
+  ::unlink(path.c_str());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->metrics_listen(), "");
+  EXPECT_EQ(config->listen(), "");
+  EXPECT_EQ(config->peer_listen(), "");
+  v1::DaemonConfig filled;
+  filled.set_metrics_listen("off");
+  FillDaemonConfigDefaults(&filled);
+  EXPECT_EQ(filled.metrics_listen(), "");
+  EXPECT_TRUE(ValidateDaemonConfig(filled).ok());
+}
+
+// A flag that overrides a value the file sets is reported (field, flag, both values), in
+// config.proto's order; a flag giving the file's own value, or a field the file leaves
+// out, is no override.
+TEST(ResolveDaemonConfigTest, OverridesNameTheFieldsAFlagTakesFromTheFile) {
+  std::string path = WriteTempFile(
+      "log_level: \"debug\"\nmax_groups: 9\nlisten: \"127.0.0.1:50051\"\n"
+      "metrics_listen: \"off\"\nrdma { qps_per_peer: 4 }\n");
+  ConfigFlags flags;
+  flags.config_path = path;
+  flags.log_level = "info";
+  flags.max_groups = 9;                 // The file's own value.
+  flags.listen = "off";                 // Turns the file's listener off.
+  flags.metrics_listen = "";            // "off" in the file: the same.
+  flags.op_timeout = absl::Seconds(3);  // Not in the file.
+  flags.rdma_qps_per_peer = 2;
+  absl::StatusOr<ResolvedDaemonConfig> resolved = ResolveDaemonConfigWithOverrides(flags);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_EQ(resolved->config.log_level(), "info");
+  std::vector<std::string> fields;
+  for (const ConfigFlagOverride& o : resolved->overridden) fields.push_back(o.field);
+  EXPECT_THAT(fields, ::testing::ElementsAre("listen", "log_level", "rdma.qps_per_peer"));
+  ASSERT_EQ(resolved->overridden.size(), 3u);
+  const ConfigFlagOverride& log_level = resolved->overridden[1];
+  EXPECT_EQ(log_level.flag, "--log_level");
+  EXPECT_EQ(log_level.file_value, "log_level: \"debug\"");
+  EXPECT_EQ(log_level.value, "log_level: \"info\"");
+  EXPECT_EQ(ConfigFlagOverrideText(log_level),
+            "log_level: set by --log_level on the command line (log_level: \"info\"); the "
+            "config file's value (log_level: \"debug\") is not applied");
+  EXPECT_EQ(resolved->overridden[2].flag, "--rdma_qps_per_peer");
+  // ResolveDaemonConfig gives the same config.
+  absl::StatusOr<v1::DaemonConfig> config = ResolveDaemonConfig(flags);
+  ::unlink(path.c_str());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->SerializeAsString(), resolved->config.SerializeAsString());
+  // Without a file, nothing is overridden.
+  flags.config_path.reset();
+  resolved = ResolveDaemonConfigWithOverrides(flags);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_TRUE(resolved->overridden.empty());
+}
+
+TEST(FlagOfConfigFieldTest, NamesTheFlagOfAField) {
+  EXPECT_EQ(FlagOfConfigField("socket_path"), "--socket");
+  EXPECT_EQ(FlagOfConfigField("op_timeout_ms"), "--op_timeout");
+  EXPECT_EQ(FlagOfConfigField("rdma.devices"), "--rdma_devices");
+  EXPECT_EQ(FlagOfConfigField("rdma.gid_index"), "--rdma_gid_index");
+  EXPECT_EQ(FlagOfConfigField("max_sessions_per_uid"), "--max_sessions_per_uid");
 }
 
 TEST(ResolveDaemonConfigTest, RealFlagsOverrideTheFile) {

@@ -23,6 +23,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/errors/grpc_status.h"
+#include "common/errors/reason.h"
 #include "common/os/shm_region.h"
 #include "epd/client.h"
 #include "gmock/gmock.h"
@@ -55,6 +57,28 @@ TEST(ClassifyUnixSocketProbe, MissingSocketIsUnavailable) {
     EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
     EXPECT_THAT(std::string(status.message()),
                 AllOf(HasSubstr(kPath), HasSubstr("does not exist"), HasSubstr("--socket")));
+  }
+}
+
+// gRPC's own UNAVAILABLE (nothing answers) gets "no epd daemon answers"; an UNAVAILABLE
+// the daemon answered with (its reason) is its error, unchanged: a reload whose new
+// metrics_listen cannot be bound read as "no epd daemon answers".
+TEST(AnnotateUnavailable, OnlyGrpcsOwnUnavailableReadsAsNoDaemon) {
+  const absl::Status grpc_own = FromGrpcStatus(grpc::Status(grpc::StatusCode::UNAVAILABLE, "x"));
+  absl::Status annotated = AnnotateUnavailable(grpc_own, "unix:///s");
+  EXPECT_THAT(std::string(annotated.message()), HasSubstr("no epd daemon answers on unix:///s"));
+  EXPECT_EQ(errors::ReasonOf(annotated), errors::Reason::kDaemonUnavailable);
+
+  for (const absl::Status& daemons :
+       {errors::WithReason(absl::UnavailableError("metrics_listen: cannot listen on h:1"),
+                           errors::Reason::kConfigInvalid),
+        errors::WithReason(absl::UnavailableError("epd is shutting down"),
+                           errors::Reason::kDaemonDraining),
+        // A daemon error without a specific reason travels with the generic one.
+        FromGrpcStatus(errors::ToGrpcStatus(absl::UnavailableError("busy")))}) {
+    annotated = ExplainControlError(daemons, "unix:///s");
+    EXPECT_EQ(annotated, daemons);
+    EXPECT_THAT(std::string(annotated.message()), ::testing::Not(HasSubstr("no epd daemon")));
   }
 }
 

@@ -320,7 +320,9 @@ TEST_F(DaemonTest, ApplyConfigAppliesLiveFieldsAndRefusesTheRest) {
 TEST_F(DaemonTest, ReloadReadsTheConfigSourceAgain) {
   DaemonOptions options = Options();
   v1::DaemonConfig source = Config();
-  options.config_source = [&source]() -> absl::StatusOr<v1::DaemonConfig> { return source; };
+  options.config_source = [&source]() -> absl::StatusOr<ResolvedDaemonConfig> {
+    return ResolvedDaemonConfig{source, {}};
+  };
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(Config(), std::move(options));
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   source.set_max_groups(5);
@@ -330,6 +332,42 @@ TEST_F(DaemonTest, ReloadReadsTheConfigSourceAgain) {
   EXPECT_EQ((*daemon)->config().max_groups(), 5u);
   (*daemon)->Shutdown();
   EXPECT_EQ((*daemon)->ReloadConfig(std::nullopt).status().code(), absl::StatusCode::kUnavailable);
+}
+
+// metrics_listen "off" in a reloaded config stops the listener (as --metrics_listen=off).
+TEST_F(DaemonTest, ReloadWithMetricsListenOffStopsTheListener) {
+  v1::DaemonConfig start = Config();
+  start.set_metrics_listen("127.0.0.1:0");
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(start, Options());
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  EXPECT_GT((*daemon)->metrics_port(), 0);
+  v1::DaemonConfig next = Config();
+  next.set_metrics_listen("off");
+  absl::StatusOr<v1::ReloadConfigResponse> reloaded = (*daemon)->ApplyConfig(next);
+  ASSERT_TRUE(reloaded.ok()) << reloaded.status();
+  EXPECT_THAT(reloaded->applied(), ::testing::ElementsAre("metrics_listen"));
+  EXPECT_EQ((*daemon)->metrics_port(), 0);
+  EXPECT_EQ((*daemon)->config().metrics_listen(), "");
+  (*daemon)->Shutdown();
+}
+
+// The fields the source says a flag overrides are named in the response (the reload is
+// still "ok": nothing changed that it could not apply).
+TEST_F(DaemonTest, ReloadNamesTheFieldsAFlagOverrides) {
+  DaemonOptions options = Options();
+  options.config_source = [this]() -> absl::StatusOr<ResolvedDaemonConfig> {
+    return ResolvedDaemonConfig{
+        Config(), {{"log_level", "--log_level", "log_level: \"debug\"", "log_level: \"info\""}}};
+  };
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(Config(), std::move(options));
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  absl::StatusOr<v1::ReloadConfigResponse> reloaded = (*daemon)->ReloadConfig(std::nullopt);
+  ASSERT_TRUE(reloaded.ok()) << reloaded.status();
+  EXPECT_EQ(reloaded->result(), "ok");
+  ASSERT_EQ(reloaded->overridden_size(), 1);
+  EXPECT_EQ(reloaded->overridden(0).field(), "log_level");
+  EXPECT_EQ(reloaded->overridden(0).flag(), "--log_level");
+  (*daemon)->Shutdown();
 }
 
 TEST_F(DaemonTest, ReloadWithoutAConfigSourceIsRefused) {
