@@ -330,7 +330,6 @@ void LockstepGroup::DetachRank(int32_t rank) {
   }
   EngineLog()->info("group {}: rank {} detached (endpoint {})", spec_.name(), rank, endpoint_id);
   WakeEngine();
-  ReleaseRetired();
   // ep's shm is unmapped and unlinked here, outside the lock (and its backend resources
   // freed, unless an op or the backend still holds them).
 }

@@ -209,11 +209,6 @@ class LockstepGroup : public DataPlaneGroup {
   }
   /// Called under mu_ when rank `rank` is detached.
   virtual void RankDetached(int32_t /*rank*/) {}
-  /// Called without mu_ on the control path at the end of DetachRank: the backend releases
-  /// here what it set aside under mu_ or on the engine thread because releasing it there
-  /// could stall them (the CUDA backend's ranks: freeing GPU or pinned memory waits for the
-  /// device, and so for work that may wait on an op only the engine can launch).
-  virtual void ReleaseRetired() {}
   /// Called under mu_ before RankAttached with the data part of the rank's new endpoint
   /// region (ShmDataBytes(res) bytes at `shm_data`, zeroed; null when 0) and the rank's
   /// first op number; an error fails the join.

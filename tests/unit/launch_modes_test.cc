@@ -362,9 +362,6 @@ class RecordingGroup : public LockstepGroup {
     std::lock_guard<std::mutex> lock(mu_);
     refused_rank_ = rank;
   }
-  /// ReleaseRetired calls so far, and how many of them came with mu_ held (by any thread).
-  int releases() const { return releases_.load(); }
-  int releases_under_lock() const { return releases_under_lock_.load(); }
 
  protected:
   static LockstepOptions Options(uint32_t op_timeout_ms) {
@@ -392,20 +389,8 @@ class RecordingGroup : public LockstepGroup {
   void OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) override {
     ended_.emplace_back(rank, slot.seq);
   }
-  void ReleaseRetired() override {
-    // Asked of another thread: try_lock on a mutex the caller holds is undefined.
-    bool held = false;
-    std::thread([&] {
-      held = !mu_.try_lock();
-      if (!held) mu_.unlock();
-    }).join();
-    releases_.fetch_add(1);
-    if (held) releases_under_lock_.fetch_add(1);
-  }
 
  private:
-  std::atomic<int> releases_{0};
-  std::atomic<int> releases_under_lock_{0};
   std::vector<std::pair<int32_t, uint64_t>> ended_;
   int started_ = 0;
   int32_t refused_rank_ = -1;
@@ -519,23 +504,6 @@ TEST_F(OpEndedWithoutLaunchTest, RankLeavingAndShutdownEndPendingRequests) {
   ASSERT_EQ(ended.size(), 4u);
   EXPECT_EQ(ended[2], (std::pair<int32_t, uint64_t>{0, next}));
   EXPECT_EQ(ended[3], (std::pair<int32_t, uint64_t>{1, next}));
-}
-
-// What a backend set aside under the group's lock or on the engine thread (the CUDA
-// backend's departed ranks, whose frees wait for the device) is released at the end of
-// DetachRank, on the control path, with the lock released.
-using ReleaseRetiredTest = OpEndedWithoutLaunchTest;
-
-TEST_F(ReleaseRetiredTest, DetachRankReleasesWithoutTheGroupLock) {
-  Open(2, 1000);
-  EXPECT_EQ(group_->releases(), 0);
-  group_->DetachRank(1);
-  EXPECT_EQ(group_->releases(), 1);
-  EXPECT_EQ(group_->releases_under_lock(), 0);
-  group_->DetachRank(1);  // Not attached: nothing was set aside.
-  group_->DetachRank(0);
-  EXPECT_EQ(group_->releases(), 2);
-  EXPECT_EQ(group_->releases_under_lock(), 0);
 }
 
 // A rank that left (or whose client died) while no op was in flight: the group's next op

@@ -76,7 +76,6 @@ CudaGroup::CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec)
     metrics().SetExpertTokenTally(expert_tally_);
   }
   devices_.reserve(spec.num_ranks());
-  retired_.reserve(2 * static_cast<size_t>(spec.num_ranks()));
   SizeOp(spare_);
 }
 
@@ -138,30 +137,9 @@ void CudaGroup::RecycleOp(std::optional<GpuOp>& op) {
 }
 
 void CudaGroup::DropOpRanks(GpuOp& op) {
-  for (size_t i = 0; i < op.ranks.size(); ++i) {
-    std::shared_ptr<CudaRank>& r = op.ranks[i];
-    // Still the rank's (attached or its stand-in): that reference outlives this one.
-    if (r && r != ranks_[i] && r != standins_[i]) {
-      Retire(r);
-    } else {
-      r.reset();
-    }
-  }
-}
-
-void CudaGroup::Retire(std::shared_ptr<CudaRank>& r) {
-  if (r) retired_.push_back(std::move(r));
-  r.reset();
-}
-
-void CudaGroup::ReleaseRetired() {
-  std::vector<std::shared_ptr<CudaRank>> gone;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    gone.swap(retired_);
-  }
-  // Dropped here, outside the lock: a rank's last reference hands it to the plane's
-  // DeferredRelease, which frees it between engine rounds.
+  // A rank that left during the op may lose its last reference here: that hands it to the
+  // plane's DeferredRelease (CreateCudaRank), nothing is freed on this thread.
+  for (std::shared_ptr<CudaRank>& r : op.ranks) r.reset();
 }
 
 bool CudaGroup::Quiescent() {
@@ -214,7 +192,6 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
                                                                       v1::EndpointInfo* info) {
   // On the control path without the lock (LockstepGroup::AttachRank), as the allocations
   // below: the earlier rejoins' stand-ins are freed here.
-  ReleaseRetired();
   EPD_ASSIGN_OR_RETURN(int device, plane_->DeviceOf(gpu_uuid));
   if (masking() && launch_mode == v1::LAUNCH_MODE_CLIENT) {
     return errors::WithReason(
@@ -313,7 +290,7 @@ void CudaGroup::RankDetached(int32_t rank) {
     KeepAsStandIn(rank);
     return;
   }
-  Retire(ranks_[rank]);  // Freed outside the lock, at DetachRank's end (ReleaseRetired).
+  ranks_[rank].reset();  // A last reference hands it to DeferredRelease: not freed here.
   host_bases_[rank] = nullptr;
   UpdateDevices();
   PublishJoined(rank, false);

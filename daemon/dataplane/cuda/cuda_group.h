@@ -66,13 +66,10 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
                                                              v1::LaunchMode launch_mode,
                                                              v1::EndpointInfo* info) override;
   absl::Status RankAttached(int32_t rank, const std::shared_ptr<RankResources>& res) override;
-  /// A FAIL-policy group's rank: dropped from the next ops, its resources retired (freed on
-  /// the control path, ReleaseRetired); a masking group's: KeepAsStandIn.
+  /// A FAIL-policy group's rank: dropped from the next ops, its resources freed with its
+  /// last reference, between engine rounds (DeferredRelease); a masking group's:
+  /// KeepAsStandIn.
   void RankDetached(int32_t rank) override;
-  /// Drops the ranks retired (retired_): takes them under mu_, drops them after releasing
-  /// it (a last reference hands the rank to the plane's DeferredRelease). Control path only
-  /// (PrepareRank, and DetachRank's end), never the engine thread.
-  void ReleaseRetired() override;
   // A client-launched rank of a spanning group (DESIGN.md §5.5 "Client-launched"): its
   // mirror in its endpoint region, its requests from its command block, its answers there.
   absl::Status RankRegionReady(int32_t rank, RankResources& res, uint8_t* shm_data,
@@ -196,8 +193,8 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// released from the host and fails (GpuOp::left_unstaged).
   void KeepAsStandIn(int32_t rank);
   /// When a rank rejoined a masked slot (bases_dirty_): copies host_bases_ to every GPU's
-  /// peer array before an op's launches (the group's GPUs claimed and idle), then moves the
-  /// stand-ins of attached ranks to retired_ (Retire). Errors: CUDA.
+  /// peer array before an op's launches (the group's GPUs claimed and idle), then drops the
+  /// stand-ins of attached ranks (freed later, DeferredRelease). Errors: CUDA.
   absl::Status UploadPeerBases();
   /// Copies rank_masked() to every GPU's mask array (mask_arrays_) when it changed
   /// (mask_dirty_), synchronously, before an op's launches (the GPUs are claimed and idle).
@@ -236,14 +233,10 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     return !spanning() && KernelHandsOff(op, r) && plane_->kernel_ready_wait();
   }
   /// Moves a finished op's vectors back into spare_ for the next op, dropping its rank
-  /// references (DropOpRanks: a rank that left during the op is retired, not kept by the
-  /// spare, nor freed here on the engine thread).
+  /// references (DropOpRanks: a rank that left during the op is not kept by the spare).
   void RecycleOp(std::optional<GpuOp>& op);
-  /// Drops every rank reference of `op` (one that left the group since: Retire).
+  /// Drops every rank reference of `op`. A last one hands the rank to DeferredRelease.
   void DropOpRanks(GpuOp& op);
-  /// Keeps `r` (when not null) in retired_ and nulls it: where a rank reference may be the
-  /// last (the rank left), it is dropped so, under mu_, never freed there (see retired_).
-  void Retire(std::shared_ptr<CudaRank>& r);
   /// Enqueues done_seq = seq on rank `cr`'s stream (after everything already on it).
   absl::Status WriteDone(const CudaRank& cr, uint64_t seq) const;
   /// For every stream-ordered rank of `op` whose stream still waits for ready_seq (its
@@ -264,18 +257,6 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// stand-in (its area's sync state stays in step with the others', so no reset) until a
   /// process rejoins the slot. Null otherwise.
   std::vector<std::shared_ptr<CudaRank>> standins_;
-  /// Rank references dropped under mu_ that may be a rank's last (Retire): a rank that
-  /// left (RankDetached), an op's reference to it (DropOpRanks: an op that ended, was
-  /// abandoned, or a disarmed program's tail), a stand-in that every peer array has stopped
-  /// naming (UploadPeerBases) or that a second departure replaced (KeepAsStandIn). Dropped
-  /// on the control path, outside the lock (ReleaseRetired: PrepareRank, DetachRank), or
-  /// with the group. A CudaRank's last reference never frees its memory where it is
-  /// dropped: it hands the rank to the plane's DeferredRelease (CreateCudaRank), because
-  /// cudaFree and cudaFreeHost wait for the whole device and hold back the engine's
-  /// launches meanwhile. Bounded: each control-path call empties it, and between two a few
-  /// references (a rank's, its stand-in's, those of the ops still holding it) of each rank
-  /// that left with the first.
-  std::vector<std::shared_ptr<CudaRank>> retired_;
   /// GPU -> device array [R] of uint8, the rank mask the kernels read
   /// (CudaRankContext::rank_masked); allocated at the first mask.
   std::map<int, DeviceMemory> mask_arrays_;

@@ -28,8 +28,8 @@ void CudaGroup::KeepAsStandIn(int32_t rank) {
   // The rank is masked (now, or when the running op ends): its area stays in every peer
   // array as its stand-in, in step with the others' sync state, until a process rejoins.
   // A stand-in it replaces (a rejoin that left before any op re-pointed the peer arrays)
-  // is retired, not freed here under the lock.
-  Retire(standins_[rank]);
+  // goes to DeferredRelease with its last reference, not freed here under the lock.
+  standins_[rank].reset();
   standins_[rank] = std::move(ranks_[rank]);
 }
 
@@ -46,10 +46,10 @@ void CudaGroup::RankMaskChanged(int32_t rank, bool masked) {
 absl::Status CudaGroup::UploadPeerBases() {
   if (!bases_dirty_) return absl::OkStatus();
   EPD_RETURN_IF_ERROR(CopyPeerBases(host_bases_, nullptr));
-  // Every peer array now names the rejoined ranks' areas: their stand-ins go, unfreed
-  // (retired_): the clients' streams may already wait for this op's done_seq.
+  // Every peer array now names the rejoined ranks' areas: their stand-ins go, unfreed here
+  // (DeferredRelease): the clients' streams may already wait for this op's done_seq.
   for (size_t r = 0; r < ranks_.size(); ++r) {
-    if (ranks_[r] && standins_[r]) Retire(standins_[r]);
+    if (ranks_[r] && standins_[r]) standins_[r].reset();
   }
   bases_dirty_ = false;
   return absl::OkStatus();
