@@ -39,7 +39,8 @@ class DeferredRelease {
     items_.push_back(std::move(item));
   }
 
-  /// Held (shared) by an engine for a round of polls: no release runs during it.
+  /// Held (shared) by an engine for a round of polls: no release runs during it, and a
+  /// round waits for a release in progress to end.
   std::shared_lock<std::shared_mutex> PollScope() {
     return std::shared_lock<std::shared_mutex>(gate_);
   }
@@ -65,12 +66,15 @@ class DeferredRelease {
     return n;
   }
 
-  /// Drops every item now (shutdown: no engine runs).
+  /// Drops every item now (shutdown: no engine runs), and those their destructors add.
   void ReleaseAll() {
-    std::vector<std::shared_ptr<void>> items;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      items.swap(items_);
+    for (;;) {
+      std::vector<std::shared_ptr<void>> items;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (items_.empty()) return;
+        items.swap(items_);
+      }
     }
   }
 

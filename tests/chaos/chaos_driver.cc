@@ -631,6 +631,16 @@ bool IsEarlierOpStillOnTheGpu(absl::string_view line) {
          absl::StrContains(line, "an earlier op is still run");
 }
 
+/// On the CUDA backend, a rank stopped after it submitted an op (its client's stream never
+/// staged it) stalls that op on the GPU: the op fails at its bound for every rank ("the
+/// GPU did not finish the op"), and so does the next one, which cannot start before it
+/// (IsEarlierOpStillOnTheGpu); only then is the rank masked (docs/RELIABILITY.md).
+bool IsGpuStallOfAStoppedRank(absl::string_view line) {
+  return IsEarlierOpStillOnTheGpu(line) ||
+         (absl::StrContains(line, " DEADLINE_EXCEEDED ") &&
+          absl::StrContains(line, "the GPU did not finish the op within op_timeout"));
+}
+
 // ---- the run ---------------------------------------------------------------------------
 
 struct Stats {
@@ -1409,7 +1419,8 @@ class Chaos {
       default:
         return Failure{"mask cycle", absl::StrCat(Name(fault), " is not a masking fault")};
     }
-    if (auto f = SurvivorsNeverFailed(v, others, since)) return f;
+    const bool gpu_stall_ok = backend_ == "cuda" && fault == Fault::kMaskStop;
+    if (auto f = SurvivorsNeverFailed(v, others, since, gpu_stall_ok)) return f;
     return EpochsAgree(v, fault == Fault::kMaskKill9 ? others : AllRanks(v), masked_at_end);
   }
 
@@ -1452,15 +1463,17 @@ class Chaos {
   }
 
   /// Under MASK no survivor's op fails: no error line after `since`, but ops refused because
-  /// that rank was itself masked for being late (documented; it then unmasks itself).
+  /// that rank was itself masked for being late (documented; it then unmasks itself), and,
+  /// with `gpu_stall_ok` (a stopped rank on the CUDA backend), the ops its stall held on
+  /// the GPU (IsGpuStallOfAStoppedRank).
   std::optional<Failure> SurvivorsNeverFailed(Group& v, const std::vector<int>& ranks,
-                                              const std::vector<size_t>& since) {
+                                              const std::vector<size_t>& since, bool gpu_stall_ok) {
     for (int r : ranks) {
       const std::string out = v.procs[r]->Stdout();
       for (absl::string_view line :
            absl::StrSplit(out.substr(std::min(since[r], out.size())), '\n')) {
         if (absl::StartsWith(line, "ROUND ") && absl::StrContains(line, " ERROR ") &&
-            !IsMaskedRefusal(line)) {
+            !IsMaskedRefusal(line) && !(gpu_stall_ok && IsGpuStallOfAStoppedRank(line))) {
           return Failure{"survivors' ops under MASK",
                          absl::StrCat(v.name, " rank ", r, ": ", line, "\n", v.Outputs())};
         }

@@ -210,6 +210,7 @@ void CudaDataPlaneImpl::ReleaseGpus(const CudaGroup* group) {
 }
 
 bool CudaDataPlaneImpl::AllEnginesQuiescent() {
+  if (groups_ending_.load() != 0) return false;
   for (auto& [device, e] : engines_) {
     if (!e->host.AllQuiescent()) return false;
   }

@@ -143,11 +143,28 @@ void CudaGroup::DropOpRanks(GpuOp& op) {
 }
 
 bool CudaGroup::Quiescent() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return !gpu_op_ && !abandoned_ && !program_ && !program_tail_;
+  // Not waited for: a control thread may hold mu_ across a GPU wait that only another
+  // engine's round can end, and every round is held off while this runs.
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
+  if (abandoned_) {
+    // An op given up on leaves the GPU on its own; recycled here too, not only when the
+    // group's next op starts, so an idle group does not hold back every release.
+    for (const auto& r : abandoned_->ranks) {
+      if (r && cudaEventQuery(r->done.get()) == cudaErrorNotReady) return false;
+    }
+    cudaGetLastError();
+    RecycleOp(abandoned_);
+    if (!gpu_op_ && !program_tail_) plane_->ReleaseGpus(this);
+    needs_sync_reset_ = true;
+  }
+  return !gpu_op_ && !program_ && !program_tail_;
 }
 
 CudaGroup::~CudaGroup() {
+  // Out of its engine's list, its work is invisible to AllEnginesQuiescent until the ops
+  // below are drained: no release meanwhile.
+  CudaDataPlaneImpl::GroupEnding ending(*plane_);
   if (GpuEngine* e = engine_.load()) e->host.Remove(this);
   // Ops still on the GPU end (their waits are bounded) before any memory of the group is
   // freed: the peer arrays below, the ranks' areas with the endpoints.
@@ -876,7 +893,10 @@ void CudaGroup::DisarmProgram(const absl::Status& why) {
   tail.seq = 0;
   tail.started = Clock::now();
   for (size_t r = 0; r < program_->num_ranks(); ++r) tail.ranks[r] = program_->rank(r);
-  program_.reset();
+  // Its pinned read-back is still written by the released instances (program_tail_), and a
+  // free here could fall between another op's launches: freed between engine rounds once
+  // no group has work on the GPU (DeferredRelease).
+  plane_->deferred_release().Add(std::shared_ptr<GraphProgram>(std::move(program_)));
   program_armed_ = false;
   program_tail_ = std::move(tail);
   // The released instances ran on stale inputs, possibly without a rank that left.

@@ -90,6 +90,18 @@ class CudaDataPlaneImpl : public DataPlane {
   /// rounds, with every engine's round held off and every group quiescent (never beside a
   /// half-launched op: deferred_release.h).
   DeferredRelease& deferred_release() { return deferred_release_; }
+  /// Held by a group's destructor from before it leaves its engine's list until its ops
+  /// are drained: AllEnginesQuiescent is false meanwhile.
+  class GroupEnding {
+   public:
+    explicit GroupEnding(CudaDataPlaneImpl& plane) : plane_(plane) { ++plane_.groups_ending_; }
+    ~GroupEnding() { --plane_.groups_ending_; }
+    GroupEnding(const GroupEnding&) = delete;
+    GroupEnding& operator=(const GroupEnding&) = delete;
+
+   private:
+    CudaDataPlaneImpl& plane_;
+  };
 
  private:
   CudaDataPlaneOptions options_;
@@ -102,7 +114,8 @@ class CudaDataPlaneImpl : public DataPlane {
   std::map<int, std::set<int>> peer_;  // ordinal → peers it can access.
   /// Whether every engine's groups are quiescent (DeferredRelease::MaybeRelease's test).
   bool AllEnginesQuiescent();
-  DeferredRelease deferred_release_;  // Outlives the engines (declared before them).
+  DeferredRelease deferred_release_;   // Outlives the engines (declared before them).
+  std::atomic<int> groups_ending_{0};  // GroupEnding scopes alive.
   std::map<int, std::unique_ptr<GpuEngine>> engines_;
   std::mutex claim_mu_;
   /// [max ordinal + 1], indexed by ordinal: the group whose op runs on the GPU, or null.
