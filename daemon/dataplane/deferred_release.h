@@ -2,6 +2,7 @@
 // the daemon's on a device. docs/DESIGN.md §8.2 ("Freeing GPU memory").
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -36,6 +37,7 @@ class DeferredRelease {
   void Add(std::shared_ptr<void> item) {
     if (item == nullptr) return;
     std::lock_guard<std::mutex> lock(mu_);
+    if (items_.empty()) pending_since_ = std::chrono::steady_clock::now();
     items_.push_back(std::move(item));
   }
 
@@ -83,10 +85,17 @@ class DeferredRelease {
     std::lock_guard<std::mutex> lock(mu_);
     return items_.size();
   }
+  /// How long the oldest waiting item has waited (zero when none waits).
+  std::chrono::steady_clock::duration pending_for() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (items_.empty()) return std::chrono::steady_clock::duration::zero();
+    return std::chrono::steady_clock::now() - pending_since_;
+  }
 
  private:
-  mutable std::mutex mu_;  // Guards items_.
+  mutable std::mutex mu_;  // Guards items_ and pending_since_.
   std::vector<std::shared_ptr<void>> items_;
+  std::chrono::steady_clock::time_point pending_since_;  // When items_ last became non-empty.
   std::shared_mutex gate_;
 };
 

@@ -145,11 +145,14 @@ TEST(EngineHostTest, DeferredReleaseWaitsForEveryEngineToLeaveItsRound) {
   EXPECT_EQ(dropped, 0u);
   EXPECT_FALSE(released.load());
   scope.unlock();
+  std::this_thread::sleep_for(2ms);
+  EXPECT_GE(release.pending_for(), 2ms);                      // What a long wait is reported from.
   EXPECT_EQ(release.MaybeRelease([] { return false; }), 0u);  // Not quiescent: kept.
   EXPECT_EQ(release.MaybeRelease([] { return true; }), 1u);
   EXPECT_TRUE(released.load());
   release.Add(nullptr);  // Ignored.
   EXPECT_EQ(release.pending(), 0u);
+  EXPECT_EQ(release.pending_for(), std::chrono::steady_clock::duration::zero());
 }
 
 TEST(EngineHostTest, StopWithoutStartIsANoOp) {

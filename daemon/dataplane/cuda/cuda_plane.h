@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -116,6 +117,9 @@ class CudaDataPlaneImpl : public DataPlane {
   bool AllEnginesQuiescent();
   DeferredRelease deferred_release_;   // Outlives the engines (declared before them).
   std::atomic<int> groups_ending_{0};  // GroupEnding scopes alive.
+  /// When AllEnginesQuiescent last warned of memory waiting (engine threads, under the
+  /// release's exclusive lock: one at a time).
+  std::chrono::steady_clock::time_point last_release_warning_{};
   std::map<int, std::unique_ptr<GpuEngine>> engines_;
   std::mutex claim_mu_;
   /// [max ordinal + 1], indexed by ordinal: the group whose op runs on the GPU, or null.
