@@ -93,6 +93,9 @@ struct BusyGroup {
 
 /// Records the thread that drops it and whether a group's poll was running then.
 struct ReleaseProbe {
+  ReleaseProbe(std::atomic<bool>* released, std::atomic<bool>* during_poll, const BusyGroup* group,
+               std::thread::id* thread)
+      : released(released), during_poll(during_poll), group(group), thread(thread) {}
   std::atomic<bool>* released;
   std::atomic<bool>* during_poll;
   const BusyGroup* group;
