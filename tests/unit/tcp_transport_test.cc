@@ -596,7 +596,11 @@ TEST(TcpTransport, HostileConnectionsAreRefused) {
   for (int i : {0, 1}) {
     ASSERT_TRUE(nodes[i].link->Connect(1 - i, nodes[1 - i].link->LocalDescriptorFor(i)).ok());
   }
-  ASSERT_TRUE(WaitFor([&] { return nodes[0].link->State(1) == PeerState::kReady; }));
+  // Both ways: node 1 writes to node 0 at the end (PostWrite fails on a peer not yet ready).
+  ASSERT_TRUE(WaitFor([&] {
+    return nodes[0].link->State(1) == PeerState::kReady &&
+           nodes[1].link->State(0) == PeerState::kReady;
+  }));
   const std::string d0 = nodes[0].link->LocalDescriptor();
   {
     ScopedFd fd = RawConnect(d0);
@@ -721,7 +725,11 @@ TEST(TcpTransport, AMemberCannotConnectAsAnotherNode) {
   for (int i : {0, 1}) {
     ASSERT_TRUE(nodes[i].link->Connect(1 - i, nodes[1 - i].link->LocalDescriptorFor(i)).ok());
   }
-  ASSERT_TRUE(WaitFor([&] { return nodes[0].link->State(1) == PeerState::kReady; }));
+  // Both ways: node 1 writes to node 0 below (PostWrite fails on a peer not yet ready).
+  ASSERT_TRUE(WaitFor([&] {
+    return nodes[0].link->State(1) == PeerState::kReady &&
+           nodes[1].link->State(0) == PeerState::kReady;
+  }));
   const std::string d0 = nodes[0].link->LocalDescriptor();
   // Node 2 (raw) presents its own token, claiming to be node 1.
   const auto pose_as_1 = [&](uint32_t connection) {
