@@ -57,14 +57,24 @@ class EngineHost {
     release_ = release;
     all_quiescent_ = std::move(all_quiescent);
   }
-  /// Whether every group reports Quiescent(). Takes the group list's lock: not from inside
-  /// a round of polls.
-  bool AllQuiescent() {
+  /// The first group in the list whose Quiescent() is false (work of it keeps a device
+  /// busy), or null when every group is quiescent. `on_busy(Group&)` runs on that group
+  /// with the list's lock still held: the returned pointer is for comparison only, since
+  /// the group's owner may remove and destroy it once the lock is released. Takes the
+  /// list's lock: not from inside a round of polls.
+  template <typename OnBusy>
+  Group* FirstBusyGroup(OnBusy&& on_busy) {
     std::lock_guard<std::mutex> lock(mu_);
     for (Group* g : groups_) {
-      if (!g->Quiescent()) return false;
+      if (!g->Quiescent()) {
+        on_busy(*g);
+        return g;
+      }
     }
-    return true;
+    return nullptr;
+  }
+  Group* FirstBusyGroup() {
+    return FirstBusyGroup([](Group&) {});
   }
   /// Joins the engine thread. Idempotent; a host never started stops at once.
   void Stop() {

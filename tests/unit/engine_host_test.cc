@@ -110,7 +110,7 @@ struct ReleaseProbe {
 TEST(EngineHostTest, DeferredMemoryIsDroppedOnTheEngineThreadOnlyOnceEveryGroupIsQuiescent) {
   DeferredRelease release;
   EngineHost<BusyGroup> host;
-  host.SetDeferredRelease(&release, [&host] { return host.AllQuiescent(); });
+  host.SetDeferredRelease(&release, [&host] { return host.FirstBusyGroup() == nullptr; });
   std::thread::id engine_thread;
   ASSERT_TRUE(host.Start(100, [&] { engine_thread = std::this_thread::get_id(); }).ok());
   BusyGroup g;
@@ -132,6 +132,33 @@ TEST(EngineHostTest, DeferredMemoryIsDroppedOnTheEngineThreadOnlyOnceEveryGroupI
   EXPECT_EQ(dropped_on, engine_thread);
   EXPECT_FALSE(during_poll.load());
   host.Stop();
+}
+
+TEST(EngineHostTest, FirstBusyGroupIsTheFirstGroupWithWorkAndSeesItUnderTheListLock) {
+  EngineHost<BusyGroup> host;  // Not started: only the list.
+  EXPECT_EQ(host.FirstBusyGroup(), nullptr);
+  BusyGroup a, b, c;
+  a.quiescent = true;
+  host.Add(&a);
+  host.Add(&b);
+  host.Add(&c);
+  EXPECT_EQ(host.FirstBusyGroup(), &b);
+  b.quiescent = true;
+  int visited = 0;
+  BusyGroup* seen = nullptr;
+  EXPECT_EQ(host.FirstBusyGroup([&](BusyGroup& g) {
+    ++visited;
+    seen = &g;
+  }),
+            &c);
+  EXPECT_EQ(visited, 1);
+  EXPECT_EQ(seen, &c);
+  c.quiescent = true;
+  EXPECT_EQ(host.FirstBusyGroup([&](BusyGroup&) { ++visited; }), nullptr);
+  EXPECT_EQ(visited, 1);  // Not called when every group is quiescent.
+  a.quiescent = false;
+  host.Remove(&a);
+  EXPECT_EQ(host.FirstBusyGroup(), nullptr);  // A removed group no longer counts.
 }
 
 TEST(EngineHostTest, DeferredReleaseWaitsForEveryEngineToLeaveItsRound) {

@@ -211,29 +211,31 @@ void CudaDataPlaneImpl::ReleaseGpus(const CudaGroup* group) {
 
 bool CudaDataPlaneImpl::AllEnginesQuiescent() {
   if (groups_ending_.load() != 0) return false;
-  const CudaGroup* busy = nullptr;
-  for (auto& [device, e] : engines_) {
-    e->host.ForEach([&busy](CudaGroup* g) {
-      if (busy == nullptr && !g->Quiescent()) busy = g;
-    });
-    if (busy != nullptr) break;
-  }
-  if (busy == nullptr) return true;
-  // Memory that waits long says which group keeps the GPU busy (once a minute at most).
+  // Memory that waits long says which group keeps the GPU busy (once a minute at most); the
+  // name is copied while the engine's list still holds the group.
   constexpr auto kWarnAfter = std::chrono::seconds(30);
   constexpr auto kWarnEvery = std::chrono::seconds(60);
   const auto waited = deferred_release_.pending_for();
   const auto now = std::chrono::steady_clock::now();
-  if (waited >= kWarnAfter && now - last_release_warning_ >= kWarnEvery) {
-    last_release_warning_ = now;
-    EngineLog()->warn(
-        "{} item(s) of GPU memory of ranks that left or groups that ended have waited "
-        "{} s to be freed: group {} has had work on a GPU at every check (an armed "
-        "graph-mode program keeps it so); they are freed once no group has",
-        deferred_release_.pending(),
-        std::chrono::duration_cast<std::chrono::seconds>(waited).count(), busy->spec().name());
+  const bool warn = waited >= kWarnAfter && now - last_release_warning_ >= kWarnEvery;
+  std::string busy;
+  for (auto& [device, e] : engines_) {
+    auto name_it = [&](CudaGroup& g) {
+      if (warn) busy = g.spec().name();
+    };
+    if (e->host.FirstBusyGroup(name_it) == nullptr) continue;
+    if (warn) {
+      last_release_warning_ = now;
+      EngineLog()->warn(
+          "{} item(s) of GPU memory of ranks that left or groups that ended have waited "
+          "{} s to be freed: group {} has had work on a GPU at every check (an armed "
+          "graph-mode program keeps it so); they are freed once no group has",
+          deferred_release_.pending(),
+          std::chrono::duration_cast<std::chrono::seconds>(waited).count(), busy);
+    }
+    return false;
   }
-  return false;
+  return true;
 }
 
 void CudaDataPlaneImpl::Shutdown() {

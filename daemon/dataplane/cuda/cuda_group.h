@@ -48,7 +48,7 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec);
   ~CudaGroup() override;
   /// No work of this group's on a GPU: no op running or abandoned, no graph-mode program
-  /// armed or still draining. Takes mu_ (EngineHost::AllQuiescent, between rounds).
+  /// armed or still draining. Takes mu_ (EngineHost::FirstBusyGroup, between rounds).
   bool Quiescent() override;
   /// A group that spans nodes (DESIGN.md §5.5): its exchange, made before the first rank
   /// attaches (`join_secret_digest` goes into its Peer mesh registration).

@@ -113,7 +113,9 @@ class CudaDataPlaneImpl : public DataPlane {
   /// GPUs below the oldest supported architecture: UUID → why (they serve no rank).
   std::map<std::string, std::string> unsupported_;
   std::map<int, std::set<int>> peer_;  // ordinal → peers it can access.
-  /// Whether every engine's groups are quiescent (DeferredRelease::MaybeRelease's test).
+  /// DeferredRelease::MaybeRelease's test: no group is being destroyed and no engine has a
+  /// busy group (EngineHost::FirstBusyGroup). When memory has waited 30 s, warns (once a
+  /// minute at most) naming the group that keeps a GPU busy.
   bool AllEnginesQuiescent();
   DeferredRelease deferred_release_;   // Outlives the engines (declared before them).
   std::atomic<int> groups_ending_{0};  // GroupEnding scopes alive.
