@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <thread>
+#include <vector>
 
 #include "proto/abi/shm_abi.h"
 
@@ -162,7 +163,7 @@ TEST(EngineHostTest, FirstBusyGroupIsTheFirstGroupWithWorkAndSeesItUnderTheListL
 }
 
 TEST(EngineHostTest, DeferredReleaseWaitsForEveryEngineToLeaveItsRound) {
-  DeferredRelease release;
+  DeferredRelease release(0ns);  // Every call checks.
   // Another engine inside a round of polls (its PollScope held): no release.
   auto scope = release.PollScope();
   std::atomic<bool> released{false}, during_poll{false};
@@ -183,6 +184,65 @@ TEST(EngineHostTest, DeferredReleaseWaitsForEveryEngineToLeaveItsRound) {
   release.Add(nullptr);  // Ignored.
   EXPECT_EQ(release.pending(), 0u);
   EXPECT_EQ(release.pending_for(), std::chrono::steady_clock::duration::zero());
+}
+
+TEST(EngineHostTest, DeferredReleaseChecksNothingWhileNothingWaits) {
+  DeferredRelease release(0ns);
+  int checks = 0;
+  auto count = [&] {
+    ++checks;
+    return true;
+  };
+  for (int i = 0; i < 1000; ++i) EXPECT_EQ(release.MaybeRelease(count), 0u);
+  EXPECT_EQ(checks, 0);
+  // Nor once what waited is dropped.
+  release.Add(std::make_shared<int>(1));
+  EXPECT_EQ(release.MaybeRelease(count), 1u);
+  EXPECT_EQ(checks, 1);
+  for (int i = 0; i < 1000; ++i) EXPECT_EQ(release.MaybeRelease(count), 0u);
+  EXPECT_EQ(checks, 1);
+  EXPECT_EQ(release.pending(), 0u);
+}
+
+TEST(EngineHostTest, DeferredReleaseChecksAtMostOncePerIntervalWhileItemsWait) {
+  // A long interval: of many rounds on several engines, one checks.
+  {
+    DeferredRelease release(std::chrono::hours(1));
+    release.Add(std::make_shared<int>(1));
+    std::atomic<int> checks{0};
+    auto busy = [&] {
+      checks.fetch_add(1);
+      return false;
+    };
+    std::vector<std::thread> engines;
+    for (int t = 0; t < 4; ++t) {
+      engines.emplace_back([&] {
+        for (int i = 0; i < 1000; ++i) release.MaybeRelease(busy);
+      });
+    }
+    for (std::thread& t : engines) t.join();
+    EXPECT_EQ(checks.load(), 1);
+    EXPECT_EQ(release.pending(), 1u);
+    // Quiescent now, but the next check is an hour away: kept.
+    EXPECT_EQ(release.MaybeRelease([] { return true; }), 0u);
+    EXPECT_EQ(release.pending(), 1u);
+  }
+  // A short one: once it has passed, the next round checks again and drops.
+  DeferredRelease release(1ms);
+  release.Add(std::make_shared<int>(1));
+  int checks = 0;
+  EXPECT_EQ(release.MaybeRelease([&] {
+    ++checks;
+    return false;
+  }),
+            0u);
+  std::this_thread::sleep_for(2ms);
+  EXPECT_EQ(release.MaybeRelease([&] {
+    ++checks;
+    return true;
+  }),
+            1u);
+  EXPECT_EQ(checks, 2);
 }
 
 TEST(EngineHostTest, StopWithoutStartIsANoOp) {
