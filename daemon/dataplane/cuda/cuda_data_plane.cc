@@ -123,7 +123,9 @@ absl::Status CudaDataPlaneImpl::Init() {
       peer_[a].insert(b);
     }
   }
-  // Eager kernel loading, then one engine per GPU.
+  // Eager kernel loading and one engine per GPU, every engine in engines_ before any
+  // starts: an engine thread walks engines_ (AllEnginesQuiescent), which is not changed
+  // after this.
   gpu_holder_.assign(static_cast<size_t>(uuids_.rbegin()->first) + 1, nullptr);
   for (const auto& [device, uuid] : uuids_) {
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(device)));
@@ -132,12 +134,15 @@ absl::Status CudaDataPlaneImpl::Init() {
     auto engine = std::make_unique<GpuEngine>();
     engine->device = device;
     EPD_ASSIGN_OR_RETURN(engine->aux, CreateStream());
+    engine->host.SetDeferredRelease(&deferred_release_, [this] { return AllEnginesQuiescent(); });
+    engines_[device] = std::move(engine);
+  }
+  for (auto& [device, engine] : engines_) {
     GpuEngine* e = engine.get();
-    e->host.SetDeferredRelease(&deferred_release_, [this] { return AllEnginesQuiescent(); });
     EPD_RETURN_IF_ERROR(e->host.Start(options_.engine_idle_us, options_.on_engine_start,
                                       [e] { cudaSetDevice(e->device); }));
-    engines_[device] = std::move(engine);
-    log->info("CUDA data plane: GPU {} ({}) ready: kernels loaded, engine started", device, uuid);
+    log->info("CUDA data plane: GPU {} ({}) ready: kernels loaded, engine started", device,
+              uuids_.at(device));
   }
   return absl::OkStatus();
 }

@@ -122,6 +122,7 @@ class CudaDataPlaneImpl : public DataPlane {
   /// When AllEnginesQuiescent last warned of memory waiting (engine threads, under the
   /// release's exclusive lock: one at a time).
   std::chrono::steady_clock::time_point last_release_warning_{};
+  /// Filled by Init before any engine starts and not changed after (engine threads walk it).
   std::map<int, std::unique_ptr<GpuEngine>> engines_;
   std::mutex claim_mu_;
   /// [max ordinal + 1], indexed by ordinal: the group whose op runs on the GPU, or null.
