@@ -630,23 +630,29 @@ bool IsMaskedRefusal(absl::string_view line) {
          (absl::StrContains(line, "the rank is masked") || absl::StrContains(line, "was masked"));
 }
 
-/// On the CUDA backend, an op that a stopped rank held stays on the GPU after it was given
-/// up, until its kernels' own bounds (op_timeout): the group's next op cannot start before
-/// that and fails, and a continued rank arriving at it is told so (docs/RELIABILITY.md).
-bool IsEarlierOpStillOnTheGpu(absl::string_view line) {
-  return absl::StrContains(line, " DEADLINE_EXCEEDED ") &&
-         absl::StrContains(line, "could not start it within op_timeout") &&
-         absl::StrContains(line, "an earlier op is still run");
-}
+/// Which of the failures a stopped rank's GPU stall causes a caller accepts.
+enum class GpuStall {
+  /// The op after the stalled one only: the stalled op, given up on, stays on the GPU until
+  /// its kernels' own bounds (op_timeout), so the next op cannot start before that and fails
+  /// ("an earlier op is still run..."). What the stopped rank, once continued, may see.
+  kNextOp,
+  /// The stalled op too: it fails at its bound for every rank ("the GPU did not finish the
+  /// op"). What the other ranks may see.
+  kStalledOrNextOp,
+};
 
 /// On the CUDA backend, a rank stopped after it submitted an op (its client's stream never
-/// staged it) stalls that op on the GPU: the op fails at its bound for every rank ("the
-/// GPU did not finish the op"), and so does the next one, which cannot start before it
-/// (IsEarlierOpStillOnTheGpu); only then is the rank masked (docs/RELIABILITY.md).
-bool IsGpuStallOfAStoppedRank(absl::string_view line) {
-  return IsEarlierOpStillOnTheGpu(line) ||
-         (absl::StrContains(line, " DEADLINE_EXCEEDED ") &&
-          absl::StrContains(line, "the GPU did not finish the op within op_timeout"));
+/// staged it) stalls that op on the GPU: the op fails at its bound for every rank, and so
+/// does the next one, which cannot start before it; only then is the rank masked
+/// (docs/RELIABILITY.md). Whether an error line is such a failure, of the kinds `accepted`.
+bool IsGpuStallOfAStoppedRank(absl::string_view line, GpuStall accepted) {
+  if (!absl::StrContains(line, " DEADLINE_EXCEEDED ")) return false;
+  if (absl::StrContains(line, "could not start it within op_timeout") &&
+      absl::StrContains(line, "an earlier op is still run")) {
+    return true;
+  }
+  return accepted == GpuStall::kStalledOrNextOp &&
+         absl::StrContains(line, "the GPU did not finish the op within op_timeout");
 }
 
 // ---- the run ---------------------------------------------------------------------------
@@ -1376,7 +1382,8 @@ class Chaos {
           const std::string out = v.procs[victim]->Stdout();
           for (absl::string_view line : absl::StrSplit(out.substr(cont[victim]), '\n')) {
             if (absl::StartsWith(line, "ROUND ") && absl::StrContains(line, " ERROR ") &&
-                !IsMaskedRefusal(line) && !(backend_ == "cuda" && IsEarlierOpStillOnTheGpu(line))) {
+                !IsMaskedRefusal(line) &&
+                !(backend_ == "cuda" && IsGpuStallOfAStoppedRank(line, GpuStall::kNextOp))) {
               return Failure{
                   "the continued rank's errors",
                   absl::StrCat("rank ", victim, ": want FAILED_PRECONDITION (masked), got: ", line,
@@ -1481,7 +1488,8 @@ class Chaos {
       for (absl::string_view line :
            absl::StrSplit(out.substr(std::min(since[r], out.size())), '\n')) {
         if (absl::StartsWith(line, "ROUND ") && absl::StrContains(line, " ERROR ") &&
-            !IsMaskedRefusal(line) && !(gpu_stall_ok && IsGpuStallOfAStoppedRank(line))) {
+            !IsMaskedRefusal(line) &&
+            !(gpu_stall_ok && IsGpuStallOfAStoppedRank(line, GpuStall::kStalledOrNextOp))) {
           return Failure{"survivors' ops under MASK",
                          absl::StrCat(v.name, " rank ", r, ": ", line, "\n", v.Outputs())};
         }
