@@ -23,6 +23,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/errors/reason.h"
 #include "daemon/core/config.h"
+#include "daemon/core/config_overrides.h"
 #include "daemon/core/daemon.h"
 #include "daemon/core/fatal_signals.h"
 #include "daemon/core/logging.h"

@@ -23,12 +23,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "common/errors/reason.h"
 #include "common/os/scoped_fd.h"
 #include "common/status_macros.h"
 #include "daemon/control/spec_validation.h"
-#include "daemon/core/config_reload.h"
 #include "daemon/core/logging.h"
 #include "daemon/transport/fault/fault_transport.h"
 #include "google/protobuf/io/tokenizer.h"
@@ -954,49 +952,19 @@ std::vector<std::string> DaemonConfigWarnings(const v1::DaemonConfig& config) {
 }
 
 absl::StatusOr<v1::DaemonConfig> ResolveDaemonConfig(const ConfigFlags& flags) {
-  EPD_ASSIGN_OR_RETURN(ResolvedDaemonConfig resolved, ResolveDaemonConfigWithOverrides(flags));
-  return std::move(resolved.config);
-}
-
-absl::StatusOr<ResolvedDaemonConfig> ResolveDaemonConfigWithOverrides(const ConfigFlags& flags) {
   v1::DaemonConfig file;
   if (flags.config_path && !flags.config_path->empty()) {
     EPD_ASSIGN_OR_RETURN(file, LoadDaemonConfigFile(*flags.config_path));
   }
-  ResolvedDaemonConfig resolved;
-  resolved.config = file;
-  EPD_RETURN_IF_ERROR(ApplyConfigFlags(flags, &resolved.config));
-  FillDaemonConfigDefaults(&resolved.config);
-  EPD_RETURN_IF_ERROR(ValidateDaemonConfig(resolved.config));
-  // The fields the file sets whose value the flags replaced. Both sides filled, so that
-  // equal values spelt differently ("off" and "", "TCP" and "tcp") are not an override.
-  const std::vector<std::string> set_by_file = DifferingConfigFields(v1::DaemonConfig(), file);
-  v1::DaemonConfig file_filled = file;
-  FillDaemonConfigDefaults(&file_filled);
-  for (std::string& field : DifferingConfigFields(file_filled, resolved.config)) {
-    if (std::find(set_by_file.begin(), set_by_file.end(), field) == set_by_file.end()) continue;
-    ConfigFlagOverride override_;
-    override_.flag = FlagOfConfigField(field);
-    override_.file_value = ConfigFieldText(file_filled, field);
-    override_.value = ConfigFieldText(resolved.config, field);
-    override_.field = std::move(field);
-    resolved.overridden.push_back(std::move(override_));
-  }
-  return resolved;
+  return ResolveDaemonConfigFrom(std::move(file), flags);
 }
 
-std::string FlagOfConfigField(absl::string_view field) {
-  if (field == "socket_path") return "--socket";
-  if (field == "op_timeout_ms") return "--op_timeout";
-  absl::string_view rdma = field;
-  if (absl::ConsumePrefix(&rdma, "rdma.")) return absl::StrCat("--rdma_", rdma);
-  return absl::StrCat("--", field);
-}
-
-std::string ConfigFlagOverrideText(const ConfigFlagOverride& override_) {
-  return absl::StrCat(override_.field, ": set by ", override_.flag, " on the command line (",
-                      override_.value, "); the config file's value (", override_.file_value,
-                      ") is not applied");
+absl::StatusOr<v1::DaemonConfig> ResolveDaemonConfigFrom(v1::DaemonConfig file,
+                                                         const ConfigFlags& flags) {
+  EPD_RETURN_IF_ERROR(ApplyConfigFlags(flags, &file));
+  FillDaemonConfigDefaults(&file);
+  EPD_RETURN_IF_ERROR(ValidateDaemonConfig(file));
+  return file;
 }
 
 absl::StatusOr<uint32_t> ParseFileMode(absl::string_view field, absl::string_view value) {

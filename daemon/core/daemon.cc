@@ -23,6 +23,7 @@
 #include "daemon/control/control_service.h"
 #include "daemon/control/group_registry.h"
 #include "daemon/core/config.h"
+#include "daemon/core/config_overrides.h"
 #include "daemon/core/fd_limits.h"
 #include "daemon/dataplane/host/host_data_plane.h"
 #include "daemon/gpu/cuda_driver_probe.h"

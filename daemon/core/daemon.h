@@ -24,6 +24,7 @@
 #include "common/os/shm_region.h"
 #include "common/version.h"
 #include "daemon/core/config.h"
+#include "daemon/core/config_overrides.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/gpu/gpu_inventory.h"
 #include "daemon/metrics/metrics.h"

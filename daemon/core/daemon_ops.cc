@@ -16,6 +16,7 @@
 #include "daemon/control/audit_log.h"
 #include "daemon/control/group_registry.h"
 #include "daemon/core/config.h"
+#include "daemon/core/config_overrides.h"
 #include "daemon/core/config_reload.h"
 #include "daemon/core/daemon.h"
 #include "daemon/core/logging.h"

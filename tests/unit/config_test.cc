@@ -12,6 +12,7 @@
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/core/config_overrides.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/config_flags_testing.h"

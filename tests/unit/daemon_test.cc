@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/core/config.h"
+#include "daemon/core/config_overrides.h"
 #include "daemon/core/logging.h"
 #include "daemon/metrics/metrics.h"
 #include "epd/v1/control.grpc.pb.h"
