@@ -215,6 +215,13 @@ class Daemon {
   /// operator's drain (the process's own health, "", which liveness asks).
   std::string NotServingReasonLocked(bool count_drain = true) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// The listeners whose health WatchHealth checks: the clients' (listener.h) and the Peer
+  /// service's.
+  enum class Listener { kClients, kPeers };
+  /// Sets why `listener` is stuck ("" when it is not: listener_stuck_ or
+  /// peer_listener_stuck_); when that changes whether it is stuck, logs it (an error, or its
+  /// recovery) and republishes health (PublishServing).
+  void SetListenerStuck(Listener listener, std::string stuck) ABSL_LOCKS_EXCLUDED(mu_);
   /// The process's own health: serving but for an operator's drain (epd_serving).
   bool ProcessServing() const ABSL_LOCKS_EXCLUDED(mu_);
   void MonitorGpus();

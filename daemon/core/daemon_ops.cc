@@ -126,8 +126,27 @@ void Daemon::MonitorGpus() {
   }
 }
 
-void Daemon::WatchHealth() {
+void Daemon::SetListenerStuck(Listener listener, std::string stuck) {
+  bool changed = false;
+  {
+    absl::MutexLock lock(&mu_);
+    std::string& reason = listener == Listener::kClients ? listener_stuck_ : peer_listener_stuck_;
+    changed = stuck.empty() != reason.empty();
+    reason = stuck;  // The reason GetStats shows, kept current.
+  }
+  if (!changed) return;
   auto log = GetLogger(kLogDaemon);
+  if (!stuck.empty()) {
+    log->error("{}; health is NOT_SERVING", stuck);
+  } else if (listener == Listener::kClients) {
+    log->info("listener recovered: accepting connections again");
+  } else {
+    log->info("Peer listener recovered: taking connections again");
+  }
+  PublishServing();
+}
+
+void Daemon::WatchHealth() {
   absl::Time next_peer_probe = absl::Now() + options_.peer_probe_interval;
   int failed_peer_probes = 0;
   while (true) {
@@ -151,41 +170,16 @@ void Daemon::WatchHealth() {
           absl::FormatDuration(absl::Trunc(listener.failing_for, absl::Milliseconds(1))), " (",
           listener.last_failure, ")");
     }
-    bool changed = false;
-    {
-      absl::MutexLock lock(&mu_);
-      changed = stuck.empty() != listener_stuck_.empty();
-      listener_stuck_ = stuck;  // The reason GetStats shows, kept current.
-    }
-    if (changed) {
-      if (stuck.empty()) {
-        log->info("listener recovered: accepting connections again");
-      } else {
-        log->error("{}; health is NOT_SERVING", stuck);
-      }
-      PublishServing();
-    }
+    SetListenerStuck(Listener::kClients, std::move(stuck));
     if (peer_mesh_ != nullptr && now >= next_peer_probe) {
       next_peer_probe = now + options_.peer_probe_interval;
       const absl::Status probe = peer_mesh_->ProbeListener(options_.peer_probe_timeout);
       failed_peer_probes = probe.ok() ? 0 : failed_peer_probes + 1;
-      const std::string peer_stuck = failed_peer_probes >= 2
-                                         ? absl::StrCat("Peer listener stuck: ", probe.message())
-                                         : std::string();
-      bool peer_changed = false;
-      {
-        absl::MutexLock lock(&mu_);
-        peer_changed = peer_stuck.empty() != peer_listener_stuck_.empty();
-        if (probe.ok() || !peer_stuck.empty()) peer_listener_stuck_ = peer_stuck;
-      }
-      if (peer_changed) {
-        if (peer_stuck.empty()) {
-          log->info("Peer listener recovered: taking connections again");
-        } else {
-          log->error("{}; health is NOT_SERVING", peer_stuck);
-        }
-        PublishServing();
-      }
+      // One failed probe is not yet stuck; a stuck listener stays so until a probe succeeds.
+      SetListenerStuck(Listener::kPeers,
+                       failed_peer_probes >= 2
+                           ? absl::StrCat("Peer listener stuck: ", probe.message())
+                           : std::string());
     }
     registry_->ExpireUnmappedEndpoints(now);
     registry_->ReportSuppressedLogLines();
