@@ -20,14 +20,8 @@
 #include <thread>
 #include <vector>
 
-#define CK(x)                                                                            \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                           \
-    }                                                                                    \
-  } while (0)
+#include "tests/common/cuda_or_die.h"
+
 #define CU(x)                                                             \
   do {                                                                    \
     CUresult r_ = (x);                                                    \
