@@ -178,6 +178,21 @@ absl::StatusOr<v1::RankMask> LockstepGroup::UpdateRankMask(std::span<const int32
     }
     listed[r] = 1;
   }
+  if (spanning_) {
+    // Across nodes each node masks its own ranks (the others learn it from its exchange
+    // header): a rank of another node is masked or unmasked at that node's daemon.
+    for (const auto& [field, list] : {std::pair{"mask", mask}, std::pair{"unmask", unmask}}) {
+      for (int32_t r : list) {
+        if (r < local_first_ || r >= local_first_ + local_count_) {
+          return absl::FailedPreconditionError(
+              absl::StrCat(field, ": rank ", r, " of group ", spec_.name(),
+                           " lives on another node; this daemon hosts ranks ", local_first_, "-",
+                           local_first_ + local_count_ - 1,
+                           ": mask or unmask it through an endpoint of its own node's daemon"));
+        }
+      }
+    }
+  }
   for (int32_t r : unmask) {
     if (r < 0 || r >= R) {
       return absl::InvalidArgumentError(
