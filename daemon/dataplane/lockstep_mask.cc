@@ -68,8 +68,16 @@ absl::Status LockstepGroup::MaskedError(int32_t rank, uint64_t seq) const {
 v1::RankMask LockstepGroup::MaskMessageLocked() const {
   v1::RankMask m;
   m.set_epoch(mask_epoch_);
-  for (size_t r = 0; r < rank_masked_.size(); ++r) {
-    if (rank_masked_[r]) m.add_masked_ranks(static_cast<int32_t>(r));
+  const std::vector<uint8_t>* masked = &rank_masked_;
+  std::vector<uint8_t> group;  // An RPC's answer, not an op: may allocate.
+  if (BackendReportsOpMask()) {
+    // Across nodes: every node's ranks, in the numbering of epochs every node shares.
+    group.assign(rank_masked_.size(), 0);
+    m.set_epoch(BackendRankMask(&group));
+    masked = &group;
+  }
+  for (size_t r = 0; r < masked->size(); ++r) {
+    if ((*masked)[r]) m.add_masked_ranks(static_cast<int32_t>(r));
   }
   return m;
 }

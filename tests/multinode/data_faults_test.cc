@@ -145,5 +145,85 @@ TEST_F(DataFaultsTest, SilentRankIsNamedOnEveryNode) {
   }
 }
 
+// The same group with on_rank_failure = MASK: node 1's daemon is SIGKILLed mid-op and node
+// 0's ranks go on without node 1's ranks, exact (every OK result checked against kernels/host
+// with ranks 2 and 3 masked), their first such round within op_timeout + 1 s of the kill;
+// once node 1 is back and its ranks rejoin, they are unmasked and the group is whole again.
+class DataMaskFaultsTest : public DataFaultsTest {
+ protected:
+  /// Waits until `client`'s stdout after its first `skip` bytes holds `text`; false after
+  /// `timeout`.
+  static bool WaitFor(testing::Subprocess& client, const std::string& text, size_t skip,
+                      absl::Duration timeout) {
+    const absl::Time end = absl::Now() + timeout;
+    while (client.Stdout().find(text, skip) == std::string::npos) {
+      if (absl::Now() > end) return false;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return true;
+  }
+
+  void SetUp() override {
+    run_.extra_args.push_back("--on_rank_failure=mask");
+    run_.group = "mask_faults";
+    auto cluster = StartCluster({2, 2}, kOpTimeout);
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    cluster_ = *std::move(cluster);
+    run_.scenario = "loop";
+    run_.tokens = {3, 5, 0, 4};
+    run_.extra_args.insert(run_.extra_args.end(),
+                           {"--max_seconds=60", "--wait_seconds=20", "--round_pause_ms=5"});
+    for (int r = 0; r < 4; ++r) {
+      auto client = StartClient(cluster_, run_, r);
+      ASSERT_TRUE(client.ok()) << client.status();
+      clients_.push_back(*std::move(client));
+    }
+    for (int r = 0; r < 4; ++r) {
+      absl::Status running = clients_[r]->WaitForOutput("ROUND 2 OK", absl::Seconds(20));
+      ASSERT_TRUE(running.ok()) << "rank " << r << ": " << running.message() << cluster_.Logs();
+    }
+  }
+};
+
+TEST_F(DataMaskFaultsTest, PeerDaemonKilledIsMaskedAndARestartedPeerRejoins) {
+  std::vector<size_t> seen(2);
+  for (int r = 0; r < 2; ++r) seen[r] = clients_[r]->Stdout().size();
+  const absl::Time killed = absl::Now();
+  cluster_.daemons[1]->Kill();
+  for (int r = 2; r < 4; ++r) {
+    clients_[r]->Signal(SIGKILL);
+    ASSERT_TRUE(clients_[r]->Wait(absl::Seconds(5)).ok());
+  }
+  for (int r = 0; r < 2; ++r) {
+    const bool masked =
+        WaitFor(*clients_[r], "masked=2,3\n", seen[r], kOpTimeout + absl::Seconds(1));
+    ASSERT_TRUE(masked) << "rank " << r << " ran no round without node 1's ranks within "
+                        << "op_timeout + 1 s of the kill:\n"
+                        << clients_[r]->Stdout().substr(seen[r]) << cluster_.Logs();
+    EXPECT_LE(absl::Now() - killed, kOpTimeout + absl::Seconds(1));
+    EXPECT_EQ(clients_[r]->Stdout().find("MISMATCH"), std::string::npos) << clients_[r]->Stdout();
+  }
+  // Node 1 restarts on the same ports; its ranks rejoin and are unmasked.
+  absl::Status restarted = cluster_.daemons[1]->Restart();
+  ASSERT_TRUE(restarted.ok()) << restarted;
+  for (int r = 0; r < 2; ++r) seen[r] = clients_[r]->Stdout().size();
+  for (int r = 2; r < 4; ++r) {
+    auto client = StartClient(cluster_, run_, r);
+    ASSERT_TRUE(client.ok()) << client.status();
+    clients_[r] = *std::move(client);
+  }
+  for (int r = 0; r < 4; ++r) {
+    const bool whole = WaitFor(*clients_[r], "masked=-\n", r < 2 ? seen[r] : 0, absl::Seconds(30));
+    ASSERT_TRUE(whole) << "rank " << r << " ran no round with every rank after the rejoin:\n"
+                       << clients_[r]->Stdout() << cluster_.Logs();
+  }
+  for (int r = 0; r < 4; ++r) {
+    clients_[r]->CloseStdin();
+    auto code = clients_[r]->Wait(kOpTimeout + absl::Seconds(25));
+    ASSERT_TRUE(code.ok()) << "rank " << r << " did not stop: " << clients_[r]->Stdout();
+    EXPECT_EQ(*code, 0) << "rank " << r << ": " << clients_[r]->Stdout();
+  }
+}
+
 }  // namespace
 }  // namespace epd::multinode

@@ -1416,6 +1416,17 @@ TEST_F(MultinodeMaskTest, RankLeavingOnOneNodeIsMaskedOnEveryNodeThenRejoins) {
   EXPECT_GE(epoch, 1u);
   RoundMatches({3}, 33, &epoch);  // Still masked; the epoch stays.
   if (HasFatalFailure()) return;
+  // Every node's QueryRankMask names the group's masked ranks with the ops' epoch.
+  for (int n = 0; n < 2; ++n) {
+    absl::StatusOr<v1::RankMask> q = nodes_[n]->group->GetRankMask();
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_EQ(q->epoch(), epoch) << "node " << n;
+    EXPECT_THAT(q->masked_ranks(), ::testing::ElementsAre(3)) << "node " << n;
+  }
+  // A rank of another node is masked at its own node's daemon.
+  const int32_t other[1] = {3};
+  EXPECT_EQ(nodes_[0]->group->UpdateRankMask(other, {}, false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
   const uint32_t masked_epoch = epoch;
   // A rank of node 0 leaves too: two nodes' masks at once.
   rings_[0].reset();

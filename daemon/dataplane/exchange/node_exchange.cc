@@ -324,6 +324,19 @@ bool NodeExchange::ReadyToStart() {
   return true;
 }
 
+uint32_t NodeExchange::NextMask(std::vector<uint8_t>* mask) const {
+  // The last op's mask, with this node's own ranks as it masks them now.
+  const std::vector<uint8_t>& local = host_->ExchangeRankMasked();
+  std::copy(view_mask_.begin(), view_mask_.end(), mask->begin());
+  bool changed = false;
+  for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+    const uint8_t m = local[r] ? 1 : 0;
+    changed |= (*mask)[r] != m;
+    (*mask)[r] = m;
+  }
+  return view_epoch_ + (changed ? 1 : 0);
+}
+
 bool NodeExchange::NodeLost(int32_t n) const {
   if (!span_.connected[n]) return false;
   if (span_.link->State(n) != transport::PeerState::kReady || !span_.link->PeerStatus(n).ok()) {
@@ -649,17 +662,10 @@ void NodeExchange::Start(const OpPlan& plan, const std::vector<abi::RequestSlot>
     routing_tokens_[r] = h.routing_tokens();
   }
   if (masking_) {
-    // This node's header mask: the last op's, with its own ranks as it masks them now.
-    const std::vector<uint8_t>& local = host_->ExchangeRankMasked();
-    std::copy(view_mask_.begin(), view_mask_.end(), self_mask_.begin());
-    bool changed = false;
+    self_epoch_ = NextMask(&self_mask_);
     for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
-      const uint8_t m = local[r] ? 1 : 0;
-      changed |= self_mask_[r] != m;
-      self_mask_[r] = m;
-      if (m) recv_tokens_[r] = routing_tokens_[r] = 0;  // A stand-in: no handles.
+      if (self_mask_[r]) recv_tokens_[r] = routing_tokens_[r] = 0;  // A stand-in: no handles.
     }
-    self_epoch_ = view_epoch_ + (changed ? 1 : 0);
     for (int32_t n = 0; n < span_.num_nodes; ++n) {
       excluded_[n] = excluded_at_start_[n] = n != span_.self && NodeLost(n);
     }
@@ -894,7 +900,13 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
     }
   };
   auto fail = [&](const absl::Status& st) {
-    for (RankOutcome& o : outcomes) o.status = st;
+    uint32_t num_masked = 0;
+    for (uint8_t m : self_mask_) num_masked += m;
+    for (RankOutcome& o : outcomes) {
+      o.status = st;
+      o.mask_epoch = self_epoch_;  // The mask this node brought to the op.
+      o.num_masked = num_masked;
+    }
     end_op();
     return true;
   };

@@ -135,6 +135,10 @@ class NodeExchange {
   /// §5.1 "Rank masking").
   const std::vector<uint8_t>& OpMask() const { return view_mask_; }
   uint32_t OpMaskEpoch() const { return view_epoch_; }
+  /// The mask ([R], into `*mask`, sized R) and epoch (returned) this node's next op puts in
+  /// its header: OpMask() with this node's ranks as ExchangeRankMasked() has them now, the
+  /// epoch + 1 when they differ. What QueryRankMask answers across nodes.
+  uint32_t NextMask(std::vector<uint8_t>* mask) const;
   /// Rows of low-latency buffer `b`'s last dispatch from every rank to every expert
   /// ([R, E], source major): what a LowLatencyCombine on it reads per expert.
   const std::vector<int32_t>& LowLatencyCounts(int b) const { return span_.ll_counts[b]; }

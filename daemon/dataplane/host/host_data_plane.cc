@@ -179,7 +179,12 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
     return exchange_ && exchange_->ready() ? exchange_->PeerFailure(seq) : absl::OkStatus();
   }
   bool ReadyToStart() override { return !spanning() || exchange_->ReadyToStart(); }
-  bool BackendReportsOpMask() const override { return spanning() && masking(); }
+  bool BackendReportsOpMask() const override {
+    return spanning() && masking() && exchange_ && exchange_->ready();
+  }
+  uint32_t BackendRankMask(std::vector<uint8_t>* masked) const override {
+    return exchange_->NextMask(masked);
+  }
   std::string NotReadyReason() const override {
     return exchange_ && exchange_->ready() ? exchange_->NotReadyReason() : std::string();
   }
