@@ -28,18 +28,24 @@ constexpr absl::Duration kOpTimeout = absl::Seconds(2);
 
 class DataFaultsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { StartGroup("faults", {}, /*exit_after_recovery=*/true); }
+
+  /// Starts the cluster and group `name`'s four clients (with `extra` flags) and waits until
+  /// each ran two rounds. `exit_after_recovery`: node 0's ranks exit once they have seen a
+  /// failure and then 3 good rounds.
+  void StartGroup(const std::string& name, const std::vector<std::string>& extra,
+                  bool exit_after_recovery) {
     auto cluster = StartCluster({2, 2}, kOpTimeout);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     cluster_ = *std::move(cluster);
-    run_.group = "faults";
+    run_.group = name;
     run_.scenario = "loop";
     run_.tokens = {3, 5, 0, 4};
     run_.extra_args = {"--max_seconds=60", "--wait_seconds=20", "--round_pause_ms=5"};
+    run_.extra_args.insert(run_.extra_args.end(), extra.begin(), extra.end());
     for (int r = 0; r < 4; ++r) {
-      // Node 0's ranks exit once they have seen a failure and then 3 good rounds.
       ClientRun run = run_;
-      if (r < 2) run.extra_args.push_back("--exit_after_recovery");
+      if (r < 2 && exit_after_recovery) run.extra_args.push_back("--exit_after_recovery");
       auto client = StartClient(cluster_, run, r);
       ASSERT_TRUE(client.ok()) << client.status();
       clients_.push_back(*std::move(client));
@@ -164,24 +170,7 @@ class DataMaskFaultsTest : public DataFaultsTest {
   }
 
   void SetUp() override {
-    run_.extra_args.push_back("--on_rank_failure=mask");
-    run_.group = "mask_faults";
-    auto cluster = StartCluster({2, 2}, kOpTimeout);
-    ASSERT_TRUE(cluster.ok()) << cluster.status();
-    cluster_ = *std::move(cluster);
-    run_.scenario = "loop";
-    run_.tokens = {3, 5, 0, 4};
-    run_.extra_args.insert(run_.extra_args.end(),
-                           {"--max_seconds=60", "--wait_seconds=20", "--round_pause_ms=5"});
-    for (int r = 0; r < 4; ++r) {
-      auto client = StartClient(cluster_, run_, r);
-      ASSERT_TRUE(client.ok()) << client.status();
-      clients_.push_back(*std::move(client));
-    }
-    for (int r = 0; r < 4; ++r) {
-      absl::Status running = clients_[r]->WaitForOutput("ROUND 2 OK", absl::Seconds(20));
-      ASSERT_TRUE(running.ok()) << "rank " << r << ": " << running.message() << cluster_.Logs();
-    }
+    StartGroup("mask_faults", {"--on_rank_failure=mask"}, /*exit_after_recovery=*/false);
   }
 };
 
