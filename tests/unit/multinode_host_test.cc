@@ -1468,6 +1468,28 @@ TEST_F(MultinodeMaskTest, LostPeerIsMaskedAndARestartedPeerRejoins) {
   RoundMatches({}, 44, &epoch);
 }
 
+// Three nodes: a rank leaving on node 1, then node 2 lost, are masked alike on every node
+// (the op's mask is each node's own ranks' bits plus a lost node's ranks, one epoch).
+TEST_F(MultinodeMaskTest, ThreeNodesAgreeOnEveryMask) {
+  mask_ = true;
+  Start({1, 2, 1}, /*op_timeout_ms=*/1000);
+  if (HasFatalFailure()) return;
+  uint32_t epoch = 0;
+  RoundMatches({}, 51, &epoch);
+  if (HasFatalFailure()) return;
+  rings_[2].reset();
+  nodes_[1]->group->DetachRank(2);
+  RoundMatches({2}, 52, &epoch);
+  if (HasFatalFailure()) return;
+  rings_[3].reset();
+  nodes_[2]->group.reset();
+  RoundMatches({2, 3}, 53, &epoch);
+  if (HasFatalFailure()) return;
+  Reattach(1, 2);
+  if (HasFatalFailure()) return;
+  RoundMatches({3}, 54, &epoch);
+}
+
 // A peer's mask naming a rank beyond the group is DATA_LOSS naming the node.
 TEST_F(MultinodeMaskTest, AMaskBitBeyondTheGroupIsDataLossNamingTheNode) {
   mask_ = true;
