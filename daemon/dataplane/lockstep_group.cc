@@ -685,6 +685,7 @@ void LockstepGroup::FinishOp() {
   std::vector<RankOutcome>& outcomes = outcomes_;
   const int R = static_cast<int>(slots.size());
   for (RankOutcome& o : outcomes) {
+    if (BackendReportsOpMask()) break;  // The group's, across nodes.
     o.mask_epoch = mask_epoch_;
     o.num_masked = num_masked_;
   }

@@ -303,6 +303,12 @@ class LockstepGroup : public DataPlaneGroup {
   /// two ops: the backend prepares what a masked rank's part of an op needs (its endpoint
   /// may be gone), or drops it.
   virtual void RankMaskChanged(int32_t /*rank*/, bool /*masked*/) {}
+  /// Whether the backend writes each outcome's mask_epoch and num_masked itself (a group
+  /// across nodes: the mask the nodes agreed on for the op), instead of this node's.
+  virtual bool BackendReportsOpMask() const { return false; }
+  /// With BackendReportsOpMask: the group's mask and epoch as the backend will run the next
+  /// op with them (`masked` sized R, nonzero = masked), for GetRankMask / UpdateRankMask.
+  virtual uint32_t BackendRankMask(std::vector<uint8_t>* /*masked*/) const { return 0; }
   /// Whether the group masks failed ranks (GroupSpec.on_rank_failure = MASK).
   bool masking() const { return masking_; }
   /// [R] the mask of the op being collected or running: nonzero = rank r is masked (it

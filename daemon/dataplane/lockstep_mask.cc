@@ -68,8 +68,16 @@ absl::Status LockstepGroup::MaskedError(int32_t rank, uint64_t seq) const {
 v1::RankMask LockstepGroup::MaskMessageLocked() const {
   v1::RankMask m;
   m.set_epoch(mask_epoch_);
-  for (size_t r = 0; r < rank_masked_.size(); ++r) {
-    if (rank_masked_[r]) m.add_masked_ranks(static_cast<int32_t>(r));
+  const std::vector<uint8_t>* masked = &rank_masked_;
+  std::vector<uint8_t> group;  // An RPC's answer, not an op: may allocate.
+  if (BackendReportsOpMask()) {
+    // Across nodes: every node's ranks, in the numbering of epochs every node shares.
+    group.assign(rank_masked_.size(), 0);
+    m.set_epoch(BackendRankMask(&group));
+    masked = &group;
+  }
+  for (size_t r = 0; r < masked->size(); ++r) {
+    if ((*masked)[r]) m.add_masked_ranks(static_cast<int32_t>(r));
   }
   return m;
 }
@@ -177,6 +185,21 @@ absl::StatusOr<v1::RankMask> LockstepGroup::UpdateRankMask(std::span<const int32
           "mask: rank ", r, " is listed twice; name each rank of group ", spec_.name(), " once"));
     }
     listed[r] = 1;
+  }
+  if (spanning_) {
+    // Across nodes each node masks its own ranks (the others learn it from its exchange
+    // header): a rank of another node is masked or unmasked at that node's daemon.
+    for (const auto& [field, list] : {std::pair{"mask", mask}, std::pair{"unmask", unmask}}) {
+      for (int32_t r : list) {
+        if (r < local_first_ || r >= local_first_ + local_count_) {
+          return absl::FailedPreconditionError(
+              absl::StrCat(field, ": rank ", r, " of group ", spec_.name(),
+                           " lives on another node; this daemon hosts ranks ", local_first_, "-",
+                           local_first_ + local_count_ - 1,
+                           ": mask or unmask it through an endpoint of its own node's daemon"));
+        }
+      }
+    }
   }
   for (int32_t r : unmask) {
     if (r < 0 || r >= R) {

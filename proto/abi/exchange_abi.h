@@ -15,9 +15,9 @@
 
 namespace epd::abi {
 
-inline constexpr uint32_t kExchangeAbiVersion = 2;
+inline constexpr uint32_t kExchangeAbiVersion = 3;
 inline constexpr uint32_t kExchangeMagic = 0x45584831;  // "EXH1"
-inline constexpr uint32_t kExchangeMessageBytes = 448;  // Error text in a header.
+inline constexpr uint32_t kExchangeMessageBytes = 432;  // Error text in a header.
 /// Low bits of an immediate: the phase of the op (one phase per op today: the message).
 inline constexpr uint32_t kExchangePhaseBits = 4;
 inline constexpr uint32_t kExchangePhaseOp = 1;
@@ -53,13 +53,25 @@ struct ExchangeHeader {
   /// The error's catalog reason (proto/epd/v1/errors.proto ErrorReason); 0 when OK or none.
   /// Untrusted like the rest: an unknown number is carried and printed as UNKNOWN_REASON.
   uint32_t reason = 0;
+  /// Rank masking (GroupSpec.on_rank_failure = MASK; 0 otherwise): the sender's mask epoch
+  /// as the op started. Its mask, [mask_words] bits after the header (ExchangeSlotLayout::
+  /// mask), travels with every OK message of an op that exchanges data.
+  uint32_t mask_epoch = 0;
+  uint32_t mask_words = 0;  ///< ExchangeMaskWords(R) when the message carries a mask, else 0.
+  uint64_t reserved = 0;
   char message[kExchangeMessageBytes] = {};
 };
 static_assert(std::is_trivially_copyable_v<ExchangeHeader>);
 static_assert(sizeof(ExchangeHeader) == 512);
 static_assert(offsetof(ExchangeHeader, seq) == 8);
 static_assert(offsetof(ExchangeHeader, handle_seq) == 40);
-static_assert(offsetof(ExchangeHeader, message) == 64);
+static_assert(offsetof(ExchangeHeader, mask_epoch) == 64);
+static_assert(offsetof(ExchangeHeader, message) == 80);
+
+/// 64-bit words of a rank mask of `num_ranks` ranks (bit r % 64 of word r / 64 = rank r).
+constexpr uint64_t ExchangeMaskWords(int64_t num_ranks) {
+  return static_cast<uint64_t>((num_ranks + 63) / 64);
+}
 
 /// The group's shape as the exchange needs it (a copy of kernels::GroupShape's numbers, so
 /// that this header depends on nothing).
@@ -72,6 +84,9 @@ struct ExchangeShape {
 /// The byte layout of one slot: node `sender`'s message to node `receiver` for one op, for
 /// a sender of `sender_ranks` ranks and a receiver of `receiver_ranks`. Offsets from the
 /// slot's start, 64-byte aligned. After the header:
+///  - mask [ExchangeMaskWords(R)] uint64: the sender's rank mask (bit r = rank r masked;
+///    the sender's own ranks as it masked them, the others as the last op it finished ran
+///    them); every bit at or past R is 0;
 ///  - tokens [sender_ranks] int32: each sender rank's num_tokens;
 ///  - counts [sender_ranks, E] int32: Dispatch: tokens of each sender rank to each rank
 ///    (first R of the row used); LowLatencyDispatch: to each expert;
@@ -83,7 +98,7 @@ struct ExchangeShape {
 /// The combines' rows go to the receiver's combine area (ExchangeCombineLayout), shared by
 /// every sender.
 struct ExchangeSlotLayout {
-  uint64_t tokens = 0, counts = 0, rows = 0, payload = 0;
+  uint64_t mask = 0, tokens = 0, counts = 0, rows = 0, payload = 0;
   uint64_t block_rows = 0, block_bytes = 0;                            ///< Dispatch blocks.
   uint64_t ids = 0, idx = 0, pos = 0, weights = 0, scales = 0, x = 0;  ///< In a block.
   uint64_t total = 0;
@@ -96,6 +111,8 @@ struct ExchangeSlotLayout {
     const uint64_t R = s.num_ranks, E = s.num_experts, K = s.num_topk, H = s.hidden;
     const uint64_t S = s.num_scales(), n = sender_ranks;
     uint64_t at = Align(sizeof(ExchangeHeader));
+    l.mask = at;
+    at = Align(at + ExchangeMaskWords(s.num_ranks) * 8);
     l.tokens = at;
     at = Align(at + n * 4);
     l.counts = at;

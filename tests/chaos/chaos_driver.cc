@@ -18,7 +18,10 @@
 //              the cycles the same processes call Client::Reconnect (half of those in a
 //              MASK group), else new ones join
 //   peer_death (two daemons as nodes) node 1's daemon is killed mid-loop and restarted;
-//              node 0's ranks fail, then are in step with node 1's new ranks
+//              node 0's ranks fail, then are in step with node 1's new ranks. In a seeded
+//              half of the cycles (host backend) the group is MASK: node 0's ranks never
+//              fail, run with node 1's ranks masked within op_timeout + 1 s, and once node
+//              1's new ranks rejoin every rank's last round has none masked
 //   net_fault  (two daemons started with --testing_transport_faults) a partition, a link
 //              reset, dropped writes, or delayed writes (the last: every result exact)
 //   mask_kill9, mask_stop, mask_rejoin, mask_self  (rank masking, MaskingFaults: the group
@@ -1536,16 +1539,28 @@ class Chaos {
       if (absl::Status st = StartCluster(); !st.ok()) return Failure{"start nodes", st.ToString()};
       for (auto& d : cluster_->daemons) MarkUsed(d.get());
       Group g = MakeNodesGroup(prefix + "-n", per_node, *cluster_);
+      // In a seeded half of the cycles on the host backend the group is MASK: node 0's ranks
+      // go on without node 1's (masked), then take them back unmasked.
+      const bool mask = backend_ == "host" && Pick(0, 1) == 1;
+      if (mask) ConfigureMasking(g, fault);
       *what = g.Describe() + absl::StrCat(" nodes=", per_node[0], "+", per_node[1]);
       Cleanup cleanup{[&] { g.KillAll(); }};
       if (absl::Status st = g.StartAll(); !st.ok()) return Failure{"spawn", st.ToString()};
       if (auto f = WaitFlowing(g, AllRanks(g))) return f;
       absl::SleepFor(absl::Milliseconds(Pick(50, 300)));
       std::vector<size_t> since = Offsets(g);
+      const absl::Time killed = absl::Now();
       cluster_->daemons[1]->Kill();
       std::vector<int> node0, node1;
       for (int r = 0; r < g.num_ranks(); ++r) (r < per_node[0] ? node0 : node1).push_back(r);
-      if (auto f = WaitErrors(g, node0, since, true, "node 0 sees node 1 die")) return f;
+      if (mask) {
+        // Within op_timeout + 1 s node 0's ranks run rounds with node 1's ranks masked, and
+        // none of their ops fails.
+        if (auto f = WaitMasked(g, node0, since, node1.front(), killed, what)) return f;
+        if (auto f = SurvivorsNeverFailed(g, node0, since, false)) return f;
+      } else if (auto f = WaitErrors(g, node0, since, true, "node 0 sees node 1 die")) {
+        return f;
+      }
       // Node 1's clients lost their daemon: they stop; new ones join the restarted node.
       std::set<const Subprocess*> exempt;
       for (int r : node1) {
@@ -1569,6 +1584,12 @@ class Chaos {
       }
       if (auto f = WaitInStep(g, AllRanks(g), since, "in step with node 1's new ranks")) {
         return Failure{f->step, f->detail + cluster_->Logs()};
+      }
+      if (mask) {
+        // Node 1's new ranks are unmasked: every rank's last round has none masked.
+        if (auto f = EpochsAgree(g, AllRanks(g), {})) {
+          return Failure{f->step, f->detail + cluster_->Logs()};
+        }
       }
       return Finish(g, false, true, exempt);
     }

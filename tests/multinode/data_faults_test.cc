@@ -28,18 +28,24 @@ constexpr absl::Duration kOpTimeout = absl::Seconds(2);
 
 class DataFaultsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { StartGroup("faults", {}, /*exit_after_recovery=*/true); }
+
+  /// Starts the cluster and group `name`'s four clients (with `extra` flags) and waits until
+  /// each ran two rounds. `exit_after_recovery`: node 0's ranks exit once they have seen a
+  /// failure and then 3 good rounds.
+  void StartGroup(const std::string& name, const std::vector<std::string>& extra,
+                  bool exit_after_recovery) {
     auto cluster = StartCluster({2, 2}, kOpTimeout);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     cluster_ = *std::move(cluster);
-    run_.group = "faults";
+    run_.group = name;
     run_.scenario = "loop";
     run_.tokens = {3, 5, 0, 4};
     run_.extra_args = {"--max_seconds=60", "--wait_seconds=20", "--round_pause_ms=5"};
+    run_.extra_args.insert(run_.extra_args.end(), extra.begin(), extra.end());
     for (int r = 0; r < 4; ++r) {
-      // Node 0's ranks exit once they have seen a failure and then 3 good rounds.
       ClientRun run = run_;
-      if (r < 2) run.extra_args.push_back("--exit_after_recovery");
+      if (r < 2 && exit_after_recovery) run.extra_args.push_back("--exit_after_recovery");
       auto client = StartClient(cluster_, run, r);
       ASSERT_TRUE(client.ok()) << client.status();
       clients_.push_back(*std::move(client));
@@ -142,6 +148,69 @@ TEST_F(DataFaultsTest, SilentRankIsNamedOnEveryNode) {
   }
   for (int n = 0; n < 2; ++n) {
     EXPECT_TRUE(cluster_.daemons[n]->Running()) << cluster_.daemons[n]->Logs();
+  }
+}
+
+// The same group with on_rank_failure = MASK: node 1's daemon is SIGKILLed mid-op and node
+// 0's ranks go on without node 1's ranks, exact (every OK result checked against kernels/host
+// with ranks 2 and 3 masked), their first such round within op_timeout + 1 s of the kill;
+// once node 1 is back and its ranks rejoin, they are unmasked and the group is whole again.
+class DataMaskFaultsTest : public DataFaultsTest {
+ protected:
+  /// Waits until `client`'s stdout after its first `skip` bytes holds `text`; false after
+  /// `timeout`.
+  static bool WaitFor(testing::Subprocess& client, const std::string& text, size_t skip,
+                      absl::Duration timeout) {
+    const absl::Time end = absl::Now() + timeout;
+    while (client.Stdout().find(text, skip) == std::string::npos) {
+      if (absl::Now() > end) return false;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return true;
+  }
+
+  void SetUp() override {
+    StartGroup("mask_faults", {"--on_rank_failure=mask"}, /*exit_after_recovery=*/false);
+  }
+};
+
+TEST_F(DataMaskFaultsTest, PeerDaemonKilledIsMaskedAndARestartedPeerRejoins) {
+  std::vector<size_t> seen(2);
+  for (int r = 0; r < 2; ++r) seen[r] = clients_[r]->Stdout().size();
+  const absl::Time killed = absl::Now();
+  cluster_.daemons[1]->Kill();
+  for (int r = 2; r < 4; ++r) {
+    clients_[r]->Signal(SIGKILL);
+    ASSERT_TRUE(clients_[r]->Wait(absl::Seconds(5)).ok());
+  }
+  for (int r = 0; r < 2; ++r) {
+    const bool masked =
+        WaitFor(*clients_[r], "masked=2,3\n", seen[r], kOpTimeout + absl::Seconds(1));
+    ASSERT_TRUE(masked) << "rank " << r << " ran no round without node 1's ranks within "
+                        << "op_timeout + 1 s of the kill:\n"
+                        << clients_[r]->Stdout().substr(seen[r]) << cluster_.Logs();
+    EXPECT_LE(absl::Now() - killed, kOpTimeout + absl::Seconds(1));
+    EXPECT_EQ(clients_[r]->Stdout().find("MISMATCH"), std::string::npos) << clients_[r]->Stdout();
+  }
+  // Node 1 restarts on the same ports; its ranks rejoin and are unmasked.
+  absl::Status restarted = cluster_.daemons[1]->Restart();
+  ASSERT_TRUE(restarted.ok()) << restarted;
+  for (int r = 0; r < 2; ++r) seen[r] = clients_[r]->Stdout().size();
+  for (int r = 2; r < 4; ++r) {
+    auto client = StartClient(cluster_, run_, r);
+    ASSERT_TRUE(client.ok()) << client.status();
+    clients_[r] = *std::move(client);
+  }
+  for (int r = 0; r < 4; ++r) {
+    const bool whole = WaitFor(*clients_[r], "masked=-\n", r < 2 ? seen[r] : 0, absl::Seconds(30));
+    ASSERT_TRUE(whole) << "rank " << r << " ran no round with every rank after the rejoin:\n"
+                       << clients_[r]->Stdout() << cluster_.Logs();
+  }
+  for (int r = 0; r < 4; ++r) {
+    clients_[r]->CloseStdin();
+    auto code = clients_[r]->Wait(kOpTimeout + absl::Seconds(25));
+    ASSERT_TRUE(code.ok()) << "rank " << r << " did not stop: " << clients_[r]->Stdout();
+    EXPECT_EQ(*code, 0) << "rank " << r << ": " << clients_[r]->Stdout();
   }
 }
 

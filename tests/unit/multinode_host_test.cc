@@ -61,6 +61,7 @@ class MultinodeHostTest : public ::testing::Test {
     spec_.set_max_tokens_per_rank(6);
     spec_.set_ll_max_tokens_per_rank(5);
     spec_.set_use_fp8(fp8);
+    if (mask_) spec_.set_on_rank_failure(v1::RANK_FAILURE_POLICY_MASK);
     shape_ = rules::ShapeOf(spec_);
     layout_ = kernels::EndpointLayout::Compute(shape_);
     int rank = 0;
@@ -97,9 +98,151 @@ class MultinodeHostTest : public ::testing::Test {
 
   void EveryOpMatches(bool mirror);
 
+  /// Region `region` of rank r's data area (a zeroed stand-in while r has no ring).
   template <typename T>
   T* At(int r, const kernels::Region& region) {
+    if (!rings_[r]) {
+      blank_.assign(layout_.total_bytes, 0);
+      return reinterpret_cast<T*>(blank_.data() + region.offset);
+    }
     return reinterpret_cast<T*>(rings_[r]->data() + region.offset);
+  }
+  std::vector<uint8_t> blank_;
+
+  /// Writes rank r's low-latency combine input (in_ll_combine_x, every row) and returns it.
+  bf16_bits* FillLowLatencyCombineX(int r) {
+    auto* y = At<bf16_bits>(r, layout_.in_ll_combine_x);
+    const int64_t n = shape_.num_local_experts() * shape_.ll_rows_per_expert() * shape_.hidden;
+    for (int64_t i = 0; i < n; ++i) {
+      y[i] = kernels::FloatToBf16(static_cast<float>((i * 5 + r * 3) % 211 - 105) / 9.0f);
+    }
+    return y;
+  }
+  /// Writes rank r's combine input x, `rows` rows, and returns it.
+  bf16_bits* FillCombineX(int r, int rows) {
+    auto* y = At<bf16_bits>(r, layout_.in_combine_x);
+    for (int i = 0; i < rows * shape_.hidden; ++i) {
+      y[i] = kernels::FloatToBf16(static_cast<float>((i * 7 + r * 13) % 301 - 150) / 11.0f);
+    }
+    return y;
+  }
+
+  /// The whole group's ops by kernels/host: the reference every node's outputs are held
+  /// to. [R] per rank, sized by the Ref* calls.
+  struct Reference {
+    std::vector<kernels::host::DispatchRankArgs> da;
+    std::vector<std::vector<uint8_t>> rx;
+    std::vector<std::vector<float>> rs, rw;
+    std::vector<std::vector<int64_t>> ri;
+    std::vector<std::vector<int32_t>> rpe, rsi, rsp, rpf;
+    std::vector<std::vector<bf16_bits>> cx;
+    std::vector<std::vector<float>> cw;
+    std::vector<std::vector<uint8_t>> lx, ls;
+    std::vector<std::vector<int32_t>> lc, lsi, lh;
+    std::vector<std::vector<bf16_bits>> lcx;
+  };
+  /// Rank r's topk_idx for a reference: idx[r], or its in_topk_idx when idx is empty.
+  const int64_t* RefIdx(const std::vector<const int64_t*>& idx, int r) {
+    return idx.empty() ? At<int64_t>(r, layout_.in_topk_idx) : idx[r];
+  }
+  /// Dispatch (with weights) of every rank's tokens_[r] tokens routed by RefIdx.
+  absl::Status RefDispatch(bool fp8, const std::vector<const int64_t*>& idx, Reference* ref) {
+    const int R = shape_.num_ranks, K = shape_.num_topk, H = shape_.hidden;
+    const int64_t N = shape_.max_recv_tokens();
+    kernels::host::DispatchOptions dopt;
+    dopt.fp8 = fp8;
+    dopt.expert_alignment = 1;
+    ref->da.assign(R, {});
+    ref->rx.assign(R, std::vector<uint8_t>(N * H * 2));
+    ref->rs.assign(R, std::vector<float>(N * shape_.num_scales()));
+    ref->rw.assign(R, std::vector<float>(N * K));
+    ref->ri.assign(R, std::vector<int64_t>(N * K));
+    ref->rpe.assign(R, std::vector<int32_t>(shape_.num_local_experts()));
+    ref->rsi.assign(R, std::vector<int32_t>(N));
+    ref->rsp.assign(R, std::vector<int32_t>(shape_.max_tokens_per_rank * R));
+    ref->rpf.assign(R, std::vector<int32_t>(R));
+    for (int r = 0; r < R; ++r) {
+      auto& a = ref->da[r];
+      a.num_tokens = tokens_[r];
+      a.x = At<void>(r, layout_.in_x);
+      a.x_scales = fp8 ? At<float>(r, layout_.in_scales) : nullptr;
+      a.topk_idx = RefIdx(idx, r);
+      a.topk_weights = At<float>(r, layout_.in_topk_weights);
+      a.recv_capacity = N;
+      a.recv_x = ref->rx[r].data();
+      a.recv_scales = fp8 ? ref->rs[r].data() : nullptr;
+      a.recv_topk_idx = ref->ri[r].data();
+      a.recv_topk_weights = ref->rw[r].data();
+      a.recv_tokens_per_expert = ref->rpe[r].data();
+      a.recv_src_info = ref->rsi[r].data();
+      a.send_pos = ref->rsp[r].data();
+      a.rank_prefix = ref->rpf[r].data();
+    }
+    return kernels::host::Dispatch(shape_, dopt, ref->da, {1});
+  }
+  /// Combine on RefDispatch's handles, each rank's rows from FillCombineX (and, with
+  /// `weights`, in_combine_weights filled here).
+  absl::Status RefCombine(bool weights, Reference* ref) {
+    const int R = shape_.num_ranks, K = shape_.num_topk;
+    std::vector<kernels::host::CombineRankArgs> ca(R);
+    ref->cx.assign(R, std::vector<bf16_bits>(shape_.max_tokens_per_rank * shape_.hidden));
+    ref->cw.assign(R, std::vector<float>(shape_.max_tokens_per_rank * K));
+    for (int r = 0; r < R; ++r) {
+      const int n = ref->da[r].num_recv_tokens;
+      ca[r].x = FillCombineX(r, n);
+      if (weights) {
+        auto* yw = At<float>(r, layout_.in_combine_weights);
+        for (int i = 0; i < n * K; ++i) yw[i] = static_cast<float>(i % 17) / 3.0f;
+        ca[r].topk_weights = yw;
+        ca[r].combined_topk_weights = ref->cw[r].data();
+      }
+      ca[r].num_tokens = tokens_[r];
+      ca[r].send_pos = ref->rsp[r].data();
+      ca[r].num_recv_tokens = n;
+      ca[r].combined_x = ref->cx[r].data();
+    }
+    return kernels::host::Combine(shape_, ca, {1});
+  }
+  /// LowLatencyDispatch of every rank's ll_tokens[r] tokens routed by RefIdx.
+  absl::Status RefLowLatencyDispatch(const kernels::host::LowLatencyDispatchOptions& opt,
+                                     const std::vector<int>& ll_tokens,
+                                     const std::vector<const int64_t*>& idx, Reference* ref) {
+    const int R = shape_.num_ranks, El = shape_.num_local_experts();
+    const int64_t rows = shape_.ll_rows_per_expert();
+    std::vector<kernels::host::LowLatencyDispatchRankArgs> la(R);
+    ref->lx.assign(R, std::vector<uint8_t>(El * rows * shape_.hidden * 2));
+    ref->ls.assign(R, std::vector<uint8_t>(El * rows * shape_.num_scales() * 4));
+    ref->lc.assign(R, std::vector<int32_t>(El));
+    ref->lsi.assign(R, std::vector<int32_t>(El * rows));
+    ref->lh.assign(R, std::vector<int32_t>(shape_.ll_max_tokens_per_rank * shape_.num_topk));
+    for (int r = 0; r < R; ++r) {
+      la[r].num_tokens = ll_tokens[r];
+      la[r].x = At<bf16_bits>(r, layout_.in_x);
+      la[r].topk_idx = RefIdx(idx, r);
+      la[r].recv_x = ref->lx[r].data();
+      la[r].recv_scales = opt.use_fp8 ? ref->ls[r].data() : nullptr;
+      la[r].recv_count = ref->lc[r].data();
+      la[r].recv_src_info = ref->lsi[r].data();
+      la[r].handle_pos = ref->lh[r].data();
+    }
+    return kernels::host::LowLatencyDispatch(shape_, opt, la, {1});
+  }
+  /// LowLatencyCombine on RefLowLatencyDispatch's handles, each rank's rows from
+  /// FillLowLatencyCombineX.
+  absl::Status RefLowLatencyCombine(const std::vector<int>& ll_tokens,
+                                    const std::vector<const int64_t*>& idx, Reference* ref) {
+    const int R = shape_.num_ranks;
+    std::vector<kernels::host::LowLatencyCombineRankArgs> lca(R);
+    ref->lcx.assign(R, std::vector<bf16_bits>(shape_.ll_max_tokens_per_rank * shape_.hidden));
+    for (int r = 0; r < R; ++r) {
+      lca[r].num_tokens = ll_tokens[r];
+      lca[r].topk_idx = RefIdx(idx, r);
+      lca[r].topk_weights = At<float>(r, layout_.in_topk_weights);
+      lca[r].handle_pos = ref->lh[r].data();
+      lca[r].x = FillLowLatencyCombineX(r);
+      lca[r].combined_x = ref->lcx[r].data();
+    }
+    return kernels::host::LowLatencyCombine(shape_, lca, {1});
   }
 
   /// Random inputs of every rank: T, x (bf16, or e4m3 bytes + scales), topk_idx, weights.
@@ -194,6 +337,8 @@ class MultinodeHostTest : public ::testing::Test {
   std::function<void()> node0_inputs_checked_;
   /// Not "": the transport descriptor node 1 publishes (one node 0 refuses).
   std::string node1_descriptor_;
+  /// Start makes a RANK_FAILURE_POLICY_MASK group.
+  bool mask_ = false;
 };
 
 template <typename T>
@@ -222,37 +367,14 @@ void MultinodeHostTest::EveryOpMatches(bool mirror) {
       MakeInputs(100 + round + layout.size(), /*one_node_only=*/round == 3);
       const bool fp8 = round % 2 == 1;
       // ---- reference: the whole group
-      kernels::host::DispatchOptions dopt;
-      dopt.fp8 = fp8;
-      dopt.expert_alignment = 1;
-      std::vector<kernels::host::DispatchRankArgs> da(R);
-      const int64_t N = shape_.max_recv_tokens();
-      std::vector<std::vector<uint8_t>> rx(R, std::vector<uint8_t>(N * H * 2));
-      std::vector<std::vector<float>> rs(R, std::vector<float>(N * S)),
-          rw(R, std::vector<float>(N * K));
-      std::vector<std::vector<int64_t>> ri(R, std::vector<int64_t>(N * K));
-      std::vector<std::vector<int32_t>> rpe(R, std::vector<int32_t>(El)),
-          rsi(R, std::vector<int32_t>(N)),
-          rsp(R, std::vector<int32_t>(shape_.max_tokens_per_rank * R)),
-          rpf(R, std::vector<int32_t>(R));
-      for (int r = 0; r < R; ++r) {
-        auto& a = da[r];
-        a.num_tokens = tokens_[r];
-        a.x = At<void>(r, layout_.in_x);
-        a.x_scales = fp8 ? At<float>(r, layout_.in_scales) : nullptr;
-        a.topk_idx = At<int64_t>(r, layout_.in_topk_idx);
-        a.topk_weights = At<float>(r, layout_.in_topk_weights);
-        a.recv_capacity = N;
-        a.recv_x = rx[r].data();
-        a.recv_scales = fp8 ? rs[r].data() : nullptr;
-        a.recv_topk_idx = ri[r].data();
-        a.recv_topk_weights = rw[r].data();
-        a.recv_tokens_per_expert = rpe[r].data();
-        a.recv_src_info = rsi[r].data();
-        a.send_pos = rsp[r].data();
-        a.rank_prefix = rpf[r].data();
-      }
-      ASSERT_TRUE(kernels::host::Dispatch(shape_, dopt, da, {1}).ok());
+      Reference ref;
+      ASSERT_TRUE(RefDispatch(fp8, {}, &ref).ok());
+      const auto& da = ref.da;
+      const auto& rx = ref.rx;
+      const auto& ri = ref.ri;
+      const auto& rs = ref.rs;
+      const auto& rw = ref.rw;
+      const auto &rpe = ref.rpe, &rsi = ref.rsi, &rsp = ref.rsp, &rpf = ref.rpf;
       // ---- the nodes
       const uint32_t flags = abi::kFlagDispatchWeights | (fp8 ? abi::kFlagFp8 : 0);
       auto done = RunOnAll(abi::OpKind::kDispatch, flags, tokens_);
@@ -272,27 +394,9 @@ void MultinodeHostTest::EveryOpMatches(bool mirror) {
         EXPECT_TRUE(Same(At<int32_t>(r, layout_.send_pos), rsp[r].data(), tokens_[r] * R)) << r;
       }
       // Combine with weights.
-      std::vector<kernels::host::CombineRankArgs> ca(R);
-      std::vector<std::vector<bf16_bits>> cx(
-          R, std::vector<bf16_bits>(shape_.max_tokens_per_rank * H));
-      std::vector<std::vector<float>> cw(R, std::vector<float>(shape_.max_tokens_per_rank * K));
-      for (int r = 0; r < R; ++r) {
-        auto* y = At<bf16_bits>(r, layout_.in_combine_x);
-        for (int i = 0; i < da[r].num_recv_tokens * H; ++i) {
-          y[i] = kernels::FloatToBf16(static_cast<float>((i * 7 + r * 13) % 301 - 150) / 11.0f);
-        }
-        auto* yw = At<float>(r, layout_.in_combine_weights);
-        for (int i = 0; i < da[r].num_recv_tokens * K; ++i)
-          yw[i] = static_cast<float>(i % 17) / 3.0f;
-        ca[r].num_tokens = tokens_[r];
-        ca[r].send_pos = rsp[r].data();
-        ca[r].num_recv_tokens = da[r].num_recv_tokens;
-        ca[r].x = y;
-        ca[r].topk_weights = yw;
-        ca[r].combined_x = cx[r].data();
-        ca[r].combined_topk_weights = cw[r].data();
-      }
-      ASSERT_TRUE(kernels::host::Combine(shape_, ca, {1}).ok());
+      ASSERT_TRUE(RefCombine(/*weights=*/true, &ref).ok());
+      const auto& cx = ref.cx;
+      const auto& cw = ref.cw;
       done = RunOnAll(abi::OpKind::kCombine, abi::kFlagCombineWeights, tokens_, dispatch_seq);
       for (int r = 0; r < R; ++r) {
         ASSERT_EQ(done[r].status_code, 0) << "rank " << r << ": " << Message(done[r]);
@@ -314,25 +418,12 @@ void MultinodeHostTest::EveryOpMatches(bool mirror) {
       // Low-latency dispatch and combine.
       kernels::host::LowLatencyDispatchOptions lopt{fp8, fp8, fp8 && H % 512 == 0};
       const int64_t rows = shape_.ll_rows_per_expert();
-      std::vector<kernels::host::LowLatencyDispatchRankArgs> la(R);
-      std::vector<std::vector<uint8_t>> lx(R, std::vector<uint8_t>(El * rows * H * 2)),
-          ls(R, std::vector<uint8_t>(El * rows * S * 4));
-      std::vector<std::vector<int32_t>> lc(R, std::vector<int32_t>(El)),
-          lsi(R, std::vector<int32_t>(El * rows)),
-          lh(R, std::vector<int32_t>(shape_.ll_max_tokens_per_rank * K));
       std::vector<int> ll_tokens(R);
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < R; ++r)
         ll_tokens[r] = std::min(tokens_[r], shape_.ll_max_tokens_per_rank);
-        la[r].num_tokens = ll_tokens[r];
-        la[r].x = At<bf16_bits>(r, layout_.in_x);
-        la[r].topk_idx = At<int64_t>(r, layout_.in_topk_idx);
-        la[r].recv_x = lx[r].data();
-        la[r].recv_scales = fp8 ? ls[r].data() : nullptr;
-        la[r].recv_count = lc[r].data();
-        la[r].recv_src_info = lsi[r].data();
-        la[r].handle_pos = lh[r].data();
-      }
-      ASSERT_TRUE(kernels::host::LowLatencyDispatch(shape_, lopt, la, {1}).ok());
+      ASSERT_TRUE(RefLowLatencyDispatch(lopt, ll_tokens, {}, &ref).ok());
+      const auto &lx = ref.lx, &ls = ref.ls;
+      const auto &lc = ref.lc, &lsi = ref.lsi, &lh = ref.lh;
       const uint32_t lflags =
           fp8 ? (abi::kFlagFp8 | abi::kFlagRoundScale | (lopt.use_ue8m0 ? abi::kFlagUe8m0 : 0u))
               : 0u;
@@ -360,22 +451,8 @@ void MultinodeHostTest::EveryOpMatches(bool mirror) {
         EXPECT_TRUE(Same(At<int32_t>(r, layout_.ll_handle_pos[b]), lh[r].data(), ll_tokens[r] * K))
             << r;
       }
-      std::vector<kernels::host::LowLatencyCombineRankArgs> lca(R);
-      std::vector<std::vector<bf16_bits>> lcx(
-          R, std::vector<bf16_bits>(shape_.ll_max_tokens_per_rank * H));
-      for (int r = 0; r < R; ++r) {
-        auto* y = At<bf16_bits>(r, layout_.in_ll_combine_x);
-        for (int64_t i = 0; i < El * rows * H; ++i) {
-          y[i] = kernels::FloatToBf16(static_cast<float>((i * 5 + r * 3) % 211 - 105) / 9.0f);
-        }
-        lca[r].num_tokens = ll_tokens[r];
-        lca[r].topk_idx = At<int64_t>(r, layout_.in_topk_idx);
-        lca[r].topk_weights = At<float>(r, layout_.in_topk_weights);
-        lca[r].handle_pos = lh[r].data();
-        lca[r].x = y;
-        lca[r].combined_x = lcx[r].data();
-      }
-      ASSERT_TRUE(kernels::host::LowLatencyCombine(shape_, lca, {1}).ok());
+      ASSERT_TRUE(RefLowLatencyCombine(ll_tokens, {}, &ref).ok());
+      const auto& lcx = ref.lcx;
       done = RunOnAll(abi::OpKind::kLowLatencyCombine, 0, ll_tokens, ll_seq);
       for (int r = 0; r < R; ++r) {
         ASSERT_EQ(done[r].status_code, 0) << "rank " << r << ": " << Message(done[r]);
@@ -1171,6 +1248,270 @@ TEST_F(MultinodeHostTest, PeerRewritingItsSlotMidOpChangesNothing) {
                      count[j]))
         << "expert " << j;
   }
+}
+
+// ---- Rank masking across nodes (RANK_FAILURE_POLICY_MASK; DESIGN.md §5.1 "Rank masking")
+
+class MultinodeMaskTest : public MultinodeHostTest {
+ protected:
+  /// Submits op on every rank that has a ring and waits for their completions ([R]; a rank
+  /// without a ring gets an empty one).
+  /// `handles`: each rank's handle (its dispatch's seq; the nodes number ops on their own).
+  std::vector<abi::Completion> RunOnLive(abi::OpKind op, uint32_t flags,
+                                         const std::vector<int>& tokens,
+                                         const std::vector<uint64_t>& handles = {}) {
+    std::vector<uint64_t>& seqs = live_seqs_;
+    seqs.assign(rings_.size(), 0);
+    for (size_t r = 0; r < rings_.size(); ++r) {
+      if (rings_[r])
+        seqs[r] = rings_[r]->Submit(op, flags, tokens[r], handles.empty() ? 0 : handles[r]);
+    }
+    std::vector<abi::Completion> out(rings_.size());
+    for (size_t r = 0; r < rings_.size(); ++r) {
+      if (!rings_[r]) continue;
+      auto c = rings_[r]->Await(seqs[r], milliseconds(10000));
+      EXPECT_TRUE(c.has_value()) << "rank " << r << " got no completion";
+      out[r] = c.value_or(abi::Completion{});
+    }
+    return out;
+  }
+  std::vector<uint64_t> live_seqs_;  ///< RunOnLive's seqs, per rank.
+
+  /// One low-latency dispatch and combine, then a normal dispatch and combine, on the ranks
+  /// with a ring, while the ranks in `masked` are masked (left, or on a lost node): every
+  /// result equals kernels/host on the whole group with the pairs routed to the masked
+  /// ranks' experts dropped and the masked ranks sending nothing; every completion reports
+  /// the same mask (num_masked, one epoch, never going back) and this rank's dropped pairs.
+  void RoundMatches(const std::vector<int>& masked, uint64_t seed, uint32_t* epoch) {
+    const int R = shape_.num_ranks, K = shape_.num_topk, H = shape_.hidden;
+    const int El = shape_.num_local_experts();
+    MakeInputs(seed);
+    std::vector<uint8_t> m(R, 0);
+    for (int r : masked) m[r] = 1;
+    // The reference's inputs: masked ranks send nothing; pairs to their experts dropped.
+    std::vector<int> ll_tokens(R);
+    std::vector<std::vector<int64_t>> idx(R);
+    std::vector<int32_t> dropped(R, 0);
+    for (int r = 0; r < R; ++r) {
+      if (m[r]) tokens_[r] = 0;
+      ll_tokens[r] = std::min(tokens_[r], shape_.ll_max_tokens_per_rank);
+      const int64_t* in = At<int64_t>(r, layout_.in_topk_idx);
+      idx[r].assign(in, in + shape_.max_input_tokens() * K);
+    }
+    // ---- low-latency dispatch and combine (dropped pairs over the LL tokens)
+    std::vector<std::vector<int64_t>> ll_idx = idx;
+    for (int r = 0; r < R; ++r) {
+      dropped[r] = kernels::host::DropMaskedExperts(shape_, m, ll_tokens[r], ll_idx[r].data());
+    }
+    const int64_t rows = shape_.ll_rows_per_expert();
+    std::vector<const int64_t*> ll_in(R), n_in(R);
+    for (int r = 0; r < R; ++r) ll_in[r] = ll_idx[r].data();
+    Reference ref;
+    ASSERT_TRUE(RefLowLatencyDispatch({}, ll_tokens, ll_in, &ref).ok());
+    const auto& lx = ref.lx;
+    const auto &lc = ref.lc, &lsi = ref.lsi;
+    auto check_mask = [&](const std::vector<abi::Completion>& done, const char* what) {
+      std::optional<uint32_t> e;
+      for (int r = 0; r < R; ++r) {
+        if (!rings_[r]) continue;
+        ASSERT_EQ(done[r].status_code, 0) << what << " rank " << r << ": " << Message(done[r]);
+        EXPECT_EQ(done[r].num_masked, masked.size()) << what << " rank " << r;
+        EXPECT_EQ(done[r].dropped_pairs, dropped[r]) << what << " rank " << r;
+        if (e) EXPECT_EQ(done[r].mask_epoch, *e) << what << " rank " << r << ": every node agrees";
+        e = done[r].mask_epoch;
+      }
+      if (e) {
+        EXPECT_GE(*e, *epoch) << what << ": the epoch never goes back";
+        if (masked.empty() && *epoch == 0) EXPECT_EQ(*e, 0u);
+        *epoch = *e;
+      }
+    };
+    auto done = RunOnLive(abi::OpKind::kLowLatencyDispatch, 0, ll_tokens);
+    const std::vector<uint64_t> ll_seq = live_seqs_;
+    check_mask(done, "LowLatencyDispatch");
+    if (HasFatalFailure()) return;
+    for (int r = 0; r < R; ++r) {
+      if (!rings_[r] || m[r]) continue;
+      const int b = done[r].buffer;
+      EXPECT_TRUE(Same(At<int32_t>(r, layout_.ll_recv_count[b]), lc[r].data(), El)) << r;
+      for (int j = 0; j < El; ++j) {
+        EXPECT_TRUE(Same(At<uint8_t>(r, layout_.ll_recv_x[b]) + j * rows * 2 * H,
+                         lx[r].data() + j * rows * 2 * H, lc[r][j] * 2 * H))
+            << r;
+        EXPECT_TRUE(Same(At<int32_t>(r, layout_.ll_recv_src_info[b]) + j * rows,
+                         lsi[r].data() + j * rows, lc[r][j]))
+            << r;
+      }
+    }
+    ASSERT_TRUE(RefLowLatencyCombine(ll_tokens, ll_in, &ref).ok());
+    done = RunOnLive(abi::OpKind::kLowLatencyCombine, 0, ll_tokens, ll_seq);
+    check_mask(done, "LowLatencyCombine");
+    if (HasFatalFailure()) return;
+    for (int r = 0; r < R; ++r) {
+      if (!rings_[r] || m[r]) continue;
+      EXPECT_TRUE(Same(At<bf16_bits>(r, layout_.ll_combined_x[done[r].buffer]), ref.lcx[r].data(),
+                       ll_tokens[r] * H))
+          << r;
+    }
+    // ---- normal dispatch (BF16) and combine
+    std::vector<std::vector<int64_t>> n_idx = idx;
+    for (int r = 0; r < R; ++r) {
+      dropped[r] = kernels::host::DropMaskedExperts(shape_, m, tokens_[r], n_idx[r].data());
+    }
+    for (int r = 0; r < R; ++r) n_in[r] = n_idx[r].data();
+    ASSERT_TRUE(RefDispatch(/*fp8=*/false, n_in, &ref).ok());
+    const auto& da = ref.da;
+    const auto& rx = ref.rx;
+    const auto &rsi = ref.rsi, &rsp = ref.rsp, &rpf = ref.rpf;
+    done = RunOnLive(abi::OpKind::kDispatch, 0, tokens_);
+    const std::vector<uint64_t> dispatch_seq = live_seqs_;
+    check_mask(done, "Dispatch");
+    if (HasFatalFailure()) return;
+    for (int r = 0; r < R; ++r) {
+      if (!rings_[r] || m[r]) continue;
+      const int n = da[r].num_recv_tokens;
+      EXPECT_EQ(*At<int32_t>(r, layout_.recv_count), n) << r;
+      EXPECT_TRUE(Same(At<uint8_t>(r, layout_.recv_x), rx[r].data(), n * 2 * H)) << r;
+      EXPECT_TRUE(Same(At<int32_t>(r, layout_.recv_src_info), rsi[r].data(), n)) << r;
+      EXPECT_TRUE(Same(At<int32_t>(r, layout_.rank_prefix), rpf[r].data(), R)) << r;
+      EXPECT_TRUE(Same(At<int32_t>(r, layout_.send_pos), rsp[r].data(), tokens_[r] * R)) << r;
+    }
+    ASSERT_TRUE(RefCombine(/*weights=*/false, &ref).ok());
+    std::fill(dropped.begin(), dropped.end(), 0);  // Its routes were dropped at the dispatch.
+    done = RunOnLive(abi::OpKind::kCombine, 0, tokens_, dispatch_seq);
+    check_mask(done, "Combine");
+    if (HasFatalFailure()) return;
+    for (int r = 0; r < R; ++r) {
+      if (!rings_[r] || m[r]) continue;
+      EXPECT_TRUE(Same(At<bf16_bits>(r, layout_.combined_x), ref.cx[r].data(), tokens_[r] * H))
+          << r;
+    }
+  }
+
+  /// Attaches rank `rank` to node `n`'s group anew (a new process in its slot).
+  void Reattach(int n, int rank) {
+    v1::EndpointInfo info;
+    absl::Status st =
+        nodes_[n]->group->AttachRank(rank, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info);
+    ASSERT_TRUE(st.ok()) << st;
+    rings_[rank] = testing::RawRing::Open(info, *nodes_[n]->group);
+    ASSERT_NE(rings_[rank], nullptr);
+  }
+};
+
+// A rank of node 1 leaves (its process died): node 1 masks it, node 0 learns it from node
+// 1's header, and every op of every node completes without it, exact, reporting one mask.
+// A new process in its slot is unmasked at the next op boundary and the group is whole.
+TEST_F(MultinodeMaskTest, RankLeavingOnOneNodeIsMaskedOnEveryNodeThenRejoins) {
+  mask_ = true;
+  Start({2, 2});
+  if (HasFatalFailure()) return;
+  uint32_t epoch = 0;
+  RoundMatches({}, 31, &epoch);
+  if (HasFatalFailure()) return;
+  rings_[3].reset();
+  nodes_[1]->group->DetachRank(3);
+  RoundMatches({3}, 32, &epoch);
+  if (HasFatalFailure()) return;
+  EXPECT_GE(epoch, 1u);
+  RoundMatches({3}, 33, &epoch);  // Still masked; the epoch stays.
+  if (HasFatalFailure()) return;
+  // Every node's QueryRankMask names the group's masked ranks with the ops' epoch.
+  for (int n = 0; n < 2; ++n) {
+    absl::StatusOr<v1::RankMask> q = nodes_[n]->group->GetRankMask();
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_EQ(q->epoch(), epoch) << "node " << n;
+    EXPECT_THAT(q->masked_ranks(), ::testing::ElementsAre(3)) << "node " << n;
+  }
+  // A rank of another node is masked at its own node's daemon.
+  const int32_t other[1] = {3};
+  EXPECT_EQ(nodes_[0]->group->UpdateRankMask(other, {}, false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  const uint32_t masked_epoch = epoch;
+  // A rank of node 0 leaves too: two nodes' masks at once.
+  rings_[0].reset();
+  nodes_[0]->group->DetachRank(0);
+  RoundMatches({0, 3}, 34, &epoch);
+  if (HasFatalFailure()) return;
+  EXPECT_GT(epoch, masked_epoch);
+  Reattach(1, 3);
+  Reattach(0, 0);
+  if (HasFatalFailure()) return;
+  RoundMatches({}, 35, &epoch);
+}
+
+// A peer daemon is lost (its group gone: killed) under MASK: node 0's ops complete without
+// node 1's rank, exact; once node 1 is back and its rank joins, the group is whole again.
+TEST_F(MultinodeMaskTest, LostPeerIsMaskedAndARestartedPeerRejoins) {
+  mask_ = true;
+  Start({2, 1}, /*op_timeout_ms=*/1000);
+  if (HasFatalFailure()) return;
+  uint32_t epoch = 0;
+  RoundMatches({}, 41, &epoch);
+  if (HasFatalFailure()) return;
+  rings_[2].reset();
+  nodes_[1]->group.reset();
+  const auto t0 = std::chrono::steady_clock::now();
+  RoundMatches({2}, 42, &epoch);
+  if (HasFatalFailure()) return;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(1000)) << "not after op_timeout";
+  EXPECT_GE(epoch, 1u);
+  RoundMatches({2}, 43, &epoch);
+  if (HasFatalFailure()) return;
+  // Node 1 restarts: a new group (a new incarnation) and its rank at seq 1.
+  auto g = nodes_[1]->plane->CreateGroup(spec_, GroupCreateOptions{join_secret_});
+  ASSERT_TRUE(g.ok()) << g.status();
+  nodes_[1]->group = std::move(*g);
+  Reattach(1, 2);
+  if (HasFatalFailure()) return;
+  std::this_thread::sleep_for(milliseconds(200));  // Both ends re-form the link.
+  RoundMatches({}, 44, &epoch);
+}
+
+// Three nodes: a rank leaving on node 1, then node 2 lost, are masked alike on every node
+// (the op's mask is each node's own ranks' bits plus a lost node's ranks, one epoch).
+TEST_F(MultinodeMaskTest, ThreeNodesAgreeOnEveryMask) {
+  mask_ = true;
+  Start({1, 2, 1}, /*op_timeout_ms=*/1000);
+  if (HasFatalFailure()) return;
+  uint32_t epoch = 0;
+  RoundMatches({}, 51, &epoch);
+  if (HasFatalFailure()) return;
+  rings_[2].reset();
+  nodes_[1]->group->DetachRank(2);
+  RoundMatches({2}, 52, &epoch);
+  if (HasFatalFailure()) return;
+  rings_[3].reset();
+  nodes_[2]->group.reset();
+  RoundMatches({2, 3}, 53, &epoch);
+  if (HasFatalFailure()) return;
+  Reattach(1, 2);
+  if (HasFatalFailure()) return;
+  RoundMatches({3}, 54, &epoch);
+}
+
+// A peer's mask naming a rank beyond the group is DATA_LOSS naming the node.
+TEST_F(MultinodeMaskTest, AMaskBitBeyondTheGroupIsDataLossNamingTheNode) {
+  mask_ = true;
+  Start({1, 1});
+  if (HasFatalFailure()) return;
+  MakeInputs(3);
+  hub_.Hostile(1, [this](uint8_t* base, uint64_t offset, uint64_t bytes) {
+    const abi::ExchangeSlotLayout sl = abi::ExchangeSlotLayout::Compute(
+        {shape_.num_ranks, shape_.num_experts, shape_.hidden, shape_.num_topk,
+         shape_.max_tokens_per_rank, shape_.ll_max_tokens_per_rank},
+        1, 1);
+    uint32_t magic = 0;
+    if (bytes >= sl.tokens) std::memcpy(&magic, base + offset, sizeof magic);
+    if (magic == abi::kExchangeMagic) base[offset + sl.mask] |= 0x80;  // Rank 7 of 2.
+  });
+  auto done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(done[r].status_code,
+              r == 0 ? static_cast<int>(absl::StatusCode::kDataLoss) : done[r].status_code)
+        << Message(done[r]);
+  }
+  EXPECT_THAT(Message(done[0]), AllOf(HasSubstr("node 1"), HasSubstr("rank 7")));
 }
 
 }  // namespace

@@ -145,6 +145,8 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     return endpoint(rank)->handles;
   }
   uint64_t ExchangeCurrentSeq() const override { return current_seq(); }
+  /// Join refuses MASK for a spanning group on this backend: no rank is ever masked here.
+  const std::vector<uint8_t>& ExchangeRankMasked() const override { return rank_masked(); }
   void ExchangeWarning(const std::string& message) const override {
     LogClientCaused(spdlog::level::warn, "{}", message);
   }

@@ -250,6 +250,15 @@ absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local
   if (!peers.ok()) return peers.status();
   s.peers = *std::move(peers);
   span_ = std::move(s);
+  masking_ = sp.on_rank_failure() == v1::RANK_FAILURE_POLICY_MASK;
+  view_mask_.assign(static_cast<size_t>(R), 0);
+  self_mask_.assign(static_cast<size_t>(R), 0);
+  op_mask_.assign(static_cast<size_t>(R), 0);
+  peer_mask_.assign(static_cast<size_t>(span_.num_nodes) * R, 0);
+  peer_epoch_.assign(span_.num_nodes, 0);
+  excluded_.assign(span_.num_nodes, 0);
+  excluded_at_start_.assign(span_.num_nodes, 0);
+  mask_words_.assign(abi::ExchangeMaskWords(R), 0);
   link_metrics_.assign(span_.num_nodes, nullptr);
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
     if (n == node) continue;
@@ -306,9 +315,60 @@ bool NodeExchange::PollBackground() {
 
 bool NodeExchange::ReadyToStart() {
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n != span_.self && span_.link->State(n) != transport::PeerState::kReady) return false;
+    if (n == span_.self || span_.link->State(n) == transport::PeerState::kReady) continue;
+    // Under MASK a node lost since it was connected does not hold the op up: it runs
+    // without that node's ranks. A node never connected yet is waited for (the group forms).
+    if (masking_ && NodeLost(n)) continue;
+    return false;
   }
   return true;
+}
+
+uint32_t NodeExchange::NextMask(std::vector<uint8_t>* mask) const {
+  // The last op's mask, with this node's own ranks as it masks them now.
+  const std::vector<uint8_t>& local = host_->ExchangeRankMasked();
+  std::copy(view_mask_.begin(), view_mask_.end(), mask->begin());
+  bool changed = false;
+  for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+    const uint8_t m = local[r] ? 1 : 0;
+    changed |= (*mask)[r] != m;
+    (*mask)[r] = m;
+  }
+  return view_epoch_ + (changed ? 1 : 0);
+}
+
+bool NodeExchange::NodeLost(int32_t n) const {
+  if (!span_.connected[n]) return false;
+  if (span_.link->State(n) != transport::PeerState::kReady || !span_.link->PeerStatus(n).ok()) {
+    return true;
+  }
+  // The descriptor lookup copies it: only while the Peer service reports a node lost.
+  return !span_.peers->Health().ok() && !span_.peers->Descriptor(n);
+}
+
+void NodeExchange::ComputeOpMask() {
+  const int32_t R = shape().num_ranks;
+  std::fill(op_mask_.begin(), op_mask_.end(), 0);
+  uint32_t epoch = 0;
+  // Each node is the authority on its own ranks; a lost node's ranks are masked.
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    const uint8_t* m = n == span_.self ? self_mask_.data() : peer_mask_.data() + size_t(n) * R;
+    for (int32_t r = span_.first[n]; r < span_.first[n] + span_.count[n]; ++r) {
+      op_mask_[r] = excluded_[n] ? 1 : m[r];
+    }
+    if (excluded_[n]) continue;
+    epoch = std::max(epoch, n == span_.self ? self_epoch_ : peer_epoch_[n]);
+  }
+  // The epoch: the latest any node had, plus one when a node that had it saw another mask
+  // (so every node that sees the same headers counts the same change once).
+  bool changed = false;
+  for (int32_t n = 0; n < span_.num_nodes && !changed; ++n) {
+    if (excluded_[n]) continue;
+    const uint32_t e = n == span_.self ? self_epoch_ : peer_epoch_[n];
+    const uint8_t* m = n == span_.self ? self_mask_.data() : peer_mask_.data() + size_t(n) * R;
+    if (e == epoch) changed = !std::equal(op_mask_.begin(), op_mask_.end(), m);
+  }
+  op_epoch_ = epoch + (changed ? 1 : 0);
 }
 
 std::string NodeExchange::NotReadyReason() const {
@@ -352,7 +412,13 @@ abi::ExchangeHeader& NodeExchange::StageHeader(int32_t n, uint64_t seq, uint32_t
 void NodeExchange::OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) {
   if (!span_.link) return;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n == span_.self || span_.link->State(n) != transport::PeerState::kReady) continue;
+    if (n == span_.self) continue;
+    if (masking_ && NodeLost(n)) {
+      // Not an op of the link to a lost node: it stays the link's next op (as in Poll).
+      ++span_.link_base[n];
+      continue;
+    }
+    if (span_.link->State(n) != transport::PeerState::kReady) continue;
     // The error header's staging is reused only once the previous one left.
     if (span_.link->WritesCompleted(n) < span_.posted[n]) continue;
     StageHeader(n, seq, op, 0, 0, 0, status);
@@ -403,6 +469,7 @@ absl::Status NodeExchange::DeclareRankRegions() {
   WithdrawRetiredRegions(false);
   for (int32_t i = 0; i < local_count(); ++i) {
     const int32_t r = local_first() + i;
+    if (masking_ && host_->ExchangeRankMasked()[r]) continue;  // It sends no rows.
     uint64_t id = 0;
     const transport::MemoryRegion region = host_->ExchangeRankRegion(r, &id);
     if (rank_region_[i] >= 0 && rank_memory_id_[i] == id) continue;
@@ -482,13 +549,46 @@ absl::Status NodeExchange::CheckHeader(int32_t n, uint64_t seq) {
     return errors::WithReason(absl::Status(static_cast<absl::StatusCode>(code), text),
                               static_cast<errors::Reason>(h.reason));  // 0: none.
   }
+  if (masking_) {
+    // The peer's mask: its words copied out once, every bit checked on the copy.
+    const int32_t R = shape().num_ranks;
+    const uint64_t words = abi::ExchangeMaskWords(R);
+    uint8_t* m = peer_mask_.data() + static_cast<size_t>(n) * R;
+    std::fill(m, m + R, 0);
+    peer_epoch_[n] = h.mask_epoch;
+    if (h.mask_words != 0 && h.mask_words != words) {
+      return errors::WithReason(absl::DataLossError(absl::StrCat(
+                                    "op ", seq, " of group ", spec().name(), ": node ", n, " (",
+                                    spec().nodes(n).peer_address(), ") sent a rank mask of ",
+                                    h.mask_words, " words; a group of ", R, " ranks has ", words)),
+                                errors::Reason::kPeerProtocol);
+    }
+    if (h.mask_words != 0) {
+      std::memcpy(mask_words_.data(), slot + span_.in_layout[n].mask, words * 8);
+      for (uint64_t w = 0; w < words; ++w) {
+        for (int b = 0; b < 64; ++b) {
+          if (((mask_words_[w] >> b) & 1) == 0) continue;
+          const uint64_t r = w * 64 + b;
+          if (r >= static_cast<uint64_t>(R)) {
+            return errors::WithReason(
+                absl::DataLossError(absl::StrCat("op ", seq, " of group ", spec().name(), ": node ",
+                                                 n, " (", spec().nodes(n).peer_address(),
+                                                 ") sent a rank mask naming rank ", r,
+                                                 ", beyond the group's ", R, " ranks")),
+                errors::Reason::kPeerProtocol);
+          }
+          m[r] = 1;
+        }
+      }
+    }
+  }
   return absl::OkStatus();
 }
 
 bool NodeExchange::MissingPeersAlive() const {
   bool any = false;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n == span_.self || span_.got[n]) continue;
+    if (n == span_.self || span_.got[n] || excluded_[n]) continue;
     if (span_.link->State(n) != transport::PeerState::kReady || !span_.link->PeerStatus(n).ok()) {
       return false;
     }
@@ -499,9 +599,10 @@ bool NodeExchange::MissingPeersAlive() const {
 
 absl::Status NodeExchange::PeerFailure(uint64_t seq) {
   if (!span_.peers) return absl::OkStatus();
-  if (absl::Status h = span_.peers->Health(); !h.ok()) return h;
+  if (absl::Status h = span_.peers->Health(); !h.ok() && !masking_) return h;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
     if (n == span_.self) continue;
+    if (masking_ && NodeLost(n)) continue;  // Its ranks are masked, not waited for.
     if (span_.connected[n]) {
       if (absl::Status st = span_.link->PeerStatus(n); !st.ok()) return st;
     }
@@ -555,9 +656,19 @@ void NodeExchange::StagePackSources(const OpPlan& plan,
 void NodeExchange::Start(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) {
   // The handles as the op starts: a rank may detach while the op runs on.
   for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+    if (masking_ && host_->ExchangeRankMasked()[r]) continue;  // Its endpoint may be gone.
     const rules::HandleTable& h = host_->ExchangeRankHandles(r);
     recv_tokens_[r] = h.num_recv_tokens();
     routing_tokens_[r] = h.routing_tokens();
+  }
+  if (masking_) {
+    self_epoch_ = NextMask(&self_mask_);
+    for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+      if (self_mask_[r]) recv_tokens_[r] = routing_tokens_[r] = 0;  // A stand-in: no handles.
+    }
+    for (int32_t n = 0; n < span_.num_nodes; ++n) {
+      excluded_[n] = excluded_at_start_[n] = n != span_.self && NodeLost(n);
+    }
   }
   span_.started = std::chrono::steady_clock::now();
   span_.plan = &plan;
@@ -630,7 +741,7 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
     StagePackSources(plan, slots);
   }
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n == span_.self) continue;
+    if (n == span_.self || excluded_[n]) continue;
     const abi::ExchangeSlotLayout& sl = span_.out_layout[n];
     uint8_t* base = reinterpret_cast<uint8_t*>(span_.send[n].data());
     const uint64_t remote = span_.remote_offset[n] + (LinkSeq(n, plan.seq) % 2) * sl.total;
@@ -638,13 +749,26 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
         StageHeader(n, plan.seq, op, plan.flags, alignment, handle_age, absl::OkStatus());
     std::vector<transport::WritePiece>& pieces = span_.pieces;
     pieces.clear();
+    uint64_t header_bytes = sizeof(abi::ExchangeHeader);
+    if (masking_ && local.ok()) {
+      // This node's mask travels after the header (ExchangeSlotLayout::mask).
+      const uint64_t words = abi::ExchangeMaskWords(R);
+      auto* mw = reinterpret_cast<uint64_t*>(base + sl.mask);
+      std::fill(mw, mw + words, 0);
+      for (int32_t r = 0; r < R; ++r) {
+        if (self_mask_[r]) mw[r / 64] |= uint64_t{1} << (r % 64);
+      }
+      h.mask_epoch = self_epoch_;
+      h.mask_words = static_cast<uint32_t>(words);
+      header_bytes = sl.tokens;
+    }
     if (header_only) {
       h.status_code = static_cast<int32_t>(local.code());
       h.reason = static_cast<uint32_t>(errors::ReasonOf(local));
       const size_t len = std::min<size_t>(local.message().size(), abi::kExchangeMessageBytes);
       if (len > 0) std::memcpy(h.message, local.message().data(), len);
       h.message_bytes = static_cast<uint32_t>(len);
-      pieces.push_back({base, sizeof(abi::ExchangeHeader), remote});
+      pieces.push_back({base, header_bytes, remote});
       EPD_RETURN_IF_ERROR(PostToNode(n, plan.seq, pieces));
       continue;
     }
@@ -717,6 +841,8 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
             cnt += dc[int64_t{s2} * R + r];
           }
           rows[i] = static_cast<int32_t>(cnt);
+          // A masked rank's rows are not sent: every node drops the routes to it.
+          if (masking_ && self_mask_[r]) continue;
           const uint64_t off = static_cast<uint64_t>(span_.combine_off[r]);
           pieces.push_back({Ptr<const uint8_t>(r, L.in_combine_x) + start * 2 * H,
                             static_cast<uint64_t>(cnt) * 2 * H, area + cl.x + off * 2 * H});
@@ -747,6 +873,7 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
               cnt += c[int64_t{s2} * E + e];
             }
             rows[i * El + j] = static_cast<int32_t>(cnt);
+            if (masking_ && self_mask_[r]) continue;  // As for a normal combine.
             const uint64_t off = static_cast<uint64_t>(span_.combine_off[e]);
             pieces.push_back({Ptr<const uint8_t>(r, L.in_ll_combine_x) + (j * rpe + start) * 2 * H,
                               static_cast<uint64_t>(cnt) * 2 * H, area + cl.x + off * 2 * H});
@@ -764,14 +891,28 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
 
 bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
   const OpPlan& plan = *span_.plan;
-  auto fail = [&](const absl::Status& st) {
-    for (RankOutcome& o : outcomes) o.status = st;
+  // The link to a node lost as the op started does not count it: its next op is still the
+  // link's next (ImmFor and the slot parity stay in step with the node's numbering).
+  auto end_op = [&] {
     span_.in_op = false;
+    for (int32_t n = 0; n < span_.num_nodes && masking_; ++n) {
+      if (excluded_at_start_[n]) ++span_.link_base[n];
+    }
+  };
+  auto fail = [&](const absl::Status& st) {
+    uint32_t num_masked = 0;
+    for (uint8_t m : self_mask_) num_masked += m;
+    for (RankOutcome& o : outcomes) {
+      o.status = st;
+      o.mask_epoch = self_epoch_;  // The mask this node brought to the op.
+      o.num_masked = num_masked;
+    }
+    end_op();
     return true;
   };
   bool all = true;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (n == span_.self || span_.got[n]) continue;
+    if (n == span_.self || span_.got[n] || excluded_[n]) continue;
     // A message that arrived counts even when the peer closed since (it finished the op
     // and left): the immediate is looked for again once the peer's state says failed (the
     // transport delivers what arrived before it fails the peer).
@@ -781,6 +922,14 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
         in = ImmFor(n, plan.seq);
         if (!in) {
           if (link_metrics_[n]) link_metrics_[n]->errors.Add();
+          if (masking_) {
+            // Under MASK a lost node's ranks are masked and the op goes on without it.
+            excluded_[n] = 1;
+            host_->ExchangeWarning(absl::StrCat(
+                "op ", plan.seq, " of group ", spec().name(), " runs without node ", n, " (",
+                spec().nodes(n).peer_address(), "): ", st.message(), "; its ranks are masked"));
+            continue;
+          }
           return fail(st);
         }
       }
@@ -797,7 +946,9 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
     }
   }
   for (int32_t n = 0; n < span_.num_nodes && all; ++n) {
-    if (n != span_.self && span_.link->WritesCompleted(n) < span_.posted[n]) all = false;
+    if (n != span_.self && !excluded_[n] && span_.link->WritesCompleted(n) < span_.posted[n]) {
+      all = false;
+    }
   }
   if (!all) {
     if (absl::Status h = span_.peers->Health(); !h.ok()) {
@@ -810,9 +961,18 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
       const auto now = std::chrono::steady_clock::now();
       if (!span_.lost_seen) span_.lost_seen = now;
       for (int32_t n = 0; n < span_.num_nodes; ++n) {
-        if (n == span_.self || span_.got[n] || span_.peers->Descriptor(n)) continue;
+        if (n == span_.self || span_.got[n] || excluded_[n] || span_.peers->Descriptor(n)) {
+          continue;
+        }
         if (span_.link->PeerStatus(n).ok() && now - *span_.lost_seen >= kLostGrace) {
           if (link_metrics_[n]) link_metrics_[n]->errors.Add();  // Lost by the Peer service.
+          if (masking_) {
+            excluded_[n] = 1;
+            host_->ExchangeWarning(absl::StrCat(
+                "op ", plan.seq, " of group ", spec().name(), " runs without node ", n, " (",
+                spec().nodes(n).peer_address(), "): ", h.message(), "; its ranks are masked"));
+            return false;  // The next poll goes on without it.
+          }
           return fail(h);
         }
       }
@@ -827,7 +987,7 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
       if (alive && waited < timeout + grace) return false;
       std::string who;
       for (int32_t n = 0; n < span_.num_nodes; ++n) {
-        if (n == span_.self || span_.got[n]) continue;
+        if (n == span_.self || span_.got[n] || excluded_[n]) continue;
         if (link_metrics_[n]) link_metrics_[n]->timeouts.Add();
         absl::StrAppend(&who, who.empty() ? "" : ", ", "node ", n, " (",
                         spec().nodes(n).peer_address(), ", ranks ", span_.first[n], "-",
@@ -850,14 +1010,28 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
   // The lowest node's error wins, so that every node reports the same one.
   absl::Status st = absl::OkStatus();
   for (int32_t n = 0; n < span_.num_nodes && st.ok(); ++n) {
+    if (excluded_[n]) continue;
     st = n == span_.self ? span_.local_status : CheckHeader(n, plan.seq);
   }
   if (!rules::Describe(static_cast<uint32_t>(plan.op)).exchanges_data) {
     st = span_.local_status;  // GetDispatchLayout: another node's error is its own.
   }
+  if (st.ok() && masking_) {
+    ComputeOpMask();
+    uint32_t num_masked = 0;
+    for (uint8_t m : op_mask_) num_masked += m;
+    for (RankOutcome& o : outcomes) {
+      o.mask_epoch = op_epoch_;
+      o.num_masked = num_masked;
+    }
+  }
   if (st.ok()) st = FinishExchange(plan, *span_.slots, outcomes);
   if (!st.ok()) return fail(st);
-  span_.in_op = false;
+  if (masking_) {
+    std::copy(op_mask_.begin(), op_mask_.end(), view_mask_.begin());
+    view_epoch_ = op_epoch_;
+  }
+  end_op();
   return true;
 }
 
@@ -884,8 +1058,18 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
     }
     return h;
   };
-  const abi::ExchangeHeader h0 = header(0);
-  for (int32_t n = 1; n < span_.num_nodes; ++n) {
+  // Every node taking part must run the same op: each is compared with the first one's.
+  int32_t ref = 0;
+  while (excluded_[ref]) ++ref;  // This node is never excluded.
+  const abi::ExchangeHeader h0 = header(ref);
+  // The op's mask (ComputeOpMask) when any rank is masked, else null: pairs routed to a
+  // masked rank's experts are dropped, its rows are neither read nor written.
+  const bool any_masked =
+      masking_ && std::any_of(op_mask_.begin(), op_mask_.end(), [](uint8_t m) { return m != 0; });
+  const std::span<const uint8_t> mask(op_mask_);
+  auto gone = [&](int32_t rank) { return any_masked && op_mask_[rank] != 0; };
+  for (int32_t n = ref + 1; n < span_.num_nodes; ++n) {
+    if (excluded_[n]) continue;
     const abi::ExchangeHeader h = header(n);
     const bool dispatch = h0.op == static_cast<uint32_t>(abi::OpKind::kDispatch);
     const bool ll_combine = h0.op == static_cast<uint32_t>(abi::OpKind::kLowLatencyCombine);
@@ -897,11 +1081,11 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
                             x.expert_alignment, ", dispatch ", x.handle_seq, " ops before)");
       };
       return errors::WithReason(
-          absl::InvalidArgumentError(
-              absl::StrCat("op ", plan.seq, " of group ", spec().name(),
-                           ": nodes disagree: node 0 (ranks 0-", span_.count[0] - 1, ") submitted ",
-                           describe(h0), ", node ", n, " (ranks ", span_.first[n], "-",
-                           span_.first[n] + span_.count[n] - 1, ") submitted ", describe(h))),
+          absl::InvalidArgumentError(absl::StrCat(
+              "op ", plan.seq, " of group ", spec().name(), ": nodes disagree: node ", ref,
+              " (ranks ", span_.first[ref], "-", span_.first[ref] + span_.count[ref] - 1,
+              ") submitted ", describe(h0), ", node ", n, " (ranks ", span_.first[n], "-",
+              span_.first[n] + span_.count[n] - 1, ") submitted ", describe(h))),
           errors::Reason::kOpInputInvalid);
     }
   }
@@ -917,7 +1101,9 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
   };
   switch (plan.op) {
     case abi::OpKind::kGetDispatchLayout: {
-      for (int32_t r = first; r < first + Rl; ++r) out[r].status = RunLayout(r, slots[r]);
+      for (int32_t r = first; r < first + Rl; ++r) {
+        if (!gone(r)) out[r].status = RunLayout(r, slots[r]);
+      }
       return absl::OkStatus();
     }
     case abi::OpKind::kDispatch:
@@ -926,6 +1112,12 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
       const int32_t width = ll ? E : R;  // Counts per source.
       std::vector<int32_t>& counts = span_.counts;
       for (int32_t n = 0; n < span_.num_nodes; ++n) {
+        if (excluded_[n]) {  // A lost node sent nothing: its ranks are masked.
+          std::fill(counts.begin() + static_cast<size_t>(span_.first[n]) * width,
+                    counts.begin() + static_cast<size_t>(span_.first[n] + span_.count[n]) * width,
+                    0);
+          continue;
+        }
         const int32_t* c = n == span_.self ? span_.local_counts.data()
                                            : reinterpret_cast<const int32_t*>(
                                                  RecvSlot(n, plan.seq) + span_.in_layout[n].counts);
@@ -934,10 +1126,30 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
                       c + static_cast<size_t>(i) * E, sizeof(int32_t) * width);
         }
       }
+      if (any_masked) {
+        // Every node drops the same rows: none from a masked rank, none to one (the senders
+        // counted rows to ranks masked elsewhere; the receivers drop those pairs below).
+        const int32_t per_owner = ll ? El : 1;
+        for (int32_t s = 0; s < R; ++s) {
+          for (int32_t x = 0; x < width; ++x) {
+            if (op_mask_[s] || op_mask_[x / per_owner])
+              counts[static_cast<size_t>(s) * width + x] = 0;
+          }
+        }
+      }
       const std::span<const int32_t> all_counts(counts.data(), static_cast<size_t>(R) * width);
       for (int32_t s = 0; s < R; ++s) {
         const int32_t n = NodeOf(s);
         if (n == span_.self) {
+          if (any_masked && !gone(s)) {
+            // This node's sources drop their pairs to masked ranks (their private copies).
+            out[s].dropped_pairs =
+                flags.cached_handle && !ll
+                    ? kernels::host::DropMaskedRoutes(gs, mask, slots[s].num_tokens,
+                                                      Private(s).send_pos.data())
+                    : kernels::host::DropMaskedExperts(gs, mask, slots[s].num_tokens,
+                                                       Private(s).topk_idx.data());
+          }
           const bool fp8 = flags.use_fp8 && !ll;
           span_.dispatch_sources[s] = {
               slots[s].num_tokens,
@@ -955,6 +1167,11 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
                                  q ? span_.pack_sources[s - first].x : Ptr<const void>(s, L.in_x),
                                  q ? span_.pack_sources[s - first].x_scales : nullptr,
                                  q};
+          continue;
+        }
+        if (excluded_[n] || gone(s)) {  // Nothing of a masked rank is read.
+          span_.dispatch_sources[s] = {};
+          span_.ll_sources[s] = {};
           continue;
         }
         const abi::ExchangeSlotLayout& sl = span_.in_layout[n];
@@ -986,8 +1203,10 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
         }
         if (cached) {
           std::memcpy(pos, blk + sl.pos, sizeof(int32_t) * static_cast<size_t>(rows) * R);
+          if (any_masked) kernels::host::DropMaskedRoutes(gs, mask, rows, pos);
         } else {
           std::memcpy(idx, blk + sl.idx, sizeof(int64_t) * static_cast<size_t>(rows) * gs.num_topk);
+          if (any_masked) kernels::host::DropMaskedExperts(gs, mask, rows, idx);
         }
         const auto* sc = reinterpret_cast<const float*>(blk + sl.scales);
         span_.dispatch_sources[s] = {
@@ -1087,9 +1306,13 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
         a = {};
         const int32_t n = NodeOf(r);
         if (n == span_.self) {
-          a.num_tokens = routing_tokens_[r];
+          a.num_tokens = routing_tokens_[r];  // 0 for a masked rank (Start).
           a.send_pos = Private(r).send_pos.data();
           a.num_recv_tokens = recv_tokens_[r];
+          if (any_masked && !gone(r)) {
+            out[r].dropped_pairs =
+                kernels::host::DropMaskedRoutes(gs, mask, a.num_tokens, Private(r).send_pos.data());
+          }
           a.x = Ptr<const kernels::bf16_bits>(r, L.in_combine_x);
           a.topk_weights =
               flags.combine_weights ? Ptr<const float>(r, L.in_combine_weights) : nullptr;
@@ -1098,6 +1321,7 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
               flags.combine_weights ? Ptr<float>(r, L.combined_topk_weights) : nullptr;
           continue;
         }
+        if (excluded_[n] || gone(r)) continue;  // Its rows are not read: routes to it dropped.
         int64_t start = 0, cnt = 0;
         for (int32_t s = 0; s < first; ++s) start += dc[int64_t{s} * R + r];
         for (int32_t s = first; s < first + Rl; ++s) cnt += dc[int64_t{s} * R + r];
@@ -1135,6 +1359,10 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
         const int32_t n = NodeOf(r);
         if (n == span_.self) {
           a.num_tokens = slots[r].num_tokens;
+          if (any_masked && !gone(r)) {
+            out[r].dropped_pairs = kernels::host::DropMaskedExperts(gs, mask, a.num_tokens,
+                                                                    Private(r).topk_idx.data());
+          }
           a.topk_weights = Ptr<const float>(r, L.in_topk_weights);
           a.handle_pos = Private(r).ll_handle_pos[plan.ll_handle_buffer].data();
           a.x = Ptr<const kernels::bf16_bits>(r, L.in_ll_combine_x);
@@ -1142,6 +1370,7 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
           a.topk_idx = Private(r).topk_idx.data();
           continue;
         }
+        if (excluded_[n] || gone(r)) continue;  // As for a normal combine.
         const int32_t i = r - span_.first[n];
         for (int32_t j = 0; j < El; ++j) {
           const int32_t e = r * El + j;

@@ -75,6 +75,10 @@ class NodeExchangeHost {
   virtual uint64_t ExchangeCurrentSeq() const = 0;
   /// Logs a warning the group's clients can cause (rate-limited by the group).
   virtual void ExchangeWarning(const std::string& message) const = 0;
+  /// [R] the group's mask as LockstepGroup keeps it (rank_masked()): only this node's ranks'
+  /// entries are read (a masked local rank takes part with no tokens, and ExchangeRankData
+  /// and ExchangeRankRouting give its stand-in; its handles are not read).
+  virtual const std::vector<uint8_t>& ExchangeRankMasked() const = 0;
 };
 
 /// Options of one group's exchange.
@@ -126,6 +130,15 @@ class NodeExchange {
   bool PollBackground();
   /// Publishes which of this node's ranks are joined (bits[i]: rank local_first + i).
   void SetLocalRanksJoined(const std::vector<bool>& bits);
+  /// Rank masking across nodes (GroupSpec.on_rank_failure = MASK): the mask [R] and epoch
+  /// the last op that finished OK ran with, the same at every node that ran it (DESIGN.md
+  /// §5.1 "Rank masking").
+  const std::vector<uint8_t>& OpMask() const { return view_mask_; }
+  uint32_t OpMaskEpoch() const { return view_epoch_; }
+  /// The mask ([R], into `*mask`, sized R) and epoch (returned) this node's next op puts in
+  /// its header: OpMask() with this node's ranks as ExchangeRankMasked() has them now, the
+  /// epoch + 1 when they differ. What QueryRankMask answers across nodes.
+  uint32_t NextMask(std::vector<uint8_t>* mask) const;
   /// Rows of low-latency buffer `b`'s last dispatch from every rank to every expert
   /// ([R, E], source major): what a LowLatencyCombine on it reads per expert.
   const std::vector<int32_t>& LowLatencyCounts(int b) const { return span_.ll_counts[b]; }
@@ -221,6 +234,13 @@ class NodeExchange {
   /// Pops node n's next immediate into span_.pending[n]; returns whether one is pending for
   /// `seq` (older ones are dropped).
   bool ImmFor(int32_t n, uint64_t seq);
+  /// Under MASK: whether node n is lost: it was connected and its link is no longer ready,
+  /// its link failed, or the Peer service lost it. Its ranks are masked while it is.
+  bool NodeLost(int32_t n) const;
+  /// Under MASK, once every message of the running op is in: the op's mask (op_mask_) and
+  /// epoch (op_epoch_) from every node's header and the nodes it runs without (DESIGN.md
+  /// §5.1 "Rank masking").
+  void ComputeOpMask();
 
   struct Span {
     int32_t num_nodes = 0, self = 0;
@@ -306,6 +326,20 @@ class NodeExchange {
     std::vector<uint64_t> posted;
   };
   std::vector<RetiredRegion> retired_regions_;
+  // Rank masking across nodes (spec MASK; sized at Init, nothing allocated per op).
+  bool masking_ = false;
+  std::vector<uint8_t> view_mask_;  ///< [R] the last OK op's mask (OpMask()).
+  uint32_t view_epoch_ = 0;
+  std::vector<uint8_t> self_mask_;  ///< [R] this node's mask in the running op's header.
+  uint32_t self_epoch_ = 0;
+  std::vector<uint8_t> op_mask_;  ///< [R] the running op's mask (ComputeOpMask).
+  uint32_t op_epoch_ = 0;
+  /// [N, R] each peer's mask and its epoch as CheckHeader copied them for the running op.
+  std::vector<uint8_t> peer_mask_;
+  std::vector<uint32_t> peer_epoch_;
+  std::vector<uint8_t> excluded_;           ///< [N] nodes the running op runs without.
+  std::vector<uint8_t> excluded_at_start_;  ///< [N] of those, the ones lost as it started.
+  std::vector<uint64_t> mask_words_;        ///< [ExchangeMaskWords(R)] CheckHeader's copy.
 };
 
 }  // namespace epd

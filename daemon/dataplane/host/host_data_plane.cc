@@ -149,6 +149,12 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
     if (spanning()) {
       span_plan_ = &plan;
       span_slots_ = &slots;
+      if (!MakeStandIns()) {
+        for (int32_t r = 0; r < static_cast<int32_t>(outcomes.size()); ++r) {
+          if (!rank_masked()[r]) outcomes[r].status = stand_in_error_;
+        }
+        return true;
+      }
       if (plane_->options().stage_through_mirror) StageMirrors(plan, slots, /*in=*/true, outcomes);
       exchange_->Start(plan, slots);
       return false;
@@ -173,6 +179,12 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
     return exchange_ && exchange_->ready() ? exchange_->PeerFailure(seq) : absl::OkStatus();
   }
   bool ReadyToStart() override { return !spanning() || exchange_->ReadyToStart(); }
+  bool BackendReportsOpMask() const override {
+    return spanning() && masking() && exchange_ && exchange_->ready();
+  }
+  uint32_t BackendRankMask(std::vector<uint8_t>* masked) const override {
+    return exchange_->NextMask(masked);
+  }
   std::string NotReadyReason() const override {
     return exchange_ && exchange_->ready() ? exchange_->NotReadyReason() : std::string();
   }
@@ -221,6 +233,7 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
  private:
   // NodeExchangeHost: the endpoints' shm data areas (or the test seam's mirrors).
   uint8_t* ExchangeRankData(int32_t rank) const override {
+    if (rank_masked()[rank]) return masked_areas_[rank]->area.data();  // MakeStandIns.
     std::vector<uint8_t>& mirror = static_cast<HostRank&>(*op_endpoint(rank)->backend).mirror;
     return mirror.empty() ? op_endpoint(rank)->shm_data() : mirror.data();
   }
@@ -236,6 +249,7 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   void StageMirrors(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots, bool in,
                     std::span<RankOutcome> outcomes) {
     for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+      if (rank_masked()[r]) continue;  // A stand-in: no shm area.
       uint8_t* shm = op_endpoint(r)->shm_data();
       uint8_t* mirror = ExchangeRankData(r);
       uint64_t total = 0;
@@ -259,6 +273,26 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
     return endpoint(rank)->handles;
   }
   uint64_t ExchangeCurrentSeq() const override { return current_seq(); }
+  const std::vector<uint8_t>& ExchangeRankMasked() const override { return rank_masked(); }
+  /// Makes the stand-in of every rank the op runs masked (once per masking, not per op);
+  /// false (stand_in_error_ set) when out of memory.
+  bool MakeStandIns() {
+    const EndpointLayout& L = layout();
+    for (int r = local_first(); r < local_first() + local_count(); ++r) {
+      if (!rank_masked()[r] || masked_areas_[r]) continue;
+      try {
+        masked_areas_[r] = std::make_unique<MaskedRankArea>(shape(), L.total_bytes);
+      } catch (const std::bad_alloc&) {
+        stand_in_error_ = absl::ResourceExhaustedError(
+            absl::StrCat("group ", spec().name(), ": out of host memory for masked rank ", r,
+                         "'s stand-in (", L.total_bytes,
+                         " bytes of data area and its routing state); free memory, or rejoin "
+                         "or unmask the rank"));
+        return false;
+      }
+    }
+    return true;
+  }
   void ExchangeWarning(const std::string& message) const override {
     LogClientCaused(spdlog::level::warn, "{}", message);
   }
@@ -329,6 +363,7 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   std::vector<uint64_t> expert_scratch_ =
       std::vector<uint64_t>(shape().num_local_experts());  ///< [El] CountExpertTokens's.
   std::unique_ptr<NodeExchange> exchange_;                 ///< A spanning group's; null otherwise.
+  absl::Status stand_in_error_;                            ///< MakeStandIns' last failure.
   const OpPlan* span_plan_ = nullptr;                      ///< The running spanning op.
   const std::vector<abi::RequestSlot>* span_slots_ = nullptr;
   std::vector<kernels::Region> spans_ =
@@ -413,21 +448,9 @@ void HostGroup::Execute(const OpPlan& plan, const std::vector<abi::RequestSlot>&
     }
   };
   const EndpointLayout& L = layout();
-  any_masked_ = false;
-  for (int r = 0; r < R; ++r) {
-    if (!rank_masked()[r]) continue;
-    any_masked_ = true;
-    if (masked_areas_[r]) continue;
-    try {  // Once per masking, not per op.
-      masked_areas_[r] = std::make_unique<MaskedRankArea>(gs, L.total_bytes);
-    } catch (const std::bad_alloc&) {
-      return fail_all(absl::ResourceExhaustedError(
-          absl::StrCat("group ", spec().name(), ": out of host memory for masked rank ", r,
-                       "'s stand-in (", L.total_bytes,
-                       " bytes of data area and its routing state); free memory, or rejoin "
-                       "or unmask the rank")));
-    }
-  }
+  any_masked_ =
+      std::any_of(rank_masked().begin(), rank_masked().end(), [](uint8_t m) { return m != 0; });
+  if (!MakeStandIns()) return fail_all(stand_in_error_);
   switch (op) {
     case abi::OpKind::kGetDispatchLayout: {
       for (int r = 0; r < R; ++r) {
