@@ -1294,8 +1294,19 @@ TEST_F(CudaMaskTest, NormalOpsUnderAClientsMaskMatchHostThenCleanIsExact) {
 // A rank whose client is gone (its endpoint closed: DetachRank, as when its Session ends)
 // is masked: low-latency and normal rounds run without it (its part played on the area it
 // left); a new process joins its slot and the next rounds include it, exact.
+//
+// The area rank 5 left plays its masked part until the rejoin; the first op after the rejoin
+// hands it to the plane's DeferredRelease, which frees it at the first moment no group has
+// work on the GPU: right after that op. Here the clients share the daemon's CUDA context (the
+// daemon is in this process), and a client that has already submitted the next op holds a
+// stream wait for that op's done_seq, which the free (it waits for the whole context) would
+// wait for while the engine that must launch the op is inside it: every client that had
+// submitted then fails at op_timeout + 5 s (its stream release ends the stall). A daemon in
+// its own process waits for nothing of its clients'. So the first op after the rejoin runs
+// alone, and the next round starts once that area is gone.
 TEST_F(CudaMaskTest, DepartedRankIsMaskedThenARejoinIsExact) {
   Compare([&](PlaneGroup& g) { return RunLowLatency(g, in_, false, false); }, "ll whole");
+  const std::string left_handle = cuda_group_.eps[5]->info().cuda_ipc_handle();
   host_group_.eps[5].reset();
   cuda_group_.eps[5].reset();
   auto mask = cuda_group_.group->GetRankMask();
@@ -1310,6 +1321,25 @@ TEST_F(CudaMaskTest, DepartedRankIsMaskedThenARejoinIsExact) {
   EXPECT_GT(DroppedAt(0, 1, 1, 5), 0);
   ASSERT_NO_FATAL_FAILURE(host_group_.OpenRank(5));
   ASSERT_NO_FATAL_FAILURE(cuda_group_.OpenRank(5));
+  EXPECT_TRUE(FindInProcessCudaArea(left_handle).ok()) << "the stand-in went before the rejoin";
+  for (PlaneGroup* g : {&host_group_, &cuda_group_}) {
+    g->OnEveryRank([&](int r) {
+      RankInputs& ri = in_.ranks[r];
+      std::vector<int64_t> ks{ri.T, spec_.num_topk()};
+      DLTensor idx = Tensor(ri.idx.data(), kI64, ks, false);
+      auto op = g->eps[r]->GetDispatchLayout(idx);
+      ASSERT_TRUE(op.ok()) << op.status();
+      auto layout = op->Wait(absl::Seconds(20));
+      ASSERT_TRUE(layout.ok()) << "rank " << r << ": " << layout.status();
+    });
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (FindInProcessCudaArea(left_handle).ok() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_FALSE(FindInProcessCudaArea(left_handle).ok()) << "the stand-in's area was never freed";
+  // Its registry entry goes first; its frees follow on the engine thread, on an idle GPU.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
   Compare([&](PlaneGroup& g) { return RunLowLatency(g, in_, false, false); }, "ll rejoined");
   EXPECT_EQ(DroppedAt(1, 2, 0), 0);
   Compare([&](PlaneGroup& g) { return RunNormal(g, in_); }, "normal rejoined");
