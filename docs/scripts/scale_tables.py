@@ -56,6 +56,13 @@ LAUNCH_FLAGS_BYTES = 4096  # sizeof(abi::LaunchFlags), static_assert in proto/ab
 LOW_LATENCY_BUFFERS = 2
 
 
+def normal_tiles_bytes(R, E, M_):
+    """layout.h NormalDispatchTiling::For(M).bytes(R, E): per slot [R] counts, [R] bases, [E]."""
+    max_tiles, granule = 64, 256
+    slots = min(max_tiles, -(-max(M_, 0) // granule))
+    return slots * (2 * R + E) * 4
+
+
 def epd_endpoint_regions(R, E, H_, K_, M_, Mll, fp8):
     """(name, bytes) of every region, in layout.h's declaration order."""
     Min = max(M_, Mll)
@@ -82,7 +89,8 @@ def epd_endpoint_regions(R, E, H_, K_, M_, Mll, fp8):
             (f"ll_recv_count_{b}", ll * El * 4), (f"ll_recv_src_info_{b}", El * R * Mll * 4),
             (f"ll_handle_pos_{b}", Mll * K_ * 4), (f"ll_combined_x_{b}", Mll * H_ * 2),
         ]
-    regs += [("ll_routing", Mll * K_ * 8), ("sync", SYNC_REGION_BYTES),
+    regs += [("ll_routing", Mll * K_ * 8), ("normal_tiles", normal_tiles_bytes(R, E, M_)),
+             ("sync", SYNC_REGION_BYTES),
              ("launch_flags", LAUNCH_FLAGS_BYTES)]
     return regs
 

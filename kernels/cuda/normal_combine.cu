@@ -157,7 +157,7 @@ absl::Status NormalCombine(const CudaRankContext& ctx, const NormalCombineArgs& 
   int32_t num_blocks = 0;
   EPD_RETURN_IF_ERROR(normal::MakeNormalParams(ctx, args.num_tokens, &p, &num_blocks));
   p.with_weights = args.with_weights ? 1 : 0;
-  EPD_RETURN_IF_ERROR(normal::LaunchNotify(p, /*notify=*/false, stream));
+  EPD_RETURN_IF_ERROR(normal::LaunchNotify(p, /*notify=*/false, num_blocks, stream));
   if (ctx.shape.hidden % 8 == 0) {
     normal::NormalCombineKernel<true><<<num_blocks, kNormalThreads, 0, stream>>>(p);
   } else {

@@ -37,6 +37,8 @@ struct NormalParams {
   const int64_t* topk_idx = nullptr;
   /// CudaRankContext::rank_masked: device [R], nonzero = masked; null = none masked.
   const uint8_t* rank_masked = nullptr;
+  /// NormalDispatchTiling::For(M): the dispatch's layout tiles (`normal_tiles` region).
+  NormalDispatchTiling tiling;
 };
 
 // ---- addressing ---------------------------------------------------------------------------
@@ -121,16 +123,40 @@ struct TokenRanks {
   __device__ __forceinline__ void LoadRow(const int32_t* pos_row, int num_ranks, int lane,
                                           int64_t capacity, unsigned int* bad,
                                           unsigned int* dropped) {
-    pos_lo = lane < num_ranks ? pos_row[lane] : -1;
-    pos_hi = lane + 32 < num_ranks ? pos_row[lane + 32] : -1;
-    if (pos_lo < -1 || pos_lo >= capacity) {
+    const int64_t lo = lane < num_ranks ? pos_row[lane] : -1;
+    const int64_t hi = lane + 32 < num_ranks ? pos_row[lane + 32] : -1;
+    CheckRow(lo, hi, capacity, bad, dropped);
+  }
+  /// The dispatch copy's LoadRow: `pos_row` holds the layout pass's row of token t inside
+  /// its tile (-1 = not sent), `base_row` [R] its tile's first row at each rank. Each entry
+  /// >= 0 becomes entry + base (64-bit), is checked as in LoadRow and written back to
+  /// `pos_row` (the handle); -1 entries stay. Warp-collective.
+  __device__ __forceinline__ void ResolveRow(int32_t* pos_row, const int32_t* base_row,
+                                             int num_ranks, int lane, int64_t capacity,
+                                             unsigned int* bad, unsigned int* dropped) {
+    int64_t lo = lane < num_ranks ? pos_row[lane] : -1;
+    int64_t hi = lane + 32 < num_ranks ? pos_row[lane + 32] : -1;
+    const bool sent_lo = lo >= 0;
+    const bool sent_hi = hi >= 0;
+    if (sent_lo) lo += base_row[lane];
+    if (sent_hi) hi += base_row[lane + 32];
+    CheckRow(lo, hi, capacity, bad, dropped);
+    if (sent_lo) pos_row[lane] = pos_lo;
+    if (sent_hi) pos_row[lane + 32] = pos_hi;
+  }
+  /// LoadRow's checks on the lane's two raw entries; sets pos_lo / pos_hi and the mask.
+  __device__ __forceinline__ void CheckRow(int64_t lo, int64_t hi, int64_t capacity,
+                                           unsigned int* bad, unsigned int* dropped) {
+    if (lo < -1 || lo >= capacity) {
       ++*bad;
-      pos_lo = -1;
+      lo = -1;
     }
-    if (pos_hi < -1 || pos_hi >= capacity) {
+    if (hi < -1 || hi >= capacity) {
       ++*bad;
-      pos_hi = -1;
+      hi = -1;
     }
+    pos_lo = static_cast<int32_t>(lo);
+    pos_hi = static_cast<int32_t>(hi);
     if (masked_lo && pos_lo >= 0) {
       ++*dropped;
       pos_lo = -1;
@@ -242,7 +268,9 @@ absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tok
                               NormalParams* params, int32_t* num_blocks);
 
 /// Host side: launches the one-block arrival barrier (cached dispatch, combine) or, with
-/// `notify`, the dispatch notify step. Defined in normal_dispatch.cu.
-absl::Status LaunchNotify(const NormalParams& params, bool notify, cudaStream_t stream);
+/// `notify`, the dispatch notify step (layout pass on min(num_blocks, tiles) blocks, then
+/// the exchange in the last of them). Defined in normal_dispatch.cu.
+absl::Status LaunchNotify(const NormalParams& params, bool notify, int32_t num_blocks,
+                          cudaStream_t stream);
 
 }  // namespace epd::kernels::cuda::normal

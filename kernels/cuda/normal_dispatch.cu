@@ -1,6 +1,7 @@
-// Normal (high-throughput) dispatch on CUDA: the notify step (count exchange, prefix sums,
-// send_pos) and the copy kernel that writes every token straight into its final row at
-// each receiving rank (cuda_normal.h explains the protocol; host_ops.h the semantics).
+// Normal (high-throughput) dispatch on CUDA: the notify step (a multi-block layout pass,
+// then one block's count exchange and prefix sums) and the copy kernel that writes every token
+// straight into its final row at each receiving rank (cuda_normal.h explains the protocol;
+// host_ops.h the semantics).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -18,48 +19,173 @@ namespace {
 
 constexpr int kNotifyWarps = kNormalNotifyThreads / 32;
 constexpr int kCopyUnroll = 4;
+using Tiling = NormalDispatchTiling;
 
 /// N into the caller's host-mapped recv_count_out, if any (thread 0 only).
 __device__ __forceinline__ void PublishRecvCount(const NormalParams& p, int32_t n) {
   if (p.recv_count_out != nullptr) *reinterpret_cast<volatile int32_t*>(p.recv_count_out) = n;
 }
 
+/// Tokens of tile `tile` below the run-time T: in [0, tile_tokens].
+__device__ __forceinline__ int32_t TileLength(const NormalParams& p, int tile, int num_tokens) {
+  const int64_t left =
+      static_cast<int64_t>(num_tokens) - static_cast<int64_t>(tile) * p.tiling.tile_tokens;
+  return left <= 0
+             ? 0
+             : static_cast<int32_t>(left < p.tiling.tile_tokens ? left : p.tiling.tile_tokens);
+}
+
+/// Tiles holding the first `num_tokens` tokens.
+__device__ __forceinline__ int NumTiles(const NormalParams& p, int num_tokens) {
+  return static_cast<int>((static_cast<int64_t>(num_tokens) + p.tiling.tile_tokens - 1) /
+                          p.tiling.tile_tokens);
+}
+
+/// Base of this rank's `normal_tiles` region, at byte offset `offset` in it.
+__device__ __forceinline__ int32_t* Tiles(const NormalParams& p, uint64_t offset) {
+  return reinterpret_cast<int32_t*>(p.peer_bases[p.rank] + p.layout.normal_tiles.offset + offset);
+}
+
+/// The layout pass of a dispatch, one block's share: tiles blockIdx.x, + gridDim.x, ... of
+/// NormalDispatchTiling, each scanned kNormalNotifyThreads tokens at a time (one thread a
+/// token). For each tile it writes send_pos[t, r] = (tokens of the tile before t sent to r),
+/// -1 where t is not sent to r, and the tile's counts into `normal_tiles`: tokens per
+/// destination rank [tile, R] and per expert [tile, E] (a duplicate expert in a row once).
+/// Ids outside [-1, E) are counted into DeviceStatus and skipped; pairs to a masked rank's
+/// expert are dropped and counted. `s_expert_count`: E int32 of shared memory.
+__device__ __forceinline__ void LayoutTiles(const NormalParams& p, int num_tokens,
+                                            int32_t* s_expert_count) {
+  __shared__ int32_t s_warp_count[kNotifyWarps][kNormalMaxRanks];
+  __shared__ int32_t s_running[kNormalMaxRanks];
+  __shared__ unsigned int s_bad;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const GroupShape& shape = p.shape;
+  const int num_ranks = shape.num_ranks;
+  const int num_experts = shape.num_experts;
+  const int num_topk = shape.num_topk;
+  const int experts_per_rank = shape.num_local_experts();
+  const unsigned int lanes_below = (1u << lane) - 1u;
+  uint8_t* own = p.peer_bases[p.rank];
+  const int64_t* topk_idx = Region<const int64_t>(own, p.layout.in_topk_idx);
+  int32_t* send_pos = Region<int32_t>(own, p.layout.send_pos);
+  int32_t* rank_counts = Tiles(p, p.tiling.rank_counts());
+  int32_t* expert_counts = Tiles(p, p.tiling.expert_counts(num_ranks));
+  if (tid == 0) s_bad = 0;
+  unsigned int bad = 0;
+  unsigned int dropped = 0;  // Pairs to masked ranks' experts.
+
+  const int num_tiles = NumTiles(p, num_tokens);
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    for (int e = tid; e < num_experts; e += blockDim.x) s_expert_count[e] = 0;
+    for (int r = tid; r < num_ranks; r += blockDim.x) s_running[r] = 0;
+    __syncthreads();
+    const int first = tile * p.tiling.tile_tokens;
+    const int end = first + TileLength(p, tile, num_tokens);
+    for (int base = first; base < end; base += blockDim.x) {
+      const int t = base + tid;
+      const uint64_t mask = t < end ? ScanTopkRow(topk_idx + static_cast<int64_t>(t) * num_topk,
+                                                  num_topk, num_experts, experts_per_rank,
+                                                  s_expert_count, &bad, p.rank_masked, &dropped)
+                                    : 0;
+      for (int r = 0; r < num_ranks; ++r) {
+        const unsigned int b = __ballot_sync(0xffffffffu, (mask >> r) & 1ull);
+        if (lane == 0) s_warp_count[warp][r] = __popc(b);
+      }
+      __syncthreads();
+      if (tid < num_ranks) {  // Exclusive prefix over the warps, after the earlier tokens.
+        int32_t acc = s_running[tid];
+        for (int w = 0; w < kNotifyWarps; ++w) {
+          const int32_t c = s_warp_count[w][tid];
+          s_warp_count[w][tid] = acc;
+          acc += c;
+        }
+        s_running[tid] = acc;
+      }
+      __syncthreads();
+      int32_t* pos = send_pos + static_cast<int64_t>(t) * num_ranks;
+      for (int r = 0; r < num_ranks; ++r) {
+        const bool to_r = (mask >> r) & 1ull;
+        const unsigned int b = __ballot_sync(0xffffffffu, to_r);
+        if (t < end) pos[r] = to_r ? s_warp_count[warp][r] + __popc(b & lanes_below) : -1;
+      }
+      __syncthreads();
+    }
+    for (int r = tid; r < num_ranks; r += blockDim.x) {
+      rank_counts[static_cast<int64_t>(tile) * num_ranks + r] = s_running[r];
+    }
+    for (int e = tid; e < num_experts; e += blockDim.x) {
+      expert_counts[static_cast<int64_t>(tile) * num_experts + e] = s_expert_count[e];
+    }
+    __syncthreads();  // The next tile zeroes the shared counts.
+  }
+  if (bad != 0) atomicAdd(&s_bad, bad);
+  RecordDropped(p, dropped);
+  __syncthreads();
+  if (tid == 0 && s_bad != 0) atomicAdd(&OwnStatus(p)->bad_expert_ids, s_bad);
+}
+
+/// True in the block of the grid that finished last (every thread of it); the others'
+/// global writes are visible to it. Call from every thread of every block, once per kernel.
+__device__ __forceinline__ bool LastBlockToFinish(const NormalParams& p) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned int* counter =
+        reinterpret_cast<unsigned int*>(NormalSync(p, p.rank) + NormalSyncLayout::kBlockCounter);
+    const unsigned int done_blocks = atomicAdd(counter, 1u);
+    s_last = done_blocks == gridDim.x - 1;
+    if (s_last) *counter = 0;  // Only this block still runs: the next kernel starts from 0.
+  }
+  __syncthreads();
+  if (!s_last) return false;
+  __threadfence();
+  return true;
+}
+
 /// The notify step of a dispatch (`notify` set) or the arrival barrier of a cached
-/// dispatch / combine (`notify` clear). One block of kNormalNotifyThreads threads; dynamic
-/// shared memory: E int32 when `notify`.
+/// dispatch / combine (`notify` clear). Blocks of kNormalNotifyThreads threads: with
+/// `notify`, min(num_sms, tiles) of them, else one; dynamic shared memory: E int32 when
+/// `notify`.
 ///
-/// Bumps the rank's op counter (the op's sequence number seq), then, with `notify`:
-///  pass 1: tokens per destination rank (ballots) and per expert (a duplicate expert in a
-///          row once), ids outside [-1, E) counted into DeviceStatus and skipped;
+/// With `notify`, every block first runs its share of the layout pass (LayoutTiles: the
+/// rank-local counts and send_pos within each tile, no peer involved); the block that
+/// finishes last goes on alone (LastBlockToFinish), the others exit. That one block bumps
+/// the rank's op counter (the op's sequence number seq), then, with `notify`:
+///  totals: tokens per destination rank and per expert, summed over the tiles (each tile's
+///          count clamped to its token count, so no total exceeds T), and the exclusive
+///          prefix of the per-rank counts over the tiles;
 ///  exchange: thread r writes counts [R] and peer r's per-local-expert counts [El] into
 ///          peer r's sync region, then releases arrive[rank] = seq there; thread s waits
 ///          for arrive[s] >= seq here (bounded);
 ///  receiver: rank_prefix[s] = Σ_{s'<s} counts[s'][rank], recv_count, aligned
 ///          recv_tokens_per_expert;
-///  pass 2: send_pos[t, r] = Σ_{s'<rank} counts[s'][r] + (tokens before t sent to r), by a
-///          block-wide scan per destination over tiles of 1024 tokens.
+///  bases:  bases[tile, r] = Σ_{s'<rank} counts[s'][r] + (tokens of earlier tiles sent to
+///          r) into `normal_tiles`; the copy kernel adds them to the layout's send_pos.
 /// On a timeout the op is marked failed (kFailedSeq = seq): the copy kernel then skips.
 /// Thread 0 publishes N (PublishRecvCount): the new count, or with `notify` clear or on a
 /// timeout the count left as it was.
 __global__ void __launch_bounds__(kNormalNotifyThreads)
     NormalNotifyKernel(NormalParams p, int notify) {
   extern __shared__ int32_t s_expert_count[];
+  __shared__ int32_t s_tile_prefix[Tiling::kMaxTiles * kNormalMaxRanks];
   __shared__ int32_t s_rank_count[kNormalMaxRanks];
   __shared__ int32_t s_send_offset[kNormalMaxRanks];
-  __shared__ int32_t s_running[kNormalMaxRanks];
-  __shared__ int32_t s_warp_offset[kNotifyWarps][kNormalMaxRanks];
   __shared__ uint32_t s_seq;
   __shared__ int32_t s_num_tokens;
   __shared__ int s_failed;
-  __shared__ unsigned int s_bad;
+
+  if (notify) {
+    LayoutTiles(p, ReadNumTokens(p, false), s_expert_count);
+    if (!LastBlockToFinish(p)) return;
+  }
 
   const int num_ranks = p.shape.num_ranks;
   const int num_experts = p.shape.num_experts;
-  const int num_topk = p.shape.num_topk;
   const int experts_per_rank = num_experts / num_ranks;
   const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
   uint8_t* own = p.peer_bases[p.rank];
   uint8_t* own_sync = NormalSync(p, p.rank);
 
@@ -70,40 +196,41 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
     s_seq = seq;
     s_num_tokens = ReadNumTokens(p, true);
     s_failed = 0;
-    s_bad = 0;
-  }
-  for (int i = tid; i < kNormalMaxRanks; i += blockDim.x) {
-    s_rank_count[i] = 0;
-    s_running[i] = 0;
-  }
-  if (notify) {
-    for (int e = tid; e < num_experts; e += blockDim.x) s_expert_count[e] = 0;
   }
   __syncthreads();
   const uint32_t seq = s_seq;
   const int num_tokens = s_num_tokens;
-  const int64_t* topk_idx = Region<const int64_t>(own, p.layout.in_topk_idx);
+  const int num_tiles = NumTiles(p, num_tokens);
 
-  // ---- pass 1: counts.
+  // ---- totals over the layout's tiles (written by other blocks of this grid: read past L1).
   if (notify) {
-    unsigned int bad = 0;
-    unsigned int dropped = 0;  // Pairs to masked ranks' experts.
-    for (int base = 0; base < num_tokens; base += blockDim.x) {
-      const int t = base + tid;
-      const uint64_t mask =
-          t < num_tokens
-              ? ScanTopkRow(topk_idx + static_cast<int64_t>(t) * num_topk, num_topk, num_experts,
-                            experts_per_rank, s_expert_count, &bad, p.rank_masked, &dropped)
-              : 0;
-      for (int r = 0; r < num_ranks; ++r) {
-        const unsigned int b = __ballot_sync(0xffffffffu, (mask >> r) & 1ull);
-        if (lane == 0 && b != 0) atomicAdd(&s_rank_count[r], __popc(b));
-      }
+    const int32_t* rank_counts = Tiles(p, p.tiling.rank_counts());
+    const int32_t* expert_counts = Tiles(p, p.tiling.expert_counts(num_ranks));
+    for (int i = tid; i < num_tiles * num_ranks; i += blockDim.x) {
+      const int32_t len = TileLength(p, i / num_ranks, num_tokens);
+      const int32_t c = __ldcg(rank_counts + i);
+      s_tile_prefix[i] = c < 0 ? 0 : (c > len ? len : c);
     }
-    if (bad != 0) atomicAdd(&s_bad, bad);
-    RecordDropped(p, dropped);
+    for (int e = tid; e < num_experts; e += blockDim.x) {
+      int32_t total = 0;
+      for (int tile = 0; tile < num_tiles; ++tile) {
+        const int32_t len = TileLength(p, tile, num_tokens);
+        const int32_t c = __ldcg(expert_counts + static_cast<int64_t>(tile) * num_experts + e);
+        total += c < 0 ? 0 : (c > len ? len : c);
+      }
+      s_expert_count[e] = total;
+    }
     __syncthreads();
-    if (tid == 0 && s_bad != 0) atomicAdd(&OwnStatus(p)->bad_expert_ids, s_bad);
+    if (tid < num_ranks) {
+      int32_t acc = 0;
+      for (int tile = 0; tile < num_tiles; ++tile) {
+        const int32_t c = s_tile_prefix[tile * num_ranks + tid];
+        s_tile_prefix[tile * num_ranks + tid] = acc;
+        acc += c;
+      }
+      s_rank_count[tid] = acc;
+    }
+    __syncthreads();
   }
 
   // ---- exchange: counts and arrival flags into every peer's sync region.
@@ -175,41 +302,10 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
   }
   __syncthreads();
 
-  // ---- pass 2: send_pos.
-  int32_t* send_pos = Region<int32_t>(own, p.layout.send_pos);
-  const unsigned int lanes_below = (1u << lane) - 1u;
-  for (int base = 0; base < num_tokens; base += blockDim.x) {
-    const int t = base + tid;
-    unsigned int ignored_bad = 0;  // Counted in pass 1.
-    const uint64_t mask =
-        t < num_tokens
-            ? ScanTopkRow(topk_idx + static_cast<int64_t>(t) * num_topk, num_topk, num_experts,
-                          experts_per_rank, nullptr, &ignored_bad, p.rank_masked, nullptr)
-            : 0;
-    for (int r = 0; r < num_ranks; ++r) {
-      const unsigned int b = __ballot_sync(0xffffffffu, (mask >> r) & 1ull);
-      if (lane == 0) s_warp_offset[warp][r] = __popc(b);
-    }
-    __syncthreads();
-    if (tid < num_ranks) {
-      int32_t acc = s_running[tid];
-      for (int w = 0; w < kNotifyWarps; ++w) {
-        const int32_t c = s_warp_offset[w][tid];
-        s_warp_offset[w][tid] = acc;
-        acc += c;
-      }
-      s_running[tid] = acc;
-    }
-    __syncthreads();
-    int32_t* pos = send_pos + static_cast<int64_t>(t) * num_ranks;
-    for (int r = 0; r < num_ranks; ++r) {
-      const bool to_r = (mask >> r) & 1ull;
-      const unsigned int b = __ballot_sync(0xffffffffu, to_r);
-      if (t < num_tokens) {
-        pos[r] = to_r ? s_send_offset[r] + s_warp_offset[warp][r] + __popc(b & lanes_below) : -1;
-      }
-    }
-    __syncthreads();
+  // ---- bases: first row of each tile's tokens at each destination.
+  int32_t* bases = Tiles(p, p.tiling.bases(num_ranks));
+  for (int i = tid; i < num_tiles * num_ranks; i += blockDim.x) {
+    bases[i] = s_send_offset[i % num_ranks] + s_tile_prefix[i];
   }
 }
 
@@ -229,7 +325,9 @@ __device__ __forceinline__ Vec LoadStreaming(const Vec* p) {
 
 /// The copy step of a dispatch: grid of num_sms blocks of kNormalThreads; warp w of the
 /// grid handles tokens w, w + warps, ... . For token t it reads send_pos[t, :] (lane r
-/// holds ranks r and r + 32), loads the row kCopyUnroll vectors per lane at a time and
+/// holds ranks r and r + 32; unless cached, the layout's rows within the tile, which it
+/// turns into final rows with the notify's tile bases and writes back: TokenRanks::
+/// ResolveRow), loads the row kCopyUnroll vectors per lane at a time and
 /// stores them to the row at every destination, then the scales, recv_src_info and
 /// (unless cached) recv_topk_idx / recv_topk_weights. `Vec` is int4 when a row is a
 /// multiple of 16 bytes, else bf16 units.
@@ -249,7 +347,9 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
   const int64_t num_vec = row_bytes / static_cast<int64_t>(sizeof(Vec));
 
   uint8_t* own = p.peer_bases[p.rank];
-  const int32_t* send_pos = Region<const int32_t>(own, p.layout.send_pos);
+  int32_t* send_pos = Region<int32_t>(own, p.layout.send_pos);
+  const int32_t* tile_bases = reinterpret_cast<const int32_t*>(own + p.layout.normal_tiles.offset +
+                                                               p.tiling.bases(num_ranks));
   const uint8_t* x = Region<const uint8_t>(own, p.layout.in_x);
   const float* x_scales = Region<const float>(own, p.layout.in_scales);
   const int64_t* topk_idx = Region<const int64_t>(own, p.layout.in_topk_idx);
@@ -265,8 +365,14 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
 
   for (int t = blockIdx.x * warps_per_block + (threadIdx.x >> 5); t < num_tokens;
        t += gridDim.x * warps_per_block) {
-    ranks.LoadRow(send_pos + static_cast<int64_t>(t) * num_ranks, num_ranks, lane, capacity,
-                  &bad_routing, &dropped);
+    int32_t* pos_row = send_pos + static_cast<int64_t>(t) * num_ranks;
+    if (p.cached) {
+      ranks.LoadRow(pos_row, num_ranks, lane, capacity, &bad_routing, &dropped);
+    } else {
+      ranks.ResolveRow(pos_row,
+                       tile_bases + static_cast<int64_t>(t / p.tiling.tile_tokens) * num_ranks,
+                       num_ranks, lane, capacity, &bad_routing, &dropped);
+    }
     const uint64_t mask = ranks.mask;
     if (mask == 0) continue;
 
@@ -335,9 +441,15 @@ const bool kDispatchPreloadRegistered = RegisterPreloadHook(&PreloadDispatchKern
 
 }  // namespace
 
-absl::Status LaunchNotify(const NormalParams& params, bool notify, cudaStream_t stream) {
+absl::Status LaunchNotify(const NormalParams& params, bool notify, int32_t num_blocks,
+                          cudaStream_t stream) {
   const size_t shared = notify ? sizeof(int32_t) * params.shape.num_experts : 0;
-  NormalNotifyKernel<<<1, kNormalNotifyThreads, shared, stream>>>(params, notify ? 1 : 0);
+  int32_t grid = 1;
+  if (notify) {
+    grid = num_blocks < params.tiling.num_tiles ? num_blocks : params.tiling.num_tiles;
+    if (grid < 1) grid = 1;
+  }
+  NormalNotifyKernel<<<grid, kNormalNotifyThreads, shared, stream>>>(params, notify ? 1 : 0);
   return EPD_CUDA_STATUS(cudaGetLastError());
 }
 
@@ -368,7 +480,7 @@ absl::Status NormalDispatch(const CudaRankContext& ctx, const NormalDispatchArgs
   p.recv_count_out = args.recv_count_out;
   p.expert_stats = args.expert_stats;
 
-  EPD_RETURN_IF_ERROR(normal::LaunchNotify(p, !args.cached, stream));
+  EPD_RETURN_IF_ERROR(normal::LaunchNotify(p, !args.cached, num_blocks, stream));
   const int64_t row_bytes = args.fp8 ? ctx.shape.hidden : 2 * int64_t{ctx.shape.hidden};
   if (row_bytes % 16 == 0) {
     normal::NormalDispatchCopyKernel<int4><<<num_blocks, kNormalThreads, 0, stream>>>(p);

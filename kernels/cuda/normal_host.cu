@@ -119,6 +119,7 @@ absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tok
   p.timeout_ns = ctx.timeout_ns;
   p.sync_map = SyncMap(ctx.shape);
   p.rank_masked = ctx.rank_masked;
+  p.tiling = NormalDispatchTiling::For(ctx.shape.max_tokens_per_rank);
   return absl::OkStatus();
 }
 

@@ -542,6 +542,11 @@ std::vector<NormalCase> SweepCases() {
   // that are not a multiple of 16 bytes (bf16 units, scalar combine).
   add({"ragged-hidden", 2, 2056, 6, 64, {333}, false, 1, true, masked});
   add({"tiny-odd-hidden", 4, 100, 3, 8, {333}, false, 128});
+  // The dispatch's layout tiles (NormalDispatchTiling): 16 tiles of 256 tokens over 3 blocks
+  // (a block takes several tiles, the last tile partial); M = 20000: 40 tiles of 512 tokens
+  // (two passes of the block per tile) over 5 blocks, masked ranks.
+  add({"tiles-over-3-blocks", 2, 2048, 8, 64, {4000, 1000}, false, 1, true, {}, 0, 3});
+  add({"long-tiles-fp8-masked", 2, 1024, 4, 16, {20000, 17001}, true, 1, true, masked, 0, 5});
   return cases;
 }
 

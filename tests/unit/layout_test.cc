@@ -26,13 +26,40 @@ TEST(EndpointLayoutTest, RegionsAreAlignedAndDisjoint) {
     ++n;
   });
   EXPECT_LE(prev_end, l.total_bytes);
-  EXPECT_EQ(n, 24 + 6 * kLowLatencyBuffers);  // incl. ll_routing, sync and launch_flags
+  EXPECT_EQ(n, 25 + 6 * kLowLatencyBuffers);  // incl. ll_routing, normal_tiles, sync, flags
   EXPECT_EQ(l.launch_flags.bytes, abi::kLaunchFlagsRegionBytes);
   EXPECT_EQ(l.launch_flags.offset + l.launch_flags.bytes, l.total_bytes);
   // recv_x: R*M rows of H bf16; over 4 GiB offsets must not wrap.
   EXPECT_EQ(l.recv_x.bytes, uint64_t{8} * 4096 * 7168 * 2);
   EXPECT_EQ(l.ll_recv_x[0].bytes, uint64_t{32} * 8 * 128 * 7168 * 2);
   EXPECT_EQ(l.ll_routing.bytes, uint64_t{128} * 8 * 8);  // [Mll, K] of two int32
+  // 16 tiles of 256 tokens: [16, R] counts, [16, R] bases, [16, E] expert counts.
+  EXPECT_EQ(l.normal_tiles.bytes, uint64_t{16} * (8 + 8 + 256) * 4);
+}
+
+// The normal dispatch's tiles: whole granules, never more than kMaxTiles, covering M.
+TEST(EndpointLayoutTest, NormalDispatchTilesCoverEveryTokenInAtMostMaxTiles) {
+  using Tiling = NormalDispatchTiling;
+  EXPECT_EQ(Tiling::For(0).num_tiles, 0);
+  EXPECT_EQ(Tiling::For(1).tile_tokens, Tiling::kTokenGranule);
+  EXPECT_EQ(Tiling::For(1).num_tiles, 1);
+  EXPECT_EQ(Tiling::For(4096).tile_tokens, 256);
+  EXPECT_EQ(Tiling::For(4096).num_tiles, 16);
+  EXPECT_EQ(Tiling::For(16384).num_tiles, 64);
+  EXPECT_EQ(Tiling::For(16385).tile_tokens, 512);
+  EXPECT_EQ(Tiling::For(16385).num_tiles, 33);
+  EXPECT_EQ(Tiling::For(16385).slots, 64);
+  int32_t last_slots = 0;
+  for (const int32_t m : {2, 255, 256, 257, 1000, 8191, 16384, 16385, 65536, 100000, 2147483647}) {
+    const Tiling t = Tiling::For(m);
+    EXPECT_EQ(t.tile_tokens % Tiling::kTokenGranule, 0) << m;
+    EXPECT_LE(t.num_tiles, t.slots) << m;
+    EXPECT_LE(t.slots, Tiling::kMaxTiles) << m;
+    EXPECT_GE(t.slots, last_slots) << m;  // The region never shrinks as M grows.
+    last_slots = t.slots;
+    EXPECT_GE(int64_t{t.num_tiles} * t.tile_tokens, m) << m;
+    EXPECT_LT(int64_t{t.num_tiles - 1} * t.tile_tokens, m) << m;
+  }
 }
 
 // The low-latency dispatch's scales are stored token index fastest (DeepEP's layout): f32

@@ -10,6 +10,13 @@ _FP8_BLOCK = 128
 _LOW_LATENCY_BUFFERS = 2
 
 
+def _normal_tiles_bytes(R: int, E: int, M: int) -> int:
+    """layout.h NormalDispatchTiling::For(M).bytes(R, E): per slot [R] counts, [R] bases, [E]."""
+    max_tiles, granule = 64, 256
+    slots = min(max_tiles, -(-max(M, 0) // granule))
+    return slots * (2 * R + E) * 4
+
+
 def endpoint_bytes(*, num_ranks: int, num_experts: int, hidden: int, num_topk: int,
                    max_tokens_per_rank: int, ll_max_tokens_per_rank: int, use_fp8: bool) -> int:
     """Total bytes of an endpoint's regions, each rounded up to 256 bytes."""
@@ -30,7 +37,8 @@ def endpoint_bytes(*, num_ranks: int, num_experts: int, hidden: int, num_topk: i
     ]
     regions += [El * R * Mll * H * 2, fp8 * El * R * Mll * S * 4, ll * El * 4, El * R * Mll * 4,
                 Mll * K * 4, Mll * H * 2] * _LOW_LATENCY_BUFFERS
-    regions += [Mll * K * 8, _SYNC_REGION_BYTES, _LAUNCH_FLAGS_BYTES]
+    regions += [Mll * K * 8, _normal_tiles_bytes(R, E, M), _SYNC_REGION_BYTES,
+                _LAUNCH_FLAGS_BYTES]
     align = _REGION_ALIGNMENT
     return sum(-(-b // align) * align for b in regions)
 

@@ -42,7 +42,8 @@ inline constexpr int kNormalMaxRanks = 64;
 /// Sequence numbers are uint32, compared wrap-around safe.
 ///   [0, 4)      uint32 op counter: sequence number of the last normal op of this rank.
 ///   [4, 8)      uint32 sequence number of the last op whose barrier timed out here.
-///   [8, 12)     uint32 count of copy/combine blocks finished (reset by the last one).
+///   [8, 12)     uint32 count of the blocks of the running multi-block kernel (dispatch
+///               notify, copy, combine) that finished (reset by the last one).
 ///   [12, 16)    int32 run-time token count slot (NormalNumTokensSlot).
 ///   arrive      uint32 [R]: arrive[s] = last op sequence number rank s arrived at.
 ///   done        uint32 [R]: done[s] = last op whose writes/reads rank s has finished.

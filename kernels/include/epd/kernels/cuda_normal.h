@@ -20,8 +20,9 @@ namespace epd::kernels::cuda {
 
 /// Threads per block of the normal-mode copy and combine kernels (16 warps).
 inline constexpr int kNormalThreads = 512;
-/// Threads of the notify / barrier block.
-inline constexpr int kNormalNotifyThreads = 1024;
+/// Threads per block of the dispatch notify step (its layout pass takes one token a
+/// thread) and of the one-block arrival barrier.
+inline constexpr int kNormalNotifyThreads = 256;
 /// Checks that normal mode can run `ctx`: ValidateContext, 1 <= R <= kNormalMaxRanks, the
 /// normal sync map fits its part of the sync region, M >= 0. INVALID_ARGUMENT naming the
 /// field and value otherwise.

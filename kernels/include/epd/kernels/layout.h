@@ -66,6 +66,40 @@ struct Region {
   uint64_t bytes = 0;
 };
 
+/// How the CUDA normal dispatch splits a rank's token slots into tiles for its multi-block
+/// layout pass (kernels/cuda/normal_dispatch.cu): tile c holds tokens [c * tile_tokens,
+/// (c + 1) * tile_tokens). tile_tokens is a multiple of kTokenGranule, at least
+/// ceil(M / kMaxTiles), so num_tiles = ceil(M / tile_tokens) <= kMaxTiles. The
+/// `normal_tiles` region has `slots` = min(kMaxTiles, ceil(M / kTokenGranule)) >= num_tiles
+/// rows (so its size never shrinks as M grows) of each of: [slots, R] int32 counts,
+/// [slots, R] int32 bases, [slots, E] int32 expert counts. Pure function of M.
+struct NormalDispatchTiling {
+  static constexpr int32_t kMaxTiles = 64;
+  static constexpr int32_t kTokenGranule = 256;
+  int32_t tile_tokens = kTokenGranule;
+  int32_t num_tiles = 0;
+  int32_t slots = 0;
+
+  static NormalDispatchTiling For(int32_t max_tokens_per_rank) {
+    NormalDispatchTiling t;
+    const int64_t m = max_tokens_per_rank > 0 ? max_tokens_per_rank : 0;
+    const int64_t least = (m + kMaxTiles - 1) / kMaxTiles;
+    const int64_t granules = (least + kTokenGranule - 1) / kTokenGranule;
+    t.tile_tokens = static_cast<int32_t>((granules > 1 ? granules : 1) * kTokenGranule);
+    t.num_tiles = static_cast<int32_t>((m + t.tile_tokens - 1) / t.tile_tokens);
+    const int64_t slots = (m + kTokenGranule - 1) / kTokenGranule;
+    t.slots = static_cast<int32_t>(slots < kMaxTiles ? slots : kMaxTiles);
+    return t;
+  }
+  /// Byte offsets inside the `normal_tiles` region, and its size, for R ranks, E experts.
+  EPD_HD uint64_t rank_counts() const { return 0; }
+  EPD_HD uint64_t bases(int32_t num_ranks) const { return 4ull * slots * num_ranks; }
+  EPD_HD uint64_t expert_counts(int32_t num_ranks) const { return 8ull * slots * num_ranks; }
+  EPD_HD uint64_t bytes(int32_t num_ranks, int32_t num_experts) const {
+    return expert_counts(num_ranks) + 4ull * slots * num_experts;
+  }
+};
+
 /// Most byte ranges of an area one mirror copy takes (kernels::cuda::CopySpansAsync, the
 /// CUDA backend across nodes; daemon/dataplane/exchange/mirror_spans.h).
 inline constexpr int kMaxAreaSpans = 256;
@@ -128,6 +162,11 @@ struct EndpointLayout {
   /// one for both buffers (a rank's dispatches run one after another). Not an output: its
   /// contents are undefined between ops; unused on the host backend.
   Region ll_routing;
+  /// NormalDispatchTiling's per-tile counts and bases of the CUDA normal dispatch
+  /// (kernels/cuda/normal_dispatch.cu): written by its layout pass, read by its notify and
+  /// copy steps. Not an output: its contents are undefined between ops; unused on the host
+  /// backend.
+  Region normal_tiles;
 
   // ---- kernel-owned flags and counters ----
   Region sync;          ///< kSyncRegionBytes, zeroed at creation.
@@ -203,6 +242,8 @@ inline EndpointLayout EndpointLayout::Compute(const GroupShape& s) {
     l.ll_combined_x[b] = take(Mll * H * 2);
   }
   l.ll_routing = take(Mll * K * 8);
+  l.normal_tiles =
+      take(NormalDispatchTiling::For(s.max_tokens_per_rank).bytes(s.num_ranks, s.num_experts));
   l.sync = take(kSyncRegionBytes);
   l.launch_flags = take(abi::kLaunchFlagsRegionBytes);
   l.total_bytes = cursor;
@@ -245,6 +286,7 @@ void EndpointLayout::ForEachRegion(Fn&& fn) const {
     fn(kLl[5][b], ll_combined_x[b]);
   }
   fn("ll_routing", ll_routing);
+  fn("normal_tiles", normal_tiles);
   fn("sync", sync);
   fn("launch_flags", launch_flags);
 }
