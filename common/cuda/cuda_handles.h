@@ -35,6 +35,21 @@ struct CudaEventDeleter {
   }
 };
 
+/// cudaGraphExecDestroy. An executable graph may hold device memory of its own (its
+/// nodes' parameters, memory nodes): destroy it off the engine path, as memory is freed
+/// (DESIGN.md §8.2).
+struct CudaGraphExecDeleter {
+  void operator()(cudaGraphExec_t g) const {
+    if (g != nullptr) EPD_CUDA_IGNORE(cudaGraphExecDestroy(g));
+  }
+};
+/// cudaGraphDestroy, for a captured graph before (or after) it is instantiated.
+struct CudaGraphDeleter {
+  void operator()(cudaGraph_t g) const {
+    if (g != nullptr) EPD_CUDA_IGNORE(cudaGraphDestroy(g));
+  }
+};
+
 /// cudaHostUnregister, for memory this process mapped itself and registered.
 struct CudaHostUnregisterDeleter {
   void operator()(uint8_t* p) const {
@@ -51,5 +66,8 @@ using StreamHandle = std::unique_ptr<std::remove_pointer_t<cudaStream_t>, CudaSt
 /// this before unmapping it).
 using HostRegistration = std::unique_ptr<uint8_t, CudaHostUnregisterDeleter>;
 using EventHandle = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, CudaEventDeleter>;
+using GraphExecHandle =
+    std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, CudaGraphExecDeleter>;
+using GraphHandle = std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, CudaGraphDeleter>;
 
 }  // namespace epd

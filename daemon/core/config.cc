@@ -127,6 +127,10 @@ ABSL_FLAG(Uint32Flag, engine_idle_us, Uint32Flag{epd::kDefaultEngineIdleUs},
           "empty (no spinning: least CPU, each op that finds it asleep pays a wake-up).");
 ABSL_FLAG(Uint32Flag, host_threads, Uint32Flag{0},
           "host_threads: threads the host backend uses per op; 0 = the hardware concurrency.");
+ABSL_FLAG(StringFlag, cuda_op_graphs, StringFlag{"off"},
+          "cuda_op_graphs: CUDA backend: launch each daemon-launched op that a per-GPU op graph "
+          "covers (low-latency ops, every rank stream-ordered and unmasked, under MPS) as one "
+          "CUDA graph launch per GPU: on or off.");
 ABSL_FLAG(Uint32Flag, max_request_bytes, Uint32Flag{epd::kDefaultMaxRequestBytes},
           "max_request_bytes: largest gRPC message accepted, in bytes, from 65536 to "
           "2147483647 (gRPC's limit is an int).");
@@ -490,6 +494,7 @@ ConfigFlags ConfigFlagsFromCommandLine() {
   f.shm_mode = GivenValue(FLAGS_shm_mode);
   f.engine_idle_us = GivenValue(FLAGS_engine_idle_us);
   f.host_threads = GivenValue(FLAGS_host_threads);
+  f.cuda_op_graphs = GivenValue(FLAGS_cuda_op_graphs);
   f.max_request_bytes = GivenValue(FLAGS_max_request_bytes);
   f.max_groups = GivenValue(FLAGS_max_groups);
   f.max_groups_per_uid = GivenValue(FLAGS_max_groups_per_uid);
@@ -621,6 +626,8 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
   if (flags.shm_mode) config->set_shm_mode(*flags.shm_mode);
   if (flags.engine_idle_us) config->set_engine_idle_us(*flags.engine_idle_us);
   if (flags.host_threads) config->set_host_threads(*flags.host_threads);
+  if (flags.cuda_op_graphs)
+    config->set_cuda_op_graphs(absl::AsciiStrToLower(*flags.cuda_op_graphs));
   if (flags.max_request_bytes) config->set_max_request_bytes(*flags.max_request_bytes);
   if (flags.max_groups) {
     // Checked here: a 0 in the config would read as "absent" and take the default.
@@ -747,6 +754,8 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
   if (!rdma->has_cq_depth()) rdma->set_cq_depth(kDefaultRdmaCqDepth);
   rdma->set_gpudirect(absl::AsciiStrToLower(rdma->gpudirect()));
   if (rdma->gpudirect().empty()) rdma->set_gpudirect("auto");
+  config->set_cuda_op_graphs(absl::AsciiStrToLower(config->cuda_op_graphs()));
+  if (config->cuda_op_graphs().empty()) config->set_cuda_op_graphs("off");
 }
 
 absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
@@ -834,6 +843,13 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
                                   "host_threads: ", config.host_threads(), " is above the maximum ",
                                   kMaxHostThreads, " (0 = the hardware concurrency)")),
                               errors::Reason::kConfigInvalid);
+  }
+  if (!config.cuda_op_graphs().empty() && config.cuda_op_graphs() != "on" &&
+      config.cuda_op_graphs() != "off") {
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            "cuda_op_graphs: \"", absl::CEscape(config.cuda_op_graphs()), "\" is not on or off")),
+        errors::Reason::kConfigInvalid);
   }
   for (const std::string& uuid : config.gpu_uuids()) {
     if (uuid.empty()) {

@@ -207,6 +207,7 @@ absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(
     options.engine_idle_us = config.engine_idle_us();
     options.gpu_uuids.assign(config.gpu_uuids().begin(), config.gpu_uuids().end());
     options.host_threads = static_cast<int>(config.host_threads());
+    options.op_graphs = config.cuda_op_graphs() == "on";
     options.peer_mesh = peer_mesh;
     options.transports = transports;
     return MakeCudaDataPlane(options);

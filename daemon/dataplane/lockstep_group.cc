@@ -656,6 +656,13 @@ bool LockstepGroup::RunOp() {
   plan.ll_buffer = parity_.DispatchBuffer();
   plan.ll_out_buffer = parity_.CombineOutBuffer();
   if (!ReadyToStart()) return false;
+  if (op_started_) {
+    plan.first_arrival = *op_started_;
+    plan.last_arrival = *op_started_;
+    for (int r = first; r < R; ++r) {
+      if (!rank_masked_[r]) plan.last_arrival = std::max(plan.last_arrival, arrived_[r]);
+    }
+  }
   if (R - first >= 2 && op_started_) {
     // Every local rank arrived: which one came last, and how long after the first.
     int32_t last = first;

@@ -123,6 +123,11 @@ struct OpPlan {
   int ll_handle_buffer = 0;              ///< LowLatencyCombine: the buffer of its dispatch.
   int ll_out_buffer = 0;                 ///< LowLatencyCombine: the ll_combined_x buffer it writes.
   std::vector<ProgramStepPlan> program;  ///< kRegisterProgram: the agreed program.
+  /// When the engine saw the op's first and its last (local, unmasked) rank's request:
+  /// the start of the op's trace (the CUDA backend's EPD_OP_TRACE). Unset (epoch) when
+  /// not known.
+  std::chrono::steady_clock::time_point first_arrival{};
+  std::chrono::steady_clock::time_point last_arrival{};
 };
 
 /// Options every lockstep group shares.

@@ -18,6 +18,10 @@ bool OpGpuTimer::Begin(int32_t r, void* event, void* stream) {
   return true;
 }
 
+void OpGpuTimer::SetBegin(int32_t r, void* event) {
+  if (r >= 0 && static_cast<size_t>(r) < ranks_.size()) ranks_[r].begin = event;
+}
+
 void OpGpuTimer::SetEnd(int32_t r, void* event) {
   if (r >= 0 && static_cast<size_t>(r) < ranks_.size()) ranks_[r].end = event;
 }

@@ -38,6 +38,9 @@ class OpGpuTimer {
   /// Records rank r's begin `event` on its `stream`, before the op's kernels there. False
   /// (and the op is then not timed) when the record failed or r is out of range.
   bool Begin(int32_t r, void* event, void* stream);
+  /// Rank r's begin `event`, already recorded before the op's kernels (a node of a CUDA
+  /// graph the op was launched through). Ignored when r is out of range.
+  void SetBegin(int32_t r, void* event);
   /// Rank r's end `event`, recorded by the caller on the rank's stream after the op's
   /// kernels (on the CUDA backend: the op's done event, which the engine polls anyway).
   void SetEnd(int32_t r, void* event);

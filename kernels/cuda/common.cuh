@@ -165,6 +165,13 @@ __device__ __forceinline__ void RecordMissingPeer(DeviceStatus* status, int32_t 
   }
 }
 
+/// A KernelHandoff's ready or done value: `value`, or the op's word *h.seq_word when the
+/// handoff names one (written by the host before the launch: a CUDA graph replays with
+/// each op's sequence number). A volatile load: the word may be host-mapped memory.
+__device__ __forceinline__ uint64_t HandoffValue(const KernelHandoff& h, uint64_t value) {
+  return h.seq_word != nullptr ? *reinterpret_cast<const volatile uint64_t*>(h.seq_word) : value;
+}
+
 /// The ready wait of a KernelHandoff, by one thread per block before the block reads any
 /// input: until *ready_flag >= ready_value (acquire, GPU scope) or `deadline_ns`; block
 /// 0 records a timeout as a missing `rank` (the op then goes on: it fails anyway). No-op
@@ -173,7 +180,8 @@ __device__ __forceinline__ void WaitReady(const KernelHandoff& h, uint64_t deadl
                                           DeviceStatus* status, int32_t rank) {
   uint64_t ready = 0;
   if (h.ready_flag != nullptr &&
-      !WaitFlag64AtLeast(h.ready_flag, h.ready_value, deadline_ns, &ready) && blockIdx.x == 0) {
+      !WaitFlag64AtLeast(h.ready_flag, HandoffValue(h, h.ready_value), deadline_ns, &ready) &&
+      blockIdx.x == 0) {
     RecordMissingPeer(status, rank);
   }
 }
@@ -184,8 +192,9 @@ __device__ __forceinline__ void StoreDone(const KernelHandoff& h) {
   if (h.instance_flag != nullptr) {
     *reinterpret_cast<volatile uint64_t*>(h.instance_flag) = h.instance_value;
   }
+  const uint64_t done = HandoffValue(h, h.done_value);
   FenceAcqRelGpu();
-  StReleaseGpu64(h.done_flag, h.done_value);
+  StReleaseGpu64(h.done_flag, done);
 }
 
 /// KernelHandoff::status_out: one thread copies the rank's DeviceStatus to `out` and zeroes

@@ -67,8 +67,10 @@ __global__ void BatchCopySignalKernel(const BatchCopyParams p) {
 }
 
 __global__ void WaitFlagKernel(const uint64_t* flag, uint64_t value, int64_t timeout_ns,
-                               uint64_t* seen, const uint64_t* alt_flag) {
+                               uint64_t* seen, const uint64_t* alt_flag,
+                               const uint64_t* value_word) {
   if (threadIdx.x == 0) {
+    if (value_word != nullptr) value = *reinterpret_cast<const volatile uint64_t*>(value_word);
     const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(timeout_ns);
     uint64_t v = 0;
     bool arrived = false;
@@ -150,13 +152,14 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
 }
 
 absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout_ns, uint64_t* seen,
-                           cudaStream_t stream, const uint64_t* alt_flag) {
+                           cudaStream_t stream, const uint64_t* alt_flag,
+                           const uint64_t* value_word) {
   if (flag == nullptr || timeout_ns <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("WaitFlagAsync: flag = ", flag == nullptr ? "null" : "set",
                      ", timeout_ns = ", timeout_ns, " (need a flag and timeout_ns > 0)"));
   }
-  WaitFlagKernel<<<1, 32, 0, stream>>>(flag, value, timeout_ns, seen, alt_flag);
+  WaitFlagKernel<<<1, 32, 0, stream>>>(flag, value, timeout_ns, seen, alt_flag, value_word);
   return EPD_CUDA_STATUS(cudaGetLastError());
 }
 

@@ -382,12 +382,14 @@ class CudaDataPlaneTest : public ::testing::Test {
   void SetUp() override { SetUpPlanes(std::nullopt); }
   /// `kernel_ready_wait`: CudaDataPlaneOptions::kernel_ready_wait (unset = the daemon's
   /// default: a WaitFlagAsync kernel under MPS, cuStreamWaitValue64 otherwise).
-  void SetUpPlanes(std::optional<bool> kernel_ready_wait) {
+  /// `op_graphs`: CudaDataPlaneOptions::op_graphs.
+  void SetUpPlanes(std::optional<bool> kernel_ready_wait, bool op_graphs = false) {
     std::string why;
     if (!testing::HaveGpu(&why)) GTEST_SKIP() << why;
     CudaDataPlaneOptions o;
     o.op_timeout_ms = 1000;
     o.kernel_ready_wait = kernel_ready_wait;
+    o.op_graphs = op_graphs;
     auto cuda = MakeCudaDataPlane(o);
     ASSERT_TRUE(cuda.ok()) << cuda.status();
     cuda_ = std::move(*cuda);
@@ -860,18 +862,37 @@ void RunOrderedDispatchAndCheckCounts(std::vector<RawRank>& ranks, const kernels
   }
 }
 
-/// The stream-ordered tests, with each way a daemon-launched low-latency op can wait for its
-/// client's ready flag (CudaDataPlaneOptions::kernel_ready_wait): cuStreamWaitValue64 (no
-/// MPS) and a WaitFlagAsync kernel with the op's kernel launched programmatically (MPS).
-class CudaDataPlaneOrderedTest : public CudaDataPlaneTest,
-                                 public ::testing::WithParamInterface<bool> {
- protected:
-  void SetUp() override { SetUpPlanes(GetParam()); }
+/// How the ordered tests' daemon launches a low-latency op.
+enum class OrderedLaunch {
+  kStreamWait,  ///< cuStreamWaitValue64 for ready (no MPS), per rank.
+  kInAKernel,   ///< A WaitFlagAsync kernel, the op's kernel programmatic behind it (MPS).
+  kOpGraphs,    ///< As kInAKernel, captured in per-GPU op graphs (CudaDataPlaneOptions::op_graphs).
 };
 
-INSTANTIATE_TEST_SUITE_P(ReadyWait, CudaDataPlaneOrderedTest, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return std::string(info.param ? "InAKernel" : "StreamWait");
+/// The stream-ordered tests, with each way a daemon-launched low-latency op can wait for its
+/// client's ready flag (CudaDataPlaneOptions::kernel_ready_wait): cuStreamWaitValue64 (no
+/// MPS) and a WaitFlagAsync kernel with the op's kernel launched programmatically (MPS),
+/// the latter also through per-GPU op graphs (one launch per GPU per op).
+class CudaDataPlaneOrderedTest : public CudaDataPlaneTest,
+                                 public ::testing::WithParamInterface<OrderedLaunch> {
+ protected:
+  void SetUp() override { SetUpPlanes(KernelWait(), GetParam() == OrderedLaunch::kOpGraphs); }
+  bool KernelWait() const { return GetParam() != OrderedLaunch::kStreamWait; }
+};
+
+INSTANTIATE_TEST_SUITE_P(ReadyWait, CudaDataPlaneOrderedTest,
+                         ::testing::Values(OrderedLaunch::kStreamWait, OrderedLaunch::kInAKernel,
+                                           OrderedLaunch::kOpGraphs),
+                         [](const ::testing::TestParamInfo<OrderedLaunch>& info) {
+                           switch (info.param) {
+                             case OrderedLaunch::kStreamWait:
+                               return std::string("StreamWait");
+                             case OrderedLaunch::kInAKernel:
+                               return std::string("InAKernel");
+                             case OrderedLaunch::kOpGraphs:
+                               return std::string("OpGraphs");
+                           }
+                           return std::string("Unknown");
                          });
 
 TEST_P(CudaDataPlaneOrderedTest, StreamOrderedOpRunsOnlyOnceReadyIsWrittenThenWritesDone) {
@@ -886,7 +907,7 @@ TEST_P(CudaDataPlaneOrderedTest, StreamOrderedOpRunsOnlyOnceReadyIsWrittenThenWr
     EXPECT_EQ(rk.info.launch_mode(), v1::LAUNCH_MODE_DAEMON);
     // The client's staging kernel may wait for done only where the daemon's ready wait is a
     // kernel (MPS): that is when its low-latency grids leave it an SM.
-    EXPECT_EQ(rk.info.kernel_done_wait(), GetParam());
+    EXPECT_EQ(rk.info.kernel_done_wait(), KernelWait());
     EXPECT_EQ(ReadU64(FlagsOf(rk, L).ready), 0u);
     EXPECT_EQ(ReadU64(FlagsOf(rk, L).done), 0u);
   }
@@ -1064,6 +1085,42 @@ TEST_P(CudaDataPlaneOrderedTest, ReadyNeverWrittenIsGivenUpThenTheGroupRecovers)
   }
   // The next op waits for the abandoned one to leave the GPU, then runs correctly.
   RunOrderedDispatchAndCheckCounts(ranks, L, spec, idx, T, "after the give-up");
+}
+
+// Ops through op graphs take each op's seq and T from the engine's words, not the values
+// of the op they were captured at: a run of stream-ordered dispatches with changing T and
+// both buffer sets (two variants), each routed right. Only the op-graph launch counts them
+// as graph launches; the per-rank paths never do. Eight ranks on one GPU, one graph each op.
+TEST_P(CudaDataPlaneOrderedTest, OpGraphsReplayEachOpsSeqAndTokenCount) {
+  const int R = 8, E = 16, K = 2, H = 256, kMaxT = 8;
+  const v1::GroupSpec spec = Spec("op-graphs", R, E, H, K, 16, kMaxT);
+  const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(ShapeOf(spec));
+  auto group = cuda_->CreateGroup(spec);
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::vector<RawRank> ranks = AttachRaw(**group, R, v1::LAUNCH_MODE_DAEMON);
+  ASSERT_EQ(ranks.size(), static_cast<size_t>(R));
+  std::vector<bf16_bits> x(kMaxT * H, kernels::FloatToBf16(0.25f));
+  std::vector<int64_t> idx(kMaxT * K);
+  for (int t = 0; t < kMaxT; ++t) {
+    idx[t * K] = (3 * t) % E;
+    idx[t * K + 1] = (3 * t + 7) % E;
+  }
+  for (int r = 0; r < R; ++r) {
+    Upload(ranks[r].area + L.in_x.offset, x);
+    Upload(ranks[r].area + L.in_topk_idx.offset, idx);
+  }
+  const uint64_t before = CudaOpGraphLaunchesForTesting();
+  const int token_counts[] = {3, 8, 1, 8, 0, 5};
+  for (int T : token_counts) {
+    const std::vector<int64_t> prefix(idx.begin(), idx.begin() + T * K);
+    RunOrderedDispatchAndCheckCounts(ranks, L, spec, prefix, T, absl::StrCat("T = ", T));
+  }
+  const uint64_t launched = CudaOpGraphLaunchesForTesting() - before;
+  if (GetParam() == OrderedLaunch::kOpGraphs) {
+    EXPECT_EQ(launched, std::size(token_counts)) << "not every op went through the op graphs";
+  } else {
+    EXPECT_EQ(launched, 0u) << "op graphs used though CudaDataPlaneOptions::op_graphs is off";
+  }
 }
 
 // The memory of a rank that left, or of a group that ended, is freed only when no group has

@@ -52,6 +52,7 @@ const std::vector<std::string>& EpdFlagNames() {
                                                           "shm_mode",
                                                           "engine_idle_us",
                                                           "host_threads",
+                                                          "cuda_op_graphs",
                                                           "max_request_bytes",
                                                           "max_groups",
                                                           "gpu_uuids",
@@ -144,6 +145,7 @@ TEST(ValidateDaemonConfigTest, BadValuesAreNamed) {
            {[](v1::DaemonConfig* x) { x->set_socket_mode("7777"); }, "socket_mode", "setuid"},
            {[](v1::DaemonConfig* x) { x->set_socket_mode("0"); }, "socket_mode", "owner"},
            {[](v1::DaemonConfig* x) { x->set_host_threads(100000); }, "host_threads", "100000"},
+           {[](v1::DaemonConfig* x) { x->set_cuda_op_graphs("yes"); }, "cuda_op_graphs", "yes"},
            {[](v1::DaemonConfig* x) { x->set_op_timeout_ms(0); }, "op_timeout_ms", "0"},
            {[](v1::DaemonConfig* x) { x->set_max_groups(0); }, "max_groups", "0"},
        }) {
@@ -173,7 +175,29 @@ TEST(FillDaemonConfigDefaultsTest, DocumentedDefaults) {
   EXPECT_EQ(config.max_groups(), 64u);
   EXPECT_EQ(config.gpu_uuids_size(), 0);
   EXPECT_EQ(config.host_threads(), 0u);
+  EXPECT_EQ(config.cuda_op_graphs(), "off");
   EXPECT_TRUE(ValidateDaemonConfig(config).ok());
+}
+
+// --cuda_op_graphs reaches the config (lower-cased); the file's "ON" is taken as "on".
+TEST(ResolveDaemonConfigTest, CudaOpGraphsFromTheFlagAndTheFile) {
+  ConfigFlags flags;
+  flags.cuda_op_graphs = "On";
+  absl::StatusOr<v1::DaemonConfig> from_flag = ResolveDaemonConfig(flags);
+  ASSERT_TRUE(from_flag.ok()) << from_flag.status();
+  EXPECT_EQ(from_flag->cuda_op_graphs(), "on");
+  std::string path = WriteTempFile("cuda_op_graphs: \"ON\"\n");
+  ConfigFlags from_file_flags;
+  from_file_flags.config_path = path;
+  absl::StatusOr<v1::DaemonConfig> from_file = ResolveDaemonConfig(from_file_flags);
+  ::unlink(path.c_str());
+  ASSERT_TRUE(from_file.ok()) << from_file.status();
+  EXPECT_EQ(from_file->cuda_op_graphs(), "on");
+  flags.cuda_op_graphs = "sometimes";
+  absl::StatusOr<v1::DaemonConfig> bad = ResolveDaemonConfig(flags);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              AllOf(HasSubstr("cuda_op_graphs"), HasSubstr("sometimes")));
 }
 
 TEST(ResolveDaemonConfigTest, FlagsOverrideTheFile) {
@@ -460,6 +484,7 @@ TEST(ConfigFlagsTest, HelpShowsTheRealDefaults) {
   EXPECT_EQ(default_of("shm_mode"), "\"\"");  // Deprecated and ignored.
   EXPECT_EQ(default_of("engine_idle_us"), "100");
   EXPECT_EQ(default_of("host_threads"), "0");
+  EXPECT_EQ(default_of("cuda_op_graphs"), "\"off\"");
   EXPECT_EQ(default_of("max_request_bytes"), "4194304");
   EXPECT_EQ(default_of("max_groups"), "64");
   EXPECT_EQ(default_of("gpu_uuids"), "\"\"");

@@ -131,6 +131,32 @@ TEST(OpGpuTimerTest, AFailedRecordOrUnavailableTimeLeavesTheOpUntimed) {
   op.timer.SetEnd(5, &op.end[0]);
 }
 
+// An op launched through a CUDA graph: its begin events are graph nodes, recorded by the
+// graph, so the timer takes them without recording anything.
+TEST(OpGpuTimerTest, BeginEventsRecordedByAGraphAreTakenAsGiven) {
+  TwoRankOp op;
+  op.timer.Start();
+  for (int r = 0; r < 2; ++r) {
+    op.events.stream_clock_ms[&op.stream[r]] = 1.0;
+    op.events.Record(&op.begin[r], &op.stream[r]);  // As the graph's node.
+    op.timer.SetBegin(r, &op.begin[r]);
+    op.events.stream_clock_ms[&op.stream[r]] = r == 0 ? 1.5 : 1.75;
+    op.events.Record(&op.end[r], &op.stream[r]);
+    op.timer.SetEnd(r, &op.end[r]);
+  }
+  op.CompleteAll();
+  ASSERT_TRUE(op.timer.Finish().has_value());
+  EXPECT_EQ(*op.timer.Finish(), 750'000u);
+  // Without SetBegin a rank has no begin: not timed. Out of range is ignored.
+  op.timer.Start();
+  op.timer.SetBegin(0, &op.begin[0]);
+  op.timer.SetBegin(7, &op.begin[1]);
+  op.timer.SetBegin(-1, &op.begin[1]);
+  op.timer.SetEnd(0, &op.end[0]);
+  op.timer.SetEnd(1, &op.end[1]);
+  EXPECT_FALSE(op.timer.Finish().has_value());
+}
+
 TEST(ExpertTokenTallyTest, SumsLiveBlocksAndKeepsWhatRetiredBlocksCounted) {
   metrics::ExpertTokenTally tally(/*num_ranks=*/2, /*experts_per_rank=*/3);
   volatile uint64_t rank0[3] = {0, 0, 0};

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <new>
 #include <string>
@@ -89,6 +90,17 @@ absl::Status CudaDataPlaneImpl::Init() {
   log->info("daemon-launched low-latency ops wait for their client's ready flag {}",
             kernel_ready_wait_ ? "in a one-warp kernel (MPS or forced)"
                                : "with cuStreamWaitValue64 (no MPS: contexts time-slice)");
+  // EPD_CUDA_OP_GRAPHS=1 turns op graphs on for every plane of the process (a test and
+  // bench aid: the GPU suite runs through them without editing each test's options).
+  if (const char* v = std::getenv("EPD_CUDA_OP_GRAPHS"); v != nullptr && std::strcmp(v, "1") == 0) {
+    options_.op_graphs = true;
+  }
+  if (options_.op_graphs) {
+    log->info(
+        "daemon-launched low-latency ops{} go through per-GPU op graphs (one launch per GPU "
+        "per op)",
+        kernel_ready_wait_ ? "" : " would (under kernel_ready_wait only; off here)");
+  }
   std::vector<std::string> unsupported;
   for (const v1::GpuInfo& g : inventory.gpus()) {
     if (g.supported()) {

@@ -38,6 +38,11 @@ struct CudaDataPlaneOptions {
   /// this daemon (DetectMps at start-up). Either way the op's kernel checks ready_seq and
   /// writes done_seq itself.
   std::optional<bool> kernel_ready_wait;
+  /// Launch each daemon-launched op that a per-GPU op graph covers as one cudaGraphLaunch
+  /// per GPU (each op variant captured once, at its first op) instead of every rank's
+  /// launches (DaemonConfig cuda_op_graphs; docs/CUDA_BACKEND.md "Op graphs"). Covered:
+  /// low-latency ops with every rank stream-ordered and unmasked, under kernel_ready_wait.
+  bool op_graphs = false;
   /// The daemon's peer mesh and transports by name (DESIGN.md §5), for groups whose spec
   /// lists >= 2
   /// nodes (run through the exchange on pinned host mirrors, DESIGN.md §5.5); null when the
@@ -57,6 +62,11 @@ struct CudaDataPlaneOptions {
 /// GPU is usable, NOT_FOUND for an unknown entry of gpu_uuids, INTERNAL for CUDA errors
 /// (naming the call), and those of creating the doorbell pages.
 absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const CudaDataPlaneOptions& options);
+
+/// Ops launched through per-GPU op graphs (CudaDataPlaneOptions::op_graphs) by every CUDA
+/// data plane of this process since it started: tests tell the graph path from the
+/// per-rank one by it.
+uint64_t CudaOpGraphLaunchesForTesting();
 
 /// The device address of the data area exported as `cuda_ipc_handle` by a CUDA data plane
 /// of THIS process. CUDA cannot open an IPC handle in the process that exported it, so an

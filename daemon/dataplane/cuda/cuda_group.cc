@@ -76,6 +76,8 @@ CudaGroup::CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec)
     metrics().SetExpertTokenTally(expert_tally_);
   }
   devices_.reserve(spec.num_ranks());
+  op_graphs_.reserve(kMaxOpGraphVariants);
+  if (OpTraceEnabled()) trace_ = std::make_unique<OpLaunchTrace>();
   SizeOp(spare_);
 }
 
@@ -124,6 +126,7 @@ void CudaGroup::SizeOp(GpuOp& op) const {
   op.ready_wait.resize(R);
   op.max_dropped.resize(R);
   op.left_unstaged.resize(R);
+  op.graph_streams.reserve(R);
 }
 
 bool CudaGroup::KernelHandsOff(const GpuOp& op, size_t r) {
@@ -150,6 +153,7 @@ bool CudaGroup::Quiescent() {
   if (abandoned_) {
     // An op given up on leaves the GPU on its own; recycled here too, not only when the
     // group's next op starts, so an idle group does not hold back every release.
+    if (GraphStreamsBusy(*abandoned_)) return false;
     for (const auto& r : abandoned_->ranks) {
       if (r && cudaEventQuery(r->done.get()) == cudaErrorNotReady) return false;
     }
@@ -188,8 +192,10 @@ CudaGroup::~CudaGroup() {
   // rounds, never here beside another group's half-launched op.
   struct Arrays {
     std::map<int, DeviceMemory> peer_bases, mask_arrays;
+    std::vector<OpGraphSet> op_graphs;  // Destroyed first: they name the arrays above.
   };
   auto arrays = std::make_shared<Arrays>();
+  arrays->op_graphs.swap(op_graphs_);
   arrays->peer_bases.swap(peer_bases_);
   arrays->mask_arrays.swap(mask_arrays_);
   plane_->deferred_release().Add(std::move(arrays));
@@ -278,6 +284,7 @@ absl::Status CudaGroup::RankAttached(int32_t rank, const std::shared_ptr<RankRes
   }
   host_bases_ = std::move(bases);
   ranks_[rank] = std::move(r);
+  ++ranks_generation_;  // The op graphs name the ranks' areas, streams and events.
   UpdateDevices();
   mask_dirty_ = true;  // Its GPU may have no mask array yet.
   // The new area's sync state is zero, the others' counters are not: zero them all
@@ -308,6 +315,7 @@ void CudaGroup::RankDetached(int32_t rank) {
     return;
   }
   ranks_[rank].reset();  // A last reference hands it to DeferredRelease: not freed here.
+  ++ranks_generation_;
   host_bases_[rank] = nullptr;
   UpdateDevices();
   PublishJoined(rank, false);
@@ -360,6 +368,7 @@ kc::CudaRankContext CudaGroup::Context(int32_t r, int32_t num_sms) const {
 bool CudaGroup::ReadyToStart() {
   if (program_tail_ && !ProgramTailDone()) return false;
   if (abandoned_) {
+    if (GraphStreamsBusy(*abandoned_)) return false;
     for (const auto& r : abandoned_->ranks) {
       if (r && cudaEventQuery(r->done.get()) == cudaErrorNotReady) return false;
     }
@@ -395,7 +404,7 @@ absl::Status CudaGroup::ResetSync() {
 }
 
 absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
-                                   bool* ready_wait) {
+                                   bool* ready_wait, bool captured) {
   const CudaRank& cr = *OpRank(r);
   const EndpointLayout& L = layout();
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
@@ -428,13 +437,25 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
   // still checks ready_seq and writes done_seq.
   kc::KernelHandoff handoff;
   const bool kernel_handoff = stream_ordered && low_latency;
+  // Captured into an op graph: the seq comes from the rank's Readback word, written by the
+  // engine before each launch of the graph (LaunchOpGraphs).
+  const uint64_t* seq_word = captured ? &cr.readback->op_seq : nullptr;
   if (kernel_handoff) {
     handoff.ready_flag = reinterpret_cast<const uint64_t*>(cr.ready_flag());
     handoff.ready_value = slot.seq;
     handoff.done_flag = reinterpret_cast<uint64_t*>(cr.done_flag());
     handoff.done_value = slot.seq;
+    handoff.seq_word = seq_word;
     handoff.status_out = &cr.readback->status;  // No read-back kernel behind it (StartOpInto).
   }
+  // The op's begin event: recorded now, or a node of the graph being captured.
+  auto begin = [&]() -> absl::Status {
+    if (!captured) {
+      gpu_timer_.Begin(r, cr.op_begin.get(), s);
+      return absl::OkStatus();
+    }
+    return EPD_CUDA_STATUS(cudaEventRecordWithFlags(cr.op_begin.get(), s, cudaEventRecordExternal));
+  };
   if (kernel_handoff && plane_->kernel_ready_wait()) {
     // The wait passes once the client's staging kernel has started (staging_seq, layout.h)
     // or, from a client that does not write staging_seq, once it is done (ready_seq): the
@@ -447,12 +468,15 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
     // The op's GPU time starts before the wait: nothing may come between the wait kernel
     // and the programmatic launch behind it (it would end their overlap). It then includes
     // the wait for the client's staging kernel to start (docs/OPERATIONS.md).
-    gpu_timer_.Begin(r, cr.op_begin.get(), s);
+    EPD_RETURN_IF_ERROR(begin());
     EPD_RETURN_IF_ERROR(kc::WaitFlagAsync(
         reinterpret_cast<const uint64_t*>(cr.staging_flag()), slot.seq,
         std::chrono::duration_cast<std::chrono::nanoseconds>(bound).count(),
-        &cr.readback->ready_seen, s, reinterpret_cast<const uint64_t*>(cr.ready_flag())));
+        &cr.readback->ready_seen, s, reinterpret_cast<const uint64_t*>(cr.ready_flag()), seq_word));
     handoff.programmatic = true;
+  } else if (captured) {
+    // Only the hand-off above reads its seq from memory (OpGraphVariant).
+    return absl::InternalError("an op graph captured a launch without the kernel hand-off");
   } else if (stream_ordered) {
     // The client's stream writes ready_seq = seq once it has staged the inputs; this
     // stream waits for it on the GPU (the CPU never does).
@@ -495,6 +519,10 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
       a.round_scale = op_flags.round_scale;
       a.use_ue8m0 = op_flags.use_ue8m0;
       a.num_tokens_value = slot.num_tokens;  // By value: no slot write to enqueue.
+      if (captured) {  // From the rank's Readback word (host-mapped), per launch of the graph.
+        a.num_tokens_value = -1;
+        a.num_tokens = &cr.readback->op_num_tokens;
+      }
       a.handoff = handoff;
       a.expert_stats = cr.expert_stats();
       EPD_RETURN_IF_ERROR(kc::LowLatencyDispatch(ctx, a, s));
@@ -520,6 +548,12 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
                             std::span<RankOutcome> outcomes) {
   if (spanning()) return StartSpanning(plan, slots);
   const int R = static_cast<int>(slots.size());
+  if (trace_) {
+    trace_op_ = OpLaunchTrace::Op{};
+    trace_op_.first_arrival = plan.first_arrival;
+    trace_op_.last_arrival = plan.last_arrival;
+    trace_op_.start = Clock::now();
+  }
   // A failure before any launch: no kernel runs, so the clients' streams are released.
   auto fail_unlaunched = [&](const char* what, const absl::Status& st) {
     EngineLog()->error("group {}: {} failed: {}", spec().name(), what, st.ToString());
@@ -555,6 +589,7 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
   op.op = plan.op;
   op.seq = plan.seq;
   op.started = Clock::now();
+  op.graph_streams.clear();  // Keeps its capacity: no allocation.
   // The most a rank's op can drop: its pairs (T * K), or its routes (T * R) when the op
   // drops send_pos entries (normal combine, cached normal dispatch).
   const bool drops_routes =
@@ -569,6 +604,19 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
     op.ready_wait[r] = false;
     op.left_unstaged[r] = false;
     op.max_dropped[r] = int64_t{std::max(slots[r].num_tokens, 0)} * per_token;
+  }
+  // One launch per GPU when an op graph covers the op (cuda_group_graphs.cc).
+  if (std::optional<OpGraphKey> key = OpGraphVariant(plan, slots)) {
+    if (const OpGraphSet* set = OpGraphsFor(*key, plan, slots)) {
+      LaunchOpGraphs(*set, plan, slots, op);
+      if (trace_) {
+        trace_op_.launched = Clock::now();
+        trace_op_.launch_calls = static_cast<int32_t>(set->devices.size());
+        trace_op_.graph = true;
+      }
+      gpu_op_.emplace(std::move(spare_));  // The vectors move: no allocation.
+      return false;
+    }
   }
   // Every rank's kernel is enqueued before any is waited for; a launch error on one rank
   // still launches the others, whose waits then end at the kernel timeout.
@@ -597,8 +645,31 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
     if (st.ok()) st = recorded;
     if (!st.ok() && op.launch[r].ok()) op.launch[r] = st;
   }
+  // Every rank's stream now orders this op behind whatever was on it.
+  streams_touched_ = false;
+  if (trace_) {
+    trace_op_.launched = Clock::now();
+    trace_op_.launch_calls = PerRankLaunchCalls(plan, op);
+  }
   gpu_op_.emplace(std::move(spare_));  // The vectors move: no allocation.
   return false;
+}
+
+int32_t CudaGroup::PerRankLaunchCalls(const OpPlan& plan, const GpuOp& op) const {
+  // As LaunchRank and StartOpInto enqueue them (the count EPD_OP_TRACE reports).
+  int32_t calls = 0;
+  const bool low_latency = rules::IsLowLatency(plan.op);
+  for (size_t r = 0; r < op.ranks.size(); ++r) {
+    calls += 2;                    // The begin event, the done event.
+    calls += low_latency ? 1 : 2;  // The kernel; a normal op's T before it.
+    if (SpinsForReady(op, r)) {
+      calls += 1;  // WaitFlagAsync.
+    } else if (op.stream_ordered[r]) {
+      calls += 2;  // The stream wait and its `waited` event.
+    }
+    if (!KernelHandsOff(op, r)) calls += op.stream_ordered[r] ? 2 : 1;  // Read-back, done_seq.
+  }
+  return calls;
 }
 
 absl::Status CudaGroup::CheckRequest(int32_t rank, const abi::RequestSlot& slot) const {
@@ -635,6 +706,7 @@ absl::Status CudaGroup::WriteDone(const CudaRank& cr, uint64_t seq) const {
 
 void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot) {
   if (!rules::DecodeFlags(slot.flags).stream_ordered) return;
+  streams_touched_ = true;  // A done_seq write on the rank's stream (below) outside an op.
   const std::shared_ptr<CudaRank>& cr = ranks_[rank];
   if (!cr) return;
   if (program_ && program_->HoldsRank(rank, cr.get())) {
@@ -687,11 +759,20 @@ bool CudaGroup::ReleaseReadyWait(const GpuOp& op, size_t r) const {
   return true;
 }
 
+void CudaGroup::TraceOpDone(std::optional<uint64_t> gpu_ns) {
+  trace_op_.done_seen = Clock::now();
+  trace_op_.gpu_ns = gpu_ns;
+  trace_->Record(trace_op_);
+  if (std::optional<std::string> line = trace_->MaybeSummary(trace_op_.done_seen)) {
+    EngineLog()->warn("op trace: group {}: {}", spec().name(), *line);
+  }
+}
+
 bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
   if (spanning()) return PollSpanning(outcomes);
   GpuOp& op = *gpu_op_;
   const int R = static_cast<int>(op.ranks.size());
-  bool all_done = true;
+  bool all_done = !GraphStreamsBusy(op);
   for (int r = 0; r < R; ++r) {
     const cudaError_t err = cudaEventQuery(op.ranks[r]->done.get());
     event_errors_[r] = err;
@@ -793,11 +874,12 @@ bool CudaGroup::PollOpInto(std::span<RankOutcome> outcomes) {
   }
   for (int r = 0; r < R; ++r) all_ok = all_ok && outcomes[r].status.ok();
   // Every done event is complete (seen above): reading the times waits for nothing.
+  std::optional<uint64_t> gpu_ns;
   if (all_ok) {
-    if (std::optional<uint64_t> ns = gpu_timer_.Finish()) {
-      metrics().RecordGpuTime(static_cast<uint32_t>(op.op), *ns);
-    }
+    gpu_ns = gpu_timer_.Finish();
+    if (gpu_ns) metrics().RecordGpuTime(static_cast<uint32_t>(op.op), *gpu_ns);
   }
+  if (trace_) TraceOpDone(gpu_ns);
   RecycleOp(gpu_op_);
   plane_->ReleaseGpus(this);
   return true;

@@ -22,6 +22,7 @@
 #include "daemon/dataplane/exchange/node_exchange.h"
 #include "daemon/dataplane/lockstep_group.h"
 #include "daemon/dataplane/op_gpu_timer.h"
+#include "daemon/dataplane/op_launch_trace.h"
 #include "daemon/metrics/expert_tally.h"
 #include "epd/kernels/cuda_mirror.h"
 #include "epd/kernels/cuda_ops.h"
@@ -124,6 +125,10 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     /// A masking group's rank that left during the op before its stream staged the inputs
     /// (its ready wait released by RankDetached): the op fails for every rank.
     std::vector<bool> left_unstaged;
+    /// Launched through op graphs: the streams they were launched on (one per GPU;
+    /// capacity R, cleared per op). The op has left the GPU once these and every rank's
+    /// done event are complete (GraphStreamsBusy).
+    std::vector<cudaStream_t> graph_streams;
     Clock::time_point started;
   };
 
@@ -216,13 +221,87 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   absl::Status CopyPeerBases(const std::vector<uint8_t*>& bases, const CudaRank* fresh);
   /// Rank r's kernel context (kernels::cuda::MakeRankContext) with `num_sms` blocks.
   kernels::cuda::CudaRankContext Context(int32_t r, int32_t num_sms) const;
+
+  // ---- per-GPU op graphs (cuda_group_graphs.cc) ----
+  // With CudaDataPlaneOptions::op_graphs, an op that an op graph covers is launched as one
+  // cudaGraphLaunch per GPU of the group instead of every rank's launches: each variant of
+  // the op is captured once, at its first op, for every rank of the group on that GPU (the
+  // per-rank path below, captured), with the op's seq and each rank's T read by the
+  // kernels from the ranks' Readback words, which the engine writes before the launch.
+  // Covered: low-latency dispatch and combine with every rank stream-ordered and none
+  // masked, under kernel_ready_wait (MPS), on one node, no program armed. Everything else
+  // (normal ops, masked ranks, the stream-wait hand-off without MPS, spanning groups, a
+  // variant whose capture failed) takes the per-rank path (LaunchRank).
+
+  /// What one set of op graphs serves: the op, its low-latency buffers and its FP8
+  /// options. Everything else its kernels take is fixed while the group's ranks are
+  /// (ranks_generation_) or read from the ranks' Readback words.
+  struct OpGraphKey {
+    abi::OpKind op = abi::OpKind::kInvalid;
+    int buffer = 0;         ///< LowLatencyDispatch: OpPlan::ll_buffer.
+    int handle_buffer = 0;  ///< LowLatencyCombine: OpPlan::ll_handle_buffer.
+    int out_buffer = 0;     ///< LowLatencyCombine: OpPlan::ll_out_buffer.
+    bool use_fp8 = false;
+    bool round_scale = false;
+    bool use_ue8m0 = false;
+    bool operator==(const OpGraphKey&) const = default;
+  };
+  /// One GPU's graph of a variant: every rank of the group on that GPU, launched on the
+  /// stream of the first of them.
+  struct OpGraphDevice {
+    int device = 0;
+    cudaStream_t stream = nullptr;
+    GraphExecHandle exec;
+  };
+  /// A variant's graphs, one per GPU of the group; `failed`: its capture failed once (a
+  /// warning was logged), so its ops take the per-rank path until the ranks change.
+  struct OpGraphSet {
+    OpGraphKey key;
+    bool failed = false;
+    std::vector<OpGraphDevice> devices;
+  };
+  /// At most this many variants are kept per group; later ones take the per-rank path.
+  static constexpr size_t kMaxOpGraphVariants = 32;
+
+  /// The variant of `plan` when op graphs cover it (see above), given `slots`.
+  std::optional<OpGraphKey> OpGraphVariant(const OpPlan& plan,
+                                           const std::vector<abi::RequestSlot>& slots) const;
+  /// The graphs of `key`, captured now at its first op (allocates; logs a warning and
+  /// returns null when the capture fails). Drops every graph first when the group's ranks
+  /// changed since they were captured.
+  const OpGraphSet* OpGraphsFor(const OpGraphKey& key, const OpPlan& plan,
+                                const std::vector<abi::RequestSlot>& slots);
+  /// Captures one GPU's graph of `plan` for the ranks of the group on `device`.
+  /// Errors: CUDA (INTERNAL), naming the call; the ranks' streams are out of capture on
+  /// every path.
+  absl::Status CaptureOpGraph(int device, const OpPlan& plan,
+                              const std::vector<abi::RequestSlot>& slots, OpGraphDevice* out);
+  /// Launches `set` for `plan` into `op` (its per-rank state, as StartOpInto's per-rank
+  /// path fills it): writes the ranks' Readback words, then one cudaGraphLaunch per GPU.
+  void LaunchOpGraphs(const OpGraphSet& set, const OpPlan& plan,
+                      const std::vector<abi::RequestSlot>& slots, GpuOp& op);
+  /// The CUDA enqueue calls of `op` on the per-rank path (EPD_OP_TRACE's launch count).
+  int32_t PerRankLaunchCalls(const OpPlan& plan, const GpuOp& op) const;
+  /// EPD_OP_TRACE: the running op ended (seen now), its GPU time `gpu_ns` if timed; logs
+  /// the group's summary once a second.
+  void TraceOpDone(std::optional<uint64_t> gpu_ns);
+  /// Whether a graph of `op` is still running on one of its launch streams (a done event
+  /// that is a graph node is complete only once its node ran; the whole graph is checked
+  /// too, whatever the event semantics of graph nodes). Clears a non-sticky error.
+  static bool GraphStreamsBusy(const GpuOp& op);
+  /// Hands every op graph to the plane's DeferredRelease (never destroyed on the engine
+  /// path beside another group's launches: DESIGN.md §8.2).
+  void DropOpGraphs();
   /// Enqueues rank r's part of `plan` on its stream: for a stream-ordered slot first the
   /// wait for ready_seq >= seq (then *ready_wait = true), then the op's kernels. A
   /// stream-ordered low-latency op's kernel checks ready_seq and writes done_seq itself
   /// (KernelHandoff), and with kernel_ready_wait() the wait is a WaitFlagAsync kernel
   /// (SpinsForReady) instead of cuStreamWaitValue64.
+  /// `captured`: the launches are being captured into an op graph (CaptureOpGraph):
+  /// the op's seq and the rank's T come from its Readback words (op_seq, op_num_tokens)
+  /// instead of `slot`, and the begin event is a graph node (cudaEventRecordExternal).
   absl::Status LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
-                          bool* ready_wait);
+                          bool* ready_wait, bool captured = false);
   absl::Status ResetSync();
   /// Serves this group from the engine of `device` unless an engine already does.
   void AdoptEngine(int device);
@@ -278,6 +357,18 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   std::optional<GpuOp> abandoned_;  // An op given up on, still on the GPU.
   /// [R] scratch of one poll (PollOpInto): each rank's cudaEventQuery.
   std::vector<cudaError_t> event_errors_;
+  /// The op graphs (cuda_group_graphs.cc), at most kMaxOpGraphVariants, captured for the
+  /// group's ranks of generation op_graphs_generation_.
+  std::vector<OpGraphSet> op_graphs_;
+  /// Bumped whenever an op's ranks (OpRank) change: graphs of an older one are dropped.
+  uint64_t ranks_generation_ = 0;
+  uint64_t op_graphs_generation_ = 0;
+  /// Work was enqueued on a rank's stream outside an op (OpEndedWithoutLaunch's done_seq
+  /// write): the next op takes the per-rank path, which orders its launches behind it.
+  bool streams_touched_ = false;
+  /// EPD_OP_TRACE: the running op's timestamps and the group's window of them.
+  OpLaunchTrace::Op trace_op_;
+  std::unique_ptr<OpLaunchTrace> trace_;
   /// The running op's GPU time: each rank's op_begin → done (epd_op_gpu_seconds).
   CudaTimingEvents timing_events_;
   OpGpuTimer gpu_timer_;

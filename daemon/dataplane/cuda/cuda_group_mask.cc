@@ -31,6 +31,7 @@ void CudaGroup::KeepAsStandIn(int32_t rank) {
   // goes to DeferredRelease with its last reference, not freed here under the lock.
   standins_[rank].reset();
   standins_[rank] = std::move(ranks_[rank]);
+  ++ranks_generation_;  // OpRank(rank) is now the stand-in: the op graphs are stale.
 }
 
 void CudaGroup::RankMaskChanged(int32_t rank, bool masked) {
@@ -51,6 +52,7 @@ absl::Status CudaGroup::UploadPeerBases() {
   for (size_t r = 0; r < ranks_.size(); ++r) {
     if (ranks_[r] && standins_[r]) standins_[r].reset();
   }
+  ++ranks_generation_;
   bases_dirty_ = false;
   return absl::OkStatus();
 }

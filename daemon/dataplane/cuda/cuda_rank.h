@@ -34,6 +34,12 @@ struct Readback {
   /// (written by that kernel once its wait passed): tells the engine whether the client's
   /// staging ever started for the op.
   uint64_t ready_seen;
+  /// Written by the engine (plain stores) before it launches an op through the group's
+  /// per-GPU op graphs, read by that graph's kernels (host-mapped): the op's seq (the
+  /// ready and done value, KernelHandoff::seq_word) and this rank's T (a low-latency
+  /// dispatch's token count). Daemon-private: no client writes them.
+  uint64_t op_seq;
+  int32_t op_num_tokens;
 };
 
 /// A rank of a group that spans nodes (DESIGN.md §5.5): the host side of its data area that

@@ -212,8 +212,13 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
 /// before every block of the client's staging kernel is, so it takes no SM from the
 /// client's earlier work on that stream).
 /// Errors: INVALID_ARGUMENT for a null flag or timeout_ns <= 0; INTERNAL for a launch error.
+///
+/// `value_word` (optional): when set, the value is read from it instead (one volatile load
+/// when the kernel starts; device or host-mapped memory the host writes before the launch),
+/// so a CUDA graph that captured the wait replays with each op's value.
 absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout_ns, uint64_t* seen,
-                           cudaStream_t stream, const uint64_t* alt_flag = nullptr);
+                           cudaStream_t stream, const uint64_t* alt_flag = nullptr,
+                           const uint64_t* value_word = nullptr);
 
 /// The hand-off of a daemon-launched low-latency op done by the op's kernel itself (all
 /// fields optional; the defaults do nothing):
@@ -244,6 +249,11 @@ struct KernelHandoff {
   uint64_t instance_value = 0;
   bool programmatic = false;
   DeviceStatus* status_out = nullptr;
+  /// When set, ready_value and done_value are both taken from this word instead (one
+  /// volatile load per use, by the thread that waits or stores): device or host-mapped
+  /// memory the host writes before the launch, so a CUDA graph that captured the kernel
+  /// replays with each op's sequence number (the daemon's per-GPU op graphs).
+  const uint64_t* seq_word = nullptr;
 };
 
 /// Cumulative per-expert received-token counters that a dispatch kernel adds to (as
