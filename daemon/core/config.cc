@@ -130,7 +130,7 @@ ABSL_FLAG(Uint32Flag, host_threads, Uint32Flag{0},
 ABSL_FLAG(StringFlag, cuda_op_graphs, StringFlag{"off"},
           "cuda_op_graphs: CUDA backend: launch each daemon-launched op that a per-GPU op graph "
           "covers (low-latency ops, every rank stream-ordered and unmasked, under MPS) as one "
-          "CUDA graph launch per GPU: on or off.");
+          "CUDA graph launch per GPU: on or off. Experimental: keep off (docs/CUDA_BACKEND.md).");
 ABSL_FLAG(Uint32Flag, max_request_bytes, Uint32Flag{epd::kDefaultMaxRequestBytes},
           "max_request_bytes: largest gRPC message accepted, in bytes, from 65536 to "
           "2147483647 (gRPC's limit is an int).");
