@@ -118,6 +118,10 @@ def test_rank_mask_arguments(client):
         ep.update_rank_mask(mask=1)
     with pytest.raises(epd.InvalidArgumentError, match=r"mask\[0\]"):
         ep.update_rank_mask(mask=["one"])
+    with pytest.raises(epd.InvalidArgumentError, match=r"update_rank_mask: mask\[0\]=True is a bool"):
+        ep.update_rank_mask(mask=[True])
+    with pytest.raises(epd.InvalidArgumentError, match=r"update_rank_mask: unmask has 1048577 ranks"):
+        ep.update_rank_mask(unmask=range(1 << 20 | 1))
     ep.close()
     with pytest.raises(epd.FailedPreconditionError, match="closed"):
         ep.query_rank_mask()

@@ -176,10 +176,23 @@ std::vector<int32_t> ToRanks(py::handle obj, const char* op, const char* field) 
                                           " is not a sequence of ranks (ints)");
   }
   const py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
+  // The C ABI's bound on a rank list (a group has at most that many ranks): refused before
+  // converting millions of items.
+  constexpr size_t kMaxRanks = size_t{1} << 20;
+  if (seq.size() > kMaxRanks) {
+    RaiseStatus(EPD_INVALID_ARGUMENT, std::string(op) + ": " + field + " has " +
+                                          std::to_string(seq.size()) + " ranks, more than " +
+                                          std::to_string(kMaxRanks));
+  }
   out.reserve(seq.size());
   for (size_t i = 0; i < seq.size(); ++i) {
-    out.push_back(
-        ToInt32(seq[i], op, (std::string(field) + "[" + std::to_string(i) + "]").c_str()));
+    const std::string item = std::string(field) + "[" + std::to_string(i) + "]";
+    const py::object rank = seq[i];
+    if (PyBool_Check(rank.ptr())) {  // bool is an int in Python: True would mask rank 1.
+      RaiseStatus(EPD_INVALID_ARGUMENT,
+                  std::string(op) + ": " + item + "=" + ShortRepr(rank) + " is a bool, not a rank");
+    }
+    out.push_back(ToInt32(rank, op, item.c_str()));
   }
   return out;
 }
