@@ -440,6 +440,20 @@ TEST_F(RankMaskTest, EveryRankMaskedRefusesOpsAtOnceAndAnUnmaskBringsTheGroupBac
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(kOpTimeoutMs));
 }
 
+TEST_F(RankMaskTest, LastRankMaskingItselfAfterTheOthersDiedCanUnmaskItself) {
+  for (int r = 1; r < R; ++r) eps_[r].reset();  // Their processes died: masked.
+  ASSERT_TRUE(group_->UpdateRankMask(std::vector<int32_t>{0}, {}, false).ok());
+  absl::Status refused = Layout(0);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  auto self = group_->UpdateRankMask({}, std::vector<int32_t>{0}, false);
+  ASSERT_TRUE(self.ok()) << self.status();
+  EXPECT_THAT(self->masked_ranks(), ::testing::ElementsAre(1, 2, 3));
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status st = Layout(0);
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(kOpTimeoutMs));
+}
+
 TEST_F(RankMaskTest, FarBehindRankUnmaskingItselfIsUnmaskedOnceCaughtUp) {
   // Rank 3 misses op_timeout: masked; the others run two rounds (4 ops) without it.
   for (const absl::Status& st : Rounds({0, 1, 2}, kRank3)) ASSERT_TRUE(st.ok()) << st;
