@@ -424,10 +424,10 @@ class LockstepGroup : public DataPlaneGroup {
   /// Whether every rank of a single-node group is masked: no op can run, none is collected.
   bool AllRanksMaskedLocked() const;
   /// While every rank of a single-node group is masked, the op being collected ran on no
-  /// rank once any rank was refused for it (every request for it is refused: MaskedError):
-  /// current_seq_ moves past it (its kind counted as a refused request had it), so that a
-  /// rank's later requests are refused at once too and an unmask finds the rank in step.
-  /// True when it moved. Not while running_.
+  /// rank once any rank was refused for it (every request for it is refused: MaskedError)
+  /// and no rank being unmasked is about to submit it: current_seq_ moves past it (its kind counted
+  /// as a refused request had it), so that a rank's later requests are refused at once too and an
+  /// unmask finds the rank in step. True when it moved. Not while running_.
   bool SkipOpWhileAllMaskedLocked();
   /// Masks again every just-unmasked rank (rejoined_) whose request for the collected op
   /// was rejected or differs from the first in-step rank's, so that the op runs without

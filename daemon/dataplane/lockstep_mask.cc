@@ -131,7 +131,13 @@ bool LockstepGroup::SkipOpWhileAllMaskedLocked() {
   // A rank's requests are popped up to current_seq_, so one past it is at current_seq_ + 1:
   // at most one op to move past.
   bool refused = false;
-  for (const auto& ep : endpoints_) refused |= ep && ep->next_seq > current_seq_;
+  for (size_t r = 0; r < endpoints_.size(); ++r) {
+    const LockstepEndpoint* ep = endpoints_[r].get();
+    if (!ep) continue;
+    // A rank being unmasked in step with the op takes part in it instead.
+    if (pending_unmask_[r] && ep->next_seq == current_seq_) return false;
+    refused |= ep->next_seq > current_seq_;
+  }
   if (!refused) return false;
   if (all_masked_op_ != 0) CountOp(all_masked_op_);  // As the clients counted it.
   all_masked_op_ = 0;
