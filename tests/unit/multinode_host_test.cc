@@ -673,6 +673,29 @@ TEST_F(MultinodeHostTest, NodesDisagreeingOnTheOpFailEverywhere) {
   }
 }
 
+// One node's request fails where it is made, and the other node submitted another op: the
+// other node's rank does not get the error of a request it did not make. Rank 1's
+// low-latency combine of a handle it never had is its own error (INVALID_ARGUMENT there);
+// rank 0's dispatch fails with FAILED_PRECONDITION naming both nodes' ops.
+TEST_F(MultinodeHostTest, AFailedRequestOfAnotherOpIsNotBlamedOnTheOtherNode) {
+  Start({1, 1});
+  if (HasFatalFailure()) return;
+  MakeInputs(3);
+  const uint64_t a = rings_[0]->Submit(abi::OpKind::kDispatch, 0, 2);
+  std::this_thread::sleep_for(milliseconds(50));  // Rank 0's dispatch is collected first.
+  const uint64_t b = rings_[1]->Submit(abi::OpKind::kLowLatencyCombine, 0, 2, /*handle_seq=*/0);
+  auto c = rings_[0]->Await(a, milliseconds(10000));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kFailedPrecondition)) << Message(*c);
+  EXPECT_THAT(Message(*c),
+              AllOf(HasSubstr("not in step"), HasSubstr("node 0 (ranks 0-0) submitted Dispatch"),
+                    HasSubstr("node 1 (ranks 1-1) submitted LowLatencyCombine")));
+  c = rings_[1]->Await(b, milliseconds(10000));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_NE(c->status_code, 0);
+  EXPECT_THAT(Message(*c), HasSubstr("LowLatencyCombine"));
+}
+
 // A remote rank cannot attach here; the node is chosen by the first joiner.
 TEST_F(MultinodeHostTest, RemoteRankIsRefusedNamingItsNode) {
   Start({1, 2});

@@ -620,7 +620,7 @@ bool NodeExchange::MissingPeersAlive() const {
   return any && span_.peers->Health().ok();
 }
 
-absl::Status NodeExchange::PeerFailure(uint64_t seq) {
+absl::Status NodeExchange::PeerFailure(uint64_t seq, int64_t local_op) {
   if (!span_.peers) return absl::OkStatus();
   if (absl::Status h = span_.peers->Health(); !h.ok() && !masking_) return h;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
@@ -635,6 +635,11 @@ absl::Status NodeExchange::PeerFailure(uint64_t seq) {
     absl::Status st = CheckHeader(n, seq);
     if (!st.ok()) {
       span_.pending[n].reset();
+      const int64_t peer_op = OpOf(n, -1);
+      if (local_op >= 0 && peer_op >= 0 && peer_op != local_op) {
+        return NotInStep(seq, span_.self, static_cast<uint32_t>(local_op), n,
+                         static_cast<uint32_t>(peer_op), st);
+      }
       return st;
     }
   }
@@ -1038,6 +1043,8 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
   }
   if (!rules::Describe(static_cast<uint32_t>(plan.op)).exchanges_data) {
     st = span_.local_status;  // GetDispatchLayout: another node's error is its own.
+  } else if (!st.ok()) {
+    st = NotInStep(plan, st);
   }
   if (st.ok() && masking_) st = ComputeOpMask(plan.seq);
   if (st.ok() && masking_) {
@@ -1059,6 +1066,52 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
   }
   end_op();
   return true;
+}
+
+int64_t NodeExchange::OpOf(int32_t n, int64_t self_op) const {
+  if (n == span_.self) return self_op;
+  const abi::ExchangeHeader& h = span_.headers[n];  // Copied by CheckHeader.
+  const bool well_formed =
+      h.magic == abi::kExchangeMagic && h.version == abi::kExchangeAbiVersion && h.source_node == n;
+  return well_formed ? int64_t{h.op} : -1;
+}
+
+absl::Status NodeExchange::NotInStep(uint64_t seq, int32_t a, uint32_t op_a, int32_t b,
+                                     uint32_t op_b, const absl::Status& st) const {
+  auto describe = [&](int32_t x, uint32_t op) {
+    return absl::StrCat("node ", x, " (ranks ", span_.first[x], "-",
+                        span_.first[x] + span_.count[x] - 1, ") submitted ", OpName(op));
+  };
+  if (a > b) {
+    std::swap(a, b);
+    std::swap(op_a, op_b);
+  }
+  return errors::WithReason(
+      absl::FailedPreconditionError(absl::StrCat(
+          "op ", seq, " of group ", spec().name(),
+          ": the nodes are not in step: ", describe(a, op_a), ", ", describe(b, op_b),
+          " (a rank joining a running group starts with the group's next op, a combine with a "
+          "dispatch that ran on every node); the op's first error: ",
+          st.message())),
+      errors::Reason::kFailedPrecondition);
+}
+
+absl::Status NodeExchange::NotInStep(const OpPlan& plan, const absl::Status& st) {
+  // A node's error is every node's only when the nodes ran the same op: the error of a
+  // request another node did not make (a node's first op after it joined late, a combine
+  // whose dispatch ran before a node rejoined) would blame ranks that never made it.
+  const int64_t self_op = static_cast<uint32_t>(plan.op);
+  int32_t ref = -1;
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    if (excluded_[n] || OpOf(n, self_op) < 0) continue;
+    if (ref < 0) {
+      ref = n;
+    } else if (OpOf(n, self_op) != OpOf(ref, self_op)) {
+      return NotInStep(plan.seq, ref, static_cast<uint32_t>(OpOf(ref, self_op)), n,
+                       static_cast<uint32_t>(OpOf(n, self_op)), st);
+    }
+  }
+  return st;
 }
 
 absl::Status NodeExchange::FinishExchange(const OpPlan& plan,

@@ -124,7 +124,7 @@ class NodeExchange {
   bool Poll(std::span<RankOutcome> outcomes);
   /// LockstepGroup hooks (see there).
   void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status);
-  absl::Status PeerFailure(uint64_t seq);
+  absl::Status PeerFailure(uint64_t seq, int64_t local_op);
   bool ReadyToStart();
   std::string NotReadyReason() const;
   bool PollBackground();
@@ -248,6 +248,18 @@ class NodeExchange {
   /// §5.1 "Rank masking"). OUT_OF_RANGE when the epoch would pass kMaxMaskEpoch (it never
   /// wraps; nothing is changed then).
   absl::Status ComputeOpMask(uint64_t seq);
+  /// Once every message of a failed op is in (`st`, the lowest node's error): when the
+  /// nodes taking part submitted different ops, FAILED_PRECONDITION naming two of them and
+  /// carrying `st`'s text (the same on every node), so that no rank gets the error of a
+  /// request it did not make; else `st`.
+  absl::Status NotInStep(const OpPlan& plan, const absl::Status& st);
+  /// FAILED_PRECONDITION: nodes `a` and `b` submitted ops `op_a` and `op_b` for op `seq`;
+  /// carries `st`'s text.
+  absl::Status NotInStep(uint64_t seq, int32_t a, uint32_t op_a, int32_t b, uint32_t op_b,
+                         const absl::Status& st) const;
+  /// The op node n submitted: `self_op` for this node, a peer's from the header CheckHeader
+  /// copied, -1 when that header is malformed.
+  int64_t OpOf(int32_t n, int64_t self_op) const;
 
   struct Span {
     int32_t num_nodes = 0, self = 0;
