@@ -557,7 +557,23 @@ struct Group : GroupConfig {
     std::string out;
     auto one = [&](const Subprocess& p, const std::string& what) {
       std::string text = p.Stdout() + p.Stderr();
-      if (text.size() > 4000) text = "..." + text.substr(text.size() - 4000);
+      if (text.size() > 4000) {
+        // The tail is kept; a wrong result's own lines (MISMATCH) before it are kept too.
+        std::string mismatches;
+        const size_t cut = text.size() - 4000;
+        int kept = 0;
+        for (size_t at = text.find("MISMATCH"); at != std::string::npos && at < cut && kept < 5;
+             at = text.find("MISMATCH", at + 1)) {
+          const size_t begin = text.rfind('\n', at);
+          const size_t start = begin == std::string::npos ? 0 : begin + 1;
+          const size_t end = text.find('\n', at);
+          absl::StrAppend(&mismatches, text.substr(start, end - start), "\n");
+          ++kept;
+          if (end == std::string::npos) break;
+          at = end;
+        }
+        text = mismatches + "..." + text.substr(cut);
+      }
       absl::StrAppend(&out, "---- ", name, " ", what, " (pid ", p.pid(), "):\n", text);
     };
     for (size_t r = 0; r < procs.size(); ++r) {
