@@ -256,7 +256,6 @@ absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local
   op_mask_.assign(static_cast<size_t>(R), 0);
   peer_mask_.assign(static_cast<size_t>(span_.num_nodes) * R, 0);
   peer_epoch_.assign(span_.num_nodes, 0);
-  agreed_epoch_.assign(span_.num_nodes, 0);
   excluded_.assign(span_.num_nodes, 0);
   excluded_at_start_.assign(span_.num_nodes, 0);
   mask_words_.assign(abi::ExchangeMaskWords(R), 0);
@@ -308,7 +307,6 @@ bool NodeExchange::PollBackground() {
     // op's immediate.
     span_.link_base[n] = host_->ExchangeCurrentSeq();
     span_.connected[n] = 1;
-    if (!agreed_epoch_.empty()) agreed_epoch_[n] = 0;  // A restarted peer starts its count anew.
     span_.incarnation[n] = d->incarnation;
     worked = true;
   }
@@ -348,7 +346,7 @@ bool NodeExchange::NodeLost(int32_t n) const {
   return !span_.peers->Health().ok() && !span_.peers->Descriptor(n);
 }
 
-absl::Status NodeExchange::ComputeOpMask(uint64_t seq) {
+void NodeExchange::ComputeOpMask() {
   const int32_t R = shape().num_ranks;
   std::fill(op_mask_.begin(), op_mask_.end(), 0);
   uint32_t epoch = 0;
@@ -370,15 +368,7 @@ absl::Status NodeExchange::ComputeOpMask(uint64_t seq) {
     const uint8_t* m = n == span_.self ? self_mask_.data() : peer_mask_.data() + size_t(n) * R;
     if (e == epoch) changed = !std::equal(op_mask_.begin(), op_mask_.end(), m);
   }
-  // CheckHeader bounds every peer's epoch by kMaxMaskEpoch; the step must not pass it either.
-  const uint64_t next = uint64_t{epoch} + (changed ? 1 : 0);
-  if (next > kMaxMaskEpoch) {
-    return absl::OutOfRangeError(absl::StrCat("op ", seq, " of group ", spec().name(),
-                                              ": the rank mask epoch would pass its limit ",
-                                              kMaxMaskEpoch, "; recreate the group"));
-  }
-  op_epoch_ = static_cast<uint32_t>(next);
-  return absl::OkStatus();
+  op_epoch_ = epoch + (changed ? 1 : 0);
 }
 
 std::string NodeExchange::NotReadyReason() const {
@@ -565,19 +555,6 @@ absl::Status NodeExchange::CheckHeader(int32_t n, uint64_t seq) {
     const uint64_t words = abi::ExchangeMaskWords(R);
     uint8_t* m = peer_mask_.data() + static_cast<size_t>(n) * R;
     std::fill(m, m + R, 0);
-    // The epoch is checked before it is used: a peer's count never goes back, and steps at
-    // most one per op, so one far ahead of this node's (or past the limit) is not a count.
-    if (h.mask_epoch < agreed_epoch_[n] || h.mask_epoch > kMaxMaskEpoch ||
-        uint64_t{h.mask_epoch} > uint64_t{view_epoch_} + kMaxMaskEpochAhead) {
-      return errors::WithReason(
-          absl::DataLossError(absl::StrCat(
-              "op ", seq, " of group ", spec().name(), ": node ", n, " (",
-              spec().nodes(n).peer_address(), ") sent rank mask epoch ", h.mask_epoch,
-              "; it brought ", agreed_epoch_[n], " to the last op and this node is at ",
-              view_epoch_, " (an epoch never goes back, nor leads by more than ",
-              kMaxMaskEpochAhead, ")")),
-          errors::Reason::kPeerProtocol);
-    }
     peer_epoch_[n] = h.mask_epoch;
     if (h.mask_words != 0 && h.mask_words != words) {
       return errors::WithReason(absl::DataLossError(absl::StrCat(
@@ -620,7 +597,7 @@ bool NodeExchange::MissingPeersAlive() const {
   return any && span_.peers->Health().ok();
 }
 
-absl::Status NodeExchange::PeerFailure(uint64_t seq, int64_t local_op) {
+absl::Status NodeExchange::PeerFailure(uint64_t seq) {
   if (!span_.peers) return absl::OkStatus();
   if (absl::Status h = span_.peers->Health(); !h.ok() && !masking_) return h;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
@@ -635,11 +612,6 @@ absl::Status NodeExchange::PeerFailure(uint64_t seq, int64_t local_op) {
     absl::Status st = CheckHeader(n, seq);
     if (!st.ok()) {
       span_.pending[n].reset();
-      const int64_t peer_op = OpOf(n, -1);
-      if (local_op >= 0 && peer_op >= 0 && peer_op != local_op) {
-        return NotInStep(seq, span_.self, static_cast<uint32_t>(local_op), n,
-                         static_cast<uint32_t>(peer_op), st);
-      }
       return st;
     }
   }
@@ -1043,11 +1015,9 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
   }
   if (!rules::Describe(static_cast<uint32_t>(plan.op)).exchanges_data) {
     st = span_.local_status;  // GetDispatchLayout: another node's error is its own.
-  } else if (!st.ok()) {
-    st = NotInStep(plan, st);
   }
-  if (st.ok() && masking_) st = ComputeOpMask(plan.seq);
   if (st.ok() && masking_) {
+    ComputeOpMask();
     uint32_t num_masked = 0;
     for (uint8_t m : op_mask_) num_masked += m;
     for (RankOutcome& o : outcomes) {
@@ -1060,58 +1030,9 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
   if (masking_) {
     std::copy(op_mask_.begin(), op_mask_.end(), view_mask_.begin());
     view_epoch_ = op_epoch_;
-    for (int32_t n = 0; n < span_.num_nodes; ++n) {
-      if (n != span_.self && !excluded_[n]) agreed_epoch_[n] = peer_epoch_[n];
-    }
   }
   end_op();
   return true;
-}
-
-int64_t NodeExchange::OpOf(int32_t n, int64_t self_op) const {
-  if (n == span_.self) return self_op;
-  const abi::ExchangeHeader& h = span_.headers[n];  // Copied by CheckHeader.
-  const bool well_formed =
-      h.magic == abi::kExchangeMagic && h.version == abi::kExchangeAbiVersion && h.source_node == n;
-  return well_formed ? int64_t{h.op} : -1;
-}
-
-absl::Status NodeExchange::NotInStep(uint64_t seq, int32_t a, uint32_t op_a, int32_t b,
-                                     uint32_t op_b, const absl::Status& st) const {
-  auto describe = [&](int32_t x, uint32_t op) {
-    return absl::StrCat("node ", x, " (ranks ", span_.first[x], "-",
-                        span_.first[x] + span_.count[x] - 1, ") submitted ", OpName(op));
-  };
-  if (a > b) {
-    std::swap(a, b);
-    std::swap(op_a, op_b);
-  }
-  return errors::WithReason(
-      absl::FailedPreconditionError(absl::StrCat(
-          "op ", seq, " of group ", spec().name(),
-          ": the nodes are not in step: ", describe(a, op_a), ", ", describe(b, op_b),
-          " (a rank joining a running group starts with the group's next op, a combine with a "
-          "dispatch that ran on every node); the op's first error: ",
-          st.message())),
-      errors::Reason::kFailedPrecondition);
-}
-
-absl::Status NodeExchange::NotInStep(const OpPlan& plan, const absl::Status& st) {
-  // A node's error is every node's only when the nodes ran the same op: the error of a
-  // request another node did not make (a node's first op after it joined late, a combine
-  // whose dispatch ran before a node rejoined) would blame ranks that never made it.
-  const int64_t self_op = static_cast<uint32_t>(plan.op);
-  int32_t ref = -1;
-  for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    if (excluded_[n] || OpOf(n, self_op) < 0) continue;
-    if (ref < 0) {
-      ref = n;
-    } else if (OpOf(n, self_op) != OpOf(ref, self_op)) {
-      return NotInStep(plan.seq, ref, static_cast<uint32_t>(OpOf(ref, self_op)), n,
-                       static_cast<uint32_t>(OpOf(n, self_op)), st);
-    }
-  }
-  return st;
 }
 
 absl::Status NodeExchange::FinishExchange(const OpPlan& plan,

@@ -124,18 +124,12 @@ class NodeExchange {
   bool Poll(std::span<RankOutcome> outcomes);
   /// LockstepGroup hooks (see there).
   void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status);
-  absl::Status PeerFailure(uint64_t seq, int64_t local_op);
+  absl::Status PeerFailure(uint64_t seq);
   bool ReadyToStart();
   std::string NotReadyReason() const;
   bool PollBackground();
   /// Publishes which of this node's ranks are joined (bits[i]: rank local_first + i).
   void SetLocalRanksJoined(const std::vector<bool>& bits);
-  /// The largest rank mask epoch a group reaches (an op that would pass it fails with
-  /// OUT_OF_RANGE; a peer's epoch past it is DATA_LOSS): epochs never wrap.
-  static constexpr uint32_t kMaxMaskEpoch = 0x7fffffff;
-  /// How far a peer's epoch may lead this node's (DATA_LOSS beyond): an epoch steps by at
-  /// most one per op, and a node behind by this many mask changes is not a real peer.
-  static constexpr uint32_t kMaxMaskEpochAhead = uint32_t{1} << 20;
   /// Rank masking across nodes (GroupSpec.on_rank_failure = MASK): the mask [R] and epoch
   /// the last op that finished OK ran with, the same at every node that ran it (DESIGN.md
   /// §5.1 "Rank masking").
@@ -245,21 +239,8 @@ class NodeExchange {
   bool NodeLost(int32_t n) const;
   /// Under MASK, once every message of the running op is in: the op's mask (op_mask_) and
   /// epoch (op_epoch_) from every node's header and the nodes it runs without (DESIGN.md
-  /// §5.1 "Rank masking"). OUT_OF_RANGE when the epoch would pass kMaxMaskEpoch (it never
-  /// wraps; nothing is changed then).
-  absl::Status ComputeOpMask(uint64_t seq);
-  /// Once every message of a failed op is in (`st`, the lowest node's error): when the
-  /// nodes taking part submitted different ops, FAILED_PRECONDITION naming two of them and
-  /// carrying `st`'s text (the same on every node), so that no rank gets the error of a
-  /// request it did not make; else `st`.
-  absl::Status NotInStep(const OpPlan& plan, const absl::Status& st);
-  /// FAILED_PRECONDITION: nodes `a` and `b` submitted ops `op_a` and `op_b` for op `seq`;
-  /// carries `st`'s text.
-  absl::Status NotInStep(uint64_t seq, int32_t a, uint32_t op_a, int32_t b, uint32_t op_b,
-                         const absl::Status& st) const;
-  /// The op node n submitted: `self_op` for this node, a peer's from the header CheckHeader
-  /// copied, -1 when that header is malformed.
-  int64_t OpOf(int32_t n, int64_t self_op) const;
+  /// §5.1 "Rank masking").
+  void ComputeOpMask();
 
   struct Span {
     int32_t num_nodes = 0, self = 0;
@@ -356,9 +337,6 @@ class NodeExchange {
   /// [N, R] each peer's mask and its epoch as CheckHeader copied them for the running op.
   std::vector<uint8_t> peer_mask_;
   std::vector<uint32_t> peer_epoch_;
-  /// [N] the epoch each peer brought to the last op this node finished with it (0 after its
-  /// link is formed): a peer's epoch never goes below it (CheckHeader).
-  std::vector<uint32_t> agreed_epoch_;
   std::vector<uint8_t> excluded_;           ///< [N] nodes the running op runs without.
   std::vector<uint8_t> excluded_at_start_;  ///< [N] of those, the ones lost as it started.
   std::vector<uint64_t> mask_words_;        ///< [ExchangeMaskWords(R)] CheckHeader's copy.
