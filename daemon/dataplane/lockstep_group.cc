@@ -475,7 +475,13 @@ bool LockstepGroup::Poll() {
     }
   }
   if (spanning_) {
-    if (absl::Status st = PeerFailure(current_seq_); !st.ok()) {
+    // The op a local rank already submitted (-1: none yet): a peer's failure of another op
+    // is not this rank's error (PeerFailure says the nodes are not in step instead).
+    int64_t local_op = -1;
+    for (int32_t r = local_first_; r < local_first_ + local_count_ && local_op < 0; ++r) {
+      if (endpoints_[r] && endpoints_[r]->request) local_op = endpoints_[r]->request->op;
+    }
+    if (absl::Status st = PeerFailure(current_seq_, local_op); !st.ok()) {
       LogClientCaused(spdlog::level::warn, "{}", st.message());
       FailOp(st);  // Told to the other nodes too: one still running it waits for us.
       return true;

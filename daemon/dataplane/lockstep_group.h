@@ -249,7 +249,11 @@ class LockstepGroup : public DataPlaneGroup {
   virtual void OpFailedHere(uint64_t /*seq*/, uint32_t /*op*/, const absl::Status& /*status*/) {}
   /// Spanning groups: called under mu_ while op `seq` is being collected: an error when
   /// another node failed it or a peer is lost (the op then fails at once with it).
-  virtual absl::Status PeerFailure(uint64_t /*seq*/) { return absl::OkStatus(); }
+  /// `local_op`: the op (abi::OpKind) a local rank already submitted, -1 when none did; a
+  /// node that failed another op is reported as the nodes not being in step.
+  virtual absl::Status PeerFailure(uint64_t /*seq*/, int64_t /*local_op*/) {
+    return absl::OkStatus();
+  }
   /// Why ReadyToStart() is false, for the op's DEADLINE_EXCEEDED message.
   virtual std::string NotReadyReason() const { return "an earlier op is still running on the GPU"; }
   /// Whether the backend can start a (validated) op now, e.g. the previous op has left

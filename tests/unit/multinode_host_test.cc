@@ -11,6 +11,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "daemon/dataplane/exchange/node_exchange.h"
 #include "daemon/dataplane/host/host_data_plane.h"
 #include "daemon/metrics/exposition.h"
 #include "daemon/metrics/metrics.h"
@@ -39,6 +41,7 @@ using kernels::bf16_bits;
 using std::chrono::milliseconds;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 class MultinodeHostTest : public ::testing::Test {
  protected:
@@ -290,6 +293,38 @@ class MultinodeHostTest : public ::testing::Test {
       out.push_back(c.value_or(abi::Completion{}));
     }
     last_seq_ = seqs[0];
+    return out;
+  }
+
+  /// On a group of two one-rank nodes: runs a dispatch on both, makes node 0's link refuse
+  /// rank 0's area with `refusal`, then submits rank 0's combine of that dispatch and rank
+  /// 1's `op_1` (a dispatch, or a combine of that dispatch), rank `first`'s 50 ms ahead so
+  /// that its node's op starts alone. Returns both completions (rank 0's first); the link
+  /// takes areas again after.
+  std::array<abi::Completion, 2> RefuseAreaAndSubmitApart(int first, abi::OpKind op_1,
+                                                          const absl::Status& refusal) {
+    std::array<abi::Completion, 2> out{};
+    auto done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
+    const uint64_t dispatch_seq = last_seq_;
+    for (size_t r = 0; r < done.size(); ++r) {
+      EXPECT_EQ(done[r].status_code, 0) << Message(done[r]);
+      if (done[r].status_code != 0) return out;
+    }
+    nodes_[0]->transport->last_link()->add_region_error = refusal;
+    auto submit = [&](int r) {
+      const abi::OpKind op = r == 0 ? abi::OpKind::kCombine : op_1;
+      return rings_[r]->Submit(op, 0, tokens_[r], op == abi::OpKind::kCombine ? dispatch_seq : 0);
+    };
+    uint64_t seqs[2];
+    seqs[first] = submit(first);
+    std::this_thread::sleep_for(milliseconds(50));
+    seqs[1 - first] = submit(1 - first);
+    for (int r = 0; r < 2; ++r) {
+      auto c = rings_[r]->Await(seqs[r], milliseconds(10000));
+      EXPECT_TRUE(c.has_value()) << "rank " << r << " got no completion";
+      out[r] = c.value_or(abi::Completion{});
+    }
+    nodes_[0]->transport->last_link()->add_region_error = absl::OkStatus();
     return out;
   }
 
@@ -566,6 +601,45 @@ TEST_F(MultinodeHostTest, ARankAreaTheLinkRefusesFailsTheCombineEverywhere) {
   ExpectLinkRegions(0);
 }
 
+// The same refusal with the nodes' requests apart, either node's first (its op starts
+// alone: node 0's combine fails where it starts, before or after node 1's message is in).
+// Node 1 submitting the combine too gets the area's error, as node 0 does: node 0 reads
+// which op node 1 submitted from node 1's header of this op, never from the previous op's
+// (a dispatch). Node 1 submitting a dispatch instead gets FAILED_PRECONDITION "not in step"
+// naming both ops (the area's error is not its request's), while node 0 keeps its own error.
+TEST_F(MultinodeHostTest, ARefusedRankAreaFailsEveryCombineWhicheverNodeSubmitsFirst) {
+  Start({1, 1});
+  if (HasFatalFailure()) return;
+  MakeInputs(50);
+  for (abi::OpKind op_1 : {abi::OpKind::kCombine, abi::OpKind::kDispatch}) {
+    for (int first : {0, 1}) {
+      SCOPED_TRACE(::testing::Message() << "node 1 submits " << OpName(static_cast<uint32_t>(op_1))
+                                        << ", node " << first << " first");
+      const auto done = RefuseAreaAndSubmitApart(
+          first, op_1, absl::FailedPreconditionError("ibv_reg_mr: raise the locked-memory limit"));
+      if (HasFatalFailure()) return;
+      for (size_t r = 0; r < done.size(); ++r) {
+        EXPECT_EQ(done[r].status_code, static_cast<int32_t>(absl::StatusCode::kFailedPrecondition))
+            << r << ": " << Message(done[r]);
+        if (r == 1 && op_1 == abi::OpKind::kDispatch) {
+          EXPECT_THAT(Message(done[r]), AllOf(HasSubstr("not in step"),
+                                              HasSubstr("node 0 (ranks 0-0) submitted Combine"),
+                                              HasSubstr("node 1 (ranks 1-1) submitted Dispatch")));
+        } else {
+          EXPECT_THAT(Message(done[r]),
+                      AllOf(HasSubstr("rank 0: declaring its data area"),
+                            HasSubstr("locked-memory limit"), Not(HasSubstr("not in step"))))
+              << r;
+        }
+      }
+    }
+  }
+  auto done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
+  for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+  done = RunOnAll(abi::OpKind::kCombine, 0, tokens_, last_seq_);
+  for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+}
+
 // A rank attached anew between ops (new endpoint, new shm memory): the next combine sends its
 // rows from the new memory, which the exchange declares to the link in place of the old.
 TEST_F(MultinodeHostTest, ReattachedRankCombinesFromItsNewMemory) {
@@ -670,6 +744,30 @@ TEST_F(MultinodeHostTest, NodesDisagreeingOnTheOpFailEverywhere) {
     EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kInvalidArgument)) << Message(*c);
     EXPECT_NE(Message(*c).find("nodes disagree"), std::string::npos) << Message(*c);
   }
+}
+
+// One node's request fails where it is made, and the other node submitted another op: the
+// other node's rank does not get the error of a request it did not make. Rank 1's
+// low-latency combine of a handle it never had is its own error (FAILED_PRECONDITION naming
+// the handle); rank 0's dispatch fails with FAILED_PRECONDITION naming both nodes' ops.
+TEST_F(MultinodeHostTest, AFailedRequestOfAnotherOpIsNotBlamedOnTheOtherNode) {
+  Start({1, 1});
+  if (HasFatalFailure()) return;
+  MakeInputs(3);
+  const uint64_t a = rings_[0]->Submit(abi::OpKind::kDispatch, 0, 2);
+  std::this_thread::sleep_for(milliseconds(50));  // Rank 0's dispatch is collected first.
+  const uint64_t b = rings_[1]->Submit(abi::OpKind::kLowLatencyCombine, 0, 2, /*handle_seq=*/0);
+  auto c = rings_[0]->Await(a, milliseconds(10000));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kFailedPrecondition)) << Message(*c);
+  EXPECT_THAT(Message(*c),
+              AllOf(HasSubstr("not in step"), HasSubstr("node 0 (ranks 0-0) submitted Dispatch"),
+                    HasSubstr("node 1 (ranks 1-1) submitted LowLatencyCombine")));
+  c = rings_[1]->Await(b, milliseconds(10000));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->status_code, static_cast<int>(absl::StatusCode::kFailedPrecondition)) << Message(*c);
+  EXPECT_THAT(Message(*c), AllOf(HasSubstr("rank 1: LowLatencyCombine: handle of op 0"),
+                                 Not(HasSubstr("not in step"))));
 }
 
 // A remote rank cannot attach here; the node is chosen by the first joiner.
@@ -1388,6 +1486,23 @@ class MultinodeMaskTest : public MultinodeHostTest {
     }
   }
 
+  /// The exchange slot a node of one rank sends (two nodes of one rank each).
+  abi::ExchangeSlotLayout OneRankSlot() const {
+    return abi::ExchangeSlotLayout::Compute(
+        {shape_.num_ranks, shape_.num_experts, shape_.hidden, shape_.num_topk,
+         shape_.max_tokens_per_rank, shape_.ll_max_tokens_per_rank},
+        1, 1);
+  }
+
+  /// Whether a write of `bytes` at `offset` of a peer's region is an OK message's header
+  /// and mask (what a Hostile rewrite of the mask or its epoch targets).
+  static bool CarriesMask(const abi::ExchangeSlotLayout& sl, const uint8_t* base, uint64_t offset,
+                          uint64_t bytes) {
+    uint32_t magic = 0;
+    if (bytes >= sl.tokens) std::memcpy(&magic, base + offset, sizeof magic);
+    return magic == abi::kExchangeMagic;
+  }
+
   /// Attaches rank `rank` to node `n`'s group anew (a new process in its slot).
   void Reattach(int n, int rank) {
     v1::EndpointInfo info;
@@ -1497,13 +1612,8 @@ TEST_F(MultinodeMaskTest, AMaskBitBeyondTheGroupIsDataLossNamingTheNode) {
   if (HasFatalFailure()) return;
   MakeInputs(3);
   hub_.Hostile(1, [this](uint8_t* base, uint64_t offset, uint64_t bytes) {
-    const abi::ExchangeSlotLayout sl = abi::ExchangeSlotLayout::Compute(
-        {shape_.num_ranks, shape_.num_experts, shape_.hidden, shape_.num_topk,
-         shape_.max_tokens_per_rank, shape_.ll_max_tokens_per_rank},
-        1, 1);
-    uint32_t magic = 0;
-    if (bytes >= sl.tokens) std::memcpy(&magic, base + offset, sizeof magic);
-    if (magic == abi::kExchangeMagic) base[offset + sl.mask] |= 0x80;  // Rank 7 of 2.
+    const abi::ExchangeSlotLayout sl = OneRankSlot();
+    if (CarriesMask(sl, base, offset, bytes)) base[offset + sl.mask] |= 0x80;  // Rank 7 of 2.
   });
   auto done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
   for (int r = 0; r < 2; ++r) {
@@ -1512,6 +1622,49 @@ TEST_F(MultinodeMaskTest, AMaskBitBeyondTheGroupIsDataLossNamingTheNode) {
         << Message(done[r]);
   }
   EXPECT_THAT(Message(done[0]), AllOf(HasSubstr("node 1"), HasSubstr("rank 7")));
+}
+
+// A peer's mask epoch is checked before it is used (DESIGN.md §5.1 "Rank masking"): one
+// past the limit (here the last before a wrap), one leading this node's by more than
+// kMaxMaskEpochAhead, or one below what the peer brought to the last op is DATA_LOSS naming
+// the node; the epoch this node reports never wraps nor goes back.
+TEST_F(MultinodeMaskTest, APeerMaskEpochThatWrapsLeapsOrGoesBackIsDataLoss) {
+  mask_ = true;
+  Start({1, 1});
+  if (HasFatalFailure()) return;
+  MakeInputs(3);
+  std::atomic<uint32_t> forced{5};
+  hub_.Hostile(1, [&](uint8_t* base, uint64_t offset, uint64_t bytes) {
+    if (!CarriesMask(OneRankSlot(), base, offset, bytes)) return;
+    const uint32_t e = forced.load();
+    std::memcpy(base + offset + offsetof(abi::ExchangeHeader, mask_epoch), &e, sizeof e);
+  });
+  // Epoch 5 is a plausible count: node 0 takes it.
+  auto done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
+  ASSERT_EQ(done[0].status_code, 0) << Message(done[0]);
+  EXPECT_EQ(done[0].mask_epoch, 5u);
+  done = RunOnAll(abi::OpKind::kCombine, 0, tokens_, last_seq_);
+  ASSERT_EQ(done[0].status_code, 0) << Message(done[0]);
+  const struct {
+    uint32_t epoch;
+    const char* what;
+  } bad[] = {{0xffffffffu, "4294967295"},
+             {5 + NodeExchange::kMaxMaskEpochAhead + 1, "1048582"},
+             {3, "epoch 3"}};
+  for (const auto& b : bad) {
+    SCOPED_TRACE(b.what);
+    forced = b.epoch;
+    done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
+    EXPECT_EQ(done[0].status_code, static_cast<int>(absl::StatusCode::kDataLoss))
+        << Message(done[0]) << " epoch " << done[0].mask_epoch;
+    EXPECT_THAT(Message(done[0]), AllOf(HasSubstr("node 1"), HasSubstr(b.what)));
+    forced = 5;  // In step again: the next op runs at epoch 5, never back, never wrapped.
+    done = RunOnAll(abi::OpKind::kDispatch, 0, tokens_);
+    ASSERT_EQ(done[0].status_code, 0) << Message(done[0]);
+    EXPECT_EQ(done[0].mask_epoch, 5u);
+    done = RunOnAll(abi::OpKind::kCombine, 0, tokens_, last_seq_);
+    ASSERT_EQ(done[0].status_code, 0) << Message(done[0]);
+  }
 }
 
 }  // namespace

@@ -98,7 +98,7 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   // Spanning groups (DESIGN.md §5.5): the exchange's hooks.
   absl::Status NodeChosen(int32_t node) override;
   void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) override;
-  absl::Status PeerFailure(uint64_t seq) override;
+  absl::Status PeerFailure(uint64_t seq, int64_t local_op) override;
   std::string NotReadyReason() const override;
   /// While a spanning op is in the exchange the transport wakes the engine; while its
   /// copies run on the GPU the engine polls.

@@ -109,8 +109,8 @@ void CudaGroup::OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& stat
   if (exchange_ && exchange_->ready()) exchange_->OpFailedHere(seq, op, status);
 }
 
-absl::Status CudaGroup::PeerFailure(uint64_t seq) {
-  return exchange_ && exchange_->ready() ? exchange_->PeerFailure(seq) : absl::OkStatus();
+absl::Status CudaGroup::PeerFailure(uint64_t seq, int64_t local_op) {
+  return exchange_ && exchange_->ready() ? exchange_->PeerFailure(seq, local_op) : absl::OkStatus();
 }
 
 std::string CudaGroup::NotReadyReason() const {

@@ -256,6 +256,7 @@ absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local
   op_mask_.assign(static_cast<size_t>(R), 0);
   peer_mask_.assign(static_cast<size_t>(span_.num_nodes) * R, 0);
   peer_epoch_.assign(span_.num_nodes, 0);
+  agreed_epoch_.assign(span_.num_nodes, 0);
   excluded_.assign(span_.num_nodes, 0);
   excluded_at_start_.assign(span_.num_nodes, 0);
   mask_words_.assign(abi::ExchangeMaskWords(R), 0);
@@ -307,6 +308,7 @@ bool NodeExchange::PollBackground() {
     // op's immediate.
     span_.link_base[n] = host_->ExchangeCurrentSeq();
     span_.connected[n] = 1;
+    if (!agreed_epoch_.empty()) agreed_epoch_[n] = 0;  // A restarted peer starts its count anew.
     span_.incarnation[n] = d->incarnation;
     worked = true;
   }
@@ -346,7 +348,7 @@ bool NodeExchange::NodeLost(int32_t n) const {
   return !span_.peers->Health().ok() && !span_.peers->Descriptor(n);
 }
 
-void NodeExchange::ComputeOpMask() {
+absl::Status NodeExchange::ComputeOpMask(uint64_t seq) {
   const int32_t R = shape().num_ranks;
   std::fill(op_mask_.begin(), op_mask_.end(), 0);
   uint32_t epoch = 0;
@@ -368,7 +370,15 @@ void NodeExchange::ComputeOpMask() {
     const uint8_t* m = n == span_.self ? self_mask_.data() : peer_mask_.data() + size_t(n) * R;
     if (e == epoch) changed = !std::equal(op_mask_.begin(), op_mask_.end(), m);
   }
-  op_epoch_ = epoch + (changed ? 1 : 0);
+  // CheckHeader bounds every peer's epoch by kMaxMaskEpoch; the step must not pass it either.
+  const uint64_t next = uint64_t{epoch} + (changed ? 1 : 0);
+  if (next > kMaxMaskEpoch) {
+    return absl::OutOfRangeError(absl::StrCat("op ", seq, " of group ", spec().name(),
+                                              ": the rank mask epoch would pass its limit ",
+                                              kMaxMaskEpoch, "; recreate the group"));
+  }
+  op_epoch_ = static_cast<uint32_t>(next);
+  return absl::OkStatus();
 }
 
 std::string NodeExchange::NotReadyReason() const {
@@ -517,7 +527,8 @@ bool NodeExchange::ImmFor(int32_t n, uint64_t seq) {
   }
 }
 
-absl::Status NodeExchange::CheckHeader(int32_t n, uint64_t seq) {
+absl::Status NodeExchange::CheckHeader(int32_t n, uint64_t seq, int64_t* failed_op) {
+  if (failed_op != nullptr) *failed_op = -1;
   const auto* slot = reinterpret_cast<const uint8_t*>(span_.recv.data()) + span_.recv_offset[n] +
                      (LinkSeq(n, seq) % 2) * span_.in_layout[n].total;
   abi::ExchangeHeader& h = span_.headers[n];
@@ -546,6 +557,7 @@ absl::Status NodeExchange::CheckHeader(int32_t n, uint64_t seq) {
         absl::StrAppend(&text, "\\x", absl::Hex(u, absl::kZeroPad2));
       }
     }
+    if (failed_op != nullptr) *failed_op = h.op;  // Compared, and named through OpName, only.
     return errors::WithReason(absl::Status(static_cast<absl::StatusCode>(code), text),
                               static_cast<errors::Reason>(h.reason));  // 0: none.
   }
@@ -555,6 +567,19 @@ absl::Status NodeExchange::CheckHeader(int32_t n, uint64_t seq) {
     const uint64_t words = abi::ExchangeMaskWords(R);
     uint8_t* m = peer_mask_.data() + static_cast<size_t>(n) * R;
     std::fill(m, m + R, 0);
+    // The epoch is checked before it is used: a peer's count never goes back, and steps at
+    // most one per op, so one far ahead of this node's (or past the limit) is not a count.
+    if (h.mask_epoch < agreed_epoch_[n] || h.mask_epoch > kMaxMaskEpoch ||
+        uint64_t{h.mask_epoch} > uint64_t{view_epoch_} + kMaxMaskEpochAhead) {
+      return errors::WithReason(
+          absl::DataLossError(absl::StrCat(
+              "op ", seq, " of group ", spec().name(), ": node ", n, " (",
+              spec().nodes(n).peer_address(), ") sent rank mask epoch ", h.mask_epoch,
+              "; it brought ", agreed_epoch_[n], " to the last op and this node is at ",
+              view_epoch_, " (an epoch never goes back, nor leads by more than ",
+              kMaxMaskEpochAhead, ")")),
+          errors::Reason::kPeerProtocol);
+    }
     peer_epoch_[n] = h.mask_epoch;
     if (h.mask_words != 0 && h.mask_words != words) {
       return errors::WithReason(absl::DataLossError(absl::StrCat(
@@ -597,7 +622,7 @@ bool NodeExchange::MissingPeersAlive() const {
   return any && span_.peers->Health().ok();
 }
 
-absl::Status NodeExchange::PeerFailure(uint64_t seq) {
+absl::Status NodeExchange::PeerFailure(uint64_t seq, int64_t local_op) {
   if (!span_.peers) return absl::OkStatus();
   if (absl::Status h = span_.peers->Health(); !h.ok() && !masking_) return h;
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
@@ -609,9 +634,16 @@ absl::Status NodeExchange::PeerFailure(uint64_t seq) {
     // Another node's failure of this op is taken once every peer can be told (else one
     // still running it would wait for this node until op_timeout).
     if (!ReadyToStart() || !ImmFor(n, seq)) continue;
-    absl::Status st = CheckHeader(n, seq);
+    int64_t peer_op = -1;
+    absl::Status st = CheckHeader(n, seq, &peer_op);
     if (!st.ok()) {
       span_.pending[n].reset();
+      // Node n's failure of another op than the one this node's ranks submitted is not
+      // theirs; an error found in node n's message (peer_op -1) is.
+      if (local_op >= 0 && peer_op >= 0 && peer_op != local_op) {
+        return NotInStep(seq, span_.self, static_cast<uint32_t>(local_op), n,
+                         static_cast<uint32_t>(peer_op), st);
+      }
       return st;
     }
   }
@@ -1007,17 +1039,12 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
     }
     return false;
   }
-  // The lowest node's error wins, so that every node reports the same one.
-  absl::Status st = absl::OkStatus();
-  for (int32_t n = 0; n < span_.num_nodes && st.ok(); ++n) {
-    if (excluded_[n]) continue;
-    st = n == span_.self ? span_.local_status : CheckHeader(n, plan.seq);
-  }
+  absl::Status st = FailedOpStatus(plan);
   if (!rules::Describe(static_cast<uint32_t>(plan.op)).exchanges_data) {
     st = span_.local_status;  // GetDispatchLayout: another node's error is its own.
   }
+  if (st.ok() && masking_) st = ComputeOpMask(plan.seq);
   if (st.ok() && masking_) {
-    ComputeOpMask();
     uint32_t num_masked = 0;
     for (uint8_t m : op_mask_) num_masked += m;
     for (RankOutcome& o : outcomes) {
@@ -1030,9 +1057,61 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
   if (masking_) {
     std::copy(op_mask_.begin(), op_mask_.end(), view_mask_.begin());
     view_epoch_ = op_epoch_;
+    for (int32_t n = 0; n < span_.num_nodes; ++n) {
+      if (n != span_.self && !excluded_[n]) agreed_epoch_[n] = peer_epoch_[n];
+    }
   }
   end_op();
   return true;
+}
+
+absl::Status NodeExchange::NotInStep(uint64_t seq, int32_t a, uint32_t op_a, int32_t b,
+                                     uint32_t op_b, const absl::Status& st) const {
+  auto describe = [&](int32_t x, uint32_t op) {
+    return absl::StrCat("node ", x, " (ranks ", span_.first[x], "-",
+                        span_.first[x] + span_.count[x] - 1, ") submitted ", OpName(op));
+  };
+  const int32_t failed = b;
+  if (a > b) {
+    std::swap(a, b);
+    std::swap(op_a, op_b);
+  }
+  return errors::WithReason(
+      absl::FailedPreconditionError(absl::StrCat(
+          "op ", seq, " of group ", spec().name(),
+          ": the nodes are not in step: ", describe(a, op_a), ", ", describe(b, op_b),
+          " (a rank joining a running group starts with the group's next op, a combine with a "
+          "dispatch that ran on every node); node ",
+          failed, "'s error: ", st.message())),
+      errors::Reason::kFailedPrecondition);
+}
+
+absl::Status NodeExchange::FailedOpStatus(const OpPlan& plan) {
+  // A node's error is every node's only where they submitted the same op: the lowest such
+  // node's wins, so that they all report the same one. The error of a request another node
+  // made instead (a node's first op after it joined late, a combine whose dispatch ran
+  // before a node rejoined) would blame ranks that never made it: a node that only sees
+  // such errors reports the nodes as not in step. Every message is in: each peer's header
+  // of this op is copied, so no op is read from an earlier op's header.
+  const uint32_t self_op = static_cast<uint32_t>(plan.op);
+  absl::Status same = absl::OkStatus(), other = absl::OkStatus();
+  int32_t other_node = -1;
+  uint32_t other_op = 0;
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    if (excluded_[n]) continue;
+    int64_t failed_op = -1;
+    absl::Status st = n == span_.self ? span_.local_status : CheckHeader(n, plan.seq, &failed_op);
+    if (st.ok()) continue;
+    if (failed_op < 0 || failed_op == self_op) {
+      if (same.ok()) same = std::move(st);
+    } else if (other_node < 0) {
+      other = std::move(st);
+      other_node = n;
+      other_op = static_cast<uint32_t>(failed_op);
+    }
+  }
+  if (!same.ok() || other_node < 0) return same;
+  return NotInStep(plan.seq, span_.self, self_op, other_node, other_op, other);
 }
 
 absl::Status NodeExchange::FinishExchange(const OpPlan& plan,

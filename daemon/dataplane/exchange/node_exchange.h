@@ -124,12 +124,18 @@ class NodeExchange {
   bool Poll(std::span<RankOutcome> outcomes);
   /// LockstepGroup hooks (see there).
   void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status);
-  absl::Status PeerFailure(uint64_t seq);
+  absl::Status PeerFailure(uint64_t seq, int64_t local_op);
   bool ReadyToStart();
   std::string NotReadyReason() const;
   bool PollBackground();
   /// Publishes which of this node's ranks are joined (bits[i]: rank local_first + i).
   void SetLocalRanksJoined(const std::vector<bool>& bits);
+  /// The largest rank mask epoch a group reaches (an op that would pass it fails with
+  /// OUT_OF_RANGE; a peer's epoch past it is DATA_LOSS): epochs never wrap.
+  static constexpr uint32_t kMaxMaskEpoch = 0x7fffffff;
+  /// How far a peer's epoch may lead this node's (DATA_LOSS beyond): an epoch steps by at
+  /// most one per op, and a node behind by this many mask changes is not a real peer.
+  static constexpr uint32_t kMaxMaskEpochAhead = uint32_t{1} << 20;
   /// Rank masking across nodes (GroupSpec.on_rank_failure = MASK): the mask [R] and epoch
   /// the last op that finished OK ran with, the same at every node that ran it (DESIGN.md
   /// §5.1 "Rank masking").
@@ -210,8 +216,11 @@ class NodeExchange {
   // dispatch's tokens quantized, once, into span_.quant_x / quant_scales.
   void StagePackSources(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
   /// Copies node n's header of op `seq` out of the receive region into span_.headers[n] and
-  /// checks the copy (which is all that is read of it afterwards).
-  absl::Status CheckHeader(int32_t n, uint64_t seq);
+  /// checks the copy (which is all that is read of it afterwards). Returns node n's own
+  /// failure of the op when its (well-formed) header reports one, with the op it submitted
+  /// (abi::OpKind, as sent) in `*failed_op`; an error this node finds in the message
+  /// (DATA_LOSS naming node n) leaves `*failed_op` at -1, as does OK. `failed_op` may be null.
+  absl::Status CheckHeader(int32_t n, uint64_t seq, int64_t* failed_op = nullptr);
   /// True when every node whose message of the running op is missing is alive: its Peer
   /// service healthy (GroupPeers::Health OK) and its data link ready.
   bool MissingPeersAlive() const;
@@ -239,8 +248,21 @@ class NodeExchange {
   bool NodeLost(int32_t n) const;
   /// Under MASK, once every message of the running op is in: the op's mask (op_mask_) and
   /// epoch (op_epoch_) from every node's header and the nodes it runs without (DESIGN.md
-  /// §5.1 "Rank masking").
-  void ComputeOpMask();
+  /// §5.1 "Rank masking"). OUT_OF_RANGE when the epoch would pass kMaxMaskEpoch (it never
+  /// wraps; nothing is changed then).
+  absl::Status ComputeOpMask(uint64_t seq);
+  /// Once every message of the running op is in: the error this node's ranks get, OK when no
+  /// node failed it. A node's error is taken only by the nodes that submitted the same op:
+  /// the first in node order among this node's own (`span_.local_status`), the errors it
+  /// finds in the peers' messages and the failures reported by peers that submitted this
+  /// node's op, so that nodes running one op all report the same error. When only peers that
+  /// submitted another op failed it, FAILED_PRECONDITION naming this node's op and the first
+  /// of theirs (NotInStep): no rank gets the error of a request it did not make.
+  absl::Status FailedOpStatus(const OpPlan& plan);
+  /// FAILED_PRECONDITION: nodes `a` and `b` submitted ops `op_a` and `op_b` for op `seq`
+  /// (named in node order), and node `b` failed it with `st` (its text carried).
+  absl::Status NotInStep(uint64_t seq, int32_t a, uint32_t op_a, int32_t b, uint32_t op_b,
+                         const absl::Status& st) const;
 
   struct Span {
     int32_t num_nodes = 0, self = 0;
@@ -337,6 +359,9 @@ class NodeExchange {
   /// [N, R] each peer's mask and its epoch as CheckHeader copied them for the running op.
   std::vector<uint8_t> peer_mask_;
   std::vector<uint32_t> peer_epoch_;
+  /// [N] the epoch each peer brought to the last op this node finished with it (0 after its
+  /// link is formed): a peer's epoch never goes below it (CheckHeader).
+  std::vector<uint32_t> agreed_epoch_;
   std::vector<uint8_t> excluded_;           ///< [N] nodes the running op runs without.
   std::vector<uint8_t> excluded_at_start_;  ///< [N] of those, the ones lost as it started.
   std::vector<uint64_t> mask_words_;        ///< [ExchangeMaskWords(R)] CheckHeader's copy.

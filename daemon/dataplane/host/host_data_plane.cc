@@ -175,8 +175,9 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) override {
     if (exchange_ && exchange_->ready()) exchange_->OpFailedHere(seq, op, status);
   }
-  absl::Status PeerFailure(uint64_t seq) override {
-    return exchange_ && exchange_->ready() ? exchange_->PeerFailure(seq) : absl::OkStatus();
+  absl::Status PeerFailure(uint64_t seq, int64_t local_op) override {
+    return exchange_ && exchange_->ready() ? exchange_->PeerFailure(seq, local_op)
+                                           : absl::OkStatus();
   }
   bool ReadyToStart() override { return !spanning() || exchange_->ReadyToStart(); }
   bool BackendReportsOpMask() const override {
