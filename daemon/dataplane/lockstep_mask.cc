@@ -173,11 +173,14 @@ void LockstepGroup::ApplyPendingMaskLocked() {
       pending_unmask_[r] = 0;
       continue;
     }
-    // It takes part from the op being collected on only if its next request is for that op:
-    // one that already passed it (refused as masked) waits for the next boundary, one still
-    // behind (ops ran without it) stays masked, its stale requests refused at once, until it
-    // has caught up (PopRequests); else the others would wait op_timeout for it.
-    if (ep->next_seq != current_seq_) continue;
+    // It takes part from the op being collected on only if its next request is for that op
+    // and no rank has arrived at it yet: the mask changes only between two ops, never while
+    // ranks are collected for one. One whose request for that op comes while it is collected
+    // is refused as masked and unmasked at the boundary after it (its next request is then
+    // the group's next op); one still behind (ops ran without it) stays masked, its stale
+    // requests refused at once, until it has caught up (PopRequests); else the others would
+    // wait op_timeout for it.
+    if (ep->next_seq != current_seq_ || op_started_) continue;
     pending_unmask_[r] = 0;
     if (unmasked.empty()) ++mask_epoch_;
     unmasked.push_back(static_cast<int32_t>(r));

@@ -154,8 +154,8 @@ bool LockstepGroup::PopRequests() {
                                                              " failed before this rank arrived")),
                                             errors::Reason::kOpTimeout);
         CompleteUnrun(rank, *ep, slot, st);
-        if (pending_unmask_[r] && ep->next_seq == current_seq_ && !running_) {
-          ApplyPendingMaskLocked();  // Caught up: unmasked for the op being collected.
+        if (pending_unmask_[r] && ep->next_seq == current_seq_ && !running_ && !op_started_) {
+          ApplyPendingMaskLocked();  // Caught up before the next op's collection: unmasked.
         }
         continue;
       }

@@ -481,6 +481,41 @@ TEST_F(RankMaskTest, FarBehindRankUnmaskingItselfIsUnmaskedOnceCaughtUp) {
   EXPECT_EQ(masks[3].num_masked, 0);
 }
 
+TEST_F(RankMaskTest, RankCatchingUpWhileAnOpIsCollectedIsUnmaskedAtTheBoundaryAfterIt) {
+  // Rank 3 misses op_timeout: masked; the others run a round (2 ops) without it.
+  for (const absl::Status& st : Rounds({0, 1, 2}, kRank3)) ASSERT_TRUE(st.ok()) << st;
+  auto self = group_->UpdateRankMask({}, std::vector<int32_t>{3}, false);
+  ASSERT_TRUE(self.ok()) << self.status();
+  EXPECT_THAT(self->masked_ranks(), ::testing::ElementsAre(3)) << "behind: still masked";
+  // Ranks 0 and 1 arrive at the next op: it is being collected.
+  absl::Status first[2];
+  std::thread t0([&] { first[0] = Layout(0); });
+  std::thread t1([&] { first[1] = Layout(1); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // Rank 3 catches up now: its two stale ops fail at once; its request for the op being
+  // collected is refused as masked (the mask never changes while ranks are collected).
+  for (int i = 0; i < 2; ++i) {
+    absl::Status st = Layout(3);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_THAT(st.message(), HasSubstr("without rank 3"));
+  }
+  absl::Status collected = Layout(3);
+  EXPECT_EQ(collected.code(), absl::StatusCode::kFailedPrecondition) << collected;
+  EXPECT_THAT(collected.message(), HasSubstr("the rank is masked"));
+  EXPECT_TRUE(Layout(2).ok());
+  t0.join();
+  t1.join();
+  EXPECT_TRUE(first[0].ok()) << first[0];
+  EXPECT_TRUE(first[1].ok()) << first[1];
+  // Unmasked at the boundary after that op: in step from the next one.
+  auto mask = group_->GetRankMask();
+  ASSERT_TRUE(mask.ok());
+  EXPECT_TRUE(mask->masked_ranks().empty());
+  std::vector<OpMask> masks;
+  for (const absl::Status& st : Rounds({0, 1, 2, 3}, kNone, &masks)) EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(masks[3].num_masked, 0);
+}
+
 TEST_F(RankMaskTest, UpdateRankMaskChecksRanks) {
   auto bad = group_->UpdateRankMask(std::vector<int32_t>{7}, {}, false);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
