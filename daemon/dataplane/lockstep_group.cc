@@ -447,6 +447,10 @@ bool LockstepGroup::Poll() {
   std::lock_guard<std::mutex> lock(mu_);
   bool worked = PollBackground();
   worked |= PopRequests();
+  if (masking_ && SkipOpWhileAllMaskedLocked()) {
+    ApplyPendingMaskLocked();  // A rank unmasked meanwhile takes part from the next op.
+    worked = true;
+  }
   if (running_) {
     // Keep the engine polling while it runs, unless its progress wakes the engine.
     if (!PollOpInto(outcomes_)) return RunningOpWakesEngine() ? worked : true;

@@ -420,9 +420,19 @@ class LockstepGroup : public DataPlaneGroup {
   void MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why,
                        spdlog::level::level_enum level = spdlog::level::warn);
   /// Unmasks every rank r with pending_unmask_[r] that can take part in the op being
-  /// collected (attached, not yet past it), clearing its pending bit; others stay pending
-  /// (attached) or masked (detached). Applies pending_mask_ too. Not while running_.
+  /// collected: attached and caught up (its next request is for that op). One past it waits
+  /// for the next boundary, one behind it until it has caught up (PopRequests); a detached
+  /// one stays masked until it rejoins. Applies pending_mask_ first, then
+  /// SkipOpWhileAllMaskedLocked. Not while running_.
   void ApplyPendingMaskLocked();
+  /// Whether every rank of a single-node group is masked: no op can run, none is collected.
+  bool AllRanksMaskedLocked() const;
+  /// While every rank of a single-node group is masked, the op being collected ran on no
+  /// rank once any rank was refused for it (every request for it is refused: MaskedError)
+  /// and no rank being unmasked is about to submit it: current_seq_ moves past it (its kind counted
+  /// as a refused request had it), so that a rank's later requests are refused at once too and an
+  /// unmask finds the rank in step. True when it moved. Not while running_.
+  bool SkipOpWhileAllMaskedLocked();
   /// Masks again every just-unmasked rank (rejoined_) whose request for the collected op
   /// was rejected or differs from the first in-step rank's, so that the op runs without
   /// it; it is unmasked again at the next boundary (it then submits the group's next op).
@@ -467,6 +477,9 @@ class LockstepGroup : public DataPlaneGroup {
   uint32_t num_masked_ = 0;
   std::vector<uint8_t> pending_unmask_;
   std::vector<uint8_t> pending_mask_;
+  /// The op kind of the first request refused for op current_seq_ while every rank was
+  /// masked (0: none), counted when SkipOpWhileAllMaskedLocked moves past the op.
+  uint32_t all_masked_op_ = 0;
   /// rejoined_[r]: rank r was unmasked and has not yet taken part in a successful op; an op
   /// it disagrees on (or submits a rejected slot for: e.g. a combine of a dispatch it never
   /// saw) masks it again instead of failing the group (ReMaskStrayRejoiners).

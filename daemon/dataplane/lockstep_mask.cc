@@ -59,6 +59,13 @@ bool LockstepGroup::ReMaskStrayRejoiners() {
 }
 
 absl::Status LockstepGroup::MaskedError(int32_t rank, uint64_t seq) const {
+  if (AllRanksMaskedLocked()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "op ", seq, " of group ", spec_.name(), " runs without rank ", rank,
+        ": every rank of group ", spec_.name(), " is masked (mask epoch ", mask_epoch_,
+        "), so no op runs; unmask a rank (UpdateRankMask, CleanRankMask) or rejoin a slot from a "
+        "new process"));
+  }
   return absl::FailedPreconditionError(absl::StrCat(
       "op ", seq, " of group ", spec_.name(), " runs without rank ", rank,
       ": the rank is masked (mask epoch ", mask_epoch_,
@@ -115,6 +122,34 @@ void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::s
                    masked.size() == 1 ? "it" : "each");
 }
 
+bool LockstepGroup::AllRanksMaskedLocked() const {
+  return masking_ && !spanning_ && num_masked_ == rank_masked_.size();
+}
+
+bool LockstepGroup::SkipOpWhileAllMaskedLocked() {
+  if (running_ || !AllRanksMaskedLocked()) return false;
+  // A rank's requests are popped up to current_seq_, so one past it is at current_seq_ + 1:
+  // at most one op to move past.
+  bool refused = false;
+  for (size_t r = 0; r < endpoints_.size(); ++r) {
+    const LockstepEndpoint* ep = endpoints_[r].get();
+    if (!ep) continue;
+    // A rank being unmasked in step with the op takes part in it instead.
+    if (pending_unmask_[r] && ep->next_seq == current_seq_) return false;
+    refused |= ep->next_seq > current_seq_;
+  }
+  if (!refused) return false;
+  if (all_masked_op_ != 0) CountOp(all_masked_op_);  // As the clients counted it.
+  all_masked_op_ = 0;
+  failed_ops_[current_seq_] = absl::FailedPreconditionError(
+      absl::StrCat("every rank of group ", spec_.name(), " is masked (mask epoch ", mask_epoch_,
+                   "): op ", current_seq_, " ran on no rank"));
+  while (failed_ops_.size() > 2 * abi::kRingCapacity) failed_ops_.erase(failed_ops_.begin());
+  ++current_seq_;
+  op_started_.reset();
+  return true;
+}
+
 void LockstepGroup::ApplyPendingMaskLocked() {
   std::vector<int32_t>& to_mask = mask_scratch_;
   to_mask.clear();
@@ -122,6 +157,9 @@ void LockstepGroup::ApplyPendingMaskLocked() {
     if (pending_mask_[r]) to_mask.push_back(static_cast<int32_t>(r));
   }
   if (!to_mask.empty()) MaskRanksLocked(to_mask, "asked while an op ran (UpdateRankMask or left)");
+  // With every rank masked no op is in progress: an unmask finds a rank that was refused
+  // for the op being collected at the group's next op.
+  SkipOpWhileAllMaskedLocked();
   std::vector<int32_t>& unmasked = changed_scratch_;
   unmasked.clear();
   for (size_t r = 0; r < pending_unmask_.size(); ++r) {
@@ -131,10 +169,19 @@ void LockstepGroup::ApplyPendingMaskLocked() {
       pending_unmask_[r] = 0;  // Detached: unmasked when it rejoins.
       continue;
     }
-    // One that already passed the op being collected (refused as masked) waits for the next.
-    if (ep->next_seq > current_seq_) continue;
+    if (!rank_masked_[r]) {
+      pending_unmask_[r] = 0;
+      continue;
+    }
+    // It takes part from the op being collected on only if its next request is for that op
+    // and no rank has arrived at it yet: the mask changes only between two ops, never while
+    // ranks are collected for one. One whose request for that op comes while it is collected
+    // is refused as masked and unmasked at the boundary after it (its next request is then
+    // the group's next op); one still behind (ops ran without it) stays masked, its stale
+    // requests refused at once, until it has caught up (PopRequests); else the others would
+    // wait op_timeout for it.
+    if (ep->next_seq != current_seq_ || op_started_) continue;
     pending_unmask_[r] = 0;
-    if (!rank_masked_[r]) continue;
     if (unmasked.empty()) ++mask_epoch_;
     unmasked.push_back(static_cast<int32_t>(r));
     rank_masked_[r] = 0;

@@ -154,11 +154,17 @@ bool LockstepGroup::PopRequests() {
                                                              " failed before this rank arrived")),
                                             errors::Reason::kOpTimeout);
         CompleteUnrun(rank, *ep, slot, st);
+        if (pending_unmask_[r] && ep->next_seq == current_seq_ && !running_ && !op_started_) {
+          ApplyPendingMaskLocked();  // Caught up before the next op's collection: unmasked.
+        }
         continue;
       }
       if (rank_masked_[r]) {
         // Masked: the op is not waited for nor run with this rank. Unmasking it waits for
         // the next op (ApplyPendingMaskLocked).
+        if (seq == current_seq_ && valid.ok() && all_masked_op_ == 0 && AllRanksMaskedLocked()) {
+          all_masked_op_ = slot.op;
+        }
         CompleteUnrun(rank, *ep, slot, MaskedError(rank, seq));
         continue;
       }

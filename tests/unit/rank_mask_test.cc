@@ -410,6 +410,112 @@ TEST_F(RankMaskTest, RankMissingOpTimeoutIsMaskedAndTheOpCompletesForTheOthers) 
   EXPECT_EQ(masks[3].num_masked, 0);
 }
 
+TEST_F(RankMaskTest, EveryRankMaskedRefusesOpsAtOnceAndAnUnmaskBringsTheGroupBack) {
+  auto all = group_->UpdateRankMask(std::vector<int32_t>{0, 1, 2, 3}, {}, false);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->masked_ranks_size(), R);
+  // No op runs while every rank is masked: each one submitted fails at once, naming it.
+  for (int i = 0; i < 3; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status st = Layout(0);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_THAT(st.message(), HasSubstr("every rank of group masked is masked"));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(kOpTimeoutMs))
+        << "op " << i;
+  }
+  for (int r = 1; r < R; ++r) {
+    absl::Status st = Layout(r);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  }
+  // Rank 0 unmasks itself: no op is in progress, so the unmask applies at once.
+  auto self = group_->UpdateRankMask({}, std::vector<int32_t>{0}, false);
+  ASSERT_TRUE(self.ok()) << self.status();
+  EXPECT_THAT(self->masked_ranks(), ::testing::ElementsAre(1, 2, 3));
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_TRUE(Layout(0).ok());
+  OpMask mask;
+  absl::Status round = Round(0, {0, 1, 1, 1}, &mask);
+  EXPECT_TRUE(round.ok()) << round;
+  EXPECT_EQ(mask.num_masked, 3);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(kOpTimeoutMs));
+}
+
+TEST_F(RankMaskTest, LastRankMaskingItselfAfterTheOthersDiedCanUnmaskItself) {
+  for (int r = 1; r < R; ++r) eps_[r].reset();  // Their processes died: masked.
+  ASSERT_TRUE(group_->UpdateRankMask(std::vector<int32_t>{0}, {}, false).ok());
+  absl::Status refused = Layout(0);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  auto self = group_->UpdateRankMask({}, std::vector<int32_t>{0}, false);
+  ASSERT_TRUE(self.ok()) << self.status();
+  EXPECT_THAT(self->masked_ranks(), ::testing::ElementsAre(1, 2, 3));
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status st = Layout(0);
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(kOpTimeoutMs));
+}
+
+TEST_F(RankMaskTest, FarBehindRankUnmaskingItselfIsUnmaskedOnceCaughtUp) {
+  // Rank 3 misses op_timeout: masked; the others run two rounds (4 ops) without it.
+  for (const absl::Status& st : Rounds({0, 1, 2}, kRank3)) ASSERT_TRUE(st.ok()) << st;
+  for (const absl::Status& st : Rounds({0, 1, 2}, kRank3)) ASSERT_TRUE(st.ok()) << st;
+  // Rank 3, 4 ops behind, unmasks itself: it stays masked until it has caught up.
+  auto self = group_->UpdateRankMask({}, std::vector<int32_t>{3}, false);
+  ASSERT_TRUE(self.ok()) << self.status();
+  EXPECT_THAT(self->masked_ranks(), ::testing::ElementsAre(3));
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<OpMask> masks;
+  for (const absl::Status& st : Rounds({0, 1, 2}, kRank3, &masks)) EXPECT_TRUE(st.ok()) << st;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(kOpTimeoutMs))
+      << "the survivors waited for the rank still behind";
+  EXPECT_EQ(masks[0].num_masked, 1);
+  // It catches up: the ops that ran without it fail at once; then it takes part.
+  for (int i = 0; i < 6; ++i) {
+    absl::Status st = Layout(3);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_THAT(st.message(), HasSubstr("without rank 3"));
+  }
+  auto mask = group_->GetRankMask();
+  ASSERT_TRUE(mask.ok());
+  EXPECT_TRUE(mask->masked_ranks().empty()) << "caught up: unmasked";
+  for (const absl::Status& st : Rounds({0, 1, 2, 3}, kNone, &masks)) EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(masks[3].num_masked, 0);
+}
+
+TEST_F(RankMaskTest, RankCatchingUpWhileAnOpIsCollectedIsUnmaskedAtTheBoundaryAfterIt) {
+  // Rank 3 misses op_timeout: masked; the others run a round (2 ops) without it.
+  for (const absl::Status& st : Rounds({0, 1, 2}, kRank3)) ASSERT_TRUE(st.ok()) << st;
+  auto self = group_->UpdateRankMask({}, std::vector<int32_t>{3}, false);
+  ASSERT_TRUE(self.ok()) << self.status();
+  EXPECT_THAT(self->masked_ranks(), ::testing::ElementsAre(3)) << "behind: still masked";
+  // Ranks 0 and 1 arrive at the next op: it is being collected.
+  absl::Status first[2];
+  std::thread t0([&] { first[0] = Layout(0); });
+  std::thread t1([&] { first[1] = Layout(1); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // Rank 3 catches up now: its two stale ops fail at once; its request for the op being
+  // collected is refused as masked (the mask never changes while ranks are collected).
+  for (int i = 0; i < 2; ++i) {
+    absl::Status st = Layout(3);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_THAT(st.message(), HasSubstr("without rank 3"));
+  }
+  absl::Status collected = Layout(3);
+  EXPECT_EQ(collected.code(), absl::StatusCode::kFailedPrecondition) << collected;
+  EXPECT_THAT(collected.message(), HasSubstr("the rank is masked"));
+  EXPECT_TRUE(Layout(2).ok());
+  t0.join();
+  t1.join();
+  EXPECT_TRUE(first[0].ok()) << first[0];
+  EXPECT_TRUE(first[1].ok()) << first[1];
+  // Unmasked at the boundary after that op: in step from the next one.
+  auto mask = group_->GetRankMask();
+  ASSERT_TRUE(mask.ok());
+  EXPECT_TRUE(mask->masked_ranks().empty());
+  std::vector<OpMask> masks;
+  for (const absl::Status& st : Rounds({0, 1, 2, 3}, kNone, &masks)) EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(masks[3].num_masked, 0);
+}
+
 TEST_F(RankMaskTest, UpdateRankMaskChecksRanks) {
   auto bad = group_->UpdateRankMask(std::vector<int32_t>{7}, {}, false);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
