@@ -326,6 +326,8 @@ class LockstepGroup : public DataPlaneGroup {
   /// of a taking-part rank's slot with num_tokens 0, and its outcome must be left OK.
   /// Call with mu_ held.
   const std::vector<uint8_t>& rank_masked() const { return rank_masked_; }
+  /// Whether rank r has an endpoint (attached, not leaving). With mu_ held.
+  bool RankIsAttached(int32_t r) const { return endpoints_[r] != nullptr; }
   /// Called under mu_ at the start of every Poll: background work of the backend (the CUDA
   /// backend runs an armed program's instances here). True if it did work or must keep
   /// the engine polling.

@@ -213,8 +213,13 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// Rank r's resources in the next op: its attached rank, else its masked stand-in (null
   /// when neither).
   const std::shared_ptr<CudaRank>& OpRank(int32_t r) const {
+    if (masked_areas_[r]) return masked_areas_[r];
     return ranks_[r] ? ranks_[r] : standins_[r];
   }
+  /// A live rank was masked: its part of the ops that run without it is played on an area of
+  /// its own (masked_areas_), so that they never write the area its client reads its last
+  /// results from. On allocation failure its own area is used, and a warning says so.
+  void UseMaskedArea(int32_t rank);
   /// Copies `bases` [R] into the peer array of every GPU of the group (devices_, and
   /// `fresh`'s when not null: a rank being attached, whose stream may be used), allocating
   /// a GPU's array at its first rank. Synchronous. Errors: CUDA.
@@ -338,6 +343,11 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// stand-in (its area's sync state stays in step with the others', so no reset) until a
   /// process rejoins the slot. Null otherwise.
   std::vector<std::shared_ptr<CudaRank>> standins_;
+  /// [R] an attached rank that is masked: the scratch area its masked part runs on (every
+  /// peer array names it), allocated at the mask and dropped at the unmask (the rank's own
+  /// area is then reset into step: needs_sync_reset_). When the rank detaches it becomes its
+  /// stand-in. Null otherwise.
+  std::vector<std::shared_ptr<CudaRank>> masked_areas_;
   /// GPU -> device array [R] of uint8, the rank mask the kernels read
   /// (CudaRankContext::rank_masked); allocated at the first mask.
   std::map<int, DeviceMemory> mask_arrays_;

@@ -30,7 +30,14 @@ void CudaGroup::KeepAsStandIn(int32_t rank) {
   // A stand-in it replaces (a rejoin that left before any op re-pointed the peer arrays)
   // goes to DeferredRelease with its last reference, not freed here under the lock.
   standins_[rank].reset();
-  standins_[rank] = std::move(ranks_[rank]);
+  if (masked_areas_[rank]) {
+    // Masked while attached: its part already runs on its scratch area, which every peer
+    // array names; that stays its stand-in, and the area it left goes.
+    standins_[rank] = std::move(masked_areas_[rank]);
+    ranks_[rank].reset();
+  } else {
+    standins_[rank] = std::move(ranks_[rank]);
+  }
   ++ranks_generation_;  // OpRank(rank) is now the stand-in: the op graphs are stale.
 }
 
@@ -42,6 +49,40 @@ void CudaGroup::RankMaskChanged(int32_t rank, bool masked) {
         " was masked: its graph-mode program was disarmed; register it again once every rank "
         "takes part")));
   }
+  if (masked && ranks_[rank] && !masked_areas_[rank] && RankIsAttached(rank)) {
+    UseMaskedArea(rank);
+  } else if (!masked && masked_areas_[rank] && ranks_[rank]) {
+    // Back on its own area, whose sync state is behind the others' (zeroed before the next
+    // op). The scratch area goes to DeferredRelease with its last reference; the peer
+    // arrays name the rank's own area again before any kernel runs (UploadPeerBases).
+    masked_areas_[rank].reset();
+    host_bases_[rank] = ranks_[rank]->area.get();
+    bases_dirty_ = true;
+    needs_sync_reset_ = true;
+    ++ranks_generation_;
+    UpdateDevices();
+  }
+}
+
+void CudaGroup::UseMaskedArea(int32_t rank) {
+  const CudaRank& own = *ranks_[rank];
+  absl::StatusOr<std::shared_ptr<CudaRank>> scratch =
+      CreateCudaRank(own.device, rank, layout(), /*client_launched=*/false,
+                     &plane_->deferred_release());
+  if (!scratch.ok()) {
+    EngineLog()->warn(
+        "group {}: rank {} is masked, but no area for its masked part could be allocated ({}); "
+        "the ops that run without it use its own area, so its client must read its last op's "
+        "results before the group's next op",
+        spec().name(), rank, scratch.status().ToString());
+    return;
+  }
+  masked_areas_[rank] = *std::move(scratch);
+  host_bases_[rank] = masked_areas_[rank]->area.get();
+  bases_dirty_ = true;
+  needs_sync_reset_ = true;  // The scratch area's sync state is zero, the others' are not.
+  ++ranks_generation_;
+  UpdateDevices();
 }
 
 absl::Status CudaGroup::UploadPeerBases() {
