@@ -53,12 +53,18 @@ bool LockstepGroup::ReMaskStrayRejoiners() {
                                 : std::string());
   }
   std::vector<int32_t> ranks(stray.begin(), stray.end());  // Off the steady state: may allocate.
-  MaskRanksLocked(ranks, "its first op after being unmasked differs from the group's");
-  for (int32_t r : ranks) pending_unmask_[r] = 1;
+  MaskRanksLocked(ranks, "its first op after being unmasked differs from the group's",
+                  spdlog::level::warn, /*unmask_at_next_op=*/true);
   return true;
 }
 
 absl::Status LockstepGroup::MaskedError(int32_t rank, uint64_t seq) const {
+  if (pending_unmask_[rank]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("op ", seq, " of group ", spec_.name(), " runs without rank ", rank,
+                     ": the rank is still masked for this op (mask epoch ", mask_epoch_,
+                     ") and will be unmasked at the next op boundary; submit the group's next op"));
+  }
   return absl::FailedPreconditionError(absl::StrCat(
       "op ", seq, " of group ", spec_.name(), " runs without rank ", rank,
       ": the rank is masked (mask epoch ", mask_epoch_,
@@ -83,12 +89,12 @@ v1::RankMask LockstepGroup::MaskMessageLocked() const {
 }
 
 void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why,
-                                    spdlog::level::level_enum level) {
+                                    spdlog::level::level_enum level, bool unmask_at_next_op) {
   std::vector<int32_t>& masked = changed_scratch_;
   masked.clear();
   for (int32_t r : ranks) {
     pending_mask_[r] = 0;
-    pending_unmask_[r] = 0;
+    pending_unmask_[r] = unmask_at_next_op ? 1 : 0;
     if (rank_masked_[r]) continue;
     if (masked.empty()) ++mask_epoch_;
     masked.push_back(r);
@@ -108,11 +114,13 @@ void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::s
   if (masked.empty()) return;
   EngineLog()->log(level,
                    "group {}: {} {} masked (mask epoch {}, {} of {} ranks masked): {}; the "
-                   "group's ops run without {} until {} rejoins or is unmasked",
+                   "group's ops run without {} {}",
                    spec_.name(), masked.size() == 1 ? "rank" : "ranks",
                    BoundedRankList(masked, kMaxRanksLogged), mask_epoch_, num_masked_,
                    rank_masked_.size(), why, masked.size() == 1 ? "it" : "them",
-                   masked.size() == 1 ? "it" : "each");
+                   unmask_at_next_op    ? "for this op only: unmasked at the next op boundary"
+                   : masked.size() == 1 ? "until it rejoins or is unmasked"
+                                        : "until each rejoins or is unmasked");
 }
 
 void LockstepGroup::ApplyPendingMaskLocked() {
