@@ -62,7 +62,7 @@ absl::Status LockstepGroup::MaskedError(int32_t rank, uint64_t seq) const {
   if (pending_unmask_[rank]) {
     return absl::FailedPreconditionError(
         absl::StrCat("op ", seq, " of group ", spec_.name(), " runs without rank ", rank,
-                     ": the rank is still masked for this op (mask epoch ", mask_epoch_,
+                     ": the rank is masked for this op only (mask epoch ", mask_epoch_,
                      ") and will be unmasked at the next op boundary; submit the group's next op"));
   }
   return absl::FailedPreconditionError(absl::StrCat(

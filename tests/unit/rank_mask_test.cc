@@ -345,7 +345,7 @@ TEST_F(RankMaskTest, RejoinBetweenDispatchAndCombineIsMaskedForThatOpOnly) {
   EXPECT_EQ(stray.status().code(), absl::StatusCode::kFailedPrecondition) << stray.status();
   // Its error says it comes back by itself, not to unmask it.
   EXPECT_THAT(stray.status().message(),
-              HasSubstr("runs without rank 3: the rank is still masked for this op"));
+              HasSubstr("runs without rank 3: the rank is masked for this op only"));
   EXPECT_THAT(stray.status().message(), HasSubstr("will be unmasked at the next op boundary"));
   EXPECT_THAT(stray.status().message(), Not(HasSubstr("unmask it")));
   // From the next op on it takes part.
