@@ -112,15 +112,17 @@ void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::s
     }
   }
   if (masked.empty()) return;
-  EngineLog()->log(level,
-                   "group {}: {} {} masked (mask epoch {}, {} of {} ranks masked): {}; the "
-                   "group's ops run without {} {}",
-                   spec_.name(), masked.size() == 1 ? "rank" : "ranks",
-                   BoundedRankList(masked, kMaxRanksLogged), mask_epoch_, num_masked_,
-                   rank_masked_.size(), why, masked.size() == 1 ? "it" : "them",
-                   unmask_at_next_op    ? "for this op only: unmasked at the next op boundary"
-                   : masked.size() == 1 ? "until it rejoins or is unmasked"
-                                        : "until each rejoins or is unmasked");
+  // Clients cause every mask change (an UpdateRankMask, a rank late or gone): charged to the
+  // group's log budget, so that a client asking for changes without end cannot flood the log.
+  LogClientCaused(level,
+                  "group {}: {} {} masked (mask epoch {}, {} of {} ranks masked): {}; the "
+                  "group's ops run without {} {}",
+                  spec_.name(), masked.size() == 1 ? "rank" : "ranks",
+                  BoundedRankList(masked, kMaxRanksLogged), mask_epoch_, num_masked_,
+                  rank_masked_.size(), why, masked.size() == 1 ? "it" : "them",
+                  unmask_at_next_op    ? "for this op only: unmasked at the next op boundary"
+                  : masked.size() == 1 ? "until it rejoins or is unmasked"
+                                       : "until each rejoins or is unmasked");
 }
 
 void LockstepGroup::ApplyPendingMaskLocked() {
@@ -154,7 +156,8 @@ void LockstepGroup::ApplyPendingMaskLocked() {
     metrics_->SetRankMasked(static_cast<int32_t>(r), false);
   }
   if (unmasked.empty()) return;
-  EngineLog()->info(
+  LogClientCaused(
+      spdlog::level::info,
       "group {}: {} {} unmasked (mask epoch {}, {} ranks masked): {} part from op {} on",
       spec_.name(), unmasked.size() == 1 ? "rank" : "ranks",
       BoundedRankList(unmasked, kMaxRanksLogged), mask_epoch_, num_masked_,
