@@ -37,6 +37,7 @@ using ::epd::testing::kF32;
 using ::epd::testing::kI64;
 using ::epd::testing::LlRoundInputs;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr int R = 4, E = 8, H = 128, K = 2, Mll = 8;
 constexpr uint32_t kOpTimeoutMs = 500;
@@ -323,7 +324,11 @@ TEST_F(RankMaskTest, RejoinBetweenDispatchAndCombineIsMaskedForThatOpOnly) {
   for (const auto& d : dispatched) ASSERT_TRUE(d.ok()) << d.status();
   // Rank 3 rejoins while the others are between their dispatch and their combine; its
   // first op, a dispatch, is not the group's (a combine): the combine runs without it.
+  ::testing::internal::CaptureStderr();
   ASSERT_NO_FATAL_FAILURE(Open(3));
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              HasSubstr("group masked: rank 3 rejoined its masked slot and is unmasked (no op "
+                        "was running)"));
   std::vector<absl::Status> st(3);
   std::vector<OpMask> masks(3);
   absl::StatusOr<LowLatencyDispatchResult> stray = absl::UnknownError("");
@@ -338,10 +343,33 @@ TEST_F(RankMaskTest, RejoinBetweenDispatchAndCombineIsMaskedForThatOpOnly) {
   for (const absl::Status& s : st) EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(masks[0].num_masked, 1);
   EXPECT_EQ(stray.status().code(), absl::StatusCode::kFailedPrecondition) << stray.status();
+  // Its error says it comes back by itself, not to unmask it.
+  EXPECT_THAT(stray.status().message(),
+              HasSubstr("runs without rank 3: the rank is masked for this op only"));
+  EXPECT_THAT(stray.status().message(), HasSubstr("will be unmasked at the next op boundary"));
+  EXPECT_THAT(stray.status().message(), Not(HasSubstr("unmask it")));
   // From the next op on it takes part.
   for (const absl::Status& s : Rounds({0, 1, 2, 3}, kNone, &masks)) EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(masks[3].num_masked, 0);
   EXPECT_EQ(masks[0].num_masked, 0);
+}
+
+// A rank unmasked while it lags behind the group: the ops that ran without it fail for it
+// naming it unmasked now, not masked.
+TEST_F(RankMaskTest, AnUnmaskedLaggingRankIsNotNamedMasked) {
+  ASSERT_TRUE(group_->UpdateRankMask(std::vector<int32_t>{3}, {}, false).ok());
+  for (int op = 0; op < 2; ++op) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r) threads.emplace_back([&, r] { EXPECT_TRUE(Layout(r).ok()); });
+    for (auto& t : threads) t.join();
+  }
+  auto unmask = group_->UpdateRankMask({}, std::vector<int32_t>{3}, false);
+  ASSERT_TRUE(unmask.ok()) << unmask.status();
+  ASSERT_TRUE(unmask->masked_ranks().empty());
+  absl::Status st = Layout(3);  // Its op 1, which ran without it.
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_THAT(st.message(), HasSubstr("ran without rank 3, which was masked then; the rank is "
+                                      "unmasked now (mask epoch 2) and takes part from op 3 on"));
 }
 
 TEST_F(RankMaskTest, NormalModeUnderAMaskAndADeathBetweenDispatchAndCombine) {
