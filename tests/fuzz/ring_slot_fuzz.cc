@@ -194,17 +194,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (masking && mask_world == nullptr) mask_world = new World(v1::RANK_FAILURE_POLICY_MASK);
   World* world = masking ? mask_world : fail_world;
   // Bits 1-2: 1 masks rank 1, 2 masks rank 0, 3 has rank 1 sit out the first round (it is
-  // masked for being late). The client masks a rank only while the other one is unmasked:
-  // a group whose every rank is masked runs no op and does not advance.
+  // masked for being late). The other rank may be masked already: every rank masked too.
   std::vector<int32_t> masked;
   const int sit_out = masking && (control & 6) == 6 ? 1 : -1;
   if (masking && sit_out < 0 && (control & 6) != 0) {
-    const int32_t rank = (control & 2) ? 1 : 0;
-    auto now = world->group->GetRankMask();
-    if (now.ok() && now->masked_ranks_size() == 0) {
-      masked.push_back(rank);
-      world->UpdateMask(masked, {}, false);
-    }
+    masked.push_back((control & 2) ? 1 : 0);
+    world->UpdateMask(masked, {}, false);
   }
   if (sit_out >= 0) masked.push_back(sit_out);
   auto* h = reinterpret_cast<epd::abi::EndpointShmHeader*>(world->evil.data());

@@ -468,6 +468,23 @@ TEST_F(RankMaskTest, EveryRankMaskedRefusesOpsAtOnceAndAnUnmaskBringsTheGroupBac
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(kOpTimeoutMs));
 }
 
+TEST_F(RankMaskTest, EveryRankMaskedThenCleanedRunsTheNextOpWithEveryRank) {
+  ASSERT_TRUE(group_->UpdateRankMask(std::vector<int32_t>{0, 1, 2, 3}, {}, false).ok());
+  std::vector<absl::Status> st(R);
+  auto all = [&] {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R; ++r) threads.emplace_back([&, r] { st[r] = Layout(r); });
+    for (auto& t : threads) t.join();
+  };
+  all();
+  for (const absl::Status& s : st) EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  auto clean = group_->UpdateRankMask({}, {}, true);
+  ASSERT_TRUE(clean.ok()) << clean.status();
+  EXPECT_TRUE(clean->masked_ranks().empty()) << clean->ShortDebugString();
+  all();
+  for (const absl::Status& s : st) EXPECT_TRUE(s.ok()) << s;
+}
+
 TEST_F(RankMaskTest, LastRankMaskingItselfAfterTheOthersDiedCanUnmaskItself) {
   for (int r = 1; r < R; ++r) eps_[r].reset();  // Their processes died: masked.
   ASSERT_TRUE(group_->UpdateRankMask(std::vector<int32_t>{0}, {}, false).ok());
