@@ -65,19 +65,37 @@ bool RingChannel::Completed(uint64_t seq) const {
 }
 
 absl::Status RingChannel::ClosedStatus(absl::string_view prefix) const {
-  const uint32_t closed = abi::Atomic(header_->daemon_closed).load(std::memory_order_acquire);
-  if (closed == 0) return absl::OkStatus();
-  if (closed == abi::kClosedRankRemoved) {
-    return errors::WithReason(
-        absl::FailedPreconditionError(absl::StrCat(
-            prefix, "rank ", rank_, " of group ", group_,
-            " was removed from its group by epd (a LeaveGroup in this session's name, or the "
-            "session ended); Join again")),
-        errors::Reason::kEndpointClosed);
+  // The word lies in memory this process can write too: read it once, then judge the copy.
+  return ClosedStatusOf(abi::Atomic(header_->daemon_closed).load(std::memory_order_acquire),
+                        prefix);
+}
+
+absl::Status RingChannel::ClosedStatusOf(uint32_t closed, absl::string_view prefix) const {
+  // Only the values the daemon writes are states of epd. Anything else is this endpoint's
+  // memory overwritten (a bug or a hostile thread in this process): an error of this
+  // endpoint alone, never read as a shutdown or a removal.
+  switch (closed) {
+    case 0:
+      return absl::OkStatus();
+    case abi::kClosedRankRemoved:
+      return errors::WithReason(
+          absl::FailedPreconditionError(absl::StrCat(
+              prefix, "rank ", rank_, " of group ", group_,
+              " was removed from its group by epd (a LeaveGroup in this session's name, or "
+              "the session ended); Join again")),
+          errors::Reason::kEndpointClosed);
+    case abi::kClosedShutdown:
+      return errors::WithReason(absl::UnavailableError(absl::StrCat(
+                                    prefix, "epd is shutting down: it closed this endpoint")),
+                                errors::Reason::kDaemonDraining);
+    default:
+      return absl::DataLossError(absl::StrCat(
+          prefix, "rank ", rank_, " of group ", group_,
+          ": the endpoint's shared-memory field daemon_closed holds ", closed, ", not 0 (open), ",
+          abi::kClosedShutdown, " (shutdown) or ", abi::kClosedRankRemoved,
+          " (rank removed): something in this process overwrote epd's shared memory; this "
+          "endpoint is unusable (Leave and Join again)"));
   }
-  return errors::WithReason(
-      absl::UnavailableError(absl::StrCat(prefix, "epd is shutting down: it closed this endpoint")),
-      errors::Reason::kDaemonDraining);
 }
 
 absl::Status RingChannel::WaitCompletion(uint64_t seq, absl::Duration timeout,
@@ -115,9 +133,9 @@ absl::Status RingChannel::WaitCompletion(uint64_t seq, absl::Duration timeout,
               "op ", seq, ": the Session with epd ended (the daemon died or restarted)")),
           errors::Reason::kDaemonUnavailable);
     }
-    if (abi::Atomic(header->daemon_closed).load(std::memory_order_acquire) != 0 &&
-        abi::Atomic(c.seq).load(std::memory_order_acquire) != seq) {
-      return ClosedStatus(absl::StrCat("op ", seq, ": "));
+    if (const uint32_t closed = abi::Atomic(header->daemon_closed).load(std::memory_order_acquire);
+        closed != 0 && abi::Atomic(c.seq).load(std::memory_order_acquire) != seq) {
+      return ClosedStatusOf(closed, absl::StrCat("op ", seq, ": "));
     }
     if (now >= daemon_gone) {
       return errors::WithReason(

@@ -44,15 +44,22 @@ class RingChannel {
   /// Waits for the completion of `seq` and copies it into `*out`. Returns the op's status;
   /// DEADLINE_EXCEEDED after `timeout`; UNAVAILABLE when the daemon is gone (session
   /// lost, or no completion within op_timeout + 5 s) or closed the endpoint for shutdown;
-  /// FAILED_PRECONDITION when its record was reused or the rank was removed.
+  /// FAILED_PRECONDITION when its record was reused or the rank was removed; DATA_LOSS
+  /// when daemon_closed holds a value epd never writes (ClosedStatus).
   absl::Status WaitCompletion(uint64_t seq, absl::Duration timeout, abi::Completion* out);
   /// Whether the completion record of `seq` holds that op's completion.
   bool Completed(uint64_t seq) const;
 
-  /// The error for a closed endpoint (EndpointShmHeader::daemon_closed), OK when open.
+  /// The error for a closed endpoint (EndpointShmHeader::daemon_closed, read once), OK when
+  /// open: UNAVAILABLE (kClosedShutdown), FAILED_PRECONDITION (kClosedRankRemoved), or
+  /// DATA_LOSS naming the field and its value when it holds anything else (this process
+  /// overwrote the endpoint's shared memory). `prefix` starts the message.
   absl::Status ClosedStatus(absl::string_view prefix) const;
 
  private:
+  /// ClosedStatus of the value `closed` already copied out of the header.
+  absl::Status ClosedStatusOf(uint32_t closed, absl::string_view prefix) const;
+
   abi::Completion& CompletionOf(uint64_t seq) const;
 
   ShmRegion region_;

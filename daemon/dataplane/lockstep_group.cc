@@ -245,6 +245,19 @@ absl::Status LockstepGroup::AttachRank(int32_t rank, const std::string& gpu_uuid
   EngineLog()->info("group {}: rank {} attached (endpoint {}, uid {}, backend {}, {} bytes of shm)",
                     spec_.name(), rank, endpoints_[rank]->endpoint_id, client.uid, info->backend(),
                     shm.total_bytes);
+  if (into_masked) {
+    if (rank_masked_[rank]) {
+      EngineLog()->info(
+          "group {}: rank {} rejoined its masked slot; it will be unmasked at the next op "
+          "boundary and takes part from op {} on",
+          spec_.name(), rank, first_seq);
+    } else {
+      EngineLog()->info(
+          "group {}: rank {} rejoined its masked slot and is unmasked (no op was running); it "
+          "takes part from op {} on",
+          spec_.name(), rank, first_seq);
+    }
+  }
   return absl::OkStatus();
 }
 

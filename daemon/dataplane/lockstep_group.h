@@ -417,10 +417,12 @@ class LockstepGroup : public DataPlaneGroup {
   // ---- rank masking (lockstep_mask.cc) ----
   /// Masks `ranks` now (mask epoch + 1 when any was not masked), logging one line with
   /// `why` at `level` that names at most 4 of the ranks it masked, then "and N more". A masked
-  /// rank's request waiting for the op being collected is completed with MaskedError. Not while
-  /// running_ (see pending_mask_).
+  /// rank's request waiting for the op being collected is completed with MaskedError. With
+  /// `unmask_at_next_op`, each is marked to be unmasked at the next op boundary (before that
+  /// completion, whose message then says so). Not while running_ (see pending_mask_).
   void MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why,
-                       spdlog::level::level_enum level = spdlog::level::warn);
+                       spdlog::level::level_enum level = spdlog::level::warn,
+                       bool unmask_at_next_op = false);
   /// Unmasks every rank r with pending_unmask_[r] that can take part in the op being
   /// collected: attached and caught up (its next request is for that op). One past it waits
   /// for the next boundary, one behind it until it has caught up (PopRequests); a detached
@@ -440,7 +442,9 @@ class LockstepGroup : public DataPlaneGroup {
   /// it; it is unmasked again at the next boundary (it then submits the group's next op).
   /// True when it masked any.
   bool ReMaskStrayRejoiners();
-  /// FAILED_PRECONDITION for a request of masked rank `rank` for op `seq`.
+  /// FAILED_PRECONDITION for a request of masked rank `rank` for op `seq`; when the rank is
+  /// to be unmasked at the next op boundary (pending_unmask_), the message says so instead of
+  /// asking for an unmask.
   absl::Status MaskedError(int32_t rank, uint64_t seq) const;
   /// The mask as the RankMask message.
   v1::RankMask MaskMessageLocked() const;

@@ -53,8 +53,8 @@ bool LockstepGroup::ReMaskStrayRejoiners() {
                                 : std::string());
   }
   std::vector<int32_t> ranks(stray.begin(), stray.end());  // Off the steady state: may allocate.
-  MaskRanksLocked(ranks, "its first op after being unmasked differs from the group's");
-  for (int32_t r : ranks) pending_unmask_[r] = 1;
+  MaskRanksLocked(ranks, "its first op after being unmasked differs from the group's",
+                  spdlog::level::warn, /*unmask_at_next_op=*/true);
   return true;
 }
 
@@ -65,6 +65,12 @@ absl::Status LockstepGroup::MaskedError(int32_t rank, uint64_t seq) const {
         ": every rank of group ", spec_.name(), " is masked (mask epoch ", mask_epoch_,
         "), so no op runs; unmask a rank (UpdateRankMask, CleanRankMask) or rejoin a slot from a "
         "new process"));
+  }
+  if (pending_unmask_[rank]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("op ", seq, " of group ", spec_.name(), " runs without rank ", rank,
+                     ": the rank is masked for this op only (mask epoch ", mask_epoch_,
+                     ") and will be unmasked at the next op boundary; submit the group's next op"));
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "op ", seq, " of group ", spec_.name(), " runs without rank ", rank,
@@ -90,12 +96,12 @@ v1::RankMask LockstepGroup::MaskMessageLocked() const {
 }
 
 void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::string& why,
-                                    spdlog::level::level_enum level) {
+                                    spdlog::level::level_enum level, bool unmask_at_next_op) {
   std::vector<int32_t>& masked = changed_scratch_;
   masked.clear();
   for (int32_t r : ranks) {
     pending_mask_[r] = 0;
-    pending_unmask_[r] = 0;
+    pending_unmask_[r] = unmask_at_next_op ? 1 : 0;
     if (rank_masked_[r]) continue;
     if (masked.empty()) ++mask_epoch_;
     masked.push_back(r);
@@ -113,13 +119,17 @@ void LockstepGroup::MaskRanksLocked(std::span<const int32_t> ranks, const std::s
     }
   }
   if (masked.empty()) return;
-  EngineLog()->log(level,
-                   "group {}: {} {} masked (mask epoch {}, {} of {} ranks masked): {}; the "
-                   "group's ops run without {} until {} rejoins or is unmasked",
-                   spec_.name(), masked.size() == 1 ? "rank" : "ranks",
-                   BoundedRankList(masked, kMaxRanksLogged), mask_epoch_, num_masked_,
-                   rank_masked_.size(), why, masked.size() == 1 ? "it" : "them",
-                   masked.size() == 1 ? "it" : "each");
+  // Clients cause every mask change (an UpdateRankMask, a rank late or gone): charged to the
+  // group's log budget, so that a client asking for changes without end cannot flood the log.
+  LogClientCaused(level,
+                  "group {}: {} {} masked (mask epoch {}, {} of {} ranks masked): {}; the "
+                  "group's ops run without {} {}",
+                  spec_.name(), masked.size() == 1 ? "rank" : "ranks",
+                  BoundedRankList(masked, kMaxRanksLogged), mask_epoch_, num_masked_,
+                  rank_masked_.size(), why, masked.size() == 1 ? "it" : "them",
+                  unmask_at_next_op    ? "for this op only: unmasked at the next op boundary"
+                  : masked.size() == 1 ? "until it rejoins or is unmasked"
+                                       : "until each rejoins or is unmasked");
 }
 
 bool LockstepGroup::AllRanksMaskedLocked() const {
@@ -193,7 +203,8 @@ void LockstepGroup::ApplyPendingMaskLocked() {
     metrics_->SetRankMasked(static_cast<int32_t>(r), false);
   }
   if (unmasked.empty()) return;
-  EngineLog()->info(
+  LogClientCaused(
+      spdlog::level::info,
       "group {}: {} {} unmasked (mask epoch {}, {} ranks masked): {} part from op {} on",
       spec_.name(), unmasked.size() == 1 ? "rank" : "ranks",
       BoundedRankList(unmasked, kMaxRanksLogged), mask_epoch_, num_masked_,

@@ -13,11 +13,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/daemon_process.h"
+#include "tests/common/subprocess.h"
 
 namespace epd::testing {
 namespace {
 
 using ::testing::Contains;
+using ::testing::HasSubstr;
 
 TEST(DataHarnessTest, NodesGetDistinctPeerPortsAndOnePrivateSecret) {
   DaemonProcessOptions options;
@@ -67,6 +69,29 @@ TEST(DataHarnessTest, RestartServesAgainOnTheSameSocket) {
   EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
   std::ifstream old_log((*daemon)->dir() + "/epd.log.1");
   EXPECT_TRUE(old_log.good()) << "the first run's log is kept";
+}
+
+// The client's --nodes says what it needs when it gets none, or a node without ranks.
+TEST(DataHarnessTest, MnClientNodesFlagNamesWhatItNeeds) {
+  const struct {
+    std::string flag;
+    std::string message;
+  } cases[] = {
+      {"--nodes=",
+       "--nodes must list at least one node as host:port=RANKS (comma-separated), "
+       "got ''"},
+      {"--nodes=,",
+       "--nodes must list at least one node as host:port=RANKS (comma-separated), "
+       "got ','"},
+      {"--nodes=127.0.0.1:1=0", "--nodes entry '127.0.0.1:1=0' gives 0 ranks; it needs >= 1"},
+      {"--nodes=127.0.0.1:1", "--nodes entry '127.0.0.1:1' is not ADDRESS=RANKS"},
+  };
+  for (const auto& c : cases) {
+    auto run = RunCommand({EPD_MN_CLIENT_BINARY, c.flag, "--socket=/nonexistent"});
+    ASSERT_TRUE(run.ok()) << run.status();
+    EXPECT_EQ(run->exit_code, 2) << c.flag << ": " << run->stdout_text;
+    EXPECT_THAT(run->stdout_text, HasSubstr("FLAGS " + c.message)) << c.flag;
+  }
 }
 
 }  // namespace

@@ -49,18 +49,28 @@ inline std::string NodesFlag(const std::vector<GroupNode>& nodes) {
   return out;
 }
 
-/// The nodes of a NodesFlag text; INVALID_ARGUMENT naming the entry for a malformed one.
+/// The nodes of a NodesFlag text; INVALID_ARGUMENT naming the flag and what it got for an
+/// empty list, or naming the entry for a malformed one (not ADDRESS=RANKS, RANKS < 1).
 inline absl::StatusOr<std::vector<GroupNode>> ParseNodesFlag(const std::string& text) {
   std::vector<GroupNode> nodes;
   for (absl::string_view entry : absl::StrSplit(text, ',', absl::SkipEmpty())) {
     const size_t eq = entry.rfind('=');
     GroupNode node;
     if (eq == absl::string_view::npos || !absl::SimpleAtoi(entry.substr(eq + 1), &node.num_ranks)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--nodes entry \"", entry, "\" is not ADDRESS=RANKS"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--nodes entry '", entry, "' is not ADDRESS=RANKS (a host:port, '=', a rank count)"));
+    }
+    if (node.num_ranks < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("--nodes entry '", entry, "' gives ",
+                                                     node.num_ranks, " ranks; it needs >= 1"));
     }
     node.peer_address = std::string(entry.substr(0, eq));
     nodes.push_back(std::move(node));
+  }
+  if (nodes.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--nodes must list at least one node as host:port=RANKS (comma-separated), got '", text,
+        "'"));
   }
   return nodes;
 }

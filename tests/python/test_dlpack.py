@@ -115,6 +115,37 @@ def test_ll_dispatch_input_region(ep):
     ep.low_latency_combine(r.recv_x, idx, torch.ones(3, 2), r.handle)
 
 
+def test_join_does_not_import_torch(daemon):
+    """A join imports no torch (seconds of a first join); numpy ops neither. Once the caller
+    imports torch, its tensors get torch results, and a region of kind None is torch's."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, time
+import numpy as np, epd
+c = epd.Client.connect(sys.argv[1])
+ep = c.join(epd.GroupSpec("lazytorch_%d" % time.monotonic_ns(), 1, 128, 2, 4, 8, 4), 0)
+assert "torch" not in sys.modules, "join imported torch"
+idx = np.array([[0, 1], [2, 3]], dtype=np.int64)
+r = ep.get_dispatch_layout(idx)
+assert isinstance(r.num_tokens_per_expert, np.ndarray), r
+assert "torch" not in sys.modules, "a numpy op imported torch"
+import torch
+r = ep.get_dispatch_layout(torch.from_numpy(idx))
+assert isinstance(r.num_tokens_per_expert, torch.Tensor), type(r.num_tokens_per_expert)
+assert r.num_tokens_per_expert.tolist() == [1, 1, 1, 1]
+x = torch.full((2, 128), 1.0, dtype=torch.bfloat16)
+d = ep.low_latency_dispatch(x, torch.from_numpy(idx))
+assert isinstance(d.recv_x, torch.Tensor) and d.recv_x.dtype == torch.bfloat16, d.recv_x
+assert isinstance(ep.low_latency_combine_input(), torch.Tensor)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code, daemon.socket], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
 def test_without_torch(daemon):
     """A process where torch cannot be imported gets numpy arrays (bf16 as uint16 bits),
     a writable combine input region included."""

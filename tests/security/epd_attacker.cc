@@ -56,7 +56,10 @@
 ABSL_FLAG(std::string, socket, "", "epd's unix socket");
 ABSL_FLAG(std::string, mode, "", "the attack (see the file comment)");
 ABSL_FLAG(std::string, targets, "random",
-          "scribble: comma list of header,ring,inputs,routing,random");
+          "scribble: comma list of header,ring,inputs,routing,random,mask");
+ABSL_FLAG(bool, mask_group, false,
+          "scribble, truncate: the attacker's groups are on_rank_failure MASK, and its op loop "
+          "masks, unmasks, queries and cleans its rank mask between ops");
 ABSL_FLAG(double, seconds, 5, "scribble, truncate, ring_flood: how long to attack");
 ABSL_FLAG(bool, supervise, false, "scribble, truncate: restart the attack when it dies");
 ABSL_FLAG(std::string, group, "attacker", "name of the attacker's own groups");
@@ -265,6 +268,9 @@ class OwnGroup {
     for (int r = 0; r < epd::security::kNumRanks; ++r) {
       epd::JoinOptions j;
       j.spec = epd::security::SecuritySpec(name);
+      if (absl::GetFlag(FLAGS_mask_group)) {
+        j.spec.set_on_rank_failure(v1::RANK_FAILURE_POLICY_MASK);
+      }
       j.rank = r;
       auto ep = client_->Join(j);
       if (!ep.ok()) return ep.status();
@@ -275,6 +281,34 @@ class OwnGroup {
   void Leave() { eps_.clear(); }
   const std::vector<std::unique_ptr<epd::Endpoint>>& endpoints() const { return eps_; }
   std::vector<std::unique_ptr<epd::Endpoint>>& mutable_endpoints() { return eps_; }
+
+  /// A MASK group's requests after op `i` (rank 0 asks for them): mask rank 1 (its next op
+  /// is refused as masked), unmask it, query the mask and clean it, once every 40 ops.
+  /// Returns the calls made; their errors are counted in mask_errors().
+  int MaskStep(int64_t i) {
+    if (eps_.size() < 2) return 0;
+    epd::Endpoint& ep = *eps_[0];
+    absl::StatusOr<epd::RankMask> m;
+    switch (i % 40) {
+      case 20:
+        m = ep.UpdateRankMask({1}, {});
+        break;
+      case 21:
+        m = ep.UpdateRankMask({}, {1});
+        break;
+      case 30:
+        m = ep.QueryRankMask();
+        break;
+      case 35:
+        m = ep.CleanRankMask();
+        break;
+      default:
+        return 0;
+    }
+    if (!m.ok()) ++mask_errors_;
+    return 1;
+  }
+  int64_t mask_errors() const { return mask_errors_; }
 
   /// Runs op `i % 6` of the cycle (layout, dispatch, combine, cached dispatch, low-latency
   /// dispatch, low-latency combine) on both ranks; true when both got OK.
@@ -359,6 +393,7 @@ class OwnGroup {
         ops[r].emplace(std::move(*op));
       } else {
         ok = false;
+        NoteError(op.status());
       }
     }
     for (size_t r = 0; r < eps_.size(); ++r) {
@@ -366,6 +401,7 @@ class OwnGroup {
       auto res = ops[r]->Wait(absl::Seconds(1));
       if (!res.ok()) {
         ok = false;
+        NoteError(res.status());
         continue;
       }
       if constexpr (!std::is_same_v<Keep, std::nullptr_t>) keep(static_cast<int>(r), *res);
@@ -373,8 +409,26 @@ class OwnGroup {
     return ok;
   }
 
+  /// Prints the first error that names a scribbled daemon_closed (CLOSE_FLAG_ERROR), and
+  /// any error claiming epd is shutting down (CLOSE_FLAG_SHUTDOWN: epd never shuts down
+  /// during an attack, so that is a scribbled word taken for a state).
+  void NoteError(const absl::Status& st) {
+    const std::string message(st.message());
+    if (!close_flag_reported_ && absl::StrContains(message, "daemon_closed")) {
+      close_flag_reported_ = true;
+      std::printf("CLOSE_FLAG_ERROR %s %s\n", CodeName(st).c_str(), OneLine(message).c_str());
+    }
+    if (!shutdown_reported_ && absl::StrContains(message, "epd is shutting down")) {
+      shutdown_reported_ = true;
+      std::printf("CLOSE_FLAG_SHUTDOWN %s %s\n", CodeName(st).c_str(), OneLine(message).c_str());
+    }
+  }
+
   std::string base_name_;
   int joins_ = 0;
+  int64_t mask_errors_ = 0;
+  bool close_flag_reported_ = false;
+  bool shutdown_reported_ = false;
   std::unique_ptr<epd::Client> client_;
   std::vector<std::unique_ptr<epd::Endpoint>> eps_;
   std::vector<epd::kernels::bf16_bits> x_;
@@ -439,8 +493,11 @@ int RunOpLoopAttack(const std::string& socket, Attack& attack, Clock::time_point
                 " writes=%" PRId64 " rejoins=%" PRId64 "\n",
                 ::getpid(), ops, ok, ops - ok, writes.load(), rejoins);
   };
+  const bool mask_group = absl::GetFlag(FLAGS_mask_group);
+  int64_t mask_calls = 0;
   while (Clock::now() < deadline) {
     const bool op_ok = group.RunOp(ops);
+    if (mask_group) mask_calls += group.MaskStep(ops);
     ++ops;
     ok += op_ok;
     failed_in_row = op_ok ? 0 : failed_in_row + 1;
@@ -463,8 +520,10 @@ int RunOpLoopAttack(const std::string& socket, Attack& attack, Clock::time_point
   stop.store(true);
   attacker.join();
   progress();
-  std::printf("SUMMARY ops=%" PRId64 " ok=%" PRId64 " writes=%" PRId64 " rejoins=%" PRId64 " %s\n",
-              ops, ok, writes.load(), rejoins, attack.Report().c_str());
+  std::printf("SUMMARY ops=%" PRId64 " ok=%" PRId64 " writes=%" PRId64 " rejoins=%" PRId64
+              " mask_calls=%" PRId64 " mask_errors=%" PRId64 " %s\n",
+              ops, ok, writes.load(), rejoins, mask_calls, group.mask_errors(),
+              attack.Report().c_str());
   std::fflush(stdout);
   {
     std::unique_lock<std::shared_mutex> lock(mu);
@@ -543,6 +602,8 @@ class Scribble : public Attack {
   void Retarget(const OwnGroup& group) override {
     mappings_ = EpdMappings(/*make_writable=*/true);
     endpoints_.clear();
+    retargeted_at_ = Clock::now();
+    closed_scribbled_ = false;
     for (const Mapping& m : mappings_) {
       made_writable_ += m.made_writable;
       if (!m.writable || m.size < sizeof(abi::EndpointShmHeader)) continue;
@@ -580,6 +641,7 @@ class Scribble : public Attack {
     if (targets_.count("inputs")) n += Inputs(rng);
     if (targets_.count("routing")) n += Routing(rng);
     if (targets_.count("random")) n += Random(rng);
+    if (targets_.count("mask")) n += Mask(rng);
     return n;
   }
 
@@ -755,6 +817,39 @@ class Scribble : public Attack {
     return n;
   }
 
+  /// What a MASK group's ops carry back in shared memory: each completion record's mask
+  /// words (mask_epoch, num_masked, dropped_pairs) and reason, to hostile 32-bit values;
+  /// and, 2 ms after each (re)join, the header's daemon_closed to a value epd never writes
+  /// (the client must report it as such, not take it for a shutdown or a removal).
+  int64_t Mask(std::mt19937_64& rng) {
+    static const uint32_t kBad[] = {
+        0xffffffffu, 0x80000000u, 0x7fffffffu,
+        1u << 20,    3u,          static_cast<uint32_t>(epd::security::kNumRanks + 1)};
+    static const uint32_t kBadClosed[] = {3u, 0xffffffffu, 0x80000001u, 0xdeadbeefu};
+    int64_t n = 0;
+    for (Endpoint& e : endpoints_) {
+      const uint64_t records = e.original.completion_offset;
+      if (records + uint64_t(abi::kCompletionCapacity) * sizeof(abi::Completion) > e.map.size) {
+        continue;
+      }
+      for (int i = 0; i < 16; ++i) {
+        auto* c = reinterpret_cast<abi::Completion*>(e.map.base + records) +
+                  rng() % abi::kCompletionCapacity;
+        void* words[] = {&c->mask_epoch, &c->num_masked, &c->dropped_pairs, &c->reason};
+        Store<uint32_t>(words[rng() % std::size(words)], kBad[rng() % std::size(kBad)]);
+        ++n;
+      }
+    }
+    if (!closed_scribbled_ && !endpoints_.empty() &&
+        Clock::now() - retargeted_at_ > std::chrono::milliseconds(2)) {
+      closed_scribbled_ = true;
+      Endpoint& e = endpoints_[rng() % endpoints_.size()];
+      Store<uint32_t>(&e.header->daemon_closed, kBadClosed[rng() % std::size(kBadClosed)]);
+      ++n;
+    }
+    return n;
+  }
+
   static uint64_t HostileOf(std::mt19937_64& rng, uint64_t around) {
     const std::vector<uint64_t> values = HostileValues(around);
     return values[rng() % values.size()];
@@ -764,6 +859,8 @@ class Scribble : public Attack {
   std::vector<Mapping> mappings_;
   std::vector<Endpoint> endpoints_;
   uint64_t header_cursor_ = 0;
+  Clock::time_point retargeted_at_;
+  bool closed_scribbled_ = false;  // daemon_closed of the current endpoints.
   int made_writable_ = 0;
   bool reported_ = false;
 };

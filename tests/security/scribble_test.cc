@@ -6,8 +6,10 @@
 // (docs/SECURITY.md: "Nothing the daemon dereferences comes from client-writable memory").
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
 #include "tests/security/security_harness.h"
 
 namespace epd::testing::security {
@@ -18,14 +20,19 @@ class ScribbleTest : public SecurityTest {
   /// Runs the scribble attack on `targets` for `seconds` beside a victim group and checks
   /// the promises; the attacker must have run `min_ops` ops (its own, mostly failing ones
   /// count: epd answered them).
-  void Attack(const std::string& targets, int min_ops, double seconds = 6) {
-    ASSERT_NO_FATAL_FAILURE(StartEpd());
-    ASSERT_NO_FATAL_FAILURE(StartVictims());
+  AttackResult Attack(const std::string& targets, int min_ops, double seconds = 6,
+                      const std::vector<std::string>& extra_args = {}) {
+    AttackResult a;
+    StartEpd();
+    if (HasFatalFailure()) return a;
+    StartVictims();
+    if (HasFatalFailure()) return a;
     const int64_t ok_before = VictimOkRounds();
     const LogMark log = MarkLog();
-    AttackResult a = RunAttacker({"--mode=scribble", "--targets=" + targets,
-                                  absl::StrCat("--seconds=", seconds), "--supervise"},
-                                 absl::Seconds(seconds + 25));
+    std::vector<std::string> args = {"--mode=scribble", "--targets=" + targets,
+                                     absl::StrCat("--seconds=", seconds), "--supervise"};
+    args.insert(args.end(), extra_args.begin(), extra_args.end());
+    a = RunAttacker(args, absl::Seconds(seconds + 25));
     ExpectEpdServing("after the scribble attack on " + targets);
     ExpectNewClientServed("after the scribble attack on " + targets);
     EXPECT_EQ(a.exit_code, 0);
@@ -44,6 +51,7 @@ class ScribbleTest : public SecurityTest {
     ExpectLogBounded(log, 200 + 12 * (a.Progress("rejoins") + 4 * children), 100 + 50 * children,
                      "the scribble attack on " + targets);
     StopVictimsAndExpectExact();
+    return a;
   }
 };
 
@@ -58,6 +66,25 @@ TEST_F(ScribbleTest, RoutingStateAndLowLatencyHandlePositionsRaced) { Attack("ro
 TEST_F(ScribbleTest, RingSlotsAndCompletionsAtRandom) { Attack("ring", 1000); }
 
 TEST_F(ScribbleTest, EveryWordOfEveryRegionAtRandom) { Attack("random", 500); }
+
+// A group with on_rank_failure MASK: its client masks, unmasks, queries and cleans its rank
+// mask between ops while the words its ops' masks come back in (each completion's
+// mask_epoch, num_masked, dropped_pairs, reason) and the ring are scribbled, and its
+// endpoint's daemon_closed is set to values epd never writes. Besides the promises above,
+// the client reports the scribbled close word as such (DATA_LOSS naming it), never as epd
+// shutting down, and its mask requests are answered.
+TEST_F(ScribbleTest, MaskGroupResultMaskWordsRingAndCloseFlag) {
+  AttackResult a = Attack("mask,ring", 300, /*seconds=*/8, {"--mask_group"});
+  EXPECT_GT(a.Get("mask_calls"), 0) << "the attacker made no mask request";
+  const std::vector<std::string> close_errors = LinesStartingWith(a.output, "CLOSE_FLAG_ERROR");
+  ASSERT_FALSE(close_errors.empty()) << "no op reported the scribbled daemon_closed:\n"
+                                     << a.output.substr(0, 4000);
+  EXPECT_THAT(close_errors[0], ::testing::HasSubstr("DATA_LOSS"));
+  EXPECT_THAT(close_errors[0], ::testing::HasSubstr("daemon_closed holds"));
+  EXPECT_TRUE(LinesStartingWith(a.output, "CLOSE_FLAG_SHUTDOWN").empty())
+      << "a scribbled daemon_closed was taken for epd shutting down: "
+      << LinesStartingWith(a.output, "CLOSE_FLAG_SHUTDOWN")[0];
+}
 
 }  // namespace
 }  // namespace epd::testing::security

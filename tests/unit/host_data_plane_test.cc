@@ -28,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/endpoint/endpoint_internal.h"
 #include "common/os/shm_region.h"
+#include "common/status_macros.h"
 #include "epd/client.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/op_rules.h"
@@ -392,6 +393,28 @@ class HostDataPlaneTest : public ::testing::Test {
     return ep.ok() ? std::move(*ep) : nullptr;
   }
 
+  /// Creates the two-rank group `spec` and opens both endpoints; returns a second mapping of
+  /// rank 1's region, as a misbehaving client could make (it holds the region's descriptor).
+  absl::StatusOr<ShmRegion> OpenWithRank1MappedTwice(const v1::GroupSpec& spec) {
+    spec_ = spec;
+    EPD_ASSIGN_OR_RETURN(group_, plane_->CreateGroup(spec_));
+    endpoints_.clear();
+    endpoints_.push_back(Attach(0));
+    v1::EndpointInfo info;
+    EPD_RETURN_IF_ERROR(group_->AttachRank(1, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info));
+    EPD_ASSIGN_OR_RETURN(EndpointFds fds, group_->TakeEndpointFds(1));
+    EPD_ASSIGN_OR_RETURN(ShmRegion second, ShmRegion::Map(ScopedFd(::dup(fds.region.get())),
+                                                          info.shm_bytes(), "second mapping"));
+    DataPlaneGroup* gp = group_.get();
+    EPD_ASSIGN_OR_RETURN(std::unique_ptr<Endpoint> rank1,
+                         internal::OpenEndpoint(info, spec_, std::move(fds), [gp] {
+                           gp->DetachRank(1);
+                           return absl::OkStatus();
+                         }));
+    endpoints_.push_back(std::move(rank1));
+    return second;
+  }
+
   /// Runs fn(rank) on one thread per rank and joins.
   void OnEveryRank(const std::function<void(int)>& fn, int skip = -1) {
     RunOnRanks(spec_.num_ranks(), fn, skip);
@@ -677,28 +700,9 @@ TEST_F(HostDataPlaneTest, MissingRankTimesOutNamingItThenGroupRecovers) {
 
 TEST_F(HostDataPlaneTest, GarbageSlotIsRejectedNotExecuted) {
   const int R = 2, E = 2, H = 128, K = 1, M = 4;
-  spec_ = Spec("garbage", R, E, H, K, M, 0, false);
-  auto g = plane_->CreateGroup(spec_);
-  ASSERT_TRUE(g.ok());
-  group_ = std::move(*g);
-  endpoints_.clear();
-  endpoints_.push_back(Attach(0));
-  // Map rank 1's region a second time, as a misbehaving client could (it holds the
-  // region's descriptor).
-  v1::EndpointInfo info;
-  ASSERT_TRUE(group_->AttachRank(1, "", v1::LAUNCH_MODE_UNSPECIFIED, {}, &info).ok());
-  absl::StatusOr<EndpointFds> fds = group_->TakeEndpointFds(1);
-  ASSERT_TRUE(fds.ok()) << fds.status();
-  ScopedFd second(::dup(fds->region.get()));
-  auto evil = ShmRegion::Map(std::move(second), info.shm_bytes(), "second mapping");
+  absl::StatusOr<ShmRegion> evil =
+      OpenWithRank1MappedTwice(Spec("garbage", R, E, H, K, M, 0, false));
   ASSERT_TRUE(evil.ok()) << evil.status();
-  DataPlaneGroup* gp = group_.get();
-  auto ep1 = internal::OpenEndpoint(info, spec_, *std::move(fds), [gp] {
-    gp->DetachRank(1);
-    return absl::OkStatus();
-  });
-  ASSERT_TRUE(ep1.ok());
-  endpoints_.push_back(std::move(*ep1));
 
   std::vector<RankData> in(R);
   for (int r = 0; r < R; ++r) in[r].Make(3, H, K, E, r);
@@ -722,6 +726,47 @@ TEST_F(HostDataPlaneTest, GarbageSlotIsRejectedNotExecuted) {
     });
   }
   EXPECT_EQ(abi::Atomic(h->rejected_requests).load(), 3u);
+}
+
+// daemon_closed lies in memory the client can write: a value epd never writes there is
+// the client's own memory overwritten, reported as such (DATA_LOSS naming the field and
+// value) on that endpoint alone, never taken for a shutdown or a removal; epd goes on
+// serving the group once the word is back to open.
+TEST_F(HostDataPlaneTest, ScribbledCloseFlagIsAClearErrorNotADrainingDaemon) {
+  const int R = 2, E = 2, H = 128, K = 1, M = 4;
+  absl::StatusOr<ShmRegion> evil =
+      OpenWithRank1MappedTwice(Spec("scribbled-close", R, E, H, K, M, 0, false));
+  ASSERT_TRUE(evil.ok()) << evil.status();
+  auto* h = reinterpret_cast<abi::EndpointShmHeader*>(evil->data());
+  std::vector<RankData> in(R);
+  for (int r = 0; r < R; ++r) in[r].Make(3, H, K, E, r);
+  auto expect_scribbled = [](const absl::Status& st, uint32_t value) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+    EXPECT_THAT(std::string(st.message()),
+                ::testing::HasSubstr(absl::StrCat("daemon_closed holds ", value)))
+        << st;
+  };
+
+  for (uint32_t value : {3u, 0xffffffffu, 0x80000001u}) {
+    // Read by a wait: rank 1's op waits for rank 0 while the word is overwritten.
+    auto op = endpoints_[1]->GetDispatchLayout(in[1].idx_t);
+    ASSERT_TRUE(op.ok()) << op.status();
+    abi::Atomic(h->daemon_closed).store(value);
+    expect_scribbled(op->Wait(absl::Seconds(10)).status(), value);
+    // Read by a submit.
+    expect_scribbled(endpoints_[1]->GetDispatchLayout(in[1].idx_t).status(), value);
+    // Rank 0 completes the op rank 1 submitted; then, the word put back, the group runs.
+    auto op0 = endpoints_[0]->GetDispatchLayout(in[0].idx_t);
+    ASSERT_TRUE(op0.ok()) << op0.status();
+    EXPECT_TRUE(op0->Wait(absl::Seconds(10)).ok());
+    abi::Atomic(h->daemon_closed).store(0);
+    OnEveryRank([&](int r) {
+      auto next = endpoints_[r]->GetDispatchLayout(in[r].idx_t);
+      ASSERT_TRUE(next.ok()) << next.status();
+      auto res = next->Wait(absl::Seconds(10));
+      EXPECT_TRUE(res.ok()) << res.status();
+    });
+  }
 }
 
 TEST_F(HostDataPlaneTest, ClientInputErrorsFailTheOpForAllAndKeepLockstep) {

@@ -37,6 +37,7 @@ using ::epd::testing::kF32;
 using ::epd::testing::kI64;
 using ::epd::testing::LlRoundInputs;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr int R = 4, E = 8, H = 128, K = 2, Mll = 8;
 constexpr uint32_t kOpTimeoutMs = 500;
@@ -323,7 +324,11 @@ TEST_F(RankMaskTest, RejoinBetweenDispatchAndCombineIsMaskedForThatOpOnly) {
   for (const auto& d : dispatched) ASSERT_TRUE(d.ok()) << d.status();
   // Rank 3 rejoins while the others are between their dispatch and their combine; its
   // first op, a dispatch, is not the group's (a combine): the combine runs without it.
+  ::testing::internal::CaptureStderr();
   ASSERT_NO_FATAL_FAILURE(Open(3));
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              HasSubstr("group masked: rank 3 rejoined its masked slot and is unmasked (no op "
+                        "was running)"));
   std::vector<absl::Status> st(3);
   std::vector<OpMask> masks(3);
   absl::StatusOr<LowLatencyDispatchResult> stray = absl::UnknownError("");
@@ -338,10 +343,44 @@ TEST_F(RankMaskTest, RejoinBetweenDispatchAndCombineIsMaskedForThatOpOnly) {
   for (const absl::Status& s : st) EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(masks[0].num_masked, 1);
   EXPECT_EQ(stray.status().code(), absl::StatusCode::kFailedPrecondition) << stray.status();
+  // Its error says it comes back by itself, not to unmask it.
+  EXPECT_THAT(stray.status().message(),
+              HasSubstr("runs without rank 3: the rank is masked for this op only"));
+  EXPECT_THAT(stray.status().message(), HasSubstr("will be unmasked at the next op boundary"));
+  EXPECT_THAT(stray.status().message(), Not(HasSubstr("unmask it")));
   // From the next op on it takes part.
   for (const absl::Status& s : Rounds({0, 1, 2, 3}, kNone, &masks)) EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(masks[3].num_masked, 0);
   EXPECT_EQ(masks[0].num_masked, 0);
+}
+
+// A rank unmasked while it lags behind the group: the ops that ran without it fail for it
+// naming it unmasked now, not masked.
+TEST_F(RankMaskTest, AnUnmaskedLaggingRankIsNotNamedMasked) {
+  ASSERT_TRUE(group_->UpdateRankMask(std::vector<int32_t>{3}, {}, false).ok());
+  for (int op = 0; op < 2; ++op) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r) threads.emplace_back([&, r] { EXPECT_TRUE(Layout(r).ok()); });
+    for (auto& t : threads) t.join();
+  }
+  // Two ops behind: the unmask applies once it has caught up, so the answer still names it.
+  auto unmask = group_->UpdateRankMask({}, std::vector<int32_t>{3}, false);
+  ASSERT_TRUE(unmask.ok()) << unmask.status();
+  EXPECT_THAT(unmask->masked_ranks(), ::testing::ElementsAre(3));
+  for (int op = 1; op <= 2; ++op) {
+    absl::Status st = Layout(3);  // Its ops 1 and 2, which ran without it.
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_THAT(st.message(), HasSubstr(absl::StrCat("op ", op,
+                                                     " of group masked ran without "
+                                                     "rank 3, which was masked")));
+  }
+  // Caught up: unmasked, never named masked again; its next op takes part.
+  auto now = group_->GetRankMask();
+  ASSERT_TRUE(now.ok());
+  EXPECT_TRUE(now->masked_ranks().empty());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r) threads.emplace_back([&, r] { EXPECT_TRUE(Layout(r).ok()); });
+  for (auto& t : threads) t.join();
 }
 
 TEST_F(RankMaskTest, NormalModeUnderAMaskAndADeathBetweenDispatchAndCombine) {
@@ -438,6 +477,23 @@ TEST_F(RankMaskTest, EveryRankMaskedRefusesOpsAtOnceAndAnUnmaskBringsTheGroupBac
   EXPECT_TRUE(round.ok()) << round;
   EXPECT_EQ(mask.num_masked, 3);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(kOpTimeoutMs));
+}
+
+TEST_F(RankMaskTest, EveryRankMaskedThenCleanedRunsTheNextOpWithEveryRank) {
+  ASSERT_TRUE(group_->UpdateRankMask(std::vector<int32_t>{0, 1, 2, 3}, {}, false).ok());
+  std::vector<absl::Status> st(R);
+  auto all = [&] {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R; ++r) threads.emplace_back([&, r] { st[r] = Layout(r); });
+    for (auto& t : threads) t.join();
+  };
+  all();
+  for (const absl::Status& s : st) EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  auto clean = group_->UpdateRankMask({}, {}, true);
+  ASSERT_TRUE(clean.ok()) << clean.status();
+  EXPECT_TRUE(clean->masked_ranks().empty()) << clean->ShortDebugString();
+  all();
+  for (const absl::Status& s : st) EXPECT_TRUE(s.ok()) << s;
 }
 
 TEST_F(RankMaskTest, LastRankMaskingItselfAfterTheOthersDiedCanUnmaskItself) {

@@ -23,39 +23,27 @@ _LAUNCH_MODE_NAMES = {0: "default", 1: "daemon", 2: "client"}
 _REGION_KINDS = {"numpy": 0, "torch": 1, "dlpack": 2}
 _RANK_FAILURE = {None: 0, "default": 0, "fail": 1, "mask": 2}
 
-# Set up once, at the first join: torch (when importable) and numpy converters.
+# Set up once, at the first join: numpy converters, and torch's once the process has
+# imported torch (_Frameworks).
 _frameworks = None
 
 
 class _Frameworks:
-    """How views become framework objects: torch tensors for torch callers, numpy arrays
-    (else the DLView itself) for everyone else."""
+    """How views become framework objects: torch tensors for torch inputs, numpy arrays
+    (else the DLView itself) for everyone else.
+
+    torch is never imported for a join: importing it takes seconds, and a caller that passes
+    torch tensors has imported it already. It is set up when the process has imported it
+    (adopt_torch: at the join, and before each op while it is not set up), or imported where
+    a call needs it without a torch input (import_torch: a GPU index, a region of kind None
+    or "torch")."""
 
     def __init__(self):
         self.torch = None
         self.fp8 = None
-        self.to_torch = None
+        self._from_dlpack = None
+        self._import_tried = False
         self.to_numpy = None
-        try:
-            import torch
-            import torch.utils.dlpack
-        except ImportError:
-            torch = None
-        if torch is not None:
-            self.torch = torch
-            self.fp8 = getattr(torch, "float8_e4m3fn", None)
-            from_dlpack = torch.utils.dlpack.from_dlpack
-            to_dlpack = getattr(torch._C, "_to_dlpack", None)
-            _C._set_torch(torch.Tensor, to_dlpack)
-            fp8 = self.fp8
-
-            def to_torch(view):
-                t = from_dlpack(view)
-                if fp8 is not None and view.dtype == "float8_e4m3fn":
-                    t = t.view(fp8)
-                return t
-
-            self.to_torch = to_torch
         try:
             import numpy
         except ImportError:
@@ -72,6 +60,42 @@ class _Frameworks:
                 return np_from_dlpack(view)
 
             self.to_numpy = to_numpy
+        self.adopt_torch()
+
+    def to_torch(self, view):
+        """The torch tensor of `view` (called by the binding for torch inputs only, which
+        exist once torch is set up)."""
+        t = self._from_dlpack(view)
+        if self.fp8 is not None and view.dtype == "float8_e4m3fn":
+            t = t.view(self.fp8)
+        return t
+
+    def adopt_torch(self):
+        """Sets torch up if this process has imported it (no import here); True when set up."""
+        if self.torch is None:
+            torch = sys.modules.get("torch")  # None also when blocked (sys.modules["torch"] = None).
+            if torch is not None:
+                self._set_torch(torch)
+        return self.torch is not None
+
+    def import_torch(self):
+        """Imports torch (tried once) and sets it up; True when set up, False without torch."""
+        if self.torch is None and not self.adopt_torch() and not self._import_tried:
+            self._import_tried = True
+            try:
+                import torch
+            except ImportError:
+                return False
+            self._set_torch(torch)
+        return self.torch is not None
+
+    def _set_torch(self, torch):
+        import torch.utils.dlpack
+
+        self._from_dlpack = torch.utils.dlpack.from_dlpack
+        self.fp8 = getattr(torch, "float8_e4m3fn", None)
+        _C._set_torch(torch.Tensor, getattr(torch._C, "_to_dlpack", None))
+        self.torch = torch
 
 
 def _setup_frameworks():
@@ -187,14 +211,14 @@ def _gpu_uuid(gpu, client):
         if client._c.stats("join")["backend"] != "cuda":
             return ""
         fw = _setup_frameworks()
-        if fw.torch is None or not fw.torch.cuda.is_available():
+        if not fw.import_torch() or not fw.torch.cuda.is_available():
             raise InvalidArgumentError(
                 3, "INVALID_ARGUMENT", "join: gpu=None on the CUDA backend needs torch.cuda to "
                 "name the current device; pass gpu= a UUID or PCI bus id")
         gpu = fw.torch.cuda.current_device()
     if isinstance(gpu, int):
         fw = _setup_frameworks()
-        if fw.torch is None or not fw.torch.cuda.is_available():
+        if not fw.import_torch() or not fw.torch.cuda.is_available():
             raise InvalidArgumentError(
                 3, "INVALID_ARGUMENT",
                 "join: gpu=%d is a device index, which needs torch.cuda; pass a UUID" % gpu)
@@ -469,6 +493,8 @@ class Endpoint:
         """Routing statistics of topk_idx [T, K] int64 (-1 = none): a LayoutResult
         (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank
         [T, R] uint8 0/1), which unpacks as that 3-tuple. wait=False: a PendingOp."""
+        if self._fw.torch is None:
+            self._fw.adopt_torch()
         return self._layout(topk_idx, stream, wait)
 
     def dispatch(self, x, x_scales=None, topk_idx=None, topk_weights=None, expert_alignment=1,
@@ -482,6 +508,8 @@ class Endpoint:
         num_recv_tokens_per_expert, recv_src_info, recv_count, handle, num_recv_tokens),
         valid until the next normal dispatch; wait=False: a PendingOp.
         """
+        if self._fw.torch is None:
+            self._fw.adopt_torch()
         if x_scales is not None:
             fp8 = self._fw.fp8
             if fp8 is not None and getattr(x, "dtype", None) is fp8:
@@ -494,6 +522,8 @@ class Endpoint:
         handle; topk_weights [N, K] float32 optional. Returns a CombineResult (combined_x
         [T, H] bfloat16, combined_topk_weights [T, K] float32 or None), valid until the
         next normal combine; wait=False: a PendingOp."""
+        if self._fw.torch is None:
+            self._fw.adopt_torch()
         return self._combine(x, handle, topk_weights, num_sms, stream, wait)
 
     def low_latency_dispatch(self, x, topk_idx, use_fp8=False, round_scale=False,
@@ -512,6 +542,8 @@ class Endpoint:
         handle), valid until the low-latency dispatch after next; wait=False: a PendingOp.
         InvalidArgumentError names use_ue8m0 when it lacks use_fp8, round_scale or
         H % 512 == 0."""
+        if self._fw.torch is None:
+            self._fw.adopt_torch()
         return self._ll_dispatch(x, topk_idx, max_dispatch_tokens_per_rank, use_fp8,
                                  round_scale, use_ue8m0, num_tokens, stream, wait)
 
@@ -521,6 +553,8 @@ class Endpoint:
         topk_weights [T, K] float32 as dispatched, and the dispatch's handle. Returns a
         LowLatencyCombineResult (combined_x [T, H] bfloat16), valid until the low-latency
         combine after next; wait=False: a PendingOp."""
+        if self._fw.torch is None:
+            self._fw.adopt_torch()
         return self._ll_combine(x, topk_idx, topk_weights, handle, stream, wait)
 
     def low_latency_combine_input(self, kind=None):
@@ -538,9 +572,9 @@ class Endpoint:
 
     def _region_kind(self, kind):
         if kind is None:
-            return 1 if self._fw.torch is not None else 0
+            return 1 if self._fw.import_torch() else 0
         mode = _REGION_KINDS.get(kind)
-        if mode is None or (mode == 1 and self._fw.torch is None) or (mode == 0 and self._fw.to_numpy is None):
+        if mode is None or (mode == 1 and not self._fw.import_torch()) or (mode == 0 and self._fw.to_numpy is None):
             raise InvalidArgumentError(
                 3, "INVALID_ARGUMENT",
                 "kind=%r: expected None, 'torch' (needs torch), 'numpy' (needs numpy) or 'dlpack'" % (kind,))
