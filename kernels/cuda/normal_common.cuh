@@ -8,12 +8,16 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/layout.h"
 #include "kernels/cuda/common.cuh"
 
 namespace epd::kernels::cuda::normal {
+
+/// Ranks whose rows one warp of the balanced combine loads before it adds them.
+inline constexpr int kCombineRanksInFlight = 2;
 
 /// Everything a normal-mode kernel of one rank reads, passed by value.
 struct NormalParams {
@@ -39,6 +43,21 @@ struct NormalParams {
   const uint8_t* rank_masked = nullptr;
   /// NormalDispatchTiling::For(M): the dispatch's layout tiles (`normal_tiles` region).
   NormalDispatchTiling tiling;
+  /// Work order of the copy and combine kernels (TokenSchedule): nonzero = balanced.
+  int32_t balanced = 1;
+  /// Ranks whose rows one combine warp has in flight at once: 1 or kCombineRanksInFlight.
+  int32_t combine_ranks_in_flight = kCombineRanksInFlight;
+};
+
+/// The normal kernels' variants (`EPD_NORMAL_KERNELS`, docs/CUDA_BACKEND.md "Normal
+/// mode"): the same results bit for bit, a different order of work.
+enum class NormalKernelVariant {
+  /// Default: each block owns a contiguous range of tokens that its warps take one at a
+  /// time; a combine warp loads two ranks' rows at once.
+  kBalanced,
+  /// Warp w of the grid takes tokens w, w + warps, ...; a combine warp loads one rank's
+  /// row at a time (the kernels before the balanced order, kept for comparison).
+  kStatic,
 };
 
 // ---- addressing ---------------------------------------------------------------------------
@@ -182,6 +201,47 @@ struct TokenRanks {
   }
 };
 
+/// The order in which a kernel's warps take this rank's tokens (one warp a token).
+/// Static: warp w of the grid takes tokens w, w + W, ... (W warps in the grid), so every
+/// warp gets the same count of tokens whatever their destinations. Balanced: block b owns
+/// the contiguous tokens [T·b/G, T·(b+1)/G) (G blocks) and its warps take them one at a
+/// time from a shared-memory counter as each finishes its last, so a warp that drew tokens
+/// with few destinations takes more of them and a block's warps end within about one token
+/// of each other. Init is block-collective (every thread, once); Next warp-collective.
+struct TokenSchedule {
+  int32_t next = 0;  ///< Static: this warp's next token.
+  int32_t stride = 0;
+  int32_t end = 0;             ///< Tokens at or past it are not this block's.
+  int32_t* counter = nullptr;  ///< Balanced: the block's next token (shared memory).
+
+  __device__ __forceinline__ void Init(bool balanced, int32_t num_tokens, int32_t* s_counter) {
+    const int32_t warps = static_cast<int32_t>(blockDim.x >> 5);
+    if (balanced) {
+      const int64_t n = num_tokens;
+      const int32_t begin = static_cast<int32_t>(n * blockIdx.x / gridDim.x);
+      end = static_cast<int32_t>(n * (blockIdx.x + 1) / gridDim.x);
+      counter = s_counter;
+      if (threadIdx.x == 0) *counter = begin;
+      __syncthreads();
+    } else {
+      next = static_cast<int32_t>(blockIdx.x) * warps + static_cast<int32_t>(threadIdx.x >> 5);
+      stride = static_cast<int32_t>(gridDim.x) * warps;
+      end = num_tokens;
+    }
+  }
+  /// This warp's next token (uniform in the warp); >= end when none is left.
+  __device__ __forceinline__ int32_t Next() {
+    if (counter == nullptr) {
+      const int32_t t = next;
+      next = t < end ? t + stride : t;  // Never past end + stride: no overflow near 2^31.
+      return t;
+    }
+    int32_t t = 0;
+    if ((threadIdx.x & 31) == 0) t = atomicAdd(counter, 1);
+    return __shfl_sync(0xffffffffu, t, 0);
+  }
+};
+
 /// Lowest set bit of a non-zero mask (ranks are visited in ascending order).
 __device__ __forceinline__ int LowestRank(uint64_t m) {
   return __ffsll(static_cast<long long>(m)) - 1;
@@ -262,8 +322,13 @@ __device__ __forceinline__ void FinishOp(const NormalParams& p, uint32_t seq) {
 
 namespace epd::kernels::cuda::normal {
 
-/// Host side: validates `ctx` (ValidateNormalContext), fills the parameter block and
-/// resolves the grid size (ResolveNumBlocks). `num_tokens` null = NormalNumTokensSlot(ctx).
+/// Host side: the variant `EPD_NORMAL_KERNELS` names: unset or empty = kBalanced,
+/// "balanced", "static". INVALID_ARGUMENT naming the variable and value otherwise.
+absl::StatusOr<NormalKernelVariant> NormalKernelVariantFromEnv();
+
+/// Host side: validates `ctx` (ValidateNormalContext), fills the parameter block (the
+/// kernel variant from NormalKernelVariantFromEnv) and resolves the grid size
+/// (ResolveNumBlocks). `num_tokens` null = NormalNumTokensSlot(ctx).
 absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tokens,
                               NormalParams* params, int32_t* num_blocks);
 

@@ -323,16 +323,30 @@ __device__ __forceinline__ Vec LoadStreaming(const Vec* p) {
   }
 }
 
-/// The copy step of a dispatch: grid of num_sms blocks of kNormalThreads; warp w of the
-/// grid handles tokens w, w + warps, ... . For token t it reads send_pos[t, :] (lane r
-/// holds ranks r and r + 32; unless cached, the layout's rows within the tile, which it
-/// turns into final rows with the notify's tile bases and writes back: TokenRanks::
-/// ResolveRow), loads the row kCopyUnroll vectors per lane at a time and
-/// stores them to the row at every destination, then the scales, recv_src_info and
-/// (unless cached) recv_topk_idx / recv_topk_weights. `Vec` is int4 when a row is a
-/// multiple of 16 bytes, else bf16 units.
+/// Loads the vectors [i + 32u] (u < kCopyUnroll) of `src` below `num_vec` into v[u]
+/// (i = the chunk's first vector + lane).
+template <typename Vec>
+__device__ __forceinline__ void LoadChunk(const Vec* src, int64_t i, int64_t num_vec,
+                                          Vec (&v)[kCopyUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    if (i + 32 * u < num_vec) v[u] = LoadStreaming(src + i + 32 * u);
+  }
+}
+
+/// The copy step of a dispatch: grid of num_sms blocks of kNormalThreads, one warp a token
+/// at a time (TokenSchedule: balanced or static). For token t it loads, in one round trip,
+/// the row's first kCopyUnroll vectors per lane, its scales and top-k entries (lane j
+/// holds scales j and j + 32 and top-k entry j; any beyond are read where written) and
+/// send_pos[t, :] (lane r holds ranks r and r + 32; unless cached, the layout's rows within
+/// the tile, which it turns into final rows with the notify's tile bases and writes back:
+/// TokenRanks::ResolveRow). Then it stores each chunk of the row at every destination,
+/// loading the next chunk after, then the scales, recv_src_info and (unless cached)
+/// recv_topk_idx / recv_topk_weights. `Vec` is int4 when a row is a multiple of 16 bytes,
+/// else bf16 units.
 template <typename Vec>
 __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(NormalParams p) {
+  __shared__ int32_t s_next_token;
   const uint32_t seq = CurrentSeq(p);
   if (CurrentOpFailed(p, seq)) return;
   const int num_tokens = ReadNumTokens(p, false);
@@ -341,7 +355,6 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
   const int experts_per_rank = p.shape.num_local_experts();
   const int num_scales = p.shape.num_scales();
   const int lane = threadIdx.x & 31;
-  const int warps_per_block = blockDim.x >> 5;
   const int64_t row_bytes =
       p.fp8 ? static_cast<int64_t>(p.shape.hidden) : 2 * static_cast<int64_t>(p.shape.hidden);
   const int64_t num_vec = row_bytes / static_cast<int64_t>(sizeof(Vec));
@@ -362,10 +375,24 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
   // a new dispatch's send_pos has none (its pairs were dropped and counted by the notify).
   unsigned int dropped = 0;
   const int64_t src_info_base = static_cast<int64_t>(p.rank) * p.shape.max_tokens_per_rank;
+  const bool fresh = p.cached == 0;  // A new dispatch: recv_topk_idx / weights written.
+  TokenSchedule tokens;
+  tokens.Init(p.balanced != 0, num_tokens, &s_next_token);
 
-  for (int t = blockIdx.x * warps_per_block + (threadIdx.x >> 5); t < num_tokens;
-       t += gridDim.x * warps_per_block) {
+  for (int32_t t = tokens.Next(); t < tokens.end; t = tokens.Next()) {
     int32_t* pos_row = send_pos + static_cast<int64_t>(t) * num_ranks;
+    const Vec* src = reinterpret_cast<const Vec*>(x + t * row_bytes);
+    // The first chunk, the metadata and the routing row: independent loads, in flight
+    // together.
+    Vec v[kCopyUnroll];
+    LoadChunk(src, lane, num_vec, v);
+    const float* sc = x_scales + static_cast<int64_t>(t) * num_scales;
+    const float sc_lo = p.fp8 && lane < num_scales ? sc[lane] : 0.0f;
+    const float sc_hi = p.fp8 && lane + 32 < num_scales ? sc[lane + 32] : 0.0f;
+    const int64_t meta = static_cast<int64_t>(t) * num_topk;
+    const int64_t e_lane = fresh && lane < num_topk ? topk_idx[meta + lane] : -1;
+    const float w_lane =
+        fresh && p.with_weights && lane < num_topk ? topk_weights[meta + lane] : 0.0f;
     if (p.cached) {
       ranks.LoadRow(pos_row, num_ranks, lane, capacity, &bad_routing, &dropped);
     } else {
@@ -376,17 +403,12 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
     const uint64_t mask = ranks.mask;
     if (mask == 0) continue;
 
-    // Row data: each lane loads kCopyUnroll vectors, then stores them at every destination.
-    const Vec* src = reinterpret_cast<const Vec*>(x + t * row_bytes);
-    // Warp-uniform trip count: every lane runs every iteration (RowAt shuffles need the
-    // whole warp); the tail is guarded per vector.
+    // Row data: each chunk (kCopyUnroll vectors a lane) stored at every destination, then
+    // the next one loaded. Warp-uniform trip count: every lane runs every iteration (RowAt
+    // shuffles need the whole warp); the tail is guarded per vector.
     for (int64_t base = 0; base < num_vec; base += 32 * kCopyUnroll) {
       const int64_t i = base + lane;
-      Vec v[kCopyUnroll];
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        if (i + 32 * u < num_vec) v[u] = LoadStreaming(src + i + 32 * u);
-      }
+      if (base != 0) LoadChunk(src, i, num_vec, v);
       for (uint64_t m = mask; m != 0; m &= m - 1) {
         Vec* dst =
             reinterpret_cast<Vec*>(ranks.RowAt(LowestRank(m), p.layout.recv_x.offset, row_bytes));
@@ -403,24 +425,29 @@ __global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(Norma
       const int64_t pos = ranks.Row(r);
       uint8_t* dst_base = ranks.Base(r);
       if (p.fp8) {
-        const float* sc = x_scales + static_cast<int64_t>(t) * num_scales;
         float* dst = Region<float>(dst_base, p.layout.recv_scales) + pos * num_scales;
-        for (int j = lane; j < num_scales; j += 32) dst[j] = sc[j];
+        if (lane < num_scales) dst[lane] = sc_lo;
+        if (lane + 32 < num_scales) dst[lane + 32] = sc_hi;
+        for (int j = lane + 64; j < num_scales; j += 32) dst[j] = sc[j];
       }
       if (lane == 0)
         Region<int32_t>(dst_base, p.layout.recv_src_info)[pos] =
             static_cast<int32_t>(src_info_base + t);
-      if (!p.cached) {
+      if (fresh) {
         const int64_t first_local = static_cast<int64_t>(r) * experts_per_rank;
         int64_t* recv_idx = Region<int64_t>(dst_base, p.layout.recv_topk_idx) + pos * num_topk;
         float* recv_w = Region<float>(dst_base, p.layout.recv_topk_weights) + pos * num_topk;
-        for (int k = lane; k < num_topk; k += 32) {
-          const int64_t e = topk_idx[static_cast<int64_t>(t) * num_topk + k];
+        if (lane < num_topk) {
+          const bool local = e_lane >= first_local && e_lane < first_local + experts_per_rank;
+          recv_idx[lane] = local ? e_lane - first_local : -1;
+          // Without weights: zeros (not what an earlier dispatch left there).
+          recv_w[lane] = local ? w_lane : 0.0f;
+        }
+        for (int k = lane + 32; k < num_topk; k += 32) {
+          const int64_t e = topk_idx[meta + k];
           const bool local = e >= first_local && e < first_local + experts_per_rank;
           recv_idx[k] = local ? e - first_local : -1;
-          // Without weights: zeros (not what an earlier dispatch left there).
-          recv_w[k] =
-              local && p.with_weights ? topk_weights[static_cast<int64_t>(t) * num_topk + k] : 0.0f;
+          recv_w[k] = local && p.with_weights ? topk_weights[meta + k] : 0.0f;
         }
       }
     }
