@@ -19,6 +19,20 @@ namespace epd::kernels::cuda::normal {
 /// Ranks whose rows one warp of the balanced combine loads before it adds them.
 inline constexpr int kCombineRanksInFlight = 2;
 
+/// The normal kernels' variants (`EPD_NORMAL_KERNELS`, docs/CUDA_BACKEND.md "Normal
+/// mode"): the same results bit for bit, a different order of work.
+enum class NormalKernelVariant : int32_t {
+  /// Default: each block owns a contiguous range of tokens that its warps take one at a
+  /// time; a combine warp loads two ranks' rows at once.
+  kBalanced,
+  /// Warp w of the grid takes tokens w, w + warps, ...; a combine warp loads one rank's
+  /// row at a time (the kernels before the balanced order, kept for comparison).
+  kStatic,
+  /// kBalanced, with the dispatch's rows moved by bulk copies (NormalDispatchBulkKernel)
+  /// where the GPU has them (sm_90 and later) and a row is a multiple of 16 bytes.
+  kBulk,
+};
+
 /// Everything a normal-mode kernel of one rank reads, passed by value.
 struct NormalParams {
   GroupShape shape;
@@ -47,17 +61,8 @@ struct NormalParams {
   int32_t balanced = 1;
   /// Ranks whose rows one combine warp has in flight at once: 1 or kCombineRanksInFlight.
   int32_t combine_ranks_in_flight = kCombineRanksInFlight;
-};
-
-/// The normal kernels' variants (`EPD_NORMAL_KERNELS`, docs/CUDA_BACKEND.md "Normal
-/// mode"): the same results bit for bit, a different order of work.
-enum class NormalKernelVariant {
-  /// Default: each block owns a contiguous range of tokens that its warps take one at a
-  /// time; a combine warp loads two ranks' rows at once.
-  kBalanced,
-  /// Warp w of the grid takes tokens w, w + warps, ...; a combine warp loads one rank's
-  /// row at a time (the kernels before the balanced order, kept for comparison).
-  kStatic,
+  /// The variant these fields came from (the launchers pick their kernels by it).
+  NormalKernelVariant variant = NormalKernelVariant::kBalanced;
 };
 
 // ---- addressing ---------------------------------------------------------------------------
@@ -323,7 +328,7 @@ __device__ __forceinline__ void FinishOp(const NormalParams& p, uint32_t seq) {
 namespace epd::kernels::cuda::normal {
 
 /// Host side: the variant `EPD_NORMAL_KERNELS` names: unset or empty = kBalanced,
-/// "balanced", "static". INVALID_ARGUMENT naming the variable and value otherwise.
+/// "balanced", "static", "bulk". INVALID_ARGUMENT naming the variable and value otherwise.
 absl::StatusOr<NormalKernelVariant> NormalKernelVariantFromEnv();
 
 /// Host side: validates `ctx` (ValidateNormalContext), fills the parameter block (the

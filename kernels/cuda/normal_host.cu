@@ -135,6 +135,7 @@ absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tok
   EPD_ASSIGN_OR_RETURN(const NormalKernelVariant variant, NormalKernelVariantFromEnv());
   p.balanced = variant == NormalKernelVariant::kStatic ? 0 : 1;
   p.combine_ranks_in_flight = variant == NormalKernelVariant::kStatic ? 1 : kCombineRanksInFlight;
+  p.variant = variant;
   return absl::OkStatus();
 }
 
