@@ -40,12 +40,12 @@ __device__ __forceinline__ void AddBf16x8(const int4& v, float* acc) {
 }
 
 /// Pull-and-reduce: grid of num_sms blocks of kNormalThreads, one warp a token at a time
-/// (TokenSchedule: balanced or static). For token t: send_pos[t, :] gives the row at each
-/// rank holding it; for each group of kCombineUnroll 16-byte vectors of the row (8 bf16
-/// channels each), acc = +0.0f, then += f32(row at r) for r ascending, then one
-/// round-to-nearest-even to bf16 (types.h FloatToBf16, the host's rounding). The warp loads
-/// the vectors of p.combine_ranks_in_flight ranks (1 or kCombineRanksInFlight) before it
-/// adds them, in the same order; the top-k weights of up to kWeightRanksInFlight ranks at
+/// (TokenSchedule: balanced or static). For token t: send_pos[t, :] (read while the warp's
+/// previous token finishes) gives the row at each rank holding it; for each group of kCombineUnroll
+/// 16-byte vectors of the row (8 bf16 channels each), acc = +0.0f, then += f32(row at r) for r
+/// ascending, then one round-to-nearest-even to bf16 (types.h FloatToBf16, the host's rounding).
+/// The warp loads the vectors of p.combine_ranks_in_flight ranks (1 or kCombineRanksInFlight)
+/// before it adds them, in the same order; the top-k weights of up to kWeightRanksInFlight ranks at
 /// once likewise. With `kVector` false (H % 8 != 0) channels go one bf16 at a time.
 template <bool kVector>
 __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalParams p) {
@@ -72,9 +72,16 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
   TokenSchedule tokens;
   tokens.Init(p.balanced != 0, num_tokens, &s_next_token);
 
-  for (int32_t t = tokens.Next(); t < tokens.end; t = tokens.Next()) {
-    ranks.LoadRow(send_pos + static_cast<int64_t>(t) * num_ranks, num_ranks, lane, capacity,
-                  &bad_routing, &dropped);
+  // Token t's send_pos row is read one token ahead (before the previous token's weights)
+  // and checked when its token starts.
+  int32_t t = tokens.Next();
+  int64_t row_lo = -1, row_hi = -1;
+  if (t < tokens.end) {
+    TokenRanks::FetchRow(send_pos + static_cast<int64_t>(t) * num_ranks, num_ranks, lane, &row_lo,
+                         &row_hi);
+  }
+  while (t < tokens.end) {
+    ranks.CheckRow(row_lo, row_hi, capacity, &bad_routing, &dropped);
     const uint64_t mask = ranks.mask;
     bf16_bits* out = combined_x + t * hidden;
 
@@ -143,6 +150,11 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
       }
     }
 
+    const int32_t next = tokens.Next();
+    if (next < tokens.end) {
+      TokenRanks::FetchRow(send_pos + static_cast<int64_t>(next) * num_ranks, num_ranks, lane,
+                           &row_lo, &row_hi);
+    }
     if (p.with_weights) {
       for (int base = 0; base < num_topk; base += 32) {  // warp-uniform, as above
         const int k = base + lane;
@@ -168,6 +180,7 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
         if (k < num_topk) combined_w[static_cast<int64_t>(t) * num_topk + k] = w;
       }
     }
+    t = next;
   }
   RecordBadRouting(p, bad_routing);
   RecordDropped(p, dropped);

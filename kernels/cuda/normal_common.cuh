@@ -147,9 +147,16 @@ struct TokenRanks {
   __device__ __forceinline__ void LoadRow(const int32_t* pos_row, int num_ranks, int lane,
                                           int64_t capacity, unsigned int* bad,
                                           unsigned int* dropped) {
-    const int64_t lo = lane < num_ranks ? pos_row[lane] : -1;
-    const int64_t hi = lane + 32 < num_ranks ? pos_row[lane + 32] : -1;
+    int64_t lo, hi;
+    FetchRow(pos_row, num_ranks, lane, &lo, &hi);
     CheckRow(lo, hi, capacity, bad, dropped);
+  }
+  /// The raw entries LoadRow reads (the lane's ranks lane and lane + 32, -1 past R), for a
+  /// caller that reads a row ahead of its use and passes them to CheckRow there.
+  __device__ __forceinline__ static void FetchRow(const int32_t* pos_row, int num_ranks, int lane,
+                                                  int64_t* lo, int64_t* hi) {
+    *lo = lane < num_ranks ? pos_row[lane] : -1;
+    *hi = lane + 32 < num_ranks ? pos_row[lane + 32] : -1;
   }
   /// The dispatch copy's LoadRow: `pos_row` holds the layout pass's row of token t inside
   /// its tile (-1 = not sent), `base_row` [R] its tile's first row at each rank. Each entry
