@@ -609,18 +609,51 @@ __global__ void __launch_bounds__(kNormalThreads)
   c.Finish();
 }
 
+/// Shared memory NormalDispatchBulkKernel leaves for its static variables.
+constexpr int64_t kBulkStaticShared = 1024;
+
+/// The current device and the dynamic shared memory NormalDispatchBulkKernel may use on
+/// it: its opt-in maximum less kBulkStaticShared, or 0 below compute capability 9 (no bulk
+/// copies).
+absl::Status BulkSharedBudget(int* device, int64_t* budget) {
+  int major = 0;
+  int optin = 0;
+  EPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(device));
+  EPD_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, *device));
+  EPD_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, *device));
+  *budget = major >= 9 ? static_cast<int64_t>(optin) - kBulkStaticShared : 0;
+  return absl::OkStatus();
+}
+
+/// Lets NormalDispatchBulkKernel use `bytes` of dynamic shared memory on `device` (the
+/// current one), once per device (a per-kernel, per-device attribute; devices past 63 set it
+/// on every call). The preload sets it, so a launch inside a stream capture need not.
+absl::Status AllowBulkSharedMemory(int device, int64_t bytes) {
+  static std::atomic<uint64_t> allowed{0};
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (allowed.load(std::memory_order_relaxed) & bit) != 0) return absl::OkStatus();
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(NormalDispatchBulkKernel,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(bytes)));
+  allowed.fetch_or(bit, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
 absl::Status PreloadDispatchKernels() {
   cudaFuncAttributes attr;
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NormalNotifyKernel));
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NormalDispatchCopyKernel<int4>));
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NormalDispatchCopyKernel<uint16_t>));
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NormalDispatchBulkKernel));
+  int device = 0;
+  int64_t budget = 0;
+  EPD_RETURN_IF_ERROR(BulkSharedBudget(&device, &budget));
+  if (budget > 0) EPD_RETURN_IF_ERROR(AllowBulkSharedMemory(device, budget));
   return absl::OkStatus();
 }
 const bool kDispatchPreloadRegistered = RegisterPreloadHook(&PreloadDispatchKernels);
-
-/// Shared memory NormalDispatchBulkKernel leaves for its static variables.
-constexpr int64_t kBulkStaticShared = 1024;
 
 /// Launches NormalDispatchBulkKernel for rows of `row_bytes` when the current device has
 /// bulk copies (compute capability >= 9) and room for two rows a warp, with as many warps
@@ -634,28 +667,12 @@ absl::Status LaunchBulkCopy(const NormalParams& p, int64_t row_bytes, int32_t nu
     return absl::OkStatus();
   }
   int device = 0;
-  int major = 0;
-  int optin = 0;
-  EPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  EPD_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  if (major < 9) return absl::OkStatus();
-  EPD_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const int64_t budget = static_cast<int64_t>(optin) - kBulkStaticShared;
+  int64_t budget = 0;
+  EPD_RETURN_IF_ERROR(BulkSharedBudget(&device, &budget));
   const int64_t per_warp = 2 * row_bytes + 2 * static_cast<int64_t>(sizeof(uint64_t));
   const int64_t warps = std::min<int64_t>(budget / per_warp, kNormalThreads / 32);
   if (warps < 1) return absl::OkStatus();
-  // The attribute is per device and per kernel: set once per device (at most 64 tracked;
-  // beyond that it is set on every launch).
-  static std::atomic<uint64_t> configured{0};
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (bit == 0 || (configured.load(std::memory_order_relaxed) & bit) == 0) {
-    EPD_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(NormalDispatchBulkKernel,
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  static_cast<int>(budget)));
-    configured.fetch_or(bit, std::memory_order_relaxed);
-  }
+  EPD_RETURN_IF_ERROR(AllowBulkSharedMemory(device, budget));
   NormalDispatchBulkKernel<<<num_blocks, static_cast<unsigned>(warps * 32),
                              static_cast<size_t>(warps * per_warp), stream>>>(p);
   *launched = true;
