@@ -40,7 +40,7 @@ __device__ __forceinline__ void AddBf16x8(const int4& v, float* acc) {
 }
 
 /// Pull-and-reduce: grid of num_sms blocks of kNormalThreads, one warp a token at a time
-/// (TokenSchedule: balanced or static). For token t: send_pos[t, :] (read while the warp's
+/// (TokenSchedule, p.order). For token t: send_pos[t, :] (read while the warp's
 /// previous token finishes) gives the row at each rank holding it; for each group of kCombineUnroll
 /// 16-byte vectors of the row (8 bf16 channels each), acc = +0.0f, then += f32(row at r) for r
 /// ascending, then one round-to-nearest-even to bf16 (types.h FloatToBf16, the host's rounding).
@@ -70,10 +70,11 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
   const int rows_in_flight = p.combine_ranks_in_flight > 1 ? kCombineRanksInFlight : 1;
   const int weights_in_flight = p.combine_ranks_in_flight > 1 ? kWeightRanksInFlight : 1;
   TokenSchedule tokens;
-  tokens.Init(p.balanced != 0, num_tokens, &s_next_token);
+  tokens.Init(p.order, num_tokens, &s_next_token, RankTokenCounter(p));
 
   // Token t's send_pos row is read one token ahead (before the previous token's weights)
-  // and checked when its token starts.
+  // and checked when its token starts; the token itself is claimed as the previous token's
+  // last chunk starts.
   int32_t t = tokens.Next();
   int64_t row_lo = -1, row_hi = -1;
   if (t < tokens.end) {
@@ -84,6 +85,7 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
     ranks.CheckRow(row_lo, row_hi, capacity, &bad_routing, &dropped);
     const uint64_t mask = ranks.mask;
     bf16_bits* out = combined_x + t * hidden;
+    int32_t claim = 0;  // Set in the last chunk of the row (every row has one).
 
     if constexpr (kVector) {
       const int64_t num_vec = hidden / 8;
@@ -91,6 +93,7 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
       // need the whole warp); the tail is guarded per vector.
       for (int64_t base = 0; base < num_vec; base += 32 * kCombineUnroll) {
         const int64_t i = base + lane;
+        if (base + 32 * kCombineUnroll >= num_vec) claim = tokens.Claim();
         float acc[kCombineUnroll][8];
 #pragma unroll
         for (int u = 0; u < kCombineUnroll; ++u) {
@@ -140,6 +143,7 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
     } else {
       for (int64_t base = 0; base < hidden; base += 32) {
         const int64_t h = base + lane;
+        if (base + 32 >= hidden) claim = tokens.Claim();
         float acc = 0.0f;
         for (uint64_t m = mask; m != 0; m &= m - 1) {
           const bf16_bits* src = reinterpret_cast<const bf16_bits*>(
@@ -150,7 +154,7 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
       }
     }
 
-    const int32_t next = tokens.Next();
+    const int32_t next = tokens.Take(claim);
     if (next < tokens.end) {
       TokenRanks::FetchRow(send_pos + static_cast<int64_t>(next) * num_ranks, num_ranks, lane,
                            &row_lo, &row_hi);

@@ -22,16 +22,22 @@ inline constexpr int kCombineRanksInFlight = 2;
 /// The normal kernels' variants (`EPD_NORMAL_KERNELS`, docs/CUDA_BACKEND.md "Normal
 /// mode"): the same results bit for bit, a different order of work.
 enum class NormalKernelVariant : int32_t {
-  /// Default: each block owns a contiguous range of tokens that its warps take one at a
-  /// time; a combine warp loads two ranks' rows at once.
+  /// Default: the warps of a rank's copy / combine take its tokens one at a time from one
+  /// counter in its sync region (TokenOrder::kRank); a combine warp loads two ranks' rows
+  /// at once.
   kBalanced,
   /// Warp w of the grid takes tokens w, w + warps, ...; a combine warp loads one rank's
   /// row at a time (the kernels before the balanced order, kept for comparison).
   kStatic,
-  /// kBalanced, with the dispatch's rows moved by bulk copies (NormalDispatchBulkKernel)
+  /// kBalanced with a counter per block over a contiguous range (TokenOrder::kBlock).
+  kBlock,
+  /// kBlock, with the dispatch's rows moved by bulk copies (NormalDispatchBulkKernel)
   /// where the GPU has them (sm_90 and later) and a row is a multiple of 16 bytes.
   kBulk,
 };
+
+/// How a copy or combine kernel's warps take this rank's tokens (TokenSchedule).
+enum class TokenOrder : int32_t { kStatic, kBlock, kRank };
 
 /// Everything a normal-mode kernel of one rank reads, passed by value.
 struct NormalParams {
@@ -57,8 +63,8 @@ struct NormalParams {
   const uint8_t* rank_masked = nullptr;
   /// NormalDispatchTiling::For(M): the dispatch's layout tiles (`normal_tiles` region).
   NormalDispatchTiling tiling;
-  /// Work order of the copy and combine kernels (TokenSchedule): nonzero = balanced.
-  int32_t balanced = 1;
+  /// Work order of the copy and combine kernels (TokenSchedule).
+  TokenOrder order = TokenOrder::kRank;
   /// Ranks whose rows one combine warp has in flight at once: 1 or kCombineRanksInFlight.
   int32_t combine_ranks_in_flight = kCombineRanksInFlight;
   /// The variant these fields came from (the launchers pick their kernels by it).
@@ -213,46 +219,65 @@ struct TokenRanks {
   }
 };
 
-/// The order in which a kernel's warps take this rank's tokens (one warp a token).
-/// Static: warp w of the grid takes tokens w, w + W, ... (W warps in the grid), so every
-/// warp gets the same count of tokens whatever their destinations. Balanced: block b owns
-/// the contiguous tokens [T·b/G, T·(b+1)/G) (G blocks) and its warps take them one at a
-/// time from a shared-memory counter as each finishes its last, so a warp that drew tokens
-/// with few destinations takes more of them and a block's warps end within about one token
-/// of each other. Init is block-collective (every thread, once); Next warp-collective.
+/// The order in which a kernel's warps take this rank's tokens (one warp a token), by
+/// TokenOrder. kStatic: warp w of the grid takes tokens w, w + W, ... (W warps in the
+/// grid), so every warp gets the same count of tokens whatever their destinations. kBlock:
+/// block b owns the contiguous tokens [T·b/G, T·(b+1)/G) (G blocks) and its warps take them
+/// one at a time from a shared-memory counter as each finishes its last. kRank: every warp
+/// of the rank takes the next token from one counter in the rank's sync region
+/// (NormalSyncLayout::kNextToken, zeroed by the op's first kernel). With a counter, a warp
+/// whose tokens have few destinations takes more of them, and the warps end within about
+/// one token of each other. A warp claims its next token (Claim: the counter's atomic
+/// issued, its result not yet waited for) some time before it takes it (Take), which hides
+/// the atomic's round trip; it should claim late in its current token, as a claimed token
+/// waits for it. Init is block-collective (every thread, once); Claim and Take
+/// warp-collective.
 struct TokenSchedule {
-  int32_t next = 0;  ///< Static: this warp's next token.
+  int32_t next = 0;  ///< kStatic: this warp's next token.
   int32_t stride = 0;
   int32_t end = 0;             ///< Tokens at or past it are not this block's.
-  int32_t* counter = nullptr;  ///< Balanced: the block's next token (shared memory).
+  int32_t* counter = nullptr;  ///< kBlock / kRank: the next token (shared / global memory).
 
-  __device__ __forceinline__ void Init(bool balanced, int32_t num_tokens, int32_t* s_counter) {
+  __device__ __forceinline__ void Init(TokenOrder order, int32_t num_tokens, int32_t* s_counter,
+                                       int32_t* rank_counter) {
     const int32_t warps = static_cast<int32_t>(blockDim.x >> 5);
-    if (balanced) {
+    if (order == TokenOrder::kBlock) {
       const int64_t n = num_tokens;
       const int32_t begin = static_cast<int32_t>(n * blockIdx.x / gridDim.x);
       end = static_cast<int32_t>(n * (blockIdx.x + 1) / gridDim.x);
       counter = s_counter;
       if (threadIdx.x == 0) *counter = begin;
       __syncthreads();
+    } else if (order == TokenOrder::kRank) {
+      end = num_tokens;
+      counter = rank_counter;
     } else {
       next = static_cast<int32_t>(blockIdx.x) * warps + static_cast<int32_t>(threadIdx.x >> 5);
       stride = static_cast<int32_t>(gridDim.x) * warps;
       end = num_tokens;
     }
   }
-  /// This warp's next token (uniform in the warp); >= end when none is left.
-  __device__ __forceinline__ int32_t Next() {
+  /// Claims this warp's next token: the value to pass to Take (meaningful in lane 0).
+  __device__ __forceinline__ int32_t Claim() {
     if (counter == nullptr) {
       const int32_t t = next;
       next = t < end ? t + stride : t;  // Never past end + stride: no overflow near 2^31.
       return t;
     }
-    int32_t t = 0;
-    if ((threadIdx.x & 31) == 0) t = atomicAdd(counter, 1);
-    return __shfl_sync(0xffffffffu, t, 0);
+    return (threadIdx.x & 31) == 0 ? atomicAdd(counter, 1) : 0;
   }
+  /// The token a Claim got (uniform in the warp); >= end when none was left.
+  __device__ __forceinline__ int32_t Take(int32_t claim) const {
+    return counter == nullptr ? claim : __shfl_sync(0xffffffffu, claim, 0);
+  }
+  /// Claim and Take at once.
+  __device__ __forceinline__ int32_t Next() { return Take(Claim()); }
 };
+
+/// This rank's token counter of TokenOrder::kRank (NormalSyncLayout::kNextToken).
+__device__ __forceinline__ int32_t* RankTokenCounter(const NormalParams& p) {
+  return reinterpret_cast<int32_t*>(NormalSync(p, p.rank) + NormalSyncLayout::kNextToken);
+}
 
 /// Lowest set bit of a non-zero mask (ranks are visited in ascending order).
 __device__ __forceinline__ int LowestRank(uint64_t m) {
@@ -335,7 +360,7 @@ __device__ __forceinline__ void FinishOp(const NormalParams& p, uint32_t seq) {
 namespace epd::kernels::cuda::normal {
 
 /// Host side: the variant `EPD_NORMAL_KERNELS` names: unset or empty = kBalanced,
-/// "balanced", "static", "bulk". INVALID_ARGUMENT naming the variable and value otherwise.
+/// "balanced", "static", "block", "bulk". INVALID_ARGUMENT naming the variable and value otherwise.
 absl::StatusOr<NormalKernelVariant> NormalKernelVariantFromEnv();
 
 /// Host side: validates `ctx` (ValidateNormalContext), fills the parameter block (the

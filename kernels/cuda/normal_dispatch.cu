@@ -197,6 +197,8 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
     const uint32_t seq = *counter + 1;
     *counter = seq;
     s_seq = seq;
+    // The op's copy or combine kernel, next on this stream, takes tokens from 0.
+    *reinterpret_cast<int32_t*>(own_sync + NormalSyncLayout::kNextToken) = 0;
     s_num_tokens = ReadNumTokens(p, true);
     s_failed = 0;
   }
@@ -373,12 +375,12 @@ struct DispatchCopy {
 
   /// The copy kernels' start (every thread of the block): false when the op failed (the
   /// block then returns at once), else the state set up and the schedule started.
-  __device__ __forceinline__ bool Start(const NormalParams& params, bool balanced,
+  __device__ __forceinline__ bool Start(const NormalParams& params, TokenOrder order,
                                         int32_t* s_next_token) {
     seq = CurrentSeq(params);
     if (CurrentOpFailed(params, seq)) return false;
     Init(params);
-    tokens.Init(balanced, ReadNumTokens(params, false), s_next_token);
+    tokens.Init(order, ReadNumTokens(params, false), s_next_token, RankTokenCounter(params));
     return true;
   }
 
@@ -485,7 +487,7 @@ struct DispatchCopy {
   }
 };
 
-/// The vector path of the copy, from the block's TokenSchedule on: for each token, one
+/// The vector path of the copy, from the warp's TokenSchedule on: for each token, one
 /// round trip loads the row's first kCopyUnroll vectors per lane, its metadata and its
 /// routing row (none depends on another); then each chunk is stored at every destination
 /// and the next chunk loaded, then the metadata stored. `Vec` is int4 when a row is a
@@ -495,18 +497,26 @@ __device__ __forceinline__ void CopyTokensByVectors(DispatchCopy& c) {
   TokenSchedule& tokens = c.tokens;
   const int lane = c.lane;
   const int64_t num_vec = c.row_bytes / static_cast<int64_t>(sizeof(Vec));
-  for (int32_t t = tokens.Next(); t < tokens.end; t = tokens.Next()) {
+  int32_t claim = tokens.Claim();
+  for (;;) {
+    const int32_t t = tokens.Take(claim);
+    if (t >= tokens.end) break;
     const Vec* src = reinterpret_cast<const Vec*>(c.Row(t));
     Vec v[kCopyUnroll];
     LoadChunk(src, lane, num_vec, v);
     const TokenMeta meta = c.LoadMeta(t);
     const uint64_t mask = c.Route(t);
-    if (mask == 0) continue;
+    if (mask == 0) {
+      claim = tokens.Claim();
+      continue;
+    }
     // Warp-uniform trip count: every lane runs every iteration (RowAt shuffles need the
-    // whole warp); the tail is guarded per vector.
+    // whole warp); the tail is guarded per vector. The next token is claimed as the last
+    // chunk starts.
     for (int64_t base = 0; base < num_vec; base += 32 * kCopyUnroll) {
       const int64_t i = base + lane;
       if (base != 0) LoadChunk(src, i, num_vec, v);
+      if (base + 32 * kCopyUnroll >= num_vec) claim = tokens.Claim();
       for (uint64_t m = mask; m != 0; m &= m - 1) {
         Vec* dst = reinterpret_cast<Vec*>(
             c.ranks.RowAt(LowestRank(m), c.p->layout.recv_x.offset, c.row_bytes));
@@ -521,20 +531,20 @@ __device__ __forceinline__ void CopyTokensByVectors(DispatchCopy& c) {
 }
 
 /// The copy step of a dispatch: grid of num_sms blocks of kNormalThreads, one warp a token
-/// at a time (TokenSchedule: balanced or static), moving rows through registers
+/// at a time (TokenSchedule, p.order), moving rows through registers
 /// (CopyTokensByVectors).
 template <typename Vec>
-__global__ void __launch_bounds__(kNormalThreads)
+__global__ void __launch_bounds__(kNormalThreads, 1)
     NormalDispatchCopyKernel(const __grid_constant__ NormalParams p) {
   __shared__ int32_t s_next_token;
   DispatchCopy c;
-  if (!c.Start(p, p.balanced != 0, &s_next_token)) return;
+  if (!c.Start(p, p.order, &s_next_token)) return;
   CopyTokensByVectors<Vec>(c);
   c.Finish();
 }
 
 /// The copy step with bulk copies (sm_90 and later; rows a multiple of 16 bytes): grid of
-/// num_sms blocks of W warps (LaunchBulkCopy), balanced TokenSchedule; dynamic shared
+/// num_sms blocks of W warps (LaunchBulkCopy), TokenOrder::kBlock; dynamic shared
 /// memory: two row slots per warp, then two mbarriers per warp. Each warp's lane 0 loads
 /// its next token's row into one slot (one bulk copy) while the current token's row, in
 /// the other slot, goes to every destination (one bulk store each, one bulk group a
@@ -542,11 +552,11 @@ __global__ void __launch_bounds__(kNormalThreads)
 /// is loaded again, lane 0 waits until the stores from it have read it; before the end,
 /// until every store has written. Compiled for an older architecture (a compute_80 image
 /// JIT-compiled on a newer GPU) it runs CopyTokensByVectors instead.
-__global__ void __launch_bounds__(kNormalThreads)
+__global__ void __launch_bounds__(kNormalThreads, 1)
     NormalDispatchBulkKernel(const __grid_constant__ NormalParams p) {
   __shared__ int32_t s_next_token;
   DispatchCopy c;
-  if (!c.Start(p, true, &s_next_token)) return;
+  if (!c.Start(p, TokenOrder::kBlock, &s_next_token)) return;
 #ifdef EPD_BULK_COPY
   TokenSchedule& tokens = c.tokens;
   extern __shared__ __align__(128) uint8_t s_rows[];

@@ -114,8 +114,11 @@ absl::StatusOr<NormalKernelVariant> NormalKernelVariantFromEnv() {
     return NormalKernelVariant::kBalanced;
   }
   if (std::strcmp(v, "static") == 0) return NormalKernelVariant::kStatic;
+  if (std::strcmp(v, "block") == 0) return NormalKernelVariant::kBlock;
+  if (std::strcmp(v, "bulk") == 0) return NormalKernelVariant::kBulk;
   return absl::InvalidArgumentError(
-      absl::StrCat("EPD_NORMAL_KERNELS = \"", v, "\" is not one of \"balanced\", \"static\""));
+      absl::StrCat("EPD_NORMAL_KERNELS = \"", v,
+                   "\" is not one of \"balanced\", \"static\", \"block\", \"bulk\""));
 }
 
 absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tokens,
@@ -133,7 +136,9 @@ absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tok
   p.rank_masked = ctx.rank_masked;
   p.tiling = NormalDispatchTiling::For(ctx.shape.max_tokens_per_rank);
   EPD_ASSIGN_OR_RETURN(const NormalKernelVariant variant, NormalKernelVariantFromEnv());
-  p.balanced = variant == NormalKernelVariant::kStatic ? 0 : 1;
+  p.order = variant == NormalKernelVariant::kStatic  ? TokenOrder::kStatic
+            : variant == NormalKernelVariant::kBlock ? TokenOrder::kBlock
+                                                     : TokenOrder::kRank;
   p.combine_ranks_in_flight = variant == NormalKernelVariant::kStatic ? 1 : kCombineRanksInFlight;
   p.variant = variant;
   return absl::OkStatus();

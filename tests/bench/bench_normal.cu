@@ -6,7 +6,7 @@
 // the memcpy's, and the HBM bytes the op must read and write (every input byte read once,
 // every output byte written once, counted from the routing) per second over the memcpy's
 // HBM rate (2 bytes of traffic per byte copied), with the goal (>= 85%) and its verdict at
-// the default SM budget. --normal_kernels=static,balanced,bulk compares kernel variants
+// the default SM budget. --normal_kernels=static,block,balanced,bulk compares kernel variants
 // (EPD_NORMAL_KERNELS) in one run. docs/BENCHMARKS.md "Normal-mode kernels".
 #include <cuda_runtime.h>
 #include <stdlib.h>
@@ -34,7 +34,8 @@
 #include "tests/gpu/gpu_test_util.h"
 
 ABSL_FLAG(std::string, normal_kernels, "",
-          "normal bench: comma-separated EPD_NORMAL_KERNELS values (balanced, static, bulk) "
+          "normal bench: comma-separated EPD_NORMAL_KERNELS values (balanced, static, block, "
+          "bulk) "
           "to compare in one run, interleaved per SM budget; empty = as the environment has it");
 
 namespace epd::bench {

@@ -606,7 +606,7 @@ TEST_F(NormalGpuTest, EveryKernelVariantMatchesHostBitForBit) {
       "mixed-T-8",         "one-token-8-ranks",   "ragged-hidden",
       "tiny-odd-hidden",   "tiles-over-3-blocks", "long-tiles-fp8-masked"};
   const std::vector<NormalCase> cases = SweepCases();
-  for (const char* variant : {"static", "balanced", "bulk"}) {
+  for (const char* variant : {"static", "block", "balanced", "bulk"}) {
     ScopedEnv env("EPD_NORMAL_KERNELS", variant);
     for (const NormalCase& c : cases) {
       if (std::none_of(std::begin(picked), std::end(picked),
