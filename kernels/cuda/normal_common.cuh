@@ -31,8 +31,9 @@ enum class NormalKernelVariant : int32_t {
   kStatic,
   /// kBalanced with a counter per block over a contiguous range (TokenOrder::kBlock).
   kBlock,
-  /// kBlock, with the dispatch's rows moved by bulk copies (NormalDispatchBulkKernel)
-  /// where the GPU has them (sm_90 and later) and a row is a multiple of 16 bytes.
+  /// kBalanced, with the dispatch's rows moved by bulk copies (NormalDispatchBulkKernel,
+  /// which takes tokens as kBlock does) where the GPU has them (sm_90 and later) and a row
+  /// is a multiple of 16 bytes.
   kBulk,
 };
 

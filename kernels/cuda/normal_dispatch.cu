@@ -156,7 +156,9 @@ __device__ __forceinline__ bool LastBlockToFinish(const NormalParams& p) {
 /// With `notify`, every block first runs its share of the layout pass (LayoutTiles: the
 /// rank-local counts and send_pos within each tile, no peer involved); the block that
 /// finishes last goes on alone (LastBlockToFinish), the others exit. That one block bumps
-/// the rank's op counter (the op's sequence number seq), then, with `notify`:
+/// the rank's op counter (the op's sequence number seq) and zeroes its token counter
+/// (NormalSyncLayout::kNextToken, for the copy or combine kernel after it), then, with
+/// `notify`:
 ///  totals: tokens per destination rank and per expert, summed over the tiles (each tile's
 ///          count clamped to its token count, so no total exceeds T), and the exclusive
 ///          prefix of the per-rank counts over the tiles;
