@@ -267,9 +267,13 @@ struct TokenSchedule {
     }
     return (threadIdx.x & 31) == 0 ? atomicAdd(counter, 1) : 0;
   }
-  /// The token a Claim got (uniform in the warp); >= end when none was left.
+  /// The token a Claim got (uniform in the warp); >= end when none was left. kRank's
+  /// counter is in endpoint memory, which its client can rewrite (CUDA IPC): a claim below
+  /// 0 is taken as none left, so every token used is in [0, end).
   __device__ __forceinline__ int32_t Take(int32_t claim) const {
-    return counter == nullptr ? claim : __shfl_sync(0xffffffffu, claim, 0);
+    if (counter == nullptr) return claim;
+    const int32_t t = __shfl_sync(0xffffffffu, claim, 0);
+    return t < 0 ? end : t;
   }
   /// Claim and Take at once.
   __device__ __forceinline__ int32_t Next() { return Take(Claim()); }
