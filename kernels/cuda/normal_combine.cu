@@ -17,6 +17,8 @@ namespace normal {
 namespace {
 
 constexpr int kCombineUnroll = 4;
+/// Ranks whose top-k weights one warp of the balanced combine loads before it adds them.
+constexpr int kWeightRanksInFlight = 8;
 
 __device__ __forceinline__ int4 LoadNoAllocate(const int4* p) {
   int4 v;
@@ -37,14 +39,17 @@ __device__ __forceinline__ void AddBf16x8(const int4& v, float* acc) {
   }
 }
 
-/// Pull-and-reduce: grid of num_sms blocks of kNormalThreads; warp w of the grid handles
-/// this rank's tokens w, w + warps, ... For token t: send_pos[t, :] gives the row at each
-/// rank holding it; for each group of kCombineUnroll 16-byte vectors of the row (8 bf16
-/// channels each), acc = +0.0f, then += f32(row at r) for r ascending, then one
-/// round-to-nearest-even to bf16 (types.h FloatToBf16, the host's rounding). With
-/// `kVector` false (H % 8 != 0) channels go one bf16 at a time.
+/// Pull-and-reduce: grid of num_sms blocks of kNormalThreads, one warp a token at a time
+/// (TokenSchedule, p.order). For token t: send_pos[t, :] (read while the warp's
+/// previous token finishes) gives the row at each rank holding it; for each group of kCombineUnroll
+/// 16-byte vectors of the row (8 bf16 channels each), acc = +0.0f, then += f32(row at r) for r
+/// ascending, then one round-to-nearest-even to bf16 (types.h FloatToBf16, the host's rounding).
+/// The warp loads the vectors of p.combine_ranks_in_flight ranks (1 or kCombineRanksInFlight)
+/// before it adds them, in the same order; the top-k weights of up to kWeightRanksInFlight ranks at
+/// once likewise. With `kVector` false (H % 8 != 0) channels go one bf16 at a time.
 template <bool kVector>
 __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalParams p) {
+  __shared__ int32_t s_next_token;
   const uint32_t seq = CurrentSeq(p);
   if (CurrentOpFailed(p, seq)) return;
   const int num_tokens = ReadNumTokens(p, false);
@@ -52,7 +57,6 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
   const int num_topk = p.shape.num_topk;
   const int64_t hidden = p.shape.hidden;
   const int lane = threadIdx.x & 31;
-  const int warps_per_block = blockDim.x >> 5;
 
   uint8_t* own = p.peer_bases[p.rank];
   const int32_t* send_pos = Region<const int32_t>(own, p.layout.send_pos);
@@ -63,37 +67,64 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
   const int64_t capacity = p.shape.max_recv_tokens();
   unsigned int bad_routing = 0;
   unsigned int dropped = 0;  // Routes to masked ranks: their rows are left out of the sum.
+  const int rows_in_flight = p.combine_ranks_in_flight > 1 ? kCombineRanksInFlight : 1;
+  const int weights_in_flight = p.combine_ranks_in_flight > 1 ? kWeightRanksInFlight : 1;
+  TokenSchedule tokens;
+  tokens.Init(p.order, num_tokens, &s_next_token, RankTokenCounter(p));
 
-  for (int t = blockIdx.x * warps_per_block + (threadIdx.x >> 5); t < num_tokens;
-       t += gridDim.x * warps_per_block) {
-    ranks.LoadRow(send_pos + static_cast<int64_t>(t) * num_ranks, num_ranks, lane, capacity,
-                  &bad_routing, &dropped);
+  // Token t's send_pos row is read one token ahead (before the previous token's weights)
+  // and checked when its token starts; the token itself is claimed as the previous token's
+  // last chunk starts.
+  int32_t t = tokens.Next();
+  int64_t row_lo = -1, row_hi = -1;
+  if (t < tokens.end) {
+    TokenRanks::FetchRow(send_pos + static_cast<int64_t>(t) * num_ranks, num_ranks, lane, &row_lo,
+                         &row_hi);
+  }
+  while (t < tokens.end) {
+    ranks.CheckRow(row_lo, row_hi, capacity, &bad_routing, &dropped);
     const uint64_t mask = ranks.mask;
     bf16_bits* out = combined_x + t * hidden;
+    int32_t claim = 0;  // Set in the last chunk of the row (every row has one).
 
     if constexpr (kVector) {
       const int64_t num_vec = hidden / 8;
-      // Warp-uniform trip count: every lane runs every iteration (the shuffles in RowAt
+      // Warp-uniform trip counts: every lane runs every iteration (the shuffles in RowAt
       // need the whole warp); the tail is guarded per vector.
       for (int64_t base = 0; base < num_vec; base += 32 * kCombineUnroll) {
         const int64_t i = base + lane;
+        if (base + 32 * kCombineUnroll >= num_vec) claim = tokens.Claim();
         float acc[kCombineUnroll][8];
 #pragma unroll
         for (int u = 0; u < kCombineUnroll; ++u) {
 #pragma unroll
           for (int c = 0; c < 8; ++c) acc[u][c] = 0.0f;
         }
-        for (uint64_t m = mask; m != 0; m &= m - 1) {
-          const int4* src = reinterpret_cast<const int4*>(
-              ranks.RowAt(LowestRank(m), p.layout.in_combine_x.offset, hidden * 2));
-          int4 v[kCombineUnroll];
+        for (uint64_t m = mask; m != 0;) {
+          // Up to rows_in_flight ranks' vectors loaded (ascending ranks), then added in
+          // that order.
+          int4 v[kCombineRanksInFlight][kCombineUnroll];
+          int loaded = 0;  // Warp-uniform.
 #pragma unroll
-          for (int u = 0; u < kCombineUnroll; ++u) {
-            if (i + 32 * u < num_vec) v[u] = LoadNoAllocate(src + i + 32 * u);
+          for (int g = 0; g < kCombineRanksInFlight; ++g) {
+            if (g < rows_in_flight && m != 0) {
+              const int4* src = reinterpret_cast<const int4*>(
+                  ranks.RowAt(LowestRank(m), p.layout.in_combine_x.offset, hidden * 2));
+              m &= m - 1;
+#pragma unroll
+              for (int u = 0; u < kCombineUnroll; ++u) {
+                if (i + 32 * u < num_vec) v[g][u] = LoadNoAllocate(src + i + 32 * u);
+              }
+              loaded = g + 1;
+            }
           }
 #pragma unroll
-          for (int u = 0; u < kCombineUnroll; ++u) {
-            if (i + 32 * u < num_vec) AddBf16x8(v[u], acc[u]);
+          for (int g = 0; g < kCombineRanksInFlight; ++g) {
+            if (g >= loaded) continue;
+#pragma unroll
+            for (int u = 0; u < kCombineUnroll; ++u) {
+              if (i + 32 * u < num_vec) AddBf16x8(v[g][u], acc[u]);
+            }
           }
         }
 #pragma unroll
@@ -112,6 +143,7 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
     } else {
       for (int64_t base = 0; base < hidden; base += 32) {
         const int64_t h = base + lane;
+        if (base + 32 >= hidden) claim = tokens.Claim();
         float acc = 0.0f;
         for (uint64_t m = mask; m != 0; m &= m - 1) {
           const bf16_bits* src = reinterpret_cast<const bf16_bits*>(
@@ -122,18 +154,37 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
       }
     }
 
+    const int32_t next = tokens.Take(claim);
+    if (next < tokens.end) {
+      TokenRanks::FetchRow(send_pos + static_cast<int64_t>(next) * num_ranks, num_ranks, lane,
+                           &row_lo, &row_hi);
+    }
     if (p.with_weights) {
       for (int base = 0; base < num_topk; base += 32) {  // warp-uniform, as above
         const int k = base + lane;
         float w = 0.0f;
-        for (uint64_t m = mask; m != 0; m &= m - 1) {
-          const float* row = reinterpret_cast<const float*>(ranks.RowAt(
-              LowestRank(m), p.layout.in_combine_weights.offset, 4 * int64_t{num_topk}));
-          if (k < num_topk) w += row[k];
+        for (uint64_t m = mask; m != 0;) {
+          float row_w[kWeightRanksInFlight];
+          int loaded = 0;  // Warp-uniform.
+#pragma unroll
+          for (int g = 0; g < kWeightRanksInFlight; ++g) {
+            if (g < weights_in_flight && m != 0) {
+              const float* row = reinterpret_cast<const float*>(ranks.RowAt(
+                  LowestRank(m), p.layout.in_combine_weights.offset, 4 * int64_t{num_topk}));
+              m &= m - 1;
+              row_w[g] = k < num_topk ? row[k] : 0.0f;
+              loaded = g + 1;
+            }
+          }
+#pragma unroll
+          for (int g = 0; g < kWeightRanksInFlight; ++g) {
+            if (g < loaded) w += row_w[g];
+          }
         }
         if (k < num_topk) combined_w[static_cast<int64_t>(t) * num_topk + k] = w;
       }
     }
+    t = next;
   }
   RecordBadRouting(p, bad_routing);
   RecordDropped(p, dropped);

@@ -8,12 +8,37 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/layout.h"
 #include "kernels/cuda/common.cuh"
 
 namespace epd::kernels::cuda::normal {
+
+/// Ranks whose rows one warp of the balanced combine loads before it adds them.
+inline constexpr int kCombineRanksInFlight = 2;
+
+/// The normal kernels' variants (`EPD_NORMAL_KERNELS`, docs/CUDA_BACKEND.md "Normal
+/// mode"): the same results bit for bit, a different order of work.
+enum class NormalKernelVariant : int32_t {
+  /// Default: the warps of a rank's copy / combine take its tokens one at a time from one
+  /// counter in its sync region (TokenOrder::kRank); a combine warp loads two ranks' rows
+  /// at once.
+  kBalanced,
+  /// Warp w of the grid takes tokens w, w + warps, ...; a combine warp loads one rank's
+  /// row at a time (the kernels before the balanced order, kept for comparison).
+  kStatic,
+  /// kBalanced with a counter per block over a contiguous range (TokenOrder::kBlock).
+  kBlock,
+  /// kBalanced, with the dispatch's rows moved by bulk copies (NormalDispatchBulkKernel,
+  /// which takes tokens as kBlock does) where the GPU has them (sm_90 and later) and a row
+  /// is a multiple of 16 bytes.
+  kBulk,
+};
+
+/// How a copy or combine kernel's warps take this rank's tokens (TokenSchedule).
+enum class TokenOrder : int32_t { kStatic, kBlock, kRank };
 
 /// Everything a normal-mode kernel of one rank reads, passed by value.
 struct NormalParams {
@@ -39,6 +64,12 @@ struct NormalParams {
   const uint8_t* rank_masked = nullptr;
   /// NormalDispatchTiling::For(M): the dispatch's layout tiles (`normal_tiles` region).
   NormalDispatchTiling tiling;
+  /// Work order of the copy and combine kernels (TokenSchedule).
+  TokenOrder order = TokenOrder::kRank;
+  /// Ranks whose rows one combine warp has in flight at once: 1 or kCombineRanksInFlight.
+  int32_t combine_ranks_in_flight = kCombineRanksInFlight;
+  /// The variant these fields came from (the launchers pick their kernels by it).
+  NormalKernelVariant variant = NormalKernelVariant::kBalanced;
 };
 
 // ---- addressing ---------------------------------------------------------------------------
@@ -123,9 +154,16 @@ struct TokenRanks {
   __device__ __forceinline__ void LoadRow(const int32_t* pos_row, int num_ranks, int lane,
                                           int64_t capacity, unsigned int* bad,
                                           unsigned int* dropped) {
-    const int64_t lo = lane < num_ranks ? pos_row[lane] : -1;
-    const int64_t hi = lane + 32 < num_ranks ? pos_row[lane + 32] : -1;
+    int64_t lo, hi;
+    FetchRow(pos_row, num_ranks, lane, &lo, &hi);
     CheckRow(lo, hi, capacity, bad, dropped);
+  }
+  /// The raw entries LoadRow reads (the lane's ranks lane and lane + 32, -1 past R), for a
+  /// caller that reads a row ahead of its use and passes them to CheckRow there.
+  __device__ __forceinline__ static void FetchRow(const int32_t* pos_row, int num_ranks, int lane,
+                                                  int64_t* lo, int64_t* hi) {
+    *lo = lane < num_ranks ? pos_row[lane] : -1;
+    *hi = lane + 32 < num_ranks ? pos_row[lane + 32] : -1;
   }
   /// The dispatch copy's LoadRow: `pos_row` holds the layout pass's row of token t inside
   /// its tile (-1 = not sent), `base_row` [R] its tile's first row at each rank. Each entry
@@ -181,6 +219,70 @@ struct TokenRanks {
     return Base(r) + region_offset + Row(r) * row_bytes;
   }
 };
+
+/// The order in which a kernel's warps take this rank's tokens (one warp a token), by
+/// TokenOrder. kStatic: warp w of the grid takes tokens w, w + W, ... (W warps in the
+/// grid), so every warp gets the same count of tokens whatever their destinations. kBlock:
+/// block b owns the contiguous tokens [T·b/G, T·(b+1)/G) (G blocks) and its warps take them
+/// one at a time from a shared-memory counter as each finishes its last. kRank: every warp
+/// of the rank takes the next token from one counter in the rank's sync region
+/// (NormalSyncLayout::kNextToken, zeroed by the op's first kernel). With a counter, a warp
+/// whose tokens have few destinations takes more of them, and the warps end within about
+/// one token of each other. A warp claims its next token (Claim: the counter's atomic
+/// issued, its result not yet waited for) some time before it takes it (Take), which hides
+/// the atomic's round trip; it should claim late in its current token, as a claimed token
+/// waits for it. Init is block-collective (every thread, once); Claim and Take
+/// warp-collective.
+struct TokenSchedule {
+  int32_t next = 0;  ///< kStatic: this warp's next token.
+  int32_t stride = 0;
+  int32_t end = 0;             ///< Tokens at or past it are not this block's.
+  int32_t* counter = nullptr;  ///< kBlock / kRank: the next token (shared / global memory).
+
+  __device__ __forceinline__ void Init(TokenOrder order, int32_t num_tokens, int32_t* s_counter,
+                                       int32_t* rank_counter) {
+    const int32_t warps = static_cast<int32_t>(blockDim.x >> 5);
+    if (order == TokenOrder::kBlock) {
+      const int64_t n = num_tokens;
+      const int32_t begin = static_cast<int32_t>(n * blockIdx.x / gridDim.x);
+      end = static_cast<int32_t>(n * (blockIdx.x + 1) / gridDim.x);
+      counter = s_counter;
+      if (threadIdx.x == 0) *counter = begin;
+      __syncthreads();
+    } else if (order == TokenOrder::kRank) {
+      end = num_tokens;
+      counter = rank_counter;
+    } else {
+      next = static_cast<int32_t>(blockIdx.x) * warps + static_cast<int32_t>(threadIdx.x >> 5);
+      stride = static_cast<int32_t>(gridDim.x) * warps;
+      end = num_tokens;
+    }
+  }
+  /// Claims this warp's next token: the value to pass to Take (meaningful in lane 0).
+  __device__ __forceinline__ int32_t Claim() {
+    if (counter == nullptr) {
+      const int32_t t = next;
+      next = t < end ? t + stride : t;  // Never past end + stride: no overflow near 2^31.
+      return t;
+    }
+    return (threadIdx.x & 31) == 0 ? atomicAdd(counter, 1) : 0;
+  }
+  /// The token a Claim got (uniform in the warp); >= end when none was left. kRank's
+  /// counter is in endpoint memory, which its client can rewrite (CUDA IPC): a claim below
+  /// 0 is taken as none left, so every token used is in [0, end).
+  __device__ __forceinline__ int32_t Take(int32_t claim) const {
+    if (counter == nullptr) return claim;
+    const int32_t t = __shfl_sync(0xffffffffu, claim, 0);
+    return t < 0 ? end : t;
+  }
+  /// Claim and Take at once.
+  __device__ __forceinline__ int32_t Next() { return Take(Claim()); }
+};
+
+/// This rank's token counter of TokenOrder::kRank (NormalSyncLayout::kNextToken).
+__device__ __forceinline__ int32_t* RankTokenCounter(const NormalParams& p) {
+  return reinterpret_cast<int32_t*>(NormalSync(p, p.rank) + NormalSyncLayout::kNextToken);
+}
 
 /// Lowest set bit of a non-zero mask (ranks are visited in ascending order).
 __device__ __forceinline__ int LowestRank(uint64_t m) {
@@ -262,8 +364,13 @@ __device__ __forceinline__ void FinishOp(const NormalParams& p, uint32_t seq) {
 
 namespace epd::kernels::cuda::normal {
 
-/// Host side: validates `ctx` (ValidateNormalContext), fills the parameter block and
-/// resolves the grid size (ResolveNumBlocks). `num_tokens` null = NormalNumTokensSlot(ctx).
+/// Host side: the variant `EPD_NORMAL_KERNELS` names: unset or empty = kBalanced,
+/// "balanced", "static", "block", "bulk". INVALID_ARGUMENT naming the variable and value otherwise.
+absl::StatusOr<NormalKernelVariant> NormalKernelVariantFromEnv();
+
+/// Host side: validates `ctx` (ValidateNormalContext), fills the parameter block (the
+/// kernel variant from NormalKernelVariantFromEnv) and resolves the grid size
+/// (ResolveNumBlocks). `num_tokens` null = NormalNumTokensSlot(ctx).
 absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tokens,
                               NormalParams* params, int32_t* num_blocks);
 

@@ -4,6 +4,8 @@
 // host_ops.h the semantics).
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
@@ -11,6 +13,7 @@
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
+#include "kernels/cuda/bulk_copy.cuh"
 #include "kernels/cuda/normal_common.cuh"
 
 namespace epd::kernels::cuda {
@@ -153,7 +156,9 @@ __device__ __forceinline__ bool LastBlockToFinish(const NormalParams& p) {
 /// With `notify`, every block first runs its share of the layout pass (LayoutTiles: the
 /// rank-local counts and send_pos within each tile, no peer involved); the block that
 /// finishes last goes on alone (LastBlockToFinish), the others exit. That one block bumps
-/// the rank's op counter (the op's sequence number seq), then, with `notify`:
+/// the rank's op counter (the op's sequence number seq) and zeroes its token counter
+/// (NormalSyncLayout::kNextToken, for the copy or combine kernel after it), then, with
+/// `notify`:
 ///  totals: tokens per destination rank and per expert, summed over the tiles (each tile's
 ///          count clamped to its token count, so no total exceeds T), and the exclusive
 ///          prefix of the per-rank counts over the tiles;
@@ -194,6 +199,8 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
     const uint32_t seq = *counter + 1;
     *counter = seq;
     s_seq = seq;
+    // The op's copy or combine kernel, next on this stream, takes tokens from 0.
+    *reinterpret_cast<int32_t*>(own_sync + NormalSyncLayout::kNextToken) = 0;
     s_num_tokens = ReadNumTokens(p, true);
     s_failed = 0;
   }
@@ -323,111 +330,327 @@ __device__ __forceinline__ Vec LoadStreaming(const Vec* p) {
   }
 }
 
-/// The copy step of a dispatch: grid of num_sms blocks of kNormalThreads; warp w of the
-/// grid handles tokens w, w + warps, ... . For token t it reads send_pos[t, :] (lane r
-/// holds ranks r and r + 32; unless cached, the layout's rows within the tile, which it
-/// turns into final rows with the notify's tile bases and writes back: TokenRanks::
-/// ResolveRow), loads the row kCopyUnroll vectors per lane at a time and
-/// stores them to the row at every destination, then the scales, recv_src_info and
-/// (unless cached) recv_topk_idx / recv_topk_weights. `Vec` is int4 when a row is a
-/// multiple of 16 bytes, else bf16 units.
+/// Loads the vectors [i + 32u] (u < kCopyUnroll) of `src` below `num_vec` into v[u]
+/// (i = the chunk's first vector + lane).
 template <typename Vec>
-__global__ void __launch_bounds__(kNormalThreads) NormalDispatchCopyKernel(NormalParams p) {
-  const uint32_t seq = CurrentSeq(p);
-  if (CurrentOpFailed(p, seq)) return;
-  const int num_tokens = ReadNumTokens(p, false);
-  const int num_ranks = p.shape.num_ranks;
-  const int num_topk = p.shape.num_topk;
-  const int experts_per_rank = p.shape.num_local_experts();
-  const int num_scales = p.shape.num_scales();
-  const int lane = threadIdx.x & 31;
-  const int warps_per_block = blockDim.x >> 5;
-  const int64_t row_bytes =
-      p.fp8 ? static_cast<int64_t>(p.shape.hidden) : 2 * static_cast<int64_t>(p.shape.hidden);
-  const int64_t num_vec = row_bytes / static_cast<int64_t>(sizeof(Vec));
+__device__ __forceinline__ void LoadChunk(const Vec* src, int64_t i, int64_t num_vec,
+                                          Vec (&v)[kCopyUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    if (i + 32 * u < num_vec) v[u] = LoadStreaming(src + i + 32 * u);
+  }
+}
 
-  uint8_t* own = p.peer_bases[p.rank];
-  int32_t* send_pos = Region<int32_t>(own, p.layout.send_pos);
-  const int32_t* tile_bases = reinterpret_cast<const int32_t*>(own + p.layout.normal_tiles.offset +
-                                                               p.tiling.bases(num_ranks));
-  const uint8_t* x = Region<const uint8_t>(own, p.layout.in_x);
-  const float* x_scales = Region<const float>(own, p.layout.in_scales);
-  const int64_t* topk_idx = Region<const int64_t>(own, p.layout.in_topk_idx);
-  const float* topk_weights = Region<const float>(own, p.layout.in_topk_weights);
+/// One token's metadata held by its warp: lane j has scales j and j + 32 (fp8) and top-k
+/// entry j (a new dispatch); any beyond are read where they are written.
+struct TokenMeta {
+  float scale_lo, scale_hi;
+  int64_t expert;
+  float weight;
+};
+
+/// The per-warp state and steps of a dispatch's copy, shared by its two kernels
+/// (NormalDispatchCopyKernel, NormalDispatchBulkKernel): the token's routing row, its
+/// metadata in and out, and the end of the op.
+struct DispatchCopy {
+  const NormalParams* p;
+  int lane;
+  int num_ranks, num_topk, experts_per_rank, num_scales;
+  int64_t row_bytes;
+  int32_t* send_pos;
+  const int32_t* tile_bases;
+  const uint8_t* x;
+  const float* x_scales;
+  const int64_t* topk_idx;
+  const float* topk_weights;
   TokenRanks ranks;
-  ranks.LoadBases(p.peer_bases, num_ranks, lane, p.rank_masked);
-  const int64_t capacity = p.shape.max_recv_tokens();
+  int64_t capacity;
+  int64_t src_info_base;
+  bool fresh;  ///< A new dispatch: recv_topk_idx / weights written (not cached).
   unsigned int bad_routing = 0;
   // Routes to masked ranks: counted for a cached dispatch (its send_pos predates the mask);
   // a new dispatch's send_pos has none (its pairs were dropped and counted by the notify).
   unsigned int dropped = 0;
-  const int64_t src_info_base = static_cast<int64_t>(p.rank) * p.shape.max_tokens_per_rank;
 
-  for (int t = blockIdx.x * warps_per_block + (threadIdx.x >> 5); t < num_tokens;
-       t += gridDim.x * warps_per_block) {
+  uint32_t seq;          ///< The op's sequence number.
+  TokenSchedule tokens;  ///< This warp's tokens.
+
+  /// The copy kernels' start (every thread of the block): false when the op failed (the
+  /// block then returns at once), else the state set up and the schedule started.
+  __device__ __forceinline__ bool Start(const NormalParams& params, TokenOrder order,
+                                        int32_t* s_next_token) {
+    seq = CurrentSeq(params);
+    if (CurrentOpFailed(params, seq)) return false;
+    Init(params);
+    tokens.Init(order, ReadNumTokens(params, false), s_next_token, RankTokenCounter(params));
+    return true;
+  }
+
+  __device__ __forceinline__ void Init(const NormalParams& params) {
+    p = &params;
+    lane = threadIdx.x & 31;
+    num_ranks = params.shape.num_ranks;
+    num_topk = params.shape.num_topk;
+    experts_per_rank = params.shape.num_local_experts();
+    num_scales = params.shape.num_scales();
+    row_bytes = params.fp8 ? static_cast<int64_t>(params.shape.hidden)
+                           : 2 * static_cast<int64_t>(params.shape.hidden);
+    uint8_t* own = params.peer_bases[params.rank];
+    send_pos = Region<int32_t>(own, params.layout.send_pos);
+    tile_bases = reinterpret_cast<const int32_t*>(own + params.layout.normal_tiles.offset +
+                                                  params.tiling.bases(num_ranks));
+    x = Region<const uint8_t>(own, params.layout.in_x);
+    x_scales = Region<const float>(own, params.layout.in_scales);
+    topk_idx = Region<const int64_t>(own, params.layout.in_topk_idx);
+    topk_weights = Region<const float>(own, params.layout.in_topk_weights);
+    ranks.LoadBases(params.peer_bases, num_ranks, lane, params.rank_masked);
+    capacity = params.shape.max_recv_tokens();
+    src_info_base = static_cast<int64_t>(params.rank) * params.shape.max_tokens_per_rank;
+    fresh = params.cached == 0;
+  }
+
+  /// Token t's row of x.
+  __device__ __forceinline__ const uint8_t* Row(int32_t t) const { return x + t * row_bytes; }
+
+  /// Loads token t's metadata (TokenMeta). Warp-collective.
+  __device__ __forceinline__ TokenMeta LoadMeta(int32_t t) const {
+    const float* sc = x_scales + static_cast<int64_t>(t) * num_scales;
+    const int64_t first = static_cast<int64_t>(t) * num_topk;
+    TokenMeta m;
+    m.scale_lo = p->fp8 && lane < num_scales ? sc[lane] : 0.0f;
+    m.scale_hi = p->fp8 && lane + 32 < num_scales ? sc[lane + 32] : 0.0f;
+    m.expert = fresh && lane < num_topk ? topk_idx[first + lane] : -1;
+    m.weight = fresh && p->with_weights && lane < num_topk ? topk_weights[first + lane] : 0.0f;
+    return m;
+  }
+
+  /// Reads send_pos[t, :] into `ranks` (lane r holds ranks r and r + 32; unless cached,
+  /// the layout's rows within the tile, which it turns into final rows with the notify's
+  /// tile bases and writes back: TokenRanks::ResolveRow) and returns the destination mask.
+  /// Warp-collective.
+  __device__ __forceinline__ uint64_t Route(int32_t t) {
     int32_t* pos_row = send_pos + static_cast<int64_t>(t) * num_ranks;
-    if (p.cached) {
+    if (p->cached) {
       ranks.LoadRow(pos_row, num_ranks, lane, capacity, &bad_routing, &dropped);
     } else {
       ranks.ResolveRow(pos_row,
-                       tile_bases + static_cast<int64_t>(t / p.tiling.tile_tokens) * num_ranks,
+                       tile_bases + static_cast<int64_t>(t / p->tiling.tile_tokens) * num_ranks,
                        num_ranks, lane, capacity, &bad_routing, &dropped);
     }
-    const uint64_t mask = ranks.mask;
-    if (mask == 0) continue;
+    return ranks.mask;
+  }
 
-    // Row data: each lane loads kCopyUnroll vectors, then stores them at every destination.
-    const Vec* src = reinterpret_cast<const Vec*>(x + t * row_bytes);
+  /// Writes token t's scales, recv_src_info and (a new dispatch) recv_topk_idx /
+  /// recv_topk_weights at every destination in `mask`. Warp-collective.
+  __device__ __forceinline__ void StoreMeta(int32_t t, uint64_t mask, const TokenMeta& meta) {
+    const float* sc = x_scales + static_cast<int64_t>(t) * num_scales;
+    const int64_t first = static_cast<int64_t>(t) * num_topk;
+    for (uint64_t m = mask; m != 0; m &= m - 1) {
+      const int r = LowestRank(m);
+      const int64_t pos = ranks.Row(r);
+      uint8_t* dst_base = ranks.Base(r);
+      if (p->fp8) {
+        float* dst = Region<float>(dst_base, p->layout.recv_scales) + pos * num_scales;
+        if (lane < num_scales) dst[lane] = meta.scale_lo;
+        if (lane + 32 < num_scales) dst[lane + 32] = meta.scale_hi;
+        for (int j = lane + 64; j < num_scales; j += 32) dst[j] = sc[j];
+      }
+      if (lane == 0) {
+        Region<int32_t>(dst_base, p->layout.recv_src_info)[pos] =
+            static_cast<int32_t>(src_info_base + t);
+      }
+      if (fresh) {
+        const int64_t first_local = static_cast<int64_t>(r) * experts_per_rank;
+        int64_t* recv_idx = Region<int64_t>(dst_base, p->layout.recv_topk_idx) + pos * num_topk;
+        float* recv_w = Region<float>(dst_base, p->layout.recv_topk_weights) + pos * num_topk;
+        if (lane < num_topk) {
+          const bool local =
+              meta.expert >= first_local && meta.expert < first_local + experts_per_rank;
+          recv_idx[lane] = local ? meta.expert - first_local : -1;
+          // Without weights: zeros (not what an earlier dispatch left there).
+          recv_w[lane] = local ? meta.weight : 0.0f;
+        }
+        for (int k = lane + 32; k < num_topk; k += 32) {
+          const int64_t e = topk_idx[first + k];
+          const bool local = e >= first_local && e < first_local + experts_per_rank;
+          recv_idx[k] = local ? e - first_local : -1;
+          recv_w[k] = local && p->with_weights ? topk_weights[first + k] : 0.0f;
+        }
+      }
+    }
+  }
+
+  /// The end of the copy: the routing counts into DeviceStatus, then FinishOp. Every
+  /// thread of every block.
+  __device__ __forceinline__ void Finish() {
+    RecordBadRouting(*p, bad_routing);
+    if (p->cached) RecordDropped(*p, dropped);
+    FinishOp(*p, seq);
+  }
+};
+
+/// The vector path of the copy, from the warp's TokenSchedule on: for each token, one
+/// round trip loads the row's first kCopyUnroll vectors per lane, its metadata and its
+/// routing row (none depends on another); then each chunk is stored at every destination
+/// and the next chunk loaded, then the metadata stored. `Vec` is int4 when a row is a
+/// multiple of 16 bytes, else bf16 units.
+template <typename Vec>
+__device__ __forceinline__ void CopyTokensByVectors(DispatchCopy& c) {
+  TokenSchedule& tokens = c.tokens;
+  const int lane = c.lane;
+  const int64_t num_vec = c.row_bytes / static_cast<int64_t>(sizeof(Vec));
+  int32_t claim = tokens.Claim();
+  for (;;) {
+    const int32_t t = tokens.Take(claim);
+    if (t >= tokens.end) break;
+    const Vec* src = reinterpret_cast<const Vec*>(c.Row(t));
+    Vec v[kCopyUnroll];
+    LoadChunk(src, lane, num_vec, v);
+    const TokenMeta meta = c.LoadMeta(t);
+    const uint64_t mask = c.Route(t);
+    if (mask == 0) {
+      claim = tokens.Claim();
+      continue;
+    }
     // Warp-uniform trip count: every lane runs every iteration (RowAt shuffles need the
-    // whole warp); the tail is guarded per vector.
+    // whole warp); the tail is guarded per vector. The next token is claimed as the last
+    // chunk starts.
     for (int64_t base = 0; base < num_vec; base += 32 * kCopyUnroll) {
       const int64_t i = base + lane;
-      Vec v[kCopyUnroll];
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        if (i + 32 * u < num_vec) v[u] = LoadStreaming(src + i + 32 * u);
-      }
+      if (base != 0) LoadChunk(src, i, num_vec, v);
+      if (base + 32 * kCopyUnroll >= num_vec) claim = tokens.Claim();
       for (uint64_t m = mask; m != 0; m &= m - 1) {
-        Vec* dst =
-            reinterpret_cast<Vec*>(ranks.RowAt(LowestRank(m), p.layout.recv_x.offset, row_bytes));
+        Vec* dst = reinterpret_cast<Vec*>(
+            c.ranks.RowAt(LowestRank(m), c.p->layout.recv_x.offset, c.row_bytes));
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u) {
           if (i + 32 * u < num_vec) dst[i + 32 * u] = v[u];
         }
       }
     }
+    c.StoreMeta(t, mask, meta);
+  }
+}
 
-    // Per-row metadata at every destination.
-    for (uint64_t m = mask; m != 0; m &= m - 1) {
-      const int r = LowestRank(m);
-      const int64_t pos = ranks.Row(r);
-      uint8_t* dst_base = ranks.Base(r);
-      if (p.fp8) {
-        const float* sc = x_scales + static_cast<int64_t>(t) * num_scales;
-        float* dst = Region<float>(dst_base, p.layout.recv_scales) + pos * num_scales;
-        for (int j = lane; j < num_scales; j += 32) dst[j] = sc[j];
-      }
-      if (lane == 0)
-        Region<int32_t>(dst_base, p.layout.recv_src_info)[pos] =
-            static_cast<int32_t>(src_info_base + t);
-      if (!p.cached) {
-        const int64_t first_local = static_cast<int64_t>(r) * experts_per_rank;
-        int64_t* recv_idx = Region<int64_t>(dst_base, p.layout.recv_topk_idx) + pos * num_topk;
-        float* recv_w = Region<float>(dst_base, p.layout.recv_topk_weights) + pos * num_topk;
-        for (int k = lane; k < num_topk; k += 32) {
-          const int64_t e = topk_idx[static_cast<int64_t>(t) * num_topk + k];
-          const bool local = e >= first_local && e < first_local + experts_per_rank;
-          recv_idx[k] = local ? e - first_local : -1;
-          // Without weights: zeros (not what an earlier dispatch left there).
-          recv_w[k] =
-              local && p.with_weights ? topk_weights[static_cast<int64_t>(t) * num_topk + k] : 0.0f;
+/// The copy step of a dispatch: grid of num_sms blocks of kNormalThreads, one warp a token
+/// at a time (TokenSchedule, p.order), moving rows through registers
+/// (CopyTokensByVectors).
+template <typename Vec>
+__global__ void __launch_bounds__(kNormalThreads, 1)
+    NormalDispatchCopyKernel(const __grid_constant__ NormalParams p) {
+  __shared__ int32_t s_next_token;
+  DispatchCopy c;
+  if (!c.Start(p, p.order, &s_next_token)) return;
+  CopyTokensByVectors<Vec>(c);
+  c.Finish();
+}
+
+/// The copy step with bulk copies (sm_90 and later; rows a multiple of 16 bytes): grid of
+/// num_sms blocks of W warps (LaunchBulkCopy), TokenOrder::kBlock; dynamic shared
+/// memory: two row slots per warp, then two mbarriers per warp. Each warp's lane 0 loads
+/// its next token's row into one slot (one bulk copy) while the current token's row, in
+/// the other slot, goes to every destination (one bulk store each, one bulk group a
+/// token); the warp meanwhile resolves the routing and moves the metadata. Before a slot
+/// is loaded again, lane 0 waits until the stores from it have read it; before the end,
+/// until every store has written. Compiled for an older architecture (a compute_80 image
+/// JIT-compiled on a newer GPU) it runs CopyTokensByVectors instead.
+__global__ void __launch_bounds__(kNormalThreads, 1)
+    NormalDispatchBulkKernel(const __grid_constant__ NormalParams p) {
+  __shared__ int32_t s_next_token;
+  DispatchCopy c;
+  if (!c.Start(p, TokenOrder::kBlock, &s_next_token)) return;
+#ifdef EPD_BULK_COPY
+  TokenSchedule& tokens = c.tokens;
+  extern __shared__ __align__(128) uint8_t s_rows[];
+  const int lane = c.lane;
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  const int warps = static_cast<int>(blockDim.x >> 5);
+  const uint32_t row_bytes = static_cast<uint32_t>(c.row_bytes);
+  uint8_t* slots = s_rows + static_cast<uint64_t>(warp) * 2 * row_bytes;
+  uint64_t* bars =
+      reinterpret_cast<uint64_t*>(s_rows + static_cast<uint64_t>(warps) * 2 * row_bytes) + 2 * warp;
+  if (lane == 0) {
+    device::InitBulkBarrier(&bars[0]);
+    device::InitBulkBarrier(&bars[1]);
+  }
+  __syncwarp();
+  bool stuck = false;   // A row load passed the deadline: stores skipped from then on.
+  uint32_t parity = 0;  // Bit s: parity of slot s's next phase (lane 0).
+  int slot = 0;
+  int32_t t = tokens.Next();
+  if (lane == 0 && t < tokens.end) device::BulkLoad(slots, c.Row(t), row_bytes, &bars[0]);
+  while (t < tokens.end) {
+    const int32_t next = tokens.Next();
+    uint8_t* row = slots + static_cast<uint64_t>(slot) * row_bytes;
+    if (lane == 0 && next < tokens.end) {
+      device::BulkWaitRead();  // The other slot's stores (the token before t) have read it.
+      device::BulkLoad(slots + static_cast<uint64_t>(slot ^ 1) * row_bytes, c.Row(next), row_bytes,
+                       &bars[slot ^ 1]);
+    }
+    const TokenMeta meta = c.LoadMeta(t);
+    const uint64_t mask = c.Route(t);
+    if (lane == 0) {
+      // Every load is waited for, sent or not, so each slot's phases stay in step.
+      const uint32_t phase = (parity >> slot) & 1u;
+      if (!stuck && !device::BulkBarrierDone(&bars[slot], phase)) {
+        const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
+        while (!device::BulkBarrierDone(&bars[slot], phase)) {
+          if (device::GlobalTimerNs() > deadline) {
+            stuck = true;
+            atomicOr(&OwnStatus(p)->timed_out, 1u);
+            break;
+          }
         }
       }
+      parity ^= 1u << slot;
     }
+    for (uint64_t m = mask; m != 0; m &= m - 1) {
+      uint8_t* dst = c.ranks.RowAt(LowestRank(m), p.layout.recv_x.offset, c.row_bytes);
+      if (lane == 0 && !stuck) device::BulkStore(dst, row, row_bytes);
+    }
+    if (lane == 0) device::BulkCommit();
+    c.StoreMeta(t, mask, meta);
+    t = next;
+    slot ^= 1;
   }
-  RecordBadRouting(p, bad_routing);
-  if (p.cached) RecordDropped(p, dropped);
-  FinishOp(p, seq);
+  if (lane == 0) device::BulkWaitWritten();
+  __syncwarp();
+#else
+  CopyTokensByVectors<int4>(c);
+#endif
+  c.Finish();
+}
+
+/// Shared memory NormalDispatchBulkKernel leaves for its static variables.
+constexpr int64_t kBulkStaticShared = 1024;
+
+/// The current device and the dynamic shared memory NormalDispatchBulkKernel may use on
+/// it: its opt-in maximum less kBulkStaticShared, or 0 below compute capability 9 (no bulk
+/// copies).
+absl::Status BulkSharedBudget(int* device, int64_t* budget) {
+  int major = 0;
+  int optin = 0;
+  EPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(device));
+  EPD_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, *device));
+  EPD_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, *device));
+  *budget = major >= 9 ? static_cast<int64_t>(optin) - kBulkStaticShared : 0;
+  return absl::OkStatus();
+}
+
+/// Lets NormalDispatchBulkKernel use `bytes` of dynamic shared memory on `device` (the
+/// current one), once per device (a per-kernel, per-device attribute; devices past 63 set it
+/// on every call). The preload sets it, so a launch inside a stream capture need not.
+absl::Status AllowBulkSharedMemory(int device, int64_t bytes) {
+  static std::atomic<uint64_t> allowed{0};
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (allowed.load(std::memory_order_relaxed) & bit) != 0) return absl::OkStatus();
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(NormalDispatchBulkKernel,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(bytes)));
+  allowed.fetch_or(bit, std::memory_order_relaxed);
+  return absl::OkStatus();
 }
 
 absl::Status PreloadDispatchKernels() {
@@ -435,9 +658,38 @@ absl::Status PreloadDispatchKernels() {
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NormalNotifyKernel));
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NormalDispatchCopyKernel<int4>));
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NormalDispatchCopyKernel<uint16_t>));
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NormalDispatchBulkKernel));
+  int device = 0;
+  int64_t budget = 0;
+  EPD_RETURN_IF_ERROR(BulkSharedBudget(&device, &budget));
+  if (budget > 0) EPD_RETURN_IF_ERROR(AllowBulkSharedMemory(device, budget));
   return absl::OkStatus();
 }
 const bool kDispatchPreloadRegistered = RegisterPreloadHook(&PreloadDispatchKernels);
+
+/// Launches NormalDispatchBulkKernel for rows of `row_bytes` when the current device has
+/// bulk copies (compute capability >= 9) and room for two rows a warp, with as many warps
+/// (<= kNormalThreads / 32) as its opt-in shared memory holds; sets *launched. Leaves
+/// *launched false (and launches nothing) otherwise: rows not a multiple of 16 bytes or
+/// regions not 16-byte aligned, an older GPU, rows too long.
+absl::Status LaunchBulkCopy(const NormalParams& p, int64_t row_bytes, int32_t num_blocks,
+                            cudaStream_t stream, bool* launched) {
+  *launched = false;
+  if (row_bytes % 16 != 0 || p.layout.in_x.offset % 16 != 0 || p.layout.recv_x.offset % 16 != 0) {
+    return absl::OkStatus();
+  }
+  int device = 0;
+  int64_t budget = 0;
+  EPD_RETURN_IF_ERROR(BulkSharedBudget(&device, &budget));
+  const int64_t per_warp = 2 * row_bytes + 2 * static_cast<int64_t>(sizeof(uint64_t));
+  const int64_t warps = std::min<int64_t>(budget / per_warp, kNormalThreads / 32);
+  if (warps < 1) return absl::OkStatus();
+  EPD_RETURN_IF_ERROR(AllowBulkSharedMemory(device, budget));
+  NormalDispatchBulkKernel<<<num_blocks, static_cast<unsigned>(warps * 32),
+                             static_cast<size_t>(warps * per_warp), stream>>>(p);
+  *launched = true;
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
 
 }  // namespace
 
@@ -482,6 +734,11 @@ absl::Status NormalDispatch(const CudaRankContext& ctx, const NormalDispatchArgs
 
   EPD_RETURN_IF_ERROR(normal::LaunchNotify(p, !args.cached, num_blocks, stream));
   const int64_t row_bytes = args.fp8 ? ctx.shape.hidden : 2 * int64_t{ctx.shape.hidden};
+  if (p.variant == normal::NormalKernelVariant::kBulk) {
+    bool launched = false;
+    EPD_RETURN_IF_ERROR(normal::LaunchBulkCopy(p, row_bytes, num_blocks, stream, &launched));
+    if (launched) return absl::OkStatus();
+  }
   if (row_bytes % 16 == 0) {
     normal::NormalDispatchCopyKernel<int4><<<num_blocks, kNormalThreads, 0, stream>>>(p);
   } else {

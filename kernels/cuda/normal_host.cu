@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -106,6 +108,19 @@ absl::StatusOr<NormalDispatchCounts> ReadNormalDispatchCounts(const CudaRankCont
 
 namespace normal {
 
+absl::StatusOr<NormalKernelVariant> NormalKernelVariantFromEnv() {
+  const char* v = std::getenv("EPD_NORMAL_KERNELS");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "balanced") == 0) {
+    return NormalKernelVariant::kBalanced;
+  }
+  if (std::strcmp(v, "static") == 0) return NormalKernelVariant::kStatic;
+  if (std::strcmp(v, "block") == 0) return NormalKernelVariant::kBlock;
+  if (std::strcmp(v, "bulk") == 0) return NormalKernelVariant::kBulk;
+  return absl::InvalidArgumentError(
+      absl::StrCat("EPD_NORMAL_KERNELS = \"", v,
+                   "\" is not one of \"balanced\", \"static\", \"block\", \"bulk\""));
+}
+
 absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tokens,
                               NormalParams* params, int32_t* num_blocks) {
   EPD_RETURN_IF_ERROR(ValidateNormalContext(ctx));
@@ -120,6 +135,12 @@ absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tok
   p.sync_map = SyncMap(ctx.shape);
   p.rank_masked = ctx.rank_masked;
   p.tiling = NormalDispatchTiling::For(ctx.shape.max_tokens_per_rank);
+  EPD_ASSIGN_OR_RETURN(const NormalKernelVariant variant, NormalKernelVariantFromEnv());
+  p.order = variant == NormalKernelVariant::kStatic  ? TokenOrder::kStatic
+            : variant == NormalKernelVariant::kBlock ? TokenOrder::kBlock
+                                                     : TokenOrder::kRank;
+  p.combine_ranks_in_flight = variant == NormalKernelVariant::kStatic ? 1 : kCombineRanksInFlight;
+  p.variant = variant;
   return absl::OkStatus();
 }
 

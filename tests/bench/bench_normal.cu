@@ -6,8 +6,10 @@
 // the memcpy's, and the HBM bytes the op must read and write (every input byte read once,
 // every output byte written once, counted from the routing) per second over the memcpy's
 // HBM rate (2 bytes of traffic per byte copied), with the goal (>= 85%) and its verdict at
-// the default SM budget. docs/BENCHMARKS.md "Normal-mode kernels".
+// the default SM budget. --normal_kernels=static,block,balanced,bulk compares kernel variants
+// (EPD_NORMAL_KERNELS) in one run. docs/BENCHMARKS.md "Normal-mode kernels".
 #include <cuda_runtime.h>
+#include <stdlib.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -22,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
@@ -29,6 +32,11 @@
 #include "tests/bench/bench.h"
 #include "tests/bench/bench_cuda.h"
 #include "tests/gpu/gpu_test_util.h"
+
+ABSL_FLAG(std::string, normal_kernels, "",
+          "normal bench: comma-separated EPD_NORMAL_KERNELS values (balanced, static, block, "
+          "bulk) "
+          "to compare in one run, interleaved per SM budget; empty = as the environment has it");
 
 namespace epd::bench {
 namespace {
@@ -94,6 +102,7 @@ absl::StatusOr<double> TimeMemcpy(size_t bytes, int batch) {
 
 struct Row {
   std::string op;
+  std::string variant;  // EPD_NORMAL_KERNELS during the op ("" = as the process had it)
   int32_t sms = 0;
   bool oversubscribed = false;
   double bytes_per_rank = 0;  // mean over ranks
@@ -107,6 +116,9 @@ struct Row {
 double HbmOverCopy(const Row& r) {
   return (r.hbm_bytes / r.op_us) / (2.0 * r.memcpy_bytes / r.memcpy_us);
 }
+
+/// The kernel variant of a row, for printing.
+const char* VariantName(const Row& r) { return r.variant.empty() ? "default" : r.variant.c_str(); }
 
 /// The goal of the normal kernels: HBM bytes per second >= 85% of the device copy's.
 constexpr double kHbmGoal = 0.85;
@@ -175,6 +187,12 @@ absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_s
   EPD_ASSIGN_OR_RETURN(const double memcpy_fp8_us,
                        TimeMemcpy(static_cast<size_t>(fp8_total), kBatch));
 
+  // Kernel variants compared in this run (--normal_kernels), interleaved per SM budget so
+  // each pair is measured minutes, not runs, apart; "" = EPD_NORMAL_KERNELS as it was.
+  std::vector<std::string> variants =
+      absl::StrSplit(absl::GetFlag(FLAGS_normal_kernels), ',', absl::SkipEmpty());
+  if (variants.empty()) variants.push_back("");
+
   for (int32_t sms : kSmSweep) {
     // A context per rank with this SM budget (the group's own contexts use the default).
     std::vector<kc::CudaRankContext> ctx(kRanks);
@@ -208,14 +226,17 @@ absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_s
         {"dispatch bf16", dispatch(false), bf16_row, memcpy_bf16_us, bf16_total,
          dispatch_hbm(bf16_row)},
         {"combine bf16", combine, bf16_row, memcpy_bf16_us, bf16_total, combine_hbm}};
-    for (const Op& op : ops) {
-      EPD_RETURN_IF_ERROR(TimeRounds(*g, kWarmup, op.launch).status());
-      EPD_ASSIGN_OR_RETURN(const double us, TimeRounds(*g, kBatch, op.launch));
-      for (int32_t r = 0; r < kRanks; ++r) {
-        EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(ctx[r], g->stream(r), op.name));
+    for (const std::string& variant : variants) {
+      if (!variant.empty()) setenv("EPD_NORMAL_KERNELS", variant.c_str(), 1);
+      for (const Op& op : ops) {
+        EPD_RETURN_IF_ERROR(TimeRounds(*g, kWarmup, op.launch).status());
+        EPD_ASSIGN_OR_RETURN(const double us, TimeRounds(*g, kBatch, op.launch));
+        for (int32_t r = 0; r < kRanks; ++r) {
+          EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(ctx[r], g->stream(r), op.name));
+        }
+        rows->push_back({op.name, variant, sms, over, rows_per_rank * op.row_bytes, us,
+                         op.memcpy_us, op.memcpy_bytes, op.hbm_bytes});
       }
-      rows->push_back({op.name, sms, over, rows_per_rank * op.row_bytes, us, op.memcpy_us,
-                       op.memcpy_bytes, op.hbm_bytes});
     }
   }
   return absl::OkStatus();
@@ -236,9 +257,9 @@ int RunNormalBench() {
         "shape: T=%d H=%d K=%d E=%d R=%d; uniform top-%d routing; %d rounds after %d "
         "warm-up\n",
         kTokens, kHidden, kTopk, kExperts, kRanks, kTopk, kBatch, kWarmup);
-    std::printf("%-14s %5s %13s %10s %14s %14s %13s %10s %9s %9s\n", "op", "sms", "MB/rank",
-                "us/op", "rank GB/s", "aggregate GB/s", "memcpy GB/s", "agg/memcpy", "HBM TB/s",
-                "HBM/copy");
+    std::printf("%-14s %-9s %5s %13s %10s %14s %14s %13s %10s %9s %9s\n", "op", "kernels", "sms",
+                "MB/rank", "us/op", "rank GB/s", "aggregate GB/s", "memcpy GB/s", "agg/memcpy",
+                "HBM TB/s", "HBM/copy");
   }
   for (const Row& r : rows) {
     const double rank_gbs = r.bytes_per_rank / r.op_us / 1e3;
@@ -246,19 +267,20 @@ int RunNormalBench() {
     const double memcpy_gbs = r.bytes_per_rank * kRanks / r.memcpy_us / 1e3;
     if (json) {
       std::printf(
-          "{\"figure\":\"normal %s\",\"device\":\"%s\",\"sms_per_rank\":%d,"
+          "{\"figure\":\"normal %s\",\"kernels\":\"%s\",\"device\":\"%s\",\"sms_per_rank\":%d,"
           "\"oversubscribed\":%s,\"bytes_per_rank\":%.0f,\"op_us\":%.2f,\"rank_gbps\":%.1f,"
           "\"aggregate_gbps\":%.1f,\"memcpy_us\":%.2f,\"memcpy_gbps\":%.1f,"
           "\"hbm_bytes\":%.0f,\"hbm_tbps\":%.3f,\"copy_hbm_tbps\":%.3f,"
           "\"hbm_over_copy\":%.3f}\n",
-          r.op.c_str(), device.c_str(), r.sms, r.oversubscribed ? "true" : "false",
+          r.op.c_str(), VariantName(r), device.c_str(), r.sms, r.oversubscribed ? "true" : "false",
           r.bytes_per_rank, r.op_us, rank_gbs, agg_gbs, r.memcpy_us, memcpy_gbs, r.hbm_bytes,
           r.hbm_bytes / r.op_us / 1e6, 2.0 * r.memcpy_bytes / r.memcpy_us / 1e6, HbmOverCopy(r));
     } else {
-      std::printf("%-14s %5d%s %12.1f %10.1f %14.1f %14.1f %13.1f %9.0f%% %9.2f %8.0f%%\n",
-                  r.op.c_str(), r.sms, r.oversubscribed ? "*" : " ", r.bytes_per_rank / 1e6,
-                  r.op_us, rank_gbs, agg_gbs, memcpy_gbs, 100.0 * agg_gbs / memcpy_gbs,
-                  r.hbm_bytes / r.op_us / 1e6, 100.0 * HbmOverCopy(r));
+      std::printf("%-14s %-9s %5d%s %12.1f %10.1f %14.1f %14.1f %13.1f %9.0f%% %9.2f %8.0f%%\n",
+                  r.op.c_str(), VariantName(r), r.sms, r.oversubscribed ? "*" : " ",
+                  r.bytes_per_rank / 1e6, r.op_us, rank_gbs, agg_gbs, memcpy_gbs,
+                  100.0 * agg_gbs / memcpy_gbs, r.hbm_bytes / r.op_us / 1e6,
+                  100.0 * HbmOverCopy(r));
     }
   }
   if (!json) {
@@ -271,9 +293,9 @@ int RunNormalBench() {
     for (const Row& r : rows) {
       if (r.sms != default_sms) continue;
       std::printf(
-          "goal: %s at %d SMs/rank, HBM bytes/s >= %.0f%% of the same-run copy's: "
-          "%.0f%% (%s)\n",
-          r.op.c_str(), r.sms, 100.0 * kHbmGoal, 100.0 * HbmOverCopy(r),
+          "goal: %s (%s kernels) at %d SMs/rank, HBM bytes/s >= %.0f%% of the same-run "
+          "copy's: %.0f%% (%s)\n",
+          r.op.c_str(), VariantName(r), r.sms, 100.0 * kHbmGoal, 100.0 * HbmOverCopy(r),
           HbmOverCopy(r) >= kHbmGoal ? "met" : "NOT met");
     }
   }

@@ -5,13 +5,16 @@
 // Sweep (a covering selection, not the product): R 1, 2, 4, 8; H 2048, 4096, 7168; K 1, 6, 8;
 // E = R, 64, 256; masked 0 and 0.5; uniform, one-expert and duplicate routing; FP8 on/off;
 // T 0, 1, 333, 4096 (also mixed); alignment 1 and 128. Plus: prefill beside decode groups,
-// CUDA-graph replay with new T, bad ids and T, a rank that never arrives, a layout over 4 GiB.
+// CUDA-graph replay with new T, bad ids and T, a rank that never arrives, a layout over 4 GiB,
+// and part of the sweep under each kernel variant (EPD_NORMAL_KERNELS).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <ostream>
 #include <random>
@@ -565,6 +568,66 @@ INSTANTIATE_TEST_SUITE_P(Sweep, NormalSweepTest, ::testing::ValuesIn(SweepCases(
                            }
                            return n;
                          });
+
+// ---- kernel variants (EPD_NORMAL_KERNELS) --------------------------------------------------
+
+/// Sets an environment variable for its lifetime, then restores the old value (or its
+/// absence).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_.c_str(), old_.c_str(), 1);
+    } else {
+      unsetenv(name_.c_str());
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+TEST_F(NormalGpuTest, EveryKernelVariantMatchesHostBitForBit) {
+  // Cases of the sweep under each variant: 16-byte rows (bulk copies on sm_90) and bf16-unit
+  // rows (every variant falls back to the vector copy), masked ranks, T of 0 and 1, blocks
+  // owning several tiles, a single rank.
+  const char* const picked[] = {
+      "single-rank-topk8", "deepseek-fp8",        "deepseek-bf16",
+      "mixed-T-8",         "one-token-8-ranks",   "ragged-hidden",
+      "tiny-odd-hidden",   "tiles-over-3-blocks", "long-tiles-fp8-masked"};
+  const std::vector<NormalCase> cases = SweepCases();
+  for (const char* variant : {"static", "block", "balanced", "bulk"}) {
+    ScopedEnv env("EPD_NORMAL_KERNELS", variant);
+    for (const NormalCase& c : cases) {
+      if (std::none_of(std::begin(picked), std::end(picked),
+                       [&](const char* name) { return c.name == name; })) {
+        continue;
+      }
+      SCOPED_TRACE(absl::StrCat("EPD_NORMAL_KERNELS=", variant, ": ", Describe(c)));
+      NormalGroup g(c);
+      NM_ASSERT_OK(g.RunAll());
+    }
+  }
+}
+
+TEST_F(NormalGpuTest, UnknownKernelVariantIsRefusedNamingIt) {
+  ScopedEnv env("EPD_NORMAL_KERNELS", "fastest");
+  NormalGroup g(NormalCase{"bad-variant", 2, 2048, 8, 64, {333}});
+  const absl::Status st = g.RunAll();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("EPD_NORMAL_KERNELS"), absl::string_view::npos) << st;
+  EXPECT_NE(st.message().find("fastest"), absl::string_view::npos) << st;
+}
 
 // ---- two groups on one GPU, launched concurrently ----------------------------------------
 

@@ -45,6 +45,8 @@ inline constexpr int kNormalMaxRanks = 64;
 ///   [8, 12)     uint32 count of the blocks of the running multi-block kernel (dispatch
 ///               notify, copy, combine) that finished (reset by the last one).
 ///   [12, 16)    int32 run-time token count slot (NormalNumTokensSlot).
+///   [16, 20)    int32 next token of the running copy or combine kernel (its warps take
+///               tokens from it; zeroed by the op's notify / arrival kernel before).
 ///   arrive      uint32 [R]: arrive[s] = last op sequence number rank s arrived at.
 ///   done        uint32 [R]: done[s] = last op whose writes/reads rank s has finished.
 ///   counts      int32 [R, R]: counts[s][r] = tokens of rank s sent to rank r.
@@ -54,6 +56,7 @@ struct NormalSyncLayout {
   static constexpr uint64_t kFailedSeq = 4;
   static constexpr uint64_t kBlockCounter = 8;
   static constexpr uint64_t kNumTokens = 12;
+  static constexpr uint64_t kNextToken = 16;
   static constexpr uint64_t kArrive = 64;
 
   int32_t num_ranks = 1;
