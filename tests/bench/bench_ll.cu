@@ -2,7 +2,9 @@
 // LowLatencyDispatch (FP8) and LowLatencyCombine (BF16) on the DeepSeek-V3 decode shape,
 // R=8 virtual ranks on one GPU, launched in-process (the bound the daemon's launch modes
 // are compared with), each beside a device-to-device cudaMemcpy of the same bytes measured
-// in the same run. Timing (a device gate, events; p50/p99 of last end - first start) and
+// in the same run. With --ll_specialised=off,on,...: instead, the generic and the
+// shape-specialised kernels (cuda_specialise.h) A/B, rounds interleaved, each op of the 8
+// ranks in one CUDA graph. Timing (a device gate, events; p50/p99 of last end - first start) and
 // figures: docs/BENCHMARKS.md "Low-latency kernels".
 
 // nvcc (EDG) warns about assigning an absl::Status ([[nodiscard]] on operator=) by mistake.
@@ -70,7 +72,7 @@ struct SpecialisedRound {
 /// The 8 ranks' FP8 dispatch, BF16 dispatch and BF16 combine (after the BF16 dispatch,
 /// same buffer) each captured into one CUDA graph with the current specialisation setting,
 /// then replayed in turn `iterations` times after `warmup`; each replay timed with events on
-/// `origin` around cudaGraphLaunch (as the launch bench's "ranks in one CUDA graph").
+/// rank 0's stream around cudaGraphLaunch (as the launch bench's "ranks in one CUDA graph").
 absl::StatusOr<SpecialisedRound> MeasureSpecialisedRound(VirtualRankGroup& g, int warmup,
                                                          int iterations) {
   auto capture = [&](const std::function<absl::Status(int32_t, cudaStream_t)>& launch)
