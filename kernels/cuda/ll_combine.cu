@@ -71,7 +71,9 @@ __device__ __forceinline__ void AccumulateBf16x8(float* acc, const uint4& y, flo
 // kBatched (K > kSlotBatch): each unit is one step of the warp (256 channels, one 8-channel
 // vector per lane; or 32 channels, one per lane) and the warp stages the token's slots in
 // batches of kSlotBatch, the lanes keeping their sums in registers across batches.
-template <bool kVec, bool kBatched>
+// Shape: internal::LowLatencyShape, the generic one (every value from p) or a specialised
+// one (hidden, K and experts per rank compile-time constants equal to p's).
+template <bool kVec, bool kBatched, typename Shape = internal::GenericShape>
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     LowLatencyCombineKernel(const CombineParams p) {
   __shared__ uint8_t* s_peer[kMaxStatusRanks];
@@ -85,7 +87,9 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const int lane = LaneId();
   const int warp = device::WarpId();
   const int32_t num_ranks = p.num_ranks;
-  const int32_t num_topk = p.num_topk;
+  const int32_t num_topk = Shape::Topk(p);
+  const int32_t experts_per_rank = Shape::ExpertsPerRank(p);
+  const int32_t hidden32 = Shape::Hidden(p);
   const uint64_t deadline = GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
   uint8_t* sync = p.own_base + p.sync_offset;
   auto* state = reinterpret_cast<LowLatencyState*>(sync + kSyncLowLatencyStateOffset);
@@ -120,7 +124,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
 
   if (all_arrived) {
     // ---- 3. pull and reduce ----
-    const int64_t hidden = p.hidden;
+    const int64_t hidden = hidden32;
     // Slot k = kb + lane of token t: the id and its row, each read once from
     // client-writable memory into a register, checked, and only then used; a bad one is
     // counted (once per slot: when `count`, in the token's first chunk) and contributes
@@ -134,12 +138,12 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
       const int32_t row = p.handle_pos[i];
       const uint8_t* src = nullptr;
       const bool bad_id = e < -1 || e >= p.num_experts;
-      const bool masked = e >= 0 && !bad_id && p.rank_masked != nullptr &&
-                          p.rank_masked[e / p.experts_per_rank] != 0;
+      const bool masked =
+          e >= 0 && !bad_id && p.rank_masked != nullptr && p.rank_masked[e / experts_per_rank] != 0;
       const bool bad_row = e >= 0 && !bad_id && !masked && (row < 0 || row >= p.rows_per_expert);
       if (e >= 0 && !bad_id && !masked && !bad_row) {
-        const int32_t owner = static_cast<int32_t>(e) / p.experts_per_rank;
-        const int64_t local = e - static_cast<int64_t>(owner) * p.experts_per_rank;
+        const int32_t owner = static_cast<int32_t>(e) / experts_per_rank;
+        const int64_t local = e - static_cast<int64_t>(owner) * experts_per_rank;
         src = s_peer[owner] + p.x_offset + (local * p.rows_per_expert + row) * hidden * 2;
       }
       if (count && bad_id) atomicAdd(&status->bad_expert_ids, 1u);
@@ -182,8 +186,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
       o.w = FloatToBf16(acc[6]) | (static_cast<uint32_t>(FloatToBf16(acc[7])) << 16);
       device::StVec16(out + static_cast<int64_t>(v) * 8, o);
     };
-    const int32_t chunk = kBatched ? (kVec ? 8 * 32 : 32) : (kVec ? kChunkChannels : p.hidden);
-    const int32_t chunks_per_token = (p.hidden + chunk - 1) / chunk;
+    const int32_t chunk = kBatched ? (kVec ? 8 * 32 : 32) : (kVec ? kChunkChannels : hidden32);
+    const int32_t chunks_per_token = (hidden32 + chunk - 1) / chunk;
     const int32_t units = num_tokens * chunks_per_token;
     const int32_t total_warps = static_cast<int32_t>(gridDim.x) * kWarps;
     for (int32_t u = static_cast<int32_t>(blockIdx.x) * kWarps + warp; u < units;
@@ -194,7 +198,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
       if constexpr (kBatched) {
         // One vector (or channel) per lane, summed over every batch of slots.
         const int32_t h = c0 + (kVec ? 8 : 1) * lane;
-        const bool active = h < p.hidden;  // kVec: H % 8 == 0, so h + 8 <= H
+        const bool active = h < hidden32;  // kVec: H % 8 == 0, so h + 8 <= H
         float acc[8];
 #pragma unroll
         for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
@@ -219,17 +223,22 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
           }
         }
       } else {
-        const int32_t c1 = min(p.hidden, c0 + chunk);
+        const int32_t c1 = min(hidden32, c0 + chunk);
         stage_slot(t, 0, c0 == 0);
         __syncwarp();
-        if constexpr (kVec) {
-          for (int32_t v = c0 / 8 + lane; v < c1 / 8; v += 32) {
-            float acc[8];
+        auto combine_vec = [&](int32_t v) {
+          float acc[8];
 #pragma unroll
-            for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
-            accumulate_vec(acc, v, num_topk);
-            store_vec(out, v, acc);
-          }
+          for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
+          accumulate_vec(acc, v, num_topk);
+          store_vec(out, v, acc);
+        };
+        if constexpr (kVec && Shape::FullChunks(kChunkChannels)) {
+          // Every chunk whole: each lane's vectors v = c0 / 8 + lane + 32 i, a fixed count.
+#pragma unroll
+          for (int32_t i = 0; i < kChunkChannels / 8 / 32; ++i) combine_vec(c0 / 8 + lane + 32 * i);
+        } else if constexpr (kVec) {
+          for (int32_t v = c0 / 8 + lane; v < c1 / 8; v += 32) combine_vec(v);
         } else {
           for (int32_t h = c0 + lane; h < c1; h += 32) {
             out[h] = FloatToBf16(accumulate_scalar(0.0f, h, num_topk));
@@ -268,7 +277,8 @@ namespace internal {
 absl::Status PreloadLowLatencyCombineKernels() {
   cudaFuncAttributes attr;
   for (auto kernel : {LowLatencyCombineKernel<true, false>, LowLatencyCombineKernel<false, false>,
-                      LowLatencyCombineKernel<true, true>, LowLatencyCombineKernel<false, true>}) {
+                      LowLatencyCombineKernel<true, true>, LowLatencyCombineKernel<false, true>,
+                      LowLatencyCombineKernel<true, false, internal::SpecialisedShape>}) {
     EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
   }
   return absl::OkStatus();
@@ -329,6 +339,10 @@ absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombi
       batched
           ? (vec ? LowLatencyCombineKernel<true, true> : LowLatencyCombineKernel<false, true>)
           : (vec ? LowLatencyCombineKernel<true, false> : LowLatencyCombineKernel<false, false>);
+  // The specialised instance: the vector path, for the one shape it is for.
+  if (!batched && vec && LowLatencySpecialisedFor(s)) {
+    kernel = LowLatencyCombineKernel<true, false, internal::SpecialisedShape>;
+  }
   return internal::LaunchLowLatency(kernel, num_blocks, 0, args.handoff.programmatic, stream, p);
 }
 

@@ -2,7 +2,10 @@
 // kernel per rank, routing on the small (shared memory) or large (ll_routing) path, count
 // exchange, row copy with FP8 quantisation, data flags, and the daemon-launched hand-off.
 // The step-by-step protocol is in docs/CUDA_BACKEND.md "Low-latency dispatch".
+#include <atomic>
 #include <cstddef>
+#include <cstdlib>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_check.h"
@@ -137,8 +140,9 @@ constexpr int32_t kRouteDuplicateBase = -2;
 
 /// Whether expert `e` (in [0, E)) belongs to a masked rank: its pairs are then dropped
 /// (taken as -1) and counted in DeviceStatus::dropped_pairs.
-__device__ __forceinline__ bool ExpertMasked(const DispatchParams& p, int64_t e) {
-  return p.rank_masked != nullptr && p.rank_masked[e / p.experts_per_rank] != 0;
+__device__ __forceinline__ bool ExpertMasked(const DispatchParams& p, int64_t e,
+                                             int32_t experts_per_rank) {
+  return p.rank_masked != nullptr && p.rank_masked[e / experts_per_rank] != 0;
 }
 
 /// The expert of a route code (any int32, the scratch being client-writable), or -1.
@@ -173,7 +177,7 @@ __device__ void RouteTiles(const DispatchParams& p, int32_t num_tokens, int32_t*
     for (int64_t i = threadIdx.x; i < tile_slots; i += blockDim.x) {
       const int64_t e = p.topk_idx[first + i];
       int32_t code = kRouteNone;
-      if (e >= 0 && e < num_experts && ExpertMasked(p, e)) {
+      if (e >= 0 && e < num_experts && ExpertMasked(p, e, p.experts_per_rank)) {
         atomicAdd(&status->dropped_pairs, 1u);
       } else if (e >= 0 && e < num_experts) {
         const int32_t t = static_cast<int32_t>(i / num_topk);
@@ -211,7 +215,9 @@ __device__ void RouteTiles(const DispatchParams& p, int32_t num_tokens, int32_t*
   }
 }
 
-template <int kMode, bool kTiled>
+// Shape: internal::LowLatencyShape, the generic one (every value from p) or a specialised
+// one (hidden, K and experts per rank compile-time constants equal to p's).
+template <int kMode, bool kTiled, typename Shape = internal::GenericShape>
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     LowLatencyDispatchKernel(const DispatchParams p) {
   extern __shared__ int32_t smem[];
@@ -227,7 +233,11 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
 
   const int32_t num_ranks = p.num_ranks;
   const int32_t num_experts = p.num_experts;
-  const int32_t num_topk = p.num_topk;
+  const int32_t num_topk = Shape::Topk(p);
+  const int32_t experts_per_rank = Shape::ExpertsPerRank(p);
+  const int32_t hidden32 = Shape::Hidden(p);
+  // Every 512-channel chunk of a row is whole (no tail checks on the vector paths).
+  constexpr bool kFullChunks = Shape::FullChunks(kChunkChannels);
   // Small path (kTiled false): every token's routing in shared memory. Large path: the
   // tile's ballots only (tile_groups groups of 32 tokens); the routing in p.routing.
   const int32_t max_slots = kTiled ? 0 : p.max_tokens * num_topk;
@@ -282,7 +292,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
       const int64_t e = p.topk_idx[i];
       bool in_range = e >= 0 && e < num_experts;
       if (blockIdx.x == 0 && (e < -1 || e >= num_experts)) atomicAdd(&status->bad_expert_ids, 1u);
-      if (in_range && ExpertMasked(p, e)) {  // Dropped: as -1.
+      if (in_range && ExpertMasked(p, e, experts_per_rank)) {  // Dropped: as -1.
         if (blockIdx.x == 0) atomicAdd(&status->dropped_pairs, 1u);
         in_range = false;
       }
@@ -362,10 +372,10 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   // before the current two are stored (software pipelining).
   const int32_t total_warps = static_cast<int32_t>(gridDim.x) * kWarps;
   const int32_t first_unit = static_cast<int32_t>(blockIdx.x) * kWarps + warp;
-  const int32_t chunk = kMode == kBf16Scalar ? p.hidden : kChunkChannels;
-  const int32_t chunks_per_token = (p.hidden + chunk - 1) / chunk;
+  const int32_t chunk = kMode == kBf16Scalar ? hidden32 : kChunkChannels;
+  const int32_t chunks_per_token = (hidden32 + chunk - 1) / chunk;
   const int32_t units = num_tokens * chunks_per_token;
-  const int64_t hidden = p.hidden;
+  const int64_t hidden = hidden32;
   // The first channel of the lane's two 8-channel vectors in unit u (vector paths). FP8:
   // 16 consecutive channels (one 16-byte e4m3 store per destination, 8 lanes per scale
   // block). BF16: channels 8 l and 256 + 8 l of the chunk, so that each 16-byte store
@@ -380,9 +390,11 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     const int32_t t = u / chunks_per_token;
     const int32_t h0 = first_channel(u);
     const bf16_bits* src = p.x + static_cast<int64_t>(t) * hidden + h0;
-    *lo = h0 < p.hidden ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-    *hi = h0 + kSecondVector < p.hidden ? *reinterpret_cast<const uint4*>(src + kSecondVector)
-                                        : make_uint4(0, 0, 0, 0);
+    *lo = kFullChunks || h0 < hidden32 ? *reinterpret_cast<const uint4*>(src)
+                                       : make_uint4(0, 0, 0, 0);
+    *hi = kFullChunks || h0 + kSecondVector < hidden32
+              ? *reinterpret_cast<const uint4*>(src + kSecondVector)
+              : make_uint4(0, 0, 0, 0);
   };
   // What is stored: FP8 quantised (all 32 lanes call it together), BF16 as loaded.
   auto prepare_unit = [&](const uint4& lo, const uint4& hi) {
@@ -475,13 +487,13 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
         const int64_t in_block = e >= 0 ? static_cast<int64_t>(s_base[e]) + pos : int64_t{-1};
         if (e >= 0 && in_block >= 0 && in_block < p.rows_per_expert) {
           has_dst = true;
-          const int32_t owner = e / p.experts_per_rank;
+          const int32_t owner = e / experts_per_rank;
           const int64_t row =
-              static_cast<int64_t>(e - owner * p.experts_per_rank) * p.rows_per_expert + in_block;
+              static_cast<int64_t>(e - owner * experts_per_rank) * p.rows_per_expert + in_block;
           uint8_t* owner_base = s_peer[owner];
           dst = owner_base + p.recv_x_offset + row * out_row_bytes;
           dst_scales = owner_base + p.recv_scales_offset +
-                       (static_cast<int64_t>(e - owner * p.experts_per_rank) * p.scale_words *
+                       (static_cast<int64_t>(e - owner * experts_per_rank) * p.scale_words *
                             p.rows_per_expert +
                         in_block) *
                            4;
@@ -506,7 +518,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
       for (int32_t u = first_unit; u < units; u += total_warps) {
         const int32_t t = u / chunks_per_token;
         const int32_t c0 = (u - t * chunks_per_token) * chunk;
-        const int32_t c1 = min(p.hidden, c0 + chunk);
+        const int32_t c1 = min(hidden32, c0 + chunk);
         const bf16_bits* src = p.x + static_cast<int64_t>(t) * hidden;
         for (int32_t kb = 0; kb < batches_end; kb += kDestinationBatch) {
           const int num_dst = destinations(t, c0, kb);
@@ -524,7 +536,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
         const int32_t c0 = (u - t * chunks_per_token) * kChunkChannels;
         for (int32_t kb = 0; kb < batches_end; kb += kDestinationBatch) {
           const int num_dst = destinations(t, c0, kb);
-          if (h0 < p.hidden) {
+          if (kFullChunks || h0 < hidden32) {
             for (int i = 0; i < num_dst; ++i) {
               if constexpr (kMode == kFp8) {
                 *reinterpret_cast<uint4*>(s_dst[warp][i] + h0) = d.v0;
@@ -544,7 +556,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
               } else {
                 bf16_bits* o = reinterpret_cast<bf16_bits*>(s_dst[warp][i]) + h0;
                 *reinterpret_cast<uint4*>(o) = d.v0;
-                if (h0 + kSecondVector < p.hidden) {
+                if (kFullChunks || h0 + kSecondVector < hidden32) {
                   *reinterpret_cast<uint4*>(o + kSecondVector) = d.v1;
                 }
               }
@@ -569,8 +581,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     // Block 0, after its rows: this rank's recv_count and the handle (read by the next
     // kernels on this stream, not by the peers).
     if (blockIdx.x == 0) {
-      const int32_t first = p.rank * p.experts_per_rank;
-      for (int32_t j = threadIdx.x; j < p.experts_per_rank; j += blockDim.x) {
+      const int32_t first = p.rank * experts_per_rank;
+      for (int32_t j = threadIdx.x; j < experts_per_rank; j += blockDim.x) {
         int32_t total = 0;
         for (int32_t q = 0; q < num_ranks; ++q) {
           total += LdRelaxed(CountsAt(p.own_base, p, parity, q) + first + j, p.gpu_scope);
@@ -702,7 +714,9 @@ absl::Status PreloadLowLatencyDispatchKernels() {
   for (auto kernel :
        {LowLatencyDispatchKernel<kBf16Vec, false>, LowLatencyDispatchKernel<kBf16Scalar, false>,
         LowLatencyDispatchKernel<kFp8, false>, LowLatencyDispatchKernel<kBf16Vec, true>,
-        LowLatencyDispatchKernel<kBf16Scalar, true>, LowLatencyDispatchKernel<kFp8, true>}) {
+        LowLatencyDispatchKernel<kBf16Scalar, true>, LowLatencyDispatchKernel<kFp8, true>,
+        LowLatencyDispatchKernel<kBf16Vec, false, internal::SpecialisedShape>,
+        LowLatencyDispatchKernel<kFp8, false, internal::SpecialisedShape>}) {
     EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
     // Opened now, outside any stream capture: launches never change an attribute then.
     size_t dynamic_limit = 0;
@@ -718,6 +732,42 @@ absl::Status PreloadLowLatencyDispatchKernels() {
 }
 
 }  // namespace internal
+
+namespace {
+
+std::atomic<int> g_specialisation{static_cast<int>(LowLatencySpecialisation::kEnvironment)};
+
+bool SpecialisationInEnvironment() {
+  static const bool on = [] {
+    const char* v = std::getenv("EPD_LL_SPECIALISED");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+
+}  // namespace
+
+void SetLowLatencySpecialisation(LowLatencySpecialisation mode) {
+  g_specialisation.store(static_cast<int>(mode), std::memory_order_relaxed);
+}
+
+bool LowLatencySpecialisedFor(const GroupShape& shape) {
+  if (shape.hidden != kLowLatencySpecialisedHidden ||
+      shape.num_topk != kLowLatencySpecialisedTopk || shape.num_ranks <= 0 ||
+      shape.num_experts % shape.num_ranks != 0 ||
+      shape.num_local_experts() != kLowLatencySpecialisedExpertsPerRank) {
+    return false;
+  }
+  switch (static_cast<LowLatencySpecialisation>(g_specialisation.load(std::memory_order_relaxed))) {
+    case LowLatencySpecialisation::kOn:
+      return true;
+    case LowLatencySpecialisation::kOff:
+      return false;
+    case LowLatencySpecialisation::kEnvironment:
+      break;
+  }
+  return SpecialisationInEnvironment();
+}
 
 absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDispatchArgs& args,
                                 cudaStream_t stream) {
@@ -787,7 +837,14 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
        LowLatencyDispatchKernel<kFp8, false>},
       {LowLatencyDispatchKernel<kBf16Vec, true>, LowLatencyDispatchKernel<kBf16Scalar, true>,
        LowLatencyDispatchKernel<kFp8, true>}};
-  const Kernel kernel = kKernels[tiled ? 1 : 0][mode];
+  // The specialised instances: the small path's vector modes, for the one shape they are for.
+  static constexpr Kernel kSpecialised[3] = {
+      LowLatencyDispatchKernel<kBf16Vec, false, internal::SpecialisedShape>, nullptr,
+      LowLatencyDispatchKernel<kFp8, false, internal::SpecialisedShape>};
+  const Kernel specialised = tiled ? nullptr : kSpecialised[mode];
+  const Kernel kernel = specialised != nullptr && LowLatencySpecialisedFor(s)
+                            ? specialised
+                            : kKernels[tiled ? 1 : 0][mode];
   if (smem > kLowLatencyDefaultDynamicSmemBytes) {
     cudaFuncAttributes attr;
     EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));

@@ -20,6 +20,10 @@
 #include "epd/kernels/layout.h"
 #include "tests/bench/bench.h"
 
+namespace epd::testing {
+class VirtualRankGroup;
+}  // namespace epd::testing
+
 namespace epd::bench {
 
 /// The normal-mode benchmark shape (DeepSeek-V3 prefill): T=4096 tokens per rank,
@@ -165,6 +169,20 @@ struct LowLatencyFigure {
 /// INTERNAL (CUDA), kernel status.
 absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
                                         std::string* device_name, int32_t num_ranks = 8);
+
+/// Fills every rank of `g` (a LowLatencyBenchShape group) with the low-latency bench's
+/// inputs and waits for them: kLowLatencyBenchTokens random bf16 tokens, uniform top-k
+/// routing and random weights (one seeded generator, ranks in order), the token-count slot
+/// set to that T, and the expert outputs a constant bf16 pattern (0x3f3f, about 0.75; the
+/// kernels' speed does not depend on the values). Returns the dispatch's rows of all ranks
+/// (each token once per distinct expert). Errors: INTERNAL (CUDA).
+absl::StatusOr<double> UploadLowLatencyBenchInputs(testing::VirtualRankGroup& g);
+
+/// Captures `launch(r, g.stream(r))` for every rank of `g` into one CUDA graph: the ranks'
+/// streams fork from rank 0's and join back, so the ranks' kernels are concurrent nodes.
+/// The caller owns the returned executable graph. Errors: the first of launch / CUDA.
+absl::StatusOr<cudaGraphExec_t> CaptureAllRanks(
+    testing::VirtualRankGroup& g, const std::function<absl::Status(int32_t, cudaStream_t)>& launch);
 
 }  // namespace epd::bench
 #endif  // EPD_HAVE_CUDA

@@ -2,7 +2,9 @@
 // LowLatencyDispatch (FP8) and LowLatencyCombine (BF16) on the DeepSeek-V3 decode shape,
 // R=8 virtual ranks on one GPU, launched in-process (the bound the daemon's launch modes
 // are compared with), each beside a device-to-device cudaMemcpy of the same bytes measured
-// in the same run. Timing (a device gate, events; p50/p99 of last end - first start) and
+// in the same run. With --ll_specialised=off,on,...: instead, the generic and the
+// shape-specialised kernels (cuda_specialise.h) A/B, rounds interleaved, each op of the 8
+// ranks in one CUDA graph. Timing (a device gate, events; p50/p99 of last end - first start) and
 // figures: docs/BENCHMARKS.md "Low-latency kernels".
 
 // nvcc (EDG) warns about assigning an absl::Status ([[nodiscard]] on operator=) by mistake.
@@ -12,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <random>
 #include <string>
@@ -20,13 +23,23 @@
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "common/cuda/cuda_check.h"
+#include "common/cuda/cuda_handles.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/cuda_specialise.h"
 #include "epd/kernels/host_ops.h"
 #include "tests/bench/bench.h"
 #include "tests/bench/bench_cuda.h"
 #include "tests/gpu/gpu_test_util.h"
+
+ABSL_FLAG(std::string, ll_specialised, "",
+          "ll bench: instead of the usual figures, A/B the generic and the shape-specialised "
+          "low-latency kernels (cuda_ops.h LowLatencySpecialisedFor), one round per entry in "
+          "this order, e.g. off,on,off,on: each round captures the 8 ranks' FP8 dispatch, BF16 "
+          "dispatch and BF16 combine into one CUDA graph each and replays them");
+ABSL_FLAG(int, ll_ab_iters, 1000, "ll bench, --ll_specialised: timed replays per op per round");
 
 namespace epd::bench {
 namespace {
@@ -50,7 +63,213 @@ std::vector<cudaStream_t> Streams(const VirtualRankGroup& g) {
   return streams;
 }
 
+/// One A/B round's p50 / p99 in µs per op (one CUDA graph of the 8 ranks, event-timed).
+struct SpecialisedRound {
+  bool specialised = false;
+  Percentiles dispatch_fp8, dispatch_bf16, combine;
+};
+
+/// The 8 ranks' FP8 dispatch, BF16 dispatch and BF16 combine (after the BF16 dispatch,
+/// same buffer) each captured into one CUDA graph with the current specialisation setting,
+/// then replayed in turn `iterations` times after `warmup`; each replay timed with events on
+/// rank 0's stream around cudaGraphLaunch (as the launch bench's "ranks in one CUDA graph").
+absl::StatusOr<SpecialisedRound> MeasureSpecialisedRound(VirtualRankGroup& g, int warmup,
+                                                         int iterations) {
+  auto capture = [&](const std::function<absl::Status(int32_t, cudaStream_t)>& launch)
+      -> absl::StatusOr<GraphExecHandle> {
+    EPD_ASSIGN_OR_RETURN(cudaGraphExec_t exec, CaptureAllRanks(g, launch));
+    return GraphExecHandle(exec);
+  };
+  const cudaStream_t origin = g.stream(0);
+  kc::LowLatencyDispatchArgs fp8;
+  fp8.use_fp8 = true;
+  kc::LowLatencyDispatchArgs bf16;
+  kc::LowLatencyCombineArgs combine;
+  EPD_ASSIGN_OR_RETURN(GraphExecHandle fp8_graph, capture([&](int32_t r, cudaStream_t stream) {
+                         return kc::LowLatencyDispatch(g.Context(r), fp8, stream);
+                       }));
+  EPD_ASSIGN_OR_RETURN(GraphExecHandle bf16_graph, capture([&](int32_t r, cudaStream_t stream) {
+                         return kc::LowLatencyDispatch(g.Context(r), bf16, stream);
+                       }));
+  EPD_ASSIGN_OR_RETURN(GraphExecHandle combine_graph, capture([&](int32_t r, cudaStream_t stream) {
+                         return kc::LowLatencyCombine(g.Context(r), combine, stream);
+                       }));
+  cudaEvent_t start_raw = nullptr, end_raw = nullptr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start_raw));
+  EventHandle start(start_raw);
+  EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&end_raw));
+  EventHandle end(end_raw);
+  auto replay = [&](cudaGraphExec_t exec) -> absl::StatusOr<double> {
+    EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), origin));
+    EPD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, origin));
+    EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(end.get(), origin));
+    EPD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(end.get()));
+    float ms = 0;
+    EPD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.get(), end.get()));
+    return ms * 1000.0;
+  };
+  std::vector<double> d8, d16, c;
+  for (int it = 0; it < warmup + iterations; ++it) {
+    EPD_ASSIGN_OR_RETURN(const double a, replay(fp8_graph.get()));
+    EPD_ASSIGN_OR_RETURN(const double b, replay(bf16_graph.get()));
+    EPD_ASSIGN_OR_RETURN(const double x, replay(combine_graph.get()));
+    if (it >= warmup) {
+      d8.push_back(a);
+      d16.push_back(b);
+      c.push_back(x);
+    }
+  }
+  for (int32_t r = 0; r < g.num_ranks(); ++r) {
+    EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "A/B round"));
+  }
+  SpecialisedRound round;
+  round.specialised = kc::LowLatencySpecialisedFor(g.shape());
+  round.dispatch_fp8 = ComputePercentiles(std::move(d8));
+  round.dispatch_bf16 = ComputePercentiles(std::move(d16));
+  round.combine = ComputePercentiles(std::move(c));
+  return round;
+}
+
+/// --ll_specialised: the A/B of the generic and the specialised kernels, one round per
+/// entry, printed with the same-bytes memcpy and the mean p50 of each side.
+int RunSpecialisedAb(const std::string& order) {
+  std::vector<bool> rounds;
+  for (absl::string_view v : absl::StrSplit(order, ',')) {
+    if (v != "on" && v != "off") {
+      std::cerr << "epd_bench: --ll_specialised entry '" << v << "' is not on or off\n";
+      return 2;
+    }
+    rounds.push_back(v == "on");
+  }
+  const int iterations = absl::GetFlag(FLAGS_ll_ab_iters);
+  if (iterations < 1) {
+    std::cerr << "epd_bench: --ll_ab_iters=" << iterations << " must be >= 1\n";
+    return 2;
+  }
+  absl::Status st = [&]() -> absl::Status {
+    const kernels::GroupShape s = LowLatencyBenchShape(8);
+    const int32_t tokens = kLowLatencyBenchTokens;
+    EPD_RETURN_IF_ERROR(kc::PreloadKernels());
+    EPD_ASSIGN_OR_RETURN(auto group, VirtualRankGroup::Create(s, 10'000'000'000));
+    VirtualRankGroup& g = *group;
+    g.set_all_ranks_on_device(true);
+    EPD_ASSIGN_OR_RETURN(const double dispatch_rows, UploadLowLatencyBenchInputs(g));
+    const double fp8_bytes = dispatch_rows * (s.hidden + 4.0 * s.num_scales() + 4.0);
+    const double bf16_bytes = dispatch_rows * (2.0 * s.hidden + 4.0);
+    const double combine_bytes =
+        static_cast<double>(s.num_ranks) * tokens * s.num_topk * s.hidden * 2;
+    EPD_ASSIGN_OR_RETURN(Percentiles fp8_copy, TimeMemcpy(static_cast<size_t>(fp8_bytes)));
+    EPD_ASSIGN_OR_RETURN(Percentiles bf16_copy, TimeMemcpy(static_cast<size_t>(bf16_bytes)));
+    EPD_ASSIGN_OR_RETURN(Percentiles combine_copy, TimeMemcpy(static_cast<size_t>(combine_bytes)));
+    const bool json = absl::GetFlag(FLAGS_json);
+    if (!json) {
+      std::printf(
+          "Generic vs shape-specialised low-latency kernels: 8 ranks' op in one CUDA "
+          "graph, T=128 H=7168 K=8 E=256; %d replays per op per round\n",
+          iterations);
+      std::printf(
+          "memcpy p50 us: fp8 dispatch bytes %.2f, bf16 dispatch bytes %.2f, combine "
+          "bytes %.2f\n",
+          fp8_copy.p50, bf16_copy.p50, combine_copy.p50);
+      std::printf("%-6s %-12s %16s %16s %16s\n", "round", "kernels", "dispatch fp8",
+                  "dispatch bf16", "combine bf16");
+    }
+    double sum[2][3] = {};
+    int n[2] = {};
+    for (size_t i = 0; i < rounds.size(); ++i) {
+      kc::SetLowLatencySpecialisation(rounds[i] ? kc::LowLatencySpecialisation::kOn
+                                                : kc::LowLatencySpecialisation::kOff);
+      absl::StatusOr<SpecialisedRound> round = MeasureSpecialisedRound(g, kWarmup, iterations);
+      kc::SetLowLatencySpecialisation(kc::LowLatencySpecialisation::kEnvironment);
+      if (!round.ok()) return round.status();
+      if (round->specialised != rounds[i]) {
+        return absl::InternalError(
+            "the specialised kernels were not selectable for the bench shape");
+      }
+      const int side = rounds[i] ? 1 : 0;
+      sum[side][0] += round->dispatch_fp8.p50;
+      sum[side][1] += round->dispatch_bf16.p50;
+      sum[side][2] += round->combine.p50;
+      ++n[side];
+      const char* name = rounds[i] ? "specialised" : "generic";
+      if (json) {
+        std::printf(
+            "{\"bench\":\"ll_specialised\",\"round\":%zu,\"kernels\":\"%s\","
+            "\"dispatch_fp8_p50_us\":%.2f,\"dispatch_fp8_p99_us\":%.2f,"
+            "\"dispatch_bf16_p50_us\":%.2f,\"dispatch_bf16_p99_us\":%.2f,"
+            "\"combine_bf16_p50_us\":%.2f,\"combine_bf16_p99_us\":%.2f,"
+            "\"memcpy_fp8_p50_us\":%.2f,\"memcpy_bf16_p50_us\":%.2f,"
+            "\"memcpy_combine_p50_us\":%.2f}\n",
+            i, name, round->dispatch_fp8.p50, round->dispatch_fp8.p99, round->dispatch_bf16.p50,
+            round->dispatch_bf16.p99, round->combine.p50, round->combine.p99, fp8_copy.p50,
+            bf16_copy.p50, combine_copy.p50);
+      } else {
+        std::printf("%-6zu %-12s %7.2f / %6.2f %7.2f / %6.2f %7.2f / %6.2f   (p50 / p99 us)\n", i,
+                    name, round->dispatch_fp8.p50, round->dispatch_fp8.p99,
+                    round->dispatch_bf16.p50, round->dispatch_bf16.p99, round->combine.p50,
+                    round->combine.p99);
+      }
+    }
+    if (!json) {
+      const double copy[3] = {fp8_copy.p50, bf16_copy.p50, combine_copy.p50};
+      for (int side = 0; side < 2; ++side) {
+        if (n[side] == 0) continue;
+        std::printf("%-19s", side == 1 ? "mean p50 specialised" : "mean p50 generic");
+        for (int op = 0; op < 3; ++op) {
+          const double m = sum[side][op] / n[side];
+          std::printf("  %7.2f (%.2fx memcpy)", m, m / copy[op]);
+        }
+        std::printf("\n");
+      }
+      if (n[0] > 0 && n[1] > 0) {
+        std::printf("specialised - generic, mean p50 us:");
+        for (int op = 0; op < 3; ++op) {
+          const double d = sum[1][op] / n[1] - sum[0][op] / n[0];
+          std::printf("  %+.2f (%+.1f%%)", d, 100.0 * d / (sum[0][op] / n[0]));
+        }
+        std::printf("  (dispatch fp8, dispatch bf16, combine)\n");
+      }
+    }
+    return absl::OkStatus();
+  }();
+  if (!st.ok()) {
+    std::cerr << "epd_bench ll --ll_specialised: " << st << "\n";
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
+
+absl::StatusOr<double> UploadLowLatencyBenchInputs(VirtualRankGroup& g) {
+  const kernels::GroupShape& s = g.shape();
+  const int32_t tokens = kLowLatencyBenchTokens;
+  const auto& l = g.layout();
+  std::mt19937_64 rng(1);
+  double dispatch_rows = 0;
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    auto x = testing::RandomBf16(static_cast<size_t>(tokens) * s.hidden, rng);
+    auto topk = testing::RandomTopk(tokens, s.num_topk, s.num_experts, {}, rng);
+    auto w = testing::RandomFloats(static_cast<size_t>(tokens) * s.num_topk, rng);
+    EPD_RETURN_IF_ERROR(g.Upload(r, l.in_x, x.data(), x.size() * 2));
+    EPD_RETURN_IF_ERROR(g.Upload(r, l.in_topk_idx, topk.data(), topk.size() * 8));
+    EPD_RETURN_IF_ERROR(g.Upload(r, l.in_topk_weights, w.data(), w.size() * 4));
+    EPD_RETURN_IF_ERROR(kc::SetLowLatencyNumTokensAsync(g.Context(r), tokens, g.stream(r)));
+    EPD_CUDA_RETURN_IF_ERROR(
+        cudaMemset(g.At<uint8_t>(r, l.in_ll_combine_x), 0x3f, l.in_ll_combine_x.bytes));
+    for (int32_t t = 0; t < tokens; ++t) {
+      for (int32_t k = 0; k < s.num_topk; ++k) {
+        bool dup = false;
+        for (int32_t j = 0; j < k; ++j) {
+          dup |= topk[t * s.num_topk + j] == topk[t * s.num_topk + k];
+        }
+        dispatch_rows += dup ? 0 : 1;
+      }
+    }
+  }
+  EPD_RETURN_IF_ERROR(g.SynchronizeAll());
+  return dispatch_rows;
+}
 
 absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
                                         std::string* device_name, int32_t num_ranks) {
@@ -66,39 +285,10 @@ absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
   // Every rank is on this GPU: the flags at .gpu scope, as the daemon and the client
   // library configure a group whose ranks share one GPU.
   g.set_all_ranks_on_device(true);
-  const auto& l = g.layout();
-
-  // Inputs: random bf16 tokens, uniform top-8 routing without masking, random weights.
-  std::mt19937_64 rng(1);
-  std::vector<std::vector<int64_t>> topk(s.num_ranks);
-  for (int32_t r = 0; r < s.num_ranks; ++r) {
-    auto x = testing::RandomBf16(static_cast<size_t>(kTokens) * s.hidden, rng);
-    topk[r] = testing::RandomTopk(kTokens, s.num_topk, s.num_experts, {}, rng);
-    auto w = testing::RandomFloats(static_cast<size_t>(kTokens) * s.num_topk, rng);
-    EPD_RETURN_IF_ERROR(g.Upload(r, l.in_x, x.data(), x.size() * 2));
-    EPD_RETURN_IF_ERROR(g.Upload(r, l.in_topk_idx, topk[r].data(), topk[r].size() * 8));
-    EPD_RETURN_IF_ERROR(g.Upload(r, l.in_topk_weights, w.data(), w.size() * 4));
-    EPD_RETURN_IF_ERROR(kc::SetLowLatencyNumTokensAsync(g.Context(r), kTokens, g.stream(r)));
-    // Expert outputs: a constant bf16 pattern (0x3f3f, about 0.75); the kernels' speed does
-    // not depend on the values.
-    EPD_CUDA_RETURN_IF_ERROR(
-        cudaMemset(g.At<uint8_t>(r, l.in_ll_combine_x), 0x3f, l.in_ll_combine_x.bytes));
-  }
-  EPD_RETURN_IF_ERROR(g.SynchronizeAll());
+  EPD_ASSIGN_OR_RETURN(const double dispatch_rows, UploadLowLatencyBenchInputs(g));
 
   // Bytes moved between ranks per op (all ranks together).
   const double fp8_row = s.hidden + 4.0 * s.num_scales() + 4.0;  // e4m3 row + scales + src_info
-  double dispatch_rows = 0;
-  for (int32_t r = 0; r < s.num_ranks; ++r) {
-    for (int32_t t = 0; t < kTokens; ++t) {
-      for (int32_t k = 0; k < s.num_topk; ++k) {
-        bool dup = false;
-        for (int32_t j = 0; j < k; ++j)
-          dup |= topk[r][t * s.num_topk + j] == topk[r][t * s.num_topk + k];
-        dispatch_rows += dup ? 0 : 1;
-      }
-    }
-  }
   const double dispatch_bytes = dispatch_rows * fp8_row;
   const double combine_bytes =
       static_cast<double>(s.num_ranks) * kTokens * s.num_topk * s.hidden * 2;
@@ -219,6 +409,9 @@ absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
 }
 
 int RunLowLatencyBench() {
+  if (const std::string order = absl::GetFlag(FLAGS_ll_specialised); !order.empty()) {
+    return RunSpecialisedAb(order);
+  }
   std::vector<LowLatencyFigure> figures;
   std::string device;
   absl::Status st = MeasureLowLatencyInProcess(&figures, &device);

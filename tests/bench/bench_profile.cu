@@ -44,36 +44,12 @@ ABSL_FLAG(int, profile_ranks, 8, "profile mode: virtual ranks");
 ABSL_FLAG(int, profile_iters, 5, "profile mode: replays of each op's graph");
 
 namespace epd::bench {
-namespace {
-
-namespace kc = ::epd::kernels::cuda;
-using ::epd::testing::VirtualRankGroup;
-
-using RankLaunch = std::function<absl::Status(int32_t, cudaStream_t)>;
-
-/// A captured graph of one op on every rank, with its name.
-struct OpGraph {
-  std::string name;
-  cudaGraphExec_t exec = nullptr;
-};
-
-/// Owns the graphs and their events; destroys them on every path.
-class Graphs {
- public:
-  ~Graphs() {
-    for (OpGraph& g : graphs_) {
-      if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
-    }
-  }
-  std::vector<OpGraph>& list() { return graphs_; }
-
- private:
-  std::vector<OpGraph> graphs_;
-};
 
 /// Captures `launch(r, stream(r))` for every rank into one graph: the ranks' streams fork
 /// from rank 0's and join back, so the ranks' kernels are concurrent nodes.
-absl::StatusOr<cudaGraphExec_t> CaptureAllRanks(VirtualRankGroup& g, const RankLaunch& launch) {
+absl::StatusOr<cudaGraphExec_t> CaptureAllRanks(
+    testing::VirtualRankGroup& g,
+    const std::function<absl::Status(int32_t, cudaStream_t)>& launch) {
   const int32_t R = g.num_ranks();
   cudaStream_t origin = g.stream(0);
   std::vector<cudaEvent_t> events(R + 1, nullptr);
@@ -108,6 +84,31 @@ absl::StatusOr<cudaGraphExec_t> CaptureAllRanks(VirtualRankGroup& g, const RankL
   if (!st.ok()) return st;
   return exec;
 }
+
+namespace {
+
+namespace kc = ::epd::kernels::cuda;
+using ::epd::testing::VirtualRankGroup;
+
+/// A captured graph of one op on every rank, with its name.
+struct OpGraph {
+  std::string name;
+  cudaGraphExec_t exec = nullptr;
+};
+
+/// Owns the graphs and their events; destroys them on every path.
+class Graphs {
+ public:
+  ~Graphs() {
+    for (OpGraph& g : graphs_) {
+      if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
+    }
+  }
+  std::vector<OpGraph>& list() { return graphs_; }
+
+ private:
+  std::vector<OpGraph> graphs_;
+};
 
 /// Replays the graphs in order `iters` times and prints each one's median GPU time.
 absl::Status ReplayAndReport(VirtualRankGroup& g, std::vector<OpGraph>& graphs, int iters,
@@ -145,24 +146,10 @@ absl::Status ReplayAndReport(VirtualRankGroup& g, std::vector<OpGraph>& graphs, 
 
 absl::Status ProfileLowLatency(int32_t ranks, int iters) {
   const kernels::GroupShape s = LowLatencyBenchShape(ranks);
-  constexpr int32_t kTokens = kLowLatencyBenchTokens;
   EPD_ASSIGN_OR_RETURN(auto group, VirtualRankGroup::Create(s, 10'000'000'000));
   VirtualRankGroup& g = *group;
   g.set_all_ranks_on_device(true);
-  const auto& l = g.layout();
-  std::mt19937_64 rng(1);
-  for (int32_t r = 0; r < ranks; ++r) {
-    auto x = testing::RandomBf16(static_cast<size_t>(kTokens) * s.hidden, rng);
-    auto topk = testing::RandomTopk(kTokens, s.num_topk, s.num_experts, {}, rng);
-    auto w = testing::RandomFloats(static_cast<size_t>(kTokens) * s.num_topk, rng);
-    EPD_RETURN_IF_ERROR(g.Upload(r, l.in_x, x.data(), x.size() * 2));
-    EPD_RETURN_IF_ERROR(g.Upload(r, l.in_topk_idx, topk.data(), topk.size() * 8));
-    EPD_RETURN_IF_ERROR(g.Upload(r, l.in_topk_weights, w.data(), w.size() * 4));
-    EPD_RETURN_IF_ERROR(kc::SetLowLatencyNumTokensAsync(g.Context(r), kTokens, g.stream(r)));
-    EPD_CUDA_RETURN_IF_ERROR(
-        cudaMemset(g.At<uint8_t>(r, l.in_ll_combine_x), 0x3f, l.in_ll_combine_x.bytes));
-  }
-  EPD_RETURN_IF_ERROR(g.SynchronizeAll());
+  EPD_RETURN_IF_ERROR(UploadLowLatencyBenchInputs(g).status());
   Graphs graphs;
   kc::LowLatencyDispatchArgs da;
   da.use_fp8 = true;

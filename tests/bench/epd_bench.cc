@@ -1,5 +1,7 @@
 // epd_bench: flags → the chosen benchmark families → exit code (docs/BENCHMARKS.md).
 //   epd_bench --backend=cuda --mode=ll        CUDA low-latency kernels
+//   epd_bench --backend=cuda --mode=ll --ll_specialised=off,on,off,on   generic vs
+//                                             shape-specialised low-latency kernels, A/B
 //   epd_bench --backend=cuda --mode=normal    CUDA normal-mode kernels
 //   epd_bench --backend=cuda --mode=all       both
 //   epd_bench --backend=cuda --mode=multigpu [--gpus=N]   normal mode, one rank per GPU,

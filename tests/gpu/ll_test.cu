@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -29,6 +30,7 @@
 #include "common/cuda/cuda_handles.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/cuda_specialise.h"
 #include "epd/kernels/host_ops.h"
 #include "kernels/cuda/common.cuh"
 #include "proto/abi/launch_flags.h"
@@ -407,11 +409,9 @@ std::vector<RankInputs> MakeInputs(const SweepCase& c, std::mt19937_64& rng, int
   return in;
 }
 
-class LowLatencySweep : public ::testing::TestWithParam<SweepCase> {};
-
-TEST_P(LowLatencySweep, MatchesHostBitForBit) {
-  REQUIRE_GPU();
-  const SweepCase& c = GetParam();
+// Three ops of case `c` (buffers 0, 1, 0) on a fresh group at each flag scope, every output
+// compared with the host reference bit for bit.
+void RunSweepCase(const SweepCase& c) {
   const GroupShape s = LowLatencyShape(c.ranks, c.experts, c.hidden, c.topk, kMll, c.fp8);
   const Fp8 mode = c.fp8;
   // Every case runs with the flags at .sys scope (ranks on several GPUs) and at .gpu scope
@@ -453,6 +453,13 @@ TEST_P(LowLatencySweep, MatchesHostBitForBit) {
   }
 }
 
+class LowLatencySweep : public ::testing::TestWithParam<SweepCase> {};
+
+TEST_P(LowLatencySweep, MatchesHostBitForBit) {
+  REQUIRE_GPU();
+  RunSweepCase(GetParam());
+}
+
 // A covering selection (not the full product): every value of every parameter appears, and
 // most pairs of values do. Ranks other than the first get the other T values in turn
 // (T_r = cycle[(index(T) + r + op) % 4] over {0, 1, 77, 128}) unless "all".
@@ -489,6 +496,66 @@ INSTANTIATE_TEST_SUITE_P(
         SweepCase{4, 512, 6, 64, 0, false, 0.5, Routing::kOneExpert, Fp8::kUe8m0},
         SweepCase{8, 2048, 6, 64, 128, true, 0.0, Routing::kUniform, Fp8::kUe8m0},
         SweepCase{8, 7168, 8, 256, 128, true, 0.0, Routing::kUniform, Fp8::kUe8m0}),
+    [](const ::testing::TestParamInfo<SweepCase>& info) { return CaseName(info.param); });
+
+// ---- the shape-specialised kernels (cuda_ops.h LowLatencySpecialisedFor) ----------------
+
+// Sets the process-wide specialisation choice for a scope, then back to the environment's.
+class ScopedSpecialisation {
+ public:
+  explicit ScopedSpecialisation(kc::LowLatencySpecialisation mode) {
+    kc::SetLowLatencySpecialisation(mode);
+  }
+  ~ScopedSpecialisation() {
+    kc::SetLowLatencySpecialisation(kc::LowLatencySpecialisation::kEnvironment);
+  }
+  ScopedSpecialisation(const ScopedSpecialisation&) = delete;
+  ScopedSpecialisation& operator=(const ScopedSpecialisation&) = delete;
+};
+
+// The choice: only the exact shape (H = 7168, K = 8, E / R = 32, any R), only when on.
+TEST(LowLatencySpecialisedChoice, OnlyTheExactShapeAndOnlyWhenOn) {
+  const GroupShape match = LowLatencyShape(8, 256, 7168, 8, kMll, Fp8::kOn);
+  {
+    ScopedSpecialisation on(kc::LowLatencySpecialisation::kOn);
+    EXPECT_TRUE(kc::LowLatencySpecialisedFor(match));
+    EXPECT_TRUE(kc::LowLatencySpecialisedFor(LowLatencyShape(2, 64, 7168, 8, kMll, Fp8::kOff)));
+    EXPECT_FALSE(kc::LowLatencySpecialisedFor(LowLatencyShape(8, 256, 4096, 8, kMll, Fp8::kOn)));
+    EXPECT_FALSE(kc::LowLatencySpecialisedFor(LowLatencyShape(8, 256, 7168, 6, kMll, Fp8::kOn)));
+    EXPECT_FALSE(kc::LowLatencySpecialisedFor(LowLatencyShape(2, 256, 7168, 8, kMll, Fp8::kOn)));
+  }
+  {
+    ScopedSpecialisation off(kc::LowLatencySpecialisation::kOff);
+    EXPECT_FALSE(kc::LowLatencySpecialisedFor(match));
+  }
+  const char* env = std::getenv("EPD_LL_SPECIALISED");
+  EXPECT_EQ(kc::LowLatencySpecialisedFor(match), env != nullptr && std::strcmp(env, "1") == 0);
+}
+
+// The specialised instances against the host, bit for bit, at their shape (R = 8 and, E / R
+// being what is fixed, R = 2 with E = 64): FP8 (every scale format) and BF16 dispatch, BF16
+// combine, with mixed T, masked ids and duplicate experts. EPD_LL_SPECIALISED=1 in the
+// environment selects them too; this test selects them itself either way.
+class LowLatencySpecialised : public ::testing::TestWithParam<SweepCase> {};
+
+TEST_P(LowLatencySpecialised, MatchesHostBitForBit) {
+  REQUIRE_GPU();
+  const SweepCase& c = GetParam();
+  ScopedSpecialisation on(kc::LowLatencySpecialisation::kOn);
+  ASSERT_TRUE(kc::LowLatencySpecialisedFor(
+      LowLatencyShape(c.ranks, c.experts, c.hidden, c.topk, kMll, c.fp8)));
+  RunSweepCase(c);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    DeepSeekV3Decode, LowLatencySpecialised,
+    ::testing::Values(SweepCase{8, 7168, 8, 256, 128, true, 0.0, Routing::kUniform, Fp8::kOn},
+                      SweepCase{8, 7168, 8, 256, 128, true, 0.0, Routing::kUniform, Fp8::kOff},
+                      SweepCase{8, 7168, 8, 256, 77, false, 0.3, Routing::kDuplicates, Fp8::kUe8m0},
+                      SweepCase{8, 7168, 8, 256, 1, false, 0.5, Routing::kOneExpert,
+                                Fp8::kRoundScale},
+                      SweepCase{2, 7168, 8, 64, 128, false, 0.2, Routing::kDuplicates, Fp8::kOff},
+                      SweepCase{2, 7168, 8, 64, 0, false, 0.0, Routing::kUniform, Fp8::kOn}),
     [](const ::testing::TestParamInfo<SweepCase>& info) { return CaseName(info.param); });
 
 // ---- large capacities and top-k ----------------------------------------------------------
