@@ -380,8 +380,10 @@ class LockstepGroup : public DataPlaneGroup {
   /// one ring's worth per endpoint per poll). True if it popped any.
   bool PopRequests();
   /// Copies the slot after `ep`'s tail into `*slot` and advances the tail, when the
-  /// client's ring_head says there is one. False when the ring is empty.
-  static bool PopSlot(LockstepEndpoint& ep, abi::RequestSlot* slot);
+  /// client's ring_head says there is one. False when the ring is empty, and when ring_head
+  /// is more than a ring past the tail (no client publishes so): the tail then moves to it,
+  /// counted as one rejected slot and logged, so a scribbled head cannot hold the engine.
+  bool PopSlot(LockstepEndpoint& ep, abi::RequestSlot* slot);
   /// Counts a malformed or rejected slot of `ep` (published to the header).
   static void CountRejected(LockstepEndpoint& ep);
   /// Pops every slot of rank `rank`'s ring and completes each with `why` (AcceptsRequests

@@ -64,8 +64,19 @@ bool LockstepGroup::PopSlot(LockstepEndpoint& ep, abi::RequestSlot* slot) {
   const uint64_t head = abi::Atomic(ep.header->ring_head).load(std::memory_order_seq_cst);
   const uint64_t tail = ep.ring_tail;
   if (head == tail) return false;
-  // A head more than a ring ahead (or behind) is garbage: the slot after the tail is then
-  // taken as one malformed slot, so the ring stays usable.
+  if (head - tail > abi::kRingCapacity) {
+    // More than a ring ahead (or behind): no client publishes so (it waits for room), so
+    // these are not requests. Skipped whole and counted once, instead of draining up to
+    // 2^64 slots of garbage one by one.
+    ep.ring_tail = head;
+    abi::Atomic(ep.header->ring_tail).store(ep.ring_tail, std::memory_order_release);
+    CountRejected(ep);
+    LogLimited(*engine_log_, spdlog::level::warn, *ep.log_limiter, ep.log_name,
+               "{}: ring_head {} is more than the ring's {} slots past the tail {}; the ring "
+               "was skipped to it (its client wrote the header)",
+               ep.log_name, head, abi::kRingCapacity, tail);
+    return false;
+  }
   std::memcpy(slot, &ep.ring()[(tail + 1) % abi::kRingCapacity], sizeof(*slot));
   ep.ring_tail = tail + 1;
   abi::Atomic(ep.header->ring_tail).store(ep.ring_tail, std::memory_order_release);

@@ -728,6 +728,25 @@ TEST_F(HostDataPlaneTest, GarbageSlotIsRejectedNotExecuted) {
   EXPECT_EQ(abi::Atomic(h->rejected_requests).load(), 3u);
 }
 
+// A ring_head far past the tail is no client's requests: skipped whole and counted once,
+// not drained slot by slot (2^62 slots would hold the engine thread for good).
+TEST_F(HostDataPlaneTest, RingHeadFarAheadIsSkippedAtOnceNotDrained) {
+  const int R = 2, E = 2, H = 128, K = 1, M = 4;
+  absl::StatusOr<ShmRegion> evil =
+      OpenWithRank1MappedTwice(Spec("head-ahead", R, E, H, K, M, 0, false));
+  ASSERT_TRUE(evil.ok()) << evil.status();
+  auto* h = reinterpret_cast<abi::EndpointShmHeader*>(evil->data());
+  const uint64_t far = abi::Atomic(h->ring_head).load() + (uint64_t{1} << 62);
+  abi::Atomic(h->ring_head).store(far);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (abi::Atomic(h->ring_tail).load() != far && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(abi::Atomic(h->ring_tail).load(), far);
+  EXPECT_EQ(abi::Atomic(h->rejected_requests).load(), 1u);
+}
+
 // daemon_closed lies in memory the client can write: a value epd never writes there is
 // the client's own memory overwritten, reported as such (DATA_LOSS naming the field and
 // value) on that endpoint alone, never taken for a shutdown or a removal; epd goes on
