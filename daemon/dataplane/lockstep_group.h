@@ -384,6 +384,10 @@ class LockstepGroup : public DataPlaneGroup {
   /// is more than a ring past the tail (no client publishes so): the tail then moves to it,
   /// counted as one rejected slot and logged, so a scribbled head cannot hold the engine.
   bool PopSlot(LockstepEndpoint& ep, abi::RequestSlot* slot);
+  /// Ends the catch-up wait (catch_up_until_) once its rank is unmasked, gone, no longer
+  /// being unmasked, or past the deadline (then its unmask is dropped, with a warning naming
+  /// the way back). True while the wait goes on.
+  bool UpdateCatchUpLocked();
   /// Counts a malformed or rejected slot of `ep` (published to the header).
   static void CountRejected(LockstepEndpoint& ep);
   /// Pops every slot of rank `rank`'s ring and completes each with `why` (AcceptsRequests
@@ -500,6 +504,13 @@ class LockstepGroup : public DataPlaneGroup {
   std::vector<int32_t> changed_scratch_;
   uint64_t current_seq_ = 1;  ///< The group op being collected or running.
   std::optional<std::chrono::steady_clock::time_point> op_started_;
+  /// While set: rank catch_up_rank_, being unmasked but behind the group and submitting
+  /// (its stale requests are refused at once), is waited for: the other ranks' requests for
+  /// the next op are not taken until it has caught up (then it is unmasked) or this time
+  /// has passed (op_timeout after its first stale request at a boundary; then it stays
+  /// masked). Single-node groups only (UpdateCatchUpLocked).
+  std::optional<std::chrono::steady_clock::time_point> catch_up_until_;
+  int32_t catch_up_rank_ = -1;
   /// [R] when each rank's request for the op being collected was picked up (metrics: the
   /// straggler). Sized R at construction.
   std::vector<std::chrono::steady_clock::time_point> arrived_;

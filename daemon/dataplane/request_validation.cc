@@ -105,12 +105,37 @@ bool LockstepGroup::RefuseRequests(int32_t rank, LockstepEndpoint& ep, const abs
   return worked;
 }
 
+bool LockstepGroup::UpdateCatchUpLocked() {
+  if (!catch_up_until_) return false;
+  const int32_t r = catch_up_rank_;
+  const LockstepEndpoint* ep = endpoints_[r].get();
+  if (ep && pending_unmask_[r] && rank_masked_[r] && ep->next_seq < current_seq_) {
+    if (Clock::now() < *catch_up_until_) return true;
+    pending_unmask_[r] = 0;
+    LogRankCaused(r, spdlog::level::warn,
+                  "group {}: rank {} did not catch up within op_timeout {} ms ({} ops behind); "
+                  "it stays masked: unmask it again, or leave and join again to take part from "
+                  "the group's next op",
+                  spec_.name(), r, options_.op_timeout_ms, current_seq_ - ep->next_seq);
+  }
+  catch_up_until_.reset();
+  catch_up_rank_ = -1;
+  return false;
+}
+
 bool LockstepGroup::PopRequests() {
   bool worked = false;
   std::optional<Clock::time_point> popped_at;
+  // A rank catching up is waited for: the ranks in step do not start the next op meanwhile
+  // (the engine keeps polling, to see the deadline).
+  const bool catching_up = UpdateCatchUpLocked();
+  worked |= catching_up;
   for (size_t r = 0; r < endpoints_.size(); ++r) {
     LockstepEndpoint* ep = endpoints_[r].get();
     if (!ep) continue;
+    if (catching_up && static_cast<int32_t>(r) != catch_up_rank_ && ep->next_seq >= current_seq_) {
+      continue;
+    }
     LogSuppressed(*engine_log_, spdlog::level::warn, *ep->log_limiter);
     const int32_t rank = static_cast<int32_t>(r);
     if (absl::Status refused = AcceptsRequests(rank); !refused.ok()) {
@@ -176,6 +201,13 @@ bool LockstepGroup::PopRequests() {
         CompleteUnrun(rank, *ep, slot, st);
         if (pending_unmask_[r] && ep->next_seq == current_seq_ && !running_ && !op_started_) {
           ApplyPendingMaskLocked();  // Caught up before the next op's collection: unmasked.
+        } else if (pending_unmask_[r] && rank_masked_[r] && ep->next_seq < current_seq_ &&
+                   !spanning_ && !running_ && !op_started_ && !catch_up_until_) {
+          // Behind and submitting: the others wait for it (at most op_timeout) instead of
+          // running away from it, so that a client whose refused steps take as long as its
+          // good ones still catches up.
+          catch_up_until_ = Clock::now() + std::chrono::milliseconds(options_.op_timeout_ms);
+          catch_up_rank_ = rank;
         }
         continue;
       }

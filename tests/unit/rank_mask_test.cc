@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -535,6 +536,38 @@ TEST_F(RankMaskTest, FarBehindRankUnmaskingItselfIsUnmaskedOnceCaughtUp) {
   EXPECT_TRUE(mask->masked_ranks().empty()) << "caught up: unmasked";
   for (const absl::Status& st : Rounds({0, 1, 2, 3}, kNone, &masks)) EXPECT_TRUE(st.ok()) << st;
   EXPECT_EQ(masks[3].num_masked, 0);
+}
+
+TEST_F(RankMaskTest, BehindRankAsSlowAsTheOthersIsWaitedForOnceItSubmits) {
+  // Rank 3 misses op_timeout: masked; the others run two rounds (4 ops) without it.
+  for (const absl::Status& st : Rounds({0, 1, 2}, kRank3)) ASSERT_TRUE(st.ok()) << st;
+  for (const absl::Status& st : Rounds({0, 1, 2}, kRank3)) ASSERT_TRUE(st.ok()) << st;
+  ASSERT_TRUE(group_->UpdateRankMask({}, std::vector<int32_t>{3}, false).ok());
+  // The others take 20 ms per step, rank 3 30 ms, a refused step too: were the others not
+  // to wait for it, rank 3 would fall further behind for as long as they run.
+  std::atomic<bool> back{false};
+  const auto start = std::chrono::steady_clock::now();
+  const auto give_up = start + std::chrono::seconds(4);
+  std::vector<std::thread> ranks;
+  std::vector<int> failed(R, 0);
+  for (int r = 0; r < R; ++r) {
+    ranks.emplace_back([&, r] {
+      while (std::chrono::steady_clock::now() < give_up && !(r != 3 && back)) {
+        absl::Status st = Layout(r);
+        if (r == 3 && st.ok()) {
+          back = true;
+          return;
+        }
+        if (!st.ok() && r != 3) ++failed[r];
+        std::this_thread::sleep_for(std::chrono::milliseconds(r == 3 ? 30 : 20));
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_TRUE(back) << "rank 3 never took part again";
+  EXPECT_LT(std::chrono::steady_clock::now() - start,
+            std::chrono::milliseconds(kOpTimeoutMs + 1000));
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(failed[r], 0) << "rank " << r;
 }
 
 TEST_F(RankMaskTest, RankCatchingUpWhileAnOpIsCollectedIsUnmaskedAtTheBoundaryAfterIt) {
