@@ -202,10 +202,10 @@ bool LockstepGroup::PopRequests() {
         if (pending_unmask_[r] && ep->next_seq == current_seq_ && !running_ && !op_started_) {
           ApplyPendingMaskLocked();  // Caught up before the next op's collection: unmasked.
         } else if (pending_unmask_[r] && rank_masked_[r] && ep->next_seq < current_seq_ &&
-                   !spanning_ && !running_ && !op_started_ && !catch_up_until_) {
-          // Behind and submitting: the others wait for it (at most op_timeout) instead of
-          // running away from it, so that a client whose refused steps take as long as its
-          // good ones still catches up.
+                   !spanning_ && !catch_up_until_) {
+          // Behind and submitting: from the next boundary on, the others wait for it (at
+          // most op_timeout) instead of running away from it, so that a client whose refused
+          // steps take as long as its good ones still catches up.
           catch_up_until_ = Clock::now() + std::chrono::milliseconds(options_.op_timeout_ms);
           catch_up_rank_ = rank;
         }
