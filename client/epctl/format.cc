@@ -186,11 +186,29 @@ std::string NodeStateName(v1::NodeState state) {
   }
 }
 
+namespace {
+
+/// The MASKED column: a MASK group's masked ranks (at most 8 named, then "+N") and mask
+/// epoch, e.g. "1,3 (epoch 4)" or "none (epoch 2)"; "-" for other groups.
+std::string MaskedRanks(const v1::GroupInfo& g) {
+  if (!g.has_rank_mask()) return "-";
+  const v1::RankMask& m = g.rank_mask();
+  constexpr int kNamed = 8;
+  std::string ranks;
+  for (int i = 0; i < m.masked_ranks_size() && i < kNamed; ++i) {
+    absl::StrAppend(&ranks, i == 0 ? "" : ",", m.masked_ranks(i));
+  }
+  if (m.masked_ranks_size() > kNamed) absl::StrAppend(&ranks, ",+", m.masked_ranks_size() - kNamed);
+  return absl::StrCat(ranks.empty() ? "none" : ranks, " (epoch ", m.epoch(), ")");
+}
+
+}  // namespace
+
 std::string FormatGroups(const v1::ListGroupsResponse& groups) {
   if (groups.groups().empty()) return "no groups\n";
   Table table({"GROUP", "OWNER", "SECRET", "RANKS", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS",
-               "LL_MAX_TOKENS", "FP8", "LAUNCH", "ON_RANK_FAILURE", "BYTES/RANK", "OPS OK",
-               "OPS FAILED"});
+               "LL_MAX_TOKENS", "FP8", "LAUNCH", "ON_RANK_FAILURE", "MASKED", "BYTES/RANK",
+               "OPS OK", "OPS FAILED"});
   Table ranks({"GROUP", "RANK", "PID", "UID", "GPU", "SESSION", "OPS OK"});
   Table nodes(
       {"GROUP", "NODE", "PEER ADDRESS", "RANKS", "STATE", "JOINED", "INCARNATION", "REASON"});
@@ -206,8 +224,8 @@ std::string FormatGroups(const v1::ListGroupsResponse& groups) {
                   : g.launch_mode() == v1::LAUNCH_MODE_DAEMON ? "daemon"
                                                               : "-",
                   spec.on_rank_failure() == v1::RANK_FAILURE_POLICY_MASK ? "mask" : "fail",
-                  HumanBytes(g.buffer_bytes_per_rank()), absl::StrCat(g.ops_completed()),
-                  absl::StrCat(g.ops_failed())});
+                  MaskedRanks(g), HumanBytes(g.buffer_bytes_per_rank()),
+                  absl::StrCat(g.ops_completed()), absl::StrCat(g.ops_failed())});
     for (const v1::RankInfo& r : g.ranks()) {
       ranks.AddRow({spec.name(), absl::StrCat(r.rank()), absl::StrCat(r.client_pid()),
                     absl::StrCat(r.uid()), r.gpu_uuid().empty() ? "-" : r.gpu_uuid(),

@@ -608,6 +608,11 @@ v1::ListGroupsResponse GroupRegistry::ListGroups(const PeerCredentials& viewer) 
     info->set_join_secret_set(group.join_secret.set());
     info->set_ops_completed(group.data->ops_completed());
     info->set_ops_failed(group.data->ops_failed());
+    if (group.spec.on_rank_failure() == v1::RANK_FAILURE_POLICY_MASK) {
+      if (absl::StatusOr<v1::RankMask> mask = group.data->GetRankMask(); mask.ok()) {
+        *info->mutable_rank_mask() = *std::move(mask);
+      }
+    }
     if (options_.peer_mesh != nullptr && SpansNodes(group.spec)) {
       for (v1::GroupNodeInfo& node : options_.peer_mesh->NodeStatuses(name)) {
         *info->add_nodes() = std::move(node);

@@ -109,6 +109,17 @@ TEST_F(RankMaskProcessTest, MaskRpcsCheckTheCallerAndTheRanks) {
   grpc::ClientContext context;
   st = stub->GetRankMask(&context, get, &mask);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
+  // ListGroups (epctl groups) shows the MASK group's mask: none masked yet, epoch 0.
+  {
+    v1::ListGroupsRequest list;
+    v1::ListGroupsResponse groups;
+    grpc::ClientContext list_context;
+    ASSERT_TRUE(stub->ListGroups(&list_context, list, &groups).ok());
+    ASSERT_EQ(groups.groups_size(), 1);
+    EXPECT_TRUE(groups.groups(0).has_rank_mask());
+    EXPECT_EQ(groups.groups(0).rank_mask().epoch(), 0u);
+    EXPECT_EQ(groups.groups(0).rank_mask().masked_ranks_size(), 0);
+  }
   holder->Signal(SIGKILL);
   (void)holder->Wait(absl::Seconds(5));
 }

@@ -809,7 +809,18 @@ TEST(RankMaskPolicyTest, EpctlGroupsShowsThePolicy) {
   const std::string text = epctl::FormatGroups(groups);
   EXPECT_THAT(text, HasSubstr("ON_RANK_FAILURE"));
   EXPECT_THAT(text, ::testing::ContainsRegex("masking .* mask "));
-  EXPECT_THAT(text, ::testing::ContainsRegex("failing .* fail "));
+  EXPECT_THAT(text, ::testing::ContainsRegex("failing .* fail +- "));
+  EXPECT_THAT(text, HasSubstr("MASKED"));
+  // The masked ranks and the epoch, at most 8 named.
+  v1::RankMask* m = groups.mutable_groups(0)->mutable_rank_mask();
+  m->set_epoch(4);
+  for (int32_t r : {1, 3}) m->add_masked_ranks(r);
+  EXPECT_THAT(epctl::FormatGroups(groups),
+              ::testing::ContainsRegex("masking .* mask +1,3 \\(epoch 4\\)"));
+  for (int32_t r = 4; r < 14; ++r) m->add_masked_ranks(r);
+  EXPECT_THAT(epctl::FormatGroups(groups), HasSubstr("1,3,4,5,6,7,8,9,+4 (epoch 4)"));
+  m->clear_masked_ranks();
+  EXPECT_THAT(epctl::FormatGroups(groups), HasSubstr("none (epoch 4)"));
 }
 
 }  // namespace
