@@ -66,9 +66,8 @@ void CudaGroup::RankMaskChanged(int32_t rank, bool masked) {
 
 void CudaGroup::UseMaskedArea(int32_t rank) {
   const CudaRank& own = *ranks_[rank];
-  absl::StatusOr<std::shared_ptr<CudaRank>> scratch =
-      CreateCudaRank(own.device, rank, layout(), /*client_launched=*/false,
-                     &plane_->deferred_release());
+  absl::StatusOr<std::shared_ptr<CudaRank>> scratch = CreateCudaRank(
+      own.device, rank, layout(), /*client_launched=*/false, &plane_->deferred_release());
   if (!scratch.ok()) {
     EngineLog()->warn(
         "group {}: rank {} is masked, but no area for its masked part could be allocated ({}); "
