@@ -182,22 +182,15 @@ bool LockstepGroup::PopRequests() {
                                                                seq, " had failed for the group: ",
                                                                it->second.message())),
                                      errors::ReasonOf(it->second))
-            : masking_
-                ? absl::FailedPreconditionError(
-                      rank_masked_[r]
-                          ? absl::StrCat("op ", seq, " of group ", spec_.name(),
-                                         " ran without rank ", rank,
-                                         ", which was masked (mask epoch ", mask_epoch_,
-                                         ") before it arrived")
-                          : absl::StrCat(
-                                "op ", seq, " of group ", spec_.name(), " ran without rank ", rank,
-                                ", which was masked then; the rank is unmasked "
-                                "now (mask epoch ",
-                                mask_epoch_, ") and takes part from op ", current_seq_, " on"))
-                : errors::WithReason(absl::DeadlineExceededError(
-                                         absl::StrCat("op ", seq, " of group ", spec_.name(),
-                                                      " failed before this rank arrived")),
-                                     errors::Reason::kOpTimeout);
+            // Under masking a rank is unmasked only once its next request is the group's,
+            // so one whose request is stale is masked.
+            : masking_ ? absl::FailedPreconditionError(absl::StrCat(
+                             "op ", seq, " of group ", spec_.name(), " ran without rank ", rank,
+                             ", which was masked (mask epoch ", mask_epoch_, ") before it arrived"))
+                       : errors::WithReason(absl::DeadlineExceededError(
+                                                absl::StrCat("op ", seq, " of group ", spec_.name(),
+                                                             " failed before this rank arrived")),
+                                            errors::Reason::kOpTimeout);
         CompleteUnrun(rank, *ep, slot, st);
         if (pending_unmask_[r] && ep->next_seq == current_seq_ && !running_ && !op_started_) {
           ApplyPendingMaskLocked();  // Caught up before the next op's collection: unmasked.
