@@ -63,6 +63,7 @@ CudaGroup::CudaGroup(CudaDataPlaneImpl* plane, const v1::GroupSpec& spec)
       ranks_(spec.num_ranks()),
       standins_(spec.num_ranks()),
       masked_areas_(spec.num_ranks()),
+      spare_masked_areas_(spec.num_ranks()),
       host_bases_(spec.num_ranks(), nullptr),
       event_errors_(spec.num_ranks(), cudaSuccess),
       gpu_timer_(&timing_events_, spec.num_ranks()),

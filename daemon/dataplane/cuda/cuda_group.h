@@ -344,10 +344,13 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// process rejoins the slot. Null otherwise.
   std::vector<std::shared_ptr<CudaRank>> standins_;
   /// [R] an attached rank that is masked: the scratch area its masked part runs on (every
-  /// peer array names it), allocated at the mask and dropped at the unmask (the rank's own
-  /// area is then reset into step: needs_sync_reset_). When the rank detaches it becomes its
-  /// stand-in. Null otherwise.
+  /// peer array names it), allocated at its first mask and kept, from its unmask, in
+  /// spare_masked_areas_ (the rank's own area is then reset into step: needs_sync_reset_).
+  /// When the rank detaches it becomes its stand-in. Null otherwise.
   std::vector<std::shared_ptr<CudaRank>> masked_areas_;
+  /// [R] an attached rank's masked area after its unmask, kept for its next mask (so that
+  /// masks and unmasks in a loop allocate once); dropped when the rank detaches.
+  std::vector<std::shared_ptr<CudaRank>> spare_masked_areas_;
   /// GPU -> device array [R] of uint8, the rank mask the kernels read
   /// (CudaRankContext::rank_masked); allocated at the first mask.
   std::map<int, DeviceMemory> mask_arrays_;

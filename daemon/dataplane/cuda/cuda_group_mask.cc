@@ -30,6 +30,7 @@ void CudaGroup::KeepAsStandIn(int32_t rank) {
   // A stand-in it replaces (a rejoin that left before any op re-pointed the peer arrays)
   // goes to DeferredRelease with its last reference, not freed here under the lock.
   standins_[rank].reset();
+  spare_masked_areas_[rank].reset();
   if (masked_areas_[rank]) {
     // Masked while attached: its part already runs on its scratch area, which every peer
     // array names; that stays its stand-in, and the area it left goes.
@@ -53,9 +54,9 @@ void CudaGroup::RankMaskChanged(int32_t rank, bool masked) {
     UseMaskedArea(rank);
   } else if (!masked && masked_areas_[rank] && ranks_[rank]) {
     // Back on its own area, whose sync state is behind the others' (zeroed before the next
-    // op). The scratch area goes to DeferredRelease with its last reference; the peer
-    // arrays name the rank's own area again before any kernel runs (UploadPeerBases).
-    masked_areas_[rank].reset();
+    // op). The scratch area is kept for the rank's next mask; the peer arrays name the
+    // rank's own area again before any kernel runs (UploadPeerBases).
+    spare_masked_areas_[rank] = std::move(masked_areas_[rank]);
     host_bases_[rank] = ranks_[rank]->area.get();
     bases_dirty_ = true;
     needs_sync_reset_ = true;
@@ -66,8 +67,11 @@ void CudaGroup::RankMaskChanged(int32_t rank, bool masked) {
 
 void CudaGroup::UseMaskedArea(int32_t rank) {
   const CudaRank& own = *ranks_[rank];
-  absl::StatusOr<std::shared_ptr<CudaRank>> scratch = CreateCudaRank(
-      own.device, rank, layout(), /*client_launched=*/false, &plane_->deferred_release());
+  absl::StatusOr<std::shared_ptr<CudaRank>> scratch =
+      spare_masked_areas_[rank]
+          ? std::move(spare_masked_areas_[rank])
+          : CreateCudaRank(own.device, rank, layout(), /*client_launched=*/false,
+                           &plane_->deferred_release());
   if (!scratch.ok()) {
     EngineLog()->warn(
         "group {}: rank {} is masked, but no area for its masked part could be allocated ({}); "
@@ -79,7 +83,7 @@ void CudaGroup::UseMaskedArea(int32_t rank) {
   masked_areas_[rank] = *std::move(scratch);
   host_bases_[rank] = masked_areas_[rank]->area.get();
   bases_dirty_ = true;
-  needs_sync_reset_ = true;  // The scratch area's sync state is zero, the others' are not.
+  needs_sync_reset_ = true;  // The scratch area's sync state is not the others'.
   ++ranks_generation_;
   UpdateDevices();
 }
