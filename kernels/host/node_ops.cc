@@ -351,12 +351,14 @@ absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& option
         }
         if (row < 0) continue;
         const int32_t t = v.token != nullptr ? v.token[j] : j;
-        std::memcpy(static_cast<uint8_t*>(dst.recv_x) + row * x_row_bytes,
-                    static_cast<const uint8_t*>(v.x) + j * x_row_bytes,
-                    static_cast<size_t>(x_row_bytes));
-        if (options.fp8) {
-          std::memcpy(dst.recv_scales + row * S, v.x_scales + static_cast<int64_t>(j) * S,
-                      sizeof(float) * S);
+        const uint8_t* x_row = static_cast<const uint8_t*>(v.x) + j * x_row_bytes;
+        const float* scales_row = options.fp8 ? v.x_scales + static_cast<int64_t>(j) * S : nullptr;
+        if (dst.recv_row_src != nullptr) {
+          dst.recv_row_src[row] = {x_row, scales_row};
+        } else {
+          std::memcpy(static_cast<uint8_t*>(dst.recv_x) + row * x_row_bytes, x_row,
+                      static_cast<size_t>(x_row_bytes));
+          if (options.fp8) std::memcpy(dst.recv_scales + row * S, scales_row, sizeof(float) * S);
         }
         dst.recv_src_info[row] = static_cast<int32_t>(static_cast<int64_t>(s) * M + t);
         if (cached) continue;
@@ -418,6 +420,8 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
   }
   const int32_t first_expert = node.first * El;
   const int32_t local_experts = node.count * El;
+  const bool gathered = std::any_of(local.begin(), local.end(),
+                                    [](const auto& a) { return a.recv_row_src != nullptr; });
   internal::OpContext ctx(exec);
   internal::ScratchState& scratch = ctx.scratch();
   std::vector<int32_t>& seen = scratch.expert_total;  // [E]: a source's rows per expert.
@@ -428,6 +432,11 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
       return absl::InvalidArgumentError(absl::StrCat(
           kOp, ": local source rank ", s, " must present all its ",
           local[s - node.first].num_tokens, " tokens in order; got ", v.num_rows, " rows"));
+    }
+    if (options.use_fp8 && !v.quantized && v.num_rows > 0 && gathered) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kOp, ": source rank ", s,
+          " presents BF16 rows to an FP8 dispatch whose rows are gathered (recv_row_src)"));
     }
     if (v.quantized && !options.use_fp8) {
       return absl::InvalidArgumentError(
@@ -541,9 +550,13 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
           out_row = static_cast<const bf16_bits*>(v.x) + i * hidden;
         }
         const int64_t row = static_cast<int64_t>(j) * rows_per_expert + pos;
-        std::memcpy(static_cast<uint8_t*>(dst.recv_x) + row * out_row_bytes, out_row,
-                    static_cast<size_t>(out_row_bytes));
-        if (options.use_fp8) {
+        if (dst.recv_row_src != nullptr) {
+          dst.recv_row_src[row] = {out_row, row_scales};
+        } else {
+          std::memcpy(static_cast<uint8_t*>(dst.recv_x) + row * out_row_bytes, out_row,
+                      static_cast<size_t>(out_row_bytes));
+        }
+        if (options.use_fp8 && dst.recv_row_src == nullptr) {
           uint8_t* scales = static_cast<uint8_t*>(dst.recv_scales);
           for (int32_t g = 0; g < S; ++g) {
             const uint64_t at =

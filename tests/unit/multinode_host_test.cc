@@ -46,9 +46,10 @@ using ::testing::Not;
 class MultinodeHostTest : public ::testing::Test {
  protected:
   /// Nodes with `ranks_per_node` ranks each; `op_timeout_ms` for every plane.
-  /// `mirror`: HostDataPlaneOptions::stage_through_mirror on every plane.
+  /// `mirror`: HostDataPlaneOptions::stage_through_mirror on every plane; `gather`: and
+  /// its gather_rows.
   void Start(const std::vector<int>& ranks_per_node, uint32_t op_timeout_ms = 2000, bool fp8 = true,
-             int hidden = 512, bool mirror = false) {
+             int hidden = 512, bool mirror = false, bool gather = false) {
     spec_.set_name("mn");
     int R = 0;
     for (size_t n = 0; n < ranks_per_node.size(); ++n) {
@@ -80,6 +81,7 @@ class MultinodeHostTest : public ::testing::Test {
       node->transports.Add("tcp", node->transport.get());
       o.transports = &node->transports;
       o.stage_through_mirror = mirror;
+      o.gather_rows = gather;
       if (n == 0) o.on_inputs_checked = node0_inputs_checked_;
       auto plane = MakeHostDataPlane(o);
       ASSERT_TRUE(plane.ok()) << plane.status();
@@ -99,7 +101,7 @@ class MultinodeHostTest : public ::testing::Test {
     }
   }
 
-  void EveryOpMatches(bool mirror);
+  void EveryOpMatches(bool mirror, bool gather = false);
 
   /// Region `region` of rank r's data area (a zeroed stand-in while r has no ring).
   template <typename T>
@@ -385,15 +387,16 @@ bool Same(const T* a, const T* b, size_t n) {
 // cached re-dispatch and its combine, then low-latency dispatch (FP8 round_scale UE8M0,
 // then BF16) and combine: every node's outputs equal kernels/host on the whole group.
 /// Every op and option on 2 and 4 nodes, each result bit for bit that of kernels/host on
-/// the whole group; `mirror`: through HostDataPlaneOptions::stage_through_mirror.
-void MultinodeHostTest::EveryOpMatches(bool mirror) {
+/// the whole group; `mirror`: through HostDataPlaneOptions::stage_through_mirror (`gather`:
+/// with the received rows gathered, gather_rows).
+void MultinodeHostTest::EveryOpMatches(bool mirror, bool gather) {
   for (const std::vector<int>& layout : {std::vector<int>{2, 1}, std::vector<int>{1, 3, 2, 1}}) {
     SCOPED_TRACE(::testing::Message() << layout.size() << " nodes");
     rings_.clear();
     nodes_.clear();
     node_of_.clear();
     spec_.Clear();
-    Start(layout, 2000, true, 512, mirror);
+    Start(layout, 2000, true, 512, mirror, gather);
     if (HasFatalFailure()) return;
     const int R = shape_.num_ranks, K = shape_.num_topk, H = shape_.hidden;
     const int S = shape_.num_scales(), El = shape_.num_local_experts();
@@ -679,6 +682,14 @@ TEST_F(MultinodeHostTest, ReattachedRankCombinesFromItsNewMemory) {
 // cover everything the exchange reads and writes.
 TEST_F(MultinodeHostTest, EveryOpMatchesThroughTheCudaMirrorSpans) {
   EveryOpMatches(/*mirror=*/true);
+}
+
+// As the CUDA backend's daemon-launched ranks run across nodes (DESIGN.md §5.5 "Rows on the
+// GPU"): the mirror ranges, and the dispatches' received rows left to a RowSource table that
+// kernels::host::GatherRows (the CUDA gather's reference) writes into the client's area. The
+// mirror's rows are 0xA5: a row the table misses or misplaces fails the comparison.
+TEST_F(MultinodeHostTest, EveryOpMatchesWithTheReceivedRowsGathered) {
+  EveryOpMatches(/*mirror=*/true, /*gather=*/true);
 }
 
 // A rank of node 1 with an expert id out of range: every rank of every node fails with

@@ -155,6 +155,25 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   void ExchangeWarning(const std::string& message) const override {
     LogClientCaused(spdlog::level::warn, "{}", message);
   }
+  /// Rows on the GPU (DESIGN.md §5.5): a daemon-launched rank's received rows are gathered
+  /// by a kernel into its GPU area (StageOut), from the receive region and quantized rows
+  /// registered with CUDA here, and from the local ranks' GPU areas.
+  bool ExchangeGathersRows() const override { return true; }
+  std::unique_ptr<ExchangeHostMapping> ExchangeMapHostMemory(void* p,
+                                                             uint64_t bytes) const override;
+  kernels::RowSource* ExchangeRowSources(int32_t rank) const override {
+    const CudaRank& cr = SpanRank(rank);
+    if (cr.client_launched || !cr.mirror || !cr.mirror->row_sources) return nullptr;
+    cr.mirror->rows_pending = true;
+    return cr.mirror->row_sources.get();
+  }
+  bool ExchangeRowsQuantized(int32_t rank, uint64_t seq) const override {
+    const CudaRank& cr = SpanRank(rank);
+    return cr.mirror && !cr.client_launched && seq != 0 && cr.mirror->quantized_seq == seq;
+  }
+  /// Enqueues rank `r`'s gather of the running dispatch's rows (its rows_pending) on its
+  /// stream, reading the local ranks on its GPU from their areas rather than their mirrors.
+  absl::Status GatherRankRows(const OpPlan& plan, const CudaRank& cr);
 
   // ---- a group that spans nodes (DESIGN.md §5.5) ----
   /// Where the running spanning op is: its inputs being copied into the mirrors, the

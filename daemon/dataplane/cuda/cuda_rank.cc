@@ -134,6 +134,9 @@ absl::Status AddCudaRankMirror(CudaRank& rank, const kernels::GroupShape& shape,
   EPD_RETURN_IF_ERROR(pinned(m->in_spans, kernels::kMaxAreaSpans, "copy spans"));
   EPD_RETURN_IF_ERROR(pinned(m->out_spans, kernels::kMaxAreaSpans, "copy spans"));
   EPD_RETURN_IF_ERROR(pinned(m->staged, 1, "staging flag"));
+  EPD_RETURN_IF_ERROR(pinned(m->row_sources, static_cast<size_t>(kernels::RowSourceRows(shape)),
+                             "row source table"));
+  EPD_RETURN_IF_ERROR(pinned(m->windows, kc::kMaxGatherWindows, "gather windows"));
   EPD_ASSIGN_OR_RETURN(m->counter, AllocateDevice(256, DeviceZero::kYes));
   m->base = m->data.get();
   rank.mirror = std::move(m);

@@ -17,6 +17,7 @@
 #include "daemon/dataplane/exchange/rank_routing.h"
 #include "daemon/dataplane/lockstep_group.h"
 #include "daemon/metrics/expert_tally.h"
+#include "epd/kernels/cuda_gather.h"
 #include "epd/kernels/cuda_mirror.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/layout.h"
@@ -69,6 +70,17 @@ struct CudaRankMirror {
   /// [1], mapped: the seq of the op whose inputs the copy-in kernel has landed in `data`
   /// (stored by its last block, release at system scope; the engine polls it).
   PinnedArray<uint64_t> staged;
+  /// Daemon-launched: where a dispatch's received rows are, for the gather kernel to copy
+  /// into the GPU area (DESIGN.md §5.5 "Rows on the GPU"): [kernels::RowSourceRows]
+  /// RowSources, mapped, written by the exchange (NodeExchangeHost::ExchangeRowSources);
+  /// the gather's windows [kMaxGatherWindows], mapped; and whether the running op's rows
+  /// were left to it.
+  PinnedArray<kernels::RowSource> row_sources;
+  PinnedArray<kernels::cuda::GatherWindow> windows;
+  bool rows_pending = false;
+  /// The low-latency FP8 dispatch whose tokens the GPU quantized into the exchange's rows
+  /// (NodeExchangeHost::ExchangeRowsQuantized); 0: none.
+  uint64_t quantized_seq = 0;
   DeviceMemory counter;  ///< The copy kernels' ticket word (uint32, zeroed).
   RankRouting routing;   ///< The rank's private routing state (as the host backend's).
   /// Unique to this mirror in the process (NodeExchangeHost::ExchangeRankRegion's id).
@@ -87,7 +99,9 @@ struct CudaRankMirror {
   /// Host bytes of one rank's mirror of a group of `shape` (data, span tables, routing).
   static uint64_t BytesFor(const kernels::GroupShape& shape) {
     return MirrorBytes(kernels::EndpointLayout::Compute(shape)) +
-           2 * sizeof(kernels::Region) * kernels::kMaxAreaSpans + RankRouting::BytesFor(shape);
+           2 * sizeof(kernels::Region) * kernels::kMaxAreaSpans + RankRouting::BytesFor(shape) +
+           static_cast<uint64_t>(kernels::RowSourceRows(shape)) * sizeof(kernels::RowSource) +
+           sizeof(kernels::cuda::GatherWindow) * kernels::cuda::kMaxGatherWindows;
   }
 };
 

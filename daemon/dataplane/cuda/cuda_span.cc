@@ -30,7 +30,68 @@ constexpr auto kSpanGpuGrace = std::chrono::seconds(5);
 /// polling the command words instead of sleeping between doorbells.
 constexpr auto kClientCommandsHot = std::chrono::seconds(1);
 
+/// Host memory registered with CUDA (host-mapped, every device) until destroyed.
+class CudaHostRegistration : public ExchangeHostMapping {
+ public:
+  explicit CudaHostRegistration(void* p) : p_(p) {}
+  ~CudaHostRegistration() override {
+    if (cudaHostUnregister(p_) != cudaSuccess) cudaGetLastError();
+  }
+  CudaHostRegistration(const CudaHostRegistration&) = delete;
+  CudaHostRegistration& operator=(const CudaHostRegistration&) = delete;
+
+ private:
+  void* p_;
+};
+
 }  // namespace
+
+// ---- rows on the GPU (DESIGN.md §5.5 "Rows on the GPU") ----
+
+std::unique_ptr<ExchangeHostMapping> CudaGroup::ExchangeMapHostMemory(void* p,
+                                                                      uint64_t bytes) const {
+  cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    spdlog::warn(
+        "group {}: registering {} bytes of the exchange's host memory with CUDA failed ({}); "
+        "its dispatches copy received rows through the host mirrors (check the memlock limit)",
+        spec().name(), bytes, cudaGetErrorString(err));
+    return nullptr;
+  }
+  auto reg = std::make_unique<CudaHostRegistration>(p);
+  // The gather reads the rows at their host addresses: the device must see the same ones.
+  void* device = nullptr;
+  err = cudaHostGetDevicePointer(&device, p, 0);
+  if (err != cudaSuccess || device != p) {
+    cudaGetLastError();
+    spdlog::warn(
+        "group {}: registered host memory has another address on the device; its "
+        "dispatches copy received rows through the host mirrors",
+        spec().name());
+    return nullptr;
+  }
+  return reg;
+}
+
+absl::Status CudaGroup::GatherRankRows(const OpPlan& plan, const CudaRank& cr) {
+  CudaRankMirror& m = *cr.mirror;
+  // A local rank's inputs are read from its GPU area where it is on the same device (its
+  // mirror holds the same bytes, across PCIe).
+  int32_t windows = 0;
+  for (int32_t s = local_first(); s < local_first() + local_count(); ++s) {
+    if (windows == kc::kMaxGatherWindows) break;
+    const CudaRank* src = gpu_op_ && gpu_op_->ranks[s] ? gpu_op_->ranks[s].get() : nullptr;
+    if (src == nullptr || src->client_launched || !src->mirror || src->device != cr.device) {
+      continue;
+    }
+    m.windows.get()[windows++] = {src->mirror->base, CudaRankMirror::MirrorBytes(layout()),
+                                  src->area.get()};
+  }
+  const kernels::RowGather g =
+      DispatchRowGather(shape(), layout(), plan, cr.area.get(), m.base, m.row_sources.get());
+  return kc::GatherRowsAsync(shape(), g, m.windows.get(), windows, cr.stream.get());
+}
 
 // ---- client-launched ranks (DESIGN.md §5.5 "Client-launched") ----
 
@@ -131,10 +192,24 @@ absl::Status CudaGroup::StageIn(const OpPlan& plan, const abi::RequestSlot& slot
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventRecord(cr.waited.get(), s)));
     *ready_wait = true;
   }
+  // A low-latency FP8 dispatch's tokens are quantized here, on the GPU, straight into the
+  // exchange's rows (mapped host memory), instead of crossing as BF16 to be quantized by
+  // the CPU.
+  const rules::RequestOptions flags = rules::DecodeFlags(slot.flags);
+  const NodeExchange::QuantizedRows q = exchange_->QuantizedRowsOf(r);
+  bool quantized = false;
+  if (plan.op == abi::OpKind::kLowLatencyDispatch && flags.use_fp8 && q.x != nullptr) {
+    EPD_RETURN_IF_ERROR(kc::QuantizeRowsFp8Async(
+        shape(), slot.num_tokens,
+        reinterpret_cast<const kernels::bf16_bits*>(cr.area.get() + layout().in_x.offset),
+        flags.round_scale, q.x, q.scales, s));
+    m.quantized_seq = plan.seq;
+    quantized = true;
+  }
   uint64_t total = 0;
   const int32_t n = MirrorInputSpans(
       shape(), layout(), plan, slot, r, endpoint(r)->handles.num_recv_tokens(),
-      exchange_->LowLatencyCounts(plan.ll_handle_buffer), m.in_spans.get(), &total);
+      exchange_->LowLatencyCounts(plan.ll_handle_buffer), m.in_spans.get(), &total, quantized);
   return kc::CopySpansAsync(m.base, cr.area.get(), m.in_spans.get(), n, total,
                             reinterpret_cast<uint32_t*>(m.counter.get()), m.staged.get(), plan.seq,
                             s);
@@ -148,12 +223,17 @@ absl::Status CudaGroup::StageOut(const OpPlan& plan, const abi::RequestSlot& slo
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
   cudaStream_t s = cr.stream.get();
   absl::Status st = absl::OkStatus();
+  const bool gather = m.rows_pending;
+  m.rows_pending = false;
   if (outcome.status.ok()) {
     uint64_t total = 0;
     const int32_t n = MirrorOutputSpans(shape(), layout(), plan, slot, outcome, m.base,
-                                        m.out_spans.get(), &total);
-    st = kc::CopySpansAsync(cr.area.get(), m.base, m.out_spans.get(), n, total, nullptr, nullptr, 0,
-                            s);
+                                        m.out_spans.get(), &total, gather);
+    if (gather) st = GatherRankRows(plan, cr);
+    if (st.ok()) {
+      st = kc::CopySpansAsync(cr.area.get(), m.base, m.out_spans.get(), n, total, nullptr, nullptr,
+                              0, s);
+    }
   }
   // done_seq on every path, so that the client's stream is released.
   if (rules::DecodeFlags(slot.flags).stream_ordered) {

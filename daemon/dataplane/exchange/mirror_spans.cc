@@ -26,7 +26,7 @@ uint64_t Rows(const kernels::Region& r, int64_t rows, uint64_t row_bytes) {
 int32_t MirrorInputSpans(const kernels::GroupShape& s, const kernels::EndpointLayout& L,
                          const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
                          int32_t num_recv_tokens, const std::vector<int32_t>& ll_counts,
-                         kernels::Region* spans, uint64_t* total) {
+                         kernels::Region* spans, uint64_t* total, bool rows_quantized) {
   const rules::RequestOptions f = rules::DecodeFlags(plan.flags);
   const int64_t T = slot.num_tokens, H = s.hidden, K = s.num_topk;
   int32_t n = 0;
@@ -51,7 +51,7 @@ int32_t MirrorInputSpans(const kernels::GroupShape& s, const kernels::EndpointLa
       break;
     }
     case abi::OpKind::kLowLatencyDispatch:
-      add(L.in_x, Rows(L.in_x, T, 2 * H));
+      if (!(rows_quantized && f.use_fp8)) add(L.in_x, Rows(L.in_x, T, 2 * H));
       add(L.in_topk_idx, Rows(L.in_topk_idx, T, K * 8));
       break;
     case abi::OpKind::kLowLatencyCombine: {
@@ -83,7 +83,7 @@ int32_t MirrorInputSpans(const kernels::GroupShape& s, const kernels::EndpointLa
 int32_t MirrorOutputSpans(const kernels::GroupShape& s, const kernels::EndpointLayout& L,
                           const OpPlan& plan, const abi::RequestSlot& slot,
                           const RankOutcome& outcome, const uint8_t* data, kernels::Region* spans,
-                          uint64_t* total) {
+                          uint64_t* total, bool rows_gathered) {
   const rules::RequestOptions f = rules::DecodeFlags(plan.flags);
   const int64_t T = slot.num_tokens, H = s.hidden, K = s.num_topk, R = s.num_ranks;
   const int64_t S = s.num_scales(), El = s.num_local_experts();
@@ -100,8 +100,10 @@ int32_t MirrorOutputSpans(const kernels::GroupShape& s, const kernels::EndpointL
       break;
     case abi::OpKind::kDispatch: {
       const int64_t N = outcome.num_recv_tokens;
-      add(L.recv_x, Rows(L.recv_x, N, f.use_fp8 ? H : 2 * H));
-      if (f.use_fp8) add(L.recv_scales, Rows(L.recv_scales, N, S * 4));
+      if (!rows_gathered) {
+        add(L.recv_x, Rows(L.recv_x, N, f.use_fp8 ? H : 2 * H));
+        if (f.use_fp8) add(L.recv_scales, Rows(L.recv_scales, N, S * 4));
+      }
       add(L.recv_topk_idx, Rows(L.recv_topk_idx, N, K * 8));
       add(L.recv_topk_weights, Rows(L.recv_topk_weights, N, K * 4));
       add(L.recv_tokens_per_expert, L.recv_tokens_per_expert.bytes);
@@ -119,11 +121,11 @@ int32_t MirrorOutputSpans(const kernels::GroupShape& s, const kernels::EndpointL
       const int b = plan.ll_buffer;
       const int64_t rpe = s.ll_rows_per_expert();
       const uint64_t xb = f.use_fp8 ? H : 2 * H;
-      if (f.use_fp8) add(L.ll_recv_scales[b], L.ll_recv_scales[b].bytes);
+      if (f.use_fp8 && !rows_gathered) add(L.ll_recv_scales[b], L.ll_recv_scales[b].bytes);
       add(L.ll_recv_count[b], L.ll_recv_count[b].bytes);
       add(L.ll_handle_pos[b], Rows(L.ll_handle_pos[b], T, K * 4));
       if (2 * El + 3 > kernels::kMaxAreaSpans) {  // Too many experts for spans each: all rows.
-        add(L.ll_recv_x[b], L.ll_recv_x[b].bytes);
+        if (!rows_gathered) add(L.ll_recv_x[b], L.ll_recv_x[b].bytes);
         add(L.ll_recv_src_info[b], L.ll_recv_src_info[b].bytes);
         break;
       }
@@ -132,7 +134,10 @@ int32_t MirrorOutputSpans(const kernels::GroupShape& s, const kernels::EndpointL
       const auto* count = reinterpret_cast<const int32_t*>(data + L.ll_recv_count[b].offset);
       for (int64_t j = 0; j < El; ++j) {
         const int64_t rows = std::clamp<int64_t>(count[j], 0, rpe);
-        Add(spans, &n, total, L.ll_recv_x[b].offset + uint64_t(j * rpe) * xb, uint64_t(rows) * xb);
+        if (!rows_gathered) {
+          Add(spans, &n, total, L.ll_recv_x[b].offset + uint64_t(j * rpe) * xb,
+              uint64_t(rows) * xb);
+        }
         Add(spans, &n, total, L.ll_recv_src_info[b].offset + uint64_t(j * rpe) * 4,
             uint64_t(rows) * 4);
       }
@@ -145,6 +150,34 @@ int32_t MirrorOutputSpans(const kernels::GroupShape& s, const kernels::EndpointL
       break;
   }
   return n;
+}
+
+kernels::RowGather DispatchRowGather(const kernels::GroupShape& s, const kernels::EndpointLayout& L,
+                                     const OpPlan& plan, uint8_t* area, const uint8_t* data,
+                                     const kernels::RowSource* sources) {
+  const rules::RequestOptions f = rules::DecodeFlags(plan.flags);
+  kernels::RowGather g;
+  g.row_bytes = f.use_fp8 ? s.hidden : 2 * s.hidden;
+  g.sources = sources;
+  if (plan.op == abi::OpKind::kDispatch) {
+    g.x = area + L.recv_x.offset;
+    g.blocks = 1;
+    g.block_rows = s.max_recv_tokens();
+    g.counts = reinterpret_cast<const int32_t*>(data + L.recv_count.offset);
+    g.scales_kind = f.use_fp8 ? kernels::GatherScales::kRows : kernels::GatherScales::kNone;
+    g.scales = area + L.recv_scales.offset;
+  } else if (plan.op == abi::OpKind::kLowLatencyDispatch) {
+    const int b = plan.ll_buffer;
+    g.x = area + L.ll_recv_x[b].offset;
+    g.blocks = s.num_local_experts();
+    g.block_rows = s.ll_rows_per_expert();
+    g.counts = reinterpret_cast<const int32_t*>(data + L.ll_recv_count[b].offset);
+    g.scales_kind = !f.use_fp8    ? kernels::GatherScales::kNone
+                    : f.use_ue8m0 ? kernels::GatherScales::kLowLatencyUe8m0
+                                  : kernels::GatherScales::kLowLatency;
+    g.scales = area + L.ll_recv_scales[b].offset;
+  }
+  return g;
 }
 
 }  // namespace epd

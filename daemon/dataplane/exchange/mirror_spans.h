@@ -11,6 +11,7 @@
 
 #include "daemon/dataplane/lockstep_group.h"
 #include "epd/kernels/layout.h"
+#include "epd/kernels/row_gather.h"
 #include "proto/abi/shm_abi.h"
 
 namespace epd {
@@ -20,19 +21,33 @@ namespace epd {
 /// and sets *total to their bytes. `num_recv_tokens`: the N of the rank's routing dispatch
 /// (HandleTable; a normal combine reads N rows). `ll_counts`: the rows of the low-latency
 /// combine's dispatch, [R, E] source major (NodeExchange::LowLatencyCounts); unused for
-/// other ops. Empty ranges are left out.
+/// other ops. Empty ranges are left out. `rows_quantized`: a low-latency FP8 dispatch's
+/// tokens were quantized on the GPU into the exchange's rows (NodeExchangeHost::
+/// ExchangeRowsQuantized), so its x is not among the ranges.
 int32_t MirrorInputSpans(const kernels::GroupShape& shape, const kernels::EndpointLayout& layout,
                          const OpPlan& plan, const abi::RequestSlot& slot, int32_t rank,
                          int32_t num_recv_tokens, const std::vector<int32_t>& ll_counts,
-                         kernels::Region* spans, uint64_t* total);
+                         kernels::Region* spans, uint64_t* total, bool rows_quantized = false);
 
 /// The ranges of a rank's area that op `plan` wrote, once the exchange finished it with
 /// `outcome` (a dispatch's N), into `spans` (capacity kernels::kMaxAreaSpans); returns their
 /// number and sets *total. `data` is the area the exchange wrote (a low-latency dispatch's
 /// per-expert received counts are read from its ll_recv_count, clamped to the region).
+/// `rows_gathered`: a dispatch's received rows (x and FP8 scales) were left to a row gather
+/// (NodeExchangeHost::ExchangeRowSources) and are not among the ranges.
 int32_t MirrorOutputSpans(const kernels::GroupShape& shape, const kernels::EndpointLayout& layout,
                           const OpPlan& plan, const abi::RequestSlot& slot,
                           const RankOutcome& outcome, const uint8_t* data, kernels::Region* spans,
-                          uint64_t* total);
+                          uint64_t* total, bool rows_gathered = false);
+
+/// The row gather of dispatch `plan` whose received rows were left to the backend
+/// (MirrorOutputSpans' rows_gathered): into `area` (the rank's area as its client sees it),
+/// from `sources` (NodeExchangeHost::ExchangeRowSources), with the counts the exchange wrote
+/// into `data` (the daemon-private area it worked on: recv_count, or the buffer's
+/// ll_recv_count). Zero blocks for an op that is not a dispatch.
+kernels::RowGather DispatchRowGather(const kernels::GroupShape& shape,
+                                     const kernels::EndpointLayout& layout, const OpPlan& plan,
+                                     uint8_t* area, const uint8_t* data,
+                                     const kernels::RowSource* sources);
 
 }  // namespace epd

@@ -111,6 +111,8 @@ void NodeExchange::SetLocalRanksJoined(const std::vector<bool>& bits) {
 absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local_count) {
   local_first_ = local_first;
   local_count_ = local_count;
+  gather_maps_.clear();  // Before any memory they map is replaced.
+  gather_rows_ = false;
   const v1::GroupSpec& sp = spec();
   const kernels::GroupShape& gs = shape();
   Span s;
@@ -249,7 +251,26 @@ absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local
       options_.peer_mesh->RegisterGroup(std::move(m));
   if (!peers.ok()) return peers.status();
   s.peers = *std::move(peers);
-  span_ = std::move(s);
+  span_ = std::move(s);  // The vectors' buffers move with them.
+  if (host_->ExchangeGathersRows()) {
+    // The backend reads rows where the exchange holds them: the peers' in the receive
+    // region, a low-latency FP8 dispatch's local ones quantized here.
+    const std::pair<void*, uint64_t> memory[] = {
+        {span_.recv.data(), span_.recv.size() * sizeof(uint64_t)},
+        {span_.quant_x.data(), span_.quant_x.size() * sizeof(kernels::e4m3_bits)},
+        {span_.quant_scales.data(), span_.quant_scales.size() * sizeof(float)}};
+    gather_rows_ = true;
+    for (const auto& [p, bytes] : memory) {
+      if (bytes == 0) continue;
+      std::unique_ptr<ExchangeHostMapping> m = host_->ExchangeMapHostMemory(p, bytes);
+      if (m == nullptr) {
+        gather_rows_ = false;
+        gather_maps_.clear();
+        break;
+      }
+      gather_maps_.push_back(std::move(m));
+    }
+  }
   masking_ = sp.on_rank_failure() == v1::RANK_FAILURE_POLICY_MASK;
   view_mask_.assign(static_cast<size_t>(R), 0);
   self_mask_.assign(static_cast<size_t>(R), 0);
@@ -592,10 +613,12 @@ void NodeExchange::StagePackSources(const OpPlan& plan,
       // Each token quantized once, here (the rows to every node and to this node's ranks).
       kernels::e4m3_bits* q = span_.quant_x.data() + i * Mll * H;
       float* q_scales = span_.quant_scales.data() + i * Mll * S;
-      KernelScope k(options_.on_kernels);
-      kernels::host::QuantizeRowsFp8(gs, slots[r].num_tokens,
-                                     Ptr<const kernels::bf16_bits>(r, L.in_x), flags.round_scale, q,
-                                     q_scales, exec);
+      if (!host_->ExchangeRowsQuantized(r, plan.seq)) {
+        KernelScope k(options_.on_kernels);
+        kernels::host::QuantizeRowsFp8(gs, slots[r].num_tokens,
+                                       Ptr<const kernels::bf16_bits>(r, L.in_x), flags.round_scale,
+                                       q, q_scales, exec);
+      }
       src.x = q;
       src.x_scales = q_scales;
     }
@@ -1187,6 +1210,7 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
           a.recv_src_info = Ptr<int32_t>(r, L.recv_src_info);
           a.send_pos = hr.send_pos.data();
           a.rank_prefix = Ptr<int32_t>(r, L.rank_prefix);
+          a.recv_row_src = gather_rows_ && !gone(r) ? host_->ExchangeRowSources(r) : nullptr;
         }
         kernels::host::DispatchOptions opt;
         opt.fp8 = flags.use_fp8;
@@ -1218,6 +1242,7 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
         a.recv_count = Ptr<int32_t>(r, L.ll_recv_count[b]);
         a.recv_src_info = Ptr<int32_t>(r, L.ll_recv_src_info[b]);
         a.handle_pos = Private(r).ll_handle_pos[b].data();
+        a.recv_row_src = gather_rows_ && !gone(r) ? host_->ExchangeRowSources(r) : nullptr;
       }
       kernels::host::LowLatencyDispatchOptions opt;
       opt.use_fp8 = flags.use_fp8;

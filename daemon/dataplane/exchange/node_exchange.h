@@ -25,6 +25,7 @@
 #include "epd/kernels/host_node_ops.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
+#include "epd/kernels/row_gather.h"
 #include "epd/v1/control.pb.h"
 #include "proto/abi/exchange_abi.h"
 #include "proto/abi/shm_abi.h"
@@ -51,6 +52,12 @@ struct SpanTransport {
 absl::StatusOr<SpanTransport> TransportForSpan(const v1::GroupSpec& spec,
                                                const peer::PeerMesh* peer_mesh,
                                                const transport::TransportSet* transports);
+
+/// Undoes NodeExchangeHost::ExchangeMapHostMemory when destroyed.
+class ExchangeHostMapping {
+ public:
+  virtual ~ExchangeHostMapping() = default;
+};
 
 /// What the exchange needs of its group. Called on the engine thread with the group's mu_
 /// held; only for this node's ranks. A rank may detach while an op runs on (it stays part
@@ -79,6 +86,28 @@ class NodeExchangeHost {
   /// entries are read (a masked local rank takes part with no tokens, and ExchangeRankData
   /// and ExchangeRankRouting give its stand-in; its handles are not read).
   virtual const std::vector<uint8_t>& ExchangeRankMasked() const = 0;
+
+  /// Rows on the backend (DESIGN.md §5.5 "Rows on the GPU"): whether the backend gathers a
+  /// dispatch's received rows itself (kernels::RowGather) instead of having the exchange
+  /// copy them into ExchangeRankData. False (the default): every row is copied.
+  virtual bool ExchangeGathersRows() const { return false; }
+  /// Makes [p, p + bytes) of the exchange's own host memory (its receive region and
+  /// quantized rows) readable by the backend's gather at the same addresses; the returned
+  /// object undoes it when destroyed (before the memory is freed). Null when it cannot:
+  /// then the exchange copies every row itself.
+  virtual std::unique_ptr<ExchangeHostMapping> ExchangeMapHostMemory(void* /*p*/,
+                                                                     uint64_t /*bytes*/) const {
+    return nullptr;
+  }
+  /// Where a dispatch records rank `rank`'s received rows for the backend to gather:
+  /// [kernels::RowSourceRows(shape)] RowSources, or null to have them copied. Asked once per
+  /// dispatch per local rank by the exchange as it computes the outputs; the table must
+  /// stay valid and unread by anyone else until the backend gathered the op's rows.
+  virtual kernels::RowSource* ExchangeRowSources(int32_t /*rank*/) const { return nullptr; }
+  /// Whether the backend has already quantized local rank `rank`'s tokens of low-latency
+  /// FP8 dispatch `seq` into NodeExchange::QuantizedRowsOf(rank) (then the exchange does
+  /// not quantize them again). False (the default): the exchange quantizes.
+  virtual bool ExchangeRowsQuantized(int32_t /*rank*/, uint64_t /*seq*/) const { return false; }
 };
 
 /// Options of one group's exchange.
@@ -145,6 +174,20 @@ class NodeExchange {
   /// its header: OpMask() with this node's ranks as ExchangeRankMasked() has them now, the
   /// epoch + 1 when they differ. What QueryRankMask answers across nodes.
   uint32_t NextMask(std::vector<uint8_t>* mask) const;
+  /// A low-latency FP8 dispatch's quantized tokens of a local rank: [Mll, H] e4m3 and
+  /// [Mll, S] f32, which the exchange sends and fans out from.
+  struct QuantizedRows {
+    kernels::e4m3_bits* x = nullptr;
+    float* scales = nullptr;
+  };
+  /// Local rank `rank`'s QuantizedRows when the backend may write them (its gather mapped
+  /// them: NodeExchangeHost::ExchangeRowsQuantized), else null pointers.
+  QuantizedRows QuantizedRowsOf(int32_t rank) {
+    if (!gather_rows_ || span_.quant_x.empty()) return {};
+    const size_t i = static_cast<size_t>(rank - local_first_);
+    return {span_.quant_x.data() + i * shape_.ll_max_tokens_per_rank * shape_.hidden,
+            span_.quant_scales.data() + i * shape_.ll_max_tokens_per_rank * shape_.num_scales()};
+  }
   /// Rows of low-latency buffer `b`'s last dispatch from every rank to every expert
   /// ([R, E], source major): what a LowLatencyCombine on it reads per expert.
   const std::vector<int32_t>& LowLatencyCounts(int b) const { return span_.ll_counts[b]; }
@@ -365,6 +408,11 @@ class NodeExchange {
   std::vector<uint8_t> excluded_;           ///< [N] nodes the running op runs without.
   std::vector<uint8_t> excluded_at_start_;  ///< [N] of those, the ones lost as it started.
   std::vector<uint64_t> mask_words_;        ///< [ExchangeMaskWords(R)] CheckHeader's copy.
+  /// Rows on the backend: the receive region and quantized rows mapped for its gather
+  /// (declared after span_: unmapped before that memory is freed), and whether every
+  /// mapping succeeded (then dispatches ask for ExchangeRowSources).
+  std::vector<std::unique_ptr<ExchangeHostMapping>> gather_maps_;
+  bool gather_rows_ = false;
 };
 
 }  // namespace epd

@@ -46,6 +46,11 @@ struct HostRank : RankResources {
   /// HostDataPlaneOptions::stage_through_mirror: the copy of the data area the exchange
   /// works on; empty otherwise.
   std::vector<uint8_t> mirror;
+  /// HostDataPlaneOptions::gather_rows: the rank's RowSource table, and whether the running
+  /// op's rows were left to it.
+  std::vector<kernels::RowSource> row_sources;
+  bool rows_pending = false;
+  uint64_t quantized_seq = 0;  ///< As CudaRankMirror::quantized_seq.
   explicit HostRank(const kernels::GroupShape& s) : routing(s) {}
 };
 
@@ -256,18 +261,52 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
       uint64_t total = 0;
       int32_t n = 0;
       if (in) {
+        // gather_rows: a low-latency FP8 dispatch's tokens quantized here into the exchange's
+        // rows, as the CUDA backend's kernel does, and its x left out of the mirror.
+        const NodeExchange::QuantizedRows q = exchange_->QuantizedRowsOf(r);
+        const bool quantize = plan.op == abi::OpKind::kLowLatencyDispatch &&
+                              rules::DecodeFlags(plan.flags).use_fp8 && q.x != nullptr;
+        if (quantize) {
+          kernels::host::QuantizeRowsFp8(
+              shape(), slots[r].num_tokens,
+              reinterpret_cast<const kernels::bf16_bits*>(shm + layout().in_x.offset),
+              rules::DecodeFlags(plan.flags).round_scale, q.x, q.scales);
+          host_rank(r).quantized_seq = plan.seq;
+        }
         n = MirrorInputSpans(
             shape(), layout(), plan, slots[r], r, endpoint(r)->handles.num_recv_tokens(),
-            exchange_->LowLatencyCounts(plan.ll_handle_buffer), spans_.data(), &total);
+            exchange_->LowLatencyCounts(plan.ll_handle_buffer), spans_.data(), &total, quantize);
       } else if (outcomes[r].status.ok()) {
         n = MirrorOutputSpans(shape(), layout(), plan, slots[r], outcomes[r], mirror, spans_.data(),
-                              &total);
+                              &total, host_rank(r).rows_pending);
       }
       for (int32_t i = 0; i < n; ++i) {
         const kernels::Region& s = spans_[i];
         std::memcpy((in ? mirror : shm) + s.offset, (in ? shm : mirror) + s.offset, s.bytes);
       }
+      if (!in && host_rank(r).rows_pending && outcomes[r].status.ok()) {
+        kernels::host::GatherRows(shape(), DispatchRowGather(shape(), layout(), plan, shm, mirror,
+                                                             host_rank(r).row_sources.data()));
+      }
+      if (!in) host_rank(r).rows_pending = false;
     }
+  }
+  HostRank& host_rank(int32_t r) const { return static_cast<HostRank&>(*op_endpoint(r)->backend); }
+  bool ExchangeGathersRows() const override {
+    return plane_->options().stage_through_mirror && plane_->options().gather_rows;
+  }
+  std::unique_ptr<ExchangeHostMapping> ExchangeMapHostMemory(void* /*p*/,
+                                                             uint64_t /*bytes*/) const override {
+    return std::make_unique<ExchangeHostMapping>();  // Host memory: nothing to map.
+  }
+  bool ExchangeRowsQuantized(int32_t rank, uint64_t seq) const override {
+    return !rank_masked()[rank] && ExchangeGathersRows() && host_rank(rank).quantized_seq == seq;
+  }
+  kernels::RowSource* ExchangeRowSources(int32_t rank) const override {
+    if (rank_masked()[rank]) return nullptr;  // A stand-in: its rows are copied.
+    HostRank& h = host_rank(rank);
+    h.rows_pending = true;
+    return h.row_sources.data();
   }
   RankRouting& ExchangeRankRouting(int32_t rank) const override { return Private(rank); }
   const rules::HandleTable& ExchangeRankHandles(int32_t rank) const override {
@@ -432,6 +471,10 @@ absl::StatusOr<std::shared_ptr<RankResources>> HostGroup::PrepareRank(
   auto rank = std::make_shared<HostRank>(shape());
   if (spanning() && plane_->options().stage_through_mirror) {
     rank->mirror.assign(layout().total_bytes, 0xA5);
+    if (plane_->options().gather_rows) {
+      rank->row_sources.assign(static_cast<size_t>(kernels::RowSourceRows(shape())),
+                               kernels::RowSource{});
+    }
   }
   return std::shared_ptr<RankResources>(std::move(rank));
 }

@@ -53,6 +53,11 @@ struct HostDataPlaneOptions {
   /// (daemon/dataplane/exchange/mirror_spans.h), as the CUDA backend's copy kernels do
   /// across nodes, so the host tests check those ranges where no GPU is.
   bool stage_through_mirror = false;
+  /// Test seam (unset in the daemon), with stage_through_mirror: a dispatch leaves its
+  /// received rows to a RowSource table (NodeExchangeHost::ExchangeRowSources) and they are
+  /// gathered into the shm area with kernels::host::GatherRows, as the CUDA backend's gather
+  /// kernel does (DESIGN.md §5.5 "Rows on the GPU").
+  bool gather_rows = false;
 };
 
 /// Creates the host data plane (and its doorbell page) and starts its engine thread.

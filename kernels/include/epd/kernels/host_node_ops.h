@@ -139,3 +139,13 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
                                     const HostExecution& exec = {});
 
 }  // namespace epd::kernels::host
+
+namespace epd::kernels::host {
+
+/// The host reference of a row gather (row_gather.h): copies every listed row of `g` and
+/// its scales, exactly as NodeDispatch / NodeLowLatencyDispatch would have written them
+/// without recv_row_src (and as the CUDA gather does). No checks beyond clamping each
+/// count to [0, block_rows]: the caller built `g` from its own validated outputs.
+void GatherRows(const GroupShape& shape, const RowGather& g);
+
+}  // namespace epd::kernels::host

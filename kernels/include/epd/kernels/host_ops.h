@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "epd/kernels/layout.h"
+#include "epd/kernels/row_gather.h"
 #include "epd/kernels/types.h"
 
 namespace epd::kernels::host {
@@ -153,6 +154,10 @@ struct DispatchRankArgs {
   int32_t* send_pos = nullptr;                ///< out [T, R]: handle (source side).
   int32_t* rank_prefix = nullptr;             ///< out [R]: first row of each source rank.
   int32_t num_recv_tokens = 0;                ///< out: N, rows received by this rank.
+  /// NodeDispatch only (host_node_ops.h): when set ([recv_capacity]), the rows' x bytes and
+  /// FP8 scales are not copied into recv_x / recv_scales; row n's RowSource is written here
+  /// instead (the caller gathers them: row_gather.h). Every other output is written.
+  RowSource* recv_row_src = nullptr;
 };
 
 /// Options of a normal dispatch shared by every rank.
@@ -216,6 +221,10 @@ struct LowLatencyDispatchRankArgs {
   int32_t* recv_count = nullptr;     ///< out [El] int32.
   int32_t* recv_src_info = nullptr;  ///< out [El, R*Mll] int32: src_rank*Mll + t.
   int32_t* handle_pos = nullptr;     ///< out [Mll, K] int32: handle (source side).
+  /// NodeLowLatencyDispatch only (host_node_ops.h): when set ([El, R*Mll], as recv_x), the
+  /// rows' x bytes and FP8 scales are not written into recv_x / recv_scales; each row's
+  /// RowSource is written here instead (row_gather.h). Needs every FP8 source quantized.
+  RowSource* recv_row_src = nullptr;
 };
 
 struct LowLatencyDispatchOptions {

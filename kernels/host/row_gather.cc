@@ -1,0 +1,41 @@
+// GatherRows (host_node_ops.h): the host reference of the row gather (row_gather.h).
+#include <algorithm>
+#include <cstring>
+
+#include "epd/kernels/host_node_ops.h"
+#include "epd/kernels/types.h"
+
+namespace epd::kernels::host {
+
+void GatherRows(const GroupShape& shape, const RowGather& g) {
+  const int32_t S = shape.num_scales();
+  const bool ll_scales =
+      g.scales_kind == GatherScales::kLowLatency || g.scales_kind == GatherScales::kLowLatencyUe8m0;
+  const bool ue8m0 = g.scales_kind == GatherScales::kLowLatencyUe8m0;
+  for (int32_t b = 0; b < g.blocks; ++b) {
+    const int64_t rows = std::clamp<int64_t>(g.counts[b], 0, g.block_rows);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t row = b * g.block_rows + i;
+      const RowSource& src = g.sources[row];
+      if (src.x == nullptr) continue;
+      std::memcpy(static_cast<uint8_t*>(g.x) + row * g.row_bytes, src.x,
+                  static_cast<size_t>(g.row_bytes));
+      if (src.scales == nullptr || g.scales_kind == GatherScales::kNone) continue;
+      auto* out = static_cast<uint8_t*>(g.scales);
+      if (!ll_scales) {
+        std::memcpy(out + row * S * sizeof(float), src.scales, sizeof(float) * S);
+        continue;
+      }
+      for (int32_t s = 0; s < S; ++s) {
+        const uint64_t at = LowLatencyScaleOffset(shape, ue8m0, b, i, s);
+        if (ue8m0) {
+          out[at] = Ue8m0Code(src.scales[s]);
+        } else {
+          std::memcpy(out + at, &src.scales[s], sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace epd::kernels::host

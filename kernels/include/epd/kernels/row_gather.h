@@ -1,0 +1,53 @@
+// Received rows whose copies a node op leaves to its caller (DESIGN.md §5.5 "Rows on the
+// GPU"): NodeDispatch and NodeLowLatencyDispatch (host_node_ops.h) can, instead of copying
+// each received row's x bytes (and FP8 scales) into the rank's receive region, record where
+// the row is (a RowSource per destination row). The caller then gathers the rows: the CUDA
+// backend with one kernel per rank straight into the rank's GPU area (cuda_gather.h), the
+// host reference with GatherRows (below). Both write exactly what the node op would have.
+#pragma once
+
+#include <cstdint>
+
+#include "epd/kernels/layout.h"
+
+namespace epd::kernels {
+
+/// Where one received row is: its x bytes (`x`, the row's row_bytes) and, for an FP8 op,
+/// its S f32 scales as the source holds them (`scales`, else null). `x` null: the
+/// destination row is not written. Both are read as values only.
+struct RowSource {
+  const void* x = nullptr;
+  const float* scales = nullptr;
+};
+
+/// How a gather writes the scales of a row.
+enum class GatherScales : int32_t {
+  kNone = 0,             ///< No scales (BF16).
+  kRows = 1,             ///< [rows, S] f32, row-major (a normal FP8 dispatch's recv_scales).
+  kLowLatency = 2,       ///< LowLatencyScaleOffset f32 (block = local expert, row in it).
+  kLowLatencyUe8m0 = 3,  ///< LowLatencyScaleOffset UE8M0 bytes (Ue8m0Code of each scale).
+};
+
+/// One rank's rows to gather. Block b holds rows [b * block_rows, b * block_rows +
+/// min(counts[b], block_rows)) of `x`; a row whose RowSource::x is null is skipped. A normal
+/// dispatch is one block of N rows (block_rows = the receive capacity), a low-latency one a
+/// block per local expert (block_rows = R * Mll).
+struct RowGather {
+  void* x = nullptr;                   ///< Out [blocks * block_rows, row_bytes].
+  int64_t row_bytes = 0;               ///< Bytes of one row (H for e4m3, 2H for bf16).
+  int32_t blocks = 0;                  ///< Blocks (local experts, or 1).
+  int64_t block_rows = 0;              ///< Row capacity of a block.
+  const int32_t* counts = nullptr;     ///< [blocks] rows per block (clamped to block_rows).
+  const RowSource* sources = nullptr;  ///< [blocks * block_rows].
+  GatherScales scales_kind = GatherScales::kNone;
+  void* scales = nullptr;  ///< Out: per scales_kind (kRows [rows, S] f32, else the ll region).
+};
+
+/// Rows of a rank's RowSource table: a normal dispatch's receive capacity or a low-latency
+/// one's El * R * Mll, the larger.
+inline int64_t RowSourceRows(const GroupShape& shape) {
+  const int64_t ll = int64_t{shape.num_local_experts()} * shape.ll_rows_per_expert();
+  return shape.max_recv_tokens() > ll ? shape.max_recv_tokens() : ll;
+}
+
+}  // namespace epd::kernels
