@@ -23,6 +23,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -33,8 +34,10 @@
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "common/os/scoped_fd.h"
 #include "daemon/core/config.h"
 #include "daemon/transport/tcp/tcp_transport.h"
@@ -737,6 +740,15 @@ int RunInternodeBench(const std::string& backend) {
                                  : absl::StrCat("met for ", num_met, " of ", kNumOps,
                                                 " ops, NOT met for the others")
                                    .c_str());
+  if (std::getenv("EPD_OP_TRACE") != nullptr) {  // The daemons' per-op phase lines.
+    for (size_t i = 0; i < daemons->size(); ++i) {
+      for (absl::string_view line : absl::StrSplit((*daemons)[i]->Logs(), '\n')) {
+        if (absl::StrContains(line, "span trace")) {
+          std::printf("node %zu: %.*s\n", i, static_cast<int>(line.size()), line.data());
+        }
+      }
+    }
+  }
   return 0;
 }
 

@@ -60,15 +60,28 @@ TEST(RowGatherGpuTest, QuantizedRowsMatchTheHostBitForBit) {
       auto dx = testing::DeviceBuffer::Allocate(x.size() * 2);
       auto out = AllocatePinnedArray<kernels::e4m3_bits>(x.size(), kMapped);
       auto scales = AllocatePinnedArray<float>(static_cast<size_t>(rows) * S, kMapped);
-      ASSERT_TRUE(dx.ok() && out.ok() && scales.ok());
+      auto out_copy = testing::DeviceBuffer::Allocate(x.size());
+      auto scales_copy = testing::DeviceBuffer::Allocate(static_cast<size_t>(rows) * S * 4);
+      ASSERT_TRUE(dx.ok() && out.ok() && scales.ok() && out_copy.ok() && scales_copy.ok());
       ASSERT_EQ(cudaMemcpy(dx->get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
       auto stream = testing::CudaStream::Create();
       ASSERT_TRUE(stream.ok());
-      absl::Status st =
-          kc::QuantizeRowsFp8Async(s, rows, reinterpret_cast<const kernels::bf16_bits*>(dx->get()),
-                                   round_scale, out->get(), scales->get(), stream->get());
+      absl::Status st = kc::QuantizeRowsFp8Async(
+          s, rows, reinterpret_cast<const kernels::bf16_bits*>(dx->get()), round_scale, out->get(),
+          scales->get(), stream->get(), reinterpret_cast<kernels::e4m3_bits*>(out_copy->get()),
+          reinterpret_cast<float*>(scales_copy->get()));
       ASSERT_TRUE(st.ok()) << st;
       ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
+      // The device copy holds the same bytes.
+      std::vector<kernels::e4m3_bits> copy(x.size());
+      std::vector<float> copy_scales(static_cast<size_t>(rows) * S);
+      ASSERT_EQ(cudaMemcpy(copy.data(), out_copy->get(), copy.size(), cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(copy_scales.data(), scales_copy->get(), copy_scales.size() * 4,
+                           cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      EXPECT_EQ(std::memcmp(copy.data(), out->get(), copy.size()), 0);
+      EXPECT_EQ(std::memcmp(copy_scales.data(), scales->get(), copy_scales.size() * 4), 0);
       std::vector<kernels::e4m3_bits> want(static_cast<size_t>(hidden));
       std::vector<float> want_scales(static_cast<size_t>(S));
       for (int r = 0; r < rows; ++r) {

@@ -414,6 +414,12 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   std::unique_ptr<NodeExchange> exchange_;
   kernels::host::HostScratch kernel_scratch_;  // Reserved by MakeExchange.
   SpanPhase span_phase_ = SpanPhase::kIdle;
+  /// EPD_OP_TRACE: the running spanning op's phase times (engine thread), logged per op.
+  struct SpanTrace {
+    Clock::time_point start, staged, sent, finish_begin, finished, done;
+  };
+  SpanTrace span_trace_;
+  void LogSpanTrace();
   const OpPlan* span_plan_ = nullptr;
   const std::vector<abi::RequestSlot>* span_slots_ = nullptr;
   std::vector<RankOutcome> span_outcomes_;  // [R] the exchange's outcomes.

@@ -138,6 +138,9 @@ absl::Status AddCudaRankMirror(CudaRank& rank, const kernels::GroupShape& shape,
                              "row source table"));
   EPD_RETURN_IF_ERROR(pinned(m->windows, kc::kMaxGatherWindows, "gather windows"));
   EPD_ASSIGN_OR_RETURN(m->counter, AllocateDevice(256, DeviceZero::kYes));
+  if (const uint64_t q = CudaRankMirror::QuantRowsBytes(shape); q > 0) {
+    EPD_ASSIGN_OR_RETURN(m->quant_rows, AllocateDevice(q, DeviceZero::kNo));
+  }
   m->base = m->data.get();
   rank.mirror = std::move(m);
   return absl::OkStatus();

@@ -81,6 +81,19 @@ struct CudaRankMirror {
   /// The low-latency FP8 dispatch whose tokens the GPU quantized into the exchange's rows
   /// (NodeExchangeHost::ExchangeRowsQuantized); 0: none.
   uint64_t quantized_seq = 0;
+  /// Daemon-launched, low-latency ops on: the GPU's copy of those quantized tokens
+  /// ([Mll, H] e4m3, then [Mll, S] f32 at QuantScalesOffset), which the gather reads for
+  /// this node's rows instead of the host's.
+  DeviceMemory quant_rows;
+  static uint64_t QuantScalesOffset(const kernels::GroupShape& shape) {
+    return (static_cast<uint64_t>(shape.ll_max_tokens_per_rank) * shape.hidden + 15) / 16 * 16;
+  }
+  static uint64_t QuantRowsBytes(const kernels::GroupShape& shape) {
+    return shape.ll_max_tokens_per_rank <= 0
+               ? 0
+               : QuantScalesOffset(shape) +
+                     static_cast<uint64_t>(shape.ll_max_tokens_per_rank) * shape.num_scales() * 4;
+  }
   DeviceMemory counter;  ///< The copy kernels' ticket word (uint32, zeroed).
   RankRouting routing;   ///< The rank's private routing state (as the host backend's).
   /// Unique to this mirror in the process (NodeExchangeHost::ExchangeRankRegion's id).
@@ -96,12 +109,14 @@ struct CudaRankMirror {
     static std::atomic<uint64_t> next{1};
     return next.fetch_add(1, std::memory_order_relaxed);
   }
-  /// Host bytes of one rank's mirror of a group of `shape` (data, span tables, routing).
+  /// Bytes of one rank's mirror of a group of `shape` (data, span tables, routing, row
+  /// tables: host; the quantized rows' copy: GPU).
   static uint64_t BytesFor(const kernels::GroupShape& shape) {
     return MirrorBytes(kernels::EndpointLayout::Compute(shape)) +
            2 * sizeof(kernels::Region) * kernels::kMaxAreaSpans + RankRouting::BytesFor(shape) +
            static_cast<uint64_t>(kernels::RowSourceRows(shape)) * sizeof(kernels::RowSource) +
-           sizeof(kernels::cuda::GatherWindow) * kernels::cuda::kMaxGatherWindows;
+           sizeof(kernels::cuda::GatherWindow) * kernels::cuda::kMaxGatherWindows +
+           QuantRowsBytes(shape);
   }
 };
 

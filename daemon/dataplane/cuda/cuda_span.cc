@@ -87,6 +87,18 @@ absl::Status CudaGroup::GatherRankRows(const OpPlan& plan, const CudaRank& cr) {
     }
     m.windows.get()[windows++] = {src->mirror->base, CudaRankMirror::MirrorBytes(layout()),
                                   src->area.get()};
+    // Its tokens of this low-latency FP8 dispatch, quantized on the GPU: the device copy.
+    const NodeExchange::QuantizedRows q = exchange_->QuantizedRowsOf(s);
+    const uint8_t* copy = src->mirror->quant_rows.get();
+    if (plan.op == abi::OpKind::kLowLatencyDispatch && q.x != nullptr && copy != nullptr &&
+        src->mirror->quantized_seq == plan.seq && windows + 2 <= kc::kMaxGatherWindows) {
+      const uint64_t Mll = shape().ll_max_tokens_per_rank;
+      m.windows.get()[windows++] = {reinterpret_cast<const uint8_t*>(q.x), Mll * shape().hidden,
+                                    copy};
+      m.windows.get()[windows++] = {reinterpret_cast<const uint8_t*>(q.scales),
+                                    Mll * shape().num_scales() * sizeof(float),
+                                    copy + CudaRankMirror::QuantScalesOffset(shape())};
+    }
   }
   const kernels::RowGather g =
       DispatchRowGather(shape(), layout(), plan, cr.area.get(), m.base, m.row_sources.get());
@@ -199,10 +211,14 @@ absl::Status CudaGroup::StageIn(const OpPlan& plan, const abi::RequestSlot& slot
   const NodeExchange::QuantizedRows q = exchange_->QuantizedRowsOf(r);
   bool quantized = false;
   if (plan.op == abi::OpKind::kLowLatencyDispatch && flags.use_fp8 && q.x != nullptr) {
+    uint8_t* copy = m.quant_rows.get();
     EPD_RETURN_IF_ERROR(kc::QuantizeRowsFp8Async(
         shape(), slot.num_tokens,
         reinterpret_cast<const kernels::bf16_bits*>(cr.area.get() + layout().in_x.offset),
-        flags.round_scale, q.x, q.scales, s));
+        flags.round_scale, q.x, q.scales, s, reinterpret_cast<kernels::e4m3_bits*>(copy),
+        copy != nullptr
+            ? reinterpret_cast<float*>(copy + CudaRankMirror::QuantScalesOffset(shape()))
+            : nullptr));
     m.quantized_seq = plan.seq;
     quantized = true;
   }
@@ -266,6 +282,7 @@ bool CudaGroup::StartSpanning(const OpPlan& plan, const std::vector<abi::Request
   span_plan_ = &plan;
   span_slots_ = &slots;
   span_phase_ = SpanPhase::kStagingIn;
+  if (trace_) span_trace_ = SpanTrace{op.started};
   gpu_op_.emplace(std::move(spare_));  // The vectors move: no allocation.
   return false;
 }
@@ -318,7 +335,9 @@ bool CudaGroup::PollSpanning(std::span<RankOutcome> outcomes) {
       FailSpanning(failed);
     } else {
       std::lock_guard<std::mutex> pool(plane_->pool_mu());
+      if (trace_) span_trace_.staged = Clock::now();
       exchange_->Start(*span_plan_, *span_slots_);
+      if (trace_) span_trace_.sent = Clock::now();
     }
     span_phase_ = failed.ok() ? SpanPhase::kExchanging : SpanPhase::kStagingOut;
     if (!failed.ok()) {
@@ -332,7 +351,12 @@ bool CudaGroup::PollSpanning(std::span<RankOutcome> outcomes) {
   if (span_phase_ == SpanPhase::kExchanging) {
     {
       std::lock_guard<std::mutex> pool(plane_->pool_mu());
+      const Clock::time_point poll_begin = trace_ ? Clock::now() : Clock::time_point{};
       if (!exchange_->Poll(span_outcomes_)) return false;
+      if (trace_) {
+        span_trace_.finish_begin = poll_begin;
+        span_trace_.finished = Clock::now();
+      }
     }
     for (int32_t r = first; r < last; ++r) {
       absl::Status st = StageOut(*span_plan_, (*span_slots_)[r], r, span_outcomes_[r]);
@@ -375,9 +399,26 @@ bool CudaGroup::PollSpanning(std::span<RankOutcome> outcomes) {
     outcomes[r] = span_outcomes_[r];
     if (!op.launch[r].ok() && outcomes[r].status.ok()) outcomes[r].status = op.launch[r];
   }
+  if (trace_) LogSpanTrace();
   RecycleOp(gpu_op_);
   span_phase_ = SpanPhase::kIdle;
   return true;
+}
+
+void CudaGroup::LogSpanTrace() {
+  SpanTrace& t = span_trace_;
+  t.done = Clock::now();
+  auto us = [](Clock::time_point a, Clock::time_point b) {
+    return a == Clock::time_point{} || b == Clock::time_point{}
+               ? -1.0
+               : std::chrono::duration<double, std::micro>(b - a).count();
+  };
+  EngineLog()->warn(
+      "span trace: group {} {} (op {}): stage-in {:.0f} us, pack+post {:.0f} us, wait {:.0f} "
+      "us, finish {:.0f} us, stage-out {:.0f} us, total {:.0f} us",
+      spec().name(), OpName(static_cast<uint32_t>(gpu_op_->op)), gpu_op_->seq,
+      us(t.start, t.staged), us(t.staged, t.sent), us(t.sent, t.finish_begin),
+      us(t.finish_begin, t.finished), us(t.finished, t.done), us(t.start, t.done));
 }
 
 }  // namespace epd

@@ -45,11 +45,13 @@ namespace epd::kernels::cuda {
 /// Enqueues ONE kernel on `stream` that quantizes rows [num_rows, H] bf16 `x` (device
 /// memory) to e4m3 `out` [num_rows, H] and f32 `scales` [num_rows, S], each row exactly as
 /// kernels::host::QuantizeRowFp8 does (the same amax, Fp8Scale and rounding: bit for bit).
-/// `out` and `scales` may be host-mapped (the exchange's quantized rows across nodes).
-/// Errors: INVALID_ARGUMENT for num_rows < 0 or a null pointer with rows; INTERNAL for a
-/// launch error.
+/// `out` and `scales` may be host-mapped (the exchange's quantized rows across nodes);
+/// `out_copy` / `scales_copy`, when not null, get the same bytes (a device copy that the
+/// row gather reads instead of the host's: GatherWindow). Errors: INVALID_ARGUMENT for
+/// num_rows < 0 or a null pointer with rows; INTERNAL for a launch error.
 absl::Status QuantizeRowsFp8Async(const GroupShape& shape, int32_t num_rows, const bf16_bits* x,
                                   bool round_scale, e4m3_bits* out, float* scales,
-                                  cudaStream_t stream);
+                                  cudaStream_t stream, e4m3_bits* out_copy = nullptr,
+                                  float* scales_copy = nullptr);
 
 }  // namespace epd::kernels::cuda
