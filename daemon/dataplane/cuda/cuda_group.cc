@@ -201,6 +201,13 @@ CudaGroup::~CudaGroup() {
   arrays->peer_bases.swap(peer_bases_);
   arrays->mask_arrays.swap(mask_arrays_);
   plane_->deferred_release().Add(std::move(arrays));
+  // The exchange's host memory registered with CUDA is unregistered the same way (an
+  // unregister waits for the device as a free does); its link is gone first.
+  if (exchange_) {
+    std::shared_ptr<void> mapped = exchange_->TakeMappedMemory();
+    exchange_.reset();
+    plane_->deferred_release().Add(std::move(mapped));
+  }
 }
 
 void CudaGroup::AdoptEngine(int device) {

@@ -108,6 +108,23 @@ void NodeExchange::SetLocalRanksJoined(const std::vector<bool>& bits) {
   if (span_.peers) span_.peers->SetLocalRanksJoined(bits);
 }
 
+std::shared_ptr<void> NodeExchange::TakeMappedMemory() {
+  if (gather_maps_.empty()) return nullptr;
+  struct Mapped {
+    std::vector<uint64_t> recv;
+    std::vector<kernels::e4m3_bits> quant_x;
+    std::vector<float> quant_scales;
+    std::vector<std::unique_ptr<ExchangeHostMapping>> maps;  // Destroyed first.
+  };
+  auto m = std::make_shared<Mapped>();
+  m->recv.swap(span_.recv);
+  m->quant_x.swap(span_.quant_x);
+  m->quant_scales.swap(span_.quant_scales);
+  m->maps.swap(gather_maps_);
+  gather_rows_ = false;
+  return m;
+}
+
 absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local_count) {
   local_first_ = local_first;
   local_count_ = local_count;

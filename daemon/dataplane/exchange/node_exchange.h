@@ -188,6 +188,12 @@ class NodeExchange {
     return {span_.quant_x.data() + i * shape_.ll_max_tokens_per_rank * shape_.hidden,
             span_.quant_scales.data() + i * shape_.ll_max_tokens_per_rank * shape_.num_scales()};
   }
+  /// The memory mapped for the backend's gather (the receive region and quantized rows)
+  /// with its mappings, handed over: the returned object unmaps it, then frees it, when
+  /// destroyed, so that a backend whose unmapping must not run beside another group's
+  /// launches (CUDA) can drop it later. Destroy the exchange first (its transport link
+  /// writes into the receive region until then). Null when nothing is mapped.
+  std::shared_ptr<void> TakeMappedMemory();
   /// Rows of low-latency buffer `b`'s last dispatch from every rank to every expert
   /// ([R, E], source major): what a LowLatencyCombine on it reads per expert.
   const std::vector<int32_t>& LowLatencyCounts(int b) const { return span_.ll_counts[b]; }
