@@ -242,11 +242,12 @@ absl::Status CudaGroup::StageOut(const OpPlan& plan, const abi::RequestSlot& slo
   const CudaRank& cr = SpanRank(r);                 // Alive with the op even if it detached since.
   if (cr.client_launched) return absl::OkStatus();  // Answered by RankOpEnded.
   CudaRankMirror& m = *cr.mirror;
+  // Cleared on every path: a later dispatch whose rows were copied must not gather.
+  const bool gather = m.rows_pending;
+  m.rows_pending = false;
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
   cudaStream_t s = cr.stream.get();
   absl::Status st = absl::OkStatus();
-  const bool gather = m.rows_pending;
-  m.rows_pending = false;
   if (outcome.status.ok()) {
     uint64_t total = 0;
     const int32_t n = MirrorOutputSpans(shape(), layout(), plan, slot, outcome, m.base,
