@@ -1566,6 +1566,30 @@ TEST_F(MultinodeMaskTest, RankLeavingOnOneNodeIsMaskedOnEveryNodeThenRejoins) {
   RoundMatches({}, 35, &epoch);
 }
 
+// The same through the mirrors with the received rows gathered (DESIGN.md §5.5 "Rows on
+// the GPU"), as the CUDA backend's daemon-launched ranks run: a masked rank gets no table
+// (its stand-in's rows are copied), the others' rows are gathered, every result exact.
+TEST_F(MultinodeMaskTest, RankLeavingIsMaskedWithTheReceivedRowsGathered) {
+  mask_ = true;
+  Start({2, 2}, 2000, /*fp8=*/true, 512, /*mirror=*/true, /*gather=*/true);
+  if (HasFatalFailure()) return;
+  uint32_t epoch = 0;
+  RoundMatches({}, 41, &epoch);
+  if (HasFatalFailure()) return;
+  rings_[3].reset();
+  nodes_[1]->group->DetachRank(3);
+  RoundMatches({3}, 42, &epoch);
+  if (HasFatalFailure()) return;
+  rings_[0].reset();
+  nodes_[0]->group->DetachRank(0);
+  RoundMatches({0, 3}, 43, &epoch);
+  if (HasFatalFailure()) return;
+  Reattach(1, 3);
+  Reattach(0, 0);
+  if (HasFatalFailure()) return;
+  RoundMatches({}, 44, &epoch);
+}
+
 // A peer daemon is lost (its group gone: killed) under MASK: node 0's ops complete without
 // node 1's rank, exact; once node 1 is back and its rank joins, the group is whole again.
 TEST_F(MultinodeMaskTest, LostPeerIsMaskedAndARestartedPeerRejoins) {

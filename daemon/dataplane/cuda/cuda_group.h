@@ -164,6 +164,12 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   kernels::RowSource* ExchangeRowSources(int32_t rank) const override {
     const CudaRank& cr = SpanRank(rank);
     if (cr.client_launched || !cr.mirror || !cr.mirror->row_sources) return nullptr;
+    // One gather takes at most kMaxGatherBlocks blocks (a low-latency dispatch has one per
+    // local expert): beyond that the exchange copies the rows through the mirror.
+    if (span_plan_ != nullptr && span_plan_->op == abi::OpKind::kLowLatencyDispatch &&
+        shape().num_local_experts() > kernels::cuda::kMaxGatherBlocks) {
+      return nullptr;
+    }
     cr.mirror->rows_pending = true;
     return cr.mirror->row_sources.get();
   }
@@ -172,7 +178,8 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     return cr.mirror && !cr.client_launched && seq != 0 && cr.mirror->quantized_seq == seq;
   }
   /// Enqueues rank `r`'s gather of the running dispatch's rows (its rows_pending) on its
-  /// stream, reading the local ranks on its GPU from their areas rather than their mirrors.
+  /// stream, reading the local ranks on its GPU from their areas rather than their mirrors
+  /// (another rank's area only when its op is not stream-ordered: see GatherRankRows).
   absl::Status GatherRankRows(const OpPlan& plan, const CudaRank& cr);
 
   // ---- a group that spans nodes (DESIGN.md §5.5) ----

@@ -85,8 +85,14 @@ absl::Status CudaGroup::GatherRankRows(const OpPlan& plan, const CudaRank& cr) {
     if (src == nullptr || src->client_launched || !src->mirror || src->device != cr.device) {
       continue;
     }
-    m.windows.get()[windows++] = {src->mirror->base, CudaRankMirror::MirrorBytes(layout()),
-                                  src->area.get()};
+    // Another rank's area only while its client cannot write it: a stream-ordered op
+    // releases that rank's stream (done_seq) as soon as its own outputs are back, maybe
+    // before this gather ran, and its client may then write its next inputs there. Its
+    // mirror holds the same bytes until the op ends.
+    if (s == cr.rank || !gpu_op_->stream_ordered[s]) {
+      m.windows.get()[windows++] = {src->mirror->base, CudaRankMirror::MirrorBytes(layout()),
+                                    src->area.get()};
+    }
     // Its tokens of this low-latency FP8 dispatch, quantized on the GPU: the device copy.
     const NodeExchange::QuantizedRows q = exchange_->QuantizedRowsOf(s);
     const uint8_t* copy = src->mirror->quant_rows.get();
@@ -236,11 +242,12 @@ absl::Status CudaGroup::StageOut(const OpPlan& plan, const abi::RequestSlot& slo
   const CudaRank& cr = SpanRank(r);                 // Alive with the op even if it detached since.
   if (cr.client_launched) return absl::OkStatus();  // Answered by RankOpEnded.
   CudaRankMirror& m = *cr.mirror;
+  // Cleared on every path: a later dispatch whose rows were copied must not gather.
+  const bool gather = m.rows_pending;
+  m.rows_pending = false;
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
   cudaStream_t s = cr.stream.get();
   absl::Status st = absl::OkStatus();
-  const bool gather = m.rows_pending;
-  m.rows_pending = false;
   if (outcome.status.ok()) {
     uint64_t total = 0;
     const int32_t n = MirrorOutputSpans(shape(), layout(), plan, slot, outcome, m.base,
