@@ -3,7 +3,7 @@
 // (kernels::host::GatherRows, QuantizeRowFp8), byte for byte: both scale layouts and
 // UE8M0, counts past a block's capacity and negative, rows without a source, sources read
 // through a window from the GPU memory they mirror; quantized rows with NaN, infinities,
-// zeros and a hidden size that is not a multiple of 128. Skips without a GPU.
+// zeros and hidden sizes that are not multiples of 128 or of 4. Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -40,7 +40,7 @@ kernels::GroupShape Shape(int hidden) {
 TEST(RowGatherGpuTest, QuantizedRowsMatchTheHostBitForBit) {
   std::string why;
   if (!testing::HaveGpu(&why)) GTEST_SKIP() << why;
-  for (const int hidden : {7168, 200}) {
+  for (const int hidden : {7168, 200, 202}) {
     for (const bool round_scale : {false, true}) {
       SCOPED_TRACE(::testing::Message() << "hidden " << hidden << " round_scale " << round_scale);
       const kernels::GroupShape s = Shape(hidden);

@@ -53,9 +53,11 @@ std::unique_ptr<ExchangeHostMapping> CudaGroup::ExchangeMapHostMemory(void* p,
   cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    spdlog::warn(
+    EngineLog()->warn(
         "group {}: registering {} bytes of the exchange's host memory with CUDA failed ({}); "
-        "its dispatches copy received rows through the host mirrors (check the memlock limit)",
+        "its daemon-launched ranks' dispatches copy received rows through the host mirrors "
+        "(slower); raise the memlock limit (LimitMEMLOCK=infinity, ulimit -l) and recreate the "
+        "group",
         spec().name(), bytes, cudaGetErrorString(err));
     return nullptr;
   }
@@ -65,9 +67,10 @@ std::unique_ptr<ExchangeHostMapping> CudaGroup::ExchangeMapHostMemory(void* p,
   err = cudaHostGetDevicePointer(&device, p, 0);
   if (err != cudaSuccess || device != p) {
     cudaGetLastError();
-    spdlog::warn(
-        "group {}: registered host memory has another address on the device; its "
-        "dispatches copy received rows through the host mirrors",
+    EngineLog()->warn(
+        "group {}: registered host memory has another address on the device (no unified "
+        "addressing); its daemon-launched ranks' dispatches copy received rows through the "
+        "host mirrors (slower)",
         spec().name());
     return nullptr;
   }

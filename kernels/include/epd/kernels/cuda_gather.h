@@ -38,10 +38,6 @@ inline constexpr int32_t kMaxGatherBlocks = 1024;
 absl::Status GatherRowsAsync(const GroupShape& shape, const RowGather& g,
                              const GatherWindow* windows, int32_t num_windows, cudaStream_t stream);
 
-}  // namespace epd::kernels::cuda
-
-namespace epd::kernels::cuda {
-
 /// Enqueues ONE kernel on `stream` that quantizes rows [num_rows, H] bf16 `x` (device
 /// memory) to e4m3 `out` [num_rows, H] and f32 `scales` [num_rows, S], each row exactly as
 /// kernels::host::QuantizeRowFp8 does (the same amax, Fp8Scale and rounding: bit for bit).

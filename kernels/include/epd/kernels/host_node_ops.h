@@ -138,10 +138,6 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
                                     std::span<LowLatencyDispatchRankArgs> local,
                                     const HostExecution& exec = {});
 
-}  // namespace epd::kernels::host
-
-namespace epd::kernels::host {
-
 /// The host reference of a row gather (row_gather.h): copies every listed row of `g` and
 /// its scales, exactly as NodeDispatch / NodeLowLatencyDispatch would have written them
 /// without recv_row_src (and as the CUDA gather does). No checks beyond clamping each
