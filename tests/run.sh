@@ -10,14 +10,17 @@
 # 3. builds every target (tests included) with Ninja's [n/N] progress;
 # 4. runs every CTest test but the GPU ones (labels unit, integration, multinode, fuzz,
 #    security, install, python, and chaos: tests/chaos, about 2 minutes of seeded faults
-#    whose seed it prints) with --output-on-failure; python (tests/python/run_pytest.sh) pip
-#    installs client/python into a venv under the build directory and runs the pytest
-#    suites against a real epd (EPD_SKIP_PYTHON_TESTS=1 skips it, reported as skipped);
-# 5. builds epd and its tests again under AddressSanitizer (build-asan) and
-#    UndefinedBehaviorSanitizer (build-ubsan) with clang, host backend only, and runs the
-#    security, unit and integration tests in each, and in build-asan every fuzz target
-#    against libFuzzer for 10 s (label libfuzzer; tests/sanitize.sh); set
-#    EPD_SKIP_SANITIZERS=1 to skip it (a quick local run);
+#    whose seed it prints) with --output-on-failure: first the compute-only unit suites
+#    (label cpu: kernels/host, op rules, spec tables, dtypes) two at a time, then the rest
+#    one at a time; python (tests/python/run_pytest.sh) pip installs client/python into a
+#    venv under the build directory and runs the pytest suites against a real epd
+#    (EPD_SKIP_PYTHON_TESTS=1 skips it, reported as skipped);
+# 5. builds epd and what the tests below run again under AddressSanitizer and
+#    UndefinedBehaviorSanitizer together (build-asan-ubsan, -fsanitize=address,undefined)
+#    with clang, host backend only, and runs the security, unit and integration tests there
+#    (label cpu two at a time again), and every fuzz target against libFuzzer for 10 s
+#    (label libfuzzer; tests/sanitize.sh); set EPD_SKIP_SANITIZERS=1 to skip it (a quick
+#    local run);
 # 6. runs the GPU tests (tests/gpu, CTest label gpu, one process each): without an NVIDIA
 #    GPU (CI) each reports skipped with its reason; with one, an epd --backend=cuda runs on
 #    a temporary socket for the end-to-end ones (EPD_TEST_SOCKET); set EPD_SKIP_GPU_TESTS=1
@@ -27,8 +30,15 @@
 # Environment: EPD_BUILD_DIR (default build/, the CI build directory), EPD_BUILD_TYPE
 # (default Release, the same as deploy/demo.sh so the two quick-start commands share one
 # build), EPD_JOBS (default nproc), EPD_WITH_CUDA (AUTO|ON|OFF), CTEST_PARALLEL_LEVEL
-# (default 1: the integration tests time daemon behaviour, keep them off a loaded CPU).
+# (default 1: the integration tests time daemon behaviour, keep them off a loaded CPU),
+# EPD_CPU_TEST_JOBS (default 2: the label cpu, which times nothing).
 # Exits non-zero on the first failing step.
+#
+# Where CI's time goes (2 cores, nothing cached) and what keeps it down: the main build
+# (CUDA code included), the one sanitizer build (ASan and UBSan in one, holding only what
+# its labels run: target epd_sanitizer_tests), and three test runs (step 4, step 5, and the
+# GPU listing). The g++ fuzz drivers run 6 s each (fixed seed; the coverage-guided fuzzing
+# is the libFuzzer runs); the sleeps in tests are bounded waits, not fixed pauses.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -69,9 +79,18 @@ ctest --test-dir "$BUILD_DIR" --print-labels | sed 's/^/  /'
 # --timeout is the default for tests that set none (integration and fuzz set their own).
 # ctest's own summary line ("100% tests passed, 0 tests failed out of N") of every run is
 # kept and printed again at the end, so the last lines of the log say what ran.
+# Two runs: the compute-only unit suites (label cpu, tests/CMakeLists.txt) two at a time,
+# then every other test one at a time (CTEST_PARALLEL_LEVEL).
 ctest_log=$(mktemp)
 set +e
-ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 -LE gpu \
+ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 -L cpu -LE gpu \
+  --parallel "${EPD_CPU_TEST_JOBS:-2}" "$@" 2>&1 | tee "$ctest_log"
+rc=${PIPESTATUS[0]}
+set -e
+grep -E 'tests passed|tests failed out of' "$ctest_log" | sed 's/^/  step 4 (cpu, 2 at a time): /' >>"$SUMMARY" || true
+((rc == 0)) || fail "ctest -L cpu (see the output above)"
+set +e
+ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 -LE 'gpu|cpu' \
   --parallel "${CTEST_PARALLEL_LEVEL:-1}" "$@" 2>&1 | tee "$ctest_log"
 rc=${PIPESTATUS[0]}
 set -e
