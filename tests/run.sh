@@ -102,7 +102,7 @@ grep -E 'tests passed|tests failed out of' "$ctest_log" | sed 's/^/  step 4 (uni
 rm -f "$ctest_log"
 ((rc == 0)) || fail "ctest (see the output above)"
 
-step "5/7 sanitizers: ASan and UBSan builds (clang, host backend)"
+step "5/7 sanitizers: one ASan + UBSan build (clang, host backend)"
 if [[ "${EPD_SKIP_SANITIZERS:-0}" == 1 ]]; then
   echo "[tests/run.sh] skipped: EPD_SKIP_SANITIZERS=1"
 else
