@@ -10,14 +10,17 @@
 # 3. builds every target (tests included) with Ninja's [n/N] progress;
 # 4. runs every CTest test but the GPU ones (labels unit, integration, multinode, fuzz,
 #    security, install, python, and chaos: tests/chaos, about 2 minutes of seeded faults
-#    whose seed it prints) with --output-on-failure; python (tests/python/run_pytest.sh) pip
-#    installs client/python into a venv under the build directory and runs the pytest
-#    suites against a real epd (EPD_SKIP_PYTHON_TESTS=1 skips it, reported as skipped);
-# 5. builds epd and its tests again under AddressSanitizer (build-asan) and
-#    UndefinedBehaviorSanitizer (build-ubsan) with clang, host backend only, and runs the
-#    security, unit and integration tests in each, and in build-asan every fuzz target
-#    against libFuzzer for 10 s (label libfuzzer; tests/sanitize.sh); set
-#    EPD_SKIP_SANITIZERS=1 to skip it (a quick local run);
+#    whose seed it prints) with --output-on-failure: first the compute-only unit suites
+#    (label cpu: kernels/host, op rules, spec tables, dtypes) two at a time, then the rest
+#    one at a time; python (tests/python/run_pytest.sh) pip installs client/python into a
+#    venv under the build directory and runs the pytest suites against a real epd
+#    (EPD_SKIP_PYTHON_TESTS=1 skips it, reported as skipped);
+# 5. builds epd and what the tests below run again under AddressSanitizer and
+#    UndefinedBehaviorSanitizer together (build-asan-ubsan, -fsanitize=address,undefined)
+#    with clang, host backend only, and runs the security, unit and integration tests there
+#    (label cpu two at a time again), and every fuzz target against libFuzzer for 10 s
+#    (label libfuzzer; tests/sanitize.sh); set EPD_SKIP_SANITIZERS=1 to skip it (a quick
+#    local run);
 # 6. runs the GPU tests (tests/gpu, CTest label gpu, one process each): without an NVIDIA
 #    GPU (CI) each reports skipped with its reason; with one, an epd --backend=cuda runs on
 #    a temporary socket for the end-to-end ones (EPD_TEST_SOCKET); set EPD_SKIP_GPU_TESTS=1
@@ -27,8 +30,19 @@
 # Environment: EPD_BUILD_DIR (default build/, the CI build directory), EPD_BUILD_TYPE
 # (default Release, the same as deploy/demo.sh so the two quick-start commands share one
 # build), EPD_JOBS (default nproc), EPD_WITH_CUDA (AUTO|ON|OFF), CTEST_PARALLEL_LEVEL
-# (default 1: the integration tests time daemon behaviour, keep them off a loaded CPU).
+# (default 1: the integration tests time daemon behaviour, keep them off a loaded CPU),
+# EPD_CPU_TEST_JOBS (default 2: the label cpu, which times nothing).
 # Exits non-zero on the first failing step.
+#
+# CI's budget: 90 minutes on 2 cores with nothing cached. The time goes to the main build
+# (CUDA code included), step 4's tests (~530 s: chaos 120 s, python 90 s), the sanitizer
+# build (~1200 s uncached on 2 loaded cores) and its tests (~600-670 s). To keep it down:
+# ASan and UBSan share one build (-fsanitize=address,undefined), so each sanitizer test is
+# built and run once under both checks, not once per sanitizer; that build holds only what
+# its labels run (target epd_sanitizer_tests); the label cpu runs two at a time (under ASan
+# 98 s -> 53 s); the g++ fuzz drivers run 6 s each (fixed seed: the guided fuzzing is the
+# libFuzzer runs). Estimated from those parts' measured times: a local dry run about 1620 s
+# (2093 s before them), CI about 2500 s (3373 s before them).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -69,9 +83,18 @@ ctest --test-dir "$BUILD_DIR" --print-labels | sed 's/^/  /'
 # --timeout is the default for tests that set none (integration and fuzz set their own).
 # ctest's own summary line ("100% tests passed, 0 tests failed out of N") of every run is
 # kept and printed again at the end, so the last lines of the log say what ran.
+# Two runs: the compute-only unit suites (label cpu, tests/CMakeLists.txt) two at a time,
+# then every other test one at a time (CTEST_PARALLEL_LEVEL).
 ctest_log=$(mktemp)
 set +e
-ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 -LE gpu \
+ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 -L cpu -LE gpu \
+  --parallel "${EPD_CPU_TEST_JOBS:-2}" "$@" 2>&1 | tee "$ctest_log"
+rc=${PIPESTATUS[0]}
+set -e
+grep -E 'tests passed|tests failed out of' "$ctest_log" | sed 's/^/  step 4 (cpu, 2 at a time): /' >>"$SUMMARY" || true
+((rc == 0)) || fail "ctest -L cpu (see the output above)"
+set +e
+ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 -LE 'gpu|cpu' \
   --parallel "${CTEST_PARALLEL_LEVEL:-1}" "$@" 2>&1 | tee "$ctest_log"
 rc=${PIPESTATUS[0]}
 set -e
@@ -79,7 +102,7 @@ grep -E 'tests passed|tests failed out of' "$ctest_log" | sed 's/^/  step 4 (uni
 rm -f "$ctest_log"
 ((rc == 0)) || fail "ctest (see the output above)"
 
-step "5/7 sanitizers: ASan and UBSan builds (clang, host backend)"
+step "5/7 sanitizers: one ASan + UBSan build (clang, host backend)"
 if [[ "${EPD_SKIP_SANITIZERS:-0}" == 1 ]]; then
   echo "[tests/run.sh] skipped: EPD_SKIP_SANITIZERS=1"
 else

@@ -3,7 +3,10 @@
 // own node's daemon. Every client runs every op and option of both families
 // (clients/mn_client.cc) and checks its results bit for bit against kernels/host computing
 // the whole group's answer: 2 and 4 nodes, 2 to 4 ranks per node, uneven nodes, mixed T per
-// rank including 0, every token routed to one node.
+// rank including 0, every token routed to one node; a rank joining past op_timeout after
+// the others (their first op waits for it: mn_client's join barrier).
+#include <csignal>
+#include <memory>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -79,6 +82,55 @@ TEST(DataOpsTest, TransportNamedOnOneNodeAndDefaultedOnTheOther) {
 
 TEST(DataOpsTest, NoRankHasTokens) {
   RunEveryOp({2, 2}, {.group = "empty", .tokens = {0, 0, 0, 0}, .seed = 6});
+}
+
+/// Starts a cluster of `ranks_per_node` with a 1 s op_timeout, whose last rank joins 2.5 s
+/// after the others (mn_client --join_delay_ms), and expects every rank's client to exit 0:
+/// the others wait for it after their Join (mn_client's join barrier), so their first op
+/// does not spend its op_timeout on a rank still joining.
+void RunWithALateRank(std::vector<int> ranks_per_node, ClientRun run, bool peer) {
+  auto cluster = StartCluster(std::move(ranks_per_node), absl::Seconds(1), peer);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  std::vector<std::unique_ptr<testing::Subprocess>> clients;
+  for (int r = 0; r < cluster->num_ranks(); ++r) {
+    ClientRun late = run;
+    if (r == cluster->num_ranks() - 1) late.extra_args.push_back("--join_delay_ms=2500");
+    auto client = StartClient(*cluster, late, r);
+    ASSERT_TRUE(client.ok()) << client.status();
+    clients.push_back(*std::move(client));
+  }
+  absl::Status done = WaitClients(clients, kRunTimeout);
+  EXPECT_TRUE(done.ok()) << done.message() << cluster->Logs();
+  for (auto& client : clients) {
+    EXPECT_THAT(client->Stdout(), ::testing::Not(::testing::HasSubstr("JOIN_BARRIER")));
+  }
+}
+
+TEST(DataOpsTest, ARankJoiningPastOpTimeoutIsWaitedForAcrossNodes) {
+  RunWithALateRank({2, 2}, {.group = "late-joiner", .tokens = {3, 4, 0, 2}, .seed = 8},
+                   /*peer=*/true);
+}
+
+TEST(DataClusterTest, ARankJoiningPastOpTimeoutIsWaitedForInAOneNodeGroup) {
+  RunWithALateRank({3}, {.group = "late-joiner-one-node", .tokens = {3, 4, 2}, .seed = 9},
+                   /*peer=*/false);
+}
+
+// A rank that never joins: the barrier gives up at its bound (--join_barrier_ms), says so in
+// one line, and the first op's own op_timeout names the missing rank.
+TEST(DataClusterTest, JoinBarrierGivesUpAtItsBoundAndTheFirstOpNamesTheMissingRank) {
+  auto cluster = StartCluster({2}, absl::Seconds(1), /*peer=*/false);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  ClientRun run{.group = "never-complete", .extra_args = {"--join_barrier_ms=300"}};
+  auto client = StartClient(*cluster, run, 0);
+  ASSERT_TRUE(client.ok()) << client.status();
+  absl::Status gave_up = (*client)->WaitForOutput(
+      "JOIN_BARRIER not every rank joined within 300 ms (1 of 2 seen)", absl::Seconds(10));
+  EXPECT_TRUE(gave_up.ok()) << gave_up << (*client)->Stdout();
+  absl::Status named = (*client)->WaitForOutput("rank(s) 1 did not arrive", absl::Seconds(10));
+  EXPECT_TRUE(named.ok()) << named << (*client)->Stdout();
+  (*client)->Signal(SIGKILL);
+  EXPECT_TRUE((*client)->Wait(absl::Seconds(5)).ok());
 }
 
 }  // namespace

@@ -45,6 +45,12 @@
 // Every scenario ends with "max_op_ms=<n>" on its DONE / STOPPED line: the longest any op
 // of this process took from submit to result (errors included); --report_slow_ms prints a
 // "SLOW" line for each op slower than that.
+// Join barrier: after "JOINED", every scenario waits (polling ListGroups every 50 ms, at
+// most --join_barrier_ms, default --wait_seconds) until the group reports all its ranks
+// joined, so that a rank that joined seconds before another does not spend its first op's
+// op_timeout on it; past the bound it prints "JOIN_BARRIER not every rank joined within
+// <ms> ms ..." and starts anyway. --join_delay_ms makes a rank join late (a test's slow
+// joiner).
 // Exit 2: connect or join failed (the line says why).
 // Against a CUDA daemon (tests/gpu/multinode_cuda_test.cc) the results live in device
 // memory: each op's views are copied to host memory (cudaMemcpy) before they are checked.
@@ -74,6 +80,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "epd/client.h"
 #include "epd/kernels/host_ops.h"
@@ -123,6 +131,11 @@ ABSL_FLAG(bool, unmask_self, false,
 ABSL_FLAG(
     bool, reconnect, false,
     "loop: when an op answers UNAVAILABLE (the daemon restarted), Client::Reconnect and go on");
+ABSL_FLAG(int, join_barrier_ms, -1,
+          "after Join, wait up to this long (ms) until the group reports every rank joined "
+          "before the first op (-1: --wait_seconds; 0: no wait)");
+ABSL_FLAG(int, join_delay_ms, 0,
+          "sleep this long (ms) between Connect and Join (a rank joining late, for tests)");
 ABSL_FLAG(bool, testing_ignore_mask, false,
           "mask: check results against the unmasked reference (epd_chaos --self_check: a wrong "
           "reference under a mask must be caught)");
@@ -1303,6 +1316,52 @@ int Graph(epd::Endpoint& ep, const GroupShape& s, const std::vector<int32_t>& to
 }
 #endif  // EPD_MN_CLIENT_CUDA
 
+/// How many of group `spec`'s ranks have joined, as `client`'s daemon reports them
+/// (ListGroups): for a group across nodes the sum of every node's joined ranks, as each
+/// last published them (0 for a node not registered yet); otherwise the joined ranks of the
+/// group on this daemon. -1 when the daemon could not be asked (the error is ignored: the
+/// caller polls again).
+int JoinedRanks(epd::Client& client, const epd::v1::GroupSpec& spec) {
+  absl::StatusOr<epd::v1::ListGroupsResponse> groups = client.ListGroups();
+  if (!groups.ok()) return -1;
+  for (const epd::v1::GroupInfo& g : groups->groups()) {
+    if (g.spec().name() != spec.name()) continue;
+    if (spec.nodes_size() <= 1) return g.ranks_size();
+    int joined = 0;
+    for (const epd::v1::GroupNodeInfo& n : g.nodes()) {
+      if (n.state() == epd::v1::NODE_STATE_SELF || n.state() == epd::v1::NODE_STATE_REGISTERED) {
+        joined += std::max(n.joined_ranks(), 0);
+      }
+    }
+    return joined;
+  }
+  return 0;
+}
+
+/// The join barrier: after its Join, a rank waits until every rank of the group has joined
+/// (polled every 50 ms, at most `bound`), so that its first op does not spend its op_timeout
+/// waiting for a rank still joining (ranks of a loaded machine join seconds apart). When the
+/// bound passes it prints one line and goes on: the first op's own bound then reports the
+/// missing rank.
+void WaitForEveryRank(epd::Client& client, const epd::v1::GroupSpec& spec, absl::Duration bound) {
+  if (bound <= absl::ZeroDuration()) return;
+  const absl::Time start = absl::Now();
+  int joined = JoinedRanks(client, spec);
+  while (joined < spec.num_ranks()) {
+    if (absl::Now() - start >= bound) {
+      std::printf(
+          "JOIN_BARRIER not every rank joined within %lld ms (%d of %d seen): starting "
+          "the ops anyway\n",
+          static_cast<long long>(absl::ToInt64Milliseconds(bound)), std::max(joined, 0),
+          spec.num_ranks());
+      std::fflush(stdout);
+      return;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+    joined = JoinedRanks(client, spec);
+  }
+}
+
 int Main() {
   auto nodes = epd::multinode::ParseNodesFlag(absl::GetFlag(FLAGS_nodes));
   if (!nodes.ok()) {
@@ -1385,6 +1444,7 @@ int Main() {
   const std::string launch_mode = absl::GetFlag(FLAGS_launch_mode);
   if (launch_mode == "client") join.launch_mode = epd::v1::LAUNCH_MODE_CLIENT;
   if (launch_mode == "daemon") join.launch_mode = epd::v1::LAUNCH_MODE_DAEMON;
+  absl::SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_join_delay_ms)));
   auto ep = (*client)->Join(join);
   if (!ep.ok()) {
     std::printf("JOIN_ERROR %s\n", ep.status().ToString().c_str());
@@ -1392,6 +1452,10 @@ int Main() {
   }
   std::printf("JOINED rank %d of %d\n", rank, R);
   std::fflush(stdout);
+  const int barrier_ms = absl::GetFlag(FLAGS_join_barrier_ms);
+  WaitForEveryRank(**client, spec,
+                   barrier_ms < 0 ? absl::Seconds(absl::GetFlag(FLAGS_wait_seconds))
+                                  : absl::Milliseconds(barrier_ms));
   Rank runner(**ep, shape, in[rank], (*ref)[rank]);
   LoopOptions loop;
   loop.client = client->get();
