@@ -12,7 +12,15 @@
 #include "spdlog/spdlog.h"
 
 namespace epd {
+
 namespace {
+
+/// The policy as a message names it: unspecified is FAIL, and says so.
+std::string PolicyName(v1::RankFailurePolicy p) {
+  return p == v1::RANK_FAILURE_POLICY_UNSPECIFIED
+             ? "RANK_FAILURE_POLICY_UNSPECIFIED (= RANK_FAILURE_POLICY_FAIL)"
+             : v1::RankFailurePolicy_Name(p);
+}
 
 /// Ranks a mask change's log line names; the rest are counted ("and N more").
 constexpr size_t kMaxRanksLogged = 4;
@@ -217,8 +225,7 @@ absl::StatusOr<v1::RankMask> LockstepGroup::UpdateRankMask(std::span<const int32
   std::lock_guard<std::mutex> lock(mu_);
   if (!masking_) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "group ", spec_.name(), ": on_rank_failure is ",
-        v1::RankFailurePolicy_Name(spec_.on_rank_failure()),
+        "group ", spec_.name(), ": on_rank_failure is ", PolicyName(spec_.on_rank_failure()),
         ", not RANK_FAILURE_POLICY_MASK: its ranks cannot be masked (the policy is part of the "
         "spec every rank joins with)"));
   }
@@ -297,10 +304,9 @@ absl::StatusOr<v1::RankMask> LockstepGroup::UpdateRankMask(std::span<const int32
 absl::StatusOr<v1::RankMask> LockstepGroup::GetRankMask() const {
   std::lock_guard<std::mutex> lock(mu_);
   if (!masking_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("group ", spec_.name(), ": on_rank_failure is ",
-                     v1::RankFailurePolicy_Name(spec_.on_rank_failure()),
-                     ", not RANK_FAILURE_POLICY_MASK: the group masks no ranks"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", spec_.name(), ": on_rank_failure is ", PolicyName(spec_.on_rank_failure()),
+        ", not RANK_FAILURE_POLICY_MASK: the group masks no ranks"));
   }
   return MaskMessageLocked();
 }

@@ -645,6 +645,19 @@ TEST(RankMaskPolicyTest, FailGroupRefusesMasks) {
   EXPECT_EQ((*g)->GetRankMask().status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// An unspecified policy is FAIL, and the refusal says so rather than naming only UNSPECIFIED.
+TEST(RankMaskPolicyTest, UnspecifiedPolicyIsNamedAsFail) {
+  auto plane = MakeHostDataPlane({});
+  ASSERT_TRUE(plane.ok());
+  auto g = (*plane)->CreateGroup(MaskSpec("plain", v1::RANK_FAILURE_POLICY_UNSPECIFIED));
+  ASSERT_TRUE(g.ok());
+  auto m = (*g)->UpdateRankMask(std::vector<int32_t>{1}, {}, false);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(m.status().message(),
+              HasSubstr("RANK_FAILURE_POLICY_UNSPECIFIED (= RANK_FAILURE_POLICY_FAIL)"));
+  EXPECT_THAT((*g)->GetRankMask().status().message(), HasSubstr("(= RANK_FAILURE_POLICY_FAIL)"));
+}
+
 TEST(RankMaskPolicyTest, AMaskChangeOfManyRanksIsOneLogLineNamingFour) {
   auto plane = MakeHostDataPlane({});
   ASSERT_TRUE(plane.ok());
