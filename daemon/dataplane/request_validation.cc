@@ -186,7 +186,9 @@ bool LockstepGroup::PopRequests() {
             // so one whose request is stale is masked.
             : masking_ ? absl::FailedPreconditionError(absl::StrCat(
                              "op ", seq, " of group ", spec_.name(), " ran without rank ", rank,
-                             ", which was masked (mask epoch ", mask_epoch_, ") before it arrived"))
+                             ", which was masked (mask epoch ", mask_epoch_,
+                             ") before it arrived; the group is at op ", current_seq_, ", ",
+                             current_seq_ - seq, " op(s) ahead of this request"))
                        : errors::WithReason(absl::DeadlineExceededError(
                                                 absl::StrCat("op ", seq, " of group ", spec_.name(),
                                                              " failed before this rank arrived")),

@@ -374,6 +374,9 @@ TEST_F(RankMaskTest, AnUnmaskedLaggingRankIsNotNamedMasked) {
     EXPECT_THAT(st.message(), HasSubstr(absl::StrCat("op ", op,
                                                      " of group masked ran without "
                                                      "rank 3, which was masked")));
+    // It says how far behind the request is.
+    EXPECT_THAT(st.message(),
+                HasSubstr(absl::StrCat("the group is at op 3, ", 3 - op, " op(s) ahead")));
   }
   // Caught up: unmasked, never named masked again; its next op takes part.
   auto now = group_->GetRankMask();
