@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -177,6 +178,21 @@ inline bool IsDuplicateInRow(const int64_t* row, int k) {
     if (row[j] == row[k]) return true;
   }
   return false;
+}
+
+/// Stores the S scales of row `row` of local expert `local_expert` into a low-latency
+/// dispatch's recv_scales `out` (LowLatencyScaleOffset: f32, or a UE8M0 byte each).
+inline void StoreLowLatencyScales(const GroupShape& shape, bool ue8m0, void* out,
+                                  int64_t local_expert, int64_t row, const float* scales) {
+  auto* bytes = static_cast<uint8_t*>(out);
+  for (int32_t g = 0; g < shape.num_scales(); ++g) {
+    const uint64_t at = LowLatencyScaleOffset(shape, ue8m0, local_expert, row, g);
+    if (ue8m0) {
+      bytes[at] = Ue8m0Code(scales[g]);
+    } else {
+      std::memcpy(bytes + at, &scales[g], sizeof(float));
+    }
+  }
 }
 
 }  // namespace epd::kernels::host::internal

@@ -160,16 +160,8 @@ absl::Status LowLatencyDispatch(const GroupShape& shape, const LowLatencyDispatc
         std::memcpy(static_cast<uint8_t*>(dst.recv_x) + row * out_row_bytes, out_row,
                     static_cast<size_t>(out_row_bytes));
         if (options.use_fp8) {
-          uint8_t* scales = static_cast<uint8_t*>(dst.recv_scales);
-          for (int32_t g = 0; g < num_scales; ++g) {
-            const uint64_t at =
-                LowLatencyScaleOffset(shape, options.use_ue8m0, e % experts_per_rank, pos[k], g);
-            if (options.use_ue8m0) {
-              scales[at] = Ue8m0Code(q_scales[g]);
-            } else {
-              std::memcpy(scales + at, &q_scales[g], sizeof(float));
-            }
-          }
+          internal::StoreLowLatencyScales(shape, options.use_ue8m0, dst.recv_scales,
+                                          e % experts_per_rank, pos[k], q_scales);
         }
         dst.recv_src_info[row] = static_cast<int32_t>(s * ll_max_tokens + t);
       }

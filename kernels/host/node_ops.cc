@@ -557,16 +557,8 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
                       static_cast<size_t>(out_row_bytes));
         }
         if (options.use_fp8 && dst.recv_row_src == nullptr) {
-          uint8_t* scales = static_cast<uint8_t*>(dst.recv_scales);
-          for (int32_t g = 0; g < S; ++g) {
-            const uint64_t at =
-                LowLatencyScaleOffset(shape, options.use_ue8m0, j, static_cast<int32_t>(pos), g);
-            if (options.use_ue8m0) {
-              scales[at] = Ue8m0Code(row_scales[g]);
-            } else {
-              std::memcpy(scales + at, &row_scales[g], sizeof(float));
-            }
-          }
+          internal::StoreLowLatencyScales(shape, options.use_ue8m0, dst.recv_scales, j, pos,
+                                          row_scales);
         }
         dst.recv_src_info[row] = static_cast<int32_t>(static_cast<int64_t>(s) * Mll + t);
         ++pos;

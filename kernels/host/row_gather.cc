@@ -4,6 +4,7 @@
 
 #include "epd/kernels/host_node_ops.h"
 #include "epd/kernels/types.h"
+#include "kernels/host/internal.h"
 
 namespace epd::kernels::host {
 
@@ -26,14 +27,7 @@ void GatherRows(const GroupShape& shape, const RowGather& g) {
         std::memcpy(out + row * S * sizeof(float), src.scales, sizeof(float) * S);
         continue;
       }
-      for (int32_t s = 0; s < S; ++s) {
-        const uint64_t at = LowLatencyScaleOffset(shape, ue8m0, b, i, s);
-        if (ue8m0) {
-          out[at] = Ue8m0Code(src.scales[s]);
-        } else {
-          std::memcpy(out + at, &src.scales[s], sizeof(float));
-        }
-      }
+      internal::StoreLowLatencyScales(shape, ue8m0, out, b, i, src.scales);
     }
   }
 }

@@ -158,7 +158,6 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// Rows on the GPU (DESIGN.md §5.5): a daemon-launched rank's received rows are gathered
   /// by a kernel into its GPU area (StageOut), from the receive region and quantized rows
   /// registered with CUDA here, and from the local ranks' GPU areas.
-  bool ExchangeGathersRows() const override { return true; }
   std::unique_ptr<ExchangeHostMapping> ExchangeMapHostMemory(void* p,
                                                              uint64_t bytes) const override;
   kernels::RowSource* ExchangeRowSources(int32_t rank) const override {

@@ -88,6 +88,14 @@ struct CudaRankMirror {
   static uint64_t QuantScalesOffset(const kernels::GroupShape& shape) {
     return (static_cast<uint64_t>(shape.ll_max_tokens_per_rank) * shape.hidden + 15) / 16 * 16;
   }
+  /// quant_rows' tokens and scales (null when there is none).
+  kernels::e4m3_bits* quant_x_copy() const {
+    return reinterpret_cast<kernels::e4m3_bits*>(quant_rows.get());
+  }
+  float* quant_scales_copy(const kernels::GroupShape& shape) const {
+    return quant_rows ? reinterpret_cast<float*>(quant_rows.get() + QuantScalesOffset(shape))
+                      : nullptr;
+  }
   static uint64_t QuantRowsBytes(const kernels::GroupShape& shape) {
     return shape.ll_max_tokens_per_rank <= 0
                ? 0

@@ -98,15 +98,15 @@ absl::Status CudaGroup::GatherRankRows(const OpPlan& plan, const CudaRank& cr) {
     }
     // Its tokens of this low-latency FP8 dispatch, quantized on the GPU: the device copy.
     const NodeExchange::QuantizedRows q = exchange_->QuantizedRowsOf(s);
-    const uint8_t* copy = src->mirror->quant_rows.get();
-    if (plan.op == abi::OpKind::kLowLatencyDispatch && q.x != nullptr && copy != nullptr &&
-        src->mirror->quantized_seq == plan.seq && windows + 2 <= kc::kMaxGatherWindows) {
+    const CudaRankMirror& sm = *src->mirror;
+    if (plan.op == abi::OpKind::kLowLatencyDispatch && q.x != nullptr && sm.quant_rows &&
+        sm.quantized_seq == plan.seq && windows + 2 <= kc::kMaxGatherWindows) {
       const uint64_t Mll = shape().ll_max_tokens_per_rank;
       m.windows.get()[windows++] = {reinterpret_cast<const uint8_t*>(q.x), Mll * shape().hidden,
-                                    copy};
-      m.windows.get()[windows++] = {reinterpret_cast<const uint8_t*>(q.scales),
-                                    Mll * shape().num_scales() * sizeof(float),
-                                    copy + CudaRankMirror::QuantScalesOffset(shape())};
+                                    reinterpret_cast<const uint8_t*>(sm.quant_x_copy())};
+      m.windows.get()[windows++] = {
+          reinterpret_cast<const uint8_t*>(q.scales), Mll * shape().num_scales() * sizeof(float),
+          reinterpret_cast<const uint8_t*>(sm.quant_scales_copy(shape()))};
     }
   }
   const kernels::RowGather g =
@@ -220,14 +220,10 @@ absl::Status CudaGroup::StageIn(const OpPlan& plan, const abi::RequestSlot& slot
   const NodeExchange::QuantizedRows q = exchange_->QuantizedRowsOf(r);
   bool quantized = false;
   if (plan.op == abi::OpKind::kLowLatencyDispatch && flags.use_fp8 && q.x != nullptr) {
-    uint8_t* copy = m.quant_rows.get();
     EPD_RETURN_IF_ERROR(kc::QuantizeRowsFp8Async(
         shape(), slot.num_tokens,
         reinterpret_cast<const kernels::bf16_bits*>(cr.area.get() + layout().in_x.offset),
-        flags.round_scale, q.x, q.scales, s, reinterpret_cast<kernels::e4m3_bits*>(copy),
-        copy != nullptr
-            ? reinterpret_cast<float*>(copy + CudaRankMirror::QuantScalesOffset(shape()))
-            : nullptr));
+        flags.round_scale, q.x, q.scales, s, m.quant_x_copy(), m.quant_scales_copy(shape())));
     m.quantized_seq = plan.seq;
     quantized = true;
   }

@@ -108,28 +108,10 @@ void NodeExchange::SetLocalRanksJoined(const std::vector<bool>& bits) {
   if (span_.peers) span_.peers->SetLocalRanksJoined(bits);
 }
 
-std::shared_ptr<void> NodeExchange::TakeMappedMemory() {
-  if (gather_maps_.empty()) return nullptr;
-  struct Mapped {
-    std::vector<uint64_t> recv;
-    std::vector<kernels::e4m3_bits> quant_x;
-    std::vector<float> quant_scales;
-    std::vector<std::unique_ptr<ExchangeHostMapping>> maps;  // Destroyed first.
-  };
-  auto m = std::make_shared<Mapped>();
-  m->recv.swap(span_.recv);
-  m->quant_x.swap(span_.quant_x);
-  m->quant_scales.swap(span_.quant_scales);
-  m->maps.swap(gather_maps_);
-  gather_rows_ = false;
-  return m;
-}
-
 absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local_count) {
   local_first_ = local_first;
   local_count_ = local_count;
   gather_maps_.clear();  // Before any memory they map is replaced.
-  gather_rows_ = false;
   const v1::GroupSpec& sp = spec();
   const kernels::GroupShape& gs = shape();
   Span s;
@@ -269,25 +251,7 @@ absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local
   if (!peers.ok()) return peers.status();
   s.peers = *std::move(peers);
   span_ = std::move(s);  // The vectors' buffers move with them.
-  if (host_->ExchangeGathersRows()) {
-    // The backend reads rows where the exchange holds them: the peers' in the receive
-    // region, a low-latency FP8 dispatch's local ones quantized here.
-    const std::pair<void*, uint64_t> memory[] = {
-        {span_.recv.data(), span_.recv.size() * sizeof(uint64_t)},
-        {span_.quant_x.data(), span_.quant_x.size() * sizeof(kernels::e4m3_bits)},
-        {span_.quant_scales.data(), span_.quant_scales.size() * sizeof(float)}};
-    gather_rows_ = true;
-    for (const auto& [p, bytes] : memory) {
-      if (bytes == 0) continue;
-      std::unique_ptr<ExchangeHostMapping> m = host_->ExchangeMapHostMemory(p, bytes);
-      if (m == nullptr) {
-        gather_rows_ = false;
-        gather_maps_.clear();
-        break;
-      }
-      gather_maps_.push_back(std::move(m));
-    }
-  }
+  MapGatherMemory();
   masking_ = sp.on_rank_failure() == v1::RANK_FAILURE_POLICY_MASK;
   view_mask_.assign(static_cast<size_t>(R), 0);
   self_mask_.assign(static_cast<size_t>(R), 0);
@@ -1227,7 +1191,7 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
           a.recv_src_info = Ptr<int32_t>(r, L.recv_src_info);
           a.send_pos = hr.send_pos.data();
           a.rank_prefix = Ptr<int32_t>(r, L.rank_prefix);
-          a.recv_row_src = gather_rows_ && !gone(r) ? host_->ExchangeRowSources(r) : nullptr;
+          a.recv_row_src = gathers_rows() && !gone(r) ? host_->ExchangeRowSources(r) : nullptr;
         }
         kernels::host::DispatchOptions opt;
         opt.fp8 = flags.use_fp8;
@@ -1259,7 +1223,7 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
         a.recv_count = Ptr<int32_t>(r, L.ll_recv_count[b]);
         a.recv_src_info = Ptr<int32_t>(r, L.ll_recv_src_info[b]);
         a.handle_pos = Private(r).ll_handle_pos[b].data();
-        a.recv_row_src = gather_rows_ && !gone(r) ? host_->ExchangeRowSources(r) : nullptr;
+        a.recv_row_src = gathers_rows() && !gone(r) ? host_->ExchangeRowSources(r) : nullptr;
       }
       kernels::host::LowLatencyDispatchOptions opt;
       opt.use_fp8 = flags.use_fp8;

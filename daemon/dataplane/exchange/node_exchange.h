@@ -87,14 +87,12 @@ class NodeExchangeHost {
   /// and ExchangeRankRouting give its stand-in; its handles are not read).
   virtual const std::vector<uint8_t>& ExchangeRankMasked() const = 0;
 
-  /// Rows on the backend (DESIGN.md §5.5 "Rows on the GPU"): whether the backend gathers a
-  /// dispatch's received rows itself (kernels::RowGather) instead of having the exchange
-  /// copy them into ExchangeRankData. False (the default): every row is copied.
-  virtual bool ExchangeGathersRows() const { return false; }
-  /// Makes [p, p + bytes) of the exchange's own host memory (its receive region and
-  /// quantized rows) readable by the backend's gather at the same addresses; the returned
-  /// object undoes it when destroyed (before the memory is freed). Null when it cannot:
-  /// then the exchange copies every row itself.
+  /// Rows on the backend (DESIGN.md §5.5 "Rows on the GPU"): makes [p, p + bytes) of the
+  /// exchange's own host memory (its receive region and quantized rows) readable by the
+  /// backend's gather of a dispatch's received rows (kernels::RowGather) at the same
+  /// addresses; the returned object undoes it when destroyed (before the memory is freed).
+  /// Null (the default) when the backend does not gather rows or cannot map them: then the
+  /// exchange copies every row into ExchangeRankData itself.
   virtual std::unique_ptr<ExchangeHostMapping> ExchangeMapHostMemory(void* /*p*/,
                                                                      uint64_t /*bytes*/) const {
     return nullptr;
@@ -183,7 +181,7 @@ class NodeExchange {
   /// Local rank `rank`'s QuantizedRows when the backend may write them (its gather mapped
   /// them: NodeExchangeHost::ExchangeRowsQuantized), else null pointers.
   QuantizedRows QuantizedRowsOf(int32_t rank) {
-    if (!gather_rows_ || span_.quant_x.empty()) return {};
+    if (!gathers_rows() || span_.quant_x.empty()) return {};
     const size_t i = static_cast<size_t>(rank - local_first_);
     return {span_.quant_x.data() + i * shape_.ll_max_tokens_per_rank * shape_.hidden,
             span_.quant_scales.data() + i * shape_.ll_max_tokens_per_rank * shape_.num_scales()};
@@ -415,10 +413,13 @@ class NodeExchange {
   std::vector<uint8_t> excluded_at_start_;  ///< [N] of those, the ones lost as it started.
   std::vector<uint64_t> mask_words_;        ///< [ExchangeMaskWords(R)] CheckHeader's copy.
   /// Rows on the backend: the receive region and quantized rows mapped for its gather
-  /// (declared after span_: unmapped before that memory is freed), and whether every
+  /// (declared after span_: unmapped before that memory is freed); empty unless every
   /// mapping succeeded (then dispatches ask for ExchangeRowSources).
   std::vector<std::unique_ptr<ExchangeHostMapping>> gather_maps_;
-  bool gather_rows_ = false;
+  bool gathers_rows() const { return !gather_maps_.empty(); }
+  /// Maps the receive region and quantized rows for the backend's gather (Init), all or
+  /// none.
+  void MapGatherMemory();
 };
 
 }  // namespace epd

@@ -292,15 +292,13 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
     }
   }
   HostRank& host_rank(int32_t r) const { return static_cast<HostRank&>(*op_endpoint(r)->backend); }
-  bool ExchangeGathersRows() const override {
-    return plane_->options().stage_through_mirror && plane_->options().gather_rows;
-  }
   std::unique_ptr<ExchangeHostMapping> ExchangeMapHostMemory(void* /*p*/,
                                                              uint64_t /*bytes*/) const override {
+    if (!plane_->options().stage_through_mirror || !plane_->options().gather_rows) return nullptr;
     return std::make_unique<ExchangeHostMapping>();  // Host memory: nothing to map.
   }
   bool ExchangeRowsQuantized(int32_t rank, uint64_t seq) const override {
-    return !rank_masked()[rank] && ExchangeGathersRows() && host_rank(rank).quantized_seq == seq;
+    return !rank_masked()[rank] && host_rank(rank).quantized_seq == seq;
   }
   kernels::RowSource* ExchangeRowSources(int32_t rank) const override {
     if (rank_masked()[rank]) return nullptr;  // A stand-in: its rows are copied.

@@ -1,0 +1,46 @@
+// NodeExchange's memory shared with its backend's row gather (DESIGN.md §5.5 "Rows on the
+// GPU"): the receive region and quantized rows mapped for it at Init, and handed over with
+// their mappings when the backend must free them elsewhere.
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "daemon/dataplane/exchange/node_exchange.h"
+
+namespace epd {
+
+void NodeExchange::MapGatherMemory() {
+  // The backend reads rows where the exchange holds them: the peers' in the receive region,
+  // a low-latency FP8 dispatch's local ones quantized here.
+  const std::pair<void*, uint64_t> memory[] = {
+      {span_.recv.data(), span_.recv.size() * sizeof(uint64_t)},
+      {span_.quant_x.data(), span_.quant_x.size() * sizeof(kernels::e4m3_bits)},
+      {span_.quant_scales.data(), span_.quant_scales.size() * sizeof(float)}};
+  for (const auto& [p, bytes] : memory) {
+    if (bytes == 0) continue;
+    std::unique_ptr<ExchangeHostMapping> m = host_->ExchangeMapHostMemory(p, bytes);
+    if (m == nullptr) {
+      gather_maps_.clear();  // All or none: rows are then copied.
+      return;
+    }
+    gather_maps_.push_back(std::move(m));
+  }
+}
+
+std::shared_ptr<void> NodeExchange::TakeMappedMemory() {
+  if (gather_maps_.empty()) return nullptr;
+  struct Mapped {
+    std::vector<uint64_t> recv;
+    std::vector<kernels::e4m3_bits> quant_x;
+    std::vector<float> quant_scales;
+    std::vector<std::unique_ptr<ExchangeHostMapping>> maps;  // Destroyed first.
+  };
+  auto m = std::make_shared<Mapped>();
+  m->recv.swap(span_.recv);
+  m->quant_x.swap(span_.quant_x);
+  m->quant_scales.swap(span_.quant_scales);
+  m->maps.swap(gather_maps_);
+  return m;
+}
+
+}  // namespace epd
