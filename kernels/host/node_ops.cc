@@ -136,6 +136,12 @@ void PackNodeRows(const GroupShape& shape, std::span<const NodePackJob> jobs,
         std::memcpy(job.topk_weights + int64_t{m} * K, src.topk_weights + int64_t{t} * K,
                     4 * size_t(K));
       }
+      if (job.x_sources != nullptr) {
+        job.x_sources[m] = {in_x + t * xb,
+                            src.x_scales != nullptr ? src.x_scales + t * S : nullptr};
+        ++m;
+        continue;
+      }
       if (out_x != nullptr) std::memcpy(out_x + m * xb, in_x + t * xb, xb);
       if (src.x_scales != nullptr && job.x_scales != nullptr) {
         std::memcpy(job.x_scales + m * S, src.x_scales + t * S, 4 * size_t(S));

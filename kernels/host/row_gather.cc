@@ -8,7 +8,21 @@
 
 namespace epd::kernels::host {
 
-void GatherRows(const GroupShape& shape, const RowGather& g) {
+namespace {
+
+/// `p` as the gather reads it: through the first window that holds it.
+const uint8_t* Translate(const void* p, std::span<const GatherWindow> windows) {
+  const auto* q = static_cast<const uint8_t*>(p);
+  for (const GatherWindow& w : windows) {
+    if (q >= w.from && q < w.from + w.bytes) return w.to + (q - w.from);
+  }
+  return q;
+}
+
+}  // namespace
+
+void GatherRows(const GroupShape& shape, const RowGather& g,
+                std::span<const GatherWindow> windows) {
   const int32_t S = shape.num_scales();
   const bool ll_scales =
       g.scales_kind == GatherScales::kLowLatency || g.scales_kind == GatherScales::kLowLatencyUe8m0;
@@ -19,15 +33,16 @@ void GatherRows(const GroupShape& shape, const RowGather& g) {
       const int64_t row = b * g.block_rows + i;
       const RowSource& src = g.sources[row];
       if (src.x == nullptr) continue;
-      std::memcpy(static_cast<uint8_t*>(g.x) + row * g.row_bytes, src.x,
+      std::memcpy(static_cast<uint8_t*>(g.x) + row * g.row_bytes, Translate(src.x, windows),
                   static_cast<size_t>(g.row_bytes));
       if (src.scales == nullptr || g.scales_kind == GatherScales::kNone) continue;
       auto* out = static_cast<uint8_t*>(g.scales);
+      const auto* scales = reinterpret_cast<const float*>(Translate(src.scales, windows));
       if (!ll_scales) {
-        std::memcpy(out + row * S * sizeof(float), src.scales, sizeof(float) * S);
+        std::memcpy(out + row * S * sizeof(float), scales, sizeof(float) * S);
         continue;
       }
-      internal::StoreLowLatencyScales(shape, ue8m0, out, b, i, src.scales);
+      internal::StoreLowLatencyScales(shape, ue8m0, out, b, i, scales);
     }
   }
 }

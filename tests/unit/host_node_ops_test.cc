@@ -602,6 +602,56 @@ TEST(HostNodeOps, QuantizeRowsAndPackNodeRowsMatchTheRowByRowLoop) {
             << "rank " << r << " node " << n;
       }
     }
+    // Rows on the backend: with x_sources the rows are recorded, not copied, and GatherRows
+    // of the record writes what the copy wrote. The sources point at decoys that the windows
+    // map onto the real rows, so a row read without its window is wrong.
+    for (int r = 0; r < R; ++r) {
+      const int T = g.tokens[r];
+      const int64_t xb = fp8 ? H : 2 * H;
+      const auto* real_x = static_cast<const uint8_t*>(src[r].x);
+      std::vector<uint8_t> decoy_x = Garbage<uint8_t>(static_cast<size_t>(T) * xb + 1);
+      std::vector<float> decoy_s = Garbage<float>(static_cast<size_t>(T) * S + 1);
+      NodePackSource decoy = src[r];
+      decoy.x = decoy_x.data();
+      if (fp8) decoy.x_scales = decoy_s.data();
+      const GatherWindow windows[] = {
+          {decoy_x.data(), decoy_x.size(), real_x},
+          {reinterpret_cast<const uint8_t*>(decoy_s.data()), 4 * decoy_s.size(),
+           reinterpret_cast<const uint8_t*>(fp8 ? g.scales[r].data() : nullptr)}};
+      for (int n = 0; n < nodes; ++n) {
+        Packed p = garbage();
+        const std::vector<uint8_t> x_before = p.x;
+        std::vector<RowSource> table(M, RowSource{});
+        const NodePackJob job{&decoy,
+                              g.Node(n),
+                              p.token.data(),
+                              cached ? nullptr : p.idx.data(),
+                              cached ? p.pos.data() : nullptr,
+                              cached ? nullptr : p.w.data(),
+                              p.x.data(),
+                              fp8 ? p.sc.data() : nullptr,
+                              &p.rows,
+                              table.data()};
+        PackNodeRows(s, {&job, 1}, exec);
+        EXPECT_EQ(p.x, x_before) << "x copied although recorded";
+        RowGather rg;
+        rg.x = p.x.data();
+        rg.row_bytes = xb;
+        rg.blocks = 1;
+        rg.block_rows = static_cast<int64_t>(M);
+        rg.counts = &p.rows;
+        rg.sources = table.data();
+        rg.scales_kind = fp8 ? GatherScales::kRows : GatherScales::kNone;
+        rg.scales = p.sc.data();
+        GatherRows(s, rg, std::span(windows, fp8 ? 2 : 1));
+        const Packed& want = got[r * nodes + n];
+        EXPECT_EQ(p.rows, want.rows) << "rank " << r << " node " << n;
+        EXPECT_TRUE(p.token == want.token && p.pos == want.pos && p.idx == want.idx &&
+                    std::memcmp(p.w.data(), want.w.data(), 4 * p.w.size()) == 0 &&
+                    std::memcmp(p.sc.data(), want.sc.data(), 4 * p.sc.size()) == 0 && p.x == want.x)
+            << "recorded, then gathered: rank " << r << " node " << n;
+      }
+    }
   }
 }
 

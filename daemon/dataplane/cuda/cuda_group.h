@@ -103,7 +103,8 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// While a spanning op is in the exchange the transport wakes the engine; while its
   /// copies run on the GPU the engine polls.
   bool RunningOpWakesEngine() const override {
-    return spanning() && span_phase_ == SpanPhase::kExchanging;
+    // While the GPU packs the rows to send, the exchange polls it: no wake comes.
+    return spanning() && span_phase_ == SpanPhase::kExchanging && !exchange_->packing();
   }
 
  private:
@@ -176,10 +177,28 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     const CudaRank& cr = SpanRank(rank);
     return cr.mirror && !cr.client_launched && seq != 0 && cr.mirror->quantized_seq == seq;
   }
+  /// The send side: a daemon-launched rank's rows to the other nodes are packed by a kernel
+  /// (the row gather) from its GPU area into the exchange's send staging, and the exchange
+  /// posts once its `packed` event passed.
+  bool ExchangePacksRows(int32_t rank) const override {
+    const CudaRank& cr = SpanRank(rank);
+    return !cr.client_launched && cr.mirror && cr.mirror->windows;
+  }
+  absl::Status ExchangePackRows(int32_t rank, const kernels::RowGather& g) const override;
+  absl::StatusOr<bool> ExchangeRowsPacked(int32_t rank) const override;
   /// Enqueues rank `r`'s gather of the running dispatch's rows (its rows_pending) on its
-  /// stream, reading the local ranks on its GPU from their areas rather than their mirrors
-  /// (another rank's area only when its op is not stream-ordered: see GatherRankRows).
+  /// stream, reading the local ranks on its GPU from their areas rather than their mirrors.
   absl::Status GatherRankRows(const OpPlan& plan, const CudaRank& cr);
+  /// The windows of op `plan` for rank `cr`'s gather and pack (CudaRankMirror::windows),
+  /// built at the first use in the op: every daemon-launched local rank on its GPU (mirror
+  /// onto area) and the GPU copies of a low-latency FP8 dispatch's quantized tokens. Their
+  /// number.
+  int32_t OpWindows(const OpPlan& plan, const CudaRank& cr) const;
+  /// Whether op `plan`'s token rows stay on the GPU (MirrorInputSpans' rows_on_backend): a
+  /// normal or BF16 low-latency dispatch whose every local rank is daemon-launched on one
+  /// GPU, so that every gather and pack reads them from the areas through OpWindows and the
+  /// exchange never reads them in a mirror.
+  bool RowsOnBackend(const OpPlan& plan) const;
 
   // ---- a group that spans nodes (DESIGN.md §5.5) ----
   /// Where the running spanning op is: its inputs being copied into the mirrors, the
@@ -192,10 +211,14 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// Rank r's part of StartSpanning on its stream.
   absl::Status StageIn(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
                        bool* ready_wait);
-  /// Rank r's copy of its outputs (when `outcome` is OK) to its GPU area, then done_seq
-  /// (stream-ordered) and the done event.
+  /// Rank r's copy of its outputs (when `outcome` is OK) to its GPU area (and its gather,
+  /// then its `gathered` event).
   absl::Status StageOut(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
                         const RankOutcome& outcome);
+  /// StageOut of every local rank, then on each rank's stream done_seq (stream-ordered;
+  /// after the other ranks' gathers, which may read its area) and the done event. Errors
+  /// go to the op's per-rank launch status.
+  void StageOutAll(GpuOp& op);
   /// Ends the spanning op with `status` for every local rank without the exchange's
   /// result (staging failed or timed out): tells the other nodes and releases the streams.
   void FailSpanning(const absl::Status& status);
@@ -427,6 +450,7 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   SpanTrace span_trace_;
   void LogSpanTrace();
   const OpPlan* span_plan_ = nullptr;
+  bool span_rows_on_backend_ = false;  ///< RowsOnBackend of the running spanning op.
   const std::vector<abi::RequestSlot>* span_slots_ = nullptr;
   std::vector<RankOutcome> span_outcomes_;  // [R] the exchange's outcomes.
   /// Client-launched spanning ranks: scratch of one answer (kMaxAreaSpans each), and when

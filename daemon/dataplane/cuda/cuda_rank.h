@@ -78,6 +78,16 @@ struct CudaRankMirror {
   PinnedArray<kernels::RowSource> row_sources;
   PinnedArray<kernels::cuda::GatherWindow> windows;
   bool rows_pending = false;
+  /// The op whose windows `windows` holds (CudaGroup::OpWindows builds them once per op,
+  /// for the pack and the gather alike) and how many.
+  uint64_t windows_seq = 0;
+  int32_t num_windows = 0;
+  /// Recorded after the rank's pack of its rows into the send staging (the exchange posts
+  /// once it passed: NodeExchangeHost::ExchangeRowsPacked) and after its gather (every
+  /// stream-ordered local rank's done_seq waits for the others': they may read its area).
+  EventHandle packed;
+  EventHandle gathered;
+  bool gathered_this_op = false;
   /// The low-latency FP8 dispatch whose tokens the GPU quantized into the exchange's rows
   /// (NodeExchangeHost::ExchangeRowsQuantized); 0: none.
   uint64_t quantized_seq = 0;

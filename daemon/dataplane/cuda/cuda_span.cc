@@ -77,25 +77,22 @@ std::unique_ptr<ExchangeHostMapping> CudaGroup::ExchangeMapHostMemory(void* p,
   return reg;
 }
 
-absl::Status CudaGroup::GatherRankRows(const OpPlan& plan, const CudaRank& cr) {
+int32_t CudaGroup::OpWindows(const OpPlan& plan, const CudaRank& cr) const {
   CudaRankMirror& m = *cr.mirror;
+  if (m.windows_seq == plan.seq) return m.num_windows;
   // A local rank's inputs are read from its GPU area where it is on the same device (its
-  // mirror holds the same bytes, across PCIe).
+  // mirror holds the same bytes, across PCIe, or none of them: RowsOnBackend). Another
+  // rank's area may be read after that rank's own outputs are back: its done_seq waits for
+  // this rank's gather (StageOutAll), so its client cannot write the area before.
   int32_t windows = 0;
   for (int32_t s = local_first(); s < local_first() + local_count(); ++s) {
-    if (windows == kc::kMaxGatherWindows) break;
     const CudaRank* src = gpu_op_ && gpu_op_->ranks[s] ? gpu_op_->ranks[s].get() : nullptr;
     if (src == nullptr || src->client_launched || !src->mirror || src->device != cr.device) {
       continue;
     }
-    // Another rank's area only while its client cannot write it: a stream-ordered op
-    // releases that rank's stream (done_seq) as soon as its own outputs are back, maybe
-    // before this gather ran, and its client may then write its next inputs there. Its
-    // mirror holds the same bytes until the op ends.
-    if (s == cr.rank || !gpu_op_->stream_ordered[s]) {
-      m.windows.get()[windows++] = {src->mirror->base, CudaRankMirror::MirrorBytes(layout()),
-                                    src->area.get()};
-    }
+    if (windows == kc::kMaxGatherWindows) break;
+    m.windows.get()[windows++] = {src->mirror->base, CudaRankMirror::MirrorBytes(layout()),
+                                  src->area.get()};
     // Its tokens of this low-latency FP8 dispatch, quantized on the GPU: the device copy.
     const NodeExchange::QuantizedRows q = exchange_->QuantizedRowsOf(s);
     const CudaRankMirror& sm = *src->mirror;
@@ -109,9 +106,63 @@ absl::Status CudaGroup::GatherRankRows(const OpPlan& plan, const CudaRank& cr) {
           reinterpret_cast<const uint8_t*>(sm.quant_scales_copy(shape()))};
     }
   }
+  m.windows_seq = plan.seq;
+  m.num_windows = windows;
+  return windows;
+}
+
+bool CudaGroup::RowsOnBackend(const OpPlan& plan) const {
+  const bool fp8 = rules::DecodeFlags(plan.flags).use_fp8;
+  if (!exchange_ || !exchange_->rows_on_backend() ||
+      !(plan.op == abi::OpKind::kDispatch ||
+        (plan.op == abi::OpKind::kLowLatencyDispatch && !fp8))) {
+    return false;
+  }
+  // Every local rank's rows must be readable through a window: daemon-launched, one GPU,
+  // and not more local ranks than one gather's windows.
+  if (local_count() > kc::kMaxGatherWindows) return false;
+  if (plan.op == abi::OpKind::kLowLatencyDispatch &&
+      shape().num_local_experts() > kc::kMaxGatherBlocks) {
+    return false;  // Its rows are copied through the mirrors (ExchangeRowSources).
+  }
+  const CudaRank* first = nullptr;
+  for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+    const CudaRank* cr = ranks_[r].get();
+    if (cr == nullptr || cr->client_launched || !cr->mirror || !cr->mirror->windows) return false;
+    if (first != nullptr && cr->device != first->device) return false;
+    first = cr;
+  }
+  return true;
+}
+
+absl::Status CudaGroup::ExchangePackRows(int32_t rank, const kernels::RowGather& g) const {
+  const CudaRank& cr = SpanRank(rank);
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
+  const int32_t windows = OpWindows(*span_plan_, cr);
+  EPD_RETURN_IF_ERROR(
+      kc::GatherRowsAsync(shape(), g, cr.mirror->windows.get(), windows, cr.stream.get()));
+  return EPD_CUDA_STATUS(cudaEventRecord(cr.mirror->packed.get(), cr.stream.get()));
+}
+
+absl::StatusOr<bool> CudaGroup::ExchangeRowsPacked(int32_t rank) const {
+  const CudaRank& cr = SpanRank(rank);
+  cudaSetDevice(cr.device);
+  const cudaError_t err = cudaEventQuery(cr.mirror->packed.get());
+  if (err == cudaSuccess) return true;
+  if (err == cudaErrorNotReady) return false;
+  cudaGetLastError();
+  return CudaErrorToStatus(err, "the pack of the rows to send (cudaEventQuery)", __FILE__,
+                           __LINE__);
+}
+
+absl::Status CudaGroup::GatherRankRows(const OpPlan& plan, const CudaRank& cr) {
+  CudaRankMirror& m = *cr.mirror;
+  const int32_t windows = OpWindows(plan, cr);
   const kernels::RowGather g =
       DispatchRowGather(shape(), layout(), plan, cr.area.get(), m.base, m.row_sources.get());
-  return kc::GatherRowsAsync(shape(), g, m.windows.get(), windows, cr.stream.get());
+  EPD_RETURN_IF_ERROR(kc::GatherRowsAsync(shape(), g, m.windows.get(), windows, cr.stream.get()));
+  m.gathered_this_op = true;
+  return EPD_CUDA_STATUS(cudaEventRecord(m.gathered.get(), cr.stream.get()));
 }
 
 // ---- client-launched ranks (DESIGN.md §5.5 "Client-launched") ----
@@ -219,6 +270,7 @@ absl::Status CudaGroup::StageIn(const OpPlan& plan, const abi::RequestSlot& slot
   const rules::RequestOptions flags = rules::DecodeFlags(slot.flags);
   const NodeExchange::QuantizedRows q = exchange_->QuantizedRowsOf(r);
   bool quantized = false;
+  m.gathered_this_op = false;
   if (plan.op == abi::OpKind::kLowLatencyDispatch && flags.use_fp8 && q.x != nullptr) {
     EPD_RETURN_IF_ERROR(kc::QuantizeRowsFp8Async(
         shape(), slot.num_tokens,
@@ -228,9 +280,10 @@ absl::Status CudaGroup::StageIn(const OpPlan& plan, const abi::RequestSlot& slot
     quantized = true;
   }
   uint64_t total = 0;
-  const int32_t n = MirrorInputSpans(
-      shape(), layout(), plan, slot, r, endpoint(r)->handles.num_recv_tokens(),
-      exchange_->LowLatencyCounts(plan.ll_handle_buffer), m.in_spans.get(), &total, quantized);
+  const int32_t n =
+      MirrorInputSpans(shape(), layout(), plan, slot, r, endpoint(r)->handles.num_recv_tokens(),
+                       exchange_->LowLatencyCounts(plan.ll_handle_buffer), m.in_spans.get(), &total,
+                       quantized, span_rows_on_backend_);
   return kc::CopySpansAsync(m.base, cr.area.get(), m.in_spans.get(), n, total,
                             reinterpret_cast<uint32_t*>(m.counter.get()), m.staged.get(), plan.seq,
                             s);
@@ -257,13 +310,38 @@ absl::Status CudaGroup::StageOut(const OpPlan& plan, const abi::RequestSlot& slo
                               0, s);
     }
   }
-  // done_seq on every path, so that the client's stream is released.
-  if (rules::DecodeFlags(slot.flags).stream_ordered) {
-    absl::Status done = WriteDone(cr, slot.seq);
-    if (st.ok()) st = done;
+  return st;
+}
+
+void CudaGroup::StageOutAll(GpuOp& op) {
+  const int32_t first = local_first(), last = local_first() + local_count();
+  for (int32_t r = first; r < last; ++r) {
+    absl::Status st = StageOut(*span_plan_, (*span_slots_)[r], r, span_outcomes_[r]);
+    if (!st.ok() && op.launch[r].ok()) op.launch[r] = st;
   }
-  absl::Status recorded = EPD_CUDA_STATUS(cudaEventRecord(cr.done.get(), s));
-  return st.ok() ? recorded : st;
+  for (int32_t r = first; r < last; ++r) {
+    const CudaRank& cr = *op.ranks[r];
+    if (cr.client_launched) continue;  // Answered by RankOpEnded.
+    cudaStream_t s = cr.stream.get();
+    absl::Status st = EPD_CUDA_STATUS(cudaSetDevice(cr.device));
+    // done_seq on every path, so that the client's stream is released; once the other
+    // ranks' gathers, which may read this rank's area (OpWindows), are done.
+    if (st.ok() && (*span_slots_)[r].flags & abi::kFlagStreamOrdered) {
+      for (int32_t q = first; q < last && st.ok(); ++q) {
+        const CudaRank& other = *op.ranks[q];
+        if (q == r || other.client_launched || other.device != cr.device ||
+            !other.mirror->gathered_this_op) {
+          continue;
+        }
+        st = EPD_CUDA_STATUS(cudaStreamWaitEvent(s, other.mirror->gathered.get(), 0));
+      }
+      absl::Status done = WriteDone(cr, (*span_slots_)[r].seq);
+      if (st.ok()) st = done;
+    }
+    absl::Status recorded = EPD_CUDA_STATUS(cudaEventRecord(cr.done.get(), s));
+    if (st.ok()) st = recorded;
+    if (!st.ok() && op.launch[r].ok()) op.launch[r] = st;
+  }
 }
 
 bool CudaGroup::StartSpanning(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) {
@@ -279,6 +357,7 @@ bool CudaGroup::StartSpanning(const OpPlan& plan, const std::vector<abi::Request
     op.ready_wait[r] = false;
     span_outcomes_[r] = RankOutcome{};
   }
+  span_rows_on_backend_ = RowsOnBackend(plan);
   for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
     op.stream_ordered[r] = rules::DecodeFlags(slots[r].flags).stream_ordered;
     bool ready_wait = false;
@@ -348,10 +427,7 @@ bool CudaGroup::PollSpanning(std::span<RankOutcome> outcomes) {
     span_phase_ = failed.ok() ? SpanPhase::kExchanging : SpanPhase::kStagingOut;
     if (!failed.ok()) {
       ReleaseReadyWaits(op);  // A client that never wrote ready_seq must not hang us.
-      for (int32_t r = first; r < last; ++r) {
-        absl::Status st = StageOut(*span_plan_, (*span_slots_)[r], r, span_outcomes_[r]);
-        if (!st.ok() && op.launch[r].ok()) op.launch[r] = st;
-      }
+      StageOutAll(op);
     }
   }
   if (span_phase_ == SpanPhase::kExchanging) {
@@ -364,10 +440,7 @@ bool CudaGroup::PollSpanning(std::span<RankOutcome> outcomes) {
         span_trace_.finished = Clock::now();
       }
     }
-    for (int32_t r = first; r < last; ++r) {
-      absl::Status st = StageOut(*span_plan_, (*span_slots_)[r], r, span_outcomes_[r]);
-      if (!st.ok() && op.launch[r].ok()) op.launch[r] = st;
-    }
+    StageOutAll(op);
     span_phase_ = SpanPhase::kStagingOut;
   }
   // kStagingOut: every local rank's outputs back on the GPU (and done_seq written).

@@ -26,7 +26,8 @@ uint64_t Rows(const kernels::Region& r, int64_t rows, uint64_t row_bytes) {
 int32_t MirrorInputSpans(const kernels::GroupShape& s, const kernels::EndpointLayout& L,
                          const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
                          int32_t num_recv_tokens, const std::vector<int32_t>& ll_counts,
-                         kernels::Region* spans, uint64_t* total, bool rows_quantized) {
+                         kernels::Region* spans, uint64_t* total, bool rows_quantized,
+                         bool rows_on_backend) {
   const rules::RequestOptions f = rules::DecodeFlags(plan.flags);
   const int64_t T = slot.num_tokens, H = s.hidden, K = s.num_topk;
   int32_t n = 0;
@@ -39,8 +40,10 @@ int32_t MirrorInputSpans(const kernels::GroupShape& s, const kernels::EndpointLa
       add(L.in_topk_idx, Rows(L.in_topk_idx, T, K * 8));
       break;
     case abi::OpKind::kDispatch:
-      add(L.in_x, Rows(L.in_x, T, f.use_fp8 ? H : 2 * H));
-      if (f.use_fp8) add(L.in_scales, Rows(L.in_scales, T, uint64_t(s.num_scales()) * 4));
+      if (!rows_on_backend) {
+        add(L.in_x, Rows(L.in_x, T, f.use_fp8 ? H : 2 * H));
+        if (f.use_fp8) add(L.in_scales, Rows(L.in_scales, T, uint64_t(s.num_scales()) * 4));
+      }
       if (!f.cached_handle) add(L.in_topk_idx, Rows(L.in_topk_idx, T, K * 8));
       if (f.dispatch_weights) add(L.in_topk_weights, Rows(L.in_topk_weights, T, K * 4));
       break;
@@ -51,7 +54,7 @@ int32_t MirrorInputSpans(const kernels::GroupShape& s, const kernels::EndpointLa
       break;
     }
     case abi::OpKind::kLowLatencyDispatch:
-      if (!(rows_quantized && f.use_fp8)) add(L.in_x, Rows(L.in_x, T, 2 * H));
+      if (!(rows_quantized && f.use_fp8) && !rows_on_backend) add(L.in_x, Rows(L.in_x, T, 2 * H));
       add(L.in_topk_idx, Rows(L.in_topk_idx, T, K * 8));
       break;
     case abi::OpKind::kLowLatencyCombine: {

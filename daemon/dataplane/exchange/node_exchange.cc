@@ -58,6 +58,9 @@ uint64_t NodeExchangeBytes(const v1::GroupSpec& spec, const kernels::GroupShape&
     }
     bytes += 2 * abi::ExchangeCombineLayout::Compute(xs, spec.nodes(m).num_ranks()).total;
     bytes += RemoteIndexBytes(xs, spec.nodes(m).num_ranks());
+    // The pack table (Span::pack_rows).
+    bytes += static_cast<uint64_t>(spec.nodes_size()) * spec.nodes(m).num_ranks() * BlockRows(xs) *
+             sizeof(kernels::RowSource);
     most = std::max(most, bytes);
   }
   return most;
@@ -190,6 +193,11 @@ absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local
       s.quant_scales.assign(rows * gs.num_scales(), 0.0F);
     }
     s.pieces.reserve(8 * static_cast<size_t>(s.count[node]) * (gs.num_local_experts() + 8) + 8);
+    s.pack_rows.assign(static_cast<size_t>(s.count[node]) * s.num_nodes * BlockRows(s.xs),
+                       kernels::RowSource{});
+    s.packs.assign(s.count[node], 0);
+    s.deferred.resize(s.num_nodes);
+    for (auto& d : s.deferred) d.reserve(8 * static_cast<size_t>(s.count[node]) + 8);
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(absl::StrCat("group ", sp.name(), ": out of memory for ",
                                                      recv_bytes, " bytes of receive region"));
@@ -413,12 +421,17 @@ abi::ExchangeHeader& NodeExchange::StageHeader(int32_t n, uint64_t seq, uint32_t
   h.first_rank = span_.first[span_.self];
   h.num_ranks = span_.count[span_.self];
   h.handle_seq = handle_age;
+  SetHeaderStatus(h, status);
+  return h;
+}
+
+void NodeExchange::SetHeaderStatus(abi::ExchangeHeader& h, const absl::Status& status) {
   h.status_code = static_cast<int32_t>(status.code());
   h.reason = status.ok() ? 0 : static_cast<uint32_t>(errors::ReasonOf(status));
+  std::memset(h.message, 0, sizeof(h.message));
   const size_t len = std::min<size_t>(status.message().size(), abi::kExchangeMessageBytes);
   if (len > 0) std::memcpy(h.message, status.message().data(), len);
   h.message_bytes = static_cast<uint32_t>(len);
-  return h;
 }
 
 void NodeExchange::OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) {
@@ -627,6 +640,7 @@ void NodeExchange::Start(const OpPlan& plan, const std::vector<abi::RequestSlot>
   span_.plan = &plan;
   span_.slots = &slots;
   span_.in_op = true;
+  span_.packing = false;
   span_.lost_seen.reset();
   std::fill(span_.got.begin(), span_.got.end(), 0);
   span_.local_status = SendOp(plan, slots);
@@ -689,10 +703,17 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
   }
   const bool header_only = !local.ok() || plan.op == abi::OpKind::kGetDispatchLayout;
   const kernels::host::HostExecution& exec = options_.exec;
-  if (!header_only &&
-      (plan.op == abi::OpKind::kDispatch || plan.op == abi::OpKind::kLowLatencyDispatch)) {
-    StagePackSources(plan, slots);
+  const bool dispatch =
+      plan.op == abi::OpKind::kDispatch || plan.op == abi::OpKind::kLowLatencyDispatch;
+  if (!header_only && dispatch) StagePackSources(plan, slots);
+  // Rows on the backend: the ranks whose rows it packs; every node's posts wait for it.
+  bool backend_packs = false;
+  for (int32_t i = 0; i < Rl; ++i) {
+    span_.packs[i] =
+        !header_only && dispatch && gathers_rows() && host_->ExchangePacksRows(first + i);
+    backend_packs = backend_packs || span_.packs[i];
   }
+  absl::Status pack_status = absl::OkStatus();
   for (int32_t n = 0; n < span_.num_nodes; ++n) {
     if (n == span_.self || excluded_[n]) continue;
     const abi::ExchangeSlotLayout& sl = span_.out_layout[n];
@@ -716,11 +737,7 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
       header_bytes = sl.tokens;
     }
     if (header_only) {
-      h.status_code = static_cast<int32_t>(local.code());
-      h.reason = static_cast<uint32_t>(errors::ReasonOf(local));
-      const size_t len = std::min<size_t>(local.message().size(), abi::kExchangeMessageBytes);
-      if (len > 0) std::memcpy(h.message, local.message().data(), len);
-      h.message_bytes = static_cast<uint32_t>(len);
+      SetHeaderStatus(h, local);
       pieces.push_back({base, header_bytes, remote});
       EPD_RETURN_IF_ERROR(PostToNode(n, plan.seq, pieces));
       continue;
@@ -742,6 +759,7 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
         const bool weights = !ll && !cached && flags.dispatch_weights;
         const int64_t x_bytes = fp8 ? H : 2 * H;
         std::vector<kernels::host::NodePackJob>& jobs = span_.pack_jobs;
+        const uint64_t C = sl.block_rows;
         for (int32_t i = 0; i < Rl; ++i) {
           const uint64_t blk = sl.payload + static_cast<uint64_t>(i) * sl.block_bytes;
           jobs[i] = {&span_.pack_sources[i],
@@ -752,11 +770,27 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
                      weights ? reinterpret_cast<float*>(base + blk + sl.weights) : nullptr,
                      base + blk + sl.x,
                      fp8 ? reinterpret_cast<float*>(base + blk + sl.scales) : nullptr,
-                     rows + i};
+                     rows + i,
+                     span_.packs[i] ? span_.pack_rows.data() +
+                                          (static_cast<uint64_t>(i) * span_.num_nodes + n) * C
+                                    : nullptr};
         }
         {
           KernelScope k(options_.on_kernels);
           kernels::host::PackNodeRows(gs, std::span(jobs.data(), static_cast<size_t>(Rl)), exec);
+        }
+        for (int32_t i = 0; i < Rl && pack_status.ok(); ++i) {
+          if (!span_.packs[i]) continue;
+          kernels::RowGather g;
+          g.x = jobs[i].x;
+          g.row_bytes = x_bytes;
+          g.blocks = 1;
+          g.block_rows = static_cast<int64_t>(C);
+          g.counts = rows + i;
+          g.sources = jobs[i].x_sources;
+          g.scales_kind = fp8 ? kernels::GatherScales::kRows : kernels::GatherScales::kNone;
+          g.scales = jobs[i].x_scales;
+          pack_status = host_->ExchangePackRows(first + i, g);
         }
         for (int32_t i = 0; i < Rl; ++i) {
           const uint64_t blk = sl.payload + static_cast<uint64_t>(i) * sl.block_bytes;
@@ -837,12 +871,71 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
       default:
         break;
     }
+    if (backend_packs) {
+      span_.deferred[n].assign(pieces.begin(), pieces.end());  // Posted once packed.
+      continue;
+    }
     EPD_RETURN_IF_ERROR(PostToNode(n, plan.seq, pieces));
+  }
+  if (backend_packs) {
+    span_.packing = true;
+    if (!pack_status.ok()) {
+      // Nothing was posted: every node gets this node's error instead of its rows.
+      span_.packing = false;
+      PostDeferred(plan.seq, pack_status);
+      return pack_status;
+    }
   }
   return local;
 }
 
+void NodeExchange::PostDeferred(uint64_t seq, const absl::Status& status) {
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    std::vector<transport::WritePiece>& pieces = span_.deferred[n];
+    if (pieces.empty()) continue;
+    absl::Status st = absl::OkStatus();
+    if (status.ok()) {
+      st = PostToNode(n, seq, pieces);
+    } else {
+      // The header (and what follows it in the first piece) with the error; the rows stay.
+      SetHeaderStatus(*reinterpret_cast<abi::ExchangeHeader*>(span_.send[n].data()), status);
+      st = PostToNode(n, seq, {pieces.data(), 1});
+    }
+    if (!st.ok() && span_.local_status.ok()) span_.local_status = st;
+    pieces.clear();
+  }
+}
+
+bool NodeExchange::PollPack() {
+  absl::Status st = absl::OkStatus();
+  bool done = true;
+  for (int32_t i = 0; i < local_count() && st.ok(); ++i) {
+    if (!span_.packs[i]) continue;
+    absl::StatusOr<bool> packed = host_->ExchangeRowsPacked(local_first() + i);
+    if (!packed.ok()) {
+      st = packed.status();
+    } else if (!*packed) {
+      done = false;
+    }
+  }
+  if (st.ok() && !done) {
+    const auto waited = std::chrono::steady_clock::now() - span_.started;
+    if (waited < std::chrono::milliseconds(options_.op_timeout_ms)) return false;
+    st = errors::WithReason(
+        absl::DeadlineExceededError(absl::StrCat(
+            "op ", span_.plan->seq, " of group ", spec().name(),
+            ": the GPU did not pack this node's rows into the send staging within op_timeout ",
+            options_.op_timeout_ms, " ms; check the GPU (nvidia-smi) and the daemon log")),
+        errors::Reason::kGpuTimeout);
+  }
+  span_.packing = false;
+  if (!st.ok() && span_.local_status.ok()) span_.local_status = st;
+  PostDeferred(span_.plan->seq, st);
+  return true;
+}
+
 bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
+  if (span_.packing && !PollPack()) return false;
   const OpPlan& plan = *span_.plan;
   // The link to a node lost as the op started does not count it: its next op is still the
   // link's next (ImmFor and the slot parity stay in step with the node's numbering).

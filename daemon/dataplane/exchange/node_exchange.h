@@ -106,6 +106,23 @@ class NodeExchangeHost {
   /// FP8 dispatch `seq` into NodeExchange::QuantizedRowsOf(rank) (then the exchange does
   /// not quantize them again). False (the default): the exchange quantizes.
   virtual bool ExchangeRowsQuantized(int32_t /*rank*/, uint64_t /*seq*/) const { return false; }
+  /// Rows on the backend, the send side: whether the backend packs local rank `rank`'s rows
+  /// of the running dispatch into the send staging (ExchangePackRows) instead of the
+  /// exchange copying them. Asked once per dispatch per local rank, only when every
+  /// ExchangeMapHostMemory succeeded. False (the default): the exchange copies.
+  virtual bool ExchangePacksRows(int32_t /*rank*/) const { return false; }
+  /// Enqueues the copy of one block of local rank `rank`'s rows into the send staging for
+  /// one node: `g` has one block (counts: the rows the exchange packed), x and scales in the
+  /// staging and sources in the exchange's table (both mapped by ExchangeMapHostMemory);
+  /// every source is a row of the rank's data area (ExchangeRankData) or of its
+  /// QuantizedRows. Both stay valid and unchanged until ExchangeRowsPacked(rank) is true.
+  /// An error fails the op at this node. Called only when ExchangePacksRows(rank).
+  virtual absl::Status ExchangePackRows(int32_t /*rank*/, const kernels::RowGather& /*g*/) const {
+    return absl::UnimplementedError("this backend does not pack rows");
+  }
+  /// Whether every ExchangePackRows of `rank` in the running op has written its rows (the
+  /// exchange posts the staging only then). An error fails the op at this node.
+  virtual absl::StatusOr<bool> ExchangeRowsPacked(int32_t /*rank*/) const { return true; }
 };
 
 /// Options of one group's exchange.
@@ -178,6 +195,13 @@ class NodeExchange {
     kernels::e4m3_bits* x = nullptr;
     float* scales = nullptr;
   };
+  /// Whether the backend's gather and pack memory is mapped (ExchangeMapHostMemory
+  /// succeeded for all of it): dispatches then ask for ExchangeRowSources and
+  /// ExchangePacksRows.
+  bool rows_on_backend() const { return gathers_rows(); }
+  /// Whether the running op's posts wait for the backend's pack (ExchangePackRows): the
+  /// engine must poll, not sleep, until they went out.
+  bool packing() const { return span_.packing; }
   /// Local rank `rank`'s QuantizedRows when the backend may write them (its gather mapped
   /// them: NodeExchangeHost::ExchangeRowsQuantized), else null pointers.
   QuantizedRows QuantizedRowsOf(int32_t rank) {
@@ -364,6 +388,14 @@ class NodeExchange {
     std::vector<kernels::host::NodePackJob> pack_jobs;        // [Rl] one node's send staging.
     std::vector<kernels::e4m3_bits> quant_x;                  // [Rl, Mll, H] LL FP8 rows.
     std::vector<float> quant_scales;                          // [Rl, Mll, S] their scales.
+    // Rows on the backend, the send side (NodeExchangeHost::ExchangePacksRows): where each
+    // local rank's rows to each node are, [Rl, N, C] (PackNodeRows' x_sources), mapped for
+    // the backend's pack into the send staging; which ranks' rows it packs this op; and the
+    // posts of every node, held until it has (Poll).
+    std::vector<kernels::RowSource> pack_rows;
+    std::vector<uint8_t> packs;                                // [Rl]
+    std::vector<std::vector<transport::WritePiece>> deferred;  // [N]
+    bool packing = false;
   };
 
   v1::GroupSpec spec_;
@@ -417,9 +449,19 @@ class NodeExchange {
   /// mapping succeeded (then dispatches ask for ExchangeRowSources).
   std::vector<std::unique_ptr<ExchangeHostMapping>> gather_maps_;
   bool gathers_rows() const { return !gather_maps_.empty(); }
-  /// Maps the receive region and quantized rows for the backend's gather (Init), all or
-  /// none.
+  /// Maps the receive region, quantized rows, send staging and pack table for the
+  /// backend's gather and pack (Init), all or none.
   void MapGatherMemory();
+  /// While the running op's rows are being packed by the backend: posts every node's
+  /// message once they are (OK), or its header with the error (the pack failed or timed
+  /// out, which becomes this node's error of the op). False while still packing.
+  bool PollPack();
+  /// Posts every node's held message (span_.deferred) for op `seq`: all of it when
+  /// `status` is OK, else its first piece with `status` in the header. A post's error
+  /// becomes this node's error of the op.
+  void PostDeferred(uint64_t seq, const absl::Status& status);
+  /// Writes `status` (code, reason, message) into header `h`.
+  static void SetHeaderStatus(abi::ExchangeHeader& h, const absl::Status& status);
 };
 
 }  // namespace epd

@@ -1,6 +1,6 @@
-// NodeExchange's memory shared with its backend's row gather (DESIGN.md §5.5 "Rows on the
-// GPU"): the receive region and quantized rows mapped for it at Init, and handed over with
-// their mappings when the backend must free them elsewhere.
+// NodeExchange's memory shared with its backend's row gather and pack (DESIGN.md §5.5 "Rows
+// on the GPU"): the receive region, quantized rows, send staging and pack table mapped for
+// it at Init, and handed over with their mappings when the backend must free them elsewhere.
 #include <memory>
 #include <utility>
 #include <vector>
@@ -11,11 +11,16 @@ namespace epd {
 
 void NodeExchange::MapGatherMemory() {
   // The backend reads rows where the exchange holds them: the peers' in the receive region,
-  // a low-latency FP8 dispatch's local ones quantized here.
-  const std::pair<void*, uint64_t> memory[] = {
+  // a low-latency FP8 dispatch's local ones quantized here; it writes this node's rows into
+  // the send staging from the pack table.
+  std::vector<std::pair<void*, uint64_t>> memory = {
       {span_.recv.data(), span_.recv.size() * sizeof(uint64_t)},
       {span_.quant_x.data(), span_.quant_x.size() * sizeof(kernels::e4m3_bits)},
-      {span_.quant_scales.data(), span_.quant_scales.size() * sizeof(float)}};
+      {span_.quant_scales.data(), span_.quant_scales.size() * sizeof(float)},
+      {span_.pack_rows.data(), span_.pack_rows.size() * sizeof(kernels::RowSource)}};
+  for (std::vector<uint64_t>& send : span_.send) {
+    memory.emplace_back(send.data(), send.size() * sizeof(uint64_t));
+  }
   for (const auto& [p, bytes] : memory) {
     if (bytes == 0) continue;
     std::unique_ptr<ExchangeHostMapping> m = host_->ExchangeMapHostMemory(p, bytes);
@@ -33,12 +38,16 @@ std::shared_ptr<void> NodeExchange::TakeMappedMemory() {
     std::vector<uint64_t> recv;
     std::vector<kernels::e4m3_bits> quant_x;
     std::vector<float> quant_scales;
+    std::vector<kernels::RowSource> pack_rows;
+    std::vector<std::vector<uint64_t>> send;
     std::vector<std::unique_ptr<ExchangeHostMapping>> maps;  // Destroyed first.
   };
   auto m = std::make_shared<Mapped>();
   m->recv.swap(span_.recv);
   m->quant_x.swap(span_.quant_x);
   m->quant_scales.swap(span_.quant_scales);
+  m->pack_rows.swap(span_.pack_rows);
+  m->send.swap(span_.send);
   m->maps.swap(gather_maps_);
   return m;
 }

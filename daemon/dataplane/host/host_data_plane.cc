@@ -175,6 +175,8 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
     return true;
   }
   absl::Status NodeChosen(int32_t node) override {
+    windows_.reserve(static_cast<size_t>(local_count()));
+    pending_packs_.reserve(static_cast<size_t>(local_count()) * spec().nodes_size());
     return exchange_->Init(node, local_first(), local_count());
   }
   void OpFailedHere(uint64_t seq, uint32_t op, const absl::Status& status) override {
@@ -199,7 +201,9 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   }
   // A spanning op waits for the transport, whose wake callback wakes the engine: the
   // engine polls engine_idle_us after its last work, then sleeps until woken.
-  bool RunningOpWakesEngine() const override { return spanning(); }
+  bool RunningOpWakesEngine() const override {
+    return spanning() && !(exchange_ && exchange_->packing());  // The pack is polled.
+  }
   /// Spanning groups: publish this node's joined ranks to the peers (for their errors).
   absl::Status RankAttached(int32_t rank, const std::shared_ptr<RankResources>&) override {
     PublishJoined(rank, true);
@@ -254,6 +258,16 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   /// its mirror (`in`), or MirrorOutputSpans of each rank whose outcome is OK back.
   void StageMirrors(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots, bool in,
                     std::span<RankOutcome> outcomes) {
+    if (in) {
+      // gather_rows: the gathers and the pack read the local ranks' rows from their shm
+      // areas, as the CUDA backend's read their GPU areas (GatherWindow).
+      windows_.clear();
+      for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+        if (rank_masked()[r] || !plane_->options().gather_rows) continue;
+        windows_.push_back({ExchangeRankData(r), layout().total_bytes, op_endpoint(r)->shm_data()});
+      }
+      rows_on_backend_ = RowsOnBackend(plan);
+    }
     for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
       if (rank_masked()[r]) continue;  // A stand-in: no shm area.
       uint8_t* shm = op_endpoint(r)->shm_data();
@@ -273,9 +287,10 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
               rules::DecodeFlags(plan.flags).round_scale, q.x, q.scales);
           host_rank(r).quantized_seq = plan.seq;
         }
-        n = MirrorInputSpans(
-            shape(), layout(), plan, slots[r], r, endpoint(r)->handles.num_recv_tokens(),
-            exchange_->LowLatencyCounts(plan.ll_handle_buffer), spans_.data(), &total, quantize);
+        n = MirrorInputSpans(shape(), layout(), plan, slots[r], r,
+                             endpoint(r)->handles.num_recv_tokens(),
+                             exchange_->LowLatencyCounts(plan.ll_handle_buffer), spans_.data(),
+                             &total, quantize, rows_on_backend_);
       } else if (outcomes[r].status.ok()) {
         n = MirrorOutputSpans(shape(), layout(), plan, slots[r], outcomes[r], mirror, spans_.data(),
                               &total, host_rank(r).rows_pending);
@@ -285,8 +300,10 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
         std::memcpy((in ? mirror : shm) + s.offset, (in ? shm : mirror) + s.offset, s.bytes);
       }
       if (!in && host_rank(r).rows_pending && outcomes[r].status.ok()) {
-        kernels::host::GatherRows(shape(), DispatchRowGather(shape(), layout(), plan, shm, mirror,
-                                                             host_rank(r).row_sources.data()));
+        kernels::host::GatherRows(shape(),
+                                  DispatchRowGather(shape(), layout(), plan, shm, mirror,
+                                                    host_rank(r).row_sources.data()),
+                                  windows_);
       }
       if (!in) host_rank(r).rows_pending = false;
     }
@@ -299,6 +316,38 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   }
   bool ExchangeRowsQuantized(int32_t rank, uint64_t seq) const override {
     return !rank_masked()[rank] && host_rank(rank).quantized_seq == seq;
+  }
+  /// gather_rows: whether op `plan`'s token rows stay out of the mirrors (MirrorInputSpans'
+  /// rows_on_backend): every local rank's received rows are gathered and its rows to the
+  /// other nodes packed through the windows, so the exchange never reads them there.
+  bool RowsOnBackend(const OpPlan& plan) const {
+    const bool fp8 = rules::DecodeFlags(plan.flags).use_fp8;
+    if (!plane_->options().gather_rows || !exchange_->rows_on_backend() ||
+        !(plan.op == abi::OpKind::kDispatch ||
+          (plan.op == abi::OpKind::kLowLatencyDispatch && !fp8))) {
+      return false;
+    }
+    for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
+      if (rank_masked()[r]) return false;  // A stand-in's rows are copied.
+    }
+    return true;
+  }
+  bool ExchangePacksRows(int32_t rank) const override {
+    return plane_->options().gather_rows && !rank_masked()[rank];
+  }
+  /// Held until ExchangeRowsPacked, so that a post before it sends the 0xA5 of the staging.
+  absl::Status ExchangePackRows(int32_t rank, const kernels::RowGather& g) const override {
+    pending_packs_.push_back({rank, g});
+    return absl::OkStatus();
+  }
+  absl::StatusOr<bool> ExchangeRowsPacked(int32_t rank) const override {
+    auto ran = std::remove_if(pending_packs_.begin(), pending_packs_.end(), [&](const auto& p) {
+      if (p.first != rank) return false;
+      kernels::host::GatherRows(shape(), p.second, windows_);
+      return true;
+    });
+    pending_packs_.erase(ran, pending_packs_.end());
+    return true;
   }
   kernels::RowSource* ExchangeRowSources(int32_t rank) const override {
     if (rank_masked()[rank]) return nullptr;  // A stand-in: its rows are copied.
@@ -406,6 +455,11 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   const std::vector<abi::RequestSlot>* span_slots_ = nullptr;
   std::vector<kernels::Region> spans_ =
       std::vector<kernels::Region>(kernels::kMaxAreaSpans);  ///< stage_through_mirror's.
+  /// gather_rows: the running op's windows (each local rank's mirror onto its shm area),
+  /// whether its token rows stay out of the mirrors, and the packs not yet run.
+  std::vector<kernels::GatherWindow> windows_;
+  bool rows_on_backend_ = false;
+  mutable std::vector<std::pair<int32_t, kernels::RowGather>> pending_packs_;
   // Each op kind's kernel arguments, [R], filled in per op (sized once: README "Hot path").
   std::vector<kernels::host::DispatchRankArgs> dispatch_args_;
   std::vector<kernels::host::CombineRankArgs> combine_args_;

@@ -55,8 +55,12 @@ struct HostDataPlaneOptions {
   bool stage_through_mirror = false;
   /// Test seam (unset in the daemon), with stage_through_mirror: a dispatch leaves its
   /// received rows to a RowSource table (NodeExchangeHost::ExchangeRowSources) and they are
-  /// gathered into the shm area with kernels::host::GatherRows, as the CUDA backend's gather
-  /// kernel does (DESIGN.md §5.5 "Rows on the GPU").
+  /// gathered into the shm area with kernels::host::GatherRows, and its rows to the other
+  /// nodes are packed into the send staging the same way (ExchangePackRows, run only when
+  /// the exchange polls ExchangeRowsPacked, so that a post before it sends stale rows), both
+  /// reading the local ranks' rows from their shm areas through windows, and the token rows
+  /// of a normal or BF16 low-latency dispatch stay out of the mirrors: as the CUDA backend's
+  /// kernels do (DESIGN.md §5.5 "Rows on the GPU").
   bool gather_rows = false;
 };
 

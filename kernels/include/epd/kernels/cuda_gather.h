@@ -13,17 +13,9 @@
 
 namespace epd::kernels::cuda {
 
-/// A window of host-mapped memory whose rows the gather reads from the GPU memory it
-/// mirrors: a source pointer p in [from, from + bytes) is read at to + (p - from) (a local
-/// rank's mirror and its GPU area, which hold the same inputs at the same offsets).
-struct GatherWindow {
-  const uint8_t* from = nullptr;
-  uint64_t bytes = 0;
-  const uint8_t* to = nullptr;
-};
+using ::epd::kernels::GatherWindow;
+using ::epd::kernels::kMaxGatherWindows;
 
-/// Most windows one gather takes.
-inline constexpr int32_t kMaxGatherWindows = 64;
 /// Most blocks (local experts) one gather takes.
 inline constexpr int32_t kMaxGatherBlocks = 1024;
 

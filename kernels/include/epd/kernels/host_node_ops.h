@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
+#include "epd/kernels/row_gather.h"
 
 namespace epd::kernels::host {
 
@@ -77,6 +78,10 @@ struct NodePackJob {
   void* x = nullptr;              ///< [rows, x_row_bytes].
   float* x_scales = nullptr;      ///< [rows, S] when the source has scales.
   int32_t* num_rows = nullptr;    ///< Out: rows written.
+  /// Rows on the backend (DESIGN.md §5.5): when not null, x and x_scales are not copied;
+  /// row m's source is recorded here instead ([rows]: the source's x row and scales row),
+  /// for a row gather into x / x_scales (GatherRows with blocks = 1, counts = num_rows).
+  RowSource* x_sources = nullptr;
 };
 
 /// Packs the rows of every job (a send staging for the daemon's exchange), the jobs split
@@ -140,8 +145,11 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
 
 /// The host reference of a row gather (row_gather.h): copies every listed row of `g` and
 /// its scales, exactly as NodeDispatch / NodeLowLatencyDispatch would have written them
-/// without recv_row_src (and as the CUDA gather does). No checks beyond clamping each
-/// count to [0, block_rows]: the caller built `g` from its own validated outputs.
-void GatherRows(const GroupShape& shape, const RowGather& g);
+/// without recv_row_src, or PackNodeRows without x_sources (and as the CUDA gather does),
+/// each source pointer translated by the first of `windows` that holds it. No checks
+/// beyond clamping each count to [0, block_rows]: the caller built `g` from its own
+/// validated outputs.
+void GatherRows(const GroupShape& shape, const RowGather& g,
+                std::span<const GatherWindow> windows = {});
 
 }  // namespace epd::kernels::host

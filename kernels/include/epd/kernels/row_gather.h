@@ -43,6 +43,19 @@ struct RowGather {
   void* scales = nullptr;  ///< Out: per scales_kind (kRows [rows, S] f32, else the ll region).
 };
 
+/// A window of memory whose rows a gather reads from another copy of it: a source pointer
+/// p in [from, from + bytes) is read at to + (p - from) (a local rank's host mirror and its
+/// GPU area, which hold the same inputs at the same offsets; the exchange's quantized rows
+/// and their GPU copy). The windows are tried in order; a pointer in none is read as is.
+struct GatherWindow {
+  const uint8_t* from = nullptr;
+  uint64_t bytes = 0;
+  const uint8_t* to = nullptr;
+};
+
+/// Most windows one gather takes.
+inline constexpr int32_t kMaxGatherWindows = 64;
+
 /// Rows of a rank's RowSource table: a normal dispatch's receive capacity or a low-latency
 /// one's El * R * Mll, the larger.
 inline int64_t RowSourceRows(const GroupShape& shape) {
