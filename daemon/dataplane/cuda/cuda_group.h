@@ -194,10 +194,11 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// onto area) and the GPU copies of a low-latency FP8 dispatch's quantized tokens. Their
   /// number.
   int32_t OpWindows(const OpPlan& plan, const CudaRank& cr) const;
-  /// Whether op `plan`'s token rows stay on the GPU (MirrorInputSpans' rows_on_backend): a
-  /// normal or BF16 low-latency dispatch whose every local rank is daemon-launched on one
-  /// GPU, so that every gather and pack reads them from the areas through OpWindows and the
-  /// exchange never reads them in a mirror.
+  /// Whether op `plan`'s token rows stay on the GPU (MirrorInputSpans' rows_on_backend; a
+  /// low-latency FP8 dispatch's quantized tokens only in the ranks' GPU copies): a dispatch
+  /// whose every local rank is daemon-launched on one GPU, so that every gather and pack
+  /// reads them from the areas through OpWindows and the exchange never reads them on the
+  /// host.
   bool RowsOnBackend(const OpPlan& plan) const;
 
   // ---- a group that spans nodes (DESIGN.md §5.5) ----

@@ -112,15 +112,15 @@ int32_t CudaGroup::OpWindows(const OpPlan& plan, const CudaRank& cr) const {
 }
 
 bool CudaGroup::RowsOnBackend(const OpPlan& plan) const {
-  const bool fp8 = rules::DecodeFlags(plan.flags).use_fp8;
+  const bool ll_fp8 =
+      plan.op == abi::OpKind::kLowLatencyDispatch && rules::DecodeFlags(plan.flags).use_fp8;
   if (!exchange_ || !exchange_->rows_on_backend() ||
-      !(plan.op == abi::OpKind::kDispatch ||
-        (plan.op == abi::OpKind::kLowLatencyDispatch && !fp8))) {
+      !(plan.op == abi::OpKind::kDispatch || plan.op == abi::OpKind::kLowLatencyDispatch)) {
     return false;
   }
   // Every local rank's rows must be readable through a window: daemon-launched, one GPU,
-  // and not more local ranks than one gather's windows.
-  if (local_count() > kc::kMaxGatherWindows) return false;
+  // and not more windows than one gather takes (three a rank for the quantized tokens).
+  if (local_count() * (ll_fp8 ? 3 : 1) > kc::kMaxGatherWindows) return false;
   if (plan.op == abi::OpKind::kLowLatencyDispatch &&
       shape().num_local_experts() > kc::kMaxGatherBlocks) {
     return false;  // Its rows are copied through the mirrors (ExchangeRowSources).
@@ -128,7 +128,10 @@ bool CudaGroup::RowsOnBackend(const OpPlan& plan) const {
   const CudaRank* first = nullptr;
   for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
     const CudaRank* cr = ranks_[r].get();
-    if (cr == nullptr || cr->client_launched || !cr->mirror || !cr->mirror->windows) return false;
+    if (cr == nullptr || cr->client_launched || !cr->mirror || !cr->mirror->windows ||
+        (ll_fp8 && !cr->mirror->quant_rows)) {
+      return false;
+    }
     if (first != nullptr && cr->device != first->device) return false;
     first = cr;
   }
@@ -264,18 +267,22 @@ absl::Status CudaGroup::StageIn(const OpPlan& plan, const abi::RequestSlot& slot
     EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventRecord(cr.waited.get(), s)));
     *ready_wait = true;
   }
-  // A low-latency FP8 dispatch's tokens are quantized here, on the GPU, straight into the
-  // exchange's rows (mapped host memory), instead of crossing as BF16 to be quantized by
-  // the CPU.
+  // A low-latency FP8 dispatch's tokens are quantized here, on the GPU, into the rank's GPU
+  // copy and the exchange's rows (mapped host memory), instead of crossing as BF16 to be
+  // quantized by the CPU; into the GPU copy only when every reader of them goes through
+  // the windows (RowsOnBackend: the pack and the gathers).
   const rules::RequestOptions flags = rules::DecodeFlags(slot.flags);
   const NodeExchange::QuantizedRows q = exchange_->QuantizedRowsOf(r);
   bool quantized = false;
   m.gathered_this_op = false;
   if (plan.op == abi::OpKind::kLowLatencyDispatch && flags.use_fp8 && q.x != nullptr) {
+    const bool gpu_only = span_rows_on_backend_ && m.quant_rows;
     EPD_RETURN_IF_ERROR(kc::QuantizeRowsFp8Async(
         shape(), slot.num_tokens,
         reinterpret_cast<const kernels::bf16_bits*>(cr.area.get() + layout().in_x.offset),
-        flags.round_scale, q.x, q.scales, s, m.quant_x_copy(), m.quant_scales_copy(shape())));
+        flags.round_scale, gpu_only ? m.quant_x_copy() : q.x,
+        gpu_only ? m.quant_scales_copy(shape()) : q.scales, s,
+        gpu_only ? nullptr : m.quant_x_copy(), gpu_only ? nullptr : m.quant_scales_copy(shape())));
     m.quantized_seq = plan.seq;
     quantized = true;
   }
