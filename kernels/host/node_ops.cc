@@ -153,7 +153,13 @@ void PackNodeRows(const GroupShape& shape, std::span<const NodePackJob> jobs,
   // Small stagings run on the caller: handing them to the pool costs more than the copies.
   constexpr int64_t kParallelBytes = 128 * 1024;
   int64_t bytes = 0;
-  for (const NodePackJob& job : jobs) bytes += job.source->num_tokens * job.source->x_row_bytes;
+  for (const NodePackJob& job : jobs) {
+    // A recorded row costs its metadata and a RowSource, not its x bytes.
+    const int64_t row = job.x_sources != nullptr
+                            ? 4 + int64_t{R} * 4 + int64_t{K} * 12 + int64_t{sizeof(RowSource)}
+                            : job.source->x_row_bytes;
+    bytes += job.source->num_tokens * row;
+  }
   if (bytes < kParallelBytes) {
     for (size_t j = 0; j < jobs.size(); ++j) pack(static_cast<int64_t>(j), 0);
     return;
