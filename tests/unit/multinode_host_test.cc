@@ -431,10 +431,15 @@ void MultinodeHostTest::EveryOpMatches(bool mirror, bool gather) {
         EXPECT_TRUE(Same(At<int32_t>(r, layout_.rank_prefix), rpf[r].data(), R)) << r;
         EXPECT_TRUE(Same(At<int32_t>(r, layout_.send_pos), rsp[r].data(), tokens_[r] * R)) << r;
       }
-      // Combine with weights.
+      // Combine with weights; its outputs start as 0xA5 (a row the reduce misses shows).
       ASSERT_TRUE(RefCombine(/*weights=*/true, &ref).ok());
       const auto& cx = ref.cx;
       const auto& cw = ref.cw;
+      for (int r = 0; r < R; ++r) {
+        std::memset(At<uint8_t>(r, layout_.combined_x), 0xA5, layout_.combined_x.bytes);
+        std::memset(At<uint8_t>(r, layout_.combined_topk_weights), 0xA5,
+                    layout_.combined_topk_weights.bytes);
+      }
       done = RunOnAll(abi::OpKind::kCombine, abi::kFlagCombineWeights, tokens_, dispatch_seq);
       for (int r = 0; r < R; ++r) {
         ASSERT_EQ(done[r].status_code, 0) << "rank " << r << ": " << Message(done[r]);
@@ -491,6 +496,11 @@ void MultinodeHostTest::EveryOpMatches(bool mirror, bool gather) {
       }
       ASSERT_TRUE(RefLowLatencyCombine(ll_tokens, {}, &ref).ok());
       const auto& lcx = ref.lcx;
+      for (int r = 0; r < R; ++r) {
+        for (const kernels::Region& out : layout_.ll_combined_x) {
+          std::memset(At<uint8_t>(r, out), 0xA5, out.bytes);
+        }
+      }
       done = RunOnAll(abi::OpKind::kLowLatencyCombine, 0, ll_tokens, ll_seq);
       for (int r = 0; r < R; ++r) {
         ASSERT_EQ(done[r].status_code, 0) << "rank " << r << ": " << Message(done[r]);
@@ -685,9 +695,12 @@ TEST_F(MultinodeHostTest, EveryOpMatchesThroughTheCudaMirrorSpans) {
 }
 
 // As the CUDA backend's daemon-launched ranks run across nodes (DESIGN.md §5.5 "Rows on the
-// GPU"): the mirror ranges, and the dispatches' received rows left to a RowSource table that
-// kernels::host::GatherRows (the CUDA gather's reference) writes into the client's area. The
-// mirror's rows are 0xA5: a row the table misses or misplaces fails the comparison.
+// GPU"): the mirror ranges, the dispatches' received rows left to a RowSource table that
+// kernels::host::GatherRows (the CUDA gather's reference) writes into the client's area, and
+// the combines' rows left to a ReduceTable that kernels::host::ReduceRows (the CUDA reduce's
+// reference) sums into it. The mirror's rows are 0xA5, and so are the client's combine
+// outputs before each combine: a row or term a table misses or misplaces fails the
+// comparison (the terms' order: HostRowReduceTest).
 TEST_F(MultinodeHostTest, EveryOpMatchesWithTheReceivedRowsGathered) {
   EveryOpMatches(/*mirror=*/true, /*gather=*/true);
 }

@@ -26,6 +26,7 @@
 #include "daemon/metrics/expert_tally.h"
 #include "epd/kernels/cuda_mirror.h"
 #include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/cuda_reduce.h"
 #include "epd/kernels/host_ops.h"
 
 namespace epd {
@@ -180,6 +181,19 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// stream, reading the local ranks on its GPU from their areas rather than their mirrors
   /// (another rank's area only when its op is not stream-ordered: see GatherRankRows).
   absl::Status GatherRankRows(const OpPlan& plan, const CudaRank& cr);
+
+  /// The combines' reduce on the GPU (DESIGN.md §5.5 "Rows on the GPU"): a daemon-launched
+  /// rank's combined rows are recorded by the exchange as terms in its mirror's reduce table
+  /// and summed by a kernel into its GPU area (StageOut: ReduceRankRows). Null for a
+  /// client-launched rank (its client's kernels copy its outputs) and for more top-k slots
+  /// than one reduce takes (kMaxReduceTerms): the exchange reduces those.
+  /// Also null while a local rank of the op is client-launched: its rows are in its client's
+  /// memory, which the daemon's kernels cannot read.
+  kernels::ReduceTable* ExchangeReduceTable(int32_t rank) const override;
+  /// Enqueues rank `cr`'s reduce of the running combine's rows (its reduce_pending) on its
+  /// stream, reading this node's rows from the local ranks' GPU areas where GatherRankRows
+  /// would (the rank itself, or a rank on its GPU whose op is not stream-ordered).
+  absl::Status ReduceRankRows(const OpPlan& plan, const CudaRank& cr);
 
   // ---- a group that spans nodes (DESIGN.md §5.5) ----
   /// Where the running spanning op is: its inputs being copied into the mirrors, the

@@ -114,6 +114,43 @@ absl::Status CudaGroup::GatherRankRows(const OpPlan& plan, const CudaRank& cr) {
   return kc::GatherRowsAsync(shape(), g, m.windows.get(), windows, cr.stream.get());
 }
 
+// ---- the combines' reduce on the GPU (DESIGN.md §5.5 "Rows on the GPU") ----
+
+kernels::ReduceTable* CudaGroup::ExchangeReduceTable(int32_t rank) const {
+  const CudaRank& cr = SpanRank(rank);
+  if (cr.client_launched || !cr.mirror || !cr.mirror->reduce_terms || !gpu_op_ ||
+      kernels::ReduceTermsPerRow(shape()) > kc::kMaxReduceTerms) {
+    return nullptr;
+  }
+  for (int32_t s = local_first(); s < local_first() + local_count(); ++s) {
+    if (gpu_op_->ranks[s] == nullptr || gpu_op_->ranks[s]->client_launched) return nullptr;
+  }
+  CudaRankMirror& m = *cr.mirror;
+  m.reduce_pending = true;
+  m.reduce.terms = m.reduce_terms.get();
+  return &m.reduce;
+}
+
+absl::Status CudaGroup::ReduceRankRows(const OpPlan& plan, const CudaRank& cr) {
+  CudaRankMirror& m = *cr.mirror;
+  // Every term in a local rank's mirror is read from its GPU area where the gather would
+  // read it (GatherRankRows: the same device, and the rank itself or one whose op is not
+  // stream-ordered); the others across PCIe, as the peers' rows in the receive region.
+  int32_t windows = 0;
+  for (int32_t s = local_first(); s < local_first() + local_count(); ++s) {
+    const CudaRank* src = gpu_op_->ranks[s].get();
+    const bool area = src != nullptr && !src->client_launched && src->mirror &&
+                      src->device == cr.device && (s == cr.rank || !gpu_op_->stream_ordered[s]);
+    if (area && windows < kc::kMaxGatherWindows) {
+      m.windows.get()[windows++] = {src->mirror->base, CudaRankMirror::MirrorBytes(layout()),
+                                    src->area.get()};
+    }
+  }
+  return kc::ReduceRowsAsync(shape(),
+                             CombineRowReduce(shape(), layout(), plan, cr.area.get(), m.reduce),
+                             m.windows.get(), windows, cr.stream.get());
+}
+
 // ---- client-launched ranks (DESIGN.md §5.5 "Client-launched") ----
 
 uint64_t CudaGroup::ShmDataBytes(const RankResources& res) const {
@@ -244,14 +281,17 @@ absl::Status CudaGroup::StageOut(const OpPlan& plan, const abi::RequestSlot& slo
   // Cleared on every path: a later dispatch whose rows were copied must not gather.
   const bool gather = m.rows_pending;
   m.rows_pending = false;
+  const bool reduce = m.reduce_pending;  // Likewise for a combine's reduce.
+  m.reduce_pending = false;
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
   cudaStream_t s = cr.stream.get();
   absl::Status st = absl::OkStatus();
   if (outcome.status.ok()) {
     uint64_t total = 0;
     const int32_t n = MirrorOutputSpans(shape(), layout(), plan, slot, outcome, m.base,
-                                        m.out_spans.get(), &total, gather);
+                                        m.out_spans.get(), &total, gather || reduce);
     if (gather) st = GatherRankRows(plan, cr);
+    if (reduce) st = ReduceRankRows(plan, cr);
     if (st.ok()) {
       st = kc::CopySpansAsync(cr.area.get(), m.base, m.out_spans.get(), n, total, nullptr, nullptr,
                               0, s);

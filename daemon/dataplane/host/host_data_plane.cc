@@ -50,6 +50,11 @@ struct HostRank : RankResources {
   /// op's rows were left to it.
   std::vector<kernels::RowSource> row_sources;
   bool rows_pending = false;
+  /// HostDataPlaneOptions::gather_rows: where a combine records the rank's combined rows
+  /// (its terms in reduce_terms), and whether the running op's rows were left to it.
+  std::vector<kernels::ReduceTerm> reduce_terms;
+  kernels::ReduceTable reduce;
+  bool reduce_pending = false;
   uint64_t quantized_seq = 0;  ///< As CudaRankMirror::quantized_seq.
   explicit HostRank(const kernels::GroupShape& s) : routing(s) {}
 };
@@ -278,17 +283,23 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
             exchange_->LowLatencyCounts(plan.ll_handle_buffer), spans_.data(), &total, quantize);
       } else if (outcomes[r].status.ok()) {
         n = MirrorOutputSpans(shape(), layout(), plan, slots[r], outcomes[r], mirror, spans_.data(),
-                              &total, host_rank(r).rows_pending);
+                              &total, host_rank(r).rows_pending || host_rank(r).reduce_pending);
       }
-      for (int32_t i = 0; i < n; ++i) {
-        const kernels::Region& s = spans_[i];
-        std::memcpy((in ? mirror : shm) + s.offset, (in ? shm : mirror) + s.offset, s.bytes);
-      }
+      // The rows left to the backend first, then the copies, in the CUDA backend's order
+      // (StageOut): a copy of a range the rows own would overwrite them with 0xA5.
       if (!in && host_rank(r).rows_pending && outcomes[r].status.ok()) {
         kernels::host::GatherRows(shape(), DispatchRowGather(shape(), layout(), plan, shm, mirror,
                                                              host_rank(r).row_sources.data()));
       }
-      if (!in) host_rank(r).rows_pending = false;
+      if (!in && host_rank(r).reduce_pending && outcomes[r].status.ok()) {
+        kernels::host::ReduceRows(
+            shape(), CombineRowReduce(shape(), layout(), plan, shm, host_rank(r).reduce));
+      }
+      if (!in) host_rank(r).rows_pending = host_rank(r).reduce_pending = false;
+      for (int32_t i = 0; i < n; ++i) {
+        const kernels::Region& s = spans_[i];
+        std::memcpy((in ? mirror : shm) + s.offset, (in ? shm : mirror) + s.offset, s.bytes);
+      }
     }
   }
   HostRank& host_rank(int32_t r) const { return static_cast<HostRank&>(*op_endpoint(r)->backend); }
@@ -305,6 +316,13 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
     HostRank& h = host_rank(rank);
     h.rows_pending = true;
     return h.row_sources.data();
+  }
+  kernels::ReduceTable* ExchangeReduceTable(int32_t rank) const override {
+    if (rank_masked()[rank]) return nullptr;  // A stand-in: reduced by the exchange.
+    HostRank& h = host_rank(rank);
+    h.reduce_pending = true;
+    h.reduce.terms = h.reduce_terms.data();
+    return &h.reduce;
   }
   RankRouting& ExchangeRankRouting(int32_t rank) const override { return Private(rank); }
   const rules::HandleTable& ExchangeRankHandles(int32_t rank) const override {
@@ -472,6 +490,9 @@ absl::StatusOr<std::shared_ptr<RankResources>> HostGroup::PrepareRank(
     if (plane_->options().gather_rows) {
       rank->row_sources.assign(static_cast<size_t>(kernels::RowSourceRows(shape())),
                                kernels::RowSource{});
+      rank->reduce_terms.assign(static_cast<size_t>(kernels::ReduceTableRows(shape())) *
+                                    kernels::ReduceTermsPerRow(shape()),
+                                kernels::ReduceTerm{});
     }
   }
   return std::shared_ptr<RankResources>(std::move(rank));

@@ -56,7 +56,9 @@ struct HostDataPlaneOptions {
   /// Test seam (unset in the daemon), with stage_through_mirror: a dispatch leaves its
   /// received rows to a RowSource table (NodeExchangeHost::ExchangeRowSources) and they are
   /// gathered into the shm area with kernels::host::GatherRows, as the CUDA backend's gather
-  /// kernel does (DESIGN.md §5.5 "Rows on the GPU").
+  /// kernel does (DESIGN.md §5.5 "Rows on the GPU"); and a combine leaves its combined rows
+  /// to a ReduceTable (ExchangeReduceTable), reduced into the shm area with
+  /// kernels::host::ReduceRows, as the CUDA backend's reduce kernel does.
   bool gather_rows = false;
 };
 
