@@ -4,7 +4,8 @@
 // reduce's channel blocks, top-k, weights or not, rows of a rank only partly present as a
 // node holds them, routes to nowhere and masked experts, infinities and NaN). Recording
 // writes no output; the terms' order and every term matter (reversing or dropping them
-// changes the result), so a reduce that missed a term or summed out of order fails.
+// changes the result), so a reduce that missed a term or summed out of order fails. And
+// CombineRowReduce (mirror_spans.h), the reduce a backend runs after a recorded combine.
 #include "epd/kernels/row_reduce.h"
 
 #include <gtest/gtest.h>
@@ -20,9 +21,12 @@
 #include <utility>
 #include <vector>
 
+#include "daemon/dataplane/exchange/mirror_spans.h"
 #include "epd/kernels/host_node_ops.h"
 #include "epd/kernels/host_ops.h"
+#include "epd/kernels/layout.h"
 #include "epd/kernels/types.h"
+#include "proto/abi/shm_abi.h"
 
 namespace epd::kernels::host {
 namespace {
@@ -383,6 +387,43 @@ TEST(HostRowReduceTest, MoreRanksThanTopkSlotsIsInvalidWhenRecording) {
       << st;
   EXPECT_EQ(tables[0].table.rows, 0);
   EXPECT_EQ(out[0], std::vector<bf16_bits>(out[0].size(), kGarbageBf16));
+}
+
+// What the backends reduce after a recorded combine (daemon/dataplane/exchange/
+// mirror_spans.h): into the op's outputs of the area, the table's rows clamped to the
+// table and the outputs, weighted for a low-latency combine; nothing for another op.
+TEST(CombineRowReduceTest, TheCombinesOutputsWithTheRowsClamped) {
+  const GroupShape s = Shape(4, 64, 3, 6, 5);
+  const EndpointLayout L = EndpointLayout::Compute(s);
+  std::vector<uint8_t> area(L.total_bytes);
+  std::vector<ReduceTerm> terms(static_cast<size_t>(ReduceTableRows(s)) * ReduceTermsPerRow(s));
+  ReduceTable table{terms.data(), 4};
+  OpPlan plan;
+  plan.op = abi::OpKind::kCombine;
+  RowReduce r = CombineRowReduce(s, L, plan, area.data(), table);
+  EXPECT_EQ(reinterpret_cast<uint8_t*>(r.combined_x), area.data() + L.combined_x.offset);
+  EXPECT_EQ(r.combined_topk_weights, nullptr);
+  EXPECT_EQ(r.rows, 4);
+  EXPECT_EQ(r.terms_per_row, 3);
+  EXPECT_EQ(r.terms, terms.data());
+  EXPECT_FALSE(r.weighted);
+  plan.flags = abi::kFlagCombineWeights;
+  r = CombineRowReduce(s, L, plan, area.data(), table);
+  EXPECT_EQ(reinterpret_cast<uint8_t*>(r.combined_topk_weights),
+            area.data() + L.combined_topk_weights.offset);
+  plan = OpPlan{};
+  plan.op = abi::OpKind::kLowLatencyCombine;
+  plan.ll_out_buffer = 1;
+  table.rows = 1 << 30;  // Clamped to the low-latency output's Mll rows.
+  r = CombineRowReduce(s, L, plan, area.data(), table);
+  EXPECT_EQ(reinterpret_cast<uint8_t*>(r.combined_x), area.data() + L.ll_combined_x[1].offset);
+  EXPECT_EQ(r.rows, 5);
+  EXPECT_TRUE(r.weighted);
+  table.rows = -7;
+  EXPECT_EQ(CombineRowReduce(s, L, plan, area.data(), table).rows, 0);
+  plan.op = abi::OpKind::kDispatch;
+  table.rows = 4;
+  EXPECT_EQ(CombineRowReduce(s, L, plan, area.data(), table).rows, 0);
 }
 
 }  // namespace
