@@ -44,7 +44,7 @@ __device__ __forceinline__ void LoadChannels(const bf16_bits* x, int64_t h, int 
 }
 
 __global__ void __launch_bounds__(kReduceThreads) ReduceRowsKernel(const ReduceParams p) {
-  extern __shared__ uint8_t smem[];  // [terms_per_row] ReduceTerm: the row's terms.
+  extern __shared__ __align__(16) uint8_t smem[];  // [terms_per_row] ReduceTerm: the row's terms.
   __shared__ GatherWindow windows[kMaxGatherWindows];
   auto* terms = reinterpret_cast<ReduceTerm*>(smem);
   const RowReduce& r = p.r;
