@@ -5,6 +5,7 @@
 #include "epd/kernels/types.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/copy_bytes.cuh"
+#include "kernels/cuda/gather_window.cuh"
 
 namespace epd::kernels::cuda {
 namespace {
@@ -19,14 +20,7 @@ struct GatherParams {
   int32_t num_windows;
 };
 
-__device__ __forceinline__ const uint8_t* Translate(const void* p, const GatherWindow* w,
-                                                    int32_t n) {
-  const auto* q = static_cast<const uint8_t*>(p);
-  for (int32_t i = 0; i < n; ++i) {
-    if (q >= w[i].from && q < w[i].from + w[i].bytes) return w[i].to + (q - w[i].from);
-  }
-  return q;
-}
+using device::Translate;
 
 __global__ void __launch_bounds__(kGatherThreads) GatherRowsKernel(const GatherParams p) {
   __shared__ int64_t first_row[kMaxGatherBlocks + 1];  // Prefix of the clamped counts.

@@ -52,11 +52,14 @@ absl::Status Combine(const GroupShape& shape, std::span<CombineRankArgs> args,
     EPD_RETURN_IF_ERROR(CheckPointer(a.topk_weights, holds_rows && with_weights, kOp, r,
                                      "topk_weights (other ranks pass weights)"));
   }
+  const int32_t max_terms = ReduceTermsPerRow(shape);
   for (int32_t s = 0; s < num_ranks; ++s) {
     const CombineRankArgs& a = args[s];
     for (int32_t t = 0; t < a.num_tokens; ++t) {
+      int32_t terms = 0;
       for (int32_t r = 0; r < num_ranks; ++r) {
         const int32_t row = a.send_pos[static_cast<int64_t>(t) * num_ranks + r];
+        terms += row >= 0;
         if (row != -1 && (row < args[r].x_first_row || row >= args[r].num_recv_tokens)) {
           return absl::InvalidArgumentError(absl::StrCat(
               kOp, ": send_pos of rank ", s, " at token ", t, ", rank ", r, " = ", row,
@@ -66,7 +69,15 @@ absl::Status Combine(const GroupShape& shape, std::span<CombineRankArgs> args,
                   : std::string()));
         }
       }
+      if (a.reduce != nullptr && terms > max_terms) {
+        return absl::InvalidArgumentError(absl::StrCat(kOp, ": send_pos of rank ", s, " at token ",
+                                                       t, " names ", terms,
+                                                       " ranks, more than num_topk = ", max_terms));
+      }
     }
+  }
+  for (CombineRankArgs& a : args) {
+    if (a.reduce != nullptr) a.reduce->rows = a.num_tokens;
   }
 
   internal::OpContext ctx(exec);
@@ -82,6 +93,18 @@ absl::Status Combine(const GroupShape& shape, std::span<CombineRankArgs> args,
     float* acc = scratch.acc.data() + static_cast<int64_t>(slot) * hidden;
     for (int32_t t = chunk.begin; t < chunk.end; ++t) {
       const int32_t* pos = dst.send_pos + static_cast<int64_t>(t) * num_ranks;
+      if (dst.reduce != nullptr) {  // Recorded in the order summed below.
+        ReduceTerm* term = dst.reduce->terms + static_cast<int64_t>(t) * max_terms;
+        ReduceTerm* const end = term + max_terms;
+        for (int32_t r = 0; r < num_ranks; ++r) {
+          if (pos[r] < 0) continue;
+          const int64_t row = pos[r] - args[r].x_first_row;
+          *term++ = {args[r].x + row * hidden,
+                     with_weights ? args[r].topk_weights + row * num_topk : nullptr, 0.0f};
+        }
+        std::fill(term, end, ReduceTerm{});
+        continue;
+      }
       std::fill(acc, acc + hidden, 0.0f);
       for (int32_t r = 0; r < num_ranks; ++r) {
         if (pos[r] < 0) continue;

@@ -220,6 +220,9 @@ absl::Status LowLatencyCombine(const GroupShape& shape, std::span<LowLatencyComb
   for (int32_t r = 0; r < num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(CheckPointer(args[r].x, read_from[r] != 0, kOp, r, "x"));
   }
+  for (LowLatencyCombineRankArgs& a : args) {
+    if (a.reduce != nullptr) a.reduce->rows = a.num_tokens;
+  }
 
   const internal::TokenChunks chunks(internal::TokenCounts(args, scratch),
                                      internal::GrainForRowBytes(hidden * 2 * num_topk),
@@ -235,9 +238,15 @@ absl::Status LowLatencyCombine(const GroupShape& shape, std::span<LowLatencyComb
       const int64_t* idx = dst.topk_idx + static_cast<int64_t>(t) * num_topk;
       const float* w = dst.topk_weights + static_cast<int64_t>(t) * num_topk;
       const int32_t* pos = dst.handle_pos + static_cast<int64_t>(t) * num_topk;
+      // Recorded (row_reduce.h: one slot per k, in k order) or summed.
+      ReduceTerm* term =
+          dst.reduce != nullptr ? dst.reduce->terms + static_cast<int64_t>(t) * num_topk : nullptr;
       for (int k = 0; k < num_topk; ++k) {
         const int64_t e = idx[k];
-        if (e < 0) continue;
+        if (e < 0) {
+          if (term != nullptr) term[k] = {};
+          continue;
+        }
         const LowLatencyCombineRankArgs& owner = args[e / experts_per_rank];
         const int64_t j = e % experts_per_rank;
         const bf16_bits* y =
@@ -245,11 +254,16 @@ absl::Status LowLatencyCombine(const GroupShape& shape, std::span<LowLatencyComb
                 ? owner.x + (j * rows_per_expert + pos[k]) * hidden
                 : owner.x + (owner.x_block_start[j] + pos[k] - owner.x_first_row[j]) * hidden;
         const float weight = w[k];
+        if (term != nullptr) {
+          term[k] = {y, nullptr, weight};
+          continue;
+        }
         for (int64_t h = 0; h < hidden; ++h) {
           const float product = weight * Bf16ToFloat(y[h]);
           acc[h] += product;
         }
       }
+      if (term != nullptr) continue;
       bf16_bits* out = dst.combined_x + static_cast<int64_t>(t) * hidden;
       for (int64_t h = 0; h < hidden; ++h) out[h] = FloatToBf16(acc[h]);
     }

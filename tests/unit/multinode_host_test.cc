@@ -17,6 +17,8 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -83,6 +85,7 @@ class MultinodeHostTest : public ::testing::Test {
       o.stage_through_mirror = mirror;
       o.gather_rows = gather;
       if (n == 0) o.on_inputs_checked = node0_inputs_checked_;
+      o.on_pack_poll = pack_poll_;
       auto plane = MakeHostDataPlane(o);
       ASSERT_TRUE(plane.ok()) << plane.status();
       node->plane = std::move(*plane);
@@ -372,6 +375,8 @@ class MultinodeHostTest : public ::testing::Test {
   uint64_t last_seq_ = 0;
   /// HostDataPlaneOptions::on_inputs_checked of node 0 (set before Start).
   std::function<void()> node0_inputs_checked_;
+  /// Every node's HostDataPlaneOptions::on_pack_poll (with gather_rows).
+  std::function<absl::StatusOr<bool>(int32_t)> pack_poll_;
   /// Not "": the transport descriptor node 1 publishes (one node 0 refuses).
   std::string node1_descriptor_;
   /// Start makes a RANK_FAILURE_POLICY_MASK group.
@@ -431,10 +436,15 @@ void MultinodeHostTest::EveryOpMatches(bool mirror, bool gather) {
         EXPECT_TRUE(Same(At<int32_t>(r, layout_.rank_prefix), rpf[r].data(), R)) << r;
         EXPECT_TRUE(Same(At<int32_t>(r, layout_.send_pos), rsp[r].data(), tokens_[r] * R)) << r;
       }
-      // Combine with weights.
+      // Combine with weights; its outputs start as 0xA5 (a row the reduce misses shows).
       ASSERT_TRUE(RefCombine(/*weights=*/true, &ref).ok());
       const auto& cx = ref.cx;
       const auto& cw = ref.cw;
+      for (int r = 0; r < R; ++r) {
+        std::memset(At<uint8_t>(r, layout_.combined_x), 0xA5, layout_.combined_x.bytes);
+        std::memset(At<uint8_t>(r, layout_.combined_topk_weights), 0xA5,
+                    layout_.combined_topk_weights.bytes);
+      }
       done = RunOnAll(abi::OpKind::kCombine, abi::kFlagCombineWeights, tokens_, dispatch_seq);
       for (int r = 0; r < R; ++r) {
         ASSERT_EQ(done[r].status_code, 0) << "rank " << r << ": " << Message(done[r]);
@@ -491,6 +501,11 @@ void MultinodeHostTest::EveryOpMatches(bool mirror, bool gather) {
       }
       ASSERT_TRUE(RefLowLatencyCombine(ll_tokens, {}, &ref).ok());
       const auto& lcx = ref.lcx;
+      for (int r = 0; r < R; ++r) {
+        for (const kernels::Region& out : layout_.ll_combined_x) {
+          std::memset(At<uint8_t>(r, out), 0xA5, out.bytes);
+        }
+      }
       done = RunOnAll(abi::OpKind::kLowLatencyCombine, 0, ll_tokens, ll_seq);
       for (int r = 0; r < R; ++r) {
         ASSERT_EQ(done[r].status_code, 0) << "rank " << r << ": " << Message(done[r]);
@@ -643,6 +658,83 @@ TEST_F(MultinodeHostTest, ARefusedRankAreaFailsEveryCombineWhicheverNodeSubmitsF
   for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
 }
 
+// Rows packed by the backend (gather_rows): while a node's packs have not run, its engine
+// polls them instead of sleeping (no transport wake comes: every node holds its posts until
+// its own pack ran); a pack that fails sends node 0's error to every node instead of its
+// rows; one that never finishes fails the op within op_timeout, and the peers report node
+// 0's reason rather than time out.
+TEST_F(MultinodeHostTest, PacksOnTheBackendArePolledAndTheirFailuresReachEveryNode) {
+  using Clock = std::chrono::steady_clock;
+  std::mutex mu;
+  std::array<std::optional<Clock::time_point>, 3> first_poll;  // [rank] this op's.
+  milliseconds hold{0};
+  Clock::duration quickest = std::chrono::hours(1);  // From a held pack's first poll to its run.
+  bool fail = false, never = false;
+  pack_poll_ = [&](int32_t rank) -> absl::StatusOr<bool> {
+    std::lock_guard<std::mutex> lock(mu);
+    const bool node0 = rank < 2;
+    if (node0 && fail) return absl::InternalError("the pack kernel's launch failed");
+    if (node0 && never) return false;
+    std::optional<Clock::time_point>& first = first_poll[static_cast<size_t>(rank)];
+    if (!first) first = Clock::now();
+    const Clock::duration since = Clock::now() - *first;
+    if (since < hold) return false;
+    first.reset();
+    if (hold > milliseconds(0)) quickest = std::min(quickest, since);
+    return true;
+  };
+  Start({2, 1}, /*op_timeout_ms=*/600, true, 512, /*mirror=*/true, /*gather=*/true);
+  if (HasFatalFailure()) return;
+  MakeInputs(60);
+  // Packs of 2 ms on every node. An engine that slept while its pack is pending (up to 20
+  // ms a sleep, and no wake: every node's message waits for its own pack) would run each
+  // pack 20 ms or so after its first poll; one that polls runs it right after the 2 ms.
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    hold = milliseconds(2);
+  }
+  for (int i = 0; i < 10; ++i) {
+    const auto done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens_);
+    for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_LT(quickest, milliseconds(10));
+  }
+  // A failed pack: every rank of every node gets node 0's error.
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    hold = milliseconds(0);
+    fail = true;
+  }
+  auto done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens_);
+  for (size_t r = 0; r < done.size(); ++r) {
+    EXPECT_EQ(done[r].status_code, static_cast<int32_t>(absl::StatusCode::kInternal)) << r;
+    EXPECT_THAT(Message(done[r]), HasSubstr("the pack kernel's launch failed")) << r;
+  }
+  // A pack that never finishes: DEADLINE_EXCEEDED naming the pack, on every node.
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    fail = false;
+    never = true;
+  }
+  done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens_);
+  for (size_t r = 0; r < done.size(); ++r) {
+    EXPECT_EQ(done[r].status_code, static_cast<int32_t>(absl::StatusCode::kDeadlineExceeded)) << r;
+    EXPECT_THAT(Message(done[r]), HasSubstr("did not pack this node's rows")) << r;
+  }
+  // And the group goes on.
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    never = false;
+    for (auto& f : first_poll) f.reset();
+  }
+  done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens_);
+  for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+  done = RunOnAll(abi::OpKind::kCombine, 0, tokens_, last_seq_);
+  for (size_t r = 0; r < done.size(); ++r) ASSERT_EQ(done[r].status_code, 0) << Message(done[r]);
+}
+
 // A rank attached anew between ops (new endpoint, new shm memory): the next combine sends its
 // rows from the new memory, which the exchange declares to the link in place of the old.
 TEST_F(MultinodeHostTest, ReattachedRankCombinesFromItsNewMemory) {
@@ -685,9 +777,12 @@ TEST_F(MultinodeHostTest, EveryOpMatchesThroughTheCudaMirrorSpans) {
 }
 
 // As the CUDA backend's daemon-launched ranks run across nodes (DESIGN.md §5.5 "Rows on the
-// GPU"): the mirror ranges, and the dispatches' received rows left to a RowSource table that
-// kernels::host::GatherRows (the CUDA gather's reference) writes into the client's area. The
-// mirror's rows are 0xA5: a row the table misses or misplaces fails the comparison.
+// GPU"): the mirror ranges, the dispatches' received rows left to a RowSource table that
+// kernels::host::GatherRows (the CUDA gather's reference) writes into the client's area, and
+// the combines' rows left to a ReduceTable that kernels::host::ReduceRows (the CUDA reduce's
+// reference) sums into it. The mirror's rows are 0xA5, and so are the client's combine
+// outputs before each combine: a row or term a table misses or misplaces fails the
+// comparison (the terms' order: HostRowReduceTest).
 TEST_F(MultinodeHostTest, EveryOpMatchesWithTheReceivedRowsGathered) {
   EveryOpMatches(/*mirror=*/true, /*gather=*/true);
 }

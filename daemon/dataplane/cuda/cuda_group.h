@@ -26,6 +26,7 @@
 #include "daemon/metrics/expert_tally.h"
 #include "epd/kernels/cuda_mirror.h"
 #include "epd/kernels/cuda_ops.h"
+#include "epd/kernels/cuda_reduce.h"
 #include "epd/kernels/host_ops.h"
 
 namespace epd {
@@ -163,7 +164,11 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
                                                              uint64_t bytes) const override;
   kernels::RowSource* ExchangeRowSources(int32_t rank) const override {
     const CudaRank& cr = SpanRank(rank);
-    if (cr.client_launched || !cr.mirror || !cr.mirror->row_sources) return nullptr;
+    // A client-launched local rank's rows are in its client's memory, which the daemon's
+    // kernels cannot read: then every row is copied.
+    if (cr.client_launched || !cr.mirror || !cr.mirror->row_sources || ClientLaunchedInOp()) {
+      return nullptr;
+    }
     // One gather takes at most kMaxGatherBlocks blocks (a low-latency dispatch has one per
     // local expert): beyond that the exchange copies the rows through the mirror.
     if (span_plan_ != nullptr && span_plan_->op == abi::OpKind::kLowLatencyDispatch &&
@@ -185,6 +190,8 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     return !cr.client_launched && cr.mirror && cr.mirror->windows;
   }
   absl::Status ExchangePackRows(int32_t rank, const kernels::RowGather& g) const override;
+  /// Whether a local rank of the running spanning op is client-launched.
+  bool ClientLaunchedInOp() const;
   absl::StatusOr<bool> ExchangeRowsPacked(int32_t rank) const override;
   /// Enqueues rank `r`'s gather of the running dispatch's rows (its rows_pending) on its
   /// stream, reading the local ranks on its GPU from their areas rather than their mirrors.
@@ -200,6 +207,22 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// reads them from the areas through OpWindows and the exchange never reads them on the
   /// host.
   bool RowsOnBackend(const OpPlan& plan) const;
+
+  /// The combines' reduce on the GPU (DESIGN.md §5.5 "Rows on the GPU"): a daemon-launched
+  /// rank's combined rows are recorded by the exchange as terms in its mirror's reduce table
+  /// and summed by a kernel into its GPU area (StageOut: ReduceRankRows). Null for a
+  /// client-launched rank (its client's kernels copy its outputs) and for more top-k slots
+  /// than one reduce takes (kMaxReduceTerms): the exchange reduces those.
+  /// Also null while a local rank of the op is client-launched: its rows are in its client's
+  /// memory, which the daemon's kernels cannot read.
+  kernels::ReduceTable* ExchangeReduceTable(int32_t rank) const override;
+  /// Enqueues rank `cr`'s reduce of the running combine's rows (its reduce_pending) on its
+  /// stream, reading this node's rows from the local ranks' GPU areas through OpWindows,
+  /// as GatherRankRows does.
+  absl::Status ReduceRankRows(const OpPlan& plan, const CudaRank& cr);
+  /// Records rank `cr`'s `gathered` event after its gather or reduce (StageOutAll holds the
+  /// other stream-ordered ranks' done_seq behind it).
+  absl::Status RecordGathered(const CudaRank& cr);
 
   // ---- a group that spans nodes (DESIGN.md §5.5) ----
   /// Where the running spanning op is: its inputs being copied into the mirrors, the

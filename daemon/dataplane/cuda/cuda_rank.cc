@@ -139,6 +139,8 @@ absl::Status AddCudaRankMirror(CudaRank& rank, const kernels::GroupShape& shape,
   EPD_RETURN_IF_ERROR(pinned(m->windows, kc::kMaxGatherWindows, "gather windows"));
   EPD_ASSIGN_OR_RETURN(m->packed, CreateEvent());
   EPD_ASSIGN_OR_RETURN(m->gathered, CreateEvent());
+  EPD_RETURN_IF_ERROR(
+      pinned(m->reduce_terms, CudaRankMirror::ReduceTermsCount(shape), "reduce term table"));
   EPD_ASSIGN_OR_RETURN(m->counter, AllocateDevice(256, DeviceZero::kYes));
   if (const uint64_t q = CudaRankMirror::QuantRowsBytes(shape); q > 0) {
     EPD_ASSIGN_OR_RETURN(m->quant_rows, AllocateDevice(q, DeviceZero::kNo));

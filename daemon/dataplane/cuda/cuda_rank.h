@@ -21,6 +21,7 @@
 #include "epd/kernels/cuda_mirror.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/layout.h"
+#include "epd/kernels/row_reduce.h"
 #include "proto/abi/launch_flags.h"
 #include "proto/abi/span_abi.h"
 
@@ -88,6 +89,18 @@ struct CudaRankMirror {
   EventHandle packed;
   EventHandle gathered;
   bool gathered_this_op = false;
+  /// Daemon-launched: where a combine records the rank's combined rows for the reduce kernel
+  /// to sum into the GPU area (DESIGN.md §5.5 "Rows on the GPU"): [ReduceTableRows *
+  /// ReduceTermsPerRow] ReduceTerms, mapped, written by the exchange through `reduce`
+  /// (NodeExchangeHost::ExchangeReduceTable, which also sets its rows); and whether the
+  /// running op's rows were left to it.
+  PinnedArray<kernels::ReduceTerm> reduce_terms;
+  kernels::ReduceTable reduce;
+  bool reduce_pending = false;
+  static uint64_t ReduceTermsCount(const kernels::GroupShape& shape) {
+    return static_cast<uint64_t>(kernels::ReduceTableRows(shape)) *
+           kernels::ReduceTermsPerRow(shape);
+  }
   /// The low-latency FP8 dispatch whose tokens the GPU quantized into the exchange's rows
   /// (NodeExchangeHost::ExchangeRowsQuantized); 0: none.
   uint64_t quantized_seq = 0;
@@ -134,7 +147,7 @@ struct CudaRankMirror {
            2 * sizeof(kernels::Region) * kernels::kMaxAreaSpans + RankRouting::BytesFor(shape) +
            static_cast<uint64_t>(kernels::RowSourceRows(shape)) * sizeof(kernels::RowSource) +
            sizeof(kernels::cuda::GatherWindow) * kernels::cuda::kMaxGatherWindows +
-           QuantRowsBytes(shape);
+           ReduceTermsCount(shape) * sizeof(kernels::ReduceTerm) + QuantRowsBytes(shape);
   }
 };
 

@@ -138,6 +138,15 @@ bool CudaGroup::RowsOnBackend(const OpPlan& plan) const {
   return true;
 }
 
+bool CudaGroup::ClientLaunchedInOp() const {
+  for (int32_t s = local_first(); s < local_first() + local_count(); ++s) {
+    if (!gpu_op_ || gpu_op_->ranks[s] == nullptr || gpu_op_->ranks[s]->client_launched) {
+      return true;
+    }
+  }
+  return false;
+}
+
 absl::Status CudaGroup::ExchangePackRows(int32_t rank, const kernels::RowGather& g) const {
   const CudaRank& cr = SpanRank(rank);
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
@@ -164,8 +173,40 @@ absl::Status CudaGroup::GatherRankRows(const OpPlan& plan, const CudaRank& cr) {
   const kernels::RowGather g =
       DispatchRowGather(shape(), layout(), plan, cr.area.get(), m.base, m.row_sources.get());
   EPD_RETURN_IF_ERROR(kc::GatherRowsAsync(shape(), g, m.windows.get(), windows, cr.stream.get()));
+  return RecordGathered(cr);
+}
+
+// ---- the combines' reduce on the GPU (DESIGN.md §5.5 "Rows on the GPU") ----
+
+kernels::ReduceTable* CudaGroup::ExchangeReduceTable(int32_t rank) const {
+  const CudaRank& cr = SpanRank(rank);
+  if (cr.client_launched || !cr.mirror || !cr.mirror->reduce_terms || !gpu_op_ ||
+      kernels::ReduceTermsPerRow(shape()) > kc::kMaxReduceTerms) {
+    return nullptr;
+  }
+  if (ClientLaunchedInOp()) return nullptr;
+  CudaRankMirror& m = *cr.mirror;
+  m.reduce_pending = true;
+  m.reduce.terms = m.reduce_terms.get();
+  return &m.reduce;
+}
+
+absl::Status CudaGroup::ReduceRankRows(const OpPlan& plan, const CudaRank& cr) {
+  CudaRankMirror& m = *cr.mirror;
+  // Terms in a local rank's mirror are read from its GPU area through the op's windows, as
+  // the gather reads; the peers' rows across PCIe, where they landed.
+  const int32_t windows = OpWindows(plan, cr);
+  EPD_RETURN_IF_ERROR(kc::ReduceRowsAsync(
+      shape(), CombineRowReduce(shape(), layout(), plan, cr.area.get(), m.reduce), m.windows.get(),
+      windows, cr.stream.get()));
+  return RecordGathered(cr);
+}
+
+absl::Status CudaGroup::RecordGathered(const CudaRank& cr) {
+  CudaRankMirror& m = *cr.mirror;
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaEventRecord(m.gathered.get(), cr.stream.get())));
   m.gathered_this_op = true;
-  return EPD_CUDA_STATUS(cudaEventRecord(m.gathered.get(), cr.stream.get()));
+  return absl::OkStatus();
 }
 
 // ---- client-launched ranks (DESIGN.md §5.5 "Client-launched") ----
@@ -304,14 +345,17 @@ absl::Status CudaGroup::StageOut(const OpPlan& plan, const abi::RequestSlot& slo
   // Cleared on every path: a later dispatch whose rows were copied must not gather.
   const bool gather = m.rows_pending;
   m.rows_pending = false;
+  const bool reduce = m.reduce_pending;  // Likewise for a combine's reduce.
+  m.reduce_pending = false;
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
   cudaStream_t s = cr.stream.get();
   absl::Status st = absl::OkStatus();
   if (outcome.status.ok()) {
     uint64_t total = 0;
     const int32_t n = MirrorOutputSpans(shape(), layout(), plan, slot, outcome, m.base,
-                                        m.out_spans.get(), &total, gather);
+                                        m.out_spans.get(), &total, gather || reduce);
     if (gather) st = GatherRankRows(plan, cr);
+    if (reduce) st = ReduceRankRows(plan, cr);
     if (st.ok()) {
       st = kc::CopySpansAsync(cr.area.get(), m.base, m.out_spans.get(), n, total, nullptr, nullptr,
                               0, s);
@@ -341,6 +385,9 @@ void CudaGroup::StageOutAll(GpuOp& op) {
           continue;
         }
         st = EPD_CUDA_STATUS(cudaStreamWaitEvent(s, other.mirror->gathered.get(), 0));
+        // Never release the client while another rank may still read its area: wait here
+        // instead (the gather and reduce kernels are bounded).
+        if (!st.ok()) cudaEventSynchronize(other.mirror->gathered.get());
       }
       absl::Status done = WriteDone(cr, (*span_slots_)[r].seq);
       if (st.ok()) st = done;

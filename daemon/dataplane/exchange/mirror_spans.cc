@@ -117,6 +117,7 @@ int32_t MirrorOutputSpans(const kernels::GroupShape& s, const kernels::EndpointL
       break;
     }
     case abi::OpKind::kCombine:
+      if (rows_gathered) break;  // Every output is the reduce's.
       add(L.combined_x, Rows(L.combined_x, T, 2 * H));
       if (f.combine_weights) add(L.combined_topk_weights, Rows(L.combined_topk_weights, T, K * 4));
       break;
@@ -147,6 +148,7 @@ int32_t MirrorOutputSpans(const kernels::GroupShape& s, const kernels::EndpointL
       break;
     }
     case abi::OpKind::kLowLatencyCombine:
+      if (rows_gathered) break;
       add(L.ll_combined_x[plan.ll_out_buffer], Rows(L.ll_combined_x[plan.ll_out_buffer], T, 2 * H));
       break;
     default:
@@ -181,6 +183,34 @@ kernels::RowGather DispatchRowGather(const kernels::GroupShape& s, const kernels
     g.scales = area + L.ll_recv_scales[b].offset;
   }
   return g;
+}
+
+kernels::RowReduce CombineRowReduce(const kernels::GroupShape& s, const kernels::EndpointLayout& L,
+                                    const OpPlan& plan, uint8_t* area,
+                                    const kernels::ReduceTable& table) {
+  const rules::RequestOptions f = rules::DecodeFlags(plan.flags);
+  const int64_t H = s.hidden, K = s.num_topk;
+  kernels::RowReduce r;
+  r.terms = table.terms;
+  r.terms_per_row = kernels::ReduceTermsPerRow(s);
+  const kernels::Region* x = nullptr;
+  int64_t capacity = kernels::ReduceTableRows(s);
+  if (plan.op == abi::OpKind::kCombine) {
+    x = &L.combined_x;
+    if (f.combine_weights) {
+      r.combined_topk_weights = reinterpret_cast<float*>(area + L.combined_topk_weights.offset);
+      capacity = std::min<int64_t>(capacity, L.combined_topk_weights.bytes / (4 * K));
+    }
+  } else if (plan.op == abi::OpKind::kLowLatencyCombine) {
+    x = &L.ll_combined_x[plan.ll_out_buffer];
+    r.weighted = true;
+  } else {
+    return r;
+  }
+  r.combined_x = reinterpret_cast<kernels::bf16_bits*>(area + x->offset);
+  capacity = std::min<int64_t>(capacity, x->bytes / (2 * H));
+  r.rows = static_cast<int32_t>(std::clamp<int64_t>(table.rows, 0, capacity));
+  return r;
 }
 
 }  // namespace epd

@@ -12,6 +12,7 @@
 #include "daemon/dataplane/lockstep_group.h"
 #include "epd/kernels/layout.h"
 #include "epd/kernels/row_gather.h"
+#include "epd/kernels/row_reduce.h"
 #include "proto/abi/shm_abi.h"
 
 namespace epd {
@@ -38,7 +39,9 @@ int32_t MirrorInputSpans(const kernels::GroupShape& shape, const kernels::Endpoi
 /// number and sets *total. `data` is the area the exchange wrote (a low-latency dispatch's
 /// per-expert received counts are read from its ll_recv_count, clamped to the region).
 /// `rows_gathered`: a dispatch's received rows (x and FP8 scales) were left to a row gather
-/// (NodeExchangeHost::ExchangeRowSources) and are not among the ranges.
+/// (NodeExchangeHost::ExchangeRowSources), or a combine's outputs (combined_x and
+/// combined_topk_weights) to a row reduce (ExchangeReduceTable), and are not among the
+/// ranges.
 int32_t MirrorOutputSpans(const kernels::GroupShape& shape, const kernels::EndpointLayout& layout,
                           const OpPlan& plan, const abi::RequestSlot& slot,
                           const RankOutcome& outcome, const uint8_t* data, kernels::Region* spans,
@@ -53,5 +56,13 @@ kernels::RowGather DispatchRowGather(const kernels::GroupShape& shape,
                                      const kernels::EndpointLayout& layout, const OpPlan& plan,
                                      uint8_t* area, const uint8_t* data,
                                      const kernels::RowSource* sources);
+
+/// The row reduce of combine `plan` whose outputs were left to the backend (MirrorOutputSpans'
+/// rows_gathered): into `area` (the rank's area as its client sees it), from `table` (what
+/// the combine recorded: NodeExchangeHost::ExchangeReduceTable), its rows clamped to the
+/// table and to the outputs. Zero rows for an op that is not a combine.
+kernels::RowReduce CombineRowReduce(const kernels::GroupShape& shape,
+                                    const kernels::EndpointLayout& layout, const OpPlan& plan,
+                                    uint8_t* area, const kernels::ReduceTable& table);
 
 }  // namespace epd

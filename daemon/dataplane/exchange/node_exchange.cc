@@ -916,6 +916,8 @@ bool NodeExchange::PollPack() {
       st = packed.status();
     } else if (!*packed) {
       done = false;
+    } else {
+      span_.packs[i] = 0;  // Packed: not asked again.
     }
   }
   if (st.ok() && !done) {
@@ -1365,6 +1367,7 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
           a.combined_x = Ptr<kernels::bf16_bits>(r, L.combined_x);
           a.combined_topk_weights =
               flags.combine_weights ? Ptr<float>(r, L.combined_topk_weights) : nullptr;
+          a.reduce = gathers_rows() && !gone(r) ? host_->ExchangeReduceTable(r) : nullptr;
           continue;
         }
         if (excluded_[n] || gone(r)) continue;  // Its rows are not read: routes to it dropped.
@@ -1414,6 +1417,7 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
           a.x = Ptr<const kernels::bf16_bits>(r, L.in_ll_combine_x);
           a.combined_x = Ptr<kernels::bf16_bits>(r, L.ll_combined_x[plan.ll_out_buffer]);
           a.topk_idx = Private(r).topk_idx.data();
+          a.reduce = gathers_rows() && !gone(r) ? host_->ExchangeReduceTable(r) : nullptr;
           continue;
         }
         if (excluded_[n] || gone(r)) continue;  // As for a normal combine.

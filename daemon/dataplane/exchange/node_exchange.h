@@ -26,6 +26,7 @@
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
 #include "epd/kernels/row_gather.h"
+#include "epd/kernels/row_reduce.h"
 #include "epd/v1/control.pb.h"
 #include "proto/abi/exchange_abi.h"
 #include "proto/abi/shm_abi.h"
@@ -123,6 +124,17 @@ class NodeExchangeHost {
   /// Whether every ExchangePackRows of `rank` in the running op has written its rows (the
   /// exchange posts the staging only then). An error fails the op at this node.
   virtual absl::StatusOr<bool> ExchangeRowsPacked(int32_t /*rank*/) const { return true; }
+
+  /// The combines' reduce on the backend (DESIGN.md §5.5 "Rows on the GPU"): where a
+  /// combine (normal or low-latency) records local rank `rank`'s combined rows as terms
+  /// (kernels::ReduceTable, its terms [ReduceTableRows * ReduceTermsPerRow] in memory no
+  /// client maps) instead of summing them into ExchangeRankData; the backend then reduces
+  /// them into the rank's outputs (kernels::RowReduce). Null (the default): the exchange
+  /// reduces. Asked once per combine per local rank, only while the exchange's memory is
+  /// mapped (ExchangeMapHostMemory: the peers' rows are read where they landed), after the
+  /// op's checks of the peers' messages; the table must stay valid and unread by anyone
+  /// else until the backend reduced the op's rows.
+  virtual kernels::ReduceTable* ExchangeReduceTable(int32_t /*rank*/) const { return nullptr; }
 };
 
 /// Options of one group's exchange.

@@ -50,6 +50,11 @@ struct HostRank : RankResources {
   /// op's rows were left to it.
   std::vector<kernels::RowSource> row_sources;
   bool rows_pending = false;
+  /// HostDataPlaneOptions::gather_rows: where a combine records the rank's combined rows
+  /// (its terms in reduce_terms), and whether the running op's rows were left to it.
+  std::vector<kernels::ReduceTerm> reduce_terms;
+  kernels::ReduceTable reduce;
+  bool reduce_pending = false;
   uint64_t quantized_seq = 0;  ///< As CudaRankMirror::quantized_seq.
   explicit HostRank(const kernels::GroupShape& s) : routing(s) {}
 };
@@ -267,6 +272,7 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
         windows_.push_back({ExchangeRankData(r), layout().total_bytes, op_endpoint(r)->shm_data()});
       }
       rows_on_backend_ = RowsOnBackend(plan);
+      pending_packs_.clear();  // A failed op's packs never run.
     }
     for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
       if (rank_masked()[r]) continue;  // A stand-in: no shm area.
@@ -293,19 +299,25 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
                              &total, quantize, rows_on_backend_);
       } else if (outcomes[r].status.ok()) {
         n = MirrorOutputSpans(shape(), layout(), plan, slots[r], outcomes[r], mirror, spans_.data(),
-                              &total, host_rank(r).rows_pending);
+                              &total, host_rank(r).rows_pending || host_rank(r).reduce_pending);
       }
-      for (int32_t i = 0; i < n; ++i) {
-        const kernels::Region& s = spans_[i];
-        std::memcpy((in ? mirror : shm) + s.offset, (in ? shm : mirror) + s.offset, s.bytes);
-      }
+      // The rows left to the backend first, then the copies, in the CUDA backend's order
+      // (StageOut): a copy of a range the rows own would overwrite them with 0xA5.
       if (!in && host_rank(r).rows_pending && outcomes[r].status.ok()) {
         kernels::host::GatherRows(shape(),
                                   DispatchRowGather(shape(), layout(), plan, shm, mirror,
                                                     host_rank(r).row_sources.data()),
                                   windows_);
       }
-      if (!in) host_rank(r).rows_pending = false;
+      if (!in && host_rank(r).reduce_pending && outcomes[r].status.ok()) {
+        kernels::host::ReduceRows(
+            shape(), CombineRowReduce(shape(), layout(), plan, shm, host_rank(r).reduce));
+      }
+      if (!in) host_rank(r).rows_pending = host_rank(r).reduce_pending = false;
+      for (int32_t i = 0; i < n; ++i) {
+        const kernels::Region& s = spans_[i];
+        std::memcpy((in ? mirror : shm) + s.offset, (in ? shm : mirror) + s.offset, s.bytes);
+      }
     }
   }
   HostRank& host_rank(int32_t r) const { return static_cast<HostRank&>(*op_endpoint(r)->backend); }
@@ -335,18 +347,24 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   bool ExchangePacksRows(int32_t rank) const override {
     return plane_->options().gather_rows && !rank_masked()[rank];
   }
-  /// Held until ExchangeRowsPacked, so that a post before it sends the 0xA5 of the staging.
+  /// Held until ExchangeRowsPacked, so that a post before it sends stale rows (the previous
+  /// op's, or the zeros of a new staging).
   absl::Status ExchangePackRows(int32_t rank, const kernels::RowGather& g) const override {
     pending_packs_.push_back({rank, g});
     return absl::OkStatus();
   }
   absl::StatusOr<bool> ExchangeRowsPacked(int32_t rank) const override {
-    auto ran = std::remove_if(pending_packs_.begin(), pending_packs_.end(), [&](const auto& p) {
-      if (p.first != rank) return false;
-      kernels::host::GatherRows(shape(), p.second, windows_);
-      return true;
-    });
-    pending_packs_.erase(ran, pending_packs_.end());
+    if (plane_->options().on_pack_poll) {
+      absl::StatusOr<bool> go = plane_->options().on_pack_poll(rank);
+      if (!go.ok() || !*go) {
+        if (!go.ok()) std::erase_if(pending_packs_, [&](const auto& p) { return p.first == rank; });
+        return go;
+      }
+    }
+    for (const auto& [r, g] : pending_packs_) {
+      if (r == rank) kernels::host::GatherRows(shape(), g, windows_);
+    }
+    std::erase_if(pending_packs_, [&](const auto& p) { return p.first == rank; });
     return true;
   }
   kernels::RowSource* ExchangeRowSources(int32_t rank) const override {
@@ -354,6 +372,13 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
     HostRank& h = host_rank(rank);
     h.rows_pending = true;
     return h.row_sources.data();
+  }
+  kernels::ReduceTable* ExchangeReduceTable(int32_t rank) const override {
+    if (rank_masked()[rank]) return nullptr;  // A stand-in: reduced by the exchange.
+    HostRank& h = host_rank(rank);
+    h.reduce_pending = true;
+    h.reduce.terms = h.reduce_terms.data();
+    return &h.reduce;
   }
   RankRouting& ExchangeRankRouting(int32_t rank) const override { return Private(rank); }
   const rules::HandleTable& ExchangeRankHandles(int32_t rank) const override {
@@ -526,6 +551,9 @@ absl::StatusOr<std::shared_ptr<RankResources>> HostGroup::PrepareRank(
     if (plane_->options().gather_rows) {
       rank->row_sources.assign(static_cast<size_t>(kernels::RowSourceRows(shape())),
                                kernels::RowSource{});
+      rank->reduce_terms.assign(static_cast<size_t>(kernels::ReduceTableRows(shape())) *
+                                    kernels::ReduceTermsPerRow(shape()),
+                                kernels::ReduceTerm{});
     }
   }
   return std::shared_ptr<RankResources>(std::move(rank));

@@ -59,9 +59,15 @@ struct HostDataPlaneOptions {
   /// nodes are packed into the send staging the same way (ExchangePackRows, run only when
   /// the exchange polls ExchangeRowsPacked, so that a post before it sends stale rows), both
   /// reading the local ranks' rows from their shm areas through windows, and the token rows
-  /// of a normal or BF16 low-latency dispatch stay out of the mirrors: as the CUDA backend's
-  /// kernels do (DESIGN.md §5.5 "Rows on the GPU").
+  /// of a normal or BF16 low-latency dispatch stay out of the mirrors; and a combine leaves
+  /// its combined rows to a ReduceTable (ExchangeReduceTable), reduced into the shm area
+  /// with kernels::host::ReduceRows: as the CUDA backend's kernels do (DESIGN.md §5.5 "Rows
+  /// on the GPU").
   bool gather_rows = false;
+  /// Test seam (unset in the daemon), with gather_rows: asked for rank `rank` each time the
+  /// exchange polls whether its packs ran (ExchangeRowsPacked), before they run: false
+  /// holds them (not yet), an error fails them, true runs them.
+  std::function<absl::StatusOr<bool>(int32_t rank)> on_pack_poll;
 };
 
 /// Creates the host data plane (and its doorbell page) and starts its engine thread.

@@ -152,4 +152,11 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
 void GatherRows(const GroupShape& shape, const RowGather& g,
                 std::span<const GatherWindow> windows = {});
 
+/// The host reference of a row reduce (row_reduce.h): writes every row of `r` exactly as
+/// Combine / LowLatencyCombine would have without `reduce` (and as the CUDA reduce does):
+/// the same f32 operations in the same order, the same rounding. No checks: the caller
+/// built `r` from a table its own combine recorded, with rows within its outputs and the
+/// table (a negative rows or terms_per_row writes nothing). Allocates nothing.
+void ReduceRows(const GroupShape& shape, const RowReduce& r);
+
 }  // namespace epd::kernels::host

@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "epd/kernels/layout.h"
 #include "epd/kernels/row_gather.h"
+#include "epd/kernels/row_reduce.h"
 #include "epd/kernels/types.h"
 
 namespace epd::kernels::host {
@@ -198,6 +199,12 @@ struct CombineRankArgs {
   /// own tokens; host_node_ops.h). Every send_pos entry naming this rank must be in that
   /// range. 0 for a rank whose every row is present.
   int32_t x_first_row = 0;
+  /// When set (a node of a group that spans nodes, its reduce left to the backend:
+  /// row_reduce.h), combined_x and combined_topk_weights are not written: after every check,
+  /// each of the T tokens' rows is recorded here instead (one term per rank it sums, in
+  /// rank order, with its topk_weights row when weights are given), and `rows` set to T.
+  /// INVALID_ARGUMENT when a token's send_pos names more than ReduceTermsPerRow ranks.
+  ReduceTable* reduce = nullptr;
 };
 
 /// Normal combine over all ranks. combined_x[t] of source rank s =
@@ -266,6 +273,9 @@ struct LowLatencyCombineRankArgs {
   const int32_t* x_first_row = nullptr;    ///< [El] or null (every row present).
   const int32_t* x_num_rows = nullptr;     ///< [El] with x_first_row.
   const int64_t* x_block_start = nullptr;  ///< [El] with x_first_row.
+  /// As CombineRankArgs::reduce: combined_x is not written; each token's rows are recorded
+  /// here instead (one weighted term per k with an expert, in k order).
+  ReduceTable* reduce = nullptr;
 };
 
 /// Low-latency combine over all ranks: combined_x[t] = bf16(Σ_{k ascending, idx >= 0}
