@@ -621,6 +621,7 @@ TEST(HostNodeOps, QuantizeRowsAndPackNodeRowsMatchTheRowByRowLoop) {
       for (int n = 0; n < nodes; ++n) {
         Packed p = garbage();
         const std::vector<uint8_t> x_before = p.x;
+        const std::vector<float> scales_before = p.sc;
         std::vector<RowSource> table(M, RowSource{});
         const NodePackJob job{&decoy,
                               g.Node(n),
@@ -634,6 +635,8 @@ TEST(HostNodeOps, QuantizeRowsAndPackNodeRowsMatchTheRowByRowLoop) {
                               table.data()};
         PackNodeRows(s, {&job, 1}, exec);
         EXPECT_EQ(p.x, x_before) << "x copied although recorded";
+        EXPECT_EQ(std::memcmp(p.sc.data(), scales_before.data(), 4 * p.sc.size()), 0)
+            << "scales copied although recorded";
         RowGather rg;
         rg.x = p.x.data();
         rg.row_bytes = xb;

@@ -55,9 +55,9 @@ std::unique_ptr<ExchangeHostMapping> CudaGroup::ExchangeMapHostMemory(void* p,
     cudaGetLastError();
     EngineLog()->warn(
         "group {}: registering {} bytes of the exchange's host memory with CUDA failed ({}); "
-        "its daemon-launched ranks' dispatches copy received rows through the host mirrors "
-        "(slower); raise the memlock limit (LimitMEMLOCK=infinity, ulimit -l) and recreate the "
-        "group",
+        "the rows its daemon-launched ranks' kernels would read or write there (received, "
+        "packed to send, or reduced) are copied by the CPU through the host mirrors (slower); "
+        "raise the memlock limit (LimitMEMLOCK=infinity, ulimit -l) and recreate the group",
         spec().name(), bytes, cudaGetErrorString(err));
     return nullptr;
   }
@@ -69,8 +69,8 @@ std::unique_ptr<ExchangeHostMapping> CudaGroup::ExchangeMapHostMemory(void* p,
     cudaGetLastError();
     EngineLog()->warn(
         "group {}: registered host memory has another address on the device (no unified "
-        "addressing); its daemon-launched ranks' dispatches copy received rows through the "
-        "host mirrors (slower)",
+        "addressing); its daemon-launched ranks' rows are copied by the CPU through the host "
+        "mirrors (slower)",
         spec().name());
     return nullptr;
   }

@@ -114,7 +114,8 @@ void NodeExchange::SetLocalRanksJoined(const std::vector<bool>& bits) {
 absl::Status NodeExchange::Init(int32_t node, int32_t local_first, int32_t local_count) {
   local_first_ = local_first;
   local_count_ = local_count;
-  gather_maps_.clear();  // Before any memory they map is replaced.
+  pack_maps_.clear();  // Before any memory they map is replaced.
+  gather_maps_.clear();
   const v1::GroupSpec& sp = spec();
   const kernels::GroupShape& gs = shape();
   Span s;
@@ -710,7 +711,7 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
   bool backend_packs = false;
   for (int32_t i = 0; i < Rl; ++i) {
     span_.packs[i] =
-        !header_only && dispatch && gathers_rows() && host_->ExchangePacksRows(first + i);
+        !header_only && dispatch && packs_rows() && host_->ExchangePacksRows(first + i);
     backend_packs = backend_packs || span_.packs[i];
   }
   absl::Status pack_status = absl::OkStatus();
@@ -780,7 +781,7 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
           kernels::host::PackNodeRows(gs, std::span(jobs.data(), static_cast<size_t>(Rl)), exec);
         }
         for (int32_t i = 0; i < Rl && pack_status.ok(); ++i) {
-          if (!span_.packs[i]) continue;
+          if (!span_.packs[i] || rows[i] == 0) continue;  // Nothing to copy to node n.
           kernels::RowGather g;
           g.x = jobs[i].x;
           g.row_bytes = x_bytes;

@@ -33,9 +33,9 @@
 
 namespace epd {
 
-/// The exchange's receive region, send staging and private copies of the peers' indices
-/// of a group that spans nodes, at its largest node (DESIGN.md §5.1); 0 for a one-node
-/// group. Counted in the backends' GroupPrivateBytes.
+/// The exchange's receive region, send staging, private copies of the peers' indices and
+/// pack table of a group that spans nodes, at its largest node (DESIGN.md §5.1); 0 for a
+/// one-node group. Counted in the backends' GroupPrivateBytes.
 uint64_t NodeExchangeBytes(const v1::GroupSpec& spec, const kernels::GroupShape& shape);
 
 /// The transport of a group that spans nodes: `transport` null for a one-node spec; for a
@@ -210,7 +210,7 @@ class NodeExchange {
   /// Whether the backend's gather and pack memory is mapped (ExchangeMapHostMemory
   /// succeeded for all of it): dispatches then ask for ExchangeRowSources and
   /// ExchangePacksRows.
-  bool rows_on_backend() const { return gathers_rows(); }
+  bool rows_on_backend() const { return gathers_rows() && packs_rows(); }
   /// Whether the running op's posts wait for the backend's pack (ExchangePackRows): the
   /// engine must poll, not sleep, until they went out.
   bool packing() const { return span_.packing; }
@@ -222,11 +222,12 @@ class NodeExchange {
     return {span_.quant_x.data() + i * shape_.ll_max_tokens_per_rank * shape_.hidden,
             span_.quant_scales.data() + i * shape_.ll_max_tokens_per_rank * shape_.num_scales()};
   }
-  /// The memory mapped for the backend's gather (the receive region and quantized rows)
-  /// with its mappings, handed over: the returned object unmaps it, then frees it, when
-  /// destroyed, so that a backend whose unmapping must not run beside another group's
-  /// launches (CUDA) can drop it later. Destroy the exchange first (its transport link
-  /// writes into the receive region until then). Null when nothing is mapped.
+  /// The memory mapped for the backend's gather and pack (the receive region, quantized
+  /// rows, send staging and pack table) with its mappings, handed over: the returned object
+  /// unmaps it, then frees it, when destroyed, so that a backend whose unmapping must not
+  /// run beside another group's launches (CUDA) can drop it later. Destroy the exchange
+  /// first (its transport link writes into the receive region and reads the send staging
+  /// until then). Null when nothing is mapped.
   std::shared_ptr<void> TakeMappedMemory();
   /// Rows of low-latency buffer `b`'s last dispatch from every rank to every expert
   /// ([R, E], source major): what a LowLatencyCombine on it reads per expert.
@@ -461,6 +462,10 @@ class NodeExchange {
   /// mapping succeeded (then dispatches ask for ExchangeRowSources).
   std::vector<std::unique_ptr<ExchangeHostMapping>> gather_maps_;
   bool gathers_rows() const { return !gather_maps_.empty(); }
+  /// The send staging and pack table mapped for the backend's pack (only with the gather's
+  /// memory); empty unless every mapping succeeded (then dispatches ask ExchangePacksRows).
+  std::vector<std::unique_ptr<ExchangeHostMapping>> pack_maps_;
+  bool packs_rows() const { return !pack_maps_.empty(); }
   /// Maps the receive region, quantized rows, send staging and pack table for the
   /// backend's gather and pack (Init), all or none.
   void MapGatherMemory();

@@ -2,6 +2,7 @@
 // on the GPU"): the receive region, quantized rows, send staging and pack table mapped for
 // it at Init, and handed over with their mappings when the backend must free them elsewhere.
 #include <memory>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -10,37 +11,45 @@
 namespace epd {
 
 void NodeExchange::MapGatherMemory() {
+  auto map_all = [&](std::span<const std::pair<void*, uint64_t>> memory,
+                     std::vector<std::unique_ptr<ExchangeHostMapping>>* maps) {
+    for (const auto& [p, bytes] : memory) {
+      if (bytes == 0) continue;
+      std::unique_ptr<ExchangeHostMapping> m = host_->ExchangeMapHostMemory(p, bytes);
+      if (m == nullptr) {
+        maps->clear();  // All or none: rows are then copied.
+        return;
+      }
+      maps->push_back(std::move(m));
+    }
+  };
   // The backend reads rows where the exchange holds them: the peers' in the receive region,
-  // a low-latency FP8 dispatch's local ones quantized here; it writes this node's rows into
-  // the send staging from the pack table.
-  std::vector<std::pair<void*, uint64_t>> memory = {
+  // a low-latency FP8 dispatch's local ones quantized here.
+  const std::pair<void*, uint64_t> gather[] = {
       {span_.recv.data(), span_.recv.size() * sizeof(uint64_t)},
       {span_.quant_x.data(), span_.quant_x.size() * sizeof(kernels::e4m3_bits)},
-      {span_.quant_scales.data(), span_.quant_scales.size() * sizeof(float)},
+      {span_.quant_scales.data(), span_.quant_scales.size() * sizeof(float)}};
+  map_all(gather, &gather_maps_);
+  if (gather_maps_.empty()) return;
+  // And writes this node's rows into the send staging from the pack table: a set of its
+  // own, so that when it cannot be mapped only the pack stays on the CPU.
+  std::vector<std::pair<void*, uint64_t>> pack = {
       {span_.pack_rows.data(), span_.pack_rows.size() * sizeof(kernels::RowSource)}};
   for (std::vector<uint64_t>& send : span_.send) {
-    memory.emplace_back(send.data(), send.size() * sizeof(uint64_t));
+    pack.emplace_back(send.data(), send.size() * sizeof(uint64_t));
   }
-  for (const auto& [p, bytes] : memory) {
-    if (bytes == 0) continue;
-    std::unique_ptr<ExchangeHostMapping> m = host_->ExchangeMapHostMemory(p, bytes);
-    if (m == nullptr) {
-      gather_maps_.clear();  // All or none: rows are then copied.
-      return;
-    }
-    gather_maps_.push_back(std::move(m));
-  }
+  map_all(pack, &pack_maps_);
 }
 
 std::shared_ptr<void> NodeExchange::TakeMappedMemory() {
-  if (gather_maps_.empty()) return nullptr;
+  if (gather_maps_.empty() && pack_maps_.empty()) return nullptr;
   struct Mapped {
     std::vector<uint64_t> recv;
     std::vector<kernels::e4m3_bits> quant_x;
     std::vector<float> quant_scales;
     std::vector<kernels::RowSource> pack_rows;
     std::vector<std::vector<uint64_t>> send;
-    std::vector<std::unique_ptr<ExchangeHostMapping>> maps;  // Destroyed first.
+    std::vector<std::unique_ptr<ExchangeHostMapping>> maps, pack_maps;  // Destroyed first.
   };
   auto m = std::make_shared<Mapped>();
   m->recv.swap(span_.recv);
@@ -49,6 +58,7 @@ std::shared_ptr<void> NodeExchange::TakeMappedMemory() {
   m->pack_rows.swap(span_.pack_rows);
   m->send.swap(span_.send);
   m->maps.swap(gather_maps_);
+  m->pack_maps.swap(pack_maps_);
   return m;
 }
 
