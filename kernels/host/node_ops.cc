@@ -171,7 +171,8 @@ void PackNodeRows(const GroupShape& shape, std::span<const NodePackJob> jobs,
 absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& options,
                           bool with_weights, NodeRanks node, std::span<const int32_t> counts,
                           std::span<const NodeDispatchSource> sources,
-                          std::span<DispatchRankArgs> local, const HostExecution& exec) {
+                          std::span<DispatchRankArgs> local, const HostExecution& exec,
+                          int32_t* failed_source) {
   using internal::CheckPointer;
   constexpr const char* kOp = "Dispatch";
   EPD_RETURN_IF_ERROR(internal::CheckGroupShape(shape));
@@ -201,6 +202,7 @@ absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& option
   // ---- Counts and sources, every remote byte before use.
   for (size_t i = 0; i < counts.size(); ++i) {
     if (counts[i] < 0 || counts[i] > M) {
+      if (failed_source != nullptr) *failed_source = static_cast<int32_t>(i / R);
       return absl::InvalidArgumentError(absl::StrCat(kOp, ": count of source rank ", i / R,
                                                      " to rank ", i % R, " = ", counts[i],
                                                      " is outside [0, ", M, "]"));
@@ -209,7 +211,7 @@ absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& option
   internal::OpContext ctx(exec);
   internal::ScratchState& scratch = ctx.scratch();
   std::vector<int32_t>& seen_rows = scratch.count_to_rank;  // [R]: a source's rows per rank.
-  for (int32_t s = 0; s < R; ++s) {
+  auto check_source = [&](int32_t s) -> absl::Status {
     const NodeDispatchSource& v = sources[s];
     EPD_RETURN_IF_ERROR(CheckSourceRows(kOp, s, v.num_rows, v.token, M));
     if (node.Has(s) && (v.token != nullptr || v.num_rows != local[s - node.first].num_tokens)) {
@@ -237,6 +239,13 @@ absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& option
             absl::StrCat(kOp, ": source rank ", s, " presents ", seen_rows[r], " rows for rank ", r,
                          ", its count says ", counts[static_cast<size_t>(s) * R + r]));
       }
+    }
+    return absl::OkStatus();
+  };
+  for (int32_t s = 0; s < R; ++s) {
+    if (absl::Status st = check_source(s); !st.ok()) {
+      if (failed_source != nullptr) *failed_source = s;
+      return st;
     }
   }
 
@@ -270,6 +279,7 @@ absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& option
         const int32_t row = v.send_pos[static_cast<int64_t>(j) * R + r];
         if (row == -1) continue;
         if (row < 0 || row >= total || seen[row]) {
+          if (failed_source != nullptr) *failed_source = s;
           return absl::InvalidArgumentError(absl::StrCat(
               kOp, ": cached handle of rank ", s, " sends row ", j, " to row ", row, " of rank ", r,
               ", outside [0, ", total, ") or taken twice: not a handle of one dispatch"));
@@ -395,7 +405,7 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
                                     std::span<const int32_t> counts,
                                     std::span<const NodeLowLatencySource> sources,
                                     std::span<LowLatencyDispatchRankArgs> local,
-                                    const HostExecution& exec) {
+                                    const HostExecution& exec, int32_t* failed_source) {
   using internal::CheckPointer;
   constexpr const char* kOp = "LowLatencyDispatch";
   EPD_RETURN_IF_ERROR(internal::CheckGroupShape(shape));
@@ -425,6 +435,7 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
   }
   for (size_t i = 0; i < counts.size(); ++i) {
     if (counts[i] < 0 || counts[i] > Mll) {
+      if (failed_source != nullptr) *failed_source = static_cast<int32_t>(i / E);
       return absl::InvalidArgumentError(absl::StrCat(kOp, ": count of source rank ", i / E,
                                                      " to expert ", i % E, " = ", counts[i],
                                                      " is outside [0, ", Mll, "]"));
@@ -437,7 +448,7 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
   internal::OpContext ctx(exec);
   internal::ScratchState& scratch = ctx.scratch();
   std::vector<int32_t>& seen = scratch.expert_total;  // [E]: a source's rows per expert.
-  for (int32_t s = 0; s < R; ++s) {
+  auto check_source = [&](int32_t s) -> absl::Status {
     const NodeLowLatencySource& v = sources[s];
     EPD_RETURN_IF_ERROR(CheckSourceRows(kOp, s, v.num_rows, v.token, Mll));
     if (node.Has(s) && (v.token != nullptr || v.num_rows != local[s - node.first].num_tokens)) {
@@ -470,6 +481,13 @@ absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
             absl::StrCat(kOp, ": source rank ", s, " presents ", seen[e], " rows for expert ", e,
                          ", its count says ", counts[static_cast<size_t>(s) * E + e]));
       }
+    }
+    return absl::OkStatus();
+  };
+  for (int32_t s = 0; s < R; ++s) {
+    if (absl::Status st = check_source(s); !st.ok()) {
+      if (failed_source != nullptr) *failed_source = s;
+      return st;
     }
   }
   for (int32_t i = 0; i < node.count; ++i) {

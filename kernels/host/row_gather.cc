@@ -8,18 +8,7 @@
 
 namespace epd::kernels::host {
 
-namespace {
-
-/// `p` as the gather reads it: through the first window that holds it.
-const uint8_t* Translate(const void* p, std::span<const GatherWindow> windows) {
-  const auto* q = static_cast<const uint8_t*>(p);
-  for (const GatherWindow& w : windows) {
-    if (q >= w.from && q < w.from + w.bytes) return w.to + (q - w.from);
-  }
-  return q;
-}
-
-}  // namespace
+using internal::Translate;
 
 void GatherRows(const GroupShape& shape, const RowGather& g,
                 std::span<const GatherWindow> windows) {

@@ -8,10 +8,12 @@
 
 #include "epd/kernels/host_node_ops.h"
 #include "epd/kernels/types.h"
+#include "kernels/host/internal.h"
 
 namespace epd::kernels::host {
 
-void ReduceRows(const GroupShape& shape, const RowReduce& r) {
+void ReduceRows(const GroupShape& shape, const RowReduce& r,
+                std::span<const GatherWindow> windows) {
   constexpr int64_t kChannels = 256;  // Accumulators per block of channels.
   const int64_t hidden = shape.hidden;
   const int32_t num_topk = shape.num_topk;
@@ -25,7 +27,8 @@ void ReduceRows(const GroupShape& shape, const RowReduce& r) {
       for (int32_t j = 0; j < r.terms_per_row; ++j) {
         const ReduceTerm& term = terms[j];
         if (term.x == nullptr) continue;
-        const bf16_bits* x = term.x + h0;
+        const bf16_bits* x =
+            reinterpret_cast<const bf16_bits*>(internal::Translate(term.x, windows)) + h0;
         if (r.weighted) {
           const float weight = term.weight;
           for (int64_t h = 0; h < n; ++h) {
@@ -43,8 +46,10 @@ void ReduceRows(const GroupShape& shape, const RowReduce& r) {
     for (int32_t k = 0; k < num_topk; ++k) {
       float w = 0.0f;
       for (int32_t j = 0; j < r.terms_per_row; ++j) {
-        if (terms[j].x != nullptr && terms[j].topk_weights != nullptr)
-          w += terms[j].topk_weights[k];
+        if (terms[j].x != nullptr && terms[j].topk_weights != nullptr) {
+          w += reinterpret_cast<const float*>(
+              internal::Translate(terms[j].topk_weights, windows))[k];
+        }
       }
       w_out[k] = w;
     }

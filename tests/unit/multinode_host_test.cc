@@ -1797,5 +1797,438 @@ TEST_F(MultinodeMaskTest, APeerMaskEpochThatWrapsLeapsOrGoesBackIsDataLoss) {
   }
 }
 
+// ---- Hostile peers and clients against the cross-node path --------------------------------
+// Each test also prints what it saw (HOSTILE lines): the error texts a user would read.
+
+/// Slot layout of node 1's message at node 0 in a group of two one-rank nodes.
+abi::ExchangeSlotLayout HostileSlot(const kernels::GroupShape& g) {
+  const abi::ExchangeShape xs{g.num_ranks, g.num_experts,         g.hidden,
+                              g.num_topk,  g.max_tokens_per_rank, g.ll_max_tokens_per_rank};
+  return abi::ExchangeSlotLayout::Compute(xs, 1, 1);
+}
+
+struct HostileHook {
+  std::atomic<int> mode{0};       ///< What to scribble (per test).
+  std::atomic<int32_t> value{0};  ///< The value to write.
+  std::atomic<uint32_t> op{0};    ///< Only messages of this op kind.
+  std::atomic<int> hits{0};
+};
+
+class MultinodeHostileTest : public MultinodeHostTest {
+ protected:
+  /// node 1's writes into node 0: on the first piece (header + counts + rows) of a message
+  /// whose op is hook->op, mode 1: counts[0][0] (its rank 1 to rank 0) = value (absolute),
+  /// mode 2: counts[0][0] += value, mode 3: rows[0] += value, mode 4: every cached send_pos
+  /// of the block = value (written when the pos piece lands), mode 5: combine area bytes
+  /// 0x7F (the rows' values).
+  void Arm(std::shared_ptr<HostileHook> hook) {
+    const abi::ExchangeSlotLayout sl =
+        HostileSlot(shape_.num_ranks ? shape_ : rules::ShapeOf(spec_));
+    auto slot = std::make_shared<std::atomic<int64_t>>(-1);
+    hub_.Hostile(1, [hook, sl, slot](uint8_t* base, uint64_t offset, uint64_t bytes) {
+      abi::ExchangeHeader h;
+      if (bytes >= sizeof h) {
+        std::memcpy(&h, base + offset, sizeof h);
+        if (h.magic == abi::kExchangeMagic) {
+          *slot = static_cast<int64_t>(offset);
+          if (h.op != hook->op.load() || h.status_code != 0) return;
+          const int m = hook->mode.load();
+          int32_t* counts = reinterpret_cast<int32_t*>(base + offset + sl.counts);
+          int32_t* rows = reinterpret_cast<int32_t*>(base + offset + sl.rows);
+          if (m == 1) counts[0] = hook->value, ++hook->hits;
+          if (m == 2) counts[0] += hook->value, ++hook->hits;
+          if (m == 3) rows[0] += hook->value, ++hook->hits;
+          return;
+        }
+      }
+      if (*slot < 0) return;
+      const int m = hook->mode.load();
+      const uint64_t blk = static_cast<uint64_t>(*slot) + sl.payload;
+      if (m == 4 && offset == blk + sl.pos) {
+        for (uint64_t i = 0; i < bytes / 4; ++i) {
+          const int32_t v = hook->value;
+          std::memcpy(base + offset + 4 * i, &v, 4);
+        }
+        ++hook->hits;
+      }
+      if (m == 5 && (offset < static_cast<uint64_t>(*slot) ||
+                     offset >= static_cast<uint64_t>(*slot) + sl.total)) {
+        std::memset(base + offset, 0x7F, bytes);  // A combine-area piece.
+        ++hook->hits;
+      }
+    });
+  }
+  /// A fresh group of two one-rank nodes (BF16, H = 512; `gather`: stage_through_mirror
+  /// and gather_rows) with `hook` armed on node 1's writes.
+  void StartArmed(std::shared_ptr<HostileHook> hook, bool gather) {
+    rings_.clear();
+    nodes_.clear();
+    node_of_.clear();
+    spec_.Clear();
+    Start({1, 1}, 2000, /*fp8=*/false, 512, gather, gather);
+    if (HasFatalFailure()) return;
+    Arm(std::move(hook));
+  }
+  void Disarm() {
+    hub_.Hostile(1, [](uint8_t*, uint64_t, uint64_t) {});
+  }
+
+  /// Dispatch + Combine with weights + LL dispatch + LL combine on every rank, each result
+  /// exact against kernels/host on the whole group: the group recovered.
+  void ExpectGroupRecovered(const std::string& what) {
+    SCOPED_TRACE(what);
+    const int R = shape_.num_ranks, H = shape_.hidden, K = shape_.num_topk;
+    Reference ref;
+    ASSERT_TRUE(RefDispatch(false, {}, &ref).ok());
+    auto done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens_);
+    const uint64_t dseq = last_seq_;
+    for (int r = 0; r < R; ++r) ASSERT_EQ(done[r].status_code, 0) << r << ": " << Message(done[r]);
+    for (int r = 0; r < R; ++r) {
+      EXPECT_TRUE(Same(At<uint8_t>(r, layout_.recv_x), ref.rx[r].data(),
+                       int64_t{ref.da[r].num_recv_tokens} * 2 * H))
+          << r;
+    }
+    ASSERT_TRUE(RefCombine(true, &ref).ok());
+    for (int r = 0; r < R; ++r)
+      std::memset(At<uint8_t>(r, layout_.combined_x), 0xA5, layout_.combined_x.bytes);
+    done = RunOnAll(abi::OpKind::kCombine, abi::kFlagCombineWeights, tokens_, dseq);
+    for (int r = 0; r < R; ++r) {
+      ASSERT_EQ(done[r].status_code, 0) << r << ": " << Message(done[r]);
+      EXPECT_TRUE(Same(At<bf16_bits>(r, layout_.combined_x), ref.cx[r].data(), tokens_[r] * H))
+          << r;
+      EXPECT_TRUE(
+          Same(At<float>(r, layout_.combined_topk_weights), ref.cw[r].data(), tokens_[r] * K))
+          << r;
+    }
+    std::vector<int> ll(R);
+    for (int r = 0; r < R; ++r) ll[r] = std::min(tokens_[r], shape_.ll_max_tokens_per_rank);
+    kernels::host::LowLatencyDispatchOptions lopt{false, false, false};
+    ASSERT_TRUE(RefLowLatencyDispatch(lopt, ll, {}, &ref).ok());
+    done = RunOnAll(abi::OpKind::kLowLatencyDispatch, 0, ll);
+    const uint64_t lseq = last_seq_;
+    for (int r = 0; r < R; ++r) ASSERT_EQ(done[r].status_code, 0) << r << ": " << Message(done[r]);
+    ASSERT_TRUE(RefLowLatencyCombine(ll, {}, &ref).ok());
+    done = RunOnAll(abi::OpKind::kLowLatencyCombine, 0, ll, lseq);
+    for (int r = 0; r < R; ++r) {
+      ASSERT_EQ(done[r].status_code, 0) << r << ": " << Message(done[r]);
+      EXPECT_TRUE(Same(At<bf16_bits>(r, layout_.ll_combined_x[done[r].buffer]), ref.lcx[r].data(),
+                       ll[r] * H))
+          << r;
+    }
+  }
+};
+
+// A peer whose dispatch counts disagree with the rows it sends (node 1's count for its rank
+// to rank 0): +1, -1, negative, > M, INT32_MAX, INT32_MIN. Node 0 must refuse (an error,
+// never an out-of-bounds access) and the group must then run every op exactly; with the
+// received rows gathered (gather_rows) and without.
+TEST_F(MultinodeHostileTest, CountsThatDisagreeWithTheRows) {
+  for (const bool gather : {false, true}) {
+    for (const auto& [mode, value] : std::vector<std::pair<int, int32_t>>{
+             {2, 1}, {2, -1}, {1, -5}, {1, 7}, {1, INT32_MAX}, {1, INT32_MIN}}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "gather " << gather << " mode " << mode << " value " << value);
+      auto hook = std::make_shared<HostileHook>();
+      StartArmed(hook, gather);
+      if (HasFatalFailure()) return;
+      MakeInputs(21);
+      tokens_ = {4, 6};
+      hook->op = static_cast<uint32_t>(abi::OpKind::kDispatch);
+      hook->mode = mode;
+      hook->value = value;
+      auto done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens_);
+      hook->mode = 0;
+      EXPECT_GE(hook->hits.load(), 1);
+      EXPECT_EQ(done[0].status_code, static_cast<int>(absl::StatusCode::kDataLoss))
+          << Message(done[0]);
+      EXPECT_THAT(Message(done[0]), HasSubstr("node 1 (10.0.0.2:7100)"));
+      std::printf("HOSTILE counts gather=%d mode=%d value=%d: node0 %d '%s' | node1 %d '%s'\n",
+                  gather, mode, value, done[0].status_code, Message(done[0]).c_str(),
+                  done[1].status_code, Message(done[1]).c_str());
+      // LL dispatch counts (per expert) too.
+      hook->op = static_cast<uint32_t>(abi::OpKind::kLowLatencyDispatch);
+      hook->mode = mode;
+      done = RunOnAll(abi::OpKind::kLowLatencyDispatch, 0, {4, 5});
+      hook->mode = 0;
+      EXPECT_EQ(done[0].status_code, static_cast<int>(absl::StatusCode::kDataLoss))
+          << Message(done[0]);
+      EXPECT_THAT(Message(done[0]), HasSubstr("node 1 (10.0.0.2:7100)"));
+      std::printf("HOSTILE ll counts gather=%d mode=%d value=%d: node0 %d '%s' | node1 %d '%s'\n",
+                  gather, mode, value, done[0].status_code, Message(done[0]).c_str(),
+                  done[1].status_code, Message(done[1]).c_str());
+      Disarm();
+      ExpectGroupRecovered("after bad counts");
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// A combine message whose rows are fewer (or more) than the dispatch said: node 0 must
+// refuse it (DATA_LOSS naming node 1) and the group must go on exactly; the reduce that
+// gather_rows records must not run on a failed combine.
+TEST_F(MultinodeHostileTest, CombineRowsDisagreeingWithTheDispatch) {
+  for (const bool gather : {false, true}) {
+    for (const int32_t delta : {-1, 1, -1000, 1 << 30}) {
+      for (const bool ll : {false, true}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "gather " << gather << " delta " << delta << " ll " << ll);
+        auto hook = std::make_shared<HostileHook>();
+        StartArmed(hook, gather);
+        if (HasFatalFailure()) return;
+        MakeInputs(22);
+        tokens_ = {5, 6};
+        std::vector<int> ll_tokens = {5, 5};
+        auto done = ll ? RunOnAll(abi::OpKind::kLowLatencyDispatch, 0, ll_tokens)
+                       : RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens_);
+        ASSERT_EQ(done[0].status_code, 0) << Message(done[0]);
+        ASSERT_EQ(done[1].status_code, 0) << Message(done[1]);
+        const uint64_t dseq = last_seq_;
+        for (int r = 0; r < 2; ++r) {
+          std::memset(At<uint8_t>(r, layout_.combined_x), 0xA5, layout_.combined_x.bytes);
+          FillCombineX(r, shape_.max_recv_tokens());
+          FillLowLatencyCombineX(r);
+        }
+        hook->op =
+            static_cast<uint32_t>(ll ? abi::OpKind::kLowLatencyCombine : abi::OpKind::kCombine);
+        hook->mode = 3;
+        hook->value = delta;
+        done = ll ? RunOnAll(abi::OpKind::kLowLatencyCombine, 0, ll_tokens, dseq)
+                  : RunOnAll(abi::OpKind::kCombine, abi::kFlagCombineWeights, tokens_, dseq);
+        hook->mode = 0;
+        std::printf(
+            "HOSTILE combine rows gather=%d delta=%d ll=%d: node0 %d '%s' | node1 %d '%s'\n",
+            gather, delta, ll, done[0].status_code, Message(done[0]).c_str(), done[1].status_code,
+            Message(done[1]).c_str());
+        EXPECT_GE(hook->hits.load(), 1);
+        EXPECT_EQ(done[0].status_code, static_cast<int>(absl::StatusCode::kDataLoss))
+            << Message(done[0]);
+        Disarm();
+        ExpectGroupRecovered("after bad combine rows");
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// Node 1's combine rows overwritten in node 0's combine area (values only): the op is OK
+// (node 0 cannot tell) and nothing is read out of bounds; with the recorded reduce, the
+// terms point into the area and read its values after the checks.
+TEST_F(MultinodeHostileTest, CombineAreaValuesRewritten) {
+  for (const bool gather : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "gather " << gather);
+    auto hook = std::make_shared<HostileHook>();
+    StartArmed(hook, gather);
+    if (HasFatalFailure()) return;
+    MakeInputs(23);
+    tokens_ = {5, 6};
+    auto done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens_);
+    ASSERT_EQ(done[0].status_code, 0) << Message(done[0]);
+    const uint64_t dseq = last_seq_;
+    hook->mode = 5;
+    done = RunOnAll(abi::OpKind::kCombine, abi::kFlagCombineWeights, tokens_, dseq);
+    hook->mode = 0;
+    std::printf("HOSTILE combine values gather=%d hits=%d: node0 %d '%s'\n", gather,
+                hook->hits.load(), done[0].status_code, Message(done[0]).c_str());
+    Disarm();
+    ExpectGroupRecovered("after rewritten combine values");
+    if (HasFatalFailure()) return;
+  }
+}
+
+// A cached dispatch whose send_pos disagree with the counts (every row to one row, -2, far
+// out of range): node 0 refuses, the group goes on.
+TEST_F(MultinodeHostileTest, CachedSendPosThatDisagreeWithTheCounts) {
+  for (const bool gather : {false, true}) {
+    for (const int32_t v : {0, -2, 1 << 30, -1}) {
+      SCOPED_TRACE(::testing::Message() << "gather " << gather << " send_pos " << v);
+      auto hook = std::make_shared<HostileHook>();
+      StartArmed(hook, gather);
+      if (HasFatalFailure()) return;
+      MakeInputs(24);
+      tokens_ = {5, 6};
+      auto done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens_);
+      ASSERT_EQ(done[0].status_code, 0) << Message(done[0]);
+      const uint64_t dseq = last_seq_;
+      hook->op = static_cast<uint32_t>(abi::OpKind::kDispatch);
+      hook->mode = 4;
+      hook->value = v;
+      done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagCachedHandle, tokens_, dseq);
+      hook->mode = 0;
+      std::printf("HOSTILE send_pos gather=%d v=%d hits=%d: node0 %d '%s' | node1 %d '%s'\n",
+                  gather, v, hook->hits.load(), done[0].status_code, Message(done[0]).c_str(),
+                  done[1].status_code, Message(done[1]).c_str());
+      Disarm();
+      ExpectGroupRecovered("after bad send_pos");
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// A client that rewrites its area (topk_idx to garbage, x, num tokens' worth of weights)
+// after the daemon checked its inputs, and again while its rows' pack is held: every node's
+// op still routes by what was checked (no error, no out-of-bounds), and the next ops are
+// exact.
+TEST_F(MultinodeHostileTest, ClientRewritingItsAreaMidOp) {
+  std::atomic<bool> hold{false};
+  std::atomic<int> polls{0};
+  std::atomic<bool> armed{false};
+  pack_poll_ = [&](int32_t rank) -> absl::StatusOr<bool> {
+    if (rank == 0 && hold) {
+      ++polls;
+      return false;
+    }
+    return true;
+  };
+  node0_inputs_checked_ = [this, &armed] {
+    if (!armed) return;
+    auto* idx = At<int64_t>(0, layout_.in_topk_idx);
+    for (int i = 0; i < shape_.max_input_tokens() * shape_.num_topk; ++i) idx[i] = 1LL << 40;
+    std::memset(At<uint8_t>(0, layout_.in_x), 0x7F, layout_.in_x.bytes);
+    std::memset(At<uint8_t>(0, layout_.in_topk_weights), 0xFF, layout_.in_topk_weights.bytes);
+  };
+  Start({1, 1}, 2000, false, 512, true, true);
+  if (HasFatalFailure()) return;
+  MakeInputs(25);
+  tokens_ = {5, 6};
+  // The pack of rank 0 held; meanwhile its client rewrites topk_idx and x.
+  hold = true;
+  const uint64_t s0 = rings_[0]->Submit(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, 5);
+  const uint64_t s1 = rings_[1]->Submit(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, 6);
+  std::this_thread::sleep_for(milliseconds(200));
+  auto* idx = At<int64_t>(0, layout_.in_topk_idx);
+  for (int i = 0; i < shape_.max_input_tokens() * shape_.num_topk; ++i) idx[i] = -7;
+  std::memset(At<uint8_t>(0, layout_.in_x), 0x55, layout_.in_x.bytes);
+  hold = false;
+  auto c0 = rings_[0]->Await(s0, milliseconds(5000));
+  auto c1 = rings_[1]->Await(s1, milliseconds(5000));
+  ASSERT_TRUE(c0 && c1);
+  std::printf("HOSTILE rewrite during held pack (polls %d): node0 %d '%s' | node1 %d '%s'\n",
+              polls.load(), c0->status_code, Message(*c0).c_str(), c1->status_code,
+              Message(*c1).c_str());
+  EXPECT_EQ(c0->status_code, 0);
+  EXPECT_EQ(c1->status_code, 0);
+  // Rewritten after the checks of node 0's NodeDispatch.
+  MakeInputs(26);
+  armed = true;
+  auto done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, {5, 6});
+  armed = false;
+  std::printf("HOSTILE rewrite after checks: node0 %d '%s' | node1 %d '%s'\n", done[0].status_code,
+              Message(done[0]).c_str(), done[1].status_code, Message(done[1]).c_str());
+  const uint64_t dseq = last_seq_;
+  done = RunOnAll(abi::OpKind::kCombine, abi::kFlagCombineWeights, {5, 6}, dseq);
+  std::printf("HOSTILE its combine: node0 %d '%s' | node1 %d '%s'\n", done[0].status_code,
+              Message(done[0]).c_str(), done[1].status_code, Message(done[1]).c_str());
+  MakeInputs(27);
+  tokens_ = {5, 6};
+  ExpectGroupRecovered("after a client rewrote its area");
+}
+
+// A rank that leaves (DetachRank) while its node's pack is held: the pack then runs on
+// its area, which must still be alive (ASan), and the other node is told.
+TEST_F(MultinodeHostileTest, RankLeavingWhileItsPackIsHeld) {
+  std::atomic<bool> hold{false};
+  pack_poll_ = [&](int32_t rank) -> absl::StatusOr<bool> { return !(rank == 0 && hold.load()); };
+  Start({2, 1}, 2000, false, 512, true, true);
+  if (HasFatalFailure()) return;
+  MakeInputs(28);
+  tokens_ = {5, 6, 4};
+  hold = true;
+  std::vector<uint64_t> seqs(3);
+  for (int r = 0; r < 3; ++r)
+    seqs[r] = rings_[r]->Submit(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens_[r]);
+  std::this_thread::sleep_for(milliseconds(200));
+  nodes_[0]->group->DetachRank(0);
+  std::this_thread::sleep_for(milliseconds(50));
+  hold = false;
+  for (int r : {0, 1, 2}) {
+    auto c = rings_[r]->Await(seqs[r], milliseconds(5000));
+    std::printf("HOSTILE leave during held pack: rank %d %s %d '%s'\n", r, c ? "done" : "NONE",
+                c ? c->status_code : -1, c ? Message(*c).c_str() : "");
+  }
+}
+
+// Random scribbles on every piece node 1 lands in node 0 (header fields included), with
+// the received rows gathered and the combines' reduce recorded (gather_rows): every op of
+// both families completes (an error or OK, never a hang past op_timeout + grace), nothing
+// is read or written out of bounds (ASan/UBSan build), and once the scribbling stops the
+// group runs every op exactly.
+TEST_F(MultinodeHostileTest, RandomScribblesWithRowsOnTheBackend) {
+  auto rng = std::make_shared<std::mt19937>(1234);
+  auto on = std::make_shared<std::atomic<bool>>(false);
+  Start({2, 1}, /*op_timeout_ms=*/800, /*fp8=*/true, 512, true, true);
+  if (HasFatalFailure()) return;
+  const int32_t M = shape_.max_tokens_per_rank;
+  hub_.Hostile(1, [rng, on, M](uint8_t* base, uint64_t offset, uint64_t bytes) {
+    if (!*on || bytes < 4) return;
+    std::mt19937& g = *rng;
+    const int n = 1 + static_cast<int>(g() % 6);
+    const int32_t values[] = {0, -1, 1, INT32_MAX, INT32_MIN, M, M + 1, -2, 2, 1 << 20};
+    for (int i = 0; i < n; ++i) {
+      // Biased to the first 1 KiB (header, mask, tokens, counts, rows).
+      const uint64_t span = (g() % 2) ? std::min<uint64_t>(bytes, 1024) : bytes;
+      const uint64_t at = (g() % (span / 4)) * 4;
+      const int32_t v = (g() % 3) ? values[g() % 10] : static_cast<int32_t>(g());
+      std::memcpy(base + offset + at, &v, 4);
+    }
+  });
+  const int R = shape_.num_ranks;
+  int ok = 0, failed = 0;
+  std::map<int, int> codes;
+  for (int round = 0; round < 60; ++round) {
+    MakeInputs(300 + round);
+    *on = true;
+    const bool fp8 = round % 2;
+    auto tally = [&](const std::vector<abi::Completion>& done) {
+      for (int r = 0; r < R; ++r) {
+        ++codes[done[r].status_code];
+        (done[r].status_code == 0 ? ok : failed)++;
+      }
+    };
+    auto done =
+        RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights | (fp8 ? abi::kFlagFp8 : 0u),
+                 tokens_, 0, milliseconds(5000));
+    tally(done);
+    const uint64_t d = last_seq_;
+    tally(
+        RunOnAll(abi::OpKind::kCombine, abi::kFlagCombineWeights, tokens_, d, milliseconds(5000)));
+    tally(RunOnAll(abi::OpKind::kDispatch, abi::kFlagCachedHandle, tokens_, d, milliseconds(5000)));
+    std::vector<int> ll(R);
+    for (int r = 0; r < R; ++r) ll[r] = std::min(tokens_[r], shape_.ll_max_tokens_per_rank);
+    tally(RunOnAll(abi::OpKind::kLowLatencyDispatch, fp8 ? abi::kFlagFp8 : 0u, ll, 0,
+                   milliseconds(5000)));
+    const uint64_t l = last_seq_;
+    tally(RunOnAll(abi::OpKind::kLowLatencyCombine, 0, ll, l, milliseconds(5000)));
+    tally(RunOnAll(abi::OpKind::kGetDispatchLayout, 0, tokens_, 0, milliseconds(5000)));
+    if (HasFailure()) break;
+  }
+  *on = false;
+  std::printf("HOSTILE random scribbles: %d OK, %d failed;", ok, failed);
+  for (const auto& [c, n] : codes) std::printf(" code %d x%d", c, n);
+  std::printf("\n");
+  hub_.Hostile(1, [](uint8_t*, uint64_t, uint64_t) {});
+  MakeInputs(999);
+  tokens_[0] = 3;
+  ExpectGroupRecovered("after random scribbles");
+}
+
+// DESIGN.md §5.1 "Checks": a peer's counts that disagree with its rows are the peer's data
+// fault, DATA_LOSS naming its node (as for its token ids), not INVALID_ARGUMENT of this
+// node's ranks. Fails today (review finding): INVALID_ARGUMENT "Dispatch: source rank 1
+// presents 4 rows for rank 0, its count says 5", no node named.
+TEST_F(MultinodeHostileTest, APeersBadCountsAreDataLossNamingTheNode) {
+  auto hook = std::make_shared<HostileHook>();
+  Start({1, 1}, 2000, /*fp8=*/false, 512, true, true);
+  if (HasFatalFailure()) return;
+  Arm(hook);
+  MakeInputs(21);
+  tokens_ = {4, 6};
+  hook->op = static_cast<uint32_t>(abi::OpKind::kDispatch);
+  hook->mode = 2;
+  hook->value = 1;
+  auto done = RunOnAll(abi::OpKind::kDispatch, abi::kFlagDispatchWeights, tokens_);
+  hook->mode = 0;
+  EXPECT_EQ(done[0].status_code, static_cast<int>(absl::StatusCode::kDataLoss)) << Message(done[0]);
+  EXPECT_THAT(Message(done[0]), HasSubstr("node 1 (10.0.0.2:7100)"));
+}
 }  // namespace
 }  // namespace epd

@@ -201,11 +201,11 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// onto area) and the GPU copies of a low-latency FP8 dispatch's quantized tokens. Their
   /// number.
   int32_t OpWindows(const OpPlan& plan, const CudaRank& cr) const;
-  /// Whether op `plan`'s token rows stay on the GPU (MirrorInputSpans' rows_on_backend; a
-  /// low-latency FP8 dispatch's quantized tokens only in the ranks' GPU copies): a dispatch
-  /// whose every local rank is daemon-launched on one GPU, so that every gather and pack
-  /// reads them from the areas through OpWindows and the exchange never reads them on the
-  /// host.
+  /// Whether op `plan`'s rows stay on the GPU (MirrorInputSpans' BackendRows; a low-latency
+  /// FP8 dispatch's quantized tokens only in the ranks' GPU copies): a dispatch's token
+  /// rows, a combine's rows from this node's ranks, when every local rank is
+  /// daemon-launched on one GPU, so that every gather, pack and reduce reads them from the
+  /// areas through OpWindows and the exchange never reads them on the host.
   bool RowsOnBackend(const OpPlan& plan) const;
 
   /// The combines' reduce on the GPU (DESIGN.md §5.5 "Rows on the GPU"): a daemon-launched

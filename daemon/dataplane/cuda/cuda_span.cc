@@ -114,10 +114,15 @@ int32_t CudaGroup::OpWindows(const OpPlan& plan, const CudaRank& cr) const {
 bool CudaGroup::RowsOnBackend(const OpPlan& plan) const {
   const bool ll_fp8 =
       plan.op == abi::OpKind::kLowLatencyDispatch && rules::DecodeFlags(plan.flags).use_fp8;
+  const bool combine =
+      plan.op == abi::OpKind::kCombine || plan.op == abi::OpKind::kLowLatencyCombine;
   if (!exchange_ || !exchange_->rows_on_backend() ||
-      !(plan.op == abi::OpKind::kDispatch || plan.op == abi::OpKind::kLowLatencyDispatch)) {
+      !(plan.op == abi::OpKind::kDispatch || plan.op == abi::OpKind::kLowLatencyDispatch ||
+        combine)) {
     return false;
   }
+  // A combine's rows from this node are read by the reduce (ExchangeReduceTable).
+  if (combine && kernels::ReduceTermsPerRow(shape()) > kc::kMaxReduceTerms) return false;
   // Every local rank's rows must be readable through a window: daemon-launched, one GPU,
   // and not more windows than one gather takes (three a rank for the quantized tokens).
   if (local_count() * (ll_fp8 ? 3 : 1) > kc::kMaxGatherWindows) return false;
@@ -129,7 +134,7 @@ bool CudaGroup::RowsOnBackend(const OpPlan& plan) const {
   for (int32_t r = local_first(); r < local_first() + local_count(); ++r) {
     const CudaRank* cr = ranks_[r].get();
     if (cr == nullptr || cr->client_launched || !cr->mirror || !cr->mirror->windows ||
-        (ll_fp8 && !cr->mirror->quant_rows)) {
+        (ll_fp8 && !cr->mirror->quant_rows) || (combine && !cr->mirror->reduce_terms)) {
       return false;
     }
     if (first != nullptr && cr->device != first->device) return false;
@@ -328,10 +333,11 @@ absl::Status CudaGroup::StageIn(const OpPlan& plan, const abi::RequestSlot& slot
     quantized = true;
   }
   uint64_t total = 0;
-  const int32_t n =
-      MirrorInputSpans(shape(), layout(), plan, slot, r, endpoint(r)->handles.num_recv_tokens(),
-                       exchange_->LowLatencyCounts(plan.ll_handle_buffer), m.in_spans.get(), &total,
-                       quantized, span_rows_on_backend_);
+  const int32_t n = MirrorInputSpans(
+      shape(), layout(), plan, slot, r, endpoint(r)->handles.num_recv_tokens(),
+      exchange_->LowLatencyCounts(plan.ll_handle_buffer), m.in_spans.get(), &total, quantized,
+      BackendRows{span_rows_on_backend_, local_first(), local_count(),
+                  &exchange_->DispatchCounts()});
   return kc::CopySpansAsync(m.base, cr.area.get(), m.in_spans.get(), n, total,
                             reinterpret_cast<uint32_t*>(m.counter.get()), m.staged.get(), plan.seq,
                             s);

@@ -21,13 +21,21 @@ uint64_t Rows(const kernels::Region& r, int64_t rows, uint64_t row_bytes) {
   return std::min<uint64_t>(r.bytes, static_cast<uint64_t>(std::max<int64_t>(rows, 0)) * row_bytes);
 }
 
+/// Appends rows [first, last) of `row_bytes` of region `r`, clamped to the region.
+void AddRows(kernels::Region* spans, int32_t* n, uint64_t* total, const kernels::Region& r,
+             int64_t first, int64_t last, uint64_t row_bytes) {
+  const uint64_t begin = Rows(r, first, row_bytes), end = Rows(r, last, row_bytes);
+  if (end > begin) Add(spans, n, total, r.offset + begin, end - begin);
+}
+
 }  // namespace
 
 int32_t MirrorInputSpans(const kernels::GroupShape& s, const kernels::EndpointLayout& L,
                          const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
                          int32_t num_recv_tokens, const std::vector<int32_t>& ll_counts,
                          kernels::Region* spans, uint64_t* total, bool rows_quantized,
-                         bool rows_on_backend) {
+                         const BackendRows& backend) {
+  const bool rows_on_backend = backend.on;
   const rules::RequestOptions f = rules::DecodeFlags(plan.flags);
   const int64_t T = slot.num_tokens, H = s.hidden, K = s.num_topk;
   int32_t n = 0;
@@ -48,9 +56,28 @@ int32_t MirrorInputSpans(const kernels::GroupShape& s, const kernels::EndpointLa
       if (f.dispatch_weights) add(L.in_topk_weights, Rows(L.in_topk_weights, T, K * 4));
       break;
     case abi::OpKind::kCombine: {
-      const int64_t N = num_recv_tokens;
-      add(L.in_combine_x, Rows(L.in_combine_x, N, 2 * H));
-      if (f.combine_weights) add(L.in_combine_weights, Rows(L.in_combine_weights, N, K * 4));
+      const int64_t N = num_recv_tokens, R = s.num_ranks;
+      // Rows received from this node's ranks (ascending source rank: a range) stay on the
+      // GPU when the backend reduces them from there.
+      int64_t skip_begin = N, skip_end = N;
+      if (rows_on_backend && backend.dispatch_counts != nullptr &&
+          backend.dispatch_counts->size() == static_cast<size_t>(R * R)) {
+        const std::vector<int32_t>& dc = *backend.dispatch_counts;
+        int64_t start = 0, count = 0;
+        for (int32_t src = 0; src < backend.local_first; ++src) start += dc[src * R + r];
+        for (int32_t src = backend.local_first; src < backend.local_first + backend.local_count;
+             ++src) {
+          count += dc[src * R + r];
+        }
+        skip_begin = std::clamp<int64_t>(start, 0, N);
+        skip_end = std::clamp<int64_t>(start + count, skip_begin, N);
+      }
+      AddRows(spans, &n, total, L.in_combine_x, 0, skip_begin, 2 * H);
+      AddRows(spans, &n, total, L.in_combine_x, skip_end, N, 2 * H);
+      if (f.combine_weights) {
+        AddRows(spans, &n, total, L.in_combine_weights, 0, skip_begin, K * 4);
+        AddRows(spans, &n, total, L.in_combine_weights, skip_end, N, K * 4);
+      }
       break;
     }
     case abi::OpKind::kLowLatencyDispatch:
@@ -66,14 +93,28 @@ int32_t MirrorInputSpans(const kernels::GroupShape& s, const kernels::EndpointLa
         add(L.in_ll_combine_x, L.in_ll_combine_x.bytes);
         break;
       }
-      // Per local expert, the rows its dispatch received (what the exchange reads).
+      // Per local expert, the rows its dispatch received (what the exchange reads), but for
+      // those from this node's ranks (a range: ascending source rank) when the backend
+      // reduces them from the GPU areas and there are spans enough for two ranges each.
+      const bool skip = rows_on_backend && 2 * El + 2 <= kernels::kMaxAreaSpans;
       const std::vector<int32_t>& c = ll_counts;
       for (int32_t j = 0; j < El; ++j) {
-        int64_t rows = 0;
-        for (int32_t src = 0; src < R; ++src) rows += c[size_t(src) * E + size_t(r) * El + j];
+        int64_t rows = 0, start = 0, count = 0;
+        for (int32_t src = 0; src < R; ++src) {
+          const int64_t v = c[size_t(src) * E + size_t(r) * El + j];
+          rows += v;
+          if (src < backend.local_first) start += v;
+          if (src >= backend.local_first && src < backend.local_first + backend.local_count) {
+            count += v;
+          }
+        }
         rows = std::clamp<int64_t>(rows, 0, rpe);
-        Add(spans, &n, total, L.in_ll_combine_x.offset + uint64_t(j) * rpe * 2 * H,
-            uint64_t(rows) * 2 * H);
+        const int64_t skip_begin = skip ? std::clamp<int64_t>(start, 0, rows) : rows;
+        const int64_t skip_end = skip ? std::clamp<int64_t>(start + count, skip_begin, rows) : rows;
+        const kernels::Region block{L.in_ll_combine_x.offset + uint64_t(j) * rpe * 2 * H,
+                                    uint64_t(rows) * 2 * H};
+        AddRows(spans, &n, total, block, 0, skip_begin, 2 * H);
+        AddRows(spans, &n, total, block, skip_end, rows, 2 * H);
       }
       break;
     }

@@ -24,15 +24,23 @@ namespace epd {
 /// combine's dispatch, [R, E] source major (NodeExchange::LowLatencyCounts); unused for
 /// other ops. Empty ranges are left out. `rows_quantized`: a low-latency FP8 dispatch's
 /// tokens were quantized on the GPU into the exchange's rows (NodeExchangeHost::
-/// ExchangeRowsQuantized), so its x is not among the ranges. `rows_on_backend`: a
-/// dispatch's token rows (x, and a normal FP8 dispatch's scales) are read from the GPU area
-/// by the backend's pack and gathers, never from the mirror, so they are not among the
-/// ranges either.
+/// ExchangeRowsQuantized), so its x is not among the ranges. `backend`: what the backend's
+/// kernels read from the GPU areas themselves, never from the mirror (BackendRows).
+struct BackendRows {
+  /// A dispatch's token rows (x, and a normal FP8 dispatch's scales) are read by the
+  /// backend's pack and gathers; a combine's rows (and weights) received from this node's
+  /// ranks by its reduce.
+  bool on = false;
+  int32_t local_first = 0, local_count = 0;  ///< This node's ranks.
+  /// [R, R] rows of the normal combine's routing dispatch from each rank to each rank
+  /// (NodeExchange::DispatchCounts); the low-latency combine's are `ll_counts`.
+  const std::vector<int32_t>* dispatch_counts = nullptr;
+};
 int32_t MirrorInputSpans(const kernels::GroupShape& shape, const kernels::EndpointLayout& layout,
                          const OpPlan& plan, const abi::RequestSlot& slot, int32_t rank,
                          int32_t num_recv_tokens, const std::vector<int32_t>& ll_counts,
                          kernels::Region* spans, uint64_t* total, bool rows_quantized = false,
-                         bool rows_on_backend = false);
+                         const BackendRows& backend = {});
 
 /// The ranges of a rank's area that op `plan` wrote, once the exchange finished it with
 /// `outcome` (a dispatch's N), into `spans` (capacity kernels::kMaxAreaSpans); returns their

@@ -1082,6 +1082,20 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
   return true;
 }
 
+absl::Status NodeExchange::PeerAtFault(uint64_t seq, int32_t source,
+                                       const absl::Status& status) const {
+  if (source < 0 || (source >= local_first() && source < local_first() + local_count())) {
+    return status;
+  }
+  int32_t n = 0;
+  while (n + 1 < span_.num_nodes && source >= span_.first[n + 1]) ++n;
+  return errors::WithReason(
+      absl::DataLossError(absl::StrCat("op ", seq, " of group ", spec().name(), ": node ", n, " (",
+                                       spec().nodes(n).peer_address(),
+                                       ") sent rows that fail the checks: ", status.message())),
+      errors::Reason::kPeerProtocol);
+}
+
 absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
                                           const std::vector<abi::RequestSlot>& slots,
                                           std::span<RankOutcome> out) {
@@ -1292,13 +1306,14 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
         kernels::host::DispatchOptions opt;
         opt.fp8 = flags.use_fp8;
         opt.expert_alignment = slots[first].expert_alignment;
+        int32_t bad_source = -1;
         {
           KernelScope k(options_.on_kernels);
-          st = kernels::host::NodeDispatch(gs, opt, flags.dispatch_weights, node, all_counts,
-                                           span_.dispatch_sources,
-                                           std::span(dispatch_args_).subspan(first, Rl), exec);
+          st = kernels::host::NodeDispatch(
+              gs, opt, flags.dispatch_weights, node, all_counts, span_.dispatch_sources,
+              std::span(dispatch_args_).subspan(first, Rl), exec, &bad_source);
         }
-        if (!st.ok()) return st;
+        if (!st.ok()) return PeerAtFault(plan.seq, bad_source, st);
         for (int32_t r = first; r < first + Rl; ++r) {
           *Ptr<int32_t>(r, L.recv_count) = dispatch_args_[r].num_recv_tokens;
           out[r].num_recv_tokens = dispatch_args_[r].num_recv_tokens;
@@ -1325,13 +1340,14 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
       opt.use_fp8 = flags.use_fp8;
       opt.round_scale = flags.round_scale;
       opt.use_ue8m0 = flags.use_ue8m0;
+      int32_t bad_source = -1;
       {
         KernelScope k(options_.on_kernels);
         st = kernels::host::NodeLowLatencyDispatch(gs, opt, node, all_counts, span_.ll_sources,
                                                    std::span(ll_dispatch_args_).subspan(first, Rl),
-                                                   exec);
+                                                   exec, &bad_source);
       }
-      if (!st.ok()) return st;
+      if (!st.ok()) return PeerAtFault(plan.seq, bad_source, st);
       for (int32_t r = first; r < first + Rl; ++r) {
         Publish(r, Private(r).ll_handle_pos[b], slots[r].num_tokens, gs.num_topk,
                 L.ll_handle_pos[b]);

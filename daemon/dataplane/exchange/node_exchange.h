@@ -232,6 +232,9 @@ class NodeExchange {
   /// Rows of low-latency buffer `b`'s last dispatch from every rank to every expert
   /// ([R, E], source major): what a LowLatencyCombine on it reads per expert.
   const std::vector<int32_t>& LowLatencyCounts(int b) const { return span_.ll_counts[b]; }
+  /// Rows of the last normal dispatch from every rank to every rank ([R, R], source major):
+  /// what a Combine on it reads per source.
+  const std::vector<int32_t>& DispatchCounts() const { return span_.dispatch_counts; }
 
  private:
   const v1::GroupSpec& spec() const { return spec_; }
@@ -308,6 +311,10 @@ class NodeExchange {
   /// True when every node whose message of the running op is missing is alive: its Peer
   /// service healthy (GroupPeers::Health OK) and its data link ready.
   bool MissingPeersAlive() const;
+  /// `status` of a node op that failed on rank `source`'s rows: when `source` is another
+  /// node's rank, DATA_LOSS naming that node (its daemon sent rows that contradict its own
+  /// counts), else `status` as it is.
+  absl::Status PeerAtFault(uint64_t seq, int32_t source, const absl::Status& status) const;
   /// Runs this node's part of the op once every peer's message is in.
   absl::Status FinishExchange(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
                               std::span<RankOutcome> out);

@@ -293,10 +293,11 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
               rules::DecodeFlags(plan.flags).round_scale, q.x, q.scales);
           host_rank(r).quantized_seq = plan.seq;
         }
-        n = MirrorInputSpans(shape(), layout(), plan, slots[r], r,
-                             endpoint(r)->handles.num_recv_tokens(),
-                             exchange_->LowLatencyCounts(plan.ll_handle_buffer), spans_.data(),
-                             &total, quantize, rows_on_backend_);
+        n = MirrorInputSpans(
+            shape(), layout(), plan, slots[r], r, endpoint(r)->handles.num_recv_tokens(),
+            exchange_->LowLatencyCounts(plan.ll_handle_buffer), spans_.data(), &total, quantize,
+            BackendRows{rows_on_backend_, local_first(), local_count(),
+                        &exchange_->DispatchCounts()});
       } else if (outcomes[r].status.ok()) {
         n = MirrorOutputSpans(shape(), layout(), plan, slots[r], outcomes[r], mirror, spans_.data(),
                               &total, host_rank(r).rows_pending || host_rank(r).reduce_pending);
@@ -311,7 +312,7 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
       }
       if (!in && host_rank(r).reduce_pending && outcomes[r].status.ok()) {
         kernels::host::ReduceRows(
-            shape(), CombineRowReduce(shape(), layout(), plan, shm, host_rank(r).reduce));
+            shape(), CombineRowReduce(shape(), layout(), plan, shm, host_rank(r).reduce), windows_);
       }
       if (!in) host_rank(r).rows_pending = host_rank(r).reduce_pending = false;
       for (int32_t i = 0; i < n; ++i) {
@@ -329,13 +330,15 @@ class HostGroup : public LockstepGroup, private NodeExchangeHost {
   bool ExchangeRowsQuantized(int32_t rank, uint64_t seq) const override {
     return !rank_masked()[rank] && host_rank(rank).quantized_seq == seq;
   }
-  /// gather_rows: whether op `plan`'s token rows stay out of the mirrors (MirrorInputSpans'
-  /// rows_on_backend): every local rank's received rows are gathered and its rows to the
-  /// other nodes packed through the windows, so the exchange never reads them there.
+  /// gather_rows: whether op `plan`'s rows stay out of the mirrors (MirrorInputSpans'
+  /// BackendRows): every local rank's received rows are gathered, its rows to the other
+  /// nodes packed and its combines reduced through the windows, so the exchange never reads
+  /// a dispatch's token rows or a combine's rows from this node there.
   bool RowsOnBackend(const OpPlan& plan) const {
     const bool fp8 = rules::DecodeFlags(plan.flags).use_fp8;
     if (!plane_->options().gather_rows || !exchange_->rows_on_backend() ||
-        !(plan.op == abi::OpKind::kDispatch ||
+        !(plan.op == abi::OpKind::kDispatch || plan.op == abi::OpKind::kCombine ||
+          plan.op == abi::OpKind::kLowLatencyCombine ||
           (plan.op == abi::OpKind::kLowLatencyDispatch && !fp8))) {
       return false;
     }

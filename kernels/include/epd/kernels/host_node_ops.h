@@ -111,11 +111,14 @@ struct NodeDispatchSource {
 /// send_pos out [T, R], num_tokens, and cached_num_recv_tokens with a cached handle).
 /// `with_weights`: the op carries topk_weights. Writes what Dispatch writes for these
 /// ranks. Every remote row is checked against `counts` and the shape first (they come
-/// from another daemon): INVALID_ARGUMENT naming the source rank, with outputs untouched.
+/// from another daemon): INVALID_ARGUMENT naming the source rank, with outputs untouched,
+/// and that rank in `*failed_source` (when not null; untouched for an error no one source
+/// is the cause of).
 absl::Status NodeDispatch(const GroupShape& shape, const DispatchOptions& options,
                           bool with_weights, NodeRanks node, std::span<const int32_t> counts,
                           std::span<const NodeDispatchSource> sources,
-                          std::span<DispatchRankArgs> local, const HostExecution& exec = {});
+                          std::span<DispatchRankArgs> local, const HostExecution& exec = {},
+                          int32_t* failed_source = nullptr);
 
 /// What this node holds of one source rank of a low-latency dispatch. token and topk_idx
 /// are checked and then read again: they must be memory nobody else writes while the call
@@ -135,13 +138,15 @@ struct NodeLowLatencySource {
 /// expert e (CountLowLatencyRows of every source, the same matrix on every node).
 /// `sources` [R]; `local` [node.count]: the node's ranks' args (outputs recv_*, and for a
 /// local source num_tokens and handle_pos out). Writes what LowLatencyDispatch writes for
-/// these ranks; remote rows are checked first (INVALID_ARGUMENT, outputs untouched).
+/// these ranks; remote rows are checked first (INVALID_ARGUMENT, outputs untouched; the
+/// source rank at fault in `*failed_source` as for NodeDispatch).
 absl::Status NodeLowLatencyDispatch(const GroupShape& shape,
                                     const LowLatencyDispatchOptions& options, NodeRanks node,
                                     std::span<const int32_t> counts,
                                     std::span<const NodeLowLatencySource> sources,
                                     std::span<LowLatencyDispatchRankArgs> local,
-                                    const HostExecution& exec = {});
+                                    const HostExecution& exec = {},
+                                    int32_t* failed_source = nullptr);
 
 /// The host reference of a row gather (row_gather.h): copies every listed row of `g` and
 /// its scales, exactly as NodeDispatch / NodeLowLatencyDispatch would have written them
@@ -156,7 +161,10 @@ void GatherRows(const GroupShape& shape, const RowGather& g,
 /// Combine / LowLatencyCombine would have without `reduce` (and as the CUDA reduce does):
 /// the same f32 operations in the same order, the same rounding. No checks: the caller
 /// built `r` from a table its own combine recorded, with rows within its outputs and the
-/// table (a negative rows or terms_per_row writes nothing). Allocates nothing.
-void ReduceRows(const GroupShape& shape, const RowReduce& r);
+/// table (a negative rows or terms_per_row writes nothing). Each term's pointers are
+/// translated by the first of `windows` that holds them, as GatherRows does. Allocates
+/// nothing.
+void ReduceRows(const GroupShape& shape, const RowReduce& r,
+                std::span<const GatherWindow> windows = {});
 
 }  // namespace epd::kernels::host
