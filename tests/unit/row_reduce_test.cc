@@ -37,7 +37,9 @@ const float kGarbageF32 = std::bit_cast<float>(0xA5A5A5A5u);
 
 template <typename T>
 bool SameBytes(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+  // memcmp is never given the null data() of an empty vector.
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
 /// bf16 values of mixed magnitudes, an eighth of them +-2^30 (sums that cancel them show
