@@ -5,7 +5,6 @@
 #include "epd/kernels/types.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/copy_bytes.cuh"
-#include "kernels/cuda/gather_window.cuh"
 
 namespace epd::kernels::cuda {
 namespace {
@@ -19,8 +18,6 @@ struct GatherParams {
   const GatherWindow* windows;
   int32_t num_windows;
 };
-
-using device::Translate;
 
 __global__ void __launch_bounds__(kGatherThreads) GatherRowsKernel(const GatherParams p) {
   __shared__ int64_t first_row[kMaxGatherBlocks + 1];  // Prefix of the clamped counts.
@@ -53,11 +50,12 @@ __global__ void __launch_bounds__(kGatherThreads) GatherRowsKernel(const GatherP
     const int64_t row = b * g.block_rows + in_block;
     const RowSource src = g.sources[row];
     if (src.x == nullptr) continue;
-    const uint8_t* x = Translate(src.x, windows, p.num_windows);
+    const uint8_t* x = TranslateWindow(src.x, windows, p.num_windows);
     device::CopyBytes(static_cast<uint8_t*>(g.x) + row * g.row_bytes, x,
                       static_cast<uint64_t>(g.row_bytes), lane, 32);
     if (src.scales == nullptr || g.scales_kind == GatherScales::kNone) continue;
-    const auto* sc = reinterpret_cast<const float*>(Translate(src.scales, windows, p.num_windows));
+    const auto* sc =
+        reinterpret_cast<const float*>(TranslateWindow(src.scales, windows, p.num_windows));
     auto* out = static_cast<uint8_t*>(g.scales);
     for (int32_t s = lane; s < S; s += 32) {
       const float v = sc[s];

@@ -6,7 +6,6 @@
 #include "common/cuda/cuda_check.h"
 #include "epd/kernels/cuda_reduce.h"
 #include "epd/kernels/types.h"
-#include "kernels/cuda/gather_window.cuh"
 
 namespace epd::kernels::cuda {
 namespace {
@@ -58,11 +57,11 @@ __global__ void __launch_bounds__(kReduceThreads) ReduceRowsKernel(const ReduceP
       ReduceTerm term = r.terms[t * r.terms_per_row + j];
       if (term.x != nullptr) {
         term.x =
-            reinterpret_cast<const bf16_bits*>(device::Translate(term.x, windows, p.num_windows));
+            reinterpret_cast<const bf16_bits*>(TranslateWindow(term.x, windows, p.num_windows));
       }
       if (term.topk_weights != nullptr) {
         term.topk_weights = reinterpret_cast<const float*>(
-            device::Translate(term.topk_weights, windows, p.num_windows));
+            TranslateWindow(term.topk_weights, windows, p.num_windows));
       }
       terms[j] = term;
     }

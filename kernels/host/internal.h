@@ -18,19 +18,8 @@
 #include "absl/status/status.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
-#include "epd/kernels/row_gather.h"
 
 namespace epd::kernels::host::internal {
-
-/// `p` as a gather or reduce reads it: through the first of `windows` that holds it
-/// (GatherWindow), else as is.
-inline const uint8_t* Translate(const void* p, std::span<const GatherWindow> windows) {
-  const auto* q = static_cast<const uint8_t*>(p);
-  for (const GatherWindow& w : windows) {
-    if (q >= w.from && q < w.from + w.bytes) return w.to + (q - w.from);
-  }
-  return q;
-}
 
 /// Threads to use for `exec`: num_threads, or hardware_concurrency() when it is 0
 /// (at least 1).

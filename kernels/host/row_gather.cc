@@ -8,7 +8,13 @@
 
 namespace epd::kernels::host {
 
-using internal::Translate;
+namespace {
+
+const uint8_t* Translate(const void* p, std::span<const GatherWindow> windows) {
+  return TranslateWindow(p, windows.data(), static_cast<int32_t>(windows.size()));
+}
+
+}  // namespace
 
 void GatherRows(const GroupShape& shape, const RowGather& g,
                 std::span<const GatherWindow> windows) {

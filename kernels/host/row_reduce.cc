@@ -8,7 +8,6 @@
 
 #include "epd/kernels/host_node_ops.h"
 #include "epd/kernels/types.h"
-#include "kernels/host/internal.h"
 
 namespace epd::kernels::host {
 
@@ -17,6 +16,7 @@ void ReduceRows(const GroupShape& shape, const RowReduce& r,
   constexpr int64_t kChannels = 256;  // Accumulators per block of channels.
   const int64_t hidden = shape.hidden;
   const int32_t num_topk = shape.num_topk;
+  const auto num_windows = static_cast<int32_t>(windows.size());
   for (int64_t t = 0; t < r.rows; ++t) {
     const ReduceTerm* terms = r.terms + t * r.terms_per_row;
     bf16_bits* out = r.combined_x + t * hidden;
@@ -27,8 +27,9 @@ void ReduceRows(const GroupShape& shape, const RowReduce& r,
       for (int32_t j = 0; j < r.terms_per_row; ++j) {
         const ReduceTerm& term = terms[j];
         if (term.x == nullptr) continue;
-        const bf16_bits* x =
-            reinterpret_cast<const bf16_bits*>(internal::Translate(term.x, windows)) + h0;
+        const bf16_bits* x = reinterpret_cast<const bf16_bits*>(
+                                 TranslateWindow(term.x, windows.data(), num_windows)) +
+                             h0;
         if (r.weighted) {
           const float weight = term.weight;
           for (int64_t h = 0; h < n; ++h) {
@@ -48,7 +49,7 @@ void ReduceRows(const GroupShape& shape, const RowReduce& r,
       for (int32_t j = 0; j < r.terms_per_row; ++j) {
         if (terms[j].x != nullptr && terms[j].topk_weights != nullptr) {
           w += reinterpret_cast<const float*>(
-              internal::Translate(terms[j].topk_weights, windows))[k];
+              TranslateWindow(terms[j].topk_weights, windows.data(), num_windows))[k];
         }
       }
       w_out[k] = w;

@@ -166,9 +166,7 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     const CudaRank& cr = SpanRank(rank);
     // A client-launched local rank's rows are in its client's memory, which the daemon's
     // kernels cannot read: then every row is copied.
-    if (cr.client_launched || !cr.mirror || !cr.mirror->row_sources || ClientLaunchedInOp()) {
-      return nullptr;
-    }
+    if (ClientLaunchedInOp() || !cr.mirror || !cr.mirror->row_sources) return nullptr;
     // One gather takes at most kMaxGatherBlocks blocks (a low-latency dispatch has one per
     // local expert): beyond that the exchange copies the rows through the mirror.
     if (span_plan_ != nullptr && span_plan_->op == abi::OpKind::kLowLatencyDispatch &&

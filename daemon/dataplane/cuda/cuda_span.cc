@@ -185,11 +185,12 @@ absl::Status CudaGroup::GatherRankRows(const OpPlan& plan, const CudaRank& cr) {
 
 kernels::ReduceTable* CudaGroup::ExchangeReduceTable(int32_t rank) const {
   const CudaRank& cr = SpanRank(rank);
-  if (cr.client_launched || !cr.mirror || !cr.mirror->reduce_terms || !gpu_op_ ||
+  // A client-launched local rank's rows are in its client's memory, which the daemon's
+  // kernels cannot read (this rank's own included): then the exchange reduces.
+  if (ClientLaunchedInOp() || !cr.mirror || !cr.mirror->reduce_terms ||
       kernels::ReduceTermsPerRow(shape()) > kc::kMaxReduceTerms) {
     return nullptr;
   }
-  if (ClientLaunchedInOp()) return nullptr;
   CudaRankMirror& m = *cr.mirror;
   m.reduce_pending = true;
   m.reduce.terms = m.reduce_terms.get();

@@ -30,6 +30,14 @@ void AddRows(kernels::Region* spans, int32_t* n, uint64_t* total, const kernels:
 
 }  // namespace
 
+SourceRows RowsFromSources(const std::vector<int32_t>& counts, int32_t width, int32_t to,
+                           int32_t first, int32_t count) {
+  SourceRows out;
+  for (int32_t s = 0; s < first; ++s) out.start += counts[int64_t{s} * width + to];
+  for (int32_t s = first; s < first + count; ++s) out.rows += counts[int64_t{s} * width + to];
+  return out;
+}
+
 int32_t MirrorInputSpans(const kernels::GroupShape& s, const kernels::EndpointLayout& L,
                          const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
                          int32_t num_recv_tokens, const std::vector<int32_t>& ll_counts,
@@ -62,15 +70,10 @@ int32_t MirrorInputSpans(const kernels::GroupShape& s, const kernels::EndpointLa
       int64_t skip_begin = N, skip_end = N;
       if (rows_on_backend && backend.dispatch_counts != nullptr &&
           backend.dispatch_counts->size() == static_cast<size_t>(R * R)) {
-        const std::vector<int32_t>& dc = *backend.dispatch_counts;
-        int64_t start = 0, count = 0;
-        for (int32_t src = 0; src < backend.local_first; ++src) start += dc[src * R + r];
-        for (int32_t src = backend.local_first; src < backend.local_first + backend.local_count;
-             ++src) {
-          count += dc[src * R + r];
-        }
-        skip_begin = std::clamp<int64_t>(start, 0, N);
-        skip_end = std::clamp<int64_t>(start + count, skip_begin, N);
+        const SourceRows local = RowsFromSources(*backend.dispatch_counts, static_cast<int32_t>(R),
+                                                 r, backend.local_first, backend.local_count);
+        skip_begin = std::clamp<int64_t>(local.start, 0, N);
+        skip_end = std::clamp<int64_t>(local.start + local.rows, skip_begin, N);
       }
       AddRows(spans, &n, total, L.in_combine_x, 0, skip_begin, 2 * H);
       AddRows(spans, &n, total, L.in_combine_x, skip_end, N, 2 * H);
@@ -99,18 +102,13 @@ int32_t MirrorInputSpans(const kernels::GroupShape& s, const kernels::EndpointLa
       const bool skip = rows_on_backend && 2 * El + 2 <= kernels::kMaxAreaSpans;
       const std::vector<int32_t>& c = ll_counts;
       for (int32_t j = 0; j < El; ++j) {
-        int64_t rows = 0, start = 0, count = 0;
-        for (int32_t src = 0; src < R; ++src) {
-          const int64_t v = c[size_t(src) * E + size_t(r) * El + j];
-          rows += v;
-          if (src < backend.local_first) start += v;
-          if (src >= backend.local_first && src < backend.local_first + backend.local_count) {
-            count += v;
-          }
-        }
-        rows = std::clamp<int64_t>(rows, 0, rpe);
-        const int64_t skip_begin = skip ? std::clamp<int64_t>(start, 0, rows) : rows;
-        const int64_t skip_end = skip ? std::clamp<int64_t>(start + count, skip_begin, rows) : rows;
+        const int32_t e = r * El + j;
+        const int64_t rows = std::clamp<int64_t>(RowsFromSources(c, E, e, 0, R).rows, 0, rpe);
+        const SourceRows local =
+            skip ? RowsFromSources(c, E, e, backend.local_first, backend.local_count)
+                 : SourceRows{rows, 0};
+        const int64_t skip_begin = std::clamp<int64_t>(local.start, 0, rows);
+        const int64_t skip_end = std::clamp<int64_t>(local.start + local.rows, skip_begin, rows);
         const kernels::Region block{L.in_ll_combine_x.offset + uint64_t(j) * rpe * 2 * H,
                                     uint64_t(rows) * 2 * H};
         AddRows(spans, &n, total, block, 0, skip_begin, 2 * H);

@@ -17,6 +17,16 @@
 
 namespace epd {
 
+/// Where a combine's rows from source ranks [first, first + count) lie among the rows that
+/// column `to` of `counts` received (`counts` [R, width] source major: a normal dispatch's
+/// [R, R] with `to` a rank, a low-latency one's [R, E] with `to` an expert): rows [start,
+/// start + rows), the sources' rows being in ascending source order.
+struct SourceRows {
+  int64_t start = 0, rows = 0;
+};
+SourceRows RowsFromSources(const std::vector<int32_t>& counts, int32_t width, int32_t to,
+                           int32_t first, int32_t count);
+
 /// The ranges of rank `rank`'s area that the exchange reads for op `plan` with the rank's
 /// validated `slot`, into `spans` (capacity kernels::kMaxAreaSpans); returns their number
 /// and sets *total to their bytes. `num_recv_tokens`: the N of the rank's routing dispatch

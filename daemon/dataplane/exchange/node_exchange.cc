@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/errors/reason.h"
 #include "common/status_macros.h"
+#include "daemon/dataplane/exchange/mirror_spans.h"
 #include "epd/kernels/op_rules.h"
 
 namespace epd {
@@ -823,11 +824,7 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
         }
         for (int32_t i = 0; i < Rl; ++i) {
           const int32_t r = first + i;
-          int64_t start = 0, cnt = 0;
-          for (int32_t s2 = 0; s2 < span_.first[n]; ++s2) start += dc[int64_t{s2} * R + r];
-          for (int32_t s2 = span_.first[n]; s2 < span_.first[n] + span_.count[n]; ++s2) {
-            cnt += dc[int64_t{s2} * R + r];
-          }
+          const auto [start, cnt] = RowsFromSources(dc, R, r, span_.first[n], span_.count[n]);
           rows[i] = static_cast<int32_t>(cnt);
           // A masked rank's rows are not sent: every node drops the routes to it.
           if (masking_ && self_mask_[r]) continue;
@@ -855,11 +852,7 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
           const int32_t r = first + i;
           for (int32_t j = 0; j < El; ++j) {
             const int32_t e = r * El + j;
-            int64_t start = 0, cnt = 0;
-            for (int32_t s2 = 0; s2 < span_.first[n]; ++s2) start += c[int64_t{s2} * E + e];
-            for (int32_t s2 = span_.first[n]; s2 < span_.first[n] + span_.count[n]; ++s2) {
-              cnt += c[int64_t{s2} * E + e];
-            }
+            const auto [start, cnt] = RowsFromSources(c, E, e, span_.first[n], span_.count[n]);
             rows[i * El + j] = static_cast<int32_t>(cnt);
             if (masking_ && self_mask_[r]) continue;  // As for a normal combine.
             const uint64_t off = static_cast<uint64_t>(span_.combine_off[e]);
@@ -878,63 +871,13 @@ absl::Status NodeExchange::SendOp(const OpPlan& plan, const std::vector<abi::Req
     }
     EPD_RETURN_IF_ERROR(PostToNode(n, plan.seq, pieces));
   }
-  if (backend_packs) {
-    span_.packing = true;
-    if (!pack_status.ok()) {
-      // Nothing was posted: every node gets this node's error instead of its rows.
-      span_.packing = false;
-      PostDeferred(plan.seq, pack_status);
-      return pack_status;
-    }
+  if (backend_packs && !pack_status.ok()) {
+    // Nothing was posted: every node gets this node's error instead of its rows.
+    PostDeferred(plan.seq, pack_status);
+    return pack_status;
   }
+  span_.packing = backend_packs;
   return local;
-}
-
-void NodeExchange::PostDeferred(uint64_t seq, const absl::Status& status) {
-  for (int32_t n = 0; n < span_.num_nodes; ++n) {
-    std::vector<transport::WritePiece>& pieces = span_.deferred[n];
-    if (pieces.empty()) continue;
-    absl::Status st = absl::OkStatus();
-    if (status.ok()) {
-      st = PostToNode(n, seq, pieces);
-    } else {
-      // The header (and what follows it in the first piece) with the error; the rows stay.
-      SetHeaderStatus(*reinterpret_cast<abi::ExchangeHeader*>(span_.send[n].data()), status);
-      st = PostToNode(n, seq, {pieces.data(), 1});
-    }
-    if (!st.ok() && span_.local_status.ok()) span_.local_status = st;
-    pieces.clear();
-  }
-}
-
-bool NodeExchange::PollPack() {
-  absl::Status st = absl::OkStatus();
-  bool done = true;
-  for (int32_t i = 0; i < local_count() && st.ok(); ++i) {
-    if (!span_.packs[i]) continue;
-    absl::StatusOr<bool> packed = host_->ExchangeRowsPacked(local_first() + i);
-    if (!packed.ok()) {
-      st = packed.status();
-    } else if (!*packed) {
-      done = false;
-    } else {
-      span_.packs[i] = 0;  // Packed: not asked again.
-    }
-  }
-  if (st.ok() && !done) {
-    const auto waited = std::chrono::steady_clock::now() - span_.started;
-    if (waited < std::chrono::milliseconds(options_.op_timeout_ms)) return false;
-    st = errors::WithReason(
-        absl::DeadlineExceededError(absl::StrCat(
-            "op ", span_.plan->seq, " of group ", spec().name(),
-            ": the GPU did not pack this node's rows into the send staging within op_timeout ",
-            options_.op_timeout_ms, " ms; check the GPU (nvidia-smi) and the daemon log")),
-        errors::Reason::kGpuTimeout);
-  }
-  span_.packing = false;
-  if (!st.ok() && span_.local_status.ok()) span_.local_status = st;
-  PostDeferred(span_.plan->seq, st);
-  return true;
 }
 
 bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
@@ -1080,20 +1023,6 @@ bool NodeExchange::Poll(std::span<RankOutcome> outcomes) {
   }
   end_op();
   return true;
-}
-
-absl::Status NodeExchange::PeerAtFault(uint64_t seq, int32_t source,
-                                       const absl::Status& status) const {
-  if (source < 0 || (source >= local_first() && source < local_first() + local_count())) {
-    return status;
-  }
-  int32_t n = 0;
-  while (n + 1 < span_.num_nodes && source >= span_.first[n + 1]) ++n;
-  return errors::WithReason(
-      absl::DataLossError(absl::StrCat("op ", seq, " of group ", spec().name(), ": node ", n, " (",
-                                       spec().nodes(n).peer_address(),
-                                       ") sent rows that fail the checks: ", status.message())),
-      errors::Reason::kPeerProtocol);
 }
 
 absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
@@ -1388,9 +1317,7 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
           continue;
         }
         if (excluded_[n] || gone(r)) continue;  // Its rows are not read: routes to it dropped.
-        int64_t start = 0, cnt = 0;
-        for (int32_t s = 0; s < first; ++s) start += dc[int64_t{s} * R + r];
-        for (int32_t s = first; s < first + Rl; ++s) cnt += dc[int64_t{s} * R + r];
+        const auto [start, cnt] = RowsFromSources(dc, R, r, first, Rl);
         const int32_t i = r - span_.first[n];
         if (const int32_t rows = rows_of(n)[i]; rows != cnt) {
           return malformed(n,
@@ -1441,9 +1368,7 @@ absl::Status NodeExchange::FinishExchange(const OpPlan& plan,
         const int32_t i = r - span_.first[n];
         for (int32_t j = 0; j < El; ++j) {
           const int32_t e = r * El + j;
-          int64_t start = 0, cnt = 0;
-          for (int32_t s = 0; s < first; ++s) start += c[int64_t{s} * E + e];
-          for (int32_t s = first; s < first + Rl; ++s) cnt += c[int64_t{s} * E + e];
+          const auto [start, cnt] = RowsFromSources(c, E, e, first, Rl);
           if (const int32_t rows = rows_of(n)[i * El + j]; rows != cnt) {
             return malformed(n, absl::StrCat(rows, " rows of expert ", e, ", ", cnt, " expected"));
           }

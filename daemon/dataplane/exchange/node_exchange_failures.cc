@@ -1,6 +1,7 @@
 // A spanning op's failure (node_exchange.h): what a peer's header of the op says, checked on
 // a private copy (CheckHeader), and which error this node's ranks get when nodes failed it
-// (FailedOpStatus, NotInStep): only a node that submitted the same op shares its error.
+// (FailedOpStatus, NotInStep): only a node that submitted the same op shares its error; and
+// which node a dispatch's rows that fail the checks came from (PeerAtFault).
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -142,6 +143,20 @@ absl::Status NodeExchange::FailedOpStatus(const OpPlan& plan) {
   }
   if (!same.ok() || other_node < 0) return same;
   return NotInStep(plan.seq, span_.self, self_op, other_node, other_op, other);
+}
+
+absl::Status NodeExchange::PeerAtFault(uint64_t seq, int32_t source,
+                                       const absl::Status& status) const {
+  if (source < 0 || (source >= local_first() && source < local_first() + local_count())) {
+    return status;
+  }
+  int32_t n = 0;
+  while (n + 1 < span_.num_nodes && source >= span_.first[n + 1]) ++n;
+  return errors::WithReason(
+      absl::DataLossError(absl::StrCat("op ", seq, " of group ", spec().name(), ": node ", n, " (",
+                                       spec().nodes(n).peer_address(),
+                                       ") sent rows that fail the checks: ", status.message())),
+      errors::Reason::kPeerProtocol);
 }
 
 }  // namespace epd

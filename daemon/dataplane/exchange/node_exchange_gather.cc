@@ -1,11 +1,15 @@
-// NodeExchange's memory shared with its backend's row gather and pack (DESIGN.md §5.5 "Rows
-// on the GPU"): the receive region, quantized rows, send staging and pack table mapped for
-// it at Init, and handed over with their mappings when the backend must free them elsewhere.
+// NodeExchange's rows on the backend (DESIGN.md §5.5 "Rows on the GPU"): the memory shared
+// with its backend's row gather, pack and reduce (the receive region, quantized rows, send
+// staging and pack table mapped for it at Init, and handed over with their mappings when the
+// backend must free them elsewhere), and the posts held until the backend packed the rows.
+#include <chrono>
 #include <memory>
 #include <span>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "common/errors/reason.h"
 #include "daemon/dataplane/exchange/node_exchange.h"
 
 namespace epd {
@@ -60,6 +64,53 @@ std::shared_ptr<void> NodeExchange::TakeMappedMemory() {
   m->maps.swap(gather_maps_);
   m->pack_maps.swap(pack_maps_);
   return m;
+}
+
+void NodeExchange::PostDeferred(uint64_t seq, const absl::Status& status) {
+  for (int32_t n = 0; n < span_.num_nodes; ++n) {
+    std::vector<transport::WritePiece>& pieces = span_.deferred[n];
+    if (pieces.empty()) continue;
+    absl::Status st = absl::OkStatus();
+    if (status.ok()) {
+      st = PostToNode(n, seq, pieces);
+    } else {
+      // The header (and what follows it in the first piece) with the error; the rows stay.
+      SetHeaderStatus(*reinterpret_cast<abi::ExchangeHeader*>(span_.send[n].data()), status);
+      st = PostToNode(n, seq, {pieces.data(), 1});
+    }
+    if (!st.ok() && span_.local_status.ok()) span_.local_status = st;
+    pieces.clear();
+  }
+}
+
+bool NodeExchange::PollPack() {
+  absl::Status st = absl::OkStatus();
+  bool done = true;
+  for (int32_t i = 0; i < local_count() && st.ok(); ++i) {
+    if (!span_.packs[i]) continue;
+    absl::StatusOr<bool> packed = host_->ExchangeRowsPacked(local_first() + i);
+    if (!packed.ok()) {
+      st = packed.status();
+    } else if (!*packed) {
+      done = false;
+    } else {
+      span_.packs[i] = 0;  // Packed: not asked again.
+    }
+  }
+  if (st.ok() && !done) {
+    const auto waited = std::chrono::steady_clock::now() - span_.started;
+    if (waited < std::chrono::milliseconds(options_.op_timeout_ms)) return false;
+    st = errors::WithReason(
+        absl::DeadlineExceededError(absl::StrCat(
+            "op ", span_.plan->seq, " of group ", spec().name(),
+            ": the GPU did not pack this node's rows into the send staging within op_timeout ",
+            options_.op_timeout_ms, " ms; check the GPU (nvidia-smi) and the daemon log")),
+        errors::Reason::kGpuTimeout);
+  }
+  span_.packing = false;
+  if (!st.ok() && span_.local_status.ok()) span_.local_status = st;
+  PostDeferred(span_.plan->seq, st);
+  return true;
 }
 
 }  // namespace epd

@@ -56,6 +56,18 @@ struct GatherWindow {
 /// Most windows one gather takes.
 inline constexpr int32_t kMaxGatherWindows = 64;
 
+/// `p` as a gather or reduce reads it: through the first of `windows` [0, n) that holds it,
+/// else as is (host and device alike).
+EPD_HD const uint8_t* TranslateWindow(const void* p, const GatherWindow* windows, int32_t n) {
+  const auto* q = static_cast<const uint8_t*>(p);
+  for (int32_t i = 0; i < n; ++i) {
+    if (q >= windows[i].from && q < windows[i].from + windows[i].bytes) {
+      return windows[i].to + (q - windows[i].from);
+    }
+  }
+  return q;
+}
+
 /// Rows of a rank's RowSource table: a normal dispatch's receive capacity or a low-latency
 /// one's El * R * Mll, the larger.
 inline int64_t RowSourceRows(const GroupShape& shape) {
