@@ -1,0 +1,179 @@
+// Measured floors of epd_bench (CPU logic, shared by the CUDA benches and their unit test):
+// the fan-out copy bound of the normal ops (each token row read once and written once per
+// destination rank for a dispatch, the rows of a token read and summed into one for a
+// combine: the ops' byte pattern without their logic), its HBM byte count, the fastest of
+// the bound's kernel variants, the ratios printed beside the ops, and the low-latency ops'
+// fixed cost split (T = 0) against a copy of the same bytes. docs/BENCHMARKS.md
+// "Measured floors".
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+
+namespace epd::bench {
+
+/// Where each token's rows go in the fan-out bound, built from the bench's routing: the
+/// tokens of every source rank in order (source rank-major, `num_tokens` in all), and for
+/// each the destination rows it is written to (dispatch) or read from (combine), one per
+/// destination rank. The destination rows of rank d are contiguous, ordered by source rank,
+/// then token: a dispatch's receive buffers laid end to end.
+struct FanoutPlan {
+  int32_t num_ranks = 0;
+  int64_t num_tokens = 0;        ///< All source ranks' tokens.
+  int64_t num_rows = 0;          ///< Destination rows: (token, destination rank) pairs.
+  int64_t tokens_with_rows = 0;  ///< Tokens with at least one destination.
+  /// [num_tokens + 1]: token t's rows are rows[row_begin[t], row_begin[t + 1]).
+  std::vector<int32_t> row_begin;
+  /// [num_rows]: the destination row index of each (token, destination) pair, destination
+  /// ranks ascending within a token.
+  std::vector<int32_t> rows;
+  /// [num_ranks]: the rows destination rank d receives.
+  std::vector<int64_t> rank_rows;
+};
+
+/// Builds the plan from one destination-rank mask per token (bit d set: the token goes to
+/// rank d; `masks` source rank-major, `tokens_per_rank` per rank). INVALID_ARGUMENT when
+/// num_ranks is not in [1, 32], tokens_per_rank < 0, masks.size() != num_ranks *
+/// tokens_per_rank, a mask names a rank >= num_ranks, or the rows do not fit int32 indices.
+inline absl::StatusOr<FanoutPlan> BuildFanoutPlan(std::span<const uint32_t> masks,
+                                                  int32_t num_ranks, int64_t tokens_per_rank) {
+  if (num_ranks < 1 || num_ranks > 32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("BuildFanoutPlan: num_ranks=", num_ranks, " is not in [1, 32]"));
+  }
+  if (tokens_per_rank < 0 ||
+      static_cast<int64_t>(masks.size()) != int64_t{num_ranks} * tokens_per_rank) {
+    return absl::InvalidArgumentError(absl::StrCat("BuildFanoutPlan: masks.size()=", masks.size(),
+                                                   " != num_ranks ", num_ranks,
+                                                   " x tokens_per_rank ", tokens_per_rank));
+  }
+  const uint32_t allowed = num_ranks == 32 ? ~0u : (1u << num_ranks) - 1;
+  FanoutPlan plan;
+  plan.num_ranks = num_ranks;
+  plan.num_tokens = static_cast<int64_t>(masks.size());
+  plan.rank_rows.assign(num_ranks, 0);
+  for (size_t t = 0; t < masks.size(); ++t) {
+    if ((masks[t] & ~allowed) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("BuildFanoutPlan: token ", t, " has mask 0x",
+                                                     absl::Hex(masks[t]), ", a rank >= num_ranks ",
+                                                     num_ranks));
+    }
+    for (uint32_t m = masks[t]; m != 0; m &= m - 1) ++plan.rank_rows[std::countr_zero(m)];
+    plan.num_rows += std::popcount(masks[t]);
+    plan.tokens_with_rows += masks[t] != 0 ? 1 : 0;
+  }
+  if (plan.num_rows > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("BuildFanoutPlan: ", plan.num_rows, " rows do not fit int32 row indices"));
+  }
+  // Each destination rank's first row, then its next free row as tokens arrive in order.
+  std::vector<int64_t> next(num_ranks, 0);
+  for (int32_t d = 1; d < num_ranks; ++d) next[d] = next[d - 1] + plan.rank_rows[d - 1];
+  plan.row_begin.reserve(masks.size() + 1);
+  plan.rows.reserve(static_cast<size_t>(plan.num_rows));
+  plan.row_begin.push_back(0);
+  for (uint32_t mask : masks) {
+    for (uint32_t m = mask; m != 0; m &= m - 1) {
+      plan.rows.push_back(static_cast<int32_t>(next[std::countr_zero(m)]++));
+    }
+    plan.row_begin.push_back(static_cast<int32_t>(plan.rows.size()));
+  }
+  return plan;
+}
+
+/// HBM bytes a pattern reads and writes.
+struct HbmBytes {
+  double read = 0;
+  double write = 0;
+  double total() const { return read + write; }
+};
+
+/// The dispatch fan-out: each token with a destination read once (`row_bytes`), written at
+/// each of its destination rows.
+inline HbmBytes DispatchFanoutBytes(const FanoutPlan& plan, int64_t row_bytes) {
+  return {static_cast<double>(plan.tokens_with_rows) * static_cast<double>(row_bytes),
+          static_cast<double>(plan.num_rows) * static_cast<double>(row_bytes)};
+}
+
+/// The combine fan-in: each destination row read once, one output row written per token
+/// (a token without rows gets zeros).
+inline HbmBytes CombineFaninBytes(const FanoutPlan& plan, int64_t row_bytes) {
+  return {static_cast<double>(plan.num_rows) * static_cast<double>(row_bytes),
+          static_cast<double>(plan.num_tokens) * static_cast<double>(row_bytes)};
+}
+
+/// One timed run of a bound kernel variant.
+struct BoundTiming {
+  std::string variant;
+  int32_t blocks = 0;  ///< Blocks of the launch (one per SM).
+  double us = 0;       ///< Microseconds per run.
+};
+
+/// The fastest of `timings` (least us). INVALID_ARGUMENT when empty or a time is not > 0.
+inline absl::StatusOr<BoundTiming> FastestBound(std::span<const BoundTiming> timings) {
+  if (timings.empty()) return absl::InvalidArgumentError("FastestBound: no timings");
+  const BoundTiming* best = nullptr;
+  for (const BoundTiming& t : timings) {
+    if (!(t.us > 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("FastestBound: variant ", t.variant, " has us=", t.us, " (need > 0)"));
+    }
+    if (best == nullptr || t.us < best->us) best = &t;
+  }
+  return *best;
+}
+
+/// An op's HBM rate beside its bound's and the device copy's, in TB/s, and the ratios.
+struct FloorFigures {
+  double op_tbps = 0;
+  double bound_tbps = 0;
+  double copy_tbps = 0;
+  double op_over_copy = 0;     ///< The goal's figure.
+  double op_over_bound = 0;    ///< Of the attainable for this pattern.
+  double bound_over_copy = 0;  ///< How far the pattern itself falls short of a copy.
+};
+
+/// Figures of an op moving `op_bytes` HBM bytes in `op_us`, its bound moving `bound_bytes`
+/// in `bound_us`, and the device copy's HBM rate `copy_tbps` (TB/s, read + write). Rates are
+/// compared, so the bound need not move exactly the op's bytes. Times and the copy rate
+/// must be > 0 (else the figures are 0).
+inline FloorFigures ComputeFloorFigures(double op_bytes, double op_us, double bound_bytes,
+                                        double bound_us, double copy_tbps) {
+  FloorFigures f;
+  if (!(op_us > 0) || !(bound_us > 0) || !(copy_tbps > 0)) return f;
+  f.op_tbps = op_bytes / op_us / 1e6;
+  f.bound_tbps = bound_bytes / bound_us / 1e6;
+  f.copy_tbps = copy_tbps;
+  f.op_over_copy = f.op_tbps / copy_tbps;
+  f.op_over_bound = f.bound_tbps > 0 ? f.op_tbps / f.bound_tbps : 0;
+  f.bound_over_copy = f.bound_tbps / copy_tbps;
+  return f;
+}
+
+/// A low-latency op's p50 split into its fixed cost (the same op with T = 0 on every rank:
+/// count exchange and barriers, no rows) and the data part, against a copy of its bytes.
+struct FixedCostSplit {
+  double op_us = 0;
+  double fixed_us = 0;   ///< The T = 0 op.
+  double memcpy_us = 0;  ///< A device copy of the op's bytes.
+  double data_us = 0;    ///< op_us - fixed_us.
+  /// data_us / memcpy_us: the rows' part of the op against the copy (0 without a copy).
+  double data_over_memcpy = 0;
+};
+
+/// The split of `op_us` with `fixed_us` at T = 0 and `memcpy_us` for the same bytes.
+inline FixedCostSplit SplitFixedCost(double op_us, double fixed_us, double memcpy_us) {
+  FixedCostSplit s{op_us, fixed_us, memcpy_us, op_us - fixed_us, 0};
+  if (memcpy_us > 0) s.data_over_memcpy = s.data_us / memcpy_us;
+  return s;
+}
+
+}  // namespace epd::bench
