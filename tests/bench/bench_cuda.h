@@ -1,7 +1,8 @@
 // Helpers shared by the CUDA benchmark sources of epd_bench (bench_ll.cu, bench_normal.cu,
 // bench_multigpu.cu, bench_launch.cc): filling device memory with a finite pattern, the
-// device-to-device copy bound, the gated per-op timer of the low-latency figures, and the
-// in-process low-latency measurement the launch modes are compared with. Needs CUDA
+// device-to-device copy bound, the fan-out copy bound of the normal ops, the gated per-op
+// timer of the low-latency figures, and the in-process low-latency measurement the launch
+// modes are compared with. Needs CUDA
 // (declared only when EPD_HAVE_CUDA).
 #pragma once
 
@@ -19,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "epd/kernels/layout.h"
 #include "tests/bench/bench.h"
+#include "tests/bench/floors.h"
 
 namespace epd::testing {
 class VirtualRankGroup;
@@ -69,6 +71,51 @@ absl::Status FillPatternAsync(void* dst, size_t bytes, uint32_t seed, cudaStream
 /// `iterations` copies after `warmup`, each timed alone with events (p50/p99).
 /// Errors: INTERNAL (CUDA).
 absl::StatusOr<Percentiles> TimeDeviceCopy(size_t bytes, int warmup, int iterations);
+
+/// Which op's byte pattern a FanoutBound moves.
+enum class FanoutKind {
+  kDispatch,  ///< Each token row read once, written at each of its destination rows.
+  kCombine,   ///< Each token's destination rows read (bf16), summed, written once.
+};
+
+/// The fan-out copy bound of the normal ops (bench_fanout.cu): the dispatch's or the
+/// combine's HBM byte pattern on a FanoutPlan (the bench's routing), with none of the ops'
+/// logic, in kernel variants whose fastest is the bound. Owns its device buffers (the
+/// tokens' rows and the destination rows, each `max_row_bytes` wide) and a stream.
+class FanoutBound {
+ public:
+  /// Buffers for `plan`, filled with a finite bf16 pattern. INVALID_ARGUMENT when
+  /// max_row_bytes is not a positive multiple of 16 or the plan's arrays do not match its
+  /// sizes; INTERNAL (CUDA).
+  static absl::StatusOr<std::unique_ptr<FanoutBound>> Create(const FanoutPlan& plan,
+                                                             int64_t max_row_bytes);
+  ~FanoutBound();
+  FanoutBound(const FanoutBound&) = delete;
+  FanoutBound& operator=(const FanoutBound&) = delete;
+
+  /// The kernel variants of `kind` on this GPU (the bulk ones on sm_90 and later only).
+  std::vector<std::string> Variants(FanoutKind kind) const;
+  /// Microseconds per run of `variant` with rows of `row_bytes` (a multiple of 16, at most
+  /// max_row_bytes; a combine's rows are bf16) on `blocks` blocks, one per SM: the mean of
+  /// `iterations` back-to-back runs after `warmup`. INVALID_ARGUMENT for an unknown
+  /// variant or bad sizes; INTERNAL (CUDA, a bulk load past its bound).
+  absl::StatusOr<double> Time(FanoutKind kind, const std::string& variant, int64_t row_bytes,
+                              int32_t blocks, int warmup, int iterations);
+  /// Time() of every variant of `kind`, in Variants() order.
+  absl::StatusOr<std::vector<BoundTiming>> TimeVariants(FanoutKind kind, int64_t row_bytes,
+                                                        int32_t blocks, int warmup, int iterations);
+  const FanoutPlan& plan() const { return plan_; }
+
+ private:
+  struct Buffers;
+  FanoutBound();
+  absl::Status Launch(FanoutKind kind, const std::string& variant, int64_t row_bytes,
+                      int32_t blocks);
+  FanoutPlan plan_;
+  int64_t max_row_bytes_ = 0;
+  cudaDeviceProp prop_{};
+  std::unique_ptr<Buffers> buf_;
+};
 
 /// Latency of `bytes` copied device-to-host into pinned memory and back on one stream of the
 /// current GPU, in µs (the copies a node's bytes take when they cross it staged through the

@@ -6,8 +6,10 @@
 // the memcpy's, and the HBM bytes the op must read and write (every input byte read once,
 // every output byte written once, counted from the routing) per second over the memcpy's
 // HBM rate (2 bytes of traffic per byte copied), with the goal (>= 85%) and its verdict at
-// the default SM budget. --normal_kernels=static,block,balanced,bulk compares kernel variants
-// (EPD_NORMAL_KERNELS) in one run. docs/BENCHMARKS.md "Normal-mode kernels".
+// the default SM budget. Beside each op, its measured floor: the fan-out copy bound
+// (bench_fanout.cu), the op's byte pattern on the same routing without its logic, at the
+// op's SM budget and on the whole GPU. --normal_kernels=static,block,balanced,bulk compares
+// kernel variants (EPD_NORMAL_KERNELS) in one run. docs/BENCHMARKS.md "Normal-mode kernels".
 #include <cuda_runtime.h>
 #include <stdlib.h>
 
@@ -18,12 +20,14 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
@@ -31,12 +35,17 @@
 #include "epd/kernels/cuda_ops.h"
 #include "tests/bench/bench.h"
 #include "tests/bench/bench_cuda.h"
+#include "tests/bench/floors.h"
 #include "tests/gpu/gpu_test_util.h"
 
 ABSL_FLAG(std::string, normal_kernels, "",
           "normal bench: comma-separated EPD_NORMAL_KERNELS values (balanced, static, block, "
           "bulk) "
           "to compare in one run, interleaved per SM budget; empty = as the environment has it");
+ABSL_FLAG(bool, normal_bound, true,
+          "normal bench: also time the fan-out copy bound (each op's HBM byte pattern on the "
+          "same routing without its logic, the fastest of its kernel variants) at each SM "
+          "budget and on the whole GPU, printed beside the ops");
 
 namespace epd::bench {
 namespace {
@@ -110,7 +119,29 @@ struct Row {
   double memcpy_us = 0;
   double memcpy_bytes = 0;  // the bytes the bound's memcpy copied (all ranks)
   double hbm_bytes = 0;     // HBM bytes the op reads + writes (all ranks)
+  // The fan-out copy bound of the op's pattern (count 0: not measured): the fastest variant
+  // at the op's SM budget (sms x ranks blocks, at most the GPU's SMs) and on the whole GPU,
+  // and the HBM bytes the bound moves per run.
+  BoundTiming bound;
+  BoundTiming gpu_bound;
+  double bound_bytes = 0;
 };
+
+/// One bound variant's time (for the variant listing): pattern, blocks, us, bytes.
+struct BoundRow {
+  std::string pattern;
+  BoundTiming timing;
+  double hbm_bytes = 0;
+};
+
+/// The device copy's HBM rate of a row, in TB/s (2 bytes of traffic per byte copied).
+double CopyTbps(const Row& r) { return 2.0 * r.memcpy_bytes / r.memcpy_us / 1e6; }
+
+/// The row's op, bound and copy figures (the bound at the op's budget, or on the whole GPU).
+FloorFigures Floor(const Row& r, bool whole_gpu) {
+  const BoundTiming& b = whole_gpu ? r.gpu_bound : r.bound;
+  return ComputeFloorFigures(r.hbm_bytes, r.op_us, r.bound_bytes, b.us, CopyTbps(r));
+}
 
 /// HBM rate of the op over the memcpy's (read + write of every byte), in [0, ...).
 double HbmOverCopy(const Row& r) {
@@ -123,7 +154,37 @@ const char* VariantName(const Row& r) { return r.variant.empty() ? "default" : r
 /// The goal of the normal kernels: HBM bytes per second >= 85% of the device copy's.
 constexpr double kHbmGoal = 0.85;
 
-absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_sms) {
+/// The fan-out bounds of one run, measured once per (pattern, blocks) and kept.
+class Bounds {
+ public:
+  Bounds(FanoutBound* bound, std::vector<BoundRow>* listing) : bound_(bound), listing_(listing) {}
+  /// The fastest variant of `kind` with rows of `row_bytes` on `blocks` blocks, timing every
+  /// variant the first time (and listing it under `pattern`).
+  absl::StatusOr<BoundTiming> Best(const std::string& pattern, FanoutKind kind, int64_t row_bytes,
+                                   int32_t blocks) {
+    const std::string key = absl::StrCat(pattern, "/", blocks);
+    for (const auto& [k, t] : best_) {
+      if (k == key) return t;
+    }
+    EPD_ASSIGN_OR_RETURN(std::vector<BoundTiming> all,
+                         bound_->TimeVariants(kind, row_bytes, blocks, kWarmup, kBatch));
+    const HbmBytes bytes = kind == FanoutKind::kDispatch
+                               ? DispatchFanoutBytes(bound_->plan(), row_bytes)
+                               : CombineFaninBytes(bound_->plan(), row_bytes);
+    for (const BoundTiming& t : all) listing_->push_back({pattern, t, bytes.total()});
+    EPD_ASSIGN_OR_RETURN(const BoundTiming best, FastestBound(all));
+    best_.emplace_back(key, best);
+    return best;
+  }
+
+ private:
+  FanoutBound* bound_;
+  std::vector<BoundRow>* listing_;
+  std::vector<std::pair<std::string, BoundTiming>> best_;
+};
+
+absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
+                 std::string* device_name, int* device_sms) {
   cudaDeviceProp prop{};
   int device = 0;
   EPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
@@ -140,6 +201,9 @@ absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_s
   // from a hash; T set in every rank's slot.
   std::mt19937_64 rng(2024);
   int64_t sent_rows_total = 0;
+  // Each token's destination ranks (source rank-major), for the fan-out bound.
+  std::vector<uint32_t> masks;
+  masks.reserve(static_cast<size_t>(kRanks) * kTokens);
   for (int32_t r = 0; r < kRanks; ++r) {
     const std::vector<int64_t> topk = epd::testing::RandomTopk(kTokens, kTopk, kExperts, {}, rng);
     for (int32_t t = 0; t < kTokens; ++t) {
@@ -148,6 +212,7 @@ absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_s
         mask |= 1u << (topk[static_cast<size_t>(t) * kTopk + k] / (kExperts / kRanks));
       }
       sent_rows_total += __builtin_popcount(mask);
+      masks.push_back(mask);
     }
     EPD_RETURN_IF_ERROR(g->Upload(r, l.in_topk_idx, topk.data(), topk.size() * 8));
     const std::vector<float> w = epd::testing::RandomFloats(topk.size(), rng);
@@ -187,6 +252,14 @@ absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_s
   EPD_ASSIGN_OR_RETURN(const double memcpy_fp8_us,
                        TimeMemcpy(static_cast<size_t>(fp8_total), kBatch));
 
+  // The fan-out copy bound on the same routing (rows as wide as the widest op's).
+  std::unique_ptr<FanoutBound> fanout;
+  if (absl::GetFlag(FLAGS_normal_bound)) {
+    EPD_ASSIGN_OR_RETURN(const FanoutPlan plan, BuildFanoutPlan(masks, kRanks, kTokens));
+    EPD_ASSIGN_OR_RETURN(fanout, FanoutBound::Create(plan, static_cast<int64_t>(bf16_row)));
+  }
+  Bounds bounds(fanout.get(), bound_rows);
+
   // Kernel variants compared in this run (--normal_kernels), interleaved per SM budget so
   // each pair is measured minutes, not runs, apart; "" = EPD_NORMAL_KERNELS as it was.
   std::vector<std::string> variants =
@@ -220,35 +293,95 @@ absl::Status Run(std::vector<Row>* rows, std::string* device_name, int* device_s
       double memcpy_us;
       double memcpy_bytes;
       double hbm_bytes;
+      FanoutKind pattern;
     };
-    const Op ops[] = {
-        {"dispatch fp8", dispatch(true), fp8_row, memcpy_fp8_us, fp8_total, dispatch_hbm(fp8_row)},
-        {"dispatch bf16", dispatch(false), bf16_row, memcpy_bf16_us, bf16_total,
-         dispatch_hbm(bf16_row)},
-        {"combine bf16", combine, bf16_row, memcpy_bf16_us, bf16_total, combine_hbm}};
+    const Op ops[] = {{"dispatch fp8", dispatch(true), fp8_row, memcpy_fp8_us, fp8_total,
+                       dispatch_hbm(fp8_row), FanoutKind::kDispatch},
+                      {"dispatch bf16", dispatch(false), bf16_row, memcpy_bf16_us, bf16_total,
+                       dispatch_hbm(bf16_row), FanoutKind::kDispatch},
+                      {"combine bf16", combine, bf16_row, memcpy_bf16_us, bf16_total, combine_hbm,
+                       FanoutKind::kCombine}};
+    // The ops' bounds at this budget (sms x ranks blocks, at most one per SM of the GPU) and
+    // on the whole GPU.
+    BoundTiming op_bound[3], gpu_bound[3];
+    double bound_bytes[3] = {};
+    for (int i = 0; i < 3 && fanout != nullptr; ++i) {
+      const int64_t row = static_cast<int64_t>(ops[i].row_bytes);
+      EPD_ASSIGN_OR_RETURN(op_bound[i], bounds.Best(ops[i].name, ops[i].pattern, row,
+                                                    std::min(sms * kRanks, *device_sms)));
+      EPD_ASSIGN_OR_RETURN(gpu_bound[i],
+                           bounds.Best(ops[i].name, ops[i].pattern, row, *device_sms));
+      const HbmBytes b = ops[i].pattern == FanoutKind::kDispatch
+                             ? DispatchFanoutBytes(fanout->plan(), row)
+                             : CombineFaninBytes(fanout->plan(), row);
+      bound_bytes[i] = b.total();
+    }
     for (const std::string& variant : variants) {
       if (!variant.empty()) setenv("EPD_NORMAL_KERNELS", variant.c_str(), 1);
-      for (const Op& op : ops) {
+      for (int i = 0; i < 3; ++i) {
+        const Op& op = ops[i];
         EPD_RETURN_IF_ERROR(TimeRounds(*g, kWarmup, op.launch).status());
         EPD_ASSIGN_OR_RETURN(const double us, TimeRounds(*g, kBatch, op.launch));
         for (int32_t r = 0; r < kRanks; ++r) {
           EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(ctx[r], g->stream(r), op.name));
         }
         rows->push_back({op.name, variant, sms, over, rows_per_rank * op.row_bytes, us,
-                         op.memcpy_us, op.memcpy_bytes, op.hbm_bytes});
+                         op.memcpy_us, op.memcpy_bytes, op.hbm_bytes, op_bound[i], gpu_bound[i],
+                         bound_bytes[i]});
       }
     }
   }
   return absl::OkStatus();
 }
 
+/// "84%" or "-" when the figure was not measured (0).
+std::string Percent(double ratio) {
+  return ratio > 0 ? absl::StrFormat("%.0f%%", 100.0 * ratio) : std::string("-");
+}
+
+/// The fan-out bound's table (one line per op row) and its variants, as text.
+void PrintBoundTable(const std::vector<Row>& rows, const std::vector<BoundRow>& bound_rows,
+                     int device_sms) {
+  if (bound_rows.empty()) return;
+  std::printf(
+      "\nFan-out copy bound: the op's HBM byte pattern on the same routing without its logic "
+      "(dispatch: each token row read once, written at each destination row; combine: a "
+      "token's rows read and summed, written once), the fastest kernel variant; 'op SMs' = "
+      "sms x %d ranks blocks (at most %d), 'GPU' = all %d SMs, one block per SM\n",
+      kRanks, device_sms, device_sms);
+  std::printf("%-14s %-9s %5s %9s %9s %-7s %6s %9s %-7s %9s %8s %9s %8s %10s %8s\n", "op",
+              "kernels", "sms", "op TB/s", "bound", "variant", "blocks", "GPU bound", "variant",
+              "copy TB/s", "op/copy", "op/bound", "op/GPU", "bound/copy", "GPU/copy");
+  for (const Row& r : rows) {
+    if (r.bound.us <= 0) continue;
+    const FloorFigures at = Floor(r, false);
+    const FloorFigures gpu = Floor(r, true);
+    std::printf("%-14s %-9s %5d %9.2f %9.2f %-7s %6d %9.2f %-7s %9.2f %8s %9s %8s %10s %8s\n",
+                r.op.c_str(), VariantName(r), r.sms, at.op_tbps, at.bound_tbps,
+                r.bound.variant.c_str(), r.bound.blocks, gpu.bound_tbps,
+                r.gpu_bound.variant.c_str(), at.copy_tbps, Percent(at.op_over_copy).c_str(),
+                Percent(at.op_over_bound).c_str(), Percent(gpu.op_over_bound).c_str(),
+                Percent(at.bound_over_copy).c_str(), Percent(gpu.bound_over_copy).c_str());
+  }
+  std::printf("bound variants (HBM TB/s):");
+  std::string last;
+  for (const BoundRow& b : bound_rows) {
+    const std::string key = absl::StrCat(b.pattern, " at ", b.timing.blocks, " blocks");
+    if (key != last) std::printf("\n  %-28s", key.c_str());
+    last = key;
+    std::printf("  %s %.2f", b.timing.variant.c_str(), b.hbm_bytes / b.timing.us / 1e6);
+  }
+  std::printf("\n");
+}
+
 }  // namespace
 
 int RunNormalBench() {
   std::vector<Row> rows;
+  std::vector<BoundRow> bound_rows;
   std::string device;
   int sms = 0;
-  const absl::Status st = Run(&rows, &device, &sms);
+  const absl::Status st = Run(&rows, &bound_rows, &device, &sms);
   const bool json = absl::GetFlag(FLAGS_json);
   if (!json) {
     std::printf("Normal-mode kernels, %d virtual ranks on one GPU (%s, %d SMs)\n", kRanks,
@@ -266,15 +399,24 @@ int RunNormalBench() {
     const double agg_gbs = rank_gbs * kRanks;
     const double memcpy_gbs = r.bytes_per_rank * kRanks / r.memcpy_us / 1e3;
     if (json) {
+      const FloorFigures at = Floor(r, false);
+      const FloorFigures gpu = Floor(r, true);
       std::printf(
           "{\"figure\":\"normal %s\",\"kernels\":\"%s\",\"device\":\"%s\",\"sms_per_rank\":%d,"
           "\"oversubscribed\":%s,\"bytes_per_rank\":%.0f,\"op_us\":%.2f,\"rank_gbps\":%.1f,"
           "\"aggregate_gbps\":%.1f,\"memcpy_us\":%.2f,\"memcpy_gbps\":%.1f,"
           "\"hbm_bytes\":%.0f,\"hbm_tbps\":%.3f,\"copy_hbm_tbps\":%.3f,"
-          "\"hbm_over_copy\":%.3f}\n",
+          "\"hbm_over_copy\":%.3f,\"bound_hbm_bytes\":%.0f,\"bound_variant\":\"%s\","
+          "\"bound_blocks\":%d,\"bound_us\":%.2f,\"bound_tbps\":%.3f,\"op_over_bound\":%.3f,"
+          "\"bound_over_copy\":%.3f,\"gpu_bound_variant\":\"%s\",\"gpu_bound_blocks\":%d,"
+          "\"gpu_bound_us\":%.2f,\"gpu_bound_tbps\":%.3f,\"op_over_gpu_bound\":%.3f,"
+          "\"gpu_bound_over_copy\":%.3f}\n",
           r.op.c_str(), VariantName(r), device.c_str(), r.sms, r.oversubscribed ? "true" : "false",
           r.bytes_per_rank, r.op_us, rank_gbs, agg_gbs, r.memcpy_us, memcpy_gbs, r.hbm_bytes,
-          r.hbm_bytes / r.op_us / 1e6, 2.0 * r.memcpy_bytes / r.memcpy_us / 1e6, HbmOverCopy(r));
+          r.hbm_bytes / r.op_us / 1e6, CopyTbps(r), HbmOverCopy(r), r.bound_bytes,
+          r.bound.variant.c_str(), r.bound.blocks, r.bound.us, at.bound_tbps, at.op_over_bound,
+          at.bound_over_copy, r.gpu_bound.variant.c_str(), r.gpu_bound.blocks, r.gpu_bound.us,
+          gpu.bound_tbps, gpu.op_over_bound, gpu.bound_over_copy);
     } else {
       std::printf("%-14s %-9s %5d%s %12.1f %10.1f %14.1f %14.1f %13.1f %9.0f%% %9.2f %8.0f%%\n",
                   r.op.c_str(), VariantName(r), r.sms, r.oversubscribed ? "*" : " ",
@@ -283,11 +425,20 @@ int RunNormalBench() {
                   100.0 * HbmOverCopy(r));
     }
   }
-  if (!json) {
+  if (json) {
+    for (const BoundRow& b : bound_rows) {
+      std::printf(
+          "{\"figure\":\"normal fanout bound\",\"pattern\":\"%s\",\"variant\":\"%s\","
+          "\"device\":\"%s\",\"blocks\":%d,\"us\":%.2f,\"hbm_bytes\":%.0f,\"hbm_tbps\":%.3f}\n",
+          b.pattern.c_str(), b.timing.variant.c_str(), device.c_str(), b.timing.blocks, b.timing.us,
+          b.hbm_bytes, b.hbm_bytes / b.timing.us / 1e6);
+    }
+  } else {
     std::printf(
         "* %d ranks x sms > %d SMs: blocks of different ranks time-share SMs "
         "(only one block per rank spins, so it runs, but the budget is not real)\n",
         kRanks, sms);
+    PrintBoundTable(rows, bound_rows, sms);
     // The goal at the default budget: floor(SMs / ranks) blocks per rank.
     const int32_t default_sms = sms / kRanks;
     for (const Row& r : rows) {
@@ -297,6 +448,20 @@ int RunNormalBench() {
           "copy's: %.0f%% (%s)\n",
           r.op.c_str(), VariantName(r), r.sms, 100.0 * kHbmGoal, 100.0 * HbmOverCopy(r),
           HbmOverCopy(r) >= kHbmGoal ? "met" : "NOT met");
+      if (r.bound.us <= 0) continue;
+      const FloorFigures at = Floor(r, false);
+      const FloorFigures gpu = Floor(r, true);
+      std::printf(
+          "  floor: the fan-out copy bound reaches %.0f%% of copy at the op's %d SMs (%s), %.0f%% "
+          "on all %d SMs (%s); the op is at %.0f%% / %.0f%% of it%s\n",
+          100.0 * at.bound_over_copy, r.bound.blocks, r.bound.variant.c_str(),
+          100.0 * gpu.bound_over_copy, r.gpu_bound.blocks, r.gpu_bound.variant.c_str(),
+          100.0 * at.op_over_bound, 100.0 * gpu.op_over_bound,
+          gpu.bound_over_copy < kHbmGoal
+              ? absl::StrFormat(": the %.0f%% goal is beyond this byte pattern on this GPU",
+                                100.0 * kHbmGoal)
+                    .c_str()
+              : "");
     }
   }
   if (!st.ok()) {
