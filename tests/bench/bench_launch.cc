@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -25,6 +26,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -36,6 +38,7 @@
 #include "epd/kernels/cuda_ops.h"
 #include "tests/bench/bench.h"
 #include "tests/bench/bench_cuda.h"
+#include "tests/bench/floors.h"
 #include "tests/common/daemon_process.h"
 #include "tests/common/dtypes.h"
 #include "tests/common/on_every_rank.h"
@@ -48,6 +51,13 @@ ABSL_FLAG(std::string, epd_args, "",
           "launch bench: comma-separated extra flags for the epd it starts, e.g. "
           "--engine_idle_us=20000 (an engine that keeps polling between the bench's "
           "iterations instead of sleeping after 100 us)");
+ABSL_FLAG(bool, epd_op_trace, false,
+          "launch bench: start the epd with EPD_OP_TRACE=1 (its per-window trace of where a "
+          "daemon-launched op's microseconds go) and print its trace summary lines at the end "
+          "(they are printed whenever EPD_OP_TRACE is set in the bench's environment, which the "
+          "epd inherits)");
+ABSL_FLAG(std::string, epd_log, "",
+          "launch bench: copy the log of the epd it starts to this file once it stopped");
 ABSL_FLAG(std::string, socket, "",
           "launch bench: use the epd already serving on this socket instead of starting one");
 ABSL_FLAG(int, launch_iters, 1000, "launch bench: timed iterations per mode (after warm-up)");
@@ -119,6 +129,12 @@ struct ModeResult {
   std::string graph_error;
   OpTimes dispatch_graph;
   OpTimes combine_graph;
+  // Client-launched only: the same graphs with T = 0 on every rank (x and topk_idx of no
+  // rows): the ops' fixed cost, count exchange and barriers, no rows moved.
+  bool graph_t0_measured = false;
+  std::string graph_t0_error;
+  OpTimes dispatch_graph_t0;
+  OpTimes combine_graph_t0;
 };
 
 struct Report {
@@ -133,7 +149,17 @@ struct Report {
   // ll_combine_bf16: the combine reuses one buffer's handle every time).
   LowLatencyFigure inproc_dispatch_repeated, inproc_combine_repeated;
   std::vector<ModeResult> modes;
+  // The started epd's trace summary lines (EPD_OP_TRACE), in order.
+  std::vector<std::string> trace_lines;
 };
+
+/// Whether the epd the bench starts traces its ops: --epd_op_trace, or EPD_OP_TRACE set
+/// (not "0") in this process's environment, which the epd inherits.
+bool EpdTraces() {
+  if (absl::GetFlag(FLAGS_epd_op_trace)) return true;
+  const char* v = std::getenv("EPD_OP_TRACE");
+  return v != nullptr && *v != '\0' && std::string(v) != "0";
+}
 
 v1::GroupSpec Spec(const std::string& name) {
   return testing::MakeSpec(name, {.num_ranks = Ranks(),
@@ -145,23 +171,17 @@ v1::GroupSpec Spec(const std::string& name) {
                                   .use_fp8 = true});
 }
 
-/// Joins the 8 ranks in `mode` from `client` and times `warmup` + `iters` iterations of
-/// FP8 dispatch → BF16 combine.
-/// Client-launched decode as an inference engine runs it: every rank's op captured into one
-/// CUDA graph (the origin stream forks to the 8 rank streams and joins them), then the graph
-/// replayed `warmup + iters` times; each replay timed with events on the origin stream
-/// around cudaGraphLaunch. The combine graph uses the handles of the captured dispatch
-/// (PendingOp::Enqueued), so every dispatch replay writes the buffer that the combine reads.
-/// After the replays, Wait on each captured op reports the device status of the replays.
 /// Captures `dispatch_step(r, stream)` / `combine_step(r, stream)` of the 8 ranks into one
 /// CUDA graph each (fork/join from an origin stream), replays them alternately
 /// `warmup + iters` times (timed with events on the origin stream around cudaGraphLaunch),
-/// then calls `check()` (the device status of the replays).
+/// then calls `check()` (the device status of the replays); the replays' times go to
+/// `dispatch_out` / `combine_out`.
 absl::Status MeasureRankGraphs(
     const std::vector<cudaStream_t>& streams,
     const std::function<absl::Status(int32_t, cudaStream_t)>& dispatch_step,
     const std::function<absl::Status(int32_t, cudaStream_t)>& combine_step,
-    const std::function<absl::Status()>& check, int warmup, int iters, ModeResult* out) {
+    const std::function<absl::Status()>& check, int warmup, int iters, OpTimes* dispatch_out,
+    OpTimes* combine_out) {
   EPD_ASSIGN_OR_RETURN(CudaStream origin_holder, CudaStream::Create());
   const cudaStream_t origin = origin_holder.get();
   std::vector<cudaEvent_t> events;
@@ -231,8 +251,8 @@ absl::Status MeasureRankGraphs(
       }
     }
     EPD_RETURN_IF_ERROR(check());
-    out->dispatch_graph = d.Build();
-    out->combine_graph = c.Build();
+    *dispatch_out = d.Build();
+    *combine_out = c.Build();
     return absl::OkStatus();
   }();
   cleanup();
@@ -242,12 +262,12 @@ absl::Status MeasureRankGraphs(
 /// Client-launched decode as an inference engine runs it (MeasureRankGraphs). The combine
 /// graph uses the handles of the captured dispatch (PendingOp::Enqueued), so every dispatch
 /// replay writes the buffer that the combine reads. After the replays, Wait on each captured
-/// op reports the device status of the replays.
+/// op reports the device status of the replays. T is x's (and topk_idx's) rows.
 absl::Status MeasureClientGraphs(std::vector<std::unique_ptr<Endpoint>>& eps,
                                  const std::vector<cudaStream_t>& streams, std::vector<DLTensor>& x,
                                  std::vector<DLTensor>& idx, std::vector<DLTensor>& w,
                                  std::vector<DLTensor>& expert_out, int warmup, int iters,
-                                 ModeResult* out) {
+                                 OpTimes* dispatch_out, OpTimes* combine_out) {
   std::vector<std::optional<PendingOp<LowLatencyDispatchResult>>> dops(Ranks());
   std::vector<std::optional<PendingOp<LowLatencyCombineResult>>> cops(Ranks());
   std::vector<Handle> handles(Ranks());
@@ -287,7 +307,7 @@ absl::Status MeasureClientGraphs(std::vector<std::unique_ptr<Endpoint>>& eps,
         }
         return absl::OkStatus();
       },
-      warmup, iters, out);
+      warmup, iters, dispatch_out, combine_out);
 }
 
 /// Runs fn(r) for the 8 ranks on 8 threads (testing::OnEveryRank: RegisterProgram and
@@ -360,7 +380,7 @@ absl::Status MeasureDaemonProgramGraphs(std::vector<std::unique_ptr<Endpoint>>& 
           }
           return absl::OkStatus();
         },
-        warmup, iters, out);
+        warmup, iters, &out->dispatch_graph, &out->combine_graph);
   }
   absl::Status un =
       OnEveryRankThread([&](int32_t r) { return eps[r]->UnregisterProgram(kWaitTimeout); });
@@ -485,10 +505,27 @@ absl::Status MeasureMode(Client& client, const std::string& gpu_uuid, v1::Launch
   {
     const absl::Status gs =
         mode == v1::LAUNCH_MODE_CLIENT
-            ? MeasureClientGraphs(eps, streams, x, idx, w, expert_out, warmup, iters, out)
+            ? MeasureClientGraphs(eps, streams, x, idx, w, expert_out, warmup, iters,
+                                  &out->dispatch_graph, &out->combine_graph)
             : MeasureDaemonProgramGraphs(eps, streams, x, idx, w, expert_out, warmup, iters, out);
     out->graph_measured = gs.ok();
     if (!gs.ok()) out->graph_error = gs.ToString();
+  }
+  if (mode == v1::LAUNCH_MODE_CLIENT) {
+    // The same graphs with T = 0: x and topk_idx (and the weights) with no rows.
+    std::vector<std::vector<int64_t>> x0_shape(Ranks(), std::vector<int64_t>{0, kHidden});
+    std::vector<std::vector<int64_t>> idx0_shape(Ranks(), std::vector<int64_t>{0, kTopk});
+    std::vector<DLTensor> x0(Ranks()), idx0(Ranks()), w0(Ranks());
+    for (int32_t r = 0; r < Ranks(); ++r) {
+      x0[r] = CudaTensor(x[r].data, kBf16, x0_shape[r]);
+      idx0[r] = CudaTensor(idx[r].data, kI64, idx0_shape[r]);
+      w0[r] = CudaTensor(w[r].data, kF32, idx0_shape[r]);
+    }
+    const absl::Status zs =
+        MeasureClientGraphs(eps, streams, x0, idx0, w0, expert_out, warmup, iters,
+                            &out->dispatch_graph_t0, &out->combine_graph_t0);
+    out->graph_t0_measured = zs.ok();
+    if (!zs.ok()) out->graph_t0_error = zs.ToString();
   }
   for (auto& ep : eps) {
     if (ep != nullptr) EPD_RETURN_IF_ERROR(ep->Leave());
@@ -561,6 +598,7 @@ absl::Status Run(Report* report) {
   } else {
     const std::string epd = EpdPath();
     setenv("EPD_BINARY", epd.c_str(), 1);
+    if (absl::GetFlag(FLAGS_epd_op_trace)) setenv("EPD_OP_TRACE", "1", 1);
     testing::DaemonProcessOptions dopt;
     dopt.backend = "cuda";
     dopt.tcp = false;
@@ -605,9 +643,22 @@ absl::Status Run(Report* report) {
   }
   if (daemon != nullptr) {
     absl::StatusOr<int> code = daemon->Stop();
+    const std::string logs = daemon->Logs();
     if (!st.ok() || !code.ok() || *code != 0) {
-      std::fprintf(stderr, "---- epd log (%s) ----\n%s\n", daemon->dir().c_str(),
-                   daemon->Logs().c_str());
+      std::fprintf(stderr, "---- epd log (%s) ----\n%s\n", daemon->dir().c_str(), logs.c_str());
+    }
+    if (const std::string path = absl::GetFlag(FLAGS_epd_log); !path.empty()) {
+      std::ofstream f(path, std::ios::trunc);
+      f << logs;
+      f.close();
+      if (!f) st.Update(absl::InternalError(absl::StrCat("--epd_log: cannot write ", path)));
+    }
+    if (EpdTraces()) {
+      for (absl::string_view line : absl::StrSplit(logs, '\n')) {
+        if (absl::StrContains(line, "op trace:") || absl::StrContains(line, "span trace")) {
+          report->trace_lines.emplace_back(line);
+        }
+      }
     }
   }
   return st;
@@ -632,6 +683,40 @@ void PrintRow(const char* label, const OpTimes& t, const LowLatencyFigure& bound
   std::printf("%-34s %8.2f %8.2f %8.2f %8.2f %9.2f %9.2f %8.2f %9.2f %+9.2f\n", label, t.span.p50,
               t.span.p99, t.host.p50, t.host.p99, inproc_p50, memcpy_p50, t.span.p50 / memcpy_p50,
               t.span.p50 / inproc_p50, t.span.p50 - inproc_p50);
+}
+
+/// The client graphs' fixed cost against the data part (SplitFixedCost): each op's p50, the
+/// same graph's p50 with T = 0 on every rank, the same-bytes memcpy's p50, and
+/// (op - T0) / memcpy, as text or JSON lines.
+void PrintFixedCost(const ModeResult& m, const Report& rep, bool json) {
+  struct Op {
+    const char* name;
+    const OpTimes& op;
+    const OpTimes& t0;
+    const LowLatencyFigure& bound;
+  };
+  const Op ops[] = {{"ll_dispatch_fp8", m.dispatch_graph, m.dispatch_graph_t0, rep.inproc_dispatch},
+                    {"ll_combine_bf16", m.combine_graph, m.combine_graph_t0, rep.inproc_combine}};
+  if (!json) {
+    std::printf(
+        "  fixed cost, the same graph with T=0 on every rank (count exchange and barriers, no "
+        "rows):");
+  }
+  for (const Op& o : ops) {
+    const FixedCostSplit f = SplitFixedCost(o.op.span.p50, o.t0.span.p50, o.bound.memcpy_us.p50);
+    if (json) {
+      std::printf(
+          "{\"bench\":\"launch\",\"figure\":\"ll_fixed_cost\",\"mode\":\"client-graph\","
+          "\"op\":\"%s\",\"device\":\"%s\",\"op_p50_us\":%.2f,\"t0_p50_us\":%.2f,"
+          "\"memcpy_p50_us\":%.2f,\"data_us\":%.2f,\"data_over_memcpy\":%.3f}\n",
+          o.name, rep.device.c_str(), f.op_us, f.fixed_us, f.memcpy_us, f.data_us,
+          f.data_over_memcpy);
+    } else {
+      std::printf(" %s op p50 %.2f, T=0 p50 %.2f, memcpy p50 %.2f: (op - T0) / memcpy %.2fx;",
+                  o.name, f.op_us, f.fixed_us, f.memcpy_us, f.data_over_memcpy);
+    }
+  }
+  if (!json) std::printf("\n");
 }
 
 }  // namespace
@@ -700,6 +785,18 @@ int RunLaunchBench() {
       std::printf("%-34s NOT MEASURED: %s\n", (mode + ", one CUDA graph").c_str(),
                   m.graph_error.c_str());
     }
+    if (m.graph_t0_measured) {
+      const std::string g = absl::StrCat(mode, ", ", Ranks(), " ranks in one CUDA graph, T=0");
+      const std::string gd = g + " / dispatch", gc = g + " / combine";
+      PrintRow(gd.c_str(), m.dispatch_graph_t0, rep.inproc_dispatch, json, rep, mode + "-graph-t0",
+               "ll_dispatch_fp8");
+      PrintRow(gc.c_str(), m.combine_graph_t0, rep.inproc_combine, json, rep, mode + "-graph-t0",
+               "ll_combine_bf16");
+      if (json && m.graph_measured) PrintFixedCost(m, rep, true);
+    } else if (m.mode == "client" && !json) {
+      std::printf("%-34s NOT MEASURED: %s\n", (mode + ", one CUDA graph, T=0").c_str(),
+                  m.graph_t0_error.c_str());
+    }
   }
   if (!json) {
     std::printf(
@@ -730,6 +827,7 @@ int RunLaunchBench() {
               "goal low-latency kernels in one CUDA graph: FP8 dispatch <= 1.00x memcpy %.2fx "
               "(%s), BF16 combine <= 0.85x memcpy %.2fx (%s)\n",
               gr, gr <= 1.0 ? "met" : "NOT met", gc, gc <= 0.85 ? "met" : "NOT met");
+          if (m.graph_t0_measured) PrintFixedCost(m, rep, false);
         }
       } else if (rep.mps_active) {
         // Like for like: the in-process bound's kernels are all launched before its gate
@@ -771,6 +869,23 @@ int RunLaunchBench() {
             "goal daemon-launched without MPS <= in-process + 150 us: dispatch %+.2f us (%s), "
             "combine %+.2f us (%s) (the MPS goals are judged on the run with MPS active)\n",
             nd, nd <= 150 ? "met" : "NOT met", nc, nc <= 150 ? "met" : "NOT met");
+      }
+    }
+  }
+  if (EpdTraces()) {
+    if (!absl::GetFlag(FLAGS_socket).empty()) {
+      std::printf("epd op trace: not collected (--socket: the running epd's log is its own)\n");
+    } else if (rep.trace_lines.empty()) {
+      std::printf(
+          "epd op trace: no summary lines in the epd's log (daemon-launched ops, a window of "
+          "1 s each)\n");
+    }
+    for (const std::string& line : rep.trace_lines) {
+      if (json) {
+        std::printf("{\"bench\":\"launch\",\"figure\":\"epd_op_trace\",\"line\":\"%s\"}\n",
+                    absl::CEscape(line).c_str());
+      } else {
+        std::printf("epd: %s\n", line.c_str());
       }
     }
   }
