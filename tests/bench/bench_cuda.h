@@ -97,8 +97,9 @@ class FanoutBound {
   std::vector<std::string> Variants(FanoutKind kind) const;
   /// Microseconds per run of `variant` with rows of `row_bytes` (a multiple of 16, at most
   /// max_row_bytes; a combine's rows are bf16) on `blocks` blocks, one per SM: the mean of
-  /// `iterations` back-to-back runs after `warmup`. INVALID_ARGUMENT for an unknown
-  /// variant or bad sizes; INTERNAL (CUDA, a bulk load past its bound).
+  /// `iterations` back-to-back runs after `warmup`. The first time for a variant and row
+  /// size, its output is checked first (every row it must write). INVALID_ARGUMENT for an
+  /// unknown variant or bad sizes; INTERNAL (CUDA, a bulk load past its bound, wrong bytes).
   absl::StatusOr<double> Time(FanoutKind kind, const std::string& variant, int64_t row_bytes,
                               int32_t blocks, int warmup, int iterations);
   /// Time() of every variant of `kind`, in Variants() order.
@@ -111,10 +112,15 @@ class FanoutBound {
   FanoutBound();
   absl::Status Launch(FanoutKind kind, const std::string& variant, int64_t row_bytes,
                       int32_t blocks);
+  /// Runs the variant once on a cleared output and checks every byte it wrote (once per
+  /// kind, variant and row size). INTERNAL naming the variant when any is wrong.
+  absl::Status Check(FanoutKind kind, const std::string& variant, int64_t row_bytes,
+                     int32_t blocks);
   FanoutPlan plan_;
   int64_t max_row_bytes_ = 0;
   cudaDeviceProp prop_{};
   std::unique_ptr<Buffers> buf_;
+  std::vector<std::string> checked_;  // kind/variant/row_bytes checked so far
 };
 
 /// Latency of `bytes` copied device-to-host into pinned memory and back on one stream of the

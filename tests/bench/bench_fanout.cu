@@ -63,6 +63,27 @@ __device__ __forceinline__ void Store(uint4* p, uint4 v) {
   }
 }
 
+/// The calling warp's first token: tokens w, w + W, ... are warp w's of W in the grid.
+__device__ __forceinline__ int64_t FirstWarpToken() {
+  return int64_t{blockIdx.x} * (blockDim.x / 32) + threadIdx.x / 32;
+}
+/// W, the warps of the grid.
+__device__ __forceinline__ int64_t WarpTokenStride() {
+  return int64_t{gridDim.x} * (blockDim.x / 32);
+}
+
+/// Token t's rows: n of them (warp-uniform), lane l < n holding the l-th (0 for the rest).
+struct TokenRows {
+  int n;
+  int32_t lane_row;
+};
+__device__ __forceinline__ TokenRows LoadTokenRows(const int32_t* row_begin, const int32_t* rows,
+                                                   int64_t t, int lane) {
+  const int32_t begin = row_begin[t];
+  const int n = row_begin[t + 1] - begin;
+  return {n, lane < n ? rows[begin + lane] : 0};
+}
+
 /// Dispatch, registers: warp w takes tokens w, w + W, ...; each chunk of kUnroll vectors a
 /// lane is loaded once and stored at each destination row of the token.
 template <bool kStreaming>
@@ -71,14 +92,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
                             const int32_t* __restrict__ row_begin, const int32_t* __restrict__ rows,
                             int64_t num_tokens, int64_t row_vecs) {
   const int lane = threadIdx.x & 31;
-  const int64_t warps_per_block = blockDim.x / 32;
-  const int64_t stride = int64_t{gridDim.x} * warps_per_block;
-  for (int64_t t = int64_t{blockIdx.x} * warps_per_block + threadIdx.x / 32; t < num_tokens;
-       t += stride) {
-    const int32_t begin = row_begin[t];
-    const int n = row_begin[t + 1] - begin;
+  for (int64_t t = FirstWarpToken(); t < num_tokens; t += WarpTokenStride()) {
+    const auto [n, my_row] = LoadTokenRows(row_begin, rows, t, lane);
     if (n == 0) continue;
-    const int32_t my_row = lane < n ? rows[begin + lane] : 0;
     const uint4* s = src + t * row_vecs;
     for (int64_t base = 0; base < row_vecs; base += 32 * kUnroll) {
       uint4 v[kUnroll];
@@ -131,13 +147,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
                            const int32_t* __restrict__ row_begin, const int32_t* __restrict__ rows,
                            int64_t num_tokens, int64_t row_vecs) {
   const int lane = threadIdx.x & 31;
-  const int64_t warps_per_block = blockDim.x / 32;
-  const int64_t stride = int64_t{gridDim.x} * warps_per_block;
-  for (int64_t t = int64_t{blockIdx.x} * warps_per_block + threadIdx.x / 32; t < num_tokens;
-       t += stride) {
-    const int32_t begin = row_begin[t];
-    const int n = row_begin[t + 1] - begin;
-    const int32_t my_row = lane < n ? rows[begin + lane] : 0;
+  for (int64_t t = FirstWarpToken(); t < num_tokens; t += WarpTokenStride()) {
+    const auto [n, my_row] = LoadTokenRows(row_begin, rows, t, lane);
     uint4* o = out + t * row_vecs;
     for (int64_t base = 0; base < row_vecs; base += 32 * kVecs) {
       float acc[kVecs][8] = {};
@@ -200,7 +211,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, 1)
                                                           kSlots * row_bytes) +
                    warp * kSlots;
   for (int s = 0; s < kSlots; ++s) dev::InitBulkBarrier(&bars[s]);
-  const int64_t stride = int64_t{gridDim.x} * warps_per_block;
+  const int64_t stride = WarpTokenStride();
   auto with_rows = [&](int64_t t) {
     while (t < num_tokens && row_begin[t + 1] == row_begin[t]) t += stride;
     return t;
@@ -214,7 +225,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, 1)
   // once that one's stores have read it.
   int64_t token[kSlots];
   uint32_t parity[kSlots] = {};
-  int64_t next = with_rows(int64_t{blockIdx.x} * warps_per_block + warp);
+  int64_t next = with_rows(FirstWarpToken());
   for (int s = 0; s < kSlots; ++s) {
     token[s] = num_tokens;
     if (s < kSlots - 1 && next < num_tokens) {
@@ -253,6 +264,45 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, 1)
 #else
   if (threadIdx.x == 0 && blockIdx.x == 0) atomicExch(error, kBulkUnavailable);
 #endif
+}
+
+/// Counts into `mismatches` the 16-byte vectors a bound run got wrong: a dispatch's
+/// destination rows against their token's row; a combine's output rows against the f32 sum
+/// of the token's rows in order (as the combine variants add them), compared as values.
+/// A warp a token, rows as in the bound kernels.
+__global__ void CheckFanoutKernel(bool dispatch, const uint4* __restrict__ tokens,
+                                  const uint4* __restrict__ rows_buf,
+                                  const int32_t* __restrict__ row_begin,
+                                  const int32_t* __restrict__ rows, int64_t num_tokens,
+                                  int64_t row_vecs, unsigned long long* mismatches) {
+  const int lane = threadIdx.x & 31;
+  unsigned long long bad = 0;
+  for (int64_t t = FirstWarpToken(); t < num_tokens; t += WarpTokenStride()) {
+    const int32_t begin = row_begin[t], end = row_begin[t + 1];
+    const uint4* token = tokens + t * row_vecs;
+    for (int64_t i = lane; i < row_vecs; i += 32) {
+      if (dispatch) {
+        const uint4 want = token[i];
+        for (int32_t j = begin; j < end; ++j) {
+          const uint4 got = rows_buf[int64_t{rows[j]} * row_vecs + i];
+          bad += got.x != want.x || got.y != want.y || got.z != want.z || got.w != want.w;
+        }
+      } else {
+        float want[8] = {}, got[8] = {};
+        for (int32_t j = begin; j < end; ++j) {
+          AddBf16x8(want, rows_buf[int64_t{rows[j]} * row_vecs + i]);
+        }
+        const uint4 rounded = PackBf16x8(want);
+        float w[8] = {};
+        AddBf16x8(w, rounded);
+        AddBf16x8(got, token[i]);
+        bool same = true;
+        for (int k = 0; k < 8; ++k) same &= w[k] == got[k];
+        bad += same ? 0 : 1;
+      }
+    }
+  }
+  if (bad != 0) atomicAdd(mismatches, bad);
 }
 
 /// Shared memory that keeps a second block of a launch off an SM (over half of an SM's).
@@ -384,6 +434,46 @@ absl::Status FanoutBound::Launch(FanoutKind kind, const std::string& variant, in
                    " variant '", variant, "'"));
 }
 
+absl::Status FanoutBound::Check(FanoutKind kind, const std::string& variant, int64_t row_bytes,
+                                int32_t blocks) {
+  const std::string key =
+      absl::StrCat(kind == FanoutKind::kDispatch ? "d/" : "c/", variant, "/", row_bytes);
+  if (std::find(checked_.begin(), checked_.end(), key) != checked_.end()) {
+    return absl::OkStatus();
+  }
+  Buffers& m = *buf_;
+  const cudaStream_t s = m.stream.get();
+  // The output cleared to bytes no run writes (0xff..: a NaN, and no pattern word).
+  DeviceBuffer& out = kind == FanoutKind::kDispatch ? m.rows : m.tokens;
+  EPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(out.get(), 0xff, out.bytes(), s));
+  EPD_RETURN_IF_ERROR(Launch(kind, variant, row_bytes, blocks));
+  EPD_ASSIGN_OR_RETURN(DeviceBuffer mismatches, DeviceBuffer::Allocate(sizeof(uint64_t)));
+  CheckFanoutKernel<<<prop_.multiProcessorCount * 4, 256, 0, s>>>(
+      kind == FanoutKind::kDispatch, reinterpret_cast<const uint4*>(m.tokens.get()),
+      reinterpret_cast<const uint4*>(m.rows.get()),
+      reinterpret_cast<const int32_t*>(m.row_begin.get()),
+      reinterpret_cast<const int32_t*>(m.row_index.get()), plan_.num_tokens, row_bytes / 16,
+      reinterpret_cast<unsigned long long*>(mismatches.get()));
+  EPD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  uint64_t bad = 0;
+  EPD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&bad, mismatches.get(), sizeof(bad), cudaMemcpyDeviceToHost, s));
+  int error = kNoError;
+  EPD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&error, m.error.get(), sizeof(error), cudaMemcpyDeviceToHost, s));
+  EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  if (error != kNoError || bad != 0) {
+    return absl::InternalError(absl::StrCat("FanoutBound: variant ", variant, " with rows of ",
+                                            row_bytes, " bytes moved the wrong bytes: ", bad,
+                                            " of its 16-byte vectors differ, error word ", error));
+  }
+  checked_.push_back(key);
+  // Finite values again where the run did not write (rows narrower than the buffer's).
+  EPD_RETURN_IF_ERROR(FillPatternAsync(out.get(), out.bytes(), 13, s));
+  EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<double> FanoutBound::Time(FanoutKind kind, const std::string& variant,
                                          int64_t row_bytes, int32_t blocks, int warmup,
                                          int iterations) {
@@ -398,6 +488,7 @@ absl::StatusOr<double> FanoutBound::Time(FanoutKind kind, const std::string& var
   }
   Buffers& m = *buf_;
   EPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(m.error.get(), 0, sizeof(int), m.stream.get()));
+  EPD_RETURN_IF_ERROR(Check(kind, variant, row_bytes, blocks));
   for (int i = 0; i < warmup; ++i) EPD_RETURN_IF_ERROR(Launch(kind, variant, row_bytes, blocks));
   EPD_ASSIGN_OR_RETURN(EventHandle start, CreateEvent(cudaEventDefault));
   EPD_ASSIGN_OR_RETURN(EventHandle end, CreateEvent(cudaEventDefault));

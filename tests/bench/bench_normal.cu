@@ -26,6 +26,7 @@
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -42,6 +43,9 @@ ABSL_FLAG(std::string, normal_kernels, "",
           "normal bench: comma-separated EPD_NORMAL_KERNELS values (balanced, static, block, "
           "bulk) "
           "to compare in one run, interleaved per SM budget; empty = as the environment has it");
+ABSL_FLAG(std::string, normal_sms, "8,16,24,32",
+          "normal bench: the SM budgets (blocks per rank, each in [1, 1024]) to sweep, "
+          "comma-separated; the goal is judged at floor(SMs / 8)");
 ABSL_FLAG(bool, normal_bound, true,
           "normal bench: also time the fan-out copy bound (each op's HBM byte pattern on the "
           "same routing without its logic, the fastest of its kernel variants) at each SM "
@@ -62,7 +66,6 @@ constexpr int32_t kTopk = kNormalBenchTopk;
 constexpr int32_t kExperts = kNormalBenchExperts;
 constexpr int kWarmup = 3;
 constexpr int kBatch = 20;
-constexpr int kSmSweep[] = {8, 16, 24, 32};
 
 /// Wall time of `batch` back-to-back rounds of `launch(r, stream)` on every rank (rounds
 /// enqueued round-major), in microseconds per round: first start to last end.
@@ -185,6 +188,15 @@ class Bounds {
 
 absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
                  std::string* device_name, int* device_sms) {
+  std::vector<int32_t> sweep;
+  for (absl::string_view v : absl::StrSplit(absl::GetFlag(FLAGS_normal_sms), ',')) {
+    int32_t sms = 0;
+    if (!absl::SimpleAtoi(v, &sms) || sms < 1 || sms > 1024) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--normal_sms: '", v, "' is not a number of SMs in [1, 1024]"));
+    }
+    sweep.push_back(sms);
+  }
   cudaDeviceProp prop{};
   int device = 0;
   EPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
@@ -266,7 +278,7 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
       absl::StrSplit(absl::GetFlag(FLAGS_normal_kernels), ',', absl::SkipEmpty());
   if (variants.empty()) variants.push_back("");
 
-  for (int32_t sms : kSmSweep) {
+  for (int32_t sms : sweep) {
     // A context per rank with this SM budget (the group's own contexts use the default).
     std::vector<kc::CudaRankContext> ctx(kRanks);
     for (int32_t r = 0; r < kRanks; ++r) {
