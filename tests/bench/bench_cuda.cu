@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -76,6 +77,21 @@ absl::Status FillPatternAsync(void* dst, size_t bytes, uint32_t seed, cudaStream
   if (bytes == 0) return absl::OkStatus();
   FillWords<<<1024, 256, 0, stream>>>(static_cast<uint32_t*>(dst), bytes / 4, seed);
   return EPD_CUDA_STATUS(cudaGetLastError());
+}
+
+void PrintFixedCostSplit(const char* bench, const char* mode, const char* op,
+                         const std::string& device, const FixedCostSplit& f, bool json) {
+  if (json) {
+    std::printf(
+        "{\"bench\":\"%s\",\"figure\":\"ll_fixed_cost\",\"mode\":\"%s\",\"op\":\"%s\","
+        "\"device\":\"%s\",\"op_p50_us\":%.2f,\"t0_p50_us\":%.2f,\"memcpy_p50_us\":%.2f,"
+        "\"data_us\":%.2f,\"data_over_memcpy\":%.3f}\n",
+        bench, mode, op, device.c_str(), f.op_us, f.fixed_us, f.memcpy_us, f.data_us,
+        f.data_over_memcpy);
+  } else {
+    std::printf(" %s op p50 %.2f, T=0 p50 %.2f, memcpy p50 %.2f: (op - T0) / memcpy %.2fx;", op,
+                f.op_us, f.fixed_us, f.memcpy_us, f.data_over_memcpy);
+  }
 }
 
 absl::StatusOr<Percentiles> TimeDeviceCopy(size_t bytes, int warmup, int iterations) {

@@ -128,6 +128,12 @@ class FanoutBound {
 /// host): `iterations` round trips after `warmup`, each timed with events. Errors: INTERNAL.
 absl::StatusOr<Percentiles> TimeHostDeviceRoundTrip(size_t bytes, int warmup, int iterations);
 
+/// Prints one op's fixed-cost split (floors.h SplitFixedCost) of the figures `bench` / `mode`:
+/// as a JSON line ("figure":"ll_fixed_cost"), else as the text " <op> op p50 .., T=0 p50 ..,
+/// memcpy p50 ..: (op - T0) / memcpy ..x;" of a line the caller starts and ends.
+void PrintFixedCostSplit(const char* bench, const char* mode, const char* op,
+                         const std::string& device, const FixedCostSplit& f, bool json);
+
 /// One op's latency over all ranks, in µs: `span` = last end event - first start event
 /// over the ranks' streams (the figure), `after_last` = the shortest per-rank end - start,
 /// i.e. from the last rank's start to its end (no launch skew), and `host` = host wall

@@ -703,18 +703,8 @@ void PrintFixedCost(const ModeResult& m, const Report& rep, bool json) {
         "rows):");
   }
   for (const Op& o : ops) {
-    const FixedCostSplit f = SplitFixedCost(o.op.span.p50, o.t0.span.p50, o.bound.memcpy_us.p50);
-    if (json) {
-      std::printf(
-          "{\"bench\":\"launch\",\"figure\":\"ll_fixed_cost\",\"mode\":\"client-graph\","
-          "\"op\":\"%s\",\"device\":\"%s\",\"op_p50_us\":%.2f,\"t0_p50_us\":%.2f,"
-          "\"memcpy_p50_us\":%.2f,\"data_us\":%.2f,\"data_over_memcpy\":%.3f}\n",
-          o.name, rep.device.c_str(), f.op_us, f.fixed_us, f.memcpy_us, f.data_us,
-          f.data_over_memcpy);
-    } else {
-      std::printf(" %s op p50 %.2f, T=0 p50 %.2f, memcpy p50 %.2f: (op - T0) / memcpy %.2fx;",
-                  o.name, f.op_us, f.fixed_us, f.memcpy_us, f.data_over_memcpy);
-    }
+    PrintFixedCostSplit("launch", "client-graph", o.name, rep.device,
+                        SplitFixedCost(o.op.span.p50, o.t0.span.p50, o.bound.memcpy_us.p50), json);
   }
   if (!json) std::printf("\n");
 }

@@ -18,6 +18,7 @@
 #include <iostream>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -32,6 +33,7 @@
 #include "epd/kernels/host_ops.h"
 #include "tests/bench/bench.h"
 #include "tests/bench/bench_cuda.h"
+#include "tests/bench/floors.h"
 #include "tests/gpu/gpu_test_util.h"
 
 ABSL_FLAG(std::string, ll_specialised, "",
@@ -446,9 +448,29 @@ int RunLowLatencyBench() {
                   f.op_us.span.p50, f.op_us.span.p99, "-", "-", "-", f.op_us.after_last.p50);
     }
   }
+  // The fixed cost: each op against the same op with T = 0 on every rank, the data part
+  // (op - T0) against the memcpy of the op's bytes.
+  auto find = [&](const char* name) -> const LowLatencyFigure* {
+    for (const LowLatencyFigure& f : figures) {
+      if (f.name == name) return &f;
+    }
+    return nullptr;
+  };
+  const std::pair<const char*, const char*> splits[] = {{"ll_dispatch_fp8", "ll_dispatch_fp8_T0"},
+                                                        {"ll_combine_bf16", "ll_combine_bf16_T0"}};
   if (!json) {
     std::printf("last-in: from the last rank's kernel start to its end (no launch skew)\n");
+    std::printf("fixed cost (the same op with T=0 on every rank: count exchange and barriers):");
   }
+  for (const auto& [op_name, t0_name] : splits) {
+    const LowLatencyFigure* op = find(op_name);
+    const LowLatencyFigure* t0 = find(t0_name);
+    if (op == nullptr || t0 == nullptr) continue;
+    PrintFixedCostSplit("ll", "inprocess", op_name, device,
+                        SplitFixedCost(op->op_us.span.p50, t0->op_us.span.p50, op->memcpy_us.p50),
+                        json);
+  }
+  if (!json) std::printf("\n");
   return 0;
 }
 
