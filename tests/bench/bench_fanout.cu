@@ -4,6 +4,7 @@
 //   dispatch "vec"    a warp a token, 16-byte loads of the row (4 per lane in flight), each
 //                     chunk stored at every destination row;
 //            "vec_cs" the same with streaming (evict-first) stores;
+//            "vec8"   as vec with 8 vectors a lane in flight, 512 threads a block;
 //            "bulk"   / "bulk3" (sm_90 and later) a lane a warp moves rows by TMA bulk copies:
 //                     the row into shared memory (2 or 3 slots, the next rows loading while
 //                     the current one is stored), one bulk store per destination;
@@ -84,10 +85,10 @@ __device__ __forceinline__ TokenRows LoadTokenRows(const int32_t* row_begin, con
   return {n, lane < n ? rows[begin + lane] : 0};
 }
 
-/// Dispatch, registers: warp w takes tokens w, w + W, ...; each chunk of kUnroll vectors a
-/// lane is loaded once and stored at each destination row of the token.
-template <bool kStreaming>
-__global__ void __launch_bounds__(kDispatchThreads, 1)
+/// Dispatch, registers: warp w takes tokens w, w + W, ...; each chunk of kVecs vectors a
+/// lane is loaded once and stored at each destination row of the token. kThreads a block.
+template <int kVecs, bool kStreaming, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1)
     FanoutDispatchVecKernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
                             const int32_t* __restrict__ row_begin, const int32_t* __restrict__ rows,
                             int64_t num_tokens, int64_t row_vecs) {
@@ -96,17 +97,17 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
     const auto [n, my_row] = LoadTokenRows(row_begin, rows, t, lane);
     if (n == 0) continue;
     const uint4* s = src + t * row_vecs;
-    for (int64_t base = 0; base < row_vecs; base += 32 * kUnroll) {
-      uint4 v[kUnroll];
+    for (int64_t base = 0; base < row_vecs; base += 32 * kVecs) {
+      uint4 v[kVecs];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kVecs; ++u) {
         const int64_t i = base + lane + 32 * u;
         if (i < row_vecs) v[u] = Load<false>(s + i);
       }
       for (int k = 0; k < n; ++k) {
         uint4* o = dst + int64_t{__shfl_sync(~0u, my_row, k)} * row_vecs;
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < kVecs; ++u) {
           const int64_t i = base + lane + 32 * u;
           if (i < row_vecs) Store<kStreaming>(o + i, v[u]);
         }
@@ -373,7 +374,7 @@ absl::StatusOr<std::unique_ptr<FanoutBound>> FanoutBound::Create(const FanoutPla
 
 std::vector<std::string> FanoutBound::Variants(FanoutKind kind) const {
   if (kind == FanoutKind::kCombine) return {"vec", "vec_cs", "wide"};
-  std::vector<std::string> v = {"vec", "vec_cs"};
+  std::vector<std::string> v = {"vec", "vec_cs", "vec8"};
   if (prop_.major >= 9) {
     v.push_back("bulk");
     v.push_back("bulk3");
@@ -393,13 +394,16 @@ absl::Status FanoutBound::Launch(FanoutKind kind, const std::string& variant, in
   if (kind == FanoutKind::kDispatch) {
     const auto* src = reinterpret_cast<const uint4*>(m.tokens.get());
     auto* dst = reinterpret_cast<uint4*>(m.rows.get());
-    if (variant == "vec" || variant == "vec_cs") {
-      auto kernel =
-          variant == "vec" ? &FanoutDispatchVecKernel<false> : &FanoutDispatchVecKernel<true>;
+    auto launch = [&](auto kernel, int threads) -> absl::Status {
       EPD_RETURN_IF_ERROR(AllowShared(kernel, one_block));
-      kernel<<<blocks, kDispatchThreads, one_block, s>>>(src, dst, row_begin, rows, n, vecs);
+      kernel<<<blocks, threads, one_block, s>>>(src, dst, row_begin, rows, n, vecs);
       return EPD_CUDA_STATUS(cudaGetLastError());
-    }
+    };
+    constexpr int kT = kDispatchThreads;
+    if (variant == "vec") return launch(&FanoutDispatchVecKernel<kUnroll, false, kT>, kT);
+    if (variant == "vec_cs") return launch(&FanoutDispatchVecKernel<kUnroll, true, kT>, kT);
+    // 8 vectors a lane take more registers than 1024 threads leave: half the threads.
+    if (variant == "vec8") return launch(&FanoutDispatchVecKernel<8, false, kT / 2>, kT / 2);
     if (variant == "bulk" || variant == "bulk3") {
       const int slots = variant == "bulk" ? 2 : 3;
       const size_t per_warp = static_cast<size_t>(slots) * (row_bytes + sizeof(uint64_t));
