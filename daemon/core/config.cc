@@ -131,6 +131,10 @@ ABSL_FLAG(StringFlag, cuda_op_graphs, StringFlag{"off"},
           "cuda_op_graphs: CUDA backend: launch each daemon-launched op that a per-GPU op graph "
           "covers (low-latency ops, every rank stream-ordered and unmasked, under MPS) as one "
           "CUDA graph launch per GPU: on or off. Experimental: keep off (docs/CUDA_BACKEND.md).");
+ABSL_FLAG(StringFlag, cuda_fused_launch, StringFlag{"on"},
+          "cuda_fused_launch: CUDA backend: launch each daemon-launched low-latency op (every "
+          "rank stream-ordered and unmasked, under MPS) as one fused kernel per GPU for all the "
+          "group's ranks there instead of each rank's launches: on or off.");
 ABSL_FLAG(Uint32Flag, max_request_bytes, Uint32Flag{epd::kDefaultMaxRequestBytes},
           "max_request_bytes: largest gRPC message accepted, in bytes, from 65536 to "
           "2147483647 (gRPC's limit is an int).");
@@ -495,6 +499,7 @@ ConfigFlags ConfigFlagsFromCommandLine() {
   f.engine_idle_us = GivenValue(FLAGS_engine_idle_us);
   f.host_threads = GivenValue(FLAGS_host_threads);
   f.cuda_op_graphs = GivenValue(FLAGS_cuda_op_graphs);
+  f.cuda_fused_launch = GivenValue(FLAGS_cuda_fused_launch);
   f.max_request_bytes = GivenValue(FLAGS_max_request_bytes);
   f.max_groups = GivenValue(FLAGS_max_groups);
   f.max_groups_per_uid = GivenValue(FLAGS_max_groups_per_uid);
@@ -628,6 +633,8 @@ absl::Status ApplyConfigFlags(const ConfigFlags& flags, v1::DaemonConfig* config
   if (flags.host_threads) config->set_host_threads(*flags.host_threads);
   if (flags.cuda_op_graphs)
     config->set_cuda_op_graphs(absl::AsciiStrToLower(*flags.cuda_op_graphs));
+  if (flags.cuda_fused_launch)
+    config->set_cuda_fused_launch(absl::AsciiStrToLower(*flags.cuda_fused_launch));
   if (flags.max_request_bytes) config->set_max_request_bytes(*flags.max_request_bytes);
   if (flags.max_groups) {
     // Checked here: a 0 in the config would read as "absent" and take the default.
@@ -756,6 +763,8 @@ void FillDaemonConfigDefaults(v1::DaemonConfig* config) {
   if (rdma->gpudirect().empty()) rdma->set_gpudirect("auto");
   config->set_cuda_op_graphs(absl::AsciiStrToLower(config->cuda_op_graphs()));
   if (config->cuda_op_graphs().empty()) config->set_cuda_op_graphs("off");
+  config->set_cuda_fused_launch(absl::AsciiStrToLower(config->cuda_fused_launch()));
+  if (config->cuda_fused_launch().empty()) config->set_cuda_fused_launch("on");
 }
 
 absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
@@ -849,6 +858,14 @@ absl::Status ValidateDaemonConfig(const v1::DaemonConfig& config) {
     return errors::WithReason(
         absl::InvalidArgumentError(absl::StrCat(
             "cuda_op_graphs: \"", absl::CEscape(config.cuda_op_graphs()), "\" is not on or off")),
+        errors::Reason::kConfigInvalid);
+  }
+  if (!config.cuda_fused_launch().empty() && config.cuda_fused_launch() != "on" &&
+      config.cuda_fused_launch() != "off") {
+    return errors::WithReason(
+        absl::InvalidArgumentError(absl::StrCat("cuda_fused_launch: \"",
+                                                absl::CEscape(config.cuda_fused_launch()),
+                                                "\" is not on or off")),
         errors::Reason::kConfigInvalid);
   }
   for (const std::string& uuid : config.gpu_uuids()) {

@@ -208,6 +208,7 @@ absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(
     options.gpu_uuids.assign(config.gpu_uuids().begin(), config.gpu_uuids().end());
     options.host_threads = static_cast<int>(config.host_threads());
     options.op_graphs = config.cuda_op_graphs() == "on";
+    options.fused_launch = config.cuda_fused_launch() != "off";
     options.peer_mesh = peer_mesh;
     options.transports = transports;
     return MakeCudaDataPlane(options);

@@ -173,15 +173,15 @@ __device__ __forceinline__ uint64_t HandoffValue(const KernelHandoff& h, uint64_
 }
 
 /// The ready wait of a KernelHandoff, by one thread per block before the block reads any
-/// input: until *ready_flag >= ready_value (acquire, GPU scope) or `deadline_ns`; block
-/// 0 records a timeout as a missing `rank` (the op then goes on: it fails anyway). No-op
-/// without a ready flag.
+/// input: until *ready_flag >= ready_value (acquire, GPU scope) or `deadline_ns`; with
+/// `record` (the rank's block 0) a timeout is recorded as a missing `rank` (the op then goes
+/// on: it fails anyway). No-op without a ready flag.
 __device__ __forceinline__ void WaitReady(const KernelHandoff& h, uint64_t deadline_ns,
-                                          DeviceStatus* status, int32_t rank) {
+                                          DeviceStatus* status, int32_t rank, bool record) {
   uint64_t ready = 0;
   if (h.ready_flag != nullptr &&
       !WaitFlag64AtLeast(h.ready_flag, HandoffValue(h, h.ready_value), deadline_ns, &ready) &&
-      blockIdx.x == 0) {
+      record) {
     RecordMissingPeer(status, rank);
   }
 }

@@ -89,10 +89,40 @@ __global__ void WaitFlagKernel(const uint64_t* flag, uint64_t value, int64_t tim
 #endif
 }
 
+/// The waits of one WaitFlagsAsync, by value (kernel parameter space).
+struct FlagWaitsParams {
+  FlagWait waits[kMaxFusedRanks];
+  int32_t num_waits;
+  int64_t timeout_ns;
+};
+
+// Warp w waits for waits[w] (lane 0 spins, as WaitFlagKernel); the block lets the next
+// kernel start once every warp is past its wait.
+__global__ void WaitFlagsKernel(const __grid_constant__ FlagWaitsParams p) {
+  const int32_t w = static_cast<int32_t>(threadIdx.x >> 5);
+  if ((threadIdx.x & 31) == 0 && w < p.num_waits) {
+    const FlagWait& wait = p.waits[w];
+    const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
+    uint64_t v = 0;
+    bool arrived = false;
+    for (;;) {  // As WaitFlag64AtLeast, on either word.
+      v = device::LdAcquireGpu64(wait.flag);
+      if (v < wait.value && wait.alt_flag != nullptr) v = device::LdAcquireGpu64(wait.alt_flag);
+      if ((arrived = v >= wait.value) || device::GlobalTimerNs() > deadline) break;
+    }
+    if (arrived && wait.seen != nullptr) *reinterpret_cast<volatile uint64_t*>(wait.seen) = v;
+  }
+  __syncthreads();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 absl::Status PreloadHandoffKernels() {
   cudaFuncAttributes attr;
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, BatchCopySignalKernel));
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, WaitFlagKernel));
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, WaitFlagsKernel));
   return absl::OkStatus();
 }
 const bool kHandoffPreloadRegistered = RegisterPreloadHook(&PreloadHandoffKernels);
@@ -160,6 +190,27 @@ absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout
                      ", timeout_ns = ", timeout_ns, " (need a flag and timeout_ns > 0)"));
   }
   WaitFlagKernel<<<1, 32, 0, stream>>>(flag, value, timeout_ns, seen, alt_flag, value_word);
+  return EPD_CUDA_STATUS(cudaGetLastError());
+}
+
+absl::Status WaitFlagsAsync(std::span<const FlagWait> waits, int64_t timeout_ns,
+                            cudaStream_t stream) {
+  if (waits.empty() || waits.size() > static_cast<size_t>(kMaxFusedRanks) || timeout_ns <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("WaitFlagsAsync: waits.size() = ", waits.size(),
+                                                   " (need 1..kMaxFusedRanks = ", kMaxFusedRanks,
+                                                   "), timeout_ns = ", timeout_ns, " (need > 0)"));
+  }
+  FlagWaitsParams p{};
+  for (size_t i = 0; i < waits.size(); ++i) {
+    if (waits[i].flag == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("WaitFlagsAsync: waits[", i, "].flag is null"));
+    }
+    p.waits[i] = waits[i];
+  }
+  p.num_waits = static_cast<int32_t>(waits.size());
+  p.timeout_ns = timeout_ns;
+  WaitFlagsKernel<<<1, 32 * p.num_waits, 0, stream>>>(p);
   return EPD_CUDA_STATUS(cudaGetLastError());
 }
 

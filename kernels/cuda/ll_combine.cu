@@ -2,6 +2,9 @@
 // kernel per rank; each warp pulls a token's expert rows from their owners and reduces them
 // in f32 in ascending k, bit-identical to kernels/host. The protocol (flags, checks, why no
 // completion signal) is in docs/CUDA_BACKEND.md "Low-latency combine".
+#include <span>
+#include <string>
+
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
@@ -68,14 +71,17 @@ __device__ __forceinline__ void AccumulateBf16x8(float* acc, const uint4& y, flo
   }
 }
 
+// One rank's combine, run by `num_blocks` blocks, this block being `block` of them
+// (blockIdx.x / gridDim.x of the per-rank kernel; the fused kernel runs several ranks'
+// bodies side by side in one grid).
 // kBatched (K > kSlotBatch): each unit is one step of the warp (256 channels, one 8-channel
 // vector per lane; or 32 channels, one per lane) and the warp stages the token's slots in
 // batches of kSlotBatch, the lanes keeping their sums in registers across batches.
 // Shape: internal::LowLatencyShape, the generic one (every value from p) or a specialised
 // one (hidden, K and experts per rank compile-time constants equal to p's).
-template <bool kVec, bool kBatched, typename Shape = internal::GenericShape>
-__global__ void __launch_bounds__(kLowLatencyThreads, 1)
-    LowLatencyCombineKernel(const CombineParams p) {
+template <bool kVec, bool kBatched, typename Shape>
+__device__ __forceinline__ void CombineBody(const CombineParams& p, int32_t block,
+                                            int32_t num_blocks) {
   __shared__ uint8_t* s_peer[kMaxStatusRanks];
   // Per warp and top-k slot of the batch: source row address (null = skip) and weight.
   __shared__ const uint8_t* s_src[kWarps][kSlotBatch];
@@ -98,7 +104,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   if (threadIdx.x == 0) {
     // Daemon-launched: the client's inputs (expert outputs, topk_idx, topk_weights) are
     // staged once ready >= value; block 0 announces the expert outputs to the peers below.
-    device::WaitReady(p.handoff, deadline, status, p.rank);
+    device::WaitReady(p.handoff, deadline, status, p.rank, block == 0);
     s_seq = *reinterpret_cast<volatile uint32_t*>(&state->combine_seq) + 1;
     int32_t t = *reinterpret_cast<volatile int32_t*>(&state->dispatch_num_tokens[p.buffer]);
     t = (t < 0 || t > p.max_tokens) ? 0 : t;  // written sanitised by the dispatch
@@ -110,7 +116,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const int32_t num_tokens = s_num_tokens;
 
   // ---- 1. announce: this rank's expert outputs are ready ----
-  if (blockIdx.x == 0 && threadIdx.x < num_ranks) {
+  if (block == 0 && threadIdx.x < num_ranks) {
     device::FenceAcqRel(p.gpu_scope);
     StRelease(CombineFlag(s_peer[threadIdx.x], p, p.rank), seq, p.gpu_scope);
   }
@@ -189,9 +195,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     const int32_t chunk = kBatched ? (kVec ? 8 * 32 : 32) : (kVec ? kChunkChannels : hidden32);
     const int32_t chunks_per_token = (hidden32 + chunk - 1) / chunk;
     const int32_t units = num_tokens * chunks_per_token;
-    const int32_t total_warps = static_cast<int32_t>(gridDim.x) * kWarps;
-    for (int32_t u = static_cast<int32_t>(blockIdx.x) * kWarps + warp; u < units;
-         u += total_warps) {
+    const int32_t total_warps = num_blocks * kWarps;
+    for (int32_t u = block * kWarps + warp; u < units; u += total_warps) {
       const int32_t t = u / chunks_per_token;
       const int32_t c0 = (u - t * chunks_per_token) * chunk;
       bf16_bits* out = p.combined_x + static_cast<int64_t>(t) * hidden;
@@ -258,7 +263,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     // client's stream reads on this GPU too, then copies the status out: StoreDone).
     if (p.handoff.done_flag != nullptr) device::FenceAcqRel(/*gpu=*/true);
     const uint32_t ticket = atomicAdd(&state->combine_ticket, 1u);
-    s_last = ticket == gridDim.x - 1;
+    s_last = ticket == static_cast<uint32_t>(num_blocks - 1);
     if (s_last) {
       state->combine_ticket = 0;
       state->combine_seq = seq;
@@ -270,26 +275,46 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   }
 }
 
-}  // namespace
-
-namespace internal {
-
-absl::Status PreloadLowLatencyCombineKernels() {
-  cudaFuncAttributes attr;
-  for (auto kernel : {LowLatencyCombineKernel<true, false>, LowLatencyCombineKernel<false, false>,
-                      LowLatencyCombineKernel<true, true>, LowLatencyCombineKernel<false, true>,
-                      LowLatencyCombineKernel<true, false, internal::SpecialisedShape>}) {
-    EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
-  }
-  return absl::OkStatus();
+template <bool kVec, bool kBatched, typename Shape = internal::GenericShape>
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    LowLatencyCombineKernel(const __grid_constant__ CombineParams p) {
+  CombineBody<kVec, kBatched, Shape>(p, static_cast<int32_t>(blockIdx.x),
+                                     static_cast<int32_t>(gridDim.x));
 }
 
-}  // namespace internal
+template <bool kVec, bool kBatched, typename Shape = internal::GenericShape>
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    FusedLowLatencyCombineKernel(const __grid_constant__ internal::FusedParams<CombineParams> fp) {
+  internal::RunFusedRank(fp, CombineBody<kVec, kBatched, Shape>);
+}
 
-absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombineArgs& args,
-                               cudaStream_t stream) {
-  constexpr const char* kOp = "LowLatencyCombine";
-  EPD_RETURN_IF_ERROR(internal::ValidateLowLatency(ctx, args.buffer, kOp));
+// The combine kernels, per-rank and fused, by variant (PreparedCombine::variant): (kVec,
+// kBatched) as 2 * batched + !vec, then the specialised instance (the vector path, for the
+// one shape it is for).
+using RankKernel = void (*)(CombineParams);
+using FusedKernel = void (*)(internal::FusedParams<CombineParams>);
+using CombineKernels = internal::KernelPair<CombineParams>;
+template <bool kVec, bool kBatched, typename Shape = internal::GenericShape>
+constexpr CombineKernels kInstance = {LowLatencyCombineKernel<kVec, kBatched, Shape>,
+                                      FusedLowLatencyCombineKernel<kVec, kBatched, Shape>};
+constexpr int kNumVariants = 5;
+constexpr int kSpecialisedVariant = 4;
+constexpr CombineKernels kKernels[kNumVariants] = {
+    kInstance<true, false>, kInstance<false, false>, kInstance<true, true>, kInstance<false, true>,
+    kInstance<true, false, internal::SpecialisedShape>};
+
+/// One rank's combine as the launchers need it: the kernel's params, grid and variant.
+struct PreparedCombine {
+  CombineParams p{};
+  int32_t num_blocks = 0;
+  int variant = 0;
+};
+
+/// Checks one rank's context and args (errors as LowLatencyCombine, prefixed with `op`) and
+/// works out its launch.
+absl::Status PrepareCombine(const CudaRankContext& ctx, const LowLatencyCombineArgs& args,
+                            const char* op, PreparedCombine* out) {
+  EPD_RETURN_IF_ERROR(internal::ValidateLowLatency(ctx, args.buffer, op));
   const GroupShape& s = ctx.shape;
   const EndpointLayout& l = ctx.layout;
   const int b = args.buffer;
@@ -298,10 +323,11 @@ absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombi
                            static_cast<uint64_t>(s.ll_rows_per_expert()) * s.hidden * 2;
   if (x_offset % 16 != 0 || x_offset + x_bytes > l.total_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        kOp, ": x_offset = ", x_offset, " must be 16-byte aligned and leave room for ", x_bytes,
+        op, ": x_offset = ", x_offset, " must be 16-byte aligned and leave room for ", x_bytes,
         " bytes of expert outputs in a data area of ", l.total_bytes, " bytes"));
   }
-  CombineParams p{};
+  CombineParams& p = out->p;
+  p = CombineParams{};
   p.peer_bases = ctx.peer_bases;
   p.own_base = ctx.own_base;
   p.topk_idx = args.topk_idx != nullptr
@@ -330,20 +356,57 @@ absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombi
   p.buffer = b;
   p.num_tokens_value = args.num_tokens_value;
   p.gpu_scope = ctx.all_ranks_on_device;
-  int32_t num_blocks = 0;
-  EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &num_blocks));
+  EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &out->num_blocks));
   const bool vec = s.hidden % 8 == 0 && (args.combined_x == nullptr ||
                                          reinterpret_cast<uintptr_t>(args.combined_x) % 16 == 0);
   const bool batched = s.num_topk > kSlotBatch;
-  auto kernel =
-      batched
-          ? (vec ? LowLatencyCombineKernel<true, true> : LowLatencyCombineKernel<false, true>)
-          : (vec ? LowLatencyCombineKernel<true, false> : LowLatencyCombineKernel<false, false>);
-  // The specialised instance: the vector path, for the one shape it is for.
-  if (!batched && vec && LowLatencySpecialisedFor(s)) {
-    kernel = LowLatencyCombineKernel<true, false, internal::SpecialisedShape>;
+  out->variant = !batched && vec && LowLatencySpecialisedFor(s) ? kSpecialisedVariant
+                                                                : 2 * batched + (vec ? 0 : 1);
+  return absl::OkStatus();
+}
+
+/// The first argument a fused combine needs equal on every rank that `a` and `a0` disagree
+/// on, or null.
+const char* CombineArgDiffers(const LowLatencyCombineArgs& a, const LowLatencyCombineArgs& a0) {
+  return a.buffer != a0.buffer                               ? "buffer"
+         : a.x_offset != a0.x_offset                         ? "x_offset"
+         : a.handoff.programmatic != a0.handoff.programmatic ? "handoff.programmatic"
+                                                             : nullptr;
+}
+
+}  // namespace
+
+namespace internal {
+
+absl::Status PreloadLowLatencyCombineKernels() {
+  cudaFuncAttributes attr;
+  for (int v = 0; v < kNumVariants; ++v) {
+    EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kKernels[v].rank));
+    EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kKernels[v].fused));
   }
-  return internal::LaunchLowLatency(kernel, num_blocks, 0, args.handoff.programmatic, stream, p);
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+
+absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombineArgs& args,
+                               cudaStream_t stream) {
+  PreparedCombine c;
+  EPD_RETURN_IF_ERROR(PrepareCombine(ctx, args, "LowLatencyCombine", &c));
+  return internal::LaunchLowLatency(kKernels[c.variant].rank, c.num_blocks, 0,
+                                    args.handoff.programmatic, stream, c.p);
+}
+
+absl::Status LowLatencyCombineRanks(std::span<const CudaRankContext> ctxs,
+                                    std::span<const LowLatencyCombineArgs> args,
+                                    cudaStream_t stream) {
+  internal::FusedParams<CombineParams> fp{};
+  PreparedCombine first;
+  EPD_RETURN_IF_ERROR(internal::PrepareFusedRanks(
+      ctxs, args, "LowLatencyCombineRanks", &PrepareCombine, &CombineArgDiffers,
+      "combined_x (kernel variant: one 16-byte aligned, another not)", &fp, &first));
+  return internal::LaunchLowLatency(kKernels[first.variant].fused, fp.num_ranks * first.num_blocks,
+                                    0, args[0].handoff.programmatic, stream, fp);
 }
 
 }  // namespace epd::kernels::cuda

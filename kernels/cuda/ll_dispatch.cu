@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <span>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_check.h"
@@ -215,11 +217,14 @@ __device__ void RouteTiles(const DispatchParams& p, int32_t num_tokens, int32_t*
   }
 }
 
-// Shape: internal::LowLatencyShape, the generic one (every value from p) or a specialised
-// one (hidden, K and experts per rank compile-time constants equal to p's).
-template <int kMode, bool kTiled, typename Shape = internal::GenericShape>
-__global__ void __launch_bounds__(kLowLatencyThreads, 1)
-    LowLatencyDispatchKernel(const DispatchParams p) {
+// One rank's dispatch, run by `num_blocks` blocks of kLowLatencyThreads threads, this block
+// being `block` of them (blockIdx.x / gridDim.x of the per-rank kernel; the fused kernel
+// runs several ranks' bodies side by side in one grid). Shape: internal::LowLatencyShape,
+// the generic one (every value from p) or a specialised one (hidden, K and experts per rank
+// compile-time constants equal to p's).
+template <int kMode, bool kTiled, typename Shape>
+__device__ __forceinline__ void DispatchBody(const DispatchParams& p, int32_t block,
+                                             int32_t num_blocks) {
   extern __shared__ int32_t smem[];
   __shared__ uint8_t* s_peer[kMaxStatusRanks];
   __shared__ uint32_t s_seq;
@@ -260,12 +265,12 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
 
   if (threadIdx.x == 0) {
     // Daemon-launched: the client's inputs (x, topk_idx) are staged once ready >= value.
-    device::WaitReady(p.handoff, deadline, status, p.rank);
+    device::WaitReady(p.handoff, deadline, status, p.rank, block == 0);
     s_seq = *reinterpret_cast<volatile uint32_t*>(&state->dispatch_seq) + 1;
     int32_t t = p.num_tokens_value >= 0 ? p.num_tokens_value
                                         : *reinterpret_cast<const volatile int32_t*>(p.num_tokens);
     if (t < 0 || t > p.max_tokens) {
-      if (blockIdx.x == 0) device::RecordBadNumTokens(status, t);
+      if (block == 0) device::RecordBadNumTokens(status, t);
       t = 0;
     }
     s_num_tokens = t;
@@ -281,7 +286,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   // ---- 1. routing of this rank's tokens ----
   if constexpr (kTiled) {
     for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) s_base[e] = 0;
-    if (blockIdx.x == 0) RouteTiles(p, num_tokens, s_count, s_ballot, s_prefix, status);
+    if (block == 0) RouteTiles(p, num_tokens, s_count, s_ballot, s_prefix, status);
     __syncthreads();
   } else {
     // s_mask: per token a bitmask of its experts (stride p.mask_stride words, odd, so lanes
@@ -291,9 +296,9 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     for (int32_t i = threadIdx.x; i < slots; i += blockDim.x) {
       const int64_t e = p.topk_idx[i];
       bool in_range = e >= 0 && e < num_experts;
-      if (blockIdx.x == 0 && (e < -1 || e >= num_experts)) atomicAdd(&status->bad_expert_ids, 1u);
+      if (block == 0 && (e < -1 || e >= num_experts)) atomicAdd(&status->bad_expert_ids, 1u);
       if (in_range && ExpertMasked(p, e, experts_per_rank)) {  // Dropped: as -1.
-        if (blockIdx.x == 0) atomicAdd(&status->dropped_pairs, 1u);
+        if (block == 0) atomicAdd(&status->dropped_pairs, 1u);
         in_range = false;
       }
       s_expert[i] = in_range ? static_cast<int32_t>(e) : -1;
@@ -337,7 +342,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   }
 
   // ---- 2. publish counts (block 0) ----
-  if (blockIdx.x == 0) {
+  if (block == 0) {
     for (int32_t i = threadIdx.x; i < num_ranks * num_experts; i += blockDim.x) {
       const int32_t q = i / num_experts;
       const int32_t e = i - q * num_experts;
@@ -370,8 +375,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   // vector paths keep two units in registers: loaded before the count wait (their loads and
   // quantisation overlap the exchange), and afterwards the next two units' loads are issued
   // before the current two are stored (software pipelining).
-  const int32_t total_warps = static_cast<int32_t>(gridDim.x) * kWarps;
-  const int32_t first_unit = static_cast<int32_t>(blockIdx.x) * kWarps + warp;
+  const int32_t total_warps = num_blocks * kWarps;
+  const int32_t first_unit = block * kWarps + warp;
   const int32_t chunk = kMode == kBf16Scalar ? hidden32 : kChunkChannels;
   const int32_t chunks_per_token = (hidden32 + chunk - 1) / chunk;
   const int32_t units = num_tokens * chunks_per_token;
@@ -580,7 +585,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     }
     // Block 0, after its rows: this rank's recv_count and the handle (read by the next
     // kernels on this stream, not by the peers).
-    if (blockIdx.x == 0) {
+    if (block == 0) {
       const int32_t first = p.rank * experts_per_rank;
       for (int32_t j = threadIdx.x; j < experts_per_rank; j += blockDim.x) {
         int32_t total = 0;
@@ -611,7 +616,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     }
   } else if (threadIdx.x == 0) {
     atomicExch(&state->dispatch_aborted, seq);
-    if (blockIdx.x == 0) state->dispatch_num_tokens[p.buffer] = 0;
+    if (block == 0) state->dispatch_num_tokens[p.buffer] = 0;
   }
 
   // ---- 5. the last block tells every rank that this rank's rows have landed ----
@@ -619,7 +624,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   if (threadIdx.x == 0) {
     device::FenceAcqRel(p.gpu_scope);
     const uint32_t ticket = atomicAdd(&state->dispatch_ticket, 1u);
-    s_last = ticket == gridDim.x - 1;
+    s_last = ticket == static_cast<uint32_t>(num_blocks - 1);
     s_data_missed = 0;
     if (s_last) {
       device::FenceAcqRel(p.gpu_scope);  // acquire the other blocks' writes (their fence + ticket)
@@ -635,7 +640,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     StRelease(ExchangeFlag(s_peer[threadIdx.x], p, LowLatencyExchange::DataFlag(p.rank)), seq,
               p.gpu_scope);
   }
-  if (blockIdx.x == 0 && counts_ok && threadIdx.x < num_ranks) {
+  if (block == 0 && counts_ok && threadIdx.x < num_ranks) {
     if (!WaitFlagAtLeast(ExchangeFlag(p.own_base, p, LowLatencyExchange::DataFlag(threadIdx.x)),
                          seq, deadline, p.gpu_scope)) {
       device::RecordMissingPeer(status, threadIdx.x);
@@ -644,7 +649,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   }
   // ---- 6. daemon-launched: done (every sender's rows have landed, block 0 wrote the counts
   // and the handle; the other blocks are past their last read of the inputs) ----
-  if (blockIdx.x == 0 && p.handoff.done_flag != nullptr) {
+  if (block == 0 && p.handoff.done_flag != nullptr) {
     __syncthreads();
     if (threadIdx.x == 0) {
       if (!counts_ok || s_data_missed != 0) {
@@ -665,10 +670,24 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   }
 }
 
+template <int kMode, bool kTiled, typename Shape = internal::GenericShape>
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    LowLatencyDispatchKernel(const __grid_constant__ DispatchParams p) {
+  DispatchBody<kMode, kTiled, Shape>(p, static_cast<int32_t>(blockIdx.x),
+                                     static_cast<int32_t>(gridDim.x));
+}
+
+template <int kMode, bool kTiled, typename Shape = internal::GenericShape>
+__global__ void __launch_bounds__(kLowLatencyThreads, 1) FusedLowLatencyDispatchKernel(
+    const __grid_constant__ internal::FusedParams<DispatchParams> fp) {
+  internal::RunFusedRank(fp, DispatchBody<kMode, kTiled, Shape>);
+}
+
 // Lets `kernel` launch with up to the device's opt-in shared memory less its static part
 // (the same value every time: launches of other shapes on other threads cannot race with
 // it), which it returns in *dynamic_limit.
-absl::Status AllowLargestDynamicSmem(void (*kernel)(DispatchParams), size_t* dynamic_limit) {
+template <typename Params>
+absl::Status AllowLargestDynamicSmem(void (*kernel)(Params), size_t* dynamic_limit) {
   cudaFuncAttributes attr;
   EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
   int device = 0;
@@ -680,6 +699,47 @@ absl::Status AllowLargestDynamicSmem(void (*kernel)(DispatchParams), size_t* dyn
       static_cast<size_t>(limit) > attr.sharedSizeBytes ? limit - attr.sharedSizeBytes : 0;
   return EPD_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(*dynamic_limit)));
+}
+
+// The dispatch kernels, per-rank and fused, by variant (PreparedDispatch::variant): the
+// small path's modes, the large path's modes, then the specialised instances (the small
+// path's vector modes, for the one shape they are for).
+using RankKernel = void (*)(DispatchParams);
+using FusedKernel = void (*)(internal::FusedParams<DispatchParams>);
+using DispatchKernels = internal::KernelPair<DispatchParams>;
+template <int kMode, bool kTiled, typename Shape = internal::GenericShape>
+constexpr DispatchKernels kInstance = {LowLatencyDispatchKernel<kMode, kTiled, Shape>,
+                                       FusedLowLatencyDispatchKernel<kMode, kTiled, Shape>};
+constexpr int kNumVariants = 8;
+constexpr int kSpecialisedVariant[3] = {6, -1, 7};  // by mode; -1: none
+constexpr DispatchKernels kKernels[kNumVariants] = {
+    kInstance<kBf16Vec, false>,
+    kInstance<kBf16Scalar, false>,
+    kInstance<kFp8, false>,
+    kInstance<kBf16Vec, true>,
+    kInstance<kBf16Scalar, true>,
+    kInstance<kFp8, true>,
+    kInstance<kBf16Vec, false, internal::SpecialisedShape>,
+    kInstance<kFp8, false, internal::SpecialisedShape>};
+
+/// Opens `kernel` to the device's largest dynamic shared memory when it has not been (once
+/// PreloadKernels ran, every kernel has) and checks that `smem` fits. INVALID_ARGUMENT
+/// naming the shape when it does not.
+template <typename Params>
+absl::Status EnsureDynamicSmem(void (*kernel)(Params), size_t smem, const GroupShape& s,
+                               const char* op) {
+  if (smem <= kLowLatencyDefaultDynamicSmemBytes) return absl::OkStatus();
+  cudaFuncAttributes attr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
+  if (static_cast<size_t>(attr.maxDynamicSharedSizeBytes) >= smem) return absl::OkStatus();
+  size_t dynamic_limit = 0;
+  EPD_RETURN_IF_ERROR(AllowLargestDynamicSmem(kernel, &dynamic_limit));
+  if (smem > dynamic_limit) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": num_experts = ", s.num_experts, " needs ", smem,
+        " bytes of shared memory for the low-latency routing; this device allows ", dynamic_limit));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -709,14 +769,66 @@ absl::Status ValidateLowLatency(const CudaRankContext& ctx, int32_t buffer, cons
   return absl::OkStatus();
 }
 
+absl::Status ValidateFusedRanks(std::span<const CudaRankContext> ctxs, size_t num_args,
+                                const char* op) {
+  if (ctxs.empty() || ctxs.size() > static_cast<size_t>(kMaxFusedRanks)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": ctxs.size() = ", ctxs.size(),
+                     " ranks is outside [1, kMaxFusedRanks = ", kMaxFusedRanks, "]"));
+  }
+  if (num_args != ctxs.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": args.size() = ", num_args,
+                                                   " differs from ctxs.size() = ", ctxs.size()));
+  }
+  const GroupShape& s0 = ctxs[0].shape;
+  for (size_t i = 0; i < ctxs.size(); ++i) {
+    const GroupShape& s = ctxs[i].shape;
+    const char* field = s.num_ranks != s0.num_ranks                       ? "num_ranks"
+                        : s.num_experts != s0.num_experts                 ? "num_experts"
+                        : s.hidden != s0.hidden                           ? "hidden"
+                        : s.num_topk != s0.num_topk                       ? "num_topk"
+                        : s.max_tokens_per_rank != s0.max_tokens_per_rank ? "max_tokens_per_rank"
+                        : s.ll_max_tokens_per_rank != s0.ll_max_tokens_per_rank
+                            ? "ll_max_tokens_per_rank"
+                        : s.use_fp8 != s0.use_fp8 ? "use_fp8"
+                                                  : nullptr;
+    if (field != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(FusedRankPrefix(op, ctxs, i), ": shape.",
+                                                     field, " differs from ranks[0]'s; a fused ",
+                                                     "launch takes ranks of one group"));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (ctxs[j].rank == ctxs[i].rank) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(FusedRankPrefix(op, ctxs, i), ": rank given twice (also ranks[", j, "])"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string FusedRankPrefix(const char* op, std::span<const CudaRankContext> ctxs, size_t i) {
+  return absl::StrCat(op, ": ranks[", i, "] (rank ", ctxs[i].rank, ")");
+}
+
+absl::Status FusedArgDiffers(const std::string& prefix, const char* field,
+                             std::span<const CudaRankContext> ctxs) {
+  return absl::InvalidArgumentError(absl::StrCat(prefix, ": args.", field,
+                                                 " differs from ranks[0]'s (rank ", ctxs[0].rank,
+                                                 "); a fused launch needs them equal"));
+}
+
+absl::Status CheckFusedGrid(const std::string& prefix, int32_t num_blocks,
+                            int32_t first_num_blocks) {
+  if (num_blocks == first_num_blocks) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      prefix, ": num_sms resolves to ", num_blocks, " blocks where ranks[0]'s resolves to ",
+      first_num_blocks, " (num_sms, sms_left_per_rank and ranks_on_device must agree)"));
+}
+
 absl::Status PreloadLowLatencyDispatchKernels() {
   cudaFuncAttributes attr;
-  for (auto kernel :
-       {LowLatencyDispatchKernel<kBf16Vec, false>, LowLatencyDispatchKernel<kBf16Scalar, false>,
-        LowLatencyDispatchKernel<kFp8, false>, LowLatencyDispatchKernel<kBf16Vec, true>,
-        LowLatencyDispatchKernel<kBf16Scalar, true>, LowLatencyDispatchKernel<kFp8, true>,
-        LowLatencyDispatchKernel<kBf16Vec, false, internal::SpecialisedShape>,
-        LowLatencyDispatchKernel<kFp8, false, internal::SpecialisedShape>}) {
+  auto preload = [&attr](auto kernel) -> absl::Status {
     EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
     // Opened now, outside any stream capture: launches never change an attribute then.
     size_t dynamic_limit = 0;
@@ -727,6 +839,11 @@ absl::Status PreloadLowLatencyDispatchKernels() {
           " bytes, is above kLowLatencyStaticSmemBound = ", kLowLatencyStaticSmemBound,
           " (cuda_limits.h), which the launcher plans with"));
     }
+    return absl::OkStatus();
+  };
+  for (int v = 0; v < kNumVariants; ++v) {
+    EPD_RETURN_IF_ERROR(preload(kKernels[v].rank));
+    EPD_RETURN_IF_ERROR(preload(kKernels[v].fused));
   }
   return absl::OkStatus();
 }
@@ -769,21 +886,35 @@ bool LowLatencySpecialisedFor(const GroupShape& shape) {
   return SpecialisationInEnvironment();
 }
 
-absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDispatchArgs& args,
-                                cudaStream_t stream) {
-  constexpr const char* kOp = "LowLatencyDispatch";
-  EPD_RETURN_IF_ERROR(internal::ValidateLowLatency(ctx, args.buffer, kOp));
+namespace {
+
+/// One rank's dispatch as the launchers need it: the kernel's params, its grid, dynamic
+/// shared memory and kernel variant (kKernels).
+struct PreparedDispatch {
+  DispatchParams p{};
+  int32_t num_blocks = 0;
+  size_t smem = 0;
+  int variant = 0;
+};
+
+/// Checks one rank's context and args (errors as LowLatencyDispatch, prefixed with `op`) and
+/// works out its launch. Touches no GPU state besides device queries (ResolveNumBlocks
+/// without num_sms).
+absl::Status PrepareDispatch(const CudaRankContext& ctx, const LowLatencyDispatchArgs& args,
+                             const char* op, PreparedDispatch* out) {
+  EPD_RETURN_IF_ERROR(internal::ValidateLowLatency(ctx, args.buffer, op));
   const GroupShape& s = ctx.shape;
   const EndpointLayout& l = ctx.layout;
   if (args.use_fp8 && !rules::Fp8Allowed(abi::OpKind::kLowLatencyDispatch, s)) {
-    return absl::InvalidArgumentError(absl::StrCat(kOp, ": use_fp8 needs shape.use_fp8 (",
-                                                   s.use_fp8, ") and hidden % ", kFp8BlockChannels,
+    return absl::InvalidArgumentError(absl::StrCat(op, ": use_fp8 needs shape.use_fp8 (", s.use_fp8,
+                                                   ") and hidden % ", kFp8BlockChannels,
                                                    " == 0 (hidden = ", s.hidden, ")"));
   }
   EPD_RETURN_IF_ERROR(
-      rules::CheckScaleFormat(kOp, args.use_fp8, args.round_scale, args.use_ue8m0, s));
+      rules::CheckScaleFormat(op, args.use_fp8, args.round_scale, args.use_ue8m0, s));
   const int b = args.buffer;
-  DispatchParams p{};
+  DispatchParams& p = out->p;
+  p = DispatchParams{};
   p.peer_bases = ctx.peer_bases;
   p.own_base = ctx.own_base;
   p.num_tokens = args.num_tokens != nullptr ? args.num_tokens : LowLatencyNumTokensSlot(ctx);
@@ -818,11 +949,10 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
   p.scale_words = args.use_ue8m0 ? p.num_scales / kUe8m0BlocksPerWord : p.num_scales;
   p.gpu_scope = ctx.all_ranks_on_device;
 
-  int32_t num_blocks = 0;
-  EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &num_blocks));
+  EPD_RETURN_IF_ERROR(ResolveNumBlocks(ctx, &out->num_blocks));
   const bool x_aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
   if (args.use_fp8 && !x_aligned) {
-    return absl::InvalidArgumentError(absl::StrCat(kOp, ": x must be 16-byte aligned for FP8"));
+    return absl::InvalidArgumentError(absl::StrCat(op, ": x must be 16-byte aligned for FP8"));
   }
   const int mode = args.use_fp8 ? kFp8 : (s.hidden % 8 == 0 && x_aligned ? kBf16Vec : kBf16Scalar);
   const LowLatencyRoutingPlan plan = PlanLowLatencyRouting(s);
@@ -830,37 +960,51 @@ absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDisp
   p.mask_stride = plan.mask_stride;
   p.routing = reinterpret_cast<int2*>(ctx.own_base + l.ll_routing.offset);
   p.tile_groups = plan.tile_groups;
-  const size_t smem = tiled ? plan.tiled_smem_bytes : plan.small_smem_bytes;
-  using Kernel = void (*)(DispatchParams);
-  static constexpr Kernel kKernels[2][3] = {
-      {LowLatencyDispatchKernel<kBf16Vec, false>, LowLatencyDispatchKernel<kBf16Scalar, false>,
-       LowLatencyDispatchKernel<kFp8, false>},
-      {LowLatencyDispatchKernel<kBf16Vec, true>, LowLatencyDispatchKernel<kBf16Scalar, true>,
-       LowLatencyDispatchKernel<kFp8, true>}};
-  // The specialised instances: the small path's vector modes, for the one shape they are for.
-  static constexpr Kernel kSpecialised[3] = {
-      LowLatencyDispatchKernel<kBf16Vec, false, internal::SpecialisedShape>, nullptr,
-      LowLatencyDispatchKernel<kFp8, false, internal::SpecialisedShape>};
-  const Kernel specialised = tiled ? nullptr : kSpecialised[mode];
-  const Kernel kernel = specialised != nullptr && LowLatencySpecialisedFor(s)
-                            ? specialised
-                            : kKernels[tiled ? 1 : 0][mode];
-  if (smem > kLowLatencyDefaultDynamicSmemBytes) {
-    cudaFuncAttributes attr;
-    EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
-    // PreloadKernels has opened every kernel to the device's largest; otherwise do it now.
-    if (static_cast<size_t>(attr.maxDynamicSharedSizeBytes) < smem) {
-      size_t dynamic_limit = 0;
-      EPD_RETURN_IF_ERROR(AllowLargestDynamicSmem(kernel, &dynamic_limit));
-      if (smem > dynamic_limit) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(kOp, ": num_experts = ", s.num_experts, " needs ", smem,
-                         " bytes of shared memory for the low-latency routing; this device allows ",
-                         dynamic_limit));
-      }
-    }
-  }
-  return internal::LaunchLowLatency(kernel, num_blocks, smem, args.handoff.programmatic, stream, p);
+  out->smem = tiled ? plan.tiled_smem_bytes : plan.small_smem_bytes;
+  const int specialised = tiled ? -1 : kSpecialisedVariant[mode];
+  out->variant =
+      specialised >= 0 && LowLatencySpecialisedFor(s) ? specialised : (tiled ? 3 : 0) + mode;
+  return absl::OkStatus();
+}
+
+/// The first argument a fused dispatch needs equal on every rank that `a` and `a0` disagree
+/// on, or null.
+const char* DispatchArgDiffers(const LowLatencyDispatchArgs& a, const LowLatencyDispatchArgs& a0) {
+  return a.buffer != a0.buffer                               ? "buffer"
+         : a.use_fp8 != a0.use_fp8                           ? "use_fp8"
+         : a.round_scale != a0.round_scale                   ? "round_scale"
+         : a.use_ue8m0 != a0.use_ue8m0                       ? "use_ue8m0"
+         : a.large_path != a0.large_path                     ? "large_path"
+         : a.handoff.programmatic != a0.handoff.programmatic ? "handoff.programmatic"
+                                                             : nullptr;
+}
+
+}  // namespace
+
+absl::Status LowLatencyDispatch(const CudaRankContext& ctx, const LowLatencyDispatchArgs& args,
+                                cudaStream_t stream) {
+  constexpr const char* kOp = "LowLatencyDispatch";
+  PreparedDispatch d;
+  EPD_RETURN_IF_ERROR(PrepareDispatch(ctx, args, kOp, &d));
+  const RankKernel kernel = kKernels[d.variant].rank;
+  EPD_RETURN_IF_ERROR(EnsureDynamicSmem(kernel, d.smem, ctx.shape, kOp));
+  return internal::LaunchLowLatency(kernel, d.num_blocks, d.smem, args.handoff.programmatic, stream,
+                                    d.p);
+}
+
+absl::Status LowLatencyDispatchRanks(std::span<const CudaRankContext> ctxs,
+                                     std::span<const LowLatencyDispatchArgs> args,
+                                     cudaStream_t stream) {
+  constexpr const char* kOp = "LowLatencyDispatchRanks";
+  internal::FusedParams<DispatchParams> fp{};
+  PreparedDispatch first;
+  EPD_RETURN_IF_ERROR(internal::PrepareFusedRanks(
+      ctxs, args, kOp, &PrepareDispatch, &DispatchArgDiffers,
+      "x (kernel variant: one BF16 x 16-byte aligned, another not)", &fp, &first));
+  const FusedKernel kernel = kKernels[first.variant].fused;
+  EPD_RETURN_IF_ERROR(EnsureDynamicSmem(kernel, first.smem, ctxs[0].shape, kOp));
+  return internal::LaunchLowLatency(kernel, fp.num_ranks * first.num_blocks, first.smem,
+                                    args[0].handoff.programmatic, stream, fp);
 }
 
 }  // namespace epd::kernels::cuda

@@ -3,6 +3,9 @@
 
 #include <cuda_runtime.h>
 
+#include <span>
+#include <string>
+
 #include "absl/status/status.h"
 #include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
@@ -44,6 +47,36 @@ absl::Status LaunchLowLatency(void (*kernel)(Params), int32_t num_blocks, size_t
   return EPD_CUDA_STATUS(cudaLaunchKernelEx(&config, kernel, params));
 }
 
+/// The parameters of a fused launch (LowLatencyDispatchRanks / LowLatencyCombineRanks), in
+/// the kernel's parameter space: ranks[0, num_ranks) are set; the grid is num_ranks *
+/// blocks_per_rank blocks, blocks [r * B, (r + 1) * B) running rank r (B = blocks_per_rank).
+template <typename Params>
+struct FusedParams {
+  static_assert(sizeof(Params) * kMaxFusedRanks + 64 <= 4096,
+                "a fused launch's params must fit the 4 KiB kernel parameter space");
+  Params ranks[kMaxFusedRanks];
+  int32_t num_ranks;
+  int32_t blocks_per_rank;
+};
+
+/// An op's kernel instance in both forms: one rank per launch, and fused.
+template <typename Params>
+struct KernelPair {
+  void (*rank)(Params);
+  void (*fused)(FusedParams<Params>);
+};
+
+#ifdef __CUDACC__
+/// Runs `body(params, block, num_blocks)` (a low-latency op's body) for this block's rank of
+/// a fused launch, with the block's index among that rank's blocks.
+template <typename Params>
+__device__ __forceinline__ void RunFusedRank(const FusedParams<Params>& fp,
+                                             void (*body)(const Params&, int32_t, int32_t)) {
+  const int32_t r = static_cast<int32_t>(blockIdx.x) / fp.blocks_per_rank;
+  body(fp.ranks[r], static_cast<int32_t>(blockIdx.x) - r * fp.blocks_per_rank, fp.blocks_per_rank);
+}
+#endif
+
 /// A low-latency kernel's view of the group's shape: each of hidden, top-k and experts per
 /// rank is either a compile-time constant (a specialised instance; > 0) or read from the
 /// kernel's params (0). The launchers pick a specialised instance only for a group whose
@@ -79,5 +112,52 @@ using SpecialisedShape = LowLatencyShape<kLowLatencySpecialisedHidden, kLowLaten
 /// Checks shared by both low-latency launchers: ValidateContext, Mll > 0, buffer in
 /// [0, kLowLatencyBuffers), and the exchange fits the sync region.
 absl::Status ValidateLowLatency(const CudaRankContext& ctx, int32_t buffer, const char* op);
+
+/// Checks shared by the fused launchers (LowLatencyDispatchRanks / LowLatencyCombineRanks)
+/// before any rank's own checks: 1..kMaxFusedRanks contexts, as many args (`num_args`), no
+/// rank given twice, every shape equal to ctxs[0]'s. INVALID_ARGUMENT naming the field.
+absl::Status ValidateFusedRanks(std::span<const CudaRankContext> ctxs, size_t num_args,
+                                const char* op);
+
+/// "op: ranks[i] (rank r)", the prefix of a fused launcher's errors about one rank.
+std::string FusedRankPrefix(const char* op, std::span<const CudaRankContext> ctxs, size_t i);
+
+/// INVALID_ARGUMENT (after `prefix`) when a rank's grid (`num_blocks`) differs from
+/// ranks[0]'s (`first_num_blocks`): every rank of a fused launch has the same blocks.
+absl::Status CheckFusedGrid(const std::string& prefix, int32_t num_blocks,
+                            int32_t first_num_blocks);
+
+/// INVALID_ARGUMENT (after `prefix`): args.`field` of a rank differs from ranks[0]'s.
+absl::Status FusedArgDiffers(const std::string& prefix, const char* field,
+                             std::span<const CudaRankContext> ctxs);
+
+/// The host side shared by the fused launchers: ValidateFusedRanks, then per rank
+/// `prepare(ctx, args, prefix, &prepared)` (the per-rank launcher's checks and params;
+/// Prepared has p, num_blocks and variant), `differs(args[i], args[0])` (the name of an
+/// argument that must agree, or null), the same kernel variant (else `variant_field` is
+/// named) and the same grid. Fills `fp` and `*first` (ranks[0]'s Prepared); nothing is
+/// launched.
+template <typename Args, typename Prepared, typename Params>
+absl::Status PrepareFusedRanks(
+    std::span<const CudaRankContext> ctxs, std::span<const Args> args, const char* op,
+    absl::Status (*prepare)(const CudaRankContext&, const Args&, const char*, Prepared*),
+    const char* (*differs)(const Args&, const Args&), const char* variant_field,
+    FusedParams<Params>* fp, Prepared* first) {
+  EPD_RETURN_IF_ERROR(ValidateFusedRanks(ctxs, args.size(), op));
+  fp->num_ranks = static_cast<int32_t>(ctxs.size());
+  for (size_t i = 0; i < ctxs.size(); ++i) {
+    const std::string prefix = FusedRankPrefix(op, ctxs, i);
+    Prepared d;
+    EPD_RETURN_IF_ERROR(prepare(ctxs[i], args[i], prefix.c_str(), &d));
+    if (i == 0) *first = d;
+    const char* field = differs(args[i], args[0]);
+    if (field == nullptr && d.variant != first->variant) field = variant_field;
+    if (field != nullptr) return FusedArgDiffers(prefix, field, ctxs);
+    EPD_RETURN_IF_ERROR(CheckFusedGrid(prefix, d.num_blocks, first->num_blocks));
+    fp->ranks[i] = d.p;
+  }
+  fp->blocks_per_rank = first->num_blocks;
+  return absl::OkStatus();
+}
 
 }  // namespace epd::kernels::cuda::internal

@@ -382,14 +382,16 @@ class CudaDataPlaneTest : public ::testing::Test {
   void SetUp() override { SetUpPlanes(std::nullopt); }
   /// `kernel_ready_wait`: CudaDataPlaneOptions::kernel_ready_wait (unset = the daemon's
   /// default: a WaitFlagAsync kernel under MPS, cuStreamWaitValue64 otherwise).
-  /// `op_graphs`: CudaDataPlaneOptions::op_graphs.
-  void SetUpPlanes(std::optional<bool> kernel_ready_wait, bool op_graphs = false) {
+  /// `op_graphs`, `fused_launch`: CudaDataPlaneOptions::op_graphs / fused_launch.
+  void SetUpPlanes(std::optional<bool> kernel_ready_wait, bool op_graphs = false,
+                   bool fused_launch = true) {
     std::string why;
     if (!testing::HaveGpu(&why)) GTEST_SKIP() << why;
     CudaDataPlaneOptions o;
     o.op_timeout_ms = 1000;
     o.kernel_ready_wait = kernel_ready_wait;
     o.op_graphs = op_graphs;
+    o.fused_launch = fused_launch;
     auto cuda = MakeCudaDataPlane(o);
     ASSERT_TRUE(cuda.ok()) << cuda.status();
     cuda_ = std::move(*cuda);
@@ -867,6 +869,7 @@ enum class OrderedLaunch {
   kStreamWait,  ///< cuStreamWaitValue64 for ready (no MPS), per rank.
   kInAKernel,   ///< A WaitFlagAsync kernel, the op's kernel programmatic behind it (MPS).
   kOpGraphs,    ///< As kInAKernel, captured in per-GPU op graphs (CudaDataPlaneOptions::op_graphs).
+  kFused,       ///< One WaitFlagsAsync and one fused kernel per GPU (fused_launch).
 };
 
 /// The stream-ordered tests, with each way a daemon-launched low-latency op can wait for its
@@ -876,13 +879,16 @@ enum class OrderedLaunch {
 class CudaDataPlaneOrderedTest : public CudaDataPlaneTest,
                                  public ::testing::WithParamInterface<OrderedLaunch> {
  protected:
-  void SetUp() override { SetUpPlanes(KernelWait(), GetParam() == OrderedLaunch::kOpGraphs); }
+  void SetUp() override {
+    SetUpPlanes(KernelWait(), GetParam() == OrderedLaunch::kOpGraphs,
+                GetParam() == OrderedLaunch::kFused);
+  }
   bool KernelWait() const { return GetParam() != OrderedLaunch::kStreamWait; }
 };
 
 INSTANTIATE_TEST_SUITE_P(ReadyWait, CudaDataPlaneOrderedTest,
                          ::testing::Values(OrderedLaunch::kStreamWait, OrderedLaunch::kInAKernel,
-                                           OrderedLaunch::kOpGraphs),
+                                           OrderedLaunch::kOpGraphs, OrderedLaunch::kFused),
                          [](const ::testing::TestParamInfo<OrderedLaunch>& info) {
                            switch (info.param) {
                              case OrderedLaunch::kStreamWait:
@@ -891,6 +897,8 @@ INSTANTIATE_TEST_SUITE_P(ReadyWait, CudaDataPlaneOrderedTest,
                                return std::string("InAKernel");
                              case OrderedLaunch::kOpGraphs:
                                return std::string("OpGraphs");
+                             case OrderedLaunch::kFused:
+                               return std::string("Fused");
                            }
                            return std::string("Unknown");
                          });
@@ -1110,6 +1118,7 @@ TEST_P(CudaDataPlaneOrderedTest, OpGraphsReplayEachOpsSeqAndTokenCount) {
     Upload(ranks[r].area + L.in_topk_idx.offset, idx);
   }
   const uint64_t before = CudaOpGraphLaunchesForTesting();
+  const uint64_t fused_before = CudaFusedLaunchesForTesting();
   const int token_counts[] = {3, 8, 1, 8, 0, 5};
   for (int T : token_counts) {
     const std::vector<int64_t> prefix(idx.begin(), idx.begin() + T * K);
@@ -1120,6 +1129,13 @@ TEST_P(CudaDataPlaneOrderedTest, OpGraphsReplayEachOpsSeqAndTokenCount) {
     EXPECT_EQ(launched, std::size(token_counts)) << "not every op went through the op graphs";
   } else {
     EXPECT_EQ(launched, 0u) << "op graphs used though CudaDataPlaneOptions::op_graphs is off";
+  }
+  // One GPU: one fused launch per op, and none on any other path.
+  const uint64_t fused = CudaFusedLaunchesForTesting() - fused_before;
+  if (GetParam() == OrderedLaunch::kFused) {
+    EXPECT_EQ(fused, std::size(token_counts)) << "not every op went through a fused launch";
+  } else {
+    EXPECT_EQ(fused, 0u) << "a fused launch on a path that must not use one";
   }
 }
 

@@ -53,6 +53,7 @@ const std::vector<std::string>& EpdFlagNames() {
                                                           "engine_idle_us",
                                                           "host_threads",
                                                           "cuda_op_graphs",
+                                                          "cuda_fused_launch",
                                                           "max_request_bytes",
                                                           "max_groups",
                                                           "gpu_uuids",
@@ -146,6 +147,7 @@ TEST(ValidateDaemonConfigTest, BadValuesAreNamed) {
            {[](v1::DaemonConfig* x) { x->set_socket_mode("0"); }, "socket_mode", "owner"},
            {[](v1::DaemonConfig* x) { x->set_host_threads(100000); }, "host_threads", "100000"},
            {[](v1::DaemonConfig* x) { x->set_cuda_op_graphs("yes"); }, "cuda_op_graphs", "yes"},
+           {[](v1::DaemonConfig* x) { x->set_cuda_fused_launch("1"); }, "cuda_fused_launch", "1"},
            {[](v1::DaemonConfig* x) { x->set_op_timeout_ms(0); }, "op_timeout_ms", "0"},
            {[](v1::DaemonConfig* x) { x->set_max_groups(0); }, "max_groups", "0"},
        }) {
@@ -176,6 +178,7 @@ TEST(FillDaemonConfigDefaultsTest, DocumentedDefaults) {
   EXPECT_EQ(config.gpu_uuids_size(), 0);
   EXPECT_EQ(config.host_threads(), 0u);
   EXPECT_EQ(config.cuda_op_graphs(), "off");
+  EXPECT_EQ(config.cuda_fused_launch(), "on");
   EXPECT_TRUE(ValidateDaemonConfig(config).ok());
 }
 
@@ -198,6 +201,20 @@ TEST(ResolveDaemonConfigTest, CudaOpGraphsFromTheFlagAndTheFile) {
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(std::string(bad.status().message()),
               AllOf(HasSubstr("cuda_op_graphs"), HasSubstr("sometimes")));
+}
+
+// --cuda_fused_launch reaches the config (lower-cased) and "off" stays off.
+TEST(ResolveDaemonConfigTest, CudaFusedLaunchFromTheFlag) {
+  ConfigFlags flags;
+  flags.cuda_fused_launch = "OFF";
+  absl::StatusOr<v1::DaemonConfig> off = ResolveDaemonConfig(flags);
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_EQ(off->cuda_fused_launch(), "off");
+  flags.cuda_fused_launch = "maybe";
+  absl::StatusOr<v1::DaemonConfig> bad = ResolveDaemonConfig(flags);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              AllOf(HasSubstr("cuda_fused_launch"), HasSubstr("maybe")));
 }
 
 TEST(ResolveDaemonConfigTest, FlagsOverrideTheFile) {

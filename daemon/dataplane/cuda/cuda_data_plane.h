@@ -43,6 +43,14 @@ struct CudaDataPlaneOptions {
   /// launches (DaemonConfig cuda_op_graphs; docs/CUDA_BACKEND.md "Op graphs"). Covered:
   /// low-latency ops with every rank stream-ordered and unmasked, under kernel_ready_wait.
   bool op_graphs = false;
+  /// Launch each daemon-launched low-latency op as one fused kernel per GPU for every rank
+  /// of the group there (kernels::cuda::LowLatencyDispatchRanks / LowLatencyCombineRanks,
+  /// behind one WaitFlagsAsync for the ranks' ready flags) instead of each rank's own
+  /// launches (DaemonConfig cuda_fused_launch; docs/CUDA_BACKEND.md "Fused launches").
+  /// Covered: every rank stream-ordered and unmasked, under kernel_ready_wait, one node,
+  /// no program armed, at most kernels::cuda::kMaxFusedRanks ranks per GPU. Op graphs,
+  /// when on, take precedence.
+  bool fused_launch = true;
   /// The daemon's peer mesh and transports by name (DESIGN.md §5), for groups whose spec
   /// lists >= 2
   /// nodes (run through the exchange on pinned host mirrors, DESIGN.md §5.5); null when the
@@ -67,6 +75,10 @@ absl::StatusOr<std::unique_ptr<DataPlane>> MakeCudaDataPlane(const CudaDataPlane
 /// data plane of this process since it started: tests tell the graph path from the
 /// per-rank one by it.
 uint64_t CudaOpGraphLaunchesForTesting();
+
+/// Ops launched as fused kernels (CudaDataPlaneOptions::fused_launch), one count per GPU
+/// launch, by every CUDA data plane of this process since it started.
+uint64_t CudaFusedLaunchesForTesting();
 
 /// The device address of the data area exported as `cuda_ipc_handle` by a CUDA data plane
 /// of THIS process. CUDA cannot open an IPC handle in the process that exported it, so an

@@ -415,7 +415,6 @@ absl::Status CudaGroup::ResetSync() {
 absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& slot, int32_t r,
                                    bool* ready_wait, bool captured) {
   const CudaRank& cr = *OpRank(r);
-  const EndpointLayout& L = layout();
   EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(cr.device)));
   cudaStream_t s = cr.stream.get();
   const bool low_latency = rules::IsLowLatency(plan.op);
@@ -449,14 +448,7 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
   // Captured into an op graph: the seq comes from the rank's Readback word, written by the
   // engine before each launch of the graph (LaunchOpGraphs).
   const uint64_t* seq_word = captured ? &cr.readback->op_seq : nullptr;
-  if (kernel_handoff) {
-    handoff.ready_flag = reinterpret_cast<const uint64_t*>(cr.ready_flag());
-    handoff.ready_value = slot.seq;
-    handoff.done_flag = reinterpret_cast<uint64_t*>(cr.done_flag());
-    handoff.done_value = slot.seq;
-    handoff.seq_word = seq_word;
-    handoff.status_out = &cr.readback->status;  // No read-back kernel behind it (StartOpInto).
-  }
+  if (kernel_handoff) handoff = HandoffFor(slot, r, seq_word);
   // The op's begin event: recorded now, or a node of the graph being captured.
   auto begin = [&]() -> absl::Status {
     if (!captured) {
@@ -473,14 +465,12 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
     // themselves. staging_seq comes only once every block of the staging kernel is
     // resident, so that kernel ends whatever SMs the op's grid then takes
     // (docs/CUDA_BACKEND.md "Launch modes").
-    const auto bound = std::chrono::milliseconds(options().op_timeout_ms) + 2 * kGpuGrace;
     // The op's GPU time starts before the wait: nothing may come between the wait kernel
     // and the programmatic launch behind it (it would end their overlap). It then includes
     // the wait for the client's staging kernel to start (docs/OPERATIONS.md).
     EPD_RETURN_IF_ERROR(begin());
     EPD_RETURN_IF_ERROR(kc::WaitFlagAsync(
-        reinterpret_cast<const uint64_t*>(cr.staging_flag()), slot.seq,
-        std::chrono::duration_cast<std::chrono::nanoseconds>(bound).count(),
+        reinterpret_cast<const uint64_t*>(cr.staging_flag()), slot.seq, ReadyWaitBoundNs(),
         &cr.readback->ready_seen, s, reinterpret_cast<const uint64_t*>(cr.ready_flag()), seq_word));
     handoff.programmatic = true;
   } else if (captured) {
@@ -521,36 +511,69 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
       EPD_RETURN_IF_ERROR(kc::NormalCombine(ctx, a, s));
       break;
     }
-    case abi::OpKind::kLowLatencyDispatch: {
-      kc::LowLatencyDispatchArgs a;
-      a.buffer = plan.ll_buffer;
-      a.use_fp8 = op_flags.use_fp8;
-      a.round_scale = op_flags.round_scale;
-      a.use_ue8m0 = op_flags.use_ue8m0;
-      a.num_tokens_value = slot.num_tokens;  // By value: no slot write to enqueue.
-      if (captured) {  // From the rank's Readback word (host-mapped), per launch of the graph.
-        a.num_tokens_value = -1;
-        a.num_tokens = &cr.readback->op_num_tokens;
-      }
-      a.handoff = handoff;
-      a.expert_stats = cr.expert_stats();
-      EPD_RETURN_IF_ERROR(kc::LowLatencyDispatch(ctx, a, s));
+    case abi::OpKind::kLowLatencyDispatch:
+      EPD_RETURN_IF_ERROR(
+          kc::LowLatencyDispatch(ctx, DispatchArgsFor(plan, slot, r, handoff, captured), s));
       break;
-    }
-    case abi::OpKind::kLowLatencyCombine: {
-      kc::LowLatencyCombineArgs a;
-      a.buffer = plan.ll_handle_buffer;
-      a.combined_x = reinterpret_cast<kernels::bf16_bits*>(
-          cr.area.get() + L.ll_combined_x[plan.ll_out_buffer].offset);
-      a.handoff = handoff;
-      if (masked) a.num_tokens_value = 0;  // Its dispatch's tokens are not combined.
-      EPD_RETURN_IF_ERROR(kc::LowLatencyCombine(ctx, a, s));
+    case abi::OpKind::kLowLatencyCombine:
+      EPD_RETURN_IF_ERROR(kc::LowLatencyCombine(ctx, CombineArgsFor(plan, r, handoff), s));
       break;
-    }
     default:
       return absl::InternalError(absl::StrCat("unreachable op kind ", static_cast<int>(plan.op)));
   }
   return absl::OkStatus();
+}
+
+int64_t CudaGroup::ReadyWaitBoundNs() const {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::milliseconds(options().op_timeout_ms) + 2 * kGpuGrace)
+      .count();
+}
+
+kc::KernelHandoff CudaGroup::HandoffFor(const abi::RequestSlot& slot, int32_t r,
+                                        const uint64_t* seq_word) const {
+  const CudaRank& cr = *OpRank(r);
+  kc::KernelHandoff handoff;
+  handoff.ready_flag = reinterpret_cast<const uint64_t*>(cr.ready_flag());
+  handoff.ready_value = slot.seq;
+  handoff.done_flag = reinterpret_cast<uint64_t*>(cr.done_flag());
+  handoff.done_value = slot.seq;
+  handoff.seq_word = seq_word;
+  handoff.status_out = &cr.readback->status;  // No read-back kernel behind it (StartOpInto).
+  return handoff;
+}
+
+kc::LowLatencyDispatchArgs CudaGroup::DispatchArgsFor(const OpPlan& plan,
+                                                      const abi::RequestSlot& slot, int32_t r,
+                                                      const kc::KernelHandoff& handoff,
+                                                      bool captured) const {
+  const CudaRank& cr = *OpRank(r);
+  const rules::RequestOptions op_flags = rules::DecodeFlags(plan.flags);
+  kc::LowLatencyDispatchArgs a;
+  a.buffer = plan.ll_buffer;
+  a.use_fp8 = op_flags.use_fp8;
+  a.round_scale = op_flags.round_scale;
+  a.use_ue8m0 = op_flags.use_ue8m0;
+  a.num_tokens_value = slot.num_tokens;  // By value: no slot write to enqueue.
+  if (captured) {  // From the rank's Readback word (host-mapped), per launch of the graph.
+    a.num_tokens_value = -1;
+    a.num_tokens = &cr.readback->op_num_tokens;
+  }
+  a.handoff = handoff;
+  a.expert_stats = cr.expert_stats();
+  return a;
+}
+
+kc::LowLatencyCombineArgs CudaGroup::CombineArgsFor(const OpPlan& plan, int32_t r,
+                                                    const kc::KernelHandoff& handoff) const {
+  const CudaRank& cr = *OpRank(r);
+  kc::LowLatencyCombineArgs a;
+  a.buffer = plan.ll_handle_buffer;
+  a.combined_x = reinterpret_cast<kernels::bf16_bits*>(
+      cr.area.get() + layout().ll_combined_x[plan.ll_out_buffer].offset);
+  a.handoff = handoff;
+  if (rank_masked()[r] != 0) a.num_tokens_value = 0;  // Its dispatch's tokens are not combined.
+  return a;
 }
 
 bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots,
@@ -626,6 +649,17 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
       gpu_op_.emplace(std::move(spare_));  // The vectors move: no allocation.
       return false;
     }
+  }
+  // One wait and one kernel per GPU when a fused launch covers the op (cuda_group_fused.cc).
+  if (FusedLaunchCovers(plan, slots)) {
+    LaunchFused(plan, slots, op);
+    if (trace_) {
+      trace_op_.launched = Clock::now();
+      // Per GPU: the begin event, the wait, the kernel, the done event.
+      trace_op_.launch_calls = static_cast<int32_t>(4 * fused_devices_.size());
+    }
+    gpu_op_.emplace(std::move(spare_));  // The vectors move: no allocation.
+    return false;
   }
   // Every rank's kernel is enqueued before any is waited for; a launch error on one rank
   // still launches the others, whose waits then end at the kernel timeout.

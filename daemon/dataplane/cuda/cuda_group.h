@@ -367,6 +367,49 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// Hands every op graph to the plane's DeferredRelease (never destroyed on the engine
   /// path beside another group's launches: DESIGN.md §8.2).
   void DropOpGraphs();
+  /// After a failed launch of every rank of `device` at once (an op graph's or a fused
+  /// launch's): each of those ranks' status is read back, its client's stream released
+  /// (done_seq) and its done event recorded, on its own stream; op.launch[r] = `st`.
+  void ReleaseRanksAfterFailedLaunch(int device, const OpPlan& plan, GpuOp& op,
+                                     const absl::Status& st);
+
+  // ---- fused launches (cuda_group_fused.cc) ----
+  // With CudaDataPlaneOptions::fused_launch, a daemon-launched low-latency op is, per GPU of
+  // the group, one WaitFlagsAsync for the ready flags of every rank there and one fused
+  // kernel for all of them behind it (programmatic), on the stream of the first of them,
+  // with one begin and one done event: four enqueue calls per GPU whatever the ranks, where
+  // the per-rank path makes four per rank, and the ranks' blocks start together. Covered as
+  // op graphs are (every rank stream-ordered and unmasked, under kernel_ready_wait, on one
+  // node, no program armed, no work left on a rank's stream), with at most
+  // kernels::cuda::kMaxFusedRanks ranks per GPU.
+
+  /// The ranks of the group on one GPU, for the fused launch.
+  struct FusedDevice {
+    int device = 0;
+    std::vector<int32_t> ranks;  ///< Ascending; ranks.front() owns the launch stream.
+  };
+  /// Whether a fused launch covers `plan` (see above); refreshes fused_devices_ when the
+  /// group's ranks changed (allocates only then).
+  bool FusedLaunchCovers(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
+  /// Launches `plan` fused on every GPU of the group into `op` (as StartOpInto's per-rank
+  /// path fills it); a GPU whose launch fails gets ReleaseRanksAfterFailedLaunch.
+  void LaunchFused(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots, GpuOp& op);
+  /// The bound of a daemon-launched op's ready wait kernel, in ns: op_timeout + twice the
+  /// engine's grace, so it outlasts the engine's give-up, after which ReleaseReadyWaits
+  /// writes ready_seq from the host.
+  int64_t ReadyWaitBoundNs() const;
+  /// Rank r's hand-off of a stream-ordered low-latency op for `slot` (KernelHandoff: ready
+  /// and done at slot.seq, or read from `seq_word` when set; status written by the kernel).
+  kernels::cuda::KernelHandoff HandoffFor(const abi::RequestSlot& slot, int32_t r,
+                                          const uint64_t* seq_word) const;
+  /// Rank r's LowLatencyDispatch / LowLatencyCombine arguments for `plan`, as both launch
+  /// paths pass them (`captured`: T from the rank's Readback word, for op graphs).
+  kernels::cuda::LowLatencyDispatchArgs DispatchArgsFor(const OpPlan& plan,
+                                                        const abi::RequestSlot& slot, int32_t r,
+                                                        const kernels::cuda::KernelHandoff& handoff,
+                                                        bool captured) const;
+  kernels::cuda::LowLatencyCombineArgs CombineArgsFor(
+      const OpPlan& plan, int32_t r, const kernels::cuda::KernelHandoff& handoff) const;
   /// Enqueues rank r's part of `plan` on its stream: for a stream-ordered slot first the
   /// wait for ready_seq >= seq (then *ready_wait = true), then the op's kernels. A
   /// stream-ordered low-latency op's kernel checks ready_seq and writes done_seq itself
@@ -446,6 +489,10 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// Bumped whenever an op's ranks (OpRank) change: graphs of an older one are dropped.
   uint64_t ranks_generation_ = 0;
   uint64_t op_graphs_generation_ = 0;
+  /// The group's ranks per GPU for fused launches, of generation fused_generation_.
+  std::vector<FusedDevice> fused_devices_;
+  uint64_t fused_generation_ = 0;
+  bool fused_fits_ = false;  ///< No GPU of fused_devices_ holds more than kMaxFusedRanks.
   /// Work was enqueued on a rank's stream outside an op (OpEndedWithoutLaunch's done_seq
   /// write): the next op takes the per-rank path, which orders its launches behind it.
   bool streams_touched_ = false;

@@ -201,24 +201,30 @@ void CudaGroup::LaunchOpGraphs(const OpGraphSet& set, const OpPlan& plan,
       op.graph_streams.push_back(g.stream);  // Within its capacity R (SizeOp).
       continue;
     }
-    // Nothing of this GPU's ranks runs: as the per-rank path after a failed launch, their
-    // status is read back, their clients' streams are released and their done events
-    // recorded (the other GPUs' ranks wait for them until the kernels' timeout).
     EngineLog()->error("group {}: launching the op graph of op {} on GPU {} failed: {}",
                        spec().name(), plan.seq, g.device, st.ToString());
-    for (int r = 0; r < R; ++r) {
-      const CudaRank& cr = *OpRank(r);
-      if (cr.device != g.device) continue;
-      op.launch[r] = st;
-      cudaSetDevice(cr.device);
-      absl::Status tail =
-          kc::EnqueueStatusReadback(Context(r, 0), cr.stream.get(), &cr.readback->status);
-      if (tail.ok()) tail = WriteDone(cr, plan.seq);
-      if (tail.ok()) tail = EPD_CUDA_STATUS(cudaEventRecord(cr.done.get(), cr.stream.get()));
-      if (!tail.ok()) {
-        EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
-                           spec().name(), r, plan.seq, tail.ToString());
-      }
+    ReleaseRanksAfterFailedLaunch(g.device, plan, op, st);
+  }
+}
+
+void CudaGroup::ReleaseRanksAfterFailedLaunch(int device, const OpPlan& plan, GpuOp& op,
+                                              const absl::Status& st) {
+  // Nothing of this GPU's ranks runs: as the per-rank path after a failed launch, their
+  // status is read back, their clients' streams are released and their done events
+  // recorded (the other GPUs' ranks wait for them until the kernels' timeout).
+  for (size_t i = 0; i < op.ranks.size(); ++i) {
+    const int32_t r = static_cast<int32_t>(i);
+    const CudaRank& cr = *OpRank(r);
+    if (cr.device != device) continue;
+    op.launch[r] = st;
+    cudaSetDevice(cr.device);
+    absl::Status tail =
+        kc::EnqueueStatusReadback(Context(r, 0), cr.stream.get(), &cr.readback->status);
+    if (tail.ok()) tail = WriteDone(cr, plan.seq);
+    if (tail.ok()) tail = EPD_CUDA_STATUS(cudaEventRecord(cr.done.get(), cr.stream.get()));
+    if (!tail.ok()) {
+      EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",
+                         spec().name(), r, plan.seq, tail.ToString());
     }
   }
 }

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <span>
 
 #include "absl/status/status.h"
 #include "epd/kernels/cuda_limits.h"
@@ -220,6 +221,35 @@ absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout
                            cudaStream_t stream, const uint64_t* alt_flag = nullptr,
                            const uint64_t* value_word = nullptr);
 
+/// The most ranks one fused launch (WaitFlagsAsync, LowLatencyDispatchRanks,
+/// LowLatencyCombineRanks) covers (their parameters travel in the kernel's parameter space).
+inline constexpr int32_t kMaxFusedRanks = 8;
+
+/// One wait of WaitFlagsAsync: until *flag >= value, or *alt_flag >= value when alt_flag
+/// is set; the value read is stored to *seen when seen is set (as WaitFlagAsync).
+struct FlagWait {
+  /// uint64 word of this GPU (acquire at GPU scope); required.
+  const uint64_t* flag = nullptr;
+  /// Optional second word, read when *flag < value.
+  const uint64_t* alt_flag = nullptr;
+  uint64_t value = 0;
+  /// Optional, pinned host (or device) memory: the value that passed the wait; left
+  /// untouched when the wait timed out.
+  uint64_t* seen = nullptr;
+};
+
+/// WaitFlagAsync for several flags in one kernel (one warp per wait, 1..kMaxFusedRanks
+/// waits; one block), each bounded by timeout_ns of %globaltimer from the kernel's start;
+/// lets the next kernel start (griddepcontrol.launch_dependents, for a kernel launched with
+/// KernelHandoff::programmatic) once every wait has passed or timed out. The daemon's ready
+/// waits of every rank of a GPU before one LowLatencyDispatchRanks / LowLatencyCombineRanks.
+/// `waits` is copied into the launch (it need not outlive the call); the words must stay
+/// valid until the kernel has run. Errors: INVALID_ARGUMENT (naming the wait) for no waits,
+/// more than kMaxFusedRanks, a null flag or timeout_ns <= 0, nothing launched then; INTERNAL
+/// for a launch error.
+absl::Status WaitFlagsAsync(std::span<const FlagWait> waits, int64_t timeout_ns,
+                            cudaStream_t stream);
+
 /// The hand-off of a daemon-launched low-latency op done by the op's kernel itself (all
 /// fields optional; the defaults do nothing):
 ///   ready: every block's first thread waits until *ready_flag >= ready_value (acquire at
@@ -418,5 +448,35 @@ struct LowLatencyCombineArgs {
 /// CUDA launch errors. Device-side: bad ids counted, timeouts recorded, as for dispatch.
 absl::Status LowLatencyCombine(const CudaRankContext& ctx, const LowLatencyCombineArgs& args,
                                cudaStream_t stream);
+
+// ---- every rank of a GPU in one launch ---------------------------------------------------
+
+/// LowLatencyDispatch of every rank in `ctxs` (1..kMaxFusedRanks ranks of ONE group, all on
+/// the current device, ctxs[i] paired with args[i]) as one kernel launch on `stream`;
+/// outputs, statuses and hand-offs exactly as one LowLatencyDispatch per rank (each rank's
+/// blocks run the per-rank kernel's code with that rank's parameters; the grid is the sum of
+/// the ranks' grids, ResolveNumBlocks each, so every block must be resident at once, as the
+/// per-rank kernels of every rank of the GPU must be). Fused and per-rank launches of a
+/// group may alternate from op to op (they keep the same sync state). Both spans are read
+/// during the call only.
+/// args must agree on buffer, use_fp8, round_scale, use_ue8m0, large_path and
+/// handoff.programmatic; everything else (x, topk_idx, num_tokens / num_tokens_value,
+/// handoff flags and values, status_out, expert_stats) is per rank.
+/// Errors: INVALID_ARGUMENT (naming the rank and field) for anything LowLatencyDispatch
+/// refuses, sizes that differ, more than kMaxFusedRanks ranks (or none), a rank given twice,
+/// ranks of differing shapes, grids (num_sms, sms_left_per_rank, ranks_on_device) or kernels
+/// (a BF16 x of one rank not 16-byte aligned where another's is) or disagreeing args;
+/// nothing is launched then. INTERNAL for launch errors.
+absl::Status LowLatencyDispatchRanks(std::span<const CudaRankContext> ctxs,
+                                     std::span<const LowLatencyDispatchArgs> args,
+                                     cudaStream_t stream);
+
+/// The same for LowLatencyCombine: args agree on buffer, x_offset and handoff.programmatic
+/// (and on the kernel: a combined_x of one rank not 16-byte aligned where another's is is
+/// refused); combined_x, topk_idx / topk_weights, num_tokens_value and handoff are per rank.
+/// Errors as LowLatencyDispatchRanks.
+absl::Status LowLatencyCombineRanks(std::span<const CudaRankContext> ctxs,
+                                    std::span<const LowLatencyCombineArgs> args,
+                                    cudaStream_t stream);
 
 }  // namespace epd::kernels::cuda
