@@ -483,7 +483,8 @@ TEST(LowLatencyFusedHandoff, OneWaitForEveryRankThenTheFusedKernel) {
     EXPECT_EQ(cudaStreamQuery(g.stream(0)), cudaErrorNotReady) << "ran before rank " << r;
     for (int32_t q = 0; q < g.num_ranks(); ++q) {
       ASSERT_EQ(ReadWord(LaunchFlag(g, q, abi::kDoneFlagOffset)), 0u) << "rank " << q;
-      ASSERT_EQ(m.seen[q], 0u) << "rank " << q;
+      // A rank whose ready is written passes its own wait (seen) at once; not the others.
+      if (q <= r) ASSERT_EQ(m.seen[q], 0u) << "rank " << q;
     }
     EPD_ASSERT_OK(m.SetReady(g, r, 1));
   }
