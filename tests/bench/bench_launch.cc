@@ -148,6 +148,10 @@ struct Report {
   // For reference: each op repeated on its own (bench_ll.cu ll_dispatch_fp8 /
   // ll_combine_bf16: the combine reuses one buffer's handle every time).
   LowLatencyFigure inproc_dispatch_repeated, inproc_combine_repeated;
+  // In-process CUDA graphs (bench_ll.cu ll_graph_* / ll_fused_graph_*): the ranks' kernels
+  // in one graph, and one fused launch per op (every rank in one kernel) in one graph.
+  LowLatencyFigure inproc_graph_dispatch, inproc_graph_combine;
+  LowLatencyFigure inproc_fused_dispatch, inproc_fused_combine;
   std::vector<ModeResult> modes;
   // The started epd's trace summary lines (EPD_OP_TRACE), in order.
   std::vector<std::string> trace_lines;
@@ -567,6 +571,10 @@ absl::Status Run(Report* report) {
     if (f.name == "ll_combine_bf16_after_dispatch") report->inproc_combine = f;
     if (f.name == "ll_dispatch_fp8") report->inproc_dispatch_repeated = f;
     if (f.name == "ll_combine_bf16") report->inproc_combine_repeated = f;
+    if (f.name == "ll_graph_dispatch_fp8") report->inproc_graph_dispatch = f;
+    if (f.name == "ll_graph_combine_bf16") report->inproc_graph_combine = f;
+    if (f.name == "ll_fused_graph_dispatch_fp8") report->inproc_fused_dispatch = f;
+    if (f.name == "ll_fused_graph_combine_bf16") report->inproc_fused_combine = f;
   }
 
   // The caller's inputs: random bf16 tokens, uniform top-8 routing without masking.
@@ -737,6 +745,14 @@ int RunLaunchBench() {
                rep.inproc_dispatch, false, rep, "inprocess-repeated", "ll_dispatch_fp8");
       PrintRow("in-process, op repeated / combine", rep.inproc_combine_repeated.op_us,
                rep.inproc_combine, false, rep, "inprocess-repeated", "ll_combine_bf16");
+      PrintRow("in-proc, kernels in 1 graph / disp", rep.inproc_graph_dispatch.op_us,
+               rep.inproc_dispatch, false, rep, "inprocess-graph", "ll_dispatch_fp8");
+      PrintRow("in-proc, kernels in 1 graph / comb", rep.inproc_graph_combine.op_us,
+               rep.inproc_combine, false, rep, "inprocess-graph", "ll_combine_bf16");
+      PrintRow("in-proc, fused in 1 graph / disp", rep.inproc_fused_dispatch.op_us,
+               rep.inproc_dispatch, false, rep, "inprocess-fused-graph", "ll_dispatch_fp8");
+      PrintRow("in-proc, fused in 1 graph / comb", rep.inproc_fused_combine.op_us,
+               rep.inproc_combine, false, rep, "inprocess-fused-graph", "ll_combine_bf16");
     }
   }
   for (const ModeResult& m : rep.modes) {
@@ -796,6 +812,26 @@ int RunLaunchBench() {
         "submit (work the daemon enqueues in response is queued by then: GPU-side path only; "
         "host times include the N us).\n",
         Ranks());
+    if (rep.inproc_fused_dispatch.op_us.span.count > 0) {
+      // The kernels' own goal (as below for the client's graph) with every rank's op in ONE
+      // kernel launch, captured into one CUDA graph, against the same memcpy; and the
+      // ranks' kernels in one graph in-process, for comparison.
+      const double memcpy_d = rep.inproc_dispatch.memcpy_us.p50;
+      const double memcpy_c = rep.inproc_combine.memcpy_us.p50;
+      const double fd = rep.inproc_fused_dispatch.op_us.span.p50 / memcpy_d;
+      const double fc = rep.inproc_fused_combine.op_us.span.p50 / memcpy_c;
+      const double graph_d = rep.inproc_graph_dispatch.op_us.span.p50 / memcpy_d;
+      const double graph_c = rep.inproc_graph_combine.op_us.span.p50 / memcpy_c;
+      std::printf(
+          "goal low-latency kernels, one fused launch per op in one CUDA graph: FP8 dispatch <= "
+          "1.00x memcpy %.2fx (%s), BF16 combine <= 0.85x memcpy %.2fx (%s)\n",
+          fd, fd <= 1.0 ? "met" : "NOT met", fc, fc <= 0.85 ? "met" : "NOT met");
+      std::printf(
+          "  same, the %d ranks' kernels in one CUDA graph, in-process: FP8 dispatch %.2fx (%s), "
+          "BF16 combine %.2fx (%s)\n",
+          Ranks(), graph_d, graph_d <= 1.0 ? "met" : "NOT met", graph_c,
+          graph_c <= 0.85 ? "met" : "NOT met");
+    }
     for (const ModeResult& m : rep.modes) {
       if (!m.measured) continue;
       if (m.mode == "client") {

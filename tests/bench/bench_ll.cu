@@ -23,6 +23,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/cuda/cuda_check.h"
@@ -65,6 +66,51 @@ std::vector<cudaStream_t> Streams(const VirtualRankGroup& g) {
   return streams;
 }
 
+/// Replays each of `graphs` in turn on `origin`, `warmup + iterations` rounds, each replay
+/// timed with events around cudaGraphLaunch on `origin` (the time of one op of every rank
+/// as a CUDA graph, launch included); the percentiles of the timed rounds, per graph, in µs.
+/// Errors: INTERNAL (CUDA).
+absl::StatusOr<std::vector<Percentiles>> TimeGraphsInTurn(
+    const std::vector<cudaGraphExec_t>& graphs, cudaStream_t origin, int warmup, int iterations) {
+  cudaEvent_t start_raw = nullptr, end_raw = nullptr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start_raw));
+  EventHandle start(start_raw);
+  EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&end_raw));
+  EventHandle end(end_raw);
+  std::vector<std::vector<double>> samples(graphs.size());
+  for (int it = 0; it < warmup + iterations; ++it) {
+    for (size_t i = 0; i < graphs.size(); ++i) {
+      EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), origin));
+      EPD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graphs[i], origin));
+      EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(end.get(), origin));
+      EPD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(end.get()));
+      float ms = 0;
+      EPD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.get(), end.get()));
+      if (it >= warmup) samples[i].push_back(ms * 1000.0);
+    }
+  }
+  std::vector<Percentiles> out;
+  for (std::vector<double>& v : samples) out.push_back(ComputePercentiles(std::move(v)));
+  return out;
+}
+
+/// Captures `launch(stream)` on rank 0's stream alone (one fused launch of every rank) into
+/// one CUDA graph. Errors: the first of launch / CUDA.
+absl::StatusOr<GraphExecHandle> CaptureOnOrigin(
+    VirtualRankGroup& g, const std::function<absl::Status(cudaStream_t)>& launch) {
+  const cudaStream_t origin = g.stream(0);
+  EPD_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal));
+  absl::Status st = launch(origin);
+  cudaGraph_t graph = nullptr;
+  const cudaError_t end = cudaStreamEndCapture(origin, &graph);  // on every path
+  GraphHandle graph_handle(graph);
+  EPD_RETURN_IF_ERROR(st);
+  EPD_CUDA_RETURN_IF_ERROR(end);
+  cudaGraphExec_t exec = nullptr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&exec, graph, 0));
+  return GraphExecHandle(exec);
+}
+
 /// One A/B round's p50 / p99 in µs per op (one CUDA graph of the 8 ranks, event-timed).
 struct SpecialisedRound {
   bool specialised = false;
@@ -96,39 +142,17 @@ absl::StatusOr<SpecialisedRound> MeasureSpecialisedRound(VirtualRankGroup& g, in
   EPD_ASSIGN_OR_RETURN(GraphExecHandle combine_graph, capture([&](int32_t r, cudaStream_t stream) {
                          return kc::LowLatencyCombine(g.Context(r), combine, stream);
                        }));
-  cudaEvent_t start_raw = nullptr, end_raw = nullptr;
-  EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start_raw));
-  EventHandle start(start_raw);
-  EPD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&end_raw));
-  EventHandle end(end_raw);
-  auto replay = [&](cudaGraphExec_t exec) -> absl::StatusOr<double> {
-    EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), origin));
-    EPD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, origin));
-    EPD_CUDA_RETURN_IF_ERROR(cudaEventRecord(end.get(), origin));
-    EPD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(end.get()));
-    float ms = 0;
-    EPD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.get(), end.get()));
-    return ms * 1000.0;
-  };
-  std::vector<double> d8, d16, c;
-  for (int it = 0; it < warmup + iterations; ++it) {
-    EPD_ASSIGN_OR_RETURN(const double a, replay(fp8_graph.get()));
-    EPD_ASSIGN_OR_RETURN(const double b, replay(bf16_graph.get()));
-    EPD_ASSIGN_OR_RETURN(const double x, replay(combine_graph.get()));
-    if (it >= warmup) {
-      d8.push_back(a);
-      d16.push_back(b);
-      c.push_back(x);
-    }
-  }
+  EPD_ASSIGN_OR_RETURN(std::vector<Percentiles> times,
+                       TimeGraphsInTurn({fp8_graph.get(), bf16_graph.get(), combine_graph.get()},
+                                        origin, warmup, iterations));
   for (int32_t r = 0; r < g.num_ranks(); ++r) {
     EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "A/B round"));
   }
   SpecialisedRound round;
   round.specialised = kc::LowLatencySpecialisedFor(g.shape());
-  round.dispatch_fp8 = ComputePercentiles(std::move(d8));
-  round.dispatch_bf16 = ComputePercentiles(std::move(d16));
-  round.combine = ComputePercentiles(std::move(c));
+  round.dispatch_fp8 = times[0];
+  round.dispatch_bf16 = times[1];
+  round.combine = times[2];
   return round;
 }
 
@@ -370,6 +394,39 @@ absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "dispatch + combine"));
   }
+  // The FP8 dispatch and BF16 combine (buffer 0) in CUDA graphs, replayed in turn, each
+  // replay timed with events around cudaGraphLaunch (as the launch bench's graph figures):
+  // the R ranks' kernels captured into one graph (fork/join from rank 0's stream), and ONE
+  // fused launch per op (LowLatencyDispatchRanks / LowLatencyCombineRanks) captured alone.
+  std::vector<kc::CudaRankContext> ctxs;
+  for (int32_t r = 0; r < s.num_ranks; ++r) ctxs.push_back(g.Context(r));
+  const std::vector<kc::LowLatencyDispatchArgs> fused_da(s.num_ranks, da);
+  const std::vector<kc::LowLatencyCombineArgs> fused_ca(s.num_ranks);
+  EPD_ASSIGN_OR_RETURN(cudaGraphExec_t rank_dispatch_raw,
+                       CaptureAllRanks(g, [&](int32_t r, cudaStream_t stream) {
+                         return kc::LowLatencyDispatch(g.Context(r), da, stream);
+                       }));
+  GraphExecHandle rank_dispatch_graph(rank_dispatch_raw);
+  EPD_ASSIGN_OR_RETURN(cudaGraphExec_t rank_combine_raw,
+                       CaptureAllRanks(g, [&](int32_t r, cudaStream_t stream) {
+                         return kc::LowLatencyCombine(g.Context(r), fused_ca[r], stream);
+                       }));
+  GraphExecHandle rank_combine_graph(rank_combine_raw);
+  EPD_ASSIGN_OR_RETURN(GraphExecHandle fused_dispatch_graph,
+                       CaptureOnOrigin(g, [&](cudaStream_t stream) {
+                         return kc::LowLatencyDispatchRanks(ctxs, fused_da, stream);
+                       }));
+  EPD_ASSIGN_OR_RETURN(GraphExecHandle fused_combine_graph,
+                       CaptureOnOrigin(g, [&](cudaStream_t stream) {
+                         return kc::LowLatencyCombineRanks(ctxs, fused_ca, stream);
+                       }));
+  EPD_ASSIGN_OR_RETURN(const std::vector<Percentiles> graph_times,
+                       TimeGraphsInTurn({rank_dispatch_graph.get(), rank_combine_graph.get(),
+                                         fused_dispatch_graph.get(), fused_combine_graph.get()},
+                                        g.stream(0), kWarmup, kIterations));
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "graphs"));
+  }
   // The fixed part: the same ops with T = 0 on every rank (count exchange, flags, launch
   // skew; no rows move).
   for (int32_t r = 0; r < s.num_ranks; ++r) {
@@ -405,6 +462,14 @@ absl::Status MeasureLowLatencyInProcess(std::vector<LowLatencyFigure>* figures,
       {"ll_dispatch_fp8_then_combine", dispatch_bytes, paired_dispatch.Build(), dispatch_copy});
   figures->push_back(
       {"ll_combine_bf16_after_dispatch", combine_bytes, paired_combine.Build(), combine_copy});
+  figures->push_back(
+      {"ll_graph_dispatch_fp8", dispatch_bytes, OpTimes{graph_times[0], {}, {}}, dispatch_copy});
+  figures->push_back(
+      {"ll_graph_combine_bf16", combine_bytes, OpTimes{graph_times[1], {}, {}}, combine_copy});
+  figures->push_back({"ll_fused_graph_dispatch_fp8", dispatch_bytes,
+                      OpTimes{graph_times[2], {}, {}}, dispatch_copy});
+  figures->push_back({"ll_fused_graph_combine_bf16", combine_bytes, OpTimes{graph_times[3], {}, {}},
+                      combine_copy});
   figures->push_back({"ll_dispatch_fp8_T0", 0, dispatch_empty, {}});
   figures->push_back({"ll_combine_bf16_T0", 0, combine_empty, {}});
   return absl::OkStatus();
@@ -427,7 +492,7 @@ int RunLowLatencyBench() {
                 device.c_str());
     std::printf("shape: T=128 H=7168 K=8 E=256 R=8; %d iterations after %d warm-up\n", kIterations,
                 kWarmup);
-    std::printf("%-19s %10s %8s %8s %11s %11s %11s %11s\n", "op", "bytes/op", "p50 us", "p99 us",
+    std::printf("%-28s %10s %8s %8s %11s %11s %11s %11s\n", "op", "bytes/op", "p50 us", "p99 us",
                 "memcpy p50", "memcpy p99", "p50/memcpy", "last-in p50");
   }
   for (const LowLatencyFigure& f : figures) {
@@ -439,13 +504,17 @@ int RunLowLatencyBench() {
           "\"memcpy_p99_us\":%.2f,\"iterations\":%zu}\n",
           f.name.c_str(), device.c_str(), f.bytes, f.op_us.span.p50, f.op_us.span.p99,
           f.op_us.after_last.p50, f.memcpy_us.p50, f.memcpy_us.p99, f.op_us.span.count);
-    } else if (bound) {
-      std::printf("%-19s %10.0f %8.2f %8.2f %11.2f %11.2f %11.2f %11.2f\n", f.name.c_str(), f.bytes,
-                  f.op_us.span.p50, f.op_us.span.p99, f.memcpy_us.p50, f.memcpy_us.p99,
-                  f.op_us.span.p50 / f.memcpy_us.p50, f.op_us.after_last.p50);
     } else {
-      std::printf("%-19s %10.0f %8.2f %8.2f %11s %11s %11s %11.2f\n", f.name.c_str(), f.bytes,
-                  f.op_us.span.p50, f.op_us.span.p99, "-", "-", "-", f.op_us.after_last.p50);
+      const std::string last_in = f.op_us.after_last.count > 0
+                                      ? absl::StrFormat("%.2f", f.op_us.after_last.p50)
+                                      : std::string("-");
+      const auto column = [&](double v) {
+        return bound ? absl::StrFormat("%.2f", v) : std::string("-");
+      };
+      std::printf("%-28s %10.0f %8.2f %8.2f %11s %11s %11s %11s\n", f.name.c_str(), f.bytes,
+                  f.op_us.span.p50, f.op_us.span.p99, column(f.memcpy_us.p50).c_str(),
+                  column(f.memcpy_us.p99).c_str(),
+                  column(f.op_us.span.p50 / f.memcpy_us.p50).c_str(), last_in.c_str());
     }
   }
   // The fixed cost: each op against the same op with T = 0 on every rank, the data part
@@ -459,7 +528,20 @@ int RunLowLatencyBench() {
   const std::pair<const char*, const char*> splits[] = {{"ll_dispatch_fp8", "ll_dispatch_fp8_T0"},
                                                         {"ll_combine_bf16", "ll_combine_bf16_T0"}};
   if (!json) {
-    std::printf("last-in: from the last rank's kernel start to its end (no launch skew)\n");
+    std::printf(
+        "last-in: from the last rank's kernel start to its end (no launch skew); ll_graph_*: the "
+        "ranks' kernels in one CUDA graph, ll_fused_graph_*: one fused launch per op "
+        "(LowLatencyDispatchRanks / LowLatencyCombineRanks) in one CUDA graph, both timed with "
+        "events around cudaGraphLaunch\n");
+    for (const char* op : {"dispatch_fp8", "combine_bf16"}) {
+      const LowLatencyFigure* ranks = find(absl::StrCat("ll_graph_", op).c_str());
+      const LowLatencyFigure* fused = find(absl::StrCat("ll_fused_graph_", op).c_str());
+      if (ranks != nullptr && fused != nullptr) {
+        std::printf("fused - ranks' kernels in one graph, %s p50: %+.2f us (%.2fx)\n", op,
+                    fused->op_us.span.p50 - ranks->op_us.span.p50,
+                    fused->op_us.span.p50 / ranks->op_us.span.p50);
+      }
+    }
     std::printf("fixed cost (the same op with T=0 on every rank: count exchange and barriers):");
   }
   for (const auto& [op_name, t0_name] : splits) {

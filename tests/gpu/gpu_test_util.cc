@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_check.h"
 #include "common/status_macros.h"
+#include "proto/abi/launch_flags.h"
 
 namespace epd::testing {
 namespace {
@@ -229,6 +230,26 @@ absl::Status CompareBytes(const void* expected, const void* actual, size_t bytes
   return absl::InternalError(absl::StrCat(what, ": ", differing, " of ", bytes,
                                           " bytes differ; first at byte ", first, ": expected 0x",
                                           absl::Hex(e[first]), ", got 0x", absl::Hex(a[first])));
+}
+
+uint64_t* LaunchFlag(VirtualRankGroup& g, int32_t r, uint64_t offset) {
+  return reinterpret_cast<uint64_t*>(g.At<uint8_t>(r, g.layout().launch_flags) + offset);
+}
+
+uint64_t ReadWord(const void* device_word) {
+  uint64_t v = 0;
+  if (cudaMemcpy(&v, device_word, sizeof(v), cudaMemcpyDeviceToHost) != cudaSuccess) return 0;
+  return v;
+}
+
+kernels::cuda::KernelHandoff DaemonHandoff(VirtualRankGroup& g, int32_t r, uint64_t seq) {
+  kernels::cuda::KernelHandoff h;
+  h.ready_flag = LaunchFlag(g, r, abi::kReadyFlagOffset);
+  h.ready_value = seq;
+  h.done_flag = LaunchFlag(g, r, abi::kDoneFlagOffset);
+  h.done_value = seq;
+  h.programmatic = true;
+  return h;
 }
 
 }  // namespace epd::testing

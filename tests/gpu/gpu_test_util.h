@@ -21,6 +21,18 @@
 #include "epd/kernels/layout.h"
 #include "epd/kernels/types.h"
 
+// ASSERT (gtest) that an absl::Status is OK; more context can be streamed with <<.
+#define EPD_ASSERT_OK(expr)                                 \
+  for (const ::absl::Status epd_s_ = (expr); !epd_s_.ok();) \
+  GTEST_FAIL() << #expr << ": " << epd_s_ << " "
+
+// Skips the (gtest) test with the reason when no CUDA device is usable.
+#define REQUIRE_GPU()                                        \
+  do {                                                       \
+    std::string why;                                         \
+    if (!::epd::testing::HaveGpu(&why)) GTEST_SKIP() << why; \
+  } while (0)
+
 namespace epd::testing {
 
 /// True when a CUDA device is usable; `reason` says why not otherwise.
@@ -126,6 +138,18 @@ class VirtualRankGroup {
   int32_t ranks_on_device_ = 0;
   bool all_ranks_on_device_ = false;
 };
+
+/// Rank r's launch_flags word at byte `offset` (proto/abi/launch_flags.h: ready_seq,
+/// done_seq, ...), as a device uint64*.
+uint64_t* LaunchFlag(VirtualRankGroup& g, int32_t r, uint64_t offset);
+
+/// The KernelHandoff the daemon gives rank r's low-latency op `seq` (launched
+/// programmatically behind its ready wait): ready_seq >= seq, then done_seq = seq, the
+/// launch_flags words of rank r.
+kernels::cuda::KernelHandoff DaemonHandoff(VirtualRankGroup& g, int32_t r, uint64_t seq);
+
+/// One uint64 of device memory, read synchronously (0 when the copy fails).
+uint64_t ReadWord(const void* device_word);
 
 // ---- random inputs ------------------------------------------------------------------------
 

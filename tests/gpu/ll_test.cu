@@ -44,17 +44,6 @@ namespace kh = ::epd::kernels::host;
 using kernels::bf16_bits;
 using kernels::GroupShape;
 
-// ASSERT that an absl::Status is OK; more context can be streamed with <<.
-#define EPD_ASSERT_OK(expr)                                 \
-  for (const ::absl::Status epd_s_ = (expr); !epd_s_.ok();) \
-  GTEST_FAIL() << #expr << ": " << epd_s_ << " "
-
-#define REQUIRE_GPU()                        \
-  do {                                       \
-    std::string why;                         \
-    if (!HaveGpu(&why)) GTEST_SKIP() << why; \
-  } while (0)
-
 // The dispatch's data format: BF16, FP8 (f32 scales), FP8 with round_scale, FP8 with
 // round_scale and UE8M0-packed scales (use_ue8m0).
 enum class Fp8 { kOff, kOn, kRoundScale, kUe8m0 };
@@ -663,13 +652,6 @@ PinnedMemory AllocateStatusOut(int32_t n) {
   return PinnedMemory(static_cast<uint8_t*>(pinned));
 }
 
-// One uint64 of device memory, read synchronously.
-uint64_t ReadWord(const void* device_word) {
-  uint64_t v = 0;
-  cudaMemcpy(&v, device_word, sizeof(v), cudaMemcpyDeviceToHost);
-  return v;
-}
-
 // Runs one valid FP8 op on buffer b and checks everything against the host.
 void ExpectValidOp(VirtualRankGroup& g, int32_t b, std::mt19937_64& rng, int32_t salt) {
   std::vector<RankInputs> in = MakeInputs(SmallCase(g.num_ranks()), rng, salt);
@@ -1068,26 +1050,9 @@ TEST(LowLatencyGraph, CapturedDispatchExpertCombineReplaysWithChangingInputsAndT
 
 // ---- the daemon-launched hand-off inside the kernels (cuda_ops.h KernelHandoff) ----------
 
-// Rank r's launch_flags word at `offset` (layout.h).
-uint64_t* LaunchFlag(VirtualRankGroup& g, int32_t r, uint64_t offset) {
-  return reinterpret_cast<uint64_t*>(g.At<uint8_t>(r, g.layout().launch_flags) + offset);
-}
-
 // Rank r's staging-kernel ticket word (abi::kReadySignalCounterOffset).
 uint32_t* StagingCounter(VirtualRankGroup& g, int32_t r) {
   return reinterpret_cast<uint32_t*>(LaunchFlag(g, r, abi::kReadySignalCounterOffset));
-}
-
-// The KernelHandoff the daemon gives rank r's low-latency op `seq` (launched
-// programmatically behind its WaitFlagAsync).
-kc::KernelHandoff DaemonHandoff(VirtualRankGroup& g, int32_t r, uint64_t seq) {
-  kc::KernelHandoff h;
-  h.ready_flag = LaunchFlag(g, r, abi::kReadyFlagOffset);
-  h.ready_value = seq;
-  h.done_flag = LaunchFlag(g, r, abi::kDoneFlagOffset);
-  h.done_value = seq;
-  h.programmatic = true;
-  return h;
 }
 
 // One rank's inputs as a caller holds them: device memory of their own (room for Mll
