@@ -146,14 +146,20 @@ absl::Status PrepareFusedRanks(
   EPD_RETURN_IF_ERROR(ValidateFusedRanks(ctxs, args.size(), op));
   fp->num_ranks = static_cast<int32_t>(ctxs.size());
   for (size_t i = 0; i < ctxs.size(); ++i) {
-    const std::string prefix = FusedRankPrefix(op, ctxs, i);
     Prepared d;
-    EPD_RETURN_IF_ERROR(prepare(ctxs[i], args[i], prefix.c_str(), &d));
+    // The errors' prefix naming the rank is built only on the error path: the daemon's
+    // engine calls this per op and allocates nothing there.
+    if (!prepare(ctxs[i], args[i], op, &d).ok()) {
+      const std::string prefix = FusedRankPrefix(op, ctxs, i);
+      return prepare(ctxs[i], args[i], prefix.c_str(), &d);
+    }
     if (i == 0) *first = d;
     const char* field = differs(args[i], args[0]);
     if (field == nullptr && d.variant != first->variant) field = variant_field;
-    if (field != nullptr) return FusedArgDiffers(prefix, field, ctxs);
-    EPD_RETURN_IF_ERROR(CheckFusedGrid(prefix, d.num_blocks, first->num_blocks));
+    if (field != nullptr) return FusedArgDiffers(FusedRankPrefix(op, ctxs, i), field, ctxs);
+    if (d.num_blocks != first->num_blocks) {
+      return CheckFusedGrid(FusedRankPrefix(op, ctxs, i), d.num_blocks, first->num_blocks);
+    }
     fp->ranks[i] = d.p;
   }
   fp->blocks_per_rank = first->num_blocks;
