@@ -98,10 +98,11 @@ struct FlagWaitsParams {
 
 // Warp w waits for waits[w] (lane 0 spins, as WaitFlagKernel); the block lets the next
 // kernel start once every warp is past its wait.
-__global__ void WaitFlagsKernel(const __grid_constant__ FlagWaitsParams p) {
+__global__ void WaitFlagsKernel(const FlagWaitsParams p) {
   const int32_t w = static_cast<int32_t>(threadIdx.x >> 5);
   if ((threadIdx.x & 31) == 0 && w < p.num_waits) {
-    const FlagWait& wait = p.waits[w];
+    // A copy by value, from a run-time index (the parameters copied to local memory).
+    const FlagWait wait = p.waits[w];
     const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
     uint64_t v = 0;
     bool arrived = false;

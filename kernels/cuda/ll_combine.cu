@@ -277,15 +277,15 @@ __device__ __forceinline__ void CombineBody(const CombineParams& p, int32_t bloc
 
 template <bool kVec, bool kBatched, typename Shape = internal::GenericShape>
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
-    LowLatencyCombineKernel(const __grid_constant__ CombineParams p) {
+    LowLatencyCombineKernel(const CombineParams p) {
   CombineBody<kVec, kBatched, Shape>(p, static_cast<int32_t>(blockIdx.x),
                                      static_cast<int32_t>(gridDim.x));
 }
 
 template <bool kVec, bool kBatched, typename Shape = internal::GenericShape>
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
-    FusedLowLatencyCombineKernel(const __grid_constant__ internal::FusedParams<CombineParams> fp) {
-  internal::RunFusedRank(fp, CombineBody<kVec, kBatched, Shape>);
+    FusedLowLatencyCombineKernel(const internal::FusedParams<CombineParams> fp) {
+  internal::RunFusedRank<CombineParams, CombineBody<kVec, kBatched, Shape>>(fp);
 }
 
 // The combine kernels, per-rank and fused, by variant (PreparedCombine::variant): (kVec,

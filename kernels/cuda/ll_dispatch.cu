@@ -672,15 +672,15 @@ __device__ __forceinline__ void DispatchBody(const DispatchParams& p, int32_t bl
 
 template <int kMode, bool kTiled, typename Shape = internal::GenericShape>
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
-    LowLatencyDispatchKernel(const __grid_constant__ DispatchParams p) {
+    LowLatencyDispatchKernel(const DispatchParams p) {
   DispatchBody<kMode, kTiled, Shape>(p, static_cast<int32_t>(blockIdx.x),
                                      static_cast<int32_t>(gridDim.x));
 }
 
 template <int kMode, bool kTiled, typename Shape = internal::GenericShape>
-__global__ void __launch_bounds__(kLowLatencyThreads, 1) FusedLowLatencyDispatchKernel(
-    const __grid_constant__ internal::FusedParams<DispatchParams> fp) {
-  internal::RunFusedRank(fp, DispatchBody<kMode, kTiled, Shape>);
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    FusedLowLatencyDispatchKernel(const internal::FusedParams<DispatchParams> fp) {
+  internal::RunFusedRank<DispatchParams, DispatchBody<kMode, kTiled, Shape>>(fp);
 }
 
 // Lets `kernel` launch with up to the device's opt-in shared memory less its static part

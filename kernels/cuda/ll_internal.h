@@ -67,13 +67,50 @@ struct KernelPair {
 };
 
 #ifdef __CUDACC__
-/// Runs `body(params, block, num_blocks)` (a low-latency op's body) for this block's rank of
-/// a fused launch, with the block's index among that rank's blocks.
-template <typename Params>
-__device__ __forceinline__ void RunFusedRank(const FusedParams<Params>& fp,
-                                             void (*body)(const Params&, int32_t, int32_t)) {
+/// Runs `Body(params, block, num_blocks)` (a low-latency op's body) for this block's rank of
+/// a fused launch, with the block's index among that rank's blocks. The rank's params are
+/// first copied into shared memory by one thread, each rank's with constant offsets into
+/// the kernel's parameters (a switch, no run-time index into them): the body then reads
+/// them from shared memory, and no pointer into the kernel's parameter space is ever formed
+/// (one passed into a device function that was not inlined made the kernels read wrong
+/// values on the H200).
+template <typename Params, void (*Body)(const Params&, int32_t, int32_t)>
+__device__ __forceinline__ void RunFusedRank(const FusedParams<Params>& fp) {
+  static_assert(kMaxFusedRanks == 8, "RunFusedRank's switch names every rank of a fused launch");
+  __shared__ __align__(16) unsigned char s_params[sizeof(Params)];
   const int32_t r = static_cast<int32_t>(blockIdx.x) / fp.blocks_per_rank;
-  body(fp.ranks[r], static_cast<int32_t>(blockIdx.x) - r * fp.blocks_per_rank, fp.blocks_per_rank);
+  if (threadIdx.x == 0) {
+    Params* dst = reinterpret_cast<Params*>(s_params);
+    switch (r) {
+      case 0:
+        *dst = fp.ranks[0];
+        break;
+      case 1:
+        *dst = fp.ranks[1];
+        break;
+      case 2:
+        *dst = fp.ranks[2];
+        break;
+      case 3:
+        *dst = fp.ranks[3];
+        break;
+      case 4:
+        *dst = fp.ranks[4];
+        break;
+      case 5:
+        *dst = fp.ranks[5];
+        break;
+      case 6:
+        *dst = fp.ranks[6];
+        break;
+      default:
+        *dst = fp.ranks[7];
+        break;
+    }
+  }
+  __syncthreads();
+  Body(*reinterpret_cast<const Params*>(s_params),
+       static_cast<int32_t>(blockIdx.x) - r * fp.blocks_per_rank, fp.blocks_per_rank);
 }
 #endif
 

@@ -95,6 +95,15 @@ absl::Status CudaDataPlaneImpl::Init() {
   if (const char* v = std::getenv("EPD_CUDA_OP_GRAPHS"); v != nullptr && std::strcmp(v, "1") == 0) {
     options_.op_graphs = true;
   }
+  // EPD_CUDA_FUSED_LAUNCH=0 turns fused launches off for every plane of the process (an A/B
+  // aid for the GPU suite and the bench, as EPD_CUDA_OP_GRAPHS).
+  if (const char* v = std::getenv("EPD_CUDA_FUSED_LAUNCH");
+      v != nullptr && std::strcmp(v, "0") == 0) {
+    options_.fused_launch = false;
+  }
+  log->info("daemon-launched low-latency ops under MPS: {}",
+            options_.fused_launch ? "one fused launch per GPU (cuda_fused_launch)"
+                                  : "each rank's own launches (cuda_fused_launch off)");
   if (options_.op_graphs) {
     log->info(
         "daemon-launched low-latency ops{} go through per-GPU op graphs (one launch per GPU "
