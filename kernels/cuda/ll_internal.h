@@ -72,8 +72,9 @@ struct KernelPair {
 /// first copied into shared memory by one thread, each rank's with constant offsets into
 /// the kernel's parameters (a switch, no run-time index into them): the body then reads
 /// them from shared memory, and no pointer into the kernel's parameter space is ever formed
-/// (one passed into a device function that was not inlined made the kernels read wrong
-/// values on the H200).
+/// (with __grid_constant__ params read through references, the hand-off tests failed with
+/// illegal addresses on the H200 under CUDA 13.0; copied, they pass: docs/CUDA_BACKEND.md
+/// "Fused launches").
 template <typename Params, void (*Body)(const Params&, int32_t, int32_t)>
 __device__ __forceinline__ void RunFusedRank(const FusedParams<Params>& fp) {
   static_assert(kMaxFusedRanks == 8, "RunFusedRank's switch names every rank of a fused launch");
