@@ -93,7 +93,7 @@ struct ConfigFlags {
   std::optional<std::string> shm_mode;
   std::optional<uint32_t> engine_idle_us;
   std::optional<uint32_t> host_threads;
-  std::optional<std::string> cuda_op_graphs;  ///< "on" or "off".
+  std::optional<std::string> cuda_op_graphs;     ///< "on" or "off".
   std::optional<std::string> cuda_fused_launch;  ///< "on" or "off".
   std::optional<uint32_t> max_request_bytes;
   std::optional<uint32_t> max_groups;
