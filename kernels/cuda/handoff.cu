@@ -211,8 +211,12 @@ absl::Status WaitFlagsAsync(std::span<const FlagWait> waits, int64_t timeout_ns,
   }
   p.num_waits = static_cast<int32_t>(waits.size());
   p.timeout_ns = timeout_ns;
-  WaitFlagsKernel<<<1, 32 * p.num_waits, 0, stream>>>(p);
-  return EPD_CUDA_STATUS(cudaGetLastError());
+  // cudaLaunchKernel reports this launch's error only (cudaGetLastError would also return
+  // one an earlier call left pending, and the daemon would then treat a running wait as
+  // never launched).
+  void* args[] = {&p};
+  return EPD_CUDA_STATUS(cudaLaunchKernel(reinterpret_cast<const void*>(&WaitFlagsKernel), dim3(1),
+                                          dim3(32 * p.num_waits), args, 0, stream));
 }
 
 }  // namespace epd::kernels::cuda

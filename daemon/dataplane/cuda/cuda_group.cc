@@ -126,6 +126,7 @@ void CudaGroup::SizeOp(GpuOp& op) const {
   op.launch.resize(R);
   op.stream_ordered.resize(R);
   op.ready_wait.resize(R);
+  op.lead.resize(R);
   op.max_dropped.resize(R);
   op.left_unstaged.resize(R);
   op.graph_streams.reserve(R);
@@ -622,6 +623,7 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
   op.seq = plan.seq;
   op.started = Clock::now();
   op.graph_streams.clear();  // Keeps its capacity: no allocation.
+  op.fused = false;
   // The most a rank's op can drop: its pairs (T * K), or its routes (T * R) when the op
   // drops send_pos entries (normal combine, cached normal dispatch).
   const bool drops_routes =
@@ -766,6 +768,7 @@ void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot)
     }
     return;
   }
+  OrderAfterFusedOp(rank);
   absl::Status st = WriteDone(*cr, slot.seq);
   if (!st.ok()) {
     EngineLog()->error("group {} rank {}: releasing the client's stream for op {} failed: {}",

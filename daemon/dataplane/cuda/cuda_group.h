@@ -131,6 +131,10 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     /// capacity R, cleared per op). The op has left the GPU once these and every rank's
     /// done event are complete (GraphStreamsBusy).
     std::vector<cudaStream_t> graph_streams;
+    /// Launched fused (cuda_group_fused.cc): lead[r] is the rank whose stream ran rank r's
+    /// part (the first rank of its GPU), -1 where none did. [R]
+    bool fused = false;
+    std::vector<int32_t> lead;
     Clock::time_point started;
   };
 
@@ -391,6 +395,11 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// Whether a fused launch covers `plan` (see above); refreshes fused_devices_ when the
   /// group's ranks changed (allocates only then).
   bool FusedLaunchCovers(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots);
+  /// Before work is enqueued on rank r's own stream outside an op (a done_seq write): when
+  /// the running or abandoned op ran r's part fused on another rank's stream, r's stream
+  /// first waits for that stream's done event, so the write lands after the kernel's own
+  /// done_seq store (done_seq never goes back) and after its last access to r's area.
+  void OrderAfterFusedOp(int32_t r) const;
   /// Launches `plan` fused on every GPU of the group into `op` (as StartOpInto's per-rank
   /// path fills it); a GPU whose launch fails gets ReleaseRanksAfterFailedLaunch.
   void LaunchFused(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots, GpuOp& op);
@@ -493,6 +502,9 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   std::vector<FusedDevice> fused_devices_;
   uint64_t fused_generation_ = 0;
   bool fused_fits_ = false;  ///< No GPU of fused_devices_ holds more than kMaxFusedRanks.
+  /// A fused launcher refused the group's ops (INVALID_ARGUMENT before anything was
+  /// enqueued): ranks of this generation take the per-rank path (logged once).
+  std::optional<uint64_t> fused_refused_generation_;
   /// Work was enqueued on a rank's stream outside an op (OpEndedWithoutLaunch's done_seq
   /// write): the next op takes the per-rank path, which orders its launches behind it.
   bool streams_touched_ = false;

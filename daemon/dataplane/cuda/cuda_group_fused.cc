@@ -27,7 +27,7 @@ bool CudaGroup::FusedLaunchCovers(const OpPlan& plan, const std::vector<abi::Req
   // a masked rank's part differs (no hand-off, T = 0); work a failed op left on a rank's
   // stream is ordered only by that stream.
   if (!plane_->options().fused_launch || spanning() || !plane_->kernel_ready_wait() || program_ ||
-      streams_touched_ || any_masked_) {
+      streams_touched_ || any_masked_ || fused_refused_generation_ == ranks_generation_) {
     return false;
   }
   if (plan.op != abi::OpKind::kLowLatencyDispatch && plan.op != abi::OpKind::kLowLatencyCombine) {
@@ -71,7 +71,11 @@ void CudaGroup::LaunchFused(const OpPlan& plan, const std::vector<abi::RequestSl
   std::array<kc::LowLatencyDispatchArgs, kc::kMaxFusedRanks> dispatch_args;
   std::array<kc::LowLatencyCombineArgs, kc::kMaxFusedRanks> combine_args;
   const bool dispatch = plan.op == abi::OpKind::kLowLatencyDispatch;
-  fused_launches.fetch_add(fused_devices_.size(), std::memory_order_relaxed);
+  op.fused = true;
+  for (int32_t& lead : op.lead) lead = -1;
+  for (const FusedDevice& fd : fused_devices_) {
+    for (int32_t r : fd.ranks) op.lead[r] = fd.ranks.front();
+  }
   for (const FusedDevice& fd : fused_devices_) {
     const size_t n = fd.ranks.size();
     const CudaRank& lead = *OpRank(fd.ranks.front());
@@ -103,6 +107,7 @@ void CudaGroup::LaunchFused(const OpPlan& plan, const std::vector<abi::RequestSl
       st =
           kc::WaitFlagsAsync(std::span<const kc::FlagWait>(waits.data(), n), ReadyWaitBoundNs(), s);
     }
+    bool refused = false;  // By the launcher's checks: nothing of the kernel enqueued.
     if (st.ok()) {
       st = dispatch ? kc::LowLatencyDispatchRanks(
                           std::span<const kc::CudaRankContext>(ctxs.data(), n),
@@ -110,21 +115,45 @@ void CudaGroup::LaunchFused(const OpPlan& plan, const std::vector<abi::RequestSl
                     : kc::LowLatencyCombineRanks(
                           std::span<const kc::CudaRankContext>(ctxs.data(), n),
                           std::span<const kc::LowLatencyCombineArgs>(combine_args.data(), n), s);
+      refused = absl::IsInvalidArgument(st);
     }
     if (st.ok()) st = EPD_CUDA_STATUS(cudaEventRecord(lead.done.get(), s));
     // Completion waits for the launch stream (the other ranks' done events are not
     // recorded), also after a failure: a wait kernel enqueued before it still runs.
     op.graph_streams.push_back(s);  // Within its capacity R (SizeOp).
     if (st.ok()) {
+      fused_launches.fetch_add(1, std::memory_order_relaxed);
       for (int32_t r : fd.ranks) {
         if (r != fd.ranks.front()) gpu_timer_.SetBegin(r, lead.op_begin.get());
         gpu_timer_.SetEnd(r, lead.done.get());
       }
       continue;
     }
-    EngineLog()->error("group {}: the fused launch of op {} on GPU {} failed: {}", spec().name(),
-                       plan.seq, fd.device, st.ToString());
+    EngineLog()->error("group {}: the fused launch of op {} on GPU {} failed: {}{}", spec().name(),
+                       plan.seq, fd.device, st.ToString(),
+                       refused ? "; the group's ops take the per-rank launches until its ranks "
+                                 "change"
+                               : "");
+    if (refused) fused_refused_generation_ = ranks_generation_;
     ReleaseRanksAfterFailedLaunch(fd.device, plan, op, st);
+  }
+}
+
+void CudaGroup::OrderAfterFusedOp(int32_t r) const {
+  const CudaRank* cr = ranks_[r].get();
+  if (cr == nullptr) return;
+  for (const std::optional<GpuOp>* held : {&gpu_op_, &abandoned_}) {
+    if (!*held || !(*held)->fused || static_cast<size_t>(r) >= (*held)->lead.size()) continue;
+    const GpuOp& op = **held;
+    const int32_t lead = op.lead[r];
+    if (lead < 0 || lead == r || !op.ranks[lead]) continue;
+    cudaSetDevice(cr->device);
+    const cudaError_t err = cudaStreamWaitEvent(cr->stream.get(), op.ranks[lead]->done.get(), 0);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      EngineLog()->error("group {} rank {}: ordering its stream after the fused op {}: {}",
+                         spec().name(), r, op.seq, cudaGetErrorString(err));
+    }
   }
 }
 
