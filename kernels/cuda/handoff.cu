@@ -101,7 +101,7 @@ struct FlagWaitsParams {
 __global__ void WaitFlagsKernel(const FlagWaitsParams p) {
   const int32_t w = static_cast<int32_t>(threadIdx.x >> 5);
   if ((threadIdx.x & 31) == 0 && w < p.num_waits) {
-    // A copy by value, from a run-time index (the parameters copied to local memory).
+    // Copied by value, as RunFusedRank copies its params (ll_internal.h).
     const FlagWait wait = p.waits[w];
     const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
     uint64_t v = 0;

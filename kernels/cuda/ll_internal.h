@@ -68,13 +68,12 @@ struct KernelPair {
 
 #ifdef __CUDACC__
 /// Runs `Body(params, block, num_blocks)` (a low-latency op's body) for this block's rank of
-/// a fused launch, with the block's index among that rank's blocks. The rank's params are
-/// first copied into shared memory by one thread, each rank's with constant offsets into
-/// the kernel's parameters (a switch, no run-time index into them): the body then reads
-/// them from shared memory, and no pointer into the kernel's parameter space is ever formed
-/// (with __grid_constant__ params read through references, the hand-off tests failed with
-/// illegal addresses on the H200 under CUDA 13.0; copied, they pass: docs/CUDA_BACKEND.md
-/// "Fused launches").
+/// a fused launch, with the block's index among that rank's blocks. One thread first copies
+/// the rank's params into shared memory (a switch over the ranks), and the body reads them
+/// there. Why a copy: with the params `__grid_constant__` and read by the bodies in place,
+/// every kernel with a hand-off failed with an illegal address on the H200 (CUDA 13.0), and
+/// the same code with the params copied passes; the cause was not established
+/// (docs/CUDA_BACKEND.md "Every rank of a GPU in one launch").
 template <typename Params, void (*Body)(const Params&, int32_t, int32_t)>
 __device__ __forceinline__ void RunFusedRank(const FusedParams<Params>& fp) {
   static_assert(kMaxFusedRanks == 8, "RunFusedRank's switch names every rank of a fused launch");
