@@ -37,6 +37,7 @@
 #include "daemon/metrics/exposition.h"
 #include "daemon/metrics/metrics.h"
 #include "epd/client.h"
+#include "epd/kernels/cuda_ops.h"
 #include "proto/abi/launch_flags.h"
 #include "proto/abi/shm_abi.h"
 #include "tests/common/dtypes.h"
@@ -1137,6 +1138,36 @@ TEST_P(CudaDataPlaneOrderedTest, OpGraphsReplayEachOpsSeqAndTokenCount) {
   } else {
     EXPECT_EQ(fused, 0u) << "a fused launch on a path that must not use one";
   }
+}
+
+// A fused launch holds at most kMaxFusedRanks ranks of a GPU: a group with one more on the
+// GPU takes the per-rank path on every launch setting, and its ops are right.
+TEST_P(CudaDataPlaneOrderedTest, MoreRanksOnAGpuThanAFusedLaunchHoldsTakeThePerRankPath) {
+  const int R = kernels::cuda::kMaxFusedRanks + 1, E = 2 * R, K = 2, H = 256, kMaxT = 8;
+  const v1::GroupSpec spec = Spec("fused-overflow", R, E, H, K, 16, kMaxT);
+  const kernels::EndpointLayout L = kernels::EndpointLayout::Compute(ShapeOf(spec));
+  auto group = cuda_->CreateGroup(spec);
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::vector<RawRank> ranks = AttachRaw(**group, R, v1::LAUNCH_MODE_DAEMON);
+  ASSERT_EQ(ranks.size(), static_cast<size_t>(R));
+  std::vector<bf16_bits> x(kMaxT * H, kernels::FloatToBf16(0.5f));
+  std::vector<int64_t> idx(kMaxT * K);
+  for (int t = 0; t < kMaxT; ++t) {
+    idx[t * K] = (5 * t) % E;
+    idx[t * K + 1] = (5 * t + 3) % E;
+  }
+  for (int r = 0; r < R; ++r) {
+    Upload(ranks[r].area + L.in_x.offset, x);
+    Upload(ranks[r].area + L.in_topk_idx.offset, idx);
+  }
+  const uint64_t fused_before = CudaFusedLaunchesForTesting();
+  for (int T : {kMaxT, 3}) {
+    const std::vector<int64_t> prefix(idx.begin(), idx.begin() + T * K);
+    RunOrderedDispatchAndCheckCounts(ranks, L, spec, prefix, T, absl::StrCat("T = ", T));
+  }
+  EXPECT_EQ(CudaFusedLaunchesForTesting() - fused_before, 0u)
+      << R << " ranks on one GPU went through a fused launch of at most "
+      << kernels::cuda::kMaxFusedRanks;
 }
 
 // The memory of a rank that left, or of a group that ended, is freed only when no group has
