@@ -837,6 +837,25 @@ constexpr int32_t kCode(absl::StatusCode c) { return static_cast<int32_t>(c); }
 /// ([T, 2] int64, distinct ids per token, already staged in every rank's in_topk_idx)
 /// and writes its ready_seq; then each rank must complete OK with done_seq == seq and
 /// recv_count[j] = R * (tokens of idx with expert r*El + j).
+/// Uploads to every rank's area x = `x_value` [max_t, H] bf16 and, with K = 2, token t routed
+/// to experts (step * t) % E and (step * t + offset) % E; returns that topk_idx [max_t, 2].
+std::vector<int64_t> UploadTwoExpertRouting(std::vector<RawRank>& ranks,
+                                            const kernels::EndpointLayout& L, int H, int E,
+                                            int max_t, float x_value, int step, int offset) {
+  constexpr int K = 2;
+  std::vector<bf16_bits> x(max_t * H, kernels::FloatToBf16(x_value));
+  std::vector<int64_t> idx(max_t * K);
+  for (int t = 0; t < max_t; ++t) {
+    idx[t * K] = (step * t) % E;
+    idx[t * K + 1] = (step * t + offset) % E;
+  }
+  for (RawRank& rank : ranks) {
+    Upload(rank.area + L.in_x.offset, x);
+    Upload(rank.area + L.in_topk_idx.offset, idx);
+  }
+  return idx;
+}
+
 void RunOrderedDispatchAndCheckCounts(std::vector<RawRank>& ranks, const kernels::EndpointLayout& L,
                                       const v1::GroupSpec& spec, const std::vector<int64_t>& idx,
                                       int T, const std::string& what) {
@@ -1108,16 +1127,7 @@ TEST_P(CudaDataPlaneOrderedTest, OpGraphsReplayEachOpsSeqAndTokenCount) {
   ASSERT_TRUE(group.ok()) << group.status();
   std::vector<RawRank> ranks = AttachRaw(**group, R, v1::LAUNCH_MODE_DAEMON);
   ASSERT_EQ(ranks.size(), static_cast<size_t>(R));
-  std::vector<bf16_bits> x(kMaxT * H, kernels::FloatToBf16(0.25f));
-  std::vector<int64_t> idx(kMaxT * K);
-  for (int t = 0; t < kMaxT; ++t) {
-    idx[t * K] = (3 * t) % E;
-    idx[t * K + 1] = (3 * t + 7) % E;
-  }
-  for (int r = 0; r < R; ++r) {
-    Upload(ranks[r].area + L.in_x.offset, x);
-    Upload(ranks[r].area + L.in_topk_idx.offset, idx);
-  }
+  const std::vector<int64_t> idx = UploadTwoExpertRouting(ranks, L, H, E, kMaxT, 0.25f, 3, 7);
   const uint64_t before = CudaOpGraphLaunchesForTesting();
   const uint64_t fused_before = CudaFusedLaunchesForTesting();
   const int token_counts[] = {3, 8, 1, 8, 0, 5};
@@ -1150,16 +1160,7 @@ TEST_P(CudaDataPlaneOrderedTest, MoreRanksOnAGpuThanAFusedLaunchHoldsTakeThePerR
   ASSERT_TRUE(group.ok()) << group.status();
   std::vector<RawRank> ranks = AttachRaw(**group, R, v1::LAUNCH_MODE_DAEMON);
   ASSERT_EQ(ranks.size(), static_cast<size_t>(R));
-  std::vector<bf16_bits> x(kMaxT * H, kernels::FloatToBf16(0.5f));
-  std::vector<int64_t> idx(kMaxT * K);
-  for (int t = 0; t < kMaxT; ++t) {
-    idx[t * K] = (5 * t) % E;
-    idx[t * K + 1] = (5 * t + 3) % E;
-  }
-  for (int r = 0; r < R; ++r) {
-    Upload(ranks[r].area + L.in_x.offset, x);
-    Upload(ranks[r].area + L.in_topk_idx.offset, idx);
-  }
+  const std::vector<int64_t> idx = UploadTwoExpertRouting(ranks, L, H, E, kMaxT, 0.5f, 5, 3);
   const uint64_t fused_before = CudaFusedLaunchesForTesting();
   for (int T : {kMaxT, 3}) {
     const std::vector<int64_t> prefix(idx.begin(), idx.begin() + T * K);
