@@ -129,6 +129,7 @@ void CudaGroup::SizeOp(GpuOp& op) const {
   op.lead.resize(R);
   op.max_dropped.resize(R);
   op.left_unstaged.resize(R);
+  op.done_written.resize(R);
   op.graph_streams.reserve(R);
 }
 
@@ -637,6 +638,7 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
     op.stream_ordered[r] = !rank_masked()[r] && rules::DecodeFlags(slots[r].flags).stream_ordered;
     op.ready_wait[r] = false;
     op.left_unstaged[r] = false;
+    op.done_written[r] = false;
     op.max_dropped[r] = int64_t{std::max(slots[r].num_tokens, 0)} * per_token;
   }
   // One launch per GPU when an op graph covers the op (cuda_group_graphs.cc).
@@ -784,6 +786,7 @@ void CudaGroup::ReleaseReadyWaits(const GpuOp& op) const {
 bool CudaGroup::ReleaseReadyWait(const GpuOp& op, size_t r) const {
   const bool spins = SpinsForReady(op, r);
   if (!(op.ready_wait[r] || spins) || !op.ranks[r]) return false;
+  if (r < op.done_written.size() && op.done_written[r]) return false;
   const CudaRank& cr = *op.ranks[r];
   cudaSetDevice(cr.device);
   if (spins) {

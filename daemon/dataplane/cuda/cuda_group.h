@@ -127,6 +127,10 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     /// A masking group's rank that left during the op before its stream staged the inputs
     /// (its ready wait released by RankDetached): the op fails for every rank.
     std::vector<bool> left_unstaged;
+    /// A failed launch wrote the rank's done_seq on its own stream (ReleaseRanksAfterFailed-
+    /// Launch): its client may already have written a later ready_seq, which a release from
+    /// the host must not overwrite (ReleaseReadyWait skips the rank).
+    std::vector<bool> done_written;
     /// Launched through op graphs: the streams they were launched on (one per GPU;
     /// capacity R, cleared per op). The op has left the GPU once these and every rank's
     /// done event are complete (GraphStreamsBusy).

@@ -217,6 +217,7 @@ void CudaGroup::ReleaseRanksAfterFailedLaunch(int device, const OpPlan& plan, Gp
     const CudaRank& cr = *OpRank(r);
     if (cr.device != device) continue;
     op.launch[r] = st;
+    op.done_written[r] = true;
     cudaSetDevice(cr.device);
     absl::Status tail =
         kc::EnqueueStatusReadback(Context(r, 0), cr.stream.get(), &cr.readback->status);
