@@ -17,14 +17,16 @@ namespace epd::internal {
 namespace {
 
 /// Bound of a staging kernel's wait for done_seq (kc::DoneWait), in ms of op_timeout:
-/// 3 * op_timeout + kDoneWaitSlackMs counted from the staging. A successful op stores done
+/// 4 * op_timeout + kDoneWaitSlackMs counted from the staging. A successful op stores done
 /// within about 2 * op_timeout of it (the daemon waits up to op_timeout for the other ranks'
 /// requests, then the kernel's peer waits up to op_timeout) and a failed dispatch within
-/// one more (its block 0 waits for the others' tickets); the engine's give-up is
-/// op_timeout + 5 s after its launch. So the bound passes only when the daemon is gone or
-/// stuck, whose op's Wait fails anyway.
-[[maybe_unused]] constexpr int64_t kDoneWaitTimeouts = 3;
-[[maybe_unused]] constexpr int64_t kDoneWaitSlackMs = 15'000;
+/// one more (its block 0 waits for the others' tickets). A fused launch (every rank of a
+/// GPU in one kernel) starts once every rank's staging has, or at the engine's give-up
+/// (op_timeout + 5 s after its launch) when one never does: up to one more op_timeout and
+/// 5 s. So the bound passes only when the daemon is gone or stuck, whose op's Wait fails
+/// anyway.
+[[maybe_unused]] constexpr int64_t kDoneWaitTimeouts = 4;
+[[maybe_unused]] constexpr int64_t kDoneWaitSlackMs = 20'000;
 
 #if EPD_HAVE_CUDA
 namespace kc = kernels::cuda;

@@ -152,10 +152,11 @@ struct DoneWait {
   /// the host when the daemon is gone, passes every wait).
   uint64_t value = 0;
   /// Bound of the wait, ns of %globaltimer (> 0 with a flag), from the signal. The client
-  /// gives 3 * op_timeout + 15 s: past the latest a working daemon stores done (its wait for
-  /// the other ranks' requests, then the kernel's bounded waits: kDoneWaitTimeouts in
-  /// client/endpoint/daemon_launch.cc), so the stream goes on without the outputs only when
-  /// the daemon is gone or stuck, and then the op's Wait fails.
+  /// gives 4 * op_timeout + 20 s: past the latest a working daemon stores done (its wait for
+  /// the other ranks' requests, a fused launch held for another rank's staging, then the
+  /// kernel's bounded waits: kDoneWaitTimeouts in client/endpoint/daemon_launch.cc), so the
+  /// stream goes on without the outputs only when the daemon is gone or stuck, and then the
+  /// op's Wait fails.
   int64_t timeout_ns = 0;
 };
 
