@@ -126,7 +126,7 @@ void CudaGroup::SizeOp(GpuOp& op) const {
   op.launch.resize(R);
   op.stream_ordered.resize(R);
   op.ready_wait.resize(R);
-  op.lead.resize(R);
+  op.lead.resize(R, -1);
   op.max_dropped.resize(R);
   op.left_unstaged.resize(R);
   op.done_written.resize(R);
@@ -624,7 +624,6 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
   op.seq = plan.seq;
   op.started = Clock::now();
   op.graph_streams.clear();  // Keeps its capacity: no allocation.
-  op.fused = false;
   // The most a rank's op can drop: its pairs (T * K), or its routes (T * R) when the op
   // drops send_pos entries (normal combine, cached normal dispatch).
   const bool drops_routes =
@@ -639,6 +638,7 @@ bool CudaGroup::StartOpInto(const OpPlan& plan, const std::vector<abi::RequestSl
     op.ready_wait[r] = false;
     op.left_unstaged[r] = false;
     op.done_written[r] = false;
+    op.lead[r] = -1;
     op.max_dropped[r] = int64_t{std::max(slots[r].num_tokens, 0)} * per_token;
   }
   // One launch per GPU when an op graph covers the op (cuda_group_graphs.cc).

@@ -136,8 +136,7 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     /// done event are complete (GraphStreamsBusy).
     std::vector<cudaStream_t> graph_streams;
     /// Launched fused (cuda_group_fused.cc): lead[r] is the rank whose stream ran rank r's
-    /// part (the first rank of its GPU), -1 where none did. [R]
-    bool fused = false;
+    /// part (the first rank of its GPU); -1 on every other path. [R]
     std::vector<int32_t> lead;
     Clock::time_point started;
   };
@@ -346,6 +345,12 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// At most this many variants are kept per group; later ones take the per-rank path.
   static constexpr size_t kMaxOpGraphVariants = 32;
 
+  /// Whether every rank of `plan` takes the kernel hand-off under kernel_ready_wait (a
+  /// wait kernel, then the op's kernel writing done_seq itself): a one-node low-latency op,
+  /// every rank daemon-launched, stream-ordered and unmasked, no program armed, no work
+  /// left on a rank's stream. What op graphs and fused launches can cover.
+  bool EveryRankHandsOffInAKernel(const OpPlan& plan,
+                                  const std::vector<abi::RequestSlot>& slots) const;
   /// The variant of `plan` when op graphs cover it (see above), given `slots`.
   std::optional<OpGraphKey> OpGraphVariant(const OpPlan& plan,
                                            const std::vector<abi::RequestSlot>& slots) const;

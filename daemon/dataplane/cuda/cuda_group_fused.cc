@@ -10,7 +10,6 @@
 #include "common/cuda/cuda_check.h"
 #include "daemon/dataplane/cuda/cuda_data_plane.h"
 #include "daemon/dataplane/cuda/cuda_group.h"
-#include "epd/kernels/op_rules.h"
 
 namespace epd {
 
@@ -23,22 +22,9 @@ std::atomic<uint64_t> fused_launches{0};
 uint64_t CudaFusedLaunchesForTesting() { return fused_launches.load(std::memory_order_relaxed); }
 
 bool CudaGroup::FusedLaunchCovers(const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) {
-  // As op graphs (OpGraphVariant): the kernel hand-off of every rank under kernel_ready_wait;
-  // a masked rank's part differs (no hand-off, T = 0); work a failed op left on a rank's
-  // stream is ordered only by that stream.
-  if (!plane_->options().fused_launch || spanning() || !plane_->kernel_ready_wait() || program_ ||
-      streams_touched_ || any_masked_ || fused_refused_generation_ == ranks_generation_) {
+  if (!plane_->options().fused_launch || fused_refused_generation_ == ranks_generation_ ||
+      !EveryRankHandsOffInAKernel(plan, slots)) {
     return false;
-  }
-  if (plan.op != abi::OpKind::kLowLatencyDispatch && plan.op != abi::OpKind::kLowLatencyCombine) {
-    return false;
-  }
-  for (size_t r = 0; r < slots.size(); ++r) {
-    const std::shared_ptr<CudaRank>& cr = OpRank(static_cast<int32_t>(r));
-    if (rank_masked()[r] != 0 || !cr || cr->client_launched ||
-        !rules::DecodeFlags(slots[r].flags).stream_ordered) {
-      return false;
-    }
   }
   if (fused_devices_.empty() || fused_generation_ != ranks_generation_) {
     // The group's ranks changed (or the first op): regrouped by GPU, once.
@@ -71,8 +57,6 @@ void CudaGroup::LaunchFused(const OpPlan& plan, const std::vector<abi::RequestSl
   std::array<kc::LowLatencyDispatchArgs, kc::kMaxFusedRanks> dispatch_args;
   std::array<kc::LowLatencyCombineArgs, kc::kMaxFusedRanks> combine_args;
   const bool dispatch = plan.op == abi::OpKind::kLowLatencyDispatch;
-  op.fused = true;
-  for (int32_t& lead : op.lead) lead = -1;
   for (const FusedDevice& fd : fused_devices_) {
     for (int32_t r : fd.ranks) op.lead[r] = fd.ranks.front();
   }
@@ -143,7 +127,7 @@ void CudaGroup::OrderAfterFusedOp(int32_t r) const {
   const CudaRank* cr = ranks_[r].get();
   if (cr == nullptr) return;
   for (const std::optional<GpuOp>* held : {&gpu_op_, &abandoned_}) {
-    if (!*held || !(*held)->fused || static_cast<size_t>(r) >= (*held)->lead.size()) continue;
+    if (!*held || static_cast<size_t>(r) >= (*held)->lead.size()) continue;
     const GpuOp& op = **held;
     const int32_t lead = op.lead[r];
     if (lead < 0 || lead == r || !op.ranks[lead]) continue;

@@ -28,25 +28,32 @@ uint64_t CudaOpGraphLaunchesForTesting() {
   return op_graph_launches.load(std::memory_order_relaxed);
 }
 
-std::optional<CudaGroup::OpGraphKey> CudaGroup::OpGraphVariant(
-    const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) const {
-  // The graphs capture the kernel hand-off (WaitFlagAsync + the kernel that writes done_seq
-  // itself): low-latency ops under kernel_ready_wait. A masked rank's part differs (no
-  // hand-off, T = 0) and the mask array is in its kernels' context: not covered. Work a
-  // failed op left on a rank's stream (streams_touched_) is ordered only by that stream.
-  if (!plane_->options().op_graphs || spanning() || !plane_->kernel_ready_wait() || program_ ||
-      streams_touched_ || any_masked_) {
-    return std::nullopt;
+bool CudaGroup::EveryRankHandsOffInAKernel(const OpPlan& plan,
+                                           const std::vector<abi::RequestSlot>& slots) const {
+  // The kernel hand-off (a wait kernel + the kernel that writes done_seq itself): low-latency
+  // ops under kernel_ready_wait. A masked rank's part differs (no hand-off, T = 0) and the
+  // mask array is in its kernels' context: not covered. Work a failed op left on a rank's
+  // stream (streams_touched_) is ordered only by that stream.
+  if (spanning() || !plane_->kernel_ready_wait() || program_ || streams_touched_ || any_masked_) {
+    return false;
   }
   if (plan.op != abi::OpKind::kLowLatencyDispatch && plan.op != abi::OpKind::kLowLatencyCombine) {
-    return std::nullopt;
+    return false;
   }
   for (size_t r = 0; r < slots.size(); ++r) {
     const std::shared_ptr<CudaRank>& cr = OpRank(static_cast<int32_t>(r));
     if (rank_masked()[r] != 0 || !cr || cr->client_launched ||
         !rules::DecodeFlags(slots[r].flags).stream_ordered) {
-      return std::nullopt;
+      return false;
     }
+  }
+  return true;
+}
+
+std::optional<CudaGroup::OpGraphKey> CudaGroup::OpGraphVariant(
+    const OpPlan& plan, const std::vector<abi::RequestSlot>& slots) const {
+  if (!plane_->options().op_graphs || !EveryRankHandsOffInAKernel(plan, slots)) {
+    return std::nullopt;
   }
   const rules::RequestOptions flags = rules::DecodeFlags(plan.flags);
   OpGraphKey key;
