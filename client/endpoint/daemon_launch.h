@@ -48,6 +48,10 @@ class DaemonLaunch final : public OpRunner {
                                   void* stream);
   Endpoint::Impl& m_;
   bool kernel_done_wait_ = false;
+  /// How many of the copies Run recorded for the op being submitted are its routing
+  /// inputs' (OpPlan::routing_inputs, recorded first): Submit's staging kernel signals
+  /// routing_seq once they are done.
+  int routing_copies_ = 0;
   std::atomic<bool> stream_released_{false};
   /// Stream-ordered ops published, by seq % size (ReleaseStreams checks which are done).
   std::array<std::atomic<uint64_t>, abi::kCompletionCapacity> ordered_ops_{};

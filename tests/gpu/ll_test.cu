@@ -1355,6 +1355,143 @@ TEST(LowLatencyHandoff, StagingStartLaunchesTheKernelWhichStillWaitsForReady) {
   EPD_ASSERT_OK(CheckCombine(g, 1, in2, ref2));
 }
 
+// The routing hand-off (layout.h routing_seq; KernelHandoff::routing_flag;
+// CopyDeviceBatchAsync `early`):
+//  - dispatch (seq 1): the daemon's kernels run behind their waits with a routing flag, the
+//    staging regions stale. The real topk_idx is staged and routing_seq = staging_seq = 1
+//    written from the host: the kernels pass their first wait but, with x not yet staged,
+//    write no done. Then topk_idx is overwritten with -1 (no expert) and the real x staged
+//    with ready_seq = 1: the outputs must match the host on the real topk_idx and x, so the
+//    kernels routed on routing_seq (a kernel that routed only after ready would send nothing)
+//    and read x only after ready (a kernel that read it on routing_seq would send stale rows);
+//  - dispatch (seq 2): the client's staging kernel (several blocks) copies topk_idx first
+//    and writes routing_seq itself; every word is the op's seq after it and both ticket
+//    words are back at 0;
+//  - the early signal's argument checks.
+TEST(LowLatencyHandoff, RoutingSeqLetsTheKernelRouteBeforeXIsStaged) {
+  REQUIRE_GPU();
+  constexpr int32_t R = 4;
+  auto rig = HandoffRig::Create(R, 41, /*num_sms=*/8);
+  ASSERT_TRUE(rig.ok()) << rig.status();
+  VirtualRankGroup& g = *(*rig)->group;
+  std::mt19937_64& rng = (*rig)->rng;
+  const std::vector<RankInputs>& in = (*rig)->in;
+  const HostReference& ref = (*rig)->ref;
+  std::vector<CallerTensors>* caller = &(*rig)->caller;
+  uint64_t* seen = (*rig)->seen();
+  CudaStream* client = &(*rig)->client;
+  auto flag = [&](int32_t r, uint64_t offset) { return LaunchFlag(g, r, offset); };
+  auto routing_counter = [&](int32_t r) {
+    return reinterpret_cast<uint32_t*>(flag(r, abi::kRoutingSignalCounterOffset));
+  };
+  auto enqueue_dispatch = [&](uint64_t seq, int32_t buffer, const std::vector<RankInputs>& ins) {
+    for (int32_t r = 0; r < R; ++r) {
+      EPD_ASSERT_OK(kc::WaitFlagAsync(flag(r, abi::kStagingFlagOffset), seq, 10'000'000'000,
+                                      seen + r, g.stream(r), flag(r, abi::kReadyFlagOffset)));
+      kc::LowLatencyDispatchArgs a;
+      a.buffer = buffer;
+      a.use_fp8 = true;
+      a.num_tokens_value = ins[r].num_tokens;
+      a.handoff = DaemonHandoff(g, r, seq);
+      a.handoff.routing_flag = flag(r, abi::kRoutingFlagOffset);
+      EPD_ASSERT_OK(kc::LowLatencyDispatch(g.Context(r), a, g.stream(r)));
+    }
+  };
+  auto write_word = [&](uint64_t* word, uint64_t value) {
+    ASSERT_EQ(cudaMemcpy(word, &value, 8, cudaMemcpyDefault), cudaSuccess);
+  };
+  std::vector<std::array<kc::DeviceCopy, 3>> copies(R);
+  for (int32_t r = 0; r < R; ++r) {
+    auto c = (*caller)[r].Fill(g, r, in[r]);
+    ASSERT_TRUE(c.ok()) << c.status();
+    copies[r] = *c;  // x, topk_idx, topk_weights
+  }
+
+  // ---- dispatch (seq 1) ----
+  enqueue_dispatch(1, 0, in);
+  for (int32_t r = 0; r < R; ++r) {
+    const kc::DeviceCopy& t = copies[r][1];
+    ASSERT_EQ(cudaMemcpy(t.dst, t.src, t.bytes, cudaMemcpyDefault), cudaSuccess);
+    write_word(flag(r, abi::kRoutingFlagOffset), 1);
+    write_word(flag(r, abi::kStagingFlagOffset), 1);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  for (int32_t r = 0; r < R; ++r) {
+    EXPECT_EQ(ReadWord(seen + r), 1u) << "rank " << r << ": the wait did not pass";
+    EXPECT_EQ(cudaStreamQuery(g.stream(r)), cudaErrorNotReady) << "rank " << r << " ran early";
+    EXPECT_EQ(ReadWord(flag(r, abi::kDoneFlagOffset)), 0u) << "rank " << r;
+  }
+  for (int32_t r = 0; r < R; ++r) {
+    const kc::DeviceCopy& t = copies[r][1];
+    ASSERT_EQ(cudaMemset(t.dst, 0xff, t.bytes), cudaSuccess);  // -1: no expert
+    const kc::DeviceCopy& x = copies[r][0];
+    ASSERT_EQ(cudaMemcpy(x.dst, x.src, x.bytes, cudaMemcpyDefault), cudaSuccess);
+    write_word(flag(r, abi::kReadyFlagOffset), 1);
+  }
+  for (int32_t r = 0; r < R; ++r) {
+    ASSERT_EQ(cudaStreamSynchronize(g.stream(r)), cudaSuccess);
+    EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
+    EXPECT_EQ(ReadWord(flag(r, abi::kDoneFlagOffset)), 1u) << "rank " << r;
+  }
+  EPD_ASSERT_OK(CheckDispatch(g, 0, Fp8::kOn, in, ref));
+
+  // ---- dispatch (seq 2): the staging kernel signals routing_seq itself ----
+  std::vector<RankInputs> in2 = MakeInputs(SmallCase(R), rng, 5);
+  HostReference ref2;
+  EPD_ASSERT_OK(ComputeHostReference(g.shape(), Fp8::kOn, in2, &ref2));
+  enqueue_dispatch(2, 1, in2);
+  for (int32_t r = 0; r < R; ++r) {
+    auto c = (*caller)[r].Fill(g, r, in2[r]);
+    ASSERT_TRUE(c.ok()) << c.status();
+    const std::array<kc::DeviceCopy, 3> ordered = {(*c)[1], (*c)[0], (*c)[2]};
+    kc::EarlySignal early;
+    early.flag = flag(r, abi::kRoutingFlagOffset);
+    early.counter = routing_counter(r);
+    early.num_copies = 1;
+    EPD_ASSERT_OK(kc::CopyDeviceBatchAsync(
+        ordered.data(), 3, flag(r, abi::kReadyFlagOffset), 2, StagingCounter(g, r), client->get(),
+        flag(r, abi::kStagingFlagOffset), kc::DoneWait{}, early));
+  }
+  for (int32_t r = 0; r < R; ++r) {
+    ASSERT_EQ(cudaStreamSynchronize(g.stream(r)), cudaSuccess);
+    EPD_ASSERT_OK(kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch"));
+    for (uint64_t offset : {abi::kRoutingFlagOffset, abi::kStagingFlagOffset, abi::kReadyFlagOffset,
+                            abi::kDoneFlagOffset}) {
+      EXPECT_EQ(ReadWord(flag(r, offset)), 2u) << "rank " << r << ", launch_flags + " << offset;
+    }
+    // The two ticket words share one 64-bit word (ready's low, routing's high half).
+    EXPECT_EQ(ReadWord(reinterpret_cast<uint64_t*>(StagingCounter(g, r))), 0u)
+        << "rank " << r << ": a ticket word not reset";
+  }
+  EPD_ASSERT_OK(CheckDispatch(g, 1, Fp8::kOn, in2, ref2));
+
+  // ---- the early signal's argument checks (nothing launched) ----
+  uint64_t* word = flag(0, abi::kRoutingFlagOffset);
+  kc::EarlySignal bad;
+  bad.flag = word;
+  bad.counter = routing_counter(0);
+  bad.num_copies = 1;
+  EXPECT_EQ(kc::CopyDeviceBatchAsync(copies[0].data(), 3, nullptr, 3, StagingCounter(g, 0),
+                                     client->get(), nullptr, kc::DoneWait{}, bad)
+                .code(),
+            absl::StatusCode::kInvalidArgument);  // no signal
+  bad.num_copies = 4;
+  EXPECT_EQ(
+      kc::CopyDeviceBatchAsync(copies[0].data(), 3, flag(0, abi::kReadyFlagOffset), 3,
+                               StagingCounter(g, 0), client->get(), nullptr, kc::DoneWait{}, bad)
+          .code(),
+      absl::StatusCode::kInvalidArgument);  // more early copies than copies
+  bad.num_copies = 1;
+  bad.counter = nullptr;
+  EXPECT_EQ(
+      kc::CopyDeviceBatchAsync(copies[0].data(), 3, flag(0, abi::kReadyFlagOffset), 3,
+                               StagingCounter(g, 0), client->get(), nullptr, kc::DoneWait{}, bad)
+          .code(),
+      absl::StatusCode::kInvalidArgument);  // multi-block (x) without a ticket word
+  ASSERT_EQ(cudaStreamSynchronize(client->get()), cudaSuccess);
+  EXPECT_EQ(ReadWord(word), 2u) << "a refused batch wrote the early signal";
+}
+
 TEST(LowLatencyHandoff, WaitFlagGivesUpAtItsBoundAndCopyBatchChecksItsArguments) {
   REQUIRE_GPU();
   auto words = DeviceBuffer::Allocate(64);
