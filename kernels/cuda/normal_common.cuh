@@ -70,6 +70,11 @@ struct NormalParams {
   int32_t combine_ranks_in_flight = kCombineRanksInFlight;
   /// The variant these fields came from (the launchers pick their kernels by it).
   NormalKernelVariant variant = NormalKernelVariant::kBalanced;
+  /// The op's second kernel (copy or combine) is launched with programmatic stream
+  /// serialization behind its first (EPD_NORMAL_PDL on and the kernels built with grid
+  /// dependency control: NormalProgrammaticFromEnv). Read by the launchers only: the kernels
+  /// run the same code either way (LetSecondKernelStart, WaitForFirstKernel).
+  int32_t programmatic = 0;
 };
 
 // ---- addressing ---------------------------------------------------------------------------
@@ -91,6 +96,33 @@ __device__ __forceinline__ T* Region(uint8_t* base, const epd::kernels::Region& 
 
 using device::LdAcquireSys;
 using device::StReleaseSys;
+
+// ---- programmatic launch of an op's second kernel (NormalParams::programmatic) ----------
+
+/// In the op's first kernel (the notify, or the arrival barrier), every thread of a block
+/// that has passed its last wait on other ranks: the second kernel, when launched
+/// programmatically, may start once every block of this grid has done so or exited. Its
+/// blocks then take SMs while this grid finishes, so a block calls it only when no other
+/// rank's kernel waits on this grid any more: past the arrival wait, every peer's first
+/// kernel is in its last block or done, and what is left of this grid waits for nothing.
+/// A no-op without a programmatic launch, and before sm_90.
+__device__ __forceinline__ void LetSecondKernelStart() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/// In the op's second kernel, before it reads anything the first kernel wrote (the op's
+/// sequence number, its failed mark, the token counter, the layout's tile bases): waits
+/// until the first kernel's grid has completed and its writes are visible. Returns at once
+/// when the kernel was not launched programmatically. Before sm_90 it compiles to nothing,
+/// which is why the launchers launch programmatically only kernels built for sm_90 or later
+/// (NormalProgrammaticFromEnv).
+__device__ __forceinline__ void WaitForFirstKernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 // ---- per-token routing ------------------------------------------------------------------
 
@@ -368,9 +400,23 @@ namespace epd::kernels::cuda::normal {
 /// "balanced", "static", "block", "bulk". INVALID_ARGUMENT naming the variable and value otherwise.
 absl::StatusOr<NormalKernelVariant> NormalKernelVariantFromEnv();
 
+/// Host side: whether the op's second kernel is launched programmatically
+/// (NormalParams::programmatic): `EPD_NORMAL_PDL` unset, empty or "0" = no, "1" = yes when
+/// the normal kernels loaded on the current device were built from PTX for sm_90 or later
+/// (they have griddepcontrol; on an older GPU, or a compute_80 image JIT-compiled on a newer
+/// one, no). INVALID_ARGUMENT naming the variable and value for any other value.
+absl::StatusOr<bool> NormalProgrammaticFromEnv();
+
+/// Host side: launches `kernel<<<grid, threads, shared, stream>>>(params)`, through
+/// cudaLaunchKernelEx with programmatic stream serialization when params.programmatic (the
+/// op's second kernel). INTERNAL for a launch error.
+absl::Status LaunchSecondKernel(void (*kernel)(NormalParams), int32_t grid, int32_t threads,
+                                size_t shared, cudaStream_t stream, const NormalParams& params);
+
 /// Host side: validates `ctx` (ValidateNormalContext), fills the parameter block (the
-/// kernel variant from NormalKernelVariantFromEnv) and resolves the grid size
-/// (ResolveNumBlocks). `num_tokens` null = NormalNumTokensSlot(ctx).
+/// kernel variant from NormalKernelVariantFromEnv, the programmatic launch from
+/// NormalProgrammaticFromEnv) and resolves the grid size (ResolveNumBlocks). `num_tokens`
+/// null = NormalNumTokensSlot(ctx).
 absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tokens,
                               NormalParams* params, int32_t* num_blocks);
 
