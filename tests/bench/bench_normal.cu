@@ -39,6 +39,7 @@
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
+#include "kernels/cuda/normal_common.cuh"
 #include "tests/bench/bench.h"
 #include "tests/bench/bench_cuda.h"
 #include "tests/bench/floors.h"
@@ -124,7 +125,10 @@ absl::StatusOr<double> TimeMemcpy(size_t bytes, int batch) {
 struct Row {
   std::string op;
   std::string variant;  // EPD_NORMAL_KERNELS during the op ("" = as the process had it)
-  std::string pdl;      // EPD_NORMAL_PDL during the op ("" = as the process had it)
+  // Whether the op's second kernel was launched programmatically ("on" / "off":
+  // EPD_NORMAL_PDL during the op, as --normal_pdl set it or the process had it, and the
+  // kernels able to: NormalProgrammaticFromEnv).
+  std::string pdl;
   int32_t sms = 0;
   bool oversubscribed = false;
   double bytes_per_rank = 0;  // mean over ranks
@@ -164,8 +168,8 @@ double HbmOverCopy(const Row& r) {
 /// The kernel variant of a row, for printing.
 const char* VariantName(const Row& r) { return r.variant.empty() ? "default" : r.variant.c_str(); }
 
-/// The programmatic-launch setting of a row, for printing ("env": as the process had it).
-const char* PdlName(const Row& r) { return r.pdl.empty() ? "env" : r.pdl.c_str(); }
+/// The programmatic-launch setting of a row, for printing.
+const char* PdlName(const Row& r) { return r.pdl.c_str(); }
 
 /// The name of a dispatch's cached row ("dispatch fp8" -> "dispatch fp8 cached").
 std::string CachedName(const std::string& op) { return op + " cached"; }
@@ -415,6 +419,8 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
       if (!variant.empty()) setenv("EPD_NORMAL_KERNELS", variant.c_str(), 1);
       for (const std::string& pdl : pdls) {
         if (!pdl.empty()) setenv("EPD_NORMAL_PDL", pdl.c_str(), 1);
+        EPD_ASSIGN_OR_RETURN(const bool programmatic, kc::normal::NormalProgrammaticFromEnv());
+        const std::string pdl_label = programmatic ? "on" : "off";
         for (int i = 0; i < kOps; ++i) {
           const Op& op = ops[i];
           EPD_RETURN_IF_ERROR(TimeRounds(*g, kWarmup, op.launch).status());
@@ -422,7 +428,7 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
           for (int32_t r = 0; r < kRanks; ++r) {
             EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(ctx[r], g->stream(r), op.name));
           }
-          rows->push_back({op.name, variant, pdl, sms, over, rows_per_rank * op.row_bytes, us,
+          rows->push_back({op.name, variant, pdl_label, sms, over, rows_per_rank * op.row_bytes, us,
                            op.memcpy_us, op.memcpy_bytes, op.hbm_bytes, op_bound[i], gpu_bound[i],
                            bound_bytes[i]});
         }
@@ -492,7 +498,8 @@ int RunNormalBench() {
     std::printf(
         "rows 'cached': the dispatch with the fresh dispatch's layout reused (an arrival barrier "
         "instead of the layout pass and count exchange, no top-k metadata; HBM bytes its own); "
-        "pdl: EPD_NORMAL_PDL (each op's second kernel launched programmatically)\n");
+        "pdl: each op's second kernel launched programmatically (EPD_NORMAL_PDL=1 and kernels "
+        "with griddepcontrol) or not\n");
     std::printf("%-20s %-9s %-3s %5s %13s %10s %14s %14s %13s %10s %9s %9s\n", "op", "kernels",
                 "pdl", "sms", "MB/rank", "us/op", "rank GB/s", "aggregate GB/s", "memcpy GB/s",
                 "agg/memcpy", "HBM TB/s", "HBM/copy");
