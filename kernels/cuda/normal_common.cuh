@@ -75,6 +75,10 @@ struct NormalParams {
   /// dependency control: NormalProgrammaticFromEnv). Read by the launchers only: the kernels
   /// run the same code either way (LetSecondKernelStart, WaitForFirstKernel).
   int32_t programmatic = 0;
+  /// The inter-rank flags (arrival, done) and the fences before them at .gpu scope instead of
+  /// .sys: every rank on this GPU (CudaRankContext::all_ranks_on_device) and
+  /// EPD_NORMAL_GPU_SCOPE on (docs/CUDA_BACKEND.md "Memory scope of the flags").
+  int32_t gpu_scope = 0;
 };
 
 // ---- addressing ---------------------------------------------------------------------------
@@ -94,8 +98,21 @@ __device__ __forceinline__ T* Region(uint8_t* base, const epd::kernels::Region& 
 
 // ---- flags (uint32 sequence numbers, compared wrap-around safe: common.cuh) -----------
 
-using device::LdAcquireSys;
-using device::StReleaseSys;
+/// Releases an inter-rank flag (`*flag = v`) at the op's scope (NormalParams::gpu_scope).
+__device__ __forceinline__ void ReleaseFlag(const NormalParams& p, uint32_t* flag, uint32_t v) {
+  device::StRelease(flag, v, p.gpu_scope != 0);
+}
+
+/// Orders this thread's earlier writes (and, after a barrier, its block's) before its later
+/// ones for every rank: __threadfence at .gpu scope (NormalParams::gpu_scope), else
+/// __threadfence_system.
+__device__ __forceinline__ void FenceForPeers(const NormalParams& p) {
+  if (p.gpu_scope != 0) {
+    __threadfence();
+  } else {
+    __threadfence_system();
+  }
+}
 
 // ---- programmatic launch of an op's second kernel (NormalParams::programmatic) ----------
 
@@ -346,7 +363,7 @@ __device__ __forceinline__ int32_t ReadNumTokens(const NormalParams& p, bool rec
 __device__ __forceinline__ bool WaitFlag(const NormalParams& p, const uint32_t* flag, uint32_t seq,
                                          int peer) {
   const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
-  if (device::WaitFlagAtLeast(flag, seq, deadline)) return true;
+  if (device::WaitFlagAtLeast(flag, seq, deadline, p.gpu_scope != 0)) return true;
   device::RecordMissingPeer(OwnStatus(p), peer);
   return false;
 }
@@ -370,14 +387,14 @@ __device__ __forceinline__ void FinishOp(const NormalParams& p, uint32_t seq) {
   __syncthreads();
   uint8_t* own_sync = NormalSync(p, p.rank);
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    FenceForPeers(p);
     unsigned int* counter =
         reinterpret_cast<unsigned int*>(own_sync + NormalSyncLayout::kBlockCounter);
     const unsigned int done_blocks = atomicAdd(counter, 1u);
     s_last = done_blocks == gridDim.x - 1;
     if (s_last) {
       *counter = 0;  // Only this block still runs: the next op starts from 0.
-      __threadfence_system();
+      FenceForPeers(p);
     }
   }
   __syncthreads();
@@ -385,7 +402,7 @@ __device__ __forceinline__ void FinishOp(const NormalParams& p, uint32_t seq) {
   const int num_ranks = p.shape.num_ranks;
   const uint64_t done_off = p.sync_map.done();
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
-    StReleaseSys(reinterpret_cast<uint32_t*>(NormalSync(p, r) + done_off) + p.rank, seq);
+    ReleaseFlag(p, reinterpret_cast<uint32_t*>(NormalSync(p, r) + done_off) + p.rank, seq);
   }
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
     WaitFlag(p, reinterpret_cast<const uint32_t*>(own_sync + done_off) + r, seq, r);
@@ -407,6 +424,12 @@ absl::StatusOr<NormalKernelVariant> NormalKernelVariantFromEnv();
 /// one, no). INVALID_ARGUMENT naming the variable and value for any other value.
 absl::StatusOr<bool> NormalProgrammaticFromEnv();
 
+/// Host side: whether the inter-rank flags are ordered at .gpu scope
+/// (NormalParams::gpu_scope): `EPD_NORMAL_GPU_SCOPE` unset, empty or "0" = no, "1" = yes
+/// when ctx.all_ranks_on_device. INVALID_ARGUMENT naming the variable and value for any
+/// other value.
+absl::StatusOr<bool> NormalGpuScopeFromEnv(const CudaRankContext& ctx);
+
 /// Host side: launches `kernel<<<grid, threads, shared, stream>>>(params)`, through
 /// cudaLaunchKernelEx with programmatic stream serialization when params.programmatic (the
 /// op's second kernel). INTERNAL for a launch error.
@@ -415,8 +438,8 @@ absl::Status LaunchSecondKernel(void (*kernel)(NormalParams), int32_t grid, int3
 
 /// Host side: validates `ctx` (ValidateNormalContext), fills the parameter block (the
 /// kernel variant from NormalKernelVariantFromEnv, the programmatic launch from
-/// NormalProgrammaticFromEnv) and resolves the grid size (ResolveNumBlocks). `num_tokens`
-/// null = NormalNumTokensSlot(ctx).
+/// NormalProgrammaticFromEnv, the flags' scope from NormalGpuScopeFromEnv) and resolves the grid
+/// size (ResolveNumBlocks). `num_tokens` null = NormalNumTokensSlot(ctx).
 absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tokens,
                               NormalParams* params, int32_t* num_blocks);
 

@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
         expert[j] = s_expert_count[peer * experts_per_rank + j];
       }
     }
-    StReleaseSys(reinterpret_cast<uint32_t*>(peer_sync + p.sync_map.arrive()) + p.rank, seq);
+    ReleaseFlag(p, reinterpret_cast<uint32_t*>(peer_sync + p.sync_map.arrive()) + p.rank, seq);
   }
   if (tid < num_ranks) {
     const auto* arrive = reinterpret_cast<const uint32_t*>(own_sync + p.sync_map.arrive());

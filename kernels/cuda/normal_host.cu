@@ -146,16 +146,28 @@ absl::StatusOr<bool> KernelsHaveGridDependencyControl() {
   return yes;
 }
 
+/// An on/off switch of the environment: unset, empty or "0" = off, "1" = on;
+/// INVALID_ARGUMENT naming the variable and value otherwise.
+absl::StatusOr<bool> SwitchFromEnv(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
+  if (std::strcmp(v, "1") != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " = \"", v, "\" is not \"0\" or \"1\""));
+  }
+  return true;
+}
+
 }  // namespace
 
 absl::StatusOr<bool> NormalProgrammaticFromEnv() {
-  const char* v = std::getenv("EPD_NORMAL_PDL");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
-  if (std::strcmp(v, "1") != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("EPD_NORMAL_PDL = \"", v, "\" is not \"0\" or \"1\""));
-  }
+  EPD_ASSIGN_OR_RETURN(const bool on, SwitchFromEnv("EPD_NORMAL_PDL"));
+  if (!on) return false;
   return KernelsHaveGridDependencyControl();
+}
+
+absl::StatusOr<bool> NormalGpuScopeFromEnv(const CudaRankContext& ctx) {
+  EPD_ASSIGN_OR_RETURN(const bool on, SwitchFromEnv("EPD_NORMAL_GPU_SCOPE"));
+  return on && ctx.all_ranks_on_device;
 }
 
 absl::Status LaunchSecondKernel(void (*kernel)(NormalParams), int32_t grid, int32_t threads,
@@ -189,6 +201,8 @@ absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tok
   p.variant = variant;
   EPD_ASSIGN_OR_RETURN(const bool programmatic, NormalProgrammaticFromEnv());
   p.programmatic = programmatic ? 1 : 0;
+  EPD_ASSIGN_OR_RETURN(const bool gpu_scope, NormalGpuScopeFromEnv(ctx));
+  p.gpu_scope = gpu_scope ? 1 : 0;
   return absl::OkStatus();
 }
 

@@ -13,7 +13,8 @@
 // under its goal line the routing's share (fresh - cached) and what the fresh op would reach
 // without it. --normal_kernels=static,block,balanced,bulk compares kernel variants
 // (EPD_NORMAL_KERNELS) in one run, --normal_pdl=0,1 the ops' second kernels launched
-// normally and programmatically (EPD_NORMAL_PDL). docs/BENCHMARKS.md "Normal-mode kernels".
+// normally and programmatically (EPD_NORMAL_PDL), --normal_gpu_scope=0,1 the inter-rank flags
+// at .sys and .gpu scope (EPD_NORMAL_GPU_SCOPE). docs/BENCHMARKS.md "Normal-mode kernels".
 #include <cuda_runtime.h>
 #include <stdlib.h>
 
@@ -53,6 +54,10 @@ ABSL_FLAG(std::string, normal_pdl, "",
           "normal bench: comma-separated EPD_NORMAL_PDL values (0, 1: each op's second kernel "
           "launched programmatically) to compare in one run, interleaved per SM budget and kernel "
           "variant; empty = as the environment has it");
+ABSL_FLAG(std::string, normal_gpu_scope, "",
+          "normal bench: comma-separated EPD_NORMAL_GPU_SCOPE values (0, 1: the inter-rank "
+          "flags at .gpu scope, every rank being on this GPU) to compare in one run, interleaved "
+          "within each --normal_pdl setting; empty = as the environment has it");
 ABSL_FLAG(std::string, normal_sms, "8,16,24,32",
           "normal bench: the SM budgets (blocks per rank, each in [1, 1024]) to sweep, "
           "comma-separated; the goal is judged at floor(SMs / 8)");
@@ -125,10 +130,11 @@ absl::StatusOr<double> TimeMemcpy(size_t bytes, int batch) {
 struct Row {
   std::string op;
   std::string variant;  // EPD_NORMAL_KERNELS during the op ("" = as the process had it)
-  // Whether the op's second kernel was launched programmatically ("on" / "off":
-  // EPD_NORMAL_PDL during the op, as --normal_pdl set it or the process had it, and the
-  // kernels able to: NormalProgrammaticFromEnv).
-  std::string pdl;
+  // The switches in effect during the op (as --normal_pdl / --normal_gpu_scope set them or
+  // the process had them): each op's second kernel launched programmatically
+  // (NormalProgrammaticFromEnv), the inter-rank flags at .gpu scope (NormalGpuScopeFromEnv).
+  bool pdl = false;
+  bool gpu_scope = false;
   int32_t sms = 0;
   bool oversubscribed = false;
   double bytes_per_rank = 0;  // mean over ranks
@@ -168,8 +174,25 @@ double HbmOverCopy(const Row& r) {
 /// The kernel variant of a row, for printing.
 const char* VariantName(const Row& r) { return r.variant.empty() ? "default" : r.variant.c_str(); }
 
-/// The programmatic-launch setting of a row, for printing.
-const char* PdlName(const Row& r) { return r.pdl.c_str(); }
+/// The switches of a row, for printing: "pdl", "gpu" (scope), "pdl+gpu" or "-".
+const char* SwitchesName(const Row& r) {
+  return r.pdl ? (r.gpu_scope ? "pdl+gpu" : "pdl") : (r.gpu_scope ? "gpu" : "-");
+}
+
+/// The values of a switch list flag (`flag`: "0,1,..."), each "0" or "1"; one empty value
+/// (the environment as it is) when the flag is empty. INVALID_ARGUMENT naming the flag.
+absl::StatusOr<std::vector<std::string>> SwitchValues(const std::string& value, const char* flag,
+                                                      const char* env) {
+  std::vector<std::string> values = absl::StrSplit(value, ',', absl::SkipEmpty());
+  for (const std::string& v : values) {
+    if (v != "0" && v != "1") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, ": '", v, "' is not 0 or 1 (", env, ")"));
+    }
+  }
+  if (values.empty()) values.push_back("");
+  return values;
+}
 
 /// The name of a dispatch's cached row ("dispatch fp8" -> "dispatch fp8 cached").
 std::string CachedName(const std::string& op) { return op + " cached"; }
@@ -181,7 +204,8 @@ const Row* CachedRowOf(const std::vector<Row>& rows, size_t i) {
   const std::string name = CachedName(fresh.op);
   for (size_t j = i + 1; j < rows.size(); ++j) {
     const Row& r = rows[j];
-    if (r.op == name && r.sms == fresh.sms && r.variant == fresh.variant && r.pdl == fresh.pdl) {
+    if (r.op == name && r.sms == fresh.sms && r.variant == fresh.variant && r.pdl == fresh.pdl &&
+        r.gpu_scope == fresh.gpu_scope) {
       return &r;
     }
   }
@@ -247,6 +271,9 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
 
   const kernels::GroupShape shape = NormalBenchShape(kRanks);
   EPD_ASSIGN_OR_RETURN(std::unique_ptr<VirtualRankGroup> g, VirtualRankGroup::Create(shape));
+  // Every rank on this GPU, as the daemon's contexts say for virtual ranks (only
+  // EPD_NORMAL_GPU_SCOPE=1 makes the normal kernels use it).
+  g->set_all_ranks_on_device(true);
   const kernels::EndpointLayout& l = g->layout();
 
   // Inputs: uniform top-8 of 256 experts per token (DeepEP's benchmark routing), values
@@ -331,16 +358,14 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
   std::vector<std::string> variants =
       absl::StrSplit(absl::GetFlag(FLAGS_normal_kernels), ',', absl::SkipEmpty());
   if (variants.empty()) variants.push_back("");
-  // Programmatic launch settings (--normal_pdl), interleaved within each variant.
-  std::vector<std::string> pdls =
-      absl::StrSplit(absl::GetFlag(FLAGS_normal_pdl), ',', absl::SkipEmpty());
-  for (const std::string& v : pdls) {
-    if (v != "0" && v != "1") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--normal_pdl: '", v, "' is not 0 or 1 (EPD_NORMAL_PDL)"));
-    }
-  }
-  if (pdls.empty()) pdls.push_back("");
+  // Programmatic launch and flag scope settings (--normal_pdl, --normal_gpu_scope),
+  // interleaved within each variant.
+  EPD_ASSIGN_OR_RETURN(
+      const std::vector<std::string> pdls,
+      SwitchValues(absl::GetFlag(FLAGS_normal_pdl), "--normal_pdl", "EPD_NORMAL_PDL"));
+  EPD_ASSIGN_OR_RETURN(const std::vector<std::string> scopes,
+                       SwitchValues(absl::GetFlag(FLAGS_normal_gpu_scope), "--normal_gpu_scope",
+                                    "EPD_NORMAL_GPU_SCOPE"));
 
   for (int32_t sms : sweep) {
     // A context per rank with this SM budget (the group's own contexts use the default).
@@ -419,18 +444,21 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
       if (!variant.empty()) setenv("EPD_NORMAL_KERNELS", variant.c_str(), 1);
       for (const std::string& pdl : pdls) {
         if (!pdl.empty()) setenv("EPD_NORMAL_PDL", pdl.c_str(), 1);
-        EPD_ASSIGN_OR_RETURN(const bool programmatic, kc::normal::NormalProgrammaticFromEnv());
-        const std::string pdl_label = programmatic ? "on" : "off";
-        for (int i = 0; i < kOps; ++i) {
-          const Op& op = ops[i];
-          EPD_RETURN_IF_ERROR(TimeRounds(*g, kWarmup, op.launch).status());
-          EPD_ASSIGN_OR_RETURN(const double us, TimeRounds(*g, kBatch, op.launch));
-          for (int32_t r = 0; r < kRanks; ++r) {
-            EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(ctx[r], g->stream(r), op.name));
+        for (const std::string& scope : scopes) {
+          if (!scope.empty()) setenv("EPD_NORMAL_GPU_SCOPE", scope.c_str(), 1);
+          EPD_ASSIGN_OR_RETURN(const bool programmatic, kc::normal::NormalProgrammaticFromEnv());
+          EPD_ASSIGN_OR_RETURN(const bool gpu_scope, kc::normal::NormalGpuScopeFromEnv(ctx[0]));
+          for (int i = 0; i < kOps; ++i) {
+            const Op& op = ops[i];
+            EPD_RETURN_IF_ERROR(TimeRounds(*g, kWarmup, op.launch).status());
+            EPD_ASSIGN_OR_RETURN(const double us, TimeRounds(*g, kBatch, op.launch));
+            for (int32_t r = 0; r < kRanks; ++r) {
+              EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(ctx[r], g->stream(r), op.name));
+            }
+            rows->push_back({op.name, variant, programmatic, gpu_scope, sms, over,
+                             rows_per_rank * op.row_bytes, us, op.memcpy_us, op.memcpy_bytes,
+                             op.hbm_bytes, op_bound[i], gpu_bound[i], bound_bytes[i]});
           }
-          rows->push_back({op.name, variant, pdl_label, sms, over, rows_per_rank * op.row_bytes, us,
-                           op.memcpy_us, op.memcpy_bytes, op.hbm_bytes, op_bound[i], gpu_bound[i],
-                           bound_bytes[i]});
         }
       }
     }
@@ -454,15 +482,15 @@ void PrintBoundTable(const std::vector<Row>& rows, const std::vector<BoundRow>& 
       "op's SMs: sms x %d ranks blocks (at most %d), 'GPU bound' on all %d SMs; one block an "
       "SM\n",
       kRanks, device_sms, device_sms);
-  std::printf("%-20s %-9s %-3s %5s %9s %9s %-7s %6s %9s %-7s %9s %8s %9s %8s %10s %8s\n", "op",
-              "kernels", "pdl", "sms", "op TB/s", "bound", "variant", "blocks", "GPU bound",
+  std::printf("%-20s %-9s %-8s %5s %9s %9s %-7s %6s %9s %-7s %9s %8s %9s %8s %10s %8s\n", "op",
+              "kernels", "switches", "sms", "op TB/s", "bound", "variant", "blocks", "GPU bound",
               "variant", "copy TB/s", "op/copy", "op/bound", "op/GPU", "bound/copy", "GPU/copy");
   for (const Row& r : rows) {
     if (r.bound.us <= 0) continue;
     const FloorFigures at = Floor(r, false);
     const FloorFigures gpu = Floor(r, true);
-    std::printf("%-20s %-9s %-3s %5d %9.2f %9.2f %-7s %6d %9.2f %-7s %9.2f %8s %9s %8s %10s %8s\n",
-                r.op.c_str(), VariantName(r), PdlName(r), r.sms, at.op_tbps, at.bound_tbps,
+    std::printf("%-20s %-9s %-8s %5d %9.2f %9.2f %-7s %6d %9.2f %-7s %9.2f %8s %9s %8s %10s %8s\n",
+                r.op.c_str(), VariantName(r), SwitchesName(r), r.sms, at.op_tbps, at.bound_tbps,
                 r.bound.variant.c_str(), r.bound.blocks, gpu.bound_tbps,
                 r.gpu_bound.variant.c_str(), at.copy_tbps, Percent(at.op_over_copy).c_str(),
                 Percent(at.op_over_bound).c_str(), Percent(gpu.op_over_bound).c_str(),
@@ -498,10 +526,11 @@ int RunNormalBench() {
     std::printf(
         "rows 'cached': the dispatch with the fresh dispatch's layout reused (an arrival barrier "
         "instead of the layout pass and count exchange, no top-k metadata; HBM bytes its own); "
-        "pdl: each op's second kernel launched programmatically (EPD_NORMAL_PDL=1 and kernels "
-        "with griddepcontrol) or not\n");
-    std::printf("%-20s %-9s %-3s %5s %13s %10s %14s %14s %13s %10s %9s %9s\n", "op", "kernels",
-                "pdl", "sms", "MB/rank", "us/op", "rank GB/s", "aggregate GB/s", "memcpy GB/s",
+        "switches in effect: pdl = each op's second kernel launched programmatically "
+        "(EPD_NORMAL_PDL=1, kernels with griddepcontrol), gpu = the inter-rank flags at .gpu "
+        "scope (EPD_NORMAL_GPU_SCOPE=1, every rank on this GPU), - = neither\n");
+    std::printf("%-20s %-9s %-8s %5s %13s %10s %14s %14s %13s %10s %9s %9s\n", "op", "kernels",
+                "switches", "sms", "MB/rank", "us/op", "rank GB/s", "aggregate GB/s", "memcpy GB/s",
                 "agg/memcpy", "HBM TB/s", "HBM/copy");
   }
   for (const Row& r : rows) {
@@ -512,7 +541,8 @@ int RunNormalBench() {
       const FloorFigures at = Floor(r, false);
       const FloorFigures gpu = Floor(r, true);
       std::printf(
-          "{\"figure\":\"normal %s\",\"kernels\":\"%s\",\"pdl\":\"%s\",\"device\":\"%s\","
+          "{\"figure\":\"normal "
+          "%s\",\"kernels\":\"%s\",\"pdl\":%s,\"gpu_scope\":%s,\"device\":\"%s\","
           "\"sms_per_rank\":%d,"
           "\"oversubscribed\":%s,\"bytes_per_rank\":%.0f,\"op_us\":%.2f,\"rank_gbps\":%.1f,"
           "\"aggregate_gbps\":%.1f,\"memcpy_us\":%.2f,\"memcpy_gbps\":%.1f,"
@@ -522,17 +552,17 @@ int RunNormalBench() {
           "\"bound_over_copy\":%.3f,\"gpu_bound_variant\":\"%s\",\"gpu_bound_blocks\":%d,"
           "\"gpu_bound_us\":%.2f,\"gpu_bound_tbps\":%.3f,\"op_over_gpu_bound\":%.3f,"
           "\"gpu_bound_over_copy\":%.3f}\n",
-          r.op.c_str(), VariantName(r), PdlName(r), device.c_str(), r.sms,
-          r.oversubscribed ? "true" : "false", r.bytes_per_rank, r.op_us, rank_gbs, agg_gbs,
-          r.memcpy_us, memcpy_gbs, r.hbm_bytes, r.hbm_bytes / r.op_us / 1e6, CopyTbps(r),
-          HbmOverCopy(r), r.bound_bytes, r.bound.variant.c_str(), r.bound.blocks, r.bound.us,
-          at.bound_tbps, at.op_over_bound, at.bound_over_copy, r.gpu_bound.variant.c_str(),
-          r.gpu_bound.blocks, r.gpu_bound.us, gpu.bound_tbps, gpu.op_over_bound,
-          gpu.bound_over_copy);
+          r.op.c_str(), VariantName(r), r.pdl ? "true" : "false", r.gpu_scope ? "true" : "false",
+          device.c_str(), r.sms, r.oversubscribed ? "true" : "false", r.bytes_per_rank, r.op_us,
+          rank_gbs, agg_gbs, r.memcpy_us, memcpy_gbs, r.hbm_bytes, r.hbm_bytes / r.op_us / 1e6,
+          CopyTbps(r), HbmOverCopy(r), r.bound_bytes, r.bound.variant.c_str(), r.bound.blocks,
+          r.bound.us, at.bound_tbps, at.op_over_bound, at.bound_over_copy,
+          r.gpu_bound.variant.c_str(), r.gpu_bound.blocks, r.gpu_bound.us, gpu.bound_tbps,
+          gpu.op_over_bound, gpu.bound_over_copy);
     } else {
       std::printf(
-          "%-20s %-9s %-3s %5d%s %12.1f %10.1f %14.1f %14.1f %13.1f %9.0f%% %9.2f %8.0f%%\n",
-          r.op.c_str(), VariantName(r), PdlName(r), r.sms, r.oversubscribed ? "*" : " ",
+          "%-20s %-9s %-8s %5d%s %12.1f %10.1f %14.1f %14.1f %13.1f %9.0f%% %9.2f %8.0f%%\n",
+          r.op.c_str(), VariantName(r), SwitchesName(r), r.sms, r.oversubscribed ? "*" : " ",
           r.bytes_per_rank / 1e6, r.op_us, rank_gbs, agg_gbs, memcpy_gbs,
           100.0 * agg_gbs / memcpy_gbs, r.hbm_bytes / r.op_us / 1e6, 100.0 * HbmOverCopy(r));
     }
@@ -544,13 +574,14 @@ int RunNormalBench() {
       if (cached == nullptr) continue;
       const RoutingShare share = Routing(r, *cached);
       std::printf(
-          "{\"figure\":\"normal %s routing\",\"kernels\":\"%s\",\"pdl\":\"%s\","
+          "{\"figure\":\"normal %s routing\",\"kernels\":\"%s\",\"pdl\":%s,\"gpu_scope\":%s,"
           "\"device\":\"%s\",\"sms_per_rank\":%d,\"fresh_us\":%.2f,\"cached_us\":%.2f,"
           "\"routing_us\":%.2f,\"routing_fraction\":%.4f,\"hbm_over_copy\":%.3f,"
           "\"without_routing_over_copy\":%.3f,\"cached_over_copy\":%.3f}\n",
-          r.op.c_str(), VariantName(r), PdlName(r), device.c_str(), r.sms, share.fresh_us,
-          share.cached_us, share.routing_us, share.routing_fraction, HbmOverCopy(r),
-          share.without_routing_over_copy, share.cached_over_copy);
+          r.op.c_str(), VariantName(r), r.pdl ? "true" : "false", r.gpu_scope ? "true" : "false",
+          device.c_str(), r.sms, share.fresh_us, share.cached_us, share.routing_us,
+          share.routing_fraction, HbmOverCopy(r), share.without_routing_over_copy,
+          share.cached_over_copy);
     }
     for (const BoundRow& b : bound_rows) {
       std::printf(
@@ -571,10 +602,11 @@ int RunNormalBench() {
       const Row& r = rows[i];
       if (r.sms != default_sms) continue;
       std::printf(
-          "goal: %s (%s kernels, pdl %s) at %d SMs/rank, HBM bytes/s >= %.0f%% of the same-run "
+          "goal: %s (%s kernels, switches %s) at %d SMs/rank, HBM bytes/s >= %.0f%% of the "
+          "same-run "
           "copy's: %.0f%% (%s)\n",
-          r.op.c_str(), VariantName(r), PdlName(r), r.sms, 100.0 * kHbmGoal, 100.0 * HbmOverCopy(r),
-          HbmOverCopy(r) >= kHbmGoal ? "met" : "NOT met");
+          r.op.c_str(), VariantName(r), SwitchesName(r), r.sms, 100.0 * kHbmGoal,
+          100.0 * HbmOverCopy(r), HbmOverCopy(r) >= kHbmGoal ? "met" : "NOT met");
       if (const Row* cached = CachedRowOf(rows, i); cached != nullptr) {
         const RoutingShare share = Routing(r, *cached);
         std::printf(

@@ -7,7 +7,8 @@
 // T 0, 1, 333, 4096 (also mixed); alignment 1 and 128. Plus: prefill beside decode groups,
 // CUDA-graph replay with new T, bad ids and T, a rank that never arrives, a layout over 4 GiB,
 // and part of the sweep under each kernel variant (EPD_NORMAL_KERNELS) and with each op's
-// second kernel launched programmatically (EPD_NORMAL_PDL).
+// second kernel launched programmatically (EPD_NORMAL_PDL) and the inter-rank flags at .gpu
+// scope (EPD_NORMAL_GPU_SCOPE).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -120,6 +121,9 @@ struct NormalCase {
   uint64_t seed = 1;
   int32_t num_sms = 0;          ///< CudaRankContext::num_sms (0 = default).
   int32_t ranks_on_device = 0;  ///< CudaRankContext::ranks_on_device (0 = R).
+  /// CudaRankContext::all_ranks_on_device: true, as for any virtual-rank group (the normal
+  /// kernels use it only with EPD_NORMAL_GPU_SCOPE=1).
+  bool all_ranks_on_device = true;
 };
 
 std::string Describe(const NormalCase& c) {
@@ -160,6 +164,7 @@ class NormalGroup {
     shape_.use_fp8 = c_.fp8;
     EPD_ASSIGN_OR_RETURN(
         group_, VirtualRankGroup::Create(shape_, 5'000'000'000, c_.num_sms, c_.ranks_on_device));
+    group_->set_all_ranks_on_device(c_.all_ranks_on_device);
     // Allocated here, never while a stream captures (an allocation invalidates a capture).
     void* p = nullptr;
     EPD_CUDA_RETURN_IF_ERROR(
@@ -612,8 +617,10 @@ void RunPickedCasesUnderVariants(std::initializer_list<const char*> picked,
         continue;
       }
       const char* pdl = std::getenv("EPD_NORMAL_PDL");
-      SCOPED_TRACE(absl::StrCat("EPD_NORMAL_KERNELS=", variant,
-                                " EPD_NORMAL_PDL=", pdl != nullptr ? pdl : "", ": ", Describe(c)));
+      const char* scope = std::getenv("EPD_NORMAL_GPU_SCOPE");
+      SCOPED_TRACE(absl::StrCat(
+          "EPD_NORMAL_KERNELS=", variant, " EPD_NORMAL_PDL=", pdl != nullptr ? pdl : "",
+          " EPD_NORMAL_GPU_SCOPE=", scope != nullptr ? scope : "", ": ", Describe(c)));
       NormalGroup g(c);
       NM_ASSERT_OK(g.RunAll());
     }
@@ -681,6 +688,34 @@ void ExpectEnvValueRefused(const char* name, const char* value) {
   EXPECT_NE(st.message().find(value), absl::string_view::npos) << st;
 }
 
+TEST_F(NormalGpuTest, GpuScopeFlagsMatchHostBitForBit) {
+  // The inter-rank flags at .gpu scope (every rank on this GPU), with the programmatic launch
+  // as the lead may run both: a missing order between a rank's writes and its flags would
+  // show as rows or counts that differ from the host.
+  ScopedEnv scope("EPD_NORMAL_GPU_SCOPE", "1");
+  ScopedEnv pdl("EPD_NORMAL_PDL", "1");
+  RunPickedCasesUnderVariants({"deepseek-fp8", "deepseek-bf16", "mixed-T-8", "ragged-hidden",
+                               "tiny-odd-hidden", "long-tiles-fp8-masked"},
+                              {"balanced", "bulk"});
+}
+
+TEST_F(NormalGpuTest, GpuScopeOnlyWhereEveryRankIsOnThisGpu) {
+  NormalGroup g(NormalCase{"scope", 2, 2048, 8, 64, {333}});
+  NM_ASSERT_OK(g.Prepare());
+  kc::CudaRankContext ctx = g.group().Context(0);
+  ScopedEnv env("EPD_NORMAL_GPU_SCOPE", "1");
+  for (const bool all : {false, true}) {
+    ctx.all_ranks_on_device = all;
+    const absl::StatusOr<bool> scope = kc::normal::NormalGpuScopeFromEnv(ctx);
+    ASSERT_TRUE(scope.ok()) << scope.status();
+    EXPECT_EQ(*scope, all);
+  }
+}
+
+TEST_F(NormalGpuTest, UnknownGpuScopeValueIsRefusedNamingIt) {
+  ExpectEnvValueRefused("EPD_NORMAL_GPU_SCOPE", "gpu");
+}
+
 TEST_F(NormalGpuTest, UnknownProgrammaticLaunchValueIsRefusedNamingIt) {
   ExpectEnvValueRefused("EPD_NORMAL_PDL", "yes");
 }
@@ -734,8 +769,9 @@ TEST_F(NormalGpuTest, PrefillGroupBesideDecodeGroupRunConcurrently) {
 /// Each rank captures [Dispatch, Combine] on its stream once. T comes from the device slot
 /// and sequence numbers from the device op counter, so replays with other T and inputs
 /// (slot and inputs written outside the graph) must match the host every time. `pdl`: the
-/// EPD_NORMAL_PDL value during the capture (the programmatic edges are captured).
-void CaptureAndReplayDispatchCombine(const char* pdl) {
+/// EPD_NORMAL_PDL value during the capture (the programmatic edges are captured), `scope` the
+/// EPD_NORMAL_GPU_SCOPE value.
+void CaptureAndReplayDispatchCombine(const char* pdl, const char* scope) {
   NormalGroup g({"graph", 4, 2048, 8, 64, {4096}, false, 128});
   NM_ASSERT_OK(g.Prepare());
   struct ExecDeleter {
@@ -745,6 +781,7 @@ void CaptureAndReplayDispatchCombine(const char* pdl) {
   for (int32_t r = 0; r < 4; ++r) {
     cudaStream_t s = g.group().stream(r);
     ScopedEnv env("EPD_NORMAL_PDL", pdl);
+    ScopedEnv scope_env("EPD_NORMAL_GPU_SCOPE", scope);
     ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
     const absl::Status d = g.LaunchDispatchRank(r, false, s);
     const absl::Status c = g.LaunchCombineRank(r, s);
@@ -774,11 +811,11 @@ void CaptureAndReplayDispatchCombine(const char* pdl) {
 }
 
 TEST_F(NormalGpuTest, CapturedDispatchCombineReplaysWithNewInputsAndT) {
-  CaptureAndReplayDispatchCombine("0");
+  CaptureAndReplayDispatchCombine("0", "0");
 }
 
-TEST_F(NormalGpuTest, CapturedProgrammaticDispatchCombineReplaysWithNewInputsAndT) {
-  CaptureAndReplayDispatchCombine("1");
+TEST_F(NormalGpuTest, CapturedWithPdlAndGpuScopeReplaysWithNewInputsAndT) {
+  CaptureAndReplayDispatchCombine("1", "1");
 }
 
 // ---- device-side errors ------------------------------------------------------------------
