@@ -507,6 +507,47 @@ void PrintBoundTable(const std::vector<Row>& rows, const std::vector<BoundRow>& 
   std::printf("\n");
 }
 
+/// With more than one switch setting measured: per op and kernel variant at `sms` SMs per
+/// rank, the mean us/op and HBM/copy of each setting over its repeats, and the us change
+/// against the setting with neither switch ("-"), as text.
+void PrintSwitchSummary(const std::vector<Row>& rows, int32_t sms) {
+  struct Cell {
+    std::string op, variant, switches;
+    double us = 0, over_copy = 0;
+    int n = 0;
+  };
+  std::vector<Cell> cells;
+  bool several = false;
+  for (const Row& r : rows) {
+    if (r.sms != sms) continue;
+    several |= r.pdl || r.gpu_scope;
+    auto it = std::find_if(cells.begin(), cells.end(), [&](const Cell& c) {
+      return c.op == r.op && c.variant == VariantName(r) && c.switches == SwitchesName(r);
+    });
+    if (it == cells.end()) it = cells.insert(cells.end(), {r.op, VariantName(r), SwitchesName(r)});
+    it->us += r.op_us;
+    it->over_copy += HbmOverCopy(r);
+    ++it->n;
+  }
+  if (!several) return;
+  std::printf("\nswitches at %d SMs/rank (mean of each setting's repeats; change against '-'):\n",
+              sms);
+  for (const Cell& c : cells) {
+    auto base = std::find_if(cells.begin(), cells.end(), [&](const Cell& b) {
+      return b.op == c.op && b.variant == c.variant && b.switches == "-";
+    });
+    const double us = c.us / c.n;
+    std::string change;
+    if (base != cells.end() && &*base != &c) {
+      const double base_us = base->us / base->n;
+      change = absl::StrFormat("  %+.1f us (%+.2f%%)", us - base_us, 100.0 * (us / base_us - 1));
+    }
+    std::printf("  %-20s %-9s %-8s %2dx %9.1f us  HBM/copy %5.1f%%%s\n", c.op.c_str(),
+                c.variant.c_str(), c.switches.c_str(), c.n, us, 100.0 * c.over_copy / c.n,
+                change.c_str());
+  }
+}
+
 }  // namespace
 
 int RunNormalBench() {
@@ -598,6 +639,7 @@ int RunNormalBench() {
     PrintBoundTable(rows, bound_rows, sms);
     // The goal at the default budget: floor(SMs / ranks) blocks per rank.
     const int32_t default_sms = sms / kRanks;
+    PrintSwitchSummary(rows, default_sms);
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       if (r.sms != default_sms) continue;
