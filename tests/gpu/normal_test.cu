@@ -639,20 +639,19 @@ TEST_F(NormalGpuTest, EveryKernelVariantMatchesHostBitForBit) {
 
 // ---- programmatic launch of each op's second kernel (EPD_NORMAL_PDL) ------------------------
 
-/// Whether this GPU runs programmatic launches (compute capability 9.0 or later).
-bool GpuHasProgrammaticLaunch() {
-  int device = 0;
-  int major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    return false;
-  }
-  return major >= 9;
+__global__ void PtxVersionProbe() {}
+
+/// The PTX version (e.g. 90) this binary's kernels run from on the current GPU: built with the
+/// same architectures as the library's.
+int ProbePtxVersion() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, PtxVersionProbe) == cudaSuccess ? attr.ptxVersion : 0;
 }
 
 TEST_F(NormalGpuTest, ProgrammaticLaunchIsOnWhereTheKernelsHaveIt) {
-  // The tests below only test the programmatic path if the switch takes effect: on sm_90 the
-  // kernels are built from sm_90 PTX (griddepcontrol), so EPD_NORMAL_PDL=1 must turn it on.
+  // The tests below only test the programmatic path if the switch takes effect: where the
+  // kernels run from sm_90 PTX (the H200 with the default architectures: griddepcontrol),
+  // EPD_NORMAL_PDL=1 must turn it on.
   {
     ScopedEnv env("EPD_NORMAL_PDL", "0");
     const absl::StatusOr<bool> off = kc::normal::NormalProgrammaticFromEnv();
@@ -662,7 +661,9 @@ TEST_F(NormalGpuTest, ProgrammaticLaunchIsOnWhereTheKernelsHaveIt) {
   ScopedEnv env("EPD_NORMAL_PDL", "1");
   const absl::StatusOr<bool> on = kc::normal::NormalProgrammaticFromEnv();
   ASSERT_TRUE(on.ok()) << on.status();
-  EXPECT_EQ(*on, GpuHasProgrammaticLaunch());
+  const int ptx = ProbePtxVersion();
+  ASSERT_GT(ptx, 0);
+  EXPECT_EQ(*on, ptx >= 90) << "ptxVersion " << ptx;
 }
 
 TEST_F(NormalGpuTest, ProgrammaticLaunchMatchesHostBitForBit) {
