@@ -11,6 +11,7 @@
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/cuda_specialise.h"
+#include "kernels/cuda/programmatic_launch.h"
 
 namespace epd::kernels::cuda::internal {
 
@@ -34,17 +35,7 @@ absl::Status LaunchLowLatency(void (*kernel)(Params), int32_t num_blocks, size_t
     kernel<<<num_blocks, kLowLatencyThreads, smem, stream>>>(params);
     return EPD_CUDA_STATUS(cudaGetLastError());
   }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(num_blocks));
-  config.blockDim = dim3(kLowLatencyThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return EPD_CUDA_STATUS(cudaLaunchKernelEx(&config, kernel, params));
+  return LaunchProgrammatic(kernel, num_blocks, kLowLatencyThreads, smem, stream, params);
 }
 
 /// The parameters of a fused launch (LowLatencyDispatchRanks / LowLatencyCombineRanks), in

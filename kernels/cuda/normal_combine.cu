@@ -46,13 +46,11 @@ __device__ __forceinline__ void AddBf16x8(const int4& v, float* acc) {
 /// ascending, then one round-to-nearest-even to bf16 (types.h FloatToBf16, the host's rounding).
 /// The warp loads the vectors of p.combine_ranks_in_flight ranks (1 or kCombineRanksInFlight)
 /// before it adds them, in the same order; the top-k weights of up to kWeightRanksInFlight ranks at
-/// once likewise. With `kVector` false (H % 8 != 0) channels go one bf16 at a time.
+/// once likewise. With `kVector` false (H % 8 != 0) channels go one bf16 at a time. The op's
+/// sequence number, failed mark and token counter are read past WaitForFirstKernel.
 template <bool kVector>
 __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalParams p) {
   __shared__ int32_t s_next_token;
-  const uint32_t seq = CurrentSeq(p);
-  if (CurrentOpFailed(p, seq)) return;
-  const int num_tokens = ReadNumTokens(p, false);
   const int num_ranks = p.shape.num_ranks;
   const int num_topk = p.shape.num_topk;
   const int64_t hidden = p.shape.hidden;
@@ -64,6 +62,12 @@ __global__ void __launch_bounds__(kNormalThreads) NormalCombineKernel(NormalPara
   float* combined_w = Region<float>(own, p.layout.combined_topk_weights);
   TokenRanks ranks;
   ranks.LoadBases(p.peer_bases, num_ranks, lane, p.rank_masked);
+  // Up to here nothing the barrier writes is read (a programmatic launch overlaps it with
+  // the barrier's end).
+  WaitForFirstKernel();
+  const uint32_t seq = CurrentSeq(p);
+  if (CurrentOpFailed(p, seq)) return;
+  const int num_tokens = ReadNumTokens(p, false);
   const int64_t capacity = p.shape.max_recv_tokens();
   unsigned int bad_routing = 0;
   unsigned int dropped = 0;  // Routes to masked ranks: their rows are left out of the sum.
@@ -209,12 +213,9 @@ absl::Status NormalCombine(const CudaRankContext& ctx, const NormalCombineArgs& 
   EPD_RETURN_IF_ERROR(normal::MakeNormalParams(ctx, args.num_tokens, &p, &num_blocks));
   p.with_weights = args.with_weights ? 1 : 0;
   EPD_RETURN_IF_ERROR(normal::LaunchNotify(p, /*notify=*/false, num_blocks, stream));
-  if (ctx.shape.hidden % 8 == 0) {
-    normal::NormalCombineKernel<true><<<num_blocks, kNormalThreads, 0, stream>>>(p);
-  } else {
-    normal::NormalCombineKernel<false><<<num_blocks, kNormalThreads, 0, stream>>>(p);
-  }
-  return EPD_CUDA_STATUS(cudaGetLastError());
+  return normal::LaunchSecondKernel(ctx.shape.hidden % 8 == 0 ? normal::NormalCombineKernel<true>
+                                                              : normal::NormalCombineKernel<false>,
+                                    num_blocks, kNormalThreads, 0, stream, p);
 }
 
 }  // namespace epd::kernels::cuda

@@ -70,6 +70,15 @@ struct NormalParams {
   int32_t combine_ranks_in_flight = kCombineRanksInFlight;
   /// The variant these fields came from (the launchers pick their kernels by it).
   NormalKernelVariant variant = NormalKernelVariant::kBalanced;
+  /// The op's second kernel (copy or combine) is launched with programmatic stream
+  /// serialization behind its first (EPD_NORMAL_PDL on and the kernels built with grid
+  /// dependency control: NormalProgrammaticFromEnv). Read by the launchers only: the kernels
+  /// run the same code either way (LetSecondKernelStart, WaitForFirstKernel).
+  int32_t programmatic = 0;
+  /// The inter-rank flags (arrival, done) and the fences before them at .gpu scope instead of
+  /// .sys: every rank on this GPU (CudaRankContext::all_ranks_on_device) and
+  /// EPD_NORMAL_GPU_SCOPE on (docs/CUDA_BACKEND.md "Memory scope of the flags").
+  int32_t gpu_scope = 0;
 };
 
 // ---- addressing ---------------------------------------------------------------------------
@@ -89,8 +98,48 @@ __device__ __forceinline__ T* Region(uint8_t* base, const epd::kernels::Region& 
 
 // ---- flags (uint32 sequence numbers, compared wrap-around safe: common.cuh) -----------
 
-using device::LdAcquireSys;
-using device::StReleaseSys;
+/// Releases an inter-rank flag (`*flag = v`) at the op's scope (NormalParams::gpu_scope).
+__device__ __forceinline__ void ReleaseFlag(const NormalParams& p, uint32_t* flag, uint32_t v) {
+  device::StRelease(flag, v, p.gpu_scope != 0);
+}
+
+/// Orders this thread's earlier writes (and, after a barrier, its block's) before its later
+/// ones for every rank: __threadfence at .gpu scope (NormalParams::gpu_scope), else
+/// __threadfence_system.
+__device__ __forceinline__ void FenceForPeers(const NormalParams& p) {
+  if (p.gpu_scope != 0) {
+    __threadfence();
+  } else {
+    __threadfence_system();
+  }
+}
+
+// ---- programmatic launch of an op's second kernel (NormalParams::programmatic) ----------
+
+/// In the op's first kernel (the notify, or the arrival barrier), every thread of a block
+/// that has passed its last wait on other ranks: the second kernel, when launched
+/// programmatically, may start once every block of this grid has done so or exited. Its
+/// blocks then take SMs while this grid finishes, so a block calls it only when no other
+/// rank's kernel waits on this grid any more: past the arrival wait, every peer's first
+/// kernel is in its last block or done, and what is left of this grid waits for nothing.
+/// A no-op without a programmatic launch, and before sm_90.
+__device__ __forceinline__ void LetSecondKernelStart() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/// In the op's second kernel, before it reads anything the first kernel wrote (the op's
+/// sequence number, its failed mark, the token counter, the layout's tile bases): waits
+/// until the first kernel's grid has completed and its writes are visible. Returns at once
+/// when the kernel was not launched programmatically. Before sm_90 it compiles to nothing,
+/// which is why the launchers launch programmatically only kernels built for sm_90 or later
+/// (NormalProgrammaticFromEnv).
+__device__ __forceinline__ void WaitForFirstKernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 // ---- per-token routing ------------------------------------------------------------------
 
@@ -314,7 +363,7 @@ __device__ __forceinline__ int32_t ReadNumTokens(const NormalParams& p, bool rec
 __device__ __forceinline__ bool WaitFlag(const NormalParams& p, const uint32_t* flag, uint32_t seq,
                                          int peer) {
   const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
-  if (device::WaitFlagAtLeast(flag, seq, deadline)) return true;
+  if (device::WaitFlagAtLeast(flag, seq, deadline, p.gpu_scope != 0)) return true;
   device::RecordMissingPeer(OwnStatus(p), peer);
   return false;
 }
@@ -338,14 +387,14 @@ __device__ __forceinline__ void FinishOp(const NormalParams& p, uint32_t seq) {
   __syncthreads();
   uint8_t* own_sync = NormalSync(p, p.rank);
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    FenceForPeers(p);
     unsigned int* counter =
         reinterpret_cast<unsigned int*>(own_sync + NormalSyncLayout::kBlockCounter);
     const unsigned int done_blocks = atomicAdd(counter, 1u);
     s_last = done_blocks == gridDim.x - 1;
     if (s_last) {
       *counter = 0;  // Only this block still runs: the next op starts from 0.
-      __threadfence_system();
+      FenceForPeers(p);
     }
   }
   __syncthreads();
@@ -353,7 +402,7 @@ __device__ __forceinline__ void FinishOp(const NormalParams& p, uint32_t seq) {
   const int num_ranks = p.shape.num_ranks;
   const uint64_t done_off = p.sync_map.done();
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
-    StReleaseSys(reinterpret_cast<uint32_t*>(NormalSync(p, r) + done_off) + p.rank, seq);
+    ReleaseFlag(p, reinterpret_cast<uint32_t*>(NormalSync(p, r) + done_off) + p.rank, seq);
   }
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
     WaitFlag(p, reinterpret_cast<const uint32_t*>(own_sync + done_off) + r, seq, r);
@@ -368,9 +417,29 @@ namespace epd::kernels::cuda::normal {
 /// "balanced", "static", "block", "bulk". INVALID_ARGUMENT naming the variable and value otherwise.
 absl::StatusOr<NormalKernelVariant> NormalKernelVariantFromEnv();
 
+/// Host side: whether the op's second kernel is launched programmatically
+/// (NormalParams::programmatic): `EPD_NORMAL_PDL` unset, empty or "0" = no, "1" = yes when
+/// the normal kernels loaded on the current device were built from PTX for sm_90 or later
+/// (they have griddepcontrol; on an older GPU, or a compute_80 image JIT-compiled on a newer
+/// one, no). INVALID_ARGUMENT naming the variable and value for any other value.
+absl::StatusOr<bool> NormalProgrammaticFromEnv();
+
+/// Host side: whether the inter-rank flags are ordered at .gpu scope
+/// (NormalParams::gpu_scope): `EPD_NORMAL_GPU_SCOPE` unset, empty or "0" = no, "1" = yes
+/// when ctx.all_ranks_on_device. INVALID_ARGUMENT naming the variable and value for any
+/// other value.
+absl::StatusOr<bool> NormalGpuScopeFromEnv(const CudaRankContext& ctx);
+
+/// Host side: launches `kernel<<<grid, threads, shared, stream>>>(params)`, through
+/// cudaLaunchKernelEx with programmatic stream serialization when params.programmatic (the
+/// op's second kernel). INTERNAL for a launch error.
+absl::Status LaunchSecondKernel(void (*kernel)(NormalParams), int32_t grid, int32_t threads,
+                                size_t shared, cudaStream_t stream, const NormalParams& params);
+
 /// Host side: validates `ctx` (ValidateNormalContext), fills the parameter block (the
-/// kernel variant from NormalKernelVariantFromEnv) and resolves the grid size
-/// (ResolveNumBlocks). `num_tokens` null = NormalNumTokensSlot(ctx).
+/// kernel variant from NormalKernelVariantFromEnv, the programmatic launch from
+/// NormalProgrammaticFromEnv, the flags' scope from NormalGpuScopeFromEnv) and resolves the grid
+/// size (ResolveNumBlocks). `num_tokens` null = NormalNumTokensSlot(ctx).
 absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tokens,
                               NormalParams* params, int32_t* num_blocks);
 

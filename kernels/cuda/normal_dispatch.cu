@@ -170,6 +170,8 @@ __device__ __forceinline__ bool LastBlockToFinish(const NormalParams& p) {
 ///  bases:  bases[tile, r] = Σ_{s'<rank} counts[s'][r] + (tokens of earlier tiles sent to
 ///          r) into `normal_tiles`; the copy kernel adds them to the layout's send_pos.
 /// On a timeout the op is marked failed (kFailedSeq = seq): the copy kernel then skips.
+/// Once the arrival wait has passed or timed out, the block lets the op's second kernel start
+/// (LetSecondKernelStart: it waits for this grid before it reads what this grid writes).
 /// Thread 0 publishes N (PublishRecvCount): the new count, or with `notify` clear or on a
 /// timeout the count left as it was.
 __global__ void __launch_bounds__(kNormalNotifyThreads)
@@ -254,13 +256,16 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
         expert[j] = s_expert_count[peer * experts_per_rank + j];
       }
     }
-    StReleaseSys(reinterpret_cast<uint32_t*>(peer_sync + p.sync_map.arrive()) + p.rank, seq);
+    ReleaseFlag(p, reinterpret_cast<uint32_t*>(peer_sync + p.sync_map.arrive()) + p.rank, seq);
   }
   if (tid < num_ranks) {
     const auto* arrive = reinterpret_cast<const uint32_t*>(own_sync + p.sync_map.arrive());
     if (!WaitFlag(p, arrive + tid, seq, tid)) s_failed = 1;
   }
   __syncthreads();
+  // Every peer is past its own layout pass, and the rest of this block waits for nothing:
+  // the copy or combine kernel's blocks may take SMs now (a programmatic launch).
+  LetSecondKernelStart();
   if (s_failed || !notify) {
     if (!s_failed && p.cached && p.expert_stats.last_normal != nullptr) {
       for (int j = tid; j < experts_per_rank; j += blockDim.x) {
@@ -376,16 +381,21 @@ struct DispatchCopy {
   TokenSchedule tokens;  ///< This warp's tokens.
 
   /// The copy kernels' start (every thread of the block): false when the op failed (the
-  /// block then returns at once), else the state set up and the schedule started.
+  /// block then returns at once), else the state set up and the schedule started. What
+  /// comes from the params alone is set up before the wait for the notify's grid
+  /// (WaitForFirstKernel), which a programmatic launch overlaps with the notify's end.
   __device__ __forceinline__ bool Start(const NormalParams& params, TokenOrder order,
                                         int32_t* s_next_token) {
+    Init(params);
+    WaitForFirstKernel();
     seq = CurrentSeq(params);
     if (CurrentOpFailed(params, seq)) return false;
-    Init(params);
     tokens.Init(order, ReadNumTokens(params, false), s_next_token, RankTokenCounter(params));
     return true;
   }
 
+  /// The per-warp state from the params (and the peer bases and rank mask, which no kernel
+  /// of the op writes).
   __device__ __forceinline__ void Init(const NormalParams& params) {
     p = &params;
     lane = threadIdx.x & 31;
@@ -534,10 +544,10 @@ __device__ __forceinline__ void CopyTokensByVectors(DispatchCopy& c) {
 
 /// The copy step of a dispatch: grid of num_sms blocks of kNormalThreads, one warp a token
 /// at a time (TokenSchedule, p.order), moving rows through registers
-/// (CopyTokensByVectors).
+/// (CopyTokensByVectors). The params are by value: no pointer into the parameter space
+/// (ll_internal.h, RunFusedRank; the PTX is the same as with __grid_constant__).
 template <typename Vec>
-__global__ void __launch_bounds__(kNormalThreads, 1)
-    NormalDispatchCopyKernel(const __grid_constant__ NormalParams p) {
+__global__ void __launch_bounds__(kNormalThreads, 1) NormalDispatchCopyKernel(NormalParams p) {
   __shared__ int32_t s_next_token;
   DispatchCopy c;
   if (!c.Start(p, p.order, &s_next_token)) return;
@@ -554,8 +564,7 @@ __global__ void __launch_bounds__(kNormalThreads, 1)
 /// is loaded again, lane 0 waits until the stores from it have read it; before the end,
 /// until every store has written. Compiled for an older architecture (a compute_80 image
 /// JIT-compiled on a newer GPU) it runs CopyTokensByVectors instead.
-__global__ void __launch_bounds__(kNormalThreads, 1)
-    NormalDispatchBulkKernel(const __grid_constant__ NormalParams p) {
+__global__ void __launch_bounds__(kNormalThreads, 1) NormalDispatchBulkKernel(NormalParams p) {
   __shared__ int32_t s_next_token;
   DispatchCopy c;
   if (!c.Start(p, TokenOrder::kBlock, &s_next_token)) return;
@@ -685,10 +694,9 @@ absl::Status LaunchBulkCopy(const NormalParams& p, int64_t row_bytes, int32_t nu
   const int64_t warps = std::min<int64_t>(budget / per_warp, kNormalThreads / 32);
   if (warps < 1) return absl::OkStatus();
   EPD_RETURN_IF_ERROR(AllowBulkSharedMemory(device, budget));
-  NormalDispatchBulkKernel<<<num_blocks, static_cast<unsigned>(warps * 32),
-                             static_cast<size_t>(warps * per_warp), stream>>>(p);
   *launched = true;
-  return EPD_CUDA_STATUS(cudaGetLastError());
+  return LaunchSecondKernel(NormalDispatchBulkKernel, num_blocks, static_cast<int32_t>(warps * 32),
+                            static_cast<size_t>(warps * per_warp), stream, p);
 }
 
 }  // namespace
@@ -739,12 +747,10 @@ absl::Status NormalDispatch(const CudaRankContext& ctx, const NormalDispatchArgs
     EPD_RETURN_IF_ERROR(normal::LaunchBulkCopy(p, row_bytes, num_blocks, stream, &launched));
     if (launched) return absl::OkStatus();
   }
-  if (row_bytes % 16 == 0) {
-    normal::NormalDispatchCopyKernel<int4><<<num_blocks, kNormalThreads, 0, stream>>>(p);
-  } else {
-    normal::NormalDispatchCopyKernel<uint16_t><<<num_blocks, kNormalThreads, 0, stream>>>(p);
-  }
-  return EPD_CUDA_STATUS(cudaGetLastError());
+  return normal::LaunchSecondKernel(row_bytes % 16 == 0
+                                        ? normal::NormalDispatchCopyKernel<int4>
+                                        : normal::NormalDispatchCopyKernel<uint16_t>,
+                                    num_blocks, kNormalThreads, 0, stream, p);
 }
 
 }  // namespace epd::kernels::cuda

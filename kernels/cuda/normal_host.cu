@@ -2,6 +2,7 @@
 // run-time token-count slot, sync reset, and the optional CPU read of dispatch counts.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
 #include "kernels/cuda/normal_common.cuh"
+#include "kernels/cuda/programmatic_launch.h"
 
 namespace epd::kernels::cuda {
 namespace {
@@ -121,6 +123,62 @@ absl::StatusOr<NormalKernelVariant> NormalKernelVariantFromEnv() {
                    "\" is not one of \"balanced\", \"static\", \"block\", \"bulk\""));
 }
 
+namespace {
+
+/// Whether the normal kernels on the current device have grid dependency control: the PTX
+/// they were built from is for sm_90 or later (the library's kernels are built for one set
+/// of architectures, so SetNumTokensKernel stands for all). Asked once per device (devices
+/// past 63 on every call).
+absl::StatusOr<bool> KernelsHaveGridDependencyControl() {
+  static std::atomic<uint64_t> known{0};
+  static std::atomic<uint64_t> have{0};
+  int device = 0;
+  EPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (known.load(std::memory_order_acquire) & bit) != 0) {
+    return (have.load(std::memory_order_relaxed) & bit) != 0;
+  }
+  cudaFuncAttributes attr;
+  EPD_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, SetNumTokensKernel));
+  const bool yes = attr.ptxVersion >= 90;
+  if (yes) have.fetch_or(bit, std::memory_order_relaxed);
+  known.fetch_or(bit, std::memory_order_release);
+  return yes;
+}
+
+/// An on/off switch of the environment: unset, empty or "0" = off, "1" = on;
+/// INVALID_ARGUMENT naming the variable and value otherwise.
+absl::StatusOr<bool> SwitchFromEnv(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
+  if (std::strcmp(v, "1") != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " = \"", v, "\" is not \"0\" or \"1\""));
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<bool> NormalProgrammaticFromEnv() {
+  EPD_ASSIGN_OR_RETURN(const bool on, SwitchFromEnv("EPD_NORMAL_PDL"));
+  if (!on) return false;
+  return KernelsHaveGridDependencyControl();
+}
+
+absl::StatusOr<bool> NormalGpuScopeFromEnv(const CudaRankContext& ctx) {
+  EPD_ASSIGN_OR_RETURN(const bool on, SwitchFromEnv("EPD_NORMAL_GPU_SCOPE"));
+  return on && ctx.all_ranks_on_device;
+}
+
+absl::Status LaunchSecondKernel(void (*kernel)(NormalParams), int32_t grid, int32_t threads,
+                                size_t shared, cudaStream_t stream, const NormalParams& params) {
+  if (params.programmatic == 0) {
+    kernel<<<grid, threads, shared, stream>>>(params);
+    return EPD_CUDA_STATUS(cudaGetLastError());
+  }
+  return internal::LaunchProgrammatic(kernel, grid, threads, shared, stream, params);
+}
+
 absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tokens,
                               NormalParams* params, int32_t* num_blocks) {
   EPD_RETURN_IF_ERROR(ValidateNormalContext(ctx));
@@ -141,6 +199,10 @@ absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tok
                                                      : TokenOrder::kRank;
   p.combine_ranks_in_flight = variant == NormalKernelVariant::kStatic ? 1 : kCombineRanksInFlight;
   p.variant = variant;
+  EPD_ASSIGN_OR_RETURN(const bool programmatic, NormalProgrammaticFromEnv());
+  p.programmatic = programmatic ? 1 : 0;
+  EPD_ASSIGN_OR_RETURN(const bool gpu_scope, NormalGpuScopeFromEnv(ctx));
+  p.gpu_scope = gpu_scope ? 1 : 0;
   return absl::OkStatus();
 }
 

@@ -8,8 +8,13 @@
 // HBM rate (2 bytes of traffic per byte copied), with the goal (>= 85%) and its verdict at
 // the default SM budget. Beside each op, its measured floor: the fan-out copy bound
 // (bench_fanout.cu), the op's byte pattern on the same routing without its logic, at the
-// op's SM budget and on the whole GPU. --normal_kernels=static,block,balanced,bulk compares
-// kernel variants (EPD_NORMAL_KERNELS) in one run. docs/BENCHMARKS.md "Normal-mode kernels".
+// op's SM budget and on the whole GPU. Each dispatch is also timed cached (the same routing,
+// the layout of the fresh dispatch before it reused: the op without its routing pass), and
+// under its goal line the routing's share (fresh - cached) and what the fresh op would reach
+// without it. --normal_kernels=static,block,balanced,bulk compares kernel variants
+// (EPD_NORMAL_KERNELS) in one run, --normal_pdl=0,1 the ops' second kernels launched
+// normally and programmatically (EPD_NORMAL_PDL), --normal_gpu_scope=0,1 the inter-rank flags
+// at .sys and .gpu scope (EPD_NORMAL_GPU_SCOPE). docs/BENCHMARKS.md "Normal-mode kernels".
 #include <cuda_runtime.h>
 #include <stdlib.h>
 
@@ -17,6 +22,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -34,6 +40,7 @@
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
+#include "kernels/cuda/normal_common.cuh"
 #include "tests/bench/bench.h"
 #include "tests/bench/bench_cuda.h"
 #include "tests/bench/floors.h"
@@ -43,6 +50,14 @@ ABSL_FLAG(std::string, normal_kernels, "",
           "normal bench: comma-separated EPD_NORMAL_KERNELS values (balanced, static, block, "
           "bulk) "
           "to compare in one run, interleaved per SM budget; empty = as the environment has it");
+ABSL_FLAG(std::string, normal_pdl, "",
+          "normal bench: comma-separated EPD_NORMAL_PDL values (0, 1: each op's second kernel "
+          "launched programmatically) to compare in one run, interleaved per SM budget and kernel "
+          "variant; empty = as the environment has it");
+ABSL_FLAG(std::string, normal_gpu_scope, "",
+          "normal bench: comma-separated EPD_NORMAL_GPU_SCOPE values (0, 1: the inter-rank "
+          "flags at .gpu scope, every rank being on this GPU) to compare in one run, interleaved "
+          "within each --normal_pdl setting; empty = as the environment has it");
 ABSL_FLAG(std::string, normal_sms, "8,16,24,32",
           "normal bench: the SM budgets (blocks per rank, each in [1, 1024]) to sweep, "
           "comma-separated; the goal is judged at floor(SMs / 8)");
@@ -115,6 +130,11 @@ absl::StatusOr<double> TimeMemcpy(size_t bytes, int batch) {
 struct Row {
   std::string op;
   std::string variant;  // EPD_NORMAL_KERNELS during the op ("" = as the process had it)
+  // The switches in effect during the op (as --normal_pdl / --normal_gpu_scope set them or
+  // the process had them): each op's second kernel launched programmatically
+  // (NormalProgrammaticFromEnv), the inter-rank flags at .gpu scope (NormalGpuScopeFromEnv).
+  bool pdl = false;
+  bool gpu_scope = false;
   int32_t sms = 0;
   bool oversubscribed = false;
   double bytes_per_rank = 0;  // mean over ranks
@@ -153,6 +173,50 @@ double HbmOverCopy(const Row& r) {
 
 /// The kernel variant of a row, for printing.
 const char* VariantName(const Row& r) { return r.variant.empty() ? "default" : r.variant.c_str(); }
+
+/// The switches of a row, for printing: "pdl", "gpu" (scope), "pdl+gpu" or "-".
+const char* SwitchesName(const Row& r) {
+  return r.pdl ? (r.gpu_scope ? "pdl+gpu" : "pdl") : (r.gpu_scope ? "gpu" : "-");
+}
+
+/// The values of a switch list flag (`flag`: "0,1,..."), each "0" or "1"; one empty value
+/// (the environment as it is) when the flag is empty. INVALID_ARGUMENT naming the flag.
+absl::StatusOr<std::vector<std::string>> SwitchValues(const std::string& value, const char* flag,
+                                                      const char* env) {
+  std::vector<std::string> values = absl::StrSplit(value, ',', absl::SkipEmpty());
+  for (const std::string& v : values) {
+    if (v != "0" && v != "1") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, ": '", v, "' is not 0 or 1 (", env, ")"));
+    }
+  }
+  if (values.empty()) values.push_back("");
+  return values;
+}
+
+/// The name of a dispatch's cached row ("dispatch fp8" -> "dispatch fp8 cached").
+std::string CachedName(const std::string& op) { return op + " cached"; }
+
+/// The cached row measured right after fresh dispatch row rows[i] (the first later row of
+/// its cached op at the same SM budget, variant and programmatic setting), or null.
+const Row* CachedRowOf(const std::vector<Row>& rows, size_t i) {
+  const Row& fresh = rows[i];
+  const std::string name = CachedName(fresh.op);
+  for (size_t j = i + 1; j < rows.size(); ++j) {
+    const Row& r = rows[j];
+    if (r.op == name && r.sms == fresh.sms && r.variant == fresh.variant && r.pdl == fresh.pdl &&
+        r.gpu_scope == fresh.gpu_scope) {
+      return &r;
+    }
+  }
+  return nullptr;
+}
+
+/// The routing share of fresh dispatch row `fresh` against its cached row.
+RoutingShare Routing(const Row& fresh, const Row& cached) {
+  return SplitRouting(fresh.hbm_bytes, fresh.op_us, cached.hbm_bytes, cached.op_us,
+                      CopyTbps(fresh));
+}
 
 /// The goal of the normal kernels: HBM bytes per second >= 85% of the device copy's.
 constexpr double kHbmGoal = 0.85;
@@ -207,6 +271,9 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
 
   const kernels::GroupShape shape = NormalBenchShape(kRanks);
   EPD_ASSIGN_OR_RETURN(std::unique_ptr<VirtualRankGroup> g, VirtualRankGroup::Create(shape));
+  // Every rank on this GPU, as the daemon's contexts say for virtual ranks (only
+  // EPD_NORMAL_GPU_SCOPE=1 makes the normal kernels use it).
+  g->set_all_ranks_on_device(true);
   const kernels::EndpointLayout& l = g->layout();
 
   // Inputs: uniform top-8 of 256 experts per token (DeepEP's benchmark routing), values
@@ -257,6 +324,11 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
   auto dispatch_hbm = [&](double row) {
     return all_tokens * (row + meta_in) + sent * (row + meta_in + 4.0) + send_pos_bytes;
   };
+  //   cached dispatch: reads x and send_pos (the handle); writes per (token, destination) the
+  //     recv_x row and recv_src_info (no top-k metadata either way).
+  auto cached_dispatch_hbm = [&](double row) {
+    return all_tokens * row + sent * (row + 4.0) + send_pos_bytes;
+  };
   const double combine_hbm =
       sent * (bf16_row + kTopk * 4.0) + send_pos_bytes + all_tokens * (bf16_row + kTopk * 4.0);
   EPD_ASSIGN_OR_RETURN(const double memcpy_bf16_us,
@@ -286,6 +358,14 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
   std::vector<std::string> variants =
       absl::StrSplit(absl::GetFlag(FLAGS_normal_kernels), ',', absl::SkipEmpty());
   if (variants.empty()) variants.push_back("");
+  // Programmatic launch and flag scope settings (--normal_pdl, --normal_gpu_scope),
+  // interleaved within each variant.
+  EPD_ASSIGN_OR_RETURN(
+      const std::vector<std::string> pdls,
+      SwitchValues(absl::GetFlag(FLAGS_normal_pdl), "--normal_pdl", "EPD_NORMAL_PDL"));
+  EPD_ASSIGN_OR_RETURN(const std::vector<std::string> scopes,
+                       SwitchValues(absl::GetFlag(FLAGS_normal_gpu_scope), "--normal_gpu_scope",
+                                    "EPD_NORMAL_GPU_SCOPE"));
 
   for (int32_t sms : sweep) {
     // A context per rank with this SM budget (the group's own contexts use the default).
@@ -294,10 +374,13 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
       ctx[r] = g->Context(r);
       ctx[r].num_sms = sms;
     }
-    auto dispatch = [&](bool fp8) {
-      return [&, fp8](int32_t r, cudaStream_t s) {
+    // A cached dispatch reuses the send_pos handle the fresh dispatch before it left (the
+    // same routing), so it is timed right after its fresh dispatch.
+    auto dispatch = [&](bool fp8, bool cached) {
+      return [&, fp8, cached](int32_t r, cudaStream_t s) {
         kc::NormalDispatchArgs args;
         args.fp8 = fp8;
+        args.cached = cached;
         return kc::NormalDispatch(ctx[r], args, s);
       };
     };
@@ -315,23 +398,35 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
       double memcpy_bytes;
       double hbm_bytes;
       FanoutKind pattern;
+      const char* bound_name;  // The op whose bound it shares (its own name, or the fresh op's).
     };
-    const Op ops[] = {{"dispatch fp8", dispatch(true), fp8_row, memcpy_fp8_us, fp8_total,
-                       dispatch_hbm(fp8_row), FanoutKind::kDispatch},
-                      {"dispatch bf16", dispatch(false), bf16_row, memcpy_bf16_us, bf16_total,
-                       dispatch_hbm(bf16_row), FanoutKind::kDispatch},
-                      {"combine bf16", combine, bf16_row, memcpy_bf16_us, bf16_total, combine_hbm,
-                       FanoutKind::kCombine}};
+    const std::string fp8_name = "dispatch fp8";
+    const std::string bf16_name = "dispatch bf16";
+    const std::string fp8_cached = CachedName(fp8_name);
+    const std::string bf16_cached = CachedName(bf16_name);
+    const Op ops[] = {
+        {fp8_name.c_str(), dispatch(true, false), fp8_row, memcpy_fp8_us, fp8_total,
+         dispatch_hbm(fp8_row), FanoutKind::kDispatch, fp8_name.c_str()},
+        {fp8_cached.c_str(), dispatch(true, true), fp8_row, memcpy_fp8_us, fp8_total,
+         cached_dispatch_hbm(fp8_row), FanoutKind::kDispatch, fp8_name.c_str()},
+        {bf16_name.c_str(), dispatch(false, false), bf16_row, memcpy_bf16_us, bf16_total,
+         dispatch_hbm(bf16_row), FanoutKind::kDispatch, bf16_name.c_str()},
+        {bf16_cached.c_str(), dispatch(false, true), bf16_row, memcpy_bf16_us, bf16_total,
+         cached_dispatch_hbm(bf16_row), FanoutKind::kDispatch, bf16_name.c_str()},
+        {"combine bf16", combine, bf16_row, memcpy_bf16_us, bf16_total, combine_hbm,
+         FanoutKind::kCombine, "combine bf16"}};
+    constexpr int kOps = static_cast<int>(std::size(ops));
     // The ops' bounds at this budget (sms x ranks blocks, at most one per SM of the GPU) and
-    // on the whole GPU.
-    BoundTiming op_bound[3], gpu_bound[3];
-    double bound_bytes[3] = {};
-    for (int i = 0; i < 3 && fanout != nullptr; ++i) {
+    // on the whole GPU; a cached dispatch shares its fresh dispatch's (the same pattern).
+    BoundTiming op_bound[kOps], gpu_bound[kOps];
+    double bound_bytes[kOps] = {};
+    for (int i = 0; i < kOps && fanout != nullptr; ++i) {
       const int64_t row = static_cast<int64_t>(ops[i].row_bytes);
+      const std::string pattern = ops[i].bound_name;
       absl::StatusOr<BoundTiming> at =
-          bounds.Best(ops[i].name, ops[i].pattern, row, std::min(sms * kRanks, *device_sms));
+          bounds.Best(pattern, ops[i].pattern, row, std::min(sms * kRanks, *device_sms));
       absl::StatusOr<BoundTiming> whole =
-          at.ok() ? bounds.Best(ops[i].name, ops[i].pattern, row, *device_sms) : at;
+          at.ok() ? bounds.Best(pattern, ops[i].pattern, row, *device_sms) : at;
       if (!whole.ok()) {
         bound_status = whole.status();
         fanout.reset();
@@ -347,16 +442,24 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
     }
     for (const std::string& variant : variants) {
       if (!variant.empty()) setenv("EPD_NORMAL_KERNELS", variant.c_str(), 1);
-      for (int i = 0; i < 3; ++i) {
-        const Op& op = ops[i];
-        EPD_RETURN_IF_ERROR(TimeRounds(*g, kWarmup, op.launch).status());
-        EPD_ASSIGN_OR_RETURN(const double us, TimeRounds(*g, kBatch, op.launch));
-        for (int32_t r = 0; r < kRanks; ++r) {
-          EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(ctx[r], g->stream(r), op.name));
+      for (const std::string& pdl : pdls) {
+        if (!pdl.empty()) setenv("EPD_NORMAL_PDL", pdl.c_str(), 1);
+        for (const std::string& scope : scopes) {
+          if (!scope.empty()) setenv("EPD_NORMAL_GPU_SCOPE", scope.c_str(), 1);
+          EPD_ASSIGN_OR_RETURN(const bool programmatic, kc::normal::NormalProgrammaticFromEnv());
+          EPD_ASSIGN_OR_RETURN(const bool gpu_scope, kc::normal::NormalGpuScopeFromEnv(ctx[0]));
+          for (int i = 0; i < kOps; ++i) {
+            const Op& op = ops[i];
+            EPD_RETURN_IF_ERROR(TimeRounds(*g, kWarmup, op.launch).status());
+            EPD_ASSIGN_OR_RETURN(const double us, TimeRounds(*g, kBatch, op.launch));
+            for (int32_t r = 0; r < kRanks; ++r) {
+              EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(ctx[r], g->stream(r), op.name));
+            }
+            rows->push_back({op.name, variant, programmatic, gpu_scope, sms, over,
+                             rows_per_rank * op.row_bytes, us, op.memcpy_us, op.memcpy_bytes,
+                             op.hbm_bytes, op_bound[i], gpu_bound[i], bound_bytes[i]});
+          }
         }
-        rows->push_back({op.name, variant, sms, over, rows_per_rank * op.row_bytes, us,
-                         op.memcpy_us, op.memcpy_bytes, op.hbm_bytes, op_bound[i], gpu_bound[i],
-                         bound_bytes[i]});
       }
     }
   }
@@ -379,15 +482,15 @@ void PrintBoundTable(const std::vector<Row>& rows, const std::vector<BoundRow>& 
       "op's SMs: sms x %d ranks blocks (at most %d), 'GPU bound' on all %d SMs; one block an "
       "SM\n",
       kRanks, device_sms, device_sms);
-  std::printf("%-14s %-9s %5s %9s %9s %-7s %6s %9s %-7s %9s %8s %9s %8s %10s %8s\n", "op",
-              "kernels", "sms", "op TB/s", "bound", "variant", "blocks", "GPU bound", "variant",
-              "copy TB/s", "op/copy", "op/bound", "op/GPU", "bound/copy", "GPU/copy");
+  std::printf("%-20s %-9s %-8s %5s %9s %9s %-7s %6s %9s %-7s %9s %8s %9s %8s %10s %8s\n", "op",
+              "kernels", "switches", "sms", "op TB/s", "bound", "variant", "blocks", "GPU bound",
+              "variant", "copy TB/s", "op/copy", "op/bound", "op/GPU", "bound/copy", "GPU/copy");
   for (const Row& r : rows) {
     if (r.bound.us <= 0) continue;
     const FloorFigures at = Floor(r, false);
     const FloorFigures gpu = Floor(r, true);
-    std::printf("%-14s %-9s %5d %9.2f %9.2f %-7s %6d %9.2f %-7s %9.2f %8s %9s %8s %10s %8s\n",
-                r.op.c_str(), VariantName(r), r.sms, at.op_tbps, at.bound_tbps,
+    std::printf("%-20s %-9s %-8s %5d %9.2f %9.2f %-7s %6d %9.2f %-7s %9.2f %8s %9s %8s %10s %8s\n",
+                r.op.c_str(), VariantName(r), SwitchesName(r), r.sms, at.op_tbps, at.bound_tbps,
                 r.bound.variant.c_str(), r.bound.blocks, gpu.bound_tbps,
                 r.gpu_bound.variant.c_str(), at.copy_tbps, Percent(at.op_over_copy).c_str(),
                 Percent(at.op_over_bound).c_str(), Percent(gpu.op_over_bound).c_str(),
@@ -402,6 +505,47 @@ void PrintBoundTable(const std::vector<Row>& rows, const std::vector<BoundRow>& 
     std::printf("  %s %.2f", b.timing.variant.c_str(), b.hbm_bytes / b.timing.us / 1e6);
   }
   std::printf("\n");
+}
+
+/// With more than one switch setting measured: per op and kernel variant at `sms` SMs per
+/// rank, the mean us/op and HBM/copy of each setting over its repeats, and the us change
+/// against the setting with neither switch ("-"), as text.
+void PrintSwitchSummary(const std::vector<Row>& rows, int32_t sms) {
+  struct Cell {
+    std::string op, variant, switches;
+    double us = 0, over_copy = 0;
+    int n = 0;
+  };
+  std::vector<Cell> cells;
+  bool several = false;
+  for (const Row& r : rows) {
+    if (r.sms != sms) continue;
+    several |= r.pdl || r.gpu_scope;
+    auto it = std::find_if(cells.begin(), cells.end(), [&](const Cell& c) {
+      return c.op == r.op && c.variant == VariantName(r) && c.switches == SwitchesName(r);
+    });
+    if (it == cells.end()) it = cells.insert(cells.end(), {r.op, VariantName(r), SwitchesName(r)});
+    it->us += r.op_us;
+    it->over_copy += HbmOverCopy(r);
+    ++it->n;
+  }
+  if (!several) return;
+  std::printf("\nswitches at %d SMs/rank (mean of each setting's repeats; change against '-'):\n",
+              sms);
+  for (const Cell& c : cells) {
+    auto base = std::find_if(cells.begin(), cells.end(), [&](const Cell& b) {
+      return b.op == c.op && b.variant == c.variant && b.switches == "-";
+    });
+    const double us = c.us / c.n;
+    std::string change;
+    if (base != cells.end() && &*base != &c) {
+      const double base_us = base->us / base->n;
+      change = absl::StrFormat("  %+.1f us (%+.2f%%)", us - base_us, 100.0 * (us / base_us - 1));
+    }
+    std::printf("  %-20s %-9s %-8s %2dx %9.1f us  HBM/copy %5.1f%%%s\n", c.op.c_str(),
+                c.variant.c_str(), c.switches.c_str(), c.n, us, 100.0 * c.over_copy / c.n,
+                change.c_str());
+  }
 }
 
 }  // namespace
@@ -420,9 +564,15 @@ int RunNormalBench() {
         "shape: T=%d H=%d K=%d E=%d R=%d; uniform top-%d routing; %d rounds after %d "
         "warm-up\n",
         kTokens, kHidden, kTopk, kExperts, kRanks, kTopk, kBatch, kWarmup);
-    std::printf("%-14s %-9s %5s %13s %10s %14s %14s %13s %10s %9s %9s\n", "op", "kernels", "sms",
-                "MB/rank", "us/op", "rank GB/s", "aggregate GB/s", "memcpy GB/s", "agg/memcpy",
-                "HBM TB/s", "HBM/copy");
+    std::printf(
+        "rows 'cached': the dispatch with the fresh dispatch's layout reused (an arrival barrier "
+        "instead of the layout pass and count exchange, no top-k metadata; HBM bytes its own); "
+        "switches in effect: pdl = each op's second kernel launched programmatically "
+        "(EPD_NORMAL_PDL=1, kernels with griddepcontrol), gpu = the inter-rank flags at .gpu "
+        "scope (EPD_NORMAL_GPU_SCOPE=1, every rank on this GPU), - = neither\n");
+    std::printf("%-20s %-9s %-8s %5s %13s %10s %14s %14s %13s %10s %9s %9s\n", "op", "kernels",
+                "switches", "sms", "MB/rank", "us/op", "rank GB/s", "aggregate GB/s", "memcpy GB/s",
+                "agg/memcpy", "HBM TB/s", "HBM/copy");
   }
   for (const Row& r : rows) {
     const double rank_gbs = r.bytes_per_rank / r.op_us / 1e3;
@@ -432,7 +582,9 @@ int RunNormalBench() {
       const FloorFigures at = Floor(r, false);
       const FloorFigures gpu = Floor(r, true);
       std::printf(
-          "{\"figure\":\"normal %s\",\"kernels\":\"%s\",\"device\":\"%s\",\"sms_per_rank\":%d,"
+          "{\"figure\":\"normal "
+          "%s\",\"kernels\":\"%s\",\"pdl\":%s,\"gpu_scope\":%s,\"device\":\"%s\","
+          "\"sms_per_rank\":%d,"
           "\"oversubscribed\":%s,\"bytes_per_rank\":%.0f,\"op_us\":%.2f,\"rank_gbps\":%.1f,"
           "\"aggregate_gbps\":%.1f,\"memcpy_us\":%.2f,\"memcpy_gbps\":%.1f,"
           "\"hbm_bytes\":%.0f,\"hbm_tbps\":%.3f,\"copy_hbm_tbps\":%.3f,"
@@ -441,21 +593,37 @@ int RunNormalBench() {
           "\"bound_over_copy\":%.3f,\"gpu_bound_variant\":\"%s\",\"gpu_bound_blocks\":%d,"
           "\"gpu_bound_us\":%.2f,\"gpu_bound_tbps\":%.3f,\"op_over_gpu_bound\":%.3f,"
           "\"gpu_bound_over_copy\":%.3f}\n",
-          r.op.c_str(), VariantName(r), device.c_str(), r.sms, r.oversubscribed ? "true" : "false",
-          r.bytes_per_rank, r.op_us, rank_gbs, agg_gbs, r.memcpy_us, memcpy_gbs, r.hbm_bytes,
-          r.hbm_bytes / r.op_us / 1e6, CopyTbps(r), HbmOverCopy(r), r.bound_bytes,
-          r.bound.variant.c_str(), r.bound.blocks, r.bound.us, at.bound_tbps, at.op_over_bound,
-          at.bound_over_copy, r.gpu_bound.variant.c_str(), r.gpu_bound.blocks, r.gpu_bound.us,
-          gpu.bound_tbps, gpu.op_over_bound, gpu.bound_over_copy);
+          r.op.c_str(), VariantName(r), r.pdl ? "true" : "false", r.gpu_scope ? "true" : "false",
+          device.c_str(), r.sms, r.oversubscribed ? "true" : "false", r.bytes_per_rank, r.op_us,
+          rank_gbs, agg_gbs, r.memcpy_us, memcpy_gbs, r.hbm_bytes, r.hbm_bytes / r.op_us / 1e6,
+          CopyTbps(r), HbmOverCopy(r), r.bound_bytes, r.bound.variant.c_str(), r.bound.blocks,
+          r.bound.us, at.bound_tbps, at.op_over_bound, at.bound_over_copy,
+          r.gpu_bound.variant.c_str(), r.gpu_bound.blocks, r.gpu_bound.us, gpu.bound_tbps,
+          gpu.op_over_bound, gpu.bound_over_copy);
     } else {
-      std::printf("%-14s %-9s %5d%s %12.1f %10.1f %14.1f %14.1f %13.1f %9.0f%% %9.2f %8.0f%%\n",
-                  r.op.c_str(), VariantName(r), r.sms, r.oversubscribed ? "*" : " ",
-                  r.bytes_per_rank / 1e6, r.op_us, rank_gbs, agg_gbs, memcpy_gbs,
-                  100.0 * agg_gbs / memcpy_gbs, r.hbm_bytes / r.op_us / 1e6,
-                  100.0 * HbmOverCopy(r));
+      std::printf(
+          "%-20s %-9s %-8s %5d%s %12.1f %10.1f %14.1f %14.1f %13.1f %9.0f%% %9.2f %8.0f%%\n",
+          r.op.c_str(), VariantName(r), SwitchesName(r), r.sms, r.oversubscribed ? "*" : " ",
+          r.bytes_per_rank / 1e6, r.op_us, rank_gbs, agg_gbs, memcpy_gbs,
+          100.0 * agg_gbs / memcpy_gbs, r.hbm_bytes / r.op_us / 1e6, 100.0 * HbmOverCopy(r));
     }
   }
   if (json) {
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      const Row* cached = CachedRowOf(rows, i);
+      if (cached == nullptr) continue;
+      const RoutingShare share = Routing(r, *cached);
+      std::printf(
+          "{\"figure\":\"normal %s routing\",\"kernels\":\"%s\",\"pdl\":%s,\"gpu_scope\":%s,"
+          "\"device\":\"%s\",\"sms_per_rank\":%d,\"fresh_us\":%.2f,\"cached_us\":%.2f,"
+          "\"routing_us\":%.2f,\"routing_fraction\":%.4f,\"hbm_over_copy\":%.3f,"
+          "\"without_routing_over_copy\":%.3f,\"cached_over_copy\":%.3f}\n",
+          r.op.c_str(), VariantName(r), r.pdl ? "true" : "false", r.gpu_scope ? "true" : "false",
+          device.c_str(), r.sms, share.fresh_us, share.cached_us, share.routing_us,
+          share.routing_fraction, HbmOverCopy(r), share.without_routing_over_copy,
+          share.cached_over_copy);
+    }
     for (const BoundRow& b : bound_rows) {
       std::printf(
           "{\"figure\":\"normal fanout bound\",\"pattern\":\"%s\",\"variant\":\"%s\","
@@ -471,13 +639,25 @@ int RunNormalBench() {
     PrintBoundTable(rows, bound_rows, sms);
     // The goal at the default budget: floor(SMs / ranks) blocks per rank.
     const int32_t default_sms = sms / kRanks;
-    for (const Row& r : rows) {
+    PrintSwitchSummary(rows, default_sms);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
       if (r.sms != default_sms) continue;
       std::printf(
-          "goal: %s (%s kernels) at %d SMs/rank, HBM bytes/s >= %.0f%% of the same-run "
+          "goal: %s (%s kernels, switches %s) at %d SMs/rank, HBM bytes/s >= %.0f%% of the "
+          "same-run "
           "copy's: %.0f%% (%s)\n",
-          r.op.c_str(), VariantName(r), r.sms, 100.0 * kHbmGoal, 100.0 * HbmOverCopy(r),
-          HbmOverCopy(r) >= kHbmGoal ? "met" : "NOT met");
+          r.op.c_str(), VariantName(r), SwitchesName(r), r.sms, 100.0 * kHbmGoal,
+          100.0 * HbmOverCopy(r), HbmOverCopy(r) >= kHbmGoal ? "met" : "NOT met");
+      if (const Row* cached = CachedRowOf(rows, i); cached != nullptr) {
+        const RoutingShare share = Routing(r, *cached);
+        std::printf(
+            "  floor: routing (fresh %.1f us - cached %.1f us) = %.1f us, %.1f%% of the op; "
+            "without it the op's bytes would move at %.0f%% of copy (the cached op itself: "
+            "%.0f%%)\n",
+            share.fresh_us, share.cached_us, share.routing_us, 100.0 * share.routing_fraction,
+            100.0 * share.without_routing_over_copy, 100.0 * share.cached_over_copy);
+      }
       if (r.bound.us <= 0) continue;
       const FloorFigures at = Floor(r, false);
       const FloorFigures gpu = Floor(r, true);

@@ -3,7 +3,8 @@
 // destination rank for a dispatch, the rows of a token read and summed into one for a
 // combine: the ops' byte pattern without their logic), its HBM byte count, the fastest of
 // the bound's kernel variants, the ratios printed beside the ops, and the low-latency ops'
-// fixed cost split (T = 0) against a copy of the same bytes. docs/BENCHMARKS.md
+// fixed cost split (T = 0) against a copy of the same bytes, and a normal dispatch's routing
+// share (fresh against cached). docs/BENCHMARKS.md
 // "Measured floors".
 #pragma once
 
@@ -173,6 +174,40 @@ struct FixedCostSplit {
 inline FixedCostSplit SplitFixedCost(double op_us, double fixed_us, double memcpy_us) {
   FixedCostSplit s{op_us, fixed_us, memcpy_us, op_us - fixed_us, 0};
   if (memcpy_us > 0) s.data_over_memcpy = s.data_us / memcpy_us;
+  return s;
+}
+
+/// A fresh dispatch against the cached one of the same routing (its layout reused: an
+/// arrival barrier instead of the layout pass and count exchange, and no top-k metadata
+/// moved), both in the same run.
+struct RoutingShare {
+  double fresh_us = 0;
+  double cached_us = 0;
+  /// fresh_us - cached_us: what the routing (layout pass, count exchange, handle written
+  /// back, top-k metadata) adds to the op's critical path.
+  double routing_us = 0;
+  double routing_fraction = 0;  ///< routing_us / fresh_us.
+  /// The fresh op's HBM bytes in the cached op's time over the copy's rate: the goal's figure
+  /// the fresh op would reach without its routing.
+  double without_routing_over_copy = 0;
+  /// The cached op's own HBM bytes in its time over the copy's rate (its own goal figure).
+  double cached_over_copy = 0;
+};
+
+/// The split of a fresh dispatch moving `fresh_bytes` HBM bytes in `fresh_us` against the
+/// cached one moving `cached_bytes` in `cached_us`, with the device copy's HBM rate
+/// `copy_tbps` (TB/s). Times and the copy rate must be > 0 (else every figure is 0 but the
+/// times).
+inline RoutingShare SplitRouting(double fresh_bytes, double fresh_us, double cached_bytes,
+                                 double cached_us, double copy_tbps) {
+  RoutingShare s;
+  s.fresh_us = fresh_us;
+  s.cached_us = cached_us;
+  if (!(fresh_us > 0) || !(cached_us > 0) || !(copy_tbps > 0)) return s;
+  s.routing_us = fresh_us - cached_us;
+  s.routing_fraction = s.routing_us / fresh_us;
+  s.without_routing_over_copy = fresh_bytes / cached_us / 1e6 / copy_tbps;
+  s.cached_over_copy = cached_bytes / cached_us / 1e6 / copy_tbps;
   return s;
 }
 

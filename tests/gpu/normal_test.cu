@@ -6,7 +6,9 @@
 // E = R, 64, 256; masked 0 and 0.5; uniform, one-expert and duplicate routing; FP8 on/off;
 // T 0, 1, 333, 4096 (also mixed); alignment 1 and 128. Plus: prefill beside decode groups,
 // CUDA-graph replay with new T, bad ids and T, a rank that never arrives, a layout over 4 GiB,
-// and part of the sweep under each kernel variant (EPD_NORMAL_KERNELS).
+// and part of the sweep under each kernel variant (EPD_NORMAL_KERNELS) and with each op's
+// second kernel launched programmatically (EPD_NORMAL_PDL) and the inter-rank flags at .gpu
+// scope (EPD_NORMAL_GPU_SCOPE).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,7 +16,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <iterator>
+#include <initializer_list>
 #include <memory>
 #include <ostream>
 #include <random>
@@ -30,6 +32,7 @@
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/host_ops.h"
 #include "epd/kernels/layout.h"
+#include "kernels/cuda/normal_common.cuh"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace epd::testing {
@@ -118,6 +121,9 @@ struct NormalCase {
   uint64_t seed = 1;
   int32_t num_sms = 0;          ///< CudaRankContext::num_sms (0 = default).
   int32_t ranks_on_device = 0;  ///< CudaRankContext::ranks_on_device (0 = R).
+  /// CudaRankContext::all_ranks_on_device: true, as for any virtual-rank group (the normal
+  /// kernels use it only with EPD_NORMAL_GPU_SCOPE=1).
+  bool all_ranks_on_device = true;
 };
 
 std::string Describe(const NormalCase& c) {
@@ -158,6 +164,7 @@ class NormalGroup {
     shape_.use_fp8 = c_.fp8;
     EPD_ASSIGN_OR_RETURN(
         group_, VirtualRankGroup::Create(shape_, 5'000'000'000, c_.num_sms, c_.ranks_on_device));
+    group_->set_all_ranks_on_device(c_.all_ranks_on_device);
     // Allocated here, never while a stream captures (an allocation invalidates a capture).
     void* p = nullptr;
     EPD_CUDA_RETURN_IF_ERROR(
@@ -597,36 +604,125 @@ class ScopedEnv {
   bool had_ = false;
 };
 
-TEST_F(NormalGpuTest, EveryKernelVariantMatchesHostBitForBit) {
-  // Cases of the sweep under each variant: 16-byte rows (bulk copies on sm_90) and bf16-unit
-  // rows (every variant falls back to the vector copy), masked ranks, T of 0 and 1, blocks
-  // owning several tiles, a single rank.
-  const char* const picked[] = {
-      "single-rank-topk8", "deepseek-fp8",        "deepseek-bf16",
-      "mixed-T-8",         "one-token-8-ranks",   "ragged-hidden",
-      "tiny-odd-hidden",   "tiles-over-3-blocks", "long-tiles-fp8-masked"};
+/// Runs RunAll on the sweep's cases named in `picked` under each of `variants`
+/// (EPD_NORMAL_KERNELS), as the environment has it otherwise.
+void RunPickedCasesUnderVariants(std::initializer_list<const char*> picked,
+                                 std::initializer_list<const char*> variants) {
   const std::vector<NormalCase> cases = SweepCases();
-  for (const char* variant : {"static", "block", "balanced", "bulk"}) {
+  for (const char* variant : variants) {
     ScopedEnv env("EPD_NORMAL_KERNELS", variant);
     for (const NormalCase& c : cases) {
-      if (std::none_of(std::begin(picked), std::end(picked),
+      if (std::none_of(picked.begin(), picked.end(),
                        [&](const char* name) { return c.name == name; })) {
         continue;
       }
-      SCOPED_TRACE(absl::StrCat("EPD_NORMAL_KERNELS=", variant, ": ", Describe(c)));
+      const char* pdl = std::getenv("EPD_NORMAL_PDL");
+      const char* scope = std::getenv("EPD_NORMAL_GPU_SCOPE");
+      SCOPED_TRACE(absl::StrCat(
+          "EPD_NORMAL_KERNELS=", variant, " EPD_NORMAL_PDL=", pdl != nullptr ? pdl : "",
+          " EPD_NORMAL_GPU_SCOPE=", scope != nullptr ? scope : "", ": ", Describe(c)));
       NormalGroup g(c);
       NM_ASSERT_OK(g.RunAll());
     }
   }
 }
 
-TEST_F(NormalGpuTest, UnknownKernelVariantIsRefusedNamingIt) {
-  ScopedEnv env("EPD_NORMAL_KERNELS", "fastest");
-  NormalGroup g(NormalCase{"bad-variant", 2, 2048, 8, 64, {333}});
+TEST_F(NormalGpuTest, EveryKernelVariantMatchesHostBitForBit) {
+  // Cases of the sweep under each variant: 16-byte rows (bulk copies on sm_90) and bf16-unit
+  // rows (every variant falls back to the vector copy), masked ranks, T of 0 and 1, blocks
+  // owning several tiles, a single rank.
+  RunPickedCasesUnderVariants(
+      {"single-rank-topk8", "deepseek-fp8", "deepseek-bf16", "mixed-T-8", "one-token-8-ranks",
+       "ragged-hidden", "tiny-odd-hidden", "tiles-over-3-blocks", "long-tiles-fp8-masked"},
+      {"static", "block", "balanced", "bulk"});
+}
+
+// ---- programmatic launch of each op's second kernel (EPD_NORMAL_PDL) ------------------------
+
+__global__ void PtxVersionProbe() {}
+
+/// The PTX version (e.g. 90) this binary's kernels run from on the current GPU: built with the
+/// same architectures as the library's.
+int ProbePtxVersion() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, PtxVersionProbe) == cudaSuccess ? attr.ptxVersion : 0;
+}
+
+TEST_F(NormalGpuTest, ProgrammaticLaunchIsOnWhereTheKernelsHaveIt) {
+  // The tests below only test the programmatic path if the switch takes effect: where the
+  // kernels run from sm_90 PTX (the H200 with the default architectures: griddepcontrol),
+  // EPD_NORMAL_PDL=1 must turn it on.
+  {
+    ScopedEnv env("EPD_NORMAL_PDL", "0");
+    const absl::StatusOr<bool> off = kc::normal::NormalProgrammaticFromEnv();
+    ASSERT_TRUE(off.ok()) << off.status();
+    EXPECT_FALSE(*off);
+  }
+  ScopedEnv env("EPD_NORMAL_PDL", "1");
+  const absl::StatusOr<bool> on = kc::normal::NormalProgrammaticFromEnv();
+  ASSERT_TRUE(on.ok()) << on.status();
+  const int ptx = ProbePtxVersion();
+  ASSERT_GT(ptx, 0);
+  EXPECT_EQ(*on, ptx >= 90) << "ptxVersion " << ptx;
+}
+
+TEST_F(NormalGpuTest, ProgrammaticLaunchMatchesHostBitForBit) {
+  // Layout, dispatch, combine and cached re-dispatch with every op's second kernel launched
+  // programmatically: a copy or combine that read the notify's or barrier's writes (tile
+  // bases, sequence number, token counter) before that grid ended would differ from the
+  // host. The vector copy (16-byte and bf16-unit rows) and the bulk copy, 8 ranks, T of 0
+  // and 1, masked ranks, blocks owning several tiles.
+  ScopedEnv pdl("EPD_NORMAL_PDL", "1");
+  RunPickedCasesUnderVariants({"deepseek-fp8", "deepseek-bf16", "mixed-T-8", "ragged-hidden",
+                               "tiny-odd-hidden", "long-tiles-fp8-masked"},
+                              {"balanced", "bulk"});
+}
+
+/// Runs a case's ops with environment variable `name` = `value` (not a value it takes):
+/// INVALID_ARGUMENT naming both.
+void ExpectEnvValueRefused(const char* name, const char* value) {
+  ScopedEnv env(name, value);
+  NormalGroup g(NormalCase{"bad-env", 2, 2048, 8, 64, {333}});
   const absl::Status st = g.RunAll();
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-  EXPECT_NE(st.message().find("EPD_NORMAL_KERNELS"), absl::string_view::npos) << st;
-  EXPECT_NE(st.message().find("fastest"), absl::string_view::npos) << st;
+  EXPECT_NE(st.message().find(name), absl::string_view::npos) << st;
+  EXPECT_NE(st.message().find(value), absl::string_view::npos) << st;
+}
+
+TEST_F(NormalGpuTest, GpuScopeFlagsMatchHostBitForBit) {
+  // The inter-rank flags at .gpu scope (every rank on this GPU), with the programmatic launch
+  // as the lead may run both: a missing order between a rank's writes and its flags would
+  // show as rows or counts that differ from the host.
+  ScopedEnv scope("EPD_NORMAL_GPU_SCOPE", "1");
+  ScopedEnv pdl("EPD_NORMAL_PDL", "1");
+  RunPickedCasesUnderVariants({"deepseek-fp8", "deepseek-bf16", "mixed-T-8", "ragged-hidden",
+                               "tiny-odd-hidden", "long-tiles-fp8-masked"},
+                              {"balanced", "bulk"});
+}
+
+TEST_F(NormalGpuTest, GpuScopeOnlyWhereEveryRankIsOnThisGpu) {
+  NormalGroup g(NormalCase{"scope", 2, 2048, 8, 64, {333}});
+  NM_ASSERT_OK(g.Prepare());
+  kc::CudaRankContext ctx = g.group().Context(0);
+  ScopedEnv env("EPD_NORMAL_GPU_SCOPE", "1");
+  for (const bool all : {false, true}) {
+    ctx.all_ranks_on_device = all;
+    const absl::StatusOr<bool> scope = kc::normal::NormalGpuScopeFromEnv(ctx);
+    ASSERT_TRUE(scope.ok()) << scope.status();
+    EXPECT_EQ(*scope, all);
+  }
+}
+
+TEST_F(NormalGpuTest, UnknownGpuScopeValueIsRefusedNamingIt) {
+  ExpectEnvValueRefused("EPD_NORMAL_GPU_SCOPE", "gpu");
+}
+
+TEST_F(NormalGpuTest, UnknownProgrammaticLaunchValueIsRefusedNamingIt) {
+  ExpectEnvValueRefused("EPD_NORMAL_PDL", "yes");
+}
+
+TEST_F(NormalGpuTest, UnknownKernelVariantIsRefusedNamingIt) {
+  ExpectEnvValueRefused("EPD_NORMAL_KERNELS", "fastest");
 }
 
 // ---- two groups on one GPU, launched concurrently ----------------------------------------
@@ -671,10 +767,12 @@ TEST_F(NormalGpuTest, PrefillGroupBesideDecodeGroupRunConcurrently) {
 
 // ---- CUDA graphs: captured once, replayed with new inputs and a new T ---------------------
 
-TEST_F(NormalGpuTest, CapturedDispatchCombineReplaysWithNewInputsAndT) {
-  // Each rank captures [Dispatch, Combine] on its stream once. T comes from the device slot
-  // and sequence numbers from the device op counter, so replays with other T and inputs
-  // (slot and inputs written outside the graph) must match the host every time.
+/// Each rank captures [Dispatch, Combine] on its stream once. T comes from the device slot
+/// and sequence numbers from the device op counter, so replays with other T and inputs
+/// (slot and inputs written outside the graph) must match the host every time. `pdl`: the
+/// EPD_NORMAL_PDL value during the capture (the programmatic edges are captured), `scope` the
+/// EPD_NORMAL_GPU_SCOPE value.
+void CaptureAndReplayDispatchCombine(const char* pdl, const char* scope) {
   NormalGroup g({"graph", 4, 2048, 8, 64, {4096}, false, 128});
   NM_ASSERT_OK(g.Prepare());
   struct ExecDeleter {
@@ -683,6 +781,8 @@ TEST_F(NormalGpuTest, CapturedDispatchCombineReplaysWithNewInputsAndT) {
   std::vector<std::unique_ptr<CUgraphExec_st, ExecDeleter>> execs;
   for (int32_t r = 0; r < 4; ++r) {
     cudaStream_t s = g.group().stream(r);
+    ScopedEnv env("EPD_NORMAL_PDL", pdl);
+    ScopedEnv scope_env("EPD_NORMAL_GPU_SCOPE", scope);
     ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
     const absl::Status d = g.LaunchDispatchRank(r, false, s);
     const absl::Status c = g.LaunchCombineRank(r, s);
@@ -709,6 +809,14 @@ TEST_F(NormalGpuTest, CapturedDispatchCombineReplaysWithNewInputsAndT) {
     NM_ASSERT_OK(g.CheckDispatch(false));
     NM_ASSERT_OK(g.CheckCombine());
   }
+}
+
+TEST_F(NormalGpuTest, CapturedDispatchCombineReplaysWithNewInputsAndT) {
+  CaptureAndReplayDispatchCombine("0", "0");
+}
+
+TEST_F(NormalGpuTest, CapturedWithPdlAndGpuScopeReplaysWithNewInputsAndT) {
+  CaptureAndReplayDispatchCombine("1", "1");
 }
 
 // ---- device-side errors ------------------------------------------------------------------

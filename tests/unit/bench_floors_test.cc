@@ -113,5 +113,20 @@ TEST(BenchFloorsTest, FixedCostSplitTakesTheT0OpOff) {
   EXPECT_EQ(SplitFixedCost(43, 38, 0).data_over_memcpy, 0);
 }
 
+TEST(BenchFloorsTest, RoutingShareIsTheFreshOpLessTheCachedOne) {
+  // Fresh: 4.2e8 bytes in 500 us; cached: 4e8 bytes in 400 us; the copy 4 TB/s (4e6 bytes/us).
+  const RoutingShare s = SplitRouting(4.2e8, 500, 4e8, 400, 4);
+  EXPECT_DOUBLE_EQ(s.fresh_us, 500);
+  EXPECT_DOUBLE_EQ(s.cached_us, 400);
+  EXPECT_DOUBLE_EQ(s.routing_us, 100);
+  EXPECT_DOUBLE_EQ(s.routing_fraction, 0.2);
+  EXPECT_DOUBLE_EQ(s.without_routing_over_copy, 4.2e8 / 400 / 4e6);  // 0.2625
+  EXPECT_DOUBLE_EQ(s.cached_over_copy, 0.25);
+  const RoutingShare none = SplitRouting(4.2e8, 500, 4e8, 0, 4);
+  EXPECT_EQ(none.routing_us, 0);
+  EXPECT_EQ(none.without_routing_over_copy, 0);
+  EXPECT_EQ(SplitRouting(4.2e8, 500, 4e8, 400, 0).cached_over_copy, 0);
+}
+
 }  // namespace
 }  // namespace epd::bench
