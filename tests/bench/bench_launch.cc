@@ -60,6 +60,10 @@ ABSL_FLAG(std::string, epd_log, "",
           "launch bench: copy the log of the epd it starts to this file once it stopped");
 ABSL_FLAG(std::string, socket, "",
           "launch bench: use the epd already serving on this socket instead of starting one");
+ABSL_FLAG(bool, launch_x_in_place, true,
+          "launch bench: the dispatch's x produced in place (LowLatencyDispatchInput, no copy); "
+          "false = x in the caller's own tensor, as a DeepEP caller has it (daemon-launched: "
+          "the staging kernel copies it)");
 ABSL_FLAG(int, launch_iters, 1000, "launch bench: timed iterations per mode (after warm-up)");
 ABSL_FLAG(int, launch_warmup, 50, "launch bench: warm-up iterations per mode");
 ABSL_FLAG(int, launch_gate_delay_us, 1000,
@@ -425,7 +429,8 @@ absl::Status MeasureMode(Client& client, const std::string& gpu_uuid, v1::Launch
     EPD_CUDA_RETURN_IF_ERROR(
         cudaMemcpy(x_in.data(), in[r].x.get(), size_t{kTokens} * kHidden * 2, cudaMemcpyDefault));
     EPD_CUDA_RETURN_IF_ERROR(cudaMemset(y_in.data(), 0x3f, y_in.nbytes()));
-    x[r] = CudaTensor(x_in.data(), kBf16, x_shape[r]);
+    x[r] = CudaTensor(absl::GetFlag(FLAGS_launch_x_in_place) ? x_in.data() : in[r].x.get(), kBf16,
+                      x_shape[r]);
     expert_out[r] = CudaTensor(y_in.data(), kBf16, out_shape[r]);
     idx[r] = CudaTensor(in[r].topk_idx.get(), kI64, idx_shape[r]);
     w[r] = CudaTensor(in[r].topk_weights.get(), kF32, idx_shape[r]);
@@ -730,10 +735,13 @@ int RunLaunchBench() {
                 rep.epd_version.c_str(), rep.mps_active ? "yes" : "no");
     std::printf(
         "shape: T=%d H=%d K=%d E=%d R=%d Mll=%d; FP8 dispatch, BF16 combine; %d iterations "
-        "after %d warm-up; times in us; x and the expert outputs produced in place "
-        "(LowLatencyDispatchInput / LowLatencyCombineInput)\n",
+        "after %d warm-up; times in us; %s, the expert outputs produced in place "
+        "(LowLatencyCombineInput)\n",
         kTokens, kHidden, kTopk, kExperts, Ranks(), kLlMaxTokens, absl::GetFlag(FLAGS_launch_iters),
-        absl::GetFlag(FLAGS_launch_warmup));
+        absl::GetFlag(FLAGS_launch_warmup),
+        absl::GetFlag(FLAGS_launch_x_in_place)
+            ? "x produced in place (LowLatencyDispatchInput)"
+            : "x in the caller's own tensor (daemon-launched: copied by the staging kernel)");
     std::printf("%-34s %8s %8s %8s %8s %9s %9s %8s %9s %9s\n", "mode / op", "p50", "p99",
                 "host p50", "host p99", "inproc50", "memcpy50", "/memcpy", "/inproc", "-inproc");
     if (rep.inproc_dispatch.op_us.span.count > 0) {

@@ -1483,11 +1483,16 @@ TEST(LowLatencyHandoff, RoutingSeqLetsTheKernelRouteBeforeXIsStaged) {
       absl::StatusCode::kInvalidArgument);  // more early copies than copies
   bad.num_copies = 1;
   bad.counter = nullptr;
+  auto big_src = DeviceBuffer::Allocate(1 << 20);
+  auto big_dst = DeviceBuffer::Allocate(1 << 20);
+  ASSERT_TRUE(big_src.ok() && big_dst.ok());
+  const std::array<kc::DeviceCopy, 2> multi_block = {
+      copies[0][1], kc::DeviceCopy{big_dst->get(), big_src->get(), 1 << 20}};
   EXPECT_EQ(
-      kc::CopyDeviceBatchAsync(copies[0].data(), 3, flag(0, abi::kReadyFlagOffset), 3,
+      kc::CopyDeviceBatchAsync(multi_block.data(), 2, flag(0, abi::kReadyFlagOffset), 3,
                                StagingCounter(g, 0), client->get(), nullptr, kc::DoneWait{}, bad)
           .code(),
-      absl::StatusCode::kInvalidArgument);  // multi-block (x) without a ticket word
+      absl::StatusCode::kInvalidArgument);  // 1 MiB: several blocks, no ticket word
   ASSERT_EQ(cudaStreamSynchronize(client->get()), cudaSuccess);
   EXPECT_EQ(ReadWord(word), 2u) << "a refused batch wrote the early signal";
 }
