@@ -350,8 +350,9 @@ bool RegisterPreloadHook(absl::Status (*hook)());
 /// Enqueues on `stream` a one-thread kernel that replaces the value 1 of the 64-bit word
 /// `program_done` (launch_flags + kProgramDoneOffset) by 0 (atomicCAS), leaving any other
 /// value (0, kProgramReleased) as it is. The client's captured program step runs it after
-/// its wait for done >= 1, so the next step waits for the daemon again; capturable, no
-/// host argument changes between replays. Errors: CUDA launch errors (INTERNAL).
+/// its stream wait for done >= 1 (under MPS its staging kernel does the same CAS instead:
+/// DoneWait::clear), so the next step waits for the daemon again; capturable, no host
+/// argument changes between replays. Errors: CUDA launch errors (INTERNAL).
 absl::Status ProgramAckAsync(uint64_t* program_done, cudaStream_t stream);
 
 // ---- run-time token count ---------------------------------------------------------------
