@@ -16,17 +16,9 @@
 namespace epd::internal {
 namespace {
 
-/// Bound of a staging kernel's wait for done_seq (kc::DoneWait), in ms of op_timeout:
-/// 4 * op_timeout + kDoneWaitSlackMs counted from the staging. A successful op stores done
-/// within about 2 * op_timeout of it (the daemon waits up to op_timeout for the other ranks'
-/// requests, then the kernel's peer waits up to op_timeout) and a failed dispatch within
-/// one more (its block 0 waits for the others' tickets). A fused launch (every rank of a
-/// GPU in one kernel) starts once every rank's staging has, or at the engine's give-up
-/// (op_timeout + 5 s after its launch) when one never does: up to one more op_timeout and
-/// 5 s. So the bound passes only when the daemon is gone or stuck, whose op's Wait fails
-/// anyway.
-[[maybe_unused]] constexpr int64_t kDoneWaitTimeouts = 4;
-[[maybe_unused]] constexpr int64_t kDoneWaitSlackMs = 20'000;
+/// KernelDoneWaitTimeoutNs: 4 * op_timeout + kDoneWaitSlackMs, counted from the staging.
+constexpr int64_t kDoneWaitTimeouts = 4;
+constexpr int64_t kDoneWaitSlackMs = 20'000;
 
 #if EPD_HAVE_CUDA
 namespace kc = kernels::cuda;
@@ -35,8 +27,11 @@ cudaStream_t AsStream(void* stream) { return static_cast<cudaStream_t>(stream); 
 
 }  // namespace
 
-DaemonLaunch::DaemonLaunch(Endpoint::Impl& endpoint, bool kernel_done_wait)
-    : m_(endpoint), kernel_done_wait_(kernel_done_wait) {}
+int64_t KernelDoneWaitTimeoutNs(int64_t op_timeout_ms) {
+  return (kDoneWaitTimeouts * op_timeout_ms + kDoneWaitSlackMs) * 1'000'000;
+}
+
+DaemonLaunch::DaemonLaunch(Endpoint::Impl& endpoint) : m_(endpoint) {}
 
 absl::StatusOr<uint64_t> DaemonLaunch::Run(const OpPlan& p) {
   absl::Status st = p.status;
@@ -93,7 +88,7 @@ absl::Status DaemonLaunch::OrderAfterPreviousOp(void* stream) {
 }
 
 bool DaemonLaunch::KernelWaitsForDone(abi::OpKind op) const {
-  return kernel_done_wait_ && rules::IsLowLatency(op);
+  return m_.kernel_done_wait && rules::IsLowLatency(op);
 }
 
 absl::StatusOr<uint64_t> DaemonLaunch::Submit(abi::OpKind op, uint32_t flags, int32_t num_tokens,
@@ -121,10 +116,9 @@ absl::StatusOr<uint64_t> DaemonLaunch::Submit(abi::OpKind op, uint32_t flags, in
     // below.
     kc::DoneWait done_wait;
     if (KernelWaitsForDone(op)) {
-      done_wait.flag = reinterpret_cast<const uint64_t*>(launch_flags + abi::kDoneFlagOffset);
+      done_wait.flag = reinterpret_cast<uint64_t*>(launch_flags + abi::kDoneFlagOffset);
       done_wait.value = seq;
-      done_wait.timeout_ns =
-          (kDoneWaitTimeouts * m_.info.op_timeout_ms() + kDoneWaitSlackMs) * 1'000'000;
+      done_wait.timeout_ns = KernelDoneWaitTimeoutNs(m_.info.op_timeout_ms());
     }
     // A low-latency dispatch's topk_idx is copied first and announced by routing_seq: the
     // daemon's kernel routes and exchanges counts while x is still being copied.

@@ -15,12 +15,24 @@
 
 namespace epd::internal {
 
+/// Bound of a staging kernel's wait for done (kc::DoneWait::timeout_ns), in ns:
+/// 4 * op_timeout + 20 s, counted from the staging. A successful op stores done within
+/// about 2 * op_timeout of it (the daemon waits up to op_timeout for the other ranks'
+/// requests, then the kernel's peer waits up to op_timeout) and a failed dispatch within
+/// one more (its block 0 waits for the others' tickets). A fused launch (every rank of a
+/// GPU in one kernel) starts once every rank's staging has, or at the engine's give-up
+/// (op_timeout + 5 s after its launch) when one never does: up to one more op_timeout and
+/// 5 s. A graph-mode program step's done comes sooner: its instance is enqueued ahead and
+/// waits for this go only, then its kernel's peer waits take up to op_timeout. So the bound
+/// passes only when the daemon is gone or stuck, whose op's Wait (or ProgramStatus) fails
+/// anyway.
+int64_t KernelDoneWaitTimeoutNs(int64_t op_timeout_ms);
+
 class DaemonLaunch final : public OpRunner {
  public:
-  /// `endpoint` outlives the runner. `kernel_done_wait`: EndpointInfo kernel_done_wait,
-  /// and this process sees MPS on the endpoint's GPU too (without MPS here, a spinning
-  /// staging kernel would hold the GPU's time slice the daemon's kernels need).
-  DaemonLaunch(Endpoint::Impl& endpoint, bool kernel_done_wait);
+  /// `endpoint` outlives the runner; its kernel_done_wait says whether a low-latency op's
+  /// staging kernel waits for done itself.
+  explicit DaemonLaunch(Endpoint::Impl& endpoint);
 
   /// A rejected op (plan.status) is reported to the group as a client error, so the other
   /// ranks' op fails promptly and sequence numbers stay aligned, and its error returned
@@ -38,8 +50,9 @@ class DaemonLaunch final : public OpRunner {
   /// must reach the GPU in seq order: when the previous stream-ordered op ran on another
   /// stream, `stream` first waits (on the GPU) for its done_seq.
   absl::Status OrderAfterPreviousOp(void* stream);
-  /// Whether the staging kernel of `op` waits for its done_seq itself (kernel_done_wait:
-  /// low-latency ops under MPS) instead of a stream wait after it.
+  /// Whether the staging kernel of `op` waits for its done_seq itself
+  /// (Endpoint::Impl::kernel_done_wait: low-latency ops under MPS) instead of a stream wait
+  /// after it.
   bool KernelWaitsForDone(abi::OpKind op) const;
   /// Publishes one request; returns its seq. Stream-ordered on `stream` on the CUDA
   /// backend unless it carries kFlagClientError.
@@ -47,7 +60,6 @@ class DaemonLaunch final : public OpRunner {
                                   int32_t expert_alignment, uint64_t handle_seq, int32_t num_sms,
                                   void* stream);
   Endpoint::Impl& m_;
-  bool kernel_done_wait_ = false;
   /// How many of the copies Run recorded for the op being submitted are its routing
   /// inputs' (OpPlan::routing_inputs, recorded first): Submit's staging kernel signals
   /// routing_seq once they are done.

@@ -44,8 +44,17 @@ struct Endpoint::Impl {
   internal::RingChannel ring;
   uint8_t* data = nullptr;  ///< The data area (shm region, or the CUDA mapping).
   DLDevice device{kDLCPU, 0};
-  bool cuda = false;                                ///< CUDA backend: `data` is device memory.
-  bool client_launched = false;                     ///< LAUNCH_MODE_CLIENT (CUDA only).
+  bool cuda = false;             ///< CUDA backend: `data` is device memory.
+  bool client_launched = false;  ///< LAUNCH_MODE_CLIENT (CUDA only).
+  /// Daemon-launched CUDA: EndpointInfo kernel_done_wait, and this process sees MPS on the
+  /// endpoint's GPU too. A low-latency op's staging kernel (DaemonLaunch) then waits for
+  /// done_seq itself (kc::DoneWait) instead of a stream wait; without MPS here a spinning
+  /// client kernel would hold the GPU's time slice the daemon's kernels need.
+  bool kernel_done_wait = false;
+  /// The same for a graph-mode program step (EndpointInfo program_kernel_done_wait and
+  /// MPS here): its staging kernel waits for program_done and acknowledges it
+  /// (graph_program.cc HandOffProgramStep).
+  bool program_kernel_done_wait = false;
   uint64_t next_seq = 1;                            ///< The next op's seq (both runners).
   std::shared_ptr<internal::SessionWatch> session;  ///< See OpenEndpoint.
   uint64_t session_hook = 0;                        ///< Our hook in `session` (0 = none).

@@ -17,6 +17,7 @@
 
 #if EPD_HAVE_CUDA
 #include "client/endpoint/client_launch.h"
+#include "client/endpoint/daemon_launch.h"
 #include "common/cuda/cuda_check.h"
 #include "common/cuda/device_alloc.h"
 #include "common/cuda/stream_memops.h"
@@ -138,17 +139,32 @@ static absl::Status CheckProgramStep(Endpoint::Impl& m, ProgramStep::Op want, co
 /// The go / done / ack sequence of one program step on `stream` (layout.h): the step's
 /// inputs recorded by StageForSubmit are copied by one kernel whose last block stores go = 1
 /// (kc::CopyDeviceBatchAsync: a kernel's store reaches the daemon's stream sooner than a
-/// stream memory write queued behind the caller's kernels, cuda_ops.h), then the stream
-/// waits for done and a one-thread kernel acknowledges it.
+/// stream memory write queued behind the caller's kernels, cuda_ops.h). Under MPS
+/// (Impl::program_kernel_done_wait) that block then waits for done >= 1 itself and swaps 1 back to
+/// 0 (kc::DoneWait with clear: the acknowledgement, no stream wait for the GPU front end to
+/// wake, no second kernel); it holds one SM, which the daemon's program instances leave
+/// free as its low-latency ops do (CudaRankContext::sms_left_per_rank). Otherwise the
+/// stream waits for done and a one-thread kernel acknowledges it. Either way every
+/// argument is a constant, so a captured graph replays it.
 static absl::Status HandOffProgramStep(Endpoint::Impl& m, cudaStream_t stream) {
   uint8_t* flags = m.At(m.layout.launch_flags);
+  uint64_t* done = reinterpret_cast<uint64_t*>(flags + abi::kProgramDoneOffset);
   const int num_copies = std::exchange(m.num_pending_copies, 0);
-  EPD_RETURN_IF_ERROR(kc::CopyDeviceBatchAsync(
-      m.pending_copies.data(), num_copies,
-      reinterpret_cast<uint64_t*>(flags + abi::kProgramGoOffset), 1,
-      reinterpret_cast<uint32_t*>(flags + abi::kReadySignalCounterOffset), stream));
+  kc::DoneWait done_wait;
+  if (m.program_kernel_done_wait) {
+    done_wait.flag = done;
+    done_wait.value = 1;
+    done_wait.clear = true;
+    done_wait.timeout_ns = internal::KernelDoneWaitTimeoutNs(m.info.op_timeout_ms());
+  }
+  EPD_RETURN_IF_ERROR(
+      kc::CopyDeviceBatchAsync(m.pending_copies.data(), num_copies,
+                               reinterpret_cast<uint64_t*>(flags + abi::kProgramGoOffset), 1,
+                               reinterpret_cast<uint32_t*>(flags + abi::kReadySignalCounterOffset),
+                               stream, nullptr, done_wait));
+  if (m.program_kernel_done_wait) return absl::OkStatus();
   EPD_RETURN_IF_ERROR(StreamWaitValue64Geq(stream, flags + abi::kProgramDoneOffset, 1));
-  return kc::ProgramAckAsync(reinterpret_cast<uint64_t*>(flags + abi::kProgramDoneOffset), stream);
+  return kc::ProgramAckAsync(done, stream);
 }
 #endif
 

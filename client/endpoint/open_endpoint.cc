@@ -97,7 +97,6 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
   m->data = region.data() + h.data_offset;
   m->ring = RingChannel(std::move(region), std::move(doorbell), spec.name(), info.rank(),
                         info.op_timeout_ms(), session);
-  bool kernel_done_wait = false;
 #if EPD_HAVE_CUDA
   if (m->cuda) {
     EPD_ASSIGN_OR_RETURN(m->mapping, MapSharedArea(info.cuda_ipc_handle(), info.gpu_uuid()));
@@ -113,7 +112,8 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
         cudaGetLastError();  // Ours: no MPS assumed (the stream wait).
         mps = 0;
       }
-      kernel_done_wait = info.kernel_done_wait() && mps != 0;
+      m->kernel_done_wait = info.kernel_done_wait() && mps != 0;
+      m->program_kernel_done_wait = info.program_kernel_done_wait() && mps != 0;
     }
   }
   if (m->client_launched) {
@@ -122,7 +122,7 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
 #else
   (void)group_endpoints;
 #endif
-  if (m->runner == nullptr) m->runner = std::make_unique<DaemonLaunch>(*m, kernel_done_wait);
+  if (m->runner == nullptr) m->runner = std::make_unique<DaemonLaunch>(*m);
   m->next_seq = info.first_seq();
   m->parity.dispatches = info.first_ll_dispatches();
   m->parity.combines = info.first_ll_combines();

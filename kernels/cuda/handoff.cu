@@ -82,10 +82,16 @@ __global__ void BatchCopySignalKernel(const BatchCopyParams p) {
   }
   device::StReleaseGpu64(p.signal, p.signal_value);
   if (p.done_wait.flag == nullptr) return;
-  // DoneWait: the stream's next work waits for the daemon's done_seq (bounded).
+  // DoneWait: the stream's next work waits for the daemon's done word (bounded).
   const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(p.done_wait.timeout_ns);
   uint64_t seen = 0;
-  device::WaitFlag64AtLeast(p.done_wait.flag, p.done_wait.value, deadline, &seen);
+  if (device::WaitFlag64AtLeast(p.done_wait.flag, p.done_wait.value, deadline, &seen) &&
+      p.done_wait.clear && seen == p.done_wait.value) {
+    // The program step's acknowledgement: value back to 0, unless something else was
+    // written since it was read (kProgramReleased stays).
+    atomicCAS(reinterpret_cast<unsigned long long*>(p.done_wait.flag),
+              static_cast<unsigned long long>(p.done_wait.value), 0ull);
+  }
 }
 
 __global__ void WaitFlagKernel(const uint64_t* flag, uint64_t value, int64_t timeout_ns,
@@ -172,6 +178,12 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
     return absl::InvalidArgumentError(absl::StrCat(
         "CopyDeviceBatchAsync: a done wait needs a signal (", signal == nullptr ? "none" : "set",
         ") and done_wait.timeout_ns > 0 (got ", done_wait.timeout_ns, ")"));
+  }
+  if (done_wait.clear && (done_wait.flag == nullptr || done_wait.value == 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CopyDeviceBatchAsync: done_wait.clear needs done_wait.flag (",
+                     done_wait.flag == nullptr ? "null" : "set", ") and done_wait.value > 0 (got ",
+                     done_wait.value, ")"));
   }
   if (num_copies < 0 || num_copies > kMaxBatchCopies || (num_copies > 0 && copies == nullptr)) {
     return absl::InvalidArgumentError(

@@ -50,7 +50,9 @@ struct LaunchFlags {
   uint64_t program_go;
   /// Graph mode: the step's kernel writes 1 once its outputs are complete (the daemon's
   /// stream if the launch failed); the client's stream waits for done >= 1, then swaps 1
-  /// for 0 (atomicCAS). kProgramReleased once the program is disarmed (no CAS clears it).
+  /// for 0 (atomicCAS): a stream wait and a one-thread kernel, or under MPS the staging
+  /// kernel's spinning thread (kernels::cuda::DoneWait::clear), the same CAS either way.
+  /// kProgramReleased once the program is disarmed (no CAS clears it).
   uint64_t program_done;
   /// Graph mode: the step's kernel writes the instance number (1, 2, ... since the
   /// program was armed) just before program_done.

@@ -936,6 +936,8 @@ TEST_P(CudaDataPlaneOrderedTest, StreamOrderedOpRunsOnlyOnceReadyIsWrittenThenWr
     // The client's staging kernel may wait for done only where the daemon's ready wait is a
     // kernel (MPS): that is when its low-latency grids leave it an SM.
     EXPECT_EQ(rk.info.kernel_done_wait(), KernelWait());
+    // So may a graph-mode program step's (its instances' grids leave the SM too).
+    EXPECT_EQ(rk.info.program_kernel_done_wait(), KernelWait());
     EXPECT_EQ(ReadU64(FlagsOf(rk, L).ready), 0u);
     EXPECT_EQ(ReadU64(FlagsOf(rk, L).done), 0u);
   }
@@ -1246,6 +1248,7 @@ TEST_F(CudaDataPlaneTest, ClientLaunchedEndpointGetsAZeroedAreaAndItsRingIsRefus
   for (const RawRank& rk : ranks) {
     EXPECT_EQ(rk.info.launch_mode(), v1::LAUNCH_MODE_CLIENT);
     EXPECT_FALSE(rk.info.kernel_done_wait()) << "a client-launched endpoint has no done wait";
+    EXPECT_FALSE(rk.info.program_kernel_done_wait());
     EXPECT_EQ(rk.info.backend(), "cuda");
     EXPECT_EQ(rk.info.cuda_ipc_handle().size(), sizeof(cudaIpcMemHandle_t));
     EXPECT_EQ(rk.info.data_bytes(), L.total_bytes);

@@ -4,34 +4,51 @@
 // without MPS; the staging kernel's own wait, kc::DoneWait, under MPS). epd is then
 // SIGKILLed: the library sees its session end and writes done_seq = kReleasedSeq from the
 // host, so the stream goes on within seconds, far before the op's timeout (60 s here) or
-// the kernel wait's own bound, and Wait returns UNAVAILABLE.
+// the kernel wait's own bound, and Wait returns UNAVAILABLE. The same for a graph-mode
+// program step (client/endpoint/graph_program.cc: a stream wait for program_done and an
+// acknowledging kernel without MPS, the staging kernel's own wait with DoneWait::clear
+// under MPS): the library writes program_done = kProgramReleased, which both pass.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "client/cuda/cuda_ipc.h"
 #include "epd/client.h"
 #include "tests/common/daemon_process.h"
 #include "tests/common/dtypes.h"
+#include "tests/common/on_every_rank.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace epd {
 namespace {
 
 using ::epd::testing::kBf16;
+using ::epd::testing::kI32;
 using ::epd::testing::kI64;
 
 using ::epd::testing::CudaStream;
 using ::epd::testing::DaemonProcess;
 using ::epd::testing::DaemonProcessOptions;
 
-TEST(DaemonDeathTest, StreamOfAnOpInFlightIsReleasedWhenEpdIsKilled) {
-  std::string why;
-  if (!testing::HaveGpu(&why)) GTEST_SKIP() << why;
+constexpr int32_t kTokens = 4, kHidden = 256, kTopk = 2;
+
+/// epd (CUDA backend, op_timeout 60 s) in a process of its own, a client of it and both
+/// daemon-launched endpoints of a 2-rank group on its first GPU (`gpu_uuid`).
+struct DeadDaemonFixture {
+  std::unique_ptr<DaemonProcess> epd;
+  std::unique_ptr<Client> client;
+  std::string gpu_uuid;
+  std::vector<std::unique_ptr<Endpoint>> eps;
+};
+
+/// Fills `fx` (a fatal test failure where a step fails).
+void StartAndJoin(DeadDaemonFixture& fx) {
   DaemonProcessOptions o;
   o.backend = "cuda";
   o.tcp = false;
@@ -39,17 +56,18 @@ TEST(DaemonDeathTest, StreamOfAnOpInFlightIsReleasedWhenEpdIsKilled) {
   o.start_timeout = absl::Seconds(60);
   auto epd = DaemonProcess::Start(o);
   ASSERT_TRUE(epd.ok()) << epd.status();
+  fx.epd = std::move(*epd);
 
   ClientOptions co;
-  co.socket_path = (*epd)->socket_path();
+  co.socket_path = fx.epd->socket_path();
   co.client_name = "daemon_death_test";
   auto client = Client::Connect(co);
   ASSERT_TRUE(client.ok()) << client.status();
-  auto stats = (*client)->GetStats();
+  fx.client = std::move(*client);
+  auto stats = fx.client->GetStats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   ASSERT_GT(stats->gpus_size(), 0);
 
-  constexpr int32_t kTokens = 4, kHidden = 256, kTopk = 2;
   JoinOptions jo;
   jo.spec.set_name("death");
   jo.spec.set_num_ranks(2);
@@ -58,15 +76,37 @@ TEST(DaemonDeathTest, StreamOfAnOpInFlightIsReleasedWhenEpdIsKilled) {
   jo.spec.set_num_topk(kTopk);
   jo.spec.set_max_tokens_per_rank(16);
   jo.spec.set_ll_max_tokens_per_rank(16);
-  jo.gpu_uuid = stats->gpus(0).uuid();
+  fx.gpu_uuid = stats->gpus(0).uuid();
+  jo.gpu_uuid = fx.gpu_uuid;
   jo.launch_mode = v1::LAUNCH_MODE_DAEMON;
-  std::vector<std::unique_ptr<Endpoint>> eps;
   for (int32_t r = 0; r < 2; ++r) {
     jo.rank = r;
-    auto ep = (*client)->Join(jo);
+    auto ep = fx.client->Join(jo);
     ASSERT_TRUE(ep.ok()) << ep.status();
-    eps.push_back(std::move(*ep));
+    fx.eps.push_back(std::move(*ep));
   }
+}
+
+/// Kills epd and waits (up to 20 s) for `stream` to go on; it must within 10 s.
+void KillAndExpectStreamReleased(DaemonProcess& epd, cudaStream_t stream) {
+  epd.Kill();
+  const auto killed = std::chrono::steady_clock::now();
+  cudaError_t state = cudaErrorNotReady;
+  while (state == cudaErrorNotReady &&
+         std::chrono::steady_clock::now() - killed < std::chrono::seconds(20)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    state = cudaStreamQuery(stream);
+  }
+  EXPECT_EQ(state, cudaSuccess) << "the stream was not released within 20 s of epd's death";
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, std::chrono::seconds(10));
+}
+
+TEST(DaemonDeathTest, StreamOfAnOpInFlightIsReleasedWhenEpdIsKilled) {
+  std::string why;
+  if (!testing::HaveGpu(&why)) GTEST_SKIP() << why;
+  DeadDaemonFixture fx;
+  ASSERT_NO_FATAL_FAILURE(StartAndJoin(fx));
+  std::vector<std::unique_ptr<Endpoint>>& eps = fx.eps;
 
   std::vector<uint16_t> x(kTokens * kHidden, 0x3f80);  // bf16 1.0
   std::vector<int64_t> idx(kTokens * kTopk, 5);        // all to rank 1's experts
@@ -85,18 +125,60 @@ TEST(DaemonDeathTest, StreamOfAnOpInFlightIsReleasedWhenEpdIsKilled) {
   EXPECT_EQ(cudaStreamQuery(stream->get()), cudaErrorNotReady)
       << "the stream went on although the op cannot have finished";
 
-  (*epd)->Kill();
-  const auto killed = std::chrono::steady_clock::now();
-  cudaError_t state = cudaErrorNotReady;
-  while (state == cudaErrorNotReady &&
-         std::chrono::steady_clock::now() - killed < std::chrono::seconds(20)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    state = cudaStreamQuery(stream->get());
-  }
-  EXPECT_EQ(state, cudaSuccess) << "the stream was not released within 20 s of epd's death";
-  EXPECT_LT(std::chrono::steady_clock::now() - killed, std::chrono::seconds(10));
+  KillAndExpectStreamReleased(*fx.epd, stream->get());
   absl::StatusOr<LowLatencyDispatchResult> result = op->Wait(absl::Seconds(20));
   EXPECT_EQ(result.status().code(), absl::StatusCode::kUnavailable) << result.status();
+  ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
+}
+
+// A program step of rank 0 alone: the daemon's instance runs its dispatch, which waits for
+// rank 1 (op_timeout 60 s), so program_done stays 0 and the step's stream waits.
+TEST(DaemonDeathTest, StreamOfAProgramStepIsReleasedWhenEpdIsKilled) {
+  std::string why;
+  if (!testing::HaveGpu(&why)) GTEST_SKIP() << why;
+  DeadDaemonFixture fx;
+  ASSERT_NO_FATAL_FAILURE(StartAndJoin(fx));
+  const std::vector<ProgramStep> program = {{ProgramStep::Op::kLowLatencyDispatch},
+                                            {ProgramStep::Op::kLowLatencyCombine}};
+  for (const absl::Status& st : testing::OnEveryRank(
+           2, [&](int r) { return fx.eps[r]->RegisterProgram(program, absl::Seconds(30)); })) {
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  // The step's inputs on the endpoint's GPU (a program step reads them at run time).
+  absl::StatusOr<int> device = internal::DeviceOfUuid(fx.gpu_uuid);
+  ASSERT_TRUE(device.ok()) << device.status();
+  ASSERT_EQ(cudaSetDevice(*device), cudaSuccess);
+  std::vector<uint16_t> x(kTokens * kHidden, 0x3f80);  // bf16 1.0
+  std::vector<int64_t> idx(kTokens * kTopk, 5);        // all to rank 1's experts
+  const int32_t t = kTokens;
+  auto x_dev = testing::DeviceBuffer::Allocate(x.size() * sizeof(x[0]));
+  auto idx_dev = testing::DeviceBuffer::Allocate(idx.size() * sizeof(idx[0]));
+  auto t_dev = testing::DeviceBuffer::Allocate(sizeof(t));
+  ASSERT_TRUE(x_dev.ok() && idx_dev.ok() && t_dev.ok());
+  ASSERT_EQ(cudaMemcpy(x_dev->get(), x.data(), x_dev->bytes(), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(idx_dev->get(), idx.data(), idx_dev->bytes(), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(t_dev->get(), &t, sizeof(t), cudaMemcpyHostToDevice), cudaSuccess);
+  const DLDevice on_gpu{kDLCUDA, *device};
+  std::vector<int64_t> x_shape = {kTokens, kHidden}, idx_shape = {kTokens, kTopk}, t_shape = {1};
+  DLTensor xt = MakeDLTensor(x_dev->get(), kBf16, x_shape, on_gpu);
+  DLTensor it = MakeDLTensor(idx_dev->get(), kI64, idx_shape, on_gpu);
+  DLTensor tt = MakeDLTensor(t_dev->get(), kI32, t_shape, on_gpu);
+  auto stream = CudaStream::Create();
+  ASSERT_TRUE(stream.ok());
+  ProgramDispatchArgs a;
+  a.x = &xt;
+  a.topk_idx = &it;
+  a.num_tokens = &tt;
+  a.stream = stream->get();
+  auto step = fx.eps[0]->RunProgramDispatch(a);  // Rank 1 never runs its step.
+  ASSERT_TRUE(step.ok()) << step.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_EQ(cudaStreamQuery(stream->get()), cudaErrorNotReady)
+      << "the stream went on although the step cannot have finished";
+
+  KillAndExpectStreamReleased(*fx.epd, stream->get());
   ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
 }
 

@@ -255,6 +255,9 @@ absl::StatusOr<std::shared_ptr<RankResources>> CudaGroup::PrepareRank(int32_t ra
   // block of one SM per rank, which LaunchRank's grids leave free).
   // A spanning op's done comes after the exchange (milliseconds): a stream wait then.
   info->set_kernel_done_wait(!r->client_launched && !spanning() && plane_->kernel_ready_wait());
+  // The same for a graph-mode program step's done wait: its instances' grids leave that SM
+  // too (ProgramRankContext).
+  info->set_program_kernel_done_wait(info->kernel_done_wait());
   // A client-launched spanning rank's mirror and command block are in its endpoint region
   // (ShmDataBytes); its client finds them at the region's data offset (span_abi.h).
   return std::shared_ptr<RankResources>(std::move(r));
@@ -970,6 +973,16 @@ absl::Status CudaGroup::CheckProgram(int32_t rank) const {
         errors::Reason::kUnsupported);
   }
   return absl::OkStatus();
+}
+
+kc::CudaRankContext CudaGroup::ProgramRankContext(int32_t r, int32_t num_sms) const {
+  kc::CudaRankContext ctx = Context(r, num_sms);
+  // Under MPS a program step's client waits for done in its staging kernel (EndpointInfo
+  // program_kernel_done_wait, client/endpoint/graph_program.cc): one SM per rank of the GPU
+  // stays outside the step's grid for that block, as for the group's low-latency ops
+  // (LaunchRank).
+  if (plane_->kernel_ready_wait()) ctx.sms_left_per_rank = 1;
+  return ctx;
 }
 
 void CudaGroup::ProgramOp(const OpPlan& plan, std::span<RankOutcome> outcomes) {

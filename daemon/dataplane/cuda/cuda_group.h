@@ -255,9 +255,7 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
 
   // GraphProgram::Host.
   const std::string& ProgramGroupName() const override { return spec().name(); }
-  kernels::cuda::CudaRankContext ProgramRankContext(int32_t r, int32_t num_sms) const override {
-    return Context(r, num_sms);
-  }
+  kernels::cuda::CudaRankContext ProgramRankContext(int32_t r, int32_t num_sms) const override;
   cudaStream_t ProgramAuxStream(int device) const override;
   abi::EndpointShmHeader* ProgramHeader(int32_t r) const override;
   void ProgramInstanceChecked(bool ok) override { CountProgramInstance(ok); }

@@ -42,7 +42,9 @@ class GraphProgram {
     virtual ~Host() = default;
     /// The group's name, for messages.
     virtual const std::string& ProgramGroupName() const = 0;
-    /// Rank r's kernel context with `num_sms` blocks (0 = default grid).
+    /// Rank r's kernel context for a program step with `num_sms` blocks (0 = default grid;
+    /// it leaves the SMs the clients' staging kernels wait for done in, as the group's
+    /// low-latency ops do: CudaRankContext::sms_left_per_rank).
     virtual kernels::cuda::CudaRankContext ProgramRankContext(int32_t r, int32_t num_sms) const = 0;
     /// The engine's aux stream of `device` (host writes while the ranks' streams wait).
     virtual cudaStream_t ProgramAuxStream(int device) const = 0;

@@ -143,21 +143,31 @@ struct DeviceCopy {
   uint64_t bytes = 0;
 };
 
-/// CopyDeviceBatchAsync's optional wait for the daemon's done_seq (layout.h), on the GPU.
+/// CopyDeviceBatchAsync's optional wait for the daemon's done word, on the GPU: the
+/// endpoint's done_seq (a daemon-launched op), or its program_done with `clear` (a
+/// graph-mode program step; proto/abi/launch_flags.h).
 struct DoneWait {
-  /// Device word of this stream's GPU (the endpoint's done_seq), read with acquire at GPU
-  /// scope; null = no wait.
-  const uint64_t* flag = nullptr;
+  /// Device word of this stream's GPU (done_seq or program_done), read with acquire at GPU
+  /// scope; null = no wait. Written with atomicCAS when `clear` is set.
+  uint64_t* flag = nullptr;
   /// Passes once *flag >= value (the op's seq; kReleasedSeq, which the client writes from
-  /// the host when the daemon is gone, passes every wait).
+  /// the host when the daemon is gone, passes every wait; a program step: 1, and
+  /// kProgramReleased passes too).
   uint64_t value = 0;
   /// Bound of the wait, ns of %globaltimer (> 0 with a flag), from the signal. The client
   /// gives 4 * op_timeout + 20 s: past the latest a working daemon stores done (its wait for
   /// the other ranks' requests, a fused launch held for another rank's staging, then the
-  /// kernel's bounded waits: kDoneWaitTimeouts in client/endpoint/daemon_launch.cc), so the
-  /// stream goes on without the outputs only when the daemon is gone or stuck, and then the
-  /// op's Wait fails.
+  /// kernel's bounded waits: KernelDoneWaitTimeoutNs in client/endpoint/daemon_launch.h), so
+  /// the stream goes on without the outputs only when the daemon is gone or stuck, and then
+  /// the op's Wait fails.
   int64_t timeout_ns = 0;
+  /// The program step's acknowledgement folded into the wait (ProgramAckAsync's atomicCAS,
+  /// without its kernel): once the wait passes having read exactly `value`, the waiting
+  /// thread swaps it back to 0 (atomicCAS(flag, value, 0), so a value written meanwhile,
+  /// e.g. kProgramReleased, stays). A larger value read (kProgramReleased) is left as it
+  /// is; a timed-out wait writes nothing. Needs a flag and value > 0 (a wait for >= 0
+  /// passes at once and has nothing to clear).
+  bool clear = false;
 };
 
 /// CopyDeviceBatchAsync's optional early signal: the batch's first `num_copies` copies
@@ -213,7 +223,12 @@ inline constexpr int kMaxBatchCopies = 4;
 /// without the GPU front end's wake-up of a blocked stream, which it pays per waiting stream
 /// and in series (docs/CUDA_BACKEND.md "Launch modes"). The kernel then holds one block of
 /// one SM for the op, which the daemon leaves free (CudaRankContext::sms_left_per_rank); the
-/// others' blocks exit as before.
+/// others' blocks exit as before. A graph-mode program step under MPS uses the same wait
+/// on program_done with `clear` (client/endpoint/graph_program.cc), in place of a stream
+/// wait and ProgramAckAsync; the kernel then stays capturable: every argument is a constant.
+/// Errors (INVALID_ARGUMENT naming the field): a done wait without a signal or with
+/// done_wait.timeout_ns <= 0; done_wait.clear without done_wait.flag or with
+/// done_wait.value = 0.
 ///
 /// `early` (optional): see EarlySignal; INVALID_ARGUMENT for a flag without a signal, a
 /// num_copies outside [0, num_copies], or no counter for a multi-block copy.
@@ -361,8 +376,9 @@ bool RegisterPreloadHook(absl::Status (*hook)());
 /// Enqueues on `stream` a one-thread kernel that replaces the value 1 of the 64-bit word
 /// `program_done` (launch_flags + kProgramDoneOffset) by 0 (atomicCAS), leaving any other
 /// value (0, kProgramReleased) as it is. The client's captured program step runs it after
-/// its wait for done >= 1, so the next step waits for the daemon again; capturable, no
-/// host argument changes between replays. Errors: CUDA launch errors (INTERNAL).
+/// its stream wait for done >= 1 (under MPS its staging kernel does the same CAS instead:
+/// DoneWait::clear), so the next step waits for the daemon again; capturable, no host
+/// argument changes between replays. Errors: CUDA launch errors (INTERNAL).
 absl::Status ProgramAckAsync(uint64_t* program_done, cudaStream_t stream);
 
 // ---- run-time token count ---------------------------------------------------------------
