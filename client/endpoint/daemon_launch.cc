@@ -36,17 +36,9 @@ DaemonLaunch::DaemonLaunch(Endpoint::Impl& endpoint) : m_(endpoint) {}
 absl::StatusOr<uint64_t> DaemonLaunch::Run(const OpPlan& p) {
   absl::Status st = p.status;
   if (st.ok()) st = OrderAfterPreviousOp(p.stream);
-  // The routing inputs first: the staging kernel copies them first and signals routing_seq.
-  routing_copies_ = 0;
-  for (const bool routing : {true, false}) {
-    for (int i = 0; i < p.num_inputs && st.ok(); ++i) {
-      if (((p.routing_inputs >> i) & 1u) != (routing ? 1u : 0u)) continue;
-      const OpInput& in = p.inputs[i];
-      st = m_.StageForSubmit(p.name, in.name, in.tensor, in.region, p.stream);
-    }
-#if EPD_HAVE_CUDA
-    if (routing) routing_copies_ = m_.num_pending_copies;
-#endif
+  for (int i = 0; i < p.num_inputs && st.ok(); ++i) {
+    const OpInput& in = p.inputs[i];
+    st = m_.StageForSubmit(p.name, in.name, in.tensor, in.region, p.stream);
   }
   if (!st.ok()) {
     (void)Submit(p.op, abi::kFlagClientError, 0, 1, 0, 0, nullptr);
@@ -97,7 +89,6 @@ absl::StatusOr<uint64_t> DaemonLaunch::Submit(abi::OpKind op, uint32_t flags, in
 #if EPD_HAVE_CUDA
   // The copies StageForSubmit recorded belong to this op only, whichever way it ends.
   const int num_copies = std::exchange(m_.num_pending_copies, 0);
-  const int routing_copies = std::exchange(routing_copies_, 0);
 #endif
   EPD_RETURN_IF_ERROR(m_.ring.WaitForSpace());
   const uint64_t seq = m_.next_seq++;
@@ -120,21 +111,12 @@ absl::StatusOr<uint64_t> DaemonLaunch::Submit(abi::OpKind op, uint32_t flags, in
       done_wait.value = seq;
       done_wait.timeout_ns = KernelDoneWaitTimeoutNs(m_.info.op_timeout_ms());
     }
-    // A low-latency dispatch's topk_idx is copied first and announced by routing_seq: the
-    // daemon's kernel routes and exchanges counts while x is still being copied.
-    kc::EarlySignal routing;
-    if (op == abi::OpKind::kLowLatencyDispatch) {
-      routing.flag = reinterpret_cast<uint64_t*>(launch_flags + abi::kRoutingFlagOffset);
-      routing.counter =
-          reinterpret_cast<uint32_t*>(launch_flags + abi::kRoutingSignalCounterOffset);
-      routing.num_copies = routing_copies;
-    }
     ordered_error = kc::CopyDeviceBatchAsync(
         m_.pending_copies.data(), num_copies,
         reinterpret_cast<uint64_t*>(launch_flags + abi::kReadyFlagOffset), seq,
         reinterpret_cast<uint32_t*>(launch_flags + abi::kReadySignalCounterOffset),
         AsStream(stream), reinterpret_cast<uint64_t*>(launch_flags + abi::kStagingFlagOffset),
-        done_wait, routing);
+        done_wait);
     // Without the ready flag the daemon could not order its kernels: fail the op for
     // every rank instead (as a client error), and return the driver's error.
     flags |= ordered_error.ok() ? abi::kFlagStreamOrdered : abi::kFlagClientError;

@@ -60,10 +60,6 @@ class DaemonLaunch final : public OpRunner {
                                   int32_t expert_alignment, uint64_t handle_seq, int32_t num_sms,
                                   void* stream);
   Endpoint::Impl& m_;
-  /// How many of the copies Run recorded for the op being submitted are its routing
-  /// inputs' (OpPlan::routing_inputs, recorded first): Submit's staging kernel signals
-  /// routing_seq once they are done.
-  int routing_copies_ = 0;
   std::atomic<bool> stream_released_{false};
   /// Stream-ordered ops published, by seq % size (ReleaseStreams checks which are done).
   std::array<std::atomic<uint64_t>, abi::kCompletionCapacity> ordered_ops_{};

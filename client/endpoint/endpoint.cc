@@ -432,7 +432,6 @@ absl::StatusOr<PendingOp<LowLatencyDispatchResult>> Endpoint::LowLatencyDispatch
   // x is read by the kernel in 16-byte vectors.
   p.Add("x", args.x, m.layout.in_x, /*by_pointer=*/true, 16);
   p.Add("topk_idx", args.topk_idx, m.layout.in_topk_idx, /*by_pointer=*/true, alignof(int64_t));
-  p.routing_inputs = 1u << 1;  // topk_idx
   EPD_ASSIGN_OR_RETURN(const uint64_t seq, m.runner->Run(p));
   m.NoteStream(seq, args.stream);
   LowLatencyDispatchResult r;

@@ -47,10 +47,6 @@ struct OpPlan {
   int out_buffer = 0;  ///< LowLatencyCombine: the output buffer.
   std::array<OpInput, 4> inputs{};
   int num_inputs = 0;
-  /// Bit i set: inputs[i] is a routing input (a low-latency dispatch's topk_idx), which a
-  /// daemon-launched op stages before the others with a signal of its own (layout.h
-  /// routing_seq), so the daemon's kernel routes while the rest (x) is still being copied.
-  uint32_t routing_inputs = 0;
 
   /// Adds an input (at most 4).
   void Add(const char* input_name, const DLTensor* t, const kernels::Region& r,

@@ -186,27 +186,6 @@ __device__ __forceinline__ void WaitReady(const KernelHandoff& h, uint64_t deadl
   }
 }
 
-/// The first wait of a low-latency dispatch whose hand-off names a routing flag
-/// (KernelHandoff::routing_flag), as WaitReady but passing on *routing_flag or *ready_flag
-/// >= ready_value: the routing inputs are staged. No-op without a ready flag; WaitReady
-/// without a routing flag.
-__device__ __forceinline__ void WaitRouting(const KernelHandoff& h, uint64_t deadline_ns,
-                                            DeviceStatus* status, int32_t rank, bool record) {
-  if (h.ready_flag == nullptr) return;
-  if (h.routing_flag == nullptr) {
-    WaitReady(h, deadline_ns, status, rank, record);
-    return;
-  }
-  const uint64_t target = HandoffValue(h, h.ready_value);
-  for (;;) {
-    if (LdAcquireGpu64(h.routing_flag) >= target || LdAcquireGpu64(h.ready_flag) >= target) return;
-    if (GlobalTimerNs() > deadline_ns) {
-      if (record) RecordMissingPeer(status, rank);
-      return;
-    }
-  }
-}
-
 /// Stores the hand-off's instance word (if any), then releases done (KernelHandoff): one
 /// thread, after a barrier that follows every write done announces.
 __device__ __forceinline__ void StoreDone(const KernelHandoff& h) {

@@ -22,7 +22,6 @@ struct BatchCopyParams {
   uint32_t* counter;
   uint64_t* started;
   DoneWait done_wait;
-  EarlySignal early;  // early.num_copies counts in `copies` (copies of no bytes dropped).
 };
 
 /// Ticket word of a multi-block BatchCopySignalKernel: the low 16 bits count the blocks
@@ -42,28 +41,7 @@ __global__ void BatchCopySignalKernel(const BatchCopyParams p) {
   }
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   const uint64_t first = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  int32_t c = 0;
-  if (p.early.flag != nullptr) {
-    // The early copies first; the last block to finish its share stores the early signal
-    // (the same release / acquire of tickets as the signal below).
-    for (; c < p.early.num_copies; ++c) {
-      device::CopyBytes(static_cast<uint8_t*>(p.copies[c].dst),
-                        static_cast<const uint8_t*>(p.copies[c].src), p.copies[c].bytes, first,
-                        stride);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      device::FenceAcqRelGpu();
-      if (gridDim.x == 1 || atomicAdd(p.early.counter, 1u) == gridDim.x - 1) {
-        if (gridDim.x > 1) {
-          device::FenceAcqRelGpu();
-          *p.early.counter = 0;
-        }
-        device::StReleaseGpu64(p.early.flag, p.signal_value);
-      }
-    }
-  }
-  for (; c < p.num_copies; ++c) {
+  for (int32_t c = 0; c < p.num_copies; ++c) {
     device::CopyBytes(static_cast<uint8_t*>(p.copies[c].dst),
                       static_cast<const uint8_t*>(p.copies[c].src), p.copies[c].bytes, first,
                       stride);
@@ -160,16 +138,8 @@ const bool kHandoffPreloadRegistered = RegisterPreloadHook(&PreloadHandoffKernel
 
 absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint64_t* signal,
                                   uint64_t signal_value, uint32_t* counter, cudaStream_t stream,
-                                  uint64_t* started, const DoneWait& done_wait,
-                                  const EarlySignal& early) {
+                                  uint64_t* started, const DoneWait& done_wait) {
   (void)kHandoffPreloadRegistered;
-  if (early.flag != nullptr &&
-      (signal == nullptr || early.num_copies < 0 || early.num_copies > std::max(num_copies, 0))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "CopyDeviceBatchAsync: an early signal needs a signal (",
-        signal == nullptr ? "none" : "set", ") and early.num_copies in [0, num_copies = ",
-        num_copies, "] (got ", early.num_copies, ")"));
-  }
   if (started != nullptr && signal == nullptr) {
     return absl::InvalidArgumentError(
         "CopyDeviceBatchAsync: a started word without a signal (nothing to announce)");
@@ -201,11 +171,8 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
     }
     p.copies[n++] = copies[c];
     largest = std::max(largest, copies[c].bytes);
-    if (c < early.num_copies) p.early.num_copies = n;
   }
   p.num_copies = n;
-  p.early.flag = early.flag;
-  p.early.counter = early.counter;
   if (n == 0 && signal == nullptr) return absl::OkStatus();
   p.signal = signal;
   p.signal_value = signal_value;
@@ -217,10 +184,6 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
   if (signal != nullptr && blocks > 1 && counter == nullptr) {
     return absl::InvalidArgumentError(
         "CopyDeviceBatchAsync: a signal after a multi-block copy needs a counter word");
-  }
-  if (early.flag != nullptr && blocks > 1 && early.counter == nullptr) {
-    return absl::InvalidArgumentError(
-        "CopyDeviceBatchAsync: an early signal after a multi-block copy needs early.counter");
   }
   // cudaLaunchKernel returns this launch's own status; `<<<>>>` + cudaGetLastError would
   // also return an error the caller left pending, and a client would then take a launched

@@ -264,9 +264,8 @@ __device__ __forceinline__ void DispatchBody(const DispatchParams& p, int32_t bl
   DeviceStatus* status = device::StatusOf(p.own_base, p.sync_offset);
 
   if (threadIdx.x == 0) {
-    // Daemon-launched: the client's inputs (x, topk_idx) are staged once ready >= value;
-    // with a routing flag, topk_idx already once routing >= value (x waits for step 2b).
-    device::WaitRouting(p.handoff, deadline, status, p.rank, block == 0);
+    // Daemon-launched: the client's inputs (x, topk_idx) are staged once ready >= value.
+    device::WaitReady(p.handoff, deadline, status, p.rank, block == 0);
     s_seq = *reinterpret_cast<volatile uint32_t*>(&state->dispatch_seq) + 1;
     int32_t t = p.num_tokens_value >= 0 ? p.num_tokens_value
                                         : *reinterpret_cast<const volatile int32_t*>(p.num_tokens);
@@ -426,11 +425,6 @@ __device__ __forceinline__ void DispatchBody(const DispatchParams& p, int32_t bl
   };
   UnitData staged0{};
   UnitData staged1{};
-  if (p.handoff.routing_flag != nullptr && p.handoff.ready_flag != nullptr) {
-    // The routing ran on topk_idx alone: x is read only once the client has staged it.
-    if (threadIdx.x == 0) device::WaitReady(p.handoff, deadline, status, p.rank, block == 0);
-    __syncthreads();
-  }
   if constexpr (kMode != kBf16Scalar) {
     uint4 lo0 = make_uint4(0, 0, 0, 0), hi0 = lo0, lo1 = lo0, hi1 = lo0;
     if (first_unit < units) load_unit(first_unit, &lo0, &hi0);

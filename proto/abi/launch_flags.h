@@ -32,19 +32,12 @@ struct LaunchFlags {
   /// staging_seq; high half: finished, the last one writes ready_seq); 0 between ops.
   /// Client-owned.
   uint32_t ready_signal_counter;
-  /// Tickets of the staging kernel's blocks that have copied their share of the routing
-  /// inputs (the last one writes routing_seq); 0 between ops. Client-owned.
-  uint32_t routing_signal_counter;
+  uint32_t reserved0;
   /// The staging kernel writes the op's seq once all its blocks are resident, before its
   /// copies; the daemon's wait of a low-latency op passes on staging_seq >= seq (or
   /// ready_seq >= seq) and that op's kernel then waits for ready_seq itself.
   uint64_t staging_seq;
-  /// The staging kernel of a low-latency dispatch writes the op's seq once its routing
-  /// inputs (topk_idx) are staged, before the rest (x) is: the daemon's kernel routes the
-  /// tokens and exchanges the counts on routing_seq >= seq (or ready_seq >= seq) and reads
-  /// x only once ready_seq >= seq, so the copy of x overlaps the routing.
-  uint64_t routing_seq;
-  uint64_t reserved1[3];
+  uint64_t reserved1[4];
   /// Graph mode: the client's stream writes 1 once a program step's inputs are staged;
   /// the daemon's stream waits for go >= 1, writes 0, then runs the step's kernels.
   uint64_t program_go;
@@ -74,15 +67,11 @@ inline constexpr uint64_t kReadyFlagOffset = offsetof(LaunchFlags, ready_seq);
 inline constexpr uint64_t kDoneFlagOffset = offsetof(LaunchFlags, done_seq);
 inline constexpr uint64_t kReadySignalCounterOffset = offsetof(LaunchFlags, ready_signal_counter);
 inline constexpr uint64_t kStagingFlagOffset = offsetof(LaunchFlags, staging_seq);
-inline constexpr uint64_t kRoutingSignalCounterOffset =
-    offsetof(LaunchFlags, routing_signal_counter);
-inline constexpr uint64_t kRoutingFlagOffset = offsetof(LaunchFlags, routing_seq);
 inline constexpr uint64_t kProgramGoOffset = offsetof(LaunchFlags, program_go);
 inline constexpr uint64_t kProgramDoneOffset = offsetof(LaunchFlags, program_done);
 inline constexpr uint64_t kProgramInstanceOffset = offsetof(LaunchFlags, program_instance);
 static_assert(kReadyFlagOffset == 0 && kDoneFlagOffset == 8 && kReadySignalCounterOffset == 16 &&
-              kStagingFlagOffset == 24 && kRoutingSignalCounterOffset == 20 &&
-              kRoutingFlagOffset == 32 && kProgramGoOffset == 64 && kProgramDoneOffset == 72 &&
+              kStagingFlagOffset == 24 && kProgramGoOffset == 64 && kProgramDoneOffset == 72 &&
               kProgramInstanceOffset == 80);
 
 /// program_done once the program is disarmed: graph-mode words otherwise hold only 0/1, so

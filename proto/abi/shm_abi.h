@@ -15,7 +15,7 @@
 
 namespace epd::abi {
 
-inline constexpr uint32_t kShmAbiVersion = 11;            // 11: launch_flags routing_seq.
+inline constexpr uint32_t kShmAbiVersion = 10;  // 10: the normal_tiles region in EndpointLayout.
 inline constexpr uint32_t kEndpointMagic = 0x45504431;    // "EPD1"
 inline constexpr uint32_t kRequestMagic = 0x52455131;     // "REQ1"
 inline constexpr uint32_t kDoorbellMagic = 0x44424c31;    // "DBL1"

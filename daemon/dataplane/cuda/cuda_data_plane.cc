@@ -101,10 +101,6 @@ absl::Status CudaDataPlaneImpl::Init() {
       v != nullptr && std::strcmp(v, "0") == 0) {
     options_.fused_launch = false;
   }
-  if (const char* v = std::getenv("EPD_CUDA_ROUTING_HANDOFF");
-      v != nullptr && std::strcmp(v, "0") == 0) {
-    options_.routing_handoff = false;
-  }
   log->info("daemon-launched low-latency ops under MPS: {}",
             options_.fused_launch ? "one fused launch per GPU (cuda_fused_launch)"
                                   : "each rank's own launches (cuda_fused_launch off)");

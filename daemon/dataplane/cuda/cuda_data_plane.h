@@ -51,11 +51,6 @@ struct CudaDataPlaneOptions {
   /// no program armed, at most kernels::cuda::kMaxFusedRanks ranks per GPU. Op graphs,
   /// when on, take precedence.
   bool fused_launch = true;
-  /// A daemon-launched low-latency dispatch's kernel routes on the client's routing_seq
-  /// and waits for ready_seq only before it reads x (kernels::cuda::KernelHandoff::
-  /// routing_flag; docs/CUDA_BACKEND.md "Launch modes"). EPD_CUDA_ROUTING_HANDOFF=0 turns
-  /// it off (an A/B aid).
-  bool routing_handoff = true;
   /// The daemon's peer mesh and transports by name (DESIGN.md §5), for groups whose spec
   /// lists >= 2
   /// nodes (run through the exchange on pinned host mirrors, DESIGN.md §5.5); null when the

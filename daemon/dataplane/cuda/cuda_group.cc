@@ -565,11 +565,6 @@ kc::LowLatencyDispatchArgs CudaGroup::DispatchArgsFor(const OpPlan& plan,
     a.num_tokens = &cr.readback->op_num_tokens;
   }
   a.handoff = handoff;
-  // The client's staging kernel writes routing_seq once topk_idx is staged (layout.h): the
-  // kernel routes on it and waits for ready_seq only before it reads x.
-  if (handoff.ready_flag != nullptr && plane_->options().routing_handoff) {
-    a.handoff.routing_flag = reinterpret_cast<const uint64_t*>(cr.routing_flag());
-  }
   a.expert_stats = cr.expert_stats();
   return a;
 }

@@ -186,12 +186,10 @@ struct CudaRank : RankResources {
     return {totals, totals != nullptr ? totals + experts_per_rank : nullptr, expert_mirror.get()};
   }
 
-  /// launch_flags.ready_seq / done_seq / staging_seq / routing_seq in the rank's area
-  /// (layout.h).
+  /// launch_flags.ready_seq / done_seq / staging_seq in the rank's area (layout.h).
   uint8_t* ready_flag() const { return flag(abi::kReadyFlagOffset); }
   uint8_t* done_flag() const { return flag(abi::kDoneFlagOffset); }
   uint8_t* staging_flag() const { return flag(abi::kStagingFlagOffset); }
-  uint8_t* routing_flag() const { return flag(abi::kRoutingFlagOffset); }
   /// The launch-flag word at `offset` of launch_flags (abi::k*Offset, proto/abi/launch_flags.h).
   uint8_t* flag(uint64_t offset) const { return area.get() + launch_flags_offset + offset; }
 };

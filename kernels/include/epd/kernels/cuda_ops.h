@@ -170,22 +170,6 @@ struct DoneWait {
   bool clear = false;
 };
 
-/// CopyDeviceBatchAsync's optional early signal: the batch's first `num_copies` copies
-/// (the routing inputs of a low-latency dispatch, topk_idx) are done by every block before
-/// the others, and once every block has done its share of them the last one stores the
-/// batch's signal value to *flag (release at GPU scope, as the signal), while the rest (x)
-/// is still being copied. The daemon's dispatch kernel routes on it (layout.h
-/// routing_seq). Copies of no bytes count among the first `num_copies` as given.
-struct EarlySignal {
-  /// Device word of this stream's GPU (the endpoint's routing_seq); null = none.
-  uint64_t* flag = nullptr;
-  /// uint32 device word, 0 before and after (the tickets of the blocks' early copies);
-  /// required with a flag when the kernel has more than one block.
-  uint32_t* counter = nullptr;
-  /// How many of the batch's first copies are early, in [0, num_copies].
-  int32_t num_copies = 0;
-};
-
 /// Most copies one CopyDeviceBatchAsync takes (an op stages at most x, topk_idx,
 /// topk_weights and one more).
 inline constexpr int kMaxBatchCopies = 4;
@@ -229,13 +213,9 @@ inline constexpr int kMaxBatchCopies = 4;
 /// Errors (INVALID_ARGUMENT naming the field): a done wait without a signal or with
 /// done_wait.timeout_ns <= 0; done_wait.clear without done_wait.flag or with
 /// done_wait.value = 0.
-///
-/// `early` (optional): see EarlySignal; INVALID_ARGUMENT for a flag without a signal, a
-/// num_copies outside [0, num_copies], or no counter for a multi-block copy.
 absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint64_t* signal,
                                   uint64_t signal_value, uint32_t* counter, cudaStream_t stream,
-                                  uint64_t* started = nullptr, const DoneWait& done_wait = {},
-                                  const EarlySignal& early = {});
+                                  uint64_t* started = nullptr, const DoneWait& done_wait = {});
 
 /// Enqueues a one-warp kernel on `stream` that spins until *flag >= value (uint64, acquire
 /// at GPU scope: a word of this GPU's memory written on this GPU), or *alt_flag >= value
@@ -320,12 +300,6 @@ struct KernelHandoff {
   /// memory the host writes before the launch, so a CUDA graph that captured the kernel
   /// replays with each op's sequence number (the daemon's per-GPU op graphs).
   const uint64_t* seq_word = nullptr;
-  /// Low-latency dispatch, with ready_flag (optional): the blocks' first wait passes on
-  /// *routing_flag >= ready_value as well as on ready, and they read only topk_idx (and T)
-  /// before a second wait, for ready, ahead of their first read of x: the client's copy of
-  /// x then overlaps the routing and the count exchange (layout.h routing_seq;
-  /// CopyDeviceBatchAsync `early`). Ignored by the combine.
-  const uint64_t* routing_flag = nullptr;
 };
 
 /// Cumulative per-expert received-token counters that a dispatch kernel adds to (as
