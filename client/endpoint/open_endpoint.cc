@@ -3,6 +3,8 @@
 // picks its runner (DaemonLaunch or ClientLaunch).
 #include <unistd.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <string>
 #include <utility>
@@ -112,8 +114,11 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
         cudaGetLastError();  // Ours: no MPS assumed (the stream wait).
         mps = 0;
       }
-      m->kernel_done_wait = info.kernel_done_wait() && mps != 0;
-      m->program_kernel_done_wait = info.program_kernel_done_wait() && mps != 0;
+      // EPD_KERNEL_DONE_WAIT=0: the stream waits of before (an A/B and fallback switch).
+      const char* env = std::getenv("EPD_KERNEL_DONE_WAIT");
+      const bool allowed = env == nullptr || std::strcmp(env, "0") != 0;
+      m->kernel_done_wait = info.kernel_done_wait() && mps != 0 && allowed;
+      m->program_kernel_done_wait = info.program_kernel_done_wait() && mps != 0 && allowed;
     }
   }
   if (m->client_launched) {

@@ -122,7 +122,7 @@ struct NormalCase {
   int32_t num_sms = 0;          ///< CudaRankContext::num_sms (0 = default).
   int32_t ranks_on_device = 0;  ///< CudaRankContext::ranks_on_device (0 = R).
   /// CudaRankContext::all_ranks_on_device: true, as for any virtual-rank group (the normal
-  /// kernels use it only with EPD_NORMAL_GPU_SCOPE=1).
+  /// kernels' flags are then at .gpu scope unless EPD_NORMAL_GPU_SCOPE=0).
   bool all_ranks_on_device = true;
 };
 
@@ -671,8 +671,10 @@ TEST_F(NormalGpuTest, ProgrammaticLaunchMatchesHostBitForBit) {
   // programmatically: a copy or combine that read the notify's or barrier's writes (tile
   // bases, sequence number, token counter) before that grid ended would differ from the
   // host. The vector copy (16-byte and bf16-unit rows) and the bulk copy, 8 ranks, T of 0
-  // and 1, masked ranks, blocks owning several tiles.
+  // and 1, masked ranks, blocks owning several tiles. The flags at .sys scope (the default
+  // is .gpu on one GPU), so that path is covered on one GPU too.
   ScopedEnv pdl("EPD_NORMAL_PDL", "1");
+  ScopedEnv sys_scope("EPD_NORMAL_GPU_SCOPE", "0");
   RunPickedCasesUnderVariants({"deepseek-fp8", "deepseek-bf16", "mixed-T-8", "ragged-hidden",
                                "tiny-odd-hidden", "long-tiles-fp8-masked"},
                               {"balanced", "bulk"});
