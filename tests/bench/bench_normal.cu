@@ -411,10 +411,12 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
          cached_dispatch_hbm(fp8_row), FanoutKind::kDispatch, fp8_name.c_str()},
         {bf16_name.c_str(), dispatch(false, false), bf16_row, memcpy_bf16_us, bf16_total,
          dispatch_hbm(bf16_row), FanoutKind::kDispatch, bf16_name.c_str()},
-        {bf16_cached.c_str(), dispatch(false, true), bf16_row, memcpy_bf16_us, bf16_total,
-         cached_dispatch_hbm(bf16_row), FanoutKind::kDispatch, bf16_name.c_str()},
+        // The combine right after the fresh dispatch whose handle it takes (as in a model's
+        // step); the cached dispatch after it still reuses that dispatch's send_pos.
         {"combine bf16", combine, bf16_row, memcpy_bf16_us, bf16_total, combine_hbm,
-         FanoutKind::kCombine, "combine bf16"}};
+         FanoutKind::kCombine, "combine bf16"},
+        {bf16_cached.c_str(), dispatch(false, true), bf16_row, memcpy_bf16_us, bf16_total,
+         cached_dispatch_hbm(bf16_row), FanoutKind::kDispatch, bf16_name.c_str()}};
     constexpr int kOps = static_cast<int>(std::size(ops));
     // The ops' bounds at this budget (sms x ranks blocks, at most one per SM of the GPU) and
     // on the whole GPU; a cached dispatch shares its fresh dispatch's (the same pattern).

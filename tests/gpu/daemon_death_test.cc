@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <thread>
@@ -87,8 +88,25 @@ void StartAndJoin(DeadDaemonFixture& fx) {
   }
 }
 
-/// Kills epd and waits (up to 20 s) for `stream` to go on; it must within 10 s.
-void KillAndExpectStreamReleased(DaemonProcess& epd, cudaStream_t stream) {
+/// Whether MPS serves this process's contexts on the current device.
+bool MpsActive() {
+  int device = 0, mps = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return mps != 0;
+}
+
+/// Kills epd and waits (up to 20 s) for `stream` to go on; it must within 10 s. Returns
+/// the stream's state. With `kernel_running` (one of epd's kernels runs when it dies) under
+/// MPS the stream may end with cudaErrorIllegalAddress instead of success: the MPS server
+/// tears down epd's allocations, which the client's wait reads through its CUDA IPC
+/// mapping (seen on the H200 with the stream wait and the kernel wait alike;
+/// docs/RELIABILITY.md). It must not hang either way.
+cudaError_t KillAndExpectStreamReleased(DaemonProcess& epd, cudaStream_t stream,
+                                        bool kernel_running = false) {
   epd.Kill();
   const auto killed = std::chrono::steady_clock::now();
   cudaError_t state = cudaErrorNotReady;
@@ -97,8 +115,16 @@ void KillAndExpectStreamReleased(DaemonProcess& epd, cudaStream_t stream) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
     state = cudaStreamQuery(stream);
   }
-  EXPECT_EQ(state, cudaSuccess) << "the stream was not released within 20 s of epd's death";
+  EXPECT_NE(state, cudaErrorNotReady) << "the stream still waits 20 s after epd's death";
+  if (kernel_running && MpsActive() && state == cudaErrorIllegalAddress) {
+    std::printf("note: under MPS the stream ended with %s (epd killed mid-kernel)\n",
+                cudaGetErrorString(state));
+  } else {
+    EXPECT_EQ(state, cudaSuccess) << "the stream did not go on cleanly after epd's death: "
+                                  << cudaGetErrorString(state);
+  }
   EXPECT_LT(std::chrono::steady_clock::now() - killed, std::chrono::seconds(10));
+  return state;
 }
 
 TEST(DaemonDeathTest, StreamOfAnOpInFlightIsReleasedWhenEpdIsKilled) {
@@ -178,8 +204,10 @@ TEST(DaemonDeathTest, StreamOfAProgramStepIsReleasedWhenEpdIsKilled) {
   EXPECT_EQ(cudaStreamQuery(stream->get()), cudaErrorNotReady)
       << "the stream went on although the step cannot have finished";
 
-  KillAndExpectStreamReleased(*fx.epd, stream->get());
-  ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
+  const cudaError_t state =
+      KillAndExpectStreamReleased(*fx.epd, stream->get(), /*kernel_running=*/true);
+  // After an MPS fault the context is unusable: nothing more to check on it.
+  if (state == cudaSuccess) ASSERT_EQ(cudaStreamSynchronize(stream->get()), cudaSuccess);
 }
 
 }  // namespace

@@ -447,7 +447,8 @@ class NormalGroup {
     return absl::OkStatus();
   }
 
-  /// The whole sequence for one case: layout, dispatch, combine, cached re-dispatch.
+  /// The whole sequence for one case: layout, dispatch, combine, cached re-dispatch, and a
+  /// combine of the cached dispatch (new expert outputs).
   absl::Status RunAll() {
     EPD_RETURN_IF_ERROR(Prepare());
     EPD_RETURN_IF_ERROR(LaunchLayout());
@@ -464,7 +465,11 @@ class NormalGroup {
     EPD_RETURN_IF_ERROR(HostDispatch(true));
     EPD_RETURN_IF_ERROR(LaunchDispatch(true));
     EPD_RETURN_IF_ERROR(group_->SynchronizeAll());
-    return CheckDispatch(true);
+    EPD_RETURN_IF_ERROR(CheckDispatch(true));
+    EPD_RETURN_IF_ERROR(PrepareCombine(c_.seed * 131));
+    EPD_RETURN_IF_ERROR(LaunchCombine());
+    EPD_RETURN_IF_ERROR(group_->SynchronizeAll());
+    return CheckCombine();
   }
 
   std::vector<std::vector<int64_t>>& topk() { return topk_; }
