@@ -114,8 +114,14 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
         cudaGetLastError();  // Ours: no MPS assumed (the stream wait).
         mps = 0;
       }
-      // EPD_KERNEL_DONE_WAIT=0: the stream waits of before (an A/B and fallback switch).
+      // EPD_KERNEL_DONE_WAIT=0: the stream waits of before (an A/B and fallback switch);
+      // unset, empty or "1": as the daemon says.
       const char* env = std::getenv("EPD_KERNEL_DONE_WAIT");
+      if (env != nullptr && *env != '\0' && std::strcmp(env, "0") != 0 &&
+          std::strcmp(env, "1") != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": EPD_KERNEL_DONE_WAIT = \"", env, "\" is not \"0\" or \"1\""));
+      }
       const bool allowed = env == nullptr || std::strcmp(env, "0") != 0;
       m->kernel_done_wait = info.kernel_done_wait() && mps != 0 && allowed;
       m->program_kernel_done_wait = info.program_kernel_done_wait() && mps != 0 && allowed;

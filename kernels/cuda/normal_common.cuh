@@ -425,9 +425,9 @@ absl::StatusOr<NormalKernelVariant> NormalKernelVariantFromEnv();
 absl::StatusOr<bool> NormalProgrammaticFromEnv();
 
 /// Host side: whether the inter-rank flags are ordered at .gpu scope
-/// (NormalParams::gpu_scope): `EPD_NORMAL_GPU_SCOPE` unset, empty or "0" = no, "1" = yes
-/// when ctx.all_ranks_on_device. INVALID_ARGUMENT naming the variable and value for any
-/// other value.
+/// (NormalParams::gpu_scope): yes when ctx.all_ranks_on_device, unless
+/// `EPD_NORMAL_GPU_SCOPE` is "0" (unset, empty or "1" = yes there). INVALID_ARGUMENT naming
+/// the variable and value for any other value.
 absl::StatusOr<bool> NormalGpuScopeFromEnv(const CudaRankContext& ctx);
 
 /// Host side: launches `kernel<<<grid, threads, shared, stream>>>(params)`, through

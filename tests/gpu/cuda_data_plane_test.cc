@@ -1237,6 +1237,36 @@ TEST_F(CudaDataPlaneTest, MemoryOfRanksThatLeftIsFreedOnlyWhenNoGroupHasWorkOnTh
   (*group)->DetachRank(0);
 }
 
+// EPD_KERNEL_DONE_WAIT takes "0" or "1" (or nothing); any other value fails the opening of
+// a daemon-launched endpoint naming the variable and the value, and "0" opens it.
+TEST_F(CudaDataPlaneTest, BadKernelDoneWaitSwitchFailsTheEndpointNamingIt) {
+  const v1::GroupSpec spec = Spec("done-wait-env", 1, 8, 256, 2, 16, 16);
+  auto group = cuda_->CreateGroup(spec);
+  ASSERT_TRUE(group.ok()) << group.status();
+  DataPlaneGroup* gp = group->get();
+  for (const char* value : {"maybe", "0"}) {
+    SCOPED_TRACE(value);
+    ASSERT_EQ(setenv("EPD_KERNEL_DONE_WAIT", value, 1), 0);
+    v1::EndpointInfo info;
+    ASSERT_TRUE(gp->AttachRank(0, "", v1::LAUNCH_MODE_DAEMON, {}, &info).ok());
+    absl::StatusOr<EndpointFds> fds = gp->TakeEndpointFds(0);
+    ASSERT_TRUE(fds.ok()) << fds.status();
+    auto ep = internal::OpenEndpoint(info, spec, *std::move(fds), [gp] {
+      gp->DetachRank(0);
+      return absl::OkStatus();
+    });
+    unsetenv("EPD_KERNEL_DONE_WAIT");
+    if (std::string(value) == "0") {
+      EXPECT_TRUE(ep.ok()) << ep.status();
+    } else {
+      EXPECT_EQ(ep.status().code(), absl::StatusCode::kInvalidArgument) << ep.status();
+      EXPECT_NE(ep.status().message().find("EPD_KERNEL_DONE_WAIT"), std::string::npos);
+      EXPECT_NE(ep.status().message().find("maybe"), std::string::npos);
+      gp->DetachRank(0);
+    }
+  }
+}
+
 TEST_F(CudaDataPlaneTest, ClientLaunchedEndpointGetsAZeroedAreaAndItsRingIsRefused) {
   const int R = 2;
   const v1::GroupSpec spec = Spec("client-mode", R, 8, 256, 2, 16, 16);

@@ -101,10 +101,10 @@ bool MpsActive() {
 
 /// Kills epd and waits (up to 20 s) for `stream` to go on; it must within 10 s. Returns
 /// the stream's state. With `kernel_running` (one of epd's kernels runs when it dies) under
-/// MPS the stream may end with cudaErrorIllegalAddress instead of success: the MPS server
-/// tears down epd's allocations, which the client's wait reads through its CUDA IPC
-/// mapping (seen on the H200 with the stream wait and the kernel wait alike;
-/// docs/RELIABILITY.md). It must not hang either way.
+/// MPS the stream may end with cudaErrorIllegalAddress instead of success: the client's
+/// wait reads epd's allocations, gone, through its CUDA IPC mapping (seen on the H200 with
+/// the stream wait and the kernel wait alike, Xid 31 in the client's process, the MPS
+/// server tearing down only that process; docs/RELIABILITY.md). It must not hang either way.
 cudaError_t KillAndExpectStreamReleased(DaemonProcess& epd, cudaStream_t stream,
                                         bool kernel_running = false) {
   epd.Kill();

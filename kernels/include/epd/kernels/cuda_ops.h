@@ -59,8 +59,9 @@ struct CudaRankContext {
   /// resident at once (ranks spin on each other).
   int32_t num_sms = 0;
   /// SMs per rank on this GPU that the default grid leaves to other work: 1 for the
-  /// daemon's low-latency ops whose clients wait for done in their staging kernel
-  /// (DoneWait), whose one spinning block per rank must find an SM beside the grids.
+  /// daemon's low-latency ops and graph-mode program steps under MPS, whose clients wait
+  /// for done in their staging kernel (DoneWait): its one spinning block per rank must find
+  /// an SM beside the grids. An explicit num_sms is taken as given.
   int32_t sms_left_per_rank = 0;
   /// Ranks of this group (or of all groups that may run at once) whose kernels share this
   /// GPU; 0 = all R ranks (the virtual-rank case, the safe default).
