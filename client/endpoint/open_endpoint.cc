@@ -13,6 +13,7 @@
 #include "client/endpoint/daemon_launch.h"
 #include "client/endpoint/endpoint_internal.h"
 #include "client/endpoint/endpoint_state.h"
+#include "common/env_switch.h"
 #include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "epd/kernels/op_rules.h"
@@ -116,15 +117,12 @@ absl::StatusOr<std::unique_ptr<Endpoint>> OpenEndpoint(const v1::EndpointInfo& i
       }
       // EPD_KERNEL_DONE_WAIT=0: the stream waits of before (an A/B and fallback switch);
       // unset, empty or "1": as the daemon says.
-      const char* env = std::getenv("EPD_KERNEL_DONE_WAIT");
-      if (env != nullptr && *env != '\0' && std::strcmp(env, "0") != 0 &&
-          std::strcmp(env, "1") != 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(what, ": EPD_KERNEL_DONE_WAIT = \"", env, "\" is not \"0\" or \"1\""));
+      const absl::StatusOr<bool> allowed = SwitchFromEnv("EPD_KERNEL_DONE_WAIT", /*unset=*/true);
+      if (!allowed.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": ", allowed.status().message()));
       }
-      const bool allowed = env == nullptr || std::strcmp(env, "0") != 0;
-      m->kernel_done_wait = info.kernel_done_wait() && mps != 0 && allowed;
-      m->program_kernel_done_wait = info.program_kernel_done_wait() && mps != 0 && allowed;
+      m->kernel_done_wait = info.kernel_done_wait() && mps != 0 && *allowed;
+      m->program_kernel_done_wait = info.program_kernel_done_wait() && mps != 0 && *allowed;
     }
   }
   if (m->client_launched) {

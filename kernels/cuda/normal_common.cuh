@@ -79,7 +79,15 @@ struct NormalParams {
   /// .sys: every rank on this GPU (CudaRankContext::all_ranks_on_device) and
   /// EPD_NORMAL_GPU_SCOPE on (docs/CUDA_BACKEND.md "Memory scope of the flags").
   int32_t gpu_scope = 0;
+  /// NormalDispatchArgs::phase_ns (measurement only), may be null.
+  uint64_t* phase_ns = nullptr;
 };
+
+/// Stamps phase `phase` of the op (NormalDispatchArgs::phase_ns) with the global timer, when
+/// stamps were asked for. Call from one thread.
+__device__ __forceinline__ void StampPhase(const NormalParams& p, NormalDispatchPhase phase) {
+  if (p.phase_ns != nullptr) p.phase_ns[static_cast<int32_t>(phase)] = device::GlobalTimerNs();
+}
 
 // ---- addressing ---------------------------------------------------------------------------
 
@@ -152,24 +160,37 @@ __device__ __forceinline__ uint64_t ScanTopkRow(const int64_t* row, int num_topk
                                                 int experts_per_rank, int32_t* expert_count,
                                                 unsigned int* bad, const uint8_t* masked = nullptr,
                                                 unsigned int* dropped = nullptr) {
+  // The ids are loaded kScanBatch at a time, all in flight at once (one round trip per
+  // batch, not one per id), into registers: each is read from the row once, and the
+  // duplicate check compares the values read.
+  constexpr int kScanBatch = 8;
   uint64_t mask = 0;
-  for (int k = 0; k < num_topk; ++k) {
-    const int64_t e = row[k];
-    if (e < -1 || e >= num_experts) {
-      ++*bad;
-      continue;
+  for (int k0 = 0; k0 < num_topk; k0 += kScanBatch) {
+    int64_t ids[kScanBatch];
+#pragma unroll
+    for (int u = 0; u < kScanBatch; ++u) ids[u] = k0 + u < num_topk ? row[k0 + u] : -1;
+#pragma unroll
+    for (int u = 0; u < kScanBatch; ++u) {
+      const int64_t e = ids[u];
+      if (e < -1 || e >= num_experts) {
+        ++*bad;
+        continue;
+      }
+      if (e < 0) continue;
+      if (masked != nullptr && masked[e / experts_per_rank] != 0) {
+        if (dropped != nullptr) ++*dropped;
+        continue;
+      }
+      if (expert_count != nullptr) {
+        bool duplicate = false;
+#pragma unroll
+        for (int j = 0; j < u; ++j) duplicate |= ids[j] == e;
+        // Ids of earlier batches (top-k above kScanBatch): read again, as read before.
+        for (int j = 0; j < k0; ++j) duplicate |= row[j] == e;
+        if (!duplicate) atomicAdd(&expert_count[e], 1);
+      }
+      mask |= 1ull << (e / experts_per_rank);
     }
-    if (e < 0) continue;
-    if (masked != nullptr && masked[e / experts_per_rank] != 0) {
-      if (dropped != nullptr) ++*dropped;
-      continue;
-    }
-    if (expert_count != nullptr) {
-      bool duplicate = false;
-      for (int j = 0; j < k; ++j) duplicate |= row[j] == e;
-      if (!duplicate) atomicAdd(&expert_count[e], 1);
-    }
-    mask |= 1ull << (e / experts_per_rank);
   }
   return mask;
 }
@@ -399,6 +420,7 @@ __device__ __forceinline__ void FinishOp(const NormalParams& p, uint32_t seq) {
   }
   __syncthreads();
   if (!s_last) return;
+  if (threadIdx.x == 0) StampPhase(p, NormalDispatchPhase::kCopyDone);
   const int num_ranks = p.shape.num_ranks;
   const uint64_t done_off = p.sync_map.done();
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
@@ -406,6 +428,10 @@ __device__ __forceinline__ void FinishOp(const NormalParams& p, uint32_t seq) {
   }
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
     WaitFlag(p, reinterpret_cast<const uint32_t*>(own_sync + done_off) + r, seq, r);
+  }
+  if (p.phase_ns != nullptr) {
+    __syncthreads();
+    if (threadIdx.x == 0) StampPhase(p, NormalDispatchPhase::kOpDone);
   }
 }
 

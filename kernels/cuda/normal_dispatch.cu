@@ -184,10 +184,12 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
   __shared__ int32_t s_num_tokens;
   __shared__ int s_failed;
 
+  if (blockIdx.x == 0 && threadIdx.x == 0) StampPhase(p, NormalDispatchPhase::kNotifyStart);
   if (notify) {
     LayoutTiles(p, ReadNumTokens(p, false), s_expert_count);
     if (!LastBlockToFinish(p)) return;
   }
+  if (threadIdx.x == 0) StampPhase(p, NormalDispatchPhase::kLayoutDone);
 
   const int num_ranks = p.shape.num_ranks;
   const int num_experts = p.shape.num_experts;
@@ -221,11 +223,22 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
       s_tile_prefix[i] = c < 0 ? 0 : (c > len ? len : c);
     }
     for (int e = tid; e < num_experts; e += blockDim.x) {
+      // kTotalsBatch tiles' counts in flight at once: one round trip per batch.
+      constexpr int kTotalsBatch = 8;
       int32_t total = 0;
-      for (int tile = 0; tile < num_tiles; ++tile) {
-        const int32_t len = TileLength(p, tile, num_tokens);
-        const int32_t c = __ldcg(expert_counts + static_cast<int64_t>(tile) * num_experts + e);
-        total += c < 0 ? 0 : (c > len ? len : c);
+      for (int tile0 = 0; tile0 < num_tiles; tile0 += kTotalsBatch) {
+        int32_t c[kTotalsBatch];
+#pragma unroll
+        for (int u = 0; u < kTotalsBatch; ++u) {
+          c[u] = tile0 + u < num_tiles
+                     ? __ldcg(expert_counts + static_cast<int64_t>(tile0 + u) * num_experts + e)
+                     : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < kTotalsBatch; ++u) {
+          const int32_t len = TileLength(p, tile0 + u, num_tokens);  // 0 past the last tile
+          total += c[u] < 0 ? 0 : (c[u] > len ? len : c[u]);
+        }
       }
       s_expert_count[e] = total;
     }
@@ -263,6 +276,7 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
     if (!WaitFlag(p, arrive + tid, seq, tid)) s_failed = 1;
   }
   __syncthreads();
+  if (tid == 0) StampPhase(p, NormalDispatchPhase::kArrived);
   // Every peer is past its own layout pass, and the rest of this block waits for nothing:
   // the copy or combine kernel's blocks may take SMs now (a programmatic launch).
   LetSecondKernelStart();
@@ -278,32 +292,50 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
         *reinterpret_cast<volatile uint32_t*>(own_sync + NormalSyncLayout::kFailedSeq) = seq;
       }
       PublishRecvCount(p, *Region<int32_t>(own, p.layout.recv_count));  // Left as it was.
+      StampPhase(p, NormalDispatchPhase::kNotifyDone);
     }
     return;
   }
 
   // ---- receiver side: prefixes and counts; sender side: offsets at each destination.
-  const volatile int32_t* counts =
-      reinterpret_cast<const volatile int32_t*>(own_sync + p.sync_map.counts());
-  const volatile int32_t* expert =
-      reinterpret_cast<const volatile int32_t*>(own_sync + p.sync_map.expert());
+  // Every peer's counts are read once, all loads in flight at once, into shared memory (not
+  // one round trip per peer in a thread's loop): the column sent to this rank into
+  // s_rank_count, the offsets at each destination summed over the lower ranks into
+  // s_send_offset, the local-expert counts [R, El] into s_expert_count (the counts that went
+  // out above were read before the arrival barrier).
+  for (int r = tid; r < num_ranks; r += blockDim.x) s_send_offset[r] = 0;
+  __syncthreads();
+  {
+    const volatile int32_t* counts =
+        reinterpret_cast<const volatile int32_t*>(own_sync + p.sync_map.counts());
+    const volatile int32_t* expert =
+        reinterpret_cast<const volatile int32_t*>(own_sync + p.sync_map.expert());
+    for (int i = tid; i < num_ranks * num_ranks; i += blockDim.x) {
+      const int sender = i / num_ranks;
+      const int dest = i - sender * num_ranks;
+      const int32_t c = counts[i];
+      if (dest == p.rank) s_rank_count[sender] = c;
+      if (sender < p.rank) atomicAdd(&s_send_offset[dest], c);
+    }
+    for (int i = tid; i < num_ranks * experts_per_rank; i += blockDim.x) {
+      s_expert_count[i] = expert[i];
+    }
+  }
+  __syncthreads();
   if (tid < num_ranks) {
     int32_t prefix = 0;
-    for (int s = 0; s < tid; ++s) prefix += counts[s * num_ranks + p.rank];
+    for (int s = 0; s < tid; ++s) prefix += s_rank_count[s];
     Region<int32_t>(own, p.layout.rank_prefix)[tid] = prefix;
-    int32_t offset = 0;
-    for (int s = 0; s < p.rank; ++s) offset += counts[s * num_ranks + tid];
-    s_send_offset[tid] = offset;
   }
   if (tid == 0) {
     int32_t total = 0;
-    for (int s = 0; s < num_ranks; ++s) total += counts[s * num_ranks + p.rank];
+    for (int s = 0; s < num_ranks; ++s) total += s_rank_count[s];
     *Region<int32_t>(own, p.layout.recv_count) = total;
     PublishRecvCount(p, total);
   }
   for (int j = tid; j < experts_per_rank; j += blockDim.x) {
     int64_t count = 0;
-    for (int s = 0; s < num_ranks; ++s) count += expert[s * experts_per_rank + j];
+    for (int s = 0; s < num_ranks; ++s) count += s_expert_count[s * experts_per_rank + j];
     device::AddExpertTokens(p.expert_stats, j, count);
     if (p.expert_stats.last_normal != nullptr) {
       p.expert_stats.last_normal[j] = static_cast<uint64_t>(count);
@@ -318,6 +350,10 @@ __global__ void __launch_bounds__(kNormalNotifyThreads)
   int32_t* bases = Tiles(p, p.tiling.bases(num_ranks));
   for (int i = tid; i < num_tiles * num_ranks; i += blockDim.x) {
     bases[i] = s_send_offset[i % num_ranks] + s_tile_prefix[i];
+  }
+  if (p.phase_ns != nullptr) {
+    __syncthreads();
+    if (tid == 0) StampPhase(p, NormalDispatchPhase::kNotifyDone);
   }
 }
 
@@ -391,6 +427,7 @@ struct DispatchCopy {
     seq = CurrentSeq(params);
     if (CurrentOpFailed(params, seq)) return false;
     tokens.Init(order, ReadNumTokens(params, false), s_next_token, RankTokenCounter(params));
+    if (blockIdx.x == 0 && threadIdx.x == 0) StampPhase(params, NormalDispatchPhase::kCopyStart);
     return true;
   }
 
@@ -739,6 +776,7 @@ absl::Status NormalDispatch(const CudaRankContext& ctx, const NormalDispatchArgs
   p.cached = args.cached ? 1 : 0;
   p.recv_count_out = args.recv_count_out;
   p.expert_stats = args.expert_stats;
+  p.phase_ns = args.phase_ns;
 
   EPD_RETURN_IF_ERROR(normal::LaunchNotify(p, !args.cached, num_blocks, stream));
   const int64_t row_bytes = args.fp8 ? ctx.shape.hidden : 2 * int64_t{ctx.shape.hidden};

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_check.h"
+#include "common/env_switch.h"
 #include "common/status_macros.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_ops.h"
@@ -146,22 +147,10 @@ absl::StatusOr<bool> KernelsHaveGridDependencyControl() {
   return yes;
 }
 
-/// An on/off switch of the environment: unset or empty = `unset`, "0" = off, "1" = on;
-/// INVALID_ARGUMENT naming the variable and value otherwise.
-absl::StatusOr<bool> SwitchFromEnv(const char* name, bool unset = false) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return unset;
-  if (std::strcmp(v, "0") == 0) return false;
-  if (std::strcmp(v, "1") != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(name, " = \"", v, "\" is not \"0\" or \"1\""));
-  }
-  return true;
-}
-
 }  // namespace
 
 absl::StatusOr<bool> NormalProgrammaticFromEnv() {
-  EPD_ASSIGN_OR_RETURN(const bool on, SwitchFromEnv("EPD_NORMAL_PDL"));
+  EPD_ASSIGN_OR_RETURN(const bool on, SwitchFromEnv("EPD_NORMAL_PDL", /*unset=*/false));
   if (!on) return false;
   return KernelsHaveGridDependencyControl();
 }

@@ -61,6 +61,9 @@ ABSL_FLAG(std::string, normal_gpu_scope, "",
 ABSL_FLAG(std::string, normal_sms, "8,16,24,32",
           "normal bench: the SM budgets (blocks per rank, each in [1, 1024]) to sweep, "
           "comma-separated; the goal is judged at floor(SMs / 8)");
+ABSL_FLAG(bool, normal_phases, true,
+          "normal bench: after timing each dispatch, run it again with the kernels' phase "
+          "stamps (NormalDispatchArgs::phase_ns) and print where its time goes");
 ABSL_FLAG(bool, normal_bound, true,
           "normal bench: also time the fan-out copy bound (each op's HBM byte pattern on the "
           "same routing without its logic, the fastest of its kernel variants) at each SM "
@@ -121,6 +124,28 @@ absl::StatusOr<double> TimeRounds(
   return 1000.0 * (last - first) / batch;
 }
 
+/// `batch` back-to-back rounds of `launch(r, stream, stamps)` as TimeRounds runs them, each
+/// op of each rank with its own kNormalDispatchPhases stamps, split (SplitPhases).
+absl::StatusOr<PhaseSplit> TracePhases(
+    VirtualRankGroup& g, int batch,
+    const std::function<absl::Status(int32_t, cudaStream_t, uint64_t*)>& launch) {
+  const int32_t R = g.num_ranks();
+  const size_t per_op = static_cast<size_t>(kc::kNormalDispatchPhases) * R;
+  std::vector<uint64_t> stamps(per_op * batch);
+  EPD_ASSIGN_OR_RETURN(DeviceBuffer buf, DeviceBuffer::Allocate(stamps.size() * 8));
+  auto* dev = reinterpret_cast<uint64_t*>(buf.get());
+  for (int it = 0; it < batch; ++it) {
+    for (int32_t r = 0; r < R; ++r) {
+      EPD_RETURN_IF_ERROR(launch(
+          r, g.stream(r), dev + per_op * it + static_cast<size_t>(r) * kc::kNormalDispatchPhases));
+    }
+  }
+  EPD_RETURN_IF_ERROR(g.SynchronizeAll());
+  EPD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(stamps.data(), dev, stamps.size() * 8, cudaMemcpyDeviceToHost));
+  return SplitPhases(stamps, R);
+}
+
 /// Microseconds of one device-to-device cudaMemcpyAsync of `bytes` (median of `batch`).
 absl::StatusOr<double> TimeMemcpy(size_t bytes, int batch) {
   EPD_ASSIGN_OR_RETURN(const Percentiles p, TimeDeviceCopy(bytes, kWarmup, batch));
@@ -148,6 +173,8 @@ struct Row {
   BoundTiming bound;
   BoundTiming gpu_bound;
   double bound_bytes = 0;
+  // Where a dispatch's time went (--normal_phases; ops 0: not traced).
+  PhaseSplit phases;
 };
 
 /// One bound variant's time (for the variant listing): pattern, blocks, us, bytes.
@@ -376,12 +403,18 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
     }
     // A cached dispatch reuses the send_pos handle the fresh dispatch before it left (the
     // same routing), so it is timed right after its fresh dispatch.
-    auto dispatch = [&](bool fp8, bool cached) {
-      return [&, fp8, cached](int32_t r, cudaStream_t s) {
+    auto traced_dispatch = [&](bool fp8, bool cached) {
+      return [&, fp8, cached](int32_t r, cudaStream_t s, uint64_t* phase_ns) {
         kc::NormalDispatchArgs args;
         args.fp8 = fp8;
         args.cached = cached;
+        args.phase_ns = phase_ns;
         return kc::NormalDispatch(ctx[r], args, s);
+      };
+    };
+    auto dispatch = [&](bool fp8, bool cached) {
+      return [launch = traced_dispatch(fp8, cached)](int32_t r, cudaStream_t s) {
+        return launch(r, s, nullptr);
       };
     };
     auto combine = [&](int32_t r, cudaStream_t s) {
@@ -399,6 +432,8 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
       double hbm_bytes;
       FanoutKind pattern;
       const char* bound_name;  // The op whose bound it shares (its own name, or the fresh op's).
+      // The op with phase stamps (a dispatch), or empty.
+      std::function<absl::Status(int32_t, cudaStream_t, uint64_t*)> traced;
     };
     const std::string fp8_name = "dispatch fp8";
     const std::string bf16_name = "dispatch bf16";
@@ -406,17 +441,21 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
     const std::string bf16_cached = CachedName(bf16_name);
     const Op ops[] = {
         {fp8_name.c_str(), dispatch(true, false), fp8_row, memcpy_fp8_us, fp8_total,
-         dispatch_hbm(fp8_row), FanoutKind::kDispatch, fp8_name.c_str()},
+         dispatch_hbm(fp8_row), FanoutKind::kDispatch, fp8_name.c_str(),
+         traced_dispatch(true, false)},
         {fp8_cached.c_str(), dispatch(true, true), fp8_row, memcpy_fp8_us, fp8_total,
-         cached_dispatch_hbm(fp8_row), FanoutKind::kDispatch, fp8_name.c_str()},
+         cached_dispatch_hbm(fp8_row), FanoutKind::kDispatch, fp8_name.c_str(),
+         traced_dispatch(true, true)},
         {bf16_name.c_str(), dispatch(false, false), bf16_row, memcpy_bf16_us, bf16_total,
-         dispatch_hbm(bf16_row), FanoutKind::kDispatch, bf16_name.c_str()},
+         dispatch_hbm(bf16_row), FanoutKind::kDispatch, bf16_name.c_str(),
+         traced_dispatch(false, false)},
         // The combine right after the fresh dispatch whose handle it takes (as in a model's
         // step); the cached dispatch after it still reuses that dispatch's send_pos.
         {"combine bf16", combine, bf16_row, memcpy_bf16_us, bf16_total, combine_hbm,
-         FanoutKind::kCombine, "combine bf16"},
+         FanoutKind::kCombine, "combine bf16", nullptr},
         {bf16_cached.c_str(), dispatch(false, true), bf16_row, memcpy_bf16_us, bf16_total,
-         cached_dispatch_hbm(bf16_row), FanoutKind::kDispatch, bf16_name.c_str()}};
+         cached_dispatch_hbm(bf16_row), FanoutKind::kDispatch, bf16_name.c_str(),
+         traced_dispatch(false, true)}};
     constexpr int kOps = static_cast<int>(std::size(ops));
     // The ops' bounds at this budget (sms x ranks blocks, at most one per SM of the GPU) and
     // on the whole GPU; a cached dispatch shares its fresh dispatch's (the same pattern).
@@ -457,9 +496,18 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
             for (int32_t r = 0; r < kRanks; ++r) {
               EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(ctx[r], g->stream(r), op.name));
             }
+            PhaseSplit phases;
+            if (op.traced && absl::GetFlag(FLAGS_normal_phases)) {
+              // After the timed rounds: the stamps cannot slow them, and a cached dispatch
+              // still follows the fresh one whose handle it reuses (the same routing).
+              EPD_ASSIGN_OR_RETURN(phases, TracePhases(*g, kBatch, op.traced));
+              for (int32_t r = 0; r < kRanks; ++r) {
+                EPD_RETURN_IF_ERROR(kc::ReadAndClearStatus(ctx[r], g->stream(r), op.name));
+              }
+            }
             rows->push_back({op.name, variant, programmatic, gpu_scope, sms, over,
                              rows_per_rank * op.row_bytes, us, op.memcpy_us, op.memcpy_bytes,
-                             op.hbm_bytes, op_bound[i], gpu_bound[i], bound_bytes[i]});
+                             op.hbm_bytes, op_bound[i], gpu_bound[i], bound_bytes[i], phases});
           }
         }
       }
@@ -512,6 +560,31 @@ void PrintBoundTable(const std::vector<Row>& rows, const std::vector<BoundRow>& 
 /// With more than one switch setting measured: per op and kernel variant at `sms` SMs per
 /// rank, the mean us/op and HBM/copy of each setting over its repeats, and the us change
 /// against the setting with neither switch ("-"), as text.
+/// Where each traced dispatch's time went (--normal_phases).
+void PrintPhaseTable(const std::vector<Row>& rows) {
+  bool header = false;
+  for (const Row& r : rows) {
+    if (r.phases.ops == 0) continue;
+    if (!header) {
+      std::printf(
+          "\nwhere a dispatch's time goes (kernel phase stamps, %d back-to-back ops; per "
+          "segment the median op's mean over ranks, us; skew = a rank's notify start after the "
+          "first rank's, layout = the layout pass (0 cached), arrival = totals, counts out and "
+          "the wait for every peer's, counts = prefixes and tile bases, to copy = notify end to "
+          "the copy's first block, done = the done barrier; op = first start to last end)\n",
+          kBatch);
+      std::printf("%-20s %-9s %-8s %5s %5s %7s %7s %8s %7s %8s %8s %7s %8s\n", "op", "kernels",
+                  "switches", "sms", "ops", "skew", "layout", "arrival", "counts", "to copy",
+                  "copy", "done", "op");
+      header = true;
+    }
+    const PhaseSplit& ph = r.phases;
+    std::printf("%-20s %-9s %-8s %5d %5d %7.1f %7.1f %8.1f %7.1f %8.1f %8.1f %7.1f %8.1f\n",
+                r.op.c_str(), VariantName(r), SwitchesName(r), r.sms, ph.ops, ph.skew, ph.layout,
+                ph.arrival, ph.counts, ph.to_copy, ph.copy, ph.done, ph.op);
+  }
+}
+
 void PrintSwitchSummary(const std::vector<Row>& rows, int32_t sms) {
   struct Cell {
     std::string op, variant, switches;
@@ -611,6 +684,18 @@ int RunNormalBench() {
     }
   }
   if (json) {
+    for (const Row& r : rows) {
+      if (r.phases.ops == 0) continue;
+      const PhaseSplit& ph = r.phases;
+      std::printf(
+          "{\"figure\":\"normal %s phases\",\"kernels\":\"%s\",\"pdl\":%s,\"gpu_scope\":%s,"
+          "\"device\":\"%s\",\"sms_per_rank\":%d,\"ops\":%d,\"skew_us\":%.2f,"
+          "\"layout_us\":%.2f,\"arrival_us\":%.2f,\"counts_us\":%.2f,\"to_copy_us\":%.2f,"
+          "\"copy_us\":%.2f,\"done_us\":%.2f,\"op_us\":%.2f}\n",
+          r.op.c_str(), VariantName(r), r.pdl ? "true" : "false", r.gpu_scope ? "true" : "false",
+          device.c_str(), r.sms, ph.ops, ph.skew, ph.layout, ph.arrival, ph.counts, ph.to_copy,
+          ph.copy, ph.done, ph.op);
+    }
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       const Row* cached = CachedRowOf(rows, i);
@@ -639,6 +724,7 @@ int RunNormalBench() {
         "(only one block per rank spins, so it runs, but the budget is not real)\n",
         kRanks, sms);
     PrintBoundTable(rows, bound_rows, sms);
+    PrintPhaseTable(rows);
     // The goal at the default budget: floor(SMs / ranks) blocks per rank.
     const int32_t default_sms = sms / kRanks;
     PrintSwitchSummary(rows, default_sms);

@@ -4,10 +4,11 @@
 // combine: the ops' byte pattern without their logic), its HBM byte count, the fastest of
 // the bound's kernel variants, the ratios printed beside the ops, and the low-latency ops'
 // fixed cost split (T = 0) against a copy of the same bytes, and a normal dispatch's routing
-// share (fresh against cached). docs/BENCHMARKS.md
-// "Measured floors".
+// share (fresh against cached) and where its time goes (the kernels' phase stamps).
+// docs/BENCHMARKS.md "Measured floors".
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <limits>
@@ -209,6 +210,69 @@ inline RoutingShare SplitRouting(double fresh_bytes, double fresh_us, double cac
   s.without_routing_over_copy = fresh_bytes / cached_us / 1e6 / copy_tbps;
   s.cached_over_copy = cached_bytes / cached_us / 1e6 / copy_tbps;
   return s;
+}
+
+/// Where a normal dispatch's time goes, from the phase stamps its kernels wrote
+/// (NormalDispatchArgs::phase_ns): per segment, the median over ops of the mean over ranks,
+/// in microseconds. `skew` is a rank's notify start after the op's first rank's; `op` the
+/// last rank's end after the first rank's start.
+struct PhaseSplit {
+  int32_t ops = 0;  ///< Ops whose stamps were all set and in order.
+  double skew = 0, layout = 0, arrival = 0, counts = 0, to_copy = 0, copy = 0, done = 0, op = 0;
+};
+
+/// Splits `stamps`: [ops][ranks][phases] global-timer nanoseconds (phases = 7, in the order
+/// of kernels::cuda::NormalDispatchPhase), laid out op-major. An op with a stamp of 0 (never
+/// written) or stamps out of order on any rank is left out (`ops` counts the rest).
+/// INVALID_ARGUMENT when the size is not ops x ranks x 7 or `ranks` < 1.
+inline absl::StatusOr<PhaseSplit> SplitPhases(std::span<const uint64_t> stamps, int32_t ranks) {
+  constexpr size_t kPhases = 7;
+  if (ranks < 1 || stamps.size() % (kPhases * static_cast<size_t>(ranks)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SplitPhases: ", stamps.size(), " stamps are not ops x ranks = ", ranks, " x ", kPhases));
+  }
+  const size_t per_op = kPhases * static_cast<size_t>(ranks);
+  constexpr int kSegments = 8;
+  std::vector<double> segments[kSegments];
+  for (size_t base = 0; base < stamps.size(); base += per_op) {
+    const uint64_t* op = stamps.data() + base;
+    bool ok = true;
+    uint64_t first = std::numeric_limits<uint64_t>::max(), last = 0;
+    for (int32_t r = 0; r < ranks && ok; ++r) {
+      const uint64_t* t = op + r * kPhases;
+      for (size_t i = 0; i < kPhases && ok; ++i) ok = t[i] != 0 && (i == 0 || t[i] >= t[i - 1]);
+      first = std::min(first, t[0]);
+      last = std::max(last, t[kPhases - 1]);
+    }
+    if (!ok) continue;
+    double sum[kSegments] = {};
+    for (int32_t r = 0; r < ranks; ++r) {
+      const uint64_t* t = op + r * kPhases;
+      sum[0] += static_cast<double>(t[0] - first);
+      for (size_t i = 1; i < kPhases; ++i) sum[i] += static_cast<double>(t[i] - t[i - 1]);
+    }
+    for (int i = 0; i < kSegments - 1; ++i) segments[i].push_back(sum[i] / ranks / 1e3);
+    segments[kSegments - 1].push_back(static_cast<double>(last - first) / 1e3);
+  }
+  PhaseSplit split;
+  split.ops = static_cast<int32_t>(segments[0].size());
+  if (split.ops == 0) return split;
+  double medians[kSegments];
+  for (int i = 0; i < kSegments; ++i) {
+    std::vector<double>& v = segments[i];
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    medians[i] = n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  }
+  split.skew = medians[0];
+  split.layout = medians[1];
+  split.arrival = medians[2];
+  split.counts = medians[3];
+  split.to_copy = medians[4];
+  split.copy = medians[5];
+  split.done = medians[6];
+  split.op = medians[7];
+  return split;
 }
 
 }  // namespace epd::bench

@@ -259,8 +259,11 @@ class NormalGroup {
     args.cached = cached;
     // N comes back through host-mapped pinned memory written by the kernel (no copy).
     args.recv_count_out = reinterpret_cast<int32_t*>(recv_count_out_.get()) + r;
+    args.phase_ns = phase_ns_ != nullptr ? phase_ns_ + r * kc::kNormalDispatchPhases : nullptr;
     return kc::NormalDispatch(group_->Context(r), args, s);
   }
+  /// Device uint64 [R, kNormalDispatchPhases] the dispatches stamp (null = none).
+  void set_phase_ns(uint64_t* phase_ns) { phase_ns_ = phase_ns; }
 
   /// Runs the host Dispatch on the current inputs (cached: with the previous send_pos).
   absl::Status HostDispatch(bool cached) {
@@ -478,6 +481,7 @@ class NormalGroup {
   }
 
  private:
+  uint64_t* phase_ns_ = nullptr;
   absl::Status UploadInputs(int32_t r) {
     const EndpointLayout& l = group_->layout();
     EPD_RETURN_IF_ERROR(group_->Upload(r, l.in_x, x_[r].data(), x_[r].size()));
@@ -562,6 +566,12 @@ std::vector<NormalCase> SweepCases() {
   // (two passes of the block per tile) over 5 blocks, masked ranks.
   add({"tiles-over-3-blocks", 2, 2048, 8, 64, {4000, 1000}, false, 1, true, {}, 0, 3});
   add({"long-tiles-fp8-masked", 2, 1024, 4, 16, {20000, 17001}, true, 1, true, masked, 0, 5});
+  // Top-k above the layout scan's batch of 8 ids, with duplicates across batches: each
+  // expert counted once per row.
+  RoutingOptions wide_dups;
+  wide_dups.duplicate_fraction = 0.3;
+  wide_dups.masked_fraction = 0.1;
+  add({"topk12-duplicates", 4, 2048, 12, 64, {1000, 333, 0, 4096}, false, 1, true, wide_dups});
   return cases;
 }
 
@@ -671,6 +681,17 @@ TEST_F(NormalGpuTest, ProgrammaticLaunchIsOnWhereTheKernelsHaveIt) {
   EXPECT_EQ(*on, ptx >= 90) << "ptxVersion " << ptx;
 }
 
+/// The switch tests' cases (both copies, 8 ranks, T of 0 and 1, masked ranks, blocks owning
+/// several tiles) under the balanced and bulk kernels, with EPD_NORMAL_PDL = `pdl` and
+/// EPD_NORMAL_GPU_SCOPE = `gpu_scope`.
+void RunPickedCasesWithSwitches(const char* pdl, const char* gpu_scope) {
+  ScopedEnv pdl_env("EPD_NORMAL_PDL", pdl);
+  ScopedEnv scope_env("EPD_NORMAL_GPU_SCOPE", gpu_scope);
+  RunPickedCasesUnderVariants({"deepseek-fp8", "deepseek-bf16", "mixed-T-8", "ragged-hidden",
+                               "tiny-odd-hidden", "long-tiles-fp8-masked"},
+                              {"balanced", "bulk"});
+}
+
 TEST_F(NormalGpuTest, ProgrammaticLaunchMatchesHostBitForBit) {
   // Layout, dispatch, combine and cached re-dispatch with every op's second kernel launched
   // programmatically: a copy or combine that read the notify's or barrier's writes (tile
@@ -678,11 +699,7 @@ TEST_F(NormalGpuTest, ProgrammaticLaunchMatchesHostBitForBit) {
   // host. The vector copy (16-byte and bf16-unit rows) and the bulk copy, 8 ranks, T of 0
   // and 1, masked ranks, blocks owning several tiles. The flags at .sys scope (the default
   // is .gpu on one GPU), so that path is covered on one GPU too.
-  ScopedEnv pdl("EPD_NORMAL_PDL", "1");
-  ScopedEnv sys_scope("EPD_NORMAL_GPU_SCOPE", "0");
-  RunPickedCasesUnderVariants({"deepseek-fp8", "deepseek-bf16", "mixed-T-8", "ragged-hidden",
-                               "tiny-odd-hidden", "long-tiles-fp8-masked"},
-                              {"balanced", "bulk"});
+  RunPickedCasesWithSwitches(/*pdl=*/"1", /*gpu_scope=*/"0");
 }
 
 /// Runs a case's ops with environment variable `name` = `value` (not a value it takes):
@@ -700,11 +717,42 @@ TEST_F(NormalGpuTest, GpuScopeFlagsMatchHostBitForBit) {
   // The inter-rank flags at .gpu scope (every rank on this GPU), with the programmatic launch
   // as the lead may run both: a missing order between a rank's writes and its flags would
   // show as rows or counts that differ from the host.
-  ScopedEnv scope("EPD_NORMAL_GPU_SCOPE", "1");
-  ScopedEnv pdl("EPD_NORMAL_PDL", "1");
-  RunPickedCasesUnderVariants({"deepseek-fp8", "deepseek-bf16", "mixed-T-8", "ragged-hidden",
-                               "tiny-odd-hidden", "long-tiles-fp8-masked"},
-                              {"balanced", "bulk"});
+  RunPickedCasesWithSwitches(/*pdl=*/"1", /*gpu_scope=*/"1");
+}
+
+TEST_F(NormalGpuTest, PhaseStampsAreSetInOrderAndLeaveTheResultsAsTheHostHasThem) {
+  // NormalDispatchArgs::phase_ns (the bench's --normal_phases): every phase of every rank
+  // stamped, in op order, by a fresh and by a cached dispatch under both copies; the results
+  // still bit for bit the host's. A stamp left at 0 or out of order fails.
+  for (const char* variant : {"balanced", "bulk"}) {
+    SCOPED_TRACE(variant);
+    ScopedEnv env("EPD_NORMAL_KERNELS", variant);
+    NormalGroup g(NormalCase{"phases", 8, 7168, 8, 256, {1000, 0, 1, 2048, 517, 64, 999, 3}});
+    NM_ASSERT_OK(g.Prepare());
+    const size_t count = static_cast<size_t>(8) * kc::kNormalDispatchPhases;
+    absl::StatusOr<DeviceBuffer> buf = DeviceBuffer::Allocate(count * 8);
+    NM_ASSERT_OK(buf.status());
+    g.set_phase_ns(reinterpret_cast<uint64_t*>(buf->get()));
+    for (const bool cached : {false, true}) {
+      SCOPED_TRACE(cached ? "cached" : "fresh");
+      NM_ASSERT_OK(EPD_CUDA_STATUS(cudaMemset(buf->get(), 0, count * 8)));
+      if (cached) NM_ASSERT_OK(g.RedrawX(4242));
+      NM_ASSERT_OK(g.HostDispatch(cached));
+      NM_ASSERT_OK(g.LaunchDispatch(cached));
+      NM_ASSERT_OK(g.group().SynchronizeAll());
+      NM_ASSERT_OK(g.CheckDispatch(cached));
+      std::vector<uint64_t> stamps(count);
+      NM_ASSERT_OK(EPD_CUDA_STATUS(
+          cudaMemcpy(stamps.data(), buf->get(), count * 8, cudaMemcpyDeviceToHost)));
+      for (int32_t r = 0; r < 8; ++r) {
+        const uint64_t* t = stamps.data() + r * kc::kNormalDispatchPhases;
+        for (int i = 0; i < kc::kNormalDispatchPhases; ++i) {
+          EXPECT_NE(t[i], 0u) << "rank " << r << " phase " << i;
+          if (i > 0) EXPECT_GE(t[i], t[i - 1]) << "rank " << r << " phase " << i;
+        }
+      }
+    }
+  }
 }
 
 TEST_F(NormalGpuTest, GpuScopeOnlyWhereEveryRankIsOnThisGpu) {

@@ -128,5 +128,46 @@ TEST(BenchFloorsTest, RoutingShareIsTheFreshOpLessTheCachedOne) {
   EXPECT_EQ(SplitRouting(4.2e8, 500, 4e8, 400, 0).cached_over_copy, 0);
 }
 
+TEST(BenchFloorsTest, PhaseSplitIsTheMedianOverOpsOfTheMeanOverRanks) {
+  // Two ranks, three ops. Rank 1 starts 2 us after rank 0; segments in us per rank.
+  auto op = [](uint64_t at, uint64_t scale) {
+    const uint64_t r0[7] = {0, 3, 10, 12, 15, 415, 420};
+    const uint64_t r1[7] = {2, 4, 10, 13, 16, 410, 420};
+    std::vector<uint64_t> v;
+    for (uint64_t x : r0) v.push_back(at + scale * x * 1000);
+    for (uint64_t x : r1) v.push_back(at + scale * x * 1000);
+    return v;
+  };
+  std::vector<uint64_t> stamps;
+  for (const auto& o : {op(1'000'000, 1), op(9'000'000, 2), op(5'000'000, 1)}) {
+    stamps.insert(stamps.end(), o.begin(), o.end());
+  }
+  absl::StatusOr<PhaseSplit> s = SplitPhases(stamps, 2);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->ops, 3);
+  // The median op is the unscaled one: skew (0 + 2) / 2, layout (3 + 2) / 2, ...
+  EXPECT_DOUBLE_EQ(s->skew, 1.0);
+  EXPECT_DOUBLE_EQ(s->layout, 2.5);
+  EXPECT_DOUBLE_EQ(s->arrival, 6.5);
+  EXPECT_DOUBLE_EQ(s->counts, 2.5);
+  EXPECT_DOUBLE_EQ(s->to_copy, 3.0);
+  EXPECT_DOUBLE_EQ(s->copy, 397.0);
+  EXPECT_DOUBLE_EQ(s->done, 7.5);
+  EXPECT_DOUBLE_EQ(s->op, 420.0);
+
+  // An op with a stamp never written, or out of order, is left out.
+  std::vector<uint64_t> bad = stamps;
+  bad[7 + 3] = 0;                 // op 0, rank 1, kNotifyDone
+  bad[14 + 5] = bad[14 + 4] - 1;  // op 1, rank 0: copy done before copy start
+  absl::StatusOr<PhaseSplit> left = SplitPhases(bad, 2);
+  ASSERT_TRUE(left.ok());
+  EXPECT_EQ(left->ops, 1);
+  EXPECT_DOUBLE_EQ(left->op, 420.0);
+
+  EXPECT_EQ(SplitPhases(std::vector<uint64_t>(13), 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SplitPhases(stamps, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace epd::bench

@@ -92,7 +92,24 @@ struct NormalDispatchArgs {
   /// Per-expert received-token totals the notify kernel adds this dispatch's counts to
   /// (unaligned; a cached dispatch those of the dispatch it repeats); default off.
   ExpertTokenStats expert_stats;
+  /// Measurement only (epd_bench --normal_phases): device uint64 [kNormalDispatchPhases]
+  /// the kernels stamp with the GPU's global timer (ns) as the op passes each
+  /// NormalDispatchPhase; null (the default, and always in epd) = no stamps.
+  uint64_t* phase_ns = nullptr;
 };
+
+/// The points of a normal dispatch NormalDispatchArgs::phase_ns stamps, in op order. A
+/// cached dispatch has no layout pass: its kLayoutDone is its kNotifyStart.
+enum class NormalDispatchPhase : int32_t {
+  kNotifyStart = 0,  ///< The notify kernel's block 0 starts.
+  kLayoutDone = 1,   ///< The notify's last block starts the totals (every tile scanned).
+  kArrived = 2,      ///< The notify has its counts out and every peer's in (arrival wait).
+  kNotifyDone = 3,   ///< The notify's last block ends (prefixes, counts, tile bases written).
+  kCopyStart = 4,    ///< The copy kernel's block 0 starts taking tokens.
+  kCopyDone = 5,     ///< The copy's last block to finish starts the done barrier.
+  kOpDone = 6,       ///< Every rank's done flag is in: the op's end.
+};
+inline constexpr int32_t kNormalDispatchPhases = 7;
 
 /// Enqueues one rank's normal dispatch on `stream`. Errors: INVALID_ARGUMENT for a bad
 /// context or arguments (expert_alignment < 1, FP8 without shape.use_fp8 or with
