@@ -79,6 +79,11 @@ struct NormalParams {
   /// .sys: every rank on this GPU (CudaRankContext::all_ranks_on_device) and
   /// EPD_NORMAL_GPU_SCOPE on (docs/CUDA_BACKEND.md "Memory scope of the flags").
   int32_t gpu_scope = 0;
+  /// The dispatch copy's vector path (CopyTokensByVectors) splits each token's row into up
+  /// to this many parts of whole 2 KiB chunks, each taken by a warp as one work item, so a
+  /// rank's last items are short and its warps end together (EPD_NORMAL_COPY_PARTS,
+  /// NormalCopyPartsFromEnv). 1 = a token per item.
+  int32_t copy_parts = 1;
   /// NormalDispatchArgs::phase_ns (measurement only), may be null.
   uint64_t* phase_ns = nullptr;
 };
@@ -195,6 +200,13 @@ __device__ __forceinline__ uint64_t ScanTopkRow(const int64_t* row, int num_topk
   return mask;
 }
 
+/// A dispatch's layout pass writes a token's row inside its tile `row` (>= 0) to send_pos as
+/// EncodeTileRow(row) <= kEncodedTileRow, so that the copy can tell it from a final row
+/// (>= 0) or "not sent" (-1) however many of its warps read the entry (ResolveRow).
+inline constexpr int64_t kEncodedTileRow = -2;
+__device__ __forceinline__ int32_t EncodeTileRow(int32_t row) { return -2 - row; }
+__device__ __forceinline__ int64_t DecodeTileRow(int64_t encoded) { return -2 - encoded; }
+
 /// The ranks one token goes to (or comes back from), held by one warp: lane l keeps the
 /// send_pos row entries and data-area bases of ranks l and l + 32 (R <= 64); `mask` has
 /// bit r set when send_pos[t, r] is a row and rank r is not masked (LoadBases' `masked`). Row(r) /
@@ -235,22 +247,26 @@ struct TokenRanks {
     *lo = lane < num_ranks ? pos_row[lane] : -1;
     *hi = lane + 32 < num_ranks ? pos_row[lane + 32] : -1;
   }
-  /// The dispatch copy's LoadRow: `pos_row` holds the layout pass's row of token t inside
-  /// its tile (-1 = not sent), `base_row` [R] its tile's first row at each rank. Each entry
-  /// >= 0 becomes entry + base (64-bit), is checked as in LoadRow and written back to
-  /// `pos_row` (the handle); -1 entries stay. Warp-collective.
+  /// The dispatch copy's LoadRow: `pos_row` holds token t's row as the layout pass wrote
+  /// it (EncodeTileRow: the row inside its tile; -1 = not sent) or, where another warp of
+  /// the same copy resolved it already, the final row. `base_row` [R] is its tile's first
+  /// row at each rank. An encoded entry becomes its row + base (64-bit), a final one stays;
+  /// both are checked as in LoadRow. With `write_back` the resolved entries are written back
+  /// to `pos_row` (the handle): the same values whichever warp writes them, so the warps
+  /// that share a token (NormalParams::copy_parts) may race on it. Warp-collective.
   __device__ __forceinline__ void ResolveRow(int32_t* pos_row, const int32_t* base_row,
                                              int num_ranks, int lane, int64_t capacity,
-                                             unsigned int* bad, unsigned int* dropped) {
+                                             unsigned int* bad, unsigned int* dropped,
+                                             bool write_back) {
     int64_t lo = lane < num_ranks ? pos_row[lane] : -1;
     int64_t hi = lane + 32 < num_ranks ? pos_row[lane + 32] : -1;
-    const bool sent_lo = lo >= 0;
-    const bool sent_hi = hi >= 0;
-    if (sent_lo) lo += base_row[lane];
-    if (sent_hi) hi += base_row[lane + 32];
+    const bool encoded_lo = lo <= kEncodedTileRow;
+    const bool encoded_hi = hi <= kEncodedTileRow;
+    if (encoded_lo) lo = DecodeTileRow(lo) + base_row[lane];
+    if (encoded_hi) hi = DecodeTileRow(hi) + base_row[lane + 32];
     CheckRow(lo, hi, capacity, bad, dropped);
-    if (sent_lo) pos_row[lane] = pos_lo;
-    if (sent_hi) pos_row[lane + 32] = pos_hi;
+    if (write_back && encoded_lo) pos_row[lane] = pos_lo;
+    if (write_back && encoded_hi) pos_row[lane + 32] = pos_hi;
   }
   /// LoadRow's checks on the lane's two raw entries; sets pos_lo / pos_hi and the mask.
   __device__ __forceinline__ void CheckRow(int64_t lo, int64_t hi, int64_t capacity,
@@ -442,6 +458,16 @@ namespace epd::kernels::cuda::normal {
 /// Host side: the variant `EPD_NORMAL_KERNELS` names: unset or empty = kBalanced,
 /// "balanced", "static", "block", "bulk". INVALID_ARGUMENT naming the variable and value otherwise.
 absl::StatusOr<NormalKernelVariant> NormalKernelVariantFromEnv();
+
+/// The dispatch copy's parts per token (NormalParams::copy_parts) by default, and the most
+/// EPD_NORMAL_COPY_PARTS takes.
+inline constexpr int32_t kDefaultCopyParts = 4;
+inline constexpr int32_t kMaxCopyParts = 16;
+
+/// Host side: NormalParams::copy_parts from `EPD_NORMAL_COPY_PARTS`: unset or empty =
+/// kDefaultCopyParts, else a whole number in [1, kMaxCopyParts]; INVALID_ARGUMENT naming the
+/// variable and value otherwise.
+absl::StatusOr<int32_t> NormalCopyPartsFromEnv();
 
 /// Host side: whether the op's second kernel is launched programmatically
 /// (NormalParams::programmatic): `EPD_NORMAL_PDL` unset, empty or "0" = no, "1" = yes when

@@ -51,8 +51,8 @@ __device__ __forceinline__ int32_t* Tiles(const NormalParams& p, uint64_t offset
 
 /// The layout pass of a dispatch, one block's share: tiles blockIdx.x, + gridDim.x, ... of
 /// NormalDispatchTiling, each scanned kNormalNotifyThreads tokens at a time (one thread a
-/// token). For each tile it writes send_pos[t, r] = (tokens of the tile before t sent to r),
-/// -1 where t is not sent to r, and the tile's counts into `normal_tiles`: tokens per
+/// token). For each tile it writes send_pos[t, r] = EncodeTileRow(tokens of the tile before
+/// t sent to r), -1 where t is not sent to r, and the tile's counts into `normal_tiles`: tokens per
 /// destination rank [tile, R] and per expert [tile, E] (a duplicate expert in a row once).
 /// Ids outside [-1, E) are counted into DeviceStatus and skipped; pairs to a masked rank's
 /// expert are dropped and counted. `s_expert_count`: E int32 of shared memory.
@@ -111,7 +111,9 @@ __device__ __forceinline__ void LayoutTiles(const NormalParams& p, int num_token
       for (int r = 0; r < num_ranks; ++r) {
         const bool to_r = (mask >> r) & 1ull;
         const unsigned int b = __ballot_sync(0xffffffffu, to_r);
-        if (t < end) pos[r] = to_r ? s_warp_count[warp][r] + __popc(b & lanes_below) : -1;
+        if (t < end) {
+          pos[r] = to_r ? EncodeTileRow(s_warp_count[warp][r] + __popc(b & lanes_below)) : -1;
+        }
       }
       __syncthreads();
     }
@@ -414,19 +416,37 @@ struct DispatchCopy {
   unsigned int dropped = 0;
 
   uint32_t seq;          ///< The op's sequence number.
-  TokenSchedule tokens;  ///< This warp's tokens.
+  TokenSchedule tokens;  ///< This warp's work items: tokens, or parts of tokens.
+  int64_t parts = 1;     ///< Items per token (CopyTokensByVectors).
+  int64_t part_vec = 0;  ///< `vec_bytes` vectors of a part (the last part may be shorter).
 
   /// The copy kernels' start (every thread of the block): false when the op failed (the
   /// block then returns at once), else the state set up and the schedule started. What
   /// comes from the params alone is set up before the wait for the notify's grid
   /// (WaitForFirstKernel), which a programmatic launch overlaps with the notify's end.
+  /// `vec_bytes`: the vector path's unit (its items are parts of tokens: NormalParams::
+  /// copy_parts, at most the row's 32 * kCopyUnroll-vector chunks, none empty, 1 when
+  /// T * parts would pass int32); 0 = a token per item.
   __device__ __forceinline__ bool Start(const NormalParams& params, TokenOrder order,
-                                        int32_t* s_next_token) {
+                                        int32_t* s_next_token, int64_t vec_bytes) {
     Init(params);
     WaitForFirstKernel();
     seq = CurrentSeq(params);
     if (CurrentOpFailed(params, seq)) return false;
-    tokens.Init(order, ReadNumTokens(params, false), s_next_token, RankTokenCounter(params));
+    const int32_t num_tokens = ReadNumTokens(params, false);
+    if (vec_bytes > 0) {
+      constexpr int64_t kChunk = 32 * kCopyUnroll;
+      const int64_t num_vec = row_bytes / vec_bytes;
+      const int64_t num_chunks = (num_vec + kChunk - 1) / kChunk;
+      parts = params.copy_parts < 1 ? 1 : params.copy_parts;
+      if (parts > num_chunks) parts = num_chunks > 1 ? num_chunks : 1;
+      const int64_t part_chunks = (num_chunks + parts - 1) / parts;
+      if (part_chunks > 0) parts = (num_chunks + part_chunks - 1) / part_chunks;  // None empty.
+      if (static_cast<int64_t>(num_tokens) * parts > INT32_MAX) parts = 1;
+      part_vec = parts == 1 ? num_vec : part_chunks * kChunk;
+    }
+    tokens.Init(order, static_cast<int32_t>(num_tokens * parts), s_next_token,
+                RankTokenCounter(params));
     if (blockIdx.x == 0 && threadIdx.x == 0) StampPhase(params, NormalDispatchPhase::kCopyStart);
     return true;
   }
@@ -473,16 +493,21 @@ struct DispatchCopy {
 
   /// Reads send_pos[t, :] into `ranks` (lane r holds ranks r and r + 32; unless cached,
   /// the layout's rows within the tile, which it turns into final rows with the notify's
-  /// tile bases and writes back: TokenRanks::ResolveRow) and returns the destination mask.
-  /// Warp-collective.
-  __device__ __forceinline__ uint64_t Route(int32_t t) {
+  /// tile bases: TokenRanks::ResolveRow) and returns the destination mask. The warp that
+  /// takes a token's first part (`first_part`; every warp when a token is one item) counts
+  /// bad and dropped routes and writes the final rows back; the warps of its other parts
+  /// route the same and count nothing. Warp-collective.
+  __device__ __forceinline__ uint64_t Route(int32_t t, bool first_part) {
     int32_t* pos_row = send_pos + static_cast<int64_t>(t) * num_ranks;
+    unsigned int uncounted = 0;
+    unsigned int* bad = first_part ? &bad_routing : &uncounted;
+    unsigned int* drop = first_part ? &dropped : &uncounted;
     if (p->cached) {
-      ranks.LoadRow(pos_row, num_ranks, lane, capacity, &bad_routing, &dropped);
+      ranks.LoadRow(pos_row, num_ranks, lane, capacity, bad, drop);
     } else {
       ranks.ResolveRow(pos_row,
                        tile_bases + static_cast<int64_t>(t / p->tiling.tile_tokens) * num_ranks,
-                       num_ranks, lane, capacity, &bad_routing, &dropped);
+                       num_ranks, lane, capacity, bad, drop, first_part);
     }
     return ranks.mask;
   }
@@ -536,46 +561,56 @@ struct DispatchCopy {
   }
 };
 
-/// The vector path of the copy, from the warp's TokenSchedule on: for each token, one
-/// round trip loads the row's first kCopyUnroll vectors per lane, its metadata and its
-/// routing row (none depends on another); then each chunk is stored at every destination
-/// and the next chunk loaded, then the metadata stored. `Vec` is int4 when a row is a
+/// The vector path of the copy, from the warp's TokenSchedule on. The schedule hands out
+/// items (DispatchCopy::Start with sizeof(Vec)): token t's row is cut into `parts` parts of
+/// whole chunks (kCopyUnroll vectors a lane: 2 KiB of int4), item = t * parts + part. For
+/// each item, one round trip
+/// loads its first chunk, the routing row and (first part only) the token's metadata (none
+/// depends on another); then each chunk is stored at every destination and the next chunk
+/// loaded; the first part's warp then stores the metadata. `Vec` is int4 when a row is a
 /// multiple of 16 bytes, else bf16 units.
 template <typename Vec>
 __device__ __forceinline__ void CopyTokensByVectors(DispatchCopy& c) {
-  TokenSchedule& tokens = c.tokens;
   const int lane = c.lane;
   const int64_t num_vec = c.row_bytes / static_cast<int64_t>(sizeof(Vec));
-  int32_t claim = tokens.Claim();
+  constexpr int64_t kChunk = 32 * kCopyUnroll;
+  const int64_t parts = c.parts;
+  const int64_t part_vec = c.part_vec;
+  TokenSchedule& items = c.tokens;
+  int32_t claim = items.Claim();
   for (;;) {
-    const int32_t t = tokens.Take(claim);
-    if (t >= tokens.end) break;
+    const int32_t item = items.Take(claim);
+    if (item >= items.end) break;
+    const int32_t t = static_cast<int32_t>(item / parts);
+    const int64_t part = item - static_cast<int64_t>(t) * parts;
+    const int64_t first = part * part_vec;
+    const int64_t last = first + part_vec < num_vec ? first + part_vec : num_vec;
     const Vec* src = reinterpret_cast<const Vec*>(c.Row(t));
     Vec v[kCopyUnroll];
-    LoadChunk(src, lane, num_vec, v);
-    const TokenMeta meta = c.LoadMeta(t);
-    const uint64_t mask = c.Route(t);
+    LoadChunk(src, first + lane, last, v);
+    const TokenMeta meta = part == 0 ? c.LoadMeta(t) : TokenMeta{};
+    const uint64_t mask = c.Route(t, part == 0);
     if (mask == 0) {
-      claim = tokens.Claim();
+      claim = items.Claim();
       continue;
     }
     // Warp-uniform trip count: every lane runs every iteration (RowAt shuffles need the
-    // whole warp); the tail is guarded per vector. The next token is claimed as the last
+    // whole warp); the tail is guarded per vector. The next item is claimed as the last
     // chunk starts.
-    for (int64_t base = 0; base < num_vec; base += 32 * kCopyUnroll) {
+    for (int64_t base = first; base < last; base += kChunk) {
       const int64_t i = base + lane;
-      if (base != 0) LoadChunk(src, i, num_vec, v);
-      if (base + 32 * kCopyUnroll >= num_vec) claim = tokens.Claim();
+      if (base != first) LoadChunk(src, i, last, v);
+      if (base + kChunk >= last) claim = items.Claim();
       for (uint64_t m = mask; m != 0; m &= m - 1) {
         Vec* dst = reinterpret_cast<Vec*>(
             c.ranks.RowAt(LowestRank(m), c.p->layout.recv_x.offset, c.row_bytes));
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u) {
-          if (i + 32 * u < num_vec) dst[i + 32 * u] = v[u];
+          if (i + 32 * u < last) dst[i + 32 * u] = v[u];
         }
       }
     }
-    c.StoreMeta(t, mask, meta);
+    if (part == 0) c.StoreMeta(t, mask, meta);
   }
 }
 
@@ -587,7 +622,7 @@ template <typename Vec>
 __global__ void __launch_bounds__(kNormalThreads, 1) NormalDispatchCopyKernel(NormalParams p) {
   __shared__ int32_t s_next_token;
   DispatchCopy c;
-  if (!c.Start(p, p.order, &s_next_token)) return;
+  if (!c.Start(p, p.order, &s_next_token, sizeof(Vec))) return;
   CopyTokensByVectors<Vec>(c);
   c.Finish();
 }
@@ -604,7 +639,11 @@ __global__ void __launch_bounds__(kNormalThreads, 1) NormalDispatchCopyKernel(No
 __global__ void __launch_bounds__(kNormalThreads, 1) NormalDispatchBulkKernel(NormalParams p) {
   __shared__ int32_t s_next_token;
   DispatchCopy c;
-  if (!c.Start(p, TokenOrder::kBlock, &s_next_token)) return;
+#ifdef EPD_BULK_COPY
+  if (!c.Start(p, TokenOrder::kBlock, &s_next_token, /*vec_bytes=*/0)) return;
+#else
+  if (!c.Start(p, TokenOrder::kBlock, &s_next_token, sizeof(int4))) return;
+#endif
 #ifdef EPD_BULK_COPY
   TokenSchedule& tokens = c.tokens;
   extern __shared__ __align__(128) uint8_t s_rows[];
@@ -634,7 +673,7 @@ __global__ void __launch_bounds__(kNormalThreads, 1) NormalDispatchBulkKernel(No
                        &bars[slot ^ 1]);
     }
     const TokenMeta meta = c.LoadMeta(t);
-    const uint64_t mask = c.Route(t);
+    const uint64_t mask = c.Route(t, /*first_part=*/true);
     if (lane == 0) {
       // Every load is waited for, sent or not, so each slot's phases stay in step.
       const uint32_t phase = (parity >> slot) & 1u;

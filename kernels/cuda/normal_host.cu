@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_check.h"
 #include "common/env_switch.h"
@@ -149,6 +150,17 @@ absl::StatusOr<bool> KernelsHaveGridDependencyControl() {
 
 }  // namespace
 
+absl::StatusOr<int32_t> NormalCopyPartsFromEnv() {
+  const char* v = std::getenv("EPD_NORMAL_COPY_PARTS");
+  if (v == nullptr || *v == '\0') return kDefaultCopyParts;
+  int32_t parts = 0;
+  if (!absl::SimpleAtoi(v, &parts) || parts < 1 || parts > kMaxCopyParts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "EPD_NORMAL_COPY_PARTS = \"", v, "\" is not a whole number in [1, ", kMaxCopyParts, "]"));
+  }
+  return parts;
+}
+
 absl::StatusOr<bool> NormalProgrammaticFromEnv() {
   EPD_ASSIGN_OR_RETURN(const bool on, SwitchFromEnv("EPD_NORMAL_PDL", /*unset=*/false));
   if (!on) return false;
@@ -194,6 +206,7 @@ absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tok
   p.programmatic = programmatic ? 1 : 0;
   EPD_ASSIGN_OR_RETURN(const bool gpu_scope, NormalGpuScopeFromEnv(ctx));
   p.gpu_scope = gpu_scope ? 1 : 0;
+  EPD_ASSIGN_OR_RETURN(p.copy_parts, NormalCopyPartsFromEnv());
   return absl::OkStatus();
 }
 

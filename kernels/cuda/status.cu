@@ -83,7 +83,7 @@ absl::Status ValidateContext(const CudaRankContext& ctx) {
 }
 
 absl::Status ResolveNumBlocks(const CudaRankContext& ctx, int32_t* num_blocks) {
-  if (ctx.num_sms > 0) {
+  if (ctx.num_sms > 0 && ctx.sms_left_per_rank <= 0) {
     *num_blocks = ctx.num_sms;
     return absl::OkStatus();
   }
@@ -93,7 +93,9 @@ absl::Status ResolveNumBlocks(const CudaRankContext& ctx, int32_t* num_blocks) {
   EPD_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int32_t ranks = ctx.ranks_on_device > 0 ? ctx.ranks_on_device : ctx.shape.num_ranks;
   const int32_t usable = sms - ranks * std::max(ctx.sms_left_per_rank, 0);
-  *num_blocks = usable / ranks > 0 ? usable / ranks : 1;
+  const int32_t fit = usable / ranks > 0 ? usable / ranks : 1;
+  // An explicit grid is capped, so the SMs left per rank stay free.
+  *num_blocks = ctx.num_sms > 0 ? std::min(ctx.num_sms, fit) : fit;
   return absl::OkStatus();
 }
 

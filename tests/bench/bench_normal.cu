@@ -84,6 +84,9 @@ constexpr int32_t kTopk = kNormalBenchTopk;
 constexpr int32_t kExperts = kNormalBenchExperts;
 constexpr int kWarmup = 3;
 constexpr int kBatch = 20;
+/// GPU time the first op runs before anything is timed: with the bound off, the first
+/// row was otherwise timed on a GPU still ramping up from idle (up to 24 us per op slower).
+constexpr double kGpuWarmUpMs = 500;
 
 /// Wall time of `batch` back-to-back rounds of `launch(r, stream)` on every rank (rounds
 /// enqueued round-major), in microseconds per round: first start to last end.
@@ -394,6 +397,7 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
                        SwitchValues(absl::GetFlag(FLAGS_normal_gpu_scope), "--normal_gpu_scope",
                                     "EPD_NORMAL_GPU_SCOPE"));
 
+  bool warmed = false;
   for (int32_t sms : sweep) {
     // A context per rank with this SM budget (the group's own contexts use the default).
     std::vector<kc::CudaRankContext> ctx(kRanks);
@@ -489,6 +493,11 @@ absl::Status Run(std::vector<Row>* rows, std::vector<BoundRow>* bound_rows,
           if (!scope.empty()) setenv("EPD_NORMAL_GPU_SCOPE", scope.c_str(), 1);
           EPD_ASSIGN_OR_RETURN(const bool programmatic, kc::normal::NormalProgrammaticFromEnv());
           EPD_ASSIGN_OR_RETURN(const bool gpu_scope, kc::normal::NormalGpuScopeFromEnv(ctx[0]));
+          for (double ms = 0; !warmed && ms < kGpuWarmUpMs;) {
+            EPD_ASSIGN_OR_RETURN(const double us, TimeRounds(*g, kBatch, ops[0].launch));
+            ms += us * kBatch / 1000.0;
+          }
+          warmed = true;
           for (int i = 0; i < kOps; ++i) {
             const Op& op = ops[i];
             EPD_RETURN_IF_ERROR(TimeRounds(*g, kWarmup, op.launch).status());

@@ -1506,10 +1506,19 @@ TEST(LowLatencyHandoff, DefaultGridLeavesSmsPerRankForDoneWaits) {
     EXPECT_EQ(blocks, (sms - on_device) / on_device) << on_device << " ranks";
     EXPECT_LE(blocks * on_device + on_device, sms) << "no SM left per rank";
   }
-  ctx.num_sms = 20;  // An explicit grid is taken as given.
+  // An explicit grid is taken as given with no SM to leave, and capped so they stay free.
+  ctx.ranks_on_device = 8;
   int32_t blocks = 0;
+  ctx.num_sms = 20;
+  ctx.sms_left_per_rank = 0;
   EPD_ASSERT_OK(kc::ResolveNumBlocks(ctx, &blocks));
   EXPECT_EQ(blocks, 20);
+  ctx.sms_left_per_rank = 1;
+  EPD_ASSERT_OK(kc::ResolveNumBlocks(ctx, &blocks));
+  EXPECT_EQ(blocks, std::min(20, (sms - 8) / 8));
+  ctx.num_sms = 4;
+  EPD_ASSERT_OK(kc::ResolveNumBlocks(ctx, &blocks));
+  EXPECT_EQ(blocks, 4);
 }
 
 }  // namespace

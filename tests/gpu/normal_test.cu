@@ -772,6 +772,27 @@ TEST_F(NormalGpuTest, UnknownGpuScopeValueIsRefusedNamingIt) {
   ExpectEnvValueRefused("EPD_NORMAL_GPU_SCOPE", "gpu");
 }
 
+TEST_F(NormalGpuTest, CopyPartsMatchHostBitForBit) {
+  // The dispatch copy's tokens cut into parts taken by different warps
+  // (EPD_NORMAL_COPY_PARTS; the default, 4, runs in every other test): one part (a token an
+  // item), 3 (uneven parts: the FP8 row's 4 chunks in 2 + 2, the 17 chunks of a 2056-wide
+  // bf16-unit row in 6 + 6 + 5), and 16 (capped at the row's chunks). Every token order,
+  // T of 0 and 1, masked ranks, top-k 12 with duplicates.
+  for (const char* parts : {"1", "3", "16"}) {
+    SCOPED_TRACE(std::string("EPD_NORMAL_COPY_PARTS=") + parts);
+    ScopedEnv env("EPD_NORMAL_COPY_PARTS", parts);
+    RunPickedCasesUnderVariants({"mixed-T-fp8-masked", "mixed-T-8", "ragged-hidden",
+                                 "tiny-odd-hidden", "topk12-duplicates"},
+                                {"balanced", "static", "block"});
+  }
+}
+
+TEST_F(NormalGpuTest, UnknownCopyPartsValueIsRefusedNamingIt) {
+  ExpectEnvValueRefused("EPD_NORMAL_COPY_PARTS", "0");
+  ExpectEnvValueRefused("EPD_NORMAL_COPY_PARTS", "17");
+  ExpectEnvValueRefused("EPD_NORMAL_COPY_PARTS", "four");
+}
+
 TEST_F(NormalGpuTest, UnknownProgrammaticLaunchValueIsRefusedNamingIt) {
   ExpectEnvValueRefused("EPD_NORMAL_PDL", "yes");
 }

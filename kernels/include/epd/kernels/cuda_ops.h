@@ -61,7 +61,7 @@ struct CudaRankContext {
   /// SMs per rank on this GPU that the default grid leaves to other work: 1 for the
   /// daemon's low-latency ops and graph-mode program steps under MPS, whose clients wait
   /// for done in their staging kernel (DoneWait): its one spinning block per rank must find
-  /// an SM beside the grids. An explicit num_sms is taken as given.
+  /// an SM beside the grids. An explicit num_sms is capped to leave them free too.
   int32_t sms_left_per_rank = 0;
   /// Ranks of this group (or of all groups that may run at once) whose kernels share this
   /// GPU; 0 = all R ranks (the virtual-rank case, the safe default).
@@ -90,9 +90,10 @@ struct CudaRankContext {
 /// (2 * R * E * 4 bytes + flags). INVALID_ARGUMENT naming the field otherwise.
 absl::Status ValidateContext(const CudaRankContext& ctx);
 
-/// Blocks the op's grid uses for `ctx` on the current device: ctx.num_sms if set, else
-/// max(1, (SM count - ranks_on_device * sms_left_per_rank) / ranks_on_device). Errors:
-/// CUDA device queries.
+/// Blocks the op's grid uses for `ctx` on the current device: fit = max(1, (SM count -
+/// ranks_on_device * sms_left_per_rank) / ranks_on_device); ctx.num_sms if set, capped at
+/// fit when sms_left_per_rank > 0 (taken as given otherwise); else fit. Errors: CUDA device
+/// queries.
 absl::Status ResolveNumBlocks(const CudaRankContext& ctx, int32_t* num_blocks);
 
 // ---- status read-back -------------------------------------------------------------------
