@@ -158,7 +158,8 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     std::vector<bool> left_unstaged;
     /// A failed launch wrote the rank's done_seq on its own stream (ReleaseRanksAfterFailed-
     /// Launch): its client may already have written a later ready_seq, which a release from
-    /// the host must not overwrite (ReleaseReadyWait skips the rank).
+    /// the host must not overwrite (ReleaseReadyWait skips the rank). Also set by a graceful
+    /// stop once it has settled the rank's ready wait (ReleaseClients).
     std::vector<bool> done_written;
     /// Launched through op graphs: the streams they were launched on (one per GPU;
     /// capacity R, cleared per op). The op has left the GPU once these and every rank's

@@ -125,9 +125,21 @@ bool CudaGroup::StreamsIdle(std::vector<std::string>* busy) {
 void CudaGroup::ReleaseClients() {
   std::lock_guard<std::mutex> lock(mu_);
   // The daemon's own ready waits first (a stream memory wait, or a WaitFlagAsync that the
-  // shutdown word ended), so its streams can drain.
-  for (const std::optional<GpuOp>* op : {&gpu_op_, &abandoned_}) {
-    if (op->has_value()) ReleaseReadyWaits(**op);
+  // shutdown word ended), so its streams can drain: from the host for every rank whose
+  // client has not staged (a staged one needs nothing, and its wait kernel may have ended
+  // on the shutdown word before it saw the flag).
+  for (std::optional<GpuOp>* op : {&gpu_op_, &abandoned_}) {
+    if (!op->has_value()) continue;
+    GpuOp& o = **op;
+    for (size_t r = 0; r < o.ranks.size(); ++r) {
+      const bool staged = std::any_of(pending_stagings_.begin(), pending_stagings_.end(),
+                                      [&](const PendingStaging& p) {
+                                        return p.landed && p.seq == o.seq && p.rank == o.ranks[r];
+                                      });
+      if (!staged) ReleaseReadyWait(o, r);
+      // Settled: the group's destructor must not write ready_seq from the host again.
+      o.done_written[r] = true;
+    }
   }
   ForEachStreamRank([&](int32_t r, const CudaRank& cr) {
     if (cr.client_launched) return;  // Its client waits on no done word of the daemon's.
