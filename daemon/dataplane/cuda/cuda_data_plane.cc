@@ -287,6 +287,7 @@ bool CudaDataPlaneImpl::AuxStreamsIdle(std::vector<std::string>* busy) {
 
 void CudaDataPlaneImpl::Shutdown() {
   if (shut_down_.exchange(true)) return;
+  if (engines_.empty()) return;  // Init failed before any engine: nothing ran.
   const absl::Time begin = absl::Now();
   // No engine launches or polls from here on.
   for (auto& [device, e] : engines_) e->host.Stop();
