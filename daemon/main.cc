@@ -21,6 +21,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/errors/reason.h"
 #include "daemon/core/config.h"
 #include "daemon/core/config_overrides.h"
@@ -168,10 +170,13 @@ int main(int argc, char** argv) {
   }
   epd::GetLogger(epd::kLogDaemon)
       ->info("received {}: shutting down", stop->signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
-  // The drain is bounded (~1.5 s); should anything still hang, do not outlive 5 s.
+  // The drain is bounded (drain_grace, the GPU drain, the servers' 1 s: under 3 s); should
+  // anything still hang, do not outlive kShutdownHardLimit.
   std::thread([] {
-    sleep(4);
-    epd::GetLogger(epd::kLogDaemon)->critical("shutdown did not finish within 4 s; exiting");
+    absl::SleepFor(epd::kShutdownHardLimit);
+    epd::GetLogger(epd::kLogDaemon)
+        ->critical("shutdown did not finish within {}; exiting",
+                   absl::FormatDuration(epd::kShutdownHardLimit));
     _exit(1);
   }).detach();
   (*daemon)->Shutdown();

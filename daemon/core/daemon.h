@@ -91,6 +91,11 @@ absl::StatusOr<std::unique_ptr<DataPlane>> MakeDefaultDataPlane(
     const v1::DaemonConfig& config, const BackendChoice& choice,
     peer::PeerMesh* peer_mesh = nullptr, const transport::TransportSet* transports = nullptr);
 
+/// How long epd's main lets a stop (Daemon::Shutdown after SIGTERM) take before it exits
+/// regardless (exit code 1). The drain (drain_grace, the data plane's GPU drain, the gRPC
+/// servers' shutdown) is bounded well inside it.
+inline constexpr absl::Duration kShutdownHardLimit = absl::Seconds(4);
+
 struct DaemonOptions {
   /// Data plane factory; null = MakeDefaultDataPlane. Tests inject a fake.
   DataPlaneFactory data_plane_factory;

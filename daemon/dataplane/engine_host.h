@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -98,6 +99,14 @@ class EngineHost {
   void ForEach(F&& f) {
     std::lock_guard<std::mutex> lock(mu_);
     for (Group* g : groups_) f(g);
+  }
+
+  /// Calls `f(std::span<Group* const>)` once with every group, holding the list's lock: no
+  /// group is removed (so none is destroyed) until `f` returns. Not from the engine thread.
+  template <typename F>
+  void WithGroups(F&& f) {
+    std::lock_guard<std::mutex> lock(mu_);
+    f(std::span<Group* const>(groups_.data(), groups_.size()));
   }
 
   /// The doorbell page's region (its fd is what clients map).

@@ -347,8 +347,9 @@ void LockstepGroup::DetachRank(int32_t rank) {
   // freed, unless an op or the backend still holds them).
 }
 
-void LockstepGroup::FailAll(const absl::Status& status) {
+int32_t LockstepGroup::FailAll(const absl::Status& status) {
   std::lock_guard<std::mutex> lock(mu_);
+  int32_t failed = 0;
   for (int32_t r = 0; r < static_cast<int32_t>(endpoints_.size()); ++r) {
     LockstepEndpoint* ep = endpoints_[r].get();
     if (!ep) continue;
@@ -362,8 +363,10 @@ void LockstepGroup::FailAll(const absl::Status& status) {
         CompleteUnrun(r, *ep, *ep->request, status);
       }
       ep->request.reset();
+      ++failed;
     }
     for (uint64_t s = ep->next_seq; s <= head && s < ep->next_seq + abi::kRingCapacity; ++s) {
+      ++failed;
       abi::RequestSlot slot;
       std::memcpy(&slot, &ep->ring()[s % abi::kRingCapacity], sizeof(slot));
       if (slot.magic == abi::kRequestMagic && slot.seq == s) {
@@ -377,6 +380,7 @@ void LockstepGroup::FailAll(const absl::Status& status) {
     abi::Atomic(ep->header->completion_futex).fetch_add(1, std::memory_order_seq_cst);
     FutexWakeAll(&ep->header->completion_futex);
   }
+  return failed;
 }
 
 void LockstepGroup::CountOp(uint32_t op) {

@@ -172,8 +172,9 @@ class LockstepGroup : public DataPlaneGroup {
   /// group of every engine says so). The host backend has none: true.
   virtual bool Quiescent() { return true; }
   /// Completes everything pending with `status` (shutdown). An op still running in the
-  /// backend is completed too; the backend's resources outlive it.
-  void FailAll(const absl::Status& status);
+  /// backend is completed too; the backend's resources outlive it. Returns how many
+  /// requests it completed (every rank's running, popped and queued ones).
+  int32_t FailAll(const absl::Status& status);
 
   const v1::GroupSpec& spec() const { return spec_; }
   /// Whether the spec lists >= 2 nodes (DESIGN.md §5): then only this node's ranks attach.

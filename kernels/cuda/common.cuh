@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "epd/kernels/abort_poll.h"
 #include "epd/kernels/cuda_ops.h"
 #include "epd/kernels/layout.h"
 
@@ -71,17 +72,40 @@ __device__ __forceinline__ void StReleaseGpu64(uint64_t* p, uint64_t v) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-/// Spins until *flag >= target (LdAcquireGpu64) or the global timer passes deadline_ns.
-/// Returns true on arrival (*value = what was read).
+/// Whether the daemon's shutdown word `abort` (CudaRankContext::abort_flag: host-mapped
+/// pinned memory the host stores nonzero into while kernels run) is raised: a relaxed load
+/// at system scope (it is never cached). False for null (a client's launches).
+__device__ __forceinline__ bool AbortRaised(const uint32_t* abort) {
+  if (abort == nullptr) return false;
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(abort) : "memory");
+  return v != 0;
+}
+
+/// The end test of one iteration of a bounded spin wait: the global timer passed
+/// `deadline_ns`, or `abort` is raised (read only when `poll` says so: AbortPoll). A wait
+/// that ends on the abort word takes its timeout path, so the op fails as it would on a
+/// timeout and its hand-off (done, status) still happens.
+__device__ __forceinline__ bool SpinMustEnd(uint64_t deadline_ns, const uint32_t* abort,
+                                            AbortPoll* poll) {
+  const uint64_t now = GlobalTimerNs();
+  if (abort == nullptr) return now > deadline_ns;
+  return SpinEnds(now, deadline_ns, poll, [abort] { return AbortRaised(abort); });
+}
+
+/// Spins until *flag >= target (LdAcquireGpu64), the global timer passes deadline_ns or
+/// `abort` is raised (SpinMustEnd). Returns true on arrival (*value = what was read).
 __device__ __forceinline__ bool WaitFlag64AtLeast(const uint64_t* flag, uint64_t target,
-                                                  uint64_t deadline_ns, uint64_t* value) {
+                                                  uint64_t deadline_ns, uint64_t* value,
+                                                  const uint32_t* abort = nullptr) {
+  AbortPoll poll;
   for (;;) {
     const uint64_t v = LdAcquireGpu64(flag);
     if (v >= target) {
       *value = v;
       return true;
     }
-    if (GlobalTimerNs() > deadline_ns) return false;
+    if (SpinMustEnd(deadline_ns, abort, &poll)) return false;
   }
 }
 
@@ -140,13 +164,16 @@ __device__ __forceinline__ bool SeqAtLeast(uint32_t a, uint32_t b) {
   return static_cast<int32_t>(a - b) >= 0;
 }
 
-/// Spins until `*flag` (written by a release store of the same scope) reaches `target`, or
-/// the global timer passes `deadline_ns`; `gpu` selects .gpu scope (see LdAcquire). Returns true on
-/// arrival. Every wait in the kernels goes through this (or an equivalent bounded loop).
+/// Spins until `*flag` (written by a release store of the same scope) reaches `target`, the
+/// global timer passes `deadline_ns` or `abort` is raised (SpinMustEnd; null = never); `gpu`
+/// selects .gpu scope (see LdAcquire). Returns true on arrival. Every wait in the kernels
+/// goes through this (or an equivalent bounded loop).
 __device__ __forceinline__ bool WaitFlagAtLeast(const uint32_t* flag, uint32_t target,
-                                                uint64_t deadline_ns, bool gpu = false) {
+                                                uint64_t deadline_ns, bool gpu = false,
+                                                const uint32_t* abort = nullptr) {
+  AbortPoll poll;
   while (!SeqAtLeast(LdAcquire(flag, gpu), target)) {
-    if (GlobalTimerNs() > deadline_ns) return false;
+    if (SpinMustEnd(deadline_ns, abort, &poll)) return false;
   }
   return true;
 }
@@ -173,14 +200,16 @@ __device__ __forceinline__ uint64_t HandoffValue(const KernelHandoff& h, uint64_
 }
 
 /// The ready wait of a KernelHandoff, by one thread per block before the block reads any
-/// input: until *ready_flag >= ready_value (acquire, GPU scope) or `deadline_ns`; with
-/// `record` (the rank's block 0) a timeout is recorded as a missing `rank` (the op then goes
-/// on: it fails anyway). No-op without a ready flag.
+/// input: until *ready_flag >= ready_value (acquire, GPU scope), `deadline_ns` or `abort`
+/// (the daemon's shutdown word); with `record` (the rank's block 0) a timeout is recorded
+/// as a missing `rank` (the op then goes on: it fails anyway). No-op without a ready flag.
 __device__ __forceinline__ void WaitReady(const KernelHandoff& h, uint64_t deadline_ns,
-                                          DeviceStatus* status, int32_t rank, bool record) {
+                                          DeviceStatus* status, int32_t rank, bool record,
+                                          const uint32_t* abort) {
   uint64_t ready = 0;
   if (h.ready_flag != nullptr &&
-      !WaitFlag64AtLeast(h.ready_flag, HandoffValue(h, h.ready_value), deadline_ns, &ready) &&
+      !WaitFlag64AtLeast(h.ready_flag, HandoffValue(h, h.ready_value), deadline_ns, &ready,
+                         abort) &&
       record) {
     RecordMissingPeer(status, rank);
   }

@@ -73,17 +73,18 @@ __global__ void BatchCopySignalKernel(const BatchCopyParams p) {
 }
 
 __global__ void WaitFlagKernel(const uint64_t* flag, uint64_t value, int64_t timeout_ns,
-                               uint64_t* seen, const uint64_t* alt_flag,
-                               const uint64_t* value_word) {
+                               uint64_t* seen, const uint64_t* alt_flag, const uint64_t* value_word,
+                               const uint32_t* abort_flag) {
   if (threadIdx.x == 0) {
     if (value_word != nullptr) value = *reinterpret_cast<const volatile uint64_t*>(value_word);
     const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(timeout_ns);
     uint64_t v = 0;
     bool arrived = false;
+    AbortPoll poll;
     for (;;) {  // As WaitFlag64AtLeast, on either word.
       v = device::LdAcquireGpu64(flag);
       if (v < value && alt_flag != nullptr) v = device::LdAcquireGpu64(alt_flag);
-      if ((arrived = v >= value) || device::GlobalTimerNs() > deadline) break;
+      if ((arrived = v >= value) || device::SpinMustEnd(deadline, abort_flag, &poll)) break;
     }
     if (arrived && seen != nullptr) *reinterpret_cast<volatile uint64_t*>(seen) = v;
   }
@@ -100,6 +101,7 @@ struct FlagWaitsParams {
   FlagWait waits[kMaxFusedRanks];
   int32_t num_waits;
   int64_t timeout_ns;
+  const uint32_t* abort_flag;  // The daemon's shutdown word, or null.
 };
 
 // Warp w waits for waits[w] (lane 0 spins, as WaitFlagKernel); the block lets the next
@@ -112,10 +114,13 @@ __global__ void WaitFlagsKernel(const FlagWaitsParams p) {
     const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
     uint64_t v = 0;
     bool arrived = false;
+    AbortPoll poll;
     for (;;) {  // As WaitFlag64AtLeast, on either word.
       v = device::LdAcquireGpu64(wait.flag);
       if (v < wait.value && wait.alt_flag != nullptr) v = device::LdAcquireGpu64(wait.alt_flag);
-      if ((arrived = v >= wait.value) || device::GlobalTimerNs() > deadline) break;
+      if ((arrived = v >= wait.value) || device::SpinMustEnd(deadline, p.abort_flag, &poll)) {
+        break;
+      }
     }
     if (arrived && wait.seen != nullptr) *reinterpret_cast<volatile uint64_t*>(wait.seen) = v;
   }
@@ -196,18 +201,19 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
 
 absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout_ns, uint64_t* seen,
                            cudaStream_t stream, const uint64_t* alt_flag,
-                           const uint64_t* value_word) {
+                           const uint64_t* value_word, const uint32_t* abort_flag) {
   if (flag == nullptr || timeout_ns <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("WaitFlagAsync: flag = ", flag == nullptr ? "null" : "set",
                      ", timeout_ns = ", timeout_ns, " (need a flag and timeout_ns > 0)"));
   }
-  WaitFlagKernel<<<1, 32, 0, stream>>>(flag, value, timeout_ns, seen, alt_flag, value_word);
+  WaitFlagKernel<<<1, 32, 0, stream>>>(flag, value, timeout_ns, seen, alt_flag, value_word,
+                                       abort_flag);
   return EPD_CUDA_STATUS(cudaGetLastError());
 }
 
 absl::Status WaitFlagsAsync(std::span<const FlagWait> waits, int64_t timeout_ns,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const uint32_t* abort_flag) {
   if (waits.empty() || waits.size() > static_cast<size_t>(kMaxFusedRanks) || timeout_ns <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("WaitFlagsAsync: waits.size() = ", waits.size(),
                                                    " (need 1..kMaxFusedRanks = ", kMaxFusedRanks,
@@ -223,6 +229,7 @@ absl::Status WaitFlagsAsync(std::span<const FlagWait> waits, int64_t timeout_ns,
   }
   p.num_waits = static_cast<int32_t>(waits.size());
   p.timeout_ns = timeout_ns;
+  p.abort_flag = abort_flag;
   // cudaLaunchKernel reports this launch's error only (cudaGetLastError would also return
   // one an earlier call left pending, and the daemon would then treat a running wait as
   // never launched).

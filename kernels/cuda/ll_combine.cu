@@ -41,7 +41,8 @@ struct CombineParams {
   uint64_t x_offset;  // expert outputs [El, R*Mll, H] bf16, same at every rank
   int64_t rows_per_expert;
   int64_t timeout_ns;
-  KernelHandoff handoff;  // Daemon-launched stream-ordered hand-off (null flags = none).
+  const uint32_t* abort_flag;  // CudaRankContext::abort_flag (the daemon's shutdown word).
+  KernelHandoff handoff;       // Daemon-launched stream-ordered hand-off (null flags = none).
   int32_t rank;
   int32_t num_ranks;
   int32_t num_experts;
@@ -104,7 +105,7 @@ __device__ __forceinline__ void CombineBody(const CombineParams& p, int32_t bloc
   if (threadIdx.x == 0) {
     // Daemon-launched: the client's inputs (expert outputs, topk_idx, topk_weights) are
     // staged once ready >= value; block 0 announces the expert outputs to the peers below.
-    device::WaitReady(p.handoff, deadline, status, p.rank, block == 0);
+    device::WaitReady(p.handoff, deadline, status, p.rank, block == 0, p.abort_flag);
     s_seq = *reinterpret_cast<volatile uint32_t*>(&state->combine_seq) + 1;
     int32_t t = *reinterpret_cast<volatile int32_t*>(&state->dispatch_num_tokens[p.buffer]);
     t = (t < 0 || t > p.max_tokens) ? 0 : t;  // written sanitised by the dispatch
@@ -123,7 +124,8 @@ __device__ __forceinline__ void CombineBody(const CombineParams& p, int32_t bloc
   // ---- 2. wait for every rank ----
   bool arrived = true;
   if (threadIdx.x < num_ranks) {
-    arrived = WaitFlagAtLeast(CombineFlag(p.own_base, p, threadIdx.x), seq, deadline, p.gpu_scope);
+    arrived = WaitFlagAtLeast(CombineFlag(p.own_base, p, threadIdx.x), seq, deadline, p.gpu_scope,
+                              p.abort_flag);
     if (!arrived) device::RecordMissingPeer(status, threadIdx.x);
   }
   const bool all_arrived = __syncthreads_and(arrived) != 0;
@@ -345,6 +347,7 @@ absl::Status PrepareCombine(const CudaRankContext& ctx, const LowLatencyCombineA
   p.x_offset = x_offset;
   p.rows_per_expert = s.ll_rows_per_expert();
   p.timeout_ns = ctx.timeout_ns;
+  p.abort_flag = ctx.abort_flag;
   p.handoff = args.handoff;
   p.rank = ctx.rank;
   p.num_ranks = s.num_ranks;

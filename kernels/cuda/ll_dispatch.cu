@@ -48,6 +48,7 @@ struct DispatchParams {
   uint64_t recv_src_info_offset;  // ll_recv_src_info[b]
   int64_t rows_per_expert;        // R * Mll
   int64_t timeout_ns;
+  const uint32_t* abort_flag;     // CudaRankContext::abort_flag (the daemon's shutdown word).
   KernelHandoff handoff;          // Daemon-launched stream-ordered hand-off (null flags = none).
   ExpertTokenStats expert_stats;  // Cumulative per-expert counts (null totals = off).
   int32_t rank;
@@ -265,7 +266,7 @@ __device__ __forceinline__ void DispatchBody(const DispatchParams& p, int32_t bl
 
   if (threadIdx.x == 0) {
     // Daemon-launched: the client's inputs (x, topk_idx) are staged once ready >= value.
-    device::WaitReady(p.handoff, deadline, status, p.rank, block == 0);
+    device::WaitReady(p.handoff, deadline, status, p.rank, block == 0, p.abort_flag);
     s_seq = *reinterpret_cast<volatile uint32_t*>(&state->dispatch_seq) + 1;
     int32_t t = p.num_tokens_value >= 0 ? p.num_tokens_value
                                         : *reinterpret_cast<const volatile int32_t*>(p.num_tokens);
@@ -437,7 +438,7 @@ __device__ __forceinline__ void DispatchBody(const DispatchParams& p, int32_t bl
   if (threadIdx.x < num_ranks) {
     arrived =
         WaitFlagAtLeast(ExchangeFlag(p.own_base, p, LowLatencyExchange::CountFlag(threadIdx.x)),
-                        seq, deadline, p.gpu_scope);
+                        seq, deadline, p.gpu_scope, p.abort_flag);
     if (!arrived) device::RecordMissingPeer(status, threadIdx.x);
   }
   const bool counts_ok = __syncthreads_and(arrived) != 0;
@@ -642,7 +643,7 @@ __device__ __forceinline__ void DispatchBody(const DispatchParams& p, int32_t bl
   }
   if (block == 0 && counts_ok && threadIdx.x < num_ranks) {
     if (!WaitFlagAtLeast(ExchangeFlag(p.own_base, p, LowLatencyExchange::DataFlag(threadIdx.x)),
-                         seq, deadline, p.gpu_scope)) {
+                         seq, deadline, p.gpu_scope, p.abort_flag)) {
       device::RecordMissingPeer(status, threadIdx.x);
       s_data_missed = 1;
     }
@@ -660,7 +661,8 @@ __device__ __forceinline__ void DispatchBody(const DispatchParams& p, int32_t bl
         // before the copy below. If even this wait runs out, a late block's update may miss
         // the copy; the op has failed anyway (DEADLINE_EXCEEDED resets the sync state).
         WaitFlagAtLeast(&state->dispatch_seq, seq,
-                        GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns), /*gpu=*/true);
+                        GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns), /*gpu=*/true,
+                        p.abort_flag);
       }
       device::StoreDone(p.handoff);
       // Every block's status updates came before its ticket, and this rank's last ticket
@@ -876,6 +878,7 @@ absl::Status PrepareDispatch(const CudaRankContext& ctx, const LowLatencyDispatc
   p.recv_src_info_offset = l.ll_recv_src_info[b].offset;
   p.rows_per_expert = s.ll_rows_per_expert();
   p.timeout_ns = ctx.timeout_ns;
+  p.abort_flag = ctx.abort_flag;
   p.handoff = args.handoff;
   p.expert_stats = args.expert_stats;
   p.rank = ctx.rank;

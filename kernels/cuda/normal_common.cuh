@@ -48,6 +48,8 @@ struct NormalParams {
   uint8_t* const* peer_bases = nullptr;  ///< Device array [R].
   const int32_t* num_tokens = nullptr;   ///< Device int32: run-time T.
   int64_t timeout_ns = 0;
+  /// CudaRankContext::abort_flag: the daemon's shutdown word (null = none).
+  const uint32_t* abort_flag = nullptr;
   NormalSyncLayout sync_map;
   // Dispatch options.
   int32_t fp8 = 0;
@@ -396,11 +398,12 @@ __device__ __forceinline__ int32_t ReadNumTokens(const NormalParams& p, bool rec
 }
 
 /// Waits, in the calling thread, until `*flag` reaches `seq` (wrap-around safe) or
-/// p.timeout_ns pass; returns false on timeout, recording `peer` as missing.
+/// p.timeout_ns pass or the daemon's shutdown word is raised (p.abort_flag); returns false
+/// then, recording `peer` as missing.
 __device__ __forceinline__ bool WaitFlag(const NormalParams& p, const uint32_t* flag, uint32_t seq,
                                          int peer) {
   const uint64_t deadline = device::GlobalTimerNs() + static_cast<uint64_t>(p.timeout_ns);
-  if (device::WaitFlagAtLeast(flag, seq, deadline, p.gpu_scope != 0)) return true;
+  if (device::WaitFlagAtLeast(flag, seq, deadline, p.gpu_scope != 0, p.abort_flag)) return true;
   device::RecordMissingPeer(OwnStatus(p), peer);
   return false;
 }

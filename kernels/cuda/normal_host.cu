@@ -193,6 +193,7 @@ absl::Status MakeNormalParams(const CudaRankContext& ctx, const int32_t* num_tok
   p.peer_bases = ctx.peer_bases;
   p.num_tokens = num_tokens != nullptr ? num_tokens : NormalNumTokensSlot(ctx);
   p.timeout_ns = ctx.timeout_ns;
+  p.abort_flag = ctx.abort_flag;
   p.sync_map = SyncMap(ctx.shape);
   p.rank_masked = ctx.rank_masked;
   p.tiling = NormalDispatchTiling::For(ctx.shape.max_tokens_per_rank);

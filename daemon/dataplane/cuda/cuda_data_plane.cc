@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -24,6 +25,7 @@
 #include "daemon/dataplane/cuda/cuda_plane.h"
 #include "daemon/dataplane/cuda/cuda_rank.h"
 #include "daemon/dataplane/exchange/node_exchange.h"
+#include "daemon/dataplane/gpu_drain.h"
 #include "daemon/dataplane/lockstep_group.h"
 #include "daemon/gpu/gpu_inventory.h"
 #include "daemon/peer/peer_mesh.h"
@@ -144,6 +146,10 @@ absl::Status CudaDataPlaneImpl::Init() {
       peer_[a].insert(b);
     }
   }
+  // The shutdown word the kernels' spins poll (portable: mapped in every GPU's context).
+  EPD_RETURN_IF_ERROR(EPD_CUDA_STATUS(cudaSetDevice(uuids_.begin()->first)));
+  EPD_ASSIGN_OR_RETURN(shutdown_word_, AllocatePinnedArray<uint32_t>(
+                                           1, cudaHostAllocPortable | cudaHostAllocMapped));
   // Eager kernel loading and one engine per GPU, every engine in engines_ before any
   // starts: an engine thread walks engines_ (AllEnginesQuiescent), which is not changed
   // after this.
@@ -264,11 +270,85 @@ bool CudaDataPlaneImpl::AllEnginesQuiescent() {
   return true;
 }
 
+bool CudaDataPlaneImpl::AuxStreamsIdle(std::vector<std::string>* busy) {
+  bool idle = true;
+  for (auto& [device, e] : engines_) {
+    cudaSetDevice(device);
+    const cudaError_t err = cudaStreamQuery(e->aux.get());
+    if (err == cudaErrorNotReady) {
+      idle = false;
+      if (busy != nullptr) busy->push_back(absl::StrCat("the engine aux stream of GPU ", device));
+    } else if (err != cudaSuccess) {
+      cudaGetLastError();
+    }
+  }
+  return idle;
+}
+
 void CudaDataPlaneImpl::Shutdown() {
   if (shut_down_.exchange(true)) return;
+  if (engines_.empty()) return;  // Init failed before any engine: nothing ran.
+  const absl::Time begin = absl::Now();
+  // No engine launches or polls from here on.
   for (auto& [device, e] : engines_) e->host.Stop();
+  // Every spin of the daemon's kernels ends (as a timeout: the op's failure path, which
+  // still writes done and its status) within about 2 * kAbortPollNs of this store.
+  if (shutdown_word_) {
+    std::atomic_ref<uint32_t>(*shutdown_word_).store(1, std::memory_order_seq_cst);
+  }
+  const absl::Status why = absl::UnavailableError("epd is shutting down");
+  GpuDrainReport report;
   for (auto& [device, e] : engines_) {
-    e->host.ForEach([](CudaGroup* g) { g->Stop(absl::UnavailableError("epd is shutting down")); });
+    e->host.ForEach([&](CudaGroup* g) {
+      const CudaGroup::StopReport s = g->Stop(why);
+      ++report.groups;
+      report.ops_failed += s.ops_failed;
+      report.programs_disarmed += s.program_disarmed ? 1 : 0;
+    });
+  }
+  // True when `pred(g)` holds for every group of every engine (each list locked meanwhile,
+  // so no group is destroyed under it).
+  auto every_group = [&](auto&& pred) {
+    bool all = true;
+    for (auto& [device, e] : engines_) {
+      e->host.WithGroups([&](std::span<CudaGroup* const> groups) {
+        for (CudaGroup* g : groups) all = pred(g) && all;
+      });
+    }
+    return all;
+  };
+  // The clients' staging kernels still to come write into the groups' memory, which goes
+  // with epd: wait for them (bounded), and for the daemon's streams. The first pass only
+  // enqueues the reads of the ready words; the count is taken once they have run.
+  every_group([](CudaGroup* g) { return g->StagingsLanded(); });
+  PollUntil([&] { return AuxStreamsIdle(nullptr); }, absl::Now() + absl::Milliseconds(50));
+  every_group([&](CudaGroup* g) { return g->StagingsLanded(nullptr, &report.stagings_awaited); });
+  PollUntil(
+      [&] {
+        return every_group([](CudaGroup* g) { return g->StagingsLanded() && g->StreamsIdle(); });
+      },
+      begin + kGpuDrainStagingBound);
+  report.staging_wait = absl::Now() - begin;
+  every_group([&](CudaGroup* g) {
+    g->StagingsLanded(&report.stagings_missed);
+    g->ReleaseClients();
+    return true;
+  });
+  const bool idle = PollUntil(
+      [&] {
+        return AuxStreamsIdle(nullptr) &&
+               every_group([](CudaGroup* g) { return g->StreamsIdle(); });
+      },
+      absl::Now() + kGpuDrainIdleBound);
+  if (!idle) {
+    every_group([&](CudaGroup* g) { return g->StreamsIdle(&report.busy); });
+    AuxStreamsIdle(&report.busy);
+  }
+  report.took = absl::Now() - begin;
+  if (report.busy.empty() && report.stagings_missed.empty()) {
+    EngineLog()->info("shutdown: {}", DescribeGpuDrain(report));
+  } else {
+    EngineLog()->warn("shutdown: {}", DescribeGpuDrain(report));
   }
 }
 

@@ -99,14 +99,6 @@ void CudaGroup::MakeExchange(std::string join_secret_digest, SpanTransport span_
   exchange_ = std::make_unique<NodeExchange>(spec(), shape(), layout(), host, std::move(o));
 }
 
-void CudaGroup::Stop(const absl::Status& status) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    DisarmProgram(status);
-  }
-  FailAll(status);
-}
-
 void CudaGroup::WakeEngine() {
   GpuEngine* e = engine_.load();
   if (e != nullptr) e->host.Wake();
@@ -372,6 +364,8 @@ kc::CudaRankContext CudaGroup::Context(int32_t r, int32_t num_sms) const {
   }
   at.op_timeout_ms = options().op_timeout_ms;
   kc::CudaRankContext ctx = kc::MakeRankContext(shape(), layout(), at, num_sms);
+  // Raised by the plane's Shutdown: every spin of the op's kernels then ends.
+  ctx.abort_flag = plane_->shutdown_word();
   if (any_masked_) {
     auto it = mask_arrays_.find(cr.device);
     if (it != mask_arrays_.end()) ctx.rank_masked = it->second.get();
@@ -474,9 +468,10 @@ absl::Status CudaGroup::LaunchRank(const OpPlan& plan, const abi::RequestSlot& s
     // and the programmatic launch behind it (it would end their overlap). It then includes
     // the wait for the client's staging kernel to start (docs/OPERATIONS.md).
     EPD_RETURN_IF_ERROR(begin());
-    EPD_RETURN_IF_ERROR(kc::WaitFlagAsync(
-        reinterpret_cast<const uint64_t*>(cr.staging_flag()), slot.seq, ReadyWaitBoundNs(),
-        &cr.readback->ready_seen, s, reinterpret_cast<const uint64_t*>(cr.ready_flag()), seq_word));
+    EPD_RETURN_IF_ERROR(kc::WaitFlagAsync(reinterpret_cast<const uint64_t*>(cr.staging_flag()),
+                                          slot.seq, ReadyWaitBoundNs(), &cr.readback->ready_seen, s,
+                                          reinterpret_cast<const uint64_t*>(cr.ready_flag()),
+                                          seq_word, plane_->shutdown_word()));
     handoff.programmatic = true;
   } else if (captured) {
     // Only the hand-off above reads its seq from memory (OpGraphVariant).
@@ -759,6 +754,9 @@ void CudaGroup::OpEndedWithoutLaunch(int32_t rank, const abi::RequestSlot& slot)
   streams_touched_ = true;  // A done_seq write on the rank's stream (below) outside an op.
   const std::shared_ptr<CudaRank>& cr = ranks_[rank];
   if (!cr) return;
+  // Failed by the plane's Shutdown: the client's staging kernel of this request may not have
+  // run yet; it writes into this area, so the drain waits for it (StagingsLanded).
+  if (stopping_) pending_stagings_.push_back({cr, rank, slot.seq, false});
   if (program_ && program_->HoldsRank(rank, cr.get())) {
     // The rank's stream is held by the program's waits: write done_seq from the host (no
     // ring op of the group runs while a program is armed, so nothing else writes it).

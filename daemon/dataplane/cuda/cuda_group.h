@@ -56,8 +56,37 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// attaches (`join_secret_digest` goes into its Peer mesh registration).
   void MakeExchange(std::string join_secret_digest, SpanTransport span_transport);
 
-  /// Shutdown: disarms the program and completes everything pending with `status`.
-  void Stop(const absl::Status& status);
+  // ---- graceful stop (cuda_group_stop.cc; the plane's Shutdown drives it) ----
+  /// What Stop did, summed into the plane's GpuDrainReport.
+  struct StopReport {
+    int32_t ops_failed = 0;         ///< Requests completed with the stop's status (FailAll).
+    bool program_disarmed = false;  ///< An armed graph-mode program was released.
+  };
+  /// Shutdown, with the engines stopped and the plane's shutdown word raised (so the
+  /// group's kernels end their spins): disarms the program (its waiting instances released,
+  /// program_done = kProgramReleased behind them), completes every running, popped and
+  /// queued request with `status` (ops never launched get done_seq = seq on their stream),
+  /// and notes every stream-ordered request in flight: until its client writes ready_seq,
+  /// its staging kernel, still to run on the client's stream, will write into this group's
+  /// GPU memory (StagingsLanded). Later ops of the group are refused.
+  StopReport Stop(const absl::Status& status);
+  /// After Stop: whether every noted staging has landed (ready_seq >= its seq, read from the
+  /// GPU by a kernel into pinned memory: the first call only enqueues the reads, later ones
+  /// see them); `missed` (when not null) gets "group G rank R op N" for each one that has
+  /// not. `awaited` (when not null) gets how many have not.
+  bool StagingsLanded(std::vector<std::string>* missed = nullptr, int32_t* awaited = nullptr);
+  /// Whether every stream of the group's ranks (attached, stand-ins, masked areas, and those
+  /// of a running, abandoned or disarmed op) is idle; `busy` (when not null) gets "group G
+  /// rank R" for each one that is not. Clears a non-sticky CUDA error.
+  bool StreamsIdle(std::vector<std::string>* busy = nullptr);
+  /// After Stop, once the stagings landed or the drain's first bound passed: releases from
+  /// the host whatever may still wait: the daemon's ready waits of the running op
+  /// (ReleaseReadyWaits), then on every daemon-launched rank's area done_seq = kReleasedSeq
+  /// and, for a disarmed program's ranks, program_done = kProgramReleased, written from the
+  /// engine's aux stream (not behind the ranks' own streams), so every client wait on this
+  /// group's memory (a stream wait, a staging kernel's DoneWait) passes. Bounded: the aux
+  /// stream carries only stream memory writes.
+  void ReleaseClients();
 
  protected:
   /// 0 (the data area is on the GPU), except for a client-launched rank of a spanning
@@ -129,7 +158,8 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
     std::vector<bool> left_unstaged;
     /// A failed launch wrote the rank's done_seq on its own stream (ReleaseRanksAfterFailed-
     /// Launch): its client may already have written a later ready_seq, which a release from
-    /// the host must not overwrite (ReleaseReadyWait skips the rank).
+    /// the host must not overwrite (ReleaseReadyWait skips the rank). Also set by a graceful
+    /// stop once it has settled the rank's ready wait (ReleaseClients).
     std::vector<bool> done_written;
     /// Launched through op graphs: the streams they were launched on (one per GPU;
     /// capacity R, cleared per op). The op has left the GPU once these and every rank's
@@ -463,7 +493,32 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// stream was still waiting for its client).
   bool ReleaseReadyWait(const GpuOp& op, size_t r) const;
 
+  /// A stream-ordered request in flight at Stop whose client had not written ready_seq: its
+  /// rank (kept alive) and seq.
+  struct PendingStaging {
+    std::shared_ptr<CudaRank> rank;
+    int32_t r = 0;
+    uint64_t seq = 0;
+    bool landed = false;  ///< Seen landed by StagingLanded.
+    /// When StagingLanded may enqueue the next read of ready_seq (not one per poll).
+    std::chrono::steady_clock::time_point next_read{};
+  };
+  /// Whether the client of `p` has written ready_seq >= p.seq, as last read into its
+  /// Readback::stop_ready; when not, and a read is due, enqueues the next one (a one-thread
+  /// kernel on the engine's aux stream: no copy engine, no wait). True when the read cannot
+  /// be enqueued (nothing to wait for then).
+  bool StagingLanded(PendingStaging& p);
+  /// Calls f(int32_t r, const CudaRank&) for every rank resource whose stream the group may
+  /// have used (see StreamsIdle), each once.
+  template <typename F>
+  void ForEachStreamRank(F&& f) const;
+
   CudaDataPlaneImpl* plane_;
+  /// Set by Stop (under mu_): OpEndedWithoutLaunch notes the clients' stagings still to come.
+  bool stopping_ = false;
+  std::vector<PendingStaging> pending_stagings_;  ///< Guarded by mu_ (Stop's notes).
+  /// The ranks of a program disarmed by Stop (ReleaseClients writes their program_done).
+  std::vector<std::shared_ptr<CudaRank>> stopped_program_ranks_;
   std::atomic<GpuEngine*> engine_{nullptr};
   std::mutex engine_mu_;  // Serialises AdoptEngine.
   // Guarded by LockstepGroup::mu_:

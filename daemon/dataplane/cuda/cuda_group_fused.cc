@@ -88,8 +88,8 @@ void CudaGroup::LaunchFused(const OpPlan& plan, const std::vector<abi::RequestSl
       // The op's GPU time starts before the wait, as on the per-rank path; every rank of
       // this GPU shares the begin and done events of the launch stream.
       gpu_timer_.Begin(fd.ranks.front(), lead.op_begin.get(), s);
-      st =
-          kc::WaitFlagsAsync(std::span<const kc::FlagWait>(waits.data(), n), ReadyWaitBoundNs(), s);
+      st = kc::WaitFlagsAsync(std::span<const kc::FlagWait>(waits.data(), n), ReadyWaitBoundNs(), s,
+                              plane_->shutdown_word());
     }
     bool refused = false;  // By the launcher's checks: nothing of the kernel enqueued.
     if (st.ok()) {

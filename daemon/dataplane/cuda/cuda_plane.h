@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/cuda/cuda_handles.h"
+#include "common/cuda/device_alloc.h"
 #include "daemon/dataplane/cuda/cuda_data_plane.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/dataplane/engine_host.h"
@@ -64,9 +65,19 @@ class CudaDataPlaneImpl : public DataPlane {
   /// would time-slice (DESIGN.md §3.2), while the daemon runs every rank's kernels from its one
   /// context.
   v1::LaunchMode DefaultLaunchMode(const v1::GroupSpec& spec) const override;
+  /// Stops the data plane, bounded (kGpuDrainBound, gpu_drain.h), before epd frees its GPU
+  /// memory: stops the engines, raises shutdown_word() (every daemon kernel's spin ends as a
+  /// timeout), stops every group (CudaGroup::Stop: programs disarmed, every request failed
+  /// with UNAVAILABLE), waits for the clients' staging kernels still to come and for the
+  /// daemon's streams to go idle, releases every client wait on the groups' memory from the
+  /// host (CudaGroup::ReleaseClients), waits for the streams again, and logs what it did
+  /// (DescribeGpuDrain). Idempotent.
   void Shutdown() override;
 
   const CudaDataPlaneOptions& options() const { return options_; }
+  /// The shutdown word every daemon kernel's spin waits poll (CudaRankContext::abort_flag):
+  /// host-mapped pinned uint32, 0 until Shutdown stores 1. Lives as long as the plane.
+  const uint32_t* shutdown_word() const { return shutdown_word_.get(); }
   /// Whether daemon-launched low-latency ops wait for ready_seq in a WaitFlagAsync kernel
   /// (CudaDataPlaneOptions::kernel_ready_wait; by default: MPS is active for this daemon).
   bool kernel_ready_wait() const { return kernel_ready_wait_; }
@@ -119,6 +130,10 @@ class CudaDataPlaneImpl : public DataPlane {
   bool AllEnginesQuiescent();
   DeferredRelease deferred_release_;   // Outlives the engines (declared before them).
   std::atomic<int> groups_ending_{0};  // GroupEnding scopes alive.
+  /// [1] mapped pinned: see shutdown_word(). Declared before engines_: freed after them.
+  PinnedArray<uint32_t> shutdown_word_;
+  /// Whether every engine's aux stream is idle; `busy` (when not null) names those that are not.
+  bool AuxStreamsIdle(std::vector<std::string>* busy);
   /// When AllEnginesQuiescent last warned of memory waiting (engine threads, under the
   /// release's exclusive lock: one at a time).
   std::chrono::steady_clock::time_point last_release_warning_{};

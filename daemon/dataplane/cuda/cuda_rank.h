@@ -42,6 +42,10 @@ struct Readback {
   /// dispatch's token count). Daemon-private: no client writes them.
   uint64_t op_seq;
   int32_t op_num_tokens;
+  /// The rank's ready_seq, copied here by a one-thread kernel (ReadWordAsync) on the
+  /// engine's aux stream while a graceful stop waits for the rank's client to stage an op
+  /// in flight (CudaGroup::StagingsLanded); 0 until then.
+  uint64_t stop_ready;
 };
 
 /// A rank of a group that spans nodes (DESIGN.md §5.5): the host side of its data area that

@@ -83,6 +83,13 @@ struct CudaRankContext {
   /// every op (with T = 0, so it sends nothing): the ranks' waits stay paired. Must not
   /// change while an op of the group runs. GetDispatchLayout ignores it.
   const uint8_t* rank_masked = nullptr;
+  /// The daemon's shutdown word (host-mapped pinned memory, uint32; null = none, as in a
+  /// client's launches): once the host stores nonzero there, every spin wait of the op
+  /// (ready, peers' flags, the done path) ends as if it had timed out (DEADLINE_EXCEEDED in
+  /// DeviceStatus), within about 2 * kAbortPollNs (abort_poll.h) of the store, and the op
+  /// still writes done and its status. Read with a relaxed system-scope load, only after a
+  /// wait has spun kAbortPollNs and then once per kAbortPollNs. Must outlive the launches.
+  const uint32_t* abort_flag = nullptr;
 };
 
 /// Checks the context: 0 <= rank < R, peer_bases and own_base set, R <= kMaxStatusRanks,
@@ -235,9 +242,13 @@ absl::Status CopyDeviceBatchAsync(const DeviceCopy* copies, int num_copies, uint
 /// `value_word` (optional): when set, the value is read from it instead (one volatile load
 /// when the kernel starts; device or host-mapped memory the host writes before the launch),
 /// so a CUDA graph that captured the wait replays with each op's value.
+///
+/// `abort_flag` (optional): the daemon's shutdown word (CudaRankContext::abort_flag); once
+/// nonzero the wait ends as a timed-out one (`seen` untouched) and lets the next kernel start.
 absl::Status WaitFlagAsync(const uint64_t* flag, uint64_t value, int64_t timeout_ns, uint64_t* seen,
                            cudaStream_t stream, const uint64_t* alt_flag = nullptr,
-                           const uint64_t* value_word = nullptr);
+                           const uint64_t* value_word = nullptr,
+                           const uint32_t* abort_flag = nullptr);
 
 /// The most ranks one fused launch (WaitFlagsAsync, LowLatencyDispatchRanks,
 /// LowLatencyCombineRanks) covers (their parameters travel in the kernel's parameter space).
@@ -265,8 +276,9 @@ struct FlagWait {
 /// valid until the kernel has run. Errors: INVALID_ARGUMENT (naming the wait) for no waits,
 /// more than kMaxFusedRanks, a null flag or timeout_ns <= 0, nothing launched then; INTERNAL
 /// for a launch error.
+/// `abort_flag` (optional): as WaitFlagAsync's, for every wait.
 absl::Status WaitFlagsAsync(std::span<const FlagWait> waits, int64_t timeout_ns,
-                            cudaStream_t stream);
+                            cudaStream_t stream, const uint32_t* abort_flag = nullptr);
 
 /// The hand-off of a daemon-launched low-latency op done by the op's kernel itself (all
 /// fields optional; the defaults do nothing):
