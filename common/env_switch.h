@@ -12,9 +12,10 @@
 namespace epd {
 
 /// The on/off switch `name` of the process environment: unset or empty = `unset`, "0" =
-/// off, "1" = on. Reads the environment on every call (getenv: not for a per-op path that
-/// runs while another thread may setenv). Errors: INVALID_ARGUMENT naming the variable and
-/// its value, for any other value.
+/// off, "1" = on. Reads the environment on every call (getenv: safe where no thread of the
+/// process calls setenv, as in epd and its client library; a per-op caller pays a scan of
+/// the environment). Errors: INVALID_ARGUMENT naming the variable and its value, for any
+/// other value.
 inline absl::StatusOr<bool> SwitchFromEnv(const char* name, bool unset) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return unset;

@@ -82,9 +82,9 @@ struct NormalParams {
   /// EPD_NORMAL_GPU_SCOPE on (docs/CUDA_BACKEND.md "Memory scope of the flags").
   int32_t gpu_scope = 0;
   /// The dispatch copy's vector path (CopyTokensByVectors) splits each token's row into up
-  /// to this many parts of whole 2 KiB chunks, each taken by a warp as one work item, so a
-  /// rank's last items are short and its warps end together (EPD_NORMAL_COPY_PARTS,
-  /// NormalCopyPartsFromEnv). 1 = a token per item.
+  /// to this many parts of whole chunks (2 KiB of int4, 256 bytes of bf16 units), each taken by a
+  /// warp as one work item, so a rank's last items are short and its warps end together
+  /// (EPD_NORMAL_COPY_PARTS, NormalCopyPartsFromEnv). 1 = a token per item.
   int32_t copy_parts = 1;
   /// NormalDispatchArgs::phase_ns (measurement only), may be null.
   uint64_t* phase_ns = nullptr;
@@ -206,7 +206,10 @@ __device__ __forceinline__ uint64_t ScanTopkRow(const int64_t* row, int num_topk
 /// EncodeTileRow(row) <= kEncodedTileRow, so that the copy can tell it from a final row
 /// (>= 0) or "not sent" (-1) however many of its warps read the entry (ResolveRow).
 inline constexpr int64_t kEncodedTileRow = -2;
+/// send_pos's encoding of row `row` (>= 0) inside a tile: -2 - row.
 __device__ __forceinline__ int32_t EncodeTileRow(int32_t row) { return -2 - row; }
+/// The row inside its tile of an entry `encoded` <= kEncodedTileRow (EncodeTileRow's
+/// inverse, in 64 bits: no overflow for any int32 entry).
 __device__ __forceinline__ int64_t DecodeTileRow(int64_t encoded) { return -2 - encoded; }
 
 /// The ranks one token goes to (or comes back from), held by one warp: lane l keeps the
@@ -253,9 +256,11 @@ struct TokenRanks {
   /// it (EncodeTileRow: the row inside its tile; -1 = not sent) or, where another warp of
   /// the same copy resolved it already, the final row. `base_row` [R] is its tile's first
   /// row at each rank. An encoded entry becomes its row + base (64-bit), a final one stays;
-  /// both are checked as in LoadRow. With `write_back` the resolved entries are written back
-  /// to `pos_row` (the handle): the same values whichever warp writes them, so the warps
-  /// that share a token (NormalParams::copy_parts) may race on it. Warp-collective.
+  /// both are checked as in LoadRow. With `write_back` (the warp of the token's first part
+  /// only) the resolved entries are written back to `pos_row` (the handle). The warps that
+  /// share a token (NormalParams::copy_parts) may race on the row: whether a warp reads the
+  /// encoded entry or the value written back, it arrives at the same row (or at -1 for a
+  /// route that the check drops). Warp-collective.
   __device__ __forceinline__ void ResolveRow(int32_t* pos_row, const int32_t* base_row,
                                              int num_ranks, int lane, int64_t capacity,
                                              unsigned int* bad, unsigned int* dropped,

@@ -424,9 +424,9 @@ struct DispatchCopy {
   /// block then returns at once), else the state set up and the schedule started. What
   /// comes from the params alone is set up before the wait for the notify's grid
   /// (WaitForFirstKernel), which a programmatic launch overlaps with the notify's end.
-  /// `vec_bytes`: the vector path's unit (its items are parts of tokens: NormalParams::
-  /// copy_parts, at most the row's 32 * kCopyUnroll-vector chunks, none empty, 1 when
-  /// T * parts would pass int32); 0 = a token per item.
+  /// `vec_bytes`: the vector path's unit (its items are parts of tokens:
+  /// NormalCopyParts::For of NormalParams::copy_parts in chunks of 32 * kCopyUnroll
+  /// vectors); 0 = a token per item.
   __device__ __forceinline__ bool Start(const NormalParams& params, TokenOrder order,
                                         int32_t* s_next_token, int64_t vec_bytes) {
     Init(params);
@@ -435,15 +435,10 @@ struct DispatchCopy {
     if (CurrentOpFailed(params, seq)) return false;
     const int32_t num_tokens = ReadNumTokens(params, false);
     if (vec_bytes > 0) {
-      constexpr int64_t kChunk = 32 * kCopyUnroll;
-      const int64_t num_vec = row_bytes / vec_bytes;
-      const int64_t num_chunks = (num_vec + kChunk - 1) / kChunk;
-      parts = params.copy_parts < 1 ? 1 : params.copy_parts;
-      if (parts > num_chunks) parts = num_chunks > 1 ? num_chunks : 1;
-      const int64_t part_chunks = (num_chunks + parts - 1) / parts;
-      if (part_chunks > 0) parts = (num_chunks + part_chunks - 1) / part_chunks;  // None empty.
-      if (static_cast<int64_t>(num_tokens) * parts > INT32_MAX) parts = 1;
-      part_vec = parts == 1 ? num_vec : part_chunks * kChunk;
+      const NormalCopyParts split = NormalCopyParts::For(row_bytes / vec_bytes, 32 * kCopyUnroll,
+                                                         params.copy_parts, num_tokens);
+      parts = split.parts;
+      part_vec = split.part_vec;
     }
     tokens.Init(order, static_cast<int32_t>(num_tokens * parts), s_next_token,
                 RankTokenCounter(params));
@@ -563,8 +558,8 @@ struct DispatchCopy {
 
 /// The vector path of the copy, from the warp's TokenSchedule on. The schedule hands out
 /// items (DispatchCopy::Start with sizeof(Vec)): token t's row is cut into `parts` parts of
-/// whole chunks (kCopyUnroll vectors a lane: 2 KiB of int4), item = t * parts + part. For
-/// each item, one round trip
+/// whole chunks (kCopyUnroll vectors a lane: 2 KiB of int4, 256 bytes of bf16 units), item =
+/// t * parts + part. For each item, one round trip
 /// loads its first chunk, the routing row and (first part only) the token's metadata (none
 /// depends on another); then each chunk is stored at every destination and the next chunk
 /// loaded; the first part's warp then stores the metadata. `Vec` is int4 when a row is a

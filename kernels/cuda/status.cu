@@ -112,7 +112,7 @@ absl::Status StatusFromDevice(const DeviceStatus& status, const GroupShape& shap
         status.bad_routing,
         " routing value(s) in the endpoint's memory (send_pos rows, low-latency handle "
         "positions, exchanged counts) were outside their buffers and were ignored: the "
-        "endpoint's memory was overwritten during the op"));
+        "endpoint's memory was overwritten, or the handle is from a dispatch that failed"));
   }
   if (status.has_bad_num_tokens != 0) {
     findings.push_back(

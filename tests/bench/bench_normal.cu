@@ -127,6 +127,8 @@ absl::StatusOr<double> TimeRounds(
   return 1000.0 * (last - first) / batch;
 }
 
+static_assert(kc::kNormalDispatchPhases == 7, "SplitPhases (floors.h) splits 7 stamps an op");
+
 /// `batch` back-to-back rounds of `launch(r, stream, stamps)` as TimeRounds runs them, each
 /// op of each rank with its own kNormalDispatchPhases stamps, split (SplitPhases).
 absl::StatusOr<PhaseSplit> TracePhases(
@@ -566,9 +568,6 @@ void PrintBoundTable(const std::vector<Row>& rows, const std::vector<BoundRow>& 
   std::printf("\n");
 }
 
-/// With more than one switch setting measured: per op and kernel variant at `sms` SMs per
-/// rank, the mean us/op and HBM/copy of each setting over its repeats, and the us change
-/// against the setting with neither switch ("-"), as text.
 /// Where each traced dispatch's time went (--normal_phases).
 void PrintPhaseTable(const std::vector<Row>& rows) {
   bool header = false;
@@ -594,6 +593,9 @@ void PrintPhaseTable(const std::vector<Row>& rows) {
   }
 }
 
+/// With more than one switch setting measured: per op and kernel variant at `sms` SMs per
+/// rank, the mean us/op and HBM/copy of each setting over its repeats, and the us change
+/// against the setting with neither switch ("-"), as text.
 void PrintSwitchSummary(const std::vector<Row>& rows, int32_t sms) {
   struct Cell {
     std::string op, variant, switches;

@@ -49,6 +49,9 @@ absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes) {
   b.ptr_ = static_cast<uint8_t*>(p);
   b.bytes_ = bytes;
   EPD_CUDA_RETURN_IF_ERROR(cudaMemset(p, 0, bytes));
+  // Done before the buffer is used on a non-blocking stream, which the legacy default
+  // stream's memset does not order against.
+  EPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(nullptr));
   return b;
 }
 

@@ -572,6 +572,9 @@ std::vector<NormalCase> SweepCases() {
   wide_dups.duplicate_fraction = 0.3;
   wide_dups.masked_fraction = 0.1;
   add({"topk12-duplicates", 4, 2048, 12, 64, {1000, 333, 0, 4096}, false, 1, true, wide_dups});
+  // Rows of bf16 units (4104 bytes, not a multiple of 16) over several copy chunks: 17
+  // chunks of 128 units, cut into parts by EPD_NORMAL_COPY_PARTS.
+  add({"bf16-units-17-chunks", 4, 2052, 8, 64, {2000, 1, 0, 777}, false, 1, true, masked});
   return cases;
 }
 
@@ -736,6 +739,8 @@ TEST_F(NormalGpuTest, PhaseStampsAreSetInOrderAndLeaveTheResultsAsTheHostHasThem
     for (const bool cached : {false, true}) {
       SCOPED_TRACE(cached ? "cached" : "fresh");
       NM_ASSERT_OK(EPD_CUDA_STATUS(cudaMemset(buf->get(), 0, count * 8)));
+      // The rank streams are non-blocking: the zeroing must be done before they stamp.
+      NM_ASSERT_OK(EPD_CUDA_STATUS(cudaDeviceSynchronize()));
       if (cached) NM_ASSERT_OK(g.RedrawX(4242));
       NM_ASSERT_OK(g.HostDispatch(cached));
       NM_ASSERT_OK(g.LaunchDispatch(cached));
@@ -775,22 +780,33 @@ TEST_F(NormalGpuTest, UnknownGpuScopeValueIsRefusedNamingIt) {
 TEST_F(NormalGpuTest, CopyPartsMatchHostBitForBit) {
   // The dispatch copy's tokens cut into parts taken by different warps
   // (EPD_NORMAL_COPY_PARTS; the default, 4, runs in every other test): one part (a token an
-  // item), 3 (uneven parts: the FP8 row's 4 chunks in 2 + 2, the 17 chunks of a 2056-wide
-  // bf16-unit row in 6 + 6 + 5), and 16 (capped at the row's chunks). Every token order,
-  // T of 0 and 1, masked ranks, top-k 12 with duplicates.
+  // item), 3 (uneven parts: the FP8 row's 4 chunks in 2 + 2, the 17 chunks of a 2052-wide
+  // bf16-unit row in 6 + 6 + 5), and 16 (capped: the FP8 row's 4 chunks, the bf16-unit
+  // row's 17 in 9 parts of 2). Every token order, T of 0 and 1, masked ranks, top-k 12 with
+  // duplicates. NormalCopyParts::For's arithmetic has its own unit test (layout_test.cc).
   for (const char* parts : {"1", "3", "16"}) {
     SCOPED_TRACE(std::string("EPD_NORMAL_COPY_PARTS=") + parts);
     ScopedEnv env("EPD_NORMAL_COPY_PARTS", parts);
-    RunPickedCasesUnderVariants({"mixed-T-fp8-masked", "mixed-T-8", "ragged-hidden",
+    RunPickedCasesUnderVariants({"mixed-T-fp8-masked", "mixed-T-8", "bf16-units-17-chunks",
                                  "tiny-odd-hidden", "topk12-duplicates"},
                                 {"balanced", "static", "block"});
   }
 }
 
 TEST_F(NormalGpuTest, UnknownCopyPartsValueIsRefusedNamingIt) {
-  ExpectEnvValueRefused("EPD_NORMAL_COPY_PARTS", "0");
-  ExpectEnvValueRefused("EPD_NORMAL_COPY_PARTS", "17");
-  ExpectEnvValueRefused("EPD_NORMAL_COPY_PARTS", "four");
+  for (const char* bad : {"0", "17", "four", "-1"}) {
+    ExpectEnvValueRefused("EPD_NORMAL_COPY_PARTS", bad);
+    ScopedEnv env("EPD_NORMAL_COPY_PARTS", bad);
+    const absl::StatusOr<int32_t> parts = kc::normal::NormalCopyPartsFromEnv();
+    ASSERT_FALSE(parts.ok()) << bad;
+    EXPECT_EQ(parts.status().message(),
+              absl::StrCat("EPD_NORMAL_COPY_PARTS = \"", bad, "\" is not a whole number in [1, ",
+                           kc::normal::kMaxCopyParts, "]"));
+  }
+  ScopedEnv env("EPD_NORMAL_COPY_PARTS", "7");
+  const absl::StatusOr<int32_t> parts = kc::normal::NormalCopyPartsFromEnv();
+  ASSERT_TRUE(parts.ok()) << parts.status();
+  EXPECT_EQ(*parts, 7);
 }
 
 TEST_F(NormalGpuTest, UnknownProgrammaticLaunchValueIsRefusedNamingIt) {

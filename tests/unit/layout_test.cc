@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <initializer_list>
+
 #include "proto/abi/launch_flags.h"
 
 namespace epd::kernels {
@@ -114,6 +116,40 @@ TEST(EndpointLayoutTest, LowLatencyDisabledTakesNoBytes) {
   EXPECT_EQ(l.ll_recv_count[1].bytes, 0u);
   EXPECT_EQ(l.ll_routing.bytes, 0u);
   EXPECT_EQ(l.recv_scales.bytes, 0u);
+}
+
+TEST(NormalCopyPartsTest, PartsAreWholeChunksNoneEmptyAndCoverTheRow) {
+  constexpr int64_t kChunk = 128;  // The copy's chunk: 32 lanes x 4 vectors.
+  struct Case {
+    int64_t num_vec;
+    int32_t wanted;
+    int64_t parts;
+    int64_t part_vec;
+  };
+  for (const Case& c : std::initializer_list<Case>{
+           {448, 4, 4, 128},    // FP8 row of 7168 bytes in int4: 3.5 chunks, 4 parts
+           {448, 3, 2, 256},    // 4 chunks asked in 3: 2 + 2 (2 + 1 + 1 is not even)
+           {896, 4, 4, 256},    // BF16 row of 14336 bytes: 7 chunks, 2 + 2 + 2 + 1
+           {896, 16, 7, 128},   // capped at the row's chunks
+           {2052, 3, 3, 768},   // bf16 units of H = 2052: 17 chunks, 6 + 6 + 5
+           {2052, 16, 9, 256},  // 17 chunks asked in 16: 2 each, 9 parts
+           {257, 4, 3, 128},    // 3 chunks (the last 1 vector)
+           {100, 4, 1, 100},    // one chunk: one part
+           {1, 16, 1, 1},       // one vector
+           {448, 1, 1, 448},    // a token an item
+           {448, 0, 1, 448},    // below 1: as 1
+       }) {
+    SCOPED_TRACE(::testing::Message() << c.num_vec << " vectors, " << c.wanted << " wanted");
+    const NormalCopyParts p = NormalCopyParts::For(c.num_vec, kChunk, c.wanted, 4096);
+    EXPECT_EQ(p.parts, c.parts);
+    EXPECT_EQ(p.part_vec, c.part_vec);
+    EXPECT_TRUE(p.part_vec % kChunk == 0 || p.parts == 1);
+    EXPECT_GE(p.parts * p.part_vec, c.num_vec) << "the parts cover the row";
+    EXPECT_LT((p.parts - 1) * p.part_vec, c.num_vec) << "the last part is not empty";
+  }
+  // T x parts past int32: one part a token.
+  EXPECT_EQ(NormalCopyParts::For(896, kChunk, 4, 1 << 30).parts, 1);
+  EXPECT_EQ(NormalCopyParts::For(896, kChunk, 4, 1 << 28).parts, 4);
 }
 
 }  // namespace

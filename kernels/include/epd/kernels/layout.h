@@ -100,6 +100,33 @@ struct NormalDispatchTiling {
   }
 };
 
+/// How the CUDA normal dispatch copy's register path cuts a token's row into work items
+/// (kernels/cuda/normal_dispatch.cu, EPD_NORMAL_COPY_PARTS): `parts` items, each
+/// `part_vec` vectors (the last may be shorter), every part a whole number of chunks and
+/// none empty.
+struct NormalCopyParts {
+  int64_t parts = 1;
+  int64_t part_vec = 0;
+
+  /// The parts of a row of `num_vec` vectors (>= 1), chunks of `chunk_vec` vectors (>= 1),
+  /// `wanted` parts asked for (< 1 taken as 1), `num_tokens` tokens: at most the row's
+  /// chunks, fewer where equal whole-chunk parts leave one empty, and 1 when num_tokens x
+  /// parts would pass int32 (the item counter's range).
+  EPD_HD static NormalCopyParts For(int64_t num_vec, int64_t chunk_vec, int32_t wanted,
+                                    int32_t num_tokens) {
+    NormalCopyParts c;
+    const int64_t num_chunks = (num_vec + chunk_vec - 1) / chunk_vec;
+    int64_t parts = wanted < 1 ? 1 : wanted;
+    if (parts > num_chunks) parts = num_chunks > 1 ? num_chunks : 1;
+    const int64_t part_chunks = (num_chunks + parts - 1) / parts;
+    if (part_chunks > 0) parts = (num_chunks + part_chunks - 1) / part_chunks;
+    if (static_cast<int64_t>(num_tokens) * parts > 0x7fffffffLL) parts = 1;
+    c.parts = parts;
+    c.part_vec = parts == 1 ? num_vec : part_chunks * chunk_vec;
+    return c;
+  }
+};
+
 /// Most byte ranges of an area one mirror copy takes (kernels::cuda::CopySpansAsync, the
 /// CUDA backend across nodes; daemon/dataplane/exchange/mirror_spans.h).
 inline constexpr int kMaxAreaSpans = 256;
