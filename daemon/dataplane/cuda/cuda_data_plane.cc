@@ -344,6 +344,13 @@ void CudaDataPlaneImpl::Shutdown() {
     every_group([&](CudaGroup* g) { return g->StreamsIdle(&report.busy); });
     AuxStreamsIdle(&report.busy);
   }
+  // Again, now that nothing the ranks' streams held can land after the release and lower a
+  // done word (a done store of a kernel that ran late, FailAll's done_seq = seq).
+  every_group([](CudaGroup* g) {
+    g->ReleaseClients();
+    return true;
+  });
+  PollUntil([&] { return AuxStreamsIdle(nullptr); }, absl::Now() + absl::Milliseconds(20));
   report.took = absl::Now() - begin;
   if (report.busy.empty() && report.stagings_missed.empty()) {
     EngineLog()->info("shutdown: {}", DescribeGpuDrain(report));

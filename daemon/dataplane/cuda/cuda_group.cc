@@ -8,6 +8,7 @@
 #include <cstring>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -170,13 +171,26 @@ CudaGroup::~CudaGroup() {
   // freed: the peer arrays below, the ranks' areas with the endpoints.
   std::lock_guard<std::mutex> lock(mu_);
   DisarmProgram(absl::UnavailableError("the group is being destroyed"));
+  // Bounded: a client can hold a stream memory wait on its ready word by lowering the word
+  // again after the host's release; such a stream is logged and left.
+  const auto deadline = Clock::now() + std::chrono::milliseconds(plane_->options().op_timeout_ms) +
+                        std::chrono::seconds(1);
   for (const std::optional<GpuOp>* op : {&gpu_op_, &abandoned_, &program_tail_}) {
     if (!op->has_value()) continue;
     ReleaseReadyWaits(**op);  // A client that never wrote ready_seq must not hang us.
     for (const auto& r : (*op)->ranks) {
       if (!r) continue;
       cudaSetDevice(r->device);
-      cudaStreamSynchronize(r->stream.get());
+      while (cudaStreamQuery(r->stream.get()) == cudaErrorNotReady) {
+        if (Clock::now() > deadline) {
+          EngineLog()->error(
+              "group {} rank {}: its stream still has work at the group's end "
+              "(a client holds its ready wait); left",
+              spec().name(), r->rank);
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
     }
   }
   cudaGetLastError();
@@ -1027,9 +1041,9 @@ void CudaGroup::ProgramWarning(const std::string& message) {
   LogClientCaused(spdlog::level::warn, "{}", message);
 }
 
-void CudaGroup::DisarmProgram(const absl::Status& why) {
+void CudaGroup::DisarmProgram(const absl::Status& why, bool stopping) {
   if (!program_) return;
-  program_->Disarm(why);
+  program_->Disarm(why, stopping);
   GpuOp tail;
   SizeOp(tail);  // ranks[r] set below; no ready waits (ReleaseReadyWaits reads ready_wait).
   tail.seq = 0;

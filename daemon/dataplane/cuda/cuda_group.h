@@ -294,8 +294,9 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// Register / unregister (from StartOpInto, GPUs claimed): writes every rank's outcome.
   void ProgramOp(const OpPlan& plan, std::span<RankOutcome> outcomes);
   /// Disarms the armed program (GraphProgram::Disarm); its tail keeps the GPUs claimed
-  /// until it has left the GPU (ProgramTailDone). No-op when none is armed.
-  void DisarmProgram(const absl::Status& why);
+  /// until it has left the GPU (ProgramTailDone). No-op when none is armed. `stopping`:
+  /// epd's stop (GraphProgram::Disarm's shorter bound).
+  void DisarmProgram(const absl::Status& why, bool stopping = false);
   /// True once the disarmed program's tail has left the GPU (then releases it).
   bool ProgramTailDone();
 

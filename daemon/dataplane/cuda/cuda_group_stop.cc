@@ -68,7 +68,7 @@ CudaGroup::StopReport CudaGroup::Stop(const absl::Status& status) {
         stopped_program_ranks_.push_back(program_->rank(r));
       }
       report.program_disarmed = true;
-      DisarmProgram(status);
+      DisarmProgram(status, /*stopping=*/true);
     }
     // The running op's kernels end on the shutdown word; a client that has not staged its
     // inputs yet still will, into this group's memory. Noted here, read from the GPU later
@@ -127,7 +127,9 @@ void CudaGroup::ReleaseClients() {
   // The daemon's own ready waits first (a stream memory wait, or a WaitFlagAsync that the
   // shutdown word ended), so its streams can drain: from the host for every rank whose
   // client has not staged (a staged one needs nothing, and its wait kernel may have ended
-  // on the shutdown word before it saw the flag).
+  // on the shutdown word before it saw the flag), and for every stream memory wait whose
+  // `waited` event has not passed, staged or not: `landed` is an earlier reading of a word
+  // the client can lower again (ReleaseReadyWait checks the event itself).
   for (std::optional<GpuOp>* op : {&gpu_op_, &abandoned_}) {
     if (!op->has_value()) continue;
     GpuOp& o = **op;
@@ -136,7 +138,7 @@ void CudaGroup::ReleaseClients() {
                                       [&](const PendingStaging& p) {
                                         return p.landed && p.seq == o.seq && p.rank == o.ranks[r];
                                       });
-      if (!staged) ReleaseReadyWait(o, r);
+      if (!staged || !SpinsForReady(o, r)) ReleaseReadyWait(o, r);
       // Settled: the group's destructor must not write ready_seq from the host again.
       o.done_written[r] = true;
     }
@@ -144,8 +146,10 @@ void CudaGroup::ReleaseClients() {
   ForEachStreamRank([&](int32_t r, const CudaRank& cr) {
     if (cr.client_launched) return;  // Its client waits on no done word of the daemon's.
     cudaSetDevice(cr.device);
-    // From the aux stream, not behind whatever the rank's own stream still holds; a done
-    // word only grows for the client (kReleasedSeq passes every wait, shm_abi.h).
+    // From the aux stream, not behind whatever the rank's own stream still holds
+    // (kReleasedSeq passes every wait, shm_abi.h). A write the rank's stream still holds
+    // (a kernel's done store, FailAll's done_seq = seq) can land after it and lower the
+    // word again: Shutdown calls this once more when the streams are idle.
     cudaStream_t aux = plane_->EngineOf(cr.device)->aux.get();
     absl::Status st = StreamWriteValue64(aux, cr.done_flag(), abi::kReleasedSeq);
     const bool program_rank =

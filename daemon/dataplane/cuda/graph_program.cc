@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -86,6 +87,7 @@ absl::Status GraphProgram::LaunchStep(const ProgramStepPlan& st, int32_t r, uint
                                       kc::DeviceStatus* status_out) {
   const CudaRank& cr = *ranks_[r].rank;
   const kc::CudaRankContext ctx = host_->ProgramRankContext(r, num_sms_);
+  timeout_ns_ = ctx.timeout_ns;
   cudaStream_t s = cr.stream.get();
   // The step's kernel writes the instance number and then done = 1 itself (a stream memory
   // write behind the kernels and the read-back lands later, cuda_ops.h).
@@ -189,7 +191,7 @@ void GraphProgram::PublishChecked(uint64_t k) {
   }
 }
 
-void GraphProgram::Disarm(const absl::Status& why) {
+void GraphProgram::Disarm(const absl::Status& why, bool stopping) {
   const std::string& name = host_->ProgramGroupName();
   if (ProgramTrace()) {
     EngineLog()->warn("program trace: group {}: disarming ({}) with {} instance(s) in flight", name,
@@ -202,11 +204,11 @@ void GraphProgram::Disarm(const absl::Status& why) {
   for (uint64_t k = front(); k < next_; ++k) {
     const Instance& in = instance(k);
     const int slot = static_cast<int>(in.k % kProgramDepth);
-    for (ProgramRank& pr : ranks_) {
+    // A stream memory write, not a copy (epd/kernels/cuda_program.h: a copy could queue
+    // behind another stream's copy that waits on the GPU).
+    auto release = [&](ProgramRank& pr) {
       cudaSetDevice(pr.rank->device);
-      if (cudaEventQuery(pr.waited[slot].get()) != cudaErrorNotReady) continue;
-      // A stream memory write, not a copy (epd/kernels/cuda_program.h: a copy could queue
-      // behind another stream's copy that waits on the GPU).
+      if (cudaEventQuery(pr.waited[slot].get()) != cudaErrorNotReady) return;
       cudaStream_t aux = host_->ProgramAuxStream(pr.rank->device);
       absl::Status st = StreamWriteValue64(aux, pr.rank->flag(abi::kProgramGoOffset), 1);
       if (st.ok()) st = EPD_CUDA_STATUS(cudaStreamSynchronize(aux));
@@ -214,10 +216,30 @@ void GraphProgram::Disarm(const absl::Status& why) {
         EngineLog()->error("group {} rank {}: releasing program instance {} failed: {}", name,
                            pr.rank->rank, in.k, st.ToString());
       }
-    }
+    };
+    for (ProgramRank& pr : ranks_) release(pr);
+    // The go word is in the client's area: a client that writes it back to 0 before the
+    // instance's wait saw 1 would hold that wait. So the wait for `waited` is bounded (the
+    // instance before it may run its kernels for up to op_timeout first), and go = 1 is
+    // written again every millisecond meanwhile. An instance still waiting then is left: its
+    // stream stays blocked on the client's word, which holds only its group's memory.
+    const auto bound = stopping ? std::chrono::nanoseconds(kStopGrace)
+                                : kDisarmGrace + std::chrono::nanoseconds(timeout_ns_);
+    const auto deadline = Clock::now() + bound;
     for (ProgramRank& pr : ranks_) {
       cudaSetDevice(pr.rank->device);
-      cudaEventSynchronize(pr.waited[slot].get());
+      while (cudaEventQuery(pr.waited[slot].get()) == cudaErrorNotReady) {
+        if (Clock::now() > deadline) {
+          EngineLog()->error(
+              "group {} rank {}: program instance {} still waits for its go word {} ms after "
+              "it was released (the client's area holds it back); left waiting",
+              name, pr.rank->rank, in.k,
+              std::chrono::duration_cast<std::chrono::milliseconds>(bound).count());
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        release(pr);
+      }
     }
   }
   for (ProgramRank& pr : ranks_) {

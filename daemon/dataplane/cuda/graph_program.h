@@ -74,8 +74,11 @@ class GraphProgram {
   /// run on whatever is staged, and their results are ignored), writes done =
   /// kProgramReleased on every rank's stream and records each rank's `done` event behind
   /// it, publishes `why` (unless OK) and marks the endpoints disarmed. The owner then
-  /// waits for those events before the GPUs are free (the program's tail).
-  void Disarm(const absl::Status& why);
+  /// waits for those events before the GPUs are free (the program's tail). Each released
+  /// instance is waited for at most the kernel timeout + kDisarmGrace, or kStopGrace when
+  /// `stopping` (epd's stop: its kernels' waits end on the shutdown word), then left
+  /// waiting on its client's go word (logged).
+  void Disarm(const absl::Status& why, bool stopping = false);
 
   /// Whether `rank` (attached as `cr`) takes part in this program.
   bool HoldsRank(int32_t rank, const CudaRank* cr) const {
@@ -129,6 +132,12 @@ class GraphProgram {
   kernels::GroupShape shape_;
   std::vector<ProgramStepPlan> steps_;
   int32_t num_sms_ = 0;
+  /// The ranks' kernel timeout (CudaRankContext::timeout_ns), for Disarm's bounded waits.
+  int64_t timeout_ns_ = 0;
+  /// What Disarm waits for a released instance beyond the kernel timeout, and in all
+  /// during epd's stop.
+  static constexpr std::chrono::milliseconds kDisarmGrace{500};
+  static constexpr std::chrono::milliseconds kStopGrace{200};
   std::vector<ProgramRank> ranks_;
   uint64_t next_ = 1;  ///< The next instance to enqueue.
   /// Instances in flight: next_ - inflight_, ..., next_ - 1 (oldest first; at most

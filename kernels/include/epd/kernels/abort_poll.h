@@ -11,10 +11,13 @@ namespace epd::kernels::cuda {
 
 /// Period of a spin wait's reads of its abort word, in ns of %globaltimer. A wait reads
 /// nothing during its first kAbortPollNs (an op's waits mostly end within microseconds,
-/// and those pay nothing), then once per kAbortPollNs: one load of host-mapped memory
-/// (about 1-2 us over PCIe) per 20 us of a long wait, and a raised word ends the wait
-/// within about 2 * kAbortPollNs of the host's store.
-inline constexpr uint64_t kAbortPollNs = 20'000;
+/// and those pay nothing), then once per kAbortPollNs: one load of host-mapped memory over
+/// PCIe per millisecond of a long wait, and a raised word ends the wait within about
+/// 2 * kAbortPollNs of the host's store. A late rank keeps up to every block's waiting
+/// threads of every rank on the GPU in such waits (thousands): at 1 ms they read the bus
+/// about a million times a second, not the tens of millions a 20 us period would, beside
+/// the clients' and the NICs' traffic; the stop's drain allows 1 s.
+inline constexpr uint64_t kAbortPollNs = 1'000'000;
 
 /// The abort-word cadence of one spin wait, fed the clock the wait already reads. A fresh
 /// AbortPoll per wait (in registers: no memory, no allocation).
