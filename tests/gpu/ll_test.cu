@@ -860,6 +860,53 @@ TEST(LowLatencyFailure, MissingRankTimesOutOthersKeepWorking) {
   ExpectValidOp(a, 1, rng, 4);
 }
 
+// The daemon's shutdown word (CudaRankContext::abort_flag, host-mapped, raised by epd's
+// stop): ranks 0-2 dispatch with a 60 s timeout while rank 3 never launches; they still
+// wait 100 ms later, and once the host raises the word they end within milliseconds (a poll
+// per kAbortPollNs), through the timeout path: DEADLINE_EXCEEDED naming rank 3. Without the
+// word's poll they would wait the 60 s.
+TEST(LowLatencyFailure, ShutdownWordEndsAMissingRanksWaitAtOnce) {
+  REQUIRE_GPU();
+  constexpr int64_t kTimeoutNs = 60'000'000'000;
+  auto group = VirtualRankGroup::Create(SmallShape(4), kTimeoutNs, /*num_sms=*/16);
+  ASSERT_TRUE(group.ok()) << group.status();
+  VirtualRankGroup& g = **group;
+  std::mt19937_64 rng(31);
+  std::vector<RankInputs> in = MakeInputs(SmallCase(4), rng, 0);
+  EPD_ASSERT_OK(UploadInputs(g, in));
+  void* word_memory = nullptr;
+  ASSERT_EQ(
+      cudaHostAlloc(&word_memory, sizeof(uint32_t), cudaHostAllocPortable | cudaHostAllocMapped),
+      cudaSuccess);
+  PinnedMemory word_owner(static_cast<uint8_t*>(word_memory));
+  auto* word = static_cast<volatile uint32_t*>(word_memory);
+  *word = 0;
+  kc::LowLatencyDispatchArgs da;
+  da.use_fp8 = true;
+  for (int32_t r = 0; r < 3; ++r) {
+    kc::CudaRankContext ctx = g.Context(r);
+    ctx.abort_flag = static_cast<const uint32_t*>(word_memory);
+    EPD_ASSERT_OK(kc::LowLatencyDispatch(ctx, da, g.stream(r)));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  for (int32_t r = 0; r < 3; ++r) {
+    EXPECT_EQ(cudaStreamQuery(g.stream(r)), cudaErrorNotReady) << "rank " << r << " did not wait";
+  }
+  const auto raised = std::chrono::steady_clock::now();
+  *word = 1;
+  for (int32_t r = 0; r < 3; ++r) EXPECT_EQ(cudaStreamSynchronize(g.stream(r)), cudaSuccess);
+  const double took_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - raised).count();
+  EXPECT_LT(took_s, 0.5) << "the waits did not end on the shutdown word";
+  std::printf("the waits ended %.1f ms after the word was raised\n", 1e3 * took_s);
+  for (int32_t r = 0; r < 3; ++r) {
+    absl::Status st = kc::ReadAndClearStatus(g.Context(r), g.stream(r), "LowLatencyDispatch");
+    EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+    EXPECT_NE(st.message().find("[3]"), std::string::npos) << st;
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 // The same as the daemon runs it: ranks 0-2 dispatch with a hand-off that stores done and
 // copies the status out (KernelHandoff::status_out), rank 3 never launches. Every block of
 // the three ranks times out; status_out must carry the timeout naming rank 3 (every
