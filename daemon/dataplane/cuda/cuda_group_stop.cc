@@ -119,6 +119,13 @@ bool CudaGroup::StreamsIdle(std::vector<std::string>* busy) {
       cudaGetLastError();  // Not sticky: the stream has ended either way.
     }
   });
+  // An op graph's streams (op graphs: cuda_group_graphs.cc) are not the ranks' own.
+  for (const std::optional<GpuOp>* op : {&gpu_op_, &abandoned_}) {
+    if (op->has_value() && GraphStreamsBusy(**op)) {
+      idle = false;
+      if (busy != nullptr) busy->push_back(absl::StrCat("group ", spec().name(), " op graph"));
+    }
+  }
   return idle;
 }
 
