@@ -508,7 +508,9 @@ class CudaGroup : public LockstepGroup, private GraphProgram::Host, private Node
   /// Readback::stop_ready; when not, and a read is due, enqueues the next one (a one-thread
   /// kernel on the engine's aux stream: no copy engine, no wait). True when the read cannot
   /// be enqueued (nothing to wait for then).
-  bool StagingLanded(PendingStaging& p);
+  /// `read`: the ranks whose ready_seq a read was enqueued for in this pass (a rank's
+  /// stagings share one read: one kernel per rank, not one per pending op).
+  bool StagingLanded(PendingStaging& p, std::vector<const CudaRank*>* read);
   /// Calls f(int32_t r, const CudaRank&) for every rank resource whose stream the group may
   /// have used (see StreamsIdle), each once.
   template <typename F>

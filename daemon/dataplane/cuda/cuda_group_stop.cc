@@ -16,11 +16,13 @@ namespace epd {
 
 namespace kc = kernels::cuda;
 
-bool CudaGroup::StagingLanded(PendingStaging& p) {
+bool CudaGroup::StagingLanded(PendingStaging& p, std::vector<const CudaRank*>* read) {
   const CudaRank& cr = *p.rank;
   if (*reinterpret_cast<const volatile uint64_t*>(&cr.readback->stop_ready) >= p.seq) return true;
   const auto now = std::chrono::steady_clock::now();
   if (now < p.next_read) return false;
+  if (std::find(read->begin(), read->end(), &cr) != read->end()) return false;
+  read->push_back(&cr);
   // Read into mapped pinned memory by a kernel (no copy engine on the op path), on the aux
   // stream, which holds only stream memory writes and such reads: it waits for nothing.
   p.next_read = now + std::chrono::milliseconds(2);
@@ -91,18 +93,27 @@ CudaGroup::StopReport CudaGroup::Stop(const absl::Status& status) {
 bool CudaGroup::StagingsLanded(std::vector<std::string>* missed, int32_t* awaited) {
   std::lock_guard<std::mutex> lock(mu_);
   bool all = true;
+  std::vector<const CudaRank*> read;  // A shutdown path: allocating is fine.
+  int32_t unnamed = 0;
   for (PendingStaging& p : pending_stagings_) {
     if (p.landed) continue;
-    if (StagingLanded(p)) {
+    if (StagingLanded(p, &read)) {
       p.landed = true;
       continue;
     }
     all = false;
     if (awaited != nullptr) ++*awaited;
     if (missed != nullptr) {
-      missed->push_back(absl::StrCat("group ", spec().name(), " rank ", p.r, " op ", p.seq));
+      // Named up to kMaxNamed in all (a client with a full ring has hundreds).
+      constexpr size_t kMaxNamed = 8;
+      if (missed->size() < kMaxNamed) {
+        missed->push_back(absl::StrCat("group ", spec().name(), " rank ", p.r, " op ", p.seq));
+      } else {
+        ++unnamed;
+      }
     }
   }
+  if (unnamed > 0) missed->push_back(absl::StrCat("group ", spec().name(), ": ", unnamed, " more"));
   return all;
 }
 
