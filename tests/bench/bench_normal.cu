@@ -84,8 +84,8 @@ constexpr int32_t kTopk = kNormalBenchTopk;
 constexpr int32_t kExperts = kNormalBenchExperts;
 constexpr int kWarmup = 3;
 constexpr int kBatch = 20;
-/// GPU time the first op runs before anything is timed: with the bound off, the first
-/// row was otherwise timed on a GPU still ramping up from idle (up to 24 us per op slower).
+/// GPU time the first op runs before anything is timed, so that no row is timed on a GPU
+/// still ramping up from idle (with the bound off, nothing else runs first).
 constexpr double kGpuWarmUpMs = 500;
 
 /// Wall time of `batch` back-to-back rounds of `launch(r, stream)` on every rank (rounds
