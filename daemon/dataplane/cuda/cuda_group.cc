@@ -8,7 +8,6 @@
 #include <cstring>
 #include <set>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +17,7 @@
 #include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "daemon/dataplane/exchange/span_commands.h"
+#include "daemon/dataplane/gpu_drain.h"
 #include "epd/kernels/cuda_normal.h"
 #include "epd/kernels/cuda_program.h"
 #include "epd/kernels/layout.h"
@@ -173,23 +173,20 @@ CudaGroup::~CudaGroup() {
   DisarmProgram(absl::UnavailableError("the group is being destroyed"));
   // Bounded: a client can hold a stream memory wait on its ready word by lowering the word
   // again after the host's release; such a stream is logged and left.
-  const auto deadline = Clock::now() + std::chrono::milliseconds(plane_->options().op_timeout_ms) +
-                        std::chrono::seconds(1);
+  const absl::Time deadline =
+      absl::Now() + absl::Milliseconds(plane_->options().op_timeout_ms) + absl::Seconds(1);
   for (const std::optional<GpuOp>* op : {&gpu_op_, &abandoned_, &program_tail_}) {
     if (!op->has_value()) continue;
     ReleaseReadyWaits(**op);  // A client that never wrote ready_seq must not hang us.
     for (const auto& r : (*op)->ranks) {
       if (!r) continue;
       cudaSetDevice(r->device);
-      while (cudaStreamQuery(r->stream.get()) == cudaErrorNotReady) {
-        if (Clock::now() > deadline) {
-          EngineLog()->error(
-              "group {} rank {}: its stream still has work at the group's end "
-              "(a client holds its ready wait); left",
-              spec().name(), r->rank);
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (!PollUntil([&] { return cudaStreamQuery(r->stream.get()) != cudaErrorNotReady; },
+                     deadline)) {
+        EngineLog()->error(
+            "group {} rank {}: its stream still has work at the group's end (a client holds "
+            "its ready wait); left",
+            spec().name(), r->rank);
       }
     }
   }

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -14,6 +13,7 @@
 #include "common/errors/reason.h"
 #include "common/status_macros.h"
 #include "daemon/dataplane/cuda/cuda_plane.h"
+#include "daemon/dataplane/gpu_drain.h"
 #include "epd/kernels/cuda_program.h"
 #include "epd/kernels/layout.h"
 #include "proto/abi/launch_flags.h"
@@ -49,6 +49,7 @@ absl::StatusOr<std::unique_ptr<GraphProgram>> GraphProgram::Arm(
   const int R = static_cast<int>(ranks.size());
   p->ranks_.resize(R);
   p->event_errors_.assign(R, cudaSuccess);
+  p->timeout_ns_ = host->ProgramRankContext(0, num_sms).timeout_ns;
   for (Instance& in : p->instances_) in.launch.assign(R, absl::OkStatus());
   for (int r = 0; r < R; ++r) {
     ProgramRank& pr = p->ranks_[r];
@@ -87,7 +88,6 @@ absl::Status GraphProgram::LaunchStep(const ProgramStepPlan& st, int32_t r, uint
                                       kc::DeviceStatus* status_out) {
   const CudaRank& cr = *ranks_[r].rank;
   const kc::CudaRankContext ctx = host_->ProgramRankContext(r, num_sms_);
-  timeout_ns_ = ctx.timeout_ns;
   cudaStream_t s = cr.stream.get();
   // The step's kernel writes the instance number and then done = 1 itself (a stream memory
   // write behind the kernels and the read-back lands later, cuda_ops.h).
@@ -223,22 +223,24 @@ void GraphProgram::Disarm(const absl::Status& why, bool stopping) {
     // instance before it may run its kernels for up to op_timeout first), and go = 1 is
     // written again every millisecond meanwhile. An instance still waiting then is left: its
     // stream stays blocked on the client's word, which holds only its group's memory.
-    const auto bound = stopping ? std::chrono::nanoseconds(kStopGrace)
-                                : kDisarmGrace + std::chrono::nanoseconds(timeout_ns_);
-    const auto deadline = Clock::now() + bound;
+    const absl::Duration bound =
+        stopping ? absl::FromChrono(kStopGrace)
+                 : absl::FromChrono(kDisarmGrace) + absl::Nanoseconds(timeout_ns_);
+    const absl::Time deadline = absl::Now() + bound;
     for (ProgramRank& pr : ranks_) {
       cudaSetDevice(pr.rank->device);
-      while (cudaEventQuery(pr.waited[slot].get()) == cudaErrorNotReady) {
-        if (Clock::now() > deadline) {
-          EngineLog()->error(
-              "group {} rank {}: program instance {} still waits for its go word {} ms after "
-              "it was released (the client's area holds it back); left waiting",
-              name, pr.rank->rank, in.k,
-              std::chrono::duration_cast<std::chrono::milliseconds>(bound).count());
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        release(pr);
+      const bool passed = PollUntil(
+          [&] {
+            if (cudaEventQuery(pr.waited[slot].get()) != cudaErrorNotReady) return true;
+            release(pr);
+            return false;
+          },
+          deadline);
+      if (!passed) {
+        EngineLog()->error(
+            "group {} rank {}: program instance {} still waits for its go word {} ms after it "
+            "was released (the client's area holds it back); left waiting",
+            name, pr.rank->rank, in.k, absl::ToInt64Milliseconds(bound));
       }
     }
   }
